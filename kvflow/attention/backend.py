@@ -1,0 +1,90 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+KV-cache layout (one tensor per layer)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+
+A token's *slot* is ``block_id * block_size + offset_in_block``.  New K/V are written through
+``slot_mapping`` and all K/V (cached prefix and new tokens alike) are read back through
+``block_table``; no backend keeps contiguous per-request KV.  The same call serves prefill
+chunks and decodes in one batch: request ``i`` contributes the query tokens
+``query_start_loc[i]:query_start_loc[i+1]``, which sit at the last ``query_len`` positions of
+its ``seq_lens[i]`` context tokens and attend causally.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout for one model step; built once per step, read by every layer.
+
+    Attributes:
+        slot_mapping: int64 [num_tokens]; KV slot for each new token (-1 = padding, skip).
+        query_start_loc: int32 [num_reqs + 1]; cumulative query lengths (tokens).
+        seq_lens: int32 [num_reqs]; context length per request after this step (tokens).
+        block_table: int32 [num_reqs, max_num_blocks_per_req]; physical block ids, padded.
+        max_query_len: longest query chunk in the batch (tokens).
+        max_seq_len: longest context in the batch (tokens).
+        num_actual_tokens: tokens that are real (the rest of the batch is padding).
+        extra: backend-private tensors prepared once per step (e.g. gather indices).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+    extra: dict | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_all_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for a mixed batch of prefill chunks and decodes.
+
+    A backend instance is shared by all layers of one model; ``prepare`` runs once per step.
+    """
+
+    name: str = "abstract"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:  # noqa: B027
+        """Precompute per-step tensors (stored in ``meta.extra``); default: nothing."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping`` and attend.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim], compute dtype.
+            k, v: [num_tokens, num_kv_heads, head_dim]; num_heads % num_kv_heads == 0 (GQA).
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], updated in place.
+            meta: the step's AttentionMetadata.
+            scale: softmax scale, usually head_dim ** -0.5.
+            sliding_window: if set, a query at position p sees keys in (p - window, p].
+
+        Returns:
+            [num_tokens, num_heads, head_dim] attention output (padding rows unspecified).
+        """

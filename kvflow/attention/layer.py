@@ -1,0 +1,73 @@
+"""The attention layer used by every model, and the per-engine forward context it reads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class ForwardContext:
+    """Holds the current step's AttentionMetadata for one engine's model.
+
+    Scoped, not global: ``with ctx.bind(meta): model(...)`` sets it for the duration of one
+    forward pass, refuses nesting, and always clears it, so two engines in one process each have
+    their own context.
+    """
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+
+    @contextmanager
+    def bind(self, meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+        if self._meta is not None:
+            raise RuntimeError("ForwardContext.bind is already active (nested forward pass)")
+        self._meta = meta
+        try:
+            yield meta
+        finally:
+            self._meta = None
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        if self._meta is None:
+            raise RuntimeError("attention called outside ForwardContext.bind")
+        return self._meta
+
+
+@dataclass
+class AttentionContext:
+    """What a model needs to build its attention layers: the backend and the forward context."""
+
+    backend: AttentionBackend
+    forward_context: ForwardContext = field(default_factory=ForwardContext)
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache (bound by the model runner as ``kv_cache``).
+
+    Args:
+        num_heads / num_kv_heads / head_dim: per TP rank.
+        scale: softmax scale.
+        ctx: the engine's attention context.
+        sliding_window: tokens a query may look back (None = full attention).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 ctx: AttentionContext, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self._ctx = ctx
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        return self._ctx.backend.forward(q, k, v, self.kv_cache, self._ctx.forward_context.meta,
+                                         self.scale, self.sliding_window)

@@ -1,0 +1,95 @@
+"""Reference paged attention in plain torch (the CPU backend).
+
+Per step, ``prepare`` turns the block tables into one gather index ``[num_reqs, max_seq_len]``
+of KV slots and one boolean mask ``[num_reqs, 1, max_query_len, max_seq_len]`` (causal, padding
+and sliding window folded in). Per layer, ``forward`` scatters the new K/V into the cache through
+``slot_mapping``, gathers every request's K/V through that index, pads the queries to
+``[num_reqs, heads, max_query_len, head_dim]`` and calls ``scaled_dot_product_attention``.
+All K/V, cached prefix and new tokens alike, come from the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        device = meta.seq_lens.device
+        seq_lens = meta.seq_lens.long()
+        query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+        num_reqs, max_q, max_kv = meta.num_reqs, meta.max_query_len, meta.max_seq_len
+        kv_pos = torch.arange(max_kv, device=device)
+        block_idx = (kv_pos // block_size).clamp(max=meta.block_table.shape[1] - 1)
+        gather = meta.block_table.long()[:, block_idx] * block_size + kv_pos % block_size
+        # Query j of request b sits at position seq_len - query_len + j.
+        q_local = torch.arange(max_q, device=device)
+        q_pos = (seq_lens - query_lens).unsqueeze(1) + q_local.unsqueeze(0)  # [B, max_q]
+        mask = kv_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # causal, implies kv < seq_len
+        valid_q = q_local.unsqueeze(0) < query_lens.unsqueeze(1)
+        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
+        token_local = torch.arange(meta.num_actual_tokens, device=device) - \
+            meta.query_start_loc[:-1].long()[token_req]
+        meta.extra = {
+            "gather": gather,
+            "mask": mask,
+            "valid_q": valid_q,
+            "q_dest": token_req * max_q + token_local,
+            "window_q_pos": q_pos,
+            "kv_pos": kv_pos,
+            # A batch of one whole prompt needs no gather or mask: plain causal attention.
+            "plain_causal": num_reqs == 1 and int(query_lens[0]) == int(seq_lens[0]),
+        }
+
+    def _mask(self, meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, max_q, max_kv] bool, built once per step and window size."""
+        ex = meta.extra
+        key = ("mask", sliding_window)
+        if key not in ex:
+            mask = ex["mask"]
+            if sliding_window is not None:
+                recent = ex["kv_pos"].view(1, 1, -1) > (ex["window_q_pos"].unsqueeze(-1)
+                                                         - sliding_window)
+                mask = mask & recent
+            # Padding query rows attend to key 0 so softmax stays finite; they are dropped.
+            pad_rows = ~ex["valid_q"].unsqueeze(-1) & (ex["kv_pos"] == 0).view(1, 1, -1)
+            ex[key] = (mask | pad_rows).unsqueeze(1)
+        return ex[key]
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        n = meta.num_actual_tokens
+        slots = meta.slot_mapping[:n]
+        k_cache.index_copy_(0, slots, k[:n])
+        v_cache.index_copy_(0, slots, v[:n])
+        gqa = num_heads != num_kv_heads
+        ex = meta.extra
+        if ex["plain_causal"] and sliding_window is None:
+            out = F.scaled_dot_product_attention(
+                q[:n].transpose(0, 1).unsqueeze(0), k[:n].transpose(0, 1).unsqueeze(0),
+                v[:n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
+            return out.squeeze(0).transpose(0, 1)
+        num_reqs, max_q = meta.num_reqs, meta.max_query_len
+        keys = k_cache[ex["gather"]].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        values = v_cache[ex["gather"]].transpose(1, 2)
+        if max_q == 1:
+            q_pad = q[:n].unsqueeze(2)  # [B, Hq, 1, D]
+        else:
+            q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
+            q_pad[ex["q_dest"]] = q[:n]
+            q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_pad, keys, values,
+                                             attn_mask=self._mask(meta, sliding_window),
+                                             scale=scale, enable_gqa=gqa)
+        if max_q == 1:
+            return out.squeeze(2)
+        out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
+        return out[ex["q_dest"]]

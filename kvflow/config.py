@@ -1,0 +1,152 @@
+"""Engine configuration: the single source of truth for every knob.
+
+CLI flags are generated from these dataclasses' fields (``add_cli_args`` / ``from_cli_args``),
+and ``EngineConfig.from_kwargs`` routes ``LLM(**kwargs)`` to the right sub-config, so a knob is
+declared once, with its help text, here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parse a memory size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes.
+
+    Raises:
+        ValueError: if the string is not a positive number with an optional unit.
+    """
+    if isinstance(value, int):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _BYTE_UNITS:
+            raise ValueError(f"cannot parse memory size {value!r}: expected e.g. 2GiB, 512MB")
+        size = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"memory size {value!r} must be positive")
+    return size
+
+
+@dataclass
+class ModelConfig:
+    model: str = _opt("SmolLM2-135M-Instruct",
+                      "packaged model name, HF folder, or path to a .gguf file")
+    tokenizer: str | None = _opt(None, "tokenizer folder (default: the model's own)")
+    dtype: str = _opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
+    seed: int = _opt(0, "seed for unseeded random sampling and dummy weights")
+    load_format: str = _opt("auto", "weights: auto (from files) or dummy (random init)",
+                            choices=["auto", "dummy"])
+    skip_tokenizer_init: bool = _opt(False, "do not load a tokenizer (token-id prompts only)")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    kv_cache_memory: str | None = _opt(None, "KV-cache size in bytes, e.g. 2GiB")
+    num_kv_blocks: int | None = _opt(None, "KV-cache size in blocks (overrides memory)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory kvflow may use")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
+                             "must be in (0, 1]")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = _opt(4096, "token budget of one engine step")
+    max_num_seqs: int = _opt(256, "maximum number of running requests")
+    policy: str = _opt("fcfs", "waiting-queue order", choices=["fcfs", "priority"])
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
+    attention_backend: str | None = _opt(None, "attention backend: torch | triton (default: "
+                                         "the platform's)")
+    enforce_eager: bool = _opt(False, "disable CUDA graphs")
+
+
+_SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
+             "scheduler_config": SchedulerConfig, "device_config": DeviceConfig}
+
+
+@dataclass
+class EngineConfig:
+    """All configuration of one engine instance."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``).
+
+        Raises:
+            ValueError: on an unknown keyword, listing the valid ones.
+        """
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise ValueError(f"unknown engine option {key!r}; valid: {sorted(owner)}")
+            parts[owner[key]][key] = value
+        return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per config field (booleans get ``--no-`` forms)."""
+        for sec_cls in _SECTIONS.values():
+            group = parser.add_argument_group(sec_cls.__name__)
+            for f in fields(sec_cls):
+                _add_field_arg(group, f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for c in _SECTIONS.values() for f in fields(c)}
+        return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    meta = f.metadata
+    if f.type in ("bool", bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=meta.get("help"))
+        return
+    kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+    group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+                       help=f"{meta.get('help')} (default: {f.default})")

@@ -1,0 +1,153 @@
+"""The pool of KV-cache blocks: ref counts, an LRU free queue, and the prefix-cache index.
+
+Invariants (checked by ``check_invariants`` in tests):
+  * a block is in the free queue iff its ref count is 0 (block 0, the null block, is never
+    handed out: padded block-table entries point at it);
+  * a block is in the hash index iff it holds a full block of tokens whose hash it carries;
+    freed blocks stay indexed (and can be hit again) until they are evicted for reuse;
+  * the free queue is in eviction order: least recently freed first, and a request's blocks are
+    freed tail-first so its last blocks are evicted before its shared prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """One physical block of ``block_size`` token slots in every layer's KV tensor."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    # What the hash stands for, kept to verify hits (a hash alone is never trusted).
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
+                      extra_key: object = None) -> int:
+    """Chain hash of a full block: it identifies the block's tokens *and* its whole prefix.
+
+    Args:
+        parent_hash: hash of the previous block of the sequence (None for the first block).
+        token_ids: the block's ``block_size`` token ids.
+        extra_key: anything else that changes the KV (e.g. a cache salt); hashable.
+    """
+    return hash((parent_hash, token_ids, extra_key))
+
+
+class BlockPool:
+    """Owns ``num_blocks`` KVCacheBlocks; block 0 is the reserved null block.
+
+    Args:
+        num_blocks: total blocks, including the null block (>= 2).
+        enable_caching: keep an index from block hash to block for prefix caching.
+
+    Raises:
+        ValueError: if num_blocks < 2.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need the null block plus at least one")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # never freed, never handed out
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:])
+        self._cached: dict[int, KVCacheBlock] = {}
+
+    # ---- queries -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, possibly still holding cached KV)."""
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by running requests, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: int, parent_hash: int | None,
+                         token_ids: tuple[int, ...]) -> KVCacheBlock | None:
+        """Return the cached block for this exact (prefix, tokens), verified, or None."""
+        block = self._cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
+            return None
+        return block
+
+    # ---- actions -----------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue (evicting cached KV).
+
+        Raises:
+            ValueError: if fewer blocks are free (callers check ``num_free_blocks`` first).
+        """
+        if num_blocks > len(self._free):
+            raise ValueError(f"asked for {num_blocks} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            self._evict_hash(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take one more reference on each block (prefix hit); revive it from the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free queue's tail in
+        the given order (so pass a request's blocks tail-first: they are evicted first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: int, parent_hash: int | None,
+                         token_ids: tuple[int, ...]) -> None:
+        """Index a block that now holds a full block of tokens (no-op if caching is off or an
+        identical block is already indexed)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # another block already serves this prefix; this one stays private
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by free blocks (used blocks keep their hashes)."""
+        for block in list(self._free.values()):
+            self._evict_hash(block)
+
+    def _evict_hash(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants (for tests). Raises AssertionError on a violation."""
+        assert self.null_block.ref_cnt == 1 and 0 not in self._free
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, block
+            assert (block.ref_cnt == 0) == (block.block_id in self._free), block
+        for h, block in self._cached.items():
+            assert block.block_hash == h, block

@@ -1,0 +1,105 @@
+"""EngineCore: the schedule -> execute -> update loop over one model.
+
+Offline use (``LLM``) drives it in-process; the server runs the same class in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import EngineCoreOutput, Scheduler
+from kvflow.executor.uniproc import UniprocExecutor
+from kvflow.models.loader import load_hf_config
+from kvflow.models.model_resolver import ModelSource, resolve_model
+from kvflow.platforms import get_platform
+from kvflow.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, hf_config, platform) -> torch.dtype:
+    """``auto``: the checkpoint's dtype when it is a float type, else the platform default; on
+    a CPU without native bf16/fp16 matmuls, half types fall back to float32."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    native = platform.default_dtype()
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = _DTYPES.get(cfg)
+    if cfg in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.float32 if native == torch.float32 else cfg
+    return native
+
+
+class EngineCore:
+    """Owns the scheduler, the KV-cache manager and the executor.
+
+    Construction reads as a checklist: platform, model config, executor (loads weights), KV cache
+    (sized after the model is loaded), scheduler.
+
+    Raises:
+        ValueError: for an unknown model, unsupported architecture or impossible cache size.
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        self._init_platform()
+        self._init_model(source or resolve_model(config.model_config.model))
+        self._init_kv_cache()
+        self._init_scheduler()
+
+    def _init_platform(self) -> None:
+        self.platform = get_platform(self.config.device_config.device)
+
+    def _init_model(self, source: ModelSource) -> None:
+        self.source = source
+        self.hf_config = load_hf_config(source)
+        self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform)
+        self.executor = UniprocExecutor(self.config, self.platform, source, self.hf_config,
+                                        self.dtype)
+
+    def _init_kv_cache(self) -> None:
+        cc = self.config.cache_config
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
+        capacity = (self.num_blocks - 1) * cc.block_size
+        model_len = self.config.model_config.max_model_len or \
+            getattr(self.hf_config, "max_position_embeddings", capacity)
+        if model_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
+                           model_len, capacity)
+        self.max_model_len = min(model_len, capacity)
+        logger.info("KV cache: %d blocks x %d tokens (%d tokens), max_model_len %d",
+                    self.num_blocks, cc.block_size, capacity, self.max_model_len)
+
+    def _init_scheduler(self) -> None:
+        cc = self.config.cache_config
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cc.block_size,
+                                               cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
+                                   self.max_model_len)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (see InputProcessor)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their KV blocks (unknown ids are ignored)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, sampled)

@@ -1,0 +1,255 @@
+"""The scheduler: continuous batching by one rule.
+
+    There is no prefill phase and no decode phase. Each request has ``num_computed_tokens``
+    (tokens whose K/V are cached) and ``num_tokens`` (prompt + generated). Every step hands out
+    at most ``max_num_batched_tokens`` tokens and lets each request catch its computed count up
+    toward its total. A long prompt is therefore split over steps (chunked prefill), a prefix-cache
+    hit simply starts the count higher, and a decode is a catch-up of one token. A request that
+    has caught up gets one sampled token at the end of the step.
+
+Running requests are served first, in policy order; when the KV pool runs dry the request with
+the largest policy key (the newest under FCFS) is preempted: its blocks are freed, its
+``num_computed_tokens`` drops to 0 and it re-enters the waiting queue with all its tokens, so it
+is recomputed later (often from prefix-cache hits) without losing or duplicating a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.config import SchedulerConfig
+from kvflow.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheManager
+from kvflow.core.sched_policy import WaitingQueue, make_policy
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """What the model runner needs to compute one request's share of a step.
+
+    Attributes:
+        token_ids: the tokens computed this step (``num_scheduled_tokens`` of them).
+        num_computed_tokens: tokens already in the KV cache before this step.
+        block_ids: the request's whole block table.
+        do_sample: the step reaches the end of the request's tokens, so sample one token.
+        output_token_ids: tokens generated so far (for min_tokens and penalties).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    do_sample: bool
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: set[str] = field(default_factory=set)  # freed since the previous step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    """One sampled token and, when asked for, its logprob info (from the model runner)."""
+
+    token_id: int
+    # (top token ids, their logprobs, the sampled token's logprob, its rank) when requested
+    logprobs: tuple[list[int], list[float], float, int] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after a step, and how it finished (if it did)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], float, int]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests to compute.
+
+    Args:
+        config: token budget, sequence cap and policy.
+        kv_cache_manager: the KV block allocator.
+        max_model_len: context limit (tokens); a request reaching it finishes with "length".
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.policy = make_policy(config.policy)
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Stop requests (abort or stop string): free their blocks now. Unknown ids are ignored."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones if no preemption."""
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = set()
+        self.running.sort(key=self.policy.key)
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, out):
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+        if not out.preempted_ids:
+            budget = self._admit_waiting(budget, scheduled)
+        out.scheduled = [self._scheduled_request(r, n) for r, n in scheduled]
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate room for ``request``, preempting the running tail until it fits.
+        Returns False if ``request`` itself had to be preempted."""
+        while not self.kv.can_allocate(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        self.kv.allocate_slots(request, num_new)
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.can_allocate(request, num_new, hits):
+                break
+            self.waiting.pop()
+            self.kv.allocate_slots(request, num_new, hits)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request)
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            do_sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            output_token_ids=request.output_token_ids,
+            eos_token_id=request.eos_token_id,
+        )
+
+    # ---- after the step ----------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
+        """Append each sampled token, finish requests that stop, and report new tokens."""
+        outputs = []
+        for sreq in sched_out.scheduled:
+            token = sampled.get(sreq.request_id)
+            request = self.requests.get(sreq.request_id)
+            if token is None or request is None or request.is_finished:
+                continue
+            request.append_output_token(token.token_id)
+            self._check_stop(request)
+            outputs.append(EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token.token_id],
+                new_logprobs=[token.logprobs] if token.logprobs is not None else None,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params, token = request.sampling_params, request.all_token_ids[-1]
+        if request.num_output_tokens > params.min_tokens:  # stop ids were masked until now
+            if not params.ignore_eos and token == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)

@@ -1,0 +1,79 @@
+"""Prompt -> validated engine Requests: tokenization, chat templates, limits, ``n`` fan-out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts against the model's limits.
+
+    Args:
+        tokenizer: a transformers tokenizer, or None (token-id prompts only).
+        max_model_len: context limit in tokens.
+        vocab_size: model vocabulary size (token ids must be below it).
+        eos_token_id: id that ends generation unless ``ignore_eos``.
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, token ids). Raises ValueError on bad input."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int]) -> None:
+        """Raises ValueError for an empty prompt, one that leaves no room to generate, or an
+        out-of-vocabulary id."""
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: it must be shorter to leave room for "
+                             "at least one generated token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None, priority: int = 0) -> list[Request]:
+        """One Request per sample (``n``); sample i of a seeded request uses seed + i."""
+        self.validate(token_ids)
+        requests = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = dataclasses.replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
+                                    priority, parent_id=request_id, sample_index=i))
+        return requests
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render a conversation with the model's chat template.
+
+        Raises:
+            ValueError: without a tokenizer or a chat template.
+        """
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with plain text")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -1,0 +1,123 @@
+"""Linear layers that know how to load (and, with tensor parallelism, shard) their weights.
+
+Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``: the layer that
+defines a layout (fused q/k/v, fused gate/up, column or row split) is the one that knows how a
+checkpoint tensor lands in it. ``tp_rank``/``tp_size`` are passed in explicitly; with
+``tp_size == 1`` every loader is a plain copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class LinearBase(nn.Module):
+    """y = x @ W.T (+ b). W: [output_size_per_partition, input_size_per_partition]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_dim = tp_rank, tp_size, tp_dim
+        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, input_size),
+                                               requires_grad=False), self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
+                                    self.weight_loader)
+
+    def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        if self.tp_dim is None or self.tp_size == 1 or (param.dim() == 1 and self.tp_dim == 1):
+            return loaded
+        size = param.shape[self.tp_dim]
+        return loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(self._shard(param, loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across TP ranks (no communication in forward)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        if output_size % tp_size:
+            raise ValueError(f"output_size {output_size} not divisible by tp_size {tp_size}")
+        super().__init__(input_size, output_size // tp_size, bias, 0, tp_rank, tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused into one matmul (e.g. gate_up_proj).
+
+    Checkpoint tensors arrive one per sub-projection with ``shard_id`` = its index.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused into one matmul; KV heads are split (or replicated) by TP.
+
+    Checkpoint tensors arrive with ``shard_id`` in {"q", "k", "v"}.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_kv_replicas = max(1, tp_size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | None = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size, rank = {"q": (0, q_size, self.tp_rank),
+                              "k": (q_size, kv_size, self.tp_rank // self.num_kv_replicas),
+                              "v": (q_size + kv_size, kv_size,
+                                    self.tp_rank // self.num_kv_replicas)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across TP ranks; the partial sums need an all-reduce (tp_size>1)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        if input_size % tp_size:
+            raise ValueError(f"input_size {input_size} not divisible by tp_size {tp_size}")
+        super().__init__(input_size // tp_size, output_size, bias, 1, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(y)
+        return y

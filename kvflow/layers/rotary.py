@@ -1,0 +1,97 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021) with Llama-3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
+    """Read (rope_theta, rope_scaling) from an HF config of any transformers version.
+
+    transformers 5 stores ``rope_parameters = {"rope_type", "rope_theta", ...}``; older versions
+    use a top-level ``rope_theta`` and an optional ``rope_scaling`` dict. Returns scaling None
+    for plain RoPE.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" not in params and params:
+        # Per-layer-type dict (Gemma 3): take the full-attention entry.
+        params = params.get("full_attention", next(iter(params.values())))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    scaling = dict(params) if params else dict(getattr(config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths are divided by ``factor``,
+    short ones kept, and the band between interpolated smoothly (Meta's reference code)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen < old_len / high, inv_freq,
+                       torch.where(wavelen > old_len / low, inv_freq / factor, scaled))
+
+
+def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] float32, after scaling.
+
+    Raises:
+        ValueError: for an unsupported ``rope_type``.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if scaling is None:
+        return inv_freq.float()
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling).float()
+    raise ValueError(f"unsupported rope_type {rope_type!r}: kvflow supports default, linear, "
+                     "llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k at given positions (neox layout: rotate the two halves).
+
+    Holds ``cos_sin_cache`` [max_position, rotary_dim] float32 (cos half, then sin half).
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict | None = None, rotary_dim: int | None = None,
+                 is_neox_style: bool = True) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.is_neox_style = is_neox_style
+        inv_freq = compute_inv_freq(self.rotary_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., ::2], rot[..., 1::2]
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        out = torch.cat([o1, o2], -1) if self.is_neox_style else torch.stack([o1, o2], -1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        dtype = q.dtype
+        q = self._rotate(q.float(), cos, sin).to(dtype)
+        k = self._rotate(k.float(), cos, sin).to(dtype)
+        return q, k

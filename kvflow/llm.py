@@ -1,0 +1,151 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvflow.config import EngineConfig
+from kvflow.core.engine_core import EngineCore
+from kvflow.input_processor import InputProcessor, PromptType
+from kvflow.models.loader import load_tokenizer
+from kvflow.output_processor import OutputProcessor
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """EngineCore plus the input and output processing around it (in one process).
+
+    Raises:
+        ValueError: from the constructor for a bad config or model; from ``add_request`` for a
+            bad prompt or parameters (other requests keep running).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else \
+            load_tokenizer(self.core.source, mc.tokenizer)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.core.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.processor = InputProcessor(self.tokenizer, self.core.max_model_len,
+                                        self.core.hf_config.vocab_size, eos)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: PromptType, params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Validate and queue one prompt; returns its request id."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, token_ids = self.processor.tokenize(prompt)
+        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
+        self.output_processor.add_request(text, requests)
+        for r in requests:
+            self.core.add_request(r)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the RequestOutputs that changed (finished or not)."""
+        outputs, stopped = self.output_processor.process(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped)
+        return outputs
+
+
+class LLM:
+    """Offline batch generation.
+
+    Args:
+        model: packaged model name, HF folder or GGUF path.
+        **kwargs: any EngineConfig field (dtype, block_size, kv_cache_memory, num_kv_blocks,
+            enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...).
+
+    Raises:
+        ValueError: for an unknown option, model or impossible configuration.
+    """
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        Args:
+            prompts: a string, a token-id list, or a list of either.
+            sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+
+        Raises:
+            ValueError: if any prompt or parameter is invalid (nothing is queued then).
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast_params(sampling_params, len(prompts))
+        for p in prompts:  # validate everything before queuing anything
+            self.engine.processor.validate(self.engine.processor.tokenize(p)[1])
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate.
+
+        Raises:
+            ValueError: if the model has no chat template.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.processor.apply_chat_template(
+            c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        tokenizer = self.engine.tokenizer
+        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _broadcast_params(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,207 @@
+"""The Llama family: Llama 2/3 (and SmolLM2, Mistral-style configs), Qwen2 (q/k/v bias) and
+Qwen3 (per-head q/k RMSNorm), written once as tensor-parallel-ready modules.
+
+Weights load through each parameter's ``weight_loader``; ``packed_modules_mapping`` says which
+checkpoint tensors are fused into one matmul here (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.layers.activation import SiluAndMul
+from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters
+
+
+def get_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.head_dim = get_head_dim(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads, num_kv_heads, qkv_bias,
+                                          tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size,
+                                        bool(getattr(config, "attention_bias", False)),
+                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        theta, scaling = get_rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta,
+                                          scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5, ctx,
+                              sliding_window=getattr(config, "sliding_window", None)
+                              if getattr(config, "use_sliding_window", True) else None)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias,
+                                                       tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp_rank, tp_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ctx, qkv_bias, qk_norm, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank, tp_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, ctx, qkv_bias, qk_norm, tp_rank, tp_size)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` and
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32.
+
+    Args:
+        config: an HF config (LlamaConfig, Qwen2Config, ...).
+        ctx: the engine's attention context (backend + forward context).
+        tp_rank / tp_size: tensor-parallel position.
+    """
+
+    qkv_bias: bool | None = None  # None: the config's ``attention_bias``
+    qk_norm: bool = False
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias if self.qkv_bias is not None else \
+            bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, ctx, qkv_bias, self.qk_norm, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of parameters that were loaded.
+
+        Raises:
+            ValueError: for a checkpoint tensor that matches no parameter.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
+                continue
+            target, shard = _map_packed(name, self.packed_modules_mapping)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                 f"{type(self).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target)
+        if tied:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Plain copy, for parameters that are never sharded (norms)."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _map_packed(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    for src, (dst, shard) in mapping.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard
+    return name, None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with biases on q, k and v."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with RMSNorm on each head of q and k before RoPE, no q/k/v bias."""
+
+    qkv_bias = None
+    qk_norm = True

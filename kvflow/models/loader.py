@@ -1,0 +1,124 @@
+"""Builds a model from a resolved source: HF folder (config.json + safetensors) or GGUF file."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.attention.layer import AttentionContext
+from kvflow.models.model_resolver import ModelSource
+from kvflow.models.registry import get_model_class
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The model's HF config (a transformers PretrainedConfig).
+
+    Raises:
+        ValueError: if config.json is missing or cannot be parsed.
+    """
+    if source.kind == "gguf":
+        from kvflow.models.gguf_loader import load_gguf_config
+
+        return load_gguf_config(source.path)
+    from transformers import AutoConfig
+
+    path = os.path.join(source.path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model folder {source.path!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(source.path)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise ValueError(f"cannot read model config {path!r}: {e}") from e
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the folder's *.safetensors files.
+
+    Raises:
+        ValueError: if the folder holds no .safetensors file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model folder {folder!r} has no *.safetensors weight files")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.kind == "gguf":
+        from kvflow.models.gguf_loader import iter_gguf_weights
+
+        yield from iter_gguf_weights(source.path, dtype)
+    else:
+        yield from iter_safetensors(source.path)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (for benchmarks): small normal values, norms at 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            vals = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+            param.data.copy_(vals.to(param.device, param.dtype))
+
+
+def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype: torch.dtype,
+               device: torch.device, load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """Instantiate the architecture and load its weights.
+
+    Raises:
+        ValueError: for an unsupported architecture, missing weights, or a checkpoint that leaves
+            parameters unset.
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, ctx)
+    if load_format == "dummy":
+        _init_dummy_weights(model, seed)
+    else:
+        loaded = model.load_weights((n, t.to(dtype)) for n, t in iter_weights(source, dtype))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:
+    """The model's tokenizer (transformers), with its chat template.
+
+    Raises:
+        ValueError: if no tokenizer can be loaded from the source.
+    """
+    from transformers import AutoTokenizer
+
+    if tokenizer_path is None and source.kind == "gguf":
+        from kvflow.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source.path)
+    path = tokenizer_path or source.path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e

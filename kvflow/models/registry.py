@@ -1,0 +1,33 @@
+"""Architecture registry: HF ``architectures`` names and GGUF ``general.architecture`` values."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """Pick the implementation for an HF config's ``architectures`` list.
+
+    Raises:
+        ValueError: if none is supported, naming what was asked and what is supported.
+    """
+    for arch in architectures or []:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported model architecture {architectures}; kvflow supports "
+                     f"{sorted(MODEL_REGISTRY)}")

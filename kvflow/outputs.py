@@ -1,0 +1,77 @@
+"""User-facing results of a generation (the shape of vLLM's RequestOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability (natural log) of one token, and its rank in the distribution (1 = top)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes:
+        index: sample index in [0, n).
+        text: generated text (stop string cut unless asked otherwise).
+        token_ids: generated token ids.
+        cumulative_logprob: sum of the sampled tokens' logprobs, when logprobs were requested.
+        logprobs: per generated token, {token_id: Logprob} with the top-k and the sampled token.
+        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort"; None while
+            running.
+        stop_reason: the stop string or stop token id that ended the sample, else None.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds, time.monotonic) and derived latencies of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (seconds)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to last token (seconds)."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

@@ -1,0 +1,33 @@
+"""The Platform interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    """Device facts the engine needs: device, default dtype, attention backend, memory."""
+
+    name: str = "abstract"
+    default_attention_backend: str = "torch"
+    supports_graphs: bool = False
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def default_dtype(self) -> torch.dtype:
+        """Compute dtype used when the model does not say (``--dtype auto``)."""
+
+    @abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory."""
+
+    def synchronize(self) -> None:  # noqa: B027
+        """Wait for queued device work (no-op on CPU)."""
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:  # noqa: ARG002
+        return True

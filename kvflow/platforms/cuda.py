@@ -1,0 +1,30 @@
+"""The CUDA platform: Triton kernels, bf16, CUDA graphs."""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.platforms.base import Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    default_attention_backend = "triton"
+    supports_graphs = True
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.cuda.is_available()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def memory_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()

@@ -1,0 +1,99 @@
+"""The engine-side state of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvflow.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+class Request:
+    """One sequence: its tokens, how many of them have KV computed, and its status.
+
+    The scheduler's only rule reads two numbers: ``num_computed_tokens`` (tokens whose K/V are in
+    the cache) and ``num_tokens`` (prompt + generated). A step schedules up to
+    ``num_tokens - num_computed_tokens`` of them; when it catches up, the step samples one more
+    token. Preemption resets ``num_computed_tokens`` to 0 and keeps every generated token.
+
+    Args:
+        request_id: unique id (a sample of an ``n > 1`` request gets its own id).
+        prompt_token_ids: prompt tokens.
+        sampling_params: its sampling parameters (``n`` is already fanned out, here it is 1).
+        eos_token_id: the model's EOS id, or None.
+        arrival_time: time.monotonic() at arrival (seconds).
+        priority: lower runs first under the priority policy.
+        parent_id / sample_index: the user request this sample belongs to, and its index.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        parent_id: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.sample_index = sample_index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet known
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # hash chain over this request's full blocks
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

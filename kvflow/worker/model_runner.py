@@ -1,0 +1,194 @@
+"""Runs the model for one scheduled step: inputs -> forward -> logits -> sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.config import EngineConfig, parse_bytes
+from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from kvflow.layers.sampler import Sampler, SamplingMetadata
+from kvflow.models.loader import load_model
+from kvflow.models.model_resolver import ModelSource
+from kvflow.platforms import Platform
+from kvflow.worker.input_batch import build_model_inputs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+def make_attention_backend(name: str):
+    """Raises ValueError for an unknown backend name."""
+    if name == "torch":
+        from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+
+        return TorchPagedAttentionBackend()
+    if name == "triton":
+        from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+        return TritonPagedAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose torch or triton")
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the sampler on one device.
+
+    Args:
+        config: the engine config.
+        platform: the device platform.
+        source / hf_config: the resolved model and its HF config.
+        dtype: compute dtype.
+    """
+
+    def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
+                 hf_config: Any, dtype: torch.dtype) -> None:
+        self.config, self.platform, self.dtype = config, platform, dtype
+        self.device = platform.device
+        self.block_size = config.cache_config.block_size
+        self._init_model(source, hf_config)
+        self._init_sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    def _init_model(self, source: ModelSource, hf_config: Any) -> None:
+        backend_name = (self.config.device_config.attention_backend
+                        or self.platform.default_attention_backend)
+        self.attn_ctx = AttentionContext(make_attention_backend(backend_name))
+        mc = self.config.model_config
+        self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
+                                mc.load_format, mc.seed)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _init_sampler(self) -> None:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.config.model_config.seed)
+        self.sampler = Sampler(gen)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block occupies across all layers (K and V)."""
+        layer = self.attn_layers[0]
+        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
+        return per_layer * len(self.attn_layers) * self.dtype.itemsize
+
+    def determine_num_blocks(self) -> int:
+        """Blocks from --num-kv-blocks, else --kv-cache-memory, else the platform's budget."""
+        cc = self.config.cache_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        if cc.kv_cache_memory is not None:
+            budget = parse_bytes(cc.kv_cache_memory)
+        elif self.platform.name == "cpu":
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        else:
+            budget = self._profile_kv_budget()
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 2:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks of "
+                             f"{self.kv_bytes_per_block()} bytes; need at least 2")
+        return num_blocks
+
+    def _profile_kv_budget(self) -> int:
+        """GPU: a forward pass at the full token budget measures peak activations; the KV cache
+        gets gpu_memory_utilization x total memory minus what is in use at that peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        free, total = self.platform.memory_info()
+        peak = torch.cuda.max_memory_allocated()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - \
+            max(used_by_others, 0)
+        logger.info("GPU memory: total %.1f GiB, peak during profiling %.2f GiB, KV budget %.2f "
+                    "GiB", total / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    def profile_run(self) -> None:
+        """One forward pass over max_num_batched_tokens dummy tokens (one request), with a KV
+        cache just big enough for it; measures peak activation memory."""
+        num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        self.initialize_kv_cache(num_blocks + 1)
+        req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(1, num_blocks + 1)),
+                               True, None, [], None)
+        inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
+                                    self.device)
+        with torch.inference_mode(), self.attn_ctx.forward_context.bind(inputs.attn_meta):
+            self.attn_ctx.backend.prepare(inputs.attn_meta, self.block_size)
+            hidden = self.model(inputs.input_ids, inputs.positions)
+            self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
+        self.platform.synchronize()
+        self.initialize_kv_cache(0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
+        self.num_blocks = num_blocks
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
+                                layer.head_dim, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every request that reached its end."""
+        for rid in sched.finished_ids:
+            self._generators.pop(rid, None)
+        if sched.is_empty:
+            return {}
+        inputs = build_model_inputs(sched, self.block_size, self.device)
+        with self.attn_ctx.forward_context.bind(inputs.attn_meta):
+            self.attn_ctx.backend.prepare(inputs.attn_meta, self.block_size)
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sampling_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        reqs = [sched.scheduled[i] for i in inputs.sampling_rows]
+        out = self.sampler(logits, self._sampling_metadata(reqs))
+        sampled = out.sampled.tolist()
+        return {r.request_id: SampledToken(sampled[row], out.logprobs.get(row))
+                for row, r in enumerate(reqs)}
+
+    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+        params = [r.sampling_params for r in reqs]
+
+        def column(values: list, dtype: torch.dtype, unused: Any) -> torch.Tensor | None:
+            if all(v == unused for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                     device=self.device),
+            top_k=column([p.top_k for p in params], torch.int64, 0),
+            top_p=column([p.top_p for p in params], torch.float32, 1.0),
+            min_p=column([p.min_p for p in params], torch.float32, 0.0))
+        for row, r in enumerate(reqs):
+            p = r.sampling_params
+            if p.seed is not None and p.temperature > 0:
+                meta.generators[row] = self._generator_for(r.request_id, p.seed)
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if r.eos_token_id is not None and not p.ignore_eos:
+                    banned.append(r.eos_token_id)
+                if banned:
+                    meta.banned_token_ids[row] = banned
+            if p.logprobs is not None:
+                meta.num_logprobs[row] = p.logprobs
+        return meta
+
+    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
