@@ -80,6 +80,12 @@ class LLM:
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

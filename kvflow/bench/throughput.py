@@ -1,0 +1,129 @@
+"""``kvflow bench throughput``: offline throughput on random-token prompts, optionally side by
+side with HF transformers' static-batch ``generate`` on the same prompts in the same process.
+
+Workload (as in shared/bench/PEERS.md, CPU-W1): ``num_prompts`` prompts of ``input_len`` token
+ids drawn with numpy ``default_rng(seed).integers(3, min(vocab, 32000))``, ``output_len`` greedy
+tokens each, EOS ignored. Throughput = generated tokens / wall time of the whole batch (prefill
+included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvflow.config import EngineConfig
+
+
+@dataclass
+class ThroughputResult:
+    engine: str
+    num_prompts: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    high = min(vocab_size, 32000)
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, high, (num_prompts, input_len)).tolist()
+
+
+def _result(engine: str, prompts: list[list[int]], output_len: int, elapsed: float):
+    n, inp = len(prompts), sum(len(p) for p in prompts)
+    out = n * output_len
+    return ThroughputResult(engine, n, elapsed, n / elapsed, out / elapsed, (inp + out) / elapsed)
+
+
+def run_kvflow(llm, prompts: list[list[int]], output_len: int) -> ThroughputResult:
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != len(prompts) * output_len:
+        raise RuntimeError(f"kvflow produced {produced} tokens, expected "
+                           f"{len(prompts) * output_len}")
+    return _result("kvflow", prompts, output_len, elapsed)
+
+
+def load_hf_model(llm, dtype):
+    """The same weights in HF transformers (from the HF folder, or transformers' GGUF loader)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    source = llm.engine.core.source
+    if source.kind == "gguf":
+        folder, name = os.path.split(source.path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int):
+    """HF ``generate`` with static batches of ``batch_size`` (all prompts have equal length)."""
+    import torch
+
+    def gen(batch: list[list[int]], n: int) -> None:
+        ids = torch.tensor(batch)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    with torch.inference_mode():
+        gen(prompts[:2], 4)  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            gen(prompts[i:i + batch_size], output_len)
+        elapsed = time.perf_counter() - start
+    return _result("hf-transformers", prompts, output_len, elapsed)
+
+
+def _print(result: ThroughputResult) -> None:
+    print(f"{result.engine:>16}: {result.elapsed_s:7.2f} s  {result.requests_per_s:7.2f} req/s  "
+          f"{result.output_tokens_per_s:9.1f} output tok/s  {result.total_tokens_per_s:9.1f} "
+          "total tok/s")
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+
+    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    prompts = random_prompts(args.num_prompts, args.input_len,
+                             llm.engine.core.hf_config.vocab_size, args.seed)
+    results = [run_kvflow(llm, prompts, args.output_len)]
+    _print(results[0])
+    if args.compare == "hf":
+        model = load_hf_model(llm, llm.engine.core.dtype)
+        results.append(run_hf(model, prompts, args.output_len, args.hf_batch_size))
+        _print(results[1])
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"kvflow / hf-transformers output throughput: {ratio:.2f}x "
+              f"(dtype {llm.engine.core.dtype})")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput on random prompts")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens (EOS ignored)")
+    p.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run HF transformers generate on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="HF static batch size")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=_cmd_throughput)

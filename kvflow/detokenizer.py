@@ -1,0 +1,294 @@
+"""Incremental detokenization and stop-string handling.
+
+This module turns the stream of token ids produced for one request into text deltas, for the
+offline ``LLM.generate`` path and for streaming (SSE) responses alike.
+
+Contract
+--------
+* The concatenation of every ``DetokenizerDelta.text`` returned for a request equals
+  ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` when no stop string matched.
+  The prompt's text never appears in the output, and the first generated token is decoded
+  exactly as the full decode would (e.g. a SentencePiece tokenizer drops its leading space).
+* A partial UTF-8 character (a byte-level BPE or byte-fallback token that splits a multi-byte
+  character decodes to U+FFFD) is never emitted while the request runs; it is held back until
+  it completes. At ``finished=True`` everything is flushed exactly as the full decode gives it.
+* With stop strings, a suffix that may be the start of a stop string is held back until it is
+  resolved (unless ``include_stop_str_in_output``, where nothing can be lost by emitting it).
+  When a stop string completes, the output is cut right before it (or right after it with
+  ``include_stop_str_in_output``) and the delta carries the matched string in ``stop_str``.
+
+Algorithm
+---------
+Token -> text uses the prefix/read offset technique of Hugging Face text-generation-inference
+(``decode_token``) and vLLM (``detokenize_incrementally``): rather than decoding every generated
+id at each step, decode a short window that starts a few tokens before the new ones and emit
+the part of the window's text that goes beyond what was already emitted. Starting the window a
+few tokens back gives decoders whose output depends on position (SentencePiece/Metaspace strip
+the leading space of the first token; WordPiece glues ``##`` pieces) the context they need.
+This implementation tracks, per window, the window text that has already been released and
+checks every step that the window's decode still starts with it; when a window decode disagrees
+(a tokenizer whose decode of a window differs from its full decode) it falls back once to a full
+decode and then narrows the window again. A window is only narrowed after the narrower decode
+is verified to reproduce the tail of the released text. Each update therefore decodes O(1)
+tokens (at most ``2 * _CONTEXT_TOKENS`` plus the new ones, plus one verification decode every
+``_CONTEXT_TOKENS`` steps); only the fallback is O(length).
+
+Text that a later token may still change is held back: a trailing run of U+FFFD (at most
+``_MAX_PENDING_REPLACEMENTS`` characters: an incomplete UTF-8 sequence has at most 3 bytes) and,
+for tokenizers with ``clean_up_tokenization_spaces`` enabled, a trailing proper prefix of one of
+the patterns that ``transformers``' ``clean_up_tokenization`` rewrites (``" ."``, ``" n't"``, ...).
+
+Stop strings are searched only in the newly decoded text plus the previous
+``max(len(stop)) - 1`` characters. Among several stop strings the occurrence that completes
+first wins (smallest end offset; on a tie, the one that starts first). This makes the result
+independent of how the text happens to be split into tokens: a stop string is acted on as soon
+as it is complete, which is what one-token-at-a-time generation observes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DetokenizerDelta", "IncrementalDetokenizer"]
+
+# Tokens kept in the decode window before the newest ones (context for position-dependent
+# decoders). The window is narrowed back to this many tokens once it exceeds twice as many.
+_CONTEXT_TOKENS = 4
+# Longest run of trailing U+FFFD that a later token may still turn into a real character.
+_MAX_PENDING_REPLACEMENTS = 3
+_REPLACEMENT_CHAR = "\ufffd"
+# Patterns rewritten by transformers' PreTrainedTokenizerBase.clean_up_tokenization.
+_CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+_MAX_CLEANUP_HOLD = max(len(p) for p in _CLEANUP_PATTERNS) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizerDelta:
+    """Result of one :meth:`IncrementalDetokenizer.update` call.
+
+    Attributes:
+        text: New text to emit now (possibly empty). Units: Python ``str`` characters.
+        stop_str: The stop string that matched during this update, else ``None``. When set, the
+            request must be finished with ``finish_reason="stop"`` and ``stop_reason=stop_str``.
+    """
+
+    text: str
+    stop_str: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text deltas, applying stop strings.
+
+    Args:
+        tokenizer: A ``transformers`` tokenizer (fast or slow); only ``decode`` and the
+            ``clean_up_tokenization_spaces`` attribute are used.
+        prompt_token_ids: The request's prompt ids. The output is defined relative to the
+            generated ids only (see the module docstring), so the prompt never enters the decode
+            window; its length is kept as :attr:`num_prompt_tokens` for callers' bookkeeping.
+        skip_special_tokens: Passed to ``tokenizer.decode``.
+        stop: Stop strings (a single ``str`` is accepted as a one-element list).
+        include_stop_str_in_output: Keep the matched stop string at the end of the output.
+
+    Raises:
+        ValueError: If a stop string is empty.
+
+    After a stop string matched or an update with ``finished=True``, further updates are
+    ignored and return an empty delta.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | str | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._stops = _normalize_stops(stop)
+        self._include_stop = include_stop_str_in_output
+        self._stop_window = max((len(s) for s in self._stops), default=1) - 1
+        # Token -> text stage: window start and the released prefix of the window's decode.
+        self._ids: list[int] = []
+        self._start = 0
+        self._released = ""
+        # Stop stage: emitted chunks, held-back text, last `_stop_window` decoded characters.
+        self._chunks: list[str] = []
+        self._held = ""
+        self._tail = ""
+        self._done = False
+
+    @property
+    def output_text(self) -> str:
+        """The concatenation of all emitted deltas (after any stop-string cut)."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    @property
+    def is_finished(self) -> bool:
+        """True after a stop string matched or an update with ``finished=True``."""
+        return self._done
+
+    def update(self, new_token_ids: Sequence[int], finished: bool) -> DetokenizerDelta:
+        """Consume newly generated ids and return the text that may be emitted now.
+
+        Args:
+            new_token_ids: Ids generated since the previous call (may be empty).
+            finished: True when the request ends with these ids (EOS, length, abort): all
+                held-back text is flushed.
+
+        Returns:
+            The delta; ``stop_str`` is set when a stop string completed.
+        """
+        if self._done:
+            return DetokenizerDelta("")
+        decoded = self._decode_step(new_token_ids, finished)
+        text, stop_str = self._apply_stops(decoded, finished)
+        if text:
+            self._chunks.append(text)
+        self._done = finished or stop_str is not None
+        return DetokenizerDelta(text, stop_str)
+
+    # ---- token ids -> text -------------------------------------------------------------
+
+    def _decode(self, start: int) -> str:
+        return self._tokenizer.decode(
+            self._ids[start:], skip_special_tokens=self._skip_special_tokens
+        )
+
+    def _decode_step(self, new_token_ids: Sequence[int], flush: bool) -> str:
+        """Append ids, return the newly stable text (all remaining text when ``flush``)."""
+        self._ids.extend(new_token_ids)
+        text = self._decode(self._start)
+        if not text.startswith(self._released):
+            text = self._resync()
+        end = len(text) if flush else len(text) - self._unstable_suffix_len(text)
+        if end <= len(self._released):
+            delta = ""
+        else:
+            delta = text[len(self._released) : end]
+            self._released = text[:end]
+        if not flush:
+            self._narrow_window(text)
+        return delta
+
+    def _unstable_suffix_len(self, text: str) -> int:
+        """Characters at the end of ``text`` that a later token may still change."""
+        replacements = _trailing_replacements(text)
+        if replacements or not self._cleanup:
+            return replacements
+        return _longest_suffix_prefix(text, _CLEANUP_PATTERNS, _MAX_CLEANUP_HOLD)
+
+    def _resync(self) -> str:
+        """Fallback when a window decode disagrees with released text: decode everything.
+
+        Costs O(generated length) once; the window is narrowed again on the next steps. If even
+        the full decode does not extend what was released (a decoder that is not prefix-stable),
+        the text after the released length is emitted as a best effort.
+        """
+        released_total = self.output_text + self._held
+        text = self._decode(0)
+        self._start = 0
+        if text.startswith(released_total):
+            self._released = released_total
+        else:
+            self._released = text[: len(released_total)]
+        return text
+
+    def _narrow_window(self, text: str) -> None:
+        """Move the window start forward once the window exceeds ``2 * _CONTEXT_TOKENS``.
+
+        A candidate start is accepted only if its decode ends with the not-yet-released text and
+        the rest is a non-empty suffix of the released text, so that position-dependent effects
+        at the window start (stripped leading space, ``##`` pieces, a split character) fall in
+        already-released text.
+        """
+        n = len(self._ids)
+        if n - self._start <= 2 * _CONTEXT_TOKENS:
+            return
+        pending = text[len(self._released) :]
+        for start in (n - _CONTEXT_TOKENS, n - 2 * _CONTEXT_TOKENS + 1):
+            window_text = self._decode(start)
+            if not window_text.endswith(pending):
+                continue
+            released = window_text[: len(window_text) - len(pending)]
+            if released and self._released.endswith(released):
+                self._start, self._released = start, released
+                return
+
+    # ---- stop strings --------------------------------------------------------------------
+
+    def _apply_stops(self, decoded: str, flush: bool) -> tuple[str, str | None]:
+        """Apply stop strings to newly decoded text; return (text to emit, matched stop)."""
+        if not self._stops:
+            return decoded, None
+        if not decoded and not (flush and self._held):
+            return "", None
+        region = self._tail + decoded
+        emitted_upto = len(self._tail) - len(self._held)
+        hit = _earliest_stop(region, self._stops, len(self._tail))
+        if hit is not None:
+            start, stop_str = hit
+            cut = start + len(stop_str) if self._include_stop else start
+            self._held = ""
+            return region[emitted_upto:cut] if cut > emitted_upto else "", stop_str
+        hold = 0
+        if not (flush or self._include_stop):
+            hold = _longest_suffix_prefix(region, self._stops, len(region) - emitted_upto)
+        keep = len(region) - hold
+        self._held = region[keep:]
+        self._tail = region[len(region) - self._stop_window :] if self._stop_window else ""
+        return region[emitted_upto:keep], None
+
+
+def _normalize_stops(stop: Sequence[str] | str | None) -> tuple[str, ...]:
+    """Validate stop strings; a bare string is one stop string. Raises ValueError if empty."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    return tuple(dict.fromkeys(stops))
+
+
+def _trailing_replacements(text: str) -> int:
+    """Length of the trailing U+FFFD run of ``text``, capped at ``_MAX_PENDING_REPLACEMENTS``."""
+    n = 0
+    while n < min(len(text), _MAX_PENDING_REPLACEMENTS) and text[-1 - n] == _REPLACEMENT_CHAR:
+        n += 1
+    return n
+
+
+def _longest_suffix_prefix(text: str, patterns: Sequence[str], limit: int) -> int:
+    """Length (<= ``limit``) of the longest suffix of ``text`` that is a proper prefix of any
+    of ``patterns``; 0 when there is none."""
+    best = 0
+    for pattern in patterns:
+        for k in range(min(len(pattern) - 1, len(text), limit), best, -1):
+            if text.endswith(pattern[:k]):
+                best = k
+                break
+    return best
+
+
+def _earliest_stop(region: str, stops: Sequence[str], min_end: int) -> tuple[int, str] | None:
+    """Find the stop occurrence in ``region`` ending after ``min_end`` that completes first.
+
+    Returns ``(start offset, stop string)``; ties on the end offset go to the earlier start.
+    Occurrences ending at or before ``min_end`` were already searched in an earlier step.
+    """
+    best: tuple[int, int, str] | None = None
+    for stop_str in stops:
+        start = region.find(stop_str, max(0, min_end - len(stop_str) + 1))
+        if start < 0:
+            continue
+        candidate = (start + len(stop_str), start, stop_str)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    return None if best is None else (best[1], best[2])

@@ -1,0 +1,92 @@
+"""The ``kvflow`` command: ``generate``, ``bench throughput`` (and more subcommands later).
+
+Engine flags are generated from the EngineConfig dataclasses, sampling flags from
+SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from kvflow.config import EngineConfig
+from kvflow.sampling_params import SamplingParams
+
+_SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+                   "stop", "ignore_eos", "logprobs")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field in ``_SAMPLING_FLAGS`` (``--stop`` repeats)."""
+    group = parser.add_argument_group("sampling")
+    for f in dataclasses.fields(SamplingParams):
+        if f.name not in _SAMPLING_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "stop":
+            group.add_argument(flag, action="append", default=[], help="stop string (repeat)")
+        elif f.type in ("bool", bool):
+            group.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = float if f.type == "float" else int
+            default = f.default if f.default is not dataclasses.MISSING else None
+            group.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS})
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+
+    params = sampling_params_from_args(args)
+    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    prompts = args.prompt or ["Once upon a time"]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        for sample in out.outputs:
+            print(out.prompt + sample.text if not args.chat else sample.text)
+            if args.verbose:
+                print(f"[finish_reason={sample.finish_reason} tokens={len(sample.token_ids)} "
+                      f"ttft={out.metrics.ttft:.3f}s e2e={out.metrics.e2e_latency:.3f}s]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--verbose", action="store_true", help="print finish reason and timings")
+    EngineConfig.add_cli_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                      required=True)
+    from kvflow.bench.throughput import add_throughput_parser
+
+    add_throughput_parser(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
