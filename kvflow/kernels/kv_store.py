@@ -1,0 +1,137 @@
+"""Write new keys/values into the paged KV cache (``reshape_and_cache`` in vLLM terms).
+
+Cache layout (see ``kvflow.attention.backend``)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+
+Token ``t`` goes to slot ``slot_mapping[t] = block_id * block_size + offset``; slot ``-1`` marks a
+padding token that is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] K and V rows to its slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // KV_BLOCK_SIZE
+    offset = slot % KV_BLOCK_SIZE
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+
+    src_k = k_ptr + t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = v_ptr + t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, H, D], got {kv_cache.shape}"
+        )
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [T, H, D], got {k.shape} and {v.shape}")
+    if tuple(k.shape[1:]) != tuple(kv_cache.shape[3:]):
+        raise ValueError(f"k heads/dim {tuple(k.shape[1:])} != cache {tuple(kv_cache.shape[3:])}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > k.shape[0]:
+        raise ValueError(
+            f"slot_mapping must be 1-D with at most {k.shape[0]} entries, got {slot_mapping.shape}"
+        )
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter ``k``/``v`` into ``kv_cache`` at ``slot_mapping`` (in place, one kernel launch).
+
+    Args:
+        k, v: [T, num_kv_heads, head_dim], any float dtype (cast to the cache dtype); the last
+            dim must be unit-stride (a strided token/head layout, e.g. a view of a fused QKV
+            output, is fine).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; last dim unit-stride.
+        slot_mapping: int32/int64 [N] with N <= T; token ``t < N`` goes to slot
+            ``slot_mapping[t]``; ``-1`` skips the token; tokens ``t >= N`` are ignored.
+
+    Raises:
+        ValueError: on shape mismatches.
+    """
+    _check_inputs(k, v, kv_cache, slot_mapping)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must have a unit-stride last dim")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _store_kvcache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        KV_BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def store_kvcache_ref(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Plain-torch reference for :func:`store_kvcache` (same arguments, in place)."""
+    _check_inputs(k, v, kv_cache, slot_mapping)
+    block_size = kv_cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        kv_cache[0, block, offset] = k[t].to(kv_cache.dtype)
+        kv_cache[1, block, offset] = v[t].to(kv_cache.dtype)

@@ -1,0 +1,41 @@
+"""Kernel-test setup: run Triton kernels in the interpreter (CPU) when there is no CUDA.
+
+``TRITON_INTERPRET`` must be set before triton is first imported, so it is set here, at
+conftest import time.  Test modules skip themselves if triton is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Work around triton-lang/triton#9171 (triton <= 3.6 interpreter + numpy >= 2.4).
+
+    The interpreter stores scalars as 1-element arrays and converts them with
+    ``int(array)``, which numpy 2.4 rejects, so ``range(runtime_scalar)`` inside a kernel
+    fails.  Re-register ``__index__`` with an explicit ``.item()`` (the upstream fix).
+    """
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:  # no triton: the test modules skip themselves
+        return
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_kvflow_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._kvflow_patched = True
+    interp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_for_numpy_2_4()
