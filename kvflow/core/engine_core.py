@@ -75,6 +75,7 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model_len, capacity)
         self.max_model_len = min(model_len, capacity)
+        self.executor.capture_graphs(self.max_model_len)
         logger.info("KV cache: %d blocks x %d tokens (%d tokens), max_model_len %d",
                     self.num_blocks, cc.block_size, capacity, self.max_model_len)
 

@@ -26,5 +26,8 @@ class UniprocExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    def capture_graphs(self, max_model_len: int) -> None:
+        self.runner.capture_graphs(max_model_len)
+
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
         return self.runner.execute_model(sched)

@@ -25,7 +25,17 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2:
+            return self._forward_triton(x, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """One fused kernel; with a residual, updates x and residual in place."""
+        from kvflow.kernels.norm import fused_add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

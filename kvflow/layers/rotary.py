@@ -89,7 +89,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
+        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes.
+        On CUDA one Triton kernel rotates q and k in place."""
+        if q.is_cuda:
+            from kvflow.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         dtype = q.dtype
         q = self._rotate(q.float(), cos, sin).to(dtype)

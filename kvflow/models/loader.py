@@ -74,14 +74,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes (for benchmarks): small normal values, norms at 1."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes and dtypes (for benchmarks without weight files):
+    normal(0, 0.02) drawn on the parameter's own device, norms at 1."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
-        else:
-            vals = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
-            param.data.copy_(vals.to(param.device, param.dtype))
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype: torch.dtype,

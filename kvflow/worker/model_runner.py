@@ -14,7 +14,7 @@ from kvflow.layers.sampler import Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.worker.input_batch import build_model_inputs
+from kvflow.worker.input_batch import ModelInputs, build_model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class ModelRunner:
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.graph_runner = None
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         backend_name = (self.config.device_config.attention_backend
@@ -135,6 +136,20 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def capture_graphs(self, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode steps (no-op without graph support or with
+        ``enforce_eager``). Call after ``initialize_kv_cache``."""
+        if not self.platform.supports_graphs or self.config.device_config.enforce_eager:
+            return
+        from kvflow.worker.cuda_graphs import CudaGraphRunner
+
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.attn_ctx, self.config.scheduler_config.max_num_seqs,
+            -(-max_model_len // self.block_size), max_model_len, self.block_size,
+            self.model.config.hidden_size, self.device, self.dtype)
+        self.graph_runner.capture()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
+
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
@@ -144,9 +159,7 @@ class ModelRunner:
         if sched.is_empty:
             return {}
         inputs = build_model_inputs(sched, self.block_size, self.device)
-        with self.attn_ctx.forward_context.bind(inputs.attn_meta):
-            self.attn_ctx.backend.prepare(inputs.attn_meta, self.block_size)
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        hidden = self._forward(inputs)
         if not inputs.sampling_rows:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -155,6 +168,14 @@ class ModelRunner:
         sampled = out.sampled.tolist()
         return {r.request_id: SampledToken(sampled[row], out.logprobs.get(row))
                 for row, r in enumerate(reqs)}
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        meta = inputs.attn_meta
+        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+            return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
+        with self.attn_ctx.forward_context.bind(meta):
+            self.attn_ctx.backend.prepare(meta, self.block_size)
+            return self.model(inputs.input_ids, inputs.positions)
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
         params = [r.sampling_params for r in reqs]
