@@ -1,10 +1,21 @@
 """kvflow: a paged-KV LLM inference and serving engine."""
 
-from kvflow.llm import LLM, LLMEngine
-from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "__version__"]
+
+
+def __getattr__(name: str):
+    """Import the engine lazily, so ``import kvflow`` stays cheap for light users and tests."""
+    if name in ("LLM", "LLMEngine"):
+        from kvflow import llm
+
+        return getattr(llm, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from kvflow import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

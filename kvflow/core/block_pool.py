@@ -11,6 +11,7 @@ Invariants (checked by ``check_invariants`` in tests):
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -34,12 +35,17 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
                       extra_key: object = None) -> int:
     """Chain hash of a full block: it identifies the block's tokens *and* its whole prefix.
 
+    A cryptographic hash (BLAKE2b, 128 bits), not Python's ``hash``: a collision in an earlier
+    block would otherwise let a later block be reused after a different prefix (the per-block
+    token check cannot see that), and tuple hashes of ints are easy to collide on purpose.
+
     Args:
         parent_hash: hash of the previous block of the sequence (None for the first block).
         token_ids: the block's ``block_size`` token ids.
         extra_key: anything else that changes the KV (e.g. a cache salt); hashable.
     """
-    return hash((parent_hash, token_ids, extra_key))
+    payload = repr((parent_hash, token_ids, extra_key)).encode()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=16).digest(), "little")
 
 
 class BlockPool:

@@ -76,8 +76,9 @@ class EngineCore:
                            model_len, capacity)
         self.max_model_len = min(model_len, capacity)
         self.executor.capture_graphs(self.max_model_len)
-        logger.info("KV cache: %d blocks x %d tokens (%d tokens), max_model_len %d",
-                    self.num_blocks, cc.block_size, capacity, self.max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; max "
+                    "concurrency at full length %.1f requests", self.num_blocks, cc.block_size,
+                    capacity, self.max_model_len, capacity / self.max_model_len)
 
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config

@@ -89,7 +89,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.num_cached_tokens < 0:  # count once
             self.num_queries += request.num_tokens
             self.num_hits += len(hits) * bs
         return KVCacheBlocks(tuple(hits)), len(hits) * bs

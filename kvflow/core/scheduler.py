@@ -111,6 +111,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
+                             f"max_model_len is {self.max_model_len}")
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

@@ -1,0 +1,309 @@
+"""Helpers for the scheduler / KV-cache tests: a fake KV config, no model.
+
+Everything a test needs comes through fixtures (``make_request``, ``make_pool``, ``make_kv``,
+``make_scheduler``, ``make_driver``). Every pool they build is checked for leaks after the test:
+remaining scheduler requests are aborted, then every block's ref count must be 0,
+``check_invariants`` must pass and every usable block must be free.
+
+``FakeDriver`` plays the model runner. It keeps its own copy of every block's token slots (a
+simulated KV cache): each step it first writes every scheduled token into its slot (as every
+attention layer does), then checks that each scheduled request reads back exactly its own token
+history through its block table, and "samples" a deterministic function of what it read. A wrong
+prefix hit, a block reused while still in use, or a lost/duplicated token therefore shows up as a
+wrong read or as output that differs from an oracle run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvflow.config import SchedulerConfig
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import EngineCoreOutput, SampledToken, Scheduler, SchedulerOutput
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+EOS = 1
+VOCAB = 1000
+FIRST_SAMPLED_ID = 100  # default samples lie in [100, 100 + VOCAB): never EOS
+
+
+def default_sample(history: list[int]) -> int:
+    """Deterministic stand-in for a model: a polynomial hash of the token history.
+
+    It depends only on the tokens (not on batching, chunking or block ids), so two runs of the
+    same request must produce the same tokens whatever the scheduler does.
+    """
+    h = 7
+    for t in history:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return FIRST_SAMPLED_ID + h % VOCAB
+
+
+def expected_output(prompt: list[int], num_tokens: int) -> list[int]:
+    """The ``num_tokens`` tokens ``default_sample`` generates for ``prompt`` (an oracle)."""
+    history = list(prompt)
+    for _ in range(num_tokens):
+        history.append(default_sample(history))
+    return history[len(prompt):]
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did: tokens scheduled per request, samples, preemptions."""
+
+    num_scheduled: dict[str, int]
+    num_computed_before: dict[str, int]
+    do_sample: dict[str, bool]
+    sampled: dict[str, int]
+    preempted: list[str]
+    finished_ids: set[str]
+    outputs: list[EngineCoreOutput]
+
+    @property
+    def total(self) -> int:
+        return sum(self.num_scheduled.values())
+
+
+@dataclass
+class Result:
+    """Final state of one request after a driven run."""
+
+    output_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FakeDriver:
+    """Plays the model runner for a Scheduler and checks the KV cache it is handed.
+
+    Args:
+        scheduler: the scheduler to drive.
+        script: request id -> tokens to emit, indexed by output position; positions past the
+            script (and unscripted requests) use ``default_sample``.
+    """
+
+    scheduler: Scheduler
+    script: dict[str, list[int]] = field(default_factory=dict)
+    history: dict[str, list[int]] = field(default_factory=dict)
+    prompt_len: dict[str, int] = field(default_factory=dict)
+    results: dict[str, Result] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    kv_mem: dict[int, list[int | None]] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.kv.block_size
+
+    def add(self, request: Request) -> None:
+        """Add a request to the scheduler and start tracking its token history."""
+        self.history[request.request_id] = list(request.all_token_ids)
+        self.prompt_len[request.request_id] = request.num_prompt_tokens
+        self.results[request.request_id] = Result([], None, None)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests through the scheduler and record them as aborted."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            if rid in self.results and self.results[rid].finish_reason is None:
+                self.results[rid].finish_reason = "abort"
+
+    def step(self) -> StepRecord:
+        """One schedule -> (fake) execute -> update round, with the KV checks described above."""
+        sched_out = self.scheduler.schedule()
+        self._check_block_tables(sched_out)
+        sampled = self.execute(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, sampled)
+        for out in outputs:
+            self.history[out.request_id].extend(out.new_token_ids)
+            res = self.results[out.request_id]
+            res.output_token_ids.extend(out.new_token_ids)
+            res.finish_reason, res.stop_reason = out.finish_reason, out.stop_reason
+            res.num_cached_tokens = out.num_cached_tokens
+        self.check_ref_counts()
+        record = StepRecord(
+            num_scheduled={s.request_id: s.num_scheduled_tokens for s in sched_out.scheduled},
+            num_computed_before={s.request_id: s.num_computed_tokens for s in sched_out.scheduled},
+            do_sample={s.request_id: s.do_sample for s in sched_out.scheduled},
+            sampled={rid: t.token_id for rid, t in sampled.items()},
+            preempted=list(sched_out.preempted_ids),
+            finished_ids=set(sched_out.finished_ids),
+            outputs=outputs)
+        self.steps.append(record)
+        return record
+
+    def execute(self, sched_out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Write all scheduled tokens into the fake KV, then read back and sample."""
+        bs = self.block_size
+        holders = self._block_holders()
+        for s in sched_out.scheduled:  # every layer stores the step's new K/V first ...
+            history = self.history[s.request_id]
+            start = s.num_computed_tokens
+            assert s.token_ids == history[start:start + len(s.token_ids)], s.request_id
+            for pos in range(start, start + len(s.token_ids)):
+                block_id = s.block_ids[pos // bs]
+                assert block_id != 0, "the null block must never be written"
+                for rid in holders.get(block_id, ()):  # sharers must agree on the slot
+                    other = self.history[rid]
+                    assert pos >= len(other) or other[pos] == history[pos], \
+                        f"{s.request_id} writes {history[pos]} at {pos}: clobbers {rid}"
+                self.kv_mem.setdefault(block_id, [None] * bs)[pos % bs] = history[pos]
+        sampled = {}
+        for s in sched_out.scheduled:  # ... then reads it back through the block table
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            seen = [self.kv_mem.get(s.block_ids[p // bs], [None] * bs)[p % bs]
+                    for p in range(end)]
+            assert seen == self.history[s.request_id][:end], \
+                f"{s.request_id} reads wrong KV: {seen} != {self.history[s.request_id][:end]}"
+            if s.do_sample:
+                sampled[s.request_id] = SampledToken(self._sample(s.request_id, seen))
+        return sampled
+
+    def _sample(self, request_id: str, seen: list[int]) -> int:
+        """The scripted token for this output position, else ``default_sample(seen)``."""
+        num_out = len(self.history[request_id]) - self.prompt_len[request_id]
+        script = self.script.get(request_id, [])
+        return script[num_out] if num_out < len(script) else default_sample(seen)
+
+    def _block_holders(self) -> dict[int, list[str]]:
+        """Block id -> ids of the running requests whose block table holds it."""
+        holders: dict[int, list[str]] = {}
+        for req in self.scheduler.running:
+            for b in self.scheduler.kv.get_block_ids(req.request_id):
+                holders.setdefault(b, []).append(req.request_id)
+        return holders
+
+    def _check_block_tables(self, sched_out: SchedulerOutput) -> None:
+        """Each block table covers exactly the tokens computed through this step, without
+        duplicates or the null block."""
+        bs = self.block_size
+        for s in sched_out.scheduled:
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            assert len(s.block_ids) == -(-end // bs), (s.request_id, s.block_ids, end)
+            assert len(set(s.block_ids)) == len(s.block_ids) and 0 not in s.block_ids
+
+    def check_ref_counts(self) -> None:
+        """Every block's ref count equals the number of running requests holding it."""
+        kv = self.scheduler.kv
+        holders = self._block_holders()
+        for req in self.scheduler.waiting:
+            assert kv.get_block_ids(req.request_id) == [], f"waiting {req} holds blocks"
+        for block in kv.pool.blocks[1:]:
+            assert block.ref_cnt == len(holders.get(block.block_id, ())), block
+        kv.pool.check_invariants()
+
+    def run(self, max_steps: int = 10_000) -> dict[str, Result]:
+        """Step until every request has finished; fail on a step that schedules nothing."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return self.results
+            record = self.step()
+            assert record.total > 0 or record.preempted, "no progress: scheduler is stuck"
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def _assert_pool_clean(pool: BlockPool) -> None:
+    """No reference left: invariants hold, every ref count is 0, every usable block free."""
+    pool.check_invariants()
+    leaked = [b for b in pool.blocks[1:] if b.ref_cnt != 0]
+    assert not leaked, f"leaked blocks: {leaked}"
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+@pytest.fixture
+def _leak_registry():
+    """Collects pools/managers/schedulers built by the factories; checks them after the test."""
+    registry: dict[str, list] = {"pools": [], "schedulers": []}
+    yield registry
+    for sched in registry["schedulers"]:
+        sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
+        assert not sched.running and not sched.waiting and not sched.requests
+    for pool in registry["pools"]:
+        _assert_pool_clean(pool)
+
+
+@pytest.fixture
+def make_request():
+    """Factory: ``make_request(rid, prompt, **kw)`` -> Request with increasing arrival times.
+
+    Keywords: ``max_tokens`` (default 16), ``eos`` (default ``EOS``), ``arrival``, ``priority``,
+    ``parent_id``, ``sample_index``; anything else goes to SamplingParams.
+    """
+    clock = itertools.count()
+
+    def factory(rid: str, prompt: list[int], *, max_tokens: int = 16, eos: int | None = EOS,
+                arrival: float | None = None, priority: int = 0, parent_id: str | None = None,
+                sample_index: int = 0, **params) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, **params)
+        when = float(next(clock)) if arrival is None else arrival
+        return Request(rid, prompt, sp, eos_token_id=eos, arrival_time=when, priority=priority,
+                       parent_id=parent_id, sample_index=sample_index)
+
+    return factory
+
+
+@pytest.fixture
+def make_pool(_leak_registry):
+    """Factory: ``make_pool(num_blocks, enable_caching=True)`` -> leak-checked BlockPool."""
+    def factory(num_blocks: int, enable_caching: bool = True) -> BlockPool:
+        pool = BlockPool(num_blocks, enable_caching)
+        _leak_registry["pools"].append(pool)
+        return pool
+
+    return factory
+
+
+@pytest.fixture
+def make_kv(_leak_registry):
+    """Factory: ``make_kv(num_blocks, block_size=4, enable_prefix_caching=True)``."""
+    def factory(num_blocks: int, block_size: int = BLOCK_SIZE,
+                enable_prefix_caching: bool = True) -> KVCacheManager:
+        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        _leak_registry["pools"].append(kv.pool)
+        return kv
+
+    return factory
+
+
+@pytest.fixture
+def make_scheduler(_leak_registry):
+    """Factory for a Scheduler over a fake KV config (block size 4 by default).
+
+    ``max_model_len`` defaults to the pool's capacity in tokens, as EngineCore caps it.
+    """
+    def factory(num_blocks: int = 1000, block_size: int = BLOCK_SIZE,
+                max_num_batched_tokens: int = 4096, max_num_seqs: int = 256,
+                policy: str = "fcfs", max_model_len: int | None = None,
+                enable_prefix_caching: bool = True) -> Scheduler:
+        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, policy=policy)
+        sched = Scheduler(cfg, kv, max_model_len or (num_blocks - 1) * block_size)
+        _leak_registry["pools"].append(kv.pool)
+        _leak_registry["schedulers"].append(sched)
+        return sched
+
+    return factory
+
+
+@pytest.fixture
+def make_driver():
+    """Factory: ``make_driver(scheduler, script=None)`` -> FakeDriver."""
+    def factory(scheduler: Scheduler, script: dict[str, list[int]] | None = None) -> FakeDriver:
+        return FakeDriver(scheduler, script or {})
+
+    return factory
+
+
+@pytest.fixture
+def oracle():
+    """``oracle(prompt, n)``: the first ``n`` tokens ``default_sample`` generates."""
+    return expected_output
