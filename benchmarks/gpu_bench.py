@@ -1,0 +1,140 @@
+"""GPU benchmark phases for benchmarks/gpu_check.sh (one phase per process, so each starts with
+an empty GPU). Each phase prints one JSON line prefixed with ``RESULT``.
+
+Phases:
+  ceilings  measured device-to-device copy bandwidth and bf16 matmul rate
+  kvflow    GPU-W1 (256 x 512 prompt -> 128 output, all at once) and GPU-W2 (1 request, TPOT)
+  hf        the same two workloads with HF transformers ``generate`` (static batch)
+Workloads use the Llama-3.1-8B-shaped config in benchmarks/configs with dummy bf16 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+CONFIG_DIR = os.environ.get("KVFLOW_BENCH_CONFIG",
+                            os.path.join(os.path.dirname(__file__), "configs", "llama-3.1-8b"))
+_SCALE = int(os.environ.get("KVFLOW_BENCH_SCALE", "1"))  # >1 shrinks the workloads (dry runs)
+W1 = dict(num_prompts=256 // _SCALE, input_len=512 // _SCALE, output_len=128 // _SCALE)
+W2 = dict(num_prompts=1, input_len=512 // _SCALE, output_len=128 // _SCALE)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu only for dry runs
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(3, 32000, (num, length)).tolist()
+
+
+def emit(name: str, payload: dict) -> None:
+    print("RESULT " + json.dumps({"phase": name, **payload}), flush=True)
+
+
+def phase_ceilings() -> None:
+    n = 2 * 2**30  # 2 GiB each way
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    bandwidth = 2 * n / float(np.median(times[2:]))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    flops = 10 * 2 * 8192**3 / (time.perf_counter() - t0)
+    emit("ceilings", {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": flops,
+                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
+
+
+def phase_kvflow(args: argparse.Namespace) -> None:
+    from kvflow import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=CONFIG_DIR, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+              gpu_memory_utilization=0.85, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=False)
+    init_s = time.perf_counter() - t0
+    core = llm.engine.core
+    w1, w2 = (run_kvflow(llm, prompts(w["num_prompts"], w["input_len"], seed), w["output_len"])
+              for w, seed in ((W1, 1), (W2, 2)))
+    emit("kvflow", {"init_s": init_s, "num_blocks": core.num_blocks,
+                    "enforce_eager": args.enforce_eager, "w1": w1, "w2": w2})
+
+
+def run_kvflow(llm, batch: list[list[int]], output_len: int) -> dict:
+    from kvflow import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # warm-up (Triton compiles, allocator settles)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    m = outs[0].metrics
+    tpot = (m.finished_time - m.first_token_time) / (output_len - 1)
+    return {"elapsed_s": elapsed, "output_tokens": ntok, "output_tok_per_s": ntok / elapsed,
+            "ttft_s_first_request": m.ttft, "tpot_s_first_request": tpot}
+
+
+def phase_hf() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(CONFIG_DIR)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+    def generate(batch: list[list[int]], n: int) -> float:
+        ids = torch.tensor(batch, device=DEVICE)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    generate(prompts(2, 16), 4)  # warm-up
+    w1 = generate(prompts(W1["num_prompts"], W1["input_len"], 1), W1["output_len"])
+    w2_full = generate(prompts(1, W2["input_len"], 2), W2["output_len"])
+    w2_first = generate(prompts(1, W2["input_len"], 2), 1)
+    emit("hf", {"w1": {"elapsed_s": w1, "output_tok_per_s": W1["num_prompts"] *
+                       W1["output_len"] / w1},
+                "w2": {"tpot_s": (w2_full - w2_first) / (W2["output_len"] - 1)}})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("phase", choices=["ceilings", "kvflow", "hf"])
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    {"ceilings": phase_ceilings, "kvflow": lambda: phase_kvflow(args), "hf": phase_hf}[
+        args.phase]()
+
+
+if __name__ == "__main__":
+    main()

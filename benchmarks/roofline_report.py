@@ -1,0 +1,66 @@
+"""Combine the RESULT lines of benchmarks/gpu_check.sh into one JSON and a printed table with
+kvflow's fraction of the roofline.
+
+Roofline (lower bound on time) for the Llama-3.1-8B shape, bf16:
+  GPU-W1 = prefill FLOPs / measured matmul rate + decode bytes / measured copy bandwidth, where
+           prefill FLOPs = 2 x matmul params x prompt tokens + causal attention FLOPs, and decode
+           bytes = sum over the 128 decode steps of (weight bytes + K/V bytes of every sequence).
+  GPU-W2 = weight bytes per output token / measured copy bandwidth (the TPOT floor).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+L, H, FFN, V, HEADS, KV_HEADS, HEAD_DIM = 32, 4096, 14336, 128256, 32, 8, 128
+BYTES = 2  # bf16
+
+
+def matmul_params() -> int:
+    attn = H * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H
+    mlp = 3 * H * FFN
+    return L * (attn + mlp) + V * H  # + lm_head (the embedding is a lookup)
+
+
+def kv_bytes_per_token() -> int:
+    return 2 * L * KV_HEADS * HEAD_DIM * BYTES
+
+
+def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=128) -> float:
+    attn_flops = 4 * L * HEADS * HEAD_DIM * (prompt * (prompt + 1) / 2) * n
+    prefill = 2 * matmul_params() * prompt * n + attn_flops
+    decode_bytes = sum(matmul_params() * BYTES + n * (prompt + s) * kv_bytes_per_token()
+                       for s in range(out - 1))
+    return prefill / flops_rate + decode_bytes / bandwidth
+
+
+def main(path: str) -> None:
+    results = {}
+    for line in open(path):
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            results[r.pop("phase") + ("_eager" if r.get("enforce_eager") else "")] = r
+    c = results.get("ceilings", {})
+    bw, rate = c.get("copy_bytes_per_s"), c.get("bf16_matmul_flops")
+    summary = {"ceilings": c}
+    if bw and rate:
+        w1_floor = w1_roofline_s(rate, bw)
+        w2_floor = matmul_params() * BYTES / bw
+        summary["roofline"] = {"w1_s": w1_floor, "w1_tok_per_s": 256 * 128 / w1_floor,
+                               "w2_tpot_s": w2_floor}
+        for name in ("kvflow", "kvflow_eager"):
+            k = results.get(name)
+            if k:
+                k["w1"]["fraction_of_roofline"] = w1_floor / k["w1"]["elapsed_s"]
+                k["w2"]["tpot_over_floor"] = k["w2"]["tpot_s_first_request"] / w2_floor
+    summary.update(results)
+    print(json.dumps(summary, indent=2))
+    out = sys.argv[2] if len(sys.argv) > 2 else None
+    if out:
+        with open(out, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
