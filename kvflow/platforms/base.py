@@ -29,5 +29,16 @@ class Platform(ABC):
     def synchronize(self) -> None:  # noqa: B027
         """Wait for queued device work (no-op on CPU)."""
 
+    def reset_peak_memory(self) -> None:  # noqa: B027
+        """Release cached blocks and reset the peak-allocation counter (no-op on CPU)."""
+
+    def peak_memory(self) -> int:
+        """Bytes allocated at the peak since ``reset_peak_memory`` (0 where unknown)."""
+        return 0
+
+    def peak_memory_reserved(self) -> int:
+        """Bytes this process's allocator holds from the device now (0 where unknown)."""
+        return 0
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:  # noqa: ARG002
         return True

@@ -28,3 +28,13 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def peak_memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved()

@@ -10,7 +10,7 @@ import torch
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from kvflow.layers.sampler import Sampler, SamplingMetadata
+from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
@@ -96,17 +96,19 @@ class ModelRunner:
 
     def _profile_kv_budget(self) -> int:
         """GPU: a forward pass at the full token budget measures peak activations; the KV cache
-        gets gpu_memory_utilization x total memory minus what is in use at that peak."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        gets gpu_memory_utilization x total memory minus the weights + activation peak and
+        minus what other processes hold."""
+        self.platform.reset_peak_memory()
         self.profile_run()
         free, total = self.platform.memory_info()
-        peak = torch.cuda.max_memory_allocated()
-        used_by_others = total - free - torch.cuda.memory_reserved()
+        peak = self.platform.peak_memory()
+        in_use_by_us = self.platform.peak_memory_reserved()
+        used_by_others = max(total - free - in_use_by_us, 0)
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - \
-            max(used_by_others, 0)
-        logger.info("GPU memory: total %.1f GiB, peak during profiling %.2f GiB, KV budget %.2f "
-                    "GiB", total / 2**30, peak / 2**30, budget / 2**30)
+            used_by_others
+        logger.info("GPU memory: total %.1f GiB, peak during profiling %.2f GiB, used by others "
+                    "%.2f GiB, KV budget %.2f GiB", total / 2**30, peak / 2**30,
+                    used_by_others / 2**30, budget / 2**30)
         return budget
 
     def profile_run(self) -> None:
@@ -203,7 +205,26 @@ class ModelRunner:
                     meta.banned_token_ids[row] = banned
             if p.logprobs is not None:
                 meta.num_logprobs[row] = p.logprobs
+        self._add_penalties_and_bias(meta, reqs)
         return meta
+
+    def _add_penalties_and_bias(self, meta: SamplingMetadata,
+                                reqs: list[ScheduledRequest]) -> None:
+        """Fill ``meta.penalties`` / ``meta.logit_bias`` for the rows that use them."""
+        rows = [row for row, r in enumerate(reqs) if r.sampling_params.uses_penalties]
+        if rows:
+            meta.penalties = PenaltyMetadata.build(
+                rows, [reqs[i].prompt_token_ids for i in rows],
+                [reqs[i].output_token_ids for i in rows],
+                [reqs[i].sampling_params for i in rows], self.device)
+        bias = [(row, token_id, value) for row, r in enumerate(reqs)
+                for token_id, value in (r.sampling_params.logit_bias or {}).items()]
+        if bias:
+            rows_, token_ids, values = zip(*bias)
+            meta.logit_bias = (
+                torch.tensor(rows_, dtype=torch.int64, device=self.device),
+                torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(values, dtype=torch.float32, device=self.device))
 
     def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(request_id)
