@@ -78,10 +78,15 @@ def phase_kvflow(args: argparse.Namespace) -> None:
               enable_prefix_caching=False)
     init_s = time.perf_counter() - t0
     core = llm.engine.core
-    w1, w2 = (run_kvflow(llm, prompts(w["num_prompts"], w["input_len"], seed), w["output_len"])
-              for w, seed in ((W1, 1), (W2, 2)))
-    emit("kvflow", {"init_s": init_s, "num_blocks": core.num_blocks,
-                    "enforce_eager": args.enforce_eager, "w1": w1, "w2": w2})
+    print(f"kvflow init {init_s:.1f}s, {core.num_blocks} KV blocks", flush=True)
+    result = {"init_s": init_s, "num_blocks": core.num_blocks,
+              "enforce_eager": args.enforce_eager}
+    if not args.w2_only:
+        result["w1"] = run_kvflow(llm, prompts(W1["num_prompts"], W1["input_len"], 1),
+                                  W1["output_len"])
+        print("W1", result["w1"], flush=True)
+    result["w2"] = run_kvflow(llm, prompts(1, W2["input_len"], 2), W2["output_len"])
+    emit("kvflow", result)
 
 
 def run_kvflow(llm, batch: list[list[int]], output_len: int) -> dict:
@@ -131,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["ceilings", "kvflow", "hf"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--w2-only", action="store_true", help="skip GPU-W1")
     args = parser.parse_args()
     {"ceilings": phase_ceilings, "kvflow": lambda: phase_kvflow(args), "hf": phase_hf}[
         args.phase]()

@@ -35,6 +35,29 @@ def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=12
     return prefill / flops_rate + decode_bytes / bandwidth
 
 
+def table(s: dict) -> str:
+    """A short human-readable summary of the figures that matter."""
+    def get(*keys):
+        cur = s
+        for k in keys:
+            cur = cur.get(k) if isinstance(cur, dict) else None
+        return cur
+
+    rows = [("copy bandwidth GB/s", get("ceilings", "copy_bytes_per_s"), 1e-9),
+            ("bf16 matmul TFLOP/s", get("ceilings", "bf16_matmul_flops"), 1e-12),
+            ("W1 roofline tok/s", get("roofline", "w1_tok_per_s"), 1),
+            ("W1 kvflow tok/s", get("kvflow", "w1", "output_tok_per_s"), 1),
+            ("W1 kvflow fraction of roofline", get("kvflow", "w1", "fraction_of_roofline"), 1),
+            ("W1 HF tok/s", get("hf", "w1", "output_tok_per_s"), 1),
+            ("W2 TPOT floor ms", get("roofline", "w2_tpot_s"), 1e3),
+            ("W2 kvflow TPOT ms (graphs)", get("kvflow", "w2", "tpot_s_first_request"), 1e3),
+            ("W2 kvflow TPOT ms (eager)", get("kvflow_eager", "w2", "tpot_s_first_request"), 1e3),
+            ("W2 kvflow TPOT / floor", get("kvflow", "w2", "tpot_over_floor"), 1),
+            ("W2 HF TPOT ms", get("hf", "w2", "tpot_s"), 1e3)]
+    return "\n".join(f"{name:34s} {'n/a' if v is None else f'{v * scale:.3f}'}"
+                     for name, v, scale in rows)
+
+
 def main(path: str) -> None:
     results = {}
     for line in open(path):
@@ -51,11 +74,13 @@ def main(path: str) -> None:
                                "w2_tpot_s": w2_floor}
         for name in ("kvflow", "kvflow_eager"):
             k = results.get(name)
-            if k:
+            if k and "w1" in k:
                 k["w1"]["fraction_of_roofline"] = w1_floor / k["w1"]["elapsed_s"]
+            if k:
                 k["w2"]["tpot_over_floor"] = k["w2"]["tpot_s_first_request"] / w2_floor
     summary.update(results)
     print(json.dumps(summary, indent=2))
+    print(table(summary))
     out = sys.argv[2] if len(sys.argv) > 2 else None
     if out:
         with open(out, "w") as f:
