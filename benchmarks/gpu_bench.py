@@ -89,6 +89,52 @@ def phase_kvflow(args: argparse.Namespace) -> None:
     emit("kvflow", result)
 
 
+class StepTimer:
+    """Wraps the engine core's schedule / execute / update calls and records, per step, the
+    scheduled tokens and requests and the seconds spent in each (execute ends in a host sync:
+    the sampled token ids are copied back)."""
+
+    def __init__(self, core) -> None:
+        self.steps: list[dict] = []
+        sched, execute, update = (core.scheduler.schedule, core.executor.execute_model,
+                                  core.scheduler.update_from_output)
+
+        def timed(name, fn):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                if name == "schedule":
+                    self.steps.append({"tokens": out.total_num_scheduled_tokens,
+                                       "reqs": len(out.scheduled)})
+                self.steps[-1][name] = time.perf_counter() - t0
+                return out
+            return wrapper
+
+        core.scheduler.schedule = timed("schedule", sched)
+        core.executor.execute_model = timed("execute", execute)
+        core.scheduler.update_from_output = timed("update", update)
+
+        self._core = core
+
+    def restore(self) -> None:
+        for obj, name in ((self._core.scheduler, "schedule"), (self._core.executor,
+                          "execute_model"), (self._core.scheduler, "update_from_output")):
+            del obj.__dict__[name]
+
+    def summary(self) -> dict:
+        decode = [s for s in self.steps if s["tokens"] == s["reqs"] and s["reqs"] > 0]
+        mixed = [s for s in self.steps if s["tokens"] > s["reqs"]]
+
+        def agg(steps):
+            if not steps:
+                return {}
+            return {"n": len(steps), **{k: float(np.sum([s.get(k, 0) for s in steps]))
+                                        for k in ("schedule", "execute", "update")},
+                    "max_reqs": max(s["reqs"] for s in steps)}
+        return {"decode_steps": agg(decode), "prefill_or_mixed_steps": agg(mixed),
+                "first_steps": self.steps[:3]}
+
+
 def run_kvflow(llm, batch: list[list[int]], output_len: int) -> dict:
     from kvflow import SamplingParams
 
@@ -96,14 +142,17 @@ def run_kvflow(llm, batch: list[list[int]], output_len: int) -> dict:
     llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up (Triton compiles, allocator settles)
     sync()
+    timer = StepTimer(llm.engine.core)
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    steps = timer.summary()
+    timer.restore()
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     m = outs[0].metrics
     tpot = (m.finished_time - m.first_token_time) / (output_len - 1)
     return {"elapsed_s": elapsed, "output_tokens": ntok, "output_tok_per_s": ntok / elapsed,
-            "ttft_s_first_request": m.ttft, "tpot_s_first_request": tpot}
+            "ttft_s_first_request": m.ttft, "tpot_s_first_request": tpot, "steps": steps}
 
 
 def phase_hf() -> None:

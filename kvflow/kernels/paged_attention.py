@@ -60,7 +60,7 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -196,7 +196,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + ml_plane + part, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,
