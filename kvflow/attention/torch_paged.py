@@ -42,8 +42,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
             "q_dest": token_req * max_q + token_local,
             "window_q_pos": q_pos,
             "kv_pos": kv_pos,
-            # A batch of one whole prompt needs no gather or mask: plain causal attention.
-            "plain_causal": num_reqs == 1 and int(query_lens[0]) == int(seq_lens[0]),
+            # Whole prompts of one common length need no gather or mask: the batch reshapes
+            # to [num_reqs, length, heads, head_dim] for plain causal attention.
+            "uniform_prompts": bool((query_lens == seq_lens).all())
+            and bool((query_lens == max_q).all()),
         }
 
     def _mask(self, meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -72,12 +74,14 @@ class TorchPagedAttentionBackend(AttentionBackend):
         v_cache.index_copy_(0, slots, v[:n])
         gqa = num_heads != num_kv_heads
         ex = meta.extra
-        if ex["plain_causal"] and sliding_window is None:
-            out = F.scaled_dot_product_attention(
-                q[:n].transpose(0, 1).unsqueeze(0), k[:n].transpose(0, 1).unsqueeze(0),
-                v[:n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
-            return out.squeeze(0).transpose(0, 1)
         num_reqs, max_q = meta.num_reqs, meta.max_query_len
+        if ex["uniform_prompts"] and sliding_window is None:
+            def batched(x: torch.Tensor) -> torch.Tensor:
+                return x[:n].view(num_reqs, max_q, x.shape[1], head_dim).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v),
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(n, num_heads, head_dim)
         keys = k_cache[ex["gather"]].transpose(1, 2)  # [B, Hkv, max_kv, D]
         values = v_cache[ex["gather"]].transpose(1, 2)
         if max_q == 1:

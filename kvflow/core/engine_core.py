@@ -66,6 +66,13 @@ class EngineCore:
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
+        requested = self.config.model_config.max_model_len
+        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if requested is not None and positions is not None and requested > positions:
+            # The rotary tables hold max_position_embeddings positions: a longer sequence
+            # would index past them in the middle of a step.
+            raise ValueError(f"max_model_len={requested} exceeds the model's "
+                             f"max_position_embeddings ({positions})")
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         capacity = (self.num_blocks - 1) * cc.block_size

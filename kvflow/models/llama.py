@@ -25,9 +25,32 @@ def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The attention window of one layer in tokens, or None for full attention.
+
+    transformers' ``layer_types`` (e.g. Qwen2's ``max_window_layers``) decides per layer when
+    present; otherwise a configured ``sliding_window`` applies to every layer unless
+    ``use_sliding_window`` is false (Mistral sets the window, Qwen2 the flag).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def make_rotary_embedding(config: Any) -> RotaryEmbedding:
+    """One RoPE table per model (shared by all layers: [max_position, head_dim] float32)."""
+    theta, scaling = get_rope_parameters(config)
+    return RotaryEmbedding(get_head_dim(config), config.max_position_embeddings, theta, scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
-                 tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
+                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, tp_rank: int,
+                 tp_size: int) -> None:
         super().__init__()
         self.head_dim = get_head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -41,13 +64,10 @@ class LlamaAttention(nn.Module):
                                         tp_rank=tp_rank, tp_size=tp_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        theta, scaling = get_rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta,
-                                          scaling)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, ctx,
-                              sliding_window=getattr(config, "sliding_window", None)
-                              if getattr(config, "use_sliding_window", True) else None)
+                              sliding_window=layer_sliding_window(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -79,10 +99,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
-                 tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
+                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, tp_rank: int,
+                 tp_size: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ctx, qkv_bias, qk_norm, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, qkv_bias, qk_norm,
+                                        tp_rank, tp_size)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,9 +126,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_rank, tp_size)
+        rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ctx, qkv_bias, qk_norm, tp_rank, tp_size)
-            for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, ctx, rotary_emb, qkv_bias, qk_norm, tp_rank, tp_size)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""Shared fixtures: tiny random-weight HF models (saved with a tiny tokenizer) for engine tests.
+
+Every model is a real transformers model (float32, eval) with a handful of parameters
+(hidden 64, 2 layers), saved with ``save_pretrained`` next to a byte-level BPE tokenizer trained
+here, so ``kvflow.LLM(model=path)`` loads exactly the weights the HF reference runs. Weights are
+drawn from a seeded generator with a larger spread than HF's default init (so logits are peaked
+and greedy decoding has no near-ties), and norm weights and biases are randomized too, so a
+weight that kvflow fails to load changes the output.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The test models are tiny: intra-op threads only add contention on a shared CPU (a 10x
+# slowdown measured on 2 busy cores). Override with KVFLOW_TEST_NUM_THREADS.
+torch.set_num_threads(int(os.environ.get("KVFLOW_TEST_NUM_THREADS", "1")))
+
+EOS_TOKEN, BOS_TOKEN = "<eos>", "<bos>"
+TOKENIZER_VOCAB = 320
+
+# name -> (transformers config class name, config overrides)
+TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # q/k/v bias
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm; head_dim != hidden / heads
+    "llama_rope_llama3": ("LlamaConfig", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    "llama_rope_linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear",
+                                                           "factor": 2.0}}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # every layer attends to the last 8 positions only (shorter than most test prompts)
+    "mistral_sliding_window": ("MistralConfig", {"sliding_window": 8}),
+    # Qwen2 with max_window_layers=1: layer 0 full attention, layer 1 a window of 8
+    "qwen2_layer_types": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8,
+                                          "max_window_layers": 1}),
+}
+
+
+@dataclass
+class TinyModel:
+    """A saved tiny model.
+
+    Attributes:
+        name: key in ``TINY_MODEL_SPECS``.
+        path: folder with config.json, model.safetensors and the tokenizer files.
+        hf_model: the same model in transformers (float32, eval mode).
+        vocab_size: model vocabulary size (== tokenizer size).
+        eos_token_id: the tokenizer's and config's EOS id.
+    """
+
+    name: str
+    path: str
+    hf_model: Any
+    vocab_size: int
+    eos_token_id: int
+
+
+def _tokenizer_corpus() -> list[str]:
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+             "kvflow", "pages", "keys", "and", "values", "through", "blocks", "of", "tokens;",
+             "prefix", "caching", "reuses", "them,", "chunked", "prefill", "splits", "long",
+             "prompts,", "and", "preemption", "recomputes", "what", "it", "evicted"]
+    lines = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    return lines + ["0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ !?.,:;-+*/=()[]{}<>\"'"] * 3
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of ``TOKENIZER_VOCAB`` tokens (ids 0 and 1
+    are ``<eos>`` and ``<bos>``), trained deterministically on a fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=[EOS_TOKEN, BOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_tokenizer_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=BOS_TOKEN)
+    assert len(fast) == TOKENIZER_VOCAB and fast.eos_token_id == 0
+    return fast
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights with peaked logits: N(0, 0.1) matrices, norms 1 + N(0, 0.2), biases
+    N(0, 0.2). Parameters are visited in name order, so the draw is deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * noise)
+            else:
+                param.copy_(0.1 * noise)
+
+
+def build_tiny_model(name: str, folder: str, tokenizer: Any, seed: int = 0) -> TinyModel:
+    """Build, randomize and save one tiny model (and the tokenizer) into ``folder``."""
+    import transformers
+
+    config_cls_name, overrides = TINY_MODEL_SPECS[name]
+    config_cls = getattr(transformers, config_cls_name)
+    kwargs: dict[str, Any] = {
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.eos_token_id}
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    config.architectures = [config_cls_name.replace("Config", "ForCausalLM")]
+    model_cls = getattr(transformers, config.architectures[0])
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    _randomize_(model, seed)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return TinyModel(name, folder, model, config.vocab_size, tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory,
+                       tiny_tokenizer: Any) -> Callable[[str], TinyModel]:
+    """``factory(name) -> TinyModel`` for a name in ``TINY_MODEL_SPECS``; each model is built
+    once per session (its seed derives from its name) and saved under a session tmp dir."""
+    cache: dict[str, TinyModel] = {}
+
+    def factory(name: str) -> TinyModel:
+        if name not in cache:
+            folder = str(tmp_path_factory.mktemp(f"tiny_{name}"))
+            seed = zlib.crc32(name.encode())  # stable when specs are added
+            cache[name] = build_tiny_model(name, folder, tiny_tokenizer, seed)
+        return cache[name]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: Callable[[str], TinyModel]) -> TinyModel:
+    """The tiny Llama (untied, plain RoPE)."""
+    return tiny_model_factory("llama")
+
+
+def _assert_no_leaked_blocks(llm: Any) -> None:
+    core = llm.engine.core
+    assert not core.has_unfinished_requests()
+    pool = core.kv_cache_manager.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_usable_blocks, \
+        f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks leaked"
+
+
+@pytest.fixture
+def assert_no_leaks() -> Callable[[Any], None]:
+    """``assert_no_leaks(llm)``: once every request has finished, the block pool passes
+    ``check_invariants`` and every usable block is free again (no leaked reference)."""
+    return _assert_no_leaked_blocks
