@@ -534,3 +534,27 @@ def test_resolve_bad_files(tmp_path):
     txt.write_bytes(b"\0" * 8)
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_model(str(txt))
+
+
+# --------------------------------------------------------------------------- engine parity
+
+
+def test_smollm_greedy_matches_transformers(smollm_path, hf_model, smollm_tokenizer):
+    """The packaged GGUF through kvflow (paged KV, batched, chunked prefill) generates the same
+    greedy tokens as transformers' own loading of the same GGUF."""
+    from kvflow import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Once upon a time",
+               "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
+    llm = LLM(model="SmolLM2-135M-Instruct", dtype="float32", max_num_batched_tokens=16,
+              num_kv_blocks=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([smollm_tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                    do_sample=False)[0, ids.shape[1]:].tolist()
+        got = out.outputs[0].token_ids
+        assert got == ref[:len(got)], (prompt, got, ref)
+        assert len(got) == 20 or got[-1] == smollm_tokenizer.eos_token_id
+    assert "Paris" in outs[0].outputs[0].text

@@ -1,0 +1,61 @@
+"""The ``kvflow`` command line: generate, bench throughput, and one-line errors (status 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow.entrypoints.cli import main
+
+
+def _run(argv, capsys):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--top-p", "2"], "top_p"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
+    args = ["generate", "--model", tiny_llama.path, "--prompt", "hi", *argv]
+    rc, out, err = _run(args, capsys)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvflow: error:") and needle in lines[0]
+
+
+def test_prompt_longer_than_max_model_len_exits_2(tiny_llama, capsys):
+    rc, _, err = _run(["generate", "--model", tiny_llama.path, "--max-model-len", "8",
+                       "--prompt", "the lazy fox pages keys and values " * 4], capsys)
+    assert rc == 2 and "max_model_len is 8" in err
+
+
+def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
+    from kvflow import LLM, SamplingParams
+
+    expected = LLM(model=tiny_llama.path, dtype="float32").generate(
+        "the lazy fox", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    rc, out, _ = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
+                       "--prompt", "the lazy fox", "--max-tokens", "5", "--temperature", "0",
+                       "--verbose"], capsys)
+    assert rc == 0
+    assert out.splitlines()[0] == "the lazy fox" + expected.outputs[0].text
+    assert f"tokens={len(expected.outputs[0].token_ids)}" in out
+
+
+def test_bench_throughput_against_hf(tiny_llama, capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    rc, out, _ = _run(["bench", "throughput", "--model", tiny_llama.path, "--dtype", "float32",
+                       "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                       "--compare", "hf", "--output-json", str(path)], capsys)
+    assert rc == 0 and "kvflow / hf-transformers output throughput" in out
+    results = json.loads(path.read_text())
+    assert [r["engine"] for r in results] == ["kvflow", "hf-transformers"]
+    for r in results:
+        assert r["num_prompts"] == 4
+        assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
