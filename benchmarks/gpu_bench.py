@@ -21,8 +21,8 @@ import torch
 CONFIG_DIR = os.environ.get("KVFLOW_BENCH_CONFIG",
                             os.path.join(os.path.dirname(__file__), "configs", "llama-3.1-8b"))
 _SCALE = int(os.environ.get("KVFLOW_BENCH_SCALE", "1"))  # >1 shrinks the workloads (dry runs)
-W1 = dict(num_prompts=256 // _SCALE, input_len=512 // _SCALE, output_len=128 // _SCALE)
-W2 = dict(num_prompts=1, input_len=512 // _SCALE, output_len=128 // _SCALE)
+W1 = {"num_prompts": 256 // _SCALE, "input_len": 512 // _SCALE, "output_len": 128 // _SCALE}
+W2 = {"num_prompts": 1, "input_len": 512 // _SCALE, "output_len": 128 // _SCALE}
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu only for dry runs
@@ -69,7 +69,7 @@ def phase_ceilings() -> None:
 
 
 def phase_kvflow(args: argparse.Namespace) -> None:
-    from kvflow import LLM, SamplingParams
+    from kvflow import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model=CONFIG_DIR, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

@@ -60,7 +60,9 @@ def table(s: dict) -> str:
 
 def main(path: str) -> None:
     results = {}
-    for line in open(path):
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if line.startswith("RESULT "):
             r = json.loads(line[7:])
             results[r.pop("phase") + ("_eager" if r.get("enforce_eager") else "")] = r

@@ -4,8 +4,15 @@ from kvflow.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -14,6 +21,10 @@ def __getattr__(name: str):
         from kvflow import llm
 
         return getattr(llm, name)
+    if name == "AsyncLLM":
+        from kvflow.entrypoints import async_llm
+
+        return async_llm.AsyncLLM
     if name in ("RequestOutput", "CompletionOutput"):
         from kvflow import outputs
 

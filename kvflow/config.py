@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -41,6 +42,15 @@ def parse_bytes(value: str | int) -> int:
     return size
 
 
+def _check_choices(config: Any) -> None:
+    """Raise ValueError for a field value outside the field's declared ``choices``."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name}={value!r} is invalid; choose one of {choices}")
+
+
 @dataclass
 class ModelConfig:
     model: str = _opt("SmolLM2-135M-Instruct",
@@ -52,6 +62,9 @@ class ModelConfig:
     load_format: str = _opt("auto", "weights: auto (from files) or dummy (random init)",
                             choices=["auto", "dummy"])
     skip_tokenizer_init: bool = _opt(False, "do not load a tokenizer (token-id prompts only)")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
 
 
 @dataclass
@@ -150,3 +163,57 @@ def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None
     kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
     group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
                        help=f"{meta.get('help')} (default: {f.default})")
+
+
+@dataclass
+class ServerConfig:
+    """Options of ``kvflow serve`` beyond the engine's (flags are generated from these fields).
+
+    Raises:
+        ValueError: from the constructor for an out-of-range value.
+    """
+
+    host: str = _opt("127.0.0.1", "address the HTTP server listens on")
+    port: int = _opt(8000, "TCP port the HTTP server listens on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but "
+                               "/health, /metrics and /version; unset: $KVFLOW_API_KEY, if set")
+    served_model_name: str | None = _opt(None, "model name clients send; unset: the model "
+                                         "argument")
+    max_waiting_requests: int | None = _opt(None, "accepted requests that have not produced a "
+                                            "token yet beyond which new requests get 503; "
+                                            "unset: unlimited")
+    max_n: int = _opt(16, "largest n (samples per prompt) one request may ask for")
+    max_logprobs: int = _opt(20, "largest logprobs / top_logprobs one request may ask for")
+    uvicorn_log_level: str = _opt("info", "HTTP server log level",
+                                  choices=["critical", "error", "warning", "info", "debug"])
+    engine_start_timeout: float = _opt(600.0, "seconds to wait for the engine process to load "
+                                       "the model")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
+                  (self.max_n >= 1, "max_n", "must be >= 1"),
+                  (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
+                  (self.max_waiting_requests is None or self.max_waiting_requests >= 0,
+                   "max_waiting_requests", "must be >= 0"),
+                  (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0")]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("ServerConfig")
+        for f in fields(ServerConfig):
+            _add_field_arg(group, f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace,
+                      env: dict[str, str] | None = None) -> ServerConfig:
+        """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
+        (default: the process environment)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("api_key") is None:
+            values["api_key"] = (os.environ if env is None else env).get("KVFLOW_API_KEY") \
+                or None
+        return cls(**values)

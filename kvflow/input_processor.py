@@ -53,10 +53,25 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
+        vocabulary (SamplingParams checks everything that does not depend on the model)."""
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0) -> list[Request]:
-        """One Request per sample (``n``); sample i of a seeded request uses seed + i."""
+        """One Request per sample (``n``); sample i of a seeded request uses seed + i.
+
+        Raises:
+            ValueError: for a bad prompt (see ``validate``) or parameters (``validate_params``).
+        """
         self.validate(token_ids)
+        self.validate_params(params)
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i

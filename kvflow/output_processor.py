@@ -1,5 +1,10 @@
 """Engine-core outputs -> user-facing RequestOutputs: detokenization, stop strings, logprobs,
-and the regrouping of the ``n`` samples of one request."""
+and the regrouping of the ``n`` samples of one request.
+
+A request is tracked in one of two modes: cumulative (each RequestOutput holds every sample's
+whole text so far; offline ``LLM``) or delta (each RequestOutput holds, for the samples that
+changed, only what is new since the previous output; streaming servers).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,22 @@ class _SampleState:
     want_logprobs: bool
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs_start: int = 0  # index in output.logprobs where the pending delta starts
+    changed: bool = False
+
+    def take_delta(self) -> CompletionOutput:
+        """What changed since the previous call, as a CompletionOutput (resets the delta)."""
+        out = self.output
+        logprobs = None if out.logprobs is None else out.logprobs[self.delta_logprobs_start:]
+        delta = CompletionOutput(out.index, self.delta_text, self.delta_token_ids,
+                                 out.cumulative_logprob, logprobs, out.finish_reason,
+                                 out.stop_reason)
+        self.clear_delta()
+        return delta
+
+    def clear_delta(self) -> None:
+        self.delta_text, self.delta_token_ids, self.changed = "", [], False
+        self.delta_logprobs_start = len(self.output.logprobs or ())
 
 
 @dataclass
@@ -28,6 +49,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: dict[str, _SampleState]
     metrics: RequestMetrics
+    delta: bool = False
 
     @property
     def finished(self) -> bool:
@@ -46,8 +68,21 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}
 
-    def add_request(self, prompt: str | None, requests: list[Request]) -> None:
+    def add_request(self, prompt: str | None, requests: list[Request],
+                    delta: bool = False) -> None:
+        """Start tracking one user request (its ``n`` samples).
+
+        Args:
+            delta: report only what is new in each output (streaming) instead of everything.
+
+        Raises:
+            ValueError: if its id or one of its sample ids is already in flight (nothing is
+                changed then, so the running request keeps its state).
+        """
         first = requests[0]
+        if first.parent_id in self._states or any(r.request_id in self._parent_of
+                                                  for r in requests):
+            raise ValueError(f"request id {first.parent_id!r} is already in use")
         samples = {}
         for r in requests:
             p = r.sampling_params
@@ -62,7 +97,7 @@ class OutputProcessor:
             samples[r.request_id] = _SampleState(out, detok, p.logprobs is not None)
             self._parent_of[r.request_id] = first.parent_id
         self._states[first.parent_id] = _RequestState(
-            prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time))
+            prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time), delta)
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -85,7 +120,10 @@ class OutputProcessor:
             if parent is None:
                 continue
             state = self._states[parent]
-            if self._update_sample(state.samples[eco.request_id], eco):
+            sample = state.samples[eco.request_id]
+            if sample.output.finished:  # a stop string ended it; its abort is in flight
+                continue
+            if self._update_sample(sample, eco, not state.delta):
                 to_abort.append(eco.request_id)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -98,11 +136,14 @@ class OutputProcessor:
             results.append(self._request_output(parent, state))
         return results, to_abort
 
-    def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput) -> bool:
-        """Fold new tokens into a sample; returns True if a stop string ended it here."""
+    def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput,
+                       keep_text: bool) -> bool:
+        """Fold new tokens into a sample; returns True if a stop string ended it here.
+        ``keep_text``: maintain ``output.text`` (cumulative mode; delta mode skips the join)."""
         out = sample.output
         out.token_ids.extend(eco.new_token_ids)
-        sample.delta_token_ids = list(eco.new_token_ids)
+        sample.delta_token_ids.extend(eco.new_token_ids)
+        sample.changed = True
         if sample.want_logprobs and eco.new_logprobs:
             self._add_logprobs(out, eco.new_token_ids, eco.new_logprobs)
         finish = (eco.finish_reason, eco.stop_reason) if eco.finish_reason else None
@@ -112,7 +153,9 @@ class OutputProcessor:
             if delta.stop_str is not None:
                 stopped_by_string = finish is None
                 finish = ("stop", delta.stop_str)
-            out.text = sample.detokenizer.output_text
+            sample.delta_text += delta.text
+            if keep_text:
+                out.text = sample.detokenizer.output_text
         if finish is not None:
             out.finish_reason, out.stop_reason = finish
         return stopped_by_string
@@ -130,6 +173,12 @@ class OutputProcessor:
 
     @staticmethod
     def _request_output(parent: str, state: _RequestState) -> RequestOutput:
-        outputs = sorted((s.output for s in state.samples.values()), key=lambda o: o.index)
+        samples = sorted(state.samples.values(), key=lambda s: s.output.index)
+        if state.delta:
+            outputs = [s.take_delta() for s in samples if s.changed]
+        else:
+            outputs = [s.output for s in samples]
+            for s in samples:
+                s.clear_delta()
         return RequestOutput(parent, state.prompt, state.prompt_token_ids, outputs,
                              state.finished, state.metrics)

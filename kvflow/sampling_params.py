@@ -24,6 +24,15 @@ class SamplingParams:
         logprobs: if set, return this many top logprobs per generated token (plus the sampled).
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
+        presence_penalty: subtracted once from the logit of every token already generated;
+            in [-2, 2] (OpenAI semantics).
+        frequency_penalty: subtracted from a token's logit once per time it was generated;
+            in [-2, 2] (OpenAI semantics).
+        repetition_penalty: > 0; logits of tokens seen in the prompt or the output are divided
+            by it when positive and multiplied by it when negative (CTRL, Keskar et al. 2019);
+            1 disables.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit every step
+            (string keys such as JSON's are converted to int).
 
     Raises:
         ValueError: on any out-of-range value, naming the field and the allowed range.
@@ -43,6 +52,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +64,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -68,6 +82,14 @@ class SamplingParams:
              "must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
              "must be non-empty strings"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+             "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
+             "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+             "must be > 0"),
+            (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
+             self.logit_bias, "must map token ids to biases in [-100, 100]"),
         ]
         for ok, name, value, why in checks:
             if not ok:
@@ -76,3 +98,27 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True if any of presence, frequency or repetition penalty is active."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """``{"50256": -100}`` -> ``{50256: -100.0}``; None or empty -> None.
+
+    Raises:
+        ValueError: for a key that is not an integer token id or a non-numeric bias.
+    """
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"SamplingParams.logit_bias has entry {key!r}: {value!r}; keys "
+                             "must be integer token ids and values numbers") from None
+    return out

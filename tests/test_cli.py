@@ -23,7 +23,7 @@ def _run(argv, capsys):
 ])
 def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     args = ["generate", "--model", tiny_llama.path, "--prompt", "hi", *argv]
-    rc, out, err = _run(args, capsys)
+    rc, _out, err = _run(args, capsys)
     assert rc == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvflow: error:") and needle in lines[0]

@@ -61,7 +61,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:  # noqa: B027
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step tensors (stored in ``meta.extra``); default: nothing."""
 
     @abstractmethod

@@ -64,7 +64,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return ex[key]
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
-        num_tokens, num_heads, head_dim = q.shape
+        _num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)

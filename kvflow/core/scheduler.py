@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
-from kvflow.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheManager
+from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_policy import WaitingQueue, make_policy
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
@@ -34,6 +34,7 @@ class ScheduledRequest:
         block_ids: the request's whole block table.
         do_sample: the step reaches the end of the request's tokens, so sample one token.
         output_token_ids: tokens generated so far (for min_tokens and penalties).
+        prompt_token_ids: the request's prompt (for the repetition penalty).
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]
     eos_token_id: int | None
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -213,6 +215,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
+            prompt_token_ids=request.prompt_token_ids,
         )
 
     # ---- after the step ----------------------------------------------------------------------

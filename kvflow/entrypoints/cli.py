@@ -1,7 +1,7 @@
-"""The ``kvflow`` command: ``generate``, ``bench throughput`` (and more subcommands later).
+"""The ``kvflow`` command: ``generate``, ``serve``, ``bench throughput``.
 
-Engine flags are generated from the EngineConfig dataclasses, sampling flags from
-SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
+Engine flags are generated from the EngineConfig dataclasses, server flags from ServerConfig,
+sampling flags from SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import dataclasses
 import logging
 import sys
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, ServerConfig
 from kvflow.sampling_params import SamplingParams
 
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
-                   "stop", "ignore_eos", "logprobs")
+                   "stop", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvflow.entrypoints.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    server_config = ServerConfig.from_cli_args(args)
+    logging.getLogger("kvflow").setLevel(server_config.uvicorn_log_level.upper())
+    try:
+        run_server(EngineConfig.from_cli_args(args), server_config)
+    except RuntimeError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve MODEL over an OpenAI-compatible HTTP API.")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="packaged model name, HF folder or GGUF path (same as --model)")
+    EngineConfig.add_cli_args(serve)
+    ServerConfig.add_cli_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    _add_serve_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
     from kvflow.bench.throughput import add_throughput_parser

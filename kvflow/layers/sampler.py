@@ -1,4 +1,5 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling for a batch: logit bias, penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds.
 
 Random rows use the exponential-race form of categorical sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. draws the index with probability proportional to ``p``. A seeded request
@@ -14,6 +15,46 @@ import torch
 
 
 @dataclass
+class PenaltyMetadata:
+    """Penalty settings for the R rows of a batch that use any penalty.
+
+    Attributes:
+        rows: int64 [R], the batch rows concerned.
+        prompt_token_ids / output_token_ids: int64 [R, L], each row's prompt / generated ids,
+            right-padded with -1.
+        presence / frequency / repetition: float32 [R] (0, 0 and 1 disable each).
+    """
+
+    rows: torch.Tensor
+    prompt_token_ids: torch.Tensor
+    output_token_ids: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
+              params: list, device: torch.device) -> PenaltyMetadata:
+        """Pack per-row token lists and SamplingParams (one per row) into tensors."""
+        def floats(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                                device=device)
+
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device),
+                   _pad(prompts, device), _pad(outputs, device),
+                   floats("presence_penalty"), floats("frequency_penalty"),
+                   floats("repetition_penalty"))
+
+
+def _pad(token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(t) for t in token_lists))
+    out = torch.full((len(token_lists), width), -1, dtype=torch.int64)
+    for i, tokens in enumerate(token_lists):
+        out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return out.to(device)
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings for one step (row = one request that samples).
 
@@ -23,6 +64,9 @@ class SamplingMetadata:
         generators: row -> torch.Generator for seeded rows.
         banned_token_ids: row -> token ids masked this step (EOS/stop ids during min_tokens).
         num_logprobs: row -> number of top logprobs requested.
+        penalties: presence / frequency / repetition penalties of the rows that use them.
+        logit_bias: (rows int64 [K], token ids int64 [K], biases float32 [K]) for every
+            (row, token) pair with a bias, or None.
     """
 
     temperature: torch.Tensor
@@ -32,6 +76,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_logprobs: dict[int, int] = field(default_factory=dict)
+    penalties: PenaltyMetadata | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -54,6 +100,11 @@ class Sampler:
         self.generator = generator  # for unseeded random rows
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.logit_bias is not None:
+            rows, token_ids, biases = meta.logit_bias
+            logits.index_put_((rows, token_ids), biases, accumulate=True)
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
@@ -88,6 +139,32 @@ class Sampler:
         for row, k in meta.num_logprobs.items():
             out[row] = (top_ids[row][:k], top_lp[row][:k], sampled_lp[row], ranks[row])
         return out
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:
+    """Apply repetition, frequency and presence penalties in place to ``pen.rows`` of ``logits``
+    [B, V] float32, with OpenAI / vLLM semantics:
+
+    * repetition (CTRL, Keskar et al. 2019): for tokens seen in the prompt or the output, a
+      positive logit is divided by the penalty and a negative one multiplied by it;
+    * frequency: ``logit -= frequency * count`` (count of the token in the output);
+    * presence: ``logit -= presence * (count > 0)``.
+    """
+    vocab = logits.shape[1]
+    sub = logits[pen.rows]
+    # Padding (-1) goes to an extra column vocab, dropped after the scatter.
+    outputs = torch.where(pen.output_token_ids < 0, vocab, pen.output_token_ids)
+    prompts = torch.where(pen.prompt_token_ids < 0, vocab, pen.prompt_token_ids)
+    counts = torch.zeros(sub.shape[0], vocab + 1, dtype=sub.dtype, device=sub.device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
+    counts = counts[:, :vocab]
+    in_prompt = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=sub.device)
+    in_prompt.scatter_(1, prompts, True)
+    seen = in_prompt[:, :vocab] | (counts > 0)
+    rep = pen.repetition.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - pen.frequency.unsqueeze(1) * counts - pen.presence.unsqueeze(1) * (counts > 0)
+    logits[pen.rows] = sub
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -8,7 +8,7 @@ checkpoint tensors are fused into one matmul here (q/k/v -> qkv_proj, gate/up ->
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias: bool | None = None  # None: the config's ``attention_bias``
     qk_norm: bool = False
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }

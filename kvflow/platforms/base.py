@@ -26,10 +26,10 @@ class Platform(ABC):
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory."""
 
-    def synchronize(self) -> None:  # noqa: B027
+    def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 
-    def reset_peak_memory(self) -> None:  # noqa: B027
+    def reset_peak_memory(self) -> None:
         """Release cached blocks and reset the peak-allocation counter (no-op on CPU)."""
 
     def peak_memory(self) -> int:
@@ -40,5 +40,5 @@ class Platform(ABC):
         """Bytes this process's allocator holds from the device now (0 where unknown)."""
         return 0
 
-    def supports_dtype(self, dtype: torch.dtype) -> bool:  # noqa: ARG002
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
         return True

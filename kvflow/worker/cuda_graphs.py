@@ -47,7 +47,7 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len, self.block_size = max_model_len, block_size
         n = self.sizes[-1]
-        i32 = dict(dtype=torch.int32, device=device)
+        i32 = {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)

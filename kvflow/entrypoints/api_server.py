@@ -1,0 +1,202 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize (these need
+the API key when one is set), and /health, /metrics, /version (always open). Every error is
+an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
+a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow import __version__
+from kvflow.config import EngineConfig, ServerConfig
+from kvflow.entrypoints.async_llm import AsyncLLM
+from kvflow.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from kvflow.entrypoints.serving_base import OpenAIError
+from kvflow.entrypoints.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
+from kvflow.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``
+    (compared in constant time); otherwise 401 with an OpenAI error body."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        error = OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            401, "authentication_error", code="invalid_api_key")
+        response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        return await response(scope, receive, send)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    await app.state.engine.start()
+    yield
+    await app.state.engine.shutdown()
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+    """The FastAPI app over a started-up (model loaded) AsyncLLM; its lifespan starts the
+    output loop and shuts the engine down. All state lives on ``app.state``."""
+    app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan)
+    app.state.engine = engine
+    app.state.model_name = model_name
+    app.state.completion = OpenAIServingCompletion(engine, config, model_name)
+    app.state.chat = OpenAIServingChat(engine, config, model_name)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    _add_error_handlers(app)
+    _add_openai_routes(app)
+    _add_other_routes(app)
+    return app
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error: %s", exc)
+        return _error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
+                                           "internal_server_error"))
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first offending field (or the JSON syntax error)."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
+                           code="invalid_json")
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
+    return OpenAIError(message, param=param)
+
+
+def _add_openai_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await raw.app.state.completion.create_completion(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await raw.app.state.chat.create_chat_completion(req, raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> ModelList:
+        state = raw.app.state
+        return ModelList(data=[ModelCard(id=state.model_name,
+                                         root=state.engine.config.model_config.model,
+                                         max_model_len=state.engine.max_model_len)])
+
+
+def _add_other_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(raw: Request) -> Response:
+        if raw.app.state.engine.is_healthy:
+            return Response(status_code=200)
+        return _error_response(OpenAIError("the engine core is not running", 503,
+                                           "service_unavailable", code="engine_dead"))
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics")
+    async def metrics(raw: Request) -> Response:
+        return Response(raw.app.state.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
+        chat = raw.app.state.chat
+        chat.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = chat.render(req.messages, req.add_generation_prompt, None)[1]
+        else:
+            ids = chat.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=chat.engine.max_model_len,
+                                tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+        chat = raw.app.state.chat
+        chat.check_model(req.model)
+        vocab = chat.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                              param="tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(req.tokens))
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM.
+
+    Raises:
+        RuntimeError: if the engine fails to start.
+        ValueError: for a bad model or configuration.
+    """
+    model_name = server_config.served_model_name or engine_config.model_config.model
+    engine = AsyncLLM(engine_config, ServerMetrics(model_name),
+                      server_config.engine_start_timeout)
+    try:
+        app = build_app(engine, server_config, model_name)
+        logger.info("serving %s on http://%s:%d", model_name, server_config.host,
+                    server_config.port)
+        uvicorn.run(app, host=server_config.host, port=server_config.port,
+                    log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()

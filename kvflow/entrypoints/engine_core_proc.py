@@ -1,0 +1,140 @@
+"""The engine core in its own process: a busy loop around ``EngineCore.step`` fed over ZMQ.
+
+The loop, once per iteration: take every pending input message (block only when there is no
+work, waking every ``_IDLE_POLL_MS`` to check that the API process is still alive), run one
+step if any request is unfinished, and send the step's outputs with fresh stats. Aborts are
+therefore applied (and their KV blocks freed) before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import traceback
+
+import msgspec
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.core.engine_core import EngineCore
+from kvflow.core.scheduler import EngineCoreOutput
+from kvflow.entrypoints.engine_messages import (
+    AbortRequests,
+    AddRequests,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    Shutdown,
+    input_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    log_level: int = logging.WARNING) -> None:
+    """Process entry point: build the EngineCore, report ready (or failed), serve until told
+    to shut down or until the parent process dies.
+
+    Args:
+        config: the engine configuration.
+        input_addr / output_addr: ZMQ addresses bound by the API process (PUSH -> our PULL,
+            our PUSH -> its PULL).
+        log_level: logging level of this process.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = EngineCore(config)
+        out.send(encoder.encode(_ready(core)))
+        EngineCoreProc(core, inp, out).run()
+    except Exception as e:  # noqa: BLE001 - report anything fatal to the API process
+        logger.error("engine core failed: %s", traceback.format_exc())
+        out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+    finally:
+        inp.close(linger=0)
+        out.close(linger=2000)
+        ctx.term()
+
+
+def _ready(core: EngineCore) -> EngineReady:
+    eos = getattr(core.hf_config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return EngineReady(core.max_model_len, core.hf_config.vocab_size,
+                       eos if isinstance(eos, int) else None, core.num_blocks,
+                       core.config.cache_config.block_size)
+
+
+def collect_stats(core: EngineCore) -> EngineStats:
+    """Snapshot of the scheduler and KV-cache counters."""
+    kv, sched = core.kv_cache_manager, core.scheduler
+    return EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
+                       kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
+                       kv.num_hits)
+
+
+class EngineCoreProc:
+    """The busy loop. ``run`` returns on ``Shutdown`` or when the parent process is gone and
+    raises what ``EngineCore.step`` raises."""
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+        self.core, self.inp, self.out = core, inp, out
+        self._decoder = input_decoder()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._parent = multiprocessing.parent_process()
+        self._errors: list[EngineCoreOutput] = []  # requests refused by the core
+
+    def run(self) -> None:
+        while True:
+            handled = self._handle_inputs(block=not self.core.has_unfinished_requests())
+            if handled is None:
+                return
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if outputs or handled or self._errors:
+                outputs, self._errors = self._errors + outputs, []
+                self.out.send(self._encoder.encode(EngineOutputs(outputs,
+                                                                 collect_stats(self.core))))
+
+    def _handle_inputs(self, block: bool) -> int | None:
+        """Apply every pending message, first waiting for one if ``block``; returns how many
+        were applied (None: stop the loop)."""
+        if block:
+            while not self.inp.poll(_IDLE_POLL_MS):
+                if not self._parent_alive():
+                    logger.warning("API process is gone; engine core exiting")
+                    return None
+        handled = 0
+        while self.inp.poll(0):
+            try:
+                msg = self._decoder.decode(self.inp.recv())
+            except msgspec.DecodeError as e:
+                logger.error("dropping an undecodable message: %s", e)
+                continue
+            if isinstance(msg, Shutdown):
+                return None
+            self._apply(msg)
+            handled += 1
+        return handled
+
+    def _apply(self, msg: AddRequests | AbortRequests) -> None:
+        if isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            return
+        for spec in msg.requests:
+            try:
+                self.core.add_request(spec.to_request())
+            except ValueError as e:  # the API process validates first; this is a safety net
+                logger.error("refused request %s: %s", spec.request_id, e)
+                self._errors.append(EngineCoreOutput(spec.request_id, [], None, "abort"))
+
+    def _parent_alive(self) -> bool:
+        return self._parent is None or self._parent.is_alive()

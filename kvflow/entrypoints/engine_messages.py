@@ -1,0 +1,108 @@
+"""Messages between the API process and the engine-core process (msgspec, msgpack-encoded).
+
+API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``.
+Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
+then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
+produced tokens and after every batch of inputs it handled.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.core.scheduler import EngineCoreOutput
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """The constructor arguments of one engine ``Request`` (one sample of a user request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float  # time.monotonic() seconds (system-wide clock on Linux)
+    priority: int
+    parent_id: str
+    sample_index: int
+
+    @classmethod
+    def from_request(cls, r: Request) -> EngineCoreRequest:
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
+                   r.arrival_time, r.priority, r.parent_id, r.sample_index)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                       self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
+                       self.sample_index)
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Sample ids to stop now; their KV blocks are freed before the next step."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequests | AbortRequests | Shutdown
+
+
+class EngineStats(msgspec.Struct):
+    """Scheduler and KV-cache state after a step. Counters are cumulative since start-up.
+
+    Attributes:
+        num_running / num_waiting: requests (samples) in the running list / waiting queue.
+        kv_cache_usage: fraction of usable KV blocks referenced by requests, in [0, 1].
+        num_free_blocks / num_usable_blocks: KV blocks free now / all blocks but the null one.
+        num_preemptions: requests preempted (recomputed later).
+        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_usable_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded and the KV cache is sized."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None  # from the model config (the tokenizer's wins when it has one)
+    num_blocks: int
+    block_size: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    """Sent when start-up or a step raised; the core process exits after sending it."""
+
+    message: str
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+EngineOutput = EngineReady | EngineFailed | EngineOutputs
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineOutput)

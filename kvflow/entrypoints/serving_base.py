@@ -1,0 +1,302 @@
+"""What the OpenAI endpoints share: errors, checks (model name, overload, context length),
+SamplingParams from a request, and the streaming plumbing (SSE response, stream merging)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from kvflow.config import ServerConfig
+from kvflow.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# Logprobs of masked tokens are -inf, which JSON cannot carry; clamp them as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI error body.
+
+    Args:
+        message: human-readable explanation.
+        status: HTTP status code.
+        type: OpenAI error type (``invalid_request_error``, ...).
+        param: the request field at fault, if any.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        headers: extra response headers (``Retry-After`` for 503).
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+# Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
+_COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
+                  "include_stop_str_in_output", "logit_bias")
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def invalid_request(error: ValueError) -> OpenAIError:
+    """A 400 for a ValueError from the engine's validation (param taken from the message)."""
+    match = _PARAM_RE.search(str(error))
+    return OpenAIError(str(error), param=match.group(1) if match else None)
+
+
+def engine_dead(error: BaseException) -> OpenAIError:
+    return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
+                       code="engine_dead")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers.
+
+    Args:
+        engine: the running AsyncLLM.
+        config: server options (caps, overload limit).
+        model_name: the name clients must send in ``model``.
+    """
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str) -> None:
+        self.engine, self.config, self.model_name = engine, config, model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer. Raises OpenAIError 400 if the server runs without one."""
+        if self.engine.tokenizer is None:
+            raise OpenAIError("this server runs without a tokenizer (--skip-tokenizer-init): "
+                              "send token ids")
+        return self.engine.tokenizer
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """Raises OpenAIError 404 if the request names another model."""
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+                              f"{self.model_name!r}", 404, "invalid_request_error", "model",
+                              "model_not_found")
+
+    def check_admission(self, num_requests: int) -> None:
+        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already."""
+        limit = self.config.max_waiting_requests
+        if not self.engine.is_healthy:
+            raise engine_dead(RuntimeError("the engine core process is gone"))
+        if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
+            raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "
+                              f"requests are waiting (limit {limit}); retry later", 503,
+                              "server_overloaded", code="server_overloaded",
+                              headers={"Retry-After": "1"})
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str) -> None:
+        """Raises OpenAIError 400 for an empty or out-of-vocabulary prompt, or one that leaves
+        no room for ``max_tokens`` in the context."""
+        try:
+            self.engine.processor.validate(token_ids)
+        except ValueError as e:
+            code = "context_length_exceeded" if "max_model_len" in str(e) else None
+            raise OpenAIError(str(e), param=param, code=code) from None
+        limit = self.engine.max_model_len
+        if len(token_ids) + max_tokens > limit:
+            raise OpenAIError(
+                f"this model's maximum context length is {limit} tokens; the request has "
+                f"{len(token_ids)} prompt tokens and asks for {max_tokens} more "
+                f"({len(token_ids) + max_tokens} in total)", param="max_tokens",
+                code="context_length_exceeded")
+
+    def check_n(self, n: int) -> None:
+        if n > self.config.max_n:
+            raise OpenAIError(f"n={n} is above this server's limit of {self.config.max_n} "
+                              "(--max-n)", param="n")
+
+    def check_num_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and value > self.config.max_logprobs:
+            raise OpenAIError(f"{param}={value} is above this server's limit of "
+                              f"{self.config.max_logprobs} (--max-logprobs)", param=param)
+
+    @staticmethod
+    def check_stream_options(req: SamplingRequest) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true",
+                              param="stream_options")
+
+    # ---- sampling params ---------------------------------------------------------------------
+    def sampling_params(self, req: SamplingRequest, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request's fields. Raises OpenAIError 400 when invalid."""
+        fields = {name: getattr(req, name) for name in _COPIED_FIELDS}
+        fields.update({name: getattr(req, name) for name in _OPTIONAL_FIELDS
+                       if getattr(req, name) is not None})
+        fields.update(max_tokens=max_tokens, logprobs=logprobs,
+                      stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                      stop_token_ids=list(req.stop_token_ids or []))
+        try:
+            params = SamplingParams(**fields)
+            self.engine.processor.validate_params(params)
+        except ValueError as e:
+            raise invalid_request(e) from None
+        return params
+
+    # ---- running requests --------------------------------------------------------------------
+    def add_requests(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+                     params: Sequence[SamplingParams]) -> list[RequestStream]:
+        """Queue every prompt (ids ``{request_id}-{i}``); on failure abort what was queued.
+
+        Raises:
+            OpenAIError: 400 for input the engine refuses, 503 if the engine is gone.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp))
+        except ValueError as e:
+            self.abort(streams)
+            raise invalid_request(e) from None
+        except EngineDeadError as e:
+            self.abort(streams)
+            raise engine_dead(e) from None
+        return streams
+
+    def abort(self, streams: Sequence[RequestStream]) -> None:
+        """Abort every stream's request (no-op for finished ones)."""
+        for stream in streams:
+            self.engine.abort(stream.request_id)
+
+    async def respond(self, raw: Request, streams: Sequence[RequestStream],
+                      work: Awaitable[BaseModel]) -> Response:
+        """Await the non-streaming response body; abort the requests if the client leaves.
+
+        Raises:
+            OpenAIError: 503 if the engine dies meanwhile.
+        """
+        try:
+            result = await run_unless_disconnected(raw, work, lambda: self.abort(streams))
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        finally:
+            self.abort(streams)
+        if result is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def stream(self, streams: Sequence[RequestStream],
+                     chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
+        becomes an error event. Always aborts the requests when it ends (client gone too)."""
+        try:
+            async for chunk in chunks:
+                yield sse(chunk.model_dump_json())
+        except EngineDeadError as e:
+            yield sse(ErrorResponse.model_validate(engine_dead(e).body()).model_dump_json())
+        finally:
+            self.abort(streams)
+            if hasattr(chunks, "aclose"):
+                await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
+        yield SSE_DONE
+
+
+async def merge_streams(streams: Sequence[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(stream index, delta output)`` from several streams as outputs arrive.
+
+    Raises:
+        EngineDeadError: if the engine dies meanwhile.
+    """
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_unless_disconnected(raw: Request, work: Awaitable[T],
+                                  on_disconnect: Callable[[], None]) -> T | None:
+    """Await ``work`` but cancel it (and call ``on_disconnect``) if the client goes away
+    first; returns None then."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    on_disconnect()
+    return None
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose body iterator is always closed when the response ends or the
+    client disconnects, so its ``finally`` (which aborts the requests) runs at once."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,175 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> completions, streamed
+(SSE) or whole. Choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.entrypoints.async_llm import RequestStream, collect
+from kvflow.entrypoints.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from kvflow.entrypoints.serving_base import (
+    MIN_LOGPROB,
+    OpenAIError,
+    OpenAIServing,
+    SSEResponse,
+    merge_streams,
+    random_id,
+)
+from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.sampling_params import SamplingParams
+
+Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handler of /v1/completions (see OpenAIServing for the constructor)."""
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        """Validate everything, queue every prompt, then answer.
+
+        Raises:
+            OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
+        """
+        self._check_request(req)
+        prompts = self._prompts(req)
+        params = [self._params(req, ids) for _, ids in prompts]
+        self.check_admission(len(prompts))
+        request_id = random_id("cmpl")
+        streams = self.add_requests(request_id, prompts, params)
+        if req.stream:
+            return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
+                                                                 streams)))
+        return await self.respond(raw, streams, self._response(req, request_id, prompts,
+                                                               streams))
+
+    def _check_request(self, req: CompletionRequest) -> None:
+        self.check_model(req.model)
+        self.check_n(req.n)
+        self.check_num_logprobs(req.logprobs, "logprobs")
+        self.check_stream_options(req)
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError("echo with logprobs needs prompt logprobs, which kvflow does not "
+                              "compute yet", param="echo")
+
+    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+        """The request's prompts as (text or None, token ids). Raises OpenAIError if empty."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            items = [prompt]
+        elif not prompt:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        else:
+            items = list(prompt)
+        out: list[Prompt] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise OpenAIError("the prompt is empty", param="prompt")
+                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+                out.append((item, ids))
+            else:
+                out.append((None, list(item)))
+        return out
+
+    def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
+        max_tokens = req.max_tokens if req.max_tokens is not None else \
+            max(1, self.engine.max_model_len - len(ids))
+        params = self.sampling_params(req, max_tokens, req.logprobs)
+        self.check_prompt(ids, max_tokens, "prompt")
+        return params
+
+    def _echo(self, req: CompletionRequest, prompt: Prompt) -> str:
+        if not req.echo:
+            return ""
+        text, ids = prompt
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    # ---- whole response ----------------------------------------------------------------------
+    async def _response(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                        streams: Sequence[RequestStream]) -> CompletionResponse:
+        choices, num_generated = [], 0
+        for i, stream in enumerate(streams):
+            out = await collect(stream)
+            echo = self._echo(req, prompts[i])
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                choices.append(self._choice(req, i * req.n + c.index, echo + c.text, c,
+                                            len(echo))[0])
+                if req.return_token_ids:
+                    choices[-1].prompt_token_ids = prompts[i][1]
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=_usage(prompts, num_generated))
+
+    @staticmethod
+    def _choice(req: CompletionRequest, index: int, text: str, c: CompletionOutput,
+                text_offset: int) -> tuple[CompletionChoice, int]:
+        """One choice for (a delta of) a sample; returns it and the text offset after it."""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, text_offset = completion_logprobs(c.token_ids, c.logprobs or [],
+                                                        text_offset)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  token_ids=c.token_ids if req.return_token_ids else None)
+        return choice, text_offset
+
+    # ---- streaming ---------------------------------------------------------------------------
+    async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                      streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
+        created, num_generated = int(time.time()), 0
+        offsets: dict[int, int] = {}  # choice index -> text offset (logprobs)
+        want_tokens = req.logprobs is not None or req.return_token_ids
+        async for i, delta in merge_streams(streams):
+            for c in delta.outputs:
+                index = i * req.n + c.index
+                num_generated += len(c.token_ids)
+                # The first chunk sent for a choice carries the echo.
+                echo = "" if index in offsets else self._echo(req, prompts[i])
+                text = echo + c.text
+                if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
+                    continue  # text held back (partial character, stop-string prefix)
+                choice, offsets[index] = self._choice(req, index, text, c,
+                                                      offsets.get(index, len(echo)))
+                yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                         choices=[choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                     choices=[], usage=_usage(prompts, num_generated))
+
+
+def _usage(prompts: list[Prompt], num_generated: int) -> UsageInfo:
+    """Prompt tokens count once per prompt; completion tokens sum over every sample."""
+    num_prompt = sum(len(ids) for _, ids in prompts)
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                     total_tokens=num_prompt + num_generated)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        text_offset: int) -> tuple[CompletionLogProbs, int]:
+    """Legacy-completions logprobs for some tokens; returns them and the offset after them.
+
+    ``top_logprobs`` maps decoded token -> logprob for the top-k tokens and the sampled one.
+    """
+    out = CompletionLogProbs()
+    for token_id, step in zip(token_ids, logprobs):
+        sampled = step[token_id]
+        token = sampled.decoded_token or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for lp in sorted(step.values(), key=lambda lp: lp.rank):  # tokens decoding alike:
+            top.setdefault(lp.decoded_token or "", max(lp.logprob, MIN_LOGPROB))  # keep best
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+    return out, text_offset

@@ -1,0 +1,177 @@
+"""Prometheus metrics of the server (``GET /metrics``), on a registry of their own.
+
+Two sources feed them:
+
+* per-request timings and lengths, observed in the API process as outputs arrive
+  (``RequestStatsTracker``): TTFT, inter-token latency, end-to-end latency, prompt and generation
+  lengths, token counters and finished requests by ``finished_reason``;
+* the engine core's scheduler and KV-cache state, reported with every output message
+  (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks
+  as gauges; preemptions and prefix-cache queries/hits (tokens) as counters.
+
+Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvflow.entrypoints.engine_messages import EngineStats
+from kvflow.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    """All metric objects of one server.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._init_request_metrics()
+        self._init_engine_metrics()
+        self._last_stats = EngineStats()
+
+    def _labelled(self, cls: type, name: str, doc: str, extra: tuple[str, ...] = (),
+                  **kwargs) -> object:
+        metric = cls(name, doc, ("model_name", *extra), registry=self.registry, **kwargs)
+        return metric if extra else metric.labels(self.model_name)
+
+    def _init_request_metrics(self) -> None:
+        h = Histogram
+        self.ttft = self._labelled(h, "kvflow:time_to_first_token_seconds",
+                                   "Time to first token (s)", buckets=_LATENCY_BUCKETS)
+        self.itl = self._labelled(h, "kvflow:inter_token_latency_seconds",
+                                  "Time between consecutive output tokens (s)",
+                                  buckets=_LATENCY_BUCKETS)
+        self.e2e = self._labelled(h, "kvflow:e2e_request_latency_seconds",
+                                  "Arrival to last token (s)", buckets=_LATENCY_BUCKETS)
+        self.prompt_len = self._labelled(h, "kvflow:request_prompt_tokens",
+                                         "Prompt length (tokens)", buckets=_TOKEN_BUCKETS)
+        self.gen_len = self._labelled(h, "kvflow:request_generation_tokens",
+                                      "Generated length per sample (tokens)",
+                                      buckets=_TOKEN_BUCKETS)
+        self.prompt_tokens = self._labelled(Counter, "kvflow:prompt_tokens",
+                                            "Prompt tokens of requests that started generating")
+        self.generation_tokens = self._labelled(Counter, "kvflow:generation_tokens",
+                                                "Generated tokens")
+        self.request_success = self._labelled(Counter, "kvflow:request_success",
+                                              "Finished samples by finish reason",
+                                              extra=("finished_reason",))
+
+    def _init_engine_metrics(self) -> None:
+        g, c = Gauge, Counter
+        self.num_running = self._labelled(g, "kvflow:num_requests_running",
+                                          "Samples in the engine's running batch")
+        self.num_waiting = self._labelled(g, "kvflow:num_requests_waiting",
+                                          "Samples in the engine's waiting queue")
+        self.kv_usage = self._labelled(g, "kvflow:kv_cache_usage_perc",
+                                       "Fraction of usable KV blocks in use (0-1)")
+        self.kv_free_blocks = self._labelled(g, "kvflow:kv_cache_free_blocks",
+                                             "KV blocks free (may still hold cached prefixes)")
+        self.kv_usable_blocks = self._labelled(g, "kvflow:kv_cache_usable_blocks",
+                                               "KV blocks the allocator manages")
+        self.preemptions = self._labelled(c, "kvflow:num_preemptions",
+                                          "Requests preempted (recomputed later)")
+        self.prefix_queries = self._labelled(c, "kvflow:prefix_cache_queries",
+                                             "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = self._labelled(c, "kvflow:prefix_cache_hits",
+                                          "Prompt tokens found in the prefix cache")
+
+    def record_engine_stats(self, stats: EngineStats) -> None:
+        """Set the gauges and advance the counters by what the core's totals grew."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_free_blocks.set(stats.num_free_blocks)
+        self.kv_usable_blocks.set(stats.num_usable_blocks)
+        last = self._last_stats
+        for counter, now, before in (
+                (self.preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
+            if now > before:
+                counter.inc(now - before)
+        self._last_stats = stats
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    num_samples: int
+    started: bool = False
+    last_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+
+class RequestStatsTracker:
+    """Turns the stream of delta RequestOutputs into per-request observations.
+
+    Call ``start`` when a request is accepted, ``observe`` for each of its delta outputs and
+    ``abort`` if it is cancelled. Times are ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def start(self, request_id: str, arrival_time: float, num_prompt_tokens: int,
+              num_samples: int) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, num_samples)
+
+    def observe(self, output: RequestOutput, now: float) -> None:
+        """Record one delta output (only the samples that changed are in ``output.outputs``)."""
+        times = self._requests.get(output.request_id)
+        if times is None:
+            return
+        m = self.metrics
+        if not times.started:
+            times.started = True
+            m.ttft.observe(now - times.arrival_time)
+            m.prompt_tokens.inc(times.num_prompt_tokens)
+            m.prompt_len.observe(times.num_prompt_tokens)
+        for sample in output.outputs:
+            self._observe_sample(times, sample.index, len(sample.token_ids),
+                                 sample.finish_reason, now)
+        if len(times.finished) == times.num_samples:
+            del self._requests[output.request_id]
+
+    def _observe_sample(self, times: _RequestTimes, index: int, num_new: int,
+                        finish_reason: str | None, now: float) -> None:
+        m = self.metrics
+        if num_new:
+            if index in times.last_token_time:
+                m.itl.observe(now - times.last_token_time[index])
+            times.last_token_time[index] = now
+            times.num_tokens[index] = times.num_tokens.get(index, 0) + num_new
+            m.generation_tokens.inc(num_new)
+        if finish_reason is not None and index not in times.finished:
+            times.finished.add(index)
+            m.e2e.observe(now - times.arrival_time)
+            m.gen_len.observe(times.num_tokens.get(index, 0))
+            m.request_success.labels(m.model_name, finish_reason).inc()
+
+    def abort(self, request_id: str) -> None:
+        """Count the request's unfinished samples as finished with reason ``abort``."""
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        unfinished = times.num_samples - len(times.finished)
+        if unfinished:
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(unfinished)

@@ -1,0 +1,78 @@
+"""API key (from KVFLOW_API_KEY) and overload control on the tiny Llama: /v1 routes need the key,
+/health and /metrics do not; with one running slot and --max-waiting-requests 1, a third
+concurrent request gets 503 with Retry-After and the server keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "sk-kvflow-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "4",
+        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-n", "2"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, ARGS, env={"KVFLOW_API_KEY": API_KEY})
+    yield server
+    server.stop()
+
+
+def _completion(server, headers=None, **body):
+    body = {"prompt": "the quick brown fox", "max_tokens": 4, **body}
+    return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("headers", [None, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": API_KEY}],
+                         ids=["missing", "wrong", "no_bearer"])
+def test_v1_routes_need_the_key(server, headers):
+    for resp in (_completion(server, headers),
+                 httpx.get(f"{server.url}/v1/models", headers=headers),
+                 httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, headers=headers)):
+        assert resp.status_code == 401
+        error = resp.json()["error"]
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+
+
+def test_open_routes_and_the_right_key(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert _completion(server, AUTH).json()["usage"]["completion_tokens"] >= 1
+    assert len(server.client(api_key=API_KEY).models.list().data) == 1
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+
+
+def test_n_above_the_configured_cap(server):
+    resp = _completion(server, AUTH, n=3)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+    assert _completion(server, AUTH, n=2, temperature=1.0).status_code == 200
+
+
+def test_overload_gets_503_with_retry_after(server):
+    """Request 1 holds the only running slot, request 2 waits for it, request 3 is refused."""
+    long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+    url = f"{server.url}/v1/completions"
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", url, headers=AUTH,
+                        json={"prompt": "the quick brown fox", **long}) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is running
+        with http.stream("POST", url, headers=AUTH,
+                         json={"prompt": "kvflow pages keys", **long}) as second:
+            assert second.status_code == 200  # accepted, waiting for the slot
+            third = _completion(server, AUTH)
+            assert third.status_code == 503
+            assert int(third.headers["Retry-After"]) >= 1
+            assert third.json()["error"]["code"] == "server_overloaded"
+    # Both clients hung up: the server aborts their requests as it notices (asynchronously).
+    deadline = time.monotonic() + 10
+    while (resp := _completion(server, AUTH)).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4

@@ -1,0 +1,100 @@
+"""The server on the packaged SmolLM2-135M-Instruct: a real chat answer, multi-byte (CJK) text
+streamed without a split character, and a client that hangs up mid-stream freeing its KV
+blocks at once."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+NUM_KV_BLOCKS = 64
+ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "16", "--max-model-len", "1024"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    server = start_server(MODEL, ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvflow.models.loader import load_tokenizer
+    from kvflow.models.model_resolver import resolve_model
+
+    return load_tokenizer(resolve_model(MODEL), None)
+
+
+def test_chat_answers(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.usage.completion_tokens <= 12
+
+
+def test_cjk_stream_never_splits_a_character(client, tokenizer):
+    """Greedy Chinese output: byte-level BPE splits each CJK character over several tokens.
+    No streamed piece holds a partial character, and the pieces join to exactly
+    tokenizer.decode of the generated ids (and to the non-streamed text)."""
+    request = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+               "messages": [{"role": "user", "content": "Translate to Chinese: Hello world"}],
+               "extra_body": {"return_token_ids": True}}
+    pieces, token_ids = [], []
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            token_ids.extend(getattr(c, "token_ids", None) or [])
+    text = "".join(pieces)
+    assert text == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(ord(ch) >= 0x2E80 for ch in text)  # CJK came out
+    assert any("\ufffd" in tokenizer.decode([t]) for t in token_ids)  # split over tokens
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.message.content == text and whole.token_ids == token_ids
+
+
+def _wait_for(server, predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if predicate(metrics):
+            return metrics
+        time.sleep(0.05)
+    raise AssertionError(f"metrics never satisfied the condition: {metrics}")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    usable = NUM_KV_BLOCKS - 1
+    before = _wait_for(server, lambda m: server.value(m, "kvflow:kv_cache_free_blocks") ==
+                       usable)
+    body = {"model": MODEL, "prompt": "Once upon a time, in a land far away,",
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        events = (line for line in resp.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+        during = server.metrics()
+        assert server.value(during, "kvflow:num_requests_running") == 1
+        assert server.value(during, "kvflow:kv_cache_free_blocks") < usable
+    # The client hung up after 3 chunks: the request is aborted and every block is free again.
+    after = _wait_for(server, lambda m: server.value(m, "kvflow:kv_cache_free_blocks") == usable
+                      and server.value(m, "kvflow:num_requests_running") == 0)
+
+    def grew(name, **labels):
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
+
+    assert grew("kvflow:request_success_total", finished_reason="abort") == 1
+    assert grew("kvflow:request_success_total", finished_reason="length") == 0
+    assert 3 <= grew("kvflow:generation_tokens_total") < 400

@@ -1,0 +1,406 @@
+"""The OpenAI API end to end on the tiny Llama: completions and chat, streaming vs whole,
+prompt forms, n, seeds, stop strings, logprobs, echo, logit bias and penalties, tokenize,
+metrics, and bad input (every bad request gets a 4xx OpenAI error; the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import kvflow
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 96
+NUM_KV_BLOCKS = 128
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+               "--block-size", "4", "--max-model-len", str(MAX_MODEL_LEN)]
+PROMPT = "the quick brown fox jumps"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", MODEL])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat_model)
+
+
+def decode(tokenizer, ids):
+    """What the server's detokenizer produces for ``ids`` (special tokens skipped)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def complete(client, prompt=PROMPT, **kwargs):
+    """A completion with the vLLM extensions passed through extra_body."""
+    extra = {k: kwargs.pop(k) for k in ("ignore_eos", "return_token_ids", "top_k", "min_tokens",
+                                         "repetition_penalty", "stop_token_ids")
+             if k in kwargs}
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **kwargs)
+
+
+def chat(client, content="hi there", **kwargs):
+    extra = {k: kwargs.pop(k) for k in ("ignore_eos", "return_token_ids") if k in kwargs}
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], extra_body=extra,
+        **kwargs)
+
+
+def collect_stream(chunks, field="text"):
+    """-> ({choice index: joined text}, {index: [finish_reason per chunk]}, usage chunks,
+    {index: token ids})."""
+    texts, finishes, usages, token_ids = {}, {}, [], {}
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usages.append(chunk)
+        for c in chunk.choices:
+            piece = c.text if field == "text" else c.delta.content
+            texts.setdefault(c.index, []).append(piece or "")
+            finishes.setdefault(c.index, []).append(c.finish_reason)
+            token_ids.setdefault(c.index, []).extend(getattr(c, "token_ids", None) or [])
+    return ({i: "".join(p) for i, p in texts.items()}, finishes, usages, token_ids)
+
+
+# ---- basics --------------------------------------------------------------------------------------
+def test_models_health_version(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json() == {"version": kvflow.__version__}
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_completion_text_is_decode_of_token_ids(client, tokenizer):
+    resp = complete(client, max_tokens=12, temperature=0, ignore_eos=True,
+                    return_token_ids=True)
+    (c,) = resp.choices
+    assert len(c.token_ids) == 12 == resp.usage.completion_tokens
+    assert c.text == decode(tokenizer, c.token_ids)
+    assert c.finish_reason == "length"
+    assert c.prompt_token_ids == tokenizer.encode(PROMPT)
+    assert resp.usage.prompt_tokens == len(c.prompt_token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+
+
+def test_prompt_forms(client, tokenizer):
+    prompts = ["the quick brown", "kvflow pages keys"]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    as_text = complete(client, prompts, **greedy)
+    ids = [tokenizer.encode(p) for p in prompts]
+    as_ids = complete(client, ids, **greedy)
+    single = complete(client, ids[1], **greedy)
+    assert [c.index for c in as_text.choices] == [0, 1]
+    assert [c.text for c in as_text.choices] == [c.text for c in as_ids.choices]
+    assert single.choices[0].text == as_text.choices[1].text
+    assert as_text.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert as_text.usage.completion_tokens == 12
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+def test_completion_stream_equals_whole(client):
+    params = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 20, "ignore_eos": True}
+    whole = complete(client, **params)
+    texts, finishes, usages, _ = collect_stream(complete(
+        client, stream=True, stream_options={"include_usage": True}, **params))
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert texts[0] != texts[1]  # n samples of a seeded request use seed + i
+    for index in (0, 1):  # finish_reason on the last chunk of each choice only
+        assert finishes[index][-1] == "length"
+        assert all(f is None for f in finishes[index][:-1])
+    (usage_chunk,) = usages
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == 40 == whole.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_stream_equals_whole(client, tokenizer):
+    params = {"temperature": 1.0, "seed": 11, "n": 2, "max_tokens": 16, "ignore_eos": True,
+              "return_token_ids": True}
+    whole = chat(client, **params)
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}, **params))
+    assert {c.delta.role for c in chunks[0].choices} == {"assistant"}
+    texts, finishes, usages, token_ids = collect_stream(chunks, field="content")
+    for c in whole.choices:
+        assert texts[c.index] == c.message.content == decode(tokenizer, c.token_ids)
+        assert token_ids[c.index] == c.token_ids
+        assert finishes[c.index][-1] == "length"
+    (usage_chunk,) = usages
+    assert usage_chunk.usage.completion_tokens == 32 == whole.usage.completion_tokens
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_raw_sse_format(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert [c["usage"] is not None for c in chunks].count(True) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_multibyte_prompt_streams_whole_characters(client, tokenizer):
+    """Random byte-level tokens after a CJK/emoji prompt: the streamed pieces join to exactly
+    tokenizer.decode of the generated ids, and equal the non-streamed text."""
+    prompt = "你好世界 🙂🎉 こんにちは，世界！"
+    params = {"temperature": 1.0, "seed": 3, "max_tokens": 32, "ignore_eos": True,
+              "return_token_ids": True}
+    texts, _, _, token_ids = collect_stream(complete(client, prompt, stream=True, **params))
+    assert len(token_ids[0]) == 32
+    assert texts[0] == decode(tokenizer, token_ids[0])
+    assert complete(client, prompt, **params).choices[0].text == texts[0]
+
+
+# ---- sampling semantics over HTTP ----------------------------------------------------------------
+def test_seeded_requests_reproduce(client):
+    def run(seed):
+        return complete(client, temperature=1.5, seed=seed, max_tokens=20,
+                        ignore_eos=True).choices[0].text
+
+    assert run(1234) == run(1234)
+    assert run(1234) != run(4321)
+
+
+def test_n2_usage_sums_samples(client):
+    resp = chat(client, n=2, temperature=1.0, seed=5, max_tokens=24, return_token_ids=True)
+    assert len(resp.choices) == 2
+    assert resp.usage.completion_tokens == sum(len(c.token_ids) for c in resp.choices)
+
+
+def _stop_string_across_tokens(tokenizer, ids):
+    """A 2-4 character string made of the end of one token's text and the start of the next,
+    first occurring at that boundary; returns (stop, cut offset, tokens up to it) or None."""
+    full = decode(tokenizer, ids)
+    for k in range(1, len(ids) - 1):
+        head, rest = decode(tokenizer, ids[:k + 1]), decode(tokenizer, ids[k + 1:])
+        if not full.startswith(head) or head + rest != full:
+            continue
+        stop = head[-2:] + rest[:2]
+        if len(head) >= 2 and len(rest) >= 1 and "\ufffd" not in stop and \
+                full.find(stop) == len(head) - 2:
+            token_end = next(j for j in range(k + 1, len(ids) + 1)
+                             if len(decode(tokenizer, ids[:j])) >= len(head) - 2 + len(stop))
+            return stop, len(head) - 2, token_end
+    return None
+
+
+def test_stop_string_across_tokens(client, tokenizer):
+    for prompt in (PROMPT, "kvflow pages keys and values", "prefix caching reuses"):
+        ids = complete(client, prompt, max_tokens=24, temperature=0, ignore_eos=True,
+                       return_token_ids=True).choices[0].token_ids
+        found = _stop_string_across_tokens(tokenizer, ids)
+        if found:
+            break
+    assert found, "no token boundary with printable text on both sides"
+    stop, cut, token_end = found
+    expected = decode(tokenizer, ids)[:cut]
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop],
+              "return_token_ids": True}
+    (c,) = complete(client, prompt, **params).choices
+    assert (c.text, c.finish_reason, c.stop_reason) == (expected, "stop", stop)
+    assert c.token_ids == ids[:token_end]  # generation stopped at the token completing it
+    texts, finishes, _, _ = collect_stream(complete(client, prompt, stream=True, **params))
+    assert texts[0] == expected and finishes[0][-1] == "stop"
+
+
+def test_completion_logprobs(client):
+    (c,) = complete(client, max_tokens=8, temperature=0, ignore_eos=True, logprobs=3,
+                    return_token_ids=True).choices
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and sampled <= 0.0
+        assert sampled == pytest.approx(max(top.values()))  # greedy: the sampled is the best
+
+
+def test_chat_logprobs(client):
+    (c,) = chat(client, max_tokens=6, temperature=0, ignore_eos=True, logprobs=True,
+                top_logprobs=3).choices
+    assert len(c.logprobs.content) == 6
+    for item in c.logprobs.content:
+        values = [t.logprob for t in item.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert item.logprob == pytest.approx(values[0])
+        assert item.bytes == list(item.token.encode())
+
+
+def test_echo(client, tokenizer):
+    (c,) = complete(client, echo=True, max_tokens=5, temperature=0, ignore_eos=True,
+                    return_token_ids=True).choices
+    assert c.text == PROMPT + decode(tokenizer, c.token_ids)
+    texts, _, _, _ = collect_stream(complete(client, echo=True, max_tokens=5, temperature=0,
+                                             ignore_eos=True, stream=True))
+    assert texts[0] == c.text
+
+
+def test_logit_bias_forces_a_token(client, tokenizer):
+    token = tokenizer.encode(" fox")[-1]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
+        (c,) = complete(client, max_tokens=6, ignore_eos=True, logit_bias={str(token): 100},
+                        return_token_ids=True, **sampling).choices
+        assert c.token_ids == [token] * 6
+
+
+def test_penalties_match_offline_engine(client, tiny_chat_model):
+    """Presence, frequency and repetition penalties reach the sampler: the server's greedy
+    tokens equal the offline engine's for the same SamplingParams."""
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    (c,) = complete(client, max_tokens=16, temperature=0, ignore_eos=True,
+                    return_token_ids=True, **penalties).choices
+    llm = kvflow.LLM(model=tiny_chat_model, dtype="float32", device="cpu",
+                     num_kv_blocks=NUM_KV_BLOCKS, block_size=4, max_model_len=MAX_MODEL_LEN)
+    params = kvflow.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, **penalties)
+    (offline,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert c.token_ids == offline.outputs[0].token_ids
+
+
+# ---- tokenizer endpoints -------------------------------------------------------------------------
+def test_tokenize_detokenize(server, tokenizer):
+    resp = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert resp["tokens"] == tokenizer.encode(PROMPT) and resp["count"] == len(resp["tokens"])
+    assert resp["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    resp = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    assert resp["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": resp["tokens"]}).json()
+    assert text == {"prompt": rendered}
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+def test_metrics_counters_move(server, client, tokenizer):
+    prompt = "prefix caching reuses blocks of tokens"
+    num_prompt = len(tokenizer.encode(prompt))
+    before = server.metrics()
+    complete(client, prompt, max_tokens=5, temperature=0, ignore_eos=True)
+    after = server.metrics()
+
+    def grew(name, **labels):
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
+
+    assert grew("kvflow:prompt_tokens_total") == num_prompt
+    assert grew("kvflow:generation_tokens_total") == 5
+    assert grew("kvflow:request_success_total", finished_reason="length") == 1
+    assert grew("kvflow:time_to_first_token_seconds_count") == 1
+    assert grew("kvflow:e2e_request_latency_seconds_count") == 1
+    assert grew("kvflow:inter_token_latency_seconds_count") == 4
+    assert grew("kvflow:request_prompt_tokens_sum") == num_prompt
+    assert grew("kvflow:request_generation_tokens_sum") == 5
+    assert grew("kvflow:prefix_cache_queries_total") == num_prompt
+    assert server.value(after, "kvflow:num_requests_running") == 0
+    assert server.value(after, "kvflow:kv_cache_usable_blocks") == NUM_KV_BLOCKS - 1
+    assert server.value(after, "kvflow:kv_cache_free_blocks") == NUM_KV_BLOCKS - 1
+    complete(client, prompt, max_tokens=5, temperature=0, ignore_eos=True)  # same prefix
+    again = server.metrics()
+    hits = server.value(again, "kvflow:prefix_cache_hits_total") - \
+        server.value(after, "kvflow:prefix_cache_hits_total")
+    assert hits == (num_prompt - 1) // 4 * 4  # whole 4-token blocks, one token left to compute
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+LONG_TEXT = "the quick brown fox jumps over a lazy dog " * 12
+C, CH = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [  # (id, path, body, status, param)
+    ("invalid_json", C, b'{"prompt": "x",', 400, None),
+    ("max_tokens_type", C, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature_type", C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("prompt_type", C, {"prompt": 5}, 400, None),
+    ("prompt_missing", C, {"max_tokens": 3}, 400, "prompt"),
+    ("empty_text", C, {"prompt": ""}, 400, "prompt"),
+    ("empty_list", C, {"prompt": []}, 400, "prompt"),
+    ("empty_ids", C, {"prompt": [[]]}, 400, "prompt"),
+    ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt"),
+    ("max_tokens_0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens_negative", C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens_too_large", C, {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ("logit_bias_out_of_vocab", C, {"prompt": "x", "logit_bias": {"99999": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias_bad_key", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit_bias_too_big", C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("stop_token_out_of_vocab", C, {"prompt": "x", "stop_token_ids": [99999]}, 400,
+     "stop_token_ids"),
+    ("top_p_0", C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("temperature_negative", C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("presence_penalty_3", C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("repetition_penalty_0", C, {"prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("n_above_cap", C, {"prompt": "x", "n": 17}, 400, "n"),
+    ("n_0", C, {"prompt": "x", "n": 0}, 400, "n"),
+    ("min_tokens_above_max", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400,
+     "min_tokens"),
+    ("empty_stop", C, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("seed_too_large", C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("logprobs_above_cap", C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("echo_with_logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("stream_options_without_stream", C,
+     {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("unknown_model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("chat_no_messages", CH, {"messages": []}, 400, "messages"),
+    ("chat_messages_type", CH, {"messages": "hi"}, 400, "messages"),
+    ("chat_top_logprobs_without_logprobs", CH, {"messages": HI, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("chat_top_logprobs_above_cap", CH, {"messages": HI, "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("chat_image_part", CH, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0"),
+    ("chat_too_long", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400,
+     "messages"),
+    ("detokenize_out_of_vocab", "/detokenize", {"tokens": [99999]}, 400, "tokens"),
+    ("tokenize_nothing", "/tokenize", {}, 400, "prompt"),
+    ("unknown_route", "/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [r[1:] for r in BAD_REQUESTS],
+                         ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_request_gets_openai_error(server, path, body, status, param):
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(f"{server.url}{path}", timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and isinstance(error["type"], str)
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
+    num = len(tokenizer.encode(LONG_TEXT))
+    error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
+    assert f"{num} tokens" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    error = httpx.post(f"{server.url}{C}", json={"prompt": [3] * 10, "max_tokens": 90}).json()
+    assert "96" in error["error"]["message"] and "10 prompt tokens" in error["error"]["message"]
+
+
+def test_server_serves_after_bad_input(server, client):
+    for _, path, body, _, _ in BAD_REQUESTS[:5]:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        httpx.post(f"{server.url}{path}", **kwargs)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    resp = complete(client, max_tokens=3, temperature=0, ignore_eos=True)
+    assert resp.usage.completion_tokens == 3
+    metrics = server.metrics()
+    assert server.value(metrics, "kvflow:kv_cache_free_blocks") == NUM_KV_BLOCKS - 1

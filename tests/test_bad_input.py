@@ -1,0 +1,197 @@
+"""Bad input is refused with a ValueError that names the problem, and never disturbs the
+requests already running."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
+from kvflow.llm import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 32)
+    kwargs.setdefault("block_size", 4)
+    return LLM(model=path, dtype="float32", device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    """An engine with max_model_len 24 on the tiny Llama."""
+    return _llm(tiny_llama.path, max_model_len=24)
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+def test_prompt_longer_than_max_model_len(llm, assert_no_leaks):
+    for n in (24, 40):  # a prompt must leave room for one generated token
+        with pytest.raises(ValueError, match=r"max_model_len is 24"):
+            llm.generate([[3] * n], GREEDY, use_tqdm=False)
+    (out,) = llm.generate([[3] * 23], GREEDY, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+    assert_no_leaks(llm)
+
+
+def test_long_prompt_in_a_batch_queues_nothing(llm, assert_no_leaks):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[3, 4, 5], [3] * 30], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("prompt", [[[]], ""], ids=["no_token_ids", "empty_text"])
+def test_empty_prompt(llm, prompt):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([[3, 100000]], "outside the vocabulary"),
+    ([[3, -1]], "outside the vocabulary"),
+    ([[3, "x"]], "string or a list of token ids"),
+    ([3.5], "string or a list of token ids"),
+])
+def test_malformed_prompt(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_text_prompt_without_tokenizer(tiny_llama):
+    llm = _llm(tiny_llama.path, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", GREEDY, use_tqdm=False)
+
+
+def test_params_count_must_match_prompts(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[3], [4], [5]], [GREEDY, GREEDY], use_tqdm=False)
+
+
+# ---- sampling parameters -------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"stop": [""]}, "stop"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+# ---- engine options and models -------------------------------------------------------------------
+def test_unknown_engine_option(tiny_llama):
+    with pytest.raises(ValueError, match="unknown engine option 'no_such_option'"):
+        _llm(tiny_llama.path, no_such_option=1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 0}, "block_size"),
+    ({"load_format": "pickle"}, "load_format"),
+    ({"num_kv_blocks": 1}, "num_kv_blocks"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"device": "tpu"}, "device"),
+    ({"attention_backend": "nope"}, "attention backend"),
+    ({"policy": "random"}, "policy"),
+])
+def test_bad_engine_values(tiny_llama, kwargs, match):
+    kwargs = {"device": "cpu", "num_kv_blocks": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LLM(model=tiny_llama.path, dtype="float32", **kwargs)
+
+
+def test_bad_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(model=tiny_llama.path, dtype="float64", device="cpu", num_kv_blocks=8)
+
+
+def test_max_model_len_beyond_the_model(tiny_llama):
+    """The tiny models have 256 positions: a longer context would index past the rotary
+    table mid-generation, so it is refused up front."""
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        _llm(tiny_llama.path, max_model_len=400, num_kv_blocks=200)
+
+
+@pytest.mark.parametrize("model", ["no-such-model-xyz", "/nonexistent/folder/model"])
+def test_unknown_model(model):
+    with pytest.raises(ValueError, match="no-such-model-xyz|/nonexistent/folder/model"):
+        LLM(model=model, device="cpu")
+
+
+def test_model_folder_without_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(model=str(tmp_path), device="cpu")
+
+
+# ---- a bad request does not disturb the running ones ---------------------------------------------
+def _run_to_end(engine: LLMEngine) -> dict:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_bad_add_request_leaves_others_running(tiny_llama, assert_no_leaks):
+    prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [12, 13], "c": [14] * 9}
+    config = {"model": tiny_llama.path, "dtype": "float32", "device": "cpu",
+              "num_kv_blocks": 24, "block_size": 4, "max_model_len": 40,
+              "max_num_batched_tokens": 8}
+    reference = LLMEngine(EngineConfig.from_kwargs(**config))
+    for rid, p in prompts.items():
+        reference.add_request(p, GREEDY, request_id=rid)
+    expected = {rid: out.outputs[0].token_ids for rid, out in _run_to_end(reference).items()}
+
+    engine = LLMEngine(EngineConfig.from_kwargs(**config))
+    for rid, p in prompts.items():
+        engine.add_request(p, GREEDY, request_id=rid)
+    engine.step()  # a, b and c are mid-prefill / decoding now
+    engine.step()
+    bad = [
+        ([], GREEDY, "empty"),
+        ([3] * 40, GREEDY, "max_model_len"),
+        ([3, 10**6], GREEDY, "vocabulary"),
+        ([3, 4], GREEDY, "already in use"),  # request id "a" is in flight
+    ]
+    for prompt, params, match in bad:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompt, params, request_id="a" if match == "already in use"
+                               else "bad")
+    finished = _run_to_end(engine)
+    assert {rid: out.outputs[0].token_ids for rid, out in finished.items()} == expected
+    assert finished["a"].prompt_token_ids == prompts["a"]
+
+    shim = type("Shim", (), {"engine": engine})()  # assert_no_leaks reads llm.engine
+    assert_no_leaks(shim)
+
+
+def test_abort_in_flight(tiny_llama, assert_no_leaks):
+    """Aborting a request mid-generation frees its blocks; the others finish unchanged."""
+    config = {"model": tiny_llama.path, "dtype": "float32", "device": "cpu",
+              "num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 8}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = LLMEngine(EngineConfig.from_kwargs(**config))
+    reference.add_request([12, 13, 14], params, request_id="keep")
+    expected = _run_to_end(reference)["keep"].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig.from_kwargs(**config))
+    engine.add_request([5] * 11, params, request_id="drop")
+    engine.add_request([12, 13, 14], params, request_id="keep")
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("drop")
+    engine.abort_request("never-added")  # unknown ids are ignored
+    finished = _run_to_end(engine)
+    assert set(finished) == {"keep"} and finished["keep"].outputs[0].token_ids == expected
+    shim = type("Shim", (), {"engine": engine})()
+    assert_no_leaks(shim)

@@ -1,0 +1,91 @@
+"""Presence / frequency / repetition penalties and logit bias: the vectorized sampler code
+against a per-token loop written from the OpenAI / vLLM definitions, parameter validation, and
+the vocabulary check of the input processor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.input_processor import InputProcessor
+from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata, apply_penalties
+from kvflow.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int],
+                        p: SamplingParams) -> torch.Tensor:
+    """One row, token by token: repetition (CTRL) on prompt + output tokens, then
+    ``frequency * count`` and ``presence * (count > 0)`` over output tokens."""
+    out = logits.clone()
+    for token in set(prompt) | set(output):
+        value = out[token].item()
+        out[token] = value / p.repetition_penalty if value > 0 else value * \
+            p.repetition_penalty
+    for token in set(output):
+        out[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return out
+
+
+def test_penalties_match_the_per_token_definition():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    prompts = [[1, 2, 3, 3], [], [7] * 5 + [8], [9, 10]]
+    outputs = [[3, 4, 4, 4, 11], [5, 5], [], [12]]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3,
+                             repetition_penalty=1.7),
+              SamplingParams(presence_penalty=-1.0, frequency_penalty=2.0),
+              SamplingParams(repetition_penalty=0.5),
+              SamplingParams()]  # row 3 uses nothing: it must stay untouched
+    rows = [0, 1, 2]
+    pen = PenaltyMetadata.build(rows, [prompts[i] for i in rows], [outputs[i] for i in rows],
+                                [params[i] for i in rows], torch.device("cpu"))
+    got = logits.clone()
+    apply_penalties(got, pen)
+    for i in rows:
+        expected = reference_penalties(logits[i], prompts[i], outputs[i], params[i])
+        torch.testing.assert_close(got[i], expected)
+    torch.testing.assert_close(got[3], logits[3])
+
+
+def test_logit_bias_and_penalties_steer_greedy_sampling():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 4.0  # the argmax of both rows
+    meta = SamplingMetadata(temperature=torch.zeros(2))
+    meta.logit_bias = (torch.tensor([0]), torch.tensor([17]), torch.tensor([10.0]))
+    meta.penalties = PenaltyMetadata.build([1], [[]], [[5]],
+                                           [SamplingParams(presence_penalty=2.0,
+                                                           frequency_penalty=2.0)],
+                                           torch.device("cpu"))
+    logits[1, 6] = 1.0  # second best of row 1: wins once token 5 is penalized 4 -> 0
+    out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+    assert out.sampled.tolist() == [17, 6]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {1: 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+])
+def test_invalid_penalties_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_keys_become_ints_and_uses_penalties():
+    p = SamplingParams(logit_bias={"7": -100, 8: 2})
+    assert p.logit_bias == {7: -100.0, 8: 2.0}
+    assert not p.uses_penalties and SamplingParams(repetition_penalty=1.1).uses_penalties
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("kwargs,field", [({"logit_bias": {VOCAB: 1}}, "logit_bias"),
+                                          ({"stop_token_ids": [-1]}, "stop_token_ids")])
+def test_token_ids_outside_the_vocabulary_are_refused(kwargs, field):
+    processor = InputProcessor(None, max_model_len=64, vocab_size=VOCAB, eos_token_id=0)
+    with pytest.raises(ValueError, match=f"{field} has token id"):
+        processor.make_requests("r", [1, 2], SamplingParams(**kwargs))

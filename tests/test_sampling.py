@@ -1,0 +1,317 @@
+"""Sampling semantics, end to end on a tiny Llama and on the Sampler directly.
+
+Seeded sampling is reproducible and does not depend on the batch; n, top-k, top-p, min_tokens,
+stop_token_ids, max_tokens and logprobs behave as in vLLM; ``apply_top_k_top_p_min_p`` is
+checked against hand-computed sets; and temperature-1 sampling matches softmax probabilities
+(chi-square).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p_min_p
+
+PROMPTS = [[5, 17, 33, 100, 200, 7, 9], [42, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 64)
+    kwargs.setdefault("block_size", 4)
+    return LLM(model=path, dtype="float32", device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    """One engine on the tiny Llama, shared by the tests of this module."""
+    return _llm(tiny_llama.path)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _greedy_tokens(llm: LLM, prompt: list[int], max_tokens: int = 12) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def hot(seed: int | None = None, max_tokens: int = 12, temperature: float = 1.5,
+        **kwargs) -> SamplingParams:
+    """Random sampling at a temperature that spreads tokens out, EOS ignored."""
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                          ignore_eos=True, **kwargs)
+
+
+# ---- seeds ---------------------------------------------------------------------------------------
+def test_seed_is_reproducible(llm, tiny_llama, assert_no_leaks):
+    a = _tokens(llm.generate([PROMPTS[0]], hot(seed=1234), use_tqdm=False))
+    b = _tokens(llm.generate([PROMPTS[0]], hot(seed=1234), use_tqdm=False))
+    c = _tokens(_llm(tiny_llama.path).generate([PROMPTS[0]], hot(seed=1234), use_tqdm=False))
+    other = _tokens(llm.generate([PROMPTS[0]], hot(seed=4321), use_tqdm=False))
+    assert a == b == c
+    assert other != a  # 12 tokens at temperature 1.5 over 320 ids: a collision is ~impossible
+    assert_no_leaks(llm)
+
+
+def test_seed_is_independent_of_batch(tiny_llama, assert_no_leaks):
+    """The same seeded request alone, and amid unseeded and other seeded requests of other
+    lengths under a small token budget (so chunks and decodes mix) and a KV cache small enough
+    to force preemption and recomputation, gives identical tokens."""
+    target = hot(seed=77, max_tokens=16)
+    alone = _tokens(_llm(tiny_llama.path).generate([PROMPTS[0]], target, use_tqdm=False))
+    llm = _llm(tiny_llama.path, max_num_batched_tokens=8, num_kv_blocks=13)
+    neighbours = [hot(), hot(seed=5, max_tokens=7), hot(max_tokens=20, top_k=5),
+                  SamplingParams(temperature=0.0, max_tokens=9)]
+    prompts = [PROMPTS[1], PROMPTS[2] * 2, PROMPTS[2], PROMPTS[0], PROMPTS[0]]
+    params = neighbours + [target]  # the newest request: the first to be preempted
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs)[4] == alone[0]
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_n_gives_n_samples(llm, assert_no_leaks):
+    (out,) = llm.generate([PROMPTS[0]], hot(seed=3, n=3), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    (again,) = llm.generate([PROMPTS[0]], hot(seed=3, n=3), use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["pc_on", "pc_off"])
+def test_n_samples_share_prompt_blocks(tiny_llama, prefix_caching, assert_no_leaks):
+    """The n samples of a request share their prompt's KV blocks (also with prefix caching
+    off); that sharing changes no token, under preemption too, and greedy samples agree."""
+    prompt = PROMPTS[2] * 2  # 22 tokens: 5 full blocks to share
+    alone = [_tokens(_llm(tiny_llama.path).generate([prompt], hot(seed=9 + i), use_tqdm=False))[0]
+             for i in range(3)]
+    # 13 usable blocks: 3 samples need 5 shared + 3 x 4 own blocks, so one gets preempted.
+    llm = _llm(tiny_llama.path, enable_prefix_caching=prefix_caching, num_kv_blocks=14)
+    (out,) = llm.generate([prompt], hot(seed=9, n=3), use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == alone  # sample i is seeded with seed + i
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)
+    (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == _greedy_tokens(llm, prompt)
+    assert_no_leaks(llm)
+
+
+# ---- filters that reduce to greedy ---------------------------------------------------------------
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}],
+                         ids=["top_k=1", "top_p=1e-6", "min_p=1"])
+def test_filter_to_one_token_equals_greedy(llm, filters, assert_no_leaks):
+    greedy = [_greedy_tokens(llm, p) for p in PROMPTS]
+    outs = llm.generate(PROMPTS, hot(**filters), use_tqdm=False)
+    assert _tokens(outs) == greedy
+    assert_no_leaks(llm)
+
+
+# ---- stopping ------------------------------------------------------------------------------------
+def test_max_tokens_finishes_with_length(llm):
+    (out,) = llm.generate([PROMPTS[1]], hot(max_tokens=5), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].stop_reason is None
+    assert out.finished
+
+
+def test_stop_token_ids(llm, assert_no_leaks):
+    greedy = _greedy_tokens(llm, PROMPTS[0], 12)
+    k = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[greedy[k]])
+    (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == greedy[:k + 1]  # the stop token is kept in token_ids
+    assert c.finish_reason == "stop"
+    assert c.stop_reason == greedy[k]
+    assert_no_leaks(llm)
+
+
+def test_stop_string(llm, assert_no_leaks):
+    """A stop string ends the request early (its blocks are freed at once), the text is cut
+    before it, and stop_reason is the string."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    k = next(i for i in range(1, len(text) - 1)
+             if text[i:i + 2].isascii() and text[i:i + 2].isalnum())
+    stop = text[k:k + 2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    c = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == text[:text.find(stop)]
+    assert c.token_ids == full.token_ids[:len(c.token_ids)] and len(c.token_ids) < 16
+    assert_no_leaks(llm)
+
+
+def test_min_tokens_masks_stop_token_ids(llm):
+    greedy = _greedy_tokens(llm, PROMPTS[0], 12)
+    first = greedy[0]
+    stop_now = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first])
+    assert llm.generate([PROMPTS[0]], stop_now, use_tqdm=False)[0].outputs[0].token_ids == [first]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[first])
+    c = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) >= 4 and first not in c.token_ids[:4]
+    assert c.token_ids[0] != first
+    if len(c.token_ids) < 12:
+        assert (c.token_ids[-1], c.finish_reason, c.stop_reason) == (first, "stop", first)
+
+
+@pytest.fixture(scope="module")
+def eos_is_greedy_model(tiny_llama, tmp_path_factory):
+    """The tiny Llama's weights with a config whose ``eos_token_id`` is the first greedy token of
+    PROMPTS[0] (no tokenizer: the engine then takes EOS from the config). Returns (path, eos)."""
+    probe = _llm(tiny_llama.path, skip_tokenizer_init=True)
+    eos = _greedy_tokens(probe, PROMPTS[0], 1)[0]
+    folder = tmp_path_factory.mktemp("eos_is_greedy")
+    with open(os.path.join(tiny_llama.path, "config.json")) as f:
+        config = json.load(f)
+    config["eos_token_id"] = eos
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    os.symlink(os.path.join(tiny_llama.path, "model.safetensors"), folder / "model.safetensors")
+    return str(folder), eos
+
+
+def test_eos_and_min_tokens(eos_is_greedy_model, assert_no_leaks):
+    path, eos = eos_is_greedy_model
+    llm = _llm(path, skip_tokenizer_init=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    c = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([eos], "stop", None)
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3)
+    c = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) >= 3 and eos not in c.token_ids[:3]
+    if len(c.token_ids) < 10:
+        assert (c.token_ids[-1], c.finish_reason) == (eos, "stop")
+    ignore = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    c = llm.generate([PROMPTS[0]], ignore, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 10 and c.token_ids[0] == eos and c.finish_reason == "length"
+    assert_no_leaks(llm)
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_logprobs_greedy(llm, tiny_llama, k):
+    """Greedy: k entries (the sampled token is the top one) ranked 1..k, matching HF's top-k."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=k)
+    c = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert len(c.logprobs) == 4
+    for token, step in zip(c.token_ids, c.logprobs):
+        assert len(step) == max(k, 1)
+        assert step[token].rank == 1
+        ranked = sorted(step.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == list(range(1, max(k, 1) + 1))
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(ranked))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)))
+    with torch.no_grad():
+        logits = tiny_llama.hf_model(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    top = torch.log_softmax(logits.float(), -1).topk(max(k, 1))
+    first = c.logprobs[0]
+    assert sorted(first, key=lambda t: first[t].rank) == top.indices.tolist()
+    for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+        assert first[tid].logprob == pytest.approx(lp, abs=1e-4)
+
+
+def test_logprobs_sampled_outside_top_k(llm):
+    """Random sampling: k entries plus the sampled token when it is outside the top k, whose
+    rank is then > k; ranks are consistent with the logprob order."""
+    params = hot(seed=11, max_tokens=24, logprobs=2, temperature=3.0)
+    c = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    outside = 0
+    for token, step in zip(c.token_ids, c.logprobs):
+        assert token in step
+        top = [t for t in step if step[t].rank <= 2]
+        assert len(top) == 2
+        if token in top:
+            assert len(step) == 2
+        else:
+            outside += 1
+            assert len(step) == 3 and step[token].rank > 2
+            assert step[token].logprob <= min(step[t].logprob for t in top)
+    assert outside > 0  # temperature 3 over 320 ids leaves the top 2 often
+
+
+# ---- the filter function -------------------------------------------------------------------------
+def test_apply_top_k_top_p_min_p_hand_computed():
+    probs = torch.tensor([0.15, 0.05, 0.5, 0.1, 0.2])  # sorted: idx 2, 4, 0, 3, 1
+    logits = probs.log().repeat(6, 1)
+    top_k = torch.tensor([2, 0, 0, 0, 3, 100])
+    top_p = torch.tensor([1.0, 0.55, 0.45, 1.0, 0.8, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.25, 0.0, 0.0])
+    out = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    expected_kept = [
+        {2, 4},  # top-k 2
+        {2, 4},  # top-p 0.55: 0.5 (mass before 0), 0.2 (before 0.5); 0.15 has 0.7 before it
+        {2},  # top-p 0.45: 0.5 already reaches it
+        {2, 4, 0},  # min-p 0.25: p >= 0.125
+        {2, 4},  # top-k 3 renormalizes to .588 .235 .176; top-p 0.8 then drops the third
+        {0, 1, 2, 3, 4},  # top-k beyond the vocabulary: no filter
+    ]
+    for row, kept in enumerate(expected_kept):
+        finite = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
+        assert finite == kept, f"row {row}: kept {sorted(finite)}, expected {sorted(kept)}"
+        assert torch.equal(out[row, sorted(kept)], logits[row, sorted(kept)])
+    assert torch.equal(logits, probs.log().repeat(6, 1))  # the input is not modified
+    only_k = apply_top_k_top_p_min_p(logits[:1], torch.tensor([2]), None, None)
+    assert set(torch.isfinite(only_k[0]).nonzero().flatten().tolist()) == {2, 4}
+    assert apply_top_k_top_p_min_p(logits, None, None, None) is logits
+
+
+# ---- the Sampler's distribution ------------------------------------------------------------------
+def _chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# 0.9999 quantiles of chi-square: a correct sampler fails one run in 10^4.
+_CHI2_9999 = {2: 18.42, 7: 29.88}
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
+def test_sampler_matches_softmax(temperature, top_k):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    draws = 6000
+    sampler = Sampler(torch.Generator().manual_seed(123))
+    meta = SamplingMetadata(temperature=torch.full((draws,), temperature),
+                            top_k=torch.full((draws,), top_k) if top_k else None)
+    sampled = sampler(logits.repeat(draws, 1), meta).sampled
+    probs = torch.softmax(logits / temperature, -1)
+    if top_k:
+        probs[probs < probs.topk(top_k).values[-1]] = 0
+        probs /= probs.sum()
+    dof = (top_k or logits.numel()) - 1
+    assert _chi_square(sampled, probs) < _CHI2_9999[dof]
+
+
+def test_sampler_seeded_rows_and_greedy_rows():
+    """Greedy rows take the argmax in a mixed batch; a seeded row's draw depends only on its own
+    generator, not on the row it sits in or on its neighbours."""
+    gen_logits = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen_logits)
+    sampler = Sampler(torch.Generator().manual_seed(1))
+
+    def draw(rows: torch.Tensor, seeded_row: int) -> tuple[int, list[int]]:
+        meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0, 1.0, 0.0]),
+                                generators={seeded_row: torch.Generator().manual_seed(99)})
+        out = sampler(rows.clone(), meta).sampled.tolist()
+        return out[seeded_row], out
+
+    seeded_a, out_a = draw(logits, 1)
+    swapped = logits[[0, 2, 1, 3]]
+    seeded_b, _ = draw(swapped, 2)
+    assert seeded_a == seeded_b
+    assert out_a[0] == int(logits[0].argmax()) and out_a[3] == int(logits[3].argmax())

@@ -1,0 +1,39 @@
+"""``kvflow serve`` flags: generated from ServerConfig and EngineConfig, the positional model,
+the KVFLOW_API_KEY fallback, and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.config import EngineConfig, ServerConfig
+from kvflow.entrypoints.cli import build_parser
+
+
+def _parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_reach_both_configs():
+    args = _parse("some/model", "--port", "9001", "--api-key", "k", "--max-waiting-requests",
+                  "3", "--served-model-name", "m", "--block-size", "8", "--max-n", "4")
+    server = ServerConfig.from_cli_args(args, env={})
+    assert (server.port, server.api_key, server.max_waiting_requests) == (9001, "k", 3)
+    assert (server.served_model_name, server.max_n, server.host) == ("m", 4, "127.0.0.1")
+    assert args.model_tag == "some/model"
+    assert EngineConfig.from_cli_args(args).cache_config.block_size == 8
+
+
+def test_api_key_falls_back_to_the_environment():
+    assert ServerConfig.from_cli_args(_parse(), env={"KVFLOW_API_KEY": "e"}).api_key == "e"
+    assert ServerConfig.from_cli_args(_parse("--api-key", "f"),
+                                      env={"KVFLOW_API_KEY": "e"}).api_key == "f"
+    assert ServerConfig.from_cli_args(_parse(), env={}).api_key is None
+
+
+@pytest.mark.parametrize("kwargs,field", [({"port": 70000}, "port"), ({"max_n": 0}, "max_n"),
+                                          ({"max_waiting_requests": -1},
+                                           "max_waiting_requests"),
+                                          ({"uvicorn_log_level": "loud"}, "uvicorn_log_level")])
+def test_bad_server_options(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**kwargs)
