@@ -1,11 +1,13 @@
 """Reference paged attention in plain torch (the CPU backend).
 
-Per step, ``prepare`` turns the block tables into one gather index ``[num_reqs, max_seq_len]``
-of KV slots and one boolean mask ``[num_reqs, 1, max_query_len, max_seq_len]`` (causal, padding
-and sliding window folded in). Per layer, ``forward`` scatters the new K/V into the cache through
-``slot_mapping``, gathers every request's K/V through that index, pads the queries to
-``[num_reqs, heads, max_query_len, head_dim]`` and calls ``scaled_dot_product_attention``.
-All K/V, cached prefix and new tokens alike, come from the paged cache.
+Per step, ``prepare`` builds one boolean mask ``[num_reqs, 1, max_query_len, kv_len]`` (causal,
+padding and sliding window folded in; ``kv_len`` = block-table width x block_size). Per layer,
+``forward`` scatters the new K/V into the cache through ``slot_mapping``, gathers every
+request's K/V *whole blocks at a time* through its block table (``index_select`` of
+``block_size``-token rows: on CPU this copy is several times faster than a per-token gather),
+pads the queries to ``[num_reqs, heads, max_query_len, head_dim]`` and calls
+``scaled_dot_product_attention``. All K/V, cached prefix and new tokens alike, come from the
+paged cache.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         device = meta.seq_lens.device
         seq_lens = meta.seq_lens.long()
         query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-        num_reqs, max_q, max_kv = meta.num_reqs, meta.max_query_len, meta.max_seq_len
-        kv_pos = torch.arange(max_kv, device=device)
-        block_idx = (kv_pos // block_size).clamp(max=meta.block_table.shape[1] - 1)
-        gather = meta.block_table.long()[:, block_idx] * block_size + kv_pos % block_size
+        num_reqs, max_q = meta.num_reqs, meta.max_query_len
+        kv_pos = torch.arange(meta.block_table.shape[1] * block_size, device=device)
         # Query j of request b sits at position seq_len - query_len + j.
         q_local = torch.arange(max_q, device=device)
         q_pos = (seq_lens - query_lens).unsqueeze(1) + q_local.unsqueeze(0)  # [B, max_q]
@@ -36,7 +36,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         token_local = torch.arange(meta.num_actual_tokens, device=device) - \
             meta.query_start_loc[:-1].long()[token_req]
         meta.extra = {
-            "gather": gather,
+            "gather_blocks": meta.block_table.reshape(-1).long(),
             "mask": mask,
             "valid_q": valid_q,
             "q_dest": token_req * max_q + token_local,
@@ -82,8 +82,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v),
                                                  is_causal=True, scale=scale, enable_gqa=gqa)
             return out.transpose(1, 2).reshape(n, num_heads, head_dim)
-        keys = k_cache[ex["gather"]].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        values = v_cache[ex["gather"]].transpose(1, 2)
+        blocks = ex["gather_blocks"]
+        keys = kv_cache[0].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
+        values = kv_cache[1].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, kv_len, D]
         if max_q == 1:
             q_pad = q[:n].unsqueeze(2)  # [B, Hq, 1, D]
         else:
