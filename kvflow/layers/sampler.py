@@ -78,10 +78,16 @@ class SamplingMetadata:
     num_logprobs: dict[int, int] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured output: (rows int64 [R], token bitmask int32 [R, ceil(V / 32)]) of the
+    # constrained rows only, or None.
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    # Known on the host when the metadata is built: testing the tensor would sync the device.
+    all_greedy: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.all_greedy is None:
+            self.all_greedy = bool((self.temperature == 0).all())
 
 
 @dataclass
@@ -107,6 +113,8 @@ class Sampler:
             apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
+        if meta.grammar is not None:
+            apply_token_bitmask(logits, *meta.grammar)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
         sampled = logits.argmax(dim=-1)
         if not meta.all_greedy:
@@ -139,6 +147,18 @@ class Sampler:
         for row, k in meta.num_logprobs.items():
             out[row] = (top_ids[row][:k], top_lp[row][:k], sampled_lp[row], ranks[row])
         return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of tokens a grammar forbids, for ``rows`` only.
+
+    logits: float32 [B, V]; rows: int64 [R]; bitmask: int32 [R, ceil(V / 32)] where bit ``j``
+    of word ``w`` allows token ``32 * w + j`` (xgrammar's layout). Other rows are untouched.
+    """
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:

@@ -31,8 +31,8 @@ class ModelInputs:
 
 
 def build_model_inputs(sched: SchedulerOutput, block_size: int,
-                       device: torch.device) -> ModelInputs:
-    """Flatten the scheduled requests into token-major tensors on ``device``."""
+                       stager: InputStager) -> ModelInputs:
+    """Flatten the scheduled requests into token-major tensors on the stager's device."""
     reqs = sched.scheduled
     query_lens = np.fromiter((r.num_scheduled_tokens for r in reqs), np.int64, len(reqs))
     computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
@@ -53,17 +53,69 @@ def build_model_inputs(sched: SchedulerOutput, block_size: int,
     sampling_rows = [i for i, r in enumerate(reqs) if r.do_sample]
     logits_indices = query_start[1:][sampling_rows] - 1
 
-    def to(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(x).to(device=device, dtype=dtype, non_blocking=True)
-
+    i64, i32 = stager.stage([input_ids, positions, slot_mapping, logits_indices],
+                            [query_start, seq_lens, block_table])
+    input_ids_t, positions_t, slots_t, logits_t = i64
+    query_start_t, seq_lens_t, block_table_t = i32
     meta = AttentionMetadata(
-        slot_mapping=to(slot_mapping, torch.int64),
-        query_start_loc=to(query_start, torch.int32),
-        seq_lens=to(seq_lens, torch.int32),
-        block_table=to(block_table, torch.int32),
+        slot_mapping=slots_t,
+        query_start_loc=query_start_t,
+        seq_lens=seq_lens_t,
+        block_table=block_table_t,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         num_actual_tokens=num_tokens,
     )
-    return ModelInputs(to(input_ids, torch.int64), to(positions, torch.int64), meta,
-                       to(logits_indices, torch.int64), sampling_rows)
+    return ModelInputs(input_ids_t, positions_t, meta, logits_t, sampling_rows)
+
+
+class InputStager:
+    """Moves a step's integer arrays to the device in two transfers (int64 and int32).
+
+    On CUDA the arrays are packed into persistent pinned host buffers and copied with
+    ``non_blocking=True``; an event recorded after the copies guards the buffers, so the next
+    step only overwrites them once the previous transfer has finished. On CPU the packed arrays
+    are used as they are (no copy, no buffer reuse).
+
+    Args:
+        device: where the model runs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._copied = None  # CUDA event after the last transfer
+
+    def stage(self, int64_arrays: list[np.ndarray],
+              int32_arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Returns the arrays as device tensors (same shapes), int64 and int32 respectively."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        out64 = self._stage(int64_arrays, torch.int64)
+        out32 = self._stage(int32_arrays, torch.int32)
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return out64, out32
+
+    def _stage(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self.pinned:
+            host = self._host.get(dtype)
+            if host is None or host.numel() < total:
+                host = torch.empty(max(total, 2 * (host.numel() if host is not None else 0)),
+                                   dtype=dtype, pin_memory=True)
+                self._host[dtype] = host
+            flat = host[:total]
+            np.concatenate([a.ravel() for a in arrays], out=flat.numpy(), casting="unsafe")
+            flat = flat.to(self.device, non_blocking=True)
+        else:
+            np_dtype = np.int64 if dtype == torch.int64 else np.int32
+            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np_dtype))
+        views, offset = [], 0
+        for a, n in zip(arrays, sizes):
+            views.append(flat[offset:offset + n].view(a.shape))
+            offset += n
+        return views

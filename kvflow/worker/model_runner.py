@@ -14,7 +14,8 @@ from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.worker.input_batch import ModelInputs, build_model_inputs
+from kvflow.structured.manager import GrammarBitmask
+from kvflow.worker.input_batch import InputStager, ModelInputs, build_model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.config, self.platform, self.dtype = config, platform, dtype
         self.device = platform.device
         self.block_size = config.cache_config.block_size
+        self.stager = InputStager(self.device)
         self._init_model(source, hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -120,7 +122,7 @@ class ModelRunner:
         req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(1, num_blocks + 1)),
                                True, None, [], None)
         inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
-                                    self.device)
+                                    self.stager)
         with torch.inference_mode(), self.attn_ctx.forward_context.bind(inputs.attn_meta):
             self.attn_ctx.backend.prepare(inputs.attn_meta, self.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -154,19 +156,24 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every request that reached its end."""
+    def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+                      ) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every request that reached its end.
+        ``grammar_bitmask`` masks the rows of structured-output requests (others untouched)."""
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
         if sched.is_empty:
             return {}
-        inputs = build_model_inputs(sched, self.block_size, self.device)
+        inputs = build_model_inputs(sched, self.block_size, self.stager)
         hidden = self._forward(inputs)
         if not inputs.sampling_rows:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         reqs = [sched.scheduled[i] for i in inputs.sampling_rows]
-        out = self.sampler(logits, self._sampling_metadata(reqs))
+        meta = self._sampling_metadata(reqs)
+        if grammar_bitmask is not None:
+            meta.grammar = self._grammar_rows(grammar_bitmask, reqs)
+        out = self.sampler(logits, meta)
         sampled = out.sampled.tolist()
         return {r.request_id: SampledToken(sampled[row], out.logprobs.get(row))
                 for row, r in enumerate(reqs)}
@@ -192,7 +199,8 @@ class ModelRunner:
                                      device=self.device),
             top_k=column([p.top_k for p in params], torch.int64, 0),
             top_p=column([p.top_p for p in params], torch.float32, 1.0),
-            min_p=column([p.min_p for p in params], torch.float32, 0.0))
+            min_p=column([p.min_p for p in params], torch.float32, 0.0),
+            all_greedy=all(p.temperature == 0 for p in params))
         for row, r in enumerate(reqs):
             p = r.sampling_params
             if p.seed is not None and p.temperature > 0:
@@ -207,6 +215,14 @@ class ModelRunner:
                 meta.num_logprobs[row] = p.logprobs
         self._add_penalties_and_bias(meta, reqs)
         return meta
+
+    def _grammar_rows(self, grammar: GrammarBitmask, reqs: list[ScheduledRequest]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampling rows int64 [R], bitmask int32 [R, W]) of the constrained requests."""
+        row_of = {r.request_id: row for row, r in enumerate(reqs)}
+        rows = torch.tensor([row_of[rid] for rid in grammar.request_ids], dtype=torch.int64,
+                            device=self.device)
+        return rows, grammar.bitmask.to(self.device, non_blocking=True)
 
     def _add_penalties_and_bias(self, meta: SamplingMetadata,
                                 reqs: list[ScheduledRequest]) -> None:
