@@ -188,6 +188,10 @@ class ServerConfig:
                                   choices=["critical", "error", "warning", "info", "debug"])
     engine_start_timeout: float = _opt(600.0, "seconds to wait for the engine process to load "
                                        "the model")
+    tool_call_parser: str = _opt("hermes", "how tool calls are read from the output under "
+                                 "tool_choice=auto", choices=["hermes", "llama3_json"])
+    reasoning_parser: str | None = _opt(None, "split <think>...</think> reasoning into "
+                                        "reasoning_content", choices=[None, "think"])
 
     def __post_init__(self) -> None:
         _check_choices(self)

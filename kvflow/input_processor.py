@@ -55,13 +55,18 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
-        vocabulary (SamplingParams checks everything that does not depend on the model)."""
+        vocabulary, or a malformed structured-output schema / regex / grammar
+        (SamplingParams checks everything that does not depend on the model)."""
         for name, ids in (("logit_bias", params.logit_bias or {}),
                           ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "
                                  f"vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            from kvflow.structured import validate
+
+            validate(params.structured_outputs)  # malformed schema / regex / grammar
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0) -> list[Request]:

@@ -31,6 +31,7 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else \
             load_tokenizer(self.core.source, mc.tokenizer)
+        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is None:
             eos = getattr(self.core.hf_config, "eos_token_id", None)

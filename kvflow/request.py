@@ -70,6 +70,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet known
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
+        # kvflow.structured.manager.RequestStructuredOutput when the output is constrained
+        self.structured_output = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +92,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_schedulable(self) -> bool:
+        """False while its structured-output grammar is still compiling."""
+        return self.structured_output is None or self.structured_output.is_ready
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

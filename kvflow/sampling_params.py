@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -33,6 +35,8 @@ class SamplingParams:
             1 disables.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit every step
             (string keys such as JSON's are converted to int).
+        structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice
+            or grammar (see ``kvflow.structured``); a dict of its fields is accepted.
 
     Raises:
         ValueError: on any out-of-range value, naming the field and the allowed range.
@@ -56,6 +60,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +70,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

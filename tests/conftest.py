@@ -44,6 +44,29 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen2 with max_window_layers=1: layer 0 full attention, layer 1 a window of 8
     "qwen2_layer_types": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8,
                                           "max_window_layers": 1}),
+    # Gemma 3: layer 0 local (window 8, RoPE base 10k), layer 1 global (base 1M); q/k norm,
+    # query_pre_attn_scalar != head_dim, final logit soft-capping, tied embeddings
+    "gemma3": ("Gemma3TextConfig", {
+        "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "query_pre_attn_scalar": 24,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
+    # Phi-3 with LongRoPE (short factors below 64 positions) and half of each head rotated
+    "phi3_longrope": ("Phi3Config", {
+        "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
+                         "long_factor": [2.0, 3.0, 6.0, 9.0]}}),
+    # Mixture-of-Experts: 4-8 small experts, top-2 (Mixtral renormalizes the top-k weights)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "intermediate_size": 64}),
+    # Qwen2-MoE: sigmoid-gated shared expert, no top-k renormalization, layer 1 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48,
+                                     "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    # Qwen3-MoE: q/k norm, 8 experts, renormalized top-2
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "head_dim": 32}),
 }
 
 
@@ -123,7 +146,8 @@ def build_tiny_model(name: str, folder: str, tokenizer: Any, seed: int = 0) -> T
         "pad_token_id": tokenizer.eos_token_id}
     kwargs.update(overrides)
     config = config_cls(**kwargs)
-    config.architectures = [config_cls_name.replace("Config", "ForCausalLM")]
+    config.architectures = kwargs.get("architectures") or \
+        [config_cls_name.replace("Config", "ForCausalLM")]
     model_cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()

@@ -66,8 +66,12 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self._ctx = ctx
         self.kv_cache = torch.empty(0)
+        self.kv_group = 0  # KV-cache group (block table) of this layer; set by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        return self._ctx.backend.forward(q, k, v, self.kv_cache, self._ctx.forward_context.meta,
-                                         self.scale, self.sliding_window)
+        meta = self._ctx.forward_context.meta
+        if self.kv_group:
+            meta = meta.kv_groups[self.kv_group]
+        return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
+                                         self.sliding_window)

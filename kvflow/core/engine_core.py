@@ -17,6 +17,7 @@ from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
+from kvflow.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class EngineCore:
         self._init_model(source or resolve_model(config.model_config.model))
         self._init_kv_cache()
         self._init_scheduler()
+        self._init_structured_output()
 
     def _init_platform(self) -> None:
         self.platform = get_platform(self.config.device_config.device)
@@ -75,7 +77,7 @@ class EngineCore:
                              f"max_position_embeddings ({positions})")
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
-        capacity = (self.num_blocks - 1) * cc.block_size
+        capacity = self._kv_capacity_tokens()
         model_len = self.config.model_config.max_model_len or \
             getattr(self.hf_config, "max_position_embeddings", capacity)
         if model_len > capacity:
@@ -87,16 +89,72 @@ class EngineCore:
                     "concurrency at full length %.1f requests", self.num_blocks, cc.block_size,
                     capacity, self.max_model_len, capacity / self.max_model_len)
 
+    def _kv_capacity_tokens(self) -> int:
+        """Longest sequence (tokens) whose blocks fit the cache alone: every full-attention
+        KV-cache group holds all its blocks, a sliding-window group at most its window plus
+        one step's chunk (rounded up, plus one block)."""
+        bs = self.config.cache_config.block_size
+        chunk = self.config.scheduler_config.max_num_batched_tokens
+        windows = self.executor.kv_group_windows
+        usable = self.num_blocks - 1
+        if len(windows) < 2:
+            return usable * bs
+
+        def need(num_tokens: int) -> int:
+            blocks = -(-num_tokens // bs)
+            return sum(blocks if w is None else min(blocks, -(-(w + chunk) // bs) + 1)
+                       for w in windows)
+
+        lo, hi = 0, usable * bs  # need(lo) <= usable < need(hi + 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
+        return lo
+
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cc.block_size,
-                                               cc.enable_prefix_caching)
+                                               cc.enable_prefix_caching,
+                                               self.executor.kv_group_windows)
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len)
 
+    def _init_structured_output(self) -> None:
+        """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is
+        built there at the first constrained request. Offline ``LLM`` hands over its
+        tokenizer through ``self.tokenizer``; the server's core process loads its own."""
+        self.tokenizer = None
+        self.structured_output = StructuredOutputManager(
+            self._make_grammar_backend, self.hf_config.vocab_size,
+            self.config.scheduler_config.max_num_seqs)
+
+    def _make_grammar_backend(self):
+        from kvflow.models.loader import load_tokenizer
+        from kvflow.structured.xgrammar_backend import XgrammarBackend
+
+        mc = self.config.model_config
+        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        return XgrammarBackend(tokenizer, self.hf_config.vocab_size, eos)
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a validated request (see InputProcessor)."""
+        """Queue a validated request (see InputProcessor). A constrained request starts its
+        grammar compile now and is scheduled once it is ready.
+
+        Raises:
+            ValueError: for a duplicate id, a prompt at max_model_len, or structured outputs
+                on an engine without a tokenizer.
+        """
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            if self.config.model_config.skip_tokenizer_init:
+                raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is "
+                                 "set)")
+            request.structured_output = self.structured_output.request_state(structured)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -110,5 +168,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
         scheduler_output = self.scheduler.schedule()
-        sampled = self.executor.execute_model(scheduler_output)
+        if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
+            self.structured_output.wait_for_compiles(timeout_s=0.05)
+        grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
+                                                                 self.scheduler.requests)
+        sampled = self.executor.execute_model(scheduler_output, grammar_bitmask)
         return self.scheduler.update_from_output(scheduler_output, sampled)

@@ -35,6 +35,8 @@ class ScheduledRequest:
         do_sample: the step reaches the end of the request's tokens, so sample one token.
         output_token_ids: tokens generated so far (for min_tokens and penalties).
         prompt_token_ids: the request's prompt (for the repetition penalty).
+        group_block_ids: block tables of KV-cache groups 1.. (layers with a different
+            attention span, e.g. sliding-window layers); empty when there is one group.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     eos_token_id: int | None
     prompt_token_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -179,8 +182,12 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        not_ready: list[Request] = []  # grammars still compiling: skipped, not blocking
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not request.is_schedulable:
+                not_ready.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.can_allocate(request, num_new, hits):
@@ -194,6 +201,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        for request in not_ready:
+            self.waiting.add(request)
         return budget
 
     def _preempt(self, request: Request) -> None:
@@ -216,6 +225,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
             prompt_token_ids=request.prompt_token_ids,
+            group_block_ids=self.kv.get_group_block_ids(request.request_id),
         )
 
     # ---- after the step ----------------------------------------------------------------------
@@ -228,12 +238,18 @@ class Scheduler:
             request = self.requests.get(sreq.request_id)
             if token is None or request is None or request.is_finished:
                 continue
-            request.append_output_token(token.token_id)
-            self._check_stop(request)
+            new_token_ids = [token.token_id]
+            if self._accept_structured(request, token.token_id):
+                request.append_output_token(token.token_id)
+                self._check_stop(request)
+            else:  # the grammar admits no further token: the output is cut here
+                new_token_ids = []
+                request.status = RequestStatus.FINISHED_LENGTH
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id,
-                new_token_ids=[token.token_id],
-                new_logprobs=[token.logprobs] if token.logprobs is not None else None,
+                new_token_ids=new_token_ids,
+                new_logprobs=[token.logprobs] if token.logprobs is not None and new_token_ids
+                else None,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
@@ -241,6 +257,13 @@ class Scheduler:
                 self.running.remove(request)
                 self._free(request)
         return outputs
+
+    @staticmethod
+    def _accept_structured(request: Request, token_id: int) -> bool:
+        """Advance a constrained request's matcher (before the token is appended, so matcher
+        and tokens never disagree); False if the grammar rejects the token."""
+        return request.structured_output is None or \
+            request.structured_output.accept_token(token_id)
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.sampling_params, request.all_token_ids[-1]

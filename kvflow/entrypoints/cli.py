@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: ``generate``, ``serve``, ``bench throughput``.
+"""The ``kvflow`` command: ``generate``, ``serve``, ``bench throughput|serve|latency|roofline``.
 
 Engine flags are generated from the EngineConfig dataclasses, server flags from ServerConfig,
 sampling flags from SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
@@ -98,9 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
+    from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.roofline import add_roofline_parser
+    from kvflow.bench.serve import add_serve_parser
     from kvflow.bench.throughput import add_throughput_parser
 
     add_throughput_parser(bench)
+    add_serve_parser(bench)
+    add_latency_parser(bench)
+    add_roofline_parser(bench)
     return parser
 
 

@@ -4,7 +4,8 @@ Requests ignore unknown fields (as vLLM does); a known field with a value of the
 out of its range fails validation and becomes a 400 with an OpenAI error body.
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``).
+``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
+``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` constraints).
 """
 
 from __future__ import annotations
@@ -54,6 +55,37 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema is under ``schema`` (alias of
+    ``json_schema``, which pydantic's BaseModel reserves)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIBaseModel):
+    """The vLLM-style ``structured_outputs`` extra body field (exactly one of these)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completion and chat requests."""
 
@@ -78,6 +110,8 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -103,8 +137,30 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. ``tools`` are rendered through the chat template;
+    ``tool_choice`` ``required`` and a named function are enforced with a grammar."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, le=_INT32_MAX)
@@ -113,6 +169,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -168,9 +227,24 @@ class ChatLogprobs(OpenAIBaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class ChatResponseMessage(OpenAIBaseModel):
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(OmitNoneModel):
+    OMIT_IF_NONE = ("reasoning_content",)
+
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(OmitNoneModel):
@@ -196,11 +270,31 @@ class ChatCompletionResponse(OmitNoneModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(OmitNoneModel):
+    OMIT_IF_NONE = ("name", "arguments")
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNoneModel):
+    """A streamed piece of tool call ``index``: the first carries id, type and name."""
+
+    OMIT_IF_NONE = ("id", "type")
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OmitNoneModel):
-    OMIT_IF_NONE = ("role", "content")
+    OMIT_IF_NONE = ("role", "content", "tool_calls", "reasoning_content")
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(OmitNoneModel):

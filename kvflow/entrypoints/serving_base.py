@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from kvflow.config import ServerConfig
 from kvflow.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -145,10 +147,17 @@ class OpenAIServing:
                               param="stream_options")
 
     # ---- sampling params ---------------------------------------------------------------------
-    def sampling_params(self, req: SamplingRequest, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the request's fields. Raises OpenAIError 400 when invalid."""
-        fields = {name: getattr(req, name) for name in _COPIED_FIELDS}
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
+        """SamplingParams from the request's fields; ``structured_outputs`` (a tool-call
+        grammar) overrides the request's own ``response_format`` / ``structured_outputs``.
+        Raises OpenAIError 400 when invalid (a malformed schema or regex too)."""
+        try:
+            fields = {"structured_outputs": structured_outputs or request_constraint(req)}
+        except RequestFieldError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+        fields.update({name: getattr(req, name) for name in _COPIED_FIELDS})
         fields.update({name: getattr(req, name) for name in _OPTIONAL_FIELDS
                        if getattr(req, name) is not None})
         fields.update(max_tokens=max_tokens, logprobs=logprobs,

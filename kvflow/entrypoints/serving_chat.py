@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.entrypoints.async_llm import RequestStream, collect
+from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -20,7 +21,6 @@ from kvflow.entrypoints.protocol import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatMessage,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
@@ -34,8 +34,17 @@ from kvflow.entrypoints.serving_base import (
     merge_streams,
     random_id,
 )
+from kvflow.entrypoints.structured_requests import (
+    RequestFieldError,
+    tool_choice_mode,
+    tool_constraint,
+    tool_parser_for,
+    tools_for_template,
+)
+from kvflow.entrypoints.tool_parsers import make_tool_parser
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -48,17 +57,28 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
         """
         self._check_request(req)
+        mode, parser = self._tools(req)
         text, ids = self.render(req.messages, req.add_generation_prompt,
-                                req.chat_template_kwargs)
-        params = self._params(req, ids)
+                                req.chat_template_kwargs, tools_for_template(req, mode))
+        params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
         request_id = random_id("chatcmpl")
         streams = self.add_requests(request_id, [(text, ids)], [params])
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
-                                                                 streams)))
+                                                                 streams, parser)))
         return await self.respond(raw, streams, self._response(req, request_id, ids,
-                                                               streams[0]))
+                                                               streams[0], parser))
+
+    def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
+        """The tool-choice mode and the parser that reads the reply back.
+        Raises OpenAIError 400 for a tool_choice that does not fit the tools."""
+        try:
+            mode = tool_choice_mode(req)
+        except RequestFieldError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+        return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),
+                                      make_reasoning_parser(self.config.reasoning_parser))
 
     def _check_request(self, req: ChatCompletionRequest) -> None:
         self.check_model(req.model)
@@ -69,8 +89,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-               template_kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
-        """Apply the chat template; returns (prompt text, token ids).
+               template_kwargs: dict[str, Any] | None,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
+        template's ``tools`` argument; a template that ignores them gets the tool parser's
+        instructions as (the start of) the system message instead.
 
         Raises:
             OpenAIError: 400 for non-text content, a model without a chat template, or a
@@ -78,30 +101,42 @@ class OpenAIServingChat(OpenAIServing):
         """
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         tokenizer = self.tokenizer
+        template_kwargs = dict(template_kwargs or {})
+        if tools:
+            template_kwargs["tools"] = tools
+            if "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+                prompt = make_tool_parser(self.config.tool_call_parser).system_prompt(tools)
+                conversation = _with_system_prompt(conversation, prompt)
         try:
             text = self.engine.processor.apply_chat_template(
-                conversation, add_generation_prompt, **(template_kwargs or {}))
+                conversation, add_generation_prompt, **template_kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") \
                 from None
         return text, tokenizer.encode(text, add_special_tokens=False)
 
-    def _params(self, req: ChatCompletionRequest, ids: list[int]) -> SamplingParams:
+    def _params(self, req: ChatCompletionRequest, ids: list[int],
+                tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_tokens is None:  # as much as the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs)
+        params = self.sampling_params(req, max_tokens, logprobs, tool_grammar)
         self.check_prompt(ids, max_tokens, "messages")
         return params
 
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
-                        stream: RequestStream) -> ChatCompletionResponse:
+                        stream: RequestStream, parser: ChatOutputParser
+                        ) -> ChatCompletionResponse:
         out = await collect(stream)
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              **self._choice_extras(req, c)) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = parser.message(c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      **{**self._choice_extras(req, c),
+                                         "finish_reason": finish_reason}))
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
@@ -117,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
-                      streams: Sequence[RequestStream]
+                      streams: Sequence[RequestStream], parser: ChatOutputParser
                       ) -> AsyncIterator[ChatCompletionStreamResponse]:
         created, num_generated = int(time.time()), 0
 
@@ -129,15 +164,31 @@ class OpenAIServingChat(OpenAIServing):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         want_tokens = req.logprobs or req.return_token_ids
+        states = {i: parser.stream_state() for i in range(req.n)}
         async for _, delta in merge_streams(streams):
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
-                if not c.text and c.finish_reason is None and not (want_tokens and c.token_ids):
+                message, extras = DeltaMessage(content=c.text), self._choice_extras(req, c)
+                if not parser.is_plain:  # reasoning / tool calls parsed out of the text
+                    message, extras["finish_reason"] = parser.delta(states[c.index], c.text,
+                                                                    c.finish_reason)
+                    message = message or DeltaMessage(content="" if want_tokens else None)
+                if not (message.content or message.tool_calls or message.reasoning_content) \
+                        and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
-                yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                              **self._choice_extras(req, c))])
+                yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], _usage(len(ids), num_generated))
+
+
+def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str
+                        ) -> list[dict[str, Any]]:
+    """``prompt`` as the system message, before the conversation's own system text if any."""
+    if conversation and conversation[0].get("role") == "system":
+        first = {**conversation[0],
+                 "content": f"{conversation[0].get('content') or ''}\n\n{prompt}".strip()}
+        return [first, *conversation[1:]]
+    return [{"role": "system", "content": prompt}, *conversation]
 
 
 def _message_dict(message: ChatMessage, position: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.scheduler import SampledToken, SchedulerOutput
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
+from kvflow.structured.manager import GrammarBitmask
 from kvflow.worker.model_runner import ModelRunner
 
 
@@ -26,8 +27,14 @@ class UniprocExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """Sliding window (None = full attention) of each KV-cache group."""
+        return self.runner.kv_group_windows
+
     def capture_graphs(self, max_model_len: int) -> None:
         self.runner.capture_graphs(max_model_len)
 
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        return self.runner.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+                      ) -> dict[str, SampledToken]:
+        return self.runner.execute_model(sched, grammar_bitmask)

@@ -1,4 +1,5 @@
-"""Triton GPU kernels (paged attention, KV-cache store, RMSNorm, SiLU-and-mul, rotary).
+"""Triton GPU kernels (paged attention, KV-cache store, RMSNorm, SiLU-and-mul, rotary, MoE
+grouped GEMM).
 
 Each kernel module imports ``triton`` at its top, so import them only when the Triton backend
 is requested; this package ``__init__`` deliberately imports nothing.  Every kernel ships with a

@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoFormer, Su et al. 2021) with Llama-3 and linear scaling."""
+"""Rotary position embedding (RoFormer, Su et al. 2021) with Llama-3, linear and LongRoPE
+(Phi-3 ``longrope`` / ``su``) scaling."""
 
 from __future__ import annotations
 
@@ -26,7 +27,19 @@ def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     if rope_type == "default":
         return float(theta), None
     scaling["rope_type"] = rope_type
+    if rope_type in ("longrope", "su"):  # older Phi-3 configs keep the length at top level
+        scaling.setdefault("original_max_position_embeddings",
+                           getattr(config, "original_max_position_embeddings", None))
     return float(theta), scaling
+
+
+def get_rotary_dim(config: Any, head_dim: int) -> int:
+    """Rotated dimensions per head: ``head_dim x partial_rotary_factor`` (transformers 5 keeps
+    the factor in ``rope_parameters``, older versions at top level; default 1)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = factor or getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -56,8 +69,28 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tor
         return (inv_freq / scaling["factor"]).float()
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling).float()
+    if rope_type in ("longrope", "su"):
+        return _longrope_inv_freq(rotary_dim, theta, scaling["short_factor"]).float()
     raise ValueError(f"unsupported rope_type {rope_type!r}: kvflow supports default, linear, "
-                     "llama3")
+                     "llama3, longrope")
+
+
+def _longrope_inv_freq(rotary_dim: int, theta: float, ext_factors: list[float]) -> torch.Tensor:
+    """LongRoPE (Ding et al. 2024; Phi-3 technical report, Abdin et al. 2024): each frequency
+    pair ``i`` is stretched by its own searched factor, ``1 / (factor_i * theta^(2i/d))``
+    [rotary_dim // 2] float32 (computed in float32 like the reference implementation)."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * theta ** exponent)
+
+
+def longrope_attention_factor(scaling: dict, max_position: int) -> float:
+    """LongRoPE's magnitude correction of cos/sin: ``attention_factor`` if given, else
+    ``sqrt(1 + ln(s) / ln(L_orig))`` with ``s = max_position / L_orig`` (1 when ``s <= 1``)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,10 +106,30 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.is_neox_style = is_neox_style
-        inv_freq = compute_inv_freq(self.rotary_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
-                             persistent=False)
+        rope_type = (scaling or {}).get("rope_type")
+        if rope_type in ("longrope", "su"):
+            cache = self._longrope_cache(max_position, theta, scaling)
+        else:
+            inv_freq = compute_inv_freq(self.rotary_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _longrope_cache(self, max_position: int, theta: float, scaling: dict) -> torch.Tensor:
+        """LongRoPE table: positions below ``original_max_position_embeddings`` use the short
+        factors, positions at or beyond it the long factors (a per-position rule, so a token's
+        rotation never depends on its batch or on later tokens), both times the attention
+        factor. transformers instead switches the whole sequence to the long factors once it
+        grows past the original length; the two agree on every sequence that stays within it.
+        """
+        orig = scaling["original_max_position_embeddings"]
+        mscale = longrope_attention_factor(scaling, max_position)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        short = _longrope_inv_freq(self.rotary_dim, theta, scaling["short_factor"])
+        long = _longrope_inv_freq(self.rotary_dim, theta, scaling["long_factor"])
+        inv_freq = torch.where((positions < orig).unsqueeze(1), short, long)
+        freqs = positions.unsqueeze(1) * inv_freq
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]

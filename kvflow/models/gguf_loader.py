@@ -7,7 +7,7 @@ there); tensor data is read from a memory map and dequantized with the ``gguf`` 
 and the tokenizer. ``gguf`` and ``transformers`` are imported lazily, so importing this module
 is cheap and works on machines without ``gguf``.
 
-Supported GGUF ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``.
+Supported GGUF ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma3``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,20 @@ class _ArchSpec:
     model_type: str  # transformers model_type
     hf_architecture: str  # transformers class name for config.architectures
     permute_qk: bool  # llama.cpp stored q/k rows in its interleaved rotary layout
+    # llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added: subtract it back
+    norm_offset: float = 0.0
+    block_names: tuple[tuple[str, str], ...] = ()  # overrides of _BLOCK_NAMES
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("llama", "LlamaForCausalLM", permute_qk=True),
     "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permute_qk=False),
     "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", permute_qk=False),
+    # Gemma 3: four norms per layer; llama.cpp's "ffn_norm" is the pre-MLP norm here.
+    "gemma3": _ArchSpec("gemma3_text", "Gemma3ForCausalLM", permute_qk=False, norm_offset=1.0,
+                        block_names=(("ffn_norm", "pre_feedforward_layernorm"),
+                                     ("post_attention_norm", "post_attention_layernorm"),
+                                     ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
@@ -350,6 +358,16 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[_ArchSpec, dict[str, Any]]:
     }
     # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.
     kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "gemma3":
+        # Local layers keep transformers' defaults (every 6th layer global, local RoPE base
+        # 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
+        # every size but 27B (and transformers' default of 256 for the 270M-12B sizes).
+        kwargs.pop("hidden_act")
+        kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+        kwargs["query_pre_attn_scalar"] = head_dim
+        window = key("attention.sliding_window")
+        if window is not None:
+            kwargs["sliding_window"] = int(window)
 
     scaling_type = key("rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -404,13 +422,14 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 # --------------------------------------------------------------------------- weights
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, spec: _ArchSpec | None = None) -> str:
     """Map a GGUF tensor name to the HF parameter name (ValueError if unknown)."""
     m = _BLOCK_RE.match(gguf_name)
     if m is not None:
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        block_names = {**_BLOCK_NAMES, **dict(spec.block_names if spec else ())}
+        if part in block_names:
+            return f"model.layers.{layer}.{block_names[part]}.{kind}"
     else:
         m = _GLOBAL_RE.match(gguf_name)
         if m is not None and m.group(1) in _GLOBAL_NAMES:
@@ -450,7 +469,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
 
     For GGUF architecture ``llama`` the q_proj/k_proj rows (and biases) are un-permuted
     (see :func:`unpermute_qk`; the permutation is llama.cpp's ``convert_hf_to_gguf.py``
-    ``LlamaModel.permute``). qwen2/qwen3 GGUFs are stored unpermuted.
+    ``LlamaModel.permute``). qwen2/qwen3/gemma3 GGUFs are stored unpermuted; gemma3 norm
+    weights are stored as ``1 + w`` and come back as ``w`` (the ``(1 + w)`` RMSNorm's own).
 
     Tensors are produced one at a time from a memory map, so peak extra memory is about one
     float32 copy of the largest tensor. The file is validated before the iterator is returned.
@@ -464,7 +484,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
     n_head = int(meta.get(f"{arch}.attention.head_count"))
     n_kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
     n_kv = int(max(n_kv) if isinstance(n_kv, list) else n_kv)
-    names = {t.name: _hf_name(t.name) for t in meta.tensors if t.name not in _SKIPPED_TENSORS}
+    names = {t.name: _hf_name(t.name, spec) for t in meta.tensors
+             if t.name not in _SKIPPED_TENSORS}
     return _iter_weights(meta, names, spec, n_head, n_kv, dtype)
 
 
@@ -485,6 +506,8 @@ def _iter_weights(
                 continue
             name = names[info.name]
             weight = torch.from_numpy(_dequantize(data, info))
+            if spec.norm_offset and name.endswith("norm.weight"):
+                weight = weight - spec.norm_offset
             if spec.permute_qk:
                 if ".self_attn.q_proj." in name:
                     weight = unpermute_qk(weight, n_head)
@@ -531,7 +554,9 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     ``PreTrainedTokenizerFast``-style tokenizer; GGUF ``tokenizer.ggml.add_bos_token`` is
     honoured by transformers). The returned tokenizer has ``chat_template`` set from the GGUF
     key ``tokenizer.chat_template`` when transformers did not set it, and its bos/eos/pad
-    tokens are made to match ``tokenizer.ggml.{bos,eos,padding}_token_id`` when present.
+    tokens are made to match ``tokenizer.ggml.{bos,eos,padding}_token_id`` when present. The
+    result is saved under the kvflow cache directory and reloaded from there next time (see
+    ``_tokenizer_cache_dir``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -540,6 +565,12 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     meta = read_gguf_metadata(path)  # validates the file first (fast)
     from transformers import AutoTokenizer
 
+    cached = _tokenizer_cache_dir(meta.path)
+    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass  # unreadable cache entry: rebuild it below
     directory, filename = os.path.split(os.path.abspath(meta.path))
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     template = meta.get("tokenizer.chat_template")
@@ -555,4 +586,40 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
             token = tokenizer.convert_ids_to_tokens(int(token_id))
             if token is not None:
                 setattr(tokenizer, attr, token)
+    if cached is not None:
+        _save_tokenizer_cache(tokenizer, cached)
     return tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str | None:
+    """Cache folder for the tokenizer built from ``path``, keyed by the file's absolute path,
+    size and mtime (None when the file cannot be stat'ed). transformers rebuilds a GGUF
+    tokenizer through ``gguf.GGUFReader``, minutes for a 262k vocabulary (Gemma 3) on a small
+    CPU; a saved ``tokenizer.json`` loads in about a second."""
+    import hashlib
+
+    from kvflow.models.model_resolver import cache_dir
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()
+    return os.path.join(cache_dir(), "tokenizers", hashlib.sha256(key).hexdigest()[:24])
+
+
+def _save_tokenizer_cache(tokenizer: Any, folder: str) -> None:
+    """Save into a temporary folder and rename it into place (best effort: a read-only cache
+    only costs the next load its speed)."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

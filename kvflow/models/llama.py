@@ -18,7 +18,7 @@ from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, get_rotary_dim
 
 
 def get_head_dim(config: Any) -> int:
@@ -44,7 +44,9 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 def make_rotary_embedding(config: Any) -> RotaryEmbedding:
     """One RoPE table per model (shared by all layers: [max_position, head_dim] float32)."""
     theta, scaling = get_rope_parameters(config)
-    return RotaryEmbedding(get_head_dim(config), config.max_position_embeddings, theta, scaling)
+    head_dim = get_head_dim(config)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling,
+                           rotary_dim=get_rotary_dim(config, head_dim))
 
 
 class LlamaAttention(nn.Module):

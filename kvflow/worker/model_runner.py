@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
@@ -33,6 +34,26 @@ def make_attention_backend(name: str):
 
         return TritonPagedAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose torch or triton")
+
+
+def group_layers_by_span(layers: list[Attention]) -> list[list[Attention]]:
+    """Split attention layers into KV-cache groups of equal size by attention span.
+
+    Full-attention layers form group 0; the sliding-window layers are cut into further groups
+    of the same size (Gemma 3's 5 local : 1 global gives 1 + 5 groups). Every group then needs
+    the same KV tensors, so layer ``j`` of each group shares tensor ``j`` and a block id is
+    owned by one group at a time; the sliding groups hold only the blocks inside their window.
+    One group (no savings, masking still exact) when all layers share one span, when windows
+    differ, when KV shapes differ, or when the counts do not divide.
+    """
+    full = [layer for layer in layers if layer.sliding_window is None]
+    local = [layer for layer in layers if layer.sliding_window is not None]
+    shapes = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
+    windows = {layer.sliding_window for layer in local}
+    if not full or not local or len(windows) > 1 or len(shapes) > 1 or len(local) % len(full):
+        return [list(layers)]
+    n = len(full)
+    return [full] + [local[i:i + n] for i in range(0, len(local), n)]
 
 
 class ModelRunner:
@@ -65,6 +86,16 @@ class ModelRunner:
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_groups = group_layers_by_span(self.attn_layers)
+        for g, layers in enumerate(self.kv_groups):
+            for layer in layers:
+                layer.kv_group = g
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """Sliding window of each KV-cache group (None = full attention), for the manager."""
+        windows = [{layer.sliding_window for layer in layers} for layers in self.kv_groups]
+        return tuple(w.pop() if len(w) == 1 else None for w in windows)
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)
@@ -74,10 +105,11 @@ class ModelRunner:
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block occupies across all layers (K and V)."""
+        """Bytes one block occupies (K and V) in every KV tensor: one tensor per layer of a
+        group (groups take turns on the same tensors, see ``group_layers_by_span``)."""
         layer = self.attn_layers[0]
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
-        return per_layer * len(self.attn_layers) * self.dtype.itemsize
+        return per_layer * len(self.kv_groups[0]) * self.dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """Blocks from --num-kv-blocks, else --kv-cache-memory, else the platform's budget."""
@@ -119,31 +151,36 @@ class ModelRunner:
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
         self.initialize_kv_cache(num_blocks + 1)
-        req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(1, num_blocks + 1)),
-                               True, None, [], None)
+        block_ids = list(range(1, num_blocks + 1))
+        req = ScheduledRequest("profile", [0] * num_tokens, 0, block_ids, True, None, [], None,
+                               group_block_ids=[block_ids] * (len(self.kv_groups) - 1))
         inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
                                     self.stager)
         with torch.inference_mode(), self.attn_ctx.forward_context.bind(inputs.attn_meta):
-            self.attn_ctx.backend.prepare(inputs.attn_meta, self.block_size)
+            self._prepare_attention(inputs.attn_meta)
             hidden = self.model(inputs.input_ids, inputs.positions)
             self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
         self.initialize_kv_cache(0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
+        """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer
+        of a KV-cache group; layer ``j`` of every group uses tensor ``j`` (a block id belongs
+        to one group at a time, so the groups never write the same slots)."""
         self.num_blocks = num_blocks
         self.kv_caches = []
-        for layer in self.attn_layers:
+        for j, layer in enumerate(self.kv_groups[0]):
             cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
                                 layer.head_dim, dtype=self.dtype, device=self.device)
-            layer.kv_cache = cache
+            for group in self.kv_groups:
+                group[j].kv_cache = cache
             self.kv_caches.append(cache)
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Capture CUDA graphs for decode steps (no-op without graph support or with
         ``enforce_eager``). Call after ``initialize_kv_cache``."""
-        if not self.platform.supports_graphs or self.config.device_config.enforce_eager:
+        if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
+                or len(self.kv_groups) > 1:  # graphs replay one block table per step
             return
         from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -183,8 +220,13 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
         with self.attn_ctx.forward_context.bind(meta):
-            self.attn_ctx.backend.prepare(meta, self.block_size)
+            self._prepare_attention(meta)
             return self.model(inputs.input_ids, inputs.positions)
+
+    def _prepare_attention(self, meta: AttentionMetadata) -> None:
+        """The backend's per-step preparation, once per KV-cache group."""
+        for group_meta in meta.kv_groups or [meta]:
+            self.attn_ctx.backend.prepare(group_meta, self.block_size)
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
         params = [r.sampling_params for r in reqs]
@@ -217,11 +259,10 @@ class ModelRunner:
         return meta
 
     def _grammar_rows(self, grammar: GrammarBitmask, reqs: list[ScheduledRequest]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sampling rows int64 [R], bitmask int32 [R, W]) of the constrained requests."""
+                      ) -> tuple[list[int], torch.Tensor]:
+        """(sampling rows [R], bitmask int32 [R, W] on the device) of constrained requests."""
         row_of = {r.request_id: row for row, r in enumerate(reqs)}
-        rows = torch.tensor([row_of[rid] for rid in grammar.request_ids], dtype=torch.int64,
-                            device=self.device)
+        rows = [row_of[rid] for rid in grammar.request_ids]
         return rows, grammar.bitmask.to(self.device, non_blocking=True)
 
     def _add_penalties_and_bias(self, meta: SamplingMetadata,

@@ -98,3 +98,27 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert grew("kvflow:request_success_total", finished_reason="abort") == 1
     assert grew("kvflow:request_success_total", finished_reason="length") == 0
     assert 3 <= grew("kvflow:generation_tokens_total") < 400
+
+
+def test_named_tool_call_returns_valid_arguments(client):
+    """tool_choice naming a function: the grammar forces the arguments to the schema."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object",
+              "properties": {"city": {"type": "string", "maxLength": 40},
+                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"]}
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": schema}}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema)

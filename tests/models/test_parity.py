@@ -19,7 +19,8 @@ import torch
 from kvflow import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "llama_tied",
-         "mistral_sliding_window", "qwen2_layer_types"]
+         "mistral_sliding_window", "qwen2_layer_types", "gemma3", "phi3_longrope",
+         "mixtral", "qwen2_moe", "qwen3_moe"]
 ATOL = 1e-4
 MAX_TOKENS = 10
 
@@ -176,7 +177,11 @@ def test_shared_prefix(tiny, make_llm, prefix_caching, assert_no_leaks):
 def test_preemption(tiny, make_llm, prefix_caching, assert_no_leaks):
     """7 usable blocks of 4 tokens (28 tokens) for 4 requests that each grow to 18-24 tokens:
     the scheduler must preempt and recompute, and the outputs still equal HF's."""
-    llm = make_llm(num_kv_blocks=8, enable_prefix_caching=prefix_caching,
+    # Models mixing full and sliding-window layers keep one block table per KV-cache group,
+    # each block holding one group's layers: the same 7 blocks per group keep the pressure.
+    types = set(getattr(tiny.hf_model.config, "layer_types", None) or ())
+    groups = 2 if {"full_attention", "sliding_attention"} <= types else 1
+    llm = make_llm(num_kv_blocks=1 + 7 * groups, enable_prefix_caching=prefix_caching,
                    max_num_batched_tokens=16)
     prompts = _prompts([9, 14, 8, 11], tiny.vocab_size, seed=6)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)

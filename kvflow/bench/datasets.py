@@ -1,0 +1,170 @@
+"""Benchmark workloads: request arrival times and prompt datasets.
+
+- ``arrival_intervals``: gaps between request arrivals, gamma-distributed with shape
+  ``burstiness`` and mean ``1 / rate`` (shape 1 = a Poisson process; < 1 burstier, > 1 more
+  regular), as in vLLM's serving benchmark.
+- ``random_requests``: prompts of random token ids (exact prompt lengths).
+- ``synthetic_chat_requests``: chat conversations that share a few long system prompts and have
+  varied user turns, so prefix caching and mixed lengths are exercised. Lengths are counted in
+  words of a fixed English vocabulary (about 1.3 tokens per word with a BPE tokenizer).
+- ``load_jsonl``: one request per line of a user file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_VOCABULARY = ("the of and to in is that for it as was with be by on not he this are or his from "
+          "at which but have an they you were her she there been one all we their has would "
+          "when if so what out up more who can time some could them into only then now after "
+          "over also new most may such first well any these way our where many before must "
+          "through back years much should still between own never same another while last "
+          "might great since against right three world under house again place small found "
+          "thought went large water every light night point early kind cache block token page "
+          "model server request batch queue memory engine prefix decode prefill layer")
+_WORDS = tuple(_VOCABULARY.split())
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload.
+
+    Attributes:
+        prompt: text, or token ids (completions endpoint only).
+        prompt_len: prompt length in tokens (words for synthetic chat before tokenization;
+            0 when unknown).
+        output_len: ``max_tokens`` to ask for.
+        messages: chat messages (chat endpoint); built from ``prompt`` when None.
+    """
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+    messages: list[dict[str, str]] | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A length distribution: ``uniform`` on [low, high], or ``normal``/``lognormal`` with the
+    given mean and standard deviation, clipped to [low, high]. Units are the caller's (tokens
+    or words)."""
+
+    kind: str = "uniform"
+    low: int = 16
+    high: int = 256
+    mean: float = 0.0
+    std: float = 0.0
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` integer lengths in [low, high]. Raises ValueError for an unknown kind."""
+        if self.kind == "uniform":
+            values = rng.integers(self.low, self.high + 1, n)
+        elif self.kind == "normal":
+            values = rng.normal(self.mean, self.std, n)
+        elif self.kind == "lognormal":
+            sigma2 = np.log1p((self.std / self.mean) ** 2)
+            values = rng.lognormal(np.log(self.mean) - sigma2 / 2, np.sqrt(sigma2), n)
+        else:
+            raise ValueError(f"unknown length distribution {self.kind!r}")
+        return np.clip(np.rint(values), self.low, self.high).astype(int)
+
+
+def parse_length_dist(spec: str) -> LengthDist:
+    """``"uniform:LOW:HIGH"``, ``"normal:MEAN:STD:LOW:HIGH"`` or
+    ``"lognormal:MEAN:STD:LOW:HIGH"`` -> LengthDist. Raises ValueError on a malformed spec."""
+    kind, *nums = spec.split(":")
+    try:
+        if kind == "uniform" and len(nums) == 2:
+            return LengthDist("uniform", int(nums[0]), int(nums[1]))
+        if kind in ("normal", "lognormal") and len(nums) == 4:
+            return LengthDist(kind, int(nums[2]), int(nums[3]), float(nums[0]), float(nums[1]))
+    except ValueError:
+        pass
+    raise ValueError(f"bad length distribution {spec!r}: use uniform:LOW:HIGH or "
+                     "normal|lognormal:MEAN:STD:LOW:HIGH")
+
+
+def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
+                      seed: int = 0) -> np.ndarray:
+    """Seconds to wait before each request (float64, length ``num_requests``).
+
+    Gamma(shape=burstiness, scale=1 / (rate * burstiness)) gaps have mean ``1 / rate``;
+    shape 1 gives exponential gaps (Poisson arrivals). ``rate=inf`` sends everything at once.
+
+    Raises:
+        ValueError: for a non-positive rate or burstiness.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"rate ({rate}) and burstiness ({burstiness}) must be > 0")
+    if np.isinf(rate):
+        return np.zeros(num_requests)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+
+
+def random_requests(num: int, input_len: int, output_len: int, vocab_size: int = 32000,
+                    seed: int = 0) -> list[BenchRequest]:
+    """``num`` prompts of ``input_len`` token ids drawn uniformly from [3, min(vocab, 32000))
+    (the draw of shared/bench/PEERS.md's CPU-W1 for the same seed)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, min(vocab_size, 32000), (num, input_len)).tolist()
+    return [BenchRequest(p, input_len, output_len) for p in ids]
+
+
+def _words(rng: np.random.Generator, n: int) -> str:
+    return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), n))
+
+
+def synthetic_chat_requests(num: int, num_system_prompts: int = 4,
+                            system_len: LengthDist = LengthDist("uniform", 200, 400),
+                            user_len: LengthDist = LengthDist("uniform", 16, 256),
+                            output_len: LengthDist = LengthDist("uniform", 32, 128),
+                            seed: int = 0) -> list[BenchRequest]:
+    """``num`` chat requests: each uses one of ``num_system_prompts`` shared system prompts
+    (round-robin) and a user turn of its own; system and user lengths are in words, output
+    lengths in tokens, each drawn from its distribution."""
+    rng = np.random.default_rng(seed)
+    systems = [f"You are assistant {i}. " + _words(rng, n)
+               for i, n in enumerate(system_len.sample(rng, num_system_prompts))]
+    user_lens, out_lens = user_len.sample(rng, num), output_len.sample(rng, num)
+    requests = []
+    for i in range(num):
+        system = systems[i % num_system_prompts]
+        user = _words(rng, int(user_lens[i]))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        prompt_words = len(system.split()) + int(user_lens[i])
+        requests.append(BenchRequest(system + "\n" + user, prompt_words, int(out_lens[i]),
+                                     messages))
+    return requests
+
+
+def load_jsonl(path: str, default_output_len: int) -> list[BenchRequest]:
+    """Requests from a JSON-lines file. Each line has ``prompt`` (text or token ids) or
+    ``messages`` (chat), and optionally ``output_len``/``max_tokens``.
+
+    Raises:
+        ValueError: naming the first line that is not such an object.
+    """
+    requests = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(_jsonl_request(json.loads(line), default_output_len))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from e
+    return requests
+
+
+def _jsonl_request(obj: dict[str, Any], default_output_len: int) -> BenchRequest:
+    out = int(obj.get("output_len", obj.get("max_tokens", default_output_len)))
+    if "messages" in obj:
+        text = "\n".join(m["content"] for m in obj["messages"])
+        return BenchRequest(text, 0, out, list(obj["messages"]))
+    prompt = obj["prompt"]
+    return BenchRequest(prompt, len(prompt) if isinstance(prompt, list) else 0, out)

@@ -1,0 +1,127 @@
+"""Serving-benchmark metric math: pure functions over client-side timestamps.
+
+Definitions (the ones vLLM's and SGLang's serving benchmarks use):
+- TTFT: time from sending a request to receiving its first generated token (seconds).
+- ITL: every gap between two successive token-carrying stream chunks of one request.
+- TPOT: (end-to-end latency - TTFT) / (output tokens - 1): the mean time per output token after
+  the first; undefined for a request with a single output token.
+- E2E: time from sending a request to receiving its last chunk.
+- Goodput: completed requests per second that meet every given SLO (Zhong et al., DistServe,
+  OSDI 2024).
+Percentiles interpolate linearly between closest ranks (numpy's default "linear" method).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# SLO names accepted by ``--goodput`` -> RequestTiming attribute (seconds)
+SLO_KEYS = ("ttft", "tpot", "e2e")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Latencies of one completed request, in seconds.
+
+    Attributes:
+        ttft: time to first token.
+        tpot: mean time per output token after the first (None with fewer than 2 tokens).
+        e2e: end-to-end latency.
+        itls: inter-token latencies, one per gap between token-carrying chunks.
+    """
+
+    ttft: float
+    tpot: float | None
+    e2e: float
+    itls: tuple[float, ...]
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (0..100) of ``values``, interpolating linearly between the two
+    closest ranks (numpy ``method="linear"``). NaN for an empty sequence.
+
+    Raises:
+        ValueError: if ``p`` is outside [0, 100].
+    """
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile {p} is outside [0, 100]")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """mean, median, p90, p99, min and max of ``values`` multiplied by ``scale`` (e.g. 1e3 for
+    seconds -> milliseconds); NaN entries for an empty sequence."""
+    scaled = [v * scale for v in values]
+    mean = sum(scaled) / len(scaled) if scaled else math.nan
+    return {"mean": mean, "median": percentile(scaled, 50), "p90": percentile(scaled, 90),
+            "p99": percentile(scaled, 99), "min": min(scaled, default=math.nan),
+            "max": max(scaled, default=math.nan)}
+
+
+def request_timing(start: float, token_times: Sequence[float], end: float,
+                   num_output_tokens: int) -> RequestTiming:
+    """Latencies of one request from client timestamps (seconds, one clock).
+
+    Args:
+        start: when the request was sent.
+        token_times: arrival time of every chunk that carried generated tokens, in order.
+        end: when the response finished.
+        num_output_tokens: tokens generated (from the server's usage, else the tokenizer); a
+            chunk may carry several tokens, so this can exceed ``len(token_times)``.
+
+    Raises:
+        ValueError: if no token chunk arrived.
+    """
+    if not token_times:
+        raise ValueError("no token arrived: TTFT is undefined")
+    ttft = token_times[0] - start
+    e2e = end - start
+    itls = tuple(b - a for a, b in itertools.pairwise(token_times))
+    tpot = (e2e - ttft) / (num_output_tokens - 1) if num_output_tokens > 1 else None
+    return RequestTiming(ttft=ttft, tpot=tpot, e2e=e2e, itls=itls)
+
+
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 0.5, "tpot": 0.05}`` (milliseconds in,
+    seconds out).
+
+    Raises:
+        ValueError: for an unknown SLO name, a missing colon or a non-positive value.
+    """
+    slos: dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition(":")
+        if not sep or name not in SLO_KEYS:
+            raise ValueError(f"bad --goodput entry {spec!r}: use NAME:MS with NAME one of "
+                             f"{', '.join(SLO_KEYS)}")
+        ms = float(value)
+        if ms <= 0:
+            raise ValueError(f"bad --goodput entry {spec!r}: the SLO must be > 0 ms")
+        slos[name] = ms / 1e3
+    return slos
+
+
+def meets_slos(timing: RequestTiming, slos: dict[str, float]) -> bool:
+    """True when every SLO (seconds) holds; a request without a TPOT (one output token)
+    meets any TPOT SLO."""
+    for name, limit in slos.items():
+        value = getattr(timing, name)
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+def goodput(timings: Sequence[RequestTiming], slos: dict[str, float],
+            duration_s: float) -> tuple[int, float]:
+    """(number of requests meeting every SLO, those requests per second of ``duration_s``)."""
+    good = sum(1 for t in timings if meets_slos(t, slos))
+    return good, good / duration_s if duration_s > 0 else math.nan

@@ -1,0 +1,331 @@
+"""``kvflow bench serve``: load-test any OpenAI-compatible server.
+
+Requests arrive at ``--request-rate`` (gamma-distributed gaps, ``--burstiness`` 1 = Poisson),
+at most ``--max-concurrency`` in flight; each streams, so TTFT and every inter-token gap are
+measured on the client (kvflow/bench/client.py). The summary (throughputs, mean/median/p90/p99
+of TTFT, TPOT, ITL and end-to-end latency in ms, goodput under ``--goodput`` SLOs) is printed
+and written to ``--result-json``. ``--sweep-rates`` repeats the run per rate and plots latency
+against throughput (kvflow/bench/plot.py). Metric definitions: kvflow/bench/metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+
+from kvflow.bench import metrics
+from kvflow.bench.client import ENDPOINT_PATHS, RequestResult, build_payload, send_request
+from kvflow.bench.datasets import (
+    BenchRequest,
+    arrival_intervals,
+    load_jsonl,
+    parse_length_dist,
+    random_requests,
+    synthetic_chat_requests,
+)
+
+MAX_ERRORS_KEPT = 20
+
+
+def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
+    """The workload of ``args.dataset``. Random prompts are token ids for the completions
+    endpoint and the tokenizer's decoding of them for chat."""
+    if args.dataset == "random":
+        vocab = args.random_vocab_size
+        if vocab is None:
+            tok = tokenizer_factory()
+            vocab = len(tok) if tok is not None else 32000
+        reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
+                               vocab_size=vocab, seed=args.seed)
+        if args.endpoint == "chat":
+            tok = tokenizer_factory()
+            if tok is None:
+                raise ValueError("--dataset random with --endpoint chat needs a tokenizer "
+                                 "(--tokenizer)")
+            reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
+                    for r in reqs]
+        return reqs
+    if args.dataset == "synthetic-chat":
+        return synthetic_chat_requests(
+            args.num_prompts, args.num_system_prompts, parse_length_dist(args.system_len),
+            parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
+            seed=args.seed)
+    reqs = load_jsonl(args.dataset, args.output_len)
+    if args.num_prompts < len(reqs):
+        reqs = reqs[:args.num_prompts]
+    if args.endpoint == "completions" and any(r.messages for r in reqs):
+        raise ValueError(f"{args.dataset} has chat messages: use --endpoint chat")
+    return reqs
+
+
+def make_tokenizer_factory(name: str | None):
+    """A memoizing zero-argument callable returning the tokenizer of ``name`` (a packaged model,
+    HF folder, GGUF file or hub id), or None when it cannot be loaded."""
+    cache: dict[str, Any] = {}
+
+    def get() -> Any:
+        if "tok" not in cache:
+            cache["tok"] = _load_tokenizer(name) if name else None
+        return cache["tok"]
+
+    return get
+
+
+def _load_tokenizer(name: str) -> Any:
+    from kvflow.models.loader import load_tokenizer
+    from kvflow.models.model_resolver import resolve_model
+
+    try:
+        return load_tokenizer(resolve_model(name))
+    except Exception:  # noqa: BLE001 - not a local model: try the hub cache
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name)
+        except Exception:  # noqa: BLE001
+            return None
+
+
+async def run_load(requests: list[BenchRequest], args: argparse.Namespace,
+                   rate: float) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time; returns results (in request order) and the
+    wall time from the first send to the last response, in seconds."""
+    url = args.base_url.rstrip("/").removesuffix("/v1") + ENDPOINT_PATHS[args.endpoint]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    extra = json.loads(args.extra_body) if args.extra_body else None
+    gaps = arrival_intervals(len(requests), rate, args.burstiness, args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    progress = _progress(len(requests), args.disable_tqdm)
+
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(req: BenchRequest) -> RequestResult:
+            payload = build_payload(req, args.endpoint, args.model, args.ignore_eos, extra)
+            if limit is None:
+                result = await send_request(session, url, payload, args.endpoint, headers)
+            else:
+                async with limit:
+                    result = await send_request(session, url, payload, args.endpoint, headers)
+            progress.update(1)
+            return result
+
+        start, due, tasks = time.perf_counter(), 0.0, []
+        for req, gap in zip(requests, gaps):
+            due += float(gap)
+            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    progress.close()
+    return list(results), duration
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=disable, desc="requests", unit="req")
+
+
+def _token_counts(req: BenchRequest, res: RequestResult, tokenizer_factory) -> tuple[int, int]:
+    """(prompt tokens, output tokens): the server's usage, else the tokenizer, else the
+    dataset's prompt length and the number of token chunks."""
+    prompt, output = res.prompt_tokens, res.completion_tokens
+    if output is None or prompt is None:
+        tok = tokenizer_factory()
+        if output is None:
+            output = (len(tok.encode(res.text, add_special_tokens=False)) if tok is not None
+                      else len(res.token_times))
+        if prompt is None:
+            prompt = req.prompt_len
+            if tok is not None and isinstance(req.prompt, str):
+                prompt = len(tok.encode(req.prompt))
+    return prompt, output
+
+
+def aggregate(requests: list[BenchRequest], results: list[RequestResult], duration: float,
+              slos: dict[str, float], tokenizer_factory) -> dict[str, Any]:
+    """The benchmark summary (flat keys as in vLLM's serving benchmark; latencies in ms,
+    throughputs per second) plus per-request lists."""
+    timings, in_lens, out_lens, usage_ok, errors = [], [], [], 0, []
+    for req, res in zip(requests, results):
+        if not res.success:
+            errors.append(res.error)
+            continue
+        prompt_len, out_len = _token_counts(req, res, tokenizer_factory)
+        usage_ok += res.completion_tokens is not None
+        in_lens.append(prompt_len)
+        out_lens.append(out_len)
+        timings.append(metrics.request_timing(res.start, res.token_times, res.end, out_len))
+    out = {"duration": duration, "completed": len(timings), "failed": len(errors),
+           "usage_from_server": usage_ok, "total_input_tokens": sum(in_lens),
+           "total_output_tokens": sum(out_lens),
+           "request_throughput": len(timings) / duration,
+           "output_throughput": sum(out_lens) / duration,
+           "total_token_throughput": (sum(in_lens) + sum(out_lens)) / duration}
+    series = {"ttft": [t.ttft for t in timings], "e2e": [t.e2e for t in timings],
+              "tpot": [t.tpot for t in timings if t.tpot is not None],
+              "itl": [gap for t in timings for gap in t.itls]}
+    for name, values in series.items():
+        for stat, value in metrics.summarize(values, scale=1e3).items():
+            out[f"{stat}_{name}_ms"] = value
+    if slos:
+        out["goodput_slos_ms"] = {k: v * 1e3 for k, v in slos.items()}
+        out["good_requests"], out["request_goodput"] = metrics.goodput(timings, slos, duration)
+    out.update(input_lens=in_lens, output_lens=out_lens, ttfts=series["ttft"],
+               itls=[list(t.itls) for t in timings], errors=errors[:MAX_ERRORS_KEPT])
+    return out
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    """The human-readable table of one run."""
+    rows = [("Request rate (req/s)", r["request_rate"]),
+            ("Successful requests", r["completed"]), ("Failed requests", r["failed"]),
+            ("Benchmark duration (s)", r["duration"]),
+            ("Total input tokens", r["total_input_tokens"]),
+            ("Total generated tokens", r["total_output_tokens"]),
+            ("Request throughput (req/s)", r["request_throughput"]),
+            ("Output token throughput (tok/s)", r["output_throughput"]),
+            ("Total token throughput (tok/s)", r["total_token_throughput"])]
+    if "request_goodput" in r:
+        rows.append(("Request goodput (req/s)", r["request_goodput"]))
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        rows += [(f"{stat.capitalize()} {title} (ms)", r[f"{stat}_{name}_ms"])
+                 for stat in ("mean", "median", "p90", "p99")]
+    print(f"{' ' + r['label'] + ' ':=^52}")
+    for name, value in rows:
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        print(f"{name:<40}{shown:>12}")
+    _print_errors(r)
+
+
+def _print_errors(r: dict[str, Any]) -> None:
+    if not r["failed"]:
+        return
+    print(f"{r['failed']} request(s) failed; distinct errors:")
+    for err in dict.fromkeys(r["errors"]):
+        print(f"  {err}")
+
+
+async def probe(requests: list[BenchRequest], args: argparse.Namespace) -> None:
+    """Send the first request with max_tokens=2 and stop the benchmark on failure (a wrong
+    URL or model name would otherwise fail every request); the probe's prompt is the first
+    one reversed, so it leaves no prefix-cache entry for the measured run. Raises
+    RuntimeError."""
+    first = requests[0]
+    short = BenchRequest(first.prompt[::-1], first.prompt_len, 2, first.messages)
+    probe_args = argparse.Namespace(**{**vars(args), "max_concurrency": None,
+                                       "disable_tqdm": True})
+    results, _ = await run_load([short], probe_args, math.inf)
+    if not results[0].success:
+        raise RuntimeError(f"probe request failed: {results[0].error}")
+
+
+def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
+            slos: dict[str, float], tokenizer_factory) -> dict[str, Any]:
+    """One benchmark run at ``rate`` req/s; returns the summary with its settings."""
+    results, duration = asyncio.run(run_load(requests, args, rate))
+    summary = aggregate(requests, results, duration, slos, tokenizer_factory)
+    settings = {"label": args.label or args.base_url, "date": datetime.now(timezone.utc)
+                .strftime("%Y-%m-%dT%H:%M:%SZ"), "base_url": args.base_url,
+                "model": args.model, "endpoint": args.endpoint, "dataset": args.dataset,
+                "num_prompts": len(requests),
+                "request_rate": "inf" if math.isinf(rate) else rate,
+                "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                "ignore_eos": args.ignore_eos, "seed": args.seed}
+    return {**settings, **summary}
+
+
+def parse_rates(spec: str) -> list[float]:
+    """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for a non-positive rate."""
+    rates = [float(x) for x in spec.split(",") if x.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"bad rates {spec!r}: give positive numbers or inf, comma-separated")
+    return rates
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY")
+    slos = metrics.parse_goodput(args.goodput or [])
+    tokenizer_factory = make_tokenizer_factory(args.tokenizer or args.model)
+    requests = build_requests(args, tokenizer_factory)
+    if not requests:
+        raise ValueError("the dataset has no requests")
+    try:
+        asyncio.run(probe(requests, args))
+    except RuntimeError as e:
+        print(f"kvflow: error: {e}")
+        return 1
+    rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    runs = []
+    for rate in rates:
+        runs.append(run_one(requests, args, rate, slos, tokenizer_factory))
+        print_summary(runs[-1])
+    _write_outputs(args, runs)
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    if args.result_json:
+        doc = runs[0] if not args.sweep_rates else {"label": runs[0]["label"], "sweep": runs}
+        with open(args.result_json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.sweep_rates or args.compare:
+        from kvflow.bench.plot import load_sweep, plot_sweeps
+
+        path = args.plot or os.path.splitext(args.result_json or "sweep")[0] + ".png"
+        others = [load_sweep(p) for p in args.compare or []]
+        plot_sweeps([(runs[0]["label"], runs), *others], path)
+        print(f"plot written to {path}")
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
+    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for counts when the server sends no usage (default: --model)")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--label", default=None, help="name of this server in results and plots")
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset", default="random", help="random | synthetic-chat | FILE.jsonl")
+    d.add_argument("--num-prompts", type=int, default=64)
+    d.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    d.add_argument("--output-len", type=int, default=64, help="max_tokens (random, jsonl)")
+    d.add_argument("--random-vocab-size", type=int, default=None,
+                   help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
+    d.add_argument("--num-system-prompts", type=int, default=4, help="synthetic-chat")
+    d.add_argument("--system-len", default="uniform:200:400", help="synthetic-chat, words")
+    d.add_argument("--user-len", default="uniform:16:256", help="synthetic-chat, words")
+    d.add_argument("--output-len-dist", default="uniform:32:128", help="synthetic-chat, tokens")
+    d.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    d.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    d.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("load")
+    t.add_argument("--request-rate", type=float, default=math.inf, help="req/s, or inf")
+    t.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of arrival gaps (1 = Poisson)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    t.add_argument("--request-timeout", type=float, default=6 * 3600.0,
+                   help="seconds per request")
+    t.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2e:5000")
+    o = p.add_argument_group("output")
+    o.add_argument("--result-json", default=None, help="write the summary here")
+    o.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4,8,inf: one run per rate")
+    o.add_argument("--plot", default=None, help="sweep PNG (default: next to --result-json)")
+    o.add_argument("--compare", action="append", metavar="RESULT.json",
+                   help="other servers' sweep results to plot alongside (repeat)")
+    o.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=_cmd_serve)

@@ -1,0 +1,86 @@
+"""Reading a chat reply back: reasoning (``<think>``) and tool calls out of the generated text,
+for whole responses and for streams (see ``tool_parsers`` for the parsers)."""
+
+from __future__ import annotations
+
+from kvflow.entrypoints.protocol import (
+    ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from kvflow.entrypoints.tool_parsers import (
+    REASONING_PARSERS,
+    StreamingToolState,
+    ThinkReasoningParser,
+    ToolParser,
+    new_tool_call_id,
+)
+
+
+def make_reasoning_parser(name: str | None) -> ThinkReasoningParser | None:
+    return None if name is None else REASONING_PARSERS[name]()
+
+
+class ChatOutputParser:
+    """Turns a choice's text into an assistant message (content, reasoning, tool calls).
+
+    Args:
+        tool_parser: reads tool calls (None: the text is all content).
+        reasoning: splits off ``<think>`` reasoning (None: no split).
+    """
+
+    def __init__(self, tool_parser: ToolParser | None,
+                 reasoning: ThinkReasoningParser | None) -> None:
+        self.tool_parser, self.reasoning = tool_parser, reasoning
+
+    @property
+    def is_plain(self) -> bool:
+        return self.tool_parser is None and self.reasoning is None
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[ChatResponseMessage, str | None]:
+        """The whole message and its finish reason (``tool_calls`` when the reply is
+        complete tool calls; ``length`` stays ``length``). Incomplete calls are left in
+        the content as text."""
+        reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
+        if self.tool_parser is None:
+            return ChatResponseMessage(content=content, reasoning_content=reasoning), \
+                finish_reason
+        parsed = self.tool_parser.parse(content, True)
+        calls = [ToolCall(id=new_tool_call_id(),
+                          function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.calls if c.complete]
+        if not calls:
+            return ChatResponseMessage(content=content, reasoning_content=reasoning), \
+                finish_reason
+        message = ChatResponseMessage(content=parsed.content or None, tool_calls=calls,
+                                      reasoning_content=reasoning)
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def stream_state(self) -> StreamingToolState:
+        return StreamingToolState(self.tool_parser, self.reasoning)
+
+    @staticmethod
+    def delta(state: StreamingToolState, text: str, finish_reason: str | None
+              ) -> tuple[DeltaMessage | None, str | None]:
+        """The delta message for new ``text`` (None if nothing to send yet) and the finish
+        reason to report (``tool_calls`` once a call was streamed and the reply stopped)."""
+        out = state.update(text, finish_reason is not None)
+        calls: dict[int, DeltaToolCall] = {}
+        for index, call_id, name, arguments in out.tool_calls:
+            if index not in calls:
+                calls[index] = DeltaToolCall(
+                    index=index, id=call_id, type="function" if call_id else None,
+                    function=DeltaFunctionCall(name=name, arguments=arguments))
+            else:
+                fn = calls[index].function
+                fn.arguments = (fn.arguments or "") + arguments
+        if finish_reason == "stop" and state.num_calls:
+            finish_reason = "tool_calls"
+        if not (out.content or out.reasoning or calls):
+            return None, finish_reason
+        return DeltaMessage(content=out.content or None, reasoning_content=out.reasoning or None,
+                            tool_calls=list(calls.values()) or None), finish_reason

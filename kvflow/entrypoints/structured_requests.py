@@ -1,0 +1,118 @@
+"""OpenAI request fields -> structured-output constraints: ``response_format``, the
+``structured_outputs`` extra body field, and ``tools`` + ``tool_choice`` (which also pick the
+parser that reads tool calls back out of the text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.entrypoints.protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    SamplingRequest,
+)
+from kvflow.entrypoints.tool_parsers import (
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    make_tool_parser,
+)
+from kvflow.structured import StructuredOutputsParams
+
+_ANY_OBJECT = {"type": "object"}
+
+
+class RequestFieldError(ValueError):
+    """A bad request field; ``param`` names it (becomes the 400's ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def request_constraint(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The constraint from ``response_format`` or ``structured_outputs`` (not both).
+
+    Raises:
+        RequestFieldError: for both at once, or a json_schema format without a schema.
+    """
+    fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise RequestFieldError("set either response_format or structured_outputs, not both",
+                                "response_format")
+    if extra is not None:
+        fields = extra.model_dump(by_alias=True, exclude_none=True)
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise RequestFieldError(str(e), "structured_outputs") from None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise RequestFieldError("response_format of type json_schema needs "
+                                "json_schema.schema", "response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
+
+def tool_choice_mode(req: ChatCompletionRequest) -> str | None:
+    """``None`` (no tools, or tool_choice none), ``auto``, ``required`` or ``named``.
+
+    Raises:
+        RequestFieldError: for tool_choice without tools, or naming an unknown function.
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise RequestFieldError("tool_choice needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in req.tools]
+        if choice.function.name not in names:
+            raise RequestFieldError(f"tool_choice names function {choice.function.name!r}, "
+                                    f"which is not among the tools {names}", "tool_choice")
+        return "named"
+    return choice or "auto"
+
+
+def tool_constraint(req: ChatCompletionRequest, mode: str | None
+                    ) -> StructuredOutputsParams | None:
+    """The grammar that enforces ``required`` (a JSON array of one or more calls to the given
+    functions) or a named function (its arguments); None otherwise."""
+    if mode == "named":
+        function = next(t.function for t in req.tools
+                        if t.function.name == req.tool_choice.function.name)
+        return StructuredOutputsParams(json=function.parameters or _ANY_OBJECT)
+    if mode != "required":
+        return None
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": t.function.parameters or _ANY_OBJECT},
+              "required": ["name", "arguments"]} for t in req.tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not req.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def tool_parser_for(req: ChatCompletionRequest, mode: str | None,
+                    auto_parser: str) -> ToolParser | None:
+    """The parser that reads this request's tool calls back (None: content only)."""
+    if mode == "named":
+        return NamedToolParser(req.tool_choice.function.name)
+    if mode == "required":
+        return RequiredToolParser()
+    if mode == "auto":
+        return make_tool_parser(auto_parser)
+    return None
+
+
+def tools_for_template(req: ChatCompletionRequest, mode: str | None) -> list[dict] | None:
+    """The tools as the chat template's ``tools`` argument (None under tool_choice none)."""
+    if mode is None:
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]

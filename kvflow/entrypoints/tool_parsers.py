@@ -1,0 +1,361 @@
+"""Tool-call and reasoning parsers for /v1/chat/completions.
+
+Every parser is a pure function of the text generated so far: ``parse(text, final)`` returns
+the content, and the tool calls as raw text spans (name, arguments). Streaming re-parses the
+growing text and sends only what is new (``StreamingToolState``); because a call's arguments
+are a span of the text that only grows, the streamed argument pieces always join to exactly
+the non-streamed ``arguments``. Parsing is span scanning over the model's JSON (strings, nesting,
+escapes), not a JSON grammar: the grammar backend does the constraining.
+
+Parsers: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen2.5,
+Hermes, SmolLM2 prompts), ``llama3_json`` (``{"name": ..., "parameters": {...}}``, several
+separated by ``;``, optional ``<|python_tag|>``), plus the two that grammar-forced output uses:
+``named`` (the text is the arguments) and ``required`` (a JSON array of calls).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+# ---- JSON span scanning ------------------------------------------------------------------------
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _scan_string(text: str, i: int) -> int | None:
+    """``text[i] == '"'``; index after the closing quote, or None if the text ends first."""
+    i += 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == '"':
+            return i + 1
+        i += 1
+    return None
+
+
+def scan_value(text: str, i: int) -> int | None:
+    """End index of the JSON value starting at ``text[i]``, or None if it is not complete
+    (a bare number or literal is complete only once a delimiter follows it)."""
+    if i >= len(text):
+        return None
+    if text[i] == '"':
+        return _scan_string(text, i)
+    if text[i] in "{[":
+        depth = 0
+        while i < len(text):
+            c = text[i]
+            if c == '"':
+                end = _scan_string(text, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in ",}] \t\r\n;<":
+        j += 1
+    return j if j < len(text) else None
+
+
+def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
+    """Members of the (possibly incomplete) JSON object at ``text[i] == '{'``: key ->
+    (value start, value end or None), and the object's end index or None."""
+    members: dict[str, tuple[int, int | None]] = {}
+    i = _skip_ws(text, i + 1)
+    while i < len(text):
+        if text[i] == "}":
+            return members, i + 1
+        if text[i] == ",":
+            i = _skip_ws(text, i + 1)
+            continue
+        key_end = _scan_string(text, i) if text[i] == '"' else None
+        if key_end is None:
+            return members, None
+        key = json.loads(text[i:key_end])
+        i = _skip_ws(text, key_end)
+        if i >= len(text) or text[i] != ":":
+            return members, None
+        start = _skip_ws(text, i + 1)
+        if start >= len(text):
+            return members, None
+        end = scan_value(text, start)
+        members[key] = (start, end)
+        if end is None:
+            return members, None
+        i = _skip_ws(text, end)
+    return members, None
+
+
+# ---- parsed output -------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    """One tool call: ``name`` once its string is complete; ``arguments`` the raw JSON text
+    so far (complete when ``complete``)."""
+
+    name: str | None = None
+    arguments: str = ""
+    complete: bool = False
+
+
+@dataclass
+class ParsedOutput:
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def _call_from_object(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[ParsedCall,
+                                                                                   int | None]:
+    """The call in the JSON object at ``text[start]``; returns it and the object's end."""
+    members, end = object_members(text, start)
+    call = ParsedCall()
+    name_span = members.get("name")
+    if name_span is not None and name_span[1] is not None:
+        try:
+            call.name = json.loads(text[name_span[0]:name_span[1]])
+        except json.JSONDecodeError:
+            call.name = None
+    for key in args_keys:
+        if key in members:
+            a, b = members[key]
+            call.arguments = text[a:b] if b is not None else text[a:]
+            break
+    call.complete = end is not None and call.name is not None and _is_json(call.arguments)
+    return call, end
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Base: ``parse(text, final)``; subclasses set ``name`` and ``system_prompt``."""
+
+    name = "base"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        raise NotImplementedError
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """Instructions for chat templates that do not render ``tools`` themselves."""
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        first = text.find(self.START)
+        if first < 0:
+            hold = 0 if final else _held_back(text, self.START)
+            return ParsedOutput(text[:len(text) - hold])
+        out = ParsedOutput(text[:first].rstrip() if final else text[:first])
+        pos = first
+        while pos >= 0:
+            start = _skip_ws(text, pos + len(self.START))
+            if start >= len(text) or text[start] != "{":
+                break
+            call, end = _call_from_object(text, start, ("arguments", "parameters"))
+            out.calls.append(call)
+            if end is None:
+                break
+            pos = text.find(self.START, end)
+        return out
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You may call one or more functions to assist with the user query. The "
+                f"functions are:\n<tools>\n{listing}\n</tools>\nFor each function call, return "
+                "a JSON object with the function name and arguments within <tool_call></tool_call>"
+                ' tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+                "\n</tool_call>")
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        start = _skip_ws(text, 0)
+        if text.startswith(self.PYTHON_TAG, start):
+            start = _skip_ws(text, start + len(self.PYTHON_TAG))
+        elif not final and self.PYTHON_TAG.startswith(text[start:]):
+            return ParsedOutput("")  # maybe the tag is coming
+        if start >= len(text) or text[start] != "{":
+            return ParsedOutput(text if final or start < len(text) else "")
+        out = ParsedOutput("")
+        while start < len(text) and text[start] == "{":
+            call, end = _call_from_object(text, start, ("parameters", "arguments"))
+            out.calls.append(call)
+            if end is None:
+                break
+            start = _skip_ws(text, end)
+            if start < len(text) and text[start] == ";":
+                start = _skip_ws(text, start + 1)
+        return out
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You have access to the following functions. To call one, respond with JSON "
+                'in the form {"name": function name, "parameters": {argument: value}}.\n'
+                + listing)
+
+
+class NamedToolParser(ToolParser):
+    """Output forced to the arguments of one function (tool_choice names it)."""
+
+    name = "named"
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        args = text.strip() if final else text.lstrip()
+        return ParsedOutput("", [ParsedCall(self.function_name, args, _is_json(args))])
+
+
+class RequiredToolParser(ToolParser):
+    """Output forced to a JSON array of ``{"name": ..., "arguments": {...}}`` objects."""
+
+    name = "required"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        out = ParsedOutput("")
+        i = _skip_ws(text, 0)
+        if i >= len(text) or text[i] != "[":
+            return out
+        i = _skip_ws(text, i + 1)
+        while i < len(text) and text[i] == "{":
+            call, end = _call_from_object(text, i, ("arguments", "parameters"))
+            out.calls.append(call)
+            if end is None:
+                break
+            i = _skip_ws(text, end)
+            if i < len(text) and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+        return out
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
+                                                                  Llama3JsonToolParser)}
+
+
+def make_tool_parser(name: str) -> ToolParser:
+    """Raises ValueError for an unknown parser name."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of "
+                         f"{sorted(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+# ---- reasoning ---------------------------------------------------------------------------------
+class ThinkReasoningParser:
+    """Splits ``<think>reasoning</think>content`` (DeepSeek-R1, Qwen3 style). Text before an
+    opening tag that never comes is content; an unclosed think block is all reasoning."""
+
+    name = "think"
+    START, END = "<think>", "</think>"
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning so far, content so far), holding back partial tags unless ``final``."""
+        stripped = text.lstrip()
+        if not stripped.startswith(self.START):
+            if not final and self.START.startswith(stripped):
+                return "", ""
+            return "", text
+        body = stripped[len(self.START):]
+        end = body.find(self.END)
+        if end < 0:
+            hold = 0 if final else _held_back(body, self.END)
+            return body[:len(body) - hold], ""
+        content = body[end + len(self.END):]
+        return body[:end], content.lstrip() if final else content.lstrip("\n")
+
+
+REASONING_PARSERS = {ThinkReasoningParser.name: ThinkReasoningParser}
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+@dataclass
+class StreamDelta:
+    """What to send for one choice: new reasoning / content text and tool-call pieces
+    (index, id or None, name or None, argument text)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class StreamingToolState:
+    """One choice's streaming state: the text so far and what has been sent of it.
+
+    Args:
+        parser: the tool parser, or None (content only).
+        reasoning: the reasoning parser, or None.
+    """
+
+    def __init__(self, parser: ToolParser | None,
+                 reasoning: ThinkReasoningParser | None = None) -> None:
+        self.parser, self.reasoning = parser, reasoning
+        self.text = ""
+        self._sent_reasoning = self._sent_content = 0
+        self._sent_args: list[int] = []  # per call: argument characters sent (-1: no header)
+        self.ids: list[str] = []
+
+    def update(self, delta_text: str, final: bool) -> StreamDelta:
+        """Fold in new text; returns only what was not sent before."""
+        self.text += delta_text
+        reasoning, content = (self.reasoning.split(self.text, final) if self.reasoning
+                              else ("", self.text))
+        out = StreamDelta(reasoning=reasoning[self._sent_reasoning:])
+        self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
+        parsed = self.parser.parse(content, final) if self.parser else ParsedOutput(content)
+        out.content = parsed.content[self._sent_content:]
+        self._sent_content = max(self._sent_content, len(parsed.content))
+        for index, call in enumerate(parsed.calls):
+            if index == len(self._sent_args):
+                if call.name is None:
+                    break  # arguments wait for the name
+                self.ids.append(new_tool_call_id())
+                self._sent_args.append(0)
+                out.tool_calls.append((index, self.ids[index], call.name, ""))
+            piece = call.arguments[self._sent_args[index]:]
+            if piece:
+                out.tool_calls.append((index, None, None, piece))
+                self._sent_args[index] = len(call.arguments)
+        return out
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._sent_args)

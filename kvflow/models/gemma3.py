@@ -1,0 +1,208 @@
+"""Gemma 3 text models (``Gemma3ForCausalLM``; GGUF architecture ``gemma3``).
+
+Differences from Llama, after the Gemma 3 technical report (Gemma Team, 2025, sections 2.1-2.2)
+and transformers' ``modeling_gemma3.py``:
+
+* GeGLU MLP: ``down(gelu_tanh(gate(x)) * up(x))``;
+* four RMSNorms per layer, all of the ``(1 + weight)`` kind: before and after attention, before
+  and after the MLP (the "post" norms sit inside the residual branch);
+* embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the compute dtype);
+* per-head RMSNorm on q and k (replacing Gemma 2's attention soft-capping);
+* local/global interleaving: ``layer_types`` marks each layer ``sliding_attention`` (window of
+  ``sliding_window`` tokens, RoPE base ``rope_local_base_freq``, 10k) or ``full_attention``
+  (RoPE base 1M, possibly scaled); 5 local : 1 global in released checkpoints;
+* attention scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``;
+* optional final logit soft-capping ``cap * tanh(logits / cap)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.layers.activation import GeluAndMul
+from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvflow.layers.norm import GemmaRMSNorm
+from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvflow.models.llama import LlamaForCausalLM, get_head_dim, layer_sliding_window
+
+
+def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
+    """One RoPE table per layer type: ``{"full_attention": ..., "sliding_attention": ...}``.
+
+    transformers 5 keeps ``rope_parameters = {layer_type: {rope_theta, rope_type, ...}}``;
+    older configs have ``rope_theta`` (global), ``rope_local_base_freq`` (local) and an
+    optional ``rope_scaling`` that applies to global layers only.
+    """
+    head_dim, max_pos = get_head_dim(config), config.max_position_embeddings
+    params = getattr(config, "rope_parameters", None) or {}
+    tables = {}
+    for layer_type, default_theta in (("full_attention", None),
+                                      ("sliding_attention", "rope_local_base_freq")):
+        entry = params.get(layer_type) if isinstance(params, dict) else None
+        if entry is not None:
+            theta, scaling = get_rope_parameters(_RopeView(entry))
+        elif layer_type == "full_attention":
+            theta, scaling = get_rope_parameters(config)
+        else:
+            theta, scaling = float(getattr(config, default_theta, 10000.0)), None
+        tables[layer_type] = RotaryEmbedding(head_dim, max_pos, theta, scaling)
+    return tables
+
+
+class _RopeView:
+    """Presents one per-layer-type RoPE dict as a config to ``get_rope_parameters``."""
+
+    def __init__(self, entry: dict) -> None:
+        self.rope_parameters = entry
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
+                 rotary_emb: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("Gemma 3 attention logit soft-capping is not supported")
+        self.head_dim = get_head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads,
+                                          config.num_key_value_heads, bias, tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias, tp_rank, tp_size)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              config.query_pre_attn_scalar ** -0.5, ctx,
+                              sliding_window=layer_sliding_window(config, layer_idx))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """positions [T] int64, hidden [T, hidden_size] -> [T, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU MLP: [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, config: Any, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+            raise ValueError(f"unsupported Gemma 3 hidden_activation {act!r}")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False,
+                                                       tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp_rank, tp_size)
+        self.act_fn = GeluAndMul("none" if act == "gelu" else "tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """``h = x + post_attn_norm(attn(input_norm(x)))``;
+    ``out = h + post_ffw_norm(mlp(pre_ffw_norm(h)))``."""
+
+    def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
+                 rotary_emb: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_idx, ctx, rotary_emb, tp_rank, tp_size)
+        self.mlp = Gemma3MLP(config, tp_rank, tp_size)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank, tp_size)
+        self.embed_scale = config.hidden_size ** 0.5
+        tables = gemma3_rope_tables(config)
+        self.rotary_local, self.rotary_global = tables["sliding_attention"], \
+            tables["full_attention"]
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, ctx,
+                               self.rotary_local if layer_sliding_window(config, i)
+                               else self.rotary_global, tp_rank, tp_size)
+            for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # transformers rounds the scale to the weights' dtype before multiplying.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]``
+    and ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32 (soft-capped
+    when ``final_logit_softcapping`` is set).
+
+    Args:
+        config: a ``Gemma3TextConfig``.
+        ctx: the engine's attention context.
+        tp_rank / tp_size: tensor-parallel position.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = \
+        LlamaForCausalLM.packed_modules_mapping
+
+    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config, ctx, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (q/k/v and gate/up fused on the way in); returns the names of
+        the parameters loaded. Raises ValueError for a tensor that matches no parameter."""
+        return LlamaForCausalLM.load_weights(self, _strip_language_model(weights))
+
+
+def _strip_language_model(weights: Iterable[tuple[str, torch.Tensor]]):
+    """Accept the text tower of a multimodal Gemma 3 checkpoint too
+    (``model.language_model.*`` -> ``model.*``)."""
+    for name, tensor in weights:
+        yield name.replace("model.language_model.", "model.", 1), tensor

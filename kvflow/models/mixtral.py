@@ -1,0 +1,194 @@
+"""Mixtral (Jiang et al., "Mixtral of Experts", 2024, arXiv:2401.04088) and the sparse-MoE
+decoder shared with Qwen MoE (``kvflow/models/qwen_moe.py``).
+
+A sparse-MoE decoder is the Llama decoder (``kvflow/models/llama.py``: attention, RoPE,
+RMSNorm, the layer and model ``forward``s are imported, not copied) with the dense MLP of some
+or all layers replaced by a :class:`SparseMoeBlock`: a router, the experts in one
+:class:`~kvflow.layers.moe.FusedMoE`, and optionally a gated shared expert (Qwen2-MoE).
+
+Checkpoint names: per-expert tensors ``...experts.{e}.{w1,w3,w2}.weight`` (Mixtral) or
+``...experts.{e}.{gate,up,down}_proj.weight`` (Qwen), or transformers 5's stacked
+``...experts.gate_up_proj`` / ``...experts.down_proj``, all land in ``experts.w13_weight`` /
+``experts.w2_weight`` through ``FusedMoE.weight_loader(param, tensor, shard_id, expert_id)``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvflow.attention.layer import AttentionContext
+from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.linear import ReplicatedLinear
+from kvflow.layers.moe import FusedMoE
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    make_rotary_embedding,
+)
+
+# checkpoint projection name -> (FusedMoE parameter, weight_loader shard_id)
+_EXPERT_PROJ = {"w1": ("w13_weight", "w1"), "gate_proj": ("w13_weight", "w1"),
+                "w3": ("w13_weight", "w3"), "up_proj": ("w13_weight", "w3"),
+                "w2": ("w2_weight", "w2"), "down_proj": ("w2_weight", "w2"),
+                "gate_up_proj": ("w13_weight", "w13")}
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def gated_mlp(config: Any, intermediate_size: int, tp_rank: int, tp_size: int) -> LlamaMLP:
+    """A SwiGLU MLP of the given width (Llama's, so its gate/up fusion and loaders apply)."""
+    sub = SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=intermediate_size,
+                          mlp_bias=False)
+    return LlamaMLP(sub, tp_rank, tp_size)
+
+
+class SparseMoeBlock(nn.Module):
+    """``forward(hidden [T, H]) -> [T, H]``: router logits ``gate(hidden)`` [T, E], routed
+    experts, plus ``sigmoid(shared_expert_gate(hidden)) * shared_expert(hidden)`` when a
+    shared expert is configured (Qwen2-MoE).
+
+    Args:
+        config: HF config (``hidden_size``, ``num_experts_per_tok``).
+        num_experts / intermediate_size: expert count and each expert's MLP width.
+        renormalize: renormalize the top-k routing weights (see ``select_experts``).
+        shared_intermediate_size: width of the shared expert, 0 for none.
+    """
+
+    def __init__(self, config: Any, num_experts: int, intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
+                                intermediate_size, renormalize, tp_rank, tp_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = gated_mlp(config, shared_intermediate_size, tp_rank, tp_size)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(hidden))
+            out = out + gate * self.shared_expert(hidden)
+        return out
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer (its ``forward``) around a given MLP module."""
+
+    def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
+                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 tp_rank: int, tp_size: int) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, qkv_bias, qk_norm,
+                                        tp_rank, tp_size)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoeModel(LlamaModel):
+    """Llama's model (its ``forward``) with ``make_mlp(layer_idx)`` choosing each layer's MLP."""
+
+    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[int], nn.Module], tp_rank: int, tp_size: int) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank, tp_size)
+        rotary_emb = make_rotary_embedding(config)
+        self.layers = nn.ModuleList(
+            MoeDecoderLayer(config, i, ctx, rotary_emb, qkv_bias, qk_norm, make_mlp(i),
+                            tp_rank, tp_size)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class SparseMoeForCausalLM(LlamaForCausalLM):
+    """Base of the MoE causal LMs: same interface as :class:`LlamaForCausalLM`
+    (``forward(input_ids [T], positions [T]) -> [T, H]``, ``compute_logits``, ``load_weights``).
+
+    Subclasses say how to build each layer's MLP (:meth:`make_mlp`), whether q/k/v carry a bias
+    (:meth:`qkv_bias_for`), and which checkpoint name fragments to rename.
+    """
+
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = MoeModel(config, ctx, self.qkv_bias_for(config), self.qk_norm,
+                              lambda i: self.make_mlp(config, i, tp_rank, tp_size),
+                              tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def qkv_bias_for(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors: expert tensors here, everything else through
+        :meth:`LlamaForCausalLM.load_weights`. Returns the names of loaded parameters.
+
+        Raises:
+            ValueError: for a checkpoint tensor that matches no parameter.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in self.checkpoint_renames.items():
+                    name = name.replace(old, new)
+                target = _expert_target(name)
+                if target is None:
+                    yield name, tensor
+                    continue
+                param_name, shard_id, expert_id = target
+                if param_name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                     f"{type(self).__name__}")
+                param = params[param_name]
+                param.weight_loader(param, tensor, shard_id, expert_id)
+                loaded.add(param_name)
+
+        return loaded | super().load_weights(dense_weights())
+
+
+def _expert_target(name: str) -> tuple[str, str, int | None] | None:
+    """(parameter name, shard_id, expert_id) for an expert tensor's checkpoint name, else None."""
+    match = _PER_EXPERT.match(name) or _STACKED.match(name)
+    if match is None or match["proj"] not in _EXPERT_PROJ:
+        return None
+    param, shard_id = _EXPERT_PROJ[match["proj"]]
+    expert = match.groupdict().get("expert")
+    return f"{match['prefix']}.{param}", shard_id, None if expert is None else int(expert)
+
+
+class MixtralForCausalLM(SparseMoeForCausalLM):
+    """Mixtral: every layer is sparse (``num_local_experts`` experts of width
+    ``intermediate_size``, top ``num_experts_per_tok``, renormalized), no q/k/v bias, optional
+    sliding window. HF stores the block as ``block_sparse_moe``; it is ``mlp`` here."""
+
+    checkpoint_renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
+
+    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+        return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size,
+                              renormalize=True, shared_intermediate_size=0, tp_rank=tp_rank,
+                              tp_size=tp_size)

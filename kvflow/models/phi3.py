@@ -1,0 +1,46 @@
+"""Phi-3 (``Phi3ForCausalLM``): a Llama-shaped decoder whose checkpoints store q/k/v as one
+fused ``qkv_proj`` and gate/up as one fused ``gate_up_proj``, with LongRoPE (``longrope``, the
+older name ``su``) scaling on the long-context variants (Phi-3 technical report, Abdin et al.
+2024, section 2; LongRoPE, Ding et al. 2024) and an optional partial rotary dimension.
+
+The fused checkpoint tensors are split back into their q/k/v and gate/up parts on the way in,
+so each part goes through the same tensor-parallel ``weight_loader`` as a Llama checkpoint's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from kvflow.models.llama import LlamaForCausalLM, get_head_dim
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 causal LM (same interface as :class:`LlamaForCausalLM`; the RoPE table, LongRoPE
+    and partial rotary included, comes from :func:`kvflow.models.llama.make_rotary_embedding`)."""
+
+    qkv_bias = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named Phi-3 tensors (fused ``qkv_proj`` / ``gate_up_proj`` included)."""
+        return super().load_weights(self._unfuse(weights))
+
+    def _unfuse(self, weights: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Split ``qkv_proj`` [(Hq + 2 Hkv) * D, hidden] into q/k/v and ``gate_up_proj``
+        [2 I, hidden] into gate/up (the checkpoint's row order)."""
+        cfg = self.config
+        head_dim = get_head_dim(cfg)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        sizes = [cfg.num_attention_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
+                    yield name.replace(".qkv_proj.", f".{part}."), chunk
+            elif ".gate_up_proj." in name:
+                gate, up = tensor.chunk(2, dim=0)
+                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+                yield name.replace(".gate_up_proj.", ".up_proj."), up
+            else:
+                yield name, tensor

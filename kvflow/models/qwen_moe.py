@@ -1,0 +1,53 @@
+"""Qwen MoE: Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and Qwen3-MoE (Qwen3-30B-A3B,
+Qwen3-235B-A22B), on the sparse-MoE decoder of ``kvflow/models/mixtral.py``.
+
+From the HF configs (``Qwen2MoeConfig`` / ``Qwen3MoeConfig``): ``num_experts`` experts of width
+``moe_intermediate_size``, top ``num_experts_per_tok``, softmax routing renormalized only when
+``norm_topk_prob``. A layer is sparse unless it is listed in ``mlp_only_layers`` or
+``(layer_idx + 1) % decoder_sparse_step != 0``; the others keep a dense MLP of width
+``intermediate_size``. Qwen2-MoE adds a shared expert of width
+``shared_expert_intermediate_size`` whose output is scaled by ``sigmoid(shared_expert_gate(x))``
+and has q/k/v bias (``qkv_bias``); Qwen3-MoE has no shared expert, per-head q/k RMSNorm and no
+bias (``attention_bias``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvflow.models.mixtral import SparseMoeBlock, SparseMoeForCausalLM, gated_mlp
+
+
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether HF's Qwen MoE decoder layer ``layer_idx`` uses the sparse MoE block."""
+    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0
+            and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
+class Qwen2MoeForCausalLM(SparseMoeForCausalLM):
+    """Qwen2-MoE: q/k/v bias, routed experts plus a sigmoid-gated shared expert."""
+
+    @classmethod
+    def qkv_bias_for(cls, config: Any) -> bool:
+        return bool(getattr(config, "qkv_bias", True))
+
+    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return gated_mlp(config, config.intermediate_size, tp_rank, tp_size)
+        return SparseMoeBlock(config, config.num_experts, config.moe_intermediate_size,
+                              bool(config.norm_topk_prob),
+                              getattr(config, "shared_expert_intermediate_size", 0) or 0,
+                              tp_rank, tp_size)
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    """Qwen3-MoE: q/k RMSNorm, no q/k/v bias, no shared expert."""
+
+    qk_norm = True
+
+    @classmethod
+    def qkv_bias_for(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))

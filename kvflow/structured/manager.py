@@ -1,0 +1,159 @@
+"""StructuredOutputManager: grammars for the engine core, compiled off the step loop.
+
+Life of a constrained request in the engine core:
+
+1. ``add_request`` (when the request arrives): the compile is submitted to a worker thread
+   (or found in the cache by ``params.key``); the request carries a ``RequestStructuredOutput``.
+   The scheduler does not admit it while ``is_ready`` is False, so a compile never stalls a
+   step.
+2. Each step, ``grammar_bitmask`` fills one bitmask row per constrained request that samples;
+   the sampler masks those rows only.
+3. ``Scheduler.update_from_output`` feeds each sampled token to the request's matcher before
+   appending it. A token the grammar rejects (only possible when the grammar admits nothing
+   more) ends the request with ``length``.
+
+Preemption needs no rollback: recompute only recomputes K/V for tokens the matcher has already
+accepted, and the next sample continues after all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.core.scheduler import SchedulerOutput
+from kvflow.request import Request
+from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvflow.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+
+
+class RequestStructuredOutput:
+    """A request's constraint: its compile future, then its matcher (made on first use)."""
+
+    def __init__(self, future: Future, new_matcher: Callable[[Any], StructuredOutputGrammar]
+                 ) -> None:
+        self._future = future
+        self._new_matcher = new_matcher
+        self._matcher: StructuredOutputGrammar | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        """True once compilation finished (successfully or not): the request may be scheduled."""
+        return self._future.done()
+
+    @property
+    def matcher(self) -> StructuredOutputGrammar | None:
+        """The matcher, or None if compilation failed. Call only when ``is_ready``."""
+        if self._matcher is None and self._future.exception() is None:
+            self._matcher = self._new_matcher(self._future.result())
+        return self._matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance the matcher; False if the grammar rejects the token (or failed to compile)."""
+        matcher = self.matcher
+        return matcher is not None and matcher.accept_tokens([token_id])
+
+
+@dataclass
+class GrammarBitmask:
+    """The allowed tokens of one step's constrained rows.
+
+    Attributes:
+        request_ids: the constrained requests that sample this step, in bitmask row order.
+        bitmask: int32 [len(request_ids), ceil(vocab_size / 32)], CPU (see backend.py).
+    """
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+
+
+class StructuredOutputManager:
+    """Owns the grammar backend (built lazily, on the worker thread, at the first constrained
+    request), the compile cache and the per-step bitmask.
+
+    Args:
+        make_backend: builds the backend (loads the tokenizer; may take a second or two).
+        vocab_size: the model's logits width (tokens).
+        max_num_seqs: most rows a step can sample (bitmask buffer size).
+    """
+
+    def __init__(self, make_backend: Callable[[], StructuredOutputBackend], vocab_size: int,
+                 max_num_seqs: int) -> None:
+        self._make_backend = make_backend
+        self.vocab_size = vocab_size
+        self._backend: StructuredOutputBackend | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._max_num_seqs = max_num_seqs
+        self._bitmask: torch.Tensor | None = None
+
+    def request_state(self, params: StructuredOutputsParams) -> RequestStructuredOutput:
+        """Start (or reuse) the compile of ``params``; returns the request's state."""
+        key = params.key
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvflow-grammar")
+            future = self._executor.submit(self._compile, params)
+            self._cache[key] = future
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled))
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        try:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend.compile(params)
+        except Exception:
+            logger.exception("structured output: compiling %s failed", params.kind)
+            raise
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+                        ) -> GrammarBitmask | None:
+        """One bitmask row per constrained request that samples this step; None if none does.
+
+        A request whose grammar failed to compile gets a row allowing nothing, so its first
+        token is rejected and it ends with ``length`` (it never runs unconstrained).
+        """
+        if self._executor is None:  # no constrained request ever: nothing to look up
+            return None
+        rows = []
+        for sreq in scheduler_output.scheduled:
+            request = requests.get(sreq.request_id) if sreq.do_sample else None
+            if request is not None and request.structured_output is not None:
+                rows.append((sreq.request_id, request.structured_output))
+        if not rows:
+            return None
+        if self._bitmask is None:
+            self._bitmask = torch.empty((self._max_num_seqs, (self.vocab_size + 31) // 32),
+                                        dtype=torch.int32)
+        bitmask = self._bitmask[:len(rows)]
+        for row, (_, state) in enumerate(rows):
+            matcher = state.matcher
+            if matcher is None:
+                bitmask[row].zero_()
+            else:
+                matcher.fill_bitmask(self._bitmask, row)
+        return GrammarBitmask([rid for rid, _ in rows], bitmask)
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` seconds for a running compile (no-op when none runs)."""
+        pending = [f for f in self._cache.values() if not f.done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

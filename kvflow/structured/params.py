@@ -1,0 +1,92 @@
+"""What a request's output must match: ``StructuredOutputsParams`` (part of SamplingParams).
+
+Kept free of any grammar-engine import so SamplingParams stays cheap to build and to send over
+ZMQ/msgspec (every field is a plain str / dict / list / bool).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint on the generated text (vLLM's ``StructuredOutputsParams``).
+
+    Attributes:
+        json: a JSON schema (dict or JSON text); the output is one JSON value valid for it.
+        json_object: the output is any JSON object (OpenAI ``{"type": "json_object"}``).
+        regex: the output fully matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF / GBNF grammar whose ``root`` rule the output matches.
+
+    Raises:
+        ValueError: when none or more than one constraint is set, or a field has the wrong
+            type (whether the schema / regex / grammar is well-formed is checked by the
+            grammar backend, see ``kvflow.structured.validate``).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in ("json", "regex", "choice", "grammar")
+                      if getattr(self, name) is not None]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise ValueError("SamplingParams.structured_outputs must set exactly one of json, "
+                             f"json_object, regex, choice, grammar (got {set_fields or 'none'})")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty list "
+                             "of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be a string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema "
+                             "(a dict or JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable cache key: (kind, canonical spec text). Equal constraints, equal keys."""
+        kind = self.kind
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else \
+                json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+        elif kind == "choice":
+            spec = json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        return kind, spec
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsParams | dict | None
+                   ) -> StructuredOutputsParams | None:
+        """Accept the params object itself or its fields as a dict (JSON bodies, kwargs)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"json", "json_object", "regex", "choice", "grammar"}
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs has unknown field(s) "
+                                 f"{sorted(unknown)}")
+            return cls(**value)
+        raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams "
+                         f"or a dict, got {type(value).__name__}")

@@ -1,0 +1,98 @@
+"""Arrival processes and benchmark datasets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvflow.bench.datasets import (
+    LengthDist,
+    arrival_intervals,
+    load_jsonl,
+    parse_length_dist,
+    random_requests,
+    synthetic_chat_requests,
+)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_arrivals_mean_and_spread(burstiness):
+    gaps = arrival_intervals(20000, rate=4.0, burstiness=burstiness, seed=0)
+    assert gaps.shape == (20000,) and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05)  # mean gap = 1 / rate
+    # a gamma of shape k has coefficient of variation 1 / sqrt(k) (1 for Poisson)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.08)
+
+
+def test_poisson_counts_per_second():
+    arrivals = np.cumsum(arrival_intervals(40000, rate=8.0, burstiness=1.0, seed=1))
+    counts = np.bincount(arrivals.astype(int))[:-1]  # drop the partial last second
+    assert counts.mean() == pytest.approx(8.0, rel=0.05)
+    assert counts.var() == pytest.approx(8.0, rel=0.15)  # Poisson: variance == mean
+
+
+def test_arrivals_seeded_inf_and_bad():
+    assert (arrival_intervals(5, 2.0, seed=3) == arrival_intervals(5, 2.0, seed=3)).all()
+    assert (arrival_intervals(5, float("inf")) == 0).all()
+    for rate, k in ((0.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError):
+            arrival_intervals(5, rate, k)
+
+
+def test_random_requests_exact_lengths():
+    reqs = random_requests(4, 128, 64, vocab_size=49152, seed=0)
+    assert all(len(r.prompt) == r.prompt_len == 128 and r.output_len == 64 for r in reqs)
+    ids = np.array([r.prompt for r in reqs])
+    assert ids.min() >= 3 and ids.max() < 32000
+    # PEERS.md's CPU-W1 draw
+    assert (ids == np.random.default_rng(0).integers(3, 32000, (4, 128))).all()
+
+
+def test_synthetic_chat_shares_system_prompts_and_respects_lengths():
+    reqs = synthetic_chat_requests(40, num_system_prompts=3,
+                                   system_len=LengthDist("uniform", 50, 60),
+                                   user_len=LengthDist("uniform", 5, 30),
+                                   output_len=LengthDist("normal", 20, 200, mean=40, std=30),
+                                   seed=7)
+    systems = [r.messages[0]["content"] for r in reqs]
+    assert len(set(systems)) == 3  # shared prefixes, each used
+    assert all(systems.count(s) >= 13 for s in set(systems))
+    for r in reqs:
+        system, user = r.messages
+        assert system["role"] == "system" and user["role"] == "user"
+        assert 50 + 4 <= len(system["content"].split()) <= 60 + 4  # + "You are assistant i."
+        assert 5 <= len(user["content"].split()) <= 30
+        assert 20 <= r.output_len <= 200
+        assert r.prompt.startswith(system["content"])
+    assert len({r.messages[1]["content"] for r in reqs}) == 40  # user turns vary
+    again = synthetic_chat_requests(40, 3, LengthDist("uniform", 50, 60),
+                                    LengthDist("uniform", 5, 30),
+                                    LengthDist("normal", 20, 200, mean=40, std=30), seed=7)
+    assert again == reqs
+
+
+def test_length_dists():
+    rng = np.random.default_rng(0)
+    for spec in ("uniform:3:9", "normal:50:40:10:80", "lognormal:50:40:10:80"):
+        dist = parse_length_dist(spec)
+        values = dist.sample(rng, 2000)
+        assert values.min() >= dist.low and values.max() <= dist.high
+    ln = parse_length_dist("lognormal:50:10:1:1000").sample(rng, 20000)
+    assert ln.mean() == pytest.approx(50, rel=0.03) and ln.std() == pytest.approx(10, rel=0.1)
+    with pytest.raises(ValueError):
+        parse_length_dist("normal:1:2")
+
+
+def test_load_jsonl(tmp_path):
+    path = tmp_path / "w.jsonl"
+    lines = [{"prompt": "hello"}, {"prompt": [5, 6, 7], "max_tokens": 3}, {},
+             {"messages": [{"role": "user", "content": "hi"}], "output_len": 9}]
+    path.write_text("\n".join(json.dumps(x) for x in lines[:2] + lines[3:]) + "\n\n")
+    reqs = load_jsonl(str(path), default_output_len=16)
+    assert [r.output_len for r in reqs] == [16, 3, 9]
+    assert reqs[1].prompt_len == 3 and reqs[2].messages[0]["content"] == "hi"
+    path.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[2]) + "\n")
+    with pytest.raises(ValueError, match="w.jsonl:2"):
+        load_jsonl(str(path), 16)

@@ -1,0 +1,72 @@
+"""Serving-benchmark metric math against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvflow.bench import metrics
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]  # order must not matter
+    assert metrics.percentile(values, 0) == 1.0
+    assert metrics.percentile(values, 50) == pytest.approx(2.5)  # rank 1.5
+    assert metrics.percentile(values, 90) == pytest.approx(3.7)  # rank 2.7
+    assert metrics.percentile(values, 99) == pytest.approx(3.97)  # rank 2.97
+    assert metrics.percentile(values, 100) == 4.0
+    assert metrics.percentile([7.0], 99) == 7.0
+    assert math.isnan(metrics.percentile([], 50))
+    with pytest.raises(ValueError):
+        metrics.percentile(values, 101)
+
+
+def test_percentile_matches_numpy():
+    values = list(np.random.default_rng(0).exponential(1.0, 37))
+    for p in (1, 25, 50, 90, 99):
+        assert metrics.percentile(values, p) == pytest.approx(np.percentile(values, p))
+
+
+def test_summarize_scales_to_ms():
+    s = metrics.summarize([0.010, 0.040, 0.020, 0.030], scale=1e3)
+    assert s["mean"] == pytest.approx(25.0)
+    assert s["median"] == pytest.approx(25.0)
+    assert s["p90"] == pytest.approx(37.0)
+    assert (s["min"], s["max"]) == (pytest.approx(10.0), pytest.approx(40.0))
+    assert math.isnan(metrics.summarize([])["mean"])
+
+
+def test_request_timing_from_timestamps():
+    # sent at 10.0; token chunks at 10.1, 10.15, 10.3; done at 10.3; 3 tokens
+    t = metrics.request_timing(10.0, [10.1, 10.15, 10.3], 10.3, 3)
+    assert t.ttft == pytest.approx(0.1)
+    assert t.e2e == pytest.approx(0.3)
+    assert t.itls == pytest.approx((0.05, 0.15))
+    assert t.tpot == pytest.approx(0.1)  # (0.3 - 0.1) / (3 - 1)
+    # the same chunks carrying 5 tokens (one chunk had several): TPOT uses the token count
+    assert metrics.request_timing(10.0, [10.1, 10.15, 10.3], 10.3, 5).tpot == pytest.approx(0.05)
+    one = metrics.request_timing(0.0, [0.2], 0.25, 1)
+    assert one.tpot is None and one.itls == ()
+    with pytest.raises(ValueError):
+        metrics.request_timing(0.0, [], 1.0, 0)
+
+
+def test_parse_goodput():
+    assert metrics.parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == {
+        "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    for bad in (["ttft"], ["itl:5"], ["ttft:0"]):
+        with pytest.raises(ValueError):
+            metrics.parse_goodput(bad)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    timings = [metrics.RequestTiming(ttft=0.1, tpot=0.02, e2e=1.0, itls=()),   # good
+               metrics.RequestTiming(ttft=0.6, tpot=0.02, e2e=1.0, itls=()),   # TTFT too slow
+               metrics.RequestTiming(ttft=0.1, tpot=0.06, e2e=1.0, itls=()),   # TPOT too slow
+               metrics.RequestTiming(ttft=0.2, tpot=None, e2e=0.2, itls=())]   # 1 token: good
+    slos = {"ttft": 0.5, "tpot": 0.05}
+    assert metrics.goodput(timings, slos, duration_s=4.0) == (2, 0.5)
+    assert metrics.goodput(timings, {"e2e": 0.5}, duration_s=2.0) == (1, 0.5)
+    assert metrics.goodput(timings, {}, duration_s=2.0) == (4, 2.0)

@@ -1,0 +1,104 @@
+"""``kvflow bench serve`` end to end against a kvflow server on the tiny Llama: the result JSON,
+token counts equal to what the server counted, failures with their error bodies, and the
+``--sweep-rates`` PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvflow.entrypoints.cli import main
+
+MODEL = "tiny"
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
+               "--block-size", "4", "--max-model-len", "256", "--served-model-name", MODEL]
+STATS = ("mean", "median", "p90", "p99")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, ENGINE_ARGS)
+    yield server
+    server.stop()
+
+
+def bench(server, tmp_path, name, *args):
+    """Run ``kvflow bench serve`` in-process; returns (exit status, result JSON path)."""
+    path = tmp_path / f"{name}.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--model", MODEL, "--seed", "0",
+            "--disable-tqdm", "--result-json", str(path), *args]
+    return main(argv), path
+
+
+def generated_tokens(server):
+    return server.value(server.metrics(), "kvflow:generation_tokens_total")
+
+
+def test_random_completions_json_and_usage(server, tmp_path, tiny_chat_model):
+    before = generated_tokens(server)
+    rc, path = bench(server, tmp_path, "random", "--num-prompts", "12", "--input-len", "16",
+                     "--output-len", "8", "--ignore-eos", "--request-rate", "30",
+                     "--max-concurrency", "6", "--goodput", "ttft:60000", "tpot:60000",
+                     "--tokenizer", tiny_chat_model)
+    assert rc == 0
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["usage_from_server"]) == (12, 0, 12)
+    assert r["request_rate"] == 30 and r["max_concurrency"] == 6
+    assert r["input_lens"] == [16] * 12 and r["output_lens"] == [8] * 12
+    assert r["total_input_tokens"] == 192 and r["total_output_tokens"] == 96
+    # the server counted the same tokens (its counter includes the probe's 2)
+    assert generated_tokens(server) - before == 96 + 2
+    assert r["output_throughput"] == pytest.approx(96 / r["duration"])
+    assert r["request_throughput"] == pytest.approx(12 / r["duration"])
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        values = [r[f"{s}_{name}_ms"] for s in STATS]
+        assert all(v > 0 and math.isfinite(v) for v in values), name
+        assert r[f"median_{name}_ms"] <= r[f"p99_{name}_ms"]
+    assert r["median_ttft_ms"] < r["median_e2e_ms"]
+    assert r["good_requests"] == 12 and r["goodput_slos_ms"] == {"ttft": 60000, "tpot": 60000}
+    assert len(r["ttfts"]) == 12 and all(len(g) <= 7 for g in r["itls"])
+
+
+def test_synthetic_chat_counts_match_usage(server, tmp_path):
+    before = generated_tokens(server)
+    rc, path = bench(server, tmp_path, "chat", "--endpoint", "chat", "--dataset",
+                     "synthetic-chat", "--num-prompts", "8", "--num-system-prompts", "2",
+                     "--system-len", "uniform:3:6", "--user-len", "uniform:1:4",
+                     "--output-len-dist", "uniform:3:6", "--request-rate", "inf")
+    assert rc == 0
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["usage_from_server"]) == (8, 0, 8)
+    assert all(1 <= n <= 6 for n in r["output_lens"])  # EOS may end a reply early
+    assert generated_tokens(server) - before == r["total_output_tokens"] + 2  # + probe
+    assert r["request_rate"] == "inf"
+
+
+def test_failures_are_reported_with_error_bodies(server, tmp_path, capsys):
+    # prompts longer than --max-model-len 256: the server answers 400; the probe stops the run
+    rc, path = bench(server, tmp_path, "fail", "--num-prompts", "2", "--input-len", "300",
+                     "--random-vocab-size", "320")
+    assert rc == 1 and not path.exists()
+    out = capsys.readouterr().out
+    assert "probe request failed: HTTP 400" in out and "max_model_len" in out
+
+
+def test_sweep_writes_png_and_compares(server, tmp_path):
+    common = ["--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--ignore-eos",
+              "--random-vocab-size", "320"]
+    rc, first = bench(server, tmp_path, "a", *common, "--sweep-rates", "20,inf", "--label", "a")
+    assert rc == 0
+    doc = json.loads(first.read_text())
+    assert doc["label"] == "a" and [r["request_rate"] for r in doc["sweep"]] == [20, "inf"]
+    rc, second = bench(server, tmp_path, "b", *common, "--sweep-rates", "inf", "--label", "b",
+                       "--compare", str(first))
+    assert rc == 0
+    for png in (first.with_suffix(".png"), second.with_suffix(".png")):
+        data = png.read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+        from PIL import Image
+
+        with Image.open(png) as im:
+            assert im.format == "PNG" and im.size == (1200, 450)

@@ -1,0 +1,186 @@
+"""Structured output and tool calling through the server, on the tiny random model (the
+grammar forces the shape): response_format, the structured_outputs extra field, tool_choice
+named / required / auto (Hermes parser), streamed tool-call deltas joining to the whole
+arguments, ``length`` for a cut call, and 400s for bad schemas, regexes and tool choices."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import httpx
+import jsonschema
+import pytest
+
+MODEL = "tiny"
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
+        "--max-model-len", "256", "--served-model-name", MODEL]
+# The tiny template, plus the tool names (so tools reach the template's ``tools`` argument).
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} "
+                  "{% endfor %}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+                  "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
+                  "{% endif %}")
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                         "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+CHOICES = ["北京🙂", "東京タワー", "kvflow ✓"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_llama, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_tools") / "model"
+    shutil.copytree(tiny_llama.path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    server = start_server(str(folder), ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def chat(client, **kwargs):
+    kwargs.setdefault("max_tokens", 48)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+
+
+def test_response_format_json_schema(client):
+    for seed in range(3):
+        resp = chat(client, temperature=0.8, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+        choice = resp.choices[0]
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_response_format_json_object_on_completions(client):
+    resp = client.completions.create(model=MODEL, prompt="the quick", max_tokens=32,
+                                     temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    text = resp.choices[0].text
+    assert text.startswith("{")
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_structured_outputs_regex_and_choice(client):
+    resp = chat(client, extra_body={"structured_outputs": {"regex": r"[a-z]{3}-\d{2}"}})
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", resp.choices[0].message.content)
+    assert resp.choices[0].finish_reason == "stop"
+    for seed in range(3):
+        whole = chat(client, temperature=1.0, seed=seed,
+                     extra_body={"structured_outputs": {"choice": CHOICES}})
+        pieces = [c.choices[0].delta.content or ""
+                  for c in chat(client, temperature=1.0, seed=seed, stream=True,
+                                extra_body={"structured_outputs": {"choice": CHOICES}})
+                  if c.choices]
+        assert whole.choices[0].message.content in CHOICES
+        assert "".join(pieces) == whole.choices[0].message.content
+
+
+def _streamed_calls(stream):
+    calls, finish = {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    entry["id"], entry["name"] = d.id, d.function.name
+                entry["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_named_tool_choice_whole_and_streamed(client):
+    request = {"tools": TOOLS, "seed": 3, "temperature": 0.7, "max_tokens": 64,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    resp = chat(client, **request)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    streamed, finish = _streamed_calls(chat(client, stream=True, **request))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == \
+        [("get_weather", call.function.arguments)]
+
+
+def test_required_tool_choice(client):
+    resp = chat(client, tools=TOOLS, tool_choice="required", seed=1, temperature=0.7,
+                max_tokens=96)
+    choice = resp.choices[0]
+    if choice.finish_reason == "length":
+        pytest.skip("the random model wandered to max_tokens")
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS
+                      if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_auto_tool_choice_parses_hermes_calls(client):
+    """The tiny model cannot decide to call a tool, so a regex forces Hermes-format text;
+    under tool_choice=auto the Hermes parser must find the call, whole and streamed."""
+    forced = (r'Sure\.<tool_call>\{"name": "add", "arguments": \{"a": [1-9]\}\}</tool_call>')
+    request = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": 160,
+               "extra_body": {"structured_outputs": {"regex": forced}}}
+    resp = chat(client, **request)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments)["a"] in range(10)
+    streamed, finish = _streamed_calls(chat(client, stream=True, **request))
+    assert finish == "tool_calls"
+    assert streamed[0]["arguments"] == call.function.arguments
+
+
+def test_tool_call_cut_by_max_tokens_reports_length(client):
+    resp = chat(client, tools=TOOLS, max_tokens=4,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert resp.choices[0].finish_reason == "length"
+    assert not resp.choices[0].message.tool_calls
+    _, finish = _streamed_calls(chat(client, tools=TOOLS, max_tokens=4, stream=True,
+                                     tool_choice={"type": "function",
+                                                  "function": {"name": "get_weather"}}))
+    assert finish == "length"
+
+
+def test_unbounded_grammar_ends_with_length(client):
+    resp = chat(client, max_tokens=8,
+                extra_body={"structured_outputs": {"grammar": 'root ::= "a" root'}})
+    assert resp.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "frobnicate"),
+    ({"structured_outputs": {"regex": "(abc"}}, "regex"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "nowhere"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "nope"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+])
+def test_bad_constraints_get_400(server, body, needle):
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 200

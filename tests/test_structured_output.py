@@ -1,0 +1,182 @@
+"""Structured output on the tiny random model: the grammar alone forces the shape, so every
+output that ends with ``stop`` must parse and match; unconstrained rows in the same batch are
+untouched; preemption keeps the matcher in step; bad constraints fail loudly, never hang."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import msgspec
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers.sampler import apply_token_bitmask, apply_token_bitmask_fast
+from kvflow.structured import StructuredOutputsParams
+
+SCHEMA = {"type": "object",
+          # not maxLength: xgrammar 0.2.9 then lets raw control characters into the string
+          "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 3}},
+          "required": ["name", "age", "tags"]}
+PROMPTS = ["the quick brown fox", "kvflow pages keys", "prefix caching reuses them,",
+           "chunked prefill splits long prompts,"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=tiny_llama.path, num_kv_blocks=64, block_size=16)
+
+
+def _run(llm, params_list, prompts=PROMPTS):
+    return [o.outputs[0] for o in llm.generate(prompts, params_list, use_tqdm=False)]
+
+
+def _constrained(seed: int, max_tokens: int = 64, **kind) -> SamplingParams:
+    return SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**kind))
+
+
+def test_json_schema_outputs_validate(llm, assert_no_leaks):
+    outs = _run(llm, [_constrained(i, json=SCHEMA) for i in range(len(PROMPTS))])
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, [o.text for o in outs]
+    for o in stopped:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert_no_leaks(llm)
+
+
+def test_json_object(llm):
+    outs = _run(llm, [_constrained(i, 48, json_object=True) for i in range(len(PROMPTS))])
+    for o in outs:
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+        else:
+            assert o.text.startswith("{")
+
+
+def test_regex_full_match(llm):
+    pattern = r"[a-z]{2,6}-\d{2}(\.[0-9])?"
+    outs = _run(llm, [_constrained(i, 32, regex=pattern) for i in range(len(PROMPTS))])
+    for o in outs:  # a finite language: every output must end well before max_tokens
+        assert o.finish_reason == "stop"
+        assert re.fullmatch(pattern, o.text), o.text
+
+
+def test_choice_with_cjk_and_emoji(llm):
+    choices = ["北京🙂", "東京タワー", "kvflow ✓"]
+    outs = _run(llm, [_constrained(i, 32, choice=choices) for i in range(len(PROMPTS))])
+    for o in outs:
+        assert o.finish_reason == "stop" and o.text in choices, o.text
+
+
+def test_grammar_ebnf(llm):
+    grammar = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+    outs = _run(llm, [_constrained(i, 40, grammar=grammar) for i in range(len(PROMPTS))])
+    for o in outs:
+        if o.finish_reason == "stop":
+            assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", o.text), o.text
+
+
+def test_mixed_batch_leaves_unconstrained_rows_untouched(llm):
+    free = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)]
+    alone = _run(llm, free, PROMPTS[:2])
+    mixed = _run(llm, [free[0], _constrained(1, choice=["北京🙂", "yes"]), free[1],
+                       _constrained(2, json=SCHEMA)], [PROMPTS[0], PROMPTS[1], PROMPTS[1],
+                                                      PROMPTS[2]])
+    assert mixed[0].token_ids == alone[0].token_ids
+    assert mixed[2].token_ids == alone[1].token_ids
+    assert mixed[1].text in ("北京🙂", "yes")
+
+
+def test_preemption_keeps_matcher_in_step(tiny_llama, assert_no_leaks):
+    """A KV pool too small for the batch: requests are preempted and recomputed mid-output.
+    Recompute never resamples, so each matcher has accepted exactly the output tokens."""
+    llm = LLM(model=tiny_llama.path, num_kv_blocks=9, block_size=4, max_num_seqs=4)
+    regex = r"[a-z]{4}( [a-z]{4}){3}"
+    outs = llm.generate(PROMPTS, [_constrained(i, 40, regex=regex) for i in range(4)],
+                        use_tqdm=False)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
+    assert_no_leaks(llm)
+
+
+def test_unbounded_grammar_stops_at_max_tokens(llm):
+    outs = _run(llm, [_constrained(0, 10, grammar='root ::= "a" root | "a"')], PROMPTS[:1])
+    assert outs[0].finish_reason in ("length", "stop") and len(outs[0].token_ids) <= 10
+    assert set(outs[0].text) <= {"a"}
+
+
+def test_grammar_that_admits_nothing_ends_with_length(llm):
+    """min_tokens bans EOS, the only token a finished choice allows: nothing is allowed, so
+    the request ends at once with ``length`` instead of sampling a forbidden token."""
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    out = _run(llm, [params], PROMPTS[:1])[0]
+    assert out.finish_reason == "length" and out.text == "yes"
+
+
+@pytest.mark.parametrize("kind, bad, needle", [
+    ("json", '{"type": "object", "properties": ', "JSON"),
+    ("json", {"type": "frobnicate"}, "frobnicate"),
+    ("regex", "(abc", "regex"),
+    ("grammar", "root ::= undefined_rule", "undefined_rule"),
+])
+def test_bad_constraints_raise(llm, kind, bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(PROMPTS[0], _constrained(0, **{kind: bad}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_params_validation_and_msgspec_round_trip():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    params = SamplingParams(structured_outputs={"json": SCHEMA})
+    assert isinstance(params.structured_outputs, StructuredOutputsParams)
+    data = msgspec.msgpack.encode(params)
+    back = msgspec.msgpack.decode(data, type=SamplingParams)
+    assert back.structured_outputs.key == params.structured_outputs.key
+
+
+def test_bitmask_matches_xgrammar_and_skips_other_rows():
+    """The sampler's torch masking against xgrammar's own kernel (the oracle)."""
+    xgr = pytest.importorskip("xgrammar")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64) \
+        .to(torch.int32)
+    logits = torch.randn(4, vocab, generator=gen)
+    expected = logits.clone()
+    full = torch.zeros(4, 3, dtype=torch.int32)  # xgrammar indexes logits and bitmask alike
+    full[[1, 3]] = bitmask
+    xgr.apply_token_bitmask_inplace(expected, full, indices=[1, 3], vocab_size=vocab)
+    ours = logits.clone()
+    apply_token_bitmask(ours, [1, 3], bitmask)
+    assert torch.equal(ours, expected)
+    assert torch.equal(ours[[0, 2]], logits[[0, 2]])
+    fast = logits.clone()
+    apply_token_bitmask_fast(fast, [1, 3], bitmask)  # what the sampler runs
+    assert torch.equal(fast, expected)
+
+
+def test_matcher_accept_and_rollback(tiny_tokenizer):
+    from kvflow.structured.xgrammar_backend import XgrammarBackend
+
+    backend = XgrammarBackend(tiny_tokenizer, len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    matcher = backend.new_matcher(backend.compile(StructuredOutputsParams(choice=["fox"])))
+    ids = tiny_tokenizer.encode("fox")
+    assert matcher.accept_tokens(ids) and matcher.num_accepted_tokens == len(ids)
+    assert not matcher.accept_tokens(tiny_tokenizer.encode("x"))
+    matcher.rollback(len(ids))
+    assert matcher.num_accepted_tokens == 0
+    assert matcher.accept_tokens(ids + [tiny_tokenizer.eos_token_id])
+    assert matcher.is_terminated()

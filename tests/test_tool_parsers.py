@@ -1,0 +1,84 @@
+"""Tool-call and reasoning parsers: whole texts, and streams fed in every possible split,
+whose argument pieces must join to exactly the whole-text arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow.entrypoints.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    StreamingToolState,
+    ThinkReasoningParser,
+)
+
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+          '"note": "a \\"quoted\\" }{ brace"}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+          '"arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>')
+LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "東京🙂"}}; '
+          '{"name": "add", "parameters": {"a": -1.5e3}}')
+REQUIRED = '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'
+
+
+def _stream(parser, text: str, chunk: int, reasoning=None):
+    state = StreamingToolState(parser, reasoning)
+    content, think, calls = "", "", {}
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for i, piece in enumerate(pieces):
+        out = state.update(piece, i == len(pieces) - 1)
+        content += out.content
+        think += out.reasoning
+        for index, call_id, name, args in out.tool_calls:
+            entry = calls.setdefault(index, {"id": None, "name": None, "arguments": ""})
+            if call_id is not None:
+                assert entry["id"] is None  # the header is sent once
+                entry["id"], entry["name"] = call_id, name
+            entry["arguments"] += args
+    return content, think, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("parser, text, names", [
+    (HermesToolParser(), HERMES, ["get_weather", "add"]),
+    (Llama3JsonToolParser(), LLAMA3, ["get_weather", "add"]),
+    (RequiredToolParser(), REQUIRED, ["add", "get_weather"]),
+    (NamedToolParser("add"), '{"a": 1, "b": "x"}', ["add"]),
+])
+def test_whole_and_streamed_calls_agree(parser, text, names):
+    whole = parser.parse(text, final=True)
+    assert [c.name for c in whole.calls] == names
+    assert all(c.complete for c in whole.calls)
+    for c in whole.calls:
+        json.loads(c.arguments)
+    for chunk in (1, 2, 7, len(text)):
+        content, _, calls = _stream(parser, text, chunk)
+        assert [c["name"] for c in calls] == names
+        assert [c["arguments"] for c in calls] == [c.arguments for c in whole.calls]
+        assert content.strip() == whole.content.strip()
+
+
+def test_hermes_content_only_and_cut_call():
+    parser = HermesToolParser()
+    assert parser.parse("just text <tool", final=True).content == "just text <tool"
+    assert parser.parse("just text <tool", final=False).content == "just text "
+    cut = parser.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1', final=True)
+    assert cut.calls[0].name == "add" and not cut.calls[0].complete
+
+
+def test_llama3_plain_text_is_content():
+    assert Llama3JsonToolParser().parse("Hello there", final=True).content == "Hello there"
+    assert Llama3JsonToolParser().parse("Hello there", final=True).calls == []
+
+
+def test_think_split_whole_and_streamed():
+    text = "<think>step 1, then </thi nk> step 2</think>\n\nThe answer is 4."
+    reasoning = ThinkReasoningParser()
+    assert reasoning.split(text, True) == ("step 1, then </thi nk> step 2", "The answer is 4.")
+    for chunk in (1, 3, len(text)):
+        content, think, _ = _stream(None, text, chunk, reasoning)
+        assert think == "step 1, then </thi nk> step 2"
+        assert content.strip() == "The answer is 4."
+    assert reasoning.split("no tags here", True) == ("", "no tags here")
