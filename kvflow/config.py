@@ -162,7 +162,8 @@ def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None
         return
     kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
     group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
-                       help=f"{meta.get('help')} (default: {f.default})")
+                       help=meta.get("help") if "default" in str(meta.get("help"))
+                       else f"{meta.get('help')} (default: {f.default})")
 
 
 @dataclass

@@ -31,6 +31,10 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids). Raises ValueError on bad input."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e}") from None
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -57,6 +61,9 @@ class InputProcessor:
         """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
         vocabulary, or a malformed structured-output schema / regex / grammar
         (SamplingParams checks everything that does not depend on the model)."""
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
+                             f"size ({self.vocab_size})")
         for name, ids in (("logit_bias", params.logit_bias or {}),
                           ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -93,7 +100,13 @@ class InputProcessor:
         Raises:
             ValueError: without a tokenizer or a chat template.
         """
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("a conversation must be a non-empty list of messages, each a dict "
+                             "with a 'role'")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with plain text")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja errors: a message the template cannot render
+            raise ValueError(f"the chat template cannot render these messages: {e}") from e

@@ -103,6 +103,8 @@ class LLM:
             ValueError: if any prompt or parameter is invalid (nothing is queued then).
         """
         prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
         params = _broadcast_params(sampling_params, len(prompts))
         for p in prompts:  # validate everything before queuing anything
             self.engine.processor.validate(self.engine.processor.tokenize(p)[1])
@@ -118,7 +120,9 @@ class LLM:
         Raises:
             ValueError: if the model has no chat template.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.engine.processor.apply_chat_template(
             c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
         tokenizer = self.engine.tokenizer
@@ -130,12 +134,19 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(request_ids), desc="Processed prompts",
+                      disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            # Leave the engine usable: drop this call's requests and free their KV blocks.
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
         return [finished[rid] for rid in request_ids]
 
 
@@ -144,6 +155,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of either; "
+                         f"got {type(prompts).__name__}")
     return list(prompts)
 
 
@@ -152,6 +166,10 @@ def _broadcast_params(params: Any, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")

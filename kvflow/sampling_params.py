@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from kvflow.structured.params import StructuredOutputsParams
@@ -76,7 +78,10 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, "n", self.n, "must be >= 1"),
-            (self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0"),
+            (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
+             self.temperature, "must be a finite number >= 0"),
+            (self.seed is None or -2**63 <= self.seed < 2**63 - 1024, "seed", self.seed,
+             "must fit in a signed 64-bit integer"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 or -1 disables)"),
             (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]"),

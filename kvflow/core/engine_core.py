@@ -30,7 +30,7 @@ def resolve_dtype(requested: str, hf_config, platform) -> torch.dtype:
     if requested != "auto":
         return _DTYPES[requested]
     native = platform.default_dtype()
-    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    cfg = getattr(hf_config, "dtype", None)  # transformers >= 4.56 (``torch_dtype`` is deprecated)
     if isinstance(cfg, str):
         cfg = _DTYPES.get(cfg)
     if cfg in (torch.float32, torch.bfloat16, torch.float16):
@@ -172,5 +172,11 @@ class EngineCore:
             self.structured_output.wait_for_compiles(timeout_s=0.05)
         grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
                                                                  self.scheduler.requests)
-        sampled = self.executor.execute_model(scheduler_output, grammar_bitmask)
+        try:
+            sampled = self.executor.execute_model(scheduler_output, grammar_bitmask)
+        except Exception:
+            # The step's K/V were not written: abort what it scheduled (freeing their blocks)
+            # so the engine stays consistent for the other requests, then report the error.
+            self.abort_requests([r.request_id for r in scheduler_output.scheduled])
+            raise
         return self.scheduler.update_from_output(scheduler_output, sampled)

@@ -115,9 +115,11 @@ class ModelRunner:
         """Blocks from --num-kv-blocks, else --kv-cache-memory, else the platform's budget."""
         cc = self.config.cache_config
         if cc.num_kv_blocks is not None:
+            self._check_fits(cc.num_kv_blocks * self.kv_bytes_per_block())
             return cc.num_kv_blocks
         if cc.kv_cache_memory is not None:
             budget = parse_bytes(cc.kv_cache_memory)
+            self._check_fits(budget)
         elif self.platform.name == "cpu":
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         else:
@@ -127,6 +129,14 @@ class ModelRunner:
             raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks of "
                              f"{self.kv_bytes_per_block()} bytes; need at least 2")
         return num_blocks
+
+    def _check_fits(self, kv_bytes: int) -> None:
+        """Raises ValueError if the requested KV cache exceeds the device's free memory."""
+        free, _ = self.platform.memory_info()
+        if kv_bytes > free:
+            raise ValueError(f"the KV cache needs {kv_bytes / 2**30:.2f} GiB but only "
+                             f"{free / 2**30:.2f} GiB of {self.platform.name} memory is free; "
+                             "lower --kv-cache-memory or --num-kv-blocks")
 
     def _profile_kv_budget(self) -> int:
         """GPU: a forward pass at the full token budget measures peak activations; the KV cache

@@ -1,0 +1,67 @@
+"""Bad input found by a newcomer's probing: each gets a clear ValueError, and the LLM object
+keeps working afterwards (same greedy tokens as before, no leaked KV block)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return llm.generate("the lazy fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda llm: llm.generate("hi", SamplingParams(logprobs=10**6)), "logprobs"),
+    (lambda llm: llm.generate("hi", SamplingParams(seed=2**70)), "seed"),
+    (lambda llm: llm.generate("hi", SamplingParams(temperature=float("inf"))), "temperature"),
+    (lambda llm: llm.generate(None), "prompts"),
+    (lambda llm: llm.generate(5), "prompts"),
+    (lambda llm: llm.generate("hi", {"max_tokens": 2}), "sampling_params"),
+    (lambda llm: llm.generate("caf\udce9"), "Unicode"),
+    (lambda llm: llm.chat([]), "messages"),
+    (lambda llm: llm.chat([{"content": "no role"}]), "role"),
+])
+def test_bad_input_is_a_value_error_and_the_engine_keeps_working(llm, reference, call, needle,
+                                                                  assert_no_leaks):
+    with pytest.raises(ValueError, match=needle):
+        call(llm)
+    assert llm.generate("the lazy fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        reference
+    assert_no_leaks(llm)
+
+
+def test_empty_prompt_list_returns_nothing(llm):
+    assert llm.generate([]) == []
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_recovers(llm, reference,
+                                                                      monkeypatch,
+                                                                      assert_no_leaks):
+    runner = llm.engine.core.executor.runner
+    real = runner.execute_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(runner, "execute_model", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(["the lazy fox", "a second prompt"], GREEDY, use_tqdm=False)
+    monkeypatch.setattr(runner, "execute_model", real)
+    assert_no_leaks(llm)
+    assert llm.generate("the lazy fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        reference
+
+
+def test_kv_cache_larger_than_memory_is_a_value_error(tiny_model_factory):
+    with pytest.raises(ValueError, match="KV cache needs"):
+        LLM(model=tiny_model_factory("llama").path, dtype="float32", kv_cache_memory="100TiB")
