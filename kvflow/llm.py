@@ -155,9 +155,10 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids, or a list of either; "
-                         f"got {type(prompts).__name__}")
+    if not isinstance(prompts, (list, tuple)):  # ValueError, like every bad input here
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"prompts must be a string, a list of token ids, or a list of either; got "
+            f"{type(prompts).__name__}")
     return list(prompts)
 
 
