@@ -82,3 +82,36 @@ def test_think_split_whole_and_streamed():
         assert think == "step 1, then </thi nk> step 2"
         assert content.strip() == "The answer is 4."
     assert reasoning.split("no tags here", True) == ("", "no tags here")
+
+
+@pytest.mark.parametrize("parser, text", [
+    (NamedToolParser("get_weather"), '{"city":'),
+    (RequiredToolParser(), '[{"name": "get_weather", "arguments": {"city": "Par'),
+    (RequiredToolParser(), '[{"argument'),
+])
+def test_cut_call_whole_message_matches_the_stream(parser, text):
+    """A reply cut by max_tokens: the non-streamed message reports what the stream sent
+    (the partial call with its partial arguments, no raw JSON as content)."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(parser, None)
+    message, finish = out.message(text, "length")
+    state = out.stream_state()
+    streamed_args: dict[int, str] = {}
+    streamed_names: dict[int, str] = {}
+    streamed_content = ""
+    for i in range(len(text)):
+        delta, _ = ChatOutputParser.delta(state, text[i], "length" if i == len(text) - 1
+                                          else None)
+        if delta is None:
+            continue
+        streamed_content += delta.content or ""
+        for call in delta.tool_calls or []:
+            streamed_args[call.index] = streamed_args.get(call.index, "") + \
+                (call.function.arguments or "")
+            if call.function.name:
+                streamed_names[call.index] = call.function.name
+    assert finish == "length"
+    got = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert got == [(streamed_names[i], streamed_args[i]) for i in sorted(streamed_names)]
+    assert (message.content or "") == streamed_content

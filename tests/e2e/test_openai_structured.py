@@ -150,14 +150,27 @@ def test_auto_tool_choice_parses_hermes_calls(client):
 
 
 def test_tool_call_cut_by_max_tokens_reports_length(client):
-    resp = chat(client, tools=TOOLS, max_tokens=4,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    """A call cut by max_tokens ends with "length", and the whole message carries what the
+    stream sent: the call with its partial (unparseable) arguments, no raw JSON content."""
+    request = {"tools": TOOLS, "max_tokens": 4,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    resp = chat(client, **request)
+    message = resp.choices[0].message
     assert resp.choices[0].finish_reason == "length"
-    assert not resp.choices[0].message.tool_calls
-    _, finish = _streamed_calls(chat(client, tools=TOOLS, max_tokens=4, stream=True,
-                                     tool_choice={"type": "function",
-                                                  "function": {"name": "get_weather"}}))
+    assert not message.content
+    streamed, finish = _streamed_calls(chat(client, stream=True, **request))
     assert finish == "length"
+    whole = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert whole == [(c["name"], c["arguments"]) for c in streamed]
+    assert whole[0][0] == "get_weather" and not _is_json(whole[0][1])
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def test_unbounded_grammar_ends_with_length(client):
