@@ -62,6 +62,8 @@ def test_response_format_json_schema(client):
         resp = chat(client, temperature=0.8, seed=seed, response_format={
             "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
         choice = resp.choices[0]
+        assert choice.finish_reason in ("stop", "length")
+        assert choice.message.content.startswith("{")  # the grammar forces an object
         if choice.finish_reason == "stop":
             jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
