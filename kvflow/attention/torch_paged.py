@@ -86,16 +86,19 @@ class TorchPagedAttentionBackend(AttentionBackend):
         keys = kv_cache[0].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
         values = kv_cache[1].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, kv_len, D]
+        mask = self._mask(meta, sliding_window)  # [B, 1, max_q, kv_len]
         if max_q == 1:
-            q_pad = q[:n].unsqueeze(2)  # [B, Hq, 1, D]
-        else:
-            q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
-            q_pad[ex["q_dest"]] = q[:n]
-            q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_pad, keys, values,
-                                             attn_mask=self._mask(meta, sliding_window),
-                                             scale=scale, enable_gqa=gqa)
-        if max_q == 1:
-            return out.squeeze(2)
+            # Decode: the query heads sharing a KV head become that head's query rows
+            # ([B, Hkv, group, D]; the one mask row broadcasts over them). Same product as
+            # enable_gqa, but torch's CPU kernel runs it 4x faster in bf16 than one-row queries.
+            q_fold = q[:n].view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=mask,
+                                                 scale=scale)
+            return out.reshape(n, num_heads, head_dim)
+        q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
+        q_pad[ex["q_dest"]] = q[:n]
+        q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
         return out[ex["q_dest"]]

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels.gemm import WidenedGemmMixin, linear
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [vocab_size / tp_size, hidden]; out-of-shard ids embed to zero."""
@@ -34,12 +36,12 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(WidenedGemmMixin, VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab_size] (float32)."""
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight, None, self.widen_to_fp32).float()
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

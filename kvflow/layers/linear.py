@@ -9,8 +9,9 @@ checkpoint tensor lands in it. ``tp_rank``/``tp_size`` are passed in explicitly;
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvflow.kernels.gemm import WidenedGemmMixin, linear
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -18,7 +19,7 @@ def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
     return param
 
 
-class LinearBase(nn.Module):
+class LinearBase(WidenedGemmMixin, nn.Module):
     """y = x @ W.T (+ b). W: [output_size_per_partition, input_size_per_partition]."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
@@ -42,7 +43,7 @@ class LinearBase(nn.Module):
         param.data.copy_(self._shard(param, loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.widen_to_fp32)
 
 
 class ReplicatedLinear(LinearBase):
@@ -117,7 +118,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias, self.widen_to_fp32)
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y

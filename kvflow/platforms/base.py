@@ -42,3 +42,8 @@ class Platform(ABC):
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return True
+
+    def has_native_matmul(self, dtype: torch.dtype) -> bool:
+        """Whether matmuls in ``dtype`` run on units built for it (else the engine widens
+        16-bit GEMMs to fp32, see :mod:`kvflow.kernels.gemm`)."""
+        return True

@@ -18,9 +18,19 @@ class CpuPlatform(Platform):
         return torch.device("cpu")
 
     def default_dtype(self) -> torch.dtype:
-        native_bf16 = torch.backends.mkldnn.is_available() and \
-            torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if native_bf16 else torch.float32
+        return torch.bfloat16 if self.has_native_matmul(torch.bfloat16) else torch.float32
+
+    def has_native_matmul(self, dtype: torch.dtype) -> bool:
+        """bf16 needs AVX512-BF16 or AMX, fp16 AVX512-FP16 or AMX-FP16 (as oneDNN reports)."""
+        if dtype == torch.float32:
+            return True
+        if not torch.backends.mkldnn.is_available():
+            return False
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        return False
 
     def memory_info(self) -> tuple[int, int]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -11,6 +11,7 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from kvflow.kernels.gemm import widen_half_gemms
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
@@ -85,6 +86,10 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed)
+        if not self.platform.has_native_matmul(self.dtype):
+            switched = widen_half_gemms(self.model)
+            logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
+                        self.platform.name, self.dtype, switched)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_groups = group_layers_by_span(self.attn_layers)
         for g, layers in enumerate(self.kv_groups):

@@ -1,0 +1,75 @@
+"""The GEMM entry point: 16-bit products widened to fp32 units equal a native 16-bit GEMM.
+
+Oracle: the float64 product of the same 16-bit operands, rounded once to the 16-bit dtype. A
+correct 16-bit GEMM (fp32 accumulation) lands within a couple of output ulps of it; so must
+the widened one, and both engines' greedy tokens on a tiny bf16 model must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow import LLM, SamplingParams
+from kvflow.kernels.gemm import linear
+from kvflow.platforms.cpu import CpuPlatform
+
+# relative spacing of representable values: bf16 keeps 8 significant bits, fp16 11
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+def _operands(dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(33, 96, generator=gen).to(dtype)
+    w = torch.randn(80, 96, generator=gen).to(dtype)
+    b = torch.randn(80, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _oracle(x, w, b):
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_gemm_matches_float64_oracle(dtype, bias):
+    x, w, b = _operands(dtype, bias)
+    ref = _oracle(x, w, b).float()
+    got = linear(x, w, b, widen_to_fp32=True)
+    assert got.dtype == dtype and got.shape == (33, 80)
+    # two roundings at most (fp32 sum, then to 16 bits): within 2 ulps of |y|, plus an
+    # absolute floor for outputs near zero, where cancellation leaves only fp32 noise
+    tol = 2 * ULP[dtype] * ref.abs() + 1e-3
+    assert ((got.float() - ref).abs() <= tol).all()
+    native = F.linear(x, w, b).float()  # torch's own 16-bit GEMM meets the same bound
+    assert ((native - ref).abs() <= tol).all()
+
+
+def test_float32_is_left_alone():
+    x, w, b = (t.float() for t in _operands(torch.bfloat16, True))
+    assert torch.equal(linear(x, w, b, widen_to_fp32=True), F.linear(x, w, b))
+
+
+def _greedy(tiny, monkeypatch, native: bool):
+    monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: native)
+    llm = LLM(model=tiny.path, dtype="bfloat16", device="cpu", num_kv_blocks=64)
+    model = llm.engine.core.executor.runner.model
+    widened = [m for m in model.modules() if getattr(m, "widen_to_fp32", False)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([[5, 9, 23, 41, 7], [100, 3, 77]], params, use_tqdm=False)
+    return widened, outs
+
+
+def test_bf16_model_without_native_matmul_widens_every_gemm(tiny_llama, monkeypatch):
+    widened, outs = _greedy(tiny_llama, monkeypatch, native=False)
+    # 2 layers x (qkv, o, gate_up, down) + lm_head
+    assert len(widened) == 9
+    native_widened, native_outs = _greedy(tiny_llama, monkeypatch, native=True)
+    assert native_widened == []
+    for got, ref in zip(outs, native_outs):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        for step_got, step_ref, tok in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs,
+                                           got.outputs[0].token_ids):
+            assert abs(step_got[tok].logprob - step_ref[tok].logprob) < 0.05
