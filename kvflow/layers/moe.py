@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gemm import WidenedGemmMixin, linear
+from kvflow.kernels.gemm import GemmWorkspace, WidenedGemmMixin, linear
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -53,7 +53,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        widen_to_fp32: bool = False) -> torch.Tensor:
+                        workspace: GemmWorkspace | None = None) -> torch.Tensor:
     """Grouped SwiGLU experts in plain torch (the CPU path and the kernels' reference).
 
     Each expert computes ``down(silu(gate(x)) * up(x))`` on the rows routed to it; the rows are
@@ -68,7 +68,7 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         w2: [E, H, I] down projection per expert.
         topk_weights: [T, k] float32 routing weights.
         topk_ids: [T, k] integer expert ids in [0, E).
-        widen_to_fp32: run 16-bit GEMMs on fp32 units (see :func:`kvflow.kernels.gemm.linear`).
+        workspace: run 16-bit GEMMs on fp32 units (see :func:`kvflow.kernels.gemm.linear`).
 
     Returns:
         [T, H] in ``hidden.dtype``.
@@ -84,8 +84,8 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            gate, up = linear(x[rows], w13[expert], None, widen_to_fp32).chunk(2, dim=-1)
-            out[rows] = linear(F.silu(gate) * up, w2[expert], None, widen_to_fp32)
+            gate, up = linear(x[rows], w13[expert], None, workspace).chunk(2, dim=-1)
+            out[rows] = linear(F.silu(gate) * up, w2[expert], None, workspace)
             start += count
     weighted = out.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)
     combined = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -176,7 +176,7 @@ class FusedMoE(WidenedGemmMixin, nn.Module):
             out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
             out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                                      topk_ids, self.widen_to_fp32)
+                                      topk_ids, self.gemm_workspace)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out

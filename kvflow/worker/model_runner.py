@@ -11,7 +11,7 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from kvflow.kernels.gemm import widen_half_gemms
+from kvflow.kernels.gemm import GemmWorkspace, widen_half_gemms
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
@@ -87,7 +87,7 @@ class ModelRunner:
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed)
         if not self.platform.has_native_matmul(self.dtype):
-            switched = widen_half_gemms(self.model)
+            switched = widen_half_gemms(self.model, GemmWorkspace())
             logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
                         self.platform.name, self.dtype, switched)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
-from kvflow.kernels.gemm import linear
+from kvflow.kernels.gemm import GemmWorkspace, linear
 from kvflow.platforms.cpu import CpuPlatform
 
 # relative spacing of representable values: bf16 keeps 8 significant bits, fp16 11
@@ -34,10 +34,12 @@ def _oracle(x, w, b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_widened_gemm_matches_float64_oracle(dtype, bias):
+# 1 << 23: the whole weight at once; 96 * 7: 7 rows per chunk, the last chunk 3 rows short
+@pytest.mark.parametrize("max_elements", [1 << 23, 96 * 7])
+def test_widened_gemm_matches_float64_oracle(dtype, bias, max_elements):
     x, w, b = _operands(dtype, bias)
     ref = _oracle(x, w, b).float()
-    got = linear(x, w, b, widen_to_fp32=True)
+    got = linear(x, w, b, GemmWorkspace(max_elements))
     assert got.dtype == dtype and got.shape == (33, 80)
     # two roundings at most (fp32 sum, then to 16 bits): within 2 ulps of |y|, plus an
     # absolute floor for outputs near zero, where cancellation leaves only fp32 noise
@@ -49,14 +51,26 @@ def test_widened_gemm_matches_float64_oracle(dtype, bias):
 
 def test_float32_is_left_alone():
     x, w, b = (t.float() for t in _operands(torch.bfloat16, True))
-    assert torch.equal(linear(x, w, b, widen_to_fp32=True), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, b, GemmWorkspace()), F.linear(x, w, b))
+
+
+def test_workspace_is_reused_and_bounded():
+    ws = GemmWorkspace(max_elements=96 * 10)
+    x, w, _ = _operands(torch.bfloat16, False)  # w: 80 x 96 -> 8 chunks of 10 rows
+    first = linear(x, w, None, ws)
+    buffer = ws._buffer
+    assert buffer.numel() == 96 * 10
+    second = linear(x, w, None, ws)
+    assert ws._buffer is buffer and torch.equal(first, second)
+    with pytest.raises(ValueError, match="max_elements"):
+        GemmWorkspace(0)
 
 
 def _greedy(tiny, monkeypatch, native: bool):
     monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: native)
     llm = LLM(model=tiny.path, dtype="bfloat16", device="cpu", num_kv_blocks=64)
     model = llm.engine.core.executor.runner.model
-    widened = [m for m in model.modules() if getattr(m, "widen_to_fp32", False)]
+    widened = [m for m in model.modules() if getattr(m, "gemm_workspace", None) is not None]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([[5, 9, 23, 41, 7], [100, 3, 77]], params, use_tqdm=False)
     return widened, outs
