@@ -8,6 +8,7 @@ checkpoint tensors are fused into one matmul here (q/k/v -> qkv_proj, gate/up ->
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -49,20 +50,28 @@ def make_rotary_embedding(config: Any) -> RotaryEmbedding:
                            rotary_dim=get_rotary_dim(config, head_dim))
 
 
+@dataclass(frozen=True)
+class AttentionBias:
+    """Which attention projections carry a bias. HF's ``attention_bias`` sets all four in
+    Llama, Mistral, Qwen3 and Mixtral; Qwen2 and Qwen2-MoE always bias q/k/v and never o_proj."""
+
+    qkv: bool
+    o: bool
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, tp_rank: int,
+                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, tp_rank: int,
                  tp_size: int) -> None:
         super().__init__()
         self.head_dim = get_head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
-                                          config.num_attention_heads, num_kv_heads, qkv_bias,
+                                          config.num_attention_heads, num_kv_heads, bias.qkv,
                                           tp_rank, tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size,
-                                        bool(getattr(config, "attention_bias", False)),
+                                        config.hidden_size, bias.o,
                                         tp_rank=tp_rank, tp_size=tp_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -102,10 +111,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, tp_rank: int,
+                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, tp_rank: int,
                  tp_size: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, qkv_bias, qk_norm,
+        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
                                         tp_rank, tp_size)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -123,14 +132,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
                  tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_rank, tp_size)
         rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, ctx, rotary_emb, qkv_bias, qk_norm, tp_rank, tp_size)
+            LlamaDecoderLayer(config, i, ctx, rotary_emb, bias, qk_norm, tp_rank, tp_size)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,7 +161,6 @@ class LlamaForCausalLM(nn.Module):
         tp_rank / tp_size: tensor-parallel position.
     """
 
-    qkv_bias: bool | None = None  # None: the config's ``attention_bias``
     qk_norm: bool = False
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -163,12 +171,17 @@ class LlamaForCausalLM(nn.Module):
                  tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = self.qkv_bias if self.qkv_bias is not None else \
-            bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, ctx, qkv_bias, self.qk_norm, tp_rank, tp_size)
+        self.model = LlamaModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
+                                tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def attention_bias_for(cls, config: Any) -> AttentionBias:
+        """Llama, Mistral, Qwen3: the config's ``attention_bias`` on all four projections."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionBias(qkv=bias, o=bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -220,13 +233,14 @@ def _map_packed(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, An
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 / Qwen2.5: Llama with biases on q, k and v."""
+    """Qwen2 / Qwen2.5: Llama with biases on q, k and v (never on o_proj)."""
 
-    qkv_bias = True
+    @classmethod
+    def attention_bias_for(cls, config: Any) -> AttentionBias:
+        return AttentionBias(qkv=True, o=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with RMSNorm on each head of q and k before RoPE, no q/k/v bias."""
 
-    qkv_bias = None
     qk_norm = True

@@ -29,6 +29,7 @@ from kvflow.layers.moe import FusedMoE
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import (
+    AttentionBias,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -88,10 +89,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's decoder layer (its ``forward``) around a given MLP module."""
 
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, mlp: nn.Module,
                  tp_rank: int, tp_size: int) -> None:
         nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, qkv_bias, qk_norm,
+        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
                                         tp_rank, tp_size)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,14 +102,14 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeModel(LlamaModel):
     """Llama's model (its ``forward``) with ``make_mlp(layer_idx)`` choosing each layer's MLP."""
 
-    def __init__(self, config: Any, ctx: AttentionContext, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
                  make_mlp: Callable[[int], nn.Module], tp_rank: int, tp_size: int) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_rank, tp_size)
         rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            MoeDecoderLayer(config, i, ctx, rotary_emb, qkv_bias, qk_norm, make_mlp(i),
+            MoeDecoderLayer(config, i, ctx, rotary_emb, bias, qk_norm, make_mlp(i),
                             tp_rank, tp_size)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -118,8 +119,9 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     """Base of the MoE causal LMs: same interface as :class:`LlamaForCausalLM`
     (``forward(input_ids [T], positions [T]) -> [T, H]``, ``compute_logits``, ``load_weights``).
 
-    Subclasses say how to build each layer's MLP (:meth:`make_mlp`), whether q/k/v carry a bias
-    (:meth:`qkv_bias_for`), and which checkpoint name fragments to rename.
+    Subclasses say how to build each layer's MLP (:meth:`make_mlp`), which attention
+    projections carry a bias (:meth:`attention_bias_for`), and which checkpoint name fragments
+    to rename.
     """
 
     checkpoint_renames: ClassVar[dict[str, str]] = {}
@@ -128,16 +130,12 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                  tp_size: int = 1) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.model = MoeModel(config, ctx, self.qkv_bias_for(config), self.qk_norm,
+        self.model = MoeModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
                               lambda i: self.make_mlp(config, i, tp_rank, tp_size),
                               tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @classmethod
-    def qkv_bias_for(cls, config: Any) -> bool:
-        return bool(getattr(config, "attention_bias", False))
 
     def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
         raise NotImplementedError

@@ -10,17 +10,20 @@ so each part goes through the same tensor-parallel ``weight_loader`` as a Llama 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-from kvflow.models.llama import LlamaForCausalLM, get_head_dim
+from kvflow.models.llama import AttentionBias, LlamaForCausalLM, get_head_dim
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 causal LM (same interface as :class:`LlamaForCausalLM`; the RoPE table, LongRoPE
     and partial rotary included, comes from :func:`kvflow.models.llama.make_rotary_embedding`)."""
 
-    qkv_bias = False
+    @classmethod
+    def attention_bias_for(cls, config: Any) -> AttentionBias:
+        return AttentionBias(qkv=False, o=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named Phi-3 tensors (fused ``qkv_proj`` / ``gate_up_proj`` included)."""

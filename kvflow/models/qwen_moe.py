@@ -7,7 +7,7 @@ From the HF configs (``Qwen2MoeConfig`` / ``Qwen3MoeConfig``): ``num_experts`` e
 ``(layer_idx + 1) % decoder_sparse_step != 0``; the others keep a dense MLP of width
 ``intermediate_size``. Qwen2-MoE adds a shared expert of width
 ``shared_expert_intermediate_size`` whose output is scaled by ``sigmoid(shared_expert_gate(x))``
-and has q/k/v bias (``qkv_bias``); Qwen3-MoE has no shared expert, per-head q/k RMSNorm and no
+and has q/k/v bias (``attention_bias_for``); Qwen3-MoE has no shared expert, per-head q/k RMSNorm and no
 bias (``attention_bias``).
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from kvflow.models.llama import AttentionBias, LlamaForCausalLM
 from kvflow.models.mixtral import SparseMoeBlock, SparseMoeForCausalLM, gated_mlp
 
 
@@ -31,8 +32,8 @@ class Qwen2MoeForCausalLM(SparseMoeForCausalLM):
     """Qwen2-MoE: q/k/v bias, routed experts plus a sigmoid-gated shared expert."""
 
     @classmethod
-    def qkv_bias_for(cls, config: Any) -> bool:
-        return bool(getattr(config, "qkv_bias", True))
+    def attention_bias_for(cls, config: Any) -> AttentionBias:
+        return AttentionBias(qkv=bool(getattr(config, "qkv_bias", True)), o=False)
 
     def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
@@ -49,5 +50,5 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     qk_norm = True
 
     @classmethod
-    def qkv_bias_for(cls, config: Any) -> bool:
-        return bool(getattr(config, "attention_bias", False))
+    def attention_bias_for(cls, config: Any) -> AttentionBias:
+        return LlamaForCausalLM.attention_bias_for(config)

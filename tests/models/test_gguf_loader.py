@@ -350,6 +350,18 @@ def test_synthetic_qwen2_biases_not_permuted(tmp_path):
     assert cfg.architectures == ["Qwen2ForCausalLM"] and cfg.model_type == "qwen2"
     assert cfg.tie_word_embeddings is True
     assert cfg.head_dim == 6
+    # Qwen2 biases q/k/v but never o_proj (the real Qwen2.5-Coder GGUF has no attn_output.bias)
+    from kvflow.attention.layer import AttentionContext
+    from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+    from kvflow.models.loader import load_model
+
+    model = load_model(ModelSource("gguf", path, "tiny-qwen2"), cfg,
+                       AttentionContext(TorchPagedAttentionBackend()), torch.float32,
+                       torch.device("cpu"))
+    layer = model.model.layers[0].self_attn
+    assert layer.o_proj.bias is None and layer.qkv_proj.bias is not None
+    q_bias = expected["model.layers.0.self_attn.q_proj.bias"]
+    assert torch.equal(layer.qkv_proj.bias[:q_bias.shape[0]], torch.from_numpy(q_bias))
 
 
 def test_synthetic_qwen3_qk_norm(tmp_path):

