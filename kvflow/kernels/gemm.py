@@ -1,5 +1,14 @@
-"""The one GEMM every projection calls, with a fast path for 16-bit models on CPUs without
-16-bit matmul units.
+"""The one GEMM every projection calls, with two CPU fast paths chosen once after loading.
+
+**Prepacked weights (fp32 on CPU).** ``F.linear`` hands MKL a plain row-major weight, which it
+re-packs into its blocked layout on every call; at decode batch sizes that packing costs as much
+as the product (the 49,152 x 576 LM head at batch 64 ran at ~40 GFLOP/s). oneDNN can pack a
+weight once (``torch.ops.mkldnn._reorder_linear_weight``, the op torch's inductor uses for CPU
+weight prepacking) and multiply any batch against it (``_linear_pointwise``): 1.3-2.5x faster
+GEMMs at batch 64 on an AVX2 EPYC, same results up to fp32 summation order. vLLM's CPU backend
+prepacks its weights with oneDNN for the same reason.
+
+**16-bit models on CPUs without 16-bit matmul units.**
 
 A bf16 (or fp16) GEMM multiplies 16-bit operands and accumulates in fp32, then rounds the result
 to 16 bits. Widening a bf16 or fp16 value to fp32 is exact, so running the same product on the
@@ -46,21 +55,33 @@ class GemmWorkspace:
         return self._buffer[:n].view(weight.shape).copy_(weight)
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """``weight`` [N, K] fp32 in oneDNN's blocked layout (an opaque mkldnn tensor) for
+    :func:`linear`'s ``packed`` argument. ``batch_hint``: typical rows per call (any count works;
+    the hint only tunes the layout)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           workspace: GemmWorkspace | None = None) -> torch.Tensor:
+           workspace: GemmWorkspace | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``.
 
     Args:
         x: [..., K] activations.
-        weight: [N, K], same dtype as ``x``.
+        weight: [N, K], same dtype as ``x`` (unused, and may be emptied, when ``packed`` is
+            given).
         bias: [N] or None.
         workspace: when given and ``x`` is bf16/fp16, run the product on fp32 units (exact
             widening, fp32 accumulation) and round the result back to ``x.dtype``. Ignored
             for fp32 inputs.
+        packed: the weight from :func:`pack_weight` (fp32 CPU); takes precedence.
 
     Returns:
         [..., N] in ``x.dtype``.
     """
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if workspace is None or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
     x32 = x.float()
@@ -74,10 +95,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class WidenedGemmMixin:
-    """Modules whose GEMMs go through :func:`linear`: ``gemm_workspace`` is None (native
-    GEMMs, the default) or the workspace that widens their 16-bit weights."""
+    """Modules whose GEMMs go through :func:`linear`, with the CPU fast path set after loading:
+    ``gemm_workspace`` (widen 16-bit weights; None = native GEMMs, the default) or
+    ``packed_weight`` (oneDNN-packed fp32 weight; None = plain)."""
 
     gemm_workspace: GemmWorkspace | None = None
+    packed_weight: torch.Tensor | None = None
 
 
 def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
@@ -93,3 +116,28 @@ def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
             module.gemm_workspace = workspace
             switched += 1
     return switched
+
+
+def prepack_gemm_weights(model: nn.Module, batch_hint: int) -> int:
+    """Pack the 2-D fp32 weight of every GEMM module of ``model`` for oneDNN (see
+    :func:`pack_weight`); returns the number of modules packed.
+
+    Called once after loading on CPU when :meth:`Platform.prepacks_gemm_weights` says so. A
+    module that owns its weight (not one tied to the embedding table) keeps only the packed
+    copy: its plain ``weight`` becomes an empty [0, K] tensor, so packing costs no memory.
+    """
+    tied = {id(m.weight) for m in model.modules()  # e.g. the embedding table of a tied LM head
+            if not isinstance(m, WidenedGemmMixin)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    packed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, WidenedGemmMixin) or not isinstance(weight, torch.Tensor) \
+                or weight.dim() != 2 or weight.dtype != torch.float32:
+            continue
+        module.packed_weight = pack_weight(weight, batch_hint)
+        if id(weight) not in tied:
+            module.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]),
+                                         requires_grad=False)
+        packed += 1
+    return packed

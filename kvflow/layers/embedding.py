@@ -41,7 +41,8 @@ class ParallelLMHead(WidenedGemmMixin, VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab_size] (float32)."""
-        logits = linear(hidden, self.weight, None, self.gemm_workspace).float()
+        logits = linear(hidden, self.weight, None, self.gemm_workspace,
+                        self.packed_weight).float()
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

@@ -43,7 +43,7 @@ class LinearBase(WidenedGemmMixin, nn.Module):
         param.data.copy_(self._shard(param, loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemm_workspace)
+        return linear(x, self.weight, self.bias, self.gemm_workspace, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -118,7 +118,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = linear(x, self.weight, bias, self.gemm_workspace)
+        y = linear(x, self.weight, bias, self.gemm_workspace, self.packed_weight)
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y

@@ -47,3 +47,8 @@ class Platform(ABC):
         """Whether matmuls in ``dtype`` run on units built for it (else the engine widens
         16-bit GEMMs to fp32, see :mod:`kvflow.kernels.gemm`)."""
         return True
+
+    def prepacks_gemm_weights(self, dtype: torch.dtype) -> bool:
+        """Whether GEMM weights in ``dtype`` are packed once after loading
+        (:func:`kvflow.kernels.gemm.prepack_gemm_weights`)."""
+        return False

@@ -11,7 +11,7 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from kvflow.kernels.gemm import GemmWorkspace, widen_half_gemms
+from kvflow.kernels.gemm import GemmWorkspace, prepack_gemm_weights, widen_half_gemms
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
@@ -86,15 +86,24 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed)
-        if not self.platform.has_native_matmul(self.dtype):
-            switched = widen_half_gemms(self.model, GemmWorkspace())
-            logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
-                        self.platform.name, self.dtype, switched)
+        self._choose_gemm_path()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_groups = group_layers_by_span(self.attn_layers)
         for g, layers in enumerate(self.kv_groups):
             for layer in layers:
                 layer.kv_group = g
+
+    def _choose_gemm_path(self) -> None:
+        """CPU GEMM fast paths (kvflow/kernels/gemm.py): widen 16-bit weights to fp32 units
+        where the CPU has no 16-bit matmul units, or pack fp32 weights for oneDNN once."""
+        if not self.platform.has_native_matmul(self.dtype):
+            switched = widen_half_gemms(self.model, GemmWorkspace())
+            logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
+                        self.platform.name, self.dtype, switched)
+        elif self.platform.prepacks_gemm_weights(self.dtype):
+            packed = prepack_gemm_weights(self.model,
+                                          self.config.scheduler_config.max_num_seqs)
+            logger.info("packed %d GEMM weights for oneDNN", packed)
 
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:

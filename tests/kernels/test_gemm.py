@@ -1,8 +1,9 @@
-"""The GEMM entry point: 16-bit products widened to fp32 units equal a native 16-bit GEMM.
+"""The GEMM entry point: oneDNN-packed fp32 weights and 16-bit products widened to fp32 units.
 
-Oracle: the float64 product of the same 16-bit operands, rounded once to the 16-bit dtype. A
-correct 16-bit GEMM (fp32 accumulation) lands within a couple of output ulps of it; so must
-the widened one, and both engines' greedy tokens on a tiny bf16 model must agree.
+Oracle: the float64 product of the same operands, rounded once to the output dtype. A correct
+16-bit GEMM (fp32 accumulation) lands within a couple of output ulps of it; so must the widened
+one, and both engines' greedy tokens on a tiny bf16 model must agree. Packed fp32 products must
+be as close to float64 as torch's own fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
-from kvflow.kernels.gemm import GemmWorkspace, linear
+from kvflow.kernels.gemm import GemmWorkspace, linear, pack_weight, prepack_gemm_weights
 from kvflow.platforms.cpu import CpuPlatform
 
 # relative spacing of representable values: bf16 keeps 8 significant bits, fp16 11
@@ -87,3 +88,60 @@ def test_bf16_model_without_native_matmul_widens_every_gemm(tiny_llama, monkeypa
         for step_got, step_ref, tok in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs,
                                            got.outputs[0].token_ids):
             assert abs(step_got[tok].logprob - step_ref[tok].logprob) < 0.05
+
+
+mkldnn = pytest.mark.skipif(not CpuPlatform().prepacks_gemm_weights(torch.float32),
+                            reason="torch built without oneDNN")
+
+
+@mkldnn
+@pytest.mark.parametrize("shape", [(1, 96), (37, 96), (300, 96), (2, 5, 96)])
+def test_packed_gemm_matches_float64_oracle(shape):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=gen)
+    w, b = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    ref = (x.double() @ w.double().T + b.double())
+    got = linear(x, w.new_empty(0, 96), b, packed=pack_weight(w, batch_hint=64))
+    assert got.shape == (*shape[:-1], 80) and got.dtype == torch.float32
+    plain_err = (F.linear(x, w, b).double() - ref).abs().max()
+    assert (got.double() - ref).abs().max() <= 4 * plain_err + 1e-6
+
+
+@mkldnn
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_engine_packs_fp32_weights_and_frees_the_plain_copies(tiny_model_factory, name):
+    tiny = tiny_model_factory(name)
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=64)
+    model = llm.engine.core.executor.runner.model
+    layer = model.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        assert proj.packed_weight is not None and proj.weight.shape == (0, proj.weight.shape[1])
+    assert model.lm_head.packed_weight is not None
+    if name == "llama_tied":  # the embedding table still has every row
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        hf_embed = tiny.hf_model.model.embed_tokens.weight
+        assert torch.equal(model.model.embed_tokens.weight, hf_embed)
+    else:
+        assert model.lm_head.weight.numel() == 0
+    # the packed model's logits equal HF's for one forward (greedy path, logprobs)
+    prompt = [5, 9, 23, 41, 7]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0),
+                          use_tqdm=False)
+    with torch.no_grad():
+        hf_logits = tiny.hf_model(torch.tensor([prompt])).logits[0, -1]
+    token = out.outputs[0].token_ids[0]
+    assert token == int(hf_logits.argmax())
+    hf_logprob = torch.log_softmax(hf_logits.double(), -1)[token].item()
+    assert abs(out.outputs[0].logprobs[0][token].logprob - hf_logprob) < 1e-4
+
+
+def test_prepack_skips_16_bit_and_non_gemm_modules():
+    from torch import nn
+
+    from kvflow.layers.linear import ReplicatedLinear
+
+    model = nn.Sequential(ReplicatedLinear(8, 4), nn.LayerNorm(4))
+    model[0].weight.data = torch.randn(4, 8).bfloat16()
+    assert prepack_gemm_weights(model, batch_hint=8) == 0
+    assert model[0].packed_weight is None and model[0].weight.shape == (4, 8)

@@ -8,14 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import LLM
+from kvflow.attention.layer import AttentionContext
+from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+from kvflow.models.loader import load_model
+from kvflow.models.model_resolver import resolve_model
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_stacked_expert_names_load_like_checkpoint(name, tiny_model_factory):
     tiny = tiny_model_factory(name)
-    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
-    model = llm.engine.core.executor.runner.model
+    # the bare model as loaded from disk (an engine would also pack its weights for oneDNN)
+    model = load_model(resolve_model(tiny.path), tiny.hf_model.config,
+                       AttentionContext(TorchPagedAttentionBackend()), torch.float32,
+                       torch.device("cpu"))
     from_disk = {n: p.detach().clone() for n, p in model.named_parameters()}
     hf_names = list(tiny.hf_model.state_dict())
     assert any(n.endswith(".experts.gate_up_proj") for n in hf_names)
