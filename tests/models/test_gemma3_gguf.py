@@ -12,9 +12,10 @@ tokens); set ``KVFLOW_GEMMA_HF_LIVE=1`` to recompute it with transformers in the
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
+
+from tests.models.packaged_gguf import packaged_gguf_path, transformers_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -38,26 +39,12 @@ if not _installed():
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    from kvflow.models.model_resolver import resolve_model
-
-    source = resolve_model("gemma-3-270m")
-    assert source.kind == "gguf" and os.path.getsize(source.path) == 253_113_024
-    return source.path
+    return packaged_gguf_path("gemma-3-270m", 253_113_024)
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(gguf_path) -> list[int]:
-    if os.environ.get("KVFLOW_GEMMA_HF_LIVE") != "1":
-        return HF_GREEDY
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                 dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT_IDS]), do_sample=False, max_new_tokens=20)
-    return out[0, len(PROMPT_IDS):].tolist()
+    return transformers_greedy(gguf_path, PROMPT_IDS, HF_GREEDY, "KVFLOW_GEMMA_HF_LIVE")
 
 
 def test_config_from_gguf(gguf_path):

@@ -11,9 +11,10 @@ minutes).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
+
+from tests.models.packaged_gguf import packaged_gguf_path, transformers_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +40,12 @@ if not _installed():
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    from kvflow.models.model_resolver import resolve_model
-
-    source = resolve_model(MODEL)
-    assert source.kind == "gguf" and os.path.getsize(source.path) == 491_400_064
-    return source.path
+    return packaged_gguf_path(MODEL, 491_400_064)
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(gguf_path) -> list[int]:
-    if os.environ.get("KVFLOW_QWEN_HF_LIVE") != "1":
-        return HF_GREEDY
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                 dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT_IDS]), do_sample=False, max_new_tokens=20)
-    return out[0, len(PROMPT_IDS):].tolist()
+    return transformers_greedy(gguf_path, PROMPT_IDS, HF_GREEDY, "KVFLOW_QWEN_HF_LIVE")
 
 
 def test_config_from_gguf(gguf_path):

@@ -1,0 +1,34 @@
+"""Helpers shared by the opt-in tests of real packaged GGUF models (gemma-3-270m,
+Qwen2.5-Coder-0.5B-Instruct): resolve the joined file, and transformers' greedy reference."""
+
+from __future__ import annotations
+
+import os
+
+
+def packaged_gguf_path(model: str, size: int) -> str:
+    """The joined GGUF of packaged ``model``; asserts its size in bytes."""
+    from kvflow.models.model_resolver import resolve_model
+
+    source = resolve_model(model)
+    assert source.kind == "gguf" and os.path.getsize(source.path) == size
+    return source.path
+
+
+def transformers_greedy(gguf_path: str, prompt_ids: list[int], recorded: list[int],
+                        live_env: str) -> list[int]:
+    """``recorded`` (transformers' greedy ids, stored in the test), or, when ``$live_env`` is
+    "1", the same recomputed now: transformers loads the GGUF in float32 and generates
+    ``len(recorded)`` tokens greedily after ``prompt_ids``."""
+    if os.environ.get(live_env) != "1":
+        return recorded
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                             max_new_tokens=len(recorded))
+    return out[0, len(prompt_ids):].tolist()
