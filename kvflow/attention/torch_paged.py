@@ -91,7 +91,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
             # Decode: the query heads sharing a KV head become that head's query rows
             # ([B, Hkv, group, D]; the one mask row broadcasts over them). Same product as
             # enable_gqa, but torch's CPU kernel runs it 4x faster in bf16 than one-row queries.
-            q_fold = q[:n].view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            q_fold = q[:n].reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
             out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=mask,
                                                  scale=scale)
             return out.reshape(n, num_heads, head_dim)
