@@ -32,3 +32,23 @@ def transformers_greedy(gguf_path: str, prompt_ids: list[int], recorded: list[in
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
                              max_new_tokens=len(recorded))
     return out[0, len(prompt_ids):].tolist()
+
+
+def assert_generates_like_transformers(model: str, prompt: str, prompt_ids: list[int],
+                                       hf_greedy: list[int], hf_text: str, capsys) -> None:
+    """``LLM(model).generate`` (greedy, float32) gives transformers' token ids and text, and
+    ``kvflow generate --model MODEL --prompt PROMPT --temperature 0`` prints prompt + text."""
+    from kvflow import LLM, SamplingParams
+    from kvflow.entrypoints.cli import main
+
+    max_tokens = len(hf_greedy)
+    llm = LLM(model=model, dtype="float32", kv_cache_memory="64MiB")
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == hf_greedy
+    assert out.outputs[0].text == hf_text
+    del llm
+    assert main(["generate", "--model", model, "--prompt", prompt, "--temperature", "0",
+                 "--max-tokens", str(max_tokens), "--kv-cache-memory", "64MiB"]) == 0
+    assert capsys.readouterr().out.strip() == prompt + hf_text

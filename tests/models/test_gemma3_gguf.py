@@ -15,7 +15,11 @@ import importlib.util
 
 import pytest
 
-from tests.models.packaged_gguf import packaged_gguf_path, transformers_greedy
+from tests.models.packaged_gguf import (
+    assert_generates_like_transformers,
+    packaged_gguf_path,
+    transformers_greedy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +65,5 @@ def test_config_from_gguf(gguf_path):
 def test_generate_matches_transformers(gguf_path, hf_greedy, capsys):
     """``kvflow generate --model gemma-3-270m --prompt "Once upon a time" --temperature 0
     --max-tokens 20`` prints transformers' continuation; the engine's token ids equal HF's."""
-    from kvflow import LLM, SamplingParams
-    from kvflow.entrypoints.cli import main
-
-    llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="64MiB")
-    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=20),
-                          use_tqdm=False)
-    assert out.prompt_token_ids == PROMPT_IDS
-    assert out.outputs[0].token_ids == hf_greedy
-    assert out.outputs[0].text == HF_TEXT
-    del llm
-    assert main(["generate", "--model", "gemma-3-270m", "--prompt", PROMPT, "--temperature",
-                 "0", "--max-tokens", "20", "--kv-cache-memory", "64MiB"]) == 0
-    assert capsys.readouterr().out.strip() == PROMPT + HF_TEXT
+    assert_generates_like_transformers("gemma-3-270m", PROMPT, PROMPT_IDS, hf_greedy, HF_TEXT,
+                                       capsys)

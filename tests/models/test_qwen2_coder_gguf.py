@@ -14,7 +14,11 @@ import importlib.util
 
 import pytest
 
-from tests.models.packaged_gguf import packaged_gguf_path, transformers_greedy
+from tests.models.packaged_gguf import (
+    assert_generates_like_transformers,
+    packaged_gguf_path,
+    transformers_greedy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -63,16 +67,4 @@ def test_generate_matches_transformers(gguf_path, hf_greedy, capsys):
     """``kvflow generate --model Qwen2.5-Coder-0.5B-Instruct --prompt "The capital of France
     is" --temperature 0 --max-tokens 20`` prints transformers' continuation; the token ids
     equal HF's."""
-    from kvflow import LLM, SamplingParams
-    from kvflow.entrypoints.cli import main
-
-    llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="64MiB")
-    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=20),
-                          use_tqdm=False)
-    assert out.prompt_token_ids == PROMPT_IDS
-    assert out.outputs[0].token_ids == hf_greedy
-    assert out.outputs[0].text == HF_TEXT
-    del llm
-    assert main(["generate", "--model", MODEL, "--prompt", PROMPT, "--temperature", "0",
-                 "--max-tokens", "20", "--kv-cache-memory", "64MiB"]) == 0
-    assert capsys.readouterr().out.strip() == PROMPT + HF_TEXT
+    assert_generates_like_transformers(MODEL, PROMPT, PROMPT_IDS, hf_greedy, HF_TEXT, capsys)
