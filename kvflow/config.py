@@ -42,11 +42,27 @@ def parse_bytes(value: str | int) -> int:
     return size
 
 
+def _has_type(value: Any, type_name: str) -> bool:
+    """Whether ``value`` fits one name of a field's annotation ("int", "float", ...); names
+    this check does not know pass."""
+    if type_name == "None":
+        return value is None
+    if type_name in ("int", "float") and isinstance(value, bool):
+        return False
+    known = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    return type_name not in known or isinstance(value, known[type_name])
+
+
 def _check_choices(config: Any) -> None:
-    """Raise ValueError for a field value outside the field's declared ``choices``."""
+    """Raise ValueError for a field value of the wrong type (by the field's annotation, e.g.
+    ``max_num_seqs=1.5``) or outside the field's declared ``choices``."""
     for f in fields(config):
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
+        type_names = [t.strip() for t in str(f.type).split("|")]
+        if not any(_has_type(value, t) for t in type_names):
+            raise ValueError(f"{f.name}={value!r} is invalid; it must be "
+                             f"{' or '.join(type_names)}")
         if choices is not None and value not in choices:
             raise ValueError(f"{f.name}={value!r} is invalid; choose one of {choices}")
 
@@ -65,17 +81,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
+                             "the model's own)")
 
 
 @dataclass
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV-cache block")
-    kv_cache_memory: str | None = _opt(None, "KV-cache size in bytes, e.g. 2GiB")
+    kv_cache_memory: str | int | None = _opt(None, "KV-cache size in bytes, e.g. 2GiB")
     num_kv_blocks: int | None = _opt(None, "KV-cache size in blocks (overrides memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory kvflow may use")
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -94,6 +114,7 @@ class SchedulerConfig:
     policy: str = _opt("fcfs", "waiting-queue order", choices=["fcfs", "priority"])
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
@@ -106,6 +127,9 @@ class DeviceConfig:
     attention_backend: str | None = _opt(None, "attention backend: torch | triton (default: "
                                          "the platform's)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
 
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

@@ -38,7 +38,10 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, (list, tuple)):
+            bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+            if bad:
+                raise ValueError(f"a token-id prompt must hold only integers, got {bad[0]!r}")
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string or a list of token ids, got "
                          f"{type(prompt).__name__}")
@@ -84,6 +87,8 @@ class InputProcessor:
         """
         self.validate(token_ids)
         self.validate_params(params)
+        if params.max_tokens is None:  # as many as the context leaves
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i

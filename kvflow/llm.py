@@ -108,7 +108,14 @@ class LLM:
         params = _broadcast_params(sampling_params, len(prompts))
         for p in prompts:  # validate everything before queuing anything
             self.engine.processor.validate(self.engine.processor.tokenize(p)[1])
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:  # a later request's parameters were rejected: queue none
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(self, messages: list[dict] | list[list[dict]],

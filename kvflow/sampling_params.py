@@ -19,7 +19,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p(max); 0 disables.
         seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
-        max_tokens: maximum number of generated tokens (>= 1).
+        max_tokens: maximum number of generated tokens (>= 1); None: as many as the context
+            leaves (``max_model_len`` minus the prompt), as in vLLM.
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated.
         stop: strings that end generation; the output text is cut before the match.
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
@@ -40,7 +41,8 @@ class SamplingParams:
             or grammar (see ``kvflow.structured``); a dict of its fields is accepted.
 
     Raises:
-        ValueError: on any out-of-range value, naming the field and the allowed range.
+        ValueError: on a value of the wrong type or out of range, naming the field and what it
+            must be.
     """
 
     n: int = 1
@@ -49,7 +51,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -64,6 +66,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -74,7 +77,27 @@ class SamplingParams:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
+    def _check_types(self) -> None:
+        """Integers must be ints (not bools or floats); numbers must be real numbers."""
+        def bad(name: str, value, what: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
+
+        optional = {"seed", "logprobs", "max_tokens"}
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if not (_is_int(value) or (value is None and name in optional)):
+                raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, value, "a number")
+            setattr(self, name, float(value))
+        if not all(_is_int(t) for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
+
     def _validate(self) -> None:
+        max_tokens = self.max_tokens if self.max_tokens is not None else math.inf
         checks = [
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
@@ -84,9 +107,9 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 or -1 disables)"),
             (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]"),
-            (self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
+            (max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+            (self.min_tokens <= max_tokens, "min_tokens", self.min_tokens,
              f"must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
              "must be >= 0"),
@@ -116,6 +139,10 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
     """``{"50256": -100}`` -> ``{50256: -100.0}``; None or empty -> None.
 
@@ -127,8 +154,11 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         try:
+            if not (_is_int(key) or isinstance(key, str)) or isinstance(value, bool):
+                raise TypeError
             out[int(key)] = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"SamplingParams.logit_bias has entry {key!r}: {value!r}; keys "
+            raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: entry {key!r}: "
+                             f"{value!r}; keys "
                              "must be integer token ids and values numbers") from None
     return out

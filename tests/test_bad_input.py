@@ -50,7 +50,9 @@ def test_empty_prompt(llm, prompt):
 @pytest.mark.parametrize("prompt,match", [
     ([[3, 100000]], "outside the vocabulary"),
     ([[3, -1]], "outside the vocabulary"),
-    ([[3, "x"]], "string or a list of token ids"),
+    ([[3, "x"]], "only integers, got 'x'"),
+    ([[3, 1.5]], "only integers, got 1.5"),
+    ([[True]], "only integers, got True"),
     ([3.5], "string or a list of token ids"),
 ])
 def test_malformed_prompt(llm, prompt, match):
@@ -62,6 +64,24 @@ def test_text_prompt_without_tokenizer(tiny_llama):
     llm = _llm(tiny_llama.path, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("hello", GREEDY, use_tqdm=False)
+
+
+def test_rejected_later_params_queue_nothing(llm, assert_no_leaks):
+    """Prompt 1's parameters fail a model-dependent check after prompt 0 was accepted: the
+    whole call is refused and prompt 0 must not linger to run inside the next call."""
+    bad = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={10**9: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([[3, 4, 5], [6, 7]], [GREEDY, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm)
+
+
+def test_max_tokens_none_fills_the_context(llm, assert_no_leaks):
+    """``max_tokens=None`` (vLLM's "until the context is full"): 24 - 5 prompt tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    (out,) = llm.generate([[3, 4, 5, 6, 7]], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 19 and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
 
 
 def test_params_count_must_match_prompts(llm):
@@ -83,6 +103,21 @@ def test_params_count_must_match_prompts(llm):
     ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"stop": [""]}, "stop"),
+    # wrong types: never a TypeError from deep in torch, never a silent truncation
+    ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"seed": 1.5}, "seed"),
+    ({"n": 2.5}, "n"),
+    ({"max_tokens": 8.5}, "max_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"min_tokens": 2.5}, "min_tokens"),
+    ({"temperature": None}, "temperature"),
+    ({"temperature": "0"}, "temperature"),
+    ({"top_p": None}, "top_p"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
+    ({"logit_bias": {1: True}}, "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -103,6 +138,11 @@ def test_unknown_engine_option(tiny_llama):
     ({"device": "tpu"}, "device"),
     ({"attention_backend": "nope"}, "attention backend"),
     ({"policy": "random"}, "policy"),
+    ({"max_num_seqs": 1.5}, "max_num_seqs=1.5 is invalid; it must be int"),
+    ({"max_model_len": "64"}, "max_model_len='64' is invalid"),
+    ({"max_model_len": 0}, "max_model_len=0 must be >= 1"),
+    ({"max_model_len": -1}, "max_model_len=-1 must be >= 1"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching='no' is invalid"),
 ])
 def test_bad_engine_values(tiny_llama, kwargs, match):
     kwargs = {"device": "cpu", "num_kv_blocks": 8, **kwargs}

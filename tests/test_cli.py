@@ -29,6 +29,39 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     assert len(lines) == 1 and lines[0].startswith("kvflow: error:") and needle in lines[0]
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--n", "2.5"], "argument --n: invalid int value: '2.5'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_argument_errors_are_one_line(tiny_llama, capsys, argv, needle):
+    """argparse's own errors too: one line on stderr, status 2, not the whole usage block."""
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", tiny_llama.path, *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exc.value.code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+def test_logprobs_flag_prints_each_token(tiny_llama, capsys):
+    from kvflow import LLM, SamplingParams
+
+    (expected,) = LLM(model=tiny_llama.path, dtype="float32").generate(
+        "the lazy fox", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
+    rc, out, _ = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
+                       "--prompt", "the lazy fox", "--max-tokens", "3", "--temperature", "0",
+                       "--logprobs", "2"], capsys)
+    sample = expected.outputs[0]
+    lines = out.splitlines()[1:]
+    assert rc == 0 and len(lines) == 3
+    for line, token_id, top in zip(lines, sample.token_ids, sample.logprobs):
+        chosen = top[token_id]
+        assert line.startswith(f"  {chosen.decoded_token!r} {chosen.logprob:.3f}")
+        others = [f"{lp.decoded_token!r}={lp.logprob:.3f}" for tid, lp in top.items()
+                  if tid != token_id]
+        assert others and all(o in line for o in others)
+
+
 def test_prompt_longer_than_max_model_len_exits_2(tiny_llama, capsys):
     rc, _, err = _run(["generate", "--model", tiny_llama.path, "--max-model-len", "8",
                        "--prompt", "the lazy fox pages keys and values " * 4], capsys)

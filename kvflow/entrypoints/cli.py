@@ -57,7 +57,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if args.verbose:
                 print(f"[finish_reason={sample.finish_reason} tokens={len(sample.token_ids)} "
                       f"ttft={out.metrics.ttft:.3f}s e2e={out.metrics.e2e_latency:.3f}s]")
+            if args.logprobs is not None:
+                _print_logprobs(sample)
     return 0
+
+
+def _print_logprobs(sample) -> None:
+    """One line per generated token: the token, its logprob, then the top alternatives."""
+    for token_id, top in zip(sample.token_ids, sample.logprobs or []):
+        chosen = top[token_id]
+        others = " ".join(f"{lp.decoded_token!r}={lp.logprob:.3f}"
+                          for tid, lp in sorted(top.items(), key=lambda kv: kv[1].rank)
+                          if tid != token_id)
+        print(f"  {chosen.decoded_token!r} {chosen.logprob:.3f}" + (f"  | {others}" if others
+                                                                   else ""))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -85,8 +98,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_cmd_serve)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (exit status 2) instead of the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM engine")
+    parser = _Parser(prog="kvflow", description="kvflow LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
