@@ -94,7 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-class WidenedGemmMixin:
+class GemmPathMixin:
     """Modules whose GEMMs go through :func:`linear`, with the CPU fast path set after loading:
     ``gemm_workspace`` (widen 16-bit weights; None = native GEMMs, the default) or
     ``packed_weight`` (oneDNN-packed fp32 weight; None = plain)."""
@@ -112,7 +112,7 @@ def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
     """
     switched = 0
     for module in model.modules():
-        if isinstance(module, WidenedGemmMixin):
+        if isinstance(module, GemmPathMixin):
             module.gemm_workspace = workspace
             switched += 1
     return switched
@@ -127,12 +127,12 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int) -> int:
     copy: its plain ``weight`` becomes an empty [0, K] tensor, so packing costs no memory.
     """
     tied = {id(m.weight) for m in model.modules()  # e.g. the embedding table of a tied LM head
-            if not isinstance(m, WidenedGemmMixin)
+            if not isinstance(m, GemmPathMixin)
             and isinstance(getattr(m, "weight", None), torch.Tensor)}
     packed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, WidenedGemmMixin) or not isinstance(weight, torch.Tensor) \
+        if not isinstance(module, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
                 or weight.dim() != 2 or weight.dtype != torch.float32:
             continue
         module.packed_weight = pack_weight(weight, batch_hint)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gemm import WidenedGemmMixin, linear
+from kvflow.kernels.gemm import GemmPathMixin, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
-class ParallelLMHead(WidenedGemmMixin, VocabParallelEmbedding):
+class ParallelLMHead(GemmPathMixin, VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

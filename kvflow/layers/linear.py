@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.kernels.gemm import WidenedGemmMixin, linear
+from kvflow.kernels.gemm import GemmPathMixin, linear
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -19,7 +19,7 @@ def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
     return param
 
 
-class LinearBase(WidenedGemmMixin, nn.Module):
+class LinearBase(GemmPathMixin, nn.Module):
     """y = x @ W.T (+ b). W: [output_size_per_partition, input_size_per_partition]."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,

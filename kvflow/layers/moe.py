@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gemm import GemmWorkspace, WidenedGemmMixin, linear
+from kvflow.kernels.gemm import GemmPathMixin, GemmWorkspace, linear
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -92,7 +92,7 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     return combined.index_add_(0, token_of_row, weighted).to(hidden.dtype)
 
 
-class FusedMoE(WidenedGemmMixin, nn.Module):
+class FusedMoE(GemmPathMixin, nn.Module):
     """All experts of one MoE layer as two stacked weights, with routing and combine.
 
     ``forward(hidden [T, H], router_logits [T, E]) -> [T, H]`` (``hidden.dtype``).
