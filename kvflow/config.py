@@ -124,7 +124,7 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
-    attention_backend: str | None = _opt(None, "attention backend: torch | triton (default: "
+    attention_backend: str | None = _opt(None, "attention backend: torch | cpu | triton (default: "
                                          "the platform's)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
 

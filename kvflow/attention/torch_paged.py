@@ -42,11 +42,16 @@ class TorchPagedAttentionBackend(AttentionBackend):
             "q_dest": token_req * max_q + token_local,
             "window_q_pos": q_pos,
             "kv_pos": kv_pos,
-            # Whole prompts of one common length need no gather or mask: the batch reshapes
-            # to [num_reqs, length, heads, head_dim] for plain causal attention.
-            "uniform_prompts": bool((query_lens == seq_lens).all())
-            and bool((query_lens == max_q).all()),
+            "uniform_prompts": self.uniform_prompts(meta),
         }
+
+    @staticmethod
+    def uniform_prompts(meta: AttentionMetadata) -> bool:
+        """Whether the batch is whole prompts of one common length: those need no gather or
+        mask, as the batch reshapes to [num_reqs, length, heads, head_dim] for causal SDPA."""
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        return bool((query_lens == meta.seq_lens).all()) \
+            and bool((query_lens == meta.max_query_len).all())
 
     def _mask(self, meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, max_q, max_kv] bool, built once per step and window size."""
@@ -63,25 +68,40 @@ class TorchPagedAttentionBackend(AttentionBackend):
             ex[key] = (mask | pad_rows).unsqueeze(1)
         return ex[key]
 
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Write the step's new K/V [T, Hkv, D] into ``kv_cache`` at ``meta.slot_mapping``."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        n = meta.num_actual_tokens
+        slots = meta.slot_mapping[:n]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+
+    @staticmethod
+    def uniform_prompt_attention(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal SDPA for a batch of whole prompts of one length (``meta.extra
+        ["uniform_prompts"]``): the new K/V are the whole context, so no cache read is needed."""
+        n, num_heads, head_dim = meta.num_actual_tokens, q.shape[1], q.shape[2]
+        num_reqs, max_q = meta.num_reqs, meta.max_query_len
+
+        def batched(x: torch.Tensor) -> torch.Tensor:
+            return x[:n].view(num_reqs, max_q, x.shape[1], head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True,
+                                             scale=scale, enable_gqa=num_heads != k.shape[1])
+        return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
         _num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         n = meta.num_actual_tokens
-        slots = meta.slot_mapping[:n]
-        k_cache.index_copy_(0, slots, k[:n])
-        v_cache.index_copy_(0, slots, v[:n])
+        self.store_kv(k, v, kv_cache, meta)
         gqa = num_heads != num_kv_heads
         ex = meta.extra
         num_reqs, max_q = meta.num_reqs, meta.max_query_len
         if ex["uniform_prompts"] and sliding_window is None:
-            def batched(x: torch.Tensor) -> torch.Tensor:
-                return x[:n].view(num_reqs, max_q, x.shape[1], head_dim).transpose(1, 2)
-
-            out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v),
-                                                 is_causal=True, scale=scale, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(n, num_heads, head_dim)
+            return self.uniform_prompt_attention(q, k, v, meta, scale)
         blocks = ex["gather_blocks"]
         keys = kv_cache[0].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
         values = kv_cache[1].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels.cpu_native import native_kernels_for
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer 2020): x [T, 2*I] -> silu(x[:, :I]) * x[:, I:] of shape [T, I]."""
@@ -15,6 +17,9 @@ class SiluAndMul(nn.Module):
             from kvflow.kernels.activation import silu_and_mul
 
             return silu_and_mul(x)
+        native = native_kernels_for(x)
+        if native is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return native.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.kernels.cpu_native import native_kernels_for
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
@@ -27,10 +29,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda and x.dim() == 2:
             return self._forward_triton(x, residual)
+        native = native_kernels_for(x)
+        if native is not None and self._rows_ok(x, residual):
+            return native.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def _rows_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether the native CPU kernel takes these operands: 2-D unit-stride rows, one dtype."""
+        same = [x] if residual is None else [x, residual]
+        return x.dim() == 2 and self.weight.dtype == x.dtype and all(
+            t.stride(-1) == 1 and t.dtype == x.dtype and t.shape == x.shape for t in same)
 
     def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
         """One fused kernel; with a residual, updates x and residual in place."""

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvflow.kernels.cpu_native import native_kernels_for
+
 
 def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     """Read (rope_theta, rope_scaling) from an HF config of any transformers version.
@@ -141,13 +143,22 @@ class RotaryEmbedding(nn.Module):
         out = torch.cat([o1, o2], -1) if self.is_neox_style else torch.stack([o1, o2], -1).flatten(-2)
         return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
+    def _heads_contiguous(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the native CPU kernel takes q/k: [T, heads, head_dim] of one dtype with
+        contiguous heads, and a float32 cos/sin table."""
+        return self.cos_sin_cache.dtype == torch.float32 and q.dtype == k.dtype and all(
+            t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes.
-        On CUDA one Triton kernel rotates q and k in place."""
+        On CUDA one Triton kernel, on CPU one native kernel, rotates q and k in place."""
         if q.is_cuda:
             from kvflow.kernels.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+        native = native_kernels_for(q)
+        if native is not None and self._heads_contiguous(q, k):
+            return native.rotary(positions, q, k, self.cos_sin_cache, self.is_neox_style)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         dtype = q.dtype
         q = self._rotate(q.float(), cos, sin).to(dtype)

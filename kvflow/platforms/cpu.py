@@ -1,4 +1,5 @@
-"""The CPU platform: torch reference kernels, bf16 when the CPU has native bf16 matmuls."""
+"""The CPU platform: native C attention (torch where it cannot be built), bf16 when the CPU has
+native bf16 matmuls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvflow.platforms.base import Platform
 
 class CpuPlatform(Platform):
     name = "cpu"
-    default_attention_backend = "torch"
+    default_attention_backend = "cpu"  # native kernels; "torch" where they cannot be built
 
     @property
     def device(self) -> torch.device:

@@ -25,7 +25,17 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
 def make_attention_backend(name: str):
-    """Raises ValueError for an unknown backend name."""
+    """The backend called ``name``: torch | cpu | triton. "cpu" falls back to "torch" (logged)
+    where its native kernels cannot be built. Raises ValueError for an unknown name."""
+    if name == "cpu":
+        from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
+        from kvflow.kernels.cpu_native import native_cpu_kernels
+
+        kernels = native_cpu_kernels()
+        if kernels is not None:
+            return CpuPagedAttentionBackend(kernels)
+        logger.warning("attention backend 'cpu' unavailable; using 'torch'")
+        name = "torch"
     if name == "torch":
         from kvflow.attention.torch_paged import TorchPagedAttentionBackend
 
@@ -34,7 +44,7 @@ def make_attention_backend(name: str):
         from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
         return TritonPagedAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
 
 
 def group_layers_by_span(layers: list[Attention]) -> list[list[Attention]]:

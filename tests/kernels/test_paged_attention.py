@@ -18,6 +18,7 @@ from kvflow.kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
 )
+from tests.kernels.paged_batch import make_batch as make_cpu_batch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -25,51 +26,8 @@ CPU_TOL = {"atol": 1e-4, "rtol": 1e-4}
 GPU_TOL = {"atol": 2e-2, "rtol": 2e-2}
 
 
-def make_batch(
-    reqs: list[tuple[int, int]],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.float32,
-    extra_tokens: int = 0,
-    seed: int = 0,
-    device: str = DEVICE,
-):
-    """Build a paged batch from ``[(cached_prefix_len, query_len), ...]``.
-
-    Physical blocks are a random permutation; every cache slot that holds no context token
-    (free blocks, block tails, the block-table padding block) is NaN, so any read outside a
-    request's context poisons the output.  ``extra_tokens`` padding rows are appended to q.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    max_blocks = max(blocks_per_req) + 1
-    num_blocks = sum(blocks_per_req) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    pad_block = perm.pop()  # a NaN block used as block-table padding
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
-    block_table = torch.full((len(reqs), max_blocks), pad_block, dtype=torch.int32)
-    for i, (seq_len, nb) in enumerate(zip(seq_lens, blocks_per_req)):
-        for j in range(nb):
-            blk = perm.pop()
-            block_table[i, j] = blk
-            n = min(block_size, seq_len - j * block_size)
-            kv_cache[:, blk, :n] = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
-    q_lens = [q for _, q in reqs]
-    query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(sum(q_lens) + extra_tokens, num_heads, head_dim, generator=gen)
-    return {
-        "q": q.to(device=device, dtype=dtype),
-        "kv_cache": kv_cache.to(device=device, dtype=dtype),
-        "query_start_loc": query_start_loc.to(device),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        "block_table": block_table.to(device),
-        "max_query_len": max(q_lens),
-        "max_seq_len": max(seq_lens),
-        "scale": head_dim**-0.5,
-    }
+def make_batch(*args, **kwargs):
+    return make_cpu_batch(*args, device=DEVICE, **kwargs)
 
 
 def check(batch, tol, num_splits=None, sliding_window=None):

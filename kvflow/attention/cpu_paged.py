@@ -1,0 +1,40 @@
+"""The CPU attention backend: a native kernel that reads K/V in place through the block table.
+
+Per layer: the new K/V are written through ``slot_mapping`` (torch ``index_copy_``), then
+:meth:`NativeCpuKernels.paged_attention` (``kernels/csrc/cpu_attention.c``) attends every query
+token of the mixed batch to its context straight from the paged cache: no gather copy, no
+padded query rows, no mask tensor. A batch of whole prompts of one length (the common offline
+prefill) goes to torch's SDPA instead, whose GEMM-based flash kernel is faster there and which
+needs no cache read at all.
+
+Chosen by default on CPU; where the kernels cannot be built (no C compiler) the engine uses the
+plain-torch backend (:mod:`kvflow.attention.torch_paged`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+from kvflow.kernels.cpu_native import NativeCpuKernels
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    """Mixed prefill/decode paged attention on CPU with the native kernel (see module doc)."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: NativeCpuKernels) -> None:
+        self._kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        meta.extra = {"uniform_prompts": TorchPagedAttentionBackend.uniform_prompts(meta)}
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
+        TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta)
+        if meta.extra["uniform_prompts"] and sliding_window is None:
+            return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
+        return self._kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_table, scale, sliding_window)

@@ -1,0 +1,277 @@
+"""Native CPU kernels: C sources under ``kernels/csrc/``, compiled on first use, called via ctypes.
+
+The C code is plain C11 + OpenMP (no torch headers), so it builds in about a second with the
+system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``. The shared library
+is cached under :func:`kvflow.models.model_resolver.cache_dir` ``/kernels``, keyed by a hash of
+the source, the flags, the compiler's version and the CPU's model/flags, so a rebuild happens only
+when one of them changes. ``-fopenmp`` links ``libgomp.so.1``; torch's CPU build has already
+loaded a library of that name, so the kernels run on torch's OpenMP runtime and thread count
+instead of a second pool competing for the cores.
+
+Where no compiler is available or the build fails, :func:`native_cpu_kernels` returns None (the
+reason is logged once) and callers fall back to the plain-torch kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("cpu_attention.c", "cpu_elementwise.c")
+_HEADERS = ("cpu_common.h",)
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
+          "-fPIC", "-std=gnu11")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+class NativeCpuKernels:
+    """The compiled library's entry points, with argument checks done in Python."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._attn = lib.kvflow_paged_attention
+        self._attn.restype = _int
+        self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                               _i64, _i64, _i64, _f32, _i64, _int, _int]
+        self._rms_norm = lib.kvflow_rms_norm
+        self._rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32,
+                                   _int, _int]
+        self._silu_and_mul = lib.kvflow_silu_and_mul
+        self._silu_and_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _int, _int]
+        self._rotary = lib.kvflow_rotary
+        self._rotary.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr,
+                                 _i64, _int, _int, _int]
+        for fn in (self._rms_norm, self._silu_and_mul, self._rotary):
+            fn.restype = _int
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+        """Paged attention over ``kv_cache`` read in place (same contract as
+        :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
+
+        Args:
+            q: [num_tokens, num_heads, head_dim], fp32/bf16/fp16, unit stride over heads and
+                head_dim (any token stride).
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype.
+            query_start_loc: int32 [num_reqs + 1]; seq_lens: int32 [num_reqs];
+            block_table: int32 [num_reqs, max_blocks], unit stride over blocks.
+            scale: softmax scale; sliding_window: keys a query may look back (None = all).
+
+        Returns:
+            [num_tokens, num_heads, head_dim] in q's dtype; rows past
+            ``query_start_loc[-1]`` (padding) are unspecified.
+
+        Raises:
+            ValueError: on a dtype, device, layout or head-count mismatch.
+            MemoryError: when the kernel cannot allocate its per-thread scratch.
+        """
+        num_tokens, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+        self._check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads,
+                    num_kv_heads, head_dim, cache_dim)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        status = self._attn(
+            q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            out.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
+            num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+            _DTYPE_CODES[q.dtype], torch.get_num_threads())
+        _raise_on(status, "paged attention")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm of rows ``x`` [N, H] (HF ``LlamaRMSNorm`` rounding; see
+        :class:`kvflow.layers.norm.RMSNorm`), optionally after adding ``residual`` [N, H].
+
+        Returns ``y`` [N, H], or ``(y, x + residual)`` with a residual; fresh tensors, inputs
+        untouched. Raises ValueError on a dtype/shape/layout mismatch.
+        """
+        rows, hidden = x.shape
+        _check_rows("x", x, weight.dtype)
+        if weight.shape != (hidden,) or not weight.is_contiguous():
+            raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
+        out = torch.empty(rows, hidden, dtype=x.dtype)
+        new_residual, r_ptr, r_stride = None, None, 0
+        if residual is not None:
+            _check_rows("residual", residual, x.dtype)
+            if residual.shape != x.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+            new_residual = torch.empty_like(out)
+            r_ptr, r_stride = residual.data_ptr(), residual.stride(0)
+        status = self._rms_norm(x.data_ptr(), x.stride(0), r_ptr, r_stride,
+                                None if new_residual is None else new_residual.data_ptr(),
+                                weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+                                _DTYPE_CODES[x.dtype], torch.get_num_threads())
+        _raise_on(status, "rms_norm")
+        return out if residual is None else (out, new_residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU gate: x [N, 2I] -> round(silu(x[:, :I])) * x[:, I:] as a fresh [N, I] tensor
+        (torch's rounding in 16-bit dtypes). Raises ValueError on a dtype/layout mismatch."""
+        rows, width = x.shape
+        _check_rows("x", x, x.dtype)
+        if width % 2:
+            raise ValueError(f"silu_and_mul needs an even last dim, got {width}")
+        out = torch.empty(rows, width // 2, dtype=x.dtype)
+        status = self._silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2,
+                                    _DTYPE_CODES[x.dtype], torch.get_num_threads())
+        _raise_on(status, "silu_and_mul")
+        return out
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding in place (same math as :class:`kvflow.layers.rotary.RotaryEmbedding`).
+
+        Args:
+            positions: int64 [T]; q: [T, Hq, D] and k: [T, Hkv, D], one dtype, heads and
+                head_dim contiguous (any token stride); cos_sin_cache: float32
+                [max_position, rot_dim] (cos half, then sin half), contiguous.
+            is_neox: rotate halves (True) or interleaved pairs (GPT-J).
+
+        Returns:
+            (q, k), rotated in place. Raises ValueError on a mismatch or a position outside the
+            cache.
+        """
+        tokens, num_heads, head_dim = q.shape
+        rot_dim = cos_sin_cache.shape[1]
+        for name, t in (("q", q), ("k", k)):
+            if t.dtype not in _DTYPE_CODES or t.dtype != q.dtype or t.device.type != "cpu" \
+                    or t.stride(2) != 1 or t.stride(1) != head_dim or t.shape[0] != tokens:
+                raise ValueError(f"rotary: {name} must be a CPU [T, heads, {head_dim}] tensor of "
+                                 f"q's dtype with contiguous heads")
+        if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() \
+                or rot_dim > head_dim or rot_dim % 2:
+            raise ValueError("rotary: cos_sin_cache must be contiguous float32 [P, rot_dim] with "
+                             "an even rot_dim <= head_dim")
+        positions = positions.to(torch.int64).contiguous()
+        if tokens and (int(positions.min()) < 0
+                       or int(positions.max()) >= cos_sin_cache.shape[0]):
+            raise ValueError(f"rotary: positions must lie in [0, {cos_sin_cache.shape[0]})")
+        status = self._rotary(positions.data_ptr(), q.data_ptr(), q.stride(0), num_heads,
+                              k.data_ptr(), k.stride(0), k.shape[1], head_dim, rot_dim,
+                              cos_sin_cache.data_ptr(), tokens, int(is_neox),
+                              _DTYPE_CODES[q.dtype], torch.get_num_threads())
+        _raise_on(status, "rotary")
+        return q, k
+
+    @staticmethod
+    def _check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
+               head_dim, cache_dim) -> None:
+        if q.dtype not in _DTYPE_CODES or kv_cache.dtype != q.dtype:
+            raise ValueError(f"native paged attention needs q and kv_cache of one dtype among "
+                             f"float32/bfloat16/float16, got {q.dtype} and {kv_cache.dtype}")
+        tensors = (q, kv_cache, query_start_loc, seq_lens, block_table)
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError("native paged attention runs on CPU tensors only")
+        if any(t.dtype != torch.int32 for t in (query_start_loc, seq_lens, block_table)):
+            raise ValueError("query_start_loc, seq_lens and block_table must be int32")
+        if not kv_cache.is_contiguous() or q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("kv_cache must be contiguous and q [tokens, heads, head_dim] must be "
+                             "contiguous over heads and head_dim")
+        if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+                and block_table.stride(1) == 1):
+            raise ValueError("query_start_loc, seq_lens and block_table rows must be contiguous")
+        if cache_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"q has {num_heads} heads of {head_dim}, the cache {num_kv_heads} "
+                             f"of {cache_dim}: need equal head_dim and heads % kv_heads == 0")
+        if query_start_loc.shape[0] != seq_lens.shape[0] + 1 \
+                or block_table.shape[0] < seq_lens.shape[0]:
+            raise ValueError("query_start_loc needs num_reqs + 1 entries and block_table a row "
+                             "per request")
+
+
+def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype not in _DTYPE_CODES or t.dtype != dtype or t.device.type != "cpu" \
+            or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a 2-D CPU float32/bfloat16/float16 tensor of dtype "
+                         f"{dtype} with unit-stride rows, got {t.dtype} {tuple(t.shape)}")
+
+
+def _raise_on(status: int, op: str) -> None:
+    if status:
+        raise MemoryError(f"native {op} could not allocate its per-thread scratch")
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model name and feature flags (``-march=native`` code depends on both)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler_version(cc: str) -> str:
+    result = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def _build(cc: str, sources: list[Path], target: Path) -> None:
+    """Compile to a temporary file beside ``target`` and rename it into place (atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_lib = Path(tmp) / target.name
+        cmd = [cc, *_FLAGS, "-o", str(tmp_lib), *map(str, sources), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp_lib, target)
+
+
+def _library_path(cc: str, sources: list[Path]) -> Path:
+    from kvflow.models.model_resolver import cache_dir
+
+    digest = hashlib.sha256()
+    headers = [sources[0].parent / name for name in _HEADERS]
+    for part in [*(s.read_bytes() for s in sources + headers), " ".join(_FLAGS).encode(),
+                 _compiler_version(cc).encode(), _cpu_fingerprint().encode()]:
+        digest.update(part)
+    return Path(cache_dir()) / "kernels" / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"
+
+
+def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:
+    """The native kernels when ``x`` is a CPU tensor of a dtype they handle and they could be
+    built, else None (the caller runs its torch code)."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPE_CODES:
+        return None
+    return native_cpu_kernels()
+
+
+@functools.cache
+def native_cpu_kernels() -> NativeCpuKernels | None:
+    """The compiled kernels, building them on first use; None (logged once) if unavailable.
+
+    ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead).
+    """
+    if os.environ.get("KVFLOW_NATIVE_CPU", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.warning("no C compiler (cc/gcc) found: CPU attention uses the torch backend")
+        return None
+    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
+    try:
+        target = _library_path(cc, sources)
+        if not target.exists():
+            _build(cc, sources, target)
+        return NativeCpuKernels(ctypes.CDLL(str(target)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels unavailable, using the torch backend: %s", exc)
+        return None

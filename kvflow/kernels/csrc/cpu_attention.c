@@ -1,0 +1,232 @@
+/*
+ * Paged attention for a mixed batch on CPU (kvflow's "cpu" attention backend).
+ *
+ * Reads K/V in place through the block table (no gather copy) and computes, for every query
+ * token, softmax(q . K^T * scale) V over its causal (optionally sliding-window) context with an
+ * online softmax over one KV block at a time (Milakov & Gimelshein, "Online normalizer
+ * calculation for softmax", 2018; the FlashAttention recurrence, Dao et al., 2022).
+ *
+ * Layouts (row-major; elements of the storage dtype):
+ *   q           [num_tokens, num_heads, head_dim]   (token stride q_stride, heads contiguous)
+ *   k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim]
+ *   out         [num_tokens, num_heads, head_dim]   (contiguous)
+ *   block_table int32 [num_reqs, bt_stride]; query_start_loc int32 [num_reqs + 1];
+ *   seq_lens    int32 [num_reqs], context length after this step (tokens).
+ * Query token j of request r sits at position seq_lens[r] - query_len + j and sees the keys in
+ * (pos - window, pos] (window <= 0: all of [0, pos]). Query head i reads KV head
+ * i / (num_heads / num_kv_heads) (GQA). Accumulation is fp32 for every storage dtype.
+ *
+ * Work item = (request, tile of up to TILE query tokens), one KV head after another: each K/V
+ * row read from the cache serves every query token of the tile and every query head of the
+ * group, and an item walks whole blocks in address order. Items run on OpenMP threads of the
+ * libgomp runtime torch has already loaded, so the two share one pool.
+ */
+#include "cpu_common.h"
+
+#define TILE 16
+
+typedef struct {
+    const char *q, *k_cache, *v_cache;
+    char *out;
+    const int32_t *block_table, *query_start_loc, *seq_lens;
+    int64_t q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, window;
+    float scale;
+    int dtype;
+} Args;
+
+/* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state and
+ * accumulators (rows = TILE * num_heads), and one K and V block of every KV head converted to
+ * fp32 (unused for fp32 caches). */
+typedef struct {
+    float *q, *s, *m, *l, *acc, *kb, *vb;
+} Scratch;
+
+static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t head_dim,
+                         int64_t num_kv_heads) {
+    w->q = malloc(sizeof(float) * rows * head_dim);
+    w->s = malloc(sizeof(float) * rows * block_size);
+    w->m = malloc(sizeof(float) * rows);
+    w->l = malloc(sizeof(float) * rows);
+    w->acc = malloc(sizeof(float) * rows * head_dim);
+    w->kb = malloc(sizeof(float) * block_size * num_kv_heads * head_dim);
+    w->vb = malloc(sizeof(float) * block_size * num_kv_heads * head_dim);
+    return w->q && w->s && w->m && w->l && w->acc && w->kb && w->vb;
+}
+
+static void scratch_free(Scratch *w) {
+    free(w->q); free(w->s); free(w->m); free(w->l); free(w->acc); free(w->kb); free(w->vb);
+}
+
+/* s[t] = q . k[t] for the n keys of a block. */
+static void block_scores(const float *q, const float *const *k, int64_t n, int64_t D,
+                         float *s) {
+    const int64_t D8 = D - D % 8;
+    for (int64_t t = 0; t < n; ++t) {
+        v8f acc = {0};
+        for (int64_t d = 0; d < D8; d += 8) acc += load8(q + d) * load8(k[t] + d);
+        float dot = sum8(acc);
+        for (int64_t d = D8; d < D; ++d) dot += q[d] * k[t][d];
+        s[t] = dot;
+    }
+}
+
+/* One online-softmax step of a row's state (m, l, acc) over a block's n scores s (-inf =
+ * not visible) and value rows v[t]. */
+static void softmax_update(float *s, const float *const *v, int64_t n, int64_t D, float *m,
+                           float *l, float *acc) {
+    float bmax = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) bmax = s[t] > bmax ? s[t] : bmax;
+    if (bmax == -INFINITY) return; /* no visible key in this block */
+    const float m_new = bmax > *m ? bmax : *m;
+    const float corr = exp_nonpos(*m - m_new); /* 0 while m is still -inf */
+    float psum = 0.f;
+#pragma omp simd reduction(+ : psum)
+    for (int64_t t = 0; t < n; ++t) {
+        s[t] = exp_nonpos(s[t] - m_new);
+        psum += s[t];
+    }
+    const int64_t D8 = D - D % 8;
+    for (int64_t d = 0; d < D8; d += 8) {
+        v8f o = load8(acc + d) * corr;
+        for (int64_t t = 0; t < n; ++t) o += s[t] * load8(v[t] + d);
+        store8(acc + d, o);
+    }
+    for (int64_t d = D8; d < D; ++d) {
+        float o = acc[d] * corr;
+        for (int64_t t = 0; t < n; ++t) o += s[t] * v[t][d];
+        acc[d] = o;
+    }
+    *l = *l * corr + psum;
+    *m = m_new;
+}
+
+/* Row pointers k/v[t * num_kv_heads + h] to block `phys`'s n tokens, every KV head: into the
+ * cache itself for fp32, else to fp32 copies in the scratch. */
+static void load_block(const Args *a, Scratch *w, int64_t phys, int64_t n, const float **k,
+                       const float **v) {
+    const int64_t D = a->head_dim, row = a->num_kv_heads * D; /* elements per token */
+    const size_t es = elem_size(a->dtype), first = phys * a->block_size * row * es;
+    if (a->dtype == DT_F32) {
+        for (int64_t i = 0; i < n * a->num_kv_heads; ++i) {
+            k[i] = (const float *)(a->k_cache + first) + i * D;
+            v[i] = (const float *)(a->v_cache + first) + i * D;
+        }
+        return;
+    }
+    load_row(a->dtype, a->k_cache + first, w->kb, n * row);
+    load_row(a->dtype, a->v_cache + first, w->vb, n * row);
+    for (int64_t i = 0; i < n * a->num_kv_heads; ++i) {
+        k[i] = w->kb + i * D;
+        v[i] = w->vb + i * D;
+    }
+}
+
+/* Ask for block `phys` (K and V, all heads) to be brought into cache while the current one is
+ * computed: blocks are scattered in memory, so the hardware prefetcher cannot guess them. */
+static void prefetch_block(const Args *a, int64_t phys) {
+    const size_t bytes = a->block_size * a->num_kv_heads * a->head_dim * elem_size(a->dtype);
+    const char *k = a->k_cache + phys * bytes, *v = a->v_cache + phys * bytes;
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off);
+        __builtin_prefetch(v + off);
+    }
+}
+
+/* Attention of query tokens j0 .. j0+nq-1 of request r, all heads. Row R of the scratch is
+ * (query token R / num_heads, query head R % num_heads), which reads KV head
+ * (R % num_heads) / group. */
+static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_t nq) {
+    const int64_t D = a->head_dim, bs = a->block_size, H = a->num_heads, Hkv = a->num_kv_heads;
+    const int64_t group = H / Hkv, nrows = nq * H;
+    const size_t es = elem_size(a->dtype);
+    const int64_t q0 = a->query_start_loc[r], qlen = a->query_start_loc[r + 1] - q0;
+    const int64_t first_pos = a->seq_lens[r] - qlen + j0, last_pos = first_pos + nq - 1;
+    const int64_t lo = a->window > 0 && first_pos - a->window + 1 > 0
+        ? first_pos - a->window + 1 : 0;
+    const int32_t *bt = a->block_table + r * a->bt_stride;
+    const float *k[bs * Hkv], *v[bs * Hkv], *kh[bs], *vh[bs];
+    for (int64_t i = 0; i < nq; ++i) {
+        float *qi = w->q + i * H * D;
+        load_row(a->dtype, a->q + (q0 + j0 + i) * a->q_stride * es, qi, H * D);
+        for (int64_t d = 0; d < H * D; ++d) qi[d] *= a->scale;
+    }
+    for (int64_t R = 0; R < nrows; ++R) {
+        w->m[R] = -INFINITY;
+        w->l[R] = 0.f;
+    }
+    memset(w->acc, 0, sizeof(float) * nrows * D);
+    for (int64_t b = lo / bs; b * bs <= last_pos; ++b) {
+        const int64_t base = b * bs, n = last_pos + 1 - base < bs ? last_pos + 1 - base : bs;
+        if ((b + 1) * bs <= last_pos) prefetch_block(a, bt[b + 1]);
+        load_block(a, w, bt[b], n, k, v);
+        for (int64_t R = 0; R < nrows; ++R) {
+            const int64_t pos = first_pos + R / H, h = (R % H) / group;
+            const int64_t start = a->window > 0 ? pos - a->window + 1 : 0;
+            float *s = w->s + R * bs;
+            for (int64_t t = 0; t < n; ++t) {
+                kh[t] = k[t * Hkv + h];
+                vh[t] = v[t * Hkv + h];
+            }
+            block_scores(w->q + R * D, kh, n, D, s);
+            for (int64_t t = 0; t < n; ++t)
+                if (base + t > pos || base + t < start) s[t] = -INFINITY;
+            softmax_update(s, vh, n, D, w->m + R, w->l + R, w->acc + R * D);
+        }
+    }
+    for (int64_t R = 0; R < nrows; ++R) {
+        float *acc = w->acc + R * D;
+        const float inv = w->l[R] > 0.f ? 1.f / w->l[R] : 0.f;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+    }
+    store_row(a->dtype, w->acc, a->out + (q0 + j0) * H * D * es, nrows * D);
+}
+
+/* Index of the request owning tile number `tile` (tile_start is a prefix sum). */
+static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t tile) {
+    int64_t lo = 0, hi = num_reqs - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Returns 0 on success, 1 when scratch memory could not be allocated. */
+int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, void *out, const int32_t *block_table,
+                           int64_t bt_stride, const int32_t *query_start_loc,
+                           const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int64_t window, int dtype, int num_threads) {
+    const Args a = {q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, q_stride,
+                    bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale,
+                    dtype};
+    int64_t *tile_start = malloc(sizeof(int64_t) * (num_reqs + 1));
+    if (!tile_start) return 1;
+    tile_start[0] = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
+        tile_start[r + 1] = tile_start[r] + (qlen + TILE - 1) / TILE;
+    }
+    const int64_t num_tiles = tile_start[num_reqs];
+    const int64_t rows = TILE * num_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        Scratch w;
+        const int ok = scratch_alloc(&w, rows, block_size, head_dim, num_kv_heads);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t tile = 0; tile < num_tiles; ++tile) {
+            if (!ok) continue;
+            const int64_t r = find_request(tile_start, num_reqs, tile);
+            const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
+            const int64_t j0 = (tile - tile_start[r]) * TILE;
+            const int64_t nq = qlen - j0 < TILE ? qlen - j0 : TILE;
+            attend_tile(&a, &w, r, j0, nq);
+        }
+        failed |= !ok;
+        scratch_free(&w);
+    }
+    free(tile_start);
+    return failed;
+}

@@ -1,0 +1,149 @@
+"""The native CPU paged-attention kernel (kernels/csrc/cpu_attention.c) vs the plain-torch
+per-request reference, and the "cpu" backend inside the engine vs the "torch" backend.
+
+Tolerances: fp32 atol=rtol=1e-5 (fp32 accumulation in both; only summation order and the
+kernel's exp polynomial, relative error ~2e-7, differ). bf16/fp16: the reference's fp32 result
+rounded to the storage dtype, atol=rtol one unit in the last place of that dtype (2**-7 bf16,
+2**-10 fp16), since both round an fp32 value once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels.attention_ref import paged_attention_ref
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from tests.kernels.paged_batch import make_batch
+
+KERNELS = native_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels could not be built")
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+       torch.bfloat16: {"atol": 2**-7, "rtol": 2**-7},
+       torch.float16: {"atol": 2**-10, "rtol": 2**-10}}
+# (cached prefix, query length): decodes, whole prompts, chunks after a cached prefix, a query
+# ending mid-block, one spanning many blocks.
+MIXED = [(0, 1), (17, 1), (0, 37), (20, 5), (0, 1), (63, 40), (100, 1), (3, 16)]
+
+
+def check(batch, sliding_window=None):
+    n_real = int(batch["query_start_loc"][-1])
+    ref = paged_attention_ref(**batch, sliding_window=sliding_window)
+    out = KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                  batch["seq_lens"], batch["block_table"], batch["scale"],
+                                  sliding_window)
+    assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+    torch.testing.assert_close(out[:n_real], ref[:n_real], **TOL[batch["q"].dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64),
+                                                               (8, 1, 128), (6, 2, 20)])
+def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(window, dtype):
+    check(make_batch(MIXED, 4, 2, 32, dtype=dtype, seed=1), sliding_window=window)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+def test_block_sizes(block_size):
+    check(make_batch(MIXED, 4, 2, 16, block_size=block_size, seed=2))
+
+
+def test_padding_rows_and_strided_q():
+    """q as a view of a wider qkv row (token stride > heads * head_dim), plus padding rows past
+    the real tokens: the kernel reads only real rows through the stride."""
+    batch = make_batch(MIXED, 4, 2, 16, extra_tokens=3, seed=3)
+    qkv = torch.randn(batch["q"].shape[0], 4 * 16 + 2 * 2 * 16)
+    qkv[:, :64] = batch["q"].reshape(-1, 64)
+    batch["q"] = qkv[:, :64].view(-1, 4, 16)
+    assert batch["q"].stride(0) == 128
+    check(batch)
+
+
+def test_bad_arguments_raise_value_error():
+    batch = make_batch([(0, 3)], 4, 2, 16)
+    good = {"q": batch["q"], "kv_cache": batch["kv_cache"],
+            "query_start_loc": batch["query_start_loc"], "seq_lens": batch["seq_lens"],
+            "block_table": batch["block_table"], "scale": 0.25}
+    bad = [
+        {"q": batch["q"].double()},                                      # dtype
+        {"kv_cache": batch["kv_cache"].bfloat16()},                      # q/cache mismatch
+        {"seq_lens": batch["seq_lens"].long()},                          # index dtype
+        {"q": batch["q"].transpose(1, 2).contiguous().transpose(1, 2)},  # head_dim stride
+        {"q": torch.randn(3, 3, 16)},                                    # 3 heads over 2 KV
+        {"q": torch.randn(3, 4, 8)},                                     # head_dim mismatch
+        {"query_start_loc": batch["query_start_loc"][:1]},               # too short
+    ]
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            KERNELS.paged_attention(**{**good, **kwargs})
+
+
+def test_build_falls_back_when_disabled_or_no_compiler(monkeypatch, tmp_path):
+    """KVFLOW_NATIVE_CPU=0 or a compiler that fails gives None (the torch backend is used)."""
+    from kvflow.kernels import cpu_native
+    from kvflow.worker.model_runner import make_attention_backend
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    try:
+        cpu_native.native_cpu_kernels.cache_clear()
+        monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+        assert cpu_native.native_cpu_kernels() is None
+        assert make_attention_backend("cpu").name == "torch"
+        cpu_native.native_cpu_kernels.cache_clear()
+        monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1")
+        monkeypatch.setenv("CC", "/bin/false")
+        assert cpu_native.native_cpu_kernels() is None
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_native.native_cpu_kernels.cache_clear()
+
+
+PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
+PROMPTS.append(PROMPTS[3][:32] + [7, 8])  # shares two full blocks with prompt 3
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-cpu-attn")
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _greedy_logprobs(path: str, backend: str):
+    """Greedy tokens and their logprobs with chunked prefill (24-token budget: prefill chunks
+    mixed with decodes) and a prefix-cache hit."""
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=8, attention_backend=backend,
+              device="cpu")
+    assert llm.engine.core.executor.runner.attn_ctx.backend.name == backend
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                logprobs=0), use_tqdm=False)
+    kv = llm.engine.core.kv_cache_manager
+    kv.pool.check_invariants()
+    assert kv.num_free_blocks == llm.engine.core.num_blocks - 1
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outs]
+    return tokens, torch.tensor(logprobs)
+
+
+def test_engine_cpu_backend_matches_torch_backend(tiny_llama):
+    tokens, logprobs = _greedy_logprobs(tiny_llama, "cpu")
+    ref_tokens, ref_logprobs = _greedy_logprobs(tiny_llama, "torch")
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,114 @@
+"""Native CPU fused ops (kernels/csrc/cpu_elementwise.c) vs plain torch.
+
+Oracles: float64 math for fp32 inputs (atol=rtol=1e-5); for bf16/fp16 the torch code the kernel
+replaces, computed in fp32 and rounded where torch rounds, within one unit in the last place of
+the dtype (the kernels' exp polynomial and summation order differ from torch's in the last fp32
+bits, which can flip a 16-bit rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.layers.rotary import RotaryEmbedding
+
+KERNELS = native_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels could not be built")
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_close(out, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref.double(), atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=ULP[dtype], rtol=ULP[dtype])
+
+
+def rms_norm_ref(x, weight, eps):
+    if x.dtype == torch.float32:
+        xd = x.double()
+        return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed * weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [8, 576, 1001])
+def test_rms_norm(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    assert_close(KERNELS.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_leaves_inputs_untouched(dtype):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(19, 200, generator=gen).to(dtype)
+    x = wide[:, :96]  # strided rows
+    residual = torch.randn(19, 96, generator=gen).to(dtype)
+    weight = torch.rand(96, generator=gen).to(dtype)
+    x_before, r_before = x.clone(), residual.clone()
+    out, new_residual = KERNELS.rms_norm(x, weight, 1e-6, residual)
+    expect_residual = x + residual  # torch adds in fp32 and rounds once, as the kernel does
+    assert torch.equal(new_residual, expect_residual)
+    assert_close(out, rms_norm_ref(expect_residual, weight, 1e-6), dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1, 24, 1536])
+def test_silu_and_mul(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(29, 2 * inter, generator=gen) * 6).to(dtype)  # exp of both signs, large |v|
+    gate, up = x.chunk(2, dim=-1)
+    if dtype == torch.float32:
+        ref = F.silu(gate.double()) * up.double()
+    else:
+        ref = F.silu(gate.float()).to(dtype) * up
+    assert_close(KERNELS.silu_and_mul(x), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 32), (False, 32), (True, 16)])
+def test_rotary_in_place(dtype, is_neox, rotary_dim):
+    rope = RotaryEmbedding(32, 512, 10000.0, rotary_dim=rotary_dim, is_neox_style=is_neox)
+    gen = torch.Generator().manual_seed(rotary_dim)
+    qkv = torch.randn(11, (6 + 2 * 2) * 32, generator=gen).to(dtype)
+    q, k = qkv[:, :192].view(11, 6, 32), qkv[:, 192:256].view(11, 2, 32)
+    positions = torch.randint(0, 512, (11,), generator=gen)
+    v_before = qkv[:, 256:].clone()
+    cos, sin = rope.cos_sin_cache.double()[positions].unsqueeze(1).chunk(2, dim=-1)
+    ref_q = rope._rotate(q.double(), cos, sin)
+    ref_k = rope._rotate(k.double(), cos, sin)
+    out_q, out_k = KERNELS.rotary(positions, q, k, rope.cos_sin_cache, is_neox)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+    assert_close(q, ref_q.to(dtype), dtype)
+    assert_close(k, ref_k.to(dtype), dtype)
+    assert torch.equal(qkv[:, 256:], v_before)  # the rest of the qkv row is untouched
+
+
+def test_bad_arguments_raise_value_error():
+    x = torch.randn(4, 16)
+    w = torch.ones(16)
+    cache = RotaryEmbedding(16, 8, 10000.0).cos_sin_cache
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    calls = [
+        lambda: KERNELS.rms_norm(x.double(), w.double(), 1e-6),      # dtype
+        lambda: KERNELS.rms_norm(x, w.bfloat16(), 1e-6),             # weight dtype
+        lambda: KERNELS.rms_norm(x, torch.ones(8), 1e-6),            # weight shape
+        lambda: KERNELS.rms_norm(x, w, 1e-6, torch.randn(3, 16)),    # residual shape
+        lambda: KERNELS.rms_norm(x.t(), torch.ones(4), 1e-6),        # column-major rows
+        lambda: KERNELS.silu_and_mul(torch.randn(4, 7)),             # odd width
+        lambda: KERNELS.rotary(torch.tensor([0, 1, 8]), q, k, cache, True),   # position >= 8
+        lambda: KERNELS.rotary(torch.tensor([0, 1, 2]), q, k.bfloat16(), cache, True),
+        lambda: KERNELS.rotary(torch.tensor([0, 1, 2]), q, k, cache.double(), True),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError):
+            call()
