@@ -57,16 +57,63 @@ static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->l); free(w->acc); free(w->kb); free(w->vb);
 }
 
-/* s[t] = q . k[t] for the n keys of a block. */
+/* q . k over D elements (8 lanes at a time, scalar tail). */
+static inline float dot(const float *q, const float *k, int64_t D) {
+    const int64_t D8 = D - D % 8;
+    v8f acc = {0};
+    for (int64_t d = 0; d < D8; d += 8) acc += load8(q + d) * load8(k + d);
+    float sum = sum8(acc);
+    for (int64_t d = D8; d < D; ++d) sum += q[d] * k[d];
+    return sum;
+}
+
+/* s[t] = q . k[t] for the n keys of a block; four keys at a time so four independent FMA
+ * chains share each load of q. */
 static void block_scores(const float *q, const float *const *k, int64_t n, int64_t D,
                          float *s) {
     const int64_t D8 = D - D % 8;
-    for (int64_t t = 0; t < n; ++t) {
-        v8f acc = {0};
-        for (int64_t d = 0; d < D8; d += 8) acc += load8(q + d) * load8(k[t] + d);
-        float dot = sum8(acc);
-        for (int64_t d = D8; d < D; ++d) dot += q[d] * k[t][d];
-        s[t] = dot;
+    int64_t t = 0;
+    for (; t + 4 <= n && D8 == D; t += 4) {
+        const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t d = 0; d < D; d += 8) {
+            const v8f qd = load8(q + d);
+            a0 += qd * load8(k0 + d);
+            a1 += qd * load8(k1 + d);
+            a2 += qd * load8(k2 + d);
+            a3 += qd * load8(k3 + d);
+        }
+        s[t] = sum8(a0);
+        s[t + 1] = sum8(a1);
+        s[t + 2] = sum8(a2);
+        s[t + 3] = sum8(a3);
+    }
+    for (; t < n; ++t) s[t] = dot(q, k[t], D);
+}
+
+/* acc[0:D] = acc * corr + sum_t p[t] v[t]. Columns go 64 at a time with eight accumulator
+ * vectors held in registers across the keys (independent FMA chains); the rest 8, then 1. */
+static void accumulate_pv(float *acc, float corr, const float *p, const float *const *v,
+                          int64_t n, int64_t D) {
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) {
+        v8f o[8];
+        for (int j = 0; j < 8; ++j) o[j] = load8(acc + c + 8 * j) * corr;
+        for (int64_t t = 0; t < n; ++t) {
+            const float *vr = v[t] + c;
+            for (int j = 0; j < 8; ++j) o[j] += p[t] * load8(vr + 8 * j);
+        }
+        for (int j = 0; j < 8; ++j) store8(acc + c + 8 * j, o[j]);
+    }
+    for (; c + 8 <= D; c += 8) {
+        v8f o = load8(acc + c) * corr;
+        for (int64_t t = 0; t < n; ++t) o += p[t] * load8(v[t] + c);
+        store8(acc + c, o);
+    }
+    for (; c < D; ++c) {
+        float o = acc[c] * corr;
+        for (int64_t t = 0; t < n; ++t) o += p[t] * v[t][c];
+        acc[c] = o;
     }
 }
 
@@ -85,17 +132,7 @@ static void softmax_update(float *s, const float *const *v, int64_t n, int64_t D
         s[t] = exp_nonpos(s[t] - m_new);
         psum += s[t];
     }
-    const int64_t D8 = D - D % 8;
-    for (int64_t d = 0; d < D8; d += 8) {
-        v8f o = load8(acc + d) * corr;
-        for (int64_t t = 0; t < n; ++t) o += s[t] * load8(v[t] + d);
-        store8(acc + d, o);
-    }
-    for (int64_t d = D8; d < D; ++d) {
-        float o = acc[d] * corr;
-        for (int64_t t = 0; t < n; ++t) o += s[t] * v[t][d];
-        acc[d] = o;
-    }
+    accumulate_pv(acc, corr, s, v, n, D);
     *l = *l * corr + psum;
     *m = m_new;
 }
