@@ -109,13 +109,14 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = _opt(4096, "token budget of one engine step")
+    max_num_batched_tokens: int | None = _opt(None, "token budget of one engine step "
+                                              "(default: the platform's, 2048 CPU / 4096 CUDA)")
     max_num_seqs: int = _opt(256, "maximum number of running requests")
     policy: str = _opt("fcfs", "waiting-queue order", choices=["fcfs", "priority"])
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")

@@ -58,6 +58,9 @@ class EngineCore:
 
     def _init_platform(self) -> None:
         self.platform = get_platform(self.config.device_config.device)
+        sc = self.config.scheduler_config
+        if sc.max_num_batched_tokens is None:
+            sc.max_num_batched_tokens = self.platform.default_max_num_batched_tokens
 
     def _init_model(self, source: ModelSource) -> None:
         self.source = source

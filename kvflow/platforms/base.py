@@ -12,6 +12,8 @@ class Platform(ABC):
 
     name: str = "abstract"
     default_attention_backend: str = "torch"
+    # Token budget of an engine step when the user gives none (--max-num-batched-tokens).
+    default_max_num_batched_tokens: int = 4096
     supports_graphs: bool = False
 
     @property

@@ -147,3 +147,17 @@ def test_engine_cpu_backend_matches_torch_backend(tiny_llama):
     ref_tokens, ref_logprobs = _greedy_logprobs(tiny_llama, "torch")
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_defaults_native_backend_and_2048_token_budget(tiny_llama):
+    """With nothing requested, a CPU engine picks the native backend and the CPU platform's
+    2,048-token step budget; an explicit budget is kept."""
+    from kvflow import LLM
+
+    llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+              device="cpu")
+    assert llm.engine.core.executor.runner.attn_ctx.backend.name == "cpu"
+    assert llm.engine.core.config.scheduler_config.max_num_batched_tokens == 2048
+    llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+              device="cpu", max_num_batched_tokens=100)
+    assert llm.engine.core.config.scheduler_config.max_num_batched_tokens == 100
