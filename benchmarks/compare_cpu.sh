@@ -12,6 +12,8 @@
 #   OUT           results folder (default out/compare_cpu)
 #   NUM_PROMPTS INPUT_LEN OUTPUT_LEN   workload (default 64 x 128 -> 64, EOS ignored)
 #   RATES         request rates, space-separated (default "inf 4")
+#   ROUNDS        times to run every engine, alternating (default 1); the table reports each
+#                 run and the medians (this machine's speed drifts by 10-20% between minutes)
 #   KVFLOW_ARGS VLLM_ARGS HF_ARGS      extra server flags
 #   START_TIMEOUT seconds to wait for a server (default 600; vLLM compiles for ~100 s)
 #   DTYPE         dtype of every engine (default bfloat16 where the CPU has AMX-BF16, else
@@ -26,6 +28,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 RATES=${RATES:-inf 4}
+ROUNDS=${ROUNDS:-1}
 START_TIMEOUT=${START_TIMEOUT:-600}
 NAME=smollm2
 if [ -z "${DTYPE:-}" ]; then
@@ -78,7 +81,8 @@ bench() {
             --tokenizer "$MODEL_DIR" --dataset random --num-prompts "$NUM_PROMPTS" \
             --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --request-rate "$rate" \
             --seed "$seed" --label "$engine" --disable-tqdm \
-            --result-json "$OUT/$engine-rate-$rate.json" "$@" || echo "!! $engine rate $rate had failures"
+            --result-json "$OUT/$engine-rate-$rate-round-$ROUND.json" "$@" \
+            || echo "!! $engine rate $rate had failures"
         seed=$((seed + 1))  # fresh prompts per rate: no prefix-cache hits across runs
     done
 }
@@ -102,26 +106,29 @@ run_engine() {
     SERVER_PID=
 }
 
-MODEL_NAME=$NAME
-run_engine kvflow "--ignore-eos" -- "$KVFLOW_PY" -m kvflow.entrypoints.cli serve "$MODEL_DIR" \
-    --served-model-name "$NAME" --dtype "$DTYPE" --no-enable-prefix-caching ${KVFLOW_ARGS:-}
+for ROUND in $(seq "$ROUNDS"); do
+    echo "== round $ROUND of $ROUNDS"
+    MODEL_NAME=$NAME
+    run_engine kvflow "--ignore-eos" -- "$KVFLOW_PY" -m kvflow.entrypoints.cli serve "$MODEL_DIR" \
+        --served-model-name "$NAME" --dtype "$DTYPE" --no-enable-prefix-caching ${KVFLOW_ARGS:-}
 
-if [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then
-    VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
-    run_engine vllm-cpu "--ignore-eos" -- "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-        --model "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DTYPE" \
-        --no-enable-prefix-caching ${VLLM_ARGS:-}
-else
-    echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see shared/bench/PEERS.md)"
-fi
+    if [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then
+        VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
+        run_engine vllm-cpu "--ignore-eos" -- "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DTYPE" \
+            --no-enable-prefix-caching ${VLLM_ARGS:-}
+    else
+        echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see shared/bench/PEERS.md)"
+    fi
 
-if [ -n "${HF_VENV:-}" ] && [ -x "$HF_VENV/bin/transformers" ]; then
-    # transformers serve picks the model from each request's "model" field and has no
-    # ignore_eos: chat endpoint, text prompts (the random ids decoded), EOS honoured.
-    MODEL_NAME=$MODEL_DIR
-    run_engine hf-serve "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
-else
-    echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving])"
-fi
+    if [ -n "${HF_VENV:-}" ] && [ -x "$HF_VENV/bin/transformers" ]; then
+        # transformers serve picks the model from each request's "model" field and has no
+        # ignore_eos: chat endpoint, text prompts (the random ids decoded), EOS honoured.
+        MODEL_NAME=$MODEL_DIR
+        run_engine hf-serve "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
+    else
+        echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving])"
+    fi
+done
 
 "$KVFLOW_PY" benchmarks/compare_table.py "$OUT"/*.json

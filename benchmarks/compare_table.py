@@ -1,5 +1,6 @@
 """Print the side-by-side table of ``kvflow bench serve`` results written by compare_cpu.sh:
-one row per (rate, engine), then each peer's ratios against kvflow at the same rate.
+one row per (rate, engine, round) plus medians over rounds, then each peer's ratios against
+kvflow at the same rate (from the medians).
 
     python benchmarks/compare_table.py out/compare_cpu/*.json
 """
@@ -7,47 +8,60 @@ one row per (rate, engine), then each peer's ratios against kvflow at the same r
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections import defaultdict
 
 COLUMNS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def load(paths: list[str]) -> dict[str, dict[str, dict]]:
-    """{rate: {engine label: result}} from single-run result files."""
-    by_rate: dict[str, dict[str, dict]] = defaultdict(dict)
-    for path in paths:
+def load(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
+    """{rate: {engine label: [result of each round]}} from single-run result files."""
+    by_rate: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(paths):
         with open(path) as f:
             r = json.load(f)
-        by_rate[str(r["request_rate"])][r["label"]] = r
+        by_rate[str(r["request_rate"])][r["label"]].append(r)
     return by_rate
 
 
-def rows(by_rate: dict[str, dict[str, dict]]) -> list[str]:
-    header = (f"{'rate':>5} {'engine':<10} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
-              f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}   (ms)")
+def median(results: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def rows(by_rate: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """One row per run (round) and, with several rounds, a row of medians per engine."""
+    header = (f"{'rate':>5} {'engine':<10} {'round':>6} {'done':>5} {'out tok/s':>10} "
+              f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}   (ms)")
     out = [header]
     for rate, engines in by_rate.items():
-        for label, r in engines.items():
-            vals = " ".join(f"{r[c]:>9.1f}" for c in COLUMNS[1:])
-            out.append(f"{rate:>5} {label:<10} {r['completed']:>5} "
-                       f"{r['output_throughput']:>10.1f} {vals}")
+        for label, results in engines.items():
+            for i, r in enumerate(results, 1):
+                vals = " ".join(f"{r[c]:>9.1f}" for c in COLUMNS[1:])
+                out.append(f"{rate:>5} {label:<10} {i:>6} {r['completed']:>5} "
+                           f"{r['output_throughput']:>10.1f} {vals}")
+            if len(results) > 1:
+                vals = " ".join(f"{median(results, c):>9.1f}" for c in COLUMNS[1:])
+                out.append(f"{rate:>5} {label:<10} {'median':>6} {'':>5} "
+                           f"{median(results, COLUMNS[0]):>10.1f} {vals}")
     return out
 
 
-def ratios(by_rate: dict[str, dict[str, dict]]) -> list[str]:
+def ratios(by_rate: dict[str, dict[str, list[dict]]]) -> list[str]:
     """kvflow throughput / peer throughput and peer latency / kvflow latency (> 1: kvflow
-    better)."""
+    better), from the medians over rounds."""
     out = []
     for rate, engines in by_rate.items():
         k = engines.get("kvflow")
         for label, r in engines.items():
             if k is None or label == "kvflow":
                 continue
+            rounds = f" (medians of {len(k)} / {len(r)} runs)" if len(k) > 1 or len(r) > 1 else ""
             out.append(f"rate {rate}: kvflow / {label}: output throughput "
-                       f"{k['output_throughput'] / r['output_throughput']:.2f}x, "
-                       f"p99 TTFT {r['p99_ttft_ms'] / k['p99_ttft_ms']:.2f}x, "
-                       f"p99 TPOT {r['p99_tpot_ms'] / k['p99_tpot_ms']:.2f}x better")
+                       f"{median(k, 'output_throughput') / median(r, 'output_throughput'):.2f}x, "
+                       f"p99 TTFT {median(r, 'p99_ttft_ms') / median(k, 'p99_ttft_ms'):.2f}x, "
+                       f"p99 TPOT {median(r, 'p99_tpot_ms') / median(k, 'p99_tpot_ms'):.2f}x "
+                       f"better{rounds}")
     return out or ["no peer results: only kvflow ran (install a peer, see the script header)"]
 
 
