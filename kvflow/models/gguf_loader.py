@@ -290,107 +290,133 @@ def _architecture(meta: GGUFMetadata) -> tuple[str, _ArchSpec]:
 # --------------------------------------------------------------------------- config
 
 
-def _config_kwargs(meta: GGUFMetadata) -> tuple[_ArchSpec, dict[str, Any]]:
-    path = meta.path
-    arch, spec = _architecture(meta)
-    tensors = {t.name: t for t in meta.tensors}
+class _ArchKeys:
+    """Reads ``<arch>.<suffix>`` metadata keys of one GGUF file."""
 
-    def key(suffix: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{suffix}", default)
+    def __init__(self, meta: GGUFMetadata, arch: str) -> None:
+        self.meta, self.arch = meta, arch
 
-    def required(suffix: str) -> Any:
-        value = key(suffix)
+    def get(self, suffix: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{suffix}", default)
+
+    def required(self, suffix: str) -> Any:
+        value = self.get(suffix)
         if value is None:
-            raise ValueError(f"{path!r}: GGUF metadata key '{arch}.{suffix}' is missing")
+            raise ValueError(f"{self.meta.path!r}: GGUF metadata key '{self.arch}.{suffix}' "
+                             "is missing")
         return value
 
-    hidden = int(required("embedding_length"))
-    n_heads = int(required("attention.head_count"))
-    n_kv_heads = key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv_heads, list):  # per-layer list in some GGUFs
+
+def _head_counts(keys: _ArchKeys) -> tuple[int, int]:
+    """(query heads, KV heads); a per-layer KV-head list (some GGUFs) gives its maximum."""
+    n_heads = int(keys.required("attention.head_count"))
+    n_kv_heads = keys.get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):
         n_kv_heads = max(n_kv_heads)
-    n_kv_heads = int(n_kv_heads)
+    return n_heads, int(n_kv_heads)
 
-    # head_dim: trust the q projection's shape (rows = n_heads * head_dim), which is exact.
-    head_dim = key("attention.key_length")
+
+def _head_dim(keys: _ArchKeys, tensors: dict, hidden: int, n_heads: int) -> int:
+    """head_dim from the q projection's shape (rows = n_heads * head_dim, exact), else the
+    metadata, else hidden / n_heads. Raises ValueError when shape and metadata disagree."""
+    path, head_dim = keys.meta.path, keys.get("attention.key_length")
     q = tensors.get("blk.0.attn_q.weight")
-    if q is not None:
-        q_rows = q.shape[0]
-        if q_rows % n_heads:
-            raise ValueError(f"{path!r}: attn_q rows {q_rows} not divisible by {n_heads} heads")
-        if head_dim is not None and int(head_dim) != q_rows // n_heads:
-            raise ValueError(
-                f"{path!r}: {arch}.attention.key_length={head_dim} disagrees with attn_q "
-                f"shape ({q_rows} rows / {n_heads} heads)"
-            )
-        head_dim = q_rows // n_heads
-    elif head_dim is None:
-        head_dim = hidden // n_heads
-    head_dim = int(head_dim)
+    if q is None:
+        return int(head_dim if head_dim is not None else hidden // n_heads)
+    q_rows = q.shape[0]
+    if q_rows % n_heads:
+        raise ValueError(f"{path!r}: attn_q rows {q_rows} not divisible by {n_heads} heads")
+    if head_dim is not None and int(head_dim) != q_rows // n_heads:
+        raise ValueError(f"{path!r}: {keys.arch}.attention.key_length={head_dim} disagrees "
+                         f"with attn_q shape ({q_rows} rows / {n_heads} heads)")
+    return q_rows // n_heads
 
-    vocab_size = key("vocab_size")
-    if vocab_size is None:
-        if "token_embd.weight" in tensors:
-            vocab_size = tensors["token_embd.weight"].shape[0]
-        else:
-            vocab_size = len(meta.get("tokenizer.ggml.tokens", []))
 
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
-            "kvflow cannot map back to a transformers rope config"
-        )
+def _vocab_size(keys: _ArchKeys, tensors: dict) -> int:
+    vocab_size = keys.get("vocab_size")
+    if vocab_size is not None:
+        return int(vocab_size)
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[0])
+    return len(keys.meta.get("tokenizer.ggml.tokens", []))
 
-    kwargs: dict[str, Any] = {
-        "architectures": [spec.hf_architecture],
-        "vocab_size": int(vocab_size),
-        "hidden_size": hidden,
-        "num_hidden_layers": int(required("block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": int(required("feed_forward_length")),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
-    }
-    # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.
-    kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "gemma3":
-        # Local layers keep transformers' defaults (every 6th layer global, local RoPE base
-        # 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
-        # every size but 27B (and transformers' default of 256 for the 270M-12B sizes).
-        kwargs.pop("hidden_act")
-        kwargs["hidden_activation"] = "gelu_pytorch_tanh"
-        kwargs["query_pre_attn_scalar"] = head_dim
-        window = key("attention.sliding_window")
-        if window is not None:
-            kwargs["sliding_window"] = int(window)
 
-    scaling_type = key("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
-        factor = key("rope.scaling.factor")
-        if factor is not None:
-            rope_scaling["factor"] = float(factor)
-        orig = key("rope.scaling.original_context_length")
-        if orig is not None:
-            rope_scaling["original_max_position_embeddings"] = int(orig)
-        kwargs["rope_scaling"] = rope_scaling
+def _rope_scaling(keys: _ArchKeys) -> dict[str, Any] | None:
+    scaling_type = keys.get("rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
+    factor = keys.get("rope.scaling.factor")
+    if factor is not None:
+        rope_scaling["factor"] = float(factor)
+    orig = keys.get("rope.scaling.original_context_length")
+    if orig is not None:
+        rope_scaling["original_max_position_embeddings"] = int(orig)
+    return rope_scaling
 
-    for gguf_key, hf_key in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("padding_token_id", "pad_token_id"),
-    ):
+
+def _gemma3_kwargs(keys: _ArchKeys, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
+    RoPE base 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
+    every size but 27B (and transformers' default of 256 for the 270M-12B sizes)."""
+    kwargs: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                              "query_pre_attn_scalar": head_dim}
+    window = keys.get("attention.sliding_window")
+    if window is not None:
+        kwargs["sliding_window"] = int(window)
+    return kwargs
+
+
+def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
+    """bos/eos/pad token ids and the model name, where the file has them."""
+    kwargs: dict[str, Any] = {}
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             kwargs[hf_key] = int(value)
     name = meta.get("general.name")
     if name:
         kwargs["name_or_path"] = str(name)
+    return kwargs
+
+
+def _config_kwargs(meta: GGUFMetadata) -> tuple[_ArchSpec, dict[str, Any]]:
+    arch, spec = _architecture(meta)
+    keys = _ArchKeys(meta, arch)
+    tensors = {t.name: t for t in meta.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{meta.path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
+            "kvflow cannot map back to a transformers rope config"
+        )
+    hidden = int(keys.required("embedding_length"))
+    n_heads, n_kv_heads = _head_counts(keys)
+    head_dim = _head_dim(keys, tensors, hidden, n_heads)
+    kwargs: dict[str, Any] = {
+        "architectures": [spec.hf_architecture],
+        "vocab_size": _vocab_size(keys, tensors),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(keys.required("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": int(keys.required("feed_forward_length")),
+        "rms_norm_eps": float(keys.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(keys.get("context_length", 2048)),
+        "rope_theta": float(keys.get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        **_token_kwargs(meta),
+    }
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(keys, head_dim))
+    else:
+        kwargs["hidden_act"] = "silu"
+    rope_scaling = _rope_scaling(keys)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
     return spec, kwargs
 
 
