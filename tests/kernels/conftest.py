@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -39,3 +40,10 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_path(tiny_llama) -> str:
+    """The session's tiny Llama (tests/conftest.py), saved with its tokenizer: engine-level
+    kernel tests compare backends on it."""
+    return tiny_llama.path

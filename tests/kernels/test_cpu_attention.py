@@ -109,18 +109,6 @@ PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(
 PROMPTS.append(PROMPTS[3][:32] + [7, 8])  # shares two full blocks with prompt 3
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-cpu-attn")
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
 
 def _greedy_logprobs(path: str, backend: str):
     """Greedy tokens and their logprobs with chunked prefill (24-token budget: prefill chunks
@@ -142,22 +130,22 @@ def _greedy_logprobs(path: str, backend: str):
     return tokens, torch.tensor(logprobs)
 
 
-def test_engine_cpu_backend_matches_torch_backend(tiny_llama):
-    tokens, logprobs = _greedy_logprobs(tiny_llama, "cpu")
-    ref_tokens, ref_logprobs = _greedy_logprobs(tiny_llama, "torch")
+def test_engine_cpu_backend_matches_torch_backend(tiny_llama_path):
+    tokens, logprobs = _greedy_logprobs(tiny_llama_path, "cpu")
+    ref_tokens, ref_logprobs = _greedy_logprobs(tiny_llama_path, "torch")
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_defaults_native_backend_and_2048_token_budget(tiny_llama):
+def test_cpu_defaults_native_backend_and_2048_token_budget(tiny_llama_path):
     """With nothing requested, a CPU engine picks the native backend and the CPU platform's
     2,048-token step budget; an explicit budget is kept."""
     from kvflow import LLM
 
-    llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+    llm = LLM(model=tiny_llama_path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
               device="cpu")
     assert llm.engine.core.executor.runner.attn_ctx.backend.name == "cpu"
     assert llm.engine.core.config.scheduler_config.max_num_batched_tokens == 2048
-    llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+    llm = LLM(model=tiny_llama_path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
               device="cpu", max_num_batched_tokens=100)
     assert llm.engine.core.config.scheduler_config.max_num_batched_tokens == 100

@@ -10,25 +10,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
 PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
 PROMPTS.append(PROMPTS[3][:32] + [7, 8])  # shares two full blocks with prompt 3
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama-triton")
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def _greedy(llm) -> list[list[int]]:
@@ -51,12 +38,12 @@ def _llm(path: str, backend: str):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama):
-    return _greedy(_llm(tiny_llama, "torch"))
+def reference(tiny_llama_path):
+    return _greedy(_llm(tiny_llama_path, "torch"))
 
 
-def test_triton_backend_matches_torch_backend(tiny_llama, reference):
-    assert _greedy(_llm(tiny_llama, "triton")) == reference
+def test_triton_backend_matches_torch_backend(tiny_llama_path, reference):
+    assert _greedy(_llm(tiny_llama_path, "triton")) == reference
 
 
 class _EagerReplay:
@@ -66,7 +53,7 @@ class _EagerReplay:
         self.replay = fn
 
 
-def test_graph_runner_padding_matches_eager(tiny_llama, reference, monkeypatch):
+def test_graph_runner_padding_matches_eager(tiny_llama_path, reference, monkeypatch):
     from kvflow.worker.cuda_graphs import CudaGraphRunner
 
     def fake_capture(self):
@@ -75,7 +62,7 @@ def test_graph_runner_padding_matches_eager(tiny_llama, reference, monkeypatch):
             self.graphs[size] = _EagerReplay(lambda s=size: self._forward(s))
 
     monkeypatch.setattr(CudaGraphRunner, "capture", fake_capture)
-    llm = _llm(tiny_llama, "triton")
+    llm = _llm(tiny_llama_path, "triton")
     runner = llm.engine.core.executor.runner
     monkeypatch.setattr(runner.platform, "supports_graphs", True)
     runner.capture_graphs(llm.engine.core.max_model_len)
