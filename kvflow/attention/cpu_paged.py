@@ -29,12 +29,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self._kernels = kernels
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        meta.extra = {"uniform_prompts": TorchPagedAttentionBackend.uniform_prompts(meta)}
+        meta.extra = {"uniform_prompts": TorchPagedAttentionBackend.uniform_prompts(meta),
+                      "indices_checked": False}
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
         TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta)
         if meta.extra["uniform_prompts"] and sliding_window is None:
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
+        # The kernel trusts its indices: check them at the first layer of the step only.
+        validate = not meta.extra["indices_checked"]
+        meta.extra["indices_checked"] = True
         return self._kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_table, scale, sliding_window)
+                                             meta.block_table, scale, sliding_window, validate)

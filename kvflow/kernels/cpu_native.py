@@ -60,7 +60,7 @@ class NativeCpuKernels:
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, validate: bool = True) -> torch.Tensor:
         """Paged attention over ``kv_cache`` read in place (same contract as
         :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
 
@@ -71,19 +71,24 @@ class NativeCpuKernels:
             query_start_loc: int32 [num_reqs + 1]; seq_lens: int32 [num_reqs];
             block_table: int32 [num_reqs, max_blocks], unit stride over blocks.
             scale: softmax scale; sliding_window: keys a query may look back (None = all).
+            validate: check the indices (:meth:`check_paged_indices`) first; pass False only
+                when the caller has (the attention backend checks once per step, not per layer).
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past
             ``query_start_loc[-1]`` (padding) are unspecified.
 
         Raises:
-            ValueError: on a dtype, device, layout or head-count mismatch.
+            ValueError: on a dtype, device, layout or head-count mismatch, or (validate) an index
+                that would read outside q or the cache.
             MemoryError: when the kernel cannot allocate its per-thread scratch.
         """
         num_tokens, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
         self._check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads,
                     num_kv_heads, head_dim, cache_dim)
+        if validate:
+            self.check_paged_indices(num_tokens, kv_cache, query_start_loc, seq_lens, block_table)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         status = self._attn(
             q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
@@ -93,6 +98,30 @@ class NativeCpuKernels:
             _DTYPE_CODES[q.dtype], torch.get_num_threads())
         _raise_on(status, "paged attention")
         return out
+
+    @staticmethod
+    def check_paged_indices(num_tokens: int, kv_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor) -> None:
+        """Raise ValueError unless the kernel's reads stay in bounds: query_start_loc rises from
+        0 to at most ``num_tokens``, each query fits its context (query_len <= seq_len), and
+        each context's blocks are ids in [0, num_blocks) within its block-table row."""
+        if seq_lens.numel() == 0:
+            return
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) > num_tokens \
+                or bool((query_lens < 0).any()) or bool((query_lens > seq_lens).any()):
+            raise ValueError("paged attention: query_start_loc must rise from 0 to at most "
+                             "num_tokens with every query_len <= its seq_len")
+        blocks_needed = (seq_lens.long() + block_size - 1) // block_size
+        if int(blocks_needed.max()) > block_table.shape[1]:
+            raise ValueError("paged attention: a seq_len needs more blocks than its "
+                             "block_table row holds")
+        used = torch.arange(block_table.shape[1]) < blocks_needed.unsqueeze(1)
+        ids = block_table[: seq_lens.shape[0]][used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"paged attention: block ids must lie in [0, {num_blocks})")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):

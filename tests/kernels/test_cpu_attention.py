@@ -149,3 +149,21 @@ def test_cpu_defaults_native_backend_and_2048_token_budget(tiny_llama_path):
     llm = LLM(model=tiny_llama_path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
               device="cpu", max_num_batched_tokens=100)
     assert llm.engine.core.config.scheduler_config.max_num_batched_tokens == 100
+
+
+def test_out_of_range_indices_raise_instead_of_reading_outside():
+    batch = make_batch([(0, 3), (5, 2)], 4, 2, 16)
+    num_blocks = batch["kv_cache"].shape[1]
+    cases = [
+        ("block_table", batch["block_table"].clone().fill_(num_blocks)),     # id past the cache
+        ("block_table", batch["block_table"].clone().fill_(-1)),             # negative id
+        ("block_table", batch["block_table"][:, :0]),                        # row too short
+        ("seq_lens", torch.tensor([2, 7], dtype=torch.int32)),               # query > context
+        ("query_start_loc", torch.tensor([0, 3, 9], dtype=torch.int32)),     # past num_tokens
+        ("query_start_loc", torch.tensor([1, 3, 5], dtype=torch.int32)),     # not from 0
+    ]
+    for name, value in cases:
+        args = {**batch, name: value}
+        with pytest.raises(ValueError):
+            KERNELS.paged_attention(args["q"], args["kv_cache"], args["query_start_loc"],
+                                    args["seq_lens"], args["block_table"], args["scale"])

@@ -16,10 +16,11 @@
  * (pos - window, pos] (window <= 0: all of [0, pos]). Query head i reads KV head
  * i / (num_heads / num_kv_heads) (GQA). Accumulation is fp32 for every storage dtype.
  *
- * Work item = (request, tile of up to TILE query tokens), one KV head after another: each K/V
- * row read from the cache serves every query token of the tile and every query head of the
- * group, and an item walks whole blocks in address order. Items run on OpenMP threads of the
- * libgomp runtime torch has already loaded, so the two share one pool.
+ * Work item = (request, tile of up to TILE query tokens) with all its heads: the item walks the
+ * request's blocks in order, reading each block (every KV head, contiguous in memory) once, and
+ * each K/V row serves every query token of the tile and every query head of its GQA group.
+ * Items run on OpenMP threads of the libgomp runtime torch has already loaded, so the two share
+ * one pool. The caller guarantees the indices are in range (kvflow checks them once per step).
  */
 #include "cpu_common.h"
 
@@ -35,10 +36,11 @@ typedef struct {
 } Args;
 
 /* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state and
- * accumulators (rows = TILE * num_heads), and one K and V block of every KV head converted to
- * fp32 (unused for fp32 caches). */
+ * accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
+ * (unused for fp32 caches), and row pointers into the block (k, v: every head; kh, vh: one). */
 typedef struct {
     float *q, *s, *m, *l, *acc, *kb, *vb;
+    const float **k, **v, **kh, **vh;
 } Scratch;
 
 static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t head_dim,
@@ -50,11 +52,17 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->acc = malloc(sizeof(float) * rows * head_dim);
     w->kb = malloc(sizeof(float) * block_size * num_kv_heads * head_dim);
     w->vb = malloc(sizeof(float) * block_size * num_kv_heads * head_dim);
-    return w->q && w->s && w->m && w->l && w->acc && w->kb && w->vb;
+    w->k = malloc(sizeof(float *) * block_size * num_kv_heads);
+    w->v = malloc(sizeof(float *) * block_size * num_kv_heads);
+    w->kh = malloc(sizeof(float *) * block_size);
+    w->vh = malloc(sizeof(float *) * block_size);
+    return w->q && w->s && w->m && w->l && w->acc && w->kb && w->vb && w->k && w->v && w->kh
+        && w->vh;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->l); free(w->acc); free(w->kb); free(w->vb);
+    free(w->k); free(w->v); free(w->kh); free(w->vh);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -181,7 +189,7 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
     const int64_t lo = a->window > 0 && first_pos - a->window + 1 > 0
         ? first_pos - a->window + 1 : 0;
     const int32_t *bt = a->block_table + r * a->bt_stride;
-    const float *k[bs * Hkv], *v[bs * Hkv], *kh[bs], *vh[bs];
+    const float **k = w->k, **v = w->v, **kh = w->kh, **vh = w->vh;
     for (int64_t i = 0; i < nq; ++i) {
         float *qi = w->q + i * H * D;
         load_row(a->dtype, a->q + (q0 + j0 + i) * a->q_stride * es, qi, H * D);
