@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_attention.c", "cpu_elementwise.c")
+_SOURCES = ("cpu_attention.c", "cpu_elementwise.c", "cpu_gemm.c")
 _HEADERS = ("cpu_common.h",)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
           "-fPIC", "-std=gnu11")
@@ -56,6 +57,15 @@ class NativeCpuKernels:
                                  _i64, _int, _int, _int]
         for fn in (self._rms_norm, self._silu_and_mul, self._rotary):
             fn.restype = _int
+        self._gemm_packed_size = lib.kvflow_gemm_packed_size
+        self._gemm_packed_size.restype = _i64
+        self._gemm_packed_size.argtypes = [_i64, _i64]
+        self._gemm_pack = lib.kvflow_gemm_pack
+        self._gemm_pack.restype = None
+        self._gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
+        self._gemm = lib.kvflow_gemm
+        self._gemm.restype = _int
+        self._gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -198,6 +208,58 @@ class NativeCpuKernels:
                               _DTYPE_CODES[q.dtype], torch.get_num_threads())
         _raise_on(status, "rotary")
         return q, k
+
+    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """Pack ``weight`` [N, K] (fp32 CPU, unit stride along K) once for :meth:`gemm`.
+
+        Returns a 1-D fp32 tensor of ``ceil(N / 16) * 16 * K`` elements (panels of 16 output
+        columns, k-major; see ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device
+        or layout.
+        """
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 \
+                or weight.stride(1) != 1:
+            raise ValueError(f"gemm_pack needs a 2-D float32 CPU weight with unit-stride rows, "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        n, k = weight.shape
+        packed = torch.empty(self._gemm_packed_size(n, k), dtype=torch.float32)
+        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(),
+                        torch.get_num_threads())
+        return packed
+
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
+
+        Args:
+            x: [..., K] float32 CPU activations (copied first if the last dim is strided).
+            packed: the packed weight; n: its output features.
+            bias: [n] float32, or None.
+
+        Returns:
+            [..., n] float32, a fresh tensor. Each element is summed in the same k order
+            whatever the thread count.
+
+        Raises:
+            ValueError: on a dtype, device or size mismatch.
+            MemoryError: when the kernel cannot allocate its packing scratch.
+        """
+        k = x.shape[-1]
+        if x.dtype != torch.float32 or x.device.type != "cpu" \
+                or packed.numel() != self._gemm_packed_size(n, k):
+            raise ValueError(f"gemm: x must be float32 CPU [..., K] matching a packed [{n}, K] "
+                             f"weight, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"gemm: bias must be contiguous float32 [{n}]")
+        rows = x.reshape(math.prod(x.shape[:-1]), k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                            rows.shape[0], n, k, torch.get_num_threads())
+        _raise_on(status, "gemm")
+        return out.view(*x.shape[:-1], n)
 
     @staticmethod
     def _check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,

@@ -6,7 +6,11 @@ as the product (the 49,152 x 576 LM head at batch 64 ran at ~40 GFLOP/s). oneDNN
 weight once (``torch.ops.mkldnn._reorder_linear_weight``, the op torch's inductor uses for CPU
 weight prepacking) and multiply any batch against it (``_linear_pointwise``): 1.3-2.5x faster
 GEMMs at batch 64 on an AVX2 EPYC, same results up to fp32 summation order. vLLM's CPU backend
-prepacks its weights with oneDNN for the same reason.
+prepacks its weights with oneDNN for the same reason. Where kvflow's native CPU kernels build,
+weights are packed for kvflow's own C GEMM instead (``kernels/csrc/cpu_gemm.c``, a Goto/BLIS
+loop nest around a 6 x 16 FMA micro-kernel), which matches oneDNN at prefill sizes and runs
+decode-sized products (tens of rows) 1.3-2x faster on that EPYC; ``KVFLOW_CPU_GEMM=onednn``
+selects oneDNN (for comparisons).
 
 **16-bit models on CPUs without 16-bit matmul units.**
 
@@ -23,9 +27,13 @@ shared fp32 workspace just before the product.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 
 
 class GemmWorkspace:
@@ -55,16 +63,46 @@ class GemmWorkspace:
         return self._buffer[:n].view(weight.shape).copy_(weight)
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """``weight`` [N, K] fp32 in oneDNN's blocked layout (an opaque mkldnn tensor) for
-    :func:`linear`'s ``packed`` argument. ``batch_hint``: typical rows per call (any count works;
-    the hint only tunes the layout)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
+class OneDnnPackedWeight:
+    """An fp32 weight in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
+    multiplied with ``_linear_pointwise``."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class NativePackedWeight:
+    """An fp32 weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16
+    output columns, multiplied by a 6 x 16 FMA micro-kernel."""
+
+    def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels) -> None:
+        self.kernels = kernels
+        self.out_features = weight.shape[0]
+        self.packed = kernels.gemm_pack(weight.detach())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.gemm(x, self.packed, self.out_features, bias)
+
+
+PackedWeight = OneDnnPackedWeight | NativePackedWeight
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int,
+                kernels: NativeCpuKernels | None = None) -> PackedWeight:
+    """``weight`` [N, K] fp32 CPU packed once for :func:`linear`'s ``packed`` argument: for
+    kvflow's C GEMM when ``kernels`` is given, else for oneDNN. ``batch_hint``: typical rows per
+    call (oneDNN tunes its layout to it; any count works)."""
+    if kernels is not None:
+        return NativePackedWeight(weight, kernels)
+    return OneDnnPackedWeight(weight, batch_hint)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            workspace: GemmWorkspace | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``.
 
     Args:
@@ -81,7 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         [..., N] in ``x.dtype``.
     """
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed(x, bias)
     if workspace is None or x.dtype == torch.float32:
         return F.linear(x, weight, bias)
     x32 = x.float()
@@ -97,10 +135,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class GemmPathMixin:
     """Modules whose GEMMs go through :func:`linear`, with the CPU fast path set after loading:
     ``gemm_workspace`` (widen 16-bit weights; None = native GEMMs, the default) or
-    ``packed_weight`` (oneDNN-packed fp32 weight; None = plain)."""
+    ``packed_weight`` (fp32 weight packed by :func:`pack_weight`; None = plain)."""
 
     gemm_workspace: GemmWorkspace | None = None
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PackedWeight | None = None
 
 
 def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
@@ -118,9 +156,21 @@ def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
     return switched
 
 
-def prepack_gemm_weights(model: nn.Module, batch_hint: int) -> int:
-    """Pack the 2-D fp32 weight of every GEMM module of ``model`` for oneDNN (see
-    :func:`pack_weight`); returns the number of modules packed.
+def cpu_gemm_kernels() -> NativeCpuKernels | None:
+    """The native kernels for packed fp32 CPU GEMMs, or None for oneDNN: when
+    ``KVFLOW_CPU_GEMM=onednn`` or the kernels cannot be built. Raises ValueError on another
+    ``KVFLOW_CPU_GEMM`` value (``native``, the default, or ``onednn``)."""
+    choice = os.environ.get("KVFLOW_CPU_GEMM", "native")
+    if choice not in ("native", "onednn"):
+        raise ValueError(f"KVFLOW_CPU_GEMM must be 'native' or 'onednn', got {choice!r}")
+    return native_cpu_kernels() if choice == "native" else None
+
+
+def prepack_gemm_weights(model: nn.Module, batch_hint: int,
+                         kernels: NativeCpuKernels | None = None) -> int:
+    """Pack the 2-D fp32 weight of every GEMM module of ``model`` once, for kvflow's C GEMM
+    when ``kernels`` is given, else for oneDNN (see :func:`pack_weight`); returns the number of
+    modules packed.
 
     Called once after loading on CPU when :meth:`Platform.prepacks_gemm_weights` says so. A
     module that owns its weight (not one tied to the embedding table) keeps only the packed
@@ -135,7 +185,7 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int) -> int:
         if not isinstance(module, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
                 or weight.dim() != 2 or weight.dtype != torch.float32:
             continue
-        module.packed_weight = pack_weight(weight, batch_hint)
+        module.packed_weight = pack_weight(weight, batch_hint, kernels)
         if id(weight) not in tied:
             module.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]),
                                          requires_grad=False)

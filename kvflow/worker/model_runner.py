@@ -11,7 +11,8 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from kvflow.kernels.gemm import GemmWorkspace, prepack_gemm_weights, widen_half_gemms
+from kvflow.kernels.gemm import (GemmWorkspace, cpu_gemm_kernels, prepack_gemm_weights,
+                                 widen_half_gemms)
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
@@ -111,9 +112,11 @@ class ModelRunner:
             logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
                         self.platform.name, self.dtype, switched)
         elif self.platform.prepacks_gemm_weights(self.dtype):
+            kernels = cpu_gemm_kernels()
             packed = prepack_gemm_weights(self.model,
-                                          self.config.scheduler_config.max_num_seqs)
-            logger.info("packed %d GEMM weights for oneDNN", packed)
+                                          self.config.scheduler_config.max_num_seqs, kernels)
+            logger.info("packed %d GEMM weights for %s", packed,
+                        "kvflow's C GEMM" if kernels else "oneDNN")
 
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:

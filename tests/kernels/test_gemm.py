@@ -1,4 +1,5 @@
-"""The GEMM entry point: oneDNN-packed fp32 weights and 16-bit products widened to fp32 units.
+"""The GEMM entry point: packed fp32 weights (kvflow's C GEMM and oneDNN) and 16-bit products
+widened to fp32 units.
 
 Oracle: the float64 product of the same operands, rounded once to the output dtype. A correct
 16-bit GEMM (fp32 accumulation) lands within a couple of output ulps of it; so must the widened
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
-from kvflow.kernels.gemm import GemmWorkspace, linear, pack_weight, prepack_gemm_weights
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.gemm import (GemmWorkspace, NativePackedWeight, OneDnnPackedWeight,
+                                 cpu_gemm_kernels, linear, pack_weight, prepack_gemm_weights)
 from kvflow.platforms.cpu import CpuPlatform
 
 # relative spacing of representable values: bf16 keeps 8 significant bits, fp16 11
@@ -94,30 +97,113 @@ mkldnn = pytest.mark.skipif(not CpuPlatform().prepacks_gemm_weights(torch.float3
                             reason="torch built without oneDNN")
 
 
-@mkldnn
-@pytest.mark.parametrize("shape", [(1, 96), (37, 96), (300, 96), (2, 5, 96)])
-def test_packed_gemm_matches_float64_oracle(shape):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(*shape, generator=gen)
-    w, b = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
-    ref = (x.double() @ w.double().T + b.double())
-    got = linear(x, w.new_empty(0, 96), b, packed=pack_weight(w, batch_hint=64))
-    assert got.shape == (*shape[:-1], 80) and got.dtype == torch.float32
+native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+PACKERS = [pytest.param("onednn", marks=mkldnn), pytest.param("native", marks=native)]
+
+
+def _pack(w: torch.Tensor, packer: str):
+    return pack_weight(w, batch_hint=64,
+                       kernels=native_cpu_kernels() if packer == "native" else None)
+
+
+def _fp32_oracle_check(got: torch.Tensor, x, w, b) -> None:
+    """``got`` is as close to the float64 product as torch's own fp32 GEMM (up to 4x its error:
+    another summation order), and of the right shape and dtype."""
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.float32
     plain_err = (F.linear(x, w, b).double() - ref).abs().max()
     assert (got.double() - ref).abs().max() <= 4 * plain_err + 1e-6
 
 
-@mkldnn
+@pytest.mark.parametrize("packer", PACKERS)
+@pytest.mark.parametrize("shape", [(1, 96), (37, 96), (300, 96), (2, 5, 96)])
+def test_packed_gemm_matches_float64_oracle(shape, packer):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=gen)
+    w, b = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    _fp32_oracle_check(linear(x, w.new_empty(0, 96), b, packed=_pack(w, packer)), x, w, b)
+
+
+# kvflow's GEMM tiles: 6 rows x 16 columns, k in chunks of 256, x in blocks of up to 96 rows
+# (fewer when k is large). These cover every edge: m, n not multiples of the tile, k over one
+# and over several chunks, several row blocks, k = 1, and an empty k (the bias alone).
+@native
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 17, 3), (6, 16, 256), (7, 33, 257),
+                                   (97, 48, 600), (200, 70, 1536), (13, 5, 0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_gemm_tiles_and_edges(m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = NativePackedWeight(w, native_cpu_kernels())(x, b)
+    if k == 0:
+        assert torch.equal(got, torch.zeros(m, n) if b is None else b.expand(m, n))
+    else:
+        _fp32_oracle_check(got, x, w, b)
+
+
+@native
+def test_native_gemm_reads_strided_rows_and_ignores_thread_count():
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(50, 700, generator=gen)
+    x = wide[:, 100:400]  # row stride 700: the kernel reads in place
+    w = torch.randn(40, 320, generator=gen)[:, 20:]  # row stride 320: packed from in place
+    packed = NativePackedWeight(w, native_cpu_kernels())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x, None)
+        torch.set_num_threads(2)
+        two = packed(x, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each output summed by one thread in one k order
+    _fp32_oracle_check(one, x, w, None)
+    xt = torch.randn(300, 9, generator=gen).t()  # unit stride along rows, not along k
+    _fp32_oracle_check(packed(xt, None), xt, w, None)
+
+
+@native
+def test_native_gemm_rejects_bad_operands():
+    kernels = native_cpu_kernels()
+    with pytest.raises(ValueError, match="float32"):
+        kernels.gemm_pack(torch.randn(4, 8).bfloat16())
+    with pytest.raises(ValueError, match="unit-stride"):
+        kernels.gemm_pack(torch.randn(8, 4).t())
+    packed = kernels.gemm_pack(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="matching"):
+        kernels.gemm(torch.randn(3, 9), packed, 4)  # K 9 vs 8
+    with pytest.raises(ValueError, match="matching"):
+        kernels.gemm(torch.randn(3, 8).bfloat16(), packed, 4)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.gemm(torch.randn(3, 8), packed, 4, torch.randn(5))
+
+
+def test_cpu_gemm_choice(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "onednn")
+    assert cpu_gemm_kernels() is None
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "native")
+    assert cpu_gemm_kernels() is native_cpu_kernels()
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_GEMM"):
+        cpu_gemm_kernels()
+
+
+@pytest.mark.parametrize("packer", PACKERS)
 @pytest.mark.parametrize("name", ["llama", "llama_tied"])
-def test_engine_packs_fp32_weights_and_frees_the_plain_copies(tiny_model_factory, name):
+def test_engine_packs_fp32_weights_and_frees_the_plain_copies(tiny_model_factory, name, packer,
+                                                              monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", packer)
+    kind = NativePackedWeight if packer == "native" else OneDnnPackedWeight
     tiny = tiny_model_factory(name)
     llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=64)
     model = llm.engine.core.executor.runner.model
     layer = model.model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                  layer.mlp.down_proj):
-        assert proj.packed_weight is not None and proj.weight.shape == (0, proj.weight.shape[1])
-    assert model.lm_head.packed_weight is not None
+        assert isinstance(proj.packed_weight, kind)
+        assert proj.weight.shape == (0, proj.weight.shape[1])
+    assert isinstance(model.lm_head.packed_weight, kind)
     if name == "llama_tied":  # the embedding table still has every row
         assert model.lm_head.weight is model.model.embed_tokens.weight
         hf_embed = tiny.hf_model.model.embed_tokens.weight
