@@ -91,10 +91,8 @@ static void block_scores(const float *q, const float *const *k, int64_t n, int64
             a2 += qd * load8(k2 + d);
             a3 += qd * load8(k3 + d);
         }
-        s[t] = sum8(a0);
-        s[t + 1] = sum8(a1);
-        s[t + 2] = sum8(a2);
-        s[t + 3] = sum8(a3);
+        const v4f sums = sum8x4(a0, a1, a2, a3);
+        memcpy(s + t, &sums, sizeof sums);
     }
     for (; t < n; ++t) s[t] = dot(q, k[t], D);
 }

@@ -68,6 +68,27 @@ static inline float sum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+#ifdef __clang__
+#define SHUFFLE4(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+#define SHUFFLE4(a, b, i, j, k, l) __builtin_shuffle(a, b, (v4i){i, j, k, l})
+#endif
+
+/* The lane sums of four vectors at once, {sum8(a0), sum8(a1), sum8(a2), sum8(a3)}: halves
+ * added, then a 4 x 4 transpose-and-add (about a third of the instructions of four sum8). */
+static inline v4f sum8x4(v8f a0, v8f a1, v8f a2, v8f a3) {
+    const v4f b0 = (v4f){a0[0], a0[1], a0[2], a0[3]} + (v4f){a0[4], a0[5], a0[6], a0[7]};
+    const v4f b1 = (v4f){a1[0], a1[1], a1[2], a1[3]} + (v4f){a1[4], a1[5], a1[6], a1[7]};
+    const v4f b2 = (v4f){a2[0], a2[1], a2[2], a2[3]} + (v4f){a2[4], a2[5], a2[6], a2[7]};
+    const v4f b3 = (v4f){a3[0], a3[1], a3[2], a3[3]} + (v4f){a3[4], a3[5], a3[6], a3[7]};
+    const v4f c0 = SHUFFLE4(b0, b1, 0, 4, 1, 5) + SHUFFLE4(b0, b1, 2, 6, 3, 7);
+    const v4f c1 = SHUFFLE4(b2, b3, 0, 4, 1, 5) + SHUFFLE4(b2, b3, 2, 6, 3, 7);
+    return SHUFFLE4(c0, c1, 0, 1, 4, 5) + SHUFFLE4(c0, c1, 2, 3, 6, 7);
+}
+
 /* exp(x) for x <= 0 in fp32 (max rel. error ~2e-7), written so loops over it vectorize:
  * exp(x) = 2^n * exp(r) with n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by
  * its degree-6 Taylor polynomial; inputs below -87 return 0 (masked keys arrive as -inf). */
