@@ -122,6 +122,16 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
+def cpu_gemm_choice() -> str:
+    """The CPU fp32 GEMM the environment asks for: ``KVFLOW_CPU_GEMM`` = ``native`` (kvflow's C
+    GEMM, the default) or ``onednn``. Raises ValueError on any other value."""
+    choice = os.environ.get("KVFLOW_CPU_GEMM", "native")
+    if choice not in ("native", "onednn"):
+        raise ValueError(f"KVFLOW_CPU_GEMM={choice!r} is invalid; choose one of "
+                         f"['native', 'onednn']")
+    return choice
+
+
 @dataclass
 class DeviceConfig:
     device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
@@ -131,6 +141,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        cpu_gemm_choice()  # a bad KVFLOW_CPU_GEMM fails here, before any weight is loaded
 
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

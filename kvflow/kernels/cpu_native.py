@@ -14,6 +14,7 @@ reason is logged once) and callers fall back to the plain-torch kernels.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import functools
 import hashlib
@@ -314,16 +315,64 @@ def _compiler_version(cc: str) -> str:
     return result.stdout
 
 
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _intact(lib: Path) -> bool:
+    """True when ``lib`` exists and matches the SHA-256 recorded beside it at build time: a
+    truncated or foreign file is rebuilt instead of handed to the dynamic loader (which can
+    die with SIGBUS on a truncated library)."""
+    try:
+        recorded = _digest_path(lib).read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == recorded
+    except OSError:
+        return False
+
+
 def _build(cc: str, sources: list[Path], target: Path) -> None:
-    """Compile to a temporary file beside ``target`` and rename it into place (atomic)."""
+    """Compile to a temporary file beside ``target``, record its SHA-256 beside it, and rename
+    both into place (digest first, so a reader never trusts a library without its digest)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_lib = Path(tmp) / target.name
         cmd = [cc, *_FLAGS, "-o", str(tmp_lib), *map(str, sources), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
+        if result.returncode != 0 or not tmp_lib.is_file():
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        tmp_digest = _digest_path(tmp_lib)
+        tmp_digest.write_text(hashlib.sha256(tmp_lib.read_bytes()).hexdigest() + "\n")
+        os.replace(tmp_digest, _digest_path(target))
         os.replace(tmp_lib, target)
+
+
+def _open(lib_path: Path) -> NativeCpuKernels:
+    """dlopen ``lib_path`` and bind the entry points; a library without them is closed again,
+    or the loader would hand back that same library for the path after a rebuild."""
+    lib = ctypes.CDLL(str(lib_path))
+    try:
+        return NativeCpuKernels(lib)
+    except AttributeError:
+        dlclose = getattr(_ctypes, "dlclose", None)
+        if dlclose is not None:
+            dlclose(lib._handle)
+        raise
+
+
+def _load(cc: str, sources: list[Path], target: Path) -> NativeCpuKernels:
+    """The kernels from ``target``, building it when missing or not intact, and rebuilding once
+    when a cached library fails to load (a foreign file, missing symbols)."""
+    built = not _intact(target)
+    if built:
+        _build(cc, sources, target)
+    try:
+        return _open(target)
+    except (OSError, AttributeError) as exc:
+        if built:
+            raise
+        logger.warning("cached native CPU kernels %s do not load (%s); rebuilding", target, exc)
+    _build(cc, sources, target)
+    return _open(target)
 
 
 def _library_path(cc: str, sources: list[Path]) -> Path:
@@ -359,10 +408,7 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
         return None
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     try:
-        target = _library_path(cc, sources)
-        if not target.exists():
-            _build(cc, sources, target)
-        return NativeCpuKernels(ctypes.CDLL(str(target)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return _load(cc, sources, _library_path(cc, sources))
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", exc)
         return None

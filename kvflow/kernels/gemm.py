@@ -27,12 +27,11 @@ shared fp32 workspace just before the product.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.config import cpu_gemm_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 
 
@@ -159,11 +158,8 @@ def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
 def cpu_gemm_kernels() -> NativeCpuKernels | None:
     """The native kernels for packed fp32 CPU GEMMs, or None for oneDNN: when
     ``KVFLOW_CPU_GEMM=onednn`` or the kernels cannot be built. Raises ValueError on another
-    ``KVFLOW_CPU_GEMM`` value (``native``, the default, or ``onednn``)."""
-    choice = os.environ.get("KVFLOW_CPU_GEMM", "native")
-    if choice not in ("native", "onednn"):
-        raise ValueError(f"KVFLOW_CPU_GEMM must be 'native' or 'onednn', got {choice!r}")
-    return native_cpu_kernels() if choice == "native" else None
+    ``KVFLOW_CPU_GEMM`` value (:func:`kvflow.config.cpu_gemm_choice`)."""
+    return native_cpu_kernels() if cpu_gemm_choice() == "native" else None
 
 
 def prepack_gemm_weights(model: nn.Module, batch_hint: int,

@@ -9,6 +9,12 @@ rounded to the storage dtype, atol=rtol one unit in the last place of that dtype
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -101,6 +107,50 @@ def test_build_falls_back_when_disabled_or_no_compiler(monkeypatch, tmp_path):
         monkeypatch.setenv("CC", "/bin/false")
         assert cpu_native.native_cpu_kernels() is None
         assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_native.native_cpu_kernels.cache_clear()
+
+
+_CHECK_NATIVE = """
+import torch
+from kvflow.kernels.cpu_native import native_cpu_kernels
+k = native_cpu_kernels()
+x, w = torch.randn(3, 16), torch.rand(16) + 0.5
+ref = w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+print("OK" if k is not None and torch.allclose(k.rms_norm(x, w, 1e-6), ref, atol=1e-5) else "NONE")
+"""
+
+
+def _fresh_process_kernels_work(cache: Path) -> bool:
+    """Load the kernels in a new interpreter (the dynamic loader of this one has the library
+    mapped already) with ``cache`` as KVFLOW_CACHE_DIR; True when they load and compute."""
+    env = {**os.environ, "KVFLOW_CACHE_DIR": str(cache)}
+    run = subprocess.run([sys.executable, "-c", _CHECK_NATIVE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]  # e.g. not killed by SIGBUS
+    return run.stdout.strip().splitlines()[-1:] == ["OK"]
+
+
+def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    """A truncated library (would SIGBUS the loader) and a foreign one that lacks kvflow's
+    symbols are rebuilt; a compiler that writes nothing means the torch fallback."""
+    from kvflow.kernels import cpu_native
+
+    assert _fresh_process_kernels_work(tmp_path)
+    (lib,) = tmp_path.rglob("*.so")
+    lib.write_bytes(lib.read_bytes()[:20000])  # truncated: the digest no longer matches
+    assert _fresh_process_kernels_work(tmp_path) and cpu_native._intact(lib)
+    foreign = tmp_path / "foreign.c"  # loads, digest recorded, but no kvflow symbols
+    foreign.write_text("int kvflow_unrelated(void) { return 1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(foreign)], check=True)
+    cpu_native._digest_path(lib).write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
+    assert _fresh_process_kernels_work(tmp_path) and cpu_native._intact(lib)
+    assert b"kvflow_paged_attention" in lib.read_bytes()
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", "/bin/true")  # "succeeds" without writing a library
+    try:
+        cpu_native.native_cpu_kernels.cache_clear()
+        assert cpu_native.native_cpu_kernels() is None
     finally:
         cpu_native.native_cpu_kernels.cache_clear()
 

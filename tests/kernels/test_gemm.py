@@ -187,6 +187,8 @@ def test_cpu_gemm_choice(monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_GEMM", "mkl")
     with pytest.raises(ValueError, match="KVFLOW_CPU_GEMM"):
         cpu_gemm_kernels()
+    with pytest.raises(ValueError, match="KVFLOW_CPU_GEMM"):  # before loading, any dtype
+        LLM(model="/nonexistent", dtype="bfloat16", device="cpu")
 
 
 @pytest.mark.parametrize("packer", PACKERS)
