@@ -3,8 +3,9 @@
 load HF folders (vLLM CPU, ``transformers serve``).
 
 transformers loads a GGUF (dequantized) but refuses to ``save_pretrained`` a GGUF-loaded model,
-so, following shared/bench/PEERS.md: drop ``config.quantization_config``, build a fresh model
-with ``from_config``, ``load_state_dict`` the loaded weights into it, and save that.
+so: drop ``config.quantization_config``, build a fresh model with ``from_config``,
+``load_state_dict`` the loaded weights into it, and save that (bf16, the GGUF's own precision;
+engines that want fp32 load it with ``--dtype float32``).
 
     .venv/bin/python benchmarks/export_hf.py OUT_DIR [--model SmolLM2-135M-Instruct]
 """

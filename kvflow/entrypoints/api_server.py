@@ -115,13 +115,30 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     """A 400 naming the first offending field (or the JSON syntax error)."""
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                            code="invalid_json")
+    loc = _field_path(first.get("loc", ()))
+    if not loc and first.get("type") == "missing":
+        return OpenAIError("the request body is empty: expected a JSON object")
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
     return OpenAIError(message, param=param)
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The request-field part of a pydantic error location: without the leading "body" and the
+    union-member tags pydantic appends ("str", "list[int]", "function-after[...]"), so
+    ``stop: 5`` reports param "stop", not "stop.str"."""
+    path = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            break
+        path.append(str(part))
+    return path
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
 
 
 def _add_openai_routes(app: FastAPI) -> None:
