@@ -1,10 +1,8 @@
 """Native CPU kernels: C sources under ``kernels/csrc/``, compiled on first use, called via ctypes.
 
 The C code is plain C11 + OpenMP (no torch headers), so it builds in about a second with the
-system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``. The shared library
-is cached under :func:`kvflow.models.model_resolver.cache_dir` ``/kernels``, keyed by a hash of
-the source, the flags, the compiler's version and the CPU's model/flags, so a rebuild happens only
-when one of them changes. ``-fopenmp`` links ``libgomp.so.1``; torch's CPU build has already
+system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``; building and
+caching the shared library is :mod:`kvflow.kernels.cpu_build`'s job. ``-fopenmp`` links ``libgomp.so.1``; torch's CPU build has already
 loaded a library of that name, so the kernels run on torch's OpenMP runtime and thread count
 instead of a second pool competing for the cores.
 
@@ -17,24 +15,19 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvflow.kernels import cpu_build
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_attention.c", "cpu_elementwise.c", "cpu_gemm.c")
-_HEADERS = ("cpu_common.h",)
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
-          "-fPIC", "-std=gnu11")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -300,52 +293,6 @@ def _raise_on(status: int, op: str) -> None:
         raise MemoryError(f"native {op} could not allocate its per-thread scratch")
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU's model name and feature flags (``-march=native`` code depends on both)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def _compiler_version(cc: str) -> str:
-    result = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
-    return result.stdout
-
-
-def _digest_path(lib: Path) -> Path:
-    return lib.with_name(lib.name + ".sha256")
-
-
-def _intact(lib: Path) -> bool:
-    """True when ``lib`` exists and matches the SHA-256 recorded beside it at build time: a
-    truncated or foreign file is rebuilt instead of handed to the dynamic loader (which can
-    die with SIGBUS on a truncated library)."""
-    try:
-        recorded = _digest_path(lib).read_text().strip()
-        return hashlib.sha256(lib.read_bytes()).hexdigest() == recorded
-    except OSError:
-        return False
-
-
-def _build(cc: str, sources: list[Path], target: Path) -> None:
-    """Compile to a temporary file beside ``target``, record its SHA-256 beside it, and rename
-    both into place (digest first, so a reader never trusts a library without its digest)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp_lib = Path(tmp) / target.name
-        cmd = [cc, *_FLAGS, "-o", str(tmp_lib), *map(str, sources), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0 or not tmp_lib.is_file():
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        tmp_digest = _digest_path(tmp_lib)
-        tmp_digest.write_text(hashlib.sha256(tmp_lib.read_bytes()).hexdigest() + "\n")
-        os.replace(tmp_digest, _digest_path(target))
-        os.replace(tmp_lib, target)
-
-
 def _open(lib_path: Path) -> NativeCpuKernels:
     """dlopen ``lib_path`` and bind the entry points; a library without them is closed again,
     or the loader would hand back that same library for the path after a rebuild."""
@@ -362,28 +309,17 @@ def _open(lib_path: Path) -> NativeCpuKernels:
 def _load(cc: str, sources: list[Path], target: Path) -> NativeCpuKernels:
     """The kernels from ``target``, building it when missing or not intact, and rebuilding once
     when a cached library fails to load (a foreign file, missing symbols)."""
-    built = not _intact(target)
+    built = not cpu_build.intact(target)
     if built:
-        _build(cc, sources, target)
+        cpu_build.build(cc, sources, target)
     try:
         return _open(target)
     except (OSError, AttributeError) as exc:
         if built:
             raise
         logger.warning("cached native CPU kernels %s do not load (%s); rebuilding", target, exc)
-    _build(cc, sources, target)
+    cpu_build.build(cc, sources, target)
     return _open(target)
-
-
-def _library_path(cc: str, sources: list[Path]) -> Path:
-    from kvflow.models.model_resolver import cache_dir
-
-    digest = hashlib.sha256()
-    headers = [sources[0].parent / name for name in _HEADERS]
-    for part in [*(s.read_bytes() for s in sources + headers), " ".join(_FLAGS).encode(),
-                 _compiler_version(cc).encode(), _cpu_fingerprint().encode()]:
-        digest.update(part)
-    return Path(cache_dir()) / "kernels" / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"
 
 
 def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:
@@ -406,9 +342,9 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
     if cc is None:
         logger.warning("no C compiler (cc/gcc) found: CPU attention uses the torch backend")
         return None
-    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
+    sources = [Path(__file__).parent / "csrc" / name for name in cpu_build.SOURCES]
     try:
-        return _load(cc, sources, _library_path(cc, sources))
+        return _load(cc, sources, cpu_build.library_path(cc, sources))
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", exc)
         return None

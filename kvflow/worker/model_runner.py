@@ -11,8 +11,12 @@ from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from kvflow.kernels.gemm import (GemmWorkspace, cpu_gemm_kernels, prepack_gemm_weights,
-                                 widen_half_gemms)
+from kvflow.kernels.gemm import (
+    GemmWorkspace,
+    cpu_gemm_kernels,
+    prepack_gemm_weights,
+    widen_half_gemms,
+)
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource

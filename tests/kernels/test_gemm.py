@@ -15,8 +15,15 @@ import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.kernels.gemm import (GemmWorkspace, NativePackedWeight, OneDnnPackedWeight,
-                                 cpu_gemm_kernels, linear, pack_weight, prepack_gemm_weights)
+from kvflow.kernels.gemm import (
+    GemmWorkspace,
+    NativePackedWeight,
+    OneDnnPackedWeight,
+    cpu_gemm_kernels,
+    linear,
+    pack_weight,
+    prepack_gemm_weights,
+)
 from kvflow.platforms.cpu import CpuPlatform
 
 # relative spacing of representable values: bf16 keeps 8 significant bits, fp16 11
