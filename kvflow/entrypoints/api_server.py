@@ -126,6 +126,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(message, param=param)
 
 
+# pydantic's union-member tags in error locations (not request fields)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
+
+
 def _field_path(loc: tuple) -> list[str]:
     """The request-field part of a pydantic error location: without the leading "body" and the
     union-member tags pydantic appends ("str", "list[int]", "function-after[...]"), so
@@ -136,9 +140,6 @@ def _field_path(loc: tuple) -> list[str]:
             break
         path.append(str(part))
     return path
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
 
 
 def _add_openai_routes(app: FastAPI) -> None:

@@ -2,9 +2,10 @@
 
 The C code is plain C11 + OpenMP (no torch headers), so it builds in about a second with the
 system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``; building and
-caching the shared library is :mod:`kvflow.kernels.cpu_build`'s job. ``-fopenmp`` links ``libgomp.so.1``; torch's CPU build has already
-loaded a library of that name, so the kernels run on torch's OpenMP runtime and thread count
-instead of a second pool competing for the cores.
+caching the shared library is :mod:`kvflow.kernels.cpu_build`'s job. ``-fopenmp`` links
+``libgomp.so.1``; torch's CPU build has already loaded a library of that name, so the kernels
+run on torch's OpenMP runtime and thread count instead of a second pool competing for the
+cores.
 
 Where no compiler is available or the build fails, :func:`native_cpu_kernels` returns None (the
 reason is logged once) and callers fall back to the plain-torch kernels.
