@@ -236,7 +236,7 @@ class NativeCpuKernels:
 
         Raises:
             ValueError: on a dtype, device or size mismatch.
-            MemoryError: when the kernel cannot allocate its packing scratch.
+            MemoryError: when the kernel cannot allocate its work-sharing state.
         """
         k = x.shape[-1]
         if x.dtype != torch.float32 or x.device.type != "cpu" \

@@ -152,19 +152,24 @@ def test_native_gemm_tiles_and_edges(m, n, k, bias):
 @native
 def test_native_gemm_reads_strided_rows_and_ignores_thread_count():
     gen = torch.Generator().manual_seed(11)
-    wide = torch.randn(50, 700, generator=gen)
-    x = wide[:, 100:400]  # row stride 700: the kernel reads in place
-    w = torch.randn(40, 320, generator=gen)[:, 20:]  # row stride 320: packed from in place
+    wide = torch.randn(250, 700, generator=gen)
+    x = wide[:, 100:400]  # row stride 700: the kernel reads in place (three 96-row blocks)
+    w = torch.randn(200, 320, generator=gen)[:, 20:]  # row stride 320: packed from in place
     packed = NativePackedWeight(w, native_cpu_kernels())
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = packed(x, None)
-        torch.set_num_threads(2)
-        two = packed(x, None)
+        # More threads than cores: threads get preempted and take items from each other's
+        # shares, so outputs are computed by whichever thread claims them.
+        runs = []
+        for num_threads in (2, 3, 7):
+            torch.set_num_threads(num_threads)
+            runs += [packed(x, None) for _ in range(3)]
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # each output summed by one thread in one k order
+    for other in runs:  # each output summed by one thread in one k order
+        assert torch.equal(one, other)
     _fp32_oracle_check(one, x, w, None)
     xt = torch.randn(300, 9, generator=gen).t()  # unit stride along rows, not along k
     _fp32_oracle_check(packed(xt, None), xt, w, None)
