@@ -39,12 +39,15 @@ typedef struct {
  * accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
  * (unused for fp32 caches), and row pointers into the block (k, v: every head; kh, vh: one). */
 typedef struct {
-    float *q, *s, *m, *l, *acc, *kb, *vb;
+    float *q, *s, *m, *l, *acc, *kb, *vb, *p;
     const float **k, **v, **kh, **vh;
+    int64_t p_stride; /* floats per head row of p: a decode request's scores (max context) */
 } Scratch;
 
 static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t head_dim,
-                         int64_t num_kv_heads) {
+                         int64_t num_kv_heads, int64_t num_heads, int64_t max_decode_ctx) {
+    w->p_stride = (max_decode_ctx + 7) / 8 * 8;
+    w->p = malloc(sizeof(float) * (num_heads * w->p_stride > 0 ? num_heads * w->p_stride : 1));
     w->q = malloc(sizeof(float) * rows * head_dim);
     w->s = malloc(sizeof(float) * rows * block_size);
     w->m = malloc(sizeof(float) * rows);
@@ -57,12 +60,12 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->kh = malloc(sizeof(float *) * block_size);
     w->vh = malloc(sizeof(float *) * block_size);
     return w->q && w->s && w->m && w->l && w->acc && w->kb && w->vb && w->k && w->v && w->kh
-        && w->vh;
+        && w->vh && w->p;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->l); free(w->acc); free(w->kb); free(w->vb);
-    free(w->k); free(w->v); free(w->kh); free(w->vh);
+    free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -164,6 +167,45 @@ static void load_block(const Args *a, Scratch *w, int64_t phys, int64_t n, const
     }
 }
 
+/* nq query tokens from `first_token` on, every head, scaled, as fp32 rows of w->q. */
+static void load_queries(const Args *a, Scratch *w, int64_t first_token, int64_t nq) {
+    const int64_t HD = a->num_heads * a->head_dim;
+    const size_t es = elem_size(a->dtype);
+    for (int64_t i = 0; i < nq; ++i) {
+        float *qi = w->q + i * HD;
+        load_row(a->dtype, a->q + (first_token + i) * a->q_stride * es, qi, HD);
+        for (int64_t d = 0; d < HD; ++d) qi[d] *= a->scale;
+    }
+}
+
+static void prefetch_range(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+/* fp32 rows [first, first + n) of block `phys` of one cache (every KV head): the cache itself
+ * for fp32, else a converted copy in `buf`. */
+static const float *block_rows(const Args *a, const char *cache, int64_t phys, int64_t first,
+                               int64_t n, float *buf) {
+    const int64_t row = a->num_kv_heads * a->head_dim;
+    const char *src = cache + (phys * a->block_size + first) * row * elem_size(a->dtype);
+    if (a->dtype == DT_F32) return (const float *)src;
+    load_row(a->dtype, src, buf, n * row);
+    return buf;
+}
+
+/* s[0:n] = softmax numerators exp(s - max s) in place; returns their sum. */
+static float exp_shifted(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+        s[t] = exp_nonpos(s[t] - mx);
+        sum += s[t];
+    }
+    return sum;
+}
+
 /* Ask for block `phys` (K and V, all heads) to be brought into cache while the current one is
  * computed: blocks are scattered in memory, so the hardware prefetcher cannot guess them. */
 static void prefetch_block(const Args *a, int64_t phys) {
@@ -188,11 +230,7 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
         ? first_pos - a->window + 1 : 0;
     const int32_t *bt = a->block_table + r * a->bt_stride;
     const float **k = w->k, **v = w->v, **kh = w->kh, **vh = w->vh;
-    for (int64_t i = 0; i < nq; ++i) {
-        float *qi = w->q + i * H * D;
-        load_row(a->dtype, a->q + (q0 + j0 + i) * a->q_stride * es, qi, H * D);
-        for (int64_t d = 0; d < H * D; ++d) qi[d] *= a->scale;
-    }
+    load_queries(a, w, q0 + j0, nq);
     for (int64_t R = 0; R < nrows; ++R) {
         w->m[R] = -INFINITY;
         w->l[R] = 0.f;
@@ -224,6 +262,48 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
     store_row(a->dtype, w->acc, a->out + (q0 + j0) * H * D * es, nrows * D);
 }
 
+/* Attention of request r's single query token (decode), all heads, in two passes over its
+ * visible keys instead of the block-at-a-time recurrence: pass 1 scores every key for every
+ * head into w->p, the softmax is then taken over the whole context at once, and pass 2 sums
+ * the value rows. Each pass streams its cache's blocks in order with the next one prefetched,
+ * and consecutive dot products and value updates do not depend on each other, so the core
+ * overlaps them; the recurrence instead waits on every block's max, exp and rescale. */
+static void attend_decode(const Args *a, Scratch *w, int64_t r) {
+    const int64_t D = a->head_dim, bs = a->block_size, H = a->num_heads, Hkv = a->num_kv_heads;
+    const int64_t group = H / Hkv, row = Hkv * D, ld = w->p_stride;
+    const size_t block_bytes = bs * row * elem_size(a->dtype);
+    const int64_t q0 = a->query_start_loc[r], pos = a->seq_lens[r] - 1;
+    const int64_t lo = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+    const int32_t *bt = a->block_table + r * a->bt_stride;
+    const float **kh = w->kh;
+    load_queries(a, w, q0, 1);
+    for (int pass = 0; pass < 2; ++pass) {
+        const char *cache = pass == 0 ? a->k_cache : a->v_cache;
+        for (int64_t b = lo / bs; b * bs <= pos; ++b) {
+            const int64_t t0 = b * bs > lo ? b * bs : lo, t1 = pos + 1 < (b + 1) * bs
+                ? pos + 1 : (b + 1) * bs;
+            if ((b + 1) * bs <= pos) prefetch_range(cache + bt[b + 1] * block_bytes, block_bytes);
+            const float *rows = block_rows(a, cache, bt[b], t0 - b * bs, t1 - t0, w->kb);
+            for (int64_t h = 0; h < Hkv; ++h) {
+                for (int64_t t = 0; t < t1 - t0; ++t) kh[t] = rows + t * row + h * D;
+                for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+                    float *p = w->p + hq * ld + (t0 - lo);
+                    if (pass == 0) block_scores(w->q + hq * D, kh, t1 - t0, D, p);
+                    else accumulate_pv(w->acc + hq * D, 1.f, p, kh, t1 - t0, D);
+                }
+            }
+        }
+        if (pass == 1) break;
+        for (int64_t hq = 0; hq < H; ++hq) w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+        memset(w->acc, 0, sizeof(float) * H * D);
+    }
+    for (int64_t hq = 0; hq < H; ++hq) {
+        const float inv = 1.f / w->l[hq];
+        for (int64_t d = 0; d < D; ++d) w->acc[hq * D + d] *= inv;
+    }
+    store_row(a->dtype, w->acc, a->out + q0 * H * D * elem_size(a->dtype), H * D);
+}
+
 /* Index of the request owning tile number `tile` (tile_start is a prefix sum). */
 static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t tile) {
     int64_t lo = 0, hi = num_reqs - 1;
@@ -252,12 +332,19 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         tile_start[r + 1] = tile_start[r] + (qlen + TILE - 1) / TILE;
     }
     const int64_t num_tiles = tile_start[num_reqs];
+    int64_t max_decode_ctx = 0; /* the longest visible context of a one-token query */
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t ctx = window > 0 && seq_lens[r] > window ? window : seq_lens[r];
+        if (query_start_loc[r + 1] - query_start_loc[r] == 1 && ctx > max_decode_ctx)
+            max_decode_ctx = ctx;
+    }
     const int64_t rows = TILE * num_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         Scratch w;
-        const int ok = scratch_alloc(&w, rows, block_size, head_dim, num_kv_heads);
+        const int ok = scratch_alloc(&w, rows, block_size, head_dim, num_kv_heads, num_heads,
+                                     max_decode_ctx);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < num_tiles; ++tile) {
             if (!ok) continue;
@@ -265,7 +352,8 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
             const int64_t j0 = (tile - tile_start[r]) * TILE;
             const int64_t nq = qlen - j0 < TILE ? qlen - j0 : TILE;
-            attend_tile(&a, &w, r, j0, nq);
+            if (qlen == 1) attend_decode(&a, &w, r);
+            else attend_tile(&a, &w, r, j0, nq);
         }
         failed |= !ok;
         scratch_free(&w);
