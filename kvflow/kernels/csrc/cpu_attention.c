@@ -37,7 +37,8 @@ typedef struct {
 
 /* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state and
  * accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
- * (unused for fp32 caches), and row pointers into the block (k, v: every head; kh, vh: one). */
+ * (unused for fp32 caches), row pointers into the block (k, v: every head; kh, vh: one), and
+ * for decode items every head's scores over the longest context of the call (p). */
 typedef struct {
     float *q, *s, *m, *l, *acc, *kb, *vb, *p;
     const float **k, **v, **kh, **vh;
@@ -210,11 +211,8 @@ static float exp_shifted(float *s, int64_t n) {
  * computed: blocks are scattered in memory, so the hardware prefetcher cannot guess them. */
 static void prefetch_block(const Args *a, int64_t phys) {
     const size_t bytes = a->block_size * a->num_kv_heads * a->head_dim * elem_size(a->dtype);
-    const char *k = a->k_cache + phys * bytes, *v = a->v_cache + phys * bytes;
-    for (size_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(k + off);
-        __builtin_prefetch(v + off);
-    }
+    prefetch_range(a->k_cache + phys * bytes, bytes);
+    prefetch_range(a->v_cache + phys * bytes, bytes);
 }
 
 /* Attention of query tokens j0 .. j0+nq-1 of request r, all heads. Row R of the scratch is

@@ -87,11 +87,13 @@ static inline void micro_kernel(int64_t kc, const float *x, int64_t xs, int64_t 
     }
 }
 
-/* Rows [0, mb) of x (row stride xs) times weight panel p into y, KC values of k at a time. The weight is read once, front to back (panels are contiguous), while each micro-kernel
+/* Rows [0, mb) of x (row stride xs) times weight panel p into y, KC values of k at a time.
+ * The weight is read once, front to back (panels are contiguous), while each micro-kernel
  * prefetches its share of the next KC x 16 chunk. Edge tiles (fewer than 6 rows or 16 columns)
  * go through a 6 x 16 scratch tile. */
-static void rows_times_panel(const float *x, int64_t xs, int64_t mb, int64_t k, const float *panel,
-                             int64_t cols, const float *bias, float *y, int64_t y_stride) {
+static void rows_times_panel(const float *x, int64_t xs, int64_t mb, int64_t k,
+                             const float *panel, int64_t cols, const float *bias, float *y,
+                             int64_t y_stride) {
     float tile[MR * NR];
     const int64_t kernels = (mb + MR - 1) / MR;
     for (int64_t pc = 0; pc < k; pc += KC) {
@@ -131,7 +133,8 @@ static void block_times_panel(const float *x, int64_t x_stride, const float *pac
         for (int64_t j = 0; j < NR; ++j) bias_tile[j] = j < cols ? bias[p * NR + j] : 0.f;
     if (k == 0) { /* an empty product is the bias (or zero) */
         for (int64_t i = 0; i < mb; ++i)
-            for (int64_t j = 0; j < cols; ++j) y_panel[i * y_stride + j] = bias ? bias_tile[j] : 0.f;
+            for (int64_t j = 0; j < cols; ++j)
+                y_panel[i * y_stride + j] = bias ? bias_tile[j] : 0.f;
         return;
     }
     rows_times_panel(x + ic * x_stride, x_stride, mb, k, packed + p * k * NR, cols,
