@@ -35,12 +35,12 @@ typedef struct {
     int dtype;
 } Args;
 
-/* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state and
- * accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
+/* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state (m, l, and
+ * corr: the block's rescale factor) and accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
  * (unused for fp32 caches), row pointers into the block (k, v: every head; kh, vh: one), and
  * for decode items every head's scores over the longest context of the call (p). */
 typedef struct {
-    float *q, *s, *m, *l, *acc, *kb, *vb, *p;
+    float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p;
     const float **k, **v, **kh, **vh;
     int64_t p_stride; /* floats per head row of p: a decode request's scores (max context) */
 } Scratch;
@@ -52,6 +52,7 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->q = malloc(sizeof(float) * rows * head_dim);
     w->s = malloc(sizeof(float) * rows * block_size);
     w->m = malloc(sizeof(float) * rows);
+    w->corr = malloc(sizeof(float) * rows);
     w->l = malloc(sizeof(float) * rows);
     w->acc = malloc(sizeof(float) * rows * head_dim);
     w->kb = malloc(sizeof(float) * block_size * num_kv_heads * head_dim);
@@ -60,13 +61,13 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->v = malloc(sizeof(float *) * block_size * num_kv_heads);
     w->kh = malloc(sizeof(float *) * block_size);
     w->vh = malloc(sizeof(float *) * block_size);
-    return w->q && w->s && w->m && w->l && w->acc && w->kb && w->vb && w->k && w->v && w->kh
-        && w->vh && w->p;
+    return w->q && w->s && w->m && w->corr && w->l && w->acc && w->kb && w->vb && w->k && w->v
+        && w->kh && w->vh && w->p;
 }
 
 static void scratch_free(Scratch *w) {
-    free(w->q); free(w->s); free(w->m); free(w->l); free(w->acc); free(w->kb); free(w->vb);
-    free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p);
+    free(w->q); free(w->s); free(w->m); free(w->corr); free(w->l); free(w->acc); free(w->kb);
+    free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -127,13 +128,14 @@ static void accumulate_pv(float *acc, float corr, const float *p, const float *c
     }
 }
 
-/* One online-softmax step of a row's state (m, l, acc) over a block's n scores s (-inf =
- * not visible) and value rows v[t]. */
-static void softmax_update(float *s, const float *const *v, int64_t n, int64_t D, float *m,
-                           float *l, float *acc) {
+/* One online-softmax step of a row's state (m, l) over a block's n scores s (-inf = not
+ * visible): s becomes exp(s - m_new) in place. Returns the factor the row's accumulator must be
+ * scaled by before this block's values are added, or -1 when no key of the block is visible
+ * (state unchanged, block skipped). */
+static float softmax_step(float *s, int64_t n, float *m, float *l) {
     float bmax = -INFINITY;
     for (int64_t t = 0; t < n; ++t) bmax = s[t] > bmax ? s[t] : bmax;
-    if (bmax == -INFINITY) return; /* no visible key in this block */
+    if (bmax == -INFINITY) return -1.f;
     const float m_new = bmax > *m ? bmax : *m;
     const float corr = exp_nonpos(*m - m_new); /* 0 while m is still -inf */
     float psum = 0.f;
@@ -142,9 +144,9 @@ static void softmax_update(float *s, const float *const *v, int64_t n, int64_t D
         s[t] = exp_nonpos(s[t] - m_new);
         psum += s[t];
     }
-    accumulate_pv(acc, corr, s, v, n, D);
     *l = *l * corr + psum;
     *m = m_new;
+    return corr;
 }
 
 /* Row pointers k/v[t * num_kv_heads + h] to block `phys`'s n tokens, every KV head: into the
@@ -238,18 +240,32 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
         const int64_t base = b * bs, n = last_pos + 1 - base < bs ? last_pos + 1 - base : bs;
         if ((b + 1) * bs <= last_pos) prefetch_block(a, bt[b + 1]);
         load_block(a, w, bt[b], n, k, v);
-        for (int64_t R = 0; R < nrows; ++R) {
-            const int64_t pos = first_pos + R / H, h = (R % H) / group;
-            const int64_t start = a->window > 0 ? pos - a->window + 1 : 0;
-            float *s = w->s + R * bs;
+        /* Per KV head, three passes over its rows (query token i, query head hq of its group):
+         * scores, softmax steps, value updates. Rows are independent, so each pass is a run of
+         * independent work the core overlaps; one row's scores -> max -> exp -> values chain
+         * would leave it waiting on latencies. */
+        for (int64_t h = 0; h < Hkv; ++h) {
             for (int64_t t = 0; t < n; ++t) {
                 kh[t] = k[t * Hkv + h];
                 vh[t] = v[t * Hkv + h];
             }
-            block_scores(w->q + R * D, kh, n, D, s);
-            for (int64_t t = 0; t < n; ++t)
-                if (base + t > pos || base + t < start) s[t] = -INFINITY;
-            softmax_update(s, vh, n, D, w->m + R, w->l + R, w->acc + R * D);
+            for (int64_t i = 0; i < nq; ++i) {
+                const int64_t pos = first_pos + i;
+                const int64_t start = a->window > 0 ? pos - a->window + 1 : 0;
+                for (int64_t R = i * H + h * group; R < i * H + (h + 1) * group; ++R) {
+                    float *s = w->s + R * bs;
+                    block_scores(w->q + R * D, kh, n, D, s);
+                    for (int64_t t = 0; t < n; ++t)
+                        if (base + t > pos || base + t < start) s[t] = -INFINITY;
+                }
+            }
+            for (int64_t i = 0; i < nq; ++i)
+                for (int64_t R = i * H + h * group; R < i * H + (h + 1) * group; ++R)
+                    w->corr[R] = softmax_step(w->s + R * bs, n, w->m + R, w->l + R);
+            for (int64_t i = 0; i < nq; ++i)
+                for (int64_t R = i * H + h * group; R < i * H + (h + 1) * group; ++R)
+                    if (w->corr[R] >= 0.f)
+                        accumulate_pv(w->acc + R * D, w->corr[R], w->s + R * bs, vh, n, D);
         }
     }
     for (int64_t R = 0; R < nrows; ++R) {
