@@ -116,7 +116,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
                 await _read_stream(resp, result, endpoint)
                 if not result.error and not result.token_times:
                     result.error = "stream ended without any generated text"
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except TimeoutError:
+        result.error = (f"TimeoutError: no complete response within "
+                        f"{session.timeout.total:g} s (--request-timeout)")
+    except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
     result.end = time.perf_counter()
     result.success = not result.error

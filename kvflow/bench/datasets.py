@@ -143,28 +143,52 @@ def synthetic_chat_requests(num: int, num_system_prompts: int = 4,
 
 
 def load_jsonl(path: str, default_output_len: int) -> list[BenchRequest]:
-    """Requests from a JSON-lines file. Each line has ``prompt`` (text or token ids) or
-    ``messages`` (chat), and optionally ``output_len``/``max_tokens``.
+    """Requests from a JSON-lines file. Each line is an object with ``prompt`` (text or a list
+    of token ids) or ``messages`` (a list of ``{"role", "content"}`` objects, for chat), and
+    optionally ``output_len`` or ``max_tokens`` (a positive integer).
 
     Raises:
-        ValueError: naming the first line that is not such an object.
+        ValueError: when the file cannot be read, or naming the first line that is not such an
+            object.
     """
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--dataset {path}: cannot read it ({e.__class__.__name__}: "
+                         f"{e.strerror if isinstance(e, OSError) else e})") from e
     requests = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                requests.append(_jsonl_request(json.loads(line), default_output_len))
-            except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from e
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(_jsonl_request(json.loads(line), default_output_len))
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
     return requests
 
 
-def _jsonl_request(obj: dict[str, Any], default_output_len: int) -> BenchRequest:
-    out = int(obj.get("output_len", obj.get("max_tokens", default_output_len)))
+def _jsonl_request(obj: Any, default_output_len: int) -> BenchRequest:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004
+    out = obj.get("output_len", obj.get("max_tokens", default_output_len))
+    if isinstance(out, bool) or not isinstance(out, int) or out < 1:
+        raise ValueError(f"output_len/max_tokens must be a positive integer, got {out!r}")
     if "messages" in obj:
-        text = "\n".join(m["content"] for m in obj["messages"])
-        return BenchRequest(text, 0, out, list(obj["messages"]))
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages must be a non-empty list of {\"role\": str, "
+                             "\"content\": str} objects")
+        return BenchRequest("\n".join(m["content"] for m in messages), 0, out, list(messages))
+    if "prompt" not in obj:
+        raise ValueError("a line needs \"prompt\" (text or token ids) or \"messages\"")
     prompt = obj["prompt"]
-    return BenchRequest(prompt, len(prompt) if isinstance(prompt, list) else 0, out)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return BenchRequest(prompt, len(prompt), out)
+    if isinstance(prompt, str) and prompt:
+        return BenchRequest(prompt, 0, out)
+    raise ValueError(f"prompt must be non-empty text or a non-empty list of token ids, got "
+                     f"{type(prompt).__name__}")

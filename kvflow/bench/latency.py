@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from kvflow.bench.checks import ensure_parent_dir, parse_positive_ints, require_positive
 from kvflow.bench.throughput import random_prompts
 from kvflow.config import EngineConfig
 
@@ -45,9 +46,12 @@ def measure_batch(llm: Any, prompts: list[list[int]], output_len: int,
 def _cmd_latency(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    if not sizes or min(sizes) < 1 or args.output_len < 2:
-        raise ValueError("--batch-sizes must be positive integers and --output-len >= 2")
+    sizes = parse_positive_ints(args.batch_sizes, "--batch-sizes")
+    require_positive(input_len=args.input_len, num_iters=args.num_iters)
+    if args.output_len < 2:
+        raise ValueError(f"--output-len must be >= 2 (TPOT needs two tokens), got "
+                         f"{args.output_len}")
+    ensure_parent_dir(args.output_json, "--output-json")
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
     vocab = llm.engine.core.hf_config.vocab_size
     _timed_generate(llm, random_prompts(2, args.input_len, vocab, args.seed + 1), 4)  # warm-up

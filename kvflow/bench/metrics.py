@@ -103,9 +103,13 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
         if not sep or name not in SLO_KEYS:
             raise ValueError(f"bad --goodput entry {spec!r}: use NAME:MS with NAME one of "
                              f"{', '.join(SLO_KEYS)}")
-        ms = float(value)
-        if ms <= 0:
-            raise ValueError(f"bad --goodput entry {spec!r}: the SLO must be > 0 ms")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not 0 < ms < math.inf:
+            raise ValueError(f"bad --goodput entry {spec!r}: the SLO must be a number of "
+                             f"milliseconds > 0")
         slos[name] = ms / 1e3
     return slos
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from kvflow.bench.checks import require_positive
+
 DTYPE_BYTES = MappingProxyType({"float32": 4, "bfloat16": 2, "float16": 2})
 
 
@@ -109,20 +111,56 @@ def roofline(m: ModelShape, hw: Machine, num_prompts: int, input_len: int, outpu
 
 
 def measured_from_json(path: str) -> dict[str, float]:
-    """Measured figures from a ``bench serve`` (median TTFT/TPOT, output throughput),
-    ``bench latency`` (batch-1 TTFT/TPOT, best throughput) or ``bench throughput`` result:
-    keys ``ttft_s``, ``tpot_s``, ``output_tok_per_s`` (those present)."""
-    with open(path) as f:
-        doc = json.load(f)
+    """Measured figures, and the workload they were measured on, from a result file:
+
+    - ``bench serve`` (one run, or the highest-throughput run of a sweep): median TTFT and
+      TPOT under load, output throughput; workload = its prompts and mean token counts;
+    - ``bench latency``: batch-1 TTFT/TPOT, best output throughput; workload = its lengths
+      and largest batch;
+    - ``bench throughput``: output throughput; workload = its prompts and lengths.
+
+    Returns keys ``ttft_s``, ``tpot_s``, ``output_tok_per_s`` (those present) and
+    ``num_prompts``, ``input_len``, ``output_len`` (those the file records), plus ``source``.
+
+    Raises:
+        ValueError: when the file cannot be read or is not one of those results.
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return _measured(doc)
+    except OSError as e:
+        raise ValueError(f"--measured-json {path}: cannot read it ({e.strerror})") from e
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"--measured-json {path}: not a kvflow bench serve, latency or "
+                         f"throughput result ({e.__class__.__name__}: {e})") from e
+
+
+def _measured(doc: Any) -> dict[str, Any]:
     if isinstance(doc, list):  # bench throughput
-        return {"output_tok_per_s": doc[0]["output_tokens_per_s"]}
+        r = doc[0]
+        out = {"output_tok_per_s": r["output_tokens_per_s"], "num_prompts": r["num_prompts"],
+               "source": "bench throughput"}
+        out.update({k: r[k] for k in ("input_len", "output_len") if k in r})
+        return out
     if "batches" in doc:  # bench latency
         first = doc["batches"][0]
-        best = max(b["output_tok_per_s"] for b in doc["batches"])
         return {"ttft_s": first["ttft_s"], "tpot_s": first["tpot_s"],
-                "output_tok_per_s": best}
-    return {"ttft_s": doc["median_ttft_ms"] / 1e3, "tpot_s": doc["median_tpot_ms"] / 1e3,
-            "output_tok_per_s": doc["output_throughput"]}
+                "output_tok_per_s": max(b["output_tok_per_s"] for b in doc["batches"]),
+                "num_prompts": max(b["batch_size"] for b in doc["batches"]),
+                "input_len": doc["input_len"], "output_len": doc["output_len"],
+                "source": "bench latency (TTFT/TPOT at batch 1)"}
+    run = max(doc["sweep"], key=lambda r: r["output_throughput"]) if "sweep" in doc else doc
+    done = max(run["completed"], 1)
+    out = {"output_tok_per_s": run["output_throughput"], "num_prompts": run["num_prompts"],
+           "input_len": round(run["total_input_tokens"] / done),
+           "output_len": round(run["total_output_tokens"] / done),
+           "source": f"bench serve at {run['request_rate']} req/s (TTFT/TPOT: medians under "
+                     f"load, not one request alone)"}
+    for key, name in (("ttft_s", "median_ttft_ms"), ("tpot_s", "median_tpot_ms")):
+        if run.get(name) is not None:
+            out[key] = run[name] / 1e3
+    return out
 
 
 def report(bounds: dict[str, float], measured: dict[str, float]) -> list[str]:
@@ -144,6 +182,13 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     from kvflow.models.loader import load_hf_config
     from kvflow.models.model_resolver import resolve_model
 
+    require_positive(bandwidth=args.bandwidth, flops=args.flops, num_prompts=args.num_prompts,
+                     input_len=args.input_len, output_len=args.output_len,
+                     measured_ttft_ms=args.measured_ttft_ms,
+                     measured_tpot_ms=args.measured_tpot_ms, measured_tok_s=args.measured_tok_s)
+    measured = measured_from_json(args.measured_json) if args.measured_json else {}
+    workload = {key: getattr(args, key) or measured.get(key) or default
+                for key, default in (("num_prompts", 64), ("input_len", 128), ("output_len", 64))}
     shape = ModelShape.from_hf_config(load_hf_config(resolve_model(args.model)))
     nbytes = DTYPE_BYTES[args.dtype]
     print(f"model {args.model}: {shape}")
@@ -155,15 +200,18 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         return 0
     hw = Machine(args.bandwidth * 1e9 if args.bandwidth else None,
                  args.flops * 1e12 if args.flops else None)
-    bounds = roofline(shape, hw, args.num_prompts, args.input_len, args.output_len, nbytes)
-    measured = measured_from_json(args.measured_json) if args.measured_json else {}
+    bounds = roofline(shape, hw, workload["num_prompts"], workload["input_len"],
+                      workload["output_len"], nbytes)
     for key, value in (("ttft_s", args.measured_ttft_ms), ("tpot_s", args.measured_tpot_ms)):
         if value:
             measured[key] = value / 1e3
     if args.measured_tok_s:
         measured["output_tok_per_s"] = args.measured_tok_s
-    print(f"workload {args.num_prompts} x {args.input_len} -> {args.output_len} tokens, "
-          f"bandwidth {args.bandwidth} GB/s, {args.flops} TFLOP/s")
+    print(f"workload {workload['num_prompts']} x {workload['input_len']} -> "
+          f"{workload['output_len']} tokens, bandwidth {args.bandwidth} GB/s, "
+          f"{args.flops} TFLOP/s")
+    if "source" in measured:
+        print(f"measured: {measured['source']}; workload flags not given are taken from it")
     print("\n".join(report(bounds, measured)))
     return 0
 
@@ -176,9 +224,12 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight and KV dtype")
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
     p.add_argument("--flops", type=float, default=None, help="peak matmul rate, TFLOP/s")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="workload (default: the measured result's, else 64)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens (default: the measured result's, else 128)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens (default: the measured result's, else 64)")
     p.add_argument("--measured-json", default=None,
                    help="a bench serve / latency / throughput result to compare")
     p.add_argument("--measured-ttft-ms", type=float, default=None)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from kvflow.bench import metrics
+from kvflow.bench.checks import ensure_parent_dir, is_finite_positive, require_positive
 from kvflow.bench.client import ENDPOINT_PATHS, RequestResult, build_payload, send_request
 from kvflow.bench.datasets import (
     BenchRequest,
@@ -217,11 +219,13 @@ def _print_errors(r: dict[str, Any]) -> None:
 
 async def probe(requests: list[BenchRequest], args: argparse.Namespace) -> None:
     """Send the first request with max_tokens=2 and stop the benchmark on failure (a wrong
-    URL or model name would otherwise fail every request); the probe's prompt is the first
-    one reversed, so it leaves no prefix-cache entry for the measured run. Raises
-    RuntimeError."""
+    URL or model name would otherwise fail every request); the probe's prompt (or every chat
+    message's content) is the first one reversed, so it leaves no prefix-cache entry for the
+    measured run. Raises RuntimeError."""
     first = requests[0]
-    short = BenchRequest(first.prompt[::-1], first.prompt_len, 2, first.messages)
+    messages = None if first.messages is None else [
+        {**m, "content": m["content"][::-1]} for m in first.messages]
+    short = BenchRequest(first.prompt[::-1], first.prompt_len, 2, messages)
     probe_args = argparse.Namespace(**{**vars(args), "max_concurrency": None,
                                        "disable_tqdm": True})
     results, _ = await run_load([short], probe_args, math.inf)
@@ -245,16 +249,56 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
 
 
 def parse_rates(spec: str) -> list[float]:
-    """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for a non-positive rate."""
-    rates = [float(x) for x in spec.split(",") if x.strip()]
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"bad rates {spec!r}: give positive numbers or inf, comma-separated")
+    """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for anything but positive numbers
+    or inf."""
+    try:
+        rates = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):  # NaN fails r > 0
+        raise ValueError(f"bad --sweep-rates {spec!r}: give positive numbers or inf, "
+                         f"comma-separated")
     return rates
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
+    require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
+                     input_len=args.input_len if args.dataset == "random" else None,
+                     max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                     request_timeout=args.request_timeout)
+    if not is_finite_positive(args.burstiness):
+        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
+    if args.extra_body is not None:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as e:
+            raise ValueError(f"--extra-body is not valid JSON: {e}") from e
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
+    if args.sweep_rates:
+        parse_rates(args.sweep_rates)
+    for path in args.compare or []:
+        _load_compare(path)
+    ensure_parent_dir(args.result_json, "--result-json")
+    ensure_parent_dir(args.plot, "--plot")
+
+
+def _load_compare(path: str) -> tuple[str, list[dict[str, Any]]]:
+    from kvflow.bench.plot import load_sweep
+
+    try:
+        return load_sweep(path)
+    except OSError as e:
+        raise ValueError(f"--compare {path}: cannot read it ({e.strerror})") from e
+    except ValueError as e:
+        raise ValueError(f"--compare {path}: not a kvflow bench serve result ({e})") from e
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("OPENAI_API_KEY")
+    check_args(args)
     slos = metrics.parse_goodput(args.goodput or [])
     tokenizer_factory = make_tokenizer_factory(args.tokenizer or args.model)
     requests = build_requests(args, tokenizer_factory)
@@ -263,7 +307,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(probe(requests, args))
     except RuntimeError as e:
-        print(f"kvflow: error: {e}")
+        print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
     runs = []
@@ -278,14 +322,27 @@ def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None
     if args.result_json:
         doc = runs[0] if not args.sweep_rates else {"label": runs[0]["label"], "sweep": runs}
         with open(args.result_json, "w") as f:
-            json.dump(doc, f, indent=1)
+            json.dump(_finite(doc), f, indent=1, allow_nan=False)
+        print(f"results written to {args.result_json}")
     if args.sweep_rates or args.compare:
-        from kvflow.bench.plot import load_sweep, plot_sweeps
+        from kvflow.bench.plot import plot_sweeps
 
         path = args.plot or os.path.splitext(args.result_json or "sweep")[0] + ".png"
-        others = [load_sweep(p) for p in args.compare or []]
+        others = [_load_compare(p) for p in args.compare or []]
         plot_sweeps([(runs[0]["label"], runs), *others], path)
         print(f"plot written to {path}")
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN: a statistic
+    of no values, e.g. the TPOT of one-token outputs, is written as null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

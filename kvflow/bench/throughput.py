@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvflow.bench.checks import ensure_parent_dir, require_positive
 from kvflow.config import EngineConfig
 
 
@@ -23,6 +24,8 @@ from kvflow.config import EngineConfig
 class ThroughputResult:
     engine: str
     num_prompts: int
+    input_len: int
+    output_len: int
     elapsed_s: float
     requests_per_s: float
     output_tokens_per_s: float
@@ -38,7 +41,8 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 def _result(engine: str, prompts: list[list[int]], output_len: int, elapsed: float):
     n, inp = len(prompts), sum(len(p) for p in prompts)
     out = n * output_len
-    return ThroughputResult(engine, n, elapsed, n / elapsed, out / elapsed, (inp + out) / elapsed)
+    return ThroughputResult(engine, n, inp // n, output_len, elapsed, n / elapsed, out / elapsed,
+                            (inp + out) / elapsed)
 
 
 def run_kvflow(llm, prompts: list[list[int]], output_len: int) -> ThroughputResult:
@@ -98,6 +102,9 @@ def _print(result: ThroughputResult) -> None:
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
+    require_positive(num_prompts=args.num_prompts, input_len=args.input_len,
+                     output_len=args.output_len, hf_batch_size=args.hf_batch_size)
+    ensure_parent_dir(args.output_json, "--output-json")
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
     prompts = random_prompts(args.num_prompts, args.input_len,
                              llm.engine.core.hf_config.vocab_size, args.seed)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MAX = 2**31 - 1
@@ -86,6 +93,14 @@ class StructuredOutputsField(OpenAIBaseModel):
     grammar: str | None = None
 
 
+def _not_bool(value: Any) -> Any:
+    """A before-validator for integer fields: JSON true/false is not a count (pydantic would
+    take true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")  # noqa: TRY004 - pydantic wants it
+    return value
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completion and chat requests."""
 
@@ -113,6 +128,9 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
+    _no_bool_counts = field_validator("n", "top_k", "seed", "min_tokens", "max_tokens",
+                                      mode="before", check_fields=False)(_not_bool)
+
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
@@ -124,6 +142,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
 
+    _no_bool_logprobs = field_validator("logprobs", mode="before")(_not_bool)
+
 
 class ContentPart(OpenAIBaseModel):
     type: str
@@ -133,7 +153,7 @@ class ContentPart(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
@@ -172,6 +192,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    _no_bool_chat_counts = field_validator("max_completion_tokens", "top_logprobs",
+                                           mode="before")(_not_bool)
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -96,3 +96,24 @@ def test_load_jsonl(tmp_path):
     path.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[2]) + "\n")
     with pytest.raises(ValueError, match="w.jsonl:2"):
         load_jsonl(str(path), 16)
+
+
+@pytest.mark.parametrize("line,why", [
+    ("[1, 2]", "JSON object"), ('"text"', "JSON object"), ('{"prompt": 5}', "prompt must"),
+    ('{"prompt": ""}', "prompt must"), ('{"prompt": [1, true]}', "prompt must"),
+    ('{"prompt": "hi", "output_len": -3}', "positive integer"),
+    ('{"prompt": "hi", "max_tokens": 2.5}', "positive integer"),
+    ('{"messages": [{"role": "user"}]}', "messages must"), ('{"messages": []}', "messages must"),
+    ("{bad json", "w.jsonl:1")])
+def test_load_jsonl_rejects_bad_lines(tmp_path, line, why):
+    path = tmp_path / "w.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match="w.jsonl:1") as info:
+        load_jsonl(str(path), 16)
+    assert why in str(info.value)
+
+
+def test_load_jsonl_unreadable_path(tmp_path):
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(ValueError, match="--dataset .*cannot read it"):
+            load_jsonl(str(path), 16)

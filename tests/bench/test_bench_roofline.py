@@ -57,11 +57,29 @@ def test_measured_percentages(tmp_path):
     assert "50.0% of roofline" in lines[0]
     assert "measured" not in lines[1]
     assert "25.0% of roofline" in lines[2]
+    run = {"median_ttft_ms": 20.0, "median_tpot_ms": 8.0, "output_throughput": 300.0,
+           "num_prompts": 8, "completed": 8, "total_input_tokens": 256,
+           "total_output_tokens": 128, "request_rate": 4.0}
     serve = tmp_path / "serve.json"
-    serve.write_text(json.dumps({"median_ttft_ms": 20.0, "median_tpot_ms": 8.0,
-                                 "output_throughput": 300.0}))
-    assert measured_from_json(str(serve)) == {"ttft_s": 0.02, "tpot_s": 0.008,
-                                              "output_tok_per_s": 300.0}
+    serve.write_text(json.dumps(run))
+    got = measured_from_json(str(serve))
+    assert {k: got[k] for k in ("ttft_s", "tpot_s", "output_tok_per_s", "num_prompts",
+                                "input_len", "output_len")} == {
+        "ttft_s": 0.02, "tpot_s": 0.008, "output_tok_per_s": 300.0, "num_prompts": 8,
+        "input_len": 32, "output_len": 16}
+    # a sweep: the highest-throughput run; a TPOT written as null (one-token outputs) is left out
+    sweep = tmp_path / "sweep.json"
+    fast = {**run, "output_throughput": 500.0, "median_tpot_ms": None, "request_rate": "inf"}
+    sweep.write_text(json.dumps({"label": "x", "sweep": [run, fast]}))
+    got = measured_from_json(str(sweep))
+    assert got["output_tok_per_s"] == 500.0 and "tpot_s" not in got and "inf" in got["source"]
     thr = tmp_path / "thr.json"
-    thr.write_text(json.dumps([{"output_tokens_per_s": 123.0}]))
-    assert measured_from_json(str(thr)) == {"output_tok_per_s": 123.0}
+    thr.write_text(json.dumps([{"output_tokens_per_s": 123.0, "num_prompts": 64,
+                                "input_len": 128, "output_len": 64}]))
+    got = measured_from_json(str(thr))
+    assert (got["output_tok_per_s"], got["num_prompts"], got["output_len"]) == (123.0, 64, 64)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hello": 1}))
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="--measured-json"):
+            measured_from_json(str(path))

@@ -81,8 +81,44 @@ def test_failures_are_reported_with_error_bodies(server, tmp_path, capsys):
     rc, path = bench(server, tmp_path, "fail", "--num-prompts", "2", "--input-len", "300",
                      "--random-vocab-size", "320")
     assert rc == 1 and not path.exists()
-    out = capsys.readouterr().out
-    assert "probe request failed: HTTP 400" in out and "max_model_len" in out
+    err = capsys.readouterr().err
+    assert "probe request failed: HTTP 400" in err and "max_model_len" in err
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--request-rate", "nan"], "--request-rate"), (["--request-rate", "0"], "--request-rate"),
+    (["--sweep-rates", "1,nan"], "--sweep-rates"), (["--sweep-rates", "abc"], "--sweep-rates"),
+    (["--goodput", "ttft:nan"], "--goodput"), (["--goodput", "ttft:abc"], "--goodput"),
+    (["--max-concurrency", "0"], "--max-concurrency"), (["--burstiness", "0"], "--burstiness"),
+    (["--request-timeout", "0"], "--request-timeout"), (["--num-prompts", "-3"], "--num-prompts"),
+    (["--input-len", "0"], "--input-len"), (["--output-len", "0"], "--output-len"),
+    (["--extra-body", "[1]"], "--extra-body"), (["--extra-body", "{bad"], "--extra-body"),
+    (["--compare", "/nonexistent/r.json"], "--compare"),
+    (["--dataset", "/nonexistent/w.jsonl"], "--dataset")])
+def test_bad_flags_fail_before_any_request(server, tmp_path, capsys, args, flag):
+    before = generated_tokens(server)
+    rc, path = bench(server, tmp_path, "bad", "--num-prompts", "2", "--input-len", "4",
+                     "--output-len", "2", *args)
+    assert rc == 2 and not path.exists()
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert generated_tokens(server) == before  # nothing was sent, not even the probe
+
+
+def test_one_token_outputs_write_null_stats_into_a_new_folder(server, tmp_path):
+    path = tmp_path / "new" / "folder" / "r.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--model", MODEL, "--disable-tqdm",
+               "--num-prompts", "3", "--input-len", "4", "--output-len", "1",
+               "--random-vocab-size", "320", "--result-json", str(path)])
+    assert rc == 0
+
+    def no_constants(name):
+        raise AssertionError(f"bare {name} in the result JSON")
+
+    r = json.loads(path.read_text(), parse_constant=no_constants)  # strict JSON
+    assert r["output_lens"] == [1, 1, 1]
+    assert all(r[f"{s}_tpot_ms"] is None for s in STATS)  # no TPOT with one token
+    assert all(r[f"{s}_ttft_ms"] > 0 for s in STATS)
 
 
 def test_sweep_writes_png_and_compares(server, tmp_path):

@@ -1,0 +1,50 @@
+"""Flag checks shared by the ``kvflow bench`` commands, run before any model is loaded or any
+request sent, so a typo costs no waiting. Each raises ValueError naming the flag (the CLI
+prints it and exits with status 2)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+
+def require_positive(**flags: float | None) -> None:
+    """Every given value must be a number > 0 (inf allowed, NaN not); None means "not given".
+    Keyword names are flag names with ``_`` for ``-`` (``num_prompts`` -> ``--num-prompts``).
+
+    Raises:
+        ValueError: naming the first flag that is not.
+    """
+    for name, value in flags.items():
+        if value is not None and not value > 0:  # NaN fails the comparison too
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def parse_positive_ints(spec: str, flag: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32]. Raises ValueError naming ``flag`` for anything else."""
+    try:
+        values = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must be positive integers, comma-separated; got {spec!r}")
+    return values
+
+
+def ensure_parent_dir(path: str | None, flag: str) -> None:
+    """Create the folder ``path`` will be written in (an output file named by ``flag``).
+
+    Raises:
+        ValueError: when the folder cannot be created.
+    """
+    folder = os.path.dirname(path) if path else ""
+    if folder and not os.path.isdir(folder):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot create its folder ({e.strerror})") from e
+
+
+def is_finite_positive(value: float) -> bool:
+    """Whether ``value`` is a number in (0, inf): not NaN, not infinite."""
+    return 0 < value < math.inf

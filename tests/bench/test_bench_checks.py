@@ -1,0 +1,51 @@
+"""Flag checks of the ``kvflow bench`` commands: bad values exit with status 2 and a message
+naming the flag before any model is loaded (the model given here does not exist, so loading
+it would fail differently), and the probe never repeats a measured prompt."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from kvflow.bench import serve
+from kvflow.bench.client import RequestResult
+from kvflow.bench.datasets import BenchRequest
+from kvflow.entrypoints.cli import main
+
+NO_MODEL = "/nonexistent/model"
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["throughput", "--num-prompts", "0"], "--num-prompts"),
+    (["throughput", "--input-len", "-1"], "--input-len"),
+    (["throughput", "--compare", "hf", "--hf-batch-size", "0"], "--hf-batch-size"),
+    (["latency", "--batch-sizes", "a,b"], "--batch-sizes"),
+    (["latency", "--batch-sizes", "1,0"], "--batch-sizes"),
+    (["latency", "--num-iters", "0"], "--num-iters"),
+    (["latency", "--output-len", "1"], "--output-len"),
+    (["roofline", "--bandwidth", "-5"], "--bandwidth"),
+    (["roofline", "--flops", "nan"], "--flops"),
+    (["roofline", "--output-len", "0"], "--output-len"),
+    (["roofline", "--measured-tpot-ms", "-3"], "--measured-tpot-ms"),
+    (["roofline", "--measured-json", "/nonexistent/r.json"], "--measured-json")])
+def test_bad_flags_exit_2_before_loading(capsys, argv, flag):
+    assert main(["bench", *argv, "--model", NO_MODEL]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_probe_reverses_chat_messages(monkeypatch):
+    sent: list[BenchRequest] = []
+
+    async def fake_run_load(requests, args, rate):
+        sent.extend(requests)
+        return [RequestResult(success=True)], 0.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": "hello"}]
+    first = BenchRequest("abc\nhello", 0, 50, messages)
+    asyncio.run(serve.probe([first], argparse.Namespace(max_concurrency=None)))
+    assert [m["content"] for m in sent[0].messages] == ["cba", "olleh"]
+    assert sent[0].output_len == 2 and first.messages[1]["content"] == "hello"  # untouched
