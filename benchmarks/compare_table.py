@@ -8,6 +8,7 @@ kvflow at the same rate (from the medians).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -26,7 +27,10 @@ def load(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
 
 
 def median(results: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in results)
+    """Median of ``key`` over the runs; NaN when no run has it (a result JSON writes a
+    statistic of no values, such as TPOT with one-token outputs, as null)."""
+    values = [r[key] for r in results if r[key] is not None]
+    return statistics.median(values) if values else math.nan
 
 
 def rows(by_rate: dict[str, dict[str, list[dict]]]) -> list[str]:
@@ -37,7 +41,7 @@ def rows(by_rate: dict[str, dict[str, list[dict]]]) -> list[str]:
     for rate, engines in by_rate.items():
         for label, results in engines.items():
             for i, r in enumerate(results, 1):
-                vals = " ".join(f"{r[c]:>9.1f}" for c in COLUMNS[1:])
+                vals = " ".join(f"{median([r], c):>9.1f}" for c in COLUMNS[1:])
                 out.append(f"{rate:>5} {label:<10} {i:>6} {r['completed']:>5} "
                            f"{r['output_throughput']:>10.1f} {vals}")
             if len(results) > 1:
