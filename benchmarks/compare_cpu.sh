@@ -128,7 +128,7 @@ for ROUND in $(seq "$ROUNDS"); do
         MODEL_NAME=$MODEL_DIR
         run_engine hf-serve "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
     else
-        echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving])"
+        echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving]; see docs/benchmarks.md, \"Installing the peers\")"
     fi
 done
 

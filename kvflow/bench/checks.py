@@ -32,13 +32,20 @@ def parse_positive_ints(spec: str, flag: str) -> list[int]:
 
 
 def ensure_parent_dir(path: str | None, flag: str) -> None:
-    """Create the folder ``path`` will be written in (an output file named by ``flag``).
+    """Check that ``path`` (an output file named by ``flag``) can be written, creating its
+    folder if needed, so a long run does not end in an error that loses its results.
 
     Raises:
-        ValueError: when the folder cannot be created.
+        ValueError: when ``path`` is a folder or its folder cannot be created.
     """
-    folder = os.path.dirname(path) if path else ""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    folder = os.path.dirname(path)
     if folder and not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise ValueError(f"{flag} {path}: {folder} is not a folder")
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:

@@ -109,7 +109,7 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
 def random_requests(num: int, input_len: int, output_len: int, vocab_size: int = 32000,
                     seed: int = 0) -> list[BenchRequest]:
     """``num`` prompts of ``input_len`` token ids drawn uniformly from [3, min(vocab, 32000))
-    (the draw of shared/bench/PEERS.md's CPU-W1 for the same seed)."""
+    (workload CPU-W1's draw for the same seed; see docs/benchmarks.md)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, min(vocab_size, 32000), (num, input_len)).tolist()
     return [BenchRequest(p, input_len, output_len) for p in ids]

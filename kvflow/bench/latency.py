@@ -3,7 +3,8 @@
 Per batch size B: B prompts of ``input_len`` random token ids, greedy, EOS ignored, prefix cache
 reset before every timed call. TTFT = wall time of a ``max_tokens=1`` call (the whole batch's
 prefill plus one sample); TPOT = (t(output_len tokens) - t(1 token)) / (output_len - 1), the
-method of shared/bench/PEERS.md. Each figure is the median of ``--num-iters`` repetitions.
+method of the peer figures in docs/benchmarks.md. Each figure is the median of ``--num-iters``
+repetitions.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``kvflow bench throughput``: offline throughput on random-token prompts, optionally side by
 side with HF transformers' static-batch ``generate`` on the same prompts in the same process.
 
-Workload (as in shared/bench/PEERS.md, CPU-W1): ``num_prompts`` prompts of ``input_len`` token
+Workload (CPU-W1 of docs/benchmarks.md): ``num_prompts`` prompts of ``input_len`` token
 ids drawn with numpy ``default_rng(seed).integers(3, min(vocab, 32000))``, ``output_len`` greedy
 tokens each, EOS ignored. Throughput = generated tokens / wall time of the whole batch (prefill
 included).

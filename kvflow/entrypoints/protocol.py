@@ -94,10 +94,10 @@ class StructuredOutputsField(OpenAIBaseModel):
 
 
 def _not_bool(value: Any) -> Any:
-    """A before-validator for integer fields: JSON true/false is not a count (pydantic would
+    """A before-validator for numeric fields: JSON true/false is not a number (pydantic would
     take true as 1)."""
     if isinstance(value, bool):
-        raise ValueError("expected an integer, got a boolean")  # noqa: TRY004 - pydantic wants it
+        raise ValueError("expected a number, got a boolean")  # noqa: TRY004 - pydantic wants it
     return value
 
 
@@ -128,8 +128,10 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
-    _no_bool_counts = field_validator("n", "top_k", "seed", "min_tokens", "max_tokens",
-                                      mode="before", check_fields=False)(_not_bool)
+    _no_bool_numbers = field_validator(
+        "n", "top_k", "seed", "min_tokens", "max_tokens", "temperature", "top_p", "min_p",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", mode="before",
+        check_fields=False)(_not_bool)
 
 
 class CompletionRequest(SamplingRequest):

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from kvflow.bench import serve
+from kvflow.bench.checks import ensure_parent_dir
 from kvflow.bench.client import RequestResult
 from kvflow.bench.datasets import BenchRequest
 from kvflow.entrypoints.cli import main
@@ -49,3 +50,18 @@ def test_probe_reverses_chat_messages(monkeypatch):
     asyncio.run(serve.probe([first], argparse.Namespace(max_concurrency=None)))
     assert [m["content"] for m in sent[0].messages] == ["cba", "olleh"]
     assert sent[0].output_len == 2 and first.messages[1]["content"] == "hello"  # untouched
+
+
+def test_output_paths_checked_before_a_run(tmp_path):
+    ensure_parent_dir(str(tmp_path / "new" / "r.json"), "--result-json")
+    assert (tmp_path / "new").is_dir()
+    with pytest.raises(ValueError, match="--result-json .*is a folder"):
+        ensure_parent_dir(str(tmp_path), "--result-json")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile is not a folder"):
+        ensure_parent_dir(str(tmp_path / "afile" / "r.json"), "--output-json")
+
+
+def test_latency_output_json_folder_fails_before_loading(tmp_path, capsys):
+    assert main(["bench", "latency", "--model", NO_MODEL, "--output-json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -334,6 +334,7 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt"),
     ("max_tokens_0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens_bool", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("temperature_bool", C, {"prompt": "x", "temperature": True}, 400, "temperature"),
     ("max_tokens_negative", C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("max_tokens_too_large", C, {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ("logit_bias_out_of_vocab", C, {"prompt": "x", "logit_bias": {"99999": 1}}, 400,
