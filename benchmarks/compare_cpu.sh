@@ -32,20 +32,9 @@ RATES=${RATES:-inf 4}
 ROUNDS=${ROUNDS:-1}
 START_TIMEOUT=${START_TIMEOUT:-600}
 NAME=smollm2
-if [ -z "${DTYPE:-}" ]; then
-    if grep -q amx_bf16 /proc/cpuinfo; then DTYPE=bfloat16; else DTYPE=float32; fi
-    echo "== dtype $DTYPE (CPU $(grep -q amx_bf16 /proc/cpuinfo && echo has || echo lacks) AMX-BF16; set DTYPE to override)"
-fi
 SERVER_PID=
 trap '[ -n "$SERVER_PID" ] && stop_server "$SERVER_PID"' EXIT
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
-rm -f "$OUT"/*.json
-
-if [ ! -f "$MODEL_DIR/config.json" ]; then
-    echo "== exporting the packaged SmolLM2-135M-Instruct to $MODEL_DIR (about a minute)"
-    "$KVFLOW_PY" benchmarks/export_hf.py "$MODEL_DIR"
-fi
+source benchmarks/cpu_setup.sh
 
 free_port() {
     "$KVFLOW_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

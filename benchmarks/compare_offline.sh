@@ -15,15 +15,7 @@ KVFLOW_PY=${KVFLOW_PY:-.venv/bin/python}
 MODEL_DIR=${MODEL_DIR:-out/smollm2-hf}
 OUT=${OUT:-out/compare_offline}
 ROUNDS=${ROUNDS:-2}
-if [ -z "${DTYPE:-}" ]; then
-    if grep -q amx_bf16 /proc/cpuinfo; then DTYPE=bfloat16; else DTYPE=float32; fi
-fi
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT"
-rm -f "$OUT"/*.json
-if [ ! -f "$MODEL_DIR/config.json" ]; then
-    "$KVFLOW_PY" benchmarks/export_hf.py "$MODEL_DIR"
-fi
+source benchmarks/cpu_setup.sh
 
 for ROUND in $(seq "$ROUNDS"); do
     echo "== round $ROUND of $ROUNDS: kvflow ($DTYPE)"
