@@ -122,6 +122,18 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
+def cache_dir() -> str:
+    """Where kvflow keeps joined model files, GGUF tokenizers and
+    compiled kernels: ``$KVFLOW_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvflow``, else
+    ``~/.cache/kvflow``."""
+    explicit = os.environ.get("KVFLOW_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvflow")
+
+
 def cpu_gemm_choice() -> str:
     """The CPU fp32 GEMM the environment asks for: ``KVFLOW_CPU_GEMM`` = ``native`` (kvflow's C
     GEMM, the default) or ``onednn``. Raises ValueError on any other value."""

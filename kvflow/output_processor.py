@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.core.scheduler import EngineCoreOutput
 from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.request import Request
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import InputStager, build_model_inputs
 
 

@@ -4,7 +4,7 @@ outputs that arrive after a stop string ended a sample are ignored."""
 
 from __future__ import annotations
 
-from kvflow.core.scheduler import EngineCoreOutput
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.input_processor import InputProcessor
 from kvflow.output_processor import OutputProcessor
 from kvflow.sampling_params import SamplingParams

@@ -11,7 +11,8 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import EngineCoreOutput, Scheduler
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.uniproc import UniprocExecutor
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model

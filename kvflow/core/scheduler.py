@@ -15,80 +15,13 @@ is recomputed later (often from prefix-cache hits) without losing or duplicating
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_policy import WaitingQueue, make_policy
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
-from kvflow.sampling_params import SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """What the model runner needs to compute one request's share of a step.
-
-    Attributes:
-        token_ids: the tokens computed this step (``num_scheduled_tokens`` of them).
-        num_computed_tokens: tokens already in the KV cache before this step.
-        block_ids: the request's whole block table.
-        do_sample: the step reaches the end of the request's tokens, so sample one token.
-        output_token_ids: tokens generated so far (for min_tokens and penalties).
-        prompt_token_ids: the request's prompt (for the repetition penalty).
-        group_block_ids: block tables of KV-cache groups 1.. (layers with a different
-            attention span, e.g. sliding-window layers); empty when there is one group.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    do_sample: bool
-    sampling_params: SamplingParams
-    output_token_ids: list[int]
-    eos_token_id: int | None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    group_block_ids: list[list[int]] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: set[str] = field(default_factory=set)  # freed since the previous step
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SampledToken:
-    """One sampled token and, when asked for, its logprob info (from the model runner)."""
-
-    token_id: int
-    # (top token ids, their logprobs, the sampled token's logprob, its rank) when requested
-    logprobs: tuple[list[int], list[float], float, int] | None = None
-
-
-@dataclass
-class EngineCoreOutput:
-    """New tokens of one request after a step, and how it finished (if it did)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], float, int]] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
+from kvflow.runner_output import SampledToken
+from kvflow.sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

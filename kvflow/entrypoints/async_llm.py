@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
+from kvflow.engine_outputs import EngineStats
 from kvflow.entrypoints.engine_core_proc import run_engine_core
 from kvflow.entrypoints.engine_messages import (
     AbortRequests,
@@ -37,7 +38,6 @@ from kvflow.entrypoints.engine_messages import (
     EngineFailed,
     EngineOutputs,
     EngineReady,
-    EngineStats,
     Shutdown,
     output_decoder,
 )

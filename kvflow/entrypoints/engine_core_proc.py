@@ -18,14 +18,13 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
-from kvflow.core.scheduler import EngineCoreOutput
+from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.entrypoints.engine_messages import (
     AbortRequests,
     AddRequests,
     EngineFailed,
     EngineOutputs,
     EngineReady,
-    EngineStats,
     Shutdown,
     input_decoder,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvflow.core.scheduler import EngineCoreOutput
+from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -53,27 +53,6 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 EngineInput = AddRequests | AbortRequests | Shutdown
-
-
-class EngineStats(msgspec.Struct):
-    """Scheduler and KV-cache state after a step. Counters are cumulative since start-up.
-
-    Attributes:
-        num_running / num_waiting: requests (samples) in the running list / waiting queue.
-        kv_cache_usage: fraction of usable KV blocks referenced by requests, in [0, 1].
-        num_free_blocks / num_usable_blocks: KV blocks free now / all blocks but the null one.
-        num_preemptions: requests preempted (recomputed later).
-        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_usable_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

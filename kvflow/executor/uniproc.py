@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from kvflow.config import EngineConfig
-from kvflow.core.scheduler import SampledToken, SchedulerOutput
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.structured.manager import GrammarBitmask
+from kvflow.runner_output import SampledToken
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 
 

@@ -2,7 +2,7 @@
 
 The C sources under ``kernels/csrc/`` are compiled with the system C compiler and
 ``-O3 -march=native -fopenmp`` into one shared library, cached under
-:func:`kvflow.models.model_resolver.cache_dir` ``/kernels`` and named by a hash of the sources,
+the cache directory the caller passes (``kvflow.config.cache_dir()``) ``/kernels`` and named by a hash of the sources,
 the flags, the compiler's version and the CPU's model/flags, so a rebuild happens only when one
 of them changes. Each build records the library's SHA-256 beside it; :func:`intact` checks it
 before the library is handed to the dynamic loader (a truncated library can kill the process
@@ -71,13 +71,12 @@ def build(cc: str, sources: list[Path], target: Path) -> None:
         os.replace(tmp_lib, target)
 
 
-def library_path(cc: str, sources: list[Path]) -> Path:
-    """The cached library for these sources under ``cc`` on this CPU (it may not exist yet)."""
-    from kvflow.models.model_resolver import cache_dir
-
+def library_path(cc: str, sources: list[Path], cache_dir: str) -> Path:
+    """The cached library for these sources under ``cc`` on this CPU, in ``cache_dir``/kernels
+    (it may not exist yet)."""
     digest = hashlib.sha256()
     headers = [sources[0].parent / name for name in HEADERS]
     for part in [*(s.read_bytes() for s in sources + headers), " ".join(FLAGS).encode(),
                  _compiler_version(cc).encode(), _cpu_fingerprint().encode()]:
         digest.update(part)
-    return Path(cache_dir()) / "kernels" / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"
+    return Path(cache_dir) / "kernels" / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"

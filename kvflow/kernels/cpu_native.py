@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvflow.config import cache_dir
 from kvflow.kernels import cpu_build
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
         return None
     sources = [Path(__file__).parent / "csrc" / name for name in cpu_build.SOURCES]
     try:
-        return _load(cc, sources, cpu_build.library_path(cc, sources))
+        return _load(cc, sources, cpu_build.library_path(cc, sources, cache_dir()))
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", exc)
         return None

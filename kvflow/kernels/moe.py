@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.activation import silu_and_mul
-from kvflow.layers.moe import fused_experts_torch as fused_experts_ref
+from kvflow.kernels.moe_ref import fused_experts_ref
 
 __all__ = ["fused_experts", "fused_experts_ref", "grouped_gemm", "moe_align_block_size"]
 

@@ -624,7 +624,7 @@ def _tokenizer_cache_dir(path: str) -> str | None:
     CPU; a saved ``tokenizer.json`` loads in about a second."""
     import hashlib
 
-    from kvflow.models.model_resolver import cache_dir
+    from kvflow.config import cache_dir
 
     try:
         st = os.stat(path)

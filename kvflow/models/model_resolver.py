@@ -9,7 +9,7 @@ Accepted forms, checked in this order:
 4. the name of a model packaged on PyPI (see :data:`PACKAGED_MODELS`, matched
    case-insensitively, with aliases) -> the installed GGUF file (``kind="gguf"``); a GGUF
    shipped in chunks over several packages (gemma-3-270m) is joined once into the kvflow cache
-   directory (:func:`cache_dir`), its sha256 checked against the package's ``SHA256SUMS``.
+   directory (:func:`kvflow.config.cache_dir`), its sha256 checked against the package's ``SHA256SUMS``.
 
 Anything else raises ``ValueError`` with a one-line, actionable message. Nothing here imports
 the model packages themselves (some import heavy optional dependencies); their install
@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+
+from kvflow.config import cache_dir
 
 
 @dataclass(frozen=True)
@@ -129,16 +131,6 @@ def _resolve_packaged(entry: PackagedModel) -> ModelSource:
     target = os.path.join(cache_dir(), entry.name, entry.joined_name or f"{entry.name}.gguf")
     return ModelSource(kind="gguf", path=join_parts(paths, target, _expected_sha256(entry)),
                        name=entry.name)
-
-
-def cache_dir() -> str:
-    """Where kvflow keeps joined model files: ``$KVFLOW_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/kvflow``, else ``~/.cache/kvflow``."""
-    explicit = os.environ.get("KVFLOW_CACHE_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvflow")
 
 
 def _expected_sha256(entry: PackagedModel) -> str | None:

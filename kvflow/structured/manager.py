@@ -22,13 +22,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvflow.core.scheduler import SchedulerOutput
 from kvflow.request import Request
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
 
@@ -62,19 +61,6 @@ class RequestStructuredOutput:
         """Advance the matcher; False if the grammar rejects the token (or failed to compile)."""
         matcher = self.matcher
         return matcher is not None and matcher.accept_tokens([token_id])
-
-
-@dataclass
-class GrammarBitmask:
-    """The allowed tokens of one step's constrained rows.
-
-    Attributes:
-        request_ids: the constrained requests that sample this step, in bitmask row order.
-        bitmask: int32 [len(request_ids), ceil(vocab_size / 32)], CPU (see backend.py).
-    """
-
-    request_ids: list[str]
-    bitmask: torch.Tensor
 
 
 class StructuredOutputManager:

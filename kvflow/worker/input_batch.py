@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
-from kvflow.core.scheduler import SchedulerOutput
+from kvflow.sched_output import SchedulerOutput
 
 
 @dataclass

@@ -10,7 +10,6 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
-from kvflow.core.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvflow.kernels.gemm import (
     GemmWorkspace,
     cpu_gemm_kernels,
@@ -21,7 +20,8 @@ from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.structured.manager import GrammarBitmask
+from kvflow.runner_output import SampledToken
+from kvflow.sched_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import InputStager, ModelInputs, build_model_inputs
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,12 @@ import pytest
 from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import EngineCoreOutput, SampledToken, Scheduler, SchedulerOutput
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
+from kvflow.runner_output import SampledToken
 from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import SchedulerOutput
 
 BLOCK_SIZE = 4
 EOS = 1

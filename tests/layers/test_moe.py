@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers.moe import FusedMoE, fused_experts_torch, select_experts
+from kvflow.kernels.moe_ref import fused_experts_ref
+from kvflow.layers.moe import FusedMoE, select_experts
 
 
 def naive_moe(x, w1, w3, w2, router_logits, top_k, renormalize):
@@ -98,7 +99,7 @@ def test_stacked_and_tensor_parallel_loading():
         assert torch.equal(shard.w2_weight, w2[..., rank * 4:(rank + 1) * 4])
         # forward() all-reduces when tp_size > 1; sum the ranks' partial outputs by hand
         weights, ids = select_experts(logits, 2, True)
-        partial += fused_experts_torch(x, shard.w13_weight, shard.w2_weight, weights, ids)
+        partial += fused_experts_ref(x, shard.w13_weight, shard.w2_weight, weights, ids)
     torch.testing.assert_close(partial, full(x, logits), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError):
         full.w2_weight.weight_loader(full.w2_weight, torch.zeros(3, 3), "w2", 0)
@@ -106,14 +107,14 @@ def test_stacked_and_tensor_parallel_loading():
         full.w13_weight.weight_loader(full.w13_weight, w1[0], "w9", 0)
 
 
-def test_fused_experts_torch_bf16_close_to_fp32():
+def test_fused_experts_ref_bf16_close_to_fp32():
     num_experts, hidden, inter = 4, 64, 32
     w1, w3, w2 = _weights(num_experts, hidden, inter, seed=7)
     w13 = torch.cat([w1, w3], 1)
     x, logits = torch.randn(12, hidden), torch.randn(12, num_experts)
     weights, ids = select_experts(logits, 2, True)
-    ref = fused_experts_torch(x, w13, w2, weights, ids)
-    out = fused_experts_torch(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    out = fused_experts_ref(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

@@ -1,0 +1,55 @@
+"""What the engine core reports after a step (pure data, msgspec-encodable).
+
+``EngineCoreOutput`` carries one request's new tokens to the output processor (in-process for
+``LLM``, over ZMQ for the server); ``EngineStats`` the scheduler and KV-cache state to the
+metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvflow.runner_output import TokenLogprobs
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after a step, and how it finished (if it did).
+
+    Attributes:
+        new_token_ids: tokens appended this step (empty when the grammar cut the output).
+        new_logprobs: one entry per new token when logprobs were asked for.
+        finish_reason: "stop", "length" or "abort" once finished, else None.
+        stop_reason: the stop token id (or string, set later by the output processor).
+        num_cached_tokens: prompt tokens found in the prefix cache at first scheduling.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct):
+    """Scheduler and KV-cache state after a step. Counters are cumulative since start-up.
+
+    Attributes:
+        num_running / num_waiting: requests (samples) in the running list / waiting queue.
+        kv_cache_usage: fraction of usable KV blocks referenced by requests, in [0, 1].
+        num_free_blocks / num_usable_blocks: KV blocks free now / all blocks but the null one.
+        num_preemptions: requests preempted (recomputed later).
+        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_usable_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

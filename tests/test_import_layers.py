@@ -1,0 +1,107 @@
+"""The layering rule, checked on the source: no module imports one that runs above it.
+
+Layers, top to bottom (docs/architecture.md, "Where things live"): entrypoints and bench ->
+the offline API (llm.py) -> engine (processes, input/output processing, metrics) -> core
+(scheduler, KV-cache manager, structured output) -> executor -> worker -> models ->
+layers/attention -> kernels -> platforms -> foundation (config and the pure-data modules that
+cross boundaries). A module may import its own layer and the ones below it. Imports inside
+``if TYPE_CHECKING:`` are annotations only and do not count; function-local imports do.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "kvflow"
+
+# Longest matching prefix wins. Rank: higher runs above lower.
+LAYERS: dict[str, int] = {
+    "kvflow.entrypoints": 10, "kvflow.bench": 10,
+    "kvflow.llm": 9,
+    "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
+    "kvflow.detokenizer": 8, "kvflow.metrics": 8,
+    "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
+    "kvflow.executor": 6, "kvflow.distributed": 5,
+    "kvflow.worker": 5,
+    "kvflow.models": 4, "kvflow.lora": 4,
+    "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
+    "kvflow.kernels": 2,
+    "kvflow.platforms": 1,
+    # foundation: configuration and pure data that crosses a boundary
+    "kvflow.config": 0, "kvflow.sampling_params": 0, "kvflow.request": 0,
+    "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
+    "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
+}
+FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def rank(module: str) -> int | None:
+    best = None
+    for prefix, r in LAYERS.items():
+        if (module == prefix or module.startswith(prefix + ".")) and \
+                (best is None or len(prefix) > len(best[0])):
+            best = (prefix, r)
+    return None if best is None else best[1]
+
+
+def runtime_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(kvflow module, line) of every import outside ``if TYPE_CHECKING:`` blocks."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [f"{child.module}.{a.name}" for a in child.names]
+                # ``from kvflow.kernels import cpu_build`` imports the submodule
+                found.extend((n if rank(n) is not None and (ROOT.parent / (
+                    n.replace(".", "/") + ".py")).exists() else child.module, child.lineno)
+                    for n in names)
+            visit(child)
+
+    visit(tree)
+    return [(m, line) for m, line in found if m == "kvflow" or m.startswith("kvflow.")]
+
+
+SOURCES = sorted(ROOT.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    unplaced = [module_name(p) for p in SOURCES
+                if module_name(p) not in FACADES and rank(module_name(p)) is None]
+    assert not unplaced, f"add these modules to LAYERS: {unplaced}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_no_import_runs_back_up_the_layers(path: Path):
+    module = module_name(path)
+    if module in FACADES:
+        return
+    own = rank(module)
+    upward = [f"line {line}: {target} (layer {rank(target)} > {own})"
+              for target, line in runtime_imports(ast.parse(path.read_text()))
+              if target not in FACADES and (rank(target) or 0) > own]
+    assert not upward, f"{module} (layer {own}) imports upward: {upward}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rule itself can fail: a kernel importing a model is caught."""
+    tree = ast.parse("from kvflow.models.loader import load_model\n"
+                     "def f():\n    import kvflow.core.scheduler\n")
+    found = dict(runtime_imports(tree))
+    assert rank("kvflow.kernels.gemm") == 2
+    assert {rank(m) for m in found} == {4, 7}
+    assert all(rank(m) > 2 for m in found)
