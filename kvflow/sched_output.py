@@ -23,24 +23,22 @@ class ScheduledRequest:
     Attributes:
         token_ids: the tokens computed this step (``num_scheduled_tokens`` of them).
         num_computed_tokens: tokens already in the KV cache before this step.
-        block_ids: the request's whole block table.
+        block_ids: the request's whole block table, one list per KV-cache group (all equally
+            long; entries a sliding window no longer reads are the null block 0).
         do_sample: the step reaches the end of the request's tokens, so sample one token.
         output_token_ids: tokens generated so far (for min_tokens and penalties).
         prompt_token_ids: the request's prompt (for the repetition penalty).
-        group_block_ids: block tables of KV-cache groups 1.. (layers with a different
-            attention span, e.g. sliding-window layers); empty when there is one group.
     """
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     do_sample: bool
     sampling_params: SamplingParams
     output_token_ids: list[int]
     eos_token_id: int | None
     prompt_token_ids: list[int] = field(default_factory=list)
-    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -22,7 +22,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Batch layout for one model step; built once per step, read by every layer.
+    """Batch layout of one KV-cache group for one model step; built once per step per group
+    (groups differ only in ``slot_mapping`` and ``block_table``), read by the group's layers.
 
     Attributes:
         slot_mapping: int64 [num_tokens]; KV slot for each new token (-1 = padding, skip).
@@ -33,8 +34,6 @@ class AttentionMetadata:
         max_seq_len: longest context in the batch (tokens).
         num_actual_tokens: tokens that are real (the rest of the batch is padding).
         extra: backend-private tensors prepared once per step (e.g. gather indices).
-        kv_groups: with several KV-cache groups, one metadata per group (index 0 is this
-            object); groups differ only in ``slot_mapping`` and ``block_table``. None with one.
     """
 
     slot_mapping: torch.Tensor
@@ -45,7 +44,6 @@ class AttentionMetadata:
     max_seq_len: int
     num_actual_tokens: int
     extra: dict | None = None
-    kv_groups: list[AttentionMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:

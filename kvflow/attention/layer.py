@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -13,31 +13,43 @@ from kvflow.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class ForwardContext:
-    """Holds the current step's AttentionMetadata for one engine's model.
+    """Holds the current step's AttentionMetadata, one per KV-cache group, for one engine's
+    model.
 
-    Scoped, not global: ``with ctx.bind(meta): model(...)`` sets it for the duration of one
-    forward pass, refuses nesting, and always clears it, so two engines in one process each have
-    their own context.
+    Scoped, not global: ``with ctx.bind(attn_metadata): model(...)`` sets it for the duration
+    of one forward pass, refuses nesting, and always clears it, so two engines in one process
+    each have their own context.
     """
 
     def __init__(self) -> None:
-        self._meta: AttentionMetadata | None = None
+        self._attn_metadata: Sequence[AttentionMetadata] | None = None
 
     @contextmanager
-    def bind(self, meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-        if self._meta is not None:
+    def bind(self, attn_metadata: Sequence[AttentionMetadata]
+             ) -> Iterator[Sequence[AttentionMetadata]]:
+        """Make ``attn_metadata`` (index = KV-cache group) current for one forward pass.
+
+        Raises:
+            RuntimeError: if a forward pass is already bound (nested forward passes).
+        """
+        if self._attn_metadata is not None:
             raise RuntimeError("ForwardContext.bind is already active (nested forward pass)")
-        self._meta = meta
+        self._attn_metadata = attn_metadata
         try:
-            yield meta
+            yield attn_metadata
         finally:
-            self._meta = None
+            self._attn_metadata = None
 
     @property
-    def meta(self) -> AttentionMetadata:
-        if self._meta is None:
+    def attn_metadata(self) -> Sequence[AttentionMetadata]:
+        """The bound metadata, one per KV-cache group.
+
+        Raises:
+            RuntimeError: outside ``bind`` (attention called without a step's metadata).
+        """
+        if self._attn_metadata is None:
             raise RuntimeError("attention called outside ForwardContext.bind")
-        return self._meta
+        return self._attn_metadata
 
 
 @dataclass
@@ -66,12 +78,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self._ctx = ctx
         self.kv_cache = torch.empty(0)
-        self.kv_group = 0  # KV-cache group (block table) of this layer; set by the runner
+        self.kv_group = 0  # index of this layer's KV-cache group (block table); set by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        meta = self._ctx.forward_context.meta
-        if self.kv_group:
-            meta = meta.kv_groups[self.kv_group]
+        meta = self._ctx.forward_context.attn_metadata[self.kv_group]
         return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                          self.sliding_window)

@@ -120,7 +120,11 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue's tail in
-        the given order (so pass a request's blocks tail-first: they are evicted first)."""
+        the given order (so pass a request's blocks tail-first: they are evicted first).
+
+        Raises:
+            ValueError: on a double free (a block with no reference) or the null block.
+        """
         for block in ordered_blocks:
             if block.ref_cnt <= 0 or block is self.null_block:
                 raise ValueError(f"double free of {block}")

@@ -11,9 +11,11 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_cache_utils import group_kv_cache_specs, max_tokens_per_request
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.uniproc import UniprocExecutor
+from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.platforms import get_platform
@@ -79,9 +81,11 @@ class EngineCore:
             # would index past them in the middle of a step.
             raise ValueError(f"max_model_len={requested} exceeds the model's "
                              f"max_position_embeddings ({positions})")
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
-        capacity = self._kv_capacity_tokens()
+        self.kv_cache_config = self._make_kv_cache_config()
+        self.num_blocks = self.kv_cache_config.num_blocks
+        self.executor.initialize_kv_cache(self.kv_cache_config)
+        capacity = max_tokens_per_request(self.kv_cache_config,
+                                          self.config.scheduler_config.max_num_batched_tokens)
         model_len = self.config.model_config.max_model_len or \
             getattr(self.hf_config, "max_position_embeddings", capacity)
         if model_len > capacity:
@@ -89,37 +93,31 @@ class EngineCore:
                            model_len, capacity)
         self.max_model_len = min(model_len, capacity)
         self.executor.capture_graphs(self.max_model_len)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; max "
-                    "concurrency at full length %.1f requests", self.num_blocks, cc.block_size,
-                    capacity, self.max_model_len, capacity / self.max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens in %d group(s); max_model_len "
+                    "%d; max concurrency at full length %.1f requests", self.num_blocks,
+                    cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
+                    self.max_model_len, capacity / self.max_model_len)
 
-    def _kv_capacity_tokens(self) -> int:
-        """Longest sequence (tokens) whose blocks fit the cache alone: every full-attention
-        KV-cache group holds all its blocks, a sliding-window group at most its window plus
-        one step's chunk (rounded up, plus one block)."""
-        bs = self.config.cache_config.block_size
-        chunk = self.config.scheduler_config.max_num_batched_tokens
-        windows = self.executor.kv_group_windows
-        usable = self.num_blocks - 1
-        if len(windows) < 2:
-            return usable * bs
+    def _make_kv_cache_config(self) -> KVCacheConfig:
+        """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
+        the executor reports divided by one block's bytes across all KV tensors.
 
-        def need(num_tokens: int) -> int:
-            blocks = -(-num_tokens // bs)
-            return sum(blocks if w is None else min(blocks, -(-(w + chunk) // bs) + 1)
-                       for w in windows)
-
-        lo, hi = 0, usable * bs  # need(lo) <= usable < need(hi + 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
-        return lo
+        Raises:
+            ValueError: if fewer than 2 blocks fit (the null block plus one).
+        """
+        groups = group_kv_cache_specs(self.executor.get_kv_cache_spec())
+        num_blocks = self.config.cache_config.num_kv_blocks
+        if num_blocks is None:
+            budget = self.executor.determine_available_memory(groups)
+            num_blocks = budget // groups[0].page_size_bytes
+            if num_blocks < 2:
+                raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
+                                 f"of {groups[0].page_size_bytes} bytes; need at least 2")
+        return KVCacheConfig(num_blocks, groups)
 
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, cc.block_size,
-                                               cc.enable_prefix_caching,
-                                               self.executor.kv_group_windows)
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len)
 

@@ -47,6 +47,12 @@ class Scheduler:
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request as waiting.
+
+        Raises:
+            ValueError: if its id is already in use, or it has ``max_model_len`` tokens or more
+                (no room to generate).
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_tokens >= self.max_model_len:
@@ -158,7 +164,6 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
             prompt_token_ids=request.prompt_token_ids,
-            group_block_ids=self.kv.get_group_block_ids(request.request_id),
         )
 
     # ---- after the step ----------------------------------------------------------------------

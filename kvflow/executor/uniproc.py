@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from kvflow.config import EngineConfig
+from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
 from kvflow.runner_output import SampledToken
@@ -21,16 +22,21 @@ class UniprocExecutor:
                  hf_config: Any, dtype: torch.dtype) -> None:
         self.runner = ModelRunner(config, platform, source, hf_config, dtype)
 
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV-cache spec, in model order."""
+        return self.runner.get_kv_cache_spec()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
+        """Bytes the device can give the KV cache (may run a profiling forward pass)."""
+        return self.runner.determine_available_memory(kv_cache_groups)
 
-    @property
-    def kv_group_windows(self) -> tuple[int | None, ...]:
-        """Sliding window (None = full attention) of each KV-cache group."""
-        return self.runner.kv_group_windows
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV tensors of the pool the engine core sized.
+
+        Raises:
+            ValueError: if an explicitly sized cache does not fit in free memory.
+        """
+        self.runner.initialize_kv_cache(kv_cache_config)
 
     def capture_graphs(self, max_model_len: int) -> None:
         self.runner.capture_graphs(max_model_len)

@@ -66,7 +66,7 @@ class CudaGraphRunner:
 
     def _forward(self, size: int) -> None:
         meta = self.metas[size]
-        with self.attn_ctx.forward_context.bind(meta):
+        with self.attn_ctx.forward_context.bind([meta]):  # one KV-cache group
             self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()

@@ -16,13 +16,20 @@ from kvflow.kernels.gemm import (
     prepack_gemm_weights,
     widen_half_gemms,
 )
+from kvflow.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
 from kvflow.runner_output import SampledToken
 from kvflow.sched_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
-from kvflow.worker.input_batch import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,26 +59,6 @@ def make_attention_backend(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
 
 
-def group_layers_by_span(layers: list[Attention]) -> list[list[Attention]]:
-    """Split attention layers into KV-cache groups of equal size by attention span.
-
-    Full-attention layers form group 0; the sliding-window layers are cut into further groups
-    of the same size (Gemma 3's 5 local : 1 global gives 1 + 5 groups). Every group then needs
-    the same KV tensors, so layer ``j`` of each group shares tensor ``j`` and a block id is
-    owned by one group at a time; the sliding groups hold only the blocks inside their window.
-    One group (no savings, masking still exact) when all layers share one span, when windows
-    differ, when KV shapes differ, or when the counts do not divide.
-    """
-    full = [layer for layer in layers if layer.sliding_window is None]
-    local = [layer for layer in layers if layer.sliding_window is not None]
-    shapes = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
-    windows = {layer.sliding_window for layer in local}
-    if not full or not local or len(windows) > 1 or len(shapes) > 1 or len(local) % len(full):
-        return [list(layers)]
-    n = len(full)
-    return [full] + [local[i:i + n] for i in range(0, len(local), n)]
-
-
 class ModelRunner:
     """Owns the model, its KV cache and the sampler on one device.
 
@@ -91,7 +78,7 @@ class ModelRunner:
         self._init_model(source, hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
+        self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
@@ -102,11 +89,8 @@ class ModelRunner:
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed)
         self._choose_gemm_path()
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_groups = group_layers_by_span(self.attn_layers)
-        for g, layers in enumerate(self.kv_groups):
-            for layer in layers:
-                layer.kv_group = g
+        self.attn_layers = {name: m for name, m in self.model.named_modules()
+                            if isinstance(m, Attention)}
 
     def _choose_gemm_path(self) -> None:
         """CPU GEMM fast paths (kvflow/kernels/gemm.py): widen 16-bit weights to fp32 units
@@ -122,12 +106,6 @@ class ModelRunner:
             logger.info("packed %d GEMM weights for %s", packed,
                         "kvflow's C GEMM" if kernels else "oneDNN")
 
-    @property
-    def kv_group_windows(self) -> tuple[int | None, ...]:
-        """Sliding window of each KV-cache group (None = full attention), for the manager."""
-        windows = [{layer.sliding_window for layer in layers} for layers in self.kv_groups]
-        return tuple(w.pop() if len(w) == 1 else None for w in windows)
-
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.config.model_config.seed)
@@ -135,31 +113,25 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- KV cache ----------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one block occupies (K and V) in every KV tensor: one tensor per layer of a
-        group (groups take turns on the same tensors, see ``group_layers_by_span``)."""
-        layer = self.attn_layers[0]
-        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim
-        return per_layer * len(self.kv_groups[0]) * self.dtype.itemsize
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV-cache spec (layer name -> spec), in model order."""
+        specs: dict[str, KVCacheSpec] = {}
+        for name, layer in self.attn_layers.items():
+            shape = (self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+            specs[name] = FullAttentionSpec(*shape) if layer.sliding_window is None else \
+                SlidingWindowSpec(*shape, window=layer.sliding_window)
+        return specs
 
-    def determine_num_blocks(self) -> int:
-        """Blocks from --num-kv-blocks, else --kv-cache-memory, else the platform's budget."""
+    def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
+        """Bytes for the KV cache: --kv-cache-memory, else the platform's budget (CPU: 2 GiB;
+        GPU: what a profiling forward pass leaves of gpu_memory_utilization; it runs with a
+        cache of ``kv_cache_groups`` just big enough for one step)."""
         cc = self.config.cache_config
-        if cc.num_kv_blocks is not None:
-            self._check_fits(cc.num_kv_blocks * self.kv_bytes_per_block())
-            return cc.num_kv_blocks
         if cc.kv_cache_memory is not None:
-            budget = parse_bytes(cc.kv_cache_memory)
-            self._check_fits(budget)
-        elif self.platform.name == "cpu":
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        else:
-            budget = self._profile_kv_budget()
-        num_blocks = budget // self.kv_bytes_per_block()
-        if num_blocks < 2:
-            raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks of "
-                             f"{self.kv_bytes_per_block()} bytes; need at least 2")
-        return num_blocks
+            return parse_bytes(cc.kv_cache_memory)
+        if self.platform.name == "cpu":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        return self._profile_kv_budget(kv_cache_groups)
 
     def _check_fits(self, kv_bytes: int) -> None:
         """Raises ValueError if the requested KV cache exceeds the device's free memory."""
@@ -169,12 +141,12 @@ class ModelRunner:
                              f"{free / 2**30:.2f} GiB of {self.platform.name} memory is free; "
                              "lower --kv-cache-memory or --num-kv-blocks")
 
-    def _profile_kv_budget(self) -> int:
+    def _profile_kv_budget(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
         """GPU: a forward pass at the full token budget measures peak activations; the KV cache
         gets gpu_memory_utilization x total memory minus the weights + activation peak and
         minus what other processes hold."""
         self.platform.reset_peak_memory()
-        self.profile_run()
+        self.profile_run(kv_cache_groups)
         free, total = self.platform.memory_info()
         peak = self.platform.peak_memory()
         in_use_by_us = self.platform.peak_memory_reserved()
@@ -186,42 +158,60 @@ class ModelRunner:
                     used_by_others / 2**30, budget / 2**30)
         return budget
 
-    def profile_run(self) -> None:
+    def profile_run(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> None:
         """One forward pass over max_num_batched_tokens dummy tokens (one request), with a KV
-        cache just big enough for it; measures peak activation memory."""
+        cache of ``kv_cache_groups`` just big enough for it; measures peak activation memory.
+        """
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        self.initialize_kv_cache(num_blocks + 1)
+        self.initialize_kv_cache(KVCacheConfig(num_blocks + 1, kv_cache_groups))
         block_ids = list(range(1, num_blocks + 1))
-        req = ScheduledRequest("profile", [0] * num_tokens, 0, block_ids, True, None, [], None,
-                               group_block_ids=[block_ids] * (len(self.kv_groups) - 1))
+        req = ScheduledRequest("profile", [0] * num_tokens, 0,
+                               tuple(block_ids for _ in kv_cache_groups), True, None, [], None)
         inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
                                     self.stager)
-        with torch.inference_mode(), self.attn_ctx.forward_context.bind(inputs.attn_meta):
-            self._prepare_attention(inputs.attn_meta)
+        with torch.inference_mode(), \
+                self.attn_ctx.forward_context.bind(inputs.attn_metadata):
+            self._prepare_attention(inputs.attn_metadata)
             hidden = self.model(inputs.input_ids, inputs.positions)
             self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
-        self.initialize_kv_cache(0)
+        self._release_kv_cache()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer
-        of a KV-cache group; layer ``j`` of every group uses tensor ``j`` (a block id belongs
-        to one group at a time, so the groups never write the same slots)."""
-        self.num_blocks = num_blocks
+        of a KV-cache group and bind it: layer ``j`` of every group uses tensor ``j`` (a block
+        id belongs to one group at a time, so the groups never write the same slots).
+
+        Raises:
+            ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
+                in the device's free memory.
+        """
+        cc = self.config.cache_config
+        if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
+            self._check_fits(kv_cache_config.num_blocks * kv_cache_config.page_size_bytes)
+        self.kv_cache_config = kv_cache_config
         self.kv_caches = []
-        for j, layer in enumerate(self.kv_groups[0]):
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                layer.head_dim, dtype=self.dtype, device=self.device)
-            for group in self.kv_groups:
-                group[j].kv_cache = cache
+        for j in range(kv_cache_config.num_tensors):
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            cache = torch.zeros(2, kv_cache_config.num_blocks, spec.block_size,
+                                spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
+                                device=self.device)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups):
+                layer = self.attn_layers[group.layer_names[j]]
+                layer.kv_cache, layer.kv_group = cache, g
             self.kv_caches.append(cache)
+
+    def _release_kv_cache(self) -> None:
+        for layer in self.attn_layers.values():
+            layer.kv_cache = torch.empty(0)
+        self.kv_caches = []
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Capture CUDA graphs for decode steps (no-op without graph support or with
         ``enforce_eager``). Call after ``initialize_kv_cache``."""
         if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
-                or len(self.kv_groups) > 1:  # graphs replay one block table per step
+                or len(self.kv_cache_config.kv_cache_groups) > 1:  # one block table per step
             return
         from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -257,17 +247,17 @@ class ModelRunner:
                 for row, r in enumerate(reqs)}
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        meta = inputs.attn_meta
-        if self.graph_runner is not None and self.graph_runner.can_run(meta):
-            return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
-        with self.attn_ctx.forward_context.bind(meta):
-            self._prepare_attention(meta)
+        metadata = inputs.attn_metadata
+        if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
+            return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
+        with self.attn_ctx.forward_context.bind(metadata):
+            self._prepare_attention(metadata)
             return self.model(inputs.input_ids, inputs.positions)
 
-    def _prepare_attention(self, meta: AttentionMetadata) -> None:
+    def _prepare_attention(self, metadata: list[AttentionMetadata]) -> None:
         """The backend's per-step preparation, once per KV-cache group."""
-        for group_meta in meta.kv_groups or [meta]:
-            self.attn_ctx.backend.prepare(group_meta, self.block_size)
+        for meta in metadata:
+            self.attn_ctx.backend.prepare(meta, self.block_size)
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
         params = [r.sampling_params for r in reqs]

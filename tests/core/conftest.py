@@ -29,6 +29,7 @@ from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import SampledToken
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
+from tests.core.fake_kv import fake_kv_cache_config
 
 BLOCK_SIZE = 4
 EOS = 1
@@ -152,7 +153,7 @@ class FakeDriver:
             start = s.num_computed_tokens
             assert s.token_ids == history[start:start + len(s.token_ids)], s.request_id
             for pos in range(start, start + len(s.token_ids)):
-                block_id = s.block_ids[pos // bs]
+                block_id = s.block_ids[0][pos // bs]
                 assert block_id != 0, "the null block must never be written"
                 for rid in holders.get(block_id, ()):  # sharers must agree on the slot
                     other = self.history[rid]
@@ -162,7 +163,7 @@ class FakeDriver:
         sampled = {}
         for s in sched_out.scheduled:  # ... then reads it back through the block table
             end = s.num_computed_tokens + s.num_scheduled_tokens
-            seen = [self.kv_mem.get(s.block_ids[p // bs], [None] * bs)[p % bs]
+            seen = [self.kv_mem.get(s.block_ids[0][p // bs], [None] * bs)[p % bs]
                     for p in range(end)]
             assert seen == self.history[s.request_id][:end], \
                 f"{s.request_id} reads wrong KV: {seen} != {self.history[s.request_id][:end]}"
@@ -180,7 +181,7 @@ class FakeDriver:
         """Block id -> ids of the running requests whose block table holds it."""
         holders: dict[int, list[str]] = {}
         for req in self.scheduler.running:
-            for b in self.scheduler.kv.get_block_ids(req.request_id):
+            for b in self.scheduler.kv.get_block_ids(req.request_id)[0]:
                 holders.setdefault(b, []).append(req.request_id)
         return holders
 
@@ -190,15 +191,16 @@ class FakeDriver:
         bs = self.block_size
         for s in sched_out.scheduled:
             end = s.num_computed_tokens + s.num_scheduled_tokens
-            assert len(s.block_ids) == -(-end // bs), (s.request_id, s.block_ids, end)
-            assert len(set(s.block_ids)) == len(s.block_ids) and 0 not in s.block_ids
+            (table,) = s.block_ids  # one KV-cache group
+            assert len(table) == -(-end // bs), (s.request_id, table, end)
+            assert len(set(table)) == len(table) and 0 not in table
 
     def check_ref_counts(self) -> None:
         """Every block's ref count equals the number of running requests holding it."""
         kv = self.scheduler.kv
         holders = self._block_holders()
         for req in self.scheduler.waiting:
-            assert kv.get_block_ids(req.request_id) == [], f"waiting {req} holds blocks"
+            assert kv.get_block_ids(req.request_id) == ([],), f"waiting {req} holds blocks"
         for block in kv.pool.blocks[1:]:
             assert block.ref_cnt == len(holders.get(block.block_id, ())), block
         kv.pool.check_invariants()
@@ -269,7 +271,8 @@ def make_kv(_leak_registry):
     """Factory: ``make_kv(num_blocks, block_size=4, enable_prefix_caching=True)``."""
     def factory(num_blocks: int, block_size: int = BLOCK_SIZE,
                 enable_prefix_caching: bool = True) -> KVCacheManager:
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        kv = KVCacheManager(fake_kv_cache_config(num_blocks, block_size),
+                            enable_prefix_caching)
         _leak_registry["pools"].append(kv.pool)
         return kv
 
@@ -286,7 +289,8 @@ def make_scheduler(_leak_registry):
                 max_num_batched_tokens: int = 4096, max_num_seqs: int = 256,
                 policy: str = "fcfs", max_model_len: int | None = None,
                 enable_prefix_caching: bool = True) -> Scheduler:
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        kv = KVCacheManager(fake_kv_cache_config(num_blocks, block_size),
+                            enable_prefix_caching)
         cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, policy=policy)
         sched = Scheduler(cfg, kv, max_model_len or (num_blocks - 1) * block_size)

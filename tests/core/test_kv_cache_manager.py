@@ -40,16 +40,16 @@ def test_allocation_covers_exactly_the_tokens(make_kv, make_request):
     kv = make_kv(10)
     req = make_request("a", list(range(5)))
     assert admit(kv, req) == 0
-    assert kv.get_block_ids("a") == [1, 2]  # 5 tokens -> 2 blocks
+    assert kv.get_block_ids("a")[0] == [1, 2]  # 5 tokens -> 2 blocks
     decode(kv, req, 50)  # 6 tokens
     decode(kv, req, 51)  # 7
     decode(kv, req, 52)  # 8: still 2 blocks
-    assert kv.get_block_ids("a") == [1, 2]
+    assert kv.get_block_ids("a")[0] == [1, 2]
     decode(kv, req, 53)  # 9 -> third block
-    assert kv.get_block_ids("a") == [1, 2, 3]
+    assert kv.get_block_ids("a")[0] == [1, 2, 3]
     assert kv.num_free_blocks == 6
     kv.free(req)
-    assert kv.get_block_ids("a") == []
+    assert kv.get_block_ids("a")[0] == []
 
 
 @pytest.mark.parametrize("prefix_len, extra, expected_hit", [
@@ -67,12 +67,12 @@ def test_prefix_hit_length(make_kv, make_request, prefix_len, extra, expected_hi
     b = make_request("b", base[:prefix_len] + extra)
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == expected_hit and len(hits) == expected_hit // BS
-    assert hits.get_block_ids() == kv.get_block_ids("a")[:expected_hit // BS]
+    assert hits.get_block_ids()[0] == kv.get_block_ids("a")[0][:expected_hit // BS]
     kv.allocate_slots(b, b.num_tokens - num_hit, hits)
-    assert kv.get_block_ids("b")[:len(hits)] == hits.get_block_ids()
-    shared = hits.get_block_ids()
+    assert kv.get_block_ids("b")[0][:len(hits)] == hits.get_block_ids()[0]
+    shared = hits.get_block_ids()[0]
     assert ref_counts(kv, shared) == [2] * len(shared)
-    private = kv.get_block_ids("b")[len(hits):]
+    private = kv.get_block_ids("b")[0][len(hits):]
     assert ref_counts(kv, private) == [1] * len(private)
     kv.free(a)
     assert ref_counts(kv, shared) == [1] * len(shared)
@@ -111,15 +111,15 @@ def test_hits_survive_free_until_evicted_tail_first(make_kv, make_request):
     prompt = list(range(300, 312))
     a = make_request("a", prompt)
     admit(kv, a)
-    assert kv.get_block_ids("a") == [1, 2, 3]
+    assert kv.get_block_ids("a")[0] == [1, 2, 3]
     kv.free(a)  # free queue: 4, then a's blocks tail-first: 3, 2, 1
     b = make_request("b", prompt + [5])
     assert kv.get_computed_blocks(b)[1] == 12  # all still cached after free
     x = make_request("x", [9] * 8)
     admit(kv, x)  # takes two blocks from the head: 4, then 3 (a's last block) is evicted
-    assert kv.get_block_ids("x") == [4, 3]
+    assert kv.get_block_ids("x")[0] == [4, 3]
     hits, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 8 and hits.get_block_ids() == [1, 2]
+    assert num_hit == 8 and hits.get_block_ids()[0] == [1, 2]
     kv.free(x)
 
 
@@ -133,7 +133,7 @@ def test_hit_on_free_blocks_revives_them(make_kv, make_request):
     b = make_request("b", prompt + [1, 2, 3, 4])  # 16 tokens, 12 hit, 4 new
     assert kv.can_allocate(b, 4, kv.get_computed_blocks(b)[0])
     assert admit(kv, b) == 12
-    assert kv.get_block_ids("b") == [1, 2, 3, 4]
+    assert kv.get_block_ids("b")[0] == [1, 2, 3, 4]
     assert ref_counts(kv, [1, 2, 3, 4]) == [1, 1, 1, 1] and kv.num_free_blocks == 0
     kv.free(b)
 
@@ -151,7 +151,7 @@ def test_revived_hits_count_against_free_blocks(make_kv, make_request):
     assert not kv.can_allocate(b, 5, hits)
     with pytest.raises(ValueError):
         kv.allocate_slots(b, 5, hits)
-    assert kv.num_free_blocks == 3 and kv.get_block_ids("b") == []  # nothing taken
+    assert kv.num_free_blocks == 3 and kv.get_block_ids("b")[0] == []  # nothing taken
     assert kv.can_allocate(b, 4, hits)  # 12 tokens -> 1 new block
     kv.allocate_slots(b, 4, hits)
     assert kv.num_free_blocks == 0
@@ -166,7 +166,7 @@ def test_allocate_slots_failure_leaves_state_unchanged(make_kv, make_request):
     assert not kv.can_allocate(a, 1)
     with pytest.raises(ValueError):
         kv.allocate_slots(a, 1)
-    assert kv.get_block_ids("a") == [1, 2]
+    assert kv.get_block_ids("a")[0] == [1, 2]
     kv.free(a)
 
 
@@ -194,7 +194,7 @@ def test_prefix_caching_off_siblings_share_prompt_blocks(make_kv, make_request):
     assert admit(kv, s0) == 0
     assert admit(kv, s1) == 12
     assert admit(kv, s2) == 12
-    b0, b1, b2 = (kv.get_block_ids(r) for r in ("p-0", "p-1", "p-2"))
+    b0, b1, b2 = (kv.get_block_ids(r)[0] for r in ("p-0", "p-1", "p-2"))
     assert b0[:3] == b1[:3] == b2[:3]
     assert ref_counts(kv, b0[:3]) == [3, 3, 3]
     assert len({b0[3], b1[3], b2[3]}) == 3  # the partial tail block is private
@@ -222,8 +222,8 @@ def test_siblings_do_not_share_diverged_output_blocks(make_kv, make_request):
     late = make_request("p-2", prompt + [10, 11, 12, 13, 14], parent_id="p", sample_index=2)
     hits, num_hit = kv.get_computed_blocks(late)
     assert num_hit == 8
-    assert hits.get_block_ids()[1] == kv.get_block_ids("p-0")[1]
-    assert kv.get_block_ids("p-0")[1] != kv.get_block_ids("p-1")[1]
+    assert hits.get_block_ids()[0][1] == kv.get_block_ids("p-0")[0][1]
+    assert kv.get_block_ids("p-0")[0][1] != kv.get_block_ids("p-1")[0][1]
     kv.free(s0)
     kv.free(s1)
 
@@ -281,17 +281,17 @@ def _random_trial(kv: KVCacheManager, make_request, rng: random.Random, num_ops:
 def _try_allocate(kv, req, num_new, hits, start, mem) -> bool:
     """Check ``can_allocate`` against ``allocate_slots``; on success write and verify KV."""
     ok = kv.can_allocate(req, num_new, *(() if hits is None else (hits,)))
-    before = (kv.num_free_blocks, kv.get_block_ids(req.request_id))
+    before = (kv.num_free_blocks, kv.get_block_ids(req.request_id)[0])
     args = (req, num_new) if hits is None else (req, num_new, hits)
     if not ok:
         with pytest.raises(ValueError):
             kv.allocate_slots(*args)
-        assert (kv.num_free_blocks, kv.get_block_ids(req.request_id)) == before
+        assert (kv.num_free_blocks, kv.get_block_ids(req.request_id)[0]) == before
         return False
     kv.allocate_slots(*args)
     end = start + num_new
     req.num_computed_tokens = end
-    bs, table = kv.block_size, kv.get_block_ids(req.request_id)
+    bs, table = kv.block_size, kv.get_block_ids(req.request_id)[0]
     assert len(table) == -(-end // bs)
     for pos in range(start, end):
         mem[(table[pos // bs], pos % bs)] = req.all_token_ids[pos]
@@ -303,7 +303,7 @@ def _check_refs(kv: KVCacheManager, live: list[Request]) -> None:
     """Ref counts equal the number of live requests whose block table holds the block."""
     counts: dict[int, int] = {}
     for req in live:
-        for b in kv.get_block_ids(req.request_id):
+        for b in kv.get_block_ids(req.request_id)[0]:
             counts[b] = counts.get(b, 0) + 1
     for block in kv.pool.blocks[1:]:
         assert block.ref_cnt == counts.get(block.block_id, 0)

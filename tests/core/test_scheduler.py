@@ -274,9 +274,9 @@ def test_abort_running_and_waiting_frees_blocks_now(make_scheduler, make_driver,
     drv.step()
     assert sched.num_running == 2 and sched.num_waiting == 1
     assert sched.kv.num_free_blocks == 10 - 4
-    run1_blocks = sched.kv.get_block_ids("run1")
+    run1_blocks = sched.kv.get_block_ids("run1")[0]
     drv.abort(["run1", "wait", "no-such-request"])
-    assert sched.kv.num_free_blocks == 10 - 1 and sched.kv.get_block_ids("run1") == []
+    assert sched.kv.num_free_blocks == 10 - 1 and sched.kv.get_block_ids("run1")[0] == []
     assert all(sched.kv.pool.blocks[b].ref_cnt == 0 for b in run1_blocks)
     assert sched.num_running == 1 and sched.num_waiting == 0
     assert set(sched.requests) == {"run2"}
@@ -424,7 +424,7 @@ def test_same_step_prefix_hit(make_scheduler, make_driver, make_request, oracle)
     rec = drv.step()
     assert rec.num_computed_before == {"a": 0, "b": 8}
     assert rec.num_scheduled == {"a": 12, "b": 4}
-    a_ids, b_ids = sched.kv.get_block_ids("a"), sched.kv.get_block_ids("b")
+    a_ids, b_ids = sched.kv.get_block_ids("a")[0], sched.kv.get_block_ids("b")[0]
     assert a_ids[:2] == b_ids[:2] and a_ids[2] != b_ids[2]
     assert [sched.kv.pool.blocks[i].ref_cnt for i in a_ids[:2]] == [2, 2]
     res = drv.run()
@@ -442,9 +442,9 @@ def test_siblings_share_prompt_without_prefix_caching(make_scheduler, make_drive
     drv.add(make_request("q", prompt, max_tokens=2, arrival=0.0))
     rec = drv.step()
     assert rec.num_computed_before == {"p-0": 0, "p-1": 12, "p-2": 12, "q": 0}
-    shared = sched.kv.get_block_ids("p-0")[:3]
+    shared = sched.kv.get_block_ids("p-0")[0][:3]
     assert [sched.kv.pool.blocks[i].ref_cnt for i in shared] == [3, 3, 3]
-    assert not set(sched.kv.get_block_ids("q")) & set(shared)
+    assert not set(sched.kv.get_block_ids("q")[0]) & set(shared)
     res = drv.run()
     assert {tuple(r.output_token_ids) for r in res.values()} == {tuple(oracle(prompt, 2))}
 

@@ -17,7 +17,7 @@ def _greedy(path: str, backend: str) -> list[list[int]]:
     llm = LLM(model=path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
               block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
               attention_backend=backend, device="cpu")
-    assert len(llm.engine.core.kv_cache_manager.group_windows) == 2
+    assert len(llm.engine.core.kv_cache_config.kv_cache_groups) == 2
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                         use_tqdm=False)
     kv = llm.engine.core.kv_cache_manager

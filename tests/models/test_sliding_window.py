@@ -16,6 +16,7 @@ from kvflow import LLM
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from tests.core.fake_kv import fake_kv_cache_config
 from tests.models.test_parity import _prompts, assert_matches_hf, greedy
 
 WINDOW, BS, BUDGET = 8, 4, 16  # the tiny specs' window; block size; token budget per step
@@ -51,7 +52,8 @@ def test_long_prompt_matches_hf_with_bounded_window_blocks(name, tiny_model_fact
     tiny = tiny_model_factory(name)
     llm = LLM(model=tiny.path, dtype="float32", num_kv_blocks=128, block_size=BS,
               max_num_seqs=4, max_num_batched_tokens=BUDGET, enable_prefix_caching=True)
-    windows = llm.engine.core.kv_cache_manager.group_windows
+    windows = [g.kv_cache_spec.sliding_window
+               for g in llm.engine.core.kv_cache_config.kv_cache_groups]
     assert WINDOW in windows  # mistral: one sliding group; gemma3: full + sliding groups
     history = _track_held_blocks(llm)
     prompts = _prompts([61, 57], tiny.vocab_size, seed=11)
@@ -91,13 +93,13 @@ def _prefill(kv: KVCacheManager, req: Request, chunk: int) -> None:
 
 
 def test_sliding_group_releases_blocks_and_hits_need_only_the_window():
-    kv = KVCacheManager(64, BS, enable_prefix_caching=True, group_windows=(None, WINDOW))
+    kv = KVCacheManager(fake_kv_cache_config(64, BS, (None, WINDOW)), enable_prefix_caching=True)
     prompt = list(range(100, 140))  # 40 tokens = 10 blocks
     a = _request("a", prompt)
     _prefill(kv, a, chunk=8)
     full, local = kv.num_held_blocks("a")
     assert full == 10 and local <= _bound(WINDOW, 8, BS)
-    table = kv.get_group_block_ids("a")[0]
+    table = kv.get_block_ids("a")[1]
     assert table[:5] == [0] * 5 and 0 not in table[-2:]  # released leading blocks read 0
     kv.free(a)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
@@ -119,12 +121,12 @@ def test_sliding_group_releases_blocks_and_hits_need_only_the_window():
 def test_hit_stops_where_the_window_blocks_were_evicted():
     """If a sliding group's in-window blocks were evicted, the hit falls back to a shorter
     prefix whose window blocks are all still cached (here: none, so no hit)."""
-    kv = KVCacheManager(64, BS, enable_prefix_caching=True, group_windows=(None, WINDOW))
+    kv = KVCacheManager(fake_kv_cache_config(64, BS, (None, WINDOW)), enable_prefix_caching=True)
     prompt = list(range(200, 224))  # 6 blocks
     a = _request("a", prompt)
     _prefill(kv, a, chunk=24)
     kv.free(a)
-    local_keys = {kv._group_key(h, 1) for h in a.block_hashes}
+    local_keys = {kv.managers[1].cache_key(h) for h in a.block_hashes}
     for block in kv.pool.blocks[1:]:  # evict the local group's blocks only
         if block.ref_cnt == 0 and block.block_hash in local_keys:
             kv.pool._evict_hash(block)
@@ -135,7 +137,8 @@ def test_hit_stops_where_the_window_blocks_were_evicted():
 def test_can_allocate_counts_blocks_released_this_step():
     """A full pool: the decode that starts block 11 needs one new block per group, and the
     window moving past blocks 6 and 7 frees two local blocks first, so it still fits."""
-    kv = KVCacheManager(1 + 14, BS, enable_prefix_caching=False, group_windows=(None, WINDOW))
+    kv = KVCacheManager(fake_kv_cache_config(1 + 14, BS, (None, WINDOW)),
+                        enable_prefix_caching=False)
     a = _request("a", list(range(1, 41)))  # 40 tokens = 10 blocks
     _prefill(kv, a, chunk=8)
     assert kv.num_held_blocks("a") == [10, 4] and kv.num_free_blocks == 0

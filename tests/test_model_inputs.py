@@ -9,11 +9,11 @@ import torch
 
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import ScheduledRequest, SchedulerOutput
-from kvflow.worker.input_batch import InputStager, build_model_inputs
+from kvflow.worker.model_inputs import InputStager, build_model_inputs
 
 
 def _req(rid, token_ids, computed, block_ids, do_sample):
-    return ScheduledRequest(rid, token_ids, computed, block_ids, do_sample, SamplingParams(),
+    return ScheduledRequest(rid, token_ids, computed, (block_ids,), do_sample, SamplingParams(),
                             [], None)
 
 
@@ -26,7 +26,7 @@ BLOCK_SIZE = 4
 
 
 def _check(inputs) -> None:
-    meta = inputs.attn_meta
+    (meta,) = inputs.attn_metadata  # one KV-cache group
     assert inputs.input_ids.tolist() == [11, 12, 13, 21, 31, 32]
     assert inputs.positions.tolist() == [0, 1, 2, 5, 3, 4]
     assert meta.slot_mapping.tolist() == [28, 29, 30, 37, 19, 20]
@@ -75,3 +75,17 @@ def test_buffer_grows(monkeypatch, n):
     inputs = build_model_inputs(sched, BLOCK_SIZE, stager)
     assert inputs.input_ids.tolist() == [i for i in range(3) for _ in range(n)]
     assert inputs.logits_indices.tolist() == [n - 1, 2 * n - 1, 3 * n - 1]
+
+
+def test_one_metadata_per_kv_cache_group():
+    """Two KV-cache groups: each gets its own block table and slot mapping (group 1's leading
+    entry released to the null block), the rest of the layout is shared."""
+    sched = SchedulerOutput(scheduled=[
+        ScheduledRequest("a", [5, 6], 6, ([2, 8], [0, 3]), True, SamplingParams(), [], None)])
+    inputs = build_model_inputs(sched, BLOCK_SIZE, InputStager(torch.device("cpu")))
+    full, local = inputs.attn_metadata
+    assert full.block_table.tolist() == [[2, 8]] and local.block_table.tolist() == [[0, 3]]
+    assert full.slot_mapping.tolist() == [8 * 4 + 2, 8 * 4 + 3]  # positions 6, 7
+    assert local.slot_mapping.tolist() == [3 * 4 + 2, 3 * 4 + 3]
+    for meta in (full, local):
+        assert meta.query_start_loc.tolist() == [0, 2] and meta.seq_lens.tolist() == [8]

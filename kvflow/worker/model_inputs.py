@@ -1,8 +1,10 @@
-"""Turns a SchedulerOutput into the model's input tensors for one step (no per-token loops)."""
+"""Turns a SchedulerOutput into the model's input tensors for one step (no per-token loops).
+
+A function of each step's SchedulerOutput, rebuilt every step (not a persistent batch).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -19,14 +21,15 @@ class ModelInputs:
 
     Attributes:
         input_ids: int64 [num_tokens]; positions: int64 [num_tokens].
-        attn_meta: slot mapping, block tables and lengths for attention.
+        attn_metadata: slot mapping, block table and lengths for attention, one per KV-cache
+            group (the groups differ only in slot mapping and block table).
         logits_indices: int64 [num_sampling_reqs]; the last token of each request that samples.
         sampling_rows: the ScheduledRequest index of each sampling row.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_meta: AttentionMetadata
+    attn_metadata: list[AttentionMetadata]
     logits_indices: torch.Tensor
     sampling_rows: list[int]
 
@@ -44,35 +47,24 @@ def build_model_inputs(sched: SchedulerOutput, block_size: int,
     # Position of every token: its request's computed count plus its offset in the chunk.
     req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
     positions = computed[req_of_token] + np.arange(num_tokens) - query_start[:-1][req_of_token]
-    block_table, slot_mapping = _block_table_and_slots(
-        [r.block_ids for r in reqs], req_of_token, positions, block_size)
     input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), np.int64, num_tokens)
     sampling_rows = [i for i, r in enumerate(reqs) if r.do_sample]
     logits_indices = query_start[1:][sampling_rows] - 1
-
-    # KV-cache groups 1.. (layers with another attention span): own block tables and slots.
-    groups = [_block_table_and_slots([r.group_block_ids[g] for r in reqs], req_of_token,
-                                     positions, block_size)
-              for g in range(len(reqs[0].group_block_ids))]
-    i64, i32 = stager.stage([input_ids, positions, slot_mapping, logits_indices,
-                             *(slots for _, slots in groups)],
-                            [query_start, seq_lens, block_table, *(table for table, _ in groups)])
-    input_ids_t, positions_t, slots_t, logits_t = i64[:4]
-    query_start_t, seq_lens_t, block_table_t = i32[:3]
-    meta = AttentionMetadata(
-        slot_mapping=slots_t,
-        query_start_loc=query_start_t,
-        seq_lens=seq_lens_t,
-        block_table=block_table_t,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        num_actual_tokens=num_tokens,
-    )
-    if groups:
-        meta.kv_groups = [meta] + [dataclasses.replace(meta, slot_mapping=slots,
-                                                       block_table=table, kv_groups=None)
-                                   for slots, table in zip(i64[4:], i32[3:])]
-    return ModelInputs(input_ids_t, positions_t, meta, logits_t, sampling_rows)
+    # One block table and slot mapping per KV-cache group.
+    groups = [_block_table_and_slots([r.block_ids[g] for r in reqs], req_of_token, positions,
+                                     block_size)
+              for g in range(len(reqs[0].block_ids))]
+    i64, i32 = stager.stage([input_ids, positions, logits_indices, *(s for _, s in groups)],
+                            [query_start, seq_lens, *(table for table, _ in groups)])
+    input_ids_t, positions_t, logits_t = i64[:3]
+    query_start_t, seq_lens_t = i32[:2]
+    attn_metadata = [
+        AttentionMetadata(slot_mapping=slots, query_start_loc=query_start_t,
+                          seq_lens=seq_lens_t, block_table=table,
+                          max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+                          num_actual_tokens=num_tokens)
+        for slots, table in zip(i64[3:], i32[2:])]
+    return ModelInputs(input_ids_t, positions_t, attn_metadata, logits_t, sampling_rows)
 
 
 class InputStager:

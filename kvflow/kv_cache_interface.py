@@ -1,0 +1,133 @@
+"""How the KV cache is laid out: one spec per attention layer, grouped (pure data).
+
+The model runner describes each attention layer's K/V with a ``KVCacheSpec`` (block shape,
+dtype, attention span). The engine core groups layers with the same spec into KV-cache groups
+(``kvflow/core/kv_cache_utils.py``), sizes the pool and sends the resulting ``KVCacheConfig``
+back to the runner, which allocates the tensors; the KV-cache manager keeps one block table per
+group. A new kind of attention (MLA's latent cache, a quantized cache, a draft model's layers)
+is a new spec here plus, if its blocks live differently, a manager class in
+``core/single_type_kv_cache_manager.py``.
+
+Layout of every group's KV tensor ``j``: ``[2, num_blocks, block_size, num_kv_heads,
+head_size]`` (0 = K, 1 = V). Layer ``j`` of every group shares tensor ``j``, and a block id is
+owned by one group at a time, so the groups never write the same slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's KV-cache block.
+
+    Attributes:
+        block_size: tokens per block.
+        num_kv_heads: KV heads (per tensor-parallel rank).
+        head_size: elements per head.
+        dtype: element type of the cache.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer, K and V together."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Keys a query may look back (tokens); None for full attention."""
+        return None
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds at once in this layer's
+        group, when a step computes at most ``max_num_batched_tokens`` tokens."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """Every token attends to all earlier ones: a request holds all its blocks."""
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """A query at position p sees keys in (p - window, p] (Mistral; Gemma 3's local layers).
+
+    Blocks that lie wholly before the window of every future query go back to the pool, so a
+    request holds at most its window plus one step's chunk (rounded up), plus the block the
+    window may straddle.
+
+    Attributes:
+        window: the sliding window in tokens.
+    """
+
+    window: int = 0
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        in_window = -(-(self.window + max_num_batched_tokens) // self.block_size) + 1
+        return min(-(-num_tokens // self.block_size), in_window)
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Index of the first block a query at ``num_computed_tokens`` or later can see."""
+        return max(0, (num_computed_tokens - self.window + 1) // self.block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table.
+
+    Attributes:
+        layer_names: the attention layers of the group (module paths), in model order.
+        kv_cache_spec: the spec they all share.
+    """
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block id occupies across the group's layers (= across all KV tensors)."""
+        return self.kv_cache_spec.page_size_bytes * len(self.layer_names)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The pool the engine core sized, sent to the model runner to allocate.
+
+    Attributes:
+        num_blocks: blocks in the pool, including the reserved null block 0.
+        kv_cache_groups: one entry per block table; every group has equally many layers
+            (layer ``j`` of each group uses KV tensor ``j``).
+    """
+
+    num_blocks: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_groups[0].kv_cache_spec.block_size
+
+    @property
+    def num_tensors(self) -> int:
+        """KV tensors to allocate: one per layer of a group."""
+        return len(self.kv_cache_groups[0].layer_names)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block id occupies across all KV tensors."""
+        return self.kv_cache_groups[0].page_size_bytes
