@@ -17,12 +17,16 @@ __all__ = [
 
 def __getattr__(name: str):
     """Import the engine lazily, so ``import kvflow`` stays cheap for light users and tests."""
-    if name in ("LLM", "LLMEngine"):
+    if name == "LLM":
         from kvflow import llm
 
-        return getattr(llm, name)
+        return llm.LLM
+    if name == "LLMEngine":
+        from kvflow.engine import llm_engine
+
+        return llm_engine.LLMEngine
     if name == "AsyncLLM":
-        from kvflow.entrypoints import async_llm
+        from kvflow.engine import async_llm
 
         return async_llm.AsyncLLM
     if name in ("RequestOutput", "CompletionOutput"):

@@ -2,68 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from kvflow.config import EngineConfig
-from kvflow.core.engine_core import EngineCore
-from kvflow.input_processor import InputProcessor, PromptType
-from kvflow.models.loader import load_tokenizer
-from kvflow.output_processor import OutputProcessor
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.input_processor import PromptType
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
-
-
-class LLMEngine:
-    """EngineCore plus the input and output processing around it (in one process).
-
-    Raises:
-        ValueError: from the constructor for a bad config or model; from ``add_request`` for a
-            bad prompt or parameters (other requests keep running).
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.core = EngineCore(config)
-        mc = config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(self.core.source, mc.tokenizer)
-        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.core.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                        self.core.hf_config.vocab_size, eos)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
-
-    def add_request(self, prompt: PromptType, params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Validate and queue one prompt; returns its request id."""
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        text, token_ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
-        self.output_processor.add_request(text, requests)
-        for r in requests:
-            self.core.add_request(r)
-        return request_id
-
-    def abort_request(self, request_id: str) -> None:
-        self.core.abort_requests(self.output_processor.abort(request_id))
-
-    def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished()
-
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the RequestOutputs that changed (finished or not)."""
-        outputs, stopped = self.output_processor.process(self.core.step())
-        if stopped:
-            self.core.abort_requests(stopped)
-        return outputs
 
 
 class LLM:

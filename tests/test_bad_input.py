@@ -7,7 +7,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
-from kvflow.llm import LLMEngine
+from kvflow.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

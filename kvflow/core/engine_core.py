@@ -131,16 +131,13 @@ class EngineCore:
             self.config.scheduler_config.max_num_seqs)
 
     def _make_grammar_backend(self):
-        from kvflow.models.loader import load_tokenizer
+        from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
         from kvflow.structured.xgrammar_backend import XgrammarBackend
 
         mc = self.config.model_config
         tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        return XgrammarBackend(tokenizer, self.hf_config.vocab_size, eos)
+        return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
+                               resolve_eos_token_id(tokenizer, self.hf_config))
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

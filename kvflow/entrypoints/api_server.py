@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.entrypoints.async_llm import AsyncLLM
+from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvflow.config import ServerConfig
-from kvflow.entrypoints.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
 from kvflow.outputs import RequestOutput

@@ -11,7 +11,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.entrypoints.async_llm import RequestStream, collect
+from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.protocol import (
     ChatChoice,

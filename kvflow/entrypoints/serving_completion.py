@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.entrypoints.async_llm import RequestStream, collect
+from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,

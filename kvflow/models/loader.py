@@ -125,3 +125,21 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def resolve_eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
+    """The token id that ends generation: the tokenizer's EOS when it has one, else the model
+    config's (the first one when the config lists several), else None.
+
+    Args:
+        tokenizer: a transformers tokenizer, or None (``skip_tokenizer_init``).
+        hf_config: anything with an ``eos_token_id`` attribute (an HF PretrainedConfig, or the
+            core process's ``EngineReady`` that carries the config's resolved id), or None.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        return eos
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None

@@ -9,8 +9,8 @@ API process (asyncio)                                 engine-core process (busy 
                -> per-request RequestStream (delta RequestOutputs)
 ```
 Both channels are ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temporary
-directory, carrying msgspec/msgpack messages (``engine_messages``). The HTTP event loop only
-ever does non-blocking sends and awaits receives, so it never waits on the model.
+directory, carrying msgspec/msgpack messages (``kvflow.engine.messages``). The HTTP event loop
+only ever does non-blocking sends and awaits receives, so it never waits on the model.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine_outputs import EngineStats
-from kvflow.entrypoints.engine_core_proc import run_engine_core
-from kvflow.entrypoints.engine_messages import (
+from kvflow.engine.core_proc import run_engine_core
+from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
     EngineCoreRequest,
@@ -41,9 +40,10 @@ from kvflow.entrypoints.engine_messages import (
     Shutdown,
     output_decoder,
 )
+from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
-from kvflow.models.loader import load_tokenizer
+from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import resolve_model
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import CompletionOutput, RequestOutput
@@ -170,9 +170,8 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
-        eos = getattr(self.tokenizer, "eos_token_id", None)
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
-                                        eos if eos is not None else ready.eos_token_id)
+                                        resolve_eos_token_id(self.tokenizer, ready))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     async def start(self) -> None:

@@ -18,8 +18,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
-from kvflow.engine_outputs import EngineCoreOutput, EngineStats
-from kvflow.entrypoints.engine_messages import (
+from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
     EngineFailed,
@@ -28,6 +27,8 @@ from kvflow.entrypoints.engine_messages import (
     Shutdown,
     input_decoder,
 )
+from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.models.loader import resolve_eos_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
 
 def _ready(core: EngineCore) -> EngineReady:
-    eos = getattr(core.hf_config, "eos_token_id", None)
-    eos = eos[0] if isinstance(eos, list) and eos else eos
     return EngineReady(core.max_model_len, core.hf_config.vocab_size,
-                       eos if isinstance(eos, int) else None, core.num_blocks,
+                       resolve_eos_token_id(None, core.hf_config), core.num_blocks,
                        core.config.cache_config.block_size)
 
 
