@@ -39,7 +39,13 @@ MAX_ERRORS_KEPT = 20
 
 def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
     """The workload of ``args.dataset``. Random prompts are token ids for the completions
-    endpoint and the tokenizer's decoding of them for chat."""
+    endpoint and the tokenizer's decoding of them for chat.
+
+    Raises:
+        ValueError: for random prompts on the chat endpoint without a tokenizer, a JSONL
+            dataset with chat messages on the completions endpoint, a dataset file that cannot
+            be read or has a bad line, or a bad length distribution.
+    """
     if args.dataset == "random":
         vocab = args.random_vocab_size
         if vocab is None:

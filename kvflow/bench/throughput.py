@@ -46,6 +46,12 @@ def _result(engine: str, prompts: list[list[int]], output_len: int, elapsed: flo
 
 
 def run_kvflow(llm, prompts: list[list[int]], output_len: int) -> ThroughputResult:
+    """Time ``llm.generate`` over every prompt (greedy, ``ignore_eos``, ``output_len`` tokens
+    each) after a two-prompt warm-up and a prefix-cache reset.
+
+    Raises:
+        RuntimeError: if kvflow did not produce exactly ``output_len`` tokens per prompt.
+    """
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

@@ -177,6 +177,13 @@ def _add_other_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
+        """Token ids of a prompt or of a chat conversation (rendered with the chat template).
+
+        Raises:
+            OpenAIError: 404 if ``model`` names another model; 400 unless exactly one of
+                ``prompt`` and ``messages`` is given, or when the chat template cannot render
+                the messages.
+        """
         chat = raw.app.state.chat
         chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -190,6 +197,12 @@ def _add_other_routes(app: FastAPI) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+        """The text of a list of token ids.
+
+        Raises:
+            OpenAIError: 404 if ``model`` names another model; 400 for a token id outside
+                ``[0, vocab_size)``.
+        """
         chat = raw.app.state.chat
         chat.check_model(req.model)
         vocab = chat.engine.vocab_size

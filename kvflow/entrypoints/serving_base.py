@@ -131,17 +131,32 @@ class OpenAIServing:
                 code="context_length_exceeded")
 
     def check_n(self, n: int) -> None:
+        """Refuse more samples per request than the server allows.
+
+        Raises:
+            OpenAIError: 400 (param ``n``) if ``n`` is above ``--max-n``.
+        """
         if n > self.config.max_n:
             raise OpenAIError(f"n={n} is above this server's limit of {self.config.max_n} "
                               "(--max-n)", param="n")
 
     def check_num_logprobs(self, value: int | None, param: str) -> None:
+        """Refuse more logprobs per token than the server allows; ``param`` names the field.
+
+        Raises:
+            OpenAIError: 400 (naming ``param``) if ``value`` is above ``--max-logprobs``.
+        """
         if value is not None and value > self.config.max_logprobs:
             raise OpenAIError(f"{param}={value} is above this server's limit of "
                               f"{self.config.max_logprobs} (--max-logprobs)", param=param)
 
     @staticmethod
     def check_stream_options(req: SamplingRequest) -> None:
+        """``stream_options`` only makes sense on a streamed request.
+
+        Raises:
+            OpenAIError: 400 (param ``stream_options``) if it is set while ``stream`` is false.
+        """
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")

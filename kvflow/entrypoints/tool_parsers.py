@@ -160,10 +160,21 @@ class ToolParser:
     name = "base"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
+        """Split the generated ``text`` so far into content and tool calls; ``final`` is set
+        once generation has ended (otherwise a possible start of a call is held back).
+
+        Raises:
+            NotImplementedError: on the base class; every parser overrides it.
+        """
         raise NotImplementedError
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        """Instructions for chat templates that do not render ``tools`` themselves."""
+        """Instructions for chat templates that do not render ``tools`` themselves.
+
+        Raises:
+            NotImplementedError: for a parser without instructions of its own (the base, and
+                the ``named`` and ``required`` parsers, whose output a grammar forces).
+        """
         raise NotImplementedError
 
 

@@ -79,7 +79,12 @@ class StructuredOutputsParams:
     @classmethod
     def from_value(cls, value: StructuredOutputsParams | dict | None
                    ) -> StructuredOutputsParams | None:
-        """Accept the params object itself or its fields as a dict (JSON bodies, kwargs)."""
+        """Accept the params object itself or its fields as a dict (JSON bodies, kwargs).
+
+        Raises:
+            ValueError: for a dict with an unknown field or fields the constructor rejects
+                (none or several constraints, a wrong type), or a value of any other type.
+        """
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
