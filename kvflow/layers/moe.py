@@ -13,8 +13,9 @@ summed with the routing weights. The routing rules (from the HF configs):
 Execution groups tokens by expert instead of looping over tokens: the ``T * top_k`` (token,
 expert) pairs are sorted by expert id, the hidden rows are gathered in that order, each expert
 multiplies its contiguous slice (a grouped GEMM), and a weighted ``index_add`` scatters the rows
-back. On CUDA one Triton grouped-GEMM launch covers all experts (``kvflow/kernels/moe.py``);
-on CPU :func:`kvflow.kernels.moe_ref.fused_experts_ref` does one matmul per expert that received tokens.
+back. ``FusedMoE`` is a :class:`~kvflow.layers.custom_op.CustomOp`: on CUDA one Triton
+grouped-GEMM launch covers all experts (``kvflow/kernels/moe.py``); elsewhere (CPU included)
+:func:`kvflow.kernels.moe_ref.fused_experts_ref` does one matmul per expert that received tokens.
 
 Expert weights are stacked ``[num_experts, ...]`` and loaded per expert through
 ``weight_loader(param, tensor, shard_id, expert_id)``, so expert parallelism can later keep a
@@ -29,6 +30,7 @@ from torch import nn
 
 from kvflow.kernels.gemm import GemmPathMixin
 from kvflow.kernels.moe_ref import fused_experts_ref
+from kvflow.layers.custom_op import CustomOp
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -51,7 +53,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
-class FusedMoE(GemmPathMixin, nn.Module):
+class FusedMoE(GemmPathMixin, CustomOp):
     """All experts of one MoE layer as two stacked weights, with routing and combine.
 
     ``forward(hidden [T, H], router_logits [T, E]) -> [T, H]`` (``hidden.dtype``).
@@ -128,14 +130,27 @@ class FusedMoE(GemmPathMixin, nn.Module):
         dst.copy_(src)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E] -> [T, H] in ``hidden.dtype``: route
+        (:func:`select_experts`), run the experts with the implementation for hidden's device
+        (:class:`~kvflow.layers.custom_op.CustomOp`), all-reduce the TP partial sums."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if hidden.is_cuda:
-            from kvflow.kernels.moe import fused_experts
-
-            out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        else:
-            out = fused_experts_ref(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                                      topk_ids, self.gemm_workspace)
+        out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+    def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts in plain torch (:func:`kvflow.kernels.moe_ref.fused_experts_ref`,
+        one matmul per expert that got tokens; also kvflow's CPU path, there being no native
+        MoE kernel). topk_weights [T, k] float32, topk_ids [T, k] int64."""
+        return fused_experts_ref(hidden, self.w13_weight, self.w2_weight, topk_weights,
+                                 topk_ids, self.gemm_workspace)
+
+    def forward_cuda(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts on two Triton grouped-GEMM launches
+        (:func:`kvflow.kernels.moe.fused_experts`)."""
+        from kvflow.kernels.moe import fused_experts
+
+        return fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

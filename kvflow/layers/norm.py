@@ -6,13 +6,15 @@ import torch
 from torch import nn
 
 from kvflow.kernels.cpu_native import native_kernels_for
+from kvflow.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
 
     ``forward(x, residual)`` with a residual returns ``(norm(x + residual), x + residual)``, the
-    pre-norm transformer's fused add-and-norm.
+    pre-norm transformer's fused add-and-norm. x (and residual): [..., hidden]; the kernels
+    take [T, hidden] rows, other shapes run :meth:`forward_native`.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -26,16 +28,19 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.dim() == 2:
-            return self._forward_triton(x, residual)
-        native = native_kernels_for(x)
-        if native is not None and self._rows_ok(x, residual):
-            return native.rms_norm(x, self.weight, self.eps, residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Plain torch (HF ``LlamaRMSNorm`` rounding); inputs untouched."""
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The native C kernel (one pass; fresh outputs) when it takes the operands."""
+        native = native_kernels_for(x)
+        if native is None or not self._rows_ok(x, residual):
+            return self.forward_native(x, residual)
+        return native.rms_norm(x, self.weight, self.eps, residual)
 
     def _rows_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether the native CPU kernel takes these operands: 2-D unit-stride rows, one dtype."""
@@ -43,8 +48,11 @@ class RMSNorm(nn.Module):
         return x.dim() == 2 and self.weight.dtype == x.dtype and all(
             t.stride(-1) == 1 and t.dtype == x.dtype and t.shape == x.shape for t in same)
 
-    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """One fused kernel; with a residual, updates x and residual in place."""
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One fused Triton kernel for [T, hidden] rows; with a residual, updates x and
+        residual in place."""
+        if x.dim() != 2:
+            return self.forward_native(x, residual)
         from kvflow.kernels.norm import fused_add_rms_norm, rms_norm
 
         if residual is None:
@@ -52,7 +60,7 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(CustomOp):
     """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, cast to
     x's dtype at the end (the checkpoint stores ``weight`` as an offset from 1).
 
@@ -70,7 +78,8 @@ class GemmaRMSNorm(nn.Module):
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Plain torch on every device (no kernel rounds like Gemma's fp32 ``(1 + w)``)."""
         if residual is None:
             return self._norm(x)
         residual = x + residual

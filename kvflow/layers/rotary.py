@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from kvflow.kernels.cpu_native import native_kernels_for
+from kvflow.layers.custom_op import CustomOp
 
 
 def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
@@ -95,7 +95,7 @@ def longrope_attention_factor(scaling: dict, max_position: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Applies RoPE to q and k at given positions (neox layout: rotate the two halves).
 
     Holds ``cos_sin_cache`` [max_position, rotary_dim] float32 (cos half, then sin half).
@@ -151,16 +151,27 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes.
-        On CUDA one Triton kernel, on CPU one native kernel, rotates q and k in place."""
-        if q.is_cuda:
-            from kvflow.kernels.rotary import rotary_embedding
+        Runs the implementation for q's device (:class:`~kvflow.layers.custom_op.CustomOp`)."""
+        return self.implementation_for(q.device)(positions, q, k)
 
-            return rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)
-        native = native_kernels_for(q)
-        if native is not None and self._heads_contiguous(q, k):
-            return native.rotary(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Plain torch in float32; fresh outputs, inputs untouched."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         dtype = q.dtype
         q = self._rotate(q.float(), cos, sin).to(dtype)
         k = self._rotate(k.float(), cos, sin).to(dtype)
         return q, k
+
+    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """One native C kernel rotates q and k in place when it takes them
+        (:meth:`_heads_contiguous`); returns (q, k)."""
+        native = native_kernels_for(q)
+        if native is None or not self._heads_contiguous(q, k):
+            return self.forward_native(positions, q, k)
+        return native.rotary(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+
+    def forward_cuda(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """One Triton kernel rotates q and k in place; returns (q, k)."""
+        from kvflow.kernels.rotary import rotary_embedding
+
+        return rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)

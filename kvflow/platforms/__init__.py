@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from kvflow.platforms.base import Platform
+from kvflow.platforms.cpu import CpuPlatform
+from kvflow.platforms.cuda import CudaPlatform
+
+# The platforms whose tensors kvflow's ops know, in lookup order. A plugin platform (another
+# vendor's device) adds its class here; a platform whose tensors share a torch device type with
+# another (ROCm's are "cuda") goes first and claims them only when it is the one in use.
+_KNOWN_PLATFORMS: tuple[type[Platform], ...] = (CpuPlatform, CudaPlatform)
 
 
 def get_platform(device: str = "auto") -> Platform:
@@ -11,9 +18,6 @@ def get_platform(device: str = "auto") -> Platform:
     Raises:
         ValueError: for an unknown device, or "cuda" when no CUDA device is visible.
     """
-    from kvflow.platforms.cpu import CpuPlatform
-    from kvflow.platforms.cuda import CudaPlatform
-
     if device == "auto":
         return CudaPlatform() if CudaPlatform.is_available() else CpuPlatform()
     if device == "cpu":
@@ -25,4 +29,19 @@ def get_platform(device: str = "auto") -> Platform:
     raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
 
 
-__all__ = ["Platform", "get_platform"]
+def op_dispatch_key(device_type: str) -> str:
+    """Which implementation a custom op runs for tensors of a torch device type.
+
+    Returns the name of the platform that owns ``device_type`` ("cpu" -> "cpu", "cuda" ->
+    "cuda"); :class:`kvflow.layers.custom_op.CustomOp` then calls ``forward_<name>``. A device
+    type no known platform owns ("mps", "meta", a plugin's "xpu") is returned as is, so a
+    plugin's ops only need a ``forward_<device_type>``, and every op without one runs its
+    ``forward_native``.
+    """
+    for platform in _KNOWN_PLATFORMS:
+        if platform.device_type == device_type:
+            return platform.name
+    return device_type
+
+
+__all__ = ["Platform", "get_platform", "op_dispatch_key"]

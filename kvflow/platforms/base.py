@@ -10,7 +10,11 @@ import torch
 class Platform(ABC):
     """Device facts the engine needs: device, default dtype, attention backend, memory."""
 
+    # ``name`` is also the suffix of the ``forward_<name>`` that custom ops run for tensors of
+    # ``device_type`` (the torch device type this platform's tensors carry); see
+    # :func:`kvflow.platforms.op_dispatch_key`.
     name: str = "abstract"
+    device_type: str = "abstract"
     default_attention_backend: str = "torch"
     # Token budget of an engine step when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: int = 4096

@@ -12,6 +12,7 @@ from kvflow.platforms.base import Platform
 
 class CpuPlatform(Platform):
     name = "cpu"
+    device_type = "cpu"
     default_attention_backend = "cpu"  # native kernels; "torch" where they cannot be built
     # 2,048-token prefill steps keep a step's activations (2,048 x 3,072 fp32 = 25 MB for
     # SmolLM2's gate_up) within the L3 cache; measured ~10% faster prefill than 4,096 on a

@@ -9,6 +9,7 @@ from kvflow.platforms.base import Platform
 
 class CudaPlatform(Platform):
     name = "cuda"
+    device_type = "cuda"
     default_attention_backend = "triton"
     supports_graphs = True
 
