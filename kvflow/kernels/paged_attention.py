@@ -31,6 +31,7 @@ Positions: query token ``j`` of request ``i`` (``0 <= j < q_len_i``) sits at pos
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -279,6 +280,70 @@ def _launch_config(max_query_len: int, qpkv: int, block_d: int) -> tuple[int, in
     return block_m, tile_n, num_warps, 2
 
 
+class PagedAttentionPlan(NamedTuple):
+    """How one :func:`paged_attention` call is launched (:func:`plan_paged_attention`)."""
+
+    qpkv: int  # query heads per KV head (GQA group size)
+    block_d: int  # head_dim padded to a power of two, at least 16
+    block_m: int  # rows per program: BLOCK_Q query tokens x QPKV heads, padded
+    block_q: int  # query tokens per program
+    tile_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+    num_splits: int  # 1 = single pass; > 1 = split-KV partials plus the merge kernel
+    grid: tuple[int, int, int]  # (q-blocks, KV heads, splits)
+
+
+def plan_paged_attention(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, num_reqs: int,
+    max_query_len: int, max_seq_len: int, num_sms: int, num_splits: int | None = None,
+) -> PagedAttentionPlan:
+    """Choose tile sizes, the split-KV path and the grid; pure arithmetic on the shapes.
+
+    Tiles follow :func:`_launch_config` (``max_query_len`` picks decode-sized or prefill-sized
+    row tiles). ``num_splits`` None applies :func:`choose_num_splits` with ``num_sms``;
+    otherwise it is used as given. The grid has one program per q-block, KV head and split:
+    ``num_tokens // BLOCK_Q + num_reqs`` q-blocks cover every request's blocks, partial last
+    ones included, and surplus programs exit at once. So the grid depends only on token and
+    request counts, never on lengths.
+    """
+    qpkv = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, tile_n, num_warps, num_stages = _launch_config(max_query_len, qpkv, block_d)
+    block_q = block_m // qpkv
+    if num_splits is None:
+        num_splits = choose_num_splits(max_query_len, max_seq_len, num_reqs, num_kv_heads,
+                                       num_sms)
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    return PagedAttentionPlan(qpkv, block_d, block_m, block_q, tile_n, num_warps, num_stages,
+                              num_splits, grid)
+
+
+def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor,
+                  num_splits: int | None) -> None:
+    """Raise ValueError on shapes, dtypes or ``num_splits`` that :func:`paged_attention`
+    cannot take (see its Args)."""
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, cache_head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q heads/dim ({num_heads}, {head_dim}) incompatible with cache "
+            f"({num_kv_heads}, {cache_head_dim})"
+        )
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+        raise ValueError("query_start_loc must be [num_reqs + 1] and block_table [num_reqs, *]")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must have a unit-stride last dim")
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -293,6 +358,9 @@ def paged_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode batch.
+
+    Checks the inputs, chooses the launch (:func:`plan_paged_attention`) and launches it
+    (:func:`_launch`).
 
     Args:
         q: [T, num_heads, head_dim], fp16/bf16/fp32; last dim unit-stride (token/head strides
@@ -321,109 +389,67 @@ def paged_attention(
     Correctness never depends on ``max_query_len``/``max_seq_len`` (they only pick tile
     shapes and the number of splits), so stale values, e.g. under CUDA-graph replay, are safe.
     """
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q heads/dim ({num_heads}, {head_dim}) incompatible with cache "
-            f"({num_kv_heads}, {cache_head_dim})"
-        )
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
-        raise ValueError("query_start_loc must be [num_reqs + 1] and block_table [num_reqs, *]")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must have a unit-stride last dim")
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with a unit-stride last dim")
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
+    plan = plan_paged_attention(num_tokens, num_heads, kv_cache.shape[3], head_dim, num_reqs,
+                                max_query_len, max_seq_len, _num_sms(q.device), num_splits)
+    _launch(plan, q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
+            out)
+    return out
 
-    qpkv = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, tile_n, num_warps, num_stages = _launch_config(max_query_len, qpkv, block_d)
-    block_q = block_m // qpkv
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            max_query_len, max_seq_len, num_reqs, num_kv_heads, _num_sms(q.device)
-        )
-    use_window = sliding_window is not None and sliding_window > 0
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
 
-    if num_splits > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (2, num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
-        )
+def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+            scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """Run ``plan``: the attention kernel into ``out`` (single pass) or into fp32 partials
+    (acc [T, heads, splits, BLOCK_D], m/l [2, T, heads, splits]) merged into ``out`` by
+    :func:`_launch_merge`. Inputs are checked by :func:`paged_attention`."""
+    num_tokens, num_heads, head_dim = q.shape
+    if plan.num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, plan.num_splits, plan.block_d),
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, num_tokens, num_heads, plan.num_splits),
+                              dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused placeholders
-
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_acc,
-        part_ml,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        scale * _LOG2E,
-        num_reqs,
-        num_tokens,
-        num_heads,
+    use_window = sliding_window is not None and sliding_window > 0
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[plan.grid](
+        q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_table,
+        scale * _LOG2E, seq_lens.shape[0], num_tokens, num_heads,
         sliding_window if use_window else 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        QPKV=qpkv,
-        HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE_N=tile_n,
-        BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
-        USE_WINDOW=use_window,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), block_table.stride(0),
+        QPKV=plan.qpkv, HEAD_DIM=head_dim, KV_BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, TILE_N=plan.tile_n, BLOCK_D=plan.block_d,
+        NUM_SPLITS=plan.num_splits, USE_WINDOW=use_window,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if num_splits > 1:
-        block_s = triton.next_power_of_2(num_splits)
-        block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // (block_s * block_d)))
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            out,
-            part_acc,
-            part_ml,
-            num_tokens,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=block_s,
-            BLOCK_H=block_h,
-            num_warps=4,
-        )
-    return out
+    if plan.num_splits > 1:
+        _launch_merge(plan, out, part_acc, part_ml, head_dim)
+
+
+def _launch_merge(plan: PagedAttentionPlan, out: torch.Tensor, part_acc: torch.Tensor,
+                  part_ml: torch.Tensor, head_dim: int) -> None:
+    """Merge the split-KV partials into ``out`` by the log-sum-exp rule: one program per token
+    and block of ``BLOCK_H`` heads, sized so a program holds at most 4096 partial values."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    block_s = triton.next_power_of_2(plan.num_splits)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), 4096 // (block_s * plan.block_d)))
+    _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        out, part_acc, part_ml, num_tokens, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits,
+        BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4,
+    )
