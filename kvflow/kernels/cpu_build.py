@@ -57,7 +57,12 @@ def intact(lib: Path) -> bool:
 
 def build(cc: str, sources: list[Path], target: Path) -> None:
     """Compile to a temporary file beside ``target``, record its SHA-256 beside it, and rename
-    both into place (digest first, so a reader never trusts a library without its digest)."""
+    both into place (digest first, so a reader never trusts a library without its digest).
+
+    Raises:
+        RuntimeError: when the compiler fails or writes no library (its stderr tail included).
+        OSError: when the cache folder or files cannot be written, or ``cc`` cannot be run.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_lib = Path(tmp) / target.name

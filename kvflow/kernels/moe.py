@@ -111,6 +111,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: when ``a`` or ``out`` rows are not unit-stride.
     """
     if a.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("a and out need unit-stride rows")

@@ -133,6 +133,10 @@ def fused_add_rms_norm(
 
     Returns:
         (normed, new_residual), both [..., H] in ``x.dtype``.
+
+    Raises:
+        ValueError: when x and residual differ in shape or dtype, on a bad ``weight`` shape,
+            or on a layout that cannot be viewed as unit-stride [N, H] rows.
     """
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError("x and residual must have the same shape and dtype")

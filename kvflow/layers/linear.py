@@ -40,6 +40,11 @@ class LinearBase(GemmPathMixin, nn.Module):
         return loaded.narrow(self.tp_dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this TP rank's slice of the full checkpoint tensor ``loaded`` into ``param``.
+
+        Raises:
+            RuntimeError: when the slice's shape does not fit ``param`` (from ``copy_``).
+        """
         param.data.copy_(self._shard(param, loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +79,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | None = None) -> None:
-        if shard_id is None:
-            raise ValueError("MergedColumnParallelLinear needs a shard_id")
+        """Copy sub-projection ``shard_id``'s full tensor ``loaded`` (this rank's rows of it)
+        into its place in the fused ``param``.
+
+        Raises:
+            ValueError: when ``shard_id`` is None or not an index of ``output_sizes``.
+            RuntimeError: when ``loaded``'s columns do not fit ``param`` (from ``copy_``).
+        """
+        if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs a shard_id in "
+                             f"[0, {len(self.output_sizes)}), got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         shard = loaded.narrow(0, self.tp_rank * size, size)
@@ -99,6 +112,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | None = None) -> None:
+        """Copy the full q, k or v projection ``loaded`` (this rank's heads of it) into its
+        place in the fused ``param``.
+
+        Raises:
+            ValueError: when ``shard_id`` is not "q", "k" or "v".
+            RuntimeError: when ``loaded``'s columns do not fit ``param`` (from ``copy_``).
+        """
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"QKVParallelLinear needs a shard_id of 'q', 'k' or 'v', "
+                             f"got {shard_id!r}")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size, rank = {"q": (0, q_size, self.tp_rank),
                               "k": (q_size, kv_size, self.tp_rank // self.num_kv_replicas),

@@ -169,6 +169,12 @@ class _HeaderParser:
         return value
 
     def string(self) -> str:
+        """The next GGUF string (uint64 byte length, then UTF-8 bytes; bad bytes replaced).
+
+        Raises:
+            ValueError: when the string runs past the end of the file.
+            struct.error: when its length field does.
+        """
         n = self.unpack("Q")
         if self.pos + n > self.size:
             raise ValueError("string runs past the end of the file")
@@ -177,6 +183,14 @@ class _HeaderParser:
         return value
 
     def value(self, vtype: int) -> Any:
+        """The next metadata value of GGUF type ``vtype``: a scalar, a string, or a list for an
+        array (nested arrays as nested lists).
+
+        Raises:
+            ValueError: for an unknown value or array item type, or a string or array past
+                the end of the file.
+            struct.error: when a scalar or length field runs past the end of the file.
+        """
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -300,6 +314,11 @@ class _ArchKeys:
         return self.meta.get(f"{self.arch}.{suffix}", default)
 
     def required(self, suffix: str) -> Any:
+        """The value of ``<arch>.<suffix>``.
+
+        Raises:
+            ValueError: when the file lacks that key.
+        """
         value = self.get(suffix)
         if value is None:
             raise ValueError(f"{self.meta.path!r}: GGUF metadata key '{self.arch}.{suffix}' "
@@ -472,6 +491,9 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     ``w.reshape(n_head, head_dim // 2, 2, ...).swapaxes(1, 2)``, giving the HF (NeoX,
     rotate-half) row order. ``n_head`` is the number of heads the rows belong to
     (``num_attention_heads`` for q, ``num_key_value_heads`` for k). Shape is preserved.
+
+    Raises:
+        ValueError: when the row count is not a multiple of ``2 * n_head``.
     """
     rows = weight.shape[0]
     if rows % (2 * n_head):

@@ -218,7 +218,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Plain copy, for parameters that are never sharded (norms)."""
+    """Plain copy, for parameters that are never sharded (norms).
+
+    Raises:
+        ValueError: when ``loaded`` and ``param`` differ in shape.
+    """
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape "
                          f"{tuple(param.shape)}")

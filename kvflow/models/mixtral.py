@@ -138,6 +138,12 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+        """The MLP of layer ``layer_idx``: a :class:`SparseMoeBlock` or, for dense layers, a
+        dense MLP; subclasses say which.
+
+        Raises:
+            NotImplementedError: here; every subclass overrides it.
+        """
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -151,6 +157,11 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         loaded: set[str] = set()
 
         def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            """Load expert tensors as they stream past; yield every other (renamed) tensor.
+
+            Raises:
+                ValueError: for an expert tensor that matches no parameter.
+            """
             for name, tensor in weights:
                 for old, new in self.checkpoint_renames.items():
                     name = name.replace(old, new)
