@@ -17,6 +17,7 @@ from kvflow.kernels.paged_attention import (
     choose_num_splits,
     paged_attention,
     paged_attention_ref,
+    plan_paged_attention,
 )
 from tests.kernels.paged_batch import make_batch as make_cpu_batch
 
@@ -103,6 +104,21 @@ def test_choose_num_splits_rule():
     assert choose_num_splits(1, 4096, 1, 8, 132) == MAX_SPLITS
     assert choose_num_splits(1, 4096, 8, 8, 132) == 5  # ceil(264 / 64)
     assert choose_num_splits(1, 600, 1, 8, 132) == 3  # ceil(600 / 256) keys per split
+
+
+def test_plan_paged_attention_hand_computed():
+    # mixed batch: 10 tokens, 3 requests, GQA 8:2 -> QPKV 4, 20 rows > 16 -> prefill tiles of
+    # 64 rows = 16 tokens; q-blocks 10 // 16 + 3 = 3; a prefill chunk never splits
+    plan = plan_paged_attention(10, 8, 2, 64, 3, 5, 100, num_sms=132)
+    assert (plan.qpkv, plan.block_d, plan.block_m, plan.block_q) == (4, 64, 64, 16)
+    assert (plan.tile_n, plan.num_warps, plan.num_stages) == (64, 4, 2)
+    assert plan.num_splits == 1 and plan.grid == (3, 2, 1)
+    # all-decode, 2 requests x 8 KV heads on 132 SMs, 4096 keys: 16 splits, head_dim 256 ->
+    # BLOCK_D 256, tiles of 32 keys, 16 rows (one token per program)
+    plan = plan_paged_attention(2, 8, 8, 256, 2, 1, 4096, num_sms=132)
+    assert (plan.block_d, plan.block_m, plan.block_q, plan.tile_n) == (256, 16, 16, 32)
+    assert plan.num_splits == MAX_SPLITS and plan.grid == (2, 8, MAX_SPLITS)
+    assert plan_paged_attention(2, 8, 8, 256, 2, 1, 4096, 132, num_splits=3).grid == (2, 8, 3)
 
 
 def test_bad_arguments():
