@@ -70,7 +70,10 @@ def _check_choices(config: Any) -> None:
 @dataclass
 class ModelConfig:
     model: str = _opt("SmolLM2-135M-Instruct",
-                      "packaged model name, HF folder, or path to a .gguf file")
+                      "packaged model name, HF folder, path to a .gguf file, or Hugging Face "
+                      "Hub repo id org/name[@revision]")
+    download_dir: str | None = _opt(None, "huggingface_hub cache folder for Hub models "
+                                    "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     tokenizer: str | None = _opt(None, "tokenizer folder (default: the model's own)")
     dtype: str = _opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")

@@ -54,7 +54,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
         self._init_platform()
-        self._init_model(source or resolve_model(config.model_config.model))
+        mc = config.model_config
+        self._init_model(source or resolve_model(mc.model, mc.download_dir))
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()

@@ -44,7 +44,7 @@ from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
-from kvflow.models.model_resolver import resolve_model
+from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -116,8 +116,10 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._init_ipc()
         try:
-            self._start_core_process()
-            self._init_tokenizer()  # while the core process loads the model
+            mc = config.model_config
+            source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
+            self._start_core_process()  # its resolve_model then finds the snapshot cached
+            self._init_tokenizer(source)  # while the core process loads the model
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -147,10 +149,9 @@ class AsyncLLM:
                   logging.getLogger("kvflow").getEffectiveLevel()))
         self._proc.start()
 
-    def _init_tokenizer(self) -> None:
+    def _init_tokenizer(self, source: ModelSource) -> None:
         mc = self.config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(resolve_model(mc.model), mc.tokenizer)
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
 
     def _wait_ready(self, timeout: float) -> EngineReady:
         deadline = time.monotonic() + timeout

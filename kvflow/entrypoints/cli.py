@@ -92,7 +92,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve MODEL over an OpenAI-compatible HTTP API.")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
-                       help="packaged model name, HF folder or GGUF path (same as --model)")
+                       help="packaged model name, HF folder, GGUF path or Hub repo id "
+                       "org/name[@revision] (same as --model)")
     EngineConfig.add_cli_args(serve)
     ServerConfig.add_cli_args(serve)
     serve.set_defaults(func=_cmd_serve)

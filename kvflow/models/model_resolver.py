@@ -9,7 +9,11 @@ Accepted forms, checked in this order:
 4. the name of a model packaged on PyPI (see :data:`PACKAGED_MODELS`, matched
    case-insensitively, with aliases) -> the installed GGUF file (``kind="gguf"``); a GGUF
    shipped in chunks over several packages (gemma-3-270m) is joined once into the kvflow cache
-   directory (:func:`kvflow.config.cache_dir`), its sha256 checked against the package's ``SHA256SUMS``.
+   directory (:func:`kvflow.config.cache_dir`), its sha256 checked against the package's ``SHA256SUMS``;
+5. a Hugging Face Hub repo id, ``org/name`` or ``org/name@revision`` -> its snapshot folder in
+   huggingface_hub's cache, downloaded (config, tokenizer and safetensors only) unless cached
+   (``kind="hf"``, see :mod:`kvflow.models.hf_hub`). A packaged name wins over a Hub name
+   (``HuggingFaceTB/SmolLM2-135M-Instruct`` is the packaged GGUF).
 
 Anything else raises ``ValueError`` with a one-line, actionable message. Nothing here imports
 the model packages themselves (some import heavy optional dependencies); their install
@@ -23,6 +27,7 @@ import os
 from dataclasses import dataclass
 
 from kvflow.config import cache_dir
+from kvflow.models.hf_hub import download_snapshot, parse_hub_name
 
 
 @dataclass(frozen=True)
@@ -214,20 +219,26 @@ def _display_name(path: str) -> str:
     return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Resolve ``model`` (a path or a packaged model name) to a :class:`ModelSource`.
+def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
+    """Resolve ``model`` (a path, a packaged model name or a Hub repo id) to a
+    :class:`ModelSource`.
 
     Returns ``ModelSource(kind="hf", path=<dir>, name=<dir basename>)`` for a directory with
     ``config.json``; ``ModelSource(kind="gguf", path=<file>, name=<file stem>)`` for a
     ``.gguf`` file or a directory containing exactly one ``.gguf`` (and no ``config.json``);
     ``ModelSource(kind="gguf", path=<installed file>, name=<canonical name>)`` for a
-    packaged model name or alias (case-insensitive), e.g. ``"SmolLM2-135M-Instruct"``.
+    packaged model name or alias (case-insensitive), e.g. ``"SmolLM2-135M-Instruct"``;
+    ``ModelSource(kind="hf", path=<snapshot dir>, name="org/name")`` for a Hub repo id
+    ``"org/name[@revision]"``, fetched into ``download_dir`` (default: huggingface_hub's cache,
+    ``$HF_HOME/hub``) unless cached there.
 
     Raises:
-        ValueError: ``model`` is neither an existing local path nor a packaged model name
-            (the message lists the packaged names); a directory has no ``config.json`` and
-            zero or several ``.gguf`` files; an existing file is not a ``.gguf`` or lacks
-            the GGUF magic bytes; or a packaged model is not installed (the message gives the pip command).
+        ValueError: ``model`` is neither an existing local path, a packaged model name nor a
+            Hub repo id (the message lists the packaged names); a directory has no
+            ``config.json`` and zero or several ``.gguf`` files; an existing file is not a
+            ``.gguf`` or lacks the GGUF magic bytes; a packaged model is not installed (the
+            message gives the pip command); or a Hub repo cannot be had (offline and not
+            cached, not found, no safetensors: see :func:`kvflow.models.hf_hub.download_snapshot`).
     """
     model = os.fspath(model)
     if not isinstance(model, str) or not model.strip():
@@ -258,7 +269,13 @@ def resolve_model(model: str) -> ModelSource:
     entry = find_packaged_model(model)
     if entry is not None:
         return _resolve_packaged(entry)
+    hub_name = parse_hub_name(model)
+    if hub_name is not None:
+        repo_id, revision = hub_name
+        return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir),
+                           name=repo_id)
     raise ValueError(
         f"Model {model!r} is neither a local path (directory with config.json, or a .gguf "
-        f"file) nor a packaged model; packaged models: {', '.join(packaged_model_names())}"
+        f"file), a packaged model nor a Hugging Face repo id (org/name[@revision]); packaged "
+        f"models: {', '.join(packaged_model_names())}"
     )

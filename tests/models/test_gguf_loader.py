@@ -501,8 +501,8 @@ def test_resolve_packaged_not_installed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model", ["no-such-model-xyz", "/definitely/missing/model.gguf", "org/unknown-model"]
-)
+    "model", ["no-such-model-xyz", "/definitely/missing/model.gguf", "org/unknown/model"]
+)  # an org/name Hub id gets the Hub's message instead (tests/models/test_hf_hub.py)
 def test_resolve_unknown_or_missing(model):
     with pytest.raises(ValueError) as info:
         resolve_model(model)

