@@ -198,3 +198,18 @@ def assert_no_leaks() -> Callable[[Any], None]:
     """``assert_no_leaks(llm)``: once every request has finished, the block pool passes
     ``check_invariants`` and every usable block is free again (no leaked reference)."""
     return _assert_no_leaked_blocks
+
+
+@pytest.fixture(params=["native", "torch"], ids=["native_cpu", "torch_cpu"])
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with kvflow's native C CPU kernels on ("native") and off ("torch", as
+    ``KVFLOW_NATIVE_CPU=0``: torch attention backend, oneDNN GEMMs, torch norm/activation/
+    rotary), whatever the suite's own setting: CI covers both paths in one run. Use it on the
+    few engine tests that go through every kernel (not on the whole suite, which would double
+    its time)."""
+    from kvflow.kernels import cpu_native
+
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1" if request.param == "native" else "0")
+    cpu_native.native_cpu_kernels.cache_clear()
+    yield request.param
+    cpu_native.native_cpu_kernels.cache_clear()  # re-read once monkeypatch restores the env

@@ -171,6 +171,8 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks
+        self.stats = ready.stats
+        self.metrics.record_engine_stats(ready.stats)
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
                                         resolve_eos_token_id(self.tokenizer, ready))
         self.output_processor = OutputProcessor(self.tokenizer)

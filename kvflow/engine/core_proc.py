@@ -69,7 +69,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 def _ready(core: EngineCore) -> EngineReady:
     return EngineReady(core.max_model_len, core.hf_config.vocab_size,
                        resolve_eos_token_id(None, core.hf_config), core.num_blocks,
-                       core.config.cache_config.block_size)
+                       core.config.cache_config.block_size, collect_stats(core))
 
 
 def collect_stats(core: EngineCore) -> EngineStats:

@@ -63,6 +63,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_id: int | None  # from the model config (the tokenizer's wins when it has one)
     num_blocks: int
     block_size: int
+    stats: EngineStats  # the idle engine's counters, so /metrics is right before any request
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -62,6 +62,13 @@ class NativeCpuKernels:
         self._gemm = lib.kvflow_gemm
         self._gemm.restype = _int
         self._gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
+        self._gemm_pack16 = lib.kvflow_gemm_pack16
+        self._gemm_pack16.restype = None
+        self._gemm_pack16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
+        self._gemm_w16 = lib.kvflow_gemm_w16
+        self._gemm_w16.restype = _int
+        self._gemm_w16.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                   _int]
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -206,29 +213,35 @@ class NativeCpuKernels:
         return q, k
 
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """Pack ``weight`` [N, K] (fp32 CPU, unit stride along K) once for :meth:`gemm`.
+        """Pack ``weight`` [N, K] (fp32, bf16 or fp16 CPU, unit stride along K) once for
+        :meth:`gemm`.
 
-        Returns a 1-D fp32 tensor of ``ceil(N / 16) * 16 * K`` elements (panels of 16 output
-        columns, k-major; see ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device
-        or layout.
+        Returns a 1-D tensor of the weight's dtype with ``ceil(N / 16) * 16 * K`` elements
+        (panels of 16 output columns, k-major; see ``csrc/cpu_gemm.c``). Raises ValueError on
+        another dtype, device or layout.
         """
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 \
-                or weight.stride(1) != 1:
-            raise ValueError(f"gemm_pack needs a 2-D float32 CPU weight with unit-stride rows, "
-                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        if weight.dtype not in _DTYPE_CODES or weight.device.type != "cpu" \
+                or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"gemm_pack needs a 2-D float32/bfloat16/float16 CPU weight with "
+                             f"unit-stride rows, got {weight.dtype} {tuple(weight.shape)} on "
+                             f"{weight.device}")
         n, k = weight.shape
-        packed = torch.empty(self._gemm_packed_size(n, k), dtype=torch.float32)
-        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(),
-                        torch.get_num_threads())
+        packed = torch.empty(self._gemm_packed_size(n, k), dtype=weight.dtype)
+        pack = self._gemm_pack if weight.dtype == torch.float32 else self._gemm_pack16
+        pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(),
+             torch.get_num_threads())
         return packed
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
              bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
 
+        A 16-bit weight is widened to fp32 in registers (exact); the product accumulates and is
+        returned in fp32, never rounded to 16 bits.
+
         Args:
             x: [..., K] float32 CPU activations (copied first if the last dim is strided).
-            packed: the packed weight; n: its output features.
+            packed: the packed weight (float32, bfloat16 or float16); n: its output features.
             bias: [n] float32, or None.
 
         Returns:
@@ -241,6 +254,7 @@ class NativeCpuKernels:
         """
         k = x.shape[-1]
         if x.dtype != torch.float32 or x.device.type != "cpu" \
+                or packed.dtype not in _DTYPE_CODES \
                 or packed.numel() != self._gemm_packed_size(n, k):
             raise ValueError(f"gemm: x must be float32 CPU [..., K] matching a packed [{n}, K] "
                              f"weight, got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -251,9 +265,14 @@ class NativeCpuKernels:
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        status = self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                            rows.shape[0], n, k, torch.get_num_threads())
+        bias_ptr, threads = None if bias is None else bias.data_ptr(), torch.get_num_threads()
+        if packed.dtype == torch.float32:
+            status = self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), bias_ptr,
+                                out.data_ptr(), n, rows.shape[0], n, k, threads)
+        else:
+            status = self._gemm_w16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                    _DTYPE_CODES[packed.dtype], bias_ptr, out.data_ptr(), n,
+                                    rows.shape[0], n, k, threads)
         _raise_on(status, "gemm")
         return out.view(*x.shape[:-1], n)
 

@@ -63,19 +63,23 @@ class GemmWorkspace:
 
 
 class OneDnnPackedWeight:
-    """An fp32 weight in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
-    multiplied with ``_linear_pointwise``."""
+    """A weight in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
+    multiplied with ``_linear_pointwise``; computes in the packed weight's dtype."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        dtype = self.packed.dtype
+        if bias is not None:
+            bias = bias.to(dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed, bias, "none", [], "")
 
 
 class NativePackedWeight:
-    """An fp32 weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16
-    output columns, multiplied by a 6 x 16 FMA micro-kernel."""
+    """A weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16 output
+    columns, multiplied by a 6 x 16 FMA micro-kernel. fp32 weights, or bf16/fp16 weights
+    widened in registers; activations, accumulation and the result are fp32."""
 
     def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels) -> None:
         self.kernels = kernels
@@ -83,7 +87,8 @@ class NativePackedWeight:
         self.packed = kernels.gemm_pack(weight.detach())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.gemm(x, self.packed, self.out_features, bias)
+        return self.kernels.gemm(x.float(), self.packed, self.out_features,
+                                 None if bias is None else bias.float())
 
 
 PackedWeight = OneDnnPackedWeight | NativePackedWeight
@@ -91,7 +96,7 @@ PackedWeight = OneDnnPackedWeight | NativePackedWeight
 
 def pack_weight(weight: torch.Tensor, batch_hint: int,
                 kernels: NativeCpuKernels | None = None) -> PackedWeight:
-    """``weight`` [N, K] fp32 CPU packed once for :func:`linear`'s ``packed`` argument: for
+    """``weight`` [N, K] CPU packed once for :func:`linear`'s ``packed`` argument: for
     kvflow's C GEMM when ``kernels`` is given, else for oneDNN. ``batch_hint``: typical rows per
     call (oneDNN tunes its layout to it; any count works)."""
     if kernels is not None:
@@ -100,8 +105,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           workspace: GemmWorkspace | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
+           workspace: GemmWorkspace | None = None, packed: PackedWeight | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``.
 
     Args:
@@ -110,25 +115,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             given).
         bias: [N] or None.
         workspace: when given and ``x`` is bf16/fp16, run the product on fp32 units (exact
-            widening, fp32 accumulation) and round the result back to ``x.dtype``. Ignored
-            for fp32 inputs.
-        packed: the weight from :func:`pack_weight` (fp32 CPU); takes precedence.
+            widening, fp32 accumulation). Ignored for fp32 inputs.
+        packed: the weight from :func:`pack_weight`; takes precedence.
+        out_dtype: the result's dtype (default ``x.dtype``). ``torch.float32`` with 16-bit
+            operands returns the fp32 accumulation itself, never rounded to 16 bits (logits).
 
     Returns:
-        [..., N] in ``x.dtype``.
+        [..., N] in ``out_dtype``.
     """
+    out_dtype = out_dtype or x.dtype
     if packed is not None:
-        return packed(x, bias)
-    if workspace is None or x.dtype == torch.float32:
-        return F.linear(x, weight, bias)
+        return packed(x, bias).to(out_dtype)
+    if x.dtype == torch.float32:
+        return F.linear(x, weight, bias).to(out_dtype)
+    if workspace is None:
+        if out_dtype == x.dtype:
+            return F.linear(x, weight, bias)
+        return _linear_wide_out(x, weight, bias).to(out_dtype)
     x32 = x.float()
     rows = workspace.rows_per_chunk(weight)
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    out = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
     for start in range(0, weight.shape[0], rows):
         chunk = slice(start, start + rows)
         wide_bias = None if bias is None else bias[chunk].float()
         out[..., chunk] = F.linear(x32, workspace.widen(weight[chunk]), wide_bias)
     return out
+
+
+def _linear_wide_out(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """16-bit ``x @ weight.T (+ bias)`` returned in fp32 without rounding the accumulation:
+    ``torch.mm(out_dtype=float32)`` where the device has it (CUDA), else on fp32 operands
+    (exact widening; costs a float32 copy of the weight per call, a fallback only)."""
+    if x.is_cuda:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.mm(rows, weight.t(), out_dtype=torch.float32)
+        out = out if bias is None else out + bias.float()
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 class GemmPathMixin:
@@ -187,3 +211,23 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int,
                                          requires_grad=False)
         packed += 1
     return packed
+
+
+def pack_logits_head(head: nn.Module, batch_hint: int,
+                     kernels: NativeCpuKernels | None = None) -> PackedWeight | None:
+    """Pack a 16-bit LM head's weight [vocab, hidden] (CPU) so its logits come out in fp32
+    without rounding to 16 bits: for kvflow's C GEMM when ``kernels`` is given (16-bit panels
+    widened in registers), else an fp32 copy for oneDNN; None when neither is possible (the
+    head then runs :func:`linear`'s fallback). The plain weight is kept (it is usually the
+    embedding table too). Returns the packed weight, also set as ``head.packed_weight``.
+    """
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
+            or weight.dim() != 2 or weight.device.type != "cpu" \
+            or weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if kernels is not None:
+        head.packed_weight = NativePackedWeight(weight, kernels)
+    elif torch.backends.mkldnn.is_available():
+        head.packed_weight = OneDnnPackedWeight(weight.float(), batch_hint)
+    return head.packed_weight

@@ -40,9 +40,10 @@ class ParallelLMHead(GemmPathMixin, VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab_size] (float32)."""
-        logits = linear(hidden, self.weight, None, self.gemm_workspace,
-                        self.packed_weight).float()
+        """hidden [N, hidden] -> logits [N, vocab_size] (float32: with 16-bit weights the
+        product's fp32 accumulation itself, never rounded to 16 bits)."""
+        logits = linear(hidden, self.weight, None, self.gemm_workspace, self.packed_weight,
+                        out_dtype=torch.float32)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

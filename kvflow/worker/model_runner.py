@@ -13,6 +13,7 @@ from kvflow.config import EngineConfig, parse_bytes
 from kvflow.kernels.gemm import (
     GemmWorkspace,
     cpu_gemm_kernels,
+    pack_logits_head,
     prepack_gemm_weights,
     widen_half_gemms,
 )
@@ -105,6 +106,10 @@ class ModelRunner:
                                           self.config.scheduler_config.max_num_seqs, kernels)
             logger.info("packed %d GEMM weights for %s", packed,
                         "kvflow's C GEMM" if kernels else "oneDNN")
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
+            pack_logits_head(getattr(self.model, "lm_head", None),
+                             self.config.scheduler_config.max_num_seqs, cpu_gemm_kernels())
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)

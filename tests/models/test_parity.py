@@ -118,8 +118,12 @@ def test_single_request(tiny, make_llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
-def test_batch_of_different_lengths(tiny, make_llm, assert_no_leaks):
+def test_batch_of_different_lengths(tiny, make_llm, assert_no_leaks, cpu_kernels):
+    """Mixed prefill and decode; with the native CPU kernels and without (``cpu_kernels``)."""
     llm = make_llm()
+    if llm.engine.core.executor.runner.device.type == "cpu":
+        backend = llm.engine.core.executor.runner.attn_ctx.backend.name
+        assert backend == ("cpu" if cpu_kernels == "native" else "torch")
     prompts = _prompts([1, 5, 13, 22, 9], tiny.vocab_size, seed=2)
     text = "the lazy fox pages keys and values"
     outs = llm.generate([*prompts, text], greedy(), use_tqdm=False)
@@ -140,8 +144,9 @@ def test_batch_of_equal_lengths(tiny, make_llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
-def test_chunked_prefill(tiny, make_llm, assert_no_leaks):
-    """A 16-token budget splits the long prompts over steps and mixes chunks with decodes."""
+def test_chunked_prefill(tiny, make_llm, assert_no_leaks, cpu_kernels):
+    """A 16-token budget splits the long prompts over steps and mixes chunks with decodes; with
+    the native CPU kernels and without (``cpu_kernels``)."""
     llm = make_llm(max_num_batched_tokens=16, enable_prefix_caching=False)
     prompts = _prompts([40, 7, 23, 16, 17], tiny.vocab_size, seed=3)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
