@@ -48,8 +48,12 @@ class KVCacheSpec:
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds at once in this layer's
-        group, when a step computes at most ``max_num_batched_tokens`` tokens."""
-        raise NotImplementedError
+        group, when a step computes at most ``max_num_batched_tokens`` tokens.
+
+        Raises:
+            NotImplementedError: on the base class (each kind of spec defines it).
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no max_num_blocks")
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,11 @@ class CustomOp(nn.Module):
         return impl
 
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
-        """Plain torch: the reference the kernels are tested against, correct on any device."""
+        """Plain torch: the reference the kernels are tested against, correct on any device.
+
+        Raises:
+            NotImplementedError: on an op that does not define it (every op must).
+        """
         raise NotImplementedError(f"{type(self).__name__} defines no forward_native")
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
