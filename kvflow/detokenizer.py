@@ -90,9 +90,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: Passed to ``tokenizer.decode``.
         stop: Stop strings (a single ``str`` is accepted as a one-element list).
         include_stop_str_in_output: Keep the matched stop string at the end of the output.
+        min_tokens: A stop string counts only when it completes in a token after the first
+            ``min_tokens`` (vLLM's rule): text of the first ``min_tokens`` tokens is never
+            searched, though a stop string may start in it.
 
     Raises:
-        ValueError: If a stop string is empty.
+        ValueError: If a stop string is empty or ``min_tokens`` is negative.
 
     After a stop string matched or an update with ``finished=True``, further updates are
     ignored and return an empty delta.
@@ -105,7 +108,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] | str | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
@@ -113,6 +119,7 @@ class IncrementalDetokenizer:
         self._stops = _normalize_stops(stop)
         self._include_stop = include_stop_str_in_output
         self._stop_window = max((len(s) for s in self._stops), default=1) - 1
+        self._min_tokens = min_tokens
         # Token -> text stage: window start and the released prefix of the window's decode.
         self._ids: list[int] = []
         self._start = 0
@@ -148,8 +155,17 @@ class IncrementalDetokenizer:
         """
         if self._done:
             return DetokenizerDelta("")
+        before_min = self._min_tokens - len(self._ids)
+        if 0 < before_min < len(new_token_ids):  # stops start counting inside these ids
+            first = self._update(new_token_ids[:before_min], finished=False)
+            rest = self._update(new_token_ids[before_min:], finished)
+            return DetokenizerDelta(first.text + rest.text, rest.stop_str)
+        return self._update(new_token_ids, finished)
+
+    def _update(self, new_token_ids: Sequence[int], finished: bool) -> DetokenizerDelta:
         decoded = self._decode_step(new_token_ids, finished)
-        text, stop_str = self._apply_stops(decoded, finished)
+        search = len(self._ids) > self._min_tokens
+        text, stop_str = self._apply_stops(decoded, finished, search)
         if text:
             self._chunks.append(text)
         self._done = finished or stop_str is not None
@@ -224,15 +240,19 @@ class IncrementalDetokenizer:
 
     # ---- stop strings --------------------------------------------------------------------
 
-    def _apply_stops(self, decoded: str, flush: bool) -> tuple[str, str | None]:
-        """Apply stop strings to newly decoded text; return (text to emit, matched stop)."""
+    def _apply_stops(self, decoded: str, flush: bool, search: bool) -> tuple[str, str | None]:
+        """Apply stop strings to newly decoded text; return (text to emit, matched stop).
+
+        ``search``: look for stop strings completing in ``decoded`` (False while ``min_tokens``
+        holds them back; a possible stop prefix is still held, as the stop may complete later).
+        """
         if not self._stops:
             return decoded, None
         if not decoded and not (flush and self._held):
             return "", None
         region = self._tail + decoded
         emitted_upto = len(self._tail) - len(self._held)
-        hit = _earliest_stop(region, self._stops, len(self._tail))
+        hit = _earliest_stop(region, self._stops, len(self._tail)) if search else None
         if hit is not None:
             start, stop_str = hit
             cut = start + len(stop_str) if self._include_stop else start
@@ -243,7 +263,7 @@ class IncrementalDetokenizer:
             hold = _longest_suffix_prefix(region, self._stops, len(region) - emitted_upto)
         keep = len(region) - hold
         self._held = region[keep:]
-        self._tail = region[len(region) - self._stop_window :] if self._stop_window else ""
+        self._tail = region[max(0, len(region) - self._stop_window):]
         return region[emitted_upto:keep], None
 
 

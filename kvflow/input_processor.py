@@ -62,8 +62,11 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
-        vocabulary, or a malformed structured-output schema / regex / grammar
+        vocabulary, stop strings without a tokenizer, or a malformed structured-output schema / regex / grammar
         (SamplingParams checks everything that does not depend on the model)."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer to match text "
+                             "(skip_tokenizer_init is set); use stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
                              f"size ({self.vocab_size})")

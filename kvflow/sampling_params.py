@@ -21,7 +21,9 @@ class SamplingParams:
         seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
         max_tokens: maximum number of generated tokens (>= 1); None: as many as the context
             leaves (``max_model_len`` minus the prompt), as in vLLM.
-        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated.
+        min_tokens: no stop condition ends the request before this many tokens are generated:
+            EOS and ``stop_token_ids`` are masked until then, and a stop string counts only
+            when it completes in a later token.
         stop: strings that end generation; the output text is cut before the match.
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
