@@ -180,3 +180,41 @@ def test_matcher_accept_and_rollback(tiny_tokenizer):
     assert matcher.num_accepted_tokens == 0
     assert matcher.accept_tokens(ids + [tiny_tokenizer.eos_token_id])
     assert matcher.is_terminated()
+
+
+def test_json_schema_keeps_property_order(llm):
+    """Properties "zeta" then "alpha" (both required): the output's keys follow the schema's
+    order, as OpenAI's structured outputs do (the grammar was compiled from key-sorted text)."""
+    schema = {"type": "object", "properties": {
+        "zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+        "alpha": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["zeta", "alpha"]}
+    reordered = {"type": "object", "properties": dict(reversed(schema["properties"].items())),
+                 "required": ["zeta", "alpha"]}
+    a, b = StructuredOutputsParams(json=schema), StructuredOutputsParams(json=reordered)
+    assert a.key != b.key  # different constraints: no shared cache entry
+    outs = _run(llm, [_constrained(i, 32, json=schema) for i in range(2)] +
+                [_constrained(i, 32, json=reordered) for i in range(2)])
+    for o, order in zip(outs, [["zeta", "alpha"]] * 2 + [["alpha", "zeta"]] * 2):
+        assert o.finish_reason == "stop", o.text
+        assert [k for k, _ in json.loads(o.text, object_pairs_hook=list)] == order, o.text
+
+
+def test_required_tool_calls_name_before_arguments(llm):
+    """tool_choice "required": each call object is written name first, then arguments, so the
+    model picks the function before writing its arguments."""
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.structured_requests import tool_constraint
+
+    tools = [{"type": "function", "function": {"name": f, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x"]}}} for f in ("get_a", "get_b")]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                tool_choice="required", parallel_tool_calls=False)
+    constraint = tool_constraint(req, "required")
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=48,
+                             structured_outputs=constraint) for i in range(2)]
+    for o in _run(llm, params, PROMPTS[:2]):
+        assert o.finish_reason == "stop", o.text
+        calls = json.loads(o.text, object_pairs_hook=list)
+        assert [k for k, _ in calls[0]] == ["name", "arguments"], o.text

@@ -63,11 +63,17 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """A hashable cache key: (kind, canonical spec text). Equal constraints, equal keys."""
+        """A hashable cache key and the text to compile: (kind, spec text).
+
+        A schema dict becomes compact JSON text with its keys in the given order: the order
+        of ``properties`` is the order the output's keys must follow (JSON Schema leaves it
+        free; xgrammar and OpenAI keep it), so schemas differing only in order are different
+        constraints and must not share a key.
+        """
         kind = self.kind
         if kind == "json":
             spec = self.json if isinstance(self.json, str) else \
-                json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+                json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
         elif kind == "choice":
             spec = json.dumps(self.choice, ensure_ascii=False)
         elif kind == "json_object":
