@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvflow.chat_template import render_chat
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -102,19 +103,19 @@ class InputProcessor:
         return requests
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render a conversation with the model's chat template.
+                            **options: Any) -> str:
+        """Render a conversation with the model's chat template (or ``chat_template``).
+
+        Args:
+            messages: OpenAI-style message dicts (content: text, parts or null).
+            add_generation_prompt: end with the header of a new assistant turn.
+            **options: ``continue_final_message``, ``chat_template``, ``tools``,
+                ``documents``, ``template_kwargs`` (see ``kvflow.chat_template.render_chat``).
 
         Raises:
-            ValueError: without a tokenizer or a chat template.
+            ValueError: without a tokenizer; ``ChatTemplateError`` (a ValueError naming the
+                field) for a model without a chat template, a bad message or option.
         """
-        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("a conversation must be a non-empty list of messages, each a dict "
-                             "with a 'role'")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with plain text")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # jinja errors: a message the template cannot render
-            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **options)

@@ -40,12 +40,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Args:
             prompts: a string, a token-id list, or a list of either.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+            priority: one integer per prompt, lower first (needs ``policy="priority"``).
 
         Raises:
             ValueError: if any prompt or parameter is invalid (nothing is queued then).
@@ -54,12 +56,14 @@ class LLM:
         if not prompts:
             return []
         params = _broadcast_params(sampling_params, len(prompts))
+        priorities = _check_priorities(priority, len(prompts),
+                                       self.engine.config.scheduler_config.policy)
         for p in prompts:  # validate everything before queuing anything
             self.engine.processor.validate(self.engine.processor.tokenize(p)[1])
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(p, sp, priority=prio))
         except BaseException:  # a later request's parameters were rejected: queue none
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -69,17 +73,29 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them and generate.
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             chat_template: str | None = None, tools: list[dict] | None = None,
+             documents: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them and generate.
+
+        Message ``content`` may be a string, a list of text parts or None (see
+        ``kvflow.chat_template``); ``continue_final_message`` continues the last (assistant)
+        message instead of starting a new turn; ``chat_template`` replaces the model's;
+        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables.
 
         Raises:
-            ValueError: if the model has no chat template.
+            ValueError: if the model has no chat template, or for a message or option the
+                template cannot honour (``ChatTemplateError`` names the field).
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.engine.processor.apply_chat_template(
-            c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        options = {"continue_final_message": continue_final_message,
+                   "chat_template": chat_template, "tools": tools, "documents": documents,
+                   "template_kwargs": chat_template_kwargs}
+        prompts = [self.engine.processor.apply_chat_template(c, add_generation_prompt,
+                                                             **options)
+                   for c in conversations]
         tokenizer = self.engine.tokenizer
         token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm)
@@ -130,3 +146,23 @@ def _broadcast_params(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
+    """One priority per prompt (0 when None).
+
+    Raises:
+        ValueError: for a wrong count, a non-integer, or a non-zero priority while the
+            scheduling policy is not ``priority`` (it would be ignored).
+    """
+    if priority is None:
+        return [0] * n
+    priorities = list(priority)
+    if len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
+                                       for p in priorities):
+        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
+                         f"{priority!r}")
+    if policy != "priority" and any(priorities):
+        raise ValueError(f"priority={priorities} needs the priority scheduling policy "
+                         f"(policy='priority'); this engine runs {policy!r}")
+    return priorities

@@ -26,6 +26,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
@@ -68,6 +69,8 @@ class ServerMetrics:
         self.request_success = self._labelled(Counter, "kvflow:request_success",
                                               "Finished samples by finish reason",
                                               extra=("finished_reason",))
+        for reason in FINISH_REASONS:  # every series exists (at 0) from start-up
+            self.request_success.labels(self.model_name, reason)
 
     def _init_engine_metrics(self) -> None:
         g, c = Gauge, Counter

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.text_checks import find_lone_surrogate
 
 
 @dataclass
@@ -117,6 +118,8 @@ class SamplingParams:
              "must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
              "must be non-empty strings"),
+            (find_lone_surrogate(self.stop) is None, "stop", self.stop,
+             "must be valid Unicode (no lone UTF-16 surrogates)"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
              "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,

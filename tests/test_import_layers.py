@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "kvflow.entrypoints": 10, "kvflow.bench": 10,
     "kvflow.llm": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
-    "kvflow.detokenizer": 8, "kvflow.metrics": 8,
+    "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.executor": 6, "kvflow.distributed": 5,
     "kvflow.worker": 5,
@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "kvflow.config": 0, "kvflow.sampling_params": 0, "kvflow.request": 0,
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
+    "kvflow.text_checks": 0,
 }
 FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
 

@@ -35,7 +35,7 @@ from kvflow.entrypoints.protocol import (
     VersionResponse,
 )
 from kvflow.entrypoints.serving_base import OpenAIError
-from kvflow.entrypoints.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -115,6 +115,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     """A 400 naming the first offending field (or the JSON syntax error)."""
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "invalid_unicode":
+        ctx = first.get("ctx", {})
+        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
+                           code="invalid_unicode")
     if first.get("type") == "json_invalid":
         return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                            code="invalid_json")
@@ -189,9 +193,11 @@ def _add_other_routes(app: FastAPI) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat.render(req.messages, req.add_generation_prompt, None)[1]
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+            ids = chat.render(req.messages, ChatOptions.of(req), tools)[1]
         else:
-            ids = chat.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            special = req.add_special_tokens is not False
+            ids = chat.tokenizer.encode(req.prompt, add_special_tokens=special)
         return TokenizeResponse(count=len(ids), max_model_len=chat.engine.max_model_len,
                                 tokens=ids)
 

@@ -1,7 +1,12 @@
 """OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
 
-Requests ignore unknown fields (as vLLM does); a known field with a value of the wrong type or
-out of its range fails validation and becomes a 400 with an OpenAI error body.
+Requests ignore unknown fields (as vLLM does; the handlers log each unknown name once); a known
+field with a value of the wrong type or out of its range fails validation and becomes a 400
+with an OpenAI error body. Every field a request model declares is honoured, or rejected with
+a 400 naming it when set to a value kvflow does not implement (``best_of`` other than ``n``,
+``use_beam_search``, ``prompt_logprobs``, ``suffix``, chat ``echo``); tests/e2e/
+test_openai_fields.py walks every field. Text anywhere in a body that holds a lone UTF-16
+surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
@@ -17,10 +22,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
+
+from kvflow.text_checks import find_lone_surrogate
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MAX = 2**31 - 1
@@ -58,6 +68,33 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---- shared request fields -----------------------------------------------------------------------
+class RequestBody(OpenAIBaseModel):
+    """A top-level request body: all its text is checked for lone surrogates before
+    validation (``invalid_unicode`` error with ``ctx.param``), and the names of fields it does
+    not declare are kept in ``unknown_fields`` (for the handler to log)."""
+
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_body(cls, data: Any, handler: Any) -> Any:
+        found = find_lone_surrogate(data) if isinstance(data, dict) else None
+        if found is not None:
+            raise PydanticCustomError("invalid_unicode", "{param} {why}",
+                                      {"param": found[0], "why": found[1]})
+        model = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
+                                             if f.alias}
+            model._unknown_fields = tuple(sorted(k for k in data if k not in known))
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """Top-level fields of the body that this model does not declare (ignored)."""
+        return self._unknown_fields
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
@@ -101,8 +138,10 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """Fields shared by completion and chat requests."""
+class SamplingRequest(RequestBody):
+    """Fields shared by completion and chat requests. vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are ``structured_outputs``
+    under other names; ``priority`` orders the waiting queue (needs ``--policy priority``)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=_INT32_MAX)
@@ -127,11 +166,19 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = Field(0, ge=-_INT32_MAX, le=_INT32_MAX)
+    best_of: int | None = Field(None, ge=1, le=_INT32_MAX)
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     _no_bool_numbers = field_validator(
         "n", "top_k", "seed", "min_tokens", "max_tokens", "temperature", "top_p", "min_p",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", mode="before",
-        check_fields=False)(_not_bool)
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "priority", "best_of",
+        "prompt_logprobs", mode="before", check_fields=False)(_not_bool)
 
 
 class CompletionRequest(SamplingRequest):
@@ -143,13 +190,18 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
+    suffix: str | None = None
 
     _no_bool_logprobs = field_validator("logprobs", mode="before")(_not_bool)
 
 
 class ContentPart(OpenAIBaseModel):
+    """A content part: ``text`` (or an assistant's ``refusal``) is rendered; other types
+    (images, audio) are a 400."""
+
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -190,7 +242,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    echo: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -357,14 +414,21 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
-    """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template)."""
+class TokenizeRequest(RequestBody):
+    """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template,
+    with the chat options of /v1/chat/completions). ``add_special_tokens`` defaults to true
+    for a prompt and false for messages (the template writes the special tokens)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -373,7 +437,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -16,13 +17,14 @@ from pydantic import BaseModel
 
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # Logprobs of masked tokens are -inf, which JSON cannot carry; clamp them as vLLM does.
 MIN_LOGPROB = -9999.0
@@ -86,6 +88,19 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str) -> None:
         self.engine, self.config, self.model_name = engine, config, model_name
+        self._logged_unknown: set[str] = set()  # unknown field names already logged
+
+    def note_request(self, req: RequestBody, request_id: str) -> None:
+        """Log, once per field name and handler, body fields kvflow does not know (they are
+        ignored, as in vLLM); log the request's ``user`` when it names one."""
+        new = [f for f in req.unknown_fields if f not in self._logged_unknown]
+        if new:
+            self._logged_unknown.update(new)
+            logger.warning("ignoring request fields kvflow does not know: %s (logged once "
+                           "per field)", ", ".join(new))
+        user = getattr(req, "user", None)
+        if user:
+            logger.info("request %s: user %r", request_id, user)
 
     @property
     def tokenizer(self) -> Any:
@@ -161,6 +176,26 @@ class OpenAIServing:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
 
+    def check_unsupported(self, req: SamplingRequest) -> None:
+        """Raises OpenAIError 400 naming a field set to something kvflow does not do:
+        ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs``, or a
+        ``priority`` while the scheduler is not run by priority (it would be ignored)."""
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
+                              "sample it generates (send n, or best_of equal to n)",
+                              param="best_of")
+        if req.use_beam_search:
+            raise OpenAIError("use_beam_search is not supported (kvflow samples; it does not "
+                              "run beam search)", param="use_beam_search")
+        if req.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not supported yet: kvflow does not compute "
+                              "the logprobs of prompt tokens", param="prompt_logprobs")
+        policy = self.engine.config.scheduler_config.policy
+        if req.priority and policy != "priority":
+            raise OpenAIError(f"priority={req.priority} needs the priority scheduling policy "
+                              f"(start the server with --policy priority); it runs {policy!r}",
+                              param="priority")
+
     # ---- sampling params ---------------------------------------------------------------------
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None
@@ -187,8 +222,10 @@ class OpenAIServing:
 
     # ---- running requests --------------------------------------------------------------------
     def add_requests(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                     params: Sequence[SamplingParams]) -> list[RequestStream]:
-        """Queue every prompt (ids ``{request_id}-{i}``); on failure abort what was queued.
+                     params: Sequence[SamplingParams], priority: int = 0
+                     ) -> list[RequestStream]:
+        """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
+        the priority policy); on failure abort what was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone.
@@ -196,7 +233,8 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp))
+                streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp,
+                                                       priority))
         except ValueError as e:
             self.abort(streams)
             raise invalid_request(e) from None

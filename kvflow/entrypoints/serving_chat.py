@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.protocol import (
@@ -23,6 +24,7 @@ from kvflow.entrypoints.protocol import (
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
     UsageInfo,
 )
@@ -47,6 +49,25 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How to render a conversation (the chat-template fields of a request)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    documents: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
+        """The options of a chat or /tokenize request."""
+        special = req.add_special_tokens
+        return cls(req.add_generation_prompt, req.continue_final_message, bool(special),
+                   req.chat_template, req.documents, req.chat_template_kwargs)
+
+
 class OpenAIServingChat(OpenAIServing):
     """Handler of /v1/chat/completions (see OpenAIServing for the constructor)."""
 
@@ -58,12 +79,13 @@ class OpenAIServingChat(OpenAIServing):
         """
         self._check_request(req)
         mode, parser = self._tools(req)
-        text, ids = self.render(req.messages, req.add_generation_prompt,
-                                req.chat_template_kwargs, tools_for_template(req, mode))
+        text, ids = self.render(req.messages, ChatOptions.of(req),
+                                tools_for_template(req, mode))
         params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
         request_id = random_id("chatcmpl")
-        streams = self.add_requests(request_id, [(text, ids)], [params])
+        self.note_request(req, request_id)
+        streams = self.add_requests(request_id, [(text, ids)], [params], req.priority)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
                                                                  streams, parser)))
@@ -84,36 +106,45 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         self.check_n(req.n)
         self.check_stream_options(req)
+        self.check_unsupported(req)
+        if req.echo:
+            raise OpenAIError("echo is not supported on /v1/chat/completions (use "
+                              "continue_final_message to continue an assistant message)",
+                              param="echo")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-               template_kwargs: dict[str, Any] | None,
+    def render(self, messages: list[ChatMessage], options: ChatOptions,
                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
         template's ``tools`` argument; a template that ignores them gets the tool parser's
         instructions as (the start of) the system message instead.
 
         Raises:
-            OpenAIError: 400 for non-text content, a model without a chat template, or a
-                conversation the template rejects.
+            OpenAIError: 400 naming the field for non-text content, a model without a chat
+                template, an option the template cannot honour, or a conversation it rejects.
         """
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
+                        for m in messages]
         tokenizer = self.tokenizer
-        template_kwargs = dict(template_kwargs or {})
-        if tools:
-            template_kwargs["tools"] = tools
-            if "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
-                prompt = make_tool_parser(self.config.tool_call_parser).system_prompt(tools)
-                conversation = _with_system_prompt(conversation, prompt)
+        template = options.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        if tools and "tools" not in template:
+            prompt = make_tool_parser(self.config.tool_call_parser).system_prompt(tools)
+            conversation, tools = _with_system_prompt(conversation, prompt), None
         try:
             text = self.engine.processor.apply_chat_template(
-                conversation, add_generation_prompt, **template_kwargs)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") \
-                from None
-        return text, tokenizer.encode(text, add_special_tokens=False)
+                conversation, options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                chat_template=options.chat_template, tools=tools, documents=options.documents,
+                template_kwargs=options.template_kwargs)
+        except NoChatTemplateError:
+            raise OpenAIError("this model has no chat template: send one in the request's "
+                              "chat_template field, or use /v1/completions with a plain "
+                              "prompt", param="messages", code="no_chat_template") from None
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+        return text, tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
     def _params(self, req: ChatCompletionRequest, ids: list[int],
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -189,21 +220,6 @@ def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str
                  "content": f"{conversation[0].get('content') or ''}\n\n{prompt}".strip()}
         return [first, *conversation[1:]]
     return [{"role": "system", "content": prompt}, *conversation]
-
-
-def _message_dict(message: ChatMessage, position: int) -> dict[str, Any]:
-    """A message as the template sees it; list content is joined from its text parts.
-    Raises OpenAIError for non-text parts."""
-    data = message.model_dump(exclude_none=True)
-    if isinstance(message.content, list):
-        parts = []
-        for part in message.content:
-            if part.type != "text" or part.text is None:
-                raise OpenAIError(f"message {position}: content part of type {part.type!r} is "
-                                  "not supported (text only)", param=f"messages.{position}")
-            parts.append(part.text)
-        data["content"] = "".join(parts)
-    return data
 
 
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:

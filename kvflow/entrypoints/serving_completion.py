@@ -45,7 +45,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
-        streams = self.add_requests(request_id, prompts, params)
+        self.note_request(req, request_id)
+        streams = self.add_requests(request_id, prompts, params, req.priority)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
                                                                  streams)))
@@ -57,6 +58,10 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_n(req.n)
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
+        self.check_unsupported(req)
+        if req.suffix:
+            raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
+                              "completion", param="suffix")
         if req.echo and req.logprobs is not None:
             raise OpenAIError("echo with logprobs needs prompt logprobs, which kvflow does not "
                               "compute yet", param="echo")

@@ -30,16 +30,33 @@ class RequestFieldError(ValueError):
         self.param = param
 
 
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 def request_constraint(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The constraint from ``response_format`` or ``structured_outputs`` (not both).
+    """The constraint from ``response_format``, ``structured_outputs`` or one of vLLM's older
+    ``guided_*`` fields (one source only).
 
     Raises:
-        RequestFieldError: for both at once, or a json_schema format without a schema.
+        RequestFieldError: for two sources at once, or a json_schema format without a schema.
     """
     fmt, extra = req.response_format, req.structured_outputs
-    if fmt is not None and fmt.type != "text" and extra is not None:
-        raise RequestFieldError("set either response_format or structured_outputs, not both",
-                                "response_format")
+    sources = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
+    sources += ["structured_outputs"] if extra is not None else []
+    sources += ["response_format"] if fmt is not None and fmt.type != "text" else []
+    if len(sources) > 1:
+        raise RequestFieldError(f"set only one of {', '.join(sources)}: each constrains the "
+                                "output", sources[-1])
+    guided = [(name, getattr(req, name)) for name in _GUIDED_FIELDS
+              if getattr(req, name) is not None]
+    if guided:
+        name, value = guided[0]
+        try:
+            return StructuredOutputsParams(**{_GUIDED_FIELDS[name]: value})
+        except ValueError as e:
+            raise RequestFieldError(str(e).replace("SamplingParams.structured_outputs", name),
+                                    name) from None
     if extra is not None:
         fields = extra.model_dump(by_alias=True, exclude_none=True)
         try:

@@ -373,7 +373,8 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("chat_top_logprobs_above_cap", CH, {"messages": HI, "logprobs": True, "top_logprobs": 21},
      400, "top_logprobs"),
     ("chat_image_part", CH, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
+     "messages.0.content.0"),
     ("chat_too_long", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400,
      "messages"),
     ("detokenize_out_of_vocab", "/detokenize", {"tokens": [99999]}, 400, "tokens"),

@@ -1,0 +1,173 @@
+"""Conversations -> prompt text through the model's (or the caller's) chat template.
+
+Shared by ``LLM.chat``, ``/v1/chat/completions`` and ``/tokenize``, so a conversation renders
+the same everywhere. Messages are normalized as OpenAI clients send them and as vLLM renders
+them ("string" content format):
+
+* ``content`` null (an assistant turn that only calls tools, or any empty turn) becomes ``""``;
+* a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
+  parts of assistant turns count as text); any other part is refused;
+* an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
+  parsed into an object, as templates that write ``arguments | tojson`` expect.
+
+Options are honoured or refused, never dropped: ``continue_final_message`` (the reply continues
+the last, assistant, message; exclusive with ``add_generation_prompt``), ``chat_template`` (a
+Jinja template replacing the model's; rendered in transformers' sandbox), ``documents`` and
+``tools`` (refused when the template never reads them; callers that can inject tools as text
+do so first), ``chat_template_kwargs`` (extra template variables; names of
+``apply_chat_template``'s own parameters are refused).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.text_checks import find_lone_surrogate
+
+__all__ = ["ChatTemplateError", "NoChatTemplateError", "normalize_conversation", "render_chat"]
+
+_TEXT_PARTS = {"text", "refusal"}
+# apply_chat_template's own parameters: never template variables.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens"})
+
+
+class ChatTemplateError(ValueError):
+    """A conversation or option that cannot be rendered; ``param`` names the field at fault
+    (``messages.2.content``, ``continue_final_message``, ...)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """The model has no chat template and the caller gave none."""
+
+
+def normalize_conversation(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as the template sees them (see the module docstring); inputs are not changed.
+
+    Raises:
+        ChatTemplateError: for an empty list, a message that is not a dict with a string
+            ``role``, a non-text content part, or text with a lone surrogate.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatTemplateError("a conversation must be a non-empty list of messages",
+                                "messages")
+    found = find_lone_surrogate(list(messages), "messages")
+    if found is not None:
+        raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
+    return [_normalize_message(m, i) for i, m in enumerate(messages)]
+
+
+def _normalize_message(message: Any, i: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
+                                f"messages.{i}")
+    out = dict(message)
+    out["content"] = _content_text(message.get("content"), i)
+    if isinstance(message.get("tool_calls"), list):
+        out["tool_calls"] = [_parsed_arguments(c) for c in message["tool_calls"]]
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"message {i}: content must be a string, a list of content "
+                                "parts or null", f"messages.{i}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get(kind) if kind in _TEXT_PARTS else None
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
+                                    "supported (text only)", f"messages.{i}.content.{j}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call whose ``function.arguments`` JSON text is parsed (left alone otherwise)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                tools: list[dict[str, Any]] | None = None,
+                documents: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """Render a conversation to prompt text.
+
+    Args:
+        tokenizer: a transformers tokenizer (its ``chat_template`` unless ``chat_template``).
+        messages: OpenAI-style message dicts (normalized here).
+        add_generation_prompt: end with the header of a new assistant turn.
+        continue_final_message: leave the last (assistant) message open for the reply.
+        chat_template: a Jinja template to use instead of the model's.
+        tools / documents: the template's ``tools`` / ``documents`` variables.
+        template_kwargs: further template variables.
+
+    Raises:
+        NoChatTemplateError: when neither the model nor the caller has a template.
+        ChatTemplateError: for a bad message or option (see the module docstring), or one the
+            template fails on.
+    """
+    conversation = normalize_conversation(messages)
+    template = chat_template if chat_template is not None else \
+        getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise NoChatTemplateError("this model has no chat template", "messages")
+    kwargs = _template_kwargs(conversation, template, add_generation_prompt,
+                              continue_final_message, tools, documents, template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(conversation, chat_template=template,
+                                             tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja and transformers errors: bad input
+        param = "chat_template" if chat_template is not None else "messages"
+        raise ChatTemplateError(f"the chat template cannot render these messages: "
+                                f"{type(e).__name__}: {e}", param) from None
+
+
+def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
+                     add_generation_prompt: bool, continue_final_message: bool,
+                     tools: list | None, documents: list | None,
+                     extra: dict[str, Any] | None) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments. Raises ChatTemplateError for a bad option."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both "
+                                "be true", "continue_final_message")
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ChatTemplateError("continue_final_message needs the last message to be an "
+                                "assistant message", "continue_final_message")
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value and name not in str(template):
+            raise ChatTemplateError(f"this chat template does not use {name}", name)
+    extra = dict(extra or {})
+    reserved = sorted(_RESERVED_KWARGS & set(extra))
+    if reserved:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {reserved}: they are "
+                                "parameters of the renderer (use the request fields)",
+                                f"chat_template_kwargs.{reserved[0]}")
+    found = find_lone_surrogate(extra, "chat_template_kwargs")
+    if found is not None:
+        raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
+    return {**extra, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "tools": tools or None,
+            "documents": documents or None}

@@ -1,0 +1,490 @@
+"""Every field of every request model (kvflow/entrypoints/protocol.py) is honoured or rejected.
+
+``CASES`` holds, per endpoint, one check per declared field; ``test_every_field_has_a_case``
+fails when a field is added without one. A "used" check sends a value and asserts its effect
+against a baseline request or an independent oracle (the tokenizer, the Jinja template); a
+"rejected" check asserts a 400 (404 for ``model``) whose ``param`` names the field. Also:
+text with a lone UTF-16 surrogate in any string of any body is a 400 naming that string's path,
+and unknown fields are logged once. The server runs the tiny Llama with a tokenizer that adds
+``<bos>`` (so ``add_special_tokens`` shows) and ``--policy priority``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from kvflow.entrypoints import protocol
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
+        "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
+C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+PROMPT = "the quick brown fox"
+HI = [{"role": "user", "content": "hi"}]
+BASE = {C: {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
+        CH: {"messages": HI, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
+        TOK: {"prompt": PROMPT}, DETOK: {"tokens": [5, 6, 7]}}
+HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from greedy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_chat_model, tmp_path_factory) -> str:
+    """The tiny chat model, its tokenizer adding <bos> when add_special_tokens is set."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("fields") / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(start_server, model_dir):
+    server = start_server(model_dir, ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def post(server, path: str, body: dict[str, Any], base: bool = True) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={**BASE[path], **body} if base else body,
+                      timeout=60)
+
+
+def ok(server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    resp = post(server, path, body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def rejected(path: str, value: dict[str, Any], param: str, status: int = 400) -> Callable:
+    def check(server, tokenizer) -> None:
+        resp = post(server, path, value)
+        assert resp.status_code == status, resp.text
+        assert resp.json()["error"]["param"] == param, resp.text
+    return check
+
+
+def ids(resp: dict[str, Any], i: int = 0) -> list[int]:
+    return resp["choices"][i]["token_ids"]
+
+
+def text(resp: dict[str, Any], i: int = 0) -> str:
+    choice = resp["choices"][i]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+# ---- sampling fields (both endpoints) --------------------------------------------------------
+def sampling_cases(path: str) -> dict[str, Callable]:
+    def greedy(server):
+        return ids(ok(server, path, {"max_tokens": 16}))
+
+    def hot_differs_and_filter_restores(field: str, value: Any) -> Callable:
+        def check(server, tokenizer):
+            assert ids(ok(server, path, HOT)) != greedy(server)
+            assert ids(ok(server, path, {**HOT, field: value})) == greedy(server)
+        return check
+
+    def seed(server, tokenizer):
+        a, b = (ids(ok(server, path, {**HOT, "seed": s})) for s in (0, 1))
+        assert a != b and a == ids(ok(server, path, HOT))
+
+    def temperature(server, tokenizer):
+        assert ids(ok(server, path, HOT)) != greedy(server)
+
+    def n(server, tokenizer):
+        resp = ok(server, path, {**HOT, "n": 2})
+        assert len(resp["choices"]) == 2 and ids(resp, 0) != ids(resp, 1)
+
+    forced = {"max_tokens": 16, "guided_regex": "the quick brown fox jumps"}  # known text
+
+    def stop(server, tokenizer):
+        out = ok(server, path, {**forced, "stop": ["brown"]})
+        assert (text(out), out["choices"][0]["finish_reason"]) == ("the quick ", "stop")
+
+    def include_stop(server, tokenizer):
+        out = ok(server, path, {**forced, "stop": "brown", "include_stop_str_in_output": True})
+        assert text(out) == "the quick brown"
+
+    def stop_token_ids(server, tokenizer):
+        greedy_ids = ids(ok(server, path, {}))
+        third = greedy_ids[2]
+        out = ok(server, path, {"stop_token_ids": [third]})["choices"][0]
+        assert (out["finish_reason"], out["stop_reason"], out["token_ids"]) == \
+            ("stop", third, greedy_ids[:greedy_ids.index(third) + 1])
+
+    eos_bias = {"logit_bias": {str(0): 100}}  # <eos> is id 0
+
+    def logit_bias(server, tokenizer):
+        assert ids(ok(server, path, {"logit_bias": {"7": 100}}))[:3] == [7, 7, 7]
+
+    def ignore_eos(server, tokenizer):
+        assert ids(ok(server, path, eos_bias)) == [0]
+        assert ids(ok(server, path, {**eos_bias, "ignore_eos": True})) == [0] * 8
+
+    def min_tokens(server, tokenizer):
+        out = ids(ok(server, path, {**eos_bias, "min_tokens": 3}))
+        assert len(out) == 4 and out[-1] == 0 and 0 not in out[:3]
+
+    def skip_special_tokens(server, tokenizer):
+        body = {**eos_bias, "ignore_eos": True, "max_tokens": 2}
+        assert text(ok(server, path, body)) == ""
+        assert text(ok(server, path, {**body, "skip_special_tokens": False})) == "<eos><eos>"
+
+    def penalty(field: str, value: float) -> Callable:
+        def check(server, tokenizer):
+            plain = ids(ok(server, path, {"max_tokens": 32}))
+            assert len(set(plain)) < len(plain)  # the greedy output repeats tokens
+            assert ids(ok(server, path, {"max_tokens": 32, field: value})) != plain
+        return check
+
+    def user(server, tokenizer):
+        ok(server, path, {"user": "user-7f3a"})
+        assert "user 'user-7f3a'" in server.log()
+
+    def stream(server, tokenizer):
+        resp = post(server, path, {"stream": True})
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.text.rstrip().endswith("data: [DONE]")
+
+    def stream_options(server, tokenizer):
+        body = {"stream": True, "stream_options": {"include_usage": True}}
+        events = [json.loads(line[6:]) for line in post(server, path, body).text.splitlines()
+                  if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 8
+
+    def return_token_ids(server, tokenizer):
+        assert "token_ids" not in ok(server, path, {"return_token_ids": False})["choices"][0]
+
+    def constraint(body: dict[str, Any], accept: Callable[[str], bool]) -> Callable:
+        def check(server, tokenizer):
+            out = ok(server, path, {**HOT, "max_tokens": 24, **body})
+            assert accept(text(out)), text(out)
+        return check
+
+    choice = constraint({"structured_outputs": {"choice": ["yes", "no"]}},
+                        lambda t: t in ("yes", "no"))
+
+    def priority(server, tokenizer):
+        """4 running slots held by long requests; then priorities 9 and -9 queue together:
+        the lower value gets its reply first."""
+        finished: dict[int, float] = {}
+
+        def run(prio: int, max_tokens: int) -> None:
+            ok(server, path, {"priority": prio, "max_tokens": max_tokens, "ignore_eos": True})
+            finished[prio] = time.monotonic()
+
+        blockers = [threading.Thread(target=run, args=(100 + i, 48)) for i in range(4)]
+        for t in blockers:
+            t.start()
+        time.sleep(0.3)
+        queued = [threading.Thread(target=run, args=(p, 2)) for p in (9, -9)]
+        for t in queued:
+            t.start()
+        for t in blockers + queued:
+            t.join()
+        assert finished[-9] < finished[9]
+
+    return {
+        "model": rejected(path, {"model": "gpt-4"}, "model", 404),
+        "n": n, "temperature": temperature, "seed": seed,
+        "top_p": hot_differs_and_filter_restores("top_p", 1e-6),
+        "top_k": hot_differs_and_filter_restores("top_k", 1),
+        "min_p": hot_differs_and_filter_restores("min_p", 1.0),
+        "stop": stop, "include_stop_str_in_output": include_stop,
+        "stop_token_ids": stop_token_ids, "logit_bias": logit_bias, "ignore_eos": ignore_eos,
+        "min_tokens": min_tokens, "skip_special_tokens": skip_special_tokens,
+        "presence_penalty": penalty("presence_penalty", 2.0),
+        "frequency_penalty": penalty("frequency_penalty", 2.0),
+        "repetition_penalty": penalty("repetition_penalty", 5.0),
+        "user": user, "stream": stream, "stream_options": stream_options,
+        "return_token_ids": return_token_ids,
+        "response_format": constraint({"response_format": {"type": "json_object"}},
+                                      lambda t: t.startswith("{")),
+        "structured_outputs": choice,
+        "guided_json": constraint({"guided_json": {"enum": ["abc"]}}, lambda t: t == '"abc"'),
+        "guided_regex": constraint({"guided_regex": "[0-9]{3}"},
+                                   lambda t: len(t) == 3 and t.isdigit()),
+        "guided_choice": constraint({"guided_choice": ["yes", "no"]},
+                                    lambda t: t in ("yes", "no")),
+        "guided_grammar": constraint({"guided_grammar": 'root ::= "a" | "b"'},
+                                     lambda t: t in ("a", "b")),
+        "priority": priority,
+        "best_of": rejected(path, {"best_of": 2}, "best_of"),
+        "use_beam_search": rejected(path, {"use_beam_search": True}, "use_beam_search"),
+        "prompt_logprobs": rejected(path, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    }
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+def completion_cases() -> dict[str, Callable]:
+    def prompt(server, tokenizer):
+        a = ok(server, C, {})
+        b = ok(server, C, {"prompt": "lazy dog"})
+        assert a["usage"]["prompt_tokens"] == len(tokenizer.encode(PROMPT)) and ids(a) != ids(b)
+
+    def max_tokens(server, tokenizer):
+        assert len(ids(ok(server, C, {"max_tokens": 3}))) == 3
+
+    def echo(server, tokenizer):
+        assert text(ok(server, C, {"echo": True})) == PROMPT + text(ok(server, C, {}))
+
+    def logprobs(server, tokenizer):
+        lp = ok(server, C, {"logprobs": 2})["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 8 and all(len(t) >= 2 for t in lp["top_logprobs"])
+
+    def add_special_tokens(server, tokenizer):
+        with_bos = ok(server, C, {})["usage"]["prompt_tokens"]
+        assert ok(server, C, {"add_special_tokens": False})["usage"]["prompt_tokens"] == \
+            with_bos - 1 == len(tokenizer.encode(PROMPT, add_special_tokens=False))
+
+    return {**sampling_cases(C), "prompt": prompt, "max_tokens": max_tokens, "echo": echo,
+            "logprobs": logprobs, "add_special_tokens": add_special_tokens,
+            "suffix": rejected(C, {"suffix": " the end"}, "suffix")}
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+TOOL = {"type": "function", "function": {"name": "get_x", "parameters": {
+    "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}
+# A template that reads tools (the tiny model's ignores them: kvflow would then add the tool
+# parser's long instructions as a system prompt, too long for the tiny context).
+TOOLS_TEMPLATE = "{{ messages[0].content }}{% for t in tools or [] %} {{ t.function.name }}{% endfor %}"
+
+
+def prompt_ids(server, body: dict[str, Any]) -> list[int]:
+    return ok(server, CH, {**body, "max_tokens": 1})["prompt_token_ids"]
+
+
+def chat_cases() -> dict[str, Callable]:
+    def rendered(tokenizer, messages, **kwargs) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs),
+                                add_special_tokens=False)
+
+    def messages(server, tokenizer):
+        msgs = [{"role": "user", "content": "lazy dog"}]
+        assert prompt_ids(server, {"messages": msgs}) == \
+            rendered(tokenizer, msgs, add_generation_prompt=True)
+
+    def max_tokens(field: str) -> Callable:
+        def check(server, tokenizer):
+            assert len(ids(ok(server, CH, {"max_tokens": None, field: 3}))) == 3
+        return check
+
+    def logprobs(server, tokenizer):
+        out = ok(server, CH, {"logprobs": True, "top_logprobs": 2})["choices"][0]["logprobs"]
+        assert len(out["content"]) == 8 and all(len(t["top_logprobs"]) == 2
+                                                for t in out["content"])
+
+    def add_generation_prompt(server, tokenizer):
+        assert prompt_ids(server, {"add_generation_prompt": False}) == \
+            rendered(tokenizer, HI, add_generation_prompt=False)
+
+    def continue_final_message(server, tokenizer):
+        msgs = [*HI, {"role": "assistant", "content": "the lazy"}]
+        body = {"messages": msgs, "add_generation_prompt": False}
+        assert prompt_ids(server, {**body, "continue_final_message": True}) == \
+            rendered(tokenizer, msgs, continue_final_message=True)
+        assert post(server, CH, {**body, "add_generation_prompt": True,
+                                 "continue_final_message": True}).status_code == 400
+
+    def add_special_tokens(server, tokenizer):
+        assert prompt_ids(server, {"add_special_tokens": True}) == \
+            [tokenizer.bos_token_id, *prompt_ids(server, {})]
+
+    def chat_template(server, tokenizer):
+        assert prompt_ids(server, {"chat_template": "{{ messages[0].content }} fox"}) == \
+            tokenizer.encode("hi fox", add_special_tokens=False)
+
+    def chat_template_kwargs(server, tokenizer):
+        body = {"chat_template": "{{ greeting }} dog", "chat_template_kwargs": {"greeting": "a"}}
+        assert prompt_ids(server, body) == tokenizer.encode("a dog", add_special_tokens=False)
+        resp = post(server, CH, {"chat_template_kwargs": {"tokenize": True}})
+        assert resp.json()["error"]["param"] == "chat_template_kwargs.tokenize"
+
+    def documents(server, tokenizer):
+        docs = [{"title": "t", "text": "lazy dog"}]
+        body = {"documents": docs, "chat_template": "{{ documents[0].text }}"}
+        assert prompt_ids(server, body) == tokenizer.encode("lazy dog", add_special_tokens=False)
+        rejected(CH, {"documents": docs}, "documents")(server, tokenizer)  # template ignores
+
+    def tool_choice(server, tokenizer):
+        body = {"tools": [TOOL], "chat_template": TOOLS_TEMPLATE,
+                "tool_choice": {"type": "function", "function": {"name": "get_x"}}}
+        call = ok(server, CH, {**HOT, **body})["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_x"
+        assert json.loads(call["function"]["arguments"])["x"] in (1, 2)
+
+    def parallel_tool_calls(server, tokenizer):
+        """A "," bias makes the model add calls to the required array unless parallel tool
+        calls are off (then the grammar allows only one)."""
+        comma = tokenizer.encode(",", add_special_tokens=False)
+        body = {**HOT, "max_tokens": 40, "tools": [TOOL], "tool_choice": "required",
+                "chat_template": TOOLS_TEMPLATE, "logit_bias": {str(comma[0]): 30}}
+        many = ok(server, CH, body)["choices"][0]
+        one = ok(server, CH, {**body, "parallel_tool_calls": False})["choices"][0]
+        assert len(one["message"]["tool_calls"]) == 1
+        assert len(many["message"]["tool_calls"]) > 1 or many["finish_reason"] == "length"
+
+    def tools(server, tokenizer):
+        body = {"tools": [TOOL], "tool_choice": "auto", "chat_template": TOOLS_TEMPLATE}
+        assert prompt_ids(server, body) == tokenizer.encode("hi get_x", add_special_tokens=False)
+        assert prompt_ids(server, {**body, "tool_choice": "none"}) == \
+            tokenizer.encode("hi", add_special_tokens=False)
+
+    return {**sampling_cases(CH), "messages": messages,
+            "max_tokens": max_tokens("max_tokens"),
+            "max_completion_tokens": max_tokens("max_completion_tokens"),
+            "logprobs": logprobs, "top_logprobs": logprobs,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "add_special_tokens": add_special_tokens, "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs, "documents": documents,
+            "echo": rejected(CH, {"echo": True}, "echo"), "tools": tools,
+            "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+
+
+# ---- /tokenize, /detokenize ------------------------------------------------------------------
+def tokenize_cases() -> dict[str, Callable]:
+    def tokens(server, body):
+        return ok(server, TOK, body)["tokens"]
+
+    def prompt(server, tokenizer):
+        assert tokens(server, {}) == tokenizer.encode(PROMPT)
+
+    def add_special_tokens(server, tokenizer):
+        assert tokens(server, {"add_special_tokens": False}) == \
+            tokenizer.encode(PROMPT, add_special_tokens=False)
+        chat = {"prompt": None, "messages": HI}
+        assert tokens(server, {**chat, "add_special_tokens": True})[0] == tokenizer.bos_token_id
+
+    def chat_option(body: dict[str, Any], expected: Callable) -> Callable:
+        def check(server, tokenizer):
+            got = tokens(server, {"prompt": None, "messages": HI, **body})
+            assert got == tokenizer.encode(expected(tokenizer), add_special_tokens=False)
+        return check
+
+    def messages_text(tokenizer, **kwargs):
+        return tokenizer.apply_chat_template(HI, tokenize=False, **kwargs)
+
+    return {
+        "model": rejected(TOK, {"model": "gpt-4"}, "model", 404), "prompt": prompt,
+        "messages": chat_option({}, lambda t: messages_text(t, add_generation_prompt=True)),
+        "add_special_tokens": add_special_tokens,
+        "add_generation_prompt": chat_option({"add_generation_prompt": False}, messages_text),
+        "continue_final_message": rejected(
+            TOK, {"prompt": None, "messages": HI, "add_generation_prompt": False,
+                  "continue_final_message": True}, "continue_final_message"),
+        "chat_template": chat_option({"chat_template": "{{ messages[0].content }}!"},
+                                     lambda t: "hi!"),
+        "chat_template_kwargs": chat_option(
+            {"chat_template": "{{ x }}", "chat_template_kwargs": {"x": "fox"}}, lambda t: "fox"),
+        "tools": chat_option({"tools": [TOOL], "chat_template": "{{ tools[0].function.name }}"},
+                             lambda t: "get_x"),
+        "documents": chat_option({"documents": [{"text": "dog"}],
+                                  "chat_template": "{{ documents[0].text }}"}, lambda t: "dog"),
+    }
+
+
+def detokenize_cases() -> dict[str, Callable]:
+    def tokens(server, tokenizer):
+        assert ok(server, DETOK, {})["prompt"] == tokenizer.decode([5, 6, 7])
+
+    return {"model": rejected(DETOK, {"model": "gpt-4"}, "model", 404), "tokens": tokens}
+
+
+CASES = {C: (protocol.CompletionRequest, completion_cases()),
+         CH: (protocol.ChatCompletionRequest, chat_cases()),
+         TOK: (protocol.TokenizeRequest, tokenize_cases()),
+         DETOK: (protocol.DetokenizeRequest, detokenize_cases())}
+
+
+def test_every_field_has_a_case():
+    for path, (model, cases) in CASES.items():
+        assert set(cases) == set(model.model_fields), path
+
+
+@pytest.mark.parametrize("path,field", [(p, f) for p, (_, cases) in CASES.items()
+                                        for f in cases])
+def test_field_is_used_or_rejected(server, tokenizer, path, field):
+    CASES[path][1][field](server, tokenizer)
+
+
+# ---- text checks and unknown fields ----------------------------------------------------------
+FULL_BODIES = {
+    C: {"prompt": ["abc", "def"], "stop": ["x", "y"], "user": "u", "model": "m",
+        "logit_bias": {"5": 1}, "guided_regex": "[a-z]+"},
+    CH: {"messages": [{"role": "system", "content": "s"},
+                      {"role": "user", "content": [{"type": "text", "text": "p"}]},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "c1", "type": "function",
+                           "function": {"name": "get_x", "arguments": "{}"}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "12:00"}],
+         "tools": [TOOL], "chat_template": "{{ messages }}", "stop": "z",
+         "chat_template_kwargs": {"k": "v"}, "documents": [{"text": "d"}],
+         "response_format": {"type": "json_schema",
+                             "json_schema": {"name": "n", "schema": {"enum": ["a"]}}}},
+    TOK: {"messages": HI, "chat_template": "t"},
+    DETOK: {"model": "m", "tokens": [1]},
+}
+
+
+def string_paths(value: Any, path: str = "") -> list[tuple[str, ...]]:
+    """Every path to a string leaf (or dict key) of a JSON value."""
+    if isinstance(value, str):
+        return [tuple(path.split(".")[1:])]
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    out = []
+    for key, item in items:
+        out += string_paths(item, f"{path}.{key}")
+    return out
+
+
+def with_surrogate(body: Any, path: tuple[str, ...]) -> Any:
+    if not path:
+        return body[:1] + "\ud800" + body[1:]
+    if isinstance(body, list):
+        i = int(path[0])
+        return [with_surrogate(v, path[1:]) if j == i else v for j, v in enumerate(body)]
+    return {k: with_surrogate(v, path[1:]) if k == path[0] else v for k, v in body.items()}
+
+
+@pytest.mark.parametrize("path", [C, CH, TOK, DETOK])
+def test_lone_surrogate_anywhere_is_a_400(server, path):
+    """Each string of a body holding every kind of text field, in turn, gets a lone
+    surrogate: 400 naming that string (streaming too); never a 5xx."""
+    for leaf in string_paths(FULL_BODIES[path]):
+        for stream in ((False, True) if path in (C, CH) else (False,)):
+            body = with_surrogate(FULL_BODIES[path], leaf)
+            if path in (C, CH):
+                body["stream"] = stream
+            raw = json.dumps(body).encode()  # ensure_ascii: the surrogate as a \\ud800 escape
+            resp = httpx.post(f"{server.url}{path}", content=raw, timeout=60,
+                              headers={"Content-Type": "application/json"})
+            assert resp.status_code == 400, (leaf, resp.text)
+            error = resp.json()["error"]
+            assert (error["param"], error["code"]) == (".".join(leaf), "invalid_unicode")
+
+
+def test_unknown_fields_logged_once(server):
+    for _ in range(3):
+        ok(server, C, {"frobnicate_a1": 1, "max_tokens": 1})
+    log = server.log()
+    assert log.count("frobnicate_a1") == 1 and "ignoring request fields" in log

@@ -1,0 +1,140 @@
+"""Conversation rendering (kvflow/chat_template.py), the offline ``LLM.chat`` options and
+``LLM.generate(priority=...)``. Oracles: the HF tokenizer's own ``apply_chat_template`` on
+hand-normalized messages, hand-written templates, and the scheduler's documented order."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.chat_template import (
+    ChatTemplateError,
+    NoChatTemplateError,
+    normalize_conversation,
+    render_chat,
+)
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)  # the session's tokenizer stays without a template
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_null_parts_and_tool_arguments_normalized():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c", "type": "function",
+                     "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
+    out = normalize_conversation(messages)
+    assert [m["content"] for m in out] == ["a\nb", "", "no"]
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert messages[1]["content"] is None  # the caller's messages are not changed
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([], "messages"),
+    ([{"content": "x"}], "messages.0"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages.0.content.0"),
+    ([{"role": "user", "content": 5}], "messages.0.content"),
+    ([{"role": "user", "content": "a\ud800"}], "messages.0.content"),
+])
+def test_bad_messages_name_the_field(tok, messages, param):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, messages)
+    assert info.value.param == param
+
+
+def test_options_honoured(tok):
+    hi = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, hi) == "<user>hi\n<assistant>"
+    assert render_chat(tok, hi, add_generation_prompt=False) == "<user>hi\n"
+    partial = [*hi, {"role": "assistant", "content": "the"}]
+    assert render_chat(tok, partial, add_generation_prompt=False,
+                       continue_final_message=True) == "<user>hi\n<assistant>the"
+    assert render_chat(tok, hi, chat_template="{{ x }}!", template_kwargs={"x": 3}) == "3!"
+    docs = [{"text": "d1"}]
+    assert render_chat(tok, hi, chat_template="{{ documents[0].text }}", documents=docs) == "d1"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # + add_generation_prompt
+    ({"continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),  # the last message is the user's
+    ({"documents": [{"text": "d"}]}, "documents"),  # the template never reads them
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template": "{{ 1 / 0 }}"}, "chat_template"),
+])
+def test_bad_options_rejected(tok, kwargs, param):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, [{"role": "user", "content": "hi"}], **kwargs)
+    assert info.value.param == param
+
+
+def test_no_chat_template_http_message(tiny_tokenizer):
+    """Over HTTP the error speaks of request fields and endpoints, not of Python calls."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_base import OpenAIError
+    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    plain = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    assert not plain.chat_template
+    engine = SimpleNamespace(tokenizer=plain, processor=InputProcessor(plain, 64, 320, 0))
+    chat = OpenAIServingChat(engine, ServerConfig(), "m")
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(OpenAIError) as info:
+        chat.render(req.messages, ChatOptions.of(req))
+    message = str(info.value)
+    assert info.value.status == 400 and info.value.code == "no_chat_template"
+    assert "/v1/completions" in message and "chat_template" in message
+    assert "generate()" not in message
+    with pytest.raises(NoChatTemplateError):
+        LLM.chat(SimpleNamespace(engine=SimpleNamespace(processor=engine.processor)),
+                 [{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tiny_llama):
+    llm = LLM(model=tiny_llama.path, num_kv_blocks=64, block_size=4, policy="priority",
+              max_num_seqs=1)
+    llm.engine.tokenizer.chat_template = TEMPLATE
+    return llm
+
+
+def test_llm_chat_null_content_and_continue(chat_llm):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = chat_llm.chat([{"role": "user", "content": "a"}, {"role": "assistant",
+                                                            "content": None}],
+                        params, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt == "<user>a\n<assistant>"
+
+
+def test_generate_priority_orders_the_queue(chat_llm, assert_no_leaks):
+    """One running slot: the prompts run one at a time, lowest priority value first."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    outs = chat_llm.generate(["a b", "c d", "e f"], params, use_tqdm=False, priority=[5, -5, 0])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+    assert_no_leaks(chat_llm)
+    with pytest.raises(ValueError, match="priority"):
+        chat_llm.generate(["a"], params, priority=[1, 2])
+
+
+def test_priority_needs_the_priority_policy(tiny_llama):
+    llm = LLM(model=tiny_llama.path, num_kv_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match="policy"):
+        llm.generate(["a"], SamplingParams(max_tokens=1), priority=[3])
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=1), priority=[0])) == 1
