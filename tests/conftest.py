@@ -38,6 +38,18 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "original_max_position_embeddings": 64}}),
     "llama_rope_linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear",
                                                            "factor": 2.0}}),
+    # YaRN (Qwen2.5's long-context recipe): original context 64 of 256, default betas
+    "qwen2_rope_yarn": ("Qwen2Config", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # YaRN with every optional field transformers reads: betas, no truncation, a small base
+    # so the ramp spans several frequency pairs
+    "llama_rope_yarn": ("LlamaConfig", {"max_position_embeddings": 128, "rope_theta": 500.0,
+                                        "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
+    # dynamic NTK from 48 positions (test prompts fit; their outputs run past it), up to 192
+    "llama_rope_dynamic": ("LlamaConfig", {"max_position_embeddings": 48, "rope_scaling": {
+        "rope_type": "dynamic", "factor": 4.0}}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     # every layer attends to the last 8 positions only (shorter than most test prompts)
     "mistral_sliding_window": ("MistralConfig", {"sliding_window": 8}),

@@ -16,6 +16,7 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.uniproc import UniprocExecutor
 from kvflow.kv_cache_interface import KVCacheConfig
+from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.platforms import get_platform
@@ -76,19 +77,20 @@ class EngineCore:
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
         requested = self.config.model_config.max_model_len
-        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        positions = rope_max_positions(self.hf_config) \
+            if hasattr(self.hf_config, "max_position_embeddings") else None
         if requested is not None and positions is not None and requested > positions:
-            # The rotary tables hold max_position_embeddings positions: a longer sequence
-            # would index past them in the middle of a step.
-            raise ValueError(f"max_model_len={requested} exceeds the model's "
-                             f"max_position_embeddings ({positions})")
+            # The rotary tables hold this many positions (max_position_embeddings, scaled for
+            # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
+            raise ValueError(f"max_model_len={requested} exceeds the positions the model's "
+                             f"RoPE covers ({positions}: max_position_embeddings, scaled for "
+                             "yarn / dynamic rope_scaling)")
         self.kv_cache_config = self._make_kv_cache_config()
         self.num_blocks = self.kv_cache_config.num_blocks
         self.executor.initialize_kv_cache(self.kv_cache_config)
         capacity = max_tokens_per_request(self.kv_cache_config,
                                           self.config.scheduler_config.max_num_batched_tokens)
-        model_len = self.config.model_config.max_model_len or \
-            getattr(self.hf_config, "max_position_embeddings", capacity)
+        model_len = self.config.model_config.max_model_len or positions or capacity
         if model_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model_len, capacity)

@@ -1,5 +1,11 @@
-"""Rotary position embedding (RoFormer, Su et al. 2021) with Llama-3, linear and LongRoPE
-(Phi-3 ``longrope`` / ``su``) scaling."""
+"""Rotary position embedding (RoFormer, Su et al. 2021) with Llama-3, linear, LongRoPE
+(Phi-3 ``longrope`` / ``su``), YaRN (``yarn``) and dynamic NTK (``dynamic``) scaling.
+
+Every scaling ends in one ``cos_sin_cache`` [max_position, rotary_dim] float32 table indexed by
+position, computed once at start-up (:func:`compute_cos_sin_cache`): a token's rotation depends
+on its position only, never on its batch, its chunk or later tokens, which a paged KV cache
+with prefix caching and chunked prefill needs (a cached key is never rotated again).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +38,43 @@ def get_rope_parameters(config: Any) -> tuple[float, dict | None]:
     if rope_type in ("longrope", "su"):  # older Phi-3 configs keep the length at top level
         scaling.setdefault("original_max_position_embeddings",
                            getattr(config, "original_max_position_embeddings", None))
+    if rope_type in ("yarn", "dynamic"):
+        _fill_length_defaults(scaling, config)
     return float(theta), scaling
+
+
+def _fill_length_defaults(scaling: dict, config: Any) -> None:
+    """The lengths YaRN and dynamic NTK scale from, as transformers 5 reads them. YaRN:
+    ``original_max_position_embeddings`` from the rope dict, else the config's top-level
+    field, else ``max_position_embeddings``; a missing ``factor`` is
+    ``max_position_embeddings / original``. Dynamic: always ``max_position_embeddings``."""
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if scaling["rope_type"] == "dynamic":
+        scaling["original_max_position_embeddings"] = max_positions
+        return
+    if scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = \
+            getattr(config, "original_max_position_embeddings", None) or max_positions
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+
+
+def rope_max_positions(config: Any) -> int:
+    """Positions the model's RoPE covers (the rotary table's length and the longest
+    ``max_model_len``): ``max_position_embeddings``, except for YaRN,
+    ``max(max_position_embeddings, original_max_position_embeddings x factor)``, and dynamic
+    NTK, ``max_position_embeddings x factor`` (vLLM's rule; transformers itself has no limit).
+    Linear scaling is not extended: configs such as Gemma 3's already give the scaled length.
+    """
+    positions = int(config.max_position_embeddings)
+    _, scaling = get_rope_parameters(config)
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type == "yarn":
+        scaled = scaling["original_max_position_embeddings"] * scaling["factor"]
+        return max(positions, int(scaled))
+    if rope_type == "dynamic":
+        return int(positions * scaling["factor"])
+    return positions
 
 
 def get_rotary_dim(config: Any, head_dim: int) -> int:
@@ -73,8 +115,125 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tor
         return _llama3_inv_freq(inv_freq, scaling).float()
     if rope_type in ("longrope", "su"):
         return _longrope_inv_freq(rotary_dim, theta, scaling["short_factor"]).float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, scaling)
+    if rope_type == "dynamic":  # the frequencies up to the original length; see _dynamic_cache
+        return inv_freq.float()
     raise ValueError(f"unsupported rope_type {rope_type!r}: kvflow supports default, linear, "
-                     "llama3, longrope")
+                     "llama3, longrope, yarn, dynamic")
+
+
+def _yarn_correction_range(rotary_dim: int, theta: float, scaling: dict) -> tuple[float, float]:
+    """YaRN's ramp bounds in frequency-pair index: the pair that turns ``beta_fast`` times over
+    the original context and the one that turns ``beta_slow`` times (paper eq. 17, solved for
+    the dimension), floored/ceiled unless ``truncate`` is false, clipped to [0, d - 1]."""
+    orig = scaling["original_max_position_embeddings"]
+
+    def dim_of(num_rotations: float) -> float:
+        return rotary_dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, rotary_dim - 1)
+
+
+def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023, arXiv:2309.00071, sec. 3.2 and
+    3.4) [rotary_dim // 2] float32: pairs that turn more than ``beta_fast`` times within the
+    original context keep their frequency, pairs that turn fewer than ``beta_slow`` times are
+    divided by ``factor`` (position interpolation), and a linear ramp blends the pairs between.
+    Computed in float32 as transformers does."""
+    low, high = _yarn_correction_range(rotary_dim, theta, scaling)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low))
+    keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep), 0: interpolate (divide)
+    return (1.0 / (scaling["factor"] * pos_freqs)) * (1.0 - keep) + (1.0 / pos_freqs) * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's factor on cos/sin, so on every attention logit ``q.k`` its square (the paper's
+    ``sqrt(1/t) = 0.1 ln(s) + 1``, sec. 3.4): ``attention_factor`` if given, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set
+    (DeepSeek-V2/V3), else ``0.1 ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = (scaling["factor"], scaling.get("mscale"),
+                                      scaling.get("mscale_all_dim"))
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _dynamic_cache(max_position: int, rotary_dim: int, theta: float,
+                   scaling: dict) -> torch.Tensor:
+    """Dynamic NTK table [max_position, rotary_dim] float32 (bloc97 / emozilla, 2023).
+
+    transformers grows the base with the sequence length ``L`` of the forward pass,
+    ``base(L) = theta * (factor * L / L_orig - (factor - 1)) ** (d / (d - 2))`` for
+    ``L > L_orig = max_position_embeddings`` (plain ``theta`` up to it), and rotates every
+    position of that pass with it, so a key's rotation depends on how long its sequence was
+    when the key was computed. kvflow writes each key once into the paged cache, so it fixes
+    the length per position instead: position ``p`` uses ``base(max(p + 1, L_orig))``. That
+    equals transformers' cached ``generate`` exactly for every generated token (it decodes
+    position ``p`` with ``L = p + 1``) and for every prompt token of a prompt of at most
+    ``L_orig`` tokens (plain RoPE), so whole sequences whose prompt fits the original context
+    match, however far generation runs past it. For a longer prompt transformers rotates all
+    of it with ``base(prompt length)`` while kvflow keeps the per-position bases: the
+    rotations of the last prompt position and of every later one still agree, those of the
+    earlier prompt keys do not, so outputs differ. Computed in float64.
+    """
+    orig, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    positions = torch.arange(max_position, dtype=torch.float64)
+    seq_len = (positions + 1).clamp(min=orig)
+    base = theta * (factor * seq_len / orig - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    freqs = positions.unsqueeze(1) * base.unsqueeze(1) ** -exponent
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _longrope_cache(max_position: int, rotary_dim: int, theta: float,
+                    scaling: dict) -> torch.Tensor:
+    """LongRoPE table: positions below ``original_max_position_embeddings`` use the short
+    factors, positions at or beyond it the long factors (a per-position rule, so a token's
+    rotation never depends on its batch or on later tokens), both times the attention
+    factor. transformers instead switches the whole sequence to the long factors once it
+    grows past the original length; the two agree on every sequence that stays within it.
+    """
+    orig = scaling["original_max_position_embeddings"]
+    mscale = longrope_attention_factor(scaling, max_position)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    short = _longrope_inv_freq(rotary_dim, theta, scaling["short_factor"])
+    long = _longrope_inv_freq(rotary_dim, theta, scaling["long_factor"])
+    inv_freq = torch.where((positions < orig).unsqueeze(1), short, long)
+    freqs = positions.unsqueeze(1) * inv_freq
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale
+
+
+def compute_cos_sin_cache(max_position: int, rotary_dim: int, theta: float,
+                          scaling: dict | None) -> torch.Tensor:
+    """The RoPE table [max_position, rotary_dim] float32: row ``p`` is ``cos(p * f)`` for
+    the ``rotary_dim // 2`` frequencies ``f``, then ``sin(p * f)``, times the scaling's
+    attention factor (YaRN, LongRoPE; 1 otherwise).
+
+    Raises:
+        ValueError: for an unsupported ``rope_type``.
+    """
+    rope_type = (scaling or {}).get("rope_type")
+    if rope_type in ("longrope", "su"):
+        return _longrope_cache(max_position, rotary_dim, theta, scaling)
+    if rope_type == "dynamic":
+        return _dynamic_cache(max_position, rotary_dim, theta, scaling)
+    inv_freq = compute_inv_freq(rotary_dim, theta, scaling)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return cache * yarn_attention_factor(scaling) if rope_type == "yarn" else cache
 
 
 def _longrope_inv_freq(rotary_dim: int, theta: float, ext_factors: list[float]) -> torch.Tensor:
@@ -108,30 +267,8 @@ class RotaryEmbedding(CustomOp):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.is_neox_style = is_neox_style
-        rope_type = (scaling or {}).get("rope_type")
-        if rope_type in ("longrope", "su"):
-            cache = self._longrope_cache(max_position, theta, scaling)
-        else:
-            inv_freq = compute_inv_freq(self.rotary_dim, theta, scaling)
-            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cache = compute_cos_sin_cache(max_position, self.rotary_dim, theta, scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def _longrope_cache(self, max_position: int, theta: float, scaling: dict) -> torch.Tensor:
-        """LongRoPE table: positions below ``original_max_position_embeddings`` use the short
-        factors, positions at or beyond it the long factors (a per-position rule, so a token's
-        rotation never depends on its batch or on later tokens), both times the attention
-        factor. transformers instead switches the whole sequence to the long factors once it
-        grows past the original length; the two agree on every sequence that stays within it.
-        """
-        orig = scaling["original_max_position_embeddings"]
-        mscale = longrope_attention_factor(scaling, max_position)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        short = _longrope_inv_freq(self.rotary_dim, theta, scaling["short_factor"])
-        long = _longrope_inv_freq(self.rotary_dim, theta, scaling["long_factor"])
-        inv_freq = torch.where((positions < orig).unsqueeze(1), short, long)
-        freqs = positions.unsqueeze(1) * inv_freq
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]

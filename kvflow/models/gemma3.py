@@ -28,7 +28,7 @@ from kvflow.layers.activation import GeluAndMul
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import GemmaRMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, rope_max_positions
 from kvflow.models.llama import LlamaForCausalLM, get_head_dim, layer_sliding_window
 
 
@@ -39,14 +39,14 @@ def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
     older configs have ``rope_theta`` (global), ``rope_local_base_freq`` (local) and an
     optional ``rope_scaling`` that applies to global layers only.
     """
-    head_dim, max_pos = get_head_dim(config), config.max_position_embeddings
+    head_dim, max_pos = get_head_dim(config), rope_max_positions(config)
     params = getattr(config, "rope_parameters", None) or {}
     tables = {}
     for layer_type, default_theta in (("full_attention", None),
                                       ("sliding_attention", "rope_local_base_freq")):
         entry = params.get(layer_type) if isinstance(params, dict) else None
         if entry is not None:
-            theta, scaling = get_rope_parameters(_RopeView(entry))
+            theta, scaling = get_rope_parameters(_RopeView(entry, max_pos))
         elif layer_type == "full_attention":
             theta, scaling = get_rope_parameters(config)
         else:
@@ -58,8 +58,9 @@ def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
 class _RopeView:
     """Presents one per-layer-type RoPE dict as a config to ``get_rope_parameters``."""
 
-    def __init__(self, entry: dict) -> None:
+    def __init__(self, entry: dict, max_position_embeddings: int) -> None:
         self.rope_parameters = entry
+        self.max_position_embeddings = max_position_embeddings  # YaRN / dynamic NTK read it
 
 
 class Gemma3Attention(nn.Module):

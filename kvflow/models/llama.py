@@ -19,7 +19,12 @@ from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, get_rotary_dim
+from kvflow.layers.rotary import (
+    RotaryEmbedding,
+    get_rope_parameters,
+    get_rotary_dim,
+    rope_max_positions,
+)
 
 
 def get_head_dim(config: Any) -> int:
@@ -46,7 +51,7 @@ def make_rotary_embedding(config: Any) -> RotaryEmbedding:
     """One RoPE table per model (shared by all layers: [max_position, head_dim] float32)."""
     theta, scaling = get_rope_parameters(config)
     head_dim = get_head_dim(config)
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling,
+    return RotaryEmbedding(head_dim, rope_max_positions(config), theta, scaling,
                            rotary_dim=get_rotary_dim(config, head_dim))
 
 

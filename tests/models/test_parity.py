@@ -18,7 +18,8 @@ import torch
 
 from kvflow import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "llama_tied",
+ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "qwen2_rope_yarn",
+         "llama_rope_yarn", "llama_rope_dynamic", "llama_tied",
          "mistral_sliding_window", "qwen2_layer_types", "gemma3", "phi3_longrope",
          "mixtral", "qwen2_moe", "qwen3_moe"]
 ATOL = 1e-4

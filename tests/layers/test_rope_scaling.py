@@ -1,0 +1,131 @@
+"""YaRN and dynamic-NTK RoPE tables against transformers' own rotary embedding (the oracle),
+at positions inside and beyond the original context.
+
+kvflow's table row ``p`` holds ``cos(p f) * a`` then ``sin(p f) * a`` for the rotated pairs;
+transformers' ``LlamaRotaryEmbedding(x, position_ids)`` returns ``cos``/``sin`` of
+``cat(freqs, freqs)`` already times its ``attention_scaling`` ``a``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from kvflow.layers.rotary import rope_max_positions, yarn_attention_factor
+from kvflow.models.llama import make_rotary_embedding
+
+ATOL = 2e-5
+
+
+def _config(max_positions: int, rope_scaling: dict, head_dim: int = 64,
+            theta: float = 10000.0, **extra) -> LlamaConfig:
+    return LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=max_positions, rope_theta=theta,
+                       rope_scaling=dict(rope_scaling), **extra)
+
+
+def _hf_cos_sin(config: LlamaConfig, position_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """cos, sin [len(position_ids), head_dim // 2] from a fresh transformers rotary module
+    (fresh: dynamic NTK keeps state between calls), in one forward pass."""
+    rope = LlamaRotaryEmbedding(config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    x = torch.zeros(1, len(position_ids), head_dim)
+    cos, sin = rope(x, torch.tensor([position_ids]))
+    return cos[0, :, :head_dim // 2], sin[0, :, :head_dim // 2]
+
+
+def _ours(config: LlamaConfig, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    table = make_rotary_embedding(config).cos_sin_cache[positions]
+    return table.chunk(2, dim=-1)
+
+
+YARN_CASES = {
+    # Qwen2.5-style: defaults for betas, truncation and the attention factor
+    "qwen25": (2048, {"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 512}, 128, 1e6),
+    "betas_no_truncate": (1024, {"rope_type": "yarn", "factor": 8.0,
+                                 "original_max_position_embeddings": 128, "beta_fast": 16.0,
+                                 "beta_slow": 2.0, "truncate": False}, 64, 10000.0),
+    # DeepSeek-V2/V3: mscale / mscale_all_dim give the attention factor
+    "mscale": (4096, {"rope_type": "yarn", "factor": 40.0,
+                      "original_max_position_embeddings": 100, "mscale": 0.707,
+                      "mscale_all_dim": 1.0}, 64, 10000.0),
+    "attention_factor": (512, {"rope_type": "yarn", "factor": 2.0,
+                               "original_max_position_embeddings": 256,
+                               "attention_factor": 1.25}, 32, 10000.0),
+    # no factor: max_position_embeddings / original
+    "implicit_factor": (1024, {"rope_type": "yarn", "factor": None,
+                               "original_max_position_embeddings": 256}, 64, 10000.0),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_table_matches_transformers(case):
+    max_positions, scaling, head_dim, theta = YARN_CASES[case]
+    config = _config(max_positions, scaling, head_dim, theta)
+    orig = scaling["original_max_position_embeddings"]
+    limit = rope_max_positions(config)
+    positions = sorted({0, 1, 7, orig - 1, orig, orig + 1, min(2 * orig + 3, limit - 2),
+                        limit - 1})
+    cos, sin = _ours(config, positions)
+    hf_cos, hf_sin = _hf_cos_sin(config, positions)
+    torch.testing.assert_close(cos, hf_cos, atol=ATOL, rtol=0)
+    torch.testing.assert_close(sin, hf_sin, atol=ATOL, rtol=0)
+
+
+def test_yarn_attention_factor_by_hand():
+    """0.1 ln(s) + 1 (paper sec. 3.4); DeepSeek's ratio of two mscales; an explicit value."""
+    assert yarn_attention_factor({"factor": 4.0}) == pytest.approx(0.1 * math.log(4) + 1)
+    assert yarn_attention_factor({"factor": 1.0}) == 1.0
+    ratio = (0.1 * 0.707 * math.log(40) + 1) / (0.1 * math.log(40) + 1)
+    assert yarn_attention_factor({"factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0}) \
+        == pytest.approx(ratio)
+    assert yarn_attention_factor({"factor": 4.0, "attention_factor": 1.25}) == 1.25
+
+
+def test_yarn_and_dynamic_cover_the_scaled_context():
+    """The table (and the longest max_model_len) covers original x factor positions."""
+    yarn = _config(1024, {"rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": 512})
+    dynamic = _config(100, {"rope_type": "dynamic", "factor": 3.0})
+    linear = _config(100, {"rope_type": "linear", "factor": 3.0})
+    assert rope_max_positions(yarn) == 2048
+    assert rope_max_positions(dynamic) == 300
+    assert rope_max_positions(linear) == 100
+    assert make_rotary_embedding(dynamic).cos_sin_cache.shape == (300, 64)
+
+
+DYNAMIC = _config(64, {"rope_type": "dynamic", "factor": 4.0}, head_dim=32)
+
+
+@pytest.mark.parametrize("position", [0, 5, 62, 63, 64, 65, 100, 200, 255])
+def test_dynamic_row_matches_transformers_decoding_that_position(position):
+    """Row p equals what transformers computes for position p when the forward pass is p + 1
+    tokens long, which is how its cached generate decodes position p."""
+    cos, sin = _ours(DYNAMIC, [position])
+    hf_cos, hf_sin = _hf_cos_sin(DYNAMIC, list(range(position + 1)))
+    torch.testing.assert_close(cos, hf_cos[-1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(sin, hf_sin[-1:], atol=ATOL, rtol=0)
+
+
+def test_dynamic_prompt_within_the_original_context_is_plain_rope():
+    prompt = list(range(50))
+    cos, sin = _ours(DYNAMIC, prompt)
+    hf_cos, hf_sin = _hf_cos_sin(DYNAMIC, prompt)
+    torch.testing.assert_close(cos, hf_cos, atol=ATOL, rtol=0)
+    torch.testing.assert_close(sin, hf_sin, atol=ATOL, rtol=0)
+
+
+def test_dynamic_long_prompt_differs_only_before_its_last_position():
+    """The documented limit: a 130-token prompt (original 64) is rotated by transformers with
+    base(130) at every position, by kvflow with base(max(p + 1, 64)) per position: the last
+    position agrees, earlier ones do not."""
+    prompt = list(range(130))
+    cos, _ = _ours(DYNAMIC, prompt)
+    hf_cos, _ = _hf_cos_sin(DYNAMIC, prompt)
+    torch.testing.assert_close(cos[-1], hf_cos[-1], atol=ATOL, rtol=0)
+    assert (cos[:-1] - hf_cos[:-1]).abs().max() > 1e-2
