@@ -81,6 +81,10 @@ class ModelConfig:
     load_format: str = _opt("auto", "weights: auto (from files) or dummy (random init)",
                             choices=["auto", "dummy"])
     skip_tokenizer_init: bool = _opt(False, "do not load a tokenizer (token-id prompts only)")
+    generation_config: str = _opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
+                                  "min_p, repetition_penalty, max_new_tokens from the model "
+                                  "folder's generation_config.json; a request's own values "
+                                  "win) or none", choices=["auto", "none"])
 
     def __post_init__(self) -> None:
         _check_choices(self)

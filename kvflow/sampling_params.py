@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @dataclass
@@ -43,6 +49,11 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice
             or grammar (see ``kvflow.structured``); a dict of its fields is accepted.
 
+    The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
+    ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
+    the others: ``SamplingParams(temperature=1.0)`` keeps 1.0 even where the model's
+    ``generation_config.json`` says 0.7.
+
     Raises:
         ValueError: on a value of the wrong type or out of range, naming the field and what it
             must be.
@@ -67,6 +78,32 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        self = super().__new__(cls)
+        given = [f.name for f in dataclasses.fields(cls)][:len(args)]
+        self._fields_set = frozenset(given) | frozenset(kwargs)
+        return self
+
+    @property
+    def fields_set(self) -> frozenset[str]:
+        """Names of the fields passed to the constructor (the rest hold their defaults)."""
+        return getattr(self, "_fields_set", frozenset())
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> Self:
+        """These parameters with each field of ``defaults`` that the constructor was not given
+        replaced (a model's sampling defaults, e.g. ``{"temperature": 0.7, "top_p": 0.8}``);
+        ``self`` when nothing changes. The copy keeps ``self``'s :attr:`fields_set`.
+
+        Raises:
+            ValueError: if a default is invalid for its field.
+        """
+        unset = {k: v for k, v in defaults.items() if k not in self.fields_set}
+        if not unset:
+            return self
+        merged = dataclasses.replace(self, **unset)
+        merged._fields_set = self.fields_set
+        return merged
 
     def __post_init__(self) -> None:
         self._check_types()

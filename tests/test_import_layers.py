@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvflow"
 
 # Longest matching prefix wins. Rank: higher runs above lower.
 LAYERS: dict[str, int] = {
-    "kvflow.entrypoints": 10, "kvflow.bench": 10,
+    "kvflow.entrypoints": 10, "kvflow.bench": 10, "kvflow.__main__": 10,
     "kvflow.llm": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,

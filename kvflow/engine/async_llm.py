@@ -43,6 +43,7 @@ from kvflow.engine.messages import (
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.output_processor import OutputProcessor
@@ -118,6 +119,7 @@ class AsyncLLM:
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
+            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._start_core_process()  # its resolve_model then finds the snapshot cached
             self._init_tokenizer(source)  # while the core process loads the model
             self._init_processors(self._wait_ready(start_timeout))
@@ -195,6 +197,8 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples); returns its output stream.
+        Fields ``params`` was not given take the model's sampling defaults
+        (``sampling_defaults``, from its generation_config.json).
 
         Raises:
             ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
@@ -203,6 +207,7 @@ class AsyncLLM:
         if not self.is_healthy:
             raise EngineDeadError("the engine core is not running")
         arrival = time.monotonic()
+        params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority)
         try:  # encode before registering anything, so a refusal leaves no state behind

@@ -11,6 +11,7 @@ import itertools
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.input_processor import InputProcessor, PromptType
+from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
@@ -36,12 +37,16 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.core.max_model_len,
                                         self.core.hf_config.vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.sampling_defaults = load_sampling_defaults(self.core.source, mc.generation_config)
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0) -> str:
-        """Validate and queue one prompt; returns its request id."""
+        """Validate and queue one prompt; returns its request id. Fields ``params`` was not
+        given take the model's sampling defaults (``sampling_defaults``, from its
+        generation_config.json unless ``generation_config="none"``)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
+        params = params.with_defaults(self.sampling_defaults)
         text, token_ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
         self.output_processor.add_request(text, requests)

@@ -1,4 +1,5 @@
-"""The ``kvflow`` command: ``generate``, ``serve``, ``bench throughput|serve|latency|roofline``.
+"""The ``kvflow`` command (also ``python -m kvflow``): ``generate``, ``serve``,
+``bench throughput|serve|latency|roofline``; each takes ``--config FILE`` (YAML flag values).
 
 Engine flags are generated from the EngineConfig dataclasses, server flags from ServerConfig,
 sampling flags from SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
@@ -12,6 +13,8 @@ import logging
 import sys
 
 from kvflow.config import EngineConfig, ServerConfig
+from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
+from kvflow.models.generation_config import SAMPLING_DEFAULT_FIELDS
 from kvflow.sampling_params import SamplingParams
 
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
@@ -20,24 +23,30 @@ _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", 
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per SamplingParams field in ``_SAMPLING_FLAGS`` (``--stop`` repeats)."""
+    """One flag per SamplingParams field in ``_SAMPLING_FLAGS`` (``--stop`` repeats). Unset
+    flags are not passed on, so the model's generation_config.json defaults can fill them."""
     group = parser.add_argument_group("sampling")
     for f in dataclasses.fields(SamplingParams):
         if f.name not in _SAMPLING_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "stop":
-            group.add_argument(flag, action="append", default=[], help="stop string (repeat)")
+            group.add_argument(flag, action="append", default=None, help="stop string (repeat)")
         elif f.type in ("bool", bool):
-            group.add_argument(flag, action="store_true", default=f.default)
+            group.add_argument(flag, action="store_true", default=None)
         else:
             kind = float if f.type == "float" else int
             default = f.default if f.default is not dataclasses.MISSING else None
-            group.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            model_default = "the model's generation_config.json if it sets it, else " \
+                if f.name in SAMPLING_DEFAULT_FIELDS else ""
+            group.add_argument(flag, type=kind, default=None,
+                               help=f"(default: {model_default}{default})")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS})
+    """SamplingParams from the flags given on the command line (or in ``--config``)."""
+    return SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS
+                             if getattr(args, k) is not None})
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -128,11 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(bench)
     add_latency_parser(bench)
     add_roofline_parser(bench)
+    for command in leaf_parsers(parser):
+        add_config_arg(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``kvflow`` command; returns the exit status (2 for bad input, one line)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(parser, argv)
+    except ValueError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

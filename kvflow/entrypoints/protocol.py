@@ -186,6 +186,7 @@ class CompletionRequest(SamplingRequest):
     list of token-id lists."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # unset: the model's generation-config max_new_tokens, else 16; null: what the context leaves
     max_tokens: int | None = Field(16, le=_INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)

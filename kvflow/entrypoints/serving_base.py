@@ -197,12 +197,27 @@ class OpenAIServing:
                               param="priority")
 
     # ---- sampling params ---------------------------------------------------------------------
+    def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None = None) -> int:
+        """``max_tokens`` of a request that does not set it: the model's default
+        (``max_new_tokens`` in its generation_config.json) capped at what the context leaves,
+        else ``fallback``, else everything the context leaves."""
+        left = max(1, self.engine.max_model_len - num_prompt_tokens)
+        default = self.engine.sampling_defaults.get("max_tokens")
+        if default is not None:
+            return min(default, left)
+        return left if fallback is None else fallback
+
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
         """SamplingParams from the request's fields; ``structured_outputs`` (a tool-call
         grammar) overrides the request's own ``response_format`` / ``structured_outputs``.
-        Raises OpenAIError 400 when invalid (a malformed schema or regex too)."""
+        Optional fields the request leaves unset (or null) are not passed, so the model's
+        sampling defaults fill them when the request is queued.
+
+        Raises:
+            OpenAIError: 400 when invalid (a malformed schema or regex too).
+        """
         try:
             fields = {"structured_outputs": structured_outputs or request_constraint(req)}
         except RequestFieldError as e:

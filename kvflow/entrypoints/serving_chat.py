@@ -150,8 +150,8 @@ class OpenAIServingChat(OpenAIServing):
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        if max_tokens is None:  # as much as the context leaves
-            max_tokens = max(1, self.engine.max_model_len - len(ids))
+        if max_tokens is None:  # the model's default, else as much as the context leaves
+            max_tokens = self.default_max_tokens(len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, tool_grammar)
         self.check_prompt(ids, max_tokens, "messages")

@@ -87,8 +87,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
-        max_tokens = req.max_tokens if req.max_tokens is not None else \
-            max(1, self.engine.max_model_len - len(ids))
+        if "max_tokens" not in req.model_fields_set:  # the model's default, else OpenAI's 16
+            max_tokens = self.default_max_tokens(len(ids), fallback=16)
+        elif req.max_tokens is None:  # null: as much as the context leaves
+            max_tokens = max(1, self.engine.max_model_len - len(ids))
+        else:
+            max_tokens = req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs)
         self.check_prompt(ids, max_tokens, "prompt")
         return params

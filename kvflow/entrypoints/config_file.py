@@ -1,0 +1,168 @@
+"""``--config FILE``: a YAML file of flag values for any ``kvflow`` command.
+
+Keys are the command's flag names, with ``-`` or ``_`` (``max-num-seqs: 64`` or
+``max_num_seqs: 64``); values are YAML scalars, ``true``/``false`` for on/off flags, lists for
+repeated flags (``stop: ["\\n", "###"]``) and mappings for JSON flags. The file is expanded into
+command-line words placed before everything typed after the subcommand, so argparse converts and
+checks its values exactly like typed ones, and a flag on the command line wins: a later value
+replaces an earlier one, and a repeated flag given on the command line (``--stop``) replaces the
+file's list instead of adding to it. Flags themselves are still generated from
+``kvflow/config.py`` (and the sampling fields); this module only reads values for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+CONFIG_FLAG = "--config"
+
+
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` to one command's parser (the value is consumed before parsing)."""
+    parser.add_argument(CONFIG_FLAG, metavar="FILE",
+                        help="YAML file of flag values (keys: flag names, with - or _); flags "
+                        "given on the command line override it")
+
+
+def leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of every runnable command (those without subcommands) under ``parser``."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for a in subs for p in dict.fromkeys(a.choices.values())
+            for leaf in leaf_parsers(p)]
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--config FILE`` replaced by the file's flags, which go right after the
+    subcommand words and any positional arguments that follow them, before the first typed
+    option (so typed options override them and no positional lands in a list flag).
+
+    Raises:
+        ValueError: the file cannot be read or parsed, is not a mapping, names a key that is no
+            flag of this command, or gives a value of the wrong shape for its flag (the message
+            names the file and the key); ``--config`` is given twice or without a file.
+    """
+    argv, path = _pop_config_flag(argv)
+    if path is None:
+        return argv
+    leaf, depth = _leaf_for(parser, argv)
+    values = _load_yaml(path)
+    words = []
+    for key, value in values.items():
+        action = _action_for(leaf, key, path)
+        if action.dest == "config":
+            raise ValueError(f"{path}: key {key!r}: config files do not nest")
+        if _given_on_command_line(action, argv):
+            continue  # a repeated flag typed on the command line replaces the file's list
+        words += _words(action, value, f"{path}: key {key!r}")
+    at = next((i for i in range(depth, len(argv)) if argv[i].startswith("-")), len(argv))
+    return argv[:at] + words + argv[at:]
+
+
+def _pop_config_flag(argv: list[str]) -> tuple[list[str], str | None]:
+    rest, paths, i = [], [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word == CONFIG_FLAG:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{CONFIG_FLAG} needs a YAML file")
+            paths.append(argv[i + 1])
+            i += 2
+            continue
+        if word.startswith(CONFIG_FLAG + "="):
+            paths.append(word.split("=", 1)[1])
+        else:
+            rest.append(word)
+        i += 1
+    if len(paths) > 1:
+        raise ValueError(f"{CONFIG_FLAG} is given {len(paths)} times; give one file")
+    return rest, (paths[0] if paths else None)
+
+
+def _leaf_for(parser: argparse.ArgumentParser, argv: list[str]
+              ) -> tuple[argparse.ArgumentParser, int]:
+    """The command's parser, following subcommand words from the start of ``argv``, and how
+    many words that took. Raises ValueError when ``argv`` names no command."""
+    depth = 0
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return parser, depth
+        if depth >= len(argv) or argv[depth] not in subs[0].choices:
+            raise ValueError(f"{CONFIG_FLAG} needs a command first (e.g. kvflow serve "
+                             f"{CONFIG_FLAG} FILE)")
+        parser = subs[0].choices[argv[depth]]
+        depth += 1
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        detail = " ".join(str(e).split())
+        raise ValueError(f"config file {path!r} is not valid YAML: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"config file {path!r} must be a mapping of flag names to values, not a "
+            f"{type(data).__name__}")
+    return data
+
+
+def _action_for(parser: argparse.ArgumentParser, key: Any, path: str) -> argparse.Action:
+    flag = "--" + str(key).strip().replace("_", "-")
+    action = parser._option_string_actions.get(flag)
+    if action is None or action.dest == "help":
+        valid = sorted(a.option_strings[0][2:] for a in parser._actions
+                       if a.option_strings and a.dest not in ("help", "config"))
+        raise ValueError(f"{path}: unknown key {key!r}: {parser.prog} has no flag {flag}; "
+                         f"valid keys: {', '.join(valid)}")
+    return action
+
+
+def _given_on_command_line(action: argparse.Action, argv: list[str]) -> bool:
+    """Whether a repeated (append) flag is typed on the command line."""
+    if not isinstance(action, argparse._AppendAction):
+        return False
+    return any(w in action.option_strings or w.split("=", 1)[0] in action.option_strings
+               for w in argv)
+
+
+def _words(action: argparse.Action, value: Any, where: str) -> list[str]:
+    """Command-line words for one flag's value (none for null: leave the flag unset)."""
+    flag = action.option_strings[0]
+    if value is None:
+        return []
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+        if not isinstance(value, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"{where}: {flag} is an on/off flag; give true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    items = value if isinstance(value, list) else [value]
+    if isinstance(action, argparse._AppendAction):  # --flag=value: values may start with "-"
+        return [f"{flag}={_text(item)}" for item in items]
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [flag, *(_text(item) for item in items)]
+    if isinstance(value, list):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{where}: {flag} takes one value, not a list")
+    return [f"{flag}={_text(value)}"]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)

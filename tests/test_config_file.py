@@ -1,0 +1,116 @@
+"""``--config FILE`` (YAML flag values) for every kvflow command: keys with - or _, typed flags
+win wherever they stand, lists, on/off flags, and one-line errors (status 2) naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.config import EngineConfig, ServerConfig
+from kvflow.entrypoints.cli import build_parser, main
+from kvflow.entrypoints.config_file import expand_config_file
+
+
+def _parse(argv: list[str]):
+    parser = build_parser()
+    return parser.parse_args(expand_config_file(parser, argv))
+
+
+@pytest.fixture
+def config(tmp_path):
+    def write(text: str) -> str:
+        path = tmp_path / "engine.yaml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def test_keys_with_dashes_or_underscores_reach_the_engine_config(config):
+    path = config("max-num-seqs: 3\nblock_size: 8\nenable-prefix-caching: false\n"
+                  "kv_cache_memory: 1GiB\ndtype: float32\ngeneration-config: none\n")
+    engine = EngineConfig.from_cli_args(_parse(["generate", "--config", path]))
+    assert engine.scheduler_config.max_num_seqs == 3
+    assert engine.cache_config.block_size == 8
+    assert engine.cache_config.enable_prefix_caching is False
+    assert engine.cache_config.kv_cache_memory == "1GiB"
+    assert engine.model_config.dtype == "float32"
+    assert engine.model_config.generation_config == "none"
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--config", "{path}", "--block-size", "4", "--stop", "x"],
+    ["generate", "--block-size", "4", "--stop", "x", "--config", "{path}"],
+    ["generate", "--block-size=4", "--config={path}", "--stop=x"],
+])
+def test_typed_flags_override_the_file_wherever_they_stand(config, argv):
+    path = config("block-size: 8\nmax-num-seqs: 5\nstop: [a, '-b']\ntemperature: 0.25\n")
+    args = _parse([a.replace("{path}", path) for a in argv])
+    assert args.block_size == 4 and args.max_num_seqs == 5 and args.temperature == 0.25
+    assert args.stop == ["x"]  # a typed repeated flag replaces the file's list
+
+
+def test_lists_and_values_starting_with_a_dash(config):
+    args = _parse(["generate", "--config", config("stop: [a, '-b']\npresence_penalty: -1.5\n")])
+    assert args.stop == ["a", "-b"] and args.presence_penalty == -1.5
+
+
+def test_serve_takes_model_from_the_file_and_the_positional_wins(config):
+    path = config("model: from-file\nport: 9100\nmax-n: 4\n")
+    args = _parse(["serve", "--config", path])
+    assert args.model == "from-file" and args.model_tag is None
+    assert ServerConfig.from_cli_args(args).port == 9100
+    args = _parse(["serve", "typed-model", "--config", path, "--port", "9200"])
+    assert args.model_tag == "typed-model" and args.port == 9200 and args.max_n == 4
+
+
+def test_bench_commands_take_a_config_file(config):
+    args = _parse(["bench", "throughput", "--config", config("num-prompts: 7\n")])
+    assert args.num_prompts == 7
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("max-num-seqs: 3\nno_such_flag: 1\n", ["unknown key 'no_such_flag'", "--no-such-flag",
+                                            "max-num-seqs"]),
+    ("temperature: 0.5\n", None),  # valid for generate: no error (see below for serve)
+    ("- a\n- b\n", ["must be a mapping", "list"]),
+    ("block_size: [8\n", ["not valid YAML"]),
+    ("block_size: [8, 16]\n", ["key 'block_size'", "takes one value"]),
+    ("enable_prefix_caching: 0\n", ["key 'enable_prefix_caching'", "true or false"]),
+    ("config: other.yaml\n", ["do not nest"]),
+    ("block_size: 0\n", ["block_size=0"]),
+])
+def test_bad_files_exit_2_with_one_line_naming_the_key(tiny_llama, config, capsys, text,
+                                                       needles):
+    path = config(text)
+    rc = main(["generate", "--model", tiny_llama.path, "--config", path, "--max-tokens", "1",
+               "--num-kv-blocks", "16"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    if needles is None:
+        assert rc == 0
+        return
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvflow: error:"), err
+    assert all(n in err[0] for n in needles), err[0]
+
+
+def test_a_key_of_another_command_is_unknown(config, capsys):
+    assert main(["serve", "--config", config("temperature: 0.5\n")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'temperature'" in err and "kvflow serve has no flag" in err
+
+
+def test_argparse_checks_file_values_like_typed_ones(config, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--config", config("dtype: int8\n")])
+    assert exc.value.code == 2
+    assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "--config"], "needs a YAML file"),
+    (["generate", "--config", "a.yaml", "--config", "b.yaml"], "given 2 times"),
+    (["generate", "--config", "/no/such/engine.yaml"], "cannot read config file"),
+    (["--config", "a.yaml"], "needs a command first"),
+])
+def test_config_flag_misuse(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
