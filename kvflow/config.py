@@ -244,6 +244,10 @@ class ServerConfig:
                                   choices=["critical", "error", "warning", "info", "debug"])
     engine_start_timeout: float = _opt(600.0, "seconds to wait for the engine process to load "
                                        "the model")
+    engine_failure: str = _opt("exit", "when the engine-core process dies: open streams end "
+                               "with an error event and new requests get 503, then the "
+                               "server exits with status 1 ('exit') or starts a new engine "
+                               "('restart')", choices=["exit", "restart"])
     tool_call_parser: str = _opt("hermes", "how tool calls are read from the output under "
                                  "tool_choice=auto", choices=["hermes", "llama3_json"])
     reasoning_parser: str | None = _opt(None, "split <think>...</think> reasoning into "

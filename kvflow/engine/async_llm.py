@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -115,6 +116,8 @@ class AsyncLLM:
         self._waiting: set[str] = set()  # accepted, no output yet
         self._dead: BaseException | None = None
         self._output_task: asyncio.Task | None = None
+        # Called once (in the event loop) when the core process dies or fails; see start().
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._init_ipc()
         try:
             mc = config.model_config
@@ -150,6 +153,7 @@ class AsyncLLM:
             args=(self.config, self._input_addr, self._output_addr,
                   logging.getLogger("kvflow").getEffectiveLevel()))
         self._proc.start()
+        logger.info("engine core process started (pid %d)", self._proc.pid)
 
     def _init_tokenizer(self, source: ModelSource) -> None:
         mc = self.config.model_config
@@ -180,9 +184,32 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     async def start(self) -> None:
-        """Start the output loop on the running event loop."""
+        """Start the output loop on the running event loop. When the core process dies or
+        fails, every open stream gets an ``EngineDeadError``, new requests are refused, and
+        ``on_dead(error)`` (if set) is called once."""
         self._async_output = zmq.asyncio.Socket.from_socket(self._output)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine-core process id (None before it started)."""
+        proc = getattr(self, "_proc", None)
+        return None if proc is None else proc.pid
+
+    async def restart(self, timeout: float = 600.0) -> None:
+        """Replace a dead core process by a new one (same config; the model loads again) and
+        serve again. Requests are refused (``EngineDeadError``) until it is ready.
+
+        Raises:
+            RuntimeError: if the new core fails to start (the engine stays dead).
+        """
+        self._stop_core()
+        self._init_ipc()
+        self._start_core_process()
+        ready = await asyncio.to_thread(self._wait_ready, timeout)
+        self._init_processors(ready)
+        self._dead = None
+        await self.start()
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -254,8 +281,12 @@ class AsyncLLM:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure here ends every request
-            logger.error("output loop stopped: %s", e)
-            self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
+            logger.error("engine core lost (%s): ending %d open requests with an error; new "
+                         "requests get 503", error, len(self._streams))
+            self._fail_all(error)
+            if self.on_dead is not None:
+                self.on_dead(error)
 
     def _handle_outputs(self, msg: EngineOutputs) -> None:
         self.stats = msg.stats
@@ -275,7 +306,8 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error
-        for stream in self._streams.values():
+        for request_id, stream in self._streams.items():
+            self.tracker.abort(request_id)
             stream.put(error)
         self._streams.clear()
         self._waiting.clear()
@@ -292,6 +324,10 @@ class AsyncLLM:
 
     def close(self) -> None:
         """Synchronous teardown (idempotent): ask the core to stop, then make sure it does."""
+        self._stop_core()
+
+    def _stop_core(self) -> None:
+        """Stop the core process (Shutdown, then kill after 5 s); release the sockets."""
         proc = getattr(self, "_proc", None)
         if proc is not None and proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):

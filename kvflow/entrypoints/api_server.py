@@ -8,6 +8,7 @@ a 4xx, never a 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -66,9 +67,42 @@ class ApiKeyMiddleware:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    await app.state.engine.start()
+    engine: AsyncLLM = app.state.engine
+    engine.on_dead = lambda error: _on_engine_dead(app, error)
+    await engine.start()
     yield
-    await app.state.engine.shutdown()
+    await engine.shutdown()
+
+
+def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
+    """The core process died: exit the server (``--engine-failure exit``, the default; the
+    exit status is 1) or start a new engine in the background (``restart``)."""
+    config: ServerConfig = app.state.config
+    if config.engine_failure == "restart":
+        logger.error("engine core died (%s); restarting it (--engine-failure restart)", error)
+        app.state.restart_task = asyncio.create_task(_restart_engine(app))
+        return
+    logger.error("engine core died (%s); shutting the server down (--engine-failure exit)",
+                 error)
+    _on_engine_dead_exit(app)
+
+
+async def _restart_engine(app: FastAPI) -> None:
+    config: ServerConfig = app.state.config
+    try:
+        await app.state.engine.restart(config.engine_start_timeout)
+    except Exception as e:  # noqa: BLE001 - a failed restart ends the server like 'exit'
+        logger.error("engine restart failed (%s); shutting the server down", e)
+        _on_engine_dead_exit(app)
+        return
+    logger.warning("engine core restarted (pid %s); serving again", app.state.engine.core_pid)
+
+
+def _on_engine_dead_exit(app: FastAPI) -> None:
+    app.state.engine_died = True
+    server = getattr(app.state, "uvicorn_server", None)
+    if server is not None:
+        server.should_exit = True
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
@@ -76,6 +110,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     output loop and shuts the engine down. All state lives on ``app.state``."""
     app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan)
     app.state.engine = engine
+    app.state.config = config
+    app.state.engine_died = False
     app.state.model_name = model_name
     app.state.completion = OpenAIServingCompletion(engine, config, model_name)
     app.state.chat = OpenAIServingChat(engine, config, model_name)
@@ -223,7 +259,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM.
 
     Raises:
-        RuntimeError: if the engine fails to start.
+        RuntimeError: if the engine fails to start, or died while serving (under
+            ``--engine-failure exit``; the server has stopped then).
         ValueError: for a bad model or configuration.
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
@@ -233,7 +270,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         app = build_app(engine, server_config, model_name)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host,
                     server_config.port)
-        uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=server_config.host, port=server_config.port,
+            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5))
+        app.state.uvicorn_server = server
+        server.run()
     finally:
         engine.close()
+    if app.state.engine_died:
+        raise RuntimeError("the engine core process died; the server stopped "
+                           "(--engine-failure restart starts a new engine instead)")

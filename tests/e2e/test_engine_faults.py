@@ -1,0 +1,136 @@
+"""Faults on the tiny Llama: the engine-core process killed (SIGKILL) mid-stream, and storms of
+client disconnects. Killed core: the open stream ends with an error event and ``[DONE]``, new
+requests get 503 (``engine_dead``), and the server either exits with status 1 and a log line
+saying why (``--engine-failure exit``, the default) or starts a new core and serves again
+(``restart``). Disconnects: whatever the moment a client hangs up (queued, prefilling,
+streaming, waiting for a whole reply), /metrics shows every KV block free afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4",
+        "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
+LONG = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True}
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine-core process: the server's child started by multiprocessing's spawn."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError("no engine-core process found")
+
+
+def wait_for(predicate, timeout: float = 60.0, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def stream_then_kill(server) -> list[dict]:
+    """Open a stream, kill the core after 3 chunks; returns the events that followed."""
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                      timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(lines)
+        os.kill(core_pid(server.proc.pid), signal.SIGKILL)
+        for line in lines:
+            events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def assert_ends_with_error_event(events: list[dict]) -> None:
+    assert events[-1] == {"done": True}
+    assert "error" in events[-2], events[-3:]
+    assert events[-2]["error"]["code"] == "engine_dead"
+    assert all("error" not in e for e in events[:-2])  # tokens, then one error event
+
+
+def test_killed_core_exits_the_server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, ARGS)
+    assert_ends_with_error_event(stream_then_kill(server))
+    assert server.proc.wait(30) == 1
+    log = server.log()
+    assert "engine core died" in log and "shutting the server down" in log
+
+
+@pytest.fixture(scope="module")
+def restarting(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, [*ARGS, "--engine-failure", "restart"])
+    yield server
+    server.stop()
+
+
+def test_killed_core_restarts_with_the_flag(restarting):
+    server = restarting
+    old_pid = core_pid(server.proc.pid)
+    assert_ends_with_error_event(stream_then_kill(server))
+    refused = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    wait_for(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200)
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "the quick", "max_tokens": 3})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    assert core_pid(server.proc.pid) != old_pid and "engine core restarted" in server.log()
+    m = server.metrics()
+    assert server.value(m, "kvflow:kv_cache_free_blocks") == 95  # the new core's pool, idle
+
+
+def _hang_up(server, rng: random.Random) -> None:
+    """One client that leaves early: after 0-4 streamed chunks, or before a whole reply."""
+    if rng.random() < 0.3:
+        try:  # a reply that came in time is fine too: only the hang-ups matter here
+            httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=rng.uniform(0.05, 1))
+        except httpx.ReadTimeout:
+            pass
+        return
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                      timeout=60) as resp:
+        chunks = resp.iter_lines()
+        for _ in range(rng.randint(0, 4)):
+            next(chunks)
+
+
+def test_disconnect_storm_leaves_no_block_held(restarting):
+    """32 clients, 4 running slots: most wait in the queue when they hang up."""
+    server = restarting
+    wait_for(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200)
+    threads = [threading.Thread(target=_hang_up, args=(restarting, random.Random(i)))
+               for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def idle() -> bool:
+        m = server.metrics()
+        return server.value(m, "kvflow:kv_cache_free_blocks") == 95 and \
+            server.value(m, "kvflow:num_requests_running") == 0 and \
+            server.value(m, "kvflow:num_requests_waiting") == 0
+
+    wait_for(idle, timeout=30)
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "the quick", "max_tokens": 3})
+    assert resp.status_code == 200
