@@ -12,11 +12,15 @@ from types import SimpleNamespace
 import pytest
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import Scheduler
 from kvflow.engine.core_proc import _ready
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.messages import EngineReady
+from kvflow.engine_outputs import EngineStats
 from kvflow.models.loader import resolve_eos_token_id
+from tests.core.fake_kv import fake_kv_cache_config
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +56,14 @@ def test_tokenizer_without_eos_falls_back_to_the_config(tokenizer_without_eos):
 def test_async_side_uses_the_core_config_eos(tokenizer_without_eos, tiny_tokenizer):
     """The core process sends the config's id in EngineReady; the API process's tokenizer
     still wins when it has an EOS."""
+    kv = KVCacheManager(fake_kv_cache_config(10, 16))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 64)
     core = SimpleNamespace(max_model_len=64, hf_config=LlamaConfig(eos_token_id=[5, 6]),
-                           num_blocks=10, config=SimpleNamespace(
-                               cache_config=SimpleNamespace(block_size=16)))
+                           num_blocks=10, kv_cache_manager=kv, scheduler=sched,
+                           config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16)))
     ready = _ready(core)
-    assert ready == EngineReady(64, 32000, 5, 10, 16)  # 32000: LlamaConfig's default vocab
+    idle = EngineStats(num_free_blocks=9, num_usable_blocks=9)  # all but the null block free
+    assert ready == EngineReady(64, 32000, 5, 10, 16, idle)  # 32000: LlamaConfig's vocab
     assert resolve_eos_token_id(tokenizer_without_eos, ready) == 5
     assert resolve_eos_token_id(tiny_tokenizer, ready) == 0
 
