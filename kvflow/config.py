@@ -85,6 +85,12 @@ class ModelConfig:
                                   "min_p, repetition_penalty, max_new_tokens from the model "
                                   "folder's generation_config.json; a request's own values "
                                   "win) or none", choices=["auto", "none"])
+    quantization: str | None = _opt(
+        None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
+        "group-wise) (default: none)",
+        choices=[None, "none", "int8", "int4"])
+    quantization_group_size: int = _opt(32, "input columns per scale for int4",
+                                        choices=[32, 64, 128, 256])
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -24,6 +24,8 @@ class EngineCoreOutput:
         finish_reason: "stop", "length" or "abort" once finished, else None.
         stop_reason: the stop token id (or string, set later by the output processor).
         num_cached_tokens: prompt tokens found in the prefix cache at first scheduling.
+        prompt_logprobs: with the first token of a request that asked for them: one entry per
+            prompt token (None for the first).
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -43,6 +46,9 @@ class EngineStats(msgspec.Struct):
         num_free_blocks / num_usable_blocks: KV blocks free now / all blocks but the null one.
         num_preemptions: requests preempted (recomputed later).
         prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+        weight_bytes: bytes the model's weights occupy (as stored: quantized, packed).
+        kv_cache_bytes_per_token: KV-cache bytes one token occupies across all layers
+            (scales included for a quantized cache).
     """
 
     num_running: int = 0
@@ -53,3 +59,5 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    weight_bytes: int = 0
+    kv_cache_bytes_per_token: int = 0

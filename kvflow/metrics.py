@@ -6,8 +6,8 @@ Two sources feed them:
   (``RequestStatsTracker``): TTFT, inter-token latency, end-to-end latency, prompt and generation
   lengths, token counters and finished requests by ``finished_reason``;
 * the engine core's scheduler and KV-cache state, reported with every output message
-  (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks
-  as gauges; preemptions and prefix-cache queries/hits (tokens) as counters.
+  (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
+  weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters.
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label.
 """
@@ -84,6 +84,11 @@ class ServerMetrics:
                                              "KV blocks free (may still hold cached prefixes)")
         self.kv_usable_blocks = self._labelled(g, "kvflow:kv_cache_usable_blocks",
                                                "KV blocks the allocator manages")
+        self.weight_bytes = self._labelled(g, "kvflow:model_weight_bytes",
+                                           "Bytes of the model's weights as stored "
+                                           "(quantized, packed)")
+        self.kv_bytes_per_token = self._labelled(g, "kvflow:kv_cache_bytes_per_token",
+                                                 "KV-cache bytes per token across all layers")
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
                                           "Requests preempted (recomputed later)")
         self.prefix_queries = self._labelled(c, "kvflow:prefix_cache_queries",
@@ -98,6 +103,8 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.kv_usable_blocks.set(stats.num_usable_blocks)
+        self.weight_bytes.set(stats.weight_bytes)
+        self.kv_bytes_per_token.set(stats.kv_cache_bytes_per_token)
         last = self._last_stats
         for counter, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),

@@ -50,6 +50,8 @@ class _RequestState:
     samples: dict[str, _SampleState]
     metrics: RequestMetrics
     delta: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -123,6 +125,9 @@ class OutputProcessor:
             sample = state.samples[eco.request_id]
             if sample.output.finished:  # a stop string ended it; its abort is in flight
                 continue
+            if eco.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
+                                                              eco.prompt_logprobs)
             if self._update_sample(sample, eco, not state.delta):
                 to_abort.append(eco.request_id)
             if state.metrics.first_token_time is None:
@@ -168,6 +173,21 @@ class OutputProcessor:
             out.logprobs.append(step)
             out.cumulative_logprob += sampled_lp
 
+    def _prompt_logprobs(self, prompt: list[int], entries: list
+                         ) -> list[dict[int, Logprob] | None]:
+        """Per prompt token {token_id: Logprob} (the prompt token first, then the top-k)."""
+        out: list[dict[int, Logprob] | None] = []
+        for token_id, entry in zip(prompt, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            top_ids, top_lps, lp, rank = entry
+            step = {token_id: Logprob(lp, rank, self._decode(token_id))}
+            for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+                step.setdefault(tid, Logprob(tlp, r, self._decode(tid)))
+            out.append(step)
+        return out
+
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -180,5 +200,10 @@ class OutputProcessor:
             outputs = [s.output for s in samples]
             for s in samples:
                 s.clear_delta()
+        prompt_logprobs = state.prompt_logprobs
+        if state.delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        elif state.delta and prompt_logprobs is not None:
+            state.prompt_logprobs_sent = True
         return RequestOutput(parent, state.prompt, state.prompt_token_ids, outputs,
-                             state.finished, state.metrics)
+                             state.finished, state.metrics, prompt_logprobs)

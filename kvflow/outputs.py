@@ -67,7 +67,13 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """All samples of one prompt."""
+    """All samples of one prompt.
+
+    Attributes:
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` was set: per prompt token,
+            {token_id: Logprob} with the prompt token and the top-k (None for the first
+            token, which has no context); in delta mode only in the output that first has them.
+    """
 
     request_id: str
     prompt: str | None
@@ -75,3 +81,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -72,6 +72,10 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
         # kvflow.structured.manager.RequestStructuredOutput when the output is constrained
         self.structured_output = None
+        # prompt logprobs gathered so far (position p at index p; position 0 has none); None
+        # once handed to the output
+        self.prompt_logprobs: list | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +101,29 @@ class Request:
     def is_schedulable(self) -> bool:
         """False while its structured-output grammar is still compiling."""
         return self.structured_output is None or self.structured_output.is_ready
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all of them are computed yet (its prompt must
+        then be computed, not taken from the prefix cache)."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, start: int, entries: list) -> None:
+        """Record the logprobs of prompt positions ``start, start + 1, ...``; positions
+        already recorded (recomputed after a preemption) are kept as they were."""
+        if self.prompt_logprobs is None:
+            return
+        skip = len(self.prompt_logprobs) - start
+        if 0 <= skip < len(entries):
+            self.prompt_logprobs.extend(entries[skip:])
+
+    def take_prompt_logprobs(self) -> list | None:
+        """All prompt logprobs once complete (then never again), else None."""
+        if self.prompt_logprobs is None or self.needs_prompt_logprobs:
+            return None
+        done, self.prompt_logprobs = self.prompt_logprobs, None
+        return done
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

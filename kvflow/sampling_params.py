@@ -35,6 +35,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
         logprobs: if set, return this many top logprobs per generated token (plus the sampled).
+        prompt_logprobs: if set, return this many top logprobs per prompt token (plus the
+            prompt token's own) in ``RequestOutput.prompt_logprobs``; the first prompt token has
+            none (None). Such a request takes no prefix-cache hits for its prompt.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens when detokenizing.
         presence_penalty: subtracted once from the logit of every token already generated;
@@ -71,6 +74,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
@@ -122,8 +126,9 @@ class SamplingParams:
         def bad(name: str, value, what: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
 
-        optional = {"seed", "logprobs", "max_tokens"}
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"):
+        optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs"}
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
+                     "prompt_logprobs"):
             value = getattr(self, name)
             if not (_is_int(value) or (value is None and name in optional)):
                 raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
@@ -153,6 +158,8 @@ class SamplingParams:
              f"must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
              "must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             self.prompt_logprobs, "must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
              "must be non-empty strings"),
             (find_lone_surrogate(self.stop) is None, "stop", self.stop,

@@ -11,7 +11,11 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.kv_cache_utils import group_kv_cache_specs, max_tokens_per_request
+from kvflow.core.kv_cache_utils import (
+    group_kv_cache_specs,
+    kv_bytes_per_token,
+    max_tokens_per_request,
+)
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor.uniproc import UniprocExecutor
@@ -96,10 +100,14 @@ class EngineCore:
                            model_len, capacity)
         self.max_model_len = min(model_len, capacity)
         self.executor.capture_graphs(self.max_model_len)
+        self.weight_bytes = self.executor.weight_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token(self.kv_cache_config)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens in %d group(s); max_model_len "
-                    "%d; max concurrency at full length %.1f requests", self.num_blocks,
+                    "%d; max concurrency at full length %.1f requests; %d bytes per token; "
+                    "weights %.1f MiB", self.num_blocks,
                     cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
-                    self.max_model_len, capacity / self.max_model_len)
+                    self.max_model_len, capacity / self.max_model_len, self.kv_bytes_per_token,
+                    self.weight_bytes / 2**20)
 
     def _make_kv_cache_config(self) -> KVCacheConfig:
         """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
@@ -175,10 +183,11 @@ class EngineCore:
         grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
                                                                  self.scheduler.requests)
         try:
-            sampled = self.executor.execute_model(scheduler_output, grammar_bitmask)
+            runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         except Exception:
             # The step's K/V were not written: abort what it scheduled (freeing their blocks)
             # so the engine stays consistent for the other requests, then report the error.
             self.abort_requests([r.request_id for r in scheduler_output.scheduled])
             raise
-        return self.scheduler.update_from_output(scheduler_output, sampled)
+        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled,
+                                                 runner_output.prompt_logprobs)

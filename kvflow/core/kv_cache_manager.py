@@ -99,7 +99,7 @@ class KVCacheManager:
             (blocks, num_computed_tokens): the hit blocks (not yet referenced: pass them to
             ``allocate_slots``) and how many tokens they cover. At most ``num_tokens - 1``.
         """
-        if not self._uses_hashing(request):
+        if not self._uses_hashing(request) or request.needs_prompt_logprobs:
             return self.empty_blocks, 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

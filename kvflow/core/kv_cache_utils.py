@@ -73,3 +73,9 @@ def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= usable else (lo, mid - 1)
     return lo
+
+
+def kv_bytes_per_token(config: KVCacheConfig) -> int:
+    """KV-cache bytes one token occupies: one slot of a block in every group's layers (with a
+    quantized cache's scales, as the specs count them)."""
+    return sum(g.page_size_bytes for g in config.kv_cache_groups) // config.block_size

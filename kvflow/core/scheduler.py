@@ -20,7 +20,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_policy import WaitingQueue, make_policy
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
-from kvflow.runner_output import SampledToken
+from kvflow.runner_output import PromptLogprobsChunk, SampledToken
 from kvflow.sched_output import ScheduledRequest, SchedulerOutput
 
 
@@ -167,9 +167,16 @@ class Scheduler:
         )
 
     # ---- after the step ----------------------------------------------------------------------
-    def update_from_output(self, sched_out: SchedulerOutput,
-                           sampled: dict[str, SampledToken]) -> list[EngineCoreOutput]:
-        """Append each sampled token, finish requests that stop, and report new tokens."""
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, SampledToken],
+                           prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+                           ) -> list[EngineCoreOutput]:
+        """Append each sampled token, finish requests that stop, and report new tokens; the
+        prompt logprobs a step computed are kept on the request and reported with its first
+        token."""
+        for rid, chunk in (prompt_logprobs or {}).items():
+            request = self.requests.get(rid)
+            if request is not None:
+                request.add_prompt_logprobs(chunk.start, chunk.entries)
         outputs = []
         for sreq in sched_out.scheduled:
             token = sampled.get(sreq.request_id)
@@ -190,7 +197,8 @@ class Scheduler:
                 else None,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=request.take_prompt_logprobs()))
             if request.is_finished:
                 self.running.remove(request)
                 self._free(request)

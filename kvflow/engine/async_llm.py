@@ -352,9 +352,10 @@ async def collect(stream: RequestStream) -> RequestOutput:
     """
     merged: dict[int, CompletionOutput] = {}
     texts: dict[int, list[str]] = {}
-    last = None
+    last, prompt_logprobs = None, None
     async for delta in stream:
         last = delta
+        prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
         for c in delta.outputs:
             m = merged.setdefault(c.index, CompletionOutput(
                 c.index, logprobs=None if c.logprobs is None else []))
@@ -367,4 +368,5 @@ async def collect(stream: RequestStream) -> RequestOutput:
     for index, m in merged.items():
         m.text = "".join(texts[index])
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                         [merged[i] for i in sorted(merged)], True, last.metrics)
+                         [merged[i] for i in sorted(merged)], True, last.metrics,
+                         prompt_logprobs)

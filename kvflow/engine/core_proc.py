@@ -77,7 +77,7 @@ def collect_stats(core: EngineCore) -> EngineStats:
     kv, sched = core.kv_cache_manager, core.scheduler
     return EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
                        kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
-                       kv.num_hits)
+                       kv.num_hits, core.weight_bytes, core.kv_bytes_per_token)
 
 
 class EngineCoreProc:

@@ -1,5 +1,6 @@
 """The ``kvflow`` command (also ``python -m kvflow``): ``generate``, ``serve``,
-``bench throughput|serve|latency|roofline``; each takes ``--config FILE`` (YAML flag values).
+``bench throughput|serve|latency|roofline|perplexity``; each takes ``--config FILE`` (YAML flag
+values).
 
 Engine flags are generated from the EngineConfig dataclasses, server flags from ServerConfig,
 sampling flags from SamplingParams, so each knob is declared once. Bad input exits with status 2 and one line.
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
     from kvflow.bench.latency import add_latency_parser
+    from kvflow.bench.perplexity import add_perplexity_parser
     from kvflow.bench.roofline import add_roofline_parser
     from kvflow.bench.serve import add_serve_parser
     from kvflow.bench.throughput import add_throughput_parser
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(bench)
     add_latency_parser(bench)
     add_roofline_parser(bench)
+    add_perplexity_parser(bench)
     for command in leaf_parsers(parser):
         add_config_arg(command)
     return parser

@@ -4,7 +4,7 @@ Requests ignore unknown fields (as vLLM does; the handlers log each unknown name
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Every field a request model declares is honoured, or rejected with
 a 400 naming it when set to a value kvflow does not implement (``best_of`` other than ``n``,
-``use_beam_search``, ``prompt_logprobs``, ``suffix``, chat ``echo``); tests/e2e/
+``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``); tests/e2e/
 test_openai_fields.py walks every field. Text anywhere in a body that holds a lone UTF-16
 surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
@@ -271,8 +271,19 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in ``prompt_logprobs`` (vLLM's form)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 class CompletionChoice(OmitNoneModel):
-    OMIT_IF_NONE = ("token_ids", "prompt_token_ids")
+    """``prompt_logprobs`` (when asked for): per prompt token, token id (as a string) ->
+    its entry, with the prompt token and the top-k; None for the first token."""
+
+    OMIT_IF_NONE = ("token_ids", "prompt_token_ids", "prompt_logprobs")
 
     index: int
     text: str
@@ -281,6 +292,7 @@ class CompletionChoice(OmitNoneModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 def _now() -> int:

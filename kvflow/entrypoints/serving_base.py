@@ -176,10 +176,11 @@ class OpenAIServing:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
 
-    def check_unsupported(self, req: SamplingRequest) -> None:
+    def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
-        ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs``, or a
-        ``priority`` while the scheduler is not run by priority (it would be ignored)."""
+        ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs`` where the
+        endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
+        while the scheduler is not run by priority (it would be ignored)."""
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",
@@ -187,9 +188,9 @@ class OpenAIServing:
         if req.use_beam_search:
             raise OpenAIError("use_beam_search is not supported (kvflow samples; it does not "
                               "run beam search)", param="use_beam_search")
-        if req.prompt_logprobs is not None:
-            raise OpenAIError("prompt_logprobs is not supported yet: kvflow does not compute "
-                              "the logprobs of prompt tokens", param="prompt_logprobs")
+        if req.prompt_logprobs is not None and not prompt_logprobs:
+            raise OpenAIError("prompt_logprobs is returned by /v1/completions only",
+                              param="prompt_logprobs")
         policy = self.engine.config.scheduler_config.policy
         if req.priority and policy != "priority":
             raise OpenAIError(f"priority={req.priority} needs the priority scheduling policy "

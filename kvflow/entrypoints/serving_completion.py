@@ -15,6 +15,7 @@ from kvflow.entrypoints.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from kvflow.entrypoints.serving_base import (
@@ -58,13 +59,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_n(req.n)
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
-        self.check_unsupported(req)
+        self.check_unsupported(req, prompt_logprobs=True)
+        self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
                               "completion", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError("echo with logprobs needs prompt logprobs, which kvflow does not "
-                              "compute yet", param="echo")
 
     def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The request's prompts as (text or None, token ids). Raises OpenAIError if empty."""
@@ -94,6 +93,10 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             max_tokens = req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
+            params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
+        elif req.prompt_logprobs is not None:
+            params.prompt_logprobs = req.prompt_logprobs
         self.check_prompt(ids, max_tokens, "prompt")
         return params
 
@@ -112,8 +115,14 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = self._echo(req, prompts[i])
             for c in out.outputs:
                 num_generated += len(c.token_ids)
-                choices.append(self._choice(req, i * req.n + c.index, echo + c.text, c,
-                                            len(echo))[0])
+                choice, _ = self._choice(req, i * req.n + c.index, echo + c.text, c,
+                                         len(echo))
+                if req.echo and choice.logprobs is not None:
+                    choice.logprobs = _with_prompt(self._prompt_logprobs(prompts[i][1], out),
+                                                   choice.logprobs)
+                if req.prompt_logprobs is not None:
+                    choice.prompt_logprobs = _vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
                 if req.return_token_ids:
                     choices[-1].prompt_token_ids = prompts[i][1]
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -132,13 +141,36 @@ class OpenAIServingCompletion(OpenAIServing):
                                   token_ids=c.token_ids if req.return_token_ids else None)
         return choice, text_offset
 
+    def _prompt_logprobs(self, ids: list[int], out) -> CompletionLogProbs:
+        """The echoed prompt's logprobs (OpenAI legacy form: the first token has none)."""
+        entries = out.prompt_logprobs or [None] * len(ids)
+        lp = CompletionLogProbs()
+        offset = 0
+        for token_id, step in zip(ids, entries):
+            token = self.tokenizer.decode([token_id])
+            if step is None:
+                lp.tokens.append(token)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                lp.text_offset.append(offset)
+                offset += len(token)
+                continue
+            one, offset = completion_logprobs([token_id], [step], offset)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(lp, name).extend(getattr(one, name))
+        return lp
+
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
         offsets: dict[int, int] = {}  # choice index -> text offset (logprobs)
         want_tokens = req.logprobs is not None or req.return_token_ids
+        prompt_outputs = {}  # prompt index -> the delta that carried its prompt logprobs
+        sent_prompt: set[int] = set()  # choices whose first chunk went out
         async for i, delta in merge_streams(streams):
+            if delta.prompt_logprobs is not None:
+                prompt_outputs[i] = delta
             for c in delta.outputs:
                 index = i * req.n + c.index
                 num_generated += len(c.token_ids)
@@ -149,11 +181,40 @@ class OpenAIServingCompletion(OpenAIServing):
                     continue  # text held back (partial character, stop-string prefix)
                 choice, offsets[index] = self._choice(req, index, text, c,
                                                       offsets.get(index, len(echo)))
+                first = index not in sent_prompt
+                sent_prompt.add(index)
+                if echo and choice.logprobs is not None:
+                    choice.logprobs = _with_prompt(
+                        self._prompt_logprobs(prompts[i][1], prompt_outputs.get(i, delta)),
+                        choice.logprobs)
+                if first and req.prompt_logprobs is not None:
+                    choice.prompt_logprobs = _vllm_prompt_logprobs(
+                        prompt_outputs.get(i, delta).prompt_logprobs)
                 yield CompletionResponse(id=request_id, created=created, model=self.model_name,
                                          choices=[choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield CompletionResponse(id=request_id, created=created, model=self.model_name,
                                      choices=[], usage=_usage(prompts, num_generated))
+
+
+def _vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None
+                          ) -> list[dict[str, PromptLogprob] | None]:
+    """``prompt_logprobs`` in vLLM's response form (token ids as string keys)."""
+    return [None if step is None else
+            {str(tid): PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
+                                     decoded_token=lp.decoded_token)
+             for tid, lp in step.items()}
+            for step in entries or []]
+
+
+def _with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs
+                 ) -> CompletionLogProbs:
+    """The echoed prompt's logprobs followed by the completion's (offsets already count the
+    echoed text, which comes first)."""
+    out = CompletionLogProbs()
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, name).extend(getattr(prompt, name) + getattr(completion, name))
+    return out
 
 
 def _usage(prompts: list[Prompt], num_generated: int) -> UsageInfo:

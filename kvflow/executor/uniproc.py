@@ -10,7 +10,7 @@ from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.runner_output import SampledToken
+from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 
@@ -21,6 +21,11 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
                  hf_config: Any, dtype: torch.dtype) -> None:
         self.runner = ModelRunner(config, platform, source, hf_config, dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the loaded model's weights occupy (as stored)."""
+        return self.runner.weight_bytes
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV-cache spec, in model order."""
@@ -42,5 +47,5 @@ class UniprocExecutor:
         self.runner.capture_graphs(max_model_len)
 
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-                      ) -> dict[str, SampledToken]:
+                      ) -> ModelRunnerOutput:
         return self.runner.execute_model(sched, grammar_bitmask)

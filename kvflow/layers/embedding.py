@@ -1,37 +1,60 @@
-"""Token embedding and LM head, split by vocabulary across TP ranks."""
+"""Token embedding and LM head, split by vocabulary across TP ranks.
+
+The table belongs to the layer's embedding method (``kvflow/quant/base.py``: unquantized by
+default; a GGUF table stays in its quantized blocks): the layer keeps the vocabulary sharding,
+``forward`` looks rows up through ``method.embedding`` and ``compute_logits`` multiplies through
+``method.logits``.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels.gemm import GemmPathMixin, linear
+from kvflow.kernels.gemm import GemmPathMixin
+from kvflow.quant.base import EmbeddingMethod
+from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [vocab_size / tp_size, hidden]; out-of-shard ids embed to zero."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, quant_method: EmbeddingMethod | None = None) -> None:
         super().__init__()
         self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.hidden_size = hidden_size
         self.shard_size = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.params_dtype = torch.get_default_dtype()
+        self.quant_method: EmbeddingMethod | None = None
+        self.set_quant_method(quant_method or UnquantizedEmbeddingMethod())
+
+    def set_quant_method(self, method: EmbeddingMethod) -> None:
+        """Replace the table with ``method``'s parameters (call before loading)."""
+        for name in getattr(self, "_quant_param_names", ()):
+            delattr(self, name)
+        before = set(self._parameters)
+        self.quant_method = method
+        method.create_weights(self, self.shard_size, self.hidden_size, self.params_dtype)
+        self._quant_param_names = tuple(n for n in self._parameters if n not in before)
+        for name in self._quant_param_names:
+            self._parameters[name].weight_loader = (  # type: ignore[attr-defined]
+                lambda p, loaded: method.load(self, p, loaded))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows of the full table ``loaded`` into ``param``."""
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         param.data[:shard.shape[0]].copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> [T, hidden]."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embedding(self, input_ids)
         local = input_ids - self.vocab_start
         mask = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
+        out = self.quant_method.embedding(self, local.clamp(0, self.shard_size - 1))
+        out = out * mask.unsqueeze(-1)
         torch.distributed.all_reduce(out)
         return out
 
@@ -42,8 +65,7 @@ class ParallelLMHead(GemmPathMixin, VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab_size] (float32: with 16-bit weights the
         product's fp32 accumulation itself, never rounded to 16 bits)."""
-        logits = linear(hidden, self.weight, None, self.gemm_workspace, self.packed_weight,
-                        out_dtype=torch.float32)
+        logits = self.quant_method.logits(self, hidden)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)

@@ -4,6 +4,12 @@ Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``:
 defines a layout (fused q/k/v, fused gate/up, column or row split) is the one that knows how a
 checkpoint tensor lands in it. ``tp_rank``/``tp_size`` are passed in explicitly; with
 ``tp_size == 1`` every loader is a plain copy.
+
+The weight itself belongs to the layer's quantization method (``kvflow/quant/base.py``:
+``create_weights`` / ``load`` / ``process_weights_after_loading`` / ``apply``): the layer keeps its
+shape, TP placement and bias, and ``forward`` is ``quant_method.apply``. Unquantized is the
+default; ``set_quant_method`` swaps in another scheme before loading, so a new scheme never
+changes these classes.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.kernels.gemm import GemmPathMixin, linear
+from kvflow.kernels.gemm import GemmPathMixin
+from kvflow.quant.base import LinearMethod
+from kvflow.quant.unquantized import UnquantizedLinearMethod
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -20,18 +28,43 @@ def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
 
 
 class LinearBase(GemmPathMixin, nn.Module):
-    """y = x @ W.T (+ b). W: [output_size_per_partition, input_size_per_partition]."""
+    """y = x @ W.T (+ b). W: [output_size_per_partition, input_size_per_partition], stored as
+    the quantization method says (default: unquantized, in the model dtype).
+
+    Attributes:
+        shard_ids: the checkpoint shards fused into this layer, in row order (``(None,)`` for
+            an unfused one); quantization methods that keep shards apart read it.
+    """
+
+    shard_ids: tuple = (None,)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1,
+                 quant_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_dim = tp_rank, tp_size, tp_dim
-        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, input_size),
-                                               requires_grad=False), self.weight_loader)
+        self.input_size_per_partition, self.output_size_per_partition = input_size, output_size
+        self.params_dtype = torch.get_default_dtype()
         self.bias = None
         if bias:
             self.bias = _set_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
                                     self.weight_loader)
+        self.quant_method: LinearMethod | None = None
+        self.set_quant_method(quant_method or UnquantizedLinearMethod())
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Replace the weight parameters with those of ``method`` (call before loading); each
+        new parameter loads through ``method.load``."""
+        for name in getattr(self, "_quant_param_names", ()):
+            delattr(self, name)
+        before = set(self._parameters)
+        self.quant_method = method
+        method.create_weights(self, self.input_size_per_partition,
+                              self.output_size_per_partition, self.params_dtype)
+        self._quant_param_names = tuple(n for n in self._parameters if n not in before)
+        for name in self._quant_param_names:
+            param = self._parameters[name]
+            _set_loader(param, lambda p, loaded, *shard: method.load(self, p, loaded, *shard))
 
     def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
         if self.tp_dim is None or self.tp_size == 1 or (param.dim() == 1 and self.tp_dim == 1):
@@ -48,7 +81,7 @@ class LinearBase(GemmPathMixin, nn.Module):
         param.data.copy_(self._shard(param, loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemm_workspace, self.packed_weight)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -75,6 +108,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -107,6 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.num_kv_replicas = max(1, tp_size // num_kv_heads)
+        self.shard_ids = ("q", "k", "v")
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
 
@@ -141,7 +176,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = linear(x, self.weight, bias, self.gemm_workspace, self.packed_weight)
+        y = self.quant_method.apply(self, x, bias)
         if self.tp_size > 1:
             torch.distributed.all_reduce(y)
         return y

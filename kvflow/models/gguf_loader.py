@@ -502,7 +502,8 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, dtype: torch.dtype,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_param_name, tensor)`` for every weight tensor in the GGUF at ``path``.
 
     Names follow transformers' Llama/Qwen2/Qwen3 layout: ``model.embed_tokens.weight``,
@@ -523,6 +524,11 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
     Tensors are produced one at a time from a memory map, so peak extra memory is about one
     float32 copy of the largest tensor. The file is validated before the iterator is returned.
 
+    With ``keep_quantized``, a 2-D tensor of a quantized GGML type (linear and embedding
+    weights) comes as its raw blocks instead: uint8 ``[rows, row_bytes]`` exactly as in the
+    file (llama q/k rows un-permuted, which moves whole rows), with the GGML type as the
+    tensor's ``ggml_type`` attribute (a ``gguf.GGMLQuantizationType`` value).
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: not a valid GGUF, unsupported architecture, or an unrecognized tensor.
@@ -534,7 +540,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
     n_kv = int(max(n_kv) if isinstance(n_kv, list) else n_kv)
     names = {t.name: _hf_name(t.name, spec) for t in meta.tensors
              if t.name not in _SKIPPED_TENSORS}
-    return _iter_weights(meta, names, spec, n_head, n_kv, dtype)
+    return _iter_weights(meta, names, spec, n_head, n_kv, dtype, keep_quantized)
 
 
 def _iter_weights(
@@ -544,6 +550,7 @@ def _iter_weights(
     n_head: int,
     n_kv: int,
     dtype: torch.dtype,
+    keep_quantized: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
 
@@ -553,6 +560,9 @@ def _iter_weights(
             if info.name not in names:
                 continue
             name = names[info.name]
+            if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES:
+                yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
+                continue
             weight = torch.from_numpy(_dequantize(data, info))
             if spec.norm_offset and name.endswith("norm.weight"):
                 weight = weight - spec.norm_offset
@@ -567,6 +577,25 @@ def _iter_weights(
             del out
     finally:
         del data
+
+
+_FLOAT_TYPES = frozenset({0, 1, 30})  # GGML F32, F16, BF16: read as floats, never kept raw
+
+
+def _raw_blocks(data, info: GGUFTensorInfo, name: str, spec: _ArchSpec, n_head: int,
+                n_kv: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: one 2-D tensor's quantized blocks as stored (a fresh copy),
+    llama q/k rows un-permuted, tagged with ``ggml_type``."""
+    import numpy as np
+
+    raw = data[info.offset : info.offset + info.n_bytes].view(np.ndarray)
+    blocks = torch.from_numpy(np.array(raw.reshape(info.shape[0], -1)))
+    if spec.permute_qk and ".self_attn.q_proj." in name:
+        blocks = unpermute_qk(blocks, n_head).contiguous()
+    elif spec.permute_qk and ".self_attn.k_proj." in name:
+        blocks = unpermute_qk(blocks, n_kv).contiguous()
+    blocks.ggml_type = int(info.ggml_type)  # type: ignore[attr-defined]
+    return blocks
 
 
 def _dequantize(data, info: GGUFTensorInfo):

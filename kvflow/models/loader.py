@@ -14,6 +14,7 @@ from torch import nn
 from kvflow.attention.layer import AttentionContext
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import get_model_class
+from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -54,13 +55,24 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def iter_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor. ``keep_quantized`` (GGUF): quantized tensors
+    come as their raw blocks (see :func:`kvflow.models.gguf_loader.iter_gguf_weights`)."""
     if source.kind == "gguf":
         from kvflow.models.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(source.path, dtype)
+        yield from iter_gguf_weights(source.path, dtype, keep_quantized)
     else:
         yield from iter_safetensors(source.path)
+
+
+def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float checkpoint tensors in the model dtype; quantized ones (int8, fp8, GGUF blocks)
+    exactly as stored."""
+    if tensor.is_floating_point() and tensor.element_size() > 1:
+        return tensor.to(dtype)
+    return tensor
 
 
 @contextmanager
@@ -88,8 +100,10 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype: torch.dtype,
-               device: torch.device, load_format: str = "auto", seed: int = 0) -> nn.Module:
-    """Instantiate the architecture and load its weights.
+               device: torch.device, load_format: str = "auto", seed: int = 0,
+               quant_config: QuantConfig | None = None) -> nn.Module:
+    """Instantiate the architecture, give its layers their quantization methods, load the
+    weights and run the methods' after-loading step (quantize on load, repack).
 
     Raises:
         ValueError: for an unsupported architecture, missing weights, or a checkpoint that leaves
@@ -98,13 +112,18 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, ctx)
+        apply_quant_config(model, quant_config)
     if load_format == "dummy":
         _init_dummy_weights(model, seed)
     else:
-        loaded = model.load_weights((n, t.to(dtype)) for n, t in iter_weights(source, dtype))
+        keep = quant_config is not None and quant_config.name == "gguf"
+        loaded = model.load_weights((n, _to_model_dtype(t, dtype))
+                                    for n, t in iter_weights(source, dtype, keep))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
+    with torch.device(device):
+        process_weights_after_loading(model)
     return model.eval()
 
 

@@ -28,9 +28,11 @@ from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import Platform
-from kvflow.runner_output import SampledToken
+from kvflow.quant import get_quant_config, weight_bytes
+from kvflow.runner_output import ModelRunnerOutput, SampledToken
 from kvflow.sched_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +89,14 @@ class ModelRunner:
                         or self.platform.default_attention_backend)
         self.attn_ctx = AttentionContext(make_attention_backend(backend_name))
         mc = self.config.model_config
+        self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
+                                             mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
-                                mc.load_format, mc.seed)
+                                mc.load_format, mc.seed, self.quant_config)
         self._choose_gemm_path()
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
+                    self.quant_config.name if self.quant_config else "none")
         self.attn_layers = {name: m for name, m in self.model.named_modules()
                             if isinstance(m, Attention)}
 
@@ -230,15 +237,27 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-                      ) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every request that reached its end.
-        ``grammar_bitmask`` masks the rows of structured-output requests (others untouched)."""
+                      ) -> ModelRunnerOutput:
+        """Run one step; returns the sampled token of every request that reached its end and
+        the prompt logprobs of requests that asked for them. ``grammar_bitmask`` masks the rows
+        of structured-output requests (others untouched)."""
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
         if sched.is_empty:
-            return {}
+            return ModelRunnerOutput()
         inputs = build_model_inputs(sched, self.block_size, self.stager)
         hidden = self._forward(inputs)
+        prompt_logprobs = {}
+        if any(r.sampling_params.prompt_logprobs is not None for r in sched.scheduled):
+            starts = inputs.attn_metadata[0].query_start_loc.tolist()
+            prompt_logprobs = compute_prompt_logprobs(sched.scheduled, starts, hidden,
+                                                      self.model.compute_logits)
+        return ModelRunnerOutput(self._sample(sched, inputs, hidden, grammar_bitmask),
+                                 prompt_logprobs)
+
+    def _sample(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
+                grammar_bitmask: GrammarBitmask | None) -> dict[str, SampledToken]:
+        """The sampled token of every request whose step reached its end."""
         if not inputs.sampling_rows:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -255,8 +255,16 @@ def completion_cases() -> dict[str, Callable]:
         assert ok(server, C, {"add_special_tokens": False})["usage"]["prompt_tokens"] == \
             with_bos - 1 == len(tokenizer.encode(PROMPT, add_special_tokens=False))
 
+    def prompt_logprobs(server, tokenizer):
+        choice = ok(server, C, {"prompt_logprobs": 2})["choices"][0]
+        entries = choice["prompt_logprobs"]
+        prompt = tokenizer.encode(PROMPT)
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert all(str(t) in e and len(e) >= 2 for t, e in zip(prompt[1:], entries[1:]))
+
     return {**sampling_cases(C), "prompt": prompt, "max_tokens": max_tokens, "echo": echo,
             "logprobs": logprobs, "add_special_tokens": add_special_tokens,
+            "prompt_logprobs": prompt_logprobs,
             "suffix": rejected(C, {"suffix": " the end"}, "suffix")}
 
 

@@ -253,6 +253,30 @@ def test_echo(client, tokenizer):
     assert texts[0] == c.text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, tiny_llama):
+    """echo + logprobs: the prompt's tokens come first with their logprobs (HF's log-softmax
+    of the prompt logits; the first token has none), then the completion's; streamed alike."""
+    import torch
+
+    ids = tokenizer.encode(PROMPT)
+    (c,) = complete(client, echo=True, logprobs=2, max_tokens=3, temperature=0,
+                    ignore_eos=True).choices
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+        assert len(lp.top_logprobs[p]) >= 2
+    assert "".join(lp.tokens[:len(ids)]) == PROMPT
+    chunks = list(complete(client, echo=True, logprobs=2, max_tokens=3, temperature=0,
+                           ignore_eos=True, stream=True))
+    streamed = [v for ch in chunks for ch_c in ch.choices if ch_c.logprobs
+                for v in ch_c.logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
 def test_logit_bias_forces_a_token(client, tokenizer):
     token = tokenizer.encode(" fox")[-1]
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
@@ -359,7 +383,6 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("empty_stop", C, {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("seed_too_large", C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("logprobs_above_cap", C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("echo_with_logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("stream_options_without_stream", C,
      {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("unknown_model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model"),

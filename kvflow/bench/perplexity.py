@@ -1,0 +1,121 @@
+"""``kvflow bench perplexity``: perplexity of a model (as configured: ``--quantization``,
+``--kv-cache-dtype``, ``--dtype``) on a fixed public-domain text, through the engine's own
+forward pass.
+
+The text (default: ``tests/data/opticks_excerpt.txt``, from Newton's *Opticks*, about 4,000
+tokens) is tokenized once and cut into non-overlapping windows of ``--window`` tokens; each
+window is one request with ``prompt_logprobs=0`` and ``max_tokens=1``, so every token but a
+window's first is scored given the tokens before it in its window. Perplexity is
+``exp(-mean log p)`` over all scored tokens (the usual fixed-window evaluation, e.g. Hugging
+Face's "Perplexity of fixed-length models" guide, without a stride).
+
+It also reports the weight bytes, the KV-cache bytes per token, and greedy continuations of
+``--num-greedy-prompts`` prompts taken from the text (``--greedy-tokens`` tokens each);
+``--compare BASE.json`` (a previous run's ``--output-json``) adds the perplexity ratio and the
+greedy agreement: the fraction of positions where both runs chose the same token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.checks import ensure_parent_dir, require_positive
+from kvflow.config import EngineConfig
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "opticks_excerpt.txt"
+
+
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows of ``window`` tokens (a last window shorter than 2 tokens, which
+    would score nothing, is dropped)."""
+    chunks = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
+    return [c for c in chunks if len(c) >= 2]
+
+
+def perplexity_of(llm: Any, chunks: list[list[int]]) -> tuple[float, int]:
+    """(perplexity, scored tokens) of the windows through ``llm``'s prompt logprobs."""
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    total, count = 0.0, 0
+    for out in llm.generate(chunks, params, use_tqdm=False):
+        for token_id, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+            total += step[token_id].logprob
+            count += 1
+    return math.exp(-total / count), count
+
+
+def greedy_agreement(ours: list[list[int]], base: list[list[int]]) -> float:
+    """Fraction of positions at which two runs' greedy continuations hold the same token."""
+    pairs = [(a, b) for x, y in zip(ours, base) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / max(1, len(pairs))
+
+
+def _greedy(llm: Any, token_ids: list[int], num_prompts: int, num_tokens: int) -> list[list[int]]:
+    from kvflow.sampling_params import SamplingParams
+
+    step = max(1, len(token_ids) // (num_prompts + 1))
+    prompts = [token_ids[i * step:i * step + 32] for i in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
+                   greedy_tokens: int) -> dict[str, Any]:
+    """Everything the command reports, as a JSON-ready dict."""
+    token_ids = llm.get_tokenizer().encode(text)
+    window = min(window, llm.engine.core.max_model_len)
+    start = time.perf_counter()
+    ppl, scored = perplexity_of(llm, windows(token_ids, window))
+    seconds = time.perf_counter() - start
+    core = llm.engine.core
+    return {"perplexity": ppl, "scored_tokens": scored, "window": window, "seconds": seconds,
+            "weight_bytes": core.weight_bytes, "kv_bytes_per_token": core.kv_bytes_per_token,
+            "greedy": _greedy(llm, token_ids, num_greedy, greedy_tokens) if num_greedy else []}
+
+
+def _cmd_perplexity(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+
+    require_positive(window=args.window, greedy_tokens=args.greedy_tokens)
+    if args.window < 2:
+        raise ValueError(f"--window must be >= 2, got {args.window}")
+    ensure_parent_dir(args.output_json, "--output-json")
+    text = Path(args.text_file).read_text(encoding="utf-8")
+    base = json.loads(Path(args.compare).read_text()) if args.compare else None
+    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    result = run_perplexity(llm, text, args.window, args.num_greedy_prompts, args.greedy_tokens)
+    result.update(model=args.model, quantization=args.quantization,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), dtype=args.dtype)
+    print(f"perplexity {result['perplexity']:.4f} over {result['scored_tokens']} tokens "
+          f"(windows of {result['window']}, {result['seconds']:.1f} s)")
+    print(f"weights {result['weight_bytes'] / 2**20:.1f} MiB, KV cache "
+          f"{result['kv_bytes_per_token']} bytes/token")
+    if base is not None:
+        result["perplexity_ratio"] = result["perplexity"] / base["perplexity"]
+        result["greedy_agreement"] = greedy_agreement(result["greedy"], base["greedy"])
+        print(f"vs {args.compare}: perplexity x{result['perplexity_ratio']:.4f} "
+              f"({(result['perplexity_ratio'] - 1) * 100:+.2f}%), greedy agreement "
+              f"{result['greedy_agreement'] * 100:.1f}% over {args.greedy_tokens} tokens")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("perplexity", help="perplexity on a fixed text (accuracy gate)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text-file", default=str(DEFAULT_TEXT), help="UTF-8 text to score")
+    p.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    p.add_argument("--num-greedy-prompts", type=int, default=4,
+                   help="prompts (from the text) for the greedy-agreement check; 0: none")
+    p.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--compare", default=None, help="a previous run's --output-json")
+    p.add_argument("--output-json", default=None)
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=_cmd_perplexity)

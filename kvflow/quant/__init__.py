@@ -1,0 +1,160 @@
+"""Quantization: which method each layer of a model gets, and the two passes that apply them.
+
+``--quantization`` (``ModelConfig.quantization``) names a scheme, or it is read from the
+checkpoint (a GGUF file keeps its quantized blocks; an HF folder's ``quantization_config``
+names compressed-tensors). :func:`get_quant_config` turns that into a :class:`QuantConfig`,
+which picks a method per layer by its module path. The model loader then calls
+:func:`apply_quant_config` right after building the model (before any weight is loaded) and
+:func:`process_weights_after_loading` once the checkpoint is in.
+
+Schemes (one file each): ``unquantized.py`` (the reference), ``int8.py`` (weight-only, per
+channel), ``int4.py`` (weight-only, group-wise), ``fp8.py`` (W8A8 with dynamic per-token
+activation scales), ``gguf.py`` (llama.cpp blocks kept as they are), ``compressed_tensors.py``
+(pre-quantized FP8/INT8 checkpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from kvflow.quant.base import EmbeddingMethod, LinearMethod, weight_bytes
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "compressed-tensors")
+
+__all__ = ["QUANTIZATION_METHODS", "QuantConfig", "apply_quant_config", "get_quant_config",
+           "process_weights_after_loading", "weight_bytes"]
+
+
+@dataclass
+class QuantConfig:
+    """Chooses a method per layer.
+
+    Attributes:
+        name: the scheme (one of :data:`QUANTIZATION_METHODS`).
+        group_size: input columns per scale for group-wise schemes (int4).
+        checkpoint_config: the checkpoint's ``quantization_config`` dict, if any.
+    """
+
+    name: str
+    group_size: int = 32
+    checkpoint_config: dict[str, Any] | None = None
+
+    def linear_method(self, prefix: str) -> LinearMethod | None:
+        """The method for the linear layer at module path ``prefix``; None: unquantized.
+
+        Raises:
+            ValueError: for a checkpoint quantization scheme kvflow cannot run.
+        """
+        if self.name == "int8":
+            from kvflow.quant.int8 import Int8WeightOnlyMethod
+
+            return Int8WeightOnlyMethod()
+        if self.name == "int4":
+            from kvflow.quant.int4 import Int4WeightOnlyMethod
+
+            return Int4WeightOnlyMethod(self.group_size)
+        if self.name == "fp8":
+            from kvflow.quant.fp8 import Fp8LinearMethod
+
+            return Fp8LinearMethod()
+        if self.name == "gguf":
+            from kvflow.quant.gguf import GGUFLinearMethod
+
+            return GGUFLinearMethod()
+        if self.name == "compressed-tensors":
+            from kvflow.quant.compressed_tensors import compressed_tensors_method
+
+            return compressed_tensors_method(self.checkpoint_config or {}, prefix)
+        return None
+
+    def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
+        """The method for the vocabulary table at ``prefix`` (embedding or LM head); None:
+        unquantized. int8 and int4 store the tables in INT8 per row, GGUF keeps its blocks;
+        fp8 and compressed-tensors leave them in the model dtype (as HF FP8 checkpoints do)."""
+        if self.name == "gguf":
+            from kvflow.quant.gguf import GGUFEmbeddingMethod
+
+            return GGUFEmbeddingMethod()
+        if self.name in ("int8", "int4"):
+            from kvflow.quant.int8 import Int8EmbeddingMethod
+
+            return Int8EmbeddingMethod()
+        return None
+
+
+def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
+                     group_size: int = 32) -> QuantConfig | None:
+    """The quantization to run: ``requested`` (``--quantization``), else what the checkpoint
+    says (GGUF: ``gguf``; an HF ``quantization_config``), else None (unquantized).
+
+    Raises:
+        ValueError: for a scheme that does not fit the checkpoint (``gguf`` on a non-GGUF
+            model; ``compressed-tensors`` without its config; a checkpoint
+            ``quant_method`` kvflow does not know; re-quantizing a quantized checkpoint).
+    """
+    ckpt = getattr(hf_config, "quantization_config", None)
+    if ckpt is not None and not isinstance(ckpt, dict):
+        ckpt = ckpt.to_dict() if hasattr(ckpt, "to_dict") else dict(vars(ckpt))
+    ckpt_method = (ckpt or {}).get("quant_method")
+    if ckpt_method is not None and ckpt_method != "compressed-tensors":
+        raise ValueError(f"checkpoint quantization_config.quant_method={ckpt_method!r} is "
+                         "not supported; kvflow reads 'compressed-tensors' checkpoints")
+    if requested is None:
+        requested = ckpt_method or "none"
+    if requested == "gguf" and source_kind != "gguf":
+        raise ValueError("quantization='gguf' needs a .gguf model")
+    if requested == "compressed-tensors" and ckpt_method is None:
+        raise ValueError("quantization='compressed-tensors' needs a checkpoint whose "
+                         "config.json has a compressed-tensors quantization_config")
+    if ckpt_method is not None and requested != ckpt_method:
+        raise ValueError(f"the checkpoint is already quantized ({ckpt_method}); "
+                         f"quantization={requested!r} cannot re-quantize it")
+    if requested == "none":
+        return None
+    return QuantConfig(requested, group_size, ckpt)
+
+
+def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> int:
+    """Give every linear and vocabulary layer of ``model`` its method (before loading);
+    tables tied at construction (a tied LM head) stay tied. Returns the layers changed."""
+    if quant_config is None:
+        return 0
+    tied: dict[int, nn.Module] = {}
+    changed = 0
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "set_quant_method"):
+            continue
+        owner = tied.setdefault(id(getattr(module, "weight", None)), module)
+        if owner is not module:  # shares its table with a layer seen earlier: share again
+            module.set_quant_method(owner.quant_method)
+            for name in owner._quant_param_names:
+                setattr(module, name, getattr(owner, name))
+            continue
+        method = (quant_config.embedding_method(prefix)
+                  if isinstance(module.quant_method, EmbeddingMethod)
+                  else quant_config.linear_method(prefix))
+        if method is not None:
+            module.set_quant_method(method)
+            changed += 1
+    return changed
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Run each layer's method's after-loading step once (quantize, repack); a table shared
+    by two layers is processed once and shared again."""
+    done: dict[int, nn.Module] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        key = id(getattr(module, "weight", None))
+        owner = done.get(key)
+        if owner is not None and owner is not module:
+            for name in owner._quant_param_names:
+                setattr(module, name, getattr(owner, name))
+            continue
+        method.process_weights_after_loading(module)
+        done[key] = module

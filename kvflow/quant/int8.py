@@ -1,0 +1,123 @@
+"""Weight-only INT8 (W8A16): per-output-channel symmetric scales, activations unquantized.
+
+``W[n, :] ~= weight_scale[n] * q[n, :]`` with ``q = round(W / s)`` in [-127, 127] and
+``s = max_k |W[n, k]| / 127`` (absmax, per output channel), so ``x @ W.T = (x @ q.T) * s``:
+the scale comes out of the dot product, and the product runs on int8 weights read from memory
+(4x fewer bytes than fp32, 2x fewer than bf16: decode is memory-bound, so it runs faster).
+
+Quantized on load from a float checkpoint (``--quantization int8``), or loaded pre-quantized
+(compressed-tensors int8 checkpoints, :mod:`kvflow.quant.compressed_tensors`). CPU: torch's
+``_weight_int8pack_mm`` (a well-kept ATen kernel); elsewhere the reference (int8 -> activation
+dtype, GEMM, then the scales).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.quant.base import EmbeddingMethod, LinearMethod
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _int8pack_takes(x: torch.Tensor) -> bool:
+    """Whether torch's CPU ``_weight_int8pack_mm`` takes activations ``x``: a CPU float type
+    and ``K % 16 == 0`` (its vectorized bf16 path crashes on other K in torch 2.13; the
+    reference runs instead)."""
+    return x.device.type == "cpu" and x.dtype in _CPU_DTYPES and x.shape[-1] % 16 == 0
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax INT8 per output row.
+
+    Args:
+        weight: [N, K] float.
+
+    Returns:
+        (q int8 [N, K] in [-127, 127], scale float32 [N]) with ``weight ~= q * scale[:, None]``
+        (an all-zero row gets scale 1).
+    """
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8WeightOnlyMethod(LinearMethod):
+    """``weight``: int8 [N, K]; ``weight_scale``: float32 [N].
+
+    Args:
+        prequantized: the checkpoint holds int8 weights and their scales (else a float weight
+            is loaded and quantized in :meth:`process_weights_after_loading`).
+    """
+
+    name = "int8"
+
+    def __init__(self, prequantized: bool = False) -> None:
+        super().__init__()
+        self.prequantized = prequantized
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       params_dtype: torch.dtype) -> None:
+        dtype = torch.int8 if self.prequantized else params_dtype
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                    requires_grad=False)
+        if self.prequantized:
+            layer.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32),
+                                              requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.prequantized:
+            return
+        q, scale = quantize_int8_per_channel(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply_native(self, layer: nn.Module, x: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
+        return y if bias is None else y + bias.to(x.dtype)
+
+    def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        if not _int8pack_takes(x):
+            return self.apply_native(layer, x, bias)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch._weight_int8pack_mm(rows, layer.weight, layer.weight_scale.to(x.dtype))
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8EmbeddingMethod(EmbeddingMethod):
+    """A vocabulary table in INT8 with one scale per token row (the same absmax rule): the
+    lookup dequantizes only the rows it gathers; the LM head multiplies the int8 table
+    (``_weight_int8pack_mm`` on CPU) in fp32. Used for the tables under ``int8`` and ``int4``
+    (the LM head is the largest GEMM of a small model; 4 bits there cost more accuracy than
+    they save, which is why llama.cpp's Q4 mixes keep ``output`` at 6-8 bits)."""
+
+    name = "int8"
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim,
+                                                dtype=params_dtype), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_int8_per_channel(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer._quant_param_names = ("weight", "weight_scale")
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None]
+        return rows.to(layer.params_dtype)
+
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        if _int8pack_takes(x):
+            return torch._weight_int8pack_mm(x.contiguous(), layer.weight, layer.weight_scale)
+        return F.linear(x, layer.weight.float()) * layer.weight_scale

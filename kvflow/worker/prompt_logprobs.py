@@ -1,0 +1,77 @@
+"""Prompt logprobs: the log-probability the model gives each prompt token after the tokens
+before it, computed from the hidden states of the step that computed those tokens.
+
+The hidden row of prompt position ``p`` predicts the token at ``p + 1``, so a chunk that
+computes positions ``[c, c + n)`` yields the logprobs of prompt tokens ``c + 1 .. c + n``
+(only those inside the prompt; the row of the last prompt token is the sampling row). Logits
+are made ``ROWS_PER_PASS`` rows at a time, so a 2048-token chunk of a 150k-vocabulary model
+never holds its whole ``[tokens, vocab]`` logits at once. Logprobs are the raw log-softmax
+(before temperature), like the sampled tokens' logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvflow.runner_output import PromptLogprobsChunk, TokenLogprobs
+from kvflow.sched_output import ScheduledRequest
+
+ROWS_PER_PASS = 256
+
+
+def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor,
+                   num_top: int) -> list[TokenLogprobs]:
+    """Per row: (top ``num_top`` ids, their logprobs, the target's logprob, its rank).
+
+    Args:
+        logprobs: float32 [R, vocab] log-softmax rows.
+        targets: int64 [R], the token whose logprob each row reports.
+        num_top: how many top tokens per row (0: none).
+
+    Returns:
+        R tuples; rank 1 is the most likely token (ties counted in the target's favour).
+    """
+    target_lp = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs > target_lp).sum(dim=1) + 1
+    if num_top > 0:
+        top_lp, top_ids = logprobs.topk(num_top, dim=1)
+        tops = list(zip(top_ids.tolist(), top_lp.tolist()))
+    else:
+        tops = [([], [])] * logprobs.shape[0]
+    return [(ids, lps, lp, rank) for (ids, lps), lp, rank
+            in zip(tops, target_lp[:, 0].tolist(), ranks.tolist())]
+
+
+def compute_prompt_logprobs(reqs: list[ScheduledRequest], query_start: list[int],
+                            hidden: torch.Tensor,
+                            compute_logits: Callable[[torch.Tensor], torch.Tensor]
+                            ) -> dict[str, PromptLogprobsChunk]:
+    """Prompt logprobs of every scheduled request that asked for them.
+
+    Args:
+        reqs: the step's requests in batch order.
+        query_start: [len(reqs) + 1] first hidden row of each request (cumulative lengths).
+        hidden: [num_tokens, hidden_size] the step's final hidden states.
+        compute_logits: the model's LM head (hidden rows -> float32 logits).
+
+    Returns:
+        request id -> the chunk of prompt logprobs this step yields (requests whose chunk
+        holds no prompt token with a predecessor in it are left out).
+    """
+    out: dict[str, PromptLogprobsChunk] = {}
+    for i, r in enumerate(reqs):
+        num_top = r.sampling_params.prompt_logprobs
+        last = min(r.num_computed_tokens + r.num_scheduled_tokens, len(r.prompt_token_ids) - 1)
+        if num_top is None or last <= r.num_computed_tokens:
+            continue
+        rows = torch.arange(query_start[i], query_start[i] + last - r.num_computed_tokens)
+        targets = torch.tensor(r.prompt_token_ids[r.num_computed_tokens + 1:last + 1])
+        entries: list[TokenLogprobs] = []
+        for s in range(0, rows.numel(), ROWS_PER_PASS):
+            logits = compute_logits(hidden[rows[s:s + ROWS_PER_PASS].to(hidden.device)])
+            lps = torch.log_softmax(logits.float(), dim=-1)
+            entries += token_logprobs(lps, targets[s:s + ROWS_PER_PASS].to(lps.device), num_top)
+        out[r.request_id] = PromptLogprobsChunk(r.num_computed_tokens + 1, entries)
+    return out

@@ -1,0 +1,58 @@
+"""``kvflow bench perplexity`` on a tiny Llama against the same perplexity computed from HF
+transformers' logits, window by window; and the greedy-agreement rule by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvflow.bench.perplexity import DEFAULT_TEXT, greedy_agreement, windows
+from kvflow.entrypoints.cli import main
+
+
+def test_windows_and_agreement():
+    assert windows(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5]]  # [6] scores nothing
+    assert windows(list(range(8)), 3)[-1] == [6, 7]
+    assert greedy_agreement([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]]) == pytest.approx(0.8)
+
+
+def test_perplexity_matches_hf(tiny_llama, tmp_path):
+    text = "the quick brown fox jumps over a lazy dog while kvflow pages keys " * 6
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(text)
+    out = tmp_path / "ppl.json"
+    assert main(["bench", "perplexity", "--model", tiny_llama.path, "--dtype", "float32",
+                 "--text-file", str(text_file), "--window", "24", "--num-kv-blocks", "64",
+                 "--num-greedy-prompts", "2", "--greedy-tokens", "4",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_llama.path).encode(text)
+    total, count = 0.0, 0
+    for chunk in windows(ids, 24):
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny_llama.hf_model(torch.tensor([chunk])).logits[0, :-1],
+                                   dim=-1)
+        total += float(lp.gather(1, torch.tensor(chunk[1:])[:, None]).sum())
+        count += len(chunk) - 1
+    assert result["scored_tokens"] == count
+    assert result["perplexity"] == pytest.approx(math.exp(-total / count), rel=1e-4)
+    assert result["weight_bytes"] > 0 and result["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
+    assert len(result["greedy"]) == 2 and all(len(g) == 4 for g in result["greedy"])
+    again = tmp_path / "again.json"
+    assert main(["bench", "perplexity", "--model", tiny_llama.path, "--dtype", "float32",
+                 "--text-file", str(text_file), "--window", "24", "--num-kv-blocks", "64",
+                 "--num-greedy-prompts", "2", "--greedy-tokens", "4", "--quantization", "int8",
+                 "--compare", str(out), "--output-json", str(again)]) == 0
+    compared = json.loads(again.read_text())
+    assert compared["perplexity_ratio"] == pytest.approx(compared["perplexity"]
+                                                         / result["perplexity"])
+    assert 0.0 <= compared["greedy_agreement"] <= 1.0
+
+
+def test_default_text_is_shipped():
+    assert DEFAULT_TEXT.is_file() and len(DEFAULT_TEXT.read_text()) > 15000
