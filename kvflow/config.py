@@ -87,8 +87,9 @@ class ModelConfig:
                                   "win) or none", choices=["auto", "none"])
     quantization: str | None = _opt(
         None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
-        "group-wise) (default: none)",
-        choices=[None, "none", "int8", "int4"])
+        "group-wise), gguf (keep a .gguf file's quantized blocks, dequantized per tile in the "
+        "GEMM) (default: none; a .gguf file is dequantized at load)",
+        choices=[None, "none", "int8", "int4", "gguf"])
     quantization_group_size: int = _opt(32, "input columns per scale for int4",
                                         choices=[32, 64, 128, 256])
 

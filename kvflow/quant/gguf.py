@@ -1,0 +1,139 @@
+"""GGUF weights kept quantized: a linear or vocabulary layer holds the file's raw GGML blocks
+(uint8 ``[rows, row_bytes]``, exactly as stored) and dequantizes them tile by tile inside its
+GEMM, so memory holds ~4.5-6.5 bits per weight instead of 16 or 32 (``--dtype`` sets only the
+activation type).
+
+The GEMM (:func:`gguf_linear`) walks the output rows in tiles of at most ``TILE_ELEMENTS``
+weights: each tile is dequantized to fp32 (:mod:`kvflow.kernels.gguf_dequant`, plain torch,
+any device) and multiplied at once, so the widened copy never exceeds one tile (32 MB).
+Embedding lookups dequantize only the rows they gather. Fused layers whose checkpoint shards
+have different GGML types (a Q4_K_M file's q/k Q4_K beside v Q6_K) keep one block tensor per
+shard and run one GEMM each. Tensors the file stores as floats (F32/F16/BF16) stay floats.
+Tensor parallelism is not supported for kept blocks (a shard would cut blocks apart).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.kernels.gguf_dequant import F32, dequantize_rows
+from kvflow.quant.base import EmbeddingMethod, LinearMethod
+
+TILE_ELEMENTS = 1 << 23  # weights dequantized per tile (32 MB of fp32)
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """float32 [R, K] of a kept tensor (``F32``: a float tensor, returned as float32)."""
+    return raw.float() if ggml_type == F32 else dequantize_rows(raw, ggml_type)
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T`` in fp32 with W kept as GGML blocks ``raw`` [N, row_bytes].
+
+    Args:
+        x: float32 [M, K].
+        raw: the blocks (or, for ``F32``, the float weight [N, K]).
+        ggml_type: a GGML type id.
+        out: optional float32 [M, N] to write into.
+
+    Returns:
+        float32 [M, N].
+    """
+    n = raw.shape[0]
+    k = x.shape[-1]
+    out = x.new_empty(x.shape[0], n, dtype=torch.float32) if out is None else out
+    rows = max(1, TILE_ELEMENTS // max(1, k))
+    for start in range(0, n, rows):
+        tile = dequantize(raw[start:start + rows], ggml_type)
+        torch.mm(x, tile.t(), out=out[:, start:start + rows])
+    return out
+
+
+def _as_kept(loaded: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(storage, ggml type) of a checkpoint tensor: raw blocks tagged by the GGUF loader, or a
+    float tensor kept as float32 (type ``F32``)."""
+    ggml_type = getattr(loaded, "ggml_type", None)
+    if ggml_type is None:
+        return loaded.float().contiguous(), F32
+    return loaded.contiguous(), int(ggml_type)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """After loading: ``weight`` (one block tensor [N, row_bytes], or ``weight_0..`` per shard
+    when shards differ in type) with its GGML type in ``layer.gguf_types``."""
+
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_shards = {}
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+             *shard: Any) -> None:
+        """Keep one shard's blocks as they are (placed in row order after loading).
+
+        Raises:
+            ValueError: with tensor parallelism (blocks cannot be split across ranks).
+        """
+        if layer.tp_size > 1:
+            raise ValueError("GGUF weights kept quantized do not support tensor parallelism; "
+                             "pass --quantization none to dequantize them at load")
+        layer.gguf_shards[shard[0] if shard else None] = _as_kept(loaded)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = [layer.gguf_shards.pop(s) for s in layer.shard_ids if s in layer.gguf_shards]
+        types = [t for _, t in parts]
+        if len(set(types)) == 1 and len({p.shape[1] for p, _ in parts}) == 1:
+            parts = [(torch.cat([p for p, _ in parts]) if len(parts) > 1 else parts[0][0],
+                      types[0])]
+        names = ["weight"] if len(parts) == 1 else [f"weight_{i}" for i in range(len(parts))]
+        del layer.weight
+        for name, (tensor, _) in zip(names, parts):
+            setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
+        layer.gguf_types = tuple(types if len(parts) > 1 else types[:1])
+        layer._quant_param_names = tuple(names)
+
+    def apply_native(self, layer: nn.Module, x: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        outs = [gguf_linear(rows, getattr(layer, name), t)
+                for name, t in zip(layer._quant_param_names, layer.gguf_types)]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+class GGUFEmbeddingMethod(EmbeddingMethod):
+    """A vocabulary table kept as GGML blocks: ``weight`` [vocab, row_bytes] (type in
+    ``weight.ggml_type``, so a tied LM head sharing the parameter knows it too)."""
+
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Keep the table's blocks (this method does not shard the vocabulary).
+
+        Raises:
+            ValueError: with tensor parallelism.
+        """
+        if layer.tp_size > 1:
+            raise ValueError("GGUF tables kept quantized do not support tensor parallelism")
+        tensor, ggml_type = _as_kept(loaded)
+        param.data = tensor
+        param.ggml_type = ggml_type  # type: ignore[attr-defined]
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        raw = layer.weight[ids]
+        return dequantize(raw, layer.weight.ggml_type).to(layer.params_dtype)
+
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(hidden.float(), layer.weight, layer.weight.ggml_type)
