@@ -35,6 +35,11 @@ class LLM:
         llm.engine = LLMEngine(config)
         return llm
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-rank engine now (they also stop when this
+        process exits); the LLM takes no more requests after it."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -51,6 +51,8 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_rope_dynamic": ("LlamaConfig", {"max_position_embeddings": 48, "rope_scaling": {
         "rope_type": "dynamic", "factor": 4.0}}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # one KV head for all 4 query heads: tensor parallelism replicates it
+    "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
     # every layer attends to the last 8 positions only (shorter than most test prompts)
     "mistral_sliding_window": ("MistralConfig", {"sliding_window": 8}),
     # Qwen2 with max_window_layers=1: layer 0 full attention, layer 1 a window of 8

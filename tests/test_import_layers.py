@@ -3,9 +3,10 @@
 Layers, top to bottom (docs/architecture.md, "Where things live"): entrypoints and bench ->
 the offline API (llm.py) -> engine (processes, input/output processing, metrics) -> core
 (scheduler, KV-cache manager, structured output) -> executor -> worker -> models ->
-layers/attention -> kernels -> platforms -> foundation (config and the pure-data modules that
-cross boundaries). A module may import its own layer and the ones below it. Imports inside
-``if TYPE_CHECKING:`` are annotations only and do not count; function-local imports do.
+layers/attention -> kernels and distributed (process groups, collectives) -> platforms ->
+foundation (config and the pure-data modules that cross boundaries). A module may import its
+own layer and the ones below it. Imports inside ``if TYPE_CHECKING:`` are annotations only and
+do not count; function-local imports do.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ LAYERS: dict[str, int] = {
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
-    "kvflow.executor": 6, "kvflow.distributed": 5,
+    "kvflow.executor": 6,
     "kvflow.worker": 5,
     "kvflow.models": 4, "kvflow.lora": 4,
     "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
-    "kvflow.kernels": 2,
+    "kvflow.kernels": 2, "kvflow.distributed": 2,
     "kvflow.platforms": 1,
     # foundation: configuration and pure data that crosses a boundary
     "kvflow.config": 0, "kvflow.sampling_params": 0, "kvflow.request": 0,

@@ -6,6 +6,7 @@ Offline use (``LLM``) drives it in-process; the server runs the same class in it
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
@@ -18,13 +19,14 @@ from kvflow.core.kv_cache_utils import (
 )
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.executor.uniproc import UniprocExecutor
+from kvflow.executor import StepFuture, make_executor
 from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
+from kvflow.sched_output import SchedulerOutput
 from kvflow.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -49,11 +51,13 @@ def resolve_dtype(requested: str, hf_config, platform) -> torch.dtype:
 class EngineCore:
     """Owns the scheduler, the KV-cache manager and the executor.
 
-    Construction reads as a checklist: platform, model config, executor (loads weights), KV cache
-    (sized after the model is loaded), scheduler.
+    Construction reads as a checklist: platform, model config, executor (starts the workers,
+    which load the weights), KV cache (sized after the model is loaded), scheduler.
 
     Raises:
-        ValueError: for an unknown model, unsupported architecture or impossible cache size.
+        ValueError: for an unknown model, unsupported architecture, impossible cache size, or
+            parallel sizes the model does not split into.
+        ExecutorError: if a worker process fails to start.
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
@@ -75,8 +79,10 @@ class EngineCore:
         self.source = source
         self.hf_config = load_hf_config(source)
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform)
-        self.executor = UniprocExecutor(self.config, self.platform, source, self.hf_config,
-                                        self.dtype)
+        self.config.parallel_config.verify_with_model(self.hf_config)
+        self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
+        # Steps sent but not yet folded back in (pipeline parallelism keeps several).
+        self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
@@ -174,9 +180,19 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise ExecutorError if a worker has failed (for an idle engine's periodic check)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+        self.executor.shutdown()
+
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
+        if self.executor.max_concurrent_batches > 1:
+            return self.step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
             self.structured_output.wait_for_compiles(timeout_s=0.05)
@@ -191,3 +207,38 @@ class EngineCore:
             raise
         return self.scheduler.update_from_output(scheduler_output, runner_output.sampled,
                                                  runner_output.prompt_logprobs)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: keep up to ``max_concurrent_batches`` micro-batches in flight.
+
+        While there is room, schedule a micro-batch of at most ``1 / max_concurrent_batches``
+        of the unfinished requests (so at steady state every stage has one) from the requests
+        that are not in flight, send it and return; otherwise wait for the oldest one and fold
+        its sampled tokens in.
+        """
+        depth = self.executor.max_concurrent_batches
+        if len(self.batch_queue) < depth:
+            sched = self.scheduler.schedule(max_num_reqs=self._micro_batch_size(depth))
+            if not sched.is_empty or sched.finished_ids:
+                bitmask = self.structured_output.grammar_bitmask(sched, self.scheduler.requests)
+                self.batch_queue.append((self.executor.execute_model_async(sched, bitmask),
+                                         sched))
+                if len(self.batch_queue) < depth and not sched.is_empty:
+                    return []
+        if not self.batch_queue:  # only grammars compiling: wait a little, do not spin
+            self.structured_output.wait_for_compiles(timeout_s=0.05)
+            return []
+        future, sched = self.batch_queue.popleft()
+        try:
+            runner_output = future.result()
+        except Exception:
+            self.abort_requests([r.request_id for _, s in [(future, sched), *self.batch_queue]
+                                 for r in s.scheduled])
+            self.batch_queue.clear()
+            raise
+        return self.scheduler.update_from_output(sched, runner_output.sampled,
+                                                 runner_output.prompt_logprobs)
+
+    def _micro_batch_size(self, depth: int) -> int:
+        """Requests per micro-batch: an even share of the unfinished ones (at least 1)."""
+        return max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))

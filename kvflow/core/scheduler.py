@@ -11,6 +11,13 @@ Running requests are served first, in policy order; when the KV pool runs dry th
 the largest policy key (the newest under FCFS) is preempted: its blocks are freed, its
 ``num_computed_tokens`` drops to 0 and it re-enters the waiting queue with all its tokens, so it
 is recomputed later (often from prefix-cache hits) without losing or duplicating a token.
+
+Several steps may be in flight at once (pipeline parallelism: each stage works on another
+micro-batch). ``schedule`` advances ``num_computed_tokens`` as soon as it hands tokens out, so
+a request whose scheduled tokens have not come back simply has nothing left to compute (a
+decode waits for its sampled token) and is skipped, while a long prompt's next chunk can go
+into the next micro-batch. A request in flight is never chosen for preemption (its blocks are
+being written).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.in_flight: dict[str, int] = {}  # request id -> scheduled steps not yet returned
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,33 +94,46 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens: running requests first, then waiting ones if no preemption."""
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones if no preemption.
+
+        Args:
+            max_num_reqs: schedule at most this many requests (a pipeline's micro-batch);
+                None: as many as the token budget and ``max_num_seqs`` allow.
+        """
         budget = self.config.max_num_batched_tokens
+        cap = max_num_reqs if max_num_reqs is not None else self.config.max_num_seqs
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = set()
         self.running.sort(key=self.policy.key)
         scheduled: list[tuple[Request, int]] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, out):
+            if num_new > 0 and self._allocate_or_preempt(request, num_new, out):
                 scheduled.append((request, num_new))
                 budget -= num_new
-                i += 1
+            if i < len(self.running) and self.running[i] is request:
+                i += 1  # else it was preempted and the next request moved up
         if not out.preempted_ids:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, cap)
         out.scheduled = [self._scheduled_request(r, n) for r, n in scheduled]
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
+            self.in_flight[request.request_id] = self.in_flight.get(request.request_id, 0) + 1
         return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate room for ``request``, preempting the running tail until it fits.
-        Returns False if ``request`` itself had to be preempted."""
+        """Allocate room for ``request``, preempting the running tail (requests not in
+        flight) until it fits. Returns False if it does not fit (``request`` itself may have
+        been preempted)."""
         while not self.kv.can_allocate(request, num_new):
-            victim = self.running.pop()
+            victim = next((r for r in reversed(self.running)
+                           if r.request_id not in self.in_flight), None)
+            if victim is None:  # everything else is in flight: try again next step
+                return False
+            self.running.remove(victim)
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -120,9 +141,11 @@ class Scheduler:
         self.kv.allocate_slots(request, num_new)
         return True
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
+                       cap: int) -> int:
         not_ready: list[Request] = []  # grammars still compiling: skipped, not blocking
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and len(scheduled) < cap:
             request = self.waiting.peek()
             if not request.is_schedulable:
                 not_ready.append(self.waiting.pop())
@@ -179,6 +202,7 @@ class Scheduler:
                 request.add_prompt_logprobs(chunk.start, chunk.entries)
         outputs = []
         for sreq in sched_out.scheduled:
+            self._returned(sreq.request_id)
             token = sampled.get(sreq.request_id)
             request = self.requests.get(sreq.request_id)
             if token is None or request is None or request.is_finished:
@@ -224,7 +248,14 @@ class Scheduler:
                 or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
 
+    def _returned(self, request_id: str) -> None:
+        """One scheduled step of ``request_id`` came back."""
+        left = self.in_flight.pop(request_id, 0) - 1
+        if left > 0:
+            self.in_flight[request_id] = left
+
     def _free(self, request: Request) -> None:
+        self.in_flight.pop(request.request_id, None)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)

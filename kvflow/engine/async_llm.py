@@ -217,6 +217,11 @@ class AsyncLLM:
         return self._dead is None and self._proc.is_alive()
 
     @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine stopped (e.g. which worker rank died), or None while it runs."""
+        return self._dead
+
+    @property
     def num_waiting_requests(self) -> int:
         """Accepted requests that have not produced any token yet (queued or in prefill)."""
         return len(self._waiting)

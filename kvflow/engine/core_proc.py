@@ -53,6 +53,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     inp.connect(input_addr)
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
+    core = None
     try:
         core = EngineCore(config)
         out.send(encoder.encode(_ready(core)))
@@ -61,6 +62,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         logger.error("engine core failed: %s", traceback.format_exc())
         out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
     finally:
+        if core is not None:
+            core.shutdown()  # the executor's worker processes, if any
         inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
@@ -82,7 +85,8 @@ def collect_stats(core: EngineCore) -> EngineStats:
 
 class EngineCoreProc:
     """The busy loop. ``run`` returns on ``Shutdown`` or when the parent process is gone and
-    raises what ``EngineCore.step`` raises."""
+    raises what ``EngineCore.step`` raises (and, while idle, ``EngineCore.check_health``:
+    a dead worker process)."""
 
     def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
         self.core, self.inp, self.out = core, inp, out
@@ -110,6 +114,7 @@ class EngineCoreProc:
                 if not self._parent_alive():
                     logger.warning("API process is gone; engine core exiting")
                     return None
+                self.core.check_health()  # a dead worker ends the loop (EngineFailed)
         handled = 0
         while self.inp.poll(0):
             try:

@@ -60,6 +60,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if any (idempotent)."""
+        self.core.shutdown()
+
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the RequestOutputs that changed (finished or not)."""
         outputs, stopped = self.output_processor.process(self.core.step())

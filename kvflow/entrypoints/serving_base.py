@@ -122,7 +122,8 @@ class OpenAIServing:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already."""
         limit = self.config.max_waiting_requests
         if not self.engine.is_healthy:
-            raise engine_dead(RuntimeError("the engine core process is gone"))
+            raise engine_dead(self.engine.dead_error
+                              or RuntimeError("the engine core process is gone"))
         if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
             raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "
                               f"requests are waiting (limit {limit}); retry later", 503,

@@ -25,7 +25,8 @@ def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13: [E, 2*I, H] gate rows then up rows per expert, ``hidden.dtype``.
         w2: [E, H, I] down projection per expert.
         topk_weights: [T, k] float32 routing weights.
-        topk_ids: [T, k] integer expert ids in [0, E).
+        topk_ids: [T, k] integer expert ids in [0, E]; id E means "no expert here" (a pair
+            that expert parallelism routed to another rank): skipped, contributes nothing.
         workspace: run 16-bit GEMMs on fp32 units (see :func:`kvflow.kernels.gemm.linear`).
 
     Returns:
@@ -35,8 +36,10 @@ def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
     token_of_row = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    x = hidden[token_of_row]  # [T*k, H], rows of expert 0 first, then expert 1, ...
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[:w13.shape[0]]
+    order = order[:sum(counts)]  # id E (not on this rank) sorts last: drop those pairs
+    token_of_row = token_of_row[:order.shape[0]]
+    x = hidden[token_of_row]  # [rows, H], rows of expert 0 first, then expert 1, ...
     out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):

@@ -11,18 +11,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.distributed.comm import CommGroup
 from kvflow.kernels.gemm import GemmPathMixin
+from kvflow.layers.linear import require_group
 from kvflow.quant.base import EmbeddingMethod
 from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table [vocab_size / tp_size, hidden]; out-of-shard ids embed to zero."""
+    """Embedding table [ceil(vocab_size / tp_size), hidden] per TP rank (rank r holds ids
+    ``[r * shard, (r + 1) * shard)``); out-of-shard ids embed to zero and the ranks' rows are
+    summed over ``tp_group`` (needed when ``tp_size > 1``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
-                 tp_size: int = 1, quant_method: EmbeddingMethod | None = None) -> None:
+                 tp_size: int = 1, quant_method: EmbeddingMethod | None = None,
+                 tp_group: CommGroup | None = None) -> None:
         super().__init__()
         self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.tp_group = tp_group
         self.hidden_size = hidden_size
         self.shard_size = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.shard_size
@@ -55,8 +61,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (local >= 0) & (local < self.shard_size)
         out = self.quant_method.embedding(self, local.clamp(0, self.shard_size - 1))
         out = out * mask.unsqueeze(-1)
-        torch.distributed.all_reduce(out)
-        return out
+        return require_group(self.tp_group, self.tp_size).all_reduce(out)
 
 
 class ParallelLMHead(GemmPathMixin, VocabParallelEmbedding):
@@ -66,8 +71,6 @@ class ParallelLMHead(GemmPathMixin, VocabParallelEmbedding):
         """hidden [N, hidden] -> logits [N, vocab_size] (float32: with 16-bit weights the
         product's fp32 accumulation itself, never rounded to 16 bits)."""
         logits = self.quant_method.logits(self, hidden)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+        if self.tp_size > 1:  # each rank's vocabulary shard, side by side
+            logits = require_group(self.tp_group, self.tp_size).all_gather(logits, dim=-1)
         return logits[:, :self.vocab_size]

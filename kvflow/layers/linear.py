@@ -3,7 +3,9 @@
 Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``: the layer that
 defines a layout (fused q/k/v, fused gate/up, column or row split) is the one that knows how a
 checkpoint tensor lands in it. ``tp_rank``/``tp_size`` are passed in explicitly; with
-``tp_size == 1`` every loader is a plain copy.
+``tp_size == 1`` every loader is a plain copy. The one collective, the all-reduce of a
+row-parallel layer's partial sums, goes through the ``tp_group`` (a
+:class:`~kvflow.distributed.comm.CommGroup`) the layer is given.
 
 The weight itself belongs to the layer's quantization method (``kvflow/quant/base.py``:
 ``create_weights`` / ``load`` / ``process_weights_after_loading`` / ``apply``): the layer keeps its
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.distributed.comm import CommGroup
 from kvflow.kernels.gemm import GemmPathMixin
 from kvflow.quant.base import LinearMethod
 from kvflow.quant.unquantized import UnquantizedLinearMethod
@@ -166,17 +169,37 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across TP ranks; the partial sums need an all-reduce (tp_size>1)."""
+    """Input features split across TP ranks; the partial sums are all-reduced over
+    ``tp_group`` (needed when ``tp_size > 1``). The bias is added once, on TP rank 0."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: CommGroup | None = None) -> None:
         if input_size % tp_size:
             raise ValueError(f"input_size {input_size} not divisible by tp_size {tp_size}")
         super().__init__(input_size // tp_size, output_size, bias, 1, tp_rank, tp_size)
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, input_size / tp_size] -> [T, output_size], summed over the TP ranks.
+
+        Raises:
+            RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
+        """
         bias = self.bias if self.tp_rank == 0 else None
         y = self.quant_method.apply(self, x, bias)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
+            y = require_group(self.tp_group, self.tp_size).all_reduce(y)
         return y
+
+
+def require_group(group: CommGroup | None, size: int) -> CommGroup:
+    """``group``, checked to be a group of ``size`` ranks.
+
+    Raises:
+        RuntimeError: when ``group`` is None or of another size (a layer built for tensor
+            parallelism without its process group).
+    """
+    if group is None or group.world_size != size:
+        raise RuntimeError(f"a layer split over {size} ranks needs their process group, got "
+                           f"{group!r}")
+    return group

@@ -18,9 +18,14 @@ grouped-GEMM launch covers all experts (``kvflow/kernels/moe.py``); elsewhere (C
 :func:`kvflow.kernels.moe_ref.fused_experts_ref` does one matmul per expert that received tokens.
 
 Expert weights are stacked ``[num_experts, ...]`` and loaded per expert through
-``weight_loader(param, tensor, shard_id, expert_id)``, so expert parallelism can later keep a
-slice of the expert dimension by ``expert_id``; tensor parallelism shards the intermediate
-dimension of every expert (column-parallel w1/w3, row-parallel w2 + all-reduce).
+``weight_loader(param, tensor, shard_id, expert_id)``. Tensor parallelism shards the
+intermediate dimension of every expert (column-parallel w1/w3, row-parallel w2 + all-reduce).
+Expert parallelism instead places whole experts by id (:func:`expert_range`: rank ``r`` of
+``n`` holds a contiguous run of ``E / n``); the hidden states are the same on every rank of
+the EP group (the TP group of the attention layers), so each rank runs its local experts on the
+(token, expert) pairs routed to them and one all-reduce over the EP group combines them (the
+all-gather of the dispatch is a no-op and the reduce-scatter + all-gather of the combine is
+that all-reduce).
 """
 
 from __future__ import annotations
@@ -28,9 +33,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.distributed.comm import CommGroup
 from kvflow.kernels.gemm import GemmPathMixin
 from kvflow.kernels.moe_ref import fused_experts_ref
 from kvflow.layers.custom_op import CustomOp
+from kvflow.layers.linear import require_group
+
+
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """The global expert ids ``[start, end)`` that EP rank ``ep_rank`` of ``ep_size`` holds.
+
+    Raises:
+        ValueError: if ``num_experts`` is not divisible by ``ep_size``.
+    """
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts cannot be placed evenly on {ep_size} "
+                         "expert-parallel ranks")
+    per_rank = num_experts // ep_size
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -69,25 +89,36 @@ class FusedMoE(GemmPathMixin, CustomOp):
         intermediate_size: each expert's MLP width (HF ``moe_intermediate_size``, or
             ``intermediate_size`` for Mixtral).
         renormalize: see :func:`select_experts`.
-        tp_rank / tp_size: tensor-parallel position (the intermediate dim is split).
+        tp_rank / tp_size / tp_group: tensor-parallel position (the intermediate dim is split)
+            and the group that sums the partial outputs.
+        ep_group: with expert parallelism, the EP group (then ``tp_size`` must be 1): this
+            rank holds experts :func:`expert_range` and the group sums the outputs.
 
     Raises:
-        ValueError: if ``intermediate_size`` is not divisible by ``tp_size``.
+        ValueError: if ``intermediate_size`` is not divisible by ``tp_size``, the experts not
+            by the EP size, or both TP and EP split the layer.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 renormalize: bool, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: CommGroup | None = None, ep_group: CommGroup | None = None) -> None:
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"intermediate_size {intermediate_size} not divisible by "
                              f"tp_size {tp_size}")
+        if ep_group is not None and tp_size > 1:
+            raise ValueError("a MoE layer is split by experts (EP) or by width (TP), not both")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.ep_group = ep_group
+        ep_rank, ep_size = (ep_group.rank, ep_group.world_size) if ep_group else (0, 1)
+        self.expert_start, expert_end = expert_range(num_experts, ep_rank, ep_size)
+        self.num_local_experts = expert_end - self.expert_start
         self.intermediate_size = intermediate_size // tp_size
         inter = self.intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter),
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter,
+                                                   hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, inter),
                                       requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -102,10 +133,13 @@ class FusedMoE(GemmPathMixin, CustomOp):
                 ``"w2"`` [H, I]; or, with ``expert_id=None``, all experts stacked as in
                 transformers 5 (``"w13"`` [E, 2*I, H], ``"w2"`` [E, H, I]).
             shard_id: ``"w1"``, ``"w3"``, ``"w2"`` or ``"w13"``.
-            expert_id: global expert index, or None for a stacked tensor.
+            expert_id: global expert index, or None for a stacked tensor. With expert
+                parallelism, experts held by other ranks are skipped (and a stacked tensor
+                contributes only this rank's experts).
 
         Raises:
-            ValueError: for an unknown ``shard_id`` or a shape that does not fit.
+            ValueError: for an unknown ``shard_id``, an ``expert_id`` outside the layer, or a
+                shape that does not fit.
         """
         inter, hidden = self.intermediate_size, self.w2_weight.shape[1]
         full = inter * self.tp_size
@@ -118,7 +152,14 @@ class FusedMoE(GemmPathMixin, CustomOp):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert weight {shard_id} has shape {tuple(loaded.shape)}, "
                              f"expected {expected}")
-        dst = param.data if expert_id is None else param.data[expert_id]
+        if expert_id is not None and not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert_id {expert_id} is outside [0, {self.num_experts})")
+        local = None if expert_id is None else expert_id - self.expert_start
+        if local is not None and not 0 <= local < self.num_local_experts:
+            return  # another expert-parallel rank holds this expert
+        if expert_id is None:
+            loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
+        dst = param.data if local is None else param.data[local]
         if shard_id == "w2":  # row-parallel: split the input (intermediate) dim
             src = loaded.narrow(-1, self.tp_rank * inter, inter)
         elif shard_id == "w13":  # stacked gate|up halves, each split by TP
@@ -132,12 +173,31 @@ class FusedMoE(GemmPathMixin, CustomOp):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H] in ``hidden.dtype``: route
         (:func:`select_experts`), run the experts with the implementation for hidden's device
-        (:class:`~kvflow.layers.custom_op.CustomOp`), all-reduce the TP partial sums."""
+        (:class:`~kvflow.layers.custom_op.CustomOp`), then sum the ranks' partial outputs over
+        the TP group (each rank ran a slice of every expert) or the EP group (each rank ran
+        its own experts).
+
+        Raises:
+            RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
+        """
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.ep_group is not None and self.ep_group.world_size > 1:
+            topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
         out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            out = require_group(self.tp_group, self.tp_size).all_reduce(out)
+        elif self.ep_group is not None:
+            out = self.ep_group.all_reduce(out)
         return out
+
+    def _local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids [T, k] -> this rank's local ids; a (token, expert) pair routed to
+        another rank gets weight 0 and the id ``num_local_experts`` (no expert: skipped)."""
+        local = topk_ids - self.expert_start
+        here = (local >= 0) & (local < self.num_local_experts)
+        return (torch.where(here, topk_weights, 0.0),
+                torch.where(here, local, self.num_local_experts))
 
     def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:
@@ -153,4 +213,6 @@ class FusedMoE(GemmPathMixin, CustomOp):
         (:func:`kvflow.kernels.moe.fused_experts`)."""
         from kvflow.kernels.moe import fused_experts
 
+        # Pairs routed to other EP ranks (id num_local_experts) run on expert 0 with weight 0.
+        topk_ids = topk_ids.clamp(max=self.num_local_experts - 1)
         return fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

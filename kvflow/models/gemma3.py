@@ -18,18 +18,27 @@ and transformers' ``modeling_gemma3.py``:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.distributed.comm import IntermediateTensors
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.activation import GeluAndMul
-from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import GemmaRMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, rope_max_positions
-from kvflow.models.llama import LlamaForCausalLM, get_head_dim, layer_sliding_window
+from kvflow.models.llama import (
+    LlamaForCausalLM,
+    get_head_dim,
+    layer_sliding_window,
+    make_lm_head,
+)
+from kvflow.models.parallel_utils import PPMissingLayer, make_layers
 
 
 def gemma3_rope_tables(config: Any) -> dict[str, RotaryEmbedding]:
@@ -65,18 +74,20 @@ class _RopeView:
 
 class Gemma3Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+                 rotary_emb: RotaryEmbedding, parallel: ParallelState) -> None:
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError("Gemma 3 attention logit soft-capping is not supported")
+        tp = parallel.tp
         self.head_dim = get_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads,
-                                          config.num_key_value_heads, bias, tp_rank, tp_size)
+                                          config.num_key_value_heads, bias, tp.rank,
+                                          tp.world_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias, tp_rank, tp_size)
+                                        config.hidden_size, bias, tp.rank, tp.world_size, tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -100,15 +111,17 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """GeGLU MLP: [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, config: Any, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, parallel: ParallelState) -> None:
         super().__init__()
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
             raise ValueError(f"unsupported Gemma 3 hidden_activation {act!r}")
+        tp = parallel.tp
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False,
-                                                       tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp_rank, tp_size)
+                                                       tp.rank, tp.world_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp.rank,
+                                           tp.world_size, tp)
         self.act_fn = GeluAndMul("none" if act == "gelu" else "tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +133,11 @@ class Gemma3DecoderLayer(nn.Module):
     ``out = h + post_ffw_norm(mlp(pre_ffw_norm(h)))``."""
 
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, tp_rank: int, tp_size: int) -> None:
+                 rotary_emb: RotaryEmbedding, parallel: ParallelState) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_idx, ctx, rotary_emb, tp_rank, tp_size)
-        self.mlp = Gemma3MLP(config, tp_rank, tp_size)
+        self.self_attn = Gemma3Attention(config, layer_idx, ctx, rotary_emb, parallel)
+        self.mlp = Gemma3MLP(config, parallel)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -138,28 +151,41 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int, tp_size: int) -> None:
+    """One pipeline stage's share: scaled embedding (first stage), layers
+    ``[start_layer, end_layer)``, final norm (last stage)."""
+
+    def __init__(self, config: Any, ctx: AttentionContext, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   tp_rank, tp_size)
+        tp, pp = parallel.tp, parallel.pp
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp) \
+            if self.is_first_stage else PPMissingLayer()
         self.embed_scale = config.hidden_size ** 0.5
         tables = gemma3_rope_tables(config)
         self.rotary_local, self.rotary_global = tables["sliding_attention"], \
             tables["full_attention"]
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, ctx,
-                               self.rotary_local if layer_sliding_window(config, i)
-                               else self.rotary_global, tp_rank, tp_size)
-            for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, pp, lambda i: Gemma3DecoderLayer(
+                config, i, ctx, self.rotary_local if layer_sliding_window(config, i)
+                else self.rotary_global, parallel))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) \
+            if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # transformers rounds the scale to the weights' dtype before multiplying.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """[T] ids and positions -> final hidden [T, hidden] on the last stage, else
+        ``{"hidden_states": [T, hidden]}`` for the next stage."""
+        if self.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
+            # transformers rounds the scale to the weights' dtype before multiplying.
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden = intermediate_tensors["hidden_states"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden = layer(positions, hidden)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.is_last_stage else {"hidden_states": hidden}
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -170,24 +196,27 @@ class Gemma3ForCausalLM(nn.Module):
     Args:
         config: a ``Gemma3TextConfig``.
         ctx: the engine's attention context.
-        tp_rank / tp_size: tensor-parallel position.
+        parallel: this rank's process groups (default: one process); see
+            :class:`~kvflow.models.llama.LlamaForCausalLM` for pipeline stages.
     """
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = \
         LlamaForCausalLM.packed_modules_mapping
 
-    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(self, config: Any, ctx: AttentionContext,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3Model(config, ctx, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        parallel = parallel or ParallelState.single()
+        self.model = Gemma3Model(config, ctx, parallel)
+        self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
+                                    getattr(config, "tie_word_embeddings", True))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

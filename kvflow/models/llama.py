@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3 (and SmolLM2, Mistral-style configs), Qwen2 (q/k/v bias) and
-Qwen3 (per-head q/k RMSNorm), written once as tensor-parallel-ready modules.
+Qwen3 (per-head q/k RMSNorm), written once as tensor- and pipeline-parallel modules.
 
 Weights load through each parameter's ``weight_loader``; ``packed_modules_mapping`` says which
 checkpoint tensors are fused into one matmul here (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.distributed.comm import IntermediateTensors
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -25,6 +28,7 @@ from kvflow.layers.rotary import (
     get_rotary_dim,
     rope_max_positions,
 )
+from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
 
 
 def get_head_dim(config: Any) -> int:
@@ -66,18 +70,18 @@ class AttentionBias:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, tp_rank: int,
-                 tp_size: int) -> None:
+                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool,
+                 parallel: ParallelState) -> None:
         super().__init__()
+        tp = parallel.tp
         self.head_dim = get_head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads, num_kv_heads, bias.qkv,
-                                          tp_rank, tp_size)
+                                          tp.rank, tp.world_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias.o,
-                                        tp_rank=tp_rank, tp_size=tp_size)
+                                        config.hidden_size, bias.o, tp.rank, tp.world_size, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -101,13 +105,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, parallel: ParallelState) -> None:
         super().__init__()
+        tp = parallel.tp
         bias = getattr(config, "mlp_bias", False)
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias,
-                                                       tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp_rank, tp_size)
+                                                       tp.rank, tp.world_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp.rank,
+                                           tp.world_size, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,12 +122,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
-                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, tp_rank: int,
-                 tp_size: int) -> None:
+                 rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool,
+                 parallel: ParallelState) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
-                                        tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+                                        parallel)
+        self.mlp = LlamaMLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,21 +143,44 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
-                 tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   tp_rank, tp_size)
-        rotary_emb = make_rotary_embedding(config)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, ctx, rotary_emb, bias, qk_norm, tp_rank, tp_size)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """The decoder stack of one pipeline stage: the embedding on the first stage, layers
+    ``[start_layer, end_layer)``, the final norm on the last stage."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
+                 parallel: ParallelState) -> None:
+        super().__init__()
+        rotary_emb = make_rotary_embedding(config)
+        self._init_stage(config, parallel, lambda i: LlamaDecoderLayer(
+            config, i, ctx, rotary_emb, bias, qk_norm, parallel))
+
+    def _init_stage(self, config: Any, parallel: ParallelState, build_layer) -> None:
+        """Embedding (first stage), this stage's layers, final norm (last stage)."""
+        tp, pp = parallel.tp, parallel.pp
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp) \
+            if self.is_first_stage else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, pp, build_layer)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) \
+            if self.is_last_stage else PPMissingLayer()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """input_ids / positions [T] int64 -> final hidden [T, hidden] (last stage), else
+        ``{"hidden_states", "residual"}`` [T, hidden] each for the next stage; a stage after
+        the first reads those from ``intermediate_tensors`` instead of embedding
+        ``input_ids``."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -160,10 +189,15 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` and
     ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32.
 
+    With pipeline parallelism a stage holds only its layers (the others are
+    :class:`~kvflow.models.parallel_utils.PPMissingLayer`), ``forward`` also takes and returns
+    :data:`~kvflow.distributed.comm.IntermediateTensors`, and only the last stage has the LM
+    head (its own copy of a tied embedding when the embedding lives on the first stage).
+
     Args:
         config: an HF config (LlamaConfig, Qwen2Config, ...).
         ctx: the engine's attention context (backend + forward context).
-        tp_rank / tp_size: tensor-parallel position.
+        parallel: this rank's process groups (default: one process).
     """
 
     qk_norm: bool = False
@@ -172,15 +206,15 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(self, config: Any, ctx: AttentionContext,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
+        parallel = parallel or ParallelState.single()
         self.model = LlamaModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
-                                tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+                                parallel)
+        self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
+                                    getattr(config, "tie_word_embeddings", False))
 
     @classmethod
     def attention_bias_for(cls, config: Any) -> AttentionBias:
@@ -188,14 +222,17 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionBias(qkv=bias, o=bias)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of parameters that were loaded.
+        """Load HF-named tensors; returns the names of parameters that were loaded. Tensors of
+        modules another pipeline stage owns are skipped.
 
         Raises:
             ValueError: for a checkpoint tensor that matches no parameter.
@@ -206,7 +243,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
                 continue
+            if tied and name == "model.embed_tokens.weight" and \
+                    isinstance(self.model.embed_tokens, PPMissingLayer):
+                name = "lm_head.weight"  # the last stage's own copy of the tied embedding
             target, shard = _map_packed(name, self.packed_modules_mapping)
+            if target not in params and is_pp_missing(target, self):
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                  f"{type(self).__name__}")
@@ -217,9 +259,23 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard)
             loaded.add(target)
-        if tied:
+        if tied and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
+
+
+def make_lm_head(config: Any, parallel: ParallelState, embed_tokens: nn.Module,
+                 tied: bool) -> nn.Module:
+    """The LM head of the last pipeline stage (a placeholder elsewhere). A tied head shares
+    ``embed_tokens``' weight when the embedding lives on the same stage; on a last stage
+    without the embedding it holds its own copy, loaded from the embedding's tensor."""
+    if not parallel.pp.is_last_rank:
+        return PPMissingLayer()
+    tp = parallel.tp
+    head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp)
+    if tied and not isinstance(embed_tokens, PPMissingLayer):
+        head.weight = embed_tokens.weight
+    return head
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

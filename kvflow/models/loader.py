@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvflow.attention.layer import AttentionContext
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import get_model_class
 from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
@@ -101,9 +102,11 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype: torch.dtype,
                device: torch.device, load_format: str = "auto", seed: int = 0,
-               quant_config: QuantConfig | None = None) -> nn.Module:
-    """Instantiate the architecture, give its layers their quantization methods, load the
-    weights and run the methods' after-loading step (quantize on load, repack).
+               quant_config: QuantConfig | None = None,
+               parallel: ParallelState | None = None) -> nn.Module:
+    """Instantiate the architecture (this rank's shard and pipeline stage when ``parallel``
+    spans several processes), give its layers their quantization methods, load the weights
+    and run the methods' after-loading step (quantize on load, repack).
 
     Raises:
         ValueError: for an unsupported architecture, missing weights, or a checkpoint that leaves
@@ -111,7 +114,7 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     """
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, ctx)
+        model = model_cls(hf_config, ctx, parallel=parallel or ParallelState.single(device))
         apply_quant_config(model, quant_config)
     if load_format == "dummy":
         _init_dummy_weights(model, seed)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kvflow.attention.layer import AttentionContext
-from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.linear import ReplicatedLinear
 from kvflow.layers.moe import FusedMoE
 from kvflow.layers.norm import RMSNorm
@@ -35,8 +35,10 @@ from kvflow.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    make_lm_head,
     make_rotary_embedding,
 )
+from kvflow.models.parallel_utils import is_pp_missing
 
 # checkpoint projection name -> (FusedMoE parameter, weight_loader shard_id)
 _EXPERT_PROJ = {"w1": ("w13_weight", "w1"), "gate_proj": ("w13_weight", "w1"),
@@ -47,11 +49,12 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
-def gated_mlp(config: Any, intermediate_size: int, tp_rank: int, tp_size: int) -> LlamaMLP:
-    """A SwiGLU MLP of the given width (Llama's, so its gate/up fusion and loaders apply)."""
+def gated_mlp(config: Any, intermediate_size: int, parallel: ParallelState) -> LlamaMLP:
+    """A SwiGLU MLP of the given width (Llama's, so its gate/up fusion, loaders and tensor
+    parallelism apply)."""
     sub = SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=intermediate_size,
                           mlp_bias=False)
-    return LlamaMLP(sub, tp_rank, tp_size)
+    return LlamaMLP(sub, parallel)
 
 
 class SparseMoeBlock(nn.Module):
@@ -64,17 +67,23 @@ class SparseMoeBlock(nn.Module):
         num_experts / intermediate_size: expert count and each expert's MLP width.
         renormalize: renormalize the top-k routing weights (see ``select_experts``).
         shared_intermediate_size: width of the shared expert, 0 for none.
+        parallel: the rank's groups: with ``parallel.ep`` the experts are placed whole on
+            the EP ranks, else every expert is split over the TP ranks (the shared expert is
+            always split like a dense MLP).
     """
 
     def __init__(self, config: Any, num_experts: int, intermediate_size: int, renormalize: bool,
-                 shared_intermediate_size: int, tp_rank: int, tp_size: int) -> None:
+                 shared_intermediate_size: int, parallel: ParallelState) -> None:
         super().__init__()
+        tp = parallel.tp
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)
+        split = {"ep_group": parallel.ep} if parallel.ep is not None else \
+            {"tp_rank": tp.rank, "tp_size": tp.world_size, "tp_group": tp}
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
-                                intermediate_size, renormalize, tp_rank, tp_size)
+                                intermediate_size, renormalize, **split)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
-            self.shared_expert = gated_mlp(config, shared_intermediate_size, tp_rank, tp_size)
+            self.shared_expert = gated_mlp(config, shared_intermediate_size, parallel)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -90,10 +99,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, mlp: nn.Module,
-                 tp_rank: int, tp_size: int) -> None:
+                 parallel: ParallelState) -> None:
         nn.Module.__init__(self)
         self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
-                                        tp_rank, tp_size)
+                                        parallel)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,16 +112,11 @@ class MoeModel(LlamaModel):
     """Llama's model (its ``forward``) with ``make_mlp(layer_idx)`` choosing each layer's MLP."""
 
     def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
-                 make_mlp: Callable[[int], nn.Module], tp_rank: int, tp_size: int) -> None:
+                 make_mlp: Callable[[int], nn.Module], parallel: ParallelState) -> None:
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   tp_rank, tp_size)
         rotary_emb = make_rotary_embedding(config)
-        self.layers = nn.ModuleList(
-            MoeDecoderLayer(config, i, ctx, rotary_emb, bias, qk_norm, make_mlp(i),
-                            tp_rank, tp_size)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._init_stage(config, parallel, lambda i: MoeDecoderLayer(
+            config, i, ctx, rotary_emb, bias, qk_norm, make_mlp(i), parallel))
 
 
 class SparseMoeForCausalLM(LlamaForCausalLM):
@@ -126,18 +130,17 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
 
     checkpoint_renames: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, config: Any, ctx: AttentionContext, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(self, config: Any, ctx: AttentionContext,
+                 parallel: ParallelState | None = None) -> None:
         nn.Module.__init__(self)
         self.config = config
+        parallel = parallel or ParallelState.single()
         self.model = MoeModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
-                              lambda i: self.make_mlp(config, i, tp_rank, tp_size),
-                              tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+                              lambda i: self.make_mlp(config, i, parallel), parallel)
+        self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
+                                    getattr(config, "tie_word_embeddings", False))
 
-    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, config: Any, layer_idx: int, parallel: ParallelState) -> nn.Module:
         """The MLP of layer ``layer_idx``: a :class:`SparseMoeBlock` or, for dense layers, a
         dense MLP; subclasses say which.
 
@@ -170,6 +173,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                     yield name, tensor
                     continue
                 param_name, shard_id, expert_id = target
+                if param_name not in params and is_pp_missing(param_name, self):
+                    continue  # a layer of another pipeline stage
                 if param_name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                      f"{type(self).__name__}")
@@ -197,7 +202,6 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
 
     checkpoint_renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
 
-    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, config: Any, layer_idx: int, parallel: ParallelState) -> nn.Module:
         return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size,
-                              renormalize=True, shared_intermediate_size=0, tp_rank=tp_rank,
-                              tp_size=tp_size)
+                              renormalize=True, shared_intermediate_size=0, parallel=parallel)

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.llama import AttentionBias, LlamaForCausalLM
 from kvflow.models.mixtral import SparseMoeBlock, SparseMoeForCausalLM, gated_mlp
 
@@ -35,13 +36,13 @@ class Qwen2MoeForCausalLM(SparseMoeForCausalLM):
     def attention_bias_for(cls, config: Any) -> AttentionBias:
         return AttentionBias(qkv=bool(getattr(config, "qkv_bias", True)), o=False)
 
-    def make_mlp(self, config: Any, layer_idx: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, config: Any, layer_idx: int, parallel: ParallelState) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
-            return gated_mlp(config, config.intermediate_size, tp_rank, tp_size)
+            return gated_mlp(config, config.intermediate_size, parallel)
         return SparseMoeBlock(config, config.num_experts, config.moe_intermediate_size,
                               bool(config.norm_topk_prob),
                               getattr(config, "shared_expert_intermediate_size", 0) or 0,
-                              tp_rank, tp_size)
+                              parallel)
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):

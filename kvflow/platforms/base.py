@@ -19,6 +19,9 @@ class Platform(ABC):
     # Token budget of an engine step when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: int = 4096
     supports_graphs: bool = False
+    # torch.distributed backend of the collectives between this platform's devices; a plugin
+    # platform names its own (e.g. "hccl", "xccl").
+    dist_backend: str = "gloo"
 
     @property
     @abstractmethod
@@ -31,6 +34,10 @@ class Platform(ABC):
     @abstractmethod
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory."""
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device among the machine's (worker ``local_rank``); a
+        no-op where there is one device (CPU)."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""

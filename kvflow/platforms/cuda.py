@@ -12,6 +12,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     default_attention_backend = "triton"
     supports_graphs = True
+    dist_backend = "nccl"
 
     @staticmethod
     def is_available() -> bool:
@@ -20,6 +21,9 @@ class CudaPlatform(Platform):
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -10,6 +10,8 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
+from kvflow.distributed.comm import IntermediateTensors
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.gemm import (
     GemmWorkspace,
     cpu_gemm_kernels,
@@ -65,17 +67,24 @@ def make_attention_backend(name: str):
 class ModelRunner:
     """Owns the model, its KV cache and the sampler on one device.
 
+    With tensor parallelism it holds this rank's shard of every layer; with pipeline
+    parallelism only its stage's layers (and KV tensors), receiving the previous stage's hidden
+    states before its forward and sending its own after; only the last stage samples.
+
     Args:
         config: the engine config.
         platform: the device platform.
         source / hf_config: the resolved model and its HF config.
         dtype: compute dtype.
+        parallel: this rank's process groups (default: one process).
     """
 
     def __init__(self, config: EngineConfig, platform: Platform, source: ModelSource,
-                 hf_config: Any, dtype: torch.dtype) -> None:
+                 hf_config: Any, dtype: torch.dtype,
+                 parallel: ParallelState | None = None) -> None:
         self.config, self.platform, self.dtype = config, platform, dtype
         self.device = platform.device
+        self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache_config.block_size
         self.stager = InputStager(self.device)
         self._init_model(source, hf_config)
@@ -92,7 +101,7 @@ class ModelRunner:
         self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
                                              mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
-                                mc.load_format, mc.seed, self.quant_config)
+                                mc.load_format, mc.seed, self.quant_config, self.parallel)
         self._choose_gemm_path()
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
@@ -182,36 +191,46 @@ class ModelRunner:
                                tuple(block_ids for _ in kv_cache_groups), True, None, [], None)
         inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
                                     self.stager)
-        with torch.inference_mode(), \
-                self.attn_ctx.forward_context.bind(inputs.attn_metadata):
-            self._prepare_attention(inputs.attn_metadata)
-            hidden = self.model(inputs.input_ids, inputs.positions)
-            self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
+        with torch.inference_mode():
+            hidden = self._forward(inputs, self._recv_from_previous_stage())
+            if self._send_to_next_stage(hidden):
+                self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
         self._release_kv_cache()
 
+    def local_kv_tensors(self, kv_cache_config: KVCacheConfig) -> list[list[tuple[int, str]]]:
+        """For each KV tensor ``j`` this rank allocates: the (group, layer name) pairs of its
+        own layers that use it. A pipeline stage skips tensors whose layers all live on other
+        stages; without pipeline parallelism every tensor is local."""
+        groups = kv_cache_config.kv_cache_groups
+        users = [[(g, group.layer_names[j]) for g, group in enumerate(groups)
+                  if group.layer_names[j] in self.attn_layers]
+                 for j in range(kv_cache_config.num_tensors)]
+        return [u for u in users if u]
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer
-        of a KV-cache group and bind it: layer ``j`` of every group uses tensor ``j`` (a block
-        id belongs to one group at a time, so the groups never write the same slots).
+        of a KV-cache group (of this rank's layers; ``kv_heads`` per TP rank) and bind it:
+        layer ``j`` of every group uses tensor ``j`` (a block id belongs to one group at a
+        time, so the groups never write the same slots).
 
         Raises:
             ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
                 in the device's free memory.
         """
         cc = self.config.cache_config
+        tensors = self.local_kv_tensors(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
-            self._check_fits(kv_cache_config.num_blocks * kv_cache_config.page_size_bytes)
+            self._check_fits(kv_cache_config.num_blocks * spec.page_size_bytes * len(tensors))
         self.kv_cache_config = kv_cache_config
         self.kv_caches = []
-        for j in range(kv_cache_config.num_tensors):
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        for users in tensors:
             cache = torch.zeros(2, kv_cache_config.num_blocks, spec.block_size,
                                 spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
                                 device=self.device)
-            for g, group in enumerate(kv_cache_config.kv_cache_groups):
-                layer = self.attn_layers[group.layer_names[j]]
-                layer.kv_cache, layer.kv_group = cache, g
+            for g, name in users:
+                self.attn_layers[name].kv_cache, self.attn_layers[name].kv_group = cache, g
             self.kv_caches.append(cache)
 
     def _release_kv_cache(self) -> None:
@@ -223,7 +242,8 @@ class ModelRunner:
         """Capture CUDA graphs for decode steps (no-op without graph support or with
         ``enforce_eager``). Call after ``initialize_kv_cache``."""
         if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
-                or len(self.kv_cache_config.kv_cache_groups) > 1:  # one block table per step
+                or len(self.kv_cache_config.kv_cache_groups) > 1 \
+                or self.parallel.pp.world_size > 1:  # one block table, one whole model
             return
         from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -246,7 +266,9 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         inputs = build_model_inputs(sched, self.block_size, self.stager)
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs, self._recv_from_previous_stage())
+        if not self._send_to_next_stage(hidden):
+            return ModelRunnerOutput()  # a stage before the last: no logits here
         prompt_logprobs = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in sched.scheduled):
             starts = inputs.attn_metadata[0].query_start_loc.tolist()
@@ -270,13 +292,32 @@ class ModelRunner:
         return {r.request_id: SampledToken(sampled[row], out.logprobs.get(row))
                 for row, r in enumerate(reqs)}
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None
+                 ) -> torch.Tensor | IntermediateTensors:
+        """This rank's layers: final hidden states [T, hidden] (last pipeline stage) or the
+        tensors for the next stage."""
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
         with self.attn_ctx.forward_context.bind(metadata):
             self._prepare_attention(metadata)
-            return self.model(inputs.input_ids, inputs.positions)
+            if intermediate_tensors is None:  # the first (or only) stage
+                return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
+
+    def _recv_from_previous_stage(self) -> IntermediateTensors | None:
+        """The previous pipeline stage's hidden states (None on the first stage)."""
+        pp = self.parallel.pp
+        return None if pp.is_first_rank else pp.recv_tensors(pp.rank - 1)
+
+    def _send_to_next_stage(self, output: torch.Tensor | IntermediateTensors) -> bool:
+        """Hand a non-last stage's output to the next stage; True on the last stage (which
+        goes on to the logits)."""
+        pp = self.parallel.pp
+        if pp.is_last_rank:
+            return True
+        pp.send_tensors(output, pp.rank + 1)
+        return False
 
     def _prepare_attention(self, metadata: list[AttentionMetadata]) -> None:
         """The backend's per-step preparation, once per KV-cache group."""

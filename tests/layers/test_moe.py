@@ -132,3 +132,50 @@ def test_gpu_fused_moe_bf16_matches_naive_loop():
     out = layer(x.cuda().bfloat16(), logits.cuda())
     expected = naive_moe(x, w1, w3, w2, logits, 2, True)
     torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+class _RecordingGroup:
+    """Stands in for one rank's EP process group: ``all_reduce`` keeps the rank's partial
+    output (the test sums the ranks' parts by hand, as the real all-reduce would)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.partial = rank, world_size, None
+
+    def all_reduce(self, x):
+        self.partial = x.clone()
+        return x
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_expert_parallel_ranks_hold_their_experts_and_sum_to_the_layer(stacked):
+    """EP over 2 ranks: rank r loads only experts [2r, 2r + 2) (per-expert or stacked
+    checkpoints), runs only the pairs routed to them, and the two partial outputs sum to the
+    naive loop over all 4 experts."""
+    num_experts, hidden, inter, top_k = 4, 16, 8, 2
+    w1, w3, w2 = _weights(num_experts, hidden, inter, seed=13)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(11, hidden, generator=gen)
+    logits = torch.randn(11, num_experts, generator=gen) * 2
+    total = torch.zeros(11, hidden)
+    for rank in range(2):
+        group = _RecordingGroup(rank, 2)
+        layer = FusedMoE(num_experts, top_k, hidden, inter, True, ep_group=group)
+        if stacked:
+            layer.w13_weight.weight_loader(layer.w13_weight, torch.cat([w1, w3], 1), "w13")
+            layer.w2_weight.weight_loader(layer.w2_weight, w2, "w2")
+        else:
+            _load_per_expert(layer, w1, w3, w2)  # other ranks' experts are skipped
+        assert layer.num_local_experts == 2 and layer.w2_weight.shape[0] == 2
+        assert torch.equal(layer.w2_weight, w2[2 * rank:2 * rank + 2])
+        layer(x, logits)
+        total += group.partial
+    torch.testing.assert_close(total, naive_moe(x, w1, w3, w2, logits, top_k, True),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_and_tensor_parallel_exclude_each_other():
+    with pytest.raises(ValueError, match="not both"):
+        FusedMoE(4, 2, 16, 8, True, tp_rank=0, tp_size=2, ep_group=_RecordingGroup(0, 2))
+    layer = FusedMoE(4, 2, 16, 8, True)
+    with pytest.raises(ValueError, match="expert_id 4"):
+        layer.w2_weight.weight_loader(layer.w2_weight, torch.zeros(16, 8), "w2", 4)

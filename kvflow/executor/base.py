@@ -1,0 +1,144 @@
+"""The executor interface: runs one engine's workers (one per rank) for the engine core.
+
+Three implementations share it: ``uniproc`` (one rank, in the engine's process), ``multiproc``
+(one worker process per rank on this machine) and ``ray`` (one Ray actor per rank, across
+machines). All of them run the same :class:`kvflow.worker.worker.Worker` code on every rank;
+only how a call reaches the ranks differs. Start-up calls go to every rank
+(:meth:`Executor.collective_rpc`); a step's ``SchedulerOutput`` is sent to every rank once per
+step and only the driver rank (TP rank 0 of the last pipeline stage) returns its sampled
+tokens.
+
+With pipeline parallelism an executor accepts up to ``max_concurrent_batches`` steps before
+the first one's result is asked for (:meth:`execute_model_async`), so the stages work on
+different micro-batches at the same time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker failed (died, or raised); the executor has shut every worker down and takes
+    no more calls."""
+
+
+class StepFuture:
+    """The pending result of one ``execute_model_async`` call.
+
+    Args:
+        resolve: called once, by the first ``result()``, to wait for the value.
+    """
+
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self._resolve: Callable[[], Any] | None = resolve
+        self._value: Any = None
+
+    @classmethod
+    def done(cls, value: Any) -> StepFuture:
+        """A future that already holds ``value``."""
+        future = cls(lambda: value)
+        future.result()
+        return future
+
+    def result(self) -> Any:
+        """The step's result (the runner's ``execute_model`` value on the driver rank).
+
+        Raises:
+            ExecutorError: if a worker failed before the result arrived.
+        """
+        if self._resolve is not None:
+            resolve, self._resolve = self._resolve, None
+            self._value = resolve()
+        return self._value
+
+
+class Executor(ABC):
+    """Runs the workers of one engine.
+
+    Args:
+        config: the engine config (``parallel_config`` says how many ranks).
+        source / hf_config / dtype: the resolved model, its HF config and compute dtype,
+            handed to every worker.
+    """
+
+    # Steps that may be in flight at once (pipeline stages busy with different micro-batches).
+    max_concurrent_batches: int = 1
+
+    def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
+        self.config = config
+        self.source, self.hf_config, self.dtype = source, hf_config, dtype
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; returns the results by rank.
+
+        Raises:
+            ExecutorError: if a worker fails meanwhile.
+        """
+
+    @abstractmethod
+    def execute_model_async(self, sched: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmask | None = None) -> StepFuture:
+        """Send one step to every rank; the future holds the driver rank's result. Futures
+        must be resolved in the order the steps were sent.
+
+        Raises:
+            ExecutorError: if a worker has failed.
+        """
+
+    def execute_model(self, sched: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmask | None = None) -> Any:
+        """One step, waited for: the sampled tokens of the requests that sampled.
+
+        Raises:
+            ExecutorError: if a worker fails meanwhile.
+        """
+        return self.execute_model_async(sched, grammar_bitmask).result()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the loaded weights occupy (as stored), summed over the ranks."""
+        return sum(self.collective_rpc("weight_bytes"))
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Every attention layer's KV-cache spec (KV heads per TP rank), in model order: the
+        pipeline stages' layers one after the other."""
+        merged: dict[str, KVCacheSpec] = {}
+        for specs in self.collective_rpc("get_kv_cache_spec"):
+            merged.update(specs)
+        return merged
+
+    def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
+        """KV-cache bytes per whole block table's worth of layers that every rank can hold:
+        the smallest over the ranks (see :meth:`Worker.determine_available_memory`)."""
+        return min(self.collective_rpc("determine_available_memory", kv_cache_groups))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate every rank's KV tensors for the pool the engine core sized.
+
+        Raises:
+            ValueError: if an explicitly sized cache does not fit (uniproc), or
+            ExecutorError: if a worker fails (multi-process).
+        """
+        self.collective_rpc("initialize_kv_cache", kv_cache_config)
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        """Capture CUDA graphs on every rank (a no-op where graphs are off)."""
+        self.collective_rpc("capture_graphs", max_model_len)
+
+    def check_health(self) -> None:
+        """Raise if a worker has failed (cheap: called by an idle engine every second).
+
+        Raises:
+            ExecutorError: naming the failed rank.
+        """
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their resources (idempotent)."""

@@ -1,0 +1,135 @@
+"""The worker process of the multiprocess executor: ``python -m kvflow.executor.mp_worker``.
+
+One process per rank, started by :class:`kvflow.executor.multiproc.MultiprocExecutor` with
+``subprocess`` (so it works under a daemonic engine-core process too). It reads its start-up
+arguments from a pickle in the executor's private directory, builds its
+:class:`~kvflow.worker.worker.Worker`, reports ``ready`` (or ``error``), then serves messages
+from the executor's broadcast socket in order:
+
+* ``step``: a msgspec-encoded ``(SchedulerOutput, GrammarBitmask | None)``; the driver rank
+  replies with the runner's result, the others stay silent;
+* ``rpc``: a pickled ``(method, args)`` call on the Worker; every rank replies;
+* ``stop``: leave the process groups and exit.
+
+Any exception is reported as ``error`` (rank and message) and ends the process. A watchdog
+thread ends it too as soon as the executor's process is gone (the death pipe whose write end
+the executor holds reaches EOF), even while the main thread waits inside a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.executor.step_codec import StepCodec
+from kvflow.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerArgs:
+    """What every worker process needs (pickled once by the executor)."""
+
+    config: EngineConfig
+    source: Any
+    hf_config: Any
+    dtype: Any
+    distributed_init_method: str
+    broadcast_addr: str
+    results_addr: str
+    log_level: int
+
+
+def _watch_parent(death_fd: int) -> None:
+    """Block until the executor's end of the death pipe closes, then exit at once."""
+    try:
+        while os.read(death_fd, 1):
+            pass
+    except OSError:
+        pass
+    os._exit(1)
+
+
+class WorkerProc:
+    """The message loop of one rank."""
+
+    def __init__(self, rank: int, args: WorkerArgs) -> None:
+        self.rank = rank
+        self.codec = StepCodec()
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(args.broadcast_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(args.results_addr)
+        self.worker: Worker | None = None
+        self.args = args
+
+    def reply(self, kind: bytes, payload: bytes = b"") -> None:
+        self.push.send_multipart([kind, str(self.rank).encode(), payload])
+
+    def run(self) -> None:
+        """Start the worker, then serve messages until ``stop``; report any failure."""
+        try:
+            a = self.args
+            self.worker = Worker(a.config, self.rank, self.rank, a.distributed_init_method,
+                                 a.source, a.hf_config, a.dtype)
+            self.reply(b"ready")
+            while self._handle(*self.sub.recv_multipart()):
+                pass
+        except Exception as e:  # noqa: BLE001 - reported to the executor, which stops all
+            logger.error("worker rank %d failed: %s", self.rank, traceback.format_exc())
+            self.reply(b"error", f"{type(e).__name__}: {e}".encode())
+            self.close(linger_ms=2000)
+            os._exit(1)
+        self.worker.shutdown()
+        self.close(linger_ms=2000)
+
+    def _handle(self, kind: bytes, payload: bytes) -> bool:
+        """Apply one message; False on ``stop``."""
+        if kind == b"step":
+            sched, bitmask = self.codec.decode_step(payload)
+            result = self.worker.execute_model(sched, bitmask)
+            if self.worker.is_driver:
+                self.reply(b"step", self.codec.encode(result))
+            return True
+        if kind == b"rpc":
+            method, args = pickle.loads(payload)
+            self.reply(b"rpc", pickle.dumps(getattr(self.worker, method)(*args)))
+            return True
+        return False
+
+    def close(self, linger_ms: int) -> None:
+        self.sub.close(linger=0)
+        self.push.close(linger=linger_ms)
+        self.ctx.term()
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: ``mp_worker <args pickle> <rank> <death pipe fd>``."""
+    args_path, rank, death_fd = argv[1], int(argv[2]), int(argv[3])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the executor's to handle
+    threading.Thread(target=_watch_parent, args=(death_fd,), daemon=True,
+                     name="kvflow-parent-watch").start()
+    with open(args_path, "rb") as f:
+        args: WorkerArgs = pickle.load(f)
+    logging.basicConfig(level=args.log_level,
+                        format=f"%(levelname)s %(name)s [rank {rank}]: %(message)s")
+    WorkerProc(rank, args).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,265 @@
+"""Multiprocess executor: one worker process per rank on this machine.
+
+```
+engine process                                     worker process r (kvflow.executor.mp_worker)
+  MultiprocExecutor                                  WorkerProc -> Worker -> ModelRunner
+    XPUB  ipc://<dir>/broadcast  --- step/rpc/stop --->  SUB   (every rank, in order)
+    PULL  ipc://<dir>/results    <-- ready/step/rpc/error --  PUSH  (step: driver rank only)
+    death pipe (write end)       ---------- EOF when the engine process is gone -->  exit
+  torch.distributed between the workers: file:// rendezvous in <dir> (no port), gloo | nccl
+```
+A step's ``SchedulerOutput`` is msgspec-encoded once and published once; every rank receives
+it, and only the driver rank (TP rank 0 of the last pipeline stage) sends the sampled tokens
+back. Steps may be pipelined: up to ``pipeline_parallel_size`` are published before the first
+result is read, and results come back in order.
+
+Failure: while waiting for a reply the executor polls every worker's exit status; a worker
+that died (or reported an exception) makes it kill the others, remove its directory and raise
+:class:`~kvflow.executor.base.ExecutorError` naming the rank, within about a second. Workers
+exit by themselves when the engine process dies (their death pipe reaches EOF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.executor.base import Executor, ExecutorError, StepFuture
+from kvflow.executor.mp_worker import WorkerArgs
+from kvflow.executor.step_codec import StepCodec
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often a wait checks that every worker is alive
+
+
+def describe_exit(code: int) -> str:
+    """'exit code 3' or 'killed by signal SIGKILL' for a process's return code."""
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per rank (``--distributed-executor-backend mp``).
+
+    Raises:
+        ExecutorError: from the constructor if a worker fails to start (the message names the
+            rank and its error), and from any later call if a worker fails.
+    """
+
+    def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any,
+                 start_timeout_s: float = 1800.0) -> None:
+        super().__init__(config, source, hf_config, dtype)
+        self.world_size = config.parallel_config.world_size
+        self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
+        self.codec = StepCodec()
+        self._procs: list[subprocess.Popen] = []
+        self._failed: str | None = None
+        self._sent = self._received = 0  # steps published / step results read
+        self._results: dict[int, Any] = {}
+        try:
+            self._init_ipc()
+            self._start_workers()
+            self._wait_started(start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def _init_ipc(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvflow-mp-")
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per worker
+        self._pub.bind(f"ipc://{os.path.join(self._dir, 'broadcast')}")
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(f"ipc://{os.path.join(self._dir, 'results')}")
+
+    def _start_workers(self) -> None:
+        args = WorkerArgs(self.config, self.source, self.hf_config, self.dtype,
+                          f"file://{os.path.join(self._dir, 'dist_store')}",
+                          f"ipc://{os.path.join(self._dir, 'broadcast')}",
+                          f"ipc://{os.path.join(self._dir, 'results')}",
+                          logging.getLogger("kvflow").getEffectiveLevel())
+        args_path = os.path.join(self._dir, "worker_args.pkl")
+        with open(args_path, "wb") as f:
+            pickle.dump(args, f)
+        read_fd, self._death_fd = os.pipe()
+        try:
+            for rank in range(self.world_size):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvflow.executor.mp_worker", args_path, str(rank),
+                     str(read_fd)], pass_fds=(read_fd,)))
+        finally:
+            os.close(read_fd)
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir)
+        logger.info("started %d worker processes (pids %s)", self.world_size,
+                    [p.pid for p in self._procs])
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Wait until every worker subscribed to the broadcast and reported ready."""
+        deadline = time.monotonic() + timeout_s
+        ready, subscribed = set(), 0
+        poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while len(ready) < self.world_size or subscribed < self.world_size:
+            if time.monotonic() > deadline:
+                self._fail(f"the workers did not start within {timeout_s:.0f} s")
+            events = dict(poller.poll(_POLL_MS))
+            if self._pub in events:
+                subscribed += self._pub.recv()[:1] == b"\x01"
+            if self._pull in events:
+                kind, rank, payload = self._pull.recv_multipart()
+                if kind == b"error":
+                    self._fail(f"worker rank {rank.decode()} failed to start: "
+                               f"{payload.decode()}")
+                ready.add(int(rank))
+            self._check_alive()
+
+    # ---- calls ---------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self._sent != self._received:
+            raise RuntimeError("collective_rpc while steps are in flight")
+        self._publish(b"rpc", pickle.dumps((method, args)))
+        results: dict[int, Any] = {}
+        while len(results) < self.world_size:
+            kind, rank, payload = self._recv()
+            if kind == b"rpc":
+                results[int(rank)] = pickle.loads(payload)
+        return [results[r] for r in range(self.world_size)]
+
+    def execute_model_async(self, sched: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmask | None = None) -> StepFuture:
+        self._publish(b"step", self.codec.encode((sched, grammar_bitmask)))
+        seq, self._sent = self._sent, self._sent + 1
+        return StepFuture(lambda: self._step_result(seq))
+
+    def _step_result(self, seq: int) -> Any:
+        while seq not in self._results:
+            kind, _, payload = self._recv()
+            if kind == b"step":
+                self._results[self._received] = self.codec.decode_result(payload)
+                self._received += 1
+        return self._results.pop(seq)
+
+    def _publish(self, kind: bytes, payload: bytes) -> None:
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+        self._pub.send_multipart([kind, payload])
+
+    def _recv(self) -> list[bytes]:
+        """The next reply; polls the workers' health while waiting.
+
+        Raises:
+            ExecutorError: if a worker died or reported an error.
+        """
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+        while not self._pull.poll(_POLL_MS):
+            self._check_alive()
+        kind, rank, payload = self._pull.recv_multipart()
+        if kind == b"error":
+            self._fail_from_error(int(rank), payload.decode())
+        return [kind, rank, payload]
+
+    # ---- failure and shutdown ------------------------------------------------------------------
+    def check_health(self) -> None:
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+        self._check_alive()
+
+    def _fail_from_error(self, rank: int, message: str) -> None:
+        """A worker raised. When a peer died, the others fail inside a collective a moment
+        later ("connection closed by peer"): name the dead rank as the cause if one exits
+        within a second.
+
+        Raises:
+            ExecutorError: always.
+        """
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for other, proc in enumerate(self._procs):
+                code = proc.poll()
+                if other != rank and code is not None and code != 1:  # 1: reported an error
+                    then = message if len(message) <= 80 else message[:77] + "..."
+                    self._fail(f"worker rank {other} (pid {proc.pid}) died: "
+                               f"{describe_exit(code)} (then rank {rank} failed: {then})")
+            time.sleep(0.05)
+        self._fail(f"worker rank {rank} failed: {message}")
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if code is not None:
+                self._fail(f"worker rank {rank} (pid {proc.pid}) died: {describe_exit(code)}")
+
+    def _fail(self, message: str) -> None:
+        """Stop every worker and raise ExecutorError(message) (now and on every later call).
+
+        Raises:
+            ExecutorError: always.
+        """
+        self._failed = f"{message}; the engine's workers were shut down"
+        logger.error("%s", self._failed)
+        self.shutdown()
+        raise ExecutorError(self._failed)
+
+    def shutdown(self) -> None:
+        """Ask the workers to stop, kill any that do not within 5 s, release the sockets and
+        the private directory (idempotent)."""
+        if getattr(self, "_pub", None) is not None and not self._pub.closed:
+            if self._failed is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._pub.send_multipart([b"stop", b""], flags=zmq.NOBLOCK)
+            _wait_or_kill(self._procs, 5.0 if self._failed is None else 0.0)
+            self._pub.close(linger=0)
+            self._pull.close(linger=0)
+            self._ctx.term()
+        if getattr(self, "_death_fd", None) is not None:
+            os.close(self._death_fd)
+            self._death_fd = None
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+        elif getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _wait_or_kill(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Give ``procs`` ``grace_s`` seconds to exit, then SIGKILL and reap the rest."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    _kill_all(procs, None)
+
+
+def _kill_all(procs: list[subprocess.Popen], folder: str | None) -> None:
+    """SIGKILL and reap every process still running; remove ``folder``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

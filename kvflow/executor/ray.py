@@ -1,0 +1,184 @@
+"""Ray executor: one Ray actor per rank, for engines that span several machines.
+
+``--distributed-executor-backend ray`` (``pip install 'kvflow[ray]'``). The executor joins the
+Ray cluster named by ``RAY_ADDRESS`` (or one already initialized in this process), else starts
+a local one; reserves one bundle per rank in a placement group (``{"GPU": 1}`` on CUDA,
+``{"CPU": 1}`` on CPU; packed, so a TP group lands on one machine where it fits); starts one
+:class:`~kvflow.executor.ray_worker.RayWorkerWrapper` actor per bundle; and has them join
+torch.distributed at rank 0's node address on a port picked free there. Every rank runs the
+same Worker code as with ``mp``.
+
+A step is encoded once, put in Ray's object store once, and its reference passed to every
+actor; only the driver rank's result is decoded. A failed actor (dead, or raised) ends the
+wait for its step with :class:`~kvflow.executor.base.ExecutorError` naming the rank, and every
+actor is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.executor.base import Executor, ExecutorError, StepFuture
+from kvflow.executor.ray_worker import RayWorkerWrapper
+from kvflow.executor.step_codec import StepCodec
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often a wait checks the other ranks' calls for failures
+
+
+def _import_ray():
+    """Raises ValueError (one line) when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray, which is not "
+                         "installed: pip install 'kvflow[ray]'") from None
+    return ray
+
+
+class RayExecutor(Executor):
+    """One Ray actor per rank.
+
+    Raises:
+        ValueError: if Ray is not installed or the cluster cannot hold ``world_size`` bundles
+            within ``placement_timeout_s``.
+        ExecutorError: if a worker fails to start, and from later calls if one fails.
+    """
+
+    def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any,
+                 placement_timeout_s: float = 120.0) -> None:
+        super().__init__(config, source, hf_config, dtype)
+        self.ray = _import_ray()
+        self.world_size = config.parallel_config.world_size
+        self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
+        self.codec = StepCodec()
+        self._failed: str | None = None
+        self._started_ray = False
+        self.actors: list[Any] = []
+        self._pg = None
+        try:
+            self._init_ray()
+            self._init_placement_group(placement_timeout_s)
+            self._init_actors()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_ray(self) -> None:
+        if not self.ray.is_initialized():
+            self.ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+            self._started_ray = True
+
+    def _init_placement_group(self, timeout_s: float) -> None:
+        from ray.util.placement_group import placement_group
+
+        gpu = self.config.device_config.device == "cuda" or (
+            self.config.device_config.device == "auto" and
+            self.ray.cluster_resources().get("GPU", 0) > 0)
+        self._bundle = {"GPU": 1} if gpu else {"CPU": 1}
+        self._pg = placement_group([dict(self._bundle)] * self.world_size, strategy="PACK")
+        ready, _ = self.ray.wait([self._pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise ValueError(f"the Ray cluster cannot place {self.world_size} workers of "
+                             f"{self._bundle} within {timeout_s:.0f} s (cluster resources: "
+                             f"{self.ray.cluster_resources()})")
+
+    def _init_actors(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = self.ray.remote(RayWorkerWrapper)
+        resources = {"num_gpus": 1} if "GPU" in self._bundle else {"num_cpus": 1}
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=rank)
+            self.actors.append(actor_cls.options(scheduling_strategy=strategy,
+                                                 **resources).remote())
+        ip, port = self.ray.get(self.actors[0].node_address.remote())
+        init_method = f"tcp://{ip}:{port}"
+        self._wait([a.init_worker.remote(rank, init_method, self.config, self.source,
+                                         self.hf_config, self.dtype)
+                    for rank, a in enumerate(self.actors)], starting=True)
+        logger.info("started %d Ray workers (rendezvous %s)", self.world_size, init_method)
+
+    # ---- calls ---------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._check_failed()
+        return self._wait([a.rpc.remote(method, *args) for a in self.actors])
+
+    def execute_model_async(self, sched: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmask | None = None) -> StepFuture:
+        self._check_failed()
+        payload = self.ray.put(self.codec.encode((sched, grammar_bitmask)))  # stored once
+        refs = [a.execute_model.remote(payload) for a in self.actors]
+        return StepFuture(lambda: self._step_result(refs))
+
+    def _step_result(self, refs: list[Any]) -> Any:
+        results = self._wait(refs)
+        encoded = next(r for r in results if r is not None)
+        return self.codec.decode_result(encoded)
+
+    def _wait(self, refs: list[Any], starting: bool = False) -> list[Any]:
+        """Every rank's result of one call, by rank; a failed rank ends the wait at once.
+
+        Raises:
+            ExecutorError: naming the first rank whose call failed.
+        """
+        pending = dict(zip(refs, range(len(refs))))
+        results: dict[int, Any] = {}
+        while pending:
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = self.ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any actor failure is fatal
+                    what = "failed to start" if starting else "failed"
+                    self._fail(f"worker rank {rank} {what}: {_describe(e)}")
+        return [results[r] for r in range(len(refs))]
+
+    # ---- failure and shutdown ------------------------------------------------------------------
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+
+    def _fail(self, message: str) -> None:
+        """Kill every actor and raise ExecutorError(message) (now and on every later call).
+
+        Raises:
+            ExecutorError: always.
+        """
+        self._failed = f"{message}; the engine's workers were shut down"
+        logger.error("%s", self._failed)
+        self.shutdown()
+        raise ExecutorError(self._failed)
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement group, and stop Ray if this executor started
+        it (idempotent)."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead
+                self.ray.kill(actor)
+        self.actors = []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._started_ray and self.ray.is_initialized():
+            self.ray.shutdown()
+            self._started_ray = False
+
+
+def _describe(error: Exception) -> str:
+    """The root cause of a Ray task error in one line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    first = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0] if first else ''}"

@@ -1,0 +1,62 @@
+"""msgspec encoding of what crosses between the executor and its worker processes each step.
+
+A step message is ``(SchedulerOutput, GrammarBitmask | None)``, encoded once per step and sent
+to every rank; the reply is whatever ``ModelRunner.execute_model`` returns (decoded by its
+return annotation, so the codec follows the runner's output type without naming it). Both are
+plain dataclasses of lists, dicts and numbers; the only tensor, a grammar bitmask, travels as
+``(dtype name, shape, raw bytes)``.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import msgspec
+import torch
+
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.worker.model_runner import ModelRunner
+
+StepMessage = tuple[SchedulerOutput, typing.Optional[GrammarBitmask]]  # noqa: UP045
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return (str(t.dtype).removeprefix("torch."), list(t.shape),
+                t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is torch.Tensor:
+        dtype_name, shape, data = obj
+        dtype = getattr(torch, dtype_name)
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+class StepCodec:
+    """Encoder/decoders for step messages and step results (one per process; not
+    thread-safe)."""
+
+    def __init__(self) -> None:
+        result_type = typing.get_type_hints(ModelRunner.execute_model)["return"]
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._step_decoder = msgspec.msgpack.Decoder(StepMessage, dec_hook=_dec_hook)
+        self._result_decoder = msgspec.msgpack.Decoder(result_type, dec_hook=_dec_hook)
+
+    def encode(self, obj: Any) -> bytes:
+        """Encode a step message or a step result."""
+        return self._encoder.encode(obj)
+
+    def decode_step(self, data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
+        """Raises msgspec.DecodeError for bytes that are not a step message."""
+        return self._step_decoder.decode(data)
+
+    def decode_result(self, data: bytes) -> Any:
+        """Raises msgspec.DecodeError for bytes that are not a step result."""
+        return self._result_decoder.decode(data)

@@ -1,0 +1,118 @@
+"""One rank of an engine: its device, its process groups and its ModelRunner.
+
+Every executor runs the same ``Worker``: in the engine's process (``uni``), one per worker
+process (``mp``) or one per Ray actor (``ray``). The executor calls the methods below on every
+rank in the same order (they may run collectives); only the driver rank's return value of
+``execute_model`` is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from kvflow.config import EngineConfig
+from kvflow.distributed.parallel_state import (
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+)
+from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.models.model_resolver import ModelSource
+from kvflow.platforms import get_platform
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Sets up one rank (device, process groups, model) and serves the executor's calls.
+
+    Args:
+        config: the engine config.
+        rank: global rank in ``[0, world_size)``.
+        local_rank: index of this rank's device on its machine.
+        distributed_init_method: torch.distributed rendezvous (unused for one rank).
+        source / hf_config / dtype: the resolved model, its HF config and compute dtype.
+
+    Raises:
+        ValueError: from the constructor for a bad model or configuration (on this rank).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int,
+                 distributed_init_method: str, source: ModelSource, hf_config: Any,
+                 dtype: torch.dtype) -> None:
+        self.config, self.rank = config, rank
+        self.platform = get_platform(config.device_config.device)
+        self._init_device(local_rank)
+        self.parallel: ParallelState | None = init_parallel_state(
+            config.parallel_config, rank, distributed_init_method, self.platform.dist_backend,
+            self.platform.device)
+        self.runner = ModelRunner(config, self.platform, source, hf_config, dtype,
+                                  self.parallel)
+        self.num_steps, self.step_time_s = 0, 0.0
+
+    def _init_device(self, local_rank: int) -> None:
+        """Bind the device; on CPU, share the cores between this machine's ranks (unless
+        OMP_NUM_THREADS says otherwise) so the ranks do not oversubscribe them."""
+        self.platform.set_device(local_rank)
+        world = self.config.parallel_config.world_size
+        if self.platform.name == "cpu" and world > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this rank's ``execute_model`` result is the engine's."""
+        return self.parallel.is_driver
+
+    def weight_bytes(self) -> int:
+        """Bytes this rank's weights occupy (as stored)."""
+        return self.runner.weight_bytes
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """This rank's attention layers' KV-cache specs (KV heads per TP rank)."""
+        return self.runner.get_kv_cache_spec()
+
+    def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
+        """KV-cache bytes to size the pool by, counted as if this rank held every layer.
+
+        A pipeline stage holds only its layers' KV tensors, so its budget goes
+        ``all tensors / its tensors`` times as far; the engine divides the returned bytes by a
+        whole block's bytes (all layers) and takes the smallest over the ranks.
+        """
+        budget = self.runner.determine_available_memory(kv_cache_groups)
+        probe = KVCacheConfig(2, kv_cache_groups)
+        local = len(self.runner.local_kv_tensors(probe))
+        return budget * probe.num_tensors // max(local, 1)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate this rank's KV tensors (see :meth:`ModelRunner.initialize_kv_cache`)."""
+        self.runner.initialize_kv_cache(kv_cache_config)
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        self.runner.capture_graphs(max_model_len)
+
+    def execute_model(self, sched: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmask | None = None) -> Any:
+        """One step on this rank; the result is the runner's (empty before the last stage)."""
+        start = time.perf_counter()
+        result = self.runner.execute_model(sched, grammar_bitmask)
+        self.num_steps += 1
+        self.step_time_s += time.perf_counter() - start
+        return result
+
+    def step_stats(self) -> dict[str, float]:
+        """Steps run, seconds inside them, and seconds of those inside TP / PP collectives
+        (including waiting for the other ranks), since start-up."""
+        p = self.parallel
+        return {"steps": self.num_steps, "step_s": self.step_time_s,
+                "tp_comm_s": p.tp.comm_time_s, "pp_comm_s": p.pp.comm_time_s}
+
+    def shutdown(self) -> None:
+        """Leave the process groups (idempotent)."""
+        destroy_parallel_state(self.parallel)

@@ -1,0 +1,135 @@
+"""Parallel flags and layouts without starting workers: the config (flags generated from
+ParallelConfig), the bad configurations that must fail at start-up with one line, and the
+rank arithmetic (groups, pipeline layer ranges, expert placement) against hand-written
+layouts."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+
+import pytest
+import torch
+
+from kvflow import LLM
+from kvflow.config import EngineConfig, ParallelConfig
+from kvflow.distributed.comm import CommGroup
+from kvflow.distributed.parallel_state import ParallelState, group_ranks, pp_layer_range
+from kvflow.entrypoints.cli import main
+from kvflow.layers.moe import expert_range
+
+
+def test_flags_are_generated_with_vllm_names():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3",
+                              "--enable-expert-parallel", "--distributed-executor-backend", "mp"])
+    pc = EngineConfig.from_cli_args(args).parallel_config
+    assert (pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.enable_expert_parallel,
+            pc.distributed_executor_backend, pc.world_size) == (2, 3, True, "mp", 6)
+    assert ParallelConfig().executor_backend == "uni"
+    assert ParallelConfig(tensor_parallel_size=2).executor_backend == "mp"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"data_parallel_size": 2}, "data_parallel is not available yet"),
+    ({"context_parallel_size": 2}, "context_parallel is not available yet"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "use mp or ray"),
+    ({"distributed_executor_backend": "slurm"}, "choose one of"),
+])
+def test_bad_parallel_config_is_one_value_error(kwargs, needle):
+    with pytest.raises(ValueError, match=needle) as err:
+        ParallelConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_ray_backend_without_ray_is_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs Ray.*pip install 'kvflow\[ray\]'"):
+        ParallelConfig(distributed_executor_backend="ray")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tensor_parallel_size": 3}, "does not divide the model's num_attention_heads=4"),
+    ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+])
+def test_model_that_does_not_split_fails_before_any_worker_starts(
+        tiny_model_factory, monkeypatch, kwargs, needle):
+    def no_spawn(*args, **kw):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_spawn)
+    with pytest.raises(ValueError, match=needle):
+        LLM(model=tiny_model_factory("llama").path, **kwargs)
+
+
+def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(tiny_llama, capsys):
+    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
+               "--tensor-parallel-size", "3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "tensor_parallel_size=3" in err[0]
+
+
+def test_kv_heads_must_divide_or_be_replicated_evenly():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=12, num_key_value_heads=3, num_hidden_layers=4,
+                          intermediate_size=48)
+    ParallelConfig(tensor_parallel_size=3).verify_with_model(cfg)  # 1 KV head per rank
+    ParallelConfig(tensor_parallel_size=6).verify_with_model(cfg)  # each KV head on 2 ranks
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        ParallelConfig(tensor_parallel_size=4).verify_with_model(cfg)
+
+
+def test_expert_parallel_needs_the_experts_to_divide():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                          intermediate_size=64, num_experts=6, moe_intermediate_size=30)
+    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).verify_with_model(cfg)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30"):  # TP splits each expert
+        ParallelConfig(tensor_parallel_size=4).verify_with_model(cfg)
+    with pytest.raises(ValueError, match="number of experts=6"):
+        ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).verify_with_model(
+            cfg)
+
+
+def test_groups_follow_the_dp_pp_cp_tp_layout():
+    sizes = {"dp": 1, "pp": 2, "cp": 1, "tp": 4}
+    assert group_ranks(sizes, ("tp",)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group_ranks(sizes, ("pp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(sizes, ("dp", "cp", "tp")) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # EP
+    sizes = {"dp": 2, "pp": 1, "cp": 1, "tp": 2}
+    assert group_ranks(sizes, ("dp",)) == [[0, 2], [1, 3]]
+    assert group_ranks(sizes, ("dp", "cp", "tp")) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("layers, stages, expected", [
+    (24, 2, [(0, 12), (12, 24)]),
+    (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),  # the first 30 % 4 stages take one more
+    (2, 2, [(0, 1), (1, 2)]),
+])
+def test_pipeline_layer_ranges_are_contiguous_and_cover_the_model(layers, stages, expected):
+    assert [pp_layer_range(layers, r, stages) for r in range(stages)] == expected
+    with pytest.raises(ValueError, match="exceeds"):
+        pp_layer_range(2, 0, 3)
+
+
+def test_experts_are_placed_by_id():
+    assert [expert_range(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="evenly"):
+        expert_range(6, 0, 4)
+
+
+def test_a_one_process_group_is_the_identity():
+    state = ParallelState.single()
+    x = torch.arange(6.0).reshape(2, 3)
+    assert state.tp.all_reduce(x) is x and state.tp.all_gather(x) is x
+    assert state.is_driver and state.tp.world_size == state.pp.world_size == 1
+    with pytest.raises(ValueError, match="not a member"):
+        CommGroup([0, 1], 2, object())

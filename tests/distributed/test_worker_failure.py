@@ -1,0 +1,45 @@
+"""A worker process that dies mid-run: the engine names the rank, stops every other worker
+within seconds (no hang, no orphan) and refuses further work with the same error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.executor import ExecutorError
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def test_killed_worker_is_reported_and_the_rest_shut_down(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=256,
+              tensor_parallel_size=2)
+    executor = llm.engine.core.executor
+    procs = list(executor._procs)
+    victim = procs[1].pid
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(victim, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)  # well inside the 8 x 200-token run
+    timer.start()
+    try:
+        with pytest.raises(ExecutorError) as err:
+            llm.generate([[5, 6, 7, 8]] * 8, LONG, use_tqdm=False)
+        reported_after = time.monotonic() - killed_at[0]
+    finally:
+        timer.cancel()
+        llm.shutdown()
+    assert f"worker rank 1 (pid {victim}) died: killed by signal SIGKILL" in str(err.value)
+    assert reported_after < 5.0
+    assert all(p.poll() is not None for p in procs)  # rank 0 was stopped and reaped too
+    with pytest.raises(ExecutorError, match="worker rank 1"):  # no silent half-engine
+        llm.generate([[5, 6, 7]], LONG, use_tqdm=False)
+    assert not os.path.exists(executor._dir)
