@@ -1,78 +1,83 @@
-"""``kvflow serve --tensor-parallel-size 2``: when a worker process dies the server keeps
-answering, with 503 (health and requests), names the dead rank, and leaves no worker or
-engine-core process behind."""
+"""``kvflow serve --tensor-parallel-size 2``: a worker process killed mid-stream. The open
+stream ends with an error event that names the dead rank, the server answers 503 while the
+engine is down, no worker or engine-core process is left behind, and with
+``--engine-failure restart`` a new core with new workers serves again."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import httpx
-import pytest
+
+from tests.e2e.test_engine_faults import ARGS, LONG, assert_ends_with_error_event, wait_for
 
 
-def _children(pid: int) -> dict[int, str]:
-    """All descendants of ``pid``: pid -> command line (from /proc)."""
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid``: pid -> command line (from /proc)."""
     parent_of, cmdline = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            stat = (entry / "stat").read_text()
-            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdline[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            child = int(stat.parent.name)
+            parent_of[child] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline[child] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
         except (OSError, ValueError, IndexError):
             continue
     found, frontier = {}, [pid]
     while frontier:
-        p = frontier.pop()
-        for child, parent in parent_of.items():
-            if parent == p and child not in found:
+        parent = frontier.pop()
+        for child, p in parent_of.items():
+            if p == parent and child not in found:
                 found[child] = cmdline[child].decode(errors="replace")
                 frontier.append(child)
     return found
 
 
+def _engine_processes(server_pid: int) -> dict[int, str]:
+    """The engine-core process and its worker processes."""
+    return {p: cmd for p, cmd in _descendants(server_pid).items()
+            if "kvflow.executor.mp_worker" in cmd or "spawn_main" in cmd}
+
+
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
-def test_dead_worker_turns_the_server_into_503s(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, ["--tensor-parallel-size", "2",
-                                            "--num-kv-blocks", "64"])
-    body = {"model": tiny_chat_model, "prompt": "the lazy fox", "max_tokens": 4,
-            "temperature": 0}
-    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-    family = _children(server.proc.pid)
-    workers = sorted(p for p, cmd in family.items() if "kvflow.executor.mp_worker" in cmd)
-    assert len(workers) == 2, family
-    os.kill(workers[1], signal.SIGKILL)
-    deadline = time.monotonic() + 10  # an idle core checks its workers every second
-    while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline, "health still 200 after a worker died"
-        time.sleep(0.2)
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
-    assert reply.status_code == 503
-    assert f"worker rank 1 (pid {workers[1]}) died" in reply.json()["error"]["message"]
-    engine = [p for p, cmd in family.items()  # the engine-core process and the workers
-              if "kvflow.executor.mp_worker" in cmd or "spawn_main" in cmd]
-    assert len(engine) == 3, family
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in engine):
-        assert time.monotonic() < deadline, \
-            f"left behind: {[family[p] for p in engine if _alive(p)]}"
-        time.sleep(0.2)
-    assert server.proc.poll() is None  # the API process itself still answers
+def test_killed_worker_gives_503_then_a_restarted_engine(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, [*ARGS, "--tensor-parallel-size", "2",
+                                            "--engine-failure", "restart"])
+    old = _engine_processes(server.proc.pid)
+    workers = sorted(p for p, cmd in old.items() if "mp_worker" in cmd)
+    assert len(old) == 3 and len(workers) == 2, old
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                      timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(lines)
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        for line in lines:
+            events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+    assert time.monotonic() - killed_at < 10
+    assert_ends_with_error_event(events)
+    assert f"worker rank 1 (pid {workers[1]}) died" in events[-2]["error"]["message"]
+    refused = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    wait_for(lambda: not any(_alive(p) for p in old), timeout=15)  # no orphan of the old core
+    wait_for(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 200,
+             timeout=120)
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "the quick", "max_tokens": 3})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    new = _engine_processes(server.proc.pid)
+    assert len(new) == 3 and not set(new) & set(old)  # a new core with two new workers
     server.stop()
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
