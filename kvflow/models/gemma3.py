@@ -87,7 +87,8 @@ class Gemma3Attention(nn.Module):
                                           tp.world_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias, tp.rank, tp.world_size, tp)
+                                        config.hidden_size, bias, tp.rank, tp.world_size,
+                                        tp_group=tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -121,7 +122,7 @@ class Gemma3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False,
                                                        tp.rank, tp.world_size)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp.rank,
-                                           tp.world_size, tp)
+                                           tp.world_size, tp_group=tp)
         self.act_fn = GeluAndMul("none" if act == "gelu" else "tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +160,8 @@ class Gemma3Model(nn.Module):
         tp, pp = parallel.tp, parallel.pp
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp) \
+            config.vocab_size, config.hidden_size, tp.rank, tp.world_size,
+            tp_group=tp) \
             if self.is_first_stage else PPMissingLayer()
         self.embed_scale = config.hidden_size ** 0.5
         tables = gemma3_rope_tables(config)

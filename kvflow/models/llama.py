@@ -81,7 +81,8 @@ class LlamaAttention(nn.Module):
                                           tp.rank, tp.world_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias.o, tp.rank, tp.world_size, tp)
+                                        config.hidden_size, bias.o, tp.rank, tp.world_size,
+                                        tp_group=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -113,7 +114,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias,
                                                        tp.rank, tp.world_size)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp.rank,
-                                           tp.world_size, tp)
+                                           tp.world_size, tp_group=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,8 @@ class LlamaModel(nn.Module):
         tp, pp = parallel.tp, parallel.pp
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp) \
+            config.vocab_size, config.hidden_size, tp.rank, tp.world_size,
+            tp_group=tp) \
             if self.is_first_stage else PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers, pp, build_layer)
@@ -272,7 +274,8 @@ def make_lm_head(config: Any, parallel: ParallelState, embed_tokens: nn.Module,
     if not parallel.pp.is_last_rank:
         return PPMissingLayer()
     tp = parallel.tp
-    head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.world_size, tp)
+    head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.world_size,
+                          tp_group=tp)
     if tied and not isinstance(embed_tokens, PPMissingLayer):
         head.weight = embed_tokens.weight
     return head

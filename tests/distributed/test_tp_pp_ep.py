@@ -34,9 +34,9 @@ def test_tensor_and_expert_parallel_greedy_equals_one_process(
 def test_pipeline_parallel_greedy_equals_one_process(tiny_model_factory,
                                                      single_process_greedy):
     """Gemma 3 (a sliding-window and a global layer: two KV-cache groups, tied embeddings)
-    over 2 stages: each stage holds one layer (and reports only its KV spec); the engine sends a second
-    micro-batch before the first one's tokens are back (both stages busy) and still produces
-    the one-process tokens."""
+    over 2 stages: each stage holds one layer (and reports only its KV spec); the engine
+    sends a second micro-batch before the first one's tokens are back (both stages busy) and
+    still produces the one-process tokens."""
     llm = LLM(model=tiny_model_factory("gemma3").path, dtype="float32", num_kv_blocks=96,
               max_num_batched_tokens=32, pipeline_parallel_size=2)
     core, depths = llm.engine.core, []
