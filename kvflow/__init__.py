@@ -1,5 +1,9 @@
 """kvflow: a paged-KV LLM inference and serving engine."""
 
+from kvflow.openmp_env import set_openmp_defaults
+
+set_openmp_defaults()  # before anything imports torch (which loads the OpenMP runtime)
+
 from kvflow.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

@@ -159,16 +159,50 @@ def cpu_gemm_choice() -> str:
     return choice
 
 
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"0-3,6,8-9"`` -> [0, 1, 2, 3, 6, 8, 9] (the Linux cpulist format, order kept).
+
+    Raises:
+        ValueError: on anything else (empty, negative, a reversed range, a repeated CPU).
+    """
+    cpus: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu list {spec!r} is invalid: expected e.g. 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu list {spec!r} has a reversed range {part.strip()!r}")
+        cpus.extend(range(first, last + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu list {spec!r} names a CPU twice")
+    return cpus
+
+
 @dataclass
 class DeviceConfig:
     device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
     attention_backend: str | None = _opt(None, "attention backend: torch | cpu | triton (default: "
                                          "the platform's)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    cpu_threads: int | None = _opt(None, "CPU compute threads (default: torch's count, capped by "
+                                   "the CPUs of the affinity mask and the cgroup CPU quota; "
+                                   "the length of --cpu-threads-bind when that is a list)")
+    cpu_threads_bind: str | None = _opt(None, "pin CPU thread i to the i-th CPU of this list "
+                                        "(e.g. 0-3 or 0,2,4,6; 'auto': the affinity mask's "
+                                        "CPUs in order; default: not pinned)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
         cpu_gemm_choice()  # a bad KVFLOW_CPU_GEMM fails here, before any weight is loaded
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
+        if self.cpu_threads_bind not in (None, "auto"):
+            cpus = parse_cpu_list(self.cpu_threads_bind)
+            if self.cpu_threads is not None and self.cpu_threads != len(cpus):
+                raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
+                                 f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs; give "
+                                 "one CPU per thread")
 
 
 # Parallel dimensions that are accepted in the config but not built yet (one clear error at

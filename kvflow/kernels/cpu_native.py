@@ -69,6 +69,9 @@ class NativeCpuKernels:
         self._gemm_w16.restype = _int
         self._gemm_w16.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _int]
+        self._bind_threads = lib.kvflow_bind_threads
+        self._bind_threads.restype = _int
+        self._bind_threads.argtypes = [_ptr, _int]
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -275,6 +278,14 @@ class NativeCpuKernels:
                                     rows.shape[0], n, k, threads)
         _raise_on(status, "gemm")
         return out.view(*x.shape[:-1], n)
+
+    def bind_threads(self, cpus: list[int]) -> bool:
+        """Pin the OpenMP threads of the calling thread's parallel regions, thread i to
+        ``cpus[i]`` (``len(cpus)`` threads; the caller is thread 0). Call it from the thread
+        that runs the model, after ``torch.set_num_threads(len(cpus))``. Returns False when a
+        thread could not be pinned (a CPU outside the affinity mask or the machine)."""
+        ids = torch.tensor(cpus, dtype=torch.int32)
+        return self._bind_threads(ids.data_ptr(), len(cpus)) == 0
 
     @staticmethod
     def _check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,

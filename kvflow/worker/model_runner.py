@@ -12,6 +12,7 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.kernels.cpu_threads import configure_cpu_threads
 from kvflow.kernels.gemm import (
     GemmWorkspace,
     cpu_gemm_kernels,
@@ -87,6 +88,9 @@ class ModelRunner:
         self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache_config.block_size
         self.stager = InputStager(self.device)
+        if self.device.type == "cpu":
+            dc = config.device_config
+            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind)
         self._init_model(source, hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []

@@ -1,0 +1,81 @@
+"""Offline throughput quiet and beside one busy-looping process, for
+``benchmarks/cpu_contention.sh``. Runs in the engine's own virtualenv:
+
+    python benchmarks/cpu_contention.py --engine kvflow|vllm MODEL_DIR DTYPE OUT.json
+
+Workload (issue 23): 32 prompts x 128 token ids from numpy ``default_rng(0).integers(3,
+min(vocab, 32000))`` -> 32 greedy tokens each, EOS ignored, prefix caching off. After a
+two-prompt warm-up the batch runs once on the quiet machine, then once more while a second
+process spins (``while True: pass``, started here and killed after). Throughput = generated
+tokens / wall time of the batch; share = busy / quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 32
+
+
+def _load(engine: str, model_dir: str, dtype: str):
+    """(LLM, SamplingParams class, prompt wrapper) of the engine; kvflow is imported before
+    torch so its OpenMP settings apply, as in any kvflow process."""
+    if engine == "kvflow":
+        from kvflow import LLM, SamplingParams
+
+        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
+            (lambda ids: ids)
+    from vllm import LLM, SamplingParams
+
+    return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
+        (lambda ids: {"prompt_token_ids": ids})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
+    parser.add_argument("model_dir")
+    parser.add_argument("dtype")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    llm, sampling_params, wrap = _load(args.engine, args.model_dir, args.dtype)
+    import numpy as np
+    import torch
+
+    vocab = llm.get_tokenizer().vocab_size
+    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
+    prompts = [wrap(row) for row in ids.tolist()]
+    params = sampling_params(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate(prompts[:2], sampling_params(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+
+    def tokens_per_s() -> float:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        return produced / (time.perf_counter() - start)
+
+    result = {"engine": args.engine, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+              "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "quiet": tokens_per_s()}
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        result["busy"] = tokens_per_s()
+    finally:
+        busy.kill()
+        busy.wait()
+    result["share"] = result["busy"] / result["quiet"]
+    print(f"{args.engine}: quiet {result['quiet']:.1f}, busy {result['busy']:.1f} out tok/s, "
+          f"share {result['share']:.2f}")
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Choosing and pinning the CPU compute threads of an engine (``--cpu-threads``,
+``--cpu-threads-bind``).
+
+torch's intra-op threads and kvflow's native kernels share one OpenMP pool
+(:mod:`kvflow.kernels.cpu_native`), so one ``torch.set_num_threads`` sizes both. The default
+keeps torch's count (which honours ``OMP_NUM_THREADS`` and the affinity mask) but never exceeds
+the CPUs the affinity mask grants or the cgroup CPU quota (:mod:`kvflow.platforms.cpu_threads`).
+Pinning thread i to CPU i of a list keeps each thread on its core's caches (vLLM pins by
+default; kvflow does not: on a shared machine an unpinned thread can move to an idle core).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvflow.config import parse_cpu_list
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, usable_cpus
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_threads(cpu_threads: int | None, bind: str | None,
+                    allowed: list[int], quota: float | None, current: int
+                    ) -> tuple[int, list[int] | None]:
+    """(threads, CPUs to pin them to or None) for the engine's ``cpu_threads`` /
+    ``cpu_threads_bind`` given the affinity mask ``allowed``, the cgroup ``quota`` (CPUs) and
+    torch's ``current`` thread count.
+
+    Raises:
+        ValueError: when ``bind`` names a CPU outside ``allowed``, or ``auto`` pinning is asked
+            for more threads than ``allowed`` has CPUs.
+    """
+    if bind is None:
+        return cpu_threads or default_num_threads(current, len(allowed), quota), None
+    if bind == "auto":
+        threads = cpu_threads or default_num_threads(current, len(allowed), quota)
+        if threads > len(allowed):
+            raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(allowed)} "
+                             f"CPUs of this process's affinity mask {allowed}")
+        return threads, allowed[:threads]
+    cpus = parse_cpu_list(bind)
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {outside} outside this "
+                         f"process's affinity mask {allowed}")
+    return len(cpus), cpus
+
+
+def configure_cpu_threads(cpu_threads: int | None, bind: str | None) -> tuple[int, list[int] | None]:
+    """Size (and optionally pin) the CPU compute threads; call from the thread that runs the
+    model. Returns (threads, pinned CPUs or None).
+
+    Without the native kernels, pinning restricts the whole process to the listed CPUs
+    instead (the threads may still move among them), with a warning.
+
+    Raises:
+        ValueError: see :func:`resolve_threads`.
+    """
+    threads, cpus = resolve_threads(cpu_threads, bind, usable_cpus(), cgroup_cpu_limit(),
+                                    torch.get_num_threads())
+    torch.set_num_threads(threads)
+    if cpus is not None:
+        kernels = native_cpu_kernels()
+        if kernels is not None:
+            if not kernels.bind_threads(cpus):
+                logger.warning("could not pin every CPU thread to %s", cpus)
+        else:
+            logger.warning("native CPU kernels unavailable: the process is restricted to CPUs "
+                           "%s, its threads not pinned one by one", cpus)
+            os.sched_setaffinity(0, cpus)
+    logger.info("CPU compute threads: %d%s", threads, f", pinned to {cpus}" if cpus else "")
+    return threads, cpus

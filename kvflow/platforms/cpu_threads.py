@@ -1,0 +1,89 @@
+"""How many CPU threads the engine may use, and which CPUs, as the OS grants them.
+
+A process may run on the CPUs of its affinity mask (``taskset``, ``docker --cpuset-cpus``) and,
+in a container, for at most a CPU quota per scheduling period (cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; ``docker --cpus``). OpenMP (and so torch) counts
+only the mask: a 2-CPU quota on a 64-core host would otherwise start 64 threads that the kernel
+throttles in turn, each parallel region then waiting for its slowest, throttled thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def usable_cpus() -> list[int]:
+    """The CPU ids of this process's affinity mask, ascending (all online CPUs where the OS has
+    no affinity call)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _own_cgroup_dirs(root: Path, proc_cgroup: str) -> list[Path]:
+    """The cgroup folders of this process and of its ancestors, deepest first, for the v2
+    hierarchy (``0::/path``) and the v1 ``cpu`` controller (``N:cpu,cpuacct:/path``)."""
+    dirs: list[Path] = []
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        names = controllers.split(",")
+        if controllers == "":
+            base = root
+        elif "cpu" in names:
+            base = next((root / n for n in (controllers, "cpu,cpuacct", "cpu")
+                         if (root / n).is_dir()), root / "cpu")
+        else:
+            continue
+        here = base / rel.lstrip("/")
+        while True:
+            dirs.append(here)
+            if here == base:
+                break
+            here = here.parent
+    return dirs
+
+
+def _quota_in(folder: Path) -> float | None:
+    """CPUs' worth of quota set in one cgroup folder (v2 ``cpu.max`` or v1 CFS files), or
+    None when it sets none or cannot be read."""
+    try:
+        text = (folder / "cpu.max").read_text().split()
+        if len(text) == 2 and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> float | None:
+    """The tightest CPU quota (in CPUs, e.g. 1.5) of this process's cgroup and its ancestors,
+    or None when none is set (or there is no cgroup file system)."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    quotas = [q for d in _own_cgroup_dirs(root, proc_cgroup) if (q := _quota_in(d)) is not None]
+    return min(quotas) if quotas else None
+
+
+def default_num_threads(current: int, cpus: int, quota: float | None) -> int:
+    """Threads to use when the user chose none: ``current`` (torch's count, which honours
+    ``OMP_NUM_THREADS`` and the affinity mask) capped by the usable CPUs and by the cgroup
+    quota rounded down (a thread that would get only part of a CPU stalls every parallel
+    region it joins). At least 1."""
+    cap = cpus if quota is None else min(cpus, math.floor(quota + 1e-6))
+    return max(1, min(current, cap))

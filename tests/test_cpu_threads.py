@@ -1,0 +1,135 @@
+"""CPU thread count and pinning: the affinity mask and cgroup quota the OS grants (fake cgroup
+trees written here), ``--cpu-threads`` / ``--cpu-threads-bind`` checks, threads actually pinned
+(read back from /proc), and the OpenMP spin setting the runtime actually reads
+(``OMP_DISPLAY_ENV=VERBOSE`` prints libgomp's own view of it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvflow.config import EngineConfig, parse_cpu_list
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.cpu_threads import resolve_threads
+from kvflow.openmp_env import DEFAULT_SPINCOUNT, set_openmp_defaults
+from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,6,8-9") == [0, 1, 2, 3, 6, 8, 9]
+    assert parse_cpu_list("5") == [5]
+    assert parse_cpu_list("3, 1") == [3, 1]  # order kept: thread 0 -> CPU 3
+    for bad in ["", "a", "1-", "-1", "3-1", "0,0", "1-2,2", "0;1"]:
+        with pytest.raises(ValueError, match="cpu list"):
+            parse_cpu_list(bad)
+
+
+def _write(folder, **files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_cgroup_v2_quota_is_the_tightest_of_the_process_and_its_ancestors(tmp_path):
+    _write(tmp_path, cpu_max="max 100000\n")
+    _write(tmp_path / "kube", cpu_max="300000 100000\n")  # 3 CPUs
+    _write(tmp_path / "kube" / "pod", cpu_max="150000 100000\n")  # 1.5 CPUs
+    _write(tmp_path / "kube" / "pod" / "app", cpu_max="max 100000\n")
+    assert cgroup_cpu_limit(tmp_path, "0::/kube/pod/app\n") == 1.5
+    assert cgroup_cpu_limit(tmp_path, "0::/kube\n") == 3.0
+    assert cgroup_cpu_limit(tmp_path, "0::/\n") is None
+
+
+def test_cgroup_v1_quota(tmp_path):
+    cpu = tmp_path / "cpu,cpuacct"
+    _write(cpu, cpu_cfs_quota_us="-1\n", cpu_cfs_period_us="100000\n")
+    _write(cpu / "docker" / "abc", cpu_cfs_quota_us="200000\n", cpu_cfs_period_us="100000\n")
+    proc = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cgroup_cpu_limit(tmp_path, proc) == 2.0
+    assert cgroup_cpu_limit(tmp_path, "4:cpu,cpuacct:/\n") is None
+    assert cgroup_cpu_limit(tmp_path / "missing", proc) is None
+
+
+def test_default_thread_count_respects_mask_and_quota():
+    assert default_num_threads(current=16, cpus=4, quota=None) == 4
+    assert default_num_threads(current=16, cpus=64, quota=2.0) == 2
+    assert default_num_threads(current=16, cpus=64, quota=1.5) == 1  # no thread on half a CPU
+    assert default_num_threads(current=16, cpus=64, quota=0.5) == 1
+    assert default_num_threads(current=1, cpus=64, quota=None) == 1  # OMP_NUM_THREADS=1 kept
+
+
+def test_resolve_threads():
+    allowed = [2, 3, 4, 5]
+    assert resolve_threads(None, None, allowed, None, current=8) == (4, None)
+    assert resolve_threads(3, None, allowed, 1.0, current=8) == (3, None)  # explicit wins
+    assert resolve_threads(None, "auto", allowed, 2.0, current=8) == (2, [2, 3])
+    assert resolve_threads(None, "5,3", allowed, None, current=8) == (2, [5, 3])
+    with pytest.raises(ValueError, match="outside"):
+        resolve_threads(None, "0-1", allowed, None, current=8)
+    with pytest.raises(ValueError, match="pinned"):
+        resolve_threads(6, "auto", allowed, None, current=8)
+
+
+def test_engine_flags_are_checked_before_loading():
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig.from_kwargs(cpu_threads=0)
+    with pytest.raises(ValueError, match="cpu list"):
+        EngineConfig.from_kwargs(cpu_threads_bind="1-0")
+    with pytest.raises(ValueError, match="one CPU per thread"):
+        EngineConfig.from_kwargs(cpu_threads=3, cpu_threads_bind="0-1")
+    config = EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1")
+    assert config.device_config.cpu_threads == 2
+
+
+PIN_SCRIPT = """
+import json, os
+from kvflow.kernels.cpu_threads import configure_cpu_threads
+threads, cpus = configure_cpu_threads(None, {bind!r})
+import torch
+torch.ones(1 << 20).sum()  # a parallel region after pinning
+masks = {{}}
+for tid in os.listdir("/proc/self/task"):
+    status = open(f"/proc/self/task/{{tid}}/status").read()
+    masks[tid] = [l.split()[1] for l in status.splitlines() if l.startswith("Cpus_allowed_list")][0]
+print(json.dumps({{"threads": threads, "cpus": cpus, "masks": masks, "main": str(os.getpid())}}))
+"""
+
+
+@pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_pinned_threads_run_on_their_cpus():
+    """In a fresh process: thread 0 (the caller) on the first CPU, an OpenMP worker on the
+    second; the process's other threads untouched."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    script = PIN_SCRIPT.format(bind=f"{second},{first}")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["threads"] == 2 and result["cpus"] == [second, first]
+    assert result["masks"][result["main"]] == str(second)
+    assert str(first) in result["masks"].values()
+
+
+def test_spin_default_set_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert set_openmp_defaults(env, modules={}) is True
+    assert env == {"GOMP_SPINCOUNT": DEFAULT_SPINCOUNT}
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5"}):
+        env = dict(user)
+        assert set_openmp_defaults(env, modules={"torch": None}) is False  # too late here
+        assert env == user
+
+
+@pytest.mark.parametrize("order,expected", [("import kvflow, torch", DEFAULT_SPINCOUNT),
+                                            ("import torch, kvflow", "300000")])
+def test_openmp_runtime_reads_the_spin_setting_when_kvflow_comes_first(order, expected):
+    """libgomp prints the spin count it uses (``OMP_DISPLAY_ENV=VERBOSE``): kvflow's when kvflow
+    is imported before torch, libgomp's own default (300,000) when torch came first."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", order], capture_output=True, text=True,
+                         check=True, env={**env, "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert f"GOMP_SPINCOUNT = '{expected}'" in out.stderr
