@@ -59,7 +59,8 @@ def test_async_side_uses_the_core_config_eos(tokenizer_without_eos, tiny_tokeniz
     kv = KVCacheManager(fake_kv_cache_config(10, 16))
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 64)
     core = SimpleNamespace(max_model_len=64, hf_config=LlamaConfig(eos_token_id=[5, 6]),
-                           num_blocks=10, kv_cache_manager=kv, scheduler=sched,
+                           num_blocks=10, kv_cache_manager=kv, scheduler=sched, weight_bytes=0,
+                           kv_bytes_per_token=0,
                            config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16)))
     ready = _ready(core)
     idle = EngineStats(num_free_blocks=9, num_usable_blocks=9)  # all but the null block free
