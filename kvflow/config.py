@@ -189,8 +189,9 @@ class DeviceConfig:
                                    "the CPUs of the affinity mask and the cgroup CPU quota; "
                                    "the length of --cpu-threads-bind when that is a list)")
     cpu_threads_bind: str | None = _opt(None, "pin CPU thread i to the i-th CPU of this list "
-                                        "(e.g. 0-3 or 0,2,4,6; 'auto': the affinity mask's "
-                                        "CPUs in order; default: not pinned)")
+                                        "(e.g. 0-3 or 0,2,4,6; one part per worker process "
+                                        "with parallelism: 0-3|4-7; 'auto': each worker's "
+                                        "share of the affinity mask; default: not pinned)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -198,11 +199,12 @@ class DeviceConfig:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto"):
-            cpus = parse_cpu_list(self.cpu_threads_bind)
-            if self.cpu_threads is not None and self.cpu_threads != len(cpus):
-                raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
-                                 f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs; give "
-                                 "one CPU per thread")
+            for part in self.cpu_threads_bind.split("|"):
+                cpus = parse_cpu_list(part)
+                if self.cpu_threads is not None and self.cpu_threads != len(cpus):
+                    raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
+                                     f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
+                                     "worker; give one CPU per thread")
 
 
 # Parallel dimensions that are accepted in the config but not built yet (one clear error at

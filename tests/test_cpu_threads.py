@@ -74,6 +74,19 @@ def test_resolve_threads():
         resolve_threads(6, "auto", allowed, None, current=8)
 
 
+def test_worker_processes_share_the_cpus():
+    """Two ranks on one machine: half the CPUs (and quota) each, disjoint auto pinning, one
+    '|' part of an explicit list per rank."""
+    allowed = [0, 1, 2, 3, 4, 5]
+    assert resolve_threads(None, None, allowed, None, 8, rank=0, ranks=2) == (3, None)
+    assert resolve_threads(None, None, allowed, 2.0, 8, rank=1, ranks=2) == (1, None)
+    assert resolve_threads(None, "auto", allowed, None, 8, rank=1, ranks=2) == (3, [3, 4, 5])
+    assert resolve_threads(None, "0-1|4", allowed, None, 8, rank=1, ranks=2) == (1, [4])
+    assert resolve_threads(None, None, [0], None, 8, rank=1, ranks=2) == (1, None)
+    with pytest.raises(ValueError, match="one per rank"):
+        resolve_threads(None, "0-3", allowed, None, 8, rank=0, ranks=2)
+
+
 def test_engine_flags_are_checked_before_loading():
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig.from_kwargs(cpu_threads=0)
@@ -81,7 +94,9 @@ def test_engine_flags_are_checked_before_loading():
         EngineConfig.from_kwargs(cpu_threads_bind="1-0")
     with pytest.raises(ValueError, match="one CPU per thread"):
         EngineConfig.from_kwargs(cpu_threads=3, cpu_threads_bind="0-1")
-    config = EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1")
+    with pytest.raises(ValueError, match="one CPU per thread"):
+        EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2")
+    config = EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2-3")
     assert config.device_config.cpu_threads == 2
 
 

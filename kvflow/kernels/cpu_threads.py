@@ -23,26 +23,37 @@ from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, 
 logger = logging.getLogger(__name__)
 
 
-def resolve_threads(cpu_threads: int | None, bind: str | None,
-                    allowed: list[int], quota: float | None, current: int
+def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int],
+                    quota: float | None, current: int, rank: int = 0, ranks: int = 1
                     ) -> tuple[int, list[int] | None]:
-    """(threads, CPUs to pin them to or None) for the engine's ``cpu_threads`` /
-    ``cpu_threads_bind`` given the affinity mask ``allowed``, the cgroup ``quota`` (CPUs) and
-    torch's ``current`` thread count.
+    """(threads, CPUs to pin them to or None) of rank ``rank`` of ``ranks`` worker processes
+    on this machine, for the engine's ``cpu_threads`` / ``cpu_threads_bind``, given the
+    affinity mask ``allowed``, the cgroup ``quota`` (CPUs) and torch's ``current`` count.
+
+    The ranks share the CPUs: by default each gets ``1 / ranks`` of them (and of the quota),
+    ``auto`` pins rank r to the r-th slice of ``allowed``, and an explicit list gives one part
+    per rank separated by ``|`` (``0-3|4-7``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form).
 
     Raises:
-        ValueError: when ``bind`` names a CPU outside ``allowed``, or ``auto`` pinning is asked
-            for more threads than ``allowed`` has CPUs.
+        ValueError: when ``bind`` names a CPU outside ``allowed`` or has not one ``|`` part per
+            rank, or ``auto`` pinning is asked for more threads than the rank's CPUs.
     """
-    if bind is None:
-        return cpu_threads or default_num_threads(current, len(allowed), quota), None
-    if bind == "auto":
-        threads = cpu_threads or default_num_threads(current, len(allowed), quota)
-        if threads > len(allowed):
-            raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(allowed)} "
-                             f"CPUs of this process's affinity mask {allowed}")
-        return threads, allowed[:threads]
-    cpus = parse_cpu_list(bind)
+    share = allowed[rank * len(allowed) // ranks:(rank + 1) * len(allowed) // ranks] or \
+        allowed[rank % len(allowed):][:1]
+    share_quota = None if quota is None else quota / ranks
+    if bind is None or bind == "auto":
+        threads = cpu_threads or default_num_threads(current, len(share), share_quota)
+        if bind is None:
+            return threads, None
+        if threads > len(share):
+            raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
+                             f"CPUs {share} of rank {rank} (affinity mask {allowed})")
+        return threads, share[:threads]
+    parts = bind.split("|")
+    if len(parts) != ranks:
+        raise ValueError(f"cpu_threads_bind={bind!r} has {len(parts)} '|'-separated parts "
+                         f"for {ranks} worker processes; give one per rank")
+    cpus = parse_cpu_list(parts[rank])
     outside = sorted(set(cpus) - set(allowed))
     if outside:
         raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {outside} outside this "
@@ -50,9 +61,11 @@ def resolve_threads(cpu_threads: int | None, bind: str | None,
     return len(cpus), cpus
 
 
-def configure_cpu_threads(cpu_threads: int | None, bind: str | None) -> tuple[int, list[int] | None]:
-    """Size (and optionally pin) the CPU compute threads; call from the thread that runs the
-    model. Returns (threads, pinned CPUs or None).
+def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int = 0,
+                          ranks: int = 1) -> tuple[int, list[int] | None]:
+    """Size (and optionally pin) the CPU compute threads of worker ``rank`` of ``ranks`` on
+    this machine; call from the thread that runs the model. Returns (threads, pinned CPUs or
+    None).
 
     Without the native kernels, pinning restricts the whole process to the listed CPUs
     instead (the threads may still move among them), with a warning.
@@ -61,7 +74,7 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None) -> tuple[in
         ValueError: see :func:`resolve_threads`.
     """
     threads, cpus = resolve_threads(cpu_threads, bind, usable_cpus(), cgroup_cpu_limit(),
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), rank, ranks)
     torch.set_num_threads(threads)
     if cpus is not None:
         kernels = native_cpu_kernels()

@@ -90,7 +90,8 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         if self.device.type == "cpu":
             dc = config.device_config
-            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind)
+            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, self.parallel.rank,
+                                  self.parallel.world.world_size)
         self._init_model(source, hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
