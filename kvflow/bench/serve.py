@@ -174,7 +174,7 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
         out_lens.append(out_len)
         timings.append(metrics.request_timing(res.start, res.token_times, res.end, out_len))
     out = {"duration": duration, "completed": len(timings), "failed": len(errors),
-           "usage_from_server": usage_ok, "total_input_tokens": sum(in_lens),
+           "failed_by_kind": error_kinds(errors), "usage_from_server": usage_ok, "total_input_tokens": sum(in_lens),
            "total_output_tokens": sum(out_lens),
            "request_throughput": len(timings) / duration,
            "output_throughput": sum(out_lens) / duration,
@@ -191,6 +191,16 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
     out.update(input_lens=in_lens, output_lens=out_lens, ttfts=series["ttft"],
                itls=[list(t.itls) for t in timings], errors=errors[:MAX_ERRORS_KEPT])
     return out
+
+
+def error_kinds(errors: list[str]) -> dict[str, int]:
+    """Failures counted by kind: the text before the first colon of each error
+    (``HTTP 503``, ``TimeoutError``, ``error event in stream``, ...)."""
+    kinds: dict[str, int] = {}
+    for error in errors:
+        kind = error.split(":", 1)[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def print_summary(r: dict[str, Any]) -> None:

@@ -70,3 +70,13 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert metrics.goodput(timings, slos, duration_s=4.0) == (2, 0.5)
     assert metrics.goodput(timings, {"e2e": 0.5}, duration_s=2.0) == (1, 0.5)
     assert metrics.goodput(timings, {}, duration_s=2.0) == (4, 2.0)
+
+
+def test_failures_counted_by_kind():
+    from kvflow.bench.serve import error_kinds
+
+    errors = ['HTTP 503: {"error": {}}', "HTTP 503: x", "TimeoutError: no complete response",
+              'error event in stream: {"code": "engine_dead"}', "HTTP 400: bad"]
+    assert error_kinds(errors) == {"HTTP 503": 2, "TimeoutError": 1,
+                                   "error event in stream": 1, "HTTP 400": 1}
+    assert error_kinds([]) == {}
