@@ -9,7 +9,6 @@ rank in the same order (they may run collectives); only the driver rank's return
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -58,12 +57,10 @@ class Worker:
         self.num_steps, self.step_time_s = 0, 0.0
 
     def _init_device(self, local_rank: int) -> None:
-        """Bind the device; on CPU, share the cores between this machine's ranks (unless
-        OMP_NUM_THREADS says otherwise) so the ranks do not oversubscribe them."""
-        self.platform.set_device(local_rank)
-        world = self.config.parallel_config.world_size
-        if self.platform.name == "cpu" and world > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        """Bind the device (on CPU the ModelRunner gives this rank its share of the cores:
+        ``kvflow.kernels.cpu_threads``)."""
+        if self.config.parallel_config.world_size > 1:
+            self.platform.set_device(local_rank)
 
     @property
     def is_driver(self) -> bool:
