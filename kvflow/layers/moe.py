@@ -9,6 +9,10 @@ summed with the routing weights. The routing rules (from the HF configs):
   renormalized to sum to 1, which is the same thing.
 * Qwen2-MoE / Qwen3-MoE: softmax over all experts, top-k, and renormalized only when the
   config's ``norm_topk_prob`` is true (Qwen1.5-MoE: false; Qwen3-30B-A3B: true).
+* DeepSeek-V2/V3 (:class:`GroupedTopKRouting`): experts are split into groups and a token may
+  only pick experts in its best ``topk_group`` groups; V3 scores with a sigmoid plus a per-expert
+  load-balancing bias that decides the choice but not the weight ("noaux_tc"), and the weights
+  are scaled by ``routed_scaling_factor``.
 
 Execution groups tokens by expert instead of looping over tokens: the ``T * top_k`` (token,
 expert) pairs are sorted by expert id, the hidden rows are gathered in that order, each expert
@@ -29,6 +33,8 @@ that all-reduce).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -73,6 +79,95 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
+@dataclass(frozen=True)
+class GroupedTopKRouting:
+    """DeepSeek's routing rules, as its reference code and transformers apply them.
+
+    ``topk_method``:
+
+    * ``"greedy"``: top-k of the scores.
+    * ``"group_limited_greedy"`` (DeepSeek-V2, arXiv:2405.04434, sec. 2.2.2 "device-limited
+      routing"): the ``E`` experts form ``num_expert_group`` equal groups, a group's score is
+      its best expert's score, only the ``topk_group`` best groups stay eligible (the others'
+      scores become 0), then top-k.
+    * ``"noaux_tc"`` (DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2 "auxiliary-loss-free load
+      balancing"): experts are chosen by ``score + e_score_correction_bias``; a group's score is
+      the sum of its two best biased scores, the ``topk_group`` best groups stay eligible, top-k
+      of the biased scores picks the experts, and their weights are the unbiased scores.
+
+    Then the k weights are divided by their sum when ``renormalize`` (plus 1e-20), and
+    multiplied by ``routed_scaling_factor``.
+
+    Attributes:
+        top_k: experts per token.
+        scoring_func: ``"softmax"`` (V2) or ``"sigmoid"`` (V3) over the router logits, in fp32.
+        topk_method: see above.
+        num_expert_group / topk_group: groups, and groups kept per token (grouped methods).
+        renormalize: rescale the k weights to sum to 1.
+        routed_scaling_factor: multiplies the k weights.
+    """
+
+    top_k: int
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Check the rule names.
+
+        Raises:
+            ValueError: for an unknown ``scoring_func`` or ``topk_method``.
+        """
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r}: kvflow "
+                             "supports softmax and sigmoid")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported MoE topk_method {self.topk_method!r}: kvflow "
+                             "supports greedy, group_limited_greedy and noaux_tc")
+
+    @property
+    def uses_correction_bias(self) -> bool:
+        """Whether the routing reads ``e_score_correction_bias`` (noaux_tc)."""
+        return self.topk_method == "noaux_tc"
+
+    def select(self, router_logits: torch.Tensor,
+               e_score_correction_bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] (any float dtype), e_score_correction_bias [E] float32 (for
+        noaux_tc) -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)."""
+        logits = router_logits.float()
+        scores = logits.softmax(dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        if self.topk_method == "greedy":
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        elif self.topk_method == "group_limited_greedy":
+            group_scores = self._grouped(scores).max(dim=-1).values
+            eligible = self._group_mask(group_scores, scores.shape[-1])
+            weights, ids = torch.topk(scores.masked_fill(~eligible, 0.0), self.top_k, dim=-1)
+        else:
+            choice = scores + e_score_correction_bias.float()
+            group_scores = self._grouped(choice).topk(2, dim=-1).values.sum(dim=-1)
+            eligible = self._group_mask(group_scores, scores.shape[-1])
+            ids = torch.topk(choice.masked_fill(~eligible, float("-inf")), self.top_k,
+                             dim=-1).indices
+            weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+    def _grouped(self, scores: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, num_expert_group, E / num_expert_group]."""
+        return scores.view(scores.shape[0], self.num_expert_group, -1)
+
+    def _group_mask(self, group_scores: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """bool [T, E]: experts of each token's ``topk_group`` best groups."""
+        best = torch.topk(group_scores, self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return keep.repeat_interleave(num_experts // self.num_expert_group, dim=1)
+
+
 class FusedMoE(GemmPathMixin, CustomOp):
     """All experts of one MoE layer as two stacked weights, with routing and combine.
 
@@ -93,21 +188,33 @@ class FusedMoE(GemmPathMixin, CustomOp):
             and the group that sums the partial outputs.
         ep_group: with expert parallelism, the EP group (then ``tp_size`` must be 1): this
             rank holds experts :func:`expert_range` and the group sums the outputs.
+        routing: DeepSeek's grouped routing instead of :func:`select_experts` (``top_k`` and
+            ``renormalize`` are then the routing's); with noaux_tc the layer holds the
+            ``e_score_correction_bias`` [E] float32 parameter (all E experts: routing is global)
+            that the routing reads.
 
     Raises:
         ValueError: if ``intermediate_size`` is not divisible by ``tp_size``, the experts not
-            by the EP size, or both TP and EP split the layer.
+            by the EP size or by the routing's groups, or both TP and EP split the layer.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: CommGroup | None = None, ep_group: CommGroup | None = None) -> None:
+                 tp_group: CommGroup | None = None, ep_group: CommGroup | None = None,
+                 routing: GroupedTopKRouting | None = None) -> None:
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"intermediate_size {intermediate_size} not divisible by "
                              f"tp_size {tp_size}")
         if ep_group is not None and tp_size > 1:
             raise ValueError("a MoE layer is split by experts (EP) or by width (TP), not both")
+        if routing is not None and num_experts % routing.num_expert_group:
+            raise ValueError(f"{num_experts} experts cannot form {routing.num_expert_group} "
+                             "equal routing groups")
+        self.routing, self.e_score_correction_bias = routing, None
+        if routing is not None and routing.uses_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.ep_group = ep_group
@@ -180,7 +287,7 @@ class FusedMoE(GemmPathMixin, CustomOp):
         Raises:
             RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
         """
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.select_experts(router_logits)
         if self.ep_group is not None and self.ep_group.world_size > 1:
             topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
         out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
@@ -189,6 +296,13 @@ class FusedMoE(GemmPathMixin, CustomOp):
         elif self.ep_group is not None:
             out = self.ep_group.all_reduce(out)
         return out
+
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64) by the
+        layer's routing (:class:`GroupedTopKRouting`) or, by default, :func:`select_experts`."""
+        if self.routing is not None:
+            return self.routing.select(router_logits, self.e_score_correction_bias)
+        return select_experts(router_logits, self.top_k, self.renormalize)
 
     def _local_routes(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
