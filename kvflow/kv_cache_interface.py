@@ -8,9 +8,11 @@ group. A new kind of attention (MLA's latent cache, a quantized cache, a draft m
 is a new spec here plus, if its blocks live differently, a manager class in
 ``core/single_type_kv_cache_manager.py``.
 
-Layout of every group's KV tensor ``j``: ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` (0 = K, 1 = V). Layer ``j`` of every group shares tensor ``j``, and a block id is
-owned by one group at a time, so the groups never write the same slots.
+A spec decides its tensor's shape (:meth:`KVCacheSpec.kv_cache_shape`): ``[2, num_blocks,
+block_size, num_kv_heads, head_size]`` (0 = K, 1 = V) for full and sliding-window attention,
+``[num_blocks, block_size, head_size]`` for MLA's latent cache (:class:`MLAAttentionSpec`).
+Layer ``j`` of every group shares tensor ``j``, and a block id is owned by one group at a time,
+so the groups never write the same slots.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class KVCacheSpec:
         """Bytes of one block of this layer, K and V together."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor of ``num_blocks`` blocks (dtype ``self.dtype``):
+        ``[2, num_blocks, block_size, num_kv_heads, head_size]``, 0 = K, 1 = V."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
     @property
     def sliding_window(self) -> int | None:
         """Keys a query may look back (tokens); None for full attention."""
@@ -62,6 +69,25 @@ class FullAttentionSpec(KVCacheSpec):
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, sec. 2.1): a token's cache
+    entry is one vector shared by every head, its normalized KV latent (``kv_lora_rank``
+    values) followed by its rotated RoPE key (``qk_rope_head_dim`` values), so ``head_size`` is
+    their sum and ``num_kv_heads`` is 1. There is no separate V: values are the latent part of
+    the same vector. Blocks are held as in full attention.
+    """
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer: one latent vector per token."""
+        return self.block_size * self.head_size * self.dtype.itemsize
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """``[num_blocks, block_size, head_size]``: latent then RoPE key, per token."""
+        return (num_blocks, self.block_size, self.head_size)
 
 
 @dataclass(frozen=True)

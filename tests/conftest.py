@@ -28,6 +28,12 @@ torch.set_num_threads(int(os.environ.get("KVFLOW_TEST_NUM_THREADS", "1")))
 EOS_TOKEN, BOS_TOKEN = "<eos>", "<bos>"
 TOKENIZER_VOCAB = 320
 
+# MLA and DeepSeekMoE sizes shared by the tiny DeepSeek models
+_MLA_DIMS = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+             "n_group": 4, "topk_group": 2}
+
 # name -> (transformers config class name, config overrides)
 TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -81,6 +87,25 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True,
                                      "head_dim": 32}),
+    # DeepSeek-V2-Lite style: MLA without q LoRA (latent 32 + RoPE key 8 per token), layer 0
+    # dense, layer 1 DeepSeekMoE (8 experts in 4 groups, best 2 groups, top-2, 2 shared
+    # experts), YaRN with mscale != mscale_all_dim (RoPE and softmax scale both adjusted)
+    "deepseek_v2": ("DeepseekV2Config", {
+        **_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 2,
+        "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 0.707, "mscale_all_dim": 1.0}}),
+    # DeepSeek-V3 style: q LoRA, sigmoid "noaux_tc" routing with a random correction bias,
+    # renormalized and scaled top-2, 1 shared expert, interleaved RoPE
+    "deepseek_v3": ("DeepseekV3Config", {
+        **_MLA_DIMS, "q_lora_rank": 48, "n_shared_experts": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "rope_interleave": True}),
+    # DeepSeek-V3 variants: RoPE on two halves (rope_interleave false), every layer MoE, one
+    # routing group (noaux_tc without a group limit), routing weights not renormalized
+    "deepseek_v3_variant": ("DeepseekV3Config", {
+        **_MLA_DIMS, "q_lora_rank": 48, "n_shared_experts": 1, "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5, "rope_interleave": False, "first_k_dense_replace": 0,
+        "n_group": 1, "topk_group": 1}),
 }
 
 
@@ -133,10 +158,13 @@ def tiny_tokenizer() -> Any:
 
 def _randomize_(model: torch.nn.Module, seed: int) -> None:
     """Seeded weights with peaked logits: N(0, 0.1) matrices, norms 1 + N(0, 0.2), biases
-    N(0, 0.2). Parameters are visited in name order, so the draw is deterministic."""
+    N(0, 0.2). Parameters (and DeepSeek-V3's routing correction bias, a buffer) are visited in
+    name order, so the draw is deterministic."""
     gen = torch.Generator().manual_seed(seed)
+    tensors = [*model.named_parameters(),
+               *((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))]
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        for name, param in sorted(tensors, key=lambda kv: kv[0]):
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * noise)

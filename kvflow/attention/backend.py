@@ -89,3 +89,43 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_dim] attention output (padding rows unspecified).
         """
+
+
+class MLAAttentionBackend(ABC):
+    """Paged multi-head latent attention (MLA, DeepSeek-V2, arXiv:2405.04434) in the absorbed
+    form, for a mixed batch of prefill chunks and decodes.
+
+    The cache holds one vector per token, ``kv_c = [latent (kv_lora_rank) | k_rope]``
+    (``kv_cache: [num_blocks, block_size, kv_lora_rank + rope_dim]``). Every query head attends
+    to that one vector as its key and to its first ``kv_lora_rank`` values as its value: MQA with
+    one KV head, whose value is a prefix of its key. The model folds the per-head up-projections
+    into the queries and outputs (``W_UK`` into ``q``, ``W_UV`` after the output), so nothing
+    per head is ever cached or rebuilt per step. A backend instance is shared by all MLA layers
+    of one model; ``prepare`` runs once per step per KV-cache group.
+    """
+
+    name: str = "abstract-mla"
+    supports_cuda_graphs: bool = False
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Precompute per-step tensors (stored in ``meta.extra``); default: nothing."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """Write ``kv_c`` into ``kv_cache`` at ``meta.slot_mapping`` and attend.
+
+        Args:
+            q: [num_tokens, num_heads, kv_lora_rank + rope_dim], compute dtype: each head's
+                absorbed no-RoPE query (``q_nope @ W_UK``) then its rotated RoPE query.
+            kv_c: [num_tokens, kv_lora_rank + rope_dim]: each new token's normalized latent,
+                then its rotated RoPE key.
+            kv_cache: [num_blocks, block_size, kv_lora_rank + rope_dim], updated in place.
+            meta: the step's AttentionMetadata.
+            scale: softmax scale (DeepSeek: ``qk_head_dim ** -0.5``, times YaRN's mscale^2).
+            kv_lora_rank: the latent width (the value is the key's first ``kv_lora_rank``).
+
+        Returns:
+            [num_tokens, num_heads, kv_lora_rank]: attention-weighted latents, before ``W_UV``
+            (padding rows unspecified).
+        """

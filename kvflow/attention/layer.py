@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata, MLAAttentionBackend
+from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class ForwardContext:
@@ -54,9 +55,10 @@ class ForwardContext:
 
 @dataclass
 class AttentionContext:
-    """What a model needs to build its attention layers: the backend and the forward context."""
+    """What a model needs to build its attention layers: the backend (an MLA backend for a
+    model whose attention is multi-head latent attention) and the forward context."""
 
-    backend: AttentionBackend
+    backend: AttentionBackend | MLAAttentionBackend
     forward_context: ForwardContext = field(default_factory=ForwardContext)
 
 
@@ -79,6 +81,13 @@ class Attention(nn.Module):
         self._ctx = ctx
         self.kv_cache = torch.empty(0)
         self.kv_group = 0  # index of this layer's KV-cache group (block table); set by the runner
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This layer's KV-cache spec: full attention, or a sliding window."""
+        shape = (block_size, self.num_kv_heads, self.head_dim, dtype)
+        if self.sliding_window is None:
+            return FullAttentionSpec(*shape)
+        return SlidingWindowSpec(*shape, window=self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""

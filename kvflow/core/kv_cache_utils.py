@@ -30,11 +30,11 @@ def group_kv_cache_specs(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGr
 
     Raises:
         ValueError: if there are no attention layers, or the layers differ in block shape
-            (block_size, num_kv_heads, head_size, dtype): they could not share KV tensors.
+            (tensor shape per block, dtype): they could not share KV tensors.
     """
     if not layer_specs:
         raise ValueError("the model has no attention layers")
-    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in layer_specs.values()}
+    shapes = {(s.kv_cache_shape(1), s.dtype) for s in layer_specs.values()}
     if len(shapes) > 1:
         raise ValueError(f"attention layers differ in KV block shape {sorted(map(str, shapes))}; "
                          "kvflow needs one shape (block_size, kv heads, head size, dtype)")

@@ -153,7 +153,9 @@ def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor
     return (1.0 / (scaling["factor"] * pos_freqs)) * (1.0 - keep) + (1.0 / pos_freqs) * keep
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude factor ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``);
+    DeepSeek-V2/V3 also scale the softmax by ``yarn_mscale(factor, mscale_all_dim) ** 2``."""
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -167,8 +169,8 @@ def yarn_attention_factor(scaling: dict) -> float:
     factor, mscale, mscale_all_dim = (scaling["factor"], scaling.get("mscale"),
                                       scaling.get("mscale_all_dim"))
     if mscale and mscale_all_dim:
-        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return _yarn_mscale(factor)
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def _dynamic_cache(max_position: int, rotary_dim: int, theta: float,

@@ -68,11 +68,14 @@ def iter_weights(source: ModelSource, dtype: torch.dtype,
         yield from iter_safetensors(source.path)
 
 
-def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float checkpoint tensors in the model dtype; quantized ones (int8, fp8, GGUF blocks)
-    exactly as stored."""
+def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str = "",
+                    keep_fp32: tuple[str, ...] = ()) -> torch.Tensor:
+    """Float checkpoint tensors in the model dtype, or in float32 when the name contains one of
+    the model's ``keep_in_fp32`` fragments (e.g. DeepSeek's router weight and correction bias);
+    quantized ones (int8, fp8, GGUF blocks) exactly as stored."""
     if tensor.is_floating_point() and tensor.element_size() > 1:
-        return tensor.to(dtype)
+        keep = any(fragment in name for fragment in keep_fp32)
+        return tensor.float() if keep else tensor.to(dtype)
     return tensor
 
 
@@ -120,7 +123,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         _init_dummy_weights(model, seed)
     else:
         keep = quant_config is not None and quant_config.name == "gguf"
-        loaded = model.load_weights((n, _to_model_dtype(t, dtype))
+        keep_fp32 = getattr(model, "keep_in_fp32", ())
+        loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
                                     for n, t in iter_weights(source, dtype, keep))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from kvflow.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvflow.models.mixtral import MixtralForCausalLM
@@ -20,6 +23,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -41,3 +46,14 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
             return MODEL_REGISTRY[arch]
     raise ValueError(f"unsupported model architecture {architectures}; kvflow supports "
                      f"{sorted(MODEL_REGISTRY)}")
+
+
+def uses_mla(hf_config: Any) -> bool:
+    """Whether the config's architecture runs multi-head latent attention (DeepSeek-V2/V3):
+    such a model needs an MLA attention backend and caches one latent vector per token.
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    return bool(getattr(model_cls, "uses_mla", False))

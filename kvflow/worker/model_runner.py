@@ -20,16 +20,11 @@ from kvflow.kernels.gemm import (
     prepack_gemm_weights,
     widen_half_gemms,
 )
-from kvflow.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
+from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
+from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config, weight_bytes
 from kvflow.runner_output import ModelRunnerOutput, SampledToken
@@ -63,6 +58,22 @@ def make_attention_backend(name: str):
 
         return TritonPagedAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
+
+
+def make_mla_backend(name: str | None):
+    """The multi-head latent attention backend for an MLA model (DeepSeek-V2/V3): the plain
+    torch one on every device, chosen whatever the platform's default backend is.
+
+    Raises:
+        ValueError: when ``--attention-backend`` names a backend without an MLA path (cpu,
+            triton) or an unknown one.
+    """
+    if name not in (None, "torch"):
+        raise ValueError(f"--attention-backend {name} has no multi-head latent attention (MLA) "
+                         "path for this model; leave --attention-backend unset or use torch")
+    from kvflow.attention.torch_mla import TorchMLABackend
+
+    return TorchMLABackend()
 
 
 class ModelRunner:
@@ -99,9 +110,10 @@ class ModelRunner:
         self.graph_runner = None
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
-        backend_name = (self.config.device_config.attention_backend
-                        or self.platform.default_attention_backend)
-        self.attn_ctx = AttentionContext(make_attention_backend(backend_name))
+        requested = self.config.device_config.attention_backend
+        backend = make_mla_backend(requested) if uses_mla(hf_config) else \
+            make_attention_backend(requested or self.platform.default_attention_backend)
+        self.attn_ctx = AttentionContext(backend)
         mc = self.config.model_config
         self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
                                              mc.quantization_group_size)
@@ -141,12 +153,8 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV-cache spec (layer name -> spec), in model order."""
-        specs: dict[str, KVCacheSpec] = {}
-        for name, layer in self.attn_layers.items():
-            shape = (self.block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
-            specs[name] = FullAttentionSpec(*shape) if layer.sliding_window is None else \
-                SlidingWindowSpec(*shape, window=layer.sliding_window)
-        return specs
+        return {name: layer.kv_cache_spec(self.block_size, self.dtype)
+                for name, layer in self.attn_layers.items()}
 
     def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
         """Bytes for the KV cache: --kv-cache-memory, else the platform's budget (CPU: 2 GiB;
@@ -214,10 +222,11 @@ class ModelRunner:
         return [u for u in users if u]
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate one zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer
-        of a KV-cache group (of this rank's layers; ``kv_heads`` per TP rank) and bind it:
-        layer ``j`` of every group uses tensor ``j`` (a block id belongs to one group at a
-        time, so the groups never write the same slots).
+        """Allocate one zeroed tensor per layer of a KV-cache group (of this rank's layers),
+        shaped as its spec says (``KVCacheSpec.kv_cache_shape``: [2, num_blocks, block_size,
+        kv_heads, head_dim] with ``kv_heads`` per TP rank, or MLA's [num_blocks, block_size,
+        latent + rope]) and bind it: layer ``j`` of every group uses tensor ``j`` (a block id
+        belongs to one group at a time, so the groups never write the same slots).
 
         Raises:
             ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
@@ -231,9 +240,8 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         self.kv_caches = []
         for users in tensors:
-            cache = torch.zeros(2, kv_cache_config.num_blocks, spec.block_size,
-                                spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
-                                device=self.device)
+            cache = torch.zeros(spec.kv_cache_shape(kv_cache_config.num_blocks),
+                                dtype=spec.dtype, device=self.device)
             for g, name in users:
                 self.attn_layers[name].kv_cache, self.attn_layers[name].kv_group = cache, g
             self.kv_caches.append(cache)
@@ -244,11 +252,14 @@ class ModelRunner:
         self.kv_caches = []
 
     def capture_graphs(self, max_model_len: int) -> None:
-        """Capture CUDA graphs for decode steps (no-op without graph support or with
-        ``enforce_eager``). Call after ``initialize_kv_cache``."""
+        """Capture CUDA graphs for decode steps (no-op without graph support, with
+        ``enforce_eager``, with several KV-cache groups (a graph replays one block table) or
+        with a backend that is not graph-safe: the MLA one). Call after
+        ``initialize_kv_cache``."""
         if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
                 or len(self.kv_cache_config.kv_cache_groups) > 1 \
-                or self.parallel.pp.world_size > 1:  # one block table, one whole model
+                or self.parallel.pp.world_size > 1 \
+                or not getattr(self.attn_ctx.backend, "supports_cuda_graphs", True):
             return
         from kvflow.worker.cuda_graphs import CudaGraphRunner
 
