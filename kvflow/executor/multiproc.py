@@ -139,6 +139,12 @@ class MultiprocExecutor(Executor):
 
     # ---- calls ---------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every worker; returns their results in rank order.
+
+        Raises:
+            RuntimeError: while steps are in flight (their replies would interleave).
+            ExecutorError: if a worker died or reported an error.
+        """
         if self._sent != self._received:
             raise RuntimeError("collective_rpc while steps are in flight")
         self._publish(b"rpc", pickle.dumps((method, args)))
@@ -185,6 +191,11 @@ class MultiprocExecutor(Executor):
 
     # ---- failure and shutdown ------------------------------------------------------------------
     def check_health(self) -> None:
+        """Check that every worker is alive and none has failed.
+
+        Raises:
+            ExecutorError: if a worker died or reported an error.
+        """
         if self._failed is not None:
             raise ExecutorError(self._failed)
         self._check_alive()
