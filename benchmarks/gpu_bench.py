@@ -105,7 +105,7 @@ class StepTimer:
                 out = fn(*a, **k)
                 if name == "schedule":
                     self.steps.append({"tokens": out.total_num_scheduled_tokens,
-                                       "reqs": len(out.scheduled)})
+                                       "reqs": out.num_scheduled_reqs})
                 self.steps[-1][name] = time.perf_counter() - t0
                 return out
             return wrapper

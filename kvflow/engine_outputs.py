@@ -14,7 +14,7 @@ import msgspec
 from kvflow.runner_output import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one request after a step, and how it finished (if it did).
 

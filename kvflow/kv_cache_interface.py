@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -115,6 +116,10 @@ class SlidingWindowSpec(KVCacheSpec):
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """Index of the first block a query at ``num_computed_tokens`` or later can see."""
         return max(0, (num_computed_tokens - self.window + 1) // self.block_size)
+
+    def first_needed_blocks(self, num_computed_tokens: np.ndarray) -> np.ndarray:
+        """``first_needed_block`` of every entry: int64 [N] in, int64 [N] out."""
+        return np.maximum(0, (num_computed_tokens - self.window + 1) // self.block_size)
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.is_finished else None
+    def __init__(self, value: str) -> None:
+        # Plain attributes, not properties: read for every request on every step.
+        self.is_finished: bool = value in ("stop", "length", "abort")
+        self.finish_reason: str | None = value if self.is_finished else None
 
 
 class Request:

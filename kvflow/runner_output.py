@@ -1,4 +1,4 @@
-"""What the model runner returns to the scheduler after a step (pure data)."""
+"""What the model runner returns to the scheduler after a step (pure data, msgspec-encodable)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,6 @@ from dataclasses import dataclass, field
 
 # (top token ids, their logprobs, the sampled token's logprob, its rank)
 TokenLogprobs = tuple[list[int], list[float], float, int]
-
-
-@dataclass
-class SampledToken:
-    """One sampled token and, when asked for, its logprob info.
-
-    Attributes:
-        token_id: the sampled token.
-        logprobs: log-softmax of the raw logits (before temperature) for the top-k tokens and
-            the sampled one, when the request asked for logprobs; else None.
-    """
-
-    token_id: int
-    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -38,13 +24,25 @@ class PromptLogprobsChunk:
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's results.
+    """One step's results: the tokens it sampled, one entry per request that sampled (in
+    batch order), and the prompt logprobs it computed.
 
     Attributes:
-        sampled: request id -> its sampled token, for the requests that sampled.
+        req_ids: the requests that sampled.
+        sampled_token_ids: per request, its new tokens (one today; with speculative decoding
+            the accepted draft tokens plus the bonus token).
+        logprobs: request id -> one entry per new token (log-softmax of the raw logits,
+            before temperature: the top-k tokens and the sampled one), for the requests that
+            asked for logprobs.
         prompt_logprobs: request id -> the prompt logprobs the step computed, for requests that
             asked for them.
     """
 
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.req_ids and not self.prompt_logprobs

@@ -1,10 +1,25 @@
-"""What the scheduler hands the model runner each step (pure data: no engine imports).
+"""What the scheduler hands the model runners each step (pure data: no engine imports).
 
-``SchedulerOutput`` lists, per scheduled request, the tokens to compute this step, where its
-K/V live (one block table per KV-cache group) and whether the step samples for it.
-``GrammarBitmask`` carries the allowed tokens of the step's structured-output rows. Both are
-built by the engine core and read by executors and workers, which therefore never import the
-scheduler (the pattern of vLLM v1's ``core/sched/output.py``).
+The runner keeps the state of every request it computes (a persistent input batch), so a step
+sends only what changed since the previous one (the pattern of vLLM v1's
+``core/sched/output.py``):
+
+* ``NewRequestData``: a request the runner has not seen, sent whole once (prompt, sampling
+  parameters, block tables, computed count);
+* ``CachedRequestData``: for every other scheduled request, its new computed count, the block
+  ids appended to each KV-cache group's table since the last step (the whole tables when it
+  resumes after a preemption), and tokens only where the runner cannot know them (see below);
+* the tokens scheduled per request, and the requests preempted / finished since the last step.
+
+The runner appends the tokens it samples itself, so a decode step carries no token ids. A
+runner forgets a preempted request's generated tokens (its K/V are gone too); when the request
+resumes, ``CachedRequestData.new_token_ids`` carries them back. A scheduler built with
+``send_token_ids`` (for runners that do not sample, e.g. the pipeline-parallel ranks before the
+last) also sends every step's computed tokens.
+
+Every message is plain data (lists, dicts, tuples, dataclasses and ``SamplingParams``), so one
+broadcast to several runner processes encodes with msgspec; ``GrammarBitmask`` is the only one
+that carries a tensor.
 """
 
 from __future__ import annotations
@@ -15,57 +30,107 @@ import torch
 
 from kvflow.sampling_params import SamplingParams
 
+# One block-id list per KV-cache group.
+BlockIds = tuple[list[int], ...]
+
 
 @dataclass
-class ScheduledRequest:
-    """What the model runner needs to compute one request's share of a step.
+class NewRequestData:
+    """A request scheduled for the first time: everything the runner keeps about it.
 
     Attributes:
-        token_ids: the tokens computed this step (``num_scheduled_tokens`` of them).
-        num_computed_tokens: tokens already in the KV cache before this step.
-        block_ids: the request's whole block table, one list per KV-cache group (all equally
-            long; entries a sliding window no longer reads are the null block 0).
-        do_sample: the step reaches the end of the request's tokens, so sample one token.
-        output_token_ids: tokens generated so far (for min_tokens and penalties).
-        prompt_token_ids: the request's prompt (for the repetition penalty).
+        req_id: the request id (one sample of an ``n > 1`` request has its own).
+        prompt_token_ids: the prompt.
+        sampling_params: its sampling parameters (``n`` already fanned out).
+        eos_token_id: the model's EOS id (banned until ``min_tokens``), or None.
+        block_ids: its block table in every KV-cache group (equally long; entries a sliding
+            window no longer reads are the null block 0).
+        num_computed_tokens: tokens whose K/V are already cached (prefix-cache hits).
     """
 
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: tuple[list[int], ...]
-    do_sample: bool
+    req_id: str
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    output_token_ids: list[int]
     eos_token_id: int | None
-    prompt_token_ids: list[int] = field(default_factory=list)
+    block_ids: BlockIds
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for the scheduled requests the runner already holds (one entry each, in
+    the same order in every list).
+
+    Attributes:
+        req_ids: the requests.
+        resumed_from_preemption: True for a request readmitted after a preemption (the runner
+            dropped its row and generated tokens when it was preempted).
+        new_token_ids: tokens the runner cannot know: for a resumed request all its generated
+            tokens; with ``send_token_ids``, the tokens computed this step (positions
+            ``num_computed_tokens`` on); else empty.
+        new_block_ids: block ids appended to each group's table since the last step, None when
+            there are none; for a resumed request, its whole tables.
+        num_computed_tokens: tokens whose K/V are cached before this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def append(self, req_id: str, resumed: bool, new_token_ids: list[int],
+               new_block_ids: BlockIds | None, num_computed_tokens: int) -> None:
+        """Add one request's entry."""
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
 class SchedulerOutput:
     """One step's work.
 
+    A scheduled request's step computes ``num_scheduled_tokens[req_id]`` tokens from position
+    ``num_computed_tokens`` on; the last ``len(scheduled_spec_decode_tokens[req_id])`` of them
+    are draft tokens to verify (speculative decoding). It samples when the step reaches the
+    end of the tokens the runner holds for it (prompt + sampled).
+
     Attributes:
-        scheduled: the requests computed this step, in batch order.
-        preempted_ids: requests preempted this step (their K/V are gone; recomputed later).
-        finished_ids: requests freed since the previous step (runners drop their state).
+        scheduled_new_reqs: requests sent whole (first time scheduled).
+        scheduled_cached_reqs: the changes of the other scheduled requests.
+        num_scheduled_tokens: request id -> tokens computed this step (every scheduled request).
+        total_num_scheduled_tokens: their sum.
+        scheduled_spec_decode_tokens: request id -> draft tokens scheduled for verification
+            (empty without speculative decoding).
+        structured_output_request_ids: constrained requests that sample this step (their
+            grammar bitmask rows are filled just before sampling).
+        preempted_ids: requests preempted this step (runners drop their rows and tokens).
+        finished_ids: requests freed since the previous step (runners drop all their state).
     """
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: set[str] = field(default_factory=set)
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.scheduled)
+    def num_scheduled_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
 
 
 @dataclass

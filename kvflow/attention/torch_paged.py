@@ -49,6 +49,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
     def uniform_prompts(meta: AttentionMetadata) -> bool:
         """Whether the batch is whole prompts of one common length: those need no gather or
         mask, as the batch reshapes to [num_reqs, length, heads, head_dim] for causal SDPA."""
+        if meta.max_query_len != meta.max_seq_len:  # a decode or a cached prefix (no syncs)
+            return False
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
         return bool((query_lens == meta.seq_lens).all()) \
             and bool((query_lens == meta.max_query_len).all())

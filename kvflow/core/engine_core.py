@@ -135,8 +135,11 @@ class EngineCore:
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, cc.enable_prefix_caching)
+        # Pipeline stages before the last do not sample: they are sent every step's tokens.
+        pipelined = self.config.parallel_config.pipeline_parallel_size > 1
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
-                                   self.max_model_len)
+                                   self.max_model_len, send_token_ids=pipelined)
+        self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is
@@ -196,17 +199,16 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
             self.structured_output.wait_for_compiles(timeout_s=0.05)
-        grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
-                                                                 self.scheduler.requests)
+        grammar_bitmask = self.structured_output.grammar_bitmask(
+            scheduler_output.structured_output_request_ids, self.scheduler.requests)
         try:
             runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         except Exception:
             # The step's K/V were not written: abort what it scheduled (freeing their blocks)
             # so the engine stays consistent for the other requests, then report the error.
-            self.abort_requests([r.request_id for r in scheduler_output.scheduled])
+            self.abort_requests(list(scheduler_output.num_scheduled_tokens))
             raise
-        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled,
-                                                 runner_output.prompt_logprobs)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Pipeline parallelism: keep up to ``max_concurrent_batches`` micro-batches in flight.
@@ -220,7 +222,8 @@ class EngineCore:
         if len(self.batch_queue) < depth:
             sched = self.scheduler.schedule(max_num_reqs=self._micro_batch_size(depth))
             if not sched.is_empty or sched.finished_ids:
-                bitmask = self.structured_output.grammar_bitmask(sched, self.scheduler.requests)
+                bitmask = self.structured_output.grammar_bitmask(
+                    sched.structured_output_request_ids, self.scheduler.requests)
                 self.batch_queue.append((self.executor.execute_model_async(sched, bitmask),
                                          sched))
                 if len(self.batch_queue) < depth and not sched.is_empty:
@@ -232,12 +235,11 @@ class EngineCore:
         try:
             runner_output = future.result()
         except Exception:
-            self.abort_requests([r.request_id for _, s in [(future, sched), *self.batch_queue]
-                                 for r in s.scheduled])
+            self.abort_requests([rid for _, s in [(future, sched), *self.batch_queue]
+                                 for rid in s.num_scheduled_tokens])
             self.batch_queue.clear()
             raise
-        return self.scheduler.update_from_output(sched, runner_output.sampled,
-                                                 runner_output.prompt_logprobs)
+        return self.scheduler.update_from_output(sched, runner_output)
 
     def _micro_batch_size(self, depth: int) -> int:
         """Requests per micro-batch: an even share of the unfinished ones (at least 1)."""

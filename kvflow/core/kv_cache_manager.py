@@ -73,6 +73,8 @@ class KVCacheManager:
             make_single_type_manager(g.kv_cache_spec, self.pool, i)
             for i, g in enumerate(kv_cache_config.kv_cache_groups))
         self.empty_blocks = KVCacheBlocks(tuple(() for _ in self.managers))
+        self._group0_blocks = self.managers[0].req_to_blocks  # for the no-allocation check
+        self._windowed = [m for m in self.managers if not m.needs_every_block]
         self._num_hashed: dict[str, int] = {}  # leading blocks of each request already indexed
         self.num_queries = 0  # prefix-cache lookups, in tokens
         self.num_hits = 0  # prefix-cache hits, in tokens
@@ -121,6 +123,9 @@ class KVCacheManager:
         """Whether ``allocate_slots`` with the same arguments would succeed now: new blocks
         over all groups, less those that leave a sliding window first, plus hit blocks that
         must be revived from the free queue."""
+        if (new_computed is EMPTY_BLOCKS or not len(new_computed)) and \
+                self._fits(request, num_new_tokens):
+            return True  # no new block in any group (the common decode step)
         computed = request.num_computed_tokens + len(new_computed) * self.block_size
         need = sum(m.num_blocks_to_allocate(request.request_id, computed + num_new_tokens,
                                             new_computed.group(g), computed)
@@ -139,12 +144,33 @@ class KVCacheManager:
         Raises:
             ValueError: if there are not enough free blocks (check ``can_allocate`` first).
         """
-        if not self.can_allocate(request, num_new_tokens, new_computed):
+        new = self.try_allocate_slots(request, num_new_tokens, new_computed)
+        if new is None:
             raise ValueError(f"not enough KV blocks for {num_new_tokens} tokens of {request}")
+        return new
+
+    def try_allocate_slots(self, request: Request, num_new_tokens: int,
+                           new_computed: KVCacheBlocks = EMPTY_BLOCKS) -> KVCacheBlocks | None:
+        """``allocate_slots``, returning None instead of raising when the pool is too small:
+        one check where ``can_allocate`` + ``allocate_slots`` make two (the scheduler's
+        per-request path). Returns ``empty_blocks`` when no group needs a new block."""
         rid = request.request_id
+        computed = request.num_computed_tokens
+        total = computed + num_new_tokens
+        if new_computed is EMPTY_BLOCKS and \
+                len(self._group0_blocks.get(rid, ())) * self.block_size >= total:
+            # nothing to allocate (the common decode step)
+            for m in self._windowed:
+                m.remove_skipped_blocks(rid, computed)
+            if min(total, len(request.all_token_ids)) // self.block_size > \
+                    self._num_hashed.get(rid, 0):  # a block filled up: index it
+                self._cache_full_blocks(request, min(total, request.num_tokens))
+            return self.empty_blocks
+        if not self.can_allocate(request, num_new_tokens, new_computed):
+            return None
         for g, m in enumerate(self.managers):
             m.save_new_computed_blocks(rid, new_computed.group(g))
-        computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        computed += len(new_computed) * self.block_size
         for m in self.managers:
             m.remove_skipped_blocks(rid, computed)
         total_tokens = computed + num_new_tokens
@@ -153,15 +179,21 @@ class KVCacheManager:
         return KVCacheBlocks(new)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self._uses_hashing(request):
-            return
-        self._update_block_hashes(request)
         rid = request.request_id
         start = self._num_hashed.get(rid, 0)
-        end = min(num_tokens // self.block_size, self.managers[0].num_blocks(rid))
+        end = min(num_tokens // self.block_size, len(self._group0_blocks.get(rid, ())))
+        if end <= start or not self._uses_hashing(request):
+            return
+        self._update_block_hashes(request)
         for m in self.managers:
             m.cache_blocks(rid, request.block_hashes, request.all_token_ids, start, end)
-        self._num_hashed[rid] = max(start, end)
+        self._num_hashed[rid] = end
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's block tables already cover ``num_new_tokens`` more tokens
+        (all groups' tables are equally long, so group 0 answers for every group)."""
+        return len(self._group0_blocks.get(request.request_id, ())) * self.block_size >= \
+            request.num_computed_tokens + num_new_tokens
 
     def free(self, request: Request) -> None:
         """Release every block of the request (last group first, each tail first, so its tail

@@ -23,12 +23,12 @@ being written).
 from __future__ import annotations
 
 from kvflow.config import SchedulerConfig
-from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.sched_policy import WaitingQueue, make_policy
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
-from kvflow.runner_output import PromptLogprobsChunk, SampledToken
-from kvflow.sched_output import ScheduledRequest, SchedulerOutput
+from kvflow.runner_output import ModelRunnerOutput
+from kvflow.sched_output import NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -38,20 +38,27 @@ class Scheduler:
         config: token budget, sequence cap and policy.
         kv_cache_manager: the KV block allocator.
         max_model_len: context limit (tokens); a request reaching it finishes with "length".
+        send_token_ids: also send every step's computed tokens to the runners (for runners that
+            do not sample, e.g. pipeline-parallel ranks before the last).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, send_token_ids: bool = False) -> None:
         self.config = config
+        self.send_token_ids = send_token_ids
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config.policy)
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
+        self._running_sorted = True  # in policy order (appends by admission unsort it)
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
-        self.in_flight: dict[str, int] = {}  # request id -> scheduled steps not yet returned
+        # Several steps in flight (pipeline parallelism; the engine core sets this): request
+        # id -> its scheduled steps not yet returned.
+        self.track_in_flight = False
+        self.in_flight: dict[str, int] = {}
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,6 +104,9 @@ class Scheduler:
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones if no preemption.
 
+        Returns the step as changes since the previous one (see ``kvflow/sched_output.py``);
+        each scheduled request's ``num_computed_tokens`` is advanced past the step.
+
         Args:
             max_num_reqs: schedule at most this many requests (a pipeline's micro-batch);
                 None: as many as the token budget and ``max_num_seqs`` allow.
@@ -105,47 +115,109 @@ class Scheduler:
         cap = max_num_reqs if max_num_reqs is not None else self.config.max_num_seqs
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = set()
-        self.running.sort(key=self.policy.key)
-        scheduled: list[tuple[Request, int]] = []
-        i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 0 and self._allocate_or_preempt(request, num_new, out):
-                scheduled.append((request, num_new))
-                budget -= num_new
-            if i < len(self.running) and self.running[i] is request:
-                i += 1  # else it was preempted and the next request moved up
+        if not self._running_sorted:  # policy keys never change: sort after admissions only
+            self.running.sort(key=self.policy.key)
+            self._running_sorted = True
+        budget = self._schedule_running(budget, cap, out)
         if not out.preempted_ids:
-            budget = self._admit_waiting(budget, scheduled, cap)
-        out.scheduled = [self._scheduled_request(r, n) for r, n in scheduled]
-        for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
-            self.in_flight[request.request_id] = self.in_flight.get(request.request_id, 0) + 1
+            self._admit_waiting(budget, cap, out)
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate room for ``request``, preempting the running tail (requests not in
-        flight) until it fits. Returns False if it does not fit (``request`` itself may have
-        been preempted)."""
-        while not self.kv.can_allocate(request, num_new):
-            victim = next((r for r in reversed(self.running)
-                           if r.request_id not in self.in_flight), None)
-            if victim is None:  # everything else is in flight: try again next step
-                return False
-            self.running.remove(victim)
+    def _schedule_running(self, budget: int, cap: int, out: SchedulerOutput) -> int:
+        """Catch the running requests up, in policy order, within ``budget`` tokens and
+        ``cap`` requests; returns what is left of the budget. This loop runs for every running
+        request on every step, so it keeps what it reads in locals and fills
+        ``out.scheduled_cached_reqs``' columns directly."""
+        running, cached, empty = self.running, out.scheduled_cached_reqs, self.kv.empty_blocks
+        try_allocate, num_scheduled = self.kv.try_allocate_slots, out.num_scheduled_tokens
+        add_id, add_resumed, add_tokens, add_blocks, add_computed = (
+            cached.req_ids.append, cached.resumed_from_preemption.append,
+            cached.new_token_ids.append, cached.new_block_ids.append,
+            cached.num_computed_tokens.append)
+        i = total = 0
+        while i < len(running) and budget > 0 and len(num_scheduled) < cap:
+            request = running[i]
+            rid, computed = request.request_id, request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - computed, budget)
+            if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
+                i += 1
+                continue
+            new_blocks = try_allocate(request, num_new)
+            if new_blocks is None:
+                new_blocks = self._preempt_until_fits(request, num_new, out)
+                if new_blocks is None:
+                    if i < len(running) and running[i] is request:
+                        i += 1  # nothing left to preempt: it waits for the next step
+                    continue  # else it was preempted itself
+            add_id(rid)
+            add_resumed(False)
+            add_tokens(self._step_token_ids(request, num_new) if self.send_token_ids else [])
+            add_blocks(None if new_blocks is empty else new_blocks.get_block_ids())
+            add_computed(computed)
+            num_scheduled[rid] = num_new
+            total += num_new
+            request.num_computed_tokens = computed + num_new
+            if request.structured_output is not None:
+                self._note_structured(request, out)
+            if self.track_in_flight:
+                self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+            budget -= num_new
+            i += 1
+        out.total_num_scheduled_tokens += total
+        return budget
+
+    def _step_token_ids(self, request: Request, num_new: int) -> list[int]:
+        """The tokens a step computes (sent to runners with ``send_token_ids``)."""
+        start = request.num_computed_tokens
+        return request.all_token_ids[start:start + num_new]
+
+    def _record_scheduled(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Count the request's tokens into the step and advance its computed count."""
+        out.num_scheduled_tokens[request.request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        request.num_computed_tokens += num_new
+        if request.structured_output is not None:
+            self._note_structured(request, out)
+        if self.track_in_flight:
+            self.in_flight[request.request_id] = self.in_flight.get(request.request_id, 0) + 1
+
+    @staticmethod
+    def _note_structured(request: Request, out: SchedulerOutput) -> None:
+        """List a constrained request whose step samples (its grammar bitmask row is due)."""
+        if request.num_computed_tokens == request.num_tokens:
+            out.structured_output_request_ids.append(request.request_id)
+
+    def _preempt_until_fits(self, request: Request, num_new: int,
+                            out: SchedulerOutput) -> KVCacheBlocks | None:
+        """Preempt the running tail (requests not in flight, which includes those this step
+        scheduled) until ``request`` fits, then allocate. Returns the new blocks, or None if
+        ``request`` itself had to be preempted or nothing is left to preempt."""
+        new_blocks = None
+        while new_blocks is None:
+            victim = self._victim()
+            if victim is None:
+                return None
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
-                return False
-        self.kv.allocate_slots(request, num_new)
-        return True
+                return None
+            new_blocks = self.kv.try_allocate_slots(request, num_new)
+        return new_blocks
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
-                       cap: int) -> int:
+    def _victim(self) -> Request | None:
+        """The running request to preempt: the last in policy order, skipping requests in
+        flight when several steps are (pipeline parallelism); taken out of ``running``."""
+        if not self.track_in_flight:
+            return self.running.pop() if self.running else None
+        for k in range(len(self.running) - 1, -1, -1):
+            if self.running[k].request_id not in self.in_flight:
+                return self.running.pop(k)
+        return None
+
+    def _admit_waiting(self, budget: int, cap: int, out: SchedulerOutput) -> None:
         not_ready: list[Request] = []  # grammars still compiling: skipped, not blocking
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and len(scheduled) < cap:
+                and len(out.num_scheduled_tokens) < cap:
             request = self.waiting.peek()
             if not request.is_schedulable:
                 not_ready.append(self.waiting.pop())
@@ -159,13 +231,28 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            self._send_admitted(request, num_new, out)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            self._running_sorted = False
+            self._record_scheduled(request, num_new, out)
             budget -= num_new
         for request in not_ready:
             self.waiting.add(request)
-        return budget
+
+    def _send_admitted(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """A first admission is sent whole; a readmission after preemption as a resumed cached
+        request with its whole block tables and generated tokens (runners dropped both)."""
+        block_ids = self.kv.get_block_ids(request.request_id)
+        if request.status == RequestStatus.PREEMPTED:
+            out.scheduled_cached_reqs.append(
+                request.request_id, True, request.output_token_ids, block_ids,
+                request.num_computed_tokens)
+            return
+        out.scheduled_new_reqs.append(NewRequestData(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -175,78 +262,84 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(request)
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            do_sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-            output_token_ids=request.output_token_ids,
-            eos_token_id=request.eos_token_id,
-            prompt_token_ids=request.prompt_token_ids,
-        )
-
     # ---- after the step ----------------------------------------------------------------------
-    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, SampledToken],
-                           prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
-                           ) -> list[EngineCoreOutput]:
-        """Append each sampled token, finish requests that stop, and report new tokens; the
-        prompt logprobs a step computed are kept on the request and reported with its first
-        token."""
-        for rid, chunk in (prompt_logprobs or {}).items():
-            request = self.requests.get(rid)
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append each sampled token, finish requests that stop, and report new tokens (in
+        the step's scheduling order, which is the policy's).
+
+        Tokens of requests that finished meanwhile are dropped. Several tokens per request
+        (speculative decoding) are taken in order until one finishes the request. The prompt
+        logprobs a step computed are kept on the request and reported with its first token.
+        """
+        outputs, requests, all_logprobs = [], self.requests, runner_output.logprobs
+        for rid, chunk in runner_output.prompt_logprobs.items():
+            request = requests.get(rid)
             if request is not None:
                 request.add_prompt_logprobs(chunk.start, chunk.entries)
-        outputs = []
-        for sreq in sched_out.scheduled:
-            self._returned(sreq.request_id)
-            token = sampled.get(sreq.request_id)
-            request = self.requests.get(sreq.request_id)
-            if token is None or request is None or request.is_finished:
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
+            if self.track_in_flight:
+                self._returned(rid)
+            token_ids = sampled.get(rid)
+            request = requests.get(rid)
+            if token_ids is None or request is None or request.status.is_finished:
                 continue
-            new_token_ids = [token.token_id]
-            if self._accept_structured(request, token.token_id):
-                request.append_output_token(token.token_id)
-                self._check_stop(request)
-            else:  # the grammar admits no further token: the output is cut here
-                new_token_ids = []
-                request.status = RequestStatus.FINISHED_LENGTH
+            if len(token_ids) == 1 and request.structured_output is None:  # the common case
+                request.all_token_ids.append(token_ids[0])
+                self._check_stop(request, token_ids[0])
+                new_token_ids = token_ids
+            else:
+                new_token_ids = self._append_tokens(request, token_ids)
+            logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
+            status = request.status
             outputs.append(EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=new_token_ids,
-                new_logprobs=[token.logprobs] if token.logprobs is not None and new_token_ids
-                else None,
-                finish_reason=request.status.finish_reason,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs()))
-            if request.is_finished:
-                self.running.remove(request)
+                rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
+                status.finish_reason, request.stop_reason, request.num_cached_tokens,
+                None if request.prompt_logprobs is None else request.take_prompt_logprobs()))
+            if status.is_finished:
+                self._dequeue(request)
                 self._free(request)
         return outputs
 
-    @staticmethod
-    def _accept_structured(request: Request, token_id: int) -> bool:
-        """Advance a constrained request's matcher (before the token is appended, so matcher
-        and tokens never disagree); False if the grammar rejects the token."""
-        return request.structured_output is None or \
-            request.structured_output.accept_token(token_id)
+    def _dequeue(self, request: Request) -> None:
+        """Take a request out of the running list (or, preempted meanwhile, the waiting queue)."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
 
-    def _check_stop(self, request: Request) -> None:
-        params, token = request.sampling_params, request.all_token_ids[-1]
-        if request.num_output_tokens > params.min_tokens:  # stop ids were masked until now
-            if not params.ignore_eos and token == request.eos_token_id:
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append tokens until one finishes the request; returns those appended."""
+        appended = []
+        for token_id in token_ids:
+            if request.structured_output is not None and \
+                    not request.structured_output.accept_token(token_id):
+                # the grammar admits no further token: the output is cut here (the matcher
+                # advances before the token is appended, so both always agree)
+                request.status = RequestStatus.FINISHED_LENGTH
+                break
+            request.all_token_ids.append(token_id)
+            appended.append(token_id)
+            if self._check_stop(request, token_id):
+                break
+        return appended
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        """Finish the request if ``token`` (just appended) stops it; returns whether it did."""
+        params = request.sampling_params
+        num_output = len(request.all_token_ids) - len(request.prompt_token_ids)
+        if num_output > params.min_tokens:  # stop ids were masked until now
+            if token == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
-                return
+                return True
             if token in params.stop_token_ids:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.max_model_len):
+                return True
+        if num_output >= params.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
 
     def _returned(self, request_id: str) -> None:
         """One scheduled step of ``request_id`` came back."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.runner_output import TokenLogprobs
+
 
 @dataclass
 class PenaltyMetadata:
@@ -92,11 +94,26 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    """sampled: int64 [B]; logprobs: row -> (top token ids, their logprobs, sampled token's
-    logprob, sampled token's rank), for rows that asked."""
+    """sampled: int64 [B]. For rows that asked for logprobs (``num_logprobs``: row -> k),
+    ``logprobs_tensors`` holds (top ids int64 [B, K], their logprobs float32 [B, K], the
+    sampled token's logprob float32 [B], its rank int64 [B]); they stay on the device until
+    ``logprobs_lists`` copies them (one host sync)."""
 
     sampled: torch.Tensor
-    logprobs: dict[int, tuple[list[int], list[float], float, int]]
+    logprobs_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: dict[int, int] = field(default_factory=dict)
+
+    def logprobs_lists(self) -> dict[int, TokenLogprobs]:
+        """row -> (top token ids, their logprobs, sampled token's logprob, its rank)."""
+        if self.logprobs_tensors is None:
+            return {}
+        top_ids, top_lp, sampled_lp, ranks = (t.tolist() for t in self.logprobs_tensors)
+        return {row: (top_ids[row][:k], top_lp[row][:k], sampled_lp[row], ranks[row])
+                for row, k in self.num_logprobs.items()}
+
+    @property
+    def logprobs(self) -> dict[int, TokenLogprobs]:
+        return self.logprobs_lists()
 
 
 class Sampler:
@@ -120,7 +137,8 @@ class Sampler:
         if not meta.all_greedy:
             random = self._sample_random(logits, meta)
             sampled = torch.where(meta.temperature == 0, sampled, random)
-        return SamplerOutput(sampled, self._gather_logprobs(raw_logprobs, sampled, meta))
+        return SamplerOutput(sampled, self._gather_logprobs(raw_logprobs, sampled, meta),
+                             dict(meta.num_logprobs))
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
@@ -134,19 +152,14 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor | None, sampled: torch.Tensor,
-                         meta: SamplingMetadata) -> dict:
+                         meta: SamplingMetadata) -> tuple[torch.Tensor, ...] | None:
         if raw is None:
-            return {}
+            return None
         k_max = max(meta.num_logprobs.values())
         top_lp, top_ids = raw.topk(max(k_max, 1), dim=-1)
         sampled_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
         ranks = (raw > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
-        out = {}
-        top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
-        sampled_lp, ranks = sampled_lp.tolist(), ranks.tolist()
-        for row, k in meta.num_logprobs.items():
-            out[row] = (top_ids[row][:k], top_lp[row][:k], sampled_lp[row], ranks[row])
-        return out
+        return top_ids, top_lp, sampled_lp, ranks
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

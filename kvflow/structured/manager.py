@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvflow.request import Request
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import GrammarBitmask
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
 
@@ -106,20 +106,22 @@ class StructuredOutputManager:
             logger.exception("structured output: compiling %s failed", params.kind)
             raise
 
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    def grammar_bitmask(self, request_ids: list[str], requests: dict[str, Request]
                         ) -> GrammarBitmask | None:
-        """One bitmask row per constrained request that samples this step; None if none does.
+        """One bitmask row per constrained request that samples this step (``request_ids``,
+        the step's ``structured_output_request_ids``); None if none does. Requests that
+        finished meanwhile are skipped.
 
         A request whose grammar failed to compile gets a row allowing nothing, so its first
         token is rejected and it ends with ``length`` (it never runs unconstrained).
         """
-        if self._executor is None:  # no constrained request ever: nothing to look up
+        if self._executor is None or not request_ids:  # no constrained request this step
             return None
         rows = []
-        for sreq in scheduler_output.scheduled:
-            request = requests.get(sreq.request_id) if sreq.do_sample else None
+        for rid in request_ids:
+            request = requests.get(rid)
             if request is not None and request.structured_output is not None:
-                rows.append((sreq.request_id, request.structured_output))
+                rows.append((rid, request.structured_output))
         if not rows:
             return None
         if self._bitmask is None:

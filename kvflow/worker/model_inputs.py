@@ -1,18 +1,20 @@
-"""Turns a SchedulerOutput into the model's input tensors for one step (no per-token loops).
+"""Builds one step's model inputs from the persistent input batch (no per-token loops).
 
-A function of each step's SchedulerOutput, rebuilt every step (not a persistent batch).
+The batch rows a step schedules are gathered in row order; positions, input ids, the slot
+mapping and one block table per KV-cache group come from numpy fancy indexing of the batch's
+columns, and ``InputStager`` moves them to the device in two transfers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
-from kvflow.sched_output import SchedulerOutput
+from kvflow.kv_cache_interface import SlidingWindowSpec
+from kvflow.worker.input_batch import InputBatch
 
 
 @dataclass
@@ -24,47 +26,67 @@ class ModelInputs:
         attn_metadata: slot mapping, block table and lengths for attention, one per KV-cache
             group (the groups differ only in slot mapping and block table).
         logits_indices: int64 [num_sampling_reqs]; the last token of each request that samples.
-        sampling_rows: the ScheduledRequest index of each sampling row.
+        sample_rows: int64 [num_sampling_reqs]; the batch row of each request that samples.
+        pending_token_index / pending_sample_index: int64 [P] each: input token
+            ``pending_token_index[i]`` is entry ``pending_sample_index[i]`` of the previous
+            step's sampled tensor (a token still on the device; async scheduling).
+        rows / query_start: int64 [R] the scheduled batch rows in batch order and int64
+            [R + 1] their first token (host arrays).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]
     logits_indices: torch.Tensor
-    sampling_rows: list[int]
+    sample_rows: np.ndarray
+    pending_token_index: torch.Tensor
+    pending_sample_index: torch.Tensor
+    rows: np.ndarray
+    query_start: np.ndarray
 
 
-def build_model_inputs(sched: SchedulerOutput, block_size: int,
+def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size: int,
                        stager: InputStager) -> ModelInputs:
-    """Flatten the scheduled requests into token-major tensors on the stager's device."""
-    reqs = sched.scheduled
-    query_lens = np.fromiter((r.num_scheduled_tokens for r in reqs), np.int64, len(reqs))
-    computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
-    query_start = np.zeros(len(reqs) + 1, np.int64)
+    """Flatten the scheduled rows into token-major tensors on the stager's device.
+
+    Args:
+        batch: the persistent batch (its ``num_computed_tokens`` already set for this step).
+        num_scheduled: int64 [batch.num_reqs]; tokens each row computes this step (0: none).
+        block_size: tokens per KV block.
+        stager: moves the arrays to the device.
+    """
+    rows = np.flatnonzero(num_scheduled)
+    index = batch.index(rows)  # a slice when every row is scheduled
+    query_lens = num_scheduled[index]
+    computed = batch.num_computed_tokens[index]
+    query_start = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
     seq_lens = computed + query_lens
     # Position of every token: its request's computed count plus its offset in the chunk.
-    req_of_token = np.repeat(np.arange(len(reqs)), query_lens)
+    req_of_token = np.repeat(np.arange(len(rows)), query_lens)
     positions = computed[req_of_token] + np.arange(num_tokens) - query_start[:-1][req_of_token]
-    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), np.int64, num_tokens)
-    sampling_rows = [i for i, r in enumerate(reqs) if r.do_sample]
-    logits_indices = query_start[1:][sampling_rows] - 1
-    # One block table and slot mapping per KV-cache group.
-    groups = [_block_table_and_slots([r.block_ids[g] for r in reqs], req_of_token, positions,
-                                     block_size)
-              for g in range(len(reqs[0].block_ids))]
-    i64, i32 = stager.stage([input_ids, positions, logits_indices, *(s for _, s in groups)],
-                            [query_start, seq_lens, *(table for table, _ in groups)])
-    input_ids_t, positions_t, logits_t = i64[:3]
+    input_ids = batch.token_ids[rows[req_of_token], positions]
+    sampling = np.flatnonzero(seq_lens >= batch.num_tokens[index])  # reaches the row's end
+    logits_indices = query_start[1:][sampling] - 1
+    pending = np.flatnonzero(batch.pending_sample[index] >= 0)
+    pending_tokens = query_start[pending] + batch.num_tokens[rows[pending]] - 1 - \
+        computed[pending]
+    groups = [_block_table_and_slots(batch, g, index, req_of_token, positions, block_size)
+              for g in range(len(batch.kv_cache_specs))]
+    i64, i32 = stager.stage(
+        [input_ids, positions, logits_indices, pending_tokens,
+         batch.pending_sample[rows[pending]], *(s for _, s in groups)],
+        [query_start, seq_lens, *(table for table, _ in groups)])
     query_start_t, seq_lens_t = i32[:2]
     attn_metadata = [
         AttentionMetadata(slot_mapping=slots, query_start_loc=query_start_t,
                           seq_lens=seq_lens_t, block_table=table,
                           max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
                           num_actual_tokens=num_tokens)
-        for slots, table in zip(i64[3:], i32[2:])]
-    return ModelInputs(input_ids_t, positions_t, attn_metadata, logits_t, sampling_rows)
+        for slots, table in zip(i64[5:], i32[2:])]
+    return ModelInputs(i64[0], i64[1], attn_metadata, i64[2], rows[sampling], i64[3], i64[4],
+                       rows, query_start)
 
 
 class InputStager:
@@ -72,8 +94,8 @@ class InputStager:
 
     On CUDA the arrays are packed into persistent pinned host buffers and copied with
     ``non_blocking=True``; an event recorded after the copies guards the buffers, so the next
-    step only overwrites them once the previous transfer has finished. On CPU the packed arrays
-    are used as they are (no copy, no buffer reuse).
+    step only overwrites them once the previous transfer has finished. On CPU each array
+    becomes a tensor sharing its memory (the arrays are fresh each step: no copy, no packing).
 
     Args:
         device: where the model runs.
@@ -109,9 +131,9 @@ class InputStager:
             flat = host[:total]
             np.concatenate([a.ravel() for a in arrays], out=flat.numpy(), casting="unsafe")
             flat = flat.to(self.device, non_blocking=True)
-        else:
+        else:  # CPU: the arrays themselves, no packing
             np_dtype = np.int64 if dtype == torch.int64 else np.int32
-            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np_dtype))
+            return [torch.from_numpy(np.ascontiguousarray(a, np_dtype)) for a in arrays]
         views, offset = [], 0
         for a, n in zip(arrays, sizes):
             views.append(flat[offset:offset + n].view(a.shape))
@@ -119,13 +141,21 @@ class InputStager:
         return views
 
 
-def _block_table_and_slots(block_ids: list[list[int]], req_of_token: np.ndarray,
-                           positions: np.ndarray, block_size: int
+def _block_table_and_slots(batch: InputBatch, group: int, rows: np.ndarray | slice,
+                           req_of_token: np.ndarray, positions: np.ndarray, block_size: int
                            ) -> tuple[np.ndarray, np.ndarray]:
-    """Padded block table [num_reqs, max_blocks] and the slot of every token [num_tokens]."""
-    block_table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), np.int64)
-    for i, ids in enumerate(block_ids):
-        block_table[i, :len(ids)] = ids
-    slot_mapping = (block_table[req_of_token, positions // block_size] * block_size
+    """Group ``group``'s block table of ``rows`` [R, max_blocks] (int32, padded with the null
+    block 0) and the slot of every token [num_tokens] (int64). In a sliding-window group the
+    blocks before the window of the row's first query are the null block, as in the
+    scheduler's tables (the KV-cache manager released them)."""
+    width = int(batch.num_blocks[group][rows].max())
+    table = batch.block_tables[group][rows, :width]  # entries past a row's blocks are 0
+    if isinstance(rows, slice):  # a view of the batch: copy (the step owns its arrays)
+        table = table.copy()
+    spec = batch.kv_cache_specs[group]
+    if isinstance(spec, SlidingWindowSpec):
+        first = spec.first_needed_blocks(batch.num_computed_tokens[rows])
+        table[np.arange(width) < first[:, None]] = 0
+    slot_mapping = (table[req_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    return block_table, slot_mapping
+    return table, slot_mapping

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
@@ -21,16 +23,19 @@ from kvflow.kernels.gemm import (
     widen_half_gemms,
 )
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
-from kvflow.layers.sampler import PenaltyMetadata, Sampler, SamplingMetadata
+from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config, weight_bytes
-from kvflow.runner_output import ModelRunnerOutput, SampledToken
-from kvflow.sched_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
+from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
+from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
-from kvflow.worker.prompt_logprobs import compute_prompt_logprobs
+from kvflow.worker.prompt_logprobs import PromptLogprobsRequest, compute_prompt_logprobs
+from kvflow.worker.sampling_inputs import SamplingInputs
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +153,11 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.config.model_config.seed)
         self.sampler = Sampler(gen)
-        self._generators: dict[str, torch.Generator] = {}
+        self.sampling_inputs = SamplingInputs(self.device)
+        self.requests: dict[str, RequestState] = {}  # every request this runner computes
+        self.input_batch: InputBatch | None = None  # made with the KV cache (needs the groups)
+        self._step: _LaunchedStep | None = None  # forward launched, not sampled yet
+        self._pending: _PendingOutput | None = None  # sampled, not collected yet
 
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -199,10 +208,11 @@ class ModelRunner:
         num_tokens = self.config.scheduler_config.max_num_batched_tokens
         num_blocks = -(-num_tokens // self.block_size)
         self.initialize_kv_cache(KVCacheConfig(num_blocks + 1, kv_cache_groups))
+        batch = InputBatch(1, [g.kv_cache_spec for g in kv_cache_groups])
+        state = RequestState("profile", [0] * num_tokens, SamplingParams(), None)
         block_ids = list(range(1, num_blocks + 1))
-        req = ScheduledRequest("profile", [0] * num_tokens, 0,
-                               tuple(block_ids for _ in kv_cache_groups), True, None, [], None)
-        inputs = build_model_inputs(SchedulerOutput(scheduled=[req]), self.block_size,
+        batch.add_request(state, [], tuple(block_ids for _ in kv_cache_groups), 0)
+        inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
                                     self.stager)
         with torch.inference_mode():
             hidden = self._forward(inputs, self._recv_from_previous_stage())
@@ -238,6 +248,9 @@ class ModelRunner:
         if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
             self._check_fits(kv_cache_config.num_blocks * spec.page_size_bytes * len(tensors))
         self.kv_cache_config = kv_cache_config
+        self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs,
+                                      [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups])
+        self.requests = {}
         self.kv_caches = []
         for users in tensors:
             cache = torch.zeros(spec.kv_cache_shape(kv_cache_config.num_blocks),
@@ -271,42 +284,119 @@ class ModelRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
 
     # ---- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
                       ) -> ModelRunnerOutput:
-        """Run one step; returns the sampled token of every request that reached its end and
-        the prompt logprobs of requests that asked for them. ``grammar_bitmask`` masks the rows
-        of structured-output requests (others untouched)."""
-        for rid in sched.finished_ids:
-            self._generators.pop(rid, None)
+        """Run one step and return the sampled token of every request that reached its end.
+        ``grammar_bitmask`` masks the rows of structured-output requests (others untouched)."""
+        self.launch_forward(sched)
+        self.launch_sampling(grammar_bitmask)
+        return self.collect_output()
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> None:
+        """Apply the step's changes to the input batch, build the inputs and run the forward
+        pass up to the logits of the rows that sample (on CUDA: queued, not waited for).
+        Tokens sampled by the previous step and not yet collected are read on the device.
+
+        Raises:
+            NotImplementedError: for draft tokens to verify (speculative decoding).
+        """
+        self._update_states(sched)
+        self._step = None
         if sched.is_empty:
-            return ModelRunnerOutput()
-        inputs = build_model_inputs(sched, self.block_size, self.stager)
+            return
+        if sched.scheduled_spec_decode_tokens:
+            raise NotImplementedError("draft tokens to verify: speculative decoding is not "
+                                      "implemented in this runner")
+        inputs = build_model_inputs(self.input_batch,
+                                    self.input_batch.num_scheduled_per_row(sched),
+                                    self.block_size, self.stager)
+        if len(inputs.pending_token_index):
+            inputs.input_ids[inputs.pending_token_index] = \
+                self._pending.output.sampled[inputs.pending_sample_index]
         hidden = self._forward(inputs, self._recv_from_previous_stage())
         if not self._send_to_next_stage(hidden):
-            return ModelRunnerOutput()  # a stage before the last: no logits here
-        prompt_logprobs = {}
-        if any(r.sampling_params.prompt_logprobs is not None for r in sched.scheduled):
-            starts = inputs.attn_metadata[0].query_start_loc.tolist()
-            prompt_logprobs = compute_prompt_logprobs(sched.scheduled, starts, hidden,
-                                                      self.model.compute_logits)
-        return ModelRunnerOutput(self._sample(sched, inputs, hidden, grammar_bitmask),
-                                 prompt_logprobs)
+            return  # a pipeline stage before the last: no logits here
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) \
+            if len(inputs.sample_rows) else None
+        prompt_logprobs = compute_prompt_logprobs(self._prompt_logprobs_requests(inputs),
+                                                  hidden, self.model.compute_logits) \
+            if self.input_batch.prompt_logprobs else {}
+        self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs)
 
-    def _sample(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
-                grammar_bitmask: GrammarBitmask | None) -> dict[str, SampledToken]:
-        """The sampled token of every request whose step reached its end."""
-        if not inputs.sampling_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        reqs = [sched.scheduled[i] for i in inputs.sampling_rows]
-        meta = self._sampling_metadata(reqs)
-        if grammar_bitmask is not None:
-            meta.grammar = self._grammar_rows(grammar_bitmask, reqs)
-        out = self.sampler(logits, meta)
-        sampled = out.sampled.tolist()
-        return {r.request_id: SampledToken(sampled[row], out.logprobs.get(row))
-                for row, r in enumerate(reqs)}
+    def _prompt_logprobs_requests(self, inputs: ModelInputs) -> list[PromptLogprobsRequest]:
+        """The scheduled requests that asked for prompt logprobs, with their hidden rows."""
+        batch, out = self.input_batch, []
+        position = {row: k for k, row in enumerate(inputs.rows.tolist())}
+        for rid, num_top in batch.prompt_logprobs.items():
+            k = position.get(batch.req_id_to_index[rid])
+            if k is not None:
+                start = int(inputs.query_start[k])
+                out.append(PromptLogprobsRequest(
+                    rid, num_top, self.requests[rid].prompt_token_ids,
+                    int(batch.num_computed_tokens[inputs.rows[k]]),
+                    int(inputs.query_start[k + 1]) - start, start))
+        return out
+
+    @torch.inference_mode()
+    def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Sample the launched step's rows (queued on CUDA); their tokens count as the rows'
+        next tokens at once and reach the host in ``collect_output``.
+
+        Raises:
+            RuntimeError: if the previous step's tokens were not collected yet (penalties and
+                min_tokens must see them).
+        """
+        if self._pending is not None:
+            raise RuntimeError("collect_output() must run before the next launch_sampling()")
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if not len(step.sample_rows):  # a prefill chunk: maybe prompt logprobs, no tokens
+            if step.prompt_logprobs:
+                self._pending = _PendingOutput([], None, step.prompt_logprobs)
+            return
+        batch = self.input_batch
+        meta = self.sampling_inputs.build(batch, step.sample_rows, grammar_bitmask)
+        out = self.sampler(step.logits, meta)
+        batch.add_pending_tokens(step.sample_rows)
+        index = batch.index(step.sample_rows)
+        req_ids = batch.req_ids[index] if isinstance(index, slice) else \
+            [batch.req_ids[r] for r in step.sample_rows.tolist()]
+        self._pending = _PendingOutput(req_ids, out, step.prompt_logprobs)
+
+    def collect_output(self) -> ModelRunnerOutput:
+        """Copy the last sampled tokens to the host (waits for the device) and return them."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return ModelRunnerOutput()
+        if pending.output is None:
+            return ModelRunnerOutput(prompt_logprobs=pending.prompt_logprobs)
+        sampled = pending.output.sampled.cpu().numpy()
+        self.input_batch.fill_pending_tokens(sampled)
+        tokens = sampled.tolist()
+        logprobs = {pending.req_ids[row]: [lp]
+                    for row, lp in pending.output.logprobs_lists().items()}
+        return ModelRunnerOutput(pending.req_ids, [[t] for t in tokens], logprobs,
+                                 pending.prompt_logprobs)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        """Apply the step's changes to the request states and the input batch."""
+        for rid in sched.finished_ids:
+            self.requests.pop(rid, None)
+        for new in sched.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(
+                new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
+                self._make_generator(new.sampling_params))
+        self.input_batch.apply_scheduler_output(sched, self.requests)
+
+    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+        """A request's own generator (seeded random sampling), else None."""
+        if params.seed is None or params.temperature == 0:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed)
+        return gen
 
     def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None
                  ) -> torch.Tensor | IntermediateTensors:
@@ -340,66 +430,22 @@ class ModelRunner:
         for meta in metadata:
             self.attn_ctx.backend.prepare(meta, self.block_size)
 
-    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
-        params = [r.sampling_params for r in reqs]
 
-        def column(values: list, dtype: torch.dtype, unused: Any) -> torch.Tensor | None:
-            if all(v == unused for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=self.device)
+@dataclass
+class _LaunchedStep:
+    """A step whose forward pass was launched: its sampling rows and their logits, and the
+    prompt logprobs it computed."""
 
-        meta = SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=self.device),
-            top_k=column([p.top_k for p in params], torch.int64, 0),
-            top_p=column([p.top_p for p in params], torch.float32, 1.0),
-            min_p=column([p.min_p for p in params], torch.float32, 0.0),
-            all_greedy=all(p.temperature == 0 for p in params))
-        for row, r in enumerate(reqs):
-            p = r.sampling_params
-            if p.seed is not None and p.temperature > 0:
-                meta.generators[row] = self._generator_for(r.request_id, p.seed)
-            if len(r.output_token_ids) < p.min_tokens:
-                banned = list(p.stop_token_ids)
-                if r.eos_token_id is not None and not p.ignore_eos:
-                    banned.append(r.eos_token_id)
-                if banned:
-                    meta.banned_token_ids[row] = banned
-            if p.logprobs is not None:
-                meta.num_logprobs[row] = p.logprobs
-        self._add_penalties_and_bias(meta, reqs)
-        return meta
+    sample_rows: np.ndarray
+    logits: torch.Tensor | None
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
 
-    def _grammar_rows(self, grammar: GrammarBitmask, reqs: list[ScheduledRequest]
-                      ) -> tuple[list[int], torch.Tensor]:
-        """(sampling rows [R], bitmask int32 [R, W] on the device) of constrained requests."""
-        row_of = {r.request_id: row for row, r in enumerate(reqs)}
-        rows = [row_of[rid] for rid in grammar.request_ids]
-        return rows, grammar.bitmask.to(self.device, non_blocking=True)
 
-    def _add_penalties_and_bias(self, meta: SamplingMetadata,
-                                reqs: list[ScheduledRequest]) -> None:
-        """Fill ``meta.penalties`` / ``meta.logit_bias`` for the rows that use them."""
-        rows = [row for row, r in enumerate(reqs) if r.sampling_params.uses_penalties]
-        if rows:
-            meta.penalties = PenaltyMetadata.build(
-                rows, [reqs[i].prompt_token_ids for i in rows],
-                [reqs[i].output_token_ids for i in rows],
-                [reqs[i].sampling_params for i in rows], self.device)
-        bias = [(row, token_id, value) for row, r in enumerate(reqs)
-                for token_id, value in (r.sampling_params.logit_bias or {}).items()]
-        if bias:
-            rows_, token_ids, values = zip(*bias)
-            meta.logit_bias = (
-                torch.tensor(rows_, dtype=torch.int64, device=self.device),
-                torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(values, dtype=torch.float32, device=self.device))
+@dataclass
+class _PendingOutput:
+    """A step sampled but not yet collected: its requests, in sampled-tensor order (output
+    None: nothing sampled), and its prompt logprobs."""
 
-    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
-
+    req_ids: list[str]
+    output: SamplerOutput | None
+    prompt_logprobs: dict[str, PromptLogprobsChunk]

@@ -12,11 +12,11 @@ never holds its whole ``[tokens, vocab]`` logits at once. Logprobs are the raw l
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvflow.runner_output import PromptLogprobsChunk, TokenLogprobs
-from kvflow.sched_output import ScheduledRequest
 
 ROWS_PER_PASS = 256
 
@@ -44,15 +44,33 @@ def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor,
             in zip(tops, target_lp[:, 0].tolist(), ranks.tolist())]
 
 
-def compute_prompt_logprobs(reqs: list[ScheduledRequest], query_start: list[int],
-                            hidden: torch.Tensor,
+@dataclass
+class PromptLogprobsRequest:
+    """One scheduled request that asked for prompt logprobs.
+
+    Attributes:
+        req_id: the request.
+        num_top: top tokens per position (the request's ``prompt_logprobs``).
+        prompt_token_ids: its prompt.
+        num_computed_tokens: tokens cached before the step; the step computes the next
+            ``num_scheduled_tokens``, whose hidden rows start at row ``first_row``.
+    """
+
+    req_id: str
+    num_top: int
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    first_row: int
+
+
+def compute_prompt_logprobs(reqs: list[PromptLogprobsRequest], hidden: torch.Tensor,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor]
                             ) -> dict[str, PromptLogprobsChunk]:
-    """Prompt logprobs of every scheduled request that asked for them.
+    """Prompt logprobs of the step's requests that asked for them.
 
     Args:
-        reqs: the step's requests in batch order.
-        query_start: [len(reqs) + 1] first hidden row of each request (cumulative lengths).
+        reqs: those requests.
         hidden: [num_tokens, hidden_size] the step's final hidden states.
         compute_logits: the model's LM head (hidden rows -> float32 logits).
 
@@ -61,17 +79,18 @@ def compute_prompt_logprobs(reqs: list[ScheduledRequest], query_start: list[int]
         holds no prompt token with a predecessor in it are left out).
     """
     out: dict[str, PromptLogprobsChunk] = {}
-    for i, r in enumerate(reqs):
-        num_top = r.sampling_params.prompt_logprobs
-        last = min(r.num_computed_tokens + r.num_scheduled_tokens, len(r.prompt_token_ids) - 1)
-        if num_top is None or last <= r.num_computed_tokens:
+    for r in reqs:
+        start = r.num_computed_tokens
+        last = min(start + r.num_scheduled_tokens, len(r.prompt_token_ids) - 1)
+        if last <= start:
             continue
-        rows = torch.arange(query_start[i], query_start[i] + last - r.num_computed_tokens)
-        targets = torch.tensor(r.prompt_token_ids[r.num_computed_tokens + 1:last + 1])
+        rows = torch.arange(r.first_row, r.first_row + last - start)
+        targets = torch.tensor(r.prompt_token_ids[start + 1:last + 1])
         entries: list[TokenLogprobs] = []
         for s in range(0, rows.numel(), ROWS_PER_PASS):
             logits = compute_logits(hidden[rows[s:s + ROWS_PER_PASS].to(hidden.device)])
             lps = torch.log_softmax(logits.float(), dim=-1)
-            entries += token_logprobs(lps, targets[s:s + ROWS_PER_PASS].to(lps.device), num_top)
-        out[r.request_id] = PromptLogprobsChunk(r.num_computed_tokens + 1, entries)
+            entries += token_logprobs(lps, targets[s:s + ROWS_PER_PASS].to(lps.device),
+                                      r.num_top)
+        out[r.req_id] = PromptLogprobsChunk(start + 1, entries)
     return out

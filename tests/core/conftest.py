@@ -5,12 +5,16 @@ Everything a test needs comes through fixtures (``make_request``, ``make_pool``,
 remaining scheduler requests are aborted, then every block's ref count must be 0,
 ``check_invariants`` must pass and every usable block must be free.
 
-``FakeDriver`` plays the model runner. It keeps its own copy of every block's token slots (a
-simulated KV cache): each step it first writes every scheduled token into its slot (as every
-attention layer does), then checks that each scheduled request reads back exactly its own token
-history through its block table, and "samples" a deterministic function of what it read. A wrong
-prefix hit, a block reused while still in use, or a lost/duplicated token therefore shows up as a
-wrong read or as output that differs from an oracle run.
+``FakeDriver`` plays the model runner. Like a real runner it only gets each step's changes
+(``kvflow/sched_output.py``): it keeps its own mirror of every request's tokens, block tables and
+computed count, built from those messages alone, and checks the mirror against the scheduler's
+own state every step (so a diff the scheduler forgets to send fails here). It also keeps its own
+copy of every block's token slots (a simulated KV cache): each step it first writes every
+scheduled token into its slot (as every attention layer does), then checks that each scheduled
+request reads back exactly its own token history through its block table, and "samples" a
+deterministic function of what it read. A wrong prefix hit, a block reused while still in use,
+or a lost/duplicated token therefore shows up as a wrong read or as output that differs from an
+oracle run.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.kv_cache_interface import SlidingWindowSpec
 from kvflow.request import Request, RequestStatus
-from kvflow.runner_output import SampledToken
+from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 from tests.core.fake_kv import fake_kv_cache_config
@@ -85,6 +90,31 @@ class Result:
 
 
 @dataclass
+class Mirror:
+    """The driver's copy of one request, built from the scheduler's messages only."""
+
+    prompt: list[int]
+    tokens: list[int]
+    block_ids: list[list[int]]
+    num_computed: int = 0
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step, as the driver reconstructs it from the diffs."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+    do_sample: bool
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
 class FakeDriver:
     """Plays the model runner for a Scheduler and checks the KV cache it is handed.
 
@@ -101,6 +131,9 @@ class FakeDriver:
     results: dict[str, Result] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
     kv_mem: dict[int, list[int | None]] = field(default_factory=dict)
+    mirror: dict[str, Mirror] = field(default_factory=dict)
+    last_scheduled: list[Scheduled] = field(default_factory=list)
+    prepared: dict[int, list[Scheduled]] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
@@ -123,8 +156,8 @@ class FakeDriver:
     def step(self) -> StepRecord:
         """One schedule -> (fake) execute -> update round, with the KV checks described above."""
         sched_out = self.scheduler.schedule()
-        self._check_block_tables(sched_out)
         sampled = self.execute(sched_out)
+        scheduled = self.last_scheduled
         outputs = self.scheduler.update_from_output(sched_out, sampled)
         for out in outputs:
             self.history[out.request_id].extend(out.new_token_ids)
@@ -134,21 +167,89 @@ class FakeDriver:
             res.num_cached_tokens = out.num_cached_tokens
         self.check_ref_counts()
         record = StepRecord(
-            num_scheduled={s.request_id: s.num_scheduled_tokens for s in sched_out.scheduled},
-            num_computed_before={s.request_id: s.num_computed_tokens for s in sched_out.scheduled},
-            do_sample={s.request_id: s.do_sample for s in sched_out.scheduled},
-            sampled={rid: t.token_id for rid, t in sampled.items()},
+            num_scheduled={s.request_id: s.num_scheduled_tokens for s in scheduled},
+            num_computed_before={s.request_id: s.num_computed_tokens for s in scheduled},
+            do_sample={s.request_id: s.do_sample for s in scheduled},
+            sampled=dict(zip(sampled.req_ids, (t[0] for t in sampled.sampled_token_ids))),
             preempted=list(sched_out.preempted_ids),
             finished_ids=set(sched_out.finished_ids),
             outputs=outputs)
         self.steps.append(record)
         return record
 
-    def execute(self, sched_out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Write all scheduled tokens into the fake KV, then read back and sample."""
+    def apply_diffs(self, sched_out: SchedulerOutput) -> list[Scheduled]:
+        """Update the mirror from the step's message, check it against the scheduler's own
+        state, and return each scheduled request's share of the step."""
+        for rid in sched_out.finished_ids:
+            self.mirror.pop(rid, None)
+        for rid in sched_out.preempted_ids:  # a runner drops the row and generated tokens
+            m = self.mirror[rid]
+            m.tokens, m.block_ids = list(m.prompt), []
+        for new in sched_out.scheduled_new_reqs:
+            self.mirror[new.req_id] = Mirror(list(new.prompt_token_ids),
+                                             list(new.prompt_token_ids),
+                                             [list(ids) for ids in new.block_ids],
+                                             new.num_computed_tokens)
+        cached = sched_out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            m = self.mirror[rid]
+            if cached.resumed_from_preemption[i]:
+                m.tokens = m.prompt + list(cached.new_token_ids[i])
+                m.block_ids = [list(ids) for ids in cached.new_block_ids[i]]
+            else:
+                for table, ids in zip(m.block_ids, cached.new_block_ids[i] or ()):
+                    table.extend(ids)
+                start = cached.num_computed_tokens[i]
+                for j, token in enumerate(cached.new_token_ids[i]):
+                    if start + j < len(m.tokens):
+                        assert m.tokens[start + j] == token, rid
+                    else:
+                        m.tokens.append(token)
+            m.num_computed = cached.num_computed_tokens[i]
+        assert sched_out.total_num_scheduled_tokens == \
+            sum(sched_out.num_scheduled_tokens.values())
+        return [self._scheduled(rid, n) for rid, n in sched_out.num_scheduled_tokens.items()]
+
+    def _scheduled(self, rid: str, num_new: int) -> Scheduled:
+        m = self.mirror[rid]
+        tables, start = self._nulled(m), m.num_computed
+        request = self.scheduler.requests.get(rid)  # None: aborted after schedule()
+        if request is not None:
+            assert m.tokens == request.all_token_ids, f"{rid}: mirror tokens differ"
+            assert tables == self.scheduler.kv.get_block_ids(rid), f"{rid}: mirror blocks differ"
+            assert start + num_new == request.num_computed_tokens, rid
+        return Scheduled(rid, m.tokens[start:start + num_new], start, tables,
+                         start + num_new >= len(m.tokens))
+
+    def _nulled(self, m: Mirror) -> tuple[list[int], ...]:
+        """The mirror's tables with the blocks before a sliding window nulled (as a runner
+        does from the spec)."""
+        out = []
+        for g, table in enumerate(m.block_ids):
+            spec = self.scheduler.kv.kv_cache_config.kv_cache_groups[g].kv_cache_spec
+            first = spec.first_needed_block(m.num_computed) \
+                if isinstance(spec, SlidingWindowSpec) else 0
+            out.append([0] * min(first, len(table)) + table[first:])
+        return tuple(out)
+
+    def prepare(self, sched_out: SchedulerOutput) -> list[Scheduled]:
+        """Apply a step's diffs as soon as it is scheduled (a runner receives the steps in
+        order; with several steps in flight they are executed later) and check them."""
+        scheduled = self.apply_diffs(sched_out)
+        self._check_block_tables(scheduled)
+        self.prepared[id(sched_out)] = scheduled
+        return scheduled
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's diffs (unless ``prepare`` did), write all scheduled tokens into
+        the fake KV, then read back and sample."""
+        if id(sched_out) not in self.prepared:
+            self.prepare(sched_out)
+        scheduled = self.prepared.pop(id(sched_out))
+        self.last_scheduled = scheduled
         bs = self.block_size
         holders = self._block_holders()
-        for s in sched_out.scheduled:  # every layer stores the step's new K/V first ...
+        for s in scheduled:  # every layer stores the step's new K/V first ...
             history = self.history[s.request_id]
             start = s.num_computed_tokens
             assert s.token_ids == history[start:start + len(s.token_ids)], s.request_id
@@ -160,16 +261,19 @@ class FakeDriver:
                     assert pos >= len(other) or other[pos] == history[pos], \
                         f"{s.request_id} writes {history[pos]} at {pos}: clobbers {rid}"
                 self.kv_mem.setdefault(block_id, [None] * bs)[pos % bs] = history[pos]
-        sampled = {}
-        for s in sched_out.scheduled:  # ... then reads it back through the block table
+        out = ModelRunnerOutput()
+        for s in scheduled:  # ... then reads it back through the block table
             end = s.num_computed_tokens + s.num_scheduled_tokens
             seen = [self.kv_mem.get(s.block_ids[0][p // bs], [None] * bs)[p % bs]
                     for p in range(end)]
             assert seen == self.history[s.request_id][:end], \
                 f"{s.request_id} reads wrong KV: {seen} != {self.history[s.request_id][:end]}"
             if s.do_sample:
-                sampled[s.request_id] = SampledToken(self._sample(s.request_id, seen))
-        return sampled
+                token = self._sample(s.request_id, seen)
+                self.mirror[s.request_id].tokens.append(token)  # a runner keeps its samples
+                out.req_ids.append(s.request_id)
+                out.sampled_token_ids.append([token])
+        return out
 
     def _sample(self, request_id: str, seen: list[int]) -> int:
         """The scripted token for this output position, else ``default_sample(seen)``."""
@@ -185,11 +289,11 @@ class FakeDriver:
                 holders.setdefault(b, []).append(req.request_id)
         return holders
 
-    def _check_block_tables(self, sched_out: SchedulerOutput) -> None:
+    def _check_block_tables(self, scheduled: list[Scheduled]) -> None:
         """Each block table covers exactly the tokens computed through this step, without
         duplicates or the null block."""
         bs = self.block_size
-        for s in sched_out.scheduled:
+        for s in scheduled:
             end = s.num_computed_tokens + s.num_scheduled_tokens
             (table,) = s.block_ids  # one KV-cache group
             assert len(table) == -(-end // bs), (s.request_id, table, end)

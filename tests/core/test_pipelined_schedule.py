@@ -20,30 +20,31 @@ def run_pipelined(drv, depth: int, max_num_reqs=None, max_steps: int = 5000) -> 
     ``depths`` (steps in flight when each step was sent) and ``overlaps`` (requests sent
     again while an earlier step of theirs was in flight)."""
     sched, queue = drv.scheduler, deque()
+    sched.track_in_flight = True  # as the engine core sets it for a pipeline
     seen = {"depths": [], "overlaps": 0}
     for _ in range(max_steps):
         if not sched.has_unfinished_requests() and not queue:
             return seen
         if len(queue) < depth:
             out = sched.schedule(max_num_reqs=max_num_reqs)
-            drv._check_block_tables(out)
-            _check_against_in_flight(out, queue, seen)
+            scheduled = drv.prepare(out)  # checks the diffs against the scheduler's state
+            _check_against_in_flight(out, scheduled, queue, seen)
             if not out.is_empty:
                 seen["depths"].append(len(queue))
-                queue.append(out)
+                queue.append((out, scheduled))
                 if len(queue) < depth:
                     continue
         assert queue, "no progress: scheduler is stuck"
-        _fold_in(drv, queue.popleft())
+        _fold_in(drv, queue.popleft()[0])
     raise AssertionError("not finished")
 
 
-def _check_against_in_flight(out, queue, seen) -> None:
+def _check_against_in_flight(out, scheduled, queue, seen) -> None:
     """Nothing that samples in a step in flight is scheduled again; nothing in flight is
     preempted."""
-    in_flight = {s.request_id for q in queue for s in q.scheduled}
-    sampling = {s.request_id for q in queue for s in q.scheduled if s.do_sample}
-    again = {s.request_id for s in out.scheduled} & in_flight
+    in_flight = {s.request_id for _, q in queue for s in q}
+    sampling = {s.request_id for _, q in queue for s in q if s.do_sample}
+    again = {s.request_id for s in scheduled} & in_flight
     assert not again & sampling, f"scheduled while its token is out: {again & sampling}"
     assert not set(out.preempted_ids) & in_flight, "preempted a request in flight"
     seen["overlaps"] += len(again)
@@ -101,6 +102,7 @@ def test_abort_while_in_flight_drops_the_late_result(make_scheduler, make_driver
                                                      make_request):
     sched = make_scheduler()
     drv = make_driver(sched)
+    sched.track_in_flight = True
     drv.add(make_request("a", [5, 6, 7], max_tokens=4))
     out = sched.schedule()
     drv.abort(["a"])  # its step is still out: its blocks are freed now

@@ -1,0 +1,296 @@
+"""The model runner's persistent input batch: one row per request it computes, kept in place.
+
+The scheduler sends each request whole once and then only what changed (see
+``kvflow/sched_output.py``); the runner applies those changes here, to numpy rows, instead of
+rebuilding every request's state each step. Rows ``[0, num_reqs)`` are dense: removing a
+request moves the last row into its place, so a step's arrays are slices and fancy indexes of
+these columns, never Python loops over tokens.
+
+Per row: the token ids (prompt, then generated), how many are known, how many are in the
+prompt and how many have K/V cached, one block table per KV-cache group, the sampling
+parameters as columns (temperature, top-k/p, min-p, penalties, min_tokens), and which of the
+row's tokens is still on the device (``pending_sample``: async scheduling samples a token,
+launches the next step with it, and copies it to the host later). Rarely used per-request
+settings (seeded generators, logprobs, logit bias, min_tokens bans) live in small dicts keyed
+by request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvflow.kv_cache_interface import KVCacheSpec
+from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import CachedRequestData, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """What a runner keeps of a request from its first step until it finishes (across
+    preemptions, which drop its row and generated tokens).
+
+    Attributes:
+        generator: its own random generator (seeded random sampling), else None.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    generator: torch.Generator | None = None
+
+
+class InputBatch:
+    """Rows of the requests a runner computes, updated in place.
+
+    Args:
+        max_num_reqs: most rows (the scheduler's ``max_num_seqs``).
+        kv_cache_specs: the spec of each KV-cache group (one block table each).
+
+    Token and block-table columns start narrow and double when a row needs more; block-table
+    entries past a row's blocks are always 0 (the null block).
+    """
+
+    def __init__(self, max_num_reqs: int, kv_cache_specs: Sequence[KVCacheSpec]) -> None:
+        n = self.max_num_reqs = max_num_reqs
+        self.kv_cache_specs = tuple(kv_cache_specs)
+        self.req_ids: list[str] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self.version = 0  # bumped whenever a row is added, removed or moved
+        self.token_ids = np.zeros((n, 64), np.int64)
+        self.num_tokens = np.zeros(n, np.int64)  # prompt + sampled (pending included)
+        self.num_prompt_tokens = np.zeros(n, np.int64)
+        self.num_computed_tokens = np.zeros(n, np.int64)
+        self.pending_sample = np.full(n, -1, np.int64)  # index in the pending sampled tensor
+        self.block_tables = [np.zeros((n, 16), np.int32) for _ in self.kv_cache_specs]
+        self.num_blocks = [np.zeros(n, np.int64) for _ in self.kv_cache_specs]
+        self._init_sampling_columns(n)
+
+    def _init_sampling_columns(self, n: int) -> None:
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int64)
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.uses_penalties = np.zeros(n, np.bool_)
+        self.min_tokens = np.zeros(n, np.int64)
+        # sparse settings, by request id (only rows that use them)
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_logprobs: dict[str, int] = {}
+        self.logit_bias: dict[str, dict[int, float]] = {}
+        self.min_tokens_banned: dict[str, list[int]] = {}
+        self.prompt_logprobs: dict[str, int] = {}  # top tokens per prompt position
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def _row_columns(self) -> list[np.ndarray]:
+        """Every array indexed by row first (moved together when rows are condensed)."""
+        return [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                self.pending_sample, *self.num_blocks, self.temperature, self.top_k, self.top_p,
+                self.min_p, self.presence_penalty, self.frequency_penalty,
+                self.repetition_penalty, self.uses_penalties, self.min_tokens]
+
+    # ---- rows in and out ---------------------------------------------------------------------
+    def add_request(self, state: RequestState, output_token_ids: list[int],
+                    block_ids: tuple[list[int], ...], num_computed_tokens: int) -> int:
+        """Append a row for ``state`` (prompt + ``output_token_ids`` known, ``block_ids`` one
+        table per group); returns its row.
+
+        Raises:
+            ValueError: if the batch is full or the request already has a row.
+        """
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id!r} already has a row")
+        row = len(self.req_ids)
+        if row >= self.max_num_reqs:
+            raise ValueError(f"the input batch holds at most {self.max_num_reqs} requests")
+        self.req_ids.append(state.req_id)
+        self.req_id_to_index[state.req_id] = row
+        self.version += 1
+        tokens = state.prompt_token_ids + output_token_ids
+        self._ensure_token_width(len(tokens))
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.pending_sample[row] = -1
+        for g, ids in enumerate(block_ids):
+            self.block_tables[g][row] = 0
+            self.num_blocks[g][row] = 0
+            self.append_block_ids(row, g, ids)
+        self._set_sampling(row, state)
+        return row
+
+    def _set_sampling(self, row: int, state: RequestState) -> None:
+        p, rid = state.sampling_params, state.req_id
+        self.temperature[row], self.top_k[row] = p.temperature, p.top_k
+        self.top_p[row], self.min_p[row] = p.top_p, p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.uses_penalties[row] = p.uses_penalties
+        self.min_tokens[row] = p.min_tokens
+        if state.generator is not None:
+            self.generators[rid] = state.generator
+        if p.logprobs is not None:
+            self.num_logprobs[rid] = p.logprobs
+        if p.logit_bias:
+            self.logit_bias[rid] = p.logit_bias
+        banned = list(p.stop_token_ids)
+        if state.eos_token_id is not None and not p.ignore_eos:
+            banned.append(state.eos_token_id)
+        if p.min_tokens > 0 and banned:
+            self.min_tokens_banned[rid] = banned
+        if p.prompt_logprobs is not None:
+            self.prompt_logprobs[rid] = p.prompt_logprobs
+
+    def remove_request(self, req_id: str) -> bool:
+        """Drop the request's row (the last row moves into it); False if it has none."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return False
+        self.version += 1
+        last = len(self.req_ids) - 1
+        if row != last:
+            self._move_row(last, row)
+        self.req_ids.pop()
+        for sparse in (self.generators, self.num_logprobs, self.logit_bias,
+                       self.min_tokens_banned, self.prompt_logprobs):
+            sparse.pop(req_id, None)
+        return True
+
+    def _move_row(self, src: int, dst: int) -> None:
+        for column in self._row_columns():
+            column[dst] = column[src]
+        n = self.num_tokens[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        for table, num in zip(self.block_tables, self.num_blocks):
+            table[dst] = table[src]  # whole rows: entries past the blocks stay 0
+        moved = self.req_ids[src]
+        self.req_ids[dst] = moved
+        self.req_id_to_index[moved] = dst
+
+    def apply_scheduler_output(self, sched: SchedulerOutput,
+                               states: dict[str, RequestState]) -> None:
+        """Apply a step's changes: drop finished and preempted rows, add rows for new and
+        resumed requests (``states`` holds them), and update the others in place (computed
+        counts, appended blocks, tokens sent). Ids without a row are ignored.
+
+        Raises:
+            KeyError: for a cached request that has neither a row nor a state.
+        """
+        for rid in sched.finished_ids:
+            self.remove_request(rid)
+        for rid in sched.preempted_ids:
+            self.remove_request(rid)
+        for new in sched.scheduled_new_reqs:
+            self.add_request(states[new.req_id], [], new.block_ids, new.num_computed_tokens)
+        cached = sched.scheduled_cached_reqs
+        if True in cached.resumed_from_preemption:
+            self._readd_resumed(cached, states)
+        index = self.req_id_to_index
+        rows = [index[rid] for rid in cached.req_ids]
+        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids is not None]:
+            if not cached.resumed_from_preemption[i]:
+                for g, ids in enumerate(cached.new_block_ids[i]):
+                    self.append_block_ids(rows[i], g, ids)
+        if any(cached.new_token_ids):
+            for i, tokens in enumerate(cached.new_token_ids):
+                if tokens and not cached.resumed_from_preemption[i]:
+                    self.write_tokens(rows[i], cached.num_computed_tokens[i], tokens)
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
+
+    def _readd_resumed(self, cached: CachedRequestData, states: dict[str, RequestState]) -> None:
+        """Rows for the requests resumed after a preemption: whole tables and tokens."""
+        for i, rid in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                self.remove_request(rid)  # still there if its preemption step failed
+                self.add_request(states[rid], cached.new_token_ids[i], cached.new_block_ids[i],
+                                 cached.num_computed_tokens[i])
+
+    def num_scheduled_per_row(self, sched: SchedulerOutput) -> np.ndarray:
+        """Tokens each row computes in ``sched`` (int64 [num_reqs], 0 = not scheduled)."""
+        num = np.zeros(self.num_reqs, np.int64)
+        rows = [self.req_id_to_index[rid] for rid in sched.num_scheduled_tokens]
+        num[rows] = list(sched.num_scheduled_tokens.values())
+        return num
+
+    # ---- in-place updates --------------------------------------------------------------------
+    def append_block_ids(self, row: int, group: int, block_ids: list[int]) -> None:
+        """Append ``block_ids`` to the row's table of KV-cache group ``group``."""
+        start = self.num_blocks[group][row]
+        end = start + len(block_ids)
+        if end > self.block_tables[group].shape[1]:
+            self.block_tables[group] = _widen(self.block_tables[group], end)
+        self.block_tables[group][row, start:end] = block_ids
+        self.num_blocks[group][row] = end
+
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Set the row's tokens at positions ``start`` on (tokens the scheduler sent)."""
+        end = start + len(token_ids)
+        self._ensure_token_width(end)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = max(self.num_tokens[row], end)
+
+    def index(self, rows: np.ndarray) -> np.ndarray | slice:
+        """``rows`` (increasing int64 [R]) as an index: a slice when it is every row (numpy
+        slices are views, fancy indexes copies)."""
+        n = len(rows)
+        return slice(0, n) if n == len(self.req_ids) and (n == 0 or rows[-1] == n - 1) \
+            else rows
+
+    def add_pending_tokens(self, rows: np.ndarray) -> None:
+        """Each row in ``rows`` (increasing int64 [R]) gained one sampled token that is still
+        on the device: row ``rows[i]``'s is entry ``i`` of the step's sampled tensor."""
+        index = self.index(rows)
+        self._ensure_token_width(int(self.num_tokens[index].max(initial=0)) + 1)
+        self.pending_sample[index] = np.arange(len(rows))
+        self.num_tokens[index] += 1
+
+    def fill_pending_tokens(self, sampled: np.ndarray) -> None:
+        """Write the pending tokens' values (``sampled``: int64 [R], the step's sampled
+        tensor on the host) into their rows; rows removed meanwhile are skipped."""
+        n = self.num_reqs
+        rows = np.flatnonzero(self.pending_sample[:n] >= 0)
+        self.token_ids[rows, self.num_tokens[rows] - 1] = sampled[self.pending_sample[rows]]
+        self.pending_sample[rows] = -1
+
+    def _ensure_token_width(self, width: int) -> None:
+        if width > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, width)
+
+    # ---- views for the sampler ---------------------------------------------------------------
+    def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Generated tokens of each row in ``rows`` (int64 [R])."""
+        return self.num_tokens[rows] - self.num_prompt_tokens[rows]
+
+    def prompt_and_output_ids(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt ids [R, Lp], generated ids [R, Lo]) of ``rows``, right-padded with -1
+        (int64; Lp, Lo >= 1). Every token of those rows must be on the host."""
+        n_prompt = self.num_prompt_tokens[rows]
+        n_out = self.num_tokens[rows] - n_prompt
+        tokens = self.token_ids[rows]
+        width = tokens.shape[1]
+        prompt_cols = np.arange(max(1, int(n_prompt.max(initial=0))))
+        prompt = np.where(prompt_cols < n_prompt[:, None],
+                          tokens[:, np.minimum(prompt_cols, width - 1)], -1)
+        out_cols = np.arange(max(1, int(n_out.max(initial=0))))
+        index = np.minimum(n_prompt[:, None] + out_cols, width - 1)
+        output = np.where(out_cols < n_out[:, None], np.take_along_axis(tokens, index, 1), -1)
+        return prompt, output
+
+
+def _widen(array: np.ndarray, width: int) -> np.ndarray:
+    """A copy of 2-D ``array`` with at least ``width`` columns (doubling), zero-filled."""
+    new_width = max(width, 2 * array.shape[1])
+    wider = np.zeros((array.shape[0], new_width), array.dtype)
+    wider[:, :array.shape[1]] = array
+    return wider

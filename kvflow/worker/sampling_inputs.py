@@ -1,0 +1,124 @@
+"""One step's sampling metadata, read from the persistent input batch's columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvflow.layers.sampler import PenaltyMetadata, SamplingMetadata
+from kvflow.sched_output import GrammarBitmask
+from kvflow.worker.input_batch import InputBatch
+
+
+class SamplingInputs:
+    """Builds each step's ``SamplingMetadata`` from the persistent batch's columns.
+
+    The per-row settings that never change while a request has its row (temperature, top-k,
+    top-p, min-p) are moved to the device once per batch composition: a step with the same
+    rows as the previous one (the common decode step) reuses those tensors.
+
+    Args:
+        device: where the sampler runs.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._key: tuple[int, bytes] | None = None
+        self._dense: tuple = ()
+
+    def build(self, batch: InputBatch, rows: np.ndarray,
+              grammar: GrammarBitmask | None = None) -> SamplingMetadata:
+        """Sampling settings of the batch rows ``rows`` (int64 [B], sampling row ``i`` = batch
+        row ``rows[i]``): dense columns are sliced, the per-request dicts mapped to sampling
+        rows. Every token of those rows must be on the host (penalties and min_tokens read
+        them).
+
+        Raises:
+            KeyError: if ``grammar`` names a request without a row among ``rows``.
+        """
+        temperature, top_k, top_p, min_p, all_greedy = self._dense_columns(batch, rows)
+        meta = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                all_greedy=all_greedy)
+        position = _sampling_positions(batch, rows)
+        for rid, gen in batch.generators.items():
+            if (i := position.get(rid)) is not None and batch.temperature[rows[i]] > 0:
+                meta.generators[i] = gen
+        for rid, banned in batch.min_tokens_banned.items():
+            if (i := position.get(rid)) is not None and \
+                    batch.num_output_tokens(rows[i:i + 1])[0] < batch.min_tokens[rows[i]]:
+                meta.banned_token_ids[i] = banned
+        for rid, k in batch.num_logprobs.items():
+            if (i := position.get(rid)) is not None:
+                meta.num_logprobs[i] = k
+        meta.penalties = _penalties(batch, rows, self.device)
+        meta.logit_bias = _logit_bias(batch, position, self.device)
+        if grammar is not None:
+            position = position or _sampling_positions(batch, rows, always=True)
+            grammar_rows = [position[rid] for rid in grammar.request_ids]
+            meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
+        return meta
+
+    def _dense_columns(self, batch: InputBatch, rows: np.ndarray) -> tuple:
+        """(temperature, top_k, top_p, min_p, all_greedy) of ``rows``, cached while the batch
+        keeps its rows (``batch.version``) and the step samples the same ones."""
+        key = (batch.version, rows.tobytes())
+        if key != self._key:
+            temperature = batch.temperature[rows]
+            self._dense = (torch.from_numpy(temperature).to(self.device),
+                           _column(batch.top_k, rows, 0, self.device),
+                           _column(batch.top_p, rows, 1.0, self.device),
+                           _column(batch.min_p, rows, 0.0, self.device),
+                           not bool((temperature != 0).any()))
+            self._key = key
+        return self._dense
+
+
+def _column(values: np.ndarray, rows: np.ndarray, unused: float,
+            device: torch.device) -> torch.Tensor | None:
+    """``values[rows]`` on the device, or None when no row uses the setting."""
+    picked = values[rows]
+    if (picked == unused).all():
+        return None
+    return torch.from_numpy(picked).to(device)
+
+
+def _sampling_positions(batch: InputBatch, rows: np.ndarray,
+                        always: bool = False) -> dict[str, int]:
+    """Request id -> sampling row; empty (unless ``always``) when no request uses a
+    per-request dict setting."""
+    if not (always or batch.generators or batch.min_tokens_banned or batch.num_logprobs
+            or batch.logit_bias):
+        return {}
+    return {batch.req_ids[r]: i for i, r in enumerate(rows.tolist())}
+
+
+def _penalties(batch: InputBatch, rows: np.ndarray,
+               device: torch.device) -> PenaltyMetadata | None:
+    """Presence / frequency / repetition penalties of the sampling rows that use them."""
+    which = np.flatnonzero(batch.uses_penalties[rows])
+    if len(which) == 0:
+        return None
+    picked = rows[which]
+    prompt, output = batch.prompt_and_output_ids(picked)
+
+    def floats(column: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(column[picked]).to(device)
+
+    return PenaltyMetadata(torch.from_numpy(which).to(device),
+                           torch.from_numpy(prompt).to(device),
+                           torch.from_numpy(output).to(device),
+                           floats(batch.presence_penalty), floats(batch.frequency_penalty),
+                           floats(batch.repetition_penalty))
+
+
+def _logit_bias(batch: InputBatch, position: dict[str, int], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(sampling rows, token ids, biases) of every biased (row, token) pair, or None."""
+    entries = [(i, token_id, value) for rid, bias in batch.logit_bias.items()
+               if (i := position.get(rid)) is not None for token_id, value in bias.items()]
+    if not entries:
+        return None
+    rows_, token_ids, values = zip(*entries)
+    return (torch.tensor(rows_, dtype=torch.int64, device=device),
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
