@@ -88,9 +88,12 @@ class ModelConfig:
                                   "win) or none", choices=["auto", "none"])
     quantization: str | None = _opt(
         None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
-        "group-wise), gguf (keep a .gguf file's quantized blocks, dequantized per tile in the "
-        "GEMM) (default: none; a .gguf file is dequantized at load)",
-        choices=[None, "none", "int8", "int4", "gguf"])
+        "group-wise), fp8 (W8A8: FP8 weights with per-tensor scales, activations per token), "
+        "gguf (keep a .gguf file's quantized blocks, dequantized per tile in the GEMM), "
+        "compressed-tensors (a pre-quantized FP8/INT8 checkpoint; read from its config.json) "
+        "(default: the checkpoint's quantization_config, else none; a .gguf file is "
+        "dequantized at load)",
+        choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
     quantization_group_size: int = _opt(32, "input columns per scale for int4",
                                         choices=[32, 64, 128, 256])
 

@@ -72,8 +72,9 @@ def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str = "",
                     keep_fp32: tuple[str, ...] = ()) -> torch.Tensor:
     """Float checkpoint tensors in the model dtype, or in float32 when the name contains one of
     the model's ``keep_in_fp32`` fragments (e.g. DeepSeek's router weight and correction bias);
-    quantized ones (int8, fp8, GGUF blocks) exactly as stored."""
-    if tensor.is_floating_point() and tensor.element_size() > 1:
+    quantized ones (int8, fp8, GGUF blocks) and quantization scales (``*_scale``, kept in
+    their own precision) exactly as stored."""
+    if tensor.is_floating_point() and tensor.element_size() > 1 and not name.endswith("_scale"):
         keep = any(fragment in name for fragment in keep_fp32)
         return tensor.float() if keep else tensor.to(dtype)
     return tensor

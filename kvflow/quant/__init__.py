@@ -15,7 +15,7 @@ activation scales), ``gguf.py`` (llama.cpp blocks kept as they are), ``compresse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -36,14 +36,19 @@ class QuantConfig:
         name: the scheme (one of :data:`QUANTIZATION_METHODS`).
         group_size: input columns per scale for group-wise schemes (int4).
         checkpoint_config: the checkpoint's ``quantization_config`` dict, if any.
+        packed_modules_mapping: the model's checkpoint-name -> (fused layer, shard) map, so a
+            checkpoint config that names ``q_proj`` applies to the fused ``qkv_proj``.
     """
 
     name: str
     group_size: int = 32
     checkpoint_config: dict[str, Any] | None = None
+    packed_modules_mapping: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
-    def linear_method(self, prefix: str) -> LinearMethod | None:
-        """The method for the linear layer at module path ``prefix``; None: unquantized.
+    def linear_method(self, prefix: str, module: nn.Module | None = None
+                      ) -> LinearMethod | None:
+        """The method for the linear layer ``module`` at module path ``prefix``; None:
+        unquantized.
 
         Raises:
             ValueError: for a checkpoint quantization scheme kvflow cannot run.
@@ -67,13 +72,23 @@ class QuantConfig:
         if self.name == "compressed-tensors":
             from kvflow.quant.compressed_tensors import compressed_tensors_method
 
-            return compressed_tensors_method(self.checkpoint_config or {}, prefix)
+            return compressed_tensors_method(self.checkpoint_config or {}, prefix, module,
+                                             self.packed_modules_mapping)
         return None
 
-    def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
+    def embedding_method(self, prefix: str, module: nn.Module | None = None
+                         ) -> EmbeddingMethod | None:
         """The method for the vocabulary table at ``prefix`` (embedding or LM head); None:
         unquantized. int8 and int4 store the tables in INT8 per row, GGUF keeps its blocks;
-        fp8 and compressed-tensors leave them in the model dtype (as HF FP8 checkpoints do)."""
+        fp8 and compressed-tensors leave them in the model dtype (as HF FP8 checkpoints do).
+
+        Raises:
+            ValueError: for a compressed-tensors checkpoint that quantizes the table.
+        """
+        if self.name == "compressed-tensors":
+            from kvflow.quant.compressed_tensors import check_tables
+
+            check_tables(self.checkpoint_config or {}, prefix, module)
         if self.name == "gguf":
             from kvflow.quant.gguf import GGUFEmbeddingMethod
 
@@ -122,6 +137,7 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
     tables tied at construction (a tied LM head) stay tied. Returns the layers changed."""
     if quant_config is None:
         return 0
+    quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}))
     tied: dict[int, nn.Module] = {}
     changed = 0
     for prefix, module in model.named_modules():
@@ -133,9 +149,9 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
             for name in owner._quant_param_names:
                 setattr(module, name, getattr(owner, name))
             continue
-        method = (quant_config.embedding_method(prefix)
+        method = (quant_config.embedding_method(prefix, module)
                   if isinstance(module.quant_method, EmbeddingMethod)
-                  else quant_config.linear_method(prefix))
+                  else quant_config.linear_method(prefix, module))
         if method is not None:
             module.set_quant_method(method)
             changed += 1

@@ -9,6 +9,11 @@ Quantized on load from a float checkpoint (``--quantization int8``), or loaded p
 (compressed-tensors int8 checkpoints, :mod:`kvflow.quant.compressed_tensors`). CPU: torch's
 ``_weight_int8pack_mm`` (a well-kept ATen kernel); elsewhere the reference (int8 -> activation
 dtype, GEMM, then the scales).
+
+A W8A8 checkpoint (compressed-tensors ``int-quantized`` with dynamic per-token INT8 input
+activations) also quantizes each activation row: ``sx = absmax / 127.5`` (compressed-tensors'
+symmetric range ``(127 - (-128)) / 2``), ``qx = clamp(round(x / sx), -128, 127)``; the product
+then runs on ``qx * sx`` -- the values transformers computes for such a model.
 """
 
 from __future__ import annotations
@@ -46,19 +51,30 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def fake_quantize_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to INT8 per row (last dim) and scaled back, in ``x.dtype``:
+    ``clamp(round(x / s), -128, 127) * s`` with ``s = absmax / 127.5`` (compressed-tensors'
+    dynamic per-token rule; an all-zero row stays zero)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.5).clamp(min=torch.finfo(torch.float32)
+                                                                 .eps)
+    return (torch.round(xf / scale).clamp_(-128, 127) * scale).to(x.dtype)
+
+
 class Int8WeightOnlyMethod(LinearMethod):
     """``weight``: int8 [N, K]; ``weight_scale``: float32 [N].
 
     Args:
         prequantized: the checkpoint holds int8 weights and their scales (else a float weight
             is loaded and quantized in :meth:`process_weights_after_loading`).
+        quantize_input: quantize activations per token to INT8 (W8A8 checkpoints).
     """
 
     name = "int8"
 
-    def __init__(self, prequantized: bool = False) -> None:
+    def __init__(self, prequantized: bool = False, quantize_input: bool = False) -> None:
         super().__init__()
-        self.prequantized = prequantized
+        self.prequantized, self.quantize_input = prequantized, quantize_input
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -69,12 +85,26 @@ class Int8WeightOnlyMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32),
                                               requires_grad=False)
 
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+             *shard) -> None:
+        """A checkpoint's per-channel scale [N, 1] lands as [N] in its rows."""
+        if param is getattr(layer, "weight_scale", None) and loaded.dim() == 2:
+            loaded = loaded.reshape(-1)
+        layer.weight_loader(param, loaded, *shard)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.prequantized:
             return
         q, scale = quantize_int8_per_channel(layer.weight.data)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """W8A16 as is; W8A8 runs the same GEMM on the per-token quantized activations."""
+        if self.quantize_input:
+            x = fake_quantize_int8_per_token(x)
+        return super().apply(layer, x, bias)
 
     def apply_native(self, layer: nn.Module, x: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""Pre-quantized compressed-tensors checkpoints (FP8 dynamic, FP8 static, INT8 W8A8, FP8
+weight-only) built here from a tiny Llama with the compressed-tensors package's own helpers
+(``apply_quantization_config``, ``calculate_qparams``, ``ModelCompressor``), loaded by kvflow
+from config.json alone and checked against transformers loading the same folder (it
+decompresses the weights and quantizes each linear's input as the scheme says)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import (
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    apply_quantization_config,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.utils import calculate_qparams
+
+from kvflow import LLM, SamplingParams
+from kvflow.quant.fp8 import Fp8LinearMethod
+from kvflow.quant.int8 import Int8WeightOnlyMethod
+
+
+def _observe_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """absmax of each linear's input over one calibration forward."""
+    seen: dict[str, float] = {}
+    hooks = [m.register_forward_pre_hook(
+        lambda m, a, n=n: seen.__setitem__(n, max(seen.get(n, 0.0), float(a[0].abs().max()))))
+        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _scheme(preset: str) -> QuantizationScheme:
+    if preset == "FP8_WEIGHT_ONLY":  # FP8 channel weights, activations left alone (W8A16)
+        scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+        scheme.input_activations = None
+        return scheme
+    return preset_name_to_scheme(preset, ["Linear"])
+
+
+def build_checkpoint(tiny, preset: str, folder: str) -> str:
+    """Quantize ``tiny``'s HF model with a compressed-tensors preset and save it (plus the
+    tokenizer) in ``folder``; static input scales come from one calibration forward."""
+    import copy
+
+    model = copy.deepcopy(tiny.hf_model)
+    calib = _observe_inputs(model, torch.arange(2, 30).unsqueeze(0))
+    qc = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
+                            quantization_status=QuantizationStatus.INITIALIZED)
+    apply_quantization_config(model, qc)
+    for name, m in model.named_modules():
+        scheme = getattr(m, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w, args = m.weight.data, scheme.weights
+        dims = {"dim": 1, "keepdim": True} if args.strategy == "channel" else {}
+        scale, _ = calculate_qparams(w.amin(**dims).reshape(-1), w.amax(**dims).reshape(-1),
+                                     args)
+        m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+        if hasattr(m, "input_scale"):
+            m.input_scale.data.fill_(calib[name] / 448)
+        m.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny.path}/{f}", folder)
+    return folder
+
+
+def _hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("preset,method,weight_dtype", [
+    ("FP8_DYNAMIC", Fp8LinearMethod, torch.float8_e4m3fn),
+    ("FP8", Fp8LinearMethod, torch.float8_e4m3fn),
+    ("W8A8", Int8WeightOnlyMethod, torch.int8),
+    ("FP8_WEIGHT_ONLY", Fp8LinearMethod, torch.float8_e4m3fn),
+])
+def test_checkpoint_matches_transformers(tiny_model_factory, tmp_path, preset, method,
+                                         weight_dtype):
+    tiny = tiny_model_factory("llama")
+    folder = build_checkpoint(tiny, preset, str(tmp_path / preset))
+    prompt = torch.randint(2, tiny.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([prompt.tolist()], params, use_tqdm=False)
+    ref = _hf_logprobs(folder, prompt.tolist())
+    got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+    want = [float(ref[i, t]) for i, t in enumerate(prompt.tolist()[1:])]
+    assert got == pytest.approx(want, abs=5e-4)
+    # the quantization is real: transformers on the unquantized weights differs
+    with torch.no_grad():
+        plain = torch.log_softmax(tiny.hf_model(prompt.unsqueeze(0)).logits[0], dim=-1)
+    assert max(abs(w - float(plain[i, t])) for i, (w, t) in
+               enumerate(zip(want, prompt.tolist()[1:]))) > 2e-3
+    layer = llm.engine.core.executor.runner.model.model.layers[1].mlp.gate_up_proj
+    assert isinstance(layer.quant_method, method) and layer.weight.dtype == weight_dtype
+
+
+def test_unsupported_scheme_is_a_value_error(tiny_model_factory, tmp_path):
+    """A packed INT4 group-wise config (W4A16) is refused before any tensor is read."""
+    folder = build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC", str(tmp_path / "w4"))
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    qc = config["quantization_config"]
+    qc["format"] = qc["config_groups"]["group_0"]["format"] = "pack-quantized"
+    qc["config_groups"]["group_0"]["input_activations"] = None
+    qc["config_groups"]["group_0"]["weights"] = {"num_bits": 4, "type": "int",
+                                                 "strategy": "group", "group_size": 32,
+                                                 "symmetric": True, "dynamic": False}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="scheme not supported.*int4/group"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_requantizing_a_quantized_checkpoint_is_refused(tiny_model_factory, tmp_path):
+    folder = build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC", str(tmp_path / "f"))
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(model=folder, dtype="float32", quantization="int8", num_kv_blocks=16)
+
+
+def test_quantized_lm_head_is_refused(tiny_model_factory, tmp_path):
+    folder = build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC", str(tmp_path / "h"))
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = []
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="quantizes 'lm_head'"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
