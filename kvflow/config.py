@@ -152,13 +152,21 @@ def cache_dir() -> str:
     return os.path.join(base, "kvflow")
 
 
-def cpu_gemm_choice() -> str:
-    """The CPU fp32 GEMM the environment asks for: ``KVFLOW_CPU_GEMM`` = ``native`` (kvflow's C
-    GEMM, the default) or ``onednn``. Raises ValueError on any other value."""
-    choice = os.environ.get("KVFLOW_CPU_GEMM", "native")
-    if choice not in ("native", "onednn"):
-        raise ValueError(f"KVFLOW_CPU_GEMM={choice!r} is invalid; choose one of "
-                         f"['native', 'onednn']")
+CPU_GEMM_CHOICES = ("auto", "native", "onednn")
+
+
+def cpu_gemm_choice(value: str | None = None) -> str:
+    """The CPU GEMM kernels asked for: ``value`` (``--cpu-gemm``) if given, else
+    ``$KVFLOW_CPU_GEMM``, else ``auto`` (timed per shape class at start); ``native`` is kvflow's
+    C GEMM, ``onednn`` oneDNN's packed GEMM.
+
+    Raises:
+        ValueError: on another value (naming the flag or variable it came from).
+    """
+    name, choice = ("cpu_gemm", value) if value is not None else \
+        ("KVFLOW_CPU_GEMM", os.environ.get("KVFLOW_CPU_GEMM", "auto"))
+    if choice not in CPU_GEMM_CHOICES:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of {list(CPU_GEMM_CHOICES)}")
     return choice
 
 
@@ -188,6 +196,10 @@ class DeviceConfig:
     attention_backend: str | None = _opt(None, "attention backend: torch | cpu | triton (default: "
                                          "the platform's)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    cpu_gemm: str | None = _opt(None, "CPU GEMM kernels: auto (each shape class timed at start, "
+                                "cached per CPU), native (kvflow's C GEMM) or onednn "
+                                "(default: $KVFLOW_CPU_GEMM, else auto)",
+                                choices=[None, *CPU_GEMM_CHOICES])
     cpu_threads: int | None = _opt(None, "CPU compute threads (default: torch's count, capped by "
                                    "the CPUs of the affinity mask and the cgroup CPU quota; "
                                    "the length of --cpu-threads-bind when that is a list)")
@@ -198,7 +210,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        cpu_gemm_choice()  # a bad KVFLOW_CPU_GEMM fails here, before any weight is loaded
+        cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto"):

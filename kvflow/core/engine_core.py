@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, cpu_gemm_choice
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_utils import (
     group_kv_cache_specs,
@@ -20,6 +21,8 @@ from kvflow.core.kv_cache_utils import (
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
+from kvflow.kernels.cpu_threads import cpu_thread_count
+from kvflow.kernels.gemm_select import measure_cpu_dtype
 from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.loader import load_hf_config
@@ -34,18 +37,22 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(requested: str, hf_config, platform) -> torch.dtype:
+def resolve_dtype(requested: str, hf_config, platform,
+                  measure: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
     """``auto``: the checkpoint's dtype when it is a float type, else the platform default; on
-    a CPU without native bf16/fp16 matmuls, half types fall back to float32."""
+    a CPU without native bf16/fp16 matmuls, half types fall back to float32. Where that gives a
+    16-bit dtype and ``measure`` is given, ``measure(dtype)`` has the last word (on CPU: that
+    dtype or float32, whichever the timed GEMMs favour)."""
     if requested != "auto":
         return _DTYPES[requested]
     native = platform.default_dtype()
     cfg = getattr(hf_config, "dtype", None)  # transformers >= 4.56 (``torch_dtype`` is deprecated)
     if isinstance(cfg, str):
         cfg = _DTYPES.get(cfg)
+    dtype = native
     if cfg in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.float32 if native == torch.float32 else cfg
-    return native
+        dtype = torch.float32 if native == torch.float32 else cfg
+    return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
 
 
 class EngineCore:
@@ -78,11 +85,27 @@ class EngineCore:
     def _init_model(self, source: ModelSource) -> None:
         self.source = source
         self.hf_config = load_hf_config(source)
-        self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform)
+        self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
+                                   self._cpu_dtype_measure())
         self.config.parallel_config.verify_with_model(self.hf_config)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
         self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+
+    def _cpu_dtype_measure(self) -> Callable[[torch.dtype], torch.dtype] | None:
+        """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
+        model's GEMMs at the engine's thread count (kernels/gemm_select.py)."""
+        if self.platform.name != "cpu":
+            return None
+        dc = self.config.device_config
+        choice = cpu_gemm_choice(dc.cpu_gemm)
+
+        def measure(half: torch.dtype) -> torch.dtype:
+            with cpu_thread_count(dc.cpu_threads):
+                return measure_cpu_dtype(self.hf_config, half, choice,
+                                         self.platform.prepacks_gemm_weights)
+
+        return measure
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config

@@ -24,7 +24,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fope
          "-fPIC", "-std=gnu11")
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags (``-march=native`` code depends on both)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -82,6 +82,6 @@ def library_path(cc: str, sources: list[Path], cache_dir: str) -> Path:
     digest = hashlib.sha256()
     headers = [sources[0].parent / name for name in HEADERS]
     for part in [*(s.read_bytes() for s in sources + headers), " ".join(FLAGS).encode(),
-                 _compiler_version(cc).encode(), _cpu_fingerprint().encode()]:
+                 _compiler_version(cc).encode(), cpu_fingerprint().encode()]:
         digest.update(part)
     return Path(cache_dir) / "kernels" / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -87,3 +89,16 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
             os.sched_setaffinity(0, cpus)
     logger.info("CPU compute threads: %d%s", threads, f", pinned to {cpus}" if cpus else "")
     return threads, cpus
+
+
+@contextmanager
+def cpu_thread_count(cpu_threads: int | None) -> Iterator[int]:
+    """Run the block with the thread count a single-process engine would use
+    (:func:`resolve_threads`, no pinning), restoring torch's count after; yields it."""
+    before = torch.get_num_threads()
+    threads, _ = resolve_threads(cpu_threads, None, usable_cpus(), cgroup_cpu_limit(), before)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)

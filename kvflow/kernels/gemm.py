@@ -9,8 +9,8 @@ GEMMs at batch 64 on an AVX2 EPYC, same results up to fp32 summation order. vLLM
 prepacks its weights with oneDNN for the same reason. Where kvflow's native CPU kernels build,
 weights are packed for kvflow's own C GEMM instead (``kernels/csrc/cpu_gemm.c``, a Goto/BLIS
 loop nest around a 6 x 16 FMA micro-kernel), which matches oneDNN at prefill sizes and runs
-decode-sized products (tens of rows) 1.3-2x faster on that EPYC; ``KVFLOW_CPU_GEMM=onednn``
-selects oneDNN (for comparisons).
+decode-sized products (tens of rows) 1.3-2x faster on that EPYC. Which of the two each GEMM
+uses is timed per CPU and shape class (:mod:`kvflow.kernels.gemm_select`, ``--cpu-gemm``).
 
 **16-bit models on CPUs without 16-bit matmul units.**
 
@@ -26,6 +26,9 @@ shared fp32 workspace just before the product.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -179,38 +182,44 @@ def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
     return switched
 
 
-def cpu_gemm_kernels() -> NativeCpuKernels | None:
-    """The native kernels for packed fp32 CPU GEMMs, or None for oneDNN: when
-    ``KVFLOW_CPU_GEMM=onednn`` or the kernels cannot be built. Raises ValueError on another
-    ``KVFLOW_CPU_GEMM`` value (:func:`kvflow.config.cpu_gemm_choice`)."""
-    return native_cpu_kernels() if cpu_gemm_choice() == "native" else None
+def cpu_gemm_kernels(choice: str | None = None) -> NativeCpuKernels | None:
+    """The native kernels for CPU GEMMs, or None (oneDNN only): when the choice
+    (``--cpu-gemm`` value, else ``$KVFLOW_CPU_GEMM``, see :func:`kvflow.config.cpu_gemm_choice`)
+    is ``onednn`` or the kernels cannot be built. Raises ValueError on a bad choice."""
+    return native_cpu_kernels() if cpu_gemm_choice(choice) != "onednn" else None
 
 
 def prepack_gemm_weights(model: nn.Module, batch_hint: int,
-                         kernels: NativeCpuKernels | None = None) -> int:
-    """Pack the 2-D fp32 weight of every GEMM module of ``model`` once, for kvflow's C GEMM
-    when ``kernels`` is given, else for oneDNN (see :func:`pack_weight`); returns the number of
-    modules packed.
+                         kernels: NativeCpuKernels | None = None,
+                         pick: Callable[[torch.Tensor], str] | None = None,
+                         dtype: torch.dtype = torch.float32) -> Counter[str]:
+    """Pack the 2-D ``dtype`` weight of every GEMM module of ``model`` once: for the kernel
+    ``pick(weight)`` names ("native": kvflow's C GEMM, needs ``kernels``; "onednn"), by default
+    kvflow's C GEMM when ``kernels`` is given, else oneDNN (see :func:`pack_weight`). Returns
+    how many modules each kernel got.
 
-    Called once after loading on CPU when :meth:`Platform.prepacks_gemm_weights` says so. A
-    module that owns its weight (not one tied to the embedding table) keeps only the packed
-    copy: its plain ``weight`` becomes an empty [0, K] tensor, so packing costs no memory.
+    Called once after loading on CPU. A module that owns its weight (not one tied to the
+    embedding table) keeps only the packed copy: its plain ``weight`` becomes an empty [0, K]
+    tensor, so packing costs no memory.
     """
     tied = {id(m.weight) for m in model.modules()  # e.g. the embedding table of a tied LM head
             if not isinstance(m, GemmPathMixin)
             and isinstance(getattr(m, "weight", None), torch.Tensor)}
-    packed = 0
+    counts: Counter[str] = Counter()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
-                or weight.dim() != 2 or weight.dtype != torch.float32:
+                or weight.dim() != 2 or weight.dtype != dtype or weight.device.type != "cpu" \
+                or module.packed_weight is not None:  # e.g. a 16-bit LM head packed for fp32
             continue
-        module.packed_weight = pack_weight(weight, batch_hint, kernels)
+        kernel = pick(weight) if pick else ("native" if kernels is not None else "onednn")
+        module.packed_weight = pack_weight(weight, batch_hint,
+                                           kernels if kernel == "native" else None)
         if id(weight) not in tied:
             module.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]),
                                          requires_grad=False)
-        packed += 1
-    return packed
+        counts[kernel] += 1
+    return counts
 
 
 def pack_logits_head(head: nn.Module, batch_hint: int,

@@ -39,10 +39,12 @@ class CpuPlatform(Platform):
         return False
 
     def prepacks_gemm_weights(self, dtype: torch.dtype) -> bool:
-        """fp32 weights are packed for oneDNN where torch has it. (bf16 on AMX would gain
-        too, but no machine with AMX was at hand to verify it, so 16-bit stays unpacked.)"""
-        return dtype == torch.float32 and torch.backends.mkldnn.is_available() \
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        """oneDNN can pack weights of ``dtype`` once (``_reorder_linear_weight``) where torch
+        has oneDNN: fp32 always, 16-bit where the CPU has native matmul units for it (which
+        kernel each GEMM then runs is timed, ``kernels/gemm_select.py``)."""
+        return torch.backends.mkldnn.is_available() \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+            and (dtype == torch.float32 or self.has_native_matmul(dtype))
 
     def memory_info(self) -> tuple[int, int]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -11,17 +11,18 @@ import torch
 
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
-from kvflow.config import EngineConfig, parse_bytes
+from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import configure_cpu_threads
 from kvflow.kernels.gemm import (
     GemmWorkspace,
-    cpu_gemm_kernels,
     pack_logits_head,
     prepack_gemm_weights,
     widen_half_gemms,
 )
+from kvflow.kernels.gemm_select import GemmShape, candidates_for, choose, gemm_timings
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.models.loader import load_model
@@ -132,22 +133,35 @@ class ModelRunner:
                             if isinstance(m, Attention)}
 
     def _choose_gemm_path(self) -> None:
-        """CPU GEMM fast paths (kvflow/kernels/gemm.py): widen 16-bit weights to fp32 units
-        where the CPU has no 16-bit matmul units, or pack fp32 weights for oneDNN once."""
-        if not self.platform.has_native_matmul(self.dtype):
-            switched = widen_half_gemms(self.model, GemmWorkspace())
-            logger.info("%s has no native %s matmul: %d GEMM modules run on fp32 units",
-                        self.platform.name, self.dtype, switched)
-        elif self.platform.prepacks_gemm_weights(self.dtype):
-            kernels = cpu_gemm_kernels()
-            packed = prepack_gemm_weights(self.model,
-                                          self.config.scheduler_config.max_num_seqs, kernels)
-            logger.info("packed %d GEMM weights for %s", packed,
-                        "kvflow's C GEMM" if kernels else "oneDNN")
-        if self.device.type == "cpu" and self.dtype != torch.float32:
+        """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
+        packed once for the kernel ``--cpu-gemm`` names or, under ``auto``, the one timed
+        fastest for its shape class on this CPU; without either kernel, 16-bit weights are
+        widened to fp32 units where the CPU has no 16-bit matmul units."""
+        if self.device.type != "cpu":
+            return
+        kernels = native_cpu_kernels()
+        choice = cpu_gemm_choice(self.config.device_config.cpu_gemm)
+        candidates = candidates_for(self.dtype, choice, kernels,
+                                    self.platform.prepacks_gemm_weights(self.dtype))
+        if not candidates:
+            if not self.platform.has_native_matmul(self.dtype):
+                switched = widen_half_gemms(self.model, GemmWorkspace())
+                logger.info("no native %s matmul: %d GEMM modules run on fp32 units",
+                            self.dtype, switched)
+            return
+        timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
+        head = getattr(self.model, "lm_head", None)
+        if self.dtype != torch.float32:
             # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
-            pack_logits_head(getattr(self.model, "lm_head", None),
-                             self.config.scheduler_config.max_num_seqs, cpu_gemm_kernels())
+            pack_logits_head(head, self.config.scheduler_config.max_num_seqs,
+                             None if choice == "onednn" else kernels)
+        counts = prepack_gemm_weights(
+            self.model, self.config.scheduler_config.max_num_seqs, kernels,
+            lambda w: choose(GemmShape(w.shape[0], w.shape[1], self.dtype), candidates, timings),
+            self.dtype)
+        if timings is not None:
+            timings.save()
+        logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, self.dtype, dict(counts))
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)

@@ -83,19 +83,28 @@ def _greedy(tiny, monkeypatch, native: bool):
     monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: native)
     llm = LLM(model=tiny.path, dtype="bfloat16", device="cpu", num_kv_blocks=64)
     model = llm.engine.core.executor.runner.model
-    widened = [m for m in model.modules() if getattr(m, "gemm_workspace", None) is not None]
+    gemms = [m for m in model.modules() if hasattr(m, "gemm_workspace")]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([[5, 9, 23, 41, 7], [100, 3, 77]], params, use_tqdm=False)
-    return widened, outs
+    return gemms, outs
 
 
-def test_bf16_model_without_native_matmul_widens_every_gemm(tiny_llama, monkeypatch,
-                                                            cpu_kernels):
-    widened, outs = _greedy(tiny_llama, monkeypatch, native=False)
-    # 2 layers x (qkv, o, gate_up, down) + lm_head
-    assert len(widened) == 9
-    native_widened, native_outs = _greedy(tiny_llama, monkeypatch, native=True)
-    assert native_widened == []
+def test_bf16_model_without_native_matmul_runs_on_fp32_units(tiny_llama, monkeypatch,
+                                                             cpu_kernels):
+    """No bf16 matmul units: every GEMM runs on fp32 FMA units, as kvflow's C GEMM on bf16
+    panels (native kernels) or through the widening workspace (without them), and the greedy
+    tokens equal those of the native bf16 path."""
+    gemms, outs = _greedy(tiny_llama, monkeypatch, native=False)
+    assert len(gemms) == 9  # 2 layers x (qkv, o, gate_up, down) + lm_head
+    for m in gemms:
+        if cpu_kernels == "native":
+            assert isinstance(m.packed_weight, NativePackedWeight)
+            assert m.packed_weight.packed.dtype == torch.bfloat16
+        else:
+            assert m.packed_weight is None or m is gemms[-1]  # the LM head: an fp32 copy
+            assert m.gemm_workspace is not None
+    native_gemms, native_outs = _greedy(tiny_llama, monkeypatch, native=True)
+    assert all(m.gemm_workspace is None for m in native_gemms)
     for got, ref in zip(outs, native_outs):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         for step_got, step_ref, tok in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs,
@@ -296,5 +305,5 @@ def test_prepack_skips_16_bit_and_non_gemm_modules():
 
     model = nn.Sequential(ReplicatedLinear(8, 4), nn.LayerNorm(4))
     model[0].weight.data = torch.randn(4, 8).bfloat16()
-    assert prepack_gemm_weights(model, batch_hint=8) == 0
+    assert sum(prepack_gemm_weights(model, batch_hint=8).values()) == 0
     assert model[0].packed_weight is None and model[0].weight.shape == (4, 8)

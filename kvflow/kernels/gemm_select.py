@@ -1,0 +1,246 @@
+"""Choosing each CPU GEMM's kernel by timing it on this CPU (``--cpu-gemm auto``).
+
+Which kernel is fastest depends on the CPU (AVX2 or AVX512, bf16 dot products or not, cache
+sizes), on the weight's shape and on the rows per call. On a 2-core AVX512 EPYC kvflow's C GEMM
+beat oneDNN at batch 1 and lost to it at batch 64 (issue 23), so no fixed choice is right
+everywhere. At engine start every GEMM shape class of the model is timed with each candidate
+kernel, at a decode-sized and a batch-sized row count, and each module gets the kernel with the
+lowest summed relative time. Timings are cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
+flags, torch version, kernel sources and thread count, so the next start measures nothing.
+
+Candidates (:data:`CANDIDATES`): ``native`` is kvflow's C GEMM (fp32 weights, or 16-bit weights
+kept 16-bit in its panels and widened in registers; fp32 accumulation), ``onednn`` is oneDNN's
+packed GEMM in the model dtype (for 16-bit only where the CPU has native 16-bit matmuls).
+A 16-bit LM head always runs ``native`` (its logits must stay fp32, and oneDNN's 16-bit GEMM
+rounds its output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvflow.config import cache_dir
+from kvflow.kernels import cpu_build
+from kvflow.kernels.cpu_native import NativeCpuKernels
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("native", "onednn")
+ROW_CLASSES = (1, 64)  # rows per call: decode of one request, a batch of decodes / prefill
+LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
+POOL_BYTES = 40 << 20  # weights cycled per timing: more than the L3 cache, as in a model
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A weight [n, k] of dtype ``dtype`` (one shape class; ``n`` above LARGE_N is timed on a
+    slice)."""
+
+    n: int
+    k: int
+    dtype: torch.dtype
+
+    @property
+    def timed_n(self) -> int:
+        return min(self.n, LARGE_N)
+
+    def key(self, candidate: str, rows: int) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}|{self.timed_n}x{self.k}|{candidate}|{rows}"
+
+
+def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None
+          ) -> Callable[[torch.Tensor], torch.Tensor]:
+    from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
+
+    if candidate == "native":
+        packed = NativePackedWeight(weight, kernels)
+        return lambda x: packed(x, None).to(x.dtype)
+    onednn = OneDnnPackedWeight(weight, 64)
+    return lambda x: onednn(x, None)
+
+
+def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
+                   kernels: NativeCpuKernels | None) -> dict[int, float]:
+    """Seconds per call of ``candidate`` on ``shape`` for each row count: the minimum over
+    REPEATS passes. One-row calls cycle through a pool of distinct weights larger than the
+    last-level cache (so they read their weight from memory, as decode does in a model);
+    larger calls, which are compute-bound, use two of them."""
+    n, k = shape.timed_n, shape.k
+    copies = max(2, min(64, POOL_BYTES // max(1, n * k * shape.dtype.itemsize)))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen).to(shape.dtype)
+    fns = [_pack(candidate, weight, kernels) for _ in range(copies)]
+    result = {}
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=gen).to(shape.dtype)
+        pool = fns if rows == 1 else fns[:2]
+        pool[0](x)  # warm-up (first-call allocations)
+        best = float("inf")
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for fn in pool:
+                fn(x)
+            best = min(best, (time.perf_counter() - start) / len(pool))
+        result[rows] = best
+    return result
+
+
+def cache_key(num_threads: int) -> str:
+    """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources
+    and the thread count."""
+    digest = hashlib.sha256()
+    csrc = Path(cpu_build.__file__).parent / "csrc"
+    for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads),
+                 *(p.read_text() for p in sorted(csrc.glob("*.[ch]")))]:
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+class GemmTimings:
+    """Seconds per GEMM call by (shape class, candidate, rows), measured on demand and cached
+    in a JSON file. One engine start at a time writes it (rename into place)."""
+
+    def __init__(self, path: Path, kernels: NativeCpuKernels | None) -> None:
+        self.path, self.kernels = path, kernels
+        try:
+            self.seconds: dict[str, float] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.seconds = {}
+        self._dirty = False
+        self.measuring_s = 0.0  # spent timing kernels in this process
+
+    def get(self, shape: GemmShape, candidate: str) -> dict[int, float]:
+        """Seconds per call of ``candidate`` on ``shape`` at each of ROW_CLASSES, scaled to
+        the full ``n`` of a sliced (wide) shape."""
+        keys = {rows: shape.key(candidate, rows) for rows in ROW_CLASSES}
+        missing = [rows for rows, key in keys.items() if key not in self.seconds]
+        if missing:
+            start = time.perf_counter()
+            measured = time_candidate(shape, candidate, missing, self.kernels)
+            self.measuring_s += time.perf_counter() - start
+            self.seconds.update({keys[rows]: s for rows, s in measured.items()})
+            self._dirty = True
+        scale = shape.n / shape.timed_n
+        return {rows: self.seconds[key] * scale for rows, key in keys.items()}
+
+    def save(self) -> None:
+        """Write new timings (atomically); a failure to write is logged, not raised."""
+        if not self._dirty:
+            return
+        logger.info("timed CPU GEMM kernels in %.2f s (cached in %s)", self.measuring_s,
+                    self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.seconds, indent=0, sort_keys=True))
+            os.replace(tmp, self.path)
+            self._dirty = False
+        except OSError as exc:
+            logger.warning("could not cache GEMM timings in %s: %s", self.path, exc)
+
+
+def gemm_timings(kernels: NativeCpuKernels | None) -> GemmTimings:
+    """The timings cache of this CPU, torch, kernel sources and thread count, under
+    ``<cache_dir>/cpu_gemm/``."""
+    name = f"{cache_key(torch.get_num_threads())}.json"
+    return GemmTimings(Path(cache_dir()) / "cpu_gemm" / name, kernels)
+
+
+def best_candidate(times: dict[str, dict[int, float]]) -> str:
+    """The candidate with the lowest sum over row classes of its time relative to the fastest
+    at that row count (each row class weighs the same, whatever its absolute time)."""
+    fastest = {rows: min(t[rows] for t in times.values()) for rows in ROW_CLASSES}
+    return min(times, key=lambda c: sum(times[c][r] / fastest[r] for r in ROW_CLASSES))
+
+
+def candidates_for(dtype: torch.dtype, choice: str, kernels: NativeCpuKernels | None,
+                   onednn: bool) -> tuple[str, ...]:
+    """The kernels that may run GEMMs of ``dtype`` here, under ``--cpu-gemm`` = ``choice``:
+    ``native`` where kvflow's kernels build, ``onednn`` where ``onednn`` (oneDNN packing in
+    ``dtype``: any fp32, 16-bit only with native 16-bit matmul units). A forced choice that is
+    unavailable falls back to what is; empty when neither is (the caller's torch path)."""
+    allowed = tuple(c for c, ok in (("native", kernels is not None), ("onednn", onednn)) if ok)
+    if choice in allowed:
+        return (choice,)
+    return allowed
+
+
+def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None) -> str:
+    """The candidate for ``shape``: the only one, or the fastest by :func:`best_candidate`."""
+    if len(candidates) == 1 or timings is None:
+        return candidates[0]
+    return best_candidate({c: timings.get(shape, c) for c in candidates})
+
+
+def transformer_gemm_shapes(hf_config) -> list[tuple[int, int, int]] | None:
+    """(n, k, count) of each GEMM of a dense decoder (q/k/v, o, gate/up, down per layer, the LM
+    head once) from its HF config, or None when the config is not of that kind (MoE, missing
+    sizes)."""
+    get = lambda name: getattr(hf_config, name, None)
+    hidden, inter, layers = get("hidden_size"), get("intermediate_size"), get("num_hidden_layers")
+    heads, vocab = get("num_attention_heads"), get("vocab_size")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, inter, layers, heads, vocab)) \
+            or any(get(n) for n in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return None
+    head_dim = get("head_dim") or hidden // heads
+    kv_heads = get("num_key_value_heads") or heads
+    return [((heads + 2 * kv_heads) * head_dim, hidden, layers), (hidden, heads * head_dim, layers),
+            (2 * inter, hidden, layers), (hidden, inter, layers), (vocab, hidden, 1)]
+
+
+def estimated_step_seconds(shapes: list[tuple[int, int, int]], dtype: torch.dtype,
+                           candidates: tuple[str, ...], timings: GemmTimings) -> dict[int, float]:
+    """Seconds of a forward pass's GEMMs at each row class of ROW_CLASSES with the fastest
+    candidate per shape (what :func:`choose_dtype` compares)."""
+    total = dict.fromkeys(ROW_CLASSES, 0.0)
+    for n, k, count in shapes:
+        per = [timings.get(GemmShape(n, k, dtype), c) for c in candidates]
+        for rows in ROW_CLASSES:
+            total[rows] += count * min(t[rows] for t in per)
+    return total
+
+
+def choose_dtype(shapes: list[tuple[int, int, int]],
+                 candidates: dict[torch.dtype, tuple[str, ...]], timings: GemmTimings
+                 ) -> torch.dtype:
+    """The dtype (a key of ``candidates``, which maps each to its kernels) whose GEMMs run a
+    forward pass of ``shapes`` fastest: lowest sum over row classes of its time relative to the
+    fastest dtype's. Ties keep the first key."""
+    step = {d: estimated_step_seconds(shapes, d, c, timings) for d, c in candidates.items()}
+    fastest = {rows: min(s[rows] for s in step.values()) for rows in ROW_CLASSES}
+    return min(step, key=lambda d: sum(step[d][r] / fastest[r] for r in ROW_CLASSES))
+
+
+def measure_cpu_dtype(hf_config, half: torch.dtype, choice: str,
+                      onednn_packs: Callable[[torch.dtype], bool]) -> torch.dtype:
+    """``--dtype auto`` on a CPU with native ``half`` (bf16/fp16) matmul units: ``half`` or
+    float32, whichever runs the model's GEMMs (:func:`transformer_gemm_shapes`) faster with
+    the kernels ``choice`` allows (:func:`choose_dtype`; timings cached). ``half`` when the
+    model's shapes are unknown. ``onednn_packs(dtype)``: whether oneDNN may pack ``dtype``."""
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+
+    shapes = transformer_gemm_shapes(hf_config)
+    if shapes is None:
+        return half
+    kernels = native_cpu_kernels() if choice != "onednn" else None
+    candidates = {d: candidates_for(d, choice, kernels, onednn_packs(d))
+                  for d in (half, torch.float32)}
+    candidates = {d: c for d, c in candidates.items() if c}
+    if len(candidates) < 2:
+        return half
+    timings = gemm_timings(kernels)
+    dtype = choose_dtype(shapes, candidates, timings)
+    timings.save()
+    logger.info("--dtype auto: %s (GEMMs timed in %s)", dtype,
+                " and ".join(str(d) for d in candidates))
+    return dtype

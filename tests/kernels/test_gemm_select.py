@@ -1,0 +1,164 @@
+"""Per-CPU GEMM kernel choice (``--cpu-gemm auto``): the choice rule on hand-made timings, the
+timings cache (measured once, then read back), the dtype chosen for ``--dtype auto`` from the
+model's GEMM shapes, and an engine whose every GEMM kernel was picked by timing still matching
+HF transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, MixtralConfig
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig, cpu_gemm_choice
+from kvflow.kernels import gemm_select
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
+from kvflow.kernels.gemm_select import (
+    ROW_CLASSES,
+    GemmShape,
+    GemmTimings,
+    best_candidate,
+    candidates_for,
+    choose_dtype,
+    time_candidate,
+    transformer_gemm_shapes,
+)
+
+native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+
+
+def test_best_candidate_sums_relative_times():
+    # native: 2x faster at 1 row, 1.5x slower at 64 rows -> 1 + 1.5 = 2.5 vs 2 + 1 = 3
+    assert best_candidate({"native": {1: 1.0, 64: 6.0}, "onednn": {1: 2.0, 64: 4.0}}) == "native"
+    assert best_candidate({"native": {1: 1.0, 64: 9.0}, "onednn": {1: 2.0, 64: 4.0}}) == "onednn"
+
+
+def test_candidates_follow_the_choice_and_what_is_available():
+    k = object()
+    assert candidates_for(torch.float32, "auto", k, True) == ("native", "onednn")
+    assert candidates_for(torch.float32, "onednn", k, True) == ("onednn",)
+    assert candidates_for(torch.bfloat16, "auto", k, False) == ("native",)  # no bf16 units
+    assert candidates_for(torch.float32, "native", None, True) == ("onednn",)  # no compiler
+    assert candidates_for(torch.bfloat16, "auto", None, False) == ()
+
+
+def test_cpu_gemm_flag_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "native")
+    assert cpu_gemm_choice("onednn") == "onednn"
+    assert cpu_gemm_choice() == "native"
+    monkeypatch.delenv("KVFLOW_CPU_GEMM")
+    assert cpu_gemm_choice() == "auto"
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineConfig.from_kwargs(cpu_gemm="mkl")
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_GEMM"):
+        EngineConfig.from_kwargs()
+
+
+def test_transformer_gemm_shapes():
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    assert transformer_gemm_shapes(cfg) == [(960, 576, 30), (576, 576, 30), (3072, 576, 30),
+                                            (576, 1536, 30), (49152, 576, 1)]
+    assert transformer_gemm_shapes(MixtralConfig()) is None
+
+
+def _fake_timings(tmp_path, seconds: dict[str, float]) -> GemmTimings:
+    timings = GemmTimings(tmp_path / "t.json", None)
+    timings.seconds = dict(seconds)
+    return timings
+
+
+def test_dtype_follows_the_timed_forward_pass(tmp_path):
+    """bf16 twice as fast at one row, fp32 three times as fast at 64 rows: the sum of relative
+    step times (1 + 3 vs 2 + 1) picks fp32; at equal speed the first (the default) stays."""
+    shapes = [(32, 16, 2), (20000, 16, 1)]  # the wide one is timed on an 8192-column slice
+    secs = {}
+    for n in (32, 8192):
+        for dtype, (t1, t64) in {"bfloat16": (1.0, 3.0), "float32": (2.0, 1.0)}.items():
+            secs.update({f"{dtype}|{n}x16|native|1": t1, f"{dtype}|{n}x16|native|64": t64})
+    cands = {torch.bfloat16: ("native",), torch.float32: ("native",)}
+    assert choose_dtype(shapes, cands, _fake_timings(tmp_path, secs)) == torch.float32
+    even = {key: 1.0 for key in secs}
+    assert choose_dtype(shapes, cands, _fake_timings(tmp_path, even)) == torch.bfloat16
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_timing_measures_each_row_class(dtype):
+    got = time_candidate(GemmShape(48, 32, dtype), "native", ROW_CLASSES, native_cpu_kernels())
+    assert set(got) == set(ROW_CLASSES) and all(0 < s < 1 for s in got.values())
+
+
+@native
+def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
+    calls = []
+    real = gemm_select.time_candidate
+
+    def counting(*args):
+        calls.append(args[:2])
+        return real(*args)
+
+    monkeypatch.setattr(gemm_select, "time_candidate", counting)
+    shape = GemmShape(20000, 16, torch.float32)  # timed as 8192 columns, scaled by 20000/8192
+    first = GemmTimings(tmp_path / "t.json", native_cpu_kernels())
+    got = first.get(shape, "native")
+    first.save()
+    assert calls == [(shape, "native")]
+    stored = json.loads((tmp_path / "t.json").read_text())
+    assert set(stored) == {f"float32|8192x16|native|{r}" for r in ROW_CLASSES}
+    again = GemmTimings(tmp_path / "t.json", native_cpu_kernels()).get(shape, "native")
+    assert len(calls) == 1 and again == got
+    assert got[1] == pytest.approx(stored["float32|8192x16|native|1"] * 20000 / 8192)
+
+
+@native
+def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkeypatch):
+    """--cpu-gemm auto: every fp32 GEMM packed for the kernel its timing picked (recorded in
+    the cache), and one greedy step's logprob equals HF's."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              cpu_gemm="auto")
+    model = llm.engine.core.executor.runner.model
+    kinds = {type(m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")}
+    assert kinds <= {NativePackedWeight, OneDnnPackedWeight} and kinds
+    (cache,) = (tmp_path / "cpu_gemm").glob("*.json")
+    assert any(key.startswith("float32|") for key in json.loads(cache.read_text()))
+    prompt = [5, 9, 23, 41, 7]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0),
+                          use_tqdm=False)
+    with torch.no_grad():
+        hf_logits = tiny_llama.hf_model(torch.tensor([prompt])).logits[0, -1]
+    token = out.outputs[0].token_ids[0]
+    assert token == int(hf_logits.argmax())
+    hf_logprob = torch.log_softmax(hf_logits.double(), -1)[token].item()
+    assert abs(out.outputs[0].logprobs[0][token].logprob - hf_logprob) < 1e-4
+
+
+@native
+@pytest.mark.parametrize("faster", [torch.float32, torch.bfloat16])
+def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
+    """measure_cpu_dtype follows the timings (faked here: ``faster`` takes half the time of
+    the other dtype at every shape and row count) and caches them; resolve_dtype asks it only
+    when the checkpoint's dtype is 16-bit."""
+    from kvflow.core.engine_core import resolve_dtype
+    from kvflow.platforms.cpu import CpuPlatform
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_select, "time_candidate", lambda shape, cand, rows, kernels: {
+        r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows})
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, vocab_size=300)
+    got = gemm_select.measure_cpu_dtype(cfg, torch.bfloat16, "auto", lambda d: True)
+    assert got == faster
+    assert list((tmp_path / "cpu_gemm").glob("*.json"))
+    monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: True)
+    asked = []
+    measure = lambda d: asked.append(d) or faster
+    cfg.dtype = "bfloat16"
+    assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == faster and asked
+    cfg.dtype, asked[:] = "float32", []
+    assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == torch.float32 and not asked
