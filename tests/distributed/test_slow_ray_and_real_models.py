@@ -1,8 +1,8 @@
 """The slow multi-process checks (about 5 minutes on 2 cores), run by
 ``scripts/test_distributed_slow.sh`` (``KVFLOW_TEST_DISTRIBUTED_SLOW=1``), skipped otherwise:
 
-* ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2 and
-  PP=2 greedy tokens equal the one-process run; a killed actor is reported by rank;
+* ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2, PP=2
+  and TP=2 + EP greedy tokens equal the one-process run; a killed actor is reported by rank;
 * the real packaged Qwen2.5-Coder-0.5B-Instruct (14 heads / 2 KV heads, 24 layers) with
   TP=2 and with PP=2 gives the one-process greedy text;
 * the real gemma-3-270m (1 KV head) with TP=2 replicates its KV head on both ranks and gives
@@ -40,13 +40,16 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2},
-                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("model, kwargs", [
+    ("llama", {"tensor_parallel_size": 2}),
+    ("llama", {"pipeline_parallel_size": 2}),
+    ("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+], ids=["tp2", "pp2", "tp2-ep"])
 def test_ray_backend_greedy_equals_one_process(ray_cluster, tiny_model_factory,
-                                               single_process_greedy, kwargs):
-    got, _ = greedy_run(tiny_model_factory("llama").path,
+                                               single_process_greedy, model, kwargs):
+    got, _ = greedy_run(tiny_model_factory(model).path,
                         distributed_executor_backend="ray", **kwargs)
-    assert_same_greedy(single_process_greedy("llama"), got)
+    assert_same_greedy(single_process_greedy(model), got)
 
 
 def test_ray_actor_death_names_the_rank(ray_cluster, tiny_model_factory):
