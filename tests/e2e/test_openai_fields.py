@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -183,24 +181,15 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                         lambda t: t in ("yes", "no"))
 
     def priority(server, tokenizer):
-        """4 running slots held by long requests; then priorities 9 and -9 queue together:
-        the lower value gets its reply first."""
-        finished: dict[int, float] = {}
-
-        def run(prio: int, max_tokens: int) -> None:
-            ok(server, path, {"priority": prio, "max_tokens": max_tokens, "ignore_eos": True})
-            finished[prio] = time.monotonic()
-
-        blockers = [threading.Thread(target=run, args=(100 + i, 48)) for i in range(4)]
-        for t in blockers:
-            t.start()
-        time.sleep(0.3)
-        queued = [threading.Thread(target=run, args=(p, 2)) for p in (9, -9)]
-        for t in queued:
-            t.start()
-        for t in blockers + queued:
-            t.join()
-        assert finished[-9] < finished[9]
+        """Accepted under --policy priority and passed to the engine (the same greedy text at
+        any priority; a value that is not an integer is a 400 naming the field). The queue
+        order it gives is deterministic only inside the engine, so it is asserted there:
+        tests/test_chat_template.py::test_generate_priority_orders_the_queue (LLM.generate)
+        and the scheduler tests; over HTTP it would be a wall-clock race on a tiny model."""
+        base = text(ok(server, path, {"max_tokens": 6}))
+        for prio in (-9, 9):
+            assert text(ok(server, path, {"priority": prio, "max_tokens": 6})) == base
+        rejected(path, {"priority": "high"}, "priority")(server, tokenizer)
 
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404),
