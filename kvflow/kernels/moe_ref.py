@@ -3,6 +3,8 @@ that the Triton grouped-GEMM kernels (``kernels/moe.py``) are tested against."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -14,11 +16,9 @@ def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       workspace: GemmWorkspace | None = None) -> torch.Tensor:
     """Grouped SwiGLU experts in plain torch (the CPU path and the kernels' reference).
 
-    Each expert computes ``down(silu(gate(x)) * up(x))`` on the rows routed to it; the rows are
-    sorted by expert so every expert reads one contiguous slice (one matmul per expert that got
-    tokens, none for the others). Products are summed per token in float32 and rounded once.
-    The loop is over experts, never tokens; on CPU it beats a padded ``bmm`` over all E experts,
-    which would read every expert's weights even in decode steps that touch only a few.
+    Each expert computes ``down(silu(gate(x)) * up(x))`` on the rows routed to it (see
+    :func:`grouped_experts`). On CPU this beats a padded ``bmm`` over all E experts, which
+    would read every expert's weights even in decode steps that touch only a few.
 
     Args:
         hidden: [T, H] activations.
@@ -32,22 +32,51 @@ def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Returns:
         [T, H] in ``hidden.dtype``.
     """
+    def expert_mlp(x: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = linear(x, w13[expert], None, workspace).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w2[expert], None, workspace)
+
+    return grouped_experts(hidden, topk_weights, topk_ids, w13.shape[0], w2.shape[1],
+                           expert_mlp)
+
+
+def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    num_experts: int, out_features: int,
+                    expert_mlp: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """Route rows to experts, run each expert once on its rows, combine with the weights.
+
+    The (token, slot) pairs are sorted by expert so every expert reads one contiguous slice
+    (one call of ``expert_mlp`` per expert that got tokens, none for the others); products are
+    summed per token in float32 and rounded once. The loop is over experts, never tokens.
+    Pairs whose id is outside ``[0, num_experts)`` (routed elsewhere) contribute nothing.
+
+    Args:
+        hidden: [T, H] activations.
+        topk_weights: [T, k] float32 routing weights.
+        topk_ids: [T, k] integer expert ids.
+        num_experts: E.
+        out_features: columns of ``expert_mlp``'s output (H).
+        expert_mlp: ``(rows [n, H], expert) -> [n, out_features]`` in ``hidden.dtype``.
+
+    Returns:
+        [T, out_features] in ``hidden.dtype``.
+    """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
     token_of_row = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[:w13.shape[0]]
-    order = order[:sum(counts)]  # id E (not on this rank) sorts last: drop those pairs
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
+    order = order[:sum(counts)]  # ids >= E (experts on other ranks) sort last: drop them
     token_of_row = token_of_row[:order.shape[0]]
     x = hidden[token_of_row]  # [rows, H], rows of expert 0 first, then expert 1, ...
-    out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(x.shape[0], out_features, dtype=hidden.dtype, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            gate, up = linear(x[rows], w13[expert], None, workspace).chunk(2, dim=-1)
-            out[rows] = linear(F.silu(gate) * up, w2[expert], None, workspace)
+            out[rows] = expert_mlp(x[rows], expert)
             start += count
     weighted = out.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)
-    combined = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    combined = torch.zeros(num_tokens, out_features, dtype=torch.float32,
+                           device=hidden.device)
     return combined.index_add_(0, token_of_row, weighted).to(hidden.dtype)

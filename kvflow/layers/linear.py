@@ -37,9 +37,12 @@ class LinearBase(GemmPathMixin, nn.Module):
     Attributes:
         shard_ids: the checkpoint shards fused into this layer, in row order (``(None,)`` for
             an unfused one); quantization methods that keep shards apart read it.
+        quantizable: False keeps the layer unquantized under any ``--quantization`` (MoE
+            routers: a rounded router logit can flip an expert choice).
     """
 
     shard_ids: tuple = (None,)
+    quantizable: bool = True  # False: --quantization leaves this layer (a router) unquantized
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
                  tp_rank: int = 0, tp_size: int = 1,

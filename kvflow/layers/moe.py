@@ -30,6 +30,10 @@ the EP group (the TP group of the attention layers), so each rank runs its local
 (token, expert) pairs routed to them and one all-reduce over the EP group combines them (the
 all-gather of the dispatch is a no-op and the reduce-scatter + all-gather of the combine is
 that all-reduce).
+
+Quantized experts (``--quantization int8|fp8``) hang off ``set_quant_method``: a
+:class:`~kvflow.quant.moe.FusedMoEMethod` quantizes the loaded stacked weights and runs the
+routed experts itself; routing, placement and the all-reduce stay here.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kvflow.kernels.gemm import GemmPathMixin
 from kvflow.kernels.moe_ref import fused_experts_ref
 from kvflow.layers.custom_op import CustomOp
 from kvflow.layers.linear import require_group
+from kvflow.quant.moe import FusedMoEMethod
 
 
 def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
@@ -229,6 +234,13 @@ class FusedMoE(GemmPathMixin, CustomOp):
                                       requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_method: FusedMoEMethod | None = None  # None: float experts (below)
+
+    def set_quant_method(self, method: FusedMoEMethod) -> None:
+        """Quantize the experts with ``method`` (``kvflow/quant/moe.py``; call before loading):
+        the float weights still load through :meth:`weight_loader`, the method converts them
+        after loading and runs the experts."""
+        self.quant_method = method
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
                       expert_id: int | None = None) -> None:
@@ -290,7 +302,10 @@ class FusedMoE(GemmPathMixin, CustomOp):
         topk_weights, topk_ids = self.select_experts(router_logits)
         if self.ep_group is not None and self.ep_group.world_size > 1:
             topk_weights, topk_ids = self._local_routes(topk_weights, topk_ids)
-        out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        else:
+            out = self.implementation_for(hidden.device)(hidden, topk_weights, topk_ids)
         if self.tp_size > 1:
             out = require_group(self.tp_group, self.tp_size).all_reduce(out)
         elif self.ep_group is not None:

@@ -85,6 +85,9 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = gated_mlp(config, shared_intermediate_size, parallel)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
+        for router in (self.gate, self.shared_expert_gate):
+            if router is not None:  # routing stays in the model dtype under --quantization
+                router.quantizable = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from kvflow.quant.base import EmbeddingMethod, LinearMethod, weight_bytes
+from kvflow.quant.moe import FusedMoEMethod
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "compressed-tensors")
 
@@ -74,6 +75,19 @@ class QuantConfig:
 
             return compressed_tensors_method(self.checkpoint_config or {}, prefix, module,
                                              self.packed_modules_mapping)
+        return None
+
+    def moe_method(self, prefix: str) -> FusedMoEMethod | None:
+        """The method for the experts of the ``FusedMoE`` layer at ``prefix``; None: float
+        experts (every scheme but int8 and fp8, which quantize them on load)."""
+        if self.name == "int8":
+            from kvflow.quant.moe import Int8FusedMoEMethod
+
+            return Int8FusedMoEMethod()
+        if self.name == "fp8":
+            from kvflow.quant.moe import Fp8FusedMoEMethod
+
+            return Fp8FusedMoEMethod()
         return None
 
     def embedding_method(self, prefix: str, module: nn.Module | None = None
@@ -141,17 +155,21 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
     tied: dict[int, nn.Module] = {}
     changed = 0
     for prefix, module in model.named_modules():
-        if not hasattr(module, "set_quant_method"):
+        if not hasattr(module, "set_quant_method") or not getattr(module, "quantizable", True):
             continue
-        owner = tied.setdefault(id(getattr(module, "weight", None)), module)
+        weight = getattr(module, "weight", None)
+        owner = tied.setdefault(id(module if weight is None else weight), module)
         if owner is not module:  # shares its table with a layer seen earlier: share again
             module.set_quant_method(owner.quant_method)
             for name in owner._quant_param_names:
                 setattr(module, name, getattr(owner, name))
             continue
-        method = (quant_config.embedding_method(prefix, module)
-                  if isinstance(module.quant_method, EmbeddingMethod)
-                  else quant_config.linear_method(prefix, module))
+        if isinstance(module.quant_method, EmbeddingMethod):
+            method = quant_config.embedding_method(prefix, module)
+        elif hasattr(module, "w13_weight"):  # FusedMoE experts
+            method = quant_config.moe_method(prefix)
+        else:
+            method = quant_config.linear_method(prefix, module)
         if method is not None:
             module.set_quant_method(method)
             changed += 1
@@ -166,7 +184,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is None:
             continue
-        key = id(getattr(module, "weight", None))
+        weight = getattr(module, "weight", None)
+        key = id(module if weight is None else weight)
         owner = done.get(key)
         if owner is not None and owner is not module:
             for name in owner._quant_param_names:

@@ -80,6 +80,26 @@ def scaled_mm_rowwise(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: 
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 ``x [M, K] @ (qw * sw[:, None]).T`` in ``x.dtype``: the activations quantized
+    per token (or with the static ``input_scale``), then ``torch._scaled_mm`` on CUDA where
+    K and N are multiples of 16, else the dequantized product in fp32.
+
+    Args:
+        x: [M, K] float; qw: fp8 [N, K]; sw: float32 [N]; input_scale: float32 scalar or None.
+    """
+    if input_scale is None:
+        qx, sx = quantize_fp8_per_token(x)
+    else:
+        sx = input_scale.float().expand(x.shape[0], 1)
+        qx = quantize_fp8(x, sx)
+    n, k = qw.shape
+    if x.device.type == "cuda" and k % 16 == 0 and n % 16 == 0:
+        return scaled_mm_rowwise(qx, sx, qw, sw, x.dtype)
+    return (F.linear(qx.float() * sx, qw.float()) * sw).to(x.dtype)
+
+
 class Fp8LinearMethod(LinearMethod):
     """After loading: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` float32 [N] (one per
     output row), ``input_scale`` float32 scalar for static activation scales (else None:
@@ -164,23 +184,14 @@ class Fp8LinearMethod(LinearMethod):
         else:
             layer.input_scale = None
 
-    def _quantized_input(self, layer: nn.Module, x: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qx fp8 [M, K], sx float32 [M, 1]) for rows ``x`` [M, K]."""
-        if layer.input_scale is None:
-            return quantize_fp8_per_token(x)
-        sx = layer.input_scale.float().expand(x.shape[0], 1)
-        return quantize_fp8(x, sx), sx
-
     def apply_native(self, layer: nn.Module, x: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
+        """The dequantized reference (fp32 GEMM of the FP8 values and their scales)."""
         rows = x.reshape(-1, x.shape[-1])
-        w = layer.weight.float()
         if self.quantize_input:
-            qx, sx = self._quantized_input(layer, rows)
-            y = F.linear(qx.float() * sx, w) * layer.weight_scale
+            y = fp8_linear(rows.float(), layer.weight, layer.weight_scale, layer.input_scale)
         else:
-            y = F.linear(rows.float(), w) * layer.weight_scale
+            y = F.linear(rows.float(), layer.weight.float()) * layer.weight_scale
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
@@ -193,7 +204,11 @@ class Fp8LinearMethod(LinearMethod):
         if not self.quantize_input or k % 16 or n % 16:
             return self.apply_native(layer, x, bias)
         rows = x.reshape(-1, k)
-        qx, sx = self._quantized_input(layer, rows)
+        if layer.input_scale is None:
+            qx, sx = quantize_fp8_per_token(rows)
+        else:
+            sx = layer.input_scale.float().expand(rows.shape[0], 1)
+            qx = quantize_fp8(rows, sx)
         y = scaled_mm_rowwise(qx, sx, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
             y = y + bias.to(x.dtype)

@@ -51,6 +51,21 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (q * scale[:, None]).T`` in ``x.dtype``: torch's CPU
+    ``_weight_int8pack_mm`` where it takes ``x``, else int8 -> ``x.dtype``, GEMM, scales.
+
+    Args:
+        x: [..., K] activations.
+        q: int8 [N, K]; scale: float32 [N].
+    """
+    if not _int8pack_takes(x):
+        return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch._weight_int8pack_mm(rows, q, scale.to(x.dtype))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def fake_quantize_int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to INT8 per row (last dim) and scaled back, in ``x.dtype``:
     ``clamp(round(x / s), -128, 127) * s`` with ``s = absmax / 127.5`` (compressed-tensors'
@@ -113,13 +128,8 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-        if not _int8pack_takes(x):
-            return self.apply_native(layer, x, bias)
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = torch._weight_int8pack_mm(rows, layer.weight, layer.weight_scale.to(x.dtype))
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        y = int8_linear(x, layer.weight, layer.weight_scale)
+        return y if bias is None else y + bias.to(x.dtype)
 
 
 class Int8EmbeddingMethod(EmbeddingMethod):
