@@ -111,6 +111,11 @@ class CacheConfig:
     num_kv_blocks: int | None = _opt(None, "KV-cache size in blocks (overrides memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory kvflow may use")
+    kv_cache_dtype: str = _opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
+                               "fp8_e4m3 (quantized per token and KV head with float32 scales "
+                               "beside the blocks: about twice the blocks of a 16-bit cache "
+                               "for the same --kv-cache-memory)",
+                               choices=["auto", "int8", "fp8_e4m3"])
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -13,6 +13,11 @@ block_size, num_kv_heads, head_size]`` (0 = K, 1 = V) for full and sliding-windo
 ``[num_blocks, block_size, head_size]`` for MLA's latent cache (:class:`MLAAttentionSpec`).
 Layer ``j`` of every group shares tensor ``j``, and a block id is owned by one group at a time,
 so the groups never write the same slots.
+
+A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``: ``dtype`` int8 / float8_e4m3fn,
+``scale_dtype`` float32) adds, beside each K/V tensor, its scales
+(:meth:`KVCacheSpec.kv_scales_shape`: ``[2, num_blocks, block_size, num_kv_heads]``, one per
+token and KV head, under the same block ids), counted in ``page_size_bytes``.
 """
 
 from __future__ import annotations
@@ -32,22 +37,35 @@ class KVCacheSpec:
         num_kv_heads: KV heads (per tensor-parallel rank).
         head_size: elements per head.
         dtype: element type of the cache.
+        scale_dtype: type of the per-token, per-head scales of a quantized cache (None: the
+            cache holds the values themselves).
     """
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    scale_dtype: torch.dtype | None = None
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of this layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        """Bytes of one block of this layer, K and V together, scales included."""
+        per_head = self.head_size * self.dtype.itemsize
+        if self.scale_dtype is not None:
+            per_head += self.scale_dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * per_head
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor of ``num_blocks`` blocks (dtype ``self.dtype``):
         ``[2, num_blocks, block_size, num_kv_heads, head_size]``, 0 = K, 1 = V."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def kv_scales_shape(self, num_blocks: int) -> tuple[int, ...] | None:
+        """Shape of the scales beside a quantized cache tensor (dtype ``self.scale_dtype``):
+        ``[2, num_blocks, block_size, num_kv_heads]``; None for an unquantized cache."""
+        if self.scale_dtype is None:
+            return None
+        return (2, num_blocks, self.block_size, self.num_kv_heads)
 
     @property
     def sliding_window(self) -> int | None:
@@ -62,6 +80,25 @@ class KVCacheSpec:
             NotImplementedError: on the base class (each kind of spec defines it).
         """
         raise NotImplementedError(f"{type(self).__name__} defines no max_num_blocks")
+
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype
+                    ) -> tuple[torch.dtype, torch.dtype | None]:
+    """(cache dtype, scale dtype) for ``--kv-cache-dtype``: ``auto`` is the model dtype with
+    no scales; ``int8`` / ``fp8_e4m3`` are quantized with float32 scales.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; choose one of "
+                         f"{sorted(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    return (model_dtype, None) if dtype is None else (dtype, torch.float32)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 KV-cache layout (one tensor per layer)::
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+    kv_scales: [2, num_blocks, block_size, num_kv_heads] float32     (quantized caches only)
 
 A token's *slot* is ``block_id * block_size + offset_in_block``.  New K/V are written through
 ``slot_mapping`` and all K/V (cached prefix and new tokens alike) are read back through
@@ -75,6 +76,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping`` and attend.
 
@@ -85,6 +87,8 @@ class AttentionBackend(ABC):
             meta: the step's AttentionMetadata.
             scale: softmax scale, usually head_dim ** -0.5.
             sliding_window: if set, a query at position p sees keys in (p - window, p].
+            kv_scales: float32 [2, num_blocks, block_size, num_kv_heads] when ``kv_cache`` is
+                quantized (int8 / float8_e4m3fn; ``kvflow/kernels/kv_quant.py``), else None.
 
         Returns:
             [num_tokens, num_heads, head_dim] attention output (padding rows unspecified).

@@ -32,8 +32,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
         meta.extra = {"uniform_prompts": TorchPagedAttentionBackend.uniform_prompts(meta),
                       "indices_checked": False}
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None,
+                kv_scales=None) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor.
+
+        Raises:
+            ValueError: for a quantized cache (``kv_scales``): the engine runs those on the
+                'torch' backend.
+        """
+        if kv_scales is not None:
+            raise ValueError("the 'cpu' attention backend reads 16/32-bit caches only; use "
+                             "'torch' for an int8/fp8 KV cache")
         TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta)
         if meta.extra["uniform_prompts"] and sliding_window is None:
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)

@@ -80,11 +80,14 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self._ctx = ctx
         self.kv_cache = torch.empty(0)
+        self.kv_scales: torch.Tensor | None = None  # [2, blocks, block_size, Hkv] if quantized
         self.kv_group = 0  # index of this layer's KV-cache group (block table); set by the runner
 
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """This layer's KV-cache spec: full attention, or a sliding window."""
-        shape = (block_size, self.num_kv_heads, self.head_dim, dtype)
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
+                      scale_dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """This layer's KV-cache spec: full attention, or a sliding window (``scale_dtype``:
+        a quantized cache's per-token-per-head scales, else None)."""
+        shape = (block_size, self.num_kv_heads, self.head_dim, dtype, scale_dtype)
         if self.sliding_window is None:
             return FullAttentionSpec(*shape)
         return SlidingWindowSpec(*shape, window=self.sliding_window)
@@ -92,5 +95,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         meta = self._ctx.forward_context.attn_metadata[self.kv_group]
+        if self.kv_scales is None:
+            return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
+                                             self.sliding_window)
         return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
-                                         self.sliding_window)
+                                         self.sliding_window, kv_scales=self.kv_scales)

@@ -38,8 +38,16 @@ class MLAAttention(Attention):
         super().__init__(num_heads, 1, kv_lora_rank + qk_rope_head_dim, scale, ctx)
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
 
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """One latent vector per token: ``kv_lora_rank + qk_rope_head_dim`` values."""
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
+                      scale_dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """One latent vector per token: ``kv_lora_rank + qk_rope_head_dim`` values.
+
+        Raises:
+            ValueError: for a quantized cache (``scale_dtype`` set): not read by MLA yet.
+        """
+        if scale_dtype is not None:
+            raise ValueError("--kv-cache-dtype int8/fp8_e4m3 is not supported for MLA "
+                             "(DeepSeek) latent caches yet; use auto")
         return MLAAttentionSpec(block_size, 1, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -8,6 +8,11 @@ request's K/V *whole blocks at a time* through its block table (``index_select``
 pads the queries to ``[num_reqs, heads, max_query_len, head_dim]`` and calls
 ``scaled_dot_product_attention``. All K/V, cached prefix and new tokens alike, come from the
 paged cache.
+
+A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``, ``kv_scales`` given) is written through
+:func:`kvflow.kernels.kv_quant.quantize_kv` and its gathered blocks are dequantized to the
+query dtype before SDPA; a batch of whole prompts attends to the new K/V as the cache will give
+them back (quantized and dequantized), so every path sees the same keys and values.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+from kvflow.kernels.kv_quant import dequantize_kv, quantize_kv
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its uint8 bits (same storage); other tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -72,13 +83,30 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        """Write the step's new K/V [T, Hkv, D] into ``kv_cache`` at ``meta.slot_mapping``."""
+                 meta: AttentionMetadata, kv_scales: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new K/V [T, Hkv, D] into ``kv_cache`` at ``meta.slot_mapping``
+        (quantized, with their scales into ``kv_scales``, for an int8/fp8 cache).
+
+        Returns:
+            (k, v) as the cache gives them back: the inputs, or for a quantized cache their
+            dequantized [num_actual_tokens, Hkv, D] values in ``k.dtype``.
+        """
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         n = meta.num_actual_tokens
         slots = meta.slot_mapping[:n]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+        stored = []
+        for i, x in enumerate((k, v)):
+            if kv_scales is None:
+                kv_cache[i].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x[:n])
+                stored.append(x)
+                continue
+            q, scale = quantize_kv(x[:n], kv_cache.dtype)
+            # through same-size integer views: CPU index_copy_ has no float8 kernel
+            _bits(kv_cache[i]).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, _bits(q))
+            kv_scales[i].view(-1, num_kv_heads).index_copy_(0, slots, scale)
+            stored.append(dequantize_kv(q, scale, x.dtype))
+        return stored[0], stored[1]
 
     @staticmethod
     def uniform_prompt_attention(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -94,19 +122,28 @@ class TorchPagedAttentionBackend(AttentionBackend):
                                              scale=scale, enable_gqa=num_heads != k.shape[1])
         return out.transpose(1, 2).reshape(n, num_heads, head_dim)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, i: int,
+                blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K (i = 0) or V (i = 1) of ``blocks``: [len(blocks), block_size, Hkv, D] in
+        ``dtype`` (dequantized from an int8/fp8 cache)."""
+        if kv_scales is None:
+            return kv_cache[i].index_select(0, blocks)
+        rows = _bits(kv_cache[i]).index_select(0, blocks).view(kv_cache.dtype)
+        return dequantize_kv(rows, kv_scales[i].index_select(0, blocks), dtype)
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, kv_scales=None):
         _num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         n = meta.num_actual_tokens
-        self.store_kv(k, v, kv_cache, meta)
+        k, v = self.store_kv(k, v, kv_cache, meta, kv_scales)
         gqa = num_heads != num_kv_heads
         ex = meta.extra
         num_reqs, max_q = meta.num_reqs, meta.max_query_len
         if ex["uniform_prompts"] and sliding_window is None:
             return self.uniform_prompt_attention(q, k, v, meta, scale)
-        blocks = ex["gather_blocks"]
-        keys = kv_cache[0].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
-        values = kv_cache[1].index_select(0, blocks).view(num_reqs, -1, num_kv_heads, head_dim)
+        keys, values = (self._gather(kv_cache, kv_scales, i, ex["gather_blocks"], q.dtype)
+                        .view(num_reqs, -1, num_kv_heads, head_dim) for i in (0, 1))
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, kv_len, D]
         mask = self._mask(meta, sliding_window)  # [B, 1, max_q, kv_len]
         if max_q == 1:

@@ -17,8 +17,8 @@ class TritonPagedAttentionBackend(AttentionBackend):
     """Mixed prefill/decode paged attention with Triton kernels (see
     :mod:`kvflow.kernels.paged_attention` for the single-pass / split-KV selection rule).
 
-    Requirements: ``q``, ``k``, ``v`` and ``kv_cache`` share one float dtype and have a
-    unit-stride last dim (token/head strides are free); ``meta.query_start_loc``,
+    Requirements: ``q``, ``k``, ``v`` and ``kv_cache`` share one float dtype (or the cache is
+    int8/float8_e4m3fn with ``kv_scales``) and have a unit-stride last dim (token/head strides are free); ``meta.query_start_loc``,
     ``meta.seq_lens`` and ``meta.block_table`` are int32 on the same device.  No per-step
     preparation is needed, so ``prepare`` is the no-op default.
     """
@@ -34,9 +34,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
-        store_kvcache(k, v, kv_cache, meta.slot_mapping)
+        store_kvcache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         return paged_attention(
             q,
             kv_cache,
@@ -47,4 +48,5 @@ class TritonPagedAttentionBackend(AttentionBackend):
             meta.max_seq_len,
             scale,
             sliding_window=sliding_window,
+            kv_scales=kv_scales,
         )

@@ -30,11 +30,11 @@ def group_kv_cache_specs(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGr
 
     Raises:
         ValueError: if there are no attention layers, or the layers differ in block shape
-            (tensor shape per block, dtype): they could not share KV tensors.
+            (tensor shape per block, dtype, scale dtype): they could not share KV tensors.
     """
     if not layer_specs:
         raise ValueError("the model has no attention layers")
-    shapes = {(s.kv_cache_shape(1), s.dtype) for s in layer_specs.values()}
+    shapes = {(s.kv_cache_shape(1), s.dtype, s.scale_dtype) for s in layer_specs.values()}
     if len(shapes) > 1:
         raise ValueError(f"attention layers differ in KV block shape {sorted(map(str, shapes))}; "
                          "kvflow needs one shape (block_size, kv heads, head size, dtype)")
@@ -46,7 +46,7 @@ def group_kv_cache_specs(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGr
         return (KVCacheGroupSpec(tuple(layer_specs), first),)
     if len(windows) > 1 or len(local) % len(full):
         plain = FullAttentionSpec(first.block_size, first.num_kv_heads, first.head_size,
-                                  first.dtype)
+                                  first.dtype, first.scale_dtype)
         return (KVCacheGroupSpec(tuple(layer_specs), plain),)
     n = len(full)
     return (KVCacheGroupSpec(tuple(full), layer_specs[full[0]]),

@@ -23,6 +23,10 @@ Algorithm
   long-context inference", 2023).  It is correct for any batch, and is chosen automatically
   only for all-decode batches (see :func:`choose_num_splits`).
 
+Quantized cache: with ``kv_scales`` (int8 / float8_e4m3fn cache, one float32 scale per token
+and KV head, :mod:`kvflow.kernels.kv_quant`) each loaded K/V tile is multiplied by its scales
+in fp32 and cast to the query dtype before the dots (``QUANT_KV``).
+
 Positions: query token ``j`` of request ``i`` (``0 <= j < q_len_i``) sits at position
 ``seq_lens[i] - q_len_i + j`` and sees keys ``0..p`` (or, with ``sliding_window=W``, keys in
 ``(p - W, p]``).
@@ -71,6 +75,8 @@ def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
     part_acc_ptr,  # fp32 [T, Hq, NUM_SPLITS, BLOCK_D] (NUM_SPLITS > 1)
     part_ml_ptr,  # fp32 [2, T, Hq, NUM_SPLITS]: running max (log2 domain) and sum
+    k_scale_ptr,  # fp32 [num_blocks, block_size, Hkv] (QUANT_KV): per token and head
+    v_scale_ptr,
     query_start_loc_ptr,  # int32 [num_seqs + 1]
     seq_lens_ptr,  # int32 [num_seqs]
     block_table_ptr,  # int32 [num_seqs, max_blocks]
@@ -87,6 +93,8 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    stride_sb,
+    stride_ss,
     QPKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
@@ -97,6 +105,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT_KV: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,6 +173,13 @@ def _paged_attention_kernel(
             mask=k_valid[:, None] & d_mask[None, :],
             other=0.0,
         )  # [TILE_N, BLOCK_D]
+        if QUANT_KV:  # int8 / fp8 values times their per-token, per-head scales
+            scale_off = (phys_block.to(tl.int64) * stride_sb
+                         + (k_pos % KV_BLOCK_SIZE) * stride_ss + kv_head)
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=k_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=k_valid, other=0.0)
+            k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
@@ -321,7 +337,7 @@ def plan_paged_attention(
 
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_table: torch.Tensor,
-                  num_splits: int | None) -> None:
+                  num_splits: int | None, kv_scales: torch.Tensor | None = None) -> None:
     """Raise ValueError on shapes, dtypes or ``num_splits`` that :func:`paged_attention`
     cannot take (see its Args)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -333,7 +349,13 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
             f"q heads/dim ({num_heads}, {head_dim}) incompatible with cache "
             f"({num_kv_heads}, {cache_head_dim})"
         )
-    if q.dtype != kv_cache.dtype:
+    if kv_scales is not None:
+        if kv_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or \
+                kv_scales.shape != kv_cache.shape[:4] or kv_scales.dtype != torch.float32:
+            raise ValueError(f"a quantized cache is int8/float8_e4m3fn with float32 kv_scales "
+                             f"{tuple(kv_cache.shape[:4])}; got {kv_cache.dtype} and "
+                             f"{kv_scales.dtype} {tuple(kv_scales.shape)}")
+    elif q.dtype != kv_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
@@ -356,6 +378,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode batch.
 
@@ -378,6 +401,9 @@ def paged_attention(
         out: optional preallocated [T, num_heads, head_dim] output (last dim unit-stride).
         num_splits: ``None`` = automatic (:func:`choose_num_splits`); ``1`` forces the
             single-pass kernel; ``> 1`` forces the split-KV path with that many splits.
+        kv_scales: float32 [2, num_blocks, block_size, num_kv_heads] when ``kv_cache`` is
+            quantized (int8 / float8_e4m3fn): each key/value row is read as its values times
+            its scale (:mod:`kvflow.kernels.kv_quant`), then used in ``q.dtype``.
 
     Returns:
         [T, num_heads, head_dim] in ``q.dtype`` (``out`` if given); padding rows are left
@@ -389,7 +415,7 @@ def paged_attention(
     Correctness never depends on ``max_query_len``/``max_seq_len`` (they only pick tile
     shapes and the number of splits), so stale values, e.g. under CUDA-graph replay, are safe.
     """
-    _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits)
+    _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits, kv_scales)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_table.stride(-1) != 1:
@@ -405,13 +431,14 @@ def paged_attention(
     plan = plan_paged_attention(num_tokens, num_heads, kv_cache.shape[3], head_dim, num_reqs,
                                 max_query_len, max_seq_len, _num_sms(q.device), num_splits)
     _launch(plan, q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
-            out)
+            out, kv_scales)
     return out
 
 
 def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-            scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+            scale: float, sliding_window: int | None, out: torch.Tensor,
+            kv_scales: torch.Tensor | None = None) -> None:
     """Run ``plan``: the attention kernel into ``out`` (single pass) or into fp32 partials
     (acc [T, heads, splits, BLOCK_D], m/l [2, T, heads, splits]) merged into ``out`` by
     :func:`_launch_merge`. Inputs are checked by :func:`paged_attention`."""
@@ -425,16 +452,19 @@ def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
         part_acc = part_ml = out  # unused placeholders
     use_window = sliding_window is not None and sliding_window > 0
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    scales = kv_scales if kv_scales is not None else kv_cache  # unused placeholder
     _paged_attention_kernel[plan.grid](
-        q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_table,
+        q, k_cache, v_cache, out, part_acc, part_ml, scales[0], scales[1], query_start_loc,
+        seq_lens, block_table,
         scale * _LOG2E, seq_lens.shape[0], num_tokens, num_heads,
         sliding_window if use_window else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), block_table.stride(0), scales.stride(1), scales.stride(2),
         QPKV=plan.qpkv, HEAD_DIM=head_dim, KV_BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, TILE_N=plan.tile_n, BLOCK_D=plan.block_d,
         NUM_SPLITS=plan.num_splits, USE_WINDOW=use_window,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QUANT_KV=kv_scales is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:

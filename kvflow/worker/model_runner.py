@@ -23,7 +23,12 @@ from kvflow.kernels.gemm import (
     widen_half_gemms,
 )
 from kvflow.kernels.gemm_select import GemmShape, candidates_for, choose, gemm_timings
-from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    kv_cache_dtypes,
+)
 from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
@@ -117,8 +122,10 @@ class ModelRunner:
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         requested = self.config.device_config.attention_backend
-        backend = make_mla_backend(requested) if uses_mla(hf_config) else \
-            make_attention_backend(requested or self.platform.default_attention_backend)
+        if uses_mla(hf_config):
+            backend = make_mla_backend(requested)
+        else:
+            backend = make_attention_backend(self._dense_backend_name(requested))
         self.attn_ctx = AttentionContext(backend)
         mc = self.config.model_config
         self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
@@ -173,10 +180,24 @@ class ModelRunner:
         self._step: _LaunchedStep | None = None  # forward launched, not sampled yet
         self._pending: _PendingOutput | None = None  # sampled, not collected yet
 
+    def _dense_backend_name(self, requested: str | None) -> str:
+        """The attention backend to build: the requested one, else the platform's; 'cpu' with
+        a quantized KV cache becomes 'torch' (logged; the native kernel reads 16/32-bit caches
+        only)."""
+        name = requested or self.platform.default_attention_backend
+        kv_cache_dtype = self.config.cache_config.kv_cache_dtype
+        if name == "cpu" and kv_cache_dtype != "auto":
+            logger.warning("the native CPU attention kernel reads 16/32-bit caches only; "
+                           "kv_cache_dtype=%s runs on the 'torch' backend", kv_cache_dtype)
+            name = "torch"
+        return name
+
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Each attention layer's KV-cache spec (layer name -> spec), in model order."""
-        return {name: layer.kv_cache_spec(self.block_size, self.dtype)
+        """Each attention layer's KV-cache spec (layer name -> spec), in model order, with
+        ``--kv-cache-dtype``'s element type (and scales for a quantized cache)."""
+        dtype, scale_dtype = kv_cache_dtypes(self.config.cache_config.kv_cache_dtype, self.dtype)
+        return {name: layer.kv_cache_spec(self.block_size, dtype, scale_dtype)
                 for name, layer in self.attn_layers.items()}
 
     def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
@@ -249,8 +270,9 @@ class ModelRunner:
         """Allocate one zeroed tensor per layer of a KV-cache group (of this rank's layers),
         shaped as its spec says (``KVCacheSpec.kv_cache_shape``: [2, num_blocks, block_size,
         kv_heads, head_dim] with ``kv_heads`` per TP rank, or MLA's [num_blocks, block_size,
-        latent + rope]) and bind it: layer ``j`` of every group uses tensor ``j`` (a block id
-        belongs to one group at a time, so the groups never write the same slots).
+        latent + rope]; a quantized cache adds its float32 scales, ``kv_scales_shape``) and
+        bind it: layer ``j`` of every group uses tensor ``j`` (a block id belongs to one group
+        at a time, so the groups never write the same slots).
 
         Raises:
             ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
@@ -269,13 +291,21 @@ class ModelRunner:
         for users in tensors:
             cache = torch.zeros(spec.kv_cache_shape(kv_cache_config.num_blocks),
                                 dtype=spec.dtype, device=self.device)
+            scales_shape = spec.kv_scales_shape(kv_cache_config.num_blocks)
+            scales = None if scales_shape is None else \
+                torch.zeros(scales_shape, dtype=spec.scale_dtype, device=self.device)
             for g, name in users:
-                self.attn_layers[name].kv_cache, self.attn_layers[name].kv_group = cache, g
+                layer = self.attn_layers[name]
+                layer.kv_cache, layer.kv_group = cache, g
+                if scales is not None:
+                    layer.kv_scales = scales
             self.kv_caches.append(cache)
 
     def _release_kv_cache(self) -> None:
         for layer in self.attn_layers.values():
             layer.kv_cache = torch.empty(0)
+            if hasattr(layer, "kv_scales"):
+                layer.kv_scales = None
         self.kv_caches = []
 
     def capture_graphs(self, max_model_len: int) -> None:

@@ -1,0 +1,95 @@
+"""``--kv-cache-dtype int8|fp8_e4m3`` end to end: the pool holds as many more blocks as the
+page size (values + per-token-per-head float32 scales) shrinks, and the engine's logprobs equal
+transformers' with a KV cache that rounds every key/value row the same way (a DynamicCache
+whose ``update`` quantizes and dequantizes; the rule is written out in the test)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.kv_cache_interface import FullAttentionSpec, kv_cache_dtypes
+
+QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+
+
+def round_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Each row of the last dim through the cache: absmax/QMAX scale, int8 round-half-even or
+    float8 e4m3, back to float."""
+    s = (x.abs().amax(dim=-1, keepdim=True) / QMAX[name]).clamp(min=1e-38)
+    y = x / s
+    y = torch.round(y).clamp(-127, 127) if name == "int8" else y.to(torch.float8_e4m3fn).float()
+    return y * s
+
+
+def test_page_size_counts_the_scales():
+    auto = FullAttentionSpec(16, 2, 64, *kv_cache_dtypes("auto", torch.bfloat16))
+    int8 = FullAttentionSpec(16, 2, 64, *kv_cache_dtypes("int8", torch.bfloat16))
+    fp8 = FullAttentionSpec(16, 2, 64, *kv_cache_dtypes("fp8_e4m3", torch.bfloat16))
+    assert auto.page_size_bytes == 2 * 16 * 2 * 64 * 2 == 8192
+    assert int8.page_size_bytes == fp8.page_size_bytes == 2 * 16 * 2 * (64 + 4) == 4352
+    assert auto.page_size_bytes / int8.page_size_bytes == pytest.approx(1.88, abs=0.01)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_dtypes("int4", torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_same_memory_holds_more_blocks(tiny_model_factory, name):
+    tiny = tiny_model_factory("llama")
+    blocks = {}
+    for dtype in ("auto", name):
+        llm = LLM(model=tiny.path, dtype="float32", kv_cache_memory="1MiB", block_size=8,
+                  kv_cache_dtype=dtype)
+        blocks[dtype] = llm.engine.core.kv_cache_config.num_blocks
+        assert llm.engine.core.kv_bytes_per_token == 2 * 2 * 2 * (
+            16 * 4 if dtype == "auto" else 16 + 4)  # layers x K/V x heads x bytes per head
+    # fp32 head_dim 16: 64 bytes per row against 16 + 4 -> 3.2x the blocks
+    assert blocks[name] / blocks["auto"] == pytest.approx(3.2, rel=0.01)
+
+
+def _hf_logprobs_with_rounding_cache(tiny, ids: list[int], name: str) -> torch.Tensor:
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(round_rows(key_states, name), round_rows(value_states, name),
+                                  layer_idx, *args, **kwargs)
+
+    with torch.no_grad():
+        out = tiny.hf_model(torch.tensor([ids]), past_key_values=RoundingCache(),
+                            use_cache=True)
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_engine_matches_hf_with_a_rounding_cache(tiny_model_factory, name, backend, caplog):
+    tiny = tiny_model_factory("llama")
+    prompt = torch.randint(2, tiny.vocab_size, (13,), generator=torch.Generator().manual_seed(8))
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model=tiny.path, dtype="float32", kv_cache_dtype=name, num_kv_blocks=64,
+                  block_size=4, attention_backend=backend)
+    runner = llm.engine.core.executor.runner
+    assert runner.attn_ctx.backend.name == "torch"  # 'cpu' falls back, saying so
+    assert (backend == "cpu") == ("runs on the 'torch' backend" in caplog.text)
+    (out,) = llm.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=6,
+                                                            ignore_eos=True, logprobs=1),
+                          use_tqdm=False)
+    ids = prompt.tolist() + out.outputs[0].token_ids[:-1]
+    ref = _hf_logprobs_with_rounding_cache(tiny, ids, name)[len(prompt) - 1:]
+    for step, token in enumerate(out.outputs[0].token_ids):
+        if token != int(ref[step].argmax()):
+            top2 = ref[step].topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-3, f"step {step}: not a near-tie"
+            break
+        assert out.outputs[0].logprobs[step][token].logprob == \
+            pytest.approx(float(ref[step, token]), abs=2e-4)
+    with torch.no_grad():  # the rounding is visible: the unrounded model differs
+        plain = torch.log_softmax(tiny.hf_model(torch.tensor([ids])).logits[0], dim=-1)
+    assert (plain[len(prompt) - 1:] - ref).abs().max() > 1e-3
+    layer = next(iter(runner.attn_layers.values()))
+    assert layer.kv_cache.dtype == kv_cache_dtypes(name, torch.float32)[0]
+    assert layer.kv_scales.shape == layer.kv_cache.shape[:4]
