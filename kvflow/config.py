@@ -195,6 +195,17 @@ def parse_cpu_list(spec: str) -> list[int]:
     return cpus
 
 
+def cpu_gguf_choice() -> str:
+    """How GGUF weights kept quantized multiply on CPU: ``KVFLOW_CPU_GGUF`` = ``native``
+    (kvflow's dequantize-in-the-GEMM C kernel, the default) or ``torch`` (dequantize tiles in
+    plain torch, then torch's GEMM). Raises ValueError on any other value."""
+    choice = os.environ.get("KVFLOW_CPU_GGUF", "native")
+    if choice not in ("native", "torch"):
+        raise ValueError(f"KVFLOW_CPU_GGUF={choice!r} is invalid; choose one of "
+                         f"['native', 'torch']")
+    return choice
+
+
 @dataclass
 class DeviceConfig:
     device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
@@ -216,6 +227,7 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
+        cpu_gguf_choice()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto"):

@@ -69,6 +69,13 @@ class NativeCpuKernels:
         self._gemm_w16.restype = _int
         self._gemm_w16.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                    _int]
+        self._gguf_gemm = lib.kvflow_gguf_gemm
+        self._gguf_gemm.restype = _int
+        self._gguf_gemm.argtypes = [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64,
+                                    _i64, _int]
+        self._gguf_dequantize = lib.kvflow_gguf_dequantize
+        self._gguf_dequantize.restype = _int
+        self._gguf_dequantize.argtypes = [_ptr, _i64, _int, _i64, _i64, _ptr, _int]
         self._bind_threads = lib.kvflow_bind_threads
         self._bind_threads.restype = _int
         self._bind_threads.argtypes = [_ptr, _int]
@@ -278,6 +285,54 @@ class NativeCpuKernels:
                                     rows.shape[0], n, k, threads)
         _raise_on(status, "gemm")
         return out.view(*x.shape[:-1], n)
+
+    def gguf_gemm(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with W kept as GGML blocks, dequantized inside the product
+        (``csrc/cpu_gguf.c``).
+
+        Args:
+            x: float32 CPU [M, K] (rows may be strided, elements unit-stride).
+            raw: uint8 CPU [N, row_bytes] contiguous, the blocks of one GGML type among
+                Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; k: K (elements per row).
+            bias: float32 [N] contiguous, or None.
+
+        Returns:
+            float32 [M, N], a fresh tensor.
+
+        Raises:
+            ValueError: on a dtype/layout mismatch or an unknown GGML type.
+            MemoryError: when the kernel cannot allocate its tile buffer.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k \
+                or raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.dim() != 2:
+            raise ValueError(f"gguf_gemm: x must be float32 [M, {k}] with unit-stride rows and "
+                             "raw uint8 [N, row_bytes] contiguous")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            raise ValueError("gguf_gemm: bias must be contiguous float32 [N]")
+        m, n = x.shape[0], raw.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        status = self._gguf_gemm(x.data_ptr(), x.stride(0), raw.data_ptr(), raw.shape[1],
+                                 ggml_type, None if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"gguf_gemm: GGML type {ggml_type} has no native kernel")
+        _raise_on(status, "gguf_gemm")
+        return out
+
+    def gguf_dequantize(self, raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """float32 [N, k] of the GGML blocks ``raw`` uint8 [N, row_bytes] (contiguous).
+
+        Raises:
+            ValueError: on a dtype/layout mismatch or an unknown GGML type.
+        """
+        if raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.dim() != 2:
+            raise ValueError("gguf_dequantize: raw must be contiguous uint8 [N, row_bytes]")
+        out = torch.empty(raw.shape[0], k, dtype=torch.float32)
+        if self._gguf_dequantize(raw.data_ptr(), raw.shape[1], ggml_type, raw.shape[0], k,
+                                 out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"gguf_dequantize: GGML type {ggml_type} has no native kernel")
+        return out
 
     def bind_threads(self, cpus: list[int]) -> bool:
         """Pin the OpenMP threads of the calling thread's parallel regions, thread i to

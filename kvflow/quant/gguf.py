@@ -6,6 +6,10 @@ activation type).
 The GEMM (:func:`gguf_linear`) walks the output rows in tiles of at most ``TILE_ELEMENTS``
 weights: each tile is dequantized to fp32 (:mod:`kvflow.kernels.gguf_dequant`, plain torch,
 any device) and multiplied at once, so the widened copy never exceeds one tile (32 MB).
+On CPU (:func:`gguf_linear_cpu`) kvflow's native kernel (``kernels/csrc/cpu_gguf.c``) runs
+instead: up to ``NATIVE_GEMM_MAX_ROWS`` activation rows (decode) it dequantizes each block in
+registers inside the dot products; for more rows (prefill) it dequantizes tiles natively and
+torch's GEMM multiplies them. ``KVFLOW_CPU_GGUF=torch`` keeps the plain-torch path.
 Embedding lookups dequantize only the rows they gather. Fused layers whose checkpoint shards
 have different GGML types (a Q4_K_M file's q/k Q4_K beside v Q6_K) keep one block tensor per
 shard and run one GEMM each. Tensors the file stores as floats (F32/F16/BF16) stay floats.
@@ -19,10 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvflow.config import cpu_gguf_choice
+from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.gguf_dequant import F32, dequantize_rows
 from kvflow.quant.base import EmbeddingMethod, LinearMethod
 
 TILE_ELEMENTS = 1 << 23  # weights dequantized per tile (32 MB of fp32)
+NATIVE_GEMM_MAX_ROWS = 16  # activation rows up to which the fused native kernel runs
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -51,6 +58,29 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: int,
         tile = dequantize(raw[start:start + rows], ggml_type)
         torch.mm(x, tile.t(), out=out[:, start:start + rows])
     return out
+
+
+def gguf_linear_cpu(x: torch.Tensor, raw: torch.Tensor, ggml_type: int,
+                    kernels: NativeCpuKernels) -> torch.Tensor:
+    """:func:`gguf_linear` on kvflow's native CPU kernels (same contract): the fused
+    dequantize-and-dot kernel up to ``NATIVE_GEMM_MAX_ROWS`` rows, native tile dequantization
+    and torch's GEMM above (where the GEMM's blocking beats dot products)."""
+    if ggml_type == F32:
+        return torch.mm(x, raw.t())
+    k, n = x.shape[-1], raw.shape[0]
+    if x.shape[0] <= NATIVE_GEMM_MAX_ROWS:
+        return kernels.gguf_gemm(x, raw, ggml_type, k)
+    out = x.new_empty(x.shape[0], n)
+    rows = max(1, TILE_ELEMENTS // max(1, k))
+    for start in range(0, n, rows):
+        tile = kernels.gguf_dequantize(raw[start:start + rows], ggml_type, k)
+        torch.mm(x, tile.t(), out=out[:, start:start + rows])
+    return out
+
+
+def _native_kernels() -> NativeCpuKernels | None:
+    """kvflow's native CPU kernels unless ``KVFLOW_CPU_GGUF=torch`` or they cannot be built."""
+    return native_cpu_kernels() if cpu_gguf_choice() == "native" else None
 
 
 def _as_kept(loaded: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -99,14 +129,22 @@ class GGUFLinearMethod(LinearMethod):
         layer._quant_param_names = tuple(names)
 
     def apply_native(self, layer: nn.Module, x: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None,
+                     kernels: NativeCpuKernels | None = None) -> torch.Tensor:
+        """Plain torch (``kernels`` None) or the native CPU kernels."""
         rows = x.reshape(-1, x.shape[-1]).float()
-        outs = [gguf_linear(rows, getattr(layer, name), t)
+        outs = [gguf_linear(rows, getattr(layer, name), t) if kernels is None
+                else gguf_linear_cpu(rows, getattr(layer, name), t, kernels)
                 for name, t in zip(layer._quant_param_names, layer.gguf_types)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+    def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """The native kernels (:func:`gguf_linear_cpu`) where available."""
+        return self.apply_native(layer, x, bias, _native_kernels())
 
 
 class GGUFEmbeddingMethod(EmbeddingMethod):
@@ -136,4 +174,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         return dequantize(raw, layer.weight.ggml_type).to(layer.params_dtype)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return gguf_linear(hidden.float(), layer.weight, layer.weight.ggml_type)
+        x = hidden.float()
+        kernels = _native_kernels() if x.device.type == "cpu" else None
+        if kernels is not None:
+            return gguf_linear_cpu(x, layer.weight, layer.weight.ggml_type, kernels)
+        return gguf_linear(x, layer.weight, layer.weight.ggml_type)
