@@ -68,6 +68,13 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks
         # kvflow.structured.manager.RequestStructuredOutput when the output is constrained
         self.structured_output = None
+        # Stop rules as token counts, read on every step (the scheduler caps
+        # max_num_tokens at max_model_len when the request arrives).
+        params = sampling_params
+        self.min_stop_len = len(self.prompt_token_ids) + params.min_tokens  # stop ids count past
+        self.stop_eos_id = None if params.ignore_eos else eos_token_id
+        self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens \
+            if params.max_tokens is not None else float("inf")
         # prompt logprobs gathered so far (position p at index p; position 0 has none); None
         # once handed to the output
         self.prompt_logprobs: list | None = \

@@ -6,9 +6,10 @@ sends only what changed since the previous one (the pattern of vLLM v1's
 
 * ``NewRequestData``: a request the runner has not seen, sent whole once (prompt, sampling
   parameters, block tables, computed count);
-* ``CachedRequestData``: for every other scheduled request, its new computed count, the block
-  ids appended to each KV-cache group's table since the last step (the whole tables when it
-  resumes after a preemption), and tokens only where the runner cannot know them (see below);
+* ``CachedRequestData``: for every other scheduled request its new computed count and, only
+  for those concerned, the block ids appended to each KV-cache group's table since the last
+  step (the whole tables when it resumes after a preemption) and tokens the runner cannot know
+  (see below);
 * the tokens scheduled per request, and the requests preempted / finished since the last step.
 
 The runner appends the tokens it samples itself, so a decode step carries no token ids. A
@@ -58,39 +59,30 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """What changed for the scheduled requests the runner already holds (one entry each, in
-    the same order in every list).
+    """What changed for the scheduled requests the runner already holds: every one's computed
+    count, and sparse maps for the few that have more (a decode step usually has none).
 
     Attributes:
-        req_ids: the requests.
-        resumed_from_preemption: True for a request readmitted after a preemption (the runner
-            dropped its row and generated tokens when it was preempted).
-        new_token_ids: tokens the runner cannot know: for a resumed request all its generated
-            tokens; with ``send_token_ids``, the tokens computed this step (positions
-            ``num_computed_tokens`` on); else empty.
-        new_block_ids: block ids appended to each group's table since the last step, None when
-            there are none; for a resumed request, its whole tables.
-        num_computed_tokens: tokens whose K/V are cached before this step.
+        req_ids: the requests, in scheduling order.
+        num_computed_tokens: tokens whose K/V are cached before this step, one per request.
+        new_block_ids: request id -> the block ids appended to each group's table since the
+            last step (only requests that got blocks); for a resumed request, its whole tables.
+        new_token_ids: request id -> tokens the runner cannot know: for a resumed request all
+            its generated tokens; with ``send_token_ids``, the tokens computed this step
+            (positions ``num_computed_tokens`` on).
+        resumed_req_ids: requests readmitted after a preemption (the runner dropped their
+            rows and generated tokens when they were preempted).
     """
 
     req_ids: list[str] = field(default_factory=list)
-    resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[BlockIds | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_block_ids: dict[str, BlockIds] = field(default_factory=dict)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    resumed_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
-
-    def append(self, req_id: str, resumed: bool, new_token_ids: list[int],
-               new_block_ids: BlockIds | None, num_computed_tokens: int) -> None:
-        """Add one request's entry."""
-        self.req_ids.append(req_id)
-        self.resumed_from_preemption.append(resumed)
-        self.new_token_ids.append(new_token_ids)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass

@@ -73,6 +73,7 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
                              f"max_model_len is {self.max_model_len}")
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -130,10 +131,8 @@ class Scheduler:
         ``out.scheduled_cached_reqs``' columns directly."""
         running, cached, empty = self.running, out.scheduled_cached_reqs, self.kv.empty_blocks
         try_allocate, num_scheduled = self.kv.try_allocate_slots, out.num_scheduled_tokens
-        add_id, add_resumed, add_tokens, add_blocks, add_computed = (
-            cached.req_ids.append, cached.resumed_from_preemption.append,
-            cached.new_token_ids.append, cached.new_block_ids.append,
-            cached.num_computed_tokens.append)
+        add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
+        track, send_token_ids = self.track_in_flight, self.send_token_ids
         i = total = 0
         while i < len(running) and budget > 0 and len(num_scheduled) < cap:
             request = running[i]
@@ -150,16 +149,17 @@ class Scheduler:
                         i += 1  # nothing left to preempt: it waits for the next step
                     continue  # else it was preempted itself
             add_id(rid)
-            add_resumed(False)
-            add_tokens(self._step_token_ids(request, num_new) if self.send_token_ids else [])
-            add_blocks(None if new_blocks is empty else new_blocks.get_block_ids())
             add_computed(computed)
+            if new_blocks is not empty:
+                cached.new_block_ids[rid] = new_blocks.get_block_ids()
+            if send_token_ids:
+                cached.new_token_ids[rid] = self._step_token_ids(request, num_new)
             num_scheduled[rid] = num_new
             total += num_new
             request.num_computed_tokens = computed + num_new
             if request.structured_output is not None:
                 self._note_structured(request, out)
-            if self.track_in_flight:
+            if track:
                 self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
             budget -= num_new
             i += 1
@@ -245,9 +245,12 @@ class Scheduler:
         request with its whole block tables and generated tokens (runners dropped both)."""
         block_ids = self.kv.get_block_ids(request.request_id)
         if request.status == RequestStatus.PREEMPTED:
-            out.scheduled_cached_reqs.append(
-                request.request_id, True, request.output_token_ids, block_ids,
-                request.num_computed_tokens)
+            cached, rid = out.scheduled_cached_reqs, request.request_id
+            cached.req_ids.append(rid)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.new_block_ids[rid] = block_ids
+            cached.new_token_ids[rid] = request.output_token_ids
+            cached.resumed_req_ids.add(rid)
             return
         out.scheduled_new_reqs.append(NewRequestData(
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -273,13 +276,14 @@ class Scheduler:
         logprobs a step computed are kept on the request and reported with its first token.
         """
         outputs, requests, all_logprobs = [], self.requests, runner_output.logprobs
+        track, check_stop = self.track_in_flight, self._check_stop
         for rid, chunk in runner_output.prompt_logprobs.items():
             request = requests.get(rid)
             if request is not None:
                 request.add_prompt_logprobs(chunk.start, chunk.entries)
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
-            if self.track_in_flight:
+            if track:
                 self._returned(rid)
             token_ids = sampled.get(rid)
             request = requests.get(rid)
@@ -287,7 +291,7 @@ class Scheduler:
                 continue
             if len(token_ids) == 1 and request.structured_output is None:  # the common case
                 request.all_token_ids.append(token_ids[0])
-                self._check_stop(request, token_ids[0])
+                check_stop(request, token_ids[0])
                 new_token_ids = token_ids
             else:
                 new_token_ids = self._append_tokens(request, token_ids)
@@ -325,18 +329,20 @@ class Scheduler:
                 break
         return appended
 
-    def _check_stop(self, request: Request, token: int) -> bool:
-        """Finish the request if ``token`` (just appended) stops it; returns whether it did."""
-        params = request.sampling_params
-        num_output = len(request.all_token_ids) - len(request.prompt_token_ids)
-        if num_output > params.min_tokens:  # stop ids were masked until now
-            if token == request.eos_token_id and not params.ignore_eos:
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> bool:
+        """Finish the request if ``token`` (just appended) stops it; returns whether it did.
+        EOS and stop ids count once ``min_tokens`` are out (they were masked until then); the
+        length limit is ``max_tokens`` or ``max_model_len``, whichever comes first."""
+        num_tokens = len(request.all_token_ids)
+        if num_tokens > request.min_stop_len:
+            if token == request.stop_eos_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in params.stop_token_ids:
+            if token in request.sampling_params.stop_token_ids:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 return True
-        if num_output >= params.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+        if num_tokens >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -25,7 +25,7 @@ import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
 from kvflow.sampling_params import SamplingParams
-from kvflow.sched_output import CachedRequestData, SchedulerOutput
+from kvflow.sched_output import SchedulerOutput
 
 
 @dataclass
@@ -61,6 +61,7 @@ class InputBatch:
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
         self.version = 0  # bumped whenever a row is added, removed or moved
+        self._pending_rows: tuple[int, np.ndarray | slice] = (-1, slice(0, 0))
         self.token_ids = np.zeros((n, 64), np.int64)
         self.num_tokens = np.zeros(n, np.int64)  # prompt + sampled (pending included)
         self.num_prompt_tokens = np.zeros(n, np.int64)
@@ -194,27 +195,25 @@ class InputBatch:
         for new in sched.scheduled_new_reqs:
             self.add_request(states[new.req_id], [], new.block_ids, new.num_computed_tokens)
         cached = sched.scheduled_cached_reqs
-        if True in cached.resumed_from_preemption:
-            self._readd_resumed(cached, states)
-        index = self.req_id_to_index
-        rows = [index[rid] for rid in cached.req_ids]
-        for i in [i for i, ids in enumerate(cached.new_block_ids) if ids is not None]:
-            if not cached.resumed_from_preemption[i]:
-                for g, ids in enumerate(cached.new_block_ids[i]):
-                    self.append_block_ids(rows[i], g, ids)
-        if any(cached.new_token_ids):
-            for i, tokens in enumerate(cached.new_token_ids):
-                if tokens and not cached.resumed_from_preemption[i]:
-                    self.write_tokens(rows[i], cached.num_computed_tokens[i], tokens)
-        self.num_computed_tokens[rows] = cached.num_computed_tokens
-
-    def _readd_resumed(self, cached: CachedRequestData, states: dict[str, RequestState]) -> None:
-        """Rows for the requests resumed after a preemption: whole tables and tokens."""
-        for i, rid in enumerate(cached.req_ids):
-            if cached.resumed_from_preemption[i]:
+        resumed = cached.resumed_req_ids
+        for i, rid in enumerate(cached.req_ids) if resumed else ():
+            if rid in resumed:  # whole tables and generated tokens come with it
                 self.remove_request(rid)  # still there if its preemption step failed
-                self.add_request(states[rid], cached.new_token_ids[i], cached.new_block_ids[i],
-                                 cached.num_computed_tokens[i])
+                self.add_request(states[rid], cached.new_token_ids[rid],
+                                 cached.new_block_ids[rid], cached.num_computed_tokens[i])
+        index = self.req_id_to_index
+        for rid, block_ids in cached.new_block_ids.items():
+            if rid not in resumed:
+                for g, ids in enumerate(block_ids):
+                    self.append_block_ids(index[rid], g, ids)
+        if cached.new_token_ids:
+            position = {rid: i for i, rid in enumerate(cached.req_ids)}
+            for rid, tokens in cached.new_token_ids.items():
+                if rid not in resumed:
+                    self.write_tokens(index[rid], cached.num_computed_tokens[position[rid]],
+                                      tokens)
+        self.num_computed_tokens[[index[rid] for rid in cached.req_ids]] = \
+            cached.num_computed_tokens
 
     def num_scheduled_per_row(self, sched: SchedulerOutput) -> np.ndarray:
         """Tokens each row computes in ``sched`` (int64 [num_reqs], 0 = not scheduled)."""
@@ -254,13 +253,19 @@ class InputBatch:
         self._ensure_token_width(int(self.num_tokens[index].max(initial=0)) + 1)
         self.pending_sample[index] = np.arange(len(rows))
         self.num_tokens[index] += 1
+        self._pending_rows = (self.version, index)
 
     def fill_pending_tokens(self, sampled: np.ndarray) -> None:
         """Write the pending tokens' values (``sampled``: int64 [R], the step's sampled
         tensor on the host) into their rows; rows removed meanwhile are skipped."""
-        n = self.num_reqs
-        rows = np.flatnonzero(self.pending_sample[:n] >= 0)
-        self.token_ids[rows, self.num_tokens[rows] - 1] = sampled[self.pending_sample[rows]]
+        version, rows = self._pending_rows
+        if version == self.version:  # no row added, removed or moved since: same order
+            if isinstance(rows, slice):
+                rows = np.arange(rows.stop)
+            self.token_ids[rows, self.num_tokens[rows] - 1] = sampled
+        else:
+            rows = np.flatnonzero(self.pending_sample[:self.num_reqs] >= 0)
+            self.token_ids[rows, self.num_tokens[rows] - 1] = sampled[self.pending_sample[rows]]
         self.pending_sample[rows] = -1
 
     def _ensure_token_width(self, width: int) -> None:

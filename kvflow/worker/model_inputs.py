@@ -32,6 +32,8 @@ class ModelInputs:
             step's sampled tensor (a token still on the device; async scheduling).
         rows / query_start: int64 [R] the scheduled batch rows in batch order and int64
             [R + 1] their first token (host arrays).
+        samples_every_token: every token is the last of its request and samples (an
+            all-decode step): ``logits_indices`` is ``arange(num_tokens)``.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class ModelInputs:
     pending_sample_index: torch.Tensor
     rows: np.ndarray
     query_start: np.ndarray
+    samples_every_token: bool = False
 
 
 def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size: int,
@@ -63,9 +66,7 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
     seq_lens = computed + query_lens
-    # Position of every token: its request's computed count plus its offset in the chunk.
-    req_of_token = np.repeat(np.arange(len(rows)), query_lens)
-    positions = computed[req_of_token] + np.arange(num_tokens) - query_start[:-1][req_of_token]
+    req_of_token, positions = _token_positions(computed, query_lens, query_start, num_tokens)
     input_ids = batch.token_ids[rows[req_of_token], positions]
     sampling = np.flatnonzero(seq_lens >= batch.num_tokens[index])  # reaches the row's end
     logits_indices = query_start[1:][sampling] - 1
@@ -86,7 +87,7 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
                           num_actual_tokens=num_tokens)
         for slots, table in zip(i64[5:], i32[2:])]
     return ModelInputs(i64[0], i64[1], attn_metadata, i64[2], rows[sampling], i64[3], i64[4],
-                       rows, query_start)
+                       rows, query_start, len(sampling) == num_tokens)
 
 
 class InputStager:
@@ -139,6 +140,17 @@ class InputStager:
             views.append(flat[offset:offset + n].view(a.shape))
             offset += n
         return views
+
+
+def _token_positions(computed: np.ndarray, query_lens: np.ndarray, query_start: np.ndarray,
+                     num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request index, position) of every token [num_tokens] each: a token's position is its
+    request's computed count plus its offset in the request's chunk."""
+    if num_tokens == len(query_lens):  # all decodes: one token per request
+        return np.arange(num_tokens), computed.copy()
+    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    return req_of_token, \
+        computed[req_of_token] + np.arange(num_tokens) - query_start[:-1][req_of_token]
 
 
 def _block_table_and_slots(batch: InputBatch, group: int, rows: np.ndarray | slice,

@@ -361,7 +361,8 @@ class ModelRunner:
         hidden = self._forward(inputs, self._recv_from_previous_stage())
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) \
+        logits = self.model.compute_logits(
+            hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
             if len(inputs.sample_rows) else None
         prompt_logprobs = compute_prompt_logprobs(self._prompt_logprobs_requests(inputs),
                                                   hidden, self.model.compute_logits) \

@@ -193,14 +193,14 @@ class FakeDriver:
         cached = sched_out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             m = self.mirror[rid]
-            if cached.resumed_from_preemption[i]:
-                m.tokens = m.prompt + list(cached.new_token_ids[i])
-                m.block_ids = [list(ids) for ids in cached.new_block_ids[i]]
+            if rid in cached.resumed_req_ids:
+                m.tokens = m.prompt + list(cached.new_token_ids[rid])
+                m.block_ids = [list(ids) for ids in cached.new_block_ids[rid]]
             else:
-                for table, ids in zip(m.block_ids, cached.new_block_ids[i] or ()):
+                for table, ids in zip(m.block_ids, cached.new_block_ids.get(rid, ())):
                     table.extend(ids)
                 start = cached.num_computed_tokens[i]
-                for j, token in enumerate(cached.new_token_ids[i]):
+                for j, token in enumerate(cached.new_token_ids.get(rid, ())):
                     if start + j < len(m.tokens):
                         assert m.tokens[start + j] == token, rid
                     else:
