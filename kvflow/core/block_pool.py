@@ -12,6 +12,7 @@ Invariants (checked by ``check_invariants`` in tests):
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -43,8 +44,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
         parent_hash: hash of the previous block of the sequence (None for the first block).
         token_ids: the block's ``block_size`` token ids.
         extra_key: anything else that changes the KV (e.g. a cache salt); hashable.
+
+    The hashed bytes are unambiguous: a parent flag (and the parent's 16 bytes), the token
+    count, the tokens as int64, then ``repr(extra_key)`` when there is one.
     """
-    payload = repr((parent_hash, token_ids, extra_key)).encode()
+    payload = (b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little")) \
+        + len(token_ids).to_bytes(4, "little") + array("q", token_ids).tobytes()
+    if extra_key is not None:
+        payload += repr(extra_key).encode()
     return int.from_bytes(hashlib.blake2b(payload, digest_size=16).digest(), "little")
 
 

@@ -130,8 +130,9 @@ class KVCacheManager:
         need = sum(m.num_blocks_to_allocate(request.request_id, computed + num_new_tokens,
                                             new_computed.group(g), computed)
                    for g, m in enumerate(self.managers))
-        need += sum(1 for g in range(len(self.managers)) for b in new_computed.group(g)
-                    if b.ref_cnt == 0)
+        if len(new_computed):
+            need += sum(1 for g in range(len(self.managers)) for b in new_computed.group(g)
+                        if b.ref_cnt == 0)
         return need <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -168,9 +169,10 @@ class KVCacheManager:
             return self.empty_blocks
         if not self.can_allocate(request, num_new_tokens, new_computed):
             return None
-        for g, m in enumerate(self.managers):
-            m.save_new_computed_blocks(rid, new_computed.group(g))
-        computed += len(new_computed) * self.block_size
+        if len(new_computed):
+            for g, m in enumerate(self.managers):
+                m.save_new_computed_blocks(rid, new_computed.group(g))
+            computed += len(new_computed) * self.block_size
         for m in self.managers:
             m.remove_skipped_blocks(rid, computed)
         total_tokens = computed + num_new_tokens
