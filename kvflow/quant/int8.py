@@ -24,14 +24,16 @@ from torch import nn
 
 from kvflow.quant.base import EmbeddingMethod, LinearMethod
 
-_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CPU_16BIT = (torch.bfloat16, torch.float16)
 
 
 def _int8pack_takes(x: torch.Tensor) -> bool:
-    """Whether torch's CPU ``_weight_int8pack_mm`` takes activations ``x``: a CPU float type
-    and ``K % 16 == 0`` (its vectorized bf16 path crashes on other K in torch 2.13; the
-    reference runs instead)."""
-    return x.device.type == "cpu" and x.dtype in _CPU_DTYPES and x.shape[-1] % 16 == 0
+    """Whether torch's CPU ``_weight_int8pack_mm`` should take activations ``x``: CPU bf16 or
+    fp16 with ``K % 16 == 0`` (its vectorized path crashes on other K in torch 2.13). Not fp32:
+    torch 2.13's fp32 kernel is scalar (measured on a 1536 x 576 weight, one thread: 0.77 ms
+    at 1 row, 432 ms at 512 rows, against 0.97 / 11.6 ms for widening the int8 weight and
+    running the fp32 GEMM), so fp32 activations take the reference (widen, GEMM, scale)."""
+    return x.device.type == "cpu" and x.dtype in _CPU_16BIT and x.shape[-1] % 16 == 0
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +55,15 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ (q * scale[:, None]).T`` in ``x.dtype``: torch's CPU
-    ``_weight_int8pack_mm`` where it takes ``x``, else int8 -> ``x.dtype``, GEMM, scales.
+    ``_weight_int8pack_mm`` where it takes ``x`` (16-bit activations), else the dequantized
+    weight ``q * scale`` in ``x.dtype`` and a GEMM.
 
     Args:
         x: [..., K] activations.
         q: int8 [N, K]; scale: float32 [N].
     """
-    if not _int8pack_takes(x):
-        return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    if not _int8pack_takes(x):  # dequantized weight first, as transformers computes it
+        return F.linear(x, (q.float() * scale[:, None]).to(x.dtype))
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch._weight_int8pack_mm(rows, q, scale.to(x.dtype))
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -123,7 +126,7 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def apply_native(self, layer: nn.Module, x: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
+        y = F.linear(x, (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype))
         return y if bias is None else y + bias.to(x.dtype)
 
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,

@@ -56,17 +56,26 @@ def test_int8_layer_matches_dequantized(dtype):
     assert (int8_dequant(w) - w).abs().max() <= w.abs().max() / 254 + 1e-6
 
 
-@pytest.mark.parametrize("n,group", [(32, 32), (48, 64), (40, 32)])  # 40: no CPU int4 pack
-def test_int4_layer_matches_dequantized(n, group):
+@pytest.mark.parametrize("n,group,dtype", [
+    (32, 32, torch.float32),   # fp32: nibble pairs widened for the fp32 GEMM
+    (48, 64, torch.bfloat16),  # 16-bit: torch's CPU int4 pack
+    (40, 32, torch.bfloat16),  # 40 rows: no CPU int4 pack
+])
+def test_int4_layer_matches_dequantized(n, group, dtype):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(n, 128, generator=gen)
     x = torch.randn(3, 128, generator=gen)
-    layer = _loaded_layer(Int4WeightOnlyMethod(group), w)
-    assert layer.int4_cpu_packed == (n % 16 == 0)
-    ref = x @ int4_dequant(w, group).T
-    torch.testing.assert_close(layer(x), ref, atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(layer.quant_method.apply_native(layer, x, None), ref,
-                               atol=2e-4, rtol=1e-4)
+    w = w.to(dtype).float()  # a weight the model dtype holds exactly
+    layer = RowParallelLinear(128, n)
+    layer.set_quant_method(Int4WeightOnlyMethod(group))
+    layer.weight.data = w.to(dtype)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.int4_cpu_packed == (n % 16 == 0 and dtype == torch.bfloat16)
+    ref = x.to(dtype).float() @ int4_dequant(w, group).T
+    tol = 2e-4 if dtype == torch.float32 else 0.1
+    for y in (layer(x.to(dtype)), layer.quant_method.apply_native(layer, x.to(dtype), None)):
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
 
 
 def test_fused_layers_quantize_per_row_after_loading():
