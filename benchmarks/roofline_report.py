@@ -1,38 +1,34 @@
 """Combine the RESULT lines of benchmarks/gpu_check.sh into one JSON and a printed table with
 kvflow's fraction of the roofline.
 
-Roofline (lower bound on time) for the Llama-3.1-8B shape, bf16:
-  GPU-W1 = prefill FLOPs / measured matmul rate + decode bytes / measured copy bandwidth, where
-           prefill FLOPs = 2 x matmul params x prompt tokens + causal attention FLOPs, and decode
-           bytes = sum over the 128 decode steps of (weight bytes + K/V bytes of every sequence).
-  GPU-W2 = weight bytes per output token / measured copy bandwidth (the TPOT floor).
+Roofline (lower bound on time) for the Llama-3.1-8B shape, bf16, from the measured ceilings,
+through ``kvflow.bench.roofline`` (per operation: each step's linear layers take
+max(FLOPs / matmul rate, weight bytes / copy bandwidth) and its attention max(FLOPs / rate,
+K/V bytes / bandwidth), one after the other):
+  GPU-W1 = the prefill step (256 x 512 tokens) + the 127 decode steps at batch 256.
+  GPU-W2 = the TPOT floor of one request (512 -> 128 tokens).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
-L, H, FFN, V, HEADS, KV_HEADS, HEAD_DIM = 32, 4096, 14336, 128256, 32, 8, 128
+from kvflow.bench.roofline import Machine, ModelShape, roofline
+
+LLAMA_8B = ModelShape.from_hf_config(SimpleNamespace(
+    num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256))
 BYTES = 2  # bf16
 
 
-def matmul_params() -> int:
-    attn = H * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H
-    mlp = 3 * H * FFN
-    return L * (attn + mlp) + V * H  # + lm_head (the embedding is a lookup)
-
-
-def kv_bytes_per_token() -> int:
-    return 2 * L * KV_HEADS * HEAD_DIM * BYTES
-
-
 def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=128) -> float:
-    attn_flops = 4 * L * HEADS * HEAD_DIM * (prompt * (prompt + 1) / 2) * n
-    prefill = 2 * matmul_params() * prompt * n + attn_flops
-    decode_bytes = sum(matmul_params() * BYTES + n * (prompt + s) * kv_bytes_per_token()
-                       for s in range(out - 1))
-    return prefill / flops_rate + decode_bytes / bandwidth
+    return roofline(LLAMA_8B, Machine(bandwidth, flops_rate), n, prompt, out, BYTES)["offline_s"]
+
+
+def w2_tpot_floor_s(flops_rate: float, bandwidth: float, prompt=512, out=128) -> float:
+    return roofline(LLAMA_8B, Machine(bandwidth, flops_rate), 1, prompt, out, BYTES)["tpot_s"]
 
 
 def table(s: dict) -> str:
@@ -71,7 +67,7 @@ def main(path: str) -> None:
     summary = {"ceilings": c}
     if bw and rate:
         w1_floor = w1_roofline_s(rate, bw)
-        w2_floor = matmul_params() * BYTES / bw
+        w2_floor = w2_tpot_floor_s(rate, bw)
         summary["roofline"] = {"w1_s": w1_floor, "w1_tok_per_s": 256 * 128 / w1_floor,
                                "w2_tpot_s": w2_floor}
         for name in ("kvflow", "kvflow_eager"):

@@ -7,7 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvflow.bench.roofline import Machine, ModelShape, measured_from_json, report, roofline
+from kvflow.bench.roofline import (
+    Machine,
+    ModelShape,
+    measured_from_json,
+    report,
+    roofline,
+    step_time,
+)
 
 # 2 layers, hidden 64, MLP 128, 4 heads / 2 KV heads of 16, vocabulary 100
 CONFIG = SimpleNamespace(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -83,3 +90,36 @@ def test_measured_percentages(tmp_path):
     for path in (bad, tmp_path / "missing.json"):
         with pytest.raises(ValueError, match="--measured-json"):
             measured_from_json(str(path))
+
+
+def test_bound_is_per_operation_not_per_step():
+    """Linear layers compute-bound, attention bandwidth-bound in the same step: the step
+    takes the sum of the two, not the max over the step's totals (the issue-20 correction)."""
+    m, hw = shape(), Machine(1e6, 1e7)
+    # decode step of 64 sequences at context 5 (query at position 4)
+    linear_flops, weight_bytes = 64 * 2 * 80128, 80128 * 2  # 1.0256 s compute > 0.16 s bytes
+    attn_flops, kv_bytes = 64 * 512 * 5, 64 * 5 * 256  # 0.0164 s compute < 0.0819 s bytes
+    got = step_time(m, hw, 64, attn_flops, kv_bytes, 2)
+    assert got == pytest.approx(linear_flops / 1e7 + kv_bytes / 1e6)
+    per_step = max((linear_flops + attn_flops) / 1e7, (weight_bytes + kv_bytes) / 1e6)
+    assert got > per_step * 1.05
+    # a whole decode: one step per output token after the first
+    b = roofline(m, hw, 64, 4, 2)
+    assert b["offline_s"] - roofline(m, hw, 64, 4, 1)["offline_s"] == pytest.approx(got)
+
+
+def test_h200_llama_8b_decode_floor():
+    """GPU-W1 on the Llama-3.1-8B shape at 780 TFLOP/s and 4.2 TB/s (issue 20): a decode step
+    at batch 256 and ~576 tokens of context is ~9.5 ms (linear layers 4.9 ms compute-bound,
+    attention 4.6 ms of K/V reads), not the ~8.2 ms of the per-step max."""
+    llama = SimpleNamespace(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            vocab_size=128256)
+    m, hw = ModelShape.from_hf_config(llama), Machine(4.2e12, 780e12)
+    assert m.matmul_params() == 7_504_658_432  # the embedding table is a lookup, not counted
+    kv = 256 * 576 * m.kv_bytes_per_token(2)
+    assert kv / 4.2e12 == pytest.approx(4.60e-3, rel=1e-2)  # ~19 GB of K/V
+    step = step_time(m, hw, 256, 256 * m.attention_flops(575, 1), kv, 2)
+    assert step == pytest.approx(2 * 7_504_658_432 * 256 / 780e12 + kv / 4.2e12)
+    assert step == pytest.approx(9.53e-3, rel=1e-2)
+    assert roofline(m, hw, 256, 512, 128)["output_tok_per_s"] == pytest.approx(8727, rel=1e-2)
