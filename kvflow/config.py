@@ -208,7 +208,8 @@ def cpu_gguf_choice() -> str:
 
 @dataclass
 class DeviceConfig:
-    device: str = _opt("auto", "where to run", choices=["auto", "cpu", "cuda"])
+    device: str = _opt("auto", "where to run: auto, cpu, cuda, or an installed plugin "
+                       "platform's name (entry points 'kvflow.platform_plugins')")
     attention_backend: str | None = _opt(None, "attention backend: torch | cpu | triton (default: "
                                          "the platform's)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 
 class Platform(ABC):
-    """Device facts the engine needs: device, default dtype, attention backend, memory."""
+    """Device facts the engine needs: device, default dtype, attention backend, memory.
+
+    A third-party platform (another vendor's GPU, an NPU) subclasses this in its own package
+    and registers the class under the ``kvflow.platform_plugins`` entry point group; ``--device
+    <name>`` then selects it (see :func:`kvflow.platforms.get_platform` and "Adding a
+    platform" in docs/architecture.md). It must give ``name``, ``device_type``, ``device``,
+    ``default_dtype`` and ``memory_info``; everything else has a default here.
+    """
 
     # ``name`` is also the suffix of the ``forward_<name>`` that custom ops run for tensors of
     # ``device_type`` (the torch device type this platform's tensors carry); see
@@ -19,9 +27,24 @@ class Platform(ABC):
     # Token budget of an engine step when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: int = 4096
     supports_graphs: bool = False
+    # KV-cache bytes when neither --kv-cache-memory nor --num-kv-blocks is given; None: what a
+    # profiling forward pass leaves of --gpu-memory-utilization x memory_info()'s total.
+    default_kv_cache_bytes: int | None = None
     # torch.distributed backend of the collectives between this platform's devices; a plugin
     # platform names its own (e.g. "hccl", "xccl").
     dist_backend: str = "gloo"
+
+    @staticmethod
+    def is_available() -> bool:
+        """Whether this platform's device is present (``--device <name>`` refuses it if not)."""
+        return True
+
+    def get_attention_backend(self, name: str) -> Any:
+        """The platform's own attention backend called ``name`` (an
+        :class:`kvflow.attention.backend.AttentionBackend`), or None to use kvflow's (torch,
+        cpu, triton). A plugin returns its kernels here and names one in
+        ``default_attention_backend``."""
+        return None
 
     @property
     @abstractmethod

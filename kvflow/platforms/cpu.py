@@ -18,6 +18,7 @@ class CpuPlatform(Platform):
     # SmolLM2's gate_up) within the L3 cache; measured ~10% faster prefill than 4,096 on a
     # 2-core EPYC, and new requests wait half as long behind a step (docs/benchmarks.md).
     default_max_num_batched_tokens = 2048
+    default_kv_cache_bytes = 2 * 2**30  # whatever the model (--kv-cache-memory to change it)
 
     @property
     def device(self) -> torch.device:

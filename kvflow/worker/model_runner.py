@@ -45,8 +45,6 @@ from kvflow.worker.sampling_inputs import SamplingInputs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
-
 
 def make_attention_backend(name: str):
     """The backend called ``name``: torch | cpu | triton. "cpu" falls back to "torch" (logged)
@@ -125,7 +123,8 @@ class ModelRunner:
         if uses_mla(hf_config):
             backend = make_mla_backend(requested)
         else:
-            backend = make_attention_backend(self._dense_backend_name(requested))
+            name = self._dense_backend_name(requested)
+            backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
         self.attn_ctx = AttentionContext(backend)
         mc = self.config.model_config
         self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
@@ -207,8 +206,8 @@ class ModelRunner:
         cc = self.config.cache_config
         if cc.kv_cache_memory is not None:
             return parse_bytes(cc.kv_cache_memory)
-        if self.platform.name == "cpu":
-            return DEFAULT_CPU_KV_CACHE_BYTES
+        if self.platform.default_kv_cache_bytes is not None:
+            return self.platform.default_kv_cache_bytes
         return self._profile_kv_budget(kv_cache_groups)
 
     def _check_fits(self, kv_bytes: int) -> None:
