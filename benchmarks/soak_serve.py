@@ -134,8 +134,10 @@ def kv_idle(url: str, timeout: float = 60.0) -> dict:
 
     deadline = time.monotonic() + timeout
     while True:
-        values = {s.name: s.value for f in text_string_to_metric_families(
-            httpx.get(f"{url}/metrics", timeout=10).text) for s in f.samples}
+        values: dict[str, float] = {}  # summed over the data-parallel replicas ("engine")
+        for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for s in f.samples:
+                values[s.name] = values.get(s.name, 0.0) + s.value
         state = {k: values.get(f"kvflow:{k}") for k in (
             "kv_cache_free_blocks", "kv_cache_usable_blocks", "num_requests_running",
             "num_requests_waiting")}

@@ -240,23 +240,20 @@ class DeviceConfig:
                                      "worker; give one CPU per thread")
 
 
-# Parallel dimensions that are accepted in the config but not built yet (one clear error at
-# startup until they are).
-_NOT_YET_AVAILABLE = ("data_parallel_size", "context_parallel_size")
-
-
 @dataclass
 class ParallelConfig:
     """How one model is spread over processes and devices (vLLM's names and semantics).
 
-    The world of one engine is ``tensor_parallel_size x pipeline_parallel_size`` worker
-    processes, rank ``= pp_rank * tensor_parallel_size + tp_rank`` (TP innermost, so a TP group
-    is a run of neighbouring ranks: one machine's GPUs).
+    The world of one engine is ``pipeline_parallel_size x context_parallel_size x
+    tensor_parallel_size`` worker processes, rank ``= (pp_rank * cp + cp_rank) * tp + tp_rank``
+    (TP innermost, so a TP group is a run of neighbouring ranks: one machine's GPUs). Data
+    parallelism runs ``data_parallel_size`` such engines side by side (``kvflow serve``), each
+    with a world of its own; ``data_parallel_rank`` is the replica's index, set by the server.
 
     Raises:
-        ValueError: from the constructor for a size < 1, a data- or context-parallel size > 1
-            (not available yet), an unknown executor backend, ``ray`` without Ray installed,
-            or ``uni`` with more than one rank.
+        ValueError: from the constructor for a size < 1, an unknown executor backend, ``ray``
+            without Ray installed, ``uni`` with more than one rank, a data-parallel rank
+            outside the replicas, or expert parallelism with context parallelism.
     """
 
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks: each layer's heads and MLP "
@@ -264,9 +261,13 @@ class ParallelConfig:
                                      "attention and after the MLP)")
     pipeline_parallel_size: int = _opt(1, "pipeline stages: contiguous layer ranges, hidden "
                                        "states sent from stage to stage")
-    data_parallel_size: int = _opt(1, "data-parallel engine replicas (not available yet)")
-    context_parallel_size: int = _opt(1, "context-parallel ranks for one long prompt (not "
-                                      "available yet)")
+    data_parallel_size: int = _opt(1, "data-parallel engine replicas behind one server (kvflow "
+                                   "serve): each a whole engine (with its own tensor/pipeline "
+                                   "ranks) in its own process; requests go to the replica "
+                                   "holding their prefix unless it is much busier")
+    context_parallel_size: int = _opt(1, "context-parallel ranks: each step's tokens and every "
+                                      "sequence's KV cache are split over them (token p on rank "
+                                      "p mod N), attention runs as Ring Attention")
     enable_expert_parallel: bool = _opt(False, "MoE layers: place whole experts on the "
                                         "tensor-parallel ranks instead of splitting every "
                                         "expert")
@@ -274,6 +275,8 @@ class ParallelConfig:
         None, "how ranks run: uni (in-process, one rank), mp (one process per rank on this "
         "machine), ray (one Ray actor per rank, several machines) (default: uni for one rank, "
         "else mp)", choices=[None, "uni", "mp", "ray"])
+    data_parallel_rank: int = _opt(0, "this engine's replica index (set by the server for "
+                                   "each replica)", cli=False)
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -281,22 +284,31 @@ class ParallelConfig:
                      "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in _NOT_YET_AVAILABLE:
-            if getattr(self, name) > 1:
-                raise ValueError(f"{name}={getattr(self, name)}: {name.replace('_size', '')} "
-                                 "is not available yet in kvflow (use 1)")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside the "
+                             f"{self.data_parallel_size} data-parallel replicas")
+        if self.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={self.context_parallel_size}: "
+                             "context_parallel is not available yet in kvflow (use 1)")
+        if self.context_parallel_size > 1 and self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel with context_parallel_size > 1 is not "
+                             "available: context-parallel ranks hold different tokens, which "
+                             "expert parallelism would have to dispatch all-to-all (it spans "
+                             "the tensor-parallel ranks only)")
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not "
                              "installed: pip install 'kvflow[ray]'")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but "
-                             f"tensor x pipeline parallel size is {self.world_size}; use mp "
-                             "or ray")
+                             f"the engine has {self.world_size} (tensor x pipeline x context "
+                             "parallel); use mp or ray")
 
     @property
     def world_size(self) -> int:
-        """Worker processes of one engine (tensor x pipeline parallel)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Worker processes of one engine (tensor x pipeline x context parallel; each
+        data-parallel replica is an engine of its own)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * \
+            self.context_parallel_size
 
     @property
     def executor_backend(self) -> str:
@@ -402,6 +414,8 @@ class EngineConfig:
 
 
 def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
+        return
     flag = "--" + f.name.replace("_", "-")
     meta = f.metadata
     if f.type in ("bool", bool):

@@ -9,7 +9,10 @@ Two sources feed them:
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters.
 
-Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label.
+Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
+and the engine-state series also an ``engine`` label: the data-parallel replica they describe
+(``"0"`` with one replica; vLLM's convention, so ``sum by (model_name)`` aggregates the
+replicas). The per-request series are observed in the API process over all replicas together.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class ServerMetrics:
         self.model_name = model_name
         self._init_request_metrics()
         self._init_engine_metrics()
-        self._last_stats = EngineStats()
+        self._last_stats: dict[int, EngineStats] = {}  # per replica
 
     def _labelled(self, cls: type, name: str, doc: str, extra: tuple[str, ...] = (),
                   **kwargs) -> object:
@@ -73,46 +76,60 @@ class ServerMetrics:
             self.request_success.labels(self.model_name, reason)
 
     def _init_engine_metrics(self) -> None:
-        g, c = Gauge, Counter
+        g, c, e = Gauge, Counter, ("engine",)
         self.num_running = self._labelled(g, "kvflow:num_requests_running",
-                                          "Samples in the engine's running batch")
+                                          "Samples in the engine's running batch", e)
         self.num_waiting = self._labelled(g, "kvflow:num_requests_waiting",
-                                          "Samples in the engine's waiting queue")
+                                          "Samples in the engine's waiting queue", e)
         self.kv_usage = self._labelled(g, "kvflow:kv_cache_usage_perc",
-                                       "Fraction of usable KV blocks in use (0-1)")
+                                       "Fraction of usable KV blocks in use (0-1)", e)
         self.kv_free_blocks = self._labelled(g, "kvflow:kv_cache_free_blocks",
-                                             "KV blocks free (may still hold cached prefixes)")
+                                             "KV blocks free (may still hold cached prefixes)",
+                                             e)
         self.kv_usable_blocks = self._labelled(g, "kvflow:kv_cache_usable_blocks",
-                                               "KV blocks the allocator manages")
+                                               "KV blocks the allocator manages", e)
         self.weight_bytes = self._labelled(g, "kvflow:model_weight_bytes",
                                            "Bytes of the model's weights as stored "
-                                           "(quantized, packed)")
+                                           "(quantized, packed)", e)
         self.kv_bytes_per_token = self._labelled(g, "kvflow:kv_cache_bytes_per_token",
-                                                 "KV-cache bytes per token across all layers")
+                                                 "KV-cache bytes per token across all layers",
+                                                 e)
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
-                                          "Requests preempted (recomputed later)")
+                                          "Requests preempted (recomputed later)", e)
         self.prefix_queries = self._labelled(c, "kvflow:prefix_cache_queries",
-                                             "Prompt tokens looked up in the prefix cache")
+                                             "Prompt tokens looked up in the prefix cache", e)
         self.prefix_hits = self._labelled(c, "kvflow:prefix_cache_hits",
-                                          "Prompt tokens found in the prefix cache")
+                                          "Prompt tokens found in the prefix cache", e)
 
-    def record_engine_stats(self, stats: EngineStats) -> None:
-        """Set the gauges and advance the counters by what the core's totals grew."""
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.kv_free_blocks.set(stats.num_free_blocks)
-        self.kv_usable_blocks.set(stats.num_usable_blocks)
-        self.weight_bytes.set(stats.weight_bytes)
-        self.kv_bytes_per_token.set(stats.kv_cache_bytes_per_token)
-        last = self._last_stats
+    def record_engine_stats(self, stats: EngineStats, engine_index: int = 0) -> None:
+        """Set replica ``engine_index``'s gauges and advance its counters by what the core's
+        totals grew."""
+        engine = str(engine_index)
+        for gauge, value in ((self.num_running, stats.num_running),
+                             (self.num_waiting, stats.num_waiting),
+                             (self.kv_usage, stats.kv_cache_usage),
+                             (self.kv_free_blocks, stats.num_free_blocks),
+                             (self.kv_usable_blocks, stats.num_usable_blocks),
+                             (self.weight_bytes, stats.weight_bytes),
+                             (self.kv_bytes_per_token, stats.kv_cache_bytes_per_token)):
+            gauge.labels(self.model_name, engine).set(value)
+        last = self._last_stats.get(engine_index, EngineStats())
         for counter, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),
                 (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
+            series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
-                counter.inc(now - before)
-        self._last_stats = stats
+                series.inc(now - before)
+        self._last_stats[engine_index] = stats
+
+    def reset_engine(self, engine_index: int) -> None:
+        """Replica ``engine_index`` was replaced by a new core, whose totals start at zero:
+        count its counters from there, and show its running and waiting requests as none."""
+        self._last_stats.pop(engine_index, None)
+        engine = str(engine_index)
+        self.num_running.labels(self.model_name, engine).set(0)
+        self.num_waiting.labels(self.model_name, engine).set(0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -3,9 +3,12 @@ parallel.
 
 Global ranks are laid out as an array of shape ``[dp, pp, cp, tp]`` (tensor parallel
 innermost, so a TP group is a run of neighbouring ranks, i.e. GPUs of one machine joined by
-NVLink); a group of one axis is a line of that array along the axis. The expert-parallel group
-spans the data, context and tensor axes of one pipeline stage (with ``dp = cp = 1``: the TP
-group), so MoE layers place whole experts on the ranks that split attention by heads.
+NVLink); a group of one axis is a line of that array along the axis. Data-parallel replicas are
+separate engines with worlds of their own (``kvflow serve --data-parallel-size``), so inside one
+engine ``dp = 1`` and the DP group is this rank alone. The expert-parallel group spans the data,
+context and tensor axes of one pipeline stage (expert parallelism is refused with context
+parallelism, so this is the TP group), so MoE layers place whole experts on the ranks that
+split attention by heads.
 
 Each worker builds its :class:`ParallelState` once (:func:`init_parallel_state`) and owns it;
 layers receive the groups they need at construction. Nothing here is a module global: the only
@@ -67,9 +70,9 @@ class ParallelState:
 
     @property
     def is_driver(self) -> bool:
-        """The rank whose sampled tokens are returned: TP rank 0 of the last pipeline stage
-        (every rank of that stage samples the same tokens)."""
-        return self.pp.is_last_rank and self.tp.rank == 0
+        """The rank whose sampled tokens are returned: TP and CP rank 0 of the last pipeline
+        stage (every rank of that stage samples the same tokens)."""
+        return self.pp.is_last_rank and self.tp.rank == 0 and self.cp.rank == 0
 
 
 def group_ranks(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]:
@@ -93,7 +96,8 @@ def group_ranks(sizes: dict[str, int], axes: tuple[str, ...]) -> list[list[int]]
 
 
 def _sizes(config: ParallelConfig) -> dict[str, int]:
-    return {"dp": config.data_parallel_size, "pp": config.pipeline_parallel_size,
+    """The axes of one engine's world (a data-parallel replica is an engine of its own)."""
+    return {"dp": 1, "pp": config.pipeline_parallel_size,
             "cp": config.context_parallel_size, "tp": config.tensor_parallel_size}
 
 
@@ -128,7 +132,8 @@ def init_parallel_state(config: ParallelConfig, rank: int, init_method: str, bac
               for name, axes in (("tp", ("tp",)), ("pp", ("pp",)), ("dp", ("dp",)),
                                  ("cp", ("cp",)), ("ep", ("dp", "cp", "tp")))}
     world = CommGroup(list(range(world_size)), rank, dist.group.WORLD, device)
-    logger.info("rank %d: tp %s, pp %s", rank, groups["tp"].ranks, groups["pp"].ranks)
+    logger.info("rank %d: tp %s, pp %s, cp %s", rank, groups["tp"].ranks, groups["pp"].ranks,
+                groups["cp"].ranks)
     return ParallelState(world, groups["tp"], groups["pp"], groups["dp"], groups["cp"],
                          groups["ep"] if config.enable_expert_parallel else None,
                          initialized_here=True)

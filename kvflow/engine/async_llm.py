@@ -1,4 +1,5 @@
-"""AsyncLLM: the serving engine. EngineCore runs in its own process; this side does the rest.
+"""AsyncLLM: the serving engine. EngineCore runs in its own process (one per data-parallel
+replica); this side does the rest.
 
 ```
 API process (asyncio)                                 engine-core process (busy loop)
@@ -9,8 +10,10 @@ API process (asyncio)                                 engine-core process (busy 
                -> per-request RequestStream (delta RequestOutputs)
 ```
 Both channels are ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temporary
-directory, carrying msgspec/msgpack messages (``kvflow.engine.messages``). The HTTP event loop
-only ever does non-blocking sends and awaits receives, so it never waits on the model.
+directory, carrying msgspec/msgpack messages (``kvflow.engine.messages``); with
+``--data-parallel-size N`` there is one input socket per replica and one shared output socket.
+The HTTP event loop only ever does non-blocking sends and awaits receives, so it never waits on
+the model.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -30,7 +32,8 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_proc import run_engine_core
+from kvflow.engine.core_client import CoreProcess, ReplicaState, replica_config
+from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -41,6 +44,7 @@ from kvflow.engine.messages import (
     Shutdown,
     output_decoder,
 )
+from kvflow.engine.streams import EngineDeadError, RequestStream, collect
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
@@ -48,61 +52,36 @@ from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.output_processor import OutputProcessor
-from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 1000  # how often the output loop checks that the core process is alive
+_POLL_MS = 1000  # how often the output loop checks that the core processes are alive
 
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process died or reported a fatal error; no request can proceed."""
-
-
-class RequestStream:
-    """Async iterator over one request's delta RequestOutputs; ends after the finished one.
-
-    Raises:
-        EngineDeadError: from iteration if the engine dies meanwhile.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "collect"]
 
 
 class AsyncLLM:
-    """Engine client for the server: starts the engine-core process and streams outputs.
+    """Engine client for the server: starts the engine-core process(es) and streams outputs.
+
+    With ``data_parallel_size = N`` it runs N engine-core processes (replicas, each a whole
+    engine with its own workers and KV cache) and sends each request to one of them
+    (:class:`~kvflow.engine.dp_balancer.DPLoadBalancer`: prefix-cache affinity bounded by
+    queue depth). A replica that dies fails only its own requests; ``on_dead`` decides what
+    follows (the server exits, or :meth:`restart` replaces the dead replicas while the others
+    keep serving).
 
     Construction blocks until the model is loaded (call it before the event loop serves);
     then ``await start()`` inside the loop, ``add_request`` / ``abort`` per request, and
     ``await shutdown()`` at the end.
 
     Args:
-        config: engine configuration (the core process builds its EngineCore from it).
+        config: engine configuration (each core process builds its EngineCore from it).
         metrics: where to record request and engine metrics (default: a fresh ServerMetrics).
-        start_timeout: seconds to wait for the core process to load the model.
+        start_timeout: seconds to wait for the core processes to load the model.
 
     Raises:
-        RuntimeError: if the core process fails to start or exceeds ``start_timeout``.
+        RuntimeError: if a core process fails to start or exceeds ``start_timeout``.
         ValueError: for a bad model or tokenizer.
     """
 
@@ -111,20 +90,22 @@ class AsyncLLM:
         self.config = config
         self.metrics = metrics or ServerMetrics(config.model_config.model)
         self.tracker = RequestStatsTracker(self.metrics)
-        self.stats = EngineStats()
+        self.num_replicas = config.parallel_config.data_parallel_size
+        self.stats = [EngineStats() for _ in range(self.num_replicas)]
         self._streams: dict[str, RequestStream] = {}
         self._waiting: set[str] = set()  # accepted, no output yet
-        self._dead: BaseException | None = None
+        self._dead: BaseException | None = None  # set when no replica is left
         self._output_task: asyncio.Task | None = None
-        # Called once (in the event loop) when the core process dies or fails; see start().
+        self._ready_events: dict[int, asyncio.Future] = {}  # replicas restarting
+        # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._init_ipc()
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
-            self._start_core_process()  # its resolve_model then finds the snapshot cached
-            self._init_tokenizer(source)  # while the core process loads the model
+            self._start_core_processes()  # their resolve_model then finds the snapshot cached
+            self._init_tokenizer(source)  # while the core processes load the model
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -134,92 +115,139 @@ class AsyncLLM:
     def _init_ipc(self) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="kvflow-")
         self._ctx = zmq.Context()
-        self._input_addr = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
         self._output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self._input.bind(self._input_addr)
-        self._output = self._ctx.socket(zmq.PULL)
+        self._output = self._ctx.socket(zmq.PULL)  # every replica's core pushes here
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(self._output_addr)
         self._async_output: zmq.asyncio.Socket | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = output_decoder()
+        self.cores: list[CoreProcess] = []
 
-    def _start_core_process(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
-        self._proc = ctx.Process(
-            target=run_engine_core, name="kvflow-engine-core", daemon=True,
-            args=(self.config, self._input_addr, self._output_addr,
-                  logging.getLogger("kvflow").getEffectiveLevel()))
-        self._proc.start()
-        logger.info("engine core process started (pid %d)", self._proc.pid)
+    def _start_core_processes(self) -> None:
+        for index in range(self.num_replicas):
+            self.cores.append(CoreProcess(self._ctx, self._ipc_dir,
+                                          replica_config(self.config, index),
+                                          self._output_addr))
+            self.cores[index].start(logging.getLogger("kvflow").getEffectiveLevel())
 
     def _init_tokenizer(self, source: ModelSource) -> None:
         mc = self.config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
 
+    def _name(self, index: int) -> str:
+        """How logs and errors call replica ``index``: "engine core" (one replica) or
+        "engine core 1 of 2"."""
+        return "engine core" if self.num_replicas == 1 else \
+            f"engine core {index} of {self.num_replicas}"
+
     def _wait_ready(self, timeout: float) -> EngineReady:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Block until every replica reported ``EngineReady`` (before the event loop runs);
+        returns replica 0's."""
+        deadline, ready = time.monotonic() + timeout, {}
+        while len(ready) < self.num_replicas and time.monotonic() < deadline:
             if self._output.poll(200):
                 msg = self._decoder.decode(self._output.recv())
                 if isinstance(msg, EngineFailed):
-                    raise RuntimeError(f"engine core failed to start: {msg.message}")
+                    raise RuntimeError(f"{self._name(msg.engine_index)} failed to start: "
+                                       f"{msg.message}")
                 if isinstance(msg, EngineReady):
-                    return msg
-            elif not self._proc.is_alive():
-                raise RuntimeError(f"engine core process exited with code "
-                                   f"{self._proc.exitcode} while starting")
-        raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
+                    ready[msg.engine_index] = msg
+                    self._on_ready(msg)
+            for core in self.cores:
+                if not core.is_alive and core.index not in ready:
+                    raise RuntimeError(f"{self._name(core.index)} process exited with code "
+                                       f"{core.proc.exitcode} while starting")
+        if len(ready) < self.num_replicas:
+            raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
+        return ready[0]
+
+    def _on_ready(self, ready: EngineReady) -> None:
+        core = self.cores[ready.engine_index]
+        core.state = ReplicaState.LIVE
+        self.stats[core.index] = ready.stats
+        self.metrics.reset_engine(core.index)
+        self.metrics.record_engine_stats(ready.stats, core.index)
+        future = self._ready_events.pop(core.index, None)
+        if future is not None and not future.done():
+            future.set_result(ready)
 
     def _init_processors(self, ready: EngineReady) -> None:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.num_kv_blocks = ready.num_blocks
-        self.stats = ready.stats
-        self.metrics.record_engine_stats(ready.stats)
+        self.num_kv_blocks = ready.num_blocks  # per replica
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
                                         resolve_eos_token_id(self.tokenizer, ready))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
 
     async def start(self) -> None:
-        """Start the output loop on the running event loop. When the core process dies or
-        fails, every open stream gets an ``EngineDeadError``, new requests are refused, and
-        ``on_dead(error)`` (if set) is called once."""
+        """Start the output loop on the running event loop. When a core process dies or
+        fails, its open streams get an ``EngineDeadError`` and ``on_dead(error)`` (if set) is
+        called; once no replica is left, new requests are refused."""
         self._async_output = zmq.asyncio.Socket.from_socket(self._output)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
 
     @property
     def core_pid(self) -> int | None:
-        """The engine-core process id (None before it started)."""
-        proc = getattr(self, "_proc", None)
-        return None if proc is None else proc.pid
+        """The (first) engine-core process id (None before it started)."""
+        return self.cores[0].pid if self.cores else None
 
     async def restart(self, timeout: float = 600.0) -> None:
-        """Replace a dead core process by a new one (same config; the model loads again) and
-        serve again. Requests are refused (``EngineDeadError``) until it is ready.
+        """Replace every dead replica by a new core process (same config; the model loads
+        again) and serve with it once ready; the live replicas keep serving meanwhile (with
+        one replica, requests are refused with ``EngineDeadError`` until it is ready).
+        Replicas that die while this runs are replaced too.
 
         Raises:
-            RuntimeError: if the new core fails to start (the engine stays dead).
+            RuntimeError: if a new core fails to start (that replica stays dead).
         """
-        self._stop_core()
-        self._init_ipc()
-        self._start_core_process()
-        ready = await asyncio.to_thread(self._wait_ready, timeout)
-        self._init_processors(ready)
+        while dead := [c for c in self.cores if c.state is ReplicaState.DEAD]:
+            for old in dead:
+                self._respawn(old)
+            for old in dead:
+                await self._wait_restarted(old.index, timeout)
         self._dead = None
-        await self.start()
+
+    def _respawn(self, old: CoreProcess) -> None:
+        old.stop(self._encoder.encode(Shutdown()))
+        core = CoreProcess(self._ctx, self._ipc_dir, old.config, self._output_addr,
+                           old.generation + 1)
+        self._ready_events[old.index] = asyncio.get_running_loop().create_future()
+        self.cores[old.index] = core
+        core.start(logging.getLogger("kvflow").getEffectiveLevel())
+
+    async def _wait_restarted(self, index: int, timeout: float) -> None:
+        """Wait for replica ``index``'s ``EngineReady``.
+
+        Raises:
+            RuntimeError: if it died instead or did not report within ``timeout`` seconds.
+        """
+        future = self._ready_events.get(index)
+        try:
+            if future is not None:
+                await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            self._ready_events.pop(index, None)
+            raise RuntimeError(f"{self._name(index)} did not restart within {timeout:.0f} s") \
+                from None
+        if self.cores[index].state is not ReplicaState.LIVE:
+            raise RuntimeError(f"{self._name(index)} failed to restart: "
+                               f"{self.cores[index].death}")
 
     # ---- requests ----------------------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._proc.is_alive()
+        """Whether a replica takes requests."""
+        return self._dead is None and any(c.is_live for c in self.cores)
 
     @property
     def dead_error(self) -> BaseException | None:
         """Why the engine stopped (e.g. which worker rank died), or None while it runs."""
-        return self._dead
+        if self._dead is not None:
+            return self._dead
+        return None if self.is_healthy else next(
+            (c.death for c in self.cores if c.death is not None), None)
 
     @property
     def num_waiting_requests(self) -> int:
@@ -228,13 +256,13 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Validate and queue one prompt (its ``n`` samples); returns its output stream.
-        Fields ``params`` was not given take the model's sampling defaults
+        """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
+        output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json).
 
         Raises:
             ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
-            EngineDeadError: if the engine is gone.
+            EngineDeadError: if no replica is running.
         """
         if not self.is_healthy:
             raise EngineDeadError("the engine core is not running")
@@ -248,78 +276,130 @@ class AsyncLLM:
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
         self.output_processor.add_request(prompt, requests, delta=True)
+        replica = self.balancer.choose(prompt_token_ids, [c.is_live for c in self.cores])
+        self.balancer.assign(request_id, replica, len(requests))
+        logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
+                     self.balancer.depth)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._waiting.add(request_id)
         self.tracker.start(request_id, arrival, len(prompt_token_ids), params.n)
-        self._input.send(payload, flags=zmq.NOBLOCK)
+        self.cores[replica].send(payload)
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now (no-op if it already finished); the core frees its KV blocks
+        """Stop a request now (no-op if it already finished); its core frees its KV blocks
         before its next step."""
         sample_ids = self.output_processor.abort(request_id)
         self._streams.pop(request_id, None)
         self._waiting.discard(request_id)
+        replica = self.balancer.replica_of(request_id)
+        self.balancer.finish(request_id)
         if sample_ids:
             self.tracker.abort(request_id)
-            self._send(AbortRequests(sample_ids))
+            if replica is not None:
+                self._send(replica, AbortRequests(sample_ids))
 
-    def _send(self, msg: AddRequests | AbortRequests | Shutdown) -> None:
-        if self._dead is None:
-            self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+    def _send(self, replica: int, msg: AddRequests | AbortRequests | Shutdown) -> None:
+        core = self.cores[replica]
+        if core.state is not ReplicaState.DEAD and not core.input.closed:
+            core.send(self._encoder.encode(msg))
 
     # ---- outputs -----------------------------------------------------------------------------
     async def _output_loop(self) -> None:
-        try:
-            while True:
+        next_check = 0.0
+        while True:
+            try:
+                if time.monotonic() >= next_check:  # even while other replicas keep talking
+                    self._check_processes()
+                    next_check = time.monotonic() + _POLL_MS / 1000
                 if not await self._async_output.poll(_POLL_MS):
-                    if not self._proc.is_alive():
-                        raise EngineDeadError(f"engine core process exited with code "
-                                              f"{self._proc.exitcode}")
                     continue
                 msg = self._decoder.decode(await self._async_output.recv())
                 if isinstance(msg, EngineFailed):
-                    raise EngineDeadError(f"engine core failed: {msg.message}")
-                if isinstance(msg, EngineOutputs):
+                    self._replica_died(msg.engine_index, EngineDeadError(
+                        f"{self._name(msg.engine_index)} failed: {msg.message}"))
+                elif isinstance(msg, EngineReady):
+                    self._on_ready(msg)
+                elif isinstance(msg, EngineOutputs):
                     self._handle_outputs(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure here ends every request
-            error = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
-            logger.error("engine core lost (%s): ending %d open requests with an error; new "
-                         "requests get 503", error, len(self._streams))
-            self._fail_all(error)
-            if self.on_dead is not None:
-                self.on_dead(error)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the loop itself broke: end every request
+                logger.exception("output loop failed")
+                self.fail_all(EngineDeadError(f"output loop failed: {e}"))
+                if self.on_dead is not None:
+                    self.on_dead(self._dead)
+                return
+
+    def _check_processes(self) -> None:
+        for core in self.cores:
+            if core.state is not ReplicaState.DEAD and not core.is_alive:
+                self._replica_died(core.index, EngineDeadError(
+                    f"{self._name(core.index)} process exited with code "
+                    f"{core.proc.exitcode}"))
+
+    def _replica_died(self, index: int, error: EngineDeadError) -> None:
+        """Fail the replica's open requests, stop routing to it, tell ``on_dead``."""
+        core = self.cores[index]
+        if core.state is ReplicaState.DEAD:
+            return
+        was_live = core.state is ReplicaState.LIVE  # else a restart failed: restart() says so
+        core.state, core.death = ReplicaState.DEAD, error
+        failed = self.balancer.requests_on(index)
+        self.balancer.forget_replica(index)
+        self.metrics.reset_engine(index)
+        logger.error("%s lost (%s): ending its %d open requests with an error%s",
+                     self._name(index), error, len(failed),
+                     "" if self.is_healthy else "; new requests get 503")
+        for request_id in failed:
+            self._fail_request(request_id, error)
+        future = self._ready_events.pop(index, None)
+        if future is not None and not future.done():
+            future.set_result(None)  # a restart that failed
+        if not any(c.state is not ReplicaState.DEAD for c in self.cores):
+            self._dead = error
+        if was_live and self.on_dead is not None:
+            self.on_dead(error)
 
     def _handle_outputs(self, msg: EngineOutputs) -> None:
-        self.stats = msg.stats
-        self.metrics.record_engine_stats(msg.stats)
+        self.stats[msg.engine_index] = msg.stats
+        self.metrics.record_engine_stats(msg.stats, msg.engine_index)
         outputs, stopped = self.output_processor.process(msg.outputs)
         if stopped:  # stop strings matched: free their KV blocks now
-            self._send(AbortRequests(stopped))
+            self._send(msg.engine_index, AbortRequests(stopped))
         now = time.monotonic()
         for out in outputs:
             self.tracker.observe(out, now)
             self._waiting.discard(out.request_id)
+            if out.finished:
+                self.balancer.finish(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        self._dead = error
-        for request_id, stream in self._streams.items():
-            self.tracker.abort(request_id)
+    def _fail_request(self, request_id: str, error: EngineDeadError) -> None:
+        self.output_processor.abort(request_id)
+        self.tracker.abort(request_id)
+        self._waiting.discard(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
             stream.put(error)
-        self._streams.clear()
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """End every open request with ``error`` and refuse new ones (the server is
+        stopping)."""
+        self._dead = error
+        for request_id in list(self._streams):
+            self.balancer.finish(request_id)
+            self._fail_request(request_id, error)
         self._waiting.clear()
 
     # ---- shutdown ----------------------------------------------------------------------------
     async def shutdown(self) -> None:
-        """Stop the output loop and the core process; release the sockets."""
+        """Stop the output loop and the core processes; release the sockets."""
         if self._output_task is not None:
             self._output_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -328,50 +408,16 @@ class AsyncLLM:
         self.close()
 
     def close(self) -> None:
-        """Synchronous teardown (idempotent): ask the core to stop, then make sure it does."""
-        self._stop_core()
-
-    def _stop_core(self) -> None:
-        """Stop the core process (Shutdown, then kill after 5 s); release the sockets."""
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for sock in (self._async_output, self._input, self._output):
+        """Synchronous teardown (idempotent): ask the cores to stop, then make sure they do;
+        release the sockets and the IPC directory."""
+        shutdown = self._encoder.encode(Shutdown())
+        for core in self.cores:  # all stop at once, then each is waited for
+            core.ask_to_stop(shutdown)
+        for core in self.cores:
+            core.stop(shutdown)
+        for sock in (self._async_output, self._output):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
         if not self._ctx.closed:
             self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-async def collect(stream: RequestStream) -> RequestOutput:
-    """Drain a stream and merge its deltas into one cumulative, finished RequestOutput.
-
-    Raises:
-        EngineDeadError: if the engine dies before the request finishes.
-    """
-    merged: dict[int, CompletionOutput] = {}
-    texts: dict[int, list[str]] = {}
-    last, prompt_logprobs = None, None
-    async for delta in stream:
-        last = delta
-        prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
-        for c in delta.outputs:
-            m = merged.setdefault(c.index, CompletionOutput(
-                c.index, logprobs=None if c.logprobs is None else []))
-            texts.setdefault(c.index, []).append(c.text)
-            m.token_ids.extend(c.token_ids)
-            if c.logprobs:
-                m.logprobs.extend(c.logprobs)
-            m.cumulative_logprob = c.cumulative_logprob
-            m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
-    for index, m in merged.items():
-        m.text = "".join(texts[index])
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                         [merged[i] for i in sorted(merged)], True, last.metrics,
-                         prompt_logprobs)

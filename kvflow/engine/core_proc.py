@@ -47,20 +47,23 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         log_level: logging level of this process.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
+    dp = config.parallel_config
+    tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s")
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(input_addr)
     out.connect(output_addr)
     encoder = msgspec.msgpack.Encoder()
+    index = config.parallel_config.data_parallel_rank
     core = None
     try:
         core = EngineCore(config)
-        out.send(encoder.encode(_ready(core)))
-        EngineCoreProc(core, inp, out).run()
+        out.send(encoder.encode(_ready(core, index)))
+        EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process
         logger.error("engine core failed: %s", traceback.format_exc())
-        out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}", index)))
     finally:
         if core is not None:
             core.shutdown()  # the executor's worker processes, if any
@@ -69,10 +72,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         ctx.term()
 
 
-def _ready(core: EngineCore) -> EngineReady:
+def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
     return EngineReady(core.max_model_len, core.hf_config.vocab_size,
                        resolve_eos_token_id(None, core.hf_config), core.num_blocks,
-                       core.config.cache_config.block_size, collect_stats(core))
+                       core.config.cache_config.block_size, collect_stats(core), engine_index)
 
 
 def collect_stats(core: EngineCore) -> EngineStats:
@@ -88,8 +91,10 @@ class EngineCoreProc:
     raises what ``EngineCore.step`` raises (and, while idle, ``EngineCore.check_health``:
     a dead worker process)."""
 
-    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket,
+                 engine_index: int = 0) -> None:
         self.core, self.inp, self.out = core, inp, out
+        self.engine_index = engine_index
         self._decoder = input_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._parent = multiprocessing.parent_process()
@@ -103,8 +108,8 @@ class EngineCoreProc:
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             if outputs or handled or self._errors:
                 outputs, self._errors = self._errors + outputs, []
-                self.out.send(self._encoder.encode(EngineOutputs(outputs,
-                                                                 collect_stats(self.core))))
+                self.out.send(self._encoder.encode(EngineOutputs(
+                    outputs, collect_stats(self.core), self.engine_index)))
 
     def _handle_inputs(self, block: bool) -> int | None:
         """Apply every pending message, first waiting for one if ``block``; returns how many

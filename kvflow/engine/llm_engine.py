@@ -22,11 +22,17 @@ class LLMEngine:
     """EngineCore plus the input and output processing around it (in one process).
 
     Raises:
-        ValueError: from the constructor for a bad config or model; from ``add_request`` for a
+        ValueError: from the constructor for a bad config or model, or ``data_parallel_size``
+            above 1 (replicas run behind ``kvflow serve`` only); from ``add_request`` for a
             bad prompt or parameters (other requests keep running).
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(f"data_parallel_size={dp} needs kvflow serve (one engine-core "
+                             "process per replica behind one API server); offline, run one "
+                             "LLM per process on a shard of the prompts, as with vLLM")
         self.config = config
         self.core = EngineCore(config)
         mc = config.model_config

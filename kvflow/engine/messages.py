@@ -3,7 +3,9 @@
 API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``.
 Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
-produced tokens and after every batch of inputs it handled.
+produced tokens and after every batch of inputs it handled. With data parallelism every
+replica has an input socket of its own and all of them push to the one output socket; their
+messages carry the replica's ``engine_index``.
 """
 
 from __future__ import annotations
@@ -64,17 +66,20 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     block_size: int
     stats: EngineStats  # the idle engine's counters, so /metrics is right before any request
+    engine_index: int = 0  # the data-parallel replica
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
     """Sent when start-up or a step raised; the core process exits after sending it."""
 
     message: str
+    engine_index: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+    engine_index: int = 0
 
 
 EngineOutput = EngineReady | EngineFailed | EngineOutputs

@@ -75,15 +75,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
-    """The core process died: exit the server (``--engine-failure exit``, the default; the
-    exit status is 1) or start a new engine in the background (``restart``)."""
+    """A core process (a data-parallel replica's) died: exit the server (``--engine-failure
+    exit``, the default; the exit status is 1) or start a new core for it in the background
+    (``restart``; the other replicas keep serving)."""
     config: ServerConfig = app.state.config
     if config.engine_failure == "restart":
         logger.error("engine core died (%s); restarting it (--engine-failure restart)", error)
-        app.state.restart_task = asyncio.create_task(_restart_engine(app))
+        previous = getattr(app.state, "restart_task", None)
+        if previous is None or previous.done():  # a running restart takes every dead core
+            app.state.restart_task = asyncio.create_task(_restart_engine(app))
         return
     logger.error("engine core died (%s); shutting the server down (--engine-failure exit)",
                  error)
+    app.state.engine.fail_all(error)  # other data-parallel replicas' requests end too
     _on_engine_dead_exit(app)
 
 
@@ -95,7 +99,8 @@ async def _restart_engine(app: FastAPI) -> None:
         logger.error("engine restart failed (%s); shutting the server down", e)
         _on_engine_dead_exit(app)
         return
-    logger.warning("engine core restarted (pid %s); serving again", app.state.engine.core_pid)
+    logger.warning("engine core restarted (pids %s); serving again",
+                   [core.pid for core in app.state.engine.cores])
 
 
 def _on_engine_dead_exit(app: FastAPI) -> None:

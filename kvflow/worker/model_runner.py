@@ -110,8 +110,11 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         if self.device.type == "cpu":
             dc = config.device_config
-            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind, self.parallel.rank,
-                                  self.parallel.world.world_size)
+            pc, world = config.parallel_config, self.parallel.world.world_size
+            # every rank of every data-parallel replica on this machine takes its share
+            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind,
+                                  pc.data_parallel_rank * world + self.parallel.rank,
+                                  pc.data_parallel_size * world)
         self._init_model(source, hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []

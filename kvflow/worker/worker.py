@@ -57,10 +57,12 @@ class Worker:
         self.num_steps, self.step_time_s = 0, 0.0
 
     def _init_device(self, local_rank: int) -> None:
-        """Bind the device (on CPU the ModelRunner gives this rank its share of the cores:
-        ``kvflow.kernels.cpu_threads``)."""
-        if self.config.parallel_config.world_size > 1:
-            self.platform.set_device(local_rank)
+        """Bind the device: data-parallel replica ``d`` of engines with ``W`` ranks each uses
+        the machine's devices ``d * W`` to ``d * W + W - 1`` (on CPU the ModelRunner gives this
+        rank its share of the cores: ``kvflow.kernels.cpu_threads``)."""
+        pc = self.config.parallel_config
+        if pc.world_size > 1 or pc.data_parallel_size > 1:
+            self.platform.set_device(pc.data_parallel_rank * pc.world_size + local_rank)
 
     @property
     def is_driver(self) -> bool:

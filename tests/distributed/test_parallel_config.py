@@ -34,7 +34,7 @@ def test_flags_are_generated_with_vllm_names():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"data_parallel_size": 2}, "data_parallel is not available yet"),
+    ({"data_parallel_size": 2, "data_parallel_rank": 2}, "outside the 2 data-parallel"),
     ({"context_parallel_size": 2}, "context_parallel is not available yet"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "use mp or ray"),
@@ -73,6 +73,17 @@ def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(tiny_llama, capsys):
                "--tensor-parallel-size", "3"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and "tensor_parallel_size=3" in err[0]
+
+
+def test_offline_data_parallel_is_refused_in_one_line(tiny_llama, capsys):
+    """Offline, data parallelism is one LLM per process (as in vLLM); kvflow serve runs the
+    replicas. Refused before the model loads."""
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 needs kvflow serve"):
+        LLM(model="/nonexistent/model", data_parallel_size=2)
+    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
+               "--data-parallel-size", "2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "data_parallel_size=2" in err[0]
 
 
 def test_kv_heads_must_divide_or_be_replicated_evenly():

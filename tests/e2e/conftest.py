@@ -96,8 +96,12 @@ class ServerProcess:
 
     @staticmethod
     def value(metrics: dict, name: str, **labels: str) -> float:
-        """One sample's value from ``metrics()`` output (0 when absent)."""
-        return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+        """The sum of the samples of ``name`` in ``metrics()`` output that carry ``labels``
+        (among others: an engine-state series summed over its ``engine`` replicas); 0 when
+        there is none."""
+        wanted = set(labels.items())
+        return sum(v for (sample, sample_labels), v in metrics.items()
+                   if sample == name and wanted <= set(sample_labels))
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 20 s; fails the caller if the server does not exit."""

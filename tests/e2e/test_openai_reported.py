@@ -69,7 +69,7 @@ def test_metrics_true_before_the_first_request(server):
     assert server.value(m, "kvflow:kv_cache_usable_blocks") == usable
     for name in ("kvflow:kv_cache_usage_perc", "kvflow:num_requests_running",
                  "kvflow:num_requests_waiting"):
-        assert (name, ()) in m and server.value(m, name) == 0
+        assert (name, (("engine", "0"),)) in m and server.value(m, name) == 0
     for reason in ("stop", "length", "abort"):
         key = ("kvflow:request_success_total", (("finished_reason", reason),))
         assert key in m and m[key] == 0

@@ -1,0 +1,114 @@
+"""One engine-core replica seen from the API process: its process and its input socket.
+
+``AsyncLLM`` runs one ``CoreProcess`` per data-parallel replica (one without data
+parallelism). Each has a PUSH socket of its own, bound in the API process's private IPC
+directory (``input-<index>``); every replica's core pushes to the one output socket that
+``AsyncLLM`` binds, tagging its messages with its index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import multiprocessing
+import os
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.engine.core_proc import run_engine_core
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # process started, model loading (no EngineReady yet)
+    LIVE = "live"  # takes requests
+    DEAD = "dead"  # exited or failed; its requests were failed
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """``config`` for data-parallel replica ``index`` (its ``data_parallel_rank``)."""
+    parallel = dataclasses.replace(config.parallel_config, data_parallel_rank=index)
+    return dataclasses.replace(config, parallel_config=parallel)
+
+
+class CoreProcess:
+    """A data-parallel replica: a spawned engine-core process fed through a PUSH socket.
+
+    Args:
+        ctx: the API process's ZMQ context.
+        ipc_dir: the private directory holding the sockets.
+        config: the engine config; ``parallel_config.data_parallel_rank`` is the replica.
+        output_addr: the output socket every replica's core pushes to.
+        generation: how many times this replica was started before (a restarted replica
+            gets a fresh input socket: a PUSH socket would hand the new core whatever was
+            queued for the dead one).
+    """
+
+    def __init__(self, ctx: zmq.Context, ipc_dir: str, config: EngineConfig,
+                 output_addr: str, generation: int = 0) -> None:
+        self.config, self.output_addr, self.generation = config, output_addr, generation
+        self.index = config.parallel_config.data_parallel_rank
+        name = f"input-{self.index}-{generation}"
+        self.input_addr = f"ipc://{os.path.join(ipc_dir, name)}"
+        self.input = ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        self.input.bind(self.input_addr)
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.state = ReplicaState.STARTING
+        self.death: BaseException | None = None  # why it died
+
+    def start(self, log_level: int) -> None:
+        """Spawn the core process (it loads the model, then reports ``EngineReady``)."""
+        ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
+        name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
+                                       == 1 else f"-{self.index}")
+        self.proc = ctx.Process(target=run_engine_core, name=name, daemon=True,
+                                args=(self.config, self.input_addr, self.output_addr,
+                                      log_level))
+        self.proc.start()
+        self.state = ReplicaState.STARTING
+        self.death = None
+        logger.info("engine core process %sstarted (pid %d)",
+                    "" if name == "kvflow-engine-core" else f"{self.index} ", self.proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    @property
+    def is_live(self) -> bool:
+        """Takes requests: ready and its process running."""
+        return self.state is ReplicaState.LIVE and self.is_alive
+
+    def send(self, payload: bytes) -> None:
+        """Queue an encoded message for the core (never blocks)."""
+        self.input.send(payload, flags=zmq.NOBLOCK)
+
+    def ask_to_stop(self, shutdown_payload: bytes) -> None:
+        """Send ``Shutdown`` without waiting (``stop`` then waits)."""
+        if self.is_alive and not self.input.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
+
+    def stop(self, shutdown_payload: bytes) -> None:
+        """Ask the core to stop (``Shutdown``), kill it after 5 s, close the socket
+        (idempotent)."""
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            if not self.input.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        if not self.input.closed:
+            self.input.close(linger=0)

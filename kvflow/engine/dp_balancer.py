@@ -1,0 +1,138 @@
+"""Which data-parallel replica a request goes to: prefix-cache affinity, bounded by queue depth.
+
+Each replica (engine core) has its own KV cache and prefix cache, so a request whose prompt
+starts like an earlier one's is cheapest where that one ran: its first blocks are cached
+there. Sending every such request to the same replica can overload it, though, so affinity
+yields to load once the preferred replica is much deeper than the least-loaded one.
+
+The rule (``DPLoadBalancer.choose``):
+
+1. *Depth* of a replica: the samples it was given that have not finished (a request with
+   ``n`` samples counts ``n``), counted in the API process when a request is sent and when it
+   finishes or is aborted, so it is exact and never lags behind the replica's own reports.
+2. *Preferred* replica: the prompt's first ``affinity_blocks`` full KV blocks
+   (``block_size`` token ids each; a shorter prompt has fewer, one under a block has none)
+   give a chain of prefix hashes (block ``i``'s hash covers blocks ``0..i``, as the prefix
+   cache's do). The longest of them that a recent request was sent with names the preferred
+   replica (an LRU map of ``max_entries`` prefixes).
+3. The preferred replica is taken when it is alive and
+   ``depth[preferred] <= depth[least] + max(slack, slack_ratio * depth[least])``, where
+   ``least`` is the live replica of smallest depth (the lowest index among equals);
+   otherwise, or without a preferred replica, ``least`` is.
+4. The prompt's prefix hashes are then recorded for the chosen replica, so the next request
+   sharing them follows it.
+
+Pure bookkeeping, no I/O: the API process (``AsyncLLM``) calls it on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class DPLoadBalancer:
+    """Chooses a replica per request and tracks each replica's depth (unfinished samples).
+
+    Args:
+        num_replicas: data-parallel replicas (``data_parallel_size``).
+        block_size: tokens per KV block (the prefix cache's unit).
+        affinity_blocks: leading full blocks of a prompt that name its preferred replica.
+        slack / slack_ratio: how much deeper than the least-loaded live replica the preferred
+            one may be (samples; fraction of the least depth; the larger of the two applies).
+        max_entries: prefixes remembered (least recently used forgotten first).
+
+    Raises:
+        ValueError: from the constructor for a non-positive replica count, block size or
+            ``affinity_blocks``, or a negative slack.
+    """
+
+    def __init__(self, num_replicas: int, block_size: int, affinity_blocks: int = 4,
+                 slack: int = 4, slack_ratio: float = 0.5, max_entries: int = 65536) -> None:
+        if num_replicas < 1 or block_size < 1 or affinity_blocks < 1:
+            raise ValueError(f"DPLoadBalancer needs positive num_replicas ({num_replicas}), "
+                             f"block_size ({block_size}) and affinity_blocks "
+                             f"({affinity_blocks})")
+        if slack < 0 or slack_ratio < 0:
+            raise ValueError(f"slack={slack} and slack_ratio={slack_ratio} must be >= 0")
+        self.num_replicas, self.block_size = num_replicas, block_size
+        self.affinity_blocks = affinity_blocks
+        self.slack, self.slack_ratio, self.max_entries = slack, slack_ratio, max_entries
+        self.depth = [0] * num_replicas
+        self._prefix_owner: OrderedDict[int, int] = OrderedDict()
+        self._requests: dict[str, tuple[int, int]] = {}  # request id -> (replica, samples)
+
+    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Hashes of the prompt's first 1, 2, ... ``affinity_blocks`` full blocks (each covers
+        every block before it), shortest first; empty for a prompt under one block."""
+        bs, out, parent = self.block_size, [], 0
+        full = min(len(prompt_token_ids) // bs, self.affinity_blocks)
+        for i in range(full):
+            parent = hash((parent, tuple(prompt_token_ids[i * bs:(i + 1) * bs])))
+            out.append(parent)
+        return out
+
+    def preferred(self, hashes: Sequence[int]) -> int | None:
+        """The replica recorded for the longest known prefix among ``hashes``, or None."""
+        for h in reversed(hashes):
+            replica = self._prefix_owner.get(h)
+            if replica is not None:
+                return replica
+        return None
+
+    def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool]) -> int:
+        """The replica for a new request (see the module's rule); records its prefixes there.
+
+        Args:
+            prompt_token_ids: the prompt.
+            live: per replica, whether it takes requests now.
+
+        Raises:
+            RuntimeError: when no replica is live.
+        """
+        candidates = [r for r in range(self.num_replicas) if live[r]]
+        if not candidates:
+            raise RuntimeError("no data-parallel replica is running")
+        least = min(candidates, key=lambda r: (self.depth[r], r))
+        hashes = self.prefix_hashes(prompt_token_ids)
+        chosen, pref = least, self.preferred(hashes)
+        if pref is not None and live[pref]:
+            allowance = max(self.slack, self.slack_ratio * self.depth[least])
+            if self.depth[pref] <= self.depth[least] + allowance:
+                chosen = pref
+        self._record(hashes, chosen)
+        return chosen
+
+    def _record(self, hashes: Sequence[int], replica: int) -> None:
+        for h in hashes:
+            self._prefix_owner[h] = replica
+            self._prefix_owner.move_to_end(h)
+        while len(self._prefix_owner) > self.max_entries:
+            self._prefix_owner.popitem(last=False)
+
+    def assign(self, request_id: str, replica: int, num_samples: int) -> None:
+        """Count a request sent to ``replica`` (``num_samples`` samples) until it finishes."""
+        self._requests[request_id] = (replica, num_samples)
+        self.depth[replica] += num_samples
+
+    def finish(self, request_id: str) -> None:
+        """The request finished, was aborted or failed (unknown ids are ignored)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self.depth[entry[0]] -= entry[1]
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica an unfinished request was sent to, or None."""
+        entry = self._requests.get(request_id)
+        return None if entry is None else entry[0]
+
+    def requests_on(self, replica: int) -> list[str]:
+        """The unfinished requests sent to ``replica``."""
+        return [rid for rid, (r, _) in self._requests.items() if r == replica]
+
+    def forget_replica(self, replica: int) -> None:
+        """A replica died (its KV cache is gone): drop its requests and its prefixes."""
+        for rid in self.requests_on(replica):
+            self.finish(rid)
+        for h in [h for h, r in self._prefix_owner.items() if r == replica]:
+            del self._prefix_owner[h]

@@ -1,0 +1,122 @@
+"""The data-parallel load balancer's rule on its own (no processes): least-loaded replica by
+depth (unfinished samples), prefix-cache affinity by the longest known prefix of the first
+blocks, and the slack beyond which affinity yields to load. Every expected replica below is
+worked out by hand from the rule in kvflow/engine/dp_balancer.py (block size 4 here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.engine.dp_balancer import DPLoadBalancer
+
+BS = 4
+LIVE2 = [True, True]
+
+
+def prompt(*blocks: int, tail: int = 0) -> list[int]:
+    """Full blocks of token ``b`` (one block per argument), then ``tail`` extra tokens."""
+    return [t for b in blocks for t in [b] * BS] + [999] * tail
+
+
+def test_without_a_known_prefix_the_least_loaded_replica_wins():
+    lb = DPLoadBalancer(3, BS)
+    short = [1, 2, 3]  # under one block: no prefix to remember
+    assert lb.prefix_hashes(short) == []
+    picks = []
+    for i in range(5):
+        r = lb.choose(short, [True] * 3)
+        lb.assign(f"r{i}", r, 1)
+        picks.append(r)
+    assert picks == [0, 1, 2, 0, 1]  # ties go to the lowest index
+    assert lb.depth == [2, 2, 1]
+    lb.finish("r0")
+    lb.finish("r0")  # finishing twice (an abort after the end) changes nothing
+    lb.finish("unknown")
+    assert lb.depth == [1, 2, 1]
+    assert lb.choose(short, [True] * 3) == 0
+
+
+def test_samples_count_in_the_depth():
+    lb = DPLoadBalancer(2, BS)
+    lb.assign("a", 0, 4)  # n=4
+    lb.assign("b", 1, 1)
+    assert lb.depth == [4, 1] and lb.choose([1], LIVE2) == 1
+    assert lb.replica_of("a") == 0 and lb.requests_on(0) == ["a"]
+
+
+def test_a_shared_prefix_follows_its_replica_within_the_slack():
+    lb = DPLoadBalancer(2, BS, slack=4, slack_ratio=0.5)
+    first = lb.choose(prompt(7, 8, tail=2), LIVE2)
+    assert first == 0
+    lb.assign("first", 0, 1)
+    # replica 0 one deeper than replica 1, but same first blocks: affinity
+    assert lb.choose(prompt(7, 8, 9), LIVE2) == 0
+    for i in range(4):
+        lb.assign(f"x{i}", 0, 1)
+    assert lb.depth == [5, 0]
+    # 5 > 0 + max(4, 0 * 0.5): much deeper, so the least-loaded replica takes it
+    assert lb.choose(prompt(7, 8), LIVE2) == 1
+    # ... and the prefix now points to replica 1
+    assert lb.preferred(lb.prefix_hashes(prompt(7, 8))) == 1
+
+
+def test_the_slack_grows_with_the_least_depth():
+    lb = DPLoadBalancer(2, BS, slack=4, slack_ratio=0.5)
+    lb.choose(prompt(5), LIVE2)  # prefix (5) -> replica 0
+    lb.assign("a", 0, 30)
+    lb.assign("b", 1, 20)
+    # allowance max(4, 0.5 * 20) = 10: 30 <= 20 + 10 keeps the affinity
+    assert lb.choose(prompt(5, tail=1), LIVE2) == 0
+    lb.assign("c", 0, 1)
+    # 31 > 30: the least-loaded replica
+    assert lb.choose(prompt(5, tail=1), LIVE2) == 1
+
+
+def test_the_longest_known_prefix_names_the_replica():
+    lb = DPLoadBalancer(2, BS)
+    assert lb.choose(prompt(1), LIVE2) == 0  # records (1) -> 0
+    lb.assign("a", 0, 1)
+    one_two = lb.prefix_hashes(prompt(1, 2))
+    lb._record(one_two[1:], 1)  # as if a request starting (1, 2) had gone to replica 1
+    assert lb.choose(prompt(1, 4), LIVE2) == 0  # only (1) is known: replica 0
+    assert lb.choose(prompt(1, 2, 3), LIVE2) == 1  # (1, 2) is longer than (1)
+    assert lb.choose(prompt(1, 5), LIVE2) == 1  # (1) -> 1: recorded by the (1, 2, 3) call
+    assert lb.choose(prompt(1, 4), LIVE2) == 0  # (1, 4) -> 0: recorded by the first call
+    assert lb.choose(prompt(6, 2), LIVE2) == 1  # nothing known: least loaded (0 has "a")
+
+
+def test_only_the_first_affinity_blocks_count():
+    lb = DPLoadBalancer(2, BS, affinity_blocks=2)
+    assert len(lb.prefix_hashes(prompt(1, 2, 3, 4))) == 2
+    assert lb.prefix_hashes(prompt(1, 2, 3)) == lb.prefix_hashes(prompt(1, 2, 4))
+    assert lb.prefix_hashes(prompt(1, 2)) != lb.prefix_hashes(prompt(2, 1))
+
+
+def test_a_dead_replica_gets_nothing_and_is_forgotten():
+    lb = DPLoadBalancer(2, BS)
+    lb.choose(prompt(3, 3), LIVE2)  # -> 0
+    lb.assign("a", 0, 2)
+    lb.assign("b", 1, 5)
+    assert lb.choose(prompt(3, 3), [False, True]) == 1  # preferred replica is down
+    lb.forget_replica(1)
+    assert lb.depth == [2, 0] and lb.requests_on(1) == []
+    assert lb.preferred(lb.prefix_hashes(prompt(3, 3))) is None  # it pointed to 1
+    with pytest.raises(RuntimeError, match="no data-parallel replica"):
+        lb.choose([1, 2], [False, False])
+
+
+def test_the_prefix_map_is_bounded():
+    lb = DPLoadBalancer(2, BS, affinity_blocks=1, max_entries=3)
+    for b in range(5):
+        lb.choose(prompt(b), LIVE2)
+    assert len(lb._prefix_owner) == 3
+    assert lb.preferred(lb.prefix_hashes(prompt(0))) is None  # the oldest went first
+    assert lb.preferred(lb.prefix_hashes(prompt(4))) == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"num_replicas": 0, "block_size": 4},
+                                    {"num_replicas": 2, "block_size": 0},
+                                    {"num_replicas": 2, "block_size": 4, "slack": -1}])
+def test_bad_arguments_are_a_value_error(kwargs):
+    with pytest.raises(ValueError):
+        DPLoadBalancer(**kwargs)
