@@ -247,13 +247,14 @@ class ParallelConfig:
     The world of one engine is ``pipeline_parallel_size x context_parallel_size x
     tensor_parallel_size`` worker processes, rank ``= (pp_rank * cp + cp_rank) * tp + tp_rank``
     (TP innermost, so a TP group is a run of neighbouring ranks: one machine's GPUs). Data
-    parallelism runs ``data_parallel_size`` such engines side by side (``kvflow serve``), each
-    with a world of its own; ``data_parallel_rank`` is the replica's index, set by the server.
+    parallelism runs ``data_parallel_size`` such engines side by side (``kvflow serve`` or the
+    offline ``LLM``), each with a world of its own; ``data_parallel_rank`` is the replica's
+    index, set by kvflow for each replica.
 
     Raises:
-        ValueError: from the constructor for a size < 1, an unknown executor backend, ``ray``
-            without Ray installed, ``uni`` with more than one rank, a data-parallel rank
-            outside the replicas, or expert parallelism with context parallelism.
+        ValueError: from the constructor for a size < 1, a context-parallel size > 1 (not
+            available yet), an unknown executor backend, ``ray`` without Ray installed,
+            ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
 
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks: each layer's heads and MLP "
@@ -261,13 +262,13 @@ class ParallelConfig:
                                      "attention and after the MLP)")
     pipeline_parallel_size: int = _opt(1, "pipeline stages: contiguous layer ranges, hidden "
                                        "states sent from stage to stage")
-    data_parallel_size: int = _opt(1, "data-parallel engine replicas behind one server (kvflow "
-                                   "serve): each a whole engine (with its own tensor/pipeline "
+    data_parallel_size: int = _opt(1, "data-parallel engine replicas behind one server or "
+                                   "LLM: each a whole engine (with its own tensor/pipeline "
                                    "ranks) in its own process; requests go to the replica "
-                                   "holding their prefix unless it is much busier")
-    context_parallel_size: int = _opt(1, "context-parallel ranks: each step's tokens and every "
-                                      "sequence's KV cache are split over them (token p on rank "
-                                      "p mod N), attention runs as Ring Attention")
+                                   "holding their prefix unless it is much busier, else to "
+                                   "the least loaded")
+    context_parallel_size: int = _opt(1, "context-parallel ranks for one long prompt (not "
+                                      "available yet: only 1)")
     enable_expert_parallel: bool = _opt(False, "MoE layers: place whole experts on the "
                                         "tensor-parallel ranks instead of splitting every "
                                         "expert")
@@ -289,12 +290,8 @@ class ParallelConfig:
                              f"{self.data_parallel_size} data-parallel replicas")
         if self.context_parallel_size > 1:
             raise ValueError(f"context_parallel_size={self.context_parallel_size}: "
-                             "context_parallel is not available yet in kvflow (use 1)")
-        if self.context_parallel_size > 1 and self.enable_expert_parallel:
-            raise ValueError("enable_expert_parallel with context_parallel_size > 1 is not "
-                             "available: context-parallel ranks hold different tokens, which "
-                             "expert parallelism would have to dispatch all-to-all (it spans "
-                             "the tensor-parallel ranks only)")
+                             "context_parallel is not available yet in kvflow (use 1; "
+                             "tensor or pipeline parallelism split a long prompt's work)")
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not "
                              "installed: pip install 'kvflow[ray]'")

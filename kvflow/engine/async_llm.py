@@ -32,7 +32,13 @@ import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_client import CoreProcess, ReplicaState, replica_config
+from kvflow.engine.core_client import (
+    CoreProcess,
+    ReplicaState,
+    replica_config,
+    replica_name,
+    wait_ready,
+)
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
@@ -136,31 +142,12 @@ class AsyncLLM:
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
 
     def _name(self, index: int) -> str:
-        """How logs and errors call replica ``index``: "engine core" (one replica) or
-        "engine core 1 of 2"."""
-        return "engine core" if self.num_replicas == 1 else \
-            f"engine core {index} of {self.num_replicas}"
+        return replica_name(index, self.num_replicas)
 
     def _wait_ready(self, timeout: float) -> EngineReady:
         """Block until every replica reported ``EngineReady`` (before the event loop runs);
         returns replica 0's."""
-        deadline, ready = time.monotonic() + timeout, {}
-        while len(ready) < self.num_replicas and time.monotonic() < deadline:
-            if self._output.poll(200):
-                msg = self._decoder.decode(self._output.recv())
-                if isinstance(msg, EngineFailed):
-                    raise RuntimeError(f"{self._name(msg.engine_index)} failed to start: "
-                                       f"{msg.message}")
-                if isinstance(msg, EngineReady):
-                    ready[msg.engine_index] = msg
-                    self._on_ready(msg)
-            for core in self.cores:
-                if not core.is_alive and core.index not in ready:
-                    raise RuntimeError(f"{self._name(core.index)} process exited with code "
-                                       f"{core.proc.exitcode} while starting")
-        if len(ready) < self.num_replicas:
-            raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
-        return ready[0]
+        return wait_ready(self._output, self._decoder, self.cores, timeout, self._on_ready)[0]
 
     def _on_ready(self, ready: EngineReady) -> None:
         core = self.cores[ready.engine_index]
@@ -276,7 +263,8 @@ class AsyncLLM:
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
         self.output_processor.add_request(prompt, requests, delta=True)
-        replica = self.balancer.choose(prompt_token_ids, [c.is_live for c in self.cores])
+        replica = self.balancer.choose(prompt_token_ids, [c.is_live for c in self.cores],
+                                       [s.kv_cache_usage for s in self.stats])
         self.balancer.assign(request_id, replica, len(requests))
         logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
                      self.balancer.depth)

@@ -14,11 +14,15 @@ import enum
 import logging
 import multiprocessing
 import os
+import time
+from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_proc import run_engine_core
+from kvflow.engine.messages import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
 
@@ -112,3 +116,40 @@ class CoreProcess:
                 proc.join(5)
         if not self.input.closed:
             self.input.close(linger=0)
+
+
+def replica_name(index: int, num_replicas: int) -> str:
+    """How logs and errors call replica ``index``: "engine core" (one replica) or
+    "engine core 1 of 2"."""
+    return "engine core" if num_replicas == 1 else f"engine core {index} of {num_replicas}"
+
+
+def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list[CoreProcess],
+               timeout: float,
+               on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:
+    """Block until every replica in ``cores`` reported ``EngineReady`` on ``output``; marks
+    them live and returns their messages by replica index.
+
+    Raises:
+        RuntimeError: naming the replica, if one reported ``EngineFailed`` or its process
+            exited while starting, or if they did not all report within ``timeout`` seconds.
+    """
+    deadline, ready, n = time.monotonic() + timeout, {}, len(cores)
+    while len(ready) < n and time.monotonic() < deadline:
+        if output.poll(200):
+            msg = decoder.decode(output.recv())
+            if isinstance(msg, EngineFailed):
+                raise RuntimeError(f"{replica_name(msg.engine_index, n)} failed to start: "
+                                   f"{msg.message}")
+            if isinstance(msg, EngineReady):
+                ready[msg.engine_index] = msg
+                cores[msg.engine_index].state = ReplicaState.LIVE
+                if on_ready is not None:
+                    on_ready(msg)
+        for core in cores:
+            if not core.is_alive and core.index not in ready:
+                raise RuntimeError(f"{replica_name(core.index, n)} process exited with code "
+                                   f"{core.proc.exitcode} while starting")
+    if len(ready) < n:
+        raise RuntimeError(f"engine core did not start within {timeout:.0f} s")
+    return ready

@@ -17,8 +17,10 @@ The rule (``DPLoadBalancer.choose``):
    replica (an LRU map of ``max_entries`` prefixes).
 3. The preferred replica is taken when it is alive and
    ``depth[preferred] <= depth[least] + max(slack, slack_ratio * depth[least])``, where
-   ``least`` is the live replica of smallest depth (the lowest index among equals);
-   otherwise, or without a preferred replica, ``least`` is.
+   ``least`` is the live replica of smallest depth; among replicas of equal depth, the one
+   whose KV cache is least used (``kv_cache_usage`` from its latest ``EngineStats``: its
+   sequences are shorter), then the lowest index. Otherwise, or without a preferred replica,
+   ``least`` is.
 4. The prompt's prefix hashes are then recorded for the chosen replica, so the next request
    sharing them follows it.
 
@@ -80,12 +82,15 @@ class DPLoadBalancer:
                 return replica
         return None
 
-    def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool]) -> int:
+    def choose(self, prompt_token_ids: Sequence[int], live: Sequence[bool],
+               kv_usage: Sequence[float] | None = None) -> int:
         """The replica for a new request (see the module's rule); records its prefixes there.
 
         Args:
             prompt_token_ids: the prompt.
             live: per replica, whether it takes requests now.
+            kv_usage: per replica, the fraction of its KV blocks in use (0-1) as it last
+                reported; breaks ties of depth (None: all equal).
 
         Raises:
             RuntimeError: when no replica is live.
@@ -93,7 +98,8 @@ class DPLoadBalancer:
         candidates = [r for r in range(self.num_replicas) if live[r]]
         if not candidates:
             raise RuntimeError("no data-parallel replica is running")
-        least = min(candidates, key=lambda r: (self.depth[r], r))
+        kv = kv_usage if kv_usage is not None else [0.0] * self.num_replicas
+        least = min(candidates, key=lambda r: (self.depth[r], kv[r], r))
         hashes = self.prefix_hashes(prompt_token_ids)
         chosen, pref = least, self.preferred(hashes)
         if pref is not None and live[pref]:

@@ -1,7 +1,9 @@
 """LLMEngine: EngineCore plus input and output processing, all in the caller's process.
 
 The offline ``LLM`` (kvflow/llm.py) drives it; the server uses ``AsyncLLM`` instead, which runs
-the core in a process of its own.
+the core in a process of its own. With ``data_parallel_size`` N > 1 the core is a
+:class:`~kvflow.engine.dp_client.DPCoreClient`: N engine-core processes, each prompt sent to
+one of them by the data-parallel load balancer.
 """
 
 from __future__ import annotations
@@ -10,40 +12,50 @@ import itertools
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.engine.dp_client import DPCoreClient
 from kvflow.input_processor import InputProcessor, PromptType
 from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
+from kvflow.models.model_resolver import resolve_model
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    """EngineCore plus the input and output processing around it (in one process).
+    """EngineCore plus the input and output processing around it (in one process), or, with
+    ``data_parallel_size`` N > 1, N engine-core processes behind a ``DPCoreClient``.
 
     Raises:
-        ValueError: from the constructor for a bad config or model, or ``data_parallel_size``
-            above 1 (replicas run behind ``kvflow serve`` only); from ``add_request`` for a
+        ValueError: from the constructor for a bad config or model; from ``add_request`` for a
             bad prompt or parameters (other requests keep running).
+        RuntimeError: with data parallelism, from the constructor if a replica fails to start
+            and from ``step`` if one dies (naming it).
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        dp = config.parallel_config.data_parallel_size
-        if dp > 1:
-            raise ValueError(f"data_parallel_size={dp} needs kvflow serve (one engine-core "
-                             "process per replica behind one API server); offline, run one "
-                             "LLM per process on a shard of the prompts, as with vLLM")
         self.config = config
-        self.core = EngineCore(config)
         mc = config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(self.core.source, mc.tokenizer)
-        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it
-        eos = resolve_eos_token_id(self.tokenizer, self.core.hf_config)
-        self.processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                        self.core.hf_config.vocab_size, eos)
+        if config.parallel_config.data_parallel_size > 1:
+            source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
+            self.core: EngineCore | DPCoreClient = DPCoreClient(config)
+            max_model_len, eos_source = self.core.max_model_len, self.core.ready
+            vocab_size = self.core.ready.vocab_size
+        else:
+            self.core = EngineCore(config)
+            source, eos_source = self.core.source, self.core.hf_config
+            max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
+        try:
+            self.tokenizer = None if mc.skip_tokenizer_init else \
+                load_tokenizer(source, mc.tokenizer)
+            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+        except BaseException:
+            self.core.shutdown()  # no orphan worker or replica processes
+            raise
+        self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
+        eos = resolve_eos_token_id(self.tokenizer, eos_source)
+        self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.sampling_defaults = load_sampling_defaults(self.core.source, mc.generation_config)
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
@@ -56,8 +68,11 @@ class LLMEngine:
         text, token_ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
         self.output_processor.add_request(text, requests)
-        for r in requests:
-            self.core.add_request(r)
+        if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
+            self.core.add_requests(requests)
+        else:
+            for r in requests:
+                self.core.add_request(r)
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -44,6 +44,22 @@ def test_samples_count_in_the_depth():
     assert lb.replica_of("a") == 0 and lb.requests_on(0) == ["a"]
 
 
+def test_equal_depths_go_to_the_replica_with_the_emptier_kv_cache():
+    lb = DPLoadBalancer(3, BS)
+    lb.assign("a", 0, 1)
+    # depths [1, 0, 0]: replicas 1 and 2 tie on depth; 2 holds less KV (0.1 < 0.6)
+    assert lb.choose([1], [True] * 3, kv_usage=[0.0, 0.6, 0.1]) == 2
+    # depth outranks KV use: replica 0 is one deeper even with an empty cache
+    lb.assign("b", 1, 1)
+    lb.assign("c", 2, 1)
+    lb.assign("d", 1, 1)
+    lb.assign("e", 2, 1)  # depths [1, 2, 2]
+    assert lb.choose([1], [True] * 3, kv_usage=[0.9, 0.0, 0.0]) == 0
+    # equal depths and equal KV use: the lowest index
+    lb.assign("f", 0, 1)  # depths [2, 2, 2]
+    assert lb.choose([1], [True] * 3, kv_usage=[0.5, 0.5, 0.5]) == 0
+
+
 def test_a_shared_prefix_follows_its_replica_within_the_slack():
     lb = DPLoadBalancer(2, BS, slack=4, slack_ratio=0.5)
     first = lb.choose(prompt(7, 8, tail=2), LIVE2)

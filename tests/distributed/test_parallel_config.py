@@ -75,17 +75,6 @@ def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(tiny_llama, capsys):
     assert rc == 2 and len(err) == 1 and "tensor_parallel_size=3" in err[0]
 
 
-def test_offline_data_parallel_is_refused_in_one_line(tiny_llama, capsys):
-    """Offline, data parallelism is one LLM per process (as in vLLM); kvflow serve runs the
-    replicas. Refused before the model loads."""
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 needs kvflow serve"):
-        LLM(model="/nonexistent/model", data_parallel_size=2)
-    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
-               "--data-parallel-size", "2"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2 and len(err) == 1 and "data_parallel_size=2" in err[0]
-
-
 def test_kv_heads_must_divide_or_be_replicated_evenly():
     from types import SimpleNamespace
 

@@ -1,0 +1,191 @@
+"""Data-parallel engine cores for the offline ``LLM``: N core processes behind one blocking
+client that ``LLMEngine`` drives the way it drives an in-process ``EngineCore``.
+
+``LLM(model, data_parallel_size=N)`` starts N engine-core processes (the same
+``run_engine_core`` that ``kvflow serve`` runs, each a whole engine with its own workers and KV
+cache), sends each prompt to one of them (:class:`~kvflow.engine.dp_balancer.DPLoadBalancer`:
+prefix-cache affinity bounded by queue depth, KV use breaking ties) and gathers their
+outputs. Every core steps on its own, so the replicas decode at the same time; ``step()``
+returns whatever outputs arrived, from any replica.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.engine.core_client import (
+    CoreProcess,
+    ReplicaState,
+    replica_config,
+    replica_name,
+    wait_ready,
+)
+from kvflow.engine.dp_balancer import DPLoadBalancer
+from kvflow.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    Shutdown,
+    output_decoder,
+)
+from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.request import Request
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 1000  # how often step() checks that the core processes are alive while waiting
+
+
+class DPCoreClient:
+    """N engine-core processes with one balancer; the blocking counterpart of ``AsyncLLM``'s
+    replica handling, without an event loop.
+
+    Args:
+        config: the engine config (``parallel_config.data_parallel_size`` replicas).
+        start_timeout: seconds to wait for every replica to load the model.
+
+    Attributes:
+        ready: replica 0's ``EngineReady`` (max_model_len, vocab_size, eos_token_id, ...).
+        stats: each replica's latest ``EngineStats``.
+
+    Raises:
+        RuntimeError: from the constructor if a replica fails to start (naming it); from
+            ``step`` if a replica dies or fails while requests are open.
+    """
+
+    def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
+        self.num_replicas = config.parallel_config.data_parallel_size
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvflow-dp-")
+        self._ctx = zmq.Context()
+        self._encoder, self._decoder = msgspec.msgpack.Encoder(), output_decoder()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        output_addr = f"ipc://{self._ipc_dir}/output"
+        self._output.bind(output_addr)
+        self.cores: list[CoreProcess] = []
+        try:
+            level = logging.getLogger("kvflow").getEffectiveLevel()
+            for index in range(self.num_replicas):
+                self.cores.append(CoreProcess(self._ctx, self._ipc_dir,
+                                              replica_config(config, index), output_addr))
+                self.cores[index].start(level)
+            ready = wait_ready(self._output, self._decoder, self.cores, start_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.ready: EngineReady = ready[0]
+        self.max_model_len = self.ready.max_model_len
+        self.stats: list[EngineStats] = [ready[i].stats for i in range(self.num_replicas)]
+        self.balancer = DPLoadBalancer(self.num_replicas, self.ready.block_size)
+        self._pending: collections.deque[EngineCoreOutput] = collections.deque()
+        self._next_check = 0.0
+
+    def add_requests(self, requests: list[Request]) -> int:
+        """Send the samples of one prompt to one replica (chosen by the balancer); returns
+        the replica's index.
+
+        Raises:
+            RuntimeError: if no replica is running.
+        """
+        replica = self.balancer.choose(requests[0].prompt_token_ids,
+                                       [c.is_live for c in self.cores],
+                                       [s.kv_cache_usage for s in self.stats])
+        for r in requests:  # depth counts samples; each finishes on its own
+            self.balancer.assign(r.request_id, replica, 1)
+        self.cores[replica].send(self._encoder.encode(
+            AddRequests([EngineCoreRequest.from_request(r) for r in requests])))
+        return replica
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop these samples on their replicas (unknown or finished ids are ignored)."""
+        by_replica: dict[int, list[str]] = collections.defaultdict(list)
+        for rid in request_ids:
+            replica = self.balancer.replica_of(rid)
+            if replica is not None:
+                by_replica[replica].append(rid)
+                self.balancer.finish(rid)
+        for replica, ids in by_replica.items():
+            if self.cores[replica].is_live:
+                self.cores[replica].send(self._encoder.encode(AbortRequests(ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any sample sent to a replica has not finished."""
+        return any(self.balancer.depth) or bool(self._pending)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Wait for the next outputs of any replica and return every one that has arrived
+        ([] when nothing is unfinished).
+
+        Raises:
+            RuntimeError: naming the replica, if one failed or its process exited.
+        """
+        while True:
+            if time.monotonic() >= self._next_check:  # even while other replicas talk
+                self.check_health()
+                self._next_check = time.monotonic() + _POLL_MS / 1000
+            if self._pending or not any(self.balancer.depth):
+                break
+            if self._output.poll(_POLL_MS):
+                while self._output.poll(0):
+                    self._handle(self._decoder.decode(self._output.recv()))
+        outputs = list(self._pending)
+        self._pending.clear()
+        return outputs
+
+    def _handle(self, msg: EngineOutputs | EngineFailed | EngineReady) -> None:
+        if isinstance(msg, EngineFailed):
+            self._fail(msg)
+        if isinstance(msg, EngineOutputs):
+            self.stats[msg.engine_index] = msg.stats
+            for out in msg.outputs:
+                if out.finish_reason is not None:
+                    self.balancer.finish(out.request_id)
+                self._pending.append(out)
+
+    def _fail(self, msg: EngineFailed) -> None:
+        """A replica reported a fatal error (its process exits).
+
+        Raises:
+            RuntimeError: naming the replica and the error.
+        """
+        self.cores[msg.engine_index].state = ReplicaState.DEAD
+        self.balancer.forget_replica(msg.engine_index)  # its requests and KV cache are gone
+        raise RuntimeError(f"{replica_name(msg.engine_index, self.num_replicas)} failed: "
+                           f"{msg.message}")
+
+    def check_health(self) -> None:
+        """Raise if a replica's process has exited.
+
+        Raises:
+            RuntimeError: naming the replica and its exit code.
+        """
+        for core in self.cores:
+            if core.state is ReplicaState.LIVE and not core.is_alive:
+                core.state = ReplicaState.DEAD
+                self.balancer.forget_replica(core.index)
+                raise RuntimeError(f"{replica_name(core.index, self.num_replicas)} process "
+                                   f"exited with code {core.proc.exitcode}")
+
+    def shutdown(self) -> None:
+        """Stop every core process and release the sockets (idempotent)."""
+        shutdown = self._encoder.encode(Shutdown())
+        for core in self.cores:
+            core.ask_to_stop(shutdown)
+        for core in self.cores:
+            core.stop(shutdown)
+        if not self._output.closed:
+            self._output.close(linger=0)
+        if not self._ctx.closed:
+            self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

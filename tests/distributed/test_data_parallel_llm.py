@@ -1,0 +1,68 @@
+"""``LLM(model, data_parallel_size=2)``: two engine-core processes behind the offline API.
+
+Greedy tokens equal the one-process engine's (itself checked against HF transformers in
+tests/models/test_parity.py); the four prompts, queued at once, alternate between the replicas
+(the balancer's least-depth rule: worked out below), which each replica's prefix-cache query
+count shows; a replica killed mid-run makes ``generate`` raise naming it, and the LLM goes on
+serving on the other one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from tests.distributed.conftest import GREEDY, PROMPTS, assert_same_greedy
+
+
+@pytest.fixture(scope="module")
+def dp_llm(tiny_llama):
+    llm = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=96,
+              max_num_batched_tokens=32, data_parallel_size=2)
+    yield llm
+    llm.shutdown()
+    assert all(not c.is_alive for c in llm.engine.core.cores)  # no orphan replica
+
+
+def _tokens(outs) -> list:
+    return [list(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)) for o in outs]
+
+
+def test_greedy_equals_one_process_and_prompts_alternate(dp_llm, tiny_model_factory,
+                                                         single_process_greedy):
+    client = dp_llm.engine.core
+    assert len({c.pid for c in client.cores}) == 2 and all(c.is_live for c in client.cores)
+    outs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same_greedy(single_process_greedy("llama"), _tokens(outs))
+    # depths when each prompt is queued: [0,0] -> 0, [1,0] -> 1, [1,1] -> 0 (tie, equal KV
+    # use: lowest index), [2,1] -> 1. Each replica looks up its prompts' tokens once.
+    lengths = [len(p) for p in PROMPTS]  # 6, 21, 4, 40
+    assert [s.prefix_cache_queries for s in client.stats] == [lengths[0] + lengths[2],
+                                                               lengths[1] + lengths[3]]
+    assert client.balancer.depth == [0, 0] and not client.has_unfinished_requests()
+
+
+def test_a_killed_replica_is_named_and_the_other_keeps_serving(dp_llm, single_process_greedy):
+    client = dp_llm.engine.core
+    handle, killed = client._handle, []
+
+    def kill_replica_one_on_first_output(msg):
+        if not killed:
+            os.kill(client.cores[1].pid, signal.SIGKILL)
+            killed.append(True)
+        handle(msg)
+
+    client._handle = kill_replica_one_on_first_output
+    try:
+        with pytest.raises(RuntimeError, match=r"engine core 1 of 2 process exited with code"):
+            dp_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200,
+                                                    ignore_eos=True), use_tqdm=False)
+    finally:
+        client._handle = handle
+    assert client.balancer.depth == [0, 0]  # the aborted requests are no longer counted
+    outs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # all on replica 0 now
+    assert_same_greedy(single_process_greedy("llama"), _tokens(outs))
+    assert [c.is_live for c in client.cores] == [True, False]
