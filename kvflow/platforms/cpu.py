@@ -48,6 +48,28 @@ class CpuPlatform(Platform):
             and (dtype == torch.float32 or self.has_native_matmul(dtype))
 
     def memory_info(self) -> tuple[int, int]:
+        """(available, total) bytes: Linux's ``MemAvailable`` (free pages plus the page cache
+        and other memory the kernel can reclaim without swapping), else the free pages. Free
+        pages alone shrink to almost nothing once files have filled the page cache, and the
+        KV-cache check then refused caches the machine could hold."""
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        avail = mem_available(MEMINFO)
+        if avail is None:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return avail, pages
+
+
+MEMINFO = "/proc/meminfo"
+
+
+def mem_available(path: str) -> int | None:
+    """``MemAvailable`` of a ``/proc/meminfo``-format file in bytes; None where the file or the
+    field is missing (not Linux, kernels before 3.14)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        return None
+    return None
