@@ -35,13 +35,13 @@ VARIANTS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
 class Variant:
     """One engine and how to switch the process into its mode."""
 
-    def __init__(self, name: str, model: str, max_num_seqs: int) -> None:
+    def __init__(self, name: str, model: str, max_num_seqs: int, kv_cache_memory: str) -> None:
         from kvflow import LLM
 
         self.name = name
         dtype, quantization = VARIANTS[name]
         self.llm = LLM(model=model, dtype=dtype, quantization=quantization,
-                       enable_prefix_caching=False, kv_cache_memory="640MiB",
+                       enable_prefix_caching=False, kv_cache_memory=kv_cache_memory,
                        max_num_seqs=max_num_seqs)
         self.weight_bytes = self.llm.engine.core.weight_bytes
 
@@ -75,20 +75,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--w1-prompts", type=int, default=64)
     parser.add_argument("--w1-rounds", type=int, default=1)
+    parser.add_argument("--kv-cache-memory", default="640MiB", help="per engine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import numpy as np
 
     ids = np.random.default_rng(0).integers(3, 32000, (max(args.w1_prompts, 1), 128)).tolist()
     decode_prompt = ids[0][:32]
-    variants = [Variant(n, args.model, max(args.w1_prompts, 1))
+    variants = [Variant(n, args.model, max(args.w1_prompts, 1), args.kv_cache_memory)
                 for n in args.variants.split(",")]
     decode: dict[str, list[float]] = {v.name: [] for v in variants}
     w1: dict[str, list[float]] = {v.name: [] for v in variants}
     for v in variants:  # warm-up: first-call costs (kernel builds, allocations) out of the way
         v.activate()
         v.llm.generate([decode_prompt], use_tqdm=False)
+    loadavg = [os.getloadavg()]
     for r in range(args.rounds):
+        loadavg.append(os.getloadavg())
         for v in variants:
             v.activate()
             decode[v.name].append(decode_ms_per_token(v.llm, decode_prompt))
@@ -99,7 +102,9 @@ def main() -> None:
                   flush=True)
     base = variants[0].name
     rows = []
-    print(f"\n{args.model}, load average {os.getloadavg()}")
+    loadavg.append(os.getloadavg())
+    print(f"\n{args.model}, load average (1/5/15 min) at the start of each round and the end: "
+          f"{[tuple(round(x, 1) for x in la) for la in loadavg]}")
     print("variant      weights MiB  decode ms/tok (x base)  W1 out tok/s (x base)")
     for v in variants:
         d = statistics.median(decode[v.name])
@@ -112,8 +117,8 @@ def main() -> None:
               f"          {t:8.1f} (x{t / t0:.2f})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "rows": rows, "loadavg": os.getloadavg()}, f,
-                      indent=1)
+            json.dump({"model": args.model, "rows": rows, "loadavg": loadavg,
+                       "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

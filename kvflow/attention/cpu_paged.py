@@ -7,6 +7,11 @@ padded query rows, no mask tensor. A batch of whole prompts of one length (the c
 prefill) goes to torch's SDPA instead, whose GEMM-based flash kernel is faster there and which
 needs no cache read at all.
 
+A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``, ``kv_scales`` given) is written through
+the torch backend's quantizing store and read in place with its scales by
+:func:`kvflow.kernels.cpu_attention_kvq.paged_attention_kvq`; whole prompts of one length
+attend to their dequantized new K/V in SDPA, as on the torch backend.
+
 Chosen by default on CPU; where the kernels cannot be built (no C compiler) the engine uses the
 plain-torch backend (:mod:`kvflow.attention.torch_paged`).
 """
@@ -17,6 +22,7 @@ import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata
 from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
 from kvflow.kernels.cpu_native import NativeCpuKernels
 
 
@@ -34,20 +40,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None,
                 kv_scales=None) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor.
-
-        Raises:
-            ValueError: for a quantized cache (``kv_scales``): the engine runs those on the
-                'torch' backend.
-        """
-        if kv_scales is not None:
-            raise ValueError("the 'cpu' attention backend reads 16/32-bit caches only; use "
-                             "'torch' for an int8/fp8 KV cache")
-        TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta)
+        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
+        k, v = TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta, kv_scales)
         if meta.extra["uniform_prompts"] and sliding_window is None:
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
         # The kernel trusts its indices: check them at the first layer of the step only.
         validate = not meta.extra["indices_checked"]
         meta.extra["indices_checked"] = True
+        if kv_scales is not None:
+            return paged_attention_kvq(self._kernels, q, kv_cache, kv_scales,
+                                       meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                       scale, sliding_window, validate)
         return self._kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                              meta.block_table, scale, sliding_window, validate)

@@ -18,7 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("cpu_attention.c", "cpu_elementwise.c", "cpu_gemm.c", "cpu_gguf.c", "cpu_threads.c")
+SOURCES = ("cpu_attention.c", "cpu_attention_kvq.c", "cpu_elementwise.c", "cpu_gemm.c",
+           "cpu_gguf.c", "cpu_threads.c")
 HEADERS = ("cpu_common.h",)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
          "-fPIC", "-std=gnu11")

@@ -39,6 +39,7 @@ class NativeCpuKernels:
     """The compiled library's entry points, with argument checks done in Python."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib  # entry points bound elsewhere (kernels/cpu_attention_kvq.py)
         self._attn = lib.kvflow_paged_attention
         self._attn.restype = _int
         self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,

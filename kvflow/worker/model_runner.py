@@ -126,7 +126,7 @@ class ModelRunner:
         if uses_mla(hf_config):
             backend = make_mla_backend(requested)
         else:
-            name = self._dense_backend_name(requested)
+            name = requested or self.platform.default_attention_backend
             backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
         self.attn_ctx = AttentionContext(backend)
         mc = self.config.model_config
@@ -181,18 +181,6 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made with the KV cache (needs the groups)
         self._step: _LaunchedStep | None = None  # forward launched, not sampled yet
         self._pending: _PendingOutput | None = None  # sampled, not collected yet
-
-    def _dense_backend_name(self, requested: str | None) -> str:
-        """The attention backend to build: the requested one, else the platform's; 'cpu' with
-        a quantized KV cache becomes 'torch' (logged; the native kernel reads 16/32-bit caches
-        only)."""
-        name = requested or self.platform.default_attention_backend
-        kv_cache_dtype = self.config.cache_config.kv_cache_dtype
-        if name == "cpu" and kv_cache_dtype != "auto":
-            logger.warning("the native CPU attention kernel reads 16/32-bit caches only; "
-                           "kv_cache_dtype=%s runs on the 'torch' backend", kv_cache_dtype)
-            name = "torch"
-        return name
 
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
