@@ -136,6 +136,11 @@ class SchedulerConfig:
                                               "(default: the platform's, 2048 CPU / 4096 CUDA)")
     max_num_seqs: int = _opt(256, "maximum number of running requests")
     policy: str = _opt("fcfs", "waiting-queue order", choices=["fcfs", "priority"])
+    async_scheduling: bool | None = _opt(
+        None, "schedule and prepare step N+1 on the host while step N runs on the device, and "
+        "fold step N's tokens in after launching N+1 (same outputs); one-rank engines only "
+        "(default: the platform's: off on CPU, where the forward pass runs on the calling "
+        "thread, and off on CUDA until measured)")
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -415,7 +420,7 @@ def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None
         return
     flag = "--" + f.name.replace("_", "-")
     meta = f.metadata
-    if f.type in ("bool", bool):
+    if f.type in ("bool", bool, "bool | None"):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                            help=meta.get("help"))
         return

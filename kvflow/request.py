@@ -63,6 +63,9 @@ class Request:
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): already computed into
+        # the next step's inputs on the device, not yet appended here.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet known
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hash chain over this request's full blocks

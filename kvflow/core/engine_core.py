@@ -89,6 +89,7 @@ class EngineCore:
                                    self._cpu_dtype_measure())
         self.config.parallel_config.verify_with_model(self.hf_config)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
+        self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
         self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
 
@@ -106,6 +107,22 @@ class EngineCore:
                                          self.platform.prepacks_gemm_weights)
 
         return measure
+
+    def _resolve_async_scheduling(self) -> None:
+        """--async-scheduling: the platform's default when not given (where the executor can
+        split steps).
+
+        Raises:
+            ValueError: if asked for with an executor that cannot split steps (several ranks).
+        """
+        sc = self.config.scheduler_config
+        if sc.async_scheduling is None:
+            sc.async_scheduling = self.platform.default_async_scheduling and \
+                self.executor.supports_async_scheduling
+        elif sc.async_scheduling and not self.executor.supports_async_scheduling:
+            raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
+                             "it is not available with tensor or pipeline parallelism yet")
+        self._in_flight: SchedulerOutput | None = None  # async: sampled, not folded in
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
@@ -219,6 +236,8 @@ class EngineCore:
         """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
         if self.executor.max_concurrent_batches > 1:
             return self.step_with_batch_queue()
+        if self.scheduler.async_scheduling:
+            return self.step_async()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
             self.structured_output.wait_for_compiles(timeout_s=0.05)
@@ -232,6 +251,34 @@ class EngineCore:
             self.abort_requests(list(scheduler_output.num_scheduled_tokens))
             raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def step_async(self) -> list[EngineCoreOutput]:
+        """Async scheduling: schedule step N+1 and launch its forward pass while step N's
+        sampled tokens are still on the device (the runner feeds them to N+1 there), then wait
+        for N's tokens and fold them in, then launch N+1's sampling (whose grammar bitmask and
+        penalties need N's tokens). Returns step N's outputs: the same as lock-step ones, one
+        step later.
+        """
+        sched, prev = self.scheduler.schedule(), self._in_flight
+        self._in_flight = None
+        try:
+            self.executor.launch_forward(sched)
+            outputs = [] if prev is None else \
+                self.scheduler.update_from_output(prev, self.executor.collect_output())
+            self.executor.launch_sampling(self.structured_output.grammar_bitmask(
+                sched.structured_output_request_ids, self.scheduler.requests))
+        except Exception:
+            # Neither step's results will come back: abort both steps' requests (freeing
+            # their blocks), then report the error.
+            self.executor.discard_output()
+            self.abort_requests([*sched.num_scheduled_tokens,
+                                 *(prev.num_scheduled_tokens if prev is not None else ())])
+            raise
+        if not sched.is_empty:
+            self._in_flight = sched
+        elif prev is None:  # only grammars compiling: wait a little, do not spin
+            self.structured_output.wait_for_compiles(timeout_s=0.05)
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Pipeline parallelism: keep up to ``max_concurrent_batches`` micro-batches in flight.

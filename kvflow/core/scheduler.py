@@ -40,12 +40,21 @@ class Scheduler:
         max_model_len: context limit (tokens); a request reaching it finishes with "length".
         send_token_ids: also send every step's computed tokens to the runners (for runners that
             do not sample, e.g. pipeline-parallel ranks before the last).
+
+    With ``config.async_scheduling`` the next step is scheduled before the previous one's
+    tokens come back: a request whose step samples counts its token as a placeholder
+    (``num_output_placeholders``) that the next step computes (the runner reads it on the
+    device), and a request whose pending tokens are sure to finish it (max_tokens,
+    max_model_len) is not scheduled again. A stop token can only be seen when it arrives: the
+    step computed meanwhile is dropped, so outputs and stops are exactly those of lock-step
+    scheduling.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, send_token_ids: bool = False) -> None:
         self.config = config
         self.send_token_ids = send_token_ids
+        self.async_scheduling = bool(config.async_scheduling)
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config.policy)
@@ -137,7 +146,13 @@ class Scheduler:
         while i < len(running) and budget > 0 and len(num_scheduled) < cap:
             request = running[i]
             rid, computed = request.request_id, request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - computed, budget)
+            num_tokens = len(request.all_token_ids)
+            if request.num_output_placeholders:  # async scheduling: tokens still out
+                num_tokens += request.num_output_placeholders
+                if num_tokens >= request.max_num_tokens:  # they finish it: nothing to do
+                    i += 1
+                    continue
+            num_new = min(num_tokens - computed, budget)
             if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
                 i += 1
                 continue
@@ -157,8 +172,8 @@ class Scheduler:
             num_scheduled[rid] = num_new
             total += num_new
             request.num_computed_tokens = computed + num_new
-            if request.structured_output is not None:
-                self._note_structured(request, out)
+            if computed + num_new == num_tokens:  # the step samples
+                self._note_sampling(request, out)
             if track:
                 self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
             budget -= num_new
@@ -176,15 +191,17 @@ class Scheduler:
         out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         request.num_computed_tokens += num_new
-        if request.structured_output is not None:
-            self._note_structured(request, out)
+        if request.num_computed_tokens == request.num_tokens:  # the step samples
+            self._note_sampling(request, out)
         if self.track_in_flight:
             self.in_flight[request.request_id] = self.in_flight.get(request.request_id, 0) + 1
 
-    @staticmethod
-    def _note_structured(request: Request, out: SchedulerOutput) -> None:
-        """List a constrained request whose step samples (its grammar bitmask row is due)."""
-        if request.num_computed_tokens == request.num_tokens:
+    def _note_sampling(self, request: Request, out: SchedulerOutput) -> None:
+        """The step samples ``request``: its token is pending until the step comes back
+        (async scheduling), and a constrained request is due a grammar bitmask row."""
+        if self.async_scheduling:
+            request.num_output_placeholders += 1
+        if request.structured_output is not None:
             out.structured_output_request_ids.append(request.request_id)
 
     def _preempt_until_fits(self, request: Request, num_new: int,
@@ -219,8 +236,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(out.num_scheduled_tokens) < cap:
             request = self.waiting.peek()
-            if not request.is_schedulable:
-                not_ready.append(self.waiting.pop())
+            if not request.is_schedulable or request.num_output_placeholders:
+                not_ready.append(self.waiting.pop())  # grammar compiling / token still out
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -287,6 +304,9 @@ class Scheduler:
                 self._returned(rid)
             token_ids = sampled.get(rid)
             request = requests.get(rid)
+            if token_ids is not None and request is not None and \
+                    request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # async scheduling: it has arrived
             if token_ids is None or request is None or request.status.is_finished:
                 continue
             if len(token_ids) == 1 and request.structured_output is None:  # the common case

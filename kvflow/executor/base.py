@@ -70,6 +70,9 @@ class Executor(ABC):
 
     # Steps that may be in flight at once (pipeline stages busy with different micro-batches).
     max_concurrent_batches: int = 1
+    # Whether the step can be split (launch_forward / collect_output / launch_sampling) for
+    # async scheduling.
+    supports_async_scheduling: bool = False
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         self.config = config
@@ -101,6 +104,38 @@ class Executor(ABC):
             ExecutorError: if a worker fails meanwhile.
         """
         return self.execute_model_async(sched, grammar_bitmask).result()
+
+    def launch_forward(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: apply the step and launch its forward pass (not waited for).
+
+        Raises:
+            NotImplementedError: where ``supports_async_scheduling`` is False.
+        """
+        raise NotImplementedError("this executor does not split steps (async scheduling)")
+
+    def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Async scheduling: launch the sampling of the step ``launch_forward`` started.
+
+        Raises:
+            NotImplementedError: where ``supports_async_scheduling`` is False.
+        """
+        raise NotImplementedError("this executor does not split steps (async scheduling)")
+
+    def collect_output(self) -> Any:
+        """Async scheduling: wait for the last sampled step's tokens and return them.
+
+        Raises:
+            NotImplementedError: where ``supports_async_scheduling`` is False.
+        """
+        raise NotImplementedError("this executor does not split steps (async scheduling)")
+
+    def discard_output(self) -> None:
+        """Async scheduling: drop a launched or sampled step whose requests were aborted.
+
+        Raises:
+            NotImplementedError: where ``supports_async_scheduling`` is False.
+        """
+        raise NotImplementedError("this executor does not split steps (async scheduling)")
 
     @property
     def weight_bytes(self) -> int:

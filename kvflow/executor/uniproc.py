@@ -12,11 +12,14 @@ from kvflow.worker.worker import Worker
 
 class UniprocExecutor(Executor):
     """Single-rank executor: calls go straight to the in-process Worker (errors propagate as
-    they are, so a bad step leaves the engine usable).
+    they are, so a bad step leaves the engine usable). Steps can be split for async
+    scheduling (the runner's launch_forward / collect_output / launch_sampling).
 
     Raises:
         ValueError: from the constructor for a bad model or configuration.
     """
+
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         super().__init__(config, source, hf_config, dtype)
@@ -37,6 +40,18 @@ class UniprocExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> Any:
         return self.worker.execute_model(sched, grammar_bitmask)
+
+    def launch_forward(self, sched: SchedulerOutput) -> None:
+        self.worker.runner.launch_forward(sched)
+
+    def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        self.worker.runner.launch_sampling(grammar_bitmask)
+
+    def collect_output(self) -> Any:
+        return self.worker.runner.collect_output()
+
+    def discard_output(self) -> None:
+        self.worker.runner.discard_output()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -27,6 +27,9 @@ class Platform(ABC):
     # Token budget of an engine step when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: int = 4096
     supports_graphs: bool = False
+    # --async-scheduling when the user gives neither form of the flag: worth it only where the
+    # forward pass runs asynchronously to the host (a device queue).
+    default_async_scheduling: bool = False
     # KV-cache bytes when neither --kv-cache-memory nor --num-kv-blocks is given; None: what a
     # profiling forward pass leaves of --gpu-memory-utilization x memory_info()'s total.
     default_kv_cache_bytes: int | None = None

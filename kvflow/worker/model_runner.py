@@ -415,6 +415,13 @@ class ModelRunner:
         return ModelRunnerOutput(pending.req_ids, [[t] for t in tokens], logprobs,
                                  pending.prompt_logprobs)
 
+    def discard_output(self) -> None:
+        """Drop a launched or sampled step that will not be collected (the engine aborted its
+        requests, whose rows go with the next step's finished ids)."""
+        self._step = self._pending = None
+        if self.input_batch is not None:
+            self.input_batch.pending_sample[:] = -1
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         """Apply the step's changes to the request states and the input batch."""
         for rid in sched.finished_ids:

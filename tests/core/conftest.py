@@ -214,8 +214,10 @@ class FakeDriver:
         m = self.mirror[rid]
         tables, start = self._nulled(m), m.num_computed
         request = self.scheduler.requests.get(rid)  # None: aborted after schedule()
-        if request is not None:
-            assert m.tokens == request.all_token_ids, f"{rid}: mirror tokens differ"
+        if request is not None:  # the mirror may hold tokens not folded in yet (async)
+            known = request.all_token_ids
+            assert m.tokens[:len(known)] == known, f"{rid}: mirror tokens differ"
+            assert len(m.tokens) - len(known) <= request.num_output_placeholders, rid
             assert tables == self.scheduler.kv.get_block_ids(rid), f"{rid}: mirror blocks differ"
             assert start + num_new == request.num_computed_tokens, rid
         return Scheduled(rid, m.tokens[start:start + num_new], start, tables,
@@ -250,14 +252,14 @@ class FakeDriver:
         bs = self.block_size
         holders = self._block_holders()
         for s in scheduled:  # every layer stores the step's new K/V first ...
-            history = self.history[s.request_id]
+            history = self.mirror[s.request_id].tokens  # = history + samples not folded in
             start = s.num_computed_tokens
             assert s.token_ids == history[start:start + len(s.token_ids)], s.request_id
             for pos in range(start, start + len(s.token_ids)):
                 block_id = s.block_ids[0][pos // bs]
                 assert block_id != 0, "the null block must never be written"
                 for rid in holders.get(block_id, ()):  # sharers must agree on the slot
-                    other = self.history[rid]
+                    other = self.mirror[rid].tokens if rid in self.mirror else self.history[rid]
                     assert pos >= len(other) or other[pos] == history[pos], \
                         f"{s.request_id} writes {history[pos]} at {pos}: clobbers {rid}"
                 self.kv_mem.setdefault(block_id, [None] * bs)[pos % bs] = history[pos]
@@ -266,8 +268,8 @@ class FakeDriver:
             end = s.num_computed_tokens + s.num_scheduled_tokens
             seen = [self.kv_mem.get(s.block_ids[0][p // bs], [None] * bs)[p % bs]
                     for p in range(end)]
-            assert seen == self.history[s.request_id][:end], \
-                f"{s.request_id} reads wrong KV: {seen} != {self.history[s.request_id][:end]}"
+            truth = self.mirror[s.request_id].tokens[:end]
+            assert seen == truth, f"{s.request_id} reads wrong KV: {seen} != {truth}"
             if s.do_sample:
                 token = self._sample(s.request_id, seen)
                 self.mirror[s.request_id].tokens.append(token)  # a runner keeps its samples
@@ -277,7 +279,7 @@ class FakeDriver:
 
     def _sample(self, request_id: str, seen: list[int]) -> int:
         """The scripted token for this output position, else ``default_sample(seen)``."""
-        num_out = len(self.history[request_id]) - self.prompt_len[request_id]
+        num_out = len(self.mirror[request_id].tokens) - self.prompt_len[request_id]
         script = self.script.get(request_id, [])
         return script[num_out] if num_out < len(script) else default_sample(seen)
 
@@ -392,11 +394,13 @@ def make_scheduler(_leak_registry):
     def factory(num_blocks: int = 1000, block_size: int = BLOCK_SIZE,
                 max_num_batched_tokens: int = 4096, max_num_seqs: int = 256,
                 policy: str = "fcfs", max_model_len: int | None = None,
-                enable_prefix_caching: bool = True) -> Scheduler:
+                enable_prefix_caching: bool = True,
+                async_scheduling: bool = False) -> Scheduler:
         kv = KVCacheManager(fake_kv_cache_config(num_blocks, block_size),
                             enable_prefix_caching)
         cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, policy=policy)
+                              max_num_seqs=max_num_seqs, policy=policy,
+                              async_scheduling=async_scheduling)
         sched = Scheduler(cfg, kv, max_model_len or (num_blocks - 1) * block_size)
         _leak_registry["pools"].append(kv.pool)
         _leak_registry["schedulers"].append(sched)
