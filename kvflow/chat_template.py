@@ -6,7 +6,12 @@ them ("string" content format):
 
 * ``content`` null (an assistant turn that only calls tools, or any empty turn) becomes ``""``;
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
-  parts of assistant turns count as text); any other part is refused;
+  parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
+  (the caller passes its ``image_placeholder``), become that placeholder text, one line per
+  image before the text; any other part is refused. A template that loops over a message's
+  content itself (Qwen2-VL's; found in its Jinja syntax tree, as vLLM does) gets the parts
+  instead, images as ``{"type": "image"}``, so it places them as the model was trained;
+  ``image_urls`` lists the images in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
   parsed into an object, as templates that write ``arguments | tojson`` expect.
 
@@ -26,9 +31,11 @@ from typing import Any
 
 from kvflow.text_checks import find_lone_surrogate
 
-__all__ = ["ChatTemplateError", "NoChatTemplateError", "normalize_conversation", "render_chat"]
+__all__ = ["ChatTemplateError", "NoChatTemplateError", "image_urls", "normalize_conversation",
+           "render_chat"]
 
 _TEXT_PARTS = {"text", "refusal"}
+_IMAGE_PARTS = {"image_url"}
 # apply_chat_template's own parameters: never template variables.
 _RESERVED_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -50,12 +57,19 @@ class NoChatTemplateError(ChatTemplateError):
     """The model has no chat template and the caller gave none."""
 
 
-def normalize_conversation(messages: Sequence[Any]) -> list[dict[str, Any]]:
+def normalize_conversation(messages: Sequence[Any], image_placeholder: str | None = None,
+                           content_parts: bool = False) -> list[dict[str, Any]]:
     """Messages as the template sees them (see the module docstring); inputs are not changed.
+
+    Args:
+        messages: OpenAI-style message dicts.
+        image_placeholder: the text standing for one image (None: images are refused).
+        content_parts: keep list content as parts (for templates that loop over them).
 
     Raises:
         ChatTemplateError: for an empty list, a message that is not a dict with a string
-            ``role``, a non-text content part, or text with a lone surrogate.
+            ``role``, an unsupported content part (any image when ``image_placeholder`` is
+            None), or text with a lone surrogate.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatTemplateError("a conversation must be a non-empty list of messages",
@@ -63,21 +77,41 @@ def normalize_conversation(messages: Sequence[Any]) -> list[dict[str, Any]]:
     found = find_lone_surrogate(list(messages), "messages")
     if found is not None:
         raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
-    return [_normalize_message(m, i) for i, m in enumerate(messages)]
+    return [_normalize_message(m, i, image_placeholder, content_parts)
+            for i, m in enumerate(messages)]
 
 
-def _normalize_message(message: Any, i: int) -> dict[str, Any]:
+def image_urls(messages: Sequence[Any]) -> list[tuple[str, Any]]:
+    """``(field path, url)`` of every ``image_url`` part, in prompt order (messages in
+    order, parts in order). Call after ``normalize_conversation`` accepted the messages."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                out.append((f"messages.{i}.content.{j}.image_url", url))
+    return out
+
+
+def _normalize_message(message: Any, i: int, image_placeholder: str | None,
+                       content_parts: bool) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
                                 f"messages.{i}")
     out = dict(message)
-    out["content"] = _content_text(message.get("content"), i)
+    content = message.get("content")
+    if content_parts and isinstance(content, list):
+        out["content"] = _content_parts(content, i, image_placeholder)
+    else:
+        out["content"] = _content_text(content, i, image_placeholder)
     if isinstance(message.get("tool_calls"), list):
         out["tool_calls"] = [_parsed_arguments(c) for c in message["tool_calls"]]
     return out
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -85,15 +119,59 @@ def _content_text(content: Any, i: int) -> str:
     if not isinstance(content, list):
         raise ChatTemplateError(f"message {i}: content must be a string, a list of content "
                                 "parts or null", f"messages.{i}.content")
-    texts = []
+    images, texts = [], []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get(kind) if kind in _TEXT_PARTS else None
-        if not isinstance(text, str):
-            raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
-                                    "supported (text only)", f"messages.{i}.content.{j}")
-        texts.append(text)
-    return "\n".join(texts)
+        kind, text = _part(part, i, j, image_placeholder)
+        (images if kind in _IMAGE_PARTS else texts).append(text)
+    return "\n".join(images + texts)
+
+
+def _content_parts(content: list, i: int, image_placeholder: str | None) -> list[dict]:
+    parts = []
+    for j, part in enumerate(content):
+        kind, text = _part(part, i, j, image_placeholder)
+        parts.append({"type": "image"} if kind in _IMAGE_PARTS else
+                     {"type": "text", "text": text})
+    return parts
+
+
+def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str, str]:
+    """(type, text) of one content part; an image's text is the placeholder."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _IMAGE_PARTS and image_placeholder is not None:
+        image = part.get("image_url")
+        if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
+            raise ChatTemplateError(f"message {i}: content part {j} needs image_url.url",
+                                    f"messages.{i}.content.{j}.image_url")
+        return kind, image_placeholder
+    text = part.get(kind) if kind in _TEXT_PARTS else None
+    if not isinstance(text, str):
+        what = "text and image_url" if image_placeholder is not None else \
+            "text only: this model does not take images"
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
+                                f"supported ({what})", f"messages.{i}.content.{j}")
+    return kind, text
+
+
+def loops_over_content(template: str) -> bool:
+    """Whether a Jinja chat template iterates over a message's ``content`` (then it renders
+    content parts itself; vLLM's "openai" content format). False for a template that does
+    not parse (rendering reports that)."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateError:
+        return False
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and \
+                it.arg.value == "content":
+            return True
+    return False
 
 
 def _parsed_arguments(call: Any) -> Any:
@@ -112,7 +190,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 continue_final_message: bool = False, chat_template: str | None = None,
                 tools: list[dict[str, Any]] | None = None,
                 documents: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                image_placeholder: str | None = None) -> str:
     """Render a conversation to prompt text.
 
     Args:
@@ -123,15 +202,19 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         chat_template: a Jinja template to use instead of the model's.
         tools / documents: the template's ``tools`` / ``documents`` variables.
         template_kwargs: further template variables.
+        image_placeholder: the text standing for one image, for a model that takes images
+            (None: ``image_url`` parts are refused).
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
         ChatTemplateError: for a bad message or option (see the module docstring), or one the
             template fails on.
     """
-    conversation = normalize_conversation(messages)
     template = chat_template if chat_template is not None else \
         getattr(tokenizer, "chat_template", None)
+    conversation = normalize_conversation(
+        messages, image_placeholder,
+        content_parts=isinstance(template, str) and loops_over_content(template))
     if not template:
         raise NoChatTemplateError("this model has no chat template", "messages")
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,

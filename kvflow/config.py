@@ -150,6 +150,60 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
+@dataclass
+class MultiModalConfig:
+    """Image inputs of vision-language models: where images may come from, how big they may
+    be, and how much vision-encoder work one engine step takes on.
+
+    Raises:
+        ValueError: from the constructor for a limit below 1 or a malformed domain list.
+    """
+
+    allowed_media_domains: str | None = _opt(
+        None, "comma-separated host names image URLs may be fetched from over http(s), e.g. "
+        "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images)")
+    max_image_bytes: int = _opt(20 * 2**20, "largest encoded image (data URL payload or "
+                                "download) in bytes")
+    max_image_pixels: int = _opt(4096 * 4096, "largest image in pixels (width x height), "
+                                 "checked before the image is decoded")
+    max_images_per_prompt: int = _opt(16, "most images one prompt or conversation may carry")
+    media_fetch_timeout: float = _opt(10.0, "seconds allowed for fetching one image URL")
+    max_num_encoder_input_tokens: int | None = _opt(
+        None, "vision-encoder output tokens computed per engine step (an image that does not "
+        "fit waits for the next step; one image always runs alone) (default: "
+        "max_num_batched_tokens)")
+    encoder_cache_size: int = _opt(16384, "image embeddings (in tokens) kept for reuse after "
+                                   "the requests that needed them moved on (the encoder runs "
+                                   "once per distinct image while it stays cached)")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_prompt",
+                     "encoder_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens} "
+                             "must be >= 1")
+        if self.media_fetch_timeout <= 0:
+            raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
+        self.media_domains()  # a malformed list fails at start-up
+
+    def media_domains(self) -> frozenset[str]:
+        """The allowed host names, lower-cased (empty: no remote fetching).
+
+        Raises:
+            ValueError: for an entry that is not a plain host name (with a scheme, path or
+                port).
+        """
+        hosts = [h.strip().lower() for h in (self.allowed_media_domains or "").split(",")]
+        for host in hosts:
+            if host and not re.fullmatch(r"[a-z0-9.-]+", host):
+                raise ValueError(f"allowed_media_domains entry {host!r} is not a host name "
+                                 "(no scheme, port or path)")
+        return frozenset(h for h in hosts if h)
+
+
 def cache_dir() -> str:
     """Where kvflow keeps joined model files, GGUF tokenizers and
     compiled kernels: ``$KVFLOW_CACHE_DIR``, else
@@ -370,7 +424,7 @@ def _tp_divisions(hf_config: Any, tp: int, expert_parallel: bool
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
-             "parallel_config": ParallelConfig}
+             "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig}
 
 
 @dataclass
@@ -382,6 +436,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -49,6 +49,9 @@ class EngineStats(msgspec.Struct):
         weight_bytes: bytes the model's weights occupy (as stored: quantized, packed).
         kv_cache_bytes_per_token: KV-cache bytes one token occupies across all layers
             (scales included for a quantized cache).
+        encoder_cache_queries / encoder_cache_hits: images whose embeddings a request needed
+            / found already in the encoder cache (vision-language models).
+        encoder_inputs: images run through the vision encoder.
     """
 
     num_running: int = 0
@@ -61,3 +64,6 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     weight_bytes: int = 0
     kv_cache_bytes_per_token: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_inputs: int = 0

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-from kvflow.chat_template import render_chat
+from kvflow.chat_template import image_urls, render_chat
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+# A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
+# with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model.
+PromptType = str | list[int] | Mapping[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+
+
+@dataclasses.dataclass
+class ProcessedPrompt:
+    """A prompt ready to queue: its text (None for token ids), its token ids (image
+    placeholders expanded) and its images' features (None: text only)."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class InputProcessor:
@@ -23,14 +38,71 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, mm_processor: Any = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        # kvflow.multimodal.processor.MultiModalProcessor for a vision-language model
+        self.mm_processor = mm_processor
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text standing for one image in a prompt (None: the model takes no images)."""
+        return None if self.mm_processor is None else self.mm_processor.placeholder
+
+    def process(self, prompt: PromptType) -> ProcessedPrompt:
+        """Tokenize a prompt and, for a vision-language model, preprocess its images and
+        expand their placeholders.
+
+        Raises:
+            ValueError: for a malformed prompt, images for a text-only model, a placeholder
+                count that differs from the image count, or a bad image (``MediaError``).
+        """
+        images = []
+        if isinstance(prompt, Mapping):
+            prompt, images = self._unpack(prompt)
+        text, token_ids = self.tokenize(prompt)
+        return self.attach_images(text, token_ids, images)
+
+    def attach_images(self, text: str | None, token_ids: list[int],
+                      images: list[Any]) -> ProcessedPrompt:
+        """``token_ids`` with one placeholder per image expanded and ``images`` (PIL)
+        preprocessed; any prompt of a vision-language model passes here, so a stray
+        placeholder without its image is refused.
+
+        Raises:
+            ValueError: images for a text-only model, a placeholder/image count mismatch, or
+                a bad image (``MediaError``).
+        """
+        if self.mm_processor is None:
+            if images:
+                raise ValueError("this model does not take images (multi_modal_data)")
+            return ProcessedPrompt(text, token_ids)
+        token_ids, features = self.mm_processor.process(token_ids, images)
+        return ProcessedPrompt(text, token_ids, features or None)
+
+    @staticmethod
+    def _unpack(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]]:
+        """(text or token ids, images) of a dict prompt. Raises ValueError when malformed."""
+        unknown = sorted(set(prompt) - _PROMPT_KEYS)
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
+                             f"'prompt_token_ids' (and optionally 'multi_modal_data'); got "
+                             f"keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict with an 'image' entry (a PIL "
+                             "image or a list of them)")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        return prompt.get("prompt", prompt.get("prompt_token_ids")), images
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, token ids). Raises ValueError on bad input."""
+        """Returns (prompt text or None, token ids); a dict prompt's images are not looked
+        at (see ``process``). Raises ValueError on bad input."""
+        if isinstance(prompt, Mapping):
+            prompt = self._unpack(prompt)[0]
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -83,8 +155,10 @@ class InputProcessor:
             validate(params.structured_outputs)  # malformed schema / regex / grammar
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None, priority: int = 0) -> list[Request]:
-        """One Request per sample (``n``); sample i of a seeded request uses seed + i.
+                      arrival_time: float | None = None, priority: int = 0,
+                      mm_features: list[MultiModalFeature] | None = None) -> list[Request]:
+        """One Request per sample (``n``); sample i of a seeded request uses seed + i. The
+        samples share ``mm_features`` (the images of the prompt, already expanded).
 
         Raises:
             ValueError: for a bad prompt (see ``validate``) or parameters (``validate_params``).
@@ -99,8 +173,30 @@ class InputProcessor:
             child = dataclasses.replace(params, n=1, seed=seed)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
-                                    priority, parent_id=request_id, sample_index=i))
+                                    priority, parent_id=request_id, sample_index=i,
+                                    mm_features=mm_features))
         return requests
+
+    def load_chat_images(self, messages: list[dict]) -> list[Any]:
+        """The images of a conversation's ``image_url`` parts, in prompt order, decoded and
+        checked (data URLs; http(s) only from allowed media domains).
+
+        Raises:
+            MediaError: (a ValueError whose ``param`` names the part) for a bad or refused
+                image.
+        """
+        if self.mm_processor is None:
+            return []  # rendering has refused image parts already
+        from kvflow.multimodal.media import MediaError, load_image_url
+
+        images = []
+        for param, url in image_urls(messages):
+            try:
+                images.append(load_image_url(url, self.mm_processor.config))
+            except MediaError as e:
+                e.param = param
+                raise
+        return images
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:
@@ -118,4 +214,5 @@ class InputProcessor:
         """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
-        return render_chat(self.tokenizer, messages, add_generation_prompt, **options)
+        return render_chat(self.tokenizer, messages, add_generation_prompt,
+                           image_placeholder=self.image_placeholder, **options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -50,7 +50,10 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Args:
-            prompts: a string, a token-id list, or a list of either.
+            prompts: a string, a token-id list, a dict (``{"prompt": str}`` or
+                ``{"prompt_token_ids": [...]}``, for a vision-language model with
+                ``"multi_modal_data": {"image": PIL image or list}`` and one image
+                placeholder per image in the prompt), or a list of these.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             priority: one integer per prompt, lower first (needs ``policy="priority"``).
 
@@ -63,8 +66,10 @@ class LLM:
         params = _broadcast_params(sampling_params, len(prompts))
         priorities = _check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
+        processor = self.engine.processor
+        prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
         for p in prompts:  # validate everything before queuing anything
-            self.engine.processor.validate(self.engine.processor.tokenize(p)[1])
+            processor.validate(p.token_ids)
         ids: list[str] = []
         try:
             for p, sp, prio in zip(prompts, params, priorities):
@@ -83,8 +88,10 @@ class LLM:
              documents: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
-        Message ``content`` may be a string, a list of text parts or None (see
-        ``kvflow.chat_template``); ``continue_final_message`` continues the last (assistant)
+        Message ``content`` may be a string, a list of text (and, for a vision-language
+        model, ``image_url``) parts or None (see ``kvflow.chat_template``; image URLs are
+        ``data:`` URLs, or http(s) from ``allowed_media_domains``);
+        ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables.
 
@@ -102,7 +109,9 @@ class LLM:
                                                              **options)
                    for c in conversations]
         tokenizer = self.engine.tokenizer
-        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        token_prompts = [_with_images(tokenizer.encode(p, add_special_tokens=False),
+                                      self.engine.processor.load_chat_images(c))
+                         for p, c in zip(prompts, conversations)]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm)
         for out, text in zip(outputs, prompts):
             out.prompt = text
@@ -126,8 +135,15 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
 
+def _with_images(token_ids: list[int], images: list[Any]) -> PromptType:
+    """A token-id prompt, as a dict with its images when it has some."""
+    if not images:
+        return token_ids
+    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+
+
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class Request:
         arrival_time: time.monotonic() at arrival (seconds).
         priority: lower runs first under the priority policy.
         parent_id / sample_index: the user request this sample belongs to, and its index.
+        mm_features: the prompt's images (placeholders already expanded), in prompt order;
+            None for a text-only prompt.
     """
 
     def __init__(
@@ -50,11 +53,13 @@ class Request:
         priority: int = 0,
         parent_id: str | None = None,
         sample_index: int = 0,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.sample_index = sample_index
         self.prompt_token_ids = list(prompt_token_ids)
+        self.mm_features = mm_features or None
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

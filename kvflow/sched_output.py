@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 
 # One block-id list per KV-cache group.
@@ -47,6 +48,9 @@ class NewRequestData:
         block_ids: its block table in every KV-cache group (equally long; entries a sliding
             window no longer reads are the null block 0).
         num_computed_tokens: tokens whose K/V are already cached (prefix-cache hits).
+        mm_features: the prompt's images (pixels, placeholder ranges), None if text only;
+            the runner keeps them until the request finishes (a preempted request may need
+            its images encoded again).
     """
 
     req_id: str
@@ -55,6 +59,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: BlockIds
     num_computed_tokens: int
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -105,6 +110,10 @@ class SchedulerOutput:
             grammar bitmask rows are filled just before sampling).
         preempted_ids: requests preempted this step (runners drop their rows and tokens).
         finished_ids: requests freed since the previous step (runners drop all their state).
+        scheduled_encoder_inputs: request id -> indices into its ``mm_features`` of the
+            images to run the vision encoder on this step (before the forward pass).
+        free_encoder_mm_hashes: image identifiers to drop from the runners' encoder caches
+            (before this step's encoder runs).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -115,6 +124,8 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: set[str] = field(default_factory=set)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_reqs(self) -> int:

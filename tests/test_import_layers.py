@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "kvflow.llm": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
+    "kvflow.multimodal": 8,
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.executor": 6,
     "kvflow.worker": 5,
@@ -35,7 +36,7 @@ LAYERS: dict[str, int] = {
     "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.sampling_params": 0, "kvflow.request": 0,
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
-    "kvflow.text_checks": 0,
+    "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0,
 }
 FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
 

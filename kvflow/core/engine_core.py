@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvflow.config import EngineConfig, cpu_gemm_choice
+from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_utils import (
     group_kv_cache_specs,
@@ -27,6 +28,7 @@ from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
+from kvflow.models.registry import is_multimodal
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
 from kvflow.sched_output import SchedulerOutput
@@ -180,6 +182,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len, send_token_ids=pipelined)
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
+        if is_multimodal(self.hf_config):
+            mm = self.config.multimodal_config
+            budget = mm.max_num_encoder_input_tokens or \
+                self.config.scheduler_config.max_num_batched_tokens
+            self.scheduler.encoder = EncoderCacheManager(budget, mm.encoder_cache_size)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is
@@ -205,9 +212,12 @@ class EngineCore:
         grammar compile now and is scheduled once it is ready.
 
         Raises:
-            ValueError: for a duplicate id, a prompt at max_model_len, or structured outputs
-                on an engine without a tokenizer.
+            ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
+                on an engine without a tokenizer, or images for a text-only model.
         """
+        if request.mm_features is not None and self.scheduler.encoder is None:
+            raise ValueError(f"request {request.request_id!r} has images but this model "
+                             "takes text only")
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             if self.config.model_config.skip_tokenizer_init:

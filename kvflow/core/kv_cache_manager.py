@@ -11,7 +11,8 @@ always left to compute so the step has logits to sample from. Blocks are indexed
 are allocated for tokens that this step computes, which is safe because every layer writes the
 step's new K/V before it reads any. With prefix caching off, the ``n`` samples of one request
 still share their prompt blocks: their hashes carry the parent request id as an extra key, so
-only siblings can hit them.
+only siblings can hit them. A block holding image placeholder tokens also carries the images'
+identifiers (hashes of their pixels), so the same text with another image never hits.
 
 KV-cache groups (layers with different attention spans, see ``core/kv_cache_utils.py``): one
 ``SingleTypeKVCacheManager`` per group keeps that group's block table of every request, all
@@ -30,6 +31,7 @@ from kvflow.core.single_type_kv_cache_manager import (
     make_single_type_manager,
 )
 from kvflow.kv_cache_interface import KVCacheConfig
+from kvflow.multimodal_inputs import overlapping_features
 from kvflow.request import Request
 
 
@@ -92,7 +94,9 @@ class KVCacheManager:
         extra = self._cache_extra_key(request)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+            key = extra if request.mm_features is None else \
+                _with_image_keys(extra, request, i * bs, (i + 1) * bs)
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), key))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached run of the request's leading full blocks.
@@ -223,3 +227,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+
+def _with_image_keys(extra: object, request: Request, start: int, end: int) -> object:
+    """A block's extra key with the images whose placeholders it holds: (identifier, offset
+    of the image's first placeholder relative to the block) each. Two prompts with equal
+    tokens but different images then never share KV; a block without image tokens keeps the
+    plain key, so text before the first image is shared with text-only prompts."""
+    images = tuple((f.identifier, f.offset - start)
+                   for f in overlapping_features(request.mm_features, start, end))
+    return (extra, images) if images else extra

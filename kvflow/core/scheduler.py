@@ -23,6 +23,7 @@ being written).
 from __future__ import annotations
 
 from kvflow.config import SchedulerConfig
+from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.sched_policy import WaitingQueue, make_policy
 from kvflow.engine_outputs import EngineCoreOutput
@@ -68,6 +69,9 @@ class Scheduler:
         # id -> its scheduled steps not yet returned.
         self.track_in_flight = False
         self.in_flight: dict[str, int] = {}
+        # Vision-language models (the engine core sets it): the encoder budget per step and
+        # the encoder cache; requests with images pass through it (core/encoder_cache_manager)
+        self.encoder: EncoderCacheManager | None = None
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,6 +129,8 @@ class Scheduler:
         cap = max_num_reqs if max_num_reqs is not None else self.config.max_num_seqs
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = set()
+        if self.encoder is not None:
+            self.encoder.begin_step(out)
         if not self._running_sorted:  # policy keys never change: sort after admissions only
             self.running.sort(key=self.policy.key)
             self._running_sorted = True
@@ -156,6 +162,11 @@ class Scheduler:
             if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
                 i += 1
                 continue
+            if request.mm_features is not None:  # images: the encoder may cut the chunk
+                num_new, encodes = self.encoder.plan(request, computed, num_new)
+                if num_new <= 0:
+                    i += 1
+                    continue
             new_blocks = try_allocate(request, num_new)
             if new_blocks is None:
                 new_blocks = self._preempt_until_fits(request, num_new, out)
@@ -163,6 +174,8 @@ class Scheduler:
                     if i < len(running) and running[i] is request:
                         i += 1  # nothing left to preempt: it waits for the next step
                     continue  # else it was preempted itself
+            if request.mm_features is not None:
+                self.encoder.commit(request, computed, num_new, encodes, out)
             add_id(rid)
             add_computed(computed)
             if new_blocks is not empty:
@@ -241,10 +254,14 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.can_allocate(request, num_new, hits):
+            if request.mm_features is not None:  # images: the encoder may cut the chunk
+                num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
+            if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
                 break
             self.waiting.pop()
             self.kv.allocate_slots(request, num_new, hits)
+            if request.mm_features is not None:
+                self.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -272,10 +289,13 @@ class Scheduler:
         out.scheduled_new_reqs.append(NewRequestData(
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens))
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+            mm_features=request.mm_features))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if request.mm_features is not None:
+            self.encoder.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -376,5 +396,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.in_flight.pop(request.request_id, None)
         self.kv.free(request)
+        if request.mm_features is not None:
+            self.encoder.release(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)

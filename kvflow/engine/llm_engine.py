@@ -9,14 +9,16 @@ one of them by the data-parallel load balancer.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
-from kvflow.input_processor import InputProcessor, PromptType
+from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.models.generation_config import load_sampling_defaults
-from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
-from kvflow.models.model_resolver import resolve_model
+from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
+from kvflow.models.model_resolver import ModelSource, resolve_model
+from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -40,34 +42,45 @@ class LLMEngine:
             source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
-            vocab_size = self.core.ready.vocab_size
+            vocab_size, hf_config = self.core.ready.vocab_size, None
         else:
             self.core = EngineCore(config)
             source, eos_source = self.core.source, self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
+            hf_config = self.core.hf_config
         try:
             self.tokenizer = None if mc.skip_tokenizer_init else \
                 load_tokenizer(source, mc.tokenizer)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+            mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
         except BaseException:
             self.core.shutdown()  # no orphan worker or replica processes
             raise
         self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
-        self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos)
+        self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
+                                        mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def add_request(self, prompt: PromptType, params: SamplingParams,
+    def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0) -> str:
-        """Validate and queue one prompt; returns its request id. Fields ``params`` was not
-        given take the model's sampling defaults (``sampling_defaults``, from its
-        generation_config.json unless ``generation_config="none"``)."""
+        """Validate and queue one prompt (raw, or already ``processor.process``-ed); returns
+        its request id. Fields ``params`` was not given take the model's sampling defaults
+        (``sampling_defaults``, from its generation_config.json unless
+        ``generation_config="none"``).
+
+        Raises:
+            ValueError: for a bad prompt, image or parameters (nothing is queued).
+        """
         request_id = request_id if request_id is not None else str(next(self._ids))
         params = params.with_defaults(self.sampling_defaults)
-        text, token_ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
-        self.output_processor.add_request(text, requests)
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.processor.process(prompt)
+        requests = self.processor.make_requests(request_id, prompt.token_ids, params,
+                                                priority=priority,
+                                                mm_features=prompt.mm_features)
+        self.output_processor.add_request(prompt.text, requests)
         if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
             self.core.add_requests(requests)
         else:
@@ -91,3 +104,18 @@ class LLMEngine:
         if stopped:
             self.core.abort_requests(stopped)
         return outputs
+
+
+def _mm_processor(source: ModelSource, hf_config: Any, tokenizer: Any,
+                  config: EngineConfig) -> MultiModalProcessor | None:
+    """The image processor of a vision-language model (None for a text-only one); the
+    config is read here when the core runs in other processes (data parallelism).
+
+    Raises:
+        ValueError: for an unreadable config or a model folder without an image processor.
+    """
+    if hf_config is None:
+        if source.kind == "gguf":  # kvflow loads no vision-language GGUF
+            return None
+        hf_config = load_hf_config(source)
+    return make_mm_processor(source, hf_config, tokenizer, config.multimodal_config)

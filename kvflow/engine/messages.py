@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -28,16 +29,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     priority: int
     parent_id: str
     sample_index: int
+    # the prompt's images, preprocessed (pixel patches as bytes): see kvflow/multimodal_inputs
+    mm_features: list[MultiModalFeature] | None = None
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
-                   r.arrival_time, r.priority, r.parent_id, r.sample_index)
+                   r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
-                       self.sample_index)
+                       self.sample_index, self.mm_features)
 
 
 class AddRequests(msgspec.Struct, tag="add"):

@@ -148,9 +148,9 @@ class LlamaModel(nn.Module):
     ``[start_layer, end_layer)``, the final norm on the last stage."""
 
     def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
-        rotary_emb = make_rotary_embedding(config)
+        rotary_emb = rotary_emb or make_rotary_embedding(config)
         self._init_stage(config, parallel, lambda i: LlamaDecoderLayer(
             config, i, ctx, rotary_emb, bias, qk_norm, parallel))
 
@@ -168,14 +168,19 @@ class LlamaModel(nn.Module):
             if self.is_last_stage else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """input_ids / positions [T] int64 -> final hidden [T, hidden] (last stage), else
         ``{"hidden_states", "residual"}`` [T, hidden] each for the next stage; a stage after
         the first reads those from ``intermediate_tensors`` instead of embedding
-        ``input_ids``."""
+        ``input_ids``. ``inputs_embeds`` [T, hidden], when given, replaces the embedding of
+        ``input_ids`` (vision-language models: image embeddings merged at the placeholders);
+        positions are [3, T] for M-RoPE models."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = inputs_embeds if inputs_embeds is not None else \
+                self.embed_tokens(input_ids)
+            residual = None
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
@@ -214,9 +219,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         parallel = parallel or ParallelState.single()
         self.model = LlamaModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
-                                parallel)
+                                parallel, self.rotary_embedding_for(config))
         self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
                                     getattr(config, "tie_word_embeddings", False))
+
+    @classmethod
+    def rotary_embedding_for(cls, config: Any) -> RotaryEmbedding:
+        """The model's RoPE (one table shared by all layers)."""
+        return make_rotary_embedding(config)
 
     @classmethod
     def attention_bias_for(cls, config: Any) -> AttentionBias:

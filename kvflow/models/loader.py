@@ -34,9 +34,25 @@ def load_hf_config(source: ModelSource) -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
     try:
-        return AutoConfig.from_pretrained(source.path)
+        config = AutoConfig.from_pretrained(source.path)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {e}") from e
+    return hoist_text_config(config)
+
+
+def hoist_text_config(config: Any) -> Any:
+    """A vision-language config (``text_config`` + ``vision_config``, e.g. Qwen2-VL) with its
+    language model's fields also readable at the top level (``vocab_size``,
+    ``num_hidden_layers``, ``rope_parameters``, ...), as kvflow reads them from every model;
+    fields the top level has already keep their values. Other configs are returned as they
+    are."""
+    text = getattr(config, "text_config", None)
+    if text is None or hasattr(config, "vocab_size"):
+        return config
+    for name, value in text.to_dict().items():
+        if not hasattr(config, name):
+            setattr(config, name, value)
+    return config
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

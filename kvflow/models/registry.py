@@ -11,6 +11,7 @@ from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
+from kvflow.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kvflow.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -25,6 +26,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -57,3 +59,14 @@ def uses_mla(hf_config: Any) -> bool:
     """
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     return bool(getattr(model_cls, "uses_mla", False))
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    """Whether the config's architecture takes images (a vision encoder in front of the
+    decoder; its prompts carry image placeholders and M-RoPE positions where it uses them).
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    return bool(getattr(model_cls, "supports_multimodal", False))

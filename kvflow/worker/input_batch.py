@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 
@@ -35,6 +36,10 @@ class RequestState:
 
     Attributes:
         generator: its own random generator (seeded random sampling), else None.
+        mm_features: the prompt's images (vision-language models), else None.
+        mrope_positions / mrope_delta: M-RoPE models: the prompt's position ids int64
+            [3, prompt_len] and the offset of generated tokens' positions (None / 0 when the
+            prompt has no image: plain positions on all three axes).
     """
 
     req_id: str
@@ -42,6 +47,9 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None = None
+    mm_features: list[MultiModalFeature] | None = None
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
 
 class InputBatch:

@@ -39,6 +39,7 @@ from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 from kvflow.worker.prompt_logprobs import PromptLogprobsRequest, compute_prompt_logprobs
 from kvflow.worker.sampling_inputs import SamplingInputs
@@ -140,6 +141,8 @@ class ModelRunner:
                     self.quant_config.name if self.quant_config else "none")
         self.attn_layers = {name: m for name, m in self.model.named_modules()
                             if isinstance(m, Attention)}
+        self.mm_runner = MultiModalRunner(self.model, self.parallel.pp.is_first_rank) \
+            if getattr(self.model, "supports_multimodal", False) else None
 
     def _choose_gemm_path(self) -> None:
         """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
@@ -240,7 +243,7 @@ class ModelRunner:
         inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
                                     self.stager)
         with torch.inference_mode():
-            hidden = self._forward(inputs, self._recv_from_previous_stage())
+            hidden = self._forward(inputs, self._recv_from_previous_stage(), batch)
             if self._send_to_next_stage(hidden):
                 self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
@@ -304,7 +307,7 @@ class ModelRunner:
         with a backend that is not graph-safe: the MLA one). Call after
         ``initialize_kv_cache``."""
         if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
-                or len(self.kv_cache_config.kv_cache_groups) > 1 \
+                or len(self.kv_cache_config.kv_cache_groups) > 1 or self.mm_runner is not None \
                 or self.parallel.pp.world_size > 1 \
                 or not getattr(self.attn_ctx.backend, "supports_cuda_graphs", True):
             return
@@ -427,9 +430,13 @@ class ModelRunner:
         for rid in sched.finished_ids:
             self.requests.pop(rid, None)
         for new in sched.scheduled_new_reqs:
-            self.requests[new.req_id] = RequestState(
+            state = self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-                self._make_generator(new.sampling_params))
+                self._make_generator(new.sampling_params), new.mm_features)
+            if self.mm_runner is not None:
+                self.mm_runner.add_request(state)
+        if self.mm_runner is not None:  # encoder-cache drops, then this step's images
+            self.mm_runner.run_encoders(sched, self.requests)
         self.input_batch.apply_scheduler_output(sched, self.requests)
 
     def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
@@ -440,18 +447,25 @@ class ModelRunner:
         gen.manual_seed(params.seed)
         return gen
 
-    def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None
-                 ) -> torch.Tensor | IntermediateTensors:
+    def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
+                 batch: InputBatch | None = None) -> torch.Tensor | IntermediateTensors:
         """This rank's layers: final hidden states [T, hidden] (last pipeline stage) or the
-        tensors for the next stage."""
+        tensors for the next stage. ``batch``: the rows ``inputs`` came from (default: the
+        persistent input batch)."""
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
+        positions, extra = inputs.positions, {}
+        if self.mm_runner is not None:  # image rows merged; M-RoPE positions [3, T]
+            batch = batch or self.input_batch
+            extra["inputs_embeds"] = self.mm_runner.inputs_embeds(inputs, batch, self.requests)
+            if self.mm_runner.uses_mrope:
+                positions = self.mm_runner.positions(inputs, batch, self.requests)
         with self.attn_ctx.forward_context.bind(metadata):
             self._prepare_attention(metadata)
             if intermediate_tensors is None:  # the first (or only) stage
-                return self.model(inputs.input_ids, inputs.positions)
-            return self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
+                return self.model(inputs.input_ids, positions, **extra)
+            return self.model(inputs.input_ids, positions, intermediate_tensors, **extra)
 
     def _recv_from_previous_stage(self) -> IntermediateTensors | None:
         """The previous pipeline stage's hidden states (None on the first stage)."""

@@ -1,0 +1,168 @@
+"""Images from request fields: data URLs, allow-listed http(s) URLs and PIL images, checked.
+
+Every refusal is a ``MediaError`` (a ValueError) that says what is wrong with the image and
+which limit it broke, so the server answers 400 with it and the offline API raises it:
+
+* a data URL must be ``data:image/<png|jpeg|webp|gif|bmp>;base64,<payload>`` with valid base64;
+* an http(s) URL is fetched only from a host named in ``--allowed-media-domains`` (exact host
+  match; redirects to other hosts are refused), within ``--media-fetch-timeout``;
+* the encoded image may hold at most ``--max-image-bytes``; its width x height, read from
+  the header before any pixel is decoded, at most ``--max-image-pixels``;
+* it must decode completely (a truncated file is refused, never padded) in one of the formats
+  above.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from PIL import Image, UnidentifiedImageError
+
+from kvflow.config import MultiModalConfig
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP", "gif": "GIF",
+                 "bmp": "BMP"}
+_DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),(.*)", re.DOTALL)
+
+
+class MediaError(ValueError):
+    """An image that cannot be used: undecodable, of an unsupported type, too large, or from
+    a source the server does not fetch from. ``param`` names the request field when known
+    (``messages.0.content.1.image_url``)."""
+
+    param: str | None = None
+
+
+def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
+    """The RGB image a ``data:`` or http(s) URL holds.
+
+    Raises:
+        MediaError: for another scheme, a refused host, a failed fetch, or a bad image (see
+            the module docstring).
+    """
+    if not isinstance(url, str):
+        raise MediaError(f"an image URL must be a string, got {type(url).__name__}")
+    if url.startswith("data:"):
+        return decode_image_bytes(_data_url_bytes(url, config), config)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        return decode_image_bytes(fetch_url(url, config), config)
+    raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...) or http(s) "
+                     f"URLs, got scheme {scheme or url[:16]!r}")
+
+
+def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
+    match = _DATA_URL.fullmatch(url)
+    if match is None:
+        raise MediaError("malformed data URL: expected data:image/png;base64,<payload>")
+    media_type, params, payload = match.group(1).strip().lower(), match.group(2), match.group(3)
+    subtype = media_type.removeprefix("image/")
+    if not media_type.startswith("image/") or subtype not in IMAGE_FORMATS:
+        raise MediaError(f"image type {media_type or 'text/plain'!r} is not supported: send "
+                         f"one of {', '.join(f'image/{t}' for t in IMAGE_FORMATS)}")
+    if ";base64" not in params.lower():
+        raise MediaError("data URLs of images must be base64-encoded (data:image/png;base64,...)")
+    payload = "".join(payload.split())
+    if len(payload) * 3 // 4 > config.max_image_bytes + 3:
+        raise MediaError(f"the image has about {len(payload) * 3 // 4} bytes; the limit is "
+                         f"{config.max_image_bytes} bytes (--max-image-bytes)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"the data URL's payload is not valid base64: {e}") from None
+
+
+def fetch_url(url: str, config: MultiModalConfig) -> bytes:
+    """Download an image from an allow-listed host (at most ``max_image_bytes``).
+
+    Raises:
+        MediaError: if the host is not allowed (remote fetching is off by default), the
+            download fails or times out, or the body exceeds the byte limit.
+    """
+    allowed = config.media_domains()
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in allowed:
+        hint = f"allowed hosts: {', '.join(sorted(allowed))}" if allowed else \
+            "this server fetches no image URLs; start it with --allowed-media-domains"
+        raise MediaError(f"fetching images from {host!r} is not allowed ({hint}); or send "
+                         "the image inline as a data: URL")
+    opener = urllib.request.build_opener(_AllowListRedirects(allowed))
+    try:
+        with opener.open(url, timeout=config.media_fetch_timeout) as response:
+            body = response.read(config.max_image_bytes + 1)
+    except MediaError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise MediaError(f"cannot fetch the image from {url!r}: {e}") from None
+    if len(body) > config.max_image_bytes:
+        raise MediaError(f"the image at {url!r} exceeds {config.max_image_bytes} bytes "
+                         "(--max-image-bytes)")
+    return body
+
+
+class _AllowListRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to another allow-listed host."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        self.allowed = allowed
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        """urllib's hook for a 3xx answer.
+
+        Raises:
+            MediaError: when the new location is not an allowed media domain.
+        """
+        host = (urllib.parse.urlsplit(newurl).hostname or "").lower()
+        if host not in self.allowed:
+            raise MediaError(f"the image URL redirects to {host!r}, which is not an allowed "
+                             "media domain")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
+    """Decode an encoded image completely, as RGB.
+
+    Raises:
+        MediaError: for more than ``max_image_bytes``, an unknown or unsupported format, more
+            than ``max_image_pixels`` pixels (checked from the header), or a truncated or
+            corrupt file.
+    """
+    if len(data) > config.max_image_bytes:
+        raise MediaError(f"the image has {len(data)} bytes; the limit is "
+                         f"{config.max_image_bytes} bytes (--max-image-bytes)")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"the image is too large: {e} (--max-image-pixels is "
+                         f"{config.max_image_pixels})") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise MediaError(f"cannot decode the image (not a PNG, JPEG, WebP, GIF or BMP "
+                         f"file?): {e}") from None
+    if image.format not in IMAGE_FORMATS.values():
+        raise MediaError(f"image format {image.format} is not supported: send PNG, JPEG, "
+                         "WebP, GIF or BMP")
+    return check_image(image, config)
+
+
+def check_image(image: Image.Image, config: MultiModalConfig) -> Image.Image:
+    """``image`` fully decoded and converted to RGB, after the pixel-count check.
+
+    Raises:
+        MediaError: for more than ``max_image_pixels`` pixels, or pixel data that does not
+            decode (truncated or corrupt).
+    """
+    width, height = image.size
+    if width * height > config.max_image_pixels:
+        raise MediaError(f"the image is {width} x {height} = {width * height} pixels; the "
+                         f"limit is {config.max_image_pixels} pixels (--max-image-pixels)")
+    try:
+        image.load()
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise MediaError(f"cannot decode the image (truncated or corrupt): {e}") from None

@@ -1,0 +1,60 @@
+"""One image of a prompt, preprocessed (pure data: crosses every process boundary).
+
+The API side (``kvflow/multimodal/``) turns each image into a ``MultiModalFeature``: the
+model's HF image processor has already resized, normalized and cut it into patches, and the
+prompt already holds ``length`` placeholder tokens for it from position ``offset`` on. The
+feature then travels with its request, msgspec-encoded, to the engine core (which schedules
+the vision encoder and keys the encoder cache and the prefix cache by ``identifier``) and
+inside ``NewRequestData`` to the model runners (which run the encoder on ``pixel_values``).
+
+Shipping preprocessed patches rather than encoded image files keeps image decoding, the
+size checks and their 400s in the API process, before anything is queued; the core process
+only ever sees data that is known to encode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class MultiModalFeature:
+    """One image's encoder input and where its embeddings go in the prompt.
+
+    Attributes:
+        modality: "image".
+        identifier: hex BLAKE2b digest of the preprocessed pixels and grid: equal for equal
+            encoder inputs (the encoder-cache key and a prefix-cache extra key).
+        offset: position of the first placeholder token in the prompt.
+        length: placeholder tokens, equal to the encoder's output rows for this image.
+        data: ``pixel_values`` as raw float32 bytes, row-major ``shape``.
+        shape: (num_patches, patch_dim) of ``pixel_values``.
+        grid_thw: (temporal, height, width) patches before the spatial merge.
+    """
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    data: bytes
+    shape: tuple[int, int]
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder position."""
+        return self.offset + self.length
+
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [num_patches, patch_dim], a fresh CPU tensor."""
+        array = np.frombuffer(self.data, dtype=np.float32).reshape(self.shape)
+        return torch.from_numpy(array.copy())
+
+
+def overlapping_features(features: list[MultiModalFeature] | None, start: int, end: int
+                         ) -> list[MultiModalFeature]:
+    """The features whose placeholder ranges overlap token positions ``[start, end)``."""
+    return [f for f in features or () if f.offset < end and f.end > start]

@@ -1,0 +1,158 @@
+"""Qwen2-VL end to end through the offline API, against transformers (fp32, CPU).
+
+Oracle: transformers' ``Qwen2VLProcessor`` (PIL image processor, placeholder expansion) and
+``Qwen2VLForConditionalGeneration.generate`` on the same saved weights. kvflow must expand the
+placeholders to the same prompt ids and produce the same greedy tokens for prompts with 0, 1
+and 2 images of different sizes, in one batch, under chunked prefill that splits images, and
+with preemption; the encoder runs once per distinct image, and equal text with another image
+never hits the prefix cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from tests.multimodal.conftest import (
+    PLACEHOLDER,
+    data_url,
+    hf_generate,
+    hf_prompt_ids,
+    random_image,
+)
+
+MAX_TOKENS = 8
+
+
+def greedy(n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_vl):
+    return LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=16)
+
+
+def cases():
+    """(text, images): 0, 1 and 2 images of different sizes and aspect ratios."""
+    a, b, c = random_image(84, 56, 1), random_image(120, 200, 2), random_image(300, 90, 3)
+    return [
+        ("the quick brown fox jumps over", []),
+        (f"a {PLACEHOLDER} what is this?", [a]),
+        (f"{PLACEHOLDER} and {PLACEHOLDER} compare them", [b, c]),
+    ]
+
+
+def test_prompt_ids_expand_like_transformers(llm, tiny_qwen2_vl):
+    for text, images in cases():
+        processed = llm.engine.processor.process(
+            {"prompt": text, "multi_modal_data": {"image": images}})
+        assert processed.token_ids == hf_prompt_ids(tiny_qwen2_vl, text, images)
+        assert len(processed.mm_features or []) == len(images)
+
+
+def test_greedy_tokens_equal_transformers(llm, tiny_qwen2_vl, assert_no_leaks):
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
+    outs = llm.generate(prompts, greedy())  # one batch: text-only and image rows together
+    for (text, images), out in zip(cases(), outs):
+        assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
+    assert_no_leaks(llm)
+
+
+def test_chunked_prefill_splits_images(tiny_qwen2_vl, assert_no_leaks):
+    """A 24-token budget cuts every image across steps: rows come from the encoder cache."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8,
+              max_num_batched_tokens=24, enable_prefix_caching=False)
+    text, images = cases()[2]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy())[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
+    assert llm.engine.core.scheduler.encoder.num_encoded == 2
+    assert_no_leaks(llm)
+
+
+def test_small_encoder_budget_and_preemption(tiny_qwen2_vl, assert_no_leaks):
+    """An encoder budget below one image (each image then runs alone in its step) and a KV
+    pool so small that requests are preempted and recomputed: same tokens."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=14, block_size=8,
+              max_num_batched_tokens=64, max_num_encoder_input_tokens=8)
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
+    outs = llm.generate(prompts * 2, greedy(12))
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    for (text, images), out in zip(cases() * 2, outs):
+        assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, 12)
+    assert_no_leaks(llm)
+
+
+def test_same_text_other_image_never_shares_kv(llm, tiny_qwen2_vl):
+    text = f"{PLACEHOLDER} describe the picture in detail please"
+    one, two = random_image(112, 112, 10), random_image(112, 112, 11)
+    kv = llm.engine.core.kv_cache_manager
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": one}}, greedy())[0]
+    hits_before = kv.num_hits
+    second = llm.generate({"prompt": text, "multi_modal_data": {"image": two}}, greedy())[0]
+    assert second.prompt_token_ids == first.prompt_token_ids  # same tokens...
+    assert kv.num_hits == hits_before  # ...but no block of the first is reused
+    assert first.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, [one], MAX_TOKENS)
+    assert second.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, [two], MAX_TOKENS)
+    assert first.outputs[0].token_ids != second.outputs[0].token_ids
+    third = llm.generate({"prompt": text, "multi_modal_data": {"image": one}}, greedy())[0]
+    assert kv.num_hits > hits_before  # the same image again: its blocks are hit
+    assert third.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_same_image_twice_encodes_once(llm):
+    encoder = llm.engine.core.scheduler.encoder
+    image = random_image(140, 98, 20)
+    before = (encoder.num_encoded, encoder.num_hits)
+    for prefix in ("first", "second"):  # different text before it: no prefix-cache hit
+        llm.generate({"prompt": f"{prefix} {PLACEHOLDER}", "multi_modal_data": {"image": image}},
+                     greedy(2))
+    assert encoder.num_encoded - before[0] == 1
+    assert encoder.num_hits - before[1] == 1
+
+
+def test_chat_with_image_url(llm, tiny_qwen2_vl):
+    image = random_image(70, 140, 30)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "look:"},
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": "what is it?"}]}]
+    out = llm.chat(messages, greedy())[0]
+    hf_messages = [{"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": "image"},
+        {"type": "text", "text": "what is it?"}]}]
+    text = tiny_qwen2_vl.processor.apply_chat_template(hf_messages, add_generation_prompt=True)
+    assert out.prompt == text
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, [image], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt": f"{PLACEHOLDER} x", "multi_modal_data": {"image": []}}, "1 image placeholder"),
+    ({"prompt": "x", "multi_modal_data": {"image": [None]}}, "0 image placeholder"),
+    ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"image": "cat.png"}}, "PIL"),
+    ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"video": []}}, "multi_modal_data"),
+    ({"prompt": "x", "prompt_token_ids": [3]}, "exactly one"),
+])
+def test_bad_prompts_raise_value_error(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, greedy())
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("size,match", [((1, 1), "at least 14 pixels"),
+                                        ((3000, 10), "at least 14 pixels"),
+                                        ((5000, 20), "aspect ratio")])
+def test_images_the_model_cannot_take(llm, size, match):
+    image = random_image(*size, seed=0)
+    with pytest.raises(ValueError, match=match):
+        llm.generate({"prompt": PLACEHOLDER, "multi_modal_data": {"image": image}}, greedy())
+
+
+def test_text_model_refuses_images(tiny_llama):
+    llm = LLM(tiny_llama.path, dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="does not take images"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": random_image(28, 28, 0)}})
+    with pytest.raises(ValueError, match="does not take images"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}],
+            chat_template="{{ messages[0]['content'] }}")
