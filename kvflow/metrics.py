@@ -100,6 +100,14 @@ class ServerMetrics:
                                              "Prompt tokens looked up in the prefix cache", e)
         self.prefix_hits = self._labelled(c, "kvflow:prefix_cache_hits",
                                           "Prompt tokens found in the prefix cache", e)
+        self.encoder_queries = self._labelled(c, "kvflow:encoder_cache_queries",
+                                              "Images whose embeddings a request needed "
+                                              "(vision-language models)", e)
+        self.encoder_hits = self._labelled(c, "kvflow:encoder_cache_hits",
+                                           "Images found in the encoder cache (not encoded "
+                                           "again)", e)
+        self.encoder_inputs = self._labelled(c, "kvflow:encoder_inputs",
+                                             "Images run through the vision encoder", e)
 
     def record_engine_stats(self, stats: EngineStats, engine_index: int = 0) -> None:
         """Set replica ``engine_index``'s gauges and advance its counters by what the core's
@@ -117,7 +125,11 @@ class ServerMetrics:
         for counter, now, before in (
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),
                 (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
-                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits)):
+                (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.encoder_queries, stats.encoder_cache_queries,
+                 last.encoder_cache_queries),
+                (self.encoder_hits, stats.encoder_cache_hits, last.encoder_cache_hits),
+                (self.encoder_inputs, stats.encoder_inputs, last.encoder_inputs)):
             series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
                 series.inc(now - before)

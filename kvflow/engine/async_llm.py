@@ -55,8 +55,11 @@ from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_sampling_defaults
-from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
+from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
+from kvflow.models.registry import is_multimodal
+from kvflow.multimodal import make_mm_processor
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
 from kvflow.sampling_params import SamplingParams
 
@@ -112,6 +115,7 @@ class AsyncLLM:
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._start_core_processes()  # their resolve_model then finds the snapshot cached
             self._init_tokenizer(source)  # while the core processes load the model
+            self._init_mm_processor(source)
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -144,6 +148,21 @@ class AsyncLLM:
     def _name(self, index: int) -> str:
         return replica_name(index, self.num_replicas)
 
+    def _init_mm_processor(self, source: ModelSource) -> None:
+        """Images are decoded, checked and preprocessed here, in the API process (a bad
+        image is a 400 before anything is queued); None for a text-only model."""
+        self._mm_processor = None
+        if source.kind == "gguf":  # kvflow loads no vision-language GGUF
+            return
+        try:
+            hf_config = load_hf_config(source)
+            if not is_multimodal(hf_config):
+                return
+        except ValueError:  # an unreadable config or unknown architecture: the core reports it
+            return
+        self._mm_processor = make_mm_processor(source, hf_config, self.tokenizer,
+                                               self.config.multimodal_config)
+
     def _wait_ready(self, timeout: float) -> EngineReady:
         """Block until every replica reported ``EngineReady`` (before the event loop runs);
         returns replica 0's."""
@@ -164,7 +183,8 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
-                                        resolve_eos_token_id(self.tokenizer, ready))
+                                        resolve_eos_token_id(self.tokenizer, ready),
+                                        self._mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
 
@@ -242,10 +262,13 @@ class AsyncLLM:
         return len(self._waiting)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> RequestStream:
+                    params: SamplingParams, priority: int = 0,
+                    mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
-        (``sampling_defaults``, from its generation_config.json).
+        (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
+        prompt's preprocessed images (``processor.attach_images``; placeholders already
+        expanded in ``prompt_token_ids``).
 
         Raises:
             ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
@@ -256,7 +279,7 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
-                                                priority)
+                                                priority, mm_features)
         try:  # encode before registering anything, so a refusal leaves no state behind
             payload = self._encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))

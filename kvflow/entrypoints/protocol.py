@@ -196,13 +196,24 @@ class CompletionRequest(SamplingRequest):
     _no_bool_logprobs = field_validator("logprobs", mode="before")(_not_bool)
 
 
+class ImageURL(OpenAIBaseModel):
+    """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, or an http(s) URL the
+    server fetches only from ``--allowed-media-domains``. ``detail``: only ``"auto"`` (the
+    model's image processor chooses the resolution); ``"low"`` / ``"high"`` are a 400."""
+
+    url: str
+    detail: str | None = None  # checked by the chat handler (a 400 naming the part)
+
+
 class ContentPart(OpenAIBaseModel):
-    """A content part: ``text`` (or an assistant's ``refusal``) is rendered; other types
-    (images, audio) are a 400."""
+    """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
+    parts are images for a vision-language model (a 400 for a text-only one); other types
+    (audio, files) are a 400."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -19,6 +19,7 @@ from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
+from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
@@ -239,10 +240,12 @@ class OpenAIServing:
 
     # ---- running requests --------------------------------------------------------------------
     def add_requests(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                     params: Sequence[SamplingParams], priority: int = 0
+                     params: Sequence[SamplingParams], priority: int = 0,
+                     mm_features: list[MultiModalFeature] | None = None
                      ) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
-        the priority policy); on failure abort what was queued.
+        the priority policy), with the images ``mm_features`` (placeholders expanded in the
+        prompts' ids); on failure abort what was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone.
@@ -251,7 +254,7 @@ class OpenAIServing:
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp,
-                                                       priority))
+                                                       priority, mm_features))
         except ValueError as e:
             self.abort(streams)
             raise invalid_request(e) from None

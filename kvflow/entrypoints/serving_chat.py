@@ -3,6 +3,7 @@ streamed (SSE) or whole; and the conversation rendering that /tokenize shares.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.protocol import (
@@ -44,6 +45,8 @@ from kvflow.entrypoints.structured_requests import (
     tools_for_template,
 )
 from kvflow.entrypoints.tool_parsers import make_tool_parser
+from kvflow.input_processor import InputProcessor, ProcessedPrompt
+from kvflow.multimodal import MediaError
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
@@ -81,11 +84,14 @@ class OpenAIServingChat(OpenAIServing):
         mode, parser = self._tools(req)
         text, ids = self.render(req.messages, ChatOptions.of(req),
                                 tools_for_template(req, mode))
+        prompt = await self.attach_images(req.messages, text, ids)
+        ids = prompt.token_ids
         params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
         request_id = random_id("chatcmpl")
         self.note_request(req, request_id)
-        streams = self.add_requests(request_id, [(text, ids)], [params], req.priority)
+        streams = self.add_requests(request_id, [(text, ids)], [params], req.priority,
+                                    prompt.mm_features)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
                                                                  streams, parser)))
@@ -111,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("echo is not supported on /v1/chat/completions (use "
                               "continue_final_message to continue an assistant message)",
                               param="echo")
+        _check_image_details(req.messages)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
@@ -145,6 +152,27 @@ class OpenAIServingChat(OpenAIServing):
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param) from None
         return text, tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
+
+    async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
+                            ) -> ProcessedPrompt:
+        """The rendered prompt with the conversation's images (a vision-language model):
+        each ``image_url`` part's image fetched or decoded, checked and preprocessed in a
+        worker thread (the event loop keeps serving), and its placeholder expanded.
+
+        Raises:
+            OpenAIError: 400 naming the ``image_url`` part for an image that cannot be used
+                (see ``kvflow/multimodal/media.py``), or ``messages`` for a placeholder count
+                that differs from the image count.
+        """
+        processor = self.engine.processor
+        if processor.mm_processor is None:  # rendering refused image parts already
+            return ProcessedPrompt(text, ids)
+        conversation = [m.model_dump() for m in messages]
+        try:
+            return await asyncio.to_thread(_with_images, processor, conversation, text, ids)
+        except ValueError as e:
+            param = getattr(e, "param", None) or "messages"
+            raise OpenAIError(str(e), param=param, code=getattr(e, "code", None)) from None
 
     def _params(self, req: ChatCompletionRequest, ids: list[int],
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -210,6 +238,33 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], _usage(len(ids), num_generated))
+
+
+def _check_image_details(messages: list[ChatMessage]) -> None:
+    """Only ``detail: "auto"`` (or none): the model's image processor picks the resolution.
+    Raises OpenAIError 400 naming the part otherwise."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            detail = part.image_url.detail if part.image_url is not None else None
+            if detail not in (None, "auto"):
+                raise OpenAIError(f"image_url.detail={detail!r} is not supported: the model's "
+                                  "image processor chooses the resolution (use 'auto' or "
+                                  "leave it out)",
+                                  param=f"messages.{i}.content.{j}.image_url.detail")
+
+
+def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
+                 ids: list[int]) -> ProcessedPrompt:
+    """Load the conversation's images and expand their placeholders in ``ids``; a refused
+    image's error names its ``image_url`` part. Raises ValueError (``MediaError``)."""
+    urls = image_urls(conversation)
+    images = processor.load_chat_images(conversation)
+    try:
+        return processor.attach_images(text, ids, images)
+    except MediaError as e:
+        if e.image_index is not None and e.image_index < len(urls):
+            e.param = urls[e.image_index][0]
+        raise
 
 
 def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str

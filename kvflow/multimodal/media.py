@@ -34,9 +34,13 @@ _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),(.*)", re.DOTALL)
 class MediaError(ValueError):
     """An image that cannot be used: undecodable, of an unsupported type, too large, or from
     a source the server does not fetch from. ``param`` names the request field when known
-    (``messages.0.content.1.image_url``)."""
+    (``messages.0.content.1.image_url``); ``image_index`` is the image's place in the
+    prompt's image list when the refusal came from preprocessing; ``code`` is the OpenAI
+    error code the server answers with."""
 
     param: str | None = None
+    image_index: int | None = None
+    code = "invalid_image"
 
 
 def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:

@@ -80,8 +80,12 @@ class MultiModalProcessor:
                              f"({self.placeholder!r}) but {len(images)} image(s) were given: "
                              "put exactly one placeholder where each image goes")
         expanded, features, cursor = [], [], 0
-        for slot, image in zip(slots, images):
-            pixels, grid = self.preprocess(image)
+        for k, (slot, image) in enumerate(zip(slots, images)):
+            try:
+                pixels, grid = self.preprocess(image)
+            except MediaError as e:
+                e.image_index = k
+                raise
             expanded.extend(token_ids[cursor:slot])
             length = grid[0] * grid[1] * grid[2] // self.merge ** 2
             features.append(_feature(pixels, grid, len(expanded), length))

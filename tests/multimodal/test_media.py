@@ -1,0 +1,85 @@
+"""Remote image URLs (``kvflow/multimodal/media.py``): fetched only from allow-listed hosts,
+redirects re-checked, the byte cap applied to the download. A local ``http.server`` on a free
+loopback port stands in for the image host; the oracle is the PNG's own pixels (PIL)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvflow.config import MultiModalConfig
+from kvflow.multimodal.media import MediaError, load_image_url
+from tests.multimodal.conftest import png_bytes, random_image
+
+IMAGE = random_image(40, 30, 9)
+PNG = png_bytes(IMAGE)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/cat.png":
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            self.wfile.write(PNG)
+        elif self.path.startswith("/redirect"):
+            host = self.path.split("=", 1)[1]
+            self.send_response(302)
+            self.send_header("Location", f"http://{host}:{self.server.server_port}/cat.png")
+            self.end_headers()
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_port
+    server.shutdown()
+    server.server_close()
+
+
+def test_allowed_host_is_fetched(image_host):
+    config = MultiModalConfig(allowed_media_domains="127.0.0.1")
+    image = load_image_url(f"http://127.0.0.1:{image_host}/cat.png", config)
+    assert np.array_equal(np.asarray(image), np.asarray(IMAGE))
+
+
+def test_remote_fetching_is_off_by_default(image_host):
+    with pytest.raises(MediaError, match="--allowed-media-domains"):
+        load_image_url(f"http://127.0.0.1:{image_host}/cat.png", MultiModalConfig())
+
+
+def test_other_host_and_redirect_to_it_are_refused(image_host):
+    config = MultiModalConfig(allowed_media_domains="127.0.0.1")
+    with pytest.raises(MediaError, match="'localhost' is not allowed.*127.0.0.1"):
+        load_image_url(f"http://localhost:{image_host}/cat.png", config)
+    with pytest.raises(MediaError, match="redirects to 'localhost'"):
+        load_image_url(f"http://127.0.0.1:{image_host}/redirect?to=localhost", config)
+    image = load_image_url(f"http://127.0.0.1:{image_host}/redirect?to=127.0.0.1", config)
+    assert image.size == IMAGE.size
+
+
+def test_download_byte_cap_and_http_errors(image_host):
+    small = MultiModalConfig(allowed_media_domains="127.0.0.1", max_image_bytes=len(PNG) - 1)
+    with pytest.raises(MediaError, match=f"exceeds {len(PNG) - 1} bytes"):
+        load_image_url(f"http://127.0.0.1:{image_host}/cat.png", small)
+    config = MultiModalConfig(allowed_media_domains="127.0.0.1")
+    with pytest.raises(MediaError, match="cannot fetch.*404"):
+        load_image_url(f"http://127.0.0.1:{image_host}/missing.png", config)
+
+
+@pytest.mark.parametrize("domains", ["http://example.com", "example.com:80", "a.com/x"])
+def test_malformed_domain_list_fails_at_start(domains):
+    with pytest.raises(ValueError, match="allowed_media_domains"):
+        MultiModalConfig(allowed_media_domains=domains)

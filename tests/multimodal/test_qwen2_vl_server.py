@@ -1,0 +1,164 @@
+"""Qwen2-VL through ``kvflow serve``: /v1/chat/completions with ``image_url`` data URLs.
+
+Oracle: transformers' ``Qwen2VLProcessor`` (chat template + placeholder expansion) and
+``Qwen2VLForConditionalGeneration.generate`` on the same tiny random weights: the server's
+greedy tokens must equal them for 0, 1 and 2 images of different sizes. Bad images get a 400
+naming the ``image_url`` part and the limit or defect, the server keeps serving and leaks no
+KV block; the encoder cache's counters in /metrics move as hand-counted.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ServerProcess, start_server  # noqa: F401 - fixture
+from tests.multimodal.conftest import data_url, hf_generate, png_bytes, random_image
+
+MAX_TOKENS = 6
+MAX_IMAGE_BYTES = 300_000
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
+               "--block-size", "16", "--max-image-bytes", str(MAX_IMAGE_BYTES)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_qwen2_vl):  # noqa: F811 - the imported fixture
+    server = start_server(tiny_qwen2_vl.path, ENGINE_ARGS)
+    yield server
+    server.stop()
+
+
+def chat(server: ServerProcess, content: list[dict], max_tokens: int = MAX_TOKENS
+         ) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def hf_chat_tokens(tiny, texts_and_images: list) -> list[int]:
+    """transformers' greedy tokens for one user turn of text and image parts, rendered by the
+    HF processor's own chat template."""
+    parts = [{"type": "image"} if not isinstance(p, str) else {"type": "text", "text": p}
+             for p in texts_and_images]
+    text = tiny.processor.apply_chat_template([{"role": "user", "content": parts}],
+                                              add_generation_prompt=True, tokenize=False)
+    images = [p for p in texts_and_images if not isinstance(p, str)]
+    return hf_generate(tiny, text, images, MAX_TOKENS)
+
+
+def cases():
+    a, b, c = random_image(84, 56, 1), random_image(120, 200, 2), random_image(300, 90, 3)
+    return [["describe nothing at all"], [a, "what is this?"], ["compare", b, c, "now"]]
+
+
+def to_content(parts: list) -> list[dict]:
+    return [{"type": "text", "text": p} if isinstance(p, str) else image_part(data_url(p))
+            for p in parts]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["0_images", "1_image", "2_images"])
+def test_chat_greedy_tokens_equal_transformers(server, tiny_qwen2_vl, case):
+    parts = cases()[case]
+    resp = chat(server, to_content(parts))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == hf_chat_tokens(tiny_qwen2_vl, parts)
+
+
+def test_encoder_cache_counters_and_no_prefix_sharing_across_images(server, tiny_qwen2_vl):
+    """Same image after different text: encoded once, found cached the second time. Same text
+    with another image: encoded, no prefix-cache hit, and transformers' tokens."""
+    image, other = random_image(112, 84, 11), random_image(112, 84, 12)
+    before = server.metrics()
+    first = chat(server, [{"type": "text", "text": "one"}, image_part(data_url(image))])
+    second = chat(server, [{"type": "text", "text": "two"}, image_part(data_url(image))])
+    assert first.status_code == second.status_code == 200
+    mid = server.metrics()
+    delta = {name: server.value(mid, name) - server.value(before, name) for name in (
+        "kvflow:encoder_inputs_total", "kvflow:encoder_cache_hits_total",
+        "kvflow:encoder_cache_queries_total")}
+    assert delta == {"kvflow:encoder_inputs_total": 1, "kvflow:encoder_cache_hits_total": 1,
+                     "kvflow:encoder_cache_queries_total": 2}
+    third = chat(server, [{"type": "text", "text": "two"}, image_part(data_url(other))])
+    after = server.metrics()
+    assert third.json()["choices"][0]["token_ids"] == \
+        hf_chat_tokens(tiny_qwen2_vl, ["two", other])
+    assert third.json()["choices"][0]["token_ids"] != \
+        second.json()["choices"][0]["token_ids"]
+    assert server.value(after, "kvflow:encoder_inputs_total") - \
+        server.value(mid, "kvflow:encoder_inputs_total") == 1
+    assert server.value(after, "kvflow:prefix_cache_hits_total") == \
+        server.value(mid, "kvflow:prefix_cache_hits_total")
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width x height`` pixels, with one tiny IDAT (never
+    decoded: the size check comes first)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + \
+        chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def bmp_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    random_image(32, 32, 5).save(buf, format="TIFF")
+    return buf.getvalue()
+
+
+PNG = png_bytes(random_image(64, 64, 4))
+BAD_IMAGES = [  # (id, url, words the message must hold)
+    ("truncated_png", data_url(PNG[:len(PNG) // 2]), ["truncated"]),
+    ("one_pixel", data_url(random_image(1, 1, 6)), ["1 x 1", "at least 14"]),
+    ("20000x20000", data_url(png_header_only(20000, 20000)), ["pixels"]),
+    ("bad_base64", "data:image/png;base64,iVBORw0KGgo***notbase64***", ["base64"]),
+    ("unsupported_media_type", data_url(PNG, "image/tiff"), ["image/tiff", "not supported"]),
+    ("tiff_sent_as_png", data_url(bmp_bytes()), ["TIFF", "not supported"]),
+    ("text_data_url", "data:text/plain;base64,aGVsbG8=", ["text/plain", "not supported"]),
+    ("over_byte_cap", data_url(random_image(448, 448, 7)), ["--max-image-bytes"]),
+    ("remote_url_off_by_default", "http://127.0.0.1:9/cat.png", ["--allowed-media-domains"]),
+    ("file_url", "file:///etc/passwd", ["scheme 'file'"]),
+]
+
+
+@pytest.mark.parametrize("url,words", [b[1:] for b in BAD_IMAGES], ids=[b[0] for b in BAD_IMAGES])
+def test_bad_image_is_a_400_naming_the_part(server, url, words):
+    resp = chat(server, [{"type": "text", "text": "look"}, image_part(url)])
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages.0.content.1.image_url", error
+    assert error["code"] == "invalid_image"
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+def test_other_refusals_name_their_field(server):
+    detail = chat(server, [{"type": "image_url",
+                            "image_url": {"url": data_url(PNG), "detail": "low"}}])
+    assert detail.status_code == 400
+    assert detail.json()["error"]["param"] == "messages.0.content.0.image_url.detail"
+    stray = chat(server, [{"type": "text", "text": "<|image_pad|> without an image"}])
+    assert stray.status_code == 400
+    assert "placeholder" in stray.json()["error"]["message"]
+
+
+def test_server_keeps_serving_without_leaks_after_bad_images(server, tiny_qwen2_vl):
+    for _, url, _ in BAD_IMAGES:
+        assert chat(server, [image_part(url)]).status_code == 400
+    parts = cases()[1]
+    resp = chat(server, to_content(parts))
+    assert resp.json()["choices"][0]["token_ids"] == hf_chat_tokens(tiny_qwen2_vl, parts)
+    metrics = server.metrics()
+    assert server.value(metrics, "kvflow:kv_cache_free_blocks") == \
+        server.value(metrics, "kvflow:kv_cache_usable_blocks")
+    assert server.value(metrics, "kvflow:num_requests_running") == 0
