@@ -20,7 +20,7 @@ PNG = png_bytes(IMAGE)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/cat.png":
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
