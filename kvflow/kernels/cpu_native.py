@@ -1,14 +1,15 @@
 """Native CPU kernels: C sources under ``kernels/csrc/``, compiled on first use, called via ctypes.
 
 The C code is plain C11 + OpenMP (no torch headers), so it builds in about a second with the
-system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native -fopenmp``; building and
-caching the shared library is :mod:`kvflow.kernels.cpu_build`'s job. ``-fopenmp`` links
-``libgomp.so.1``; torch's CPU build has already loaded a library of that name, so the kernels
-run on torch's OpenMP runtime and thread count instead of a second pool competing for the
-cores.
+system C compiler (``$CC``, else ``cc``); building and caching one library per instruction-set
+level is :mod:`kvflow.kernels.cpu_build`'s job. :func:`native_cpu_kernels` loads the best level
+this CPU runs (AVX512 with bf16 dot products, AVX512, AVX2, baseline; ``KVFLOW_CPU_ISA=avx2``
+etc. picks a lower one, for tests and comparisons). ``-fopenmp`` links ``libgomp.so.1``; torch's
+CPU build has already loaded a library of that name, so the kernels run on torch's OpenMP
+runtime and thread count instead of a second pool competing for the cores.
 
-Where no compiler is available or the build fails, :func:`native_cpu_kernels` returns None (the
-reason is logged once) and callers fall back to the plain-torch kernels.
+Where no compiler is available or every build fails, :func:`native_cpu_kernels` returns None
+(the reason is logged once) and callers fall back to the plain-torch kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvflow.kernels import cpu_build
 logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -38,12 +40,13 @@ _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 class NativeCpuKernels:
     """The compiled library's entry points, with argument checks done in Python."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "native") -> None:
         self.lib = lib  # entry points bound elsewhere (kernels/cpu_attention_kvq.py)
+        self.isa = isa  # the instruction-set level the library was built for
         self._attn = lib.kvflow_paged_attention
         self._attn.restype = _int
         self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
-                               _i64, _i64, _i64, _f32, _i64, _int, _int]
+                               _i64, _i64, _i64, _f32, _i64, _int, _int, _int]
         self._rms_norm = lib.kvflow_rms_norm
         self._rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32,
                                    _int, _int]
@@ -56,20 +59,17 @@ class NativeCpuKernels:
             fn.restype = _int
         self._gemm_packed_size = lib.kvflow_gemm_packed_size
         self._gemm_packed_size.restype = _i64
-        self._gemm_packed_size.argtypes = [_i64, _i64]
+        self._gemm_packed_size.argtypes = [_i64, _i64, _int]
+        self._gemm_x_dtype = lib.kvflow_gemm_x_dtype
+        self._gemm_x_dtype.restype = _int
+        self._gemm_x_dtype.argtypes = [_int]
         self._gemm_pack = lib.kvflow_gemm_pack
         self._gemm_pack.restype = None
-        self._gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
+        self._gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr, _int]
         self._gemm = lib.kvflow_gemm
         self._gemm.restype = _int
-        self._gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
-        self._gemm_pack16 = lib.kvflow_gemm_pack16
-        self._gemm_pack16.restype = None
-        self._gemm_pack16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
-        self._gemm_w16 = lib.kvflow_gemm_w16
-        self._gemm_w16.restype = _int
-        self._gemm_w16.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                                   _int]
+        self._gemm.argtypes = [_ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                               _int]
         self._gguf_gemm = lib.kvflow_gguf_gemm
         self._gguf_gemm.restype = _int
         self._gguf_gemm.argtypes = [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64,
@@ -84,7 +84,8 @@ class NativeCpuKernels:
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None, validate: bool = True) -> torch.Tensor:
+                        sliding_window: int | None = None, validate: bool = True,
+                        tiled: bool = True) -> torch.Tensor:
         """Paged attention over ``kv_cache`` read in place (same contract as
         :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
 
@@ -97,6 +98,8 @@ class NativeCpuKernels:
             scale: softmax scale; sliding_window: keys a query may look back (None = all).
             validate: check the indices (:meth:`check_paged_indices`) first; pass False only
                 when the caller has (the attention backend checks once per step, not per layer).
+            tiled: multi-token queries (prefill) go through the register-tiled path where
+                head_dim % 16 == 0; False forces the row-by-row path (for comparisons).
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past
@@ -119,7 +122,7 @@ class NativeCpuKernels:
             out.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
             num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            _DTYPE_CODES[q.dtype], torch.get_num_threads())
+            _DTYPE_CODES[q.dtype], torch.get_num_threads(), int(tiled))
         _raise_on(status, "paged attention")
         return out
 
@@ -227,9 +230,9 @@ class NativeCpuKernels:
         """Pack ``weight`` [N, K] (fp32, bf16 or fp16 CPU, unit stride along K) once for
         :meth:`gemm`.
 
-        Returns a 1-D tensor of the weight's dtype with ``ceil(N / 16) * 16 * K`` elements
-        (panels of 16 output columns, k-major; see ``csrc/cpu_gemm.c``). Raises ValueError on
-        another dtype, device or layout.
+        Returns a 1-D tensor of the weight's dtype in the library's panel layout (panels of 16
+        or 32 output columns, k-major; bf16 in k-pairs where the CPU has AVX512-BF16; see
+        ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device or layout.
         """
         if weight.dtype not in _DTYPE_CODES or weight.device.type != "cpu" \
                 or weight.dim() != 2 or weight.stride(1) != 1:
@@ -237,21 +240,28 @@ class NativeCpuKernels:
                              f"unit-stride rows, got {weight.dtype} {tuple(weight.shape)} on "
                              f"{weight.device}")
         n, k = weight.shape
-        packed = torch.empty(self._gemm_packed_size(n, k), dtype=weight.dtype)
-        pack = self._gemm_pack if weight.dtype == torch.float32 else self._gemm_pack16
-        pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(),
-             torch.get_num_threads())
+        code = _DTYPE_CODES[weight.dtype]
+        packed = torch.empty(self._gemm_packed_size(n, k, code), dtype=weight.dtype)
+        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, code, packed.data_ptr(),
+                        torch.get_num_threads())
         return packed
+
+    def gemm_x_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The activation dtype :meth:`gemm` takes with packed weights of ``weight_dtype``:
+        bf16 for bf16 weights where the CPU multiplies bf16 pairs (AVX512-BF16), else fp32."""
+        return _DTYPES[self._gemm_x_dtype(_DTYPE_CODES[weight_dtype])]
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
              bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
 
-        A 16-bit weight is widened to fp32 in registers (exact); the product accumulates and is
-        returned in fp32, never rounded to 16 bits.
+        A 16-bit weight is widened to fp32 in registers (exact) or, for bf16 on AVX512-BF16,
+        multiplied with bf16 ``x`` by bf16 dot-product instructions; either way the product
+        accumulates and is returned in fp32, never rounded to 16 bits.
 
         Args:
-            x: [..., K] float32 CPU activations (copied first if the last dim is strided).
+            x: [..., K] CPU activations of :meth:`gemm_x_dtype` (another float dtype is
+                converted first; so is a strided last dim).
             packed: the packed weight (float32, bfloat16 or float16); n: its output features.
             bias: [n] float32, or None.
 
@@ -264,26 +274,22 @@ class NativeCpuKernels:
             MemoryError: when the kernel cannot allocate its work-sharing state.
         """
         k = x.shape[-1]
-        if x.dtype != torch.float32 or x.device.type != "cpu" \
-                or packed.dtype not in _DTYPE_CODES \
-                or packed.numel() != self._gemm_packed_size(n, k):
-            raise ValueError(f"gemm: x must be float32 CPU [..., K] matching a packed [{n}, K] "
+        code = _DTYPE_CODES.get(packed.dtype, -1)
+        if x.device.type != "cpu" or not x.is_floating_point() or code < 0 \
+                or packed.numel() != self._gemm_packed_size(n, k, code):
+            raise ValueError(f"gemm: x must be a float CPU [..., K] matching a packed [{n}, K] "
                              f"weight, got {x.dtype} {tuple(x.shape)} on {x.device}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"gemm: bias must be contiguous float32 [{n}]")
-        rows = x.reshape(math.prod(x.shape[:-1]), k)
+        x_code = self._gemm_x_dtype(code)
+        rows = x.reshape(math.prod(x.shape[:-1]), k).to(_DTYPES[x_code])
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        bias_ptr, threads = None if bias is None else bias.data_ptr(), torch.get_num_threads()
-        if packed.dtype == torch.float32:
-            status = self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), bias_ptr,
-                                out.data_ptr(), n, rows.shape[0], n, k, threads)
-        else:
-            status = self._gemm_w16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                                    _DTYPE_CODES[packed.dtype], bias_ptr, out.data_ptr(), n,
-                                    rows.shape[0], n, k, threads)
+        status = self._gemm(rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                            rows.shape[0], n, k, torch.get_num_threads())
         _raise_on(status, "gemm")
         return out.view(*x.shape[:-1], n)
 
@@ -381,12 +387,12 @@ def _raise_on(status: int, op: str) -> None:
         raise MemoryError(f"native {op} could not allocate its per-thread scratch")
 
 
-def _open(lib_path: Path) -> NativeCpuKernels:
+def _open(lib_path: Path, isa: str) -> NativeCpuKernels:
     """dlopen ``lib_path`` and bind the entry points; a library without them is closed again,
     or the loader would hand back that same library for the path after a rebuild."""
     lib = ctypes.CDLL(str(lib_path))
     try:
-        return NativeCpuKernels(lib)
+        return NativeCpuKernels(lib, isa)
     except AttributeError:
         dlclose = getattr(_ctypes, "dlclose", None)
         if dlclose is not None:
@@ -394,20 +400,21 @@ def _open(lib_path: Path) -> NativeCpuKernels:
         raise
 
 
-def _load(cc: str, sources: list[Path], target: Path) -> NativeCpuKernels:
-    """The kernels from ``target``, building it when missing or not intact, and rebuilding once
-    when a cached library fails to load (a foreign file, missing symbols)."""
+def _load(cc: str, sources: list[Path], level: cpu_build.IsaLevel) -> NativeCpuKernels:
+    """The kernels of ISA ``level``, building its library when missing or not intact, and
+    rebuilding once when a cached library fails to load (a foreign file, missing symbols)."""
+    target = cpu_build.library_path(cc, sources, cache_dir(), level)
     built = not cpu_build.intact(target)
     if built:
-        cpu_build.build(cc, sources, target)
+        cpu_build.build(cc, sources, target, level)
     try:
-        return _open(target)
+        return _open(target, level.name)
     except (OSError, AttributeError) as exc:
         if built:
             raise
         logger.warning("cached native CPU kernels %s do not load (%s); rebuilding", target, exc)
-    cpu_build.build(cc, sources, target)
-    return _open(target)
+    cpu_build.build(cc, sources, target, level)
+    return _open(target, level.name)
 
 
 def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:
@@ -418,21 +425,55 @@ def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:
     return native_cpu_kernels()
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def native_cpu_kernels_for_isa(name: str) -> NativeCpuKernels | None:
+    """The kernels built for ISA level ``name`` (:data:`kvflow.kernels.cpu_build.X86_LEVELS`),
+    or None when this CPU cannot run it, no compiler is found or the build fails (for tests and
+    comparisons; the engine uses :func:`native_cpu_kernels`)."""
+    cc = _compiler()
+    level = next((lv for lv in cpu_build.isa_levels_for_cpu() if lv.name == name), None)
+    if cc is None or level is None:
+        return None
+    sources = [Path(__file__).parent / "csrc" / src for src in cpu_build.SOURCES]
+    try:
+        return _load(cc, sources, level)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels for %s unavailable: %s", name, exc)
+        return None
+
+
 @functools.cache
 def native_cpu_kernels() -> NativeCpuKernels | None:
-    """The compiled kernels, building them on first use; None (logged once) if unavailable.
+    """The compiled kernels of the best ISA level this CPU runs, building them on first use
+    (a level whose build fails falls back to the next); None (logged once) if unavailable.
 
-    ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead).
+    ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead);
+    ``KVFLOW_CPU_ISA=<level>`` (avx512_bf16, avx512, avx2, x86-64) asks for a lower level
+    than the best, e.g. to test the AVX2 path on an AVX512 machine.
     """
     if os.environ.get("KVFLOW_NATIVE_CPU", "1") == "0":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         logger.warning("no C compiler (cc/gcc) found: CPU attention uses the torch backend")
         return None
+    levels = cpu_build.isa_levels_for_cpu()
+    forced = os.environ.get("KVFLOW_CPU_ISA")
+    if forced:
+        chosen = [lv for lv in levels if lv.name == forced]
+        if not chosen:
+            logger.warning("KVFLOW_CPU_ISA=%s is not one of the levels this CPU runs (%s); "
+                           "using the best", forced, ", ".join(lv.name for lv in levels))
+        levels = chosen or levels
     sources = [Path(__file__).parent / "csrc" / name for name in cpu_build.SOURCES]
-    try:
-        return _load(cc, sources, cpu_build.library_path(cc, sources, cache_dir()))
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels unavailable, using the torch backend: %s", exc)
-        return None
+    for level in levels:
+        try:
+            return _load(cc, sources, level)
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+            logger.warning("native CPU kernels for %s unavailable: %s", level.name, exc)
+    logger.warning("native CPU kernels unavailable, using the torch backend")
+    return None

@@ -8,8 +8,8 @@ weight prepacking) and multiply any batch against it (``_linear_pointwise``): 1.
 GEMMs at batch 64 on an AVX2 EPYC, same results up to fp32 summation order. vLLM's CPU backend
 prepacks its weights with oneDNN for the same reason. Where kvflow's native CPU kernels build,
 weights are packed for kvflow's own C GEMM instead (``kernels/csrc/cpu_gemm.c``, a Goto/BLIS
-loop nest around a 6 x 16 FMA micro-kernel), which matches oneDNN at prefill sizes and runs
-decode-sized products (tens of rows) 1.3-2x faster on that EPYC. Which of the two each GEMM
+loop nest around a 6-row register-tiled micro-kernel), which matched oneDNN at prefill sizes
+and ran decode-sized products (tens of rows) 1.3-2x faster on that EPYC. Which of the two each GEMM
 uses is timed per CPU and shape class (:mod:`kvflow.kernels.gemm_select`, ``--cpu-gemm``).
 
 **16-bit models on CPUs without 16-bit matmul units.**
@@ -80,9 +80,10 @@ class OneDnnPackedWeight:
 
 
 class NativePackedWeight:
-    """A weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16 output
-    columns, multiplied by a 6 x 16 FMA micro-kernel. fp32 weights, or bf16/fp16 weights
-    widened in registers; activations, accumulation and the result are fp32."""
+    """A weight packed for kvflow's C GEMM (``kernels/csrc/cpu_gemm.c``): panels of 16 (32 on
+    AVX512) output columns, multiplied by a 6-row register-tiled micro-kernel. fp32 weights,
+    fp16 weights widened in registers, bf16 weights widened or (AVX512-BF16) multiplied as bf16
+    pairs; accumulation and the result are fp32."""
 
     def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels) -> None:
         self.kernels = kernels
@@ -90,7 +91,7 @@ class NativePackedWeight:
         self.packed = kernels.gemm_pack(weight.detach())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.gemm(x.float(), self.packed, self.out_features,
+        return self.kernels.gemm(x, self.packed, self.out_features,
                                  None if bias is None else bias.float())
 
 

@@ -95,12 +95,12 @@ def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
     return result
 
 
-def cache_key(num_threads: int) -> str:
-    """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources
-    and the thread count."""
+def cache_key(num_threads: int, isa: str = "") -> str:
+    """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
+    the ISA level of the loaded kernels and the thread count."""
     digest = hashlib.sha256()
     csrc = Path(cpu_build.__file__).parent / "csrc"
-    for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads),
+    for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads), isa,
                  *(p.read_text() for p in sorted(csrc.glob("*.[ch]")))]:
         digest.update(part.encode())
     return digest.hexdigest()[:16]
@@ -152,7 +152,7 @@ class GemmTimings:
 def gemm_timings(kernels: NativeCpuKernels | None) -> GemmTimings:
     """The timings cache of this CPU, torch, kernel sources and thread count, under
     ``<cache_dir>/cpu_gemm/``."""
-    name = f"{cache_key(torch.get_num_threads())}.json"
+    name = f"{cache_key(torch.get_num_threads(), kernels.isa if kernels else '')}.json"
     return GemmTimings(Path(cache_dir()) / "cpu_gemm" / name, kernels)
 
 

@@ -33,12 +33,12 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
 MIXED = [(0, 1), (17, 1), (0, 37), (20, 5), (0, 1), (63, 40), (100, 1), (3, 16)]
 
 
-def check(batch, sliding_window=None):
+def check(batch, sliding_window=None, tiled=True):
     n_real = int(batch["query_start_loc"][-1])
     ref = paged_attention_ref(**batch, sliding_window=sliding_window)
     out = KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
                                   batch["seq_lens"], batch["block_table"], batch["scale"],
-                                  sliding_window)
+                                  sliding_window, tiled=tiled)
     assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
     torch.testing.assert_close(out[:n_real], ref[:n_real], **TOL[batch["q"].dtype])
 
@@ -46,19 +46,27 @@ def check(batch, sliding_window=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64),
                                                                (8, 1, 128), (6, 2, 20)])
-def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
-    check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype))
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
+def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, tiled):
+    """Prefill tiles through the register-tiled path (head_dim % 16 == 0; 20 takes the row
+    path either way) and through the row-by-row path."""
+    check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype), tiled=tiled)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sliding_window(window, dtype):
-    check(make_batch(MIXED, 4, 2, 32, dtype=dtype, seed=1), sliding_window=window)
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
+def test_sliding_window(window, dtype, tiled):
+    reqs = [*MIXED, (90, 150)]  # a long chunk: windows inside and across 64-key super-blocks
+    check(make_batch(reqs, 4, 2, 32, dtype=dtype, seed=1), sliding_window=window, tiled=tiled)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
-def test_block_sizes(block_size):
-    check(make_batch(MIXED, 4, 2, 16, block_size=block_size, seed=2))
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32, 128])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
+def test_block_sizes(block_size, tiled):
+    """Super-blocks of the tiled path are whole blocks: 64 keys of 16-key blocks, 63 of 3-key
+    ones, one 128-key block."""
+    check(make_batch([*MIXED, (70, 100)], 4, 2, 16, block_size=block_size, seed=2), tiled=tiled)
 
 
 def test_padding_rows_and_strided_q():

@@ -209,7 +209,7 @@ def test_native_gemm_rejects_bad_operands():
     with pytest.raises(ValueError, match="matching"):
         kernels.gemm(torch.randn(3, 9), packed, 4)  # K 9 vs 8
     with pytest.raises(ValueError, match="matching"):
-        kernels.gemm(torch.randn(3, 8).bfloat16(), packed, 4)
+        kernels.gemm(torch.randn(3, 8, dtype=torch.float64).int(), packed, 4)
     with pytest.raises(ValueError, match="bias"):
         kernels.gemm(torch.randn(3, 8), packed, 4, torch.randn(5))
 
@@ -218,14 +218,17 @@ def test_native_gemm_rejects_bad_operands():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 33, 257), (97, 48, 600)])
 def test_native_gemm_16_bit_weights_widen_exactly(dtype, m, n, k):
-    """16-bit weights packed as they are, widened in registers: the fp32 result is within the
-    fp32 bound of the float64 product of the widened operands (never rounded to 16 bits)."""
+    """16-bit weights packed as they are, widened in registers (or, bf16 on AVX512-BF16,
+    multiplied with bf16 activations by dot-product instructions): the fp32 result is within
+    the fp32 bound of the float64 product of the operands the kernel takes (never rounded to
+    16 bits)."""
+    kernels = native_cpu_kernels()
     gen = torch.Generator().manual_seed(m + n + k)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen)
-    packed = NativePackedWeight(w, native_cpu_kernels())
+    x = torch.randn(m, k, generator=gen).to(kernels.gemm_x_dtype(dtype))
+    w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+    packed = NativePackedWeight(w, kernels)
     assert packed.packed.dtype == dtype
-    _fp32_oracle_check(packed(x, b), x, w.float(), b)
+    _fp32_oracle_check(packed(x, b), x.float(), w.float(), b)
 
 
 HEAD_PATHS = [pytest.param("native", marks=native), pytest.param("onednn", marks=mkldnn),

@@ -26,6 +26,8 @@
 
 #define TILE 16
 
+enum { SB = 64, MR_T = 6 }; /* keys per super-block and rows per register tile (tiled path) */
+
 typedef struct {
     const char *q, *k_cache, *v_cache;
     char *out;
@@ -38,10 +40,13 @@ typedef struct {
 /* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state (m, l, and
  * corr: the block's rescale factor) and accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
  * (unused for fp32 caches), row pointers into the block (k, v: every head; kh, vh: one), and
- * for decode items every head's scores over the longest context of the call (p). */
+ * for decode items every head's scores over the longest context of the call (p); for tiled
+ * prefill items the tile's transposed queries (qt) and one KV head's scores over a
+ * super-block of keys (st). */
 typedef struct {
-    float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p;
+    float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p, *qt, *st;
     const float **k, **v, **kh, **vh;
+    const char **kp, **vp, **qrow; /* tiled path: key / value rows, operand rows */
     int64_t p_stride; /* floats per head row of p: a decode request's scores (max context) */
 } Scratch;
 
@@ -61,13 +66,22 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->v = malloc(sizeof(float *) * block_size * num_kv_heads);
     w->kh = malloc(sizeof(float *) * block_size);
     w->vh = malloc(sizeof(float *) * block_size);
+    /* tiled path: rows of one KV head padded to 16; keys of a super-block */
+    const int64_t ld = (TILE * (num_heads / num_kv_heads) + 15) / 16 * 16;
+    const int64_t keys = block_size >= SB ? block_size : SB / block_size * block_size;
+    w->qt = malloc(sizeof(float) * num_kv_heads * head_dim * ld);
+    w->st = malloc(sizeof(float) * keys * ld);
+    w->kp = malloc(sizeof(char *) * keys);
+    w->vp = malloc(sizeof(char *) * keys);
+    w->qrow = malloc(sizeof(char *) * (head_dim > ld ? head_dim : ld));
     return w->q && w->s && w->m && w->corr && w->l && w->acc && w->kb && w->vb && w->k && w->v
-        && w->kh && w->vh && w->p;
+        && w->kh && w->vh && w->p && w->qt && w->st && w->kp && w->vp && w->qrow;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->corr); free(w->l); free(w->acc); free(w->kb);
-    free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p);
+    free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p); free(w->qt);
+    free(w->st); free(w->kp); free(w->vp); free(w->qrow);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -318,6 +332,8 @@ static void attend_decode(const Args *a, Scratch *w, int64_t r) {
     store_row(a->dtype, w->acc, a->out + q0 * H * D * elem_size(a->dtype), H * D);
 }
 
+#include "cpu_attention_tiled.h"
+
 /* Index of the request owning tile number `tile` (tile_start is a prefix sum). */
 static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t tile) {
     int64_t lo = 0, hi = num_reqs - 1;
@@ -328,13 +344,16 @@ static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t
     return lo;
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated. */
+/* tiled: multi-token items take the register-tiled path where head_dim % 16 == 0 (else, and
+ * with tiled = 0, the row-by-row path). Returns 0 on success, 1 when scratch memory could not
+ * be allocated. */
 int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, void *out, const int32_t *block_table,
                            int64_t bt_stride, const int32_t *query_start_loc,
                            const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, int dtype, int num_threads) {
+                           float scale, int64_t window, int dtype, int num_threads,
+                           int tiled) {
     const Args a = {q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, q_stride,
                     bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale,
                     dtype};
@@ -367,6 +386,7 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t j0 = (tile - tile_start[r]) * TILE;
             const int64_t nq = qlen - j0 < TILE ? qlen - j0 : TILE;
             if (qlen == 1) attend_decode(&a, &w, r);
+            else if (tiled && a.head_dim % 16 == 0) attend_tile_tiled(&a, &w, r, j0, nq);
             else attend_tile(&a, &w, r, j0, nq);
         }
         failed |= !ok;

@@ -1,0 +1,105 @@
+"""One kernel library per instruction-set level, chosen at run time: which levels a CPU runs
+(from its feature flags), cache names that do not depend on the CPU (a shared cache directory
+serves every CPU), ``KVFLOW_CPU_ISA`` forcing a lower level (the AVX2 path on an AVX512
+machine), and every level this CPU runs checked against the float64 / plain-torch oracles:
+GEMM (fp32, bf16, fp16 weights), paged attention (tiled and row paths), RMSNorm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow.kernels import cpu_build, cpu_native
+from kvflow.kernels.attention_ref import paged_attention_ref
+from tests.kernels.paged_batch import make_batch
+from tests.kernels.test_gemm import fp32_error_bound
+
+AVX2 = frozenset({"avx2", "fma", "f16c", "bmi2", "sse4_2"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
+
+
+def test_levels_follow_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+    names = lambda features: [lv.name for lv in cpu_build.isa_levels_for_cpu(features)]
+    assert names(AVX512 | {"avx512_bf16"}) == ["avx512_bf16", "avx512", "avx2", "x86-64"]
+    assert names(AVX512) == ["avx512", "avx2", "x86-64"]
+    assert names(AVX2) == ["avx2", "x86-64"]
+    assert names(frozenset({"sse2"})) == ["x86-64"]
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "aarch64")
+    assert names(frozenset({"asimd"})) == ["generic"]
+
+
+def test_library_names_depend_on_level_not_on_the_cpu(monkeypatch, tmp_path):
+    """No -march=native: two CPUs sharing a cache directory get the same file for a level,
+    and each level its own file."""
+    src = [Path(cpu_native.__file__).parent / "csrc" / s for s in cpu_build.SOURCES]
+    levels = cpu_build.X86_LEVELS
+    paths = [cpu_build.library_path("cc", src, str(tmp_path), lv) for lv in levels]
+    monkeypatch.setattr(cpu_build, "cpu_fingerprint", lambda: "model name: another CPU")
+    assert paths == [cpu_build.library_path("cc", src, str(tmp_path), lv) for lv in levels]
+    assert len(set(paths)) == len(levels)
+    assert all("-march=native" not in lv.flags for lv in levels)
+
+
+def test_env_forces_a_lower_level(monkeypatch):
+    """KVFLOW_CPU_ISA picks the level (here the lowest this CPU runs); an unknown one falls
+    back to the best."""
+    if cpu_native.native_cpu_kernels() is None:
+        pytest.skip("no C compiler")
+    try:
+        for forced, expected in ((LEVELS[-1], LEVELS[-1]), ("avx512_vnni_imaginary", LEVELS[0])):
+            monkeypatch.setenv("KVFLOW_CPU_ISA", forced)
+            cpu_native.native_cpu_kernels.cache_clear()
+            assert cpu_native.native_cpu_kernels().isa == expected
+    finally:
+        monkeypatch.delenv("KVFLOW_CPU_ISA")
+        cpu_native.native_cpu_kernels.cache_clear()
+
+
+@pytest.fixture(params=LEVELS)
+def kernels(request):
+    """The kernels of each ISA level this CPU runs."""
+    k = cpu_native.native_cpu_kernels_for_isa(request.param)
+    if k is None:
+        pytest.skip(f"{request.param} kernels could not be built")
+    assert k.isa == request.param
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 257), (7, 16, 3), (97, 70, 600)])
+def test_gemm_at_every_level(kernels, dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(kernels.gemm_x_dtype(dtype))
+    w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+    got = kernels.gemm(x, kernels.gemm_pack(w), n, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert got.dtype == torch.float32
+    assert ((got.double() - ref).abs() <= fp32_error_bound(x.float(), w.float(), b)).all()
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_attention_at_every_level(kernels, dtype, tiled):
+    reqs = [(0, 1), (0, 70), (40, 130), (100, 1), (5, 17)]
+    for window in (None, 33):
+        batch = make_batch(reqs, 9, 3, 64, dtype=dtype, seed=4)
+        n = int(batch["query_start_loc"][-1])
+        ref = paged_attention_ref(**batch, sliding_window=window)
+        out = kernels.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                      batch["seq_lens"], batch["block_table"], batch["scale"],
+                                      window, tiled=tiled)
+        torch.testing.assert_close(out[:n], ref[:n], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_rms_norm_at_every_level(kernels):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
+    ref = w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)
