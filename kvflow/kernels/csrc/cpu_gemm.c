@@ -152,8 +152,10 @@ static inline __attribute__((always_inline)) void micro_kernel(
         int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines) {
     vhf acc[MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (vhf){0};
+    const int64_t pf_per_k = kc > 0 ? (pf_lines + kc - 1) / kc : 0; /* lines per k step */
     for (int64_t kk = 0; kk < kc; ++kk) {
-        if (kk < pf_lines) __builtin_prefetch(pf + kk * 64);
+        for (int64_t l = kk * pf_per_k; l < (kk + 1) * pf_per_k && l < pf_lines; ++l)
+            __builtin_prefetch(pf + l * 64);
         const vhf w0 = load_w(wp, kk * NR, wdt), w1 = load_w(wp, kk * NR + HALF, wdt);
         for (int r = 0; r < R; ++r) {
             const vhf a = splat(x[r * xs + kk]);
@@ -173,10 +175,10 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
         int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines) {
     __m512 acc[MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t pairs = kc / 2;
+    const int64_t pairs = kc / 2, pf_per_k = pairs > 0 ? (pf_lines + pairs - 1) / pairs : 0;
     for (int64_t kp = 0; kp < pairs; ++kp) {
-        if (2 * kp < pf_lines) __builtin_prefetch(pf + 2 * kp * 64);
-        if (2 * kp + 1 < pf_lines) __builtin_prefetch(pf + (2 * kp + 1) * 64);
+        for (int64_t l = kp * pf_per_k; l < (kp + 1) * pf_per_k && l < pf_lines; ++l)
+            __builtin_prefetch(pf + l * 64);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR + NR);
         for (int r = 0; r < R; ++r) {
