@@ -2,7 +2,7 @@
 (from its feature flags), cache names that do not depend on the CPU (a shared cache directory
 serves every CPU), ``KVFLOW_CPU_ISA`` forcing a lower level (the AVX2 path on an AVX512
 machine), and every level this CPU runs checked against the float64 / plain-torch oracles:
-GEMM (fp32, bf16, fp16 weights), paged attention (tiled and row paths), RMSNorm."""
+GEMM (fp32, bf16, fp16 weights), paged attention (tiled and row paths), RMSNorm, GGUF GEMM."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.attention_ref import paged_attention_ref
+from kvflow.kernels.gguf_dequant import Q4_0, Q4_K, Q6_K
 from tests.kernels.paged_batch import make_batch
 from tests.kernels.test_gemm import fp32_error_bound
 
@@ -103,3 +104,16 @@ def test_rms_norm_at_every_level(kernels):
     x, w = torch.randn(5, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
     ref = w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_K, Q6_K])
+def test_gguf_gemm_at_every_level(kernels, ggml_type):
+    """cpu_gguf.c built at each level: the fused dequantize-and-multiply against
+    gguf.quants.dequantize + a float64 matmul, within Higham's fp32 bound K * eps * sum|x w|."""
+    from tests.kernels.test_cpu_gguf import _case
+    raw, ref = _case(ggml_type, 21, seed=ggml_type)
+    x = torch.randn(3, ref.shape[1], generator=torch.Generator().manual_seed(3))
+    got = kernels.gguf_gemm(x, raw, ggml_type, ref.shape[1])
+    want = x.double() @ ref.double().T
+    bound = ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T)
+    assert bool(((got.double() - want).abs() <= bound + 1e-6).all())
