@@ -2,7 +2,8 @@
 (from its feature flags), cache names that do not depend on the CPU (a shared cache directory
 serves every CPU), ``KVFLOW_CPU_ISA`` forcing a lower level (the AVX2 path on an AVX512
 machine), and every level this CPU runs checked against the float64 / plain-torch oracles:
-GEMM (fp32, bf16, fp16 weights), paged attention (tiled and row paths), RMSNorm, GGUF GEMM."""
+GEMM (fp32, bf16, fp16 weights), paged attention (tiled and row paths), RMSNorm, GGUF GEMM,
+quantized-cache attention."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.attention_ref import paged_attention_ref
+from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
 from kvflow.kernels.gguf_dequant import Q4_0, Q4_K, Q6_K
+from kvflow.kernels.kv_quant import dequantize_kv, quantize_kv
 from tests.kernels.paged_batch import make_batch
 from tests.kernels.test_gemm import fp32_error_bound
 
@@ -117,3 +120,18 @@ def test_gguf_gemm_at_every_level(kernels, ggml_type):
     want = x.double() @ ref.double().T
     bound = ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T)
     assert bool(((got.double() - want).abs() <= bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8_e4m3"])
+def test_quantized_cache_attention_at_every_level(kernels, cache):
+    """cpu_attention_kvq.c built at each level against the reference over the dequantized
+    cache (fp32 summation-order differences only)."""
+    from tests.kernels.test_cpu_attention_kvq import CACHE, MIXED
+    batch = make_batch(MIXED, 9, 3, 64, seed=5)
+    q_cache, scales = quantize_kv(batch["kv_cache"].float(), CACHE[cache])
+    n = int(batch["query_start_loc"][-1])
+    ref = paged_attention_ref(**dict(batch, kv_cache=dequantize_kv(q_cache, scales,
+                                                                   torch.float32)))
+    out = paged_attention_kvq(kernels, batch["q"], q_cache, scales, batch["query_start_loc"],
+                              batch["seq_lens"], batch["block_table"], batch["scale"])
+    torch.testing.assert_close(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
