@@ -311,8 +311,8 @@ class ParallelConfig:
     index, set by kvflow for each replica.
 
     Raises:
-        ValueError: from the constructor for a size < 1, a context-parallel size > 1 (not
-            available yet), an unknown executor backend, ``ray`` without Ray installed,
+        ValueError: from the constructor for a size < 1, context parallelism with pipeline
+            or expert parallelism, an unknown executor backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
 
@@ -326,8 +326,10 @@ class ParallelConfig:
                                    "ranks) in its own process; requests go to the replica "
                                    "holding their prefix unless it is much busier, else to "
                                    "the least loaded")
-    context_parallel_size: int = _opt(1, "context-parallel ranks for one long prompt (not "
-                                      "available yet: only 1)")
+    context_parallel_size: int = _opt(1, "context-parallel ranks: every sequence's KV cache "
+                                      "is split over them by token (position p on rank p mod "
+                                      "N) and each rank attends to its part, merged by "
+                                      "log-sum-exp; block_size must be a multiple of N")
     enable_expert_parallel: bool = _opt(False, "MoE layers: place whole experts on the "
                                         "tensor-parallel ranks instead of splitting every "
                                         "expert")
@@ -347,10 +349,11 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside the "
                              f"{self.data_parallel_size} data-parallel replicas")
-        if self.context_parallel_size > 1:
-            raise ValueError(f"context_parallel_size={self.context_parallel_size}: "
-                             "context_parallel is not available yet in kvflow (use 1; "
-                             "tensor or pipeline parallelism split a long prompt's work)")
+        cp = self.context_parallel_size
+        if cp > 1 and (self.pipeline_parallel_size > 1 or self.enable_expert_parallel):
+            raise ValueError(f"context_parallel_size={cp} combines with tensor parallelism "
+                             "only, not with pipeline_parallel_size > 1 or "
+                             "enable_expert_parallel (not available)")
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray, which is not "
                              "installed: pip install 'kvflow[ray]'")
@@ -437,6 +440,22 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across sections.
+
+        Raises:
+            ValueError: for context parallelism with a block size it does not divide or a
+                quantized KV cache.
+        """
+        cp, cc = self.parallel_config.context_parallel_size, self.cache_config
+        if cp > 1 and cc.block_size % cp:
+            raise ValueError(f"block_size={cc.block_size} must be a multiple of "
+                             f"context_parallel_size={cp} (each rank holds block_size / {cp} "
+                             "tokens of every block)")
+        if cp > 1 and cc.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
+                             f"context_parallel_size={cp}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

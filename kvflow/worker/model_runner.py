@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.cp_paged import ContextParallelAttentionBackend
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
@@ -70,6 +71,22 @@ def make_attention_backend(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
 
 
+def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int):
+    """The attention backend of a context-parallel rank (``kvflow.attention.cp_paged``),
+    whatever ``--attention-backend`` says.
+
+    Raises:
+        ValueError: for an MLA model (its latent cache is not split by token yet) or a block
+            size that the CP size does not divide.
+    """
+    if uses_mla(hf_config):
+        raise ValueError("context_parallel_size > 1 is not available for multi-head latent "
+                         "attention (MLA) models")
+    backend = ContextParallelAttentionBackend(cp_group)
+    backend.local_block_size(block_size)  # raises for a block size cp does not divide
+    return backend
+
+
 def make_mla_backend(name: str | None):
     """The multi-head latent attention backend for an MLA model (DeepSeek-V2/V3): the plain
     torch one on every device, chosen whatever the platform's default backend is.
@@ -124,7 +141,10 @@ class ModelRunner:
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         requested = self.config.device_config.attention_backend
-        if uses_mla(hf_config):
+        if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
+            backend = make_context_parallel_backend(self.parallel.cp, hf_config,
+                                                    self.block_size)
+        elif uses_mla(hf_config):
             backend = make_mla_backend(requested)
         else:
             name = requested or self.platform.default_attention_backend
@@ -275,14 +295,15 @@ class ModelRunner:
         tensors = self.local_kv_tensors(kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
-            self._check_fits(kv_cache_config.num_blocks * spec.page_size_bytes * len(tensors))
+            self._check_fits(kv_cache_config.num_blocks * spec.page_size_bytes * len(tensors)
+                             // self.parallel.cp.world_size)
         self.kv_cache_config = kv_cache_config
         self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs,
                                       [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups])
         self.requests = {}
         self.kv_caches = []
         for users in tensors:
-            cache = torch.zeros(spec.kv_cache_shape(kv_cache_config.num_blocks),
+            cache = torch.zeros(self._local_cache_shape(spec, kv_cache_config.num_blocks),
                                 dtype=spec.dtype, device=self.device)
             scales_shape = spec.kv_scales_shape(kv_cache_config.num_blocks)
             scales = None if scales_shape is None else \
@@ -293,6 +314,14 @@ class ModelRunner:
                 if scales is not None:
                     layer.kv_scales = scales
             self.kv_caches.append(cache)
+
+    def _local_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        """This rank's KV tensor shape: the spec's, except that under context parallelism
+        each rank holds ``block_size / cp`` tokens of every block
+        (``kvflow.attention.cp_paged``)."""
+        shape = spec.kv_cache_shape(num_blocks)
+        cp = self.parallel.cp.world_size
+        return shape if cp == 1 else (shape[0], shape[1], shape[2] // cp, *shape[3:])
 
     def _release_kv_cache(self) -> None:
         for layer in self.attn_layers.values():

@@ -81,13 +81,20 @@ class Worker:
         """KV-cache bytes to size the pool by, counted as if this rank held every layer.
 
         A pipeline stage holds only its layers' KV tensors, so its budget goes
-        ``all tensors / its tensors`` times as far; the engine divides the returned bytes by a
-        whole block's bytes (all layers) and takes the smallest over the ranks.
+        ``all tensors / its tensors`` times as far; a context-parallel rank holds
+        ``1 / context_parallel_size`` of every block, so its budget goes that many times
+        further. The engine divides the returned bytes by a whole block's bytes (all layers)
+        and takes the smallest over the ranks.
         """
         budget = self.runner.determine_available_memory(kv_cache_groups)
         probe = KVCacheConfig(2, kv_cache_groups)
         local = len(self.runner.local_kv_tensors(probe))
-        return budget * probe.num_tensors // max(local, 1)
+        cp = self.config.parallel_config.context_parallel_size  # a rank holds 1/cp of a block
+        return budget * probe.num_tensors * cp // max(local, 1)
+
+    def kv_cache_shapes(self) -> list[list[int]]:
+        """The shape of each KV tensor this rank allocated (for checks and tools)."""
+        return [list(cache.shape) for cache in self.runner.kv_caches]
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate this rank's KV tensors (see :meth:`ModelRunner.initialize_kv_cache`)."""

@@ -35,7 +35,7 @@ def test_flags_are_generated_with_vllm_names():
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"data_parallel_size": 2, "data_parallel_rank": 2}, "outside the 2 data-parallel"),
-    ({"context_parallel_size": 2}, "context_parallel is not available yet"),
+    ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, "tensor parallelism only"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "use mp or ray"),
     ({"distributed_executor_backend": "slurm"}, "choose one of"),
