@@ -82,6 +82,11 @@ def test_context_parallel_greedy_equals_one_process(tiny_model_factory, single_p
         shapes = llm.engine.core.executor.collective_rpc("kv_cache_shapes")
         block_size = llm.engine.core.config.cache_config.block_size
         assert all(s[2] == block_size // 2 for rank in shapes for s in rank), shapes
+        # each rank holds half of every block: the CPU's 2 GiB budget counts twice
+        core = llm.engine.core
+        budgets = core.executor.collective_rpc("determine_available_memory",
+                                               core.kv_cache_config.kv_cache_groups)
+        assert budgets == [2 * 2 * 2**30] * 2
         # the same prompts again: prefix-cache hits read K/V that each rank stored
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.engine.core.kv_cache_manager.num_hits > 0
