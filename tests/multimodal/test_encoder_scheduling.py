@@ -114,3 +114,21 @@ def test_preempted_request_reencodes_an_evicted_image():
     out = s.schedule()
     assert out.free_encoder_mm_hashes == ["x"]  # dropped before...
     assert out.scheduled_encoder_inputs == {"a": [0]}  # ...it is encoded again
+
+
+def test_running_decodes_keep_their_token_every_step_while_images_are_encoded():
+    """A decoding request gets its token in every step while a newcomer's two images are
+    encoded one per step (each fills the 8-token encoder budget)."""
+    s = scheduler(budget=100, encoder_budget=8)
+    s.add_request(request("d", [("t", 3)], max_tokens=10))
+    out = s.schedule()
+    finish_step(s, out)  # d is decoding now
+    s.add_request(request("a", [("t", 1), ("x", 8), ("t", 1), ("y", 8), ("t", 1)]))
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append((dict(out.num_scheduled_tokens), dict(out.scheduled_encoder_inputs)))
+        finish_step(s, out)
+    assert steps == [({"d": 1, "a": 10}, {"a": [0]}),  # cut before y
+                     ({"d": 1, "a": 9}, {"a": [1]}),
+                     ({"d": 1, "a": 1}, {})]  # a's first decode
