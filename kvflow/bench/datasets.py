@@ -7,11 +7,16 @@
 - ``synthetic_chat_requests``: chat conversations that share a few long system prompts and have
   varied user turns, so prefix caching and mixed lengths are exercised. Lengths are counted in
   words of a fixed English vocabulary (about 1.3 tokens per word with a BPE tokenizer).
+- ``random_image_requests``: chat requests of which a given share carries one random-pixel
+  image (PNG data URL) of a fixed size before its text, for vision-language models; images
+  may repeat (a pool of distinct images) to exercise the encoder cache.
 - ``load_jsonl``: one request per line of a user file.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,13 +43,17 @@ class BenchRequest:
         prompt_len: prompt length in tokens (words for synthetic chat before tokenization;
             0 when unknown).
         output_len: ``max_tokens`` to ask for.
-        messages: chat messages (chat endpoint); built from ``prompt`` when None.
+        messages: chat messages (chat endpoint); built from ``prompt`` when None. A
+            message's ``content`` is text or a list of OpenAI content parts (``text``,
+            ``image_url``).
+        num_images: images the request carries.
     """
 
     prompt: str | list[int]
     prompt_len: int
     output_len: int
-    messages: list[dict[str, str]] | None = field(default=None)
+    messages: list[dict[str, Any]] | None = field(default=None)
+    num_images: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,65 @@ def synthetic_chat_requests(num: int, num_system_prompts: int = 4,
     return requests
 
 
+def parse_image_size(spec: str) -> tuple[int, int]:
+    """``"WIDTHxHEIGHT"`` -> (width, height) in pixels. Raises ValueError when malformed."""
+    try:
+        width, height = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"bad image size {spec!r}: use WIDTHxHEIGHT, e.g. 448x448") from None
+    if width < 1 or height < 1:
+        raise ValueError(f"bad image size {spec!r}: both sides must be >= 1 pixel")
+    return width, height
+
+
+def random_image_url(width: int, height: int, rng: np.random.Generator) -> str:
+    """A PNG data URL of uniform random RGB pixels (incompressible: the largest PNG of that
+    size, the worst case for transfer and decoding)."""
+    from PIL import Image
+
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def random_image_requests(num: int, input_len: int, output_len: int,
+                          image_size: tuple[int, int] = (448, 448), image_fraction: float = 0.5,
+                          num_unique_images: int = 0, seed: int = 0) -> list[BenchRequest]:
+    """``num`` chat requests with a user turn of ``input_len`` words; a share
+    ``image_fraction`` of them (spread evenly) carry one ``image_size`` random image before
+    the text. ``num_unique_images`` > 0 draws the images round-robin from that many distinct
+    ones (repeats hit the encoder cache); 0 makes every image distinct.
+
+    Raises:
+        ValueError: for an ``image_fraction`` outside [0, 1] or a negative
+            ``num_unique_images``.
+    """
+    if not 0.0 <= image_fraction <= 1.0 or num_unique_images < 0:
+        raise ValueError(f"image_fraction ({image_fraction}) must be in [0, 1] and "
+                         f"num_unique_images ({num_unique_images}) >= 0")
+    rng = np.random.default_rng(seed)
+    pool: list[str] = []
+    requests, num_with_image = [], 0
+    for i in range(num):
+        text = _words(rng, input_len)
+        content: str | list[dict[str, Any]] = text
+        if int((i + 1) * image_fraction) > int(i * image_fraction):  # evenly spread
+            if num_unique_images == 0:
+                url = random_image_url(*image_size, rng)
+            else:
+                if len(pool) < num_unique_images:
+                    pool.append(random_image_url(*image_size, rng))
+                url = pool[num_with_image % num_unique_images]
+            content = [{"type": "image_url", "image_url": {"url": url}},
+                       {"type": "text", "text": text}]
+            num_with_image += 1
+        requests.append(BenchRequest(text, input_len, output_len,
+                                     [{"role": "user", "content": content}],
+                                     num_images=int(isinstance(content, list))))
+    return requests
+
+
 def load_jsonl(path: str, default_output_len: int) -> list[BenchRequest]:
     """Requests from a JSON-lines file. Each line is an object with ``prompt`` (text or a list
     of token ids) or ``messages`` (a list of ``{"role", "content"}`` objects, for chat), and
@@ -178,10 +246,12 @@ def _jsonl_request(obj: Any, default_output_len: int) -> BenchRequest:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
+                and _is_content(m.get("content")) for m in messages):
             raise ValueError("messages must be a non-empty list of {\"role\": str, "
-                             "\"content\": str} objects")
-        return BenchRequest("\n".join(m["content"] for m in messages), 0, out, list(messages))
+                             "\"content\": str or a list of content parts} objects")
+        texts = [_content_text(m["content"]) for m in messages]
+        num_images = sum(_num_images(m["content"]) for m in messages)
+        return BenchRequest("\n".join(texts), 0, out, list(messages), num_images)
     if "prompt" not in obj:
         raise ValueError("a line needs \"prompt\" (text or token ids) or \"messages\"")
     prompt = obj["prompt"]
@@ -192,3 +262,20 @@ def _jsonl_request(obj: Any, default_output_len: int) -> BenchRequest:
         return BenchRequest(prompt, 0, out)
     raise ValueError(f"prompt must be non-empty text or a non-empty list of token ids, got "
                      f"{type(prompt).__name__}")
+
+
+def _is_content(content: Any) -> bool:
+    """Text, or a list of OpenAI content parts (objects with a string ``type``)."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
+
+
+def _content_text(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content if isinstance(p.get("text"), str))
+
+
+def _num_images(content: str | list[dict[str, Any]]) -> int:
+    return 0 if isinstance(content, str) else \
+        sum(p["type"] == "image_url" for p in content)

@@ -29,7 +29,9 @@ from kvflow.bench.datasets import (
     BenchRequest,
     arrival_intervals,
     load_jsonl,
+    parse_image_size,
     parse_length_dist,
+    random_image_requests,
     random_requests,
     synthetic_chat_requests,
 )
@@ -61,6 +63,14 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
                     for r in reqs]
         return reqs
+    if args.dataset == "random-image":
+        if args.endpoint != "chat":
+            raise ValueError("--dataset random-image sends images in chat messages: use "
+                             "--endpoint chat")
+        return random_image_requests(
+            args.num_prompts, args.input_len, args.output_len,
+            parse_image_size(args.image_size), args.image_fraction, args.num_unique_images,
+            seed=args.seed)
     if args.dataset == "synthetic-chat":
         return synthetic_chat_requests(
             args.num_prompts, args.num_system_prompts, parse_length_dist(args.system_len),
@@ -240,13 +250,21 @@ async def probe(requests: list[BenchRequest], args: argparse.Namespace) -> None:
     measured run. Raises RuntimeError."""
     first = requests[0]
     messages = None if first.messages is None else [
-        {**m, "content": m["content"][::-1]} for m in first.messages]
+        {**m, "content": _reversed_text(m["content"])} for m in first.messages]
     short = BenchRequest(first.prompt[::-1], first.prompt_len, 2, messages)
     probe_args = argparse.Namespace(**{**vars(args), "max_concurrency": None,
                                        "disable_tqdm": True})
     results, _ = await run_load([short], probe_args, math.inf)
     if not results[0].success:
         raise RuntimeError(f"probe request failed: {results[0].error}")
+
+
+def _reversed_text(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message content with its text reversed and its images left out (the probe must
+    not warm the prefix or encoder cache for the measured run)."""
+    if isinstance(content, str):
+        return content[::-1]
+    return [{**p, "text": p["text"][::-1]} for p in content if isinstance(p.get("text"), str)]
 
 
 def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
@@ -260,7 +278,11 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
                 "num_prompts": len(requests),
                 "request_rate": "inf" if math.isinf(rate) else rate,
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                "ignore_eos": args.ignore_eos, "seed": args.seed}
+                "ignore_eos": args.ignore_eos, "seed": args.seed,
+                "num_images": sum(r.num_images for r in requests)}
+    if args.dataset == "random-image":
+        settings.update(image_size=args.image_size, image_fraction=args.image_fraction,
+                        num_unique_images=args.num_unique_images)
     return {**settings, **summary}
 
 
@@ -280,9 +302,12 @@ def parse_rates(spec: str) -> list[float]:
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
     require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
-                     input_len=args.input_len if args.dataset == "random" else None,
+                     input_len=args.input_len if args.dataset in ("random", "random-image")
+                     else None,
                      max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                      request_timeout=args.request_timeout)
+    if args.dataset == "random-image":
+        _check_image_args(args)
     if not is_finite_positive(args.burstiness):
         raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
     if args.extra_body is not None:
@@ -298,6 +323,18 @@ def check_args(args: argparse.Namespace) -> None:
         _load_compare(path)
     ensure_parent_dir(args.result_json, "--result-json")
     ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_image_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a bad random-image workload."""
+    parse_image_size(args.image_size)
+    if not 0.0 <= args.image_fraction <= 1.0:
+        raise ValueError(f"--image-fraction must be in [0, 1], got {args.image_fraction}")
+    if args.num_unique_images < 0:
+        raise ValueError(f"--num-unique-images must be >= 0, got {args.num_unique_images}")
+    if args.endpoint != "chat":
+        raise ValueError("--dataset random-image sends images in chat messages: use "
+                         "--endpoint chat")
 
 
 def _load_compare(path: str) -> tuple[str, list[dict[str, Any]]]:
@@ -372,9 +409,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--label", default=None, help="name of this server in results and plots")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", default="random", help="random | synthetic-chat | FILE.jsonl")
+    d.add_argument("--dataset", default="random",
+                   help="random | synthetic-chat | random-image | FILE.jsonl")
     d.add_argument("--num-prompts", type=int, default=64)
-    d.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    d.add_argument("--input-len", type=int, default=128,
+                   help="random: prompt tokens; random-image: words of text")
+    d.add_argument("--image-size", default="448x448", help="random-image: WIDTHxHEIGHT")
+    d.add_argument("--image-fraction", type=float, default=0.5,
+                   help="random-image: share of requests with an image (0-1)")
+    d.add_argument("--num-unique-images", type=int, default=0,
+                   help="random-image: distinct images drawn round-robin (0: all distinct)")
     d.add_argument("--output-len", type=int, default=64, help="max_tokens (random, jsonl)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")

@@ -117,3 +117,54 @@ def test_load_jsonl_unreadable_path(tmp_path):
     for path in (tmp_path / "missing.jsonl", tmp_path):
         with pytest.raises(ValueError, match="--dataset .*cannot read it"):
             load_jsonl(str(path), 16)
+
+
+def _decode_data_url(url: str):
+    import base64
+    import io
+
+    from PIL import Image
+
+    assert url.startswith("data:image/png;base64,")
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+
+@pytest.mark.parametrize("fraction,unique,expected_images,expected_distinct", [
+    (0.5, 0, 5, 5), (0.3, 2, 3, 2), (1.0, 3, 10, 3), (0.0, 0, 0, 0)])
+def test_random_image_requests(fraction, unique, expected_images, expected_distinct):
+    from kvflow.bench.datasets import random_image_requests
+
+    reqs = random_image_requests(10, 7, 5, (40, 30), fraction, unique, seed=1)
+    urls = [p["image_url"]["url"] for r in reqs for p in
+            (r.messages[0]["content"] if isinstance(r.messages[0]["content"], list) else [])
+            if p["type"] == "image_url"]
+    assert len(urls) == sum(r.num_images for r in reqs) == expected_images
+    assert len(set(urls)) == expected_distinct
+    for r in reqs:
+        assert len(r.prompt.split()) == 7 and r.output_len == 5
+    if urls:
+        image = _decode_data_url(urls[0])
+        assert image.size == (40, 30) and image.mode == "RGB"
+    again = random_image_requests(10, 7, 5, (40, 30), fraction, unique, seed=1)
+    assert [r.messages for r in again] == [r.messages for r in reqs]
+
+
+def test_random_image_bad_arguments():
+    from kvflow.bench.datasets import parse_image_size, random_image_requests
+
+    assert parse_image_size("448x224") == (448, 224)
+    for spec in ("448", "axb", "0x10"):
+        with pytest.raises(ValueError, match="image size"):
+            parse_image_size(spec)
+    with pytest.raises(ValueError, match="image_fraction"):
+        random_image_requests(2, 3, 4, image_fraction=1.5)
+
+
+def test_jsonl_messages_with_image_parts(tmp_path):
+    path = tmp_path / "d.jsonl"
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+             {"type": "text", "text": "what is it"}]
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
+    (req,) = load_jsonl(str(path), 9)
+    assert req.messages[0]["content"] == parts and req.num_images == 1
+    assert req.prompt == "what is it" and req.output_len == 9
