@@ -3,7 +3,9 @@ an empty GPU). Each phase prints one JSON line prefixed with ``RESULT``.
 
 Phases:
   ceilings  measured device-to-device copy bandwidth and bf16 matmul rate
-  kvflow    GPU-W1 (256 x 512 prompt -> 128 output, all at once) and GPU-W2 (1 request, TPOT)
+  kvflow    GPU-W1 (256 x 512 prompt -> 128 output, all at once) and GPU-W2 (1 request, TPOT),
+            ``--repeats`` rounds on one engine, each round lock-step then with async
+            scheduling (toggled between runs), reporting each variant's median run
   hf        the same two workloads with HF transformers ``generate`` (static batch)
 Workloads use the Llama-3.1-8B-shaped config in benchmarks/configs with dummy bf16 weights.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import numpy as np
@@ -75,29 +78,55 @@ def phase_kvflow(args: argparse.Namespace) -> None:
     llm = LLM(model=CONFIG_DIR, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
               gpu_memory_utilization=0.85, enforce_eager=args.enforce_eager,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, async_scheduling=False)
     init_s = time.perf_counter() - t0
     core = llm.engine.core
     print(f"kvflow init {init_s:.1f}s, {core.num_blocks} KV blocks", flush=True)
     result = {"init_s": init_s, "num_blocks": core.num_blocks,
-              "enforce_eager": args.enforce_eager}
+              "enforce_eager": args.enforce_eager, "repeats": args.repeats}
+    workloads = {"w2": (prompts(1, W2["input_len"], 2), W2["output_len"])}
     if not args.w2_only:
-        result["w1"] = run_kvflow(llm, prompts(W1["num_prompts"], W1["input_len"], 1),
-                                  W1["output_len"])
-        print("W1", result["w1"], flush=True)
-    result["w2"] = run_kvflow(llm, prompts(1, W2["input_len"], 2), W2["output_len"])
+        workloads["w1"] = (prompts(W1["num_prompts"], W1["input_len"], 1), W1["output_len"])
+    variants = [False] if args.no_async else [False, True]
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.repeats):  # alternate the variants inside each round
+        for on in variants:
+            core.scheduler.async_scheduling = on  # no step is in flight between generates
+            for name, (batch, output_len) in workloads.items():
+                key = name + ("_async" if on else "")
+                runs.setdefault(key, []).append(run_kvflow(llm, batch, output_len))
+                print(f"round {r + 1} {key}: {runs[key][-1]['output_tok_per_s']:.1f} tok/s, "
+                      f"TPOT {runs[key][-1]['tpot_s_first_request'] * 1e3:.2f} ms", flush=True)
+    for key, rs in runs.items():
+        result[key] = median_run(rs, "tpot_s_first_request" if key.startswith("w2")
+                                 else "elapsed_s")
     emit("kvflow", result)
+
+
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose ``key`` is the median (the lower middle one for an even count), with
+    every run's ``key`` and output tok/s beside it."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    return {**ordered[(len(ordered) - 1) // 2], "runs_" + key: [r[key] for r in runs],
+            "runs_output_tok_per_s": [r["output_tok_per_s"] for r in runs],
+            "median_output_tok_per_s": statistics.median(r["output_tok_per_s"] for r in runs)}
 
 
 class StepTimer:
     """Wraps the engine core's schedule / execute / update calls and records, per step, the
     scheduled tokens and requests and the seconds spent in each (execute ends in a host sync:
-    the sampled token ids are copied back)."""
+    the sampled token ids are copied back). With async scheduling there is no execute call:
+    ``launch`` (forward and sampling launches) and ``collect`` (the wait for the previous
+    step's tokens) are timed instead, and step N's collect and update are added to step N+1's
+    entry (N+1 is scheduled before them)."""
+
+    CALLS = (("scheduler", "schedule", "schedule"), ("executor", "execute_model", "execute"),
+             ("executor", "launch_forward", "launch"), ("executor", "launch_sampling", "launch"),
+             ("executor", "collect_output", "collect"),
+             ("scheduler", "update_from_output", "update"))
 
     def __init__(self, core) -> None:
         self.steps: list[dict] = []
-        sched, execute, update = (core.scheduler.schedule, core.executor.execute_model,
-                                  core.scheduler.update_from_output)
 
         def timed(name, fn):
             def wrapper(*a, **k):
@@ -106,20 +135,21 @@ class StepTimer:
                 if name == "schedule":
                     self.steps.append({"tokens": out.total_num_scheduled_tokens,
                                        "reqs": out.num_scheduled_reqs})
-                self.steps[-1][name] = time.perf_counter() - t0
+                if self.steps:
+                    step = self.steps[-1]
+                    step[name] = step.get(name, 0.0) + time.perf_counter() - t0
                 return out
             return wrapper
 
-        core.scheduler.schedule = timed("schedule", sched)
-        core.executor.execute_model = timed("execute", execute)
-        core.scheduler.update_from_output = timed("update", update)
-
-        self._core = core
+        self._wrapped = []
+        for owner, attr, name in self.CALLS:
+            obj = getattr(core, owner)
+            setattr(obj, attr, timed(name, getattr(obj, attr)))
+            self._wrapped.append((obj, attr))
 
     def restore(self) -> None:
-        for obj, name in ((self._core.scheduler, "schedule"), (self._core.executor,
-                          "execute_model"), (self._core.scheduler, "update_from_output")):
-            del obj.__dict__[name]
+        for obj, attr in self._wrapped:
+            del obj.__dict__[attr]
 
     def summary(self) -> dict:
         decode = [s for s in self.steps if s["tokens"] == s["reqs"] and s["reqs"] > 0]
@@ -129,7 +159,8 @@ class StepTimer:
             if not steps:
                 return {}
             return {"n": len(steps), **{k: float(np.sum([s.get(k, 0) for s in steps]))
-                                        for k in ("schedule", "execute", "update")},
+                                        for k in ("schedule", "execute", "launch", "collect",
+                                                  "update")},
                     "max_reqs": max(s["reqs"] for s in steps)}
         return {"decode_steps": agg(decode), "prefill_or_mixed_steps": agg(mixed),
                 "first_steps": self.steps[:3]}
@@ -186,6 +217,9 @@ def main() -> None:
     parser.add_argument("phase", choices=["ceilings", "kvflow", "hf"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--w2-only", action="store_true", help="skip GPU-W1")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (medians are reported)")
+    parser.add_argument("--no-async", action="store_true",
+                        help="lock-step runs only (no --async-scheduling variant)")
     args = parser.parse_args()
     {"ceilings": phase_ceilings, "kvflow": lambda: phase_kvflow(args), "hf": phase_hf}[
         args.phase]()

