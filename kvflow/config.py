@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -425,6 +426,93 @@ def _tp_divisions(hf_config: Any, tp: int, expert_parallel: bool
     return out
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config`` JSON / ``LLM(speculative_config=...)``,
+    vLLM's keys): a proposer guesses up to ``num_speculative_tokens`` next tokens per request,
+    the target model checks them all in one step, and rejection sampling keeps exactly the
+    tokens the target would have produced (see kvflow/spec_decode/).
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
+            of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
+            target's tokenizer).
+        num_speculative_tokens: most draft tokens per request and step (K).
+        model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id.
+        prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
+        quantization: the draft model's weight quantization (int8, int4; default: none). Only
+            the draft's speed changes: verification keeps the target's output exact.
+        adaptive: choose each request's K per step from its running acceptance rate and a
+            measured step-cost model (speculation off when verification costs more than it
+            saves); False: always ``num_speculative_tokens`` when the proposer has them.
+
+    Raises:
+        ValueError: from the constructor for an unknown method, a missing draft model, or a
+            size out of range.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    quantization: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            _check_choices(self)
+        except ValueError as e:
+            raise ValueError(f"speculative_config {e}") from None
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is invalid; choose "
+                             f"one of {list(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens="
+                             f"{self.num_speculative_tokens} must be in [1, 16]")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method='draft_model' needs 'model' (the "
+                             "draft model's name or path)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
+                             f"and prompt_lookup_max={self.prompt_lookup_max} need "
+                             "1 <= min <= max")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"speculative_config quantization={self.quantization!r} is "
+                             "invalid; choose int8, int4 or none")
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None
+                   ) -> SpeculativeConfig | None:
+        """A config from a dict, a JSON object string (the flag's form) or None (off).
+
+        Raises:
+            ValueError: for text that is not a JSON object, or an unknown key (named).
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                "speculative_config must be a JSON object such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: "
+                             f"{sorted(known)}")
+        return cls(**value)
+
+
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
              "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig}
@@ -440,6 +528,17 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_config is not None and \
+                self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
+                             "available (the draft tokens would have to reach every stage)")
+        if self.speculative_config is not None and self.scheduler_config.async_scheduling:
+            raise ValueError("speculative decoding with async_scheduling is not available (a "
+                             "verification step's token counts are known only after it)")
 
     def __post_init__(self) -> None:
         """Checks across sections.
@@ -459,30 +558,43 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``).
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``);
+        ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig.
 
         Raises:
-            ValueError: on an unknown keyword, listing the valid ones.
+            ValueError: on an unknown keyword, listing the valid ones, or a bad value.
         """
+        speculative = kwargs.pop("speculative_config", None)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
         for key, value in kwargs.items():
             if key not in owner:
-                raise ValueError(f"unknown engine option {key!r}; valid: {sorted(owner)}")
+                raise ValueError(f"unknown engine option {key!r}; valid: "
+                                 f"{sorted([*owner, 'speculative_config'])}")
             parts[owner[key]][key] = value
-        return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()})
+        return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
+                   speculative_config=speculative)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one ``--flag`` per config field (booleans get ``--no-`` forms)."""
+        """Add one ``--flag`` per config field (booleans get ``--no-`` forms), and
+        ``--speculative-config`` (a JSON object of SpeculativeConfig's fields)."""
         for sec_cls in _SECTIONS.values():
             group = parser.add_argument_group(sec_cls.__name__)
             for f in fields(sec_cls):
                 _add_field_arg(group, f)
+        keys = ", ".join(f"{f.name} ({f.default})" for f in fields(SpeculativeConfig))
+        parser.add_argument_group("SpeculativeConfig").add_argument(
+            "--speculative-config", type=str, default=None,
+            help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+                 "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
+                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}'; keys (defaults): "
+                 f"{keys} (default: off)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for c in _SECTIONS.values() for f in fields(c)}
+        names.add("speculative_config")
         return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:

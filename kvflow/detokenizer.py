@@ -138,6 +138,11 @@ class IncrementalDetokenizer:
         return self._chunks[0] if self._chunks else ""
 
     @property
+    def has_stop_strings(self) -> bool:
+        """Whether any stop string is being searched for."""
+        return bool(self._stops)
+
+    @property
     def is_finished(self) -> bool:
         """True after a stop string matched or an update with ``finished=True``."""
         return self._done

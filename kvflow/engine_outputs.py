@@ -26,6 +26,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens found in the prefix cache at first scheduling.
         prompt_logprobs: with the first token of a request that asked for them: one entry per
             prompt token (None for the first).
+        num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens this step
+            verified for the request and how many of them it accepted (0 / 0 without).
     """
 
     request_id: str
@@ -35,6 +37,8 @@ class EngineCoreOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class EngineStats(msgspec.Struct):
@@ -52,6 +56,11 @@ class EngineStats(msgspec.Struct):
         encoder_cache_queries / encoder_cache_hits: images whose embeddings a request needed
             / found already in the encoder cache (vision-language models).
         encoder_inputs: images run through the vision encoder.
+        spec_decode_num_drafts / spec_decode_num_draft_tokens /
+            spec_decode_num_accepted_tokens: speculative decoding: verification steps of a
+            request that carried drafts, draft tokens verified, draft tokens accepted.
+        spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in their step
+            (index 0 = the first draft token).
     """
 
     num_running: int = 0
@@ -67,3 +76,7 @@ class EngineStats(msgspec.Struct):
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
     encoder_inputs: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)

@@ -18,6 +18,11 @@ A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``: ``dtype`` int8 / float8_e
 ``scale_dtype`` float32) adds, beside each K/V tensor, its scales
 (:meth:`KVCacheSpec.kv_scales_shape`: ``[2, num_blocks, block_size, num_kv_heads]``, one per
 token and KV head, under the same block ids), counted in ``page_size_bytes``.
+
+A speculative-decoding draft model's layers (names starting with ``DRAFT_LAYER_PREFIX``) form
+``KVCacheConfig.draft_group``: tensors of their own, shaped by their own spec, addressed
+through group 0's block table. A block id then holds both models' K/V of the same tokens, and
+one block's bytes count both, so the draft's cache comes out of the same pool.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# Names of a draft model's attention layers in ``get_kv_cache_spec`` start with this.
+DRAFT_LAYER_PREFIX = "draft_model."
 
 
 @dataclass(frozen=True)
@@ -185,10 +193,13 @@ class KVCacheConfig:
         num_blocks: blocks in the pool, including the reserved null block 0.
         kv_cache_groups: one entry per block table; every group has equally many layers
             (layer ``j`` of each group uses KV tensor ``j``).
+        draft_group: a draft model's layers (speculative decoding), one tensor each, indexed
+            by group 0's block ids; None without a draft model.
     """
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    draft_group: KVCacheGroupSpec | None = None
 
     @property
     def block_size(self) -> int:
@@ -201,5 +212,6 @@ class KVCacheConfig:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes one block id occupies across all KV tensors."""
-        return self.kv_cache_groups[0].page_size_bytes
+        """Bytes one block id occupies across all KV tensors (the draft model's included)."""
+        draft = self.draft_group.page_size_bytes if self.draft_group is not None else 0
+        return self.kv_cache_groups[0].page_size_bytes + draft

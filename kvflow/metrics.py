@@ -7,7 +7,9 @@ Two sources feed them:
   lengths, token counters and finished requests by ``finished_reason``;
 * the engine core's scheduler and KV-cache state, reported with every output message
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
-  weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters.
+  weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
+  speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
+  counters, and the acceptance rate and mean acceptance length since start-up as gauges.
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
 and the engine-state series also an ``engine`` label: the data-parallel replica they describe
@@ -108,6 +110,26 @@ class ServerMetrics:
                                            "again)", e)
         self.encoder_inputs = self._labelled(c, "kvflow:encoder_inputs",
                                              "Images run through the vision encoder", e)
+        self._init_spec_decode_metrics()
+
+    def _init_spec_decode_metrics(self) -> None:
+        c, g, e = Counter, Gauge, ("engine",)
+        self.spec_drafts = self._labelled(c, "kvflow:spec_decode_num_drafts",
+                                          "Verification steps of a request with draft tokens",
+                                          e)
+        self.spec_draft_tokens = self._labelled(c, "kvflow:spec_decode_num_draft_tokens",
+                                                "Draft tokens verified", e)
+        self.spec_accepted_tokens = self._labelled(c, "kvflow:spec_decode_num_accepted_tokens",
+                                                   "Draft tokens accepted", e)
+        self.spec_accepted_per_pos = self._labelled(
+            c, "kvflow:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in their step (0 = first)", (*e, "position"))
+        self.spec_acceptance_rate = self._labelled(
+            g, "kvflow:spec_decode_draft_acceptance_rate",
+            "Accepted / verified draft tokens since start-up", e)
+        self.spec_mean_acceptance_length = self._labelled(
+            g, "kvflow:spec_decode_mean_acceptance_length",
+            "Tokens per verification step (1 + accepted / drafts) since start-up", e)
 
     def record_engine_stats(self, stats: EngineStats, engine_index: int = 0) -> None:
         """Set replica ``engine_index``'s gauges and advance its counters by what the core's
@@ -133,6 +155,8 @@ class ServerMetrics:
             series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
                 series.inc(now - before)
+        if stats.spec_decode_num_drafts:
+            self._record_spec_decode(stats, last, engine)
         self._last_stats[engine_index] = stats
 
     def reset_engine(self, engine_index: int) -> None:
@@ -142,6 +166,28 @@ class ServerMetrics:
         engine = str(engine_index)
         self.num_running.labels(self.model_name, engine).set(0)
         self.num_waiting.labels(self.model_name, engine).set(0)
+
+    def _record_spec_decode(self, stats: EngineStats, last: EngineStats, engine: str) -> None:
+        """Speculative decoding's counters and gauges of one replica."""
+        name = self.model_name
+        for counter, now, before in (
+                (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+                (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens,
+                 last.spec_decode_num_draft_tokens),
+                (self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens,
+                 last.spec_decode_num_accepted_tokens)):
+            if now > before:
+                counter.labels(name, engine).inc(now - before)
+        before_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for pos, now in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self.spec_accepted_per_pos.labels(name, engine, str(pos)).inc(now - before)
+        if stats.spec_decode_num_draft_tokens:
+            self.spec_acceptance_rate.labels(name, engine).set(
+                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens)
+        self.spec_mean_acceptance_length.labels(name, engine).set(
+            1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.request import Request
@@ -130,6 +130,11 @@ class OutputProcessor:
                                                               eco.prompt_logprobs)
             if self._update_sample(sample, eco, not state.delta):
                 to_abort.append(eco.request_id)
+            if eco.num_draft_tokens:
+                metrics = state.metrics
+                metrics.num_drafts += 1
+                metrics.num_draft_tokens += eco.num_draft_tokens
+                metrics.num_accepted_tokens += eco.num_accepted_tokens
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             changed[parent] = state
@@ -144,26 +149,45 @@ class OutputProcessor:
     def _update_sample(self, sample: _SampleState, eco: EngineCoreOutput,
                        keep_text: bool) -> bool:
         """Fold new tokens into a sample; returns True if a stop string ended it here.
-        ``keep_text``: maintain ``output.text`` (cumulative mode; delta mode skips the join)."""
+        ``keep_text``: maintain ``output.text`` (cumulative mode; delta mode skips the join).
+        Several new tokens (speculative decoding) are cut after the one that completed a stop
+        string, as one token per step would have been."""
         out = sample.output
-        out.token_ids.extend(eco.new_token_ids)
-        sample.delta_token_ids.extend(eco.new_token_ids)
-        sample.changed = True
-        if sample.want_logprobs and eco.new_logprobs:
-            self._add_logprobs(out, eco.new_token_ids, eco.new_logprobs)
+        new_token_ids = eco.new_token_ids
         finish = (eco.finish_reason, eco.stop_reason) if eco.finish_reason else None
         stopped_by_string = False
         if sample.detokenizer is not None:
-            delta = sample.detokenizer.update(eco.new_token_ids, finish is not None)
+            delta, used = self._detokenize(sample.detokenizer, new_token_ids, finish is not None)
             if delta.stop_str is not None:
-                stopped_by_string = finish is None
+                stopped_by_string = finish is None or used < len(new_token_ids)
                 finish = ("stop", delta.stop_str)
+                new_token_ids = new_token_ids[:used]
             sample.delta_text += delta.text
             if keep_text:
                 out.text = sample.detokenizer.output_text
+        out.token_ids.extend(new_token_ids)
+        sample.delta_token_ids.extend(new_token_ids)
+        sample.changed = True
+        if sample.want_logprobs and eco.new_logprobs:
+            self._add_logprobs(out, new_token_ids, eco.new_logprobs)
         if finish is not None:
             out.finish_reason, out.stop_reason = finish
         return stopped_by_string
+
+    @staticmethod
+    def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int],
+                    finished: bool) -> tuple[DetokenizerDelta, int]:
+        """Detokenize ``token_ids``; with stop strings and several tokens, one token at a time
+        until one completes a stop string. Returns the delta and the tokens it used."""
+        if len(token_ids) <= 1 or not detokenizer.has_stop_strings:
+            return detokenizer.update(token_ids, finished), len(token_ids)
+        text = []
+        for i, token_id in enumerate(token_ids):
+            delta = detokenizer.update([token_id], finished and i == len(token_ids) - 1)
+            text.append(delta.text)
+            if delta.stop_str is not None:
+                return DetokenizerDelta("".join(text), delta.stop_str), i + 1
+        return DetokenizerDelta("".join(text)), len(token_ids)
 
     def _add_logprobs(self, out: CompletionOutput, token_ids: list[int], entries: list) -> None:
         for token_id, (top_ids, top_lps, sampled_lp, rank) in zip(token_ids, entries):

@@ -44,11 +44,35 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (seconds, time.monotonic) and derived latencies of one request."""
+    """Timestamps (seconds, time.monotonic) and derived latencies of one request, and its
+    speculative-decoding counts (summed over its ``n`` samples; zeros without speculation).
+
+    Attributes:
+        num_drafts: verification steps that carried draft tokens.
+        num_draft_tokens / num_accepted_tokens: draft tokens verified / accepted.
+    """
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (vLLM's draft acceptance rate), or None."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens produced per verification step, the target's own token included
+        (``1 + accepted / drafts``), or None without drafts."""
+        if not self.num_drafts:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
 
     @property
     def ttft(self) -> float | None:

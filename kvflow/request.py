@@ -23,6 +23,32 @@ class RequestStatus(enum.Enum):
         self.finish_reason: str | None = value if self.is_finished else None
 
 
+class SpecDecodeCounts:
+    """A request's speculative-decoding record (counts since it started).
+
+    Attributes:
+        num_drafts: verification steps that carried draft tokens.
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: draft tokens accepted (the bonus token is not counted).
+        num_rejections: steps in which a draft token was rejected (the rest of that step's
+            drafts are then not examined): accepted / (accepted + rejections) estimates the
+            per-token acceptance probability.
+    """
+
+    __slots__ = ("num_accepted_tokens", "num_draft_tokens", "num_drafts", "num_rejections")
+
+    def __init__(self) -> None:
+        self.num_drafts = self.num_draft_tokens = 0
+        self.num_accepted_tokens = self.num_rejections = 0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification step: ``num_accepted`` of ``num_draft_tokens`` accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_rejections += num_accepted < num_draft_tokens
+
+
 class Request:
     """One sequence: its tokens, how many of them have KV computed, and its status.
 
@@ -30,6 +56,8 @@ class Request:
     the cache) and ``num_tokens`` (prompt + generated). A step schedules up to
     ``num_tokens - num_computed_tokens`` of them; when it catches up, the step samples one more
     token. Preemption resets ``num_computed_tokens`` to 0 and keeps every generated token.
+    Speculative decoding adds draft tokens to a step (never to ``all_token_ids``): the step
+    computes past ``num_tokens`` and the rejected drafts' count is taken back afterwards.
 
     Args:
         request_id: unique id (a sample of an ``n > 1`` request gets its own id).
@@ -87,6 +115,7 @@ class Request:
         # once handed to the output
         self.prompt_logprobs: list | None = \
             [None] if sampling_params.prompt_logprobs is not None else None
+        self.spec_counts = SpecDecodeCounts()  # speculative decoding (zeros without it)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,19 +29,23 @@ class ModelRunnerOutput:
 
     Attributes:
         req_ids: the requests that sampled.
-        sampled_token_ids: per request, its new tokens (one today; with speculative decoding
-            the accepted draft tokens plus the bonus token).
+        sampled_token_ids: per request, its new tokens: one, or with speculative decoding the
+            accepted draft tokens followed by one token sampled by the target (the token
+            replacing the first rejected draft, or the bonus token when all were accepted).
         logprobs: request id -> one entry per new token (log-softmax of the raw logits,
             before temperature: the top-k tokens and the sampled one), for the requests that
             asked for logprobs.
         prompt_logprobs: request id -> the prompt logprobs the step computed, for requests that
             asked for them.
+        draft_time_s: wall time (seconds) the step spent proposing draft tokens with a draft
+            model (speculative decoding; its step-cost model reads it), else 0.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    draft_time_s: float = 0.0
 
     @property
     def is_empty(self) -> bool:

@@ -10,7 +10,9 @@ sends only what changed since the previous one (the pattern of vLLM v1's
   for those concerned, the block ids appended to each KV-cache group's table since the last
   step (the whole tables when it resumes after a preemption) and tokens the runner cannot know
   (see below);
-* the tokens scheduled per request, and the requests preempted / finished since the last step.
+* the tokens scheduled per request, and the requests preempted / finished since the last step;
+* speculative decoding: the draft tokens each request verifies this step, and the block tables
+  cut back after an earlier step's rejected drafts.
 
 The runner appends the tokens it samples itself, so a decode step carries no token ids. A
 runner forgets a preempted request's generated tokens (its K/V are gone too); when the request
@@ -105,7 +107,13 @@ class SchedulerOutput:
         num_scheduled_tokens: request id -> tokens computed this step (every scheduled request).
         total_num_scheduled_tokens: their sum.
         scheduled_spec_decode_tokens: request id -> draft tokens scheduled for verification
-            (empty without speculative decoding).
+            (empty without speculative decoding), the last of the request's scheduled tokens.
+            Ids proposed by the engine core (n-gram) are given; ``-1`` entries are proposed by
+            the runner's draft model at the start of the step.
+        truncated_block_tables: request id -> its block tables' length (blocks, every group)
+            after an earlier step's rejected draft tokens were rolled back and the blocks
+            holding only them freed; runners cut their tables to it before appending this
+            step's new block ids.
         structured_output_request_ids: constrained requests that sample this step (their
             grammar bitmask rows are filled just before sampling).
         preempted_ids: requests preempted this step (runners drop their rows and tokens).
@@ -121,6 +129,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: set[str] = field(default_factory=set)
@@ -141,7 +150,9 @@ class GrammarBitmask:
     """The allowed tokens of one step's constrained rows.
 
     Attributes:
-        request_ids: the constrained requests that sample this step, in bitmask row order.
+        request_ids: the constrained requests that sample this step, one entry per bitmask
+            row: a request verifying ``k`` draft tokens has ``k + 1`` consecutive rows, row
+            ``i`` allowing what may follow its first ``i`` drafts.
         bitmask: int32 [len(request_ids), ceil(vocab_size / 32)], CPU; bit ``t % 32`` of word
             ``t // 32`` set means token ``t`` is allowed (xgrammar's layout).
     """

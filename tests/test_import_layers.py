@@ -28,6 +28,10 @@ LAYERS: dict[str, int] = {
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.executor": 6,
     "kvflow.worker": 5,
+    # speculative decoding's runner side: the draft model and verification run in the worker,
+    # the rejection sampler is sampling math beside layers/sampler.py
+    "kvflow.spec_decode.draft_model": 5, "kvflow.spec_decode.verification": 5,
+    "kvflow.spec_decode.rejection_sampler": 3,
     "kvflow.models": 4, "kvflow.lora": 4,
     "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
     "kvflow.kernels": 2, "kvflow.distributed": 2,

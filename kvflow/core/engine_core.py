@@ -6,6 +6,7 @@ Offline use (``LLM``) drives it in-process; the server runs the same class in it
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import cpu_thread_count
 from kvflow.kernels.gemm_select import measure_cpu_dtype
-from kvflow.kv_cache_interface import KVCacheConfig
+from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheConfig, KVCacheGroupSpec
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
@@ -32,6 +33,7 @@ from kvflow.models.registry import is_multimodal
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
 from kvflow.sched_output import SchedulerOutput
+from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,10 @@ class EngineCore:
         self._init_structured_output()
 
     def _init_platform(self) -> None:
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("speculative_config method='draft_model' is not available yet; "
+                             "use 'ngram'")
         self.platform = get_platform(self.config.device_config.device)
         sc = self.config.scheduler_config
         if sc.max_num_batched_tokens is None:
@@ -118,9 +124,9 @@ class EngineCore:
             ValueError: if asked for with an executor that cannot split steps (several ranks).
         """
         sc = self.config.scheduler_config
-        if sc.async_scheduling is None:
+        if sc.async_scheduling is None:  # not with speculative decoding (see EngineConfig)
             sc.async_scheduling = self.platform.default_async_scheduling and \
-                self.executor.supports_async_scheduling
+                self.executor.supports_async_scheduling and self.config.speculative_config is None
         elif sc.async_scheduling and not self.executor.supports_async_scheduling:
             raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
                              "it is not available with tensor or pipeline parallelism yet")
@@ -159,28 +165,37 @@ class EngineCore:
 
     def _make_kv_cache_config(self) -> KVCacheConfig:
         """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
-        the executor reports divided by one block's bytes across all KV tensors.
+        the executor reports divided by one block's bytes across all KV tensors (a draft
+        model's layers included: its K/V of a block's tokens live under the same block id).
 
         Raises:
             ValueError: if fewer than 2 blocks fit (the null block plus one).
         """
-        groups = group_kv_cache_specs(self.executor.get_kv_cache_spec())
+        specs = self.executor.get_kv_cache_spec()
+        draft = {n: s for n, s in specs.items() if n.startswith(DRAFT_LAYER_PREFIX)}
+        groups = group_kv_cache_specs({n: s for n, s in specs.items() if n not in draft})
+        draft_group = KVCacheGroupSpec(tuple(draft), next(iter(draft.values()))) \
+            if draft else None
         num_blocks = self.config.cache_config.num_kv_blocks
         if num_blocks is None:
+            page = KVCacheConfig(2, groups, draft_group).page_size_bytes
             budget = self.executor.determine_available_memory(groups)
-            num_blocks = budget // groups[0].page_size_bytes
+            num_blocks = budget // page
             if num_blocks < 2:
                 raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
-                                 f"of {groups[0].page_size_bytes} bytes; need at least 2")
-        return KVCacheConfig(num_blocks, groups)
+                                 f"of {page} bytes; need at least 2")
+        return KVCacheConfig(num_blocks, groups, draft_group)
 
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, cc.enable_prefix_caching)
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
+        spec = self.config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
-                                   self.max_model_len, send_token_ids=pipelined)
+                                   self.max_model_len, send_token_ids=pipelined,
+                                   speculator=self.speculator)
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
         if is_multimodal(self.hf_config):
             mm = self.config.multimodal_config
@@ -252,7 +267,9 @@ class EngineCore:
         if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
             self.structured_output.wait_for_compiles(timeout_s=0.05)
         grammar_bitmask = self.structured_output.grammar_bitmask(
-            scheduler_output.structured_output_request_ids, self.scheduler.requests)
+            scheduler_output.structured_output_request_ids, self.scheduler.requests,
+            scheduler_output.scheduled_spec_decode_tokens)
+        started = time.perf_counter()
         try:
             runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         except Exception:
@@ -260,6 +277,9 @@ class EngineCore:
             # so the engine stays consistent for the other requests, then report the error.
             self.abort_requests(list(scheduler_output.num_scheduled_tokens))
             raise
+        if self.speculator is not None:  # the measured step cost (adaptive draft lengths)
+            self.speculator.observe_step(scheduler_output, runner_output,
+                                         time.perf_counter() - started)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step_async(self) -> list[EngineCoreOutput]:

@@ -201,6 +201,21 @@ class KVCacheManager:
         return len(self._group0_blocks.get(request.request_id, ())) * self.block_size >= \
             request.num_computed_tokens + num_new_tokens
 
+    def free_tail(self, request: Request, num_tokens: int) -> int | None:
+        """Release, in every group, the blocks that lie wholly past the request's first
+        ``num_tokens`` tokens (speculative decoding: blocks that held only rejected draft
+        tokens). Such blocks were never indexed: only tokens below ``num_tokens`` ever are.
+
+        Returns:
+            The tables' new length in blocks, or None when nothing was released.
+        """
+        rid, keep = request.request_id, -(-num_tokens // self.block_size)
+        if len(self._group0_blocks.get(rid, ())) <= keep:
+            return None
+        for m in reversed(self.managers):
+            m.free_tail(rid, keep)
+        return keep
+
     def free(self, request: Request) -> None:
         """Release every block of the request (last group first, each tail first, so its tail
         is evicted before its shared prefix)."""

@@ -77,5 +77,6 @@ def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -
 
 def kv_bytes_per_token(config: KVCacheConfig) -> int:
     """KV-cache bytes one token occupies: one slot of a block in every group's layers (with a
-    quantized cache's scales, as the specs count them)."""
-    return sum(g.page_size_bytes for g in config.kv_cache_groups) // config.block_size
+    quantized cache's scales, as the specs count them), and in a draft model's layers."""
+    draft = config.draft_group.page_size_bytes if config.draft_group is not None else 0
+    return (sum(g.page_size_bytes for g in config.kv_cache_groups) + draft) // config.block_size

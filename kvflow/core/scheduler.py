@@ -18,6 +18,13 @@ a request whose scheduled tokens have not come back simply has nothing left to c
 decode waits for its sampled token) and is skipped, while a long prompt's next chunk can go
 into the next micro-batch. A request in flight is never chosen for preemption (its blocks are
 being written).
+
+Speculative decoding (``speculator``) adds draft tokens to a decoding request's step: they are
+just more tokens to compute, so the rule above is unchanged (the step catches
+``num_computed_tokens`` up toward ``num_tokens`` plus the drafts, within the same budget). After
+the step the rejected drafts are taken back: ``num_computed_tokens`` drops by their count (their
+slots are written again later) and the blocks that held only rejected drafts are freed; the
+runners learn the tables' new length in the next step's ``truncated_block_tables``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import NewRequestData, SchedulerOutput
+from kvflow.spec_decode.speculator import Speculator
 
 
 class Scheduler:
@@ -49,10 +57,12 @@ class Scheduler:
     max_model_len) is not scheduled again. A stop token can only be seen when it arrives: the
     step computed meanwhile is dropped, so outputs and stops are exactly those of lock-step
     scheduling.
+        speculator: proposes draft tokens each step (speculative decoding), or None.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, send_token_ids: bool = False) -> None:
+                 max_model_len: int, send_token_ids: bool = False,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
         self.send_token_ids = send_token_ids
         self.async_scheduling = bool(config.async_scheduling)
@@ -72,6 +82,8 @@ class Scheduler:
         # Vision-language models (the engine core sets it): the encoder budget per step and
         # the encoder cache; requests with images pass through it (core/encoder_cache_manager)
         self.encoder: EncoderCacheManager | None = None
+        self.speculator = speculator
+        self._truncated: dict[str, int] = {}  # block-table lengths cut since the last step
 
     # ---- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -131,19 +143,28 @@ class Scheduler:
         self._finished_ids = set()
         if self.encoder is not None:
             self.encoder.begin_step(out)
+        if self._truncated:
+            out.truncated_block_tables, self._truncated = self._truncated, {}
         if not self._running_sorted:  # policy keys never change: sort after admissions only
             self.running.sort(key=self.policy.key)
             self._running_sorted = True
-        budget = self._schedule_running(budget, cap, out)
+        drafts = self._propose_drafts(budget) if self.speculator is not None else None
+        budget = self._schedule_running(budget, cap, out, drafts)
         if not out.preempted_ids:
             self._admit_waiting(budget, cap, out)
         return out
 
-    def _schedule_running(self, budget: int, cap: int, out: SchedulerOutput) -> int:
+    def _propose_drafts(self, budget: int) -> dict[str, list[int]]:
+        """This step's draft tokens by request id (speculative decoding)."""
+        base = sum(len(r.all_token_ids) - r.num_computed_tokens for r in self.running)
+        return self.speculator.propose(self.running, min(base, budget))
+
+    def _schedule_running(self, budget: int, cap: int, out: SchedulerOutput,
+                          drafts: dict[str, list[int]] | None = None) -> int:
         """Catch the running requests up, in policy order, within ``budget`` tokens and
-        ``cap`` requests; returns what is left of the budget. This loop runs for every running
-        request on every step, so it keeps what it reads in locals and fills
-        ``out.scheduled_cached_reqs``' columns directly."""
+        ``cap`` requests, their ``drafts`` included; returns what is left of the budget. This
+        loop runs for every running request on every step, so it keeps what it reads in
+        locals and fills ``out.scheduled_cached_reqs``' columns directly."""
         running, cached, empty = self.running, out.scheduled_cached_reqs, self.kv.empty_blocks
         try_allocate, num_scheduled = self.kv.try_allocate_slots, out.num_scheduled_tokens
         add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
@@ -158,7 +179,8 @@ class Scheduler:
                 if num_tokens >= request.max_num_tokens:  # they finish it: nothing to do
                     i += 1
                     continue
-            num_new = min(num_tokens - computed, budget)
+            extra = drafts.get(rid) if drafts else None  # speculative decoding
+            num_new = min(num_tokens + (len(extra) if extra else 0) - computed, budget)
             if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
                 i += 1
                 continue
@@ -185,7 +207,11 @@ class Scheduler:
             num_scheduled[rid] = num_new
             total += num_new
             request.num_computed_tokens = computed + num_new
-            if computed + num_new == num_tokens:  # the step samples
+            if extra:  # the budget may have cut the drafts short
+                num_drafts = computed + num_new - num_tokens
+                if num_drafts > 0:
+                    out.scheduled_spec_decode_tokens[rid] = extra[:num_drafts]
+            if computed + num_new >= num_tokens:  # the step samples (drafts go past)
                 self._note_sampling(request, out)
             if track:
                 self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
@@ -319,6 +345,7 @@ class Scheduler:
             if request is not None:
                 request.add_prompt_logprobs(chunk.start, chunk.entries)
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        spec_tokens = sched_out.scheduled_spec_decode_tokens
         for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
             if track:
                 self._returned(rid)
@@ -329,6 +356,9 @@ class Scheduler:
                 request.num_output_placeholders -= 1  # async scheduling: it has arrived
             if token_ids is None or request is None or request.status.is_finished:
                 continue
+            num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
+            if num_drafts:
+                self._roll_back_rejected(request, num_drafts, len(token_ids) - 1)
             if len(token_ids) == 1 and request.structured_output is None:  # the common case
                 request.all_token_ids.append(token_ids[0])
                 check_stop(request, token_ids[0])
@@ -340,11 +370,27 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
                 status.finish_reason, request.stop_reason, request.num_cached_tokens,
-                None if request.prompt_logprobs is None else request.take_prompt_logprobs()))
+                None if request.prompt_logprobs is None else request.take_prompt_logprobs(),
+                num_drafts, len(token_ids) - 1 if num_drafts else 0))
             if status.is_finished:
                 self._dequeue(request)
                 self._free(request)
+            elif num_drafts:
+                self._free_rejected_blocks(request)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step computed K/V for all ``num_drafts`` drafts; only the accepted ones stay
+        computed (the slots of the rejected ones are written again by later steps)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.speculator.record(request, num_drafts, num_accepted)
+
+    def _free_rejected_blocks(self, request: Request) -> None:
+        """Free the blocks past the request's tokens (they held only rejected drafts) and
+        tell the runners the tables' new length with the next step."""
+        num_blocks = self.kv.free_tail(request, request.num_tokens)
+        if num_blocks is not None:
+            self._truncated[request.request_id] = num_blocks
 
     def _dequeue(self, request: Request) -> None:
         """Take a request out of the running list (or, preempted meanwhile, the waiting queue)."""
@@ -395,6 +441,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.in_flight.pop(request.request_id, None)
+        self._truncated.pop(request.request_id, None)
         self.kv.free(request)
         if request.mm_features is not None:
             self.encoder.release(request)

@@ -121,6 +121,16 @@ class SingleTypeKVCacheManager:
             self.pool.cache_full_block(blocks[i], self.cache_key(block_hashes[i]), parent,
                                        tuple(token_ids[i * bs:(i + 1) * bs]))
 
+    def free_tail(self, request_id: str, num_blocks: int) -> None:
+        """Release the request's blocks past its first ``num_blocks``, last first (blocks that
+        held only rejected draft tokens; never hashed, so they return as plain free blocks)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None or len(blocks) <= num_blocks:
+            return
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self.pool.free_blocks([b for b in reversed(tail) if b is not self.pool.null_block])
+
     def free(self, request_id: str) -> None:
         """Release every block of the request, tail first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request_id, [])

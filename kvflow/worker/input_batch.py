@@ -6,8 +6,10 @@ rebuilding every request's state each step. Rows ``[0, num_reqs)`` are dense: re
 request moves the last row into its place, so a step's arrays are slices and fancy indexes of
 these columns, never Python loops over tokens.
 
-Per row: the token ids (prompt, then generated), how many are known, how many are in the
-prompt and how many have K/V cached, one block table per KV-cache group, the sampling
+Per row: the token ids (prompt, then generated; during a speculative-decoding step the draft
+tokens follow them, past ``num_tokens``), how many are known, how many are in the
+prompt and how many have K/V cached (and how many have a draft model's K/V), one block table
+per KV-cache group, the sampling
 parameters as columns (temperature, top-k/p, min-p, penalties, min_tokens), and which of the
 row's tokens is still on the device (``pending_sample``: async scheduling samples a token,
 launches the next step with it, and copies it to the host later). Rarely used per-request
@@ -74,6 +76,7 @@ class InputBatch:
         self.num_tokens = np.zeros(n, np.int64)  # prompt + sampled (pending included)
         self.num_prompt_tokens = np.zeros(n, np.int64)
         self.num_computed_tokens = np.zeros(n, np.int64)
+        self.num_draft_computed = np.zeros(n, np.int64)  # positions with a draft model's K/V
         self.pending_sample = np.full(n, -1, np.int64)  # index in the pending sampled tensor
         self.block_tables = [np.zeros((n, 16), np.int32) for _ in self.kv_cache_specs]
         self.num_blocks = [np.zeros(n, np.int64) for _ in self.kv_cache_specs]
@@ -103,7 +106,7 @@ class InputBatch:
     def _row_columns(self) -> list[np.ndarray]:
         """Every array indexed by row first (moved together when rows are condensed)."""
         return [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                self.pending_sample, *self.num_blocks, self.temperature, self.top_k, self.top_p,
+                self.num_draft_computed, self.pending_sample, *self.num_blocks, self.temperature, self.top_k, self.top_p,
                 self.min_p, self.presence_penalty, self.frequency_penalty,
                 self.repetition_penalty, self.uses_penalties, self.min_tokens]
 
@@ -130,6 +133,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_draft_computed[row] = num_computed_tokens  # prefix-cache hits hold both models'
         self.pending_sample[row] = -1
         for g, ids in enumerate(block_ids):
             self.block_tables[g][row] = 0
@@ -202,6 +206,9 @@ class InputBatch:
             self.remove_request(rid)
         for new in sched.scheduled_new_reqs:
             self.add_request(states[new.req_id], [], new.block_ids, new.num_computed_tokens)
+        for rid, num_blocks in sched.truncated_block_tables.items():
+            if (row := self.req_id_to_index.get(rid)) is not None:
+                self.truncate_block_ids(row, num_blocks)
         cached = sched.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids) if resumed else ():
@@ -239,6 +246,31 @@ class InputBatch:
             self.block_tables[group] = _widen(self.block_tables[group], end)
         self.block_tables[group][row, start:end] = block_ids
         self.num_blocks[group][row] = end
+
+    def truncate_block_ids(self, row: int, num_blocks: int) -> None:
+        """Cut the row's tables (every group) to their first ``num_blocks`` entries (the
+        scheduler freed blocks that held only rejected draft tokens)."""
+        for table, num in zip(self.block_tables, self.num_blocks):
+            if num[row] > num_blocks:
+                table[row, num_blocks:num[row]] = 0
+                num[row] = num_blocks
+
+    def write_draft_tokens(self, row: int, token_ids: list[int] | np.ndarray) -> None:
+        """Put draft tokens after the row's known tokens (``num_tokens`` is unchanged: they
+        become tokens only once accepted)."""
+        start = int(self.num_tokens[row])
+        self._ensure_token_width(start + len(token_ids))
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+
+    def accept_tokens(self, rows: np.ndarray, num_new: np.ndarray, last_token: np.ndarray) -> None:
+        """After verification: row ``rows[i]`` keeps its first ``num_new[i] - 1`` draft tokens
+        (already in place) and gains ``last_token[i]`` after them (int64 [R] each)."""
+        self._ensure_token_width(int((self.num_tokens[rows] + num_new).max(initial=0)))
+        self.token_ids[rows, self.num_tokens[rows] + num_new - 1] = last_token
+        self.num_tokens[rows] += num_new
+        # the draft model's K/V past the last accepted draft belongs to rejected tokens
+        self.num_draft_computed[rows] = np.minimum(self.num_draft_computed[rows],
+                                                   self.num_tokens[rows] - 1)
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         """Set the row's tokens at positions ``start`` on (tokens the scheduler sent)."""
@@ -285,11 +317,15 @@ class InputBatch:
         """Generated tokens of each row in ``rows`` (int64 [R])."""
         return self.num_tokens[rows] - self.num_prompt_tokens[rows]
 
-    def prompt_and_output_ids(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def prompt_and_output_ids(self, rows: np.ndarray, num_extra: np.ndarray | None = None
+                              ) -> tuple[np.ndarray, np.ndarray]:
         """(prompt ids [R, Lp], generated ids [R, Lo]) of ``rows``, right-padded with -1
-        (int64; Lp, Lo >= 1). Every token of those rows must be on the host."""
+        (int64; Lp, Lo >= 1); ``num_extra`` (int64 [R]) counts that many of each row's draft
+        tokens as generated. Every token of those rows must be on the host."""
         n_prompt = self.num_prompt_tokens[rows]
         n_out = self.num_tokens[rows] - n_prompt
+        if num_extra is not None:
+            n_out = n_out + num_extra
         tokens = self.token_ids[rows]
         width = tokens.shape[1]
         prompt_cols = np.arange(max(1, int(n_prompt.max(initial=0))))

@@ -39,6 +39,7 @@ from kvflow.quant import get_quant_config, weight_bytes
 from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.spec_decode.verification import SpecStep, place_drafts, plan_verification, verify
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
@@ -363,17 +364,16 @@ class ModelRunner:
         """Apply the step's changes to the input batch, build the inputs and run the forward
         pass up to the logits of the rows that sample (on CUDA: queued, not waited for).
         Tokens sampled by the previous step and not yet collected are read on the device.
-
-        Raises:
-            NotImplementedError: for draft tokens to verify (speculative decoding).
+        Draft tokens to verify (speculative decoding) are placed after their requests' tokens
+        first (see kvflow/spec_decode/verification.py).
         """
         self._update_states(sched)
         self._step = None
         if sched.is_empty:
             return
-        if sched.scheduled_spec_decode_tokens:
-            raise NotImplementedError("draft tokens to verify: speculative decoding is not "
-                                      "implemented in this runner")
+        spec_tokens = sched.scheduled_spec_decode_tokens
+        if spec_tokens:
+            place_drafts(self.input_batch, spec_tokens)
         inputs = build_model_inputs(self.input_batch,
                                     self.input_batch.num_scheduled_per_row(sched),
                                     self.block_size, self.stager)
@@ -383,13 +383,18 @@ class ModelRunner:
         hidden = self._forward(inputs, self._recv_from_previous_stage())
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
-        logits = self.model.compute_logits(
-            hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
+        spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
+        if spec is not None:
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(spec.logits_indices).to(hidden.device)])
+        else:
+            logits = self.model.compute_logits(
+                hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
             if len(inputs.sample_rows) else None
         prompt_logprobs = compute_prompt_logprobs(self._prompt_logprobs_requests(inputs),
                                                   hidden, self.model.compute_logits) \
             if self.input_batch.prompt_logprobs else {}
-        self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs)
+        self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
 
     def _prompt_logprobs_requests(self, inputs: ModelInputs) -> list[PromptLogprobsRequest]:
         """The scheduled requests that asked for prompt logprobs, with their hidden rows."""
@@ -424,6 +429,12 @@ class ModelRunner:
                 self._pending = _PendingOutput([], None, step.prompt_logprobs)
             return
         batch = self.input_batch
+        if step.spec is not None:  # verification: synchronous (token counts vary per row)
+            ready = verify(step.spec, step.logits, batch, self.sampling_inputs, self.sampler,
+                           grammar_bitmask)
+            ready.prompt_logprobs = step.prompt_logprobs
+            self._pending = _PendingOutput([], None, step.prompt_logprobs, ready)
+            return
         meta = self.sampling_inputs.build(batch, step.sample_rows, grammar_bitmask)
         out = self.sampler(step.logits, meta)
         batch.add_pending_tokens(step.sample_rows)
@@ -437,6 +448,8 @@ class ModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             return ModelRunnerOutput()
+        if pending.ready is not None:
+            return pending.ready
         if pending.output is None:
             return ModelRunnerOutput(prompt_logprobs=pending.prompt_logprobs)
         sampled = pending.output.sampled.cpu().numpy()
@@ -524,13 +537,16 @@ class _LaunchedStep:
     sample_rows: np.ndarray
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    spec: SpecStep | None = None  # verification layout (speculative decoding)
 
 
 @dataclass
 class _PendingOutput:
     """A step sampled but not yet collected: its requests, in sampled-tensor order (output
-    None: nothing sampled), and its prompt logprobs."""
+    None: nothing sampled), and its prompt logprobs; ``ready``: a verification step's output,
+    already on the host."""
 
     req_ids: list[str]
     output: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    ready: ModelRunnerOutput | None = None

@@ -27,11 +27,17 @@ class SamplingInputs:
         self._dense: tuple = ()
 
     def build(self, batch: InputBatch, rows: np.ndarray,
-              grammar: GrammarBitmask | None = None) -> SamplingMetadata:
+              grammar: GrammarBitmask | None = None,
+              num_extra: np.ndarray | None = None) -> SamplingMetadata:
         """Sampling settings of the batch rows ``rows`` (int64 [B], sampling row ``i`` = batch
         row ``rows[i]``): dense columns are sliced, the per-request dicts mapped to sampling
         rows. Every token of those rows must be on the host (penalties and min_tokens read
         them).
+
+        Speculative decoding (``num_extra`` given, int64 [B]): a request has one sampling row
+        per draft token plus one, consecutive in ``rows``; row ``i`` predicts the token after
+        ``num_extra[i]`` of the request's drafts, which count as generated for its penalties
+        and ``min_tokens``. Generators are left to the rejection sampler.
 
         Raises:
             KeyError: if ``grammar`` names a request without a row among ``rows``.
@@ -39,6 +45,8 @@ class SamplingInputs:
         temperature, top_k, top_p, min_p, all_greedy = self._dense_columns(batch, rows)
         meta = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 all_greedy=all_greedy)
+        if num_extra is not None:
+            return self._fill_expanded(meta, batch, rows, num_extra, grammar)
         position = _sampling_positions(batch, rows)
         for rid, gen in batch.generators.items():
             if (i := position.get(rid)) is not None and batch.temperature[rows[i]] > 0:
@@ -55,6 +63,33 @@ class SamplingInputs:
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
+            meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
+        return meta
+
+    def _fill_expanded(self, meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
+                       num_extra: np.ndarray, grammar: GrammarBitmask | None
+                       ) -> SamplingMetadata:
+        """The per-request settings of a verification step's sampling rows (see ``build``)."""
+        spans = _request_spans(batch, rows)
+        for rid, banned in batch.min_tokens_banned.items():
+            if (span := spans.get(rid)) is not None:
+                start, count = span
+                num_out = batch.num_output_tokens(rows[start:start + 1])[0]
+                for i in range(start, start + count):
+                    if num_out + num_extra[i] < batch.min_tokens[rows[i]]:
+                        meta.banned_token_ids[i] = banned
+        for rid, k in batch.num_logprobs.items():
+            if (span := spans.get(rid)) is not None:
+                meta.num_logprobs.update(dict.fromkeys(range(span[0], span[0] + span[1]), k))
+        meta.penalties = _penalties(batch, rows, self.device, num_extra)
+        meta.logit_bias = _logit_bias(batch, {rid: i for rid, (s, c) in spans.items()
+                                             for i in range(s, s + c)}, self.device) \
+            if batch.logit_bias else None
+        if grammar is not None:
+            grammar_rows, seen = [], {}
+            for rid in grammar.request_ids:  # a request's k + 1 rows, in order
+                grammar_rows.append(spans[rid][0] + seen.get(rid, 0))
+                seen[rid] = seen.get(rid, 0) + 1
             meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
         return meta
 
@@ -92,14 +127,23 @@ def _sampling_positions(batch: InputBatch, rows: np.ndarray,
     return {batch.req_ids[r]: i for i, r in enumerate(rows.tolist())}
 
 
-def _penalties(batch: InputBatch, rows: np.ndarray,
-               device: torch.device) -> PenaltyMetadata | None:
-    """Presence / frequency / repetition penalties of the sampling rows that use them."""
+def _request_spans(batch: InputBatch, rows: np.ndarray) -> dict[str, tuple[int, int]]:
+    """Request id -> (first sampling row, rows) when each request's rows are consecutive."""
+    starts = np.flatnonzero(np.diff(rows, prepend=-1) != 0)
+    counts = np.diff(starts, append=len(rows))
+    return {batch.req_ids[rows[s]]: (int(s), int(c)) for s, c in zip(starts, counts)}
+
+
+def _penalties(batch: InputBatch, rows: np.ndarray, device: torch.device,
+               num_extra: np.ndarray | None = None) -> PenaltyMetadata | None:
+    """Presence / frequency / repetition penalties of the sampling rows that use them
+    (``num_extra``: draft tokens counted as generated, per sampling row)."""
     which = np.flatnonzero(batch.uses_penalties[rows])
     if len(which) == 0:
         return None
     picked = rows[which]
-    prompt, output = batch.prompt_and_output_ids(picked)
+    prompt, output = batch.prompt_and_output_ids(
+        picked, num_extra[which] if num_extra is not None else None)
 
     def floats(column: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(column[picked]).to(device)

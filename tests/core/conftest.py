@@ -15,6 +15,12 @@ request reads back exactly its own token history through its block table, and "s
 deterministic function of what it read. A wrong prefix hit, a block reused while still in use,
 or a lost/duplicated token therefore shows up as a wrong read or as output that differs from an
 oracle run.
+
+With speculative decoding the driver plays a greedy target: a request's scheduled draft tokens
+are written to the fake KV after its tokens, read back, and accepted while each equals what
+``default_sample`` (or the script) gives after the drafts before it; the first mismatch is
+replaced by that token, and full acceptance adds the next one (the bonus token). The output
+must therefore equal the oracle's, however many drafts were right.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class Scheduled:
     num_computed_tokens: int
     block_ids: tuple[list[int], ...]
     do_sample: bool
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -185,6 +192,9 @@ class FakeDriver:
         for rid in sched_out.preempted_ids:  # a runner drops the row and generated tokens
             m = self.mirror[rid]
             m.tokens, m.block_ids = list(m.prompt), []
+        for rid, num_blocks in sched_out.truncated_block_tables.items():  # rejected drafts
+            if rid in self.mirror:
+                self.mirror[rid].block_ids = [t[:num_blocks] for t in self.mirror[rid].block_ids]
         for new in sched_out.scheduled_new_reqs:
             self.mirror[new.req_id] = Mirror(list(new.prompt_token_ids),
                                              list(new.prompt_token_ids),
@@ -208,9 +218,11 @@ class FakeDriver:
             m.num_computed = cached.num_computed_tokens[i]
         assert sched_out.total_num_scheduled_tokens == \
             sum(sched_out.num_scheduled_tokens.values())
-        return [self._scheduled(rid, n) for rid, n in sched_out.num_scheduled_tokens.items()]
+        drafts = sched_out.scheduled_spec_decode_tokens
+        return [self._scheduled(rid, n, drafts.get(rid, []))
+                for rid, n in sched_out.num_scheduled_tokens.items()]
 
-    def _scheduled(self, rid: str, num_new: int) -> Scheduled:
+    def _scheduled(self, rid: str, num_new: int, draft_ids: list[int]) -> Scheduled:
         m = self.mirror[rid]
         tables, start = self._nulled(m), m.num_computed
         request = self.scheduler.requests.get(rid)  # None: aborted after schedule()
@@ -220,8 +232,10 @@ class FakeDriver:
             assert len(m.tokens) - len(known) <= request.num_output_placeholders, rid
             assert tables == self.scheduler.kv.get_block_ids(rid), f"{rid}: mirror blocks differ"
             assert start + num_new == request.num_computed_tokens, rid
-        return Scheduled(rid, m.tokens[start:start + num_new], start, tables,
-                         start + num_new >= len(m.tokens))
+        if draft_ids:  # drafts are the last scheduled tokens and follow all known ones
+            assert start + num_new == len(m.tokens) + len(draft_ids), rid
+        return Scheduled(rid, (m.tokens + draft_ids)[start:start + num_new], start, tables,
+                         start + num_new >= len(m.tokens), list(draft_ids))
 
     def _nulled(self, m: Mirror) -> tuple[list[int], ...]:
         """The mirror's tables with the blocks before a sliding window nulled (as a runner
@@ -252,7 +266,7 @@ class FakeDriver:
         bs = self.block_size
         holders = self._block_holders()
         for s in scheduled:  # every layer stores the step's new K/V first ...
-            history = self.mirror[s.request_id].tokens  # = history + samples not folded in
+            history = self.mirror[s.request_id].tokens + s.draft_ids  # + unfolded samples
             start = s.num_computed_tokens
             assert s.token_ids == history[start:start + len(s.token_ids)], s.request_id
             for pos in range(start, start + len(s.token_ids)):
@@ -268,18 +282,31 @@ class FakeDriver:
             end = s.num_computed_tokens + s.num_scheduled_tokens
             seen = [self.kv_mem.get(s.block_ids[0][p // bs], [None] * bs)[p % bs]
                     for p in range(end)]
-            truth = self.mirror[s.request_id].tokens[:end]
+            truth = (self.mirror[s.request_id].tokens + s.draft_ids)[:end]
             assert seen == truth, f"{s.request_id} reads wrong KV: {seen} != {truth}"
             if s.do_sample:
-                token = self._sample(s.request_id, seen)
-                self.mirror[s.request_id].tokens.append(token)  # a runner keeps its samples
+                tokens = self._verify(s.request_id, seen, s.draft_ids)
+                self.mirror[s.request_id].tokens.extend(tokens)  # a runner keeps its samples
                 out.req_ids.append(s.request_id)
-                out.sampled_token_ids.append([token])
+                out.sampled_token_ids.append(tokens)
         return out
 
-    def _sample(self, request_id: str, seen: list[int]) -> int:
-        """The scripted token for this output position, else ``default_sample(seen)``."""
-        num_out = len(self.mirror[request_id].tokens) - self.prompt_len[request_id]
+    def _verify(self, request_id: str, seen: list[int], draft_ids: list[int]) -> list[int]:
+        """A greedy target's tokens after ``seen`` (which ends with ``draft_ids``): the drafts
+        while each is what the target gives, then the target's own token."""
+        base = seen[:len(seen) - len(draft_ids)]
+        tokens = []
+        for i in range(len(draft_ids) + 1):
+            token = self._sample(request_id, base + draft_ids[:i], offset=i)
+            tokens.append(token)
+            if i == len(draft_ids) or token != draft_ids[i]:
+                return tokens
+        return tokens
+
+    def _sample(self, request_id: str, seen: list[int], offset: int = 0) -> int:
+        """The scripted token for this output position (``offset`` tokens past the history),
+        else ``default_sample(seen)``."""
+        num_out = len(self.mirror[request_id].tokens) - self.prompt_len[request_id] + offset
         script = self.script.get(request_id, [])
         return script[num_out] if num_out < len(script) else default_sample(seen)
 

@@ -1,0 +1,140 @@
+"""The engine core's side of speculative decoding: which requests verify how many drafts.
+
+Each step, before the scheduler hands out its token budget, ``Speculator.propose`` gives every
+running request that has caught up (only its last sampled token left to compute) a list of
+draft tokens: the n-gram proposer's tokens, or ``-1`` placeholders that the runner's draft model
+fills at the start of the step. The scheduler then treats them as more tokens to compute for
+that request (the scheduling rule does not change: ``num_computed_tokens`` catches up toward
+``num_tokens`` plus the drafts). After the step, ``record`` counts what the target accepted.
+
+How many: up to ``num_speculative_tokens``, never past ``max_tokens`` or ``max_model_len``;
+with ``adaptive`` the lengths come from ``cost_model.choose_draft_lengths`` (each request's
+running acceptance rate against the measured step costs), and a step whose base token count
+has no recent measurement runs without drafts once to measure it.
+
+A constrained request's n-gram drafts are cut at the first token its grammar rejects (the
+matcher accepts them one by one and is rolled back). A draft model proposes inside the runner,
+where the grammar is not known, so constrained requests are not speculated with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvflow.config import SpeculativeConfig
+from kvflow.request import Request
+from kvflow.runner_output import ModelRunnerOutput
+from kvflow.sched_output import SchedulerOutput
+from kvflow.spec_decode.cost_model import (
+    StepTimes,
+    acceptance_estimate,
+    choose_draft_lengths,
+)
+from kvflow.spec_decode.ngram import propose_ngram
+
+
+class Speculator:
+    """Proposes each step's draft tokens and keeps the acceptance record.
+
+    Args:
+        config: the speculative-decoding config.
+        max_model_len: the context limit (tokens); drafts never reach past it.
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.uses_draft_model = config.method == "draft_model"
+        self.target_times = StepTimes()
+        self.draft_times = StepTimes() if self.uses_draft_model else None
+        # engine-wide counters (vLLM's spec_decode_* metrics)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens
+        self._num_rejections = 0
+
+    # ---- before a step -----------------------------------------------------------------------
+    def propose(self, running: list[Request], num_base_tokens: int) -> dict[str, list[int]]:
+        """Draft tokens for this step, by request id (requests without drafts are absent).
+
+        Args:
+            running: the running requests; those with exactly one token left to compute
+                (decodes) are candidates.
+            num_base_tokens: tokens the step computes without drafts (for the cost model).
+        """
+        candidates, drafts = [], []
+        for request in running:
+            room = self._room(request)
+            if room <= 0:
+                continue
+            tokens = self._candidate_drafts(request, room)
+            if len(tokens):
+                candidates.append(request)
+                drafts.append(tokens)
+        if not candidates:
+            return {}
+        lengths = self._lengths(candidates, drafts, num_base_tokens)
+        return {r.request_id: d[:k].tolist() for r, d, k in zip(candidates, drafts, lengths)
+                if k}
+
+    def _room(self, request: Request) -> int:
+        """Drafts the request can take: 0 unless it is a decode; capped by K, max_tokens
+        (the bonus token counts) and max_model_len."""
+        num_tokens = len(request.all_token_ids)
+        if num_tokens - request.num_computed_tokens != 1:
+            return 0
+        params = request.sampling_params
+        left = params.max_tokens - (num_tokens - len(request.prompt_token_ids)) - 1 \
+            if params.max_tokens is not None else self.config.num_speculative_tokens
+        return min(self.config.num_speculative_tokens, left, self.max_model_len - num_tokens - 1)
+
+    def _candidate_drafts(self, request: Request, room: int) -> np.ndarray:
+        """The proposer's tokens (int64 [<= room]) before the length choice."""
+        if self.uses_draft_model:
+            if request.structured_output is not None:
+                return np.zeros(0, np.int64)
+            return np.full(room, -1, np.int64)
+        cfg = self.config
+        tokens = propose_ngram(np.asarray(request.all_token_ids, np.int64), room,
+                               cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if len(tokens) and request.structured_output is not None:
+            tokens = tokens[:request.structured_output.num_valid_drafts(tokens.tolist())]
+        return tokens
+
+    def _lengths(self, candidates: list[Request], drafts: list[np.ndarray],
+                 num_base_tokens: int) -> np.ndarray:
+        available = np.array([len(d) for d in drafts], np.int64)
+        if not self.config.adaptive:
+            return available
+        if not self.target_times.is_measured(num_base_tokens):
+            return np.zeros(len(candidates), np.int64)  # measure this step size first
+        prior = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens +
+                                                  self._num_rejections + 2)
+        counts = [r.spec_counts for r in candidates]
+        alpha = acceptance_estimate(np.array([c.num_accepted_tokens for c in counts], float),
+                                    np.array([c.num_rejections for c in counts], float), prior)
+        return choose_draft_lengths(alpha, available, num_base_tokens, self.target_times,
+                                    self.draft_times)
+
+    # ---- after a step ------------------------------------------------------------------------
+    def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification: ``num_accepted`` of the request's ``num_draft_tokens``."""
+        request.spec_counts.record(num_draft_tokens, num_accepted)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self._num_rejections += num_accepted < num_draft_tokens
+        for i in range(num_accepted):
+            self.num_accepted_per_pos[i] += 1
+
+    def observe_step(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput,
+                     seconds: float) -> None:
+        """Feed one executed step's measured time to the cost model: the target's part by
+        the step's token count, the draft model's per pass by the requests drafting."""
+        if sched.is_empty:
+            return
+        self.target_times.observe(sched.total_num_scheduled_tokens,
+                                  max(seconds - runner_output.draft_time_s, 0.0))
+        drafts = sched.scheduled_spec_decode_tokens
+        if self.draft_times is not None and drafts and runner_output.draft_time_s > 0:
+            passes = max(len(d) for d in drafts.values())
+            self.draft_times.observe(len(drafts), runner_output.draft_time_s / passes)

@@ -1,0 +1,212 @@
+"""Speculative decoding in the scheduler: drafts are more tokens of the same step, rejected
+ones are rolled back, and nothing leaks.
+
+The fake driver (tests/core/conftest.py) plays a greedy target and checks every step's KV
+reads; the oracle is plain greedy decoding of the same deterministic "model", so any draft
+handling error (a lost or duplicated token, a stale block, a wrong computed count) shows up as
+output different from the oracle, a wrong KV read, or a leaked block.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.config import SpeculativeConfig
+from kvflow.request import Request
+from kvflow.spec_decode.speculator import Speculator
+from tests.core.conftest import default_sample
+
+WRONG = 7  # never sampled by the fake model (its tokens are >= 100)
+
+
+class OracleSpeculator(Speculator):
+    """Proposes the fake model's true next tokens, with one deliberate error at a position
+    that varies with the request's length (sometimes none), so steps accept 0..K drafts."""
+
+    def __init__(self, k: int, max_model_len: int, wrong_every: int = 3, **kw) -> None:
+        super().__init__(SpeculativeConfig(num_speculative_tokens=k, adaptive=False, **kw),
+                         max_model_len)
+        self.wrong_every = wrong_every
+        self.proposed: list[tuple[str, int, int]] = []  # (request, num_tokens, drafts)
+
+    def _candidate_drafts(self, request: Request, room: int):
+        import numpy as np
+
+        history, out = list(request.all_token_ids), []
+        for _ in range(room):
+            out.append(default_sample(history))
+            history.append(out[-1])
+        wrong_at = len(request.all_token_ids) % (room + self.wrong_every)
+        if wrong_at < room:
+            out[wrong_at] = WRONG
+        self.proposed.append((request.request_id, request.num_tokens, room))
+        return np.array(out, np.int64)
+
+
+class WrongSpeculator(Speculator):
+    """Every draft is wrong: every step rejects all of them."""
+
+    def _candidate_drafts(self, request: Request, room: int):
+        import numpy as np
+
+        return np.full(room, WRONG, np.int64)
+
+
+def _run(make_scheduler, make_driver, make_request, speculator, prompts, max_tokens=20,
+         **sched_kw):
+    sched = make_scheduler(**sched_kw)
+    sched.speculator = speculator
+    driver = make_driver(sched)
+    for i, prompt in enumerate(prompts):
+        driver.add(make_request(f"r{i}", prompt, max_tokens=max_tokens))
+    return driver.run(), driver
+
+
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], list(range(30, 47)), [51]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_output_equals_oracle_whatever_is_accepted(make_scheduler, make_driver,
+                                                          make_request, oracle, k):
+    spec = OracleSpeculator(k, 4000)
+    results, driver = _run(make_scheduler, make_driver, make_request, spec, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[f"r{i}"].output_token_ids == oracle(prompt, 20)
+        assert results[f"r{i}"].finish_reason == "length"
+    # both outcomes happened: full acceptance (bonus token) and rejections
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert spec.num_accepted_per_pos[k - 1] > 0
+    # fewer steps than tokens: speculation paid off in steps
+    assert len(driver.steps) < 20 + 3
+
+
+def test_counts_reach_outputs_and_requests(make_scheduler, make_driver, make_request):
+    spec = OracleSpeculator(3, 4000)
+    sched = make_scheduler()
+    sched.speculator = spec
+    driver = make_driver(sched)
+    driver.add(make_request("a", [1, 2, 3, 4], max_tokens=12))
+    drafted = accepted = 0
+    while sched.has_unfinished_requests():
+        for out in driver.step().outputs:
+            drafted += out.num_draft_tokens
+            accepted += out.num_accepted_tokens
+            assert out.num_accepted_tokens <= out.num_draft_tokens
+            assert len(out.new_token_ids) <= out.num_accepted_tokens + 1
+    assert (drafted, accepted) == (spec.num_draft_tokens, spec.num_accepted_tokens)
+    # after the prefill step, a step computing more than one token carried drafts
+    assert spec.num_drafts == sum(1 for s in driver.steps[1:] if s.num_scheduled["a"] > 1)
+
+
+def test_rejected_drafts_roll_back_and_free_whole_blocks(make_scheduler, make_driver,
+                                                         make_request, oracle):
+    sched = make_scheduler(num_blocks=50, block_size=4)
+    sched.speculator = WrongSpeculator(SpeculativeConfig(num_speculative_tokens=6,
+                                                         adaptive=False), 4000)
+    driver = make_driver(sched)
+    driver.add(make_request("a", [1, 2, 3, 4, 5], max_tokens=10))
+    driver.step()  # prefill: samples the first token (6 tokens known, 5 computed)
+    request = sched.requests["a"]
+    free_before = sched.kv.num_free_blocks
+    sched_out = sched.schedule()
+    # 1 catch-up token + 6 drafts: positions 5..11 need blocks 1 and 2 (block size 4)
+    assert sched_out.num_scheduled_tokens["a"] == 7
+    assert sched_out.scheduled_spec_decode_tokens["a"] == [WRONG] * 6
+    assert sched.kv.num_free_blocks == free_before - 1
+    runner_output = driver.execute(sched_out)
+    assert runner_output.sampled_token_ids == [oracle([1, 2, 3, 4, 5], 2)[1:]]
+    for out in sched.update_from_output(sched_out, runner_output):
+        driver.history[out.request_id].extend(out.new_token_ids)
+    # all 6 rejected: computed back to the last accepted position, 7 tokens known, and the
+    # block that held only rejected drafts (positions 8..11) is free again
+    assert (request.num_computed_tokens, request.num_tokens) == (6, 7)
+    assert sched.kv.num_free_blocks == free_before
+    assert sched.kv.num_held_blocks("a") == [2]
+    nxt = sched.schedule()
+    assert nxt.truncated_block_tables == {"a": 2}
+    driver.execute(nxt)  # the driver's mirror applies the cut and checks it
+    sched.finish_requests(["a"], request.status.FINISHED_ABORTED)
+
+
+def test_budget_cuts_drafts_short(make_scheduler, make_driver, make_request, oracle):
+    spec = OracleSpeculator(4, 4000, wrong_every=100)
+    results, driver = _run(make_scheduler, make_driver, make_request, spec,
+                           [[1, 2, 3], [4, 5, 6], [7, 8, 9]], max_tokens=15,
+                           max_num_batched_tokens=7)
+    for i, prompt in enumerate([[1, 2, 3], [4, 5, 6], [7, 8, 9]]):
+        assert results[f"r{i}"].output_token_ids == oracle(prompt, 15)
+    assert all(s.total <= 7 for s in driver.steps)
+    # some step scheduled a request's drafts only in part (the budget ran out)
+    partial = [s for s in driver.steps if 1 < sum(s.num_scheduled.values()) == 7]
+    assert partial
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len(make_scheduler, make_driver,
+                                                     make_request, oracle):
+    spec = OracleSpeculator(8, 4000, wrong_every=1000)
+    results, _ = _run(make_scheduler, make_driver, make_request, spec, [[1, 2]], max_tokens=5)
+    assert results["r0"].output_token_ids == oracle([1, 2], 5)
+    # at 3 known tokens (1 output) room is max_tokens - 1 output - 1 bonus = 3
+    assert all(room <= 5 - (n - 2) - 1 for _, n, room in spec.proposed)
+    spec = OracleSpeculator(8, 12, wrong_every=1000)
+    results, _ = _run(make_scheduler, make_driver, make_request, spec, [[1, 2, 3]],
+                      max_tokens=100, max_model_len=12)
+    assert results["r0"].output_token_ids == oracle([1, 2, 3], 9)
+    assert results["r0"].finish_reason == "length"
+    assert all(n + room <= 11 for _, n, room in spec.proposed)
+
+
+def test_preemption_and_prefix_caching_with_drafts(make_scheduler, make_driver, make_request,
+                                                   oracle):
+    """A pool too small for all requests forces preemptions while drafts are in flight;
+    shared prompts hit the prefix cache. Outputs stay the oracle's, nothing leaks (the
+    fixture checks the pool after the test)."""
+    shared = list(range(200, 213))
+    prompts = [shared + [i] for i in range(6)]
+    spec = OracleSpeculator(4, 4000)
+    results, driver = _run(make_scheduler, make_driver, make_request, spec, prompts,
+                           max_tokens=24, num_blocks=24, block_size=4)
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"].output_token_ids == oracle(prompt, 24)
+    assert any(s.preempted for s in driver.steps)
+    assert any(r.num_cached_tokens > 0 for r in results.values())
+    assert spec.num_accepted_tokens > 0
+
+
+def test_abort_between_schedule_and_update(make_scheduler, make_driver, make_request, oracle):
+    spec = OracleSpeculator(4, 4000)
+    sched = make_scheduler(num_blocks=40)
+    sched.speculator = spec
+    driver = make_driver(sched)
+    driver.add(make_request("a", [1, 2, 3], max_tokens=30))
+    driver.add(make_request("b", [4, 5, 6], max_tokens=30))
+    for _ in range(3):
+        driver.step()
+    sched_out = sched.schedule()
+    assert "a" in sched_out.scheduled_spec_decode_tokens
+    runner_output = driver.execute(sched_out)
+    driver.abort(["a"])  # e.g. the client went away mid-step
+    outputs = sched.update_from_output(sched_out, runner_output)
+    assert [o.request_id for o in outputs] == ["b"]
+    driver.history["b"].extend(outputs[0].new_token_ids)
+    driver.results["b"].output_token_ids.extend(outputs[0].new_token_ids)
+    assert sched.kv.num_held_blocks("a") == [0]
+    results = driver.run()
+    assert results["b"].output_token_ids == oracle([4, 5, 6], 30)
+
+
+def test_ngram_proposer_through_the_scheduler(make_scheduler, make_driver, make_request):
+    """The real n-gram proposer: the scripted "model" mostly copies its prompt, with a few
+    departures, so some guesses are accepted and some rejected."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    script = [5, 6, 7, 8, 40, 9, 10, 11, 12, 5, 6, 41, 7, 8, 9, 10, 11, 12, 5, 6]
+    sched = make_scheduler()
+    sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3,
+                                                    prompt_lookup_min=1, adaptive=False), 4000)
+    driver = make_driver(sched, {"r0": script})
+    driver.add(make_request("r0", prompt, max_tokens=len(script)))
+    results = driver.run()
+    assert results["r0"].output_token_ids == script
+    spec = sched.speculator
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert len(driver.steps) < len(script)

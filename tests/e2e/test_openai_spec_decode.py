@@ -1,0 +1,53 @@
+"""``kvflow serve --speculative-config`` end to end on the tiny Llama: greedy completions
+(whole and streamed) equal plain offline greedy decoding, and /metrics reports the drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "adaptive": False}
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+               "--block-size", "4", "--max-model-len", "96"]
+PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
+           "a b a b a b a b a"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
+                                            "--speculative-config", json.dumps(SPEC)])
+    yield server
+    server.stop()
+
+
+def test_greedy_completions_and_metrics(server, tiny_chat_model):
+    plain = LLM(model=tiny_chat_model, dtype="float32", num_kv_blocks=128, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].text for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    client = server.client()
+    for prompt, text in zip(PROMPTS, expected):
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == text
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == text
+    m = server.metrics()
+    drafted = server.value(m, "kvflow:spec_decode_num_draft_tokens_total")
+    accepted = server.value(m, "kvflow:spec_decode_num_accepted_tokens_total")
+    drafts = server.value(m, "kvflow:spec_decode_num_drafts_total")
+    assert 0 < accepted < drafted and 0 < drafts <= drafted
+    per_pos = sum(server.value(m, "kvflow:spec_decode_num_accepted_tokens_per_pos_total",
+                               position=str(i)) for i in range(4))
+    assert per_pos == accepted
+    assert abs(server.value(m, "kvflow:spec_decode_draft_acceptance_rate")
+               - accepted / drafted) < 1e-9
+    assert abs(server.value(m, "kvflow:spec_decode_mean_acceptance_length")
+               - (1 + accepted / drafts)) < 1e-9
+    assert server.value(m, "kvflow:kv_cache_usage_perc") == 0

@@ -1,0 +1,83 @@
+"""The step-cost model and the adaptive draft lengths, on hand-computed numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvflow.spec_decode.cost_model import StepTimes, acceptance_estimate, choose_draft_lengths
+
+
+def times(points: dict[int, float]) -> StepTimes:
+    t = StepTimes(smoothing=1.0)
+    for count, seconds in points.items():
+        t.observe(count, seconds)
+    return t
+
+
+def test_step_times_interpolate_hold_and_extrapolate():
+    t = times({4: 1.0, 16: 2.0})
+    assert t.predict(np.array([1, 4, 16])).tolist() == [1.0, 1.0, 2.0]  # held below
+    mid = float(t.predict(np.array([10]))[0])  # linear between the measured counts
+    assert abs(mid - 1.5) < 1e-9
+    # above: the last segment's slope per count, (2 - 1) / (16 - 4) per token
+    assert abs(float(t.predict(np.array([28]))[0]) - (2.0 + 12 / 12)) < 1e-9
+    assert StepTimes().predict(np.array([3])) is None
+    assert t.is_measured(4) and t.is_measured(16) and not t.is_measured(64)
+
+
+def test_observations_are_averaged_and_go_stale():
+    t = StepTimes(smoothing=0.5, stale_after=2)
+    t.observe(1, 1.0)
+    t.observe(1, 3.0)
+    assert float(t.predict(np.array([1]))[0]) == 2.0
+    t.observe(64, 5.0)
+    t.observe(64, 5.0)
+    t.observe(64, 5.0)
+    assert not t.is_measured(1) and t.is_measured(64)
+
+
+def test_acceptance_estimate_is_the_geometric_mle_with_a_prior():
+    # 6 accepted before 2 rejections: 6 / 8; no record: the prior
+    est = acceptance_estimate(np.array([6.0, 0.0]), np.array([2.0, 0.0]), prior=0.5,
+                              prior_weight=0.0001)
+    assert abs(est[0] - 0.75) < 1e-3
+    assert acceptance_estimate(np.array([0.0]), np.array([0.0]), prior=0.3)[0] == 0.3
+
+
+def test_flat_costs_take_every_draft():
+    """A step of 1 or 5 tokens costs the same (CPU batch 1): all drafts pay."""
+    lengths = choose_draft_lengths(np.array([0.5]), np.array([4]), 1, times({1: 1.0, 6: 1.0}))
+    assert lengths.tolist() == [4]
+
+
+def test_linear_costs_take_drafts_only_while_they_pay():
+    """Cost = tokens (compute-bound). One request with alpha = 0.8: k drafts give
+    1 + 0.8 + ... + 0.8^k tokens for 1 + k token-costs; the best is k = 0 (1 token per unit),
+    since 1 + 0.8 = 1.8 < 2. With base 32 tokens (32 decodes) the same holds."""
+    linear = times({1: 1.0, 2: 2.0, 64: 64.0})
+    assert choose_draft_lengths(np.array([0.8]), np.array([4]), 1, linear).tolist() == [0]
+    # a fixed per-step overhead makes a few drafts pay: cost = 10 + tokens
+    overhead = times({1: 11.0, 2: 12.0, 64: 74.0})
+    # k drafts: (1 + sum 0.9^i) / (11 + k): k=0 .0909, 1 .1583, 2 .2258, ... all 4 pay
+    got = choose_draft_lengths(np.array([0.9]), np.array([4]), 1, overhead)
+    assert got.tolist() == [4]
+
+
+def test_batch_choice_prefers_high_acceptance_requests():
+    """Two requests, cost = 4 + tokens: each draft costs 1; request 0 (alpha 0.9) gains
+    0.9, 0.81, ... per draft, request 1 (alpha 0.2) 0.2, 0.04. The tokens/second ratio,
+    from base (2 tokens / 6 s = .333): adding 0.9 -> 2.9/7 = .414, 0.81 -> 3.71/8 = .464,
+    0.729 -> 4.439/9 = .493, 0.656 -> 5.095/10 = .5095, then 0.2 -> 5.295/11 = .481:
+    request 0 takes all 4, request 1 none."""
+    cost = times({1: 5.0, 2: 6.0, 64: 68.0})
+    got = choose_draft_lengths(np.array([0.9, 0.2]), np.array([4, 4]), 2, cost)
+    assert got.tolist() == [4, 0]
+
+
+def test_draft_model_passes_are_charged():
+    """Flat target cost 1 s, a draft pass 0.3 s: k drafts of alpha 0.5 give
+    (1 + 0.5 + .25 + ...) / (1 + 0.3 k): k=1 1.5/1.3 = 1.154, k=2 1.75/1.6 = 1.094 -> 1."""
+    flat = times({1: 1.0, 8: 1.0})
+    draft = times({1: 0.3})
+    got = choose_draft_lengths(np.array([0.5]), np.array([4]), 1, flat, draft)
+    assert got.tolist() == [1]

@@ -1,0 +1,72 @@
+"""``--speculative-config`` / ``LLM(speculative_config=...)``: parsing, validation (one
+ValueError or exit status 2 naming what is wrong), the YAML config file form."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvflow.config import EngineConfig, SpeculativeConfig
+from kvflow.entrypoints.cli import main
+
+
+def _parse(argv: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    return EngineConfig.from_cli_args(parser.parse_args(argv))
+
+
+def test_flag_dict_and_object_forms_agree():
+    flag = _parse(["--speculative-config",
+                   '{"method": "draft_model", "model": "m", "num_speculative_tokens": 3}'])
+    kwargs = EngineConfig.from_kwargs(speculative_config={
+        "method": "draft_model", "model": "m", "num_speculative_tokens": 3})
+    assert flag.speculative_config == kwargs.speculative_config == SpeculativeConfig(
+        method="draft_model", model="m", num_speculative_tokens=3)
+    assert _parse([]).speculative_config is None
+    ngram = SpeculativeConfig.from_value('{"method": "ngram", "prompt_lookup_max": 5}')
+    assert (ngram.prompt_lookup_max, ngram.prompt_lookup_min, ngram.adaptive) == (5, 2, True)
+
+
+@pytest.mark.parametrize("value, needle", [
+    ('{"method": "eagle"}', "method='eagle'"),
+    ('{"method": "ngram", "k": 3}', "unknown key(s) ['k']"),
+    ('{"method": "draft_model"}', "needs 'model'"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+    ('{"num_speculative_tokens": "4"}', "num_speculative_tokens='4'"),
+    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "1 <= min <= max"),
+    ('{"method": "ngram"', "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"quantization": "fp4"}', "quantization='fp4'"),
+])
+def test_bad_values_name_the_problem(value, needle):
+    with pytest.raises(ValueError, match=None) as err:
+        SpeculativeConfig.from_value(value)
+    assert needle in str(err.value)
+
+
+def test_pipeline_parallel_is_refused():
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2,
+                                 speculative_config={"method": "ngram"})
+
+
+def test_cli_bad_value_exits_2(capsys):
+    assert main(["generate", "--prompt", "hi", "--speculative-config", '{"method": 1}']) == 2
+    assert "speculative_config" in capsys.readouterr().err
+
+
+def test_yaml_config_file_takes_a_mapping(tmp_path):
+    from kvflow.entrypoints.config_file import expand_config_file
+
+    path = tmp_path / "engine.yaml"
+    path.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 6\n")
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd")
+    gen = sub.add_parser("generate")
+    gen.add_argument("--config")
+    EngineConfig.add_cli_args(gen)
+    argv = expand_config_file(parser, ["generate", "--config", str(path)])
+    args = parser.parse_args(argv)
+    assert EngineConfig.from_cli_args(args).speculative_config.num_speculative_tokens == 6
