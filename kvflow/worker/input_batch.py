@@ -106,8 +106,8 @@ class InputBatch:
     def _row_columns(self) -> list[np.ndarray]:
         """Every array indexed by row first (moved together when rows are condensed)."""
         return [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                self.num_draft_computed, self.pending_sample, *self.num_blocks, self.temperature, self.top_k, self.top_p,
-                self.min_p, self.presence_penalty, self.frequency_penalty,
+                self.num_draft_computed, self.pending_sample, *self.num_blocks, self.temperature,
+                self.top_k, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
                 self.repetition_penalty, self.uses_penalties, self.min_tokens]
 
     # ---- rows in and out ---------------------------------------------------------------------

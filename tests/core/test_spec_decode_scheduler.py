@@ -210,3 +210,91 @@ def test_ngram_proposer_through_the_scheduler(make_scheduler, make_driver, make_
     spec = sched.speculator
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert len(driver.steps) < len(script)
+
+
+class MixedSpeculator(OracleSpeculator):
+    """Request "good" gets the true next tokens, every other request wrong ones."""
+
+    def _candidate_drafts(self, request: Request, room: int):
+        import numpy as np
+
+        if request.request_id == "good":
+            return super()._candidate_drafts(request, room)
+        return np.full(room, WRONG, np.int64)
+
+
+def _timed_run(make_scheduler, make_driver, make_request, spec, prompts, step_seconds,
+               max_tokens=30):
+    """Run with an adaptive speculator fed a synthetic measured step time per step
+    (``step_seconds(tokens in the step)``); returns results and each step's drafts."""
+    sched = make_scheduler()
+    sched.speculator = spec
+    driver = make_driver(sched)
+    execute, drafts_per_step = driver.execute, []
+
+    def timed_execute(sched_out):
+        out = execute(sched_out)
+        spec.observe_step(sched_out, out, step_seconds(sched_out.total_num_scheduled_tokens))
+        drafts_per_step.append({r: len(d) for r, d in
+                                sched_out.scheduled_spec_decode_tokens.items()})
+        return out
+
+    driver.execute = timed_execute
+    for rid, prompt in prompts.items():
+        driver.add(make_request(rid, prompt, max_tokens=max_tokens))
+    return driver.run(), drafts_per_step
+
+
+def _adaptive(k: int) -> OracleSpeculator:
+    spec = OracleSpeculator(k, 4000, wrong_every=1000)
+    spec.config.adaptive = True
+    return spec
+
+
+def test_adaptive_lengths_take_drafts_when_steps_cost_the_same(make_scheduler, make_driver,
+                                                               make_request, oracle):
+    """A step costs 1 s whatever its size (memory-bound decoding): after the first measured
+    decode step every step speculates the full K, and the output is the oracle's."""
+    spec = _adaptive(4)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7]}
+    results, drafts = _timed_run(make_scheduler, make_driver, make_request, spec, prompts,
+                                 lambda tokens: 1.0)
+    for rid, prompt in prompts.items():
+        assert results[rid].output_token_ids == oracle(prompt, 30)
+    assert not drafts[1]  # the first decode step measures the plain step size first
+    assert all(d.get("a") == 4 for d in drafts[2:5])
+    assert len(drafts) < 30 // 2
+
+
+def test_adaptive_lengths_stop_when_verification_costs_more(make_scheduler, make_driver,
+                                                            make_request, oracle):
+    """A step costs its token count (compute-bound): a draft token costs a full token and is
+    accepted with probability < 1, so once the step sizes with drafts are measured, no step
+    speculates (the decision comes from the measured times: a flat cost took drafts above)."""
+    spec = _adaptive(4)
+    prompts = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(4)}
+    results, drafts = _timed_run(make_scheduler, make_driver, make_request, spec, prompts,
+                                 lambda tokens: float(tokens))
+    for rid, prompt in prompts.items():
+        assert results[rid].output_token_ids == oracle(prompt, 30)
+    assert not any(drafts[len(drafts) // 2:])
+    assert len(drafts) >= 30
+
+
+def test_adaptive_lengths_follow_each_requests_acceptance(make_scheduler, make_driver,
+                                                          make_request, oracle):
+    """Cost 4 s + 1 s per token: drafts pay only for a request that accepts them. The
+    request whose drafts are always wrong gets a few while its estimate is shrunk toward the
+    engine-wide rate, then none (K=4 every step would be ~150 wasted drafts); the other
+    gets the full K."""
+    spec = MixedSpeculator(4, 4000, wrong_every=1000)
+    spec.config.adaptive = True
+    prompts = {"good": [1, 2, 3], "bad": [4, 5, 6]}
+    results, drafts = _timed_run(make_scheduler, make_driver, make_request, spec, prompts,
+                                 lambda tokens: 4.0 + tokens, max_tokens=40)
+    for rid, prompt in prompts.items():
+        assert results[rid].output_token_ids == oracle(prompt, 40)
+    bad = [d.get("bad", 0) for d in drafts]
+    assert 0 < sum(bad) <= 8 and not any(bad[-10:])
+    good = [d["good"] for d in drafts if "good" in d]
+    assert sum(good) >= 20 and good.count(4) >= len(good) // 2
