@@ -52,6 +52,14 @@ def test_pipeline_parallel_is_refused():
                                  speculative_config={"method": "ngram"})
 
 
+def test_async_scheduling_is_refused():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig.from_kwargs(async_scheduling=True, speculative_config={"method": "ngram"})
+    # unset: the engine core leaves it off when speculating
+    config = EngineConfig.from_kwargs(speculative_config={"method": "ngram"})
+    assert config.scheduler_config.async_scheduling is None
+
+
 def test_cli_bad_value_exits_2(capsys):
     assert main(["generate", "--prompt", "hi", "--speculative-config", '{"method": 1}']) == 2
     assert "speculative_config" in capsys.readouterr().err
