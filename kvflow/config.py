@@ -531,22 +531,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if self.speculative_config is not None and \
-                self.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
-                             "available (the draft tokens would have to reach every stage)")
-        if self.speculative_config is not None and self.scheduler_config.async_scheduling:
-            raise ValueError("speculative decoding with async_scheduling is not available (a "
-                             "verification step's token counts are known only after it)")
-
-    def __post_init__(self) -> None:
-        """Checks across sections.
+        """Checks across sections (``speculative_config`` given as a dict or JSON string
+        becomes a SpeculativeConfig).
 
         Raises:
             ValueError: for context parallelism with a block size it does not divide or a
-                quantized KV cache.
+                quantized KV cache; for speculative decoding with pipeline or context
+                parallelism or async scheduling.
         """
+        self._check_speculative()
         cp, cc = self.parallel_config.context_parallel_size, self.cache_config
         if cp > 1 and cc.block_size % cp:
             raise ValueError(f"block_size={cc.block_size} must be a multiple of "
@@ -555,6 +548,19 @@ class EngineConfig:
         if cp > 1 and cc.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
                              f"context_parallel_size={cp}")
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if spec is None:
+            return
+        pc = self.parallel_config
+        for name in ("pipeline_parallel_size", "context_parallel_size"):
+            if getattr(pc, name) > 1:
+                raise ValueError(f"speculative decoding with {name} > 1 is not available (the "
+                                 "draft tokens would have to reach every rank's sampler)")
+        if self.scheduler_config.async_scheduling:
+            raise ValueError("speculative decoding with async_scheduling is not available (a "
+                             "verification step's token counts are known only after it)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
