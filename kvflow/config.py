@@ -136,7 +136,22 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = _opt(None, "token budget of one engine step "
                                               "(default: the platform's, 2048 CPU / 4096 CUDA)")
     max_num_seqs: int = _opt(256, "maximum number of running requests")
-    policy: str = _opt("fcfs", "waiting-queue order", choices=["fcfs", "priority"])
+    policy: str = _opt("fcfs", "waiting-queue order: fcfs, priority (lower first), or fair "
+                       "(deficit round robin of tokens over clients, the OpenAI 'user' field or "
+                       "API key; priority classes weighted, none starved)",
+                       choices=["fcfs", "priority", "fair"])
+    target_ttft_ms: float | None = _opt(None, "time-to-first-token target of every request "
+                                        "(ms; a request's target_ttft_ms overrides it): "
+                                        "admissions skip requests that already missed it "
+                                        "while others can still meet theirs (default: none)")
+    target_tpot_ms: float | None = _opt(None, "time-per-output-token target of every request "
+                                        "(ms; a request's target_tpot_ms overrides it): each "
+                                        "step's prefill tokens and admissions are sized from a "
+                                        "step-time model fitted online so running requests "
+                                        "stay under it (default: none, the fixed budget)")
+    admission_control: bool = _opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
+                                   "a request whose predicted time to first token exceeds "
+                                   "its TTFT target (requests without one are admitted)")
     async_scheduling: bool | None = _opt(
         None, "schedule and prepare step N+1 on the host while step N runs on the device, and "
         "fold step N's tokens in after launching N+1 (same outputs); one-rank engines only "
@@ -149,6 +164,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        for name in ("target_ttft_ms", "target_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value} must be a number of milliseconds > 0")
 
 
 @dataclass
@@ -616,7 +635,8 @@ def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                            help=meta.get("help"))
         return
-    kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
+        str(f.type), str)
     group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")

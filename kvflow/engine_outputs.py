@@ -61,6 +61,11 @@ class EngineStats(msgspec.Struct):
             request that carried drafts, draft tokens verified, draft tokens accepted.
         spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in their step
             (index 0 = the first draft token).
+        step_time_predictions: steps whose duration the step-time model predicted before
+            they ran (cumulative).
+        step_time_abs_error_s / step_time_rel_error: the model's mean |predicted - measured|
+            step time (seconds) and that error relative to the measured time, over its recent
+            window.
     """
 
     num_running: int = 0
@@ -80,3 +85,6 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    step_time_predictions: int = 0
+    step_time_abs_error_s: float = 0.0
+    step_time_rel_error: float = 0.0

@@ -156,9 +156,11 @@ class InputProcessor:
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0,
-                      mm_features: list[MultiModalFeature] | None = None) -> list[Request]:
+                      mm_features: list[MultiModalFeature] | None = None,
+                      client_id: str = "") -> list[Request]:
         """One Request per sample (``n``); sample i of a seeded request uses seed + i. The
         samples share ``mm_features`` (the images of the prompt, already expanded).
+        ``client_id`` names the sender for the fair policy ("" when unknown).
 
         Raises:
             ValueError: for a bad prompt (see ``validate``) or parameters (``validate_params``).
@@ -174,7 +176,7 @@ class InputProcessor:
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
-                                    mm_features=mm_features))
+                                    mm_features=mm_features, client_id=client_id))
         return requests
 
     def load_chat_images(self, messages: list[dict]) -> list[Any]:

@@ -23,10 +23,14 @@ class LLM:
             enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...).
 
     Raises:
-        ValueError: for an unknown option, model or impossible configuration.
+        ValueError: for an unknown option, model or impossible configuration, or
+            ``admission_control`` (a server option: offline requests are never refused).
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
+        if kwargs.get("admission_control"):
+            raise ValueError("admission_control is a server option (kvflow serve "
+                             "--admission-control): LLM.generate never refuses a request")
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
@@ -45,8 +49,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 user: Sequence[str] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Args:
@@ -55,7 +59,9 @@ class LLM:
                 ``"multi_modal_data": {"image": PIL image or list}`` and one image
                 placeholder per image in the prompt), or a list of these.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
-            priority: one integer per prompt, lower first (needs ``policy="priority"``).
+            priority: one integer per prompt, lower first (needs ``policy="priority"`` or
+                ``"fair"``).
+            user: one client name per prompt, for ``policy="fair"`` (default: one client).
 
         Raises:
             ValueError: if any prompt or parameter is invalid (nothing is queued then).
@@ -66,14 +72,15 @@ class LLM:
         params = _broadcast_params(sampling_params, len(prompts))
         priorities = _check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
+        users = _check_users(user, len(prompts))
         processor = self.engine.processor
         prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
         for p in prompts:  # validate everything before queuing anything
             processor.validate(p.token_ids)
         ids: list[str] = []
         try:
-            for p, sp, prio in zip(prompts, params, priorities):
-                ids.append(self.engine.add_request(p, sp, priority=prio))
+            for p, sp, prio, who in zip(prompts, params, priorities, users):
+                ids.append(self.engine.add_request(p, sp, priority=prio, client_id=who))
         except BaseException:  # a later request's parameters were rejected: queue none
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -183,7 +190,21 @@ def _check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> li
                                        for p in priorities):
         raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
                          f"{priority!r}")
-    if policy != "priority" and any(priorities):
-        raise ValueError(f"priority={priorities} needs the priority scheduling policy "
-                         f"(policy='priority'); this engine runs {policy!r}")
+    if policy not in ("priority", "fair") and any(priorities):
+        raise ValueError(f"priority={priorities} needs the priority or fair scheduling policy "
+                         f"(policy='priority' or 'fair'); this engine runs {policy!r}")
     return priorities
+
+
+def _check_users(user: Sequence[str] | None, n: int) -> list[str]:
+    """One client name per prompt ("" when None).
+
+    Raises:
+        ValueError: for a wrong count or a name that is not a string.
+    """
+    if user is None:
+        return [""] * n
+    users = list(user) if not isinstance(user, str) else []
+    if len(users) != n or not all(isinstance(u, str) for u in users):
+        raise ValueError(f"user must be a list of {n} strings (one per prompt), got {user!r}")
+    return users

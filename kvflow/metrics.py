@@ -9,7 +9,9 @@ Two sources feed them:
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
-  counters, and the acceptance rate and mean acceptance length since start-up as gauges.
+  counters, and the acceptance rate and mean acceptance length since start-up as gauges;
+  the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
+* requests refused by admission control (``ServerMetrics.rejected``, counted by the API).
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
 and the engine-state series also an ``engine`` label: the data-parallel replica they describe
@@ -110,6 +112,18 @@ class ServerMetrics:
                                            "again)", e)
         self.encoder_inputs = self._labelled(c, "kvflow:encoder_inputs",
                                              "Images run through the vision encoder", e)
+        self.step_time_predictions = self._labelled(
+            c, "kvflow:step_time_model_predictions",
+            "Steps whose duration the scheduler's step-time model predicted", e)
+        self.step_time_abs_error = self._labelled(
+            g, "kvflow:step_time_model_abs_error_seconds",
+            "Mean |predicted - measured| step time over the model's recent window (s)", e)
+        self.step_time_rel_error = self._labelled(
+            g, "kvflow:step_time_model_rel_error",
+            "Mean |predicted - measured| / measured step time over the recent window", e)
+        self.rejected = self._labelled(c, "kvflow:requests_rejected",
+                                       "Requests refused by admission control (503) because "
+                                       "their predicted TTFT exceeded the target")
         self._init_spec_decode_metrics()
 
     def _init_spec_decode_metrics(self) -> None:
@@ -141,7 +155,9 @@ class ServerMetrics:
                              (self.kv_free_blocks, stats.num_free_blocks),
                              (self.kv_usable_blocks, stats.num_usable_blocks),
                              (self.weight_bytes, stats.weight_bytes),
-                             (self.kv_bytes_per_token, stats.kv_cache_bytes_per_token)):
+                             (self.kv_bytes_per_token, stats.kv_cache_bytes_per_token),
+                             (self.step_time_abs_error, stats.step_time_abs_error_s),
+                             (self.step_time_rel_error, stats.step_time_rel_error)):
             gauge.labels(self.model_name, engine).set(value)
         last = self._last_stats.get(engine_index, EngineStats())
         for counter, now, before in (
@@ -151,7 +167,9 @@ class ServerMetrics:
                 (self.encoder_queries, stats.encoder_cache_queries,
                  last.encoder_cache_queries),
                 (self.encoder_hits, stats.encoder_cache_hits, last.encoder_cache_hits),
-                (self.encoder_inputs, stats.encoder_inputs, last.encoder_inputs)):
+                (self.encoder_inputs, stats.encoder_inputs, last.encoder_inputs),
+                (self.step_time_predictions, stats.step_time_predictions,
+                 last.step_time_predictions)):
             series = counter.labels(self.model_name, engine)  # exists (at 0) from the start
             if now > before:
                 series.inc(now - before)
@@ -251,6 +269,10 @@ class RequestStatsTracker:
             m.e2e.observe(now - times.arrival_time)
             m.gen_len.observe(times.num_tokens.get(index, 0))
             m.request_success.labels(m.model_name, finish_reason).inc()
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request that never ran (refused by admission control): nothing recorded."""
+        self._requests.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Count the request's unfinished samples as finished with reason ``abort``."""

@@ -69,6 +69,8 @@ class Request:
         parent_id / sample_index: the user request this sample belongs to, and its index.
         mm_features: the prompt's images (placeholders already expanded), in prompt order;
             None for a text-only prompt.
+        client_id: who sent it (the OpenAI ``user`` field, else a digest of the API key; ""
+            when unknown): the fair policy shares tokens over clients.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Request:
         parent_id: str | None = None,
         sample_index: int = 0,
         mm_features: list[MultiModalFeature] | None = None,
+        client_id: str = "",
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -92,6 +95,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.client_id = client_id
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

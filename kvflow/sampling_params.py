@@ -51,6 +51,11 @@ class SamplingParams:
             (string keys such as JSON's are converted to int).
         structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice
             or grammar (see ``kvflow.structured``); a dict of its fields is accepted.
+        target_ttft_ms: this request's time-to-first-token target in milliseconds (overrides
+            the engine's ``target_ttft_ms``); None: the engine's.
+        target_tpot_ms: this request's time-per-output-token target in milliseconds
+            (overrides the engine's ``target_tpot_ms``): the scheduler sizes each step so the
+            request's mean time per token after the first stays under it; None: the engine's.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
     ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
@@ -82,6 +87,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    target_ttft_ms: float | None = None
+    target_tpot_ms: float | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -138,6 +145,12 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, value, "a number")
             setattr(self, name, float(value))
+        for name in ("target_ttft_ms", "target_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise bad(name, value, "a number of milliseconds or None")
+                setattr(self, name, float(value))
         if not all(_is_int(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
 
@@ -172,6 +185,10 @@ class SamplingParams:
              "must be > 0"),
             (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
              self.logit_bias, "must map token ids to biases in [-100, 100]"),
+            (self.target_ttft_ms is None or 0 < self.target_ttft_ms < math.inf,
+             "target_ttft_ms", self.target_ttft_ms, "must be a number of milliseconds > 0"),
+            (self.target_tpot_ms is None or 0 < self.target_tpot_ms < math.inf,
+             "target_tpot_ms", self.target_tpot_ms, "must be a number of milliseconds > 0"),
         ]
         for ok, name, value, why in checks:
             if not ok:

@@ -38,6 +38,8 @@ from kvflow.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+_IDLE_GAP_S = 0.05  # a longer pause between two steps is idle time, not step time
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -197,6 +199,7 @@ class EngineCore:
                                    self.max_model_len, send_token_ids=pipelined,
                                    speculator=self.speculator)
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
+        self._last_step: tuple[float, float] | None = None  # (start, end) of the last step
         if is_multimodal(self.hf_config):
             mm = self.config.multimodal_config
             budget = mm.max_num_encoder_input_tokens or \
@@ -241,6 +244,11 @@ class EngineCore:
             request.structured_output = self.structured_output.request_state(structured)
         self.scheduler.add_request(request)
 
+    def admission_verdict(self, requests: list[Request]) -> float | None:
+        """Admission control for the samples of one prompt: None to accept them, else the
+        seconds after which to retry (see ``Scheduler.admission_verdict``)."""
+        return self.scheduler.admission_verdict(requests[0])
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests now and free their KV blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -261,8 +269,11 @@ class EngineCore:
         """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
         if self.executor.max_concurrent_batches > 1:
             return self.step_with_batch_queue()
+        self._time_last_step(time.perf_counter())
         if self.scheduler.async_scheduling:
-            return self.step_async()
+            outputs = self.step_async()
+            self._last_step = (self._last_step[0], time.perf_counter())
+            return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
             self.structured_output.wait_for_compiles(timeout_s=0.05)
@@ -280,7 +291,19 @@ class EngineCore:
         if self.speculator is not None:  # the measured step cost (adaptive draft lengths)
             self.speculator.observe_step(scheduler_output, runner_output,
                                          time.perf_counter() - started)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._last_step = (self._last_step[0], time.perf_counter())
+        return outputs
+
+    def _time_last_step(self, now: float) -> None:
+        """Report the previous step's duration to the scheduler's step-time model: from its
+        start to this step's start (what separates two tokens, the loop's own work
+        included), or to its end when the engine idled in between."""
+        last, self._last_step = self._last_step, (now, now)
+        if last is not None:
+            start, end = last
+            self.scheduler.record_step_time(now - start if now - end < _IDLE_GAP_S
+                                            else end - start)
 
     def step_async(self) -> list[EngineCoreOutput]:
         """Async scheduling: schedule step N+1 and launch its forward pass while step N's

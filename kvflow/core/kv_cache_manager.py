@@ -107,12 +107,7 @@ class KVCacheManager:
         """
         if not self._uses_hashing(request) or request.needs_prompt_logprobs:
             return self.empty_blocks, 0
-        self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        runs = [m.cached_run(request.block_hashes, request.all_token_ids, max_blocks)
-                for m in self.managers]
-        num_hit = next((n for n in range(max_blocks, 0, -1)
-                        if all(m.covers(run, n) for m, run in zip(self.managers, runs))), 0)
+        runs, num_hit = self._find_hit(request)
         if self.enable_prefix_caching and request.num_cached_tokens < 0:  # count once
             self.num_queries += request.num_tokens
             self.num_hits += num_hit * self.block_size
@@ -120,6 +115,23 @@ class KVCacheManager:
             return self.empty_blocks, 0
         hits = tuple(m.hit_blocks(run, num_hit) for m, run in zip(self.managers, runs))
         return KVCacheBlocks(hits), num_hit * self.block_size
+
+    def peek_computed_tokens(self, request: Request) -> int:
+        """The tokens ``get_computed_blocks`` would find cached now, without counting a
+        prefix-cache query (admission control's estimate)."""
+        if not self._uses_hashing(request) or request.needs_prompt_logprobs:
+            return 0
+        return self._find_hit(request)[1] * self.block_size
+
+    def _find_hit(self, request: Request) -> tuple[list, int]:
+        """Each group's cached run and the number of leading blocks every group covers."""
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        runs = [m.cached_run(request.block_hashes, request.all_token_ids, max_blocks)
+                for m in self.managers]
+        num_hit = next((n for n in range(max_blocks, 0, -1)
+                        if all(m.covers(run, n) for m, run in zip(self.managers, runs))), 0)
+        return runs, num_hit
 
     # ---- allocation --------------------------------------------------------------------------
     def can_allocate(self, request: Request, num_new_tokens: int,

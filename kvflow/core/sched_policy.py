@@ -3,6 +3,10 @@
 A policy is a sort key. The waiting queue pops the smallest key first, the running list is kept
 sorted by the same key, and when KV blocks run out the request with the *largest* key (the newest
 under FCFS, the least urgent under priority) is preempted first.
+
+The fair policy keeps the key (priority, then arrival) for the running list and preemption, but
+its waiting queue (``core/fair_queue.py``) admits by deficit round robin over clients instead
+of by key, so no client's backlog holds the others up.
 """
 
 from __future__ import annotations
@@ -42,12 +46,29 @@ class PriorityPolicy(SchedulingPolicy):
         return (request.priority, request.arrival_time)
 
 
+class FairPolicy(PriorityPolicy):
+    """Token share per client by deficit round robin (``core/fair_queue.py``); the running
+    list and preemption follow (priority, arrival) like the priority policy."""
+
+    name = "fair"
+
+
 def make_policy(name: str) -> SchedulingPolicy:
     """Raises ValueError for an unknown policy name."""
-    policies = {p.name: p for p in (FCFSPolicy, PriorityPolicy)}
+    policies = {p.name: p for p in (FCFSPolicy, PriorityPolicy, FairPolicy)}
     if name not in policies:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(policies)}")
     return policies[name]()
+
+
+def make_waiting_queue(policy: SchedulingPolicy) -> WaitingQueue:
+    """The waiting queue of ``policy``: deficit round robin over clients for ``fair``, else
+    a heap ordered by the policy key."""
+    if policy.name == "fair":
+        from kvflow.core.fair_queue import DRR_QUANTUM_TOKENS, FairWaitingQueue
+
+        return FairWaitingQueue(policy, DRR_QUANTUM_TOKENS)
+    return WaitingQueue(policy)
 
 
 class WaitingQueue:
@@ -57,6 +78,10 @@ class WaitingQueue:
         self._policy = policy
         self._heap: list[tuple[tuple, int, Request]] = []
         self._counter = itertools.count()
+
+    def charge(self, num_scheduled_tokens: dict[str, int],
+               requests: dict[str, Request]) -> None:
+        """Account a step's tokens to their senders (only the fair queue uses this)."""
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (self._policy.key(request), next(self._counter), request))

@@ -25,14 +25,25 @@ just more tokens to compute, so the rule above is unchanged (the step catches
 the step the rejected drafts are taken back: ``num_computed_tokens`` drops by their count (their
 slots are written again later) and the blocks that held only rejected drafts are freed; the
 runners learn the tables' new length in the next step's ``truncated_block_tables``.
+
+Service levels (``core/slo_planner.py``): with TTFT/TPOT targets, a ``StepBudget`` caps the
+tokens of prefill chunks (never decodes) so the step is predicted to end before the earliest
+running request's next-token deadline, gates admissions so a decode-only step stays under the
+TPOT target, and requests that already missed their TTFT are admitted after those that can
+still meet it. Without targets the fixed ``max_num_batched_tokens`` budget is the only limit.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+
 from kvflow.config import SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvflow.core.sched_policy import WaitingQueue, make_policy
+from kvflow.core.sched_policy import make_policy, make_waiting_queue
+from kvflow.core.slo_planner import SLOPlanner, StepBudget
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
@@ -49,6 +60,8 @@ class Scheduler:
         max_model_len: context limit (tokens); a request reaching it finishes with "length".
         send_token_ids: also send every step's computed tokens to the runners (for runners that
             do not sample, e.g. pipeline-parallel ranks before the last).
+        clock: seconds on the clock of ``Request.arrival_time`` (``time.monotonic``; tests
+            pass a fake clock).
 
     With ``config.async_scheduling`` the next step is scheduled before the previous one's
     tokens come back: a request whose step samples counts its token as a placeholder
@@ -62,14 +75,17 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, send_token_ids: bool = False,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.send_token_ids = send_token_ids
         self.async_scheduling = bool(config.async_scheduling)
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config.policy)
-        self.waiting = WaitingQueue(self.policy)
+        self.waiting = make_waiting_queue(self.policy)
+        self.clock = clock
+        self.planner = SLOPlanner(config)
         self.running: list[Request] = []
         self._running_sorted = True  # in policy order (appends by admission unsort it)
         self.requests: dict[str, Request] = {}
@@ -100,6 +116,7 @@ class Scheduler:
                              f"max_model_len is {self.max_model_len}")
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.requests[request.request_id] = request
+        self.planner.add(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -148,10 +165,17 @@ class Scheduler:
         if not self._running_sorted:  # policy keys never change: sort after admissions only
             self.running.sort(key=self.policy.key)
             self._running_sorted = True
+        now = self.clock()
+        step_budget = self.planner.step_budget(self.running, now)
         drafts = self._propose_drafts(budget) if self.speculator is not None else None
-        budget = self._schedule_running(budget, cap, out, drafts)
+        budget = self._schedule_running(budget, cap, out, drafts, step_budget)
         if not out.preempted_ids:
-            self._admit_waiting(budget, cap, out)
+            budget, drained = self._admit_waiting(budget, cap, out, step_budget, now,
+                                                  skip_late=bool(self.planner.slos))
+            if drained and budget > 0 and self.planner.slos:  # then those past their TTFT
+                self._admit_waiting(budget, cap, out, step_budget, now)
+        self.waiting.charge(out.num_scheduled_tokens, self.requests)
+        self.planner.note_step(out, self.requests)
         return out
 
     def _propose_drafts(self, budget: int) -> dict[str, list[int]]:
@@ -159,12 +183,40 @@ class Scheduler:
         base = sum(len(r.all_token_ids) - r.num_computed_tokens for r in self.running)
         return self.speculator.propose(self.running, min(base, budget))
 
+    def admission_verdict(self, request: Request) -> float | None:
+        """Admission control: None to queue ``request``, else the seconds after which to
+        retry, because its predicted time to first token exceeds its TTFT target. Accepts
+        while the step-time model is still learning or the request has no TTFT target."""
+        slo = self.planner.targets_of(request)
+        outlook = None if slo.ttft_s is None else self.ttft_outlook(request)
+        if outlook is None or outlook <= slo.ttft_s:
+            return None
+        # past the forecast's horizon: by one target from now the queue ahead has moved on
+        late_by = slo.ttft_s if outlook == math.inf else outlook - slo.ttft_s
+        return float(max(1, math.ceil(late_by)))
+
+    def ttft_outlook(self, request: Request) -> float | None:
+        """Predicted seconds from ``request``'s arrival to its first token if it were queued
+        now (see ``SLOPlanner.ttft_outlook``); None when no prediction can be made."""
+        key, peek = self.policy.key(request), self.kv.peek_computed_tokens
+        ahead = [(r, r.num_tokens - peek(r)) for r in self.waiting
+                 if self.policy.name == "fair" or self.policy.key(r) <= key]
+        return self.planner.ttft_outlook(request, request.num_tokens - peek(request),
+                                         self.running, ahead, self.clock())
+
+    def record_step_time(self, seconds: float) -> None:
+        """The step last returned by ``schedule`` took ``seconds`` (schedule to the next
+        schedule): feeds the step-time model."""
+        self.planner.record_step_time(seconds)
+
     def _schedule_running(self, budget: int, cap: int, out: SchedulerOutput,
-                          drafts: dict[str, list[int]] | None = None) -> int:
+                          drafts: dict[str, list[int]] | None = None,
+                          step_budget: StepBudget | None = None) -> int:
         """Catch the running requests up, in policy order, within ``budget`` tokens and
-        ``cap`` requests, their ``drafts`` included; returns what is left of the budget. This
-        loop runs for every running request on every step, so it keeps what it reads in
-        locals and fills ``out.scheduled_cached_reqs``' columns directly."""
+        ``cap`` requests, their ``drafts`` included (prefill chunks also within
+        ``step_budget``); returns what is left of the budget. This loop runs for every running
+        request on every step, so it keeps what it reads in locals and fills
+        ``out.scheduled_cached_reqs``' columns directly."""
         running, cached, empty = self.running, out.scheduled_cached_reqs, self.kv.empty_blocks
         try_allocate, num_scheduled = self.kv.try_allocate_slots, out.num_scheduled_tokens
         add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
@@ -181,6 +233,8 @@ class Scheduler:
                     continue
             extra = drafts.get(rid) if drafts else None  # speculative decoding
             num_new = min(num_tokens + (len(extra) if extra else 0) - computed, budget)
+            if num_new > 1 and step_budget is not None and not extra:  # a prefill chunk
+                num_new = step_budget.take_prefill(computed, num_new)  # SLO-sized
             if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
                 i += 1
                 continue
@@ -270,16 +324,28 @@ class Scheduler:
                 return self.running.pop(k)
         return None
 
-    def _admit_waiting(self, budget: int, cap: int, out: SchedulerOutput) -> None:
-        not_ready: list[Request] = []  # grammars still compiling: skipped, not blocking
+    def _admit_waiting(self, budget: int, cap: int, out: SchedulerOutput,
+                       step_budget: StepBudget | None = None, now: float = 0.0,
+                       skip_late: bool = False) -> tuple[int, bool]:
+        """Admit waiting requests in policy order while the budgets, ``max_num_seqs`` and the
+        KV pool allow. ``skip_late``: pass over requests that already missed their TTFT
+        target (a second call admits them). Returns what is left of ``budget`` and whether
+        every waiting request was admitted or passed over (nothing blocked the queue)."""
+        not_ready: list[Request] = []  # grammars compiling (or late): skipped, not blocking
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(out.num_scheduled_tokens) < cap:
             request = self.waiting.peek()
-            if not request.is_schedulable or request.num_output_placeholders:
-                not_ready.append(self.waiting.pop())  # grammar compiling / token still out
+            if not request.is_schedulable or request.num_output_placeholders or \
+                    (skip_late and self.planner.is_late(request, now)):
+                not_ready.append(self.waiting.pop())  # grammar compiling / token out / late
                 continue
+            if step_budget is not None and \
+                    not step_budget.may_admit(request, self.planner.tpot_of(request)):
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if num_new > 1 and step_budget is not None:
+                num_new = step_budget.take_prefill(num_hit_tokens, num_new)
             if request.mm_features is not None:  # images: the encoder may cut the chunk
                 num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
             if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
@@ -297,8 +363,10 @@ class Scheduler:
             self._running_sorted = False
             self._record_scheduled(request, num_new, out)
             budget -= num_new
+        drained = not self.waiting
         for request in not_ready:
             self.waiting.add(request)
+        return budget, drained
 
     def _send_admitted(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """A first admission is sent whole; a readmission after preemption as a resumed cached
@@ -346,6 +414,7 @@ class Scheduler:
                 request.add_prompt_logprobs(chunk.start, chunk.entries)
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         spec_tokens = sched_out.scheduled_spec_decode_tokens
+        slos, now = self.planner.slos, self.clock()
         for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
             if track:
                 self._returned(rid)
@@ -365,6 +434,8 @@ class Scheduler:
                 new_token_ids = token_ids
             else:
                 new_token_ids = self._append_tokens(request, token_ids)
+            if slos:
+                self.planner.on_tokens(rid, len(new_token_ids), now)
             logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
             status = request.status
             outputs.append(EngineCoreOutput(
@@ -442,6 +513,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.in_flight.pop(request.request_id, None)
         self._truncated.pop(request.request_id, None)
+        self.planner.remove(request.request_id)
         self.kv.free(request)
         if request.mm_features is not None:
             self.encoder.release(request)

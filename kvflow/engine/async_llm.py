@@ -43,6 +43,7 @@ from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
+    AdmissionVerdicts,
     EngineCoreRequest,
     EngineFailed,
     EngineOutputs,
@@ -50,7 +51,7 @@ from kvflow.engine.messages import (
     Shutdown,
     output_decoder,
 )
-from kvflow.engine.streams import EngineDeadError, RequestStream, collect
+from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream, collect
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
@@ -67,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000  # how often the output loop checks that the core processes are alive
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "collect"]
+__all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "RequestStream", "collect"]
 
 
 class AsyncLLM:
@@ -263,12 +264,14 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
-                    mm_features: list[MultiModalFeature] | None = None) -> RequestStream:
+                    mm_features: list[MultiModalFeature] | None = None,
+                    client_id: str = "") -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
         prompt's preprocessed images (``processor.attach_images``; placeholders already
-        expanded in ``prompt_token_ids``).
+        expanded in ``prompt_token_ids``). ``client_id`` names the sender for the fair
+        policy. With admission control, await ``admitted(stream)``.
 
         Raises:
             ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
@@ -279,7 +282,7 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
-                                                priority, mm_features)
+                                                priority, mm_features, client_id)
         try:  # encode before registering anything, so a refusal leaves no state behind
             payload = self._encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
@@ -291,12 +294,24 @@ class AsyncLLM:
         self.balancer.assign(request_id, replica, len(requests))
         logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
                      self.balancer.depth)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, self.config.scheduler_config.admission_control)
         self._streams[request_id] = stream
         self._waiting.add(request_id)
         self.tracker.start(request_id, arrival, len(prompt_token_ids), params.n)
         self.cores[replica].send(payload)
         return stream
+
+    @staticmethod
+    async def admitted(stream: RequestStream) -> None:
+        """Wait until the engine core queued the stream's request (immediate without
+        admission control).
+
+        Raises:
+            AdmissionRejected: if admission control refused it (nothing is left queued).
+            EngineDeadError: if the engine died first.
+        """
+        if stream.admitted is not None:
+            await stream.admitted
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (no-op if it already finished); its core frees its KV blocks
@@ -334,6 +349,8 @@ class AsyncLLM:
                     self._on_ready(msg)
                 elif isinstance(msg, EngineOutputs):
                     self._handle_outputs(msg)
+                elif isinstance(msg, AdmissionVerdicts):
+                    self._handle_verdicts(msg)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop itself broke: end every request
@@ -391,12 +408,30 @@ class AsyncLLM:
                 if out.finished:
                     del self._streams[out.request_id]
 
+    def _handle_verdicts(self, msg: AdmissionVerdicts) -> None:
+        """Admission control's answers: resolve the accepted streams; drop the refused
+        requests (their core queued none of their samples) and fail their streams."""
+        for request_id in msg.accepted:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.settle()
+        for rejection in msg.rejected:
+            stream = self._streams.pop(rejection.request_id, None)
+            self.output_processor.abort(rejection.request_id)
+            self._waiting.discard(rejection.request_id)
+            self.balancer.finish(rejection.request_id)
+            self.tracker.forget(rejection.request_id)
+            self.metrics.rejected.inc()
+            if stream is not None:
+                stream.settle(AdmissionRejected(rejection.message, rejection.retry_after_s))
+
     def _fail_request(self, request_id: str, error: EngineDeadError) -> None:
         self.output_processor.abort(request_id)
         self.tracker.abort(request_id)
         self._waiting.discard(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            stream.settle(error)
             stream.put(error)
 
     def fail_all(self, error: EngineDeadError) -> None:

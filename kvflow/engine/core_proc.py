@@ -21,9 +21,11 @@ from kvflow.core.engine_core import EngineCore
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
+    AdmissionVerdicts,
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    Rejection,
     Shutdown,
     input_decoder,
 )
@@ -91,6 +93,10 @@ def collect_stats(core: EngineCore) -> EngineStats:
         stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
         stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
         stats.spec_decode_num_accepted_tokens_per_pos = list(spec.num_accepted_per_pos)
+    model = sched.planner.model
+    stats.step_time_predictions = model.num_predicted
+    stats.step_time_abs_error_s = model.mean_abs_error
+    stats.step_time_rel_error = model.mean_rel_error
     return stats
 
 
@@ -107,12 +113,17 @@ class EngineCoreProc:
         self._encoder = msgspec.msgpack.Encoder()
         self._parent = multiprocessing.parent_process()
         self._errors: list[EngineCoreOutput] = []  # requests refused by the core
+        self._admission_control = core.config.scheduler_config.admission_control
+        self._verdicts = AdmissionVerdicts([], [])
 
     def run(self) -> None:
         while True:
             handled = self._handle_inputs(block=not self.core.has_unfinished_requests())
             if handled is None:
                 return
+            if self._verdicts.accepted or self._verdicts.rejected:  # answer before the step
+                self.out.send(self._encoder.encode(self._verdicts))
+                self._verdicts = AdmissionVerdicts([], [])
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             if outputs or handled or self._errors:
                 outputs, self._errors = self._errors + outputs, []
@@ -145,12 +156,28 @@ class EngineCoreProc:
         if isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
             return
-        for spec in msg.requests:
+        requests = [spec.to_request() for spec in msg.requests]
+        if self._admission_control and requests and not self._admit(requests):
+            return
+        for request in requests:
             try:
-                self.core.add_request(spec.to_request())
+                self.core.add_request(request)
             except ValueError as e:  # the API process validates first; this is a safety net
-                logger.error("refused request %s: %s", spec.request_id, e)
-                self._errors.append(EngineCoreOutput(spec.request_id, [], None, "abort"))
+                logger.error("refused request %s: %s", request.request_id, e)
+                self._errors.append(EngineCoreOutput(request.request_id, [], None, "abort"))
+
+    def _admit(self, requests: list) -> bool:
+        """Admission control for one user request's samples: record the verdict; False when
+        they are refused (nothing is queued)."""
+        parent = requests[0].parent_id
+        retry_after = self.core.admission_verdict(requests)
+        if retry_after is None:
+            self._verdicts.accepted.append(parent)
+            return True
+        self._verdicts.rejected.append(Rejection(
+            parent, retry_after, "the server cannot meet this request's time-to-first-token "
+            "target now (its predicted TTFT is longer); retry later"))
+        return False
 
     def _parent_alive(self) -> bool:
         return self._parent is None or self._parent.is_alive()

@@ -64,11 +64,12 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    client_id: str = "") -> str:
         """Validate and queue one prompt (raw, or already ``processor.process``-ed); returns
         its request id. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json unless
-        ``generation_config="none"``).
+        ``generation_config="none"``). ``client_id`` names the sender for the fair policy.
 
         Raises:
             ValueError: for a bad prompt, image or parameters (nothing is queued).
@@ -79,7 +80,8 @@ class LLMEngine:
             prompt = self.processor.process(prompt)
         requests = self.processor.make_requests(request_id, prompt.token_ids, params,
                                                 priority=priority,
-                                                mm_features=prompt.mm_features)
+                                                mm_features=prompt.mm_features,
+                                                client_id=client_id)
         self.output_processor.add_request(prompt.text, requests)
         if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
             self.core.add_requests(requests)

@@ -3,9 +3,10 @@
 API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``.
 Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
-produced tokens and after every batch of inputs it handled. With data parallelism every
-replica has an input socket of its own and all of them push to the one output socket; their
-messages carry the replica's ``engine_index``.
+produced tokens and after every batch of inputs it handled, and, with admission control, an
+``AdmissionVerdicts`` as soon as a batch of new requests was judged (before the next step).
+With data parallelism every replica has an input socket of its own and all of them push to the
+one output socket; their messages carry the replica's ``engine_index``.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     sample_index: int
     # the prompt's images, preprocessed (pixel patches as bytes): see kvflow/multimodal_inputs
     mm_features: list[MultiModalFeature] | None = None
+    client_id: str = ""
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
-                   r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features)
+                   r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
+                   r.client_id)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
-                       self.sample_index, self.mm_features)
+                       self.sample_index, self.mm_features, self.client_id)
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -85,7 +88,23 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     engine_index: int = 0
 
 
-EngineOutput = EngineReady | EngineFailed | EngineOutputs
+class Rejection(msgspec.Struct, array_like=True):
+    """A user request (all its samples) refused by admission control."""
+
+    request_id: str  # the parent id (the API's request id)
+    retry_after_s: float
+    message: str
+
+
+class AdmissionVerdicts(msgspec.Struct, tag="verdicts"):
+    """Admission control's answer for the user requests of one batch of inputs: those
+    queued, and those refused (their samples were never queued)."""
+
+    accepted: list[str]
+    rejected: list[Rejection]
+
+
+EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts
 
 
 def input_decoder() -> msgspec.msgpack.Decoder:

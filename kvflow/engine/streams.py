@@ -1,5 +1,5 @@
-"""What a caller of ``AsyncLLM`` holds per request: its output stream, and the error that
-ends it when its engine core dies."""
+"""What a caller of ``AsyncLLM`` holds per request: its output stream, the error that ends it
+when its engine core dies, and admission control's refusal."""
 
 from __future__ import annotations
 
@@ -12,17 +12,47 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died or reported a fatal error; no request can proceed."""
 
 
+class AdmissionRejected(RuntimeError):
+    """Admission control refused the request: its predicted time to first token exceeds its
+    target.
+
+    Args:
+        message: why.
+        retry_after_s: seconds after which a retry may be admitted.
+    """
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RequestStream:
     """Async iterator over one request's delta RequestOutputs; ends after the finished one.
+
+    With admission control, ``admitted`` resolves when the engine core queued the request (or
+    fails with ``AdmissionRejected`` / ``EngineDeadError``); await it (``AsyncLLM.admitted``)
+    before answering.
 
     Raises:
         EngineDeadError: from iteration if the engine dies meanwhile.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, admission: bool = False) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.admitted: asyncio.Future | None = \
+            asyncio.get_running_loop().create_future() if admission else None
+
+    def settle(self, error: BaseException | None = None) -> None:
+        """Resolve ``admitted`` (with ``error``: fail it); no-op once resolved."""
+        if self.admitted is None or self.admitted.done():
+            return
+        if error is None:
+            self.admitted.set_result(None)
+        else:
+            self.admitted.set_exception(error)
+            self.admitted.exception()  # retrieved: no "never retrieved" warning if unawaited
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)

@@ -141,7 +141,9 @@ def _not_bool(value: Any) -> Any:
 class SamplingRequest(RequestBody):
     """Fields shared by completion and chat requests. vLLM's older ``guided_json`` /
     ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are ``structured_outputs``
-    under other names; ``priority`` orders the waiting queue (needs ``--policy priority``)."""
+    under other names; ``priority`` orders the waiting queue (needs ``--policy priority`` or
+    ``fair``); ``target_ttft_ms`` / ``target_tpot_ms`` override the server's service-level
+    targets for this request; ``user`` names the client for ``--policy fair``."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=_INT32_MAX)
@@ -171,6 +173,8 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     priority: int = Field(0, ge=-_INT32_MAX, le=_INT32_MAX)
+    target_ttft_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    target_tpot_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     best_of: int | None = Field(None, ge=1, le=_INT32_MAX)
     use_beam_search: bool = False
     prompt_logprobs: int | None = Field(None, ge=0)
@@ -178,7 +182,8 @@ class SamplingRequest(RequestBody):
     _no_bool_numbers = field_validator(
         "n", "top_k", "seed", "min_tokens", "max_tokens", "temperature", "top_p", "min_p",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "priority", "best_of",
-        "prompt_logprobs", mode="before", check_fields=False)(_not_bool)
+        "prompt_logprobs", "target_ttft_ms", "target_tpot_ms", mode="before",
+        check_fields=False)(_not_bool)
 
 
 class CompletionRequest(SamplingRequest):

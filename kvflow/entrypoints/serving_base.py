@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import uuid
@@ -16,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvflow.config import ServerConfig
-from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
 from kvflow.multimodal_inputs import MultiModalFeature
@@ -59,7 +60,8 @@ class OpenAIError(Exception):
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
                   "include_stop_str_in_output", "logit_bias")
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty")
+                    "frequency_penalty", "repetition_penalty", "target_ttft_ms",
+                    "target_tpot_ms")
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -102,6 +104,18 @@ class OpenAIServing:
         user = getattr(req, "user", None)
         if user:
             logger.info("request %s: user %r", request_id, user)
+
+    @staticmethod
+    def client_id(req: SamplingRequest, raw: Request) -> str:
+        """Who sent the request, for ``--policy fair``: its ``user`` field, else a digest of
+        its bearer API key (``key:`` + 16 hex digits; the key itself is never kept), else ""
+        (one anonymous client)."""
+        if req.user:
+            return req.user
+        auth = raw.headers.get("authorization", "")
+        if auth.lower().startswith("bearer ") and auth[7:].strip():
+            return "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+        return ""
 
     @property
     def tokenizer(self) -> Any:
@@ -194,10 +208,10 @@ class OpenAIServing:
             raise OpenAIError("prompt_logprobs is returned by /v1/completions only",
                               param="prompt_logprobs")
         policy = self.engine.config.scheduler_config.policy
-        if req.priority and policy != "priority":
-            raise OpenAIError(f"priority={req.priority} needs the priority scheduling policy "
-                              f"(start the server with --policy priority); it runs {policy!r}",
-                              param="priority")
+        if req.priority and policy not in ("priority", "fair"):
+            raise OpenAIError(f"priority={req.priority} needs the priority or fair scheduling "
+                              f"policy (start the server with --policy priority or fair); it "
+                              f"runs {policy!r}", param="priority")
 
     # ---- sampling params ---------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None = None) -> int:
@@ -239,28 +253,37 @@ class OpenAIServing:
         return params
 
     # ---- running requests --------------------------------------------------------------------
-    def add_requests(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                     params: Sequence[SamplingParams], priority: int = 0,
-                     mm_features: list[MultiModalFeature] | None = None
-                     ) -> list[RequestStream]:
+    async def add_requests(self, request_id: str,
+                           prompts: Sequence[tuple[str | None, list[int]]],
+                           params: Sequence[SamplingParams], priority: int = 0,
+                           mm_features: list[MultiModalFeature] | None = None,
+                           client_id: str = "") -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
-        the priority policy), with the images ``mm_features`` (placeholders expanded in the
-        prompts' ids); on failure abort what was queued.
+        the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
+        expanded in the prompts' ids); with admission control, wait until the engine core
+        accepted them all. On failure abort what was queued.
 
         Raises:
-            OpenAIError: 400 for input the engine refuses, 503 if the engine is gone.
+            OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
+                admission control refused a prompt (with ``Retry-After``).
         """
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp,
-                                                       priority, mm_features))
+                                                       priority, mm_features, client_id))
+            for stream in streams:
+                await self.engine.admitted(stream)
         except ValueError as e:
             self.abort(streams)
             raise invalid_request(e) from None
         except EngineDeadError as e:
             self.abort(streams)
             raise engine_dead(e) from None
+        except AdmissionRejected as e:
+            self.abort(streams)
+            raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
+                              headers={"Retry-After": str(int(e.retry_after_s))}) from None
         return streams
 
     def abort(self, streams: Sequence[RequestStream]) -> None:

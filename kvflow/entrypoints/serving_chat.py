@@ -90,8 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_admission(1)
         request_id = random_id("chatcmpl")
         self.note_request(req, request_id)
-        streams = self.add_requests(request_id, [(text, ids)], [params], req.priority,
-                                    prompt.mm_features)
+        streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
+                                          prompt.mm_features, self.client_id(req, raw))
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
                                                                  streams, parser)))

@@ -47,7 +47,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
         self.note_request(req, request_id)
-        streams = self.add_requests(request_id, prompts, params, req.priority)
+        streams = await self.add_requests(request_id, prompts, params, req.priority,
+                                          self.client_id(req, raw))
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
                                                                  streams)))

@@ -6,13 +6,16 @@ against a baseline request or an independent oracle (the tokenizer, the Jinja te
 "rejected" check asserts a 400 (404 for ``model``) whose ``param`` names the field. Also:
 text with a lone UTF-16 surrogate in any string of any body is a 400 naming that string's path,
 and unknown fields are logged once. The server runs the tiny Llama with a tokenizer that adds
-``<bos>`` (so ``add_special_tokens`` shows) and ``--policy priority``.
+``<bos>`` (so ``add_special_tokens`` shows), ``--policy priority`` and admission control with a
+60 s TTFT target (so ``target_ttft_ms`` shows; every ordinary request is admitted).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +25,8 @@ import pytest
 from kvflow.entrypoints import protocol
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
-        "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
+        "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
+        "--target-ttft-ms", "60000", "--admission-control"]
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 PROMPT = "the quick brown fox"
 HI = [{"role": "user", "content": "hi"}]
@@ -191,8 +195,35 @@ def sampling_cases(path: str) -> dict[str, Callable]:
             assert text(ok(server, path, {"priority": prio, "max_tokens": 6})) == base
         rejected(path, {"priority": "high"}, "priority")(server, tokenizer)
 
+    def warm(server):
+        """Enough measured steps (>= 16) for the step-time model to predict."""
+        for _ in range(3):
+            ok(server, path, {"max_tokens": 8, "ignore_eos": True})
+
+    def target_ttft_ms(server, tokenizer):
+        """Admission control (60 s server default) honours the request's own target: one no
+        step can meet (1 us) is refused with 503 + Retry-After once the model predicts; a
+        generous one is served; 0 is a 400 naming the field."""
+        warm(server)
+        resp = post(server, path, {"target_ttft_ms": 0.001})
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "ttft_unattainable"
+        assert int(resp.headers["retry-after"]) >= 1
+        assert ids(ok(server, path, {"target_ttft_ms": 60000.0})) == ids(ok(server, path, {}))
+        rejected(path, {"target_ttft_ms": 0}, "target_ttft_ms")(server, tokenizer)
+
+    def target_tpot_ms(server, tokenizer):
+        """A running request with a TPOT target no step can meet (1 us) closes the admission
+        gate (a decode step with one more request would exceed it): a request sent after its
+        first token is admitted only when it has finished. 0 is a 400 naming the field."""
+        warm(server)
+        a_done, b_done = asyncio.run(_gate_order(server.url + path, path))
+        assert b_done > a_done
+        rejected(path, {"target_tpot_ms": 0}, "target_tpot_ms")(server, tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404),
+        "target_ttft_ms": target_ttft_ms, "target_tpot_ms": target_tpot_ms,
         "n": n, "temperature": temperature, "seed": seed,
         "top_p": hot_differs_and_filter_restores("top_p", 1e-6),
         "top_k": hot_differs_and_filter_restores("top_k", 1),
@@ -220,6 +251,31 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         "use_beam_search": rejected(path, {"use_beam_search": True}, "use_beam_search"),
         "prompt_logprobs": rejected(path, {"prompt_logprobs": 1}, "prompt_logprobs"),
     }
+
+
+async def _gate_order(url: str, path: str) -> tuple[float, float]:
+    """Stream A (48 tokens, ``target_tpot_ms`` 1 us); after its first token send B (2
+    tokens); return when each finished (time.monotonic)."""
+    a_body = {**BASE[path], "max_tokens": 48, "ignore_eos": True, "stream": True,
+              "target_tpot_ms": 0.001}
+    done: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def send_b() -> None:
+            resp = await client.post(url, json={**BASE[path], "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            done["b"] = time.monotonic()
+
+        async with client.stream("POST", url, json=a_body) as resp:
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            b = asyncio.create_task(send_b())
+            async for _ in lines:
+                pass
+            done["a"] = time.monotonic()
+        await b
+    return done["a"], done["b"]
 
 
 # ---- /v1/completions -------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""The fair policy's waiting queue: deficit round robin of tokens over clients.
+
+Deficit round robin (Shreedhar & Varghese, "Efficient fair queuing using deficit round robin",
+SIGCOMM 1995): every flow has a FIFO and a deficit counter; flows with waiting work are visited
+in a ring; a visit adds a quantum to the flow's deficit, and the flow sends packets while its
+deficit covers the next packet's size, paying for each. Over any interval each backlogged flow
+gets a share proportional to its quantum, and an empty flow loses its credit.
+
+Here a flow is one (priority class, client) pair; the client is the request's ``client_id``
+(the OpenAI ``user`` field or an API-key digest). A packet is a request's admission, of size
+the tokens its prefill computes; after admission every decode token the request computes is
+charged to its flow too (``charge``), so a client with long outputs pays for them with later
+admissions: the share is of tokens computed, prompt and output. A flow that empties keeps a
+negative deficit (debt) but not a positive one. Priority classes weigh the quantum: the
+classes with waiting requests, ranked by priority value (lower first), get ``quantum``,
+``quantum / 2``, ``quantum / 4``, ... per visit, so an urgent class is served more often but
+a lower class always progresses (no starvation: every visit adds a positive quantum, so every
+flow's deficit eventually covers its head request). Within a flow, requests go by arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+
+from kvflow.core.sched_policy import SchedulingPolicy, WaitingQueue
+from kvflow.request import Request
+
+Flow = tuple[int, str]  # (priority, client_id)
+# Tokens of credit per visit of a top-class flow: about one typical prompt, so clients take
+# turns admission by admission (a larger quantum admits a burst of short prompts per turn).
+DRR_QUANTUM_TOKENS = 256
+
+
+class FairWaitingQueue(WaitingQueue):
+    """Deficit round robin over (priority, client) flows (see the module docstring).
+
+    Args:
+        policy: the fair policy (its key orders requests within a flow).
+        quantum: tokens added to a top-class flow's deficit per visit (the step budget).
+    """
+
+    def __init__(self, policy: SchedulingPolicy, quantum: int) -> None:
+        super().__init__(policy)
+        self.quantum = quantum
+        self._flows: dict[Flow, list[tuple[tuple, int, Request]]] = {}
+        self._ring: deque[Flow] = deque()
+        self.deficit: dict[Flow, float] = {}
+        self._chosen: Request | None = None
+        self._size = 0
+
+    @staticmethod
+    def flow_of(request: Request) -> Flow:
+        return (request.priority, request.client_id)
+
+    def add(self, request: Request) -> None:
+        flow = self.flow_of(request)
+        heap = self._flows.get(flow)
+        if heap is None:
+            heap = self._flows[flow] = []
+            self._ring.append(flow)
+            self.deficit.setdefault(flow, 0.0)
+        heapq.heappush(heap, (self._policy.key(request), next(self._counter), request))
+        self._size += 1
+        self._chosen = None  # a new flow may change nothing, but keep peek honest
+
+    def peek(self) -> Request:
+        """The request deficit round robin serves next (the same until it is popped or
+        removed)."""
+        if self._chosen is None:
+            self._chosen = self._choose()
+        return self._chosen
+
+    def _choose(self) -> Request:
+        weights = self._class_weights()
+        while True:
+            flow = self._ring[0]
+            head = self._flows[flow][0][2]
+            if self.deficit[flow] >= self._cost(head):
+                return head
+            self.deficit[flow] += self.quantum * weights[flow[0]]
+            self._ring.rotate(-1)
+
+    def _class_weights(self) -> dict[int, float]:
+        """Priority value -> quantum share: 1, 1/2, 1/4, ... by rank among waiting classes."""
+        classes = sorted({flow[0] for flow in self._ring})
+        return {p: 0.5 ** rank for rank, p in enumerate(classes)}
+
+    @staticmethod
+    def _cost(request: Request) -> int:
+        """Tokens the request's admission computes (its prefill; at least one)."""
+        return max(1, request.num_tokens - request.num_computed_tokens)
+
+    def pop(self) -> Request:
+        request = self.peek()
+        flow = self.flow_of(request)
+        heapq.heappop(self._flows[flow])
+        self.deficit[flow] -= self._cost(request)
+        self._size -= 1
+        self._chosen = None
+        if not self._flows[flow]:
+            self._retire(flow)
+        return request
+
+    def _retire(self, flow: Flow) -> None:
+        """An empty flow leaves the ring and loses its credit (not its debt)."""
+        del self._flows[flow]
+        self._ring.remove(flow)
+        if self.deficit[flow] >= 0:
+            del self.deficit[flow]
+
+    def remove(self, request: Request) -> bool:
+        flow = self.flow_of(request)
+        heap = self._flows.get(flow, [])
+        for i, entry in enumerate(heap):
+            if entry[2] is request:
+                heap.pop(i)
+                heapq.heapify(heap)
+                self._size -= 1
+                if self._chosen is request:
+                    self._chosen = None
+                if not heap:
+                    self._retire(flow)
+                return True
+        return False
+
+    def charge(self, num_scheduled_tokens: dict[str, int],
+               requests: dict[str, Request]) -> None:
+        """Charge every decode token of the step to its request's flow (prefill tokens were
+        paid at admission)."""
+        deficit = self.deficit
+        for rid, n in num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if n == 1 and request is not None:
+                flow = (request.priority, request.client_id)
+                deficit[flow] = deficit.get(flow, 0.0) - 1
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __iter__(self):
+        return (entry[2] for entry in sorted(itertools.chain.from_iterable(
+            self._flows.values())))

@@ -1,0 +1,144 @@
+"""The fair policy: deficit round robin of tokens over clients (core/fair_queue.py).
+
+Oracles: DRR orders computed by hand from Shreedhar & Varghese's rule; token shares and waiting
+times in fake-clock simulations against the FCFS and priority policies on the same arrivals.
+"""
+
+from __future__ import annotations
+
+from kvflow.core.fair_queue import FairWaitingQueue
+from kvflow.core.sched_policy import make_policy, make_waiting_queue
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+from tests.core.sim import FakeClock, SimRequest, assert_idle, make_sim_scheduler, simulate
+
+
+def req(rid: str, client: str, tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(rid, list(range(2, 2 + tokens)), SamplingParams(max_tokens=4),
+                   arrival_time=arrival, priority=priority, client_id=client)
+
+
+def drain(queue) -> list[str]:
+    order = []
+    while queue:
+        order.append(queue.pop().request_id)
+    return order
+
+
+def test_fair_queue_is_made_for_the_fair_policy():
+    assert isinstance(make_waiting_queue(make_policy("fair")), FairWaitingQueue)
+    assert not isinstance(make_waiting_queue(make_policy("fcfs")), FairWaitingQueue)
+
+
+def test_equal_costs_alternate_between_clients():
+    """Quantum = cost: one request per visit, clients alternate (A arrived first)."""
+    q = FairWaitingQueue(make_policy("fair"), quantum=6)
+    for i in range(6):
+        q.add(req(f"a{i}", "A", 6, arrival=i))
+    for i in range(3):
+        q.add(req(f"b{i}", "B", 6, arrival=10 + i))
+    assert drain(q) == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "a4", "a5"]
+
+
+def test_a_large_request_waits_until_its_deficit_covers_it():
+    """DRR by hand, quantum 10: A's 6-token requests fit a visit's credit, B's 15-token one
+    needs two visits: A0 (10-6=4 left), A1 after A's next visit (14-6=8), A2 (8-6=2), then
+    B0 on its second visit (20 >= 15)."""
+    q = FairWaitingQueue(make_policy("fair"), quantum=10)
+    for i in range(3):
+        q.add(req(f"a{i}", "A", 6, arrival=i))
+    q.add(req("b0", "B", 15, arrival=0.5))
+    assert drain(q) == ["a0", "a1", "a2", "b0"]
+
+
+def test_priority_classes_get_halving_quanta():
+    """Class 0 gets the quantum, class 1 half of it: two class-0 admissions per class-1 one,
+    never none."""
+    q = FairWaitingQueue(make_policy("fair"), quantum=6)
+    for i in range(6):
+        q.add(req(f"x{i}", "X", 6, priority=0, arrival=10 + i))
+    for i in range(3):
+        q.add(req(f"y{i}", "Y", 6, priority=1, arrival=i))
+    assert drain(q) == ["x0", "x1", "y0", "x2", "x3", "y1", "x4", "x5", "y2"]
+
+
+def test_decode_tokens_are_charged_to_the_client():
+    """A client whose running requests decoded 12 tokens owes them: B is served twice first."""
+    q = FairWaitingQueue(make_policy("fair"), quantum=6)
+    running = req("a-running", "A", 6)
+    for i in range(2):
+        q.add(req(f"a{i}", "A", 6, arrival=i))
+        q.add(req(f"b{i}", "B", 6, arrival=10 + i))
+    for _ in range(12):
+        q.charge({"a-running": 1}, {"a-running": running})
+    assert drain(q) == ["b0", "b1", "a0", "a1"]
+
+
+def test_remove_and_peek_stay_consistent():
+    q = FairWaitingQueue(make_policy("fair"), quantum=6)
+    a, b = req("a", "A", 6), req("b", "B", 6, arrival=1)
+    q.add(a)
+    q.add(b)
+    assert q.peek() is a
+    assert q.remove(a) and len(q) == 1
+    assert q.peek() is b and [r.request_id for r in q] == ["b"]
+    assert q.pop() is b and not q
+
+
+# ---- simulations --------------------------------------------------------------------------------
+def run(workload, **config):
+    clock = FakeClock()
+    sched = make_sim_scheduler(clock, max_num_seqs=8, max_num_batched_tokens=256, **config)
+    res = simulate(workload, clock, sched)
+    assert_idle(sched)
+    return res
+
+
+def tokens_until(res, client: str, t_end: float) -> int:
+    return sum(n for t, n in res.tokens_by_client.get(client, []) if t <= t_end)
+
+
+def test_backlogged_clients_share_tokens_equally():
+    """A sends 40 requests with 64-token outputs, then B 40 with 8-token outputs, all at once.
+    Under fair, while both are backlogged (until B's last request starts) each gets half of
+    the tokens computed (within 20%), though A's requests are 8x longer; under FCFS B gets
+    none until A's backlog is gone."""
+    work = [SimRequest(f"a{i}", 0.0, 64, 64, client="A") for i in range(40)]
+    work += [SimRequest(f"b{i}", 0.0001, 64, 8, client="B") for i in range(40)]
+    fair = run(work, policy="fair")
+    end = max(fair.timelines[f"b{i}"].first_token for i in range(40))
+    a, b = tokens_until(fair, "A", end), tokens_until(fair, "B", end)
+    assert 0.8 <= a / b <= 1.25, (a, b)
+    fcfs = run(work, policy="fcfs")
+    first_b = min(fcfs.timelines[f"b{i}"].first_token for i in range(40))
+    assert first_b > max(fcfs.timelines[f"a{i}"].first_token for i in range(33))
+
+
+def test_a_light_client_is_not_starved_by_a_flood():
+    """A floods 120 requests at t=0; B sends one every 0.25 s. Under fair each of B's
+    requests gets the next free slot of the 8 (A's requests free one every ~8 steps of
+    ~40 ms: at most ~2 such intervals); under FCFS they wait behind the whole flood."""
+    work = [SimRequest(f"a{i}", 0.0, 128, 64, client="A") for i in range(120)]
+    work += [SimRequest(f"b{i}", 0.25 * (i + 1), 128, 16, client="B") for i in range(10)]
+    fair = run(work, policy="fair")
+    fcfs = run(work, policy="fcfs")
+    fair_b = [fair.timelines[f"b{i}"].ttft for i in range(10)]
+    fcfs_b = [fcfs.timelines[f"b{i}"].ttft for i in range(10)]
+    assert max(fair_b) < 1.0, fair_b
+    assert min(fcfs_b) > 2.0, fcfs_b
+
+
+def test_lower_priority_class_progresses_under_fair():
+    """Class 0 floods 60 requests; class 1 sends 30 at the same time. Under the priority
+    policy class 1 starts only when class 0's backlog is admitted; under fair it gets about
+    a third of the tokens meanwhile (quanta 1 : 1/2) and finishes requests."""
+    work = [SimRequest(f"hi{i}", 0.0, 64, 32, client="H", priority=0) for i in range(60)]
+    work += [SimRequest(f"lo{i}", 0.0, 64, 32, client="L", priority=1) for i in range(30)]
+    strict = run(work, policy="priority")
+    last_hi_start = max(strict.timelines[f"hi{i}"].first_token for i in range(60))
+    assert min(strict.timelines[f"lo{i}"].first_token for i in range(30)) >= last_hi_start
+    fair = run(work, policy="fair")
+    end = max(fair.timelines[f"hi{i}"].first_token for i in range(60))
+    hi, lo = tokens_until(fair, "H", end), tokens_until(fair, "L", end)
+    assert 0.2 <= lo / (hi + lo) <= 0.45, (hi, lo)
+    assert sum(fair.timelines[f"lo{i}"].last_token <= end for i in range(30)) >= 5

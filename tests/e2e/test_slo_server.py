@@ -1,0 +1,73 @@
+"""Service levels over HTTP: the step-time model's error on /metrics, admission control's 503s,
+and the client a request is accounted to under ``--policy fair``.
+
+The server runs the tiny chat model with ``--policy fair``, server-wide targets loose enough
+that ordinary requests always meet them, and admission control.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+from kvflow.entrypoints.protocol import CompletionRequest
+from kvflow.entrypoints.serving_base import OpenAIServing
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
+        "--policy", "fair", "--target-ttft-ms", "60000", "--target-tpot-ms", "10000",
+        "--admission-control"]
+PROMPT = "the quick brown fox"
+MIN_STEPS = 16  # StepTimeModel.min_steps
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, ARGS)
+    yield server
+    server.stop()
+
+
+def complete(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body})
+
+
+def test_step_time_model_error_on_metrics_and_refusals(server):
+    """Four requests of 8 tokens one after another are 32 steps; the last one's duration is
+    measured when the next step starts, so 31 are measured and every one after the first 16
+    (the model's warm-up) was predicted first: 15 predictions, with a finite, positive
+    error. Then a request with a 1 us TTFT target is refused (503, Retry-After), counted,
+    and leaves no KV block held."""
+    for _ in range(4):
+        assert complete(server).status_code == 200
+    m = server.metrics()
+    predicted = server.value(m, "kvflow:step_time_model_predictions_total")
+    assert predicted == 4 * 8 - 1 - MIN_STEPS
+    abs_error = server.value(m, "kvflow:step_time_model_abs_error_seconds")
+    rel_error = server.value(m, "kvflow:step_time_model_rel_error")
+    assert 0 < abs_error < 1 and 0 < rel_error < math.inf
+    resp = complete(server, target_ttft_ms=0.001)
+    assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1
+    m = server.metrics()
+    assert server.value(m, "kvflow:requests_rejected_total") == 1
+    assert server.value(m, "kvflow:kv_cache_free_blocks") == \
+        server.value(m, "kvflow:kv_cache_usable_blocks")
+    assert complete(server).status_code == 200  # and it keeps serving
+
+
+def _raw(headers: dict[str, str]) -> Request:
+    return Request({"type": "http", "headers": [(k.lower().encode(), v.encode())
+                                                for k, v in headers.items()]})
+
+
+def test_client_is_the_user_field_else_an_api_key_digest():
+    body = CompletionRequest(prompt="x")
+    assert OpenAIServing.client_id(CompletionRequest(prompt="x", user="alice"),
+                                   _raw({"Authorization": "Bearer k1"})) == "alice"
+    one = OpenAIServing.client_id(body, _raw({"Authorization": "Bearer k1"}))
+    two = OpenAIServing.client_id(body, _raw({"Authorization": "Bearer k2"}))
+    assert one.startswith("key:") and len(one) == 4 + 16 and one != two and "k1" not in one
+    assert OpenAIServing.client_id(body, _raw({})) == ""
