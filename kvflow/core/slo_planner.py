@@ -273,11 +273,14 @@ def step_features(out: SchedulerOutput, requests: dict[str, Request]) -> StepFea
 
     Runs every step, so it sums the computed counts the step's message already holds (C
     speed) and visits only the requests computing more than one token."""
-    items = out.num_scheduled_tokens.items()
-    chunks = [(rid, n) for rid, n in items if n != 1]
-    decodes = len(out.num_scheduled_tokens) - len(chunks)
-    computed = sum(out.scheduled_cached_reqs.num_computed_tokens) + \
-        sum(new.num_computed_tokens for new in out.scheduled_new_reqs)
+    scheduled = out.num_scheduled_tokens
+    computed = sum(out.scheduled_cached_reqs.num_computed_tokens)
+    if out.scheduled_new_reqs:
+        computed += sum(new.num_computed_tokens for new in out.scheduled_new_reqs)
+    if sum(scheduled.values()) == len(scheduled):  # every request decodes (one token each)
+        return StepFeatures(0, len(scheduled), computed + len(scheduled))
+    chunks = [(rid, n) for rid, n in scheduled.items() if n != 1]
+    decodes = len(scheduled) - len(chunks)
     prefill = context = 0
     for rid, n in chunks:
         request = requests.get(rid)

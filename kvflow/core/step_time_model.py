@@ -19,9 +19,10 @@ quadratic in prompt length for attention) and Sarathi-Serve (Agrawal et al., OSD
 4.3: the per-step token budget chosen from the time-between-tokens SLO by profiling step time
 against tokens); Vidur (Agrawal et al., MLSys 2024) predicts the same per-operator terms. kvflow
 profiles nothing ahead: it fits ordinary least squares over the last ``window`` measured steps
-(``numpy.linalg.lstsq`` on columns scaled to unit maximum; a coefficient that comes out negative
-is fixed at 0 and the rest refitted, the active-set step of Lawson & Hanson's NNLS), refitting
-every ``refit_every`` steps, so it follows the machine's load and the model's real costs.
+(the normal equations, kept as running sums and Jacobi-scaled; a coefficient that comes out
+negative is fixed at 0 and the rest refitted, the active-set step of Lawson & Hanson's NNLS),
+refitting every ``refit_every`` steps, so it follows the machine's load and the model's real
+costs.
 
 The prediction error of every step predicted before it ran (absolute, and relative to the
 measured time) is kept over the last ``window`` steps for /metrics.
@@ -29,12 +30,11 @@ measured time) is kept over the last ``window`` steps for /metrics.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-
-_NUM_FEATURES = 4
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,37 @@ def chunk_context_tokens(num_computed: int, num_new: int) -> int:
     return num_new * num_computed + num_new * (num_new + 1) // 2
 
 
+# The window's sums the normal equations need: count (1*1), each feature (1*x), the products
+# of features (x*x'), and each feature with the step time (x*y). "1" is the constant column,
+# "p" prefill tokens, "d" decode requests, "c" context tokens, "y" the measured seconds.
+_TERMS = ("11", "1p", "1d", "1c", "pp", "pd", "pc", "dd", "dc", "cc", "1y", "py", "dy", "cy")
+
+
+def _term(a: str, b: str) -> str:
+    """The name in ``_TERMS`` of the product of columns ``a`` and ``b``."""
+    order = "1pdcy"
+    return a + b if order.index(a) <= order.index(b) else b + a
+
+
+_COLUMNS = "1pdc"
+_XTX_INDEX = np.array([[_TERMS.index(_term(a, b)) for b in _COLUMNS] for a in _COLUMNS])
+_XTY_INDEX = np.array([_TERMS.index(_term(a, "y")) for a in _COLUMNS])
+_XTX_INDEX.flags.writeable = _XTY_INDEX.flags.writeable = False  # constants
+
+
+def _sum_terms(f: StepFeatures, y: float) -> tuple[float, ...]:
+    """One step's contribution to each of ``_TERMS`` (plain floats: this runs every step)."""
+    p, d, c = float(f.prefill_tokens), float(f.decode_requests), float(f.context_tokens)
+    return (1.0, p, d, c, p * p, p * d, p * c, d * d, d * c, c * c, y, p * y, d * y, c * y)
+
+
 class StepTimeModel:
     """Least-squares fit of step time (seconds) on ``StepFeatures`` over a recent window.
+
+    The fit runs on the normal equations, whose sums (``X^T X``, ``X^T y``) are updated as a
+    step enters and leaves the window (recomputed from the window every ``window`` steps so
+    rounding cannot drift): an observation costs a few microseconds and a refit solves a 4x4
+    system, which keeps the model cheap enough to learn on every engine step.
 
     Args:
         window: measured steps kept for the fit (and for the error statistics).
@@ -74,12 +103,13 @@ class StepTimeModel:
 
     def __init__(self, window: int = 512, min_steps: int = 16, refit_every: int = 16) -> None:
         self.window, self.min_steps, self.refit_every = window, min_steps, refit_every
-        self._rows: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._times: deque[float] = deque(maxlen=window)
-        self._since_fit = 0
+        self._steps: deque[tuple[float, ...]] = deque()  # each step's ``_sum_terms``
+        self._sums = [0.0] * len(_TERMS)  # their sums over the window
+        self._since_fit = self._since_resum = 0
         self.coef: np.ndarray | None = None  # seconds per unit of each feature
-        self._abs_errors: deque[float] = deque(maxlen=window)
-        self._rel_errors: deque[float] = deque(maxlen=window)
+        self._c: tuple[float, ...] = ()  # coef as Python floats (fast predictions)
+        self._errors: deque[tuple[float, float]] = deque()  # (abs, rel) over the window
+        self._sum_abs = self._sum_rel = 0.0
         self.num_observed = 0
         self.num_predicted = 0
 
@@ -92,17 +122,16 @@ class StepTimeModel:
         """Predicted step time in seconds, or None before the first fit."""
         if self.coef is None:
             return None
-        c = self.coef
-        return float(c[0] + c[1] * features.prefill_tokens + c[2] * features.decode_requests
-                     + c[3] * features.context_tokens)
+        c = self._c
+        return c[0] + c[1] * features.prefill_tokens + c[2] * features.decode_requests \
+            + c[3] * features.context_tokens
 
     def predict_raw(self, prefill_tokens: float, decode_requests: float,
                     context_tokens: float) -> float:
         """``predict`` without building a StepFeatures (the planner's inner loop); the model
         must be ready."""
-        c = self.coef
-        return float(c[0] + c[1] * prefill_tokens + c[2] * decode_requests
-                     + c[3] * context_tokens)
+        c = self._c
+        return c[0] + c[1] * prefill_tokens + c[2] * decode_requests + c[3] * context_tokens
 
     def observe(self, features: StepFeatures, seconds: float,
                 predicted: float | None = None) -> None:
@@ -114,43 +143,62 @@ class StepTimeModel:
         """
         if not 0 <= seconds < float("inf"):
             raise ValueError(f"step time {seconds!r} must be a finite number of seconds >= 0")
-        self._rows.append(features.row())
-        self._times.append(seconds)
+        terms = _sum_terms(features, seconds)
+        if len(self._steps) == self.window:
+            old = self._steps.popleft()
+            self._sums = [s + t - o for s, t, o in zip(self._sums, terms, old)]
+        else:
+            self._sums = [s + t for s, t in zip(self._sums, terms)]
+        self._steps.append(terms)
         self.num_observed += 1
         self._since_fit += 1
+        self._since_resum += 1
+        if self._since_resum >= self.window:
+            self._resum()
         if predicted is not None:
-            self.num_predicted += 1
-            self._abs_errors.append(abs(predicted - seconds))
-            self._rel_errors.append(abs(predicted - seconds) / max(seconds, 1e-6))
-        if len(self._rows) >= self.min_steps and \
+            self._record_error(abs(predicted - seconds), seconds)
+        if len(self._steps) >= self.min_steps and \
                 (self.coef is None or self._since_fit >= self.refit_every):
             self.fit()
 
+    def _resum(self) -> None:
+        """Recompute the window's sums exactly (bounds the rounding of add/remove)."""
+        self._sums = [math.fsum(col) for col in zip(*self._steps)]
+        self._since_resum = 0
+
+    def _record_error(self, abs_error: float, seconds: float) -> None:
+        rel = abs_error / max(seconds, 1e-6)
+        if len(self._errors) == self.window:
+            old_abs, old_rel = self._errors.popleft()
+            self._sum_abs -= old_abs
+            self._sum_rel -= old_rel
+        self._errors.append((abs_error, rel))
+        self._sum_abs += abs_error
+        self._sum_rel += rel
+        self.num_predicted += 1
+
     def fit(self) -> None:
         """Refit the coefficients on the window (no-op with fewer than ``min_steps``)."""
-        if len(self._rows) < self.min_steps:
+        if len(self._steps) < self.min_steps:
             return
-        x = np.asarray(self._rows, dtype=np.float64)
-        y = np.asarray(self._times, dtype=np.float64)
-        self.coef = nonnegative_least_squares(x, y)
+        sums = np.asarray(self._sums, dtype=np.float64)
+        self.coef = nonnegative_normal_equations(sums[_XTX_INDEX], sums[_XTY_INDEX])
+        self._c = tuple(float(c) for c in self.coef)
         self._since_fit = 0
 
     @property
     def mean_abs_error(self) -> float:
         """Mean |predicted - measured| step time over the window, seconds (0 before any)."""
-        return float(np.mean(self._abs_errors)) if self._abs_errors else 0.0
+        return max(0.0, self._sum_abs / len(self._errors)) if self._errors else 0.0
 
     @property
     def mean_rel_error(self) -> float:
         """Mean |predicted - measured| / measured over the window (0 before any)."""
-        return float(np.mean(self._rel_errors)) if self._rel_errors else 0.0
+        return max(0.0, self._sum_rel / len(self._errors)) if self._errors else 0.0
 
 
 def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least-squares ``coef >= 0`` for ``x @ coef ~ y``: ordinary least squares on columns
-    scaled to unit maximum, dropping (fixing at 0) the most negative coefficient and refitting
-    until none is negative (an active-set approximation of NNLS, Lawson & Hanson 1974, ch. 23;
-    exact when at most one constraint is active).
+    """Least-squares ``coef >= 0`` for ``x @ coef ~ y`` (see ``nonnegative_normal_equations``).
 
     Args:
         x: float64 [steps, features].
@@ -159,13 +207,30 @@ def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     Returns:
         float64 [features].
     """
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    xs = x / scale
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
+    return nonnegative_normal_equations(x.T @ x, x.T @ y)
+
+
+def nonnegative_normal_equations(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
+    """Least-squares ``coef >= 0`` from the normal equations ``(X^T X) coef = X^T y``:
+    solved on the Jacobi-scaled system (each column scaled to unit norm), dropping (fixing at
+    0) the most negative coefficient and resolving until none is negative (an active-set
+    approximation of NNLS, Lawson & Hanson 1974, ch. 23; exact when at most one constraint is
+    active). A column that is all zero gets 0.
+
+    Args:
+        xtx: float64 [features, features], X^T X.
+        xty: float64 [features], X^T y.
+
+    Returns:
+        float64 [features].
+    """
+    norms = np.sqrt(np.clip(np.diag(xtx), 0.0, None))
+    active = [i for i in range(len(xty)) if norms[i] > 0]
+    scale = np.where(norms > 0, norms, 1.0)
+    gram, rhs = xtx / np.outer(scale, scale), xty / scale
+    coef = np.zeros(len(xty))
     while active:
-        sol, *_ = np.linalg.lstsq(xs[:, active], y, rcond=None)
+        sol, *_ = np.linalg.lstsq(gram[np.ix_(active, active)], rhs[active], rcond=None)
         if (sol >= 0).all():
             coef[active] = sol
             break

@@ -83,6 +83,26 @@ def test_model_recovers_the_synthetic_coefficients():
     assert model.num_predicted == 400 - 16
 
 
+def test_sliding_window_fit_equals_least_squares_on_the_last_steps():
+    """The running sums drop the steps that leave the window: after 3.5 windows of steps
+    whose cost changed halfway, the coefficients equal numpy's least squares on exactly the
+    last ``window`` steps (the oracle), not on all of them."""
+    rng = np.random.default_rng(2)
+    window = 64
+    model = StepTimeModel(window=window, min_steps=16, refit_every=1)
+    rows, times = [], []
+    for i in range(224):
+        f = StepFeatures(int(rng.integers(0, 512)), int(rng.integers(1, 64)),
+                         int(rng.integers(0, 200_000)))
+        t = synthetic_step_time(f) * (2.0 if i >= 112 else 1.0) * rng.uniform(0.97, 1.03)
+        model.observe(f, t)
+        rows.append(f.row())
+        times.append(t)
+    ref, *_ = np.linalg.lstsq(np.array(rows[-window:]), np.array(times[-window:]), rcond=None)
+    assert (ref > 0).all()
+    np.testing.assert_allclose(model.coef, ref, rtol=1e-6)
+
+
 def test_nonnegative_fit_drops_a_negative_coefficient():
     """y = 2 + 3 x1 exactly, plus a column x2 anti-correlated with the residual noise: plain
     least squares gives x2 a negative weight; the fit keeps it at 0 and the rest exact."""
