@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, prompts, params, req.priority,
-                                          self.client_id(req, raw))
+                                          client_id=self.client_id(req, raw))
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
                                                                  streams)))
