@@ -156,3 +156,15 @@ def test_text_model_refuses_images(tiny_llama):
         llm.chat([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}],
             chat_template="{{ messages[0]['content'] }}")
+
+
+def test_async_scheduling_same_tokens(tiny_qwen2_vl, assert_no_leaks):
+    """With the next step scheduled while the current one runs (pending sampled tokens read
+    on the device), images and M-RoPE positions still line up: transformers' tokens."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=8,
+              max_num_batched_tokens=48, async_scheduling=True)
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
+    outs = llm.generate(prompts, greedy())
+    for (text, images), out in zip(cases(), outs):
+        assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
+    assert_no_leaks(llm)
