@@ -11,6 +11,7 @@ from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
+from kvflow.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from kvflow.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kvflow.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -27,6 +28,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {

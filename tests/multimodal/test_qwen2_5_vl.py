@@ -1,0 +1,118 @@
+"""Qwen2.5-VL (windowed vision encoder) end to end against transformers (fp32, CPU).
+
+A tiny random ``Qwen2_5_VLForConditionalGeneration`` with 56-pixel windows (2 x 2 merged
+tokens) and one full-attention block of two: images of several sizes give full and partial
+windows. Oracle: transformers' ``Qwen2_5_VLProcessor`` + ``generate`` on the same weights:
+kvflow's expanded prompt ids, the encoder's rows and the greedy tokens for 0, 1 and 2 images
+must equal them.
+"""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from tests.conftest import _randomize_
+from tests.multimodal.conftest import (
+    CHAT_TEMPLATE,
+    MAX_PIXELS,
+    PLACEHOLDER,
+    VISION_TOKENS,
+    TinyVL,
+    hf_generate,
+    hf_prompt_ids,
+    random_image,
+)
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_5_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.processing_utils import ProcessorMixin
+
+    folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                     "rms_norm_eps": 1e-6, "eos_token_id": tokenizer.eos_token_id,
+                     "bos_token_id": tokenizer.bos_token_id,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                         "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
+                       "fullatt_block_indexes": [1], "hidden_act": "silu"},
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
+        video_token_id=ids[3])
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize_(model, seed=11)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
+                           lambda *args, **kwargs: None):
+        processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                        chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    return TinyVL(folder, model, processor, tokenizer, model.config.image_token_id)
+
+
+def cases():
+    """0, 1 and 2 images: 6 x 4 merged tokens (3 x 2 windows, partial), 4 x 7 and 11 x 3."""
+    a, b, c = random_image(168, 112, 1), random_image(120, 200, 2), random_image(300, 90, 3)
+    return [("the quick brown fox jumps over", []),
+            (f"a {PLACEHOLDER} what is this?", [a]),
+            (f"{PLACEHOLDER} and {PLACEHOLDER} compare them", [b, c])]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_5_vl):
+    return LLM(tiny_qwen2_5_vl.path, dtype="float32", num_kv_blocks=256, block_size=16)
+
+
+def test_encoder_rows_equal_transformers(llm, tiny_qwen2_5_vl):
+    """The windowed ViT + merger over two images at once: transformers' image embeddings."""
+    _, images = cases()[2]
+    inputs = tiny_qwen2_5_vl.processor(text=[PLACEHOLDER * 2], images=images,
+                                       return_tensors="pt")
+    with torch.no_grad():
+        want = tiny_qwen2_5_vl.hf_model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_grid_thw"])
+    want = torch.cat(list(getattr(want, "pooler_output", want)))
+    model = llm.engine.core.executor.runner.model
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    sizes = [t * h * w for t, h, w in grids]
+    with torch.no_grad():
+        got = model.embed_multimodal(list(inputs["pixel_values"].split(sizes)), grids)
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_transformers(llm, tiny_qwen2_5_vl, assert_no_leaks):
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True))
+    for (text, images), out in zip(cases(), outs):
+        assert out.prompt_token_ids == hf_prompt_ids(tiny_qwen2_5_vl, text, images)
+        assert out.outputs[0].token_ids == \
+            hf_generate(tiny_qwen2_5_vl, text, images, MAX_TOKENS)
+    assert_no_leaks(llm)
