@@ -163,6 +163,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         loaded: set[str] = set()
 
         def decoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            """Copies the vision tensors, yields the rest.
+
+            Raises:
+                ValueError: for a ``visual.*`` tensor that matches no parameter.
+            """
             for name, tensor in weights:
                 name = _rename(name)
                 if not name.startswith("visual."):
