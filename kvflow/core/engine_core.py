@@ -83,10 +83,6 @@ class EngineCore:
         self._init_structured_output()
 
     def _init_platform(self) -> None:
-        spec = self.config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            raise ValueError("speculative_config method='draft_model' is not available yet; "
-                             "use 'ngram'")
         self.platform = get_platform(self.config.device_config.device)
         sc = self.config.scheduler_config
         if sc.max_num_batched_tokens is None:

@@ -161,3 +161,24 @@ def _logprobs(raw: torch.Tensor, token_ids: np.ndarray, step: SpecStep, meta,
             out.setdefault(req_ids[s], []).append(
                 (top_ids[row][:k], top_lp[row][:k], lp[row], ranks[row]))
     return out
+
+
+def draft_probs_tensor(step: SpecStep, batch: InputBatch,
+                       probs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The proposer's distributions for the rejection sampler: float32 [S, K, V], request
+    ``s``'s sampled drafts' ``q`` rows from ``probs`` (request id -> [k, V]) and a point mass
+    on each other draft; None when no request's drafts were sampled (all point masses)."""
+    if not probs:
+        return None
+    first = next(iter(probs.values()))
+    num_reqs, k_max = step.draft_token_ids.shape
+    out = torch.zeros((num_reqs, k_max, first.shape[-1]), dtype=torch.float32,
+                      device=first.device)
+    s, i = np.nonzero(np.arange(k_max) < step.num_drafts[:, None])
+    out[torch.from_numpy(s), torch.from_numpy(i),
+        torch.from_numpy(step.draft_token_ids[s, i])] = 1.0
+    for j, row in enumerate(step.sample_rows.tolist()):
+        q = probs.get(batch.req_ids[row])
+        if q is not None:
+            out[j, :q.shape[0]] = q
+    return out

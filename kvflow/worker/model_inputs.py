@@ -49,7 +49,8 @@ class ModelInputs:
 
 
 def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size: int,
-                       stager: InputStager) -> ModelInputs:
+                       stager: InputStager, num_computed: np.ndarray | None = None
+                       ) -> ModelInputs:
     """Flatten the scheduled rows into token-major tensors on the stager's device.
 
     Args:
@@ -57,11 +58,13 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
         num_scheduled: int64 [batch.num_reqs]; tokens each row computes this step (0: none).
         block_size: tokens per KV block.
         stager: moves the arrays to the device.
+        num_computed: int64 [batch.num_reqs], where each row's tokens start instead of
+            ``batch.num_computed_tokens`` (a speculative-decoding draft model's passes).
     """
     rows = np.flatnonzero(num_scheduled)
     index = batch.index(rows)  # a slice when every row is scheduled
     query_lens = num_scheduled[index]
-    computed = batch.num_computed_tokens[index]
+    computed = (batch.num_computed_tokens if num_computed is None else num_computed)[index]
     query_start = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
@@ -71,6 +74,9 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
     sampling = np.flatnonzero(seq_lens >= batch.num_tokens[index])  # reaches the row's end
     logits_indices = query_start[1:][sampling] - 1
     pending = np.flatnonzero(batch.pending_sample[index] >= 0)
+    if num_computed is not None and len(pending):  # only those whose pending token is computed
+        last = batch.num_tokens[rows[pending]] - 1
+        pending = pending[(last >= computed[pending]) & (last < seq_lens[pending])]
     pending_tokens = query_start[pending] + batch.num_tokens[rows[pending]] - 1 - \
         computed[pending]
     groups = [_block_table_and_slots(batch, g, index, req_of_token, positions, block_size)

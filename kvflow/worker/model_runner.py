@@ -39,7 +39,14 @@ from kvflow.quant import get_quant_config, weight_bytes
 from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
-from kvflow.spec_decode.verification import SpecStep, place_drafts, plan_verification, verify
+from kvflow.spec_decode.draft_model import DraftModel
+from kvflow.spec_decode.verification import (
+    SpecStep,
+    draft_probs_tensor,
+    place_drafts,
+    plan_verification,
+    verify,
+)
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
@@ -135,6 +142,7 @@ class ModelRunner:
                                   pc.data_parallel_rank * world + self.parallel.rank,
                                   pc.data_parallel_size * world)
         self._init_model(source, hf_config)
+        self.drafter = self._init_draft_model(hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_config: KVCacheConfig | None = None
@@ -164,6 +172,15 @@ class ModelRunner:
                             if isinstance(m, Attention)}
         self.mm_runner = MultiModalRunner(self.model, self.parallel.pp.is_first_rank) \
             if getattr(self.model, "supports_multimodal", False) else None
+
+    def _init_draft_model(self, hf_config: Any) -> DraftModel | None:
+        """The speculative-decoding draft model (``method: draft_model``), else None."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        backend = make_attention_backend(
+            self._dense_backend_name(self.config.device_config.attention_backend))
+        return DraftModel(self.config, backend, self.dtype, self.device, hf_config.vocab_size)
 
     def _choose_gemm_path(self) -> None:
         """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
@@ -211,8 +228,11 @@ class ModelRunner:
         """Each attention layer's KV-cache spec (layer name -> spec), in model order, with
         ``--kv-cache-dtype``'s element type (and scales for a quantized cache)."""
         dtype, scale_dtype = kv_cache_dtypes(self.config.cache_config.kv_cache_dtype, self.dtype)
-        return {name: layer.kv_cache_spec(self.block_size, dtype, scale_dtype)
-                for name, layer in self.attn_layers.items()}
+        specs = {name: layer.kv_cache_spec(self.block_size, dtype, scale_dtype)
+                 for name, layer in self.attn_layers.items()}
+        if self.drafter is not None:  # a draft model's layers, DRAFT_LAYER_PREFIX-named
+            specs.update(self.drafter.kv_cache_spec(self.block_size, dtype, scale_dtype))
+        return specs
 
     def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
         """Bytes for the KV cache: --kv-cache-memory, else the platform's budget (CPU: 2 GiB;
@@ -288,16 +308,25 @@ class ModelRunner:
         bind it: layer ``j`` of every group uses tensor ``j`` (a block id belongs to one group
         at a time, so the groups never write the same slots).
 
+        A draft model's layers (``kv_cache_config.draft_group``) get tensors of their own,
+        indexed by group 0's block ids.
+
         Raises:
             ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
-                in the device's free memory.
+                in the device's free memory, or for a draft model beside several KV-cache
+                groups (it reads group 0's block table).
         """
         cc = self.config.cache_config
         tensors = self.local_kv_tensors(kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        draft = kv_cache_config.draft_group
+        if draft is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("speculative_config method='draft_model' needs a target with one "
+                             "KV-cache group (no sliding-window/full-attention mix)")
         if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
-            self._check_fits(kv_cache_config.num_blocks * spec.page_size_bytes * len(tensors)
-                             // self.parallel.cp.world_size)
+            draft_bytes = draft.page_size_bytes if draft is not None else 0
+            self._check_fits(kv_cache_config.num_blocks * (
+                spec.page_size_bytes * len(tensors) // self.parallel.cp.world_size + draft_bytes))
         self.kv_cache_config = kv_cache_config
         self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs,
                                       [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups])
@@ -315,6 +344,8 @@ class ModelRunner:
                 if scales is not None:
                     layer.kv_scales = scales
             self.kv_caches.append(cache)
+        if draft is not None and self.drafter is not None:
+            self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
 
     def _local_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         """This rank's KV tensor shape: the spec's, except that under context parallelism
@@ -325,6 +356,8 @@ class ModelRunner:
         return shape if cp == 1 else (shape[0], shape[1], shape[2] // cp, *shape[3:])
 
     def _release_kv_cache(self) -> None:
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
         for layer in self.attn_layers.values():
             layer.kv_cache = torch.empty(0)
             if hasattr(layer, "kv_scales"):
@@ -371,19 +404,26 @@ class ModelRunner:
         self._step = None
         if sched.is_empty:
             return
-        spec_tokens = sched.scheduled_spec_decode_tokens
+        spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
+        num_scheduled = batch.num_scheduled_per_row(sched)
+        proposal = None
+        if self.drafter is not None:  # its mirror pass runs every step (draft_model.py)
+            proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
+                                            self.stager, self._fill_pending,
+                                            self.sampler.generator)
+            spec_tokens = proposal.token_ids
         if spec_tokens:
-            place_drafts(self.input_batch, spec_tokens)
-        inputs = build_model_inputs(self.input_batch,
-                                    self.input_batch.num_scheduled_per_row(sched),
-                                    self.block_size, self.stager)
+            place_drafts(batch, spec_tokens)
+        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
         if len(inputs.pending_token_index):
-            inputs.input_ids[inputs.pending_token_index] = \
-                self._pending.output.sampled[inputs.pending_sample_index]
+            self._fill_pending(inputs)
         hidden = self._forward(inputs, self._recv_from_previous_stage())
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
         spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
+        if spec is not None and proposal is not None:
+            spec.draft_probs = draft_probs_tensor(spec, batch, proposal.probs)
+            spec.draft_time_s = proposal.seconds
         if spec is not None:
             logits = self.model.compute_logits(
                 hidden[torch.from_numpy(spec.logits_indices).to(hidden.device)])
@@ -395,6 +435,11 @@ class ModelRunner:
                                                   hidden, self.model.compute_logits) \
             if self.input_batch.prompt_logprobs else {}
         self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
+
+    def _fill_pending(self, inputs: ModelInputs) -> None:
+        """Write the previous step's sampled tokens still on the device into the inputs."""
+        inputs.input_ids[inputs.pending_token_index] = \
+            self._pending.output.sampled[inputs.pending_sample_index]
 
     def _prompt_logprobs_requests(self, inputs: ModelInputs) -> list[PromptLogprobsRequest]:
         """The scheduled requests that asked for prompt logprobs, with their hidden rows."""

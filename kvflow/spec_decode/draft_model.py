@@ -1,0 +1,214 @@
+"""A draft model proposing speculative tokens inside the target's model runner.
+
+The draft model (``{"method": "draft_model", "model": NAME}``: a smaller model sharing the
+target's tokenizer and vocabulary) keeps its own paged KV cache in the target's block pool: its
+layers' tensors are indexed by the target's group-0 block ids (``KVCacheConfig.draft_group``),
+so a block id holds both models' K/V of the same tokens and one block's bytes count both.
+
+Invariant: every token position the target has K/V for, the draft has too. Each step (whether
+or not it verifies drafts) the draft first computes every scheduled request's tokens from
+``InputBatch.num_draft_computed`` up to the end of the step's non-draft tokens (the "mirror"
+pass, batched like a target step). Prefix-cache hits and resumed requests can therefore trust
+the draft's K/V of their computed blocks. The mirror pass of a request that verifies ``k``
+drafts this step ends at its last known token and gives the draft's logits for draft 1; ``k - 1``
+more passes of one token per drafting request give drafts 2..k, writing the draft's K/V of
+drafts 1..k-1 (at positions ``num_tokens .. num_tokens + k - 2``, inside the blocks the
+scheduler allocated for the step). After verification ``InputBatch.accept_tokens`` cuts
+``num_draft_computed`` to the accepted prefix.
+
+Draft tokens: the argmax for greedy requests (point masses); for sampled requests a draw from
+``q = softmax(draft logits / temperature)`` (the request's own generator when seeded), with
+``q`` handed to the rejection sampler, which keeps the target's distribution exactly whatever
+``q`` is (kvflow/spec_decode/rejection_sampler.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.config import EngineConfig
+from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
+from kvflow.models.loader import load_hf_config, load_model
+from kvflow.models.model_resolver import resolve_model
+from kvflow.quant import get_quant_config
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+
+
+@dataclass
+class DraftProposal:
+    """One step's draft tokens.
+
+    Attributes:
+        token_ids: request id -> its ``k`` draft tokens.
+        probs: request id -> float32 [k, V], the distribution each draft was drawn from
+            (sampled requests only; greedy requests' drafts are point masses).
+        seconds: wall time of the draft passes that proposed them (the mirror pass included).
+    """
+
+    token_ids: dict[str, list[int]]
+    probs: dict[str, torch.Tensor]
+    seconds: float
+
+
+class DraftModel:
+    """The draft model, its attention context and KV tensors, on the target's device.
+
+    Args:
+        config: the engine config (``speculative_config.model`` names the draft).
+        backend: an attention backend instance for the draft's layers (not the target's: a
+            backend keeps per-step state).
+        dtype / device: the target's compute dtype and device.
+        target_vocab_size: rows of the target's logits; the draft must have as many.
+
+    Raises:
+        ValueError: for a draft whose vocabulary size differs from the target's, or one that
+            cannot be resolved or loaded (from the loader).
+    """
+
+    def __init__(self, config: EngineConfig, backend: Any, dtype: torch.dtype,
+                 device: torch.device, target_vocab_size: int) -> None:
+        spec = config.speculative_config
+        mc = config.model_config
+        source = resolve_model(spec.model, mc.download_dir)
+        hf_config = load_hf_config(source)
+        if hf_config.vocab_size != target_vocab_size:
+            raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
+                             f"{hf_config.vocab_size} tokens, the target {target_vocab_size}; "
+                             "a draft model must share the target's tokenizer")
+        self.attn_ctx = AttentionContext(backend)
+        quant = get_quant_config(None if spec.quantization == "none" else spec.quantization,
+                                 hf_config, source.kind, mc.quantization_group_size)
+        self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
+                                mc.load_format, mc.seed, quant)
+        self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
+                            self.model.named_modules() if isinstance(m, Attention)}
+        self.device = device
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
+                      scale_dtype: torch.dtype | None) -> dict[str, KVCacheSpec]:
+        """The draft's layers' specs, named ``DRAFT_LAYER_PREFIX + layer name``."""
+        return {name: layer.kv_cache_spec(block_size, dtype, scale_dtype)
+                for name, layer in self.attn_layers.items()}
+
+    def bind_kv_cache(self, group: KVCacheGroupSpec, num_blocks: int) -> list[torch.Tensor]:
+        """Allocate one zeroed tensor per draft layer (``group.kv_cache_spec``'s shape, with
+        scales for a quantized cache) and bind it; every draft layer reads group 0's block
+        table. Returns the tensors."""
+        spec, out = group.kv_cache_spec, []
+        for name in group.layer_names:
+            layer = self.attn_layers[name]
+            layer.kv_cache = torch.zeros(spec.kv_cache_shape(num_blocks), dtype=spec.dtype,
+                                         device=self.device)
+            layer.kv_group = 0
+            scales_shape = spec.kv_scales_shape(num_blocks)
+            if scales_shape is not None:
+                layer.kv_scales = torch.zeros(scales_shape, dtype=spec.scale_dtype,
+                                              device=self.device)
+            out.append(layer.kv_cache)
+        return out
+
+    def release_kv_cache(self) -> None:
+        """Unbind the draft's KV tensors."""
+        for layer in self.attn_layers.values():
+            layer.kv_cache, layer.kv_scales = torch.empty(0), None
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, num_scheduled: np.ndarray,
+                spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
+                fill_pending: Callable[[ModelInputs], None],
+                generator: torch.Generator) -> DraftProposal:
+        """Run the mirror pass over the step's non-draft tokens, then propose each drafting
+        request's tokens (module docstring).
+
+        Args:
+            batch: the persistent batch, this step's changes applied.
+            num_scheduled: int64 [batch.num_reqs], tokens each row computes this step (drafts
+                included).
+            spec_tokens: request id -> its scheduled drafts (placeholders: only the count is
+                read).
+            block_size: tokens per KV block.
+            stager / fill_pending: the runner's input stager, and what writes tokens still on
+                the device (the previous step's samples) into a pass's input ids.
+            generator: for unseeded sampled requests.
+        """
+        started = time.perf_counter()
+        n = batch.num_reqs
+        num_drafts = np.zeros(n, np.int64)
+        for rid, tokens in spec_tokens.items():
+            num_drafts[batch.req_id_to_index[rid]] = len(tokens)
+        end = batch.num_computed_tokens[:n] + num_scheduled - num_drafts
+        start = np.minimum(batch.num_draft_computed[:n], end)
+        query = np.where(num_scheduled > 0, end - start, 0)
+        drafting = np.flatnonzero(num_drafts)
+        tokens = np.zeros((len(drafting), int(num_drafts.max(initial=0))), np.int64)
+        probs: list[list[torch.Tensor]] = [[] for _ in drafting]
+        if query.any():
+            logits = self._pass(batch, query, start, block_size, stager, fill_pending,
+                                drafting)
+            batch.num_draft_computed[:n] = np.where(query > 0, end, batch.num_draft_computed[:n])
+            self._choose(batch, drafting, logits, 0, tokens, probs, generator)
+        for i in range(1, tokens.shape[1]):
+            rows = drafting[num_drafts[drafting] > i]
+            sub = np.flatnonzero(num_drafts[drafting] > i)
+            position = batch.num_tokens[rows] + i - 1
+            for row, j in zip(rows.tolist(), sub.tolist()):  # drafts 1..i after the tokens
+                batch.write_draft_tokens(row, tokens[j, :i])
+            query = np.zeros(n, np.int64)
+            query[rows] = 1
+            computed = batch.num_draft_computed[:n].copy()
+            computed[rows] = position
+            logits = self._pass(batch, query, computed, block_size, stager, None, rows)
+            batch.num_draft_computed[rows] = position + 1
+            self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
+        proposal = DraftProposal({}, {}, 0.0)
+        for j, row in enumerate(drafting.tolist()):
+            rid = batch.req_ids[row]
+            proposal.token_ids[rid] = tokens[j, :num_drafts[row]].tolist()
+            if probs[j]:
+                proposal.probs[rid] = torch.stack(probs[j])
+        proposal.seconds = time.perf_counter() - started
+        return proposal
+
+    def _pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
+              block_size: int, stager: InputStager,
+              fill_pending: Callable[[ModelInputs], None] | None,
+              logits_rows: np.ndarray) -> torch.Tensor:
+        """One draft forward over ``query[r]`` tokens of each row from ``computed[r]``;
+        returns the float32 logits [len(logits_rows), V] of those rows' last tokens."""
+        inputs = build_model_inputs(batch, query, block_size, stager, num_computed=computed)
+        if fill_pending is not None and len(inputs.pending_token_index):
+            fill_pending(inputs)
+        metadata = inputs.attn_metadata[:1]
+        with self.attn_ctx.forward_context.bind(metadata):
+            self.attn_ctx.backend.prepare(metadata[0], block_size)
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        last = inputs.query_start[1:][np.searchsorted(inputs.rows, logits_rows)] - 1
+        return self.model.compute_logits(hidden[torch.from_numpy(last).to(hidden.device)])
+
+    def _choose(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor, i: int,
+                tokens: np.ndarray, probs: list[list[torch.Tensor]],
+                generator: torch.Generator, sub: np.ndarray | None = None) -> None:
+        """Draft ``i`` of each row in ``rows`` (``sub``: their indices among the drafting
+        rows, default all): argmax for greedy rows, else a draw from softmax(logits / T)."""
+        sub = np.arange(len(rows)) if sub is None else sub
+        if not len(rows):
+            return
+        choice = logits.float().argmax(dim=-1)
+        temperature = batch.temperature[rows]
+        for j in np.flatnonzero(temperature > 0).tolist():
+            q = torch.softmax(logits[j].float() / float(temperature[j]), dim=-1)
+            gen = batch.generators.get(batch.req_ids[rows[j]], generator)
+            noise = torch.empty_like(q).exponential_(generator=gen)
+            choice[j] = (q / noise).argmax()
+            probs[int(sub[j])].append(q)
+        tokens[sub, i] = choice.cpu().numpy()

@@ -1,0 +1,117 @@
+"""Speculative decoding with a draft model through the whole engine, on tiny random models
+(float32): greedy output equals greedy output without speculation token for token; the
+draft's paged KV cache lives in the target's block pool (one block's bytes count both
+models); with the target itself as the draft nearly every draft is accepted (so the draft's
+K/V is right after rejections, preemptions and prefix-cache hits); a different random model as
+a deliberately bad draft still leaves the target's sampling distribution exact (chi-square
+against transformers); no KV block leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.core.kv_cache_utils import kv_bytes_per_token
+from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
+
+
+def _engine(path: str, draft: str | None = None, k: int = 3, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 96)
+    spec = None if draft is None else {"method": "draft_model", "model": draft,
+                                       "num_speculative_tokens": k, "adaptive": False}
+    return LLM(model=path, dtype="float32", block_size=4, speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama):
+    return _engine(tiny_llama.path)
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_llama):
+    return _engine(tiny_llama.path, tiny_llama.path)
+
+
+def _generate(llm: LLM, params, prompts=PROMPTS):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_draft_cache_shares_the_block_pool(base, self_draft):
+    """The self-draft's layers are the target's again: every block id holds twice the bytes,
+    so the same --kv-cache-memory would hold half the blocks."""
+    plain, spec = base.engine.core.kv_cache_config, self_draft.engine.core.kv_cache_config
+    assert spec.draft_group is not None and plain.draft_group is None
+    assert len(spec.draft_group.layer_names) == len(plain.kv_cache_groups[0].layer_names)
+    assert spec.page_size_bytes == 2 * plain.page_size_bytes
+    assert kv_bytes_per_token(spec) == 2 * kv_bytes_per_token(plain)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 40])
+def test_greedy_with_the_target_as_draft(base, self_draft, assert_no_leaks, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref, got = _generate(base, params), _generate(self_draft, params)
+    _same_outputs(ref, got)
+    drafted, accepted = _drafted(got)
+    if max_tokens >= 7:
+        # the same model drafts: only near-ties between a 1-token and a k-token pass differ
+        assert drafted > 0 and accepted >= 0.95 * drafted
+    assert_no_leaks(self_draft)
+
+
+def test_bad_draft_greedy_preemption_and_prefix_cache(tiny_llama, tiny_model_factory, base,
+                                                      assert_no_leaks):
+    """A different random model drafts (rarely right); a 24-block pool forces preemptions;
+    the shared prompts hit the prefix cache. Output is still plain greedy output."""
+    other = tiny_model_factory("llama_mqa")
+    prompts = [PROMPTS[i % 4] + " " + "ab" * (i % 3) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _generate(base, params, prompts)
+    for draft in (other.path, tiny_llama.path):
+        spec = _engine(tiny_llama.path, draft, num_kv_blocks=30, max_num_seqs=8)
+        got = _generate(spec, params, prompts)
+        _same_outputs(ref, got)
+        assert spec.engine.core.scheduler.num_preemptions > 0
+        assert_no_leaks(spec)
+        again = _generate(spec, params, prompts[-1:])
+        _same_outputs(ref[-1:], again)
+        assert spec.engine.core.kv_cache_manager.num_hits > 0
+        assert_no_leaks(spec)
+        drafted, accepted = _drafted(got + again)
+        assert drafted > 0
+        if draft == tiny_llama.path:  # the draft's K/V survived preemption and cache hits
+            assert accepted >= 0.9 * drafted
+
+
+def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
+                                                                  tiny_model_factory):
+    """Temperature 0.8, top_k=5 on the target; the draft is another random model sampling
+    from its own softmax (so q differs from p everywhere and the residual max(0, p - q) is
+    drawn often). The second token's marginal over 2,000 requests must match
+    sum_t1 p(t1) p(t2 | t1) from transformers (chi-square, p > 0.001)."""
+    from tests.spec_decode.test_rejection_sampler import chi_square_p_value
+
+    hf, top_k, temperature = tiny_llama.hf_model, 5, 0.8
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        keep = logits.topk(top_k).indices
+        p = torch.zeros_like(logits)
+        p[keep] = torch.softmax(logits[keep] / temperature, 0)
+        return p
+
+    prompt = [5, 17, 42, 99, 7, 23]
+    p1 = probs(prompt)
+    marginal = sum(p1[t1] * probs(prompt + [t1]) for t1 in p1.nonzero().flatten().tolist())
+    spec = _engine(tiny_llama.path, tiny_model_factory("llama_mqa").path, k=2,
+                   num_kv_blocks=4000, max_num_seqs=256)
+    n = 2000
+    outs = _generate(spec, SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3,
+                                          ignore_eos=True), [prompt] * n)
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    counts = torch.bincount(second, minlength=len(marginal)).double()
+    assert chi_square_p_value(counts, marginal) > 1e-3
+    drafted, accepted = _drafted(outs)
+    assert drafted >= n and 0 < accepted < drafted
