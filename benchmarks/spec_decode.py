@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvflow import LLM, SamplingParams  # noqa: E402
+from kvflow import LLM, SamplingParams
 
 EDIT_REQUEST = ("Here is a Python file:\n\n```python\n{source}```\n\nRename the function "
                 "`_matches` to `_suffix_matches` everywhere and print the whole updated file "
@@ -75,11 +75,14 @@ def one_run(llm: LLM, prompt: str, max_tokens: int) -> tuple[float, str, dict]:
     return rate, out.outputs[0].text, counts
 
 
+def _run(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+
+
 def machine() -> str:
     """uptime (load average) and the CPU model line, for the record."""
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    load = _run(["uptime"]).strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in _run(["lscpu"]).splitlines()
                 if line.startswith("Model name")), "?")
     return f"{load} | {cpu} | {os.cpu_count()} CPUs"
 
