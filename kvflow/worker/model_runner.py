@@ -178,8 +178,9 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        backend = make_attention_backend(
-            self._dense_backend_name(self.config.device_config.attention_backend))
+        name = self.config.device_config.attention_backend or \
+            self.platform.default_attention_backend
+        backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
         return DraftModel(self.config, backend, self.dtype, self.device, hf_config.vocab_size)
 
     def _choose_gemm_path(self) -> None:
