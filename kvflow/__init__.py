@@ -13,6 +13,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -33,6 +34,10 @@ def __getattr__(name: str):
         from kvflow.engine import async_llm
 
         return async_llm.AsyncLLM
+    if name == "LoRARequest":
+        from kvflow.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from kvflow import outputs
 

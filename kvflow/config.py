@@ -532,9 +532,47 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+    Models"): PEFT adapters applied per request on top of the base weights.
+
+    Raises:
+        ValueError: from the constructor for a count or rank < 1.
+    """
+
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) on top of the model")
+    max_loras: int = _opt(1, "distinct LoRA adapters one engine step may use (each holds a "
+                          "slot of device memory)")
+    max_lora_rank: int = _opt(16, "largest adapter rank accepted (slots are sized for it)")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def verify_with_parallel(self, parallel: ParallelConfig) -> None:
+        """LoRA runs on one rank of one engine only (its layers are not sharded yet; adapters
+        are not loaded on data-parallel replicas yet).
+
+        Raises:
+            ValueError: with LoRA enabled and more than one tensor- or pipeline-parallel rank,
+                or more than one data-parallel replica.
+        """
+        if self.enable_lora and parallel.data_parallel_size > 1:
+            raise ValueError("enable_lora needs data_parallel_size=1: adapters are not loaded "
+                             "on data-parallel replicas yet")
+        if self.enable_lora and parallel.world_size > 1:
+            raise ValueError("enable_lora needs tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1: LoRA layers are not sharded over ranks "
+                             "yet")
+
+
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
-             "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig}
+             "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig,
+             "lora_config": LoRAConfig}
 
 
 @dataclass
@@ -548,6 +586,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         """Checks across sections (``speculative_config`` given as a dict or JSON string
@@ -556,9 +595,11 @@ class EngineConfig:
         Raises:
             ValueError: for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
-                parallelism or async scheduling.
+                parallelism or async scheduling; for LoRA with more than one rank or
+                replica.
         """
         self._check_speculative()
+        self.lora_config.verify_with_parallel(self.parallel_config)
         cp, cc = self.parallel_config.context_parallel_size, self.cache_config
         if cp > 1 and cc.block_size % cp:
             raise ValueError(f"block_size={cc.block_size} must be a multiple of "
@@ -641,6 +682,7 @@ def _add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
         str(f.type), str)
     group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+                       **({"nargs": meta["nargs"]} if "nargs" in meta else {}),
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")
 
@@ -676,15 +718,23 @@ class ServerConfig:
                                  "tool_choice=auto", choices=["hermes", "llama3_json"])
     reasoning_parser: str | None = _opt(None, "split <think>...</think> reasoning into "
                                         "reasoning_content", choices=[None, "think"])
+    lora_modules: tuple[str, ...] | None = _opt(None, "LoRA adapters served from start-up, each "
+                                                "NAME=PATH (a PEFT folder); requests pick one "
+                                                "by model=NAME (needs --enable-lora)",
+                                                nargs="+")
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        if self.lora_modules is not None:
+            self.lora_modules = tuple(self.lora_modules)
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
                   (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
                   (self.max_waiting_requests is None or self.max_waiting_requests >= 0,
                    "max_waiting_requests", "must be >= 0"),
-                  (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0")]
+                  (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
+                  (all("=" in m and m.index("=") > 0 for m in self.lora_modules or []),
+                   "lora_modules", "must be NAME=PATH pairs")]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvflow.chat_template import image_urls, render_chat
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -157,10 +158,12 @@ class InputProcessor:
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0,
                       mm_features: list[MultiModalFeature] | None = None,
-                      client_id: str = "") -> list[Request]:
+                      client_id: str = "",
+                      lora_request: LoRARequest | None = None) -> list[Request]:
         """One Request per sample (``n``); sample i of a seeded request uses seed + i. The
         samples share ``mm_features`` (the images of the prompt, already expanded).
-        ``client_id`` names the sender for the fair policy ("" when unknown).
+        ``client_id`` names the sender for the fair policy ("" when unknown); every
+        sample runs with ``lora_request`` (None: the base model).
 
         Raises:
             ValueError: for a bad prompt (see ``validate``) or parameters (``validate_params``).
@@ -176,7 +179,8 @@ class InputProcessor:
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
-                                    mm_features=mm_features, client_id=client_id))
+                                    mm_features=mm_features, client_id=client_id,
+                                    lora_request=lora_request))
         return requests
 
     def load_chat_images(self, messages: list[dict]) -> list[Any]:

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.input_processor import PromptType
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -50,7 +51,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 user: Sequence[str] | None = None) -> list[RequestOutput]:
+                 user: Sequence[str] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Args:
@@ -62,9 +65,11 @@ class LLM:
             priority: one integer per prompt, lower first (needs ``policy="priority"`` or
                 ``"fair"``).
             user: one client name per prompt, for ``policy="fair"`` (default: one client).
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
+                model); needs ``enable_lora=True``. Adapters of different prompts share steps.
 
         Raises:
-            ValueError: if any prompt or parameter is invalid (nothing is queued then).
+            ValueError: if any prompt, parameter or adapter is invalid (nothing is queued then).
         """
         prompts = _as_prompt_list(prompts)
         if not prompts:
@@ -75,12 +80,16 @@ class LLM:
         users = _check_users(user, len(prompts))
         processor = self.engine.processor
         prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
+        loras = _broadcast_loras(lora_request, len(prompts))
         for p in prompts:  # validate everything before queuing anything
             processor.validate(p.token_ids)
+        for lora in {lr for lr in loras if lr is not None}:
+            self.engine.core.add_lora(lora)
         ids: list[str] = []
         try:
-            for p, sp, prio, who in zip(prompts, params, priorities, users):
-                ids.append(self.engine.add_request(p, sp, priority=prio, client_id=who))
+            for p, sp, prio, who, lora in zip(prompts, params, priorities, users, loras):
+                ids.append(self.engine.add_request(p, sp, priority=prio, client_id=who,
+                                                   lora_request=lora))
         except BaseException:  # a later request's parameters were rejected: queue none
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -174,6 +183,22 @@ def _broadcast_params(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _broadcast_loras(lora: Any, n: int) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt.
+
+    Raises:
+        ValueError: for a list of the wrong length or of other things.
+    """
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora) if isinstance(lora, (list, tuple)) else None
+    if loras is None or len(loras) != n or \
+            not all(x is None or isinstance(x, LoRARequest) for x in loras):
+        raise ValueError(f"lora_request must be a LoRARequest, None, or a list of {n} of them "
+                         f"(one per prompt), got {lora!r}")
+    return loras
 
 
 def _check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:

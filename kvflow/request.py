@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ class Request:
             None for a text-only prompt.
         client_id: who sent it (the OpenAI ``user`` field, else a digest of the API key; ""
             when unknown): the fair policy shares tokens over clients.
+        lora_request: the LoRA adapter it runs with (None: the base model).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Request:
         sample_index: int = 0,
         mm_features: list[MultiModalFeature] | None = None,
         client_id: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -96,6 +99,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.client_id = client_id
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -136,6 +140,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_finished(self) -> bool:

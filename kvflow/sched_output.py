@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class NewRequestData:
         mm_features: the prompt's images (pixels, placeholder ranges), None if text only;
             the runner keeps them until the request finishes (a preempted request may need
             its images encoded again).
+        lora_request: its LoRA adapter (None: the base model).
     """
 
     req_id: str
@@ -62,6 +64,7 @@ class NewRequestData:
     block_ids: BlockIds
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

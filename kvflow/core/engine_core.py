@@ -27,6 +27,7 @@ from kvflow.kernels.cpu_threads import cpu_thread_count
 from kvflow.kernels.gemm_select import measure_cpu_dtype
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheConfig, KVCacheGroupSpec
 from kvflow.layers.rotary import rope_max_positions
+from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.registry import is_multimodal
@@ -189,11 +190,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, cc.enable_prefix_caching)
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
-        spec = self.config.speculative_config
+        spec, lc = self.config.speculative_config, self.config.lora_config
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len, send_token_ids=pipelined,
-                                   speculator=self.speculator)
+                                   speculator=self.speculator,
+                                   max_loras=lc.max_loras if lc.enable_lora else None)
+        self.loras: dict[int, LoRARequest] = {}  # adapters loaded on every rank, by id
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
         self._last_step: tuple[float, float] | None = None  # (start, end) of the last step
         if is_multimodal(self.hf_config):
@@ -220,18 +223,52 @@ class EngineCore:
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
                                resolve_eos_token_id(tokenizer, self.hf_config))
 
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter on every rank (read and checked against the model) unless it
+        is loaded.
+
+        Raises:
+            ValueError: without enable_lora, for an id in use by another adapter, or for an
+                adapter the model cannot apply (a rank above max_lora_rank, target modules
+                kvflow cannot adapt, wrong shapes).
+        """
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used by "
+                                 f"{known}; give each adapter its own id")
+            return
+        if not self.config.lora_config.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora "
+                             "(--enable-lora)")
+        self.executor.collective_rpc("add_lora", lora_request)
+        self.loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter on every rank (requests running with it finish with it);
+        False if it was not loaded."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+        return True
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request (see InputProcessor). A constrained request starts its
-        grammar compile now and is scheduled once it is ready.
+        grammar compile now and is scheduled once it is ready; a request's LoRA adapter is
+        loaded first if it is not yet.
 
         Raises:
             ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
-                on an engine without a tokenizer, or images for a text-only model.
+                on an engine without a tokenizer, images for a text-only model, or a LoRA
+                adapter that cannot be loaded.
         """
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise ValueError(f"request {request.request_id!r} has images but this model "
                              "takes text only")
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             if self.config.model_config.skip_tokenizer_init:

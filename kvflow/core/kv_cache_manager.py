@@ -12,7 +12,9 @@ are allocated for tokens that this step computes, which is safe because every la
 step's new K/V before it reads any. With prefix caching off, the ``n`` samples of one request
 still share their prompt blocks: their hashes carry the parent request id as an extra key, so
 only siblings can hit them. A block holding image placeholder tokens also carries the images'
-identifiers (hashes of their pixels), so the same text with another image never hits.
+identifiers (hashes of their pixels), so the same text with another image never hits. A
+request with a LoRA adapter adds the adapter's id to the extra key: the same tokens under
+another adapter (or none) have other K/V.
 
 KV-cache groups (layers with different attention spans, see ``core/kv_cache_utils.py``): one
 ``SingleTypeKVCacheManager`` per group keeps that group's block table of every request, all
@@ -83,8 +85,12 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------------
     def _cache_extra_key(self, request: Request) -> object | None:
-        """None for ordinary prefix caching; the parent id when only siblings may share."""
-        return None if self.enable_prefix_caching else request.parent_id
+        """None for ordinary prefix caching; the parent id when only siblings may share; with
+        a LoRA adapter its id too (the adapter changes every layer's K/V)."""
+        key = None if self.enable_prefix_caching else request.parent_id
+        if request.lora_request is not None:
+            key = (key, request.lora_request.lora_int_id)
+        return key
 
     def _uses_hashing(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.request_id != request.parent_id

@@ -62,6 +62,8 @@ class Scheduler:
             do not sample, e.g. pipeline-parallel ranks before the last).
         clock: seconds on the clock of ``Request.arrival_time`` (``time.monotonic``; tests
             pass a fake clock).
+        max_loras: most distinct LoRA adapters among the running requests (each needs a
+            device slot in every step); None: no LoRA.
 
     With ``config.async_scheduling`` the next step is scheduled before the previous one's
     tokens come back: a request whose step samples counts its token as a placeholder
@@ -76,8 +78,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, send_token_ids: bool = False,
                  speculator: Speculator | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.send_token_ids = send_token_ids
         self.async_scheduling = bool(config.async_scheduling)
         self.kv = kv_cache_manager
@@ -331,10 +335,19 @@ class Scheduler:
         KV pool allow. ``skip_late``: pass over requests that already missed their TTFT
         target (a second call admits them). Returns what is left of ``budget`` and whether
         every waiting request was admitted or passed over (nothing blocked the queue)."""
-        not_ready: list[Request] = []  # grammars compiling (or late): skipped, not blocking
+        # grammars compiling, late, or adapters without a free slot: skipped, not blocking
+        not_ready: list[Request] = []
+        running_loras = None  # adapter ids of the running requests, computed when needed
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(out.num_scheduled_tokens) < cap:
             request = self.waiting.peek()
+            if request.lora_request is not None and self.max_loras is not None:
+                if running_loras is None:
+                    running_loras = {r.lora_int_id for r in self.running} - {0}
+                if request.lora_int_id not in running_loras and \
+                        len(running_loras) >= self.max_loras:
+                    not_ready.append(self.waiting.pop())  # every adapter slot is taken
+                    continue
             if not request.is_schedulable or request.num_output_placeholders or \
                     (skip_late and self.planner.is_late(request, now)):
                 not_ready.append(self.waiting.pop())  # grammar compiling / token out / late
@@ -362,6 +375,8 @@ class Scheduler:
             self.running.append(request)
             self._running_sorted = False
             self._record_scheduled(request, num_new, out)
+            if running_loras is not None and request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             budget -= num_new
         drained = not self.waiting
         for request in not_ready:
@@ -384,7 +399,7 @@ class Scheduler:
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
-            mm_features=request.mm_features))
+            mm_features=request.mm_features, lora_request=request.lora_request))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

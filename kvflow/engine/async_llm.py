@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -42,18 +43,22 @@ from kvflow.engine.core_client import (
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequests,
     AdmissionVerdicts,
     EngineCoreRequest,
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    RemoveLoRA,
     Shutdown,
+    UtilityResult,
     output_decoder,
 )
 from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream, collect
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
+from kvflow.lora.request import LoRARequest
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
@@ -107,6 +112,9 @@ class AsyncLLM:
         self._dead: BaseException | None = None  # set when no replica is left
         self._output_task: asyncio.Task | None = None
         self._ready_events: dict[int, asyncio.Future] = {}  # replicas restarting
+        # AddLoRA / RemoveLoRA calls awaiting answers: call id -> (replica, future)
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._init_ipc()
@@ -265,13 +273,15 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     mm_features: list[MultiModalFeature] | None = None,
-                    client_id: str = "") -> RequestStream:
+                    client_id: str = "",
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
         prompt's preprocessed images (``processor.attach_images``; placeholders already
         expanded in ``prompt_token_ids``). ``client_id`` names the sender for the fair
         policy. With admission control, await ``admitted(stream)``.
+        ``lora_request``: the adapter it runs with (added with ``add_lora`` first).
 
         Raises:
             ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
@@ -282,7 +292,8 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
-                                                priority, mm_features, client_id)
+                                                priority, mm_features, client_id,
+                                                lora_request)
         try:  # encode before registering anything, so a refusal leaves no state behind
             payload = self._encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
@@ -326,7 +337,57 @@ class AsyncLLM:
             if replica is not None:
                 self._send(replica, AbortRequests(sample_ids))
 
-    def _send(self, replica: int, msg: AddRequests | AbortRequests | Shutdown) -> None:
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter in the engine core (read and checked against the model there).
+
+        Raises:
+            ValueError: when the engine refuses it (the message says why).
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter in the engine core (running requests finish with it).
+
+        Raises:
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(RemoveLoRA(0, lora_int_id))
+
+    async def _call(self, msg: AddLoRA | RemoveLoRA) -> None:
+        """Send the call to every live replica (each with its own ``call_id``) and wait for
+        all answers; the first refusal is raised as a ValueError."""
+        if not self.is_healthy:
+            raise EngineDeadError("the engine core is not running")
+        futures = []
+        for core in self.cores:
+            if core.is_live:
+                call_id = next(self._call_ids)
+                future = asyncio.get_running_loop().create_future()
+                self._calls[call_id] = (core.index, future)
+                self._send(core.index, msgspec.structs.replace(msg, call_id=call_id))
+                futures.append(future)
+        errors = await asyncio.gather(*futures)
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise ValueError(error)
+
+    def _answer_call(self, msg: UtilityResult) -> None:
+        _, future = self._calls.pop(msg.call_id, (None, None))
+        if future is not None and not future.done():
+            future.set_result(msg.error)
+
+    def _fail_calls(self, error: EngineDeadError, replica: int | None = None) -> None:
+        """End the calls waiting on ``replica`` (every replica: None) with ``error``."""
+        for call_id, (index, future) in list(self._calls.items()):
+            if replica is None or index == replica:
+                del self._calls[call_id]
+                if not future.done():
+                    future.set_exception(error)
+
+    def _send(self, replica: int,
+              msg: AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA) -> None:
         core = self.cores[replica]
         if core.state is not ReplicaState.DEAD and not core.input.closed:
             core.send(self._encoder.encode(msg))
@@ -351,6 +412,8 @@ class AsyncLLM:
                     self._handle_outputs(msg)
                 elif isinstance(msg, AdmissionVerdicts):
                     self._handle_verdicts(msg)
+                elif isinstance(msg, UtilityResult):
+                    self._answer_call(msg)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop itself broke: end every request
@@ -382,6 +445,7 @@ class AsyncLLM:
                      "" if self.is_healthy else "; new requests get 503")
         for request_id in failed:
             self._fail_request(request_id, error)
+        self._fail_calls(error, index)
         future = self._ready_events.pop(index, None)
         if future is not None and not future.done():
             future.set_result(None)  # a restart that failed
@@ -442,6 +506,7 @@ class AsyncLLM:
             self.balancer.finish(request_id)
             self._fail_request(request_id, error)
         self._waiting.clear()
+        self._fail_calls(error)
 
     # ---- shutdown ----------------------------------------------------------------------------
     async def shutdown(self) -> None:

@@ -20,13 +20,16 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequests,
     AdmissionVerdicts,
     EngineFailed,
     EngineOutputs,
     EngineReady,
     Rejection,
+    RemoveLoRA,
     Shutdown,
+    UtilityResult,
     input_decoder,
 )
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
@@ -152,9 +155,12 @@ class EngineCoreProc:
             handled += 1
         return handled
 
-    def _apply(self, msg: AddRequests | AbortRequests) -> None:
+    def _apply(self, msg: AddRequests | AbortRequests | AddLoRA | RemoveLoRA) -> None:
         if isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
+            return
+        if isinstance(msg, (AddLoRA, RemoveLoRA)):
+            self._call(msg)
             return
         requests = [spec.to_request() for spec in msg.requests]
         if self._admission_control and requests and not self._admit(requests):
@@ -178,6 +184,19 @@ class EngineCoreProc:
             parent, retry_after, "the server cannot meet this request's time-to-first-token "
             "target now (its predicted TTFT is longer); retry later"))
         return False
+
+    def _call(self, msg: AddLoRA | RemoveLoRA) -> None:
+        """Run a call from the API process and answer it; a ValueError is the answer, not a
+        failure of the engine."""
+        error = None
+        try:
+            if isinstance(msg, AddLoRA):
+                self.core.add_lora(msg.lora_request)
+            else:
+                self.core.remove_lora(msg.lora_int_id)
+        except ValueError as e:
+            error = str(e)
+        self.out.send(self._encoder.encode(UtilityResult(msg.call_id, error)))
 
     def _parent_alive(self) -> bool:
         return self._parent is None or self._parent.is_alive()

@@ -15,6 +15,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
@@ -65,23 +66,29 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    client_id: str = "") -> str:
+                    client_id: str = "",
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue one prompt (raw, or already ``processor.process``-ed); returns
         its request id. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json unless
-        ``generation_config="none"``). ``client_id`` names the sender for the fair policy.
+        ``generation_config="none"``). ``client_id`` names the sender for the fair policy;
+        ``lora_request``: the adapter to run with (loaded first if it is not yet).
 
         Raises:
-            ValueError: for a bad prompt, image or parameters (nothing is queued).
+            ValueError: for a bad prompt, image, parameters or LoRA adapter (nothing is
+                queued).
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         params = params.with_defaults(self.sampling_defaults)
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.processor.process(prompt)
+        if lora_request is not None:
+            self.core.add_lora(lora_request)
         requests = self.processor.make_requests(request_id, prompt.token_ids, params,
                                                 priority=priority,
                                                 mm_features=prompt.mm_features,
-                                                client_id=client_id)
+                                                client_id=client_id,
+                                                lora_request=lora_request)
         self.output_processor.add_request(prompt.text, requests)
         if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
             self.core.add_requests(requests)

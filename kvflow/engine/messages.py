@@ -1,11 +1,13 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack-encoded).
 
-API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``.
+API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``, and the
+calls ``AddLoRA`` / ``RemoveLoRA``.
 Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
 produced tokens and after every batch of inputs it handled, and, with admission control, an
 ``AdmissionVerdicts`` as soon as a batch of new requests was judged (before the next step).
-With data parallelism every replica has an input socket of its own and all of them push to the
+A ``UtilityResult`` answers each call (matched by ``call_id``). With data
+parallelism every replica has an input socket of its own and all of them push to the
 one output socket; their messages carry the replica's ``engine_index``.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -33,17 +36,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     # the prompt's images, preprocessed (pixel patches as bytes): see kvflow/multimodal_inputs
     mm_features: list[MultiModalFeature] | None = None
     client_id: str = ""
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
-                   r.client_id)
+                   r.client_id, r.lora_request)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
-                       self.sample_index, self.mm_features, self.client_id)
+                       self.sample_index, self.mm_features, self.client_id,
+                       self.lora_request)
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -60,7 +65,21 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequests | AbortRequests | Shutdown
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    """Load a LoRA adapter on every rank (answered by a ``UtilityResult``)."""
+
+    call_id: int
+    lora_request: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    """Forget a LoRA adapter (answered by a ``UtilityResult``)."""
+
+    call_id: int
+    lora_int_id: int
+
+
+EngineInput = AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -104,7 +123,15 @@ class AdmissionVerdicts(msgspec.Struct, tag="verdicts"):
     rejected: list[Rejection]
 
 
-EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts
+class UtilityResult(msgspec.Struct, tag="utility"):
+    """The answer to an ``AddLoRA`` / ``RemoveLoRA`` call: ``error`` is None on success, else
+    the ValueError's message (the engine keeps running)."""
+
+    call_id: int
+    error: str | None = None
+
+
+EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts | UtilityResult
 
 
 def input_decoder() -> msgspec.msgpack.Decoder:

@@ -23,21 +23,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from kvflow.entrypoints.serving_base import OpenAIError
+from kvflow.entrypoints.serving_base import OpenAIError, engine_dead
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -70,8 +72,25 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncLLM = app.state.engine
     engine.on_dead = lambda error: _on_engine_dead(app, error)
     await engine.start()
+    await _load_lora_modules(app)
     yield
     await engine.shutdown()
+
+
+async def _load_lora_modules(app: FastAPI) -> None:
+    """Load the adapters of ``--lora-modules NAME=PATH ...`` before serving.
+
+    Raises:
+        ValueError: for an adapter the engine refuses (the server does not start).
+    """
+    for spec in app.state.config.lora_modules or []:
+        name, _, path = spec.partition("=")
+        try:
+            await app.state.models.load(name, path)
+        except ValueError as e:
+            app.state.startup_error = ValueError(f"--lora-modules {spec}: {e}")
+            raise app.state.startup_error from None
+        logger.info("serving LoRA adapter %s from %s", name, path)
 
 
 def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
@@ -117,9 +136,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
+    app.state.startup_error = None
     app.state.model_name = model_name
-    app.state.completion = OpenAIServingCompletion(engine, config, model_name)
-    app.state.chat = OpenAIServingChat(engine, config, model_name)
+    app.state.models = models = ServingModels(engine, model_name)
+    app.state.completion = OpenAIServingCompletion(engine, config, model_name, models)
+    app.state.chat = OpenAIServingChat(engine, config, model_name, models)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
@@ -199,9 +220,46 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
         state = raw.app.state
-        return ModelList(data=[ModelCard(id=state.model_name,
-                                         root=state.engine.config.model_config.model,
-                                         max_model_len=state.engine.max_model_len)])
+        return ModelList(data=state.models.cards(state.engine.max_model_len,
+                                                 state.engine.config.model_config.model))
+
+    _add_lora_routes(app)
+
+
+def _add_lora_routes(app: FastAPI) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
+        """Serve a PEFT folder as model ``lora_name`` (vLLM's endpoint).
+
+        Raises:
+            OpenAIError: 400 for a name in use or an adapter the engine refuses (rank above
+                --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora).
+        """
+        try:
+            await raw.app.state.models.load(req.lora_name, req.lora_path)
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except ValueError as e:
+            param = "lora_name" if "already been loaded" in str(e) else "lora_path"
+            raise OpenAIError(str(e), param=param) from None
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+        """Stop serving adapter ``lora_name`` (vLLM's endpoint).
+
+        Raises:
+            OpenAIError: 404 when no adapter of that name is loaded.
+        """
+        try:
+            await raw.app.state.models.unload(req.lora_name)
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except ModelNotFound as e:
+            raise OpenAIError(str(e), 404, "not_found_error", "lora_name") from None
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
 
 def _add_other_routes(app: FastAPI) -> None:
@@ -266,7 +324,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
             ``--engine-failure exit``; the server has stopped then).
-        ValueError: for a bad model or configuration.
+        ValueError: for a bad model or configuration, or a ``--lora-modules`` adapter the
+            engine refuses.
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
     engine = AsyncLLM(engine_config, ServerMetrics(model_name),
@@ -282,6 +341,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         server.run()
     finally:
         engine.close()
+    if app.state.startup_error is not None:
+        raise app.state.startup_error
     if app.state.engine_died:
         raise RuntimeError("the engine core process died; the server stopped "
                            "(--engine-failure restart starts a new engine instead)")

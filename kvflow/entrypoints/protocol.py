@@ -435,12 +435,27 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "kvflow"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT folder ``lora_path`` as model
+    ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving adapter ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
 
 
 class TokenizeRequest(RequestBody):

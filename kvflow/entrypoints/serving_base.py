@@ -19,7 +19,9 @@ from pydantic import BaseModel
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, RequestBody, SamplingRequest
+from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -86,11 +88,15 @@ class OpenAIServing:
     Args:
         engine: the running AsyncLLM.
         config: server options (caps, overload limit).
-        model_name: the name clients must send in ``model``.
+        model_name: the name clients must send in ``model`` for the base model.
+        models: the served names (base model and LoRA adapters), shared by the handlers
+            (default: the base model alone).
     """
 
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
+                 models: ServingModels | None = None) -> None:
         self.engine, self.config, self.model_name = engine, config, model_name
+        self.models = models or ServingModels(engine, model_name)
         self._logged_unknown: set[str] = set()  # unknown field names already logged
 
     def note_request(self, req: RequestBody, request_id: str) -> None:
@@ -126,12 +132,18 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     # ---- checks ------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        """Raises OpenAIError 404 if the request names another model."""
-        if model is not None and model != self.model_name:
-            raise OpenAIError(f"the model {model!r} does not exist; this server serves "
-                              f"{self.model_name!r}", 404, "invalid_request_error", "model",
-                              "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names, None for the base model.
+
+        Raises:
+            OpenAIError: 404 if the request names a model or adapter this server does not
+                serve.
+        """
+        try:
+            return self.models.resolve(model)
+        except ModelNotFound as e:
+            raise OpenAIError(str(e), 404, "invalid_request_error", "model",
+                              "model_not_found") from None
 
     def check_admission(self, num_requests: int) -> None:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already."""
@@ -257,11 +269,14 @@ class OpenAIServing:
                            prompts: Sequence[tuple[str | None, list[int]]],
                            params: Sequence[SamplingParams], priority: int = 0,
                            mm_features: list[MultiModalFeature] | None = None,
-                           client_id: str = "") -> list[RequestStream]:
+                           client_id: str = "",
+                           lora_request: LoRARequest | None = None
+                           ) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
         the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
         expanded in the prompts' ids); with admission control, wait until the engine core
-        accepted them all. On failure abort what was queued.
+        accepted them all; ``lora_request``: their adapter. On failure abort what
+        was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
@@ -271,7 +286,8 @@ class OpenAIServing:
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp,
-                                                       priority, mm_features, client_id))
+                                                       priority, mm_features, client_id,
+                                                       lora_request))
             for stream in streams:
                 await self.engine.admitted(stream)
         except ValueError as e:

@@ -80,6 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
         """
+        lora = self.check_model(req.model)
         self._check_request(req)
         mode, parser = self._tools(req)
         text, ids = self.render(req.messages, ChatOptions.of(req),
@@ -91,7 +92,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
-                                          prompt.mm_features, self.client_id(req, raw))
+                                          prompt.mm_features, self.client_id(req, raw),
+                                          lora_request=lora)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
                                                                  streams, parser)))
@@ -109,7 +111,6 @@ class OpenAIServingChat(OpenAIServing):
                                       make_reasoning_parser(self.config.reasoning_parser))
 
     def _check_request(self, req: ChatCompletionRequest) -> None:
-        self.check_model(req.model)
         self.check_n(req.n)
         self.check_stream_options(req)
         self.check_unsupported(req)

@@ -26,6 +26,7 @@ from kvflow.entrypoints.serving_base import (
     merge_streams,
     random_id,
 )
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -41,22 +42,28 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
         """
-        self._check_request(req)
+        lora = self._check_request(req)
         prompts = self._prompts(req)
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, prompts, params, req.priority,
-                                          client_id=self.client_id(req, raw))
+                                          client_id=self.client_id(req, raw),
+                                          lora_request=lora)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
                                                                  streams)))
         return await self.respond(raw, streams, self._response(req, request_id, prompts,
                                                                streams))
 
-    def _check_request(self, req: CompletionRequest) -> None:
-        self.check_model(req.model)
+    def _check_request(self, req: CompletionRequest) -> LoRARequest | None:
+        """Refuse what cannot be served; returns the LoRA adapter ``model`` names.
+
+        Raises:
+            OpenAIError: 404 for another model, 400 for an unsupported field value.
+        """
+        lora = self.check_model(req.model)
         self.check_n(req.n)
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
@@ -65,6 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
                               "completion", param="suffix")
+        return lora
 
     def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The request's prompts as (text or None, token ids). Raises OpenAIError if empty."""

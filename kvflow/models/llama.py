@@ -208,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm: bool = False
+    # linear layers a LoRA adapter may adapt (kvflow/lora; their q/k/v and gate/up parts too)
+    supported_lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj",
+                                                         "down_proj")
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
+from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
@@ -42,6 +43,8 @@ class RequestState:
         mrope_positions / mrope_delta: M-RoPE models: the prompt's position ids int64
             [3, prompt_len] and the offset of generated tokens' positions (None / 0 when the
             prompt has no image: plain positions on all three axes).
+        lora_request: its LoRA adapter, else None; ``lora`` the loaded adapter (the runner's
+            copy, kept while the request lives even if the adapter is removed meanwhile).
     """
 
     req_id: str
@@ -52,6 +55,8 @@ class RequestState:
     mm_features: list[MultiModalFeature] | None = None
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    lora_request: LoRARequest | None = None
+    lora: object | None = None
 
 
 class InputBatch:
@@ -78,6 +83,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(n, np.int64)
         self.num_draft_computed = np.zeros(n, np.int64)  # positions with a draft model's K/V
         self.pending_sample = np.full(n, -1, np.int64)  # index in the pending sampled tensor
+        self.lora_ids = np.zeros(n, np.int64)  # LoRA adapter id (0: the base model)
         self.block_tables = [np.zeros((n, 16), np.int32) for _ in self.kv_cache_specs]
         self.num_blocks = [np.zeros(n, np.int64) for _ in self.kv_cache_specs]
         self._init_sampling_columns(n)
@@ -106,8 +112,9 @@ class InputBatch:
     def _row_columns(self) -> list[np.ndarray]:
         """Every array indexed by row first (moved together when rows are condensed)."""
         return [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                self.num_draft_computed, self.pending_sample, *self.num_blocks, self.temperature,
-                self.top_k, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
+                self.num_draft_computed, self.pending_sample, self.lora_ids, *self.num_blocks,
+                self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
+                self.frequency_penalty,
                 self.repetition_penalty, self.uses_penalties, self.min_tokens]
 
     # ---- rows in and out ---------------------------------------------------------------------
@@ -135,6 +142,7 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_draft_computed[row] = num_computed_tokens  # prefix-cache hits hold both models'
         self.pending_sample[row] = -1
+        self.lora_ids[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
         for g, ids in enumerate(block_ids):
             self.block_tables[g][row] = 0
             self.num_blocks[g][row] = 0

@@ -31,6 +31,9 @@ from kvflow.kv_cache_interface import (
     kv_cache_dtypes,
 )
 from kvflow.layers.sampler import Sampler, SamplerOutput
+from kvflow.lora.layers import LoRAMapping
+from kvflow.lora.manager import LoRAManager
+from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import uses_mla
@@ -165,6 +168,9 @@ class ModelRunner:
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         self._choose_gemm_path()
+        lc = self.config.lora_config
+        self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
+            if lc.enable_lora else None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
                     self.quant_config.name if self.quant_config else "none")
@@ -371,6 +377,7 @@ class ModelRunner:
         with a backend that is not graph-safe: the MLA one). Call after
         ``initialize_kv_cache``."""
         if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
+                or self.lora_manager is not None \
                 or len(self.kv_cache_config.kv_cache_groups) > 1 or self.mm_runner is not None \
                 or self.parallel.pp.world_size > 1 \
                 or not getattr(self.attn_ctx.backend, "supports_cuda_graphs", True):
@@ -383,6 +390,35 @@ class ModelRunner:
             self.model.config.hidden_size, self.device, self.dtype)
         self.graph_runner.capture()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load (read and check) a LoRA adapter so that requests may use it.
+
+        Raises:
+            ValueError: without ``enable_lora``, or for an adapter this model cannot apply.
+        """
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora "
+                             "(--enable-lora)")
+        self.lora_manager.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (running requests keep theirs); False if it was not loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
+    def _lora_mapping(self, inputs: ModelInputs) -> LoRAMapping | None:
+        """The step's tokens -> adapter slots (None: no LoRA in this step)."""
+        if self.lora_manager is None:
+            return None
+        batch = self.input_batch
+        row_ids = batch.lora_ids[:batch.num_reqs]
+        if not row_ids.any():
+            return None
+        adapters = {int(batch.lora_ids[row]): self.requests[rid].lora
+                    for row, rid in enumerate(batch.req_ids) if batch.lora_ids[row]}
+        token_rows = np.repeat(inputs.rows, np.diff(inputs.query_start))
+        return self.lora_manager.step_mapping(row_ids, token_rows, adapters)
 
     # ---- one step ----------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
@@ -418,7 +454,8 @@ class ModelRunner:
         inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
         if len(inputs.pending_token_index):
             self._fill_pending(inputs)
-        hidden = self._forward(inputs, self._recv_from_previous_stage())
+        hidden = self._forward(inputs, self._recv_from_previous_stage(),
+                               lora_mapping=self._lora_mapping(inputs))
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
         spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
@@ -518,9 +555,12 @@ class ModelRunner:
         for rid in sched.finished_ids:
             self.requests.pop(rid, None)
         for new in sched.scheduled_new_reqs:
+            lora = None if new.lora_request is None else \
+                self.lora_manager.add_lora(new.lora_request)
             state = self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-                self._make_generator(new.sampling_params), new.mm_features)
+                self._make_generator(new.sampling_params), new.mm_features,
+                lora_request=new.lora_request, lora=lora)
             if self.mm_runner is not None:
                 self.mm_runner.add_request(state)
         if self.mm_runner is not None:  # encoder-cache drops, then this step's images
@@ -536,10 +576,11 @@ class ModelRunner:
         return gen
 
     def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
-                 batch: InputBatch | None = None) -> torch.Tensor | IntermediateTensors:
+                 batch: InputBatch | None = None, lora_mapping: LoRAMapping | None = None
+                 ) -> torch.Tensor | IntermediateTensors:
         """This rank's layers: final hidden states [T, hidden] (last pipeline stage) or the
         tensors for the next stage. ``batch``: the rows ``inputs`` came from (default: the
-        persistent input batch)."""
+        persistent input batch); ``lora_mapping``: the step's tokens -> adapter slots."""
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
@@ -549,6 +590,15 @@ class ModelRunner:
             extra["inputs_embeds"] = self.mm_runner.inputs_embeds(inputs, batch, self.requests)
             if self.mm_runner.uses_mrope:
                 positions = self.mm_runner.positions(inputs, batch, self.requests)
+        if self.lora_manager is not None:
+            with self.lora_manager.ctx.bind(lora_mapping):
+                return self._run_model(inputs, intermediate_tensors, positions, extra)
+        return self._run_model(inputs, intermediate_tensors, positions, extra)
+
+    def _run_model(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
+                   positions: torch.Tensor, extra: dict[str, Any]
+                   ) -> torch.Tensor | IntermediateTensors:
+        metadata = inputs.attn_metadata
         with self.attn_ctx.forward_context.bind(metadata):
             self._prepare_attention(metadata)
             if intermediate_tensors is None:  # the first (or only) stage

@@ -21,6 +21,7 @@ from kvflow.distributed.parallel_state import (
     init_parallel_state,
 )
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import get_platform
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
@@ -102,6 +103,18 @@ class Worker:
 
     def capture_graphs(self, max_model_len: int) -> None:
         self.runner.capture_graphs(max_model_len)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter (see :meth:`ModelRunner.add_lora`).
+
+        Raises:
+            ValueError: for an adapter this model cannot apply, or without enable_lora.
+        """
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter; False if it was not loaded."""
+        return self.runner.remove_lora(lora_int_id)
 
     def execute_model(self, sched: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> Any:

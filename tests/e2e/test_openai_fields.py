@@ -23,16 +23,20 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
+from tests.lora.adapters import make_adapter
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
         "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
-        "--target-ttft-ms", "60000", "--admission-control"]
+        "--target-ttft-ms", "60000", "--admission-control", "--enable-lora", "--max-lora-rank",
+        "8"]
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 PROMPT = "the quick brown fox"
 HI = [{"role": "user", "content": "hi"}]
 BASE = {C: {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
         CH: {"messages": HI, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
-        TOK: {"prompt": PROMPT}, DETOK: {"tokens": [5, 6, 7]}}
+        TOK: {"prompt": PROMPT}, DETOK: {"tokens": [5, 6, 7]},
+        LOAD: {"lora_name": "base-lora"}, UNLOAD: {}}
 HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from greedy
 
 
@@ -52,8 +56,10 @@ def model_dir(tiny_chat_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, model_dir):
+def server(start_server, model_dir, tmp_path_factory):
     server = start_server(model_dir, ARGS)
+    server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"), 5,
+                                    r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
     yield server
     server.stop()
 
@@ -462,10 +468,40 @@ def detokenize_cases() -> dict[str, Callable]:
     return {"model": rejected(DETOK, {"model": "gpt-4"}, "model", 404), "tokens": tokens}
 
 
+# ---- /v1/load_lora_adapter, /v1/unload_lora_adapter ------------------------------------------
+def lora_cases() -> dict[str, Callable]:
+    def greedy(server, model: str | None) -> list[int]:
+        return ids(ok(server, C, {"max_tokens": 16, **({"model": model} if model else {})}))
+
+    def load(name: str) -> Callable:
+        def check(server, tokenizer):
+            resp = post(server, LOAD, {"lora_name": name, "lora_path": server.lora_path})
+            assert resp.status_code == 200, resp.text
+            assert greedy(server, name) != greedy(server, None)  # the adapter answers as name
+        return check
+
+    def lora_path(server, tokenizer):
+        load("lora-path")(server, tokenizer)
+        rejected(LOAD, {"lora_name": "missing", "lora_path": "/nonexistent"},
+                 "lora_path")(server, tokenizer)
+
+    def unload(server, tokenizer):
+        load("to-unload")(server, tokenizer)
+        resp = post(server, UNLOAD, {"lora_name": "to-unload"})
+        assert resp.status_code == 200, resp.text
+        assert post(server, C, {"model": "to-unload"}).status_code == 404
+        rejected(UNLOAD, {"lora_name": "to-unload"}, "lora_name", 404)(server, tokenizer)
+
+    return {LOAD: {"lora_name": load("lora-name"), "lora_path": lora_path},
+            UNLOAD: {"lora_name": unload}}
+
+
 CASES = {C: (protocol.CompletionRequest, completion_cases()),
          CH: (protocol.ChatCompletionRequest, chat_cases()),
          TOK: (protocol.TokenizeRequest, tokenize_cases()),
-         DETOK: (protocol.DetokenizeRequest, detokenize_cases())}
+         DETOK: (protocol.DetokenizeRequest, detokenize_cases()),
+         LOAD: (protocol.LoadLoRAAdapterRequest, lora_cases()[LOAD]),
+         UNLOAD: (protocol.UnloadLoRAAdapterRequest, lora_cases()[UNLOAD])}
 
 
 def test_every_field_has_a_case():

@@ -1,0 +1,83 @@
+"""The names a server answers to: the base model and its LoRA adapters.
+
+A request's ``model`` field picks the base model (its served name) or a LoRA adapter (its
+name), as in vLLM. Adapters come from ``--lora-modules NAME=PATH`` at start-up or
+``POST /v1/load_lora_adapter`` later, and leave with ``POST /v1/unload_lora_adapter``. Each
+load gets a fresh ``lora_int_id``, so an adapter reloaded under the same name never shares
+prefix-cache blocks or device slots with the old one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvflow.engine.async_llm import AsyncLLM
+from kvflow.entrypoints.protocol import ModelCard
+from kvflow.lora.request import LoRARequest
+
+
+class ModelNotFound(LookupError):
+    """A ``model`` (or ``lora_name``) the server does not serve."""
+
+
+class ServingModels:
+    """Base model name + LoRA adapters by name.
+
+    Args:
+        engine: the running AsyncLLM (adapters are loaded by its engine core).
+        base_name: the base model's served name.
+    """
+
+    def __init__(self, engine: AsyncLLM, base_name: str) -> None:
+        self.engine, self.base_name = engine, base_name
+        self.loras: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def resolve(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model, also for an omitted model).
+
+        Raises:
+            ModelNotFound: for a name that is neither the base model nor a loaded adapter.
+        """
+        if model is None or model == self.base_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                                f"{self.names()}")
+        return lora
+
+    def names(self) -> list[str]:
+        return [self.base_name, *self.loras]
+
+    async def load(self, name: str, path: str) -> LoRARequest:
+        """Load an adapter in the engine (read and checked there) and serve it as ``name``.
+
+        Raises:
+            ValueError: for a name in use, or an adapter the engine refuses (rank above
+                --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora, ...).
+        """
+        if name == self.base_name or name in self.loras:
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
+        lora = LoRARequest(name, next(self._ids), path)
+        await self.engine.add_lora(lora)
+        self.loras[name] = lora
+        return lora
+
+    async def unload(self, name: str) -> None:
+        """Stop serving adapter ``name`` (requests already running with it finish with it).
+
+        Raises:
+            ModelNotFound: when no adapter of that name is loaded.
+        """
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            raise ModelNotFound(f"the LoRA adapter {name!r} cannot be found")
+        await self.engine.remove_lora(lora.lora_int_id)
+
+    def cards(self, max_model_len: int, root: str) -> list[ModelCard]:
+        """/v1/models: the base model, then each adapter (its ``parent`` the base model)."""
+        base = ModelCard(id=self.base_name, root=root, max_model_len=max_model_len)
+        return [base, *(ModelCard(id=name, root=lora.lora_path, parent=self.base_name,
+                                  max_model_len=max_model_len)
+                        for name, lora in self.loras.items())]

@@ -1,0 +1,207 @@
+"""Reading a PEFT LoRA folder and checking it against the model it will run on.
+
+A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+``use_rslora``, ``rank_pattern`` / ``alpha_pattern``, ...) and ``adapter_model.safetensors``
+with, per adapted linear layer, ``<module>.lora_A.weight`` ``[r, in]`` and
+``<module>.lora_B.weight`` ``[out, r]`` (names prefixed ``base_model.model.``). The layer then
+computes ``y = x W^T + scaling * (x A^T) B^T`` with ``scaling = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` under rsLoRA; Hu et al. 2021, eq. 3; Kalajdzievski 2023).
+
+kvflow fuses q/k/v and gate/up into one matmul each; the model's ``packed_modules_mapping``
+says where a PEFT module lands (``q_proj`` -> shard ``"q"`` of ``qkv_proj``). Everything kvflow
+cannot apply (DoRA, trained biases, ``modules_to_save``, embedding or LM-head targets, a rank
+above ``max_lora_rank``, a module the model does not have, a shape that does not fit) is a
+``ValueError`` when the adapter is loaded, never at a request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.lora.request import LoRARequest
+
+_PREFIX = "base_model.model."
+_WEIGHT_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(\.default)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A linear layer of the model that LoRA can adapt.
+
+    Attributes:
+        input_size: its input features.
+        shard_sizes: output rows of each fused checkpoint shard, by shard id (``{None: out}``
+            for an unfused layer).
+    """
+
+    input_size: int
+    shard_sizes: dict[Any, int]
+
+
+@dataclass
+class LoRAAdapter:
+    """One loaded adapter: per kvflow module, per shard, ``(A [r, in], B [out, r])`` with the
+    scaling already folded into ``B`` (model dtype, host memory).
+
+    Attributes:
+        request: the LoRARequest it was loaded for.
+        rank: its largest rank.
+        weights: kvflow module name -> shard id -> (A, B).
+    """
+
+    request: LoRARequest
+    rank: int
+    weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def read_adapter_config(path: str) -> dict[str, Any]:
+    """The folder's ``adapter_config.json``.
+
+    Raises:
+        ValueError: when the folder or the file is missing or not JSON.
+    """
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json (a PEFT folder is "
+                         "expected)")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path!r}: {e}") from None
+
+
+def check_adapter_config(config: dict[str, Any], max_rank: int) -> None:
+    """Refuse what kvflow cannot apply, before any tensor is read.
+
+    Raises:
+        ValueError: for a non-LoRA PEFT type, DoRA, trained biases, ``modules_to_save``,
+            ``fan_in_fan_out`` weights or a rank (also in ``rank_pattern``) above ``max_rank``.
+    """
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"adapter peft_type={peft_type!r}: kvflow serves LORA adapters only")
+    refused = [("use_dora", config.get("use_dora"), "DoRA adapters are not supported"),
+               ("bias", config.get("bias", "none") not in (None, "none"),
+                "adapters that train biases are not supported"),
+               ("modules_to_save", config.get("modules_to_save"),
+                "adapters with fully trained modules are not supported"),
+               ("fan_in_fan_out", config.get("fan_in_fan_out"),
+                "fan_in_fan_out (Conv1D) weights are not supported")]
+    for name, bad, why in refused:
+        if bad:
+            raise ValueError(f"adapter_config.json {name}={config.get(name)!r}: {why}")
+    ranks = [int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_rank:
+        raise ValueError(f"LoRA rank {max(ranks)} exceeds max_lora_rank={max_rank} (start the "
+                         f"engine with --max-lora-rank {max(ranks)} or more)")
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's per-module override: a pattern key matches a module whose name ends with it."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module,
+                                 config.get("lora_alpha", 8)))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights_path):
+        raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+    return load_file(weights_path)
+
+
+def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """A PEFT module name -> (kvflow module name, shard id) via ``packed_modules_mapping``."""
+    name = peft_module.removeprefix(_PREFIX)
+    head, _, leaf = name.rpartition(".")
+    if leaf in packed:
+        fused, shard = packed[leaf]
+        return f"{head}.{fused}" if head else fused, shard
+    return name, None
+
+
+def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
+                 packed: dict[str, tuple[str, Any]], max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check a PEFT folder against the model's LoRA targets.
+
+    Args:
+        request: the adapter's name, id and folder.
+        targets: kvflow module name -> its sizes (the layers this model can adapt).
+        packed: the model's ``packed_modules_mapping`` (PEFT name -> fused layer, shard).
+        max_rank: ``--max-lora-rank``.
+        dtype: the model dtype (the weights are cast to it).
+
+    Raises:
+        ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a target
+            module the model does not have (or cannot adapt), an A without its B, or a shape
+            that does not fit the layer.
+    """
+    config = read_adapter_config(request.lora_path)
+    check_adapter_config(config, max_rank)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(request.lora_path).items():
+        match = _WEIGHT_RE.match(key)
+        if match is None:
+            raise ValueError(f"adapter tensor {key!r} cannot be applied: kvflow loads LoRA A/B "
+                             "weights of linear layers only (no saved whole modules, "
+                             "embeddings or LM head)")
+        pairs.setdefault(match["module"], {})[match["kind"]] = tensor
+    weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+    rank = 0
+    for peft_module, ab in sorted(pairs.items()):
+        module, shard = _kvflow_module(peft_module, packed)
+        a, b = _checked_pair(peft_module, module, shard, ab, targets, max_rank)
+        scale = _scaling(config, peft_module.removeprefix(_PREFIX), a.shape[0])
+        weights.setdefault(module, {})[shard] = (a.to(dtype), (b.float() * scale).to(dtype))
+        rank = max(rank, a.shape[0])
+    if not weights:
+        raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
+    return LoRAAdapter(request, rank, weights)
+
+
+def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch.Tensor],
+                  targets: dict[str, LoRATarget], max_rank: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one adapted module, checked against the layer it lands in.
+
+    Raises:
+        ValueError: see :func:`load_adapter`.
+    """
+    target = targets.get(module)
+    if target is None or shard not in target.shard_sizes:
+        names = sorted({t.rpartition(".")[2] for t in targets})
+        raise ValueError(f"LoRA target module {peft_module!r} cannot be applied: kvflow adapts "
+                         f"only the linear layers {names} of this model (and their q/k/v, "
+                         "gate/up parts)")
+    if set(ab) != {"A", "B"}:
+        raise ValueError(f"adapter module {peft_module!r} lacks its lora_A or lora_B weight")
+    a, b = ab["A"], ab["B"]
+    out = target.shard_sizes[shard]
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.input_size or \
+            tuple(b.shape) != (out, rank):
+        raise ValueError(f"adapter module {peft_module!r} has lora_A {tuple(a.shape)} and "
+                         f"lora_B {tuple(b.shape)}; the layer needs [r, {target.input_size}] "
+                         f"and [{out}, r] (an adapter for another base model?)")
+    if rank > max_rank:
+        raise ValueError(f"adapter module {peft_module!r} has rank {rank} > max_lora_rank="
+                         f"{max_rank}")
+    return a, b

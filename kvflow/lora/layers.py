@@ -1,0 +1,171 @@
+"""The LoRA wrapper of a linear layer and the grouped LoRA matmul it runs.
+
+``LoRALinear`` wraps any :class:`~kvflow.layers.linear.LinearBase` (whatever its quantization
+method: the base output is ``base(x)``, computed as the base layer always does, and LoRA adds
+``(x A^T) B^T`` on top). It holds ``max_loras`` device slots per layer, stacked:
+``lora_a [max_loras, S * max_rank, in]`` and ``lora_b [max_loras, out, S * max_rank]`` for a
+layer fusing ``S`` checkpoint shards (q/k/v: 3, gate/up: 2). Shard ``s``'s A fills rank rows
+``[s * max_rank, s * max_rank + r)`` and its B the same columns of its own output rows, so B is
+block-diagonal and one shrink plus one expand matmul serve every shard; rows and columns past
+an adapter's rank are zero, which adds exactly nothing.
+
+A batch mixes tokens of several adapters (and of none). The step's
+:class:`LoRAMapping` lists the adapted tokens grouped by slot (a stable sort done once per
+step, shared by every layer); each layer gathers those rows, runs one shrink and one expand
+matmul per slot on a contiguous slice, and adds the result into its output with one
+``index_add_`` - the segmented ("SGMV", Chen et al. 2023, Punica) form of a multi-adapter
+batch, in plain torch on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvflow.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from kvflow.lora.adapter import LoRATarget
+
+
+@dataclass
+class LoRAMapping:
+    """Which tokens of one step run which adapter slot.
+
+    Attributes:
+        token_index: int64 [N] the adapted tokens' positions in the step, grouped by slot.
+        segments: (slot, start, end) per slot used: ``token_index[start:end]`` run ``slot``.
+    """
+
+    token_index: torch.Tensor
+    segments: list[tuple[int, int, int]]
+
+
+def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
+    """A step's mapping from each token's slot (int64 [T], -1: no adapter); None when no
+    token has one."""
+    adapted = np.flatnonzero(token_slots >= 0)
+    if not len(adapted):
+        return None
+    order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+    slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
+    segments = [(int(s), int(b), int(b + c)) for s, b, c in zip(slots, starts, counts)]
+    return LoRAMapping(torch.from_numpy(order).to(device), segments)
+
+
+class LoRAContext:
+    """The step's :class:`LoRAMapping`, shared by every LoRA layer of one model (per engine,
+    not a module global; ``bind`` refuses nesting and always clears)."""
+
+    def __init__(self) -> None:
+        self.mapping: LoRAMapping | None = None
+        self._bound = False
+
+    @contextmanager
+    def bind(self, mapping: LoRAMapping | None) -> Iterator[None]:
+        """Make ``mapping`` the current step's for the duration of the block.
+
+        Raises:
+            RuntimeError: when already bound (nested forward passes).
+        """
+        if self._bound:
+            raise RuntimeError("LoRAContext.bind does not nest")
+        self.mapping, self._bound = mapping, True
+        try:
+            yield
+        finally:
+            self.mapping, self._bound = None, False
+
+
+def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    """``y[t] += (x[t] A[s]^T) B[s]^T`` for every adapted token ``t`` of slot ``s``.
+
+    Args:
+        y: [T, out] the base layer's output (updated in place and returned).
+        x: [T, in] the layer's input.
+        lora_a: [max_loras, R, in]; lora_b: [max_loras, out, R] (scaling folded in).
+        mapping: the step's adapted tokens, grouped by slot.
+    """
+    rows = x.index_select(0, mapping.token_index)
+    delta = torch.empty(rows.shape[0], y.shape[1], dtype=x.dtype, device=x.device)
+    for slot, start, end in mapping.segments:
+        shrunk = rows[start:end] @ lora_a[slot].T  # [n, R]
+        torch.matmul(shrunk, lora_b[slot].T, out=delta[start:end])
+    return y.index_add_(0, mapping.token_index, delta.to(y.dtype))
+
+
+def shard_sizes(layer: LinearBase) -> dict[Any, int]:
+    """Output rows of each checkpoint shard fused into ``layer`` (this rank's), in row order;
+    ``{None: out}`` for an unfused layer."""
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        return {"q": q, "k": kv, "v": kv}
+    if isinstance(layer, MergedColumnParallelLinear):
+        return {i: size // layer.tp_size for i, size in enumerate(layer.output_sizes)}
+    return {None: layer.output_size_per_partition}
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus ``max_loras`` LoRA slots (see the module docstring).
+
+    Args:
+        base: the wrapped layer (any quantization method).
+        max_loras: device slots.
+        max_rank: largest rank per shard.
+        ctx: the model's LoRAContext (the step's token -> slot mapping).
+    """
+
+    def __init__(self, base: LinearBase, max_loras: int, max_rank: int,
+                 ctx: LoRAContext) -> None:
+        super().__init__()
+        self.base, self.ctx, self.max_rank = base, ctx, max_rank
+        self.shards = shard_sizes(base)
+        self.row_offsets, offset = {}, 0
+        for shard, size in self.shards.items():
+            self.row_offsets[shard] = offset
+            offset += size
+        rank_rows = len(self.shards) * max_rank
+        dtype, device = base.params_dtype, _device_of(base)
+        self.register_buffer("lora_a", torch.zeros(max_loras, rank_rows,
+                                                   base.input_size_per_partition,
+                                                   dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, offset, rank_rows, dtype=dtype,
+                                                   device=device), persistent=False)
+
+    @property
+    def target(self) -> LoRATarget:
+        """What an adapter must fit (input size, output rows per shard)."""
+        shards = dict(self.shards)
+        if len(shards) > 1:  # a PEFT module may also target the fused layer as a whole
+            shards[None] = sum(self.shards.values())
+        return LoRATarget(self.base.input_size_per_partition, shards)
+
+    def set_slot(self, slot: int, weights: dict[Any, tuple[torch.Tensor, torch.Tensor]]
+                 ) -> None:
+        """Load one adapter's (A, B) per shard into ``slot`` (zeros where it has none)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for shard, (a, b) in weights.items():
+            block = 0 if shard is None else list(self.shards).index(shard)
+            first, rank = block * self.max_rank, a.shape[0]
+            offset = 0 if shard is None else self.row_offsets[shard]
+            self.lora_a[slot, first:first + rank].copy_(a)
+            self.lora_b[slot, offset:offset + b.shape[0], first:first + rank].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mapping = self.ctx.mapping
+        if mapping is None:
+            return y
+        return grouped_lora(y, x, self.lora_a, self.lora_b, mapping)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,136 @@
+"""The model runner's LoRA adapters: which layers are adapted, the loaded adapters, and which
+adapter sits in which device slot this step.
+
+Adapters are loaded (read and checked) when they are added (``add_lora``: the engine calls it
+before a request may use the adapter, so a bad folder fails there, never in a step) and kept in
+host memory until removed. Each step the adapters of the batch's rows are put into the
+``max_loras`` device slots of every LoRA layer (an adapter already in a slot stays; a slot no
+row uses is reused); the scheduler admits no request whose adapter would make a step use more
+than ``max_loras`` adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvflow.config import LoRAConfig
+from kvflow.layers.linear import LinearBase
+from kvflow.lora.adapter import LoRAAdapter, load_adapter
+from kvflow.lora.layers import LoRAContext, LoRALinear, LoRAMapping, make_mapping
+from kvflow.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int, ctx: LoRAContext
+                     ) -> dict[str, LoRALinear]:
+    """Replace each linear layer named in the model's ``supported_lora_modules`` by a
+    :class:`LoRALinear` around it; returns them by module name.
+
+    Raises:
+        ValueError: when the model class declares no LoRA support.
+    """
+    supported = getattr(model, "supported_lora_modules", None)
+    if not supported:
+        raise ValueError(f"{type(model).__name__} does not support LoRA adapters in kvflow "
+                         "(supported: the Llama family - Llama, Mistral, Qwen2, Qwen3, Phi-3)")
+    wrapped: dict[str, LoRALinear] = {}
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf in supported and isinstance(module, LinearBase):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            layer = LoRALinear(module, max_loras, max_rank, ctx)
+            setattr(parent, leaf, layer)
+            wrapped[name] = layer
+    return wrapped
+
+
+class LoRAManager:
+    """Adapters of one runner.
+
+    Args:
+        model: the loaded model (its layers are wrapped here).
+        config: ``max_loras`` slots, ``max_lora_rank``.
+        dtype: the model dtype.
+        device: the model's device.
+
+    Raises:
+        ValueError: from the constructor for a model without LoRA support.
+    """
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.ctx = LoRAContext()
+        self.layers = wrap_lora_layers(model, config.max_loras, config.max_lora_rank, self.ctx)
+        self.targets = {name: layer.target for name, layer in self.layers.items()}
+        self.packed: dict[str, tuple[str, Any]] = dict(getattr(model, "packed_modules_mapping",
+                                                               {}))
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
+        logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
+                    config.max_loras, config.max_lora_rank)
+
+    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Load (read and check) an adapter unless it is loaded; returns it.
+
+        Raises:
+            ValueError: when the folder cannot be applied to this model (see
+                :func:`kvflow.lora.adapter.load_adapter`).
+        """
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(request, self.targets, self.packed,
+                                   self.config.max_lora_rank, self.dtype)
+            self.adapters[request.lora_int_id] = adapter
+        return adapter
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already running with it keep their copy); False if it
+        was not loaded."""
+        return self.adapters.pop(lora_int_id, None) is not None
+
+    def step_mapping(self, row_lora_ids: np.ndarray, token_rows: np.ndarray,
+                     adapter_of: dict[int, LoRAAdapter]) -> LoRAMapping | None:
+        """Put the step's adapters into slots and map its tokens to them.
+
+        Args:
+            row_lora_ids: int64 [num_rows] each batch row's adapter id (0: none).
+            token_rows: int64 [T] the batch row of each token of the step.
+            adapter_of: adapter id -> adapter, for every id in ``row_lora_ids``.
+
+        Raises:
+            ValueError: when the rows use more adapters than there are slots (the scheduler
+                prevents it).
+        """
+        ids = [int(i) for i in np.unique(row_lora_ids) if i > 0]
+        if not ids:
+            return None
+        if len(ids) > len(self.slot_ids):
+            raise ValueError(f"a step uses {len(ids)} LoRA adapters; max_loras is "
+                             f"{len(self.slot_ids)}")
+        slot_of_id = self._activate(ids, adapter_of)
+        row_slot = np.full(len(row_lora_ids), -1, np.int64)
+        for lora_id, slot in slot_of_id.items():
+            row_slot[row_lora_ids == lora_id] = slot
+        return make_mapping(row_slot[token_rows], self.device)
+
+    def _activate(self, ids: list[int], adapter_of: dict[int, LoRAAdapter]) -> dict[int, int]:
+        """Slots holding ``ids``: those already there stay, the others take slots no id of
+        this step holds (their weights copied into every LoRA layer)."""
+        wanted = set(ids)
+        free = [s for s, held in enumerate(self.slot_ids) if held not in wanted]
+        for lora_id in ids:
+            if lora_id in self.slot_ids:
+                continue
+            slot = free.pop(0)
+            weights = adapter_of[lora_id].weights
+            for name, layer in self.layers.items():
+                layer.set_slot(slot, weights.get(name, {}))
+            self.slot_ids[slot] = lora_id
+        return {lora_id: self.slot_ids.index(lora_id) for lora_id in ids}

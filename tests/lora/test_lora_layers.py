@@ -1,0 +1,51 @@
+"""The grouped LoRA matmul and the LoRA wrapper against plain per-token torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvflow.layers.linear import QKVParallelLinear
+from kvflow.lora.layers import LoRAContext, LoRALinear, grouped_lora, make_mapping
+
+
+def test_grouped_lora_matches_a_per_token_loop():
+    gen = torch.Generator().manual_seed(0)
+    slots = np.array([1, -1, 0, 1, 2, -1, 0, 0, 2, 1])  # 3 adapters and base, interleaved
+    x = torch.randn(len(slots), 24, generator=gen)
+    a = torch.randn(3, 8, 24, generator=gen)
+    b = torch.randn(3, 40, 8, generator=gen)
+    y = torch.randn(len(slots), 40, generator=gen)
+    expected = y.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            expected[t] += b[s] @ (a[s] @ x[t])
+    mapping = make_mapping(slots, torch.device("cpu"))
+    assert [seg[0] for seg in mapping.segments] == [0, 1, 2]
+    torch.testing.assert_close(grouped_lora(y.clone(), x, a, b, mapping), expected)
+    assert make_mapping(np.full(4, -1), torch.device("cpu")) is None
+
+
+def test_fused_qkv_slot_is_block_diagonal():
+    """An adapter on q and v only (ranks 2 and 3 in slots of rank 4) adds exactly
+    ``B_q A_q x`` to the q rows and ``B_v A_v x`` to the v rows; k rows are untouched."""
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    base = QKVParallelLinear(16, head_dim=4, num_heads=4, num_kv_heads=2)
+    base.weight.data.copy_(torch.randn(base.weight.shape, generator=gen))
+    ctx = LoRAContext()
+    layer = LoRALinear(base, max_loras=2, max_rank=4, ctx=ctx)
+    a_q, b_q = torch.randn(2, 16, generator=gen), torch.randn(16, 2, generator=gen)
+    a_v, b_v = torch.randn(3, 16, generator=gen), torch.randn(8, 3, generator=gen)
+    layer.set_slot(1, {"q": (a_q, b_q), "v": (a_v, b_v)})
+    x = torch.randn(3, 16, generator=gen)
+    with ctx.bind(make_mapping(np.array([1, -1, 1]), torch.device("cpu"))):
+        y = layer(x)
+    plain = x @ base.weight.T
+    expected = plain.clone()
+    for t in (0, 2):
+        expected[t, :16] += b_q @ (a_q @ x[t])
+        expected[t, 24:] += b_v @ (a_v @ x[t])
+    torch.testing.assert_close(y, expected)
+    with ctx.bind(None):
+        torch.testing.assert_close(layer(x), plain)
