@@ -49,3 +49,24 @@ def test_fused_qkv_slot_is_block_diagonal():
     torch.testing.assert_close(y, expected)
     with ctx.bind(None):
         torch.testing.assert_close(layer(x), plain)
+
+
+def test_lora_on_a_quantized_base_layer():
+    """LoRA adds its delta to whatever the base layer's quantization method computes (int8
+    here: the layer's own int8 output, plus the plain-torch LoRA product)."""
+    from kvflow.layers.linear import RowParallelLinear
+    from kvflow.quant.int8 import Int8WeightOnlyMethod
+
+    gen = torch.Generator().manual_seed(2)
+    base = RowParallelLinear(32, 16)
+    base.set_quant_method(Int8WeightOnlyMethod())
+    base.weight_loader(base.weight, torch.randn(16, 32, generator=gen))
+    base.quant_method.process_weights_after_loading(base)
+    x = torch.randn(5, 32, generator=gen)
+    quantized = base(x)
+    ctx = LoRAContext()
+    layer = LoRALinear(base, max_loras=1, max_rank=4, ctx=ctx)
+    a, b = torch.randn(4, 32, generator=gen), torch.randn(16, 4, generator=gen)
+    layer.set_slot(0, {None: (a, b)})
+    with ctx.bind(make_mapping(np.zeros(5, np.int64), torch.device("cpu"))):
+        torch.testing.assert_close(layer(x), quantized + x @ a.T @ b.T)
