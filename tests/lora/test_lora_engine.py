@@ -147,6 +147,8 @@ def test_lora_needs_enable_lora_and_one_rank(tiny_llama, adapters):
                      lora_request=LoRARequest("all", 1, adapters["all"]))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         LLM(model=tiny_llama.path, enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=1"):
+        LLM(model=tiny_llama.path, enable_lora=True, data_parallel_size=2)
 
 
 def test_phi3_fused_checkpoint_modules(tiny_model_factory, tmp_path, assert_no_leaks):
