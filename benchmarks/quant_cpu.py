@@ -35,13 +35,15 @@ VARIANTS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
 class Variant:
     """One engine and how to switch the process into its mode."""
 
-    def __init__(self, name: str, model: str, max_num_seqs: int, kv_cache_memory: str) -> None:
+    def __init__(self, name: str, model: str, max_num_seqs: int, kv_cache_memory: str,
+                 cpu_threads: int | None) -> None:
         from kvflow import LLM
 
         self.name = name
         dtype, quantization = VARIANTS[name]
         self.llm = LLM(model=model, dtype=dtype, quantization=quantization,
                        enable_prefix_caching=False, kv_cache_memory=kv_cache_memory,
+                       cpu_threads=cpu_threads,
                        max_num_seqs=max_num_seqs)
         self.weight_bytes = self.llm.engine.core.weight_bytes
 
@@ -76,13 +78,17 @@ def main() -> None:
     parser.add_argument("--w1-prompts", type=int, default=64)
     parser.add_argument("--w1-rounds", type=int, default=1)
     parser.add_argument("--kv-cache-memory", default="640MiB", help="per engine")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads per engine (default: kvflow's; 1 on a crowded machine "
+                             "keeps OpenMP barriers from waiting on descheduled threads)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import numpy as np
 
     ids = np.random.default_rng(0).integers(3, 32000, (max(args.w1_prompts, 1), 128)).tolist()
     decode_prompt = ids[0][:32]
-    variants = [Variant(n, args.model, max(args.w1_prompts, 1), args.kv_cache_memory)
+    variants = [Variant(n, args.model, max(args.w1_prompts, 1), args.kv_cache_memory,
+                        args.cpu_threads)
                 for n in args.variants.split(",")]
     decode: dict[str, list[float]] = {v.name: [] for v in variants}
     w1: dict[str, list[float]] = {v.name: [] for v in variants}

@@ -16,7 +16,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.quant.int4 import Int4WeightOnlyMethod
-from kvflow.quant.int8 import Int8WeightOnlyMethod
+from kvflow.quant.int8 import Int8EmbeddingMethod, Int8WeightOnlyMethod
 
 
 def int8_dequant(w: torch.Tensor) -> torch.Tensor:
@@ -141,3 +141,23 @@ def test_engine_matches_hf_on_dequantized_weights(tiny_model_factory, quantizati
         (torch.int8 if quantization == "int8" else torch.uint8)
     unquantized = LLM(model=tiny.path, dtype="float32", num_kv_blocks=64, block_size=4)
     assert runner.weight_bytes < unquantized.engine.core.executor.runner.weight_bytes
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 1-2: torch's int8pack kernel; 5: widened table
+def test_int8_lm_head_logits_in_fp32(rows):
+    """The INT8 vocabulary table's logits equal hidden @ (q * s).T in fp32 (a plain torch
+    reference on the table rounded by the rule written out here), whichever path runs."""
+    gen = torch.Generator().manual_seed(rows)
+    table, hidden = torch.randn(300, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+    layer = torch.nn.Module()
+    method = Int8EmbeddingMethod()
+    method.create_weights(layer, 300, 64, torch.float32)
+    layer.weight.data.copy_(table)
+    method.process_weights_after_loading(layer)
+    s = table.abs().amax(-1, keepdim=True) / 127
+    ref = hidden @ (torch.round(table / s).clamp(-127, 127) * s).T
+    out = method.logits(layer, hidden.bfloat16() if rows == 2 else hidden)
+    assert out.dtype == torch.float32 and out.shape == (rows, 300)
+    if rows == 2:  # bf16 hidden states: the reference of the same (rounded) rows
+        ref = hidden.bfloat16().float() @ (torch.round(table / s).clamp(-127, 127) * s).T
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
