@@ -284,8 +284,9 @@ def _add_other_routes(app: FastAPI) -> None:
 
         Raises:
             OpenAIError: 404 if ``model`` names another model; 400 unless exactly one of
-                ``prompt`` and ``messages`` is given, or when the chat template cannot render
-                the messages.
+                ``prompt`` and ``messages`` is given, when the chat template cannot render
+                the messages, or for an image that cannot be used (a vision-language model's
+                image placeholders are expanded, so ``count`` is what generation would use).
         """
         chat = raw.app.state.chat
         chat.check_model(req.model)
@@ -293,7 +294,8 @@ def _add_other_routes(app: FastAPI) -> None:
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
-            ids = chat.render(req.messages, ChatOptions.of(req), tools)[1]
+            text, ids = chat.render(req.messages, ChatOptions.of(req), tools)
+            ids = (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
         else:
             special = req.add_special_tokens is not False
             ids = chat.tokenizer.encode(req.prompt, add_special_tokens=special)

@@ -118,7 +118,6 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("echo is not supported on /v1/chat/completions (use "
                               "continue_final_message to continue an assistant message)",
                               param="echo")
-        _check_image_details(req.messages)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
@@ -162,9 +161,10 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 naming the ``image_url`` part for an image that cannot be used
-                (see ``kvflow/multimodal/media.py``), or ``messages`` for a placeholder count
-                that differs from the image count.
+                (see ``kvflow/multimodal/media.py``) or a ``detail`` other than "auto", or
+                ``messages`` for a placeholder count that differs from the image count.
         """
+        _check_image_details(messages)
         processor = self.engine.processor
         if processor.mm_processor is None:  # rendering refused image parts already
             return ProcessedPrompt(text, ids)

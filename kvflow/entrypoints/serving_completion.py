@@ -92,7 +92,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append((item, ids))
             else:
                 out.append((None, list(item)))
+        if self.engine.processor.mm_processor is not None:
+            for text, ids in out:
+                self._refuse_placeholders(text, ids)
         return out
+
+    def _refuse_placeholders(self, text: str | None, ids: list[int]) -> None:
+        """A vision-language model's completion prompt carries no images: an image
+        placeholder token in it would stand for nothing. Raises OpenAIError 400."""
+        try:
+            self.engine.processor.attach_images(text, ids, [])
+        except ValueError as e:
+            raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
+                              param="prompt") from None
 
     def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
         if "max_tokens" not in req.model_fields_set:  # the model's default, else OpenAI's 16

@@ -16,7 +16,13 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, start_server  # noqa: F401 - fixture
-from tests.multimodal.conftest import data_url, hf_generate, png_bytes, random_image
+from tests.multimodal.conftest import (
+    data_url,
+    hf_generate,
+    hf_prompt_ids,
+    png_bytes,
+    random_image,
+)
 
 MAX_TOKENS = 6
 MAX_IMAGE_BYTES = 300_000
@@ -162,3 +168,30 @@ def test_server_keeps_serving_without_leaks_after_bad_images(server, tiny_qwen2_
     assert server.value(metrics, "kvflow:kv_cache_free_blocks") == \
         server.value(metrics, "kvflow:kv_cache_usable_blocks")
     assert server.value(metrics, "kvflow:num_requests_running") == 0
+
+
+def test_tokenize_counts_expanded_images_and_completions_refuse_placeholders(
+        server, tiny_qwen2_vl):
+    """/tokenize of a conversation with an image gives the expanded prompt that chat
+    generation uses (transformers' processor's ids); a completion prompt holding an image
+    placeholder (no way to attach the image) is a 400."""
+    image = random_image(84, 56, 21)
+    content = [{"type": "text", "text": "look"}, image_part(data_url(image))]
+    resp = httpx.post(f"{server.url}/tokenize",
+                      json={"messages": [{"role": "user", "content": content}]}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    text = tiny_qwen2_vl.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = hf_prompt_ids(tiny_qwen2_vl, text, [image])
+    assert resp.json()["tokens"] == want and resp.json()["count"] == len(want)
+    usage = chat(server, content).json()["usage"]
+    assert usage["prompt_tokens"] == len(want)
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "a <|image_pad|> b", "max_tokens": 2})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "prompt"
+    assert "image_url" in resp.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                    json={"prompt": "a plain prompt", "max_tokens": 2})
+    assert ok.status_code == 200
