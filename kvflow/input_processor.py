@@ -189,14 +189,20 @@ class InputProcessor:
 
         Raises:
             MediaError: (a ValueError whose ``param`` names the part) for a bad or refused
-                image.
+                image, or more images than ``max_images_per_prompt`` (checked first).
         """
         if self.mm_processor is None:
             return []  # rendering has refused image parts already
         from kvflow.multimodal.media import MediaError, load_image_url
 
+        urls, limit = image_urls(messages), self.mm_processor.config.max_images_per_prompt
+        if len(urls) > limit:  # before any image is fetched or decoded
+            error = MediaError(f"{len(urls)} images in one conversation; the limit is {limit} "
+                               "(--max-images-per-prompt)")
+            error.param = "messages"
+            raise error
         images = []
-        for param, url in image_urls(messages):
+        for param, url in urls:
             try:
                 images.append(load_image_url(url, self.mm_processor.config))
             except MediaError as e:

@@ -168,3 +168,13 @@ def test_async_scheduling_same_tokens(tiny_qwen2_vl, assert_no_leaks):
     for (text, images), out in zip(cases(), outs):
         assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
     assert_no_leaks(llm)
+
+
+def test_image_count_limit_is_checked_before_decoding(tiny_qwen2_vl):
+    """Three image parts over a limit of two: refused naming the limit, before any image is
+    decoded (the parts' URLs are not even valid images)."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=32, max_images_per_prompt=2)
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 3
+    with pytest.raises(ValueError, match="3 images in one conversation; the limit is 2"):
+        llm.chat([{"role": "user", "content": parts}], greedy())
+    assert not llm.engine.has_unfinished_requests()
