@@ -2,7 +2,8 @@
 MLP split, the vision tower replicated) and pipeline parallelism (the first stage runs the
 encoder and merges the image rows; every stage computes the M-RoPE positions). Oracle:
 transformers' greedy tokens for prompts with 0, 1 and 2 images. About 15-40 s per case on 2
-busy cores: TP=2 runs in the default suite, PP=2 with scripts/test_distributed_slow.sh
+busy cores: TP=2 runs in the default suite, PP=2 and DP=2 (two engine-core replicas, each
+with its own encoder cache) with scripts/test_distributed_slow.sh
 (``KVFLOW_TEST_DISTRIBUTED_SLOW=1``)."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _SLOW = [pytest.mark.distributed_slow,
 
 @pytest.mark.parametrize("kwargs", [
     {"tensor_parallel_size": 2},
-    pytest.param({"pipeline_parallel_size": 2}, marks=_SLOW)], ids=["tp2", "pp2"])
+    pytest.param({"pipeline_parallel_size": 2}, marks=_SLOW),
+    pytest.param({"data_parallel_size": 2}, marks=_SLOW)], ids=["tp2", "pp2", "dp2"])
 def test_parallel_greedy_tokens_equal_transformers(tiny_qwen2_vl, kwargs):
     llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=128, block_size=16,
               max_num_batched_tokens=64, **kwargs)
