@@ -36,11 +36,17 @@ class InputProcessor:
         max_model_len: context limit in tokens.
         vocab_size: model vocabulary size (token ids must be below it).
         eos_token_id: id that ends generation unless ``ignore_eos``.
+        eos_token_ids: every id the model declares as EOS (generation_config.json); those
+            other than ``eos_token_id`` are added to each request's ``stop_token_ids`` unless
+            it sets ``ignore_eos`` (as vLLM does), so any of them ends generation.
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 eos_token_id: int | None, mm_processor: Any = None) -> None:
+                 eos_token_id: int | None, mm_processor: Any = None,
+                 eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.extra_eos_ids = [t for t in eos_token_ids or []
+                              if t != eos_token_id and 0 <= t < vocab_size]
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -175,13 +181,22 @@ class InputProcessor:
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child = dataclasses.replace(params, n=1, seed=seed)
+            child = dataclasses.replace(params, n=1, seed=seed,
+                                        stop_token_ids=self._stop_token_ids(params))
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
                                     mm_features=mm_features, client_id=client_id,
                                     lora_request=lora_request))
         return requests
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        """The request's ``stop_token_ids`` plus the model's further EOS ids (none with
+        ``ignore_eos``)."""
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += [t for t in self.extra_eos_ids if t not in ids]
+        return ids
 
     def load_chat_images(self, messages: list[dict]) -> list[Any]:
         """The images of a conversation's ``image_url`` parts, in prompt order, decoded and

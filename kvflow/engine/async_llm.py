@@ -60,7 +60,7 @@ from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
-from kvflow.models.generation_config import load_sampling_defaults
+from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.registry import is_multimodal
@@ -122,6 +122,7 @@ class AsyncLLM:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+            self._eos_token_ids = load_eos_token_ids(source)
             self._start_core_processes()  # their resolve_model then finds the snapshot cached
             self._init_tokenizer(source)  # while the core processes load the model
             self._init_mm_processor(source)
@@ -193,7 +194,8 @@ class AsyncLLM:
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
                                         resolve_eos_token_id(self.tokenizer, ready),
-                                        self._mm_processor)
+                                        self._mm_processor,
+                                        eos_token_ids=self._eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
 

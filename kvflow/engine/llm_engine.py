@@ -16,7 +16,7 @@ from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
-from kvflow.models.generation_config import load_sampling_defaults
+from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.multimodal import MultiModalProcessor, make_mm_processor
@@ -60,7 +60,7 @@ class LLMEngine:
         self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
-                                        mm_processor)
+                                        mm_processor, load_eos_token_ids(source, hf_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

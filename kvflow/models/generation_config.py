@@ -5,6 +5,11 @@ The fields read are vLLM's: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
 always wins (:meth:`kvflow.sampling_params.SamplingParams.with_defaults`; the server tells an
 unset field from one set to the default value). ``do_sample`` is not read, as in vLLM: a
 ``temperature`` in the file applies even where transformers would decode greedily.
+
+``eos_token_id`` (one id or a list: Llama 3 Instruct ends turns with ``<|eot_id|>`` and
+``<|eom_id|>`` as well as ``<|end_of_text|>``) is read by :func:`load_eos_token_ids` whatever
+``--generation-config`` says, as vLLM and transformers' ``generate`` do: every id stops
+generation (see ``InputProcessor``).
 """
 
 from __future__ import annotations
@@ -66,3 +71,44 @@ def load_sampling_defaults(source: ModelSource, mode: str = "auto") -> dict[str,
                        "--generation-config none ignores them): %s", GENERATION_CONFIG_FILE,
                        defaults)
     return defaults
+
+
+def _eos_ids(value: Any) -> list[int]:
+    """An ``eos_token_id`` value (an int, a list of ints, or null) as a list."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when the file is missing, unreadable or not an
+    object (the sampling defaults report a bad generation_config.json)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_eos_token_ids(source: ModelSource, hf_config: Any = None) -> list[int]:
+    """Every token id that ends generation for this model: ``eos_token_id`` of its
+    ``generation_config.json`` when the file sets it (what transformers' ``generate`` stops
+    on), else the model config's (``hf_config``'s attribute, or the folder's config.json).
+
+    Args:
+        source: the resolved model (a GGUF file has no generation_config.json).
+        hf_config: the model's HF config when loaded; None reads config.json.
+
+    Returns:
+        The ids in file order without repeats; ``[]`` when none is declared.
+    """
+    ids: list[int] = []
+    if source.kind == "hf":
+        ids = _eos_ids(_read_json_object(
+            os.path.join(source.path, GENERATION_CONFIG_FILE)).get("eos_token_id"))
+    if not ids and hf_config is not None:
+        ids = _eos_ids(getattr(hf_config, "eos_token_id", None))
+    elif not ids and source.kind == "hf":
+        ids = _eos_ids(_read_json_object(os.path.join(source.path, "config.json"))
+                       .get("eos_token_id"))
+    return list(dict.fromkeys(ids))

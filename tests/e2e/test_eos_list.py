@@ -1,0 +1,98 @@
+"""Several EOS ids (generation_config.json's ``eos_token_id`` list, as Llama 3 Instruct ships):
+any of them ends generation, as in transformers' ``generate``. The tiny Llama's tokenizer EOS
+is 0; the extra EOS id is a token its greedy continuation emits, so the oracle (transformers'
+greedy ``generate`` with the same EOS list) stops there and kvflow must too."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.models.generation_config import load_eos_token_ids
+from kvflow.models.model_resolver import ModelSource
+
+PROMPT = "the quick brown fox jumps"
+N = 16
+
+
+def _ids(tiny_llama) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama.path).encode(PROMPT)
+
+
+def _hf_greedy(tiny_llama, ids: list[int], eos: list[int] | None) -> list[int]:
+    with torch.no_grad():
+        out = tiny_llama.hf_model.generate(torch.tensor([ids]), do_sample=False,
+                                           max_new_tokens=N, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
+    """(folder whose generation_config.json lists [0, extra], extra, transformers' greedy
+    continuation with EOS ignored)."""
+    full = _hf_greedy(tiny_llama, _ids(tiny_llama), None)
+    # the latest first occurrence of a token other than the tokenizer's EOS (0)
+    k = max(i for i in range(N) if full[i] != 0 and full[i] not in full[:i])
+    folder = tmp_path_factory.mktemp("eos_list") / "m"
+    shutil.copytree(tiny_llama.path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, full[k]]}))
+    return str(folder), full[k], full
+
+
+def test_load_eos_token_ids(tmp_path):
+    folder = Path(tmp_path)
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    source = ModelSource("hf", str(folder), "m")
+    assert load_eos_token_ids(source) == [7, 9]  # no generation_config.json: config.json's
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4, 3]}))
+    assert load_eos_token_ids(source) == [3, 4]  # the file wins; repeats dropped
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_eos_token_ids(source) == [5]
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
+    assert load_eos_token_ids(source, type("C", (), {"eos_token_id": 2})()) == [2]
+    assert load_eos_token_ids(ModelSource("gguf", str(folder / "m.gguf"), "m")) == []
+
+
+def test_every_eos_id_stops_generation(eos_model, tiny_llama):
+    folder, extra, full = eos_model
+    ids = _ids(tiny_llama)
+    expected = _hf_greedy(tiny_llama, ids, [0, extra])
+    assert expected[-1] == extra and 2 <= len(expected) < N  # the oracle stops there
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=64, block_size=4)
+    stop, ignore, plain = llm.generate(
+        [PROMPT, PROMPT, PROMPT],
+        [SamplingParams(temperature=0, max_tokens=N),
+         SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=N, stop_token_ids=[extra])], use_tqdm=False)
+    out = stop.outputs[0]
+    assert out.token_ids == expected
+    assert (out.finish_reason, out.stop_reason) == ("stop", extra)
+    assert ignore.outputs[0].token_ids == full  # ignore_eos: none of them stops it
+    assert plain.outputs[0].token_ids == expected  # the user's own stop id is kept once
+    # min_tokens masks every EOS id until then, as it masks stop_token_ids
+    (late,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N,
+                                                  min_tokens=len(expected)), use_tqdm=False)
+    assert extra not in late.outputs[0].token_ids[:len(expected)]
+
+
+def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server):
+    folder, extra, _ = eos_model
+    expected = _hf_greedy(tiny_llama, _ids(tiny_llama), [0, extra])
+    server = start_server(folder, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
+                                   "64", "--block-size", "4", "--served-model-name", "m"])
+    try:
+        reply = server.client().completions.create(
+            model="m", prompt=PROMPT, max_tokens=N, temperature=0,
+            extra_body={"return_token_ids": True})
+    finally:
+        server.stop()
+    choice = reply.choices[0]
+    assert choice.token_ids == expected
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", extra)
