@@ -112,6 +112,8 @@ class CacheConfig:
     num_kv_blocks: int | None = _opt(None, "KV-cache size in blocks (overrides memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory kvflow may use")
+    swap_space: str | int = _opt("4GiB", "host memory per worker for the KV blocks of "
+                                 "swapped-out requests (--preemption-mode swap), e.g. 4GiB")
     kv_cache_dtype: str = _opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
                                "fp8_e4m3 (quantized per token and KV head with float32 scales "
                                "beside the blocks: about twice the blocks of a 16-bit cache "
@@ -126,6 +128,7 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.swap_space)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")
@@ -152,6 +155,11 @@ class SchedulerConfig:
     admission_control: bool = _opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
                                    "a request whose predicted time to first token exceeds "
                                    "its TTFT target (requests without one are admitted)")
+    preemption_mode: str = _opt("recompute", "what a preempted request's KV becomes: "
+                                "recompute (freed, recomputed on readmission) or swap (copied "
+                                "to a host pool of --swap-space and back, when the context is "
+                                "long enough for the copies to cost less than recomputing it)",
+                                choices=["recompute", "swap"])
     async_scheduling: bool | None = _opt(
         None, "schedule and prepare step N+1 on the host while step N runs on the device, and "
         "fold step N's tokens in after launching N+1 (same outputs); one-rank engines only "

@@ -195,11 +195,14 @@ class KVCacheConfig:
             (layer ``j`` of each group uses KV tensor ``j``).
         draft_group: a draft model's layers (speculative decoding), one tensor each, indexed
             by group 0's block ids; None without a draft model.
+        num_host_blocks: blocks of the host pool that swapped-out requests' K/V are copied
+            to (``--preemption-mode swap``; 0: none).
     """
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     draft_group: KVCacheGroupSpec | None = None
+    num_host_blocks: int = 0
 
     @property
     def block_size(self) -> int:

@@ -13,6 +13,8 @@ sends only what changed since the previous one (the pattern of vLLM v1's
 * the tokens scheduled per request, and the requests preempted / finished since the last step;
 * speculative decoding: the draft tokens each request verifies this step, and the block tables
   cut back after an earlier step's rejected drafts.
+* KV blocks to copy to host memory (a request swapped out) and back (swapped in), which the
+  runner copies before the step's forward pass (``--preemption-mode swap``).
 
 The runner appends the tokens it samples itself, so a decode step carries no token ids. A
 runner forgets a preempted request's generated tokens (its K/V are gone too); when the request
@@ -125,6 +127,10 @@ class SchedulerOutput:
             images to run the vision encoder on this step (before the forward pass).
         free_encoder_mm_hashes: image identifiers to drop from the runners' encoder caches
             (before this step's encoder runs).
+        blocks_to_swap_out: (device block id, host block id) pairs to copy device -> host
+            first (the device blocks may be reused by this step's writes).
+        blocks_to_swap_in: (host block id, device block id) pairs to copy host -> device
+            next, before the forward pass.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -138,6 +144,8 @@ class SchedulerOutput:
     finished_ids: set[str] = field(default_factory=set)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvflow.config import EngineConfig, cpu_gemm_choice
+from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_utils import (
@@ -20,6 +20,7 @@ from kvflow.core.kv_cache_utils import (
     kv_bytes_per_token,
     max_tokens_per_request,
 )
+from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
@@ -183,7 +184,32 @@ class EngineCore:
             if num_blocks < 2:
                 raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
                                  f"of {page} bytes; need at least 2")
-        return KVCacheConfig(num_blocks, groups, draft_group)
+        return KVCacheConfig(num_blocks, groups, draft_group,
+                             self._num_host_blocks(KVCacheConfig(2, groups, draft_group)))
+
+    def _num_host_blocks(self, config: KVCacheConfig) -> int:
+        """Blocks of --swap-space with --preemption-mode swap (0 otherwise).
+
+        Raises:
+            ValueError: for a setup swapping does not support.
+        """
+        if self.config.scheduler_config.preemption_mode != "swap":
+            return 0
+        pc, spec = self.config.parallel_config, config.kv_cache_groups[0].kv_cache_spec
+        unsupported = {"a draft model (speculative decoding)": config.draft_group is not None,
+                       "a quantized KV cache": spec.kv_scales_shape(1) is not None,
+                       "pipeline parallelism": pc.pipeline_parallel_size > 1,
+                       "context parallelism": getattr(pc, "context_parallel_size", 1) > 1,
+                       "async scheduling": bool(self.config.scheduler_config.async_scheduling)}
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
+                                 "--preemption-mode recompute")
+        num = parse_bytes(self.config.cache_config.swap_space) // config.page_size_bytes
+        if num < 1:
+            raise ValueError(f"--swap-space {self.config.cache_config.swap_space} holds no "
+                             f"KV block of {config.page_size_bytes} bytes")
+        return num
 
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
@@ -198,6 +224,11 @@ class EngineCore:
                                    max_loras=lc.max_loras if lc.enable_lora else None)
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on every rank, by id
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
+        if self.kv_cache_config.num_host_blocks:
+            self.scheduler.swap = SwapManager(self.kv_cache_manager,
+                                              self.kv_cache_config.num_host_blocks,
+                                              self.kv_bytes_per_token,
+                                              self.scheduler.planner.model)
         self._last_step: tuple[float, float] | None = None  # (start, end) of the last step
         if is_multimodal(self.hf_config):
             mm = self.config.multimodal_config

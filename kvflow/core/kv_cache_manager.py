@@ -241,6 +241,35 @@ class KVCacheManager:
         for m in reversed(self.managers):
             m.free(request.request_id)
 
+    # ---- swap preemption ----------------------------------------------------------------------
+    def detach_blocks(self, request: Request) -> tuple[list[int | None], ...]:
+        """The request's block table in every group (None for null entries), then free its
+        blocks as ``free`` does (swap-out: the runner copies them out before any reuse)."""
+        tables = tuple([None if b is self.pool.null_block else b.block_id
+                        for b in m.req_to_blocks.get(request.request_id, ())]
+                       for m in self.managers)
+        self.free(request)
+        return tables
+
+    def attach_blocks(self, request: Request, present: list[list[bool]]
+                      ) -> tuple[list[int | None], ...]:
+        """Give a swapped-in request fresh blocks laid out as ``present`` says (per group, per
+        table entry: a block, or the null block) and index its full computed blocks for
+        prefix caching. Returns the new block ids per group (None for null entries).
+
+        Raises:
+            ValueError: if the pool has too few free blocks.
+        """
+        rid = request.request_id
+        tables = []
+        blocks = iter(self.pool.get_new_blocks(sum(map(sum, present))))
+        for m, layout in zip(self.managers, present):
+            table = [next(blocks) if held else self.pool.null_block for held in layout]
+            m.restore_blocks(rid, table)
+            tables.append([b.block_id if held else None for b, held in zip(table, layout)])
+        self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        return tuple(tables)
+
     # ---- views -------------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table of every group (released entries read 0)."""

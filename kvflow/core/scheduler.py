@@ -42,6 +42,7 @@ from collections.abc import Callable
 from kvflow.config import SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvflow.core.kv_swap import SwapManager
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.slo_planner import SLOPlanner, StepBudget
 from kvflow.engine_outputs import EngineCoreOutput
@@ -90,6 +91,7 @@ class Scheduler:
         self.waiting = make_waiting_queue(self.policy)
         self.clock = clock
         self.planner = SLOPlanner(config)
+        self.swap: SwapManager | None = None  # the engine core sets it for swap preemption
         self.running: list[Request] = []
         self._running_sorted = True  # in policy order (appends by admission unsort it)
         self.requests: dict[str, Request] = {}
@@ -169,6 +171,8 @@ class Scheduler:
         if not self._running_sorted:  # policy keys never change: sort after admissions only
             self.running.sort(key=self.policy.key)
             self._running_sorted = True
+        if self.swap is not None:
+            self.swap.release_read_blocks()
         now = self.clock()
         step_budget = self.planner.step_budget(self.running, now)
         drafts = self._propose_drafts(budget) if self.speculator is not None else None
@@ -311,7 +315,7 @@ class Scheduler:
             victim = self._victim()
             if victim is None:
                 return None
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return None
@@ -355,21 +359,27 @@ class Scheduler:
             if step_budget is not None and \
                     not step_budget.may_admit(request, self.planner.tpot_of(request)):
                 break
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if num_new > 1 and step_budget is not None:
-                num_new = step_budget.take_prefill(num_hit_tokens, num_new)
-            if request.mm_features is not None:  # images: the encoder may cut the chunk
-                num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
-            if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
-                break
-            self.waiting.pop()
-            self.kv.allocate_slots(request, num_new, hits)
-            if request.mm_features is not None:
-                self.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+            if self.swap is not None and self.swap.holds(request):  # back from host memory
+                num_new = self._swap_in(request, budget, step_budget, out)
+                if num_new <= 0:
+                    break
+                self.waiting.pop()
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit_tokens, budget)
+                if num_new > 1 and step_budget is not None:
+                    num_new = step_budget.take_prefill(num_hit_tokens, num_new)
+                if request.mm_features is not None:  # images: the encoder may cut the chunk
+                    num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
+                if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
+                    break
+                self.waiting.pop()
+                self.kv.allocate_slots(request, num_new, hits)
+                if request.mm_features is not None:
+                    self.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
             self._send_admitted(request, num_new, out)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -382,6 +392,21 @@ class Scheduler:
         for request in not_ready:
             self.waiting.add(request)
         return budget, drained
+
+    def _swap_in(self, request: Request, budget: int, step_budget: StepBudget | None,
+                 out: SchedulerOutput) -> int:
+        """Readmit a swapped-out request: its blocks back from host memory (its computed
+        count kept) plus the step's tokens. Returns the step's tokens (0: it does not fit,
+        nothing allocated)."""
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
+        if num_new > 1 and step_budget is not None:
+            num_new = step_budget.take_prefill(start, num_new)
+        if num_new <= 0 or self.swap.blocks_needed(request, num_new) > self.kv.num_free_blocks:
+            return 0
+        out.blocks_to_swap_in += self.swap.swap_in(request)
+        self.kv.allocate_slots(request, num_new)
+        return num_new
 
     def _send_admitted(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """A first admission is sent whole; a readmission after preemption as a resumed cached
@@ -401,12 +426,18 @@ class Scheduler:
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
             mm_features=request.mm_features, lora_request=request.lora_request))
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Back to the waiting queue, every token kept; its KV freed for recomputation, or
+        copied to host memory (``--preemption-mode swap``, when that costs less)."""
+        if self.swap is not None and request.mm_features is None and \
+                self.swap.should_swap(request):
+            out.blocks_to_swap_out += self.swap.swap_out(request)  # computed count kept
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         if request.mm_features is not None:
             self.encoder.release(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request)
@@ -529,6 +560,8 @@ class Scheduler:
         self.in_flight.pop(request.request_id, None)
         self._truncated.pop(request.request_id, None)
         self.planner.remove(request.request_id)
+        if self.swap is not None:
+            self.swap.drop(request.request_id)
         self.kv.free(request)
         if request.mm_features is not None:
             self.encoder.release(request)

@@ -99,6 +99,10 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the leading blocks no query from ``num_computed_tokens`` on can see."""
 
+    def restore_blocks(self, request_id: str, table: list[KVCacheBlock]) -> None:
+        """Install a whole block table (swap-in; leading null entries are released ones)."""
+        self.req_to_blocks[request_id] = table
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the request's table to cover ``num_tokens`` tokens; returns the new blocks.
 
@@ -180,6 +184,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def free(self, request_id: str) -> None:
         self._num_released.pop(request_id, None)
         super().free(request_id)
+
+    def restore_blocks(self, request_id: str, table: list[KVCacheBlock]) -> None:
+        super().restore_blocks(request_id, table)
+        self._num_released[request_id] = next(
+            (i for i, b in enumerate(table) if b is not self.pool.null_block), len(table))
 
     def _releasable(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.get(request_id, [])

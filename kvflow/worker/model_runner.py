@@ -51,6 +51,7 @@ from kvflow.spec_decode.verification import (
     verify,
 )
 from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 from kvflow.worker.prompt_logprobs import PromptLogprobsRequest, compute_prompt_logprobs
@@ -148,6 +149,7 @@ class ModelRunner:
         self.drafter = self._init_draft_model(hf_config)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
 
@@ -353,6 +355,9 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
+        self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
+                                   pin_memory=self.device.type == "cuda") \
+            if kv_cache_config.num_host_blocks else None
 
     def _local_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         """This rank's KV tensor shape: the spec's, except that under context parallelism
@@ -437,6 +442,9 @@ class ModelRunner:
         Draft tokens to verify (speculative decoding) are placed after their requests' tokens
         first (see kvflow/spec_decode/verification.py).
         """
+        if self.host_kv is not None:  # swap preemption: before this step writes any K/V
+            self.host_kv.swap_out(sched.blocks_to_swap_out)
+            self.host_kv.swap_in(sched.blocks_to_swap_in)
         self._update_states(sched)
         self._step = None
         if sched.is_empty:

@@ -1,0 +1,103 @@
+"""Swap preemption (--preemption-mode swap): a preempted request's KV blocks go to a host pool
+and come back, instead of being recomputed.
+
+Oracles: the same prompts on an engine whose KV pool never runs out (no preemption at all):
+greedy fp32 tokens must be identical; the pools' own counters (every device block free, every
+host block free) after the run; hand-computed costs for the swap-or-recompute rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.core.kv_swap import SwapManager
+from kvflow.core.step_time_model import StepFeatures, StepTimeModel
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "kvflow pages keys and values",
+           "swap preemption copies blocks to host memory and back again " * 2, "a b c d e f",
+           "chunked prefill splits long prompts", "one more prompt to fill the pool"]
+
+
+def _run(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _always_swap(monkeypatch) -> None:
+    """Swap every victim the host pool can hold (the cost rule is tested on its own below)."""
+    original = SwapManager.should_swap
+
+    def should_swap(self, request):
+        original(self, request)  # still exercised
+        held = sum(self.kv.num_held_blocks(request.request_id))
+        return 0 < held <= self.host.num_free_blocks and request.num_computed_tokens > 0
+
+    monkeypatch.setattr(SwapManager, "should_swap", should_swap)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama) -> list[list[int]]:
+    return _run(LLM(model=tiny_llama.path, dtype="float32", block_size=16, num_kv_blocks=256))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_swapped_outputs_equal_unpreempted_and_pools_end_idle(tiny_llama, expected, monkeypatch,
+                                                              prefix_caching):
+    _always_swap(monkeypatch)
+    llm = LLM(model=tiny_llama.path, dtype="float32", block_size=16, num_kv_blocks=14,
+              enable_prefix_caching=prefix_caching, preemption_mode="swap", swap_space="1MiB")
+    assert _run(llm) == expected
+    core = llm.engine.core
+    sched, kv, swap = core.scheduler, core.kv_cache_manager, core.scheduler.swap
+    assert sched.num_preemptions > 0 and swap.num_swapped_out > 0
+    assert swap.num_swapped_in == swap.num_swapped_out  # every swapped request came back
+    swap.release_read_blocks()  # the last swap-in's host blocks (freed at the next schedule)
+    assert swap.host.num_free_blocks == swap.host.num_blocks and not swap.swapped
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+    runner = core.executor.runner
+    assert runner.host_kv is not None and \
+        runner.host_kv.host_caches[0].shape[1] == core.kv_cache_config.num_host_blocks
+
+
+def test_recompute_mode_has_no_host_pool(tiny_llama, expected):
+    llm = LLM(model=tiny_llama.path, dtype="float32", block_size=16, num_kv_blocks=14)
+    assert _run(llm) == expected
+    assert llm.engine.core.scheduler.swap is None
+    assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+class _Held:
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.block_size = 16
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        return [self.blocks]
+
+
+class _Req:
+    request_id = "r"
+
+    def __init__(self, n: int) -> None:
+        self.num_computed_tokens = n
+
+
+def test_cost_rule_swaps_long_contexts_and_recomputes_short_ones():
+    """Recompute time of n tokens = c1 n + c3 n (n + 1) / 2 (the fitted model without c0);
+    swap time = 2 n bytes_per_token / 4e9 s. With c1 = 1e-5 s/token, c3 = 1e-7 s/key and
+    40,000 bytes per token (swap 2e-5 s per token) swapping wins when 1e-5 + 1e-7 (n + 1) / 2
+    > 2e-5, i.e. n > 199: 64 tokens are recomputed, 512 swapped. A context whose blocks do not
+    fit the host pool is recomputed, and so is one with nothing computed."""
+    model = StepTimeModel(min_steps=4)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        n, d = int(rng.integers(1, 500)), int(rng.integers(0, 8))
+        f = StepFeatures(n, d, n * (n + 1) // 2 + d * int(rng.integers(1, 2000)))
+        model.observe(f, 0.002 + 1e-5 * n + 1e-4 * d + 1e-7 * f.context_tokens)
+    np.testing.assert_allclose(model.coef, [0.002, 1e-5, 1e-4, 1e-7], rtol=1e-6)
+    swap = SwapManager(_Held(4), 8, 40_000, model)
+    assert not swap.should_swap(_Req(64)) and swap.should_swap(_Req(512))
+    assert not SwapManager(_Held(9), 8, 40_000, model).should_swap(_Req(512))  # host too small
+    assert not swap.should_swap(_Req(0))
