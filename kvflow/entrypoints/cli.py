@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
@@ -54,11 +55,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
     params = sampling_params_from_args(args)
-    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    images = _read_images(args.image or [], config)
+    llm = LLM.from_engine_config(config)
     prompts = args.prompt or ["Once upon a time"]
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                           use_tqdm=False)
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
+        outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text", "text": p}]
+                             if parts else p}] for p in prompts], params, use_tqdm=False)
+    elif images:
+        outputs = llm.generate([{"prompt": p, "multi_modal_data": {
+            "image": [image for _, image in images]}} for p in prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:
@@ -70,6 +77,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if args.logprobs is not None:
                 _print_logprobs(sample)
     return 0
+
+
+def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
+    """(data URL, decoded RGB image) of each ``--image`` file, checked against the image
+    limits before the model loads.
+
+    Raises:
+        ValueError: for a file that cannot be read, or an image the limits refuse.
+    """
+    import base64
+    import mimetypes
+
+    from kvflow.multimodal.media import decode_image_bytes
+
+    out = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ValueError(f"--image {path}: cannot read it ({e.strerror})") from None
+        try:
+            image = decode_image_bytes(data, config.multimodal_config)
+        except ValueError as e:
+            raise ValueError(f"--image {path}: {e}") from None
+        media_type = mimetypes.guess_type(path)[0] or "image/png"
+        if not media_type.startswith("image/"):
+            media_type = "image/png"  # the bytes decoded as an image already
+        out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
+    return out
 
 
 def _print_logprobs(sample) -> None:
@@ -122,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--image", action="append", metavar="FILE",
+                     help="an image for every prompt (repeat for several; vision-language "
+                     "models): with --chat it goes before the text, otherwise the prompt "
+                     "holds one image placeholder per image")
     gen.add_argument("--verbose", action="store_true", help="print finish reason and timings")
     EngineConfig.add_cli_args(gen)
     add_sampling_args(gen)
