@@ -85,7 +85,7 @@ class NativeCpuKernels:
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
                         sliding_window: int | None = None, validate: bool = True,
-                        tiled: bool = True) -> torch.Tensor:
+                        tiled: bool = True, bf16_dot: bool = True) -> torch.Tensor:
         """Paged attention over ``kv_cache`` read in place (same contract as
         :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
 
@@ -100,6 +100,11 @@ class NativeCpuKernels:
                 when the caller has (the attention backend checks once per step, not per layer).
             tiled: multi-token queries (prefill) go through the register-tiled path where
                 head_dim % 16 == 0; False forces the row-by-row path (for comparisons).
+            bf16_dot: with ``tiled``, a bf16 cache on a CPU with AVX512-BF16 (the
+                ``avx512_bf16`` build) multiplies both products of a prefill tile by bf16 dot
+                products (VDPBF16PS), the softmax weights rounded to bf16 (each output moves
+                by at most 2^-9 of the largest value row it mixes); False keeps the widening
+                fp32 path (for comparisons). Other dtypes and builds ignore it.
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past
@@ -122,7 +127,7 @@ class NativeCpuKernels:
             out.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
             num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            _DTYPE_CODES[q.dtype], torch.get_num_threads(), int(tiled))
+            _DTYPE_CODES[q.dtype], torch.get_num_threads(), int(tiled) * (1 + int(bf16_dot)))
         _raise_on(status, "paged attention")
         return out
 

@@ -4,7 +4,8 @@ per-request reference, and the "cpu" backend inside the engine vs the "torch" ba
 Tolerances: fp32 atol=rtol=1e-5 (fp32 accumulation in both; only summation order and the
 kernel's exp polynomial, relative error ~2e-7, differ). bf16/fp16: the reference's fp32 result
 rounded to the storage dtype, atol=rtol one unit in the last place of that dtype (2**-7 bf16,
-2**-10 fp16), since both round an fp32 value once.
+2**-10 fp16), since both round an fp32 value once. bf16 prefill tiles on the bf16 dot-product
+path (AVX512-BF16 builds) also round the softmax weights to bf16: :func:`bf16_dot_bound`.
 """
 
 from __future__ import annotations
@@ -33,40 +34,82 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
 MIXED = [(0, 1), (17, 1), (0, 37), (20, 5), (0, 1), (63, 40), (100, 1), (3, 16)]
 
 
-def check(batch, sliding_window=None, tiled=True):
+# prefill tiles: bf16 dot products where the build and dtype allow, the widening register
+# tiles, the row-by-row path
+PATHS = {"dot": {"tiled": True, "bf16_dot": True}, "tiled": {"tiled": True, "bf16_dot": False},
+         "rows": {"tiled": False, "bf16_dot": False}}
+
+
+def bf16_dot_bound(batch, ref: torch.Tensor) -> torch.Tensor:
+    """Bound on |out - ref| of the bf16 dot-product path: the output's final rounding to bf16
+    (2^-9 |out|) plus the softmax weights' rounding to bf16 (each weight moves by <= 2^-9 of
+    itself, so the weighted mean by <= 2^-9 max |v| over the values it mixes; here the whole
+    cache's max), products exact in fp32 (bf16 x bf16); fp32 sums add ~K 2^-24. Each term
+    doubled for margin."""
+    vmax = batch["kv_cache"][1].float().nan_to_num(0.0).abs().max()
+    return 2**-8 * ref.float().abs() + 2**-8 * vmax + 1e-6
+
+
+def check(batch, sliding_window=None, tiled=True, bf16_dot=True, kernels=None):
+    kernels = kernels or KERNELS
     n_real = int(batch["query_start_loc"][-1])
     ref = paged_attention_ref(**batch, sliding_window=sliding_window)
-    out = KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+    out = kernels.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
                                   batch["seq_lens"], batch["block_table"], batch["scale"],
-                                  sliding_window, tiled=tiled)
+                                  sliding_window, tiled=tiled, bf16_dot=bf16_dot)
     assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
-    torch.testing.assert_close(out[:n_real], ref[:n_real], **TOL[batch["q"].dtype])
+    if batch["q"].dtype == torch.bfloat16 and tiled and bf16_dot:
+        ref = paged_attention_ref(**dict(batch, q=batch["q"].float(),
+                                         kv_cache=batch["kv_cache"].float()),
+                                  sliding_window=sliding_window)
+        err = (out[:n_real].float() - ref[:n_real]).abs()
+        assert bool((err <= bf16_dot_bound(batch, ref[:n_real])).all()), float(err.max())
+    else:
+        torch.testing.assert_close(out[:n_real], ref[:n_real], **TOL[batch["q"].dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64),
                                                                (8, 1, 128), (6, 2, 20)])
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
-def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, tiled):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, path):
     """Prefill tiles through the register-tiled path (head_dim % 16 == 0; 20 takes the row
     path either way) and through the row-by-row path."""
-    check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype), tiled=tiled)
+    check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype), **PATHS[path])
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
-def test_sliding_window(window, dtype, tiled):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_sliding_window(window, dtype, path):
     reqs = [*MIXED, (90, 150)]  # a long chunk: windows inside and across 64-key super-blocks
-    check(make_batch(reqs, 4, 2, 32, dtype=dtype, seed=1), sliding_window=window, tiled=tiled)
+    check(make_batch(reqs, 4, 2, 32, dtype=dtype, seed=1), sliding_window=window,
+          **PATHS[path])
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32, 128])
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "rows"])
-def test_block_sizes(block_size, tiled):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_block_sizes(block_size, path):
     """Super-blocks of the tiled path are whole blocks: 64 keys of 16-key blocks, 63 of 3-key
     ones, one 128-key block."""
-    check(make_batch([*MIXED, (70, 100)], 4, 2, 16, block_size=block_size, seed=2), tiled=tiled)
+    check(make_batch([*MIXED, (70, 100)], 4, 2, 16, block_size=block_size, seed=2),
+          **PATHS[path])
+
+
+def test_bf16_dot_path_runs_where_the_build_has_it():
+    """On the avx512_bf16 build the dot-product tiles (bf16 softmax weights) give other values
+    than the widening tiles; every other build and dtype ignores ``bf16_dot``."""
+    batch = make_batch([(0, 70), (40, 130)], 9, 3, 64, dtype=torch.bfloat16, seed=7)
+    args = (batch["q"], batch["kv_cache"], batch["query_start_loc"], batch["seq_lens"],
+            batch["block_table"], batch["scale"])
+    dot = KERNELS.paged_attention(*args, bf16_dot=True)
+    widened = KERNELS.paged_attention(*args, bf16_dot=False)
+    assert torch.equal(dot, widened) == (KERNELS.isa != "avx512_bf16")
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()
+            if isinstance(v, torch.Tensor)}
+    args = (fp32["q"], fp32["kv_cache"], *args[2:])
+    assert torch.equal(KERNELS.paged_attention(*args, bf16_dot=True),
+                       KERNELS.paged_attention(*args, bf16_dot=False))
 
 
 def test_padding_rows_and_strided_q():

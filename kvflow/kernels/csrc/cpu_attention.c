@@ -38,15 +38,18 @@ typedef struct {
 } Args;
 
 /* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state (m, l, and
- * corr: the block's rescale factor) and accumulators (rows = TILE * num_heads), one K and V block of every KV head converted to fp32
- * (unused for fp32 caches), row pointers into the block (k, v: every head; kh, vh: one), and
- * for decode items every head's scores over the longest context of the call (p); for tiled
- * prefill items the tile's transposed queries (qt) and one KV head's scores over a
+ * corr: the block's rescale factor) and accumulators (rows = TILE * num_heads), one K and V
+ * block of every KV head converted to fp32 (unused for fp32 caches), row pointers into the
+ * block (k, v: every head; kh, vh: one), and for decode items every head's scores over the
+ * longest context of the call (p); for tiled prefill items the tile's transposed queries (qt,
+ * or bf16 pairs on the dot-product path), the packed P and V of a super-block (pp, vpk: that
+ * path only) and one KV head's scores over a
  * super-block of keys (st). */
 typedef struct {
     float *q, *s, *m, *l, *corr, *acc, *kb, *vb, *p, *qt, *st;
     const float **k, **v, **kh, **vh;
     const char **kp, **vp, **qrow; /* tiled path: key / value rows, operand rows */
+    int32_t *pp, *vpk; /* bf16 dot-product path: P and V of a super-block in pairs */
     int64_t p_stride; /* floats per head row of p: a decode request's scores (max context) */
 } Scratch;
 
@@ -74,14 +77,17 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->kp = malloc(sizeof(char *) * keys);
     w->vp = malloc(sizeof(char *) * keys);
     w->qrow = malloc(sizeof(char *) * (head_dim > ld ? head_dim : ld));
+    w->pp = malloc(sizeof(int32_t) * (keys + 1) / 2 * ld);
+    w->vpk = malloc(sizeof(int32_t) * (keys + 1) / 2 * head_dim);
     return w->q && w->s && w->m && w->corr && w->l && w->acc && w->kb && w->vb && w->k && w->v
-        && w->kh && w->vh && w->p && w->qt && w->st && w->kp && w->vp && w->qrow;
+        && w->kh && w->vh && w->p && w->qt && w->st && w->kp && w->vp && w->qrow && w->pp
+        && w->vpk;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->corr); free(w->l); free(w->acc); free(w->kb);
     free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p); free(w->qt);
-    free(w->st); free(w->kp); free(w->vp); free(w->qrow);
+    free(w->st); free(w->kp); free(w->vp); free(w->qrow); free(w->pp); free(w->vpk);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -333,6 +339,18 @@ static void attend_decode(const Args *a, Scratch *w, int64_t r) {
 }
 
 #include "cpu_attention_tiled.h"
+#include "cpu_attention_dp.h"
+
+/* The bf16 dot-product path runs where the build has AVX512-BF16 (path 2 of
+ * kvflow_paged_attention, bf16 caches). */
+#if defined(__AVX512BF16__)
+#define HAVE_DP 1
+#else
+#define HAVE_DP 0
+static void attend_tile_dp(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_t nq) {
+    attend_tile_tiled(a, w, r, j0, nq);
+}
+#endif
 
 /* Index of the request owning tile number `tile` (tile_start is a prefix sum). */
 static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t tile) {
@@ -345,8 +363,9 @@ static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t
 }
 
 /* tiled: multi-token items take the register-tiled path where head_dim % 16 == 0 (else, and
- * with tiled = 0, the row-by-row path). Returns 0 on success, 1 when scratch memory could not
- * be allocated. */
+ * with tiled = 0, the row-by-row path); tiled = 2 takes the bf16 dot-product tiles
+ * (cpu_attention_dp.h) instead for a bf16 cache in AVX512-BF16 builds. Returns 0 on success,
+ * 1 when scratch memory could not be allocated. */
 int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, void *out, const int32_t *block_table,
                            int64_t bt_stride, const int32_t *query_start_loc,
@@ -386,6 +405,8 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t j0 = (tile - tile_start[r]) * TILE;
             const int64_t nq = qlen - j0 < TILE ? qlen - j0 : TILE;
             if (qlen == 1) attend_decode(&a, &w, r);
+            else if (tiled == 2 && HAVE_DP && dtype == DT_BF16 && a.head_dim % 16 == 0)
+                attend_tile_dp(&a, &w, r, j0, nq);
             else if (tiled && a.head_dim % 16 == 0) attend_tile_tiled(&a, &w, r, j0, nq);
             else attend_tile(&a, &w, r, j0, nq);
         }
