@@ -32,11 +32,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="out/smollm2-hf")
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
+    # a KV cache of about 2 prompts (the default sizes it from free memory; on a shared
+    # machine the fp32 run was OOM-killed)
+    cfg = AutoConfig.from_pretrained(args.model)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        cfg.hidden_size // cfg.num_attention_heads) * dtype.itemsize
+    kv_bytes = 2 * (args.tokens + 16) * per_token
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
-              max_model_len=args.tokens + 16)
+              max_model_len=args.tokens + 16, kv_cache_memory=max(kv_bytes, 64 << 20))
     threads = torch.get_num_threads()
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     ids = np.random.default_rng(0).integers(3, 32000, args.tokens).tolist()
