@@ -12,6 +12,7 @@ from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.request import Request
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.sched_output import SchedulerOutput
 from tests.core.fake_kv import fake_kv_cache_config
 
 IMG = 7  # placeholder token id
@@ -109,7 +110,7 @@ def test_preempted_request_reencodes_an_evicted_image():
     out = s.schedule()
     assert out.scheduled_encoder_inputs == {"a": [0]}
     finish_step(s, out)
-    s._preempt(s.running.pop())  # as the scheduler does when the KV pool runs dry
+    s._preempt(s.running.pop(), SchedulerOutput())  # as when the KV pool runs dry
     assert "x" not in s.encoder.cached  # unpinned, over the 1-token cache: evicted
     out = s.schedule()
     assert out.free_encoder_mm_hashes == ["x"]  # dropped before...
