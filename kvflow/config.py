@@ -718,6 +718,10 @@ class ServerConfig:
                                   choices=["critical", "error", "warning", "info", "debug"])
     engine_start_timeout: float = _opt(600.0, "seconds to wait for the engine process to load "
                                        "the model")
+    timeout_keep_alive: float = _opt(20.0, "seconds an idle HTTP keep-alive connection stays "
+                                     "open; longer than clients' own idle expiry (httpx 5 s, "
+                                     "aiohttp 15 s) so a client never sends on a connection "
+                                     "the server is closing")
     engine_failure: str = _opt("exit", "when the engine-core process dies: open streams end "
                                "with an error event and new requests get 503, then the "
                                "server exits with status 1 ('exit') or starts a new engine "
@@ -741,6 +745,7 @@ class ServerConfig:
                   (self.max_waiting_requests is None or self.max_waiting_requests >= 0,
                    "max_waiting_requests", "must be >= 0"),
                   (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
+                  (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
                   (all("=" in m and m.index("=") > 0 for m in self.lora_modules or []),
                    "lora_modules", "must be NAME=PATH pairs")]
         for ok, name, why in checks:

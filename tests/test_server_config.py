@@ -33,7 +33,8 @@ def test_api_key_falls_back_to_the_environment():
 @pytest.mark.parametrize("kwargs,field", [({"port": 70000}, "port"), ({"max_n": 0}, "max_n"),
                                           ({"max_waiting_requests": -1},
                                            "max_waiting_requests"),
-                                          ({"uvicorn_log_level": "loud"}, "uvicorn_log_level")])
+                                          ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),
+                                          ({"timeout_keep_alive": 0}, "timeout_keep_alive")])
 def test_bad_server_options(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kwargs)

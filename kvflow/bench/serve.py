@@ -37,6 +37,10 @@ from kvflow.bench.datasets import (
 )
 
 MAX_ERRORS_KEPT = 20
+# Idle seconds before the client drops a pooled connection: below the servers' keep-alive
+# (uvicorn's default 5 s), so a request is never sent on a connection the server is closing
+# (that race surfaces as aiohttp's ServerDisconnectedError at arrival gaps near 5 s).
+CLIENT_KEEPALIVE_S = 3.0
 
 
 def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
@@ -125,7 +129,8 @@ async def run_load(requests: list[BenchRequest], args: argparse.Namespace,
     progress = _progress(len(requests), args.disable_tqdm)
 
     async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+                                     connector=aiohttp.TCPConnector(
+                                         limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)) as session:
         async def one(req: BenchRequest) -> RequestResult:
             payload = build_payload(req, args.endpoint, args.model, args.ignore_eos, extra)
             if limit is None:

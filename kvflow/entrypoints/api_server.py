@@ -338,7 +338,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
                     server_config.port)
         server = uvicorn.Server(uvicorn.Config(
             app, host=server_config.host, port=server_config.port,
-            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5))
+            log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
+            timeout_keep_alive=server_config.timeout_keep_alive))
         app.state.uvicorn_server = server
         server.run()
     finally:

@@ -162,3 +162,28 @@ def test_null_content_renders_as_empty_text(server, tokenizer, messages):
              for m in messages]
     assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == expected
     assert streamed(server, "/v1/chat/completions", body)[1] is not None
+
+
+def test_idle_keep_alive_connection_outlives_client_expiry(server):
+    """The 30-minute soak lost one request to aiohttp's ServerDisconnectedError: at arrival
+    gaps near 5 s the client reused a pooled connection just as uvicorn (5 s keep-alive by
+    default) closed it. The server now keeps idle connections for --timeout-keep-alive
+    (20 s): a second request on the same connection after 6 idle seconds is answered."""
+    import http.client
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+        sock = conn.sock
+        time.sleep(6.0)
+        conn.request("GET", "/health")  # raises RemoteDisconnected if the server closed it
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200
+        assert conn.sock is sock  # the same TCP connection, not a new one
+    finally:
+        conn.close()
