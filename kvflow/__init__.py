@@ -4,6 +4,7 @@ from kvflow.openmp_env import set_openmp_defaults
 
 set_openmp_defaults()  # before anything imports torch (which loads the OpenMP runtime)
 
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __all__ = [
     "CompletionOutput",
     "LLMEngine",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",

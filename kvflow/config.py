@@ -77,6 +77,10 @@ class ModelConfig:
     download_dir: str | None = _opt(None, "huggingface_hub cache folder for Hub models "
                                     "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     tokenizer: str | None = _opt(None, "tokenizer folder (default: the model's own)")
+    task: str = _opt("auto", "what the model serves: generate (text), embed (one vector per "
+                     "prompt: /v1/embeddings, LLM.embed), or auto (embed for encoder and "
+                     "LM-head-less architectures and sentence-transformers folders)",
+                     choices=["auto", "generate", "embed"])
     dtype: str = _opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
     seed: int = _opt(0, "seed for unseeded random sampling and dummy weights")

@@ -28,6 +28,7 @@ class EngineCoreOutput:
             prompt token (None for the first).
         num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens this step
             verified for the request and how many of them it accepted (0 / 0 without).
+        pooling_output: an embedding request's pooled vector (with its finish).
     """
 
     request_id: str
@@ -39,6 +40,7 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    pooling_output: list[float] | None = None
 
 
 class EngineStats(msgspec.Struct):

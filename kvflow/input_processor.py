@@ -8,7 +8,9 @@ from typing import Any
 
 from kvflow.chat_template import image_urls, render_chat
 from kvflow.lora.request import LoRARequest
+from kvflow.models.pooling_config import PoolerConfig
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -39,17 +41,21 @@ class InputProcessor:
         eos_token_ids: every id the model declares as EOS (generation_config.json); those
             other than ``eos_token_id`` are added to each request's ``stop_token_ids`` unless
             it sets ``ignore_eos`` (as vLLM does), so any of them ends generation.
+        pooler: an embedding model's pooling (None: a generation model).
+        hidden_size: the model's hidden size (the embedding's length).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, mm_processor: Any = None,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None,
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
         self.tokenizer = tokenizer
         self.extra_eos_ids = [t for t in eos_token_ids or []
                               if t != eos_token_id and 0 <= t < vocab_size]
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.pooler, self.hidden_size = pooler, hidden_size
         # kvflow.multimodal.processor.MultiModalProcessor for a vision-language model
         self.mm_processor = mm_processor
 
@@ -126,12 +132,15 @@ class InputProcessor:
         raise ValueError(f"a prompt must be a string or a list of token ids, got "
                          f"{type(prompt).__name__}")
 
-    def validate(self, token_ids: list[int]) -> None:
-        """Raises ValueError for an empty prompt, one that leaves no room to generate, or an
-        out-of-vocabulary id."""
+    def validate(self, token_ids: list[int], pooling: bool = False) -> None:
+        """Raises ValueError for an empty prompt, one that leaves no room to generate (for an
+        embedding, ``pooling``: one longer than max_model_len), or an out-of-vocabulary id."""
         if not token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
-        if len(token_ids) >= self.max_model_len:
+        if pooling and len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}")
+        if not pooling and len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
                              f"{self.max_model_len}: it must be shorter to leave room for "
                              "at least one generated token")
@@ -224,6 +233,24 @@ class InputProcessor:
                 e.param = param
                 raise
         return images
+
+    def make_pooling_request(self, request_id: str, token_ids: list[int],
+                             params: PoolingParams | None = None,
+                             arrival_time: float | None = None) -> Request:
+        """An embedding request (prompt computed and pooled, nothing generated).
+
+        Raises:
+            ValueError: on a generation model, for a bad prompt (see ``validate``), or a
+                ``dimensions`` the model cannot give (Matryoshka support, sizes).
+        """
+        if self.pooler is None:
+            raise ValueError("this model generates text: embeddings need a model served with "
+                             "task='embed' (--task embed)")
+        params = params or PoolingParams()
+        self.validate(token_ids, pooling=True)
+        self.pooler.check_dimensions(params.dimensions, self.hidden_size)
+        return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
+                       pooling_params=params)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:

@@ -11,7 +11,8 @@ from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.input_processor import PromptType
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -96,6 +97,43 @@ class LLM:
             raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
+        batched by the same scheduler as generation (prompts only, nothing sampled).
+
+        Args:
+            prompts: a string, a token-id list, or a list of either.
+            pooling_params: one for all prompts or one per prompt (``dimensions``: Matryoshka
+                truncation, for models that support it).
+
+        Raises:
+            ValueError: on a generation model (start it with ``task="embed"``), or for a bad
+                prompt or ``dimensions`` (nothing is queued then).
+        """
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        processor = self.engine.processor
+        for p, pp in zip(prompts, params):  # validate everything before queuing anything
+            processor.make_pooling_request("check", processor.tokenize(p)[1], pp)
+        ids: list[str] = []
+        try:
+            for p, pp in zip(prompts, params):
+                ids.append(self.engine.add_pooling_request(p, pp))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
@@ -133,8 +171,8 @@ class LLM:
             out.prompt = text
         return outputs
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+        finished: dict[str, Any] = {}
         try:
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:

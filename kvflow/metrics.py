@@ -249,7 +249,9 @@ class RequestStatsTracker:
             m.ttft.observe(now - times.arrival_time)
             m.prompt_tokens.inc(times.num_prompt_tokens)
             m.prompt_len.observe(times.num_prompt_tokens)
-        for sample in output.outputs:
+        if not isinstance(output.outputs, list):  # an embedding: finished, no tokens
+            self._observe_sample(times, 0, 0, "stop" if output.finished else None, now)
+        for sample in output.outputs if isinstance(output.outputs, list) else ():
             self._observe_sample(times, sample.index, len(sample.token_ids),
                                  sample.finish_reason, now)
         if len(times.finished) == times.num_samples:

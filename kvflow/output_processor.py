@@ -14,7 +14,14 @@ from typing import Any
 
 from kvflow.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvflow.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvflow.request import Request
 
 
@@ -52,6 +59,8 @@ class _RequestState:
     delta: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    pooling: bool = False  # an embedding request
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,7 +98,7 @@ class OutputProcessor:
         for r in requests:
             p = r.sampling_params
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and r.pooling_params is None:
                 detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
                                                p.skip_special_tokens, p.stop,
                                                p.include_stop_str_in_output, p.min_tokens)
@@ -99,7 +108,8 @@ class OutputProcessor:
             samples[r.request_id] = _SampleState(out, detok, p.logprobs is not None)
             self._parent_of[r.request_id] = first.parent_id
         self._states[first.parent_id] = _RequestState(
-            prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time), delta)
+            prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time), delta,
+            pooling=first.pooling_params is not None)
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -113,7 +123,11 @@ class OutputProcessor:
             self._parent_of.pop(sid, None)
         return list(state.samples)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
+        """Fold a step's outputs in; returns the outputs that changed (an
+        ``EmbeddingRequestOutput`` for an embedding request) and the sample ids a stop string
+        ended (to abort in the core)."""
         now = time.monotonic()
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
@@ -125,6 +139,8 @@ class OutputProcessor:
             sample = state.samples[eco.request_id]
             if sample.output.finished:  # a stop string ended it; its abort is in flight
                 continue
+            if eco.pooling_output is not None:
+                state.embedding = eco.pooling_output
             if eco.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
                                                               eco.prompt_logprobs)
@@ -216,7 +232,12 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     @staticmethod
-    def _request_output(parent: str, state: _RequestState) -> RequestOutput:
+    def _request_output(parent: str, state: _RequestState
+                        ) -> RequestOutput | EmbeddingRequestOutput:
+        if state.pooling:
+            return EmbeddingRequestOutput(parent, state.prompt, state.prompt_token_ids,
+                                          EmbeddingOutput(state.embedding or []),
+                                          state.finished, state.metrics)
         samples = sorted(state.samples.values(), key=lambda s: s.output.index)
         if state.delta:
             outputs = [s.take_delta() for s in samples if s.changed]

@@ -90,6 +90,30 @@ class RequestMetrics:
 
 
 @dataclass
+class EmbeddingOutput:
+    """The pooled vector of one prompt (float32 values; empty when the request was aborted).
+
+    Attributes:
+        embedding: ``hidden_size`` values (or ``dimensions``), L2-normalized when the model
+            normalizes.
+    """
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request (vLLM's ``EmbeddingRequestOutput`` shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
 class RequestOutput:
     """All samples of one prompt.
 

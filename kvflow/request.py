@@ -7,6 +7,7 @@ import time
 
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class Request:
         client_id: who sent it (the OpenAI ``user`` field, else a digest of the API key; ""
             when unknown): the fair policy shares tokens over clients.
         lora_request: the LoRA adapter it runs with (None: the base model).
+        pooling_params: set for an embedding request: its prompt is computed and pooled into
+            one vector, nothing is generated.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         client_id: str = "",
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -100,6 +104,7 @@ class Request:
         self.priority = priority
         self.client_id = client_id
         self.lora_request = lora_request
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

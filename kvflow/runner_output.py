@@ -39,6 +39,8 @@ class ModelRunnerOutput:
             asked for them.
         draft_time_s: wall time (seconds) the step spent proposing draft tokens with a draft
             model (speculative decoding; its step-cost model reads it), else 0.
+        pooler_output: request id -> the pooled vector of an embedding request whose prompt
+            the step finished.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -46,7 +48,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     draft_time_s: float = 0.0
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.req_ids and not self.prompt_logprobs
+        return not self.req_ids and not self.prompt_logprobs and not self.pooler_output

@@ -35,6 +35,7 @@ import torch
 
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 # One block-id list per KV-cache group.
@@ -57,6 +58,8 @@ class NewRequestData:
             the runner keeps them until the request finishes (a preempted request may need
             its images encoded again).
         lora_request: its LoRA adapter (None: the base model).
+        pooling_params: set for an embedding request (pooled when its prompt is computed,
+            nothing sampled).
     """
 
     req_id: str
@@ -67,6 +70,7 @@ class NewRequestData:
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

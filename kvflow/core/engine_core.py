@@ -26,12 +26,18 @@ from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import cpu_thread_count
 from kvflow.kernels.gemm_select import measure_cpu_dtype
-from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheConfig, KVCacheGroupSpec
+from kvflow.kv_cache_interface import (
+    DRAFT_LAYER_PREFIX,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
-from kvflow.models.registry import is_multimodal
+from kvflow.models.pooling_config import model_task
+from kvflow.models.registry import is_multimodal, model_traits
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
 from kvflow.sched_output import SchedulerOutput
@@ -96,10 +102,36 @@ class EngineCore:
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    self._cpu_dtype_measure())
         self.config.parallel_config.verify_with_model(self.hf_config)
+        self._init_task(source)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
         self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
         self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+
+    def _init_task(self, source: ModelSource) -> None:
+        """``task`` (generate | embed), the pooling of an embedding model, and whether it is
+        an encoder (no KV cache, whole prompts per step).
+
+        Raises:
+            ValueError: for a task the model cannot run, or embedding with LoRA, speculative
+                decoding, swap preemption or pipeline parallelism.
+        """
+        folder = source.path if source.kind == "hf" else None
+        self.task, self.pooler_config = model_task(self.config.model_config.task,
+                                                   self.hf_config, folder)
+        self.is_encoder = model_traits(self.hf_config)[1]
+        if self.task == "embed" and self.config.lora_config.enable_lora:
+            raise ValueError("enable_lora is for text generation; this engine embeds "
+                             "(task='embed')")
+        if self.task == "embed" and self.config.scheduler_config.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not available for embedding models "
+                             "(a pooled prompt is recomputed when preempted)")
+        if self.task == "embed" and self.config.speculative_config is not None:
+            raise ValueError("speculative decoding is for text generation; this engine embeds "
+                             "(task='embed')")
+        if self.task == "embed" and self.config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("embedding models run without pipeline parallelism "
+                             "(pipeline_parallel_size=1)")
 
     def _cpu_dtype_measure(self) -> Callable[[torch.dtype], torch.dtype] | None:
         """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
@@ -121,12 +153,17 @@ class EngineCore:
         split steps).
 
         Raises:
-            ValueError: if asked for with an executor that cannot split steps (several ranks).
+            ValueError: if asked for with an executor that cannot split steps (several ranks),
+                or for an embedding engine.
         """
         sc = self.config.scheduler_config
         if sc.async_scheduling is None:  # not with speculative decoding (see EngineConfig)
             sc.async_scheduling = self.platform.default_async_scheduling and \
-                self.executor.supports_async_scheduling and self.config.speculative_config is None
+                self.executor.supports_async_scheduling and \
+                self.config.speculative_config is None and self.task == "generate"
+        elif sc.async_scheduling and self.task == "embed":
+            raise ValueError("--async-scheduling is for text generation; this engine embeds "
+                             "(task='embed': nothing is sampled)")
         elif sc.async_scheduling and not self.executor.supports_async_scheduling:
             raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
                              "it is not available with tensor or pipeline parallelism yet")
@@ -137,6 +174,9 @@ class EngineCore:
         requested = self.config.model_config.max_model_len
         positions = rope_max_positions(self.hf_config) \
             if hasattr(self.hf_config, "max_position_embeddings") else None
+        if self.is_encoder:  # whole prompts per step: a prompt must fit one step's budget
+            positions = min(positions or requested or 512,
+                            self.config.scheduler_config.max_num_batched_tokens)
         if requested is not None and positions is not None and requested > positions:
             # The rotary tables hold this many positions (max_position_embeddings, scaled for
             # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
@@ -172,6 +212,8 @@ class EngineCore:
             ValueError: if fewer than 2 blocks fit (the null block plus one).
         """
         specs = self.executor.get_kv_cache_spec()
+        if not specs and self.is_encoder:
+            return self._encoder_kv_cache_config()
         draft = {n: s for n, s in specs.items() if n.startswith(DRAFT_LAYER_PREFIX)}
         groups = group_kv_cache_specs({n: s for n, s in specs.items() if n not in draft})
         draft_group = KVCacheGroupSpec(tuple(draft), next(iter(draft.values()))) \
@@ -211,9 +253,21 @@ class EngineCore:
                              f"KV block of {config.page_size_bytes} bytes")
         return num
 
+    def _encoder_kv_cache_config(self) -> KVCacheConfig:
+        """An encoder keeps no KV cache (kvflow/attention/encoder.py), but its requests still
+        go through the scheduler's block accounting: a group without layers (no tensor is
+        allocated) with blocks enough for one step's whole prompts."""
+        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        spec = FullAttentionSpec(bs, 1, 1, self.dtype)
+        num_blocks = -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs + 1
+        return KVCacheConfig(num_blocks, (KVCacheGroupSpec((), spec),))
+
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, cc.enable_prefix_caching)
+        # a pooled prompt needs every token's hidden state unless only its last one counts
+        caching = cc.enable_prefix_caching and not self.is_encoder and (
+            self.pooler_config is None or self.pooler_config.pooling_type == "last")
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching)
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
         spec, lc = self.config.speculative_config, self.config.lora_config
@@ -221,7 +275,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len, send_token_ids=pipelined,
                                    speculator=self.speculator,
-                                   max_loras=lc.max_loras if lc.enable_lora else None)
+                                   max_loras=lc.max_loras if lc.enable_lora else None,
+                                   whole_prompts=self.is_encoder)
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on every rank, by id
         self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
         if self.kv_cache_config.num_host_blocks:
@@ -292,9 +347,15 @@ class EngineCore:
 
         Raises:
             ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
-                on an engine without a tokenizer, images for a text-only model, or a LoRA
-                adapter that cannot be loaded.
+                on an engine without a tokenizer, images for a text-only model, a LoRA
+                adapter that cannot be loaded, or a generation request to an embedding
+                engine (and the reverse).
         """
+        if (request.pooling_params is not None) != (self.task == "embed"):
+            raise ValueError(f"this engine runs task={self.task!r}: "
+                             + ("use LLM.embed or /v1/embeddings" if self.task == "embed"
+                                else "embedding requests need a model served with "
+                                "task='embed'"))
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise ValueError(f"request {request.request_id!r} has images but this model "
                              "takes text only")

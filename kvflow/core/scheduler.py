@@ -74,15 +74,18 @@ class Scheduler:
     step computed meanwhile is dropped, so outputs and stops are exactly those of lock-step
     scheduling.
         speculator: proposes draft tokens each step (speculative decoding), or None.
+        whole_prompts: never split a prompt over steps (encoder-only models: their attention
+            is bidirectional, so a prompt is computed in one step or not at all).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, send_token_ids: bool = False,
                  speculator: Speculator | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, whole_prompts: bool = False) -> None:
         self.config = config
         self.max_loras = max_loras
+        self.whole_prompts = whole_prompts
         self.send_token_ids = send_token_ids
         self.async_scheduling = bool(config.async_scheduling)
         self.kv = kv_cache_manager
@@ -113,11 +116,12 @@ class Scheduler:
 
         Raises:
             ValueError: if its id is already in use, or it has ``max_model_len`` tokens or more
-                (no room to generate).
+                (no room to generate; an embedding request may have ``max_model_len``).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.max_model_len:
+        if request.num_tokens > self.max_model_len or (
+                request.num_tokens == self.max_model_len and request.pooling_params is None):
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
                              f"max_model_len is {self.max_model_len}")
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
@@ -371,6 +375,8 @@ class Scheduler:
                     num_new = step_budget.take_prefill(num_hit_tokens, num_new)
                 if request.mm_features is not None:  # images: the encoder may cut the chunk
                     num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
+                if self.whole_prompts and num_new < request.num_tokens - num_hit_tokens:
+                    break  # a whole prompt next step, when the budget allows
                 if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
                     break
                 self.waiting.pop()
@@ -424,7 +430,8 @@ class Scheduler:
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
-            mm_features=request.mm_features, lora_request=request.lora_request))
+            mm_features=request.mm_features, lora_request=request.lora_request,
+            pooling_params=request.pooling_params))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Back to the waiting queue, every token kept; its KV freed for recomputation, or
@@ -461,6 +468,7 @@ class Scheduler:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         spec_tokens = sched_out.scheduled_spec_decode_tokens
         slos, now = self.planner.slos, self.clock()
+        pooled = runner_output.pooler_output
         for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
             if track:
                 self._returned(rid)
@@ -469,6 +477,10 @@ class Scheduler:
             if token_ids is not None and request is not None and \
                     request.num_output_placeholders:
                 request.num_output_placeholders -= 1  # async scheduling: it has arrived
+            if pooled and rid in pooled and request is not None and \
+                    not request.status.is_finished:
+                outputs.append(self._finish_pooled(request, pooled[rid]))
+                continue
             if token_ids is None or request is None or request.status.is_finished:
                 continue
             num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
@@ -508,6 +520,15 @@ class Scheduler:
         num_blocks = self.kv.free_tail(request, request.num_tokens)
         if num_blocks is not None:
             self._truncated[request.request_id] = num_blocks
+
+    def _finish_pooled(self, request: Request, vector: list[float]) -> EngineCoreOutput:
+        """An embedding request whose prompt is computed: done, its blocks freed at once."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._dequeue(request)
+        self._free(request)
+        return EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                                num_cached_tokens=request.num_cached_tokens,
+                                pooling_output=vector)
 
     def _dequeue(self, request: Request) -> None:
         """Take a request out of the running list (or, preempted meanwhile, the waiting queue)."""

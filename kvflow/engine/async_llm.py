@@ -67,6 +67,8 @@ from kvflow.models.registry import is_multimodal
 from kvflow.multimodal import make_mm_processor
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
+from kvflow.pooling_params import PoolingParams
+from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -192,10 +194,12 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks  # per replica
+        self.task = ready.task
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
                                         resolve_eos_token_id(self.tokenizer, ready),
                                         self._mm_processor,
-                                        eos_token_ids=self._eos_token_ids)
+                                        eos_token_ids=self._eos_token_ids,
+                                        pooler=ready.pooler, hidden_size=ready.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
 
@@ -296,12 +300,22 @@ class AsyncLLM:
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
                                                 lora_request)
+        return self._queue(request_id, prompt, requests, arrival)
+
+    def _queue(self, request_id: str, prompt: str | None, requests: list[Request],
+               arrival: float) -> RequestStream:
+        """Send one user request's samples to one replica; returns its stream.
+
+        Raises:
+            ValueError: if the request cannot be encoded (nothing registered then).
+        """
         try:  # encode before registering anything, so a refusal leaves no state behind
             payload = self._encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
         self.output_processor.add_request(prompt, requests, delta=True)
+        prompt_token_ids = requests[0].prompt_token_ids
         replica = self.balancer.choose(prompt_token_ids, [c.is_live for c in self.cores],
                                        [s.kv_cache_usage for s in self.stats])
         self.balancer.assign(request_id, replica, len(requests))
@@ -310,7 +324,7 @@ class AsyncLLM:
         stream = RequestStream(request_id, self.config.scheduler_config.admission_control)
         self._streams[request_id] = stream
         self._waiting.add(request_id)
-        self.tracker.start(request_id, arrival, len(prompt_token_ids), params.n)
+        self.tracker.start(request_id, arrival, len(prompt_token_ids), len(requests))
         self.cores[replica].send(payload)
         return stream
 
@@ -325,6 +339,23 @@ class AsyncLLM:
         """
         if stream.admitted is not None:
             await stream.admitted
+
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int], params: PoolingParams | None = None
+                            ) -> RequestStream:
+        """Validate and queue one embedding request; its stream ends with one
+        ``EmbeddingRequestOutput``.
+
+        Raises:
+            ValueError: on a generation model, for a bad prompt or ``dimensions``.
+            EngineDeadError: if no replica is running.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError("the engine core is not running")
+        arrival = time.monotonic()
+        request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
+                                                      arrival)
+        return self._queue(request_id, prompt, [request], arrival)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (no-op if it already finished); its core frees its KV blocks

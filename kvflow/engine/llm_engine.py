@@ -21,7 +21,8 @@ from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_tok
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -44,11 +45,13 @@ class LLMEngine:
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
             vocab_size, hf_config = self.core.ready.vocab_size, None
+            pooler, hidden_size = self.core.ready.pooler, self.core.ready.hidden_size
         else:
             self.core = EngineCore(config)
             source, eos_source = self.core.source, self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
             hf_config = self.core.hf_config
+            pooler, hidden_size = self.core.pooler_config, hf_config.hidden_size
         try:
             self.tokenizer = None if mc.skip_tokenizer_init else \
                 load_tokenizer(source, mc.tokenizer)
@@ -60,7 +63,8 @@ class LLMEngine:
         self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
-                                        mm_processor, load_eos_token_ids(source, hf_config))
+                                        mm_processor, load_eos_token_ids(source, hf_config),
+                                        pooler, hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -97,6 +101,23 @@ class LLMEngine:
                 self.core.add_request(r)
         return request_id
 
+    def add_pooling_request(self, prompt: PromptType, params: PoolingParams | None = None,
+                            request_id: str | None = None) -> str:
+        """Validate and queue one embedding request; returns its id.
+
+        Raises:
+            ValueError: on a generation model, for a bad prompt or ``dimensions``.
+        """
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, token_ids = self.processor.tokenize(prompt)
+        request = self.processor.make_pooling_request(request_id, token_ids, params)
+        self.output_processor.add_request(text, [request])
+        if isinstance(self.core, DPCoreClient):
+            self.core.add_requests([request])
+        else:
+            self.core.add_request(request)
+        return request_id
+
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort(request_id))
 
@@ -107,8 +128,8 @@ class LLMEngine:
         """Stop the engine's worker processes, if any (idempotent)."""
         self.core.shutdown()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the RequestOutputs that changed (finished or not)."""
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """One engine step; returns the outputs that changed (finished or not)."""
         outputs, stopped = self.output_processor.process(self.core.step())
         if stopped:
             self.core.abort_requests(stopped)

@@ -17,7 +17,9 @@ import msgspec
 
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.lora.request import LoRARequest
+from kvflow.models.pooling_config import PoolerConfig
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -37,18 +39,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     mm_features: list[MultiModalFeature] | None = None
     client_id: str = ""
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
-                   r.client_id, r.lora_request)
+                   r.client_id, r.lora_request, r.pooling_params)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
                        self.sample_index, self.mm_features, self.client_id,
-                       self.lora_request)
+                       self.lora_request, self.pooling_params)
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -92,6 +95,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     stats: EngineStats  # the idle engine's counters, so /metrics is right before any request
     engine_index: int = 0  # the data-parallel replica
+    task: str = "generate"  # or "embed"
+    pooler: PoolerConfig | None = None  # an embedding model's pooling
+    hidden_size: int = 0
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

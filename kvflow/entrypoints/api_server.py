@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize (these need
+Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
 a 4xx, never a 500.
@@ -29,6 +30,7 @@ from kvflow.entrypoints.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
@@ -39,6 +41,7 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.serving_base import OpenAIError, engine_dead
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -141,6 +144,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.state.models = models = ServingModels(engine, model_name)
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models)
     app.state.chat = OpenAIServingChat(engine, config, model_name, models)
+    app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
@@ -216,6 +220,10 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await raw.app.state.chat.create_chat_completion(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await raw.app.state.embedding.create_embedding(req, raw)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:

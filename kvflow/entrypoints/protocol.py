@@ -428,6 +428,41 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+# ---- embeddings ----------------------------------------------------------------------------------
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
+    list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
+    ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=_INT32_MAX)
+    user: str | None = None
+
+    _no_bool_dimensions = field_validator("dimensions", mode="before")(_not_bool)
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 # ---- models, tokenizer, version ------------------------------------------------------------------
 class ModelCard(OpenAIBaseModel):
     id: str

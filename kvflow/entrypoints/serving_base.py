@@ -145,6 +145,20 @@ class OpenAIServing:
             raise OpenAIError(str(e), 404, "invalid_request_error", "model",
                               "model_not_found") from None
 
+    def check_task(self, task: str) -> None:
+        """Refuse an endpoint the served model does not do (text on an embedding model,
+        embeddings on a text model).
+
+        Raises:
+            OpenAIError: 400 (param ``model``) when the engine's task is not ``task``.
+        """
+        if self.engine.task != task:
+            use = "/v1/embeddings" if self.engine.task == "embed" else \
+                "/v1/completions or /v1/chat/completions"
+            raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+                              f"this endpoint needs task={task!r}: use {use}", param="model",
+                              code="wrong_task")
+
     def check_admission(self, num_requests: int) -> None:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already."""
         limit = self.config.max_waiting_requests

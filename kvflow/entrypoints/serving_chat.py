@@ -81,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
         """
         lora = self.check_model(req.model)
+        self.check_task("generate")
         self._check_request(req)
         mode, parser = self._tools(req)
         text, ids = self.render(req.messages, ChatOptions.of(req),

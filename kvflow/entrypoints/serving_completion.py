@@ -64,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             OpenAIError: 404 for another model, 400 for an unsupported field value.
         """
         lora = self.check_model(req.model)
+        self.check_task("generate")
         self.check_n(req.n)
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)

@@ -325,3 +325,25 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with RMSNorm on each head of q and k before RoPE, no q/k/v bias."""
 
     qk_norm = True
+
+
+def embedding_only(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
+    """``cls`` for a checkpoint of the bare decoder (HF ``LlamaModel``, ``Qwen2Model``, ...:
+    tensors without the ``model.`` prefix, no LM head), as decoder-based embedding models
+    ship: it only computes hidden states, for the runner to pool."""
+
+    class EmbeddingOnly(cls):
+        is_pooling_only: ClassVar[bool] = True
+
+        def __init__(self, config: Any, ctx: AttentionContext,
+                     parallel: ParallelState | None = None) -> None:
+            super().__init__(config, ctx, parallel)
+            self.lm_head = PPMissingLayer()
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            return super().load_weights(
+                (n if n.startswith(("model.", "lm_head.")) else f"model.{n}", t)
+                for n, t in weights if not n.startswith("lm_head."))
+
+    EmbeddingOnly.__name__ = EmbeddingOnly.__qualname__ = f"{cls.__name__}EmbeddingOnly"
+    return EmbeddingOnly

@@ -6,9 +6,15 @@ from typing import Any
 
 from torch import nn
 
+from kvflow.models.bert import BertModel
 from kvflow.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
-from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvflow.models.llama import (
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    embedding_only,
+)
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
 from kvflow.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -29,6 +35,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    # embedding (pooling) models: an encoder, and bare decoders without an LM head
+    "BertModel": BertModel,
+    "LlamaModel": embedding_only(LlamaForCausalLM),
+    "MistralModel": embedding_only(LlamaForCausalLM),
+    "Qwen2Model": embedding_only(Qwen2ForCausalLM),
+    "Qwen3Model": embedding_only(Qwen3ForCausalLM),
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -50,6 +62,19 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
             return MODEL_REGISTRY[arch]
     raise ValueError(f"unsupported model architecture {architectures}; kvflow supports "
                      f"{sorted(MODEL_REGISTRY)}")
+
+
+def model_traits(hf_config: Any) -> tuple[bool, bool]:
+    """(is_pooling_only, is_encoder_only) of the config's architecture: whether it can only
+    embed (no LM head) and whether it is a bidirectional encoder (no KV cache, whole prompts
+    per step).
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    return (bool(getattr(model_cls, "is_pooling_only", False)),
+            bool(getattr(model_cls, "is_encoder_only", False)))
 
 
 def uses_mla(hf_config: Any) -> bool:

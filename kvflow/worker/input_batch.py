@@ -28,6 +28,7 @@ import torch
 from kvflow.kv_cache_interface import KVCacheSpec
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 
@@ -45,6 +46,7 @@ class RequestState:
             prompt has no image: plain positions on all three axes).
         lora_request: its LoRA adapter, else None; ``lora`` the loaded adapter (the runner's
             copy, kept while the request lives even if the adapter is removed meanwhile).
+        pooling_params: set for an embedding request.
     """
 
     req_id: str
@@ -57,6 +59,7 @@ class RequestState:
     mrope_delta: int = 0
     lora_request: LoRARequest | None = None
     lora: object | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class InputBatch:

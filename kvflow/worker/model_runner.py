@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
+from kvflow.models.pooling_config import model_task
 from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config, weight_bytes
@@ -54,6 +55,7 @@ from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.pooling import PoolingState
 from kvflow.worker.prompt_logprobs import PromptLogprobsRequest, compute_prompt_logprobs
 from kvflow.worker.sampling_inputs import SamplingInputs
 
@@ -169,6 +171,8 @@ class ModelRunner:
                                              mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
+        _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
+        self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
         self._choose_gemm_path()
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
@@ -294,7 +298,7 @@ class ModelRunner:
                                     self.stager)
         with torch.inference_mode():
             hidden = self._forward(inputs, self._recv_from_previous_stage(), batch)
-            if self._send_to_next_stage(hidden):
+            if self._send_to_next_stage(hidden) and self.pooling is None:
                 self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
         self._release_kv_cache()
@@ -466,6 +470,13 @@ class ModelRunner:
                                lora_mapping=self._lora_mapping(inputs))
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
+        if self.pooling is not None:  # an embedding model: pool, sample nothing
+            params = {rid: self.requests[rid].pooling_params
+                      for rid in sched.num_scheduled_tokens}
+            pooled = self.pooling.step(self.input_batch, inputs.rows, inputs.query_start,
+                                       hidden, params)
+            self._step = _LaunchedStep(inputs.sample_rows[:0], None, {}, pooled=pooled)
+            return
         spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
         if spec is not None and proposal is not None:
             spec.draft_probs = draft_probs_tensor(spec, batch, proposal.probs)
@@ -516,8 +527,9 @@ class ModelRunner:
         if step is None:
             return
         if not len(step.sample_rows):  # a prefill chunk: maybe prompt logprobs, no tokens
-            if step.prompt_logprobs:
-                self._pending = _PendingOutput([], None, step.prompt_logprobs)
+            if step.prompt_logprobs or step.pooled:
+                self._pending = _PendingOutput([], None, step.prompt_logprobs,
+                                               pooled=step.pooled)
             return
         batch = self.input_batch
         if step.spec is not None:  # verification: synchronous (token counts vary per row)
@@ -542,7 +554,8 @@ class ModelRunner:
         if pending.ready is not None:
             return pending.ready
         if pending.output is None:
-            return ModelRunnerOutput(prompt_logprobs=pending.prompt_logprobs)
+            return ModelRunnerOutput(prompt_logprobs=pending.prompt_logprobs,
+                                     pooler_output=pending.pooled)
         sampled = pending.output.sampled.cpu().numpy()
         self.input_batch.fill_pending_tokens(sampled)
         tokens = sampled.tolist()
@@ -562,13 +575,17 @@ class ModelRunner:
         """Apply the step's changes to the request states and the input batch."""
         for rid in sched.finished_ids:
             self.requests.pop(rid, None)
+        if self.pooling is not None:
+            for rid in (*sched.finished_ids, *sched.preempted_ids):
+                self.pooling.drop(rid)
         for new in sched.scheduled_new_reqs:
             lora = None if new.lora_request is None else \
                 self.lora_manager.add_lora(new.lora_request)
             state = self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
                 self._make_generator(new.sampling_params), new.mm_features,
-                lora_request=new.lora_request, lora=lora)
+                lora_request=new.lora_request, lora=lora,
+                pooling_params=new.pooling_params)
             if self.mm_runner is not None:
                 self.mm_runner.add_request(state)
         if self.mm_runner is not None:  # encoder-cache drops, then this step's images
@@ -635,22 +652,24 @@ class ModelRunner:
 
 @dataclass
 class _LaunchedStep:
-    """A step whose forward pass was launched: its sampling rows and their logits, and the
-    prompt logprobs it computed."""
+    """A step whose forward pass was launched: its sampling rows and their logits, the
+    prompt logprobs it computed, and the embeddings it finished."""
 
     sample_rows: np.ndarray
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     spec: SpecStep | None = None  # verification layout (speculative decoding)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
 class _PendingOutput:
     """A step sampled but not yet collected: its requests, in sampled-tensor order (output
     None: nothing sampled), and its prompt logprobs; ``ready``: a verification step's output,
-    already on the host."""
+    already on the host; ``pooled``: the embeddings it finished."""
 
     req_ids: list[str]
     output: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     ready: ModelRunnerOutput | None = None
+    pooled: dict[str, list[float]] = field(default_factory=dict)

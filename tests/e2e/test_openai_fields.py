@@ -24,6 +24,7 @@ import pytest
 
 from kvflow.entrypoints import protocol
 from tests.lora.adapters import make_adapter
+from tests.models.embedding_models import build_decoder
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
         "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
@@ -31,12 +32,13 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--bl
         "8"]
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+EMB = "/v1/embeddings"
 PROMPT = "the quick brown fox"
 HI = [{"role": "user", "content": "hi"}]
 BASE = {C: {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
         CH: {"messages": HI, "max_tokens": 8, "temperature": 0, "return_token_ids": True},
         TOK: {"prompt": PROMPT}, DETOK: {"tokens": [5, 6, 7]},
-        LOAD: {"lora_name": "base-lora"}, UNLOAD: {}}
+        LOAD: {"lora_name": "base-lora"}, UNLOAD: {}, EMB: {"input": PROMPT}}
 HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from greedy
 
 
@@ -60,6 +62,17 @@ def server(start_server, model_dir, tmp_path_factory):
     server = start_server(model_dir, ARGS)
     server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"), 5,
                                     r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def embed_server(start_server, tiny_tokenizer, tmp_path_factory):
+    """A tiny Matryoshka-capable decoder embedding model (last-token pooling, normalized)."""
+    folder = str(tmp_path_factory.mktemp("embed") / "st")
+    build_decoder(tiny_tokenizer, folder, "lasttoken")
+    server = start_server(folder, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
+                                   "64", "--uvicorn-log-level", "info"])
     yield server
     server.stop()
 
@@ -496,12 +509,48 @@ def lora_cases() -> dict[str, Callable]:
             UNLOAD: {"lora_name": unload}}
 
 
+# ---- /v1/embeddings (a server of its own: an embedding model) -------------------------------
+def embedding_cases() -> dict[str, Callable]:
+    def vector(resp: dict[str, Any]) -> list[float]:
+        return resp["data"][0]["embedding"]
+
+    def input_(server, tokenizer):
+        a, b = ok(server, EMB, {}), ok(server, EMB, {"input": "lazy dog"})
+        plain = tokenizer.encode(PROMPT, add_special_tokens=False)  # the <bos> one adds it
+        assert a["usage"]["prompt_tokens"] == len(plain)
+        assert vector(a) != vector(b) and len(vector(a)) == 64
+
+    def encoding_format(server, tokenizer):
+        import base64
+
+        import numpy as np
+
+        packed = vector(ok(server, EMB, {"encoding_format": "base64"}))
+        values = np.frombuffer(base64.b64decode(packed), dtype="<f4").tolist()
+        assert values == pytest.approx(vector(ok(server, EMB, {})), abs=1e-7)
+        rejected(EMB, {"encoding_format": "int8"}, "encoding_format")(server, tokenizer)
+
+    def dimensions(server, tokenizer):
+        full, cut = vector(ok(server, EMB, {})), vector(ok(server, EMB, {"dimensions": 8}))
+        norm = sum(v * v for v in full[:8]) ** 0.5
+        assert cut == pytest.approx([v / norm for v in full[:8]], abs=1e-6)
+        rejected(EMB, {"dimensions": 65}, "dimensions")(server, tokenizer)
+
+    def user(server, tokenizer):
+        ok(server, EMB, {"user": "user-e1b2"})
+        assert "user 'user-e1b2'" in server.log()
+
+    return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
+            "encoding_format": encoding_format, "dimensions": dimensions, "user": user}
+
+
 CASES = {C: (protocol.CompletionRequest, completion_cases()),
          CH: (protocol.ChatCompletionRequest, chat_cases()),
          TOK: (protocol.TokenizeRequest, tokenize_cases()),
          DETOK: (protocol.DetokenizeRequest, detokenize_cases()),
          LOAD: (protocol.LoadLoRAAdapterRequest, lora_cases()[LOAD]),
-         UNLOAD: (protocol.UnloadLoRAAdapterRequest, lora_cases()[UNLOAD])}
+         UNLOAD: (protocol.UnloadLoRAAdapterRequest, lora_cases()[UNLOAD]),
+         EMB: (protocol.EmbeddingRequest, embedding_cases())}
 
 
 def test_every_field_has_a_case():
@@ -511,7 +560,8 @@ def test_every_field_has_a_case():
 
 @pytest.mark.parametrize("path,field", [(p, f) for p, (_, cases) in CASES.items()
                                         for f in cases])
-def test_field_is_used_or_rejected(server, tokenizer, path, field):
+def test_field_is_used_or_rejected(request, tokenizer, path, field):
+    server = request.getfixturevalue("embed_server" if path == EMB else "server")
     CASES[path][1][field](server, tokenizer)
 
 

@@ -1,0 +1,112 @@
+"""POST /v1/embeddings: inputs (text or token ids, one or many) -> one vector each (OpenAI's
+shape), batched by the engine's scheduler like any prompts."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream
+from kvflow.entrypoints.protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from kvflow.entrypoints.serving_base import OpenAIError, OpenAIServing, engine_dead, random_id
+from kvflow.pooling_params import PoolingParams
+
+Prompt = tuple[str | None, list[int]]
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    """Handler of /v1/embeddings (see OpenAIServing for the constructor)."""
+
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
+        """Validate every input, queue them, answer with their vectors in input order.
+
+        Raises:
+            OpenAIError: 400 for bad input, a ``dimensions`` the model cannot give, or a text
+                model; 404 for another model; 503 when overloaded.
+        """
+        self.check_model(req.model)
+        self.check_task("embed")
+        prompts = self._inputs(req)
+        params = PoolingParams(dimensions=req.dimensions)
+        self.check_admission(len(prompts))
+        request_id = random_id("embd")
+        self.note_request(req, request_id)
+        streams = await self._add(request_id, prompts, params)
+        return await self.respond(raw, streams, self._response(req, request_id, prompts,
+                                                               streams))
+
+    def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:
+        """The inputs as (text or None, token ids).
+
+        Raises:
+            OpenAIError: 400 (param ``input``) for an empty input.
+        """
+        value = req.input
+        items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
+            else list(value)
+        if not items or any(len(item) == 0 for item in items):
+            raise OpenAIError("the input is empty", param="input")
+        return [(item, self.tokenizer.encode(item)) if isinstance(item, str)
+                else (None, list(item)) for item in items]
+
+    async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams
+                   ) -> list[RequestStream]:
+        """Queue every input (ids ``{request_id}-{i}``), with admission control wait until
+        the engine core accepted them all; on failure abort what was queued.
+
+        Raises:
+            OpenAIError: 400 for an input or ``dimensions`` the engine refuses, 503 if the
+                engine is gone or admission control refused an input.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                streams.append(self.engine.add_pooling_request(f"{request_id}-{i}", text, ids,
+                                                               params))
+            for stream in streams:
+                await self.engine.admitted(stream)
+        except ValueError as e:
+            self.abort(streams)
+            param = "dimensions" if "dimensions" in str(e) else "input"
+            raise OpenAIError(str(e), param=param) from None
+        except EngineDeadError as e:
+            self.abort(streams)
+            raise engine_dead(e) from None
+        except AdmissionRejected as e:
+            self.abort(streams)
+            raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
+                              headers={"Retry-After": str(int(e.retry_after_s))}) from None
+        return streams
+
+    async def _response(self, req: EmbeddingRequest, request_id: str, prompts: list[Prompt],
+                        streams: Sequence[RequestStream]) -> EmbeddingResponse:
+        data = []
+        for i, stream in enumerate(streams):
+            last = None
+            async for out in stream:
+                last = out
+            vector = last.outputs.embedding if last is not None else []
+            if not vector:
+                raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+            data.append(EmbeddingData(embedding=_encode(vector, req.encoding_format), index=i))
+        num_tokens = sum(len(ids) for _, ids in prompts)
+        return EmbeddingResponse(id=request_id, model=self.model_name, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=num_tokens,
+                                                      total_tokens=num_tokens))
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    """``float``: the list; ``base64``: its little-endian float32 bytes in base64 (OpenAI's
+    format, what the openai client decodes with numpy)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector

@@ -1,0 +1,164 @@
+"""How an embedding model turns hidden states into one vector: the task, the pooling and the
+normalization, read from the model folder's sentence-transformers files.
+
+sentence-transformers describes a model as a pipeline of modules (``modules.json``):
+``Transformer`` (the network), ``Pooling`` (``1_Pooling/config.json``: CLS token, mean of the
+tokens or last token) and optionally ``Normalize`` (L2). kvflow runs exactly that pipeline; a
+folder asking for anything else (a ``Dense`` projection, max or weighted-mean pooling, pooling
+that leaves out the instruction) is refused with the module's name rather than embedded
+differently. Without those files an encoder (BERT) pools its CLS token and a decoder its last
+token, both normalized (vLLM's defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+TASKS = ("generate", "embed")
+_KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
+# sentence-transformers < 6: one boolean per mode; >= 6: "pooling_mode": name
+_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                  "pooling_mode_lasttoken": "last", "cls": "cls", "mean": "mean",
+                  "lasttoken": "last"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """One model's pooling.
+
+    Attributes:
+        pooling_type: "cls" (the first token's hidden state), "mean" (over the prompt's
+            tokens) or "last" (the last token's).
+        normalize: L2-normalize the vector (after any Matryoshka truncation).
+        matryoshka_dimensions: the truncations the model was trained for (None: any
+            ``dimensions`` up to the hidden size), when it supports them at all.
+        supports_dimensions: whether a request may ask for fewer ``dimensions``.
+    """
+
+    pooling_type: str
+    normalize: bool
+    supports_dimensions: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
+        """Whether a request's ``dimensions`` can be honoured.
+
+        Raises:
+            ValueError: when the model does not support Matryoshka truncation, or for a size
+                it was not trained for or above its hidden size.
+        """
+        if dimensions is None:
+            return
+        if not self.supports_dimensions:
+            raise ValueError("dimensions: this model does not support Matryoshka "
+                             "representations (set is_matryoshka or matryoshka_dimensions in "
+                             "its config.json if it was trained for them)")
+        allowed = self.matryoshka_dimensions
+        if dimensions > hidden_size or (allowed and dimensions not in allowed):
+            raise ValueError(f"dimensions={dimensions} is not supported by this model "
+                             f"(choose {list(allowed) if allowed else f'1..{hidden_size}'})")
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def has_sentence_transformers_config(folder: str | None) -> bool:
+    return folder is not None and os.path.isfile(os.path.join(folder, "modules.json"))
+
+
+def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None) -> str:
+    """``generate`` or ``embed``: ``requested``, or for ``auto`` embed when the architecture
+    only embeds (an encoder such as BertModel, a decoder without LM head such as Qwen2Model)
+    or the folder is a sentence-transformers model (``modules.json``).
+
+    Raises:
+        ValueError: for ``generate`` on an architecture without an LM head.
+    """
+    if requested == "auto":
+        embed = is_pooling_architecture or has_sentence_transformers_config(folder)
+        return "embed" if embed else "generate"
+    if requested == "generate" and is_pooling_architecture:
+        raise ValueError("task='generate' needs a model with an LM head; this architecture "
+                         "only embeds (use task='embed')")
+    return requested
+
+
+def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:
+    """The model's pooling: from sentence-transformers' files when the folder has them, else
+    CLS (encoders) or last-token (decoders), normalized.
+
+    Raises:
+        ValueError: for a sentence-transformers module or pooling mode kvflow does not run.
+    """
+    supports, dims = _matryoshka(hf_config)
+    if not has_sentence_transformers_config(folder):
+        return PoolerConfig("cls" if is_encoder else "last", True, supports, dims)
+    pooling, normalize = None, False
+    for module in _read_json(os.path.join(folder, "modules.json")):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _KNOWN_MODULES:
+            raise ValueError(f"sentence-transformers module {module.get('type')!r} "
+                             f"({module.get('path')}) is not supported; kvflow runs "
+                             "Transformer, Pooling and Normalize")
+        if kind == "Pooling":
+            pooling = _pooling_type(os.path.join(folder, module.get("path", ""), "config.json"))
+        normalize = normalize or kind == "Normalize"
+    if pooling is None:
+        pooling = "cls" if is_encoder else "last"
+    return PoolerConfig(pooling, normalize, supports, dims)
+
+
+def _pooling_type(path: str) -> str:
+    """The one pooling mode a sentence-transformers Pooling config turns on.
+
+    Raises:
+        ValueError: for none or several modes, one kvflow does not run, or
+            ``include_prompt: false``.
+    """
+    config = _read_json(path)
+    mode = config.get("pooling_mode")
+    on = [mode] if isinstance(mode, str) else \
+        [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    if len(on) != 1 or on[0] not in _POOLING_MODES:
+        raise ValueError(f"{path}: pooling modes {on} are not supported; kvflow pools with "
+                         "exactly one of cls, mean, lasttoken")
+    if config.get("include_prompt", True) is False:
+        raise ValueError(f"{path}: include_prompt=false (pooling without the instruction) is "
+                         "not supported")
+    return _POOLING_MODES[on[0]]
+
+
+def _matryoshka(hf_config: Any) -> tuple[bool, tuple[int, ...] | None]:
+    """(supports Matryoshka truncation, the trained sizes or None), from the HF config's
+    ``matryoshka_dimensions`` or ``is_matryoshka`` (vLLM's fields)."""
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        return True, tuple(int(d) for d in dims)
+    return bool(getattr(hf_config, "is_matryoshka", False)), None
+
+
+def model_task(requested: str, hf_config: Any, folder: str | None
+               ) -> tuple[str, PoolerConfig | None]:
+    """The task an engine runs and, for ``embed``, the model's pooling (one place for the
+    engine core, the runners and the API process to decide it alike).
+
+    Args:
+        requested: ``ModelConfig.task`` (auto | generate | embed).
+        hf_config: the model's HF config.
+        folder: the HF model folder (None for a GGUF file).
+
+    Raises:
+        ValueError: see :func:`resolve_task` and :func:`load_pooler_config`.
+    """
+    from kvflow.models.registry import model_traits
+
+    pooling_only, encoder = model_traits(hf_config)
+    task = resolve_task(requested, pooling_only, folder)
+    if task == "generate":
+        return task, None
+    return task, load_pooler_config(folder, hf_config, encoder)

@@ -1,0 +1,80 @@
+"""Pooling the hidden states of embedding requests into one vector each, across steps.
+
+An embedding request is a prompt computed like any prefill (chunked over steps when it is long,
+for decoder models) whose final hidden states are pooled instead of sampled from:
+``last`` takes the last prompt token's row (computed in the step that finishes the prompt),
+``cls`` the first token's (computed in the first chunk) and ``mean`` the average over every
+prompt token (a float32 running sum per request, added to by each chunk). A preempted request
+recomputes its prompt from the start, so its partial state is dropped. The vector is then cut
+to the request's ``dimensions`` (Matryoshka) and L2-normalized when the model normalizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvflow.models.pooling_config import PoolerConfig
+from kvflow.pooling_params import PoolingParams
+from kvflow.worker.input_batch import InputBatch
+
+
+def finish_vector(vector: torch.Tensor, params: PoolingParams | None,
+                  normalize: bool) -> list[float]:
+    """float32 [H] -> the reported values: the first ``params.dimensions`` (if set), then
+    L2-normalized if ``normalize``."""
+    if params is not None and params.dimensions is not None:
+        vector = vector[:params.dimensions]
+    if normalize:
+        vector = F.normalize(vector, dim=-1)
+    return vector.tolist()
+
+
+class PoolingState:
+    """Per-request partial pools of one runner (see the module docstring).
+
+    Args:
+        config: the model's pooling.
+    """
+
+    def __init__(self, config: PoolerConfig) -> None:
+        self.config = config
+        self._partial: dict[str, torch.Tensor] = {}  # cls: first row; mean: running sum
+
+    def drop(self, req_id: str) -> None:
+        """Forget a request's partial pool (finished, or preempted: recomputed from 0)."""
+        self._partial.pop(req_id, None)
+
+    def step(self, batch: InputBatch, rows: np.ndarray, query_start: np.ndarray,
+             hidden: torch.Tensor, params: dict[str, PoolingParams | None]
+             ) -> dict[str, list[float]]:
+        """Fold one step's hidden states in; returns the vectors of the requests whose
+        prompt the step finished.
+
+        Args:
+            batch: the persistent batch (computed counts before this step).
+            rows / query_start: the step's scheduled rows and their first token (int64).
+            hidden: [T, H] the step's final hidden states.
+            params: request id -> its PoolingParams.
+        """
+        kind, done = self.config.pooling_type, {}
+        for k, row in enumerate(rows.tolist()):
+            rid = batch.req_ids[row]
+            start, end = int(query_start[k]), int(query_start[k + 1])
+            first = int(batch.num_computed_tokens[row]) == 0
+            if kind == "mean":
+                chunk = hidden[start:end].float().sum(0)
+                self._partial[rid] = chunk if first else self._partial[rid] + chunk
+            elif kind == "cls" and first:
+                self._partial[rid] = hidden[start].float()
+            if int(batch.num_computed_tokens[row]) + end - start < batch.num_tokens[row]:
+                continue  # the prompt goes on in a later step
+            if kind == "last":
+                vector = hidden[end - 1].float()
+            elif kind == "mean":
+                vector = self._partial.pop(rid) / int(batch.num_prompt_tokens[row])
+            else:
+                vector = self._partial.pop(rid)
+            done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
+        return done

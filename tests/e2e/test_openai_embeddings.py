@@ -1,0 +1,80 @@
+"""/v1/embeddings against sentence-transformers: ``kvflow serve`` with a tiny random BERT
+(mean pooling) and a tiny random bare Llama decoder (last-token pooling, Matryoshka), queried
+with the official openai client (base64 by default) and plain JSON (float)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.models.embedding_models import build_bert, build_decoder, st_embed
+
+INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def bert(start_server, tiny_tokenizer, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("bert") / "st")
+    st = build_bert(tiny_tokenizer, folder, "mean")
+    server = start_server(folder, [*ARGS, "--served-model-name", "bert",
+                                   "--max-num-batched-tokens", "64"])  # whole prompts per step
+    yield server, st
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def decoder(start_server, tiny_tokenizer, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("decoder") / "st")
+    st = build_decoder(tiny_tokenizer, folder, "lasttoken")
+    server = start_server(folder, [*ARGS, "--served-model-name", "dec",
+                                   "--max-num-batched-tokens", "8"])  # prompts in chunks
+    yield server, st
+    server.stop()
+
+
+def _close(got: list[float], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["bert", "decoder"])
+def test_embeddings_match_sentence_transformers(which, bert, decoder, tiny_tokenizer):
+    server, st = bert if which == "bert" else decoder
+    expected = st_embed(st, INPUTS)
+    reply = server.client().embeddings.create(model="bert" if which == "bert" else "dec",
+                                              input=INPUTS)  # the client asks for base64
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    for d, ref in zip(reply.data, expected):
+        _close(d.embedding, ref)
+    assert reply.usage.prompt_tokens == sum(len(tiny_tokenizer.encode(s)) for s in INPUTS)
+    ids = tiny_tokenizer.encode(INPUTS[1])
+    body = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                      json={"input": ids, "encoding_format": "float"}).json()
+    _close(body["data"][0]["embedding"], expected[1])
+
+
+def test_dimensions(decoder, bert):
+    server, st = decoder
+    full = st_embed(st, INPUTS[:1])[0]
+    body = httpx.post(f"{server.url}/v1/embeddings", timeout=60,
+                      json={"input": INPUTS[0], "dimensions": 8}).json()
+    _close(body["data"][0]["embedding"], torch.nn.functional.normalize(full[:8], dim=0))
+    resp = httpx.post(f"{bert[0].url}/v1/embeddings", json={"input": "a", "dimensions": 8})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "dimensions"
+
+
+def test_wrong_endpoint_and_bad_input(bert, start_server, tiny_llama):
+    server, _ = bert
+    resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "wrong_task"
+    for body, param in (({"input": []}, "input"), ({"input": ""}, "input"),
+                        ({"input": [10**6]}, "input"), ({"input": "a", "model": "x"}, "model")):
+        resp = httpx.post(f"{server.url}/v1/embeddings", json=body)
+        assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, body
+    too_long = " ".join(["fox"] * 200)
+    resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": too_long})
+    assert resp.status_code == 400 and "max_model_len" in resp.json()["error"]["message"]
+    assert server.metrics() is not None  # still serving
+    ok = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"})
+    assert ok.status_code == 200

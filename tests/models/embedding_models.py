@@ -1,0 +1,68 @@
+"""Tiny random embedding models built in tests and saved as sentence-transformers folders
+(modules.json, 1_Pooling/config.json, Normalize), with sentence-transformers as the oracle."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen)
+            is_norm = "norm" in name.lower()
+            param.copy_(1.0 + 0.2 * noise if is_norm and name.endswith("weight")
+                        else 0.2 * noise if name.endswith("bias") else 0.1 * noise)
+
+
+def save_sentence_transformer(model: Any, tokenizer: Any, folder: str, pooling: str,
+                              normalize: bool = True) -> Any:
+    """Save ``model`` + ``tokenizer`` as a sentence-transformers folder; returns the
+    SentenceTransformer loaded back from it."""
+    from sentence_transformers import SentenceTransformer, models
+
+    raw = folder + "_hf"
+    model.save_pretrained(raw)
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads even one sentence
+    tokenizer.save_pretrained(raw)
+    word = models.Transformer(raw)
+    modules = [word, models.Pooling(word.get_word_embedding_dimension(), pooling_mode=pooling)]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(folder)
+    return SentenceTransformer(folder, device="cpu")
+
+
+def st_embed(st: Any, sentences: list[str]) -> list[torch.Tensor]:
+    return [torch.from_numpy(st.encode([s], convert_to_numpy=True)[0]) for s in sentences]
+
+
+def build_bert(tokenizer: Any, folder: str, pooling: str) -> Any:
+    """A tiny random BERT encoder saved as a sentence-transformers folder; returns the
+    SentenceTransformer."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128,
+                        max_position_embeddings=128, type_vocab_size=2)
+    model = BertModel(config).eval()
+    _randomize(model, 3)
+    return save_sentence_transformer(model, tokenizer, folder, pooling)
+
+
+def build_decoder(tokenizer: Any, folder: str, pooling: str) -> Any:
+    """A tiny random bare Llama decoder (``LlamaModel``, Matryoshka-capable) saved as a
+    sentence-transformers folder; returns the SentenceTransformer."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, is_matryoshka=True)
+    model = LlamaModel(config).eval()
+    _randomize(model, 4)
+    return save_sentence_transformer(model, tokenizer, folder, pooling)

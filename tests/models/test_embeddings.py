@@ -1,0 +1,120 @@
+"""Embedding models against sentence-transformers: a tiny random BERT encoder (CLS and mean
+pooling, bidirectional attention, whole prompts per step) and a tiny random bare Llama decoder
+(last-token and mean pooling over chunked prompts, prefix-cache hits for last-token pooling,
+Matryoshka ``dimensions``), each saved as a sentence-transformers folder (modules.json,
+1_Pooling/config.json, Normalize) and embedded by ``SentenceTransformer.encode`` one sentence
+at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow import LLM, PoolingParams, SamplingParams
+from tests.models.embedding_models import build_bert, build_decoder, st_embed
+
+SENTENCES = ["the quick brown fox", ("prefix caching reuses them, chunked prefill splits long "
+             "prompts, and preemption recomputes what it evicted while kvflow pages keys"),
+             "a lazy dog", "keys and values through blocks of tokens; the quick brown fox jumps"]
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tiny_tokenizer, tmp_path_factory):
+    def build(pooling: str) -> tuple[str, Any]:
+        folder = str(tmp_path_factory.mktemp(f"bert_{pooling}") / "st")
+        return folder, build_bert(tiny_tokenizer, folder, pooling)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def decoder_folder(tiny_tokenizer, tmp_path_factory):
+    def build(pooling: str) -> tuple[str, Any]:
+        folder = str(tmp_path_factory.mktemp(f"decoder_{pooling}") / "st")
+        return folder, build_decoder(tiny_tokenizer, folder, pooling)
+
+    return build
+
+
+def _check(outs: list[Any], expected: list[torch.Tensor]) -> None:
+    assert len(outs) == len(expected)
+    for out, ref in zip(outs, expected):
+        got = torch.tensor(out.outputs.embedding)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        assert abs(got.norm().item() - 1.0) < 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_bert_matches_sentence_transformers(bert_folder, pooling, assert_no_leaks):
+    folder, st = bert_folder(pooling)
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    core = llm.engine.core
+    assert (core.task, core.is_encoder, core.pooler_config.pooling_type) == \
+        ("embed", True, pooling)
+    assert core.kv_cache_config.num_tensors == 0  # no KV cache for an encoder
+    _check(llm.embed(SENTENCES, use_tqdm=False), st_embed(st, SENTENCES))
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_decoder_matches_sentence_transformers(decoder_folder, pooling, assert_no_leaks):
+    """Prompts longer than the 8-token step budget are pooled over several chunks."""
+    folder, st = decoder_folder(pooling)
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=8,
+              num_kv_blocks=64, block_size=4)
+    assert llm.engine.core.task == "embed"
+    expected = st_embed(st, SENTENCES)
+    _check(llm.embed(SENTENCES, use_tqdm=False), expected)
+    _check(llm.embed(SENTENCES[::-1], use_tqdm=False), expected[::-1])  # again: cached
+    kv = llm.engine.core.kv_cache_manager
+    assert (kv.num_hits > 0) == (pooling == "lasttoken")  # mean pooling needs every token
+    assert_no_leaks(llm)
+
+
+def test_matryoshka_dimensions(decoder_folder, bert_folder):
+    folder, st = decoder_folder("lasttoken")
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    full = st_embed(st, SENTENCES[:2])
+    outs = llm.embed(SENTENCES[:2], PoolingParams(dimensions=16), use_tqdm=False)
+    _check(outs, [torch.nn.functional.normalize(v[:16], dim=0) for v in full])
+    with pytest.raises(ValueError, match="dimensions=65"):
+        llm.embed("hi", PoolingParams(dimensions=65))
+    bert, _ = bert_folder("cls")
+    with pytest.raises(ValueError, match="Matryoshka"):
+        LLM(model=bert, dtype="float32", device="cpu").embed(
+            "hi", PoolingParams(dimensions=16))
+
+
+def test_tasks_and_bad_configs(decoder_folder, tiny_llama, tmp_path):
+    folder, _ = decoder_folder("lasttoken")
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="task='embed'"):
+        llm.generate("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="task='generate'"):
+        LLM(model=folder, task="generate")
+    gen = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="task='embed'"):
+        gen.embed("hi")
+    # a causal LM served as an embedding model pools its last hidden state
+    emb = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              task="embed")
+    ids = emb.get_tokenizer().encode("the quick brown fox", return_tensors="pt")
+    with torch.no_grad():
+        hidden = tiny_llama.hf_model.model(input_ids=ids).last_hidden_state[0, -1]
+    _check(emb.embed("the quick brown fox", use_tqdm=False),
+           [torch.nn.functional.normalize(hidden, dim=0)])
+    dense = str(tmp_path / "dense")
+    shutil.copytree(folder, dense)
+    with open(os.path.join(dense, "modules.json")) as f:
+        modules = json.load(f)
+    modules[-1]["type"] = "sentence_transformers.models.Dense"  # a projection after pooling
+    with open(os.path.join(dense, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match="Dense"):
+        LLM(model=dense, dtype="float32", device="cpu", num_kv_blocks=64)
