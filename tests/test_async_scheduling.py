@@ -98,9 +98,9 @@ def test_next_forward_is_launched_before_tokens_are_folded_in(tiny_llama):
         setattr(executor, name, traced)
     real_forward = runner._forward
 
-    def forward(inputs, *args):
+    def forward(inputs, *args, **kwargs):
         pending.append(len(inputs.pending_token_index))
-        return real_forward(inputs, *args)
+        return real_forward(inputs, *args, **kwargs)
     runner._forward = forward
     overlap.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     order = "".join({"launch_forward": "f", "collect_output": "c", "launch_sampling": "s"}[n]
