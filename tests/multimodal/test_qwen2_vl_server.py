@@ -9,6 +9,7 @@ KV block; the encoder cache's counters in /metrics move as hand-counted.
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 
@@ -195,3 +196,30 @@ def test_tokenize_counts_expanded_images_and_completions_refuse_placeholders(
     ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
                     json={"prompt": "a plain prompt", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_streamed_chat_with_images_equals_transformers(server, tiny_qwen2_vl):
+    """The SSE path: the chunks' token ids join to transformers' greedy tokens, and the usage
+    chunk counts the expanded image tokens."""
+    parts = cases()[2]
+    body = {"messages": [{"role": "user", "content": to_content(parts)}], "stream": True,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    tokens, usage = [], None
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk["choices"]:
+                tokens += choice.get("token_ids") or []
+            usage = chunk.get("usage") or usage
+    assert tokens == hf_chat_tokens(tiny_qwen2_vl, parts)
+    text = tiny_qwen2_vl.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"} if not isinstance(p, str) else
+                                      {"type": "text", "text": p} for p in parts]}],
+        add_generation_prompt=True, tokenize=False)
+    images = [p for p in parts if not isinstance(p, str)]
+    assert usage["prompt_tokens"] == len(hf_prompt_ids(tiny_qwen2_vl, text, images))
