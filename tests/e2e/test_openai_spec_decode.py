@@ -51,3 +51,33 @@ def test_greedy_completions_and_metrics(server, tiny_chat_model):
     assert abs(server.value(m, "kvflow:spec_decode_mean_acceptance_length")
                - (1 + accepted / drafts)) < 1e-9
     assert server.value(m, "kvflow:kv_cache_usage_perc") == 0
+
+
+@pytest.fixture(scope="module")
+def draft_server(start_server, tiny_chat_model):
+    spec = {"method": "draft_model", "model": tiny_chat_model, "num_speculative_tokens": 3,
+            "adaptive": False}
+    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
+                                            "--speculative-config", json.dumps(spec)])
+    yield server
+    server.stop()
+
+
+def test_draft_model_over_http(draft_server, tiny_chat_model):
+    """The model as its own draft: greedy completions equal plain offline greedy decoding,
+    nearly every draft is accepted, and the KV bytes per token count both models."""
+    plain = LLM(model=tiny_chat_model, dtype="float32", num_kv_blocks=128, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = [o.outputs[0].text for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    client = draft_server.client()
+    for prompt, text in zip(PROMPTS, expected):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == text
+    m = draft_server.metrics()
+    drafted = draft_server.value(m, "kvflow:spec_decode_num_draft_tokens_total")
+    accepted = draft_server.value(m, "kvflow:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    assert draft_server.value(m, "kvflow:kv_cache_bytes_per_token") == \
+        2 * plain.engine.core.kv_bytes_per_token
+    assert draft_server.value(m, "kvflow:kv_cache_usage_perc") == 0

@@ -115,3 +115,20 @@ def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
     assert chi_square_p_value(counts, marginal) > 1e-3
     drafted, accepted = _drafted(outs)
     assert drafted >= n and 0 < accepted < drafted
+
+
+def test_quantized_kv_cache_holds_the_drafts_scales_too(tiny_llama, assert_no_leaks):
+    """--kv-cache-dtype int8: the draft's layers get int8 tensors and scales of their own in
+    the same pool (twice the bytes per block with a self-draft); greedy output equals the
+    plain int8 engine's and the self-draft is still nearly always accepted."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = _engine(tiny_llama.path, kv_cache_dtype="int8")
+    spec = _engine(tiny_llama.path, tiny_llama.path, kv_cache_dtype="int8")
+    ref, got = _generate(plain, params), _generate(spec, params)
+    _same_outputs(ref, got)
+    config = spec.engine.core.kv_cache_config
+    assert config.draft_group.kv_cache_spec.dtype == torch.int8
+    assert config.page_size_bytes == 2 * plain.engine.core.kv_cache_config.page_size_bytes
+    drafted, accepted = _drafted(got)
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    assert_no_leaks(spec)
