@@ -20,6 +20,18 @@ def require_positive(**flags: float | None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
+def require_one_engine(data_parallel_size: int, command: str) -> None:
+    """The offline benchmarks time one in-process engine: no data-parallel replicas.
+
+    Raises:
+        ValueError: naming ``--data-parallel-size`` when it is above 1.
+    """
+    if data_parallel_size > 1:
+        raise ValueError(f"--data-parallel-size {data_parallel_size}: kvflow bench {command} "
+                         "times one engine; run kvflow bench serve against kvflow serve "
+                         "--data-parallel-size N instead")
+
+
 def parse_positive_ints(spec: str, flag: str) -> list[int]:
     """``"1,8,32"`` -> [1, 8, 32]. Raises ValueError naming ``flag`` for anything else."""
     try:

@@ -15,7 +15,12 @@ import statistics
 import time
 from typing import Any
 
-from kvflow.bench.checks import ensure_parent_dir, parse_positive_ints, require_positive
+from kvflow.bench.checks import (
+    ensure_parent_dir,
+    parse_positive_ints,
+    require_one_engine,
+    require_positive,
+)
 from kvflow.bench.throughput import random_prompts
 from kvflow.config import EngineConfig
 
@@ -53,6 +58,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
         raise ValueError(f"--output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.output_len}")
     ensure_parent_dir(args.output_json, "--output-json")
+    require_one_engine(args.data_parallel_size, "latency")
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
     vocab = llm.engine.core.hf_config.vocab_size
     _timed_generate(llm, random_prompts(2, args.input_len, vocab, args.seed + 1), 4)  # warm-up

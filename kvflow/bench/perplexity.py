@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.checks import ensure_parent_dir, require_positive
+from kvflow.bench.checks import ensure_parent_dir, require_one_engine, require_positive
 from kvflow.config import EngineConfig
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "opticks_excerpt.txt"
@@ -86,6 +86,7 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
     if args.window < 2:
         raise ValueError(f"--window must be >= 2, got {args.window}")
     ensure_parent_dir(args.output_json, "--output-json")
+    require_one_engine(args.data_parallel_size, "perplexity")
     text = Path(args.text_file).read_text(encoding="utf-8")
     base = json.loads(Path(args.compare).read_text()) if args.compare else None
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))

@@ -30,7 +30,10 @@ NO_MODEL = "/nonexistent/model"
     (["roofline", "--flops", "nan"], "--flops"),
     (["roofline", "--output-len", "0"], "--output-len"),
     (["roofline", "--measured-tpot-ms", "-3"], "--measured-tpot-ms"),
-    (["roofline", "--measured-json", "/nonexistent/r.json"], "--measured-json")])
+    (["roofline", "--measured-json", "/nonexistent/r.json"], "--measured-json"),
+    (["throughput", "--data-parallel-size", "2"], "--data-parallel-size 2"),
+    (["latency", "--data-parallel-size", "2"], "--data-parallel-size 2"),
+    (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2")])
 def test_bad_flags_exit_2_before_loading(capsys, argv, flag):
     assert main(["bench", *argv, "--model", NO_MODEL]) == 2
     err = capsys.readouterr().err
