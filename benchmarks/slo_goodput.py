@@ -1,0 +1,195 @@
+"""Goodput with service-level targets vs the fixed token budget (issue 18), CPU, one script.
+
+Two ``kvflow serve`` processes of the same model start side by side (127.0.0.1, free ports):
+
+* ``fixed``: today's scheduler, the fixed ``max_num_batched_tokens`` budget;
+* ``sla``: the same plus ``--target-tpot-ms 80 --target-ttft-ms 2000`` (times
+  ``--slo-scale``).
+
+Capacity is measured first on ``fixed`` (``--calib-prompts`` requests at rate inf: completed
+requests per second). Then, for each multiple of it in ``--loads``, ``kvflow bench serve``
+runs the same synthetic-chat workload with the same seed (so the same prompts and the same
+arrival times) against ``fixed`` and then ``sla``, alternating server order every round so both
+see the same machine load; the idle server's engine sleeps (it blocks on its input socket).
+Goodput counts requests with TTFT <= 2 s and TPOT <= 80 ms (``--goodput``).
+
+Writes to ``--out``: one result JSON per (server, load, round), ``fixed.json`` / ``sla.json``
+(sweeps in ``kvflow bench serve --sweep-rates`` form: the median round per rate), the latency
+plot ``sweep.png`` (``kvflow.bench.plot``) and ``goodput.png`` (good requests per second
+against offered rate, both servers), and ``summary.json``.
+
+Usage (docs/benchmarks.md)::
+
+    .venv/bin/python benchmarks/slo_goodput.py --out out/slo_goodput
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--calib-prompts", type=int, default=24)
+    p.add_argument("--loads", default="1.0,1.5,2.5", help="offered rate / capacity")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--server-args", default="--dtype float32 --kv-cache-memory 256MiB")
+    p.add_argument("--slo-scale", type=float, default=1.0,
+                   help="multiply both SLOs (TTFT 2 s, TPOT 80 ms) and the sla server's "
+                   "targets by this (for a machine too loaded to meet them at all)")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="req/s of the fixed server (default: measured first)")
+    p.add_argument("--out", default="out/slo_goodput")
+    return p.parse_args()
+
+
+def start_server(args: argparse.Namespace, extra: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [*KVFLOW, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
+           *args.server_args.split(), *extra.split()]
+    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server {url} not ready in {timeout} s")
+
+
+def bench(args: argparse.Namespace, url: str, label: str, rate: float, num: int,
+          path: Path) -> dict:
+    cmd = [*KVFLOW, "bench", "serve", "--base-url", url, "--model", args.model,
+           "--endpoint", "chat", "--dataset", "synthetic-chat", "--num-prompts", str(num),
+           "--request-rate", str(rate), "--seed", "0", "--label", label,
+           "--goodput", *args.slos, "--result-json", str(path), "--disable-tqdm"]
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def goodput_plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for i, label in enumerate(("fixed", "sla")):
+        pts = sorted((r["rate"], r[label]["request_goodput"]) for r in rows)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}",
+                label=f"{label}")
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("goodput (req/s meeting the TTFT and TPOT SLOs)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    from kvflow.bench.plot import plot_sweeps
+
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ttft_ms, tpot_ms = 2000 * args.slo_scale, 80 * args.slo_scale
+    args.slos = [f"ttft:{ttft_ms:g}", f"tpot:{tpot_ms:g}"]
+    sla_args = f"--target-tpot-ms {tpot_ms:g} --target-ttft-ms {ttft_ms:g}"
+    servers = {"fixed": start_server(args, "", out / "fixed.log"),
+               "sla": start_server(args, sla_args, out / "sla.log")}
+    try:
+        for proc, url in servers.values():
+            wait_ready(proc, url)
+        capacity = args.capacity
+        if capacity is None:
+            calib = bench(args, servers["fixed"][1], "fixed", float("inf"), args.calib_prompts,
+                          out / "calib.json")
+            capacity = calib["completed"] / calib["duration"]
+        print(f"capacity {capacity:.3f} req/s (load avg {load_avg():.1f})", flush=True)
+        rows, runs = [], {"fixed": [], "sla": []}
+        for load in (float(x) for x in args.loads.split(",")):
+            rate = round(load * capacity, 3)
+            per = {"fixed": [], "sla": []}
+            for rnd in range(args.rounds):
+                order = ("fixed", "sla") if rnd % 2 == 0 else ("sla", "fixed")
+                for label in order:
+                    before = load_avg()
+                    r = bench(args, servers[label][1], label, rate, args.num_prompts,
+                              out / f"{label}_x{load}_r{rnd}.json")
+                    r["load_avg"] = [before, load_avg()]
+                    per[label].append(r)
+                    print(f"x{load} rate {rate} {label}: good {r['good_requests']}/"
+                          f"{r['completed']} goodput {r['request_goodput']:.3f} req/s, "
+                          f"p50 TTFT {r['median_ttft_ms']:.0f} ms, p50 TPOT "
+                          f"{r['median_tpot_ms']:.1f} ms, load avg {before:.1f}", flush=True)
+            row = {"load": load, "rate": rate}
+            for label, results in per.items():
+                med = sorted(results, key=lambda r: r["request_goodput"])[len(results) // 2]
+                runs[label].append(med)
+                row[label] = {k: med[k] for k in ("good_requests", "completed", "failed",
+                                                  "request_goodput", "median_ttft_ms",
+                                                  "median_tpot_ms", "p99_tpot_ms",
+                                                  "output_throughput")}
+                row[label]["goodput_rounds"] = [r["request_goodput"] for r in results]
+            row["ratio"] = row["sla"]["request_goodput"] / max(row["fixed"]["request_goodput"],
+                                                               1e-9)
+            rows.append(row)
+            print(f"x{load}: goodput sla/fixed = {row['ratio']:.2f}", flush=True)
+        for label, rs in runs.items():
+            with open(out / f"{label}.json", "w") as f:
+                json.dump({"label": label, "sweep": rs}, f, indent=1)
+        plot_sweeps([(label, rs) for label, rs in runs.items()], str(out / "sweep.png"))
+        goodput_plot(rows, out / "goodput.png", f"SLOs {' '.join(args.slos)} ms")
+        summary = {"capacity_req_s": capacity, "slos_ms": args.slos, "rows": rows,
+                   "median_ratio": statistics.median(r["ratio"] for r in rows)}
+        with open(out / "summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
+        print(json.dumps(summary, indent=1))
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
