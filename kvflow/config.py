@@ -297,6 +297,25 @@ def cpu_gguf_choice() -> str:
     return choice
 
 
+LORA_KERNEL_CHOICES = ("triton", "torch")
+
+
+def lora_kernel_choice(value: str | None = None) -> str:
+    """The grouped LoRA matmul on CUDA: ``value`` if given, else ``$KVFLOW_LORA_KERNEL``, else
+    ``triton`` (kvflow's SGMV kernel); ``torch`` keeps the plain-torch path. CPU always runs
+    plain torch.
+
+    Raises:
+        ValueError: on another value (naming the variable when it came from there).
+    """
+    name, choice = ("kernel", value) if value is not None else \
+        ("KVFLOW_LORA_KERNEL", os.environ.get("KVFLOW_LORA_KERNEL", "triton"))
+    if choice not in LORA_KERNEL_CHOICES:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of "
+                         f"{list(LORA_KERNEL_CHOICES)}")
+    return choice
+
+
 @dataclass
 class DeviceConfig:
     device: str = _opt("auto", "where to run: auto, cpu, cuda, or an installed plugin "

@@ -14,7 +14,9 @@ A batch mixes tokens of several adapters (and of none). The step's
 step, shared by every layer); each layer gathers those rows, runs one shrink and one expand
 matmul per slot on a contiguous slice, and adds the result into its output with one
 ``index_add_`` - the segmented ("SGMV", Chen et al. 2023, Punica) form of a multi-adapter
-batch, in plain torch on every device.
+batch. :class:`GroupedLoRA` dispatches it (:class:`~kvflow.layers.custom_op.CustomOp`): plain
+torch (:func:`grouped_lora`) on CPU and elsewhere, two Triton launches on CUDA
+(:func:`kvflow.kernels.lora.sgmv_lora`; ``KVFLOW_LORA_KERNEL=torch`` keeps torch there too).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvflow.config import lora_kernel_choice
+from kvflow.layers.custom_op import CustomOp
 from kvflow.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from kvflow.lora.adapter import LoRATarget
 
@@ -39,10 +43,17 @@ class LoRAMapping:
     Attributes:
         token_index: int64 [N] the adapted tokens' positions in the step, grouped by slot.
         segments: (slot, start, end) per slot used: ``token_index[start:end]`` run ``slot``.
+        segment_table: int32 [S, 3] ``segments`` on the device (the Triton kernel's copy).
     """
 
     token_index: torch.Tensor
     segments: list[tuple[int, int, int]]
+    segment_table: torch.Tensor
+
+    @property
+    def max_segment_len(self) -> int:
+        """Adapted tokens of the busiest slot."""
+        return max(end - start for _, start, end in self.segments)
 
 
 def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -54,7 +65,8 @@ def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping |
     order = adapted[np.argsort(token_slots[adapted], kind="stable")]
     slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
     segments = [(int(s), int(b), int(b + c)) for s, b, c in zip(slots, starts, counts)]
-    return LoRAMapping(torch.from_numpy(order).to(device), segments)
+    table = torch.tensor(segments, dtype=torch.int32).to(device)
+    return LoRAMapping(torch.from_numpy(order).to(device), segments, table)
 
 
 class LoRAContext:
@@ -99,6 +111,36 @@ def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     return y.index_add_(0, mapping.token_index, delta.to(y.dtype))
 
 
+class GroupedLoRA(CustomOp):
+    """The grouped LoRA matmul per device: ``forward(y, x, lora_a, lora_b, mapping)`` with
+    :func:`grouped_lora`'s arguments and result.
+
+    Args:
+        kernel: ``triton`` (the CUDA kernel) or ``torch`` (plain torch on CUDA too); default
+            ``$KVFLOW_LORA_KERNEL``, else ``triton``.
+    """
+
+    def __init__(self, kernel: str | None = None) -> None:
+        super().__init__()
+        self.kernel = lora_kernel_choice(kernel)
+
+    def forward_native(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                       lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """Plain torch, one shrink and one expand matmul per slot (:func:`grouped_lora`)."""
+        return grouped_lora(y, x, lora_a, lora_b, mapping)
+
+    def forward_cuda(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                     lora_b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """Two Triton launches for every slot (:func:`kvflow.kernels.lora.sgmv_lora`); torch
+        when asked for, or when x's dtype is not the slots' or y's rows are strided."""
+        if self.kernel == "torch" or x.dtype != lora_a.dtype or y.stride(-1) != 1:
+            return self.forward_native(y, x, lora_a, lora_b, mapping)
+        from kvflow.kernels.lora import sgmv_lora
+
+        return sgmv_lora(y, x, lora_a, lora_b, mapping.token_index, mapping.segment_table,
+                         mapping.max_segment_len)
+
+
 def shard_sizes(layer: LinearBase) -> dict[Any, int]:
     """Output rows of each checkpoint shard fused into ``layer`` (this rank's), in row order;
     ``{None: out}`` for an unfused layer."""
@@ -124,6 +166,7 @@ class LoRALinear(nn.Module):
                  ctx: LoRAContext) -> None:
         super().__init__()
         self.base, self.ctx, self.max_rank = base, ctx, max_rank
+        self.grouped = GroupedLoRA()
         self.shards = shard_sizes(base)
         self.row_offsets, offset = {}, 0
         for shard, size in self.shards.items():
@@ -162,7 +205,7 @@ class LoRALinear(nn.Module):
         mapping = self.ctx.mapping
         if mapping is None:
             return y
-        return grouped_lora(y, x, self.lora_a, self.lora_b, mapping)
+        return self.grouped(y, x, self.lora_a, self.lora_b, mapping)
 
 
 def _device_of(module: nn.Module) -> torch.device:
