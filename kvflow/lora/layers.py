@@ -118,6 +118,9 @@ class GroupedLoRA(CustomOp):
     Args:
         kernel: ``triton`` (the CUDA kernel) or ``torch`` (plain torch on CUDA too); default
             ``$KVFLOW_LORA_KERNEL``, else ``triton``.
+
+    Raises:
+        ValueError: on another kernel name.
     """
 
     def __init__(self, kernel: str | None = None) -> None:
