@@ -655,6 +655,10 @@ class EngineConfig:
         if spec.method == "draft_model" and pc.tensor_parallel_size > 1:
             raise ValueError("speculative_config method='draft_model' runs the draft in the "
                              "target's process: tensor_parallel_size must be 1")
+        if spec.method == "draft_model" and self.scheduler_config.preemption_mode == "swap":
+            raise ValueError("speculative_config method='draft_model' with preemption_mode="
+                             "'swap' is not available (the host swap pool holds the target's "
+                             "KV layout only); use preemption_mode='recompute'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

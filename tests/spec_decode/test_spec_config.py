@@ -60,6 +60,14 @@ def test_async_scheduling_is_refused():
     assert config.scheduler_config.async_scheduling is None
 
 
+def test_draft_model_refuses_tensor_parallel_and_swap_preemption():
+    draft = {"method": "draft_model", "model": "some-draft"}
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=draft)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig.from_kwargs(preemption_mode="swap", speculative_config=draft)
+
+
 def test_cli_bad_value_exits_2(capsys):
     assert main(["generate", "--prompt", "hi", "--speculative-config", '{"method": 1}']) == 2
     assert "speculative_config" in capsys.readouterr().err
