@@ -19,12 +19,15 @@ from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.structured import StructuredOutputsParams
 
+SMALL_KV_CACHE = "32MiB"
 PROMPTS = ["the quick brown fox", "kvflow pages keys and values", "prefix caching reuses them,",
            "chunked prefill splits long prompts into pieces of the step budget", "a", "b c"]
 
 
 def _engines(tiny_llama, **kwargs) -> tuple[LLM, LLM]:
     common = {"model": tiny_llama.path, "dtype": "float32", "block_size": 16, **kwargs}
+    if "num_kv_blocks" not in kwargs:  # not the default (a share of free memory): 2 engines
+        common["kv_cache_memory"] = SMALL_KV_CACHE
     return LLM(async_scheduling=False, **common), LLM(async_scheduling=True, **common)
 
 
@@ -49,7 +52,8 @@ def _mixed_params(eos_like: int) -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def stop_token(tiny_llama) -> int:
     """A token the greedy run of prompt 2 emits mid-way: it stops that request early."""
-    llm = LLM(model=tiny_llama.path, dtype="float32", block_size=16)
+    llm = LLM(model=tiny_llama.path, dtype="float32", block_size=16,
+              kv_cache_memory=SMALL_KV_CACHE)
     out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20),
                        use_tqdm=False)
     return out[0].outputs[0].token_ids[5]
