@@ -60,11 +60,12 @@ def test_async_side_uses_the_core_config_eos(tokenizer_without_eos, tiny_tokeniz
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 64)
     core = SimpleNamespace(max_model_len=64, hf_config=LlamaConfig(eos_token_id=[5, 6]),
                            num_blocks=10, kv_cache_manager=kv, scheduler=sched, weight_bytes=0,
-                           kv_bytes_per_token=0,
+                           kv_bytes_per_token=0, task="generate", pooler_config=None,
                            config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16)))
     ready = _ready(core)
     idle = EngineStats(num_free_blocks=9, num_usable_blocks=9)  # all but the null block free
-    assert ready == EngineReady(64, 32000, 5, 10, 16, idle)  # 32000: LlamaConfig's vocab
+    # 32000 and 4096: LlamaConfig's default vocab_size and hidden_size
+    assert ready == EngineReady(64, 32000, 5, 10, 16, idle, 0, "generate", None, 4096)
     assert resolve_eos_token_id(tokenizer_without_eos, ready) == 5
     assert resolve_eos_token_id(tiny_tokenizer, ready) == 0
 
