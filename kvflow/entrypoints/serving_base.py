@@ -145,6 +145,12 @@ class OpenAIServing:
             raise OpenAIError(str(e), 404, "invalid_request_error", "model",
                               "model_not_found") from None
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name when the request picked a LoRA
+        adapter (as vLLM and the OpenAI API echo the requested model), else the served
+        model's name. ``model`` was checked by ``check_model`` on entry."""
+        return model or self.model_name
+
     def check_task(self, task: str) -> None:
         """Refuse an endpoint the served model does not do (text on an embedding model,
         embeddings on a text model).

@@ -200,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                                          "finish_reason": finish_reason}))
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices,
+            id=request_id, model=self.response_model(req.model), choices=choices,
             usage=_usage(len(ids), num_generated),
             prompt_token_ids=ids if req.return_token_ids else None)
 
@@ -219,7 +219,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None):
             return ChatCompletionStreamResponse(id=request_id, created=created,
-                                                model=self.model_name, choices=choices,
+                                                model=self.response_model(req.model), choices=choices,
                                                 usage=usage)
 
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

@@ -147,7 +147,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
                 if req.return_token_ids:
                     choices[-1].prompt_token_ids = prompts[i][1]
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                   usage=_usage(prompts, num_generated))
 
     @staticmethod
@@ -212,10 +212,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
-                yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+                yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                          choices=[choice])
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield CompletionResponse(id=request_id, created=created, model=self.model_name,
+            yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                      choices=[], usage=_usage(prompts, num_generated))
 
 

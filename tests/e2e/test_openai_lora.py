@@ -65,6 +65,7 @@ def test_adapters_and_base_batched_match_peft(server, tiny_llama, adapters, tiny
         ids = tiny_tokenizer.encode(PROMPTS[name])
         expected = peft_greedy(tiny_llama.path, adapters.get(name), ids)
         assert resp.json()["choices"][0]["token_ids"] == expected, name
+        assert resp.json()["model"] == name  # the adapter's name is echoed, as vLLM does
 
 
 def test_unknown_model_is_a_404(server):
