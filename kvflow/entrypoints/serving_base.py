@@ -302,17 +302,33 @@ class OpenAIServing:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
                 admission control refused a prompt (with ``Retry-After``).
         """
+        def add(i: int) -> RequestStream:
+            (text, ids), sp = prompts[i], params[i]
+            return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
+                                           mm_features, client_id, lora_request)
+
+        return await self.admit_all(add, len(prompts))
+
+    async def admit_all(self, add: Callable[[int], RequestStream], count: int,
+                        bad_input: Callable[[ValueError], OpenAIError] = invalid_request
+                        ) -> list[RequestStream]:
+        """Queue ``add(0) .. add(count - 1)``, then (with admission control) wait until the
+        engine core accepted them all; on any failure abort every stream queued so far.
+
+        Raises:
+            OpenAIError: ``bad_input(e)`` (a 400) for a ValueError from the engine's
+                validation; 503 if the engine is gone or admission control refused a prompt
+                (with ``Retry-After``).
+        """
         streams: list[RequestStream] = []
         try:
-            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", text, ids, sp,
-                                                       priority, mm_features, client_id,
-                                                       lora_request))
+            for i in range(count):
+                streams.append(add(i))
             for stream in streams:
                 await self.engine.admitted(stream)
         except ValueError as e:
             self.abort(streams)
-            raise invalid_request(e) from None
+            raise bad_input(e) from None
         except EngineDeadError as e:
             self.abort(streams)
             raise engine_dead(e) from None

@@ -10,14 +10,14 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream
+from kvflow.engine.streams import RequestStream
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from kvflow.entrypoints.serving_base import OpenAIError, OpenAIServing, engine_dead, random_id
+from kvflow.entrypoints.serving_base import OpenAIError, OpenAIServing, random_id
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]
@@ -67,25 +67,14 @@ class OpenAIServingEmbedding(OpenAIServing):
             OpenAIError: 400 for an input or ``dimensions`` the engine refuses, 503 if the
                 engine is gone or admission control refused an input.
         """
-        streams: list[RequestStream] = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                streams.append(self.engine.add_pooling_request(f"{request_id}-{i}", text, ids,
-                                                               params))
-            for stream in streams:
-                await self.engine.admitted(stream)
-        except ValueError as e:
-            self.abort(streams)
-            param = "dimensions" if "dimensions" in str(e) else "input"
-            raise OpenAIError(str(e), param=param) from None
-        except EngineDeadError as e:
-            self.abort(streams)
-            raise engine_dead(e) from None
-        except AdmissionRejected as e:
-            self.abort(streams)
-            raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
-                              headers={"Retry-After": str(int(e.retry_after_s))}) from None
-        return streams
+        def add(i: int) -> RequestStream:
+            text, ids = prompts[i]
+            return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params)
+
+        def bad_input(e: ValueError) -> OpenAIError:
+            return OpenAIError(str(e), param="dimensions" if "dimensions" in str(e) else "input")
+
+        return await self.admit_all(add, len(prompts), bad_input)
 
     async def _response(self, req: EmbeddingRequest, request_id: str, prompts: list[Prompt],
                         streams: Sequence[RequestStream]) -> EmbeddingResponse:
