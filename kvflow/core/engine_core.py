@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
+from kvflow.config import EngineConfig, SchedulerConfig, cpu_gemm_choice, parse_bytes
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_utils import (
@@ -202,6 +202,7 @@ class EngineCore:
                     cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
                     self.max_model_len, capacity / self.max_model_len, self.kv_bytes_per_token,
                     self.weight_bytes / 2**20)
+        log_scheduling(self.config.scheduler_config)
 
     def _make_kv_cache_config(self) -> KVCacheConfig:
         """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
@@ -492,3 +493,16 @@ class EngineCore:
     def _micro_batch_size(self, depth: int) -> int:
         """Requests per micro-batch: an even share of the unfinished ones (at least 1)."""
         return max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
+
+
+def log_scheduling(sc: SchedulerConfig) -> None:
+    """One start-up line saying which scheduling options are in force (policy, service-level
+    targets in ms, admission control, preemption mode), so a user can check that flags took."""
+    admission = ", admission control" if sc.admission_control else ""
+    logger.info("scheduling: policy %s; TTFT target %s, TPOT target %s%s; preemption %s",
+                sc.policy, _ms(sc.target_ttft_ms), _ms(sc.target_tpot_ms), admission,
+                sc.preemption_mode)
+
+
+def _ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:g} ms"
