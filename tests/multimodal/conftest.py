@@ -46,55 +46,78 @@ class TinyVL:
     image_token_id: int
 
 
+def vision_tokenizer(tiny_tokenizer: Any) -> Any:
+    """A copy of the suite's tiny tokenizer with Qwen2-VL's vision tokens and chat template."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_text_config(tokenizer: Any) -> dict[str, Any]:
+    """The language half shared by the tiny Qwen2-VL and Qwen2.5-VL (2 layers, hidden 64,
+    4 heads / 2 KV heads, M-RoPE sections 2/3/3)."""
+    return {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [2, 3, 3]}}
+
+
+def vision_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The config fields naming the four vision special tokens' ids."""
+    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    return {"vision_start_token_id": ids[0], "vision_end_token_id": ids[1],
+            "image_token_id": ids[2], "video_token_id": ids[3]}
+
+
 def tiny_vl_config(tokenizer: Any):
     from transformers import Qwen2VLConfig
 
-    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     config = Qwen2VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "max_position_embeddings": 1024,
-                     "rms_norm_eps": 1e-6, "eos_token_id": tokenizer.eos_token_id,
-                     "bos_token_id": tokenizer.bos_token_id,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                         "mrope_section": [2, 3, 3]}},
+        text_config=tiny_text_config(tokenizer),
         vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
                        "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
                        "temporal_patch_size": 2, "in_channels": 3},
-        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
-        video_token_id=ids[3])
+        **vision_token_ids(tokenizer))
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     return config
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
-    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+def save_tiny_vl(folder: str, model: Any, tokenizer: Any, processor_cls: Any) -> TinyVL:
+    """Save ``model`` + ``tokenizer`` + a PIL image processor as an HF folder and build the
+    transformers processor (``processor_cls``) the HF side of a test runs."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
     from transformers.processing_utils import ProcessorMixin
 
-    folder = str(tmp_path_factory.mktemp("tiny_qwen2_vl"))
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(tiny_vl_config(tokenizer)).to(torch.float32).eval()
-    _randomize_(model, seed=7)
-    with torch.no_grad():  # the merger's LayerNorm too (its name has no "norm")
-        model.model.visual.merger.ln_q.weight.add_(1.0)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
     # The class check looks up the video processor class, which needs torchvision (not
     # installable next to the CPU torch here); the processor itself never touches video.
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
                            lambda *args, **kwargs: None):
-        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                     chat_template=CHAT_TEMPLATE)
+        processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
+                                  chat_template=CHAT_TEMPLATE)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     image_processor.save_pretrained(folder)
     return TinyVL(folder, model, processor, tokenizer, model.config.image_token_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    folder = str(tmp_path_factory.mktemp("tiny_qwen2_vl"))
+    tokenizer = vision_tokenizer(tiny_tokenizer)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(tiny_vl_config(tokenizer)).to(torch.float32).eval()
+    _randomize_(model, seed=7)
+    with torch.no_grad():  # the merger's LayerNorm too (its name has no "norm")
+        model.model.visual.merger.ln_q.weight.add_(1.0)
+    return save_tiny_vl(folder, model, tokenizer, Qwen2VLProcessor)
 
 
 def random_image(width: int, height: int, seed: int):

@@ -9,23 +9,21 @@ must equal them.
 
 from __future__ import annotations
 
-import copy
-from unittest import mock
-
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from tests.conftest import _randomize_
 from tests.multimodal.conftest import (
-    CHAT_TEMPLATE,
-    MAX_PIXELS,
     PLACEHOLDER,
-    VISION_TOKENS,
     TinyVL,
     hf_generate,
     hf_prompt_ids,
     random_image,
+    save_tiny_vl,
+    tiny_text_config,
+    vision_token_ids,
+    vision_tokenizer,
 )
 
 MAX_TOKENS = 8
@@ -38,43 +36,21 @@ def tiny_qwen2_5_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-    from transformers.processing_utils import ProcessorMixin
 
     folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    tokenizer = vision_tokenizer(tiny_tokenizer)
     config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "max_position_embeddings": 1024,
-                     "rms_norm_eps": 1e-6, "eos_token_id": tokenizer.eos_token_id,
-                     "bos_token_id": tokenizer.bos_token_id,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                         "mrope_section": [2, 3, 3]}},
+        text_config=tiny_text_config(tokenizer),
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                        "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
                        "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
                        "fullatt_block_indexes": [1], "hidden_act": "silu"},
-        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2],
-        video_token_id=ids[3])
+        **vision_token_ids(tokenizer))
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
     _randomize_(model, seed=11)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
-                           lambda *args, **kwargs: None):
-        processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                        chat_template=CHAT_TEMPLATE)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    return TinyVL(folder, model, processor, tokenizer, model.config.image_token_id)
+    return save_tiny_vl(folder, model, tokenizer, Qwen2_5_VLProcessor)
 
 
 def cases():
