@@ -7,7 +7,7 @@ command-line words placed before everything typed after the subcommand, so argpa
 checks its values exactly like typed ones, and a flag on the command line wins: a later value
 replaces an earlier one, and a repeated flag given on the command line (``--stop``) replaces the
 file's list instead of adding to it. Flags themselves are still generated from
-``kvflow/config.py`` (and the sampling fields); this module only reads values for them.
+``kvflow/config/`` (and the sampling fields); this module only reads values for them.
 """
 
 from __future__ import annotations

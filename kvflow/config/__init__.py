@@ -1,0 +1,35 @@
+"""Engine configuration: the single source of truth for every knob.
+
+CLI flags are generated from the section dataclasses' fields (``add_cli_args`` /
+``from_cli_args``), and ``EngineConfig.from_kwargs`` routes ``LLM(**kwargs)`` to the right
+section, so a knob is declared once, with its help text, in the module of its section:
+model, cache, scheduler, device, parallel, multimodal, speculative, lora, server (one file
+each), the field helpers in options.py and the whole engine's config in engine.py.
+"""
+
+from kvflow.config.cache import CacheConfig
+from kvflow.config.device import (
+    CPU_GEMM_CHOICES,
+    LORA_KERNEL_CHOICES,
+    DeviceConfig,
+    cache_dir,
+    cpu_gemm_choice,
+    cpu_gguf_choice,
+    lora_kernel_choice,
+    parse_cpu_list,
+)
+from kvflow.config.engine import EngineConfig
+from kvflow.config.lora import LoRAConfig
+from kvflow.config.model import ModelConfig
+from kvflow.config.multimodal import MultiModalConfig
+from kvflow.config.options import parse_bytes
+from kvflow.config.parallel import ParallelConfig
+from kvflow.config.scheduler import SchedulerConfig
+from kvflow.config.server import ServerConfig
+from kvflow.config.speculative import SPEC_METHODS, SpeculativeConfig
+
+__all__ = ["CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS", "CacheConfig",
+           "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "MultiModalConfig",
+           "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
+           "cache_dir", "cpu_gemm_choice", "cpu_gguf_choice", "lora_kernel_choice",
+           "parse_bytes", "parse_cpu_list"]

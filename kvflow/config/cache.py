@@ -1,0 +1,36 @@
+"""The paged KV cache: block size, memory, prefix caching, swap space, KV dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt, parse_bytes
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV-cache block")
+    kv_cache_memory: str | int | None = opt(None, "KV-cache size in bytes, e.g. 2GiB")
+    num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (overrides memory)")
+    enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prompt prefixes")
+    gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory kvflow may use")
+    swap_space: str | int = opt("4GiB", "host memory per worker for the KV blocks of "
+                                 "swapped-out requests (--preemption-mode swap), e.g. 4GiB")
+    kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
+                               "fp8_e4m3 (quantized per token and KV head with float32 scales "
+                               "beside the blocks: about twice the blocks of a 16-bit cache "
+                               "for the same --kv-cache-memory)",
+                               choices=["auto", "int8", "fp8_e4m3"])
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.swap_space)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
+                             "must be in (0, 1]")

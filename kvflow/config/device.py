@@ -1,0 +1,123 @@
+"""Where the model runs and which kernels it uses (``DeviceConfig``), plus the kernel-choice
+readers for environment variables and the on-disk cache folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt
+
+
+def cache_dir() -> str:
+    """Where kvflow keeps joined model files, GGUF tokenizers and
+    compiled kernels: ``$KVFLOW_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvflow``, else
+    ``~/.cache/kvflow``."""
+    explicit = os.environ.get("KVFLOW_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvflow")
+
+
+CPU_GEMM_CHOICES = ("auto", "native", "onednn")
+
+
+def cpu_gemm_choice(value: str | None = None) -> str:
+    """The CPU GEMM kernels asked for: ``value`` (``--cpu-gemm``) if given, else
+    ``$KVFLOW_CPU_GEMM``, else ``auto`` (timed per shape class at start); ``native`` is kvflow's
+    C GEMM, ``onednn`` oneDNN's packed GEMM.
+
+    Raises:
+        ValueError: on another value (naming the flag or variable it came from).
+    """
+    name, choice = ("cpu_gemm", value) if value is not None else \
+        ("KVFLOW_CPU_GEMM", os.environ.get("KVFLOW_CPU_GEMM", "auto"))
+    if choice not in CPU_GEMM_CHOICES:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of {list(CPU_GEMM_CHOICES)}")
+    return choice
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"0-3,6,8-9"`` -> [0, 1, 2, 3, 6, 8, 9] (the Linux cpulist format, order kept).
+
+    Raises:
+        ValueError: on anything else (empty, negative, a reversed range, a repeated CPU).
+    """
+    cpus: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu list {spec!r} is invalid: expected e.g. 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu list {spec!r} has a reversed range {part.strip()!r}")
+        cpus.extend(range(first, last + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu list {spec!r} names a CPU twice")
+    return cpus
+
+
+def cpu_gguf_choice() -> str:
+    """How GGUF weights kept quantized multiply on CPU: ``KVFLOW_CPU_GGUF`` = ``native``
+    (kvflow's dequantize-in-the-GEMM C kernel, the default) or ``torch`` (dequantize tiles in
+    plain torch, then torch's GEMM). Raises ValueError on any other value."""
+    choice = os.environ.get("KVFLOW_CPU_GGUF", "native")
+    if choice not in ("native", "torch"):
+        raise ValueError(f"KVFLOW_CPU_GGUF={choice!r} is invalid; choose one of "
+                         f"['native', 'torch']")
+    return choice
+
+
+LORA_KERNEL_CHOICES = ("triton", "torch")
+
+
+def lora_kernel_choice(value: str | None = None) -> str:
+    """The grouped LoRA matmul on CUDA: ``value`` if given, else ``$KVFLOW_LORA_KERNEL``, else
+    ``triton`` (kvflow's SGMV kernel); ``torch`` keeps the plain-torch path. CPU always runs
+    plain torch.
+
+    Raises:
+        ValueError: on another value (naming the variable when it came from there).
+    """
+    name, choice = ("kernel", value) if value is not None else \
+        ("KVFLOW_LORA_KERNEL", os.environ.get("KVFLOW_LORA_KERNEL", "triton"))
+    if choice not in LORA_KERNEL_CHOICES:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of "
+                         f"{list(LORA_KERNEL_CHOICES)}")
+    return choice
+
+
+@dataclass
+class DeviceConfig:
+    device: str = opt("auto", "where to run: auto, cpu, cuda, or an installed plugin "
+                       "platform's name (entry points 'kvflow.platform_plugins')")
+    attention_backend: str | None = opt(None, "attention backend: torch | cpu | triton (default: "
+                                         "the platform's)")
+    enforce_eager: bool = opt(False, "disable CUDA graphs")
+    cpu_gemm: str | None = opt(None, "CPU GEMM kernels: auto (each shape class timed at start, "
+                                "cached per CPU), native (kvflow's C GEMM) or onednn "
+                                "(default: $KVFLOW_CPU_GEMM, else auto)",
+                                choices=[None, *CPU_GEMM_CHOICES])
+    cpu_threads: int | None = opt(None, "CPU compute threads (default: torch's count, capped by "
+                                   "the CPUs of the affinity mask and the cgroup CPU quota; "
+                                   "the length of --cpu-threads-bind when that is a list)")
+    cpu_threads_bind: str | None = opt(None, "pin CPU thread i to the i-th CPU of this list "
+                                        "(e.g. 0-3 or 0,2,4,6; one part per worker process "
+                                        "with parallelism: 0-3|4-7; 'auto': each worker's "
+                                        "share of the affinity mask; default: not pinned)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
+        cpu_gguf_choice()
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
+        if self.cpu_threads_bind not in (None, "auto"):
+            for part in self.cpu_threads_bind.split("|"):
+                cpus = parse_cpu_list(part)
+                if self.cpu_threads is not None and self.cpu_threads != len(cpus):
+                    raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
+                                     f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
+                                     "worker; give one CPU per thread")

@@ -1,0 +1,123 @@
+"""All configuration of one engine (``EngineConfig``): the sections, the checks across them,
+and the mapping from ``LLM(**kwargs)`` and CLI flags to sections."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvflow.config.cache import CacheConfig
+from kvflow.config.device import DeviceConfig
+from kvflow.config.lora import LoRAConfig
+from kvflow.config.model import ModelConfig
+from kvflow.config.multimodal import MultiModalConfig
+from kvflow.config.options import add_field_arg
+from kvflow.config.parallel import ParallelConfig
+from kvflow.config.scheduler import SchedulerConfig
+from kvflow.config.speculative import SpeculativeConfig
+
+_SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
+             "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
+             "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig,
+             "lora_config": LoRAConfig}
+
+
+@dataclass
+class EngineConfig:
+    """All configuration of one engine instance."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across sections (``speculative_config`` given as a dict or JSON string
+        becomes a SpeculativeConfig).
+
+        Raises:
+            ValueError: for context parallelism with a block size it does not divide or a
+                quantized KV cache; for speculative decoding with pipeline or context
+                parallelism or async scheduling; for LoRA with more than one rank or
+                replica.
+        """
+        self._check_speculative()
+        self.lora_config.verify_with_parallel(self.parallel_config)
+        cp, cc = self.parallel_config.context_parallel_size, self.cache_config
+        if cp > 1 and cc.block_size % cp:
+            raise ValueError(f"block_size={cc.block_size} must be a multiple of "
+                             f"context_parallel_size={cp} (each rank holds block_size / {cp} "
+                             "tokens of every block)")
+        if cp > 1 and cc.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
+                             f"context_parallel_size={cp}")
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if spec is None:
+            return
+        pc = self.parallel_config
+        for name in ("pipeline_parallel_size", "context_parallel_size"):
+            if getattr(pc, name) > 1:
+                raise ValueError(f"speculative decoding with {name} > 1 is not available (the "
+                                 "draft tokens would have to reach every rank's sampler)")
+        if self.scheduler_config.async_scheduling:
+            raise ValueError("speculative decoding with async_scheduling is not available (a "
+                             "verification step's token counts are known only after it)")
+        if spec.method == "draft_model" and pc.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method='draft_model' runs the draft in the "
+                             "target's process: tensor_parallel_size must be 1")
+        if spec.method == "draft_model" and self.scheduler_config.preemption_mode == "swap":
+            raise ValueError("speculative_config method='draft_model' with preemption_mode="
+                             "'swap' is not available (the host swap pool holds the target's "
+                             "KV layout only); use preemption_mode='recompute'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``);
+        ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig.
+
+        Raises:
+            ValueError: on an unknown keyword, listing the valid ones, or a bad value.
+        """
+        speculative = kwargs.pop("speculative_config", None)
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise ValueError(f"unknown engine option {key!r}; valid: "
+                                 f"{sorted([*owner, 'speculative_config'])}")
+            parts[owner[key]][key] = value
+        return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
+                   speculative_config=speculative)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per config field (booleans get ``--no-`` forms), and
+        ``--speculative-config`` (a JSON object of SpeculativeConfig's fields)."""
+        for sec_cls in _SECTIONS.values():
+            group = parser.add_argument_group(sec_cls.__name__)
+            for f in fields(sec_cls):
+                add_field_arg(group, f)
+        keys = ", ".join(f"{f.name} ({f.default})" for f in fields(SpeculativeConfig))
+        parser.add_argument_group("SpeculativeConfig").add_argument(
+            "--speculative-config", type=str, default=None,
+            help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+                 "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
+                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}'; keys (defaults): "
+                 f"{keys} (default: off)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for c in _SECTIONS.values() for f in fields(c)}
+        names.add("speculative_config")
+        return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,45 @@
+"""Multi-LoRA serving (``LoRAConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt
+from kvflow.config.parallel import ParallelConfig
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+    Models"): PEFT adapters applied per request on top of the base weights.
+
+    Raises:
+        ValueError: from the constructor for a count or rank < 1.
+    """
+
+    enable_lora: bool = opt(False, "serve LoRA adapters (PEFT folders) on top of the model")
+    max_loras: int = opt(1, "distinct LoRA adapters one engine step may use (each holds a "
+                          "slot of device memory)")
+    max_lora_rank: int = opt(16, "largest adapter rank accepted (slots are sized for it)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def verify_with_parallel(self, parallel: ParallelConfig) -> None:
+        """LoRA runs on one rank of one engine only (its layers are not sharded yet; adapters
+        are not loaded on data-parallel replicas yet).
+
+        Raises:
+            ValueError: with LoRA enabled and more than one tensor- or pipeline-parallel rank,
+                or more than one data-parallel replica.
+        """
+        if self.enable_lora and parallel.data_parallel_size > 1:
+            raise ValueError("enable_lora needs data_parallel_size=1: adapters are not loaded "
+                             "on data-parallel replicas yet")
+        if self.enable_lora and parallel.world_size > 1:
+            raise ValueError("enable_lora needs tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1: LoRA layers are not sharded over ranks "
+                             "yet")

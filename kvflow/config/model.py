@@ -1,0 +1,47 @@
+"""Which model runs and how its weights are read (``ModelConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt
+
+
+@dataclass
+class ModelConfig:
+    model: str = opt("SmolLM2-135M-Instruct",
+                      "packaged model name, HF folder, path to a .gguf file, or Hugging Face "
+                      "Hub repo id org/name[@revision]")
+    download_dir: str | None = opt(None, "huggingface_hub cache folder for Hub models "
+                                    "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
+    tokenizer: str | None = opt(None, "tokenizer folder (default: the model's own)")
+    task: str = opt("auto", "what the model serves: generate (text), embed (one vector per "
+                     "prompt: /v1/embeddings, LLM.embed), or auto (embed for encoder and "
+                     "LM-head-less architectures and sentence-transformers folders)",
+                     choices=["auto", "generate", "embed"])
+    dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
+    seed: int = opt(0, "seed for unseeded random sampling and dummy weights")
+    load_format: str = opt("auto", "weights: auto (from files) or dummy (random init)",
+                            choices=["auto", "dummy"])
+    skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only)")
+    generation_config: str = opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
+                                  "min_p, repetition_penalty, max_new_tokens from the model "
+                                  "folder's generation_config.json; a request's own values "
+                                  "win) or none", choices=["auto", "none"])
+    quantization: str | None = opt(
+        None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
+        "group-wise), fp8 (W8A8: FP8 weights with per-tensor scales, activations per token), "
+        "gguf (keep a .gguf file's quantized blocks, dequantized per tile in the GEMM), "
+        "compressed-tensors (a pre-quantized FP8/INT8 checkpoint; read from its config.json) "
+        "(default: the checkpoint's quantization_config, else none; a .gguf file is "
+        "dequantized at load)",
+        choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
+    quantization_group_size: int = opt(32, "input columns per scale for int4",
+                                        choices=[32, 64, 128, 256])
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
+                             "the model's own)")

@@ -1,0 +1,62 @@
+"""Image inputs of vision-language models: sources, limits, encoder budget."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt
+
+
+@dataclass
+class MultiModalConfig:
+    """Image inputs of vision-language models: where images may come from, how big they may
+    be, and how much vision-encoder work one engine step takes on.
+
+    Raises:
+        ValueError: from the constructor for a limit below 1 or a malformed domain list.
+    """
+
+    allowed_media_domains: str | None = opt(
+        None, "comma-separated host names image URLs may be fetched from over http(s), e.g. "
+        "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images)")
+    max_image_bytes: int = opt(20 * 2**20, "largest encoded image (data URL payload or "
+                                "download) in bytes")
+    max_image_pixels: int = opt(4096 * 4096, "largest image in pixels (width x height), "
+                                 "checked before the image is decoded")
+    max_images_per_prompt: int = opt(16, "most images one prompt or conversation may carry")
+    media_fetch_timeout: float = opt(10.0, "seconds allowed for fetching one image URL")
+    max_num_encoder_input_tokens: int | None = opt(
+        None, "vision-encoder output tokens computed per engine step (an image that does not "
+        "fit waits for the next step; one image always runs alone) (default: "
+        "max_num_batched_tokens)")
+    encoder_cache_size: int = opt(16384, "image embeddings (in tokens) kept for reuse after "
+                                   "the requests that needed them moved on (the encoder runs "
+                                   "once per distinct image while it stays cached)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_prompt",
+                     "encoder_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens} "
+                             "must be >= 1")
+        if self.media_fetch_timeout <= 0:
+            raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
+        self.media_domains()  # a malformed list fails at start-up
+
+    def media_domains(self) -> frozenset[str]:
+        """The allowed host names, lower-cased (empty: no remote fetching).
+
+        Raises:
+            ValueError: for an entry that is not a plain host name (with a scheme, path or
+                port).
+        """
+        hosts = [h.strip().lower() for h in (self.allowed_media_domains or "").split(",")]
+        for host in hosts:
+            if host and not re.fullmatch(r"[a-z0-9.-]+", host):
+                raise ValueError(f"allowed_media_domains entry {host!r} is not a host name "
+                                 "(no scheme, port or path)")
+        return frozenset(h for h in hosts if h)

@@ -1,0 +1,83 @@
+"""Field helpers shared by the config sections: ``opt`` (a field with help text and choices),
+value checks, byte sizes, and one CLI flag per field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import field, fields
+from typing import Any
+
+
+def opt(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field with ``default`` and the metadata the CLI generator reads: ``help``
+    and ``extra`` (``choices``, ``nargs``, ``cli=False`` for fields kvflow sets itself)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parse a memory size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes.
+
+    Raises:
+        ValueError: if the string is not a positive number with an optional unit.
+    """
+    if isinstance(value, int):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _BYTE_UNITS:
+            raise ValueError(f"cannot parse memory size {value!r}: expected e.g. 2GiB, 512MB")
+        size = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"memory size {value!r} must be positive")
+    return size
+
+
+def _has_type(value: Any, type_name: str) -> bool:
+    """Whether ``value`` fits one name of a field's annotation ("int", "float", ...); names
+    this check does not know pass."""
+    if type_name == "None":
+        return value is None
+    if type_name in ("int", "float") and isinstance(value, bool):
+        return False
+    known = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    return type_name not in known or isinstance(value, known[type_name])
+
+
+def check_choices(config: Any) -> None:
+    """Raise ValueError for a field value of the wrong type (by the field's annotation, e.g.
+    ``max_num_seqs=1.5``) or outside the field's declared ``choices``."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        type_names = [t.strip() for t in str(f.type).split("|")]
+        if not any(_has_type(value, t) for t in type_names):
+            raise ValueError(f"{f.name}={value!r} is invalid; it must be "
+                             f"{' or '.join(type_names)}")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name}={value!r} is invalid; choose one of {choices}")
+
+
+def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    """Add ``--field-name`` for config field ``f`` to ``group`` (booleans get ``--no-`` forms;
+    int/float annotations parse as such; ``choices`` and ``nargs`` from the metadata)."""
+    if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
+        return
+    flag = "--" + f.name.replace("_", "-")
+    meta = f.metadata
+    if f.type in ("bool", bool, "bool | None"):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=meta.get("help"))
+        return
+    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
+        str(f.type), str)
+    group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+                       **({"nargs": meta["nargs"]} if "nargs" in meta else {}),
+                       help=meta.get("help") if "default" in str(meta.get("help"))
+                       else f"{meta.get('help')} (default: {f.default})")

@@ -1,0 +1,52 @@
+"""The scheduler: token budget, running requests, policy, service-level targets,
+preemption and async scheduling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, opt
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int | None = opt(None, "token budget of one engine step "
+                                              "(default: the platform's, 2048 CPU / 4096 CUDA)")
+    max_num_seqs: int = opt(256, "maximum number of running requests")
+    policy: str = opt("fcfs", "waiting-queue order: fcfs, priority (lower first), or fair "
+                       "(deficit round robin of tokens over clients, the OpenAI 'user' field or "
+                       "API key; priority classes weighted, none starved)",
+                       choices=["fcfs", "priority", "fair"])
+    target_ttft_ms: float | None = opt(None, "time-to-first-token target of every request "
+                                        "(ms; a request's target_ttft_ms overrides it): "
+                                        "admissions skip requests that already missed it "
+                                        "while others can still meet theirs (default: none)")
+    target_tpot_ms: float | None = opt(None, "time-per-output-token target of every request "
+                                        "(ms; a request's target_tpot_ms overrides it): each "
+                                        "step's prefill tokens and admissions are sized from a "
+                                        "step-time model fitted online so running requests "
+                                        "stay under it (default: none, the fixed budget)")
+    admission_control: bool = opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
+                                   "a request whose predicted time to first token exceeds "
+                                   "its TTFT target (requests without one are admitted)")
+    preemption_mode: str = opt("recompute", "what a preempted request's KV becomes: "
+                                "recompute (freed, recomputed on readmission) or swap (copied "
+                                "to a host pool of --swap-space and back, when the context is "
+                                "long enough for the copies to cost less than recomputing it)",
+                                choices=["recompute", "swap"])
+    async_scheduling: bool | None = opt(
+        None, "schedule and prepare step N+1 on the host while step N runs on the device, and "
+        "fold step N's tokens in after launching N+1 (same outputs); one-rank engines only "
+        "(default: the platform's: off on CPU, where the forward pass runs on the calling "
+        "thread, and off on CUDA until measured)")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        for name in ("target_ttft_ms", "target_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value} must be a number of milliseconds > 0")

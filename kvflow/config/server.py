@@ -1,0 +1,84 @@
+"""Options of ``kvflow serve`` beyond the engine's (``ServerConfig``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from kvflow.config.options import add_field_arg, check_choices, opt
+
+
+@dataclass
+class ServerConfig:
+    """Options of ``kvflow serve`` beyond the engine's (flags are generated from these fields).
+
+    Raises:
+        ValueError: from the constructor for an out-of-range value.
+    """
+
+    host: str = opt("127.0.0.1", "address the HTTP server listens on")
+    port: int = opt(8000, "TCP port the HTTP server listens on")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but "
+                               "/health, /metrics and /version; unset: $KVFLOW_API_KEY, if set")
+    served_model_name: str | None = opt(None, "model name clients send; unset: the model "
+                                         "argument")
+    max_waiting_requests: int | None = opt(None, "accepted requests that have not produced a "
+                                            "token yet beyond which new requests get 503; "
+                                            "unset: unlimited")
+    max_n: int = opt(16, "largest n (samples per prompt) one request may ask for")
+    max_logprobs: int = opt(20, "largest logprobs / top_logprobs one request may ask for")
+    uvicorn_log_level: str = opt("info", "HTTP server log level",
+                                  choices=["critical", "error", "warning", "info", "debug"])
+    engine_start_timeout: float = opt(600.0, "seconds to wait for the engine process to load "
+                                       "the model")
+    timeout_keep_alive: float = opt(20.0, "seconds an idle HTTP keep-alive connection stays "
+                                     "open; longer than clients' own idle expiry (httpx 5 s, "
+                                     "aiohttp 15 s) so a client never sends on a connection "
+                                     "the server is closing")
+    engine_failure: str = opt("exit", "when the engine-core process dies: open streams end "
+                               "with an error event and new requests get 503, then the "
+                               "server exits with status 1 ('exit') or starts a new engine "
+                               "('restart')", choices=["exit", "restart"])
+    tool_call_parser: str = opt("hermes", "how tool calls are read from the output under "
+                                 "tool_choice=auto", choices=["hermes", "llama3_json"])
+    reasoning_parser: str | None = opt(None, "split <think>...</think> reasoning into "
+                                        "reasoning_content", choices=[None, "think"])
+    lora_modules: tuple[str, ...] | None = opt(None, "LoRA adapters served from start-up, each "
+                                                "NAME=PATH (a PEFT folder); requests pick one "
+                                                "by model=NAME (needs --enable-lora)",
+                                                nargs="+")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.lora_modules is not None:
+            self.lora_modules = tuple(self.lora_modules)
+        checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
+                  (self.max_n >= 1, "max_n", "must be >= 1"),
+                  (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
+                  (self.max_waiting_requests is None or self.max_waiting_requests >= 0,
+                   "max_waiting_requests", "must be >= 0"),
+                  (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
+                  (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
+                  (all("=" in m and m.index("=") > 0 for m in self.lora_modules or []),
+                   "lora_modules", "must be NAME=PATH pairs")]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("ServerConfig")
+        for f in fields(ServerConfig):
+            add_field_arg(group, f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace,
+                      env: dict[str, str] | None = None) -> ServerConfig:
+        """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
+        (default: the process environment)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("api_key") is None:
+            values["api_key"] = (os.environ if env is None else env).get("KVFLOW_API_KEY") \
+                or None
+        return cls(**values)

@@ -1,0 +1,94 @@
+"""Speculative decoding (``SpeculativeConfig``, vLLM's keys)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from kvflow.config.options import check_choices
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config`` JSON / ``LLM(speculative_config=...)``,
+    vLLM's keys): a proposer guesses up to ``num_speculative_tokens`` next tokens per request,
+    the target model checks them all in one step, and rejection sampling keeps exactly the
+    tokens the target would have produced (see kvflow/spec_decode/).
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
+            of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
+            target's tokenizer).
+        num_speculative_tokens: most draft tokens per request and step (K).
+        model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id.
+        prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
+        quantization: the draft model's weight quantization (int8, int4; default: none). Only
+            the draft's speed changes: verification keeps the target's output exact.
+        adaptive: choose each request's K per step from its running acceptance rate and a
+            measured step-cost model (speculation off when verification costs more than it
+            saves); False: always ``num_speculative_tokens`` when the proposer has them.
+
+    Raises:
+        ValueError: from the constructor for an unknown method, a missing draft model, or a
+            size out of range.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    quantization: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            check_choices(self)
+        except ValueError as e:
+            raise ValueError(f"speculative_config {e}") from None
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is invalid; choose "
+                             f"one of {list(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens="
+                             f"{self.num_speculative_tokens} must be in [1, 16]")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method='draft_model' needs 'model' (the "
+                             "draft model's name or path)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
+                             f"and prompt_lookup_max={self.prompt_lookup_max} need "
+                             "1 <= min <= max")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"speculative_config quantization={self.quantization!r} is "
+                             "invalid; choose int8, int4 or none")
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None
+                   ) -> SpeculativeConfig | None:
+        """A config from a dict, a JSON object string (the flag's form) or None (off).
+
+        Raises:
+            ValueError: for text that is not a JSON object, or an unknown key (named).
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                "speculative_config must be a JSON object such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: "
+                             f"{sorted(known)}")
+        return cls(**value)
