@@ -25,7 +25,7 @@ def load_hf_config(source: ModelSource) -> Any:
         ValueError: if config.json is missing or cannot be parsed.
     """
     if source.kind == "gguf":
-        from kvflow.models.gguf_loader import load_gguf_config
+        from kvflow.models.gguf_config import load_gguf_config
 
         return load_gguf_config(source.path)
     from transformers import AutoConfig
@@ -160,7 +160,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     from transformers import AutoTokenizer
 
     if tokenizer_path is None and source.kind == "gguf":
-        from kvflow.models.gguf_loader import load_gguf_tokenizer
+        from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.path)
     path = tokenizer_path or source.path

@@ -21,12 +21,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvflow.models import model_resolver
-from kvflow.models.gguf_loader import (
-    iter_gguf_weights,
-    load_gguf_config,
-    load_gguf_tokenizer,
-    read_gguf_metadata,
-)
+from kvflow.models.gguf_config import load_gguf_config
+from kvflow.models.gguf_loader import iter_gguf_weights
+from kvflow.models.gguf_reader import read_gguf_metadata
+from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
 from kvflow.models.model_resolver import ModelSource, resolve_model
 
 gguf = pytest.importorskip("gguf")

@@ -53,7 +53,7 @@ def hf_greedy(gguf_path) -> list[int]:
 
 
 def test_config_from_gguf(gguf_path):
-    from kvflow.models.gguf_loader import load_gguf_config
+    from kvflow.models.gguf_config import load_gguf_config
 
     cfg = load_gguf_config(gguf_path)
     assert cfg.architectures == ["Qwen2ForCausalLM"]

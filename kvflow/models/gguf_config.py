@@ -1,0 +1,215 @@
+"""A transformers config from a GGUF file's metadata, and the GGUF architectures kvflow reads.
+
+Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma3``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one GGUF architecture maps to transformers: model type, class name, whether q/k
+    rows are stored permuted, the norm weight offset, and tensor-name overrides."""
+
+    model_type: str  # transformers model_type
+    hf_architecture: str  # transformers class name for config.architectures
+    permute_qk: bool  # llama.cpp stored q/k rows in its interleaved rotary layout
+    # llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added: subtract it back
+    norm_offset: float = 0.0
+    block_names: tuple[tuple[str, str], ...] = ()  # overrides of gguf_loader._BLOCK_NAMES
+
+
+_ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", "LlamaForCausalLM", permute_qk=True),
+    "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", permute_qk=False),
+    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", permute_qk=False),
+    # Gemma 3: four norms per layer; llama.cpp's "ffn_norm" is the pre-MLP norm here.
+    "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", permute_qk=False, norm_offset=1.0,
+                        block_names=(("ffn_norm", "pre_feedforward_layernorm"),
+                                     ("post_attention_norm", "post_attention_layernorm"),
+                                     ("post_ffw_norm", "post_feedforward_layernorm"))),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
+
+
+def gguf_architecture(meta: GGUFMetadata) -> tuple[str, ArchSpec]:
+    """The file's ``general.architecture`` and its ArchSpec.
+
+    Raises:
+        ValueError: for an architecture kvflow does not read (the supported ones named).
+    """
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {meta.path!r}; supported "
+            f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch, _ARCHS[arch]
+
+
+class _ArchKeys:
+    """Reads ``<arch>.<suffix>`` metadata keys of one GGUF file."""
+
+    def __init__(self, meta: GGUFMetadata, arch: str) -> None:
+        self.meta, self.arch = meta, arch
+
+    def get(self, suffix: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{suffix}", default)
+
+    def required(self, suffix: str) -> Any:
+        """The value of ``<arch>.<suffix>``.
+
+        Raises:
+            ValueError: when the file lacks that key.
+        """
+        value = self.get(suffix)
+        if value is None:
+            raise ValueError(f"{self.meta.path!r}: GGUF metadata key '{self.arch}.{suffix}' "
+                             "is missing")
+        return value
+
+
+def _head_counts(keys: _ArchKeys) -> tuple[int, int]:
+    """(query heads, KV heads); a per-layer KV-head list (some GGUFs) gives its maximum."""
+    n_heads = int(keys.required("attention.head_count"))
+    n_kv_heads = keys.get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):
+        n_kv_heads = max(n_kv_heads)
+    return n_heads, int(n_kv_heads)
+
+
+def _head_dim(keys: _ArchKeys, tensors: dict, hidden: int, n_heads: int) -> int:
+    """head_dim from the q projection's shape (rows = n_heads * head_dim, exact), else the
+    metadata, else hidden / n_heads. Raises ValueError when shape and metadata disagree."""
+    path, head_dim = keys.meta.path, keys.get("attention.key_length")
+    q = tensors.get("blk.0.attn_q.weight")
+    if q is None:
+        return int(head_dim if head_dim is not None else hidden // n_heads)
+    q_rows = q.shape[0]
+    if q_rows % n_heads:
+        raise ValueError(f"{path!r}: attn_q rows {q_rows} not divisible by {n_heads} heads")
+    if head_dim is not None and int(head_dim) != q_rows // n_heads:
+        raise ValueError(f"{path!r}: {keys.arch}.attention.key_length={head_dim} disagrees "
+                         f"with attn_q shape ({q_rows} rows / {n_heads} heads)")
+    return q_rows // n_heads
+
+
+def _vocab_size(keys: _ArchKeys, tensors: dict) -> int:
+    vocab_size = keys.get("vocab_size")
+    if vocab_size is not None:
+        return int(vocab_size)
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[0])
+    return len(keys.meta.get("tokenizer.ggml.tokens", []))
+
+
+def _rope_scaling(keys: _ArchKeys) -> dict[str, Any] | None:
+    scaling_type = keys.get("rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
+    factor = keys.get("rope.scaling.factor")
+    if factor is not None:
+        rope_scaling["factor"] = float(factor)
+    orig = keys.get("rope.scaling.original_context_length")
+    if orig is not None:
+        rope_scaling["original_max_position_embeddings"] = int(orig)
+    return rope_scaling
+
+
+def _gemma3_kwargs(keys: _ArchKeys, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
+    RoPE base 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
+    every size but 27B (and transformers' default of 256 for the 270M-12B sizes)."""
+    kwargs: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                              "query_pre_attn_scalar": head_dim}
+    window = keys.get("attention.sliding_window")
+    if window is not None:
+        kwargs["sliding_window"] = int(window)
+    return kwargs
+
+
+def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
+    """bos/eos/pad token ids and the model name, where the file has them."""
+    kwargs: dict[str, Any] = {}
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id")):
+        value = meta.get(f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            kwargs[hf_key] = int(value)
+    name = meta.get("general.name")
+    if name:
+        kwargs["name_or_path"] = str(name)
+    return kwargs
+
+
+def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
+    arch, spec = gguf_architecture(meta)
+    keys = _ArchKeys(meta, arch)
+    tensors = {t.name: t for t in meta.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{meta.path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
+            "kvflow cannot map back to a transformers rope config"
+        )
+    hidden = int(keys.required("embedding_length"))
+    n_heads, n_kv_heads = _head_counts(keys)
+    head_dim = _head_dim(keys, tensors, hidden, n_heads)
+    kwargs: dict[str, Any] = {
+        "architectures": [spec.hf_architecture],
+        "vocab_size": _vocab_size(keys, tensors),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(keys.required("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": int(keys.required("feed_forward_length")),
+        "rms_norm_eps": float(keys.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(keys.get("context_length", 2048)),
+        "rope_theta": float(keys.get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        **_token_kwargs(meta),
+    }
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(keys, head_dim))
+    else:
+        kwargs["hidden_act"] = "silu"
+    rope_scaling = _rope_scaling(keys)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    return spec, kwargs
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """Build a transformers config for the GGUF checkpoint at ``path`` from its metadata.
+
+    Returns a ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``AutoConfig.for_model``)
+    with ``architectures`` set (``["LlamaForCausalLM"]`` for GGUF architecture ``llama``,
+    ``["Qwen2ForCausalLM"]`` for ``qwen2``, ``["Qwen3ForCausalLM"]`` for ``qwen3``) and
+    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim`` (taken from the ``attn_q`` tensor shape, which is
+    exact even where head_dim != hidden_size / num_heads), ``intermediate_size``,
+    ``rms_norm_eps``, ``max_position_embeddings``, the RoPE base (``rope_theta``; with
+    transformers >= 5 it lives in ``config.rope_parameters["rope_theta"]``),
+    ``tie_word_embeddings`` (True iff the GGUF has no ``output.weight`` tensor) and the
+    bos/eos/pad token ids from the tokenizer metadata.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a valid GGUF file, its ``general.architecture`` is not
+            one of :data:`SUPPORTED_ARCHITECTURES`, or required metadata is missing.
+    """
+    spec, kwargs = _config_kwargs(read_gguf_metadata(path))
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(spec.model_type, **kwargs)
