@@ -40,6 +40,10 @@ class ParallelConfig:
                                       "is split over them by token (position p on rank p mod "
                                       "N) and each rank attends to its part, merged by "
                                       "log-sum-exp; block_size must be a multiple of N")
+    context_parallel_prefill: str = opt(
+        "ring", "context parallelism's prefill chunks: ring (each CP rank runs the dense "
+        "layers on its 1/N of the chunk's tokens and K/V pass around the ring: Ring "
+        "Attention) or replicated (every rank runs every token)", choices=["ring", "replicated"])
     enable_expert_parallel: bool = opt(False, "MoE layers: place whole experts on the "
                                         "tensor-parallel ranks instead of splitting every "
                                         "expert")

@@ -121,6 +121,31 @@ class CommGroup:
         if self.world_size > 1:
             dist.barrier(group=self.device_group)
 
+    # ---- ring (context parallelism) ---------------------------------------------------------
+    def ring_shift(self, x: torch.Tensor) -> RingShift:
+        """Start passing ``x`` one step around the ring: send it to group rank ``rank + 1``
+        and receive the same-shaped tensor of rank ``rank - 1`` (both mod ``world_size``),
+        without waiting (Ring Attention's K/V rotation, Liu et al. 2023). Every rank of the
+        group must call it with the same shape and dtype. The send and the receive are issued
+        as one batch (``batch_isend_irecv``), so two ranks that send to each other do not
+        deadlock on NCCL.
+
+        Args:
+            x: this rank's tensor (any shape and dtype; not modified until ``wait``).
+
+        Returns:
+            A :class:`RingShift` whose ``wait()`` gives the previous rank's tensor.
+        """
+        if self.world_size == 1:
+            return RingShift([], x, self)
+        n = self.world_size
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, self.ranks[(self.rank + 1) % n], self.device_group),
+               dist.P2POp(dist.irecv, received, self.ranks[(self.rank - 1) % n],
+                          self.device_group)]
+        return RingShift(dist.batch_isend_irecv(ops), received, self, keep=x)
+
     # ---- point to point (pipeline stages) ----------------------------------------------------
     def send_tensors(self, tensors: IntermediateTensors, dst: int) -> None:
         """Send named tensors to group rank ``dst`` without waiting for the receiver: one
@@ -172,6 +197,24 @@ class CommGroup:
             dist.recv(out[name], peer, group=self.device_group)
         self.comm_time_s += time.perf_counter() - start
         return out
+
+
+class RingShift:
+    """A ring step in flight (:meth:`CommGroup.ring_shift`); ``wait()`` returns the tensor
+    received from the previous rank (for one rank: the tensor itself)."""
+
+    def __init__(self, works: list[Any], received: torch.Tensor, group: CommGroup,
+                 keep: torch.Tensor | None = None) -> None:
+        self._works, self._received, self._group = works, received, group
+        self._keep = keep  # the tensor being sent stays alive until the send completes
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        for work in self._works:
+            work.wait()
+        self._works, self._keep = [], None
+        self._group.comm_time_s += time.perf_counter() - start
+        return self._received
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3,

@@ -85,9 +85,11 @@ def make_attention_backend(name: str):
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
 
 
-def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int):
+def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
+                                  split_prefill: bool = True):
     """The attention backend of a context-parallel rank (``kvflow.attention.cp_paged``),
-    whatever ``--attention-backend`` says.
+    whatever ``--attention-backend`` says; ``split_prefill``: Ring Attention for prefill
+    chunks (``--context-parallel-prefill ring``).
 
     Raises:
         ValueError: for an MLA model (its latent cache is not split by token yet) or a block
@@ -96,7 +98,7 @@ def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int):
     if uses_mla(hf_config):
         raise ValueError("context_parallel_size > 1 is not available for multi-head latent "
                          "attention (MLA) models")
-    backend = ContextParallelAttentionBackend(cp_group)
+    backend = ContextParallelAttentionBackend(cp_group, split_prefill=split_prefill)
     backend.local_block_size(block_size)  # raises for a block size cp does not divide
     return backend
 
@@ -154,12 +156,14 @@ class ModelRunner:
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
+        self.dense_tokens = 0  # tokens this rank ran through the model (statistics)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         requested = self.config.device_config.attention_backend
         if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
-            backend = make_context_parallel_backend(self.parallel.cp, hf_config,
-                                                    self.block_size)
+            backend = make_context_parallel_backend(
+                self.parallel.cp, hf_config, self.block_size,
+                self.config.parallel_config.context_parallel_prefill == "ring")
         elif uses_mla(hf_config):
             backend = make_mla_backend(requested)
         else:
@@ -467,7 +471,8 @@ class ModelRunner:
         if len(inputs.pending_token_index):
             self._fill_pending(inputs)
         hidden = self._forward(inputs, self._recv_from_previous_stage(),
-                               lora_mapping=self._lora_mapping(inputs))
+                               lora_mapping=self._lora_mapping(inputs),
+                               rows=self._hidden_rows(inputs, spec_tokens))
         if not self._send_to_next_stage(hidden):
             return  # a pipeline stage before the last: no logits here
         if self.pooling is not None:  # an embedding model: pool, sample nothing
@@ -492,6 +497,14 @@ class ModelRunner:
                                                   hidden, self.model.compute_logits) \
             if self.input_batch.prompt_logprobs else {}
         self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
+
+    def _hidden_rows(self, inputs: ModelInputs, spec_tokens: Any) -> torch.Tensor | None:
+        """The step's tokens whose final hidden states are read (a context-parallel token
+        split gathers only those): the sampling rows; None (all) for prompt logprobs,
+        pooling or draft verification."""
+        if self.pooling is not None or self.input_batch.prompt_logprobs or spec_tokens:
+            return None
+        return inputs.logits_indices
 
     def _fill_pending(self, inputs: ModelInputs) -> None:
         """Write the previous step's sampled tokens still on the device into the inputs."""
@@ -601,11 +614,13 @@ class ModelRunner:
         return gen
 
     def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
-                 batch: InputBatch | None = None, lora_mapping: LoRAMapping | None = None
-                 ) -> torch.Tensor | IntermediateTensors:
+                 batch: InputBatch | None = None, lora_mapping: LoRAMapping | None = None,
+                 rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """This rank's layers: final hidden states [T, hidden] (last pipeline stage) or the
         tensors for the next stage. ``batch``: the rows ``inputs`` came from (default: the
-        persistent input batch); ``lora_mapping``: the step's tokens -> adapter slots."""
+        persistent input batch); ``lora_mapping``: the step's tokens -> adapter slots;
+        ``rows``: int64 token indices whose hidden states are read (None: all; under a
+        context-parallel token split the other rows are 0)."""
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
@@ -617,15 +632,24 @@ class ModelRunner:
                 positions = self.mm_runner.positions(inputs, batch, self.requests)
         if self.lora_manager is not None:
             with self.lora_manager.ctx.bind(lora_mapping):
-                return self._run_model(inputs, intermediate_tensors, positions, extra)
-        return self._run_model(inputs, intermediate_tensors, positions, extra)
+                return self._run_model(inputs, intermediate_tensors, positions, extra, rows)
+        return self._run_model(inputs, intermediate_tensors, positions, extra, rows)
 
     def _run_model(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
-                   positions: torch.Tensor, extra: dict[str, Any]
-                   ) -> torch.Tensor | IntermediateTensors:
+                   positions: torch.Tensor, extra: dict[str, Any],
+                   rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         metadata = inputs.attn_metadata
         with self.attn_ctx.forward_context.bind(metadata):
             self._prepare_attention(metadata)
+            split = self.attn_ctx.backend.token_split(metadata[0]) \
+                if self.parallel.cp.world_size > 1 else None
+            self.dense_tokens += inputs.input_ids.shape[0] if split is None else \
+                split.local.shape[0]
+            if split is not None:  # Ring Attention: this rank's share of a prefill
+                hidden = self.model(split.select(inputs.input_ids),
+                                    split.select(positions, dim=-1),
+                                    **{name: split.select(x) for name, x in extra.items()})
+                return split.gather(hidden, rows)
             if intermediate_tensors is None:  # the first (or only) stage
                 return self.model(inputs.input_ids, positions, **extra)
             return self.model(inputs.input_ids, positions, intermediate_tensors, **extra)
