@@ -14,6 +14,10 @@ attend to their dequantized new K/V in SDPA, as on the torch backend.
 
 Chosen by default on CPU; where the kernels cannot be built (no C compiler) the engine uses the
 plain-torch backend (:mod:`kvflow.attention.torch_paged`).
+
+``batch_invariant`` (``--deterministic``): no SDPA shortcut, and every query token is attended
+alone by the kernel's decode path, so a token's output does not depend on the batch, its
+chunk or how its prompt was split (the quantized-cache kernel already works token by token).
 """
 
 from __future__ import annotations
@@ -27,16 +31,23 @@ from kvflow.kernels.cpu_native import NativeCpuKernels
 
 
 class CpuPagedAttentionBackend(AttentionBackend):
-    """Mixed prefill/decode paged attention on CPU with the native kernel (see module doc)."""
+    """Mixed prefill/decode paged attention on CPU with the native kernel (see module doc).
+
+    Args:
+        kernels: the native CPU kernels.
+        batch_invariant: attend token by token, the same way whatever the batch (see the
+            module doc).
+    """
 
     name = "cpu"
 
-    def __init__(self, kernels: NativeCpuKernels) -> None:
+    def __init__(self, kernels: NativeCpuKernels, batch_invariant: bool = False) -> None:
         self._kernels = kernels
+        self.batch_invariant = batch_invariant
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        meta.extra = {"uniform_prompts": TorchPagedAttentionBackend.uniform_prompts(meta),
-                      "indices_checked": False}
+        uniform = not self.batch_invariant and TorchPagedAttentionBackend.uniform_prompts(meta)
+        meta.extra = {"uniform_prompts": uniform, "indices_checked": False}
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None,
                 kv_scales=None) -> torch.Tensor:
@@ -52,4 +63,5 @@ class CpuPagedAttentionBackend(AttentionBackend):
                                        meta.query_start_loc, meta.seq_lens, meta.block_table,
                                        scale, sliding_window, validate)
         return self._kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_table, scale, sliding_window, validate)
+                                             meta.block_table, scale, sliding_window, validate,
+                                             batch_invariant=self.batch_invariant)

@@ -100,6 +100,10 @@ class DeviceConfig:
                                 "cached per CPU), native (kvflow's C GEMM) or onednn "
                                 "(default: $KVFLOW_CPU_GEMM, else auto)",
                                 choices=[None, *CPU_GEMM_CHOICES])
+    deterministic: bool = opt(False, "batch-invariant kernels: a request's temperature-0 "
+                              "output (and logits) do not depend on the other requests of "
+                              "its batch or on how its prompt was chunked (CPU: kvflow's C "
+                              "GEMM for every projection, token-by-token attention; slower)")
     cpu_threads: int | None = opt(None, "CPU compute threads (default: torch's count, capped by "
                                    "the CPUs of the affinity mask and the cgroup CPU quota; "
                                    "the length of --cpu-threads-bind when that is a list)")

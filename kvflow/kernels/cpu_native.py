@@ -85,7 +85,8 @@ class NativeCpuKernels:
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
                         sliding_window: int | None = None, validate: bool = True,
-                        tiled: bool = True, bf16_dot: bool = True) -> torch.Tensor:
+                        tiled: bool = True, bf16_dot: bool = True,
+                        batch_invariant: bool = False) -> torch.Tensor:
         """Paged attention over ``kv_cache`` read in place (same contract as
         :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
 
@@ -105,6 +106,9 @@ class NativeCpuKernels:
                 products (VDPBF16PS), the softmax weights rounded to bf16 (each output moves
                 by at most 2^-9 of the largest value row it mixes); False keeps the widening
                 fp32 path (for comparisons). Other dtypes and builds ignore it.
+            batch_invariant: attend every query token alone by the decode path (overrides
+                ``tiled``): a token's output is then bitwise the same whatever the other
+                tokens of the call (its chunk, other requests), as ``--deterministic`` needs.
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past
@@ -127,7 +131,8 @@ class NativeCpuKernels:
             out.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
             num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            _DTYPE_CODES[q.dtype], torch.get_num_threads(), int(tiled) * (1 + int(bf16_dot)))
+            _DTYPE_CODES[q.dtype], torch.get_num_threads(),
+            3 if batch_invariant else int(tiled) * (1 + int(bf16_dot)))
         _raise_on(status, "paged attention")
         return out
 

@@ -51,6 +51,9 @@ from kvflow.spec_decode.verification import (
     plan_verification,
     verify,
 )
+from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
+from kvflow.worker.deterministic import check_all_packed
+from kvflow.worker.deterministic import check_supported as check_deterministic
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
@@ -62,16 +65,18 @@ from kvflow.worker.sampling_inputs import SamplingInputs
 logger = logging.getLogger(__name__)
 
 
-def make_attention_backend(name: str):
+def make_attention_backend(name: str, batch_invariant: bool = False):
     """The backend called ``name``: torch | cpu | triton. "cpu" falls back to "torch" (logged)
-    where its native kernels cannot be built. Raises ValueError for an unknown name."""
+    where its native kernels cannot be built. ``batch_invariant`` (``--deterministic``, checked
+    beforehand to be on "cpu" with the kernels built): attend token by token. Raises ValueError
+    for an unknown name."""
     if name == "cpu":
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.kernels.cpu_native import native_cpu_kernels
 
         kernels = native_cpu_kernels()
         if kernels is not None:
-            return CpuPagedAttentionBackend(kernels)
+            return CpuPagedAttentionBackend(kernels, batch_invariant)
         logger.warning("attention backend 'cpu' unavailable; using 'torch'")
         name = "torch"
     if name == "torch":
@@ -160,6 +165,13 @@ class ModelRunner:
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         requested = self.config.device_config.attention_backend
+        mc, deterministic = self.config.model_config, self.config.device_config.deterministic
+        self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
+                                             mc.quantization_group_size)
+        if deterministic:
+            check_deterministic(self.config, hf_config, self.device.type,
+                                self.quant_config and self.quant_config.name,
+                                native_cpu_kernels() is not None)
         if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
             backend = make_context_parallel_backend(
                 self.parallel.cp, hf_config, self.block_size,
@@ -168,11 +180,9 @@ class ModelRunner:
             backend = make_mla_backend(requested)
         else:
             name = requested or self.platform.default_attention_backend
-            backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
+            backend = None if deterministic else self.platform.get_attention_backend(name)
+            backend = backend or make_attention_backend(name, deterministic)
         self.attn_ctx = AttentionContext(backend)
-        mc = self.config.model_config
-        self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
-                                             mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
@@ -207,7 +217,8 @@ class ModelRunner:
         if self.device.type != "cpu":
             return
         kernels = native_cpu_kernels()
-        choice = cpu_gemm_choice(self.config.device_config.cpu_gemm)
+        deterministic = self.config.device_config.deterministic
+        choice = "native" if deterministic else cpu_gemm_choice(self.config.device_config.cpu_gemm)
         candidates = candidates_for(self.dtype, choice, kernels,
                                     self.platform.prepacks_gemm_weights(self.dtype))
         if not candidates:
@@ -229,6 +240,10 @@ class ModelRunner:
         if timings is not None:
             timings.save()
         logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, self.dtype, dict(counts))
+        if deterministic:
+            check_all_packed(self.model)
+            logger.info("deterministic mode (batch-invariant kernels): %s",
+                        "; ".join(DETERMINISTIC_CHANGES))
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)

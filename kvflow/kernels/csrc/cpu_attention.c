@@ -19,12 +19,19 @@
  * Work item = (request, tile of up to TILE query tokens) with all its heads: the item walks the
  * request's blocks in order, reading each block (every KV head, contiguous in memory) once, and
  * each K/V row serves every query token of the tile and every query head of its GQA group.
+ * Batch-invariant mode (tiled = 3, kvflow's --deterministic) instead makes every query token
+ * its own item and runs it through the decode path (attend_token): a token's result then
+ * depends only on its query, its position and the cache contents, never on the other tokens
+ * of its chunk, how the prompt was chunked, or the other requests of the batch (He et al.,
+ * "Defeating Nondeterminism in LLM Inference", Thinking Machines 2025, ask the same of
+ * attention: one reduction order per query, whatever the batch).
  * Items run on OpenMP threads of the libgomp runtime torch has already loaded, so the two share
  * one pool. The caller guarantees the indices are in range (kvflow checks them once per step).
  */
 #include "cpu_common.h"
 
 #define TILE 16
+#define BATCH_INVARIANT 3
 
 enum { SB = 64, MR_T = 6 }; /* keys per super-block and rows per register tile (tiled path) */
 
@@ -296,17 +303,20 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
     store_row(a->dtype, w->acc, a->out + (q0 + j0) * H * D * es, nrows * D);
 }
 
-/* Attention of request r's single query token (decode), all heads, in two passes over its
- * visible keys instead of the block-at-a-time recurrence: pass 1 scores every key for every
- * head into w->p, the softmax is then taken over the whole context at once, and pass 2 sums
- * the value rows. Each pass streams its cache's blocks in order with the next one prefetched,
- * and consecutive dot products and value updates do not depend on each other, so the core
- * overlaps them; the recurrence instead waits on every block's max, exp and rescale. */
-static void attend_decode(const Args *a, Scratch *w, int64_t r) {
+/* Attention of query token j of request r (decode: its single token), all heads, in two
+ * passes over its visible keys instead of the block-at-a-time recurrence: pass 1 scores every
+ * key for every head into w->p, the softmax is then taken over the whole context at once, and
+ * pass 2 sums the value rows. Each pass streams its cache's blocks in order with the next one
+ * prefetched, and consecutive dot products and value updates do not depend on each other, so
+ * the core overlaps them; the recurrence instead waits on every block's max, exp and rescale.
+ * Every sum runs in an order fixed by the token's position alone (keys grouped by cache
+ * block), which batch-invariant mode relies on. */
+static void attend_token(const Args *a, Scratch *w, int64_t r, int64_t j) {
     const int64_t D = a->head_dim, bs = a->block_size, H = a->num_heads, Hkv = a->num_kv_heads;
     const int64_t group = H / Hkv, row = Hkv * D, ld = w->p_stride;
     const size_t block_bytes = bs * row * elem_size(a->dtype);
-    const int64_t q0 = a->query_start_loc[r], pos = a->seq_lens[r] - 1;
+    const int64_t qlen = a->query_start_loc[r + 1] - a->query_start_loc[r];
+    const int64_t q0 = a->query_start_loc[r] + j, pos = a->seq_lens[r] - qlen + j;
     const int64_t lo = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
     const int32_t *bt = a->block_table + r * a->bt_stride;
     const float **kh = w->kh;
@@ -364,7 +374,8 @@ static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t
 
 /* tiled: multi-token items take the register-tiled path where head_dim % 16 == 0 (else, and
  * with tiled = 0, the row-by-row path); tiled = 2 takes the bf16 dot-product tiles
- * (cpu_attention_dp.h) instead for a bf16 cache in AVX512-BF16 builds. Returns 0 on success,
+ * (cpu_attention_dp.h) instead for a bf16 cache in AVX512-BF16 builds; tiled = 3
+ * (BATCH_INVARIANT) attends every query token alone by the decode path. Returns 0 on success,
  * 1 when scratch memory could not be allocated. */
 int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, void *out, const int32_t *block_table,
@@ -376,18 +387,20 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     const Args a = {q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, q_stride,
                     bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale,
                     dtype};
+    const int per_token = tiled == BATCH_INVARIANT, tile_len = per_token ? 1 : TILE;
     int64_t *tile_start = malloc(sizeof(int64_t) * (num_reqs + 1));
     if (!tile_start) return 1;
     tile_start[0] = 0;
     for (int64_t r = 0; r < num_reqs; ++r) {
         const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-        tile_start[r + 1] = tile_start[r] + (qlen + TILE - 1) / TILE;
+        tile_start[r + 1] = tile_start[r] + (qlen + tile_len - 1) / tile_len;
     }
     const int64_t num_tiles = tile_start[num_reqs];
-    int64_t max_decode_ctx = 0; /* the longest visible context of a one-token query */
+    int64_t max_decode_ctx = 0; /* the longest visible context of a query run by attend_token */
     for (int64_t r = 0; r < num_reqs; ++r) {
         const int64_t ctx = window > 0 && seq_lens[r] > window ? window : seq_lens[r];
-        if (query_start_loc[r + 1] - query_start_loc[r] == 1 && ctx > max_decode_ctx)
+        if ((per_token || query_start_loc[r + 1] - query_start_loc[r] == 1)
+            && ctx > max_decode_ctx)
             max_decode_ctx = ctx;
     }
     const int64_t rows = TILE * num_heads;
@@ -402,9 +415,9 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             if (!ok) continue;
             const int64_t r = find_request(tile_start, num_reqs, tile);
             const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-            const int64_t j0 = (tile - tile_start[r]) * TILE;
-            const int64_t nq = qlen - j0 < TILE ? qlen - j0 : TILE;
-            if (qlen == 1) attend_decode(&a, &w, r);
+            const int64_t j0 = (tile - tile_start[r]) * tile_len;
+            const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
+            if (per_token || qlen == 1) attend_token(&a, &w, r, j0);
             else if (tiled == 2 && HAVE_DP && dtype == DT_BF16 && a.head_dim % 16 == 0)
                 attend_tile_dp(&a, &w, r, j0, nq);
             else if (tiled && a.head_dim % 16 == 0) attend_tile_tiled(&a, &w, r, j0, nq);

@@ -1,0 +1,122 @@
+"""Deterministic (batch-invariant) inference: ``--deterministic`` / ``LLM(deterministic=True)``.
+
+Goal: a request's logits, and so its temperature-0 tokens, are bitwise the same whether it runs
+alone or beside any other requests, and however its prompt is chunked. The usual reason they
+are not is not run-to-run randomness but *batch variance*: a kernel whose reduction order for
+one row depends on how many rows (or which rows) it is given (Horace He and Thinking Machines
+Lab, "Defeating Nondeterminism in LLM Inference", 2025; vLLM's ``VLLM_BATCH_INVARIANT`` and
+SGLang's deterministic inference apply the same cure on GPUs). The cure is one kernel per op
+whose per-row reduction order is fixed whatever the batch.
+
+What kvflow does on CPU (each source measured, see docs/architecture.md "Deterministic mode"):
+
+- **GEMMs**: every projection and the LM head run kvflow's C GEMM
+  (``kernels/csrc/cpu_gemm.c``): each output element is one thread's sum over k in one fixed
+  order, whatever M and the thread count. ``--cpu-gemm auto`` is off (it may give a shape class
+  to oneDNN, whose fp32 GEMM sums a row of K=1536 differently at M=1 than at M>1) and so is
+  torch's ``F.linear`` (MKL: differs for every M > 1 in fp32).
+- **Attention**: every query token is attended alone by the native kernel's decode path
+  (``batch_invariant`` in :class:`~kvflow.attention.cpu_paged.CpuPagedAttentionBackend`): no
+  SDPA shortcut for a batch of equal whole prompts, no prefill tiles (whose key grouping
+  depends on the tile's last position), so a token's result does not depend on its chunk.
+- RMSNorm, SiLU-and-mul and RoPE already run per row / per element in kvflow's C kernels; the
+  sampler's greedy choice is a per-row argmax.
+
+What it refuses (ValueError at start-up), because those paths are not batch-invariant or not
+verified: another device than CPU, a build without kvflow's native kernels, another attention
+backend, weight quantization (int8/int4/fp8 and kept GGUF blocks switch kernels by row
+count; a .gguf file dequantized at load is fine), MoE layers (torch GEMMs per expert),
+multi-head latent attention, context or tensor parallelism (all-reduce chunking) and LoRA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvflow.config import EngineConfig
+from kvflow.kernels.gemm import GemmPathMixin
+
+CHANGES = (
+    ("GEMMs: kvflow's C GEMM for every projection and the LM head (fixed k order per output; "
+     "--cpu-gemm auto/oneDNN off)"),
+    ("attention: every query token alone through the decode path (no SDPA prompt shortcut, "
+     "no prefill tiles)"),
+)
+
+
+def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
+                        quantization: str | None, has_native_kernels: bool) -> list[str]:
+    """Why ``--deterministic`` cannot promise batch invariance for this engine (empty: it can).
+
+    Args:
+        config: the engine config.
+        hf_config: the model's HF config.
+        device_type: the platform's device type ("cpu", "cuda", ...).
+        quantization: the weight quantization in force (None: unquantized).
+        has_native_kernels: whether kvflow's native CPU kernels are built.
+    """
+    from kvflow.models.registry import uses_mla
+
+    dc, pc = config.device_config, config.parallel_config
+    checks = [
+        (device_type != "cpu",
+         (f"device {device_type!r}: batch-invariant kernels exist for CPU only (CUDA GEMMs "
+          "and attention are not batch-invariant yet)")),
+        (not has_native_kernels,
+         "kvflow's native CPU kernels are not built (no C compiler, or KVFLOW_NATIVE_CPU=0)"),
+        (dc.attention_backend not in (None, "cpu"),
+         f"attention_backend={dc.attention_backend!r} (only 'cpu' attends token by token)"),
+        (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
+        (quantization is not None,
+         f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
+        (_is_moe(hf_config),
+         ("a mixture-of-experts model (its expert GEMMs run torch's GEMM on the tokens routed "
+          "to each expert)")),
+        (uses_mla(hf_config), "multi-head latent attention (the torch MLA backend)"),
+        (pc.context_parallel_size > 1, "context_parallel_size > 1"),
+        (pc.tensor_parallel_size > 1,
+         "tensor_parallel_size > 1 (the all-reduce's chunking is not checked)"),
+        (config.lora_config.enable_lora, "enable_lora (LoRA's grouped matmuls)"),
+    ]
+    return [reason for failed, reason in checks if failed]
+
+
+def check_supported(config: EngineConfig, hf_config: Any, device_type: str,
+                    quantization: str | None, has_native_kernels: bool) -> None:
+    """Raise unless ``--deterministic`` can hold for this engine (see
+    :func:`unsupported_reasons` for the arguments).
+
+    Raises:
+        ValueError: naming every reason it cannot.
+    """
+    reasons = unsupported_reasons(config, hf_config, device_type, quantization,
+                                  has_native_kernels)
+    if reasons:
+        raise ValueError("deterministic=True is not available with " + "; ".join(reasons))
+
+
+def _is_moe(hf_config: Any) -> bool:
+    return any(getattr(hf_config, name, None) for name in
+               ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def unpacked_gemm_modules(model: nn.Module) -> list[str]:
+    """Names of GEMM modules of ``model`` whose weight is not packed for a fixed kernel (they
+    would run torch's GEMM): what :func:`check_all_packed` refuses."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, GemmPathMixin) and m.packed_weight is None
+            and getattr(getattr(m, "weight", None), "numel", lambda: 0)() > 0]
+
+
+def check_all_packed(model: nn.Module) -> None:
+    """After the GEMM paths are chosen: every GEMM module runs the packed C GEMM.
+
+    Raises:
+        ValueError: naming the modules that would run another GEMM.
+    """
+    left = unpacked_gemm_modules(model)
+    if left:
+        raise ValueError(f"deterministic=True: {len(left)} GEMM module(s) have no batch-invariant "
+                         f"kernel (e.g. {left[:3]})")
