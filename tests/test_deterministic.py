@@ -107,8 +107,8 @@ SMOLLM_TARGET = ("The history of the printing press begins in the fifteenth cent
 SMOLLM_OTHERS = [
     "Hi", "Write a haiku about autumn leaves falling on a quiet pond.", "1, 2, 3, 4, 5,",
     "def fibonacci(n):\n    ", "The capital of France is",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "woodcutter and his three daughters.", "Q: What is 17 times 23?\nA:",
+    ("Once upon a time, in a small village at the edge of a great forest, there lived an old "
+     "woodcutter and his three daughters."), "Q: What is 17 times 23?\nA:",
 ]
 
 

@@ -12,6 +12,8 @@ result must be bitwise the same whatever else the call holds.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ def _split(batch, r: int, qlen: int, cuts: list[int], batch_invariant: bool, win
     """Request r's query tokens computed in chunks ending at ``cuts`` (then concatenated)."""
     bounds = [0, *cuts, qlen]
     return torch.cat([_attend(batch, *_request_view(batch, r, lo, hi), batch_invariant, window)
-                      for lo, hi in zip(bounds, bounds[1:]) if hi > lo])
+                      for lo, hi in pairwise(bounds) if hi > lo])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
