@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, MLAAttentionBackend
 from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+if TYPE_CHECKING:
+    from kvflow.layers.rotary import RotaryEmbedding
 
 
 class ForwardContext:
@@ -100,3 +104,22 @@ class Attention(nn.Module):
                                              self.sliding_window)
         return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                          self.sliding_window, kv_scales=self.kv_scales)
+
+    def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, rotary_emb: RotaryEmbedding) -> torch.Tensor:
+        """Rotary embedding of q/k at ``positions``, then :meth:`forward`.
+
+        When the backend fuses them (the Triton backend with ``KVFLOW_FUSED_KERNELS=1``:
+        ``backend.fuse_rotary``) and ``rotary_emb.fusable`` takes the operands, the rotation
+        and the KV-cache store run as one kernel (``backend.forward_rotary``); otherwise
+        ``rotary_emb(positions, q, k)`` (its own per-device dispatch) then :meth:`forward`.
+        Same shapes as :meth:`forward`, plus positions int64 [T].
+        """
+        backend = self._ctx.backend
+        if getattr(backend, "fuse_rotary", False) and rotary_emb.fusable(positions, q, k):
+            meta = self._ctx.forward_context.attn_metadata[self.kv_group]
+            return backend.forward_rotary(
+                positions, q, k, v, (rotary_emb.cos_sin_cache, rotary_emb.is_neox_style),
+                self.kv_cache, meta, self.scale, self.sliding_window, kv_scales=self.kv_scales)
+        q, k = rotary_emb(positions, q, k)
+        return self(q, k, v)

@@ -89,6 +89,21 @@ def lora_kernel_choice(value: str | None = None) -> str:
     return choice
 
 
+def fused_kernels_enabled() -> bool:
+    """Whether the Triton (CUDA) attention backend runs kvflow's fused kernels (rotary
+    embedding + KV-cache store in one launch, ``kvflow/kernels/rotary_kv_store.py``):
+    ``$KVFLOW_FUSED_KERNELS`` = ``1``; ``0`` or unset keeps the separate kernels (the default
+    until an H200 run of benchmarks/gpu_check.sh has measured both). The CPU backends ignore it.
+
+    Raises:
+        ValueError: on another value.
+    """
+    value = os.environ.get("KVFLOW_FUSED_KERNELS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVFLOW_FUSED_KERNELS={value!r} is invalid; choose 0 or 1")
+    return value == "1"
+
+
 @dataclass
 class DeviceConfig:
     device: str = opt("auto", "where to run: auto, cpu, cuda, or an installed plugin "

@@ -288,6 +288,14 @@ class RotaryEmbedding(CustomOp):
         return self.cos_sin_cache.dtype == torch.float32 and q.dtype == k.dtype and all(
             t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
 
+    def fusable(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether a fused rotary + KV-store kernel may apply this rotation
+        (``kvflow/kernels/rotary_kv_store.py``): 1-D positions (not M-RoPE's [3, T]), a float32
+        table on q's device, q/k as [T, heads, head_dim] with unit-stride last dims."""
+        return positions.dim() == 1 and self.cos_sin_cache.dtype == torch.float32 \
+            and self.cos_sin_cache.device == q.device and q.dim() == 3 and k.dim() == 3 \
+            and q.stride(-1) == 1 and k.stride(-1) == 1
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes.
         Runs the implementation for q's device (:class:`~kvflow.layers.custom_op.CustomOp`)."""

@@ -100,8 +100,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)
+        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 

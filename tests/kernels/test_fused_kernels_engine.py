@@ -1,0 +1,50 @@
+"""KVFLOW_FUSED_KERNELS=1 inside the whole engine, on CPU with Triton in the interpreter: the
+Triton attention backend with the fused rotary + KV-store kernel gives the same greedy tokens
+as without it and as the torch backend (the independent reference) on the tiny Llama (mixed
+prefill chunks and decodes, prefix-cache hits), and the fused kernel really ran, once per
+layer and step, instead of the separate rotary and store kernels."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tests.kernels.test_engine_triton_cpu import _greedy, _llm
+
+
+def test_fused_kernels_env_value(monkeypatch):
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    monkeypatch.delenv("KVFLOW_FUSED_KERNELS", raising=False)
+    assert TritonPagedAttentionBackend().fuse_rotary is False  # default off
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
+    assert TritonPagedAttentionBackend().fuse_rotary is True
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "yes")
+    with pytest.raises(ValueError, match="KVFLOW_FUSED_KERNELS"):
+        TritonPagedAttentionBackend()
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_fused_engine_matches_unfused_and_torch(tiny_llama_path, monkeypatch):
+    from kvflow.attention import triton_paged
+    from kvflow.kernels import rotary
+
+    reference = _greedy(_llm(tiny_llama_path, "torch"))
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
+    unfused = _greedy(_llm(tiny_llama_path, "triton"))
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
+    llm = _llm(tiny_llama_path, "triton")
+    fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
+    store_calls = _counting(monkeypatch, triton_paged, "store_kvcache")
+    rotary_calls = _counting(monkeypatch, rotary, "rotary_embedding")
+    assert _greedy(llm) == unfused == reference
+    num_layers = llm.engine.core.executor.runner.model.config.num_hidden_layers
+    assert fused_calls and len(fused_calls) % num_layers == 0
+    assert not store_calls and not rotary_calls
