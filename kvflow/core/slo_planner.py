@@ -9,17 +9,30 @@ tokens within a budget); this module only sizes the budget. It keeps a ``StepTim
   by ``f + (k + 1) * tpot`` (then its mean TPOT, the SLO's definition, stays under ``tpot``
   whatever comes later). The step may last until the earliest such deadline among the running
   requests (``PLAN_MARGIN`` of the way there, for the model's error; never more than
-  ``MAX_STEP_TPOTS`` targets), so a request that ran ahead of its
-  target banks slack that a larger prefill step may spend. Decodes are always scheduled; the
-  prefill chunks get the tokens the model predicts fit in what is left (``StepBudget``).
+  ``MAX_STEP_TPOTS`` targets), so a request that ran ahead of its target banks slack that a
+  larger prefill step may spend; a request behind its target pays the debt back over its next
+  ``CATCH_UP_TOKENS`` tokens (``step_allowance``) instead of stopping all prefill until it has
+  caught up. Decodes are always scheduled; the prefill chunks get the tokens the model
+  predicts fit in what is left (``StepBudget``).
+* **Lost causes do not shrink the batch**: a request that could not end on its target even
+  decoding alone (``is_lost``), and a target below one decode step (``is_unreachable``: no
+  batch can meet it), no longer limit the step or the admissions: starving the batch would
+  help no one, so the step falls back to the fixed budget's throughput. Both use the window's
+  fit without the recent bias (``StepTimeModel.predict_fit``), once the model has settled, so
+  a transient slowdown does not give requests up.
 * **Admissions**: a waiting request is admitted only if a step of decodes alone, with it and
   every running request decoding, is predicted under ``GATE_HEADROOM`` of the smallest TPOT
   target involved, leaving the rest of each step for prefill (so running requests keep their
   TPOT as the batch grows).
+* **Feedback**: every prediction is the least-squares fit times the recent ratio of measured
+  to fitted step time (``StepTimeModel.bias``): when other processes slow the machine down,
+  the plan follows the measured steps within a few dozen steps instead of the fit's window.
 * **TTFT**: a waiting request that has not produced a token by ``arrival + ttft`` is *late*;
   the scheduler admits requests that can still meet their target first and late ones with
   what is left. With admission control the core refuses, at arrival, a request whose
-  predicted time to first token (``ttft_outlook``) exceeds its target, and says when to retry.
+  predicted time to first token (``ttft_outlook``) exceeds its target, and says when to retry
+  (above capacity this is where goodput comes from: a queue that grows makes every request
+  miss its TTFT).
 
 Before the model has measured ``StepTimeModel.min_steps`` steps the fixed budget
 (``max_num_batched_tokens``) applies. Without targets nothing changes but the model still
@@ -40,6 +53,7 @@ from kvflow.sched_output import SchedulerOutput
 MAX_STEP_TPOTS = 3.0  # a step never plans to last longer than this many TPOT targets
 GATE_HEADROOM = 0.8  # admissions keep a decode-only step under this share of the TPOT target
 PLAN_MARGIN = 0.9  # a step is planned to end this share of the way to the next deadline
+CATCH_UP_TOKENS = 32  # a request behind its TPOT target pays its debt back over these tokens
 
 
 @dataclass
@@ -51,6 +65,7 @@ class RequestSLO:
     arrival_time: float
     first_token_time: float | None = None
     num_after_first: int = 0  # tokens produced after the first
+    max_tokens: int | None = None  # the request's output cap (None: unknown)
 
 
 class StepBudget:
@@ -105,7 +120,9 @@ class StepBudget:
         ``GATE_HEADROOM`` of the smallest TPOT target (into an empty batch it always may).
         Counted in when admitted."""
         tpot = min(self.tpot_s, tpot_s or math.inf)
-        if tpot < math.inf and self.num_future_decodes:  # alone, it is always admitted
+        # alone, it is always admitted; a target no batch can meet does not limit the batch
+        if tpot < math.inf and self.num_future_decodes and \
+                not is_unreachable(self.model, tpot, request.num_tokens):
             step = self.model.predict_raw(0, self.num_future_decodes + 1,
                                           self.future_context + request.num_tokens)
             if step > GATE_HEADROOM * tpot:
@@ -151,7 +168,8 @@ class SLOPlanner:
         ttft = params.target_ttft_ms or cfg.target_ttft_ms
         tpot = params.target_tpot_ms or cfg.target_tpot_ms
         return RequestSLO(None if ttft is None else ttft / 1e3,
-                          None if tpot is None else tpot / 1e3, request.arrival_time)
+                          None if tpot is None else tpot / 1e3, request.arrival_time,
+                          max_tokens=params.max_tokens)
 
     def add(self, request: Request) -> None:
         """Record a request's targets; requests without any are not tracked."""
@@ -244,11 +262,15 @@ class SLOPlanner:
 def plan_step(model: StepTimeModel, running: Iterable[Request],
               slos: dict[str, RequestSLO], now: float) -> StepBudget:
     """The step's budget for ``running`` (objects with ``request_id``, ``num_tokens`` and
-    ``num_computed_tokens``) whose targets are in ``slos``: the step may last until the
-    earliest next-token deadline (``PLAN_MARGIN`` of it, at most ``MAX_STEP_TPOTS`` targets).
+    ``num_computed_tokens``) whose targets are in ``slos``: the step may last as long as the
+    tightest ``step_allowance`` of a running request that the step can still keep on target
+    (``PLAN_MARGIN`` of it, at most ``MAX_STEP_TPOTS`` targets). A request whose allowance is
+    below the step's decodes alone cannot be helped by cutting prefill this step, so it does
+    not shrink the budget (cutting prefill would starve admissions and help no one).
     """
-    deadline, tpot_min = math.inf, math.inf
+    tpot_min = math.inf
     num_decodes = decode_context = num_running = running_context = 0
+    timed: list[tuple[RequestSLO, int]] = []
     for r in running:
         n = r.num_tokens
         if n - r.num_computed_tokens == 1:
@@ -261,11 +283,52 @@ def plan_step(model: StepTimeModel, running: Iterable[Request],
             continue
         tpot_min = min(tpot_min, slo.tpot_s)
         if slo.first_token_time is not None:
-            deadline = min(deadline, slo.first_token_time
-                           + (slo.num_after_first + 1) * slo.tpot_s)
-    allowed = PLAN_MARGIN * min(deadline - now, MAX_STEP_TPOTS * tpot_min)
-    return StepBudget(model, allowed, num_decodes, decode_context, num_running,
+            timed.append((slo, n))
+    allowed = math.inf  # no running request to keep on target: the fixed budget
+    for slo, n in timed:
+        if not is_lost(slo, n, model, now):
+            allowed = min(allowed, step_allowance(slo, now), MAX_STEP_TPOTS * slo.tpot_s)
+    return StepBudget(model, PLAN_MARGIN * allowed, num_decodes, decode_context, num_running,
                       running_context, tpot_min)
+
+
+def is_unreachable(model: StepTimeModel, tpot_s: float, context_tokens: int) -> bool:
+    """Whether no batch can meet a TPOT target of ``tpot_s`` seconds: a step of one decode
+    (``context_tokens`` keys) takes longer by the window's fit (not the recent bias: a
+    transient slowdown must not open the gate), once the model is settled."""
+    return model.is_settled and model.predict_fit(0, 1, context_tokens) > tpot_s
+
+
+def is_lost(slo: RequestSLO, context_tokens: int, model: StepTimeModel, now: float) -> bool:
+    """Whether the request cannot end on its TPOT target any more, however small the batch:
+    steps of it decoding alone (``context_tokens`` keys, the model's time) for all the tokens
+    it has left would still end past ``f + (k + left) * tpot`` (see ``step_allowance``). A
+    target below one decode step is lost from the first token. Unknown ``max_tokens``: lost
+    only if one decode alone exceeds the target."""
+    if not model.is_settled:
+        return False
+    floor = model.predict_fit(0, 1, context_tokens)
+    if slo.max_tokens is None:
+        return floor > slo.tpot_s
+    left = max(1, slo.max_tokens - 1 - slo.num_after_first)
+    end = slo.first_token_time + (slo.num_after_first + left) * slo.tpot_s
+    return now + left * floor > end
+
+
+def step_allowance(slo: RequestSLO, now: float) -> float:
+    """How long (seconds from ``now``) the next step may take and the request still end on
+    its TPOT target: the later of its next-token deadline (``f + (k + 1) * tpot`` for a
+    request whose first token came at ``f`` with ``k`` tokens since: a request ahead of its
+    target spends its slack) and its catch-up pace (``(f + (k + h) * tpot - now) / h``: a
+    request behind its target pays its debt back over the next ``h`` tokens, ``h`` =
+    ``CATCH_UP_TOKENS`` or the tokens it has left if fewer). The mean TPOT, the SLO's
+    definition, is met either way if the later steps keep the same pace.
+    """
+    tpot, k = slo.tpot_s, slo.num_after_first
+    next_deadline = slo.first_token_time + (k + 1) * tpot - now
+    left = CATCH_UP_TOKENS if slo.max_tokens is None else slo.max_tokens - 1 - k
+    h = max(1, min(CATCH_UP_TOKENS, left))
+    return max(next_deadline, (slo.first_token_time + (k + h) * tpot - now) / h)
 
 
 def step_features(out: SchedulerOutput, requests: dict[str, Request]) -> StepFeatures:

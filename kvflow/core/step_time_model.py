@@ -24,6 +24,13 @@ negative is fixed at 0 and the rest refitted, the active-set step of Lawson & Ha
 refitting every ``refit_every`` steps, so it follows the machine's load and the model's real
 costs.
 
+The window's fit lags a change in the machine's speed (other processes taking the cores) by up
+to ``window`` steps, so predictions are the fit times a *bias*: the ratio measured / fitted
+prediction, exponentially smoothed over about ``BIAS_STEPS`` steps (simple exponential
+smoothing, Brown 1956; the measurement feedback of a model-predictive controller). On a steady
+machine the bias stays near 1; when the machine slows down by 2x it follows within a few
+dozen steps, long before the window's fit does.
+
 The prediction error of every step predicted before it ran (absolute, and relative to the
 measured time) is kept over the last ``window`` steps for /metrics.
 """
@@ -35,6 +42,9 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
+BIAS_STEPS = 16  # the bias follows measured / fitted step time over about this many steps
+MAX_BIAS = 8.0  # one step's ratio counts at most this far from 1 (either way)
 
 
 @dataclass(frozen=True)
@@ -99,10 +109,14 @@ class StepTimeModel:
         window: measured steps kept for the fit (and for the error statistics).
         min_steps: steps needed before the model predicts anything.
         refit_every: observations between two fits.
+        settle_steps: steps measured before ``is_settled`` (the first fits, from a few steps
+            of similar shape, can misplace the fixed cost by tens of percent).
     """
 
-    def __init__(self, window: int = 512, min_steps: int = 16, refit_every: int = 16) -> None:
+    def __init__(self, window: int = 512, min_steps: int = 16, refit_every: int = 16,
+                 settle_steps: int = 48) -> None:
         self.window, self.min_steps, self.refit_every = window, min_steps, refit_every
+        self.settle_steps = settle_steps
         self._steps: deque[tuple[float, ...]] = deque()  # each step's ``_sum_terms``
         self._sums = [0.0] * len(_TERMS)  # their sums over the window
         self._since_fit = self._since_resum = 0
@@ -112,24 +126,38 @@ class StepTimeModel:
         self._sum_abs = self._sum_rel = 0.0
         self.num_observed = 0
         self.num_predicted = 0
+        self.bias = 1.0  # recent measured / fitted step time (see the module docstring)
 
     @property
     def is_ready(self) -> bool:
         """Whether enough steps were measured for predictions."""
         return self.coef is not None
 
+    @property
+    def is_settled(self) -> bool:
+        """Whether ``settle_steps`` steps were measured: enough to trust the fit's
+        extrapolation (e.g. to a step of one decode) for decisions a wrong answer makes
+        costly."""
+        return self.coef is not None and self.num_observed >= self.settle_steps
+
     def predict(self, features: StepFeatures) -> float | None:
-        """Predicted step time in seconds, or None before the first fit."""
+        """Predicted step time in seconds (the fit times ``bias``), or None before the first
+        fit."""
         if self.coef is None:
             return None
-        c = self._c
-        return c[0] + c[1] * features.prefill_tokens + c[2] * features.decode_requests \
-            + c[3] * features.context_tokens
+        return self.predict_raw(features.prefill_tokens, features.decode_requests,
+                                features.context_tokens)
 
     def predict_raw(self, prefill_tokens: float, decode_requests: float,
                     context_tokens: float) -> float:
         """``predict`` without building a StepFeatures (the planner's inner loop); the model
         must be ready."""
+        return self.bias * self.predict_fit(prefill_tokens, decode_requests, context_tokens)
+
+    def predict_fit(self, prefill_tokens: float, decode_requests: float,
+                    context_tokens: float) -> float:
+        """The window's fit alone, without the recent ``bias`` (seconds): the machine's speed
+        over the whole window, for decisions a transient slowdown must not flip."""
         c = self._c
         return c[0] + c[1] * prefill_tokens + c[2] * decode_requests + c[3] * context_tokens
 
@@ -157,6 +185,7 @@ class StepTimeModel:
             self._resum()
         if predicted is not None:
             self._record_error(abs(predicted - seconds), seconds)
+            self._update_bias(predicted, seconds)
         if len(self._steps) >= self.min_steps and \
                 (self.coef is None or self._since_fit >= self.refit_every):
             self.fit()
@@ -165,6 +194,16 @@ class StepTimeModel:
         """Recompute the window's sums exactly (bounds the rounding of add/remove)."""
         self._sums = [math.fsum(col) for col in zip(*self._steps)]
         self._since_resum = 0
+
+    def _update_bias(self, predicted: float, seconds: float) -> None:
+        """Smooth in one step's measured / fitted ratio (``predicted`` included the bias of
+        the time; each ratio is clipped to [1/MAX_BIAS, MAX_BIAS] so one stall cannot swing
+        the bias)."""
+        fitted = predicted / self.bias
+        if fitted <= 0:
+            return
+        ratio = min(max(seconds / fitted, 1 / MAX_BIAS), MAX_BIAS)
+        self.bias += (ratio - self.bias) / BIAS_STEPS
 
     def _record_error(self, abs_error: float, seconds: float) -> None:
         rel = abs_error / max(seconds, 1e-6)
