@@ -6,6 +6,11 @@ Phases:
   kvflow    GPU-W1 (256 x 512 prompt -> 128 output, all at once) and GPU-W2 (1 request, TPOT),
             ``--repeats`` rounds on one engine, each round lock-step then with async
             scheduling (toggled between runs), reporting each variant's median run
+  batch1    GPU-W2 (TPOT) on one engine across kernel variants, ``--repeats`` rounds, the
+            variants alternating inside each round: CUDA graphs with the separate rotary and
+            KV-store kernels, graphs with them fused (``KVFLOW_FUSED_KERNELS``' switch,
+            graphs recaptured on each toggle), eager, eager fused; every variant's median run,
+            its ratio to the unfused graphs run, and whether its greedy tokens equal those
   hf        the same two workloads with HF transformers ``generate`` (static batch)
 Workloads use the Llama-3.1-8B-shaped config in benchmarks/configs with dummy bf16 weights.
 """
@@ -100,7 +105,58 @@ def phase_kvflow(args: argparse.Namespace) -> None:
     for key, rs in runs.items():
         result[key] = median_run(rs, "tpot_s_first_request" if key.startswith("w2")
                                  else "elapsed_s")
+        result[key].pop("token_ids")
     emit("kvflow", result)
+
+
+BATCH1_VARIANTS = {  # name -> (CUDA graphs, fused rotary + KV store)
+    "graphs": (True, False), "graphs_fused": (True, True),
+    "eager": (False, False), "eager_fused": (False, True),
+}
+
+
+def set_batch1_variant(llm, graphs: bool, fused: bool) -> None:
+    """Switch one engine between the batch-1 variants: the Triton backend's fused switch, then
+    CUDA graphs recaptured (they hold the kernels in force at capture) or dropped (eager)."""
+    core = llm.engine.core
+    runner = core.executor.runner
+    runner.attn_ctx.backend.fuse_rotary = fused
+    runner.graph_runner = None
+    if graphs:
+        core.executor.capture_graphs(core.max_model_len)
+
+
+def phase_batch1(args: argparse.Namespace) -> None:
+    from kvflow import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=CONFIG_DIR, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=2048,
+              gpu_memory_utilization=0.5, attention_backend="triton",
+              enable_prefix_caching=False, async_scheduling=False,
+              **({} if DEVICE == "cuda" else {"kv_cache_memory": "256MiB"}))
+    result = {"init_s": time.perf_counter() - t0, "repeats": args.repeats}
+    batch, output_len = prompts(1, W2["input_len"], 2), W2["output_len"]
+    variants = {name: v for name, v in BATCH1_VARIANTS.items()
+                if DEVICE == "cuda" or not v[0]}  # no graphs off-GPU (dry runs)
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.repeats):  # ABBA order: no variant always runs first
+        for name, (graphs, fused) in list(variants.items())[::-1 if r % 2 else 1]:
+            set_batch1_variant(llm, graphs, fused)
+            runs.setdefault(name, []).append(run_kvflow(llm, batch, output_len))
+            print(f"round {r + 1} {name}: TPOT "
+                  f"{runs[name][-1]['tpot_s_first_request'] * 1e3:.3f} ms", flush=True)
+    base = next(iter(runs))
+    for name, rs in runs.items():
+        result["w2_" + name] = summary = median_run(rs, "tpot_s_first_request")
+        summary["tpot_over_" + base] = summary["tpot_s_first_request"] / \
+            result["w2_" + base]["tpot_s_first_request"]
+        summary["tokens_equal_" + base] = all(x["token_ids"] == runs[base][0]["token_ids"]
+                                              for x in rs)
+    for summary in result.values():
+        if isinstance(summary, dict):
+            summary.pop("token_ids", None)
+    emit("batch1", result)
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -183,7 +239,8 @@ def run_kvflow(llm, batch: list[list[int]], output_len: int) -> dict:
     m = outs[0].metrics
     tpot = (m.finished_time - m.first_token_time) / (output_len - 1)
     return {"elapsed_s": elapsed, "output_tokens": ntok, "output_tok_per_s": ntok / elapsed,
-            "ttft_s_first_request": m.ttft, "tpot_s_first_request": tpot, "steps": steps}
+            "ttft_s_first_request": m.ttft, "tpot_s_first_request": tpot, "steps": steps,
+            "token_ids": list(outs[0].outputs[0].token_ids)}
 
 
 def phase_hf() -> None:
@@ -214,15 +271,15 @@ def phase_hf() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["ceilings", "kvflow", "hf"])
+    parser.add_argument("phase", choices=["ceilings", "kvflow", "batch1", "hf"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--w2-only", action="store_true", help="skip GPU-W1")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (medians are reported)")
     parser.add_argument("--no-async", action="store_true",
                         help="lock-step runs only (no --async-scheduling variant)")
     args = parser.parse_args()
-    {"ceilings": phase_ceilings, "kvflow": lambda: phase_kvflow(args), "hf": phase_hf}[
-        args.phase]()
+    {"ceilings": phase_ceilings, "kvflow": lambda: phase_kvflow(args),
+     "batch1": lambda: phase_batch1(args), "hf": phase_hf}[args.phase]()
 
 
 if __name__ == "__main__":

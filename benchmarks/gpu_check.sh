@@ -2,8 +2,10 @@
 # Everything kvflow checks on a GPU, in one run (target: under 6 minutes on an H200):
 # kernel tests (bf16, realistic shapes) and engine parity CUDA vs CPU (async scheduling
 # included), measured ceilings; GPU-W1/W2 for kvflow (CUDA graphs), three rounds in one
-# process, each round lock-step then --async-scheduling (medians reported); W2 for kvflow
-# eager; served GPU-W1 (kvflow serve + kvflow bench serve, three runs per server: lock-step,
+# process, each round lock-step then --async-scheduling (medians reported); the batch-1 A/B
+# (W2 TPOT on one engine: CUDA graphs vs eager, each with the separate rotary + KV-store
+# kernels and with them fused (KVFLOW_FUSED_KERNELS), medians of 3; decides that default);
+# served GPU-W1 (kvflow serve + kvflow bench serve, three runs per server: lock-step,
 # --async-scheduling and, where kvflow has it, --target-tpot-ms); kvflow's fraction of the
 # roofline (per operation) and served vs offline throughput and p99/median ITL.
 # HF transformers' generate runs too with GPU_CHECK_HF=1 (about a minute more).
@@ -22,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$
 run 90 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
 run 45 $PY benchmarks/gpu_bench.py ceilings
 run 150 $PY benchmarks/gpu_bench.py kvflow --repeats 3
-run 60 $PY benchmarks/gpu_bench.py kvflow --enforce-eager --w2-only --no-async --repeats 3
+run 100 $PY benchmarks/gpu_bench.py batch1 --repeats 3
 [ "${GPU_CHECK_HF:-0}" = 1 ] && run 120 $PY benchmarks/gpu_bench.py hf
 run 200 $PY benchmarks/gpu_serve.py --repeats 3 --out "$OUT/serve"
 echo "== $(date +%T) report" | tee -a "$log"

@@ -23,6 +23,7 @@ LLAMA_8B = ModelShape.from_hf_config(SimpleNamespace(
     num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, vocab_size=128256))
 BYTES = 2  # bf16
+BATCH1_ROWS = ("graphs", "graphs_fused", "eager", "eager_fused")
 
 
 def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=128) -> float:
@@ -52,9 +53,17 @@ def table(s: dict) -> str:
             ("W2 kvflow TPOT ms (graphs)", get("kvflow", "w2", "tpot_s_first_request"), 1e3),
             ("W2 kvflow TPOT ms (async sched.)",
              get("kvflow", "w2_async", "tpot_s_first_request"), 1e3),
-            ("W2 kvflow TPOT ms (eager)", get("kvflow_eager", "w2", "tpot_s_first_request"), 1e3),
+            ("W2 kvflow TPOT ms (eager)", get("kvflow_eager", "w2", "tpot_s_first_request")
+             or get("batch1", "w2_eager", "tpot_s_first_request"), 1e3),
             ("W2 kvflow TPOT / floor", get("kvflow", "w2", "tpot_over_floor"), 1),
             ("W2 HF TPOT ms", get("hf", "w2", "tpot_s"), 1e3)]
+    for variant in BATCH1_ROWS:  # the batch-1 kernel A/B (gpu_bench.py batch1)
+        rows += [(f"W2 {variant} TPOT ms", get("batch1", "w2_" + variant,
+                                                "tpot_s_first_request"), 1e3),
+                 (f"W2 {variant} / graphs", get("batch1", "w2_" + variant,
+                                                "tpot_over_graphs"), 1),
+                 (f"W2 {variant} same tokens", get("batch1", "w2_" + variant,
+                                                   "tokens_equal_graphs"), 1)]
     for variant in ("lockstep", "async", "tpot-cap"):
         rows += [(f"served W1 {variant} tok/s", get("serve", variant, "output_tok_per_s"), 1),
                  (f"served W1 {variant} / offline W1",
