@@ -187,7 +187,7 @@ class ModelRunner:
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
         self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
-        self._choose_gemm_path()
+        self._choose_gemm_path(self.model)
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
             if lc.enable_lora else None
@@ -207,13 +207,17 @@ class ModelRunner:
         name = self.config.device_config.attention_backend or \
             self.platform.default_attention_backend
         backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
-        return DraftModel(self.config, backend, self.dtype, self.device, hf_config.vocab_size)
+        drafter = DraftModel(self.config, backend, self.dtype, self.device,
+                             hf_config.vocab_size)
+        self._choose_gemm_path(drafter.model)  # unpacked, a bf16 draft cost more than it saved
+        return drafter
 
-    def _choose_gemm_path(self) -> None:
+    def _choose_gemm_path(self, model: torch.nn.Module) -> None:
         """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
-        packed once for the kernel ``--cpu-gemm`` names or, under ``auto``, the one timed
-        fastest for its shape class on this CPU; without either kernel, 16-bit weights are
-        widened to fp32 units where the CPU has no 16-bit matmul units."""
+        of ``model`` (the target or the draft) packed once for the kernel ``--cpu-gemm`` names
+        or, under ``auto``, the one timed fastest for its shape class on this CPU; without
+        either kernel, 16-bit weights are widened to fp32 units where the CPU has no 16-bit
+        matmul units."""
         if self.device.type != "cpu":
             return
         kernels = native_cpu_kernels()
@@ -223,18 +227,18 @@ class ModelRunner:
                                     self.platform.prepacks_gemm_weights(self.dtype))
         if not candidates:
             if not self.platform.has_native_matmul(self.dtype):
-                switched = widen_half_gemms(self.model, GemmWorkspace())
+                switched = widen_half_gemms(model, GemmWorkspace())
                 logger.info("no native %s matmul: %d GEMM modules run on fp32 units",
                             self.dtype, switched)
             return
         timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
-        head = getattr(self.model, "lm_head", None)
+        head = getattr(model, "lm_head", None)
         if self.dtype != torch.float32:
             # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
             pack_logits_head(head, self.config.scheduler_config.max_num_seqs,
                              None if choice == "onednn" else kernels)
         counts = prepack_gemm_weights(
-            self.model, self.config.scheduler_config.max_num_seqs, kernels,
+            model, self.config.scheduler_config.max_num_seqs, kernels,
             lambda w: choose(GemmShape(w.shape[0], w.shape[1], self.dtype), candidates, timings),
             self.dtype)
         if timings is not None:
