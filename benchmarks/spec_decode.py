@@ -14,8 +14,21 @@ edit where n-gram prompt lookup pays::
     .venv/bin/python benchmarks/spec_decode.py --model Qwen2.5-Coder-0.5B-Instruct \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
-``--prompt "..."`` replaces the workload with a plain completion prompt (a code-completion
-prompt for a draft model, say). ``--batch N`` (N > 1) sends N such requests at once (the edit
+``--workload completion`` runs instead a few built-in code-completion prompts (raw code, no chat
+template: the start of a function the model completes), one after the other at batch 1; the
+figure is their decode tokens over their decode time. That is the draft-model workload::
+
+    .venv/bin/python benchmarks/spec_decode.py --model Qwen2.5-Coder-1.5B-Instruct \
+        --workload completion --one-engine-at-a-time --max-tokens 64 --rounds 2 \
+        --speculative-config '{"method": "draft_model", "model": "Qwen2.5-Coder-0.5B-Instruct"}' \
+        --extra '{"kv_cache_memory": "256MiB"}'
+
+``--one-engine-at-a-time`` builds each round's engine, runs it and frees it before the next
+(the rounds still alternate; each build is warmed up before it is timed): two 1.5B engines and
+a draft at once do not fit a shared machine's memory. After the rounds the script prints the
+speculating engine's acceptance rate per draft position and its measured step costs (the
+target's step of 1 token and of 1 + K tokens, one draft pass), which say why speculation pays
+or not. ``--prompt "..."`` replaces the workload with one plain prompt. ``--batch N`` (N > 1) sends N such requests at once (the edit
 asks for a different new name in each) and the figure becomes output tokens per second of the
 whole batch (wall time of the generate call): the check that adaptive lengths stop
 speculating where verification costs more than it saves. The last line is ``ratio=X``.
@@ -24,6 +37,7 @@ speculating where verification costs more than it saves. The last line is ``rati
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -32,11 +46,22 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvflow import LLM, SamplingParams
 
+COMPLETION_PROMPTS = (
+    'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number (fib(0) = 0)."""\n',
+    ("import numpy as np\n\n\ndef softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:\n"
+     '    """Numerically stable softmax of x along axis."""\n'),
+    ("class Stack:\n    \"\"\"A LIFO stack backed by a Python list.\"\"\"\n\n"
+     "    def __init__(self) -> None:\n        self._items = []\n\n    def push(self, item):\n"),
+    ("def is_palindrome(text: str) -> bool:\n"
+     '    """True if text reads the same backwards, ignoring case and non-letters."""\n'),
+)
 EDIT_REQUEST = ("Here is a Python file:\n\n```python\n{source}```\n\nRename the function "
                 "`_matches` to `_suffix_matches{suffix}` everywhere and print the whole updated file "
                 "in one ```python block, with nothing else changed.")
@@ -49,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--source", default=str(ROOT / "kvflow/spec_decode/ngram.py"),
                    help="the file the edit workload repeats")
     p.add_argument("--prompt", default=None, help="a plain completion prompt instead")
+    p.add_argument("--workload", default="edit", choices=["edit", "completion"],
+                   help="edit: the input-repeating edit request; completion: code-completion "
+                        "prompts, one at a time")
+    p.add_argument("--one-engine-at-a-time", action="store_true",
+                   help="build and free each round's engine (memory)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=1, help="requests sent at once")
@@ -57,9 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_prompts(args: argparse.Namespace, llm: LLM) -> list[str]:
-    """``--batch`` chat-formatted edit requests (or ``--prompt`` as given, repeated)."""
+    """``--batch`` chat-formatted edit requests (or ``--prompt`` as given, repeated; or the
+    code-completion prompts)."""
     if args.prompt is not None:
         return [args.prompt] * args.batch
+    if args.workload == "completion":
+        return list(COMPLETION_PROMPTS)
     source, tokenizer = Path(args.source).read_text(), llm.get_tokenizer()
     suffixes = [""] if args.batch == 1 else [f"_{i}" for i in range(args.batch)]
     return [tokenizer.apply_chat_template(
@@ -67,24 +100,47 @@ def build_prompts(args: argparse.Namespace, llm: LLM) -> list[str]:
         tokenize=False, add_generation_prompt=True) for suffix in suffixes]
 
 
-def one_run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, str, dict]:
+def one_run(llm: LLM, prompts: list[str], max_tokens: int,
+            one_at_a_time: bool = False) -> tuple[float, str, dict]:
     """Tokens/s: one request's decode rate (tokens after the first over the time from the
-    first token to the last), or with several the batch's output tokens over the wall time;
-    the texts, and the speculative-decoding counts summed over the requests."""
+    first token to the last; with ``one_at_a_time`` the prompts run one after the other and
+    their decode tokens and times are summed), or with several at once the batch's output
+    tokens over the wall time; the texts, and the speculative-decoding counts summed over the
+    requests."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if one_at_a_time:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
     num = sum(len(o.outputs[0].token_ids) for o in outs)
-    if len(outs) == 1:
-        m = outs[0].metrics
-        rate = (num - 1) / max(m.finished_time - m.first_token_time, 1e-9)
+    if len(outs) == 1 or one_at_a_time:
+        decode = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
+        rate = (num - len(outs)) / max(decode, 1e-9)
     else:
         rate = num / wall
     counts = {"tokens": num, "drafts": sum(o.metrics.num_drafts for o in outs),
               "draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
               "accepted": sum(o.metrics.num_accepted_tokens for o in outs)}
     return rate, "\x00".join(o.outputs[0].text for o in outs), counts
+
+
+def spec_report(llm: LLM) -> str:
+    """The speculating engine's record over its life (warm-up included): accepted drafts per
+    position, and the cost model's measured step times (target: seconds per step by tokens in
+    the step; draft: seconds per pass by requests in the pass)."""
+    sp = llm.engine.core.speculator
+    lines = [(f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} "
+             f"accepted={sp.num_accepted_tokens} accepted_per_position="
+             f"{sp.num_accepted_per_pos}")]
+    for name, times in (("target", sp.target_times), ("draft", sp.draft_times)):
+        if times is None:
+            continue
+        seen = np.flatnonzero(times.last_seen >= 0)
+        bins = ", ".join(f"{times.counts[b]:.0f}: {times.seconds[b] * 1e3:.1f} ms" for b in seen)
+        lines.append(f"{name} step times by count: {bins}")
+    return "\n".join(lines)
 
 
 def _run(cmd: list[str]) -> str:
@@ -99,33 +155,52 @@ def machine() -> str:
     return f"{load} | {cpu} | {os.cpu_count()} CPUs"
 
 
+def build(args: argparse.Namespace, name: str, prompts: list[str] | None) -> LLM:
+    """The ``plain`` or ``spec`` engine, warmed up on the first prompt (8 tokens)."""
+    spec = args.speculative_config if name == "spec" else None
+    llm = LLM(model=args.model, speculative_config=spec, **json.loads(args.extra))
+    one_run(llm, (prompts or build_prompts(args, llm))[:1], 8)
+    return llm
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    extra = json.loads(args.extra)
-    plain = LLM(model=args.model, **extra)
-    spec = LLM(model=args.model, speculative_config=args.speculative_config, **extra)
-    prompt = build_prompts(args, plain)
+    sequential = args.workload == "completion" and args.batch == 1
+    engines: dict[str, LLM] = {}
+    if not args.one_engine_at_a_time:
+        engines = {name: build(args, name, None) for name in ("plain", "spec")}
+    prompts: list[str] | None = build_prompts(args, engines["plain"]) if engines else None
     print(f"start: {machine()}")
     rates: dict[str, list[float]] = {"plain": [], "spec": []}
     texts: dict[str, set[str]] = {"plain": set(), "spec": set()}
-    counts = {}
-    one_run(plain, prompt[:1], 8), one_run(spec, prompt[:1], 8)  # warm-up
+    counts, report = {}, ""
     for r in range(args.rounds):
-        order = [("plain", plain), ("spec", spec)]
-        for name, llm in order if r % 2 == 0 else order[::-1]:
+        order = ["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]
+        for name in order:
+            llm = engines.get(name) or build(args, name, prompts)
+            prompts = prompts or build_prompts(args, llm)
             started = time.perf_counter()
-            rate, text, c = one_run(llm, prompt, args.max_tokens)
+            rate, text, c = one_run(llm, prompts, args.max_tokens, sequential)
             rates[name].append(rate)
             texts[name].add(text)
             counts[name] = c
             print(f"round {r} {name}: {rate:.2f} tok/s, {c}, "
-                  f"{time.perf_counter() - started:.1f} s")
+                  f"{time.perf_counter() - started:.1f} s", flush=True)
+            if name == "spec":
+                report = spec_report(llm)
+            if name not in engines:
+                del llm
+                gc.collect()
     same = texts["plain"] == texts["spec"] and len(texts["plain"]) == 1
     c = counts["spec"]
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"end: {machine()}")
+    print(report)
     print(f"model={args.model} speculative_config={args.speculative_config} "
           f"batch={args.batch} output_tokens={c['tokens']} identical_greedy_text={same}")
+    if not same:
+        for name in ("plain", "spec"):
+            print(f"{name} texts: {[t.split(chr(0)) for t in texts[name]]}")
     print(f"acceptance_rate={c['accepted'] / max(c['draft_tokens'], 1):.3f} "
           f"mean_acceptance_length={1 + c['accepted'] / max(c['drafts'], 1):.2f}")
     print(f"plain_median={med['plain']:.2f} tok/s spec_median={med['spec']:.2f} tok/s")
