@@ -14,6 +14,7 @@ import enum
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,19 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     """``config`` for data-parallel replica ``index`` (its ``data_parallel_rank``)."""
     parallel = dataclasses.replace(config.parallel_config, data_parallel_rank=index)
     return dataclasses.replace(config, parallel_config=parallel)
+
+
+def core_process_env(config: EngineConfig) -> dict[str, str]:
+    """Environment variables an engine-core process needs beyond the ones it inherits: with
+    ``--distributed-executor-backend ray``, ``RAY_ADDRESS`` of the Ray cluster this process
+    is connected to (``ray.init`` ran here and ``RAY_ADDRESS`` is unset), so that every
+    data-parallel replica places its workers in that cluster instead of starting a local
+    one of its own."""
+    ray = sys.modules.get("ray")  # never imported here for this check
+    if config.parallel_config.executor_backend != "ray" or os.environ.get("RAY_ADDRESS") \
+            or ray is None or not ray.is_initialized():
+        return {}
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
 class CoreProcess:
@@ -72,7 +86,7 @@ class CoreProcess:
                                        == 1 else f"-{self.index}")
         self.proc = ctx.Process(target=run_engine_core, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
-                                      log_level))
+                                      log_level, core_process_env(self.config)))
         self.proc.start()
         self.state = ReplicaState.STARTING
         self.death = None

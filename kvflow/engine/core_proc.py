@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import traceback
 
@@ -41,7 +42,7 @@ _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    log_level: int = logging.WARNING) -> None:
+                    log_level: int = logging.WARNING, env: dict[str, str] | None = None) -> None:
     """Process entry point: build the EngineCore, report ready (or failed), serve until told
     to shut down or until the parent process dies.
 
@@ -50,7 +51,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         input_addr / output_addr: ZMQ addresses bound by the API process (PUSH -> our PULL,
             our PUSH -> its PULL).
         log_level: logging level of this process.
+        env: environment variables to set first (``core_client.core_process_env``).
     """
+    os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
     dp = config.parallel_config
     tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"

@@ -133,3 +133,28 @@ def test_a_one_process_group_is_the_identity():
     assert state.is_driver and state.tp.world_size == state.pp.world_size == 1
     with pytest.raises(ValueError, match="not a member"):
         CommGroup([0, 1], 2, object())
+
+
+def test_core_process_env_shares_this_process_ray_cluster(monkeypatch):
+    """An engine-core process (a data-parallel replica) joins the Ray cluster this process is
+    connected to, through RAY_ADDRESS; nothing is passed without ray, with RAY_ADDRESS
+    already set (inherited) or without a connected cluster."""
+    import sys
+    import types
+
+    from kvflow.engine.core_client import core_process_env
+
+    fake = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda:
+                                 types.SimpleNamespace(gcs_address="10.0.0.7:6379"))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_config = EngineConfig.from_kwargs(model="x", data_parallel_size=2,
+                                          distributed_executor_backend="mp")
+    assert core_process_env(ray_config) == {}  # mp: no Ray
+    ray_config.parallel_config.distributed_executor_backend = "ray"
+    assert core_process_env(ray_config) == {"RAY_ADDRESS": "10.0.0.7:6379"}
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert core_process_env(ray_config) == {}  # the child inherits RAY_ADDRESS itself
+    monkeypatch.delenv("RAY_ADDRESS")
+    fake.is_initialized = lambda: False
+    assert core_process_env(ray_config) == {}

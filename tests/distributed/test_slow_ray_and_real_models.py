@@ -1,8 +1,9 @@
 """The slow multi-process checks (about 5 minutes on 2 cores), run by
 ``scripts/test_distributed_slow.sh`` (``KVFLOW_TEST_DISTRIBUTED_SLOW=1``), skipped otherwise:
 
-* ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2, PP=2
-  and TP=2 + EP greedy tokens equal the one-process run; a killed actor is reported by rank;
+* ``--distributed-executor-backend ray`` on a local Ray cluster this test starts: TP=2, PP=2,
+  TP=2 + EP, CP=2 (tiny Llama and Gemma 3) and DP=2 greedy tokens equal the one-process run
+  (the DP replicas join this cluster); a killed actor is reported by rank;
 * the real packaged Qwen2.5-Coder-0.5B-Instruct (14 heads / 2 KV heads, 24 layers) with
   TP=2 and with PP=2 gives the one-process greedy text;
 * the real gemma-3-270m (1 KV head) with TP=2 replicates its KV head on both ranks and gives
@@ -44,12 +45,33 @@ def ray_cluster():
     ("llama", {"tensor_parallel_size": 2}),
     ("llama", {"pipeline_parallel_size": 2}),
     ("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
-], ids=["tp2", "pp2", "tp2-ep"])
+    ("llama", {"context_parallel_size": 2}),
+    ("gemma3", {"context_parallel_size": 2}),
+], ids=["tp2", "pp2", "tp2-ep", "cp2", "cp2-gemma3"])
 def test_ray_backend_greedy_equals_one_process(ray_cluster, tiny_model_factory,
                                                single_process_greedy, model, kwargs):
     got, _ = greedy_run(tiny_model_factory(model).path,
                         distributed_executor_backend="ray", **kwargs)
     assert_same_greedy(single_process_greedy(model), got)
+
+
+def test_ray_backend_data_parallel_replicas_join_this_cluster(ray_cluster, tiny_model_factory,
+                                                             single_process_greedy):
+    """DP=2 under ray: each replica's engine-core process places its worker in the test's
+    cluster (one placement group each), not in a local cluster of its own."""
+    from ray.util import placement_group_table
+
+    def live_groups() -> int:
+        return sum(g["state"] == "CREATED" for g in placement_group_table().values())
+
+    got, llm = greedy_run(tiny_model_factory("llama").path, shutdown=False,
+                          data_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert_same_greedy(single_process_greedy("llama"), got)
+        assert live_groups() == 2
+    finally:
+        llm.shutdown()
+    assert live_groups() == 0
 
 
 def test_ray_actor_death_names_the_rank(ray_cluster, tiny_model_factory):
