@@ -30,12 +30,15 @@ class TritonPagedAttentionBackend(AttentionBackend):
     Args:
         fuse_rotary: whether :class:`~kvflow.attention.layer.Attention` may hand it the
             rotary embedding too (:meth:`forward_rotary`); default ``$KVFLOW_FUSED_KERNELS``.
+        batch_invariant: one launch configuration for every batch (``--deterministic``; see
+            :func:`kvflow.kernels.paged_attention.plan_paged_attention`).
     """
 
     name = "triton"
 
-    def __init__(self, fuse_rotary: bool | None = None) -> None:
+    def __init__(self, fuse_rotary: bool | None = None, batch_invariant: bool = False) -> None:
         self.fuse_rotary = fused_kernels_enabled() if fuse_rotary is None else fuse_rotary
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -82,9 +85,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
                              meta.slot_mapping, kv_scales)
         return self._attend(q, kv_cache, meta, scale, sliding_window, kv_scales)
 
-    @staticmethod
-    def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None,
+                kv_scales: torch.Tensor | None) -> torch.Tensor:
         return paged_attention(
             q,
             kv_cache,
@@ -96,4 +99,5 @@ class TritonPagedAttentionBackend(AttentionBackend):
             scale,
             sliding_window=sliding_window,
             kv_scales=kv_scales,
+            batch_invariant=self.batch_invariant,
         )

@@ -313,6 +313,7 @@ class PagedAttentionPlan(NamedTuple):
 def plan_paged_attention(
     num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, num_reqs: int,
     max_query_len: int, max_seq_len: int, num_sms: int, num_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> PagedAttentionPlan:
     """Choose tile sizes, the split-KV path and the grid; pure arithmetic on the shapes.
 
@@ -322,11 +323,20 @@ def plan_paged_attention(
     ``num_tokens // BLOCK_Q + num_reqs`` q-blocks cover every request's blocks, partial last
     ones included, and surplus programs exit at once. So the grid depends only on token and
     request counts, never on lengths.
+
+    ``batch_invariant`` (``--deterministic``): one launch configuration whatever the batch
+    (decode-sized row tiles, one pass, ``num_splits`` ignored), so a query row always meets
+    the same instructions over the same key tiles (aligned to absolute key positions; the
+    extra fully masked tiles a longer q-block adds contribute exact zeros): its result then
+    does not depend on the other requests or on where its chunk starts.
     """
     qpkv = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, tile_n, num_warps, num_stages = _launch_config(max_query_len, qpkv, block_d)
+    block_m, tile_n, num_warps, num_stages = _launch_config(
+        1 if batch_invariant else max_query_len, qpkv, block_d)
     block_q = block_m // qpkv
+    if batch_invariant:
+        num_splits = 1
     if num_splits is None:
         num_splits = choose_num_splits(max_query_len, max_seq_len, num_reqs, num_kv_heads,
                                        num_sms)
@@ -379,6 +389,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode batch.
 
@@ -404,6 +415,8 @@ def paged_attention(
         kv_scales: float32 [2, num_blocks, block_size, num_kv_heads] when ``kv_cache`` is
             quantized (int8 / float8_e4m3fn): each key/value row is read as its values times
             its scale (:mod:`kvflow.kernels.kv_quant`), then used in ``q.dtype``.
+        batch_invariant: one launch configuration for every batch (see
+            :func:`plan_paged_attention`), as ``--deterministic`` needs.
 
     Returns:
         [T, num_heads, head_dim] in ``q.dtype`` (``out`` if given); padding rows are left
@@ -429,7 +442,8 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     plan = plan_paged_attention(num_tokens, num_heads, kv_cache.shape[3], head_dim, num_reqs,
-                                max_query_len, max_seq_len, _num_sms(q.device), num_splits)
+                                max_query_len, max_seq_len, _num_sms(q.device), num_splits,
+                                batch_invariant)
     _launch(plan, q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
             out, kv_scales)
     return out

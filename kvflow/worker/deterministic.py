@@ -22,9 +22,16 @@ What kvflow does on CPU (each source measured, see docs/architecture.md "Determi
 - RMSNorm, SiLU-and-mul and RoPE already run per row / per element in kvflow's C kernels; the
   sampler's greedy choice is a per-row argmax.
 
+On CUDA (checked only in Triton's interpreter; no GPU has run it): every GEMM module runs
+one fixed-configuration Triton GEMM (:mod:`kvflow.kernels.batch_invariant_gemm`, no split-K,
+instead of cuBLAS), and the Triton paged attention keeps one launch configuration for every
+batch (decode-sized row tiles, no split-KV; ``batch_invariant`` in
+:func:`kvflow.kernels.paged_attention.plan_paged_attention`). The Triton RMSNorm is one
+program per row already; the sampler's argmax is exact in any order.
+
 What it refuses (ValueError at start-up), because those paths are not batch-invariant or not
-verified: another device than CPU, a build without kvflow's native kernels, another attention
-backend, weight quantization (int8/int4/fp8 and kept GGUF blocks switch kernels by row
+verified: a device other than CPU and CUDA, a CPU build without kvflow's native kernels, an
+attention backend other than cpu/triton, weight quantization (int8/int4/fp8 and kept GGUF blocks switch kernels by row
 count; a .gguf file dequantized at load is fine), MoE layers (torch GEMMs per expert),
 multi-head latent attention, context or tensor parallelism (all-reduce chunking) and LoRA.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from kvflow.config import EngineConfig
@@ -43,6 +51,12 @@ CHANGES = (
      "--cpu-gemm auto/oneDNN off)"),
     ("attention: every query token alone through the decode path (no SDPA prompt shortcut, "
      "no prefill tiles)"),
+)
+
+CHANGES_CUDA = (
+    ("GEMMs: one fixed-configuration Triton GEMM for every projection and the LM head (no "
+     "cuBLAS, no split-K; not verified on a GPU)"),
+    "attention: one Triton launch configuration for every batch (no split-KV)",
 )
 
 
@@ -61,13 +75,14 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
 
     dc, pc = config.device_config, config.parallel_config
     checks = [
-        (device_type != "cpu",
-         (f"device {device_type!r}: batch-invariant kernels exist for CPU only (CUDA GEMMs "
-          "and attention are not batch-invariant yet)")),
+        (device_type not in ("cpu", "cuda"),
+         f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
         (not has_native_kernels,
          "kvflow's native CPU kernels are not built (no C compiler, or KVFLOW_NATIVE_CPU=0)"),
-        (dc.attention_backend not in (None, "cpu"),
-         f"attention_backend={dc.attention_backend!r} (only 'cpu' attends token by token)"),
+        (dc.attention_backend not in (None, "cpu", "triton") or
+         (device_type == "cuda" and dc.attention_backend == "cpu"),
+         (f"attention_backend={dc.attention_backend!r} (only 'cpu' and 'triton' have a "
+          "batch-invariant mode)")),
         (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
         (quantization is not None,
          f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
@@ -100,6 +115,22 @@ def check_supported(config: EngineConfig, hf_config: Any, device_type: str,
 def _is_moe(hf_config: Any) -> bool:
     return any(getattr(hf_config, name, None) for name in
                ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def use_batch_invariant_gemms(model: nn.Module) -> int:
+    """Give every GEMM module of ``model`` with a 2-D float weight a
+    :class:`~kvflow.kernels.batch_invariant_gemm.BatchInvariantWeight` as its packed weight
+    (CUDA under ``--deterministic``). Returns the number of modules switched."""
+    from kvflow.kernels.batch_invariant_gemm import BatchInvariantWeight
+
+    switched = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, GemmPathMixin) and isinstance(weight, torch.Tensor) \
+                and weight.dim() == 2 and weight.is_floating_point():
+            module.packed_weight = BatchInvariantWeight(weight)
+            switched += 1
+    return switched
 
 
 def unpacked_gemm_modules(model: nn.Module) -> list[str]:

@@ -52,7 +52,8 @@ from kvflow.spec_decode.verification import (
     verify,
 )
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
-from kvflow.worker.deterministic import check_all_packed
+from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
+from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_gemms
 from kvflow.worker.deterministic import check_supported as check_deterministic
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.kv_swap import HostKVCache
@@ -86,7 +87,7 @@ def make_attention_backend(name: str, batch_invariant: bool = False):
     if name == "triton":
         from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
-        return TritonPagedAttentionBackend()
+        return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
     raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
 
 
@@ -171,7 +172,7 @@ class ModelRunner:
         if deterministic:
             check_deterministic(self.config, hf_config, self.device.type,
                                 self.quant_config and self.quant_config.name,
-                                native_cpu_kernels() is not None)
+                                self.device.type != "cpu" or native_cpu_kernels() is not None)
         if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
             backend = make_context_parallel_backend(
                 self.parallel.cp, hf_config, self.block_size,
@@ -218,10 +219,14 @@ class ModelRunner:
         or, under ``auto``, the one timed fastest for its shape class on this CPU; without
         either kernel, 16-bit weights are widened to fp32 units where the CPU has no 16-bit
         matmul units."""
+        deterministic = self.config.device_config.deterministic
         if self.device.type != "cpu":
+            if deterministic:  # one Triton GEMM configuration for every batch
+                use_batch_invariant_gemms(model)
+                logger.info("deterministic mode (batch-invariant kernels): %s",
+                            "; ".join(DETERMINISTIC_CHANGES_CUDA))
             return
         kernels = native_cpu_kernels()
-        deterministic = self.config.device_config.deterministic
         choice = "native" if deterministic else cpu_gemm_choice(self.config.device_config.cpu_gemm)
         candidates = candidates_for(self.dtype, choice, kernels,
                                     self.platform.prepacks_gemm_weights(self.dtype))
@@ -245,7 +250,7 @@ class ModelRunner:
             timings.save()
         logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, self.dtype, dict(counts))
         if deterministic:
-            check_all_packed(self.model)
+            check_all_packed(model)
             logger.info("deterministic mode (batch-invariant kernels): %s",
                         "; ".join(DETERMINISTIC_CHANGES))
 

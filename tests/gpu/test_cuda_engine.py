@@ -95,3 +95,29 @@ def test_cuda_async_scheduling_equals_lock_step_when_sampling(tiny_llama):
     expected = run(False)
     assert expected[0][1] == "stop"
     assert run(True) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_deterministic_batch_invariant(tiny_llama, dtype):
+    """--deterministic on CUDA (never run in this repository's sessions: no GPU; the kernels
+    are checked in Triton's interpreter in tests/kernels/test_batch_invariant_triton.py): the
+    watched prompt's tokens and logprobs alone equal those inside batches of 2-64 requests."""
+    from kvflow import LLM, SamplingParams
+
+    target = PROMPTS[2]
+    others = [[(13 * i + 5 * j) % 500 + 1 for j in range(3 + (i * 7) % 60)] for i in range(63)]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    llm = LLM(model=tiny_llama, dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=512,
+              device="cuda", deterministic=True, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+
+    def run(batch):
+        prompts = [{"prompt_token_ids": p} for p in batch]
+        prompts.insert(len(batch) // 2, {"prompt_token_ids": target})
+        out = llm.generate(prompts, params, use_tqdm=False)[len(batch) // 2].outputs[0]
+        return out.token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                               for d in out.logprobs]
+
+    alone = run([])
+    for size in (1, 7, 63):
+        assert run(others[:size]) == alone, size
