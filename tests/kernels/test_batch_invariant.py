@@ -28,6 +28,14 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels coul
 ROW_COUNTS = (1, 5, 6, 7, 64, 97, 200)
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The tests vary torch's thread count (results must not depend on it); restore it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_gemm_row_is_batch_invariant(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +46,8 @@ def test_native_gemm_row_is_batch_invariant(dtype):
     alone = torch.cat([packed(x[i:i + 1], None) for i in range(max(ROW_COUNTS))])
     exact = x.double() @ weight.double().T
     assert torch.allclose(alone.double(), exact, rtol=1e-5, atol=1e-4)
-    for m in ROW_COUNTS:
+    for i, m in enumerate(ROW_COUNTS):
+        torch.set_num_threads(1 + i % 2)  # and whatever the thread count
         rows = torch.randperm(max(ROW_COUNTS), generator=gen)[:m]
         out = packed(x[rows], None)
         assert torch.equal(out, alone[rows]), f"a row changed at M={m}"
@@ -56,6 +65,7 @@ def _request_view(batch, r: int, token_lo: int, token_hi: int):
 
 
 def _attend(batch, q, qsl, seq_lens, block_table, batch_invariant: bool, window=None):
+    torch.set_num_threads(1 + q.shape[0] % 2)  # one or two threads, by the call's size
     return KERNELS.paged_attention(q, batch["kv_cache"], qsl, seq_lens, block_table,
                                    batch["scale"], window, batch_invariant=batch_invariant)
 
