@@ -39,6 +39,8 @@ class ModelRunnerOutput:
             asked for them.
         draft_time_s: wall time (seconds) the step spent proposing draft tokens with a draft
             model (speculative decoding; its step-cost model reads it), else 0.
+        draft_pass_s: seconds of one steady draft-model pass (one or two tokens per drafting
+            request) this step, else 0: the step-cost model's draft cost per pass.
         pooler_output: request id -> the pooled vector of an embedding request whose prompt
             the step finished.
     """
@@ -48,6 +50,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     draft_time_s: float = 0.0
+    draft_pass_s: float = 0.0
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @property

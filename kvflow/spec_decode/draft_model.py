@@ -5,16 +5,20 @@ target's tokenizer and vocabulary) keeps its own paged KV cache in the target's 
 layers' tensors are indexed by the target's group-0 block ids (``KVCacheConfig.draft_group``),
 so a block id holds both models' K/V of the same tokens and one block's bytes count both.
 
-Invariant: every token position the target has K/V for, the draft has too. Each step (whether
-or not it verifies drafts) the draft first computes every scheduled request's tokens from
-``InputBatch.num_draft_computed`` up to the end of the step's non-draft tokens (the "mirror"
-pass, batched like a target step). Prefix-cache hits and resumed requests can therefore trust
-the draft's K/V of their computed blocks. The mirror pass of a request that verifies ``k``
-drafts this step ends at its last known token and gives the draft's logits for draft 1; ``k - 1``
-more passes of one token per drafting request give drafts 2..k, writing the draft's K/V of
-drafts 1..k-1 (at positions ``num_tokens .. num_tokens + k - 2``, inside the blocks the
-scheduler allocated for the step). After verification ``InputBatch.accept_tokens`` cuts
-``num_draft_computed`` to the accepted prefix.
+The draft's K/V is computed lazily, only for the requests that draft: ``InputBatch.
+num_draft_computed`` counts the positions of a row whose draft K/V is in place. A step that
+verifies ``k`` drafts of a request first runs the "mirror" pass: the draft computes that
+request's tokens from ``num_draft_computed`` to its last known token (one or two tokens when
+it drafted the step before; the whole context when it starts drafting, in passes of at most
+``max_num_batched_tokens`` tokens), and its last logits give draft 1; ``k - 1`` more passes of
+one token per drafting request give drafts 2..k, writing the draft's K/V of drafts 1..k-1 (at
+positions ``num_tokens .. num_tokens + k - 2``, inside the blocks the scheduler allocated for
+the step). After verification ``InputBatch.accept_tokens`` cuts ``num_draft_computed`` to the
+accepted prefix. A step without drafts runs no draft pass at all, so when adaptive lengths turn
+speculation off (a large batch) the draft costs nothing; the price is that a new request (or a
+prefix-cache hit, or a resumed request) starts with no draft K/V (``num_draft_computed = 0``:
+a cached block may have been filled while nobody drafted) and the draft recomputes its context
+when it first drafts.
 
 Draft tokens: the argmax for greedy requests (point masses); for sampled requests a draw from
 ``q = softmax(draft logits / temperature)`` (the request's own generator when seeded), with
@@ -51,11 +55,15 @@ class DraftProposal:
         probs: request id -> float32 [k, V], the distribution each draft was drawn from
             (sampled requests only; greedy requests' drafts are point masses).
         seconds: wall time of the draft passes that proposed them (the mirror pass included).
+        pass_seconds: mean wall time of one steady pass (one or two tokens per drafting
+            request; a catch-up mirror pass is left out), 0.0 when none ran: the cost model's
+            draft cost per pass.
     """
 
     token_ids: dict[str, list[int]]
     probs: dict[str, torch.Tensor]
     seconds: float
+    pass_seconds: float = 0.0
 
 
 class DraftModel:
@@ -91,6 +99,8 @@ class DraftModel:
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device
+        # a catch-up mirror pass is split so one pass computes no more than a target step
+        self.max_tokens_per_pass = config.scheduler_config.max_num_batched_tokens or 2048
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
@@ -127,8 +137,8 @@ class DraftModel:
                 spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
                 fill_pending: Callable[[ModelInputs], None],
                 generator: torch.Generator) -> DraftProposal:
-        """Run the mirror pass over the step's non-draft tokens, then propose each drafting
-        request's tokens (module docstring).
+        """Run the mirror pass of the drafting requests, then propose their tokens (module
+        docstring).
 
         Args:
             batch: the persistent batch, this step's changes applied.
@@ -146,30 +156,18 @@ class DraftModel:
         num_drafts = np.zeros(n, np.int64)
         for rid, tokens in spec_tokens.items():
             num_drafts[batch.req_id_to_index[rid]] = len(tokens)
-        end = batch.num_computed_tokens[:n] + num_scheduled - num_drafts
-        start = np.minimum(batch.num_draft_computed[:n], end)
-        query = np.where(num_scheduled > 0, end - start, 0)
         drafting = np.flatnonzero(num_drafts)
         tokens = np.zeros((len(drafting), int(num_drafts.max(initial=0))), np.int64)
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
-        if query.any():
-            logits = self._pass(batch, query, start, block_size, stager, fill_pending,
-                                drafting)
-            batch.num_draft_computed[:n] = np.where(query > 0, end, batch.num_draft_computed[:n])
-            self._choose(batch, drafting, logits, 0, tokens, probs, generator)
+        if not len(drafting):
+            return DraftProposal({}, {}, 0.0)
+        steady = self._mirror(batch, num_scheduled - num_drafts, drafting, block_size, stager,
+                              fill_pending, generator, tokens, probs)
         for i in range(1, tokens.shape[1]):
-            rows = drafting[num_drafts[drafting] > i]
-            sub = np.flatnonzero(num_drafts[drafting] > i)
-            position = batch.num_tokens[rows] + i - 1
-            for row, j in zip(rows.tolist(), sub.tolist()):  # drafts 1..i after the tokens
-                batch.write_draft_tokens(row, tokens[j, :i])
-            query = np.zeros(n, np.int64)
-            query[rows] = 1
-            computed = batch.num_draft_computed[:n].copy()
-            computed[rows] = position
-            logits = self._pass(batch, query, computed, block_size, stager, None, rows)
-            batch.num_draft_computed[rows] = position + 1
-            self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
+            passed = time.perf_counter()
+            self._next_draft(batch, num_drafts, drafting, i, block_size, stager, generator,
+                             tokens, probs)
+            steady.append(time.perf_counter() - passed)
         proposal = DraftProposal({}, {}, 0.0)
         for j, row in enumerate(drafting.tolist()):
             rid = batch.req_ids[row]
@@ -177,7 +175,56 @@ class DraftModel:
             if probs[j]:
                 proposal.probs[rid] = torch.stack(probs[j])
         proposal.seconds = time.perf_counter() - started
+        proposal.pass_seconds = float(np.mean(steady)) if steady else 0.0
         return proposal
+
+    def _mirror(self, batch: InputBatch, num_base: np.ndarray, drafting: np.ndarray,
+                block_size: int, stager: InputStager,
+                fill_pending: Callable[[ModelInputs], None], generator: torch.Generator,
+                tokens: np.ndarray, probs: list[list[torch.Tensor]]) -> list[float]:
+        """Catch the drafting rows' draft K/V up to their last known token, in passes of at
+        most ``max_tokens_per_pass`` tokens, and choose draft 1 from each row's last logits.
+        ``num_base``: int64 [num_reqs], each row's scheduled tokens without its drafts.
+        Returns the seconds of the pass when it was steady (at most 2 tokens per row)."""
+        n = batch.num_reqs
+        end = batch.num_computed_tokens[:n] + num_base
+        computed = np.minimum(batch.num_draft_computed[:n], end)
+        computed[drafting] = np.minimum(computed[drafting], end[drafting] - 1)  # draft 1's logits
+        left = np.zeros(n, np.int64)
+        left[drafting] = end[drafting] - computed[drafting]
+        steady = bool(left.max(initial=0) <= 2)
+        while left.any():
+            query = np.minimum(left, np.maximum(self.max_tokens_per_pass -
+                                                (np.cumsum(left) - left), 0))
+            done = drafting[(left[drafting] == query[drafting]) & (query[drafting] > 0)]
+            passed = time.perf_counter()
+            logits = self._pass(batch, query, computed, block_size, stager, fill_pending, done)
+            computed += query
+            left -= query
+            sub = np.searchsorted(drafting, done)
+            self._choose(batch, done, logits, 0, tokens, probs, generator, sub)
+        batch.num_draft_computed[drafting] = end[drafting]
+        return [time.perf_counter() - passed] if steady else []
+
+    def _next_draft(self, batch: InputBatch, num_drafts: np.ndarray, drafting: np.ndarray,
+                    i: int, block_size: int, stager: InputStager,
+                    generator: torch.Generator, tokens: np.ndarray,
+                    probs: list[list[torch.Tensor]]) -> None:
+        """Draft ``i`` (0-based) of the rows drafting more than ``i`` tokens: one token each,
+        draft ``i - 1`` at position ``num_tokens + i - 1``."""
+        n = batch.num_reqs
+        rows = drafting[num_drafts[drafting] > i]
+        sub = np.flatnonzero(num_drafts[drafting] > i)
+        position = batch.num_tokens[rows] + i - 1
+        for row, j in zip(rows.tolist(), sub.tolist()):  # drafts 1..i after the tokens
+            batch.write_draft_tokens(row, tokens[j, :i])
+        query = np.zeros(n, np.int64)
+        query[rows] = 1
+        computed = batch.num_draft_computed[:n].copy()
+        computed[rows] = position
+        logits = self._pass(batch, query, computed, block_size, stager, None, rows)
+        batch.num_draft_computed[rows] = position + 1
+        self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
 
     def _pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
               block_size: int, stager: InputStager,

@@ -129,12 +129,12 @@ class Speculator:
     def observe_step(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput,
                      seconds: float) -> None:
         """Feed one executed step's measured time to the cost model: the target's part by
-        the step's token count, the draft model's per pass by the requests drafting."""
+        the step's token count, the draft model's per steady pass by the requests drafting
+        (a pass that catches a request's draft K/V up over its whole context is left out)."""
         if sched.is_empty:
             return
         self.target_times.observe(sched.total_num_scheduled_tokens,
                                   max(seconds - runner_output.draft_time_s, 0.0))
         drafts = sched.scheduled_spec_decode_tokens
-        if self.draft_times is not None and drafts and runner_output.draft_time_s > 0:
-            passes = max(len(d) for d in drafts.values())
-            self.draft_times.observe(len(drafts), runner_output.draft_time_s / passes)
+        if self.draft_times is not None and drafts and runner_output.draft_pass_s > 0:
+            self.draft_times.observe(len(drafts), runner_output.draft_pass_s)

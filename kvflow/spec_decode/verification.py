@@ -48,6 +48,7 @@ class SpecStep:
         draft_probs: float32 [S, K, V] on the device: the draft model's distribution of each
             draft (random requests), or None (point masses).
         draft_time_s: seconds the draft model took to propose them.
+        draft_pass_s: seconds of one steady draft pass (``DraftProposal.pass_seconds``).
     """
 
     sample_rows: np.ndarray
@@ -59,6 +60,7 @@ class SpecStep:
     draft_token_ids: np.ndarray
     draft_probs: torch.Tensor | None = None
     draft_time_s: float = 0.0
+    draft_pass_s: float = 0.0
 
 
 def place_drafts(batch: InputBatch, spec_tokens: dict[str, list[int]]) -> None:
@@ -131,7 +133,8 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
     tokens = [row[:n].tolist() for row, n in zip(token_ids, num_new)]
     logprobs = _logprobs(raw_logprobs, token_ids, step, meta, req_ids, num_new) \
         if raw_logprobs is not None else {}
-    return ModelRunnerOutput(req_ids, tokens, logprobs, draft_time_s=step.draft_time_s)
+    return ModelRunnerOutput(req_ids, tokens, logprobs, draft_time_s=step.draft_time_s,
+                             draft_pass_s=step.draft_pass_s)
 
 
 def _generators(batch: InputBatch, sample_rows: np.ndarray) -> dict[int, torch.Generator]:

@@ -143,7 +143,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = num_computed_tokens
-        self.num_draft_computed[row] = num_computed_tokens  # prefix-cache hits hold both models'
+        self.num_draft_computed[row] = 0  # a cached block may lack the draft K/V (draft_model.py)
         self.pending_sample[row] = -1
         self.lora_ids[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
         for g, ids in enumerate(block_ids):

@@ -484,7 +484,7 @@ class ModelRunner:
         spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
         num_scheduled = batch.num_scheduled_per_row(sched)
         proposal = None
-        if self.drafter is not None:  # its mirror pass runs every step (draft_model.py)
+        if self.drafter is not None and spec_tokens:  # only drafting rows (draft_model.py)
             proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
                                             self.stager, self._fill_pending,
                                             self.sampler.generator)
@@ -509,7 +509,7 @@ class ModelRunner:
         spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
         if spec is not None and proposal is not None:
             spec.draft_probs = draft_probs_tensor(spec, batch, proposal.probs)
-            spec.draft_time_s = proposal.seconds
+            spec.draft_time_s, spec.draft_pass_s = proposal.seconds, proposal.pass_seconds
         if spec is not None:
             logits = self.model.compute_logits(
                 hidden[torch.from_numpy(spec.logits_indices).to(hidden.device)])

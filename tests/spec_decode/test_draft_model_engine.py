@@ -157,3 +157,53 @@ def test_draft_gemms_take_the_targets_cpu_path(tiny_llama):
     outs = _generate(spec, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     drafted, accepted = _drafted(outs)
     assert drafted > 0 and accepted >= 0.8 * drafted
+
+
+def _count_draft_passes(llm: LLM) -> list[int]:
+    """Spy on the draft model's forward passes: the list gets each pass's token count."""
+    drafter, seen = llm.engine.core.executor.runner.drafter, []
+    original = drafter._pass
+
+    def spy(batch, query, *args, **kwargs):
+        seen.append(int(query.sum()))
+        return original(batch, query, *args, **kwargs)
+
+    drafter._pass = spy
+    return seen
+
+
+def test_draft_catches_up_lazily_in_bounded_passes(tiny_llama, assert_no_leaks):
+    """The draft computes K/V only for requests that draft: with a 16-token step budget, a
+    request's first drafting step catches its ~25-token context up in passes of at most 16
+    tokens (then 1-2 tokens per pass); output equals plain greedy with the same budget and the
+    self-draft is still nearly always accepted (its K/V is right)."""
+    prompts = [PROMPTS[0] + " " + PROMPTS[1], PROMPTS[2] + " " + PROMPTS[3]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _engine(tiny_llama.path, max_num_batched_tokens=16)
+    spec = _engine(tiny_llama.path, tiny_llama.path, max_num_batched_tokens=16)
+    passes = _count_draft_passes(spec)
+    ref, got = _generate(plain, params, prompts), _generate(spec, params, prompts)
+    _same_outputs(ref, got)
+    assert max(passes) == 16 and min(passes) >= 1
+    assert sum(p == 16 for p in passes) >= 2  # each context took more than one catch-up pass
+    drafted, accepted = _drafted(got)
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    assert_no_leaks(spec)
+
+
+def test_constrained_requests_run_unspeculated_with_no_draft_pass(tiny_llama, assert_no_leaks):
+    """A draft model does not draft for structured-output requests (the grammar lives in the
+    engine core, the draft in the runner): they run as without speculation, same output, and
+    the draft model runs no pass at all for them."""
+    from tests.spec_decode.test_ngram_engine import StructuredOutputsParams
+
+    regex = "(ab ){2,12}(the|a) fox"
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    plain, spec = _engine(tiny_llama.path), _engine(tiny_llama.path, tiny_llama.path)
+    passes = _count_draft_passes(spec)
+    ref, got = _generate(plain, params), _generate(spec, params)
+    _same_outputs(ref, got)
+    assert all(o.outputs[0].finish_reason == "stop" for o in got)
+    assert _drafted(got) == (0, 0) and passes == []
+    assert_no_leaks(spec)
