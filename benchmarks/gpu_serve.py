@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
-KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
+from serve_harness import KVFLOW, bench_serve, start_server, stop_server, wait_ready
+
 CONFIG_DIR = os.environ.get("KVFLOW_BENCH_CONFIG",
                             os.path.join(os.path.dirname(__file__), "configs", "llama-3.1-8b"))
 VARIANT_FLAGS = {"lockstep": [], "async": ["--async-scheduling"],
@@ -47,41 +44,23 @@ def tokenizer_folder(name: str, out: Path) -> str:
     return str(folder)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, flags: list[str], log: Path
-                 ) -> tuple[subprocess.Popen, str]:
+def start(args: argparse.Namespace, flags: list[str], log: Path
+          ) -> tuple[subprocess.Popen, str]:
     """Start ``kvflow serve`` and wait for /health.
 
     Raises:
         RuntimeError: if the server exits or is not healthy within ``--startup-timeout``.
     """
-    port = free_port()
-    cmd = [*KVFLOW, "serve", CONFIG_DIR, "--served-model-name", "llama-8b-dummy",
-           "--tokenizer", args.tokenizer, "--load-format", "dummy", "--dtype", "bfloat16",
-           "--max-model-len", "2048", "--max-num-seqs", "256",
-           "--max-num-batched-tokens", "16384", "--no-enable-prefix-caching",
-           "--host", "127.0.0.1", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvflow serve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"kvflow serve was not healthy after {args.startup_timeout} s")
+    proc, url = start_server(
+        [CONFIG_DIR, "--served-model-name", "llama-8b-dummy", "--tokenizer", args.tokenizer,
+         "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2048",
+         "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
+         "--no-enable-prefix-caching", *flags], log)
+    try:
+        wait_ready(proc, url, args.startup_timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; see {log}") from None
+    return proc, url
 
 
 def bench(args: argparse.Namespace, url: str, result: Path, num_prompts: int,
@@ -91,16 +70,12 @@ def bench(args: argparse.Namespace, url: str, result: Path, num_prompts: int,
     Raises:
         RuntimeError: if it wrote no result.
     """
-    cmd = [*KVFLOW, "bench", "serve", "--base-url", url, "--model", "llama-8b-dummy",
-           "--tokenizer", args.tokenizer, "--endpoint", "completions", "--dataset", "random",
-           "--num-prompts", str(num_prompts), "--input-len", str(input_len),
-           "--output-len", str(output_len), "--random-vocab-size", "32000", "--ignore-eos",
-           "--request-rate", "inf", "--seed", "0", "--disable-tqdm",
-           "--result-json", str(result)]
-    code = subprocess.run(cmd, check=False).returncode
-    if not result.exists():
-        raise RuntimeError(f"kvflow bench serve exited with {code} and wrote no {result}")
-    return json.loads(result.read_text())
+    return bench_serve(url, [
+        "--model", "llama-8b-dummy", "--tokenizer", args.tokenizer, "--endpoint",
+        "completions", "--dataset", "random", "--num-prompts", str(num_prompts),
+        "--input-len", str(input_len), "--output-len", str(output_len),
+        "--random-vocab-size", "32000", "--ignore-eos", "--request-rate", "inf",
+        "--seed", "0"], result)
 
 
 def has_flag(flag: str) -> bool:
@@ -114,14 +89,13 @@ def run_variant(args: argparse.Namespace, variant: str, out: Path) -> dict:
     """Start a server with the variant's flags, warm it up, run the workload ``--repeats``
     times; returns the medians."""
     flags = [f.format(tpot_ms=args.target_tpot_ms) for f in VARIANT_FLAGS[variant]]
-    proc, url = start_server(args, flags, out / f"server-{variant}.log")
+    proc, url = start(args, flags, out / f"server-{variant}.log")
     try:
         bench(args, url, out / f"{variant}-warmup.json", 8, 64, 8)
         runs = [bench(args, url, out / f"{variant}-{i}.json", args.num_prompts,
                       args.input_len, args.output_len) for i in range(args.repeats)]
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc, 60)
     return {"variant": variant, "flags": flags, "repeats": args.repeats,
             "output_tok_per_s": statistics.median(r["output_throughput"] for r in runs),
             "median_itl_ms": statistics.median(r["median_itl_ms"] for r in runs),

@@ -4,7 +4,8 @@ Two ``kvflow serve`` processes of the same model start side by side (127.0.0.1, 
 
 * ``fixed``: today's scheduler, the fixed ``max_num_batched_tokens`` budget;
 * ``sla``: the same plus ``--target-tpot-ms 80 --target-ttft-ms 2000`` (times
-  ``--slo-scale``).
+  ``--slo-scale``) and ``--sla-args`` (default ``--admission-control``: a request predicted
+  to miss its TTFT is refused at once with 503, and counts as not good).
 
 Capacity is measured first on ``fixed`` (``--calib-prompts`` requests at rate inf: completed
 requests per second). Then, for each multiple of it in ``--loads``, ``kvflow bench serve``
@@ -16,7 +17,8 @@ Goodput counts requests with TTFT <= 2 s and TPOT <= 80 ms (``--goodput``).
 Writes to ``--out``: one result JSON per (server, load, round), ``fixed.json`` / ``sla.json``
 (sweeps in ``kvflow bench serve --sweep-rates`` form: the median round per rate), the latency
 plot ``sweep.png`` (``kvflow.bench.plot``) and ``goodput.png`` (good requests per second
-against offered rate, both servers), and ``summary.json``.
+against offered rate, both servers), and ``summary.json`` (with ``uptime`` and the ``lscpu``
+model name and flags before and after).
 
 Usage (docs/benchmarks.md)::
 
@@ -28,22 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
-KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_harness import bench_serve, start_server, stop_server, wait_ready
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,48 +48,41 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-scale", type=float, default=1.0,
                    help="multiply both SLOs (TTFT 2 s, TPOT 80 ms) and the sla server's "
                    "targets by this (for a machine too loaded to meet them at all)")
+    p.add_argument("--sla-args", default="--admission-control",
+                   help="the sla server's flags besides its targets (one string)")
     p.add_argument("--capacity", type=float, default=None,
                    help="req/s of the fixed server (default: measured first)")
     p.add_argument("--out", default="out/slo_goodput")
     return p.parse_args()
 
 
-def start_server(args: argparse.Namespace, extra: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [*KVFLOW, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-           *args.server_args.split(), *extra.split()]
-    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server {url} not ready in {timeout} s")
+def start(args: argparse.Namespace, extra: str, log: Path) -> tuple[subprocess.Popen, str]:
+    return start_server([args.model, *args.server_args.split(), *extra.split()], log)
 
 
 def bench(args: argparse.Namespace, url: str, label: str, rate: float, num: int,
           path: Path) -> dict:
-    cmd = [*KVFLOW, "bench", "serve", "--base-url", url, "--model", args.model,
-           "--endpoint", "chat", "--dataset", "synthetic-chat", "--num-prompts", str(num),
-           "--request-rate", str(rate), "--seed", "0", "--label", label,
-           "--goodput", *args.slos, "--result-json", str(path), "--disable-tqdm"]
-    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        return json.load(f)
+    return bench_serve(url, [
+        "--model", args.model, "--endpoint", "chat", "--dataset", "synthetic-chat",
+        "--num-prompts", str(num), "--request-rate", str(rate), "--seed", "0",
+        "--label", label, "--goodput", *args.slos], path, quiet=True)
 
 
 def load_avg() -> float:
     return os.getloadavg()[0]
+
+
+def machine_state() -> dict:
+    """``uptime`` (the load averages) and the ``lscpu`` lines of the CPU model and flags."""
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+        except OSError:
+            return ""
+
+    cpu = [line for line in run(["lscpu"]).splitlines()
+           if line.startswith(("Model name", "CPU(s):", "Flags"))]
+    return {"uptime": run(["uptime"]).strip(), "lscpu": cpu}
 
 
 def goodput_plot(rows: list[dict], path: Path, title: str) -> None:
@@ -130,9 +114,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ttft_ms, tpot_ms = 2000 * args.slo_scale, 80 * args.slo_scale
     args.slos = [f"ttft:{ttft_ms:g}", f"tpot:{tpot_ms:g}"]
-    sla_args = f"--target-tpot-ms {tpot_ms:g} --target-ttft-ms {ttft_ms:g}"
-    servers = {"fixed": start_server(args, "", out / "fixed.log"),
-               "sla": start_server(args, sla_args, out / "sla.log")}
+    sla_args = f"--target-tpot-ms {tpot_ms:g} --target-ttft-ms {ttft_ms:g} {args.sla_args}"
+    machine = {"before": machine_state()}
+    servers = {"fixed": start(args, "", out / "fixed.log"),
+               "sla": start(args, sla_args, out / "sla.log")}
     try:
         for proc, url in servers.values():
             wait_ready(proc, url)
@@ -176,19 +161,17 @@ def main() -> None:
                 json.dump({"label": label, "sweep": rs}, f, indent=1)
         plot_sweeps([(label, rs) for label, rs in runs.items()], str(out / "sweep.png"))
         goodput_plot(rows, out / "goodput.png", f"SLOs {' '.join(args.slos)} ms")
-        summary = {"capacity_req_s": capacity, "slos_ms": args.slos, "rows": rows,
-                   "median_ratio": statistics.median(r["ratio"] for r in rows)}
+        machine["after"] = machine_state()
+        summary = {"capacity_req_s": capacity, "slos_ms": args.slos, "sla_args": sla_args,
+                   "server_args": args.server_args, "rows": rows,
+                   "median_ratio": statistics.median(r["ratio"] for r in rows),
+                   "machine": machine}
         with open(out / "summary.json", "w") as f:
             json.dump(summary, f, indent=1)
         print(json.dumps(summary, indent=1))
     finally:
         for proc, _ in servers.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,14 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-KVFLOW = [sys.executable, "-m", "kvflow.entrypoints.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_harness import bench_serve, start_server, stop_server, wait_ready
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,41 +49,30 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [*KVFLOW, "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-waiting-requests", str(args.max_waiting_requests),
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--uvicorn-log-level", "warning", *args.server_args.split()]
-    log = open(out / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited with {proc.returncode}; see {out / 'server.log'}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit("server did not come up in 600 s")
+def start(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str]:
+    """The soak's server (its own capacity: ``--max-num-seqs``, sheds past
+    ``--max-waiting-requests``), healthy; exits the script if it does not come up."""
+    proc, url = start_server(
+        [args.model, "--max-waiting-requests", str(args.max_waiting_requests),
+         "--max-num-seqs", str(args.max_num_seqs), "--uvicorn-log-level", "warning",
+         *args.server_args.split()], out / "server.log", {**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_ready(proc, url)
+    except RuntimeError as e:
+        sys.exit(f"{e}; see {out / 'server.log'}")
+    return proc, url
 
 
 def bench(args: argparse.Namespace, url: str, rate: str, num_prompts: int,
           result: Path, extra: tuple[str, ...] = ()) -> dict:
-    cmd = [*KVFLOW, "bench", "serve", "--base-url", url, "--model", args.model,
-           "--dataset", "random", "--num-prompts", str(num_prompts),
-           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--ignore-eos", "--request-rate", rate, "--request-timeout", "600",
-           "--result-json", str(result), "--disable-tqdm", "--seed", "0", *extra]
-    code = subprocess.run(cmd, check=False).returncode
-    if not result.exists():  # exit 1 with a result only means some requests failed
-        raise SystemExit(f"kvflow bench serve exited with {code} and wrote no {result}")
-    return json.loads(result.read_text())
+    try:
+        return bench_serve(url, [
+            "--model", args.model, "--dataset", "random", "--num-prompts", str(num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--ignore-eos", "--request-rate", rate, "--request-timeout", "600",
+            "--seed", "0", *extra], result)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def rss_kib(pid: int) -> int:
@@ -152,7 +132,7 @@ def main() -> int:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(args, out)
+    proc, url = start(args, out)
     try:
         calib = bench(args, url, "inf", args.calib_prompts, out / "calibration.json",
                       ("--max-concurrency", str(args.max_waiting_requests)))
@@ -173,8 +153,7 @@ def main() -> int:
             sampler.join()
         verdict = summarize(args, capacity, rate, num_prompts, soak, samples, url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop_server(proc, 60)
     (out / "rss.csv").write_text("seconds,rss_kib\n" + "".join(
         f"{t:.1f},{r}\n" for t, r in samples))
     (out / "verdict.json").write_text(json.dumps(verdict, indent=2))
