@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
         self.dense_tokens = 0  # tokens this rank ran through the model (statistics)
+        self.forward_s = 0.0  # seconds in the model's forward (on CUDA: launching it)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         requested = self.config.device_config.attention_backend
@@ -667,16 +669,18 @@ class ModelRunner:
             self._prepare_attention(metadata)
             split = self.attn_ctx.backend.token_split(metadata[0]) \
                 if self.parallel.cp.world_size > 1 else None
-            self.dense_tokens += inputs.input_ids.shape[0] if split is None else \
-                split.local.shape[0]
-            if split is not None:  # Ring Attention: this rank's share of a prefill
-                hidden = self.model(split.select(inputs.input_ids),
-                                    split.select(positions, dim=-1),
-                                    **{name: split.select(x) for name, x in extra.items()})
-                return split.gather(hidden, rows)
+            input_ids = inputs.input_ids
+            if split is not None:  # Ring Attention: this rank's share of a prefill's tokens
+                input_ids, positions = split.select(input_ids), split.select(positions, dim=-1)
+                extra = {name: split.select(x) for name, x in extra.items()}
+            self.dense_tokens += input_ids.shape[0]
+            start = time.perf_counter()
             if intermediate_tensors is None:  # the first (or only) stage
-                return self.model(inputs.input_ids, positions, **extra)
-            return self.model(inputs.input_ids, positions, intermediate_tensors, **extra)
+                out = self.model(input_ids, positions, **extra)
+            else:
+                out = self.model(input_ids, positions, intermediate_tensors, **extra)
+            self.forward_s += time.perf_counter() - start
+            return out if split is None else split.gather(out, rows)
 
     def _recv_from_previous_stage(self) -> IntermediateTensors | None:
         """The previous pipeline stage's hidden states (None on the first stage)."""

@@ -127,13 +127,14 @@ class Worker:
 
     def step_stats(self) -> dict[str, float]:
         """Steps run, seconds inside them, seconds of those inside TP / PP / CP collectives
-        (including waiting for the other ranks), and tokens this rank ran through the model,
-        since start-up; with context parallelism also the seconds inside attention (the ring
-        and the all-gathers included)."""
+        (including waiting for the other ranks), tokens this rank ran through the model and
+        seconds inside the model's forward, since start-up; with context parallelism also
+        the seconds inside attention (the ring and the all-gathers included)."""
         p = self.parallel
         stats = {"steps": self.num_steps, "step_s": self.step_time_s,
                  "tp_comm_s": p.tp.comm_time_s, "pp_comm_s": p.pp.comm_time_s,
-                 "cp_comm_s": p.cp.comm_time_s, "dense_tokens": self.runner.dense_tokens}
+                 "cp_comm_s": p.cp.comm_time_s, "dense_tokens": self.runner.dense_tokens,
+                 "forward_s": self.runner.forward_s}
         if p.cp.world_size > 1:
             stats["attention_s"] = self.runner.attn_ctx.backend.attention_s
         return stats

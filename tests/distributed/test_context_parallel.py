@@ -21,14 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
+from kvflow.attention import cp_ring
 from kvflow.attention.cp_paged import merge_partials, partial_attention
 from kvflow.attention.cp_ring import merge_two, ring_attention, window_mask
 from kvflow.config import EngineConfig
 from tests.distributed.conftest import GREEDY, PROMPTS, assert_same_greedy, greedy_run
 
 
+@pytest.mark.parametrize("path", ["cpu_flash", "explicit"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_merged_partials_equal_attention_over_all_keys(n):
+def test_merged_partials_equal_attention_over_all_keys(n, path, monkeypatch):
+    if path == "explicit":  # the score-matrix path (non-CPU devices)
+        monkeypatch.setattr(cp_ring, "_cpu_flash_attention", lambda: None)
     g = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, num_q, num_k, dim = 2, 4, 2, 5, 12, 8
     q = torch.randn(batch, heads, num_q, dim, generator=g, dtype=torch.float64).float()
