@@ -9,8 +9,10 @@ Phases:
   batch1    GPU-W2 (TPOT) on one engine across kernel variants, ``--repeats`` rounds, the
             variants alternating inside each round: CUDA graphs with the separate rotary and
             KV-store kernels, graphs with them fused (``KVFLOW_FUSED_KERNELS``' switch,
-            graphs recaptured on each toggle), eager, eager fused; every variant's median run,
-            its ratio to the unfused graphs run, and whether its greedy tokens equal those
+            graphs recaptured on each toggle), eager, eager fused, and eager with the
+            FlashInfer attention backend when flashinfer is importable; every variant's
+            median run, its ratios to the unfused graphs and eager runs, and whether its
+            greedy tokens equal the unfused graphs run's
   hf        the same two workloads with HF transformers ``generate`` (static batch)
 Workloads use the Llama-3.1-8B-shaped config in benchmarks/configs with dummy bf16 weights.
 """
@@ -109,21 +111,60 @@ def phase_kvflow(args: argparse.Namespace) -> None:
     emit("kvflow", result)
 
 
-BATCH1_VARIANTS = {  # name -> (CUDA graphs, fused rotary + KV store)
-    "graphs": (True, False), "graphs_fused": (True, True),
-    "eager": (False, False), "eager_fused": (False, True),
+BATCH1_VARIANTS = {  # name -> (CUDA graphs, fused rotary + KV store, attention backend)
+    "graphs": (True, False, "triton"), "graphs_fused": (True, True, "triton"),
+    "eager": (False, False, "triton"), "eager_fused": (False, True, "triton"),
+    "eager_flashinfer": (False, False, "flashinfer"),  # no CUDA graphs for this backend yet
 }
 
 
-def set_batch1_variant(llm, graphs: bool, fused: bool) -> None:
-    """Switch one engine between the batch-1 variants: the Triton backend's fused switch, then
-    CUDA graphs recaptured (they hold the kernels in force at capture) or dropped (eager)."""
+def batch1_backends(device) -> dict:
+    """The attention backends the batch-1 variants switch between: Triton always, FlashInfer
+    when importable and not turned off by ``GPU_CHECK_FLASHINFER=0``."""
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    backends = {"triton": TritonPagedAttentionBackend(False)}
+    if os.environ.get("GPU_CHECK_FLASHINFER", "1") != "0":
+        try:
+            from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
+
+            backends["flashinfer"] = FlashInferPagedAttentionBackend(device)
+        except ValueError as exc:  # not installed, or not on CUDA
+            print(f"batch1: FlashInfer variant skipped: {exc}", flush=True)
+    return backends
+
+
+def set_batch1_variant(llm, backend, graphs: bool, fused: bool) -> None:
+    """Switch one engine between the batch-1 variants: the attention backend (every layer reads
+    it from the shared context per call) and the Triton backend's fused switch, then CUDA
+    graphs recaptured (they hold the kernels in force at capture) or dropped (eager)."""
     core = llm.engine.core
     runner = core.executor.runner
-    runner.attn_ctx.backend.fuse_rotary = fused
+    runner.attn_ctx.backend = backend
+    if hasattr(backend, "fuse_rotary"):
+        backend.fuse_rotary = fused
     runner.graph_runner = None
     if graphs:
         core.executor.capture_graphs(core.max_model_len)
+
+
+def batch1_summary(runs: dict[str, list[dict]], repeats: int, init_s: float) -> dict:
+    """Per variant: the median-TPOT run, its ratio to the first variant's (``graphs`` on a
+    GPU) and to ``eager``'s, and whether every run's greedy tokens equal the first variant's
+    first run's."""
+    result: dict = {"init_s": init_s, "repeats": repeats}
+    base = next(iter(runs))
+    medians = {name: median_run(rs, "tpot_s_first_request") for name, rs in runs.items()}
+    for name, summary in medians.items():
+        for ref in dict.fromkeys((base, "eager")):
+            if ref in medians:
+                summary["tpot_over_" + ref] = summary["tpot_s_first_request"] / \
+                    medians[ref]["tpot_s_first_request"]
+        summary["tokens_equal_" + base] = all(x["token_ids"] == runs[base][0]["token_ids"]
+                                              for x in runs[name])
+        summary.pop("token_ids")
+        result["w2_" + name] = summary
+    return result
 
 
 def phase_batch1(args: argparse.Namespace) -> None:
@@ -135,28 +176,21 @@ def phase_batch1(args: argparse.Namespace) -> None:
               gpu_memory_utilization=0.5, attention_backend="triton",
               enable_prefix_caching=False, async_scheduling=False,
               **({} if DEVICE == "cuda" else {"kv_cache_memory": "256MiB"}))
-    result = {"init_s": time.perf_counter() - t0, "repeats": args.repeats}
+    init_s = time.perf_counter() - t0
+    backends = batch1_backends(llm.engine.core.executor.runner.device)
     batch, output_len = prompts(1, W2["input_len"], 2), W2["output_len"]
     variants = {name: v for name, v in BATCH1_VARIANTS.items()
-                if DEVICE == "cuda" or not v[0]}  # no graphs off-GPU (dry runs)
+                if v[2] in backends and (DEVICE == "cuda" or not v[0])}  # graphs need a GPU
     runs: dict[str, list[dict]] = {}
     for r in range(args.repeats):  # ABBA order: no variant always runs first
-        for name, (graphs, fused) in list(variants.items())[::-1 if r % 2 else 1]:
-            set_batch1_variant(llm, graphs, fused)
+        for name, (graphs, fused, backend) in list(variants.items())[::-1 if r % 2 else 1]:
+            set_batch1_variant(llm, backends[backend], graphs, fused)
             runs.setdefault(name, []).append(run_kvflow(llm, batch, output_len))
             print(f"round {r + 1} {name}: TPOT "
                   f"{runs[name][-1]['tpot_s_first_request'] * 1e3:.3f} ms", flush=True)
-    base = next(iter(runs))
-    for name, rs in runs.items():
-        result["w2_" + name] = summary = median_run(rs, "tpot_s_first_request")
-        summary["tpot_over_" + base] = summary["tpot_s_first_request"] / \
-            result["w2_" + base]["tpot_s_first_request"]
-        summary["tokens_equal_" + base] = all(x["token_ids"] == runs[base][0]["token_ids"]
-                                              for x in rs)
-    for summary in result.values():
-        if isinstance(summary, dict):
-            summary.pop("token_ids", None)
-    emit("batch1", result)
+        # after every round, so a phase cut short by its timeout still reports (the report
+        # keeps the last RESULT line of a phase)
+        emit("batch1", batch1_summary(runs, r + 1, init_s))
 
 
 def median_run(runs: list[dict], key: str) -> dict:

@@ -23,7 +23,8 @@ LLAMA_8B = ModelShape.from_hf_config(SimpleNamespace(
     num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, vocab_size=128256))
 BYTES = 2  # bf16
-BATCH1_ROWS = ("graphs", "graphs_fused", "eager", "eager_fused")
+BATCH1_ROWS = ("graphs", "graphs_fused", "eager", "eager_fused", "eager_flashinfer")
+ATTENTION_SHAPES = ("decode_b1", "decode_b256", "prefill_32x512", "mixed")
 
 
 def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=128) -> float:
@@ -39,7 +40,10 @@ def table(s: dict) -> str:
     def get(*keys):
         cur = s
         for k in keys:
-            cur = cur.get(k) if isinstance(cur, dict) else None
+            if isinstance(k, int):
+                cur = cur[k] if isinstance(cur, list) and k < len(cur) else None
+            else:
+                cur = cur.get(k) if isinstance(cur, dict) else None
         return cur
 
     rows = [("copy bandwidth GB/s", get("ceilings", "copy_bytes_per_s"), 1e-9),
@@ -58,12 +62,18 @@ def table(s: dict) -> str:
             ("W2 kvflow TPOT / floor", get("kvflow", "w2", "tpot_over_floor"), 1),
             ("W2 HF TPOT ms", get("hf", "w2", "tpot_s"), 1e3)]
     for variant in BATCH1_ROWS:  # the batch-1 kernel A/B (gpu_bench.py batch1)
-        rows += [(f"W2 {variant} TPOT ms", get("batch1", "w2_" + variant,
-                                                "tpot_s_first_request"), 1e3),
-                 (f"W2 {variant} / graphs", get("batch1", "w2_" + variant,
-                                                "tpot_over_graphs"), 1),
-                 (f"W2 {variant} same tokens", get("batch1", "w2_" + variant,
-                                                   "tokens_equal_graphs"), 1)]
+        rows += [(f"W2 {variant} {label}", get("batch1", "w2_" + variant, key), scale)
+                 for label, key, scale in (("TPOT ms", "tpot_s_first_request", 1e3),
+                                           ("/ graphs", "tpot_over_graphs", 1),
+                                           ("/ eager", "tpot_over_eager", 1),
+                                           ("same tokens", "tokens_equal_graphs", 1))
+                 if variant.startswith("eager") or label != "/ eager"]
+    for shape in ATTENTION_SHAPES:  # gpu_attention.py: per-layer attention call, Triton vs
+        rows += [(f"attn {shape} {name} us", get("attention", "shapes", shape, i,  # FlashInfer
+                                                 "us_per_layer_call"), 1)
+                 for i, name in enumerate(("triton", "flashinfer"))]
+        rows.append((f"attn {shape} flashinfer/triton",
+                     get("attention", "shapes", shape, 1, "time_over_triton"), 1))
     for variant in ("lockstep", "async", "tpot-cap"):
         rows += [(f"served W1 {variant} tok/s", get("serve", variant, "output_tok_per_s"), 1),
                  (f"served W1 {variant} / offline W1",

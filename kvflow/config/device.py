@@ -108,8 +108,9 @@ def fused_kernels_enabled() -> bool:
 class DeviceConfig:
     device: str = opt("auto", "where to run: auto, cpu, cuda, or an installed plugin "
                        "platform's name (entry points 'kvflow.platform_plugins')")
-    attention_backend: str | None = opt(None, "attention backend: torch | cpu | triton (default: "
-                                         "the platform's)")
+    attention_backend: str | None = opt(None, "attention backend: torch | cpu | triton | "
+                                         "flashinfer (CUDA only, unmeasured; default: the "
+                                         "platform's)")
     enforce_eager: bool = opt(False, "disable CUDA graphs")
     cpu_gemm: str | None = opt(None, "CPU GEMM kernels: auto (each shape class timed at start, "
                                 "cached per CPU), native (kvflow's C GEMM) or onednn "

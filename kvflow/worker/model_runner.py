@@ -67,11 +67,13 @@ from kvflow.worker.sampling_inputs import SamplingInputs
 logger = logging.getLogger(__name__)
 
 
-def make_attention_backend(name: str, batch_invariant: bool = False):
-    """The backend called ``name``: torch | cpu | triton. "cpu" falls back to "torch" (logged)
-    where its native kernels cannot be built. ``batch_invariant`` (``--deterministic``, checked
-    beforehand to be on "cpu" with the kernels built): attend token by token. Raises ValueError
-    for an unknown name."""
+def make_attention_backend(name: str, batch_invariant: bool = False,
+                           device: torch.device | None = None):
+    """The backend called ``name``: torch | cpu | triton | flashinfer. "cpu" falls back to
+    "torch" (logged) where its native kernels cannot be built. ``batch_invariant``
+    (``--deterministic``, checked beforehand to be on "cpu" with the kernels built): attend
+    token by token. "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises
+    ValueError for an unknown name, or for flashinfer off CUDA or not installed."""
     if name == "cpu":
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -89,7 +91,12 @@ def make_attention_backend(name: str, batch_invariant: bool = False):
         from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
         return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
-    raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu or triton")
+    if name == "flashinfer":
+        from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
+
+        return FlashInferPagedAttentionBackend(device or torch.device("cpu"))
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu, triton or "
+                     "flashinfer")
 
 
 def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
@@ -184,7 +191,7 @@ class ModelRunner:
         else:
             name = requested or self.platform.default_attention_backend
             backend = None if deterministic else self.platform.get_attention_backend(name)
-            backend = backend or make_attention_backend(name, deterministic)
+            backend = backend or make_attention_backend(name, deterministic, self.device)
         self.attn_ctx = AttentionContext(backend)
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
@@ -209,7 +216,8 @@ class ModelRunner:
             return None
         name = self.config.device_config.attention_backend or \
             self.platform.default_attention_backend
-        backend = self.platform.get_attention_backend(name) or make_attention_backend(name)
+        backend = self.platform.get_attention_backend(name) or \
+            make_attention_backend(name, device=self.device)
         drafter = DraftModel(self.config, backend, self.dtype, self.device,
                              hf_config.vocab_size)
         self._choose_gemm_path(drafter.model)  # unpacked, a bf16 draft cost more than it saved
