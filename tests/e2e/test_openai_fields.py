@@ -12,10 +12,8 @@ and unknown fields are logged once. The server runs the tiny Llama with a tokeni
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -232,12 +230,17 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         rejected(path, {"target_ttft_ms": 0}, "target_ttft_ms")(server, tokenizer)
 
     def target_tpot_ms(server, tokenizer):
-        """A running request with a TPOT target no step can meet (1 us) closes the admission
-        gate (a decode step with one more request would exceed it): a request sent after its
-        first token is admitted only when it has finished. 0 is a 400 naming the field."""
+        """Accepted and passed to the engine (the same greedy tokens with a target no step can
+        meet, 1 us, which then no longer limits the batch, and with a generous one); 0 is a
+        400 naming the field. What the target does to the batch is timing: it is asserted on
+        a fake clock, per request, in tests/core/test_slo_scheduling.py
+        (test_per_request_tpot_target_is_honoured) and tests/core/test_slo_feedback.py; over
+        HTTP on a shared CPU it would be a wall-clock race."""
         warm(server)
-        a_done, b_done = asyncio.run(_gate_order(server.url + path, path))
-        assert b_done > a_done
+        base = ids(ok(server, path, {"max_tokens": 8, "ignore_eos": True}))
+        for tpot in (0.001, 60000.0):
+            body = {"max_tokens": 8, "ignore_eos": True, "target_tpot_ms": tpot}
+            assert ids(ok(server, path, body)) == base
         rejected(path, {"target_tpot_ms": 0}, "target_tpot_ms")(server, tokenizer)
 
     return {
@@ -270,31 +273,6 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         "use_beam_search": rejected(path, {"use_beam_search": True}, "use_beam_search"),
         "prompt_logprobs": rejected(path, {"prompt_logprobs": 1}, "prompt_logprobs"),
     }
-
-
-async def _gate_order(url: str, path: str) -> tuple[float, float]:
-    """Stream A (48 tokens, ``target_tpot_ms`` 1 us); after its first token send B (2
-    tokens); return when each finished (time.monotonic)."""
-    a_body = {**BASE[path], "max_tokens": 48, "ignore_eos": True, "stream": True,
-              "target_tpot_ms": 0.001}
-    done: dict[str, float] = {}
-    async with httpx.AsyncClient(timeout=120) as client:
-        async def send_b() -> None:
-            resp = await client.post(url, json={**BASE[path], "max_tokens": 2})
-            assert resp.status_code == 200, resp.text
-            done["b"] = time.monotonic()
-
-        async with client.stream("POST", url, json=a_body) as resp:
-            lines = resp.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: {"):
-                    break
-            b = asyncio.create_task(send_b())
-            async for _ in lines:
-                pass
-            done["a"] = time.monotonic()
-        await b
-    return done["a"], done["b"]
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
