@@ -22,13 +22,15 @@ import time
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 32
 
 
-def _load(engine: str, model_dir: str, dtype: str):
+def _load(engine: str, model_dir: str, dtype: str, adaptive: bool, bind: str | None):
     """(LLM, SamplingParams class, prompt wrapper) of the engine; kvflow is imported before
     torch so its OpenMP settings apply, as in any kvflow process."""
     if engine == "kvflow":
         from kvflow import LLM, SamplingParams
 
-        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
+        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False,
+                   kv_cache_memory="512MiB", cpu_adaptive_threads=adaptive,
+                   cpu_threads_bind=bind), SamplingParams, \
             (lambda ids: ids)
     from vllm import LLM, SamplingParams
 
@@ -42,8 +44,12 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("dtype")
     parser.add_argument("out")
+    parser.add_argument("--no-adaptive", action="store_true",
+                        help="kvflow: a fixed thread count (--no-cpu-adaptive-threads)")
+    parser.add_argument("--bind", help="kvflow: --cpu-threads-bind (e.g. auto)")
     args = parser.parse_args()
-    llm, sampling_params, wrap = _load(args.engine, args.model_dir, args.dtype)
+    llm, sampling_params, wrap = _load(args.engine, args.model_dir, args.dtype,
+                                       not args.no_adaptive, args.bind)
     import numpy as np
     import torch
 
@@ -54,6 +60,16 @@ def main() -> None:
     llm.generate(prompts[:2], sampling_params(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
 
+    runner = getattr(getattr(getattr(getattr(llm, "engine", None), "core", None), "executor",
+                             None), "worker", None)
+    adaptive = getattr(getattr(runner, "runner", None), "adaptive_threads", None)
+
+    def governor_state() -> str:
+        if adaptive is None:
+            return "fixed threads"
+        g = adaptive.governor
+        return f"{g.switches} switches, {g.reduced_s:.1f} s below {g.max_threads} threads"
+
     def tokens_per_s() -> float:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -61,18 +77,22 @@ def main() -> None:
         return produced / (time.perf_counter() - start)
 
     result = {"engine": args.engine, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "adaptive": args.engine == "kvflow" and not args.no_adaptive,
               "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
               "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "quiet": tokens_per_s()}
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
+        result["governor_quiet"] = governor_state()
         result["busy"] = tokens_per_s()
+        result["governor_busy"] = governor_state()
     finally:
         busy.kill()
         busy.wait()
     result["share"] = result["busy"] / result["quiet"]
     print(f"{args.engine}: quiet {result['quiet']:.1f}, busy {result['busy']:.1f} out tok/s, "
-          f"share {result['share']:.2f}")
+          f"share {result['share']:.2f} ({result['governor_quiet']}; after busy: "
+          f"{result['governor_busy']})")
     with open(args.out, "w") as f:
         json.dump(result, f)
 

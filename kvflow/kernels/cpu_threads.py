@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from kvflow.config import parse_cpu_list
 from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.platforms.cpu_contention import GovernorSettings, ThreadGovernor, runqueue_wait_ns
 from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, usable_cpus
 
 logger = logging.getLogger(__name__)
@@ -102,3 +104,60 @@ def cpu_thread_count(cpu_threads: int | None) -> Iterator[int]:
         yield threads
     finally:
         torch.set_num_threads(before)
+
+
+class AdaptiveThreads:
+    """Lowers the compute thread count while other processes take this process's CPUs, and
+    raises it again when they leave (``--cpu-adaptive-threads``; the policy and the signal are
+    :class:`kvflow.platforms.cpu_contention.ThreadGovernor`'s). Call :meth:`before_step` from
+    the thread that runs the model, between steps (``torch.set_num_threads`` sets that
+    thread's OpenMP team size, which the native kernels read per call).
+
+    Args:
+        threads: the configured count, the most it uses.
+        settings: the governor's tuning.
+        clock: monotonic seconds (injectable for tests).
+        read_wait: the process's cumulative runqueue wait in ns, or None where unknown.
+    """
+
+    def __init__(self, threads: int, settings: GovernorSettings | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 read_wait: Callable[[], int | None] = runqueue_wait_ns) -> None:
+        self.governor = ThreadGovernor(threads, settings)
+        self.clock, self.read_wait = clock, read_wait
+        self._reported = False
+
+    @classmethod
+    def create(cls, enabled: bool, threads: int, pinned: bool, ranks: int
+               ) -> AdaptiveThreads | None:
+        """The governor an engine uses, or None: off when disabled, with one thread, with pinned
+        threads (fewer threads would leave their CPUs idle while the rest share a busy one),
+        with several worker ranks (which run in lock-step), or where the kernel gives no
+        scheduler statistics."""
+        if not enabled or threads < 2 or pinned or ranks > 1 or runqueue_wait_ns() is None:
+            return None
+        return cls(threads)
+
+    @property
+    def threads(self) -> int:
+        """The thread count in force."""
+        return self.governor.threads
+
+    def before_step(self) -> None:
+        """Close a measurement window when one is due and apply the governor's choice."""
+        now = self.clock()
+        if not self.governor.due(now):
+            return
+        wait = self.read_wait()
+        if wait is None:
+            return
+        before = self.governor.threads
+        threads = self.governor.observe(now, wait)
+        if threads is None:
+            return
+        torch.set_num_threads(threads)
+        level = logging.DEBUG if self._reported else logging.INFO
+        self._reported = True
+        logger.log(level, "CPU compute threads %d -> %d (%s)", before, threads,
+                   "other processes are taking the CPUs: runqueue wait above "
+                   f"{self.governor.settings.high:.0%}" if threads < before else "probe")

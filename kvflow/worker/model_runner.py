@@ -17,7 +17,7 @@ from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.kernels.cpu_threads import configure_cpu_threads
+from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
 from kvflow.kernels.gemm import (
     GemmWorkspace,
     pack_logits_head,
@@ -152,6 +152,7 @@ class ModelRunner:
                  hf_config: Any, dtype: torch.dtype,
                  parallel: ParallelState | None = None) -> None:
         self.config, self.platform, self.dtype = config, platform, dtype
+        self.adaptive_threads: AdaptiveThreads | None = None  # CPU: --cpu-adaptive-threads
         self.device = platform.device
         self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache_config.block_size
@@ -160,9 +161,12 @@ class ModelRunner:
             dc = config.device_config
             pc, world = config.parallel_config, self.parallel.world.world_size
             # every rank of every data-parallel replica on this machine takes its share
-            configure_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind,
-                                  pc.data_parallel_rank * world + self.parallel.rank,
-                                  pc.data_parallel_size * world)
+            threads, pinned = configure_cpu_threads(
+                dc.cpu_threads, dc.cpu_threads_bind,
+                pc.data_parallel_rank * world + self.parallel.rank, pc.data_parallel_size * world)
+            self.adaptive_threads = AdaptiveThreads.create(
+                dc.cpu_adaptive_threads and not dc.deterministic, threads, pinned is not None,
+                world)
         self._init_model(source, hf_config)
         self.drafter = self._init_draft_model(hf_config)
         self._init_sampler()
@@ -491,6 +495,8 @@ class ModelRunner:
         self._step = None
         if sched.is_empty:
             return
+        if self.adaptive_threads is not None:  # between steps, on the model's thread
+            self.adaptive_threads.before_step()
         spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
         num_scheduled = batch.num_scheduled_per_row(sched)
         proposal = None
