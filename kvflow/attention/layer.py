@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, MLAAttentionBackend
+from kvflow.kernels.kv_quant import key_rotation, rotate_rows
 from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
         self.kv_scales: torch.Tensor | None = None  # [2, blocks, block_size, Hkv] if quantized
         self.kv_group = 0  # index of this layer's KV-cache group (block table); set by the runner
+        self._key_rotation: torch.Tensor | None = None  # INT8 cache: see rotate_for_int8_cache
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype,
                       scale_dtype: torch.dtype | None = None) -> KVCacheSpec:
@@ -96,12 +98,26 @@ class Attention(nn.Module):
             return FullAttentionSpec(*shape)
         return SlidingWindowSpec(*shape, window=self.sliding_window)
 
+    def rotate_for_int8_cache(self, q: torch.Tensor, k: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q R, k R)`` with ``R`` the Hadamard rotation of
+        :func:`kvflow.kernels.kv_quant.key_rotation` (QuaRot, arXiv:2404.00456): the scores
+        ``q . k`` are unchanged and the INT8 cache stores rotated keys, whose outliers are
+        spread over the whole head (see :mod:`kvflow.kernels.kv_quant`)."""
+        rot = self._key_rotation
+        if rot is None or rot.device != q.device:
+            rot = self._key_rotation = key_rotation(self.head_dim).to(q.device)
+        return rotate_rows(q, rot), rotate_rows(k, rot)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. Over an INT8 cache, queries and keys
+        are rotated first (:meth:`rotate_for_int8_cache`)."""
         meta = self._ctx.forward_context.attn_metadata[self.kv_group]
         if self.kv_scales is None:
             return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                              self.sliding_window)
+        if self.kv_cache.dtype == torch.int8:
+            q, k = self.rotate_for_int8_cache(q, k)
         return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                          self.sliding_window, kv_scales=self.kv_scales)
 

@@ -29,12 +29,12 @@ def _greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _llm(path: str, backend: str):
+def _llm(path: str, backend: str, kv_cache_dtype: str = "auto"):
     from kvflow import LLM
 
     return LLM(model=path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
                max_num_batched_tokens=24, max_num_seqs=8, attention_backend=backend,
-               device="cpu")
+               device="cpu", kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,14 @@ def reference(tiny_llama_path):
 
 def test_triton_backend_matches_torch_backend(tiny_llama_path, reference):
     assert _greedy(_llm(tiny_llama_path, "triton")) == reference
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_triton_backend_reads_a_quantized_cache_as_torch_does(tiny_llama_path, kv_cache_dtype):
+    """Same rotated (INT8) or plain (FP8) rows in the cache, read by the Triton kernel and by
+    the torch backend's dequantize-and-SDPA: the same greedy tokens."""
+    torch_tokens = _greedy(_llm(tiny_llama_path, "torch", kv_cache_dtype))
+    assert _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype)) == torch_tokens
 
 
 class _EagerReplay:

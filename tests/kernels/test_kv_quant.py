@@ -12,7 +12,13 @@ pytest.importorskip("triton")
 
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.torch_paged import TorchPagedAttentionBackend
-from kvflow.kernels.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv
+from kvflow.kernels.kv_quant import (
+    dequantize_kv,
+    fake_quantize_kv,
+    hadamard_matrix,
+    key_rotation,
+    quantize_kv,
+)
 from kvflow.kernels.kv_store import store_kvcache, store_kvcache_ref
 from kvflow.kernels.paged_attention import paged_attention, paged_attention_ref
 from tests.kernels.paged_batch import make_batch
@@ -27,6 +33,39 @@ def test_int8_rule_by_hand():
     assert q.tolist() == [[50, -127, 0, 30]]
     zero_q, zero_s = quantize_kv(torch.zeros(1, 4), torch.int8)
     assert zero_q.eq(0).all() and float(zero_s[0]) > 0
+
+
+def test_hadamard_by_hand_and_against_scipy():
+    from scipy.linalg import hadamard
+
+    torch.testing.assert_close(hadamard_matrix(2), torch.tensor([[1.0, 1.0], [1.0, -1.0]]) / 2 ** 0.5)
+    for n in (1, 4, 64, 256):
+        h = hadamard_matrix(n)
+        torch.testing.assert_close(h, torch.from_numpy(hadamard(n)).float() / n ** 0.5)
+        torch.testing.assert_close(h @ h.T, torch.eye(n), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="power-of-2"):
+        hadamard_matrix(80)
+
+
+def test_key_rotation_blocks_and_orthonormality():
+    r = key_rotation(80)  # 80 = 5 x 16: five Hadamard blocks of order 16
+    torch.testing.assert_close(r[:16, :16], hadamard_matrix(16))
+    assert torch.equal(r[:16, 16:], torch.zeros(16, 64))
+    torch.testing.assert_close(r @ r.T, torch.eye(80), atol=1e-6, rtol=0)
+    torch.testing.assert_close(key_rotation(256), hadamard_matrix(256))
+
+
+def test_rotation_keeps_scores_and_shrinks_outlier_keys_error():
+    """(q R).(k R) = q.k, and a key row with one outlier channel rounds ~8x better rotated
+    (hand estimate: the step shrinks from 64/127 to about absmax(k R)/127 ~ 5/127)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(32, 256, generator=gen), torch.randn(32, 256, generator=gen)
+    k[:, 7] = 64.0  # an outlier channel, as gemma's keys have
+    r = key_rotation(256)
+    torch.testing.assert_close((q @ r) @ (k @ r).T, q @ k.T, atol=1e-3, rtol=1e-5)
+    plain = (fake_quantize_kv(k, torch.int8) - k).pow(2).mean()
+    rotated = (fake_quantize_kv(k @ r, torch.int8) @ r.T - k).pow(2).mean()
+    assert float(plain / rotated) > 8
 
 
 @pytest.mark.parametrize("name", DTYPES)

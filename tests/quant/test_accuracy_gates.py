@@ -65,6 +65,15 @@ def int4_groups(w: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (torch.round((x - lo) / s).clamp(0, 15) * s + lo).view(n, k)
 
 
+def hadamard_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """INT8 keys as the cache stores them: each row rotated by the orthonormal Hadamard
+    matrix of its length (scipy's Sylvester construction), rounded per row, rotated back."""
+    from scipy.linalg import hadamard
+
+    h = torch.from_numpy(hadamard(x.shape[-1])).to(x.dtype) / math.sqrt(x.shape[-1])
+    return int8_rows(x @ h) @ h.T
+
+
 def fp8_scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
@@ -88,13 +97,14 @@ def ggml_rounder(qtype: int) -> Rounder:
 
 
 # name -> engine kwargs, and where the scheme rounds: (linears, vocabulary tables, activations
-# entering decoder linears, K/V rows)
+# entering decoder linears, (K rows, V rows))
 SCHEMES: dict[str, tuple[dict, tuple]] = {
     "int8": ({"quantization": "int8"}, (int8_rows, int8_rows, None, None)),
     "int4": ({"quantization": "int4"}, (int4_groups, int8_rows, None, None)),
     "fp8": ({"quantization": "fp8"}, (fp8_tensor, None, fp8_rows, None)),
-    "kv_int8": ({"kv_cache_dtype": "int8"}, (None, None, None, int8_rows)),
-    "kv_fp8": ({"kv_cache_dtype": "fp8_e4m3"}, (None, None, None, fp8_rows)),
+    "kv_int8": ({"kv_cache_dtype": "int8"}, (None, None, None,
+                                             (hadamard_int8_rows, int8_rows))),
+    "kv_fp8": ({"kv_cache_dtype": "fp8_e4m3"}, (None, None, None, (fp8_rows, fp8_rows))),
     "gguf_q8_0": ({"quantization": "gguf"}, (ggml_rounder(GGML.Q8_0), ggml_rounder(GGML.Q8_0),
                                              None, None)),
     "gguf_q4_0": ({"quantization": "gguf"}, (ggml_rounder(GGML.Q4_0), ggml_rounder(GGML.Q8_0),
@@ -129,16 +139,18 @@ def noisy_hf_model(hf_model, rules: tuple, gen: torch.Generator):
     return model
 
 
-def hf_token_logprobs(model, windows: list[list[int]], kv_rule: Rounder | None = None,
+def hf_token_logprobs(model, windows: list[list[int]],
+                      kv_rule: tuple[Rounder, Rounder] | None = None,
                       gen: torch.Generator | None = None) -> torch.Tensor:
-    """[scored positions] log p(token | window prefix); ``kv_rule``: matched noise on every
-    key/value row (post-RoPE, per token and KV head) as the cache stores it."""
+    """[scored positions] log p(token | window prefix); ``kv_rule`` (key rule, value rule):
+    matched noise on every key/value row (post-RoPE, per token and KV head) as the cache
+    stores it."""
     from transformers import DynamicCache
 
     class NoisyCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(matched_noise(key_states, kv_rule, gen),
-                                  matched_noise(value_states, kv_rule, gen),
+            return super().update(matched_noise(key_states, kv_rule[0], gen),
+                                  matched_noise(value_states, kv_rule[1], gen),
                                   layer_idx, *args, **kwargs)
 
     out = []

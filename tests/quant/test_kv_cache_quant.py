@@ -1,12 +1,16 @@
 """``--kv-cache-dtype int8|fp8_e4m3`` end to end: the pool holds as many more blocks as the
 page size (values + per-token-per-head float32 scales) shrinks, and the engine's logprobs equal
 transformers' with a KV cache that rounds every key/value row the same way (a DynamicCache
-whose ``update`` quantizes and dequantizes; the rule is written out in the test)."""
+whose ``update`` quantizes and dequantizes; the rule is written out in the test: INT8 keys
+are rotated by the orthonormal Hadamard matrix first, scipy's construction, and back)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from scipy.linalg import hadamard
 
 from kvflow import LLM, SamplingParams
 from kvflow.kv_cache_interface import FullAttentionSpec, kv_cache_dtypes
@@ -21,6 +25,16 @@ def round_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     y = x / s
     y = torch.round(y).clamp(-127, 127) if name == "int8" else y.to(torch.float8_e4m3fn).float()
     return y * s
+
+
+def round_keys(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Key rows through the cache: INT8 rows rotated by H (orthonormal Hadamard of the row
+    length), rounded, rotated back (the engine keeps scores ``(q H).(k H) = q.k``); FP8 as
+    values."""
+    if name != "int8":
+        return round_rows(x, name)
+    h = torch.from_numpy(hadamard(x.shape[-1])).to(x.dtype) / math.sqrt(x.shape[-1])
+    return round_rows(x @ h, name) @ h.T
 
 
 def test_page_size_counts_the_scales():
@@ -53,7 +67,7 @@ def _hf_logprobs_with_rounding_cache(tiny, ids: list[int], name: str) -> torch.T
 
     class RoundingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(round_rows(key_states, name), round_rows(value_states, name),
+            return super().update(round_keys(key_states, name), round_rows(value_states, name),
                                   layer_idx, *args, **kwargs)
 
     with torch.no_grad():
