@@ -28,10 +28,11 @@ figure is their decode tokens over their decode time. That is the draft-model wo
 a draft at once do not fit a shared machine's memory. After the rounds the script prints the
 speculating engine's acceptance rate per draft position and its measured step costs (the
 target's step of 1 token and of 1 + K tokens, one draft pass), which say why speculation pays
-or not. ``--prompt "..."`` replaces the workload with one plain prompt. ``--batch N`` (N > 1) sends N such requests at once (the edit
-asks for a different new name in each) and the figure becomes output tokens per second of the
-whole batch (wall time of the generate call): the check that adaptive lengths stop
-speculating where verification costs more than it saves. The last line is ``ratio=X``.
+or not. ``--prompt "..."`` replaces the workload with one plain prompt. ``--batch N`` (N > 1)
+sends N such requests at once (the edit asks for a different new name in each; the completion
+prompts get a distinct first line, ``# example i``) and the figure becomes output tokens per
+second of the whole batch (wall time of the generate call): the check that adaptive lengths
+stop speculating where verification costs more than it saves. The last line is ``ratio=X``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def build_prompts(args: argparse.Namespace, llm: LLM) -> list[str]:
     if args.prompt is not None:
         return [args.prompt] * args.batch
     if args.workload == "completion":
-        return list(COMPLETION_PROMPTS)
+        if args.batch == 1:
+            return list(COMPLETION_PROMPTS)
+        return [f"# example {i}\n" + COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)]
+                for i in range(args.batch)]
     source, tokenizer = Path(args.source).read_text(), llm.get_tokenizer()
     suffixes = [""] if args.batch == 1 else [f"_{i}" for i in range(args.batch)]
     return [tokenizer.apply_chat_template(
