@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from serve_harness import bench_serve, start_server, stop_server, wait_ready
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -187,61 +186,33 @@ def offline(args: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 
 # ---- serving: a mixed text/image workload ----------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(args: argparse.Namespace, folder: str, workdir: str) -> dict[str, Any]:
     """Output throughput and TTFT medians per image fraction (alternated across repeats)."""
-    port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", folder, "--port", str(port),
-         "--dtype", "float32", "--num-kv-blocks", "1024", "--block-size", "16",
-         "--uvicorn-log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT)
+    server, url = start_server([folder, "--dtype", "float32", "--num-kv-blocks", "1024",
+                                "--block-size", "16", "--uvicorn-log-level", "warning"],
+                               Path(workdir) / "server.log", env)
     try:
-        _wait_health(port, server)
+        wait_ready(server, url, timeout=300)
         fractions = [float(f) for f in args.image_fractions.split(",")]
         runs: dict[float, list[dict]] = {f: [] for f in fractions}
         for rep in range(args.serve_repeats):
             for f in fractions if rep % 2 == 0 else fractions[::-1]:
-                runs[f].append(_bench_serve(port, folder, f, rep, workdir, env, args))
+                runs[f].append(_bench_serve(url, folder, f, rep, workdir, args))
         return {str(f): _median_runs(rs) for f, rs in runs.items()}
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
 
 
-def _wait_health(port: int, server: subprocess.Popen) -> None:
-    import urllib.request
-
-    for _ in range(600):
-        if server.poll() is not None:
-            raise RuntimeError(f"kvflow serve exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("kvflow serve did not come up")
-
-
-def _bench_serve(port: int, folder: str, fraction: float, rep: int, workdir: str,
-                 env: dict, args: argparse.Namespace) -> dict[str, Any]:
-    out = os.path.join(workdir, f"serve_{fraction}_{rep}.json")
-    subprocess.run(
-        [sys.executable, "-m", "kvflow.entrypoints.cli", "bench", "serve", "--base-url",
-         f"http://127.0.0.1:{port}", "--model", folder, "--endpoint", "chat",
-         "--dataset", "random-image", "--image-fraction", str(fraction),
-         "--image-size", args.image_size, "--num-prompts", str(args.num_prompts),
-         "--input-len", "32", "--output-len", "16", "--ignore-eos", "--seed", str(rep),
-         "--max-concurrency", "8", "--result-json", out, "--disable-tqdm"],
-        env=env, check=True, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        return json.load(f)
+def _bench_serve(url: str, folder: str, fraction: float, rep: int, workdir: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    bench_args = ["--model", folder, "--endpoint", "chat", "--dataset", "random-image",
+                  "--image-fraction", str(fraction), "--image-size", args.image_size,
+                  "--num-prompts", str(args.num_prompts), "--input-len", "32",
+                  "--output-len", "16", "--ignore-eos", "--seed", str(rep),
+                  "--max-concurrency", "8"]
+    return bench_serve(url, bench_args, Path(workdir) / f"serve_{fraction}_{rep}.json",
+                       quiet=True)
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
