@@ -55,6 +55,13 @@ def test_fused_add_rms_norm_matches_composition_and_hf(dtype, tokens, hidden):
     torch.testing.assert_close(out, oracle, **TOL[dtype])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_gpu_fused_add_rms_norm_bf16_many_tokens():
+    """On a GPU, bf16 too is bit-exact against the composition (benchmarks/gpu_check.sh)."""
+    test_fused_add_rms_norm_matches_composition_and_hf(torch.bfloat16, 1024, 4096)
+
+
 def test_rms_norm_layer_cuda_path_is_one_fused_call(monkeypatch):
     """``RMSNorm.forward_cuda(x, residual)``: one fused_add_rms_norm call, in place (vLLM's
     convention: the returned tensors are x and residual, updated), equal to forward_native."""
