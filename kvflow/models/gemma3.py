@@ -104,8 +104,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)
+        out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 

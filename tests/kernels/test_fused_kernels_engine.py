@@ -48,3 +48,19 @@ def test_fused_engine_matches_unfused_and_torch(tiny_llama_path, monkeypatch):
     num_layers = llm.engine.core.executor.runner.model.config.num_hidden_layers
     assert fused_calls and len(fused_calls) % num_layers == 0
     assert not store_calls and not rotary_calls
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_fused_engine_other_families(tiny_model_factory, monkeypatch, name):
+    """Qwen3 (per-head q/k RMSNorm before the rotation) and Gemma 3 (q/k norms, two RoPE
+    tables, sliding-window layers): fused greedy tokens equal unfused ones, the fused kernel
+    ran."""
+    from kvflow.attention import triton_paged
+
+    path = tiny_model_factory(name).path
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
+    unfused = _greedy(_llm(path, "triton"))
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
+    fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
+    assert _greedy(_llm(path, "triton")) == unfused
+    assert fused_calls
