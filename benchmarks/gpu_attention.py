@@ -1,4 +1,4 @@
-"""Paged attention on the GPU, kvflow's Triton backend vs FlashInfer's (``--attention-backend
+"""Paged attention on the GPU, kvflow's Triton backend (and its variants) vs FlashInfer's (``--attention-backend
 flashinfer``), per shape class, for benchmarks/gpu_check.sh: both backends' ``forward`` (KV
 store + attention, as one layer calls it) against the same plain-torch reference
 (``paged_attention_ref``, fp32) and timed with CUDA events (median of ``--iters`` calls after
@@ -10,9 +10,13 @@ of 16 tokens; context lengths those of GPU-W1/W2): ``decode_b1`` (one request, 6
 context), ``decode_b256`` (256 requests, 576), ``prefill_32x512`` (a GPU-W1 prefill step) and
 ``mixed`` (a 2,048-token chunk beside 64 decodes).
 
-Skipped with a line (exit 0) when flashinfer is not importable: the GPU machine has no
-internet, so its wheel and dependencies must be carried (docs/benchmarks.md). Prints
-``RESULT {"phase": "attention", ...}``. Needs CUDA.
+Triton variants too (all against the same reference): for decode shapes the single-pass kernel
+(``triton_1pass``: one launch instead of split-KV partials + merge) and the plan a CUDA graph
+captures (``triton_graph_plan``: splits chosen for max_model_len 2048, not the step's context),
+which say whether fewer attention launches pay at short contexts. FlashInfer is skipped with a
+line when it is not importable: the GPU machine has no internet, so its wheel and
+dependencies must be carried (docs/benchmarks.md). Prints ``RESULT {"phase": "attention",
+...}``. Needs CUDA.
 
     python benchmarks/gpu_attention.py --iters 50
 """
@@ -20,6 +24,7 @@ internet, so its wheel and dependencies must be carried (docs/benchmarks.md). Pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -31,6 +36,7 @@ from kvflow.kernels.attention_ref import paged_attention_ref
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
+GRAPH_MAX_SEQ_LEN = 2048  # gpu_bench.py's max_model_len: what the decode graphs plan for
 ERROR_BOUND = 0.05  # bf16 outputs of O(1) values against an fp32 reference
 SHAPES = {  # name -> [(cached prefix, query tokens)] per request
     "decode_b1": [(639, 1)],
@@ -110,33 +116,72 @@ def measure(name: str, backend, meta, q, k, v, kv_cache, want, iters: int) -> di
             "first_call_with_prepare_us": t0.elapsed_time(t1) * 1e3}
 
 
+class ForcedSplits:
+    """The Triton backend's store + attention with the split-KV count forced (1 = the
+    single-pass kernel, one launch; the automatic rule splits all-decode steps of >= 512
+    tokens into partials plus a merge launch)."""
+
+    def __init__(self, num_splits: int) -> None:
+        self.num_splits = num_splits
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Nothing to prepare."""
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None):
+        from kvflow.kernels.kv_store import store_kvcache
+        from kvflow.kernels.paged_attention import paged_attention
+
+        store_kvcache(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                               meta.block_table, meta.max_query_len, meta.max_seq_len, scale,
+                               num_splits=self.num_splits)
+
+
+def variants(meta: AttentionMetadata, device: torch.device, flashinfer_ok: bool) -> dict:
+    """name -> (backend, meta) for one shape: ``triton`` (the automatic plan from the step's
+    own longest context); for decode steps also ``triton_1pass`` (no split-KV) and
+    ``triton_graph_plan`` (the plan a CUDA graph captures: longest context = max_model_len
+    2048); ``flashinfer`` when importable."""
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    out = {"triton": (TritonPagedAttentionBackend(False), meta)}
+    if meta.is_all_decode:
+        out["triton_1pass"] = (ForcedSplits(1), meta)
+        out["triton_graph_plan"] = (TritonPagedAttentionBackend(False),
+                                    dataclasses.replace(meta, max_seq_len=GRAPH_MAX_SEQ_LEN))
+    if flashinfer_ok:
+        from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
+
+        out["flashinfer"] = (FlashInferPagedAttentionBackend(device), meta)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     try:
         import flashinfer
+        version = flashinfer.__version__
     except ImportError as exc:
-        print(f"flashinfer not importable ({exc}): FlashInfer comparison skipped", flush=True)
-        return
-    from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
-    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
-
+        print(f"flashinfer not importable ({exc}): Triton variants only", flush=True)
+        version = None
     results = {}
     for shape, reqs in SHAPES.items():
         meta, q, k, v, kv_cache = make_step(reqs)
         want = paged_attention_ref(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_table, meta.max_query_len, meta.max_seq_len,
                                    HEAD_DIM ** -0.5)
-        rows = [measure("triton", TritonPagedAttentionBackend(False), meta, q, k, v, kv_cache,
-                        want, args.iters),
-                measure("flashinfer", FlashInferPagedAttentionBackend(q.device), meta, q, k, v,
-                        kv_cache, want, args.iters)]
-        rows[1]["time_over_triton"] = rows[1]["us_per_layer_call"] / rows[0]["us_per_layer_call"]
+        rows = {name: measure(name, backend, step_meta, q, k, v, kv_cache, want, args.iters)
+                for name, (backend, step_meta) in
+                variants(meta, q.device, version is not None).items()}
+        for row in rows.values():
+            row["time_over_triton"] = row["us_per_layer_call"] / \
+                rows["triton"]["us_per_layer_call"]
         results[shape] = rows
         print(shape, json.dumps(rows), flush=True)
     print("RESULT " + json.dumps({"phase": "attention", "shapes": results,
-                                  "flashinfer": flashinfer.__version__}), flush=True)
+                                  "flashinfer": version}), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ LLAMA_8B = ModelShape.from_hf_config(SimpleNamespace(
 BYTES = 2  # bf16
 BATCH1_ROWS = ("graphs", "graphs_fused", "eager", "eager_fused", "eager_flashinfer")
 ATTENTION_SHAPES = ("decode_b1", "decode_b256", "prefill_32x512", "mixed")
+ATTENTION_VARIANTS = ("triton", "triton_1pass", "triton_graph_plan", "flashinfer")
 
 
 def w1_roofline_s(flops_rate: float, bandwidth: float, n=256, prompt=512, out=128) -> float:
@@ -40,10 +41,7 @@ def table(s: dict) -> str:
     def get(*keys):
         cur = s
         for k in keys:
-            if isinstance(k, int):
-                cur = cur[k] if isinstance(cur, list) and k < len(cur) else None
-            else:
-                cur = cur.get(k) if isinstance(cur, dict) else None
+            cur = cur.get(k) if isinstance(cur, dict) else None
         return cur
 
     rows = [("copy bandwidth GB/s", get("ceilings", "copy_bytes_per_s"), 1e-9),
@@ -68,12 +66,13 @@ def table(s: dict) -> str:
                                            ("/ eager", "tpot_over_eager", 1),
                                            ("same tokens", "tokens_equal_graphs", 1))
                  if variant.startswith("eager") or label != "/ eager"]
-    for shape in ATTENTION_SHAPES:  # gpu_attention.py: per-layer attention call, Triton vs
-        rows += [(f"attn {shape} {name} us", get("attention", "shapes", shape, i,  # FlashInfer
+    for shape in ATTENTION_SHAPES:  # gpu_attention.py: one layer's attention call
+        rows += [(f"attn {shape} {name} us", get("attention", "shapes", shape, name,
                                                  "us_per_layer_call"), 1)
-                 for i, name in enumerate(("triton", "flashinfer"))]
-        rows.append((f"attn {shape} flashinfer/triton",
-                     get("attention", "shapes", shape, 1, "time_over_triton"), 1))
+                 for name in ATTENTION_VARIANTS]
+        rows += [(f"attn {shape} {name}/triton", get("attention", "shapes", shape, name,
+                                                     "time_over_triton"), 1)
+                 for name in ATTENTION_VARIANTS[1:]]
     for variant in ("lockstep", "async", "tpot-cap"):
         rows += [(f"served W1 {variant} tok/s", get("serve", variant, "output_tok_per_s"), 1),
                  (f"served W1 {variant} / offline W1",
