@@ -128,11 +128,14 @@ class Attention(nn.Module):
         When the backend fuses them (the Triton backend with ``KVFLOW_FUSED_KERNELS=1``:
         ``backend.fuse_rotary``) and ``rotary_emb.fusable`` takes the operands, the rotation
         and the KV-cache store run as one kernel (``backend.forward_rotary``); otherwise
-        ``rotary_emb(positions, q, k)`` (its own per-device dispatch) then :meth:`forward`.
-        Same shapes as :meth:`forward`, plus positions int64 [T].
+        ``rotary_emb(positions, q, k)`` (its own per-device dispatch) then :meth:`forward`,
+        which is also the path over an INT8 cache (its keys are Hadamard-rotated between the
+        two, :meth:`rotate_for_int8_cache`). Same shapes as :meth:`forward`, plus positions
+        int64 [T].
         """
         backend = self._ctx.backend
-        if getattr(backend, "fuse_rotary", False) and rotary_emb.fusable(positions, q, k):
+        if getattr(backend, "fuse_rotary", False) and self.kv_cache.dtype != torch.int8 \
+                and rotary_emb.fusable(positions, q, k):
             meta = self._ctx.forward_context.attn_metadata[self.kv_group]
             return backend.forward_rotary(
                 positions, q, k, v, (rotary_emb.cos_sin_cache, rotary_emb.is_neox_style),

@@ -64,3 +64,18 @@ def test_fused_engine_other_families(tiny_model_factory, monkeypatch, name):
     fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
     assert _greedy(_llm(path, "triton")) == unfused
     assert fused_calls
+
+
+@pytest.mark.parametrize("kv_cache_dtype,fused", [("int8", False), ("fp8_e4m3", True)])
+def test_fused_engine_quantized_caches(tiny_llama_path, monkeypatch, kv_cache_dtype, fused):
+    """FP8 caches take the fused kernel (quantized in-kernel); INT8 caches, whose keys are
+    Hadamard-rotated between the RoPE and the store (QuaRot), keep the separate kernels.
+    Either way the greedy tokens equal the unfused engine's."""
+    from kvflow.attention import triton_paged
+
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
+    unfused = _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype))
+    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
+    fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
+    assert _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype)) == unfused
+    assert bool(fused_calls) == fused
