@@ -132,3 +132,26 @@ def test_smollm2_batch_invariant(dtype):
     assert len(alone[0]) == 6
     assert run(SMOLLM_OTHERS) == alone
     assert run(SMOLLM_OTHERS[:2]) == alone
+
+
+def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
+    """Two consequences: a seeded sampled request repeats inside a batch, and n-gram
+    speculative decoding, whose verification steps compute several tokens of a request at once,
+    gives bitwise the logprobs of plain decoding (drafts were checked: some accepted)."""
+    target = [7, 9, 11, 13, 17, 19, 23, 29] * 4  # repeats: the n-gram proposer finds drafts
+    _, others = _prompts()
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=2)
+    common = {"model": tiny_llama.path, "dtype": "float32", "deterministic": True,
+              "kv_cache_memory": "32MiB", "enable_prefix_caching": False}
+    llm = LLM(**common)
+    plain = _run(llm, target, others, 1)
+    assert _result(llm.generate([{"prompt_token_ids": target}], seeded, use_tqdm=False)[0]) == \
+        _result(llm.generate([{"prompt_token_ids": p} for p in [target, *others[:7]]], seeded,
+                             use_tqdm=False)[0])
+    del llm
+    spec = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                             "prompt_lookup_max": 3})
+    assert _run(spec, target, others, 1) == plain
+    assert _run(spec, target, others, 8) == plain
+    speculator = spec.engine.core.scheduler.speculator
+    assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
