@@ -155,3 +155,14 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     assert _run(spec, target, others, 8) == plain
     speculator = spec.engine.core.scheduler.speculator
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
+
+
+def test_quantized_kv_cache_is_batch_invariant(tiny_llama):
+    """An int8 KV cache (quantized per token and head; its attention kernel is per token):
+    alone, with one other request and with seven, under a 16-token budget."""
+    target, others = _prompts()
+    llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True, kv_cache_dtype="int8",
+              kv_cache_memory="32MiB", max_num_batched_tokens=16, enable_prefix_caching=False)
+    alone = _run(llm, target, others, 1)
+    assert _run(llm, target, others, 2) == alone
+    assert _run(llm, target, others, 8) == alone
