@@ -13,6 +13,7 @@ mode computes the right model.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import random
 
 import pytest
@@ -166,3 +167,12 @@ def test_quantized_kv_cache_is_batch_invariant(tiny_llama):
     alone = _run(llm, target, others, 1)
     assert _run(llm, target, others, 2) == alone
     assert _run(llm, target, others, 8) == alone
+
+
+def test_start_up_log_says_what_changed(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB")
+    lines = [r.getMessage() for r in caplog.records if "deterministic mode" in r.getMessage()]
+    assert len(lines) == 1
+    assert "kvflow's C GEMM" in lines[0] and "every query token alone" in lines[0]
+    assert "GEMM kernels (--cpu-gemm native" in caplog.text
