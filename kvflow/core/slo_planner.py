@@ -263,10 +263,10 @@ def plan_step(model: StepTimeModel, running: Iterable[Request],
               slos: dict[str, RequestSLO], now: float) -> StepBudget:
     """The step's budget for ``running`` (objects with ``request_id``, ``num_tokens`` and
     ``num_computed_tokens``) whose targets are in ``slos``: the step may last as long as the
-    tightest ``step_allowance`` of a running request that the step can still keep on target
-    (``PLAN_MARGIN`` of it, at most ``MAX_STEP_TPOTS`` targets). A request whose allowance is
-    below the step's decodes alone cannot be helped by cutting prefill this step, so it does
-    not shrink the budget (cutting prefill would starve admissions and help no one).
+    tightest ``step_allowance`` of a running request (``PLAN_MARGIN`` of it, at most
+    ``MAX_STEP_TPOTS`` targets). A request that ``is_lost`` cannot be helped by cutting
+    prefill, so it does not shrink the budget (that would starve admissions and help no one);
+    with none left to protect the budget is unbounded (the fixed token budget applies).
     """
     tpot_min = math.inf
     num_decodes = decode_context = num_running = running_context = 0
