@@ -97,10 +97,11 @@ def ggml_rounder(qtype: int) -> Rounder:
 
 
 # name -> engine kwargs, and where the scheme rounds: (linears, vocabulary tables, activations
-# entering decoder linears, (K rows, V rows))
+# entering decoder linears, (K rows, V rows)); a linears dict picks a rule per projection name
 SCHEMES: dict[str, tuple[dict, tuple]] = {
     "int8": ({"quantization": "int8"}, (int8_rows, int8_rows, None, None)),
-    "int4": ({"quantization": "int4"}, (int4_groups, int8_rows, None, None)),
+    "int4": ({"quantization": "int4"}, ({"*": int4_groups, "gate_proj": int8_rows,
+                                          "up_proj": int8_rows}, int8_rows, None, None)),
     "fp8": ({"quantization": "fp8"}, (fp8_tensor, None, fp8_rows, None)),
     "kv_int8": ({"kv_cache_dtype": "int8"}, (None, None, None,
                                              (hadamard_int8_rows, int8_rows))),
@@ -129,6 +130,8 @@ def noisy_hf_model(hf_model, rules: tuple, gen: torch.Generator):
         for name, p in model.named_parameters():
             is_table = "embed_tokens" in name or "lm_head" in name
             rule = table_rule if is_table else linear_rule
+            if isinstance(rule, dict):  # per projection: {"*": default, "gate_proj": ...}
+                rule = next((r for k, r in rule.items() if f".{k}." in name), rule["*"])
             if p.dim() == 2 and rule is not None:
                 p.copy_(matched_noise(p.data, rule, gen))
     if act_rule is not None:

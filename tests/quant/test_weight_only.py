@@ -100,15 +100,16 @@ def test_fused_layers_quantize_per_row_after_loading():
     torch.testing.assert_close(merged(x), ref, atol=2e-4, rtol=1e-4)
 
 
-def _hf_dequantized(tiny, dequant_linear):
-    """The HF model with every projection replaced by ``dequant_linear(W)`` and the embedding
-    and LM head by their INT8 per-row dequantization (what kvflow stores)."""
+def _hf_dequantized(tiny, dequant_linear, int8_names: tuple[str, ...] = ()):
+    """The HF model with every projection replaced by ``dequant_linear(W)`` (those whose name
+    ends with one of ``int8_names``: by INT8 per row) and the embedding and LM head by their
+    INT8 per-row dequantization (what kvflow stores)."""
     model = copy.deepcopy(tiny.hf_model)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                table = name == "lm_head"
-                module.weight.copy_((int8_dequant if table else dequant_linear)(module.weight))
+                int8 = name == "lm_head" or name.endswith(int8_names)
+                module.weight.copy_((int8_dequant if int8 else dequant_linear)(module.weight))
         emb = model.model.embed_tokens.weight
         emb.copy_(int8_dequant(emb))
     return model
@@ -119,7 +120,8 @@ def _hf_dequantized(tiny, dequant_linear):
 def test_engine_matches_hf_on_dequantized_weights(tiny_model_factory, quantization, arch):
     tiny = tiny_model_factory(arch)
     deq = int8_dequant if quantization == "int8" else (lambda w: int4_dequant(w, 32))
-    hf = _hf_dequantized(tiny, deq)
+    # under int4 the MLP's gate and up projections stay INT8 (llama.cpp-style mix)
+    hf = _hf_dequantized(tiny, deq, ("gate_proj", "up_proj") if quantization == "int4" else ())
     prompt = torch.randint(2, tiny.vocab_size, (11,), generator=torch.Generator().manual_seed(3))
     llm = LLM(model=tiny.path, dtype="float32", quantization=quantization, num_kv_blocks=64,
               block_size=4)
@@ -137,8 +139,11 @@ def test_engine_matches_hf_on_dequantized_weights(tiny_model_factory, quantizati
         assert out.outputs[0].logprobs[step][token].logprob == \
             pytest.approx(float(ref[step, token]), abs=2e-4)
     runner = llm.engine.core.executor.runner
-    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == \
+    layer = runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.dtype == \
         (torch.int8 if quantization == "int8" else torch.uint8)
+    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.down_proj.weight.dtype
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.int8
     unquantized = LLM(model=tiny.path, dtype="float32", num_kv_blocks=64, block_size=4)
     assert runner.weight_bytes < unquantized.engine.core.executor.runner.weight_bytes
 
