@@ -136,3 +136,51 @@ def test_adaptive_threads_off_where_it_cannot_help():
     assert AdaptiveThreads.create(True, 2, pinned=False, ranks=2) is None
     made = AdaptiveThreads.create(True, 2, pinned=False, ranks=1)
     assert (made is not None) == HAVE_SCHEDSTAT
+
+
+@pytest.mark.skipif(not HAVE_SCHEDSTAT, reason="no /proc/<pid>/task/<tid>/schedstat here")
+def test_engine_drops_a_thread_mid_run_and_keeps_greedy_output(tiny_llama):
+    """The runner consults the governor before each step: with a (fake) wait of half the wall
+    time per thread it switches 2 -> 1 -> 2 (probe) -> 1 threads mid-run, and the greedy tokens
+    still equal
+    transformers' (the C kernels give the same bits at any thread count)."""
+    from kvflow import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2, kv_cache_memory="16MiB")
+    try:
+        adaptive = llm.engine.core.executor.worker.runner.adaptive_threads
+        assert adaptive is not None and adaptive.threads == 2
+        clock, wait = [0.0], [0]
+
+        def tick() -> float:  # every step: 0.25 s, each thread waiting half of it
+            clock[0] += 0.25
+            wait[0] += int(0.5 * 0.25 * adaptive.threads * 1e9)
+            return clock[0]
+
+        adaptive.clock, adaptive.read_wait = tick, lambda: wait[0]
+        prompt = [5, 17, 42, 8, 99, 3]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True), use_tqdm=False)
+        # 8 steps, 0.25 s each: 2 -> 1 at the third, the probe 1 s later (seventh) back to 2,
+        # contended, so 1 again at the eighth
+        assert adaptive.threads == 1 and adaptive.governor.switches == 3
+        assert torch.get_num_threads() == 1
+        hf = tiny_llama.hf_model.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                          do_sample=False)
+        assert list(out[0].outputs[0].token_ids) == hf[0, len(prompt):].tolist()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engine_keeps_a_fixed_count_when_asked(tiny_llama):
+    from kvflow import LLM
+
+    before = torch.get_num_threads()
+    try:  # (pinned threads: AdaptiveThreads.create above; pinning here would pin pytest)
+        for option in ({"cpu_adaptive_threads": False}, {"deterministic": True}):
+            llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2,
+                      kv_cache_memory="16MiB", **option)
+            assert llm.engine.core.executor.worker.runner.adaptive_threads is None, option
+    finally:
+        torch.set_num_threads(before)
