@@ -147,7 +147,8 @@ def test_engine_drops_a_thread_mid_run_and_keeps_greedy_output(tiny_llama):
     from kvflow import LLM, SamplingParams
 
     before = torch.get_num_threads()
-    llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2, kv_cache_memory="16MiB")
+    llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2, kv_cache_memory="16MiB",
+              cpu_adaptive_threads=True)  # (the suite's default is off: conftest.py)
     try:
         adaptive = llm.engine.core.executor.worker.runner.adaptive_threads
         assert adaptive is not None and adaptive.threads == 2
@@ -178,9 +179,22 @@ def test_engine_keeps_a_fixed_count_when_asked(tiny_llama):
 
     before = torch.get_num_threads()
     try:  # (pinned threads: AdaptiveThreads.create above; pinning here would pin pytest)
-        for option in ({"cpu_adaptive_threads": False}, {"deterministic": True}):
+        for option in ({"cpu_adaptive_threads": False},
+                       {"cpu_adaptive_threads": True, "deterministic": True}):
             llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2,
                       kv_cache_memory="16MiB", **option)
             assert llm.engine.core.executor.worker.runner.adaptive_threads is None, option
     finally:
         torch.set_num_threads(before)
+
+
+def test_default_comes_from_the_environment(monkeypatch):
+    from kvflow.config import DeviceConfig, cpu_adaptive_threads_choice
+
+    monkeypatch.delenv("KVFLOW_CPU_ADAPTIVE_THREADS", raising=False)
+    assert cpu_adaptive_threads_choice() is True and cpu_adaptive_threads_choice(False) is False
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+    assert cpu_adaptive_threads_choice() is False and cpu_adaptive_threads_choice(True) is True
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "yes")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_ADAPTIVE_THREADS='yes'"):
+        DeviceConfig()

@@ -13,6 +13,7 @@ from kvflow.config.device import (
     LORA_KERNEL_CHOICES,
     DeviceConfig,
     cache_dir,
+    cpu_adaptive_threads_choice,
     cpu_gemm_choice,
     cpu_gguf_choice,
     lora_kernel_choice,
@@ -31,5 +32,5 @@ from kvflow.config.speculative import SPEC_METHODS, SpeculativeConfig
 __all__ = ["CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS", "CacheConfig",
            "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "MultiModalConfig",
            "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
-           "cache_dir", "cpu_gemm_choice", "cpu_gguf_choice", "lora_kernel_choice",
-           "parse_bytes", "parse_cpu_list"]
+           "cache_dir", "cpu_adaptive_threads_choice", "cpu_gemm_choice", "cpu_gguf_choice",
+           "lora_kernel_choice", "parse_bytes", "parse_cpu_list"]

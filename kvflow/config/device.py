@@ -39,6 +39,23 @@ def cpu_gemm_choice(value: str | None = None) -> str:
     return choice
 
 
+def cpu_adaptive_threads_choice(value: bool | None = None) -> bool:
+    """Whether the CPU thread count adapts to other processes' load: ``value``
+    (``--cpu-adaptive-threads``) if given, else ``$KVFLOW_CPU_ADAPTIVE_THREADS`` (``0`` or
+    ``1``), else on. (The test suite sets the variable to 0: with plain torch kernels a fp32
+    result can differ in the last bits between thread counts, and tests compare runs.)
+
+    Raises:
+        ValueError: when the variable is neither 0 nor 1.
+    """
+    if value is not None:
+        return value
+    env = os.environ.get("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    if env not in ("0", "1"):
+        raise ValueError(f"KVFLOW_CPU_ADAPTIVE_THREADS={env!r} is invalid; choose 0 or 1")
+    return env == "1"
+
+
 def parse_cpu_list(spec: str) -> list[int]:
     """``"0-3,6,8-9"`` -> [0, 1, 2, 3, 6, 8, 9] (the Linux cpulist format, order kept).
 
@@ -127,14 +144,17 @@ class DeviceConfig:
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; default: not pinned)")
-    cpu_adaptive_threads: bool = opt(True, "lower the CPU thread count while other processes "
-                                     "take the CPUs (measured from the kernel's runqueue "
-                                     "wait) and probe back later; off with pinned threads, "
-                                     "several worker processes or --deterministic")
+    cpu_adaptive_threads: bool | None = opt(None, "lower the CPU thread count while other "
+                                            "processes take the CPUs (measured from the "
+                                            "kernel's runqueue wait) and probe back later; "
+                                            "off with pinned threads, several worker "
+                                            "processes or --deterministic (default: "
+                                            "$KVFLOW_CPU_ADAPTIVE_THREADS, else on)")
 
     def __post_init__(self) -> None:
         check_choices(self)
         cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
+        cpu_adaptive_threads_choice(self.cpu_adaptive_threads)
         cpu_gguf_choice()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")

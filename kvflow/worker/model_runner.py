@@ -13,7 +13,7 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.cp_paged import ContextParallelAttentionBackend
 from kvflow.attention.layer import Attention, AttentionContext
-from kvflow.config import EngineConfig, cpu_gemm_choice, parse_bytes
+from kvflow.config import EngineConfig, cpu_adaptive_threads_choice, cpu_gemm_choice, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -165,7 +165,8 @@ class ModelRunner:
                 dc.cpu_threads, dc.cpu_threads_bind,
                 pc.data_parallel_rank * world + self.parallel.rank, pc.data_parallel_size * world)
             self.adaptive_threads = AdaptiveThreads.create(
-                dc.cpu_adaptive_threads and not dc.deterministic, threads, pinned is not None,
+                cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic,
+                threads, pinned is not None,
                 world)
         self._init_model(source, hf_config)
         self.drafter = self._init_draft_model(hf_config)
