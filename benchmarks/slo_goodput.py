@@ -7,7 +7,9 @@ Two ``kvflow serve`` processes of the same model start side by side (127.0.0.1, 
   ``--slo-scale``) and ``--sla-args`` (default ``--admission-control``: a request predicted
   to miss its TTFT is refused at once with 503, and counts as not good).
 
-Capacity is measured first on ``fixed`` (``--calib-prompts`` requests at rate inf: completed
+Both servers first serve ``--warmup-prompts`` requests (untimed: the sla server's step-time
+model learns and settles, and both have compiled and cached alike). Capacity is measured first
+on ``fixed`` (``--calib-prompts`` requests at rate inf: completed
 requests per second). Then, for each multiple of it in ``--loads``, ``kvflow bench serve``
 runs the same synthetic-chat workload with the same seed (so the same prompts and the same
 arrival times) against ``fixed`` and then ``sla``, alternating server order every round so both
@@ -42,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--calib-prompts", type=int, default=24)
+    p.add_argument("--warmup-prompts", type=int, default=8,
+                   help="requests sent to each server before anything is timed (untimed)")
     p.add_argument("--loads", default="1.0,1.5,2.5", help="offered rate / capacity")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--server-args", default="--dtype float32 --kv-cache-memory 256MiB")
@@ -61,10 +65,10 @@ def start(args: argparse.Namespace, extra: str, log: Path) -> tuple[subprocess.P
 
 
 def bench(args: argparse.Namespace, url: str, label: str, rate: float, num: int,
-          path: Path) -> dict:
+          path: Path, seed: int = 0) -> dict:
     return bench_serve(url, [
         "--model", args.model, "--endpoint", "chat", "--dataset", "synthetic-chat",
-        "--num-prompts", str(num), "--request-rate", str(rate), "--seed", "0",
+        "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(seed),
         "--label", label, "--goodput", *args.slos], path, quiet=True)
 
 
@@ -121,6 +125,9 @@ def main() -> None:
     try:
         for proc, url in servers.values():
             wait_ready(proc, url)
+        for label, (_, url) in servers.items():  # both warm (the sla model fitted) alike
+            bench(args, url, label, 2 * (args.capacity or 1.0), args.warmup_prompts,
+                  out / f"warmup_{label}.json", seed=1)  # other prompts than the timed runs
         capacity = args.capacity
         if capacity is None:
             calib = bench(args, servers["fixed"][1], "fixed", float("inf"), args.calib_prompts,
