@@ -16,6 +16,10 @@ Gates (perplexity ratio to ``none``): int8 <= 1.015, int4 (groups of 32, and ``i
 of 128) <= 1.08, KV int8 <= 1.01, KV fp8_e4m3 <= 1.02, gguf <= 1.001 (and >= 0.999). ``fp8``
 (W8A8) has no gate in the issue: it is reported. Exits 1 when a gate fails.
 
+``int4`` is kvflow's mix (gate/up INT8, the other linears INT4, see
+``kvflow.quant.INT4_KEPT_AT_INT8``); ``kv_int8`` stores Hadamard-rotated keys
+(``kvflow.kernels.kv_quant``).
+
 Caveat: the packaged models are 4-bit GGUFs (SmolLM2 Q4_1, gemma Q4_K_M), so ``none`` is a
 dequantized 4-bit model whose weights already sit on an asymmetric 4-bit grid per 32 columns:
 INT4 in groups of 32 reproduces most of them (nearly lossless), and INT8 adds little. Groups of
