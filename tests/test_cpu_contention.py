@@ -192,9 +192,9 @@ def test_default_comes_from_the_environment(monkeypatch):
     from kvflow.config import DeviceConfig, cpu_adaptive_threads_choice
 
     monkeypatch.delenv("KVFLOW_CPU_ADAPTIVE_THREADS", raising=False)
-    assert cpu_adaptive_threads_choice() is True and cpu_adaptive_threads_choice(False) is False
-    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
     assert cpu_adaptive_threads_choice() is False and cpu_adaptive_threads_choice(True) is True
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    assert cpu_adaptive_threads_choice() is True and cpu_adaptive_threads_choice(False) is False
     monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "yes")
     with pytest.raises(ValueError, match="KVFLOW_CPU_ADAPTIVE_THREADS='yes'"):
         DeviceConfig()
