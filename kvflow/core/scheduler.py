@@ -198,7 +198,13 @@ class Scheduler:
     def admission_verdict(self, request: Request) -> float | None:
         """Admission control: None to queue ``request``, else the seconds after which to
         retry, because its predicted time to first token exceeds its TTFT target. Accepts
-        while the step-time model is still learning or the request has no TTFT target."""
+        while the step-time model is still learning, when the request has no TTFT target,
+        and on an idle engine (nothing running or waiting): there no request is delayed by
+        it and none would be served sooner, and the forecast is then a pure extrapolation of
+        one lone prefill, where the fitted model errs most (it refused lone requests a warm
+        server answered well within target)."""
+        if not self.running and not self.waiting:
+            return None
         slo = self.planner.targets_of(request)
         outlook = None if slo.ttft_s is None else self.ttft_outlook(request)
         if outlook is None or outlook <= slo.ttft_s:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,6 +114,23 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+def post_at_once(url: str, body: dict[str, Any], count: int) -> list[httpx.Response]:
+    """POST ``body`` to ``url`` from ``count`` threads released together (a burst: the first
+    request to reach the engine finds it idle, the others find it busy with the first)."""
+    barrier, responses = threading.Barrier(count), [None] * count
+
+    def send(i: int) -> None:
+        barrier.wait()
+        responses[i] = httpx.post(url, json=body, timeout=60)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return responses
 
 
 @pytest.fixture(scope="session")
