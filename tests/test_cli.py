@@ -92,3 +92,19 @@ def test_bench_throughput_against_hf(tiny_llama, capsys, tmp_path):
     for r in results:
         assert r["num_prompts"] == 4
         assert r["output_tokens_per_s"] == pytest.approx(16 / r["elapsed_s"])
+
+
+def test_help_lists_only_typeable_choices():
+    """An unset option (None) is a default, not a choice: ``--help`` shows
+    ``{none,int8,...}`` for --quantization, never ``None``, and the parsed default stays None."""
+    import argparse
+
+    from kvflow.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    text = parser.format_help()
+    assert "{none,int8,int4,fp8,gguf,compressed-tensors}" in text
+    assert "{auto,native,onednn}" in text and "None," not in text
+    args = parser.parse_args([])
+    assert args.quantization is None and args.cpu_gemm is None

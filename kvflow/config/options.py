@@ -77,7 +77,9 @@ def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
         str(f.type), str)
-    group.add_argument(flag, type=kind, default=f.default, choices=meta.get("choices"),
+    choices = meta.get("choices")  # None (unset) is the default, not a value one can type
+    choices = None if choices is None else [c for c in choices if c is not None]
+    group.add_argument(flag, type=kind, default=f.default, choices=choices,
                        **({"nargs": meta["nargs"]} if "nargs" in meta else {}),
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")
