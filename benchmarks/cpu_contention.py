@@ -19,23 +19,9 @@ import subprocess
 import sys
 import time
 
+from offline_engine import load_engine
+
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 32
-
-
-def _load(engine: str, model_dir: str, dtype: str, adaptive: bool, bind: str | None):
-    """(LLM, SamplingParams class, prompt wrapper) of the engine; kvflow is imported before
-    torch so its OpenMP settings apply, as in any kvflow process."""
-    if engine == "kvflow":
-        from kvflow import LLM, SamplingParams
-
-        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False,
-                   kv_cache_memory="512MiB", cpu_adaptive_threads=adaptive,
-                   cpu_threads_bind=bind), SamplingParams, \
-            (lambda ids: ids)
-    from vllm import LLM, SamplingParams
-
-    return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
-        (lambda ids: {"prompt_token_ids": ids})
 
 
 def main() -> None:
@@ -48,8 +34,10 @@ def main() -> None:
                         help="kvflow: a fixed thread count (--no-cpu-adaptive-threads)")
     parser.add_argument("--bind", help="kvflow: --cpu-threads-bind (e.g. auto)")
     args = parser.parse_args()
-    llm, sampling_params, wrap = _load(args.engine, args.model_dir, args.dtype,
-                                       not args.no_adaptive, args.bind)
+    llm, sampling_params, wrap = load_engine(
+        args.engine, args.model_dir, args.dtype,
+        **({"kv_cache_memory": "512MiB", "cpu_adaptive_threads": not args.no_adaptive,
+            "cpu_threads_bind": args.bind} if args.engine == "kvflow" else {}))
     import numpy as np
     import torch
 

@@ -20,14 +20,17 @@ import time
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
 
 
-def _load(engine: str, model_dir: str, dtype: str):
-    """(LLM, SamplingParams class, prompt wrapper); kvflow is imported before torch so its
-    OpenMP settings apply, as in any kvflow process."""
+def load_engine(engine: str, model_dir: str, dtype: str, **kvflow_options):
+    """(LLM, SamplingParams class, prompt wrapper) of ``engine`` (kvflow or vllm), prefix
+    caching off; ``kvflow_options`` go to kvflow's LLM (default KV cache 1 GiB). kvflow is
+    imported before torch so its OpenMP settings apply, as in any kvflow process. Shared with
+    cpu_contention.py."""
     if engine == "kvflow":
         from kvflow import LLM, SamplingParams
 
-        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False,
-                   kv_cache_memory="1GiB"), SamplingParams, (lambda ids: ids)
+        options = {"kv_cache_memory": "1GiB", **kvflow_options}
+        return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False, **options), \
+            SamplingParams, (lambda ids: ids)
     from vllm import LLM, SamplingParams
 
     return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
@@ -42,7 +45,7 @@ def main() -> None:
     parser.add_argument("out")
     args = parser.parse_args()
     start = time.perf_counter()
-    llm, sampling_params, wrap = _load(args.engine, args.model_dir, args.dtype)
+    llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype)
     startup_s = time.perf_counter() - start
     import numpy as np
 
