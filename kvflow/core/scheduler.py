@@ -24,7 +24,8 @@ just more tokens to compute, so the rule above is unchanged (the step catches
 ``num_computed_tokens`` up toward ``num_tokens`` plus the drafts, within the same budget). After
 the step the rejected drafts are taken back: ``num_computed_tokens`` drops by their count (their
 slots are written again later) and the blocks that held only rejected drafts are freed; the
-runners learn the tables' new length in the next step's ``truncated_block_tables``.
+runners learn the tables' new length in the next step's ``truncated_block_tables``. Drafts
+never preempt: a request whose drafts find no free blocks decodes without them this step.
 
 Service levels (``core/slo_planner.py``): with TTFT/TPOT targets, a ``StepBudget`` caps the
 tokens of prefill chunks (never decodes) so the step is predicted to end before the earliest
@@ -262,6 +263,10 @@ class Scheduler:
                     i += 1
                     continue
             new_blocks = try_allocate(request, num_new)
+            if new_blocks is None and extra and num_new > num_tokens - computed:
+                # drafts never preempt: without room for them the request decodes plainly
+                extra, num_new = None, num_tokens - computed
+                new_blocks = try_allocate(request, num_new)
             if new_blocks is None:
                 new_blocks = self._preempt_until_fits(request, num_new, out)
                 if new_blocks is None:

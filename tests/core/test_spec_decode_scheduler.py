@@ -298,3 +298,34 @@ def test_adaptive_lengths_follow_each_requests_acceptance(make_scheduler, make_d
     assert 0 < sum(bad) <= 8 and not any(bad[-10:])
     good = [d["good"] for d in drafts if "good" in d]
     assert sum(good) >= 20 and good.count(4) >= len(good) // 2
+
+
+
+def _run_mixed(make_scheduler, make_driver, make_request, speculator, requests, **sched_kw):
+    """``requests``: (prompt, max_tokens) pairs, ids r0, r1, ..."""
+    sched = make_scheduler(**sched_kw)
+    sched.speculator = speculator
+    driver = make_driver(sched)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        driver.add(make_request(f"r{i}", prompt, max_tokens=max_tokens))
+    return driver.run(), driver
+
+
+def test_drafts_never_preempt(make_scheduler, make_driver, make_request, oracle):
+    """A pool that holds every request's plain decoding (r0 finishes early and frees its
+    blocks for the others' growth) but not their drafts on top: a request whose drafts find
+    no free block decodes without them, and no request is preempted for drafts (before, the
+    drafts' blocks were taken by preempting the running tail)."""
+    requests = [(list(range(60, 72)), 2)] + [([10 * i + 1, 10 * i + 2, 10 * i + 3], 13)
+                                              for i in range(1, 4)]
+    kw = {"num_blocks": 15, "block_size": 4}
+    _, plain_driver = _run_mixed(make_scheduler, make_driver, make_request, None, requests,
+                                 **kw)
+    assert not any(s.preempted for s in plain_driver.steps)  # plain decoding fits
+    spec = WrongSpeculator(SpeculativeConfig(num_speculative_tokens=12, adaptive=False), 4000)
+    results, driver = _run_mixed(make_scheduler, make_driver, make_request, spec, requests,
+                                 **kw)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        assert results[f"r{i}"].output_token_ids == oracle(prompt, max_tokens)
+    assert not any(s.preempted for s in driver.steps)
+    assert spec.num_draft_tokens > 0  # drafts ran where they fitted
