@@ -1,4 +1,4 @@
-"""Every field of every request model (kvflow/entrypoints/protocol.py) is honoured or rejected.
+"""Every field of every request model (kvflow/entrypoints/protocol/) is honoured or rejected.
 
 ``CASES`` holds, per endpoint, one check per declared field; ``test_every_field_has_a_case``
 fails when a field is added without one. A "used" check sends a value and asserts its effect

@@ -1,0 +1,137 @@
+"""OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
+
+Requests ignore unknown fields (as vLLM does; the handlers log each unknown name once); a known
+field with a value of the wrong type or out of its range fails validation and becomes a 400
+with an OpenAI error body. Every field a request model declares is honoured, or rejected with
+a 400 naming it when set to a value kvflow does not implement (``best_of`` other than ``n``,
+``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``); tests/e2e/
+test_openai_fields.py walks every field. Text anywhere in a body that holds a lone UTF-16
+surrogate is a 400 naming the field (``invalid_unicode``).
+Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
+``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` constraints).
+
+The models live in one module per job: ``base`` (base classes, the error body, the
+request-body checks), ``sampling`` (the fields completion and chat share; the completion
+request), ``chat`` (the chat request), ``responses``, ``embeddings``, ``management`` (models,
+LoRA adapters, tokenize, version). Import them from this package.
+"""
+
+from __future__ import annotations
+
+from kvflow.entrypoints.protocol.base import (
+    ErrorInfo,
+    ErrorResponse,
+    OmitNoneModel,
+    OpenAIBaseModel,
+    RequestBody,
+)
+from kvflow.entrypoints.protocol.chat import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    ContentPart,
+    FunctionDefinition,
+    ImageURL,
+    NamedFunction,
+    NamedToolChoice,
+)
+from kvflow.entrypoints.protocol.embeddings import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from kvflow.entrypoints.protocol.management import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UnloadLoRAAdapterRequest,
+    VersionResponse,
+)
+from kvflow.entrypoints.protocol.responses import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    PromptLogprob,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
+)
+from kvflow.entrypoints.protocol.sampling import (
+    CompletionRequest,
+    JsonSchemaFormat,
+    ResponseFormat,
+    SamplingRequest,
+    StreamOptions,
+    StructuredOutputsField,
+)
+
+__all__ = [
+    "ChatChoice",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamResponse",
+    "ChatLogprobToken",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatStreamChoice",
+    "ChatTool",
+    "CompletionChoice",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ContentPart",
+    "DeltaFunctionCall",
+    "DeltaMessage",
+    "DeltaToolCall",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FunctionCall",
+    "FunctionDefinition",
+    "ImageURL",
+    "JsonSchemaFormat",
+    "LoadLoRAAdapterRequest",
+    "ModelCard",
+    "ModelList",
+    "NamedFunction",
+    "NamedToolChoice",
+    "OmitNoneModel",
+    "OpenAIBaseModel",
+    "PromptLogprob",
+    "RequestBody",
+    "ResponseFormat",
+    "SamplingRequest",
+    "StreamOptions",
+    "StructuredOutputsField",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "ToolCall",
+    "TopLogprob",
+    "UnloadLoRAAdapterRequest",
+    "UsageInfo",
+    "VersionResponse",
+]

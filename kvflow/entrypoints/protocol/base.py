@@ -1,0 +1,100 @@
+"""The base of kvflow's OpenAI API models: the base classes, the error body, the request body
+that finds lone surrogates and unknown fields, and small shared validators."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from kvflow.text_checks import find_lone_surrogate
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class OmitNoneModel(OpenAIBaseModel):
+    """A response model whose ``OMIT_IF_NONE`` fields are left out of the JSON when None
+    (extensions nobody asked for, a delta's absent role)."""
+
+    OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.OMIT_IF_NONE:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+# ---- errors --------------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- shared request fields -----------------------------------------------------------------------
+class RequestBody(OpenAIBaseModel):
+    """A top-level request body: all its text is checked for lone surrogates before
+    validation (``invalid_unicode`` error with ``ctx.param``), and the names of fields it does
+    not declare are kept in ``unknown_fields`` (for the handler to log)."""
+
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_body(cls, data: Any, handler: Any) -> Any:
+        found = find_lone_surrogate(data) if isinstance(data, dict) else None
+        if found is not None:
+            raise PydanticCustomError("invalid_unicode", "{param} {why}",
+                                      {"param": found[0], "why": found[1]})
+        model = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
+                                             if f.alias}
+            model._unknown_fields = tuple(sorted(k for k in data if k not in known))
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """Top-level fields of the body that this model does not declare (ignored)."""
+        return self._unknown_fields
+
+
+
+def not_bool(value: Any) -> Any:
+    """A before-validator for numeric fields: JSON true/false is not a number (pydantic would
+    take true as 1).
+
+    Raises:
+        ValueError: if ``value`` is a boolean (pydantic turns it into a 400 naming the field).
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")  # noqa: TRY004 - pydantic wants it
+    return value
+
+
+
+def now() -> int:
+    """The current Unix time in whole seconds (a response's ``created``)."""
+    return int(time.time())

@@ -1,0 +1,82 @@
+"""The /v1/chat/completions request: messages and their content parts, tools, tool choice."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator
+
+from kvflow.entrypoints.protocol.base import INT32_MAX, OpenAIBaseModel, not_bool
+from kvflow.entrypoints.protocol.sampling import SamplingRequest
+
+
+class ImageURL(OpenAIBaseModel):
+    """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, or an http(s) URL the
+    server fetches only from ``--allowed-media-domains``. ``detail``: only ``"auto"`` (the
+    model's image processor chooses the resolution); ``"low"`` / ``"high"`` are a 400."""
+
+    url: str
+    detail: str | None = None  # checked by the chat handler (a 400 naming the part)
+
+
+class ContentPart(OpenAIBaseModel):
+    """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
+    parts are images for a vision-language model (a 400 for a text-only one); other types
+    (audio, files) are a 400."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions. ``tools`` are rendered through the chat template;
+    ``tool_choice`` ``required`` and a named function are enforced with a grammar."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    echo: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    _no_bool_chat_counts = field_validator("max_completion_tokens", "top_logprobs",
+                                           mode="before")(not_bool)

@@ -1,0 +1,49 @@
+"""The /v1/embeddings request and response."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kvflow.entrypoints.protocol.base import (
+    INT32_MAX,
+    OpenAIBaseModel,
+    RequestBody,
+    not_bool,
+    now,
+)
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
+    list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
+    ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: str | None = None
+
+    _no_bool_dimensions = field_validator("dimensions", mode="before")(not_bool)
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

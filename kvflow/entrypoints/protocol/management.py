@@ -1,0 +1,76 @@
+"""The endpoints around generation: /v1/models, LoRA adapter loading and unloading,
+/tokenize and /detokenize, /version."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kvflow.entrypoints.protocol.base import OpenAIBaseModel, RequestBody, now
+from kvflow.entrypoints.protocol.chat import ChatMessage, ChatTool
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "kvflow"
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT folder ``lora_path`` as model
+    ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving adapter ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+
+
+class TokenizeRequest(RequestBody):
+    """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template,
+    with the chat options of /v1/chat/completions). ``add_special_tokens`` defaults to true
+    for a prompt and false for messages (the template writes the special tokens)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str

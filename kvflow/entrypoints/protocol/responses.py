@@ -1,0 +1,159 @@
+"""The /v1/completions and /v1/chat/completions responses, whole and streamed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from kvflow.entrypoints.protocol.base import OmitNoneModel, OpenAIBaseModel, now
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One token's entry in ``prompt_logprobs`` (vLLM's form)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+class CompletionChoice(OmitNoneModel):
+    """``prompt_logprobs`` (when asked for): per prompt token, token id (as a string) ->
+    its entry, with the prompt token and the top-k; None for the first token."""
+
+    OMIT_IF_NONE = ("token_ids", "prompt_token_ids", "prompt_logprobs")
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(OmitNoneModel):
+    OMIT_IF_NONE = ("reasoning_content",)
+
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
+
+
+class ChatChoice(OmitNoneModel):
+    OMIT_IF_NONE = ("token_ids",)
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(OmitNoneModel):
+    OMIT_IF_NONE = ("prompt_token_ids",)
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaFunctionCall(OmitNoneModel):
+    OMIT_IF_NONE = ("name", "arguments")
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNoneModel):
+    """A streamed piece of tool call ``index``: the first carries id, type and name."""
+
+    OMIT_IF_NONE = ("id", "type")
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(OmitNoneModel):
+    OMIT_IF_NONE = ("role", "content", "tool_calls", "reasoning_content")
+
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class ChatStreamChoice(OmitNoneModel):
+    OMIT_IF_NONE = ("token_ids",)
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

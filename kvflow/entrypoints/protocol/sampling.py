@@ -1,0 +1,115 @@
+"""Request fields shared by /v1/completions and /v1/chat/completions (sampling, stop,
+structured outputs, scheduling), and the /v1/completions request itself."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator
+
+from kvflow.entrypoints.protocol.base import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    OpenAIBaseModel,
+    RequestBody,
+    not_bool,
+)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema is under ``schema`` (alias of
+    ``json_schema``, which pydantic's BaseModel reserves)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIBaseModel):
+    """The vLLM-style ``structured_outputs`` extra body field (exactly one of these)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingRequest(RequestBody):
+    """Fields shared by completion and chat requests. vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are ``structured_outputs``
+    under other names; ``priority`` orders the waiting queue (needs ``--policy priority`` or
+    ``fair``); ``target_ttft_ms`` / ``target_tpot_ms`` override the server's service-level
+    targets for this request; ``user`` names the client for ``--policy fair``."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - 2**20)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    target_ttft_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    target_tpot_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)
+
+    _no_bool_numbers = field_validator(
+        "n", "top_k", "seed", "min_tokens", "max_tokens", "temperature", "top_p", "min_p",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "priority", "best_of",
+        "prompt_logprobs", "target_ttft_ms", "target_tpot_ms", mode="before",
+        check_fields=False)(not_bool)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
+    list of token-id lists."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # unset: the model's generation-config max_new_tokens, else 16; null: what the context leaves
+    max_tokens: int | None = Field(16, le=INT32_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    add_special_tokens: bool = True
+    suffix: str | None = None
+
+    _no_bool_logprobs = field_validator("logprobs", mode="before")(not_bool)
