@@ -23,97 +23,16 @@ from typing import Any
 import aiohttp
 
 from kvflow.bench import metrics
-from kvflow.bench.checks import ensure_parent_dir, is_finite_positive, require_positive
 from kvflow.bench.client import ENDPOINT_PATHS, RequestResult, build_payload, send_request
-from kvflow.bench.datasets import (
-    BenchRequest,
-    arrival_intervals,
-    load_jsonl,
-    parse_image_size,
-    parse_length_dist,
-    random_image_requests,
-    random_requests,
-    synthetic_chat_requests,
-)
+from kvflow.bench.datasets import BenchRequest, arrival_intervals
+from kvflow.bench.serve_checks import check_args, load_compare, parse_rates
+from kvflow.bench.serve_summary import aggregate, finite, print_summary
+from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
 
-MAX_ERRORS_KEPT = 20
 # Idle seconds before the client drops a pooled connection: below the servers' keep-alive
 # (uvicorn's default 5 s), so a request is never sent on a connection the server is closing
 # (that race surfaces as aiohttp's ServerDisconnectedError at arrival gaps near 5 s).
 CLIENT_KEEPALIVE_S = 3.0
-
-
-def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
-    """The workload of ``args.dataset``. Random prompts are token ids for the completions
-    endpoint and the tokenizer's decoding of them for chat.
-
-    Raises:
-        ValueError: for random prompts on the chat endpoint without a tokenizer, a JSONL
-            dataset with chat messages on the completions endpoint, a dataset file that cannot
-            be read or has a bad line, or a bad length distribution.
-    """
-    if args.dataset == "random":
-        vocab = args.random_vocab_size
-        if vocab is None:
-            tok = tokenizer_factory()
-            vocab = len(tok) if tok is not None else 32000
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
-                               vocab_size=vocab, seed=args.seed)
-        if args.endpoint == "chat":
-            tok = tokenizer_factory()
-            if tok is None:
-                raise ValueError("--dataset random with --endpoint chat needs a tokenizer "
-                                 "(--tokenizer)")
-            reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
-                    for r in reqs]
-        return reqs
-    if args.dataset == "random-image":
-        if args.endpoint != "chat":
-            raise ValueError("--dataset random-image sends images in chat messages: use "
-                             "--endpoint chat")
-        return random_image_requests(
-            args.num_prompts, args.input_len, args.output_len,
-            parse_image_size(args.image_size), args.image_fraction, args.num_unique_images,
-            seed=args.seed)
-    if args.dataset == "synthetic-chat":
-        return synthetic_chat_requests(
-            args.num_prompts, args.num_system_prompts, parse_length_dist(args.system_len),
-            parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
-            seed=args.seed)
-    reqs = load_jsonl(args.dataset, args.output_len)
-    if args.num_prompts < len(reqs):
-        reqs = reqs[:args.num_prompts]
-    if args.endpoint == "completions" and any(r.messages for r in reqs):
-        raise ValueError(f"{args.dataset} has chat messages: use --endpoint chat")
-    return reqs
-
-
-def make_tokenizer_factory(name: str | None):
-    """A memoizing zero-argument callable returning the tokenizer of ``name`` (a packaged model,
-    HF folder, GGUF file or hub id), or None when it cannot be loaded."""
-    cache: dict[str, Any] = {}
-
-    def get() -> Any:
-        if "tok" not in cache:
-            cache["tok"] = _load_tokenizer(name) if name else None
-        return cache["tok"]
-
-    return get
-
-
-def _load_tokenizer(name: str) -> Any:
-    from kvflow.models.loader import load_tokenizer
-    from kvflow.models.model_resolver import resolve_model
-
-    try:
-        return load_tokenizer(resolve_model(name))
-    except Exception:  # noqa: BLE001 - not a local model: try the hub cache
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(name)
-        except Exception:  # noqa: BLE001
-            return None
 
 
 async def run_load(requests: list[BenchRequest], args: argparse.Namespace,
@@ -156,96 +75,6 @@ def _progress(total: int, disable: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, disable=disable, desc="requests", unit="req")
-
-
-def _token_counts(req: BenchRequest, res: RequestResult, tokenizer_factory) -> tuple[int, int]:
-    """(prompt tokens, output tokens): the server's usage, else the tokenizer, else the
-    dataset's prompt length and the number of token chunks."""
-    prompt, output = res.prompt_tokens, res.completion_tokens
-    if output is None or prompt is None:
-        tok = tokenizer_factory()
-        if output is None:
-            output = (len(tok.encode(res.text, add_special_tokens=False)) if tok is not None
-                      else len(res.token_times))
-        if prompt is None:
-            prompt = req.prompt_len
-            if tok is not None and isinstance(req.prompt, str):
-                prompt = len(tok.encode(req.prompt))
-    return prompt, output
-
-
-def aggregate(requests: list[BenchRequest], results: list[RequestResult], duration: float,
-              slos: dict[str, float], tokenizer_factory) -> dict[str, Any]:
-    """The benchmark summary (flat keys as in vLLM's serving benchmark; latencies in ms,
-    throughputs per second) plus per-request lists."""
-    timings, in_lens, out_lens, usage_ok, errors = [], [], [], 0, []
-    for req, res in zip(requests, results):
-        if not res.success:
-            errors.append(res.error)
-            continue
-        prompt_len, out_len = _token_counts(req, res, tokenizer_factory)
-        usage_ok += res.completion_tokens is not None
-        in_lens.append(prompt_len)
-        out_lens.append(out_len)
-        timings.append(metrics.request_timing(res.start, res.token_times, res.end, out_len))
-    out = {"duration": duration, "completed": len(timings), "failed": len(errors),
-           "failed_by_kind": error_kinds(errors), "usage_from_server": usage_ok, "total_input_tokens": sum(in_lens),
-           "total_output_tokens": sum(out_lens),
-           "request_throughput": len(timings) / duration,
-           "output_throughput": sum(out_lens) / duration,
-           "total_token_throughput": (sum(in_lens) + sum(out_lens)) / duration}
-    series = {"ttft": [t.ttft for t in timings], "e2e": [t.e2e for t in timings],
-              "tpot": [t.tpot for t in timings if t.tpot is not None],
-              "itl": [gap for t in timings for gap in t.itls]}
-    for name, values in series.items():
-        for stat, value in metrics.summarize(values, scale=1e3).items():
-            out[f"{stat}_{name}_ms"] = value
-    if slos:
-        out["goodput_slos_ms"] = {k: v * 1e3 for k, v in slos.items()}
-        out["good_requests"], out["request_goodput"] = metrics.goodput(timings, slos, duration)
-    out.update(input_lens=in_lens, output_lens=out_lens, ttfts=series["ttft"],
-               itls=[list(t.itls) for t in timings], errors=errors[:MAX_ERRORS_KEPT])
-    return out
-
-
-def error_kinds(errors: list[str]) -> dict[str, int]:
-    """Failures counted by kind: the text before the first colon of each error
-    (``HTTP 503``, ``TimeoutError``, ``error event in stream``, ...)."""
-    kinds: dict[str, int] = {}
-    for error in errors:
-        kind = error.split(":", 1)[0]
-        kinds[kind] = kinds.get(kind, 0) + 1
-    return kinds
-
-
-def print_summary(r: dict[str, Any]) -> None:
-    """The human-readable table of one run."""
-    rows = [("Request rate (req/s)", r["request_rate"]),
-            ("Successful requests", r["completed"]), ("Failed requests", r["failed"]),
-            ("Benchmark duration (s)", r["duration"]),
-            ("Total input tokens", r["total_input_tokens"]),
-            ("Total generated tokens", r["total_output_tokens"]),
-            ("Request throughput (req/s)", r["request_throughput"]),
-            ("Output token throughput (tok/s)", r["output_throughput"]),
-            ("Total token throughput (tok/s)", r["total_token_throughput"])]
-    if "request_goodput" in r:
-        rows.append(("Request goodput (req/s)", r["request_goodput"]))
-    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
-        rows += [(f"{stat.capitalize()} {title} (ms)", r[f"{stat}_{name}_ms"])
-                 for stat in ("mean", "median", "p90", "p99")]
-    print(f"{' ' + r['label'] + ' ':=^52}")
-    for name, value in rows:
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"{name:<40}{shown:>12}")
-    _print_errors(r)
-
-
-def _print_errors(r: dict[str, Any]) -> None:
-    if not r["failed"]:
-        return
-    print(f"{r['failed']} request(s) failed; distinct errors:")
-    for err in dict.fromkeys(r["errors"]):
-        print(f"  {err}")
 
 
 async def probe(requests: list[BenchRequest], args: argparse.Namespace) -> None:
@@ -291,68 +120,6 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
     return {**settings, **summary}
 
 
-def parse_rates(spec: str) -> list[float]:
-    """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for anything but positive numbers
-    or inf."""
-    try:
-        rates = [float(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        rates = []
-    if not rates or any(not r > 0 for r in rates):  # NaN fails r > 0
-        raise ValueError(f"bad --sweep-rates {spec!r}: give positive numbers or inf, "
-                         f"comma-separated")
-    return rates
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
-    require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
-                     input_len=args.input_len if args.dataset in ("random", "random-image")
-                     else None,
-                     max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-                     request_timeout=args.request_timeout)
-    if args.dataset == "random-image":
-        _check_image_args(args)
-    if not is_finite_positive(args.burstiness):
-        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
-    if args.extra_body is not None:
-        try:
-            extra = json.loads(args.extra_body)
-        except ValueError as e:
-            raise ValueError(f"--extra-body is not valid JSON: {e}") from e
-        if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
-    if args.sweep_rates:
-        parse_rates(args.sweep_rates)
-    for path in args.compare or []:
-        _load_compare(path)
-    ensure_parent_dir(args.result_json, "--result-json")
-    ensure_parent_dir(args.plot, "--plot")
-
-
-def _check_image_args(args: argparse.Namespace) -> None:
-    """Raises ValueError naming the flag for a bad random-image workload."""
-    parse_image_size(args.image_size)
-    if not 0.0 <= args.image_fraction <= 1.0:
-        raise ValueError(f"--image-fraction must be in [0, 1], got {args.image_fraction}")
-    if args.num_unique_images < 0:
-        raise ValueError(f"--num-unique-images must be >= 0, got {args.num_unique_images}")
-    if args.endpoint != "chat":
-        raise ValueError("--dataset random-image sends images in chat messages: use "
-                         "--endpoint chat")
-
-
-def _load_compare(path: str) -> tuple[str, list[dict[str, Any]]]:
-    from kvflow.bench.plot import load_sweep
-
-    try:
-        return load_sweep(path)
-    except OSError as e:
-        raise ValueError(f"--compare {path}: cannot read it ({e.strerror})") from e
-    except ValueError as e:
-        raise ValueError(f"--compare {path}: not a kvflow bench serve result ({e})") from e
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("OPENAI_API_KEY")
@@ -380,27 +147,15 @@ def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None
     if args.result_json:
         doc = runs[0] if not args.sweep_rates else {"label": runs[0]["label"], "sweep": runs}
         with open(args.result_json, "w") as f:
-            json.dump(_finite(doc), f, indent=1, allow_nan=False)
+            json.dump(finite(doc), f, indent=1, allow_nan=False)
         print(f"results written to {args.result_json}")
     if args.sweep_rates or args.compare:
         from kvflow.bench.plot import plot_sweeps
 
         path = args.plot or os.path.splitext(args.result_json or "sweep")[0] + ".png"
-        others = [_load_compare(p) for p in args.compare or []]
+        others = [load_compare(p) for p in args.compare or []]
         plot_sweeps([(runs[0]["label"], runs), *others], path)
         print(f"plot written to {path}")
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN: a statistic
-    of no values, e.g. the TPOT of one-token outputs, is written as null)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

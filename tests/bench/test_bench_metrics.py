@@ -73,7 +73,7 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 
 def test_failures_counted_by_kind():
-    from kvflow.bench.serve import error_kinds
+    from kvflow.bench.serve_summary import error_kinds
 
     errors = ['HTTP 503: {"error": {}}', "HTTP 503: x", "TimeoutError: no complete response",
               'error event in stream: {"code": "engine_dead"}', "HTTP 400: bad"]

@@ -1,0 +1,78 @@
+"""The flag checks of ``kvflow bench serve``: every bad flag is refused, naming it, before
+anything is loaded or sent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvflow.bench.checks import ensure_parent_dir, is_finite_positive, require_positive
+from kvflow.bench.datasets import parse_image_size
+
+
+def parse_rates(spec: str) -> list[float]:
+    """``"1,2,inf"`` -> [1.0, 2.0, inf]. Raises ValueError for anything but positive numbers
+    or inf."""
+    try:
+        rates = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):  # NaN fails r > 0
+        raise ValueError(f"bad --sweep-rates {spec!r}: give positive numbers or inf, "
+                         f"comma-separated")
+    return rates
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
+    require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
+                     input_len=args.input_len if args.dataset in ("random", "random-image")
+                     else None,
+                     max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                     request_timeout=args.request_timeout)
+    if args.dataset == "random-image":
+        _check_image_args(args)
+    if not is_finite_positive(args.burstiness):
+        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
+    if args.extra_body is not None:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as e:
+            raise ValueError(f"--extra-body is not valid JSON: {e}") from e
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
+    if args.sweep_rates:
+        parse_rates(args.sweep_rates)
+    for path in args.compare or []:
+        load_compare(path)
+    ensure_parent_dir(args.result_json, "--result-json")
+    ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_image_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a bad random-image workload."""
+    parse_image_size(args.image_size)
+    if not 0.0 <= args.image_fraction <= 1.0:
+        raise ValueError(f"--image-fraction must be in [0, 1], got {args.image_fraction}")
+    if args.num_unique_images < 0:
+        raise ValueError(f"--num-unique-images must be >= 0, got {args.num_unique_images}")
+    if args.endpoint != "chat":
+        raise ValueError("--dataset random-image sends images in chat messages: use "
+                         "--endpoint chat")
+
+
+def load_compare(path: str) -> tuple[str, list[dict[str, Any]]]:
+    """The label and runs of another server's sweep result (``--compare``).
+
+    Raises:
+        ValueError: naming the flag and the file if it cannot be read or is not a sweep.
+    """
+    from kvflow.bench.plot import load_sweep
+
+    try:
+        return load_sweep(path)
+    except OSError as e:
+        raise ValueError(f"--compare {path}: cannot read it ({e.strerror})") from e
+    except ValueError as e:
+        raise ValueError(f"--compare {path}: not a kvflow bench serve result ({e})") from e

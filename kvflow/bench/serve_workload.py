@@ -1,0 +1,90 @@
+"""The workload of ``kvflow bench serve``: its requests from ``--dataset`` and the tokenizer
+that counts tokens when a server sends no usage."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvflow.bench.datasets import (
+    BenchRequest,
+    load_jsonl,
+    parse_image_size,
+    parse_length_dist,
+    random_image_requests,
+    random_requests,
+    synthetic_chat_requests,
+)
+
+
+def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
+    """The workload of ``args.dataset``. Random prompts are token ids for the completions
+    endpoint and the tokenizer's decoding of them for chat.
+
+    Raises:
+        ValueError: for random prompts on the chat endpoint without a tokenizer, a JSONL
+            dataset with chat messages on the completions endpoint, a dataset file that cannot
+            be read or has a bad line, or a bad length distribution.
+    """
+    if args.dataset == "random":
+        vocab = args.random_vocab_size
+        if vocab is None:
+            tok = tokenizer_factory()
+            vocab = len(tok) if tok is not None else 32000
+        reqs = random_requests(args.num_prompts, args.input_len, args.output_len,
+                               vocab_size=vocab, seed=args.seed)
+        if args.endpoint == "chat":
+            tok = tokenizer_factory()
+            if tok is None:
+                raise ValueError("--dataset random with --endpoint chat needs a tokenizer "
+                                 "(--tokenizer)")
+            reqs = [BenchRequest(tok.decode(r.prompt), r.prompt_len, r.output_len)
+                    for r in reqs]
+        return reqs
+    if args.dataset == "random-image":
+        if args.endpoint != "chat":
+            raise ValueError("--dataset random-image sends images in chat messages: use "
+                             "--endpoint chat")
+        return random_image_requests(
+            args.num_prompts, args.input_len, args.output_len,
+            parse_image_size(args.image_size), args.image_fraction, args.num_unique_images,
+            seed=args.seed)
+    if args.dataset == "synthetic-chat":
+        return synthetic_chat_requests(
+            args.num_prompts, args.num_system_prompts, parse_length_dist(args.system_len),
+            parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
+            seed=args.seed)
+    reqs = load_jsonl(args.dataset, args.output_len)
+    if args.num_prompts < len(reqs):
+        reqs = reqs[:args.num_prompts]
+    if args.endpoint == "completions" and any(r.messages for r in reqs):
+        raise ValueError(f"{args.dataset} has chat messages: use --endpoint chat")
+    return reqs
+
+
+def make_tokenizer_factory(name: str | None):
+    """A memoizing zero-argument callable returning the tokenizer of ``name`` (a packaged model,
+    HF folder, GGUF file or hub id), or None when it cannot be loaded."""
+    cache: dict[str, Any] = {}
+
+    def get() -> Any:
+        if "tok" not in cache:
+            cache["tok"] = _load_tokenizer(name) if name else None
+        return cache["tok"]
+
+    return get
+
+
+def _load_tokenizer(name: str) -> Any:
+    from kvflow.models.loader import load_tokenizer
+    from kvflow.models.model_resolver import resolve_model
+
+    try:
+        return load_tokenizer(resolve_model(name))
+    except Exception:  # noqa: BLE001 - not a local model: try the hub cache
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name)
+        except Exception:  # noqa: BLE001
+            return None
