@@ -85,8 +85,8 @@ def test_bad_options_rejected(tok, kwargs, param):
 def test_no_chat_template_http_message(tiny_tokenizer):
     """Over HTTP the error speaks of request fields and endpoints, not of Python calls."""
     from kvflow.config import ServerConfig
+    from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_base import OpenAIError
     from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
     from kvflow.input_processor import InputProcessor
 

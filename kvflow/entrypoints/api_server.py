@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,7 +39,6 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from kvflow.entrypoints.serving_base import OpenAIError, engine_dead
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding

@@ -1,61 +1,35 @@
-"""What the OpenAI endpoints share: errors, checks (model name, overload, context length),
-SamplingParams from a request, and the streaming plumbing (SSE response, stream merging)."""
+"""What the OpenAI endpoints share: checks (model name, overload, context length),
+SamplingParams from a request, queueing and answering (a whole body or an SSE stream). The
+errors live in ``openai_errors``, the streaming plumbing in ``streaming``."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
-from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse, RequestBody, SamplingRequest
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
+from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
+from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
-from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 # Logprobs of masked tokens are -inf, which JSON cannot carry; clamp them as vLLM does.
 MIN_LOGPROB = -9999.0
-
-
-class OpenAIError(Exception):
-    """An error answered with an OpenAI error body.
-
-    Args:
-        message: human-readable explanation.
-        status: HTTP status code.
-        type: OpenAI error type (``invalid_request_error``, ...).
-        param: the request field at fault, if any.
-        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
-        headers: extra response headers (``Retry-After`` for 503).
-    """
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
 
 
 # Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
@@ -64,19 +38,6 @@ _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens"
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "target_ttft_ms",
                     "target_tpot_ms")
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
-
-
-def invalid_request(error: ValueError) -> OpenAIError:
-    """A 400 for a ValueError from the engine's validation (param taken from the message)."""
-    match = _PARAM_RE.search(str(error))
-    return OpenAIError(str(error), param=match.group(1) if match else None)
-
-
-def engine_dead(error: BaseException) -> OpenAIError:
-    return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
-                       code="engine_dead")
-
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -374,86 +335,3 @@ class OpenAIServing:
             if hasattr(chunks, "aclose"):
                 await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
         yield SSE_DONE
-
-
-async def merge_streams(streams: Sequence[RequestStream]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield ``(stream index, delta output)`` from several streams as outputs arrive.
-
-    Raises:
-        EngineDeadError: if the engine dies meanwhile.
-    """
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def run_unless_disconnected(raw: Request, work: Awaitable[T],
-                                  on_disconnect: Callable[[], None]) -> T | None:
-    """Await ``work`` but cancel it (and call ``on_disconnect``) if the client goes away
-    first; returns None then."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    on_disconnect()
-    return None
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events whose body iterator is always closed when the response ends or the
-    client disconnects, so its ``finally`` (which aborts the requests) runs at once."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = sse("[DONE]")

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
+from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -29,14 +30,8 @@ from kvflow.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import (
-    MIN_LOGPROB,
-    OpenAIError,
-    OpenAIServing,
-    SSEResponse,
-    merge_streams,
-    random_id,
-)
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
+from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
     tool_choice_mode,

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
+from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -18,14 +19,8 @@ from kvflow.entrypoints.protocol import (
     PromptLogprob,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import (
-    MIN_LOGPROB,
-    OpenAIError,
-    OpenAIServing,
-    SSEResponse,
-    merge_streams,
-    random_id,
-)
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
+from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams

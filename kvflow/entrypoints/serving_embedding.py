@@ -11,13 +11,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from kvflow.entrypoints.serving_base import OpenAIError, OpenAIServing, random_id
+from kvflow.entrypoints.serving_base import OpenAIServing, random_id
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]

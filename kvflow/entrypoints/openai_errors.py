@@ -1,0 +1,47 @@
+"""The OpenAI error body as an exception (``OpenAIError``), and the errors the handlers share:
+a 400 from the engine's validation, a 503 when the engine is gone."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI error body.
+
+    Args:
+        message: human-readable explanation.
+        status: HTTP status code.
+        type: OpenAI error type (``invalid_request_error``, ...).
+        param: the request field at fault, if any.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        headers: extra response headers (``Retry-After`` for 503).
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=str(self), type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def invalid_request(error: ValueError) -> OpenAIError:
+    """A 400 for a ValueError from the engine's validation (param taken from the message)."""
+    match = _PARAM_RE.search(str(error))
+    return OpenAIError(str(error), param=match.group(1) if match else None)
+
+
+def engine_dead(error: BaseException) -> OpenAIError:
+    return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
+                       code="engine_dead")
