@@ -32,7 +32,11 @@ or not. ``--prompt "..."`` replaces the workload with one plain prompt. ``--batc
 sends N such requests at once (the edit asks for a different new name in each; the completion
 prompts get a distinct first line, ``# example i``) and the figure becomes output tokens per
 second of the whole batch (wall time of the generate call): the check that adaptive lengths
-stop speculating where verification costs more than it saves. The last line is ``ratio=X``.
+stop speculating where verification costs more than it saves. ``--spec-off-too`` adds a third
+engine, the speculating one with its cost model told never to draft (``min_gain`` infinite):
+what a speculating engine costs when speculation is off (its proposer and cost model still run
+every step, its KV pool still holds the draft's K/V). Each round line counts the preemptions.
+The last line is ``ratio=X``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -84,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=1, help="requests sent at once")
     p.add_argument("--extra", default="{}", help="JSON object of extra LLM(...) options")
+    p.add_argument("--spec-off-too", action="store_true",
+                   help="a third engine: the speculating one with its cost model told never "
+                        "to draft (what speculation costs when it is off)")
     return p.parse_args(argv)
 
 
@@ -135,7 +143,8 @@ def spec_report(llm: LLM) -> str:
     position, and the cost model's measured step times (target: seconds per step by tokens in
     the step; draft: seconds per pass by requests in the pass)."""
     sp = llm.engine.core.speculator
-    lines = [(f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} "
+    lines = [(f"draft cost seed (draft / target weight bytes)={sp.draft_cost_ratio:.3f} "
+              f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} "
              f"accepted={sp.num_accepted_tokens} accepted_per_position="
              f"{sp.num_accepted_per_pos}")]
     for name, times in (("target", sp.target_times), ("draft", sp.draft_times)):
@@ -161,8 +170,10 @@ def machine() -> str:
 
 def build(args: argparse.Namespace, name: str, prompts: list[str] | None) -> LLM:
     """The ``plain`` or ``spec`` engine, warmed up on the first prompt (8 tokens)."""
-    spec = args.speculative_config if name == "spec" else None
+    spec = args.speculative_config if name != "plain" else None
     llm = LLM(model=args.model, speculative_config=spec, **json.loads(args.extra))
+    if name == "spec_off":  # the engine runs its proposer and cost model, which say no
+        llm.engine.core.speculator.min_gain = math.inf
     one_run(llm, (prompts or build_prompts(args, llm))[:1], 8)
     return llm
 
@@ -170,21 +181,23 @@ def build(args: argparse.Namespace, name: str, prompts: list[str] | None) -> LLM
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sequential = args.workload == "completion" and args.batch == 1
+    names = ["plain", "spec"] + (["spec_off"] if args.spec_off_too else [])
     engines: dict[str, LLM] = {}
     if not args.one_engine_at_a_time:
-        engines = {name: build(args, name, None) for name in ("plain", "spec")}
+        engines = {name: build(args, name, None) for name in names}
     prompts: list[str] | None = build_prompts(args, engines["plain"]) if engines else None
     print(f"start: {machine()}")
-    rates: dict[str, list[float]] = {"plain": [], "spec": []}
-    texts: dict[str, set[str]] = {"plain": set(), "spec": set()}
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    texts: dict[str, set[str]] = {name: set() for name in names}
     counts, report = {}, ""
     for r in range(args.rounds):
-        order = ["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]
-        for name in order:
+        for name in names if r % 2 == 0 else names[::-1]:
             llm = engines.get(name) or build(args, name, prompts)
             prompts = prompts or build_prompts(args, llm)
             started = time.perf_counter()
+            preempted = llm.engine.core.scheduler.num_preemptions
             rate, text, c = one_run(llm, prompts, args.max_tokens, sequential)
+            c["preemptions"] = llm.engine.core.scheduler.num_preemptions - preempted
             rates[name].append(rate)
             texts[name].add(text)
             counts[name] = c
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             if name not in engines:
                 del llm
                 gc.collect()
-    same = texts["plain"] == texts["spec"] and len(texts["plain"]) == 1
+    same = all(texts[name] == texts["plain"] for name in names) and len(texts["plain"]) == 1
     c = counts["spec"]
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"end: {machine()}")
@@ -203,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model={args.model} speculative_config={args.speculative_config} "
           f"batch={args.batch} output_tokens={c['tokens']} identical_greedy_text={same}")
     if not same:
-        for name in ("plain", "spec"):
+        for name in names:
             print(f"{name} texts: {[t.split(chr(0)) for t in texts[name]]}")
     print(f"acceptance_rate={c['accepted'] / max(c['draft_tokens'], 1):.3f} "
           f"mean_acceptance_length={1 + c['accepted'] / max(c['drafts'], 1):.2f}")
     print(f"plain_median={med['plain']:.2f} tok/s spec_median={med['spec']:.2f} tok/s")
+    if "spec_off" in med:
+        print(f"spec_off_median={med['spec_off']:.2f} tok/s "
+              f"spec_off_ratio={med['spec_off'] / med['plain']:.3f}")
     print(f"ratio={med['spec'] / med['plain']:.3f}")
     return 0 if same else 1
 

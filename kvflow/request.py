@@ -35,13 +35,18 @@ class SpecDecodeCounts:
         num_rejections: steps in which a draft token was rejected (the rest of that step's
             drafts are then not examined): accepted / (accepted + rejections) estimates the
             per-token acceptance probability.
+        draft_synced_tokens: the request's computed tokens at its last verification step:
+            about where a draft model's K/V of it ends (the cost model charges the draft's
+            catch-up from there; 0 before it first drafts).
     """
 
-    __slots__ = ("num_accepted_tokens", "num_draft_tokens", "num_drafts", "num_rejections")
+    __slots__ = ("draft_synced_tokens", "num_accepted_tokens", "num_draft_tokens",
+                 "num_drafts", "num_rejections")
 
     def __init__(self) -> None:
         self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens = self.num_rejections = 0
+        self.draft_synced_tokens = 0
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verification step: ``num_accepted`` of ``num_draft_tokens`` accepted."""

@@ -263,6 +263,15 @@ class EngineCore:
         num_blocks = -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs + 1
         return KVCacheConfig(num_blocks, (KVCacheGroupSpec((), spec),))
 
+    def _draft_cost_ratio(self) -> float:
+        """The draft model's weight bytes over the target's (1.0 without a draft model): the
+        speculator's cost of a draft pass relative to a target step until it measures one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model" or not getattr(self, "weight_bytes", 0):
+            return 1.0
+        draft = sum(self.executor.collective_rpc("draft_weight_bytes"))
+        return draft / self.weight_bytes if draft else 1.0
+
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
         # a pooled prompt needs every token's hidden state unless only its last one counts
@@ -272,7 +281,8 @@ class EngineCore:
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
         spec, lc = self.config.speculative_config, self.config.lora_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None if spec is None else Speculator(
+            spec, self.max_model_len, self._draft_cost_ratio())
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len, send_token_ids=pipelined,
                                    speculator=self.speculator,

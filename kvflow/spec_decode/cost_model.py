@@ -17,12 +17,23 @@ produces. Both sides are measured, not assumed:
 expected tokens per second: every (request, draft index) candidate sorted by its expected
 tokens, and the best prefix of that order (each request's gains decrease with the index, so a
 prefix is a set of per-request lengths). An empty prefix - no speculation - wins whenever
-verification would cost more than it saves.
+verification would cost more than it saves, and also whenever the best prefix beats it by less
+than ``MIN_GAIN`` (5%): near break-even the noisy measurements would otherwise turn speculation
+on and off from step to step, and each time on costs more than predicted (the draft model
+recomputes the K/V it skipped while off).
+
+A draft model's cost counts from the first step: before a draft pass is measured it is seeded
+from the draft's weight bytes over the target's (a decode step reads every weight once), never
+taken as free; a request whose draft K/V lags its context (new, or not drafted for a while)
+is charged the draft tokens its catch-up computes, spread over its remaining steps.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+# Speculate only when the predicted tokens per second beat no speculation by this fraction.
+MIN_GAIN = 0.05
 
 # Bin edges (counts): 1, 2, 3, 4, 6, 8, 12, 16, ... doubling pairs up to ~1M.
 _BINS = np.unique(np.concatenate([[1, 2, 3], (2 ** np.arange(2, 21)),
@@ -97,9 +108,36 @@ def acceptance_estimate(accepted: np.ndarray, rejections: np.ndarray,
     return (accepted + prior_weight * prior) / (accepted + rejections + prior_weight)
 
 
+def draft_pass_seconds(rows: np.ndarray, target_times: StepTimes,
+                       draft_times: StepTimes | None, seed_ratio: float) -> np.ndarray:
+    """Predicted seconds of one draft-model pass over ``rows`` requests (float64, shape of
+    ``rows``): the measured passes once there are any, before that ``seed_ratio`` (the draft's
+    weight bytes over the target's) times a target step of as many tokens; zeros without a
+    draft model (n-gram) or without any target measurement."""
+    if draft_times is None:
+        return np.zeros(np.shape(rows))
+    measured = draft_times.predict(rows)
+    if measured is not None:
+        return measured
+    target = target_times.predict(rows)
+    return np.zeros(np.shape(rows)) if target is None else seed_ratio * target
+
+
+def draft_cost_ratio(target_times: StepTimes, draft_times: StepTimes | None,
+                     seed_ratio: float) -> float:
+    """A draft token's cost over a target token's: the measured draft passes over target steps
+    of the same counts (their mean), or ``seed_ratio`` before any draft pass is measured."""
+    measured = [] if draft_times is None else np.flatnonzero(draft_times.last_seen >= 0)
+    target = target_times.predict(draft_times.counts[measured]) if len(measured) else None
+    if target is None:
+        return seed_ratio
+    return float(np.mean(draft_times.seconds[measured] / np.maximum(target, 1e-9)))
+
+
 def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_tokens: int,
-                         target_times: StepTimes, draft_times: StepTimes | None = None
-                         ) -> np.ndarray:
+                         target_times: StepTimes, draft_times: StepTimes | None = None, *,
+                         seed_ratio: float = 1.0, catch_up_tokens: np.ndarray | None = None,
+                         min_gain: float = MIN_GAIN) -> np.ndarray:
     """Draft tokens per request (int64 [R]) maximizing expected tokens per second.
 
     Args:
@@ -110,9 +148,19 @@ def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_toke
         target_times: step seconds by tokens per step (the target's forward and sampling).
         draft_times: seconds per draft-model pass by requests in the pass; None when drafts
             cost nothing measurable (n-gram).
+        seed_ratio: a draft pass's cost over a target step's of as many tokens until a draft
+            pass is measured (``draft_pass_seconds``): the draft's weight bytes over the
+            target's, so that an unmeasured draft is never taken for free.
+        catch_up_tokens: float64 [R], draft-model tokens a request's first draft this step
+            makes the draft compute beyond its steady pass (its draft K/V lags its context),
+            already spread over the steps it is expected to keep drafting; charged at
+            ``draft_cost_ratio`` times the target's marginal cost per token.
+        min_gain: speculate only when the predicted tokens per second exceed those without
+            drafts by this fraction: the measurements are noisy, and near break-even a draft
+            that pays on paper costs more than it saves in practice.
 
     Returns:
-        Zeros when speculation does not pay (or nothing is measured yet).
+        Zeros when speculation does not pay by ``min_gain`` (or nothing is measured yet).
     """
     num_reqs, k_max = len(alpha), int(available.max(initial=0))
     lengths = np.zeros(num_reqs, np.int64)
@@ -133,9 +181,16 @@ def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_toke
     if draft_times is not None:
         passes = np.maximum.accumulate(pos + 1)  # a draft model runs max(k) passes ...
         rows = np.cumsum(pos == 0)  # ... over the requests drafting
-        per_pass = draft_times.predict(rows)
-        seconds[1:] += passes * (per_pass if per_pass is not None else 0.0)
+        seconds[1:] += passes * draft_pass_seconds(rows, target_times, draft_times, seed_ratio)
+        if catch_up_tokens is not None:
+            extra = np.cumsum(np.where(pos == 0, catch_up_tokens[req], 0.0))
+            target = target_times.predict(num_base_tokens + np.concatenate([[0.0], extra]))
+            ratio = draft_cost_ratio(target_times, draft_times, seed_ratio)
+            seconds[1:] += ratio * np.maximum(target[1:] - target[0], 0.0)
     tokens = num_reqs + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
-    best = int(np.argmax(tokens / np.maximum(seconds, 1e-9)))
+    rate = tokens / np.maximum(seconds, 1e-9)
+    best = int(np.argmax(rate))
+    if rate[best] < (1.0 + min_gain) * rate[0]:
+        return lengths
     np.add.at(lengths, req[:best], 1)
     return lengths

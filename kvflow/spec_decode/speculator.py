@@ -26,6 +26,7 @@ from kvflow.request import Request
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.cost_model import (
+    MIN_GAIN,
     StepTimes,
     acceptance_estimate,
     choose_draft_lengths,
@@ -39,12 +40,17 @@ class Speculator:
     Args:
         config: the speculative-decoding config.
         max_model_len: the context limit (tokens); drafts never reach past it.
+        draft_cost_ratio: the draft model's weight bytes over the target's: the cost model's
+            estimate of a draft pass (relative to a target step) until one is measured.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft_cost_ratio: float = 1.0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.uses_draft_model = config.method == "draft_model"
+        self.draft_cost_ratio = draft_cost_ratio  # the cost model's seed before a draft pass
+        self.min_gain = MIN_GAIN  # the predicted gain speculation must clear
         self.target_times = StepTimes()
         self.draft_times = StepTimes() if self.uses_draft_model else None
         # engine-wide counters (vLLM's spec_decode_* metrics)
@@ -112,13 +118,35 @@ class Speculator:
         counts = [r.spec_counts for r in candidates]
         alpha = acceptance_estimate(np.array([c.num_accepted_tokens for c in counts], float),
                                     np.array([c.num_rejections for c in counts], float), prior)
+        catch_up = self._catch_up_tokens(candidates, alpha) if self.uses_draft_model else None
         return choose_draft_lengths(alpha, available, num_base_tokens, self.target_times,
-                                    self.draft_times)
+                                    self.draft_times, seed_ratio=self.draft_cost_ratio,
+                                    catch_up_tokens=catch_up, min_gain=self.min_gain)
+
+    def _catch_up_tokens(self, candidates: list[Request], alpha: np.ndarray) -> np.ndarray:
+        """Draft-model tokens each candidate's first draft would recompute beyond a steady
+        pass (float64 [R]): its context past the draft K/V in place (``SpecDecodeCounts.
+        draft_synced_tokens``, the computed tokens at its last verification), spread over
+        the steps it has left at the expected tokens per step of full-length drafts."""
+        k = self.config.num_speculative_tokens
+        lag = np.array([len(r.all_token_ids) - r.spec_counts.draft_synced_tokens - 2
+                        for r in candidates], np.float64)
+        left = np.array([self._tokens_left(r) for r in candidates], np.float64)
+        per_step = (1.0 - alpha ** (k + 1)) / np.maximum(1.0 - alpha, 1e-9)
+        return np.maximum(lag, 0.0) / np.maximum(left / per_step, 1.0)
+
+    def _tokens_left(self, request: Request) -> int:
+        """Tokens the request may still generate (max_tokens, else max_model_len)."""
+        params, num_tokens = request.sampling_params, len(request.all_token_ids)
+        if params.max_tokens is None:
+            return self.max_model_len - num_tokens
+        return params.max_tokens - (num_tokens - len(request.prompt_token_ids))
 
     # ---- after a step ------------------------------------------------------------------------
     def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verification: ``num_accepted`` of the request's ``num_draft_tokens``."""
         request.spec_counts.record(num_draft_tokens, num_accepted)
+        request.spec_counts.draft_synced_tokens = request.num_computed_tokens
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted

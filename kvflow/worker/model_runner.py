@@ -170,6 +170,7 @@ class ModelRunner:
                 world)
         self._init_model(source, hf_config)
         self.drafter = self._init_draft_model(hf_config)
+        self.draft_weight_bytes = weight_bytes(self.drafter.model) if self.drafter else 0
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool

@@ -13,6 +13,7 @@ import pytest
 
 from kvflow.config import SpeculativeConfig
 from kvflow.request import Request
+from kvflow.spec_decode.cost_model import StepTimes
 from kvflow.spec_decode.speculator import Speculator
 from tests.core.conftest import default_sample
 
@@ -329,3 +330,65 @@ def test_drafts_never_preempt(make_scheduler, make_driver, make_request, oracle)
         assert results[f"r{i}"].output_token_ids == oracle(prompt, max_tokens)
     assert not any(s.preempted for s in driver.steps)
     assert spec.num_draft_tokens > 0  # drafts ran where they fitted
+
+
+def _draft_model_run(make_scheduler, make_driver, make_request, spec, prompts, step_seconds,
+                     pass_seconds, max_tokens=30):
+    """Like ``_timed_run`` for a draft model: each step's drafts cost ``max(k)`` passes of
+    ``pass_seconds(requests drafting)`` on top of the target's ``step_seconds``."""
+    sched = make_scheduler()
+    sched.speculator = spec
+    driver = make_driver(sched)
+    execute, drafts_per_step = driver.execute, []
+
+    def timed_execute(sched_out):
+        out = execute(sched_out)
+        drafts = sched_out.scheduled_spec_decode_tokens
+        passes = max((len(d) for d in drafts.values()), default=0)
+        out.draft_pass_s = pass_seconds(len(drafts)) if drafts else 0.0
+        out.draft_time_s = passes * out.draft_pass_s
+        spec.observe_step(sched_out, out, step_seconds(sched_out.total_num_scheduled_tokens)
+                          + out.draft_time_s)
+        drafts_per_step.append({r: len(d) for r, d in drafts.items()})
+        return out
+
+    driver.execute = timed_execute
+    for rid, prompt in prompts.items():
+        driver.add(make_request(rid, prompt, max_tokens=max_tokens))
+    return driver.run(), drafts_per_step
+
+
+def _draft_model_speculator(k: int, draft_cost_ratio: float) -> OracleSpeculator:
+    spec = _adaptive(k)
+    spec.uses_draft_model, spec.draft_cost_ratio = True, draft_cost_ratio
+    spec.draft_times = StepTimes()
+    return spec
+
+
+def test_a_draft_model_that_cannot_pay_never_drafts(make_scheduler, make_driver,
+                                                    make_request, oracle):
+    """Self-drafting at batch 8 (a target step costs 0.5 s whatever its tokens, a draft pass
+    as much, the weight-bytes seed 1.0): k drafts cost k target steps for fewer tokens, so no
+    step drafts, not even once to measure the draft (before, an unmeasured draft counted as
+    free: the first decode steps drafted K=4 for every request)."""
+    spec = _draft_model_speculator(4, 1.0)
+    prompts = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(8)}
+    results, drafts = _draft_model_run(make_scheduler, make_driver, make_request, spec,
+                                       prompts, lambda tokens: 0.5, lambda rows: 0.5)
+    for rid, prompt in prompts.items():
+        assert results[rid].output_token_ids == oracle(prompt, 30)
+    assert not any(drafts) and spec.num_draft_tokens == 0
+
+
+def test_a_cheap_draft_model_drafts(make_scheduler, make_driver, make_request, oracle):
+    """The same batch on a memory-bound target (0.5 s a step whatever its tokens) with a
+    draft pass at 0.1 s (seeded 0.2 from its weight bytes): drafts pay, and are taken from
+    the first measured decode step on."""
+    spec = _draft_model_speculator(4, 0.2)
+    prompts = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(8)}
+    results, drafts = _draft_model_run(make_scheduler, make_driver, make_request, spec,
+                                       prompts, lambda tokens: 0.5, lambda rows: 0.1)
+    for rid, prompt in prompts.items():
+        assert results[rid].output_token_ids == oracle(prompt, 30)
+    assert not drafts[1] and all(drafts[2:4])
+    assert len(drafts) < 30 // 2

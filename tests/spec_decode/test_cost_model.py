@@ -81,3 +81,34 @@ def test_draft_model_passes_are_charged():
     draft = times({1: 0.3})
     got = choose_draft_lengths(np.array([0.5]), np.array([4]), 1, flat, draft)
     assert got.tolist() == [1]
+
+
+def test_no_speculation_below_the_margin():
+    """Flat target cost 1 s, a measured draft pass 0.45 s, alpha 0.5: k=1 gives 1.5 tokens in
+    1.45 s (1.034x the plain 1 token/s), k=2 1.75 / 1.9 (0.92x). A 3.4% predicted gain is
+    inside the 5% margin: no drafts; with no margin, k=1."""
+    flat, draft = times({1: 1.0, 8: 1.0}), times({1: 0.45})
+    args = (np.array([0.5]), np.array([4]), 1, flat, draft)
+    assert choose_draft_lengths(*args).tolist() == [0]
+    assert choose_draft_lengths(*args, min_gain=0.0).tolist() == [1]
+
+
+def test_an_unmeasured_draft_model_is_seeded_from_its_weight_bytes():
+    """No draft pass measured yet: a pass costs seed_ratio x a target step of as many tokens
+    (flat 1 s here), never nothing. Alpha 0.5: at ratio 0.32, k=1 gives 1.5 / 1.32 = 1.14x,
+    k=2 1.75 / 1.64 = 1.07x: k=1. At ratio 1 (self-drafting) k=1 gives 1.5 / 2: none."""
+    flat = times({1: 1.0, 8: 1.0})
+    args = (np.array([0.5]), np.array([4]), 1, flat, StepTimes())
+    assert choose_draft_lengths(*args, seed_ratio=0.32).tolist() == [1]
+    assert choose_draft_lengths(*args, seed_ratio=1.0).tolist() == [0]
+
+
+def test_a_lagging_draft_cache_is_charged_its_catch_up():
+    """Target: 1 s for 1..8 tokens, 5 s for 512, +4/504 s per token beyond; a measured draft
+    pass 0.2 s at one request (ratio 0.2 of a target step). Alpha 0.8, no catch-up: k=4
+    gives 3.36 tokens in 1.8 s. With 1000 draft tokens to catch up first, they cost 0.2 x
+    (target(1001) - target(1)) = 0.2 x 7.88 = 1.58 s: 3.36 / 3.38 s, below 1 token/s."""
+    target, draft = times({1: 1.0, 8: 1.0, 512: 5.0}), times({1: 0.2})
+    args = (np.array([0.8]), np.array([4]), 1, target, draft)
+    assert choose_draft_lengths(*args, catch_up_tokens=np.array([0.0])).tolist() == [4]
+    assert choose_draft_lengths(*args, catch_up_tokens=np.array([1000.0])).tolist() == [0]
