@@ -43,6 +43,7 @@ from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
+from kvflow.entrypoints.unknown_fields import UnknownFieldLog
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -142,9 +143,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.state.startup_error = None
     app.state.model_name = model_name
     app.state.models = models = ServingModels(engine, model_name)
-    app.state.completion = OpenAIServingCompletion(engine, config, model_name, models)
-    app.state.chat = OpenAIServingChat(engine, config, model_name, models)
-    app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models)
+    app.state.unknown_fields = unknown = UnknownFieldLog()  # each name logged once, server-wide
+    app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
+    app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown)
+    app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
@@ -243,6 +245,7 @@ def _add_lora_routes(app: FastAPI) -> None:
             OpenAIError: 400 for a name in use or an adapter the engine refuses (rank above
                 --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora).
         """
+        raw.app.state.unknown_fields.note(req, "/v1/load_lora_adapter")
         try:
             await raw.app.state.models.load(req.lora_name, req.lora_path)
         except EngineDeadError as e:
@@ -260,6 +263,7 @@ def _add_lora_routes(app: FastAPI) -> None:
         Raises:
             OpenAIError: 404 when no adapter of that name is loaded.
         """
+        raw.app.state.unknown_fields.note(req, "/v1/unload_lora_adapter")
         try:
             await raw.app.state.models.unload(req.lora_name)
         except EngineDeadError as e:
@@ -296,6 +300,7 @@ def _add_other_routes(app: FastAPI) -> None:
                 the messages, or for an image that cannot be used (a vision-language model's
                 image placeholders are expanded, so ``count`` is what generation would use).
         """
+        raw.app.state.unknown_fields.note(req, "/tokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -318,6 +323,7 @@ def _add_other_routes(app: FastAPI) -> None:
             OpenAIError: 404 if ``model`` names another model; 400 for a token id outside
                 ``[0, vocab_size)``.
         """
+        raw.app.state.unknown_fields.note(req, "/detokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
         vocab = chat.engine.vocab_size

@@ -37,9 +37,14 @@ _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
 def invalid_request(error: ValueError) -> OpenAIError:
-    """A 400 for a ValueError from the engine's validation (param taken from the message)."""
+    """A 400 for a ValueError from the engine's validation. When the message names a
+    ``SamplingParams.<field>`` (the request field of that name), the field is the error's
+    ``param``, its code ``invalid_value``, and the message names the field alone."""
     match = _PARAM_RE.search(str(error))
-    return OpenAIError(str(error), param=match.group(1) if match else None)
+    if match is None:
+        return OpenAIError(str(error))
+    return OpenAIError(_PARAM_RE.sub(r"\1", str(error)), param=match.group(1),
+                       code="invalid_value")
 
 
 def engine_dead(error: BaseException) -> OpenAIError:

@@ -21,6 +21,7 @@ from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequ
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
+from kvflow.entrypoints.unknown_fields import UnknownFieldLog
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
@@ -52,22 +53,22 @@ class OpenAIServing:
         model_name: the name clients must send in ``model`` for the base model.
         models: the served names (base model and LoRA adapters), shared by the handlers
             (default: the base model alone).
+        unknown_fields: the server's log of unknown body fields, shared by every endpoint
+            so that each name is logged once (default: one of this handler's own).
     """
 
     def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
-                 models: ServingModels | None = None) -> None:
+                 models: ServingModels | None = None,
+                 unknown_fields: UnknownFieldLog | None = None) -> None:
         self.engine, self.config, self.model_name = engine, config, model_name
         self.models = models or ServingModels(engine, model_name)
-        self._logged_unknown: set[str] = set()  # unknown field names already logged
+        self.unknown_fields = unknown_fields or UnknownFieldLog()
 
-    def note_request(self, req: RequestBody, request_id: str) -> None:
-        """Log, once per field name and handler, body fields kvflow does not know (they are
-        ignored, as in vLLM); log the request's ``user`` when it names one."""
-        new = [f for f in req.unknown_fields if f not in self._logged_unknown]
-        if new:
-            self._logged_unknown.update(new)
-            logger.warning("ignoring request fields kvflow does not know: %s (logged once "
-                           "per field)", ", ".join(new))
+    def note_request(self, req: RequestBody, request_id: str, endpoint: str) -> None:
+        """Log the body fields kvflow does not know (ignored, as in vLLM; each name once for
+        the whole server: ``unknown_fields``); log the request's ``user`` when it names
+        one."""
+        self.unknown_fields.note(req, endpoint)
         user = getattr(req, "user", None)
         if user:
             logger.info("request %s: user %r", request_id, user)
@@ -153,6 +154,20 @@ class OpenAIServing:
                 f"{len(token_ids)} prompt tokens and asks for {max_tokens} more "
                 f"({len(token_ids) + max_tokens} in total)", param="max_tokens",
                 code="context_length_exceeded")
+
+    @staticmethod
+    def check_max_tokens(max_tokens: int, param: str) -> None:
+        """Refuse a request for fewer than one generated token; ``param`` names the field
+        the request set (``max_tokens`` or chat's ``max_completion_tokens``).
+
+        Raises:
+            OpenAIError: 400 naming ``param``, code ``integer_below_min_value`` (the OpenAI
+                API's), if ``max_tokens`` is below 1.
+        """
+        if max_tokens < 1:
+            raise OpenAIError(f"{param}={max_tokens} is invalid: it must be >= 1 (the most "
+                              "tokens to generate)", param=param,
+                              code="integer_below_min_value")
 
     def check_n(self, n: int) -> None:
         """Refuse more samples per request than the server allows.

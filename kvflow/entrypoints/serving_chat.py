@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
         request_id = random_id("chatcmpl")
-        self.note_request(req, request_id)
+        self.note_request(req, request_id, "/v1/chat/completions")
         streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
                                           prompt.mm_features, self.client_id(req, raw),
                                           lora_request=lora)
@@ -173,10 +173,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def _params(self, req: ChatCompletionRequest, ids: list[int],
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+        field = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = getattr(req, field)
         if max_tokens is None:  # the model's default, else as much as the context leaves
             max_tokens = self.default_max_tokens(len(ids))
+        else:
+            self.check_max_tokens(max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs, tool_grammar)
         self.check_prompt(ids, max_tokens, "messages")

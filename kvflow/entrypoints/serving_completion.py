@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
-        self.note_request(req, request_id)
+        self.note_request(req, request_id, "/v1/completions")
         streams = await self.add_requests(request_id, prompts, params, req.priority,
                                           client_id=self.client_id(req, raw),
                                           lora_request=lora)
@@ -109,6 +109,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = max(1, self.engine.max_model_len - len(ids))
         else:
             max_tokens = req.max_tokens
+            self.check_max_tokens(max_tokens, "max_tokens")
         params = self.sampling_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)

@@ -40,7 +40,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         params = PoolingParams(dimensions=req.dimensions)
         self.check_admission(len(prompts))
         request_id = random_id("embd")
-        self.note_request(req, request_id)
+        self.note_request(req, request_id, "/v1/embeddings")
         streams = await self._add(request_id, prompts, params)
         return await self.respond(raw, streams, self._response(req, request_id, prompts,
                                                                streams))

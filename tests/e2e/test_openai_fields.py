@@ -610,3 +610,37 @@ def test_unknown_fields_logged_once(server):
         ok(server, C, {"frobnicate_a1": 1, "max_tokens": 1})
     log = server.log()
     assert log.count("frobnicate_a1") == 1 and "ignoring request fields" in log
+
+
+def test_unknown_field_logged_once_across_endpoints(server):
+    """One name is logged once for the whole server, whichever endpoints it is sent to
+    (/tokenize and /detokenize too), and each new name is logged once."""
+    for path in (C, CH, TOK, DETOK, C, CH):
+        body = {"frobnicate_b2": 1, **({"max_tokens": 1} if path in (C, CH) else {})}
+        ok(server, path, body)
+    ok(server, DETOK, {"frobnicate_c3": 1})
+    log = server.log()
+    assert (log.count("frobnicate_b2"), log.count("frobnicate_c3")) == (1, 1)
+
+
+@pytest.mark.parametrize("path,field", [(C, "max_tokens"), (CH, "max_tokens"),
+                                        (CH, "max_completion_tokens")])
+def test_max_tokens_below_one_names_the_field(server, path, field):
+    """A 400 whose param is the field the request set and whose code is OpenAI's
+    ``integer_below_min_value``; the message names the field, not kvflow's classes."""
+    for value in (0, -3):
+        resp = post(server, path, {field: value})
+        error = resp.json()["error"]
+        assert resp.status_code == 400, resp.text
+        assert (error["param"], error["code"]) == (field, "integer_below_min_value")
+        assert error["message"].startswith(f"{field}={value} is invalid")
+
+
+def test_sampling_value_error_names_the_field(server):
+    """A value only SamplingParams can judge (min_tokens above max_tokens) is a 400 naming
+    the request field, with code ``invalid_value``, and no internal class name."""
+    resp = post(server, C, {"min_tokens": 5, "max_tokens": 3})
+    error = resp.json()["error"]
+    assert resp.status_code == 400, resp.text
+    assert (error["param"], error["code"]) == ("min_tokens", "invalid_value")
+    assert error["message"] == "min_tokens=5 is invalid: it must be <= max_tokens (3)"
