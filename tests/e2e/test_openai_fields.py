@@ -541,11 +541,32 @@ def test_every_field_has_a_case():
         assert set(cases) == set(model.model_fields), path
 
 
+def oracle_failure(case: Callable, server, tokenizer) -> str | None:
+    """Run one field's case: None when the server's answers matched the case's oracle (a
+    baseline request, the tokenizer, the chat template, a hand-computed value) or it refused
+    the field with the expected status naming it; else what did not match."""
+    try:
+        case(server, tokenizer)
+    except AssertionError as e:
+        return str(e) or "an assertion failed"
+    return None
+
+
+def test_oracle_failure_reports_a_mismatch():
+    """The check above can fail: a case whose answer differs from its oracle is reported."""
+    def wrong(server, tokenizer):
+        assert [1, 2] == [1, 3], "greedy ids differ"
+
+    assert "greedy ids differ" in oracle_failure(wrong, None, None)
+    assert oracle_failure(lambda server, tokenizer: None, None, None) is None
+
+
 @pytest.mark.parametrize("path,field", [(p, f) for p, (_, cases) in CASES.items()
                                         for f in cases])
 def test_field_is_used_or_rejected(request, tokenizer, path, field):
     server = request.getfixturevalue("embed_server" if path == EMB else "server")
-    CASES[path][1][field](server, tokenizer)
+    assert oracle_failure(CASES[path][1][field], server, tokenizer) is None, \
+        f"{path} {field!r}: neither honoured nor rejected"
 
 
 # ---- text checks and unknown fields ----------------------------------------------------------
