@@ -16,6 +16,7 @@ from kvflow.config.device import (
     cpu_adaptive_threads_choice,
     cpu_gemm_choice,
     cpu_gguf_choice,
+    cpu_quant_choice,
     lora_kernel_choice,
     parse_cpu_list,
 )
@@ -33,4 +34,4 @@ __all__ = ["CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS", "CacheConf
            "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "MultiModalConfig",
            "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
            "cache_dir", "cpu_adaptive_threads_choice", "cpu_gemm_choice", "cpu_gguf_choice",
-           "lora_kernel_choice", "parse_bytes", "parse_cpu_list"]
+           "cpu_quant_choice", "lora_kernel_choice", "parse_bytes", "parse_cpu_list"]

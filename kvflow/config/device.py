@@ -89,6 +89,18 @@ def cpu_gguf_choice() -> str:
     return choice
 
 
+def cpu_quant_choice() -> str:
+    """How weight-only INT8 layers (``--quantization int8``, the INT8 tables of ``int4``)
+    multiply on CPU: ``KVFLOW_CPU_QUANT`` = ``native`` (kvflow's C kernel, int8 widened in
+    registers; the default) or ``torch`` (torch's ``_weight_int8pack_mm``). Raises ValueError
+    on any other value."""
+    choice = os.environ.get("KVFLOW_CPU_QUANT", "native")
+    if choice not in ("native", "torch"):
+        raise ValueError(f"KVFLOW_CPU_QUANT={choice!r} is invalid; choose one of "
+                         f"['native', 'torch']")
+    return choice
+
+
 LORA_KERNEL_CHOICES = ("triton", "torch")
 
 
@@ -158,6 +170,7 @@ class DeviceConfig:
         cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
         cpu_adaptive_threads_choice(self.cpu_adaptive_threads)
         cpu_gguf_choice()
+        cpu_quant_choice()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto"):

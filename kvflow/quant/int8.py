@@ -6,9 +6,14 @@ the scale comes out of the dot product, and the product runs on int8 weights rea
 (4x fewer bytes than fp32, 2x fewer than bf16: decode is memory-bound, so it runs faster).
 
 Quantized on load from a float checkpoint (``--quantization int8``), or loaded pre-quantized
-(compressed-tensors int8 checkpoints, :mod:`kvflow.quant.compressed_tensors`). CPU: torch's
-``_weight_int8pack_mm`` (a well-kept ATen kernel); elsewhere the reference (int8 -> activation
-dtype, GEMM, then the scales).
+(compressed-tensors int8 checkpoints, :mod:`kvflow.quant.compressed_tensors`). CPU: kvflow's
+native kernel (:func:`kvflow.kernels.cpu_quant.int8_gemm`: int8 read as int8 and widened in
+registers, fp32 accumulation; any activation dtype and row count), or torch's
+``_weight_int8pack_mm`` with ``KVFLOW_CPU_QUANT=torch`` or where the native kernels do not
+build. torch's kernel did not turn the halved weight bytes into time (batch-1 decode of
+SmolLM2 ran 1.73x slower than bf16, docs/benchmarks.md); the native one reads the weight at
+up to the bf16 GEMM's bandwidth. Elsewhere the reference (int8 -> activation dtype, GEMM,
+then the scales).
 
 A W8A8 checkpoint (compressed-tensors ``int-quantized`` with dynamic per-token INT8 input
 activations) also quantizes each activation row: ``sx = absmax / 127.5`` (compressed-tensors'
@@ -22,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.config import cpu_quant_choice
+from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
+from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant.base import EmbeddingMethod, LinearMethod
 
 _CPU_16BIT = (torch.bfloat16, torch.float16)
@@ -54,15 +62,34 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (q * scale[:, None]).T`` in ``x.dtype``: torch's CPU
-    ``_weight_int8pack_mm`` where it takes ``x`` (16-bit activations), else the dequantized
-    weight ``q * scale`` in ``x.dtype`` and a GEMM.
+def native_int8_kernels(x: torch.Tensor) -> NativeCpuKernels | None:
+    """kvflow's native kernels for an INT8 product on ``x``: CPU float activations, the choice
+    ``native`` (:func:`kvflow.config.cpu_quant_choice`) and the kernels built; else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, *_CPU_16BIT) \
+            or cpu_quant_choice() != "native":
+        return None
+    return native_cpu_kernels()
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ (q * scale[:, None]).T (+ bias)`` in ``x.dtype``: kvflow's native
+    kernel on CPU (:func:`native_int8_kernels`; one rounding, after the bias), else torch's
+    CPU ``_weight_int8pack_mm`` where it takes ``x`` (16-bit activations), else the
+    dequantized weight ``q * scale`` in ``x.dtype`` and a GEMM.
 
     Args:
         x: [..., K] activations.
-        q: int8 [N, K]; scale: float32 [N].
+        q: int8 [N, K]; scale: float32 [N]; bias: [N] or None.
     """
+    kernels = native_int8_kernels(x)
+    if kernels is not None:
+        return int8_gemm(kernels, x, q, scale, None if bias is None else bias.float())
+    y = _int8_linear_torch(x, q, scale)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+def _int8_linear_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not _int8pack_takes(x):  # dequantized weight first, as transformers computes it
         return F.linear(x, (q.float() * scale[:, None]).to(x.dtype))
     rows = x.reshape(-1, x.shape[-1]).contiguous()
@@ -132,14 +159,13 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-        y = int8_linear(x, layer.weight, layer.weight_scale)
-        return y if bias is None else y + bias.to(x.dtype)
+        return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 class Int8EmbeddingMethod(EmbeddingMethod):
     """A vocabulary table in INT8 with one scale per token row (the same absmax rule): the
     lookup dequantizes only the rows it gathers; the LM head multiplies the int8 table
-    (``_weight_int8pack_mm`` on CPU) in fp32. Used for the tables under ``int8`` and ``int4``
+    in fp32 (kvflow's native kernel on CPU, else ``_weight_int8pack_mm``). Used for the tables under ``int8`` and ``int4``
     (the LM head is the largest GEMM of a small model; 4 bits there cost more accuracy than
     they save, which is why llama.cpp's Q4 mixes keep ``output`` at 6-8 bits)."""
 
@@ -161,11 +187,17 @@ class Int8EmbeddingMethod(EmbeddingMethod):
         return rows.to(layer.params_dtype)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [..., V]: torch's ``_weight_int8pack_mm`` on fp32 rows at decode (up to
+        """fp32 logits [..., V]: kvflow's native kernel on CPU (:func:`native_int8_kernels`;
+        16-bit hidden states are widened inside it, the logits never rounded); otherwise
+        torch's ``_weight_int8pack_mm`` on fp32 rows at decode (up to
         ``_LOGITS_INT8PACK_ROWS`` rows), else the widened table and the fp32 GEMM. Measured on
         SmolLM2's 49152 x 576 table, one thread, CPU ms: 1 row 25 vs 72 widened, 4 rows 96
-        vs 98, 16 rows 393 vs 95 (the fp32 kernel is scalar; its 16-bit one would round the
-        logits)."""
+        vs 98, 16 rows 393 vs 95 (torch's fp32 kernel is scalar; its 16-bit one would round
+        the logits); the native kernel 3.7 ms at 1 row (docs/benchmarks.md)."""
+        kernels = native_int8_kernels(hidden)
+        if kernels is not None:
+            return int8_gemm(kernels, hidden, layer.weight, layer.weight_scale,
+                             out_dtype=torch.float32)
         x = hidden.float()
         rows = x.numel() // max(1, x.shape[-1])
         if x.device.type == "cpu" and x.shape[-1] % 16 == 0 and rows <= _LOGITS_INT8PACK_ROWS:

@@ -11,7 +11,7 @@ weight loader) and the all-reduce; a :class:`FusedMoEMethod` owns how the stacke
 3. ``apply(layer, hidden, topk_weights, topk_ids)`` runs the routed experts on the grouped
    loop of :func:`kvflow.kernels.moe_ref.grouped_experts` (one call per expert that got
    tokens), each expert's two GEMMs through the scheme's own product: INT8 through
-   :func:`kvflow.quant.int8.int8_linear` (torch's ``_weight_int8pack_mm`` on CPU), FP8 through
+   :func:`kvflow.quant.int8.int8_linear` (kvflow's native INT8 kernel on CPU), FP8 through
    :func:`kvflow.quant.fp8.fp8_linear` (``torch._scaled_mm`` on CUDA, the dequantized
    reference elsewhere).
 

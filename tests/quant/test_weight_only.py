@@ -148,7 +148,7 @@ def test_engine_matches_hf_on_dequantized_weights(tiny_model_factory, quantizati
     assert runner.weight_bytes < unquantized.engine.core.executor.runner.weight_bytes
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])  # 1-2: torch's int8pack kernel; 5: widened table
+@pytest.mark.parametrize("rows", [1, 2, 5])  # native kernel (KVFLOW_CPU_QUANT=torch: int8pack, widened)
 def test_int8_lm_head_logits_in_fp32(rows):
     """The INT8 vocabulary table's logits equal hidden @ (q * s).T in fp32 (a plain torch
     reference on the table rounded by the rule written out here), whichever path runs."""

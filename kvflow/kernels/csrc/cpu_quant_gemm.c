@@ -1,0 +1,211 @@
+/*
+ * Weight-only INT8 GEMM for few activation rows (decode): y[i, j] = scale[j] * (x[i, :] .
+ * q[j, :]) + bias[j], with q the int8 weight [n, k] in its plain row-major layout (the one
+ * torch's _weight_int8pack_mm and the INT8 embedding lookup read, so no second copy is kept)
+ * and scale the per-output-channel fp32 scale (kvflow/quant/int8.py's absmax rule).
+ *
+ * At batch 1 a linear layer is bound by reading its weight: int8 is half of bf16's bytes, so a
+ * GEMV that keeps up with memory runs up to twice as fast. Each weight vector is loaded as
+ * int8, widened to fp32 in registers (sign extension + int->float conversion: exact) and
+ * multiplied with fp32 activations by FMA; nothing wider than int8 is ever stored. R output
+ * rows are multiplied at once against MB activation rows (R x MB accumulators held in
+ * registers, R chosen per MB so enough independent FMA chains hide the FMA latency), so each
+ * widened weight vector serves MB activation rows; larger MB re-reads the R weight rows from
+ * L1 for each block of MB rows.
+ *
+ * Summation order: every output element has VW fp32 partial sums (lane l takes k = l mod VW),
+ * reduced by a fixed tree, then a scalar tail (k mod VW), then the scale and bias. The order
+ * depends only on k and the build's vector width, never on m, on which rows share a
+ * micro-kernel or on the thread count: a row's result is bitwise the same whatever else is in
+ * the batch (batch invariance).
+ *
+ * Vector code is written with GCC/Clang vector extensions, so the same source is each ISA
+ * level's kernel (cpu_build.py): VW = 16 (one zmm) in AVX512 builds, 8 (one ymm, or two SSE
+ * registers in the baseline build) otherwise. Work is split over OpenMP threads (torch's
+ * runtime) in chunks of ITEM_ROWS output rows taken dynamically, so a thread descheduled on a
+ * shared machine leaves its remaining chunks to the others.
+ */
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__)
+#define VW 16
+#define ACC_REGS 16 /* of 32 vector registers */
+#else
+#define VW 8
+#define ACC_REGS 8 /* of 16 */
+#endif
+#define MB_MAX 4      /* activation rows per micro-kernel */
+#define ITEM_ROWS 16  /* output rows per work item */
+#define PF_GROUPS 2   /* micro-kernels ahead that prefetching reads */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+
+static inline vf load_vf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* VW int8 weights at p, widened to fp32 (exact): one sign-extending load and one conversion
+ * (intrinsics: GCC 12 widens an int8 vector extension one lane at a time). */
+static inline vf load_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+#elif defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    const vf f = __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+    vf v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+/* The lane sum of v by a fixed tree: halves added until one lane is left. */
+static inline float hsum_vf(vf v) {
+#if VW == 16
+    v8f s;
+    {
+        v8f lo, hi;
+        memcpy(&lo, &v, 32);
+        memcpy(&hi, (const char *)&v + 32, 32);
+        s = lo + hi;
+    }
+#else
+    v8f s = v;
+#endif
+    const v4f a = (v4f){s[0], s[1], s[2], s[3]} + (v4f){s[4], s[5], s[6], s[7]};
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* Weight rows per micro-kernel for mb activation rows: R x mb accumulators within ACC_REGS,
+ * at least ~8 independent FMA chains where possible. */
+static inline int rows_for(int mb) {
+    const int r = ACC_REGS / mb;
+    return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
+}
+
+/* dots[r][i] = q[r, :] . x[i, :] for R weight rows (row stride qs) and MB activation rows
+ * (fp32, row stride xs): VW-lane accumulators, the fixed tree, then the scalar tail. R and MB
+ * are compile-time constants wherever this is inlined. Meanwhile the R rows at pf (the next
+ * micro-kernel's, NULL for none) are prefetched into L2 (prefetcht1), one cache line per row
+ * every 64 values of k. Measured on the 2-core AVX512 EPYC (49152 x 576, one thread,
+ * alternating builds): no software prefetch 1.3x slower than prefetcht0 one micro-kernel
+ * ahead, which was 1.6x slower than prefetcht1 two micro-kernels ahead (1, 4, 8, 16 ahead
+ * within 10% of 2; prefetchnta 2x slower). */
+static inline __attribute__((always_inline)) void dot_block(
+        int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        const int8_t *pf, float dots[8][MB_MAX]) {
+    vf acc[8][MB_MAX];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) acc[r][i] = (vf){0};
+    const int64_t kv = k / VW * VW;
+    for (int64_t kk = 0; kk < kv; kk += VW) {
+        if (pf && kk % 64 == 0)
+            for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * qs + kk, 0, 2);
+        for (int r = 0; r < R; ++r) {
+            const vf w = load_i8(q + r * qs + kk);
+            for (int i = 0; i < MB; ++i) acc[r][i] += w * load_vf(x + i * xs + kk);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) {
+            float tail = 0.f;
+            for (int64_t kk = kv; kk < k; ++kk) tail += (float)q[r * qs + kk] * x[i * xs + kk];
+            dots[r][i] = hsum_vf(acc[r][i]) + tail;
+        }
+}
+
+/* dot_block for R in {8, 4, 2, 1} and MB in 1..MB_MAX, each a specialized copy. */
+static void dot_block_any(int R, int MB, const float *x, int64_t xs, const int8_t *q,
+                          int64_t qs, int64_t k, const int8_t *pf, float dots[8][MB_MAX]) {
+#define CASE_MB(RR)                                                                       \
+    switch (MB) {                                                                         \
+    case 1: dot_block(RR, 1, x, xs, q, qs, k, pf, dots); break;                           \
+    case 2: dot_block(RR, 2, x, xs, q, qs, k, pf, dots); break;                           \
+    case 3: dot_block(RR, 3, x, xs, q, qs, k, pf, dots); break;                           \
+    default: dot_block(RR, 4, x, xs, q, qs, k, pf, dots); break;                          \
+    }
+    switch (R) {
+    case 8: CASE_MB(8); break;
+    case 4: CASE_MB(4); break;
+    case 2: CASE_MB(2); break;
+    default: CASE_MB(1); break;
+    }
+#undef CASE_MB
+}
+
+typedef struct {
+    const float *x;
+    int64_t xs;
+    const int8_t *q;
+    int64_t qs;
+    const float *scale, *bias;
+    void *y;
+    int64_t ys;
+    int ydt;
+    int64_t m, n, k;
+} Int8Gemm;
+
+/* y[i, j] for output rows [j0, j0 + rows) and every activation row. */
+static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
+    const size_t yes = elem_size(g->ydt);
+    float dots[8][MB_MAX];
+    for (int64_t i0 = 0; i0 < g->m; i0 += MB_MAX) {
+        const int mb = (int)(g->m - i0 < MB_MAX ? g->m - i0 : MB_MAX);
+        const int r_full = rows_for(mb);
+        for (int64_t j = j0; j < j0 + rows;) {
+            const int r = j0 + rows - j >= r_full ? r_full : 1;
+            /* prefetch the rows PF_GROUPS micro-kernels ahead on the first pass over these
+             * (later passes find them in cache) */
+            const int8_t *pf = i0 == 0 && j + (PF_GROUPS + 1) * r <= g->n
+                ? g->q + (j + PF_GROUPS * r) * g->qs : NULL;
+            dot_block_any(r, mb, g->x + i0 * g->xs, g->xs, g->q + j * g->qs, g->qs, g->k, pf,
+                          dots);
+            for (int i = 0; i < mb; ++i)
+                for (int rr = 0; rr < r; ++rr) {
+                    const float v = dots[rr][i] * g->scale[j + rr] + (g->bias ? g->bias[j + rr]
+                                                                             : 0.f);
+                    store_row(g->ydt, &v, (char *)g->y + ((i0 + i) * g->ys + j + rr) * yes, 1);
+                }
+            j += r;
+        }
+    }
+}
+
+/* y [m, n] (dtype ydt, row stride ys) = (x [m, k] (dtype xdt, row stride xs) @ q^T) * scale
+ * (+ bias), q int8 [n, k] (row stride qs), scale and bias fp32 [n] (bias may be NULL).
+ * Returns 1 when the fp32 copy of a 16-bit x cannot be allocated, else 0. */
+int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                     const float *scale, const float *bias, void *y, int64_t ys, int ydt,
+                     int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (m <= 0 || n <= 0) return 0;
+    float *x32 = NULL;
+    if (xdt != DT_F32) { /* widen x once (exact); the kernel reads fp32 rows */
+        x32 = malloc(sizeof(float) * (size_t)(m * (k > 0 ? k : 1)));
+        if (!x32) return 1;
+        for (int64_t i = 0; i < m; ++i)
+            load_row(xdt, (const char *)x + i * xs * (int64_t)elem_size(xdt), x32 + i * k, k);
+    }
+    const Int8Gemm g = {x32 ? x32 : (const float *)x, x32 ? k : xs, q, qs, scale, bias, y, ys,
+                        ydt, m, n, k};
+    const int64_t items = (n + ITEM_ROWS - 1) / ITEM_ROWS;
+    const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > items ? (int)items : num_threads;
+    const int64_t chunk = items / (4 * (int64_t)nt) > 0 ? items / (4 * (int64_t)nt) : 1;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk) if (nt > 1)
+    for (int64_t t = 0; t < items; ++t) {
+        const int64_t j0 = t * ITEM_ROWS;
+        item_rows(&g, j0, n - j0 < ITEM_ROWS ? n - j0 : ITEM_ROWS);
+    }
+    free(x32);
+    return 0;
+}
