@@ -34,6 +34,15 @@ tokens within a budget); this module only sizes the budget. It keeps a ``StepTim
   (above capacity this is where goodput comes from: a queue that grows makes every request
   miss its TTFT).
 
+**Cold steps**: the engine's first ``COLD_STEPS`` steps are not fed to the model. They run
+cold (fresh activation buffers paged in, first calls of the kernels): on SmolLM2 on the CPU the
+first three whole-prompt prefills of a fresh engine took 1.6-1.9x the time per token of the
+same prefills later (``benchmarks/slo_record_steps.py``, two recordings). They are also the
+only whole prompts in a chat workload's window (later prompts hit the prefix cache of their
+system prompt), so the fit's forecast of a whole prompt rested on them: a warm idle server
+forecast a lone 550-token prompt at 1.5-2x its real TTFT and admission control refused
+requests it could serve.
+
 Before the model has measured ``StepTimeModel.min_steps`` steps the fixed budget
 (``max_num_batched_tokens``) applies. Without targets nothing changes but the model still
 learns (its error is on /metrics).
@@ -54,6 +63,7 @@ MAX_STEP_TPOTS = 3.0  # a step never plans to last longer than this many TPOT ta
 GATE_HEADROOM = 0.8  # admissions keep a decode-only step under this share of the TPOT target
 PLAN_MARGIN = 0.9  # a step is planned to end this share of the way to the next deadline
 CATCH_UP_TOKENS = 32  # a request behind its TPOT target pays its debt back over these tokens
+COLD_STEPS = 4  # a fresh engine's first steps run cold: the step-time model does not learn them
 
 
 @dataclass
@@ -160,6 +170,7 @@ class SLOPlanner:
         self.slos: dict[str, RequestSLO] = {}
         self._num_tpot = 0  # requests with a TPOT target
         self._step: tuple[StepFeatures, float | None] | None = None  # last step, not timed
+        self._num_timed = 0  # steps whose time was reported (the first COLD_STEPS unused)
 
     # ---- requests ----------------------------------------------------------------------------
     def targets_of(self, request: Request) -> RequestSLO:
@@ -226,11 +237,14 @@ class SLOPlanner:
         self._step = (features, self.model.predict(features))
 
     def record_step_time(self, seconds: float) -> None:
-        """The last scheduled step took ``seconds``: one more observation for the model."""
+        """The last scheduled step took ``seconds``: one more observation for the model
+        (except the engine's first ``COLD_STEPS`` steps, see the module docstring)."""
         if self._step is not None:
             features, predicted = self._step
             self._step = None
-            self.model.observe(features, seconds, predicted)
+            self._num_timed += 1
+            if self._num_timed > COLD_STEPS:
+                self.model.observe(features, seconds, predicted)
 
     # ---- admission control -------------------------------------------------------------------
     def ttft_outlook(self, request: Request, num_to_compute: int, running: list[Request],

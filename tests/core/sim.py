@@ -53,6 +53,8 @@ class SimRequest:
     client: str = ""
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    prefix: str = ""  # requests naming the same prefix share their first ``prefix_len`` tokens
+    prefix_len: int = 0
 
 
 @dataclass
@@ -99,10 +101,12 @@ def make_sim_scheduler(clock: FakeClock, num_blocks: int = 4000, block_size: int
 
 
 def to_request(r: SimRequest) -> Request:
-    """Prompts are unique per request (no prefix-cache hits between requests): the first
-    token encodes the request id."""
-    prompt = [2 + zlib.crc32(r.rid.encode()) % 1_000_000] + \
-        [2 + i % 50_000 for i in range(1, r.prompt_len)]
+    """Prompts are unique per request (no prefix-cache hits between requests: the first token
+    after the shared prefix encodes the request id), except for their first ``prefix_len``
+    tokens, which requests naming the same ``prefix`` share (a chat's system prompt)."""
+    shared = [2 + (zlib.crc32(r.prefix.encode()) + i) % 1_000_000 for i in range(r.prefix_len)]
+    prompt = shared + [2 + zlib.crc32(r.rid.encode()) % 1_000_000] + \
+        [2 + i % 50_000 for i in range(1, r.prompt_len - r.prefix_len)]
     params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
                             target_ttft_ms=r.ttft_ms, target_tpot_ms=r.tpot_ms)
     return Request(r.rid, prompt, params, eos_token_id=1, arrival_time=r.arrival,

@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from kvflow.core.slo_planner import COLD_STEPS
 from kvflow.core.step_time_model import (
     StepFeatures,
     StepTimeModel,
@@ -261,7 +262,7 @@ def test_no_targets_no_change(policy):
     (the fixed budget alone)."""
     work = closed_workload(n=16)
     res = run(work, policy=policy, max_num_batched_tokens=256)
-    assert res.scheduler.planner.model.num_observed == res.steps
+    assert res.scheduler.planner.model.num_observed == res.steps - COLD_STEPS
     clock = FakeClock()
     sched = make_sim_scheduler(clock, policy=policy, max_num_batched_tokens=256)
     sched.planner.step_budget = lambda running, now: None

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
+from kvflow.core.slo_planner import COLD_STEPS
 from kvflow.entrypoints.protocol import CompletionRequest
 from kvflow.entrypoints.serving_base import OpenAIServing
 from tests.e2e.conftest import post_at_once
@@ -38,16 +39,16 @@ def complete(server, **body) -> httpx.Response:
 
 def test_step_time_model_error_on_metrics_and_refusals(server):
     """Four requests of 8 tokens one after another are 32 steps; the last one's duration is
-    measured when the next step starts, so 31 are measured and every one after the first 16
-    (the model's warm-up) was predicted first: 15 predictions, with a finite, positive
-    error. Then a request with a 1 us TTFT target is admitted by the idle engine; of six sent
+    measured when the next step starts, so 31 are measured; the first COLD_STEPS are not
+    learnt and every one after the next 16 (the model's warm-up) was predicted first: 11
+    predictions, with a finite, positive error. Then a request with a 1 us TTFT target is admitted by the idle engine; of six sent
     at once, those that find the engine busy are refused (503, Retry-After), counted, and
     leave no KV block held."""
     for _ in range(4):
         assert complete(server).status_code == 200
     m = server.metrics()
     predicted = server.value(m, "kvflow:step_time_model_predictions_total")
-    assert predicted == 4 * 8 - 1 - MIN_STEPS
+    assert predicted == 4 * 8 - 1 - COLD_STEPS - MIN_STEPS
     abs_error = server.value(m, "kvflow:step_time_model_abs_error_seconds")
     rel_error = server.value(m, "kvflow:step_time_model_rel_error")
     assert 0 < abs_error < 1 and 0 < rel_error < math.inf
