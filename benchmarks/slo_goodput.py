@@ -16,6 +16,10 @@ arrival times) against ``fixed`` and then ``sla``, alternating server order ever
 see the same machine load; the idle server's engine sleeps (it blocks on its input socket).
 Goodput counts requests with TTFT <= 2 s and TPOT <= 80 ms (``--goodput``).
 
+After each run the server's /metrics is scraped for the step-time model's error
+(``kvflow:step_time_model_rel_error``, ``..._abs_error_seconds``: means over the model's recent
+window) and the requests refused so far (``kvflow:requests_rejected_total``).
+
 Writes to ``--out``: one result JSON per (server, load, round), ``fixed.json`` / ``sla.json``
 (sweeps in ``kvflow bench serve --sweep-rates`` form: the median round per rate), the latency
 plot ``sweep.png`` (``kvflow.bench.plot``) and ``goodput.png`` (good requests per second
@@ -46,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calib-prompts", type=int, default=24)
     p.add_argument("--warmup-prompts", type=int, default=8,
                    help="requests sent to each server before anything is timed (untimed)")
-    p.add_argument("--loads", default="1.0,1.5,2.5", help="offered rate / capacity")
+    p.add_argument("--loads", default="1.5,2,3", help="offered rate / capacity")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--server-args", default="--dtype float32 --kv-cache-memory 256MiB")
     p.add_argument("--slo-scale", type=float, default=1.0,
@@ -70,6 +74,25 @@ def bench(args: argparse.Namespace, url: str, label: str, rate: float, num: int,
         "--model", args.model, "--endpoint", "chat", "--dataset", "synthetic-chat",
         "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(seed),
         "--label", label, "--goodput", *args.slos], path, quiet=True)
+
+
+STEP_TIME_METRICS = ("kvflow:step_time_model_rel_error", "kvflow:step_time_model_abs_error_seconds",
+                     "kvflow:step_time_model_predictions_total", "kvflow:requests_rejected_total")
+
+
+def scrape_step_time_error(url: str) -> dict[str, float]:
+    """The step-time model's error (mean relative and absolute, over its recent window), its
+    prediction count and the requests refused so far, from the server's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in STEP_TIME_METRICS:
+            found[name.removeprefix("kvflow:")] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def load_avg() -> float:
@@ -145,11 +168,13 @@ def main() -> None:
                     r = bench(args, servers[label][1], label, rate, args.num_prompts,
                               out / f"{label}_x{load}_r{rnd}.json")
                     r["load_avg"] = [before, load_avg()]
+                    r["step_time_model"] = scrape_step_time_error(servers[label][1])
                     per[label].append(r)
                     print(f"x{load} rate {rate} {label}: good {r['good_requests']}/"
                           f"{r['completed']} goodput {r['request_goodput']:.3f} req/s, "
                           f"p50 TTFT {r['median_ttft_ms']:.0f} ms, p50 TPOT "
-                          f"{r['median_tpot_ms']:.1f} ms, load avg {before:.1f}", flush=True)
+                          f"{r['median_tpot_ms']:.1f} ms, failed {r['failed']}, step-time "
+                          f"error {r['step_time_model']}, load avg {before:.1f}", flush=True)
             row = {"load": load, "rate": rate}
             for label, results in per.items():
                 med = sorted(results, key=lambda r: r["request_goodput"])[len(results) // 2]
@@ -157,7 +182,8 @@ def main() -> None:
                 row[label] = {k: med[k] for k in ("good_requests", "completed", "failed",
                                                   "request_goodput", "median_ttft_ms",
                                                   "median_tpot_ms", "p99_tpot_ms",
-                                                  "output_throughput")}
+                                                  "output_throughput", "step_time_model",
+                                                  "load_avg")}
                 row[label]["goodput_rounds"] = [r["request_goodput"] for r in results]
             row["ratio"] = row["sla"]["request_goodput"] / max(row["fixed"]["request_goodput"],
                                                                1e-9)
