@@ -20,6 +20,9 @@ prefix-cache hit, or a resumed request) starts with no draft K/V (``num_draft_co
 a cached block may have been filled while nobody drafted) and the draft recomputes its context
 when it first drafts.
 
+On a CPU the draft's passes run on their own thread count (``draft_threads.py``): the faster,
+as measured, of the engine's count and one thread, unless ``draft_cpu_threads`` fixes it.
+
 Draft tokens: the argmax for greedy requests (point masses); for sampled requests a draw from
 ``q = softmax(draft logits / temperature)`` (the request's own generator when seeded), with
 ``q`` handed to the rejection sampler, which keeps the target's distribution exactly whatever
@@ -42,6 +45,7 @@ from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCa
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
+from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 
@@ -58,12 +62,14 @@ class DraftProposal:
         pass_seconds: mean wall time of one steady pass (one or two tokens per drafting
             request; a catch-up mirror pass is left out), 0.0 when none ran: the cost model's
             draft cost per pass.
+        threads: the CPU threads the passes ran on (``DraftThreads``).
     """
 
     token_ids: dict[str, list[int]]
     probs: dict[str, torch.Tensor]
     seconds: float
     pass_seconds: float = 0.0
+    threads: int = 0
 
 
 class DraftModel:
@@ -99,6 +105,10 @@ class DraftModel:
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device
+        # CPU threads of the draft's passes: fixed, or the faster of the engine's and 1
+        engine_threads = torch.get_num_threads()
+        fixed = spec.draft_cpu_threads if device.type == "cpu" else engine_threads
+        self.threads = DraftThreads([fixed] if fixed else [engine_threads, 1])
         # a catch-up mirror pass is split so one pass computes no more than a target step
         self.max_tokens_per_pass = config.scheduler_config.max_num_batched_tokens or 2048
 
@@ -151,6 +161,18 @@ class DraftModel:
                 the device (the previous step's samples) into a pass's input ids.
             generator: for unseeded sampled requests.
         """
+        threads = self.threads.pick()
+        with self.threads.running(threads):
+            proposal = self._propose(batch, num_scheduled, spec_tokens, block_size, stager,
+                                     fill_pending, generator)
+        self.threads.observe(proposal.pass_seconds)
+        proposal.threads = threads
+        return proposal
+
+    def _propose(self, batch: InputBatch, num_scheduled: np.ndarray,
+                 spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
+                 fill_pending: Callable[[ModelInputs], None],
+                 generator: torch.Generator) -> DraftProposal:
         started = time.perf_counter()
         n = batch.num_reqs
         num_drafts = np.zeros(n, np.int64)

@@ -207,3 +207,16 @@ def test_constrained_requests_run_unspeculated_with_no_draft_pass(tiny_llama, as
     assert all(o.outputs[0].finish_reason == "stop" for o in got)
     assert _drafted(got) == (0, 0) and passes == []
     assert_no_leaks(spec)
+
+
+def test_draft_passes_try_each_thread_count_and_keep_greedy_output(base, self_draft):
+    """The draft's passes run on the engine's thread count and on one (measured, the faster
+    kept): both were tried, the engine's count is back after every step, and the greedy
+    output is the plain engine's whatever count a pass ran on."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = torch.get_num_threads()
+    _same_outputs(_generate(base, params), _generate(self_draft, params))
+    threads = self_draft.engine.core.executor.runner.drafter.threads
+    assert torch.get_num_threads() == before
+    assert threads.candidates == list(dict.fromkeys([before, 1]))
+    assert all(s is not None and s > 0 for s in threads.seconds)

@@ -1,0 +1,74 @@
+"""How many CPU threads a draft model's passes run on: measured, not assumed.
+
+A draft model's forward at batch 1 is many small kernels (24 layers of a 0.5B model: ~260
+ops reading ~1 GB). Each parallel kernel ends at a barrier, so with two OpenMP threads on
+cores shared with other processes, every op waits for the thread that was descheduled: on the
+loaded 2-core test machine a 0.5B draft pass took 1214 ms on 2 threads and 131 ms on one
+(docs/benchmarks.md, issue 17). On a quiet machine two threads read the weights faster. So the
+draft's passes run on whichever thread count measures faster: ``DraftThreads`` tries each
+candidate (the engine's count and 1) in turn, keeps a moving average of each one's seconds per
+steady pass, uses the faster one, and tries the other again every ``explore_every`` proposals
+(the load changes). ``speculative_config.draft_cpu_threads`` fixes the count instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class DraftThreads:
+    """The thread count of the draft's next proposal, chosen by measured pass times.
+
+    Args:
+        candidates: thread counts to choose between (distinct, >= 1); one entry: fixed.
+        explore_every: every this many proposals one runs on a candidate other than the
+            fastest, so a stale measurement is renewed.
+        smoothing: weight of a new measurement in a candidate's moving average.
+    """
+
+    def __init__(self, candidates: list[int], explore_every: int = 16,
+                 smoothing: float = 0.3) -> None:
+        self.candidates = list(dict.fromkeys(candidates))
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.seconds: list[float | None] = [None] * len(self.candidates)
+        self.num_proposals = 0
+        self._current = 0
+
+    def pick(self) -> int:
+        """The thread count for the next proposal (its index is remembered for ``observe``)."""
+        unmeasured = [i for i, s in enumerate(self.seconds) if s is None]
+        if unmeasured:
+            self._current = unmeasured[0]
+        else:
+            best = min(range(len(self.candidates)), key=lambda i: self.seconds[i])
+            explore = len(self.candidates) > 1 and \
+                self.num_proposals % self.explore_every == self.explore_every - 1
+            self._current = (best + 1) % len(self.candidates) if explore else best
+        self.num_proposals += 1
+        return self.candidates[self._current]
+
+    def observe(self, pass_seconds: float) -> None:
+        """The seconds of one steady pass of the proposal ``pick`` last chose for (0: none
+        ran, nothing learnt)."""
+        if pass_seconds <= 0:
+            return
+        old = self.seconds[self._current]
+        self.seconds[self._current] = pass_seconds if old is None else \
+            old + self.smoothing * (pass_seconds - old)
+
+    @contextmanager
+    def running(self, threads: int) -> Iterator[None]:
+        """Run the block on ``threads`` torch/OpenMP threads (kvflow's native kernels read
+        ``torch.get_num_threads``), then restore the engine's count."""
+        before = torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
