@@ -167,6 +167,8 @@ class DraftModel:
                                      fill_pending, generator)
         self.threads.observe(proposal.pass_seconds)
         proposal.threads = threads
+        if not self.threads.picked_best:  # a pass on a slower count is not the draft's cost
+            proposal.pass_seconds = 0.0
         return proposal
 
     def _propose(self, batch: InputBatch, num_scheduled: np.ndarray,

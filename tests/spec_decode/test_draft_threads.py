@@ -22,21 +22,30 @@ def _drive(choice: DraftThreads, seconds: dict[int, float], n: int) -> list[int]
 
 def test_measures_each_candidate_then_keeps_the_faster_and_explores():
     """Two threads 1.2 s a pass, one thread 0.13 s (a loaded machine): after one pass on
-    each, one thread, except every 4th proposal, which re-measures two."""
-    choice = DraftThreads([2, 1], explore_every=4)
-    picked = _drive(choice, {2: 1.2, 1: 0.13}, 12)
-    assert picked[:2] == [2, 1]
-    assert picked[2:] == [1, 2, 1, 1, 1, 2, 1, 1, 1, 2]
+    each, one thread; a try of two threads after 2 proposals on it, then after 4, 8 (each try
+    confirms the choice, so the interval doubles). Only passes on the faster count are the
+    draft's cost (``picked_best``)."""
+    choice = DraftThreads([2, 1], explore_every=2)
+    picked, best = [], []
+    for _ in range(20):
+        picked.append(choice.pick())
+        choice.observe({2: 1.2, 1: 0.13}[picked[-1]])
+        best.append(choice.picked_best)
+    tries = [i for i, t in enumerate(picked) if t == 2]
+    assert tries == [0, 4, 9, 18]
+    assert best == [t == 1 for t in picked]
+    assert choice.explore_every == 16
 
 
 def test_follows_the_load_when_it_changes():
-    """The machine gets quiet: two threads now 0.05 s, one thread still 0.13 s; the
-    exploring proposals see it and the choice moves to two threads."""
-    choice = DraftThreads([2, 1], explore_every=4, smoothing=1.0)
-    _drive(choice, {2: 1.2, 1: 0.13}, 6)
+    """The machine gets quiet: two threads now 0.05 s, one thread still 0.13 s; the next try
+    sees it, the choice moves to two threads and the interval starts over (2); the try of one
+    thread after it keeps two (interval 4)."""
+    choice = DraftThreads([2, 1], explore_every=2, smoothing=1.0)
+    assert _drive(choice, {2: 1.2, 1: 0.13}, 4) == [2, 1, 1, 1]
     picked = _drive(choice, {2: 0.05, 1: 0.13}, 8)
-    # proposal 7 re-measures two threads; from then on two, one thread re-measured at 11
-    assert picked == [1, 2, 2, 2, 2, 1, 2, 2]
+    assert picked == [2, 2, 2, 1, 2, 2, 2, 2]
+    assert choice.explore_every == 4
 
 
 def test_a_proposal_without_a_steady_pass_teaches_nothing():
