@@ -20,26 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 
 import msgspec
-import zmq
 import zmq.asyncio
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_client import (
-    CoreProcess,
-    ReplicaState,
-    replica_config,
-    replica_name,
-    wait_ready,
-)
+from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
@@ -51,11 +40,12 @@ from kvflow.engine.messages import (
     EngineOutputs,
     EngineReady,
     RemoveLoRA,
-    Shutdown,
     UtilityResult,
-    output_decoder,
 )
+from kvflow.engine.open_requests import OpenRequests
+from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream, collect
+from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
@@ -109,23 +99,20 @@ class AsyncLLM:
         self.tracker = RequestStatsTracker(self.metrics)
         self.num_replicas = config.parallel_config.data_parallel_size
         self.stats = [EngineStats() for _ in range(self.num_replicas)]
-        self._streams: dict[str, RequestStream] = {}
-        self._waiting: set[str] = set()  # accepted, no output yet
         self._dead: BaseException | None = None  # set when no replica is left
         self._output_task: asyncio.Task | None = None
         self._ready_events: dict[int, asyncio.Future] = {}  # replicas restarting
-        # AddLoRA / RemoveLoRA calls awaiting answers: call id -> (replica, future)
-        self._calls: dict[int, tuple[int, asyncio.Future]] = {}
-        self._call_ids = itertools.count()
+        self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA awaiting answers
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
-        self._init_ipc()
+        self.replicas = ReplicaSet(config)
+        self._async_output: zmq.asyncio.Socket | None = None
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
-            self._start_core_processes()  # their resolve_model then finds the snapshot cached
+            self.replicas.start()  # their resolve_model then finds the snapshot cached
             self._init_tokenizer(source)  # while the core processes load the model
             self._init_mm_processor(source)
             self._init_processors(self._wait_ready(start_timeout))
@@ -134,31 +121,14 @@ class AsyncLLM:
             raise
 
     # ---- start-up ----------------------------------------------------------------------------
-    def _init_ipc(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvflow-")
-        self._ctx = zmq.Context()
-        self._output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
-        self._output = self._ctx.socket(zmq.PULL)  # every replica's core pushes here
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(self._output_addr)
-        self._async_output: zmq.asyncio.Socket | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = output_decoder()
-        self.cores: list[CoreProcess] = []
-
-    def _start_core_processes(self) -> None:
-        for index in range(self.num_replicas):
-            self.cores.append(CoreProcess(self._ctx, self._ipc_dir,
-                                          replica_config(self.config, index),
-                                          self._output_addr))
-            self.cores[index].start(logging.getLogger("kvflow").getEffectiveLevel())
+    @property
+    def cores(self) -> list[CoreProcess]:
+        """The replicas' core processes, by index."""
+        return self.replicas.cores
 
     def _init_tokenizer(self, source: ModelSource) -> None:
         mc = self.config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
-
-    def _name(self, index: int) -> str:
-        return replica_name(index, self.num_replicas)
 
     def _init_mm_processor(self, source: ModelSource) -> None:
         """Images are decoded, checked and preprocessed here, in the API process (a bad
@@ -178,7 +148,7 @@ class AsyncLLM:
     def _wait_ready(self, timeout: float) -> EngineReady:
         """Block until every replica reported ``EngineReady`` (before the event loop runs);
         returns replica 0's."""
-        return wait_ready(self._output, self._decoder, self.cores, timeout, self._on_ready)[0]
+        return self.replicas.wait_ready(timeout, self._on_ready)[0]
 
     def _on_ready(self, ready: EngineReady) -> None:
         core = self.cores[ready.engine_index]
@@ -200,14 +170,16 @@ class AsyncLLM:
                                         self._mm_processor,
                                         eos_token_ids=self._eos_token_ids,
                                         pooler=ready.pooler, hidden_size=ready.hidden_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
+        self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
+                                     self.balancer, self.metrics,
+                                     self.config.scheduler_config.admission_control)
 
     async def start(self) -> None:
         """Start the output loop on the running event loop. When a core process dies or
         fails, its open streams get an ``EngineDeadError`` and ``on_dead(error)`` (if set) is
         called; once no replica is left, new requests are refused."""
-        self._async_output = zmq.asyncio.Socket.from_socket(self._output)
+        self._async_output = zmq.asyncio.Socket.from_socket(self.replicas.output)
         self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
 
     @property
@@ -226,18 +198,11 @@ class AsyncLLM:
         """
         while dead := [c for c in self.cores if c.state is ReplicaState.DEAD]:
             for old in dead:
-                self._respawn(old)
+                self._ready_events[old.index] = asyncio.get_running_loop().create_future()
+                self.replicas.respawn(old.index)
             for old in dead:
                 await self._wait_restarted(old.index, timeout)
         self._dead = None
-
-    def _respawn(self, old: CoreProcess) -> None:
-        old.stop(self._encoder.encode(Shutdown()))
-        core = CoreProcess(self._ctx, self._ipc_dir, old.config, self._output_addr,
-                           old.generation + 1)
-        self._ready_events[old.index] = asyncio.get_running_loop().create_future()
-        self.cores[old.index] = core
-        core.start(logging.getLogger("kvflow").getEffectiveLevel())
 
     async def _wait_restarted(self, index: int, timeout: float) -> None:
         """Wait for replica ``index``'s ``EngineReady``.
@@ -251,10 +216,10 @@ class AsyncLLM:
                 await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
             self._ready_events.pop(index, None)
-            raise RuntimeError(f"{self._name(index)} did not restart within {timeout:.0f} s") \
-                from None
+            raise RuntimeError(f"{self.replicas.name(index)} did not restart within "
+                               f"{timeout:.0f} s") from None
         if self.cores[index].state is not ReplicaState.LIVE:
-            raise RuntimeError(f"{self._name(index)} failed to restart: "
+            raise RuntimeError(f"{self.replicas.name(index)} failed to restart: "
                                f"{self.cores[index].death}")
 
     # ---- requests ----------------------------------------------------------------------------
@@ -274,7 +239,7 @@ class AsyncLLM:
     @property
     def num_waiting_requests(self) -> int:
         """Accepted requests that have not produced any token yet (queued or in prefill)."""
-        return len(self._waiting)
+        return len(self.requests.waiting)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
@@ -310,21 +275,16 @@ class AsyncLLM:
             ValueError: if the request cannot be encoded (nothing registered then).
         """
         try:  # encode before registering anything, so a refusal leaves no state behind
-            payload = self._encoder.encode(
+            payload = self.replicas.encoder.encode(
                 AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
         except (msgspec.EncodeError, OverflowError, TypeError) as e:
             raise ValueError(f"request {request_id!r} cannot be encoded: {e}") from None
-        self.output_processor.add_request(prompt, requests, delta=True)
-        prompt_token_ids = requests[0].prompt_token_ids
-        replica = self.balancer.choose(prompt_token_ids, [c.is_live for c in self.cores],
+        replica = self.balancer.choose(requests[0].prompt_token_ids,
+                                       [c.is_live for c in self.cores],
                                        [s.kv_cache_usage for s in self.stats])
-        self.balancer.assign(request_id, replica, len(requests))
+        stream = self.requests.open(request_id, prompt, requests, arrival, replica)
         logger.debug("request %s -> replica %d (depths %s)", request_id, replica,
                      self.balancer.depth)
-        stream = RequestStream(request_id, self.config.scheduler_config.admission_control)
-        self._streams[request_id] = stream
-        self._waiting.add(request_id)
-        self.tracker.start(request_id, arrival, len(prompt_token_ids), len(requests))
         self.cores[replica].send(payload)
         return stream
 
@@ -360,15 +320,9 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Stop a request now (no-op if it already finished); its core frees its KV blocks
         before its next step."""
-        sample_ids = self.output_processor.abort(request_id)
-        self._streams.pop(request_id, None)
-        self._waiting.discard(request_id)
-        replica = self.balancer.replica_of(request_id)
-        self.balancer.finish(request_id)
-        if sample_ids:
-            self.tracker.abort(request_id)
-            if replica is not None:
-                self._send(replica, AbortRequests(sample_ids))
+        sample_ids, replica = self.requests.abort(request_id)
+        if sample_ids and replica is not None:
+            self.replicas.send(replica, AbortRequests(sample_ids))
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> None:
@@ -389,41 +343,11 @@ class AsyncLLM:
         await self._call(RemoveLoRA(0, lora_int_id))
 
     async def _call(self, msg: AddLoRA | RemoveLoRA) -> None:
-        """Send the call to every live replica (each with its own ``call_id``) and wait for
-        all answers; the first refusal is raised as a ValueError."""
+        """Send the call to every live replica and wait for all answers; the first refusal
+        is raised as a ValueError."""
         if not self.is_healthy:
             raise EngineDeadError("the engine core is not running")
-        futures = []
-        for core in self.cores:
-            if core.is_live:
-                call_id = next(self._call_ids)
-                future = asyncio.get_running_loop().create_future()
-                self._calls[call_id] = (core.index, future)
-                self._send(core.index, msgspec.structs.replace(msg, call_id=call_id))
-                futures.append(future)
-        errors = await asyncio.gather(*futures)
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            raise ValueError(error)
-
-    def _answer_call(self, msg: UtilityResult) -> None:
-        _, future = self._calls.pop(msg.call_id, (None, None))
-        if future is not None and not future.done():
-            future.set_result(msg.error)
-
-    def _fail_calls(self, error: EngineDeadError, replica: int | None = None) -> None:
-        """End the calls waiting on ``replica`` (every replica: None) with ``error``."""
-        for call_id, (index, future) in list(self._calls.items()):
-            if replica is None or index == replica:
-                del self._calls[call_id]
-                if not future.done():
-                    future.set_exception(error)
-
-    def _send(self, replica: int,
-              msg: AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA) -> None:
-        core = self.cores[replica]
-        if core.state is not ReplicaState.DEAD and not core.input.closed:
-            core.send(self._encoder.encode(msg))
+        await self._calls.call(self.replicas, msg)
 
     # ---- outputs -----------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -435,18 +359,18 @@ class AsyncLLM:
                     next_check = time.monotonic() + _POLL_MS / 1000
                 if not await self._async_output.poll(_POLL_MS):
                     continue
-                msg = self._decoder.decode(await self._async_output.recv())
+                msg = self.replicas.decoder.decode(await self._async_output.recv())
                 if isinstance(msg, EngineFailed):
                     self._replica_died(msg.engine_index, EngineDeadError(
-                        f"{self._name(msg.engine_index)} failed: {msg.message}"))
+                        f"{self.replicas.name(msg.engine_index)} failed: {msg.message}"))
                 elif isinstance(msg, EngineReady):
                     self._on_ready(msg)
                 elif isinstance(msg, EngineOutputs):
                     self._handle_outputs(msg)
                 elif isinstance(msg, AdmissionVerdicts):
-                    self._handle_verdicts(msg)
+                    self.requests.settle(msg)
                 elif isinstance(msg, UtilityResult):
-                    self._answer_call(msg)
+                    self._calls.answer(msg)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop itself broke: end every request
@@ -457,11 +381,10 @@ class AsyncLLM:
                 return
 
     def _check_processes(self) -> None:
-        for core in self.cores:
-            if core.state is not ReplicaState.DEAD and not core.is_alive:
-                self._replica_died(core.index, EngineDeadError(
-                    f"{self._name(core.index)} process exited with code "
-                    f"{core.proc.exitcode}"))
+        for core in self.replicas.exited():
+            self._replica_died(core.index, EngineDeadError(
+                f"{self.replicas.name(core.index)} process exited with code "
+                f"{core.proc.exitcode}"))
 
     def _replica_died(self, index: int, error: EngineDeadError) -> None:
         """Fail the replica's open requests, stop routing to it, tell ``on_dead``."""
@@ -474,11 +397,11 @@ class AsyncLLM:
         self.balancer.forget_replica(index)
         self.metrics.reset_engine(index)
         logger.error("%s lost (%s): ending its %d open requests with an error%s",
-                     self._name(index), error, len(failed),
+                     self.replicas.name(index), error, len(failed),
                      "" if self.is_healthy else "; new requests get 503")
         for request_id in failed:
-            self._fail_request(request_id, error)
-        self._fail_calls(error, index)
+            self.requests.fail(request_id, error)
+        self._calls.fail(error, index)
         future = self._ready_events.pop(index, None)
         if future is not None and not future.done():
             future.set_result(None)  # a restart that failed
@@ -490,56 +413,16 @@ class AsyncLLM:
     def _handle_outputs(self, msg: EngineOutputs) -> None:
         self.stats[msg.engine_index] = msg.stats
         self.metrics.record_engine_stats(msg.stats, msg.engine_index)
-        outputs, stopped = self.output_processor.process(msg.outputs)
+        stopped = self.requests.deliver(msg)
         if stopped:  # stop strings matched: free their KV blocks now
-            self._send(msg.engine_index, AbortRequests(stopped))
-        now = time.monotonic()
-        for out in outputs:
-            self.tracker.observe(out, now)
-            self._waiting.discard(out.request_id)
-            if out.finished:
-                self.balancer.finish(out.request_id)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
-
-    def _handle_verdicts(self, msg: AdmissionVerdicts) -> None:
-        """Admission control's answers: resolve the accepted streams; drop the refused
-        requests (their core queued none of their samples) and fail their streams."""
-        for request_id in msg.accepted:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.settle()
-        for rejection in msg.rejected:
-            stream = self._streams.pop(rejection.request_id, None)
-            self.output_processor.abort(rejection.request_id)
-            self._waiting.discard(rejection.request_id)
-            self.balancer.finish(rejection.request_id)
-            self.tracker.forget(rejection.request_id)
-            self.metrics.rejected.inc()
-            if stream is not None:
-                stream.settle(AdmissionRejected(rejection.message, rejection.retry_after_s))
-
-    def _fail_request(self, request_id: str, error: EngineDeadError) -> None:
-        self.output_processor.abort(request_id)
-        self.tracker.abort(request_id)
-        self._waiting.discard(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.settle(error)
-            stream.put(error)
+            self.replicas.send(msg.engine_index, AbortRequests(stopped))
 
     def fail_all(self, error: EngineDeadError) -> None:
         """End every open request with ``error`` and refuse new ones (the server is
         stopping)."""
         self._dead = error
-        for request_id in list(self._streams):
-            self.balancer.finish(request_id)
-            self._fail_request(request_id, error)
-        self._waiting.clear()
-        self._fail_calls(error)
+        self.requests.fail_all(error)
+        self._calls.fail(error)
 
     # ---- shutdown ----------------------------------------------------------------------------
     async def shutdown(self) -> None:
@@ -554,14 +437,4 @@ class AsyncLLM:
     def close(self) -> None:
         """Synchronous teardown (idempotent): ask the cores to stop, then make sure they do;
         release the sockets and the IPC directory."""
-        shutdown = self._encoder.encode(Shutdown())
-        for core in self.cores:  # all stop at once, then each is waited for
-            core.ask_to_stop(shutdown)
-        for core in self.cores:
-            core.stop(shutdown)
-        for sock in (self._async_output, self._output):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
-        if not self._ctx.closed:
-            self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.replicas.close(self._async_output)

@@ -1,0 +1,114 @@
+"""The server's open requests in the API process: each one's output stream, the ones without
+output yet, and the bookkeeping kept in step with them (the output processor's detokenizer
+state, the per-request metrics, the data-parallel balancer's queue depths).
+
+``AsyncLLM`` opens a request here once it is encoded, then hands each message of the engine
+cores to it; nothing here does I/O: what must go back to a core (aborts) is returned.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvflow.engine.dp_balancer import DPLoadBalancer
+from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
+from kvflow.engine.streams import AdmissionRejected, RequestStream
+from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.output_processor import OutputProcessor
+from kvflow.request import Request
+
+
+class OpenRequests:
+    """The open requests, by user request id (a request's ``n`` samples share one stream).
+
+    Args:
+        output_processor: detokenizes and regroups the cores' outputs (delta mode).
+        tracker: per-request timings for the metrics.
+        balancer: which replica serves each request, and each replica's depth.
+        metrics: the server's metrics (admission refusals are counted there).
+        admission_control: whether streams wait for the core's admission verdict.
+    """
+
+    def __init__(self, output_processor: OutputProcessor, tracker: RequestStatsTracker,
+                 balancer: DPLoadBalancer, metrics: ServerMetrics,
+                 admission_control: bool) -> None:
+        self.output_processor, self.tracker = output_processor, tracker
+        self.balancer, self.metrics = balancer, metrics
+        self.admission_control = admission_control
+        self.streams: dict[str, RequestStream] = {}
+        self.waiting: set[str] = set()  # accepted, no output yet
+
+    def open(self, request_id: str, prompt: str | None, requests: list[Request],
+             arrival: float, replica: int) -> RequestStream:
+        """Register one user request's samples, sent to ``replica``; returns its stream."""
+        self.output_processor.add_request(prompt, requests, delta=True)
+        self.balancer.assign(request_id, replica, len(requests))
+        stream = RequestStream(request_id, self.admission_control)
+        self.streams[request_id] = stream
+        self.waiting.add(request_id)
+        self.tracker.start(request_id, arrival, len(requests[0].prompt_token_ids),
+                           len(requests))
+        return stream
+
+    def abort(self, request_id: str) -> tuple[list[str], int | None]:
+        """Forget a request (no-op if it already finished); returns the ids of its samples
+        still running and the replica they run on, for the caller to abort there."""
+        sample_ids = self.output_processor.abort(request_id)
+        self.streams.pop(request_id, None)
+        self.waiting.discard(request_id)
+        replica = self.balancer.replica_of(request_id)
+        self.balancer.finish(request_id)
+        if sample_ids:
+            self.tracker.abort(request_id)
+        return sample_ids, replica
+
+    def deliver(self, msg: EngineOutputs) -> list[str]:
+        """Detokenize a core's outputs and put them on their streams; returns the sample
+        ids that stop strings finished (to abort on that core, freeing their KV blocks)."""
+        outputs, stopped = self.output_processor.process(msg.outputs)
+        now = time.monotonic()
+        for out in outputs:
+            self.tracker.observe(out, now)
+            self.waiting.discard(out.request_id)
+            if out.finished:
+                self.balancer.finish(out.request_id)
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self.streams[out.request_id]
+        return stopped
+
+    def settle(self, msg: AdmissionVerdicts) -> None:
+        """Admission control's answers: resolve the accepted streams; drop the refused
+        requests (their core queued none of their samples) and fail their streams."""
+        for request_id in msg.accepted:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                stream.settle()
+        for rejection in msg.rejected:
+            stream = self.streams.pop(rejection.request_id, None)
+            self.output_processor.abort(rejection.request_id)
+            self.waiting.discard(rejection.request_id)
+            self.balancer.finish(rejection.request_id)
+            self.tracker.forget(rejection.request_id)
+            self.metrics.rejected.inc()
+            if stream is not None:
+                stream.settle(AdmissionRejected(rejection.message, rejection.retry_after_s))
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End one request's stream with ``error`` (its replica is gone)."""
+        self.output_processor.abort(request_id)
+        self.tracker.abort(request_id)
+        self.waiting.discard(request_id)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.settle(error)
+            stream.put(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open request's stream with ``error``."""
+        for request_id in list(self.streams):
+            self.balancer.finish(request_id)
+            self.fail(request_id, error)
+        self.waiting.clear()

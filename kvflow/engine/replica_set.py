@@ -1,0 +1,119 @@
+"""The engine-core replicas seen from the API process: a private IPC directory, one ZMQ
+context, the output socket that every replica pushes to, and one ``CoreProcess`` per
+data-parallel replica (one without data parallelism).
+
+``AsyncLLM`` (the server) and ``DPCoreClient`` (the offline ``LLM`` with
+``data_parallel_size > 1``) both talk to their replicas through one ``ReplicaSet``; what they
+do with the messages that come back is their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.engine.core_client import (
+    CoreProcess,
+    ReplicaState,
+    replica_config,
+    replica_name,
+    wait_ready,
+)
+from kvflow.engine.messages import EngineReady, Shutdown, output_decoder
+
+
+class ReplicaSet:
+    """The IPC endpoints and core processes of ``config.parallel_config.data_parallel_size``
+    replicas. Nothing starts until :meth:`start`; :meth:`close` releases everything.
+
+    Args:
+        config: the engine configuration (replica ``i`` runs it with ``data_parallel_rank=i``).
+        prefix: the name prefix of the private IPC directory.
+
+    Attributes:
+        output: the PULL socket every replica's core pushes its messages to (bound here).
+        encoder, decoder: msgpack encoder of inputs, decoder of the cores' messages.
+        cores: one ``CoreProcess`` per replica, by index.
+    """
+
+    def __init__(self, config: EngineConfig, prefix: str = "kvflow-") -> None:
+        self.config = config
+        self.num_replicas = config.parallel_config.data_parallel_size
+        self.ipc_dir = tempfile.mkdtemp(prefix=prefix)
+        self.ctx = zmq.Context()
+        self.output_addr = f"ipc://{os.path.join(self.ipc_dir, 'output')}"
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.bind(self.output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = output_decoder()
+        self.cores: list[CoreProcess] = []
+
+    def start(self) -> None:
+        """Start one core process per replica (they load the model on their own)."""
+        for index in range(self.num_replicas):
+            self.cores.append(CoreProcess(self.ctx, self.ipc_dir,
+                                          replica_config(self.config, index),
+                                          self.output_addr))
+            self.cores[index].start(_log_level())
+
+    def wait_ready(self, timeout: float,
+                   on_ready: Callable[[EngineReady], None] | None = None) -> dict[int, EngineReady]:
+        """Block until every replica reported ``EngineReady`` (each marked live, then
+        passed to ``on_ready``); returns their messages by replica index.
+
+        Raises:
+            RuntimeError: naming the replica, if one fails or exceeds ``timeout`` seconds.
+        """
+        return wait_ready(self.output, self.decoder, self.cores, timeout, on_ready)
+
+    def name(self, index: int) -> str:
+        """How logs and errors name replica ``index`` ("the engine core" without DP)."""
+        return replica_name(index, self.num_replicas)
+
+    def respawn(self, index: int) -> CoreProcess:
+        """Stop replica ``index``'s process and start a new one in its place (same config,
+        next generation); returns the new one."""
+        old = self.cores[index]
+        old.stop(self.encoder.encode(Shutdown()))
+        core = CoreProcess(self.ctx, self.ipc_dir, old.config, self.output_addr,
+                           old.generation + 1)
+        self.cores[index] = core
+        core.start(_log_level())
+        return core
+
+    def send(self, index: int, msg: msgspec.Struct) -> None:
+        """Send ``msg`` to replica ``index`` unless it is dead or its socket is closed."""
+        core = self.cores[index]
+        if core.state is not ReplicaState.DEAD and not core.input.closed:
+            core.send(self.encoder.encode(msg))
+
+    def exited(self) -> list[CoreProcess]:
+        """The replicas not yet marked dead whose process has exited."""
+        return [c for c in self.cores if c.state is not ReplicaState.DEAD and not c.is_alive]
+
+    def close(self, *sockets: zmq.Socket | None) -> None:
+        """Ask every core to stop, then make sure each does; close ``sockets`` (views of
+        ``output``) and the output socket, the context and the IPC directory. Idempotent."""
+        shutdown = self.encoder.encode(Shutdown())
+        for core in self.cores:  # all stop at once, then each is waited for
+            core.ask_to_stop(shutdown)
+        for core in self.cores:
+            core.stop(shutdown)
+        for sock in (*sockets, self.output):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+        if not self.ctx.closed:
+            self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _log_level() -> int:
+    return logging.getLogger("kvflow").getEffectiveLevel()
