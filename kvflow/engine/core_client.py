@@ -1,9 +1,10 @@
 """One engine-core replica seen from the API process: its process and its input socket.
 
-``AsyncLLM`` runs one ``CoreProcess`` per data-parallel replica (one without data
-parallelism). Each has a PUSH socket of its own, bound in the API process's private IPC
-directory (``input-<index>``); every replica's core pushes to the one output socket that
-``AsyncLLM`` binds, tagging its messages with its index.
+A ``ReplicaSet`` (``engine/replica_set.py``, used by ``AsyncLLM`` and ``DPCoreClient``) runs
+one ``CoreProcess`` per data-parallel replica (one without data parallelism). Each has a PUSH
+socket of its own, bound in the API process's private IPC directory (``input-<index>``);
+every replica's core pushes to the one output socket that the ``ReplicaSet`` binds, tagging
+its messages with its index.
 """
 
 from __future__ import annotations

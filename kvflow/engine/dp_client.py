@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import shutil
-import tempfile
 import time
 
-import msgspec
-import zmq
-
 from kvflow.config import EngineConfig
-from kvflow.engine.core_client import (
-    CoreProcess,
-    ReplicaState,
-    replica_config,
-    replica_name,
-    wait_ready,
-)
+from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
@@ -36,9 +25,8 @@ from kvflow.engine.messages import (
     EngineFailed,
     EngineOutputs,
     EngineReady,
-    Shutdown,
-    output_decoder,
 )
+from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
 from kvflow.request import Request
 
@@ -66,21 +54,10 @@ class DPCoreClient:
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
         self.num_replicas = config.parallel_config.data_parallel_size
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvflow-dp-")
-        self._ctx = zmq.Context()
-        self._encoder, self._decoder = msgspec.msgpack.Encoder(), output_decoder()
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        output_addr = f"ipc://{self._ipc_dir}/output"
-        self._output.bind(output_addr)
-        self.cores: list[CoreProcess] = []
+        self.replicas = ReplicaSet(config, prefix="kvflow-dp-")
         try:
-            level = logging.getLogger("kvflow").getEffectiveLevel()
-            for index in range(self.num_replicas):
-                self.cores.append(CoreProcess(self._ctx, self._ipc_dir,
-                                              replica_config(config, index), output_addr))
-                self.cores[index].start(level)
-            ready = wait_ready(self._output, self._decoder, self.cores, start_timeout)
+            self.replicas.start()
+            ready = self.replicas.wait_ready(start_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -90,6 +67,11 @@ class DPCoreClient:
         self.balancer = DPLoadBalancer(self.num_replicas, self.ready.block_size)
         self._pending: collections.deque[EngineCoreOutput] = collections.deque()
         self._next_check = 0.0
+
+    @property
+    def cores(self) -> list[CoreProcess]:
+        """The replicas' core processes, by index."""
+        return self.replicas.cores
 
     def add_requests(self, requests: list[Request]) -> int:
         """Send the samples of one prompt to one replica (chosen by the balancer); returns
@@ -103,7 +85,7 @@ class DPCoreClient:
                                        [s.kv_cache_usage for s in self.stats])
         for r in requests:  # depth counts samples; each finishes on its own
             self.balancer.assign(r.request_id, replica, 1)
-        self.cores[replica].send(self._encoder.encode(
+        self.cores[replica].send(self.replicas.encoder.encode(
             AddRequests([EngineCoreRequest.from_request(r) for r in requests])))
         return replica
 
@@ -117,7 +99,7 @@ class DPCoreClient:
                 self.balancer.finish(rid)
         for replica, ids in by_replica.items():
             if self.cores[replica].is_live:
-                self.cores[replica].send(self._encoder.encode(AbortRequests(ids)))
+                self.cores[replica].send(self.replicas.encoder.encode(AbortRequests(ids)))
 
     def has_unfinished_requests(self) -> bool:
         """Whether any sample sent to a replica has not finished."""
@@ -136,9 +118,10 @@ class DPCoreClient:
                 self._next_check = time.monotonic() + _POLL_MS / 1000
             if self._pending or not any(self.balancer.depth):
                 break
-            if self._output.poll(_POLL_MS):
-                while self._output.poll(0):
-                    self._handle(self._decoder.decode(self._output.recv()))
+            output = self.replicas.output
+            if output.poll(_POLL_MS):
+                while output.poll(0):
+                    self._handle(self.replicas.decoder.decode(output.recv()))
         outputs = list(self._pending)
         self._pending.clear()
         return outputs
@@ -161,7 +144,7 @@ class DPCoreClient:
         """
         self.cores[msg.engine_index].state = ReplicaState.DEAD
         self.balancer.forget_replica(msg.engine_index)  # its requests and KV cache are gone
-        raise RuntimeError(f"{replica_name(msg.engine_index, self.num_replicas)} failed: "
+        raise RuntimeError(f"{self.replicas.name(msg.engine_index)} failed: "
                            f"{msg.message}")
 
     def check_health(self) -> None:
@@ -174,18 +157,9 @@ class DPCoreClient:
             if core.state is ReplicaState.LIVE and not core.is_alive:
                 core.state = ReplicaState.DEAD
                 self.balancer.forget_replica(core.index)
-                raise RuntimeError(f"{replica_name(core.index, self.num_replicas)} process "
+                raise RuntimeError(f"{self.replicas.name(core.index)} process "
                                    f"exited with code {core.proc.exitcode}")
 
     def shutdown(self) -> None:
         """Stop every core process and release the sockets (idempotent)."""
-        shutdown = self._encoder.encode(Shutdown())
-        for core in self.cores:
-            core.ask_to_stop(shutdown)
-        for core in self.cores:
-            core.stop(shutdown)
-        if not self._output.closed:
-            self._output.close(linger=0)
-        if not self._ctx.closed:
-            self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.replicas.close()
