@@ -78,6 +78,17 @@ def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim,
     check(make_batch(MIXED, num_heads, num_kv_heads, head_dim, dtype=dtype), **PATHS[path])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (5, 1, 48),
+                                                               (12, 2, 80)])
+def test_decode_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    """A decode step of many requests (one query token each) through the vectorized decode
+    path (head_dim % 16 == 0): contexts of 1-301 keys (four-key groups and their tails), GQA
+    groups of 3, 5 (four heads, then one) and 6, head_dim 48 / 80 (16-column tails after 64)."""
+    reqs = [(n, 1) for n in (0, 2, 3, 15, 16, 63, 128, 150, 191, 300)]
+    check(make_batch(reqs, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=3))
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", list(PATHS))

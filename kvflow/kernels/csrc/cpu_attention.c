@@ -42,6 +42,7 @@ typedef struct {
     int64_t q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale;
     int dtype;
+    int64_t num_reqs;
 } Args;
 
 /* Per-thread scratch: fp32 query rows, a block of scores per row, softmax state (m, l, and
@@ -350,6 +351,7 @@ static void attend_token(const Args *a, Scratch *w, int64_t r, int64_t j) {
 
 #include "cpu_attention_tiled.h"
 #include "cpu_attention_dp.h"
+#include "cpu_attention_decode.h"
 
 /* The bf16 dot-product path runs where the build has AVX512-BF16 (path 2 of
  * kvflow_paged_attention, bf16 caches). */
@@ -386,7 +388,7 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            int tiled) {
     const Args a = {q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, q_stride,
                     bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale,
-                    dtype};
+                    dtype, num_reqs};
     const int per_token = tiled == BATCH_INVARIANT, tile_len = per_token ? 1 : TILE;
     int64_t *tile_start = malloc(sizeof(int64_t) * (num_reqs + 1));
     if (!tile_start) return 1;
@@ -417,7 +419,9 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
             const int64_t j0 = (tile - tile_start[r]) * tile_len;
             const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
-            if (per_token || qlen == 1) attend_token(&a, &w, r, j0);
+            if ((per_token || qlen == 1) && a.head_dim % 16 == 0)
+                attend_token_vec(&a, &w, r, j0);
+            else if (per_token || qlen == 1) attend_token(&a, &w, r, j0);
             else if (tiled == 2 && HAVE_DP && dtype == DT_BF16 && a.head_dim % 16 == 0)
                 attend_tile_dp(&a, &w, r, j0, nq);
             else if (tiled && a.head_dim % 16 == 0) attend_tile_tiled(&a, &w, r, j0, nq);
