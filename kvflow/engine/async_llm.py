@@ -43,6 +43,7 @@ from kvflow.engine.messages import (
     UtilityResult,
 )
 from kvflow.engine.open_requests import OpenRequests
+from kvflow.engine.replica_restarts import ReplicaRestarts
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream, collect
 from kvflow.engine.utility_calls import UtilityCalls
@@ -51,10 +52,9 @@ from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
-from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
-from kvflow.models.model_resolver import ModelSource, resolve_model
-from kvflow.models.registry import is_multimodal
-from kvflow.multimodal import make_mm_processor
+from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
+from kvflow.models.model_resolver import resolve_model
+from kvflow.multimodal import mm_processor_of_source
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
@@ -101,11 +101,11 @@ class AsyncLLM:
         self.stats = [EngineStats() for _ in range(self.num_replicas)]
         self._dead: BaseException | None = None  # set when no replica is left
         self._output_task: asyncio.Task | None = None
-        self._ready_events: dict[int, asyncio.Future] = {}  # replicas restarting
         self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA awaiting answers
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self.replicas = ReplicaSet(config)
+        self._restarts = ReplicaRestarts(self.replicas)
         self._async_output: zmq.asyncio.Socket | None = None
         try:
             mc = config.model_config
@@ -113,8 +113,11 @@ class AsyncLLM:
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
             self.replicas.start()  # their resolve_model then finds the snapshot cached
-            self._init_tokenizer(source)  # while the core processes load the model
-            self._init_mm_processor(source)
+            # while the core processes load the model:
+            self.tokenizer = None if mc.skip_tokenizer_init else \
+                load_tokenizer(source, mc.tokenizer)
+            self._mm_processor = mm_processor_of_source(source, self.tokenizer,
+                                                        config.multimodal_config)
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()
@@ -125,25 +128,6 @@ class AsyncLLM:
     def cores(self) -> list[CoreProcess]:
         """The replicas' core processes, by index."""
         return self.replicas.cores
-
-    def _init_tokenizer(self, source: ModelSource) -> None:
-        mc = self.config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
-
-    def _init_mm_processor(self, source: ModelSource) -> None:
-        """Images are decoded, checked and preprocessed here, in the API process (a bad
-        image is a 400 before anything is queued); None for a text-only model."""
-        self._mm_processor = None
-        if source.kind == "gguf":  # kvflow loads no vision-language GGUF
-            return
-        try:
-            hf_config = load_hf_config(source)
-            if not is_multimodal(hf_config):
-                return
-        except ValueError:  # an unreadable config or unknown architecture: the core reports it
-            return
-        self._mm_processor = make_mm_processor(source, hf_config, self.tokenizer,
-                                               self.config.multimodal_config)
 
     def _wait_ready(self, timeout: float) -> EngineReady:
         """Block until every replica reported ``EngineReady`` (before the event loop runs);
@@ -156,9 +140,7 @@ class AsyncLLM:
         self.stats[core.index] = ready.stats
         self.metrics.reset_engine(core.index)
         self.metrics.record_engine_stats(ready.stats, core.index)
-        future = self._ready_events.pop(core.index, None)
-        if future is not None and not future.done():
-            future.set_result(ready)
+        self._restarts.ready(ready)
 
     def _init_processors(self, ready: EngineReady) -> None:
         self.max_model_len = ready.max_model_len
@@ -196,31 +178,8 @@ class AsyncLLM:
         Raises:
             RuntimeError: if a new core fails to start (that replica stays dead).
         """
-        while dead := [c for c in self.cores if c.state is ReplicaState.DEAD]:
-            for old in dead:
-                self._ready_events[old.index] = asyncio.get_running_loop().create_future()
-                self.replicas.respawn(old.index)
-            for old in dead:
-                await self._wait_restarted(old.index, timeout)
+        await self._restarts.restart_dead(timeout)
         self._dead = None
-
-    async def _wait_restarted(self, index: int, timeout: float) -> None:
-        """Wait for replica ``index``'s ``EngineReady``.
-
-        Raises:
-            RuntimeError: if it died instead or did not report within ``timeout`` seconds.
-        """
-        future = self._ready_events.get(index)
-        try:
-            if future is not None:
-                await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
-            self._ready_events.pop(index, None)
-            raise RuntimeError(f"{self.replicas.name(index)} did not restart within "
-                               f"{timeout:.0f} s") from None
-        if self.cores[index].state is not ReplicaState.LIVE:
-            raise RuntimeError(f"{self.replicas.name(index)} failed to restart: "
-                               f"{self.cores[index].death}")
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -402,9 +361,7 @@ class AsyncLLM:
         for request_id in failed:
             self.requests.fail(request_id, error)
         self._calls.fail(error, index)
-        future = self._ready_events.pop(index, None)
-        if future is not None and not future.done():
-            future.set_result(None)  # a restart that failed
+        self._restarts.died(index)  # a restart that failed, if one was running
         if not any(c.state is not ReplicaState.DEAD for c in self.cores):
             self._dead = error
         if was_live and self.on_dead is not None:

@@ -9,7 +9,8 @@ from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, load_image_url
 from kvflow.multimodal.processor import MultiModalProcessor, load_image_processor
 
-__all__ = ["MediaError", "MultiModalProcessor", "load_image_url", "make_mm_processor"]
+__all__ = ["MediaError", "MultiModalProcessor", "load_image_url", "make_mm_processor",
+           "mm_processor_of_source"]
 
 
 def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,
@@ -24,3 +25,27 @@ def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,
     if not is_multimodal(hf_config):
         return None
     return MultiModalProcessor(load_image_processor(source.path), hf_config, tokenizer, config)
+
+
+def mm_processor_of_source(source: Any, tokenizer: Any,
+                           config: MultiModalConfig) -> MultiModalProcessor | None:
+    """The server's image processor for the model at ``source`` (a ``ModelSource``), so that
+    images are decoded, checked and preprocessed in the API process (a bad image is a 400
+    before anything is queued). None for a GGUF file (kvflow loads no vision-language GGUF),
+    a text-only model, or a config that cannot be read (the engine core reports that one).
+
+    Raises:
+        ValueError: if a vision-language model's folder has no loadable image processor.
+    """
+    from kvflow.models.loader import load_hf_config
+    from kvflow.models.registry import is_multimodal
+
+    if source.kind == "gguf":
+        return None
+    try:
+        hf_config = load_hf_config(source)
+        if not is_multimodal(hf_config):
+            return None
+    except ValueError:  # an unreadable config or unknown architecture
+        return None
+    return make_mm_processor(source, hf_config, tokenizer, config)
