@@ -9,7 +9,9 @@ kernels run in turn (so a load spike of a shared machine hits all alike) and the
 * ``bf16``: kvflow's packed native GEMM on a bf16 weight (the unquantized bf16 model's path);
 * ``int8-torch``: torch's ``_weight_int8pack_mm`` on bf16 activations (``KVFLOW_CPU_QUANT=torch``);
 * ``int8``: kvflow's native INT8 kernel (``csrc/cpu_quant_gemm.c``), bf16 in and out;
-* ``int8-f32``: the same kernel with fp32 activations and output (the INT8 LM head's logits).
+* ``int8-f32``: the same kernel with fp32 activations and output (the INT8 LM head's logits);
+* ``int4-torch``: torch's ``_weight_int4pack_mm_for_cpu`` (group 32, bf16 activations), the
+  path of ``--quantization int4``'s INT4 projections.
 
 Each call reads a different copy of the weight from a pool larger than the L3 cache (as a
 forward pass does: every layer's weight comes from memory at batch 1).
@@ -36,6 +38,7 @@ POOL_BYTES = 96 << 20  # weights cycled through: three times this CPU's 32 MiB L
 def make_kernels(n: int, k: int, kernels) -> dict:
     """Per kernel: (call(x, i) using pool entry i, pool size, weight bytes per call)."""
     from kvflow.kernels.cpu_quant import int8_gemm
+    from kvflow.quant.int4 import quantize_int4_groupwise
     from kvflow.quant.int8 import quantize_int8_per_channel
 
     g = torch.Generator().manual_seed(0)
@@ -46,12 +49,18 @@ def make_kernels(n: int, k: int, kernels) -> dict:
     copies_bf16 = max(2, POOL_BYTES // (2 * n * k))
     packed = [kernels.gemm_pack(w.bfloat16()) for _ in range(copies_bf16)]
     s16 = s.bfloat16()
+    q4, s4, z4 = quantize_int4_groupwise(w, 32)
+    copies4 = max(2, POOL_BYTES // (n * k // 2))
+    torch4 = [torch._convert_weight_to_int4pack_for_cpu(q4, 1) for _ in range(copies4)]
+    sz_torch = torch.stack([s4.t(), z4.t()], dim=-1).bfloat16().contiguous()
     return {
         "bf16": (lambda x, i: kernels.gemm(x, packed[i % len(packed)], n).bfloat16(), 2 * n * k),
         "int8-torch": (lambda x, i: torch._weight_int8pack_mm(x, qs[i % copies], s16), n * k),
         "int8": (lambda x, i: int8_gemm(kernels, x, qs[i % copies], s), n * k),
         "int8-f32": (lambda x, i: int8_gemm(kernels, x.float(), qs[i % copies], s,
                                             out_dtype=torch.float32), n * k),
+        "int4-torch": (lambda x, i: torch._weight_int4pack_mm_for_cpu(
+            x, torch4[i % copies4], 32, sz_torch), n * k // 2),
     }
 
 
@@ -68,7 +77,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--kernels", default="bf16,int8-torch,int8,int8-f32")
+    parser.add_argument("--kernels", default="bf16,int8-torch,int8,int8-f32,int4-torch")
     parser.add_argument("--min-seconds", type=float, default=0.05, help="per timing")
     args = parser.parse_args()
     from kvflow.kernels.cpu_native import native_cpu_kernels

@@ -1,11 +1,12 @@
-"""Weight-only quantized GEMMs on CPU for few activation rows (decode), from kvflow's native
-kernels (``csrc/cpu_quant_gemm.c``): the int8 weight is read as int8 and widened to fp32 in
-registers, so a batch-1 product reads half the bytes of a bf16 one.
+"""Weight-only INT8 GEMM on CPU, made for few activation rows (decode), from kvflow's native
+kernels (``csrc/cpu_quant_gemm.c``): the int8 weight is read as int8 and widened in registers
+(to fp32 for FMA, or, for bf16 activations on AVX512-BF16, to bf16 for VDPBF16PS), so a
+batch-1 product reads half the bytes of a bf16 one.
 
 Bound on the library :func:`kvflow.kernels.cpu_native.native_cpu_kernels` builds (one per ISA
-level: AVX512, AVX2, baseline). The result equals ``(x @ q.T) * scale + bias`` computed in
-float64 up to fp32 rounding: K products summed in fp32 (bound: ``K * 2**-24 * |x| @ |q|.T *
-scale``), then one rounding to the output dtype.
+level: AVX512-BF16, AVX512, AVX2, baseline). :func:`int8_gemm` equals ``(x @ q.T) * scale +
+bias`` computed in float64 up to fp32 rounding: K exact products summed in fp32 (bound:
+``K * 2**-24 * |x| @ |q|.T * scale``), then one rounding to the output dtype.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
 
     Returns:
         [..., N] in ``out_dtype``, a fresh tensor. Each element's summation order depends only
-        on K, so a row's result does not depend on the other rows or the thread count.
+        on K, x's dtype and the path (bf16 ``x`` of 2+ rows on AVX512-BF16: bf16 dot products;
+        otherwise fp32 FMA), not on the other rows or the thread count.
 
     Raises:
         ValueError: on a dtype, device, shape or layout mismatch.
@@ -84,3 +86,4 @@ def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
     if status:
         raise MemoryError("native int8_gemm could not allocate the fp32 copy of x")
     return out.view(*x.shape[:-1], n)
+

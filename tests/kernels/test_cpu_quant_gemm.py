@@ -78,19 +78,22 @@ def test_int8_gemm_within_fp32_bound_at_every_level(kernels, m, n, k):
 
 
 def test_rows_do_not_depend_on_the_batch_or_threads():
-    """Each output's summation order depends on K only: a row computed with 16 others, alone,
-    or with another thread count is bitwise the same (batch invariance)."""
+    """Each output's summation order depends on K and the path only: a row computed with 16
+    others, alone (fp32) or in pairs (bf16: one-row calls take the fp32 path there), or with
+    another thread count is bitwise the same (batch invariance)."""
     kernels = cpu_native.native_cpu_kernels()
     x, q, scale, bias = _case(17, 150, 300, seed=7)
-    whole = int8_gemm(kernels, x, q, scale, bias)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([int8_gemm(kernels, x[i:i + 1], q, scale, bias) for i in range(17)])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(whole, alone)
-    assert torch.equal(int8_gemm(kernels, x[5:9], q, scale, bias), whole[5:9])
+    for xs, per_call in ((x, 1), (x.bfloat16(), 2)):
+        whole = int8_gemm(kernels, xs, q, scale, bias)
+        try:
+            torch.set_num_threads(1)
+            parts = [int8_gemm(kernels, xs[i:i + per_call], q, scale, bias)
+                     for i in range(0, 16, per_call)]
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(whole[:16], torch.cat(parts))
+        assert torch.equal(int8_gemm(kernels, xs[5:9], q, scale, bias), whole[5:9])
 
 
 def test_strided_rows_and_leading_dims():

@@ -1,25 +1,38 @@
 /*
- * Weight-only INT8 GEMM for few activation rows (decode): y[i, j] = scale[j] * (x[i, :] .
- * q[j, :]) + bias[j], with q the int8 weight [n, k] in its plain row-major layout (the one
- * torch's _weight_int8pack_mm and the INT8 embedding lookup read, so no second copy is kept)
- * and scale the per-output-channel fp32 scale (kvflow/quant/int8.py's absmax rule).
+ * Weight-only INT8 GEMM for few activation rows (decode), fp32 accumulation:
+ * y[i, j] = scale[j] * (x[i, :] . q[j, :]) + bias[j], with q the int8 weight [n, k] in its
+ * plain row-major layout (the one torch's _weight_int8pack_mm and the INT8 embedding lookup
+ * read, so no second copy is kept) and scale the per-output-channel fp32 scale
+ * (kvflow/quant/int8.py's absmax rule).
  *
  * At batch 1 a linear layer is bound by reading its weight: int8 is half of bf16's bytes, so a
  * GEMV that keeps up with memory runs up to twice as fast. Each weight vector is loaded as
- * int8, widened to fp32 in registers (sign extension + int->float conversion: exact) and
- * multiplied with fp32 activations by FMA; nothing wider than int8 is ever stored. R output
- * rows are multiplied at once against MB activation rows (R x MB accumulators held in
- * registers, R chosen per MB so enough independent FMA chains hide the FMA latency), so each
- * widened weight vector serves MB activation rows; larger MB re-reads the R weight rows from
- * L1 for each block of MB rows.
+ * int8 and widened in registers (exact), never stored wider:
+ *   - fp32 path: widened to fp32 (sign extension + conversion) and multiplied with fp32
+ *     activations by FMA;
+ *   - bf16 path (AVX512-BF16 builds, bf16 activations, 2+ rows): 32 weights widened to bf16
+ *     (exact: |q| <= 127 fits bf16's 8-bit significand) and multiplied with the bf16
+ *     activations as they are by VDPBF16PS (two products added into each fp32 lane per
+ *     instruction, Intel SDM vol. 2), half the multiply instructions of the fp32 path; the
+ *     products are exact, so the result is the fp32 path's up to summation order. Measured on
+ *     the 2-core EPYC (one thread, SmolLM2's shapes, alternating builds): 1.1x faster at 2
+ *     rows, 1.4-2.3x at 8, 1.7-2.1x at 64, but 1.2-1.3x slower at one row (its widening costs
+ *     more than the multiplies it saves), so one row takes the fp32 path.
+ * R output rows are multiplied at once against MB activation rows (R x MB accumulators held in
+ * registers, R chosen per MB so enough independent chains hide the multiply latency), so each
+ * widened weight vector serves MB activation rows; more rows re-read the R weight rows from L1
+ * for each block of MB rows.
  *
- * Summation order: every output element has VW fp32 partial sums (lane l takes k = l mod VW),
- * reduced by a fixed tree, then a scalar tail (k mod VW), then the scale and bias. The order
- * depends only on k and the build's vector width, never on m, on which rows share a
- * micro-kernel or on the thread count: a row's result is bitwise the same whatever else is in
- * the batch (batch invariance).
+ * Summation order: every output element has VW fp32 partial sums (fp32 path: lane l takes
+ * k = l mod VW; bf16 path: lane l takes the pairs 2l, 2l + 1 mod 32), reduced by a fixed tree,
+ * then a scalar tail (k mod VW or 32), then the scale and bias. The order depends only on k,
+ * the build and the path, never on which rows share a micro-kernel or on the thread count: a
+ * row's result is bitwise the same whatever else is in the batch, except that with bf16
+ * activations on AVX512-BF16 a one-row call (fp32 path) and a call of more rows (bf16 path)
+ * sum in different orders.
  *
- * Vector code is written with GCC/Clang vector extensions, so the same source is each ISA
+ * Vector code is written with GCC/Clang vector extensions (byte widening with AVX2/AVX512
+ * intrinsics: GCC 12 widens byte vectors one lane at a time), so the same source is each ISA
  * level's kernel (cpu_build.py): VW = 16 (one zmm) in AVX512 builds, 8 (one ymm, or two SSE
  * registers in the baseline build) otherwise. Work is split over OpenMP threads (torch's
  * runtime) in chunks of ITEM_ROWS output rows taken dynamically, so a thread descheduled on a
@@ -39,7 +52,12 @@
 #define VW 8
 #define ACC_REGS 8 /* of 16 */
 #endif
-#define MB_MAX 4      /* activation rows per micro-kernel */
+#if defined(__AVX512BF16__)
+#define BF16_DP 1
+#else
+#define BF16_DP 0
+#endif
+#define MB_MAX 8      /* activation rows per micro-kernel */
 #define ITEM_ROWS 16  /* output rows per work item */
 #define PF_GROUPS 2   /* micro-kernels ahead that prefetching reads */
 
@@ -53,8 +71,7 @@ static inline vf load_vf(const float *p) {
     return v;
 }
 
-/* VW int8 weights at p, widened to fp32 (exact): one sign-extending load and one conversion
- * (intrinsics: GCC 12 widens an int8 vector extension one lane at a time). */
+/* VW int8 weights at p, widened to fp32 (exact): one sign-extending load and one conversion. */
 static inline vf load_i8(const int8_t *p) {
 #if defined(__AVX512F__)
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
@@ -88,20 +105,20 @@ static inline float hsum_vf(vf v) {
 }
 
 /* Weight rows per micro-kernel for mb activation rows: R x mb accumulators within ACC_REGS,
- * at least ~8 independent FMA chains where possible. */
+ * up to 8 independent chains at one row. */
 static inline int rows_for(int mb) {
     const int r = ACC_REGS / mb;
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
-/* dots[r][i] = q[r, :] . x[i, :] for R weight rows (row stride qs) and MB activation rows
- * (fp32, row stride xs): VW-lane accumulators, the fixed tree, then the scalar tail. R and MB
- * are compile-time constants wherever this is inlined. Meanwhile the R rows at pf (the next
- * micro-kernel's, NULL for none) are prefetched into L2 (prefetcht1), one cache line per row
- * every 64 values of k. Measured on the 2-core AVX512 EPYC (49152 x 576, one thread,
+/* dots[r][i] = q[r, :] . x[i, :] for R weight rows (row stride qs) and MB fp32 activation
+ * rows (row stride xs): VW-lane accumulators, the fixed tree, then the scalar tail. R and MB
+ * are compile-time constants wherever this is inlined. Meanwhile the R rows at pf (PF_GROUPS
+ * micro-kernels ahead, NULL for none) are prefetched into L2 (prefetcht1), one cache line per
+ * row every 64 values of k. Measured on the 2-core AVX512 EPYC (49152 x 576, one thread,
  * alternating builds): no software prefetch 1.3x slower than prefetcht0 one micro-kernel
- * ahead, which was 1.6x slower than prefetcht1 two micro-kernels ahead (1, 4, 8, 16 ahead
- * within 10% of 2; prefetchnta 2x slower). */
+ * ahead, which was 1.6x slower than prefetcht1 two ahead (1, 4, 8, 16 ahead within 10% of 2;
+ * prefetchnta 2x slower). */
 static inline __attribute__((always_inline)) void dot_block(
         int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
         const int8_t *pf, float dots[8][MB_MAX]) {
@@ -125,15 +142,75 @@ static inline __attribute__((always_inline)) void dot_block(
         }
 }
 
-/* dot_block for R in {8, 4, 2, 1} and MB in 1..MB_MAX, each a specialized copy. */
-static void dot_block_any(int R, int MB, const float *x, int64_t xs, const int8_t *q,
+#if BF16_DP
+/* 32 int8 weights at p as bf16 pairs in k order (exact). */
+static inline __m512bh load_i8_bf16(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* elements 0-15 from lo, 16-31 from hi */
+}
+
+static inline float bf16_at(const uint16_t *p) {
+    const uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* As dot_block for bf16 activation rows x (uint16, row stride xs elements): 32 values of k per
+ * VDPBF16PS, the tail (k mod 32) in scalar fp32. */
+static inline __attribute__((always_inline)) void dot_block_dp(
+        int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        const int8_t *pf, float dots[8][MB_MAX]) {
+    __m512 acc[8][MB_MAX];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+    const int64_t kv = k / 32 * 32;
+    for (int64_t kk = 0; kk < kv; kk += 32) {
+        if (pf && kk % 64 == 0)
+            for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * qs + kk, 0, 2);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh w = load_i8_bf16(q + r * qs + kk);
+            for (int i = 0; i < MB; ++i)
+                acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w,
+                                             (__m512bh)_mm512_loadu_si512(x + i * xs + kk));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) {
+            float tail = 0.f;
+            for (int64_t kk = kv; kk < k; ++kk)
+                tail += (float)q[r * qs + kk] * bf16_at(x + i * xs + kk);
+            vf v;
+            memcpy(&v, &acc[r][i], sizeof v);
+            dots[r][i] = hsum_vf(v) + tail;
+        }
+}
+#endif
+
+/* The micro-kernel for R in {8, 4, 2, 1} and MB in 1..MB_MAX, each a specialized copy: the
+ * bf16 path for bf16 x where built, else the fp32 path. */
+static void dot_block_any(int R, int MB, int dp, const void *x, int64_t xs, const int8_t *q,
                           int64_t qs, int64_t k, const int8_t *pf, float dots[8][MB_MAX]) {
-#define CASE_MB(RR)                                                                       \
-    switch (MB) {                                                                         \
-    case 1: dot_block(RR, 1, x, xs, q, qs, k, pf, dots); break;                           \
-    case 2: dot_block(RR, 2, x, xs, q, qs, k, pf, dots); break;                           \
-    case 3: dot_block(RR, 3, x, xs, q, qs, k, pf, dots); break;                           \
-    default: dot_block(RR, 4, x, xs, q, qs, k, pf, dots); break;                          \
+#if BF16_DP
+#define CALL(RR, MM)                                                                       \
+    (dp ? dot_block_dp(RR, MM, x, xs, q, qs, k, pf, dots)                                  \
+        : dot_block(RR, MM, x, xs, q, qs, k, pf, dots))
+#else
+    (void)dp;
+#define CALL(RR, MM) dot_block(RR, MM, x, xs, q, qs, k, pf, dots)
+#endif
+#define CASE_MB(RR)                                                                        \
+    switch (MB) {                                                                          \
+    case 1: CALL(RR, 1); break;                                                            \
+    case 2: CALL(RR, 2); break;                                                            \
+    case 3: CALL(RR, 3); break;                                                            \
+    case 4: CALL(RR, 4); break;                                                            \
+    case 5: CALL(RR, 5); break;                                                            \
+    case 6: CALL(RR, 6); break;                                                            \
+    case 7: CALL(RR, 7); break;                                                            \
+    default: CALL(RR, 8); break;                                                           \
     }
     switch (R) {
     case 8: CASE_MB(8); break;
@@ -142,11 +219,13 @@ static void dot_block_any(int R, int MB, const float *x, int64_t xs, const int8_
     default: CASE_MB(1); break;
     }
 #undef CASE_MB
+#undef CALL
 }
 
 typedef struct {
-    const float *x;
+    const void *x; /* fp32, or bf16 on the bf16 path */
     int64_t xs;
+    int dp; /* the bf16 path */
     const int8_t *q;
     int64_t qs;
     const float *scale, *bias;
@@ -158,7 +237,7 @@ typedef struct {
 
 /* y[i, j] for output rows [j0, j0 + rows) and every activation row. */
 static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
-    const size_t yes = elem_size(g->ydt);
+    const size_t yes = elem_size(g->ydt), xes = g->dp ? 2 : 4;
     float dots[8][MB_MAX];
     for (int64_t i0 = 0; i0 < g->m; i0 += MB_MAX) {
         const int mb = (int)(g->m - i0 < MB_MAX ? g->m - i0 : MB_MAX);
@@ -169,8 +248,8 @@ static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
              * (later passes find them in cache) */
             const int8_t *pf = i0 == 0 && j + (PF_GROUPS + 1) * r <= g->n
                 ? g->q + (j + PF_GROUPS * r) * g->qs : NULL;
-            dot_block_any(r, mb, g->x + i0 * g->xs, g->xs, g->q + j * g->qs, g->qs, g->k, pf,
-                          dots);
+            dot_block_any(r, mb, g->dp, (const char *)g->x + i0 * g->xs * xes, g->xs,
+                          g->q + j * g->qs, g->qs, g->k, pf, dots);
             for (int i = 0; i < mb; ++i)
                 for (int rr = 0; rr < r; ++rr) {
                     const float v = dots[rr][i] * g->scale[j + rr] + (g->bias ? g->bias[j + rr]
@@ -183,21 +262,23 @@ static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
 }
 
 /* y [m, n] (dtype ydt, row stride ys) = (x [m, k] (dtype xdt, row stride xs) @ q^T) * scale
- * (+ bias), q int8 [n, k] (row stride qs), scale and bias fp32 [n] (bias may be NULL).
- * Returns 1 when the fp32 copy of a 16-bit x cannot be allocated, else 0. */
+ * (+ bias), q int8 [n, k] (row stride qs), scale and bias fp32 [n] (bias may be NULL). bf16 x
+ * of 2+ rows takes the bf16 path where built; other 16-bit x is widened to fp32 first (exact).
+ * Returns 1 when that fp32 copy cannot be allocated, else 0. */
 int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
                      const float *scale, const float *bias, void *y, int64_t ys, int ydt,
                      int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
+    const int dp = BF16_DP && xdt == DT_BF16 && m >= 2;
     float *x32 = NULL;
-    if (xdt != DT_F32) { /* widen x once (exact); the kernel reads fp32 rows */
+    if (xdt != DT_F32 && !dp) {
         x32 = malloc(sizeof(float) * (size_t)(m * (k > 0 ? k : 1)));
         if (!x32) return 1;
         for (int64_t i = 0; i < m; ++i)
             load_row(xdt, (const char *)x + i * xs * (int64_t)elem_size(xdt), x32 + i * k, k);
     }
-    const Int8Gemm g = {x32 ? x32 : (const float *)x, x32 ? k : xs, q, qs, scale, bias, y, ys,
-                        ydt, m, n, k};
+    const Int8Gemm g = {x32 ? (const void *)x32 : x, x32 ? k : xs, dp, q, qs, scale, bias, y,
+                        ys, ydt, m, n, k};
     const int64_t items = (n + ITEM_ROWS - 1) / ITEM_ROWS;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > items ? (int)items : num_threads;
     const int64_t chunk = items / (4 * (int64_t)nt) > 0 ? items / (4 * (int64_t)nt) : 1;
@@ -209,3 +290,4 @@ int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_
     free(x32);
     return 0;
 }
+
