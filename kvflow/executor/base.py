@@ -15,13 +15,16 @@ different micro-batches at the same time.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ExecutorError(RuntimeError):
@@ -77,6 +80,28 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         self.config = config
         self.source, self.hf_config, self.dtype = source, hf_config, dtype
+        self._failed: str | None = None  # why the workers were shut down (see _fail)
+
+    def _check_failed(self) -> None:
+        """Refuse any call once a worker has failed.
+
+        Raises:
+            ExecutorError: with the failure's message, if ``_fail`` ran before.
+        """
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+
+    def _fail(self, message: str) -> NoReturn:
+        """Shut the workers down and raise ExecutorError(message), now and from every later
+        call (``_check_failed``); multi-worker executors call it when a worker fails.
+
+        Raises:
+            ExecutorError: always.
+        """
+        self._failed = f"{message}; the engine's workers were shut down"
+        logger.error("%s", self._failed)
+        self.shutdown()
+        raise ExecutorError(self._failed)
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:

@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.executor.base import Executor, ExecutorError, StepFuture
+from kvflow.executor.base import Executor, StepFuture
 from kvflow.executor.mp_worker import WorkerArgs
 from kvflow.executor.step_codec import StepCodec
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
@@ -72,7 +72,6 @@ class MultiprocExecutor(Executor):
         self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
         self.codec = StepCodec()
         self._procs: list[subprocess.Popen] = []
-        self._failed: str | None = None
         self._sent = self._received = 0  # steps published / step results read
         self._results: dict[int, Any] = {}
         try:
@@ -170,8 +169,7 @@ class MultiprocExecutor(Executor):
         return self._results.pop(seq)
 
     def _publish(self, kind: bytes, payload: bytes) -> None:
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self._check_failed()
         self._pub.send_multipart([kind, payload])
 
     def _recv(self) -> list[bytes]:
@@ -180,8 +178,7 @@ class MultiprocExecutor(Executor):
         Raises:
             ExecutorError: if a worker died or reported an error.
         """
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self._check_failed()
         while not self._pull.poll(_POLL_MS):
             self._check_alive()
         kind, rank, payload = self._pull.recv_multipart()
@@ -196,8 +193,7 @@ class MultiprocExecutor(Executor):
         Raises:
             ExecutorError: if a worker died or reported an error.
         """
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self._check_failed()
         self._check_alive()
 
     def _fail_from_error(self, rank: int, message: str) -> None:
@@ -224,17 +220,6 @@ class MultiprocExecutor(Executor):
             code = proc.poll()
             if code is not None:
                 self._fail(f"worker rank {rank} (pid {proc.pid}) died: {describe_exit(code)}")
-
-    def _fail(self, message: str) -> None:
-        """Stop every worker and raise ExecutorError(message) (now and on every later call).
-
-        Raises:
-            ExecutorError: always.
-        """
-        self._failed = f"{message}; the engine's workers were shut down"
-        logger.error("%s", self._failed)
-        self.shutdown()
-        raise ExecutorError(self._failed)
 
     def shutdown(self) -> None:
         """Ask the workers to stop, kill any that do not within 5 s, release the sockets and

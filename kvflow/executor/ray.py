@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.executor.base import Executor, ExecutorError, StepFuture
+from kvflow.executor.base import Executor, StepFuture
 from kvflow.executor.ray_worker import RayWorkerWrapper
 from kvflow.executor.step_codec import StepCodec
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
@@ -58,7 +58,6 @@ class RayExecutor(Executor):
         self.world_size = config.parallel_config.world_size
         self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
         self.codec = StepCodec()
-        self._failed: str | None = None
         self._started_ray = False
         self.actors: list[Any] = []
         self._pg = None
@@ -143,20 +142,6 @@ class RayExecutor(Executor):
         return [results[r] for r in range(len(refs))]
 
     # ---- failure and shutdown ------------------------------------------------------------------
-    def _check_failed(self) -> None:
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
-
-    def _fail(self, message: str) -> None:
-        """Kill every actor and raise ExecutorError(message) (now and on every later call).
-
-        Raises:
-            ExecutorError: always.
-        """
-        self._failed = f"{message}; the engine's workers were shut down"
-        logger.error("%s", self._failed)
-        self.shutdown()
-        raise ExecutorError(self._failed)
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, and stop Ray if this executor started
