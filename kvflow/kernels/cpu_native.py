@@ -54,7 +54,7 @@ class NativeCpuKernels:
         self._silu_and_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _int, _int]
         self._rotary = lib.kvflow_rotary
         self._rotary.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr,
-                                 _i64, _int, _int, _int]
+                                 _i64, _i64, _int, _int, _int]
         for fn in (self._rms_norm, self._silu_and_mul, self._rotary):
             fn.restype = _int
         self._gemm_packed_size = lib.kvflow_gemm_packed_size
@@ -168,32 +168,35 @@ class NativeCpuKernels:
         Returns ``y`` [N, H], or ``(y, x + residual)`` with a residual; fresh tensors, inputs
         untouched. Raises ValueError on a dtype/shape/layout mismatch.
         """
+        dtype = x.dtype
+        if not (_rows(x, dtype) and weight.dtype == dtype and weight.dim() == 1
+                and weight.shape[0] == x.shape[1] and weight.is_contiguous()
+                and (residual is None or (_rows(residual, dtype)
+                                          and residual.shape == x.shape))):
+            _rms_norm_error(x, weight, residual)  # one test on the hot path; details here
         rows, hidden = x.shape
-        _check_rows("x", x, weight.dtype)
-        if weight.shape != (hidden,) or not weight.is_contiguous():
-            raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
-        out = torch.empty(rows, hidden, dtype=x.dtype)
-        new_residual, r_ptr, r_stride = None, None, 0
-        if residual is not None:
-            _check_rows("residual", residual, x.dtype)
-            if residual.shape != x.shape:
-                raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
-            new_residual = torch.empty_like(out)
-            r_ptr, r_stride = residual.data_ptr(), residual.stride(0)
-        status = self._rms_norm(x.data_ptr(), x.stride(0), r_ptr, r_stride,
-                                None if new_residual is None else new_residual.data_ptr(),
-                                weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
-                                _DTYPE_CODES[x.dtype], torch.get_num_threads())
+        out = torch.empty(rows, hidden, dtype=dtype)
+        if residual is None:
+            status = self._rms_norm(x.data_ptr(), x.stride(0), None, 0, None, weight.data_ptr(),
+                                    out.data_ptr(), rows, hidden, eps, _DTYPE_CODES[dtype],
+                                    torch.get_num_threads())
+            _raise_on(status, "rms_norm")
+            return out
+        new_residual = torch.empty(rows, hidden, dtype=dtype)
+        status = self._rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(),
+                                residual.stride(0), new_residual.data_ptr(), weight.data_ptr(),
+                                out.data_ptr(), rows, hidden, eps, _DTYPE_CODES[dtype],
+                                torch.get_num_threads())
         _raise_on(status, "rms_norm")
-        return out if residual is None else (out, new_residual)
+        return out, new_residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU gate: x [N, 2I] -> round(silu(x[:, :I])) * x[:, I:] as a fresh [N, I] tensor
         (torch's rounding in 16-bit dtypes). Raises ValueError on a dtype/layout mismatch."""
+        if not _rows(x, x.dtype) or x.shape[1] % 2:
+            _check_rows("x", x, x.dtype)
+            raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[1]}")
         rows, width = x.shape
-        _check_rows("x", x, x.dtype)
-        if width % 2:
-            raise ValueError(f"silu_and_mul needs an even last dim, got {width}")
         out = torch.empty(rows, width // 2, dtype=x.dtype)
         status = self._silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2,
                                     _DTYPE_CODES[x.dtype], torch.get_num_threads())
@@ -217,7 +220,7 @@ class NativeCpuKernels:
         tokens, num_heads, head_dim = q.shape
         rot_dim = cos_sin_cache.shape[1]
         for name, t in (("q", q), ("k", k)):
-            if t.dtype not in _DTYPE_CODES or t.dtype != q.dtype or t.device.type != "cpu" \
+            if t.dtype not in _DTYPE_CODES or t.dtype != q.dtype or not t.is_cpu \
                     or t.stride(2) != 1 or t.stride(1) != head_dim or t.shape[0] != tokens:
                 raise ValueError(f"rotary: {name} must be a CPU [T, heads, {head_dim}] tensor of "
                                  f"q's dtype with contiguous heads")
@@ -226,13 +229,14 @@ class NativeCpuKernels:
             raise ValueError("rotary: cos_sin_cache must be contiguous float32 [P, rot_dim] with "
                              "an even rot_dim <= head_dim")
         positions = positions.to(torch.int64).contiguous()
-        if tokens and (int(positions.min()) < 0
-                       or int(positions.max()) >= cos_sin_cache.shape[0]):
-            raise ValueError(f"rotary: positions must lie in [0, {cos_sin_cache.shape[0]})")
+        # the kernel checks the positions (before rotating anything): no reduction and sync
+        # per layer here
         status = self._rotary(positions.data_ptr(), q.data_ptr(), q.stride(0), num_heads,
                               k.data_ptr(), k.stride(0), k.shape[1], head_dim, rot_dim,
-                              cos_sin_cache.data_ptr(), tokens, int(is_neox),
-                              _DTYPE_CODES[q.dtype], torch.get_num_threads())
+                              cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], tokens,
+                              int(is_neox), _DTYPE_CODES[q.dtype], torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"rotary: positions must lie in [0, {cos_sin_cache.shape[0]})")
         _raise_on(status, "rotary")
         return q, k
 
@@ -385,6 +389,33 @@ class NativeCpuKernels:
                              "per request")
 
 
+def _rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``t`` is a 2-D CPU tensor of ``dtype`` (one the kernels take) with unit-stride
+    rows: the hot path's one test (:func:`_check_rows` says what is wrong)."""
+    return t.dtype == dtype and t.is_cpu and t.dim() == 2 and t.stride(1) == 1 \
+        and dtype in _DTYPE_CODES
+
+
+def _rms_norm_error(x: torch.Tensor, weight: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+    """Raise the ValueError saying why :meth:`NativeCpuKernels.rms_norm` refuses its operands.
+
+    Raises:
+        ValueError: always.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, hidden], got {tuple(x.shape)}")
+    _check_rows("x", x, weight.dtype)
+    hidden = x.shape[1]
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
+    if residual is not None:
+        _check_rows("residual", residual, x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    raise ValueError("rms_norm: unsupported operands")
+
+
 def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype not in _DTYPE_CODES or t.dtype != dtype or t.device.type != "cpu" \
             or t.dim() != 2 or t.stride(1) != 1:
@@ -430,7 +461,7 @@ def _load(cc: str, sources: list[Path], level: cpu_build.IsaLevel) -> NativeCpuK
 def native_kernels_for(x: torch.Tensor) -> NativeCpuKernels | None:
     """The native kernels when ``x`` is a CPU tensor of a dtype they handle and they could be
     built, else None (the caller runs its torch code)."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPE_CODES:
+    if not x.is_cpu or x.dtype not in _DTYPE_CODES:
         return None
     return native_cpu_kernels()
 

@@ -44,9 +44,10 @@ class RMSNorm(CustomOp):
 
     def _rows_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether the native CPU kernel takes these operands: 2-D unit-stride rows, one dtype."""
-        same = [x] if residual is None else [x, residual]
-        return x.dim() == 2 and self.weight.dtype == x.dtype and all(
-            t.stride(-1) == 1 and t.dtype == x.dtype and t.shape == x.shape for t in same)
+        dtype = x.dtype
+        return x.dim() == 2 and self.weight.dtype == dtype and x.stride(-1) == 1 and (
+            residual is None or (residual.stride(-1) == 1 and residual.dtype == dtype
+                                 and residual.shape == x.shape))
 
     def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """One fused Triton kernel for [T, hidden] rows; with a residual, updates x and

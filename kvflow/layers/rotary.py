@@ -285,8 +285,9 @@ class RotaryEmbedding(CustomOp):
     def _heads_contiguous(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether the native CPU kernel takes q/k: [T, heads, head_dim] of one dtype with
         contiguous heads, and a float32 cos/sin table."""
-        return self.cos_sin_cache.dtype == torch.float32 and q.dtype == k.dtype and all(
-            t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
+        return self.cos_sin_cache.dtype == torch.float32 and q.dtype == k.dtype \
+            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2] \
+            and k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2]
 
     def fusable(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a fused rotary + KV-store kernel may apply this rotation

@@ -112,11 +112,14 @@ static void rotate_heads(int dtype, char *x, int64_t n, int64_t head_dim, int64_
 
 /* q: [tokens, num_heads, head_dim] (token stride q_stride), k: [tokens, num_kv_heads,
  * head_dim] (token stride k_stride), both rotated in place; positions int64 [tokens];
- * cos_sin fp32 [max_position, rot_dim] (cos half then sin half). */
+ * cos_sin fp32 [max_position, rot_dim] (cos half then sin half). Returns 2 (nothing rotated)
+ * when a position lies outside [0, max_position), 1 when scratch memory cannot be allocated. */
 int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t num_heads,
                   void *k, int64_t k_stride, int64_t num_kv_heads, int64_t head_dim,
-                  int64_t rot_dim, const float *cos_sin, int64_t tokens, int neox, int dtype,
-                  int num_threads) {
+                  int64_t rot_dim, const float *cos_sin, int64_t max_position, int64_t tokens,
+                  int neox, int dtype, int num_threads) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return 2;
     const size_t es = elem_size(dtype);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
