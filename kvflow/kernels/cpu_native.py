@@ -366,6 +366,18 @@ class NativeCpuKernels:
     @staticmethod
     def _check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads, num_kv_heads,
                head_dim, cache_dim) -> None:
+        i32 = torch.int32
+        if q.dtype in _DTYPE_CODES and kv_cache.dtype == q.dtype and q.is_cpu \
+                and kv_cache.is_cpu and query_start_loc.is_cpu and seq_lens.is_cpu \
+                and block_table.is_cpu and query_start_loc.dtype == i32 \
+                and seq_lens.dtype == i32 and block_table.dtype == i32 \
+                and kv_cache.is_contiguous() and q.stride(2) == 1 and q.stride(1) == head_dim \
+                and query_start_loc.is_contiguous() and seq_lens.is_contiguous() \
+                and block_table.stride(1) == 1 and cache_dim == head_dim \
+                and num_heads % num_kv_heads == 0 \
+                and query_start_loc.shape[0] == seq_lens.shape[0] + 1 \
+                and block_table.shape[0] >= seq_lens.shape[0]:
+            return  # the hot path: one test; below, which rule is broken
         if q.dtype not in _DTYPE_CODES or kv_cache.dtype != q.dtype:
             raise ValueError(f"native paged attention needs q and kv_cache of one dtype among "
                              f"float32/bfloat16/float16, got {q.dtype} and {kv_cache.dtype}")
