@@ -15,6 +15,7 @@ from kvflow.config.device import (
     cache_dir,
     cpu_adaptive_threads_choice,
     cpu_gemm_choice,
+    cpu_gemm_pool_choice,
     cpu_gguf_choice,
     cpu_quant_choice,
     lora_kernel_choice,
@@ -33,5 +34,6 @@ from kvflow.config.speculative import SPEC_METHODS, SpeculativeConfig
 __all__ = ["CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS", "CacheConfig",
            "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "MultiModalConfig",
            "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
-           "cache_dir", "cpu_adaptive_threads_choice", "cpu_gemm_choice", "cpu_gguf_choice",
-           "cpu_quant_choice", "lora_kernel_choice", "parse_bytes", "parse_cpu_list"]
+           "cache_dir", "cpu_adaptive_threads_choice", "cpu_gemm_choice", "cpu_gemm_pool_choice",
+           "cpu_gguf_choice", "cpu_quant_choice", "lora_kernel_choice", "parse_bytes",
+           "parse_cpu_list"]

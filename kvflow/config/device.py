@@ -50,11 +50,26 @@ def cpu_adaptive_threads_choice(value: bool | None = None) -> bool:
     Raises:
         ValueError: when the variable is neither 0 nor 1.
     """
+    return _bool_choice(value, "KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+
+
+def cpu_gemm_pool_choice(value: bool | None = None) -> bool:
+    """Whether kvflow's C GEMM shares its work through kvflow's straggler-tolerant pool
+    (:mod:`kvflow.kernels.cpu_pool`) instead of OpenMP threads: ``value``
+    (``--cpu-gemm-pool``) if given, else ``$KVFLOW_CPU_GEMM_POOL`` (``0`` or ``1``), else on.
+
+    Raises:
+        ValueError: when the variable is neither 0 nor 1.
+    """
+    return _bool_choice(value, "KVFLOW_CPU_GEMM_POOL", "1")
+
+
+def _bool_choice(value: bool | None, variable: str, default: str) -> bool:
     if value is not None:
         return value
-    env = os.environ.get("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+    env = os.environ.get(variable, default)
     if env not in ("0", "1"):
-        raise ValueError(f"KVFLOW_CPU_ADAPTIVE_THREADS={env!r} is invalid; choose 0 or 1")
+        raise ValueError(f"{variable}={env!r} is invalid; choose 0 or 1")
     return env == "1"
 
 
@@ -158,6 +173,11 @@ class DeviceConfig:
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; default: not pinned)")
+    cpu_gemm_pool: bool | None = opt(None, "share the work of kvflow's C GEMM through kvflow's "
+                                     "own thread pool, where the calling thread never waits "
+                                     "for a worker descheduled by another process (instead of "
+                                     "OpenMP threads; same results; default: "
+                                     "$KVFLOW_CPU_GEMM_POOL, else on)")
     cpu_adaptive_threads: bool | None = opt(None, "lower the CPU thread count while other "
                                             "processes take the CPUs (measured from the "
                                             "kernel's runqueue wait) and probe back later; "
@@ -169,6 +189,7 @@ class DeviceConfig:
         check_choices(self)
         cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
         cpu_adaptive_threads_choice(self.cpu_adaptive_threads)
+        cpu_gemm_pool_choice(self.cpu_gemm_pool)
         cpu_gguf_choice()
         cpu_quant_choice()
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCES = ("cpu_attention.c", "cpu_attention_kvq.c", "cpu_elementwise.c", "cpu_gemm.c",
-           "cpu_gguf.c", "cpu_quant_gemm.c", "cpu_threads.c")
+           "cpu_gguf.c", "cpu_pool.c", "cpu_quant_gemm.c", "cpu_threads.c")
 HEADERS = ("cpu_common.h", "cpu_attention_tiled.h", "cpu_attention_dp.h",
-           "cpu_attention_decode.h")
+           "cpu_attention_decode.h", "cpu_pool.h")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=gnu11", "-Wno-psabi")
 

@@ -43,6 +43,7 @@ class NativeCpuKernels:
     def __init__(self, lib: ctypes.CDLL, isa: str = "native") -> None:
         self.lib = lib  # entry points bound elsewhere (kernels/cpu_attention_kvq.py)
         self.isa = isa  # the instruction-set level the library was built for
+        self.pool = None  # a kernels.cpu_pool.CpuPool that shares gemm's work, when set
         self._attn = lib.kvflow_paged_attention
         self._attn.restype = _int
         self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
@@ -287,6 +288,25 @@ class NativeCpuKernels:
             ValueError: on a dtype, device or size mismatch.
             MemoryError: when the kernel cannot allocate its work-sharing state.
         """
+        if self.pool is not None:
+            return self.pool.gemm(x, packed, n, bias)
+        rows, code, x_code = self.gemm_operands(x, packed, n, bias)
+        k = x.shape[-1]
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._gemm(rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                            rows.shape[0], n, k, torch.get_num_threads())
+        _raise_on(status, "gemm")
+        return out.view(*x.shape[:-1], n)
+
+    def gemm_operands(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+        """(x as [rows, K] unit-stride rows of the dtype the weight takes, the weight's dtype
+        code, x's dtype code) for :meth:`gemm`.
+
+        Raises:
+            ValueError: on a dtype, device or size mismatch.
+        """
         k = x.shape[-1]
         code = _DTYPE_CODES.get(packed.dtype, -1)
         if x.device.type != "cpu" or not x.is_floating_point() or code < 0 \
@@ -300,12 +320,7 @@ class NativeCpuKernels:
         rows = x.reshape(math.prod(x.shape[:-1]), k).to(_DTYPES[x_code])
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        status = self._gemm(rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                            rows.shape[0], n, k, torch.get_num_threads())
-        _raise_on(status, "gemm")
-        return out.view(*x.shape[:-1], n)
+        return rows, code, x_code
 
     def gguf_gemm(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:

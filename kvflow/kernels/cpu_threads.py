@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import torch
 
 from kvflow.config import parse_cpu_list
-from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
+from kvflow.kernels.cpu_pool import CpuPool
 from kvflow.platforms.cpu_contention import GovernorSettings, ThreadGovernor, runqueue_wait_ns
 from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, usable_cpus
 
@@ -66,10 +67,13 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
 
 
 def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int = 0,
-                          ranks: int = 1) -> tuple[int, list[int] | None]:
+                          ranks: int = 1, gemm_pool: bool = False
+                          ) -> tuple[int, list[int] | None]:
     """Size (and optionally pin) the CPU compute threads of worker ``rank`` of ``ranks`` on
     this machine; call from the thread that runs the model. Returns (threads, pinned CPUs or
-    None).
+    None). With ``gemm_pool`` (and the native kernels), kvflow's C GEMM shares its work
+    through a :class:`~kvflow.kernels.cpu_pool.CpuPool` of ``threads - 1`` workers (pinned to
+    the CPUs after the caller's when pinning), :func:`use_gemm_pool`.
 
     Without the native kernels, pinning restricts the whole process to the listed CPUs
     instead (the threads may still move among them), with a warning.
@@ -89,8 +93,29 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
             logger.warning("native CPU kernels unavailable: the process is restricted to CPUs "
                            "%s, its threads not pinned one by one", cpus)
             os.sched_setaffinity(0, cpus)
-    logger.info("CPU compute threads: %d%s", threads, f", pinned to {cpus}" if cpus else "")
+    use_gemm_pool(native_cpu_kernels() if gemm_pool else None, threads, cpus)
+    logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
+                ", GEMM work shared by kvflow's pool" if gemm_pool and threads > 1 else "")
     return threads, cpus
+
+
+def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int,
+                  cpus: list[int] | None) -> None:
+    """Give the process's native kernels a GEMM pool of ``threads - 1`` workers (pinned to
+    ``cpus[1:]`` when ``cpus`` is given), keeping the current pool when it matches; with
+    ``kernels`` None (pool off, or no native kernels) or one thread, the kernels' pool is
+    removed. The pool is process-wide, like torch's thread count."""
+    native = native_cpu_kernels()
+    if native is None:
+        return
+    if kernels is None or threads < 2:
+        native.pool = None
+        return
+    workers = None if cpus is None else cpus[1:threads]
+    current = native.pool
+    if current is not None and current.num_workers == threads - 1 and current.cpus == workers:
+        return
+    native.pool = CpuPool(native, threads - 1, workers)
 
 
 @contextmanager

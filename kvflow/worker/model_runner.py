@@ -13,7 +13,13 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.cp_paged import ContextParallelAttentionBackend
 from kvflow.attention.layer import Attention, AttentionContext
-from kvflow.config import EngineConfig, cpu_adaptive_threads_choice, cpu_gemm_choice, parse_bytes
+from kvflow.config import (
+    EngineConfig,
+    cpu_adaptive_threads_choice,
+    cpu_gemm_choice,
+    cpu_gemm_pool_choice,
+    parse_bytes,
+)
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -163,7 +169,8 @@ class ModelRunner:
             # every rank of every data-parallel replica on this machine takes its share
             threads, pinned = configure_cpu_threads(
                 dc.cpu_threads, dc.cpu_threads_bind,
-                pc.data_parallel_rank * world + self.parallel.rank, pc.data_parallel_size * world)
+                pc.data_parallel_rank * world + self.parallel.rank, pc.data_parallel_size * world,
+                cpu_gemm_pool_choice(dc.cpu_gemm_pool))
             self.adaptive_threads = AdaptiveThreads.create(
                 cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic,
                 threads, pinned is not None,

@@ -13,6 +13,13 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 static inline size_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
+/* Threads for a pass over `elements` values: one below 64K values (a decode step's rows), where
+ * waking a second thread costs more than it saves and, beside a busy process, the region would
+ * wait for a thread descheduled on the shared core; else num_threads. */
+static inline int threads_for(int64_t elements, int num_threads) {
+    return elements < ((int64_t)1 << 16) ? 1 : num_threads;
+}
+
 /* n elements of the storage dtype at src -> fp32 at dst. */
 static inline void load_row(int dtype, const void *src, float *dst, int64_t n) {
     if (dtype == DT_F32) {

@@ -8,7 +8,8 @@
  *   kvflow_silu_and_mul:  y = round(silu(gate)) * up for x = [gate | up] (SwiGLU, Shazeer 2020)
  *   kvflow_rotary:        q, k rotated in place by RoPE (Su et al. 2021), neox or gpt-j pairs
  *
- * Rows are split over OpenMP threads (torch's libgomp runtime, see cpu_attention.c).
+ * Rows are split over OpenMP threads (torch's libgomp runtime, see cpu_attention.c); a small
+ * pass (a decode step's) runs on the calling thread alone (threads_for, cpu_common.h).
  */
 #include "cpu_common.h"
 
@@ -27,7 +28,7 @@ int kvflow_rms_norm(const void *x, int64_t x_stride, const void *residual, int64
                     int64_t hidden, float eps, int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads_for(rows * hidden, num_threads)) reduction(| : failed)
     {
         float *buf = malloc(sizeof(float) * hidden * 3), *w = buf + hidden, *tmp = w + hidden;
         if (buf) load_row(dtype, weight, w, hidden);
@@ -68,7 +69,8 @@ int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows
                         int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads_for(rows * inter * 2, num_threads)) \
+    reduction(| : failed)
     {
         float *gate = malloc(sizeof(float) * inter * 3), *up = gate + inter, *tmp = up + inter;
 #pragma omp for schedule(static)
@@ -122,7 +124,8 @@ int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t n
         if (positions[t] < 0 || positions[t] >= max_position) return 2;
     const size_t es = elem_size(dtype);
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads_for(tokens * (num_heads + num_kv_heads) * rot_dim, \
+                                             num_threads)) reduction(| : failed)
     {
         float *buf = malloc(sizeof(float) * rot_dim * 2);
 #pragma omp for schedule(static)

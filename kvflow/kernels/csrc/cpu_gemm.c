@@ -36,6 +36,7 @@
  * on which thread ran an item. Threads come from torch's OpenMP runtime (see cpu_attention.c).
  */
 #include "cpu_common.h"
+#include "cpu_pool.h"
 
 #include <omp.h>
 #if defined(__AVX512BF16__)
@@ -233,11 +234,12 @@ typedef struct {
  * Edge panels (fewer than NR columns) go through an MR x NR scratch tile. */
 static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int64_t ic,
                                                                int64_t mb, int64_t p, int wdt,
-                                                               int paired) {
+                                                               int paired, float *y,
+                                                               int64_t ldy) {
     const int64_t cols = min64(g->n - p * NR, NR), es = (int64_t)elem_size(wdt);
     const int64_t kk_n = paired ? (g->k + 1) / 2 * 2 : g->k, xes = paired ? 2 : 4;
     const char *panel = (const char *)g->packed + p * kk_n * NR * es;
-    float *y = g->y + ic * g->y_stride + p * NR, tile[MR * NR], bias_tile[NR];
+    float tile[MR * NR], bias_tile[NR];
     const float *bias = NULL;
     if (g->bias) {
         for (int64_t j = 0; j < NR; ++j) bias_tile[j] = j < cols ? g->bias[p * NR + j] : 0.f;
@@ -254,8 +256,8 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
             const char *xm = (const char *)g->x + ((ic + ir) * g->x_stride + pc) * xes;
             const char *pf = next + ir / MR * pf_lines * 64;
             const int direct = cols == NR;
-            float *c = direct ? y + ir * g->y_stride : tile;
-            const int64_t ldc = direct ? g->y_stride : NR;
+            float *c = direct ? y + ir * ldy : tile;
+            const int64_t ldc = direct ? ldy : NR;
             const int acc = direct && pc > 0;
 #if BF16_PAIRS
             if (paired) {
@@ -274,26 +276,33 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
             if (!direct)
                 for (int64_t i = 0; i < rows; ++i)
                     for (int64_t j = 0; j < cols; ++j) {
-                        float *out = y + (ir + i) * g->y_stride + j;
+                        float *out = y + (ir + i) * ldy + j;
                         *out = (pc > 0 ? *out : 0.f) + tile[i * NR + j];
                     }
         }
     }
 }
 
-/* Rows [ic, ic + mb) of x times panel p: one specialized loop nest per weight layout. */
-static void block_times_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p) {
+/* Rows [ic, ic + mb) of x times panel p into y (row stride ldy; column 0 = the panel's first):
+ * one specialized loop nest per weight layout. */
+static void block_times_panel_to(const Gemm *g, int64_t ic, int64_t mb, int64_t p, float *y,
+                                 int64_t ldy) {
     if (g->k == 0) { /* an empty product is the bias (or zero) */
         const int64_t cols = min64(g->n - p * NR, NR);
         for (int64_t i = 0; i < mb; ++i)
             for (int64_t j = 0; j < cols; ++j)
-                g->y[(ic + i) * g->y_stride + p * NR + j] = g->bias ? g->bias[p * NR + j] : 0.f;
+                y[i * ldy + j] = g->bias ? g->bias[p * NR + j] : 0.f;
         return;
     }
-    if (g->wdt == DT_BF16 && BF16_PAIRS) block_panel(g, ic, mb, p, DT_BF16, 1);
-    else if (g->wdt == DT_BF16) block_panel(g, ic, mb, p, DT_BF16, 0);
-    else if (g->wdt == DT_F16) block_panel(g, ic, mb, p, DT_F16, 0);
-    else block_panel(g, ic, mb, p, DT_F32, 0);
+    if (g->wdt == DT_BF16 && BF16_PAIRS) block_panel(g, ic, mb, p, DT_BF16, 1, y, ldy);
+    else if (g->wdt == DT_BF16) block_panel(g, ic, mb, p, DT_BF16, 0, y, ldy);
+    else if (g->wdt == DT_F16) block_panel(g, ic, mb, p, DT_F16, 0, y, ldy);
+    else block_panel(g, ic, mb, p, DT_F32, 0, y, ldy);
+}
+
+/* Rows [ic, ic + mb) of x times panel p, in place in y. */
+static void block_times_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p) {
+    block_times_panel_to(g, ic, mb, p, g->y + ic * g->y_stride + p * NR, g->y_stride);
 }
 
 /* Rows of x per block: up to 96 rows of all of k, within ~256 KB (half this EPYC's L2). */
@@ -356,5 +365,57 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
         }
     }
     free(shares);
+    return 0;
+}
+
+/* The GEMM as a job of kvflow's pool (cpu_pool.h): item = (x block, weight panel), block-major;
+ * a worker computes its item into an mb x NR scratch tile, committed into y. */
+typedef struct {
+    Gemm g;
+    int64_t mb_max, panels;
+} PooledGemm;
+
+static void pooled_item(const void *ctx, int64_t item, float *scratch) {
+    const PooledGemm *pg = ctx;
+    const int64_t ic = item / pg->panels * pg->mb_max, p = item % pg->panels;
+    const int64_t mb = min64(pg->g.m - ic, pg->mb_max);
+    if (scratch) block_times_panel_to(&pg->g, ic, mb, p, scratch, NR);
+    else block_times_panel(&pg->g, ic, mb, p);
+}
+
+static void pooled_commit(const void *ctx, int64_t item, const float *scratch) {
+    const PooledGemm *pg = ctx;
+    const int64_t ic = item / pg->panels * pg->mb_max, p = item % pg->panels;
+    const int64_t mb = min64(pg->g.m - ic, pg->mb_max), cols = min64(pg->g.n - p * NR, NR);
+    for (int64_t i = 0; i < mb; ++i)
+        memcpy(pg->g.y + (ic + i) * pg->g.y_stride + p * NR, scratch + i * NR,
+               (size_t)cols * sizeof(float));
+}
+
+/* kvflow_gemm on a pool (cpu_pool.h) instead of OpenMP threads: x and bias are copied into the
+ * pool's buffers first (a late worker may read them after this returns); the packed weight
+ * must outlive the pool's use of it. Falls back to kvflow_gemm with num_threads when the pool
+ * is NULL, busy with another thread's job or out of memory. Same results as kvflow_gemm. */
+int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xdt,
+                       const void *packed, int wdt, const float *bias, float *y, int64_t y_stride,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
+    if (m <= 0 || n <= 0) return 0;
+    if (!kvflow_pool_begin(pool))
+        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, m, n, k, num_threads);
+    const size_t xes = elem_size(xdt), row = (size_t)k * xes;
+    char *xc = kvflow_pool_buffer(pool, 0, (size_t)m * row + 64);
+    float *bc = bias ? kvflow_pool_buffer(pool, 1, (size_t)n * sizeof(float)) : NULL;
+    if (!xc || (bias && !bc)) {
+        kvflow_pool_end(pool);
+        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, m, n, k, num_threads);
+    }
+    for (int64_t i = 0; i < m; ++i) memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
+    if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
+    const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(k);
+    const PooledGemm pg = {{xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k}, mb_max, panels};
+    kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
+                    (m + mb_max - 1) / mb_max * panels);
+    kvflow_pool_end(pool);
     return 0;
 }
