@@ -288,7 +288,7 @@ class NativeCpuKernels:
             ValueError: on a dtype, device or size mismatch.
             MemoryError: when the kernel cannot allocate its work-sharing state.
         """
-        if self.pool is not None:
+        if self.pool is not None and self.pool.is_open:
             return self.pool.gemm(x, packed, n, bias)
         rows, code, x_code = self.gemm_operands(x, packed, n, bias)
         k = x.shape[-1]

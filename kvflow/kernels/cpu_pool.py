@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -74,16 +75,24 @@ class CpuPool:
         if not handle:
             raise MemoryError("could not create the CPU thread pool")
         self._handle: int | None = handle
+        self._pid = os.getpid()  # a forked child has the pool's memory but not its threads
         # packed weights a late worker may still be reading (kept alive until it is done)
-        self._in_use: list[torch.Tensor] = []
+        self._in_use: dict[int, torch.Tensor] = {}
 
     @property
     def num_workers(self) -> int:
         """Worker threads running (fewer than asked if the system refused threads)."""
         return self._fn["kvflow_pool_workers"](self._live())
 
+    @property
+    def is_open(self) -> bool:
+        """Whether :meth:`gemm` can run (not closed, not a forked child's copy)."""
+        if self._handle is not None and os.getpid() != self._pid:
+            self.close()
+        return self._handle is not None
+
     def _live(self) -> int:
-        if self._handle is None:
+        if not self.is_open:
             raise ValueError("the CPU thread pool is closed")
         return self._handle
 
@@ -94,7 +103,8 @@ class CpuPool:
         read ``packed`` after this returns, the pool keeps a reference to it.
 
         Raises:
-            ValueError: on a dtype, device or size mismatch, or a closed pool.
+            ValueError: on a dtype, device or size mismatch, or a closed pool (in a forked
+                child the pool is closed: its threads stayed in the parent).
         """
         rows, code, x_code = self.kernels.gemm_operands(x, packed, n, bias)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
@@ -105,7 +115,7 @@ class CpuPool:
         if status:
             raise ValueError("gemm: x does not have the dtype the packed weight takes")
         if self._fn["kvflow_pool_late_workers"](self._handle):
-            self._in_use.append(packed)
+            self._in_use[packed.data_ptr()] = packed
         elif self._in_use:
             self._in_use.clear()
         return out.view(*x.shape[:-1], n)
@@ -124,7 +134,10 @@ class CpuPool:
         return dict(zip(("caller", "committed", "taken_over", "dropped"), out.tolist()))
 
     def close(self) -> None:
-        """Stop and join the workers (each finishes the item it holds); idempotent."""
+        """Stop and join the workers (each finishes the item it holds); idempotent. In a
+        forked child (which has the pool's memory but none of its threads) it only lets go."""
+        if self._handle is not None and os.getpid() != self._pid:
+            self._handle = None
         if self._handle is not None:
             self._fn["kvflow_pool_destroy"](self._handle)
             self._handle = None

@@ -75,9 +75,9 @@ def test_late_worker_items_are_taken_over(pool):
     assert after["caller"] + after["committed"] + after["taken_over"] == 3 * _items(m, n, k)
     assert after["caller"] > after["committed"]
     if after["taken_over"]:  # the worker was still asleep in an item when the call returned
-        assert any(t is packed for t in pool._in_use) or pool.stats()["dropped"] > 0
+        assert any(t is packed for t in pool._in_use.values()) or pool.stats()["dropped"] > 0
     pool.close()
-    assert pool._in_use == []
+    assert pool._in_use == {}
     with pytest.raises(ValueError, match="closed"):
         pool.gemm(x, packed, n, b)
 
@@ -132,3 +132,30 @@ def test_engine_with_and_without_the_pool_agree(tiny_llama, monkeypatch):
     finally:
         KERNELS.pool = None
     assert results[0] == results[1]
+
+
+def test_forked_child_falls_back_to_openmp():
+    """A forked child has the pool's memory but not its threads: its GEMMs run the OpenMP
+    path (same result), and closing its copy does not wait for the parent's threads (which
+    would hang the child)."""
+    import os
+
+    x, w, _ = _operands(40, 200, 64, torch.float32, False, seed=3)
+    packed = KERNELS.gemm_pack(w)
+    expected = KERNELS.gemm(x, packed, 200)
+    try:
+        use_gemm_pool(KERNELS, 2, None)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: one OpenMP thread (libgomp's threads do not survive a fork)
+            torch.set_num_threads(1)
+            ok = torch.equal(KERNELS.gemm(x, packed, 200), expected) and not KERNELS.pool.is_open
+            KERNELS.pool.close()
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert KERNELS.pool.is_open
+    finally:
+        KERNELS.pool = None
