@@ -1,6 +1,7 @@
 """The CPU attention backend: a native kernel that reads K/V in place through the block table.
 
-Per layer: the new K/V are written through ``slot_mapping`` (torch ``index_copy_``), then
+Per layer: the new K/V are written through ``slot_mapping`` (one C call,
+:meth:`NativeCpuKernels.store_kv`; torch ``index_copy_`` for a quantized cache), then
 :meth:`NativeCpuKernels.paged_attention` (``kernels/csrc/cpu_attention.c``) attends every query
 token of the mixed batch to its context straight from the paged cache: no gather copy, no
 padded query rows, no mask tensor. That includes a batch of whole prompts of one length (the
@@ -54,7 +55,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None,
                 kv_scales=None) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
-        k, v = TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta, kv_scales)
+        slots = meta.slot_mapping
+        if kv_scales is None and kv_cache.dtype == k.dtype and slots.dtype == torch.int64 \
+                and slots.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 \
+                and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
+            # one C call instead of store_kv's two index_copy_ (same bytes)
+            self._kernels.store_kv(k, v, kv_cache, slots, meta.num_actual_tokens)
+        else:
+            k, v = TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta, kv_scales)
         if kv_scales is not None and meta.extra["uniform_prompts"] and sliding_window is None:
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
         # The kernel trusts its indices: check them at the first layer of the step only.

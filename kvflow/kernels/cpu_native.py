@@ -48,6 +48,10 @@ class NativeCpuKernels:
         self._attn.restype = _int
         self._attn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                _i64, _i64, _i64, _f32, _i64, _int, _int, _int]
+        self._store_kv = lib.kvflow_store_kv
+        self._store_kv.restype = _int
+        self._store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                                   _int, _int]
         self._rms_norm = lib.kvflow_rms_norm
         self._rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32,
                                    _int, _int]
@@ -136,6 +140,45 @@ class NativeCpuKernels:
             3 if batch_invariant else int(tiled) * (1 + int(bf16_dot)))
         _raise_on(status, "paged attention")
         return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        """Write the first ``num_tokens`` rows of ``k``/``v`` into ``kv_cache`` at
+        ``slot_mapping`` (what ``kv_cache[i].view(-1, Hkv, D).index_copy_(0, slots, x)`` does,
+        bitwise, in one C call instead of two torch ops per layer).
+
+        Args:
+            k, v: [T, Hkv, D] of the cache's dtype, heads and head_dim contiguous (any token
+                stride, e.g. views of a fused qkv row).
+            kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous.
+            slot_mapping: int64 [>= num_tokens], contiguous; a negative slot is skipped.
+            num_tokens: rows to write.
+
+        Raises:
+            ValueError: on a dtype, shape or layout mismatch, or a slot past the cache (then
+                nothing is written).
+        """
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        row = num_kv_heads * head_dim
+        dtype = kv_cache.dtype
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != dtype or not t.is_cpu or t.dim() != 3 or t.shape[1] != num_kv_heads \
+                    or t.shape[2] != head_dim or t.stride(2) != 1 or t.stride(1) != head_dim \
+                    or t.shape[0] < num_tokens:
+                raise ValueError(f"store_kv: {name} must be a CPU [>= {num_tokens}, "
+                                 f"{num_kv_heads}, {head_dim}] tensor of the cache's dtype "
+                                 f"{dtype} with contiguous heads")
+        if dtype not in _DTYPE_CODES or not kv_cache.is_cpu or not kv_cache.is_contiguous() \
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() \
+                or slot_mapping.shape[0] < num_tokens:
+            raise ValueError("store_kv: kv_cache must be a contiguous float32/bfloat16/float16 "
+                             "CPU tensor and slot_mapping contiguous int64 [>= num_tokens]")
+        status = self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                                slot_mapping.data_ptr(), num_tokens, num_blocks * block_size,
+                                row, _DTYPE_CODES[dtype], torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"store_kv: slots must lie below {num_blocks * block_size}")
 
     @staticmethod
     def check_paged_indices(num_tokens: int, kv_cache: torch.Tensor,

@@ -433,3 +433,26 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     free(tile_start);
     return failed;
 }
+
+/* Write a step's new K/V rows into the paged cache: row t of k and v ([n, num_kv_heads *
+ * head_dim] of the cache's dtype, token strides k_stride / v_stride elements, each row
+ * contiguous) to slot slot_mapping[t] of k_cache / v_cache ([num_slots, row_elems],
+ * contiguous); a negative slot (padding) is skipped. The same bytes as torch's index_copy_
+ * through the slots, with no per-row tensor iteration. Returns 2, having written nothing, when
+ * a slot is >= num_slots. */
+int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t n,
+                    int64_t num_slots, int64_t row_elems, int dtype, int num_threads) {
+    for (int64_t t = 0; t < n; ++t)
+        if (slot_mapping[t] >= num_slots) return 2;
+    const size_t es = elem_size(dtype), bytes = (size_t)row_elems * es;
+    const int nt = (size_t)n * bytes >= ((size_t)1 << 20) ? num_threads : 1; /* big prefills */
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy((char *)k_cache + slot * bytes, (const char *)k + t * k_stride * es, bytes);
+        memcpy((char *)v_cache + slot * bytes, (const char *)v + t * v_stride * es, bytes);
+    }
+    return 0;
+}
