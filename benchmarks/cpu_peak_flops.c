@@ -1,0 +1,54 @@
+/*
+ * Peak multiply-add rate of one x86 core with AVX512: 12 independent accumulator chains of
+ * VDPBF16PS (bf16 pairs -> fp32, 64 FLOP per 512-bit instruction) and of VFMADD231PS (fp32,
+ * 32 FLOP), timed by process CPU time. The ceiling kvflow's bf16 / fp32 GEMMs are measured
+ * against (docs/benchmarks.md, "CPU-W1 time per op class"). Needs AVX512-BF16:
+ *
+ *     cc -O2 -march=x86-64-v4 -mavx512bf16 benchmarks/cpu_peak_flops.c -o /tmp/peak && /tmp/peak
+ */
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+
+static double cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(void) {
+    enum { CHAINS = 12 };
+    const long n = 200000000 / CHAINS;
+    __m512 acc[CHAINS];
+    for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_setzero_ps();
+    __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80); /* bf16 pairs (1.0, 1.0) */
+    const __m512bh b = a;
+    double t = cpu_seconds();
+    for (long it = 0; it < n; it++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        __asm__ volatile("" : "+v"(a)); /* keep the loop */
+    }
+    double dt = cpu_seconds() - t;
+    float sum = 0.f;
+    for (int i = 0; i < CHAINS; i++) sum += _mm512_reduce_add_ps(acc[i]);
+    printf("VDPBF16PS zmm: %.2f G/s -> %.0f GFLOP/s (checksum %g)\n", n * CHAINS / dt / 1e9,
+           n * CHAINS * 64.0 / dt / 1e9, sum);
+
+    __m512 f[CHAINS];
+    for (int i = 0; i < CHAINS; i++) f[i] = _mm512_setzero_ps();
+    __m512 x = _mm512_set1_ps(1.0001f);
+    const __m512 y = _mm512_set1_ps(0.9999f);
+    t = cpu_seconds();
+    for (long it = 0; it < n; it++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < CHAINS; i++) f[i] = _mm512_fmadd_ps(x, y, f[i]);
+        __asm__ volatile("" : "+v"(x));
+    }
+    dt = cpu_seconds() - t;
+    sum = 0.f;
+    for (int i = 0; i < CHAINS; i++) sum += _mm512_reduce_add_ps(f[i]);
+    printf("VFMADD231PS zmm: %.2f G/s -> %.0f GFLOP/s (checksum %g)\n", n * CHAINS / dt / 1e9,
+           n * CHAINS * 32.0 / dt / 1e9, sum);
+    return 0;
+}
