@@ -54,7 +54,8 @@ def cpu_adaptive_threads_choice(value: bool | None = None) -> bool:
 
 
 def cpu_gemm_pool_choice(value: bool | None = None) -> bool:
-    """Whether kvflow's C GEMM shares its work through kvflow's straggler-tolerant pool
+    """Whether kvflow's C GEMM and paged attention share their work through kvflow's
+    straggler-tolerant pool
     (:mod:`kvflow.kernels.cpu_pool`) instead of OpenMP threads: ``value``
     (``--cpu-gemm-pool``) if given, else ``$KVFLOW_CPU_GEMM_POOL`` (``0`` or ``1``), else on.
 
@@ -173,7 +174,8 @@ class DeviceConfig:
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; default: not pinned)")
-    cpu_gemm_pool: bool | None = opt(None, "share the work of kvflow's C GEMM through kvflow's "
+    cpu_gemm_pool: bool | None = opt(None, "share the work of kvflow's C GEMM and paged "
+                                     "attention through kvflow's "
                                      "own thread pool, where the calling thread never waits "
                                      "for a worker descheduled by another process (instead of "
                                      "OpenMP threads; same results; default: "

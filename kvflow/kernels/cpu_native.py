@@ -131,13 +131,16 @@ class NativeCpuKernels:
         if validate:
             self.check_paged_indices(num_tokens, kv_cache, query_start_loc, seq_lens, block_table)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
-        status = self._attn(
-            q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            out.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-            query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
-            num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            _DTYPE_CODES[q.dtype], torch.get_num_threads(),
-            3 if batch_invariant else int(tiled) * (1 + int(bf16_dot)))
+        args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                out.data_ptr(), block_table.data_ptr(), block_table.stride(0))
+        rest = (query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
+                num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+                _DTYPE_CODES[q.dtype], torch.get_num_threads(),
+                3 if batch_invariant else int(tiled) * (1 + int(bf16_dot)))
+        if self.pool is not None and self.pool.is_open:
+            status = self.pool.paged_attention(kv_cache, *args, block_table.shape[1], *rest)
+        else:
+            status = self._attn(*args, *rest)
         _raise_on(status, "paged attention")
         return out
 

@@ -25,7 +25,7 @@ import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 DEFAULT_SPIN_US = 50  # an idle worker's spin before it sleeps (one decode GEMM is ~50-500 us)
@@ -40,7 +40,10 @@ def _entries(lib: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
              "kvflow_pool_set_worker_delay": (None, [_ptr, _i64]),
              "kvflow_pool_stats": (None, [_ptr, _ptr]),
              "kvflow_gemm_pooled": (_int, [_ptr, _ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64,
-                                           _i64, _i64, _i64, _int])}
+                                           _i64, _i64, _i64, _int]),
+             "kvflow_paged_attention_pooled": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
+                                                      _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                                      _i64, _i64, _f32, _i64, _int, _int, _int])}
     entries = {}
     for name, (restype, argtypes) in specs.items():
         fn = getattr(lib, name)
@@ -114,11 +117,27 @@ class CpuPool:
             x.shape[-1], torch.get_num_threads())
         if status:
             raise ValueError("gemm: x does not have the dtype the packed weight takes")
+        self._note_late(packed)
+        return out.view(*x.shape[:-1], n)
+
+    def paged_attention(self, kv_cache: torch.Tensor, *args) -> int:
+        """``kvflow_paged_attention_pooled`` (``csrc/cpu_attention.c``) with the raw arguments
+        :meth:`NativeCpuKernels.paged_attention` prepares (checked there); returns the kernel's
+        status. A tile is a work item; q and the index arrays are copied into the pool, and
+        ``kv_cache`` is kept referenced while a late worker may still read it.
+
+        Raises:
+            ValueError: on a closed pool.
+        """
+        status = self._fn["kvflow_paged_attention_pooled"](self._live(), *args)
+        self._note_late(kv_cache)
+        return status
+
+    def _note_late(self, tensor: torch.Tensor) -> None:
         if self._fn["kvflow_pool_late_workers"](self._handle):
-            self._in_use[packed.data_ptr()] = packed
+            self._in_use[tensor.data_ptr()] = tensor
         elif self._in_use:
             self._in_use.clear()
-        return out.view(*x.shape[:-1], n)
 
     def set_worker_delay(self, delay_us: int) -> None:
         """Tests: make every worker sleep ``delay_us`` before each item (a worker on a core

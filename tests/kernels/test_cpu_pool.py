@@ -159,3 +159,46 @@ def test_forked_child_falls_back_to_openmp():
         assert KERNELS.pool.is_open
     finally:
         KERNELS.pool = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delay_us", [0, 20_000])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_pool_attention_equals_openmp_attention(pool, dtype, delay_us, batch_invariant):
+    """Paged attention through the pool (a tile per item; a late worker's tile recomputed by
+    the caller) returns the OpenMP kernel's output bit for bit, for a mixed batch of decodes
+    and prefill chunks, with a block table whose row stride exceeds its columns; and the
+    OpenMP output is itself near the float64 softmax reference."""
+    from tests.kernels.paged_batch import make_batch
+
+    b = make_batch([(40, 1), (0, 37), (100, 1), (9, 20), (0, 1)], num_heads=6, num_kv_heads=2,
+                   head_dim=32, dtype=dtype, seed=4)
+    wide = torch.zeros(b["block_table"].shape[0], b["block_table"].shape[1] + 5,
+                       dtype=torch.int32)
+    wide[:, :b["block_table"].shape[1]] = b["block_table"]
+    args = (b["q"], b["kv_cache"], b["query_start_loc"], b["seq_lens"],
+            wide[:, :b["block_table"].shape[1]], b["scale"])
+    tokens = int(b["query_start_loc"][-1])
+    try:
+        KERNELS.pool = None
+        expected = KERNELS.paged_attention(*args, batch_invariant=batch_invariant)
+        KERNELS.pool = pool
+        pool.set_worker_delay(delay_us)
+        before = pool.stats()
+        got = KERNELS.paged_attention(*args, batch_invariant=batch_invariant)
+        assert sum(pool.stats().values()) > sum(before.values())  # the pool ran it
+    finally:
+        KERNELS.pool = None
+    assert torch.equal(got[:tokens], expected[:tokens])
+    qsl, lens, bs = b["query_start_loc"].tolist(), b["seq_lens"].tolist(), 16
+    kv = b["kv_cache"].double()
+    for r in range(len(lens)):  # causal softmax over the request's context, in float64
+        blocks = b["block_table"][r, :-(-lens[r] // bs)].tolist()
+        k = kv[0, blocks].reshape(-1, 2, 32)[:lens[r]].repeat_interleave(3, dim=1)
+        v = kv[1, blocks].reshape(-1, 2, 32)[:lens[r]].repeat_interleave(3, dim=1)
+        for i, t in enumerate(range(qsl[r], qsl[r + 1])):
+            visible = lens[r] - (qsl[r + 1] - qsl[r]) + i + 1
+            s = torch.einsum("hd,khd->hk", b["q"][t].double(), k[:visible]) * b["scale"]
+            ref = torch.einsum("hk,khd->hd", s.softmax(-1), v[:visible])
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(expected[t].double(), ref, atol=tol, rtol=tol)

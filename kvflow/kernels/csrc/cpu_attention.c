@@ -29,6 +29,9 @@
  * one pool. The caller guarantees the indices are in range (kvflow checks them once per step).
  */
 #include "cpu_common.h"
+#include "cpu_pool.h"
+
+#include <stdint.h>
 
 #define TILE 16
 #define BATCH_INVARIANT 3
@@ -374,6 +377,24 @@ static int64_t find_request(const int64_t *tile_start, int64_t num_reqs, int64_t
     return lo;
 }
 
+/* Work item `tile` of a call (tile_start: the requests' first tiles, a prefix sum): its
+ * request's tile of up to TILE query tokens (1 with tiled = BATCH_INVARIANT) by the path
+ * `tiled` selects (see kvflow_paged_attention). */
+static void attend_item(const Args *a, Scratch *w, const int64_t *tile_start, int tiled,
+                        int64_t tile) {
+    const int per_token = tiled == BATCH_INVARIANT, tile_len = per_token ? 1 : TILE;
+    const int64_t r = find_request(tile_start, a->num_reqs, tile);
+    const int64_t qlen = a->query_start_loc[r + 1] - a->query_start_loc[r];
+    const int64_t j0 = (tile - tile_start[r]) * tile_len;
+    const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
+    if ((per_token || qlen == 1) && a->head_dim % 16 == 0) attend_token_vec(a, w, r, j0);
+    else if (per_token || qlen == 1) attend_token(a, w, r, j0);
+    else if (tiled == 2 && HAVE_DP && a->dtype == DT_BF16 && a->head_dim % 16 == 0)
+        attend_tile_dp(a, w, r, j0, nq);
+    else if (tiled && a->head_dim % 16 == 0) attend_tile_tiled(a, w, r, j0, nq);
+    else attend_tile(a, w, r, j0, nq);
+}
+
 /* tiled: multi-token items take the register-tiled path where head_dim % 16 == 0 (else, and
  * with tiled = 0, the row-by-row path); tiled = 2 takes the bf16 dot-product tiles
  * (cpu_attention_dp.h) instead for a bf16 cache in AVX512-BF16 builds; tiled = 3
@@ -413,20 +434,8 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         const int ok = scratch_alloc(&w, rows, block_size, head_dim, num_kv_heads, num_heads,
                                      max_decode_ctx);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t tile = 0; tile < num_tiles; ++tile) {
-            if (!ok) continue;
-            const int64_t r = find_request(tile_start, num_reqs, tile);
-            const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
-            const int64_t j0 = (tile - tile_start[r]) * tile_len;
-            const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
-            if ((per_token || qlen == 1) && a.head_dim % 16 == 0)
-                attend_token_vec(&a, &w, r, j0);
-            else if (per_token || qlen == 1) attend_token(&a, &w, r, j0);
-            else if (tiled == 2 && HAVE_DP && dtype == DT_BF16 && a.head_dim % 16 == 0)
-                attend_tile_dp(&a, &w, r, j0, nq);
-            else if (tiled && a.head_dim % 16 == 0) attend_tile_tiled(&a, &w, r, j0, nq);
-            else attend_tile(&a, &w, r, j0, nq);
-        }
+        for (int64_t tile = 0; tile < num_tiles; ++tile)
+            if (ok) attend_item(&a, &w, tile_start, tiled, tile);
         failed |= !ok;
         scratch_free(&w);
     }
@@ -455,4 +464,116 @@ int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
         memcpy((char *)v_cache + slot * bytes, (const char *)v + t * v_stride * es, bytes);
     }
     return 0;
+}
+
+/* The call as a job of kvflow's pool (cpu_pool.h): item = tile. A worker attends its tile into
+ * its scratch (its own Scratch allocated per item) and commits the tile's output rows; the
+ * caller attends in place with one Scratch. q, the index arrays and tile_start are pool
+ * copies, the cache must outlive the pool's use of it. */
+typedef struct {
+    Args a;
+    const int64_t *tile_start;
+    int64_t rows, max_decode_ctx;
+    Scratch *caller;
+    int tiled;
+} PooledAttention;
+
+static int64_t tile_first_token(const PooledAttention *pa, int64_t tile, int64_t *nq) {
+    const int tile_len = pa->tiled == BATCH_INVARIANT ? 1 : TILE;
+    const int64_t r = find_request(pa->tile_start, pa->a.num_reqs, tile);
+    const int64_t q0 = pa->a.query_start_loc[r], qlen = pa->a.query_start_loc[r + 1] - q0;
+    const int64_t j0 = (tile - pa->tile_start[r]) * tile_len;
+    *nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
+    return q0 + j0;
+}
+
+static int pooled_attention_item(const void *ctx, int64_t tile, float *scratch) {
+    const PooledAttention *pa = ctx;
+    if (!scratch) {
+        attend_item(&pa->a, pa->caller, pa->tile_start, pa->tiled, tile);
+        return 0;
+    }
+    int64_t nq;
+    const int64_t t0 = tile_first_token(pa, tile, &nq);
+    const size_t row = (size_t)(pa->a.num_heads * pa->a.head_dim) * elem_size(pa->a.dtype);
+    Args a = pa->a; /* the tile's output rows land at the start of scratch */
+    a.out = (char *)((uintptr_t)scratch - (uintptr_t)t0 * row);
+    Scratch w;
+    const int ok = scratch_alloc(&w, pa->rows, a.block_size, a.head_dim, a.num_kv_heads,
+                                 a.num_heads, pa->max_decode_ctx);
+    if (ok) attend_item(&a, &w, pa->tile_start, pa->tiled, tile);
+    scratch_free(&w);
+    return !ok;
+}
+
+static void pooled_attention_commit(const void *ctx, int64_t tile, const float *scratch) {
+    const PooledAttention *pa = ctx;
+    int64_t nq;
+    const int64_t t0 = tile_first_token(pa, tile, &nq);
+    const size_t row = (size_t)(pa->a.num_heads * pa->a.head_dim) * elem_size(pa->a.dtype);
+    memcpy(pa->a.out + t0 * row, scratch, (size_t)nq * row);
+}
+
+/* kvflow_paged_attention (same arguments, plus the block table's columns bt_cols; the same
+ * result, bit for bit) on a pool instead of OpenMP threads. Falls back to kvflow_paged_attention when the pool is NULL or busy, a worker is
+ * still inside an earlier job (it may read the index buffer this call would overwrite), a
+ * tile's output exceeds a worker's scratch, or memory runs out. */
+int kvflow_paged_attention_pooled(KvflowPool *pool, const void *q, int64_t q_stride,
+                                  const void *k_cache, const void *v_cache, void *out,
+                                  const int32_t *block_table, int64_t bt_stride,
+                                  int64_t bt_cols, const int32_t *query_start_loc,
+                                  const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int64_t window, int dtype, int num_threads,
+                                  int tiled) {
+    const size_t es = elem_size(dtype), row = (size_t)(num_heads * head_dim) * es;
+    const int tile_len = tiled == BATCH_INVARIANT ? 1 : TILE;
+    const int64_t tokens = num_reqs > 0 ? query_start_loc[num_reqs] : 0;
+    const size_t idx_bytes = sizeof(int32_t) * (size_t)(num_reqs + 1 + num_reqs
+                                                         + num_reqs * bt_cols);
+    const size_t tiles_at = (idx_bytes + 7) / 8 * 8;
+    int taken = 0;
+    char *qc = NULL, *idx = NULL;
+    if ((size_t)tile_len * row <= POOL_SCRATCH_FLOATS * sizeof(float) && num_reqs > 0
+        && (taken = kvflow_pool_begin(pool)) && kvflow_pool_late_workers(pool) == 0) {
+        qc = kvflow_pool_buffer(pool, 0, (size_t)tokens * row + 64);
+        idx = kvflow_pool_buffer(pool, 2, tiles_at + sizeof(int64_t) * (num_reqs + 1));
+    }
+    if (!qc || !idx) {
+        if (taken) kvflow_pool_end(pool);
+        return kvflow_paged_attention(q, q_stride, k_cache, v_cache, out, block_table, bt_stride,
+                                      query_start_loc, seq_lens, num_reqs, num_heads,
+                                      num_kv_heads, head_dim, block_size, scale, window, dtype,
+                                      num_threads, tiled);
+    }
+    for (int64_t t = 0; t < tokens; ++t)
+        memcpy(qc + t * row, (const char *)q + t * q_stride * es, row);
+    int32_t *qsl = (int32_t *)idx, *sl = qsl + num_reqs + 1, *bt = sl + num_reqs;
+    memcpy(qsl, query_start_loc, sizeof(int32_t) * (num_reqs + 1));
+    memcpy(sl, seq_lens, sizeof(int32_t) * num_reqs);
+    for (int64_t r = 0; r < num_reqs; ++r)
+        memcpy(bt + r * bt_cols, block_table + r * bt_stride, sizeof(int32_t) * bt_cols);
+    int64_t *tile_start = (int64_t *)(idx + tiles_at), max_decode_ctx = 0;
+    tile_start[0] = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t qlen = qsl[r + 1] - qsl[r];
+        const int64_t ctx = window > 0 && sl[r] > window ? window : sl[r];
+        tile_start[r + 1] = tile_start[r] + (qlen + tile_len - 1) / tile_len;
+        if ((tiled == BATCH_INVARIANT || qlen == 1) && ctx > max_decode_ctx) max_decode_ctx = ctx;
+    }
+    Scratch caller;
+    int failed = !scratch_alloc(&caller, TILE * num_heads, block_size, head_dim, num_kv_heads,
+                                num_heads, max_decode_ctx);
+    if (!failed) {
+        const PooledAttention pa = {
+            {qc, k_cache, v_cache, out, bt, qsl, sl, num_heads * head_dim, bt_cols, num_heads,
+             num_kv_heads, head_dim, block_size, window, scale, dtype, num_reqs},
+            tile_start, TILE * num_heads, max_decode_ctx, &caller, tiled};
+        failed = kvflow_pool_run(pool, pooled_attention_item, pooled_attention_commit, &pa,
+                                 sizeof pa, (int64_t)((tile_len * row + 3) / 4),
+                                 tile_start[num_reqs]);
+    }
+    scratch_free(&caller);
+    kvflow_pool_end(pool);
+    return failed;
 }

@@ -375,12 +375,13 @@ typedef struct {
     int64_t mb_max, panels;
 } PooledGemm;
 
-static void pooled_item(const void *ctx, int64_t item, float *scratch) {
+static int pooled_item(const void *ctx, int64_t item, float *scratch) {
     const PooledGemm *pg = ctx;
     const int64_t ic = item / pg->panels * pg->mb_max, p = item % pg->panels;
     const int64_t mb = min64(pg->g.m - ic, pg->mb_max);
     if (scratch) block_times_panel_to(&pg->g, ic, mb, p, scratch, NR);
     else block_times_panel(&pg->g, ic, mb, p);
+    return 0;
 }
 
 static void pooled_commit(const void *ctx, int64_t item, const float *scratch) {

@@ -121,7 +121,7 @@ static void work(Worker *w, uint32_t g) {
         if (s >> 8 == g || !cas(st, &s, tag | ST_CLAIMED)) continue; /* the caller took it */
         const int64_t delay = __atomic_load_n(&pool->worker_delay_us, __ATOMIC_RELAXED);
         if (delay > 0) usleep((useconds_t)delay); /* tests: a worker slower than the caller */
-        job.fn(job.ctx, item, w->scratch);
+        if (job.fn(job.ctx, item, w->scratch)) continue; /* left CLAIMED: the caller takes it */
         uint64_t claimed = tag | ST_CLAIMED;
         if (cas(st, &claimed, tag | ST_COMMITTING)) {
             job.commit(job.ctx, item, w->scratch);
@@ -198,21 +198,21 @@ static int reserve(KvflowPool *pool, int64_t n) {
     return 1;
 }
 
-/* Waits for (or takes over) item `item`, which the caller did not compute, of generation g. */
-static void finish_item(KvflowPool *pool, uint32_t g, int64_t item, int64_t deadline) {
+/* Waits for (or takes over) item `item`, which the caller did not compute, of generation g;
+ * returns the item function's status when it computes the item, else 0. */
+static int finish_item(KvflowPool *pool, uint32_t g, int64_t item, int64_t deadline) {
     uint64_t *st = &pool->job.state[item];
     const uint64_t tag = (uint64_t)g << 8;
     for (;;) {
         uint64_t s = load_acq(st);
-        if (s == (tag | ST_DONE)) return;
+        if (s == (tag | ST_DONE)) return 0;
         if (s == (tag | ST_COMMITTING) || now_ns() < deadline) {
             cpu_relax();
             continue;
         }
         if (cas(st, &s, tag | ST_STOLEN)) {
-            pool->job.fn(pool->job.ctx, item, NULL);
             stat_add(pool, 2, 1);
-            return;
+            return pool->job.fn(pool->job.ctx, item, NULL);
         }
     }
 }
@@ -225,14 +225,15 @@ int kvflow_pool_begin(KvflowPool *pool) {
 
 void kvflow_pool_end(KvflowPool *pool) { __atomic_store_n(&pool->running, 0, __ATOMIC_RELEASE); }
 
-void kvflow_pool_run(KvflowPool *pool, pool_item_fn fn, pool_commit_fn commit, const void *ctx,
-                     size_t ctx_bytes, int64_t scratch_floats, int64_t n) {
-    if (n <= 0) return;
+int kvflow_pool_run(KvflowPool *pool, pool_item_fn fn, pool_commit_fn commit, const void *ctx,
+                    size_t ctx_bytes, int64_t scratch_floats, int64_t n) {
+    int failed = 0;
+    if (n <= 0) return 0;
     if (!pool || pool->num_workers == 0 || n == 1 || ctx_bytes > POOL_CTX_BYTES
         || scratch_floats > POOL_SCRATCH_FLOATS || n >= ((int64_t)1 << 32) || !reserve(pool, n)) {
-        for (int64_t i = 0; i < n; ++i) fn(ctx, i, NULL);
+        for (int64_t i = 0; i < n; ++i) failed |= fn(ctx, i, NULL);
         if (pool) stat_add(pool, 0, n);
-        return;
+        return failed;
     }
     const uint32_t g = ++pool->generation ? pool->generation : ++pool->generation;
     Job *job = &pool->job;
@@ -245,14 +246,15 @@ void kvflow_pool_run(KvflowPool *pool, pool_item_fn fn, pool_commit_fn commit, c
     int64_t own = 0;
     for (int64_t item; (item = claim(pool, g, NULL)) >= 0; ++own) {
         pool->mine[item] = 1;
-        fn(job->ctx, item, NULL);
+        failed |= fn(job->ctx, item, NULL);
     }
     /* a worker's item may take about as long as one of ours; allow twice that, and 20 us */
     const int64_t end = now_ns(), per_item = own > 0 ? (end - start) / own : 0;
     const int64_t deadline = end + 2 * per_item + 20000;
     for (int64_t i = 0; i < n; ++i)
-        if (!pool->mine[i]) finish_item(pool, g, i, deadline);
+        if (!pool->mine[i]) failed |= finish_item(pool, g, i, deadline);
     stat_add(pool, 0, own);
+    return failed;
 }
 
 void *kvflow_pool_buffer(KvflowPool *pool, int slot, size_t bytes) {
@@ -273,10 +275,10 @@ void *kvflow_pool_buffer(KvflowPool *pool, int slot, size_t bytes) {
  * threads or memory cannot be had. */
 KvflowPool *kvflow_pool_create(int num_workers, const int32_t *cpus, int64_t spin_us) {
     if (num_workers < 0) return NULL;
-    KvflowPool *pool = aligned_alloc(64, (sizeof *pool + num_workers * sizeof(Worker) + 63) / 64
-                                             * 64);
+    const size_t bytes = (sizeof(KvflowPool) + num_workers * sizeof(Worker) + 63) / 64 * 64;
+    KvflowPool *pool = aligned_alloc(64, bytes);
     if (!pool) return NULL;
-    memset(pool, 0, sizeof *pool);
+    memset(pool, 0, bytes);
     pool->spin_ns = spin_us * 1000;
     for (int i = 0; i < num_workers; ++i) {
         Worker *w = &pool->workers[i];

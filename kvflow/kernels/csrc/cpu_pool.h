@@ -21,8 +21,9 @@
 typedef struct KvflowPool KvflowPool;
 
 /* Computes item `item` of the job whose context is ctx: into scratch (a worker; scratch holds
- * the job's scratch_floats floats) or in place (scratch NULL: the caller). */
-typedef void (*pool_item_fn)(const void *ctx, int64_t item, float *scratch);
+ * the job's scratch_floats floats) or in place (scratch NULL: the caller). Returns 0, or
+ * nonzero when it could not (out of memory): a worker's item is then left to the caller. */
+typedef int (*pool_item_fn)(const void *ctx, int64_t item, float *scratch);
 /* Copies a worker's finished item from scratch to its place in the output. */
 typedef void (*pool_commit_fn)(const void *ctx, int64_t item, const float *scratch);
 
@@ -34,15 +35,19 @@ int kvflow_pool_begin(KvflowPool *pool);
 void kvflow_pool_end(KvflowPool *pool);
 
 /* Runs items [0, n) of a job (context of ctx_bytes <= POOL_CTX_BYTES, copied); returns when
- * every item's output is in place. scratch_floats <= POOL_SCRATCH_FLOATS. A NULL pool or one
- * without workers runs every item on the caller. */
-void kvflow_pool_run(KvflowPool *pool, pool_item_fn fn, pool_commit_fn commit, const void *ctx,
+ * every item's output is in place: 0, or nonzero when an item failed on the caller.
+ * scratch_floats <= POOL_SCRATCH_FLOATS. A NULL pool or one without workers runs every item on
+ * the caller. */
+int kvflow_pool_run(KvflowPool *pool, pool_item_fn fn, pool_commit_fn commit, const void *ctx,
                      size_t ctx_bytes, int64_t scratch_floats, int64_t n);
 
 /* A pool-owned buffer of at least `bytes` (slot 0..POOL_BUFFERS-1) for the inputs of the next
  * job; valid until the pool is destroyed (a larger request allocates anew and keeps the old one
  * alive until then). NULL when memory runs out. */
-enum { POOL_BUFFERS = 2 };
+enum { POOL_BUFFERS = 3 };
 void *kvflow_pool_buffer(KvflowPool *pool, int slot, size_t bytes);
+
+/* Workers still inside a finished job (they may read its inputs). */
+int kvflow_pool_late_workers(const KvflowPool *pool);
 
 #endif
