@@ -38,15 +38,17 @@ class SpecDecodeCounts:
         draft_synced_tokens: the request's computed tokens at its last verification step:
             about where a draft model's K/V of it ends (the cost model charges the draft's
             catch-up from there; 0 before it first drafts).
+        synced_preemptions: the request's preemptions at that step (a preemption since
+            drops the draft's K/V too).
     """
 
     __slots__ = ("draft_synced_tokens", "num_accepted_tokens", "num_draft_tokens",
-                 "num_drafts", "num_rejections")
+                 "num_drafts", "num_rejections", "synced_preemptions")
 
     def __init__(self) -> None:
         self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens = self.num_rejections = 0
-        self.draft_synced_tokens = 0
+        self.draft_synced_tokens = self.synced_preemptions = 0
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verification step: ``num_accepted`` of ``num_draft_tokens`` accepted."""

@@ -126,11 +126,14 @@ class Speculator:
     def _catch_up_tokens(self, candidates: list[Request], alpha: np.ndarray) -> np.ndarray:
         """Draft-model tokens each candidate's first draft would recompute beyond a steady
         pass (float64 [R]): its context past the draft K/V in place (``SpecDecodeCounts.
-        draft_synced_tokens``, the computed tokens at its last verification), spread over
+        draft_synced_tokens``, the computed tokens at its last verification; none after a
+        preemption since), spread over
         the steps it has left at the expected tokens per step of full-length drafts."""
         k = self.config.num_speculative_tokens
-        lag = np.array([len(r.all_token_ids) - r.spec_counts.draft_synced_tokens - 2
-                        for r in candidates], np.float64)
+        lag = np.array([len(r.all_token_ids) - 2 - (
+            r.spec_counts.draft_synced_tokens
+            if r.spec_counts.synced_preemptions == r.num_preemptions else 0)
+            for r in candidates], np.float64)
         left = np.array([self._tokens_left(r) for r in candidates], np.float64)
         per_step = (1.0 - alpha ** (k + 1)) / np.maximum(1.0 - alpha, 1e-9)
         return np.maximum(lag, 0.0) / np.maximum(left / per_step, 1.0)
@@ -146,7 +149,9 @@ class Speculator:
     def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verification: ``num_accepted`` of the request's ``num_draft_tokens``."""
         request.spec_counts.record(num_draft_tokens, num_accepted)
-        request.spec_counts.draft_synced_tokens = request.num_computed_tokens
+        counts = request.spec_counts
+        counts.draft_synced_tokens = request.num_computed_tokens
+        counts.synced_preemptions = request.num_preemptions
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted

@@ -112,3 +112,27 @@ def test_a_lagging_draft_cache_is_charged_its_catch_up():
     args = (np.array([0.8]), np.array([4]), 1, target, draft)
     assert choose_draft_lengths(*args, catch_up_tokens=np.array([0.0])).tolist() == [4]
     assert choose_draft_lengths(*args, catch_up_tokens=np.array([1000.0])).tolist() == [0]
+
+
+def test_catch_up_counts_the_context_past_the_last_verification():
+    """The speculator's catch-up tokens: a request verified at 40 computed tokens and now at
+    43 tokens lags 43 - 2 - 40 = 1 token (a steady pass covers 2); preempted since, its draft
+    K/V is gone: 41; spread over its steps left (max_tokens 100, 33 generated: 67 tokens at
+    (1 - 0.5^5) / 0.5 = 1.9375 tokens per step = 34.6 steps)."""
+    from kvflow.config import SpeculativeConfig
+    from kvflow.request import Request
+    from kvflow.sampling_params import SamplingParams
+    from kvflow.spec_decode.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(method="draft_model", model="m"), 4000)
+    request = Request("a", list(range(10)), SamplingParams(max_tokens=100))
+    for token in range(100, 133):
+        request.append_output_token(token)
+    request.num_computed_tokens = 40
+    spec.record(request, 4, 2)
+    steps = 67 / ((1 - 0.5 ** 5) / 0.5)
+    got = spec._catch_up_tokens([request], np.array([0.5]))
+    assert abs(got[0] - 1 / steps) < 1e-9
+    request.num_preemptions += 1
+    got = spec._catch_up_tokens([request], np.array([0.5]))
+    assert abs(got[0] - 41 / steps) < 1e-9
