@@ -12,7 +12,7 @@ model learns and settles, and both have compiled and cached alike). Capacity is 
 on ``fixed`` (``--calib-prompts`` requests at rate inf: completed
 requests per second). Then, for each multiple of it in ``--loads``, ``kvflow bench serve``
 runs the same synthetic-chat workload with the same seed (so the same prompts and the same
-arrival times) against ``fixed`` and then ``sla``, alternating server order every round so both
+arrival times) against ``fixed`` and ``sla``, alternating which goes first every round and load so both
 see the same machine load; the idle server's engine sleeps (it blocks on its input socket).
 Goodput counts requests with TTFT <= 2 s and TPOT <= 80 ms (``--goodput``).
 
@@ -133,9 +133,28 @@ def goodput_plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def write_results(args: argparse.Namespace, out: Path, rows: list[dict], runs: dict,
+                  capacity: float, sla_args: str, machine: dict) -> None:
+    """The sweeps, both plots and ``summary.json`` for the loads run so far (rewritten after
+    every load, so a run stopped early keeps what it measured)."""
     from kvflow.bench.plot import plot_sweeps
 
+    for label, rs in runs.items():
+        with open(out / f"{label}.json", "w") as f:
+            json.dump({"label": label, "sweep": rs}, f, indent=1)
+    plot_sweeps([(label, rs) for label, rs in runs.items()], str(out / "sweep.png"))
+    goodput_plot(rows, out / "goodput.png", f"SLOs {' '.join(args.slos)} ms")
+    machine["after"] = machine_state()
+    summary = {"capacity_req_s": capacity, "slos_ms": args.slos, "sla_args": sla_args,
+               "server_args": args.server_args, "num_prompts": args.num_prompts, "rows": rows,
+               "median_ratio": statistics.median(r["ratio"] for r in rows),
+               "machine": machine}
+    with open(out / "summary.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary["rows"][-1], indent=1), flush=True)
+
+
+def main() -> None:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,11 +177,11 @@ def main() -> None:
             capacity = calib["completed"] / calib["duration"]
         print(f"capacity {capacity:.3f} req/s (load avg {load_avg():.1f})", flush=True)
         rows, runs = [], {"fixed": [], "sla": []}
-        for load in (float(x) for x in args.loads.split(",")):
+        for i, load in enumerate(float(x) for x in args.loads.split(",")):
             rate = round(load * capacity, 3)
             per = {"fixed": [], "sla": []}
-            for rnd in range(args.rounds):
-                order = ("fixed", "sla") if rnd % 2 == 0 else ("sla", "fixed")
+            for rnd in range(args.rounds):  # who goes first alternates by round and load
+                order = ("fixed", "sla") if (rnd + i) % 2 == 0 else ("sla", "fixed")
                 for label in order:
                     before = load_avg()
                     r = bench(args, servers[label][1], label, rate, args.num_prompts,
@@ -189,19 +208,7 @@ def main() -> None:
                                                                1e-9)
             rows.append(row)
             print(f"x{load}: goodput sla/fixed = {row['ratio']:.2f}", flush=True)
-        for label, rs in runs.items():
-            with open(out / f"{label}.json", "w") as f:
-                json.dump({"label": label, "sweep": rs}, f, indent=1)
-        plot_sweeps([(label, rs) for label, rs in runs.items()], str(out / "sweep.png"))
-        goodput_plot(rows, out / "goodput.png", f"SLOs {' '.join(args.slos)} ms")
-        machine["after"] = machine_state()
-        summary = {"capacity_req_s": capacity, "slos_ms": args.slos, "sla_args": sla_args,
-                   "server_args": args.server_args, "rows": rows,
-                   "median_ratio": statistics.median(r["ratio"] for r in rows),
-                   "machine": machine}
-        with open(out / "summary.json", "w") as f:
-            json.dump(summary, f, indent=1)
-        print(json.dumps(summary, indent=1))
+            write_results(args, out, rows, runs, capacity, sla_args, machine)  # each load
     finally:
         for proc, _ in servers.values():
             stop_server(proc)
