@@ -56,6 +56,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-scale", type=float, default=1.0,
                    help="multiply both SLOs (TTFT 2 s, TPOT 80 ms) and the sla server's "
                    "targets by this (for a machine too loaded to meet them at all)")
+    p.add_argument("--ttft-ms", type=float, default=None,
+                   help="the TTFT SLO and target (default 2000 x --slo-scale)")
+    p.add_argument("--tpot-ms", type=float, default=None,
+                   help="the TPOT SLO and target (default 80 x --slo-scale)")
     p.add_argument("--sla-args", default="--admission-control",
                    help="the sla server's flags besides its targets (one string)")
     p.add_argument("--capacity", type=float, default=None,
@@ -158,7 +162,8 @@ def main() -> None:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ttft_ms, tpot_ms = 2000 * args.slo_scale, 80 * args.slo_scale
+    ttft_ms = args.ttft_ms if args.ttft_ms is not None else 2000 * args.slo_scale
+    tpot_ms = args.tpot_ms if args.tpot_ms is not None else 80 * args.slo_scale
     args.slos = [f"ttft:{ttft_ms:g}", f"tpot:{tpot_ms:g}"]
     sla_args = f"--target-tpot-ms {tpot_ms:g} --target-ttft-ms {ttft_ms:g} {args.sla_args}"
     machine = {"before": machine_state()}
