@@ -36,8 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from serve_harness import bench_serve, start_server, stop_server, wait_ready
@@ -159,6 +161,8 @@ def write_results(args: argparse.Namespace, out: Path, rows: list[dict], runs: d
 
 
 def main() -> None:
+    # a SIGTERM (``timeout``) unwinds through ``finally`` so both servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
