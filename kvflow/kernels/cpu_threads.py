@@ -93,29 +93,28 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
             logger.warning("native CPU kernels unavailable: the process is restricted to CPUs "
                            "%s, its threads not pinned one by one", cpus)
             os.sched_setaffinity(0, cpus)
-    use_gemm_pool(native_cpu_kernels() if gemm_pool else None, threads, cpus)
+    use_gemm_pool(native_cpu_kernels(), threads, cpus, gemm_pool)
     logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
                 ", GEMM work shared by kvflow's pool" if gemm_pool and threads > 1 else "")
     return threads, cpus
 
 
-def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int,
-                  cpus: list[int] | None) -> None:
-    """Give the process's native kernels a GEMM pool of ``threads - 1`` workers (pinned to
-    ``cpus[1:]`` when ``cpus`` is given), keeping the current pool when it matches; with
-    ``kernels`` None (pool off, or no native kernels) or one thread, the kernels' pool is
-    removed. The pool is process-wide, like torch's thread count."""
-    native = native_cpu_kernels()
-    if native is None:
+def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int, cpus: list[int] | None,
+                  enabled: bool = True) -> None:
+    """Give ``kernels`` (the process's native kernels; None: nothing to do) a pool of
+    ``threads - 1`` workers (pinned to ``cpus[1:]`` when ``cpus`` is given) for their GEMM and
+    attention, keeping the current pool when it matches; disabled or with one thread, the
+    kernels' pool is removed. The pool is process-wide, like torch's thread count."""
+    if kernels is None:
         return
-    if kernels is None or threads < 2:
-        native.pool = None
+    if not enabled or threads < 2:
+        kernels.pool = None
         return
     workers = None if cpus is None else cpus[1:threads]
-    current = native.pool
+    current = kernels.pool
     if current is not None and current.num_workers == threads - 1 and current.cpus == workers:
         return
-    native.pool = CpuPool(native, threads - 1, workers)
+    kernels.pool = CpuPool(kernels, threads - 1, workers)
 
 
 @contextmanager

@@ -97,8 +97,8 @@ def test_quiet_worker_commits_items(pool):
 
 
 def test_use_gemm_pool_sets_and_clears_the_process_pool():
-    """configure_cpu_threads' helper: threads - 1 workers, kept when unchanged, removed with one
-    thread or the pool off."""
+    """configure_cpu_threads' helper: threads - 1 workers, kept when unchanged, replaced when
+    the pinning changes, removed with one thread or the pool off."""
     try:
         use_gemm_pool(KERNELS, 2, None)
         first = KERNELS.pool
@@ -107,7 +107,9 @@ def test_use_gemm_pool_sets_and_clears_the_process_pool():
         assert KERNELS.pool is first
         use_gemm_pool(KERNELS, 1, None)
         assert KERNELS.pool is None
-        use_gemm_pool(None, 2, None)
+        use_gemm_pool(KERNELS, 2, [0, 1])  # pinned: a new pool, worker on the second CPU
+        assert KERNELS.pool.cpus == [1] and KERNELS.pool.num_workers == 1
+        use_gemm_pool(KERNELS, 2, None, enabled=False)
         assert KERNELS.pool is None
     finally:
         KERNELS.pool = None
@@ -124,13 +126,13 @@ def test_engine_with_and_without_the_pool_agree(tiny_llama, monkeypatch):
         for on in (True, False):
             llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2,
                       cpu_gemm_pool=on, kv_cache_memory="16MiB")
-            assert (KERNELS.pool is not None) == on
+            assert (native_cpu_kernels().pool is not None) == on
             outs = llm.generate(prompts, params, use_tqdm=False)
             results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(
                 o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs])
             del llm
     finally:
-        KERNELS.pool = None
+        native_cpu_kernels().pool = None
     assert results[0] == results[1]
 
 
