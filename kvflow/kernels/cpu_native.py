@@ -68,6 +68,9 @@ class NativeCpuKernels:
         self._gemm_x_dtype = lib.kvflow_gemm_x_dtype
         self._gemm_x_dtype.restype = _int
         self._gemm_x_dtype.argtypes = [_int]
+        # the x dtype code each weight dtype code takes (kvflow_gemm_x_dtype), and packed sizes
+        self._x_codes = {code: self._gemm_x_dtype(code) for code in _DTYPES}
+        self._packed_sizes: dict[tuple[int, int, int], int] = {}
         self._gemm_pack = lib.kvflow_gemm_pack
         self._gemm_pack.restype = None
         self._gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr, _int]
@@ -287,6 +290,15 @@ class NativeCpuKernels:
         _raise_on(status, "rotary")
         return q, k
 
+    def _packed_size(self, n: int, k: int, code: int) -> int:
+        """kvflow_gemm_packed_size, remembered per (n, k, dtype code): one dict lookup per GEMM
+        call instead of a C call."""
+        key = (n, k, code)
+        size = self._packed_sizes.get(key)
+        if size is None:
+            size = self._packed_sizes[key] = self._gemm_packed_size(n, k, code)
+        return size
+
     def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """Pack ``weight`` [N, K] (fp32, bf16 or fp16 CPU, unit stride along K) once for
         :meth:`gemm`.
@@ -355,14 +367,18 @@ class NativeCpuKernels:
         """
         k = x.shape[-1]
         code = _DTYPE_CODES.get(packed.dtype, -1)
-        if x.device.type != "cpu" or not x.is_floating_point() or code < 0 \
-                or packed.numel() != self._gemm_packed_size(n, k, code):
+        x_code = self._x_codes.get(code)
+        if bias is None and x_code is not None and x.dtype == _DTYPES[x_code] and x.is_cpu \
+                and x.dim() == 2 and x.stride(1) == 1 \
+                and packed.numel() == self._packed_size(n, k, code):
+            return x, code, x_code  # the hot path (a model's projections): nothing to convert
+        if not x.is_cpu or not x.is_floating_point() or code < 0 \
+                or packed.numel() != self._packed_size(n, k, code):
             raise ValueError(f"gemm: x must be a float CPU [..., K] matching a packed [{n}, K] "
                              f"weight, got {x.dtype} {tuple(x.shape)} on {x.device}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"gemm: bias must be contiguous float32 [{n}]")
-        x_code = self._gemm_x_dtype(code)
         rows = x.reshape(math.prod(x.shape[:-1]), k).to(_DTYPES[x_code])
         if rows.stride(1) != 1:
             rows = rows.contiguous()
