@@ -93,6 +93,23 @@ def test_timing_measures_each_row_class(dtype):
     assert set(got) == set(ROW_CLASSES) and all(0 < s < 1 for s in got.values())
 
 
+def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
+    """Each candidate's passes alternate with the others' (A, B, A, B per row class), and the
+    timings of all of them land in the cache at once: a load change between candidates cannot
+    favour the one timed in the quieter moment (timings are kept for good)."""
+    order = []
+    monkeypatch.setattr(gemm_select, "_pack", lambda cand, weight, kernels: (
+        lambda x: order.append((cand, x.shape[0]))))
+    timings = GemmTimings(tmp_path / "t.json", None)
+    shape = GemmShape(64, 32, torch.float32)
+    got = timings.get_all(shape, ("native", "onednn"))
+    assert set(got) == {"native", "onednn"} and all(set(t) == set(ROW_CLASSES)
+                                                    for t in got.values())
+    passes = [cand for cand, rows in order if rows == 64][2 * 1:]  # after each warm-up call
+    assert passes == ["native", "native", "onednn", "onednn"] * gemm_select.REPEATS
+    assert len(json.loads(json.dumps(timings.seconds))) == 2 * len(ROW_CLASSES)
+
+
 @native
 def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
     calls = []
@@ -148,8 +165,11 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     from kvflow.platforms.cpu import CpuPlatform
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gemm_select, "time_candidate", lambda shape, cand, rows, kernels: {
-        r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows})
+    fake = lambda shape, cands, rows, kernels: {
+        c: {r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows} for c in cands}
+    monkeypatch.setattr(gemm_select, "time_candidates", fake)
+    monkeypatch.setattr(gemm_select, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, vocab_size=300)
     got = gemm_select.measure_cpu_dtype(cfg, torch.bfloat16, "auto", lambda d: True)
