@@ -39,6 +39,7 @@ ROW_CLASSES = (1, 64)  # rows per call: decode of one request, a batch of decode
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
 POOL_BYTES = 40 << 20  # weights cycled per timing: more than the L3 cache, as in a model
 REPEATS = 4
+TIMING_METHOD = "alternating-4"  # part of the cache key: timings of another method are redone
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,11 @@ def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
 
 def cache_key(num_threads: int, isa: str = "") -> str:
     """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
-    the ISA level of the loaded kernels and the thread count."""
+    the ISA level of the loaded kernels, the thread count and how they are measured."""
     digest = hashlib.sha256()
     csrc = Path(cpu_build.__file__).parent / "csrc"
     for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads), isa,
+                 TIMING_METHOD,
                  *(p.read_text() for p in sorted(csrc.glob("*.[ch]")))]:
         digest.update(part.encode())
     return digest.hexdigest()[:16]
