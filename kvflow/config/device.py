@@ -57,12 +57,14 @@ def cpu_gemm_pool_choice(value: bool | None = None) -> bool:
     """Whether kvflow's C GEMM and paged attention share their work through kvflow's
     straggler-tolerant pool
     (:mod:`kvflow.kernels.cpu_pool`) instead of OpenMP threads: ``value``
-    (``--cpu-gemm-pool``) if given, else ``$KVFLOW_CPU_GEMM_POOL`` (``0`` or ``1``), else on.
+    (``--cpu-gemm-pool``) if given, else ``$KVFLOW_CPU_GEMM_POOL`` (``0`` or ``1``), else off:
+    on a loaded 2-core EPYC its GEMMs ran 4-9% slower than OpenMP's on a quiet machine and the
+    engine kept no more throughput beside a busy process (docs/benchmarks.md), so it is opt-in.
 
     Raises:
         ValueError: when the variable is neither 0 nor 1.
     """
-    return _bool_choice(value, "KVFLOW_CPU_GEMM_POOL", "1")
+    return _bool_choice(value, "KVFLOW_CPU_GEMM_POOL", "0")
 
 
 def _bool_choice(value: bool | None, variable: str, default: str) -> bool:
@@ -179,7 +181,7 @@ class DeviceConfig:
                                      "own thread pool, where the calling thread never waits "
                                      "for a worker descheduled by another process (instead of "
                                      "OpenMP threads; same results; default: "
-                                     "$KVFLOW_CPU_GEMM_POOL, else on)")
+                                     "$KVFLOW_CPU_GEMM_POOL, else off)")
     cpu_adaptive_threads: bool | None = opt(None, "lower the CPU thread count while other "
                                             "processes take the CPUs (measured from the "
                                             "kernel's runqueue wait) and probe back later; "
