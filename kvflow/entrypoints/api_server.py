@@ -192,10 +192,28 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
                            code="invalid_json")
     loc = _field_path(first.get("loc", ()))
     if not loc and first.get("type") == "missing":
-        return OpenAIError("the request body is empty: expected a JSON object")
+        return OpenAIError("the request body is empty: expected a JSON object",
+                           code="invalid_json")
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
-    return OpenAIError(message, param=param)
+    return OpenAIError(message, param=param, code=_error_code(first))
+
+
+def _error_code(error: dict) -> str:
+    """OpenAI's error code for one pydantic error: ``invalid_type`` for a value of the wrong
+    type, ``integer_below_min_value`` / ``decimal_above_max_value`` (OpenAI's spelling) for a
+    number out of range, ``missing_required_parameter``, else ``invalid_value``."""
+    kind = str(error.get("type", ""))
+    if kind == "missing":
+        return "missing_required_parameter"
+    if kind.endswith(("_parsing", "_type")):
+        return "invalid_type"
+    number = "integer" if isinstance(error.get("input"), int) else "decimal"
+    if kind.startswith("greater_than"):
+        return f"{number}_below_min_value"
+    if kind.startswith("less_than"):
+        return f"{number}_above_max_value"
+    return "invalid_value"
 
 
 # pydantic's union-member tags in error locations (not request fields)

@@ -665,3 +665,22 @@ def test_sampling_value_error_names_the_field(server):
     assert resp.status_code == 400, resp.text
     assert (error["param"], error["code"]) == ("min_tokens", "invalid_value")
     assert error["message"] == "min_tokens=5 is invalid: it must be <= max_tokens (3)"
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"max_tokens": 10**12}, "max_tokens", "integer_above_max_value"),
+    ({"temperature": -1.5}, "temperature", "decimal_below_min_value"),
+    ({"top_p": 2.0}, "top_p", "decimal_above_max_value"),
+])
+def test_schema_errors_carry_openai_codes(server, body, param, code):
+    """A body the request schema refuses (wrong type, number out of range) is a 400 whose
+    code is OpenAI's for that error (``invalid_type``, ``integer_above_max_value``, ...),
+    not null; an empty body is ``invalid_json``."""
+    resp = post(server, C, body)
+    error = resp.json()["error"]
+    assert resp.status_code == 400, resp.text
+    assert (error["param"], error["code"]) == (param, code)
+    empty = httpx.post(f"{server.url}/v1/completions", content=b"",
+                       headers={"Content-Type": "application/json"}, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_json"
