@@ -196,7 +196,8 @@ class EngineCore:
         self.executor.capture_graphs(self.max_model_len)
         self.weight_bytes = self.executor.weight_bytes
         self.kv_bytes_per_token = kv_bytes_per_token(self.kv_cache_config)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens in %d group(s); max_model_len "
+        logger.info("KV cache: %d blocks x %d tokens (block 0 is the null block); one request "
+                    "can hold %d tokens, in %d group(s); max_model_len "
                     "%d; max concurrency at full length %.1f requests; %d bytes per token; "
                     "weights %.1f MiB", self.num_blocks,
                     cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
