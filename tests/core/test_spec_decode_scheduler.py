@@ -225,9 +225,11 @@ class MixedSpeculator(OracleSpeculator):
 
 
 def _timed_run(make_scheduler, make_driver, make_request, spec, prompts, step_seconds,
-               max_tokens=30):
+               max_tokens=30, pass_seconds=None):
     """Run with an adaptive speculator fed a synthetic measured step time per step
-    (``step_seconds(tokens in the step)``); returns results and each step's drafts."""
+    (``step_seconds(tokens in the step)``); returns results and each step's drafts. With
+    ``pass_seconds`` (a draft model), each step's drafts also cost ``max(k)`` passes of
+    ``pass_seconds(requests drafting)`` on top of the target's step."""
     sched = make_scheduler()
     sched.speculator = spec
     driver = make_driver(sched)
@@ -235,9 +237,15 @@ def _timed_run(make_scheduler, make_driver, make_request, spec, prompts, step_se
 
     def timed_execute(sched_out):
         out = execute(sched_out)
-        spec.observe_step(sched_out, out, step_seconds(sched_out.total_num_scheduled_tokens))
-        drafts_per_step.append({r: len(d) for r, d in
-                                sched_out.scheduled_spec_decode_tokens.items()})
+        drafts = sched_out.scheduled_spec_decode_tokens
+        seconds = step_seconds(sched_out.total_num_scheduled_tokens)
+        if pass_seconds is not None:
+            passes = max((len(d) for d in drafts.values()), default=0)
+            out.draft_pass_s = pass_seconds(len(drafts)) if drafts else 0.0
+            out.draft_time_s = passes * out.draft_pass_s
+            seconds += out.draft_time_s
+        spec.observe_step(sched_out, out, seconds)
+        drafts_per_step.append({r: len(d) for r, d in drafts.items()})
         return out
 
     driver.execute = timed_execute
@@ -334,28 +342,9 @@ def test_drafts_never_preempt(make_scheduler, make_driver, make_request, oracle)
 
 def _draft_model_run(make_scheduler, make_driver, make_request, spec, prompts, step_seconds,
                      pass_seconds, max_tokens=30):
-    """Like ``_timed_run`` for a draft model: each step's drafts cost ``max(k)`` passes of
-    ``pass_seconds(requests drafting)`` on top of the target's ``step_seconds``."""
-    sched = make_scheduler()
-    sched.speculator = spec
-    driver = make_driver(sched)
-    execute, drafts_per_step = driver.execute, []
-
-    def timed_execute(sched_out):
-        out = execute(sched_out)
-        drafts = sched_out.scheduled_spec_decode_tokens
-        passes = max((len(d) for d in drafts.values()), default=0)
-        out.draft_pass_s = pass_seconds(len(drafts)) if drafts else 0.0
-        out.draft_time_s = passes * out.draft_pass_s
-        spec.observe_step(sched_out, out, step_seconds(sched_out.total_num_scheduled_tokens)
-                          + out.draft_time_s)
-        drafts_per_step.append({r: len(d) for r, d in drafts.items()})
-        return out
-
-    driver.execute = timed_execute
-    for rid, prompt in prompts.items():
-        driver.add(make_request(rid, prompt, max_tokens=max_tokens))
-    return driver.run(), drafts_per_step
+    """``_timed_run`` for a draft model whose passes cost ``pass_seconds(requests drafting)``."""
+    return _timed_run(make_scheduler, make_driver, make_request, spec, prompts, step_seconds,
+                      max_tokens, pass_seconds)
 
 
 def _draft_model_speculator(k: int, draft_cost_ratio: float) -> OracleSpeculator:
