@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     args = parser.parse_args()
     if args.mode == "int4":  # keep plain weights, which the variants swap
-        from kvflow.worker import model_runner
+        from kvflow.worker import cpu_setup
 
-        model_runner.prepack_gemm_weights = lambda *a, **k: {}
+        cpu_setup.prepack_gemm_weights = lambda *a, **k: {}
     from kvflow import LLM
     from kvflow.bench.perplexity import DEFAULT_TEXT, perplexity_of, windows
 

@@ -62,6 +62,15 @@ class RequestState:
     pooling_params: PoolingParams | None = None
 
 
+def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A request's own generator on ``device`` (seeded random sampling), else None."""
+    if params.seed is None or params.temperature == 0:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
+
+
 class InputBatch:
     """Rows of the requests a runner computes, updated in place.
 

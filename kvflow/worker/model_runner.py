@@ -1,43 +1,28 @@
-"""Runs the model for one scheduled step: inputs -> forward -> logits -> sampled tokens."""
+"""Runs the model for one scheduled step: inputs -> forward -> logits -> sampled tokens.
+
+Its helpers, one job each: ``attention_backends`` (kvflow's own backends by name),
+``cpu_setup`` (threads, GEMM kernels), ``kv_cache_setup`` (specs, memory budget, tensors),
+``pipeline_stages`` (hand-off between pipeline stages) and ``step_sampling`` (sampling a
+launched step, collecting its tokens)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
-from kvflow.attention.cp_paged import ContextParallelAttentionBackend
 from kvflow.attention.layer import Attention, AttentionContext
-from kvflow.config import (
-    EngineConfig,
-    cpu_adaptive_threads_choice,
-    cpu_gemm_choice,
-    cpu_gemm_pool_choice,
-    parse_bytes,
-)
+from kvflow.config import EngineConfig, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
-from kvflow.kernels.gemm import (
-    GemmWorkspace,
-    pack_logits_head,
-    prepack_gemm_weights,
-    widen_half_gemms,
-)
-from kvflow.kernels.gemm_select import GemmShape, candidates_for, choose, gemm_timings
-from kvflow.kv_cache_interface import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    kv_cache_dtypes,
-)
-from kvflow.layers.sampler import Sampler, SamplerOutput
+from kvflow.kernels.cpu_threads import AdaptiveThreads
+from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.layers.sampler import Sampler
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
@@ -47,96 +32,38 @@ from kvflow.models.pooling_config import model_task
 from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config, weight_bytes
-from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
+from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_model import DraftModel
-from kvflow.spec_decode.verification import (
-    SpecStep,
-    draft_probs_tensor,
-    place_drafts,
-    plan_verification,
-    verify,
+from kvflow.spec_decode.verification import draft_probs_tensor, place_drafts, plan_verification
+from kvflow.worker.attention_backends import (
+    make_attention_backend,
+    make_context_parallel_backend,
+    make_mla_backend,
 )
-from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
-from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
-from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_gemms
+from kvflow.worker.cpu_setup import choose_gemm_path, configure_runner_threads
 from kvflow.worker.deterministic import check_supported as check_deterministic
-from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.input_batch import InputBatch, RequestState, request_generator
+from kvflow.worker.kv_cache_setup import (
+    allocate_kv_caches,
+    check_kv_cache_config,
+    kv_cache_spec,
+    local_kv_tensors,
+    profile_kv_budget,
+    release_kv_cache,
+)
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
-from kvflow.worker.prompt_logprobs import PromptLogprobsRequest, compute_prompt_logprobs
+from kvflow.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_requests
 from kvflow.worker.sampling_inputs import SamplingInputs
+from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pending, sample_step
 
 logger = logging.getLogger(__name__)
 
-
-def make_attention_backend(name: str, batch_invariant: bool = False,
-                           device: torch.device | None = None):
-    """The backend called ``name``: torch | cpu | triton | flashinfer. "cpu" falls back to
-    "torch" (logged) where its native kernels cannot be built. ``batch_invariant``
-    (``--deterministic``, checked beforehand to be on "cpu" with the kernels built): attend
-    token by token. "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises
-    ValueError for an unknown name, or for flashinfer off CUDA or not installed."""
-    if name == "cpu":
-        from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
-        from kvflow.kernels.cpu_native import native_cpu_kernels
-
-        kernels = native_cpu_kernels()
-        if kernels is not None:
-            return CpuPagedAttentionBackend(kernels, batch_invariant)
-        logger.warning("attention backend 'cpu' unavailable; using 'torch'")
-        name = "torch"
-    if name == "torch":
-        from kvflow.attention.torch_paged import TorchPagedAttentionBackend
-
-        return TorchPagedAttentionBackend()
-    if name == "triton":
-        from kvflow.attention.triton_paged import TritonPagedAttentionBackend
-
-        return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
-    if name == "flashinfer":
-        from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
-
-        return FlashInferPagedAttentionBackend(device or torch.device("cpu"))
-    raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu, triton or "
-                     "flashinfer")
-
-
-def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
-                                  split_prefill: bool = True):
-    """The attention backend of a context-parallel rank (``kvflow.attention.cp_paged``),
-    whatever ``--attention-backend`` says; ``split_prefill``: Ring Attention for prefill
-    chunks (``--context-parallel-prefill ring``).
-
-    Raises:
-        ValueError: for an MLA model (its latent cache is not split by token yet) or a block
-            size that the CP size does not divide.
-    """
-    if uses_mla(hf_config):
-        raise ValueError("context_parallel_size > 1 is not available for multi-head latent "
-                         "attention (MLA) models")
-    backend = ContextParallelAttentionBackend(cp_group, split_prefill=split_prefill)
-    backend.local_block_size(block_size)  # raises for a block size cp does not divide
-    return backend
-
-
-def make_mla_backend(name: str | None):
-    """The multi-head latent attention backend for an MLA model (DeepSeek-V2/V3): the plain
-    torch one on every device, chosen whatever the platform's default backend is.
-
-    Raises:
-        ValueError: when ``--attention-backend`` names a backend without an MLA path (cpu,
-            triton) or an unknown one.
-    """
-    if name not in (None, "torch"):
-        raise ValueError(f"--attention-backend {name} has no multi-head latent attention (MLA) "
-                         "path for this model; leave --attention-backend unset or use torch")
-    from kvflow.attention.torch_mla import TorchMLABackend
-
-    return TorchMLABackend()
 
 
 class ModelRunner:
@@ -164,17 +91,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.stager = InputStager(self.device)
         if self.device.type == "cpu":
-            dc = config.device_config
-            pc, world = config.parallel_config, self.parallel.world.world_size
-            # every rank of every data-parallel replica on this machine takes its share
-            threads, pinned = configure_cpu_threads(
-                dc.cpu_threads, dc.cpu_threads_bind,
-                pc.data_parallel_rank * world + self.parallel.rank, pc.data_parallel_size * world,
-                cpu_gemm_pool_choice(dc.cpu_gemm_pool))
-            self.adaptive_threads = AdaptiveThreads.create(
-                cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic,
-                threads, pinned is not None,
-                world)
+            self.adaptive_threads = configure_runner_threads(config, self.parallel)
         self._init_model(source, hf_config)
         self.drafter = self._init_draft_model(hf_config)
         self.draft_weight_bytes = weight_bytes(self.drafter.model) if self.drafter else 0
@@ -210,7 +127,7 @@ class ModelRunner:
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
         self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
-        self._choose_gemm_path(self.model)
+        choose_gemm_path(self.model, self.config, self.platform, self.device, self.dtype)
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
             if lc.enable_lora else None
@@ -233,49 +150,9 @@ class ModelRunner:
             make_attention_backend(name, device=self.device)
         drafter = DraftModel(self.config, backend, self.dtype, self.device,
                              hf_config.vocab_size)
-        self._choose_gemm_path(drafter.model)  # unpacked, a bf16 draft cost more than it saved
+        # unpacked, a bf16 draft cost more than it saved
+        choose_gemm_path(drafter.model, self.config, self.platform, self.device, self.dtype)
         return drafter
-
-    def _choose_gemm_path(self, model: torch.nn.Module) -> None:
-        """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
-        of ``model`` (the target or the draft) packed once for the kernel ``--cpu-gemm`` names
-        or, under ``auto``, the one timed fastest for its shape class on this CPU; without
-        either kernel, 16-bit weights are widened to fp32 units where the CPU has no 16-bit
-        matmul units."""
-        deterministic = self.config.device_config.deterministic
-        if self.device.type != "cpu":
-            if deterministic:  # one Triton GEMM configuration for every batch
-                use_batch_invariant_gemms(model)
-                logger.info("deterministic mode (batch-invariant kernels): %s",
-                            "; ".join(DETERMINISTIC_CHANGES_CUDA))
-            return
-        kernels = native_cpu_kernels()
-        choice = "native" if deterministic else cpu_gemm_choice(self.config.device_config.cpu_gemm)
-        candidates = candidates_for(self.dtype, choice, kernels,
-                                    self.platform.prepacks_gemm_weights(self.dtype))
-        if not candidates:
-            if not self.platform.has_native_matmul(self.dtype):
-                switched = widen_half_gemms(model, GemmWorkspace())
-                logger.info("no native %s matmul: %d GEMM modules run on fp32 units",
-                            self.dtype, switched)
-            return
-        timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
-        head = getattr(model, "lm_head", None)
-        if self.dtype != torch.float32:
-            # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
-            pack_logits_head(head, self.config.scheduler_config.max_num_seqs,
-                             None if choice == "onednn" else kernels)
-        counts = prepack_gemm_weights(
-            model, self.config.scheduler_config.max_num_seqs, kernels,
-            lambda w: choose(GemmShape(w.shape[0], w.shape[1], self.dtype), candidates, timings),
-            self.dtype)
-        if timings is not None:
-            timings.save()
-        logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, self.dtype, dict(counts))
-        if deterministic:
-            check_all_packed(model)
-            logger.info("deterministic mode (batch-invariant kernels): %s",
-                        "; ".join(DETERMINISTIC_CHANGES))
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)
@@ -284,19 +161,15 @@ class ModelRunner:
         self.sampling_inputs = SamplingInputs(self.device)
         self.requests: dict[str, RequestState] = {}  # every request this runner computes
         self.input_batch: InputBatch | None = None  # made with the KV cache (needs the groups)
-        self._step: _LaunchedStep | None = None  # forward launched, not sampled yet
-        self._pending: _PendingOutput | None = None  # sampled, not collected yet
+        self._step: LaunchedStep | None = None  # forward launched, not sampled yet
+        self._pending: PendingOutput | None = None  # sampled, not collected yet
 
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """Each attention layer's KV-cache spec (layer name -> spec), in model order, with
         ``--kv-cache-dtype``'s element type (and scales for a quantized cache)."""
-        dtype, scale_dtype = kv_cache_dtypes(self.config.cache_config.kv_cache_dtype, self.dtype)
-        specs = {name: layer.kv_cache_spec(self.block_size, dtype, scale_dtype)
-                 for name, layer in self.attn_layers.items()}
-        if self.drafter is not None:  # a draft model's layers, DRAFT_LAYER_PREFIX-named
-            specs.update(self.drafter.kv_cache_spec(self.block_size, dtype, scale_dtype))
-        return specs
+        return kv_cache_spec(self.attn_layers, self.drafter, self.block_size,
+                             self.config.cache_config.kv_cache_dtype, self.dtype)
 
     def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
         """Bytes for the KV cache: --kv-cache-memory, else the platform's budget (CPU: 2 GiB;
@@ -307,32 +180,8 @@ class ModelRunner:
             return parse_bytes(cc.kv_cache_memory)
         if self.platform.default_kv_cache_bytes is not None:
             return self.platform.default_kv_cache_bytes
-        return self._profile_kv_budget(kv_cache_groups)
-
-    def _check_fits(self, kv_bytes: int) -> None:
-        """Raises ValueError if the requested KV cache exceeds the device's free memory."""
-        free, _ = self.platform.memory_info()
-        if kv_bytes > free:
-            raise ValueError(f"the KV cache needs {kv_bytes / 2**30:.2f} GiB but only "
-                             f"{free / 2**30:.2f} GiB of {self.platform.name} memory is free; "
-                             "lower --kv-cache-memory or --num-kv-blocks")
-
-    def _profile_kv_budget(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
-        """GPU: a forward pass at the full token budget measures peak activations; the KV cache
-        gets gpu_memory_utilization x total memory minus the weights + activation peak and
-        minus what other processes hold."""
-        self.platform.reset_peak_memory()
-        self.profile_run(kv_cache_groups)
-        free, total = self.platform.memory_info()
-        peak = self.platform.peak_memory()
-        in_use_by_us = self.platform.peak_memory_reserved()
-        used_by_others = max(total - free - in_use_by_us, 0)
-        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - \
-            used_by_others
-        logger.info("GPU memory: total %.1f GiB, peak during profiling %.2f GiB, used by others "
-                    "%.2f GiB, KV budget %.2f GiB", total / 2**30, peak / 2**30,
-                    used_by_others / 2**30, budget / 2**30)
-        return budget
+        return profile_kv_budget(self.platform, cc.gpu_memory_utilization,
+                                 lambda: self.profile_run(kv_cache_groups))
 
     def profile_run(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> None:
         """One forward pass over max_num_batched_tokens dummy tokens (one request), with a KV
@@ -348,21 +197,18 @@ class ModelRunner:
         inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
                                     self.stager)
         with torch.inference_mode():
-            hidden = self._forward(inputs, self._recv_from_previous_stage(), batch)
-            if self._send_to_next_stage(hidden) and self.pooling is None:
+            hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp), batch)
+            if send_to_next_stage(self.parallel.pp, hidden) and self.pooling is None:
                 self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
         self.platform.synchronize()
-        self._release_kv_cache()
+        release_kv_cache(self.attn_layers, self.drafter)
+        self.kv_caches = []
 
     def local_kv_tensors(self, kv_cache_config: KVCacheConfig) -> list[list[tuple[int, str]]]:
         """For each KV tensor ``j`` this rank allocates: the (group, layer name) pairs of its
         own layers that use it. A pipeline stage skips tensors whose layers all live on other
         stages; without pipeline parallelism every tensor is local."""
-        groups = kv_cache_config.kv_cache_groups
-        users = [[(g, group.layer_names[j]) for g, group in enumerate(groups)
-                  if group.layer_names[j] in self.attn_layers]
-                 for j in range(kv_cache_config.num_tensors)]
-        return [u for u in users if u]
+        return local_kv_tensors(kv_cache_config, self.attn_layers)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one zeroed tensor per layer of a KV-cache group (of this rank's layers),
@@ -380,56 +226,23 @@ class ModelRunner:
                 in the device's free memory, or for a draft model beside several KV-cache
                 groups (it reads group 0's block table).
         """
-        cc = self.config.cache_config
         tensors = self.local_kv_tensors(kv_cache_config)
+        check_kv_cache_config(kv_cache_config, self.config.cache_config, self.platform,
+                              len(tensors), self.parallel.cp.world_size)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         draft = kv_cache_config.draft_group
-        if draft is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("speculative_config method='draft_model' needs a target with one "
-                             "KV-cache group (no sliding-window/full-attention mix)")
-        if cc.num_kv_blocks is not None or cc.kv_cache_memory is not None:
-            draft_bytes = draft.page_size_bytes if draft is not None else 0
-            self._check_fits(kv_cache_config.num_blocks * (
-                spec.page_size_bytes * len(tensors) // self.parallel.cp.world_size + draft_bytes))
         self.kv_cache_config = kv_cache_config
         self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs,
                                       [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups])
         self.requests = {}
-        self.kv_caches = []
-        for users in tensors:
-            cache = torch.zeros(self._local_cache_shape(spec, kv_cache_config.num_blocks),
-                                dtype=spec.dtype, device=self.device)
-            scales_shape = spec.kv_scales_shape(kv_cache_config.num_blocks)
-            scales = None if scales_shape is None else \
-                torch.zeros(scales_shape, dtype=spec.scale_dtype, device=self.device)
-            for g, name in users:
-                layer = self.attn_layers[name]
-                layer.kv_cache, layer.kv_group = cache, g
-                if scales is not None:
-                    layer.kv_scales = scales
-            self.kv_caches.append(cache)
+        self.kv_caches = allocate_kv_caches(tensors, spec, kv_cache_config.num_blocks,
+                                            self.attn_layers, self.device,
+                                            self.parallel.cp.world_size)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
         self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
                                    pin_memory=self.device.type == "cuda") \
             if kv_cache_config.num_host_blocks else None
-
-    def _local_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-        """This rank's KV tensor shape: the spec's, except that under context parallelism
-        each rank holds ``block_size / cp`` tokens of every block
-        (``kvflow.attention.cp_paged``)."""
-        shape = spec.kv_cache_shape(num_blocks)
-        cp = self.parallel.cp.world_size
-        return shape if cp == 1 else (shape[0], shape[1], shape[2] // cp, *shape[3:])
-
-    def _release_kv_cache(self) -> None:
-        if self.drafter is not None:
-            self.drafter.release_kv_cache()
-        for layer in self.attn_layers.values():
-            layer.kv_cache = torch.empty(0)
-            if hasattr(layer, "kv_scales"):
-                layer.kv_scales = None
-        self.kv_caches = []
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Capture CUDA graphs for decode steps (no-op without graph support, with
@@ -519,21 +332,27 @@ class ModelRunner:
         inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
         if len(inputs.pending_token_index):
             self._fill_pending(inputs)
-        hidden = self._forward(inputs, self._recv_from_previous_stage(),
+        hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                lora_mapping=self._lora_mapping(inputs),
                                rows=self._hidden_rows(inputs, spec_tokens))
-        if not self._send_to_next_stage(hidden):
+        if not send_to_next_stage(self.parallel.pp, hidden):
             return  # a pipeline stage before the last: no logits here
+        self._step = self._launch_logits(sched, inputs, hidden, spec_tokens, proposal)
+
+    def _launch_logits(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
+                       spec_tokens: Any, proposal: Any) -> LaunchedStep:
+        """The last stage's step after the forward pass: the sampling rows' logits (all of a
+        verified request's last k + 1 positions) and prompt logprobs; an embedding model's
+        pooled outputs instead."""
         if self.pooling is not None:  # an embedding model: pool, sample nothing
             params = {rid: self.requests[rid].pooling_params
                       for rid in sched.num_scheduled_tokens}
             pooled = self.pooling.step(self.input_batch, inputs.rows, inputs.query_start,
                                        hidden, params)
-            self._step = _LaunchedStep(inputs.sample_rows[:0], None, {}, pooled=pooled)
-            return
+            return LaunchedStep(inputs.sample_rows[:0], None, {}, pooled=pooled)
         spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
         if spec is not None and proposal is not None:
-            spec.draft_probs = draft_probs_tensor(spec, batch, proposal.probs)
+            spec.draft_probs = draft_probs_tensor(spec, self.input_batch, proposal.probs)
             spec.draft_time_s, spec.draft_pass_s = proposal.seconds, proposal.pass_seconds
         if spec is not None:
             logits = self.model.compute_logits(
@@ -542,10 +361,11 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
             if len(inputs.sample_rows) else None
-        prompt_logprobs = compute_prompt_logprobs(self._prompt_logprobs_requests(inputs),
-                                                  hidden, self.model.compute_logits) \
+        prompt_logprobs = compute_prompt_logprobs(
+            prompt_logprobs_requests(self.input_batch, inputs, self.requests), hidden,
+            self.model.compute_logits) \
             if self.input_batch.prompt_logprobs else {}
-        self._step = _LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
+        return LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
 
     def _hidden_rows(self, inputs: ModelInputs, spec_tokens: Any) -> torch.Tensor | None:
         """The step's tokens whose final hidden states are read (a context-parallel token
@@ -560,20 +380,6 @@ class ModelRunner:
         inputs.input_ids[inputs.pending_token_index] = \
             self._pending.output.sampled[inputs.pending_sample_index]
 
-    def _prompt_logprobs_requests(self, inputs: ModelInputs) -> list[PromptLogprobsRequest]:
-        """The scheduled requests that asked for prompt logprobs, with their hidden rows."""
-        batch, out = self.input_batch, []
-        position = {row: k for k, row in enumerate(inputs.rows.tolist())}
-        for rid, num_top in batch.prompt_logprobs.items():
-            k = position.get(batch.req_id_to_index[rid])
-            if k is not None:
-                start = int(inputs.query_start[k])
-                out.append(PromptLogprobsRequest(
-                    rid, num_top, self.requests[rid].prompt_token_ids,
-                    int(batch.num_computed_tokens[inputs.rows[k]]),
-                    int(inputs.query_start[k + 1]) - start, start))
-        return out
-
     @torch.inference_mode()
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Sample the launched step's rows (queued on CUDA); their tokens count as the rows'
@@ -586,45 +392,14 @@ class ModelRunner:
         if self._pending is not None:
             raise RuntimeError("collect_output() must run before the next launch_sampling()")
         step, self._step = self._step, None
-        if step is None:
-            return
-        if not len(step.sample_rows):  # a prefill chunk: maybe prompt logprobs, no tokens
-            if step.prompt_logprobs or step.pooled:
-                self._pending = _PendingOutput([], None, step.prompt_logprobs,
-                                               pooled=step.pooled)
-            return
-        batch = self.input_batch
-        if step.spec is not None:  # verification: synchronous (token counts vary per row)
-            ready = verify(step.spec, step.logits, batch, self.sampling_inputs, self.sampler,
-                           grammar_bitmask)
-            ready.prompt_logprobs = step.prompt_logprobs
-            self._pending = _PendingOutput([], None, step.prompt_logprobs, ready)
-            return
-        meta = self.sampling_inputs.build(batch, step.sample_rows, grammar_bitmask)
-        out = self.sampler(step.logits, meta)
-        batch.add_pending_tokens(step.sample_rows)
-        index = batch.index(step.sample_rows)
-        req_ids = batch.req_ids[index] if isinstance(index, slice) else \
-            [batch.req_ids[r] for r in step.sample_rows.tolist()]
-        self._pending = _PendingOutput(req_ids, out, step.prompt_logprobs)
+        if step is not None:
+            self._pending = sample_step(step, self.input_batch, self.sampling_inputs,
+                                        self.sampler, grammar_bitmask)
 
     def collect_output(self) -> ModelRunnerOutput:
         """Copy the last sampled tokens to the host (waits for the device) and return them."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return ModelRunnerOutput()
-        if pending.ready is not None:
-            return pending.ready
-        if pending.output is None:
-            return ModelRunnerOutput(prompt_logprobs=pending.prompt_logprobs,
-                                     pooler_output=pending.pooled)
-        sampled = pending.output.sampled.cpu().numpy()
-        self.input_batch.fill_pending_tokens(sampled)
-        tokens = sampled.tolist()
-        logprobs = {pending.req_ids[row]: [lp]
-                    for row, lp in pending.output.logprobs_lists().items()}
-        return ModelRunnerOutput(pending.req_ids, [[t] for t in tokens], logprobs,
-                                 pending.prompt_logprobs)
+        return collect_pending(pending, self.input_batch)
 
     def discard_output(self) -> None:
         """Drop a launched or sampled step that will not be collected (the engine aborted its
@@ -645,7 +420,7 @@ class ModelRunner:
                 self.lora_manager.add_lora(new.lora_request)
             state = self.requests[new.req_id] = RequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-                self._make_generator(new.sampling_params), new.mm_features,
+                request_generator(new.sampling_params, self.device), new.mm_features,
                 lora_request=new.lora_request, lora=lora,
                 pooling_params=new.pooling_params)
             if self.mm_runner is not None:
@@ -653,14 +428,6 @@ class ModelRunner:
         if self.mm_runner is not None:  # encoder-cache drops, then this step's images
             self.mm_runner.run_encoders(sched, self.requests)
         self.input_batch.apply_scheduler_output(sched, self.requests)
-
-    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
-        """A request's own generator (seeded random sampling), else None."""
-        if params.seed is None or params.temperature == 0:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed)
-        return gen
 
     def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
                  batch: InputBatch | None = None, lora_mapping: LoRAMapping | None = None,
@@ -705,46 +472,8 @@ class ModelRunner:
             self.forward_s += time.perf_counter() - start
             return out if split is None else split.gather(out, rows)
 
-    def _recv_from_previous_stage(self) -> IntermediateTensors | None:
-        """The previous pipeline stage's hidden states (None on the first stage)."""
-        pp = self.parallel.pp
-        return None if pp.is_first_rank else pp.recv_tensors(pp.rank - 1)
-
-    def _send_to_next_stage(self, output: torch.Tensor | IntermediateTensors) -> bool:
-        """Hand a non-last stage's output to the next stage; True on the last stage (which
-        goes on to the logits)."""
-        pp = self.parallel.pp
-        if pp.is_last_rank:
-            return True
-        pp.send_tensors(output, pp.rank + 1)
-        return False
 
     def _prepare_attention(self, metadata: list[AttentionMetadata]) -> None:
         """The backend's per-step preparation, once per KV-cache group."""
         for meta in metadata:
             self.attn_ctx.backend.prepare(meta, self.block_size)
-
-
-@dataclass
-class _LaunchedStep:
-    """A step whose forward pass was launched: its sampling rows and their logits, the
-    prompt logprobs it computed, and the embeddings it finished."""
-
-    sample_rows: np.ndarray
-    logits: torch.Tensor | None
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-    spec: SpecStep | None = None  # verification layout (speculative decoding)
-    pooled: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass
-class _PendingOutput:
-    """A step sampled but not yet collected: its requests, in sampled-tensor order (output
-    None: nothing sampled), and its prompt logprobs; ``ready``: a verification step's output,
-    already on the host; ``pooled``: the embeddings it finished."""
-
-    req_ids: list[str]
-    output: SamplerOutput | None
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-    ready: ModelRunnerOutput | None = None
-    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.runner_output import PromptLogprobsChunk, TokenLogprobs
+
+if TYPE_CHECKING:
+    from kvflow.worker.input_batch import InputBatch, RequestState
+    from kvflow.worker.model_inputs import ModelInputs
 
 ROWS_PER_PASS = 256
 
@@ -62,6 +67,22 @@ class PromptLogprobsRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     first_row: int
+
+
+def prompt_logprobs_requests(batch: InputBatch, inputs: ModelInputs,
+                             requests: dict[str, RequestState]) -> list[PromptLogprobsRequest]:
+    """The scheduled requests that asked for prompt logprobs, with their hidden rows."""
+    out = []
+    position = {row: k for k, row in enumerate(inputs.rows.tolist())}
+    for rid, num_top in batch.prompt_logprobs.items():
+        k = position.get(batch.req_id_to_index[rid])
+        if k is not None:
+            start = int(inputs.query_start[k])
+            out.append(PromptLogprobsRequest(
+                rid, num_top, requests[rid].prompt_token_ids,
+                int(batch.num_computed_tokens[inputs.rows[k]]),
+                int(inputs.query_start[k + 1]) - start, start))
+    return out
 
 
 def compute_prompt_logprobs(reqs: list[PromptLogprobsRequest], hidden: torch.Tensor,

@@ -1,0 +1,81 @@
+"""The runner's attention-backend factories: kvflow's own paged backends by name, the
+context-parallel backend and the MLA backend (a platform's own backends come from
+``Platform.get_attention_backend``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvflow.attention.cp_paged import ContextParallelAttentionBackend
+from kvflow.models.registry import uses_mla
+
+logger = logging.getLogger(__name__)
+
+
+def make_attention_backend(name: str, batch_invariant: bool = False,
+                           device: torch.device | None = None):
+    """The backend called ``name``: torch | cpu | triton | flashinfer. "cpu" falls back to
+    "torch" (logged) where its native kernels cannot be built. ``batch_invariant``
+    (``--deterministic``, checked beforehand to be on "cpu" with the kernels built): attend
+    token by token. "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises
+    ValueError for an unknown name, or for flashinfer off CUDA or not installed."""
+    if name == "cpu":
+        from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
+        from kvflow.kernels.cpu_native import native_cpu_kernels
+
+        kernels = native_cpu_kernels()
+        if kernels is not None:
+            return CpuPagedAttentionBackend(kernels, batch_invariant)
+        logger.warning("attention backend 'cpu' unavailable; using 'torch'")
+        name = "torch"
+    if name == "torch":
+        from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+
+        return TorchPagedAttentionBackend()
+    if name == "triton":
+        from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+        return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
+    if name == "flashinfer":
+        from kvflow.attention.flashinfer_paged import FlashInferPagedAttentionBackend
+
+        return FlashInferPagedAttentionBackend(device or torch.device("cpu"))
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, cpu, triton or "
+                     "flashinfer")
+
+
+def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
+                                  split_prefill: bool = True):
+    """The attention backend of a context-parallel rank (``kvflow.attention.cp_paged``),
+    whatever ``--attention-backend`` says; ``split_prefill``: Ring Attention for prefill
+    chunks (``--context-parallel-prefill ring``).
+
+    Raises:
+        ValueError: for an MLA model (its latent cache is not split by token yet) or a block
+            size that the CP size does not divide.
+    """
+    if uses_mla(hf_config):
+        raise ValueError("context_parallel_size > 1 is not available for multi-head latent "
+                         "attention (MLA) models")
+    backend = ContextParallelAttentionBackend(cp_group, split_prefill=split_prefill)
+    backend.local_block_size(block_size)  # raises for a block size cp does not divide
+    return backend
+
+
+def make_mla_backend(name: str | None):
+    """The multi-head latent attention backend for an MLA model (DeepSeek-V2/V3): the plain
+    torch one on every device, chosen whatever the platform's default backend is.
+
+    Raises:
+        ValueError: when ``--attention-backend`` names a backend without an MLA path (cpu,
+            triton) or an unknown one.
+    """
+    if name not in (None, "torch"):
+        raise ValueError(f"--attention-backend {name} has no multi-head latent attention (MLA) "
+                         "path for this model; leave --attention-backend unset or use torch")
+    from kvflow.attention.torch_mla import TorchMLABackend
+
+    return TorchMLABackend()

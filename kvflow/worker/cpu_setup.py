@@ -1,0 +1,92 @@
+"""The runner's CPU compute setup: its share of the machine's threads and, per GEMM module,
+the kernel its weight is packed for (on CUDA: the batch-invariant GEMMs of --deterministic)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvflow.config import (
+    EngineConfig,
+    cpu_adaptive_threads_choice,
+    cpu_gemm_choice,
+    cpu_gemm_pool_choice,
+)
+from kvflow.distributed.parallel_state import ParallelState
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
+from kvflow.kernels.gemm import (
+    GemmWorkspace,
+    pack_logits_head,
+    prepack_gemm_weights,
+    widen_half_gemms,
+)
+from kvflow.kernels.gemm_select import GemmShape, candidates_for, choose, gemm_timings
+from kvflow.platforms import Platform
+from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
+from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
+from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_gemms
+
+logger = logging.getLogger(__name__)
+
+
+def configure_runner_threads(config: EngineConfig,
+                             parallel: ParallelState) -> AdaptiveThreads | None:
+    """Set this CPU rank's torch thread count (and pinning): every rank of every data-parallel
+    replica on this machine takes its share of the cores (``--cpu-threads``,
+    ``--cpu-threads-bind``, ``--cpu-gemm-pool``). Returns the ``--cpu-adaptive-threads``
+    controller (off under ``--deterministic``), whose ``before_step`` runs between steps."""
+    dc = config.device_config
+    pc, world = config.parallel_config, parallel.world.world_size
+    threads, pinned = configure_cpu_threads(
+        dc.cpu_threads, dc.cpu_threads_bind,
+        pc.data_parallel_rank * world + parallel.rank, pc.data_parallel_size * world,
+        cpu_gemm_pool_choice(dc.cpu_gemm_pool))
+    return AdaptiveThreads.create(
+        cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic,
+        threads, pinned is not None,
+        world)
+
+
+def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Platform,
+                     device: torch.device, dtype: torch.dtype) -> None:
+    """CPU GEMM kernels (kvflow/kernels/gemm.py, gemm_select.py): each GEMM module's weight
+    of ``model`` (the target or the draft) packed once for the kernel ``--cpu-gemm`` names
+    or, under ``auto``, the one timed fastest for its shape class on this CPU; without
+    either kernel, 16-bit weights are widened to fp32 units where the CPU has no 16-bit
+    matmul units."""
+    deterministic = config.device_config.deterministic
+    if device.type != "cpu":
+        if deterministic:  # one Triton GEMM configuration for every batch
+            use_batch_invariant_gemms(model)
+            logger.info("deterministic mode (batch-invariant kernels): %s",
+                        "; ".join(DETERMINISTIC_CHANGES_CUDA))
+        return
+    kernels = native_cpu_kernels()
+    choice = "native" if deterministic else cpu_gemm_choice(config.device_config.cpu_gemm)
+    candidates = candidates_for(dtype, choice, kernels,
+                                platform.prepacks_gemm_weights(dtype))
+    if not candidates:
+        if not platform.has_native_matmul(dtype):
+            switched = widen_half_gemms(model, GemmWorkspace())
+            logger.info("no native %s matmul: %d GEMM modules run on fp32 units",
+                        dtype, switched)
+        return
+    timings = gemm_timings(kernels) if choice == "auto" and len(candidates) > 1 else None
+    head = getattr(model, "lm_head", None)
+    if dtype != torch.float32:
+        # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
+        pack_logits_head(head, config.scheduler_config.max_num_seqs,
+                         None if choice == "onednn" else kernels)
+    counts = prepack_gemm_weights(
+        model, config.scheduler_config.max_num_seqs, kernels,
+        lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings),
+        dtype)
+    if timings is not None:
+        timings.save()
+    logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, dtype, dict(counts))
+    if deterministic:
+        check_all_packed(model)
+        logger.info("deterministic mode (batch-invariant kernels): %s",
+                    "; ".join(DETERMINISTIC_CHANGES))
