@@ -52,7 +52,7 @@ def variants(p: dict, kernels) -> dict:
     k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
     out = {"rows": lambda: kernels.paged_attention(*args, validate=False, tiled=False),
            "tiled": lambda: kernels.paged_attention(*args, validate=False, bf16_dot=False)}
-    if p["q"].dtype == torch.bfloat16 and kernels.isa == "avx512_bf16":
+    if p["q"].dtype == torch.bfloat16 and kernels.isa in ("avx512_bf16", "amx_bf16"):
         out["dot"] = lambda: kernels.paged_attention(*args, validate=False)
     out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out

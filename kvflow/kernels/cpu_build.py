@@ -2,13 +2,13 @@
 caching them.
 
 The C sources under ``kernels/csrc/`` are compiled with the system C compiler into one shared
-library per ISA level of :data:`ISA_LEVELS` (x86-64: AVX512 with bf16 dot products, AVX512,
-AVX2 + FMA, and the x86-64 baseline; other machines: the compiler's baseline). Each level's
-flags name the instruction sets it may use (``-march=x86-64-v4 -mavx512bf16``, ...), never
-``-march=native``: a library depends only on the sources, the flags and the compiler, so one
-cache directory serves every CPU that shares it, and :func:`isa_levels_for_cpu` picks, at run
-time, the best level the CPU's features (CPUID, as Linux reports them in ``/proc/cpuinfo``)
-allow. Only the levels a process loads are built (about a second each).
+library per ISA level of :data:`ISA_LEVELS` (x86-64: AVX512 with AMX bf16 tiles, AVX512 with
+bf16 dot products, AVX512, AVX2 + FMA, and the x86-64 baseline; other machines: the
+compiler's baseline). Each level's flags name the instruction sets it may use
+(``-march=x86-64-v4 -mavx512bf16``, ...), never ``-march=native``: a library depends only on
+the sources, the flags and the compiler, so one cache directory serves every CPU that shares
+it, and :func:`isa_levels_for_cpu` picks, at run time, the best level the CPU's features
+(CPUID, as Linux reports them in ``/proc/cpuinfo``) allow. Only the levels a process loads are built (about a second each).
 
 Libraries are cached under the cache directory the caller passes
 (``kvflow.config.cache_dir()``) ``/kernels``, named by a hash of the sources, the flags and the
@@ -30,7 +30,7 @@ from pathlib import Path
 SOURCES = ("cpu_attention.c", "cpu_attention_kvq.c", "cpu_elementwise.c", "cpu_gemm.c",
            "cpu_gguf.c", "cpu_pool.c", "cpu_quant_gemm.c", "cpu_threads.c")
 HEADERS = ("cpu_common.h", "cpu_attention_tiled.h", "cpu_attention_dp.h",
-           "cpu_attention_decode.h", "cpu_pool.h")
+           "cpu_attention_decode.h", "cpu_pool.h", "cpu_gemm_amx.h")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=gnu11", "-Wno-psabi")
 
@@ -48,6 +48,8 @@ class IsaLevel:
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma",
                      "f16c"})
 X86_LEVELS = (
+    IsaLevel("amx_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+             _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
     IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _AVX512 | {"avx512_bf16"}),
     IsaLevel("avx512", ("-march=x86-64-v4",), _AVX512),
     IsaLevel("avx2", ("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),

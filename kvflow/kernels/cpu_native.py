@@ -582,7 +582,7 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
     (a level whose build fails falls back to the next); None (logged once) if unavailable.
 
     ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead);
-    ``KVFLOW_CPU_ISA=<level>`` (avx512_bf16, avx512, avx2, x86-64) asks for a lower level
+    ``KVFLOW_CPU_ISA=<level>`` (amx_bf16, avx512_bf16, avx512, avx2, x86-64) asks for a lower level
     than the best, e.g. to test the AVX2 path on an AVX512 machine.
     """
     if os.environ.get("KVFLOW_NATIVE_CPU", "1") == "0":

@@ -109,14 +109,15 @@ def test_block_sizes(block_size, path, dtype):
 
 
 def test_bf16_dot_path_runs_where_the_build_has_it():
-    """On the avx512_bf16 build the dot-product tiles (bf16 softmax weights) give other values
-    than the widening tiles; every other build and dtype ignores ``bf16_dot``."""
+    """On the builds with AVX512-BF16 (avx512_bf16, amx_bf16) the dot-product tiles (bf16
+    softmax weights) give other values than the widening tiles; every other build and dtype
+    ignores ``bf16_dot``."""
     batch = make_batch([(0, 70), (40, 130)], 9, 3, 64, dtype=torch.bfloat16, seed=7)
     args = (batch["q"], batch["kv_cache"], batch["query_start_loc"], batch["seq_lens"],
             batch["block_table"], batch["scale"])
     dot = KERNELS.paged_attention(*args, bf16_dot=True)
     widened = KERNELS.paged_attention(*args, bf16_dot=False)
-    assert torch.equal(dot, widened) == (KERNELS.isa != "avx512_bf16")
+    assert torch.equal(dot, widened) == (KERNELS.isa not in ("avx512_bf16", "amx_bf16"))
     fp32 = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()
             if isinstance(v, torch.Tensor)}
     args = (fp32["q"], fp32["kv_cache"], *args[2:])

@@ -29,6 +29,10 @@ LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 def test_levels_follow_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
     names = lambda features: [lv.name for lv in cpu_build.isa_levels_for_cpu(features)]
+    assert names(AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}) == [
+        "amx_bf16", "avx512_bf16", "avx512", "avx2", "x86-64"]
+    assert names(AVX512 | {"avx512_bf16", "amx_tile"}) == [
+        "avx512_bf16", "avx512", "avx2", "x86-64"]
     assert names(AVX512 | {"avx512_bf16"}) == ["avx512_bf16", "avx512", "avx2", "x86-64"]
     assert names(AVX512) == ["avx512", "avx2", "x86-64"]
     assert names(AVX2) == ["avx2", "x86-64"]
@@ -75,7 +79,7 @@ def kernels(request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 33, 257), (7, 16, 3), (97, 70, 600)])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 257), (7, 16, 3), (97, 70, 600), (45, 70, 96)])
 def test_gemm_at_every_level(kernels, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(kernels.gemm_x_dtype(dtype))

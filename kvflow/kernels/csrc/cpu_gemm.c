@@ -24,6 +24,8 @@
  * operand layout of VDPBF16PS, Intel SDM vol. 2) and multiplied with bf16 x by VDPBF16PS,
  * which adds two bf16 products to each fp32 lane per instruction: twice the multiply rate of
  * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes.
+ * In builds with AMX-BF16 (__AMX_BF16__) the same k-paired panels are multiplied by AMX tiles
+ * instead (cpu_gemm_amx.h) where k is a multiple of 32.
  * Accumulation and the result are fp32 everywhere (the LM head of a 16-bit model keeps its
  * logits fp32; other layers round once, afterwards).
  *
@@ -229,6 +231,25 @@ typedef struct {
     int64_t y_stride, m, n, k;
 } Gemm;
 
+#if defined(__AMX_BF16__)
+#include "cpu_gemm_amx.h"
+#define AMX_TILES 1
+#else
+#define AMX_TILES 0
+#endif
+
+/* 1 when a bf16 GEMM of depth k runs on AMX tiles here (an AMX build, k a multiple of 32, AMX
+ * granted to the process), else 0: bf16 products then take VDPBF16PS or widening. */
+int kvflow_gemm_amx(int64_t k) {
+#if AMX_TILES
+    const Gemm g = {.wdt = DT_BF16, .xdt = DT_BF16, .k = k};
+    return amx_applies(&g);
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
 /* Rows [ic, ic + mb) of x times panel p into y, KC values of k at a time; the panel is read
  * once, front to back, while each micro-kernel prefetches its share of the next KC x NR chunk.
  * Edge panels (fewer than NR columns) go through an MR x NR scratch tile. */
@@ -294,6 +315,10 @@ static void block_times_panel_to(const Gemm *g, int64_t ic, int64_t mb, int64_t 
                 y[i * ldy + j] = g->bias ? g->bias[p * NR + j] : 0.f;
         return;
     }
+#if AMX_TILES
+    if (amx_applies(g)) amx_block_panel(g, ic, mb, p, y, ldy);
+    else
+#endif
     if (g->wdt == DT_BF16 && BF16_PAIRS) block_panel(g, ic, mb, p, DT_BF16, 1, y, ldy);
     else if (g->wdt == DT_BF16) block_panel(g, ic, mb, p, DT_BF16, 0, y, ldy);
     else if (g->wdt == DT_F16) block_panel(g, ic, mb, p, DT_F16, 0, y, ldy);
