@@ -684,3 +684,51 @@ def test_schema_errors_carry_openai_codes(server, body, param, code):
     empty = httpx.post(f"{server.url}/v1/completions", content=b"",
                        headers={"Content-Type": "application/json"}, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_json"
+
+
+STRICT_TYPES = [  # (path, body, param): OpenAI refuses each with code invalid_type
+    (C, {"max_tokens": "8"}, "max_tokens"), (C, {"max_tokens": 8.0}, "max_tokens"),
+    (C, {"n": True}, "n"), (C, {"seed": "7"}, "seed"), (C, {"temperature": "0.5"},
+                                                        "temperature"),
+    (C, {"temperature": False}, "temperature"), (C, {"stream": "true"}, "stream"),
+    (C, {"echo": 1}, "echo"), (C, {"logprobs": "2"}, "logprobs"),
+    (C, {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    (C, {"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    (C, {"stop_token_ids": ["5"]}, "stop_token_ids.0"),
+    (C, {"structured_outputs": {"json_object": "true"}}, "structured_outputs.json_object"),
+    (CH, {"max_completion_tokens": "8"}, "max_completion_tokens"),
+    (CH, {"logprobs": "true"}, "logprobs"), (CH, {"top_logprobs": 2.0}, "top_logprobs"),
+    (CH, {"add_generation_prompt": 0}, "add_generation_prompt"),
+    (TOK, {"add_special_tokens": "false"}, "add_special_tokens"),
+    (DETOK, {"tokens": ["5"]}, "tokens.0"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", STRICT_TYPES)
+def test_wrong_json_type_is_invalid_type(server, path, body, param):
+    """OpenAI's schema is strict: a string, float or boolean where an integer belongs (and a
+    string or number where a boolean belongs) is a 400 ``invalid_type`` naming the field, not
+    coerced as pydantic's lax mode would ("8" -> 8)."""
+    resp = post(server, path, body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == \
+        ("invalid_request_error", param, "invalid_type"), error
+
+
+def test_strict_types_keep_integers_as_numbers(server, embed_server):
+    """A JSON integer is a number: ``temperature: 1`` / ``top_p: 1`` / an integer logit bias
+    are accepted and mean 1.0 (hand-computed: greedy and temperature 0.0 agree, so temperature
+    0 as an integer gives the greedy ids of temperature 0.0); embeddings take only an integer
+    ``dimensions``."""
+    as_int = ok(server, C, {"temperature": 0, "top_p": 1, "logit_bias": {"5": 0}})
+    as_float = ok(server, C, {"temperature": 0.0, "top_p": 1.0, "logit_bias": {"5": 0.0}})
+    assert ids(as_int) == ids(as_float)
+    assert ok(server, C, {"temperature": 1, "seed": 3})["choices"][0]["token_ids"] == \
+        ok(server, C, {"temperature": 1.0, "seed": 3})["choices"][0]["token_ids"]
+    resp = post(embed_server, EMB, {"dimensions": "8"})
+    error = resp.json()["error"]
+    assert (resp.status_code, error["param"], error["code"]) == (400, "dimensions",
+                                                                 "invalid_type")
+    assert len(ok(embed_server, EMB, {"dimensions": 8})["data"][0]["embedding"]) == 8

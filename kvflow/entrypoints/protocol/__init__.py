@@ -2,11 +2,13 @@
 
 Requests ignore unknown fields (as vLLM does; the handlers log each unknown name once); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
-with an OpenAI error body. Every field a request model declares is honoured, or rejected with
-a 400 naming it when set to a value kvflow does not implement (``best_of`` other than ``n``,
-``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``); tests/e2e/
-test_openai_fields.py walks every field. Text anywhere in a body that holds a lone UTF-16
-surrogate is a 400 naming the field (``invalid_unicode``).
+with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,
+``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
+takes any JSON number, an integer included. Every field a request model declares is honoured,
+or rejected with a 400 naming it when set to a value kvflow does not implement (``best_of``
+other than ``n``, ``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``);
+tests/e2e/test_openai_fields.py walks every field. Text anywhere in a body that holds a lone
+UTF-16 surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
@@ -26,6 +28,7 @@ from kvflow.entrypoints.protocol.base import (
     OmitNoneModel,
     OpenAIBaseModel,
     RequestBody,
+    RequestModel,
 )
 from kvflow.entrypoints.protocol.chat import (
     ChatCompletionRequest,
@@ -123,6 +126,7 @@ __all__ = [
     "OpenAIBaseModel",
     "PromptLogprob",
     "RequestBody",
+    "RequestModel",
     "ResponseFormat",
     "SamplingRequest",
     "StreamOptions",

@@ -26,6 +26,16 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RequestModel(OpenAIBaseModel):
+    """A part of a request body, validated strictly (pydantic's strict mode), as OpenAI
+    validates: an integer field takes only a JSON integer (not ``"8"``, ``8.0`` or ``true``),
+    a number field a JSON number (an integer is a number: ``"temperature": 1`` is valid), a
+    boolean field only ``true`` / ``false`` (not ``"true"`` or ``1``). A refused value is a 400
+    with code ``invalid_type`` naming the field."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
 class OmitNoneModel(OpenAIBaseModel):
     """A response model whose ``OMIT_IF_NONE`` fields are left out of the JSON when None
     (extensions nobody asked for, a delta's absent role)."""
@@ -54,7 +64,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---- shared request fields -----------------------------------------------------------------------
-class RequestBody(OpenAIBaseModel):
+class RequestBody(RequestModel):
     """A top-level request body: all its text is checked for lone surrogates before
     validation (``invalid_unicode`` error with ``ctx.param``), and the names of fields it does
     not declare are kept in ``unknown_fields`` (for the handler to log)."""
@@ -79,20 +89,6 @@ class RequestBody(OpenAIBaseModel):
     def unknown_fields(self) -> tuple[str, ...]:
         """Top-level fields of the body that this model does not declare (ignored)."""
         return self._unknown_fields
-
-
-
-def not_bool(value: Any) -> Any:
-    """A before-validator for numeric fields: JSON true/false is not a number (pydantic would
-    take true as 1).
-
-    Raises:
-        ValueError: if ``value`` is a boolean (pydantic turns it into a 400 naming the field).
-    """
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")  # noqa: TRY004 - pydantic wants it
-    return value
-
 
 
 def now() -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
-from kvflow.entrypoints.protocol.base import INT32_MAX, OpenAIBaseModel, not_bool
+from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
 
 
-class ImageURL(OpenAIBaseModel):
+class ImageURL(RequestModel):
     """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, or an http(s) URL the
     server fetches only from ``--allowed-media-domains``. ``detail``: only ``"auto"`` (the
     model's image processor chooses the resolution); ``"low"`` / ``"high"`` are a 400."""
@@ -19,7 +19,7 @@ class ImageURL(OpenAIBaseModel):
     detail: str | None = None  # checked by the chat handler (a 400 naming the part)
 
 
-class ContentPart(OpenAIBaseModel):
+class ContentPart(RequestModel):
     """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
     parts are images for a vision-language model (a 400 for a text-only one); other types
     (audio, files) are a 400."""
@@ -30,30 +30,30 @@ class ContentPart(OpenAIBaseModel):
     image_url: ImageURL | None = None
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(OpenAIBaseModel):
+class ChatTool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIBaseModel):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(OpenAIBaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -77,6 +77,3 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-
-    _no_bool_chat_counts = field_validator("max_completion_tokens", "top_logprobs",
-                                           mode="before")(not_bool)

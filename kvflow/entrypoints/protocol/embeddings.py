@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
     OpenAIBaseModel,
     RequestBody,
-    not_bool,
     now,
 )
 
@@ -25,8 +24,6 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
-
-    _no_bool_dimensions = field_validator("dimensions", mode="before")(not_bool)
 
 
 class EmbeddingData(OpenAIBaseModel):

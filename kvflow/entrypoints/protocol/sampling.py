@@ -5,23 +5,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
-    OpenAIBaseModel,
     RequestBody,
-    not_bool,
+    RequestModel,
 )
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``: the schema is under ``schema`` (alias of
     ``json_schema``, which pydantic's BaseModel reserves)."""
 
@@ -33,14 +32,14 @@ class JsonSchemaFormat(OpenAIBaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(OpenAIBaseModel):
+class StructuredOutputsField(RequestModel):
     """The vLLM-style ``structured_outputs`` extra body field (exactly one of these)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -93,12 +92,6 @@ class SamplingRequest(RequestBody):
     use_beam_search: bool = False
     prompt_logprobs: int | None = Field(None, ge=0)
 
-    _no_bool_numbers = field_validator(
-        "n", "top_k", "seed", "min_tokens", "max_tokens", "temperature", "top_p", "min_p",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "priority", "best_of",
-        "prompt_logprobs", "target_ttft_ms", "target_tpot_ms", mode="before",
-        check_fields=False)(not_bool)
-
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
@@ -111,5 +104,3 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
     suffix: str | None = None
-
-    _no_bool_logprobs = field_validator("logprobs", mode="before")(not_bool)
