@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
-from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.openai_errors import OpenAIError, content_type_error, engine_dead
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -136,7 +136,8 @@ def _on_engine_dead_exit(app: FastAPI) -> None:
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     """The FastAPI app over a started-up (model loaded) AsyncLLM; its lifespan starts the
     output loop and shuts the engine down. All state lives on ``app.state``."""
-    app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan)
+    app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan,
+                  dependencies=[Depends(_require_json_body)])
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
@@ -155,6 +156,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     return app
 
 
+def _require_json_body(raw: Request) -> None:
+    """Every POST body is JSON: a 400 naming the Content-Type otherwise (see
+    :func:`content_type_error`)."""
+    error = content_type_error(raw.headers.get("content-type")) if raw.method == "POST" \
+        else None
+    if error is not None:
+        raise error
+
+
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers)
 
@@ -165,8 +175,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+    async def validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
+        # a body not sent as JSON: say so, not what failed to parse in it
+        error = content_type_error(raw.headers.get("content-type"))
+        return _error_response(error or _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

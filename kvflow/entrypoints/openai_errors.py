@@ -1,5 +1,6 @@
 """The OpenAI error body as an exception (``OpenAIError``), and the errors the handlers share:
-a 400 from the engine's validation, a 503 when the engine is gone."""
+a 400 from the engine's validation, a 400 for a body not sent as JSON, a 503 when the engine
+is gone."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ def invalid_request(error: ValueError) -> OpenAIError:
 def engine_dead(error: BaseException) -> OpenAIError:
     return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
                        code="engine_dead")
+
+
+def content_type_error(content_type: str | None) -> OpenAIError | None:
+    """A 400 (code ``unsupported_media_type``) naming the ``Content-Type`` a request body came
+    with unless it is JSON (``application/json`` or ``application/<x>+json``, parameters such
+    as ``charset`` allowed); None for JSON.
+
+    A body without that header (``curl -d`` sends ``application/x-www-form-urlencoded``) is
+    not read as JSON, as neither OpenAI (it reads no fields from it and answers that ``model``
+    is missing) nor vLLM (a 400, "Only 'application/json' is allowed") read it. It also keeps
+    a web page from driving a server that has no API key: a browser sends a ``text/plain`` or
+    header-less POST cross-origin without asking (no CORS preflight), a JSON one never.
+    """
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    kind, _, sub = media.partition("/")
+    if kind == "application" and (sub == "json" or sub.endswith("+json")):
+        return None
+    got = f"Content-Type {content_type!r}" if content_type else "no Content-Type header"
+    return OpenAIError(f"the request body must be JSON sent with 'Content-Type: "
+                       f"application/json'; got {got}", code="unsupported_media_type")

@@ -420,6 +420,42 @@ def test_bad_request_gets_openai_error(server, path, body, status, param):
         assert error["param"] == param, error
 
 
+JSON_BODIES = {C: {"prompt": "x", "max_tokens": 1}, CH: {"messages": HI, "max_tokens": 1},
+               "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [5]},
+               "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/nowhere"}}
+
+
+@pytest.mark.parametrize("path", list(JSON_BODIES))
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded"])
+def test_body_not_sent_as_json_is_a_400_naming_its_content_type(server, path, content_type):
+    """A JSON body is read only when sent as ``application/json``: OpenAI reads no fields from
+    a body of another type (its answer is that ``model`` is missing) and vLLM refuses it with
+    a 400; kvflow's 400 names the type it got (code ``unsupported_media_type``), never a 5xx,
+    also for a body that is not valid JSON either."""
+    for body in (json.dumps(JSON_BODIES[path]).encode(), b'{"prompt": '):
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        resp = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=30)
+        assert resp.request.headers.get("content-type") == content_type
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error",
+                                                  "unsupported_media_type")
+        named = f"'{content_type}'" if content_type else "no Content-Type header"
+        assert named in error["message"] and "application/json" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON", "application/vnd.api+json"])
+def test_json_content_types_are_read(server, content_type, tokenizer):
+    """JSON with a charset parameter, in any case, or a ``+json`` type is read (hand-checked:
+    /tokenize of "x" gives the tokenizer's ids)."""
+    resp = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "x"}',
+                      headers={"Content-Type": content_type}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["tokens"] == tokenizer.encode("x")
+
+
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
     num = len(tokenizer.encode(LONG_TEXT))
     error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
