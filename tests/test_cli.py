@@ -81,6 +81,45 @@ def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
     assert f"tokens={len(expected.outputs[0].token_ids)}" in out
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3, "adaptive": False}
+LOOPING = ["the quick brown fox jumps over the lazy dog the quick brown fox jumps",
+           "a b a b a b a b a"]  # the tiny model loops; the n-gram proposer predicts it
+
+
+def test_generate_verbose_prints_speculation_counts(tiny_llama, capsys):
+    """With --speculative-config, --verbose prints each request's drafted and accepted tokens,
+    acceptance rate and mean acceptance length, and their totals: the counts the Python API
+    reports for the same engine and prompts (RequestMetrics), the ratios computed by hand."""
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama.path, dtype="float32", block_size=4, num_kv_blocks=96,
+              speculative_config=NGRAM)
+    expected = [o.metrics for o in llm.generate(
+        LOOPING, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        use_tqdm=False)]
+    del llm
+    argv = ["generate", "--model", tiny_llama.path, "--dtype", "float32", "--block-size", "4",
+            "--num-kv-blocks", "96", "--speculative-config", json.dumps(NGRAM),
+            "--max-tokens", "40", "--temperature", "0", "--ignore-eos", "--verbose"]
+    for p in LOOPING:
+        argv += ["--prompt", p]
+    rc, out, _ = _run(argv, capsys)
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.startswith("[speculative")]
+    assert len(lines) == 3, out
+    totals = [sum(getattr(m, k) for m in expected)
+              for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts")]
+    for line, (drafted, accepted, steps) in zip(lines, [
+            (m.num_draft_tokens, m.num_accepted_tokens, m.num_drafts) for m in expected]
+            + [tuple(totals)]):
+        assert 0 < accepted < drafted
+        assert (f"drafted={drafted} accepted={accepted} "
+                f"acceptance_rate={accepted / drafted:.3f} verify_steps={steps} "
+                f"mean_acceptance_length={1 + accepted / steps:.2f}]") in line, (line, drafted)
+    assert lines[2].startswith("[speculative, all prompts:")
+
+
 def test_bench_throughput_against_hf(tiny_llama, capsys, tmp_path):
     path = tmp_path / "bench.json"
     rc, out, _ = _run(["bench", "throughput", "--model", tiny_llama.path, "--dtype", "float32",

@@ -76,7 +76,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                       f"ttft={out.metrics.ttft:.3f}s e2e={out.metrics.e2e_latency:.3f}s]")
             if args.logprobs is not None:
                 _print_logprobs(sample)
+        if args.verbose and config.speculative_config is not None:
+            print(_speculation_line("speculative", [out.metrics]))
+    if args.verbose and config.speculative_config is not None and len(outputs) > 1:
+        print(_speculation_line("speculative, all prompts", [o.metrics for o in outputs]))
     return 0
+
+
+def _speculation_line(label: str, metrics: list) -> str:
+    """``[label: drafted=D accepted=A acceptance_rate=A/D verify_steps=S
+    mean_acceptance_length=1+A/S]`` summed over ``metrics`` (RequestMetrics: a request's
+    counts, over its ``n`` samples); ``n/a`` for a rate without drafts."""
+    steps = sum(m.num_drafts for m in metrics)
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    accepted = sum(m.num_accepted_tokens for m in metrics)
+    rate = f"{accepted / drafted:.3f}" if drafted else "n/a"
+    length = f"{1 + accepted / steps:.2f}" if steps else "n/a"
+    return (f"[{label}: drafted={drafted} accepted={accepted} acceptance_rate={rate} "
+            f"verify_steps={steps} mean_acceptance_length={length}]")
 
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -163,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an image for every prompt (repeat for several; vision-language "
                      "models): with --chat it goes before the text, otherwise the prompt "
                      "holds one image placeholder per image")
-    gen.add_argument("--verbose", action="store_true", help="print finish reason and timings")
+    gen.add_argument("--verbose", action="store_true",
+                     help="print finish reason and timings (with --speculative-config, the "
+                          "drafted and accepted tokens and the acceptance rate)")
     EngineConfig.add_cli_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
