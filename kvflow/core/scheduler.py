@@ -32,6 +32,11 @@ tokens of prefill chunks (never decodes) so the step is predicted to end before 
 running request's next-token deadline, gates admissions so a decode-only step stays under the
 TPOT target, and requests that already missed their TTFT are admitted after those that can
 still meet it. Without targets the fixed ``max_num_batched_tokens`` budget is the only limit.
+
+The paths live beside this module, one job each: ``sched_running`` (catch the running requests
+up, preempting when the pool runs dry), ``sched_admission`` (admit waiting requests) and
+``sched_update`` (after the step: tokens, rejected drafts, stops); this class owns the state
+and the requests' lifecycle (add, preempt, finish, free).
 """
 
 from __future__ import annotations
@@ -42,14 +47,17 @@ from collections.abc import Callable
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
-from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_swap import SwapManager
+from kvflow.core.sched_admission import admit_waiting
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
-from kvflow.core.slo_planner import SLOPlanner, StepBudget
+from kvflow.core.sched_running import schedule_running
+from kvflow.core.sched_update import update_from_output
+from kvflow.core.slo_planner import SLOPlanner
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
-from kvflow.sched_output import NewRequestData, SchedulerOutput
+from kvflow.sched_output import SchedulerOutput
 from kvflow.spec_decode.speculator import Speculator
 
 
@@ -181,12 +189,12 @@ class Scheduler:
         now = self.clock()
         step_budget = self.planner.step_budget(self.running, now)
         drafts = self._propose_drafts(budget) if self.speculator is not None else None
-        budget = self._schedule_running(budget, cap, out, drafts, step_budget)
+        budget = schedule_running(self, budget, cap, out, drafts, step_budget)
         if not out.preempted_ids:
-            budget, drained = self._admit_waiting(budget, cap, out, step_budget, now,
-                                                  skip_late=bool(self.planner.slos))
+            budget, drained = admit_waiting(self, budget, cap, out, step_budget, now,
+                                             skip_late=bool(self.planner.slos))
             if drained and budget > 0 and self.planner.slos:  # then those past their TTFT
-                self._admit_waiting(budget, cap, out, step_budget, now)
+                admit_waiting(self, budget, cap, out, step_budget, now)
         self.waiting.charge(out.num_scheduled_tokens, self.requests)
         self.planner.note_step(out, self.requests)
         return out
@@ -228,90 +236,6 @@ class Scheduler:
         schedule): feeds the step-time model."""
         self.planner.record_step_time(seconds)
 
-    def _schedule_running(self, budget: int, cap: int, out: SchedulerOutput,
-                          drafts: dict[str, list[int]] | None = None,
-                          step_budget: StepBudget | None = None) -> int:
-        """Catch the running requests up, in policy order, within ``budget`` tokens and
-        ``cap`` requests, their ``drafts`` included (prefill chunks also within
-        ``step_budget``); returns what is left of the budget. This loop runs for every running
-        request on every step, so it keeps what it reads in locals and fills
-        ``out.scheduled_cached_reqs``' columns directly."""
-        running, cached, empty = self.running, out.scheduled_cached_reqs, self.kv.empty_blocks
-        try_allocate, num_scheduled = self.kv.try_allocate_slots, out.num_scheduled_tokens
-        add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
-        track, send_token_ids = self.track_in_flight, self.send_token_ids
-        i = total = 0
-        while i < len(running) and budget > 0 and len(num_scheduled) < cap:
-            request = running[i]
-            rid, computed = request.request_id, request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
-            if request.num_output_placeholders:  # async scheduling: tokens still out
-                num_tokens += request.num_output_placeholders
-                if num_tokens >= request.max_num_tokens:  # they finish it: nothing to do
-                    i += 1
-                    continue
-            extra = drafts.get(rid) if drafts else None  # speculative decoding
-            num_new = min(num_tokens + (len(extra) if extra else 0) - computed, budget)
-            if num_new > 1 and step_budget is not None and not extra:  # a prefill chunk
-                num_new = step_budget.take_prefill(computed, num_new)  # SLO-sized
-            if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
-                i += 1
-                continue
-            if request.mm_features is not None:  # images: the encoder may cut the chunk
-                num_new, encodes = self.encoder.plan(request, computed, num_new)
-                if num_new <= 0:
-                    i += 1
-                    continue
-            new_blocks = try_allocate(request, num_new)
-            if new_blocks is None and extra and num_new > num_tokens - computed:
-                # drafts never preempt: without room for them the request decodes plainly
-                extra, num_new = None, num_tokens - computed
-                new_blocks = try_allocate(request, num_new)
-            if new_blocks is None:
-                new_blocks = self._preempt_until_fits(request, num_new, out)
-                if new_blocks is None:
-                    if i < len(running) and running[i] is request:
-                        i += 1  # nothing left to preempt: it waits for the next step
-                    continue  # else it was preempted itself
-            if request.mm_features is not None:
-                self.encoder.commit(request, computed, num_new, encodes, out)
-            add_id(rid)
-            add_computed(computed)
-            if new_blocks is not empty:
-                cached.new_block_ids[rid] = new_blocks.get_block_ids()
-            if send_token_ids:
-                cached.new_token_ids[rid] = self._step_token_ids(request, num_new)
-            num_scheduled[rid] = num_new
-            total += num_new
-            request.num_computed_tokens = computed + num_new
-            if extra:  # the budget may have cut the drafts short
-                num_drafts = computed + num_new - num_tokens
-                if num_drafts > 0:
-                    out.scheduled_spec_decode_tokens[rid] = extra[:num_drafts]
-            if computed + num_new >= num_tokens:  # the step samples (drafts go past)
-                self._note_sampling(request, out)
-            if track:
-                self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-            budget -= num_new
-            i += 1
-        out.total_num_scheduled_tokens += total
-        return budget
-
-    def _step_token_ids(self, request: Request, num_new: int) -> list[int]:
-        """The tokens a step computes (sent to runners with ``send_token_ids``)."""
-        start = request.num_computed_tokens
-        return request.all_token_ids[start:start + num_new]
-
-    def _record_scheduled(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        """Count the request's tokens into the step and advance its computed count."""
-        out.num_scheduled_tokens[request.request_id] = num_new
-        out.total_num_scheduled_tokens += num_new
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:  # the step samples
-            self._note_sampling(request, out)
-        if self.track_in_flight:
-            self.in_flight[request.request_id] = self.in_flight.get(request.request_id, 0) + 1
-
     def _note_sampling(self, request: Request, out: SchedulerOutput) -> None:
         """The step samples ``request``: its token is pending until the step comes back
         (async scheduling), and a constrained request is due a grammar bitmask row."""
@@ -319,130 +243,6 @@ class Scheduler:
             request.num_output_placeholders += 1
         if request.structured_output is not None:
             out.structured_output_request_ids.append(request.request_id)
-
-    def _preempt_until_fits(self, request: Request, num_new: int,
-                            out: SchedulerOutput) -> KVCacheBlocks | None:
-        """Preempt the running tail (requests not in flight, which includes those this step
-        scheduled) until ``request`` fits, then allocate. Returns the new blocks, or None if
-        ``request`` itself had to be preempted or nothing is left to preempt."""
-        new_blocks = None
-        while new_blocks is None:
-            victim = self._victim()
-            if victim is None:
-                return None
-            self._preempt(victim, out)
-            out.preempted_ids.append(victim.request_id)
-            if victim is request:
-                return None
-            new_blocks = self.kv.try_allocate_slots(request, num_new)
-        return new_blocks
-
-    def _victim(self) -> Request | None:
-        """The running request to preempt: the last in policy order, skipping requests in
-        flight when several steps are (pipeline parallelism); taken out of ``running``."""
-        if not self.track_in_flight:
-            return self.running.pop() if self.running else None
-        for k in range(len(self.running) - 1, -1, -1):
-            if self.running[k].request_id not in self.in_flight:
-                return self.running.pop(k)
-        return None
-
-    def _admit_waiting(self, budget: int, cap: int, out: SchedulerOutput,
-                       step_budget: StepBudget | None = None, now: float = 0.0,
-                       skip_late: bool = False) -> tuple[int, bool]:
-        """Admit waiting requests in policy order while the budgets, ``max_num_seqs`` and the
-        KV pool allow. ``skip_late``: pass over requests that already missed their TTFT
-        target (a second call admits them). Returns what is left of ``budget`` and whether
-        every waiting request was admitted or passed over (nothing blocked the queue)."""
-        # grammars compiling, late, or adapters without a free slot: skipped, not blocking
-        not_ready: list[Request] = []
-        running_loras = None  # adapter ids of the running requests, computed when needed
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and len(out.num_scheduled_tokens) < cap:
-            request = self.waiting.peek()
-            if request.lora_request is not None and self.max_loras is not None:
-                if running_loras is None:
-                    running_loras = {r.lora_int_id for r in self.running} - {0}
-                if request.lora_int_id not in running_loras and \
-                        len(running_loras) >= self.max_loras:
-                    not_ready.append(self.waiting.pop())  # every adapter slot is taken
-                    continue
-            if not request.is_schedulable or request.num_output_placeholders or \
-                    (skip_late and self.planner.is_late(request, now)):
-                not_ready.append(self.waiting.pop())  # grammar compiling / token out / late
-                continue
-            if step_budget is not None and \
-                    not step_budget.may_admit(request, self.planner.tpot_of(request)):
-                break
-            if self.swap is not None and self.swap.holds(request):  # back from host memory
-                num_new = self._swap_in(request, budget, step_budget, out)
-                if num_new <= 0:
-                    break
-                self.waiting.pop()
-            else:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_hit_tokens, budget)
-                if num_new > 1 and step_budget is not None:
-                    num_new = step_budget.take_prefill(num_hit_tokens, num_new)
-                if request.mm_features is not None:  # images: the encoder may cut the chunk
-                    num_new, encodes = self.encoder.plan(request, num_hit_tokens, num_new)
-                if self.whole_prompts and num_new < request.num_tokens - num_hit_tokens:
-                    break  # a whole prompt next step, when the budget allows
-                if num_new <= 0 or not self.kv.can_allocate(request, num_new, hits):
-                    break
-                self.waiting.pop()
-                self.kv.allocate_slots(request, num_new, hits)
-                if request.mm_features is not None:
-                    self.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-            self._send_admitted(request, num_new, out)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._running_sorted = False
-            self._record_scheduled(request, num_new, out)
-            if running_loras is not None and request.lora_int_id:
-                running_loras.add(request.lora_int_id)
-            budget -= num_new
-        drained = not self.waiting
-        for request in not_ready:
-            self.waiting.add(request)
-        return budget, drained
-
-    def _swap_in(self, request: Request, budget: int, step_budget: StepBudget | None,
-                 out: SchedulerOutput) -> int:
-        """Readmit a swapped-out request: its blocks back from host memory (its computed
-        count kept) plus the step's tokens. Returns the step's tokens (0: it does not fit,
-        nothing allocated)."""
-        start = request.num_computed_tokens
-        num_new = min(request.num_tokens - start, budget)
-        if num_new > 1 and step_budget is not None:
-            num_new = step_budget.take_prefill(start, num_new)
-        if num_new <= 0 or self.swap.blocks_needed(request, num_new) > self.kv.num_free_blocks:
-            return 0
-        out.blocks_to_swap_in += self.swap.swap_in(request)
-        self.kv.allocate_slots(request, num_new)
-        return num_new
-
-    def _send_admitted(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        """A first admission is sent whole; a readmission after preemption as a resumed cached
-        request with its whole block tables and generated tokens (runners dropped both)."""
-        block_ids = self.kv.get_block_ids(request.request_id)
-        if request.status == RequestStatus.PREEMPTED:
-            cached, rid = out.scheduled_cached_reqs, request.request_id
-            cached.req_ids.append(rid)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.new_block_ids[rid] = block_ids
-            cached.new_token_ids[rid] = request.output_token_ids
-            cached.resumed_req_ids.add(rid)
-            return
-        out.scheduled_new_reqs.append(NewRequestData(
-            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
-            mm_features=request.mm_features, lora_request=request.lora_request,
-            pooling_params=request.pooling_params))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Back to the waiting queue, every token kept; its KV freed for recomputation, or
@@ -470,123 +270,7 @@ class Scheduler:
         (speculative decoding) are taken in order until one finishes the request. The prompt
         logprobs a step computed are kept on the request and reported with its first token.
         """
-        outputs, requests, all_logprobs = [], self.requests, runner_output.logprobs
-        track, check_stop = self.track_in_flight, self._check_stop
-        for rid, chunk in runner_output.prompt_logprobs.items():
-            request = requests.get(rid)
-            if request is not None:
-                request.add_prompt_logprobs(chunk.start, chunk.entries)
-        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        spec_tokens = sched_out.scheduled_spec_decode_tokens
-        slos, now = self.planner.slos, self.clock()
-        pooled = runner_output.pooler_output
-        for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
-            if track:
-                self._returned(rid)
-            token_ids = sampled.get(rid)
-            request = requests.get(rid)
-            if token_ids is not None and request is not None and \
-                    request.num_output_placeholders:
-                request.num_output_placeholders -= 1  # async scheduling: it has arrived
-            if pooled and rid in pooled and request is not None and \
-                    not request.status.is_finished:
-                outputs.append(self._finish_pooled(request, pooled[rid]))
-                continue
-            if token_ids is None or request is None or request.status.is_finished:
-                continue
-            num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
-            if num_drafts:
-                self._roll_back_rejected(request, num_drafts, len(token_ids) - 1)
-            if len(token_ids) == 1 and request.structured_output is None:  # the common case
-                request.all_token_ids.append(token_ids[0])
-                check_stop(request, token_ids[0])
-                new_token_ids = token_ids
-            else:
-                new_token_ids = self._append_tokens(request, token_ids)
-            if slos:
-                self.planner.on_tokens(rid, len(new_token_ids), now)
-            logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
-            status = request.status
-            outputs.append(EngineCoreOutput(
-                rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
-                status.finish_reason, request.stop_reason, request.num_cached_tokens,
-                None if request.prompt_logprobs is None else request.take_prompt_logprobs(),
-                num_drafts, len(token_ids) - 1 if num_drafts else 0))
-            if status.is_finished:
-                self._dequeue(request)
-                self._free(request)
-            elif num_drafts:
-                self._free_rejected_blocks(request)
-        return outputs
-
-    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """The step computed K/V for all ``num_drafts`` drafts; only the accepted ones stay
-        computed (the slots of the rejected ones are written again by later steps)."""
-        request.num_computed_tokens -= num_drafts - num_accepted
-        self.speculator.record(request, num_drafts, num_accepted)
-
-    def _free_rejected_blocks(self, request: Request) -> None:
-        """Free the blocks past the request's tokens (they held only rejected drafts) and
-        tell the runners the tables' new length with the next step."""
-        num_blocks = self.kv.free_tail(request, request.num_tokens)
-        if num_blocks is not None:
-            self._truncated[request.request_id] = num_blocks
-
-    def _finish_pooled(self, request: Request, vector: list[float]) -> EngineCoreOutput:
-        """An embedding request whose prompt is computed: done, its blocks freed at once."""
-        request.status = RequestStatus.FINISHED_STOPPED
-        self._dequeue(request)
-        self._free(request)
-        return EngineCoreOutput(request.request_id, [], finish_reason="stop",
-                                num_cached_tokens=request.num_cached_tokens,
-                                pooling_output=vector)
-
-    def _dequeue(self, request: Request) -> None:
-        """Take a request out of the running list (or, preempted meanwhile, the waiting queue)."""
-        if request in self.running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append tokens until one finishes the request; returns those appended."""
-        appended = []
-        for token_id in token_ids:
-            if request.structured_output is not None and \
-                    not request.structured_output.accept_token(token_id):
-                # the grammar admits no further token: the output is cut here (the matcher
-                # advances before the token is appended, so both always agree)
-                request.status = RequestStatus.FINISHED_LENGTH
-                break
-            request.all_token_ids.append(token_id)
-            appended.append(token_id)
-            if self._check_stop(request, token_id):
-                break
-        return appended
-
-    @staticmethod
-    def _check_stop(request: Request, token: int) -> bool:
-        """Finish the request if ``token`` (just appended) stops it; returns whether it did.
-        EOS and stop ids count once ``min_tokens`` are out (they were masked until then); the
-        length limit is ``max_tokens`` or ``max_model_len``, whichever comes first."""
-        num_tokens = len(request.all_token_ids)
-        if num_tokens > request.min_stop_len:
-            if token == request.stop_eos_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in request.sampling_params.stop_token_ids:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return True
-        if num_tokens >= request.max_num_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    def _returned(self, request_id: str) -> None:
-        """One scheduled step of ``request_id`` came back."""
-        left = self.in_flight.pop(request_id, 0) - 1
-        if left > 0:
-            self.in_flight[request_id] = left
+        return update_from_output(self, sched_out, runner_output)
 
     def _free(self, request: Request) -> None:
         self.in_flight.pop(request.request_id, None)

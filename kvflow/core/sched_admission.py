@@ -1,0 +1,157 @@
+"""The scheduler's admission path: admit waiting requests in policy order while the token
+budget, ``max_num_seqs``, the LoRA slots and the KV pool allow (prefix-cache hits start a
+request's computed count higher; a swapped-out request comes back from host memory).
+
+Functions of the ``Scheduler`` they are handed (``kvflow/core/scheduler.py`` states the
+scheduling rule and owns the state they read and change).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvflow.core.slo_planner import StepBudget
+from kvflow.request import Request, RequestStatus
+from kvflow.sched_output import NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvflow.core.scheduler import Scheduler
+
+
+def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
+                  step_budget: StepBudget | None = None, now: float = 0.0,
+                  skip_late: bool = False) -> tuple[int, bool]:
+    """Admit waiting requests in policy order while the budgets, ``max_num_seqs`` and the
+    KV pool allow. ``skip_late``: pass over requests that already missed their TTFT
+    target (a second call admits them). Returns what is left of ``budget`` and whether
+    every waiting request was admitted or passed over (nothing blocked the queue)."""
+    waiting, running = sched.waiting, sched.running
+    # grammars compiling, late, or adapters without a free slot: skipped, not blocking
+    not_ready: list[Request] = []
+    # adapter ids of the running requests (admissions add theirs); None: no LoRA limit
+    running_loras = None if sched.max_loras is None else \
+        {r.lora_int_id for r in running} - {0}
+    while waiting and budget > 0 and len(running) < sched.config.max_num_seqs \
+            and len(out.num_scheduled_tokens) < cap:
+        request = waiting.peek()
+        if _passed_over(sched, request, running_loras, now, skip_late):
+            not_ready.append(waiting.pop())
+            continue
+        if step_budget is not None and \
+                not step_budget.may_admit(request, sched.planner.tpot_of(request)):
+            break
+        num_new = _allocate_admitted(sched, request, budget, step_budget, out)
+        if num_new <= 0:
+            break
+        _start_running(sched, request, num_new, out)
+        if running_loras is not None and request.lora_int_id:
+            running_loras.add(request.lora_int_id)
+        budget -= num_new
+    drained = not waiting
+    for request in not_ready:
+        waiting.add(request)
+    return budget, drained
+
+
+def _passed_over(sched: Scheduler, request: Request, running_loras: set[int] | None,
+                 now: float, skip_late: bool) -> bool:
+    """Whether admission passes over ``request`` this step (it stays queued without blocking
+    the queue): every adapter slot is taken by other adapters, its grammar is compiling, its
+    token is still out, or (``skip_late``) it already missed its TTFT target."""
+    if request.lora_request is not None and running_loras is not None and \
+            request.lora_int_id not in running_loras and \
+            len(running_loras) >= sched.max_loras:
+        return True  # every adapter slot is taken
+    # grammar compiling / token out / late
+    return not request.is_schedulable or bool(request.num_output_placeholders) or \
+        (skip_late and sched.planner.is_late(request, now))
+
+
+def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
+                       step_budget: StepBudget | None, out: SchedulerOutput) -> int:
+    """The first step of the waiting queue's head: its prefix-cache hits, its tokens within
+    the budgets (a whole prompt for ``whole_prompts``) and their slots; it leaves the queue.
+    Returns its tokens (0: it does not fit this step, nothing allocated, still queued)."""
+    if sched.swap is not None and sched.swap.holds(request):  # back from host memory
+        num_new = _swap_in(sched, request, budget, step_budget, out)
+        if num_new > 0:
+            sched.waiting.pop()
+        return num_new
+    hits, num_hit_tokens = sched.kv.get_computed_blocks(request)
+    num_new = min(request.num_tokens - num_hit_tokens, budget)
+    if num_new > 1 and step_budget is not None:
+        num_new = step_budget.take_prefill(num_hit_tokens, num_new)
+    encodes = None
+    if request.mm_features is not None:  # images: the encoder may cut the chunk
+        num_new, encodes = sched.encoder.plan(request, num_hit_tokens, num_new)
+    if sched.whole_prompts and num_new < request.num_tokens - num_hit_tokens:
+        return 0  # a whole prompt next step, when the budget allows
+    if num_new <= 0 or not sched.kv.can_allocate(request, num_new, hits):
+        return 0
+    sched.waiting.pop()
+    sched.kv.allocate_slots(request, num_new, hits)
+    if request.mm_features is not None:
+        sched.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
+    request.num_computed_tokens = num_hit_tokens
+    if request.num_cached_tokens < 0:
+        request.num_cached_tokens = num_hit_tokens
+    return num_new
+
+
+def _start_running(sched: Scheduler, request: Request, num_new: int,
+                   out: SchedulerOutput) -> None:
+    """An admitted request: sent to the runners, running, its step recorded."""
+    _send_admitted(sched, request, num_new, out)
+    request.status = RequestStatus.RUNNING
+    sched.running.append(request)
+    sched._running_sorted = False
+    _record_scheduled(sched, request, num_new, out)
+
+
+def _swap_in(sched: Scheduler, request: Request, budget: int, step_budget: StepBudget | None,
+             out: SchedulerOutput) -> int:
+    """Readmit a swapped-out request: its blocks back from host memory (its computed
+    count kept) plus the step's tokens. Returns the step's tokens (0: it does not fit,
+    nothing allocated)."""
+    start = request.num_computed_tokens
+    num_new = min(request.num_tokens - start, budget)
+    if num_new > 1 and step_budget is not None:
+        num_new = step_budget.take_prefill(start, num_new)
+    if num_new <= 0 or sched.swap.blocks_needed(request, num_new) > sched.kv.num_free_blocks:
+        return 0
+    out.blocks_to_swap_in += sched.swap.swap_in(request)
+    sched.kv.allocate_slots(request, num_new)
+    return num_new
+
+
+def _send_admitted(sched: Scheduler, request: Request, num_new: int,
+                   out: SchedulerOutput) -> None:
+    """A first admission is sent whole; a readmission after preemption as a resumed cached
+    request with its whole block tables and generated tokens (runners dropped both)."""
+    block_ids = sched.kv.get_block_ids(request.request_id)
+    if request.status == RequestStatus.PREEMPTED:
+        cached, rid = out.scheduled_cached_reqs, request.request_id
+        cached.req_ids.append(rid)
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        cached.new_block_ids[rid] = block_ids
+        cached.new_token_ids[rid] = request.output_token_ids
+        cached.resumed_req_ids.add(rid)
+        return
+    out.scheduled_new_reqs.append(NewRequestData(
+        req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
+        block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+        mm_features=request.mm_features, lora_request=request.lora_request,
+        pooling_params=request.pooling_params))
+
+
+def _record_scheduled(sched: Scheduler, request: Request, num_new: int,
+                      out: SchedulerOutput) -> None:
+    """Count the request's tokens into the step and advance its computed count."""
+    out.num_scheduled_tokens[request.request_id] = num_new
+    out.total_num_scheduled_tokens += num_new
+    request.num_computed_tokens += num_new
+    if request.num_computed_tokens == request.num_tokens:  # the step samples
+        sched._note_sampling(request, out)
+    if sched.track_in_flight:
+        sched.in_flight[request.request_id] = sched.in_flight.get(request.request_id, 0) + 1

@@ -1,0 +1,145 @@
+"""The scheduler's running-request path: each step, catch the running requests' computed
+counts up toward their tokens (drafts included), in policy order, within the token budget,
+preempting the running tail when the KV pool runs dry.
+
+Functions of the ``Scheduler`` they are handed (``kvflow/core/scheduler.py`` states the
+scheduling rule and owns the state they read and change).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvflow.core.kv_cache_manager import KVCacheBlocks
+from kvflow.core.slo_planner import StepBudget
+from kvflow.request import Request
+from kvflow.sched_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvflow.core.scheduler import Scheduler
+
+
+def schedule_running(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
+                     drafts: dict[str, list[int]] | None = None,
+                     step_budget: StepBudget | None = None) -> int:
+    """Catch the running requests up, in policy order, within ``budget`` tokens and
+    ``cap`` requests, their ``drafts`` included (prefill chunks also within
+    ``step_budget``); returns what is left of the budget. This loop runs for every running
+    request on every step, so it keeps what it reads in locals and fills
+    ``out.scheduled_cached_reqs``' columns directly."""
+    running, cached, empty = sched.running, out.scheduled_cached_reqs, sched.kv.empty_blocks
+    try_allocate, num_scheduled = sched.kv.try_allocate_slots, out.num_scheduled_tokens
+    add_id, add_computed = cached.req_ids.append, cached.num_computed_tokens.append
+    track, send_token_ids = sched.track_in_flight, sched.send_token_ids
+    i = total = 0
+    while i < len(running) and budget > 0 and len(num_scheduled) < cap:
+        request = running[i]
+        rid, computed = request.request_id, request.num_computed_tokens
+        num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+        extra = drafts.get(rid) if drafts else None  # speculative decoding
+        num_new, encodes = _tokens_wanted(sched, request, num_tokens, extra, budget,
+                                          step_budget)
+        new_blocks = try_allocate(request, num_new) if num_new > 0 else None
+        if new_blocks is None and num_new > 0:  # no room: drop the drafts, then preempt
+            new_blocks, extra, num_new = _make_room(sched, request, num_new,
+                                                    num_tokens - computed, extra, out)
+        if new_blocks is None:
+            if i < len(running) and running[i] is request:
+                i += 1  # nothing to do, or to preempt: it waits for the next step
+            continue  # else it was preempted itself
+        if request.mm_features is not None:
+            sched.encoder.commit(request, computed, num_new, encodes, out)
+        add_id(rid)
+        add_computed(computed)
+        if new_blocks is not empty:
+            cached.new_block_ids[rid] = new_blocks.get_block_ids()
+        if send_token_ids:
+            cached.new_token_ids[rid] = step_token_ids(request, num_new)
+        num_scheduled[rid] = num_new
+        total += num_new
+        request.num_computed_tokens = computed + num_new
+        if extra:  # the budget may have cut the drafts short
+            num_drafts = computed + num_new - num_tokens
+            if num_drafts > 0:
+                out.scheduled_spec_decode_tokens[rid] = extra[:num_drafts]
+        if computed + num_new >= num_tokens:  # the step samples (drafts go past)
+            sched._note_sampling(request, out)
+        if track:
+            sched.in_flight[rid] = sched.in_flight.get(rid, 0) + 1
+        budget -= num_new
+        i += 1
+    out.total_num_scheduled_tokens += total
+    return budget
+
+
+def _tokens_wanted(sched: Scheduler, request: Request, num_tokens: int,
+                   extra: list[int] | None, budget: int, step_budget: StepBudget | None
+                   ) -> tuple[int, object]:
+    """How many tokens a running request computes this step (``num_tokens``: its tokens,
+    async scheduling's placeholders included; ``extra``: its drafts), and the encoder's plan
+    for its images. 0 when its pending tokens finish it, its sampling step is in flight or
+    the encoder cut it to nothing."""
+    computed = request.num_computed_tokens
+    if request.num_output_placeholders and num_tokens >= request.max_num_tokens:
+        return 0, None  # async scheduling: the tokens still out finish it
+    num_new = min(num_tokens + (len(extra) if extra else 0) - computed, budget)
+    if num_new > 1 and step_budget is not None and not extra:  # a prefill chunk
+        num_new = step_budget.take_prefill(computed, num_new)  # SLO-sized
+    if num_new <= 0:  # its sampling step is in flight (pipeline parallelism)
+        return 0, None
+    if request.mm_features is not None:  # images: the encoder may cut the chunk
+        return sched.encoder.plan(request, computed, num_new)
+    return num_new, None
+
+
+def _make_room(sched: Scheduler, request: Request, num_new: int, num_base: int,
+               extra: list[int] | None, out: SchedulerOutput
+               ) -> tuple[KVCacheBlocks | None, list[int] | None, int]:
+    """Slots for ``num_new`` tokens of ``request`` (``num_base`` of them not drafts) when
+    the pool had none: without room for its drafts it decodes plainly (drafts never
+    preempt); without room for its own tokens the running tail is preempted. Returns the
+    new blocks (None: no room), the drafts kept and the tokens to compute."""
+    new_blocks = None
+    if extra and num_new > num_base:
+        # drafts never preempt: without room for them the request decodes plainly
+        extra, num_new = None, num_base
+        new_blocks = sched.kv.try_allocate_slots(request, num_new)
+    if new_blocks is None:
+        new_blocks = preempt_until_fits(sched, request, num_new, out)
+    return new_blocks, extra, num_new
+
+
+def step_token_ids(request: Request, num_new: int) -> list[int]:
+    """The tokens a step computes (sent to runners with ``send_token_ids``)."""
+    start = request.num_computed_tokens
+    return request.all_token_ids[start:start + num_new]
+
+
+def preempt_until_fits(sched: Scheduler, request: Request, num_new: int,
+                       out: SchedulerOutput) -> KVCacheBlocks | None:
+    """Preempt the running tail (requests not in flight, which includes those this step
+    scheduled) until ``request`` fits, then allocate. Returns the new blocks, or None if
+    ``request`` itself had to be preempted or nothing is left to preempt."""
+    new_blocks = None
+    while new_blocks is None:
+        victim = _victim(sched)
+        if victim is None:
+            return None
+        sched._preempt(victim, out)
+        out.preempted_ids.append(victim.request_id)
+        if victim is request:
+            return None
+        new_blocks = sched.kv.try_allocate_slots(request, num_new)
+    return new_blocks
+
+
+def _victim(sched: Scheduler) -> Request | None:
+    """The running request to preempt: the last in policy order, skipping requests in
+    flight when several steps are (pipeline parallelism); taken out of ``running``."""
+    running = sched.running
+    if not sched.track_in_flight:
+        return running.pop() if running else None
+    for k in range(len(running) - 1, -1, -1):
+        if running[k].request_id not in sched.in_flight:
+            return running.pop(k)
+    return None

@@ -1,0 +1,156 @@
+"""The scheduler's path after a step: append each request's sampled tokens, take back the
+rejected drafts of speculative decoding, finish the requests that stop, report new tokens.
+
+Functions of the ``Scheduler`` they are handed (``kvflow/core/scheduler.py`` states the
+scheduling rule and owns the state they read and change), and the stop rule on one request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.request import Request, RequestStatus
+from kvflow.runner_output import ModelRunnerOutput
+from kvflow.sched_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvflow.core.scheduler import Scheduler
+
+
+def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
+                       runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    """``Scheduler.update_from_output``: each scheduled request's outputs, in the step's
+    scheduling (policy) order. This loop runs for every scheduled request on every step, so
+    it keeps what it reads in locals."""
+    outputs, requests, all_logprobs = [], sched.requests, runner_output.logprobs
+    track, planner = sched.track_in_flight, sched.planner
+    _keep_prompt_logprobs(requests, runner_output)
+    sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+    spec_tokens = sched_out.scheduled_spec_decode_tokens
+    slos, now = planner.slos, sched.clock()
+    pooled = runner_output.pooler_output
+    for rid in sched_out.num_scheduled_tokens:  # report in scheduling (policy) order
+        if track:
+            _returned(sched, rid)
+        token_ids = sampled.get(rid)
+        request = requests.get(rid)
+        if token_ids is not None and request is not None and \
+                request.num_output_placeholders:
+            request.num_output_placeholders -= 1  # async scheduling: it has arrived
+        if pooled and rid in pooled and request is not None and \
+                not request.status.is_finished:
+            outputs.append(_finish_pooled(sched, request, pooled[rid]))
+            continue
+        if token_ids is None or request is None or request.status.is_finished:
+            continue
+        num_drafts = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
+        if num_drafts:
+            _roll_back_rejected(sched, request, num_drafts, len(token_ids) - 1)
+        if len(token_ids) == 1 and request.structured_output is None:  # the common case
+            request.all_token_ids.append(token_ids[0])
+            check_stop(request, token_ids[0])
+            new_token_ids = token_ids
+        else:
+            new_token_ids = append_tokens(request, token_ids)
+        if slos:
+            planner.on_tokens(rid, len(new_token_ids), now)
+        logprobs = all_logprobs.get(rid) if all_logprobs and new_token_ids else None
+        status = request.status
+        outputs.append(EngineCoreOutput(
+            rid, new_token_ids, logprobs[:len(new_token_ids)] if logprobs else None,
+            status.finish_reason, request.stop_reason, request.num_cached_tokens,
+            None if request.prompt_logprobs is None else request.take_prompt_logprobs(),
+            num_drafts, len(token_ids) - 1 if num_drafts else 0))
+        if status.is_finished:
+            _dequeue(sched, request)
+            sched._free(request)
+        elif num_drafts:
+            _free_rejected_blocks(sched, request)
+    return outputs
+
+
+def _keep_prompt_logprobs(requests: dict[str, Request],
+                          runner_output: ModelRunnerOutput) -> None:
+    """Keep the prompt logprobs the step computed on their requests (reported with the
+    first token)."""
+    for rid, chunk in runner_output.prompt_logprobs.items():
+        request = requests.get(rid)
+        if request is not None:
+            request.add_prompt_logprobs(chunk.start, chunk.entries)
+
+
+def _roll_back_rejected(sched: Scheduler, request: Request, num_drafts: int,
+                        num_accepted: int) -> None:
+    """The step computed K/V for all ``num_drafts`` drafts; only the accepted ones stay
+    computed (the slots of the rejected ones are written again by later steps)."""
+    request.num_computed_tokens -= num_drafts - num_accepted
+    sched.speculator.record(request, num_drafts, num_accepted)
+
+
+def _free_rejected_blocks(sched: Scheduler, request: Request) -> None:
+    """Free the blocks past the request's tokens (they held only rejected drafts) and
+    tell the runners the tables' new length with the next step."""
+    num_blocks = sched.kv.free_tail(request, request.num_tokens)
+    if num_blocks is not None:
+        sched._truncated[request.request_id] = num_blocks
+
+
+def _finish_pooled(sched: Scheduler, request: Request, vector: list[float]) -> EngineCoreOutput:
+    """An embedding request whose prompt is computed: done, its blocks freed at once."""
+    request.status = RequestStatus.FINISHED_STOPPED
+    _dequeue(sched, request)
+    sched._free(request)
+    return EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                            num_cached_tokens=request.num_cached_tokens,
+                            pooling_output=vector)
+
+
+def _dequeue(sched: Scheduler, request: Request) -> None:
+    """Take a request out of the running list (or, preempted meanwhile, the waiting queue)."""
+    if request in sched.running:
+        sched.running.remove(request)
+    else:
+        sched.waiting.remove(request)
+
+
+def _returned(sched: Scheduler, request_id: str) -> None:
+    """One scheduled step of ``request_id`` came back."""
+    left = sched.in_flight.pop(request_id, 0) - 1
+    if left > 0:
+        sched.in_flight[request_id] = left
+
+
+def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
+    """Append tokens until one finishes the request; returns those appended."""
+    appended = []
+    for token_id in token_ids:
+        if request.structured_output is not None and \
+                not request.structured_output.accept_token(token_id):
+            # the grammar admits no further token: the output is cut here (the matcher
+            # advances before the token is appended, so both always agree)
+            request.status = RequestStatus.FINISHED_LENGTH
+            break
+        request.all_token_ids.append(token_id)
+        appended.append(token_id)
+        if check_stop(request, token_id):
+            break
+    return appended
+
+
+def check_stop(request: Request, token: int) -> bool:
+    """Finish the request if ``token`` (just appended) stops it; returns whether it did.
+    EOS and stop ids count once ``min_tokens`` are out (they were masked until then); the
+    length limit is ``max_tokens`` or ``max_model_len``, whichever comes first."""
+    num_tokens = len(request.all_token_ids)
+    if num_tokens > request.min_stop_len:
+        if token == request.stop_eos_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in request.sampling_params.stop_token_ids:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            return True
+    if num_tokens >= request.max_num_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False
