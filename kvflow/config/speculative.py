@@ -33,6 +33,11 @@ class SpeculativeConfig:
             CPU); default: the faster, measured while serving, of the engine's count and 1
             (on cores shared with other processes one thread ran a 0.5B draft pass 9x
             faster than two).
+        draft_vocab_size: FR-Spec (``draft_model``): the draft's LM head computes only the
+            logits of this many lowest token ids (a byte-level BPE's merge ranks: the most
+            frequent tokens), the model's end tokens and the tokens already in the request's
+            context; default None: the whole vocabulary. The output stays exact (the draft's
+            distribution is zero outside the subset; kvflow/spec_decode/draft_vocab.py).
 
     Raises:
         ValueError: from the constructor for an unknown method, a missing draft model, or a
@@ -47,6 +52,7 @@ class SpeculativeConfig:
     quantization: str | None = None
     adaptive: bool = True
     draft_cpu_threads: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -71,6 +77,14 @@ class SpeculativeConfig:
                 not isinstance(self.draft_cpu_threads, int) or self.draft_cpu_threads < 1):
             raise ValueError(f"speculative_config draft_cpu_threads="
                              f"{self.draft_cpu_threads!r} must be an integer >= 1")
+        if self.draft_vocab_size is not None and (
+                isinstance(self.draft_vocab_size, bool) or
+                not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ValueError(f"speculative_config draft_vocab_size="
+                             f"{self.draft_vocab_size!r} must be an integer >= 1")
+        if self.draft_vocab_size is not None and self.method != "draft_model":
+            raise ValueError("speculative_config draft_vocab_size applies to method="
+                             "'draft_model' only (an n-gram proposer has no LM head)")
         if self.quantization not in (None, "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
                              "invalid; choose int8, int4 or none")

@@ -46,6 +46,7 @@ from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_threads import DraftThreads
+from kvflow.spec_decode.draft_vocab import DraftVocab
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 
@@ -102,6 +103,9 @@ class DraftModel:
                                  hf_config, source.kind, mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
                                 mc.load_format, mc.seed, quant)
+        # FR-Spec: the head cut to frequent tokens (before the runner packs it)
+        self.vocab = DraftVocab(self.model, spec.draft_vocab_size, _end_token_ids(hf_config)) \
+            if spec.draft_vocab_size and spec.draft_vocab_size < hf_config.vocab_size else None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device
@@ -185,6 +189,8 @@ class DraftModel:
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
         if not len(drafting):
             return DraftProposal({}, {}, 0.0)
+        if self.vocab is not None:
+            self.vocab.update(batch.token_ids, batch.num_tokens, drafting)
         steady = self._mirror(batch, num_scheduled - num_drafts, drafting, block_size, stager,
                               fill_pending, generator, tokens, probs)
         for i in range(1, tokens.shape[1]):
@@ -264,13 +270,18 @@ class DraftModel:
             self.attn_ctx.backend.prepare(metadata[0], block_size)
             hidden = self.model(inputs.input_ids, inputs.positions)
         last = inputs.query_start[1:][np.searchsorted(inputs.rows, logits_rows)] - 1
-        return self.model.compute_logits(hidden[torch.from_numpy(last).to(hidden.device)])
+        hidden = hidden[torch.from_numpy(last).to(hidden.device)]
+        if self.vocab is not None:  # columns: self.vocab.token_ids
+            return self.vocab.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _choose(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor, i: int,
                 tokens: np.ndarray, probs: list[list[torch.Tensor]],
                 generator: torch.Generator, sub: np.ndarray | None = None) -> None:
         """Draft ``i`` of each row in ``rows`` (``sub``: their indices among the drafting
-        rows, default all): argmax for greedy rows, else a draw from softmax(logits / T)."""
+        rows, default all): argmax for greedy rows, else a draw from softmax(logits / T).
+        With a restricted vocabulary (``self.vocab``) the logits' columns are its token ids
+        and ``q`` is zero outside them (draft_vocab.py: why that stays exact)."""
         sub = np.arange(len(rows)) if sub is None else sub
         if not len(rows):
             return
@@ -281,5 +292,15 @@ class DraftModel:
             gen = batch.generators.get(batch.req_ids[rows[j]], generator)
             noise = torch.empty_like(q).exponential_(generator=gen)
             choice[j] = (q / noise).argmax()
-            probs[int(sub[j])].append(q)
+            probs[int(sub[j])].append(q if self.vocab is None else self.vocab.to_full(q))
+        if self.vocab is not None:
+            choice = self.vocab.token_ids[choice]
         tokens[sub, i] = choice.cpu().numpy()
+
+
+def _end_token_ids(hf_config: Any) -> list[int]:
+    """The config's ``eos_token_id`` (an int, a list, or absent) as a list."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]

@@ -39,6 +39,10 @@ def test_flag_dict_and_object_forms_agree():
     ('{"method": "ngram"', "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"quantization": "fp4"}', "quantization='fp4'"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}', "draft_vocab_size=0"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": true}',
+     "draft_vocab_size=True"),
+    ('{"method": "ngram", "draft_vocab_size": 64}', "method='draft_model' only"),
 ])
 def test_bad_values_name_the_problem(value, needle):
     with pytest.raises(ValueError, match=None) as err:
