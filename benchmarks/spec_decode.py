@@ -35,7 +35,11 @@ second of the whole batch (wall time of the generate call): the check that adapt
 stop speculating where verification costs more than it saves. ``--spec-off-too`` adds a third
 engine, the speculating one with its cost model told never to draft (``min_gain`` infinite):
 what a speculating engine costs when speculation is off (its proposer and cost model still run
-every step, its KV pool still holds the draft's K/V). Each round line counts the preemptions.
+every step, its KV pool still holds the draft's K/V). ``--variant NAME=JSON`` (repeatable) adds
+a speculating engine whose config is ``--speculative-config`` with JSON's keys replaced (e.g.
+``int8='{"quantization": "int8"}'``), run in the same rounds, so that variants are compared
+under the same load; each gets its median and ratio to plain. Each round line counts the
+preemptions.
 The last line is ``ratio=X``.
 """
 
@@ -89,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=1, help="requests sent at once")
     p.add_argument("--extra", default="{}", help="JSON object of extra LLM(...) options")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="another speculating engine in the same rounds: the speculative "
+                        "config JSON merged over --speculative-config's (repeatable)")
     p.add_argument("--spec-off-too", action="store_true",
                    help="a third engine: the speculating one with its cost model told never "
                         "to draft (what speculation costs when it is off)")
@@ -170,7 +177,7 @@ def machine() -> str:
 
 def build(args: argparse.Namespace, name: str, prompts: list[str] | None) -> LLM:
     """The ``plain`` or ``spec`` engine, warmed up on the first prompt (8 tokens)."""
-    spec = args.speculative_config if name != "plain" else None
+    spec = None if name == "plain" else variant_config(args, name)
     llm = LLM(model=args.model, speculative_config=spec, **json.loads(args.extra))
     if name == "spec_off":  # the engine runs its proposer and cost model, which say no
         llm.engine.core.speculator.min_gain = math.inf
@@ -178,10 +185,26 @@ def build(args: argparse.Namespace, name: str, prompts: list[str] | None) -> LLM
     return llm
 
 
+def variant_names(args: argparse.Namespace) -> list[str]:
+    """The ``--variant`` engines' names, in order."""
+    return [v.split("=", 1)[0] for v in args.variant]
+
+
+def variant_config(args: argparse.Namespace, name: str) -> str:
+    """The speculative config JSON of engine ``name`` (``spec``, ``spec_off`` or a
+    ``--variant``: its JSON merged over ``--speculative-config``'s)."""
+    for v in args.variant:
+        key, _, value = v.partition("=")
+        if key == name:
+            return json.dumps({**json.loads(args.speculative_config), **json.loads(value)})
+    return args.speculative_config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sequential = args.workload == "completion" and args.batch == 1
-    names = ["plain", "spec"] + (["spec_off"] if args.spec_off_too else [])
+    names = ["plain", "spec"] + (["spec_off"] if args.spec_off_too else []) + \
+        variant_names(args)
     engines: dict[str, LLM] = {}
     if not args.one_engine_at_a_time:
         engines = {name: build(args, name, None) for name in names}
@@ -189,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start: {machine()}")
     rates: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, set[str]] = {name: set() for name in names}
-    counts, report = {}, ""
+    counts, reports = {}, {}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             llm = engines.get(name) or build(args, name, prompts)
@@ -203,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             counts[name] = c
             print(f"round {r} {name}: {rate:.2f} tok/s, {c}, "
                   f"{time.perf_counter() - started:.1f} s", flush=True)
-            if name == "spec":
-                report = spec_report(llm)
+            if name == "spec" or name in variant_names(args):
+                reports[name] = spec_report(llm)
             if name not in engines:
                 del llm
                 gc.collect()
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     c = counts["spec"]
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"end: {machine()}")
-    print(report)
+    print(reports.get("spec", ""))
     print(f"model={args.model} speculative_config={args.speculative_config} "
           f"batch={args.batch} output_tokens={c['tokens']} identical_greedy_text={same}")
     if not same:
@@ -224,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     if "spec_off" in med:
         print(f"spec_off_median={med['spec_off']:.2f} tok/s "
               f"spec_off_ratio={med['spec_off'] / med['plain']:.3f}")
+    for name in variant_names(args):
+        v = counts[name]
+        print(f"variant {name}: {variant_config(args, name)}\n{reports.get(name, '')}\n"
+              f"variant {name}: acceptance_rate="
+              f"{v['accepted'] / max(v['draft_tokens'], 1):.3f} median={med[name]:.2f} tok/s "
+              f"ratio={med[name] / med['plain']:.3f}")
     print(f"ratio={med['spec'] / med['plain']:.3f}")
     return 0 if same else 1
 
