@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "kvflow.spec_decode.draft_model": 5, "kvflow.spec_decode.verification": 5,
     "kvflow.spec_decode.rejection_sampler": 3,
     "kvflow.spec_decode.draft_threads": 2,  # the draft's CPU thread count (torch only)
+    "kvflow.spec_decode.draft_vocab": 3,  # the draft's LM head cut to frequent tokens (a layer)
     "kvflow.models": 4, "kvflow.lora": 4,
     "kvflow.layers": 3, "kvflow.attention": 3, "kvflow.quant": 3,
     "kvflow.kernels": 2, "kvflow.distributed": 2,
