@@ -1,6 +1,8 @@
 """EngineCore: the schedule -> execute -> update loop over one model.
 
 Offline use (``LLM``) drives it in-process; the server runs the same class in its own process.
+Its parts, one job each: ``engine_dtype`` (the compute dtype), ``kv_cache_sizing`` (the
+KV-cache config) and ``engine_steps`` (the step variants: lock-step, async, pipelined).
 """
 
 from __future__ import annotations
@@ -8,31 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 
-import torch
-
-from kvflow.config import EngineConfig, SchedulerConfig, cpu_gemm_choice, parse_bytes
+from kvflow.config import EngineConfig, SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
+from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+from kvflow.core.engine_steps import step_async, step_sync, step_with_batch_queue
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.kv_cache_utils import (
-    group_kv_cache_specs,
-    kv_bytes_per_token,
-    max_tokens_per_request,
-)
+from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
+from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
-from kvflow.kernels.cpu_threads import cpu_thread_count
-from kvflow.kernels.gemm_select import measure_cpu_dtype
-from kvflow.kv_cache_interface import (
-    DRAFT_LAYER_PREFIX,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from kvflow.layers.rotary import rope_max_positions
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
@@ -47,26 +36,6 @@ from kvflow.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 _IDLE_GAP_S = 0.05  # a longer pause between two steps is idle time, not step time
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(requested: str, hf_config, platform,
-                  measure: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
-    """``auto``: the checkpoint's dtype when it is a float type, else the platform default; on
-    a CPU without native bf16/fp16 matmuls, half types fall back to float32. Where that gives a
-    16-bit dtype and ``measure`` is given, ``measure(dtype)`` has the last word (on CPU: that
-    dtype or float32, whichever the timed GEMMs favour)."""
-    if requested != "auto":
-        return _DTYPES[requested]
-    native = platform.default_dtype()
-    cfg = getattr(hf_config, "dtype", None)  # transformers >= 4.56 (``torch_dtype`` is deprecated)
-    if isinstance(cfg, str):
-        cfg = _DTYPES.get(cfg)
-    dtype = native
-    if cfg in (torch.float32, torch.bfloat16, torch.float16):
-        dtype = torch.float32 if native == torch.float32 else cfg
-    return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
 
 
 class EngineCore:
@@ -100,7 +69,8 @@ class EngineCore:
         self.source = source
         self.hf_config = load_hf_config(source)
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
-                                   self._cpu_dtype_measure())
+                                   cpu_dtype_measure(self.platform, self.config.device_config,
+                                                     self.hf_config))
         self.config.parallel_config.verify_with_model(self.hf_config)
         self._init_task(source)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
@@ -133,21 +103,6 @@ class EngineCore:
             raise ValueError("embedding models run without pipeline parallelism "
                              "(pipeline_parallel_size=1)")
 
-    def _cpu_dtype_measure(self) -> Callable[[torch.dtype], torch.dtype] | None:
-        """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
-        model's GEMMs at the engine's thread count (kernels/gemm_select.py)."""
-        if self.platform.name != "cpu":
-            return None
-        dc = self.config.device_config
-        choice = cpu_gemm_choice(dc.cpu_gemm)
-
-        def measure(half: torch.dtype) -> torch.dtype:
-            with cpu_thread_count(dc.cpu_threads):
-                return measure_cpu_dtype(self.hf_config, half, choice,
-                                         self.platform.prepacks_gemm_weights)
-
-        return measure
-
     def _resolve_async_scheduling(self) -> None:
         """--async-scheduling: the platform's default when not given (where the executor can
         split steps).
@@ -171,19 +126,9 @@ class EngineCore:
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
-        requested = self.config.model_config.max_model_len
-        positions = rope_max_positions(self.hf_config) \
-            if hasattr(self.hf_config, "max_position_embeddings") else None
-        if self.is_encoder:  # whole prompts per step: a prompt must fit one step's budget
-            positions = min(positions or requested or 512,
-                            self.config.scheduler_config.max_num_batched_tokens)
-        if requested is not None and positions is not None and requested > positions:
-            # The rotary tables hold this many positions (max_position_embeddings, scaled for
-            # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
-            raise ValueError(f"max_model_len={requested} exceeds the positions the model's "
-                             f"RoPE covers ({positions}: max_position_embeddings, scaled for "
-                             "yarn / dynamic rope_scaling)")
-        self.kv_cache_config = self._make_kv_cache_config()
+        positions = model_positions(self.hf_config, self.config, self.is_encoder)
+        self.kv_cache_config = make_kv_cache_config(self.executor, self.config, self.is_encoder,
+                                                    self.dtype)
         self.num_blocks = self.kv_cache_config.num_blocks
         self.executor.initialize_kv_cache(self.kv_cache_config)
         capacity = max_tokens_per_request(self.kv_cache_config,
@@ -204,65 +149,6 @@ class EngineCore:
                     self.max_model_len, capacity / self.max_model_len, self.kv_bytes_per_token,
                     self.weight_bytes / 2**20)
         log_scheduling(self.config.scheduler_config)
-
-    def _make_kv_cache_config(self) -> KVCacheConfig:
-        """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
-        the executor reports divided by one block's bytes across all KV tensors (a draft
-        model's layers included: its K/V of a block's tokens live under the same block id).
-
-        Raises:
-            ValueError: if fewer than 2 blocks fit (the null block plus one).
-        """
-        specs = self.executor.get_kv_cache_spec()
-        if not specs and self.is_encoder:
-            return self._encoder_kv_cache_config()
-        draft = {n: s for n, s in specs.items() if n.startswith(DRAFT_LAYER_PREFIX)}
-        groups = group_kv_cache_specs({n: s for n, s in specs.items() if n not in draft})
-        draft_group = KVCacheGroupSpec(tuple(draft), next(iter(draft.values()))) \
-            if draft else None
-        num_blocks = self.config.cache_config.num_kv_blocks
-        if num_blocks is None:
-            page = KVCacheConfig(2, groups, draft_group).page_size_bytes
-            budget = self.executor.determine_available_memory(groups)
-            num_blocks = budget // page
-            if num_blocks < 2:
-                raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
-                                 f"of {page} bytes; need at least 2")
-        return KVCacheConfig(num_blocks, groups, draft_group,
-                             self._num_host_blocks(KVCacheConfig(2, groups, draft_group)))
-
-    def _num_host_blocks(self, config: KVCacheConfig) -> int:
-        """Blocks of --swap-space with --preemption-mode swap (0 otherwise).
-
-        Raises:
-            ValueError: for a setup swapping does not support.
-        """
-        if self.config.scheduler_config.preemption_mode != "swap":
-            return 0
-        pc, spec = self.config.parallel_config, config.kv_cache_groups[0].kv_cache_spec
-        unsupported = {"a draft model (speculative decoding)": config.draft_group is not None,
-                       "a quantized KV cache": spec.kv_scales_shape(1) is not None,
-                       "pipeline parallelism": pc.pipeline_parallel_size > 1,
-                       "context parallelism": getattr(pc, "context_parallel_size", 1) > 1,
-                       "async scheduling": bool(self.config.scheduler_config.async_scheduling)}
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
-                                 "--preemption-mode recompute")
-        num = parse_bytes(self.config.cache_config.swap_space) // config.page_size_bytes
-        if num < 1:
-            raise ValueError(f"--swap-space {self.config.cache_config.swap_space} holds no "
-                             f"KV block of {config.page_size_bytes} bytes")
-        return num
-
-    def _encoder_kv_cache_config(self) -> KVCacheConfig:
-        """An encoder keeps no KV cache (kvflow/attention/encoder.py), but its requests still
-        go through the scheduler's block accounting: a group without layers (no tensor is
-        allocated) with blocks enough for one step's whole prompts."""
-        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
-        spec = FullAttentionSpec(bs, 1, 1, self.dtype)
-        num_blocks = -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs + 1
-        return KVCacheConfig(num_blocks, (KVCacheGroupSpec((), spec),))
 
     def _draft_cost_ratio(self) -> float:
         """The draft model's weight bytes over the target's (1.0 without a draft model): the
@@ -403,32 +289,12 @@ class EngineCore:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule a batch, run the model on it, and fold the sampled tokens back in."""
+        """Schedule a batch, run the model on it, and fold the sampled tokens back in: one
+        of the step variants (``kvflow/core/engine_steps.py``), by how the executor runs."""
         if self.executor.max_concurrent_batches > 1:
-            return self.step_with_batch_queue()
+            return step_with_batch_queue(self)
         self._time_last_step(time.perf_counter())
-        if self.scheduler.async_scheduling:
-            outputs = self.step_async()
-            self._last_step = (self._last_step[0], time.perf_counter())
-            return outputs
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
-            self.structured_output.wait_for_compiles(timeout_s=0.05)
-        grammar_bitmask = self.structured_output.grammar_bitmask(
-            scheduler_output.structured_output_request_ids, self.scheduler.requests,
-            scheduler_output.scheduled_spec_decode_tokens)
-        started = time.perf_counter()
-        try:
-            runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
-        except Exception:
-            # The step's K/V were not written: abort what it scheduled (freeing their blocks)
-            # so the engine stays consistent for the other requests, then report the error.
-            self.abort_requests(list(scheduler_output.num_scheduled_tokens))
-            raise
-        if self.speculator is not None:  # the measured step cost (adaptive draft lengths)
-            self.speculator.observe_step(scheduler_output, runner_output,
-                                         time.perf_counter() - started)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = step_async(self) if self.scheduler.async_scheduling else step_sync(self)
         self._last_step = (self._last_step[0], time.perf_counter())
         return outputs
 
@@ -441,69 +307,6 @@ class EngineCore:
             start, end = last
             self.scheduler.record_step_time(now - start if now - end < _IDLE_GAP_S
                                             else end - start)
-
-    def step_async(self) -> list[EngineCoreOutput]:
-        """Async scheduling: schedule step N+1 and launch its forward pass while step N's
-        sampled tokens are still on the device (the runner feeds them to N+1 there), then wait
-        for N's tokens and fold them in, then launch N+1's sampling (whose grammar bitmask and
-        penalties need N's tokens). Returns step N's outputs: the same as lock-step ones, one
-        step later.
-        """
-        sched, prev = self.scheduler.schedule(), self._in_flight
-        self._in_flight = None
-        try:
-            self.executor.launch_forward(sched)
-            outputs = [] if prev is None else \
-                self.scheduler.update_from_output(prev, self.executor.collect_output())
-            self.executor.launch_sampling(self.structured_output.grammar_bitmask(
-                sched.structured_output_request_ids, self.scheduler.requests))
-        except Exception:
-            # Neither step's results will come back: abort both steps' requests (freeing
-            # their blocks), then report the error.
-            self.executor.discard_output()
-            self.abort_requests([*sched.num_scheduled_tokens,
-                                 *(prev.num_scheduled_tokens if prev is not None else ())])
-            raise
-        if not sched.is_empty:
-            self._in_flight = sched
-        elif prev is None:  # only grammars compiling: wait a little, do not spin
-            self.structured_output.wait_for_compiles(timeout_s=0.05)
-        return outputs
-
-    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """Pipeline parallelism: keep up to ``max_concurrent_batches`` micro-batches in flight.
-
-        While there is room, schedule a micro-batch of at most ``1 / max_concurrent_batches``
-        of the unfinished requests (so at steady state every stage has one) from the requests
-        that are not in flight, send it and return; otherwise wait for the oldest one and fold
-        its sampled tokens in.
-        """
-        depth = self.executor.max_concurrent_batches
-        if len(self.batch_queue) < depth:
-            sched = self.scheduler.schedule(max_num_reqs=self._micro_batch_size(depth))
-            if not sched.is_empty or sched.finished_ids:
-                bitmask = self.structured_output.grammar_bitmask(
-                    sched.structured_output_request_ids, self.scheduler.requests)
-                self.batch_queue.append((self.executor.execute_model_async(sched, bitmask),
-                                         sched))
-                if len(self.batch_queue) < depth and not sched.is_empty:
-                    return []
-        if not self.batch_queue:  # only grammars compiling: wait a little, do not spin
-            self.structured_output.wait_for_compiles(timeout_s=0.05)
-            return []
-        future, sched = self.batch_queue.popleft()
-        try:
-            runner_output = future.result()
-        except Exception:
-            self.abort_requests([rid for _, s in [(future, sched), *self.batch_queue]
-                                 for rid in s.num_scheduled_tokens])
-            self.batch_queue.clear()
-            raise
-        return self.scheduler.update_from_output(sched, runner_output)
-
-    def _micro_batch_size(self, depth: int) -> int:
-        """Requests per micro-batch: an even share of the unfinished ones (at least 1)."""
-        return max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
 
 
 def log_scheduling(sc: SchedulerConfig) -> None:

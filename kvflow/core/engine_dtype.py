@@ -1,0 +1,49 @@
+"""The engine's compute dtype: ``--dtype`` resolved against the checkpoint and the platform
+(on CPU, ``auto`` may time the model's GEMMs to choose between a 16-bit dtype and fp32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvflow.config import DeviceConfig, cpu_gemm_choice
+from kvflow.kernels.cpu_threads import cpu_thread_count
+from kvflow.kernels.gemm_select import measure_cpu_dtype
+from kvflow.platforms import Platform
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, hf_config, platform,
+                  measure: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
+    """``auto``: the checkpoint's dtype when it is a float type, else the platform default; on
+    a CPU without native bf16/fp16 matmuls, half types fall back to float32. Where that gives a
+    16-bit dtype and ``measure`` is given, ``measure(dtype)`` has the last word (on CPU: that
+    dtype or float32, whichever the timed GEMMs favour)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    native = platform.default_dtype()
+    cfg = getattr(hf_config, "dtype", None)  # transformers >= 4.56 (``torch_dtype`` is deprecated)
+    if isinstance(cfg, str):
+        cfg = _DTYPES.get(cfg)
+    dtype = native
+    if cfg in (torch.float32, torch.bfloat16, torch.float16):
+        dtype = torch.float32 if native == torch.float32 else cfg
+    return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
+
+
+def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig,
+                      hf_config: Any) -> Callable[[torch.dtype], torch.dtype] | None:
+    """On CPU, ``--dtype auto`` picks between the 16-bit dtype and fp32 by timing the
+    model's GEMMs at the engine's thread count (kernels/gemm_select.py); None elsewhere."""
+    if platform.name != "cpu":
+        return None
+    choice = cpu_gemm_choice(device_config.cpu_gemm)
+
+    def measure(half: torch.dtype) -> torch.dtype:
+        with cpu_thread_count(device_config.cpu_threads):
+            return measure_cpu_dtype(hf_config, half, choice, platform.prepacks_gemm_weights)
+
+    return measure

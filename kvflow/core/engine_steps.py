@@ -1,0 +1,106 @@
+"""The engine core's step variants, each schedule -> execute -> update: lock-step, async
+scheduling (step N+1's forward launched before step N's tokens are folded in) and the
+pipeline's queue of micro-batches in flight. ``EngineCore.step`` picks one.
+
+Functions of the ``EngineCore`` they are handed (``kvflow/core/engine_core.py`` owns the
+scheduler, the executor and the state they read and change).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvflow.engine_outputs import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from kvflow.core.engine_core import EngineCore
+
+
+def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
+    """Lock-step: schedule a batch, run the model on it, and fold the sampled tokens back in.
+    A failed step aborts what it scheduled (its K/V were not written) and raises."""
+    scheduler_output = core.scheduler.schedule()
+    if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
+        core.structured_output.wait_for_compiles(timeout_s=0.05)
+    grammar_bitmask = core.structured_output.grammar_bitmask(
+        scheduler_output.structured_output_request_ids, core.scheduler.requests,
+        scheduler_output.scheduled_spec_decode_tokens)
+    started = time.perf_counter()
+    try:
+        runner_output = core.executor.execute_model(scheduler_output, grammar_bitmask)
+    except Exception:
+        # The step's K/V were not written: abort what it scheduled (freeing their blocks)
+        # so the engine stays consistent for the other requests, then report the error.
+        core.abort_requests(list(scheduler_output.num_scheduled_tokens))
+        raise
+    if core.speculator is not None:  # the measured step cost (adaptive draft lengths)
+        core.speculator.observe_step(scheduler_output, runner_output,
+                                     time.perf_counter() - started)
+    return core.scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def step_async(core: EngineCore) -> list[EngineCoreOutput]:
+    """Async scheduling: schedule step N+1 and launch its forward pass while step N's
+    sampled tokens are still on the device (the runner feeds them to N+1 there), then wait
+    for N's tokens and fold them in, then launch N+1's sampling (whose grammar bitmask and
+    penalties need N's tokens). Returns step N's outputs: the same as lock-step ones, one
+    step later.
+    """
+    sched, prev = core.scheduler.schedule(), core._in_flight
+    core._in_flight = None
+    try:
+        core.executor.launch_forward(sched)
+        outputs = [] if prev is None else \
+            core.scheduler.update_from_output(prev, core.executor.collect_output())
+        core.executor.launch_sampling(core.structured_output.grammar_bitmask(
+            sched.structured_output_request_ids, core.scheduler.requests))
+    except Exception:
+        # Neither step's results will come back: abort both steps' requests (freeing
+        # their blocks), then report the error.
+        core.executor.discard_output()
+        core.abort_requests([*sched.num_scheduled_tokens,
+                             *(prev.num_scheduled_tokens if prev is not None else ())])
+        raise
+    if not sched.is_empty:
+        core._in_flight = sched
+    elif prev is None:  # only grammars compiling: wait a little, do not spin
+        core.structured_output.wait_for_compiles(timeout_s=0.05)
+    return outputs
+
+
+def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
+    """Pipeline parallelism: keep up to ``max_concurrent_batches`` micro-batches in flight.
+
+    While there is room, schedule a micro-batch of at most ``1 / max_concurrent_batches``
+    of the unfinished requests (so at steady state every stage has one) from the requests
+    that are not in flight, send it and return; otherwise wait for the oldest one and fold
+    its sampled tokens in.
+    """
+    depth = core.executor.max_concurrent_batches
+    if len(core.batch_queue) < depth:
+        sched = core.scheduler.schedule(max_num_reqs=micro_batch_size(core, depth))
+        if not sched.is_empty or sched.finished_ids:
+            bitmask = core.structured_output.grammar_bitmask(
+                sched.structured_output_request_ids, core.scheduler.requests)
+            core.batch_queue.append((core.executor.execute_model_async(sched, bitmask),
+                                     sched))
+            if len(core.batch_queue) < depth and not sched.is_empty:
+                return []
+    if not core.batch_queue:  # only grammars compiling: wait a little, do not spin
+        core.structured_output.wait_for_compiles(timeout_s=0.05)
+        return []
+    future, sched = core.batch_queue.popleft()
+    try:
+        runner_output = future.result()
+    except Exception:
+        core.abort_requests([rid for _, s in [(future, sched), *core.batch_queue]
+                             for rid in s.num_scheduled_tokens])
+        core.batch_queue.clear()
+        raise
+    return core.scheduler.update_from_output(sched, runner_output)
+
+
+def micro_batch_size(core: EngineCore, depth: int) -> int:
+    """Requests per micro-batch: an even share of the unfinished ones (at least 1)."""
+    return max(1, -(-(core.scheduler.num_running + core.scheduler.num_waiting) // depth))

@@ -1,0 +1,105 @@
+"""The engine's KV-cache configuration: the layers' specs grouped, the pool sized (from
+``--num-kv-blocks`` or the executor's memory budget), the host pool of swap preemption, an
+encoder's stand-in pool, and the positions a request may reach."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvflow.config import EngineConfig, parse_bytes
+from kvflow.core.kv_cache_utils import group_kv_cache_specs
+from kvflow.executor import Executor
+from kvflow.kv_cache_interface import (
+    DRAFT_LAYER_PREFIX,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from kvflow.layers.rotary import rope_max_positions
+
+
+def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> int | None:
+    """The positions the model's rotary tables cover (None: no such limit), an encoder's
+    capped at one step's token budget (whole prompts per step).
+
+    Raises:
+        ValueError: if ``--max-model-len`` asks for more.
+    """
+    requested = config.model_config.max_model_len
+    positions = rope_max_positions(hf_config) \
+        if hasattr(hf_config, "max_position_embeddings") else None
+    if is_encoder:  # whole prompts per step: a prompt must fit one step's budget
+        positions = min(positions or requested or 512,
+                        config.scheduler_config.max_num_batched_tokens)
+    if requested is not None and positions is not None and requested > positions:
+        # The rotary tables hold this many positions (max_position_embeddings, scaled for
+        # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
+        raise ValueError(f"max_model_len={requested} exceeds the positions the model's "
+                         f"RoPE covers ({positions}: max_position_embeddings, scaled for "
+                         "yarn / dynamic rope_scaling)")
+    return positions
+
+
+def make_kv_cache_config(executor: Executor, config: EngineConfig, is_encoder: bool,
+                         dtype: torch.dtype) -> KVCacheConfig:
+    """Group the layers' KV-cache specs and size the pool: --num-kv-blocks, else the bytes
+    the executor reports divided by one block's bytes across all KV tensors (a draft
+    model's layers included: its K/V of a block's tokens live under the same block id).
+
+    Raises:
+        ValueError: if fewer than 2 blocks fit (the null block plus one).
+    """
+    specs = executor.get_kv_cache_spec()
+    if not specs and is_encoder:
+        return encoder_kv_cache_config(config, dtype)
+    draft = {n: s for n, s in specs.items() if n.startswith(DRAFT_LAYER_PREFIX)}
+    groups = group_kv_cache_specs({n: s for n, s in specs.items() if n not in draft})
+    draft_group = KVCacheGroupSpec(tuple(draft), next(iter(draft.values()))) \
+        if draft else None
+    num_blocks = config.cache_config.num_kv_blocks
+    if num_blocks is None:
+        page = KVCacheConfig(2, groups, draft_group).page_size_bytes
+        budget = executor.determine_available_memory(groups)
+        num_blocks = budget // page
+        if num_blocks < 2:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
+                             f"of {page} bytes; need at least 2")
+    return KVCacheConfig(num_blocks, groups, draft_group,
+                         num_host_blocks(config, KVCacheConfig(2, groups, draft_group)))
+
+
+def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
+    """Blocks of --swap-space with --preemption-mode swap (0 otherwise).
+
+    Raises:
+        ValueError: for a setup swapping does not support.
+    """
+    if engine_config.scheduler_config.preemption_mode != "swap":
+        return 0
+    pc, spec = engine_config.parallel_config, config.kv_cache_groups[0].kv_cache_spec
+    unsupported = {"a draft model (speculative decoding)": config.draft_group is not None,
+                   "a quantized KV cache": spec.kv_scales_shape(1) is not None,
+                   "pipeline parallelism": pc.pipeline_parallel_size > 1,
+                   "context parallelism": getattr(pc, "context_parallel_size", 1) > 1,
+                   "async scheduling": bool(engine_config.scheduler_config.async_scheduling)}
+    for what, present in unsupported.items():
+        if present:
+            raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
+                             "--preemption-mode recompute")
+    num = parse_bytes(engine_config.cache_config.swap_space) // config.page_size_bytes
+    if num < 1:
+        raise ValueError(f"--swap-space {engine_config.cache_config.swap_space} holds no "
+                         f"KV block of {config.page_size_bytes} bytes")
+    return num
+
+
+def encoder_kv_cache_config(config: EngineConfig, dtype: torch.dtype) -> KVCacheConfig:
+    """An encoder keeps no KV cache (kvflow/attention/encoder.py), but its requests still
+    go through the scheduler's block accounting: a group without layers (no tensor is
+    allocated) with blocks enough for one step's whole prompts."""
+    sc, bs = config.scheduler_config, config.cache_config.block_size
+    spec = FullAttentionSpec(bs, 1, 1, dtype)
+    num_blocks = -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs + 1
+    return KVCacheConfig(num_blocks, (KVCacheGroupSpec((), spec),))
