@@ -76,8 +76,8 @@ class NativeCpuKernels:
         self._gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr, _int]
         self._gemm = lib.kvflow_gemm
         self._gemm.restype = _int
-        self._gemm.argtypes = [_ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                               _int]
+        self._gemm.argtypes = [_ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _i64, _i64,
+                               _i64, _int]
         self._gguf_gemm = lib.kvflow_gguf_gemm
         self._gguf_gemm.restype = _int
         self._gguf_gemm.argtypes = [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64,
@@ -325,21 +325,25 @@ class NativeCpuKernels:
         return _DTYPES[self._gemm_x_dtype(_DTYPE_CODES[weight_dtype])]
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
 
-        A 16-bit weight is widened to fp32 in registers (exact) or, for bf16 on AVX512-BF16,
-        multiplied with bf16 ``x`` by bf16 dot-product instructions; either way the product
-        accumulates and is returned in fp32, never rounded to 16 bits.
+        A 16-bit weight is widened to fp32 in registers (exact) or, for bf16 on AVX512-BF16 or
+        AMX, multiplied with bf16 ``x`` by bf16 dot-product instructions or tiles; either way
+        the product accumulates in fp32 and is returned in fp32, never rounded to 16 bits, or
+        (``out_dtype`` 16-bit) rounded once to nearest even inside the kernel, as
+        ``.to(out_dtype)`` of the fp32 result would give without its extra pass over memory.
 
         Args:
             x: [..., K] CPU activations of :meth:`gemm_x_dtype` (another float dtype is
                 converted first; so is a strided last dim).
             packed: the packed weight (float32, bfloat16 or float16); n: its output features.
             bias: [n] float32, or None.
+            out_dtype: float32 (default), bfloat16 or float16.
 
         Returns:
-            [..., n] float32, a fresh tensor. Each element is summed in the same k order
+            [..., n] ``out_dtype``, a fresh tensor. Each element is summed in the same k order
             whatever the thread count.
 
         Raises:
@@ -347,13 +351,14 @@ class NativeCpuKernels:
             MemoryError: when the kernel cannot allocate its work-sharing state.
         """
         if self.pool is not None and self.pool.is_open:
-            return self.pool.gemm(x, packed, n, bias)
+            return self.pool.gemm(x, packed, n, bias, out_dtype)
         rows, code, x_code = self.gemm_operands(x, packed, n, bias)
         k = x.shape[-1]
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        out = torch.empty(rows.shape[0], n, dtype=out_dtype)
         status = self._gemm(rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
                             None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                            rows.shape[0], n, k, torch.get_num_threads())
+                            gemm_out_code(out_dtype), rows.shape[0], n, k,
+                            torch.get_num_threads())
         _raise_on(status, "gemm")
         return out.view(*x.shape[:-1], n)
 
@@ -510,6 +515,18 @@ def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
             or t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{name} must be a 2-D CPU float32/bfloat16/float16 tensor of dtype "
                          f"{dtype} with unit-stride rows, got {t.dtype} {tuple(t.shape)}")
+
+
+def gemm_out_code(dtype: torch.dtype) -> int:
+    """The kernels' code of a GEMM's output dtype (float32, bfloat16, float16).
+
+    Raises:
+        ValueError: on another dtype (the kernels write no other).
+    """
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise ValueError(f"gemm: out_dtype must be float32, bfloat16 or float16, got {dtype}")
+    return code
 
 
 def _raise_on(status: int, op: str) -> None:

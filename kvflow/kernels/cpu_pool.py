@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.cpu_native import NativeCpuKernels, gemm_out_code
 
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,7 +40,7 @@ def _entries(lib: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
              "kvflow_pool_set_worker_delay": (None, [_ptr, _i64]),
              "kvflow_pool_stats": (None, [_ptr, _ptr]),
              "kvflow_gemm_pooled": (_int, [_ptr, _ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64,
-                                           _i64, _i64, _i64, _int]),
+                                           _int, _i64, _i64, _i64, _int]),
              "kvflow_paged_attention_pooled": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
                                                       _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                                       _i64, _i64, _f32, _i64, _int, _int, _int])}
@@ -100,7 +100,8 @@ class CpuPool:
         return self._handle
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """:meth:`NativeCpuKernels.gemm` with the work shared through this pool; the same
         arguments, checks and (bitwise) result. While a worker descheduled mid-item may still
         read ``packed`` after this returns, the pool keeps a reference to it.
@@ -110,11 +111,11 @@ class CpuPool:
                 child the pool is closed: its threads stayed in the parent).
         """
         rows, code, x_code = self.kernels.gemm_operands(x, packed, n, bias)
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        out = torch.empty(rows.shape[0], n, dtype=out_dtype)
         status = self._fn["kvflow_gemm_pooled"](
             self._live(), rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n,
-            x.shape[-1], torch.get_num_threads())
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+            gemm_out_code(out_dtype), rows.shape[0], n, x.shape[-1], torch.get_num_threads())
         if status:
             raise ValueError("gemm: x does not have the dtype the packed weight takes")
         self._note_late(packed)

@@ -72,7 +72,9 @@ class OneDnnPackedWeight:
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[..., N] in the packed weight's dtype (``out_dtype`` is the caller's to apply)."""
         dtype = self.packed.dtype
         if bias is not None:
             bias = bias.to(dtype)
@@ -90,9 +92,12 @@ class NativePackedWeight:
         self.out_features = weight.shape[0]
         self.packed = kernels.gemm_pack(weight.detach())
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[..., N] fp32 sums, or rounded once in the kernel to a 16-bit ``out_dtype``."""
         return self.kernels.gemm(x, self.packed, self.out_features,
-                                 None if bias is None else bias.float())
+                                 None if bias is None else bias.float(),
+                                 out_dtype or torch.float32)
 
 
 PackedWeight = OneDnnPackedWeight | NativePackedWeight
@@ -129,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     out_dtype = out_dtype or x.dtype
     if packed is not None:
-        return packed(x, bias).to(out_dtype)
+        return packed(x, bias, out_dtype).to(out_dtype)
     if x.dtype == torch.float32:
         return F.linear(x, weight, bias).to(out_dtype)
     if workspace is None:

@@ -65,7 +65,7 @@ def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None
 
     if candidate == "native":
         packed = NativePackedWeight(weight, kernels)
-        return lambda x: packed(x, None).to(x.dtype)
+        return lambda x: packed(x, None, x.dtype)
     onednn = OneDnnPackedWeight(weight, 64)
     return lambda x: onednn(x, None)
 

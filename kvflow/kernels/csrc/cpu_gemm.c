@@ -227,8 +227,9 @@ typedef struct {
     const void *packed;
     int wdt, xdt;
     const float *bias;
-    float *y;
+    void *y; /* fp32 while the products are summed in it; see ydt */
     int64_t y_stride, m, n, k;
+    int ydt; /* y's dtype: fp32, or bf16/fp16 (each item summed in fp32 scratch, rounded once) */
 } Gemm;
 
 #if defined(__AMX_BF16__)
@@ -325,9 +326,20 @@ static void block_times_panel_to(const Gemm *g, int64_t ic, int64_t mb, int64_t 
     else block_panel(g, ic, mb, p, DT_F32, 0, y, ldy);
 }
 
-/* Rows [ic, ic + mb) of x times panel p, in place in y. */
+/* Rows [ic, ic + mb) of x times panel p, in place in y: summed there (fp32 y), or in an
+ * fp32 scratch tile (in L1) rounded into a 16-bit y row by row. */
 static void block_times_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p) {
-    block_times_panel_to(g, ic, mb, p, g->y + ic * g->y_stride + p * NR, g->y_stride);
+    if (g->ydt == DT_F32) {
+        block_times_panel_to(g, ic, mb, p, (float *)g->y + ic * g->y_stride + p * NR,
+                             g->y_stride);
+        return;
+    }
+    float tile[MC * NR];
+    block_times_panel_to(g, ic, mb, p, tile, NR);
+    const int64_t cols = min64(g->n - p * NR, NR), es = (int64_t)elem_size(g->ydt);
+    for (int64_t i = 0; i < mb; ++i)
+        store_row(g->ydt, tile + i * NR, (char *)g->y + ((ic + i) * g->y_stride + p * NR) * es,
+                  cols);
 }
 
 /* Rows of x per block: up to 96 rows of all of k, within ~256 KB (half this EPYC's L2). */
@@ -359,15 +371,16 @@ static int64_t claim(Share *share, int from_back) {
 }
 
 /* x [m, k] (dtype xdt = kvflow_gemm_x_dtype(wdt), row stride x_stride) @ a packed weight of
- * dtype wdt (kvflow_gemm_pack of [n, k]) + bias [n] fp32 (or NULL) -> y [m, n] fp32 (row stride
- * y_stride). Returns 1 when x has the wrong dtype, the work does not fit the item counter
- * (more than 2^32 items) or scratch cannot be allocated, else 0. */
+ * dtype wdt (kvflow_gemm_pack of [n, k]) + bias [n] fp32 (or NULL) -> y [m, n] of dtype ydt
+ * (row stride y_stride): the fp32 sums, or (bf16/fp16) them rounded once to nearest even.
+ * Returns 1 when x has the wrong dtype, the work does not fit the item counter (more than 2^32
+ * items) or scratch cannot be allocated, else 0. */
 int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, int wdt,
-                const float *bias, float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k,
-                int num_threads) {
+                const float *bias, void *y, int64_t y_stride, int ydt, int64_t m, int64_t n,
+                int64_t k, int num_threads) {
     if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
     if (m <= 0 || n <= 0) return 0;
-    const Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k};
+    const Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt};
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(k);
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
@@ -413,9 +426,10 @@ static void pooled_commit(const void *ctx, int64_t item, const float *scratch) {
     const PooledGemm *pg = ctx;
     const int64_t ic = item / pg->panels * pg->mb_max, p = item % pg->panels;
     const int64_t mb = min64(pg->g.m - ic, pg->mb_max), cols = min64(pg->g.n - p * NR, NR);
+    const int64_t es = (int64_t)elem_size(pg->g.ydt);
     for (int64_t i = 0; i < mb; ++i)
-        memcpy(pg->g.y + (ic + i) * pg->g.y_stride + p * NR, scratch + i * NR,
-               (size_t)cols * sizeof(float));
+        store_row(pg->g.ydt, scratch + i * NR,
+                  (char *)pg->g.y + ((ic + i) * pg->g.y_stride + p * NR) * es, cols);
 }
 
 /* kvflow_gemm on a pool (cpu_pool.h) instead of OpenMP threads: x and bias are copied into the
@@ -423,23 +437,26 @@ static void pooled_commit(const void *ctx, int64_t item, const float *scratch) {
  * must outlive the pool's use of it. Falls back to kvflow_gemm with num_threads when the pool
  * is NULL, busy with another thread's job or out of memory. Same results as kvflow_gemm. */
 int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xdt,
-                       const void *packed, int wdt, const float *bias, float *y, int64_t y_stride,
-                       int64_t m, int64_t n, int64_t k, int num_threads) {
+                       const void *packed, int wdt, const float *bias, void *y, int64_t y_stride,
+                       int ydt, int64_t m, int64_t n, int64_t k, int num_threads) {
     if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
     if (m <= 0 || n <= 0) return 0;
     if (!kvflow_pool_begin(pool))
-        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, m, n, k, num_threads);
+        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, ydt, m, n, k,
+                           num_threads);
     const size_t xes = elem_size(xdt), row = (size_t)k * xes;
     char *xc = kvflow_pool_buffer(pool, 0, (size_t)m * row + 64);
     float *bc = bias ? kvflow_pool_buffer(pool, 1, (size_t)n * sizeof(float)) : NULL;
     if (!xc || (bias && !bc)) {
         kvflow_pool_end(pool);
-        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, m, n, k, num_threads);
+        return kvflow_gemm(x, x_stride, xdt, packed, wdt, bias, y, y_stride, ydt, m, n, k,
+                           num_threads);
     }
     for (int64_t i = 0; i < m; ++i) memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
     if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
     const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(k);
-    const PooledGemm pg = {{xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k}, mb_max, panels};
+    const PooledGemm pg = {{xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k, ydt}, mb_max,
+                           panels};
     kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
                     (m + mb_max - 1) / mb_max * panels);
     kvflow_pool_end(pool);
