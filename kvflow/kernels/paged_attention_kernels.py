@@ -27,6 +27,104 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _kv_tiles(ctx_len, q_len, q_block, split, sliding_window, BLOCK_Q: tl.constexpr,
+              TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """The keys a q-block can see, ``[kv_start, kv_end)``: returns ``kv_end`` and this
+    split's tiles ``[tile_lo, tile_hi)`` of ``TILE_N`` keys."""
+    kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    if USE_WINDOW:
+        kv_start = tl.maximum(ctx_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    else:
+        kv_start = 0
+    tile_lo = kv_start // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_hi)
+    return kv_end, tile_lo, tile_hi
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, k_pos,
+                  k_valid, kv_head, offs_d, d_mask, stride_kb, stride_ks, stride_kh,
+                  stride_sb, stride_ss, COMPUTE_DTYPE: tl.constexpr,
+                  KV_BLOCK_SIZE: tl.constexpr, QUANT_KV: tl.constexpr):
+    """The K tile ``[BLOCK_D, TILE_N]`` and V tile ``[TILE_N, BLOCK_D]`` of the keys at
+    ``k_pos`` (through the request's block table row; invalid keys read as 0), a quantized
+    cache's values dequantized to ``COMPUTE_DTYPE``."""
+    phys_block = tl.load(block_table_row + k_pos // KV_BLOCK_SIZE, mask=k_valid, other=0)
+    kv_off = (
+        phys_block.to(tl.int64) * stride_kb
+        + (k_pos % KV_BLOCK_SIZE) * stride_ks
+        + kv_head * stride_kh
+    )
+    k = tl.load(
+        k_cache_ptr + kv_off[None, :] + offs_d[:, None],
+        mask=k_valid[None, :] & d_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_D, TILE_N]
+    v = tl.load(
+        v_cache_ptr + kv_off[:, None] + offs_d[None, :],
+        mask=k_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [TILE_N, BLOCK_D]
+    if QUANT_KV:  # int8 / fp8 values times their per-token, per-head scales
+        scale_off = (phys_block.to(tl.int64) * stride_sb
+                     + (k_pos % KV_BLOCK_SIZE) * stride_ss + kv_head)
+        k_scale = tl.load(k_scale_ptr + scale_off, mask=k_valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_off, mask=k_valid, other=0.0)
+        k = (k.to(tl.float32) * k_scale[None, :]).to(COMPUTE_DTYPE)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(COMPUTE_DTYPE)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax (log2 domain): fold the masked scores ``s``
+    ``[BLOCK_M, TILE_N]`` and values ``v`` into the running max ``m_i``, sum ``l_i`` and
+    fp32 accumulator ``acc``; returns the three updated."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_output(out_ptr, acc, l_i, token, head, offs_d, row_valid, d_mask, stride_ot,
+                  stride_oh):
+    """A single-pass kernel's result: ``acc / l_i`` (rows with no visible key: 0) into the
+    output rows, in the output's dtype."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, token, head, split, offs_d,
+                    row_valid, num_tokens, num_q_heads, BLOCK_D: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr):
+    """A split's partial result for ``merge_splits_kernel``: its fp32 accumulator and its
+    running max and sum."""
+    part = (token * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+    tl.store(
+        part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+        acc,
+        mask=row_valid[:, None],
+    )
+    ml_plane = num_tokens * num_q_heads * NUM_SPLITS
+    tl.store(part_ml_ptr + part, m_i, mask=row_valid)
+    tl.store(part_ml_ptr + ml_plane + part, l_i, mask=row_valid)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
@@ -96,18 +194,8 @@ def paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys this q-block can see: [kv_start, kv_end).
-    kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    if USE_WINDOW:
-        kv_start = tl.maximum(ctx_len + q_block * BLOCK_Q - sliding_window + 1, 0)
-    else:
-        kv_start = 0
-    tile_lo = kv_start // TILE_N
-    tile_hi = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
-        tile_lo = tile_lo + split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_hi)
+    kv_end, tile_lo, tile_hi = _kv_tiles(ctx_len, q_len, q_block, split, sliding_window,
+                                         BLOCK_Q, TILE_N, NUM_SPLITS, USE_WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -117,62 +205,23 @@ def paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE_N + offs_n
         k_valid = k_pos < kv_end
-        phys_block = tl.load(block_table_row + k_pos // KV_BLOCK_SIZE, mask=k_valid, other=0)
-        kv_off = (
-            phys_block.to(tl.int64) * stride_kb
-            + (k_pos % KV_BLOCK_SIZE) * stride_ks
-            + kv_head * stride_kh
-        )
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + offs_d[:, None],
-            mask=k_valid[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, TILE_N]
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :],
-            mask=k_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [TILE_N, BLOCK_D]
-        if QUANT_KV:  # int8 / fp8 values times their per-token, per-head scales
-            scale_off = (phys_block.to(tl.int64) * stride_sb
-                         + (k_pos % KV_BLOCK_SIZE) * stride_ss + kv_head)
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=k_valid, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_off, mask=k_valid, other=0.0)
-            k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                             block_table_row, k_pos, k_valid, kv_head, offs_d, d_mask,
+                             stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, q.dtype,
+                             KV_BLOCK_SIZE, QUANT_KV)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - k_pos[None, :] < sliding_window)
         s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & d_mask[None, :],
-        )
+        _store_output(out_ptr, acc, l_i, token, head, offs_d, row_valid, d_mask, stride_ot,
+                      stride_oh)
     else:
-        part = (token * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
-        tl.store(
-            part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
-            acc,
-            mask=row_valid[:, None],
-        )
-        ml_plane = num_tokens * num_q_heads * NUM_SPLITS
-        tl.store(part_ml_ptr + part, m_i, mask=row_valid)
-        tl.store(part_ml_ptr + ml_plane + part, l_i, mask=row_valid)
+        _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, token, head, split, offs_d,
+                        row_valid, num_tokens, num_q_heads, BLOCK_D, NUM_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
