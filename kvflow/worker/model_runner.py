@@ -104,7 +104,6 @@ class ModelRunner:
         self.forward_s = 0.0  # seconds in the model's forward (on CUDA: launching it)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
-        requested = self.config.device_config.attention_backend
         mc, deterministic = self.config.model_config, self.config.device_config.deterministic
         self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
                                              mc.quantization_group_size)
@@ -112,17 +111,7 @@ class ModelRunner:
             check_deterministic(self.config, hf_config, self.device.type,
                                 self.quant_config and self.quant_config.name,
                                 self.device.type != "cpu" or native_cpu_kernels() is not None)
-        if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
-            backend = make_context_parallel_backend(
-                self.parallel.cp, hf_config, self.block_size,
-                self.config.parallel_config.context_parallel_prefill == "ring")
-        elif uses_mla(hf_config):
-            backend = make_mla_backend(requested)
-        else:
-            name = requested or self.platform.default_attention_backend
-            backend = None if deterministic else self.platform.get_attention_backend(name)
-            backend = backend or make_attention_backend(name, deterministic, self.device)
-        self.attn_ctx = AttentionContext(backend)
+        self.attn_ctx = AttentionContext(self._attention_backend(hf_config))
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
@@ -138,6 +127,23 @@ class ModelRunner:
                             if isinstance(m, Attention)}
         self.mm_runner = MultiModalRunner(self.model, self.parallel.pp.is_first_rank) \
             if getattr(self.model, "supports_multimodal", False) else None
+
+    def _attention_backend(self, hf_config: Any):
+        """The target model's attention backend: context-parallel with CP ranks, the MLA one
+        for an MLA model, else ``--attention-backend`` (or the platform's default) from the
+        platform, then from kvflow's own (``make_attention_backend``, looked up on this
+        module); under ``--deterministic`` always kvflow's batch-invariant one."""
+        requested = self.config.device_config.attention_backend
+        deterministic = self.config.device_config.deterministic
+        if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
+            return make_context_parallel_backend(
+                self.parallel.cp, hf_config, self.block_size,
+                self.config.parallel_config.context_parallel_prefill == "ring")
+        if uses_mla(hf_config):
+            return make_mla_backend(requested)
+        name = requested or self.platform.default_attention_backend
+        backend = None if deterministic else self.platform.get_attention_backend(name)
+        return backend or make_attention_backend(name, deterministic, self.device)
 
     def _init_draft_model(self, hf_config: Any) -> DraftModel | None:
         """The speculative-decoding draft model (``method: draft_model``), else None."""
