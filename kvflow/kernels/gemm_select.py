@@ -4,8 +4,10 @@ Which kernel is fastest depends on the CPU (AVX2 or AVX512, bf16 dot products or
 sizes), on the weight's shape and on the rows per call. On a 2-core AVX512 EPYC kvflow's C GEMM
 beat oneDNN at batch 1 and lost to it at batch 64 (issue 23), so no fixed choice is right
 everywhere. At engine start every GEMM shape class of the model is timed with each candidate
-kernel, at a decode-sized and a batch-sized row count, and each module gets the kernel with the
-lowest summed relative time. Timings are cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
+kernel, at a decode-sized, a batch-sized and a prefill-sized row count, and each module gets the
+kernel with the lowest summed relative time. (On a 2-core Xeon with AMX kvflow's C GEMM on AMX
+tiles beat oneDNN at one row and lost to it 2-4x at 2,048 prefill rows: a choice timed at 1 and
+64 rows alone gave it the prefill GEMMs too.) Timings are cached in ``<cache_dir>/cpu_gemm/`` per CPU model and
 flags, torch version, kernel sources and thread count, so the next start measures nothing.
 
 Candidates (:data:`CANDIDATES`): ``native`` is kvflow's C GEMM (fp32 weights, or 16-bit weights
@@ -35,11 +37,13 @@ from kvflow.kernels.cpu_native import NativeCpuKernels
 logger = logging.getLogger(__name__)
 
 CANDIDATES = ("native", "onednn")
-ROW_CLASSES = (1, 64)  # rows per call: decode of one request, a batch of decodes / prefill
+ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
-POOL_BYTES = 40 << 20  # weights cycled per timing: more than the L3 cache, as in a model
+POOL_BYTES = 160 << 20  # weights cycled per one-row timing: more than the L3 cache (105 MB on
+MAX_COPIES = 256        # the AMX Xeon), as in a model whose weights stream from memory
 REPEATS = 4
-TIMING_METHOD = "alternating-4"  # part of the cache key: timings of another method are redone
+# part of the cache key: timings of another method or other row classes are redone
+TIMING_METHOD = f"cpu-time-1-thread|alternating-4|rows {ROW_CLASSES}|pool {POOL_BYTES}"
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,32 @@ def _pack(candidate: str, weight: torch.Tensor, kernels: NativeCpuKernels | None
 
 def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iterable[int],
                     kernels: NativeCpuKernels | None) -> dict[str, dict[int, float]]:
-    """Seconds per call of each of ``candidates`` on ``shape`` for each row count: the minimum
-    over REPEATS passes, the candidates' passes alternating (A, B, A, B, ...). Timings are
-    cached for good, and on a shared machine the load changes from one second to the next: one
-    candidate timed after the other could win by running in the quieter moment (measured on a
-    2-core EPYC at load 5: a cached native 3072 x 576 bf16 GEMM at 64 rows of 2.8 ms against
-    oneDNN's 0.61, where both run ~1.2 ms on a quiet core). One-row calls cycle through a pool
-    of distinct weights larger than the last-level cache (so they read their weight from
-    memory, as decode does in a model); larger calls, which are compute-bound, use two of
-    them."""
+    """CPU seconds per call of each of ``candidates`` on ``shape`` for each row count, on one
+    thread: the minimum over REPEATS passes, the candidates' passes alternating (A, B, A, B,
+    ...). Timings are cached for good, and on a shared machine the load changes from one second
+    to the next: one candidate timed after the other could win by running in the quieter moment
+    (measured on a 2-core EPYC at load 5: a cached native 3072 x 576 bf16 GEMM at 64 rows of
+    2.8 ms against oneDNN's 0.61, where both run ~1.2 ms on a quiet core). Wall time of a
+    multi-threaded call is worse still: a thread descheduled for a scheduler slice stalls the
+    call (a 2-core Xeon at load 6 timed a one-row 960 x 576 bf16 GEMM at 15 ms, ~100x its
+    cost). So each call runs on one thread and counts the process's CPU time, which other
+    processes barely change; both kernels split a call over output columns the same way, so
+    one thread ranks them as the engine's threads would. One-row calls cycle through a pool of
+    distinct weights larger than the last-level cache (so they read their weight from memory,
+    as decode does in a model); larger calls, which are compute-bound, use two of them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_on_this_thread(shape, tuple(candidates), rows_list, kernels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_on_this_thread(shape: GemmShape, candidates: tuple[str, ...],
+                         rows_list: Iterable[int], kernels: NativeCpuKernels | None
+                         ) -> dict[str, dict[int, float]]:
     n, k = shape.timed_n, shape.k
-    copies = max(2, min(64, POOL_BYTES // max(1, n * k * shape.dtype.itemsize)))
+    copies = max(2, min(MAX_COPIES, POOL_BYTES // max(1, n * k * shape.dtype.itemsize)))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen).to(shape.dtype)
     fns = {c: [_pack(c, weight, kernels) for _ in range(copies)] for c in candidates}
@@ -95,10 +114,10 @@ def time_candidates(shape: GemmShape, candidates: Iterable[str], rows_list: Iter
         best = dict.fromkeys(pools, float("inf"))
         for _ in range(REPEATS):
             for c, pool in pools.items():
-                start = time.perf_counter()
+                start = time.process_time()
                 for fn in pool:
                     fn(x)
-                best[c] = min(best[c], (time.perf_counter() - start) / len(pool))
+                best[c] = min(best[c], (time.process_time() - start) / len(pool))
         for c in pools:
             result[c][rows] = best[c]
     return result

@@ -31,9 +31,13 @@ native = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler"
 
 
 def test_best_candidate_sums_relative_times():
-    # native: 2x faster at 1 row, 1.5x slower at 64 rows -> 1 + 1.5 = 2.5 vs 2 + 1 = 3
-    assert best_candidate({"native": {1: 1.0, 64: 6.0}, "onednn": {1: 2.0, 64: 4.0}}) == "native"
-    assert best_candidate({"native": {1: 1.0, 64: 9.0}, "onednn": {1: 2.0, 64: 4.0}}) == "onednn"
+    # native: 2x faster at 1 row, 1.5x slower at 64 rows, level at 512 -> 1 + 1.5 + 1 = 3.5
+    # vs 2 + 1 + 1 = 4; at 2.25x slower at 64 rows 1 + 2.25 + 1 = 4.25 vs 4
+    fast = {"onednn": {1: 2.0, 64: 4.0, 512: 30.0}}
+    assert best_candidate({"native": {1: 1.0, 64: 6.0, 512: 30.0}, **fast}) == "native"
+    assert best_candidate({"native": {1: 1.0, 64: 9.0, 512: 30.0}, **fast}) == "onednn"
+    # the prefill class counts as much: 2x faster at 1 row, level at 64, 2.5x slower at 512
+    assert best_candidate({"native": {1: 1.0, 64: 4.0, 512: 75.0}, **fast}) == "onednn"
 
 
 def test_candidates_follow_the_choice_and_what_is_available():
@@ -73,13 +77,14 @@ def _fake_timings(tmp_path, seconds: dict[str, float]) -> GemmTimings:
 
 
 def test_dtype_follows_the_timed_forward_pass(tmp_path):
-    """bf16 twice as fast at one row, fp32 three times as fast at 64 rows: the sum of relative
-    step times (1 + 3 vs 2 + 1) picks fp32; at equal speed the first (the default) stays."""
+    """bf16 twice as fast at one row, fp32 three times as fast at 64 rows, level at 512: the
+    sum of relative step times (1 + 3 + 1 vs 2 + 1 + 1) picks fp32; at equal speed the first
+    (the default) stays."""
     shapes = [(32, 16, 2), (20000, 16, 1)]  # the wide one is timed on an 8192-column slice
     secs = {}
     for n in (32, 8192):
-        for dtype, (t1, t64) in {"bfloat16": (1.0, 3.0), "float32": (2.0, 1.0)}.items():
-            secs.update({f"{dtype}|{n}x16|native|1": t1, f"{dtype}|{n}x16|native|64": t64})
+        for dtype, times in {"bfloat16": (1.0, 3.0, 5.0), "float32": (2.0, 1.0, 5.0)}.items():
+            secs.update({f"{dtype}|{n}x16|native|{r}": t for r, t in zip(ROW_CLASSES, times)})
     cands = {torch.bfloat16: ("native",), torch.float32: ("native",)}
     assert choose_dtype(shapes, cands, _fake_timings(tmp_path, secs)) == torch.float32
     even = {key: 1.0 for key in secs}
