@@ -319,6 +319,11 @@ class NativeCpuKernels:
                         torch.get_num_threads())
         return packed
 
+    def gemm_panel_width(self) -> int:
+        """Output columns per panel of :meth:`gemm_pack`'s layout (16, or 32 in AVX512
+        builds): the packed size of a [1, 2] fp32 weight over its depth."""
+        return self._packed_size(1, 2, _DTYPE_CODES[torch.float32]) // 2
+
     def gemm_x_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """The activation dtype :meth:`gemm` takes with packed weights of ``weight_dtype``:
         bf16 for bf16 weights where the CPU multiplies bf16 pairs (AVX512-BF16), else fp32."""

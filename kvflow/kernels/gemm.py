@@ -89,7 +89,8 @@ class NativePackedWeight:
 
     def __init__(self, weight: torch.Tensor, kernels: NativeCpuKernels) -> None:
         self.kernels = kernels
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.packed = kernels.gemm_pack(weight.detach())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
@@ -98,6 +99,27 @@ class NativePackedWeight:
         return self.kernels.gemm(x, self.packed, self.out_features,
                                  None if bias is None else bias.float(),
                                  out_dtype or torch.float32)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] int64 (in ``[0, out_features)``) of the weight, read from the
+        panels: [T, in_features] in the weight's dtype, bit for bit the plain weight's rows
+        (an embedding lookup from a tied LM head's packed copy, so the plain table can go).
+
+        Layout (``csrc/cpu_gemm.c``): panel ``id // NR`` holds the row as column
+        ``id % NR``, k-major ([k][NR]), or k-paired for bf16 on AVX512-BF16 ([k/2][NR][2]: a
+        pair is one 32-bit unit). Gathered by numpy's fancy indexing on a strided view (one
+        thread, no OpenMP start: ~15 us for one row, ~0.1 ms for 64 rows of 576 here).
+        """
+        nr = self.kernels.gemm_panel_width()
+        paired = self.dtype == torch.bfloat16 and \
+            self.kernels.gemm_x_dtype(self.dtype) == torch.bfloat16
+        unit = (torch.int32 if paired or self.dtype == torch.float32 else torch.int16)
+        units = self.packed.view(unit)
+        depth = units.numel() // (-(-self.out_features // nr) * nr)  # k, or k/2 pairs
+        table = units.numpy().reshape(-1, depth, nr).transpose(0, 2, 1)  # [panels, NR, depth]
+        index = ids.numpy()
+        out = torch.from_numpy(table[index // nr, index % nr]).view(self.dtype)
+        return out if out.shape[1] == self.in_features else out[:, :self.in_features]
 
 
 PackedWeight = OneDnnPackedWeight | NativePackedWeight
@@ -234,7 +256,8 @@ def pack_logits_head(head: nn.Module, batch_hint: int,
     without rounding to 16 bits: for kvflow's C GEMM when ``kernels`` is given (16-bit panels
     widened in registers), else an fp32 copy for oneDNN; None when neither is possible (the
     head then runs :func:`linear`'s fallback). The plain weight is kept (it is usually the
-    embedding table too). Returns the packed weight, also set as ``head.packed_weight``.
+    embedding table too; :func:`drop_plain_head_weight` frees it where the packed copy can
+    serve the lookups). Returns the packed weight, also set as ``head.packed_weight``.
     """
     weight = getattr(head, "weight", None)
     if not isinstance(head, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
@@ -246,3 +269,23 @@ def pack_logits_head(head: nn.Module, batch_hint: int,
     elif torch.backends.mkldnn.is_available():
         head.packed_weight = OneDnnPackedWeight(weight.float(), batch_hint)
     return head.packed_weight
+
+
+def drop_plain_head_weight(model: nn.Module, head: nn.Module) -> int:
+    """After :func:`pack_logits_head` packed ``head`` for kvflow's C GEMM, free its plain
+    [vocab, hidden] weight: the head multiplies the packed copy, and a module of ``model``
+    sharing that weight (the embedding of a tied head) looks its rows up in the packed copy
+    (:meth:`NativePackedWeight.rows`, through its ``packed_weight``). Both keep an empty
+    [0, hidden] ``weight``. Nothing is dropped for a oneDNN-packed head (fp32, opaque: its
+    rows cannot be read back). Returns the bytes freed (0 when nothing was)."""
+    packed = getattr(head, "packed_weight", None)
+    weight = getattr(head, "weight", None)
+    if not isinstance(packed, NativePackedWeight) or not isinstance(weight, torch.Tensor) \
+            or weight.numel() == 0:
+        return 0
+    empty = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+    for module in model.modules():
+        if module is head or getattr(module, "weight", None) is weight:
+            module.weight = empty
+            module.packed_weight = packed
+    return weight.numel() * weight.element_size()

@@ -41,6 +41,9 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
                                                 dtype=params_dtype), requires_grad=False)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and layer.weight.numel() == 0:  # the table lives in a tied head's
+            return packed.rows(ids)                            # packed copy (CPU)
         return F.embedding(ids, layer.weight)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
 from kvflow.kernels.gemm import (
     GemmWorkspace,
+    drop_plain_head_weight,
     pack_logits_head,
     prepack_gemm_weights,
     widen_half_gemms,
@@ -85,6 +86,10 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         dtype)
     if timings is not None:
         timings.save()
+    freed = drop_plain_head_weight(model, head) if head is not None else 0
+    if freed:
+        logger.info("LM head: its plain table freed (%.1f MiB); the head and a tied "
+                    "embedding read the packed copy", freed / 2**20)
     logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, dtype, dict(counts))
     if deterministic:
         check_all_packed(model)
