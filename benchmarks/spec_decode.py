@@ -35,7 +35,10 @@ second of the whole batch (wall time of the generate call): the check that adapt
 stop speculating where verification costs more than it saves. ``--spec-off-too`` adds a third
 engine, the speculating one with its cost model told never to draft (``min_gain`` infinite):
 what a speculating engine costs when speculation is off (its proposer and cost model still run
-every step, its KV pool still holds the draft's K/V). ``--variant NAME=JSON`` (repeatable) adds
+every step, its KV pool still holds the draft's K/V). ``--single-engine`` builds only the
+speculating engine (one build of a 1.5B target and its draft takes minutes on a loaded 2-core
+machine) and runs it in each round as ``plain`` (told never to draft, as ``spec_off``),
+``spec`` and ``fixed`` (adaptive lengths off: K drafts every step). ``--variant NAME=JSON`` (repeatable) adds
 a speculating engine whose config is ``--speculative-config`` with JSON's keys replaced (e.g.
 ``int8='{"quantization": "int8"}'``), run in the same rounds, so that variants are compared
 under the same load; each gets its median and ratio to plain. Each round line counts the
@@ -96,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="another speculating engine in the same rounds: the speculative "
                         "config JSON merged over --speculative-config's (repeatable)")
+    p.add_argument("--single-engine", action="store_true",
+                   help="build only the speculating engine; its rounds run it as 'plain' "
+                        "(cost model told never to draft), 'spec' (as configured) and "
+                        "'fixed' (adaptive lengths off: always K drafts)")
     p.add_argument("--spec-off-too", action="store_true",
                    help="a third engine: the speculating one with its cost model told never "
                         "to draft (what speculation costs when it is off)")
@@ -200,13 +207,28 @@ def variant_config(args: argparse.Namespace, name: str) -> str:
     return args.speculative_config
 
 
+def set_mode(llm: LLM, name: str) -> None:
+    """``--single-engine``: make the speculating engine run as ``plain`` (never drafts: the
+    plain engine's steps, its proposer and cost model still running), ``spec`` (as
+    configured) or ``fixed`` (adaptive lengths off)."""
+    sp = llm.engine.core.speculator
+    if not hasattr(sp, "_bench_adaptive"):
+        sp._bench_adaptive, sp._bench_min_gain = sp.config.adaptive, sp.min_gain
+    sp.min_gain = math.inf if name == "plain" else sp._bench_min_gain
+    sp.config.adaptive = sp._bench_adaptive and name != "fixed"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sequential = args.workload == "completion" and args.batch == 1
     names = ["plain", "spec"] + (["spec_off"] if args.spec_off_too else []) + \
         variant_names(args)
     engines: dict[str, LLM] = {}
-    if not args.one_engine_at_a_time:
+    if args.single_engine:
+        names = ["plain", "spec", "fixed"]
+        llm = build(args, "spec", None)
+        engines = {name: llm for name in names}
+    elif not args.one_engine_at_a_time:
         engines = {name: build(args, name, None) for name in names}
     prompts: list[str] | None = build_prompts(args, engines["plain"]) if engines else None
     print(f"start: {machine()}")
@@ -217,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names if r % 2 == 0 else names[::-1]:
             llm = engines.get(name) or build(args, name, prompts)
             prompts = prompts or build_prompts(args, llm)
+            if args.single_engine:
+                set_mode(llm, name)
             started = time.perf_counter()
             preempted = llm.engine.core.scheduler.num_preemptions
             rate, text, c = one_run(llm, prompts, args.max_tokens, sequential)
@@ -226,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             counts[name] = c
             print(f"round {r} {name}: {rate:.2f} tok/s, {c}, "
                   f"{time.perf_counter() - started:.1f} s", flush=True)
-            if name == "spec" or name in variant_names(args):
+            if name in ("spec", "fixed") or name in variant_names(args):
                 reports[name] = spec_report(llm)
             if name not in engines:
                 del llm
@@ -247,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if "spec_off" in med:
         print(f"spec_off_median={med['spec_off']:.2f} tok/s "
               f"spec_off_ratio={med['spec_off'] / med['plain']:.3f}")
-    for name in variant_names(args):
+    for name in variant_names(args) + (["fixed"] if args.single_engine else []):
         v = counts[name]
         print(f"variant {name}: {variant_config(args, name)}\n{reports.get(name, '')}\n"
               f"variant {name}: acceptance_rate="
