@@ -37,8 +37,8 @@ engine, the speculating one with its cost model told never to draft (``min_gain`
 what a speculating engine costs when speculation is off (its proposer and cost model still run
 every step, its KV pool still holds the draft's K/V). ``--single-engine`` builds only the
 speculating engine (one build of a 1.5B target and its draft takes minutes on a loaded 2-core
-machine) and runs it in each round as ``plain`` (told never to draft, as ``spec_off``),
-``spec`` and ``fixed`` (adaptive lengths off: K drafts every step). ``--variant NAME=JSON`` (repeatable) adds
+machine) and runs it in each round as ``plain`` (told never to draft, as ``spec_off``) and ``spec``
+(with ``--fixed-too`` also ``fixed``: adaptive lengths off, K drafts every step). ``--variant NAME=JSON`` (repeatable) adds
 a speculating engine whose config is ``--speculative-config`` with JSON's keys replaced (e.g.
 ``int8='{"quantization": "int8"}'``), run in the same rounds, so that variants are compared
 under the same load; each gets its median and ratio to plain. Each round line counts the
@@ -101,8 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "config JSON merged over --speculative-config's (repeatable)")
     p.add_argument("--single-engine", action="store_true",
                    help="build only the speculating engine; its rounds run it as 'plain' "
-                        "(cost model told never to draft), 'spec' (as configured) and "
-                        "'fixed' (adaptive lengths off: always K drafts)")
+                        "(cost model told never to draft) and 'spec' (as configured)")
+    p.add_argument("--fixed-too", action="store_true",
+                   help="with --single-engine: also as 'fixed' (adaptive lengths off: "
+                        "always K drafts)")
     p.add_argument("--spec-off-too", action="store_true",
                    help="a third engine: the speculating one with its cost model told never "
                         "to draft (what speculation costs when it is off)")
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         variant_names(args)
     engines: dict[str, LLM] = {}
     if args.single_engine:
-        names = ["plain", "spec", "fixed"]
+        names = ["plain", "spec"] + (["fixed"] if args.fixed_too else [])
         llm = build(args, "spec", None)
         engines = {name: llm for name in names}
     elif not args.one_engine_at_a_time:
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if "spec_off" in med:
         print(f"spec_off_median={med['spec_off']:.2f} tok/s "
               f"spec_off_ratio={med['spec_off'] / med['plain']:.3f}")
-    for name in variant_names(args) + (["fixed"] if args.single_engine else []):
+    for name in variant_names(args) + (["fixed"] if "fixed" in names else []):
         v = counts[name]
         print(f"variant {name}: {variant_config(args, name)}\n{reports.get(name, '')}\n"
               f"variant {name}: acceptance_rate="
