@@ -59,7 +59,7 @@ def _patch() -> None:
     from kvflow.layers.sampler import Sampler
 
     def gemm_key(kind):
-        return lambda self, x, bias=None: (
+        return lambda self, x, bias=None, out_dtype=None: (
             f"gemm {kind} {_n(self)}x{x.shape[-1]} {_rows(x)}")
 
     def _n(self):
