@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.kernels.argmax import argmax_rows
 from kvflow.runner_output import TokenLogprobs
 
 
@@ -125,7 +126,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         self.process_logits(logits, meta)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)  # logits.argmax(dim=-1), native on CPU
         if not meta.all_greedy:
             random = self._sample_random(logits, meta)
             sampled = torch.where(meta.temperature == 0, sampled, random)
