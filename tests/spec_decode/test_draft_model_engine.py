@@ -84,6 +84,22 @@ def test_bad_draft_greedy_preemption_and_prefix_cache(tiny_llama, tiny_model_fac
             assert accepted >= 0.9 * drafted
 
 
+def second_token_marginal(hf, prompt: list[int], top_k: int, temperature: float) -> torch.Tensor:
+    """The target's marginal of the second generated token, [vocab] float64:
+    sum_t1 p(t1) p(t2 | t1), with p the top-k, temperature softmax of ``hf``'s logits."""
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        keep = logits.topk(top_k).indices
+        p = torch.zeros_like(logits)
+        p[keep] = torch.softmax(logits[keep] / temperature, 0)
+        return p
+
+    p1 = probs(prompt)
+    return sum(p1[t1] * probs(prompt + [t1]) for t1 in p1.nonzero().flatten().tolist())
+
+
 def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
                                                                   tiny_model_factory):
     """Temperature 0.8, top_k=5 on the target; the draft is another random model sampling
@@ -94,17 +110,8 @@ def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
 
     hf, top_k, temperature = tiny_llama.hf_model, 5, 0.8
 
-    def probs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        keep = logits.topk(top_k).indices
-        p = torch.zeros_like(logits)
-        p[keep] = torch.softmax(logits[keep] / temperature, 0)
-        return p
-
     prompt = [5, 17, 42, 99, 7, 23]
-    p1 = probs(prompt)
-    marginal = sum(p1[t1] * probs(prompt + [t1]) for t1 in p1.nonzero().flatten().tolist())
+    marginal = second_token_marginal(hf, prompt, top_k, temperature)
     spec = _engine(tiny_llama.path, tiny_model_factory("llama_mqa").path, k=2,
                    num_kv_blocks=4000, max_num_seqs=256)
     n = 2000

@@ -110,21 +110,13 @@ def test_sampling_with_a_restricted_bad_draft_keeps_the_target_distribution(
     there. The second token's marginal over 2,000 requests must match
     sum_t1 p(t1) p(t2 | t1) from transformers (chi-square, p > 0.001); a q handed to the
     sampler at half its value fails it (p = 1.5e-20)."""
+    from tests.spec_decode.test_draft_model_engine import second_token_marginal
     from tests.spec_decode.test_rejection_sampler import chi_square_p_value
 
     hf, top_k, temperature = tiny_llama.hf_model, 5, 0.3
 
-    def probs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        keep = logits.topk(top_k).indices
-        p = torch.zeros_like(logits)
-        p[keep] = torch.softmax(logits[keep] / temperature, 0)
-        return p
-
     prompt, subset = [5, 17, 42, 99, 7, 23], 200
-    p1 = probs(prompt)
-    marginal = sum(p1[t1] * probs(prompt + [t1]) for t1 in p1.nonzero().flatten().tolist())
+    marginal = second_token_marginal(hf, prompt, top_k, temperature)
     outside = marginal.clone()
     outside[:subset] = 0
     outside[prompt] = 0
