@@ -92,16 +92,23 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None
                    ) -> SpeculativeConfig | None:
-        """A config from a dict, a JSON object string (the flag's form) or None (off).
+        """A config from a dict, a JSON object string (the flag's form) or None (off; so is
+        the JSON text ``null``).
 
         Raises:
-            ValueError: for text that is not a JSON object, or an unknown key (named).
+            ValueError: for text that is not a JSON object (an empty string too: leave the
+                flag out to run without speculation), or an unknown key (named).
         """
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("speculative_config is empty, which is not valid JSON: give "
+                                 'a JSON object such as {"method": "ngram", '
+                                 '"num_speculative_tokens": 4}, or leave it out to run '
+                                 "without speculative decoding")
             try:
-                value = json.loads(value) if value.strip() else None
+                value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from e
             if value is None:

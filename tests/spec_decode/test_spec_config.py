@@ -37,6 +37,8 @@ def test_flag_dict_and_object_forms_agree():
     ('{"num_speculative_tokens": "4"}', "num_speculative_tokens='4'"),
     ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "1 <= min <= max"),
     ('{"method": "ngram"', "not valid JSON"),
+    ("", "is empty, which is not valid JSON"),  # was taken as "no speculation"
+    ("  ", "is empty, which is not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"quantization": "fp4"}', "quantization='fp4'"),
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}', "draft_vocab_size=0"),
