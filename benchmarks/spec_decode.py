@@ -38,7 +38,8 @@ what a speculating engine costs when speculation is off (its proposer and cost m
 every step, its KV pool still holds the draft's K/V). ``--single-engine`` builds only the
 speculating engine (one build of a 1.5B target and its draft takes minutes on a loaded 2-core
 machine) and runs it in each round as ``plain`` (told never to draft, as ``spec_off``) and ``spec``
-(with ``--fixed-too`` also ``fixed``: adaptive lengths off, K drafts every step). ``--variant NAME=JSON`` (repeatable) adds
+(with ``--fixed-too`` also ``fixed``: adaptive lengths off, K drafts every step), and prints
+each mode's verification steps: drafted and accepted tokens per step, by length. ``--variant NAME=JSON`` (repeatable) adds
 a speculating engine whose config is ``--speculative-config`` with JSON's keys replaced (e.g.
 ``int8='{"quantization": "int8"}'``), run in the same rounds, so that variants are compared
 under the same load; each gets its median and ratio to plain. Each round line counts the
@@ -157,12 +158,15 @@ def one_run(llm: LLM, prompts: list[str], max_tokens: int,
 def spec_report(llm: LLM) -> str:
     """The speculating engine's record over its life (warm-up included): accepted drafts per
     position, and the cost model's measured step times (target: seconds per step by tokens in
-    the step; draft: seconds per pass by requests in the pass)."""
+    the step; draft: seconds per pass by requests in the pass, first the passes timed at
+    start-up, then as averaged with the passes measured while serving)."""
     sp = llm.engine.core.speculator
-    lines = [(f"draft cost seed (draft / target weight bytes)={sp.draft_cost_ratio:.3f} "
-              f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} "
+    lines = [(f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} "
              f"accepted={sp.num_accepted_tokens} accepted_per_position="
              f"{sp.num_accepted_per_pos}")]
+    if sp.draft_passes_at_start:
+        lines.append("draft passes timed at start-up, by requests: " + ", ".join(
+            f"{rows}: {seconds * 1e3:.1f} ms" for rows, seconds in sp.draft_passes_at_start))
     for name, times in (("target", sp.target_times), ("draft", sp.draft_times)):
         if times is None:
             continue
@@ -220,6 +224,33 @@ def set_mode(llm: LLM, name: str) -> None:
     sp.config.adaptive = sp._bench_adaptive and name != "fixed"
 
 
+def record_steps(llm: LLM, mode: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """Spy on the speculator's verifications: ``{mode: [(drafted, accepted), ...]}``, one pair
+    per request and verification step, under the mode ``mode[0]`` names at the time."""
+    sp, steps = llm.engine.core.speculator, {}
+    original = sp.record
+
+    def spy(request, num_draft_tokens: int, num_accepted: int) -> None:
+        steps.setdefault(mode[0], []).append((num_draft_tokens, num_accepted))
+        original(request, num_draft_tokens, num_accepted)
+
+    sp.record = spy
+    return steps
+
+
+def step_histograms(steps: list[tuple[int, int]]) -> str:
+    """Verification steps with drafts: how many, drafted and accepted per step (mean and
+    count by length), tokens per step (accepted + 1)."""
+    drafted = np.array([d for d, _ in steps])
+    accepted = np.array([a for _, a in steps])
+    if not len(steps):
+        return "no verification steps"
+    return (f"steps={len(steps)} drafted/step={drafted.mean():.2f} "
+            f"accepted/step={accepted.mean():.2f} tokens/step={1 + accepted.mean():.2f} "
+            f"drafted_by_length={np.bincount(drafted).tolist()} "
+            f"accepted_by_length={np.bincount(accepted).tolist()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sequential = args.workload == "completion" and args.batch == 1
@@ -230,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         names = ["plain", "spec"] + (["fixed"] if args.fixed_too else [])
         llm = build(args, "spec", None)
         engines = {name: llm for name in names}
+        mode = ["plain"]
+        steps = record_steps(llm, mode)
     elif not args.one_engine_at_a_time:
         engines = {name: build(args, name, None) for name in names}
     prompts: list[str] | None = build_prompts(args, engines["plain"]) if engines else None
@@ -243,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = prompts or build_prompts(args, llm)
             if args.single_engine:
                 set_mode(llm, name)
+                mode[0] = name
             started = time.perf_counter()
             preempted = llm.engine.core.scheduler.num_preemptions
             rate, text, c = one_run(llm, prompts, args.max_tokens, sequential)
@@ -279,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
               f"variant {name}: acceptance_rate="
               f"{v['accepted'] / max(v['draft_tokens'], 1):.3f} median={med[name]:.2f} tok/s "
               f"ratio={med[name] / med['plain']:.3f}")
+    if args.single_engine:
+        for name in names[1:]:
+            print(f"verification steps of {name} (timed rounds): "
+                  f"{step_histograms(steps.get(name, []))}")
     print(f"ratio={med['spec'] / med['plain']:.3f}")
     return 0 if same else 1
 

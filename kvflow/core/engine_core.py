@@ -150,14 +150,20 @@ class EngineCore:
                     self.weight_bytes / 2**20)
         log_scheduling(self.config.scheduler_config)
 
-    def _draft_cost_ratio(self) -> float:
-        """The draft model's weight bytes over the target's (1.0 without a draft model): the
-        speculator's cost of a draft pass relative to a target step until it measures one."""
+    def _init_speculator(self) -> Speculator | None:
+        """The speculator (None without speculative decoding). A draft model's pass cost is
+        timed now, over 1, 2, 4, ... requests (spec_decode/draft_timing.py, about a second),
+        so the cost model knows it before the first step."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model" or not getattr(self, "weight_bytes", 0):
-            return 1.0
-        draft = sum(self.executor.collective_rpc("draft_weight_bytes"))
-        return draft / self.weight_bytes if draft else 1.0
+        if spec is None:
+            return None
+        speculator = Speculator(spec, self.max_model_len)
+        if spec.method == "draft_model":
+            passes = self.executor.collective_rpc("time_draft_passes")[0]
+            speculator.observe_draft_passes(passes)
+            logger.info("draft model passes timed (requests: ms): %s", ", ".join(
+                f"{rows}: {seconds * 1e3:.1f}" for rows, seconds in passes))
+        return speculator
 
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
@@ -167,9 +173,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching)
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
-        spec, lc = self.config.speculative_config, self.config.lora_config
-        self.speculator = None if spec is None else Speculator(
-            spec, self.max_model_len, self._draft_cost_ratio())
+        lc = self.config.lora_config
+        self.speculator = self._init_speculator()
         self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
                                    self.max_model_len, send_token_ids=pipelined,
                                    speculator=self.speculator,

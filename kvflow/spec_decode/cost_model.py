@@ -22,10 +22,16 @@ than ``MIN_GAIN`` (5%): near break-even the noisy measurements would otherwise t
 on and off from step to step, and each time on costs more than predicted (the draft model
 recomputes the K/V it skipped while off).
 
-A draft model's cost counts from the first step: before a draft pass is measured it is seeded
-from the draft's weight bytes over the target's (a decode step reads every weight once), never
-taken as free; a request whose draft K/V lags its context (new, or not drafted for a while)
-is charged the draft tokens its catch-up computes, spread over its remaining steps.
+A draft model's cost counts from the first step: the engine times draft passes at start-up
+(``draft_timing.time_draft_passes``: 1, 2, 4, ... requests, about a second) and observes them
+in the draft's ``StepTimes``, so the cost of a pass over 32 requests is measured (or extrapolated
+from the largest passes timed), not guessed: a draft's weight bytes said 0.12 s for an INT8
+draft's pass at 32 requests where it took 1.28 s (its kernel is compute-bound there while the
+target's bf16 GEMMs run on AMX; docs/benchmarks.md, issue 17). Without any measurement (an
+engine that did not time its draft) a pass costs ``seed_ratio`` times a target step of as many
+tokens, never nothing. A request whose draft K/V lags its context (new, or not drafted for a
+while) is charged the draft tokens its catch-up computes, spread over its remaining steps, at
+the draft's marginal cost per token of a pass.
 """
 
 from __future__ import annotations
@@ -110,10 +116,10 @@ def acceptance_estimate(accepted: np.ndarray, rejections: np.ndarray,
 
 def draft_pass_seconds(rows: np.ndarray, target_times: StepTimes,
                        draft_times: StepTimes | None, seed_ratio: float) -> np.ndarray:
-    """Predicted seconds of one draft-model pass over ``rows`` requests (float64, shape of
-    ``rows``): the measured passes once there are any, before that ``seed_ratio`` (the draft's
-    weight bytes over the target's) times a target step of as many tokens; zeros without a
-    draft model (n-gram) or without any target measurement."""
+    """Predicted seconds of one draft-model pass over ``rows`` tokens (one per drafting
+    request; float64, shape of ``rows``): the measured passes (``draft_times``) once there are
+    any, before that ``seed_ratio`` times a target step of as many tokens; zeros without a
+    draft model (n-gram) or without any measurement at all."""
     if draft_times is None:
         return np.zeros(np.shape(rows))
     measured = draft_times.predict(rows)
@@ -121,17 +127,6 @@ def draft_pass_seconds(rows: np.ndarray, target_times: StepTimes,
         return measured
     target = target_times.predict(rows)
     return np.zeros(np.shape(rows)) if target is None else seed_ratio * target
-
-
-def draft_cost_ratio(target_times: StepTimes, draft_times: StepTimes | None,
-                     seed_ratio: float) -> float:
-    """A draft token's cost over a target token's: the measured draft passes over target steps
-    of the same counts (their mean), or ``seed_ratio`` before any draft pass is measured."""
-    measured = [] if draft_times is None else np.flatnonzero(draft_times.last_seen >= 0)
-    target = target_times.predict(draft_times.counts[measured]) if len(measured) else None
-    if target is None:
-        return seed_ratio
-    return float(np.mean(draft_times.seconds[measured] / np.maximum(target, 1e-9)))
 
 
 def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_tokens: int,
@@ -148,13 +143,13 @@ def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_toke
         target_times: step seconds by tokens per step (the target's forward and sampling).
         draft_times: seconds per draft-model pass by requests in the pass; None when drafts
             cost nothing measurable (n-gram).
-        seed_ratio: a draft pass's cost over a target step's of as many tokens until a draft
-            pass is measured (``draft_pass_seconds``): the draft's weight bytes over the
-            target's, so that an unmeasured draft is never taken for free.
+        seed_ratio: a draft pass's cost over a target step's of as many tokens while no
+            draft pass is measured (``draft_pass_seconds``), so that an unmeasured draft is
+            never taken for free.
         catch_up_tokens: float64 [R], draft-model tokens a request's first draft this step
             makes the draft compute beyond its steady pass (its draft K/V lags its context),
-            already spread over the steps it is expected to keep drafting; charged at
-            ``draft_cost_ratio`` times the target's marginal cost per token.
+            already spread over the steps it is expected to keep drafting; charged as a draft
+            pass over that many more tokens: ``draft(rows + extra) - draft(rows)``.
         min_gain: speculate only when the predicted tokens per second exceed those without
             drafts by this fraction: the measurements are noisy, and near break-even a draft
             that pays on paper costs more than it saves in practice.
@@ -180,13 +175,13 @@ def choose_draft_lengths(alpha: np.ndarray, available: np.ndarray, num_base_toke
         return lengths
     if draft_times is not None:
         passes = np.maximum.accumulate(pos + 1)  # a draft model runs max(k) passes ...
-        rows = np.cumsum(pos == 0)  # ... over the requests drafting
-        seconds[1:] += passes * draft_pass_seconds(rows, target_times, draft_times, seed_ratio)
-        if catch_up_tokens is not None:
+        rows = np.cumsum(pos == 0).astype(np.float64)  # ... over the requests drafting
+        one_pass = draft_pass_seconds(rows, target_times, draft_times, seed_ratio)
+        seconds[1:] += passes * one_pass
+        if catch_up_tokens is not None:  # the first (mirror) pass computes them too
             extra = np.cumsum(np.where(pos == 0, catch_up_tokens[req], 0.0))
-            target = target_times.predict(num_base_tokens + np.concatenate([[0.0], extra]))
-            ratio = draft_cost_ratio(target_times, draft_times, seed_ratio)
-            seconds[1:] += ratio * np.maximum(target[1:] - target[0], 0.0)
+            longer = draft_pass_seconds(rows + extra, target_times, draft_times, seed_ratio)
+            seconds[1:] += np.maximum(longer - one_pass, 0.0)
     tokens = num_reqs + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
     rate = tokens / np.maximum(seconds, 1e-9)
     best = int(np.argmax(rate))

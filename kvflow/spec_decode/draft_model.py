@@ -228,7 +228,7 @@ class DraftModel:
                                                 (np.cumsum(left) - left), 0))
             done = drafting[(left[drafting] == query[drafting]) & (query[drafting] > 0)]
             passed = time.perf_counter()
-            logits = self._pass(batch, query, computed, block_size, stager, fill_pending, done)
+            logits = self.run_pass(batch, query, computed, block_size, stager, fill_pending, done)
             computed += query
             left -= query
             sub = np.searchsorted(drafting, done)
@@ -252,11 +252,11 @@ class DraftModel:
         query[rows] = 1
         computed = batch.num_draft_computed[:n].copy()
         computed[rows] = position
-        logits = self._pass(batch, query, computed, block_size, stager, None, rows)
+        logits = self.run_pass(batch, query, computed, block_size, stager, None, rows)
         batch.num_draft_computed[rows] = position + 1
         self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
 
-    def _pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
+    def run_pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
               block_size: int, stager: InputStager,
               fill_pending: Callable[[ModelInputs], None] | None,
               logits_rows: np.ndarray) -> torch.Tensor:

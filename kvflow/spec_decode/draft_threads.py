@@ -66,6 +66,17 @@ class DraftThreads:
         candidate that turns out slower, is not)."""
         return None not in self.seconds and self._current == self._best()
 
+    def seed(self, threads: int, pass_seconds: float) -> None:
+        """Record a pass timed on ``threads`` (one of the candidates) before serving as that
+        candidate's measurement, so ``pick`` starts on the faster one.
+
+        Raises:
+            ValueError: for a thread count that is not a candidate.
+        """
+        if threads not in self.candidates:
+            raise ValueError(f"threads={threads} is not a candidate ({self.candidates})")
+        self.seconds[self.candidates.index(threads)] = pass_seconds
+
     def observe(self, pass_seconds: float) -> None:
         """The seconds of one steady pass of the proposal ``pick`` last chose for (0: none
         ran, nothing learnt)."""

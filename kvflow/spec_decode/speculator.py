@@ -40,8 +40,10 @@ class Speculator:
     Args:
         config: the speculative-decoding config.
         max_model_len: the context limit (tokens); drafts never reach past it.
-        draft_cost_ratio: the draft model's weight bytes over the target's: the cost model's
-            estimate of a draft pass (relative to a target step) until one is measured.
+        draft_cost_ratio: a draft pass's cost over a target step's of as many tokens while
+            no draft pass is measured (the cost model's fallback; default 1.0: as costly as
+            the target). An engine times its draft at start-up instead
+            (``observe_draft_passes``).
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
@@ -49,10 +51,11 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.uses_draft_model = config.method == "draft_model"
-        self.draft_cost_ratio = draft_cost_ratio  # the cost model's seed before a draft pass
+        self.draft_cost_ratio = draft_cost_ratio  # the fallback before any draft pass is timed
         self.min_gain = MIN_GAIN  # the predicted gain speculation must clear
         self.target_times = StepTimes()
         self.draft_times = StepTimes() if self.uses_draft_model else None
+        self.draft_passes_at_start: list[tuple[int, float]] = []  # observe_draft_passes
         # engine-wide counters (vLLM's spec_decode_* metrics)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens
@@ -158,6 +161,16 @@ class Speculator:
         self._num_rejections += num_accepted < num_draft_tokens
         for i in range(num_accepted):
             self.num_accepted_per_pos[i] += 1
+
+    def observe_draft_passes(self, passes: list[tuple[int, float]]) -> None:
+        """Seed the draft model's cost with passes timed before serving: ``(requests in the
+        pass, seconds)`` pairs (``draft_timing.time_draft_passes``); ignored without a draft
+        model. Later measured passes average into the same bins."""
+        if self.draft_times is None:
+            return
+        self.draft_passes_at_start = list(passes)
+        for rows, seconds in passes:
+            self.draft_times.observe(int(rows), float(seconds))
 
     def observe_step(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput,
                      seconds: float) -> None:

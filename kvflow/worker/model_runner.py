@@ -36,6 +36,7 @@ from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_model import DraftModel
+from kvflow.spec_decode.draft_timing import time_draft_passes
 from kvflow.spec_decode.verification import draft_probs_tensor, place_drafts, plan_verification
 from kvflow.worker.attention_backends import (
     make_attention_backend,
@@ -94,7 +95,6 @@ class ModelRunner:
             self.adaptive_threads = configure_runner_threads(config, self.parallel)
         self._init_model(source, hf_config)
         self.drafter = self._init_draft_model(hf_config)
-        self.draft_weight_bytes = weight_bytes(self.drafter.model) if self.drafter else 0
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
@@ -269,6 +269,17 @@ class ModelRunner:
             self.model.config.hidden_size, self.device, self.dtype)
         self.graph_runner.capture()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
+
+    def time_draft_passes(self) -> list[tuple[int, float]]:
+        """The draft model's passes timed over 1, 2, 4, ... dummy requests, about a second in
+        all (``spec_decode/draft_timing.py``): ``[(requests, seconds), ...]``, empty without a
+        draft model. Call after ``initialize_kv_cache``, before any step (it writes the
+        draft's K/V into free blocks)."""
+        if self.drafter is None or self.kv_cache_config is None:
+            return []
+        return time_draft_passes(self.drafter, self.kv_cache_config, self.block_size,
+                                 self.stager, self.config.scheduler_config.max_num_seqs,
+                                 self.platform.synchronize)
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:

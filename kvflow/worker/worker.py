@@ -74,9 +74,10 @@ class Worker:
         """Bytes this rank's weights occupy (as stored)."""
         return self.runner.weight_bytes
 
-    def draft_weight_bytes(self) -> int:
-        """Bytes this rank's speculative draft model's weights occupy (0 without one)."""
-        return self.runner.draft_weight_bytes
+    def time_draft_passes(self) -> list[tuple[int, float]]:
+        """This rank's draft model's passes timed at start-up, ``[(requests, seconds), ...]``
+        (see :meth:`ModelRunner.time_draft_passes`); empty without a draft model."""
+        return self.runner.time_draft_passes()
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """This rank's attention layers' KV-cache specs (KV heads per TP rank)."""

@@ -93,25 +93,61 @@ def test_no_speculation_below_the_margin():
     assert choose_draft_lengths(*args, min_gain=0.0).tolist() == [1]
 
 
-def test_an_unmeasured_draft_model_is_seeded_from_its_weight_bytes():
-    """No draft pass measured yet: a pass costs seed_ratio x a target step of as many tokens
-    (flat 1 s here), never nothing. Alpha 0.5: at ratio 0.32, k=1 gives 1.5 / 1.32 = 1.14x,
-    k=2 1.75 / 1.64 = 1.07x: k=1. At ratio 1 (self-drafting) k=1 gives 1.5 / 2: none."""
+def test_an_unmeasured_draft_model_is_charged_the_seed_ratio():
+    """No draft pass measured (an engine that did not time its draft): a pass costs
+    seed_ratio x a target step of as many tokens (flat 1 s here), never nothing. Alpha 0.5:
+    at ratio 0.32, k=1 gives 1.5 / 1.32 = 1.14x, k=2 1.75 / 1.64 = 1.07x: k=1. At ratio 1
+    (the default: as costly as the target) k=1 gives 1.5 / 2: none."""
     flat = times({1: 1.0, 8: 1.0})
     args = (np.array([0.5]), np.array([4]), 1, flat, StepTimes())
     assert choose_draft_lengths(*args, seed_ratio=0.32).tolist() == [1]
     assert choose_draft_lengths(*args, seed_ratio=1.0).tolist() == [0]
 
 
+# The AMX Xeon's shape (docs/benchmarks.md, issue 17), in round numbers: a target step 0.25 s
+# for 1-8 tokens, 0.8 s for 32, +0.05 s per 32 tokens above (its bf16 GEMMs on AMX); the INT8
+# draft's passes timed at start-up over 1, 2, 4, 8 requests (compute-bound: 37.5 ms per
+# request from 4 to 8, extrapolated: 1.2 s at 32).
+AMX_TARGET = {1: 0.25, 8: 0.25, 32: 0.8, 64: 0.85}
+AMX_DRAFT = {1: 0.04, 2: 0.075, 4: 0.15, 8: 0.30}
+
+
+def test_timed_draft_passes_give_k4_at_batch_1():
+    """Batch 1, alpha 0.75: k drafts give 1 + 0.75 + ... + 0.75^k tokens in 0.25 + 0.04 k s:
+    k=0 4.0/s, k=1 1.75/0.29 = 6.03, k=2 2.3125/0.33 = 7.01, k=3 2.734/0.37 = 7.39,
+    k=4 3.051/0.41 = 7.44: K=4."""
+    got = choose_draft_lengths(np.array([0.75]), np.array([4]), 1, times(AMX_TARGET),
+                               times(AMX_DRAFT))
+    assert got.tolist() == [4]
+
+
+def test_timed_draft_passes_stop_speculation_at_batch_32():
+    """Batch 32, alpha 0.75, K <= 4. Plain: 32 tokens / 0.8 s = 40/s. The best prefixes draft
+    first drafts for n requests: 32 + 0.75 n tokens in target(32 + n) + draft(n) s; n=1:
+    32.75 / (0.8016 + 0.04) = 38.9/s, and each further request adds 0.75 tokens for >= 37.5 ms
+    (0.0016 + 0.0375 s): below 40/s, so no drafts. The weight-bytes seed (0.149 x a target
+    step, what the engine used before timing its draft) said a pass over 32 costs 0.119 s: all
+    32 first drafts 56 / (0.85 + 0.119) = 57.8/s, second drafts (+18 tokens, target(96) 0.9 s,
+    2 passes) 74 / 1.138 = 65.0/s, third 87.5 / 1.307 = 66.9/s, fourth 97.6 / 1.476 = 66.1/s:
+    K=3 for every request, the 0.61x run."""
+    args = (np.full(32, 0.75), np.full(32, 4), 32, times(AMX_TARGET))
+    assert choose_draft_lengths(*args, times(AMX_DRAFT)).tolist() == [0] * 32
+    seeded = choose_draft_lengths(*args, StepTimes(), seed_ratio=0.149)
+    assert seeded.tolist() == [3] * 32
+
+
 def test_a_lagging_draft_cache_is_charged_its_catch_up():
-    """Target: 1 s for 1..8 tokens, 5 s for 512, +4/504 s per token beyond; a measured draft
-    pass 0.2 s at one request (ratio 0.2 of a target step). Alpha 0.8, no catch-up: k=4
-    gives 3.36 tokens in 1.8 s. With 1000 draft tokens to catch up first, they cost 0.2 x
-    (target(1001) - target(1)) = 0.2 x 7.88 = 1.58 s: 3.36 / 3.38 s, below 1 token/s."""
-    target, draft = times({1: 1.0, 8: 1.0, 512: 5.0}), times({1: 0.2})
+    """Target: 1 s for 1..8 tokens; draft passes measured at 0.2 s for 1..8 requests and 1 s
+    for 512, +0.8/504 s per token beyond. Alpha 0.8, no catch-up: k=4 gives 3.36 tokens in
+    1.8 s. With 1000 draft tokens to catch up first, the first pass computes 1001 tokens:
+    draft(1001) - draft(1) = 1 + 489 x 0.8 / 504 - 0.2 = 1.576 s more: 3.36 / 3.376 s, below
+    1 token/s."""
+    target, draft = times({1: 1.0, 8: 1.0}), times({1: 0.2, 8: 0.2, 512: 1.0})
     args = (np.array([0.8]), np.array([4]), 1, target, draft)
     assert choose_draft_lengths(*args, catch_up_tokens=np.array([0.0])).tolist() == [4]
     assert choose_draft_lengths(*args, catch_up_tokens=np.array([1000.0])).tolist() == [0]
+    # 100 tokens: draft(101) - draft(1) = 0.8 x 93 / 504 = 0.148 s more: 3.36 / 1.948 s, k=4
+    assert choose_draft_lengths(*args, catch_up_tokens=np.array([100.0])).tolist() == [4]
 
 
 def test_catch_up_counts_the_context_past_the_last_verification():

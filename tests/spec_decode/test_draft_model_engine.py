@@ -169,13 +169,13 @@ def test_draft_gemms_take_the_targets_cpu_path(tiny_llama):
 def _count_draft_passes(llm: LLM) -> list[int]:
     """Spy on the draft model's forward passes: the list gets each pass's token count."""
     drafter, seen = llm.engine.core.executor.runner.drafter, []
-    original = drafter._pass
+    original = drafter.run_pass
 
     def spy(batch, query, *args, **kwargs):
         seen.append(int(query.sum()))
         return original(batch, query, *args, **kwargs)
 
-    drafter._pass = spy
+    drafter.run_pass = spy
     return seen
 
 

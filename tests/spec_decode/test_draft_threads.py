@@ -37,6 +37,17 @@ def test_measures_each_candidate_then_keeps_the_faster_and_explores():
     assert choice.explore_every == 16
 
 
+def test_seeded_counts_start_on_the_faster():
+    """Both counts timed before serving (two threads 1.2 s, one 0.13 s): the first pick is
+    one thread and it is the draft's cost; a count that is not a candidate is refused."""
+    choice = DraftThreads([2, 1], explore_every=2)
+    choice.seed(2, 1.2)
+    choice.seed(1, 0.13)
+    assert choice.pick() == 1 and choice.picked_best
+    with pytest.raises(ValueError, match="threads=3"):
+        choice.seed(3, 0.1)
+
+
 def test_follows_the_load_when_it_changes():
     """The machine gets quiet: two threads now 0.05 s, one thread still 0.13 s; the next try
     sees it, the choice moves to two threads and the interval starts over (2); the try of one
