@@ -28,7 +28,7 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.activation import GeluAndMul
-from kvflow.layers.embedding import VocabParallelEmbedding
+from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import GemmaRMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, get_rope_parameters, rope_max_positions
@@ -192,7 +192,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]``
     and ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32 (soft-capped
-    when ``final_logit_softcapping`` is set).
+    when ``final_logit_softcapping`` is set; ``head``: another LM head's rows instead of
+    ``lm_head``'s, capped the same).
 
     Args:
         config: a ``Gemma3TextConfig``.
@@ -219,8 +220,9 @@ class Gemma3ForCausalLM(nn.Module):
                 ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       head: ParallelLMHead | None = None) -> torch.Tensor:
+        logits = (head or self.lm_head).compute_logits(hidden)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -193,7 +193,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` and
-    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32.
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32 (``head``: another
+    LM head's rows instead of ``lm_head``'s, e.g. a draft's head cut to a token subset).
 
     With pipeline parallelism a stage holds only its layers (the others are
     :class:`~kvflow.models.parallel_utils.PPMissingLayer`), ``forward`` also takes and returns
@@ -241,8 +242,9 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       head: ParallelLMHead | None = None) -> torch.Tensor:
+        return (head or self.lm_head).compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of parameters that were loaded. Tensors of

@@ -142,16 +142,13 @@ class DraftVocab:
         self.token_ids = torch.from_numpy(ids).to(self.full_head.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 [N, S + E], columns in ``token_ids``' order (each the
-        model's ``compute_logits``, so a soft-cap it applies applies to both parts)."""
-        logits = self.model.compute_logits(hidden)
+        """hidden [N, H] -> float32 [N, S + E], columns in ``token_ids``' order (each part the
+        model's ``compute_logits`` with that part's head, so a soft-cap the model applies
+        applies to both; the model is not changed)."""
+        logits = self.model.compute_logits(hidden, head=self.fixed_head)
         if self._extra_head is None:
             return logits
-        self.model.lm_head = self._extra_head
-        try:
-            extra = self.model.compute_logits(hidden)
-        finally:
-            self.model.lm_head = self.fixed_head
+        extra = self.model.compute_logits(hidden, head=self._extra_head)
         return torch.cat([logits, extra], dim=1)
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.embedding import ParallelLMHead
 from kvflow.quant.int8 import Int8EmbeddingMethod
-from kvflow.spec_decode.draft_vocab import frequent_token_ids, restrict_lm_head
+from kvflow.spec_decode.draft_vocab import DraftVocab, frequent_token_ids, restrict_lm_head
 from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
 SUBSET = 48  # of the tiny tokenizer's 320 ids
@@ -50,6 +50,43 @@ def test_restricted_head_gives_the_full_heads_logits_at_its_rows(int8):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert sub.weight.data_ptr() != head.weight.data_ptr()  # a copy: packing sub leaves head
     assert head.compute_logits(hidden).shape == (3, 100)
+
+
+class _CappedModel(torch.nn.Module):
+    """A model's logits interface (``compute_logits(hidden, head=None)``, soft-capped at 5 as
+    Gemma's) that fails if its ``lm_head`` is replaced once ``frozen``."""
+
+    def __init__(self, head: ParallelLMHead) -> None:
+        super().__init__()
+        self.lm_head = head
+
+    def __setattr__(self, name, value):
+        if name == "lm_head" and getattr(self, "frozen", False):
+            raise AssertionError("the model's lm_head was replaced")
+        super().__setattr__(name, value)
+
+    def compute_logits(self, hidden, head=None):
+        return torch.tanh((head or self.lm_head).compute_logits(hidden) / 5) * 5
+
+
+def test_logits_cover_the_subset_and_the_context_without_touching_the_model():
+    """Head of 100 ids cut to 8 (ids 0-6 and the end token 99); the context adds 40 and 77.
+    The logits' columns are tokens [0..6, 99, 40, 77], each the soft-capped fp32 product with
+    that row of the full table, and the model's lm_head stays the cut head throughout."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(100, 16, generator=gen)
+    head = ParallelLMHead(100, 16)
+    head.weight.data.copy_(table)
+    model = _CappedModel(head)
+    vocab = DraftVocab(model, 7, always=[99])
+    cut = model.lm_head
+    model.frozen = True
+    vocab.update(np.array([[3, 40, 77, 5]]), np.array([4]), np.array([0]))
+    assert vocab.token_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 99, 40, 77]
+    hidden = torch.randn(2, 16, generator=gen)
+    expected = torch.tanh(hidden @ table[vocab.token_ids].T / 5) * 5
+    torch.testing.assert_close(vocab.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    assert model.lm_head is cut
 
 
 def _engine(path: str, draft: str | None = None, k: int = 3, subset: int = SUBSET,
