@@ -4,6 +4,7 @@ hand-normalized messages, hand-written templates, and the scheduler's documented
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from types import SimpleNamespace
 
@@ -92,11 +93,12 @@ def test_no_chat_template_http_message(tiny_tokenizer):
 
     plain = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer)
     assert not plain.chat_template
-    engine = SimpleNamespace(tokenizer=plain, processor=InputProcessor(plain, 64, 320, 0))
+    engine = SimpleNamespace(tokenizer=plain, processor=InputProcessor(plain, 64, 320, 0),
+                             max_model_len=64)
     chat = OpenAIServingChat(engine, ServerConfig(), "m")
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(OpenAIError) as info:
-        chat.render(req.messages, ChatOptions.of(req))
+        asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
     message = str(info.value)
     assert info.value.status == 400 and info.value.code == "no_chat_template"
     assert "/v1/completions" in message and "chat_template" in message

@@ -34,7 +34,19 @@ def test_api_key_falls_back_to_the_environment():
                                           ({"max_waiting_requests": -1},
                                            "max_waiting_requests"),
                                           ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),
-                                          ({"timeout_keep_alive": 0}, "timeout_keep_alive")])
+                                          ({"timeout_keep_alive": 0}, "timeout_keep_alive"),
+                                          ({"max_request_body_size": "0"},
+                                           "max_request_body_size"),
+                                          ({"max_request_body_size": "lots"},
+                                           "max_request_body_size")])
 def test_bad_server_options(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("flag,size", [(None, 32 * 2**20), ("4MiB", 4 * 2**20),
+                                       ("1000000", 10**6), ("2MB", 2 * 10**6)])
+def test_max_request_body_size(flag, size):
+    """``--max-request-body-size`` in bytes (hand-computed); 32 MiB by default."""
+    args = _parse() if flag is None else _parse("--max-request-body-size", flag)
+    assert ServerConfig.from_cli_args(args, env={}).max_request_body_bytes == size

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from kvflow.config.options import add_field_arg, check_choices, opt
+from kvflow.config.options import add_field_arg, check_choices, opt, parse_bytes
 
 
 @dataclass
@@ -28,6 +28,12 @@ class ServerConfig:
                                             "unset: unlimited")
     max_n: int = opt(16, "largest n (samples per prompt) one request may ask for")
     max_logprobs: int = opt(20, "largest logprobs / top_logprobs one request may ask for")
+    max_request_body_size: str | int = opt("32MiB", "largest request body the server reads, "
+                                            "e.g. 16MiB, 100MB or a byte count; a bigger one "
+                                            "gets 413 (code request_too_large) before any of "
+                                            "it is parsed or tokenized (the default leaves "
+                                            "room for one image of the default "
+                                            "--max-image-bytes, base64-encoded)")
     uvicorn_log_level: str = opt("info", "HTTP server log level",
                                   choices=["critical", "error", "warning", "info", "debug"])
     engine_start_timeout: float = opt(600.0, "seconds to wait for the engine process to load "
@@ -65,6 +71,16 @@ class ServerConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")
+        try:
+            parse_bytes(self.max_request_body_size)
+        except ValueError as e:
+            raise ValueError(f"max_request_body_size={self.max_request_body_size!r} is "
+                             f"invalid: {e}") from None
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        """``max_request_body_size`` in bytes."""
+        return parse_bytes(self.max_request_body_size)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

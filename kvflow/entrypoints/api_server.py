@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
 from kvflow.entrypoints.openai_errors import OpenAIError, content_type_error, engine_dead
+from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,11 +41,13 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog
+from kvflow.entrypoints.validation_errors import validation_error
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -148,7 +152,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
     app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown)
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
-    if config.api_key:
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
+    if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
     _add_openai_routes(app)
@@ -175,10 +180,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
+    async def schema_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
         # a body not sent as JSON: say so, not what failed to parse in it
         error = content_type_error(raw.headers.get("content-type"))
-        return _error_response(error or _validation_error(exc))
+        return _error_response(error or validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -190,58 +195,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error: %s", exc)
         return _error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
                                            "internal_server_error"))
-
-
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    """A 400 naming the first offending field (or the JSON syntax error)."""
-    first = exc.errors()[0] if exc.errors() else {}
-    if first.get("type") == "invalid_unicode":
-        ctx = first.get("ctx", {})
-        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
-                           code="invalid_unicode")
-    if first.get("type") == "json_invalid":
-        return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
-                           code="invalid_json")
-    loc = _field_path(first.get("loc", ()))
-    if not loc and first.get("type") == "missing":
-        return OpenAIError("the request body is empty: expected a JSON object",
-                           code="invalid_json")
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
-    return OpenAIError(message, param=param, code=_error_code(first))
-
-
-def _error_code(error: dict) -> str:
-    """OpenAI's error code for one pydantic error: ``invalid_type`` for a value of the wrong
-    type, ``integer_below_min_value`` / ``decimal_above_max_value`` (OpenAI's spelling) for a
-    number out of range, ``missing_required_parameter``, else ``invalid_value``."""
-    kind = str(error.get("type", ""))
-    if kind == "missing":
-        return "missing_required_parameter"
-    if kind.endswith(("_parsing", "_type")):
-        return "invalid_type"
-    number = "integer" if isinstance(error.get("input"), int) else "decimal"
-    if kind.startswith("greater_than"):
-        return f"{number}_below_min_value"
-    if kind.startswith("less_than"):
-        return f"{number}_above_max_value"
-    return "invalid_value"
-
-
-# pydantic's union-member tags in error locations (not request fields)
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
-
-
-def _field_path(loc: tuple) -> list[str]:
-    """The request-field part of a pydantic error location: without the leading "body" and the
-    union-member tags pydantic appends ("str", "list[int]", "function-after[...]"), so
-    ``stop: 5`` reports param "stop", not "stop.str"."""
-    path = []
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
-            break
-        path.append(str(part))
-    return path
 
 
 def _add_openai_routes(app: FastAPI) -> None:
@@ -282,7 +235,7 @@ def _add_lora_routes(app: FastAPI) -> None:
             raise engine_dead(e) from None
         except ValueError as e:
             param = "lora_name" if "already been loaded" in str(e) else "lora_path"
-            raise OpenAIError(str(e), param=param) from None
+            raise OpenAIError(str(e), param=param, code="invalid_value") from None
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
                         media_type="text/plain")
 
@@ -334,14 +287,19 @@ def _add_other_routes(app: FastAPI) -> None:
         chat = raw.app.state.chat
         chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+            raise OpenAIError("give exactly one of prompt and messages", param="prompt",
+                              code="missing_required_parameter" if req.messages is None
+                              else "invalid_value")
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
-            text, ids = chat.render(req.messages, ChatOptions.of(req), tools)
+            text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
+                                          check_length=False, size=body_size(raw))
             ids = (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
         else:
             special = req.add_special_tokens is not False
-            ids = chat.tokenizer.encode(req.prompt, add_special_tokens=special)
+            tokenizer = chat.tokenizer
+            ids = await off_loop(len(req.prompt), lambda: tokenizer.encode(
+                req.prompt, add_special_tokens=special))
         return TokenizeResponse(count=len(ids), max_model_len=chat.engine.max_model_len,
                                 tokens=ids)
 
@@ -360,8 +318,10 @@ def _add_other_routes(app: FastAPI) -> None:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                              param="tokens")
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(req.tokens))
+                              param="tokens", code="invalid_value")
+        tokenizer = chat.tokenizer
+        return DetokenizeResponse(prompt=await off_loop(len(req.tokens), tokenizer.decode,
+                                                        req.tokens))
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:

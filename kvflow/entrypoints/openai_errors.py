@@ -43,7 +43,7 @@ def invalid_request(error: ValueError) -> OpenAIError:
     ``param``, its code ``invalid_value``, and the message names the field alone."""
     match = _PARAM_RE.search(str(error))
     if match is None:
-        return OpenAIError(str(error))
+        return OpenAIError(str(error), code="invalid_value")
     return OpenAIError(_PARAM_RE.sub(r"\1", str(error)), param=match.group(1),
                        code="invalid_value")
 

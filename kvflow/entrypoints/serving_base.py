@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
+from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
@@ -42,6 +43,13 @@ _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty"
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def body_size(raw: Request) -> int | None:
+    """The request body's bytes by its ``Content-Length`` (None for a chunked body): what a
+    request's preprocessing cost grows with (``preprocess.off_loop``'s ``size``)."""
+    length = raw.headers.get("content-length", "")
+    return int(length) if length.isdigit() else None
 
 
 class OpenAIServing:
@@ -90,8 +98,30 @@ class OpenAIServing:
         """The tokenizer. Raises OpenAIError 400 if the server runs without one."""
         if self.engine.tokenizer is None:
             raise OpenAIError("this server runs without a tokenizer (--skip-tokenizer-init): "
-                              "send token ids")
+                              "send token ids", code="no_tokenizer")
         return self.engine.tokenizer
+
+    async def encode_texts(self, tokenizer: Any, texts: Sequence[str],
+                           add_special_tokens: bool, param: str, pooling: bool = False
+                           ) -> list[list[int]]:
+        """The token ids of each text, in order, tokenized in one go: in a worker thread when
+        they are long (``preprocess.off_loop``), each refused as soon as a prefix of it is
+        longer than the context allows (``max_model_len - 1`` tokens, ``max_model_len`` for
+        an embedding, ``pooling``) without tokenizing the rest.
+
+        Raises:
+            OpenAIError: 400 naming ``param``, code ``context_length_exceeded``, for a text
+                certainly longer than the context.
+        """
+        limit = self.engine.max_model_len - (0 if pooling else 1)
+
+        def encode_all() -> list[list[int]]:
+            return [encode_checked(tokenizer, text, limit, add_special_tokens) for text in texts]
+
+        try:
+            return await off_loop(sum(len(text) for text in texts), encode_all)
+        except PromptTooLong as e:
+            raise OpenAIError(str(e), param=param, code="context_length_exceeded") from None
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -140,13 +170,13 @@ class OpenAIServing:
                               headers={"Retry-After": "1"})
 
     def check_prompt(self, token_ids: list[int], max_tokens: int, param: str) -> None:
-        """Raises OpenAIError 400 for an empty or out-of-vocabulary prompt, or one that leaves
-        no room for ``max_tokens`` in the context."""
+        """Raises OpenAIError 400 naming ``param`` for an empty prompt (code ``empty_array``),
+        an out-of-vocabulary token id (``invalid_value``), or one that leaves no room for
+        ``max_tokens`` in the context (``context_length_exceeded``)."""
         try:
             self.engine.processor.validate(token_ids)
         except ValueError as e:
-            code = "context_length_exceeded" if "max_model_len" in str(e) else None
-            raise OpenAIError(str(e), param=param, code=code) from None
+            raise OpenAIError(str(e), param=param, code=_prompt_error_code(str(e))) from None
         limit = self.engine.max_model_len
         if len(token_ids) + max_tokens > limit:
             raise OpenAIError(
@@ -173,21 +203,24 @@ class OpenAIServing:
         """Refuse more samples per request than the server allows.
 
         Raises:
-            OpenAIError: 400 (param ``n``) if ``n`` is above ``--max-n``.
+            OpenAIError: 400 (param ``n``, code ``integer_above_max_value`` as OpenAI's for
+                its own cap) if ``n`` is above ``--max-n``.
         """
         if n > self.config.max_n:
             raise OpenAIError(f"n={n} is above this server's limit of {self.config.max_n} "
-                              "(--max-n)", param="n")
+                              "(--max-n)", param="n", code="integer_above_max_value")
 
     def check_num_logprobs(self, value: int | None, param: str) -> None:
         """Refuse more logprobs per token than the server allows; ``param`` names the field.
 
         Raises:
-            OpenAIError: 400 (naming ``param``) if ``value`` is above ``--max-logprobs``.
+            OpenAIError: 400 (naming ``param``, code ``integer_above_max_value``) if ``value``
+                is above ``--max-logprobs``.
         """
         if value is not None and value > self.config.max_logprobs:
             raise OpenAIError(f"{param}={value} is above this server's limit of "
-                              f"{self.config.max_logprobs} (--max-logprobs)", param=param)
+                              f"{self.config.max_logprobs} (--max-logprobs)", param=param,
+                              code="integer_above_max_value")
 
     @staticmethod
     def check_stream_options(req: SamplingRequest) -> None:
@@ -198,28 +231,31 @@ class OpenAIServing:
         """
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options is only allowed when stream is true",
-                              param="stream_options")
+                              param="stream_options", code="invalid_value")
 
     def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs`` where the
         endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
-        while the scheduler is not run by priority (it would be ignored)."""
+        while the scheduler is not run by priority (it would be ignored). The code is
+        ``unsupported_parameter`` for a field this endpoint never takes, else
+        ``unsupported_value`` (OpenAI's codes for the two)."""
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",
-                              param="best_of")
+                              param="best_of", code="unsupported_value")
         if req.use_beam_search:
             raise OpenAIError("use_beam_search is not supported (kvflow samples; it does not "
-                              "run beam search)", param="use_beam_search")
+                              "run beam search)", param="use_beam_search",
+                              code="unsupported_value")
         if req.prompt_logprobs is not None and not prompt_logprobs:
             raise OpenAIError("prompt_logprobs is returned by /v1/completions only",
-                              param="prompt_logprobs")
+                              param="prompt_logprobs", code="unsupported_parameter")
         policy = self.engine.config.scheduler_config.policy
         if req.priority and policy not in ("priority", "fair"):
             raise OpenAIError(f"priority={req.priority} needs the priority or fair scheduling "
                               f"policy (start the server with --policy priority or fair); it "
-                              f"runs {policy!r}", param="priority")
+                              f"runs {policy!r}", param="priority", code="unsupported_value")
 
     # ---- sampling params ---------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None = None) -> int:
@@ -246,7 +282,7 @@ class OpenAIServing:
         try:
             fields = {"structured_outputs": structured_outputs or request_constraint(req)}
         except RequestFieldError as e:
-            raise OpenAIError(str(e), param=e.param) from None
+            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         fields.update({name: getattr(req, name) for name in _COPIED_FIELDS})
         fields.update({name: getattr(req, name) for name in _OPTIONAL_FIELDS
                        if getattr(req, name) is not None})
@@ -350,3 +386,10 @@ class OpenAIServing:
             if hasattr(chunks, "aclose"):
                 await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
         yield SSE_DONE
+
+
+def _prompt_error_code(message: str) -> str:
+    """The code of a prompt the engine's ``validate`` refused (by its message)."""
+    if "max_model_len" in message:
+        return "context_length_exceeded"
+    return "empty_array" if "empty" in message else "invalid_value"

@@ -16,6 +16,7 @@ from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_u
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -30,7 +31,7 @@ from kvflow.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, random_id
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -79,8 +80,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_task("generate")
         self._check_request(req)
         mode, parser = self._tools(req)
-        text, ids = self.render(req.messages, ChatOptions.of(req),
-                                tools_for_template(req, mode))
+        text, ids = await self.render(req.messages, ChatOptions.of(req),
+                                      tools_for_template(req, mode), size=body_size(raw))
         prompt = await self.attach_images(req.messages, text, ids)
         ids = prompt.token_ids
         params = self._params(req, ids, tool_constraint(req, mode))
@@ -102,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             mode = tool_choice_mode(req)
         except RequestFieldError as e:
-            raise OpenAIError(str(e), param=e.param) from None
+            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),
                                       make_reasoning_parser(self.config.reasoning_parser))
 
@@ -113,20 +114,27 @@ class OpenAIServingChat(OpenAIServing):
         if req.echo:
             raise OpenAIError("echo is not supported on /v1/chat/completions (use "
                               "continue_final_message to continue an assistant message)",
-                              param="echo")
+                              param="echo", code="unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
+                              code="invalid_value")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
 
-    def render(self, messages: list[ChatMessage], options: ChatOptions,
-               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    async def render(self, messages: list[ChatMessage], options: ChatOptions,
+                     tools: list[dict[str, Any]] | None = None, check_length: bool = True,
+                     size: int | None = None) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
         template's ``tools`` argument; a template that ignores them gets the tool parser's
-        instructions as (the start of) the system message instead.
+        instructions as (the start of) the system message instead. A long conversation
+        (``size``: its request body's bytes, ``body_size``; None: long) is rendered and
+        tokenized in a worker thread (``preprocess.off_loop``); with
+        ``check_length``, a prompt whose prefix alone is longer than the context is refused
+        without tokenizing the rest.
 
         Raises:
             OpenAIError: 400 naming the field for non-text content, a model without a chat
-                template, an option the template cannot honour, or a conversation it rejects.
+                template, an option the template cannot honour, or a conversation it rejects;
+                400 (code ``context_length_exceeded``) for a prompt certainly too long.
         """
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
@@ -135,19 +143,39 @@ class OpenAIServingChat(OpenAIServing):
         if tools and "tools" not in template:
             prompt = make_tool_parser(self.config.tool_call_parser).system_prompt(tools)
             conversation, tools = _with_system_prompt(conversation, prompt), None
+        limit = self.engine.max_model_len - 1 if check_length else None
         try:
-            text = self.engine.processor.apply_chat_template(
-                conversation, options.add_generation_prompt,
-                continue_final_message=options.continue_final_message,
-                chat_template=options.chat_template, tools=tools, documents=options.documents,
-                template_kwargs=options.template_kwargs)
+            return await off_loop(INLINE_CHARS + 1 if size is None else size,
+                                  self._render_now, tokenizer, conversation, options, tools,
+                                  limit)
         except NoChatTemplateError:
             raise OpenAIError("this model has no chat template: send one in the request's "
                               "chat_template field, or use /v1/completions with a plain "
                               "prompt", param="messages", code="no_chat_template") from None
         except ChatTemplateError as e:
-            raise OpenAIError(str(e), param=e.param) from None
-        return text, tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
+            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
+        except PromptTooLong as e:
+            raise OpenAIError(str(e), param="messages", code="context_length_exceeded") \
+                from None
+
+    def _render_now(self, tokenizer: Any, conversation: list[dict[str, Any]],
+                    options: ChatOptions, tools: list[dict[str, Any]] | None,
+                    limit: int | None) -> tuple[str, list[int]]:
+        """``render``'s work (run in a worker thread for a long conversation): the template,
+        then the tokenizer (refusing a text certainly over ``limit`` tokens unless None).
+
+        Raises:
+            NoChatTemplateError, ChatTemplateError: from the template; PromptTooLong.
+        """
+        text = self.engine.processor.apply_chat_template(
+            conversation, options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            chat_template=options.chat_template, tools=tools, documents=options.documents,
+            template_kwargs=options.template_kwargs)
+        special = options.add_special_tokens
+        if limit is None:
+            return text, tokenizer.encode(text, add_special_tokens=special)
+        return text, encode_checked(tokenizer, text, limit, special)
 
     async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
                             ) -> ProcessedPrompt:
@@ -169,7 +197,8 @@ class OpenAIServingChat(OpenAIServing):
             return await asyncio.to_thread(_with_images, processor, conversation, text, ids)
         except ValueError as e:
             param = getattr(e, "param", None) or "messages"
-            raise OpenAIError(str(e), param=param, code=getattr(e, "code", None)) from None
+            raise OpenAIError(str(e), param=param,
+                              code=getattr(e, "code", None) or "invalid_value") from None
 
     def _params(self, req: ChatCompletionRequest, ids: list[int],
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -250,7 +279,8 @@ def _check_image_details(messages: list[ChatMessage]) -> None:
                 raise OpenAIError(f"image_url.detail={detail!r} is not supported: the model's "
                                   "image processor chooses the resolution (use 'auto' or "
                                   "leave it out)",
-                                  param=f"messages.{i}.content.{j}.image_url.detail")
+                                  param=f"messages.{i}.content.{j}.image_url.detail",
+                                  code="unsupported_value")
 
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,

@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
             OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
         """
         lora = self._check_request(req)
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
@@ -67,27 +67,35 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
-                              "completion", param="suffix")
+                              "completion", param="suffix", code="unsupported_parameter")
         return lora
 
-    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
-        """The request's prompts as (text or None, token ids). Raises OpenAIError if empty."""
+    async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+        """The request's prompts as (text or None, token ids), in order; text is tokenized
+        off the event loop when it is long (``preprocess.off_loop``).
+
+        Raises:
+            OpenAIError: 400 for an empty prompt, or (code ``context_length_exceeded``) a text
+                prompt whose prefix alone is longer than the context.
+        """
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items = [prompt]
         elif not prompt:
-            raise OpenAIError("the prompt is empty", param="prompt")
+            raise OpenAIError("the prompt is empty", param="prompt", code="empty_array")
         else:
             items = list(prompt)
-        out: list[Prompt] = []
         for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise OpenAIError("the prompt is empty", param="prompt")
-                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-                out.append((item, ids))
-            else:
-                out.append((None, list(item)))
+            if len(item) == 0:
+                raise OpenAIError("the prompt is empty", param="prompt",
+                                  code="empty_string" if isinstance(item, str)
+                                  else "empty_array")
+        texts = [item for item in items if isinstance(item, str)]
+        tokenizer = self.tokenizer if texts else None
+        encoded = iter(await self.encode_texts(tokenizer, texts, req.add_special_tokens,
+                                               "prompt"))
+        out: list[Prompt] = [(item, next(encoded)) if isinstance(item, str)
+                             else (None, list(item)) for item in items]
         if self.engine.processor.mm_processor is not None:
             for text, ids in out:
                 self._refuse_placeholders(text, ids)
@@ -100,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.engine.processor.attach_images(text, ids, [])
         except ValueError as e:
             raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
-                              param="prompt") from None
+                              param="prompt", code="invalid_value") from None
 
     def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
         if "max_tokens" not in req.model_fields_set:  # the model's default, else OpenAI's 16

@@ -36,7 +36,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         """
         self.check_model(req.model)
         self.check_task("embed")
-        prompts = self._inputs(req)
+        prompts = await self._inputs(req)
         params = PoolingParams(dimensions=req.dimensions)
         self.check_admission(len(prompts))
         request_id = random_id("embd")
@@ -45,19 +45,26 @@ class OpenAIServingEmbedding(OpenAIServing):
         return await self.respond(raw, streams, self._response(req, request_id, prompts,
                                                                streams))
 
-    def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:
-        """The inputs as (text or None, token ids).
+    async def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:
+        """The inputs as (text or None, token ids), in order; long text is tokenized off the
+        event loop (``encode_texts``).
 
         Raises:
-            OpenAIError: 400 (param ``input``) for an empty input.
+            OpenAIError: 400 (param ``input``) for an empty input (code ``empty_string`` /
+                ``empty_array``) or a text certainly longer than the context.
         """
         value = req.input
         items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
             else list(value)
-        if not items or any(len(item) == 0 for item in items):
-            raise OpenAIError("the input is empty", param="input")
-        return [(item, self.tokenizer.encode(item)) if isinstance(item, str)
-                else (None, list(item)) for item in items]
+        empty = next((item for item in items if len(item) == 0), None if items else [])
+        if empty is not None:
+            raise OpenAIError("the input is empty", param="input",
+                              code="empty_string" if isinstance(empty, str) else "empty_array")
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,
+                                               "input", pooling=True))
+        return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
+                for item in items]
 
     async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams
                    ) -> list[RequestStream]:
@@ -73,7 +80,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params)
 
         def bad_input(e: ValueError) -> OpenAIError:
-            return OpenAIError(str(e), param="dimensions" if "dimensions" in str(e) else "input")
+            param = "dimensions" if "dimensions" in str(e) else "input"
+            return OpenAIError(str(e), param=param, code=_embedding_error_code(str(e)))
 
         return await self.admit_all(add, len(prompts), bad_input)
 
@@ -100,3 +108,8 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector
+
+
+def _embedding_error_code(message: str) -> str:
+    """The code of an input or ``dimensions`` the engine refused (by its message)."""
+    return "context_length_exceeded" if "max_model_len" in message else "invalid_value"

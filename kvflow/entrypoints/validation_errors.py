@@ -1,0 +1,85 @@
+"""A request body the schema refuses (pydantic's RequestValidationError) as an OpenAI 400:
+the first offending field as ``param`` and OpenAI's code for what is wrong with it."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+
+from kvflow.entrypoints.openai_errors import OpenAIError
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first offending field (or the JSON syntax error)."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "invalid_unicode":
+        ctx = first.get("ctx", {})
+        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
+                           code="invalid_unicode")
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
+                           code="invalid_json")
+    loc = _field_path(first.get("loc", ()))
+    if not loc and first.get("type") == "missing":
+        return OpenAIError("the request body is empty: expected a JSON object",
+                           code="invalid_json")
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
+    return OpenAIError(message, param=param, code=_error_code(first))
+
+
+def _error_code(error: dict) -> str:
+    """OpenAI's error code for one pydantic error, by the field's type (not the value's:
+    ``"temperature": 5`` is a decimal above its maximum):
+
+    - ``missing_required_parameter``; ``invalid_type`` for a value of the wrong JSON type,
+      a string field's enumerated value included (``"role": 5``);
+    - ``integer_below_min_value`` / ``integer_above_max_value`` for an integer field out of
+      range, ``decimal_below_min_value`` / ``decimal_above_max_value`` for a number field
+      (pydantic reports a number field's bound as a float, an integer field's as an int);
+    - ``string_below_min_length`` / ``string_above_max_length`` for a string's length,
+      ``empty_array`` / ``array_below_min_length`` / ``array_above_max_length`` for a list's
+      (OpenAI's spellings);
+    - else ``invalid_value`` (a value of the right type the field does not take).
+    """
+    kind = str(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind == "missing":
+        return "missing_required_parameter"
+    if kind.endswith(("_parsing", "_type")) or _wrong_literal_type(kind, error):
+        return "invalid_type"
+    if kind.startswith(("greater_than", "less_than")):
+        bound = next(iter(ctx.values()), None)
+        number = "decimal" if isinstance(bound, float) else "integer"
+        return f"{number}_{'below_min' if kind.startswith('greater') else 'above_max'}_value"
+    if kind in ("string_too_short", "string_too_long"):
+        return "string_below_min_length" if kind.endswith("short") else \
+            "string_above_max_length"
+    if kind in ("too_short", "too_long"):
+        if kind == "too_long":
+            return "array_above_max_length"
+        return "empty_array" if ctx.get("actual_length") == 0 else "array_below_min_length"
+    return "invalid_value"
+
+
+def _wrong_literal_type(kind: str, error: dict) -> bool:
+    """A value outside an enumeration of strings that is not a string at all."""
+    if kind not in ("literal_error", "enum"):
+        return False
+    expected = str((error.get("ctx") or {}).get("expected", ""))
+    return not isinstance(error.get("input"), str) and expected.startswith("'")
+
+
+# pydantic's union-member tags in error locations (not request fields)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The request-field part of a pydantic error location: without the leading "body" and the
+    union-member tags pydantic appends ("str", "list[int]", "function-after[...]"), so
+    ``stop: 5`` reports param "stop", not "stop.str"."""
+    path = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            break
+        path.append(str(part))
+    return path
