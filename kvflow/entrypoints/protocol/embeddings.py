@@ -20,7 +20,7 @@ class EmbeddingRequest(RequestBody):
     ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None

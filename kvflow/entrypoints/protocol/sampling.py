@@ -97,7 +97,9 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
     list of token-id lists."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # list[int] before list[str]: a long list of token ids is then matched at once, not
+    # first refused item by item as strings (1M ids: 0.03 s instead of 0.3 s on the loop)
+    prompt: str | list[int] | list[str] | list[list[int]]
     # unset: the model's generation-config max_new_tokens, else 16; null: what the context leaves
     max_tokens: int | None = Field(16, le=INT32_MAX)
     echo: bool = False
