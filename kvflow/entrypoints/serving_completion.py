@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -144,8 +145,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice, _ = self._choice(req, i * req.n + c.index, echo + c.text, c,
                                          len(echo))
                 if req.echo and choice.logprobs is not None:
-                    choice.logprobs = _with_prompt(self._prompt_logprobs(prompts[i][1], out),
-                                                   choice.logprobs)
+                    echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
+                                            prompts[i][1], out)  # decodes every prompt token
+                    choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -210,9 +212,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 first = index not in sent_prompt
                 sent_prompt.add(index)
                 if echo and choice.logprobs is not None:
-                    choice.logprobs = _with_prompt(
-                        self._prompt_logprobs(prompts[i][1], prompt_outputs.get(i, delta)),
-                        choice.logprobs)
+                    echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
+                                            prompts[i][1], prompt_outputs.get(i, delta))
+                    choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
