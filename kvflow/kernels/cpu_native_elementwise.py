@@ -1,0 +1,135 @@
+"""Python wrappers of the native row-wise kernels (``csrc/cpu_elementwise.c``): RMSNorm (with
+the residual add), SiLU-and-mul and rotary embedding. A mixin of
+:class:`kvflow.kernels.cpu_native.NativeCpuKernels`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvflow.kernels.cpu_native_common import (
+    DTYPE_CODES,
+    bind,
+    c_int,
+    check_rows,
+    f32,
+    i64,
+    ptr,
+    raise_on,
+    rows_ok,
+)
+
+
+class ElementwiseKernels:
+    """The fused row-wise ops, each one C call over the rows."""
+
+    def _bind_elementwise(self, lib: ctypes.CDLL) -> None:
+        self._rms_norm = bind(lib, "kvflow_rms_norm", c_int,
+                              [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, c_int, c_int])
+        self._silu_and_mul = bind(lib, "kvflow_silu_and_mul", c_int,
+                                  [ptr, i64, ptr, i64, i64, c_int, c_int])
+        self._rotary = bind(lib, "kvflow_rotary", c_int,
+                            [ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int,
+                             c_int, c_int])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm of rows ``x`` [N, H] (HF ``LlamaRMSNorm`` rounding; see
+        :class:`kvflow.layers.norm.RMSNorm`), optionally after adding ``residual`` [N, H].
+
+        Returns ``y`` [N, H], or ``(y, x + residual)`` with a residual; fresh tensors, inputs
+        untouched. Raises ValueError on a dtype/shape/layout mismatch.
+        """
+        dtype = x.dtype
+        if not (rows_ok(x, dtype) and weight.dtype == dtype and weight.dim() == 1
+                and weight.shape[0] == x.shape[1] and weight.is_contiguous()
+                and (residual is None or (rows_ok(residual, dtype)
+                                          and residual.shape == x.shape))):
+            _rms_norm_error(x, weight, residual)  # one test on the hot path; details here
+        rows, hidden = x.shape
+        out = torch.empty(rows, hidden, dtype=dtype)
+        if residual is None:
+            status = self._rms_norm(x.data_ptr(), x.stride(0), None, 0, None, weight.data_ptr(),
+                                    out.data_ptr(), rows, hidden, eps, DTYPE_CODES[dtype],
+                                    torch.get_num_threads())
+            raise_on(status, "rms_norm")
+            return out
+        new_residual = torch.empty(rows, hidden, dtype=dtype)
+        status = self._rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(),
+                                residual.stride(0), new_residual.data_ptr(), weight.data_ptr(),
+                                out.data_ptr(), rows, hidden, eps, DTYPE_CODES[dtype],
+                                torch.get_num_threads())
+        raise_on(status, "rms_norm")
+        return out, new_residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU gate: x [N, 2I] -> round(silu(x[:, :I])) * x[:, I:] as a fresh [N, I] tensor
+        (torch's rounding in 16-bit dtypes). Raises ValueError on a dtype/layout mismatch."""
+        if not rows_ok(x, x.dtype) or x.shape[1] % 2:
+            check_rows("x", x, x.dtype)
+            raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[1]}")
+        rows, width = x.shape
+        out = torch.empty(rows, width // 2, dtype=x.dtype)
+        status = self._silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2,
+                                    DTYPE_CODES[x.dtype], torch.get_num_threads())
+        raise_on(status, "silu_and_mul")
+        return out
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding in place (same math as :class:`kvflow.layers.rotary.RotaryEmbedding`).
+
+        Args:
+            positions: int64 [T]; q: [T, Hq, D] and k: [T, Hkv, D], one dtype, heads and
+                head_dim contiguous (any token stride); cos_sin_cache: float32
+                [max_position, rot_dim] (cos half, then sin half), contiguous.
+            is_neox: rotate halves (True) or interleaved pairs (GPT-J).
+
+        Returns:
+            (q, k), rotated in place. Raises ValueError on a mismatch or a position outside the
+            cache.
+        """
+        tokens, num_heads, head_dim = q.shape
+        rot_dim = cos_sin_cache.shape[1]
+        for name, t in (("q", q), ("k", k)):
+            if t.dtype not in DTYPE_CODES or t.dtype != q.dtype or not t.is_cpu \
+                    or t.stride(2) != 1 or t.stride(1) != head_dim or t.shape[0] != tokens:
+                raise ValueError(f"rotary: {name} must be a CPU [T, heads, {head_dim}] tensor of "
+                                 f"q's dtype with contiguous heads")
+        if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() \
+                or rot_dim > head_dim or rot_dim % 2:
+            raise ValueError("rotary: cos_sin_cache must be contiguous float32 [P, rot_dim] with "
+                             "an even rot_dim <= head_dim")
+        positions = positions.to(torch.int64).contiguous()
+        # the kernel checks the positions (before rotating anything): no reduction and sync
+        # per layer here
+        status = self._rotary(positions.data_ptr(), q.data_ptr(), q.stride(0), num_heads,
+                              k.data_ptr(), k.stride(0), k.shape[1], head_dim, rot_dim,
+                              cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], tokens,
+                              int(is_neox), DTYPE_CODES[q.dtype], torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"rotary: positions must lie in [0, {cos_sin_cache.shape[0]})")
+        raise_on(status, "rotary")
+        return q, k
+
+
+def _rms_norm_error(x: torch.Tensor, weight: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+    """Raise the ValueError saying why :meth:`NativeCpuKernels.rms_norm` refuses its operands.
+
+    Raises:
+        ValueError: always.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, hidden], got {tuple(x.shape)}")
+    check_rows("x", x, weight.dtype)
+    hidden = x.shape[1]
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
+    if residual is not None:
+        check_rows("residual", residual, x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    raise ValueError("rms_norm: unsupported operands")

@@ -1,0 +1,195 @@
+"""Python wrappers of the native GEMM kernels (``csrc/cpu_gemm.c``: packed fp32/bf16/fp16
+weights; ``csrc/cpu_gguf.c``: GGML blocks dequantized inside the product). A mixin of
+:class:`kvflow.kernels.cpu_native.NativeCpuKernels`; the choice between them and oneDNN is
+:mod:`kvflow.kernels.gemm_select`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kvflow.kernels.cpu_native_common import (
+    DTYPE_CODES,
+    DTYPES,
+    bind,
+    c_int,
+    gemm_out_code,
+    i64,
+    ptr,
+    raise_on,
+)
+
+
+class GemmKernels:
+    """Packing and multiplying by packed weights, and the GGUF products."""
+
+    def _bind_gemm(self, lib: ctypes.CDLL) -> None:
+        self._gemm_packed_size = bind(lib, "kvflow_gemm_packed_size", i64, [i64, i64, c_int])
+        self._gemm_x_dtype = bind(lib, "kvflow_gemm_x_dtype", c_int, [c_int])
+        # the x dtype code each weight dtype code takes (kvflow_gemm_x_dtype), and packed sizes
+        self._x_codes = {code: self._gemm_x_dtype(code) for code in DTYPES}
+        self._packed_sizes: dict[tuple[int, int, int], int] = {}
+        self._gemm_pack = bind(lib, "kvflow_gemm_pack", None,
+                               [ptr, i64, i64, i64, c_int, ptr, c_int])
+        self._gemm = bind(lib, "kvflow_gemm", c_int,
+                          [ptr, i64, c_int, ptr, c_int, ptr, ptr, i64, c_int, i64, i64, i64,
+                           c_int])
+        self._gguf_gemm = bind(lib, "kvflow_gguf_gemm", c_int,
+                               [ptr, i64, ptr, i64, c_int, ptr, ptr, i64, i64, i64, i64, c_int])
+        self._gguf_dequantize = bind(lib, "kvflow_gguf_dequantize", c_int,
+                                     [ptr, i64, c_int, i64, i64, ptr, c_int])
+
+    def _packed_size(self, n: int, k: int, code: int) -> int:
+        """kvflow_gemm_packed_size, remembered per (n, k, dtype code): one dict lookup per GEMM
+        call instead of a C call."""
+        key = (n, k, code)
+        size = self._packed_sizes.get(key)
+        if size is None:
+            size = self._packed_sizes[key] = self._gemm_packed_size(n, k, code)
+        return size
+
+    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """Pack ``weight`` [N, K] (fp32, bf16 or fp16 CPU, unit stride along K) once for
+        :meth:`gemm`.
+
+        Returns a 1-D tensor of the weight's dtype in the library's panel layout (panels of 16
+        or 32 output columns, k-major; bf16 in k-pairs where the CPU has AVX512-BF16; see
+        ``csrc/cpu_gemm.c``). Raises ValueError on another dtype, device or layout.
+        """
+        if weight.dtype not in DTYPE_CODES or weight.device.type != "cpu" \
+                or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"gemm_pack needs a 2-D float32/bfloat16/float16 CPU weight with "
+                             f"unit-stride rows, got {weight.dtype} {tuple(weight.shape)} on "
+                             f"{weight.device}")
+        n, k = weight.shape
+        code = DTYPE_CODES[weight.dtype]
+        packed = torch.empty(self._gemm_packed_size(n, k, code), dtype=weight.dtype)
+        self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, code, packed.data_ptr(),
+                        torch.get_num_threads())
+        return packed
+
+    def gemm_panel_width(self) -> int:
+        """Output columns per panel of :meth:`gemm_pack`'s layout (16, or 32 in AVX512
+        builds): the packed size of a [1, 2] fp32 weight over its depth."""
+        return self._packed_size(1, 2, DTYPE_CODES[torch.float32]) // 2
+
+    def gemm_x_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The activation dtype :meth:`gemm` takes with packed weights of ``weight_dtype``:
+        bf16 for bf16 weights where the CPU multiplies bf16 pairs (AVX512-BF16), else fp32."""
+        return DTYPES[self._gemm_x_dtype(DTYPE_CODES[weight_dtype])]
+
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+             bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``x @ weight.T + bias`` against ``packed`` = :meth:`gemm_pack` (``weight`` [n, K]).
+
+        A 16-bit weight is widened to fp32 in registers (exact) or, for bf16 on AVX512-BF16 or
+        AMX, multiplied with bf16 ``x`` by bf16 dot-product instructions or tiles; either way
+        the product accumulates in fp32 and is returned in fp32, never rounded to 16 bits, or
+        (``out_dtype`` 16-bit) rounded once to nearest even inside the kernel, as
+        ``.to(out_dtype)`` of the fp32 result would give without its extra pass over memory.
+
+        Args:
+            x: [..., K] CPU activations of :meth:`gemm_x_dtype` (another float dtype is
+                converted first; so is a strided last dim).
+            packed: the packed weight (float32, bfloat16 or float16); n: its output features.
+            bias: [n] float32, or None.
+            out_dtype: float32 (default), bfloat16 or float16.
+
+        Returns:
+            [..., n] ``out_dtype``, a fresh tensor. Each element is summed in the same k order
+            whatever the thread count.
+
+        Raises:
+            ValueError: on a dtype, device or size mismatch.
+            MemoryError: when the kernel cannot allocate its work-sharing state.
+        """
+        if self.pool is not None and self.pool.is_open:
+            return self.pool.gemm(x, packed, n, bias, out_dtype)
+        rows, code, x_code = self.gemm_operands(x, packed, n, bias)
+        k = x.shape[-1]
+        out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+        status = self._gemm(rows.data_ptr(), rows.stride(0), x_code, packed.data_ptr(), code,
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                            gemm_out_code(out_dtype), rows.shape[0], n, k,
+                            torch.get_num_threads())
+        raise_on(status, "gemm")
+        return out.view(*x.shape[:-1], n)
+
+    def gemm_operands(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+        """(x as [rows, K] unit-stride rows of the dtype the weight takes, the weight's dtype
+        code, x's dtype code) for :meth:`gemm`.
+
+        Raises:
+            ValueError: on a dtype, device or size mismatch.
+        """
+        k = x.shape[-1]
+        code = DTYPE_CODES.get(packed.dtype, -1)
+        x_code = self._x_codes.get(code)
+        if bias is None and x_code is not None and x.dtype == DTYPES[x_code] and x.is_cpu \
+                and x.dim() == 2 and x.stride(1) == 1 \
+                and packed.numel() == self._packed_size(n, k, code):
+            return x, code, x_code  # the hot path (a model's projections): nothing to convert
+        if not x.is_cpu or not x.is_floating_point() or code < 0 \
+                or packed.numel() != self._packed_size(n, k, code):
+            raise ValueError(f"gemm: x must be a float CPU [..., K] matching a packed [{n}, K] "
+                             f"weight, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"gemm: bias must be contiguous float32 [{n}]")
+        rows = x.reshape(math.prod(x.shape[:-1]), k).to(DTYPES[x_code])
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        return rows, code, x_code
+
+    def gguf_gemm(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with W kept as GGML blocks, dequantized inside the product
+        (``csrc/cpu_gguf.c``).
+
+        Args:
+            x: float32 CPU [M, K] (rows may be strided, elements unit-stride).
+            raw: uint8 CPU [N, row_bytes] contiguous, the blocks of one GGML type among
+                Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; k: K (elements per row).
+            bias: float32 [N] contiguous, or None.
+
+        Returns:
+            float32 [M, N], a fresh tensor.
+
+        Raises:
+            ValueError: on a dtype/layout mismatch or an unknown GGML type.
+            MemoryError: when the kernel cannot allocate its tile buffer.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k \
+                or raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.dim() != 2:
+            raise ValueError(f"gguf_gemm: x must be float32 [M, {k}] with unit-stride rows and "
+                             "raw uint8 [N, row_bytes] contiguous")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            raise ValueError("gguf_gemm: bias must be contiguous float32 [N]")
+        m, n = x.shape[0], raw.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        status = self._gguf_gemm(x.data_ptr(), x.stride(0), raw.data_ptr(), raw.shape[1],
+                                 ggml_type, None if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"gguf_gemm: GGML type {ggml_type} has no native kernel")
+        raise_on(status, "gguf_gemm")
+        return out
+
+    def gguf_dequantize(self, raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """float32 [N, k] of the GGML blocks ``raw`` uint8 [N, row_bytes] (contiguous).
+
+        Raises:
+            ValueError: on a dtype/layout mismatch or an unknown GGML type.
+        """
+        if raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.dim() != 2:
+            raise ValueError("gguf_dequantize: raw must be contiguous uint8 [N, row_bytes]")
+        out = torch.empty(raw.shape[0], k, dtype=torch.float32)
+        if self._gguf_dequantize(raw.data_ptr(), raw.shape[1], ggml_type, raw.shape[0], k,
+                                 out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"gguf_dequantize: GGML type {ggml_type} has no native kernel")
+        return out
