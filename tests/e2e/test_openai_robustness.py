@@ -63,14 +63,14 @@ def assert_serving_and_no_leak(server, free_at_start: float) -> None:
 
 # ---- huge inputs -------------------------------------------------------------------------------
 def test_health_answers_while_a_huge_prompt_is_tokenized(server, free_at_start):
-    """One 2.5 MB word (no piece boundary: the prefix proves nothing, so it is tokenized
-    whole, ~1.5 s per MB here) is tokenized off the event loop: /health answers within 1 s
-    and a small completion is served meanwhile; the big request then gets a 400 naming its
-    token count and max_model_len."""
+    """One 3 MB word (no piece boundary: the prefix proves nothing, so it is tokenized
+    whole, ~1.5 s per MB here) is tokenized off the event loop: /health answers within 1.5 s
+    (on the loop it waited for the whole tokenization) and a small completion is served
+    meanwhile; the big request then gets a 400 naming max_model_len."""
     big: dict = {}
 
     def send_big() -> None:
-        big["resp"] = post(server, C, {"prompt": "x" * 2_500_000, "max_tokens": 1})
+        big["resp"] = post(server, C, {"prompt": "x" * 3_000_000, "max_tokens": 1})
 
     sender = threading.Thread(target=send_big)
     sender.start()
@@ -85,7 +85,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server, free_at_start):
         time.sleep(0.1)
     sender.join()
     assert len(latencies) >= 3, "the big request finished too soon to show anything"
-    assert max(latencies) < 1.0, latencies
+    assert max(latencies) < 1.5, latencies
     assert served == 200
     error = error_of(big["resp"])
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
