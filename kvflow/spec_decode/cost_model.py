@@ -55,10 +55,17 @@ class StepTimes:
     smaller step never costs more), and extrapolates above them along the last two measured
     bins' slope (flat with one bin).
 
+    A bin not observed for ``stale_after`` observations is stale: ``is_measured`` says no (so
+    the caller measures it again) and ``predict`` leaves it out while any bin is fresh. Its
+    time was taken under another load, and the steps that would renew it may never run: on
+    the shared 2-core machine the target's steps of 2-4 tokens, measured at 0.7-1.1 s in a
+    minute when other processes took the cores, against 0.28 s for the 1-token step renewed
+    since, kept adaptive lengths at zero for good (docs/benchmarks.md, issue 17, session 4).
+    Left out, the fresh bins' line predicts them again, drafts run and renew them.
+
     Args:
         smoothing: weight of a new observation in its bin's averages.
-        stale_after: a bin not observed for this many observations counts as unmeasured
-            (``is_measured``), so the caller measures it again (the machine's load changes).
+        stale_after: observations after which an unobserved bin is stale.
     """
 
     def __init__(self, smoothing: float = 0.25, stale_after: int = 256) -> None:
@@ -87,11 +94,13 @@ class StepTimes:
         return self.num_observations - self.last_seen[self._bin(count)] <= self.stale_after
 
     def predict(self, counts: np.ndarray) -> np.ndarray | None:
-        """Predicted seconds for each count (float64, shape of ``counts``), or None before
-        any measurement."""
+        """Predicted seconds for each count (float64, shape of ``counts``) from the fresh bins
+        (all measured bins when none is fresh), or None before any measurement."""
         measured = np.flatnonzero(self.last_seen >= 0)
         if not len(measured):
             return None
+        fresh = measured[self.num_observations - self.last_seen[measured] <= self.stale_after]
+        measured = fresh if len(fresh) else measured
         x, y = self.counts[measured], self.seconds[measured]
         c = np.asarray(counts, np.float64)
         out = np.interp(c, x, y)  # constant outside the measured range

@@ -7,14 +7,15 @@ where its weight bytes said ~0.12 s (its weight-only kernel is compute-bound at 
 the bf16 target runs on AMX), so the engine drafted at batch 32 until it had measured that,
 and the run lost a third of its throughput (docs/benchmarks.md, issue 17). So the engine times
 the draft once, after its KV cache is allocated: a warm-up pass of one request, then passes
-of 1, 2, 4, ... requests (one decode token each, a one-block context), each size twice (the
-faster counts: a pass another process interrupted is no measure of the draft, and a cost taken
-too high is never corrected, since a draft that never drafts is never measured again) while
-the next size, predicted along the last two, fits in ``budget_s`` (about a second);
-``StepTimes`` extrapolates above the largest along the same line. Wall time, as the passes the
-engine later measures, on the faster of the draft's thread counts (``DraftThreads``: the
-engine's and 1, each timed on one request first; on the loaded 2-core machine a tiny model's
-pass took ~10 ms on 2 threads, ~2 ms on 1).
+of 1, 2, 4, 8 requests and more (one decode token each, a one-block context), each size twice
+(the faster counts: a pass another process interrupted is no measure of the draft, and a cost
+taken too high is never corrected, since a draft that never drafts is never measured again).
+The sizes up to 8 are timed whatever they cost (about 0.5 s for an INT8 0.5B draft; one size
+alone would extrapolate flat); larger ones while the next, predicted along the last two, fits
+in ``budget_s`` (about a second). ``StepTimes`` extrapolates above the largest along the same
+line. Wall time, as the passes the engine later measures, on the faster of the draft's thread
+counts (``DraftThreads``: the engine's and 1, each timed on one request first; on the loaded
+2-core machine a tiny model's pass took ~10 ms on 2 threads, ~2 ms on 1).
 
 The dummy requests write the draft's K/V into blocks ``1..rows`` of the pool; nothing reads it
 later (a request's draft K/V is recomputed before it is read: ``num_draft_computed`` starts at
@@ -37,19 +38,23 @@ from kvflow.worker.model_inputs import InputStager
 
 # Start-up time spent timing the draft (seconds); the pass that would cross it is not run.
 BUDGET_S = 1.0
+# Sizes up to this many requests are timed whatever the budget: the cost model extrapolates
+# above the largest along the last two, and a single size would say a pass over 32 requests
+# costs what one over 1 does (on a loaded machine the budget went to the first size alone).
+MIN_ROWS = 8
 # Passes timed per size; the fastest counts (a pass another process interrupted is no
 # measure of the draft, and a cost taken too high is never corrected: no drafts, no passes).
 REPEATS = 2
 
 
 def doubling_rows(run: Callable[[int], float], max_rows: int, budget_s: float = BUDGET_S,
-                  repeats: int = REPEATS) -> list[tuple[int, float]]:
+                  repeats: int = REPEATS, min_rows: int = MIN_ROWS) -> list[tuple[int, float]]:
     """Time ``run(rows)`` (returns seconds) at 1, 2, 4, ... rows up to ``max_rows`` (the last
     capped to it), ``repeats`` times each, after one untimed warm-up at 1 row; a size's
-    seconds are its fastest pass. Stops before a size whose predicted passes (``repeats`` x
-    the line through the last two sizes, never below the last) would take the total, the
-    warm-up included, past ``budget_s``. Returns ``[(rows, seconds), ...]`` in order (empty
-    for ``max_rows < 1``)."""
+    seconds are its fastest pass. Past ``min_rows`` it stops before a size whose predicted
+    passes (``repeats`` x the line through the last two sizes, never below the last) would
+    take the total, the warm-up included, past ``budget_s``. Returns ``[(rows, seconds),
+    ...]`` in order (empty for ``max_rows < 1``)."""
     if max_rows < 1:
         return []
     spent = run(1)  # the first pass pays one-time costs (kernel set-up, first touches)
@@ -66,7 +71,7 @@ def doubling_rows(run: Callable[[int], float], max_rows: int, budget_s: float = 
         if len(out) >= 2:
             (r0, s0), (r1, s1) = out[-2], out[-1]
             predicted = max(s1, s1 + (s1 - s0) / (r1 - r0) * (nxt - r1))
-        if spent + repeats * predicted > budget_s:
+        if nxt > min_rows and spent + repeats * predicted > budget_s:
             return out
         rows = nxt
 
@@ -113,9 +118,10 @@ def time_draft_passes(drafter: Any, kv_cache_config: KVCacheConfig, block_size: 
     best = threads.candidates[0]
     if len(threads.candidates) > 1:
         one_row = {}
+        with threads.running(best):
+            run(1)  # warm-up (once: the weights are the same for every count)
         for count in threads.candidates:
             with threads.running(count):
-                run(1)
                 one_row[count] = min(run(1) for _ in range(REPEATS))
             threads.seed(count, one_row[count])
         best = min(one_row, key=one_row.get)

@@ -36,6 +36,28 @@ def test_observations_are_averaged_and_go_stale():
     assert not t.is_measured(1) and t.is_measured(64)
 
 
+def test_stale_bins_are_left_out_of_predictions():
+    """Steps of 4 tokens measured at 3 s under load, then only 1-token steps (1 s) for more
+    than stale_after observations: the 4-token bin is stale and left out, so 4 tokens predict
+    1 s (held from the fresh bin) until a 4-token step is measured again; with every bin
+    stale, all of them count."""
+    t = StepTimes(smoothing=1.0, stale_after=3)
+    t.observe(4, 3.0)
+    t.observe(1, 1.0)
+    assert t.predict(np.array([4]))[0] == 3.0  # still fresh
+    for _ in range(3):
+        t.observe(1, 1.0)
+    assert t.predict(np.array([1, 4])).tolist() == [1.0, 1.0]
+    t.observe(4, 2.0)
+    assert t.predict(np.array([4]))[0] == 2.0
+    old = StepTimes(smoothing=1.0, stale_after=1)
+    old.observe(1, 1.0)
+    old.observe(4, 3.0)
+    assert old.predict(np.array([1, 4])).tolist() == [3.0, 3.0]  # only bin 4 is fresh
+    old.num_observations += 5  # none fresh: every measured bin counts
+    assert old.predict(np.array([1, 4])).tolist() == [1.0, 3.0]
+
+
 def test_acceptance_estimate_is_the_geometric_mle_with_a_prior():
     # 6 accepted before 2 rejections: 6 / 8; no record: the prior
     est = acceptance_estimate(np.array([6.0, 0.0]), np.array([2.0, 0.0]), prior=0.5,

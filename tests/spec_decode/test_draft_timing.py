@@ -28,9 +28,17 @@ def test_doubling_stops_before_the_budget():
     2 x 0.25 (0.95); 4 rows predicted 2 x (0.25 + 0.1 x 2) = 0.9: 1.85 <= 2.0 -> 2 x 0.45
     (1.85); 8 rows predicted 2 x (0.45 + 0.1 x 4) = 1.7: 3.55 > 2.0, not run."""
     run, calls = _fake(lambda rows: 0.05 + 0.1 * rows)
-    got = doubling_rows(run, max_rows=256, budget_s=2.0, repeats=2)
+    got = doubling_rows(run, max_rows=256, budget_s=2.0, repeats=2, min_rows=1)
     assert [r for r, _ in got] == [1, 2, 4] and calls == [1, 1, 1, 2, 2, 4, 4]
     assert np.allclose([s for _, s in got], [0.15, 0.25, 0.45])
+
+
+def test_sizes_to_min_rows_are_timed_whatever_the_budget():
+    """No budget at all: still 1, 2, 4, 8 (min_rows 8), so the cost model has a slope to
+    extrapolate along; 16 is not run."""
+    run, calls = _fake(lambda rows: 0.05 + 0.1 * rows)
+    assert [r for r, _ in doubling_rows(run, max_rows=256, budget_s=0.0)] == [1, 2, 4, 8]
+    assert max(calls) == 8
 
 
 def test_a_size_counts_its_fastest_pass():
