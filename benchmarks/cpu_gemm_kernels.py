@@ -1,12 +1,21 @@
 """GFLOP/s of the CPU GEMM kernels on SmolLM2-135M's GEMM shapes, one thread, by CPU time.
 
     .venv/bin/python benchmarks/cpu_gemm_kernels.py [--threads 1] [--levels avx512_bf16,avx2]
+    .venv/bin/python benchmarks/cpu_gemm_kernels.py --compare [--threads 1] [--rows 1,32,64]
 
 For each weight shape and row count: kvflow's C GEMM built for each ISA level this CPU runs
 (``KVFLOW_CPU_ISA`` levels; fp32 weights, and bf16 weights - VDPBF16PS pairs on AVX512-BF16,
 widened to fp32 elsewhere) and oneDNN's packed GEMM in fp32 and bf16. Each figure is the best
 of 5 passes of process CPU time per call (less sensitive to other processes on a shared machine
 than wall time; the weight stays in cache, so one-row calls show compute, not memory).
+
+``--compare``: kvflow's bf16 GEMM at this CPU's best level (AMX tiles where it has them) against
+oneDNN's bf16 GEMM, both on SmolLM2-135M's five GEMM shapes, per row count: ms per call and the
+ratio oneDNN / kvflow (> 1: kvflow faster), the two kernels' passes alternating. Up to 64 rows
+the weights cycle through distinct copies larger than the last-level cache (as a model's layers
+do in decode, so each call reads its weight from memory); above, two copies (compute-bound, as
+``--cpu-gemm auto`` times them). One thread by process
+CPU time, or ``--threads 2`` by wall time (run it under the bench lock on a quiet machine).
 """
 
 from __future__ import annotations
@@ -54,12 +63,68 @@ def kernels_of(n: int, k: int, m: int, levels) -> dict[str, float]:
     return res
 
 
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]  # (n, k)
+STREAM_BYTES = 160 << 20  # weights cycled per timing: more than the 105 MB L3 of the AMX Xeon
+STREAM_ROWS = 64  # up to this many rows a call streams its weight (decode); above, two copies
+
+
+def compare(rows_list: list[int], threads: int, passes: int = 5) -> None:
+    """Prints kvflow's bf16 GEMM against oneDNN's, per shape and row count (see the module
+    docstring), and the geometric mean ratio per row count."""
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+
+    kernels = native_cpu_kernels()
+    clock = time.process_time if threads == 1 else time.perf_counter
+    gen = torch.Generator().manual_seed(0)
+    print(f"kvflow ({kernels.isa}) vs oneDNN, bf16 -> bf16, {threads} thread(s), "
+          f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
+    print("| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |")
+    print("|---|---|---|---|---|")
+    ratios: dict[int, list[float]] = {m: [] for m in rows_list}
+    for n, k in MODEL_SHAPES:
+        copies = max(2, min(256, STREAM_BYTES // (n * k * 2)))
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        fns = {"kvflow": [], "onednn": []}
+        for _ in range(copies):
+            packed = kernels.gemm_pack(w)
+            fns["kvflow"].append(lambda x, p=packed: kernels.gemm(x, p, n, None, torch.bfloat16))
+            od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            fns["onednn"].append(lambda x, od=od: torch.ops.mkldnn._linear_pointwise(
+                x, od, None, "none", [], ""))
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            best = {}
+            for name, pool in fns.items():
+                pool = pool if m <= STREAM_ROWS else pool[:2]
+                pool[0](x)
+                best[name] = float("inf")
+            for _ in range(passes):
+                for name, pool in fns.items():
+                    pool = pool if m <= STREAM_ROWS else pool[:2]
+                    start = clock()
+                    for fn in pool:
+                        fn(x)
+                    best[name] = min(best[name], (clock() - start) / len(pool))
+            ratio = best["onednn"] / best["kvflow"]
+            ratios[m].append(ratio)
+            print(f"| {n}x{k} | {m} | {best['kvflow'] * 1e3:.3f} | {best['onednn'] * 1e3:.3f} "
+                  f"| {ratio:.2f}x |", flush=True)
+    for m, rs in ratios.items():
+        gmean = torch.tensor(rs).log().mean().exp().item()
+        print(f"rows {m}: geometric mean oneDNN / kvflow {gmean:.2f}x over {len(rs)} shapes")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--levels", default=",".join(lv.name for lv in isa_levels_for_cpu()[:2]))
+    parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--rows", default="1,32,64,128,256,512")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compare:
+        compare([int(r) for r in args.rows.split(",")], args.threads)
+        return
     levels = {name: native_cpu_kernels_for_isa(name) for name in args.levels.split(",")}
     levels = {name: k for name, k in levels.items() if k is not None}
     for n, k in SHAPES:

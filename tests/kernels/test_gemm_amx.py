@@ -47,3 +47,32 @@ def test_amx_reads_strided_rows_and_matches_the_dot_product_build():
         _fp32_oracle_check(dot.gemm(x, dot.gemm_pack(w), 50), x.float(), w.float(), None)
         assert not dot.lib.kvflow_gemm_amx(160)
     assert [AMX.lib.kvflow_gemm_amx(k) for k in (32, 160, 600, 0)] == [1, 1, 0, 0]
+
+
+# cpu_gemm_amx.h blocks x in AMX_MB = 256 rows and walks k in AMX_KB = 256 chunks: these cover
+# several row blocks (a last block of 1 and of 33 rows), k over one, two and six chunks and a
+# last chunk shorter than the others.
+@pytest.mark.parametrize("m,n,k", [(257, 40, 320), (289, 64, 576), (513, 33, 64),
+                                   (64, 96, 1536)])
+def test_amx_blocks_and_k_chunks_match_float64_oracle(m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    got = AMX.gemm(x, AMX.gemm_pack(w), n, b)
+    _fp32_oracle_check(got, x.float(), w.float(), b)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_amx_16_bit_output_is_its_fp32_result_rounded_once(out_dtype):
+    """A 16-bit y is rounded per 32-row group inside the AMX kernel: bit for bit torch's
+    rounding of the same kernel's fp32 result, across row blocks and an edge panel."""
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 300, 70, 576
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = AMX.gemm_pack(torch.randn(n, k, generator=gen).bfloat16())
+    b = torch.randn(n, generator=gen)
+    for bias in (None, b):
+        wide = AMX.gemm(x, packed, n, bias)
+        got = AMX.gemm(x, packed, n, bias, out_dtype)
+        assert torch.equal(got.view(torch.int16), wide.to(out_dtype).view(torch.int16))

@@ -25,7 +25,8 @@
  * which adds two bf16 products to each fp32 lane per instruction: twice the multiply rate of
  * fp32 FMA and half the weight bytes. kvflow_gemm_x_dtype says which x a weight dtype takes.
  * In builds with AMX-BF16 (__AMX_BF16__) the same k-paired panels are multiplied by AMX tiles
- * instead (cpu_gemm_amx.h) where k is a multiple of 32.
+ * instead (cpu_gemm_amx.h) where k is a multiple of 32, in x blocks of 256 rows walked in k
+ * chunks, x packed in tile order from 48 rows.
  * Accumulation and the result are fp32 everywhere (the LM head of a 16-bit model keeps its
  * logits fp32; other layers round once, afterwards).
  *
@@ -128,7 +129,10 @@ static inline __attribute__((always_inline)) vhf load_w(const void *wp, int64_t 
     return f;
 }
 
-static inline vhf splat(float s) { return (vhf){0} + s; }
+/* s in every lane: one broadcast load. (`(vhf){0} + s` cost a vaddss per row and k step
+ * beside the two FMAs, on the same ports: 0 + s is not s for s = -0.0, so the compiler must
+ * add; s - 0 is s for every s, so it folds away.) */
+static inline vhf splat(float s) { return s - (vhf){0}; }
 
 static inline void store_tile_row(float *row, vhf lo, vhf hi, int accumulate, const float *init) {
     vhf a, b;
@@ -230,6 +234,8 @@ typedef struct {
     void *y; /* fp32 while the products are summed in it; see ydt */
     int64_t y_stride, m, n, k;
     int ydt; /* y's dtype: fp32, or bf16/fp16 (each item summed in fp32 scratch, rounded once) */
+    uint16_t *xtiles; /* AMX: x packed in tile order, block by block (cpu_gemm_amx.h), or NULL */
+    uint32_t *xstate; /* per x block: whether xtiles holds it yet */
 } Gemm;
 
 #if defined(__AMX_BF16__)
@@ -317,7 +323,7 @@ static void block_times_panel_to(const Gemm *g, int64_t ic, int64_t mb, int64_t 
         return;
     }
 #if AMX_TILES
-    if (amx_applies(g)) amx_block_panel(g, ic, mb, p, y, ldy);
+    if (amx_applies(g)) amx_block_panel(g, ic, mb, p, y, ldy, DT_F32);
     else
 #endif
     if (g->wdt == DT_BF16 && BF16_PAIRS) block_panel(g, ic, mb, p, DT_BF16, 1, y, ldy);
@@ -329,6 +335,14 @@ static void block_times_panel_to(const Gemm *g, int64_t ic, int64_t mb, int64_t 
 /* Rows [ic, ic + mb) of x times panel p, in place in y: summed there (fp32 y), or in an
  * fp32 scratch tile (in L1) rounded into a 16-bit y row by row. */
 static void block_times_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p) {
+#if AMX_TILES
+    if (g->k > 0 && amx_applies(g)) { /* rounds a 16-bit y itself, per 32-row group */
+        const int64_t es = (int64_t)elem_size(g->ydt);
+        amx_block_panel(g, ic, mb, p, (char *)g->y + (ic * g->y_stride + p * NR) * es,
+                        g->y_stride, g->ydt);
+        return;
+    }
+#endif
     if (g->ydt == DT_F32) {
         block_times_panel_to(g, ic, mb, p, (float *)g->y + ic * g->y_stride + p * NR,
                              g->y_stride);
@@ -342,9 +356,13 @@ static void block_times_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p) 
                   cols);
 }
 
-/* Rows of x per block: up to 96 rows of all of k, within ~256 KB (half this EPYC's L2). */
-static int64_t block_rows(int64_t k) {
-    const int64_t rows = (65536 / (k > 0 ? k : 1)) / MR * MR;
+/* Rows of x per block: up to 96 rows of all of k, within ~256 KB (half this EPYC's L2); on AMX
+ * tiles AMX_MB (cpu_gemm_amx.h: the k-chunked loop keeps x's block in L2 however long k is). */
+static int64_t block_rows(const Gemm *g) {
+#if AMX_TILES
+    if (g->k > 0 && amx_applies(g)) return AMX_MB;
+#endif
+    const int64_t k = g->k, rows = (65536 / (k > 0 ? k : 1)) / MR * MR;
     return rows < MR ? MR : rows > MC ? MC : rows;
 }
 
@@ -380,13 +398,24 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
                 int64_t k, int num_threads) {
     if (xdt != kvflow_gemm_x_dtype(wdt)) return 1;
     if (m <= 0 || n <= 0) return 0;
-    const Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt};
-    const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(k);
+    Gemm g = {x, x_stride, packed, wdt, xdt, bias, y, y_stride, m, n, k, ydt, NULL, NULL};
+    const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
     const int64_t blocks = (m + mb_max - 1) / mb_max;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > panels ? (int)panels : num_threads;
     if (blocks * panels >= ((int64_t)1 << 32)) return 1;
     Share *shares = aligned_alloc(64, sizeof(Share) * nt);
     if (!shares) return 1;
+#if AMX_TILES
+    if (m >= AMX_PACK_ROWS && panels > 1 && k > 0 && amx_applies(&g)) {
+        /* whole 16-row strips; without memory, x is read in place */
+        g.xtiles = aligned_alloc(64, (size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * k * 2));
+        g.xstate = calloc((size_t)blocks, sizeof *g.xstate);
+        if (!g.xtiles || !g.xstate) {
+            free(g.xtiles), free(g.xstate);
+            g.xtiles = NULL, g.xstate = NULL;
+        }
+    }
+#endif
     /* Thread t's share: panels [p0, p1) for every x block, item = block * (p1 - p0) + p - p0. */
     for (int t = 0; t < nt; ++t)
         shares[t].range = (uint64_t)(blocks * (panels * (t + 1) / nt - panels * t / nt));
@@ -397,12 +426,17 @@ int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, in
             const int t = (self + i) % nt; /* own share first, then the others' */
             const int64_t p0 = panels * t / nt, width = panels * (t + 1) / nt - p0;
             for (int64_t item; (item = claim(&shares[t], t != self)) >= 0;) {
-                const int64_t ic = item / width * mb_max;
-                block_times_panel(&g, ic, min64(m - ic, mb_max), p0 + item % width);
+                const int64_t ic = item / width * mb_max, mb = min64(m - ic, mb_max);
+#if AMX_TILES
+                amx_pack_block_once(&g, item / width, ic, mb);
+#endif
+                block_times_panel(&g, ic, mb, p0 + item % width);
             }
         }
     }
     free(shares);
+    free(g.xtiles);
+    free(g.xstate);
     return 0;
 }
 
@@ -454,9 +488,9 @@ int kvflow_gemm_pooled(KvflowPool *pool, const void *x, int64_t x_stride, int xd
     }
     for (int64_t i = 0; i < m; ++i) memcpy(xc + i * row, (const char *)x + i * x_stride * xes, row);
     if (bias) memcpy(bc, bias, (size_t)n * sizeof(float));
-    const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(k);
-    const PooledGemm pg = {{xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k, ydt}, mb_max,
-                           panels};
+    const Gemm g = {xc, k, packed, wdt, xdt, bc, y, y_stride, m, n, k, ydt, NULL, NULL};
+    const int64_t panels = (n + NR - 1) / NR, mb_max = block_rows(&g);
+    const PooledGemm pg = {g, mb_max, panels};
     kvflow_pool_run(pool, pooled_item, pooled_commit, &pg, sizeof pg, mb_max * NR,
                     (m + mb_max - 1) / mb_max * panels);
     kvflow_pool_end(pool);

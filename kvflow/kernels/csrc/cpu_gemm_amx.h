@@ -28,7 +28,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-enum { AMX_K = 32, AMX_ROWS = 16, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+/* AMX_MB: rows of x per block (x block of AMX_MB x k bf16 in L2: 288 KB at k = 576, 768 KB at
+ * k = 1,536, within the 2 MiB L2 per core of the AMX Xeons); AMX_KB: k values per chunk. */
+enum { AMX_K = 32, AMX_ROWS = 16, AMX_MB = 256, AMX_KB = 256, ARCH_REQ_XCOMP_PERM = 0x1023,
+       XFEATURE_XTILEDATA = 18 };
+/* x is packed in tile order from AMX_PACK_ROWS rows (fewer rows are read by few panels' worth
+ * of tile loads: packing did not pay at 32 rows); states of a block's packing (Gemm.xstate). */
+enum { AMX_PACK_ROWS = 48, AMX_X_IN_PLACE = 0, AMX_X_PACKING = 1, AMX_X_PACKED = 2 };
 
 /* The 64-byte operand of LDTILECFG, palette 1. */
 typedef struct {
@@ -69,55 +75,127 @@ static inline int amx_applies(const Gemm *g) {
            amx_ready();
 }
 
-/* Rows [ic, ic + mb) of x times k-paired panel p into y (row stride ldy, column 0 = the panel's
- * first), plus bias. Full panels are stored straight from the tiles; an edge panel (fewer than
- * NR columns) goes through a scratch tile. */
-static void amx_block_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p, float *y,
-                            int64_t ldy) {
-    const int64_t cols = min64(g->n - p * NR, NR), k = g->k;
-    const uint16_t *panel = (const uint16_t *)g->packed + p * k * NR;
-    const int64_t xs = g->x_stride * 2, bs = 2 * NR * 2; /* bytes per x row / pair row */
-    float scratch[2 * AMX_ROWS * NR];
-    for (int64_t ir = 0; ir < mb; ir += 2 * AMX_ROWS) {
-        const int rows0 = (int)min64(mb - ir, AMX_ROWS);
-        const int rows1 = (int)(mb - ir > AMX_ROWS ? min64(mb - ir - AMX_ROWS, AMX_ROWS) : 0);
-        amx_configure(rows0, rows1);
-        const char *x0 = (const char *)g->x + (ic + ir) * xs, *x1 = x0 + AMX_ROWS * xs;
+/* Loads C tiles 0-3 (rows1 = 0: only 0-1) from c (row stride cb bytes), or zeroes them. */
+static inline void amx_load_c(const float *c, int64_t ldc, int rows1, int zero) {
+    const int64_t cb = ldc * 4;
+    if (zero) {
         _tile_zero(0);
         _tile_zero(1);
         if (rows1) {
             _tile_zero(2);
             _tile_zero(3);
         }
-        for (int64_t kc = 0; kc < k; kc += AMX_K) {
-            const uint16_t *b = panel + kc * NR; /* pair row kc / 2 */
-            _tile_loadd(6, b, bs);
-            _tile_loadd(7, b + AMX_ROWS * 2, bs);
-            _tile_loadd(4, x0 + kc * 2, xs);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (rows1) {
-                _tile_loadd(5, x1 + kc * 2, xs);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+        return;
+    }
+    _tile_loadd(0, c, cb);
+    _tile_loadd(1, c + AMX_ROWS, cb);
+    if (rows1) {
+        _tile_loadd(2, c + AMX_ROWS * ldc, cb);
+        _tile_loadd(3, c + AMX_ROWS * ldc + AMX_ROWS, cb);
+    }
+}
+
+static inline void amx_store_c(float *c, int64_t ldc, int rows1) {
+    const int64_t cb = ldc * 4;
+    _tile_stored(0, c, cb);
+    _tile_stored(1, c + AMX_ROWS, cb);
+    if (rows1) {
+        _tile_stored(2, c + AMX_ROWS * ldc, cb);
+        _tile_stored(3, c + AMX_ROWS * ldc + AMX_ROWS, cb);
+    }
+}
+
+/* Packs rows [ic, ic + mb) of x into g->xtiles in tile order: 16-row strip r, k step s (32
+ * values) at element (r * k / 32 + s) * 512, one 1 KB A tile whose rows are 64 bytes apart. */
+static void amx_pack_rows(const Gemm *g, int64_t ic, int64_t mb) {
+    const int64_t steps = g->k / AMX_K;
+    const uint16_t *x = (const uint16_t *)g->x;
+    for (int64_t r = ic; r < ic + mb; ++r)
+        for (int64_t s = 0; s < steps; ++s)
+            memcpy(g->xtiles + ((r / AMX_ROWS) * steps + s) * (AMX_ROWS * AMX_K) +
+                       (r % AMX_ROWS) * AMX_K,
+                   x + r * g->x_stride + s * AMX_K, AMX_K * 2);
+}
+
+/* Block b (rows [ic, ic + mb)) of x in tile order, packed by the first thread that asks; the
+ * others go on meanwhile, reading x in place (the same values, so the same results), instead of
+ * waiting for it. */
+static void amx_pack_block_once(const Gemm *g, int64_t b, int64_t ic, int64_t mb) {
+    uint32_t idle = AMX_X_IN_PLACE;
+    if (!g->xtiles || __atomic_load_n(&g->xstate[b], __ATOMIC_RELAXED) != AMX_X_IN_PLACE ||
+        !__atomic_compare_exchange_n(&g->xstate[b], &idle, AMX_X_PACKING, 0, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED))
+        return;
+    amx_pack_rows(g, ic, mb);
+    __atomic_store_n(&g->xstate[b], AMX_X_PACKED, __ATOMIC_RELEASE);
+}
+
+/* Rows [ic, ic + mb) of x (one block: ic a multiple of AMX_MB, mb <= AMX_MB) times k-paired
+ * panel p into y (dtype ydt, row stride ldy elements, column 0 = the panel's first), plus bias.
+ *
+ * Blocking (Goto & van de Geijn's loop nest, with AMX tiles as the micro-kernel): k is walked in
+ * chunks of AMX_KB values; for each chunk, every 32-row group of the block multiplies the same
+ * AMX_KB x 32 slice of the panel (16 KB, which stays in L1 across the groups) by its own
+ * 32 x AMX_KB slice of x (16 KB, from L2), the fp32 sums carried between chunks in C (y itself
+ * for an fp32 y and a full panel, else an L1/L2 scratch rounded once at the end). So a call
+ * with up to AMX_MB rows reads each weight panel from memory once. x's A tiles come from the
+ * block packed in tile order when it is ready (contiguous 1 KB loads; read in place, 16 rows
+ * k * 2 bytes apart, they ran 1.3-3x slower: strided rows that share cache sets), else in
+ * place. */
+static void amx_block_panel(const Gemm *g, int64_t ic, int64_t mb, int64_t p, void *y,
+                            int64_t ldy, int ydt) {
+    const int64_t cols = min64(g->n - p * NR, NR), k = g->k;
+    const uint16_t *panel = (const uint16_t *)g->packed + p * k * NR;
+    const int64_t bs = 2 * NR * 2; /* bytes per pair row */
+    const int tiles = g->xtiles && __atomic_load_n(&g->xstate[ic / AMX_MB], __ATOMIC_ACQUIRE) ==
+                                       AMX_X_PACKED;
+    /* bytes between x rows and between k steps, and of one 16-row strip */
+    const int64_t xs = tiles ? AMX_K * 2 : g->x_stride * 2, ks = tiles ? AMX_ROWS * AMX_K * 2 : AMX_K * 2;
+    const int64_t strip = tiles ? k / AMX_K * ks : AMX_ROWS * xs;
+    const char *xbase = tiles ? (const char *)(g->xtiles + ic * k) : (const char *)g->x + ic * xs;
+    const int in_place = ydt == DT_F32 && cols == NR;
+    _Alignas(64) float scratch[AMX_MB * NR];
+    float *c = in_place ? (float *)y : scratch;
+    const int64_t ldc = in_place ? ldy : NR;
+    int cfg0 = -1, cfg1 = -1; /* the tile configuration loaded (another kernel may change it
+                                 between calls: always loaded once per call) */
+    for (int64_t kb = 0; kb < k; kb += AMX_KB) {
+        const int64_t kend = min64(k, kb + AMX_KB);
+        for (int64_t ir = 0; ir < mb; ir += 2 * AMX_ROWS) {
+            const int rows0 = (int)min64(mb - ir, AMX_ROWS);
+            const int rows1 = (int)(mb - ir > AMX_ROWS ? min64(mb - ir - AMX_ROWS, AMX_ROWS) : 0);
+            if (rows0 != cfg0 || rows1 != cfg1) {
+                amx_configure(rows0, rows1);
+                cfg0 = rows0, cfg1 = rows1;
             }
+            float *cc = c + ir * ldc;
+            amx_load_c(cc, ldc, rows1, kb == 0);
+            const char *x0 = xbase + ir / AMX_ROWS * strip, *x1 = x0 + strip;
+            for (int64_t kc = kb; kc < kend; kc += AMX_K) {
+                const uint16_t *b = panel + kc * NR; /* pair row kc / 2 */
+                const int64_t at = kc / AMX_K * ks;
+                _tile_loadd(6, b, bs);
+                _tile_loadd(7, b + AMX_ROWS * 2, bs);
+                _tile_loadd(4, x0 + at, xs);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (rows1) {
+                    _tile_loadd(5, x1 + at, xs);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            amx_store_c(cc, ldc, rows1);
         }
-        const int direct = cols == NR;
-        float *c = direct ? y + ir * ldy : scratch;
-        const int64_t ldc = direct ? ldy : NR, cb = ldc * 4;
-        _tile_stored(0, c, cb);
-        _tile_stored(1, c + AMX_ROWS, cb);
-        if (rows1) {
-            _tile_stored(2, c + AMX_ROWS * ldc, cb);
-            _tile_stored(3, c + AMX_ROWS * ldc + AMX_ROWS, cb);
-        }
-        const int rows = rows0 + rows1;
-        if (!direct)
-            for (int i = 0; i < rows; ++i)
-                memcpy(y + (ir + i) * ldy, scratch + i * NR, (size_t)cols * sizeof(float));
-        if (g->bias)
-            for (int i = 0; i < rows; ++i)
-                for (int64_t j = 0; j < cols; ++j) y[(ir + i) * ldy + j] += g->bias[p * NR + j];
+    }
+    if (in_place && !g->bias) return;
+    const int64_t es = (int64_t)elem_size(ydt);
+    const float *bias = g->bias ? g->bias + p * NR : NULL;
+    for (int64_t i = 0; i < mb; ++i) {
+        float *row = c + i * ldc;
+        if (bias)
+            for (int64_t j = 0; j < cols; ++j) row[j] += bias[j];
+        if (!in_place) store_row(ydt, row, (char *)y + i * ldy * es, cols);
     }
 }
 
