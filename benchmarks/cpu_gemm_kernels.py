@@ -87,7 +87,7 @@ def compare(rows_list: list[int], threads: int, passes: int = 5) -> None:
         fns = {"kvflow": [], "onednn": []}
         for _ in range(copies):
             packed = kernels.gemm_pack(w)
-            fns["kvflow"].append(lambda x, p=packed: kernels.gemm(x, p, n, None, torch.bfloat16))
+            fns["kvflow"].append(lambda x, p=packed, n=n: kernels.gemm(x, p, n, None, torch.bfloat16))
             od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             fns["onednn"].append(lambda x, od=od: torch.ops.mkldnn._linear_pointwise(
                 x, od, None, "none", [], ""))
