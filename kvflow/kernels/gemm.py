@@ -122,7 +122,27 @@ class NativePackedWeight:
         return out if out.shape[1] == self.in_features else out[:, :self.in_features]
 
 
-PackedWeight = OneDnnPackedWeight | NativePackedWeight
+class RowSplitWeight:
+    """One weight packed for two kernels (``--cpu-gemm auto``'s
+    :class:`~kvflow.kernels.gemm_select.KernelSplit`): calls of up to ``max_small_rows`` rows
+    run ``small``, larger ones ``large`` (e.g. kvflow's AMX GEMM for decode batches, oneDNN for
+    prefill). Costs a second copy of the weight."""
+
+    def __init__(self, small: OneDnnPackedWeight | NativePackedWeight,
+                 large: OneDnnPackedWeight | NativePackedWeight, max_small_rows: int) -> None:
+        if max_small_rows < 1:
+            raise ValueError(f"max_small_rows must be >= 1, got {max_small_rows}")
+        self.small, self.large, self.max_small_rows = small, large, max_small_rows
+        self.parts = (small, large)  # both packed copies (weight_bytes counts them)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[..., N]: the chosen kernel's result (its dtype; :func:`linear` converts)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return (self.small if rows <= self.max_small_rows else self.large)(x, bias, out_dtype)
+
+
+PackedWeight = OneDnnPackedWeight | NativePackedWeight | RowSplitWeight
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int,
@@ -219,12 +239,13 @@ def cpu_gemm_kernels(choice: str | None = None) -> NativeCpuKernels | None:
 
 def prepack_gemm_weights(model: nn.Module, batch_hint: int,
                          kernels: NativeCpuKernels | None = None,
-                         pick: Callable[[torch.Tensor], str] | None = None,
+                         pick: Callable[[torch.Tensor], object] | None = None,
                          dtype: torch.dtype = torch.float32) -> Counter[str]:
     """Pack the 2-D ``dtype`` weight of every GEMM module of ``model`` once: for the kernel
-    ``pick(weight)`` names ("native": kvflow's C GEMM, needs ``kernels``; "onednn"), by default
-    kvflow's C GEMM when ``kernels`` is given, else oneDNN (see :func:`pack_weight`). Returns
-    how many modules each kernel got.
+    ``pick(weight)`` names ("native": kvflow's C GEMM, needs ``kernels``; "onednn"; or a
+    :class:`~kvflow.kernels.gemm_select.KernelSplit` of the two: packed for both, a
+    :class:`RowSplitWeight`), by default kvflow's C GEMM when ``kernels`` is given, else
+    oneDNN (see :func:`pack_weight`). Returns how many modules each kernel got.
 
     Called once after loading on CPU. A module that owns its weight (not one tied to the
     embedding table) keeps only the packed copy: its plain ``weight`` becomes an empty [0, K]
@@ -241,13 +262,23 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int,
                 or module.packed_weight is not None:  # e.g. a 16-bit LM head packed for fp32
             continue
         kernel = pick(weight) if pick else ("native" if kernels is not None else "onednn")
-        module.packed_weight = pack_weight(weight, batch_hint,
-                                           kernels if kernel == "native" else None)
+        module.packed_weight = _pack_for(weight, batch_hint, kernels, kernel)
         if id(weight) not in tied:
             module.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]),
                                          requires_grad=False)
-        counts[kernel] += 1
+        counts[str(kernel)] += 1
     return counts
+
+
+def _pack_for(weight: torch.Tensor, batch_hint: int, kernels: NativeCpuKernels | None,
+              kernel: object) -> PackedWeight:
+    """``weight`` packed for ``kernel`` ("native", "onednn" or a KernelSplit of the two)."""
+    small = getattr(kernel, "small", None)
+    if small is not None:
+        return RowSplitWeight(_pack_for(weight, batch_hint, kernels, small),
+                              _pack_for(weight, batch_hint, kernels, kernel.large),
+                              kernel.max_small_rows)
+    return pack_weight(weight, batch_hint, kernels if kernel == "native" else None)
 
 
 def pack_logits_head(head: nn.Module, batch_hint: int,

@@ -15,6 +15,12 @@ kept 16-bit in its panels and widened in registers; fp32 accumulation), ``onednn
 packed GEMM in the model dtype (for 16-bit only where the CPU has native 16-bit matmuls).
 A 16-bit LM head always runs ``native`` (its logits must stay fp32, and oneDNN's 16-bit GEMM
 rounds its output).
+
+Where the fastest kernel changes once along the row classes (on the AMX Xeon: kvflow's AMX GEMM
+at decode rows, oneDNN at prefill rows) and the model's GEMM weights are small enough to keep
+twice (:data:`SPLIT_MAX_BYTES`), a shape class gets both (:class:`KernelSplit`): each call runs
+the kernel that won its row range, split at the geometric midpoint of the two row classes
+around the change.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +49,7 @@ LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, 
 POOL_BYTES = 160 << 20  # weights cycled per one-row timing: more than the L3 cache (105 MB on
 MAX_COPIES = 256        # the AMX Xeon), as in a model whose weights stream from memory
 REPEATS = 4
+SPLIT_MAX_BYTES = 512 << 20  # GEMM weights (one copy) up to which a shape may be packed twice
 # part of the cache key: timings of another method or other row classes are redone
 TIMING_METHOD = f"cpu-time-1-thread|alternating-4|rows {ROW_CLASSES}|pool {POOL_BYTES}"
 
@@ -225,11 +233,40 @@ def candidates_for(dtype: torch.dtype, choice: str, kernels: NativeCpuKernels | 
     return allowed
 
 
-def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None) -> str:
-    """The candidate for ``shape``: the only one, or the fastest by :func:`best_candidate`."""
+@dataclass(frozen=True)
+class KernelSplit:
+    """Two kernels for one shape class: ``small`` for calls of up to ``max_small_rows`` rows,
+    ``large`` above (the weight is packed for both)."""
+
+    small: str
+    large: str
+    max_small_rows: int
+
+    def __str__(self) -> str:
+        return f"{self.small}<={self.max_small_rows}/{self.large}"
+
+
+def split_candidate(times: dict[str, dict[int, float]]) -> KernelSplit | None:
+    """A :class:`KernelSplit` when the fastest candidate changes exactly once along
+    ROW_CLASSES (e.g. native at 1 and 64 rows, oneDNN at 512), split at the geometric midpoint
+    of the two row classes around the change (181 rows between 64 and 512); else None."""
+    winners = [min(times, key=lambda c: times[c][rows]) for rows in ROW_CLASSES]
+    changes = [i for i in range(1, len(winners)) if winners[i] != winners[i - 1]]
+    if len(changes) != 1:
+        return None
+    i = changes[0]
+    return KernelSplit(winners[0], winners[-1], math.isqrt(ROW_CLASSES[i - 1] * ROW_CLASSES[i]))
+
+
+def choose(shape: GemmShape, candidates: tuple[str, ...], timings: GemmTimings | None,
+           split: bool = False) -> str | KernelSplit:
+    """The kernel for ``shape``: the only candidate, or with ``split`` (both packings
+    affordable) a :class:`KernelSplit` where the fastest changes along the row classes
+    (:func:`split_candidate`), else the fastest by :func:`best_candidate`."""
     if len(candidates) == 1 or timings is None:
         return candidates[0]
-    return best_candidate(timings.get_all(shape, candidates))
+    times = timings.get_all(shape, candidates)
+    return (split and split_candidate(times)) or best_candidate(times)
 
 
 def transformer_gemm_shapes(hf_config) -> list[tuple[int, int, int]] | None:

@@ -91,9 +91,11 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
-        packed = getattr(getattr(module, "packed_weight", None), "packed", None)
-        if isinstance(packed, torch.Tensor):
-            tensors.append(packed)
+        packed_weight = getattr(module, "packed_weight", None)
+        for part in getattr(packed_weight, "parts", (packed_weight,)):  # a RowSplitWeight: 2
+            packed = getattr(part, "packed", None)
+            if isinstance(packed, torch.Tensor):
+                tensors.append(packed)
     for t in tensors:
         if t.device.type == "meta" or t.numel() == 0:
             continue

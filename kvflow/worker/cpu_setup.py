@@ -17,13 +17,20 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
 from kvflow.kernels.gemm import (
+    GemmPathMixin,
     GemmWorkspace,
     drop_plain_head_weight,
     pack_logits_head,
     prepack_gemm_weights,
     widen_half_gemms,
 )
-from kvflow.kernels.gemm_select import GemmShape, candidates_for, choose, gemm_timings
+from kvflow.kernels.gemm_select import (
+    SPLIT_MAX_BYTES,
+    GemmShape,
+    candidates_for,
+    choose,
+    gemm_timings,
+)
 from kvflow.platforms import Platform
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
 from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
@@ -80,9 +87,10 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         # logits in fp32: the 16-bit LM head's accumulation is never rounded to 16 bits
         pack_logits_head(head, config.scheduler_config.max_num_seqs,
                          None if choice == "onednn" else kernels)
+    split = timings is not None and _gemm_weight_bytes(model, dtype) <= SPLIT_MAX_BYTES
     counts = prepack_gemm_weights(
         model, config.scheduler_config.max_num_seqs, kernels,
-        lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings),
+        lambda w: choose(GemmShape(w.shape[0], w.shape[1], dtype), candidates, timings, split),
         dtype)
     if timings is not None:
         timings.save()
@@ -95,3 +103,12 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         check_all_packed(model)
         logger.info("deterministic mode (batch-invariant kernels): %s",
                     "; ".join(DETERMINISTIC_CHANGES))
+
+
+def _gemm_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the 2-D ``dtype`` weights of ``model``'s GEMM modules (what a second packing of
+    every one would add)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, GemmPathMixin) and isinstance(getattr(m, "weight", None),
+                                                               torch.Tensor)
+               and m.weight.dim() == 2 and m.weight.dtype == dtype)

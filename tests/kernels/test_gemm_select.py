@@ -15,14 +15,22 @@ from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, cpu_gemm_choice
 from kvflow.kernels import gemm_select
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.kernels.gemm import NativePackedWeight, OneDnnPackedWeight
+from kvflow.kernels.gemm import (
+    NativePackedWeight,
+    OneDnnPackedWeight,
+    RowSplitWeight,
+    prepack_gemm_weights,
+)
 from kvflow.kernels.gemm_select import (
     ROW_CLASSES,
     GemmShape,
     GemmTimings,
+    KernelSplit,
     best_candidate,
     candidates_for,
+    choose,
     choose_dtype,
+    split_candidate,
     time_candidate,
     transformer_gemm_shapes,
 )
@@ -38,6 +46,68 @@ def test_best_candidate_sums_relative_times():
     assert best_candidate({"native": {1: 1.0, 64: 9.0, 512: 30.0}, **fast}) == "onednn"
     # the prefill class counts as much: 2x faster at 1 row, level at 64, 2.5x slower at 512
     assert best_candidate({"native": {1: 1.0, 64: 4.0, 512: 75.0}, **fast}) == "onednn"
+
+
+def test_split_where_the_fastest_changes_once():
+    """native fastest at 1 and 64 rows, oneDNN at 512: split at sqrt(64 * 512) = 181 rows;
+    a change between 1 and 64 splits at 8; one winner everywhere, or two changes, no split."""
+    onednn = {1: 2.0, 64: 4.0, 512: 30.0}
+    assert split_candidate({"native": {1: 1.0, 64: 3.0, 512: 40.0}, "onednn": onednn}) == \
+        KernelSplit("native", "onednn", 181)
+    assert split_candidate({"native": {1: 3.0, 64: 3.0, 512: 20.0}, "onednn": onednn}) == \
+        KernelSplit("onednn", "native", 8)
+    assert split_candidate({"native": {1: 1.0, 64: 3.0, 512: 20.0}, "onednn": onednn}) is None
+    assert split_candidate({"native": {1: 1.0, 64: 5.0, 512: 20.0}, "onednn": onednn}) is None
+    assert str(KernelSplit("native", "onednn", 181)) == "native<=181/onednn"
+
+
+def test_choose_splits_only_when_both_packings_are_affordable(tmp_path):
+    shape = GemmShape(32, 16, torch.bfloat16)
+    secs = {shape.key(c, r): t for c, times in {"native": (1.0, 3.0, 40.0),
+                                                 "onednn": (2.0, 4.0, 30.0)}.items()
+            for r, t in zip(ROW_CLASSES, times)}
+    timings = _fake_timings(tmp_path, secs)
+    cands = ("native", "onednn")
+    assert choose(shape, cands, timings, split=True) == KernelSplit("native", "onednn", 181)
+    # without the split: relative sums 1 + 1 + 1.33 vs 2 + 1.33 + 1
+    assert choose(shape, cands, timings, split=False) == "native"
+    assert choose(shape, ("onednn",), timings, split=True) == "onednn"
+
+
+@native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_row_split_weight_runs_each_kernel_on_its_rows():
+    """Up to max_small_rows rows (counted over the leading dims) the small kernel's result,
+    bit for bit; above, the large one's; prepacking with a KernelSplit packs both and the
+    weight's bytes count both copies."""
+    from torch import nn
+
+    from kvflow.layers.linear import ReplicatedLinear
+    from kvflow.quant.base import weight_bytes
+
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    small, large = NativePackedWeight(w, native_cpu_kernels()), OneDnnPackedWeight(w, 64)
+    split = RowSplitWeight(small, large, 4)
+    for shape in [(4, 64), (2, 2, 64), (5, 64), (3, 2, 64)]:
+        x = torch.randn(*shape, generator=gen)
+        want = (small if x.numel() // 64 <= 4 else large)(x, b)
+        assert torch.equal(split(x, b), want)
+        ref = x.double() @ w.double().T + b.double()
+        assert torch.allclose(want.double(), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="max_small_rows"):
+        RowSplitWeight(small, large, 0)
+    model = nn.Sequential(ReplicatedLinear(64, 40))
+    model[0].weight.data = w.clone()
+    plain = weight_bytes(model)
+    counts = prepack_gemm_weights(model, 64, native_cpu_kernels(),
+                                  lambda _: KernelSplit("native", "onednn", 181))
+    assert counts == {"native<=181/onednn": 1}
+    packed = model[0].packed_weight
+    assert isinstance(packed, RowSplitWeight) and packed.max_small_rows == 181
+    assert isinstance(packed.small, NativePackedWeight)
+    assert isinstance(packed.large, OneDnnPackedWeight)
+    assert weight_bytes(model) >= plain + packed.small.packed.numel() * 4
 
 
 def test_candidates_follow_the_choice_and_what_is_available():
@@ -140,13 +210,15 @@ def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
 @native
 def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkeypatch):
     """--cpu-gemm auto: every fp32 GEMM packed for the kernel its timing picked (recorded in
-    the cache), and one greedy step's logprob equals HF's."""
+    the cache; both, split by rows, where the fastest changes along the row classes: the tiny
+    model's weights are far below SPLIT_MAX_BYTES), and one greedy step's logprob equals
+    HF's."""
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
               cpu_gemm="auto")
     model = llm.engine.core.executor.runner.model
     kinds = {type(m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")}
-    assert kinds <= {NativePackedWeight, OneDnnPackedWeight} and kinds
+    assert kinds <= {NativePackedWeight, OneDnnPackedWeight, RowSplitWeight} and kinds
     (cache,) = (tmp_path / "cpu_gemm").glob("*.json")
     assert any(key.startswith("float32|") for key in json.loads(cache.read_text()))
     prompt = [5, 9, 23, 41, 7]
