@@ -12,6 +12,16 @@
  * pass (a decode step's) runs on the calling thread alone (threads_for, cpu_common.h).
  */
 #include "cpu_common.h"
+#include "cpu_elementwise_avx512.h"
+
+/* Call f(DT, args...) with the dtype a compile-time constant, so an always-inline row function
+ * specializes per dtype. */
+#define BY_DTYPE(dtype, f, ...)                              \
+    do {                                                     \
+        if ((dtype) == DT_BF16) f(DT_BF16, __VA_ARGS__);     \
+        else if ((dtype) == DT_F16) f(DT_F16, __VA_ARGS__);  \
+        else f(DT_F32, __VA_ARGS__);                         \
+    } while (0)
 
 /* Round fp32 values to the storage dtype and back (identity for fp32). */
 static inline void round_to(int dtype, float *x, int64_t n, float *tmp16) {
@@ -35,6 +45,14 @@ int kvflow_rms_norm(const void *x, int64_t x_stride, const void *residual, int64
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; ++i) {
             if (!buf) continue;
+#if HAVE_EW512
+            BY_DTYPE(dtype, ew_rms_row, (const char *)x + i * x_stride * es,
+                     residual ? (const char *)residual + i * r_stride * es : NULL,
+                     residual ? (char *)residual_out + i * hidden * es : NULL,
+                     (const char *)weight,
+                     (char *)out + i * hidden * es, hidden, eps);
+            continue;
+#endif
             load_row(dtype, (const char *)x + i * x_stride * es, buf, hidden);
             if (residual) {
                 load_row(dtype, (const char *)residual + i * r_stride * es, tmp, hidden);
@@ -77,6 +95,10 @@ int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows
         for (int64_t i = 0; i < rows; ++i) {
             if (!gate) continue;
             const char *row = (const char *)x + i * x_stride * es;
+#if HAVE_EW512
+            BY_DTYPE(dtype, ew_silu_row, row, (char *)out + i * inter * es, inter);
+            continue;
+#endif
             load_row(dtype, row, gate, inter);
             load_row(dtype, row + inter * es, up, inter);
 #pragma omp simd
@@ -132,6 +154,15 @@ int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t n
         for (int64_t t = 0; t < tokens; ++t) {
             if (!buf) continue;
             const float *cs = cos_sin + positions[t] * rot_dim;
+#if HAVE_EW512
+            if (neox) {
+                BY_DTYPE(dtype, ew_rotary_neox, (char *)q + t * q_stride * es, num_heads,
+                         head_dim, rot_dim, cs);
+                BY_DTYPE(dtype, ew_rotary_neox, (char *)k + t * k_stride * es, num_kv_heads,
+                         head_dim, rot_dim, cs);
+                continue;
+            }
+#endif
             rotate_heads(dtype, (char *)q + t * q_stride * es, num_heads, head_dim, rot_dim, cs,
                          neox, buf);
             rotate_heads(dtype, (char *)k + t * k_stride * es, num_kv_heads, head_dim, rot_dim,
