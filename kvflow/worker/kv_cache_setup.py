@@ -12,6 +12,7 @@ from kvflow.attention.layer import Attention
 from kvflow.config import CacheConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheSpec, kv_cache_dtypes
 from kvflow.platforms import Platform
+from kvflow.platforms.cpu_memory import zeros_on_huge_pages
 from kvflow.spec_decode.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
@@ -105,12 +106,15 @@ def allocate_kv_caches(tensors: list[list[tuple[int, str]]], spec: KVCacheSpec,
                        device: torch.device, cp: int) -> list[torch.Tensor]:
     """One zeroed tensor (``local_cache_shape``, ``spec.dtype``) per entry of ``tensors``
     (``local_kv_tensors``), plus its float32 scales for a quantized cache, bound to the
-    layers that use it (``layer.kv_cache``, ``kv_group``, ``kv_scales``). Returns the
-    tensors in order."""
+    layers that use it (``layer.kv_cache``, ``kv_group``, ``kv_scales``). On the CPU the
+    tensors sit on transparent huge pages (``platforms/cpu_memory.py``: a decode step reads
+    blocks scattered over the whole cache). Returns the tensors in order."""
     caches = []
     for users in tensors:
-        cache = torch.zeros(local_cache_shape(spec, num_blocks, cp),
-                            dtype=spec.dtype, device=device)
+        shape = local_cache_shape(spec, num_blocks, cp)
+        on_cpu = torch.device(device).type == "cpu"
+        cache = zeros_on_huge_pages(shape, spec.dtype) if on_cpu else \
+            torch.zeros(shape, dtype=spec.dtype, device=device)
         scales_shape = spec.kv_scales_shape(num_blocks)
         scales = None if scales_shape is None else \
             torch.zeros(scales_shape, dtype=spec.scale_dtype, device=device)
