@@ -30,8 +30,8 @@ from pathlib import Path
 SOURCES = ("cpu_argmax.c", "cpu_attention.c", "cpu_attention_kvq.c", "cpu_elementwise.c",
            "cpu_gemm.c", "cpu_gguf.c", "cpu_pool.c", "cpu_quant_gemm.c", "cpu_threads.c")
 HEADERS = ("cpu_common.h", "cpu_attention_tiled.h", "cpu_attention_dp.h",
-           "cpu_attention_decode.h", "cpu_pool.h", "cpu_gemm_amx.h",
-           "cpu_elementwise_avx512.h")
+           "cpu_attention_decode.h", "cpu_attention_decode_bf16.h", "cpu_pool.h",
+           "cpu_gemm_amx.h", "cpu_elementwise_avx512.h")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=gnu11", "-Wno-psabi")
 

@@ -37,6 +37,7 @@
 #define BATCH_INVARIANT 3
 
 enum { SB = 64, MR_T = 6 }; /* keys per super-block and rows per register tile (tiled path) */
+enum { PF_SCRATCH_BYTES = 8192 }; /* >= sizeof(PfStream), checked where it is defined */
 
 typedef struct {
     const char *q, *k_cache, *v_cache;
@@ -61,6 +62,7 @@ typedef struct {
     const float **k, **v, **kh, **vh;
     const char **kp, **vp, **qrow; /* tiled path: key / value rows, operand rows */
     int32_t *pp, *vpk; /* bf16 dot-product path: P and V of a super-block in pairs */
+    void *pf; /* bf16 decode path: its prefetch stream (PfStream, cpu_attention_decode_bf16.h) */
     int64_t p_stride; /* floats per head row of p: a decode request's scores (max context) */
 } Scratch;
 
@@ -90,15 +92,17 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t block_size, int64_t h
     w->qrow = malloc(sizeof(char *) * (head_dim > ld ? head_dim : ld));
     w->pp = malloc(sizeof(int32_t) * (keys + 1) / 2 * ld);
     w->vpk = malloc(sizeof(int32_t) * (keys + 1) / 2 * head_dim);
+    w->pf = malloc(PF_SCRATCH_BYTES);
     return w->q && w->s && w->m && w->corr && w->l && w->acc && w->kb && w->vb && w->k && w->v
         && w->kh && w->vh && w->p && w->qt && w->st && w->kp && w->vp && w->qrow && w->pp
-        && w->vpk;
+        && w->vpk && w->pf;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->q); free(w->s); free(w->m); free(w->corr); free(w->l); free(w->acc); free(w->kb);
     free(w->vb); free(w->k); free(w->v); free(w->kh); free(w->vh); free(w->p); free(w->qt);
     free(w->st); free(w->kp); free(w->vp); free(w->qrow); free(w->pp); free(w->vpk);
+    free(w->pf);
 }
 
 /* q . k over D elements (8 lanes at a time, scalar tail). */
@@ -355,6 +359,7 @@ static void attend_token(const Args *a, Scratch *w, int64_t r, int64_t j) {
 #include "cpu_attention_tiled.h"
 #include "cpu_attention_dp.h"
 #include "cpu_attention_decode.h"
+#include "cpu_attention_decode_bf16.h"
 
 /* The bf16 dot-product path runs where the build has AVX512-BF16 (path 2 of
  * kvflow_paged_attention, bf16 caches). */
@@ -387,7 +392,10 @@ static void attend_item(const Args *a, Scratch *w, const int64_t *tile_start, in
     const int64_t qlen = a->query_start_loc[r + 1] - a->query_start_loc[r];
     const int64_t j0 = (tile - tile_start[r]) * tile_len;
     const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
-    if ((per_token || qlen == 1) && a->head_dim % 16 == 0) attend_token_vec(a, w, r, j0);
+    if ((per_token || qlen == 1) && HAVE_DECODE_BF16 && a->dtype == DT_BF16
+        && a->head_dim % 32 == 0 && a->head_dim <= 128)
+        attend_token_bf16(a, w, r, j0);
+    else if ((per_token || qlen == 1) && a->head_dim % 16 == 0) attend_token_vec(a, w, r, j0);
     else if (per_token || qlen == 1) attend_token(a, w, r, j0);
     else if (tiled == 2 && HAVE_DP && a->dtype == DT_BF16 && a->head_dim % 16 == 0)
         attend_tile_dp(a, w, r, j0, nq);
