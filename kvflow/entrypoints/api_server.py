@@ -161,9 +161,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     return app
 
 
-def _require_json_body(raw: Request) -> None:
+async def _require_json_body(raw: Request) -> None:
     """Every POST body is JSON: a 400 naming the Content-Type otherwise (see
-    :func:`content_type_error`)."""
+    :func:`content_type_error`). A coroutine, so FastAPI runs it on the event loop: a plain
+    ``def`` dependency is handed to a worker thread (and back) on every request."""
     error = content_type_error(raw.headers.get("content-type")) if raw.method == "POST" \
         else None
     if error is not None:
