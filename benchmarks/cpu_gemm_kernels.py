@@ -1,7 +1,8 @@
 """GFLOP/s of the CPU GEMM kernels on SmolLM2-135M's GEMM shapes, one thread, by CPU time.
 
     .venv/bin/python benchmarks/cpu_gemm_kernels.py [--threads 1] [--levels avx512_bf16,avx2]
-    .venv/bin/python benchmarks/cpu_gemm_kernels.py --compare [--threads 1] [--rows 1,32,64]
+    .venv/bin/python benchmarks/cpu_gemm_kernels.py --compare [--threads 1] [--rows 1,32,64] \
+        [--baseline /path/to/another/checkout]
 
 For each weight shape and row count: kvflow's C GEMM built for each ISA level this CPU runs
 (``KVFLOW_CPU_ISA`` levels; fp32 weights, and bf16 weights - VDPBF16PS pairs on AVX512-BF16,
@@ -68,18 +69,34 @@ STREAM_BYTES = 160 << 20  # weights cycled per timing: more than the 105 MB L3 o
 STREAM_ROWS = 64  # up to this many rows a call streams its weight (decode); above, two copies
 
 
-def compare(rows_list: list[int], threads: int, passes: int = 5) -> None:
-    """Prints kvflow's bf16 GEMM against oneDNN's, per shape and row count (see the module
-    docstring), and the geometric mean ratio per row count."""
+def baseline_kernels(root: str):
+    """kvflow's kernels built (same ISA level) from the C sources of another checkout at
+    ``root`` (e.g. ``git worktree add /tmp/base <commit>``): an A/B of kernel versions."""
+    from pathlib import Path
+
+    from kvflow.kernels import cpu_build, cpu_native
+
+    level = next(lv for lv in cpu_build.isa_levels_for_cpu()
+                 if lv.name == cpu_native.native_cpu_kernels().isa)
+    sources = [Path(root) / "kvflow/kernels/csrc" / src for src in cpu_build.SOURCES]
+    return cpu_native._load(cpu_native._compiler(), sources, level)
+
+
+def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str = "") -> None:
+    """Prints kvflow's bf16 GEMM against oneDNN's (and, with ``baseline``, kvflow's kernels
+    built from that checkout's sources), per shape and row count (see the module docstring),
+    and the geometric mean ratio per row count."""
     from kvflow.kernels.cpu_native import native_cpu_kernels
 
     kernels = native_cpu_kernels()
+    base = baseline_kernels(baseline) if baseline else None
     clock = time.process_time if threads == 1 else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     print(f"kvflow ({kernels.isa}) vs oneDNN, bf16 -> bf16, {threads} thread(s), "
           f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
-    print("| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |")
-    print("|---|---|---|---|---|")
+    extra = " baseline ms | baseline / kvflow |" if base else ""
+    print(f"| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |{extra}")
+    print("|---|---|---|---|---|" + ("---|---|" if base else ""))
     ratios: dict[int, list[float]] = {m: [] for m in rows_list}
     for n, k in MODEL_SHAPES:
         copies = max(2, min(256, STREAM_BYTES // (n * k * 2)))
@@ -91,6 +108,10 @@ def compare(rows_list: list[int], threads: int, passes: int = 5) -> None:
             od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             fns["onednn"].append(lambda x, od=od: torch.ops.mkldnn._linear_pointwise(
                 x, od, None, "none", [], ""))
+            if base is not None:
+                bp = base.gemm_pack(w)
+                fns.setdefault("baseline", []).append(
+                    lambda x, p=bp, n=n: base.gemm(x, p, n, None, torch.bfloat16))
         for m in rows_list:
             x = torch.randn(m, k, generator=gen).bfloat16()
             best = {}
@@ -107,8 +128,11 @@ def compare(rows_list: list[int], threads: int, passes: int = 5) -> None:
                     best[name] = min(best[name], (clock() - start) / len(pool))
             ratio = best["onednn"] / best["kvflow"]
             ratios[m].append(ratio)
-            print(f"| {n}x{k} | {m} | {best['kvflow'] * 1e3:.3f} | {best['onednn'] * 1e3:.3f} "
-                  f"| {ratio:.2f}x |", flush=True)
+            row = f"| {n}x{k} | {m} | {best['kvflow'] * 1e3:.3f} | {best['onednn'] * 1e3:.3f} " \
+                  f"| {ratio:.2f}x |"
+            if base is not None:
+                row += f" {best['baseline'] * 1e3:.3f} | {best['baseline'] / best['kvflow']:.2f}x |"
+            print(row, flush=True)
     for m, rs in ratios.items():
         gmean = torch.tensor(rs).log().mean().exp().item()
         print(f"rows {m}: geometric mean oneDNN / kvflow {gmean:.2f}x over {len(rs)} shapes")
@@ -120,10 +144,12 @@ def main() -> None:
     parser.add_argument("--levels", default=",".join(lv.name for lv in isa_levels_for_cpu()[:2]))
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--rows", default="1,32,64,128,256,512")
+    parser.add_argument("--baseline", default="", help="--compare: also time kvflow's kernels "
+                        "built from this checkout's sources")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare:
-        compare([int(r) for r in args.rows.split(",")], args.threads)
+        compare([int(r) for r in args.rows.split(",")], args.threads, baseline=args.baseline)
         return
     levels = {name: native_cpu_kernels_for_isa(name) for name in args.levels.split(",")}
     levels = {name: k for name, k in levels.items() if k is not None}
