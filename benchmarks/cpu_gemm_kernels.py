@@ -10,8 +10,8 @@ widened to fp32 elsewhere) and oneDNN's packed GEMM in fp32 and bf16. Each figur
 of 5 passes of process CPU time per call (less sensitive to other processes on a shared machine
 than wall time; the weight stays in cache, so one-row calls show compute, not memory).
 
-``--compare``: kvflow's bf16 GEMM at this CPU's best level (AMX tiles where it has them) against
-oneDNN's bf16 GEMM, both on SmolLM2-135M's five GEMM shapes, per row count: ms per call and the
+``--compare``: kvflow's bf16 (``--dtype float32``: fp32) GEMM at this CPU's best level (AMX
+tiles where it has them) against oneDNN's, both on SmolLM2-135M's five GEMM shapes, per row count: ms per call and the
 ratio oneDNN / kvflow (> 1: kvflow faster), the two kernels' passes alternating. Up to 64 rows
 the weights cycle through distinct copies larger than the last-level cache (as a model's layers
 do in decode, so each call reads its weight from memory); above, two copies (compute-bound, as
@@ -82,8 +82,9 @@ def baseline_kernels(root: str):
     return cpu_native._load(cpu_native._compiler(), sources, level)
 
 
-def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str = "") -> None:
-    """Prints kvflow's bf16 GEMM against oneDNN's (and, with ``baseline``, kvflow's kernels
+def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str = "",
+            dtype: torch.dtype = torch.bfloat16) -> None:
+    """Prints kvflow's ``dtype`` GEMM against oneDNN's (and, with ``baseline``, kvflow's kernels
     built from that checkout's sources), per shape and row count (see the module docstring),
     and the geometric mean ratio per row count."""
     from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -92,7 +93,7 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
     base = baseline_kernels(baseline) if baseline else None
     clock = time.process_time if threads == 1 else time.perf_counter
     gen = torch.Generator().manual_seed(0)
-    print(f"kvflow ({kernels.isa}) vs oneDNN, bf16 -> bf16, {threads} thread(s), "
+    print(f"kvflow ({kernels.isa}) vs oneDNN, {dtype} -> {dtype}, {threads} thread(s), "
           f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
     extra = " baseline ms | baseline / kvflow |" if base else ""
     print(f"| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |{extra}")
@@ -100,20 +101,20 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
     ratios: dict[int, list[float]] = {m: [] for m in rows_list}
     for n, k in MODEL_SHAPES:
         copies = max(2, min(256, STREAM_BYTES // (n * k * 2)))
-        w = torch.randn(n, k, generator=gen).bfloat16()
+        w = torch.randn(n, k, generator=gen).to(dtype)
         fns = {"kvflow": [], "onednn": []}
         for _ in range(copies):
             packed = kernels.gemm_pack(w)
-            fns["kvflow"].append(lambda x, p=packed, n=n: kernels.gemm(x, p, n, None, torch.bfloat16))
+            fns["kvflow"].append(lambda x, p=packed, n=n: kernels.gemm(x, p, n, None, dtype))
             od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             fns["onednn"].append(lambda x, od=od: torch.ops.mkldnn._linear_pointwise(
                 x, od, None, "none", [], ""))
             if base is not None:
                 bp = base.gemm_pack(w)
                 fns.setdefault("baseline", []).append(
-                    lambda x, p=bp, n=n: base.gemm(x, p, n, None, torch.bfloat16))
+                    lambda x, p=bp, n=n: base.gemm(x, p, n, None, dtype))
         for m in rows_list:
-            x = torch.randn(m, k, generator=gen).bfloat16()
+            x = torch.randn(m, k, generator=gen).to(dtype)
             best = {}
             for name, pool in fns.items():
                 pool = pool if m <= STREAM_ROWS else pool[:2]
@@ -144,12 +145,14 @@ def main() -> None:
     parser.add_argument("--levels", default=",".join(lv.name for lv in isa_levels_for_cpu()[:2]))
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--rows", default="1,32,64,128,256,512")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--baseline", default="", help="--compare: also time kvflow's kernels "
                         "built from this checkout's sources")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare:
-        compare([int(r) for r in args.rows.split(",")], args.threads, baseline=args.baseline)
+        compare([int(r) for r in args.rows.split(",")], args.threads, baseline=args.baseline,
+                dtype=getattr(torch, args.dtype))
         return
     levels = {name: native_cpu_kernels_for_isa(name) for name in args.levels.split(",")}
     levels = {name: k for name, k in levels.items() if k is not None}
