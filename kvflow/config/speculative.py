@@ -8,6 +8,10 @@ from dataclasses import dataclass, fields
 from kvflow.config.options import check_choices
 
 SPEC_METHODS = ("ngram", "draft_model")
+# A draft model's "auto" settings on a CPU (README, docs/benchmarks.md issue 17: with the
+# Qwen2.5-Coder pair a pass cost 0.18 of a target step instead of 0.45)
+CPU_DRAFT_QUANTIZATION = "int8"
+CPU_DRAFT_VOCAB_SIZE = 32768
 
 
 @dataclass
@@ -24,20 +28,22 @@ class SpeculativeConfig:
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id.
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
-        quantization: the draft model's weight quantization (int8, int4; default: none). Only
-            the draft's speed changes: verification keeps the target's output exact.
+        quantization: the draft model's weight quantization: ``int8``, ``int4``, ``none`` (or
+            null: as loaded); default ``auto``: int8 on a CPU, none elsewhere. Only the draft's
+            speed changes: verification keeps the target's output exact.
         adaptive: choose each request's K per step from its running acceptance rate and a
             measured step-cost model (speculation off when verification costs more than it
             saves); False: always ``num_speculative_tokens`` when the proposer has them.
         draft_cpu_threads: CPU threads of the draft model's passes (``draft_model`` on a
-            CPU); default: the faster, measured while serving, of the engine's count and 1
-            (on cores shared with other processes one thread ran a 0.5B draft pass 9x
-            faster than two).
+            CPU); default: the faster, measured at start-up and while serving, of the engine's
+            count and 1 (on cores shared with other processes one thread ran a 0.5B draft
+            pass 9x faster than two).
         draft_vocab_size: FR-Spec (``draft_model``): the draft's LM head computes only the
             logits of this many lowest token ids (a byte-level BPE's merge ranks: the most
             frequent tokens), the model's end tokens and the tokens already in the request's
-            context; default None: the whole vocabulary. The output stays exact (the draft's
-            distribution is zero outside the subset; kvflow/spec_decode/draft_vocab.py).
+            context; ``0`` or null: the whole vocabulary; default ``auto``: 32768 on a CPU, the
+            whole vocabulary elsewhere. The output stays exact (the draft's distribution is
+            zero outside the subset; kvflow/spec_decode/draft_vocab.py).
 
     Raises:
         ValueError: from the constructor for an unknown method, a missing draft model, or a
@@ -49,10 +55,10 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    quantization: str | None = None
+    quantization: str | None = "auto"
     adaptive: bool = True
     draft_cpu_threads: int | None = None
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -77,17 +83,32 @@ class SpeculativeConfig:
                 not isinstance(self.draft_cpu_threads, int) or self.draft_cpu_threads < 1):
             raise ValueError(f"speculative_config draft_cpu_threads="
                              f"{self.draft_cpu_threads!r} must be an integer >= 1")
-        if self.draft_vocab_size is not None and (
-                isinstance(self.draft_vocab_size, bool) or
-                not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
-            raise ValueError(f"speculative_config draft_vocab_size="
-                             f"{self.draft_vocab_size!r} must be an integer >= 1")
-        if self.draft_vocab_size is not None and self.method != "draft_model":
+        vocab = self.draft_vocab_size
+        if vocab not in (None, "auto") and (
+                isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
+            raise ValueError(f"speculative_config draft_vocab_size={vocab!r} must be an "
+                             "integer >= 1, 0 or null (the whole vocabulary) or 'auto'")
+        if vocab not in (None, "auto", 0) and self.method != "draft_model":
             raise ValueError("speculative_config draft_vocab_size applies to method="
                              "'draft_model' only (an n-gram proposer has no LM head)")
-        if self.quantization not in (None, "none", "int8", "int4"):
+        if self.quantization not in (None, "auto", "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
-                             "invalid; choose int8, int4 or none")
+                             "invalid; choose int8, int4, none (or null) or auto")
+
+    def draft_options(self, device_type: str, prequantized: bool = False
+                      ) -> tuple[str | None, int | None]:
+        """The draft model's ``(quantization, draft_vocab_size)`` on a device of
+        ``device_type`` (``"cpu"``, ``"cuda"``, ...): ``auto`` resolved (a CPU: int8 and
+        32768; elsewhere none; a ``prequantized`` checkpoint keeps its own scheme: None),
+        ``none`` / null / 0 as None (as loaded / the whole vocabulary)."""
+        cpu = device_type == "cpu"
+        quant = self.quantization
+        if quant == "auto":
+            quant = CPU_DRAFT_QUANTIZATION if cpu and not prequantized else None
+        vocab = self.draft_vocab_size
+        if vocab == "auto":
+            vocab = CPU_DRAFT_VOCAB_SIZE if cpu else None
+        return (None if quant == "none" else quant), (vocab or None)
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None

@@ -99,13 +99,15 @@ class DraftModel:
                              f"{hf_config.vocab_size} tokens, the target {target_vocab_size}; "
                              "a draft model must share the target's tokenizer")
         self.attn_ctx = AttentionContext(backend)
-        quant = get_quant_config(None if spec.quantization == "none" else spec.quantization,
-                                 hf_config, source.kind, mc.quantization_group_size)
+        quantization, vocab_size = spec.draft_options(  # "auto" resolved
+            device.type, getattr(hf_config, "quantization_config", None) is not None)
+        quant = get_quant_config(quantization, hf_config, source.kind,
+                                 mc.quantization_group_size)
         self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
                                 mc.load_format, mc.seed, quant)
         # FR-Spec: the head cut to frequent tokens (before the runner packs it)
-        self.vocab = DraftVocab(self.model, spec.draft_vocab_size, _end_token_ids(hf_config)) \
-            if spec.draft_vocab_size and spec.draft_vocab_size < hf_config.vocab_size else None
+        self.vocab = DraftVocab(self.model, vocab_size, _end_token_ids(hf_config)) \
+            if vocab_size and vocab_size < hf_config.vocab_size else None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device

@@ -56,7 +56,7 @@ def test_greedy_completions_and_metrics(server, tiny_chat_model):
 @pytest.fixture(scope="module")
 def draft_server(start_server, tiny_chat_model):
     spec = {"method": "draft_model", "model": tiny_chat_model, "num_speculative_tokens": 3,
-            "adaptive": False}
+            "adaptive": False, "quantization": "none"}  # as loaded: a self-draft stays exact
     server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
                                             "--speculative-config", json.dumps(spec)])
     yield server

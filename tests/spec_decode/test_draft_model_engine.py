@@ -19,8 +19,11 @@ from tests.spec_decode.test_ngram_engine import PROMPTS, _drafted, _same_outputs
 
 def _engine(path: str, draft: str | None = None, k: int = 3, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 96)
+    # the draft as loaded: the CPU default (INT8 weights) would make a self-draft differ from
+    # the target, and these tests count on a self-draft being nearly always right
     spec = None if draft is None else {"method": "draft_model", "model": draft,
-                                       "num_speculative_tokens": k, "adaptive": False}
+                                       "num_speculative_tokens": k, "adaptive": False,
+                                       "quantization": "none"}
     return LLM(model=path, dtype="float32", block_size=4, speculative_config=spec, **kw)
 
 
@@ -149,7 +152,8 @@ def test_draft_gemms_take_the_targets_cpu_path(tiny_llama):
 
     spec = LLM(model=tiny_llama.path, dtype="bfloat16", block_size=4, num_kv_blocks=64,
                speculative_config={"method": "draft_model", "model": tiny_llama.path,
-                                   "num_speculative_tokens": 3, "adaptive": False})
+                                   "num_speculative_tokens": 3, "adaptive": False,
+                                   "quantization": "none"})
     runner = spec.engine.core.executor.runner
     if not runner.platform.prepacks_gemm_weights(torch.bfloat16):
         pytest.skip("no packed bf16 GEMM path on this CPU")
@@ -164,6 +168,24 @@ def test_draft_gemms_take_the_targets_cpu_path(tiny_llama):
     outs = _generate(spec, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     drafted, accepted = _drafted(outs)
     assert drafted > 0 and accepted >= 0.8 * drafted
+
+
+def test_cpu_default_draft_is_int8_and_output_stays_exact(tiny_llama, base, assert_no_leaks):
+    """No ``quantization`` given: on a CPU the draft's linear layers hold INT8 weights (the
+    target's stay float32) and greedy output is still plain greedy output token for token
+    (the target verifies every draft); the quantized self-draft is still mostly right."""
+    spec = LLM(model=tiny_llama.path, dtype="float32", block_size=4, num_kv_blocks=96,
+               speculative_config={"method": "draft_model", "model": tiny_llama.path,
+                                   "num_speculative_tokens": 3, "adaptive": False})
+    runner = spec.engine.core.executor.runner
+    draft = runner.drafter.model.model.layers[0].mlp.down_proj
+    assert draft.weight.dtype == torch.int8
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    _same_outputs(_generate(base, params), _generate(spec, params))
+    drafted, accepted = _drafted(_generate(spec, params))
+    assert drafted > 0 and accepted >= 0.5 * drafted
+    assert_no_leaks(spec)
 
 
 def _count_draft_passes(llm: LLM) -> list[int]:

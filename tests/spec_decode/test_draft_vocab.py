@@ -94,7 +94,7 @@ def _engine(path: str, draft: str | None = None, k: int = 3, subset: int = SUBSE
     kw.setdefault("num_kv_blocks", 96)
     spec = None if draft is None else {"method": "draft_model", "model": draft,
                                        "num_speculative_tokens": k, "adaptive": False,
-                                       "draft_vocab_size": subset}
+                                       "draft_vocab_size": subset, "quantization": "none"}
     return LLM(model=path, dtype="float32", block_size=4, speculative_config=spec, **kw)
 
 

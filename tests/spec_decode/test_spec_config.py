@@ -41,7 +41,11 @@ def test_flag_dict_and_object_forms_agree():
     ("  ", "is empty, which is not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"quantization": "fp4"}', "quantization='fp4'"),
-    ('{"method": "draft_model", "model": "m", "draft_vocab_size": 0}', "draft_vocab_size=0"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": -1}', "draft_vocab_size=-1"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": "big"}',
+     "draft_vocab_size='big'"),
+    ('{"method": "draft_model", "model": "m", "draft_vocab_size": 1.5}', "draft_vocab_size=1.5"),
+    ('{"method": "draft_model", "model": "m", "quantization": "int3"}', "quantization='int3'"),
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": true}',
      "draft_vocab_size=True"),
     ('{"method": "ngram", "draft_vocab_size": 64}', "method='draft_model' only"),
@@ -50,6 +54,25 @@ def test_bad_values_name_the_problem(value, needle):
     with pytest.raises(ValueError, match=None) as err:
         SpeculativeConfig.from_value(value)
     assert needle in str(err.value)
+
+
+def test_draft_defaults_are_int8_and_a_32k_head_on_a_cpu():
+    """``auto`` (the default): INT8 weights and a 32768-id head on a CPU, the draft as loaded
+    elsewhere and for a checkpoint quantized already; each turned off on its own by
+    ``"quantization": "none"`` or null and ``"draft_vocab_size": 0`` or null."""
+    def options(device="cpu", prequantized=False, **kw):
+        config = SpeculativeConfig.from_value({"method": "draft_model", "model": "m", **kw})
+        return config.draft_options(device, prequantized)
+
+    assert options() == ("int8", 32768)
+    assert options("cuda") == (None, None)
+    assert options(prequantized=True) == (None, 32768)
+    assert options(quantization="none") == options(quantization=None) == (None, 32768)
+    assert options(draft_vocab_size=0) == options(draft_vocab_size=None) == ("int8", None)
+    assert options(quantization="int4", draft_vocab_size=4096) == ("int4", 4096)
+    assert options("cuda", quantization="int8", draft_vocab_size=4096) == ("int8", 4096)
+    assert SpeculativeConfig.from_value('{"method": "draft_model", "model": "m", '
+                                        '"quantization": null}').quantization is None
 
 
 def test_pipeline_parallel_is_refused():
