@@ -78,8 +78,14 @@ def baseline_kernels(root: str):
 
     level = next(lv for lv in cpu_build.isa_levels_for_cpu()
                  if lv.name == cpu_native.native_cpu_kernels().isa)
-    sources = [Path(root) / "kvflow/kernels/csrc" / src for src in cpu_build.SOURCES]
-    return cpu_native._load(cpu_native._compiler(), sources, level)
+    csrc = Path(root) / "kvflow/kernels/csrc"
+    sources = [csrc / src for src in cpu_build.SOURCES if (csrc / src).exists()]
+    headers = cpu_build.HEADERS  # an older checkout lacks the newer headers
+    cpu_build.HEADERS = tuple(h for h in headers if (csrc / h).exists())
+    try:
+        return cpu_native._load(cpu_native._compiler(), sources, level)
+    finally:
+        cpu_build.HEADERS = headers
 
 
 def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str = "",
