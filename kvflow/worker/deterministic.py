@@ -78,7 +78,8 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
         (device_type not in ("cpu", "cuda"),
          f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
         (not has_native_kernels,
-         "kvflow's native CPU kernels are not built (no C compiler, or KVFLOW_NATIVE_CPU=0)"),
+         ("kvflow's native CPU kernels off (KVFLOW_NATIVE_CPU=0) or not built (no C "
+          "compiler): the mode's batch-invariant CPU GEMM is one of them")),
         (dc.attention_backend not in (None, "cpu", "triton") or
          (device_type == "cuda" and dc.attention_backend == "cpu"),
          (f"attention_backend={dc.attention_backend!r} (only 'cpu' and 'triton' have a "

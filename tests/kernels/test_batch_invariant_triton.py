@@ -8,7 +8,8 @@
   decodes and other prefills (which change ``max_query_len`` and so, by default, the tiles),
   or split into chunks, all equal, and close to the plain-torch reference;
 - the engine with the Triton attention backend and ``deterministic=True``: a prompt's greedy
-  tokens and logprobs alone equal those inside a batch and with a smaller chunk budget.
+  tokens and logprobs alone equal those inside a batch and with a smaller chunk budget (with
+  ``KVFLOW_NATIVE_CPU=0`` the engine refuses to start: its CPU GEMMs are the native ones).
 
 What the interpreter cannot show: that the GPU compiles each fixed configuration to one
 instruction sequence per row (the premise of the design; see the kernels' docstrings).
@@ -26,6 +27,7 @@ pytest.importorskip("triton")
 
 from kvflow.kernels.attention_ref import paged_attention_ref
 from kvflow.kernels.batch_invariant_gemm import batch_invariant_linear
+from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import make_batch
 
@@ -103,7 +105,13 @@ def test_triton_engine_deterministic(tiny_llama_path):
                                for d in out.logprobs]
 
     # an 8-token budget: the prompt's chunks start elsewhere when others share the steps
-    llm = LLM(model=tiny_llama_path, dtype="float32", deterministic=True, device="cpu",
-              attention_backend="triton", num_kv_blocks=64, max_num_batched_tokens=8,
-              enable_prefix_caching=False, skip_tokenizer_init=True)
+    options = {"model": tiny_llama_path, "dtype": "float32", "deterministic": True,
+               "device": "cpu", "attention_backend": "triton", "num_kv_blocks": 64,
+               "max_num_batched_tokens": 8, "enable_prefix_caching": False,
+               "skip_tokenizer_init": True}
+    if native_cpu_kernels() is None:  # KVFLOW_NATIVE_CPU=0: the CPU GEMMs have no such mode
+        with pytest.raises(ValueError, match="native CPU kernels off"):
+            LLM(**options)
+        return
+    llm = LLM(**options)
     assert run(llm, others) == run(llm, others[:1])
