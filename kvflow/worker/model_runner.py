@@ -1,25 +1,25 @@
 """Runs the model for one scheduled step: inputs -> forward -> logits -> sampled tokens.
 
 Its helpers, one job each: ``attention_backends`` (kvflow's own backends by name),
-``cpu_setup`` (threads, GEMM kernels), ``kv_cache_setup`` (specs, memory budget, tensors),
-``pipeline_stages`` (hand-off between pipeline stages) and ``step_sampling`` (sampling a
-launched step, collecting its tokens)."""
+``cpu_setup`` (threads, GEMM kernels), ``model_setup`` (quantization config, draft model),
+``kv_cache_setup`` (specs, memory budget, tensors), ``step_inputs`` (the scheduler's changes
+applied, LoRA mapping, tokens still on the device), ``forward_pass`` (the model's forward with
+the attention metadata bound), ``pipeline_stages`` (hand-off between pipeline stages),
+``step_logits`` (the sampling rows' logits, prompt logprobs, pooling) and ``step_sampling``
+(sampling a launched step, collecting its tokens)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import AdaptiveThreads
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.sampler import Sampler
@@ -31,21 +31,20 @@ from kvflow.models.model_resolver import ModelSource
 from kvflow.models.pooling_config import model_task
 from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
-from kvflow.quant import get_quant_config, weight_bytes
+from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
-from kvflow.spec_decode.draft_model import DraftModel
 from kvflow.spec_decode.draft_timing import time_draft_passes
-from kvflow.spec_decode.verification import draft_probs_tensor, place_drafts, plan_verification
+from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
     make_mla_backend,
 )
 from kvflow.worker.cpu_setup import choose_gemm_path, configure_runner_threads
-from kvflow.worker.deterministic import check_supported as check_deterministic
-from kvflow.worker.input_batch import InputBatch, RequestState, request_generator
+from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
+from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.kv_cache_setup import (
     allocate_kv_caches,
     check_kv_cache_config,
@@ -57,14 +56,15 @@ from kvflow.worker.kv_cache_setup import (
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.model_setup import make_draft_model, runner_quant_config
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
-from kvflow.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_requests
 from kvflow.worker.sampling_inputs import SamplingInputs
+from kvflow.worker.step_inputs import fill_pending, hidden_rows, step_lora_mapping, update_states
+from kvflow.worker.step_logits import launch_logits
 from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pending, sample_step
 
 logger = logging.getLogger(__name__)
-
 
 
 class ModelRunner:
@@ -94,23 +94,17 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.adaptive_threads = configure_runner_threads(config, self.parallel)
         self._init_model(source, hf_config)
-        self.drafter = self._init_draft_model(hf_config)
+        self.drafter = make_draft_model(config, platform, hf_config, dtype, self.device)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
-        self.dense_tokens = 0  # tokens this rank ran through the model (statistics)
-        self.forward_s = 0.0  # seconds in the model's forward (on CUDA: launching it)
+        self.counters = ForwardCounters()  # tokens and seconds in the forward (statistics)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
-        mc, deterministic = self.config.model_config, self.config.device_config.deterministic
-        self.quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
-                                             mc.quantization_group_size)
-        if deterministic:
-            check_deterministic(self.config, hf_config, self.device.type,
-                                self.quant_config and self.quant_config.name,
-                                self.device.type != "cpu" or native_cpu_kernels() is not None)
+        mc = self.config.model_config
+        self.quant_config = runner_quant_config(self.config, source, hf_config, self.device)
         self.attn_ctx = AttentionContext(self._attention_backend(hf_config))
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
@@ -144,21 +138,6 @@ class ModelRunner:
         name = requested or self.platform.default_attention_backend
         backend = None if deterministic else self.platform.get_attention_backend(name)
         return backend or make_attention_backend(name, deterministic, self.device)
-
-    def _init_draft_model(self, hf_config: Any) -> DraftModel | None:
-        """The speculative-decoding draft model (``method: draft_model``), else None."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
-        name = self.config.device_config.attention_backend or \
-            self.platform.default_attention_backend
-        backend = self.platform.get_attention_backend(name) or \
-            make_attention_backend(name, device=self.device)
-        drafter = DraftModel(self.config, backend, self.dtype, self.device,
-                             hf_config.vocab_size)
-        # unpacked, a bf16 draft cost more than it saved
-        choose_gemm_path(drafter.model, self.config, self.platform, self.device, self.dtype)
-        return drafter
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)
@@ -299,16 +278,7 @@ class ModelRunner:
 
     def _lora_mapping(self, inputs: ModelInputs) -> LoRAMapping | None:
         """The step's tokens -> adapter slots (None: no LoRA in this step)."""
-        if self.lora_manager is None:
-            return None
-        batch = self.input_batch
-        row_ids = batch.lora_ids[:batch.num_reqs]
-        if not row_ids.any():
-            return None
-        adapters = {int(batch.lora_ids[row]): self.requests[rid].lora
-                    for row, rid in enumerate(batch.req_ids) if batch.lora_ids[row]}
-        token_rows = np.repeat(inputs.rows, np.diff(inputs.query_start))
-        return self.lora_manager.step_mapping(row_ids, token_rows, adapters)
+        return step_lora_mapping(self.lora_manager, self.input_batch, self.requests, inputs)
 
     # ---- one step ----------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
@@ -330,7 +300,8 @@ class ModelRunner:
         if self.host_kv is not None:  # swap preemption: before this step writes any K/V
             self.host_kv.swap_out(sched.blocks_to_swap_out)
             self.host_kv.swap_in(sched.blocks_to_swap_in)
-        self._update_states(sched)
+        update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
+                      self.lora_manager, self.mm_runner)
         self._step = None
         if sched.is_empty:
             return
@@ -351,51 +322,16 @@ class ModelRunner:
             self._fill_pending(inputs)
         hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                lora_mapping=self._lora_mapping(inputs),
-                               rows=self._hidden_rows(inputs, spec_tokens))
+                               rows=hidden_rows(inputs, self.input_batch, self.pooling,
+                                                spec_tokens))
         if not send_to_next_stage(self.parallel.pp, hidden):
             return  # a pipeline stage before the last: no logits here
-        self._step = self._launch_logits(sched, inputs, hidden, spec_tokens, proposal)
-
-    def _launch_logits(self, sched: SchedulerOutput, inputs: ModelInputs, hidden: torch.Tensor,
-                       spec_tokens: Any, proposal: Any) -> LaunchedStep:
-        """The last stage's step after the forward pass: the sampling rows' logits (all of a
-        verified request's last k + 1 positions) and prompt logprobs; an embedding model's
-        pooled outputs instead."""
-        if self.pooling is not None:  # an embedding model: pool, sample nothing
-            params = {rid: self.requests[rid].pooling_params
-                      for rid in sched.num_scheduled_tokens}
-            pooled = self.pooling.step(self.input_batch, inputs.rows, inputs.query_start,
-                                       hidden, params)
-            return LaunchedStep(inputs.sample_rows[:0], None, {}, pooled=pooled)
-        spec = plan_verification(self.input_batch, inputs, spec_tokens) if spec_tokens else None
-        if spec is not None and proposal is not None:
-            spec.draft_probs = draft_probs_tensor(spec, self.input_batch, proposal.probs)
-            spec.draft_time_s, spec.draft_pass_s = proposal.seconds, proposal.pass_seconds
-        if spec is not None:
-            logits = self.model.compute_logits(
-                hidden[torch.from_numpy(spec.logits_indices).to(hidden.device)])
-        else:
-            logits = self.model.compute_logits(
-                hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
-            if len(inputs.sample_rows) else None
-        prompt_logprobs = compute_prompt_logprobs(
-            prompt_logprobs_requests(self.input_batch, inputs, self.requests), hidden,
-            self.model.compute_logits) \
-            if self.input_batch.prompt_logprobs else {}
-        return LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
-
-    def _hidden_rows(self, inputs: ModelInputs, spec_tokens: Any) -> torch.Tensor | None:
-        """The step's tokens whose final hidden states are read (a context-parallel token
-        split gathers only those): the sampling rows; None (all) for prompt logprobs,
-        pooling or draft verification."""
-        if self.pooling is not None or self.input_batch.prompt_logprobs or spec_tokens:
-            return None
-        return inputs.logits_indices
+        self._step = launch_logits(self.model, self.pooling, self.input_batch, self.requests,
+                                   sched, inputs, hidden, spec_tokens, proposal)
 
     def _fill_pending(self, inputs: ModelInputs) -> None:
         """Write the previous step's sampled tokens still on the device into the inputs."""
-        inputs.input_ids[inputs.pending_token_index] = \
-            self._pending.output.sampled[inputs.pending_sample_index]
+        fill_pending(inputs, self._pending)
 
     @torch.inference_mode()
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
@@ -425,27 +361,6 @@ class ModelRunner:
         if self.input_batch is not None:
             self.input_batch.pending_sample[:] = -1
 
-    def _update_states(self, sched: SchedulerOutput) -> None:
-        """Apply the step's changes to the request states and the input batch."""
-        for rid in sched.finished_ids:
-            self.requests.pop(rid, None)
-        if self.pooling is not None:
-            for rid in (*sched.finished_ids, *sched.preempted_ids):
-                self.pooling.drop(rid)
-        for new in sched.scheduled_new_reqs:
-            lora = None if new.lora_request is None else \
-                self.lora_manager.add_lora(new.lora_request)
-            state = self.requests[new.req_id] = RequestState(
-                new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
-                request_generator(new.sampling_params, self.device), new.mm_features,
-                lora_request=new.lora_request, lora=lora,
-                pooling_params=new.pooling_params)
-            if self.mm_runner is not None:
-                self.mm_runner.add_request(state)
-        if self.mm_runner is not None:  # encoder-cache drops, then this step's images
-            self.mm_runner.run_encoders(sched, self.requests)
-        self.input_batch.apply_scheduler_output(sched, self.requests)
-
     def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
                  batch: InputBatch | None = None, lora_mapping: LoRAMapping | None = None,
                  rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
@@ -457,12 +372,8 @@ class ModelRunner:
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
-        positions, extra = inputs.positions, {}
-        if self.mm_runner is not None:  # image rows merged; M-RoPE positions [3, T]
-            batch = batch or self.input_batch
-            extra["inputs_embeds"] = self.mm_runner.inputs_embeds(inputs, batch, self.requests)
-            if self.mm_runner.uses_mrope:
-                positions = self.mm_runner.positions(inputs, batch, self.requests)
+        positions, extra = model_extra_inputs(self.mm_runner, inputs, batch or self.input_batch,
+                                              self.requests)
         if self.lora_manager is not None:
             with self.lora_manager.ctx.bind(lora_mapping):
                 return self._run_model(inputs, intermediate_tensors, positions, extra, rows)
@@ -471,26 +382,6 @@ class ModelRunner:
     def _run_model(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None,
                    positions: torch.Tensor, extra: dict[str, Any],
                    rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        metadata = inputs.attn_metadata
-        with self.attn_ctx.forward_context.bind(metadata):
-            self._prepare_attention(metadata)
-            split = self.attn_ctx.backend.token_split(metadata[0]) \
-                if self.parallel.cp.world_size > 1 else None
-            input_ids = inputs.input_ids
-            if split is not None:  # Ring Attention: this rank's share of a prefill's tokens
-                input_ids, positions = split.select(input_ids), split.select(positions, dim=-1)
-                extra = {name: split.select(x) for name, x in extra.items()}
-            self.dense_tokens += input_ids.shape[0]
-            start = time.perf_counter()
-            if intermediate_tensors is None:  # the first (or only) stage
-                out = self.model(input_ids, positions, **extra)
-            else:
-                out = self.model(input_ids, positions, intermediate_tensors, **extra)
-            self.forward_s += time.perf_counter() - start
-            return out if split is None else split.gather(out, rows)
-
-
-    def _prepare_attention(self, metadata: list[AttentionMetadata]) -> None:
-        """The backend's per-step preparation, once per KV-cache group."""
-        for meta in metadata:
-            self.attn_ctx.backend.prepare(meta, self.block_size)
+        return run_model(self.model, self.attn_ctx, self.parallel.cp.world_size,
+                         self.block_size, self.counters, inputs, intermediate_tensors,
+                         positions, extra, rows)

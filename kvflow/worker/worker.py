@@ -138,8 +138,9 @@ class Worker:
         p = self.parallel
         stats = {"steps": self.num_steps, "step_s": self.step_time_s,
                  "tp_comm_s": p.tp.comm_time_s, "pp_comm_s": p.pp.comm_time_s,
-                 "cp_comm_s": p.cp.comm_time_s, "dense_tokens": self.runner.dense_tokens,
-                 "forward_s": self.runner.forward_s}
+                 "cp_comm_s": p.cp.comm_time_s,
+                 "dense_tokens": self.runner.counters.dense_tokens,
+                 "forward_s": self.runner.counters.forward_s}
         if p.cp.world_size > 1:
             stats["attention_s"] = self.runner.attn_ctx.backend.attention_s
         return stats

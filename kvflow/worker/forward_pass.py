@@ -1,0 +1,77 @@
+"""A step's forward pass on this rank's layers: the model's extra inputs (a multimodal model's
+merged image rows and M-RoPE positions), the attention metadata bound for the pass, a
+context-parallel token split, and the counters the worker reports (tokens, seconds)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.layer import AttentionContext
+from kvflow.distributed.comm import IntermediateTensors
+from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.mm_runner import MultiModalRunner
+from kvflow.worker.model_inputs import ModelInputs
+
+
+@dataclass
+class ForwardCounters:
+    """What the forward passes did on this rank (statistics): ``dense_tokens`` the tokens run
+    through the model, ``forward_s`` the seconds in the model's forward (on CUDA: launching
+    it)."""
+
+    dense_tokens: int = 0
+    forward_s: float = 0.0
+
+
+def model_extra_inputs(mm_runner: MultiModalRunner | None, inputs: ModelInputs,
+                       batch: InputBatch, requests: dict[str, RequestState]
+                       ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The positions and extra keyword inputs of the model's forward: ``inputs.positions`` and
+    none, or for a multimodal model ``inputs_embeds`` [T, hidden] with the image rows merged
+    and, with M-RoPE, positions [3, T] (``worker/mm_runner.py``)."""
+    positions, extra = inputs.positions, {}
+    if mm_runner is not None:  # image rows merged; M-RoPE positions [3, T]
+        extra["inputs_embeds"] = mm_runner.inputs_embeds(inputs, batch, requests)
+        if mm_runner.uses_mrope:
+            positions = mm_runner.positions(inputs, batch, requests)
+    return positions, extra
+
+
+def prepare_attention(attn_ctx: AttentionContext, metadata: list[AttentionMetadata],
+                      block_size: int) -> None:
+    """The backend's per-step preparation, once per KV-cache group."""
+    for meta in metadata:
+        attn_ctx.backend.prepare(meta, block_size)
+
+
+def run_model(model: torch.nn.Module, attn_ctx: AttentionContext, cp_world_size: int,
+              block_size: int, counters: ForwardCounters, inputs: ModelInputs,
+              intermediate_tensors: IntermediateTensors | None, positions: torch.Tensor,
+              extra: dict[str, Any],
+              rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+    """One forward pass of ``model`` with the step's attention metadata bound: final hidden
+    states [T, hidden] (last pipeline stage) or the tensors for the next stage. With
+    ``cp_world_size`` > 1 a backend's token split (Ring Attention) runs this rank's share of a
+    prefill's tokens and gathers the ``rows`` (int64 token indices; None: all) back.
+    ``counters`` gains the tokens run and the seconds the model took."""
+    metadata = inputs.attn_metadata
+    with attn_ctx.forward_context.bind(metadata):
+        prepare_attention(attn_ctx, metadata, block_size)
+        split = attn_ctx.backend.token_split(metadata[0]) if cp_world_size > 1 else None
+        input_ids = inputs.input_ids
+        if split is not None:  # Ring Attention: this rank's share of a prefill's tokens
+            input_ids, positions = split.select(input_ids), split.select(positions, dim=-1)
+            extra = {name: split.select(x) for name, x in extra.items()}
+        counters.dense_tokens += input_ids.shape[0]
+        start = time.perf_counter()
+        if intermediate_tensors is None:  # the first (or only) stage
+            out = model(input_ids, positions, **extra)
+        else:
+            out = model(input_ids, positions, intermediate_tensors, **extra)
+        counters.forward_s += time.perf_counter() - start
+        return out if split is None else split.gather(out, rows)
