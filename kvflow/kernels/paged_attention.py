@@ -136,14 +136,7 @@ def paged_attention(
     shapes and the number of splits), so stale values, e.g. under CUDA-graph replay, are safe.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits, kv_scales)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with a unit-stride last dim")
+    q, block_table, out = _unit_stride_operands(q, block_table, out)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
@@ -156,6 +149,40 @@ def paged_attention(
     return out
 
 
+def _unit_stride_operands(q: torch.Tensor, block_table: torch.Tensor,
+                          out: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q`` and ``block_table`` with a unit-stride last dim (copied if not) and the output
+    (``out``, checked, or a new contiguous tensor like ``q``).
+
+    Raises:
+        ValueError: if ``out`` is not shaped like ``q`` or its last dim is strided.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a unit-stride last dim")
+    return q, block_table, out
+
+
+def _split_partials(plan: PagedAttentionPlan, q: torch.Tensor,
+                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV path's fp32 partials: acc [T, heads, splits, BLOCK_D] and m/l
+    [2, T, heads, splits]; for a single pass ``out`` twice (unused placeholders)."""
+    if plan.num_splits <= 1:
+        return out, out
+    num_tokens, num_heads, _ = q.shape
+    part_acc = torch.empty((num_tokens, num_heads, plan.num_splits, plan.block_d),
+                           dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((2, num_tokens, num_heads, plan.num_splits),
+                          dtype=torch.float32, device=q.device)
+    return part_acc, part_ml
+
+
 def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
             scale: float, sliding_window: int | None, out: torch.Tensor,
@@ -164,13 +191,7 @@ def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
     (acc [T, heads, splits, BLOCK_D], m/l [2, T, heads, splits]) merged into ``out`` by
     :func:`_launch_merge`. Inputs are checked by :func:`paged_attention`."""
     num_tokens, num_heads, head_dim = q.shape
-    if plan.num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, plan.num_splits, plan.block_d),
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((2, num_tokens, num_heads, plan.num_splits),
-                              dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused placeholders
+    part_acc, part_ml = _split_partials(plan, q, out)
     use_window = sliding_window is not None and sliding_window > 0
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scales = kv_scales if kv_scales is not None else kv_cache  # unused placeholder

@@ -125,83 +125,89 @@ def _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, token, head, split
     tl.store(part_ml_ptr + ml_plane + part, l_i, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
-def paged_attention_kernel(
-    q_ptr,  # [T, Hq, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
-    part_acc_ptr,  # fp32 [T, Hq, NUM_SPLITS, BLOCK_D] (NUM_SPLITS > 1)
-    part_ml_ptr,  # fp32 [2, T, Hq, NUM_SPLITS]: running max (log2 domain) and sum
-    k_scale_ptr,  # fp32 [num_blocks, block_size, Hkv] (QUANT_KV): per token and head
-    v_scale_ptr,
-    query_start_loc_ptr,  # int32 [num_seqs + 1]
-    seq_lens_ptr,  # int32 [num_seqs]
-    block_table_ptr,  # int32 [num_seqs, max_blocks]
-    qk_scale,  # softmax scale * log2(e)
-    num_seqs,
-    num_tokens,
-    num_q_heads,
-    sliding_window,  # keys in (p - sliding_window, p] are visible; used if USE_WINDOW
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    stride_sb,
-    stride_ss,
-    QPKV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    QUANT_KV: tl.constexpr,
-):
-    q_block_global = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
+@triton.jit
+def _locate_q_block(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request owning global q-block ``q_block_global`` (binary search, see the module
+    docstring of ``paged_attention``): ``(seq, q_start, q_len, q_block)``, its first token,
+    its query length and the q-block's index within it."""
     seq = _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # tokens before this chunk (cached prefix)
+    return seq, q_start, q_len, q_block
 
+
+@triton.jit
+def _q_rows(q_start, q_len, q_block, ctx_len, kv_head, QPKV: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The program's ``BLOCK_M`` rows (BLOCK_Q tokens x the QPKV heads of ``kv_head``):
+    ``(token, head, q_pos, row_valid)``, the int64 token index, query head, absolute
+    position and whether the row is real (not padding)."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, TILE_N)
-    offs_d = tl.arange(0, BLOCK_D)
     q_idx = q_block * BLOCK_Q + offs_m // QPKV  # token index within the chunk
     head = kv_head * QPKV + offs_m % QPKV
     row_valid = (offs_m // QPKV < BLOCK_Q) & (q_idx < q_len)
     q_pos = ctx_len + q_idx  # absolute position of each row's token
-    d_mask = offs_d < HEAD_DIM
     token = (q_start + q_idx).to(tl.int64)
+    return token, head, q_pos, row_valid
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )
 
+@triton.jit
+def _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window,
+                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores ``q k * qk_scale`` [BLOCK_M, TILE_N] (log2 domain), -inf where a key is past
+    its row's position, invalid, or outside the sliding window."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+    if USE_WINDOW:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
+def paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] each
+    out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
+    part_acc_ptr,  # fp32 [T, Hq, NUM_SPLITS, BLOCK_D] (NUM_SPLITS > 1)
+    part_ml_ptr,  # fp32 [2, T, Hq, NUM_SPLITS]: running max (log2 domain) and sum
+    k_scale_ptr, v_scale_ptr,  # fp32 [num_blocks, block_size, Hkv] (QUANT_KV): per token, head
+    query_start_loc_ptr,  # int32 [num_seqs + 1]
+    seq_lens_ptr,  # int32 [num_seqs]
+    block_table_ptr,  # int32 [num_seqs, max_blocks]
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs, num_tokens, num_q_heads,
+    sliding_window,  # keys in (p - sliding_window, p] are visible; used if USE_WINDOW
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_sb, stride_ss,
+    QPKV: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT_KV: tl.constexpr,
+):
+    """Program (q-block, KV head, split): attention of one q-block's rows over its visible
+    keys, tile by tile with an online softmax; the output (one split) or fp32 partials."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, q_start, q_len, q_block = _locate_q_block(query_start_loc_ptr, tl.program_id(0),
+                                                   num_seqs, BLOCK_Q)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens before this chunk (cached prefix)
+    token, head, q_pos, row_valid = _q_rows(q_start, q_len, q_block, ctx_len, kv_head, QPKV,
+                                            BLOCK_M, BLOCK_Q)
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     kv_end, tile_lo, tile_hi = _kv_tiles(ctx_len, q_len, q_block, split, sliding_window,
                                          BLOCK_Q, TILE_N, NUM_SPLITS, USE_WINDOW)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE_N + offs_n
         k_valid = k_pos < kv_end
@@ -209,11 +215,8 @@ def paged_attention_kernel(
                              block_table_row, k_pos, k_valid, kv_head, offs_d, d_mask,
                              stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, q.dtype,
                              KV_BLOCK_SIZE, QUANT_KV)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - k_pos[None, :] < sliding_window)
-        s = tl.where(visible, s, float("-inf"))
+        s = _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window, USE_WINDOW,
+                           DOT_PRECISION)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if NUM_SPLITS == 1:

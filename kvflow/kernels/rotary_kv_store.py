@@ -43,6 +43,79 @@ def _to_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
+def _load_cos_sin(cos_sin_ptr, pos, stride_cos, offs_r, r_mask, ROT_HALF: tl.constexpr):
+    """Position ``pos``'s cos and sin halves [BLOCK_R] in fp32 (0 past ``ROT_HALF``)."""
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + ROT_HALF + offs_r, mask=r_mask,
+                  other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _pair_offsets(offs_r, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The offsets [1, BLOCK_R] within a head of each rotated pair's two elements (a, b):
+    the two halves (neox) or interleaved neighbours (gpt-j)."""
+    if IS_NEOX:
+        a_off, b_off = offs_r[None, :], ROT_HALF + offs_r[None, :]
+    else:
+        a_off, b_off = 2 * offs_r[None, :], 2 * offs_r[None, :] + 1
+    return a_off, b_off
+
+
+@triton.jit
+def _rotate_k(k_ptr, k_row, a_off, b_off, pair_mask, cos, sin):
+    """The rotated pairs (a, b) [BLOCK_HK, BLOCK_R] of the k heads at ``k_row``: rotated in
+    fp32, rounded to k's dtype, written back in place and returned."""
+    a = tl.load(k_row + a_off, mask=pair_mask, other=0.0).to(tl.float32)
+    b = tl.load(k_row + b_off, mask=pair_mask, other=0.0).to(tl.float32)
+    new_a = (a * cos[None, :] - b * sin[None, :]).to(k_ptr.dtype.element_ty)
+    new_b = (b * cos[None, :] + a * sin[None, :]).to(k_ptr.dtype.element_ty)
+    tl.store(k_row + a_off, new_a, mask=pair_mask)
+    tl.store(k_row + b_off, new_b, mask=pair_mask)
+    return new_a, new_b
+
+
+@triton.jit
+def _load_rest(k_ptr, k_row, offs_rest, rest_mask, HAS_REST: tl.constexpr,
+               BLOCK_HK: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """The k elements past the rotated ones [BLOCK_HK, BLOCK_REST] (partial rotary), else
+    zeros."""
+    if HAS_REST:
+        rest = tl.load(k_row + offs_rest[None, :], mask=rest_mask, other=0.0)
+    else:
+        rest = tl.zeros([BLOCK_HK, BLOCK_REST], dtype=k_ptr.dtype.element_ty)
+    return rest
+
+
+@triton.jit
+def _quantize_k_v(new_a, new_b, rest, v, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """k (its pairs and rest) and v on the cache grid, fp32, with one scale [BLOCK_HK] per
+    head each (k's over all of its elements): ``(a, b, rest, v, k_scale, v_scale)``."""
+    af, bf, restf = new_a.to(tl.float32), new_b.to(tl.float32), rest.to(tl.float32)
+    absmax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
+    absmax = tl.maximum(absmax, tl.max(tl.abs(restf), axis=1))
+    k_scale = tl.maximum(absmax / QMAX, 1.1754943508222875e-38)
+    st_a, st_b = _to_grid(af, k_scale, QMAX, IS_FP8), _to_grid(bf, k_scale, QMAX, IS_FP8)
+    st_rest = _to_grid(restf, k_scale, QMAX, IS_FP8)
+    st_v, v_scale = _quantize_rows(v.to(tl.float32), QMAX, IS_FP8)
+    return st_a, st_b, st_rest, st_v, k_scale, v_scale
+
+
+@triton.jit
+def _store_k_v(k_cache_ptr, v_cache_ptr, head, a_off, b_off, offs_rest, offs_d, st_a, st_b,
+               st_rest, st_v, pair_mask, rest_mask, v_mask, keep, HAS_REST: tl.constexpr):
+    """Store k (pairs, then rest) and v at the slot whose head offsets are ``head``
+    [BLOCK_HK, 1], cast to the cache dtype; nothing when not ``keep``."""
+    out_ty = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + head + a_off, st_a.to(out_ty), mask=pair_mask & keep)
+    tl.store(k_cache_ptr + head + b_off, st_b.to(out_ty), mask=pair_mask & keep)
+    if HAS_REST:
+        tl.store(k_cache_ptr + head + offs_rest[None, :], st_rest.to(out_ty),
+                 mask=rest_mask & keep)
+    tl.store(v_cache_ptr + head + offs_d[None, :], st_v.to(out_ty), mask=v_mask & keep)
+
+
+@triton.jit
 def _rotary_kv_store_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
     v_scale_ptr, slot_ptr,
@@ -60,9 +133,7 @@ def _rotary_kv_store_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < ROT_HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos + ROT_HALF + offs_r, mask=r_mask,
-                  other=0.0).to(tl.float32)
+    cos, sin = _load_cos_sin(cos_sin_ptr, pos, stride_cos, offs_r, r_mask, ROT_HALF)
     _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, cos, sin, ROT_HALF, IS_NEOX,
                   BLOCK_HQ, BLOCK_R)
 
@@ -71,22 +142,11 @@ def _rotary_kv_store_kernel(
     h_mask = offs_h < NUM_KV_HEADS
     pair_mask = h_mask[:, None] & r_mask[None, :]
     k_row = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh
-    if IS_NEOX:
-        a_off, b_off = offs_r[None, :], ROT_HALF + offs_r[None, :]
-    else:
-        a_off, b_off = 2 * offs_r[None, :], 2 * offs_r[None, :] + 1
-    a = tl.load(k_row + a_off, mask=pair_mask, other=0.0).to(tl.float32)
-    b = tl.load(k_row + b_off, mask=pair_mask, other=0.0).to(tl.float32)
-    new_a = (a * cos[None, :] - b * sin[None, :]).to(k_ptr.dtype.element_ty)
-    new_b = (b * cos[None, :] + a * sin[None, :]).to(k_ptr.dtype.element_ty)
-    tl.store(k_row + a_off, new_a, mask=pair_mask)
-    tl.store(k_row + b_off, new_b, mask=pair_mask)
+    a_off, b_off = _pair_offsets(offs_r, ROT_HALF, IS_NEOX)
+    new_a, new_b = _rotate_k(k_ptr, k_row, a_off, b_off, pair_mask, cos, sin)
     offs_rest = 2 * ROT_HALF + tl.arange(0, BLOCK_REST)
     rest_mask = h_mask[:, None] & (offs_rest[None, :] < HEAD_DIM)
-    if HAS_REST:
-        rest = tl.load(k_row + offs_rest[None, :], mask=rest_mask, other=0.0)
-    else:
-        rest = tl.zeros([BLOCK_HK, BLOCK_REST], dtype=k_ptr.dtype.element_ty)
+    rest = _load_rest(k_ptr, k_row, offs_rest, rest_mask, HAS_REST, BLOCK_HK, BLOCK_REST)
     offs_d = tl.arange(0, BLOCK_D)
     v_mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
@@ -99,25 +159,15 @@ def _rotary_kv_store_kernel(
     head = (safe // KV_BLOCK_SIZE) * stride_cb + (safe % KV_BLOCK_SIZE) * stride_cs \
         + offs_h[:, None] * stride_ch
     if QUANT_KV:
-        af, bf, restf = new_a.to(tl.float32), new_b.to(tl.float32), rest.to(tl.float32)
-        absmax = tl.maximum(tl.max(tl.abs(af), axis=1), tl.max(tl.abs(bf), axis=1))
-        absmax = tl.maximum(absmax, tl.max(tl.abs(restf), axis=1))
-        k_scale = tl.maximum(absmax / QMAX, 1.1754943508222875e-38)
-        st_a, st_b = _to_grid(af, k_scale, QMAX, IS_FP8), _to_grid(bf, k_scale, QMAX, IS_FP8)
-        st_rest = _to_grid(restf, k_scale, QMAX, IS_FP8)
-        st_v, v_scale = _quantize_rows(v.to(tl.float32), QMAX, IS_FP8)
+        st_a, st_b, st_rest, st_v, k_scale, v_scale = _quantize_k_v(new_a, new_b, rest, v,
+                                                                    QMAX, IS_FP8)
         dst_scale = safe // KV_BLOCK_SIZE * stride_sb + (safe % KV_BLOCK_SIZE) * stride_ss + offs_h
         tl.store(k_scale_ptr + dst_scale, k_scale, mask=h_mask & keep)
         tl.store(v_scale_ptr + dst_scale, v_scale, mask=h_mask & keep)
     else:
         st_a, st_b, st_rest, st_v = new_a, new_b, rest, v
-    out_ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + head + a_off, st_a.to(out_ty), mask=pair_mask & keep)
-    tl.store(k_cache_ptr + head + b_off, st_b.to(out_ty), mask=pair_mask & keep)
-    if HAS_REST:
-        tl.store(k_cache_ptr + head + offs_rest[None, :], st_rest.to(out_ty),
-                 mask=rest_mask & keep)
-    tl.store(v_cache_ptr + head + offs_d[None, :], st_v.to(out_ty), mask=v_mask & keep)
+    _store_k_v(k_cache_ptr, v_cache_ptr, head, a_off, b_off, offs_rest, offs_d, st_a, st_b,
+               st_rest, st_v, pair_mask, rest_mask, v_mask, keep, HAS_REST)
 
 
 def _check_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
