@@ -157,7 +157,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     _add_error_handlers(app)
     _add_openai_routes(app)
-    _add_other_routes(app)
+    _add_status_routes(app)
+    _add_token_routes(app)
     return app
 
 
@@ -258,7 +259,8 @@ def _add_lora_routes(app: FastAPI) -> None:
                         media_type="text/plain")
 
 
-def _add_other_routes(app: FastAPI) -> None:
+def _add_status_routes(app: FastAPI) -> None:
+    """The open routes: /health, /version, /metrics."""
     @app.get("/health")
     async def health(raw: Request) -> Response:
         if raw.app.state.engine.is_healthy:
@@ -274,6 +276,9 @@ def _add_other_routes(app: FastAPI) -> None:
     async def metrics(raw: Request) -> Response:
         return Response(raw.app.state.engine.metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_token_routes(app: FastAPI) -> None:
+    """/tokenize and /detokenize."""
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         """Token ids of a prompt or of a chat conversation (rendered with the chat template).
