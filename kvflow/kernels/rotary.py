@@ -51,61 +51,33 @@ def _rotate_heads(
 
 
 @triton.jit
+def _load_cos_sin(cos_sin_ptr, pos, stride_cos, offs_r, r_mask, ROT_HALF: tl.constexpr):
+    """Position ``pos``'s cos and sin halves [BLOCK_R] in fp32 (0 past ``ROT_HALF``)."""
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + ROT_HALF + offs_r, mask=r_mask,
+                  other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
-    pos_ptr,
-    q_ptr,
-    k_ptr,
-    cache_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_cache,
-    num_q_heads,
-    num_k_heads,
-    ROT_HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    HAS_K: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    pos_ptr, q_ptr, k_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    num_q_heads, num_k_heads,
+    ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program per token: rotate all its q heads (and k heads)."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < ROT_HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + ROT_HALF + offs_r, mask=r_mask, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
-    _rotate_heads(
-        q_ptr,
-        row,
-        stride_qt,
-        stride_qh,
-        num_q_heads,
-        cos,
-        sin,
-        ROT_HALF,
-        IS_NEOX,
-        BLOCK_HQ,
-        BLOCK_R,
-    )
+    cos, sin = _load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, ROT_HALF)
+    _rotate_heads(q_ptr, row, stride_qt, stride_qh, num_q_heads, cos, sin, ROT_HALF, IS_NEOX,
+                  BLOCK_HQ, BLOCK_R)
     if HAS_K:
-        _rotate_heads(
-            k_ptr,
-            row,
-            stride_kt,
-            stride_kh,
-            num_k_heads,
-            cos,
-            sin,
-            ROT_HALF,
-            IS_NEOX,
-            BLOCK_HK,
-            BLOCK_R,
-        )
+        _rotate_heads(k_ptr, row, stride_kt, stride_kh, num_k_heads, cos, sin, ROT_HALF,
+                      IS_NEOX, BLOCK_HK, BLOCK_R)
 
 
 def _as_heads(x: torch.Tensor, head_size: int | None, name: str) -> torch.Tensor:
@@ -163,28 +135,25 @@ def rotary_embedding(
         cos_sin_cache = cos_sin_cache.contiguous()
     if num_tokens == 0:
         return q, k
+    _launch(positions, q3, k3, cos_sin_cache, is_neox)
+    return q, k
+
+
+def _launch(positions: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor | None,
+            cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """The kernel launch, one program per position (inputs checked by
+    :func:`rotary_embedding`); without ``k3`` the kernel gets q3 as an unused k."""
     k_arg = k3 if k3 is not None else q3
-    _rotary_kernel[(num_tokens,)](
-        positions,
-        q3,
-        k_arg,
-        cos_sin_cache,
-        q3.stride(0),
-        q3.stride(1),
-        k_arg.stride(0),
-        k_arg.stride(1),
-        cos_sin_cache.stride(0),
-        q3.shape[1],
-        k_arg.shape[1],
-        ROT_HALF=rot_dim // 2,
-        IS_NEOX=is_neox,
-        HAS_K=k3 is not None,
+    rot_dim = cos_sin_cache.shape[-1]
+    _rotary_kernel[(positions.shape[0],)](
+        positions, q3, k_arg, cos_sin_cache,
+        q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
+        q3.shape[1], k_arg.shape[1],
+        ROT_HALF=rot_dim // 2, IS_NEOX=is_neox, HAS_K=k3 is not None,
         BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k_arg.shape[1]),
-        BLOCK_R=triton.next_power_of_2(rot_dim // 2),
-        num_warps=4,
+        BLOCK_R=triton.next_power_of_2(rot_dim // 2), num_warps=4,
     )
-    return q, k
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool):

@@ -29,7 +29,12 @@ from kvflow.kernels.kv_store import (
     _round_to_e4m3,
     store_kvcache_ref,
 )
-from kvflow.kernels.rotary import _as_heads, _rotate_heads, rotary_embedding_ref
+from kvflow.kernels.rotary import (
+    _as_heads,
+    _load_cos_sin,
+    _rotate_heads,
+    rotary_embedding_ref,
+)
 
 
 @triton.jit
@@ -40,15 +45,6 @@ def _to_grid(x, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     if IS_FP8:
         return _round_to_e4m3(y)
     return _rint(y)
-
-
-@triton.jit
-def _load_cos_sin(cos_sin_ptr, pos, stride_cos, offs_r, r_mask, ROT_HALF: tl.constexpr):
-    """Position ``pos``'s cos and sin halves [BLOCK_R] in fp32 (0 past ``ROT_HALF``)."""
-    cos = tl.load(cos_sin_ptr + pos * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos + ROT_HALF + offs_r, mask=r_mask,
-                  other=0.0).to(tl.float32)
-    return cos, sin
 
 
 @triton.jit
