@@ -296,16 +296,7 @@ def _add_token_routes(app: FastAPI) -> None:
             raise OpenAIError("give exactly one of prompt and messages", param="prompt",
                               code="missing_required_parameter" if req.messages is None
                               else "invalid_value")
-        if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
-            text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
-                                          check_length=False, size=body_size(raw))
-            ids = (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
-        else:
-            special = req.add_special_tokens is not False
-            tokenizer = chat.tokenizer
-            ids = await off_loop(len(req.prompt), lambda: tokenizer.encode(
-                req.prompt, add_special_tokens=special))
+        ids = await _tokenize_ids(chat, req, raw)
         return TokenizeResponse(count=len(ids), max_model_len=chat.engine.max_model_len,
                                 tokens=ids)
 
@@ -329,6 +320,21 @@ def _add_token_routes(app: FastAPI) -> None:
         tokenizer = chat.tokenizer
         return DetokenizeResponse(prompt=await off_loop(len(req.tokens), tokenizer.decode,
                                                         req.tokens))
+
+
+async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
+                        raw: Request) -> list[int]:
+    """/tokenize's token ids: the chat conversation rendered with the chat template (image
+    placeholders expanded), else the prompt encoded (off the event loop when long)."""
+    if req.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+        text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
+                                      check_length=False, size=body_size(raw))
+        return (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
+    special = req.add_special_tokens is not False
+    tokenizer = chat.tokenizer
+    return await off_loop(len(req.prompt), lambda: tokenizer.encode(
+        req.prompt, add_special_tokens=special))
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
