@@ -196,26 +196,21 @@ def store_kvcache(
         v = v.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have a unit-stride last dim")
+    _launch_store(k, v, kv_cache, slot_mapping)
+
+
+def _launch_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The unquantized store launch, one program per slot_mapping entry (inputs checked and
+    made unit-stride by :func:`store_kvcache`)."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    _store_kvcache_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+    _store_kvcache_kernel[(slot_mapping.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 

@@ -227,6 +227,35 @@ def _display_name(path: str) -> str:
     return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
 
 
+def _resolve_directory(path: str, model: str) -> ModelSource:
+    """A local directory: a Hugging Face model (config.json), else its single .gguf file
+    (raises ValueError as :func:`resolve_model` says)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource(kind="hf", path=path, name=_display_name(path))
+    ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+    ggufs = [f for f in ggufs if os.path.isfile(os.path.join(path, f))]
+    if len(ggufs) == 1:
+        file = os.path.join(path, ggufs[0])
+        _check_gguf_magic(file, model)
+        return ModelSource(kind="gguf", path=file, name=_display_name(file))
+    found = f"{len(ggufs)} .gguf files ({', '.join(ggufs)})" if ggufs else "no .gguf file"
+    raise ValueError(
+        f"Model directory {model!r} has no config.json and {found}; pass a directory with "
+        "config.json or a single .gguf file"
+    )
+
+
+def _resolve_file(path: str, model: str) -> ModelSource:
+    """A local file: a .gguf with the GGUF magic bytes (raises ValueError otherwise)."""
+    if path.lower().endswith(".gguf"):
+        _check_gguf_magic(path, model)
+        return ModelSource(kind="gguf", path=path, name=_display_name(path))
+    raise ValueError(
+        f"Model file {model!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
+        "model directory with config.json"
+    )
+
+
 def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
     """Resolve ``model`` (a path, a packaged model name or a Hub repo id) to a
     :class:`ModelSource`.
@@ -253,27 +282,9 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
         raise ValueError(f"Invalid model name {model!r}")
     path = os.path.expanduser(model)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return ModelSource(kind="hf", path=path, name=_display_name(path))
-        ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
-        ggufs = [f for f in ggufs if os.path.isfile(os.path.join(path, f))]
-        if len(ggufs) == 1:
-            file = os.path.join(path, ggufs[0])
-            _check_gguf_magic(file, model)
-            return ModelSource(kind="gguf", path=file, name=_display_name(file))
-        found = f"{len(ggufs)} .gguf files ({', '.join(ggufs)})" if ggufs else "no .gguf file"
-        raise ValueError(
-            f"Model directory {model!r} has no config.json and {found}; pass a directory with "
-            "config.json or a single .gguf file"
-        )
+        return _resolve_directory(path, model)
     if os.path.isfile(path):
-        if path.lower().endswith(".gguf"):
-            _check_gguf_magic(path, model)
-            return ModelSource(kind="gguf", path=path, name=_display_name(path))
-        raise ValueError(
-            f"Model file {model!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
-            "model directory with config.json"
-        )
+        return _resolve_file(path, model)
     entry = find_packaged_model(model)
     if entry is not None:
         return _resolve_packaged(entry)
