@@ -145,5 +145,7 @@ def test_help_lists_only_typeable_choices():
     text = parser.format_help()
     assert "{none,int8,int4,fp8,gguf,compressed-tensors}" in text
     assert "{auto,native,onednn}" in text and "None," not in text
+    assert "{auto,native,sdpa}" in text
     args = parser.parse_args([])
-    assert args.quantization is None and args.cpu_gemm is None
+    assert args.quantization is None and args.cpu_gemm is None and args.cpu_attention is None
+    assert parser.parse_args(["--cpu-attention", "sdpa"]).cpu_attention == "sdpa"

@@ -4,10 +4,15 @@ Per layer: the new K/V are written through ``slot_mapping`` (one C call,
 :meth:`NativeCpuKernels.store_kv`; torch ``index_copy_`` for a quantized cache), then
 :meth:`NativeCpuKernels.paged_attention` (``kernels/csrc/cpu_attention.c``) attends every query
 token of the mixed batch to its context straight from the paged cache: no gather copy, no
-padded query rows, no mask tensor. That includes a batch of whole prompts of one length (the
-common offline prefill), which until issue 23 went to torch's SDPA: on a 2-core AVX512 EPYC, 16
-prompts of 128 (512) tokens, one thread, the kernel's prefill tiles took 0.38x (0.32x) SDPA's
-time in bf16 and 0.62x (0.59x) in fp32, reading the K/V just written back from the cache.
+padded query rows, no mask tensor.
+
+A batch of whole prompts of one length (the common offline prefill) takes either the kernel's
+prefill tiles or torch's causal SDPA over the prompts' own new K/V (no cache read), whichever
+:class:`~kvflow.attention.prefill_select.PrefillAttentionChoice` picks for its dtype, head
+shape and prompt-length class (``--cpu-attention auto``: timed on this CPU; ``native`` /
+``sdpa`` force one). On a 2-core AVX512-BF16 EPYC the tiles took 0.3-0.6x SDPA's time
+(16 prompts of 128-512 tokens, one thread); on a 2-core Xeon with AMX 1.1-3.3x (issue 23).
+A sliding window always takes the kernel.
 
 A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``, ``kv_scales`` given) is written through
 the torch backend's quantizing store and read in place with its scales by
@@ -28,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata
+from kvflow.attention.prefill_select import PrefillAttentionChoice
 from kvflow.attention.torch_paged import TorchPagedAttentionBackend
 from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
 from kvflow.kernels.cpu_native import NativeCpuKernels
@@ -40,13 +46,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
         kernels: the native CPU kernels.
         batch_invariant: attend token by token, the same way whatever the batch (see the
             module doc).
+        prefill: which attention batches of whole prompts take (default: timed, ``auto``).
     """
 
     name = "cpu"
 
-    def __init__(self, kernels: NativeCpuKernels, batch_invariant: bool = False) -> None:
+    def __init__(self, kernels: NativeCpuKernels, batch_invariant: bool = False,
+                 prefill: PrefillAttentionChoice | None = None) -> None:
         self._kernels = kernels
         self.batch_invariant = batch_invariant
+        self.prefill = prefill or PrefillAttentionChoice("auto", kernels)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         uniform = not self.batch_invariant and TorchPagedAttentionBackend.uniform_prompts(meta)
@@ -63,7 +72,9 @@ class CpuPagedAttentionBackend(AttentionBackend):
             self._kernels.store_kv(k, v, kv_cache, slots, meta.num_actual_tokens)
         else:
             k, v = TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta, kv_scales)
-        if kv_scales is not None and meta.extra["uniform_prompts"] and sliding_window is None:
+        if meta.extra["uniform_prompts"] and sliding_window is None and (
+                kv_scales is not None or self.prefill.pick(
+                    q.dtype, q.shape[1], k.shape[1], q.shape[2], meta.max_query_len) == "sdpa"):
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
         # The kernel trusts its indices: check them at the first layer of the step only.
         validate = not meta.extra["indices_checked"]

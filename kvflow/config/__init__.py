@@ -9,11 +9,13 @@ each), the field helpers in options.py and the whole engine's config in engine.p
 
 from kvflow.config.cache import CacheConfig
 from kvflow.config.device import (
+    CPU_ATTENTION_CHOICES,
     CPU_GEMM_CHOICES,
     LORA_KERNEL_CHOICES,
     DeviceConfig,
     cache_dir,
     cpu_adaptive_threads_choice,
+    cpu_attention_choice,
     cpu_gemm_choice,
     cpu_gemm_pool_choice,
     cpu_gguf_choice,
@@ -31,9 +33,9 @@ from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.server import ServerConfig
 from kvflow.config.speculative import SPEC_METHODS, SpeculativeConfig
 
-__all__ = ["CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS", "CacheConfig",
-           "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "MultiModalConfig",
-           "ParallelConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
-           "cache_dir", "cpu_adaptive_threads_choice", "cpu_gemm_choice", "cpu_gemm_pool_choice",
-           "cpu_gguf_choice", "cpu_quant_choice", "lora_kernel_choice", "parse_bytes",
-           "parse_cpu_list"]
+__all__ = ["CPU_ATTENTION_CHOICES", "CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "SPEC_METHODS",
+           "CacheConfig", "DeviceConfig", "EngineConfig", "LoRAConfig", "ModelConfig",
+           "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig",
+           "SpeculativeConfig", "cache_dir", "cpu_adaptive_threads_choice",
+           "cpu_attention_choice", "cpu_gemm_choice", "cpu_gemm_pool_choice", "cpu_gguf_choice",
+           "cpu_quant_choice", "lora_kernel_choice", "parse_bytes", "parse_cpu_list"]

@@ -39,6 +39,26 @@ def cpu_gemm_choice(value: str | None = None) -> str:
     return choice
 
 
+CPU_ATTENTION_CHOICES = ("auto", "native", "sdpa")
+
+
+def cpu_attention_choice(value: str | None = None) -> str:
+    """The CPU attention of a batch of whole prompts asked for: ``value`` (``--cpu-attention``)
+    if given, else ``$KVFLOW_CPU_ATTENTION``, else ``auto`` (kvflow's prefill tiles or torch's
+    SDPA, whichever was timed faster on this CPU per dtype, head shape and prompt-length class;
+    :mod:`kvflow.attention.prefill_select`); ``native`` / ``sdpa`` force one.
+
+    Raises:
+        ValueError: on another value (naming the flag or variable it came from).
+    """
+    name, choice = ("cpu_attention", value) if value is not None else \
+        ("KVFLOW_CPU_ATTENTION", os.environ.get("KVFLOW_CPU_ATTENTION", "auto"))
+    if choice not in CPU_ATTENTION_CHOICES:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of "
+                         f"{list(CPU_ATTENTION_CHOICES)}")
+    return choice
+
+
 def cpu_adaptive_threads_choice(value: bool | None = None) -> bool:
     """Whether the CPU thread count adapts to other processes' load: ``value``
     (``--cpu-adaptive-threads``) if given, else ``$KVFLOW_CPU_ADAPTIVE_THREADS`` (``0`` or
@@ -165,6 +185,12 @@ class DeviceConfig:
                                 "cached per CPU), native (kvflow's C GEMM) or onednn "
                                 "(default: $KVFLOW_CPU_GEMM, else auto)",
                                 choices=[None, *CPU_GEMM_CHOICES])
+    cpu_attention: str | None = opt(None, "CPU attention of a batch of whole prompts (the "
+                                     "'cpu' backend): auto (kvflow's prefill tiles or torch's "
+                                     "SDPA, timed per dtype, head shape and prompt-length "
+                                     "class, cached per CPU), native or sdpa (default: "
+                                     "$KVFLOW_CPU_ATTENTION, else auto)",
+                                     choices=[None, *CPU_ATTENTION_CHOICES])
     deterministic: bool = opt(False, "batch-invariant kernels: a request's temperature-0 "
                               "output (and logits) do not depend on the other requests of "
                               "its batch or on how its prompt was chunked (CPU: kvflow's C "
@@ -192,6 +218,7 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         cpu_gemm_choice(self.cpu_gemm)  # a bad KVFLOW_CPU_GEMM fails here, before loading
+        cpu_attention_choice(self.cpu_attention)  # likewise a bad KVFLOW_CPU_ATTENTION
         cpu_adaptive_threads_choice(self.cpu_adaptive_threads)
         cpu_gemm_pool_choice(self.cpu_gemm_pool)
         cpu_gguf_choice()

@@ -137,13 +137,14 @@ def time_candidate(shape: GemmShape, candidate: str, rows_list: Iterable[int],
     return time_candidates(shape, (candidate,), rows_list, kernels)[candidate]
 
 
-def cache_key(num_threads: int, isa: str = "") -> str:
+def cache_key(num_threads: int, isa: str = "", method: str = TIMING_METHOD) -> str:
     """What the timings depend on: the CPU model and flags, torch, kvflow's kernel sources,
-    the ISA level of the loaded kernels, the thread count and how they are measured."""
+    the ISA level of the loaded kernels, the thread count and how they are measured
+    (``method``: another kernel's timings name theirs)."""
     digest = hashlib.sha256()
     csrc = Path(cpu_build.__file__).parent / "csrc"
     for part in [cpu_build.cpu_fingerprint(), torch.__version__, str(num_threads), isa,
-                 TIMING_METHOD,
+                 method,
                  *(p.read_text() for p in sorted(csrc.glob("*.[ch]")))]:
         digest.update(part.encode())
     return digest.hexdigest()[:16]

@@ -16,19 +16,24 @@ logger = logging.getLogger(__name__)
 
 
 def make_attention_backend(name: str, batch_invariant: bool = False,
-                           device: torch.device | None = None):
+                           device: torch.device | None = None, cpu_attention: str | None = None):
     """The backend called ``name``: torch | cpu | triton | flashinfer. "cpu" falls back to
     "torch" (logged) where its native kernels cannot be built. ``batch_invariant``
     (``--deterministic``, checked beforehand to be on "cpu" with the kernels built): attend
-    token by token. "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises
-    ValueError for an unknown name, or for flashinfer off CUDA or not installed."""
+    token by token. ``cpu_attention`` (``--cpu-attention``, see
+    :func:`kvflow.config.cpu_attention_choice`): what "cpu" runs for a batch of whole prompts.
+    "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises ValueError for an
+    unknown name or ``cpu_attention``, or for flashinfer off CUDA or not installed."""
     if name == "cpu":
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
+        from kvflow.attention.prefill_select import PrefillAttentionChoice
+        from kvflow.config import cpu_attention_choice
         from kvflow.kernels.cpu_native import native_cpu_kernels
 
         kernels = native_cpu_kernels()
         if kernels is not None:
-            return CpuPagedAttentionBackend(kernels, batch_invariant)
+            prefill = PrefillAttentionChoice(cpu_attention_choice(cpu_attention), kernels)
+            return CpuPagedAttentionBackend(kernels, batch_invariant, prefill)
         logger.warning("attention backend 'cpu' unavailable; using 'torch'")
         name = "torch"
     if name == "torch":

@@ -85,6 +85,8 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
          (f"attention_backend={dc.attention_backend!r} (only 'cpu' and 'triton' have a "
           "batch-invariant mode)")),
         (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
+        (dc.cpu_attention == "sdpa",
+         "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
         (quantization is not None,
          f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
         (_is_moe(hf_config),

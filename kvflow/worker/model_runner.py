@@ -137,7 +137,8 @@ class ModelRunner:
             return make_mla_backend(requested)
         name = requested or self.platform.default_attention_backend
         backend = None if deterministic else self.platform.get_attention_backend(name)
-        return backend or make_attention_backend(name, deterministic, self.device)
+        return backend or make_attention_backend(name, deterministic, self.device,
+                                                 self.config.device_config.cpu_attention)
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)

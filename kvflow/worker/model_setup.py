@@ -46,7 +46,8 @@ def make_draft_model(config: EngineConfig, platform: Platform, hf_config: Any,
         return None
     name = config.device_config.attention_backend or platform.default_attention_backend
     backend = platform.get_attention_backend(name) or \
-        make_attention_backend(name, device=device)
+        make_attention_backend(name, device=device,
+                               cpu_attention=config.device_config.cpu_attention)
     drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size)
     # unpacked, a bf16 draft cost more than it saved
     choose_gemm_path(drafter.model, config, platform, device, dtype)
