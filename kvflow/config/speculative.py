@@ -24,7 +24,8 @@ class SpeculativeConfig:
     Attributes:
         method: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
             of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
-            target's tokenizer).
+            target's tokenizer). Left out of a dict or JSON (:meth:`from_value`):
+            ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id.
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
@@ -71,6 +72,9 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens="
                              f"{self.num_speculative_tokens} must be in [1, 16]")
+        if self.method == "ngram" and self.model:
+            raise ValueError(f"speculative_config model={self.model!r} applies to method="
+                             "'draft_model' only (n-gram lookup uses no model)")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model' (the "
                              "draft model's name or path)")
@@ -118,7 +122,8 @@ class SpeculativeConfig:
 
         Raises:
             ValueError: for text that is not a JSON object (an empty string too: leave the
-                flag out to run without speculation), or an unknown key (named).
+                flag out to run without speculation), or an unknown key (named). A missing
+                ``method`` is ``draft_model`` when ``model`` is given, else ``ngram``.
         """
         if value is None or isinstance(value, cls):
             return value
@@ -143,4 +148,6 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: "
                              f"{sorted(known)}")
+        if "method" not in value:  # as vLLM: a draft model named means method draft_model
+            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
         return cls(**value)

@@ -146,13 +146,17 @@ def wait_ready(output: zmq.Socket, decoder: msgspec.msgpack.Decoder, cores: list
     them live and returns their messages by replica index.
 
     Raises:
-        RuntimeError: naming the replica, if one reported ``EngineFailed`` or its process
-            exited while starting, or if they did not all report within ``timeout`` seconds.
+        ValueError: a replica's start-up found a bad model or configuration (its message).
+        RuntimeError: naming the replica, if one reported another ``EngineFailed`` or its
+            process exited while starting, or if they did not all report within ``timeout``
+            seconds.
     """
     deadline, ready, n = time.monotonic() + timeout, {}, len(cores)
     while len(ready) < n and time.monotonic() < deadline:
         if output.poll(200):
             msg = decoder.decode(output.recv())
+            if isinstance(msg, EngineFailed) and msg.bad_input:
+                raise ValueError(msg.message)
             if isinstance(msg, EngineFailed):
                 raise RuntimeError(f"{replica_name(msg.engine_index, n)} failed to start: "
                                    f"{msg.message}")

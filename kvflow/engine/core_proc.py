@@ -66,7 +66,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     index = config.parallel_config.data_parallel_rank
     core = None
     try:
-        core = EngineCore(config)
+        try:
+            core = EngineCore(config)
+        except ValueError as e:  # bad input: one line, no traceback (the caller re-raises it)
+            logger.error("engine core: %s", e)
+            out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
+            return
         out.send(encoder.encode(_ready(core, index)))
         EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process

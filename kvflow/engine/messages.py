@@ -101,10 +101,13 @@ class EngineReady(msgspec.Struct, tag="ready"):
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
-    """Sent when start-up or a step raised; the core process exits after sending it."""
+    """Sent when start-up or a step raised; the core process exits after sending it.
+    ``bad_input``: start-up raised ValueError (a bad model or configuration, the message
+    says which), which the API process raises as a ValueError too (CLI exit status 2)."""
 
     message: str
     engine_index: int = 0
+    bad_input: bool = False
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -92,7 +92,10 @@ class DraftModel:
                  device: torch.device, target_vocab_size: int) -> None:
         spec = config.speculative_config
         mc = config.model_config
-        source = resolve_model(spec.model, mc.download_dir)
+        try:
+            source = resolve_model(spec.model, mc.download_dir)
+        except ValueError as e:
+            raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
         hf_config = load_hf_config(source)
         if hf_config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "

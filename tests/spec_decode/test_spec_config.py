@@ -4,6 +4,7 @@ ValueError or exit status 2 naming what is wrong), the YAML config file form."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -49,11 +50,20 @@ def test_flag_dict_and_object_forms_agree():
     ('{"method": "draft_model", "model": "m", "draft_vocab_size": true}',
      "draft_vocab_size=True"),
     ('{"method": "ngram", "draft_vocab_size": 64}', "method='draft_model' only"),
+    ('{"method": "ngram", "model": "m"}', "model='m' applies to method='draft_model' only"),
 ])
 def test_bad_values_name_the_problem(value, needle):
     with pytest.raises(ValueError, match=None) as err:
         SpeculativeConfig.from_value(value)
     assert needle in str(err.value)
+
+
+def test_a_missing_method_is_inferred_as_vllm_does():
+    """No ``method``: ``draft_model`` when a ``model`` is named, else ``ngram``."""
+    draft = SpeculativeConfig.from_value('{"model": "m", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "m", 3)
+    assert SpeculativeConfig.from_value("{}").method == "ngram"
+    assert SpeculativeConfig.from_value({"prompt_lookup_max": 3}).method == "ngram"
 
 
 def test_draft_defaults_are_int8_and_a_32k_head_on_a_cpu():
@@ -115,3 +125,17 @@ def test_yaml_config_file_takes_a_mapping(tmp_path):
     argv = expand_config_file(parser, ["generate", "--config", str(path)])
     args = parser.parse_args(argv)
     assert EngineConfig.from_cli_args(args).speculative_config.num_speculative_tokens == 6
+
+
+def test_serve_with_a_missing_draft_model_exits_2_without_a_traceback(tiny_llama, tmp_path,
+                                                                      capfd):
+    """The engine core's start-up ValueError reaches ``kvflow serve`` as a ValueError: exit
+    status 2 and a message naming the key, no traceback from either process."""
+    missing = str(tmp_path / "no-such-draft")
+    spec = json.dumps({"method": "draft_model", "model": missing})
+    rc = main(["serve", tiny_llama.path, "--num-kv-blocks", "64", "--port", "0",
+               "--speculative-config", spec])
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert f"kvflow: error: speculative_config model {missing!r}:" in err
+    assert "Traceback" not in err
