@@ -21,6 +21,20 @@ def cache_dir() -> str:
     return os.path.join(base, "kvflow")
 
 
+def _flag_or_env_choice(value: str | None, flag: str, env: str, default: str,
+                        choices: tuple[str, ...]) -> str:
+    """``value`` (from the flag ``flag``) if given, else ``$env``, else ``default``; checked
+    against ``choices``.
+
+    Raises:
+        ValueError: on another value, naming the flag or the variable it came from.
+    """
+    name, choice = (flag, value) if value is not None else (env, os.environ.get(env, default))
+    if choice not in choices:
+        raise ValueError(f"{name}={choice!r} is invalid; choose one of {list(choices)}")
+    return choice
+
+
 CPU_GEMM_CHOICES = ("auto", "native", "onednn")
 
 
@@ -32,11 +46,7 @@ def cpu_gemm_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the flag or variable it came from).
     """
-    name, choice = ("cpu_gemm", value) if value is not None else \
-        ("KVFLOW_CPU_GEMM", os.environ.get("KVFLOW_CPU_GEMM", "auto"))
-    if choice not in CPU_GEMM_CHOICES:
-        raise ValueError(f"{name}={choice!r} is invalid; choose one of {list(CPU_GEMM_CHOICES)}")
-    return choice
+    return _flag_or_env_choice(value, "cpu_gemm", "KVFLOW_CPU_GEMM", "auto", CPU_GEMM_CHOICES)
 
 
 CPU_ATTENTION_CHOICES = ("auto", "native", "sdpa")
@@ -51,12 +61,8 @@ def cpu_attention_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the flag or variable it came from).
     """
-    name, choice = ("cpu_attention", value) if value is not None else \
-        ("KVFLOW_CPU_ATTENTION", os.environ.get("KVFLOW_CPU_ATTENTION", "auto"))
-    if choice not in CPU_ATTENTION_CHOICES:
-        raise ValueError(f"{name}={choice!r} is invalid; choose one of "
-                         f"{list(CPU_ATTENTION_CHOICES)}")
-    return choice
+    return _flag_or_env_choice(value, "cpu_attention", "KVFLOW_CPU_ATTENTION", "auto",
+                               CPU_ATTENTION_CHOICES)
 
 
 def cpu_adaptive_threads_choice(value: bool | None = None) -> bool:
@@ -150,12 +156,8 @@ def lora_kernel_choice(value: str | None = None) -> str:
     Raises:
         ValueError: on another value (naming the variable when it came from there).
     """
-    name, choice = ("kernel", value) if value is not None else \
-        ("KVFLOW_LORA_KERNEL", os.environ.get("KVFLOW_LORA_KERNEL", "triton"))
-    if choice not in LORA_KERNEL_CHOICES:
-        raise ValueError(f"{name}={choice!r} is invalid; choose one of "
-                         f"{list(LORA_KERNEL_CHOICES)}")
-    return choice
+    return _flag_or_env_choice(value, "kernel", "KVFLOW_LORA_KERNEL", "triton",
+                               LORA_KERNEL_CHOICES)
 
 
 def fused_kernels_enabled() -> bool:
