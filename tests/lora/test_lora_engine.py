@@ -135,6 +135,8 @@ def test_bad_adapters_fail_at_load(llm, tiny_llama, adapters, tmp_path):
     for i, (message, path) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):
             llm.generate("hi", params, lora_request=LoRARequest(f"bad{i}", 100 + i, path))
+    # id 1 taken by "all" (also when this test runs alone), then claimed by another name
+    llm.generate("hi", params, lora_request=LoRARequest("all", 1, adapters["all"]))
     with pytest.raises(ValueError, match="already used"):
         llm.generate("hi", params, lora_request=LoRARequest("other", 1, adapters["qv"]))
     assert not llm.engine.core.has_unfinished_requests()
