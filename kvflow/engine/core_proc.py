@@ -69,7 +69,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         try:
             core = EngineCore(config)
         except ValueError as e:  # bad input: one line, no traceback (the caller re-raises it)
-            logger.error("engine core: %s", e)
+            logger.debug("engine core: %s", e)  # the API process prints it
             out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
             return
         out.send(encoder.encode(_ready(core, index)))
