@@ -17,6 +17,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
+from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.structured import StructuredOutputsParams
 
 SMALL_KV_CACHE = "32MiB"
@@ -34,6 +35,25 @@ def _engines(tiny_llama, **kwargs) -> tuple[LLM, LLM]:
 def _outputs(llm: LLM, prompts, params) -> list:
     return [(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, o.prompt_logprobs)
             for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+def _assert_same_up_to_rounding(actual: list, expected: list) -> None:
+    """Token ids, finish and stop reasons, logprob ranks and decoded tokens equal; logprob
+    values within 1e-4 (float32 rounding of a tiny model's logits)."""
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        assert got[:3] == want[:3]
+        for got_lps, want_lps in ((got[3], want[3]), (got[4], want[4])):
+            assert (got_lps is None) == (want_lps is None)
+            for g, w in zip(got_lps or [], want_lps or []):
+                assert (g is None) == (w is None)
+                if g is None:
+                    continue
+                assert g.keys() == w.keys()
+                for token in g:
+                    assert (g[token].rank, g[token].decoded_token) == \
+                        (w[token].rank, w[token].decoded_token)
+                    assert abs(g[token].logprob - w[token].logprob) <= 1e-4
 
 
 def _mixed_params(eos_like: int) -> list[SamplingParams]:
@@ -68,7 +88,14 @@ def test_same_outputs_as_lock_step(tiny_llama, stop_token, kwargs):
     sync, overlap = _engines(tiny_llama, **kwargs)
     params = _mixed_params(stop_token)
     expected = _outputs(sync, PROMPTS, params)
-    assert _outputs(overlap, PROMPTS, params) == expected
+    actual = _outputs(overlap, PROMPTS, params)
+    if "num_kv_blocks" in kwargs and native_cpu_kernels() is None:
+        # The engines preempt at different steps; a preempted request's recompute is a
+        # prefill, which on the torch backend rounds differently from its decodes: the same
+        # tokens, logprobs equal to float32 rounding (the native kernels give them bitwise).
+        _assert_same_up_to_rounding(actual, expected)
+    else:
+        assert actual == expected
     tokens, finish, stop = expected[2][:3]  # the stop id stopped it before max_tokens
     assert (finish, stop, tokens[-1]) == ("stop", stop_token, stop_token) and len(tokens) < 20
     if "num_kv_blocks" in kwargs:
