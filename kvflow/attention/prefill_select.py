@@ -26,10 +26,8 @@ heads) takes about half a second, once per CPU.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +36,10 @@ from pathlib import Path
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
-from kvflow.config import cache_dir
+from kvflow.config import cache_dir, cpu_attention_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels
 from kvflow.kernels.gemm_select import cache_key
+from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)
 
@@ -156,14 +155,8 @@ class PrefillTimings:
                                    dict[str, float]] | None = None) -> None:
         self.path, self.kernels = path, kernels
         self.measure = measure or time_prefill
-        self.seconds = self._read()
+        self.seconds = read_timings(path)
         self.measuring_s = 0.0  # spent timing in this process
-
-    def _read(self) -> dict[str, float]:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
 
     def get(self, shape: PrefillShape) -> dict[int, dict[str, float]]:
         """length class -> candidate -> seconds per call, timing the missing classes."""
@@ -182,14 +175,8 @@ class PrefillTimings:
     def _save(self) -> None:
         logger.info("timed CPU prefill attention in %.2f s (cached in %s)", self.measuring_s,
                     self.path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._read(), **self.seconds}
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            logger.warning("could not cache attention timings in %s: %s", self.path, exc)
+        write_timings(self.path, {**read_timings(self.path), **self.seconds},
+                      "attention timings")
 
 
 def prefill_timings(kernels: NativeCpuKernels) -> PrefillTimings:
@@ -212,9 +199,7 @@ class PrefillAttentionChoice:
 
     def __init__(self, choice: str, kernels: NativeCpuKernels | None = None,
                  timings: PrefillTimings | None = None) -> None:
-        if choice not in ("auto", *CANDIDATES):
-            raise ValueError(f"cpu_attention={choice!r} is invalid; choose one of "
-                             f"{['auto', *CANDIDATES]}")
+        cpu_attention_choice(choice)  # a ValueError for anything but auto / native / sdpa
         self.choice, self.kernels, self.timings = choice, kernels, timings
         self._picked: dict[tuple[PrefillShape, int], str] = {}
 

@@ -26,10 +26,8 @@ around the change.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ import torch
 from kvflow.config import cache_dir
 from kvflow.kernels import cpu_build
 from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.timings_file import read_timings, write_timings
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +155,7 @@ class GemmTimings:
 
     def __init__(self, path: Path, kernels: NativeCpuKernels | None) -> None:
         self.path, self.kernels = path, kernels
-        try:
-            self.seconds: dict[str, float] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            self.seconds = {}
+        self.seconds: dict[str, float] = read_timings(path)
         self._dirty = False
         self.measuring_s = 0.0  # spent timing kernels in this process
 
@@ -198,14 +194,8 @@ class GemmTimings:
             return
         logger.info("timed CPU GEMM kernels in %.2f s (cached in %s)", self.measuring_s,
                     self.path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.seconds, indent=0, sort_keys=True))
-            os.replace(tmp, self.path)
+        if write_timings(self.path, self.seconds, "GEMM timings"):
             self._dirty = False
-        except OSError as exc:
-            logger.warning("could not cache GEMM timings in %s: %s", self.path, exc)
 
 
 def gemm_timings(kernels: NativeCpuKernels | None) -> GemmTimings:
