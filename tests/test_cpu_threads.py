@@ -64,7 +64,11 @@ def test_default_thread_count_respects_mask_and_quota():
 
 def test_resolve_threads():
     allowed = [2, 3, 4, 5]
-    assert resolve_threads(None, None, allowed, None, current=8) == (4, None)
+    # default: the threads fill the mask, so the workers are pinned, the caller is not
+    assert resolve_threads(None, None, allowed, None, current=8) == (4, [None, 3, 4, 5])
+    assert resolve_threads(None, None, allowed, None, 8, pin_by_default=False) == (4, None)
+    assert resolve_threads(None, "none", allowed, None, current=8) == (4, None)
+    assert resolve_threads(None, None, allowed, 2.0, current=8) == (2, None)  # quota: not full
     assert resolve_threads(3, None, allowed, 1.0, current=8) == (3, None)  # explicit wins
     assert resolve_threads(None, "auto", allowed, 2.0, current=8) == (2, [2, 3])
     assert resolve_threads(None, "5,3", allowed, None, current=8) == (2, [5, 3])
@@ -78,7 +82,8 @@ def test_worker_processes_share_the_cpus():
     """Two ranks on one machine: half the CPUs (and quota) each, disjoint auto pinning, one
     '|' part of an explicit list per rank."""
     allowed = [0, 1, 2, 3, 4, 5]
-    assert resolve_threads(None, None, allowed, None, 8, rank=0, ranks=2) == (3, None)
+    assert resolve_threads(None, None, allowed, None, 8, rank=0, ranks=2) == (3, [None, 1, 2])
+    assert resolve_threads(None, None, allowed, None, 8, rank=1, ranks=2) == (3, [None, 4, 5])
     assert resolve_threads(None, None, allowed, 2.0, 8, rank=1, ranks=2) == (1, None)
     assert resolve_threads(None, "auto", allowed, None, 8, rank=1, ranks=2) == (3, [3, 4, 5])
     assert resolve_threads(None, "0-1|4", allowed, None, 8, rank=1, ranks=2) == (1, [4])
@@ -98,10 +103,13 @@ def test_engine_flags_are_checked_before_loading():
         EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2")
     config = EngineConfig.from_kwargs(cpu_threads=2, cpu_threads_bind="0-1|2-3")
     assert config.device_config.cpu_threads == 2
+    assert EngineConfig.from_kwargs(cpu_threads_bind="none").device_config.cpu_threads_bind \
+        == "none"
 
 
 PIN_SCRIPT = """
 import json, os
+os.sched_setaffinity(0, {mask!r})
 from kvflow.kernels.cpu_threads import configure_cpu_threads
 threads, cpus = configure_cpu_threads(None, {bind!r})
 import torch
@@ -120,7 +128,7 @@ def test_pinned_threads_run_on_their_cpus():
     """In a fresh process: thread 0 (the caller) on the first CPU, an OpenMP worker on the
     second; the process's other threads untouched."""
     first, second = sorted(os.sched_getaffinity(0))[:2]
-    script = PIN_SCRIPT.format(bind=f"{second},{first}")
+    script = PIN_SCRIPT.format(bind=f"{second},{first}", mask=sorted(os.sched_getaffinity(0)))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -148,3 +156,26 @@ def test_openmp_runtime_reads_the_spin_setting_when_kvflow_comes_first(order, ex
     out = subprocess.run([sys.executable, "-c", order], capture_output=True, text=True,
                          check=True, env={**env, "OMP_DISPLAY_ENV": "VERBOSE"})
     assert f"GOMP_SPINCOUNT = '{expected}'" in out.stderr
+
+
+@pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+@pytest.mark.parametrize("bind", [None, "none"])
+def test_default_pins_the_workers_not_the_calling_thread(bind):
+    """Two threads on a 2-CPU mask, no --cpu-threads-bind: the OpenMP worker runs on the second
+    CPU alone, the calling thread keeps the whole mask (what it starts later inherits it);
+    'none' pins no thread."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    mask = f"{first},{second}" if second != first + 1 else f"{first}-{second}"
+    script = PIN_SCRIPT.format(bind=bind, mask=[first, second])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["threads"] == 2
+    assert result["masks"][result["main"]] == mask
+    if bind is None:
+        assert result["cpus"] == [None, second]
+        assert sorted(result["masks"].values()).count(str(second)) == 1
+    else:
+        assert result["cpus"] is None
+        assert set(result["masks"].values()) == {mask}

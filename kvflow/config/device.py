@@ -203,7 +203,10 @@ class DeviceConfig:
     cpu_threads_bind: str | None = opt(None, "pin CPU thread i to the i-th CPU of this list "
                                         "(e.g. 0-3 or 0,2,4,6; one part per worker process "
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
-                                        "share of the affinity mask; default: not pinned)")
+                                        "share of the affinity mask; 'none': no thread "
+                                        "pinned; default: when the threads fill the CPUs, "
+                                        "every OpenMP worker pinned, the engine's own thread "
+                                        "not, unless --cpu-adaptive-threads)")
     cpu_gemm_pool: bool | None = opt(None, "share the work of kvflow's C GEMM and paged "
                                      "attention through kvflow's "
                                      "own thread pool, where the calling thread never waits "
@@ -227,7 +230,7 @@ class DeviceConfig:
         cpu_quant_choice()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
-        if self.cpu_threads_bind not in (None, "auto"):
+        if self.cpu_threads_bind not in (None, "auto", "none"):
             for part in self.cpu_threads_bind.split("|"):
                 cpus = parse_cpu_list(part)
                 if self.cpu_threads is not None and self.cpu_threads != len(cpus):

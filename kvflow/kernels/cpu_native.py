@@ -60,12 +60,13 @@ class NativeCpuKernels(AttentionKernels, ElementwiseKernels, GemmKernels):
         self._bind_gemm(lib)
         self._bind_threads = bind(lib, "kvflow_bind_threads", c_int, [ptr, c_int])
 
-    def bind_threads(self, cpus: list[int]) -> bool:
+    def bind_threads(self, cpus: list[int | None]) -> bool:
         """Pin the OpenMP threads of the calling thread's parallel regions, thread i to
-        ``cpus[i]`` (``len(cpus)`` threads; the caller is thread 0). Call it from the thread
-        that runs the model, after ``torch.set_num_threads(len(cpus))``. Returns False when a
-        thread could not be pinned (a CPU outside the affinity mask or the machine)."""
-        ids = torch.tensor(cpus, dtype=torch.int32)
+        ``cpus[i]`` (``len(cpus)`` threads; the caller is thread 0; None leaves that thread's
+        mask as it is). Call it from the thread that runs the model, after
+        ``torch.set_num_threads(len(cpus))``. Returns False when a thread could not be pinned
+        (a CPU outside the affinity mask or the machine)."""
+        ids = torch.tensor([-1 if cpu is None else cpu for cpu in cpus], dtype=torch.int32)
         return self._bind_threads(ids.data_ptr(), len(cpus)) == 0
 
 

@@ -5,8 +5,9 @@ torch's intra-op threads and kvflow's native kernels share one OpenMP pool
 (:mod:`kvflow.kernels.cpu_native`), so one ``torch.set_num_threads`` sizes both. The default
 keeps torch's count (which honours ``OMP_NUM_THREADS`` and the affinity mask) but never exceeds
 the CPUs the affinity mask grants or the cgroup CPU quota (:mod:`kvflow.platforms.cpu_threads`).
-Pinning thread i to CPU i of a list keeps each thread on its core's caches (vLLM pins by
-default; kvflow does not: on a shared machine an unpinned thread can move to an idle core).
+Pinning thread i to CPU i of a list keeps each thread on its core's caches and keeps two of
+the engine's threads off one core beside a busy process (vLLM pins every thread by default;
+kvflow, when its threads fill the CPUs, pins the OpenMP workers but not the calling thread).
 """
 
 from __future__ import annotations
@@ -29,15 +30,23 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int],
-                    quota: float | None, current: int, rank: int = 0, ranks: int = 1
-                    ) -> tuple[int, list[int] | None]:
+                    quota: float | None, current: int, rank: int = 0, ranks: int = 1,
+                    pin_by_default: bool = True) -> tuple[int, list[int | None] | None]:
     """(threads, CPUs to pin them to or None) of rank ``rank`` of ``ranks`` worker processes
     on this machine, for the engine's ``cpu_threads`` / ``cpu_threads_bind``, given the
     affinity mask ``allowed``, the cgroup ``quota`` (CPUs) and torch's ``current`` count.
 
     The ranks share the CPUs: by default each gets ``1 / ranks`` of them (and of the quota),
     ``auto`` pins rank r to the r-th slice of ``allowed``, and an explicit list gives one part
-    per rank separated by ``|`` (``0-3|4-7``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form).
+    per rank separated by ``|`` (``0-3|4-7``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form);
+    ``none`` pins nothing.
+
+    Left unset (``bind`` None) with ``pin_by_default``, when the threads fill the rank's CPUs
+    the OpenMP workers are pinned to them, worker i to the rank's CPU i, and the calling thread
+    (thread 0) is not: it is the engine's (in ``LLM``, the user's) thread, and whatever it
+    starts later inherits its mask. Beside a busy process on 2 CPUs this kept 6-10 points more
+    of the quiet throughput than unpinned threads (docs/benchmarks.md, "session 8"). The list
+    returned then starts with None.
 
     Raises:
         ValueError: when ``bind`` names a CPU outside ``allowed`` or has not one ``|`` part per
@@ -46,10 +55,12 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     share = allowed[rank * len(allowed) // ranks:(rank + 1) * len(allowed) // ranks] or \
         allowed[rank % len(allowed):][:1]
     share_quota = None if quota is None else quota / ranks
-    if bind is None or bind == "auto":
+    if bind in (None, "auto", "none"):
         threads = cpu_threads or default_num_threads(current, len(share), share_quota)
-        if bind is None:
+        if bind == "none" or (bind is None and not pin_by_default):
             return threads, None
+        if bind is None:
+            return threads, ([None, *share[1:]] if 1 < threads == len(share) else None)
         if threads > len(share):
             raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
                              f"CPUs {share} of rank {rank} (affinity mask {allowed})")
@@ -67,25 +78,29 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
 
 
 def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int = 0,
-                          ranks: int = 1, gemm_pool: bool = False
-                          ) -> tuple[int, list[int] | None]:
-    """Size (and optionally pin) the CPU compute threads of worker ``rank`` of ``ranks`` on
-    this machine; call from the thread that runs the model. Returns (threads, pinned CPUs or
-    None). With ``gemm_pool`` (and the native kernels), kvflow's C GEMM shares its work
-    through a :class:`~kvflow.kernels.cpu_pool.CpuPool` of ``threads - 1`` workers (pinned to
-    the CPUs after the caller's when pinning), :func:`use_gemm_pool`.
+                          ranks: int = 1, gemm_pool: bool = False,
+                          pin_by_default: bool = True) -> tuple[int, list[int | None] | None]:
+    """Size (and pin, see :func:`resolve_threads`) the CPU compute threads of worker ``rank``
+    of ``ranks`` on this machine; call from the thread that runs the model. Returns (threads,
+    pinned CPUs or None; None in the list: that thread not pinned). With ``gemm_pool`` (and
+    the native kernels), kvflow's C GEMM shares its work through a
+    :class:`~kvflow.kernels.cpu_pool.CpuPool` of ``threads - 1`` workers (pinned to the CPUs
+    after the caller's when pinning), :func:`use_gemm_pool`.
 
-    Without the native kernels, pinning restricts the whole process to the listed CPUs
-    instead (the threads may still move among them), with a warning.
+    Without the native kernels, an asked-for pinning restricts the whole process to the listed
+    CPUs instead (the threads may still move among them), with a warning; the default one is
+    then left out.
 
     Raises:
         ValueError: see :func:`resolve_threads`.
     """
     threads, cpus = resolve_threads(cpu_threads, bind, usable_cpus(), cgroup_cpu_limit(),
-                                    torch.get_num_threads(), rank, ranks)
+                                    torch.get_num_threads(), rank, ranks, pin_by_default)
     torch.set_num_threads(threads)
+    kernels = native_cpu_kernels()
+    if cpus is not None and kernels is None and bind is None:
+        cpus = None
     if cpus is not None:
-        kernels = native_cpu_kernels()
         if kernels is not None:
             if not kernels.bind_threads(cpus):
                 logger.warning("could not pin every CPU thread to %s", cpus)
@@ -93,13 +108,14 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
             logger.warning("native CPU kernels unavailable: the process is restricted to CPUs "
                            "%s, its threads not pinned one by one", cpus)
             os.sched_setaffinity(0, cpus)
-    use_gemm_pool(native_cpu_kernels(), threads, cpus, gemm_pool)
+    use_gemm_pool(kernels, threads, cpus, gemm_pool)
     logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
                 ", GEMM work shared by kvflow's pool" if gemm_pool and threads > 1 else "")
     return threads, cpus
 
 
-def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int, cpus: list[int] | None,
+def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int,
+                  cpus: list[int | None] | None,
                   enabled: bool = True) -> None:
     """Give ``kernels`` (the process's native kernels; None: nothing to do) a pool of
     ``threads - 1`` workers (pinned to ``cpus[1:]`` when ``cpus`` is given) for their GEMM and
@@ -122,7 +138,8 @@ def cpu_thread_count(cpu_threads: int | None) -> Iterator[int]:
     """Run the block with the thread count a single-process engine would use
     (:func:`resolve_threads`, no pinning), restoring torch's count after; yields it."""
     before = torch.get_num_threads()
-    threads, _ = resolve_threads(cpu_threads, None, usable_cpus(), cgroup_cpu_limit(), before)
+    threads, _ = resolve_threads(cpu_threads, None, usable_cpus(), cgroup_cpu_limit(), before,
+                                 pin_by_default=False)
     torch.set_num_threads(threads)
     try:
         yield threads

@@ -47,14 +47,12 @@ def configure_runner_threads(config: EngineConfig,
     controller (off under ``--deterministic``), whose ``before_step`` runs between steps."""
     dc = config.device_config
     pc, world = config.parallel_config, parallel.world.world_size
+    adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic
     threads, pinned = configure_cpu_threads(
         dc.cpu_threads, dc.cpu_threads_bind,
         pc.data_parallel_rank * world + parallel.rank, pc.data_parallel_size * world,
-        cpu_gemm_pool_choice(dc.cpu_gemm_pool))
-    return AdaptiveThreads.create(
-        cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic,
-        threads, pinned is not None,
-        world)
+        cpu_gemm_pool_choice(dc.cpu_gemm_pool), pin_by_default=not adaptive)
+    return AdaptiveThreads.create(adaptive, threads, pinned is not None, world)
 
 
 def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Platform,

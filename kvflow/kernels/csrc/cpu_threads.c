@@ -9,8 +9,9 @@
 #include <sched.h>
 #include <stdint.h>
 
-/* Pins team member i of an n-thread parallel region to cpus[i] (member 0 is the caller).
- * Returns the number of threads that could not be pinned (0 on success). */
+/* Pins team member i of an n-thread parallel region to cpus[i] (member 0 is the caller); a
+ * negative cpus[i] leaves member i's mask as it is. Returns the number of threads that could
+ * not be pinned (0 on success). */
 int kvflow_bind_threads(const int32_t *cpus, int n) {
     int failed = 0;
 #pragma omp parallel num_threads(n) reduction(+ : failed)
@@ -18,7 +19,9 @@ int kvflow_bind_threads(const int32_t *cpus, int n) {
         const int i = omp_get_thread_num();
         cpu_set_t set;
         CPU_ZERO(&set);
-        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) {
+        if (cpus[i] < 0) {
+            /* left unpinned */
+        } else if (cpus[i] < CPU_SETSIZE) {
             CPU_SET(cpus[i], &set);
             failed += sched_setaffinity(0, sizeof set, &set) != 0;
         } else {
