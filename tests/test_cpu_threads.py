@@ -64,8 +64,8 @@ def test_default_thread_count_respects_mask_and_quota():
 
 def test_resolve_threads():
     allowed = [2, 3, 4, 5]
-    # default: the threads fill the mask, so the workers are pinned, the caller is not
-    assert resolve_threads(None, None, allowed, None, current=8) == (4, [None, 3, 4, 5])
+    # default: the threads fill the mask, so they are pinned (the caller per step)
+    assert resolve_threads(None, None, allowed, None, current=8) == (4, [2, 3, 4, 5])
     assert resolve_threads(None, None, allowed, None, 8, pin_by_default=False) == (4, None)
     assert resolve_threads(None, "none", allowed, None, current=8) == (4, None)
     assert resolve_threads(None, None, allowed, 2.0, current=8) == (2, None)  # quota: not full
@@ -82,8 +82,8 @@ def test_worker_processes_share_the_cpus():
     """Two ranks on one machine: half the CPUs (and quota) each, disjoint auto pinning, one
     '|' part of an explicit list per rank."""
     allowed = [0, 1, 2, 3, 4, 5]
-    assert resolve_threads(None, None, allowed, None, 8, rank=0, ranks=2) == (3, [None, 1, 2])
-    assert resolve_threads(None, None, allowed, None, 8, rank=1, ranks=2) == (3, [None, 4, 5])
+    assert resolve_threads(None, None, allowed, None, 8, rank=0, ranks=2) == (3, [0, 1, 2])
+    assert resolve_threads(None, None, allowed, None, 8, rank=1, ranks=2) == (3, [3, 4, 5])
     assert resolve_threads(None, None, allowed, 2.0, 8, rank=1, ranks=2) == (1, None)
     assert resolve_threads(None, "auto", allowed, None, 8, rank=1, ranks=2) == (3, [3, 4, 5])
     assert resolve_threads(None, "0-1|4", allowed, None, 8, rank=1, ranks=2) == (1, [4])
@@ -111,7 +111,7 @@ PIN_SCRIPT = """
 import json, os
 os.sched_setaffinity(0, {mask!r})
 from kvflow.kernels.cpu_threads import configure_cpu_threads
-threads, cpus = configure_cpu_threads(None, {bind!r})
+threads, cpus, caller = configure_cpu_threads(None, {bind!r})
 import torch
 torch.ones(1 << 20).sum()  # a parallel region after pinning
 masks = {{}}
@@ -161,21 +161,30 @@ def test_openmp_runtime_reads_the_spin_setting_when_kvflow_comes_first(order, ex
 @pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 @pytest.mark.parametrize("bind", [None, "none"])
-def test_default_pins_the_workers_not_the_calling_thread(bind):
+def test_default_pins_the_workers_and_the_caller_only_in_a_step(bind):
     """Two threads on a 2-CPU mask, no --cpu-threads-bind: the OpenMP worker runs on the second
-    CPU alone, the calling thread keeps the whole mask (what it starts later inherits it);
-    'none' pins no thread."""
+    CPU alone; the calling thread keeps the whole mask (what it starts later inherits it)
+    except inside its CallerPin, where it runs on the first; 'none' pins no thread."""
     first, second = sorted(os.sched_getaffinity(0))[:2]
     mask = f"{first},{second}" if second != first + 1 else f"{first}-{second}"
-    script = PIN_SCRIPT.format(bind=bind, mask=[first, second])
+    script = PIN_SCRIPT.format(bind=bind, mask=[first, second]) + CALLER_CHECK
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result, during = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert result["threads"] == 2
     assert result["masks"][result["main"]] == mask
     if bind is None:
-        assert result["cpus"] == [None, second]
+        assert result["cpus"] == [first, second]
         assert sorted(result["masks"].values()).count(str(second)) == 1
+        assert during == {"in_step": [first], "after": [first, second]}
     else:
         assert result["cpus"] is None
         assert set(result["masks"].values()) == {mask}
+        assert during == {"in_step": [first, second], "after": [first, second]}
+
+
+CALLER_CHECK = """
+with caller:
+    in_step = sorted(os.sched_getaffinity(0))
+print(json.dumps({"in_step": in_step, "after": sorted(os.sched_getaffinity(0))}))
+"""

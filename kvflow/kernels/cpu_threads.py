@@ -6,8 +6,9 @@ torch's intra-op threads and kvflow's native kernels share one OpenMP pool
 keeps torch's count (which honours ``OMP_NUM_THREADS`` and the affinity mask) but never exceeds
 the CPUs the affinity mask grants or the cgroup CPU quota (:mod:`kvflow.platforms.cpu_threads`).
 Pinning thread i to CPU i of a list keeps each thread on its core's caches and keeps two of
-the engine's threads off one core beside a busy process (vLLM pins every thread by default;
-kvflow, when its threads fill the CPUs, pins the OpenMP workers but not the calling thread).
+the engine's threads off one core beside a busy process. vLLM pins every thread by default;
+kvflow, when its threads fill the CPUs, pins the OpenMP workers for good and the calling
+thread only while it runs a model step (:class:`CallerPin`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     ``none`` pins nothing.
 
     Left unset (``bind`` None) with ``pin_by_default``, when the threads fill the rank's CPUs
-    the OpenMP workers are pinned to them, worker i to the rank's CPU i, and the calling thread
-    (thread 0) is not: it is the engine's (in ``LLM``, the user's) thread, and whatever it
-    starts later inherits its mask. Beside a busy process on 2 CPUs this kept 6-10 points more
-    of the quiet throughput than unpinned threads (docs/benchmarks.md, "session 8"). The list
-    returned then starts with None.
+    they are pinned as with ``auto`` (:func:`configure_cpu_threads` then pins the calling
+    thread only while it runs the model, :class:`CallerPin`). Beside a busy process on 2 CPUs
+    pinned threads kept 12-18 points more of the quiet throughput than unpinned ones
+    (docs/benchmarks.md, "session 8").
 
     Raises:
         ValueError: when ``bind`` names a CPU outside ``allowed`` or has not one ``|`` part per
@@ -60,7 +60,7 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
         if bind == "none" or (bind is None and not pin_by_default):
             return threads, None
         if bind is None:
-            return threads, ([None, *share[1:]] if 1 < threads == len(share) else None)
+            return threads, (share if 1 < threads == len(share) else None)
         if threads > len(share):
             raise ValueError(f"cpu_threads={threads} cannot be pinned to the {len(share)} "
                              f"CPUs {share} of rank {rank} (affinity mask {allowed})")
@@ -77,13 +77,38 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     return len(cpus), cpus
 
 
+class CallerPin:
+    """Pins the calling thread to ``cpu`` while a ``with`` block runs and gives it its own
+    affinity mask back after (``cpu`` None: does nothing). The engine's default pinning runs
+    each model step inside one: the OpenMP workers stay pinned, and the thread that runs the
+    model - in ``LLM`` the user's own thread, whose mask every thread or process it starts
+    inherits - is pinned only while it computes. Costs two ``sched_setaffinity`` calls
+    (microseconds) per block. Not reentrant."""
+
+    def __init__(self, cpu: int | None) -> None:
+        self.cpu = cpu
+        self._saved: set[int] | None = None
+
+    def __enter__(self) -> None:
+        if self.cpu is not None:
+            self._saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, (self.cpu,))
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            os.sched_setaffinity(0, self._saved)
+            self._saved = None
+
+
 def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int = 0,
-                          ranks: int = 1, gemm_pool: bool = False,
-                          pin_by_default: bool = True) -> tuple[int, list[int | None] | None]:
+                          ranks: int = 1, gemm_pool: bool = False, pin_by_default: bool = True
+                          ) -> tuple[int, list[int] | None, CallerPin]:
     """Size (and pin, see :func:`resolve_threads`) the CPU compute threads of worker ``rank``
     of ``ranks`` on this machine; call from the thread that runs the model. Returns (threads,
-    pinned CPUs or None; None in the list: that thread not pinned). With ``gemm_pool`` (and
-    the native kernels), kvflow's C GEMM shares its work through a
+    pinned CPUs or None, the :class:`CallerPin` to run each model step in). An asked-for
+    pinning (``bind``) pins the calling thread for good; the default one pins the OpenMP
+    workers for good and the calling thread through the returned CallerPin. With
+    ``gemm_pool`` (and the native kernels), kvflow's C GEMM shares its work through a
     :class:`~kvflow.kernels.cpu_pool.CpuPool` of ``threads - 1`` workers (pinned to the CPUs
     after the caller's when pinning), :func:`use_gemm_pool`.
 
@@ -98,9 +123,16 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
                                     torch.get_num_threads(), rank, ranks, pin_by_default)
     torch.set_num_threads(threads)
     kernels = native_cpu_kernels()
-    if cpus is not None and kernels is None and bind is None:
-        cpus = None
-    if cpus is not None:
+    caller = CallerPin(None)
+    if cpus is not None and bind is None:  # the default: workers now, the caller per step
+        if kernels is None:
+            cpus = None
+        elif kernels.bind_threads([None, *cpus[1:]]):
+            caller = CallerPin(cpus[0])
+        else:
+            logger.warning("could not pin the CPU worker threads to %s", cpus[1:])
+            cpus = None
+    elif cpus is not None:
         if kernels is not None:
             if not kernels.bind_threads(cpus):
                 logger.warning("could not pin every CPU thread to %s", cpus)
@@ -111,11 +143,10 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
     use_gemm_pool(kernels, threads, cpus, gemm_pool)
     logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
                 ", GEMM work shared by kvflow's pool" if gemm_pool and threads > 1 else "")
-    return threads, cpus
+    return threads, cpus, caller
 
 
-def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int,
-                  cpus: list[int | None] | None,
+def use_gemm_pool(kernels: NativeCpuKernels | None, threads: int, cpus: list[int] | None,
                   enabled: bool = True) -> None:
     """Give ``kernels`` (the process's native kernels; None: nothing to do) a pool of
     ``threads - 1`` workers (pinned to ``cpus[1:]`` when ``cpus`` is given) for their GEMM and

@@ -15,7 +15,7 @@ from kvflow.config import (
 )
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.kernels.cpu_threads import AdaptiveThreads, configure_cpu_threads
+from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin, configure_cpu_threads
 from kvflow.kernels.gemm import (
     GemmPathMixin,
     GemmWorkspace,
@@ -39,20 +39,22 @@ from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_ge
 logger = logging.getLogger(__name__)
 
 
-def configure_runner_threads(config: EngineConfig,
-                             parallel: ParallelState) -> AdaptiveThreads | None:
+def configure_runner_threads(config: EngineConfig, parallel: ParallelState
+                             ) -> tuple[AdaptiveThreads | None, CallerPin]:
     """Set this CPU rank's torch thread count (and pinning): every rank of every data-parallel
     replica on this machine takes its share of the cores (``--cpu-threads``,
     ``--cpu-threads-bind``, ``--cpu-gemm-pool``). Returns the ``--cpu-adaptive-threads``
-    controller (off under ``--deterministic``), whose ``before_step`` runs between steps."""
+    controller (None when off; always off under ``--deterministic``), whose ``before_step``
+    runs between steps, and the :class:`~kvflow.kernels.cpu_threads.CallerPin` each model step
+    runs in."""
     dc = config.device_config
     pc, world = config.parallel_config, parallel.world.world_size
     adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic
-    threads, pinned = configure_cpu_threads(
+    threads, pinned, caller = configure_cpu_threads(
         dc.cpu_threads, dc.cpu_threads_bind,
         pc.data_parallel_rank * world + parallel.rank, pc.data_parallel_size * world,
         cpu_gemm_pool_choice(dc.cpu_gemm_pool), pin_by_default=not adaptive)
-    return AdaptiveThreads.create(adaptive, threads, pinned is not None, world)
+    return AdaptiveThreads.create(adaptive, threads, pinned is not None, world), caller
 
 
 def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Platform,

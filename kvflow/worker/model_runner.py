@@ -20,7 +20,7 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.kernels.cpu_threads import AdaptiveThreads
+from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.sampler import Sampler
 from kvflow.lora.layers import LoRAMapping
@@ -87,12 +87,14 @@ class ModelRunner:
                  parallel: ParallelState | None = None) -> None:
         self.config, self.platform, self.dtype = config, platform, dtype
         self.adaptive_threads: AdaptiveThreads | None = None  # CPU: --cpu-adaptive-threads
+        self.caller_pin = CallerPin(None)  # CPU: the model thread's pinning during a step
         self.device = platform.device
         self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache_config.block_size
         self.stager = InputStager(self.device)
         if self.device.type == "cpu":
-            self.adaptive_threads = configure_runner_threads(config, self.parallel)
+            self.adaptive_threads, self.caller_pin = configure_runner_threads(config,
+                                                                              self.parallel)
         self._init_model(source, hf_config)
         self.drafter = make_draft_model(config, platform, hf_config, dtype, self.device)
         self._init_sampler()
@@ -321,14 +323,16 @@ class ModelRunner:
         inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
         if len(inputs.pending_token_index):
             self._fill_pending(inputs)
-        hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
-                               lora_mapping=self._lora_mapping(inputs),
-                               rows=hidden_rows(inputs, self.input_batch, self.pooling,
-                                                spec_tokens))
-        if not send_to_next_stage(self.parallel.pp, hidden):
-            return  # a pipeline stage before the last: no logits here
-        self._step = launch_logits(self.model, self.pooling, self.input_batch, self.requests,
-                                   sched, inputs, hidden, spec_tokens, proposal)
+        with self.caller_pin:
+            hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
+                                   lora_mapping=self._lora_mapping(inputs),
+                                   rows=hidden_rows(inputs, self.input_batch, self.pooling,
+                                                    spec_tokens))
+            if not send_to_next_stage(self.parallel.pp, hidden):
+                return  # a pipeline stage before the last: no logits here
+            self._step = launch_logits(self.model, self.pooling, self.input_batch,
+                                       self.requests, sched, inputs, hidden, spec_tokens,
+                                       proposal)
 
     def _fill_pending(self, inputs: ModelInputs) -> None:
         """Write the previous step's sampled tokens still on the device into the inputs."""
