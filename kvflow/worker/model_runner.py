@@ -26,6 +26,7 @@ from kvflow.layers.sampler import Sampler
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
+from kvflow.malloc_env import keep_freed_memory
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.pooling_config import model_task
@@ -231,6 +232,8 @@ class ModelRunner:
         self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
                                    pin_memory=self.device.type == "cuda") \
             if kv_cache_config.num_host_blocks else None
+        if self.device.type == "cpu":  # after the weights and the cache: only activations
+            keep_freed_memory()        # (each step's) stay in the heap
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Capture CUDA graphs for decode steps (no-op without graph support, with
