@@ -82,8 +82,8 @@ def test_freed_pages_are_reused_instead_of_faulted_in_again():
     gate_up_pages = 2048 * 3072 * 2 // 4096  # 3,072 pages of 4 KiB
     default, kept = _faults("default"), _faults("keep")
     assert not default["applied"] and kept["applied"]
-    # glibc's default maps the largest activation afresh in (nearly) every layer, round after
-    # round (5 layers a round: ~15k faults, 13.8k seen once)
-    assert min(default["faults"][1:]) >= 2 * gate_up_pages
+    # glibc's default often maps the largest activation afresh in every layer, round after
+    # round (~15k faults a round of 5 layers), but not always (0 in some runs: its adaptive
+    # threshold depends on the order of frees), so only the kept setting is asserted
     # kept: the first round grows the heap, the next ones reuse its pages
     assert max(kept["faults"][1:]) < gate_up_pages
