@@ -30,6 +30,7 @@ from kvflow.kernels.gemm_select import (
     candidates_for,
     choose,
     choose_dtype,
+    row_class_winners,
     split_candidate,
     time_candidate,
     transformer_gemm_shapes,
@@ -59,6 +60,19 @@ def test_split_where_the_fastest_changes_once():
     assert split_candidate({"native": {1: 1.0, 64: 3.0, 512: 20.0}, "onednn": onednn}) is None
     assert split_candidate({"native": {1: 1.0, 64: 5.0, 512: 20.0}, "onednn": onednn}) is None
     assert str(KernelSplit("native", "onednn", 181)) == "native<=181/onednn"
+
+
+def test_a_near_tie_keeps_the_smaller_row_class_winner():
+    """The EPYC's q/k/v timings (ms, one thread): native wins 1 row, oneDNN is 1.4% faster at
+    64 (a tie within 3%): native keeps 64 rows, the split moves from 8 to 181 rows; at 4%
+    oneDNN takes 64 rows."""
+    onednn = {1: 0.120, 64: 0.354, 512: 2.9}
+    tie = {"native": {1: 0.074, 64: 0.359, 512: 3.1}, "onednn": onednn}
+    assert row_class_winners(tie) == ["native", "native", "onednn"]
+    assert split_candidate(tie) == KernelSplit("native", "onednn", 181)
+    apart = {"native": {1: 0.074, 64: 0.354 * 1.04, 512: 3.1}, "onednn": onednn}
+    assert row_class_winners(apart) == ["native", "onednn", "onednn"]
+    assert split_candidate(apart) == KernelSplit("native", "onednn", 8)
 
 
 def test_choose_splits_only_when_both_packings_are_affordable(tmp_path):
