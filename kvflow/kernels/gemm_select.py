@@ -43,7 +43,9 @@ from kvflow.kernels.timings_file import read_timings, write_timings
 logger = logging.getLogger(__name__)
 
 CANDIDATES = ("native", "onednn")
-SPLIT_TIE_MARGIN = 0.03  # a row class's winner within 3% keeps the next class (row_class_winners)
+# the winner of the class below keeps a decode row class (<= 64 rows) where it is within 10%
+# of the fastest (row_class_winners)
+SPLIT_TIE_MARGIN, SPLIT_TIE_MAX_ROWS = 0.10, 64
 ROW_CLASSES = (1, 64, 512)  # rows per call: decode of one request, a batch of decodes, prefill
 LARGE_N = 8192  # wider weights (LM heads) are timed on a LARGE_N-column slice, scaled up
 POOL_BYTES = 160 << 20  # weights cycled per one-row timing: more than the L3 cache (105 MB on
@@ -253,21 +255,24 @@ def split_candidate(times: dict[str, dict[int, float]]) -> KernelSplit | None:
 
 
 def row_class_winners(times: dict[str, dict[int, float]]) -> list[str]:
-    """The fastest candidate at each row class of ROW_CLASSES, except that the winner of the
-    class below keeps a class where it is within :data:`SPLIT_TIE_MARGIN` of the fastest.
+    """The fastest candidate at each row class of ROW_CLASSES, except that at a decode class
+    (up to :data:`SPLIT_TIE_MAX_ROWS` rows) the winner of the class below keeps it when within
+    :data:`SPLIT_TIE_MARGIN` of the fastest.
 
     Why: the classes are timed on one thread with the weight in cache, where kvflow's C GEMM
-    and oneDNN tie at 64 rows on SmolLM2's q/k/v weight (0.359 vs 0.354 ms on the AVX512-BF16
-    EPYC), while the engine runs two threads with every weight read from memory, where the C
-    GEMM that won one row was 1.41-1.52x faster on the small shapes at 64 rows
-    (docs/benchmarks.md, "the engine's GEMMs against the same GEMMs alone"). A near-tie is no
-    reason to leave the kernel that won the smaller batches.
+    and oneDNN come within 1-3% at 64 rows on SmolLM2's q/k/v weight on the AVX512-BF16 EPYC
+    (0.359 vs 0.354 ms, 0.418 vs 0.405 in another cache), while the engine runs two threads
+    and reads every weight from memory, where the C GEMM (the one-row winner) was 1.41-1.52x
+    faster on the small shapes at 64 rows (docs/benchmarks.md, "the engine's GEMMs against the
+    same GEMMs alone"). Prefill classes keep the plain fastest: there oneDNN leads by a few
+    percent that do hold at two threads.
     """
     winners: list[str] = []
     for rows in ROW_CLASSES:
         fastest = min(times, key=lambda c: times[c][rows])
-        if winners and times[winners[-1]][rows] <= times[fastest][rows] * (1 + SPLIT_TIE_MARGIN):
-            fastest = winners[-1]
+        keep = winners[-1] if winners and rows <= SPLIT_TIE_MAX_ROWS else fastest
+        if times[keep][rows] <= times[fastest][rows] * (1 + SPLIT_TIE_MARGIN):
+            fastest = keep
         winners.append(fastest)
     return winners
 
