@@ -73,3 +73,203 @@ def test_a_near_tie_keeps_the_smaller_row_class_winner():
     apart = {"native": {1: 0.074, 64: 0.354 * 1.12, 512: 3.1}, "onednn": onednn}
     assert row_class_winners(apart) == ["native", "onednn", "onednn"]
     assert split_candidate(apart) == KernelSplit("native", "onednn", 8)
+
+
+def test_choose_splits_only_when_both_packings_are_affordable(tmp_path):
+    shape = GemmShape(32, 16, torch.bfloat16)
+    secs = {shape.key(c, r): t for c, times in {"native": (1.0, 3.0, 40.0),
+                                                 "onednn": (2.0, 4.0, 30.0)}.items()
+            for r, t in zip(ROW_CLASSES, times)}
+    timings = _fake_timings(tmp_path, secs)
+    cands = ("native", "onednn")
+    assert choose(shape, cands, timings, split=True) == KernelSplit("native", "onednn", 181)
+    # without the split: relative sums 1 + 1 + 1.33 vs 2 + 1.33 + 1
+    assert choose(shape, cands, timings, split=False) == "native"
+    assert choose(shape, ("onednn",), timings, split=True) == "onednn"
+
+
+@native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_row_split_weight_runs_each_kernel_on_its_rows():
+    """Up to max_small_rows rows (counted over the leading dims) the small kernel's result,
+    bit for bit; above, the large one's; prepacking with a KernelSplit packs both and the
+    weight's bytes count both copies."""
+    from torch import nn
+
+    from kvflow.layers.linear import ReplicatedLinear
+    from kvflow.quant.base import weight_bytes
+
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    small, large = NativePackedWeight(w, native_cpu_kernels()), OneDnnPackedWeight(w, 64)
+    split = RowSplitWeight(small, large, 4)
+    for shape in [(4, 64), (2, 2, 64), (5, 64), (3, 2, 64)]:
+        x = torch.randn(*shape, generator=gen)
+        want = (small if x.numel() // 64 <= 4 else large)(x, b)
+        assert torch.equal(split(x, b), want)
+        ref = x.double() @ w.double().T + b.double()
+        assert torch.allclose(want.double(), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="max_small_rows"):
+        RowSplitWeight(small, large, 0)
+    model = nn.Sequential(ReplicatedLinear(64, 40))
+    model[0].weight.data = w.clone()
+    plain = weight_bytes(model)
+    counts = prepack_gemm_weights(model, 64, native_cpu_kernels(),
+                                  lambda _: KernelSplit("native", "onednn", 181))
+    assert counts == {"native<=181/onednn": 1}
+    packed = model[0].packed_weight
+    assert isinstance(packed, RowSplitWeight) and packed.max_small_rows == 181
+    assert isinstance(packed.small, NativePackedWeight)
+    assert isinstance(packed.large, OneDnnPackedWeight)
+    assert weight_bytes(model) >= plain + packed.small.packed.numel() * 4
+
+
+def test_candidates_follow_the_choice_and_what_is_available():
+    k = object()
+    assert candidates_for(torch.float32, "auto", k, True) == ("native", "onednn")
+    assert candidates_for(torch.float32, "onednn", k, True) == ("onednn",)
+    assert candidates_for(torch.bfloat16, "auto", k, False) == ("native",)  # no bf16 units
+    assert candidates_for(torch.float32, "native", None, True) == ("onednn",)  # no compiler
+    assert candidates_for(torch.bfloat16, "auto", None, False) == ()
+
+
+def test_cpu_gemm_flag_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "native")
+    assert cpu_gemm_choice("onednn") == "onednn"
+    assert cpu_gemm_choice() == "native"
+    monkeypatch.delenv("KVFLOW_CPU_GEMM")
+    assert cpu_gemm_choice() == "auto"
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineConfig.from_kwargs(cpu_gemm="mkl")
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_GEMM"):
+        EngineConfig.from_kwargs()
+
+
+def test_transformer_gemm_shapes():
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    assert transformer_gemm_shapes(cfg) == [(960, 576, 30), (576, 576, 30), (3072, 576, 30),
+                                            (576, 1536, 30), (49152, 576, 1)]
+    assert transformer_gemm_shapes(MixtralConfig()) is None
+
+
+def _fake_timings(tmp_path, seconds: dict[str, float]) -> GemmTimings:
+    timings = GemmTimings(tmp_path / "t.json", None)
+    timings.seconds = dict(seconds)
+    return timings
+
+
+def test_dtype_follows_the_timed_forward_pass(tmp_path):
+    """bf16 twice as fast at one row, fp32 three times as fast at 64 rows, level at 512: the
+    sum of relative step times (1 + 3 + 1 vs 2 + 1 + 1) picks fp32; at equal speed the first
+    (the default) stays."""
+    shapes = [(32, 16, 2), (20000, 16, 1)]  # the wide one is timed on an 8192-column slice
+    secs = {}
+    for n in (32, 8192):
+        for dtype, times in {"bfloat16": (1.0, 3.0, 5.0), "float32": (2.0, 1.0, 5.0)}.items():
+            secs.update({f"{dtype}|{n}x16|native|{r}": t for r, t in zip(ROW_CLASSES, times)})
+    cands = {torch.bfloat16: ("native",), torch.float32: ("native",)}
+    assert choose_dtype(shapes, cands, _fake_timings(tmp_path, secs)) == torch.float32
+    even = {key: 1.0 for key in secs}
+    assert choose_dtype(shapes, cands, _fake_timings(tmp_path, even)) == torch.bfloat16
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_timing_measures_each_row_class(dtype):
+    got = time_candidate(GemmShape(48, 32, dtype), "native", ROW_CLASSES, native_cpu_kernels())
+    assert set(got) == set(ROW_CLASSES) and all(0 < s < 1 for s in got.values())
+
+
+def test_candidates_are_timed_alternately(tmp_path, monkeypatch):
+    """Each candidate's passes alternate with the others' (A, B, A, B per row class), and the
+    timings of all of them land in the cache at once: a load change between candidates cannot
+    favour the one timed in the quieter moment (timings are kept for good)."""
+    order = []
+    monkeypatch.setattr(gemm_select, "_pack", lambda cand, weight, kernels: (
+        lambda x: order.append((cand, x.shape[0]))))
+    timings = GemmTimings(tmp_path / "t.json", None)
+    shape = GemmShape(64, 32, torch.float32)
+    got = timings.get_all(shape, ("native", "onednn"))
+    assert set(got) == {"native", "onednn"} and all(set(t) == set(ROW_CLASSES)
+                                                    for t in got.values())
+    passes = [cand for cand, rows in order if rows == 64][2 * 1:]  # after each warm-up call
+    assert passes == ["native", "native", "onednn", "onednn"] * gemm_select.REPEATS
+    assert len(json.loads(json.dumps(timings.seconds))) == 2 * len(ROW_CLASSES)
+
+
+@native
+def test_timings_are_measured_once_then_read_back(tmp_path, monkeypatch):
+    calls = []
+    real = gemm_select.time_candidate
+
+    def counting(*args):
+        calls.append(args[:2])
+        return real(*args)
+
+    monkeypatch.setattr(gemm_select, "time_candidate", counting)
+    shape = GemmShape(20000, 16, torch.float32)  # timed as 8192 columns, scaled by 20000/8192
+    first = GemmTimings(tmp_path / "t.json", native_cpu_kernels())
+    got = first.get(shape, "native")
+    first.save()
+    assert calls == [(shape, "native")]
+    stored = json.loads((tmp_path / "t.json").read_text())
+    assert set(stored) == {f"float32|8192x16|native|{r}" for r in ROW_CLASSES}
+    again = GemmTimings(tmp_path / "t.json", native_cpu_kernels()).get(shape, "native")
+    assert len(calls) == 1 and again == got
+    assert got[1] == pytest.approx(stored["float32|8192x16|native|1"] * 20000 / 8192)
+
+
+@native
+def test_engine_with_timed_kernel_choice_matches_hf(tiny_llama, tmp_path, monkeypatch):
+    """--cpu-gemm auto: every fp32 GEMM packed for the kernel its timing picked (recorded in
+    the cache; both, split by rows, where the fastest changes along the row classes: the tiny
+    model's weights are far below SPLIT_MAX_BYTES), and one greedy step's logprob equals
+    HF's."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              cpu_gemm="auto")
+    model = llm.engine.core.executor.runner.model
+    kinds = {type(m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")}
+    assert kinds <= {NativePackedWeight, OneDnnPackedWeight, RowSplitWeight} and kinds
+    (cache,) = (tmp_path / "cpu_gemm").glob("*.json")
+    assert any(key.startswith("float32|") for key in json.loads(cache.read_text()))
+    prompt = [5, 9, 23, 41, 7]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=0),
+                          use_tqdm=False)
+    with torch.no_grad():
+        hf_logits = tiny_llama.hf_model(torch.tensor([prompt])).logits[0, -1]
+    token = out.outputs[0].token_ids[0]
+    assert token == int(hf_logits.argmax())
+    hf_logprob = torch.log_softmax(hf_logits.double(), -1)[token].item()
+    assert abs(out.outputs[0].logprobs[0][token].logprob - hf_logprob) < 1e-4
+
+
+@native
+@pytest.mark.parametrize("faster", [torch.float32, torch.bfloat16])
+def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
+    """measure_cpu_dtype follows the timings (faked here: ``faster`` takes half the time of
+    the other dtype at every shape and row count) and caches them; resolve_dtype asks it only
+    when the checkpoint's dtype is 16-bit."""
+    from kvflow.core.engine_core import resolve_dtype
+    from kvflow.platforms.cpu import CpuPlatform
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    fake = lambda shape, cands, rows, kernels: {
+        c: {r: (1.0 if shape.dtype == faster else 2.0) * r for r in rows} for c in cands}
+    monkeypatch.setattr(gemm_select, "time_candidates", fake)
+    monkeypatch.setattr(gemm_select, "time_candidate",
+                        lambda shape, cand, rows, kernels: fake(shape, (cand,), rows, kernels)[cand])
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, vocab_size=300)
+    got = gemm_select.measure_cpu_dtype(cfg, torch.bfloat16, "auto", lambda d: True)
+    assert got == faster
+    assert list((tmp_path / "cpu_gemm").glob("*.json"))
+    monkeypatch.setattr(CpuPlatform, "has_native_matmul", lambda self, dtype: True)
+    asked = []
+    measure = lambda d: asked.append(d) or faster
+    cfg.dtype = "bfloat16"
+    assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == faster and asked
+    cfg.dtype, asked[:] = "float32", []
+    assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == torch.float32 and not asked
