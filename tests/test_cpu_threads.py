@@ -97,6 +97,8 @@ def test_engine_flags_are_checked_before_loading():
         EngineConfig.from_kwargs(cpu_threads=0)
     with pytest.raises(ValueError, match="cpu list"):
         EngineConfig.from_kwargs(cpu_threads_bind="1-0")
+    with pytest.raises(ValueError, match=r"cpu_threads_bind='foo': cpu list .*'auto' or 'none'"):
+        EngineConfig.from_kwargs(cpu_threads_bind="foo")
     with pytest.raises(ValueError, match="one CPU per thread"):
         EngineConfig.from_kwargs(cpu_threads=3, cpu_threads_bind="0-1")
     with pytest.raises(ValueError, match="one CPU per thread"):

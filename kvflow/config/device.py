@@ -232,7 +232,11 @@ class DeviceConfig:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto", "none"):
             for part in self.cpu_threads_bind.split("|"):
-                cpus = parse_cpu_list(part)
+                try:
+                    cpus = parse_cpu_list(part)
+                except ValueError as e:
+                    raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r}: {e}, or "
+                                     "'auto' or 'none'") from None
                 if self.cpu_threads is not None and self.cpu_threads != len(cpus):
                     raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
