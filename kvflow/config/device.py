@@ -205,8 +205,9 @@ class DeviceConfig:
                                         "with parallelism: 0-3|4-7; 'auto': each worker's "
                                         "share of the affinity mask; 'none': no thread "
                                         "pinned; default: when the threads fill the CPUs, "
-                                        "every OpenMP worker pinned, the engine's own thread "
-                                        "not, unless --cpu-adaptive-threads)")
+                                        "pinned as with 'auto', the engine's own thread only "
+                                        "while it runs a step; none with "
+                                        "--cpu-adaptive-threads)")
     cpu_gemm_pool: bool | None = opt(None, "share the work of kvflow's C GEMM and paged "
                                      "attention through kvflow's "
                                      "own thread pool, where the calling thread never waits "

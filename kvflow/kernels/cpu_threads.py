@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int],
                     quota: float | None, current: int, rank: int = 0, ranks: int = 1,
-                    pin_by_default: bool = True) -> tuple[int, list[int | None] | None]:
+                    pin_by_default: bool = True) -> tuple[int, list[int] | None]:
     """(threads, CPUs to pin them to or None) of rank ``rank`` of ``ranks`` worker processes
     on this machine, for the engine's ``cpu_threads`` / ``cpu_threads_bind``, given the
     affinity mask ``allowed``, the cgroup ``quota`` (CPUs) and torch's ``current`` count.
@@ -45,8 +45,8 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     Left unset (``bind`` None) with ``pin_by_default``, when the threads fill the rank's CPUs
     they are pinned as with ``auto`` (:func:`configure_cpu_threads` then pins the calling
     thread only while it runs the model, :class:`CallerPin`). Beside a busy process on 2 CPUs
-    pinned threads kept 12-18 points more of the quiet throughput than unpinned ones
-    (docs/benchmarks.md, "session 8").
+    that kept a median 60% of the quiet throughput against 49% unpinned (docs/benchmarks.md,
+    "session 8").
 
     Raises:
         ValueError: when ``bind`` names a CPU outside ``allowed`` or has not one ``|`` part per

@@ -243,9 +243,9 @@ class KernelSplit:
 def split_candidate(times: dict[str, dict[int, float]]) -> KernelSplit | None:
     """A :class:`KernelSplit` when the fastest candidate changes exactly once along
     ROW_CLASSES (e.g. native at 1 and 64 rows, oneDNN at 512), split at the geometric midpoint
-    of the two row classes around the change (181 rows between 64 and 512); else None. A
-    candidate within :data:`SPLIT_TIE_MARGIN` of the fastest at a row class counts as its
-    winner when it won the class below (:func:`row_class_winners`)."""
+    of the two row classes around the change (181 rows between 64 and 512); else None. At a
+    decode row class the winner of the class below keeps it when within
+    :data:`SPLIT_TIE_MARGIN` of the fastest (:func:`row_class_winners`)."""
     winners = row_class_winners(times)
     changes = [i for i in range(1, len(winners)) if winners[i] != winners[i - 1]]
     if len(changes) != 1:
