@@ -180,11 +180,14 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
         _result(llm.generate([{"prompt_token_ids": p} for p in [target, *others[:7]]], seeded,
                              use_tqdm=False)[0])
     del llm
+    # fixed draft lengths: adaptive ones follow step timings, and on a loaded machine the
+    # engine drafted twice in the whole test and had nothing accepted
     spec = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                             "prompt_lookup_max": 3})
+                                             "prompt_lookup_max": 3, "adaptive": False})
     assert _run(spec, target, others, 1) == plain
     assert _run(spec, target, others, 8) == plain
     speculator = spec.engine.core.scheduler.speculator
+    print("drafts", speculator.num_draft_tokens, speculator.num_accepted_tokens)
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
 
 
