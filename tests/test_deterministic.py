@@ -187,7 +187,6 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     assert _run(spec, target, others, 1) == plain
     assert _run(spec, target, others, 8) == plain
     speculator = spec.engine.core.scheduler.speculator
-    print("drafts", speculator.num_draft_tokens, speculator.num_accepted_tokens)
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
 
 
