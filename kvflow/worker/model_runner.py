@@ -313,20 +313,20 @@ class ModelRunner:
             return
         if self.adaptive_threads is not None:  # between steps, on the model's thread
             self.adaptive_threads.before_step()
-        spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
-        num_scheduled = batch.num_scheduled_per_row(sched)
-        proposal = None
-        if self.drafter is not None and spec_tokens:  # only drafting rows (draft_model.py)
-            proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
-                                            self.stager, self._fill_pending,
-                                            self.sampler.generator)
-            spec_tokens = proposal.token_ids
-        if spec_tokens:
-            place_drafts(batch, spec_tokens)
-        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
-        if len(inputs.pending_token_index):
-            self._fill_pending(inputs)
-        with self.caller_pin:
+        with self.caller_pin:  # draft and target forward, on the pinned model thread
+            spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
+            num_scheduled = batch.num_scheduled_per_row(sched)
+            proposal = None
+            if self.drafter is not None and spec_tokens:  # only drafting rows (draft_model.py)
+                proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
+                                                self.stager, self._fill_pending,
+                                                self.sampler.generator)
+                spec_tokens = proposal.token_ids
+            if spec_tokens:
+                place_drafts(batch, spec_tokens)
+            inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
+            if len(inputs.pending_token_index):
+                self._fill_pending(inputs)
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                    lora_mapping=self._lora_mapping(inputs),
                                    rows=hidden_rows(inputs, self.input_batch, self.pooling,
