@@ -195,13 +195,27 @@ def _fresh_process_kernels_work(cache: Path) -> bool:
     return run.stdout.strip().splitlines()[-1:] == ["OK"]
 
 
+def _seed_cache(cache: Path) -> Path:
+    """Copy the library this process loaded, with its recorded digest, into the empty cache
+    dir ``cache`` at the path a build there would write (same sources, flags and compiler:
+    the name is their hash). Returns the copy's path."""
+    from kvflow.kernels import cpu_build
+
+    built = Path(KERNELS.lib._name)
+    lib = cache / "kernels" / built.name
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(built.read_bytes())
+    cpu_build.digest_path(lib).write_bytes(cpu_build.digest_path(built).read_bytes())
+    return lib
+
+
 def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """A truncated library (would SIGBUS the loader) and a foreign one that lacks kvflow's
     symbols are rebuilt; a compiler that writes nothing means the torch fallback."""
     from kvflow.kernels import cpu_build, cpu_native
 
-    assert _fresh_process_kernels_work(tmp_path)
-    (lib,) = tmp_path.rglob("*.so")
+    lib = _seed_cache(tmp_path)  # as a first build leaves it, without compiling again
+    assert _fresh_process_kernels_work(tmp_path) and list(tmp_path.rglob("*.so")) == [lib]
     lib.write_bytes(lib.read_bytes()[:20000])  # truncated: the digest no longer matches
     assert _fresh_process_kernels_work(tmp_path) and cpu_build.intact(lib)
     foreign = tmp_path / "foreign.c"  # loads, digest recorded, but no kvflow symbols
