@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from kvflow.kernels.cpu_native_common import DTYPE_CODES, bind, c_int, f32, i64, ptr, raise_on
@@ -67,7 +68,7 @@ class AttentionKernels:
         if validate:
             self.check_paged_indices(num_tokens, kv_cache, query_start_loc, seq_lens, block_table)
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
-        args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        args = (q.data_ptr(), q.stride(0), *cache_halves(kv_cache),
                 out.data_ptr(), block_table.data_ptr(), block_table.stride(0))
         rest = (query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
                 num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
@@ -113,7 +114,7 @@ class AttentionKernels:
             raise ValueError("store_kv: kv_cache must be a contiguous float32/bfloat16/float16 "
                              "CPU tensor and slot_mapping contiguous int64 [>= num_tokens]")
         status = self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                                *cache_halves(kv_cache),
                                 slot_mapping.data_ptr(), num_tokens, num_blocks * block_size,
                                 row, DTYPE_CODES[dtype], torch.get_num_threads())
         if status == 2:
@@ -125,22 +126,28 @@ class AttentionKernels:
                             block_table: torch.Tensor) -> None:
         """Raise ValueError unless the kernel's reads stay in bounds: query_start_loc rises from
         0 to at most ``num_tokens``, each query fits its context (query_len <= seq_len), and
-        each context's blocks are ids in [0, num_blocks) within its block-table row."""
+        each context's blocks are ids in [0, num_blocks) within its block-table row.
+
+        The index tensors are int32 CPU tensors (the callers check that first); the checks run
+        in numpy on views of them: ~27 us for a 64-request decode step where the same torch
+        ops took ~104 us (a handful of small tensors, once per step).
+        """
         if seq_lens.numel() == 0:
             return
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) > num_tokens \
-                or bool((query_lens < 0).any()) or bool((query_lens > seq_lens).any()):
+        starts, lens = query_start_loc.numpy(), seq_lens.numpy().astype(np.int64)
+        query_lens = np.diff(starts)
+        if starts[0] != 0 or starts[-1] > num_tokens or (query_lens < 0).any() \
+                or (query_lens > lens).any():
             raise ValueError("paged attention: query_start_loc must rise from 0 to at most "
                              "num_tokens with every query_len <= its seq_len")
-        blocks_needed = (seq_lens.long() + block_size - 1) // block_size
-        if int(blocks_needed.max()) > block_table.shape[1]:
+        blocks_needed = (lens + block_size - 1) // block_size
+        if blocks_needed.max() > block_table.shape[1]:
             raise ValueError("paged attention: a seq_len needs more blocks than its "
                              "block_table row holds")
-        used = torch.arange(block_table.shape[1]) < blocks_needed.unsqueeze(1)
-        ids = block_table[: seq_lens.shape[0]][used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        used = np.arange(block_table.shape[1]) < blocks_needed[:, None]
+        ids = block_table[: lens.shape[0]].numpy()[used]
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
             raise ValueError(f"paged attention: block ids must lie in [0, {num_blocks})")
 
     @staticmethod
@@ -179,3 +186,10 @@ class AttentionKernels:
                 or block_table.shape[0] < seq_lens.shape[0]:
             raise ValueError("query_start_loc needs num_reqs + 1 entries and block_table a row "
                              "per request")
+
+
+def cache_halves(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """The addresses of ``kv_cache[0]`` (keys) and ``kv_cache[1]`` (values) of a contiguous
+    [2, ...] cache, by arithmetic: indexing makes two tensor views, ~1.5 us each per call."""
+    base = kv_cache.data_ptr()
+    return base, base + kv_cache.stride(0) * kv_cache.element_size()
