@@ -119,7 +119,7 @@ class CpuPool:
         if status:
             raise ValueError("gemm: x does not have the dtype the packed weight takes")
         self._note_late(packed)
-        return out.view(*x.shape[:-1], n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def paged_attention(self, kv_cache: torch.Tensor, *args) -> int:
         """``kvflow_paged_attention_pooled`` (``csrc/cpu_attention.c``) with the raw arguments

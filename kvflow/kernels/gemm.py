@@ -155,15 +155,15 @@ def pack_weight(weight: torch.Tensor, batch_hint: int,
     return OneDnnPackedWeight(weight, batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
            workspace: GemmWorkspace | None = None, packed: PackedWeight | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ weight.T + bias``.
 
     Args:
         x: [..., K] activations.
-        weight: [N, K], same dtype as ``x`` (unused, and may be emptied, when ``packed`` is
-            given).
+        weight: [N, K], same dtype as ``x`` (unused, and may be emptied or None, when
+            ``packed`` is given).
         bias: [N] or None.
         workspace: when given and ``x`` is bf16/fp16, run the product on fp32 units (exact
             widening, fp32 accumulation). Ignored for fp32 inputs.
@@ -176,7 +176,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     out_dtype = out_dtype or x.dtype
     if packed is not None:
-        return packed(x, bias, out_dtype).to(out_dtype)
+        y = packed(x, bias, out_dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)  # .to costs ~1 us even as a no-op
     if x.dtype == torch.float32:
         return F.linear(x, weight, bias).to(out_dtype)
     if workspace is None:

@@ -94,7 +94,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs ~2 us more per call
+        q, k, v = qkv.split_with_sizes([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -27,7 +27,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_native(self, layer: nn.Module, x: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, layer.gemm_workspace, layer.packed_weight)
+        packed = layer.packed_weight
+        if packed is not None:  # no layer.weight look-up (nn.Module.__getattr__: ~1 us a call)
+            return linear(x, None, bias, packed=packed)
+        return linear(x, layer.weight, bias, layer.gemm_workspace)
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethod):
