@@ -1,0 +1,139 @@
+"""Host time of one CPU decode step's model forward: the Python around the native kernels.
+
+Runs CPU-W1's shape (``offline_engine.py``: 64 prompts of 128 random tokens, greedy, EOS
+ignored, prefix caching off; 16 output tokens) up to the first step in which all 64 decode,
+then replays that step's model
+forward (64 rows, the step's attention metadata bound, its K/V written again to the same slots)
+``--reps`` times. Two timings, each the median over the replays (milliseconds):
+
+* ``real_ms``: the forward as the engine runs it (kernels included);
+* ``host_ms``: the same forward with every native C entry point of the kernels object replaced
+  by a no-op Python callable (outputs are garbage, shapes are not): the Python layers, the
+  wrappers' checks, tensor allocations and views - the host time the kernels wait on. It does
+  not count ctypes' own argument conversion (the stub takes the Python values as they are).
+
+The replays run in the engine's own step (the model thread, inside its thread pinning), after
+the step's real forward. Run one tree (the kvflow on ``sys.path``)::
+
+    .venv/bin/python benchmarks/forward_host_time.py MODEL_DIR
+
+or compare source trees, one process per tree and round, rounds alternating::
+
+    .venv/bin/python benchmarks/forward_host_time.py MODEL_DIR --trees /work/wt/base . --rounds 3
+
+With ``--trees`` the last lines give each tree's medians over its rounds (``host_ms=X real_ms=Y``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=300, help="replays per timing")
+    p.add_argument("--trees", nargs="*", help="kvflow source trees to compare (subprocesses)")
+    p.add_argument("--rounds", type=int, default=3, help="processes per tree (--trees)")
+    return p.parse_args(argv)
+
+
+def stub_native_calls(kernels) -> None:
+    """Replace every ctypes entry point bound on ``kernels`` (a NativeCpuKernels) by a no-op
+    that returns 0 (success): for this process only, after the timed real forward."""
+    for name, value in list(vars(kernels).items()):
+        if isinstance(value, ctypes._CFuncPtr):
+            setattr(kernels, name, lambda *args: 0)
+
+
+def replay_ms(model, attn_ctx, metadata, block_size, input_ids, positions, extra,
+              reps: int) -> float:
+    """Median milliseconds of ``reps`` forwards (after 20 warm-up ones) with ``metadata``
+    bound and prepared as ``run_model`` does each step."""
+    import torch
+
+    from kvflow.worker.forward_pass import prepare_attention
+
+    times = []
+    with torch.inference_mode(), attn_ctx.forward_context.bind(metadata):
+        for _ in range(reps + 20):
+            start = time.perf_counter()
+            prepare_attention(attn_ctx, metadata, block_size)
+            model(input_ids, positions, **extra)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[20:]) * 1e3
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """Run the workload in this process; return {"real_ms", "host_ms"}."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import numpy as np
+    import offline_engine
+
+    from kvflow.kernels.cpu_native import native_cpu_kernels
+    from kvflow.worker import model_runner
+
+    llm, sampling_params, _ = offline_engine.load_engine("kvflow", args.model_dir, args.dtype)
+    run_model, result = model_runner.run_model, {}
+
+    def timed_run_model(model, attn_ctx, cp_size, block_size, counters, inputs, *rest):
+        out = run_model(model, attn_ctx, cp_size, block_size, counters, inputs, *rest)
+        # the first step in which all prompts decode (the prefill steps carry the decodes of
+        # the prompts already in, so it comes a few steps after the last prompt's tokens)
+        if inputs.input_ids.shape[0] == NUM_PROMPTS and not result \
+                and counters.dense_tokens >= NUM_PROMPTS * (INPUT_LEN + 3):
+            positions, extra = rest[1], rest[2]
+            step = (model, attn_ctx, inputs.attn_metadata, block_size, inputs.input_ids,
+                    positions, extra, args.reps)
+            result["real_ms"] = replay_ms(*step)
+            stub_native_calls(native_cpu_kernels())
+            result["host_ms"] = replay_ms(*step)
+        return out
+
+    model_runner.run_model = timed_run_model  # this process only: the engine's step calls it
+    vocab = llm.get_tokenizer().vocab_size
+    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
+    params = sampling_params(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate(ids.tolist(), params, use_tqdm=False)
+    if not result:
+        raise RuntimeError("no 64-row decode step was seen (another scheduler policy?)")
+    return result
+
+
+def compare(args: argparse.Namespace) -> None:
+    """One child process per tree and round, trees alternating within each round."""
+    runs: dict[str, list[dict[str, float]]] = {tree: [] for tree in args.trees}
+    for rnd in range(args.rounds):
+        for tree in args.trees:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--dtype",
+                   args.dtype, "--reps", str(args.reps)]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {rnd} {tree}: {runs[tree][-1]}", flush=True)
+    for tree, results in runs.items():
+        host = statistics.median(r["host_ms"] for r in results)
+        real = statistics.median(r["real_ms"] for r in results)
+        print(f"{tree}: host_ms={host:.2f} real_ms={real:.2f}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.trees:
+        compare(args)
+    else:
+        print(json.dumps(measure(args)))
+
+
+if __name__ == "__main__":
+    main()
