@@ -36,6 +36,7 @@ from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.spec_decode.draft_model import DraftProposal
 from kvflow.spec_decode.draft_timing import time_draft_passes
 from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.attention_backends import (
@@ -314,19 +315,7 @@ class ModelRunner:
         if self.adaptive_threads is not None:  # between steps, on the model's thread
             self.adaptive_threads.before_step()
         with self.caller_pin:  # draft and target forward, on the pinned model thread
-            spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
-            num_scheduled = batch.num_scheduled_per_row(sched)
-            proposal = None
-            if self.drafter is not None and spec_tokens:  # only drafting rows (draft_model.py)
-                proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
-                                                self.stager, self._fill_pending,
-                                                self.sampler.generator)
-                spec_tokens = proposal.token_ids
-            if spec_tokens:
-                place_drafts(batch, spec_tokens)
-            inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
-            if len(inputs.pending_token_index):
-                self._fill_pending(inputs)
+            inputs, spec_tokens, proposal = self._draft_and_build_inputs(sched)
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                    lora_mapping=self._lora_mapping(inputs),
                                    rows=hidden_rows(inputs, self.input_batch, self.pooling,
@@ -336,6 +325,27 @@ class ModelRunner:
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal)
+
+    def _draft_and_build_inputs(self, sched: SchedulerOutput
+                                ) -> tuple[ModelInputs, dict[str, list[int]], DraftProposal | None]:
+        """The step's model inputs, with the draft tokens to verify placed after their
+        requests' tokens: the scheduled ones, or a draft model's proposal for the drafting rows
+        (draft_model.py). Returns (inputs, draft token ids by request id, the proposal or
+        None)."""
+        spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
+        num_scheduled = batch.num_scheduled_per_row(sched)
+        proposal = None
+        if self.drafter is not None and spec_tokens:
+            proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
+                                            self.stager, self._fill_pending,
+                                            self.sampler.generator)
+            spec_tokens = proposal.token_ids
+        if spec_tokens:
+            place_drafts(batch, spec_tokens)
+        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
+        if len(inputs.pending_token_index):
+            self._fill_pending(inputs)
+        return inputs, spec_tokens, proposal
 
     def _fill_pending(self, inputs: ModelInputs) -> None:
         """Write the previous step's sampled tokens still on the device into the inputs."""
