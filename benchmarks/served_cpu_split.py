@@ -5,7 +5,8 @@ load generator spends is taken from the engine's GEMMs. This script starts ``kvf
 from each given source tree in turn (``PYTHONPATH`` set to the tree, the same Python), runs
 ``kvflow bench serve`` (of the first tree, so every tree gets the same load generator) at each
 rate, and reads each process's user + system CPU time over the load (``/proc/<pid>/stat``),
-from the API server's first request to the load generator's exit: the API server, the server's
+from the load generator's announcement of its load (``LOAD_START_LINE``, after its start-up
+and probe request) to its exit: the API server, the server's
 descendants by process name (kvflow's engine core; vLLM's ``VLLM::EngineCore`` and
 ``VLLM::Worker``) and the load generator (its rusage less its start-up: imports, tokenizer).
 The rest of the machine's busy time over the same interval (``/proc/stat``) is reported as
@@ -34,11 +35,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_harness import free_port, stop_server, wait_ready
+
+from kvflow.bench.serve import LOAD_START_LINE
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -153,6 +157,27 @@ def run_one(engine: str, bench_tree: str, args: argparse.Namespace, out: Path, t
     return records
 
 
+class LoadStart(threading.Event):
+    """Set when the load generator prints ``LOAD_START_LINE``; ``no_line`` turns True when its
+    output ended without that line (a bench tree from before it)."""
+    no_line = False
+
+
+def watch_for_load_start(stream) -> LoadStart:
+    """Read the load generator's stdout (text) in a daemon thread, draining it to the end so
+    that the generator never blocks on a full pipe; returns the event of its load start."""
+    event = LoadStart()
+
+    def read() -> None:
+        for line in stream:
+            if line.startswith(LOAD_START_LINE):
+                event.set()
+        event.no_line = not event.is_set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return event
+
+
 def bench_rate(api: int, url: str, rate: str, seed: int, bench_tree: str,
                args: argparse.Namespace, out: Path, tag: str) -> dict:
     """One ``kvflow bench serve`` run at ``rate`` with the CPU time of every process."""
@@ -175,15 +200,19 @@ def bench_rate(api: int, url: str, rate: str, seed: int, bench_tree: str,
     api0, engine0, threads0 = proc_cpu_s(api), engine_cpu_s(engine), thread_cpu_s(api)
     busy0, wall0 = machine_busy_s(), time.monotonic()
     bench = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=bench_tree), cwd=bench_tree,
-                             stdout=subprocess.DEVNULL)
-    # The load generator's start-up (imports, tokenizer) is not part of the load: its CPU
-    # time is read when the API server starts working (the first request) and at the end.
+                             stdout=subprocess.PIPE, text=True)
+    load_started = watch_for_load_start(bench.stdout)
+    # The load generator's start-up (imports, tokenizer, its probe request) is not part of the
+    # load: its CPU time is read when it announces the load (LOAD_START_LINE) and at the end.
+    # A bench tree from before that line: when the API server has used 20 ms of CPU (an idle
+    # kvflow API server also reaches that within ~6 s, so such a tree over-counts start-up).
     gen_start = None
     while True:
         pid, status, usage = os.wait4(bench.pid, os.WNOHANG)
         if pid:
             break
-        if gen_start is None and proc_cpu_s(api) - api0 > 0.02:
+        if gen_start is None and (load_started.is_set() or (
+                load_started.no_line and proc_cpu_s(api) - api0 > 0.02)):
             gen_start = proc_cpu_s(bench.pid)
             busy0, wall0, api0 = machine_busy_s(), time.monotonic(), proc_cpu_s(api)
             engine0 = engine_cpu_s(engine)

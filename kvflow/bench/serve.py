@@ -33,6 +33,8 @@ from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
 # (uvicorn's default 5 s), so a request is never sent on a connection the server is closing
 # (that race surfaces as aiohttp's ServerDisconnectedError at arrival gaps near 5 s).
 CLIENT_KEEPALIVE_S = 3.0
+# Printed (stdout, flushed) right before a run's first request.
+LOAD_START_LINE = "kvflow bench: starting the load"
 
 
 async def run_load(requests: list[BenchRequest], args: argparse.Namespace,
@@ -103,7 +105,10 @@ def _reversed_text(content: str | list[dict[str, Any]]) -> str | list[dict[str, 
 
 def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
             slos: dict[str, float], tokenizer_factory) -> dict[str, Any]:
-    """One benchmark run at ``rate`` req/s; returns the summary with its settings."""
+    """One benchmark run at ``rate`` req/s; returns the summary with its settings. Prints
+    ``LOAD_START_LINE`` (flushed) just before the first request is sent, so that a wrapper
+    measuring the load (benchmarks/served_cpu_split.py) can tell the load from the start-up."""
+    print(f"{LOAD_START_LINE}: {len(requests)} requests at {rate} req/s", flush=True)
     results, duration = asyncio.run(run_load(requests, args, rate))
     summary = aggregate(requests, results, duration, slos, tokenizer_factory)
     settings = {"label": args.label or args.base_url, "date": datetime.now(timezone.utc)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvflow.bench.serve import LOAD_START_LINE
 from kvflow.entrypoints.cli import main
 
 MODEL = "tiny"
@@ -37,13 +38,18 @@ def generated_tokens(server):
     return server.value(server.metrics(), "kvflow:generation_tokens_total")
 
 
-def test_random_completions_json_and_usage(server, tmp_path, tiny_chat_model):
+def test_random_completions_json_and_usage(server, tmp_path, tiny_chat_model, capsys):
     before = generated_tokens(server)
     rc, path = bench(server, tmp_path, "random", "--num-prompts", "12", "--input-len", "16",
                      "--output-len", "8", "--ignore-eos", "--request-rate", "30",
                      "--max-concurrency", "6", "--goodput", "ttft:60000", "tpot:60000",
                      "--tokenizer", tiny_chat_model)
     assert rc == 0
+    # the load is announced once, before its summary (served_cpu_split.py times from it)
+    out = capsys.readouterr().out
+    assert out.count(LOAD_START_LINE) == 1
+    assert f"{LOAD_START_LINE}: 12 requests at 30.0 req/s\n" in out
+    assert out.index(LOAD_START_LINE) < out.index("Benchmark duration (s)")
     r = json.loads(path.read_text())
     assert (r["completed"], r["failed"], r["usage_from_server"]) == (12, 0, 12)
     assert r["request_rate"] == 30 and r["max_concurrency"] == 6
