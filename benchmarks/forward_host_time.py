@@ -11,6 +11,13 @@ forward (64 rows, the step's attention metadata bound, its K/V written again to 
   by a no-op Python callable (outputs are garbage, shapes are not): the Python layers, the
   wrappers' checks, tensor allocations and views - the host time the kernels wait on. It does
   not count ctypes' own argument conversion (the stub takes the Python values as they are).
+* ``calls_ms``: the native calls of one such forward (``calls`` of them), recorded with their
+  arguments and replayed back to back from a list, with no Python layers between them: the
+  kernels plus ctypes' dispatch, what a step would cost if its kernel sequence were replayed
+  like a CUDA graph. Every tensor the recorded forward allocated with ``torch.empty`` is kept
+  alive for the replays, so the calls write where they wrote then (other inputs, e.g. the
+  embedding's output, are read from memory that may since have been reused: values are
+  garbage, addresses stay valid).
 
 The replays run in the engine's own step (the model thread, inside its thread pinning), after
 the step's real forward. Run one tree (the kvflow on ``sys.path``)::
@@ -21,7 +28,8 @@ or compare source trees, one process per tree and round, rounds alternating::
 
     .venv/bin/python benchmarks/forward_host_time.py MODEL_DIR --trees /work/wt/base . --rounds 3
 
-With ``--trees`` the last lines give each tree's medians over its rounds (``host_ms=X real_ms=Y``).
+With ``--trees`` the last lines give each tree's medians over its rounds (``host_ms=X real_ms=Y
+calls_ms=Z``).
 """
 
 from __future__ import annotations
@@ -56,9 +64,51 @@ def stub_native_calls(kernels) -> None:
             setattr(kernels, name, lambda *args: 0)
 
 
+def record_native_calls(kernels, forward) -> tuple[list, list]:
+    """Run ``forward()`` once with every ctypes entry point on ``kernels`` recording its
+    arguments and ``torch.empty`` keeping its tensors; returns ([(function, args), ...] in
+    call order, the kept tensors). ``kernels`` and ``torch.empty`` are restored after."""
+    import torch
+
+    calls, kept, saved = [], [], {}
+    for name, value in list(vars(kernels).items()):
+        if isinstance(value, ctypes._CFuncPtr):
+            saved[name] = value
+
+            def recorder(*args, fn=value):
+                calls.append((fn, args))
+                return fn(*args)
+            setattr(kernels, name, recorder)
+    empty = torch.empty
+
+    def keeping_empty(*args, **kwargs):
+        kept.append(empty(*args, **kwargs))
+        return kept[-1]
+    torch.empty = keeping_empty
+    try:
+        forward()
+    finally:
+        torch.empty = empty
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+    return calls, kept
+
+
+def calls_replay_ms(calls: list, reps: int, warmup: int = 20) -> float:
+    """Median milliseconds of ``reps`` back-to-back replays (after ``warmup`` ones) of the
+    recorded native ``calls``."""
+    times = []
+    for _ in range(reps + warmup):
+        start = time.perf_counter()
+        for fn, args in calls:
+            fn(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:]) * 1e3
+
+
 def replay_ms(model, attn_ctx, metadata, block_size, input_ids, positions, extra,
-              reps: int) -> float:
-    """Median milliseconds of ``reps`` forwards (after 20 warm-up ones) with ``metadata``
+              reps: int, warmup: int = 20) -> float:
+    """Median milliseconds of ``reps`` forwards (after ``warmup`` ones) with ``metadata``
     bound and prepared as ``run_model`` does each step."""
     import torch
 
@@ -66,12 +116,12 @@ def replay_ms(model, attn_ctx, metadata, block_size, input_ids, positions, extra
 
     times = []
     with torch.inference_mode(), attn_ctx.forward_context.bind(metadata):
-        for _ in range(reps + 20):
+        for _ in range(reps + warmup):
             start = time.perf_counter()
             prepare_attention(attn_ctx, metadata, block_size)
             model(input_ids, positions, **extra)
             times.append(time.perf_counter() - start)
-    return statistics.median(times[20:]) * 1e3
+    return statistics.median(times[warmup:]) * 1e3
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
@@ -96,6 +146,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             step = (model, attn_ctx, inputs.attn_metadata, block_size, inputs.input_ids,
                     positions, extra, args.reps)
             result["real_ms"] = replay_ms(*step)
+            calls, kept = record_native_calls(native_cpu_kernels(),
+                                              lambda: replay_ms(*step[:-1], reps=1, warmup=0))
+            result["calls_ms"], result["calls"] = calls_replay_ms(calls, args.reps), len(calls)
+            del calls, kept
             stub_native_calls(native_cpu_kernels())
             result["host_ms"] = replay_ms(*step)
         return out
@@ -122,9 +176,10 @@ def compare(args: argparse.Namespace) -> None:
             runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {rnd} {tree}: {runs[tree][-1]}", flush=True)
     for tree, results in runs.items():
-        host = statistics.median(r["host_ms"] for r in results)
-        real = statistics.median(r["real_ms"] for r in results)
-        print(f"{tree}: host_ms={host:.2f} real_ms={real:.2f}")
+        host, real, calls = (statistics.median(r[key] for r in results)
+                             for key in ("host_ms", "real_ms", "calls_ms"))
+        print(f"{tree}: host_ms={host:.2f} real_ms={real:.2f} calls_ms={calls:.2f} "
+              f"(real / calls {real / calls:.3f})")
 
 
 def main() -> None:
