@@ -185,14 +185,21 @@ print("OK" if k is not None and torch.allclose(k.rms_norm(x, w, 1e-6), ref, atol
 """
 
 
-def _fresh_process_kernels_work(cache: Path) -> bool:
-    """Load the kernels in a new interpreter (the dynamic loader of this one has the library
-    mapped already) with ``cache`` as KVFLOW_CACHE_DIR; True when they load and compute."""
+def _start_fresh_process(cache: Path) -> subprocess.Popen:
+    """Start loading the kernels in a new interpreter (the dynamic loader of this one has the
+    library mapped already) with ``cache`` as KVFLOW_CACHE_DIR; :func:`_kernels_worked` reads
+    its verdict. Several run at once: each rebuild is one single-threaded compile."""
     env = {**os.environ, "KVFLOW_CACHE_DIR": str(cache)}
-    run = subprocess.run([sys.executable, "-c", _CHECK_NATIVE], env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]  # e.g. not killed by SIGBUS
-    return run.stdout.strip().splitlines()[-1:] == ["OK"]
+    return subprocess.Popen([sys.executable, "-c", _CHECK_NATIVE], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _kernels_worked(proc: subprocess.Popen) -> bool:
+    """True when the process of :func:`_start_fresh_process` loaded the kernels and they
+    computed."""
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]  # e.g. not killed by SIGBUS
+    return stdout.strip().splitlines()[-1:] == ["OK"]
 
 
 def _seed_cache(cache: Path) -> Path:
@@ -211,19 +218,18 @@ def _seed_cache(cache: Path) -> Path:
 
 def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """A truncated library (would SIGBUS the loader) and a foreign one that lacks kvflow's
-    symbols are rebuilt; a compiler that writes nothing means the torch fallback."""
+    symbols are rebuilt; a compiler that writes nothing means the torch fallback. Three cache
+    dirs, one fresh process each, run side by side (the two rebuilds compile at once)."""
     from kvflow.kernels import cpu_build, cpu_native
 
-    lib = _seed_cache(tmp_path)  # as a first build leaves it, without compiling again
-    assert _fresh_process_kernels_work(tmp_path) and list(tmp_path.rglob("*.so")) == [lib]
-    lib.write_bytes(lib.read_bytes()[:20000])  # truncated: the digest no longer matches
-    assert _fresh_process_kernels_work(tmp_path) and cpu_build.intact(lib)
-    foreign = tmp_path / "foreign.c"  # loads, digest recorded, but no kvflow symbols
-    foreign.write_text("int kvflow_unrelated(void) { return 1; }\n")
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(foreign)], check=True)
-    cpu_build.digest_path(lib).write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
-    assert _fresh_process_kernels_work(tmp_path) and cpu_build.intact(lib)
-    assert b"kvflow_paged_attention" in lib.read_bytes()
+    intact, truncated, foreign = (_seed_cache(tmp_path / name)  # as a first build leaves it
+                                  for name in ("intact", "truncated", "foreign"))
+    truncated.write_bytes(truncated.read_bytes()[:20000])  # the digest no longer matches
+    foreign_c = tmp_path / "foreign.c"  # loads, digest recorded, but no kvflow symbols
+    foreign_c.write_text("int kvflow_unrelated(void) { return 1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(foreign), str(foreign_c)], check=True)
+    cpu_build.digest_path(foreign).write_text(hashlib.sha256(foreign.read_bytes()).hexdigest())
+    procs = [_start_fresh_process(lib.parent.parent) for lib in (intact, truncated, foreign)]
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("CC", "/bin/true")  # "succeeds" without writing a library
     try:
@@ -231,6 +237,10 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
         assert cpu_native.native_cpu_kernels() is None
     finally:
         cpu_native.native_cpu_kernels.cache_clear()
+    assert [_kernels_worked(proc) for proc in procs] == [True, True, True]
+    assert list((tmp_path / "intact").rglob("*.so")) == [intact]  # loaded without a build
+    assert cpu_build.intact(truncated) and cpu_build.intact(foreign)
+    assert b"kvflow_paged_attention" in foreign.read_bytes()
 
 
 PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
