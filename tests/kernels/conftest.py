@@ -6,7 +6,9 @@ conftest import time.  Test modules skip themselves if triton is missing.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,3 +49,22 @@ def tiny_llama_path(tiny_llama) -> str:
     """The session's tiny Llama (tests/conftest.py), saved with its tokenizer: engine-level
     kernel tests compare backends on it."""
     return tiny_llama.path
+
+
+@pytest.fixture(scope="session")
+def unfused_greedy() -> Callable[[str, str, str], list[list[int]]]:
+    """``unfused_greedy(path, backend, kv_cache_dtype="auto")``: the greedy tokens of
+    ``tests.kernels.test_engine_triton_cpu._greedy`` on an engine built with
+    ``KVFLOW_FUSED_KERNELS=0`` (the default), run once per session for each argument triple:
+    the Triton tests (interpreted, several seconds a run) compare against the same unfused
+    and torch-backend runs."""
+    from tests.kernels.test_engine_triton_cpu import _greedy, _llm
+
+    @functools.cache
+    def run(path: str, backend: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVFLOW_FUSED_KERNELS", "0")
+            llm = _llm(path, backend, kv_cache_dtype)
+        return _greedy(llm)
+
+    return run

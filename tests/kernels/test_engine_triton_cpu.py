@@ -38,20 +38,22 @@ def _llm(path: str, backend: str, kv_cache_dtype: str = "auto"):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_path):
-    return _greedy(_llm(tiny_llama_path, "torch"))
+def reference(tiny_llama_path, unfused_greedy):
+    return unfused_greedy(tiny_llama_path, "torch")
 
 
-def test_triton_backend_matches_torch_backend(tiny_llama_path, reference):
-    assert _greedy(_llm(tiny_llama_path, "triton")) == reference
+def test_triton_backend_matches_torch_backend(tiny_llama_path, reference, unfused_greedy):
+    """(The unfused runs are shared with tests/kernels/test_fused_kernels_engine.py.)"""
+    assert unfused_greedy(tiny_llama_path, "triton") == reference
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_triton_backend_reads_a_quantized_cache_as_torch_does(tiny_llama_path, kv_cache_dtype):
+def test_triton_backend_reads_a_quantized_cache_as_torch_does(tiny_llama_path, kv_cache_dtype,
+                                                              unfused_greedy):
     """Same rotated (INT8) or plain (FP8) rows in the cache, read by the Triton kernel and by
     the torch backend's dequantize-and-SDPA: the same greedy tokens."""
-    torch_tokens = _greedy(_llm(tiny_llama_path, "torch", kv_cache_dtype))
-    assert _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype)) == torch_tokens
+    torch_tokens = unfused_greedy(tiny_llama_path, "torch", kv_cache_dtype)
+    assert unfused_greedy(tiny_llama_path, "triton", kv_cache_dtype) == torch_tokens
 
 
 class _EagerReplay:

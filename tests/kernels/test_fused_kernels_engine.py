@@ -32,13 +32,13 @@ def _counting(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-def test_fused_engine_matches_unfused_and_torch(tiny_llama_path, monkeypatch):
+def test_fused_engine_matches_unfused_and_torch(tiny_llama_path, monkeypatch, unfused_greedy):
+    """(The unfused and torch runs are shared with tests/kernels/test_engine_triton_cpu.py.)"""
     from kvflow.attention import triton_paged
     from kvflow.kernels import rotary
 
-    reference = _greedy(_llm(tiny_llama_path, "torch"))
-    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
-    unfused = _greedy(_llm(tiny_llama_path, "triton"))
+    reference = unfused_greedy(tiny_llama_path, "torch")
+    unfused = unfused_greedy(tiny_llama_path, "triton")
     monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
     llm = _llm(tiny_llama_path, "triton")
     fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
@@ -51,15 +51,14 @@ def test_fused_engine_matches_unfused_and_torch(tiny_llama_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])
-def test_fused_engine_other_families(tiny_model_factory, monkeypatch, name):
+def test_fused_engine_other_families(tiny_model_factory, monkeypatch, name, unfused_greedy):
     """Qwen3 (per-head q/k RMSNorm before the rotation) and Gemma 3 (q/k norms, two RoPE
     tables, sliding-window layers): fused greedy tokens equal unfused ones, the fused kernel
     ran."""
     from kvflow.attention import triton_paged
 
     path = tiny_model_factory(name).path
-    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
-    unfused = _greedy(_llm(path, "triton"))
+    unfused = unfused_greedy(path, "triton")
     monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
     fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
     assert _greedy(_llm(path, "triton")) == unfused
@@ -67,14 +66,15 @@ def test_fused_engine_other_families(tiny_model_factory, monkeypatch, name):
 
 
 @pytest.mark.parametrize("kv_cache_dtype,fused", [("int8", False), ("fp8_e4m3", True)])
-def test_fused_engine_quantized_caches(tiny_llama_path, monkeypatch, kv_cache_dtype, fused):
+def test_fused_engine_quantized_caches(tiny_llama_path, monkeypatch, kv_cache_dtype, fused,
+                                      unfused_greedy):
     """FP8 caches take the fused kernel (quantized in-kernel); INT8 caches, whose keys are
     Hadamard-rotated between the RoPE and the store (QuaRot), keep the separate kernels.
-    Either way the greedy tokens equal the unfused engine's."""
+    Either way the greedy tokens equal the unfused engine's (shared with
+    tests/kernels/test_engine_triton_cpu.py)."""
     from kvflow.attention import triton_paged
 
-    monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "0")
-    unfused = _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype))
+    unfused = unfused_greedy(tiny_llama_path, "triton", kv_cache_dtype)
     monkeypatch.setenv("KVFLOW_FUSED_KERNELS", "1")
     fused_calls = _counting(monkeypatch, triton_paged, "rotary_store_kvcache")
     assert _greedy(_llm(tiny_llama_path, "triton", kv_cache_dtype)) == unfused
