@@ -146,23 +146,32 @@ def tiny_chat_model(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -
     return str(folder)
 
 
+def wait_ready_or_stop(server: ServerProcess) -> None:
+    """``server.wait_ready()``; a server that fails to come up is stopped before the
+    RuntimeError propagates."""
+    try:
+        server.wait_ready()
+    except RuntimeError:
+        server.stop()
+        raise
+
+
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Callable[..., ServerProcess]]:
-    """``start_server(model, args, env=None, threads=1)`` -> a ready ServerProcess; every
-    server started is stopped at the end of the session (modules may stop theirs earlier)."""
+    """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
+    every server started is stopped at the end of the session (modules may stop theirs
+    earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
+    by side) and calls :func:`wait_ready_or_stop` on each."""
     servers: list[ServerProcess] = []
 
     def start(model: str, args: list[str], env: dict[str, str] | None = None,
-              threads: int = 1) -> ServerProcess:
+              threads: int = 1, wait: bool = True) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
         server = ServerProcess(model, args, log, env, threads)
         servers.append(server)
-        try:
-            server.wait_ready()
-        except RuntimeError:
-            server.stop()
-            raise
+        if wait:
+            wait_ready_or_stop(server)
         return server
 
     yield start

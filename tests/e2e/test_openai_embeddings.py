@@ -8,6 +8,7 @@ import httpx
 import pytest
 import torch
 
+from tests.e2e.conftest import wait_ready_or_stop
 from tests.models.embedding_models import build_bert, build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
@@ -15,23 +16,36 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--blo
 
 
 @pytest.fixture(scope="module")
-def bert(start_server, tiny_tokenizer, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("bert") / "st")
-    st = build_bert(tiny_tokenizer, folder, "mean")
-    server = start_server(folder, [*ARGS, "--served-model-name", "bert",
-                                   "--max-num-batched-tokens", "64"])  # whole prompts per step
-    yield server, st
-    server.stop()
+def servers(start_server, tiny_tokenizer, tmp_path_factory):
+    """{"bert": (server, st), "decoder": (server, st)}: both servers come up side by side
+    (every test here but one uses both)."""
+    bert_folder = str(tmp_path_factory.mktemp("bert") / "st")
+    bert_st = build_bert(tiny_tokenizer, bert_folder, "mean")
+    bert_server = start_server(bert_folder, [*ARGS, "--served-model-name", "bert",
+                                             "--max-num-batched-tokens", "64"],  # whole prompts
+                               wait=False)
+    dec_folder = str(tmp_path_factory.mktemp("decoder") / "st")
+    dec_st = build_decoder(tiny_tokenizer, dec_folder, "lasttoken")
+    dec_server = start_server(dec_folder, [*ARGS, "--served-model-name", "dec",
+                                           "--max-num-batched-tokens", "8"],  # prompts in chunks
+                              wait=False)
+    try:
+        for server in (bert_server, dec_server):
+            wait_ready_or_stop(server)
+        yield {"bert": (bert_server, bert_st), "decoder": (dec_server, dec_st)}
+    finally:
+        bert_server.stop()
+        dec_server.stop()
 
 
 @pytest.fixture(scope="module")
-def decoder(start_server, tiny_tokenizer, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("decoder") / "st")
-    st = build_decoder(tiny_tokenizer, folder, "lasttoken")
-    server = start_server(folder, [*ARGS, "--served-model-name", "dec",
-                                   "--max-num-batched-tokens", "8"])  # prompts in chunks
-    yield server, st
-    server.stop()
+def bert(servers):
+    return servers["bert"]
+
+
+@pytest.fixture(scope="module")
+def decoder(servers):
+    return servers["decoder"]
 
 
 def _close(got: list[float], expected: torch.Tensor) -> None:
