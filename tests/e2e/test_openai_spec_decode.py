@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvflow import LLM, SamplingParams
+from tests.e2e.conftest import wait_ready_or_stop
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "adaptive": False}
@@ -18,11 +19,26 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
-                                            "--speculative-config", json.dumps(SPEC)])
-    yield server
-    server.stop()
+def servers(start_server, tiny_chat_model):
+    """(n-gram server, draft-model server), started side by side."""
+    draft_spec = {"method": "draft_model", "model": tiny_chat_model,
+                  "num_speculative_tokens": 3, "adaptive": False,
+                  "quantization": "none"}  # as loaded: a self-draft stays exact
+    started = [start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
+                                              "--speculative-config", json.dumps(spec)],
+                            wait=False) for spec in (SPEC, draft_spec)]
+    try:
+        for server in started:
+            wait_ready_or_stop(server)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def test_greedy_completions_and_metrics(server, tiny_chat_model):
@@ -54,13 +70,8 @@ def test_greedy_completions_and_metrics(server, tiny_chat_model):
 
 
 @pytest.fixture(scope="module")
-def draft_server(start_server, tiny_chat_model):
-    spec = {"method": "draft_model", "model": tiny_chat_model, "num_speculative_tokens": 3,
-            "adaptive": False, "quantization": "none"}  # as loaded: a self-draft stays exact
-    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
-                                            "--speculative-config", json.dumps(spec)])
-    yield server
-    server.stop()
+def draft_server(servers):
+    return servers[1]
 
 
 def test_draft_model_over_http(draft_server, tiny_chat_model):
