@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
-from tests.e2e.conftest import post_at_once
+from tests.e2e.conftest import post_at_once, wait_ready_or_stop
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
 
@@ -57,23 +57,36 @@ def model_dir(tiny_chat_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, model_dir, tmp_path_factory):
-    server = start_server(model_dir, ARGS)
-    server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"), 5,
-                                    r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
-    yield server
-    server.stop()
+def servers(start_server, model_dir, tiny_tokenizer, tmp_path_factory):
+    """(server, embed_server), started side by side: the chat model's (with a LoRA adapter
+    made while it starts, ``server.lora_path``) and a tiny Matryoshka-capable decoder
+    embedding model's (last-token pooling, normalized)."""
+    folder = str(tmp_path_factory.mktemp("embed") / "st")
+    build_decoder(tiny_tokenizer, folder, "lasttoken")
+    server = start_server(model_dir, ARGS, wait=False)
+    embed_server = start_server(folder, ["--dtype", "float32", "--device", "cpu",
+                                         "--num-kv-blocks", "64", "--uvicorn-log-level", "info"],
+                                wait=False)
+    try:
+        server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"),
+                                        5, r=4, lora_alpha=8,
+                                        target_modules=["q_proj", "down_proj"])
+        for started in (server, embed_server):
+            wait_ready_or_stop(started)
+        yield server, embed_server
+    finally:
+        server.stop()
+        embed_server.stop()
 
 
 @pytest.fixture(scope="module")
-def embed_server(start_server, tiny_tokenizer, tmp_path_factory):
-    """A tiny Matryoshka-capable decoder embedding model (last-token pooling, normalized)."""
-    folder = str(tmp_path_factory.mktemp("embed") / "st")
-    build_decoder(tiny_tokenizer, folder, "lasttoken")
-    server = start_server(folder, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
-                                   "64", "--uvicorn-log-level", "info"])
-    yield server
-    server.stop()
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def embed_server(servers):
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
