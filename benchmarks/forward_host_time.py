@@ -18,6 +18,10 @@ forward (64 rows, the step's attention metadata bound, its K/V written again to 
   alive for the replays, so the calls write where they wrote then (other inputs, e.g. the
   embedding's output, are read from memory that may since have been reused: values are
   garbage, addresses stay valid).
+* ``cold_host_ms`` (with ``--sweep-bytes N``): ``host_ms`` again, with each stub reading an
+  N-byte buffer (``numpy.sum``) the way a kernel sweeps the caches, less the time of the
+  same sweeps alone (``sweep_ms``): the Python's time when it runs between cache-evicting
+  kernels, as it does in the engine.
 
 The replays run in the engine's own step (the model thread, inside its thread pinning), after
 the step's real forward. Run one tree (the kvflow on ``sys.path``)::
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=300, help="replays per timing")
     p.add_argument("--trees", nargs="*", help="kvflow source trees to compare (subprocesses)")
     p.add_argument("--rounds", type=int, default=3, help="processes per tree (--trees)")
+    p.add_argument("--sweep-bytes", type=int, default=0,
+                   help="also time cold_host_ms: each stub reads this many bytes (0: off)")
     return p.parse_args(argv)
 
 
@@ -62,6 +68,34 @@ def stub_native_calls(kernels) -> None:
     for name, value in list(vars(kernels).items()):
         if isinstance(value, ctypes._CFuncPtr):
             setattr(kernels, name, lambda *args: 0)
+
+
+def sweeping_stubs(kernels, sweep_bytes: int):
+    """Make every stubbed entry point on ``kernels`` (after :func:`stub_native_calls`) read
+    a float64 buffer of ``sweep_bytes`` bytes, evicting the caches as a kernel does; returns
+    the buffer (for :func:`sweeps_ms`)."""
+    import numpy as np
+
+    buffer = np.ones(max(sweep_bytes // 8, 1))
+
+    def sweep(*args) -> int:
+        buffer.sum()
+        return 0
+    for name, value in list(vars(kernels).items()):
+        if getattr(value, "__name__", "") == "<lambda>":
+            setattr(kernels, name, sweep)
+    return buffer
+
+
+def sweeps_ms(buffer, count: int, reps: int = 20) -> float:
+    """Milliseconds of ``count`` sweeps of ``buffer`` (median of ``reps`` repetitions)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(count):
+            buffer.sum()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def record_native_calls(kernels, forward) -> tuple[list, list]:
@@ -152,6 +186,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             del calls, kept
             stub_native_calls(native_cpu_kernels())
             result["host_ms"] = replay_ms(*step)
+            if args.sweep_bytes:
+                buffer = sweeping_stubs(native_cpu_kernels(), args.sweep_bytes)
+                result["sweep_ms"] = sweeps_ms(buffer, result["calls"])
+                result["cold_host_ms"] = replay_ms(*step) - result["sweep_ms"]
         return out
 
     model_runner.run_model = timed_run_model  # this process only: the engine's step calls it
@@ -171,15 +209,17 @@ def compare(args: argparse.Namespace) -> None:
         for tree in args.trees:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
             cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--dtype",
-                   args.dtype, "--reps", str(args.reps)]
+                   args.dtype, "--reps", str(args.reps), "--sweep-bytes", str(args.sweep_bytes)]
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {rnd} {tree}: {runs[tree][-1]}", flush=True)
     for tree, results in runs.items():
         host, real, calls = (statistics.median(r[key] for r in results)
                              for key in ("host_ms", "real_ms", "calls_ms"))
+        cold = f" cold_host_ms={statistics.median(r['cold_host_ms'] for r in results):.2f}" \
+            if args.sweep_bytes else ""
         print(f"{tree}: host_ms={host:.2f} real_ms={real:.2f} calls_ms={calls:.2f} "
-              f"(real / calls {real / calls:.3f})")
+              f"(real / calls {real / calls:.3f}){cold}")
 
 
 def main() -> None:
