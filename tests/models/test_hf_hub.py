@@ -147,30 +147,39 @@ def test_packaged_name_wins_over_a_cached_hub_repo(tmp_path, tiny_model_factory)
     assert source.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _run_cli(args: list[str], hf_home: Path) -> subprocess.CompletedProcess:
+def _start_cli(args: list[str], hf_home: Path) -> subprocess.Popen:
+    """Start ``python -m kvflow.entrypoints.cli ARGS`` with ``HF_HOME=hf_home``, offline;
+    :func:`_finish` waits for it."""
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    return subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", *args], env=env,
-                          check=False, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "kvflow.entrypoints.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    """Wait (at most 300 s) for a process of :func:`_start_cli`; its status and output."""
+    stdout, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def test_cli_uses_hf_home_and_exits_2_when_not_cached(tmp_path, tiny_model_factory):
     """Without --download-dir the cache is $HF_HOME/hub; an uncached repo is exit status 2 and
-    one line on stderr."""
+    one line on stderr. (The two CLI processes run side by side.)"""
     tiny = tiny_model_factory("llama")
     add_snapshot(tmp_path / "hub", "kvflow-test/tiny", COMMIT_A, _folder_files(tiny.path))
     prompt = "the quick brown fox"
-    done = _run_cli(["generate", "--model", "kvflow-test/tiny", "--prompt", prompt,
-                     "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
-                     "--dtype", "float32", "--num-kv-blocks", "64"], tmp_path)
-    assert done.returncode == 0, done.stderr
+    started = _start_cli(["generate", "--model", "kvflow-test/tiny", "--prompt", prompt,
+                          "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+                          "--dtype", "float32", "--num-kv-blocks", "64"], tmp_path)
+    started_missing = _start_cli(["generate", "--model", "kvflow-test/missing"], tmp_path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.path)
     ids = tokenizer.encode(prompt)
     expected = prompt + tokenizer.decode(hf_greedy_tokens(tiny, ids, 6), skip_special_tokens=True)
+    done, missing = _finish(started), _finish(started_missing)
+    assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
-    missing = _run_cli(["generate", "--model", "kvflow-test/missing"], tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.count("\n") == 1, missing.stderr
     assert "kvflow-test/missing" in missing.stderr and "HF_HUB_OFFLINE=1" in missing.stderr
