@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.conftest import wait_ready_or_stop
+
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4",
         "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
 LONG = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True}
@@ -68,8 +70,24 @@ def assert_ends_with_error_event(events: list[dict]) -> None:
     assert all("error" not in e for e in events[:-2])  # tokens, then one error event
 
 
-def test_killed_core_exits_the_server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, ARGS)
+@pytest.fixture(scope="module")
+def servers(start_server, tiny_chat_model):
+    """{"exiting": a server with the default --engine-failure, "restarting": one with
+    ``--engine-failure restart``}, started side by side."""
+    started = {"exiting": start_server(tiny_chat_model, ARGS, wait=False),
+               "restarting": start_server(tiny_chat_model,
+                                          [*ARGS, "--engine-failure", "restart"], wait=False)}
+    try:
+        for server in started.values():
+            wait_ready_or_stop(server)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def test_killed_core_exits_the_server(servers):
+    server = servers["exiting"]
     assert_ends_with_error_event(stream_then_kill(server))
     assert server.proc.wait(30) == 1
     log = server.log()
@@ -77,10 +95,8 @@ def test_killed_core_exits_the_server(start_server, tiny_chat_model):
 
 
 @pytest.fixture(scope="module")
-def restarting(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, [*ARGS, "--engine-failure", "restart"])
-    yield server
-    server.stop()
+def restarting(servers):
+    return servers["restarting"]
 
 
 def test_killed_core_restarts_with_the_flag(restarting):
