@@ -10,6 +10,7 @@ import concurrent.futures
 import httpx
 import pytest
 
+from tests.e2e.conftest import wait_ready_or_stop
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = {"all": "the quick brown fox jumps over", "qv": "prefix caching reuses them, chunked",
@@ -31,13 +32,29 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_llama, adapters):
-    server = start_server(tiny_llama.path, [
-        "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "4",
-        "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-        "--max-lora-rank", "8", "--lora-modules", f"all={adapters['all']}"])
-    yield server
-    server.stop()
+def servers(start_server, tiny_llama, adapters):
+    """{"good": the LoRA server the tests talk to, "bad": one given a rank-16 adapter over
+    --max-lora-rank 8, which must stop at start-up}, started side by side."""
+    started = {
+        "good": start_server(tiny_llama.path, [
+            "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+            "--block-size", "4", "--served-model-name", "base", "--enable-lora",
+            "--max-loras", "2", "--max-lora-rank", "8",
+            "--lora-modules", f"all={adapters['all']}"], wait=False),
+        "bad": start_server(tiny_llama.path, [
+            "--dtype", "float32", "--num-kv-blocks", "64", "--enable-lora",
+            "--max-lora-rank", "8", "--lora-modules", f"big={adapters['r16']}"], wait=False)}
+    try:
+        wait_ready_or_stop(started["good"])
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["good"]
 
 
 def complete(server, model: str, prompt: str) -> httpx.Response:
@@ -95,8 +112,6 @@ def test_unload(server, adapters):
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "lora_name"
 
 
-def test_bad_lora_module_stops_start_up(start_server, tiny_llama, adapters):
+def test_bad_lora_module_stops_start_up(servers):
     with pytest.raises(RuntimeError, match="max_lora_rank"):
-        start_server(tiny_llama.path, ["--dtype", "float32", "--num-kv-blocks", "64",
-                                       "--enable-lora", "--max-lora-rank", "8",
-                                       "--lora-modules", f"big={adapters['r16']}"])
+        wait_ready_or_stop(servers["bad"])
