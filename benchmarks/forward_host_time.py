@@ -62,18 +62,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def stub_native_calls(kernels) -> None:
-    """Replace every ctypes entry point bound on ``kernels`` (a NativeCpuKernels) by a no-op
-    that returns 0 (success): for this process only, after the timed real forward."""
-    for name, value in list(vars(kernels).items()):
-        if isinstance(value, ctypes._CFuncPtr):
-            setattr(kernels, name, lambda *args: 0)
+def native_entry_points(kernels) -> dict[str, ctypes._CFuncPtr]:
+    """{attribute name: ctypes function} of every C entry point bound on ``kernels`` (a
+    NativeCpuKernels)."""
+    return {name: value for name, value in vars(kernels).items()
+            if isinstance(value, ctypes._CFuncPtr)}
 
 
-def sweeping_stubs(kernels, sweep_bytes: int):
-    """Make every stubbed entry point on ``kernels`` (after :func:`stub_native_calls`) read
-    a float64 buffer of ``sweep_bytes`` bytes, evicting the caches as a kernel does; returns
-    the buffer (for :func:`sweeps_ms`)."""
+def replace_entry_points(kernels, names, make) -> None:
+    """Set each entry point ``names`` on ``kernels`` to ``make(name)``: for this process only,
+    after the timed real forward."""
+    for name in names:
+        setattr(kernels, name, make(name))
+
+
+def no_op(*args) -> int:
+    """A stub entry point: does nothing, returns 0 (success)."""
+    return 0
+
+
+def sweeper(sweep_bytes: int):
+    """(stub, buffer): a stub entry point that reads a float64 ``buffer`` of ``sweep_bytes``
+    bytes (evicting the caches as a kernel does) and returns 0."""
     import numpy as np
 
     buffer = np.ones(max(sweep_bytes // 8, 1))
@@ -81,10 +91,7 @@ def sweeping_stubs(kernels, sweep_bytes: int):
     def sweep(*args) -> int:
         buffer.sum()
         return 0
-    for name, value in list(vars(kernels).items()):
-        if getattr(value, "__name__", "") == "<lambda>":
-            setattr(kernels, name, sweep)
-    return buffer
+    return sweep, buffer
 
 
 def sweeps_ms(buffer, count: int, reps: int = 20) -> float:
@@ -104,15 +111,14 @@ def record_native_calls(kernels, forward) -> tuple[list, list]:
     call order, the kept tensors). ``kernels`` and ``torch.empty`` are restored after."""
     import torch
 
-    calls, kept, saved = [], [], {}
-    for name, value in list(vars(kernels).items()):
-        if isinstance(value, ctypes._CFuncPtr):
-            saved[name] = value
+    calls, kept, saved = [], [], native_entry_points(kernels)
 
-            def recorder(*args, fn=value):
-                calls.append((fn, args))
-                return fn(*args)
-            setattr(kernels, name, recorder)
+    def recorder(name: str):
+        def record(*args, fn=saved[name]):
+            calls.append((fn, args))
+            return fn(*args)
+        return record
+    replace_entry_points(kernels, saved, recorder)
     empty = torch.empty
 
     def keeping_empty(*args, **kwargs):
@@ -123,8 +129,7 @@ def record_native_calls(kernels, forward) -> tuple[list, list]:
         forward()
     finally:
         torch.empty = empty
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+        replace_entry_points(kernels, saved, saved.get)
     return calls, kept
 
 
@@ -180,14 +185,17 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             step = (model, attn_ctx, inputs.attn_metadata, block_size, inputs.input_ids,
                     positions, extra, args.reps)
             result["real_ms"] = replay_ms(*step)
-            calls, kept = record_native_calls(native_cpu_kernels(),
+            kernels = native_cpu_kernels()
+            calls, kept = record_native_calls(kernels,
                                               lambda: replay_ms(*step[:-1], reps=1, warmup=0))
             result["calls_ms"], result["calls"] = calls_replay_ms(calls, args.reps), len(calls)
             del calls, kept
-            stub_native_calls(native_cpu_kernels())
+            names = list(native_entry_points(kernels))
+            replace_entry_points(kernels, names, lambda name: no_op)
             result["host_ms"] = replay_ms(*step)
             if args.sweep_bytes:
-                buffer = sweeping_stubs(native_cpu_kernels(), args.sweep_bytes)
+                sweep, buffer = sweeper(args.sweep_bytes)
+                replace_entry_points(kernels, names, lambda name: sweep)
                 result["sweep_ms"] = sweeps_ms(buffer, result["calls"])
                 result["cold_host_ms"] = replay_ms(*step) - result["sweep_ms"]
         return out
