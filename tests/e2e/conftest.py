@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -156,13 +157,27 @@ def wait_ready_or_stop(server: ServerProcess) -> None:
         raise
 
 
+@contextmanager
+def ready_side_by_side(*servers: ServerProcess) -> Iterator[None]:
+    """Wait until each of ``servers`` (started with ``start_server(..., wait=False)``, so that
+    they come up side by side) is ready; stop them all on leaving, also when one fails to
+    come up (its RuntimeError propagates)."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Callable[..., ServerProcess]]:
     """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
     every server started is stopped at the end of the session (modules may stop theirs
     earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
-    by side) and calls :func:`wait_ready_or_stop` on each."""
+    by side) and waits with :func:`ready_side_by_side` (or :func:`wait_ready_or_stop`)."""
     servers: list[ServerProcess] = []
 
     def start(model: str, args: list[str], env: dict[str, str] | None = None,

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import wait_ready_or_stop
+from tests.e2e.conftest import ready_side_by_side
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4",
         "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
@@ -77,13 +77,8 @@ def servers(start_server, tiny_chat_model):
     started = {"exiting": start_server(tiny_chat_model, ARGS, wait=False),
                "restarting": start_server(tiny_chat_model,
                                           [*ARGS, "--engine-failure", "restart"], wait=False)}
-    try:
-        for server in started.values():
-            wait_ready_or_stop(server)
+    with ready_side_by_side(*started.values()):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def test_killed_core_exits_the_server(servers):

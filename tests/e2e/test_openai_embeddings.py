@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import wait_ready_or_stop
+from tests.e2e.conftest import ready_side_by_side
 from tests.models.embedding_models import build_bert, build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
@@ -29,13 +29,8 @@ def servers(start_server, tiny_tokenizer, tmp_path_factory):
     dec_server = start_server(dec_folder, [*ARGS, "--served-model-name", "dec",
                                            "--max-num-batched-tokens", "8"],  # prompts in chunks
                               wait=False)
-    try:
-        for server in (bert_server, dec_server):
-            wait_ready_or_stop(server)
+    with ready_side_by_side(bert_server, dec_server):
         yield {"bert": (bert_server, bert_st), "decoder": (dec_server, dec_st)}
-    finally:
-        bert_server.stop()
-        dec_server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
-from tests.e2e.conftest import post_at_once, wait_ready_or_stop
+from tests.e2e.conftest import post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
 
@@ -67,16 +67,12 @@ def servers(start_server, model_dir, tiny_tokenizer, tmp_path_factory):
     embed_server = start_server(folder, ["--dtype", "float32", "--device", "cpu",
                                          "--num-kv-blocks", "64", "--uvicorn-log-level", "info"],
                                 wait=False)
-    try:
-        server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"),
-                                        5, r=4, lora_alpha=8,
-                                        target_modules=["q_proj", "down_proj"])
-        for started in (server, embed_server):
-            wait_ready_or_stop(started)
+    # the adapter is made while both servers start (start_server stops them at the session's
+    # end should this raise)
+    server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"),
+                                    5, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    with ready_side_by_side(server, embed_server):
         yield server, embed_server
-    finally:
-        server.stop()
-        embed_server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.e2e.conftest import wait_ready_or_stop
+from tests.e2e.conftest import ready_side_by_side
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "adaptive": False}
@@ -27,13 +27,8 @@ def servers(start_server, tiny_chat_model):
     started = [start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
                                               "--speculative-config", json.dumps(spec)],
                             wait=False) for spec in (SPEC, draft_spec)]
-    try:
-        for server in started:
-            wait_ready_or_stop(server)
+    with ready_side_by_side(*started):
         yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
