@@ -28,6 +28,8 @@ class ElementwiseKernels:
     def _bind_elementwise(self, lib: ctypes.CDLL) -> None:
         self._rms_norm = bind(lib, "kvflow_rms_norm", c_int,
                               [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, c_int, c_int])
+        self._embedding_rows = bind(lib, "kvflow_embedding_rows", c_int,
+                                    [ptr, i64, i64, i64, i64, ptr, i64, ptr])
         self._silu_and_mul = bind(lib, "kvflow_silu_and_mul", c_int,
                                   [ptr, i64, ptr, i64, i64, c_int, c_int])
         self._rotary = bind(lib, "kvflow_rotary", c_int,
@@ -63,6 +65,27 @@ class ElementwiseKernels:
                                 torch.get_num_threads())
         raise_on(status, "rms_norm")
         return out, new_residual
+
+    def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``F.embedding(ids, table)`` in one C call: [T, K] rows of ``table`` [N, K] (any
+        dtype, unit-stride rows) as a fresh contiguous tensor, bit for bit.
+
+        Raises:
+            ValueError: when ``table`` is not a 2-D CPU tensor with unit-stride rows, ``ids``
+                not a 1-D int64 CPU tensor, or an id lies outside [0, N).
+        """
+        if table.dim() != 2 or not table.is_cpu or table.stride(1) != 1 \
+                or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu:
+            raise ValueError(f"embedding needs a 2-D CPU table with unit-stride rows and 1-D "
+                             f"int64 CPU ids, got {tuple(table.shape)} and {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        ids = ids.contiguous()
+        n, k = table.shape
+        out = torch.empty(ids.shape[0], k, dtype=table.dtype)
+        if self._embedding_rows(table.data_ptr(), table.stride(0), n, k, table.element_size(),
+                                ids.data_ptr(), ids.shape[0], out.data_ptr()):
+            raise ValueError(f"embedding: token ids must lie in [0, {n})")
+        return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU gate: x [N, 2I] -> round(silu(x[:, :I])) * x[:, I:] as a fresh [N, I] tensor

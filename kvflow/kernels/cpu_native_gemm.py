@@ -34,6 +34,8 @@ class GemmKernels:
         self._packed_sizes: dict[tuple[int, int, int], int] = {}
         self._gemm_pack = bind(lib, "kvflow_gemm_pack", None,
                                [ptr, i64, i64, i64, c_int, ptr, c_int])
+        self._gemm_rows = bind(lib, "kvflow_gemm_rows", c_int,
+                               [ptr, c_int, i64, i64, ptr, i64, ptr, i64])
         self._gemm = bind(lib, "kvflow_gemm", c_int,
                           [ptr, i64, c_int, ptr, c_int, ptr, ptr, i64, c_int, i64, i64, i64,
                            c_int])
@@ -70,6 +72,29 @@ class GemmKernels:
         self._gemm_pack(weight.data_ptr(), weight.stride(0), n, k, code, packed.data_ptr(),
                         torch.get_num_threads())
         return packed
+
+    def gemm_rows(self, packed: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight [n, k] that :meth:`gemm_pack` packed into ``packed``:
+        [len(ids), k] in the weight's dtype, bit for bit its rows (an embedding lookup from a
+        tied LM head's packed copy; one C call, one thread).
+
+        Args:
+            packed: :meth:`gemm_pack`'s result for a weight [n, k].
+            ids: int64 [T] row indices, contiguous.
+
+        Raises:
+            ValueError: when ``ids`` is not a contiguous int64 CPU tensor or an id lies outside
+                [0, n) (``out`` is then not returned).
+        """
+        if ids.dtype != torch.int64 or not ids.is_cpu or ids.dim() != 1 \
+                or not ids.is_contiguous():
+            raise ValueError(f"gemm_rows: ids must be a contiguous 1-D int64 CPU tensor, got "
+                             f"{ids.dtype} {tuple(ids.shape)}")
+        out = torch.empty(ids.shape[0], k, dtype=packed.dtype)
+        if self._gemm_rows(packed.data_ptr(), DTYPE_CODES[packed.dtype], n, k, ids.data_ptr(),
+                           ids.shape[0], out.data_ptr(), k):
+            raise ValueError(f"gemm_rows: ids must lie in [0, {n})")
+        return out
 
     def gemm_panel_width(self) -> int:
         """Output columns per panel of :meth:`gemm_pack`'s layout (16, or 32 in AVX512

@@ -102,24 +102,15 @@ class NativePackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] int64 (in ``[0, out_features)``) of the weight, read from the
-        panels: [T, in_features] in the weight's dtype, bit for bit the plain weight's rows
-        (an embedding lookup from a tied LM head's packed copy, so the plain table can go).
+        panels by :meth:`NativeCpuKernels.gemm_rows`: [T, in_features] in the weight's dtype,
+        bit for bit the plain weight's rows (an embedding lookup from a tied LM head's packed
+        copy, so the plain table can go).
 
-        Layout (``csrc/cpu_gemm.c``): panel ``id // NR`` holds the row as column
-        ``id % NR``, k-major ([k][NR]), or k-paired for bf16 on AVX512-BF16 ([k/2][NR][2]: a
-        pair is one 32-bit unit). Gathered by numpy's fancy indexing on a strided view (one
-        thread, no OpenMP start: ~15 us for one row, ~0.1 ms for 64 rows of 576 here).
+        Raises:
+            ValueError: on an id outside ``[0, out_features)``.
         """
-        nr = self.kernels.gemm_panel_width()
-        paired = self.dtype == torch.bfloat16 and \
-            self.kernels.gemm_x_dtype(self.dtype) == torch.bfloat16
-        unit = (torch.int32 if paired or self.dtype == torch.float32 else torch.int16)
-        units = self.packed.view(unit)
-        depth = units.numel() // (-(-self.out_features // nr) * nr)  # k, or k/2 pairs
-        table = units.numpy().reshape(-1, depth, nr).transpose(0, 2, 1)  # [panels, NR, depth]
-        index = ids.numpy()
-        out = torch.from_numpy(table[index // nr, index % nr]).view(self.dtype)
-        return out if out.shape[1] == self.in_features else out[:, :self.in_features]
+        return self.kernels.gemm_rows(self.packed, self.out_features, self.in_features,
+                                      ids.contiguous())
 
 
 class RowSplitWeight:

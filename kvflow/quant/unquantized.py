@@ -47,6 +47,9 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and layer.weight.numel() == 0:  # the table lives in a tied head's
             return packed.rows(ids)                            # packed copy (CPU)
+        kernels = getattr(layer, "native_kernels", None)  # CPU: one C call (cpu_setup.py)
+        if kernels is not None:
+            return kernels.embedding(layer.weight, ids)
         return F.embedding(ids, layer.weight)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,9 @@ from kvflow.kernels.gemm_select import (
     choose,
     gemm_timings,
 )
+from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.platforms import Platform
+from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
 from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
 from kvflow.worker.deterministic import check_all_packed, use_batch_invariant_gemms
@@ -72,6 +74,8 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
                         "; ".join(DETERMINISTIC_CHANGES_CUDA))
         return
     kernels = native_cpu_kernels()
+    if kernels is not None:
+        use_native_embeddings(model, kernels)
     choice = "native" if deterministic else cpu_gemm_choice(config.device_config.cpu_gemm)
     candidates = candidates_for(dtype, choice, kernels,
                                 platform.prepacks_gemm_weights(dtype))
@@ -103,6 +107,16 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         check_all_packed(model)
         logger.info("deterministic mode (batch-invariant kernels): %s",
                     "; ".join(DETERMINISTIC_CHANGES))
+
+
+def use_native_embeddings(model: torch.nn.Module, kernels) -> None:
+    """Embedding lookups of ``model``'s plain (unquantized) tables in one C call
+    (:meth:`NativeCpuKernels.embedding`, bit for bit ``F.embedding``): no torch operator in a
+    decode step's forward, so CPU step graphs can record it (``worker/cpu_graphs.py``)."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) \
+                and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+            module.native_kernels = kernels
 
 
 def _gemm_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

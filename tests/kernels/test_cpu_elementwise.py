@@ -145,3 +145,25 @@ def test_bad_arguments_raise_value_error():
     for call in calls:
         with pytest.raises(ValueError):
             call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_rows_equal_f_embedding(dtype):
+    """Any order, repeats, first and last rows, a table with padded rows (row stride > width):
+    bit for bit what F.embedding returns."""
+    torch.manual_seed(0)
+    table = torch.randn(50, 40).to(dtype)[:, :24]  # row stride 40, width 24
+    ids = torch.tensor([49, 0, 7, 7, 31, 2], dtype=torch.int64)
+    out = KERNELS.embedding(table, ids)
+    assert out.is_contiguous() and torch.equal(out, F.embedding(ids, table))
+    assert KERNELS.embedding(table, ids[:0]).shape == (0, 24)
+
+
+def test_embedding_refuses_ids_outside_the_table():
+    table = torch.randn(10, 4)
+    with pytest.raises(ValueError, match=r"\[0, 10\)"):
+        KERNELS.embedding(table, torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match=r"\[0, 10\)"):
+        KERNELS.embedding(table, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="int64"):
+        KERNELS.embedding(table, torch.tensor([1], dtype=torch.int32))

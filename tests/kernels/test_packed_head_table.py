@@ -34,6 +34,13 @@ def test_rows_read_from_the_panels_are_the_plain_rows(dtype, n, k):
     assert torch.equal(got, weight[ids])
 
 
+def test_rows_outside_the_weight_are_refused():
+    packed = NativePackedWeight(torch.randn(20, 8), native_cpu_kernels())
+    for bad in ([0, 20], [-1]):
+        with pytest.raises(ValueError, match=r"\[0, 20\)"):
+            packed.rows(torch.tensor(bad))
+
+
 def _engine(path: str, keep_plain: bool, monkeypatch) -> LLM:
     with monkeypatch.context() as patch:
         if keep_plain:  # the behaviour before the plain table was freed

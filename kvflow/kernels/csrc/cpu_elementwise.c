@@ -82,6 +82,19 @@ static inline float silu(float v) {
     return v * (v >= 0.f ? 1.f : e) / (1.f + e);
 }
 
+/* Embedding lookup: rows ids [m] (int64) of table [n, k] (elements of elem_bytes bytes, row
+ * stride table_stride elements) -> out [m, k] contiguous. One thread (a row is a memcpy).
+ * Returns 2 when an id lies outside [0, n) (rows before it are written), else 0. */
+int kvflow_embedding_rows(const void *table, int64_t table_stride, int64_t n, int64_t k,
+                          int64_t elem_bytes, const int64_t *ids, int64_t m, void *out) {
+    for (int64_t t = 0; t < m; ++t) {
+        if (ids[t] < 0 || ids[t] >= n) return 2;
+        memcpy((char *)out + t * k * elem_bytes,
+               (const char *)table + ids[t] * table_stride * elem_bytes, (size_t)(k * elem_bytes));
+    }
+    return 0;
+}
+
 /* x: [rows, 2 * inter] (row stride x_stride), out: [rows, inter] contiguous. */
 int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                         int dtype, int num_threads) {

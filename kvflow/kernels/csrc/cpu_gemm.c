@@ -110,6 +110,26 @@ void kvflow_gemm_pack(const void *w, int64_t w_stride, int64_t n, int64_t k, int
     }
 }
 
+/* Rows ids [m] (int64) of the weight packed by kvflow_gemm_pack ([n, k] of dtype wdt) -> out
+ * [m, k] (row stride out_stride elements), bit for bit the weight's rows: an embedding lookup
+ * from a tied LM head's packed copy. One thread (a few hundred bytes per row). Returns 2 when an
+ * id lies outside [0, n) (nothing past it is written), else 0. */
+int kvflow_gemm_rows(const void *packed, int wdt, int64_t n, int64_t k, const int64_t *ids,
+                     int64_t m, void *out, int64_t out_stride) {
+    const int64_t es = (int64_t)elem_size(wdt);
+    const int paired = wdt == DT_BF16 && BF16_PAIRS;
+    const int64_t kk_n = paired ? (k + 1) / 2 * 2 : k;
+    for (int64_t t = 0; t < m; ++t) {
+        const int64_t id = ids[t];
+        if (id < 0 || id >= n) return 2;
+        const char *panel = (const char *)packed + id / NR * kk_n * NR * es;
+        char *row = (char *)out + t * out_stride * es;
+        for (int64_t kk = 0; kk < k; ++kk)
+            memcpy(row + kk * es, panel + packed_offset(id % NR, kk, paired) * es, (size_t)es);
+    }
+    return 0;
+}
+
 /* HALF weight values at element i of a (non-paired) panel of dtype wdt, widened to fp32. */
 static inline __attribute__((always_inline)) vhf load_w(const void *wp, int64_t i, int wdt) {
     vhf f;
