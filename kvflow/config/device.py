@@ -182,7 +182,7 @@ class DeviceConfig:
     attention_backend: str | None = opt(None, "attention backend: torch | cpu | triton | "
                                          "flashinfer (CUDA only, unmeasured; default: the "
                                          "platform's)")
-    enforce_eager: bool = opt(False, "disable CUDA graphs")
+    enforce_eager: bool = opt(False, "disable CUDA graphs and CPU step graphs")
     cpu_gemm: str | None = opt(None, "CPU GEMM kernels: auto (each shape class timed at start, "
                                 "cached per CPU), native (kvflow's C GEMM) or onednn "
                                 "(default: $KVFLOW_CPU_GEMM, else auto)",

@@ -11,6 +11,7 @@ the attention metadata bound), ``pipeline_stages`` (hand-off between pipeline st
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,7 @@ from kvflow.worker.model_setup import make_draft_model, runner_quant_config
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.sampling_inputs import SamplingInputs
+from kvflow.worker.step_graphs import make_graph_runner
 from kvflow.worker.step_inputs import fill_pending, hidden_rows, step_lora_mapping, update_states
 from kvflow.worker.step_logits import launch_logits
 from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pending, sample_step
@@ -237,24 +239,10 @@ class ModelRunner:
             keep_freed_memory()        # (each step's) stay in the heap
 
     def capture_graphs(self, max_model_len: int) -> None:
-        """Capture CUDA graphs for decode steps (no-op without graph support, with
-        ``enforce_eager``, with several KV-cache groups (a graph replays one block table) or
-        with a backend that is not graph-safe: the MLA one). Call after
-        ``initialize_kv_cache``."""
-        if not self.platform.supports_graphs or self.config.device_config.enforce_eager \
-                or self.lora_manager is not None \
-                or len(self.kv_cache_config.kv_cache_groups) > 1 or self.mm_runner is not None \
-                or self.parallel.pp.world_size > 1 \
-                or not getattr(self.attn_ctx.backend, "supports_cuda_graphs", True):
-            return
-        from kvflow.worker.cuda_graphs import CudaGraphRunner
-
-        self.graph_runner = CudaGraphRunner(
-            self.model, self.attn_ctx, self.config.scheduler_config.max_num_seqs,
-            -(-max_model_len // self.block_size), max_model_len, self.block_size,
-            self.model.config.hidden_size, self.device, self.dtype)
-        self.graph_runner.capture()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.sizes)
+        """Set up the decode-step graph runner (``worker/step_graphs.py``: CUDA graphs
+        captured now, or CPU step graphs recorded as decode steps run; none with
+        ``enforce_eager``). Call after ``initialize_kv_cache``."""
+        self.graph_runner = make_graph_runner(self, max_model_len)
 
     def time_draft_passes(self) -> list[tuple[int, float]]:
         """The draft model's passes timed over 1, 2, 4, ... dummy requests, about a second in
@@ -389,7 +377,11 @@ class ModelRunner:
         context-parallel token split the other rows are 0)."""
         metadata = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
-            return self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
+            start = time.perf_counter()
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
+            self.counters.dense_tokens += metadata[0].num_reqs
+            self.counters.forward_s += time.perf_counter() - start
+            return hidden
         positions, extra = model_extra_inputs(self.mm_runner, inputs, batch or self.input_batch,
                                               self.requests)
         if self.lora_manager is not None:

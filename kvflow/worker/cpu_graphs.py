@@ -1,0 +1,182 @@
+"""CPU step graphs: an all-decode step's native kernel calls, recorded once and replayed.
+
+On CPU a decode step of the native kernels is a fixed sequence of C calls (a 64-row step of
+SmolLM2-135M: 302 of them) with Python between them: layers, argument checks, views and
+``torch.empty`` for each output. That Python cost ~8.6 ms of a 63 ms step (docs/benchmarks.md,
+session 10). Like a CUDA graph, a step's calls can be recorded with their arguments and replayed
+back to back, provided every address and scalar they take is the same at every step of that
+shape. :class:`CpuGraphRunner` arranges that:
+
+* the step's inputs (token ids, positions, slot mapping, sequence lengths, block table) are
+  copied into static buffers first, so the kernels read them from fixed addresses;
+* a recording (:mod:`kvflow.worker.cpu_step_record`) wraps every ctypes entry point of the
+  kernels object and watches the forward's torch operators: an operator that computes (rather
+  than allocating or viewing) makes the step unreplayable, as does a pointer argument outside
+  the step's own allocations, the static buffers and the memory the model and its KV cache
+  hold;
+* the step's allocations are planned into one buffer shared by every batch size, reusing bytes
+  between allocations whose lifetimes do not overlap (about one layer's activations).
+
+A batch size (with a thread count) is trusted only after two steps of that size recorded the
+same calls with the same arguments (so nothing in them depends on the step's values) and one
+replay, on a buffer filled with NaN, reproduced the eager step's hidden states bit for bit (so
+no computation escaped the recording: a kernel bound elsewhere, numpy work). From then on its
+steps replay. A failed check turns the runner off for the engine's life (logged), and the
+eager path is used, as with ``--enforce-eager``. Recording happens inside real steps: no extra
+forward except the one check replay per trusted size.
+
+Used only where that holds by construction: the native CPU attention backend with its pool
+closed, one KV-cache group, no LoRA, multimodal, pipeline split, tensor parallel or draft model
+(``kvflow/worker/step_graphs.py`` decides).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.layer import AttentionContext
+from kvflow.worker.cpu_step_record import (
+    NotReplayable,
+    Recording,
+    StepProgram,
+    StepRecorder,
+    lasting_regions,
+    normalize,
+    plan_program,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class CpuGraphRunner:
+    """Records all-decode steps of the native CPU kernels per batch size and replays them (see
+    the module doc). Same interface as :class:`kvflow.worker.cuda_graphs.CudaGraphRunner`.
+
+    Args:
+        model: the causal LM (``forward(input_ids, positions) -> hidden``).
+        attn_ctx: the engine's attention context (the native CPU backend).
+        kernels: the native CPU kernels object the model's layers call.
+        kv_caches: the engine's KV-cache tensors.
+        max_num_seqs: largest batch (rows of the static buffers).
+        max_blocks_per_seq: block-table width (max_model_len / block_size, rounded up).
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, model: nn.Module, attn_ctx: AttentionContext, kernels,
+                 kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int) -> None:
+        self.model, self.attn_ctx, self.kernels = model, attn_ctx, kernels
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        n = max_num_seqs
+        self.input_ids = torch.zeros(n, dtype=torch.int64)
+        self.positions = torch.zeros(n, dtype=torch.int64)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
+        self.seq_lens = torch.ones(n, dtype=torch.int32)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
+        self.kv_caches = kv_caches
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # every program's activations
+        self.regions: list[tuple[int, int]] | None = None
+        self.programs: dict[tuple[int, int], StepProgram] = {}
+        self.recorded: dict[tuple[int, int], Recording] = {}
+        self.refused: set[tuple[int, int]] = set()
+        self.disabled: str | None = None
+        self.replayed_steps = 0  # statistics (and tests)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return self.disabled is None and meta.max_query_len == 1 \
+            and meta.num_actual_tokens == meta.num_reqs <= self.max_num_seqs \
+            and meta.block_table.shape[1] <= self.block_table.shape[1] \
+            and (meta.num_reqs, torch.get_num_threads()) not in self.refused
+
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> AttentionMetadata:
+        """Copy the step's inputs into the static buffers; the metadata over them."""
+        n, width = meta.num_reqs, meta.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_table[:n, :width].copy_(meta.block_table)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], max_query_len=1,
+            max_seq_len=meta.max_seq_len, num_actual_tokens=n)
+
+    def _eager(self, static: AttentionMetadata, recorder: StepRecorder | None = None
+               ) -> torch.Tensor:
+        n = static.num_reqs
+        with self.attn_ctx.forward_context.bind([static]):
+            self.attn_ctx.backend.prepare(static, self.block_size)
+            if recorder is None:
+                return self.model(self.input_ids[:n], self.positions[:n])
+            with recorder:
+                return self.model(self.input_ids[:n], self.positions[:n])
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states [num_reqs, hidden]: replayed when this batch size is
+        trusted, else computed eagerly (and recorded). A replayed result is a view of the
+        runner's buffer: read it before the next step."""
+        key = (meta.num_reqs, torch.get_num_threads())
+        program = self.programs.get(key)
+        if program is not None:
+            self.kernels.check_paged_indices(meta.num_reqs, self.kv_caches[0],
+                                             meta.query_start_loc, meta.seq_lens,
+                                             meta.block_table)
+            self._stage(input_ids, positions, meta)
+            self.replayed_steps += 1
+            return program.replay()
+        return self._record(key, self._stage(input_ids, positions, meta))
+
+    def _record(self, key: tuple[int, int], static: AttentionMetadata) -> torch.Tensor:
+        """Run the step eagerly under a recorder; trust ``key`` when this recording names the
+        same calls as the previous one and its planned program, replayed on a NaN-filled
+        buffer, reproduces the step."""
+        recorder = StepRecorder(self.kernels)
+        hidden = self._eager(static, recorder)
+        try:
+            if recorder.watch.refused is not None:
+                raise NotReplayable(f"the forward computes with {recorder.watch.refused}")
+            recording = normalize(recorder.calls, recorder.watch.blocks, self._regions())
+            previous, self.recorded[key] = self.recorded.get(key), recording
+            if previous is None or not previous.same_as(recording):
+                return hidden  # the next step of this size must record the same calls
+            program = plan_program(recording, hidden)
+        except NotReplayable as exc:
+            self.refused.add(key)
+            self.recorded.pop(key, None)
+            logger.info("CPU step graph for batch %d, %d threads: not replayable (%s)",
+                        key[0], key[1], exc)
+            return hidden
+        del self.recorded[key]
+        self._bind(program)
+        self.buffer.fill_(255)  # NaN in every float dtype: a write the recording missed shows
+        if not torch.equal(program.replay(), hidden):
+            self.disabled = "a replay did not reproduce the eager step"
+            logger.warning("CPU step graphs off: %s (batch %d)", self.disabled, key[0])
+            self.programs.clear()
+            return self._eager(static)  # writes the step's K/V again, eagerly
+        self.programs[key] = program
+        return hidden
+
+    def _regions(self) -> list[tuple[int, int]]:
+        if self.regions is None:
+            static = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                      self.query_start_loc, self.block_table]
+            self.regions = lasting_regions(self.model, static + list(self.kv_caches))
+        return self.regions
+
+    def _bind(self, program: StepProgram) -> None:
+        """Bind ``program`` to the shared buffer, growing it (and rebinding the others)."""
+        if program.size > self.buffer.numel():
+            self.buffer = torch.empty(program.size, dtype=torch.uint8)
+            for other in self.programs.values():
+                other.bind(self.buffer)
+        program.bind(self.buffer)
+

@@ -1,0 +1,58 @@
+"""Which decode-step graph runner an engine gets: CUDA graphs on a GPU that supports them
+(``worker/cuda_graphs.py``), recorded native calls on CPU (``worker/cpu_graphs.py``), or none.
+
+Both replay one KV-cache group's block table for batches of single-token queries, so both are
+off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model or a pipeline
+split; the CPU runner also needs the native CPU attention backend with its work-sharing pool
+closed, an unquantized KV cache, one tensor-parallel rank, no draft model and a generative
+model (a pooling model keeps hidden states across steps; a replayed step's live in an arena).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvflow.worker.cpu_graphs import CpuGraphRunner
+from kvflow.worker.cuda_graphs import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _common_ok(runner) -> bool:
+    return not runner.config.device_config.enforce_eager and runner.lora_manager is None \
+        and len(runner.kv_cache_config.kv_cache_groups) == 1 and runner.mm_runner is None \
+        and runner.parallel.pp.world_size == 1
+
+
+def _cpu_ok(runner) -> bool:
+    kernels = getattr(runner.attn_ctx.backend, "_kernels", None)
+    return runner.device.type == "cpu" and runner.attn_ctx.backend.name == "cpu" \
+        and kernels is not None and (kernels.pool is None or not kernels.pool.is_open) \
+        and runner.parallel.tp.world_size == 1 and runner.drafter is None \
+        and runner.pooling is None \
+        and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
+
+
+def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphRunner | None:
+    """The decode-step graph runner for ``runner`` (a ModelRunner after
+    ``initialize_kv_cache``), CUDA graphs already captured; None where none applies."""
+    if not _common_ok(runner):
+        return None
+    max_num_seqs = runner.config.scheduler_config.max_num_seqs
+    max_blocks = -(-max_model_len // runner.block_size)
+    if runner.platform.supports_graphs \
+            and getattr(runner.attn_ctx.backend, "supports_cuda_graphs", True):
+        graphs = CudaGraphRunner(runner.model, runner.attn_ctx, max_num_seqs, max_blocks,
+                                 max_model_len, runner.block_size,
+                                 runner.model.config.hidden_size, runner.device, runner.dtype)
+        graphs.capture()
+        logger.info("captured CUDA graphs for decode batch sizes %s", graphs.sizes)
+        return graphs
+    if _cpu_ok(runner):
+        logger.info("CPU step graphs on: decode steps replay their recorded native calls")
+        return CpuGraphRunner(runner.model, runner.attn_ctx, runner.attn_ctx.backend._kernels,
+                              runner.kv_caches, max_num_seqs, max_blocks, runner.block_size)
+    return None
+
+
+__all__ = ["make_graph_runner"]

@@ -1,0 +1,178 @@
+"""CPU step graphs (kvflow/worker/cpu_graphs.py): decode steps replay their recorded native calls.
+
+Oracles: transformers' greedy continuation (the tokens), the same engine with
+``enforce_eager=True`` (every logprob bit for bit: a replay runs the same kernels on the same
+inputs), hand-built arenas and pointers for the guards, and the step counts the engine reports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.worker.cpu_graphs import CpuGraphRunner
+from kvflow.worker.cpu_step_record import (
+    NotReplayable,
+    Recording,
+    StepRecorder,
+    normalize,
+    plan_program,
+)
+
+pytestmark = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
+
+# prompts of different lengths and budgets: the batch shrinks as requests finish, so several
+# batch sizes are recorded, trusted and replayed
+PROMPTS = [[5, 9, 23, 41, 7], [100, 3, 77], [8, 8, 15, 16, 23, 42, 4], [61, 2]]
+MAX_TOKENS = [12, 9, 14, 6]
+
+
+def _engine(path: str, dtype: str, **kwargs) -> LLM:
+    return LLM(model=path, dtype=dtype, device="cpu", num_kv_blocks=64, block_size=4, **kwargs)
+
+
+def _graphs(llm: LLM) -> CpuGraphRunner | None:
+    return llm.engine.core.executor.runner.graph_runner
+
+
+def _generate(llm: LLM) -> list:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+              for n in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _hf_greedy(tiny, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = tiny.hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                                     eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", "float32"), ("llama_tied", "bfloat16")])
+def test_replayed_decode_steps_match_eager_and_transformers(tiny_model_factory, name, dtype,
+                                                            assert_no_leaks):
+    """Untied fp32 (table looked up by the C embedding) and tied bf16 (rows read from the
+    packed head): the replayed engine's tokens equal transformers' greedy ones (fp32) and its
+    logprobs equal the eager engine's bit for bit."""
+    tiny = tiny_model_factory(name)
+    eager = _engine(tiny.path, dtype, enforce_eager=True)
+    assert _graphs(eager) is None
+    # twice each: the second run reuses the trusted programs with new requests and blocks
+    # (and is compared with the eager engine's second run: an engine's first prefill may
+    # take another attention path than later ones while its timed choice settles)
+    expected = [_generate(eager), _generate(eager)]
+    llm = _engine(tiny.path, dtype)
+    got = [_generate(llm)]
+    graphs = _graphs(llm)
+    replayed = graphs.replayed_steps
+    got.append(_generate(llm))
+    assert graphs.disabled is None and not graphs.refused
+    assert replayed > 0 and graphs.replayed_steps > replayed and len(graphs.programs) >= 2
+    assert got == expected
+    if dtype == "float32":
+        for prompt, n, (tokens, _) in zip(PROMPTS, MAX_TOKENS, got[0], strict=True):
+            assert tokens == _hf_greedy(tiny, prompt, n)
+    assert_no_leaks(llm)
+
+
+def test_forward_with_a_torch_operator_is_not_replayed(tiny_model_factory, monkeypatch):
+    """oneDNN GEMMs are torch operators: each batch size is refused (eager steps, same
+    results), nothing is replayed."""
+    tiny = tiny_model_factory("llama")
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "onednn")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    llm = _engine(tiny.path, "float32")
+    assert _generate(llm) == expected
+    graphs = _graphs(llm)
+    assert graphs.replayed_steps == 0 and not graphs.programs
+    assert {threads for _, threads in graphs.refused} == {torch.get_num_threads()}
+    assert {size for size, _ in graphs.refused} >= {1, 4}
+
+
+def test_a_call_the_recording_misses_turns_graphs_off(tiny_model_factory, monkeypatch):
+    """SiLU-and-mul through a Python callable instead of the bound C entry point: the recorder
+    does not see it, the check replay on a NaN-filled arena differs from the eager step, and the
+    runner turns itself off; every result still equals the eager engine's."""
+    tiny = tiny_model_factory("llama")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    llm = _engine(tiny.path, "float32")
+    kernels = _graphs(llm).kernels
+    entry = kernels._silu_and_mul
+    monkeypatch.setattr(kernels, "_silu_and_mul", lambda *args: entry(*args))
+    assert _generate(llm) == expected
+    graphs = _graphs(llm)
+    assert graphs.disabled == "a replay did not reproduce the eager step"
+    assert graphs.replayed_steps == 0 and not graphs.programs
+
+
+def test_recorder_keeps_allocations_and_notes_computing_operators():
+    kernels = native_cpu_kernels()
+    x = torch.randn(4, 8)
+    with StepRecorder(kernels) as recorder:
+        y = kernels.silu_and_mul(x)              # one C call into a fresh allocation
+        view = y.view(2, 8)[0].reshape(8)         # views compute nothing
+        assert recorder.watch.refused is None
+        _ = x + 1                                 # a torch operator that computes
+    assert [b.data_ptr() for b in recorder.watch.blocks] == [y.data_ptr()]
+    assert view.data_ptr() == y.data_ptr()
+    assert recorder.watch.refused == "aten.add.Tensor"
+    assert [fn.__name__ for fn, _ in recorder.calls] == ["kvflow_silu_and_mul"]
+    assert recorder.calls[0][1][0] == x.data_ptr() and recorder.calls[0][1][2] == y.data_ptr()
+    assert isinstance(kernels._silu_and_mul, ctypes._CFuncPtr)  # restored
+    gate, up = x[:, :4], x[:, 4:]
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_pointers_are_named_by_allocation_and_unknown_memory_is_refused():
+    fn = native_cpu_kernels()._silu_and_mul  # pointers at arguments 0 (x) and 2 (out)
+    blocks = [torch.empty(64, dtype=torch.uint8), torch.empty(32, dtype=torch.uint8)]
+    weight, stranger = torch.zeros(16), torch.zeros(16)
+    regions = [(weight.data_ptr(), weight.data_ptr() + 64)]
+    calls = [(fn, (weight.data_ptr() + 4, 4, blocks[0].data_ptr() + 8, 1, 2, 0, 1)),
+             (fn, (blocks[0].data_ptr(), 4, blocks[1].data_ptr(), 1, 2, 0, 1))]
+    rec = normalize(calls, blocks, regions)
+    assert rec.calls[0][1] == (weight.data_ptr() + 4, 4, ("block", 0, 8), 1, 2, 0, 1)
+    assert rec.calls[1][1][0] == ("block", 0, 0) and rec.calls[1][1][2] == ("block", 1, 0)
+    assert rec.sizes == [64, 32] and rec.uses == [(0, 1), (1, 1)]
+    with pytest.raises(NotReplayable, match="kvflow_silu_and_mul"):
+        normalize([(fn, (stranger.data_ptr(), 4, blocks[0].data_ptr(), 1, 2, 0, 1))],
+                  blocks, regions)
+
+
+def test_plan_shares_bytes_between_allocations_that_are_never_live_together():
+    """Hand-built lifetimes: a [call 0], b [0, 1], c [1, end] (c holds the hidden states).
+    a at 0; b live with a -> 128 (100 B rounded up to the 64 B alignment); c live with b only
+    -> back at 0, where a was. 228 bytes instead of 300."""
+    fn = native_cpu_kernels()._silu_and_mul
+    calls = [(fn, (("block", 0, 0), 4, ("block", 1, 0), 1, 2, 0, 1)),
+             (fn, (("block", 1, 0), 4, ("block", 2, 4), 1, 2, 0, 1))]
+    rec = Recording(calls, [100, 100, 100], [1000, 2000, 3000], [(0, 0), (0, 1), (1, 1)])
+    program = plan_program(rec, _at(torch.empty(4, 2), 3004))  # hidden states at c + 4
+    assert program.size == 228
+    assert [r for _, _, r in program.template] == [[(0, 0), (2, 128)], [(0, 128), (2, 4)]]
+    buffer = torch.empty(program.size, dtype=torch.uint8)
+    program.bind(buffer)
+    base = buffer.data_ptr()
+    assert program.calls[1][1][:3] == (base + 128, 4, base + 4)
+    assert program.hidden_states.data_ptr() == base + 4 and program.hidden_states.shape == (4, 2)
+
+
+class _at:
+    """A stand-in for a tensor at ``address`` (plan_program reads its address and layout)."""
+
+    def __init__(self, like: torch.Tensor, address: int) -> None:
+        self.shape, self.dtype, self._address, self._stride = like.shape, like.dtype, address, \
+            like.stride()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
