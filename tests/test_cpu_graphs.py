@@ -64,9 +64,9 @@ def test_replayed_decode_steps_match_eager_and_transformers(tiny_model_factory, 
     tiny = tiny_model_factory(name)
     eager = _engine(tiny.path, dtype, enforce_eager=True)
     assert _graphs(eager) is None
-    # twice each: the second run reuses the trusted programs with new requests and blocks
-    # (and is compared with the eager engine's second run: an engine's first prefill may
-    # take another attention path than later ones while its timed choice settles)
+    # twice each: the second run reuses the trusted programs with new requests (and is
+    # compared with the eager engine's second run: it hits the prefix cache, so its prompts'
+    # last tokens are computed alone, which moves the last bits of their logprobs)
     expected = [_generate(eager), _generate(eager)]
     llm = _engine(tiny.path, dtype)
     got = [_generate(llm)]
