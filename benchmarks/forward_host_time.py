@@ -24,7 +24,9 @@ forward (64 rows, the step's attention metadata bound, its K/V written again to 
   kernels, as it does in the engine.
 
 The replays run in the engine's own step (the model thread, inside its thread pinning), after
-the step's real forward. Run one tree (the kvflow on ``sys.path``)::
+the step's real forward. The engine runs with ``enforce_eager=True``: this measures the eager
+forward, whose Python CPU step graphs (``kvflow/worker/cpu_graphs.py``) take out of decode
+steps. Run one tree (the kvflow on ``sys.path``)::
 
     .venv/bin/python benchmarks/forward_host_time.py MODEL_DIR
 
@@ -172,7 +174,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     from kvflow.kernels.cpu_native import native_cpu_kernels
     from kvflow.worker import model_runner
 
-    llm, sampling_params, _ = offline_engine.load_engine("kvflow", args.model_dir, args.dtype)
+    # eager steps: the forward this measures is the one CPU step graphs replay without its Python
+    llm, sampling_params, _ = offline_engine.load_engine("kvflow", args.model_dir, args.dtype,
+                                                         enforce_eager=True)
     run_model, result = model_runner.run_model, {}
 
     def timed_run_model(model, attn_ctx, cp_size, block_size, counters, inputs, *rest):

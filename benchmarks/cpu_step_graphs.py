@@ -1,0 +1,97 @@
+"""CPU step graphs against eager steps (``--enforce-eager``), one kvflow tree, same workload.
+
+Each round starts one process per mode, the modes alternating (graphs, eager, graphs, ...).
+A process loads the model (prefix caching off, as ``offline_engine.py``), warms up, then
+measures:
+
+* decode ms/step at batch B (1, 8, 64 by default): ``(t(64 tokens) - t(1 token)) / 63`` for
+  the first B prompts of CPU-W1's 64 x 128 random token ids, greedy, EOS ignored; the best
+  of 3 runs each;
+* CPU-W1 throughput: all 64 prompts, 64 tokens each, output tok/s, the median of 3 runs.
+
+The last lines give each mode's medians over the rounds and the ratio graphs / eager::
+
+    .venv/bin/python benchmarks/cpu_step_graphs.py MODEL_DIR [--dtype bfloat16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
+MODES = ("graphs", "eager")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """One process's figures: {"b<B>_ms": decode ms/step, "tok_s": CPU-W1 out tok/s}."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import numpy as np
+    import offline_engine
+
+    llm, params_cls, _ = offline_engine.load_engine(
+        "kvflow", args.model_dir, args.dtype, enforce_eager=args.child == "eager")
+    vocab = llm.get_tokenizer().vocab_size
+    ids = np.random.default_rng(0).integers(3, min(vocab, 32000),
+                                            (NUM_PROMPTS, INPUT_LEN)).tolist()
+
+    def run(batch: list, max_tokens: int) -> float:
+        params = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(ids[:2], 4)  # warm-up
+    result = {}
+    for b in (int(x) for x in args.batches.split(",")):
+        one = min(run(ids[:b], 1) for _ in range(3))
+        full = min(run(ids[:b], OUTPUT_LEN) for _ in range(3))
+        result[f"b{b}_ms"] = (full - one) / (OUTPUT_LEN - 1) * 1e3
+    result["tok_s"] = statistics.median(
+        NUM_PROMPTS * OUTPUT_LEN / run(ids, OUTPUT_LEN) for _ in range(3))
+    return result
+
+
+def compare(args: argparse.Namespace) -> None:
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    for rnd in range(args.rounds):
+        for mode in MODES:
+            cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--dtype",
+                   args.dtype, "--batches", args.batches, "--child", mode]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {rnd} {mode}: " + " ".join(
+                f"{k}={v:.2f}" for k, v in runs[mode][-1].items()), flush=True)
+    medians = {mode: {k: statistics.median(r[k] for r in results) for k in results[0]}
+               for mode, results in runs.items()}
+    for mode, figures in medians.items():
+        print(f"{mode}: " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()))
+    print("graphs / eager: " + " ".join(
+        f"{k}={medians['graphs'][k] / medians['eager'][k]:.3f}" for k in medians["graphs"]))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(measure(args)))
+    else:
+        compare(args)
+
+
+if __name__ == "__main__":
+    main()
