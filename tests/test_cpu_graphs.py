@@ -176,3 +176,20 @@ class _at:
 
     def stride(self) -> tuple[int, ...]:
         return self._stride
+
+
+def test_a_step_of_one_token_prompts_does_not_refuse_its_batch_size(tiny_model_factory):
+    """With SDPA forced for whole prompts, a lone 1-token prompt's prefill (one query token, no
+    context) is a torch operator; it runs eagerly outside the runner, so batch 1's decode steps
+    that follow are still recorded and replayed, with the eager engine's results."""
+    tiny = tiny_model_factory("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run(llm: LLM) -> list:
+        out = llm.generate([[42]], params, use_tqdm=False)[0].outputs[0]
+        return [out.token_ids, [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs]]
+    expected = run(_engine(tiny.path, "float32", enforce_eager=True, cpu_attention="sdpa"))
+    llm = _engine(tiny.path, "float32", cpu_attention="sdpa")
+    assert run(llm) == expected
+    graphs = _graphs(llm)
+    assert not graphs.refused and graphs.replayed_steps == 8 - 1 - 2  # 2 recorded steps

@@ -88,7 +88,10 @@ class CpuGraphRunner:
         self.replayed_steps = 0  # statistics (and tests)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return self.disabled is None and meta.max_query_len == 1 \
+        """Whether ``meta``'s step is all decodes this runner may record or replay: one query
+        token per request, at least one of them after a context (a step of only 1-token
+        prompts may take the prefill path, a torch operator, and would refuse the size)."""
+        return self.disabled is None and meta.max_query_len == 1 < meta.max_seq_len \
             and meta.num_actual_tokens == meta.num_reqs <= self.max_num_seqs \
             and meta.block_table.shape[1] <= self.block_table.shape[1] \
             and (meta.num_reqs, torch.get_num_threads()) not in self.refused
