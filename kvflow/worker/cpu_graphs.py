@@ -97,14 +97,18 @@ class CpuGraphRunner:
             and (meta.num_reqs, torch.get_num_threads()) not in self.refused
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> AttentionMetadata:
-        """Copy the step's inputs into the static buffers; the metadata over them."""
+               meta: AttentionMetadata) -> None:
+        """Copy the step's inputs into the static buffers."""
         n, width = meta.num_reqs, meta.block_table.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping[:n])
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_table[:n, :width].copy_(meta.block_table)
+
+    def _static_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata over the static buffers (for a recorded, eager step)."""
+        n = meta.num_reqs
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
             seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], max_query_len=1,
@@ -135,7 +139,8 @@ class CpuGraphRunner:
             self._stage(input_ids, positions, meta)
             self.replayed_steps += 1
             return program.replay()
-        return self._record(key, self._stage(input_ids, positions, meta))
+        self._stage(input_ids, positions, meta)
+        return self._record(key, self._static_meta(meta))
 
     def _record(self, key: tuple[int, int], static: AttentionMetadata) -> torch.Tensor:
         """Run the step eagerly under a recorder; trust ``key`` when this recording names the
