@@ -8,16 +8,19 @@ inputs), hand-built arenas and pointers for the guards, and the step counts the 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels.cpu_native import native_cpu_kernels
-from kvflow.worker.cpu_graphs import CpuGraphRunner
+from kvflow.worker import cpu_graphs
+from kvflow.worker.cpu_graphs import MAX_MISMATCHES, CpuGraphRunner, same_bits
 from kvflow.worker.cpu_step_record import (
     NotReplayable,
     Recording,
+    StepProgram,
     StepRecorder,
     normalize,
     plan_program,
@@ -193,3 +196,93 @@ def test_a_step_of_one_token_prompts_does_not_refuse_its_batch_size(tiny_model_f
     assert run(llm) == expected
     graphs = _graphs(llm)
     assert not graphs.refused and graphs.replayed_steps == 8 - 1 - 2  # 2 recorded steps
+
+
+def test_a_size_whose_recordings_keep_differing_is_refused(tiny_model_factory, monkeypatch):
+    """Recordings that never match (as if the calls depended on the step's values): batch 4
+    records 1 + MAX_MISMATCHES of its 5 decode steps (the shortest request's 6 tokens: one from
+    the prefill, 5 decoded by all four), is refused, and its last step runs without a recorder;
+    every result equals the eager engine's."""
+    tiny = tiny_model_factory("llama")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    monkeypatch.setattr(Recording, "same_as", lambda self, other: False)
+    recorded: list[int] = []
+
+    class Counting(StepRecorder):
+        def __enter__(self):
+            recorded.append(1)
+            return super().__enter__()
+    monkeypatch.setattr(cpu_graphs, "StepRecorder", Counting)
+    llm = _engine(tiny.path, "float32")
+    sizes: list[int] = []
+    run = CpuGraphRunner._record
+    monkeypatch.setattr(CpuGraphRunner, "_record",
+                        lambda self, key, static: sizes.append(key[0]) or run(self, key, static))
+    assert _generate(llm) == expected
+    graphs = _graphs(llm)
+    assert sizes.count(4) == 1 + MAX_MISMATCHES and len(recorded) == len(sizes)
+    assert (4, torch.get_num_threads()) in graphs.refused
+    assert graphs.replayed_steps == 0 and not graphs.recorded.get((4, torch.get_num_threads()))
+
+
+def test_same_bits_compares_bit_patterns():
+    """NaN equals the same NaN (torch.equal says no), -0.0 is not 0.0, dtypes must agree."""
+    a = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.bfloat16)
+    assert not torch.equal(a, a.clone()) and same_bits(a, a.clone())
+    assert not same_bits(a, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16))
+    assert not same_bits(a, a.float())
+    assert same_bits(torch.arange(3), torch.arange(3))
+
+
+def test_recorders_on_two_threads_record_their_own_calls_and_restore_the_kernels():
+    """Two engines share the kernels object: a call from another thread while a recorder is
+    on is not recorded, a second recorder waits for the first (it would otherwise save and
+    later restore the first's wrappers), and afterwards every entry point is the C function
+    again. Oracle: SiLU-and-mul in torch."""
+    kernels = native_cpu_kernels()
+    x = torch.randn(4, 8)
+    results: dict[str, torch.Tensor] = {}
+    second: list[StepRecorder] = []
+
+    def other_engine_step() -> None:
+        results["other"] = kernels.silu_and_mul(x)
+
+    def other_engine_recording() -> None:
+        with StepRecorder(kernels) as recorder:
+            results["second"] = kernels.silu_and_mul(x)
+        second.append(recorder)
+
+    with StepRecorder(kernels) as first:
+        thread = threading.Thread(target=other_engine_step)
+        thread.start()
+        thread.join()
+        waiting = threading.Thread(target=other_engine_recording)
+        waiting.start()
+        results["first"] = kernels.silu_and_mul(x)
+        assert not second  # still waiting for this recorder
+    waiting.join(timeout=60)
+    assert len(first.calls) == 1 and first.calls[0][1][2] == results["first"].data_ptr()
+    assert len(second) == 1 and len(second[0].calls) == 1
+    assert isinstance(kernels._silu_and_mul, ctypes._CFuncPtr)
+    reference = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
+    for y in results.values():
+        torch.testing.assert_close(y, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_a_failing_replay_runs_the_step_eagerly(tiny_model_factory, monkeypatch):
+    """A replayed call that fails (its scratch could not be allocated) does not fail the step:
+    it runs eagerly, with the eager engine's results, and counts as no replay. (Prefix caching
+    off: the second batch must prefill as the first did.)"""
+    tiny = tiny_model_factory("llama")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    llm = _engine(tiny.path, "float32", enable_prefix_caching=False)
+    assert _generate(llm) == expected
+    graphs = _graphs(llm)
+    replayed = graphs.replayed_steps
+    assert replayed > 0 and graphs.programs
+
+    def fail(self):
+        raise RuntimeError("replayed native call kvflow_gemm failed")
+    monkeypatch.setattr(StepProgram, "replay", fail)
+    assert _generate(llm) == expected
+    assert graphs.replayed_steps == replayed and graphs.disabled is None

@@ -20,8 +20,10 @@ shape. :class:`CpuGraphRunner` arranges that:
 A batch size (with a thread count) is trusted only after two steps of that size recorded the
 same calls with the same arguments (so nothing in them depends on the step's values) and one
 replay, on a buffer filled with NaN, reproduced the eager step's hidden states bit for bit (so
-no computation escaped the recording: a kernel bound elsewhere, numpy work). From then on its
-steps replay. A failed check turns the runner off for the engine's life (logged), and the
+no computation escaped the recording: a kernel bound elsewhere, numpy work; compared as bit
+patterns, so a step whose eager result holds NaN can still be trusted). From then on its
+steps replay. A size whose recordings differ :data:`MAX_MISMATCHES` times in a row (calls
+that depend on the step's values) is refused, so it stops paying for recordings. A failed check turns the runner off for the engine's life (logged), and the
 eager path is used, as with ``--enforce-eager``. Recording happens inside real steps: no extra
 forward except the one check replay per trusted size.
 
@@ -50,6 +52,20 @@ from kvflow.worker.cpu_step_record import (
 )
 
 logger = logging.getLogger(__name__)
+
+MAX_MISMATCHES = 3  # recordings of one size that differ from the previous one before it is refused
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bit patterns (same shape and dtype): NaN equals
+    a NaN of the same payload, unlike :func:`torch.equal`; -0.0 differs from 0.0."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    bits = _BITS[a.dtype.itemsize]
+    return torch.equal(a.view(bits), b.view(bits))
 
 
 class CpuGraphRunner:
@@ -84,6 +100,7 @@ class CpuGraphRunner:
         self.programs: dict[tuple[int, int], StepProgram] = {}
         self.recorded: dict[tuple[int, int], Recording] = {}
         self.refused: set[tuple[int, int]] = set()
+        self.mismatches: dict[tuple[int, int], int] = {}
         self.disabled: str | None = None
         self.replayed_steps = 0  # statistics (and tests)
 
@@ -137,8 +154,13 @@ class CpuGraphRunner:
                                              meta.query_start_loc, meta.seq_lens,
                                              meta.block_table)
             self._stage(input_ids, positions, meta)
+            try:
+                hidden = program.replay()
+            except RuntimeError as exc:  # the eager step raises the kernel's own error, or
+                logger.warning("%s; running the step eagerly", exc)  # succeeds on a retry
+                return self._eager(self._static_meta(meta))
             self.replayed_steps += 1
-            return program.replay()
+            return hidden
         self._stage(input_ids, positions, meta)
         return self._record(key, self._static_meta(meta))
 
@@ -153,8 +175,14 @@ class CpuGraphRunner:
                 raise NotReplayable(f"the forward computes with {recorder.watch.refused}")
             recording = normalize(recorder.calls, recorder.watch.blocks, self._regions())
             previous, self.recorded[key] = self.recorded.get(key), recording
-            if previous is None or not previous.same_as(recording):
+            if previous is None:
                 return hidden  # the next step of this size must record the same calls
+            if not previous.same_as(recording):
+                self.mismatches[key] = self.mismatches.get(key, 0) + 1
+                if self.mismatches[key] >= MAX_MISMATCHES:
+                    raise NotReplayable(f"{MAX_MISMATCHES} recordings in a row made "
+                                        "different calls")
+                return hidden
             program = plan_program(recording, hidden)
         except NotReplayable as exc:
             self.refused.add(key)
@@ -163,9 +191,10 @@ class CpuGraphRunner:
                         key[0], key[1], exc)
             return hidden
         del self.recorded[key]
+        self.mismatches.pop(key, None)
         self._bind(program)
         self.buffer.fill_(255)  # NaN in every float dtype: a write the recording missed shows
-        if not torch.equal(program.replay(), hidden):
+        if not same_bits(program.replay(), hidden):
             self.disabled = "a replay did not reproduce the eager step"
             logger.warning("CPU step graphs off: %s (batch %d)", self.disabled, key[0])
             self.programs.clear()

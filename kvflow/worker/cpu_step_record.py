@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -71,32 +72,45 @@ class StepRecorder:
     """Records the native calls of one forward (``with recorder: model(...)``): every ctypes
     entry point bound on ``kernels`` is replaced, for the duration, by one that appends
     ``(entry point, args)`` to ``calls`` and calls through; ``watch`` sees the torch operators.
-    The kernels object is shared: only the model thread calls it while a step runs."""
+
+    The kernels object is shared by every engine of the process: only calls made on the
+    recording thread are recorded (another engine's model thread calls straight through, and
+    ``watch``, a dispatch mode, is thread-local too), and one recorder at a time swaps the
+    entry points (a lock kept on the kernels object), so two recorders never restore each
+    other's wrappers.
+    """
 
     def __init__(self, kernels) -> None:
         self.kernels, self.calls = kernels, []
         self.watch = ForwardWatch()
-        self._saved = {name: fn for name, fn in vars(kernels).items()
-                       if isinstance(fn, ctypes._CFuncPtr)}
+        self._lock = vars(kernels).setdefault("_step_record_lock", threading.Lock())
+        self._saved: dict[str, ctypes._CFuncPtr] = {}
 
     def _recording(self, fn):
-        calls = self.calls
+        calls, thread = self.calls, threading.get_ident()
 
         def record(*args):
-            calls.append((fn, args))
+            if threading.get_ident() == thread:
+                calls.append((fn, args))
             return fn(*args)
         return record
 
     def __enter__(self) -> StepRecorder:  # noqa: PYI034
+        self._lock.acquire()
+        self._saved = {name: fn for name, fn in vars(self.kernels).items()
+                       if isinstance(fn, ctypes._CFuncPtr)}
         for name, fn in self._saved.items():
             setattr(self.kernels, name, self._recording(fn))
         self.watch.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.watch.__exit__(*exc)
-        for name, fn in self._saved.items():
-            setattr(self.kernels, name, fn)
+        try:
+            self.watch.__exit__(*exc)
+            for name, fn in self._saved.items():
+                setattr(self.kernels, name, fn)
+        finally:
+            self._lock.release()
 
 
 def _held_tensors(value, depth: int, seen: set[int]) -> list[torch.Tensor]:
