@@ -18,6 +18,7 @@ from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.worker import cpu_graphs
 from kvflow.worker.cpu_graphs import MAX_MISMATCHES, CpuGraphRunner, same_bits
 from kvflow.worker.cpu_step_record import (
+    ForwardWatch,
     NotReplayable,
     Recording,
     StepProgram,
@@ -286,3 +287,34 @@ def test_a_failing_replay_runs_the_step_eagerly(tiny_model_factory, monkeypatch)
     monkeypatch.setattr(StepProgram, "replay", fail)
     assert _generate(llm) == expected
     assert graphs.replayed_steps == replayed and graphs.disabled is None
+
+
+def test_a_watch_over_its_budget_lets_its_allocations_go():
+    """Allocations are kept up to max_bytes (bytes of the storages: 4 * 64 per fp32 [64]);
+    the one that crosses it drops them all and sets over_budget, later ones are not kept."""
+    with ForwardWatch(max_bytes=600) as watch:
+        a, b = torch.empty(64), torch.empty(64)
+        assert [x.data_ptr() for x in watch.blocks] == [a.data_ptr(), b.data_ptr()]
+        assert watch.kept_bytes == 512
+        torch.empty(64)
+        assert watch.over_budget and watch.blocks == []
+        torch.empty(1)
+        assert watch.blocks == []
+    with ForwardWatch() as unlimited:
+        kept = [torch.empty(1 << 16) for _ in range(4)]
+    assert len(unlimited.blocks) == len(kept) and not unlimited.over_budget
+
+
+def test_a_recording_over_budget_refuses_its_size_and_larger_ones(tiny_model_factory):
+    """With a 1-byte budget the first recording (batch 4) goes over: batch 4 is refused, the
+    smaller batches that follow still record (budget permitting: here they go over too), and
+    every step's results equal the eager engine's."""
+    tiny = tiny_model_factory("llama")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    llm = _engine(tiny.path, "float32")
+    graphs = _graphs(llm)
+    graphs.max_recording_bytes = 1
+    assert _generate(llm) == expected
+    threads = torch.get_num_threads()
+    assert graphs.refused == {(n, threads) for n in (4, 3, 2, 1)}
+    assert graphs.max_recorded_rows == 0 and graphs.replayed_steps == 0 and not graphs.programs

@@ -54,6 +54,7 @@ from kvflow.worker.cpu_step_record import (
 logger = logging.getLogger(__name__)
 
 MAX_MISMATCHES = 3  # recordings of one size that differ from the previous one before it is refused
+MAX_RECORDING_BYTES = 256 << 20  # step allocations a recording may keep alive at once
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -80,12 +81,19 @@ class CpuGraphRunner:
         max_num_seqs: largest batch (rows of the static buffers).
         max_blocks_per_seq: block-table width (max_model_len / block_size, rounded up).
         block_size: tokens per KV block.
+        max_recording_bytes: step allocations one recording may keep alive (a recording keeps
+            the whole step's activations, see
+            :class:`~kvflow.worker.cpu_step_record.ForwardWatch`). A batch size over it is
+            refused, and every larger one is then run eagerly without recording (steps of
+            more rows allocate more).
     """
 
     def __init__(self, model: nn.Module, attn_ctx: AttentionContext, kernels,
                  kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int) -> None:
+                 block_size: int, max_recording_bytes: int = MAX_RECORDING_BYTES) -> None:
         self.model, self.attn_ctx, self.kernels = model, attn_ctx, kernels
+        self.max_recording_bytes = max_recording_bytes
+        self.max_recorded_rows = max_num_seqs  # lowered when a recording goes over budget
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         n = max_num_seqs
         self.input_ids = torch.zeros(n, dtype=torch.int64)
@@ -110,6 +118,8 @@ class CpuGraphRunner:
         prompts may take the prefill path, a torch operator, and would refuse the size)."""
         return self.disabled is None and meta.max_query_len == 1 < meta.max_seq_len \
             and meta.num_actual_tokens == meta.num_reqs <= self.max_num_seqs \
+            and (meta.num_reqs <= self.max_recorded_rows
+                 or (meta.num_reqs, torch.get_num_threads()) in self.programs) \
             and meta.block_table.shape[1] <= self.block_table.shape[1] \
             and (meta.num_reqs, torch.get_num_threads()) not in self.refused
 
@@ -168,9 +178,13 @@ class CpuGraphRunner:
         """Run the step eagerly under a recorder; trust ``key`` when this recording names the
         same calls as the previous one and its planned program, replayed on a NaN-filled
         buffer, reproduces the step."""
-        recorder = StepRecorder(self.kernels)
+        recorder = StepRecorder(self.kernels, self.max_recording_bytes)
         hidden = self._eager(static, recorder)
         try:
+            if recorder.watch.over_budget:
+                self.max_recorded_rows = min(self.max_recorded_rows, key[0] - 1)
+                raise NotReplayable(f"its allocations exceed {self.max_recording_bytes} bytes "
+                                    f"(no batch of {key[0]} or more rows is recorded)")
             if recorder.watch.refused is not None:
                 raise NotReplayable(f"the forward computes with {recorder.watch.refused}")
             recording = normalize(recorder.calls, recorder.watch.blocks, self._regions())

@@ -52,26 +52,44 @@ def _is_view_like(func, args, out) -> bool:
 
 class ForwardWatch(TorchDispatchMode):
     """Keeps the tensors ``aten.empty`` allocates (``blocks``, in order) and notes the first
-    operator that computes (``refused``, its name; None while there is none)."""
+    operator that computes (``refused``, its name; None while there is none).
 
-    def __init__(self) -> None:
+    Keeping every allocation alive holds the whole step's activations at once (a plain forward
+    frees each layer's). Past ``max_bytes`` of them the watch lets them all go, keeps no more
+    and sets ``over_budget`` (the recording is then refused), so the peak stays near
+    ``max_bytes`` plus what the forward holds itself.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
         super().__init__()
         self.blocks: list[torch.Tensor] = []
         self.refused: str | None = None
+        self.max_bytes, self.kept_bytes, self.over_budget = max_bytes, 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.empty.memory_format:
-            self.blocks.append(out)
+            self._keep(out)
         elif self.refused is None and not _is_view_like(func, args, out):
             self.refused = str(func)
         return out
+
+    def _keep(self, block: torch.Tensor) -> None:
+        if self.over_budget:
+            return
+        self.kept_bytes += block.untyped_storage().nbytes()
+        if self.max_bytes is not None and self.kept_bytes > self.max_bytes:
+            self.over_budget = True
+            self.blocks.clear()
+            return
+        self.blocks.append(block)
 
 
 class StepRecorder:
     """Records the native calls of one forward (``with recorder: model(...)``): every ctypes
     entry point bound on ``kernels`` is replaced, for the duration, by one that appends
-    ``(entry point, args)`` to ``calls`` and calls through; ``watch`` sees the torch operators.
+    ``(entry point, args)`` to ``calls`` and calls through; ``watch`` sees the torch operators
+    and keeps up to ``max_bytes`` of the forward's allocations (:class:`ForwardWatch`).
 
     The kernels object is shared by every engine of the process: only calls made on the
     recording thread are recorded (another engine's model thread calls straight through, and
@@ -80,9 +98,9 @@ class StepRecorder:
     other's wrappers.
     """
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, max_bytes: int | None = None) -> None:
         self.kernels, self.calls = kernels, []
-        self.watch = ForwardWatch()
+        self.watch = ForwardWatch(max_bytes)
         self._lock = vars(kernels).setdefault("_step_record_lock", threading.Lock())
         self._saved: dict[str, ctypes._CFuncPtr] = {}
 
