@@ -17,7 +17,14 @@
  *     rows, then the next request's first K rows, as (address, lines) segments; each step of
  *     the score and value loops issues as many line prefetches as it reads, so the core never
  *     stalls on a burst of prefetches waiting for fill buffers (the old code prefetched every
- *     K block of a request at once), and a block is asked for early enough to arrive.
+ *     K block of a request at once), and a block is asked for early enough to arrive. The
+ *     lines are prefetched into L2 (PREFETCHT2), not L1: a PREFETCHT0 holds one of the few L1
+ *     miss buffers until its line arrives, so a stream of them throttles itself, while L2
+ *     tracks many more misses. On the 2-core AVX512-BF16 EPYC, 6 KB blocks read in random
+ *     order with the stream two blocks ahead: 8.6-10.6 GB/s into L1, 17-21 GB/s into L2
+ *     (benchmarks/cpu_kv_bandwidth.c); the kernel's time per call 0.68x (one thread, random
+ *     order) to 0.84x (two threads, the engine's block order) of PREFETCHT0's
+ *     (benchmarks/cpu_decode_attention.py, docs/benchmarks.md session 12).
  *
  * Four keys' dot products of a query head reduce together (unpack-and-add within 128-bit lanes,
  * then across them). Every sum runs in an order fixed by the token's position alone (keys
@@ -54,13 +61,13 @@ static inline void pf_push(PfStream *s, const char *addr, size_t bytes) {
 
 _Static_assert(sizeof(PfStream) <= PF_SCRATCH_BYTES, "Scratch.pf holds a PfStream");
 
-/* Prefetch the stream's next n lines (fewer at its end). */
+/* Prefetch the stream's next n lines (fewer at its end) into L2. */
 static inline void pf_issue(PfStream *s, int n) {
     while (n > 0 && s->seg < s->nseg) {
         const char *p = s->addr[s->seg];
         int line = s->line;
         const int left = s->lines[s->seg] - line, k = n < left ? n : left;
-        for (int i = 0; i < k; ++i) _mm_prefetch(p + 64 * (line + i), _MM_HINT_T0);
+        for (int i = 0; i < k; ++i) _mm_prefetch(p + 64 * (line + i), _MM_HINT_T2);
         n -= k;
         line += k;
         if (line == s->lines[s->seg]) {
