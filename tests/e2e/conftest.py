@@ -1,7 +1,12 @@
 """Servers for the end-to-end tests: ``kvflow serve`` started as a subprocess on a free loopback
 port, talked to with the official ``openai`` client and httpx.
 
-Each test module starts one server (module-scoped fixture) and stops it with SIGTERM.
+Each test module starts its servers (module-scoped fixtures) and sends them SIGTERM when it
+ends (``ServerProcess.terminate``: they shut down while the next module runs; every server is
+waited for at the end of the session). A module that lists its servers in
+``prestart_servers`` gets them started during the module before it
+(``_prestart_next_module``), so its start-up overlaps that module's tests. The packaged
+SmolLM2 server is shared by the modules that use it (``smollm2_server``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=full_env)
+        self._terminated = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Poll /health until 200. Raises RuntimeError (with the log) if the server exits or
@@ -105,10 +111,19 @@ class ServerProcess:
         return sum(v for (sample, sample_labels), v in metrics.items()
                    if sample == name and wanted <= set(sample_labels))
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 20 s; fails the caller if the server does not exit."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM (once) and return at once: the server shuts down (about 1-2 s of CPU in
+        its core process) while the next tests run; :meth:`stop` waits for it, and
+        ``start_server`` stops every server it started at the end of the session."""
+        if self.proc.poll() is None and not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self) -> None:
+        """SIGTERM (unless :meth:`terminate` sent it), then SIGKILL after 20 s; returns once
+        the server has exited."""
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -160,36 +175,130 @@ def wait_ready_or_stop(server: ServerProcess) -> None:
 @contextmanager
 def ready_side_by_side(*servers: ServerProcess) -> Iterator[None]:
     """Wait until each of ``servers`` (started with ``start_server(..., wait=False)``, so that
-    they come up side by side) is ready; stop them all on leaving, also when one fails to
-    come up (its RuntimeError propagates)."""
+    they come up side by side) is ready; on leaving, also when one fails to come up (its
+    RuntimeError propagates), terminate them all (they shut down side by side;
+    ``start_server`` waits for them at the end of the session)."""
     try:
         for server in servers:
             server.wait_ready()
         yield
     finally:
         for server in servers:
-            server.stop()
+            server.terminate()
 
 
-@pytest.fixture(scope="session")
-def start_server(tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[Callable[..., ServerProcess]]:
-    """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
-    every server started is stopped at the end of the session (modules may stop theirs
-    earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
-    by side) and waits with :func:`ready_side_by_side` (or :func:`wait_ready_or_stop`)."""
-    servers: list[ServerProcess] = []
+class ServerStarter:
+    """The ``start_server`` fixture's value: starts ``kvflow serve`` processes, hands out the
+    ones started ahead for a later module (:meth:`prestart`), and stops them all at the end.
 
-    def start(model: str, args: list[str], env: dict[str, str] | None = None,
-              threads: int = 1, wait: bool = True) -> ServerProcess:
-        log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(model, args, log, env, threads)
-        servers.append(server)
+    Args:
+        tmp_path_factory: where each server's log goes.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self.servers: list[ServerProcess] = []
+        self._ahead: dict[tuple, list[ServerProcess]] = {}
+        self.prestarted_modules: set[str] = set()
+
+    @staticmethod
+    def _key(model: str, args: list[str], env: dict[str, str] | None, threads: int) -> tuple:
+        return model, tuple(args), tuple(sorted((env or {}).items())), threads
+
+    def _new(self, model: str, args: list[str], env: dict[str, str] | None,
+             threads: int) -> ServerProcess:
+        server = ServerProcess(model, args, self._tmp.mktemp("server") / "server.log", env,
+                               threads)
+        self.servers.append(server)
+        return server
+
+    def __call__(self, model: str, args: list[str], env: dict[str, str] | None = None,
+                 threads: int = 1, wait: bool = True) -> ServerProcess:
+        """A server of ``model`` with ``args``: one started ahead with exactly these
+        arguments if there is one, else a new one; ready unless ``wait`` is False."""
+        ahead = self._ahead.get(self._key(model, args, env, threads))
+        server = ahead.pop(0) if ahead else self._new(model, args, env, threads)
         if wait:
             wait_ready_or_stop(server)
         return server
 
-    yield start
-    for server in servers:
-        server.stop()
+    def prestart(self, model: str, args: list[str], env: dict[str, str] | None = None,
+                 threads: int = 1) -> None:
+        """Start a server now, without waiting, for a later ``start_server`` call with the
+        same arguments (a module's start-up overlaps the module before it)."""
+        server = self._new(model, args, env, threads)
+        self._ahead.setdefault(self._key(model, args, env, threads), []).append(server)
 
+    def stop_all(self) -> None:
+        """Terminate every server, then wait for each (they shut down side by side)."""
+        for server in self.servers:
+            server.terminate()
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerStarter]:
+    """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
+    every server started is stopped at the end of the session (modules may stop theirs
+    earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
+    by side) and waits with :func:`ready_side_by_side` (or :func:`wait_ready_or_stop`).
+    A module's servers may have been started ahead (see :func:`_prestart_next_module`)."""
+    starter = ServerStarter(tmp_path_factory)
+    yield starter
+    starter.stop_all()
+
+
+def _next_prestarting_module(request: pytest.FixtureRequest) -> Any:
+    """The first module after the current one, in the session's run order, that defines
+    ``prestart_servers``; None if there is none."""
+    current = request.module
+    seen_current = False
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is current:
+            seen_current = True
+        elif seen_current and module is not None and hasattr(module, "prestart_servers"):
+            return module
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerStarter) -> None:
+    """Start the servers of the next module that declares them, now: they come up while this
+    module starts its own servers and runs its tests, and that module's ``start_server``
+    calls with the same arguments get them ready (each ``kvflow serve`` takes 6-20 s of
+    mostly one core's time to start, and the tests leave the other core mostly idle).
+
+    A module declares its servers with ``prestart_servers(fixture) -> [(model, args, env),
+    ...]``, ``fixture(name)`` giving a session-scoped fixture's value; it must list exactly
+    what its fixtures pass to ``start_server`` (a server that does not match is not used,
+    only stopped at the end). A module that times its server's answers sets
+    ``TIMING_SENSITIVE = True``: nothing is started while it runs (the module after it starts
+    the next module's servers instead)."""
+    if getattr(request.module, "TIMING_SENSITIVE", False):
+        return
+    module = _next_prestarting_module(request)
+    if module is None or module.__name__ in start_server.prestarted_modules:
+        return
+    start_server.prestarted_modules.add(module.__name__)
+    for model, args, env in module.prestart_servers(request.getfixturevalue):
+        start_server.prestart(model, args, env)
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+SMOLLM2_NUM_KV_BLOCKS = 64
+SMOLLM2_ARGS = ["--dtype", "float32", "--num-kv-blocks", str(SMOLLM2_NUM_KV_BLOCKS),
+                "--block-size", "16", "--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """One ``kvflow serve`` of the packaged SmolLM2-135M-Instruct (float32: no bf16 near-ties;
+    ``SMOLLM2_NUM_KV_BLOCKS`` blocks of 16 tokens; max_model_len 1024) for every module that
+    talks to it (tests/e2e/test_openai_reported.py, test_openai_smollm.py): its start-up takes
+    10-20 s. ``server.metrics_at_start`` is /metrics read once it is ready, before any request
+    reached it. Stopped at the end of the session."""
+    server = start_server(SMOLLM2, SMOLLM2_ARGS)
+    server.metrics_at_start = server.metrics()
+    return server

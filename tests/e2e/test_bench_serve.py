@@ -19,11 +19,16 @@ STATS = ("mean", "median", "p90", "p99")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ENGINE_ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     server = start_server(tiny_chat_model, ENGINE_ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 def bench(server, tmp_path, name, *args):

@@ -28,14 +28,20 @@ from tests.e2e.test_engine_faults import wait_for
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4",
         "--max-num-seqs", "4", "--uvicorn-log-level", "info", "--data-parallel-size", "2"]
+SERVER_ARGS = [*ARGS, "--engine-failure", "restart"]
 LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def dp_server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, [*ARGS, "--engine-failure", "restart"])
+    server = start_server(tiny_chat_model, SERVER_ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 def replica_pids(server) -> dict[int, int]:

@@ -23,6 +23,7 @@ from tests.e2e.conftest import ready_side_by_side
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "96", "--block-size", "4",
         "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
+RESTART_ARGS = [*ARGS, "--engine-failure", "restart"]
 LONG = {"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True}
 
 
@@ -70,13 +71,18 @@ def assert_ends_with_error_event(events: list[dict]) -> None:
     assert all("error" not in e for e in events[:-2])  # tokens, then one error event
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, None),
+            (fixture("tiny_chat_model"), RESTART_ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def servers(start_server, tiny_chat_model):
     """{"exiting": a server with the default --engine-failure, "restarting": one with
     ``--engine-failure restart``}, started side by side."""
     started = {"exiting": start_server(tiny_chat_model, ARGS, wait=False),
-               "restarting": start_server(tiny_chat_model,
-                                          [*ARGS, "--engine-failure", "restart"], wait=False)}
+               "restarting": start_server(tiny_chat_model, RESTART_ARGS, wait=False)}
     with ready_side_by_side(*started.values()):
         yield started
 

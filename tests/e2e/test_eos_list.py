@@ -92,7 +92,7 @@ def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server):
             model="m", prompt=PROMPT, max_tokens=N, temperature=0,
             extra_body={"return_token_ids": True})
     finally:
-        server.stop()
+        server.terminate()
     choice = reply.choices[0]
     assert choice.token_ids == expected
     assert (choice.finish_reason, choice.stop_reason) == ("stop", extra)

@@ -29,7 +29,7 @@ def gen_model(tiny_llama, tmp_path_factory) -> str:
 def client(start_server, gen_model):
     server = start_server(gen_model, ENGINE_ARGS)
     yield server.client()
-    server.stop()
+    server.terminate()
 
 
 @pytest.fixture(scope="module")

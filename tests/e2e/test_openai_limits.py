@@ -16,11 +16,16 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--bl
         "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-n", "2"]
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, {"KVFLOW_API_KEY": API_KEY})]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     server = start_server(tiny_chat_model, ARGS, env={"KVFLOW_API_KEY": API_KEY})
     yield server
-    server.stop()
+    server.terminate()
 
 
 def _completion(server, headers=None, **body):

@@ -49,7 +49,7 @@ def servers(start_server, tiny_llama, adapters):
         yield started
     finally:
         for server in started.values():
-            server.stop()
+            server.terminate()
 
 
 @pytest.fixture(scope="module")

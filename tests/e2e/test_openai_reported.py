@@ -12,19 +12,23 @@ import json
 import httpx
 import pytest
 
-MODEL = "SmolLM2-135M-Instruct"
-NUM_KV_BLOCKS = 64
-ARGS = ["--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "16",
-        "--max-model-len", "1024"]
+from tests.e2e.conftest import SMOLLM2 as MODEL
+from tests.e2e.conftest import SMOLLM2_ARGS
+from tests.e2e.conftest import SMOLLM2_NUM_KV_BLOCKS as NUM_KV_BLOCKS
 
 pytestmark = pytest.mark.slow
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(MODEL, SMOLLM2_ARGS, None)]
+
+
 @pytest.fixture(scope="module")
-def server(start_server):
-    server = start_server(MODEL, ARGS)
-    yield server
-    server.stop()
+def server(smollm2_server):
+    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1024),
+    shared with tests/e2e/test_openai_smollm.py."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +66,10 @@ def whole(server, path: str, body: dict) -> tuple[str, str | None]:
 
 
 def test_metrics_true_before_the_first_request(server):
-    """Runs first in this module: the gauges already describe the idle engine."""
-    m = server.metrics()
+    """/metrics as read once the server was ready, before any request reached it
+    (``metrics_at_start``; the server is shared): the gauges already describe the idle
+    engine."""
+    m = server.metrics_at_start
     usable = NUM_KV_BLOCKS - 1  # block 0 is the null block
     assert server.value(m, "kvflow:kv_cache_free_blocks") == usable
     assert server.value(m, "kvflow:kv_cache_usable_blocks") == usable

@@ -20,6 +20,8 @@ import pytest
 MAX_MODEL_LEN = 128
 NUM_KV_BLOCKS = 64
 BODY_LIMIT = 4 * 2**20  # --max-request-body-size 4MiB (the default is 32MiB)
+# /health latency is timed: no other server starts during this module (conftest.py)
+TIMING_SENSITIVE = True
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--block-size", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-n", "2",
         "--max-logprobs", "3", "--max-request-body-size", "4MiB"]
@@ -28,11 +30,16 @@ HI = [{"role": "user", "content": "hi"}]
 WORDS = "the quick brown fox jumps over a lazy dog "
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     server = start_server(tiny_chat_model, ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,19 @@ import time
 import httpx
 import pytest
 
-MODEL = "SmolLM2-135M-Instruct"
-NUM_KV_BLOCKS = 64
-ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "16", "--max-model-len", "1024",
-        "--dtype", "float32"]
+from tests.e2e.conftest import SMOLLM2 as MODEL
+from tests.e2e.conftest import SMOLLM2_NUM_KV_BLOCKS as NUM_KV_BLOCKS
+
 TIE_TOL = 1e-3  # nats: fp32 results of two kernel paths (prefix-cache hit or not) differ less
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    server = start_server(MODEL, ARGS)
-    yield server
-    server.stop()
+def server(smollm2_server):
+    """The session's SmolLM2 server (float32, 64 blocks of 16 tokens, max_model_len 1024),
+    shared with tests/e2e/test_openai_reported.py."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,26 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog the quick brown fox",
            "a b a b a b a b a"]
 
 
-@pytest.fixture(scope="module")
-def servers(start_server, tiny_chat_model):
-    """(n-gram server, draft-model server), started side by side."""
+def _server_args(tiny_chat_model: str) -> list[list[str]]:
+    """The arguments of the n-gram server and of the draft-model server."""
     draft_spec = {"method": "draft_model", "model": tiny_chat_model,
                   "num_speculative_tokens": 3, "adaptive": False,
                   "quantization": "none"}  # as loaded: a self-draft stays exact
-    started = [start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", "tiny",
-                                              "--speculative-config", json.dumps(spec)],
-                            wait=False) for spec in (SPEC, draft_spec)]
+    return [[*ENGINE_ARGS, "--served-model-name", "tiny", "--speculative-config",
+             json.dumps(spec)] for spec in (SPEC, draft_spec)]
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    model = fixture("tiny_chat_model")
+    return [(model, args, None) for args in _server_args(model)]
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, tiny_chat_model):
+    """(n-gram server, draft-model server), started side by side."""
+    started = [start_server(tiny_chat_model, args, wait=False)
+               for args in _server_args(tiny_chat_model)]
     with ready_side_by_side(*started):
         yield started
 

@@ -43,7 +43,7 @@ def server(start_server, tiny_llama, tmp_path_factory):
     tokenizer.save_pretrained(folder)
     server = start_server(str(folder), ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 @pytest.fixture(scope="module")

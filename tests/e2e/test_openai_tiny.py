@@ -17,14 +17,20 @@ MAX_MODEL_LEN = 96
 NUM_KV_BLOCKS = 128
 ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
                "--block-size", "4", "--max-model-len", str(MAX_MODEL_LEN)]
+SERVER_ARGS = [*ENGINE_ARGS, "--served-model-name", MODEL]
 PROMPT = "the quick brown fox jumps"
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, [*ENGINE_ARGS, "--served-model-name", MODEL])
+    server = start_server(tiny_chat_model, SERVER_ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,16 @@ EXAMPLES = int(os.environ.get("KVFLOW_FUZZ_EXAMPLES", "20"))
 TIMEOUT_S = 60.0  # a reply slower than this counts as a hang
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     server = start_server(tiny_chat_model, ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,16 @@ PROMPT = "the quick brown fox"
 MIN_STEPS = 16  # StepTimeModel.min_steps
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_chat_model):
     server = start_server(tiny_chat_model, ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 def complete(server, **body) -> httpx.Response:

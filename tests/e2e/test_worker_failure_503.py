@@ -15,6 +15,8 @@ import httpx
 
 from tests.e2e.test_engine_faults import ARGS, LONG, assert_ends_with_error_event, wait_for
 
+SERVER_ARGS = [*ARGS, "--tensor-parallel-size", "2", "--engine-failure", "restart"]
+
 
 def _descendants(pid: int) -> dict[int, str]:
     """Every live descendant of ``pid``: pid -> command line (from /proc)."""
@@ -50,9 +52,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
+
+
 def test_killed_worker_gives_503_then_a_restarted_engine(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, [*ARGS, "--tensor-parallel-size", "2",
-                                            "--engine-failure", "restart"])
+    server = start_server(tiny_chat_model, SERVER_ARGS)
     old = _engine_processes(server.proc.pid)
     workers = sorted(p for p, cmd in old.items() if "mp_worker" in cmd)
     assert len(old) == 3 and len(workers) == 2, old
@@ -79,5 +85,5 @@ def test_killed_worker_gives_503_then_a_restarted_engine(start_server, tiny_chat
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
     new = _engine_processes(server.proc.pid)
     assert len(new) == 3 and not set(new) & set(old)  # a new core with two new workers
-    server.stop()
+    server.terminate()
 

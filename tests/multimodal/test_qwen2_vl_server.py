@@ -35,7 +35,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256"
 def server(start_server, tiny_qwen2_vl):  # noqa: F811 - the imported fixture
     server = start_server(tiny_qwen2_vl.path, ENGINE_ARGS)
     yield server
-    server.stop()
+    server.terminate()
 
 
 def chat(server: ServerProcess, content: list[dict], max_tokens: int = MAX_TOKENS
