@@ -177,6 +177,7 @@ def test_flag_parses_to_on_off_or_platform_default(argv, expected):
 
 
 def test_platform_default_applies_when_not_given(tiny_llama):
-    llm = LLM(model=tiny_llama.path, dtype="float32")  # neither form of the flag
+    llm = LLM(model=tiny_llama.path, dtype="float32",  # neither form of the flag
+              kv_cache_memory=SMALL_KV_CACHE)
     assert llm.engine.core.platform.default_async_scheduling is False
     assert llm.engine.core.scheduler.async_scheduling is False

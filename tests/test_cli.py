@@ -46,10 +46,10 @@ def test_argument_errors_are_one_line(tiny_llama, capsys, argv, needle):
 def test_logprobs_flag_prints_each_token(tiny_llama, capsys):
     from kvflow import LLM, SamplingParams
 
-    (expected,) = LLM(model=tiny_llama.path, dtype="float32").generate(
+    (expected,) = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=64).generate(
         "the lazy fox", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
     rc, out, _ = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
-                       "--prompt", "the lazy fox", "--max-tokens", "3", "--temperature", "0",
+                       "--num-kv-blocks", "64", "--prompt", "the lazy fox", "--max-tokens", "3", "--temperature", "0",
                        "--logprobs", "2"], capsys)
     sample = expected.outputs[0]
     lines = out.splitlines()[1:]
@@ -64,17 +64,17 @@ def test_logprobs_flag_prints_each_token(tiny_llama, capsys):
 
 def test_prompt_longer_than_max_model_len_exits_2(tiny_llama, capsys):
     rc, _, err = _run(["generate", "--model", tiny_llama.path, "--max-model-len", "8",
-                       "--prompt", "the lazy fox pages keys and values " * 4], capsys)
+                       "--num-kv-blocks", "16", "--prompt", "the lazy fox pages keys and values " * 4], capsys)
     assert rc == 2 and "max_model_len is 8" in err
 
 
 def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
     from kvflow import LLM, SamplingParams
 
-    expected = LLM(model=tiny_llama.path, dtype="float32").generate(
+    expected = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=64).generate(
         "the lazy fox", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     rc, out, _ = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
-                       "--prompt", "the lazy fox", "--max-tokens", "5", "--temperature", "0",
+                       "--num-kv-blocks", "64", "--prompt", "the lazy fox", "--max-tokens", "5", "--temperature", "0",
                        "--verbose"], capsys)
     assert rc == 0
     assert out.splitlines()[0] == "the lazy fox" + expected.outputs[0].text
@@ -123,7 +123,7 @@ def test_generate_verbose_prints_speculation_counts(tiny_llama, capsys):
 def test_bench_throughput_against_hf(tiny_llama, capsys, tmp_path):
     path = tmp_path / "bench.json"
     rc, out, _ = _run(["bench", "throughput", "--model", tiny_llama.path, "--dtype", "float32",
-                       "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                       "--num-kv-blocks", "64", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
                        "--compare", "hf", "--output-json", str(path)], capsys)
     assert rc == 0 and "kvflow / hf-transformers output throughput" in out
     results = json.loads(path.read_text())
