@@ -4,8 +4,8 @@ port, talked to with the official ``openai`` client and httpx.
 Each test module starts its servers (module-scoped fixtures) and sends them SIGTERM when it
 ends (``ServerProcess.terminate``: they shut down while the next module runs; every server is
 waited for at the end of the session). A module that lists its servers in
-``prestart_servers`` gets them started during the module before it
-(``_prestart_next_module``), so its start-up overlaps that module's tests. The packaged
+``prestart_servers`` gets them started during one of the modules before it
+(``_prestart_next_module``), so its start-up overlaps their tests. The packaged
 SmolLM2 server is shared by the modules that use it (``smollm2_server``).
 """
 
@@ -249,42 +249,63 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSta
     starter.stop_all()
 
 
-def _next_prestarting_module(request: pytest.FixtureRequest) -> Any:
-    """The first module after the current one, in the session's run order, that defines
-    ``prestart_servers``; None if there is none."""
-    current = request.module
+PRESTART_AHEAD = 2  # modules whose servers may be starting or idle ahead of their turn
+
+
+def _next_prestarting_modules(request: pytest.FixtureRequest) -> list[Any]:
+    """The first ``PRESTART_AHEAD`` modules after the current one, in the session's run
+    order, that define ``prestart_servers``; none past a ``TIMING_SENSITIVE`` one (nothing
+    should still be starting while it runs)."""
+    current, found = request.module, []
     seen_current = False
     for item in request.session.items:
         module = getattr(item, "module", None)
         if module is current:
             seen_current = True
-        elif seen_current and module is not None and hasattr(module, "prestart_servers"):
-            return module
-    return None
+        elif (seen_current and module is not None and hasattr(module, "prestart_servers")
+              and module not in found):
+            found.append(module)
+            if len(found) == PRESTART_AHEAD or getattr(module, "TIMING_SENSITIVE", False):
+                break
+    return found
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerStarter) -> None:
-    """Start the servers of the next module that declares them, now: they come up while this
-    module starts its own servers and runs its tests, and that module's ``start_server``
-    calls with the same arguments get them ready (each ``kvflow serve`` takes 6-20 s of
-    mostly one core's time to start, and the tests leave the other core mostly idle).
+    """Start the servers of the next ``PRESTART_AHEAD`` modules that declare them (those not
+    started yet), now: they come up while this module (and the next) starts its own servers
+    and runs its tests, and those modules' ``start_server`` calls with the same arguments get
+    them ready (each ``kvflow serve`` takes 6-20 s of mostly one core's time to start, and
+    the tests leave the other core mostly idle).
 
     A module declares its servers with ``prestart_servers(fixture) -> [(model, args, env),
     ...]``, ``fixture(name)`` giving a session-scoped fixture's value; it must list exactly
     what its fixtures pass to ``start_server`` (a server that does not match is not used,
     only stopped at the end). A module that times its server's answers sets
     ``TIMING_SENSITIVE = True``: nothing is started while it runs (the module after it starts
-    the next module's servers instead)."""
+    the next modules' servers instead; servers started earlier may still be coming up)."""
     if getattr(request.module, "TIMING_SENSITIVE", False):
         return
-    module = _next_prestarting_module(request)
-    if module is None or module.__name__ in start_server.prestarted_modules:
-        return
-    start_server.prestarted_modules.add(module.__name__)
-    for model, args, env in module.prestart_servers(request.getfixturevalue):
-        start_server.prestart(model, args, env)
+    for module in _next_prestarting_modules(request):
+        if module.__name__ not in start_server.prestarted_modules:
+            start_server.prestarted_modules.add(module.__name__)
+            for model, args, env in module.prestart_servers(request.getfixturevalue):
+                start_server.prestart(model, args, env)
 
+
+_BUILT: dict[tuple[str, str], tuple[str, Any]] = {}
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+               build: Callable[[str], Any]) -> tuple[str, Any]:
+    """``(folder, build(folder))`` for ``name``, built once per session (``folder`` does not
+    exist before ``build`` runs): a module's fixtures and its ``prestart_servers`` get the
+    same model folder, whichever asks first."""
+    key = (str(tmp_path_factory.getbasetemp()), name)
+    if key not in _BUILT:
+        folder = str(tmp_path_factory.mktemp(name) / "m")
+        _BUILT[key] = (folder, build(folder))
+    return _BUILT[key]
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_NUM_KV_BLOCKS = 64

@@ -15,9 +15,12 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.model_resolver import ModelSource
+from tests.e2e.conftest import built_once
 
 PROMPT = "the quick brown fox jumps"
 N = 16
+SERVER_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size",
+               "4", "--served-model-name", "m"]
 
 
 def _ids(tiny_llama) -> list[int]:
@@ -33,17 +36,31 @@ def _hf_greedy(tiny_llama, ids: list[int], eos: list[int] | None) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
+    def build(folder: str) -> tuple[int, list[int]]:
+        full = _hf_greedy(tiny_llama, _ids(tiny_llama), None)
+        # the latest first occurrence of a token other than the tokenizer's EOS (0)
+        k = max(i for i in range(N) if full[i] != 0 and full[i] not in full[:i])
+        shutil.copytree(tiny_llama.path, folder)
+        (Path(folder) / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": [0, full[k]]}))
+        return full[k], full
+
+    folder, (extra, full) = built_once(tmp_path_factory, "eos_list", build)
+    return folder, extra, full
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(_eos_model(fixture("tiny_llama"), fixture("tmp_path_factory"))[0], SERVER_ARGS,
+             None)]
+
+
 @pytest.fixture(scope="module")
 def eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
     """(folder whose generation_config.json lists [0, extra], extra, transformers' greedy
     continuation with EOS ignored)."""
-    full = _hf_greedy(tiny_llama, _ids(tiny_llama), None)
-    # the latest first occurrence of a token other than the tokenizer's EOS (0)
-    k = max(i for i in range(N) if full[i] != 0 and full[i] not in full[:i])
-    folder = tmp_path_factory.mktemp("eos_list") / "m"
-    shutil.copytree(tiny_llama.path, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, full[k]]}))
-    return str(folder), full[k], full
+    return _eos_model(tiny_llama, tmp_path_factory)
 
 
 def test_load_eos_token_ids(tmp_path):
@@ -85,8 +102,7 @@ def test_every_eos_id_stops_generation(eos_model, tiny_llama):
 def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server):
     folder, extra, _ = eos_model
     expected = _hf_greedy(tiny_llama, _ids(tiny_llama), [0, extra])
-    server = start_server(folder, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
-                                   "64", "--block-size", "4", "--served-model-name", "m"])
+    server = start_server(folder, SERVER_ARGS)
     try:
         reply = server.client().completions.create(
             model="m", prompt=PROMPT, max_tokens=N, temperature=0,

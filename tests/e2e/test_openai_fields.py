@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
-from tests.e2e.conftest import post_at_once, ready_side_by_side
+from tests.e2e.conftest import built_once, post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
 
@@ -41,19 +41,40 @@ BASE = {C: {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_i
 HOT = {"temperature": 5.0, "seed": 0, "max_tokens": 16}  # sampling far from greedy
 
 
+EMBED_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+              "--uvicorn-log-level", "info"]
+
+
+def _model_dir(tiny_chat_model, tmp_path_factory) -> str:
+    def build(folder: str) -> None:
+        from tokenizers import processors
+        from transformers import AutoTokenizer
+
+        shutil.copytree(tiny_chat_model, folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+        tok.save_pretrained(folder)
+
+    return built_once(tmp_path_factory, "fields", build)[0]
+
+
+def _embed_model(tiny_tokenizer, tmp_path_factory) -> str:
+    return built_once(tmp_path_factory, "embed",
+                      lambda folder: build_decoder(tiny_tokenizer, folder, "lasttoken"))[0]
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    tmp = fixture("tmp_path_factory")
+    return [(_model_dir(fixture("tiny_chat_model"), tmp), ARGS, None),
+            (_embed_model(fixture("tiny_tokenizer"), tmp), EMBED_ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_chat_model, tmp_path_factory) -> str:
     """The tiny chat model, its tokenizer adding <bos> when add_special_tokens is set."""
-    from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("fields") / "model"
-    shutil.copytree(tiny_chat_model, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
-    tok.save_pretrained(folder)
-    return str(folder)
+    return _model_dir(tiny_chat_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +82,8 @@ def servers(start_server, model_dir, tiny_tokenizer, tmp_path_factory):
     """(server, embed_server), started side by side: the chat model's (with a LoRA adapter
     made while it starts, ``server.lora_path``) and a tiny Matryoshka-capable decoder
     embedding model's (last-token pooling, normalized)."""
-    folder = str(tmp_path_factory.mktemp("embed") / "st")
-    build_decoder(tiny_tokenizer, folder, "lasttoken")
     server = start_server(model_dir, ARGS, wait=False)
-    embed_server = start_server(folder, ["--dtype", "float32", "--device", "cpu",
-                                         "--num-kv-blocks", "64", "--uvicorn-log-level", "info"],
+    embed_server = start_server(_embed_model(tiny_tokenizer, tmp_path_factory), EMBED_ARGS,
                                 wait=False)
     # the adapter is made while both servers start (start_server stops them at the session's
     # end should this raise)

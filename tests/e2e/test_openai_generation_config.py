@@ -8,9 +8,12 @@ ignored. The model is the tiny Llama with ``{"temperature": 0.0, "repetition_pen
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvflow import LLM, SamplingParams
+from tests.e2e.conftest import built_once
 from tests.test_generation_config import GEN_DEFAULTS, PROMPT, hf_greedy, with_generation_config
 
 MODEL = "tiny-gen"
@@ -19,10 +22,19 @@ ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
+def _gen_model(tiny_llama, tmp_path_factory) -> str:
+    return built_once(tmp_path_factory, "gen", lambda folder: with_generation_config(
+        tiny_llama.path, Path(folder), GEN_DEFAULTS))[0]
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(_gen_model(fixture("tiny_llama"), fixture("tmp_path_factory")), ENGINE_ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def gen_model(tiny_llama, tmp_path_factory) -> str:
-    return with_generation_config(tiny_llama.path, tmp_path_factory.mktemp("gen") / "m",
-                                  GEN_DEFAULTS)
+    return _gen_model(tiny_llama, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -10,40 +10,56 @@ import concurrent.futures
 import httpx
 import pytest
 
-from tests.e2e.conftest import wait_ready_or_stop
+from tests.e2e.conftest import built_once, wait_ready_or_stop
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = {"all": "the quick brown fox jumps over", "qv": "prefix caching reuses them, chunked",
            "base": "a lazy dog while kvflow pages keys"}
 
 
+def _adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    def build(root: str) -> dict[str, str]:
+        return {
+            "all": make_adapter(tiny_llama.path, f"{root}/all", 11, r=8, lora_alpha=16,
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                "gate_proj", "up_proj", "down_proj"]),
+            "qv": make_adapter(tiny_llama.path, f"{root}/qv", 12, r=4, lora_alpha=4,
+                               target_modules=["q_proj", "v_proj"]),
+            "r16": make_adapter(tiny_llama.path, f"{root}/r16", 13, r=16,
+                                target_modules=["q_proj"]),
+        }
+
+    return built_once(tmp_path_factory, "http_adapters", build)[1]
+
+
+def _server_args(adapters: dict[str, str]) -> dict[str, list[str]]:
+    return {"good": ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+                     "--block-size", "4", "--served-model-name", "base", "--enable-lora",
+                     "--max-loras", "2", "--max-lora-rank", "8",
+                     "--lora-modules", f"all={adapters['all']}"],
+            "bad": ["--dtype", "float32", "--num-kv-blocks", "64", "--enable-lora",
+                    "--max-lora-rank", "8", "--lora-modules", f"big={adapters['r16']}"]}
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    tiny_llama = fixture("tiny_llama")
+    args = _server_args(_adapters(tiny_llama, fixture("tmp_path_factory")))
+    return [(tiny_llama.path, args["good"], None), (tiny_llama.path, args["bad"], None)]
+
+
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("http_adapters")
-    return {
-        "all": make_adapter(tiny_llama.path, str(root / "all"), 11, r=8, lora_alpha=16,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                            "gate_proj", "up_proj", "down_proj"]),
-        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 12, r=4, lora_alpha=4,
-                           target_modules=["q_proj", "v_proj"]),
-        "r16": make_adapter(tiny_llama.path, str(root / "r16"), 13, r=16,
-                            target_modules=["q_proj"]),
-    }
+    return _adapters(tiny_llama, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, tiny_llama, adapters):
     """{"good": the LoRA server the tests talk to, "bad": one given a rank-16 adapter over
     --max-lora-rank 8, which must stop at start-up}, started side by side."""
-    started = {
-        "good": start_server(tiny_llama.path, [
-            "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
-            "--block-size", "4", "--served-model-name", "base", "--enable-lora",
-            "--max-loras", "2", "--max-lora-rank", "8",
-            "--lora-modules", f"all={adapters['all']}"], wait=False),
-        "bad": start_server(tiny_llama.path, [
-            "--dtype", "float32", "--num-kv-blocks", "64", "--enable-lora",
-            "--max-lora-rank", "8", "--lora-modules", f"big={adapters['r16']}"], wait=False)}
+    args = _server_args(adapters)
+    started = {"good": start_server(tiny_llama.path, args["good"], wait=False),
+               "bad": start_server(tiny_llama.path, args["bad"], wait=False)}
     try:
         wait_ready_or_stop(started["good"])
         yield started

@@ -13,6 +13,8 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.e2e.conftest import built_once
+
 MODEL = "tiny"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
         "--max-model-len", "256", "--served-model-name", MODEL]
@@ -32,16 +34,28 @@ MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 CHOICES = ["北京🙂", "東京タワー", "kvflow ✓"]
 
 
+def tools_model(tiny_llama, tmp_path_factory) -> str:
+    """The tiny Llama with ``TOOLS_TEMPLATE`` as its chat template (one folder per session)."""
+
+    def build(folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        shutil.copytree(tiny_llama.path, folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = TOOLS_TEMPLATE
+        tokenizer.save_pretrained(folder)
+
+    return built_once(tmp_path_factory, "tiny_tools", build)[0]
+
+
+def prestart_servers(fixture):
+    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    return [(tools_model(fixture("tiny_llama"), fixture("tmp_path_factory")), ARGS, None)]
+
+
 @pytest.fixture(scope="module")
 def server(start_server, tiny_llama, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny_tools") / "model"
-    shutil.copytree(tiny_llama.path, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TOOLS_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    server = start_server(str(folder), ARGS)
+    server = start_server(tools_model(tiny_llama, tmp_path_factory), ARGS)
     yield server
     server.terminate()
 
