@@ -7,6 +7,7 @@ quantized-cache attention."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,16 @@ from tests.kernels.test_gemm import fp32_error_bound
 AVX2 = frozenset({"avx2", "fma", "f16c", "bmi2", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_level_built_side_by_side() -> None:
+    """Load (building it where the cache lacks it) each level's library up front, two at a
+    time: a build is one single-threaded compile of 10-17 s on a cold cache, and the tests
+    below use every level. Only the order of the work changes: each test still loads its
+    level's library through the same calls."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(cpu_native.native_cpu_kernels_for_isa, LEVELS))
 
 
 def test_levels_follow_the_cpu_flags(monkeypatch):
