@@ -12,7 +12,13 @@
   ``KVFLOW_NATIVE_CPU=0`` the engine refuses to start: its CPU GEMMs are the native ones).
 
 What the interpreter cannot show: that the GPU compiles each fixed configuration to one
-instruction sequence per row (the premise of the design; see the kernels' docstrings).
+instruction sequence per row (the premise of the design; see the kernels' docstrings). The
+interpreter's ``tl.dot`` is numpy's ``matmul``, which does not sum every row alike: OpenBLAS's
+AVX2 kernels (Zen 3) sum the rows at a tile's edges in another order than the rest, so a row
+that moves inside its tile changes its last bits there, while an MMA tile on a GPU is one
+instruction sequence for every row. These tests therefore run with a ``tl.dot`` that
+multiplies each row on its own (:func:`_rows_alike_dot`): what they check is the kernels' own
+code, that no loop bound, tile or split depends on the batch.
 """
 
 from __future__ import annotations
@@ -32,6 +38,29 @@ from kvflow.kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import make_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _rows_alike_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the interpreter, ``tl.dot`` of an [M, K] by [K, N] tile computed as M products of one
+    row each (the same numpy call for every row, wherever it sits in the tile); see the
+    module doc. Batched (3-D) dots are left as they are."""
+    if not INTERPRETED:
+        return
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    whole_tile = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        if a.data.ndim != 2:
+            return whole_tile(self, a, b, d, *args)
+        rows = [whole_tile(self, TensorHandle(a.data[i:i + 1], a.dtype), b,
+                           TensorHandle(d.data[i:i + 1], d.dtype), *args).data
+                for i in range(a.data.shape[0])]
+        return TensorHandle(np.concatenate(rows), d.dtype)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     INTERPRETED, reason=("Triton 3.6's interpreter computes bf16 tl.dot wrongly (|error| ~1e10 "
                          "on a 16x16 product of N(0,1) values); needs a GPU")))
@@ -88,6 +117,22 @@ def test_triton_attention_token_is_batch_and_chunk_invariant(window):
         parts = [_chunk(batch, 2, lo, hi, sliding_window=window, batch_invariant=True)
                  for lo, hi in pairwise(bounds)]
         assert torch.equal(torch.cat(parts), watched), cuts
+
+
+def test_batch_invariant_plan_is_one_launch_configuration():
+    """The launch a batch gets: without ``batch_invariant`` the row tile follows
+    ``max_query_len`` and decode batches may split the keys; with it, one configuration (what
+    the interpreted test above cannot see, its rows being multiplied alike)."""
+    from kvflow.kernels.paged_attention_plan import plan_paged_attention
+
+    batches = [(1, 1, 1), (23, 1, 23), (59, 5, 30), (4, 4, 1)]  # tokens, requests, max q len
+
+    def configs(**kw):
+        return {plan_paged_attention(t, 4, 2, 32, r, q, 4096, 132, **kw)[2:8]
+                for t, r, q in batches}
+
+    assert len(configs()) > 1
+    assert len(configs(batch_invariant=True)) == 1
 
 
 def test_triton_engine_deterministic(tiny_llama_path):
