@@ -293,19 +293,32 @@ def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerSt
                 start_server.prestart(model, args, env)
 
 
-_BUILT: dict[tuple[str, str], tuple[str, Any]] = {}
+class BuiltModels:
+    """The ``built_models`` fixture's value: ``built_models(name, build)`` returns
+    ``(folder, build(folder))``, built once per session (``folder`` does not exist before
+    ``build`` runs), so a module's fixtures and its ``prestart_servers`` get the same model
+    folder, whichever asks first.
+
+    Args:
+        tmp_path_factory: where the folders go.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._built: dict[str, tuple[str, Any]] = {}
+
+    def __call__(self, name: str, build: Callable[[str], Any]) -> tuple[str, Any]:
+        if name not in self._built:
+            folder = str(self._tmp.mktemp(name) / "m")
+            self._built[name] = (folder, build(folder))
+        return self._built[name]
 
 
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
-               build: Callable[[str], Any]) -> tuple[str, Any]:
-    """``(folder, build(folder))`` for ``name``, built once per session (``folder`` does not
-    exist before ``build`` runs): a module's fixtures and its ``prestart_servers`` get the
-    same model folder, whichever asks first."""
-    key = (str(tmp_path_factory.getbasetemp()), name)
-    if key not in _BUILT:
-        folder = str(tmp_path_factory.mktemp(name) / "m")
-        _BUILT[key] = (folder, build(folder))
-    return _BUILT[key]
+@pytest.fixture(scope="session")
+def built_models(tmp_path_factory: pytest.TempPathFactory) -> BuiltModels:
+    """Model folders built once per session (see :class:`BuiltModels`)."""
+    return BuiltModels(tmp_path_factory)
+
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_NUM_KV_BLOCKS = 64

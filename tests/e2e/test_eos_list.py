@@ -15,7 +15,6 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.model_resolver import ModelSource
-from tests.e2e.conftest import built_once
 
 PROMPT = "the quick brown fox jumps"
 N = 16
@@ -36,7 +35,7 @@ def _hf_greedy(tiny_llama, ids: list[int], eos: list[int] | None) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def _eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
+def _eos_model(tiny_llama, built_models) -> tuple[str, int, list[int]]:
     def build(folder: str) -> tuple[int, list[int]]:
         full = _hf_greedy(tiny_llama, _ids(tiny_llama), None)
         # the latest first occurrence of a token other than the tokenizer's EOS (0)
@@ -46,21 +45,21 @@ def _eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
             json.dumps({"eos_token_id": [0, full[k]]}))
         return full[k], full
 
-    folder, (extra, full) = built_once(tmp_path_factory, "eos_list", build)
+    folder, (extra, full) = built_models("eos_list", build)
     return folder, extra, full
 
 
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
-    return [(_eos_model(fixture("tiny_llama"), fixture("tmp_path_factory"))[0], SERVER_ARGS,
+    return [(_eos_model(fixture("tiny_llama"), fixture("built_models"))[0], SERVER_ARGS,
              None)]
 
 
 @pytest.fixture(scope="module")
-def eos_model(tiny_llama, tmp_path_factory) -> tuple[str, int, list[int]]:
+def eos_model(tiny_llama, built_models) -> tuple[str, int, list[int]]:
     """(folder whose generation_config.json lists [0, extra], extra, transformers' greedy
     continuation with EOS ignored)."""
-    return _eos_model(tiny_llama, tmp_path_factory)
+    return _eos_model(tiny_llama, built_models)
 
 
 def test_load_eos_token_ids(tmp_path):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.conftest import built_once, ready_side_by_side
+from tests.e2e.conftest import ready_side_by_side
 from tests.models.embedding_models import build_bert, build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
@@ -19,27 +19,27 @@ BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "
 DEC_ARGS = [*ARGS, "--served-model-name", "dec", "--max-num-batched-tokens", "8"]  # in chunks
 
 
-def _models(tiny_tokenizer, tmp_path_factory) -> dict[str, tuple[str, object]]:
+def _models(tiny_tokenizer, built_models) -> dict[str, tuple[str, object]]:
     """{"bert": (folder, SentenceTransformer), "decoder": (folder, SentenceTransformer)}, built
     once per session."""
-    return {"bert": built_once(tmp_path_factory, "bert",
+    return {"bert": built_models("bert",
                                lambda folder: build_bert(tiny_tokenizer, folder, "mean")),
-            "decoder": built_once(tmp_path_factory, "decoder",
+            "decoder": built_models("decoder",
                                   lambda folder: build_decoder(tiny_tokenizer, folder,
                                                                "lasttoken"))}
 
 
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
-    models = _models(fixture("tiny_tokenizer"), fixture("tmp_path_factory"))
+    models = _models(fixture("tiny_tokenizer"), fixture("built_models"))
     return [(models["bert"][0], BERT_ARGS, None), (models["decoder"][0], DEC_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, tiny_tokenizer, tmp_path_factory):
+def servers(start_server, tiny_tokenizer, built_models):
     """{"bert": (server, st), "decoder": (server, st)}: both servers come up side by side
     (every test here but one uses both)."""
-    models = _models(tiny_tokenizer, tmp_path_factory)
+    models = _models(tiny_tokenizer, built_models)
     (bert_folder, bert_st), (dec_folder, dec_st) = models["bert"], models["decoder"]
     bert_server = start_server(bert_folder, BERT_ARGS, wait=False)
     dec_server = start_server(dec_folder, DEC_ARGS, wait=False)

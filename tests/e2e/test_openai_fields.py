@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvflow.entrypoints import protocol
-from tests.e2e.conftest import built_once, post_at_once, ready_side_by_side
+from tests.e2e.conftest import post_at_once, ready_side_by_side
 from tests.lora.adapters import make_adapter
 from tests.models.embedding_models import build_decoder
 
@@ -45,7 +45,7 @@ EMBED_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
               "--uvicorn-log-level", "info"]
 
 
-def _model_dir(tiny_chat_model, tmp_path_factory) -> str:
+def _model_dir(tiny_chat_model, built_models) -> str:
     def build(folder: str) -> None:
         from tokenizers import processors
         from transformers import AutoTokenizer
@@ -56,34 +56,34 @@ def _model_dir(tiny_chat_model, tmp_path_factory) -> str:
             single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
         tok.save_pretrained(folder)
 
-    return built_once(tmp_path_factory, "fields", build)[0]
+    return built_models("fields", build)[0]
 
 
-def _embed_model(tiny_tokenizer, tmp_path_factory) -> str:
-    return built_once(tmp_path_factory, "embed",
+def _embed_model(tiny_tokenizer, built_models) -> str:
+    return built_models("embed",
                       lambda folder: build_decoder(tiny_tokenizer, folder, "lasttoken"))[0]
 
 
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
-    tmp = fixture("tmp_path_factory")
-    return [(_model_dir(fixture("tiny_chat_model"), tmp), ARGS, None),
-            (_embed_model(fixture("tiny_tokenizer"), tmp), EMBED_ARGS, None)]
+    built = fixture("built_models")
+    return [(_model_dir(fixture("tiny_chat_model"), built), ARGS, None),
+            (_embed_model(fixture("tiny_tokenizer"), built), EMBED_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_chat_model, tmp_path_factory) -> str:
+def model_dir(tiny_chat_model, built_models) -> str:
     """The tiny chat model, its tokenizer adding <bos> when add_special_tokens is set."""
-    return _model_dir(tiny_chat_model, tmp_path_factory)
+    return _model_dir(tiny_chat_model, built_models)
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, model_dir, tiny_tokenizer, tmp_path_factory):
+def servers(start_server, model_dir, tiny_tokenizer, built_models, tmp_path_factory):
     """(server, embed_server), started side by side: the chat model's (with a LoRA adapter
     made while it starts, ``server.lora_path``) and a tiny Matryoshka-capable decoder
     embedding model's (last-token pooling, normalized)."""
     server = start_server(model_dir, ARGS, wait=False)
-    embed_server = start_server(_embed_model(tiny_tokenizer, tmp_path_factory), EMBED_ARGS,
+    embed_server = start_server(_embed_model(tiny_tokenizer, built_models), EMBED_ARGS,
                                 wait=False)
     # the adapter is made while both servers start (start_server stops them at the session's
     # end should this raise)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.e2e.conftest import built_once
 from tests.test_generation_config import GEN_DEFAULTS, PROMPT, hf_greedy, with_generation_config
 
 MODEL = "tiny-gen"
@@ -22,19 +21,19 @@ ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
-def _gen_model(tiny_llama, tmp_path_factory) -> str:
-    return built_once(tmp_path_factory, "gen", lambda folder: with_generation_config(
+def _gen_model(tiny_llama, built_models) -> str:
+    return built_models("gen", lambda folder: with_generation_config(
         tiny_llama.path, Path(folder), GEN_DEFAULTS))[0]
 
 
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
-    return [(_gen_model(fixture("tiny_llama"), fixture("tmp_path_factory")), ENGINE_ARGS, None)]
+    return [(_gen_model(fixture("tiny_llama"), fixture("built_models")), ENGINE_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def gen_model(tiny_llama, tmp_path_factory) -> str:
-    return _gen_model(tiny_llama, tmp_path_factory)
+def gen_model(tiny_llama, built_models) -> str:
+    return _gen_model(tiny_llama, built_models)
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ import concurrent.futures
 import httpx
 import pytest
 
-from tests.e2e.conftest import built_once, wait_ready_or_stop
+from tests.e2e.conftest import wait_ready_or_stop
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = {"all": "the quick brown fox jumps over", "qv": "prefix caching reuses them, chunked",
            "base": "a lazy dog while kvflow pages keys"}
 
 
-def _adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+def _adapters(tiny_llama, built_models) -> dict[str, str]:
     def build(root: str) -> dict[str, str]:
         return {
             "all": make_adapter(tiny_llama.path, f"{root}/all", 11, r=8, lora_alpha=16,
@@ -29,7 +29,7 @@ def _adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
                                 target_modules=["q_proj"]),
         }
 
-    return built_once(tmp_path_factory, "http_adapters", build)[1]
+    return built_models("http_adapters", build)[1]
 
 
 def _server_args(adapters: dict[str, str]) -> dict[str, list[str]]:
@@ -44,13 +44,13 @@ def _server_args(adapters: dict[str, str]) -> dict[str, list[str]]:
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
     tiny_llama = fixture("tiny_llama")
-    args = _server_args(_adapters(tiny_llama, fixture("tmp_path_factory")))
+    args = _server_args(_adapters(tiny_llama, fixture("built_models")))
     return [(tiny_llama.path, args["good"], None), (tiny_llama.path, args["bad"], None)]
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
-    return _adapters(tiny_llama, tmp_path_factory)
+def adapters(tiny_llama, built_models) -> dict[str, str]:
+    return _adapters(tiny_llama, built_models)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import built_once
-
 MODEL = "tiny"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
         "--max-model-len", "256", "--served-model-name", MODEL]
@@ -34,7 +32,7 @@ MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 CHOICES = ["北京🙂", "東京タワー", "kvflow ✓"]
 
 
-def tools_model(tiny_llama, tmp_path_factory) -> str:
+def tools_model(tiny_llama, built_models) -> str:
     """The tiny Llama with ``TOOLS_TEMPLATE`` as its chat template (one folder per session)."""
 
     def build(folder: str) -> None:
@@ -45,17 +43,17 @@ def tools_model(tiny_llama, tmp_path_factory) -> str:
         tokenizer.chat_template = TOOLS_TEMPLATE
         tokenizer.save_pretrained(folder)
 
-    return built_once(tmp_path_factory, "tiny_tools", build)[0]
+    return built_models("tiny_tools", build)[0]
 
 
 def prestart_servers(fixture):
     """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
-    return [(tools_model(fixture("tiny_llama"), fixture("tmp_path_factory")), ARGS, None)]
+    return [(tools_model(fixture("tiny_llama"), fixture("built_models")), ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_llama, tmp_path_factory):
-    server = start_server(tools_model(tiny_llama, tmp_path_factory), ARGS)
+def server(start_server, tiny_llama, built_models):
+    server = start_server(tools_model(tiny_llama, built_models), ARGS)
     yield server
     server.terminate()
 
