@@ -64,7 +64,9 @@ def test_replayed_decode_steps_match_eager_and_transformers(tiny_model_factory, 
                                                             assert_no_leaks):
     """Untied fp32 (table looked up by the C embedding) and tied bf16 (rows read from the
     packed head): the replayed engine's tokens equal transformers' greedy ones (fp32) and its
-    logprobs equal the eager engine's bit for bit."""
+    logprobs equal the eager engine's bit for bit. Where the CPU has no bf16 dot products
+    (AVX2), a bf16 step widens its activations with a torch operator before each GEMM: every
+    batch size is refused and runs eagerly, with the same results."""
     tiny = tiny_model_factory(name)
     eager = _engine(tiny.path, dtype, enforce_eager=True)
     assert _graphs(eager) is None
@@ -77,8 +79,12 @@ def test_replayed_decode_steps_match_eager_and_transformers(tiny_model_factory, 
     graphs = _graphs(llm)
     replayed = graphs.replayed_steps
     got.append(_generate(llm))
-    assert graphs.disabled is None and not graphs.refused
-    assert replayed > 0 and graphs.replayed_steps > replayed and len(graphs.programs) >= 2
+    assert graphs.disabled is None
+    if dtype == "float32" or native_cpu_kernels().gemm_x_dtype(torch.bfloat16) == torch.bfloat16:
+        assert not graphs.refused
+        assert replayed > 0 and graphs.replayed_steps > replayed and len(graphs.programs) >= 2
+    else:
+        assert graphs.refused and graphs.replayed_steps == 0 and not graphs.programs
     assert got == expected
     if dtype == "float32":
         for prompt, n, (tokens, _) in zip(PROMPTS, MAX_TOKENS, got[0], strict=True):

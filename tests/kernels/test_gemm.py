@@ -92,9 +92,8 @@ def _greedy(tiny, monkeypatch, native: bool):
 def test_bf16_model_without_native_matmul_runs_on_fp32_units(tiny_llama, monkeypatch,
                                                              cpu_kernels):
     """No bf16 matmul units: every GEMM runs on fp32 FMA units, as kvflow's C GEMM on bf16
-    panels (native kernels) or through the widening workspace (without them), and the greedy
-    tokens equal those of the native bf16 path."""
-    gemms, outs = _greedy(tiny_llama, monkeypatch, native=False)
+    panels (native kernels) or through the widening workspace (without them)."""
+    gemms, _ = _greedy(tiny_llama, monkeypatch, native=False)
     assert len(gemms) == 9  # 2 layers x (qkv, o, gate_up, down) + lm_head
     for m in gemms:
         if cpu_kernels == "native":
@@ -103,6 +102,17 @@ def test_bf16_model_without_native_matmul_runs_on_fp32_units(tiny_llama, monkeyp
         else:
             assert m.packed_weight is None or m is gemms[-1]  # the LM head: an fp32 copy
             assert m.gemm_workspace is not None
+
+
+@pytest.mark.skipif(not CpuPlatform().prepacks_gemm_weights(torch.bfloat16),
+                    reason="oneDNN cannot pack bf16 on this CPU (AVX2): no native bf16 path")
+def test_bf16_on_fp32_units_matches_the_native_bf16_path(tiny_llama, monkeypatch,
+                                                          cpu_kernels):
+    """The greedy tokens of the fp32-unit path equal those of the native bf16 path (forced on
+    where oneDNN packs bf16), logprobs within bf16 rounding. On a CPU without any bf16 path
+    there is no oracle at this level: the tiny random model's next-token distributions are
+    nearly flat, so transformers' bf16 rounding picks other tokens."""
+    _, outs = _greedy(tiny_llama, monkeypatch, native=False)
     native_gemms, native_outs = _greedy(tiny_llama, monkeypatch, native=True)
     assert all(m.gemm_workspace is None for m in native_gemms)
     for got, ref in zip(outs, native_outs):

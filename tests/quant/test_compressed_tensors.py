@@ -103,12 +103,16 @@ def test_checkpoint_matches_transformers(tiny_model_factory, tmp_path, preset, m
     ref = _hf_logprobs(folder, prompt.tolist())
     got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
     want = [float(ref[i, t]) for i, t in enumerate(prompt.tolist()[1:])]
-    assert got == pytest.approx(want, abs=5e-4)
+    # W8A8 rounds each linear's input to INT8: a last-bit difference in an input (kvflow's
+    # native kernels sum in another order than torch) can move one value across a rounding
+    # boundary, a step of absmax / 127.5 (seen: 5.5e-4 on one logprob of 11, on an AVX2 CPU)
+    tol = 5e-3 if preset == "W8A8" else 5e-4
+    assert got == pytest.approx(want, abs=tol)
     # the quantization is real: transformers on the unquantized weights differs
     with torch.no_grad():
         plain = torch.log_softmax(tiny.hf_model(prompt.unsqueeze(0)).logits[0], dim=-1)
     assert max(abs(w - float(plain[i, t])) for i, (w, t) in
-               enumerate(zip(want, prompt.tolist()[1:]))) > 2e-3
+               enumerate(zip(want, prompt.tolist()[1:]))) > 4 * tol
     layer = llm.engine.core.executor.runner.model.model.layers[1].mlp.gate_up_proj
     assert isinstance(layer.quant_method, method) and layer.weight.dtype == weight_dtype
 
