@@ -132,7 +132,10 @@ def test_engine_quantized_experts_match_hf(tiny_model_factory, scheme, arch):
         ref = torch.log_softmax(hf(prompt.unsqueeze(0)).logits[0], dim=-1)
     got = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
     want = [float(ref[i, t]) for i, t in enumerate(prompt.tolist()[1:])]
-    assert got == pytest.approx(want, abs=5e-4)
+    # fp8 rounds each expert GEMM's input to FP8 (3 mantissa bits): a last-bit difference in
+    # an input can move one value across a rounding boundary, a step of 1/16 of it (seen:
+    # 1.8e-3 on one logprob of 9, torch kernels on an AVX2 CPU)
+    assert got == pytest.approx(want, abs=5e-3 if scheme == "fp8" else 5e-4)
     experts = llm.engine.core.executor.runner.model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == (torch.int8 if scheme == "int8" else E4M3)
 
