@@ -38,6 +38,9 @@ from kvflow.kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import make_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    INTERPRETED, reason=("Triton 3.6's interpreter computes bf16 tl.dot wrongly (|error| ~1e10 "
+                         "on a 16x16 product of N(0,1) values); needs a GPU")))
 
 
 @pytest.fixture(autouse=True)
@@ -61,9 +64,6 @@ def _rows_alike_dot(monkeypatch: pytest.MonkeyPatch) -> None:
         return TensorHandle(np.concatenate(rows), d.dtype)
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
-BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    INTERPRETED, reason=("Triton 3.6's interpreter computes bf16 tl.dot wrongly (|error| ~1e10 "
-                         "on a 16x16 product of N(0,1) values); needs a GPU")))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
