@@ -15,18 +15,14 @@ import json
 import sys
 import time
 
-from offline_engine import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN, load_engine
+from offline_engine import NUM_PROMPTS, OUTPUT_LEN, cpu_w1_token_ids, load_engine
 
 
 def main() -> None:
     model_dir, dtype = sys.argv[1], sys.argv[2]
     options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     llm, sampling_params, _ = load_engine("kvflow", model_dir, dtype, **options)
-    import numpy as np
-
-    vocab = llm.get_tokenizer().vocab_size
-    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
-    prompts = ids.tolist()
+    prompts = cpu_w1_token_ids(llm.get_tokenizer().vocab_size)
 
     def run(max_tokens: int) -> float:
         params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -37,6 +37,15 @@ def load_engine(engine: str, model_dir: str, dtype: str, **kvflow_options):
         (lambda ids: {"prompt_token_ids": ids})
 
 
+def cpu_w1_token_ids(vocab: int) -> list[list[int]]:
+    """CPU-W1's prompts: NUM_PROMPTS x INPUT_LEN token ids drawn by numpy ``default_rng(0)``
+    from [3, min(vocab, 32000))."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN)).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
@@ -47,11 +56,7 @@ def main() -> None:
     start = time.perf_counter()
     llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype)
     startup_s = time.perf_counter() - start
-    import numpy as np
-
-    vocab = llm.get_tokenizer().vocab_size
-    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
-    prompts = [wrap(row) for row in ids.tolist()]
+    prompts = [wrap(row) for row in cpu_w1_token_ids(llm.get_tokenizer().vocab_size)]
 
     def run(batch: list, max_tokens: int) -> tuple[float, int]:
         params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
