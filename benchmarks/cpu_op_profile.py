@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--cpu-gemm", default=None)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CPU step graphs, so every decode op is timed (a replayed "
+                             "graph's ops count as host time)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (all threads; with OMP_NUM_THREADS=1 the "
                              "op's compute cost, little disturbed by other processes)")
@@ -99,6 +102,8 @@ def main() -> None:
     import numpy as np
 
     options = {} if args.cpu_gemm is None else {"cpu_gemm": args.cpu_gemm}
+    if args.enforce_eager:
+        options["enforce_eager"] = True
     llm = LLM(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=False,
               kv_cache_memory="1GiB", **options)
     ids = np.random.default_rng(0).integers(3, 32000, (args.prompts, args.input_len)).tolist()

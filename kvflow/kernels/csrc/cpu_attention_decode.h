@@ -19,33 +19,34 @@
  * On the 2-core AVX512 EPYC of issue 23 (SmolLM2's 9 query / 3 KV heads of 64, 64 requests of
  * 129-192 keys, K/V read from memory, one thread, load ~8) the step took 0.85-0.89x the time
  * of attend_token (bf16 ~1.6 ms, fp32 ~2.1 ms; benchmarks/cpu_decode_attention.py): it is
- * memory-bound there (~5-6 GB/s, what one core streamed on that loaded machine). Sums run in
- * an order fixed by the token's position alone (keys grouped by cache block, four at a time),
- * as batch-invariant mode requires.
+ * memory-bound there (~5-6 GB/s, what one core streamed on that loaded machine). On the 2-core
+ * AVX2 EPYC (Zen 3) the same step with 8-lane vectors takes fp32 ~2.0 ms, bf16 ~1.9 ms, one
+ * thread, 0.30x the time of the 16-lane code compiled for AVX2 (whose accumulators spilled).
+ * Sums run in an order fixed by the token's position alone (keys grouped by cache block, four
+ * at a time), as batch-invariant mode requires.
  */
 #ifndef KVFLOW_CPU_ATTENTION_DECODE_H
 #define KVFLOW_CPU_ATTENTION_DECODE_H
 
+/* The decode vector: 16 lanes (one zmm) with AVX-512, else 8 (one ymm). The register budget
+ * sets the query heads per pass over a KV head's rows (DEC_G) and the value columns held per
+ * head (DEC_COLS): AVX-512 has 32 vector registers, AVX2 16, and 16-lane vectors on AVX2 (two
+ * ymm each) spilled the accumulators to the stack (3.3x slower on the AVX2 EPYC of issue 23).
+ * dload(dtype, base, i): one vector of `base` (storage dtype) from element i, widened to fp32;
+ * dfold(a): its lanes folded to 8 (AVX-512: the two halves added). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef _Float16 v16h __attribute__((vector_size(32)));
+typedef float dvec __attribute__((vector_size(64)));
+enum { DEC_G = 4, DEC_COLS = 64 };
 
-enum { DEC_G = 4 }; /* query heads per pass over a KV head's rows */
-
-/* 16 elements of `base` (storage dtype) from element i, widened to fp32. */
-static inline __attribute__((always_inline)) v16f load16(int dtype, const void *base,
-                                                          int64_t i) {
-    v16f f;
+static inline __attribute__((always_inline)) dvec dload(int dtype, const void *base,
+                                                         int64_t i) {
+    dvec f;
     if (dtype == DT_F32) {
         memcpy(&f, (const float *)base + i, sizeof f);
         return f;
     }
-#if defined(__AVX512F__)
     /* one zero-extending load (VPMOVZXWD) and a shift; fp16: VCVTPH2PS */
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
     const __m512 wide = dtype == DT_BF16
@@ -53,27 +54,43 @@ static inline __attribute__((always_inline)) v16f load16(int dtype, const void *
         : _mm512_cvtph_ps(h);
     memcpy(&f, &wide, sizeof f);
     return f;
-#else
-    if (dtype == DT_BF16) {
-        v16u16 h;
-        memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        const v16u32 u = __builtin_convertvector(h, v16u32) << 16;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    v16h h;
-    memcpy(&h, (const _Float16 *)base + i, sizeof h);
-    return __builtin_convertvector(h, v16f);
-#endif
 }
 
-/* The two 8-lane halves of a 16-lane vector, added. */
-static inline v8f fold16(v16f a) {
+static inline v8f dfold(dvec a) {
     v8f lo, hi;
     memcpy(&lo, &a, sizeof lo);
     memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
     return lo + hi;
 }
+#else
+typedef v8f dvec;
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef _Float16 v8h __attribute__((vector_size(16)));
+enum { DEC_G = 3, DEC_COLS = 32 };
+
+static inline __attribute__((always_inline)) dvec dload(int dtype, const void *base,
+                                                         int64_t i) {
+    dvec f;
+    if (dtype == DT_F32) {
+        memcpy(&f, (const float *)base + i, sizeof f);
+        return f;
+    }
+    if (dtype == DT_BF16) {
+        v8u16 h;
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    v8h h;
+    memcpy(&h, (const _Float16 *)base + i, sizeof h);
+    return __builtin_convertvector(h, dvec);
+}
+
+static inline v8f dfold(dvec a) { return a; }
+#endif
+enum { DV = sizeof(dvec) / sizeof(float), DEC_COL_VECS = DEC_COLS / DV };
 
 /* s[g * ld + t] = q[g * D : (g + 1) * D] . key t, for G query rows and the n keys whose rows
  * start at element t * row of `k` (storage dtype). Four keys at a time, then one. */
@@ -83,70 +100,72 @@ static inline __attribute__((always_inline)) void dec_scores(int dtype, int G, c
                                                              int64_t ld) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        v16f acc[DEC_G][4];
+        dvec acc[DEC_G][4];
         for (int g = 0; g < G; ++g)
-            for (int u = 0; u < 4; ++u) acc[g][u] = (v16f){0};
-        for (int64_t c = 0; c < D; c += 16) {
-            v16f kv[4];
-            for (int u = 0; u < 4; ++u) kv[u] = load16(dtype, k, (t + u) * row + c);
+            for (int u = 0; u < 4; ++u) acc[g][u] = (dvec){0};
+        for (int64_t c = 0; c < D; c += DV) {
+            dvec kv[4];
+            for (int u = 0; u < 4; ++u) kv[u] = dload(dtype, k, (t + u) * row + c);
             for (int g = 0; g < G; ++g) {
-                v16f qv;
+                dvec qv;
                 memcpy(&qv, q + g * D + c, sizeof qv);
                 for (int u = 0; u < 4; ++u) acc[g][u] += qv * kv[u];
             }
         }
         for (int g = 0; g < G; ++g) {
-            const v4f sums = sum8x4(fold16(acc[g][0]), fold16(acc[g][1]), fold16(acc[g][2]),
-                                    fold16(acc[g][3]));
+            const v4f sums = sum8x4(dfold(acc[g][0]), dfold(acc[g][1]), dfold(acc[g][2]),
+                                    dfold(acc[g][3]));
             memcpy(s + g * ld + t, &sums, sizeof sums);
         }
     }
     for (; t < n; ++t) {
-        v16f acc[DEC_G];
-        for (int g = 0; g < G; ++g) acc[g] = (v16f){0};
-        for (int64_t c = 0; c < D; c += 16) {
-            const v16f kv = load16(dtype, k, t * row + c);
+        dvec acc[DEC_G];
+        for (int g = 0; g < G; ++g) acc[g] = (dvec){0};
+        for (int64_t c = 0; c < D; c += DV) {
+            const dvec kv = dload(dtype, k, t * row + c);
             for (int g = 0; g < G; ++g) {
-                v16f qv;
+                dvec qv;
                 memcpy(&qv, q + g * D + c, sizeof qv);
                 acc[g] += qv * kv;
             }
         }
-        for (int g = 0; g < G; ++g) s[g * ld + t] = sum8(fold16(acc[g]));
+        for (int g = 0; g < G; ++g) s[g * ld + t] = sum8(dfold(acc[g]));
     }
 }
 
 /* o[g * D + c] += sum_t p[g * ld + t] * value t [c], for G rows and the n values whose rows
- * start at element t * row of `v`; 64 columns (four vectors) of the outputs at a time, then
- * 16, held in registers across the keys. */
+ * start at element t * row of `v`; DEC_COLS columns of the outputs at a time, then one vector,
+ * held in registers across the keys. */
 static inline __attribute__((always_inline)) void dec_pv(int dtype, int G, const float *p,
                                                          int64_t ld, const void *v,
                                                          int64_t row, int64_t n, int64_t D,
                                                          float *o) {
     int64_t c = 0;
-    for (; c + 64 <= D; c += 64) {
-        v16f acc[DEC_G][4];
+    for (; c + DEC_COLS <= D; c += DEC_COLS) {
+        dvec acc[DEC_G][DEC_COL_VECS];
         for (int g = 0; g < G; ++g)
-            for (int u = 0; u < 4; ++u) memcpy(&acc[g][u], o + g * D + c + 16 * u, 64);
+            for (int u = 0; u < DEC_COL_VECS; ++u)
+                memcpy(&acc[g][u], o + g * D + c + DV * u, sizeof(dvec));
         for (int64_t t = 0; t < n; ++t) {
-            v16f vv[4];
-            for (int u = 0; u < 4; ++u) vv[u] = load16(dtype, v, t * row + c + 16 * u);
+            dvec vv[DEC_COL_VECS];
+            for (int u = 0; u < DEC_COL_VECS; ++u) vv[u] = dload(dtype, v, t * row + c + DV * u);
             for (int g = 0; g < G; ++g) {
                 const float pg = p[g * ld + t];
-                for (int u = 0; u < 4; ++u) acc[g][u] += pg * vv[u];
+                for (int u = 0; u < DEC_COL_VECS; ++u) acc[g][u] += pg * vv[u];
             }
         }
         for (int g = 0; g < G; ++g)
-            for (int u = 0; u < 4; ++u) memcpy(o + g * D + c + 16 * u, &acc[g][u], 64);
+            for (int u = 0; u < DEC_COL_VECS; ++u)
+                memcpy(o + g * D + c + DV * u, &acc[g][u], sizeof(dvec));
     }
-    for (; c < D; c += 16) {
-        v16f acc[DEC_G];
-        for (int g = 0; g < G; ++g) memcpy(&acc[g], o + g * D + c, 64);
+    for (; c < D; c += DV) {
+        dvec acc[DEC_G];
+        for (int g = 0; g < G; ++g) memcpy(&acc[g], o + g * D + c, sizeof(dvec));
         for (int64_t t = 0; t < n; ++t) {
-            const v16f vv = load16(dtype, v, t * row + c);
+            const dvec vv = dload(dtype, v, t * row + c);
             for (int g = 0; g < G; ++g) acc[g] += p[g * ld + t] * vv;
         }
-        for (int g = 0; g < G; ++g) memcpy(o + g * D + c, &acc[g], 64);
+        for (int g = 0; g < G; ++g) memcpy(o + g * D + c, &acc[g], sizeof(dvec));
     }
 }
 
@@ -180,7 +199,7 @@ static void dec_heads(int pass, int dtype, int G, const float *q, float *p, int6
     case 1: DEC_DTYPES(1); break;
     case 2: DEC_DTYPES(2); break;
     case 3: DEC_DTYPES(3); break;
-    default: DEC_DTYPES(4); break;
+    default: DEC_DTYPES(DEC_G); break; /* G == DEC_G */
     }
 }
 #undef DEC_DTYPES

@@ -8,7 +8,7 @@
  *   - A bf16 pair in a 32-bit lane widens by two single-cycle ALU operations: the even element
  *     is the lane shifted left by 16, the odd one the lane with its low half cleared. A 64-byte
  *     load of 32 keys' or values' dims thus gives two fp32 vectors (even dims, odd dims) with
- *     no shuffle (the VPMOVZXWD of load16 runs on the one shuffle port, which the score sums
+ *     no shuffle (the VPMOVZXWD of dload runs on the one shuffle port, which the score sums
  *     also need). The queries are kept with their even and odd dims apart (scaled once), so
  *     q . k = q_even . k_even + q_odd . k_odd; the value sums are kept apart the same way and
  *     interleaved once per token at the end. Products and fp32 sums are the same operations as
