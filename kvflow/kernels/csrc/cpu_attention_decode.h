@@ -32,21 +32,17 @@
  * sets the query heads per pass over a KV head's rows (DEC_G) and the value columns held per
  * head (DEC_COLS): AVX-512 has 32 vector registers, AVX2 16, and 16-lane vectors on AVX2 (two
  * ymm each) spilled the accumulators to the stack (3.3x slower on the AVX2 EPYC of issue 23).
- * dload(dtype, base, i): one vector of `base` (storage dtype) from element i, widened to fp32;
- * dfold(a): its lanes folded to 8 (AVX-512: the two halves added). */
+ * dload(dtype, base, i): one vector of `base` (storage dtype) from element i, widened to fp32
+ * (dwiden: from bf16 / fp16); dfold(a): its lanes folded to 8 (AVX-512: the two halves added). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 typedef float dvec __attribute__((vector_size(64)));
 enum { DEC_G = 4, DEC_COLS = 64 };
 
-static inline __attribute__((always_inline)) dvec dload(int dtype, const void *base,
-                                                         int64_t i) {
+static inline __attribute__((always_inline)) dvec dwiden(int dtype, const void *base,
+                                                          int64_t i) {
     dvec f;
-    if (dtype == DT_F32) {
-        memcpy(&f, (const float *)base + i, sizeof f);
-        return f;
-    }
     /* one zero-extending load (VPMOVZXWD) and a shift; fp16: VCVTPH2PS */
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
     const __m512 wide = dtype == DT_BF16
@@ -69,13 +65,9 @@ typedef uint32_t v8u32 __attribute__((vector_size(32)));
 typedef _Float16 v8h __attribute__((vector_size(16)));
 enum { DEC_G = 3, DEC_COLS = 32 };
 
-static inline __attribute__((always_inline)) dvec dload(int dtype, const void *base,
-                                                         int64_t i) {
+static inline __attribute__((always_inline)) dvec dwiden(int dtype, const void *base,
+                                                          int64_t i) {
     dvec f;
-    if (dtype == DT_F32) {
-        memcpy(&f, (const float *)base + i, sizeof f);
-        return f;
-    }
     if (dtype == DT_BF16) {
         v8u16 h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
@@ -91,6 +83,14 @@ static inline __attribute__((always_inline)) dvec dload(int dtype, const void *b
 static inline v8f dfold(dvec a) { return a; }
 #endif
 enum { DV = sizeof(dvec) / sizeof(float), DEC_COL_VECS = DEC_COLS / DV };
+
+static inline __attribute__((always_inline)) dvec dload(int dtype, const void *base,
+                                                         int64_t i) {
+    if (dtype != DT_F32) return dwiden(dtype, base, i);
+    dvec f;
+    memcpy(&f, (const float *)base + i, sizeof f);
+    return f;
+}
 
 /* s[g * ld + t] = q[g * D : (g + 1) * D] . key t, for G query rows and the n keys whose rows
  * start at element t * row of `k` (storage dtype). Four keys at a time, then one. */
