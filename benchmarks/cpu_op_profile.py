@@ -2,7 +2,7 @@
 prefill row counts, prefill and decode attention, the K/V store, norms / rotary / activation,
 the embedding, the LM head, sampling and the host side of a step (engine time outside them).
 
-    .venv/bin/python benchmarks/cpu_op_profile.py out/smollm2-hf bfloat16 [--prompts 64]
+    .venv/bin/python benchmarks/cpu_op_profile.py out/smollm2-hf bfloat16 [--prompts 64] [--enforce-eager]
 
 Workload CPU-W1 of docs/benchmarks.md (64 x 128 random token ids -> 64 greedy tokens, EOS
 ignored, prefix caching off), one batch after a two-prompt warm-up. Each op is timed by
