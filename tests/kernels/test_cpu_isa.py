@@ -16,7 +16,7 @@ import torch
 from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.attention_ref import paged_attention_ref
 from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
-from kvflow.kernels.gguf_dequant import Q4_0, Q4_K, Q6_K
+from kvflow.kernels.gguf_dequant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 from kvflow.kernels.kv_quant import dequantize_kv, quantize_kv
 from tests.kernels.paged_batch import make_batch
 from tests.kernels.test_cpu_attention import bf16_dot_bound
@@ -132,13 +132,20 @@ def test_rms_norm_at_every_level(kernels):
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_K, Q6_K])
-def test_gguf_gemm_at_every_level(kernels, ggml_type):
-    """cpu_gguf.c built at each level: the fused dequantize-and-multiply against
-    gguf.quants.dequantize + a float64 matmul, within Higham's fp32 bound K * eps * sum|x w|."""
+GGML_TYPES = [Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", GGML_TYPES)
+@pytest.mark.parametrize("m", [1, 3])  # the fused decode kernel, the tile buffer
+def test_gguf_gemm_at_every_level(kernels, ggml_type, m):
+    """cpu_gguf.c built at each level (its vector width follows the ISA): the fused
+    dequantize-and-multiply against gguf.quants.dequantize + a float64 matmul, within Higham's
+    fp32 bound K * eps * sum|x w|; its dequantization alone equal to gguf's (1 ulp)."""
     from tests.kernels.test_cpu_gguf import _case
     raw, ref = _case(ggml_type, 21, seed=ggml_type)
-    x = torch.randn(3, ref.shape[1], generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(kernels.gguf_dequantize(raw, ggml_type, ref.shape[1]), ref,
+                               atol=1e-6, rtol=1e-6)
+    x = torch.randn(m, ref.shape[1], generator=torch.Generator().manual_seed(3))
     got = kernels.gguf_gemm(x, raw, ggml_type, ref.shape[1])
     want = x.double() @ ref.double().T
     bound = ref.shape[1] * 2 ** -24 * (x.abs().double() @ ref.abs().double().T)

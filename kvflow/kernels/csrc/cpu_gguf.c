@@ -2,7 +2,8 @@
  * with W stored as the raw blocks of a GGUF tensor, dequantized inside the product.
  *
  * Work is split over tiles of TILE_ROWS weight rows. With one activation row (decode) each
- * block is dequantized into 16-lane vector registers and multiplied at once, never stored;
+ * block is dequantized into vector registers, 16 values at a time, and multiplied at once,
+ * never stored;
  * with several, a thread dequantizes its tile once into a private fp32 buffer (TILE_ROWS x K
  * floats, in L1/L2) and multiplies every activation row against it. Either way each quantized
  * byte is read once per call. At batch 1 the product is bound by reading the weights, and the
@@ -13,6 +14,9 @@
  * gguf.quants.dequantize (numpy) is the oracle both are tested against.
  * Returns 0, 1 when a scratch buffer cannot be allocated, 2 for an unknown type. */
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_common.h"
 
@@ -22,17 +26,22 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 1
 #define TILE_ROWS 8
 
 
-static inline float f16_at(const uint8_t *p) {
-    _Float16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
-
-/* 16 lanes (GCC/Clang vector extensions: one AVX-512 register, or two AVX2 ones). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+/* Quantized values come 16 at a time as bytes (v16u8: one SSE register on every x86); the
+ * arithmetic on floats runs in the ISA's native vector width VW: 16 lanes (one register) in
+ * AVX-512 builds, 8 otherwise. GCC 12 lowers 16-lane float vectors on AVX2 into element-wise
+ * moves through the stack (a scalar broadcast became 16 stores), so 16 values are two 8-lane
+ * halves there. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16s8 __attribute__((vector_size(16)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+typedef int8_t vs8 __attribute__((vector_size(VW)));
 
 static inline v16u8 bytes16(const uint8_t *p) {
     v16u8 v;
@@ -40,71 +49,152 @@ static inline v16u8 bytes16(const uint8_t *p) {
     return v;
 }
 
-/* Bytes to floats through int32 lanes (zero-extend, then convert: two vector instructions;
- * GCC 12 converts uint8 lanes straight to float one lane at a time). */
-static inline v16f to_f(v16u8 v) {
-    return __builtin_convertvector(__builtin_convertvector(v, v16i), v16f);
-}
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, 64);
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline float hsum(v16f v) {
+/* Bytes h * VW .. h * VW + VW - 1 of q as floats, zero- (u8) or sign-extended (s8) through int32
+ * lanes: one vpmovzxbd / vpmovsxbd and one conversion (GCC 12 converts byte lanes straight to
+ * float, or to int32 on AVX2, one lane at a time). */
+static inline vf u8_to_f(v16u8 q, int h) {
+#if defined(__AVX512F__)
+    (void)h;
+    return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
+#elif defined(__AVX2__)
+    __m128i x;
+    memcpy(&x, &q, 16);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_unpackhi_epi64(x, x) : x));
+    vf v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    vu8 b;
+    memcpy(&b, (const char *)&q + h * VW, VW);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
+
+static inline vf s8_to_f(v16s8 q, int h) {
+#if defined(__AVX512F__)
+    (void)h;
+    return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
+#elif defined(__AVX2__)
+    __m128i x;
+    memcpy(&x, &q, 16);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_unpackhi_epi64(x, x) : x));
+    vf v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    vs8 b;
+    memcpy(&b, (const char *)&q + h * VW, VW);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
+
+static inline float hsum(vf v) {
     float sum = 0.0f;
-    for (int j = 0; j < 16; ++j) sum += v[j];
+    for (int j = 0; j < VW; ++j) sum += v[j];
     return sum;
 }
 
 /* a . b for k a multiple of 32 (every GGML block is 32 or 256 elements). */
 static inline float dot(const float *a, const float *b, int64_t k) {
-    v16f acc0 = {}, acc1 = {};
-    for (int64_t i = 0; i < k; i += 32) {
-        acc0 += load16(a + i) * load16(b + i);
-        acc1 += load16(a + i + 16) * load16(b + i + 16);
-    }
-    return hsum(acc0 + acc1);
+    vf acc[32 / VW] = {};
+    for (int64_t i = 0; i < k; i += 32)
+        for (int h = 0; h < 32 / VW; ++h) acc[h] += loadv(a + i + h * VW) * loadv(b + i + h * VW);
+    for (int h = 1; h < 32 / VW; ++h) acc[0] += acc[h];
+    return hsum(acc[0]);
 }
 
-/* Each blk_* dequantizes one block into ELEMS / 16 vectors v[] (inlined into the loops below,
- * so the compiler keeps a small block in registers). */
-static inline void blk_q4_0(const uint8_t *b, v16f *v) { /* 18 bytes -> 32 */
+/* Where a block's values go, 16 at a time (values 16 j .. 16 j + 15 of the block): multiplied
+ * into the accumulators acc[0 .. 16 / VW - 1] (indexed by a constant, so kept in registers)
+ * against x[16 j ..], or stored to dst[16 j ..]. Inlined with a
+ * constant store flag the test folds away, and each 16 values are used as soon as they are
+ * made: few vectors are live at once (a Q4_K block whole would be 16 vectors of 16 lanes, 32
+ * AVX2 registers of the 16 there are). */
+typedef struct {
+    const float *x; /* with acc, when store is 0 */
+    vf *acc;
+    float *dst; /* when store is 1 */
+    int store;
+} Sink;
+
+/* Values 16 j .. 16 j + 15 of a block, d * q + m for the 16 quants q (exact products: d has
+ * at most 18 significant bits and q at most 6, so one rounding, as in ggml's formulas). */
+static inline void emit_f(Sink s, int j, int h, vf v) {
+    if (s.store)
+        memcpy(s.dst + 16 * j + h * VW, &v, sizeof v);
+    else
+        s.acc[h] += v * loadv(s.x + 16 * j + h * VW);
+}
+
+static inline void emit(Sink s, int j, v16u8 q, float d, float m) {
+    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * u8_to_f(q, h) + m);
+}
+
+static inline void emit_s8(Sink s, int j, v16s8 q, float d) {
+    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * s8_to_f(q, h));
+}
+
+static inline float f16_at(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* Each blk_* dequantizes one block into out (see Sink); inlined into the loops below. */
+static inline void blk_q4_0(const uint8_t *b, Sink out) { /* 18 bytes -> 32: d (q - 8) */
     const float d = f16_at(b);
     const v16u8 q = bytes16(b + 2);
-    v[0] = (to_f(q & 0xF) - 8.0f) * d;
-    v[1] = (to_f(q >> 4) - 8.0f) * d;
+    emit(out, 0, q & 0xF, d, -8.0f * d);
+    emit(out, 1, q >> 4, d, -8.0f * d);
 }
 
-static inline void blk_q4_1(const uint8_t *b, v16f *v) { /* 20 bytes -> 32 */
+static inline void blk_q4_1(const uint8_t *b, Sink out) { /* 20 bytes -> 32: d q + m */
     const float d = f16_at(b), m = f16_at(b + 2);
     const v16u8 q = bytes16(b + 4);
-    v[0] = to_f(q & 0xF) * d + m;
-    v[1] = to_f(q >> 4) * d + m;
+    emit(out, 0, q & 0xF, d, m);
+    emit(out, 1, q >> 4, d, m);
 }
 
-static inline void blk_q5_0(const uint8_t *b, v16f *v) { /* 22 bytes -> 32 */
+/* 16 if bit `bit` of h's byte is set, else 0, per byte (a fifth quant bit, already shifted
+ * into place: a compare instead of byte shifts, which x86 lacks). */
+static inline v16u8 bit_as_16(v16u8 h, uint8_t bit) {
+    return (v16u8)((h & (uint8_t)(1u << bit)) != 0) & 16;
+}
+
+/* Byte i of the result is byte i / 8 of bits16 (the Q5_0 fifth bits of 16 quants, byte i
+ * then tested for bit i % 8): two broadcasts and a blend. */
+static inline v16u8 spread_bits16(uint32_t bits16) {
+    const v16u8 low_half = {255, 255, 255, 255, 255, 255, 255, 255};
+    const v16u8 lo = (v16u8){} + (uint8_t)(bits16 & 0xFF), hi = (v16u8){} + (uint8_t)(bits16 >> 8);
+    return (lo & low_half) | (hi & ~low_half);
+}
+
+static inline v16u8 fifth_bits(uint32_t bits16) {
+    const v16u8 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (v16u8)((spread_bits16(bits16) & mask) != 0) & 16;
+}
+
+static inline void blk_q5_0(const uint8_t *b, Sink out) { /* 22 bytes -> 32: d (q - 16) */
     const float d = f16_at(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16i high_lo = (((v16i){} + (int32_t)(qh & 0xFFFF)) >> lane) & 1;
-    const v16i high_hi = (((v16i){} + (int32_t)(qh >> 16)) >> lane) & 1;
     const v16u8 q = bytes16(b + 6);
-    const v16i lo = __builtin_convertvector(q & 0xF, v16i) | (high_lo << 4);
-    const v16i hi = __builtin_convertvector(q >> 4, v16i) | (high_hi << 4);
-    v[0] = __builtin_convertvector(lo - 16, v16f) * d;
-    v[1] = __builtin_convertvector(hi - 16, v16f) * d;
+    emit(out, 0, (q & 0xF) | fifth_bits(qh & 0xFFFF), d, -16.0f * d);
+    emit(out, 1, (q >> 4) | fifth_bits(qh >> 16), d, -16.0f * d);
 }
 
-static inline void blk_q8_0(const uint8_t *b, v16f *v) { /* 34 bytes -> 32 */
+static inline void blk_q8_0(const uint8_t *b, Sink out) { /* 34 bytes -> 32: d q */
     const float d = f16_at(b);
     v16s8 q0, q1;
     memcpy(&q0, b + 2, 16);
     memcpy(&q1, b + 18, 16);
-    v[0] = __builtin_convertvector(__builtin_convertvector(q0, v16i), v16f) * d;
-    v[1] = __builtin_convertvector(__builtin_convertvector(q1, v16i), v16f) * d;
+    emit_s8(out, 0, q0, d);
+    emit_s8(out, 1, q1, d);
 }
 
 /* The j-th (scale, min) 6-bit pair of a K-quant super-block (ggml get_scale_min_k4). */
@@ -118,10 +208,10 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-static inline void blk_q4_k(const uint8_t *b, v16f *v) { /* 144 bytes -> 256 */
+static inline void blk_q4_k(const uint8_t *b, Sink out) { /* 144 bytes -> 256 */
     const float d = f16_at(b), dmin = f16_at(b + 2);
     const uint8_t *scales = b + 4, *q = b + 16;
-    for (int c = 0; c < 4; ++c, q += 32, v += 4) {
+    for (int c = 0; c < 4; ++c, q += 32) {
         int sc, m;
         scale_min_k4(2 * c, scales, &sc, &m);
         const float d1 = d * sc, m1 = dmin * m;
@@ -129,16 +219,16 @@ static inline void blk_q4_k(const uint8_t *b, v16f *v) { /* 144 bytes -> 256 */
         const float d2 = d * sc, m2 = dmin * m;
         for (int l = 0; l < 2; ++l) {
             const v16u8 x = bytes16(q + 16 * l);
-            v[l] = d1 * to_f(x & 0xF) - m1;
-            v[l + 2] = d2 * to_f(x >> 4) - m2;
+            emit(out, 4 * c + l, x & 0xF, d1, -m1);
+            emit(out, 4 * c + l + 2, x >> 4, d2, -m2);
         }
     }
 }
 
-static inline void blk_q5_k(const uint8_t *b, v16f *v) { /* 176 bytes -> 256 */
+static inline void blk_q5_k(const uint8_t *b, Sink out) { /* 176 bytes -> 256 */
     const float d = f16_at(b), dmin = f16_at(b + 2);
     const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
-    for (int c = 0; c < 4; ++c, q += 32, v += 4) {
+    for (int c = 0; c < 4; ++c, q += 32) {
         int sc, m;
         scale_min_k4(2 * c, scales, &sc, &m);
         const float d1 = d * sc, m1 = dmin * m;
@@ -146,29 +236,27 @@ static inline void blk_q5_k(const uint8_t *b, v16f *v) { /* 176 bytes -> 256 */
         const float d2 = d * sc, m2 = dmin * m;
         for (int l = 0; l < 2; ++l) {
             const v16u8 x = bytes16(q + 16 * l), h = bytes16(qh + 16 * l);
-            v[l] = d1 * to_f((x & 0xF) + (((h >> (2 * c)) & 1) << 4)) - m1;
-            v[l + 2] = d2 * to_f((x >> 4) + (((h >> (2 * c + 1)) & 1) << 4)) - m2;
+            emit(out, 4 * c + l, (x & 0xF) | bit_as_16(h, 2 * c), d1, -m1);
+            emit(out, 4 * c + l + 2, (x >> 4) | bit_as_16(h, 2 * c + 1), d2, -m2);
         }
     }
 }
 
-static inline v16f q6_values(v16u8 low4, v16u8 high2, float scale) {
-    const v16i q = __builtin_convertvector(low4 | (high2 << 4), v16i) - 32;
-    return scale * __builtin_convertvector(q, v16f);
-}
-
-static inline void blk_q6_k(const uint8_t *b, v16f *v) { /* 210 bytes -> 256 */
+static inline void blk_q6_k(const uint8_t *b, Sink out) { /* 210 bytes -> 256: s (q - 32) */
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = f16_at(b + 208);
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, v += 8) {
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8) {
         for (int l = 0; l < 2; ++l) { /* positions 16l..16l+15 of each 32; scale index l */
             const v16u8 a = bytes16(ql + 16 * l), c = bytes16(ql + 32 + 16 * l);
             const v16u8 h = bytes16(qh + 16 * l);
-            v[l] = q6_values(a & 0xF, h & 3, d * sc[l]);
-            v[l + 2] = q6_values(c & 0xF, (h >> 2) & 3, d * sc[l + 2]);
-            v[l + 4] = q6_values(a >> 4, (h >> 4) & 3, d * sc[l + 4]);
-            v[l + 6] = q6_values(c >> 4, (h >> 6) & 3, d * sc[l + 6]);
+            const int j = 8 * half + l;
+            const float s0 = d * sc[l], s2 = d * sc[l + 2], s4 = d * sc[l + 4],
+                        s6 = d * sc[l + 6];
+            emit(out, j, (a & 0xF) | ((h & 3) << 4), s0, -32.0f * s0);
+            emit(out, j + 2, (c & 0xF) | (((h >> 2) & 3) << 4), s2, -32.0f * s2);
+            emit(out, j + 4, (a >> 4) | (((h >> 4) & 3) << 4), s4, -32.0f * s4);
+            emit(out, j + 6, (c >> 4) | (((h >> 6) & 3) << 4), s6, -32.0f * s6);
         }
     }
 }
@@ -182,16 +270,15 @@ static inline void blk_q6_k(const uint8_t *b, v16f *v) { /* 210 bytes -> 256 */
                            float *buf, float *out, int64_t out_stride, const float *bias) {   \
         for (int r = 0; r < rows; ++r) {                                                      \
             const uint8_t *src = w + (n0 + r) * row_bytes;                                    \
-            v16f acc = {};                                                                    \
-            for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES) {                           \
-                v16f v[ELEMS / 16];                                                           \
-                BLK(src, v);                                                                  \
-                if (m == 1)                                                                   \
-                    for (int j = 0; j < ELEMS / 16; ++j) acc += v[j] * load16(x + e + 16 * j); \
-                else                                                                          \
-                    memcpy(buf + (int64_t)r * k + e, v, sizeof(v));                           \
+            if (m == 1) {                                                                     \
+                vf acc[2] = {};                                                               \
+                for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                         \
+                    BLK(src, (Sink){x + e, acc, NULL, 0});                                       \
+                out[n0 + r] = hsum(acc[0] + acc[1]) + (bias ? bias[n0 + r] : 0.0f);           \
+            } else {                                                                          \
+                for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                         \
+                    BLK(src, (Sink){NULL, NULL, buf + (int64_t)r * k + e, 1});                   \
             }                                                                                 \
-            if (m == 1) out[n0 + r] = hsum(acc) + (bias ? bias[n0 + r] : 0.0f);               \
         }                                                                                     \
         for (int64_t i = 0; m > 1 && i < m; ++i)                                              \
             for (int r = 0; r < rows; ++r)                                                    \
@@ -199,11 +286,8 @@ static inline void blk_q6_k(const uint8_t *b, v16f *v) { /* 210 bytes -> 256 */
                                                + (bias ? bias[n0 + r] : 0.0f);                \
     }                                                                                         \
     static void row_##BLK(const uint8_t *src, int64_t k, float *dst) {                        \
-        for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES) {                               \
-            v16f v[ELEMS / 16];                                                               \
-            BLK(src, v);                                                                      \
-            memcpy(dst + e, v, sizeof(v));                                                    \
-        }                                                                                     \
+        for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                                 \
+            BLK(src, (Sink){NULL, NULL, dst + e, 1});                                            \
     }
 
 GGUF_KERNELS(blk_q4_0, 32, 18)
