@@ -100,13 +100,47 @@ static inline float hsum(vf v) {
     return sum;
 }
 
-/* a . b for k a multiple of 32 (every GGML block is 32 or 256 elements). */
-static inline float dot(const float *a, const float *b, int64_t k) {
-    vf acc[32 / VW] = {};
-    for (int64_t i = 0; i < k; i += 32)
-        for (int h = 0; h < 32 / VW; ++h) acc[h] += loadv(a + i + h * VW) * loadv(b + i + h * VW);
-    for (int h = 1; h < 32 / VW; ++h) acc[0] += acc[h];
-    return hsum(acc[0]);
+/* out[i * os + r] = x[i, :] . w[r, :] (+ bias[r]) for MB rows of x (row stride xs) and RB rows
+ * of w (row stride k), k a multiple of VW: MB x RB accumulators, each x and w vector loaded
+ * once per VW values (a plain dot product loads two vectors per multiply-add, which bounds it
+ * at half the FMA rate). MB and RB are constants wherever this is inlined. */
+static inline void dot_block(int mb, int rb, const float *x, int64_t xs, const float *w,
+                             int64_t k, float *out, int64_t os, const float *bias) {
+    vf acc[2][4] = {};
+    for (int64_t e = 0; e < k; e += VW) {
+        vf xv[2];
+        for (int i = 0; i < mb; ++i) xv[i] = loadv(x + i * xs + e);
+        for (int r = 0; r < rb; ++r) {
+            const vf wv = loadv(w + r * k + e);
+            for (int i = 0; i < mb; ++i) acc[i][r] += xv[i] * wv;
+        }
+    }
+    for (int i = 0; i < mb; ++i)
+        for (int r = 0; r < rb; ++r) out[i * os + r] = hsum(acc[i][r]) + (bias ? bias[r] : 0.0f);
+}
+
+/* out[i * os + r] = x[i, :] . buf[r, :] (+ bias[r]) for i < m, r < rows (buf: [rows, k]), in
+ * blocks of up to 2 x rows by 4 buf rows. */
+static void dot_tile(const float *x, int64_t xs, int64_t m, const float *buf, int rows,
+                     int64_t k, float *out, int64_t os, const float *bias) {
+    for (int64_t i = 0; i < m; i += 2) {
+        const int mb = m - i >= 2 ? 2 : 1;
+        for (int r = 0; r < rows; r += 4) {
+            const int rb = rows - r >= 4 ? 4 : rows - r;
+            const float *xi = x + i * xs, *wr = buf + r * k, *br = bias ? bias + r : NULL;
+            float *o = out + i * os + r;
+#define DOT_BLOCK(MB, RB, T) dot_block(MB, RB, xi, xs, wr + (T) * k, k, o + (T), os, \
+                                       br ? br + (T) : NULL)
+            if (rb == 4 && mb == 2) DOT_BLOCK(2, 4, 0);
+            else if (rb == 4) DOT_BLOCK(1, 4, 0);
+            else
+                for (int t = 0; t < rb; ++t) {
+                    if (mb == 2) DOT_BLOCK(2, 1, t);
+                    else DOT_BLOCK(1, 1, t);
+                }
+#undef DOT_BLOCK
+        }
+    }
 }
 
 /* Where a block's values go, 16 at a time (values 16 j .. 16 j + 15 of the block): multiplied
@@ -280,10 +314,8 @@ static inline void blk_q6_k(const uint8_t *b, Sink out) { /* 210 bytes -> 256: s
                     BLK(src, (Sink){NULL, NULL, buf + (int64_t)r * k + e, 1});                   \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t i = 0; m > 1 && i < m; ++i)                                              \
-            for (int r = 0; r < rows; ++r)                                                    \
-                out[i * out_stride + n0 + r] = dot(x + i * x_stride, buf + (int64_t)r * k, k) \
-                                               + (bias ? bias[n0 + r] : 0.0f);                \
+        if (m > 1)                                                                            \
+            dot_tile(x, x_stride, m, buf, rows, k, out + n0, out_stride, bias ? bias + n0 : NULL); \
     }                                                                                         \
     static void row_##BLK(const uint8_t *src, int64_t k, float *dst) {                        \
         for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                                 \
