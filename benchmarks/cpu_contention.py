@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 
-from offline_engine import load_engine
+from offline_engine import cpu_w1_token_ids, load_engine
 
-NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 32
+NUM_PROMPTS, OUTPUT_LEN = 32, 32  # prompts of offline_engine.INPUT_LEN (128) tokens
 
 
 def main() -> None:
@@ -39,12 +39,10 @@ def main() -> None:
         args.engine, args.model_dir, args.dtype,
         **({"kv_cache_memory": "512MiB", "cpu_adaptive_threads": args.adaptive,
             "cpu_threads_bind": args.bind} if args.engine == "kvflow" else {}))
-    import numpy as np
     import torch
 
     vocab = llm.get_tokenizer().vocab_size
-    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
-    prompts = [wrap(row) for row in ids.tolist()]
+    prompts = [wrap(row) for row in cpu_w1_token_ids(vocab, NUM_PROMPTS)]
     params = sampling_params(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts[:2], sampling_params(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
+NUM_PROMPTS, OUTPUT_LEN = 64, 64  # prompts of offline_engine.INPUT_LEN (128) tokens
 MODES = ("graphs", "eager")
 
 
@@ -41,14 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """One process's figures: {"b<B>_ms": decode ms/step, "tok_s": CPU-W1 out tok/s}."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import numpy as np
     import offline_engine
 
     llm, params_cls, _ = offline_engine.load_engine(
         "kvflow", args.model_dir, args.dtype, enforce_eager=args.child == "eager")
     vocab = llm.get_tokenizer().vocab_size
-    ids = np.random.default_rng(0).integers(3, min(vocab, 32000),
-                                            (NUM_PROMPTS, INPUT_LEN)).tolist()
+    ids = offline_engine.cpu_w1_token_ids(vocab, NUM_PROMPTS)
 
     def run(batch: list, max_tokens: int) -> float:
         params = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -168,7 +168,6 @@ def replay_ms(model, attn_ctx, metadata, block_size, input_ids, positions, extra
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """Run the workload in this process; return {"real_ms", "host_ms"}."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import numpy as np
     import offline_engine
 
     from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -206,9 +205,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     model_runner.run_model = timed_run_model  # this process only: the engine's step calls it
     vocab = llm.get_tokenizer().vocab_size
-    ids = np.random.default_rng(0).integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN))
     params = sampling_params(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
-    llm.generate(ids.tolist(), params, use_tqdm=False)
+    llm.generate(offline_engine.cpu_w1_token_ids(vocab, NUM_PROMPTS), params, use_tqdm=False)
     if not result:
         raise RuntimeError("no 64-row decode step was seen (another scheduler policy?)")
     return result

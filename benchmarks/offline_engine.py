@@ -37,13 +37,13 @@ def load_engine(engine: str, model_dir: str, dtype: str, **kvflow_options):
         (lambda ids: {"prompt_token_ids": ids})
 
 
-def cpu_w1_token_ids(vocab: int) -> list[list[int]]:
-    """CPU-W1's prompts: NUM_PROMPTS x INPUT_LEN token ids drawn by numpy ``default_rng(0)``
-    from [3, min(vocab, 32000))."""
+def cpu_w1_token_ids(vocab: int, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
+    """CPU-W1's prompts: num_prompts x INPUT_LEN token ids drawn by numpy ``default_rng(0)``
+    from [3, min(vocab, 32000)) (fewer prompts are the first rows of the same draw)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    return rng.integers(3, min(vocab, 32000), (NUM_PROMPTS, INPUT_LEN)).tolist()
+    return rng.integers(3, min(vocab, 32000), (num_prompts, INPUT_LEN)).tolist()
 
 
 def main() -> None:
