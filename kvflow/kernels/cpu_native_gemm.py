@@ -187,7 +187,6 @@ class GemmKernels:
 
         Raises:
             ValueError: on a dtype/layout mismatch or an unknown GGML type.
-            MemoryError: when the kernel cannot allocate its tile buffer.
         """
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k \
                 or raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.dim() != 2:

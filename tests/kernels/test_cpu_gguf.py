@@ -52,7 +52,7 @@ def test_native_dequantize_matches_gguf(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", sorted(F16_AT))
-@pytest.mark.parametrize("m", [1, 3, 17])  # fused kernel (1, 3); tiles + torch GEMM (17)
+@pytest.mark.parametrize("m", [1, 3, 15, 17])  # native: passes of 8, 4, 2, 1 rows; 17: torch GEMM
 def test_native_gemm_matches_gguf(ggml_type, m):
     raw, ref = _case(ggml_type, 21, seed=m)  # 21 rows: a partial last tile of 8
     x = torch.randn(m, ref.shape[1], generator=torch.Generator().manual_seed(m))

@@ -136,7 +136,7 @@ GGML_TYPES = [Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
 
 
 @pytest.mark.parametrize("ggml_type", GGML_TYPES)
-@pytest.mark.parametrize("m", [1, 3])  # the fused decode kernel, the tile buffer
+@pytest.mark.parametrize("m", [1, 15])  # one row; passes of 8, 4, 2 and 1 rows
 def test_gguf_gemm_at_every_level(kernels, ggml_type, m):
     """cpu_gguf.c built at each level (its vector width follows the ISA): the fused
     dequantize-and-multiply against gguf.quants.dequantize + a float64 matmul, within Higham's

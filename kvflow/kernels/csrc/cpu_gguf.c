@@ -1,18 +1,17 @@
 /* GEMM against llama.cpp GGML blocks kept in memory: out[m, n] = x[m, :] . W[n, :] (+ bias)
  * with W stored as the raw blocks of a GGUF tensor, dequantized inside the product.
  *
- * Work is split over tiles of TILE_ROWS weight rows. With one activation row (decode) each
- * block is dequantized into vector registers, 16 values at a time, and multiplied at once,
- * never stored;
- * with several, a thread dequantizes its tile once into a private fp32 buffer (TILE_ROWS x K
- * floats, in L1/L2) and multiplies every activation row against it. Either way each quantized
- * byte is read once per call. At batch 1 the product is bound by reading the weights, and the
- * blocks are 4.5-8.5 bits per weight instead of 32: that is the point of keeping them.
+ * Work is split over tiles of TILE_ROWS weight rows. Each block of a weight row is dequantized
+ * into vector registers, 16 values at a time, and multiplied at once against up to 8
+ * activation rows, never stored: a weight row is dequantized once per 8 activation rows and
+ * each quantized byte read from memory once per call (later passes over the same row find it
+ * in cache). At batch 1 the product is bound by reading the weights, and the blocks are
+ * 4.5-8.5 bits per weight instead of 32: that is the point of keeping them.
  *
  * Block layouts and formulas are ggml's (ggml-quants.c dequantize_row_*, structs in
  * ggml-common.h), the same as kernels/gguf_dequant.py (which documents them in a table);
  * gguf.quants.dequantize (numpy) is the oracle both are tested against.
- * Returns 0, 1 when a scratch buffer cannot be allocated, 2 for an unknown type. */
+ * Returns 0, or 2 for an unknown type. */
 #include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -100,69 +99,35 @@ static inline float hsum(vf v) {
     return sum;
 }
 
-/* out[i * os + r] = x[i, :] . w[r, :] (+ bias[r]) for MB rows of x (row stride xs) and RB rows
- * of w (row stride k), k a multiple of VW: MB x RB accumulators, each x and w vector loaded
- * once per VW values (a plain dot product loads two vectors per multiply-add, which bounds it
- * at half the FMA rate). MB and RB are constants wherever this is inlined. */
-static inline void dot_block(int mb, int rb, const float *x, int64_t xs, const float *w,
-                             int64_t k, float *out, int64_t os, const float *bias) {
-    vf acc[2][4] = {};
-    for (int64_t e = 0; e < k; e += VW) {
-        vf xv[2];
-        for (int i = 0; i < mb; ++i) xv[i] = loadv(x + i * xs + e);
-        for (int r = 0; r < rb; ++r) {
-            const vf wv = loadv(w + r * k + e);
-            for (int i = 0; i < mb; ++i) acc[i][r] += xv[i] * wv;
-        }
-    }
-    for (int i = 0; i < mb; ++i)
-        for (int r = 0; r < rb; ++r) out[i * os + r] = hsum(acc[i][r]) + (bias ? bias[r] : 0.0f);
-}
-
-/* out[i * os + r] = x[i, :] . buf[r, :] (+ bias[r]) for i < m, r < rows (buf: [rows, k]), in
- * blocks of up to 2 x rows by 4 buf rows. */
-static void dot_tile(const float *x, int64_t xs, int64_t m, const float *buf, int rows,
-                     int64_t k, float *out, int64_t os, const float *bias) {
-    for (int64_t i = 0; i < m; i += 2) {
-        const int mb = m - i >= 2 ? 2 : 1;
-        for (int r = 0; r < rows; r += 4) {
-            const int rb = rows - r >= 4 ? 4 : rows - r;
-            const float *xi = x + i * xs, *wr = buf + r * k, *br = bias ? bias + r : NULL;
-            float *o = out + i * os + r;
-#define DOT_BLOCK(MB, RB, T) dot_block(MB, RB, xi, xs, wr + (T) * k, k, o + (T), os, \
-                                       br ? br + (T) : NULL)
-            if (rb == 4 && mb == 2) DOT_BLOCK(2, 4, 0);
-            else if (rb == 4) DOT_BLOCK(1, 4, 0);
-            else
-                for (int t = 0; t < rb; ++t) {
-                    if (mb == 2) DOT_BLOCK(2, 1, t);
-                    else DOT_BLOCK(1, 1, t);
-                }
-#undef DOT_BLOCK
-        }
-    }
-}
-
 /* Where a block's values go, 16 at a time (values 16 j .. 16 j + 15 of the block): multiplied
- * into the accumulators acc[0 .. 16 / VW - 1] (indexed by a constant, so kept in registers)
- * against x[16 j ..], or stored to dst[16 j ..]. Inlined with a
- * constant store flag the test folds away, and each 16 values are used as soon as they are
- * made: few vectors are live at once (a Q4_K block whole would be 16 vectors of 16 lanes, 32
- * AVX2 registers of the 16 there are). */
+ * against mb rows of x (x[i * xs + 16 j ..]) into the accumulators acc, or stored to
+ * dst[16 j ..]. Inlined with a constant store flag and mb the tests fold away and the
+ * accumulators are registers; each 16 values are used as soon as they are made, for every x
+ * row, so a weight is dequantized once per mb rows and never stored (a Q4_K block whole would
+ * be 16 vectors of 16 lanes, 32 AVX2 registers of the 16 there are). */
 typedef struct {
-    const float *x; /* with acc, when store is 0 */
-    vf *acc;
+    const float *x; /* with xs, mb and acc, when store is 0 */
+    int64_t xs;
+    int mb;
+    vf *acc; /* [mb][acc_split(mb)] */
     float *dst; /* when store is 1 */
     int store;
 } Sink;
 
-/* Values 16 j .. 16 j + 15 of a block, d * q + m for the 16 quants q (exact products: d has
- * at most 18 significant bits and q at most 6, so one rounding, as in ggml's formulas). */
+enum { MB_MAX = 8 }; /* x rows per pass: 8 accumulators, 8 independent FMA chains */
+
+/* Accumulators per x row: one per VW-lane part of the 16 values where mb x parts fit in
+ * MB_MAX registers (independent FMA chains for few rows), else one. */
+static inline int acc_split(int mb) { return mb * (16 / VW) <= MB_MAX ? 16 / VW : 1; }
+
 static inline void emit_f(Sink s, int j, int h, vf v) {
-    if (s.store)
+    if (s.store) {
         memcpy(s.dst + 16 * j + h * VW, &v, sizeof v);
-    else
-        s.acc[h] += v * loadv(s.x + 16 * j + h * VW);
+        return;
+    }
+    const int split = acc_split(s.mb);
+    for (int i = 0; i < s.mb; ++i)
+        s.acc[i * split + (split > 1 ? h : 0)] += v * loadv(s.x + i * s.xs + 16 * j + h * VW);
 }
 
 static inline void emit(Sink s, int j, v16u8 q, float d, float m) {
@@ -295,31 +260,45 @@ static inline void blk_q6_k(const uint8_t *b, Sink out) { /* 210 bytes -> 256: s
     }
 }
 
-/* Per block type: tile_* multiplies rows [n0, n0 + rows) of W by every x row (one x row:
- * each block dequantized into registers and used at once; several: the tile dequantized once
- * into buf [rows, k], then reused); rows_* dequantizes one row (the reference path). */
+/* Per block type: dot_* multiplies one weight row by MB x rows (each block dequantized once,
+ * into registers, and used for every row; MB a constant where it is inlined); tile_* runs it
+ * for rows [n0, n0 + rows) of W and every x row, in passes of 8, 4, 2 and 1 x rows; row_*
+ * dequantizes one row (the reference path). */
 #define GGUF_KERNELS(BLK, ELEMS, NBYTES)                                                      \
+    static inline void dot_##BLK(int mb, const float *x, int64_t xs, const uint8_t *src,      \
+                                 int64_t k, float *out, int64_t os, float bias) {             \
+        vf acc[MB_MAX] = {};                                                                  \
+        for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                                 \
+            BLK(src, (Sink){x + e, xs, mb, acc, NULL, 0});                                    \
+        const int split = acc_split(mb);                                                      \
+        for (int i = 0; i < mb; ++i) {                                                        \
+            vf sum = acc[i * split];                                                          \
+            for (int h = 1; h < split; ++h) sum += acc[i * split + h];                        \
+            out[i * os] = hsum(sum) + bias;                                                   \
+        }                                                                                     \
+    }                                                                                         \
     static void tile_##BLK(const float *x, int64_t x_stride, const uint8_t *w,                \
                            int64_t row_bytes, int64_t n0, int rows, int64_t m, int64_t k,     \
-                           float *buf, float *out, int64_t out_stride, const float *bias) {   \
+                           float *out, int64_t out_stride, const float *bias) {               \
         for (int r = 0; r < rows; ++r) {                                                      \
             const uint8_t *src = w + (n0 + r) * row_bytes;                                    \
-            if (m == 1) {                                                                     \
-                vf acc[2] = {};                                                               \
-                for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                         \
-                    BLK(src, (Sink){x + e, acc, NULL, 0});                                       \
-                out[n0 + r] = hsum(acc[0] + acc[1]) + (bias ? bias[n0 + r] : 0.0f);           \
-            } else {                                                                          \
-                for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                         \
-                    BLK(src, (Sink){NULL, NULL, buf + (int64_t)r * k + e, 1});                   \
+            const float b = bias ? bias[n0 + r] : 0.0f;                                       \
+            for (int64_t i = 0; i < m;) {                                                     \
+                const float *xi = x + i * x_stride;                                           \
+                float *o = out + i * out_stride + n0 + r;                                     \
+                const int64_t left = m - i;                                                   \
+                const int mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;             \
+                if (mb == 8) dot_##BLK(8, xi, x_stride, src, k, o, out_stride, b);            \
+                else if (mb == 4) dot_##BLK(4, xi, x_stride, src, k, o, out_stride, b);       \
+                else if (mb == 2) dot_##BLK(2, xi, x_stride, src, k, o, out_stride, b);       \
+                else dot_##BLK(1, xi, x_stride, src, k, o, out_stride, b);                    \
+                i += mb;                                                                      \
             }                                                                                 \
         }                                                                                     \
-        if (m > 1)                                                                            \
-            dot_tile(x, x_stride, m, buf, rows, k, out + n0, out_stride, bias ? bias + n0 : NULL); \
     }                                                                                         \
     static void row_##BLK(const uint8_t *src, int64_t k, float *dst) {                        \
         for (int64_t e = 0; e < k; e += ELEMS, src += NBYTES)                                 \
-            BLK(src, (Sink){NULL, NULL, dst + e, 1});                                            \
+            BLK(src, (Sink){NULL, 0, 0, NULL, dst + e, 1});                                   \
     }
 
 GGUF_KERNELS(blk_q4_0, 32, 18)
@@ -331,7 +310,7 @@ GGUF_KERNELS(blk_q5_k, 256, 176)
 GGUF_KERNELS(blk_q6_k, 256, 210)
 
 typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, int64_t, int, int64_t,
-                        int64_t, float *, float *, int64_t, const float *);
+                        int64_t, float *, int64_t, const float *);
 typedef void (*row_fn)(const uint8_t *, int64_t, float *);
 
 /* The kernels of a GGML type; 0 for an unknown type. */
@@ -359,8 +338,7 @@ int kvflow_gguf_dequantize(const uint8_t *w, int64_t row_bytes, int type, int64_
     return 0;
 }
 
-/* out[i, :n] = x[i, :k] . W.T (+ bias) for i < m; 1 when scratch cannot be allocated, 2 for an
- * unknown type. */
+/* out[i, :n] = x[i, :k] . W.T (+ bias) for i < m; 2 for an unknown type. */
 int kvflow_gguf_gemm(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                      int type, const float *bias, float *out, int64_t out_stride, int64_t m,
                      int64_t n, int64_t k, int threads) {
@@ -368,19 +346,11 @@ int kvflow_gguf_gemm(const float *x, int64_t x_stride, const uint8_t *w, int64_t
     row_fn row;
     if (!kernels_for(type, &tile, &row)) return 2;
     const int64_t tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        float *buf = m > 1 ? malloc(sizeof(float) * TILE_ROWS * (size_t)k) : NULL;
-        if (m > 1 && buf == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t t = 0; t < tiles; ++t) {
-            if (failed) continue;
-            const int64_t n0 = t * TILE_ROWS;
-            const int rows = (int)(n - n0 < TILE_ROWS ? n - n0 : TILE_ROWS);
-            tile(x, x_stride, w, row_bytes, n0, rows, m, k, buf, out, out_stride, bias);
-        }
-        free(buf);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n0 = t * TILE_ROWS;
+        const int rows = (int)(n - n0 < TILE_ROWS ? n - n0 : TILE_ROWS);
+        tile(x, x_stride, w, row_bytes, n0, rows, m, k, out, out_stride, bias);
     }
-    return failed;
+    return 0;
 }
