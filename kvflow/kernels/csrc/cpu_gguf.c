@@ -165,17 +165,23 @@ static inline v16u8 bit_as_16(v16u8 h, uint8_t bit) {
     return (v16u8)((h & (uint8_t)(1u << bit)) != 0) & 16;
 }
 
-/* Byte i of the result is byte i / 8 of bits16 (the Q5_0 fifth bits of 16 quants, byte i
- * then tested for bit i % 8): two broadcasts and a blend. */
-static inline v16u8 spread_bits16(uint32_t bits16) {
-    const v16u8 low_half = {255, 255, 255, 255, 255, 255, 255, 255};
-    const v16u8 lo = (v16u8){} + (uint8_t)(bits16 & 0xFF), hi = (v16u8){} + (uint8_t)(bits16 >> 8);
-    return (lo & low_half) | (hi & ~low_half);
-}
-
-static inline v16u8 fifth_bits(uint32_t bits16) {
+/* The Q5_0 fifth bits of 16 quants, 16 or 0 per byte: byte i of the result tests bit i % 8 of
+ * byte 2 h + i / 8 of qh (h = 0 for the low nibbles, 1 for the high ones). On AVX2 one byte
+ * shuffle spreads the two bytes; elsewhere two broadcasts and a blend. */
+static inline v16u8 fifth_bits(uint32_t qh, int h) {
     const v16u8 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    return (v16u8)((spread_bits16(bits16) & mask) != 0) & 16;
+    v16u8 spread;
+#if defined(__AVX2__)
+    const __m128i idx = h ? _mm_set_epi64x(0x0303030303030303, 0x0202020202020202)
+                          : _mm_set_epi64x(0x0101010101010101, 0);
+    const __m128i b = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)qh), idx);
+    memcpy(&spread, &b, 16);
+#else
+    const uint8_t lo_byte = (qh >> (16 * h)) & 0xFF, hi_byte = (qh >> (16 * h + 8)) & 0xFF;
+    const v16u8 low_half = {255, 255, 255, 255, 255, 255, 255, 255};
+    spread = (((v16u8){} + lo_byte) & low_half) | (((v16u8){} + hi_byte) & ~low_half);
+#endif
+    return (v16u8)((spread & mask) != 0) & 16;
 }
 
 static inline void blk_q5_0(const uint8_t *b, Sink out) { /* 22 bytes -> 32: d (q - 16) */
@@ -183,8 +189,8 @@ static inline void blk_q5_0(const uint8_t *b, Sink out) { /* 22 bytes -> 32: d (
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     const v16u8 q = bytes16(b + 6);
-    emit(out, 0, (q & 0xF) | fifth_bits(qh & 0xFFFF), d, -16.0f * d);
-    emit(out, 1, (q >> 4) | fifth_bits(qh >> 16), d, -16.0f * d);
+    emit(out, 0, (q & 0xF) | fifth_bits(qh, 0), d, -16.0f * d);
+    emit(out, 1, (q >> 4) | fifth_bits(qh, 1), d, -16.0f * d);
 }
 
 static inline void blk_q8_0(const uint8_t *b, Sink out) { /* 34 bytes -> 32: d q */
