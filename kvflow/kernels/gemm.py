@@ -207,6 +207,16 @@ class GemmPathMixin:
     packed_weight: PackedWeight | None = None
 
 
+def on_gemm_path(module: nn.Module) -> bool:
+    """Whether ``module`` multiplies its plain ``weight`` through :func:`linear`, so that the
+    weight may be packed (and the plain copy dropped): a :class:`GemmPathMixin` module whose
+    quantization method, if it has one, says so (``uses_gemm_path``: the unquantized methods).
+    A GGUF layer keeping a float tensor beside raw blocks has a 2-D float ``weight`` too, but
+    multiplies it itself."""
+    method = getattr(module, "quant_method", None)
+    return isinstance(module, GemmPathMixin) and getattr(method, "uses_gemm_path", method is None)
+
+
 def widen_half_gemms(model: nn.Module, workspace: GemmWorkspace) -> int:
     """Route every GEMM module of ``model`` through ``workspace`` (fp32 units).
 
@@ -249,7 +259,7 @@ def prepack_gemm_weights(model: nn.Module, batch_hint: int,
     counts: Counter[str] = Counter()
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
+        if not on_gemm_path(module) or not isinstance(weight, torch.Tensor) \
                 or weight.dim() != 2 or weight.dtype != dtype or weight.device.type != "cpu" \
                 or module.packed_weight is not None:  # e.g. a 16-bit LM head packed for fp32
             continue
@@ -283,7 +293,7 @@ def pack_logits_head(head: nn.Module, batch_hint: int,
     serve the lookups). Returns the packed weight, also set as ``head.packed_weight``.
     """
     weight = getattr(head, "weight", None)
-    if not isinstance(head, GemmPathMixin) or not isinstance(weight, torch.Tensor) \
+    if not on_gemm_path(head) or not isinstance(weight, torch.Tensor) \
             or weight.dim() != 2 or weight.device.type != "cpu" \
             or weight.dtype not in (torch.bfloat16, torch.float16):
         return None

@@ -8,13 +8,17 @@ and tokenizer loaders live in gguf_config.py and gguf_tokenizer.py."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 
 import torch
 
+from kvflow.kernels.gguf_dequant import SUPPORTED_TYPES as KEPT_TYPES
 from kvflow.models.gguf_config import ArchSpec, gguf_architecture
 from kvflow.models.gguf_reader import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
+
+logger = logging.getLogger(__name__)
 
 # GGUF tensor names -> HF parameter names.
 _GLOBAL_NAMES: dict[str, str] = {
@@ -100,7 +104,12 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     With ``keep_quantized``, a 2-D tensor of a quantized GGML type (linear and embedding
     weights) comes as its raw blocks instead: uint8 ``[rows, row_bytes]`` exactly as in the
     file (llama q/k rows un-permuted, which moves whole rows), with the GGML type as the
-    tensor's ``ggml_type`` attribute (a ``gguf.GGMLQuantizationType`` value).
+    tensor's ``ggml_type`` attribute (a ``gguf.GGMLQuantizationType`` value) - when kvflow
+    has kernels for that type (``kernels.gguf_dequant.SUPPORTED_TYPES``: Q4_0, Q4_1, Q5_0,
+    Q8_0, Q4_K, Q5_K, Q6_K). A tensor of another type (Q2_K, Q3_K, IQ*: common in llama.cpp's
+    Q2_K / Q3_K_* mixes) is dequantized as without ``keep_quantized`` and a warning names the
+    types, so such a file loads with those tensors in ``dtype`` instead of failing at its
+    first forward pass.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -128,14 +137,18 @@ def _iter_weights(
     import numpy as np
 
     data = np.memmap(meta.path, dtype=np.uint8, mode="r")
+    unkept: dict[str, int] = {}  # GGML type name -> tensors dequantized instead of kept
     try:
         for info in meta.tensors:
             if info.name not in names:
                 continue
             name = names[info.name]
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES:
-                yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
-                continue
+                if info.ggml_type in KEPT_TYPES:
+                    yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
+                    continue
+                type_name = _type_name(info.ggml_type)
+                unkept[type_name] = unkept.get(type_name, 0) + 1
             weight = torch.from_numpy(_dequantize(data, info))
             if spec.norm_offset and name.endswith("norm.weight"):
                 weight = weight - spec.norm_offset
@@ -148,8 +161,23 @@ def _iter_weights(
             del weight  # keep at most one float32 copy alive while the caller holds ``out``
             yield name, out
             del out
+        if unkept:
+            logger.warning("GGUF %s: no kept-quantized kernel for %s; those tensors were "
+                           "dequantized to %s at load (GGUF layers hold them as float32)",
+                           meta.path,
+                           ", ".join(f"{n} x {t}" for t, n in sorted(unkept.items())), dtype)
     finally:
         del data
+
+
+def _type_name(ggml_type: int) -> str:
+    """The GGML type's name (``Q3_K``), or its number when ``gguf`` does not know it."""
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return str(ggml_type)
 
 
 _FLOAT_TYPES = frozenset({0, 1, 30})  # GGML F32, F16, BF16: read as floats, never kept raw

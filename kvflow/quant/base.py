@@ -66,6 +66,9 @@ class LinearMethod(DeviceDispatch, ABC):
     """How one linear layer's weight is stored and multiplied (see the module docstring)."""
 
     name: str = "abstract"
+    # Whether the layer multiplies its plain ``weight`` through ``kernels.gemm.linear`` (so the
+    # CPU set-up may pack that weight and drop the plain copy: ``kernels.gemm.on_gemm_path``).
+    uses_gemm_path: bool = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
@@ -114,6 +117,9 @@ class EmbeddingMethod(ABC):
     when tied) is stored, looked up and multiplied."""
 
     name: str = "abstract"
+    # Whether the layer multiplies its plain ``weight`` through ``kernels.gemm.linear`` (so the
+    # CPU set-up may pack that weight and drop the plain copy: ``kernels.gemm.on_gemm_path``).
+    uses_gemm_path: bool = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,

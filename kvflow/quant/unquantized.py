@@ -19,6 +19,7 @@ class UnquantizedLinearMethod(LinearMethod):
     """``weight``: [output_size, input_size] in the model dtype."""
 
     name = "none"
+    uses_gemm_path = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -37,6 +38,7 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
     """``weight``: [num_embeddings, embedding_dim] in the model dtype."""
 
     name = "none"
+    uses_gemm_path = True
 
     def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
                        params_dtype: torch.dtype) -> None:

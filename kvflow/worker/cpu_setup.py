@@ -17,9 +17,9 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin, configure_cpu_threads
 from kvflow.kernels.gemm import (
-    GemmPathMixin,
     GemmWorkspace,
     drop_plain_head_weight,
+    on_gemm_path,
     pack_logits_head,
     prepack_gemm_weights,
     widen_half_gemms,
@@ -123,6 +123,5 @@ def _gemm_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the 2-D ``dtype`` weights of ``model``'s GEMM modules (what a second packing of
     every one would add)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, GemmPathMixin) and isinstance(getattr(m, "weight", None),
-                                                               torch.Tensor)
+               if on_gemm_path(m) and isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and m.weight.dtype == dtype)

