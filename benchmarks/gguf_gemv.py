@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import numpy as np
 import torch
+from quant_gemv import compare
 
 SHAPES = [("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048),
           ("down", 2048, 5632)]
@@ -67,13 +66,6 @@ def make_kernels(ggml_type: int, n: int, k: int, native) -> dict:
     }
 
 
-def time_call(fn, x: torch.Tensor, calls: int, start: int) -> float:
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn(x, start + i)
-    return (time.perf_counter() - t0) / calls
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="q4_0,q8_0,q4_k,q6_k")
@@ -97,23 +89,9 @@ def main() -> None:
         for shape, n, k in shapes:
             kernels = make_kernels(TYPES[type_name], n, k, native)
             for m in map(int, args.rows.split(",")):
-                x = torch.randn(m, k)
-                calls = {}
-                for name in names:  # warm-up, and calls per timing from a first estimate
-                    est = time_call(kernels[name][0], x, 3, 0)
-                    calls[name] = max(3, int(args.min_seconds / max(est, 1e-7)))
-                times = {name: [] for name in names}
-                for r in range(args.repeats):
-                    for name in names:
-                        times[name].append(time_call(kernels[name][0], x, calls[name], r * 1000))
-                base = statistics.median(times[names[0]])
-                cells = []
-                for name in names:
-                    t = statistics.median(times[name])
-                    gbs = kernels[name][1] / t / 1e9
-                    cells.append(f"{name} {t * 1e6:9.1f} us {gbs:5.1f} GB/s x{t / base:5.2f}")
-                print(f"{type_name:5s} {shape:8s} {n:6d}x{k:<5d} m={m:<3d} " + " | ".join(cells),
-                      flush=True)
+                cells = compare(kernels, names, torch.randn(m, k), args.repeats,
+                                args.min_seconds)
+                print(f"{type_name:5s} {shape:8s} {n:6d}x{k:<5d} m={m:<3d} {cells}", flush=True)
             del kernels
 
 

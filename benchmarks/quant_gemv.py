@@ -71,6 +71,29 @@ def time_call(fn, x: torch.Tensor, calls: int, start: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def compare(kernels: dict, names: list[str], x: torch.Tensor, repeats: int,
+            min_seconds: float) -> str:
+    """Time ``kernels[name] = (call(x, i), weight bytes per call)`` for each of ``names`` in
+    turn, ``repeats`` rounds (calls per timing from a first estimate, so one timing lasts about
+    ``min_seconds``); one line of cells: median microseconds per call, GB/s of weight read,
+    and the time over the first kernel's."""
+    calls = {}
+    for name in names:  # warm-up, and calls per timing from a first estimate
+        est = time_call(kernels[name][0], x, 3, 0)
+        calls[name] = max(3, int(min_seconds / max(est, 1e-7)))
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names:
+            times[name].append(time_call(kernels[name][0], x, calls[name], r * 1000))
+    base = statistics.median(times[names[0]])
+    cells = []
+    for name in names:
+        t = statistics.median(times[name])
+        gbs = kernels[name][1] / t / 1e9
+        cells.append(f"{name} {t * 1e6:9.1f} us {gbs:5.1f} GB/s x{t / base:5.2f}")
+    return " | ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
@@ -90,22 +113,8 @@ def main() -> None:
         kernels = make_kernels(n, k, native)
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
-            calls = {}
-            for name in names:  # warm-up, and calls per timing from a first estimate
-                fn, _ = kernels[name]
-                est = time_call(fn, x, 3, 0)
-                calls[name] = max(3, int(args.min_seconds / max(est, 1e-7)))
-            times = {name: [] for name in names}
-            for r in range(args.repeats):
-                for name in names:
-                    times[name].append(time_call(kernels[name][0], x, calls[name], r * 1000))
-            base = statistics.median(times[names[0]])
-            cells = []
-            for name in names:
-                t = statistics.median(times[name])
-                gbs = kernels[name][1] / t / 1e9
-                cells.append(f"{name} {t * 1e6:9.1f} us {gbs:5.1f} GB/s x{t / base:5.2f}")
-            print(f"{shape:8s} {n:6d}x{k:<5d} m={m:<3d} " + " | ".join(cells), flush=True)
+            cells = compare(kernels, names, x, args.repeats, args.min_seconds)
+            print(f"{shape:8s} {n:6d}x{k:<5d} m={m:<3d} {cells}", flush=True)
         del kernels
 
 

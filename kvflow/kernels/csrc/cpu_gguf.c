@@ -54,43 +54,29 @@ static inline vf loadv(const float *p) {
     return v;
 }
 
-/* Bytes h * VW .. h * VW + VW - 1 of q as floats, zero- (u8) or sign-extended (s8) through int32
- * lanes: one vpmovzxbd / vpmovsxbd and one conversion (GCC 12 converts byte lanes straight to
- * float, or to int32 on AVX2, one lane at a time). */
-static inline vf u8_to_f(v16u8 q, int h) {
+/* Bytes h * VW .. h * VW + VW - 1 of q as floats, sign-extended (is_signed: int8 quants) or
+ * zero-extended through int32 lanes: one vpmovsxbd / vpmovzxbd and one conversion (GCC 12
+ * converts byte lanes straight to float, or to int32 on AVX2, one lane at a time). is_signed
+ * is a constant wherever this is inlined. */
+static inline vf bytes_to_f(v16u8 q, int h, int is_signed) {
 #if defined(__AVX512F__)
     (void)h;
-    return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
+    const vi wide = is_signed ? __builtin_convertvector((v16s8)q, vi)
+                              : __builtin_convertvector(q, vi);
 #elif defined(__AVX2__)
     __m128i x;
     memcpy(&x, &q, 16);
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_unpackhi_epi64(x, x) : x));
-    vf v;
-    memcpy(&v, &f, sizeof v);
-    return v;
+    if (h) x = _mm_unpackhi_epi64(x, x);
+    const __m256i w = is_signed ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x);
+    vi wide;
+    memcpy(&wide, &w, sizeof wide);
 #else
     vu8 b;
     memcpy(&b, (const char *)&q + h * VW, VW);
-    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+    const vi wide = is_signed ? __builtin_convertvector((vs8)b, vi)
+                              : __builtin_convertvector(b, vi);
 #endif
-}
-
-static inline vf s8_to_f(v16s8 q, int h) {
-#if defined(__AVX512F__)
-    (void)h;
-    return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
-#elif defined(__AVX2__)
-    __m128i x;
-    memcpy(&x, &q, 16);
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_unpackhi_epi64(x, x) : x));
-    vf v;
-    memcpy(&v, &f, sizeof v);
-    return v;
-#else
-    vs8 b;
-    memcpy(&b, (const char *)&q + h * VW, VW);
-    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
-#endif
+    return __builtin_convertvector(wide, vf);
 }
 
 static inline float hsum(vf v) {
@@ -130,13 +116,11 @@ static inline void emit_f(Sink s, int j, int h, vf v) {
         s.acc[i * split + (split > 1 ? h : 0)] += v * loadv(s.x + i * s.xs + 16 * j + h * VW);
 }
 
-static inline void emit(Sink s, int j, v16u8 q, float d, float m) {
-    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * u8_to_f(q, h) + m);
+static inline void emit_q(Sink s, int j, v16u8 q, int is_signed, float d, float m) {
+    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * bytes_to_f(q, h, is_signed) + m);
 }
 
-static inline void emit_s8(Sink s, int j, v16s8 q, float d) {
-    for (int h = 0; h < 16 / VW; ++h) emit_f(s, j, h, d * s8_to_f(q, h));
-}
+static inline void emit(Sink s, int j, v16u8 q, float d, float m) { emit_q(s, j, q, 0, d, m); }
 
 static inline float f16_at(const uint8_t *p) {
     _Float16 h;
@@ -195,11 +179,8 @@ static inline void blk_q5_0(const uint8_t *b, Sink out) { /* 22 bytes -> 32: d (
 
 static inline void blk_q8_0(const uint8_t *b, Sink out) { /* 34 bytes -> 32: d q */
     const float d = f16_at(b);
-    v16s8 q0, q1;
-    memcpy(&q0, b + 2, 16);
-    memcpy(&q1, b + 18, 16);
-    emit_s8(out, 0, q0, d);
-    emit_s8(out, 1, q1, d);
+    emit_q(out, 0, bytes16(b + 2), 1, d, 0.0f); /* int8 quants */
+    emit_q(out, 1, bytes16(b + 18), 1, d, 0.0f);
 }
 
 /* The j-th (scale, min) 6-bit pair of a K-quant super-block (ggml get_scale_min_k4). */
