@@ -5,7 +5,9 @@ Each test module starts its servers (module-scoped fixtures) and sends them SIGT
 ends (``ServerProcess.terminate``: they shut down while the next module runs; every server is
 waited for at the end of the session). A module that lists its servers in
 ``prestart_servers`` gets them started during one of the modules before it
-(``_prestart_next_module``), so its start-up overlaps their tests. The packaged
+(``_prestart_next_module``), so its start-up overlaps their tests; its fixtures take them with
+``start_server.declared(request, index)``, so each server is stated once (a server started
+ahead that no test took is reported as a warning at the end of the session). The packaged
 SmolLM2 server is shared by the modules that use it (``smollm2_server``).
 """
 
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -222,6 +225,15 @@ class ServerStarter:
             wait_ready_or_stop(server)
         return server
 
+    def declared(self, request: pytest.FixtureRequest, index: int = 0,
+                 wait: bool = True) -> ServerProcess:
+        """The ``index``-th server that the requesting test module lists in its
+        ``prestart_servers`` (see :func:`_prestart_next_module`), from the same declaration:
+        the one started ahead for it if there is one, else a new one; ready unless ``wait``
+        is False."""
+        model, args, env = request.module.prestart_servers(request.getfixturevalue)[index]
+        return self(model, args, env, wait=wait)
+
     def prestart(self, model: str, args: list[str], env: dict[str, str] | None = None,
                  threads: int = 1) -> None:
         """Start a server now, without waiting, for a later ``start_server`` call with the
@@ -229,8 +241,15 @@ class ServerStarter:
         server = self._new(model, args, env, threads)
         self._ahead.setdefault(self._key(model, args, env, threads), []).append(server)
 
-    def stop_all(self) -> None:
-        """Terminate every server, then wait for each (they shut down side by side)."""
+    def stop_all(self, warn_unused: bool = True) -> None:
+        """Terminate every server, then wait for each (they shut down side by side). With
+        ``warn_unused``, warn about each server started ahead that no call took (its module's
+        tests did not ask for it, or asked for a server that its declaration does not list)."""
+        if warn_unused:
+            for (model, args, env, threads), unused in self._ahead.items():
+                for _ in unused:
+                    warnings.warn(f"a server started ahead was never used: {model} {list(args)}"
+                                  f" env={dict(env)} threads={threads}", stacklevel=1)
         for server in self.servers:
             server.terminate()
         for server in self.servers:
@@ -238,15 +257,20 @@ class ServerStarter:
 
 
 @pytest.fixture(scope="session")
-def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerStarter]:
+def start_server(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerStarter]:
     """``start_server(model, args, env=None, threads=1, wait=True)`` -> a ready ServerProcess;
     every server started is stopped at the end of the session (modules may stop theirs
     earlier). ``wait=False`` returns it starting: the caller starts others (they come up side
     by side) and waits with :func:`ready_side_by_side` (or :func:`wait_ready_or_stop`).
-    A module's servers may have been started ahead (see :func:`_prestart_next_module`)."""
+    A module's servers may have been started ahead (see :func:`_prestart_next_module`);
+    ``start_server.declared(request, index, wait=True)`` gives one of them. Servers started
+    ahead and never used are warned about at the end, unless the session stopped early
+    (``-x``, ``--maxfail``)."""
     starter = ServerStarter(tmp_path_factory)
     yield starter
-    starter.stop_all()
+    session = request.session
+    starter.stop_all(warn_unused=not (session.shouldfail or session.shouldstop))
 
 
 PRESTART_AHEAD = 2  # modules whose servers may be starting or idle ahead of their turn
@@ -274,16 +298,20 @@ def _next_prestarting_modules(request: pytest.FixtureRequest) -> list[Any]:
 def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerStarter) -> None:
     """Start the servers of the next ``PRESTART_AHEAD`` modules that declare them (those not
     started yet), now: they come up while this module (and the next) starts its own servers
-    and runs its tests, and those modules' ``start_server`` calls with the same arguments get
-    them ready (each ``kvflow serve`` takes 6-20 s of mostly one core's time to start, and
-    the tests leave the other core mostly idle).
+    and runs its tests, and those modules' fixtures get them ready (each ``kvflow serve``
+    takes 6-20 s of mostly one core's time to start, and the tests leave the other core
+    mostly idle).
 
     A module declares its servers with ``prestart_servers(fixture) -> [(model, args, env),
-    ...]``, ``fixture(name)`` giving a session-scoped fixture's value; it must list exactly
-    what its fixtures pass to ``start_server`` (a server that does not match is not used,
-    only stopped at the end). A module that times its server's answers sets
-    ``TIMING_SENSITIVE = True``: nothing is started while it runs (the module after it starts
-    the next modules' servers instead; servers started earlier may still be coming up)."""
+    ...]``, ``fixture(name)`` giving a session-scoped fixture's value, and its fixtures (or
+    tests) take the ``i``-th with ``start_server.declared(request, i)`` (``wait=False`` to
+    start several side by side), which reads the same declaration, so each server is stated
+    once. A plain ``start_server(model, args, env=env)`` call with exactly the declared
+    arguments also gets it (the shared ``smollm2_server``); a server started ahead that no
+    call takes is only stopped, and warned about, at the end. A module that times its
+    server's answers sets ``TIMING_SENSITIVE = True``: nothing is started while it runs (the
+    module after it starts the next modules' servers instead; servers started earlier may
+    still be coming up)."""
     if getattr(request.module, "TIMING_SENSITIVE", False):
         return
     for module in _next_prestarting_modules(request):

@@ -20,13 +20,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), ENGINE_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, ENGINE_ARGS)
+def server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

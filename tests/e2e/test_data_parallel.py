@@ -33,13 +33,14 @@ LONG = {"max_tokens": 200, "ignore_eos": True, "stream": True}
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def dp_server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, SERVER_ARGS)
+def dp_server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

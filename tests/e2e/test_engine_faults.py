@@ -72,17 +72,18 @@ def assert_ends_with_error_event(events: list[dict]) -> None:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), ARGS, None),
             (fixture("tiny_chat_model"), RESTART_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, tiny_chat_model):
+def servers(start_server, request):
     """{"exiting": a server with the default --engine-failure, "restarting": one with
     ``--engine-failure restart``}, started side by side."""
-    started = {"exiting": start_server(tiny_chat_model, ARGS, wait=False),
-               "restarting": start_server(tiny_chat_model, RESTART_ARGS, wait=False)}
+    started = {"exiting": start_server.declared(request, 0, wait=False),
+               "restarting": start_server.declared(request, 1, wait=False)}
     with ready_side_by_side(*started.values()):
         yield started
 

@@ -50,7 +50,8 @@ def _eos_model(tiny_llama, built_models) -> tuple[str, int, list[int]]:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(_eos_model(fixture("tiny_llama"), fixture("built_models"))[0], SERVER_ARGS,
              None)]
 
@@ -98,10 +99,10 @@ def test_every_eos_id_stops_generation(eos_model, tiny_llama):
     assert extra not in late.outputs[0].token_ids[:len(expected)]
 
 
-def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server):
-    folder, extra, _ = eos_model
+def test_server_stops_on_every_eos_id(eos_model, tiny_llama, start_server, request):
+    _, extra, _ = eos_model
     expected = _hf_greedy(tiny_llama, _ids(tiny_llama), [0, extra])
-    server = start_server(folder, SERVER_ARGS)
+    server = start_server.declared(request)
     try:
         reply = server.client().completions.create(
             model="m", prompt=PROMPT, max_tokens=N, temperature=0,

@@ -30,19 +30,20 @@ def _models(tiny_tokenizer, built_models) -> dict[str, tuple[str, object]]:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     models = _models(fixture("tiny_tokenizer"), fixture("built_models"))
     return [(models["bert"][0], BERT_ARGS, None), (models["decoder"][0], DEC_ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, tiny_tokenizer, built_models):
+def servers(start_server, request, tiny_tokenizer, built_models):
     """{"bert": (server, st), "decoder": (server, st)}: both servers come up side by side
     (every test here but one uses both)."""
     models = _models(tiny_tokenizer, built_models)
-    (bert_folder, bert_st), (dec_folder, dec_st) = models["bert"], models["decoder"]
-    bert_server = start_server(bert_folder, BERT_ARGS, wait=False)
-    dec_server = start_server(dec_folder, DEC_ARGS, wait=False)
+    bert_st, dec_st = models["bert"][1], models["decoder"][1]
+    bert_server = start_server.declared(request, 0, wait=False)
+    dec_server = start_server.declared(request, 1, wait=False)
     with ready_side_by_side(bert_server, dec_server):
         yield {"bert": (bert_server, bert_st), "decoder": (dec_server, dec_st)}
 

@@ -65,7 +65,8 @@ def _embed_model(tiny_tokenizer, built_models) -> str:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     built = fixture("built_models")
     return [(_model_dir(fixture("tiny_chat_model"), built), ARGS, None),
             (_embed_model(fixture("tiny_tokenizer"), built), EMBED_ARGS, None)]
@@ -78,13 +79,12 @@ def model_dir(tiny_chat_model, built_models) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, model_dir, tiny_tokenizer, built_models, tmp_path_factory):
+def servers(start_server, request, model_dir, tmp_path_factory):
     """(server, embed_server), started side by side: the chat model's (with a LoRA adapter
     made while it starts, ``server.lora_path``) and a tiny Matryoshka-capable decoder
     embedding model's (last-token pooling, normalized)."""
-    server = start_server(model_dir, ARGS, wait=False)
-    embed_server = start_server(_embed_model(tiny_tokenizer, built_models), EMBED_ARGS,
-                                wait=False)
+    server = start_server.declared(request, 0, wait=False)
+    embed_server = start_server.declared(request, 1, wait=False)
     # the adapter is made while both servers start (start_server stops them at the session's
     # end should this raise)
     server.lora_path = make_adapter(model_dir, str(tmp_path_factory.mktemp("lora") / "a"),

@@ -27,7 +27,8 @@ def _gen_model(tiny_llama, built_models) -> str:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(_gen_model(fixture("tiny_llama"), fixture("built_models")), ENGINE_ARGS, None)]
 
 
@@ -37,8 +38,8 @@ def gen_model(tiny_llama, built_models) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(start_server, gen_model):
-    server = start_server(gen_model, ENGINE_ARGS)
+def client(start_server, request):
+    server = start_server.declared(request)
     yield server.client()
     server.terminate()
 

@@ -17,13 +17,14 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--bl
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), ARGS, {"KVFLOW_API_KEY": API_KEY})]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, ARGS, env={"KVFLOW_API_KEY": API_KEY})
+def server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

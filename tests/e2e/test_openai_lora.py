@@ -42,7 +42,8 @@ def _server_args(adapters: dict[str, str]) -> dict[str, list[str]]:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     tiny_llama = fixture("tiny_llama")
     args = _server_args(_adapters(tiny_llama, fixture("built_models")))
     return [(tiny_llama.path, args["good"], None), (tiny_llama.path, args["bad"], None)]
@@ -54,12 +55,11 @@ def adapters(tiny_llama, built_models) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, tiny_llama, adapters):
+def servers(start_server, request):
     """{"good": the LoRA server the tests talk to, "bad": one given a rank-16 adapter over
     --max-lora-rank 8, which must stop at start-up}, started side by side."""
-    args = _server_args(adapters)
-    started = {"good": start_server(tiny_llama.path, args["good"], wait=False),
-               "bad": start_server(tiny_llama.path, args["bad"], wait=False)}
+    started = {"good": start_server.declared(request, 0, wait=False),
+               "bad": start_server.declared(request, 1, wait=False)}
     try:
         wait_ready_or_stop(started["good"])
         yield started

@@ -28,16 +28,16 @@ def _server_args(tiny_chat_model: str) -> list[list[str]]:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     model = fixture("tiny_chat_model")
     return [(model, args, None) for args in _server_args(model)]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, tiny_chat_model):
+def servers(start_server, request):
     """(n-gram server, draft-model server), started side by side."""
-    started = [start_server(tiny_chat_model, args, wait=False)
-               for args in _server_args(tiny_chat_model)]
+    started = [start_server.declared(request, i, wait=False) for i in range(2)]
     with ready_side_by_side(*started):
         yield started
 

@@ -47,13 +47,14 @@ def tools_model(tiny_llama, built_models) -> str:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(tools_model(fixture("tiny_llama"), fixture("built_models")), ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_llama, built_models):
-    server = start_server(tools_model(tiny_llama, built_models), ARGS)
+def server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

@@ -24,13 +24,14 @@ TIMEOUT_S = 60.0  # a reply slower than this counts as a hang
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), ARGS, None)]
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, ARGS)
+def server(start_server, request):
+    server = start_server.declared(request)
     yield server
     server.terminate()
 

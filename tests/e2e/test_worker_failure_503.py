@@ -53,12 +53,13 @@ def _alive(pid: int) -> bool:
 
 
 def prestart_servers(fixture):
-    """This module's servers, started ahead (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
-def test_killed_worker_gives_503_then_a_restarted_engine(start_server, tiny_chat_model):
-    server = start_server(tiny_chat_model, SERVER_ARGS)
+def test_killed_worker_gives_503_then_a_restarted_engine(start_server, request):
+    server = start_server.declared(request)
     old = _engine_processes(server.proc.pid)
     workers = sorted(p for p, cmd in old.items() if "mp_worker" in cmd)
     assert len(old) == 3 and len(workers) == 2, old
