@@ -45,9 +45,15 @@ class EngineConfig:
             ValueError: for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
                 parallelism or async scheduling; for LoRA with more than one rank or
-                replica.
+                replica; for GGUF weights kept quantized with tensor parallelism.
         """
         self._check_speculative()
+        tp = self.parallel_config.tensor_parallel_size
+        if self.model_config.quantization == "gguf" and tp > 1:
+            raise ValueError(f"quantization='gguf' with tensor_parallel_size={tp} is not "
+                             "available (GGUF blocks are kept whole, not split across "
+                             "ranks); use quantization='none' to dequantize the GGUF at load "
+                             "and split it, or tensor_parallel_size=1")
         self.lora_config.verify_with_parallel(self.parallel_config)
         cp, cc = self.parallel_config.context_parallel_size, self.cache_config
         if cp > 1 and cc.block_size % cp:

@@ -164,7 +164,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             ValueError: with tensor parallelism.
         """
         if layer.tp_size > 1:
-            raise ValueError("GGUF tables kept quantized do not support tensor parallelism")
+            raise ValueError("GGUF tables kept quantized do not support tensor parallelism; "
+                             "pass --quantization none to dequantize them at load")
         tensor, ggml_type = _as_kept(loaded)
         param.data = tensor
         param.ggml_type = ggml_type  # type: ignore[attr-defined]

@@ -164,3 +164,21 @@ def test_mixed_gguf_kept_matches_dequantized_load(tmp_path):
         del llm
     assert len(got["gguf"]) == 6
     np.testing.assert_allclose(got["gguf"], got["none"], atol=1e-4, rtol=0)
+
+
+def test_kept_gguf_with_tensor_parallelism_is_refused_before_any_worker(
+        smollm_gguf, monkeypatch, capsys):
+    import subprocess
+
+    from kvflow.entrypoints.cli import main
+
+    def no_spawn(*args, **kw):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_spawn)
+    rc = main(["generate", "--model", smollm_gguf, "--prompt", "hi", "--quantization", "gguf",
+               "--tensor-parallel-size", "2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert "quantization='gguf' with tensor_parallel_size=2" in err[0]
+    assert "quantization='none'" in err[0]
