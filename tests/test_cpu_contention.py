@@ -130,11 +130,15 @@ def test_adaptive_threads_sets_torchs_count_and_restores_it():
         torch.set_num_threads(before)
 
 
-def test_adaptive_threads_off_where_it_cannot_help():
-    assert AdaptiveThreads.create(False, 2, pinned=False, ranks=1) is None
-    assert AdaptiveThreads.create(True, 1, pinned=False, ranks=1) is None
-    assert AdaptiveThreads.create(True, 2, pinned=True, ranks=1) is None
-    assert AdaptiveThreads.create(True, 2, pinned=False, ranks=2) is None
+def test_adaptive_threads_off_where_it_cannot_help(caplog):
+    with caplog.at_level("WARNING", logger="kvflow.kernels.cpu_threads"):
+        assert AdaptiveThreads.create(False, 2, pinned=False, ranks=1) is None
+        assert not caplog.records  # not asked for: nothing to say
+        assert AdaptiveThreads.create(True, 1, pinned=False, ranks=1) is None
+        assert AdaptiveThreads.create(True, 2, pinned=True, ranks=1) is None
+        assert AdaptiveThreads.create(True, 2, pinned=False, ranks=2) is None
+    assert [r.getMessage().rsplit("with ", 1)[1] for r in caplog.records] == \
+        ["one thread", "pinned threads", "2 worker processes"]
     made = AdaptiveThreads.create(True, 2, pinned=False, ranks=1)
     assert (made is not None) == HAVE_SCHEDSTAT
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,6 +91,9 @@ def test_worker_processes_share_the_cpus():
     assert resolve_threads(None, None, [0], None, 8, rank=1, ranks=2) == (1, None)
     with pytest.raises(ValueError, match="one per rank"):
         resolve_threads(None, "0-3", allowed, None, 8, rank=0, ranks=2)
+    for rank in (0, 1):  # a CPU given to both ranks is refused by each
+        with pytest.raises(ValueError, match=r"CPUs \[1\] to more than one worker"):
+            resolve_threads(None, "0-1|1-2", allowed, None, 8, rank=rank, ranks=2)
 
 
 def test_engine_flags_are_checked_before_loading():
@@ -107,6 +111,63 @@ def test_engine_flags_are_checked_before_loading():
     assert config.device_config.cpu_threads == 2
     assert EngineConfig.from_kwargs(cpu_threads_bind="none").device_config.cpu_threads_bind \
         == "none"
+
+
+def test_tensor_parallel_bind_is_checked_before_any_worker_starts(tiny_llama, monkeypatch,
+                                                                    capsys):
+    """A bad ``--cpu-threads-bind`` for the second rank is one line from the CLI (exit 2),
+    not a failed worker process."""
+    import subprocess as sp
+
+    from kvflow.entrypoints.cli import main
+
+    def no_spawn(*args, **kw):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(sp, "Popen", no_spawn)
+    outside = max(os.sched_getaffinity(0)) + 1
+    for bind, needle in ((f"0|{outside}", f"CPUs [{outside}] outside"),
+                         ("0|0", "CPUs [0] to more than one worker"),
+                         ("0", "1 '|'-separated parts for 2 worker processes")):
+        rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
+                   "--tensor-parallel-size", "2", "--cpu-threads-bind", bind])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert rc == 2 and len(err) == 1 and needle in err[0], (bind, err)
+
+
+def test_more_threads_than_cpus_is_warned_about(caplog):
+    from kvflow.kernels.cpu_threads import check_cpu_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING", logger="kvflow.kernels.cpu_threads"):
+        check_cpu_threads(cpus, None, 1)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="kvflow.kernels.cpu_threads"):
+        check_cpu_threads(cpus + 1, None, 1)
+    assert f"cpu_threads={cpus + 1}" in caplog.text and f"exceeds the {cpus} CPUs" in caplog.text
+
+
+@pytest.mark.parametrize("env, kwargs, needle", [
+    ({"KVFLOW_NATIVE_CPU": "false"}, {}, "KVFLOW_NATIVE_CPU='false' is invalid"),
+    ({"KVFLOW_NATIVE_CPU": "0"}, {"cpu_gemm": "native"}, "cpu_gemm='native'"),
+    ({"KVFLOW_NATIVE_CPU": "0", "KVFLOW_CPU_GEMM": "native"}, {}, "cpu_gemm='native'"),
+    ({"KVFLOW_NATIVE_CPU": "0"}, {"cpu_attention": "native"}, "cpu_attention='native'"),
+    ({}, {"cpu_attention": "sdpa", "attention_backend": "torch"},
+     "attention_backend='torch' does not use it"),
+    ({}, {"quantization": "int8", "quantization_group_size": 128},
+     "quantization_group_size=128 applies to quantization='int4' only"),
+])
+def test_settings_that_cannot_take_effect_are_refused(monkeypatch, env, kwargs, needle):
+    for name in ("KVFLOW_NATIVE_CPU", "KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EngineConfig.from_kwargs(**kwargs)
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1")
+    monkeypatch.delenv("KVFLOW_CPU_GEMM", raising=False)
+    if "quantization" not in kwargs and "attention_backend" not in kwargs:
+        EngineConfig.from_kwargs(**kwargs)  # with the native kernels on it is accepted
 
 
 PIN_SCRIPT = """

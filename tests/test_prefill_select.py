@@ -214,13 +214,19 @@ def _greedy(path: str, cpu_attention: str, backend: str):
 def test_engine_greedy_output_is_the_same_with_either_choice(tiny_llama, cpu_kernels):
     """Four equal whole prompts (one uniform prefill step, then decodes): the same greedy
     tokens and logprobs with ``--cpu-attention native`` and ``sdpa``, and HF's greedy tokens;
-    with ``KVFLOW_NATIVE_CPU=0`` the flag is accepted and the torch backend runs."""
+    with ``KVFLOW_NATIVE_CPU=0`` ``native`` is refused (it cannot run) and the torch backend
+    runs."""
 
     backend = "cpu" if cpu_kernels == "native" else "torch"
-    tokens, logprobs = _greedy(tiny_llama.path, "native", backend)
     sdpa_tokens, sdpa_logprobs = _greedy(tiny_llama.path, "sdpa", backend)
-    assert tokens == sdpa_tokens
-    torch.testing.assert_close(logprobs, sdpa_logprobs, atol=1e-4, rtol=1e-4)
+    if cpu_kernels == "native":
+        tokens, logprobs = _greedy(tiny_llama.path, "native", backend)
+        assert tokens == sdpa_tokens
+        torch.testing.assert_close(logprobs, sdpa_logprobs, atol=1e-4, rtol=1e-4)
+    else:
+        with pytest.raises(ValueError, match="KVFLOW_NATIVE_CPU=0 turns off"):
+            _greedy(tiny_llama.path, "native", backend)
+        tokens = sdpa_tokens
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(24)] for i in range(4)]
     with torch.no_grad():
         hf = tiny_llama.hf_model.generate(torch.tensor(prompts), max_new_tokens=6,

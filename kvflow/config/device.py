@@ -122,6 +122,16 @@ def parse_cpu_list(spec: str) -> list[int]:
     return cpus
 
 
+def native_cpu_choice() -> bool:
+    """Whether kvflow's native C kernels may run on CPU: ``$KVFLOW_NATIVE_CPU`` = ``1`` (the
+    default) or ``0`` (torch's kernels everywhere).
+
+    Raises:
+        ValueError: on another value.
+    """
+    return _bool_choice(None, "KVFLOW_NATIVE_CPU", "1")
+
+
 def cpu_gguf_choice() -> str:
     """How GGUF weights kept quantized multiply on CPU: ``KVFLOW_CPU_GGUF`` = ``native``
     (kvflow's dequantize-in-the-GEMM C kernel, the default) or ``torch`` (dequantize tiles in
@@ -229,6 +239,7 @@ class DeviceConfig:
         cpu_gemm_pool_choice(self.cpu_gemm_pool)
         cpu_gguf_choice()
         cpu_quant_choice()
+        self._check_native_choices()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
         if self.cpu_threads_bind not in (None, "auto", "none"):
@@ -242,3 +253,23 @@ class DeviceConfig:
                     raise ValueError(f"cpu_threads={self.cpu_threads} but cpu_threads_bind="
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
                                      "worker; give one CPU per thread")
+
+    def _check_native_choices(self) -> None:
+        """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention needs the
+        native kernels (not ``KVFLOW_NATIVE_CPU=0``), and ``cpu_attention`` chooses within
+        the ``cpu`` attention backend only.
+
+        Raises:
+            ValueError: naming the setting that cannot take effect.
+        """
+        off = "kvflow's native CPU kernels, which KVFLOW_NATIVE_CPU=0 turns off"
+        if not native_cpu_choice():
+            if cpu_gemm_choice(self.cpu_gemm) == "native":
+                raise ValueError(f"cpu_gemm='native' (--cpu-gemm or KVFLOW_CPU_GEMM) needs {off}")
+            if cpu_attention_choice(self.cpu_attention) == "native":
+                raise ValueError("cpu_attention='native' (--cpu-attention or "
+                                 f"KVFLOW_CPU_ATTENTION) needs {off}")
+        if self.cpu_attention is not None and self.attention_backend not in (None, "cpu"):
+            raise ValueError(f"cpu_attention={self.cpu_attention!r} chooses within the 'cpu' "
+                             f"attention backend; attention_backend={self.attention_backend!r} "
+                             "does not use it")

@@ -37,11 +37,15 @@ class ModelConfig:
         "(default: the checkpoint's quantization_config, else none; a .gguf file is "
         "dequantized at load)",
         choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
-    quantization_group_size: int = opt(32, "input columns per scale for int4",
+    quantization_group_size: int = opt(32, "input columns per scale for int4 (int4 only)",
                                         choices=[32, 64, 128, 256])
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.quantization_group_size != 32 and self.quantization != "int4":
+            raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
+                             "to quantization='int4' only (quantization="
+                             f"{self.quantization!r})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")

@@ -22,6 +22,7 @@ from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
+from kvflow.kernels.cpu_threads import check_cpu_threads
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
@@ -72,11 +73,25 @@ class EngineCore:
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))
         self.config.parallel_config.verify_with_model(self.hf_config)
+        self._check_cpu_threads()
         self._init_task(source)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
         self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
         self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+
+    def _check_cpu_threads(self) -> None:
+        """On CPU, ``--cpu-threads`` / ``--cpu-threads-bind`` checked for every worker process
+        of this machine before any starts (Ray places workers on other machines: they check
+        their own).
+
+        Raises:
+            ValueError: see :func:`~kvflow.kernels.cpu_threads.resolve_threads`.
+        """
+        pc, dc = self.config.parallel_config, self.config.device_config
+        if self.platform.name == "cpu" and pc.executor_backend != "ray":
+            check_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind,
+                              pc.data_parallel_size * pc.world_size)
 
     def _init_task(self, source: ModelSource) -> None:
         """``task`` (generate | embed), the pooling of an embedding model, and whether it is

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow.config import cache_dir
+from kvflow.config import cache_dir, native_cpu_choice
 from kvflow.kernels import cpu_build
 from kvflow.kernels.cpu_native_attention import AttentionKernels
 from kvflow.kernels.cpu_native_common import DTYPE_CODES, bind, c_int, gemm_out_code, ptr
@@ -138,7 +138,7 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
     ``KVFLOW_CPU_ISA=<level>`` (amx_bf16, avx512_bf16, avx512, avx2, x86-64) asks for a lower level
     than the best, e.g. to test the AVX2 path on an AVX512 machine.
     """
-    if os.environ.get("KVFLOW_NATIVE_CPU", "1") == "0":
+    if not native_cpu_choice():
         return None
     cc = _compiler()
     if cc is None:

@@ -14,6 +14,7 @@ thread only while it runs a model step (:class:`CallerPin`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -49,8 +50,9 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     "session 8").
 
     Raises:
-        ValueError: when ``bind`` names a CPU outside ``allowed`` or has not one ``|`` part per
-            rank, or ``auto`` pinning is asked for more threads than the rank's CPUs.
+        ValueError: when ``bind`` names a CPU outside ``allowed``, has not one ``|`` part per
+            rank or gives a CPU to two ranks, or ``auto`` pinning is asked for more threads
+            than the rank's CPUs.
     """
     share = allowed[rank * len(allowed) // ranks:(rank + 1) * len(allowed) // ranks] or \
         allowed[rank % len(allowed):][:1]
@@ -69,12 +71,37 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     if len(parts) != ranks:
         raise ValueError(f"cpu_threads_bind={bind!r} has {len(parts)} '|'-separated parts "
                          f"for {ranks} worker processes; give one per rank")
-    cpus = parse_cpu_list(parts[rank])
+    lists = [parse_cpu_list(part) for part in parts]
+    others = {c for r, cs in enumerate(lists) if r != rank for c in cs}
+    shared = sorted(others & set(lists[rank]))
+    if shared:
+        raise ValueError(f"cpu_threads_bind={bind!r} gives CPUs {shared} to more than one "
+                         "worker process; give each rank CPUs of its own")
+    cpus = lists[rank]
     outside = sorted(set(cpus) - set(allowed))
     if outside:
         raise ValueError(f"cpu_threads_bind={bind!r} names CPUs {outside} outside this "
                          f"process's affinity mask {allowed}")
     return len(cpus), cpus
+
+
+def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int) -> None:
+    """Check ``--cpu-threads`` / ``--cpu-threads-bind`` for every one of ``ranks`` worker
+    processes on this machine before any starts (each worker resolves its own share later
+    with :func:`resolve_threads`), so a bad list is one error in the calling process rather
+    than a failed worker. Warns when more threads are asked for than the CPUs granted.
+
+    Raises:
+        ValueError: see :func:`resolve_threads`.
+    """
+    allowed, quota = usable_cpus(), cgroup_cpu_limit()
+    for rank in range(ranks):
+        resolve_threads(cpu_threads, bind, allowed, quota, torch.get_num_threads(), rank, ranks)
+    granted = min(len(allowed), math.ceil(quota)) if quota is not None else len(allowed)
+    if cpu_threads is not None and cpu_threads * ranks > granted:
+        logger.warning("cpu_threads=%d for each of %d worker process(es) exceeds the %d CPUs "
+                       "this process may use (affinity mask %s, CPU quota %s): threads will "
+                       "wait for each other", cpu_threads, ranks, granted, allowed, quota)
 
 
 class CallerPin:
@@ -205,8 +232,15 @@ class AdaptiveThreads:
         """The governor an engine uses, or None: off when disabled, with one thread, with pinned
         threads (fewer threads would leave their CPUs idle while the rest share a busy one),
         with several worker ranks (which run in lock-step), or where the kernel gives no
-        scheduler statistics."""
-        if not enabled or threads < 2 or pinned or ranks > 1 or runqueue_wait_ns() is None:
+        scheduler statistics (each of these logged as a warning when ``enabled``)."""
+        if not enabled:
+            return None
+        why = ("one thread" if threads < 2 else "pinned threads" if pinned else
+               f"{ranks} worker processes" if ranks > 1 else
+               "no scheduler statistics (/proc/self/schedstat)" if runqueue_wait_ns() is None
+               else None)
+        if why is not None:
+            logger.warning("--cpu-adaptive-threads is off: not available with %s", why)
             return None
         return cls(threads)
 

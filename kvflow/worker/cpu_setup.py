@@ -51,7 +51,10 @@ def configure_runner_threads(config: EngineConfig, parallel: ParallelState
     runs in."""
     dc = config.device_config
     pc, world = config.parallel_config, parallel.world.world_size
-    adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic
+    adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads)
+    if adaptive and dc.deterministic:
+        logger.warning("--cpu-adaptive-threads is off: not available with --deterministic")
+        adaptive = False
     threads, pinned, caller = configure_cpu_threads(
         dc.cpu_threads, dc.cpu_threads_bind,
         pc.data_parallel_rank * world + parallel.rank, pc.data_parallel_size * world,
@@ -103,6 +106,10 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
         logger.info("LM head: its plain table freed (%.1f MiB); the head and a tied "
                     "embedding read the packed copy", freed / 2**20)
     logger.info("GEMM kernels (--cpu-gemm %s, %s): %s", choice, dtype, dict(counts))
+    if not counts and cpu_gemm_choice(config.device_config.cpu_gemm) != "auto":
+        logger.warning("--cpu-gemm %s (or KVFLOW_CPU_GEMM) took no layer of this model: "
+                       "quantized layers run their method's kernel, and a dtype neither "
+                       "kernel packs runs torch's matmul", choice)
     if deterministic:
         check_all_packed(model)
         logger.info("deterministic mode (batch-invariant kernels): %s",

@@ -273,3 +273,19 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == faster and asked
     cfg.dtype, asked[:] = "float32", []
     assert resolve_dtype("auto", cfg, CpuPlatform(), measure) == torch.float32 and not asked
+
+
+def test_cpu_gemm_that_takes_no_layer_is_warned_about(tiny_llama, caplog):
+    """With every linear quantized no layer is packed for kvflow's GEMM: an explicit
+    ``--cpu-gemm`` is then said to take no layer (``auto`` is not)."""
+
+    message = "--cpu-gemm onednn (or KVFLOW_CPU_GEMM) took no layer"
+    with caplog.at_level("WARNING", logger="kvflow.worker.cpu_setup"):
+        LLM(model=tiny_llama.path, quantization="int8", cpu_gemm="onednn", dtype="float32",
+            device="cpu", num_kv_blocks=16)
+    assert message in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvflow.worker.cpu_setup"):
+        LLM(model=tiny_llama.path, cpu_gemm="onednn", dtype="float32", device="cpu",
+            num_kv_blocks=16)
+    assert "took no layer" not in caplog.text
