@@ -112,10 +112,8 @@ class OpenAIServingCompletion(OpenAIServing):
                               param="prompt", code="invalid_value") from None
 
     def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
-        if "max_tokens" not in req.model_fields_set:  # the model's default, else OpenAI's 16
+        if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
             max_tokens = self.default_max_tokens(len(ids), fallback=16)
-        elif req.max_tokens is None:  # null: as much as the context leaves
-            max_tokens = max(1, self.engine.max_model_len - len(ids))
         else:
             max_tokens = req.max_tokens
             self.check_max_tokens(max_tokens, "max_tokens")

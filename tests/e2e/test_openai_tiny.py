@@ -165,6 +165,30 @@ def test_raw_sse_format(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
+def test_null_max_tokens_means_unset(server, tokenizer):
+    """An explicit null ``max_tokens`` (chat: or ``max_completion_tokens``) is the same as
+    leaving it out: 16 tokens on completions (OpenAI's default; the tiny model's
+    generation config sets none), what the context leaves on chat (96 - prompt tokens)."""
+    def ids(path, body):
+        out = httpx.post(f"{server.url}{path}", json={
+            "model": MODEL, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            **body}, timeout=60).json()
+        return out["choices"][0]["token_ids"]
+
+    omitted = ids("/v1/completions", {"prompt": PROMPT})
+    assert len(omitted) == 16
+    assert ids("/v1/completions", {"prompt": PROMPT, "max_tokens": None}) == omitted
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    left = MAX_MODEL_LEN - len(tokenizer.encode(rendered, add_special_tokens=False))
+    chat_omitted = ids("/v1/chat/completions", {"messages": messages})
+    assert len(chat_omitted) == left
+    for nulls in ({"max_tokens": None}, {"max_completion_tokens": None},
+                  {"max_tokens": None, "max_completion_tokens": None}):
+        assert ids("/v1/chat/completions", {"messages": messages, **nulls}) == chat_omitted
+
+
 def test_multibyte_prompt_streams_whole_characters(client, tokenizer):
     """Random byte-level tokens after a CJK/emoji prompt: the streamed pieces join to exactly
     tokenizer.decode of the generated ids, and equal the non-streamed text."""

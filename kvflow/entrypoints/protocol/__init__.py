@@ -1,6 +1,8 @@
 """OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
 
-Requests ignore unknown fields (as vLLM does; the handlers log each unknown name once); a known
+Requests ignore unknown top-level fields (as vLLM does; the handlers log each unknown name
+once); ``null`` for a nullable field means the same as leaving it out
+(``"max_tokens": null``); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,
 ``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
