@@ -233,6 +233,15 @@ class OpenAIServing:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options", code="invalid_value")
 
+    @staticmethod
+    def stream_usage(req: SamplingRequest) -> tuple[bool, bool]:
+        """What a stream reports of its usage: (a last chunk with the request's usage,
+        ``include_usage``; every chunk with the usage so far, ``continuous_usage_stats``)."""
+        options = req.stream_options
+        if options is None:
+            return False, False
+        return options.include_usage, options.continuous_usage_stats
+
     def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs`` where the

@@ -243,8 +243,11 @@ class OpenAIServingChat(OpenAIServing):
                       streams: Sequence[RequestStream], parser: ChatOutputParser
                       ) -> AsyncIterator[ChatCompletionStreamResponse]:
         created, num_generated = int(time.time()), 0
+        include_usage, continuous_usage = self.stream_usage(req)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None):
+            if continuous_usage and usage is None:  # the usage so far, on every chunk
+                usage = _usage(len(ids), num_generated)
             return ChatCompletionStreamResponse(id=request_id, created=created,
                                                 model=self.response_model(req.model), choices=choices,
                                                 usage=usage)
@@ -265,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                         and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
-        if req.stream_options is not None and req.stream_options.include_usage:
+        if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
 
 

@@ -190,6 +190,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
+        include_usage, continuous_usage = self.stream_usage(req)
         offsets: dict[int, int] = {}  # choice index -> text offset (logprobs)
         want_tokens = req.logprobs is not None or req.return_token_ids
         prompt_outputs = {}  # prompt index -> the delta that carried its prompt logprobs
@@ -216,9 +217,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
+                usage = _usage(prompts, num_generated) if continuous_usage else None
                 yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
-                                         choices=[choice])
-        if req.stream_options is not None and req.stream_options.include_usage:
+                                         choices=[choice], usage=usage)
+        if include_usage:
             yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                      choices=[], usage=_usage(prompts, num_generated))
 

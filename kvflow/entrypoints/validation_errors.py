@@ -31,8 +31,10 @@ def _error_code(error: dict) -> str:
     """OpenAI's error code for one pydantic error, by the field's type (not the value's:
     ``"temperature": 5`` is a decimal above its maximum):
 
-    - ``missing_required_parameter``; ``invalid_type`` for a value of the wrong JSON type,
-      a string field's enumerated value included (``"role": 5``);
+    - ``missing_required_parameter``; ``unknown_parameter`` for a key that an object
+      declaring its keys does not take (``stream_options.foo``); ``invalid_type`` for a
+      value of the wrong JSON type, a string field's enumerated value included
+      (``"role": 5``);
     - ``integer_below_min_value`` / ``integer_above_max_value`` for an integer field out of
       range, ``decimal_below_min_value`` / ``decimal_above_max_value`` for a number field
       (pydantic reports a number field's bound as a float, an integer field's as an int);
@@ -45,6 +47,8 @@ def _error_code(error: dict) -> str:
     ctx = error.get("ctx") or {}
     if kind == "missing":
         return "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return "unknown_parameter"
     if kind.endswith(("_parsing", "_type")) or _wrong_literal_type(kind, error):
         return "invalid_type"
     if kind.startswith(("greater_than", "less_than")):

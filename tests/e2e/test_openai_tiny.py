@@ -165,6 +165,53 @@ def test_raw_sse_format(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
+def sse_chunks(server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed request (``data: [DONE]`` checked and left out)."""
+    resp = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body, "stream": True},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+STREAM_BODIES = {"/v1/completions": {"prompt": PROMPT},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+
+
+@pytest.mark.parametrize("path", list(STREAM_BODIES))
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_continuous_usage_stats_on_every_chunk(server, path, include_usage):
+    """``continuous_usage_stats`` (vLLM's): every chunk's usage is the prompt's tokens and the
+    tokens streamed so far, counted here from the chunks' own ``token_ids`` (0 on chat's role
+    chunk); the last equals the non-streamed usage. ``include_usage`` adds the usage-only last
+    chunk, and only it."""
+    body = {**STREAM_BODIES[path], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60).json()
+    chunks = sse_chunks(server, path, {**body, "stream_options": {
+        "continuous_usage_stats": True, "include_usage": include_usage}})
+    prompt_tokens, streamed = whole["usage"]["prompt_tokens"], 0
+    for chunk in chunks[:-1] if include_usage else chunks:
+        streamed += sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+        assert chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": streamed,
+                                  "total_tokens": prompt_tokens + streamed}, chunk
+    assert streamed == 12 and chunks[-1]["usage"] == whole["usage"]
+    assert (chunks[-1]["choices"] == []) == include_usage
+
+
+@pytest.mark.parametrize("path", list(STREAM_BODIES))
+def test_unknown_stream_options_key_is_a_400(server, path):
+    """A key ``stream_options`` does not declare is refused (it would be ignored), naming
+    the key, with OpenAI's ``unknown_parameter``."""
+    body = {"model": MODEL, **STREAM_BODIES[path], "stream": True,
+            "stream_options": {"include_usage": True, "foo": 1}}
+    resp = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == ("stream_options.foo", "unknown_parameter")
+
+
 def test_null_max_tokens_means_unset(server, tokenizer):
     """An explicit null ``max_tokens`` (chat: or ``max_completion_tokens``) is the same as
     leaving it out: 16 tokens on completions (OpenAI's default; the tiny model's

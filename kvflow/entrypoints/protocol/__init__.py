@@ -1,8 +1,8 @@
 """OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
 
 Requests ignore unknown top-level fields (as vLLM does; the handlers log each unknown name
-once); ``null`` for a nullable field means the same as leaving it out
-(``"max_tokens": null``); a known
+once), but ``stream_options`` takes only its own keys (another is a 400 naming it); ``null``
+for a nullable field means the same as leaving it out (``"max_tokens": null``); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,
 ``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
@@ -14,6 +14,7 @@ UTF-16 surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
+``stream_options``' ``continuous_usage_stats`` (every chunk carries the usage so far),
 ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` constraints).
 
 The models live in one module per job: ``base`` (base classes, the error body, the

@@ -17,7 +17,15 @@ from kvflow.entrypoints.protocol.base import (
 
 
 class StreamOptions(RequestModel):
+    """``stream_options`` of a streamed request. ``include_usage``: a last chunk (no choices)
+    carries the request's usage; ``continuous_usage_stats`` (vLLM's extension): every chunk
+    carries the usage so far (prompt tokens, tokens generated up to and including that chunk,
+    their sum). A key it does not declare is a 400 naming ``stream_options.<key>``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(RequestModel):
