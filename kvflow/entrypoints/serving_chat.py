@@ -245,15 +245,18 @@ class OpenAIServingChat(OpenAIServing):
         created, num_generated = int(time.time()), 0
         include_usage, continuous_usage = self.stream_usage(req)
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None):
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None):
             if continuous_usage and usage is None:  # the usage so far, on every chunk
                 usage = _usage(len(ids), num_generated)
             return ChatCompletionStreamResponse(id=request_id, created=created,
                                                 model=self.response_model(req.model), choices=choices,
-                                                usage=usage)
+                                                usage=usage, prompt_token_ids=prompt_token_ids)
 
+        # the first chunk of every choice: the role, and (as vLLM) the prompt's token ids
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(req.n)])
+                     for i in range(req.n)],
+                    prompt_token_ids=ids if req.return_token_ids else None)
         want_tokens = req.logprobs or req.return_token_ids
         states = {i: parser.stream_state() for i in range(req.n)}
         async for _, delta in merge_streams(streams):

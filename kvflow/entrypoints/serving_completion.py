@@ -217,6 +217,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
+                if first and req.return_token_ids:  # as vLLM: with the choice's first chunk
+                    choice.prompt_token_ids = prompts[i][1]
                 usage = _usage(prompts, num_generated) if continuous_usage else None
                 yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                          choices=[choice], usage=usage)

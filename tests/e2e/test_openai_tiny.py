@@ -201,6 +201,34 @@ def test_continuous_usage_stats_on_every_chunk(server, path, include_usage):
 
 
 @pytest.mark.parametrize("path", list(STREAM_BODIES))
+def test_stream_first_chunk_of_each_choice_carries_prompt_token_ids(server, path, tokenizer):
+    """``return_token_ids`` streamed: the first chunk of each choice carries the prompt's
+    token ids (per choice on completions, as vLLM; on chat's role chunk, beside its choices),
+    equal to the non-streamed reply's; no later chunk repeats them."""
+    prompts = {"prompt": ["the quick brown", "kvflow pages keys"]} \
+        if path == "/v1/completions" else {}
+    body = {**STREAM_BODIES[path], **prompts, "n": 2, "max_tokens": 4, "temperature": 1.0,
+            "seed": 3, "return_token_ids": True}
+    whole = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60).json()
+    chunks = sse_chunks(server, path, body)
+    if path == "/v1/completions":
+        expected = {c["index"]: c["prompt_token_ids"] for c in whole["choices"]}
+        assert expected == {i: tokenizer.encode(prompts["prompt"][i // 2]) for i in range(4)}
+        firsts: dict[int, list[int]] = {}
+        for chunk in chunks:
+            for c in chunk["choices"]:
+                if c["index"] in firsts:
+                    assert "prompt_token_ids" not in c, chunk
+                else:
+                    firsts[c["index"]] = c["prompt_token_ids"]
+        assert firsts == expected
+    else:
+        assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        assert [c["index"] for c in chunks[0]["choices"]] == [0, 1]
+        assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+
+
+@pytest.mark.parametrize("path", list(STREAM_BODIES))
 def test_unknown_stream_options_key_is_a_400(server, path):
     """A key ``stream_options`` does not declare is refused (it would be ignored), naming
     the key, with OpenAI's ``unknown_parameter``."""

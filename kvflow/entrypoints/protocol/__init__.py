@@ -13,8 +13,9 @@ tests/e2e/test_openai_fields.py walks every field. Text anywhere in a body that 
 UTF-16 surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``),
-``stream_options``' ``continuous_usage_stats`` (every chunk carries the usage so far),
+``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``; streamed,
+the first chunk of each choice carries ``prompt_token_ids``), ``stream_options``'
+``continuous_usage_stats`` (every chunk carries the usage so far),
 ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` constraints).
 
 The models live in one module per job: ``base`` (base classes, the error body, the

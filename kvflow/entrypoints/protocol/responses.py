@@ -150,10 +150,15 @@ class ChatStreamChoice(OmitNoneModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(OmitNoneModel):
+    """A chat stream chunk; ``prompt_token_ids`` (``return_token_ids``) on the first only."""
+
+    OMIT_IF_NONE = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
