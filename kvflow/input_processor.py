@@ -175,7 +175,8 @@ class InputProcessor:
                       mm_features: list[MultiModalFeature] | None = None,
                       client_id: str = "",
                       lora_request: LoRARequest | None = None) -> list[Request]:
-        """One Request per sample (``n``); sample i of a seeded request uses seed + i. The
+        """One Request per sample (``n``); sample i of a seeded request uses seed + i
+        (wrapped into the signed 64-bit range, the same generator seed modulo 2**64). The
         samples share ``mm_features`` (the images of the prompt, already expanded).
         ``client_id`` names the sender for the fair policy ("" when unknown); every
         sample runs with ``lora_request`` (None: the base model).
@@ -189,7 +190,7 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         requests = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
             child = dataclasses.replace(params, n=1, seed=seed,
                                         stop_token_ids=self._stop_token_ids(params))
             rid = request_id if params.n == 1 else f"{request_id}-{i}"

@@ -160,7 +160,7 @@ class SamplingParams:
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
              self.temperature, "must be a finite number >= 0"),
-            (self.seed is None or -2**63 <= self.seed < 2**63 - 1024, "seed", self.seed,
+            (self.seed is None or -2**63 <= self.seed < 2**63, "seed", self.seed,
              "must fit in a signed 64-bit integer"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 or -1 disables)"),
@@ -213,7 +213,8 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
     """``{"50256": -100}`` -> ``{50256: -100.0}``; None or empty -> None.
 
     Raises:
-        ValueError: for a key that is not an integer token id or a non-numeric bias.
+        ValueError: for a key that is not an integer token id, two keys naming one token id
+            (``"7"`` and ``"07"``), or a non-numeric bias.
     """
     if not bias:
         return None
@@ -222,9 +223,13 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
         try:
             if not (_is_int(key) or isinstance(key, str)) or isinstance(value, bool):
                 raise TypeError
-            out[int(key)] = float(value)
+            token_id, bias_value = int(key), float(value)
         except (TypeError, ValueError):
             raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: entry {key!r}: "
                              f"{value!r}; keys "
                              "must be integer token ids and values numbers") from None
+        if token_id in out:
+            raise ValueError(f"SamplingParams.logit_bias names token id {token_id} more than "
+                             "once")
+        out[token_id] = bias_value
     return out

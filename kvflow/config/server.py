@@ -50,6 +50,11 @@ class ServerConfig:
                                  "tool_choice=auto", choices=["hermes", "llama3_json"])
     reasoning_parser: str | None = opt(None, "split <think>...</think> reasoning into "
                                         "reasoning_content", choices=[None, "think"])
+    trust_request_chat_template: bool = opt(False, "accept a Jinja chat_template sent in a "
+                                            "request (/v1/chat/completions, /tokenize); off: "
+                                            "such a request gets 400, since a template runs "
+                                            "code of the client's choosing on the server "
+                                            "(vLLM's flag of the same name)")
     lora_modules: tuple[str, ...] | None = opt(None, "LoRA adapters served from start-up, each "
                                                 "NAME=PATH (a PEFT folder); requests pick one "
                                                 "by model=NAME (needs --enable-lora)",

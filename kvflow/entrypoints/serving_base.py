@@ -21,8 +21,12 @@ from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loo
 from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
-from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
-from kvflow.entrypoints.unknown_fields import UnknownFieldLog
+from kvflow.entrypoints.structured_requests import (
+    RequestFieldError,
+    constraint_param,
+    request_constraint,
+)
+from kvflow.entrypoints.unknown_fields import UnknownFieldLog, refuse_unsupported
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
@@ -248,7 +252,10 @@ class OpenAIServing:
         endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
         while the scheduler is not run by priority (it would be ignored). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
-        ``unsupported_value`` (OpenAI's codes for the two)."""
+        ``unsupported_value`` (OpenAI's codes for the two); also an OpenAI or vLLM field
+        kvflow does not declare that would change the reply (``unknown_fields.UNSUPPORTED``,
+        e.g. ``allowed_token_ids``)."""
+        refuse_unsupported(req)
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",
@@ -302,7 +309,11 @@ class OpenAIServing:
             params = SamplingParams(**fields)
             self.engine.processor.validate_params(params)
         except ValueError as e:
-            raise invalid_request(e) from None
+            error = invalid_request(e)
+            if " in structured_outputs" in str(e):  # the constraint did not compile
+                error.param = "tools" if structured_outputs is not None else \
+                    constraint_param(req)
+            raise error from None
         return params
 
     # ---- running requests --------------------------------------------------------------------

@@ -136,6 +136,9 @@ class OpenAIServingChat(OpenAIServing):
                 template, an option the template cannot honour, or a conversation it rejects;
                 400 (code ``context_length_exceeded``) for a prompt certainly too long.
         """
+        self._check_chat_template(options.chat_template)
+        if options.chat_template is not None:
+            size = None  # a client's template may run long: never on the event loop
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer
@@ -157,6 +160,21 @@ class OpenAIServingChat(OpenAIServing):
         except PromptTooLong as e:
             raise OpenAIError(str(e), param="messages", code="context_length_exceeded") \
                 from None
+
+    def _check_chat_template(self, template: str | None) -> None:
+        """Raises OpenAIError 400 (``chat_template``) for a request's own template unless the
+        server trusts them (``--trust-request-chat-template``: a Jinja template is code run on
+        the server, and one that loops for minutes would hold a worker thread), or an empty
+        one."""
+        if template is None:
+            return
+        if not self.config.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is refused: this server was not "
+                              "started with --trust-request-chat-template",
+                              param="chat_template", code="unsupported_parameter")
+        if not template.strip():
+            raise OpenAIError("chat_template is empty", param="chat_template",
+                              code="invalid_value")
 
     def _render_now(self, tokenizer: Any, conversation: list[dict[str, Any]],
                     options: ChatOptions, tools: list[dict[str, Any]] | None,

@@ -67,10 +67,29 @@ def request_constraint(req: SamplingRequest) -> StructuredOutputsParams | None:
         return None
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
-    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+    schema = None if fmt.json_schema is None else fmt.json_schema.json_schema
+    if schema is None:
         raise RequestFieldError("response_format of type json_schema needs "
-                                "json_schema.schema", "response_format")
-    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+                                "json_schema.schema", "response_format.json_schema.schema")
+    if schema is False:
+        raise RequestFieldError("response_format.json_schema.schema is false, a schema no "
+                                "output matches", "response_format.json_schema.schema")
+    return StructuredOutputsParams(json="true" if schema is True else schema)
+
+
+def constraint_param(req: SamplingRequest) -> str | None:
+    """The request field a constraint came from, for errors found when it is compiled (None
+    when the request sets none): ``guided_*``, ``structured_outputs`` or
+    ``response_format.json_schema.schema``."""
+    for name in _GUIDED_FIELDS:
+        if getattr(req, name) is not None:
+            return name
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    return "response_format" if fmt.type == "json_object" else "response_format.json_schema.schema"
 
 
 def tool_choice_mode(req: ChatCompletionRequest) -> str | None:

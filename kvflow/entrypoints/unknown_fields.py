@@ -1,14 +1,55 @@
-"""Request-body fields kvflow does not know: ignored, as vLLM ignores them, and logged once per
-field name for the whole server, whichever endpoint they come to (a field kvflow declares is
-honoured or rejected with a 400 naming it; see ``protocol``)."""
+"""Request-body fields kvflow does not declare: ignored, as vLLM ignores them, and logged once
+per field name for the whole server, whichever endpoint they come to - except the OpenAI and
+vLLM fields that would change the output (``UNSUPPORTED``), which are a 400 naming the field
+rather than silently ignored (a field kvflow declares is honoured or rejected with a 400 naming
+it; see ``protocol``)."""
 
 from __future__ import annotations
 
 import logging
 
+from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import RequestBody
 
 logger = logging.getLogger(__name__)
+
+# OpenAI (chat) and vLLM (both endpoints) request fields kvflow does not implement and that
+# change what the reply holds: field -> what to do instead.
+UNSUPPORTED = {
+    "allowed_token_ids": "restrict the output with structured_outputs (choice, regex)",
+    "bad_words": "use logit_bias with a large negative bias on the words' tokens",
+    "truncate_prompt_tokens": "send a prompt that fits; prompts are never truncated",
+    "length_penalty": "kvflow does not run beam search",
+    "logits_processors": "use logit_bias or structured_outputs",
+    "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
+    "return_tokens_as_token_ids": "use return_token_ids",
+    "prompt_embeds": "send text or token ids",
+    "mm_processor_kwargs": "images are preprocessed with the model's own settings",
+    "cache_salt": "the prefix cache is shared by every request of this server",
+    "functions": "send tools (the deprecated functions field is not read)",
+    "function_call": "send tool_choice (the deprecated function_call field is not read)",
+    "prediction": "predicted outputs are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "the reply is text only",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "pass the model's own switch in chat_template_kwargs "
+                        "(e.g. enable_thinking)",
+}
+
+
+# Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
+HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1]}
+
+
+def refuse_unsupported(req: RequestBody) -> None:
+    """Raises OpenAIError 400 (code ``unsupported_parameter``) naming the first field of
+    ``req`` that kvflow does not declare but that would change the reply (``UNSUPPORTED``);
+    null, and the values in ``HARMLESS`` (``"modalities": ["text"]``), ask for nothing and
+    pass."""
+    for name, value in req.unknown_values.items():
+        if name in UNSUPPORTED and value is not None and value not in HARMLESS.get(name, []):
+            raise OpenAIError(f"{name} is not supported by kvflow: {UNSUPPORTED[name]}",
+                              param=name, code="unsupported_parameter")
 
 
 class UnknownFieldLog:

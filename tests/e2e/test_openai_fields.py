@@ -28,7 +28,7 @@ from tests.models.embedding_models import build_decoder
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
         "--policy", "priority", "--max-num-seqs", "4", "--uvicorn-log-level", "info",
         "--target-ttft-ms", "60000", "--admission-control", "--enable-lora", "--max-lora-rank",
-        "8"]
+        "8", "--trust-request-chat-template"]
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 EMB = "/v1/embeddings"
@@ -759,3 +759,52 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
     assert (resp.status_code, error["param"], error["code"]) == (400, "dimensions",
                                                                  "invalid_type")
     assert len(ok(embed_server, EMB, {"dimensions": 8})["data"][0]["embedding"]) == 8
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    (C, {"allowed_token_ids": [5]}, "allowed_token_ids", "unsupported_parameter"),
+    (CH, {"bad_words": ["a"]}, "bad_words", "unsupported_parameter"),
+    (CH, {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    (CH, {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+    (C, {"logit_bias": {"5": 1, "05": -1}}, "logit_bias", "invalid_value"),
+    (CH, {"chat_template": " "}, "chat_template", "invalid_value"),
+    (C, {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                      "schema": False}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    (CH, {"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "banana"}}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    (C, {"guided_json": {"type": "banana"}}, "guided_json", "invalid_value"),
+])
+def test_fields_that_would_change_the_reply_are_refused(server, path, body, param, code):
+    """An OpenAI or vLLM field kvflow does not implement but that would change the reply is a
+    400 naming it (not ignored and logged); a token id given twice in logit_bias, an empty
+    chat template and a schema no output matches or that does not compile name their field."""
+    resp = post(server, path, body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_harmless_values_of_unsupported_fields_pass(server):
+    """``modalities: ["text"]`` and null ask for nothing kvflow does not do: the same greedy
+    ids as without them."""
+    plain = ids(ok(server, CH, {}))
+    assert ids(ok(server, CH, {"modalities": ["text"], "audio": None})) == plain
+
+
+def test_schema_true_allows_any_json_and_the_largest_seed_is_a_seed(server):
+    """``"schema": true`` (JSON Schema: every value matches) is honoured as "any JSON" (the
+    reply parses as JSON), not a 500; seed 2**63 - 1 (the largest 64-bit integer) is
+    accepted and reproducible, and with n=2 its second sample is seed -2**63's first (seed + 1
+    wraps modulo 2**64, as torch's generator reads seeds)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}
+    reply = ok(server, C, {"response_format": fmt, "max_tokens": 24})["choices"][0]
+    if reply["finish_reason"] == "stop":
+        json.loads(reply["text"])
+    else:  # cut at max_tokens: the text is still a prefix of JSON
+        assert reply["text"].lstrip()[:1] in set('{["-0123456789tfn')
+    big = {"temperature": 5.0, "max_tokens": 8, "seed": 2**63 - 1}
+    first = ok(server, C, {**big, "n": 2})
+    assert ids(ok(server, C, big)) == ids(first, 0)
+    assert ids(ok(server, C, {**big, "seed": -2**63})) == ids(first, 1)

@@ -579,3 +579,21 @@ def test_server_serves_after_bad_input(server, client):
     assert resp.usage.completion_tokens == 3
     metrics = server.metrics()
     assert server.value(metrics, "kvflow:kv_cache_free_blocks") == NUM_KV_BLOCKS - 1
+
+
+def test_request_chat_template_needs_a_trusting_server(server, tokenizer):
+    """A Jinja chat_template sent by a client runs on the server: without
+    --trust-request-chat-template it is a 400 naming the field (chat and /tokenize), and the
+    model's own template still serves the same conversation."""
+    messages = [{"role": "user", "content": "hi there"}]
+    template = "{% for i in range(100000000) %}{% endfor %}x"  # would hold a thread for minutes
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "max_tokens": 1}),
+                       ("/tokenize", {})):
+        resp = httpx.post(f"{server.url}{path}", timeout=30,
+                          json={**body, "messages": messages, "chat_template": template})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == "chat_template", resp.text
+        assert "--trust-request-chat-template" in error["message"]
+    resp = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert resp.json()["tokens"] == tokenizer.encode(expected, add_special_tokens=False)

@@ -70,6 +70,7 @@ class RequestBody(RequestModel):
     not declare are kept in ``unknown_fields`` (for the handler to log)."""
 
     _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+    _unknown_values: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -83,12 +84,18 @@ class RequestBody(RequestModel):
             known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
                                              if f.alias}
             model._unknown_fields = tuple(sorted(k for k in data if k not in known))
+            model._unknown_values = {k: data[k] for k in model._unknown_fields}
         return model
 
     @property
     def unknown_fields(self) -> tuple[str, ...]:
         """Top-level fields of the body that this model does not declare (ignored)."""
         return self._unknown_fields
+
+    @property
+    def unknown_values(self) -> dict[str, Any]:
+        """The values sent in ``unknown_fields``, by name (as parsed from the JSON)."""
+        return self._unknown_values
 
 
 def now() -> int:

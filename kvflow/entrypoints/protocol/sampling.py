@@ -72,7 +72,7 @@ class SamplingRequest(RequestBody):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - 2**20)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
