@@ -145,6 +145,9 @@ def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str
                                     f"messages.{i}.content.{j}.image_url")
         return kind, image_placeholder
     text = part.get(kind) if kind in _TEXT_PARTS else None
+    if kind in _TEXT_PARTS and not isinstance(text, str):
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} needs "
+                                f"{kind} (a string)", f"messages.{i}.content.{j}.{kind}")
     if not isinstance(text, str):
         what = "text and image_url" if image_placeholder is not None else \
             "text only: this model does not take images"

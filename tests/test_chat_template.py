@@ -49,6 +49,9 @@ def test_null_parts_and_tool_arguments_normalized():
      "messages.0.content.0"),
     ([{"role": "user", "content": 5}], "messages.0.content"),
     ([{"role": "user", "content": "a\ud800"}], "messages.0.content"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}],
+     "messages.0.content.0.refusal"),
 ])
 def test_bad_messages_name_the_field(tok, messages, param):
     with pytest.raises(ChatTemplateError) as info:

@@ -176,6 +176,11 @@ def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
+# FastAPI's detail for a body it could not decode (not UTF-8); a JSON syntax error is a
+# RequestValidationError instead
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -188,7 +193,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(error or validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # bytes, not text
+            error = content_type_error(raw.headers.get("content-type"))
+            return _error_response(error or OpenAIError(
+                "the body is not JSON text: it must be UTF-8 encoded", code="invalid_json"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
 

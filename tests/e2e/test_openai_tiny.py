@@ -597,3 +597,13 @@ def test_request_chat_template_needs_a_trusting_server(server, tokenizer):
     resp = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert resp.json()["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_body_that_is_not_utf8_is_invalid_json(server):
+    """Bytes that are not UTF-8 text under ``application/json``: a 400 with code
+    ``invalid_json`` saying why (FastAPI's own answer had no code)."""
+    resp = httpx.post(f"{server.url}{C}", content=b'{"prompt": "h\xff\xfei", "max_tokens": 2}',
+                      headers={"Content-Type": "application/json"}, timeout=30)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["code"] == "invalid_json", resp.text
+    assert "UTF-8" in error["message"]
