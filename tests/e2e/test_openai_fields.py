@@ -808,3 +808,17 @@ def test_schema_true_allows_any_json_and_the_largest_seed_is_a_seed(server):
     first = ok(server, C, {**big, "n": 2})
     assert ids(ok(server, C, big)) == ids(first, 0)
     assert ids(ok(server, C, {**big, "seed": -2**63})) == ids(first, 1)
+
+
+def test_null_means_the_default(server):
+    """A field sent as null takes its default, as OpenAI's nullable fields (``n``,
+    ``stream``, ``echo``, ``logprobs``) and vLLM read it: the same reply as without it; a
+    required field sent as null is still a 400 naming it."""
+    for path, nulls in ((C, {"n": None, "stream": None, "echo": None, "ignore_eos": None}),
+                        (CH, {"n": None, "stream": None, "logprobs": None,
+                              "add_generation_prompt": None})):
+        plain = ok(server, path, {})
+        nulled = ok(server, path, nulls)
+        assert len(nulled["choices"]) == 1 and ids(nulled) == ids(plain)
+    resp = post(server, CH, {"messages": None})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text

@@ -66,8 +66,10 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- shared request fields -----------------------------------------------------------------------
 class RequestBody(RequestModel):
     """A top-level request body: all its text is checked for lone surrogates before
-    validation (``invalid_unicode`` error with ``ctx.param``), and the names of fields it does
-    not declare are kept in ``unknown_fields`` (for the handler to log)."""
+    validation (``invalid_unicode`` error with ``ctx.param``), a field sent as null takes its
+    default (``"n": null`` is ``n`` unset, 1; as OpenAI's nullable fields and vLLM read it),
+    and the names of fields it does not declare are kept in ``unknown_fields`` (for the
+    handler to log)."""
 
     _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
     _unknown_values: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -79,6 +81,10 @@ class RequestBody(RequestModel):
         if found is not None:
             raise PydanticCustomError("invalid_unicode", "{param} {why}",
                                       {"param": found[0], "why": found[1]})
+        if isinstance(data, dict):  # null means unset, as OpenAI's nullable fields read it
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].is_required() or cls.model_fields[k].default is None}
         model = handler(data)
         if isinstance(data, dict):
             known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
