@@ -46,6 +46,7 @@ from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
+from kvflow.entrypoints.structured_requests import RequestFieldError, check_tools
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog
 from kvflow.entrypoints.validation_errors import validation_error
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
@@ -336,6 +337,10 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
     """/tokenize's token ids: the chat conversation rendered with the chat template (image
     placeholders expanded), else the prompt encoded (off the event loop when long)."""
     if req.messages is not None:
+        try:
+            check_tools(req.tools)
+        except RequestFieldError as e:
+            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
         text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
                                       check_length=False, size=body_size(raw))

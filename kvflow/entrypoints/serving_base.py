@@ -288,7 +288,8 @@ class OpenAIServing:
                         structured_outputs: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
         """SamplingParams from the request's fields; ``structured_outputs`` (a tool-call
-        grammar) overrides the request's own ``response_format`` / ``structured_outputs``.
+        grammar) is one more constraint: with the request's own ``response_format`` /
+        ``structured_outputs`` / ``guided_*`` it is a 400 (one constraint only).
         Optional fields the request leaves unset (or null) are not passed, so the model's
         sampling defaults fill them when the request is queued.
 
@@ -296,7 +297,7 @@ class OpenAIServing:
             OpenAIError: 400 when invalid (a malformed schema or regex too).
         """
         try:
-            fields = {"structured_outputs": structured_outputs or request_constraint(req)}
+            fields = {"structured_outputs": request_constraint(req, structured_outputs)}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         fields.update({name: getattr(req, name) for name in _COPIED_FIELDS})

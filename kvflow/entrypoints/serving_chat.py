@@ -35,6 +35,7 @@ from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_siz
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
+    check_tools,
     tool_choice_mode,
     tool_constraint,
     tool_parser_for,
@@ -99,8 +100,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.
-        Raises OpenAIError 400 for a tool_choice that does not fit the tools."""
+        Raises OpenAIError 400 for a bad tool (see ``check_tools``) or a tool_choice that
+        does not fit the tools."""
         try:
+            check_tools(req.tools)
             mode = tool_choice_mode(req)
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatTool,
     NamedToolChoice,
     SamplingRequest,
 )
@@ -17,7 +18,7 @@ from kvflow.entrypoints.tool_parsers import (
     ToolParser,
     make_tool_parser,
 )
-from kvflow.structured import StructuredOutputsParams
+from kvflow.structured import StructuredOutputsParams, validate
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -34,9 +35,12 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def request_constraint(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The constraint from ``response_format``, ``structured_outputs`` or one of vLLM's older
-    ``guided_*`` fields (one source only).
+def request_constraint(req: SamplingRequest,
+                       tool_grammar: StructuredOutputsParams | None = None
+                       ) -> StructuredOutputsParams | None:
+    """The constraint from ``response_format``, ``structured_outputs``, one of vLLM's older
+    ``guided_*`` fields, or ``tool_grammar`` (the grammar of tool_choice ``required`` or a
+    named function, see :func:`tool_constraint`): one source only.
 
     Raises:
         RequestFieldError: for two sources at once, or a json_schema format without a schema.
@@ -45,9 +49,12 @@ def request_constraint(req: SamplingRequest) -> StructuredOutputsParams | None:
     sources = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
     sources += ["structured_outputs"] if extra is not None else []
     sources += ["response_format"] if fmt is not None and fmt.type != "text" else []
+    sources += ["tool_choice"] if tool_grammar is not None else []
     if len(sources) > 1:
         raise RequestFieldError(f"set only one of {', '.join(sources)}: each constrains the "
                                 "output", sources[-1])
+    if tool_grammar is not None:
+        return tool_grammar
     guided = [(name, getattr(req, name)) for name in _GUIDED_FIELDS
               if getattr(req, name) is not None]
     if guided:
@@ -90,6 +97,33 @@ def constraint_param(req: SamplingRequest) -> str | None:
     if fmt is None or fmt.type == "text":
         return None
     return "response_format" if fmt.type == "json_object" else "response_format.json_schema.schema"
+
+
+def check_tools(tools: list[ChatTool] | None) -> None:
+    """Each tool's function name unique, and its ``parameters`` a JSON schema the grammar
+    backend compiles (the check tool_choice ``required`` / named needs; made for every
+    tool_choice, so a tool accepted under ``auto`` also works when forced).
+
+    Raises:
+        RequestFieldError: naming ``tools.N.function.name`` (a name an earlier tool has) or
+            ``tools.N.function.parameters`` (a schema that does not compile).
+    """
+    first: dict[str, int] = {}
+    for i, tool in enumerate(tools or ()):
+        name = tool.function.name
+        if name in first:
+            raise RequestFieldError(f"tools {first[name]} and {i} are both named {name!r}: "
+                                    "function names must be unique", f"tools.{i}.function.name")
+        first[name] = i
+        if tool.function.parameters is None:
+            continue
+        try:
+            validate(StructuredOutputsParams(json=tool.function.parameters))
+        except ValueError as e:
+            why = str(e).replace("invalid JSON schema in structured_outputs: ", "")
+            raise RequestFieldError(f"tools.{i}.function.parameters is not a valid JSON "
+                                    f"schema: {why}", f"tools.{i}.function.parameters") \
+                from None
 
 
 def tool_choice_mode(req: ChatCompletionRequest) -> str | None:

@@ -38,7 +38,10 @@ class ChatMessage(RequestModel):
 
 
 class FunctionDefinition(RequestModel):
-    name: str = Field(min_length=1)
+    """A tool's function: ``name`` by OpenAI's rule (``^[a-zA-Z0-9_-]{1,64}$``; unique among
+    the tools, checked with the ``parameters`` schema in structured_requests.check_tools)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
