@@ -17,10 +17,10 @@ them ("string" content format):
 
 Options are honoured or refused, never dropped: ``continue_final_message`` (the reply continues
 the last, assistant, message; exclusive with ``add_generation_prompt``), ``chat_template`` (a
-Jinja template replacing the model's; rendered in transformers' sandbox), ``documents`` and
-``tools`` (refused when the template never reads them; callers that can inject tools as text
-do so first), ``chat_template_kwargs`` (extra template variables; names of
-``apply_chat_template``'s own parameters are refused).
+Jinja template replacing the model's; rendered in transformers' sandbox), ``documents``,
+``tools`` and an assistant's ``tool_calls`` (refused when the template never reads them;
+callers that can inject them as text do so first), ``chat_template_kwargs`` (extra template
+variables; names of ``apply_chat_template``'s own parameters are refused).
 """
 
 from __future__ import annotations
@@ -245,6 +245,10 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
     for name, value in (("tools", tools), ("documents", documents)):
         if value and name not in str(template):
             raise ChatTemplateError(f"this chat template does not use {name}", name)
+    with_calls = [i for i, m in enumerate(conversation) if m.get("tool_calls")]
+    if with_calls and "tool_calls" not in str(template):
+        raise ChatTemplateError("this chat template does not render an assistant message's "
+                                "tool_calls", f"messages.{with_calls[0]}.tool_calls")
     extra = dict(extra or {})
     reserved = sorted(_RESERVED_KWARGS & set(extra))
     if reserved:

@@ -86,6 +86,26 @@ def test_bad_options_rejected(tok, kwargs, param):
     assert info.value.param == param
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+TOOL_TURNS = [{"role": "user", "content": "hi"},
+              {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+
+
+def test_tool_calls_reach_the_template(tok):
+    """An assistant's tool_calls reach a template that renders them, arguments as an object
+    (transformers' tool-use convention), and a tool turn's tool_call_id too (hand-written
+    expectation); a template that never mentions tool_calls is refused, naming the turn."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+                "{{ m.tool_call_id or '' }}={{ m.content }};{% endfor %}")
+    assert render_chat(tok, TOOL_TURNS, chat_template=template,
+                       add_generation_prompt=False) == '=hi;f{"x": 1}=;c1=42;'
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, TOOL_TURNS)
+    assert info.value.param == "messages.1.tool_calls"
+
+
 def test_no_chat_template_http_message(tiny_tokenizer):
     """Over HTTP the error speaks of request fields and endpoints, not of Python calls."""
     from kvflow.config import ServerConfig

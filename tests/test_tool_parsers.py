@@ -115,3 +115,31 @@ def test_cut_call_whole_message_matches_the_stream(parser, text):
     got = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
     assert got == [(streamed_names[i], streamed_args[i]) for i in sorted(streamed_names)]
     assert (message.content or "") == streamed_content
+
+
+HISTORY_CALLS = [  # an earlier assistant turn's tool_calls, as OpenAI clients send them back
+    {"id": "c1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "東京", "q": "a \\"b\\" }"}'}},
+    {"id": "c2", "type": "function", "function": {"name": "add", "arguments": ""}}]
+
+
+HERMES_HISTORY = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "q": "a \\"b\\" }"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>')
+LLAMA3_HISTORY = ('{"name": "get_weather", "parameters": {"city": "東京", "q": "a \\"b\\" }"}}; '
+                  '{"name": "add", "parameters": {}}')
+
+
+@pytest.mark.parametrize("parser,expected", [(HermesToolParser(), HERMES_HISTORY),
+                                             (Llama3JsonToolParser(), LLAMA3_HISTORY)],
+                         ids=["hermes", "llama3_json"])
+def test_history_calls_as_text_parse_back(parser, expected):
+    """A template that renders no tool_calls gets them as the parser's own text (hand-written
+    expectation: the arguments text verbatim, empty arguments as {}); the parser reads the
+    same calls back from it."""
+    text = parser.calls_text(HISTORY_CALLS)
+    assert text == expected
+    parsed = parser.parse(text, True)
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == \
+        [("get_weather", {"city": "東京", "q": 'a "b" }'}, True), ("add", {}, True)]

@@ -41,7 +41,7 @@ from kvflow.entrypoints.structured_requests import (
     tool_parser_for,
     tools_for_template,
 )
-from kvflow.entrypoints.tool_parsers import make_tool_parser
+from kvflow.entrypoints.tool_parsers import ToolParser, make_tool_parser
 from kvflow.input_processor import InputProcessor, ProcessedPrompt
 from kvflow.multimodal import MediaError
 from kvflow.outputs import CompletionOutput, Logprob
@@ -128,9 +128,12 @@ class OpenAIServingChat(OpenAIServing):
                      size: int | None = None) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
         template's ``tools`` argument; a template that ignores them gets the tool parser's
-        instructions as (the start of) the system message instead. A long conversation
-        (``size``: its request body's bytes, ``body_size``; None: long) is rendered and
-        tokenized in a worker thread (``preprocess.off_loop``); with
+        instructions as (the start of) the system message instead. Assistant turns'
+        ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
+        ``tool_calls`` gets them as the tool parser's text at the end of the turn (the format
+        those instructions ask for), one that reads tools but not tool_calls is a 400. A long
+        conversation (``size``: its request body's bytes, ``body_size``; None: long) is
+        rendered and tokenized in a worker thread (``preprocess.off_loop``); with
         ``check_length``, a prompt whose prefix alone is longer than the context is refused
         without tokenizing the rest.
 
@@ -142,13 +145,17 @@ class OpenAIServingChat(OpenAIServing):
         self._check_chat_template(options.chat_template)
         if options.chat_template is not None:
             size = None  # a client's template may run long: never on the event loop
+        _check_tool_fields(messages)
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer
-        template = options.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        template = str(options.chat_template or getattr(tokenizer, "chat_template", None) or "")
+        parser = make_tool_parser(self.config.tool_call_parser)
+        if "tools" not in template and "tool_calls" not in template:
+            conversation = _with_calls_as_text(conversation, parser)
         if tools and "tools" not in template:
-            prompt = make_tool_parser(self.config.tool_call_parser).system_prompt(tools)
-            conversation, tools = _with_system_prompt(conversation, prompt), None
+            conversation, tools = _with_system_prompt(conversation,
+                                                      parser.system_prompt(tools)), None
         limit = self.engine.max_model_len - 1 if check_length else None
         try:
             return await off_loop(INLINE_CHARS + 1 if size is None else size,
@@ -308,6 +315,37 @@ def _check_image_details(messages: list[ChatMessage]) -> None:
                                   "leave it out)",
                                   param=f"messages.{i}.content.{j}.image_url.detail",
                                   code="unsupported_value")
+
+
+def _check_tool_fields(messages: list[ChatMessage]) -> None:
+    """``tool_calls`` only on assistant turns, ``tool_call_id`` only on tool turns (a
+    template reads them nowhere else). Raises OpenAIError 400 naming the field otherwise."""
+    for i, message in enumerate(messages):
+        for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+            if getattr(message, name) is not None and message.role != role:
+                raise OpenAIError(f"messages.{i}.{name} is for {role} messages only (this is "
+                                  f"a {message.role} message)", param=f"messages.{i}.{name}",
+                                  code="invalid_value")
+
+
+def _with_calls_as_text(conversation: list[dict[str, Any]], parser: ToolParser
+                        ) -> list[dict[str, Any]]:
+    """Each assistant turn's ``tool_calls`` appended to its content as ``parser``'s text
+    (on a line of its own after any text; a new text part for content given as parts)."""
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(message)
+            continue
+        text, content = parser.calls_text(calls), message.get("content")
+        if isinstance(content, list):
+            content = [*content, {"type": "text", "text": text}]
+        else:
+            content = f"{content}\n{text}" if content else text
+        out.append({k: v for k, v in message.items() if k != "tool_calls"} |
+                   {"content": content})
+    return out
 
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,

@@ -177,6 +177,25 @@ class ToolParser:
         """
         raise NotImplementedError
 
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """An earlier assistant turn's ``tool_calls`` (OpenAI's shape, ``arguments`` JSON text)
+        as the text this parser reads calls from, for chat templates that do not render
+        ``tool_calls`` themselves: ``parse(calls_text(calls), True)`` gives the calls back.
+
+        Raises:
+            NotImplementedError: for a parser without a text format of its own.
+        """
+        raise NotImplementedError
+
+
+def _call_json(call: dict[str, Any], args_key: str) -> str:
+    """``{"name": ..., "<args_key>": ...}`` with the arguments text as given (``{}`` if
+    empty): the model wrote that text; re-encoding it would change what it sees."""
+    function = call["function"]
+    arguments = function["arguments"].strip() or "{}"
+    return (f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, '
+            f'"{args_key}": {arguments}}}')
+
 
 class HermesToolParser(ToolParser):
     name = "hermes"
@@ -208,6 +227,10 @@ class HermesToolParser(ToolParser):
                 ' tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
                 "\n</tool_call>")
 
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{self.START}\n{_call_json(c, 'arguments')}\n{self.END}"
+                         for c in calls)
+
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
@@ -237,6 +260,9 @@ class Llama3JsonToolParser(ToolParser):
         return ("You have access to the following functions. To call one, respond with JSON "
                 'in the form {"name": function name, "parameters": {argument: value}}.\n'
                 + listing)
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        return "; ".join(_call_json(c, "parameters") for c in calls)
 
 
 class NamedToolParser(ToolParser):

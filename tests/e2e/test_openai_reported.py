@@ -152,18 +152,24 @@ NULL_TURN = [{"role": "user", "content": "A"}, {"role": "assistant", "content": 
              {"role": "user", "content": "B"}]
 
 
+# SmolLM2's template renders no tool_calls: the server writes them as the Hermes text its
+# tool instructions ask for (hand-written here).
+TOOL_LOOP_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+
+
 @pytest.mark.parametrize("messages", [TOOL_LOOP, NULL_TURN], ids=["tool_loop", "null_turn"])
 def test_null_content_renders_as_empty_text(server, tokenizer, messages):
     """Null content renders as "" (what vLLM and OpenAI clients expect); a parts array as its
-    text. Oracle: the HF tokenizer's rendering of the same turns with content ""."""
-    as_text = [{**m, "content": m["content"] or ""} for m in messages]
-    as_text = [{k: v for k, v in m.items() if k != "tool_calls"} for m in as_text]
+    text. Oracle: the HF tokenizer's rendering of the same turns with content "" (an
+    assistant's tool calls as their Hermes text)."""
+    as_text = [{"role": m["role"], "content": TOOL_LOOP_CALL if "tool_calls" in m else
+                m["content"] or ""} for m in messages]
     expected = tokenizer.encode(tokenizer.apply_chat_template(
         as_text, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     body = {"messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     resp = post(server, "/v1/chat/completions", body)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["prompt_token_ids"] == expected  # SmolLM2's template ignores tool_calls
+    assert resp.json()["prompt_token_ids"] == expected
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if m["content"] else m
              for m in messages]
     assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == expected

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -30,11 +30,32 @@ class ContentPart(RequestModel):
     image_url: ImageURL | None = None
 
 
+class CalledFunction(RequestModel):
+    """The function an earlier assistant turn called: ``arguments`` is JSON text, as OpenAI
+    returns it (parsed into an object for the chat template, see kvflow/chat_template.py)."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(RequestModel):
+    """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(RequestModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template
+    """A conversation turn. ``tool_calls`` (assistant turns only) and a tool turn's
+    ``tool_call_id`` reach the template; other keys (``name``, ...) reach it unchecked."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(RequestModel):
