@@ -149,3 +149,189 @@ def test_named_tool_call_returns_valid_arguments(client):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+# ---- tools: definitions, history turns, and one output constraint ------------------------------
+TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                   "required": ["tz"]}}}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+TOOL_TURNS = [{"role": "user", "content": "What time is it in UTC?"},
+              {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+# SmolLM2's template renders no tool_calls: the server writes them in the Hermes format its
+# tool instructions ask for (hand-written here).
+CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+# A template that renders tool calls and tool_call_id the transformers way (arguments an object).
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+def refused(resp: httpx.Response) -> tuple[str, str]:
+    """(param, code) of a 400."""
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    return error["param"], error["code"]
+
+
+def hf_ids(tokenizer, messages, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_history_tool_calls_reach_the_prompt(server, tokenizer):
+    """An assistant turn's tool_calls are in the prompt, not dropped. Oracles: the HF
+    tokenizer's rendering of the turn with the hand-written Hermes call as its content
+    (SmolLM2's template has no tool_calls), and of the turns themselves, arguments as an
+    object, with a template that renders tool_calls and tool_call_id; /v1/chat/completions
+    prompts the model with the same ids as /tokenize."""
+    as_text = [TOOL_TURNS[0], {"role": "assistant", "content": CALL_TEXT}, TOOL_TURNS[2]]
+    expected = hf_ids(tokenizer, as_text)
+    tokens = post(server, "/tokenize", {"messages": TOOL_TURNS}).json()["tokens"]
+    assert tokens == expected
+    without = [TOOL_TURNS[0], {"role": "assistant", "content": ""}, TOOL_TURNS[2]]
+    assert len(tokens) > len(hf_ids(tokenizer, without))
+    chat = post(server, "/v1/chat/completions", {"messages": TOOL_TURNS, "max_tokens": 1,
+                                                 "return_token_ids": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["prompt_token_ids"] == expected
+
+    hf_turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [
+        {**CALL, "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]}, TOOL_TURNS[2]]
+    body = {"messages": TOOL_TURNS, "chat_template": CALLS_TEMPLATE}
+    assert post(server, "/tokenize", body).json()["tokens"] == \
+        hf_ids(tokenizer, hf_turns, chat_template=CALLS_TEMPLATE)
+    # a template that reads tools but renders no tool_calls cannot show them: refused
+    reads_tools = "{% for t in tools or [] %}{{ t }}{% endfor %}{% for m in messages %}" \
+        "{{ m.content }}{% endfor %}"
+    for path in ("/tokenize", "/v1/chat/completions"):
+        resp = post(server, path, {"messages": TOOL_TURNS, "chat_template": reads_tools})
+        assert refused(resp) == ("messages.1.tool_calls", "invalid_value")
+
+
+def _with_call(call) -> list[dict]:
+    return [TOOL_TURNS[0], {"role": "assistant", "content": None, "tool_calls": call},
+            TOOL_TURNS[2]]
+
+
+BAD_HISTORY = [  # (messages, param, code)
+    (_with_call("x"), "messages.1.tool_calls", "invalid_type"),
+    (_with_call([5]), "messages.1.tool_calls.0", "invalid_type"),
+    (_with_call({"a": 1}), "messages.1.tool_calls", "invalid_type"),
+    (_with_call([]), "messages.1.tool_calls", "empty_array"),
+    (_with_call([{k: v for k, v in CALL.items() if k != "id"}]), "messages.1.tool_calls.0.id",
+     "missing_required_parameter"),
+    (_with_call([{**CALL, "type": "banana"}]), "messages.1.tool_calls.0.type", "invalid_value"),
+    (_with_call([{**CALL, "function": {"name": "get_time"}}]),
+     "messages.1.tool_calls.0.function.arguments", "missing_required_parameter"),
+    (_with_call([{**CALL, "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]),
+     "messages.1.tool_calls.0.function.arguments", "invalid_type"),
+    (_with_call([{**CALL, "function": {"name": 5, "arguments": "{}"}}]),
+     "messages.1.tool_calls.0.function.name", "invalid_type"),
+    ([{**TOOL_TURNS[0], "tool_calls": [CALL]}], "messages.0.tool_calls", "invalid_value"),
+    ([*TOOL_TURNS[:2], {**TOOL_TURNS[2], "tool_call_id": 1}], "messages.2.tool_call_id",
+     "invalid_type"),
+    ([{**TOOL_TURNS[0], "tool_call_id": "call_1"}], "messages.0.tool_call_id",
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("messages,param,code", BAD_HISTORY,
+                         ids=[f"{p}:{c}" for _, p, c in BAD_HISTORY])
+def test_malformed_history_tool_calls_are_400(server, path, messages, param, code):
+    """OpenAI's shape for an assistant's tool_calls ({id, type "function", function {name,
+    arguments as JSON text}}), only on assistant turns; tool_call_id a string, on tool turns."""
+    body = {"messages": messages, **({"max_tokens": 1} if path != "/tokenize" else {})}
+    assert refused(post(server, path, body)) == (param, code)
+
+
+def _tool(name: str = "get_time", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name,
+                                             "parameters": parameters or {"type": "object"}}}
+
+
+BAD_TOOLS = [  # (tools, tool_choice, param, code)
+    ([_tool("get time")], None, "tools.0.function.name", "invalid_value"),
+    ([_tool("wetter_ä")], "auto", "tools.0.function.name", "invalid_value"),
+    ([_tool("a" * 65)], None, "tools.0.function.name", "string_above_max_length"),
+    ([_tool(), _tool("add"), _tool()], None, "tools.2.function.name", "invalid_value"),
+    ([_tool(parameters={"type": "banana"})], None, "tools.0.function.parameters",
+     "invalid_value"),
+    ([_tool(parameters={"type": "banana"})], "auto", "tools.0.function.parameters",
+     "invalid_value"),
+    ([_tool(parameters={"type": "banana"})], "none", "tools.0.function.parameters",
+     "invalid_value"),
+    ([_tool(), _tool("add", {"type": "object", "properties": {"a": {"type": "banana"}}})],
+     "auto", "tools.1.function.parameters", "invalid_value"),
+    ([_tool(parameters={"type": "object", "required": "tz"})], None,
+     "tools.0.function.parameters", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("tools,tool_choice,param,code", BAD_TOOLS,
+                         ids=[f"{p}:{c}:{t}" for _, t, p, c in BAD_TOOLS])
+def test_bad_tool_definitions_are_400(server, path, tools, tool_choice, param, code):
+    """Function names by OpenAI's rule ^[a-zA-Z0-9_-]{1,64}$ and unique; parameters a JSON
+    schema the grammar backend compiles, whatever the tool_choice."""
+    body = {"messages": TOOL_TURNS[:1], "tools": tools}
+    if path != "/tokenize":
+        body |= {"max_tokens": 1, **({"tool_choice": tool_choice} if tool_choice else {})}
+    assert refused(post(server, path, body)) == (param, code)
+
+
+def test_longest_tool_name_is_accepted(server, tokenizer):
+    """A 64-character name of every allowed kind of character is fine: the tool reaches the
+    prompt (SmolLM2's template reads no tools: the Hermes instructions carry it)."""
+    name = ("Get_time-" * 8)[:64]
+    resp = post(server, "/tokenize", {"messages": TOOL_TURNS[:1], "tools": [_tool(name)]})
+    assert resp.status_code == 200, resp.text
+    assert name in tokenizer.decode(resp.json()["tokens"])
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+OTHER_CONSTRAINTS = {
+    "structured_outputs": {"choice": ["a", "b"]},
+    "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "a"'}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+@pytest.mark.parametrize("field", [*OTHER_CONSTRAINTS, "json_schema"])
+def test_forced_tool_call_with_another_constraint_is_400(server, field, tool_choice, stream):
+    """tool_choice required / named is a grammar of its own: another output constraint with
+    it is refused as two constraints are ("set only one of ..."), not dropped."""
+    value = OTHER_CONSTRAINTS.get(field)
+    if field == "json_schema":
+        field, value = "response_format", {"type": "json_schema", "json_schema": {
+            "name": "n", "schema": {"type": "object"}}}
+    body = {"messages": TOOL_TURNS[:1], "tools": [TOOL], "tool_choice": tool_choice,
+            "max_tokens": 8, "stream": stream, field: value}
+    resp = post(server, "/v1/chat/completions", body)
+    assert refused(resp) == ("tool_choice", "invalid_value")
+    assert resp.json()["error"]["message"].startswith(f"set only one of {field}, tool_choice")
+
+
+def test_auto_tool_choice_keeps_the_other_constraint(server):
+    """tool_choice auto forces nothing: an output constraint with it is honoured (the reply
+    is one of the structured_outputs choices)."""
+    body = {"messages": TOOL_TURNS[:1], "tools": [TOOL], "tool_choice": "auto",
+            "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}}
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] in ("yes", "no")
