@@ -653,6 +653,39 @@ def test_lone_surrogate_anywhere_is_a_400(server, path):
             assert (error["param"], error["code"]) == (".".join(leaf), "invalid_unicode")
 
 
+# An assistant's tool_calls and a tool turn's tool_call_id, rendered the transformers way
+# (arguments an object; "| tojson" of JSON text would give a quoted string instead).
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_x", "arguments": '{"x": 1}'}}
+TOOL_TURNS = [*HI, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+    "[{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("path", [CH, TOK])
+def test_history_tool_calls_reach_the_template(server, tokenizer, path):
+    """A template that renders tool_calls gets each call with its arguments as an object, and
+    the tool turn's tool_call_id (oracle: the HF tokenizer's rendering of the turns with the
+    arguments parsed, as transformers' tool-use docs write them); one that reads tools but no
+    tool_calls is a 400 naming the turn's tool_calls (it could not show them)."""
+    parsed = {**CALL, "function": {"name": "get_x", "arguments": {"x": 1}}}
+    hf_turns = [*HI, {**TOOL_TURNS[1], "tool_calls": [parsed]}, TOOL_TURNS[2]]
+    expected = tokenizer.encode(tokenizer.apply_chat_template(
+        hf_turns, chat_template=CALLS_TEMPLATE, tokenize=False), add_special_tokens=False)
+    body = {"messages": TOOL_TURNS, "chat_template": CALLS_TEMPLATE}
+    if path == CH:
+        assert prompt_ids(server, body) == expected
+    else:
+        assert ok(server, TOK, {"prompt": None, **body})["tokens"] == expected
+    reads_tools = "{% for t in tools or [] %}{{ t }}{% endfor %}{{ messages[0].content }}"
+    refused = {"messages": TOOL_TURNS, "chat_template": reads_tools}
+    resp = post(server, path, {"prompt": None, **refused} if path == TOK else refused)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages.1.tool_calls"
+
+
 def test_unknown_fields_logged_once(server):
     for _ in range(3):
         ok(server, C, {"frobnicate_a1": 1, "max_tokens": 1})
