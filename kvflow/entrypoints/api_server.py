@@ -46,7 +46,12 @@ from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
-from kvflow.entrypoints.structured_requests import RequestFieldError, check_tools
+from kvflow.entrypoints.structured_requests import (
+    RequestFieldError,
+    check_tools,
+    tool_choice_mode,
+    tools_for_template,
+)
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog
 from kvflow.entrypoints.validation_errors import validation_error
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
@@ -339,9 +344,9 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
     if req.messages is not None:
         try:
             check_tools(req.tools)
+            tools = tools_for_template(req, tool_choice_mode(req))  # as chat renders them
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
         text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
                                       check_length=False, size=body_size(raw))
         return (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded

@@ -11,6 +11,7 @@ from kvflow.entrypoints.protocol import (
     ChatTool,
     NamedToolChoice,
     SamplingRequest,
+    TokenizeRequest,
 )
 from kvflow.entrypoints.tool_parsers import (
     NamedToolParser,
@@ -126,7 +127,7 @@ def check_tools(tools: list[ChatTool] | None) -> None:
                 from None
 
 
-def tool_choice_mode(req: ChatCompletionRequest) -> str | None:
+def tool_choice_mode(req: ChatCompletionRequest | TokenizeRequest) -> str | None:
     """``None`` (no tools, or tool_choice none), ``auto``, ``required`` or ``named``.
 
     Raises:
@@ -181,8 +182,10 @@ def tool_parser_for(req: ChatCompletionRequest, mode: str | None,
     return None
 
 
-def tools_for_template(req: ChatCompletionRequest, mode: str | None) -> list[dict] | None:
-    """The tools as the chat template's ``tools`` argument (None under tool_choice none)."""
+def tools_for_template(req: ChatCompletionRequest | TokenizeRequest, mode: str | None
+                       ) -> list[dict] | None:
+    """The tools as the chat template's ``tools`` argument (None under tool_choice none or
+    without tools), for a chat or a /tokenize request."""
     if mode is None:
         return None
     return [t.model_dump(exclude_none=True) for t in req.tools]

@@ -317,3 +317,18 @@ def test_auto_tool_choice_keeps_the_other_constraint(server):
     resp = post(server, "/v1/chat/completions", body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required"])
+def test_tokenize_counts_what_chat_prompts(server, tool_choice):
+    """/tokenize with tools and a tool_choice gives the ids chat prompts the model with (under
+    "none" the tools are left out of the prompt on both)."""
+    body = {"messages": [{"role": "user", "content": "What time is it in UTC?"}],
+            "tools": [TOOL]}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    chat = post(server, "/v1/chat/completions", {**body, "max_tokens": 1,
+                                                 "return_token_ids": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["prompt_token_ids"] == tokens

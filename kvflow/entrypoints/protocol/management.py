@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kvflow.entrypoints.protocol.base import OpenAIBaseModel, RequestBody, now
-from kvflow.entrypoints.protocol.chat import ChatMessage, ChatTool
+from kvflow.entrypoints.protocol.chat import ChatMessage, ChatTool, NamedToolChoice
 
 
 class ModelCard(OpenAIBaseModel):
@@ -54,6 +54,7 @@ class TokenizeRequest(RequestBody):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, Any]] | None = None
 
 
