@@ -479,6 +479,8 @@ def tokenize_cases() -> dict[str, Callable]:
             {"chat_template": "{{ x }}", "chat_template_kwargs": {"x": "fox"}}, lambda t: "fox"),
         "tools": chat_option({"tools": [TOOL], "chat_template": "{{ tools[0].function.name }}"},
                              lambda t: "get_x"),
+        "tool_choice": chat_option({"tools": [TOOL], "tool_choice": "none",
+                                    "chat_template": "{{ tools is none }}"}, lambda t: "True"),
         "documents": chat_option({"documents": [{"text": "dog"}],
                                   "chat_template": "{{ documents[0].text }}"}, lambda t: "dog"),
     }
