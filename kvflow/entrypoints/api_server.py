@@ -343,8 +343,9 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
     placeholders expanded), else the prompt encoded (off the event loop when long)."""
     if req.messages is not None:
         try:
-            check_tools(req.tools)
-            tools = tools_for_template(req, tool_choice_mode(req))  # as chat renders them
+            mode = tool_choice_mode(req)
+            check_tools(req.tools, compile_schemas=mode in ("required", "named"))  # as chat
+            tools = tools_for_template(req, mode)  # as chat renders them
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,

@@ -103,8 +103,8 @@ class OpenAIServingChat(OpenAIServing):
         Raises OpenAIError 400 for a bad tool (see ``check_tools``) or a tool_choice that
         does not fit the tools."""
         try:
-            check_tools(req.tools)
             mode = tool_choice_mode(req)
+            check_tools(req.tools, compile_schemas=mode in ("required", "named"))
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),

@@ -100,14 +100,17 @@ def constraint_param(req: SamplingRequest) -> str | None:
     return "response_format" if fmt.type == "json_object" else "response_format.json_schema.schema"
 
 
-def check_tools(tools: list[ChatTool] | None) -> None:
-    """Each tool's function name unique, and its ``parameters`` a JSON schema the grammar
-    backend compiles (the check tool_choice ``required`` / named needs; made for every
-    tool_choice, so a tool accepted under ``auto`` also works when forced).
+def check_tools(tools: list[ChatTool] | None, compile_schemas: bool = False) -> None:
+    """Each tool's function name unique, and its ``parameters`` a valid JSON schema (checked
+    against its JSON Schema meta-schema, ``jsonschema``); with ``compile_schemas``
+    (tool_choice ``required`` or named, where the grammar enforces the arguments) one the
+    grammar backend also compiles (xgrammar refuses a few valid but unusual schemas, which
+    tool_choice ``auto`` - the model writes the call unconstrained - still takes).
 
     Raises:
         RequestFieldError: naming ``tools.N.function.name`` (a name an earlier tool has) or
-            ``tools.N.function.parameters`` (a schema that does not compile).
+            ``tools.N.function.parameters`` (an invalid schema, or one that does not
+            compile when ``compile_schemas``).
     """
     first: dict[str, int] = {}
     for i, tool in enumerate(tools or ()):
@@ -119,12 +122,26 @@ def check_tools(tools: list[ChatTool] | None) -> None:
         if tool.function.parameters is None:
             continue
         try:
-            validate(StructuredOutputsParams(json=tool.function.parameters))
+            _check_schema(tool.function.parameters)
+            if compile_schemas:
+                validate(StructuredOutputsParams(json=tool.function.parameters))
         except ValueError as e:
             why = str(e).replace("invalid JSON schema in structured_outputs: ", "")
             raise RequestFieldError(f"tools.{i}.function.parameters is not a valid JSON "
                                     f"schema: {why}", f"tools.{i}.function.parameters") \
                 from None
+
+
+def _check_schema(schema: dict[str, Any]) -> None:
+    """Raises ValueError unless ``schema`` is valid under its ``$schema`` draft (default:
+    2020-12), with the meta-schema's first complaint."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise ValueError(f"{e.message}{f' (at {where})' if where else ''}") from None
 
 
 def tool_choice_mode(req: ChatCompletionRequest | TokenizeRequest) -> str | None:

@@ -245,6 +245,9 @@ def _tool(name: str = "get_time", parameters: dict | None = None) -> dict:
                                              "parameters": parameters or {"type": "object"}}}
 
 
+# a valid JSON schema xgrammar does not compile (minProperties beyond the named properties)
+UNCOMPILED = {"type": "object", "minProperties": 1}
+
 BAD_TOOLS = [  # (tools, tool_choice, param, code)
     ([_tool("get time")], None, "tools.0.function.name", "invalid_value"),
     ([_tool("wetter_ä")], "auto", "tools.0.function.name", "invalid_value"),
@@ -260,6 +263,8 @@ BAD_TOOLS = [  # (tools, tool_choice, param, code)
      "auto", "tools.1.function.parameters", "invalid_value"),
     ([_tool(parameters={"type": "object", "required": "tz"})], None,
      "tools.0.function.parameters", "invalid_value"),
+    ([_tool(parameters=UNCOMPILED)], "required", "tools.0.function.parameters",
+     "invalid_value"),
 ]
 
 
@@ -267,12 +272,25 @@ BAD_TOOLS = [  # (tools, tool_choice, param, code)
 @pytest.mark.parametrize("tools,tool_choice,param,code", BAD_TOOLS,
                          ids=[f"{p}:{c}:{t}" for _, t, p, c in BAD_TOOLS])
 def test_bad_tool_definitions_are_400(server, path, tools, tool_choice, param, code):
-    """Function names by OpenAI's rule ^[a-zA-Z0-9_-]{1,64}$ and unique; parameters a JSON
-    schema the grammar backend compiles, whatever the tool_choice."""
-    body = {"messages": TOOL_TURNS[:1], "tools": tools}
+    """Function names by OpenAI's rule ^[a-zA-Z0-9_-]{1,64}$ and unique; parameters a valid
+    JSON schema whatever the tool_choice, and one the grammar backend compiles when the
+    call is forced (required, named)."""
+    body = {"messages": TOOL_TURNS[:1], "tools": tools,
+            **({"tool_choice": tool_choice} if tool_choice else {})}
     if path != "/tokenize":
-        body |= {"max_tokens": 1, **({"tool_choice": tool_choice} if tool_choice else {})}
+        body["max_tokens"] = 1
     assert refused(post(server, path, body)) == (param, code)
+
+
+def test_valid_schema_the_grammar_cannot_enforce_is_taken_under_auto(server, tokenizer):
+    """Under tool_choice auto the model writes calls unconstrained, so a valid schema the
+    grammar backend refuses (UNCOMPILED; a 400 when forced, BAD_TOOLS) is taken, and the
+    tool reaches the prompt as any tool does."""
+    body = {"messages": TOOL_TURNS[:1], "tools": [_tool("check", UNCOMPILED)]}
+    resp = post(server, "/v1/chat/completions", {**body, "max_tokens": 1, "tool_choice": "auto"})
+    assert resp.status_code == 200, resp.text
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    assert "minProperties" in tokenizer.decode(tokens)
 
 
 def test_longest_tool_name_is_accepted(server, tokenizer):
