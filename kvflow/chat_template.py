@@ -213,6 +213,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         ChatTemplateError: for a bad message or option (see the module docstring), or one the
             template fails on.
     """
+    if chat_template is not None and (not isinstance(chat_template, str)
+                                      or not chat_template.strip()):
+        raise ChatTemplateError("chat_template must be a non-empty Jinja template string",
+                                "chat_template")
     template = chat_template if chat_template is not None else \
         getattr(tokenizer, "chat_template", None)
     conversation = normalize_conversation(
@@ -249,6 +253,9 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
     if with_calls and "tool_calls" not in str(template):
         raise ChatTemplateError("this chat template does not render an assistant message's "
                                 "tool_calls", f"messages.{with_calls[0]}.tool_calls")
+    if extra is not None and not isinstance(extra, dict):
+        raise ChatTemplateError("chat_template_kwargs must be a dict of template variables, "
+                                f"got {type(extra).__name__}", "chat_template_kwargs")
     extra = dict(extra or {})
     reserved = sorted(_RESERVED_KWARGS & set(extra))
     if reserved:

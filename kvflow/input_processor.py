@@ -109,7 +109,14 @@ class InputProcessor:
                              "image or a list of them)")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        return prompt.get("prompt", prompt.get("prompt_token_ids")), images
+        if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+            raise ValueError(f"a dict prompt's 'prompt' must be a string, got "
+                             f"{type(prompt['prompt']).__name__}")
+        ids = prompt.get("prompt_token_ids")
+        if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of integer "
+                             f"token ids, got {type(ids).__name__}")
+        return prompt.get("prompt", ids), images
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked
@@ -151,14 +158,16 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
-        vocabulary, stop strings without a tokenizer, or a malformed structured-output schema / regex / grammar
+        vocabulary, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop strings without a tokenizer, or a malformed structured-output schema / regex / grammar
         (SamplingParams checks everything that does not depend on the model)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to match text "
                              "(skip_tokenizer_init is set); use stop_token_ids")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
-                             f"size ({self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"SamplingParams.{name}={value} exceeds the vocabulary "
+                                 f"size ({self.vocab_size})")
         for name, ids in (("logit_bias", params.logit_bias or {}),
                           ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -65,7 +65,7 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             priority: one integer per prompt, lower first (needs ``policy="priority"`` or
                 ``"fair"``).
-            user: one client name per prompt, for ``policy="fair"`` (default: one client).
+            user: one client name per prompt (needs ``policy="fair"``; default: one client).
             lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
                 model); needs ``enable_lora=True``. Adapters of different prompts share steps.
 
@@ -78,7 +78,7 @@ class LLM:
         params = _broadcast_params(sampling_params, len(prompts))
         priorities = _check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
-        users = _check_users(user, len(prompts))
+        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
         loras = _broadcast_loras(lora_request, len(prompts))
@@ -118,6 +118,10 @@ class LLM:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params] * len(prompts)
         else:
+            if not isinstance(pooling_params, (list, tuple)) or not all(
+                    isinstance(p, PoolingParams) for p in pooling_params):
+                raise ValueError("pooling_params must be a PoolingParams or a list of them, "
+                                 f"got {type(pooling_params).__name__}")
             params = list(pooling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
@@ -259,15 +263,20 @@ def _check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> li
     return priorities
 
 
-def _check_users(user: Sequence[str] | None, n: int) -> list[str]:
+def _check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
     """One client name per prompt ("" when None).
 
     Raises:
-        ValueError: for a wrong count or a name that is not a string.
+        ValueError: for a wrong count, a name that is not a string, or a name while the
+            scheduling policy is not ``fair`` (the only one that reads it: it would be
+            ignored).
     """
     if user is None:
         return [""] * n
     users = list(user) if not isinstance(user, str) else []
     if len(users) != n or not all(isinstance(u, str) for u in users):
         raise ValueError(f"user must be a list of {n} strings (one per prompt), got {user!r}")
+    if policy != "fair" and any(users):
+        raise ValueError(f"user={users} needs the fair scheduling policy (policy='fair'); "
+                         f"this engine runs {policy!r}")
     return users

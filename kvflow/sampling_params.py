@@ -129,7 +129,8 @@ class SamplingParams:
         self._validate()
 
     def _check_types(self) -> None:
-        """Integers must be ints (not bools or floats); numbers must be real numbers."""
+        """Integers must be ints (not bools or floats); numbers must be real numbers; flags
+        bools; ``stop`` a string or list, ``stop_token_ids`` a list of ints."""
         def bad(name: str, value, what: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
 
@@ -151,7 +152,13 @@ class SamplingParams:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise bad(name, value, "a number of milliseconds or None")
                 setattr(self, name, float(value))
-        if not all(_is_int(t) for t in self.stop_token_ids or []):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "True or False")
+        if not (self.stop is None or isinstance(self.stop, (str, list, tuple))):
+            raise bad("stop", self.stop, "a string or a list of strings")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or \
+                not all(_is_int(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
 
     def _validate(self) -> None:
@@ -229,7 +236,7 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
                              f"{value!r}; keys "
                              "must be integer token ids and values numbers") from None
         if token_id in out:
-            raise ValueError(f"SamplingParams.logit_bias names token id {token_id} more than "
-                             "once")
+            raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: it names token "
+                             f"id {token_id} more than once")
         out[token_id] = bias_value
     return out

@@ -54,6 +54,8 @@ def test_empty_prompt(llm, prompt):
     ([[3, 1.5]], "only integers, got 1.5"),
     ([[True]], "only integers, got True"),
     ([3.5], "string or a list of token ids"),
+    ({"prompt_token_ids": "abc"}, "'prompt_token_ids' must be a list"),
+    ({"prompt": [3, 4]}, "'prompt' must be a string"),
 ])
 def test_malformed_prompt(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
@@ -81,6 +83,23 @@ def test_max_tokens_none_fills_the_context(llm, assert_no_leaks):
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     (out,) = llm.generate([[3, 4, 5, 6, 7]], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 19 and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
+
+
+def test_model_dependent_limits_and_ignored_options_are_refused(llm, assert_no_leaks):
+    """prompt_logprobs above the vocabulary (was a torch RuntimeError from top-k), a user
+    name under the fcfs policy (only fair reads it), an empty chat template, chat template
+    kwargs that are not a dict and a SamplingParams where PoolingParams belong: ValueErrors
+    naming the field; the engine then still generates."""
+    vocab = llm.engine.processor.vocab_size
+    too_many = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=vocab + 1)
+    with pytest.raises(ValueError, match=rf"prompt_logprobs={vocab + 1} exceeds the vocab"):
+        llm.generate([[3, 4, 5]], too_many, use_tqdm=False)
+    with pytest.raises(ValueError, match="user=.*fair"):
+        llm.generate([[3, 4]], GREEDY, use_tqdm=False, user=["bob"])
+    (out,) = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=2,
+                                                      prompt_logprobs=vocab), use_tqdm=False)
+    assert len(out.prompt_logprobs[1]) == vocab  # every token's logprob for position 1
     assert_no_leaks(llm)
 
 
@@ -118,6 +137,12 @@ def test_params_count_must_match_prompts(llm):
     ({"stop_token_ids": [1.5]}, "stop_token_ids"),
     ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
     ({"logit_bias": {1: True}}, "logit_bias"),
+    ({"logit_bias": {"7": 1.0, "07": 2.0}}, "logit_bias"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):

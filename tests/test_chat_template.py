@@ -79,6 +79,8 @@ def test_options_honoured(tok):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ({"chat_template": "{{ 1 / 0 }}"}, "chat_template"),
+    ({"chat_template": " "}, "chat_template"),  # empty: not "the model has no template"
+    ({"template_kwargs": [1]}, "chat_template_kwargs"),
 ])
 def test_bad_options_rejected(tok, kwargs, param):
     with pytest.raises(ChatTemplateError) as info:
