@@ -175,3 +175,30 @@ def test_sampling_with_a_restricted_bad_draft_keeps_the_target_distribution(
         set(prompt)
     assert set(tokens.tolist()) <= allowed
     assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_cpu_default_draft_int8_with_a_restricted_head(tiny_model_factory, name,
+                                                       assert_no_leaks):
+    """The CPU defaults (no ``quantization``: INT8 weights and an INT8 LM head) with the head
+    cut to 48 of the 320 ids, tied to the embedding or not: the cut head's per-row scales are
+    cut with its rows (float32 [48], contiguous: the INT8 kernel's contract), output is plain
+    greedy and the quantized self-draft's drafts are accepted. A tied head once kept the
+    embedding's whole [320] scale (its parameter names were not shared with the table's), so
+    engine start failed in the INT8 kernel."""
+    model = tiny_model_factory(name)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = _engine(model.path)
+    spec = LLM(model=model.path, dtype="float32", block_size=4, num_kv_blocks=96,
+               speculative_config={"method": "draft_model", "model": model.path,
+                                   "num_speculative_tokens": 3, "adaptive": False,
+                                   "draft_vocab_size": SUBSET})
+    head = spec.engine.core.executor.runner.drafter.model.lm_head
+    assert head.weight.dtype == torch.int8 and head.vocab_size == SUBSET
+    assert head.weight_scale.dtype == torch.float32 and head.weight_scale.shape == (SUBSET,)
+    assert head.weight_scale.is_contiguous()
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    _same_outputs(base.generate(PROMPTS, params, use_tqdm=False), got)
+    drafted, accepted = _drafted(got)
+    assert drafted > 0 and accepted > 0
+    assert_no_leaks(spec)
