@@ -186,7 +186,8 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Run each layer's method's after-loading step once (quantize, repack); a table shared
-    by two layers is processed once and shared again."""
+    by two layers is processed once and shared again, its tensors and their names
+    (``_quant_param_names``)."""
     done: dict[int, nn.Module] = {}
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -196,6 +197,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
         key = id(module if weight is None else weight)
         owner = done.get(key)
         if owner is not None and owner is not module:
+            # the names too: the step may add tensors (INT8's per-row weight_scale), and
+            # whatever walks a layer's tensors by name (a draft's cut LM head) must see them
+            module._quant_param_names = owner._quant_param_names
             for name in owner._quant_param_names:
                 setattr(module, name, getattr(owner, name))
             continue
