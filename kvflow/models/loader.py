@@ -59,17 +59,42 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor in the folder's *.safetensors files.
 
     Raises:
-        ValueError: if the folder holds no .safetensors file.
+        ValueError: if the folder holds no .safetensors file, or naming a file that cannot be
+            read or is not a whole safetensors file (see :func:`iter_safetensors_file`).
     """
-    from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"model folder {folder!r} has no *.safetensors weight files")
     for path in files:
+        yield from iter_safetensors_file(path)
+
+
+def iter_safetensors_file(path: str, what: str = "weight file"
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of one .safetensors file (CPU tensors as stored).
+    Every safetensors file kvflow reads (model weights, LoRA adapters) is read here, so a bad
+    file is one clear error wherever it is met.
+
+    Args:
+        path: the file.
+        what: what the file is, for the error (``"weight file"``, ``"LoRA adapter file"``).
+
+    Raises:
+        ValueError: naming the file when it cannot be read (missing, a folder, no permission)
+            or is not a whole safetensors file (truncated, e.g. by an interrupted download, or
+            corrupt).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{what} {path!r} is truncated or corrupt (not a complete "
+                         f"safetensors file: {e}); download or copy it again") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
 
 
 def iter_weights(source: ModelSource, dtype: torch.dtype,
