@@ -65,25 +65,37 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     """The folder's ``adapter_config.json``.
 
     Raises:
-        ValueError: when the folder or the file is missing or not JSON.
+        ValueError: when the folder or the file is missing, or the file is not a JSON object.
     """
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json (a PEFT folder is "
                          "expected)")
     try:
-        with open(config_path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {config_path!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{config_path!r} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
-def check_adapter_config(config: dict[str, Any], max_rank: int) -> None:
+def check_adapter_config(config: dict[str, Any], max_rank: int,
+                         where: str = "adapter_config.json") -> None:
     """Refuse what kvflow cannot apply, before any tensor is read.
 
+    Args:
+        config: the parsed ``adapter_config.json``.
+        max_rank: ``--max-lora-rank``.
+        where: the file, as the errors name it.
+
     Raises:
-        ValueError: for a non-LoRA PEFT type, DoRA, trained biases, ``modules_to_save``,
-            ``fan_in_fan_out`` weights or a rank (also in ``rank_pattern``) above ``max_rank``.
+        ValueError: naming ``where`` and the field, for a non-LoRA PEFT type, DoRA, trained
+            biases, ``modules_to_save``, ``fan_in_fan_out`` weights, a rank (``r``,
+            ``rank_pattern``) that is not a positive integer or is above ``max_rank``, or an
+            alpha (``lora_alpha``, ``alpha_pattern``) that is not a number.
     """
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -97,11 +109,43 @@ def check_adapter_config(config: dict[str, Any], max_rank: int) -> None:
                 "fan_in_fan_out (Conv1D) weights are not supported")]
     for name, bad, why in refused:
         if bad:
-            raise ValueError(f"adapter_config.json {name}={config.get(name)!r}: {why}")
-    ranks = [int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())]
+            raise ValueError(f"{where} {name}={config.get(name)!r}: {why}")
+    ranks = _checked_values(config, "r", "rank_pattern", 8, where, _is_rank,
+                            "a LoRA rank must be a positive integer")
+    _checked_values(config, "lora_alpha", "alpha_pattern", 8, where, _is_number,
+                    "a LoRA alpha must be a number")
     if max(ranks) > max_rank:
         raise ValueError(f"LoRA rank {max(ranks)} exceeds max_lora_rank={max_rank} (start the "
                          f"engine with --max-lora-rank {max(ranks)} or more)")
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def _checked_values(config: dict[str, Any], key: str, pattern_key: str, default: Any,
+                    where: str, valid, why: str) -> list[Any]:
+    """``config[key]`` and the values of ``config[pattern_key]`` (PEFT's per-module
+    overrides, an object), each checked by ``valid``.
+
+    Raises:
+        ValueError: naming ``where`` and the first field that is not valid.
+    """
+    patterns = config.get(pattern_key) or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{where} {pattern_key}={patterns!r}: must be an object (module pattern -> value)")
+    fields = [(key, config.get(key, default)),
+              *((f"{pattern_key}[{k!r}]", v) for k, v in patterns.items())]
+    for name, value in fields:
+        if not valid(value):
+            raise ValueError(f"{where} {name}={value!r}: {why}")
+    return [value for _, value in fields]
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -119,12 +163,17 @@ def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The tensors of the folder's ``adapter_model.safetensors``.
+
+    Raises:
+        ValueError: naming the file when it is missing, truncated or corrupt.
+    """
+    from kvflow.models.loader import iter_safetensors_file
 
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_path):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
-    return load_file(weights_path)
+    return dict(iter_safetensors_file(weights_path, "LoRA adapter file"))
 
 
 def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
@@ -150,12 +199,14 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         dtype: the model dtype (the weights are cast to it).
 
     Raises:
-        ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a target
-            module the model does not have (or cannot adapt), an A without its B, or a shape
-            that does not fit the layer.
+        ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
+            truncated or corrupt ``adapter_model.safetensors`` (naming it), a target module the
+            model does not have (or cannot adapt), an A without its B, or a shape that does not
+            fit the layer.
     """
     config = read_adapter_config(request.lora_path)
-    check_adapter_config(config, max_rank)
+    check_adapter_config(config, max_rank,
+                         repr(os.path.join(request.lora_path, "adapter_config.json")))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(request.lora_path).items():
         match = _WEIGHT_RE.match(key)

@@ -142,6 +142,49 @@ def test_bad_adapters_fail_at_load(llm, tiny_llama, adapters, tmp_path):
     assert not llm.engine.core.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("size", [500, 8], ids=["500_bytes", "8_bytes"])
+def test_truncated_adapter_names_the_file(llm, adapters, tmp_path, size):
+    import shutil
+
+    path = shutil.copytree(adapters["qv"], str(tmp_path / "cut"))
+    weights = os.path.join(path, "adapter_model.safetensors")
+    os.truncate(weights, size)
+    with pytest.raises(ValueError, match="truncated or corrupt") as exc:
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("cut", 50 + size, path))
+    assert str(exc.value).startswith(f"LoRA adapter file {weights!r} ")
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"r": "eight"}, "r='eight'"),
+    ({"r": None}, "r=None"),
+    ({"r": 0}, "r=0"),
+    ({"rank_pattern": {"q_proj": 2.5}}, "rank_pattern['q_proj']=2.5"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern=['q_proj']"),
+    ({"lora_alpha": "16"}, "lora_alpha='16'"),
+    ({"alpha_pattern": {"v_proj": True}}, "alpha_pattern['v_proj']=True"),
+])
+def test_bad_adapter_config_values_name_field_and_file(llm, adapters, tmp_path, changes, field):
+    path = _edit_config(adapters["qv"], str(tmp_path / "bad"), **changes)
+    with pytest.raises(ValueError) as exc:
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("bad", 60, path))
+    config_path = os.path.join(path, "adapter_config.json")
+    assert str(exc.value).startswith(f"{config_path!r} {field}: "), exc.value
+
+
+def test_adapter_config_that_is_not_an_object(llm, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("[8]")
+    with pytest.raises(ValueError, match="holds a JSON list, not an object"):
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("list", 70, str(tmp_path)))
+    (tmp_path / "adapter_config.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="cannot read .*adapter_config.json"):
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("binary", 71, str(tmp_path)))
+
+
 def test_lora_needs_enable_lora_and_one_rank(tiny_llama, adapters):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32)
     with pytest.raises(ValueError, match="enable_lora"):
