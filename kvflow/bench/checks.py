@@ -64,6 +64,23 @@ def ensure_parent_dir(path: str | None, flag: str) -> None:
             raise ValueError(f"{flag} {path}: cannot create its folder ({e.strerror})") from e
 
 
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of an input file named by ``flag``.
+
+    Raises:
+        ValueError: naming the flag and the file when it cannot be read (missing, a folder, no
+            permission) or is not UTF-8 text.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {e.start}: {e.reason}); is it "
+                         "a binary file?") from None
+
+
 def is_finite_positive(value: float) -> bool:
     """Whether ``value`` is a number in (0, inf): not NaN, not infinite."""
     return 0 < value < math.inf

@@ -24,7 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.checks import ensure_parent_dir, require_one_engine, require_positive
+from kvflow.bench.checks import (
+    ensure_parent_dir,
+    is_finite_positive,
+    read_text_file,
+    require_one_engine,
+    require_positive,
+)
 from kvflow.config import EngineConfig
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "opticks_excerpt.txt"
@@ -66,17 +72,45 @@ def _greedy(llm: Any, token_ids: list[int], num_prompts: int, num_tokens: int) -
 
 
 def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
-                   greedy_tokens: int) -> dict[str, Any]:
-    """Everything the command reports, as a JSON-ready dict."""
+                   greedy_tokens: int, source: str = "the text") -> dict[str, Any]:
+    """Everything the command reports, as a JSON-ready dict.
+
+    Raises:
+        ValueError: naming ``source`` when the text has fewer than 2 tokens (nothing to score).
+    """
     token_ids = llm.get_tokenizer().encode(text)
     window = min(window, llm.engine.core.max_model_len)
+    chunks = windows(token_ids, window)
+    if not chunks:
+        raise ValueError(f"{source} has {len(token_ids)} token(s): at least 2 are needed to "
+                         "score one")
     start = time.perf_counter()
-    ppl, scored = perplexity_of(llm, windows(token_ids, window))
+    ppl, scored = perplexity_of(llm, chunks)
     seconds = time.perf_counter() - start
     core = llm.engine.core
     return {"perplexity": ppl, "scored_tokens": scored, "window": window, "seconds": seconds,
             "weight_bytes": core.weight_bytes, "kv_bytes_per_token": core.kv_bytes_per_token,
             "greedy": _greedy(llm, token_ids, num_greedy, greedy_tokens) if num_greedy else []}
+
+
+def load_compare(path: str) -> dict[str, Any]:
+    """A previous run's ``--output-json`` (``--compare``).
+
+    Raises:
+        ValueError: naming the flag and the file when it cannot be read or is not such a
+            result (a positive ``perplexity`` and a ``greedy`` list of token-id lists).
+    """
+    try:
+        base = json.loads(read_text_file(path, "--compare"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compare {path}: not JSON ({e})") from None
+    greedy = base.get("greedy") if isinstance(base, dict) else None
+    ppl = base.get("perplexity") if isinstance(base, dict) else None
+    if not (isinstance(ppl, (int, float)) and is_finite_positive(ppl)
+            and isinstance(greedy, list) and all(isinstance(g, list) for g in greedy)):
+        raise ValueError(f"--compare {path}: not a kvflow bench perplexity --output-json "
+                         "result (it needs a positive \"perplexity\" and a \"greedy\" list)")
+    return base
 
 
 def _cmd_perplexity(args: argparse.Namespace) -> int:
@@ -87,10 +121,14 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
         raise ValueError(f"--window must be >= 2, got {args.window}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "perplexity")
-    text = Path(args.text_file).read_text(encoding="utf-8")
-    base = json.loads(Path(args.compare).read_text()) if args.compare else None
+    text = read_text_file(args.text_file, "--text-file")
+    if not text.strip():
+        raise ValueError(f"--text-file {args.text_file}: the file is empty; give a text to "
+                         "score")
+    base = load_compare(args.compare) if args.compare else None
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
-    result = run_perplexity(llm, text, args.window, args.num_greedy_prompts, args.greedy_tokens)
+    result = run_perplexity(llm, text, args.window, args.num_greedy_prompts, args.greedy_tokens,
+                            source=f"--text-file {args.text_file}")
     result.update(model=args.model, quantization=args.quantization,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), dtype=args.dtype)
     print(f"perplexity {result['perplexity']:.4f} over {result['scored_tokens']} tokens "

@@ -56,3 +56,47 @@ def test_perplexity_matches_hf(tiny_llama, tmp_path):
 
 def test_default_text_is_shipped():
     assert DEFAULT_TEXT.is_file() and len(DEFAULT_TEXT.read_text()) > 15000
+
+
+def _input_files(tmp_path) -> dict[str, str]:
+    files = {"empty.txt": b"", "blank.txt": b" \n\t\n", "binary.txt": b"\x89PNG\r\n\x1a\n\xff\x00",
+             "bad.json": b"{not json", "list.json": b"[1, 2]",
+             "other.json": b'{"perplexity": "high", "greedy": []}'}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "folder.txt").mkdir()
+    return {name: str(tmp_path / name) for name in [*files, "folder.txt"]}
+
+
+@pytest.mark.parametrize("flag, name, why", [
+    ("--text-file", "/nonexistent.txt", "cannot read it (No such file or directory)"),
+    ("--text-file", "folder.txt", "cannot read it (Is a directory)"),
+    ("--text-file", "empty.txt", "the file is empty"),
+    ("--text-file", "blank.txt", "the file is empty"),
+    ("--text-file", "binary.txt", "not UTF-8 text (byte 0: invalid start byte)"),
+    ("--compare", "/nonexistent.json", "cannot read it (No such file or directory)"),
+    ("--compare", "binary.txt", "not UTF-8 text"),
+    ("--compare", "bad.json", "not JSON"),
+    ("--compare", "list.json", "not a kvflow bench perplexity --output-json result"),
+    ("--compare", "other.json", "not a kvflow bench perplexity --output-json result"),
+])
+def test_bad_input_files_are_one_line_before_loading(tmp_path, capsys, flag, name, why):
+    """The model does not exist: each file is refused, naming the flag and the file, before
+    it would be loaded."""
+    path = _input_files(tmp_path).get(name, name)
+    rc = main(["bench", "perplexity", "--model", "/nonexistent/model", flag, path])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"kvflow: error: {flag} {path}: {why}"), lines[0]
+
+
+def test_text_of_one_token_is_one_line(tiny_llama, tmp_path, capsys):
+    """Nothing to score (a window needs 2 tokens): one line, not a ZeroDivisionError."""
+    text_file = tmp_path / "one.txt"
+    text_file.write_text("a")
+    rc = main(["bench", "perplexity", "--model", tiny_llama.path, "--dtype", "float32",
+               "--num-kv-blocks", "16", "--text-file", str(text_file)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    expected = (f"kvflow: error: --text-file {text_file} has 1 token(s): at least 2 are needed "
+                "to score one")
+    assert rc == 2 and lines == [expected]
