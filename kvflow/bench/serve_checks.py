@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvflow.bench.checks import ensure_parent_dir, is_finite_positive, require_positive
 from kvflow.bench.datasets import parse_image_size
@@ -24,8 +25,26 @@ def parse_rates(spec: str) -> list[float]:
     return rates
 
 
+def check_base_url(url: str) -> None:
+    """``--base-url`` must be an http(s) URL with a host (and a valid port, if any); a server
+    that does not answer there is found later, by the probe request.
+
+    Raises:
+        ValueError: naming ``--base-url`` for anything else.
+    """
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not 0-65535)
+    except ValueError as e:
+        raise ValueError(f"--base-url {url!r}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--base-url {url!r}: not an http(s) URL with a host; give the "
+                         "server's root, e.g. http://127.0.0.1:8000")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
+    check_base_url(args.base_url)
     require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
                      input_len=args.input_len if args.dataset in ("random", "random-image")
                      else None,

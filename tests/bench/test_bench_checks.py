@@ -40,6 +40,24 @@ def test_bad_flags_exit_2_before_loading(capsys, argv, flag):
     assert flag in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("url, why", [
+    ("notaurl", "not an http(s) URL with a host"),
+    ("localhost:8000", "not an http(s) URL with a host"),
+    ("http:///v1", "not an http(s) URL with a host"),
+    ("http://127.0.0.1:99999", "not a URL (Port out of range 0-65535)"),
+])
+def test_malformed_base_url_is_2_unreachable_is_1(capsys, url, why):
+    """A malformed --base-url is bad input (status 2, before any request); a well-formed URL
+    where no server answers fails at the probe request (status 1)."""
+    assert main(["bench", "serve", "--model", NO_MODEL, "--base-url", url]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvflow: error: --base-url {url!r}: {why}" + (
+        "; give the server's root, e.g. http://127.0.0.1:8000\n" if "host" in why else "\n")
+    assert main(["bench", "serve", "--model", NO_MODEL, "--base-url", "http://127.0.0.1:9",
+                 "--random-vocab-size", "100", "--num-prompts", "1"]) == 1
+    assert "probe request failed" in capsys.readouterr().err
+
+
 def test_probe_reverses_chat_messages(monkeypatch):
     sent: list[BenchRequest] = []
 
