@@ -8,21 +8,35 @@ from typing import Any
 
 # (result key, panel title); p50 drawn solid, p99 dashed
 PANELS = (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"))
+# the fields of a run that plot_sweeps reads
+RUN_FIELDS = ("output_throughput", *(f"{stat}_{key}_ms" for key, _ in PANELS
+                                     for stat in ("median", "p99")))
 
 
 def load_sweep(path: str) -> tuple[str, list[dict[str, Any]]]:
-    """(label, runs) from a ``--result-json`` file of a sweep (or of a single run).
+    """(label, runs) from a ``--result-json`` file of a sweep (or of a single run); the label
+    is the file name when the file has none.
 
     Raises:
-        ValueError: if the file holds neither.
+        OSError: when the file cannot be read.
+        ValueError: saying why the file is not such a result (not UTF-8 JSON, not an object,
+            a run without one of ``RUN_FIELDS``).
     """
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    if "sweep" in doc:
-        return doc["label"], doc["sweep"]
-    if "output_throughput" in doc:
-        return doc["label"], [doc]
-    raise ValueError(f"{path} is not a kvflow bench serve result")
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")  # noqa: TRY004
+    runs = doc.get("sweep", [doc])
+    if not isinstance(runs, list) or not runs:
+        raise ValueError("\"sweep\" is not a list of runs")
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict) or not isinstance(run.get("output_throughput"),
+                                                       (int, float)):
+            raise ValueError(f"run {i} has no numeric output_throughput")  # noqa: TRY004
+        missing = [k for k in RUN_FIELDS if k not in run]
+        if missing:
+            raise ValueError(f"run {i} lacks {', '.join(missing)}")
+    return str(doc.get("label") or path), runs
 
 
 def plot_sweeps(sweeps: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:

@@ -92,6 +92,6 @@ def load_compare(path: str) -> tuple[str, list[dict[str, Any]]]:
     try:
         return load_sweep(path)
     except OSError as e:
-        raise ValueError(f"--compare {path}: cannot read it ({e.strerror})") from e
+        raise ValueError(f"--compare {path}: cannot read it ({e.strerror})") from None
     except ValueError as e:
-        raise ValueError(f"--compare {path}: not a kvflow bench serve result ({e})") from e
+        raise ValueError(f"--compare {path}: not a kvflow bench serve result ({e})") from None

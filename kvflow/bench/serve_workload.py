@@ -55,6 +55,9 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
             seed=args.seed)
     reqs = load_jsonl(args.dataset, args.output_len)
+    if not reqs:
+        raise ValueError(f"--dataset {args.dataset}: the file holds no requests (only blank "
+                         "lines)")
     if args.num_prompts < len(reqs):
         reqs = reqs[:args.num_prompts]
     if args.endpoint == "completions" and any(r.messages for r in reqs):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import pytest
 
@@ -13,6 +14,7 @@ from kvflow.bench import serve
 from kvflow.bench.checks import ensure_parent_dir
 from kvflow.bench.client import RequestResult
 from kvflow.bench.datasets import BenchRequest
+from kvflow.bench.serve_checks import load_compare
 from kvflow.entrypoints.cli import main
 
 NO_MODEL = "/nonexistent/model"
@@ -56,6 +58,47 @@ def test_malformed_base_url_is_2_unreachable_is_1(capsys, url, why):
     assert main(["bench", "serve", "--model", NO_MODEL, "--base-url", "http://127.0.0.1:9",
                  "--random-vocab-size", "100", "--num-prompts", "1"]) == 1
     assert "probe request failed" in capsys.readouterr().err
+
+
+def _result(**drop: bool) -> dict:
+    run = {"label": "other", "output_throughput": 50.0, "median_ttft_ms": 20.0,
+           "p99_ttft_ms": 40.0, "median_tpot_ms": 5.0, "p99_tpot_ms": None}
+    return {k: v for k, v in run.items() if k not in drop}
+
+
+@pytest.mark.parametrize("content, why", [
+    ("", "--dataset {path}: the file holds no requests (only blank lines)"),
+    ("\n  \n", "--dataset {path}: the file holds no requests (only blank lines)"),
+], ids=["empty", "blank"])
+def test_empty_dataset_file_is_named(tmp_path, capsys, content, why):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    assert main(["bench", "serve", "--model", NO_MODEL, "--dataset", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvflow: error: {why.format(path=path)}\n"
+
+
+@pytest.mark.parametrize("doc, why", [
+    ([1, 2], "a JSON list, not an object"),
+    (5, "a JSON int, not an object"),
+    ({"sweep": []}, '"sweep" is not a list of runs'),
+    ({"sweep": [_result(), "x"]}, "run 1 has no numeric output_throughput"),
+    ({"sweep": [_result(p99_ttft_ms=True)]}, "run 0 lacks p99_ttft_ms"),
+    (_result(median_tpot_ms=True, p99_tpot_ms=True), "run 0 lacks median_tpot_ms, p99_tpot_ms"),
+])
+def test_compare_file_that_is_not_a_result(tmp_path, capsys, doc, why):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(doc))
+    assert main(["bench", "serve", "--model", NO_MODEL, "--compare", str(path)]) == 2
+    assert capsys.readouterr().err == (f"kvflow: error: --compare {path}: not a kvflow bench "
+                                       f"serve result ({why})\n")
+
+
+def test_compare_result_without_label_is_labelled_by_its_file(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"sweep": [_result(label=True)]}))
+    assert load_compare(str(path)) == (str(path), [_result(label=True)])
+    path.write_text(json.dumps(_result()))
+    assert load_compare(str(path)) == ("other", [_result()])
 
 
 def test_probe_reverses_chat_messages(monkeypatch):
