@@ -114,3 +114,11 @@ def test_argparse_checks_file_values_like_typed_ones(config, capsys):
 def test_config_flag_misuse(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_binary_config_file_is_named(tmp_path, capsys):
+    path = tmp_path / "engine.yaml"
+    path.write_bytes(b"block_size: 8\n\xff\xfe")
+    assert main(["bench", "latency", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (f"kvflow: error: config file {str(path)!r} is not UTF-8 "
+                                       "text (byte 14: invalid start byte)\n")

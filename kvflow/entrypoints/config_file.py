@@ -106,6 +106,9 @@ def _load_yaml(path: str) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except OSError as e:
         raise ValueError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path!r} is not UTF-8 text (byte {e.start}: "
+                         f"{e.reason})") from None
     except yaml.YAMLError as e:
         detail = " ".join(str(e).split())
         raise ValueError(f"config file {path!r} is not valid YAML: {detail}") from None
