@@ -38,7 +38,14 @@ def test_api_key_falls_back_to_the_environment():
                                           ({"max_request_body_size": "0"},
                                            "max_request_body_size"),
                                           ({"max_request_body_size": "lots"},
-                                           "max_request_body_size")])
+                                           "max_request_body_size"),
+                                          ({"max_waiting_requests": 0},
+                                           "max_waiting_requests"),
+                                          ({"api_key": ""}, "api_key"),
+                                          ({"served_model_name": " "}, "served_model_name"),
+                                          ({"lora_modules": ["a="]}, "lora_modules"),
+                                          ({"lora_modules": ["a=/x", "a=/y"]},
+                                           "lora_modules")])
 def test_bad_server_options(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**kwargs)
@@ -50,3 +57,23 @@ def test_max_request_body_size(flag, size):
     """``--max-request-body-size`` in bytes (hand-computed); 32 MiB by default."""
     args = _parse() if flag is None else _parse("--max-request-body-size", flag)
     assert ServerConfig.from_cli_args(args, env={}).max_request_body_bytes == size
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--lora-modules", "a=/x"], "needs --enable-lora"),
+    (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"],
+     "named like the served model 'm'"),
+])
+def test_lora_modules_refused_before_the_model_loads(monkeypatch, capsys, flags, needle):
+    """--lora-modules without --enable-lora, or named like the base model: one line, exit 2,
+    and no engine started (was a traceback after loading, exit 3)."""
+    from kvflow.engine import async_llm
+    from kvflow.entrypoints.cli import main
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
+    rc = main(["serve", "SmolLM2-135M-Instruct", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and needle in err[0], err

@@ -67,12 +67,19 @@ class ServerConfig:
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
                   (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
-                  (self.max_waiting_requests is None or self.max_waiting_requests >= 0,
-                   "max_waiting_requests", "must be >= 0"),
+                  (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+                   "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
+                  (self.api_key is None or self.api_key.strip() != "", "api_key",
+                   "must not be empty (an empty key would leave the server open)"),
+                  (self.served_model_name is None or self.served_model_name.strip() != "",
+                   "served_model_name", "must not be empty"),
                   (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
                   (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
-                  (all("=" in m and m.index("=") > 0 for m in self.lora_modules or []),
-                   "lora_modules", "must be NAME=PATH pairs")]
+                  (all(m.partition("=")[0] and m.partition("=")[2]
+                       for m in self.lora_modules or []), "lora_modules",
+                   "must be NAME=PATH pairs"),
+                  (len({m.partition("=")[0] for m in self.lora_modules or []})
+                   == len(self.lora_modules or []), "lora_modules", "names an adapter twice")]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it {why}")

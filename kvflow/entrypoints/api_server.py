@@ -67,13 +67,14 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # the scheme name is case-insensitive (RFC 7235, section 2.1)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._expected):
             return await self.app(scope, receive, send)
         error = OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
                             401, "authentication_error", code="invalid_api_key")
@@ -357,6 +358,21 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
         req.prompt, add_special_tokens=special))
 
 
+def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
+                        model_name: str) -> None:
+    """What ``--lora-modules`` can be told to be wrong before the model loads.
+
+    Raises:
+        ValueError: without ``--enable-lora``, or for an adapter named like the base model.
+    """
+    if modules and not engine_config.lora_config.enable_lora:
+        raise ValueError(f"--lora-modules {' '.join(modules)} needs --enable-lora")
+    for module in modules:
+        if module.partition("=")[0] == model_name:
+            raise ValueError(f"--lora-modules {module}: the adapter is named like the served "
+                             f"model {model_name!r}; give it another name")
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM.
 
@@ -367,6 +383,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             engine refuses.
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
+    _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
     engine = AsyncLLM(engine_config, ServerMetrics(model_name),
                       server_config.engine_start_timeout)
     try:

@@ -19,6 +19,7 @@ from kvflow.entrypoints.protocol import (
     EmbeddingUsage,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, random_id
+from kvflow.entrypoints.unknown_fields import refuse_unsupported
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]
@@ -36,6 +37,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         """
         self.check_model(req.model)
         self.check_task("embed")
+        refuse_unsupported(req)
         prompts = await self._inputs(req)
         params = PoolingParams(dimensions=req.dimensions)
         self.check_admission(len(prompts))

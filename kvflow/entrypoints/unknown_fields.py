@@ -34,6 +34,11 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
     "reasoning_effort": "pass the model's own switch in chat_template_kwargs "
                         "(e.g. enable_thinking)",
+    # vLLM's /v1/embeddings extensions
+    "normalize": "vectors are normalized as the model's pooling config says",
+    "embed_dtype": "vectors are float32 (encoding_format float or base64)",
+    "add_special_tokens": "inputs are tokenized with the tokenizer's special tokens",
+    "priority": "embedding requests are queued in arrival order",
 }
 
 

@@ -50,6 +50,9 @@ def test_open_routes_and_the_right_key(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
     assert _completion(server, AUTH).json()["usage"]["completion_tokens"] >= 1
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235 2.1)
+        resp = _completion(server, {"Authorization": f"{scheme} {API_KEY}"})
+        assert resp.status_code == 200, resp.text
     assert len(server.client(api_key=API_KEY).models.list().data) == 1
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
