@@ -77,3 +77,15 @@ def test_lora_modules_refused_before_the_model_loads(monkeypatch, capsys, flags,
     rc = main(["serve", "SmolLM2-135M-Instruct", *flags])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_lora_sizes_without_enable_lora_are_refused():
+    """--max-loras / --max-lora-rank only size LoRA slots: without --enable-lora they would be
+    ignored, so they are refused (the defaults pass)."""
+    from kvflow.config import LoRAConfig
+
+    for kwargs in ({"max_loras": 3}, {"max_lora_rank": 8}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))}=.* needs enable_lora"):
+            EngineConfig.from_kwargs(**kwargs)
+        assert LoRAConfig(enable_lora=True, **kwargs).enable_lora
+    assert not EngineConfig.from_kwargs().lora_config.enable_lora

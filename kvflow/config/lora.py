@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvflow.config.options import check_choices, opt
 from kvflow.config.parallel import ParallelConfig
@@ -14,7 +14,8 @@ class LoRAConfig:
     Models"): PEFT adapters applied per request on top of the base weights.
 
     Raises:
-        ValueError: from the constructor for a count or rank < 1.
+        ValueError: from the constructor for a count or rank < 1, or either set without
+            ``enable_lora``.
     """
 
     enable_lora: bool = opt(False, "serve LoRA adapters (PEFT folders) on top of the model")
@@ -27,6 +28,9 @@ class LoRAConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+            if not self.enable_lora and getattr(self, name) != _DEFAULTS[name]:
+                raise ValueError(f"{name}={getattr(self, name)} needs enable_lora "
+                                 "(--enable-lora); without it no adapter is served")
 
     def verify_with_parallel(self, parallel: ParallelConfig) -> None:
         """LoRA runs on one rank of one engine only (its layers are not sharded yet; adapters
@@ -43,3 +47,6 @@ class LoRAConfig:
             raise ValueError("enable_lora needs tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1: LoRA layers are not sharded over ranks "
                              "yet")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LoRAConfig)}

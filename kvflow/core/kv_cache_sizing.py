@@ -36,9 +36,11 @@ def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> i
     if requested is not None and positions is not None and requested > positions:
         # The rotary tables hold this many positions (max_position_embeddings, scaled for
         # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
-        raise ValueError(f"max_model_len={requested} exceeds the positions the model's "
-                         f"RoPE covers ({positions}: max_position_embeddings, scaled for "
-                         "yarn / dynamic rope_scaling)")
+        why = ("whole prompts per step: max_position_embeddings, at most "
+               "max_num_batched_tokens" if is_encoder else
+               "max_position_embeddings, scaled for yarn / dynamic rope_scaling")
+        raise ValueError(f"max_model_len={requested} exceeds the positions the model "
+                         f"covers ({positions}: {why})")
     return positions
 
 
