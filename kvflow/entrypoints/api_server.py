@@ -10,23 +10,25 @@ a 4xx, never a 500.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
 
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
-from kvflow.entrypoints.openai_errors import OpenAIError, content_type_error, engine_dead
+from kvflow.entrypoints.http_guards import (
+    ApiKeyMiddleware,
+    add_error_handlers,
+    error_response,
+    require_json_body,
+)
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -53,33 +55,9 @@ from kvflow.entrypoints.structured_requests import (
     tools_for_template,
 )
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog
-from kvflow.entrypoints.validation_errors import validation_error
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-
-
-class ApiKeyMiddleware:
-    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``
-    (compared in constant time); otherwise 401 with an OpenAI error body."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self._expected = api_key.encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        # the scheme name is case-insensitive (RFC 7235, section 2.1)
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._expected):
-            return await self.app(scope, receive, send)
-        error = OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                            401, "authentication_error", code="invalid_api_key")
-        response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
-        return await response(scope, receive, send)
 
 
 @asynccontextmanager
@@ -148,7 +126,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     """The FastAPI app over a started-up (model loaded) AsyncLLM; its lifespan starts the
     output loop and shuts the engine down. All state lives on ``app.state``."""
     app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan,
-                  dependencies=[Depends(_require_json_body)])
+                  dependencies=[Depends(require_json_body)])
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
@@ -162,57 +140,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     _add_openai_routes(app)
     _add_status_routes(app)
     _add_token_routes(app)
     return app
-
-
-async def _require_json_body(raw: Request) -> None:
-    """Every POST body is JSON: a 400 naming the Content-Type otherwise (see
-    :func:`content_type_error`). A coroutine, so FastAPI runs it on the event loop: a plain
-    ``def`` dependency is handed to a worker thread (and back) on every request."""
-    error = content_type_error(raw.headers.get("content-type")) if raw.method == "POST" \
-        else None
-    if error is not None:
-        raise error
-
-
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), error.status, headers=error.headers)
-
-
-# FastAPI's detail for a body it could not decode (not UTF-8); a JSON syntax error is a
-# RequestValidationError instead
-FASTAPI_BODY_ERROR = "There was an error parsing the body"
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def schema_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
-        # a body not sent as JSON: say so, not what failed to parse in it
-        error = content_type_error(raw.headers.get("content-type"))
-        return _error_response(error or validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # bytes, not text
-            error = content_type_error(raw.headers.get("content-type"))
-            return _error_response(error or OpenAIError(
-                "the body is not JSON text: it must be UTF-8 encoded", code="invalid_json"))
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error: %s", exc)
-        return _error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
-                                           "internal_server_error"))
 
 
 def _add_openai_routes(app: FastAPI) -> None:
@@ -281,7 +213,7 @@ def _add_status_routes(app: FastAPI) -> None:
     async def health(raw: Request) -> Response:
         if raw.app.state.engine.is_healthy:
             return Response(status_code=200)
-        return _error_response(OpenAIError("the engine core is not running", 503,
+        return error_response(OpenAIError("the engine core is not running", 503,
                                            "service_unavailable", code="engine_dead"))
 
     @app.get("/version")

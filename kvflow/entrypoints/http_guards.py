@@ -1,0 +1,94 @@
+"""The HTTP server's guards: the API key (``ApiKeyMiddleware``), the JSON-body rule, and the
+exception handlers that turn every error into an OpenAI error body (a 4xx for bad input;
+a 500 only for a fault of kvflow's own)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.entrypoints.openai_errors import OpenAIError, content_type_error
+from kvflow.entrypoints.validation_errors import validation_error
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY``
+    (compared in constant time); otherwise 401 with an OpenAI error body."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # the scheme name is case-insensitive (RFC 7235, section 2.1)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._expected):
+            return await self.app(scope, receive, send)
+        error = OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            401, "authentication_error", code="invalid_api_key")
+        response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        return await response(scope, receive, send)
+
+
+async def require_json_body(raw: Request) -> None:
+    """Every POST body is JSON: a 400 naming the Content-Type otherwise (see
+    :func:`content_type_error`). A coroutine, so FastAPI runs it on the event loop: a plain
+    ``def`` dependency is handed to a worker thread (and back) on every request.
+
+    Raises:
+        OpenAIError: 400 (``unsupported_media_type``) for a POST body not sent as JSON.
+    """
+    error = content_type_error(raw.headers.get("content-type")) if raw.method == "POST" \
+        else None
+    if error is not None:
+        raise error
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    """``error`` as its HTTP response (status, OpenAI body, extra headers)."""
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+# FastAPI's detail for a body it could not decode (not UTF-8); a JSON syntax error is a
+# RequestValidationError instead
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every exception ``app`` raises with an OpenAI error body."""
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def schema_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
+        # a body not sent as JSON: say so, not what failed to parse in it
+        error = content_type_error(raw.headers.get("content-type"))
+        return error_response(error or validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # bytes, not text
+            error = content_type_error(raw.headers.get("content-type"))
+            return error_response(error or OpenAIError(
+                "the body is not JSON text: it must be UTF-8 encoded", code="invalid_json"))
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error: %s", exc)
+        return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
+                                           "internal_server_error"))
