@@ -47,10 +47,7 @@ def request_constraint(req: SamplingRequest,
         RequestFieldError: for two sources at once, or a json_schema format without a schema.
     """
     fmt, extra = req.response_format, req.structured_outputs
-    sources = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
-    sources += ["structured_outputs"] if extra is not None else []
-    sources += ["response_format"] if fmt is not None and fmt.type != "text" else []
-    sources += ["tool_choice"] if tool_grammar is not None else []
+    sources = _constraint_sources(req) + (["tool_choice"] if tool_grammar is not None else [])
     if len(sources) > 1:
         raise RequestFieldError(f"set only one of {', '.join(sources)}: each constrains the "
                                 "output", sources[-1])
@@ -85,19 +82,24 @@ def request_constraint(req: SamplingRequest,
     return StructuredOutputsParams(json="true" if schema is True else schema)
 
 
+def _constraint_sources(req: SamplingRequest) -> list[str]:
+    """The request fields that set an output constraint, in the order they are read."""
+    fmt = req.response_format
+    sources = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
+    sources += ["structured_outputs"] if req.structured_outputs is not None else []
+    return sources + (["response_format"] if fmt is not None and fmt.type != "text" else [])
+
+
 def constraint_param(req: SamplingRequest) -> str | None:
     """The request field a constraint came from, for errors found when it is compiled (None
-    when the request sets none): ``guided_*``, ``structured_outputs`` or
-    ``response_format.json_schema.schema``."""
-    for name in _GUIDED_FIELDS:
-        if getattr(req, name) is not None:
-            return name
-    if req.structured_outputs is not None:
-        return "structured_outputs"
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
+    when the request sets none): ``guided_*``, ``structured_outputs``, ``response_format``
+    or ``response_format.json_schema.schema``."""
+    sources = _constraint_sources(req)
+    if not sources:
         return None
-    return "response_format" if fmt.type == "json_object" else "response_format.json_schema.schema"
+    if sources[0] == "response_format" and req.response_format.type == "json_schema":
+        return "response_format.json_schema.schema"
+    return sources[0]
 
 
 def check_tools(tools: list[ChatTool] | None, compile_schemas: bool = False) -> None:
