@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -59,7 +61,8 @@ class SamplingInputs:
             if (i := position.get(rid)) is not None:
                 meta.num_logprobs[i] = k
         meta.penalties = _penalties(batch, rows, self.device)
-        meta.logit_bias = _logit_bias(batch, position, self.device)
+        meta.logit_bias = _logit_bias(batch, {rid: (i,) for rid, i in position.items()},
+                                      self.device)
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
@@ -82,8 +85,8 @@ class SamplingInputs:
             if (span := spans.get(rid)) is not None:
                 meta.num_logprobs.update(dict.fromkeys(range(span[0], span[0] + span[1]), k))
         meta.penalties = _penalties(batch, rows, self.device, num_extra)
-        meta.logit_bias = _logit_bias(batch, {rid: i for rid, (s, c) in spans.items()
-                                             for i in range(s, s + c)}, self.device) \
+        meta.logit_bias = _logit_bias(batch, {rid: range(s, s + c)
+                                              for rid, (s, c) in spans.items()}, self.device) \
             if batch.logit_bias else None
         if grammar is not None:
             grammar_rows, seen = [], {}
@@ -155,11 +158,14 @@ def _penalties(batch: InputBatch, rows: np.ndarray, device: torch.device,
                            floats(batch.repetition_penalty))
 
 
-def _logit_bias(batch: InputBatch, position: dict[str, int], device: torch.device
+def _logit_bias(batch: InputBatch, rows_of: dict[str, Sequence[int]], device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(sampling rows, token ids, biases) of every biased (row, token) pair, or None."""
+    """(sampling rows, token ids, biases) of every biased (row, token) pair, or None.
+
+    ``rows_of``: request id -> its sampling rows (one, or a verification step's k + 1: the
+    bias applies at every position, drafts included)."""
     entries = [(i, token_id, value) for rid, bias in batch.logit_bias.items()
-               if (i := position.get(rid)) is not None for token_id, value in bias.items()]
+               for i in rows_of.get(rid, ()) for token_id, value in bias.items()]
     if not entries:
         return None
     rows_, token_ids, values = zip(*entries)

@@ -83,6 +83,24 @@ def test_logprobs_penalties_and_min_tokens_match(engines):
     assert _drafted(got)[0] > 0
 
 
+def test_logit_bias_applies_at_every_verified_position(engines):
+    """logit_bias shifts every row a step verifies, not only the one after the last draft
+    (it did only that one: drafts were checked against unbiased logits, so the output
+    wandered off the biased greedy text). A moderate bias that changes the text, and one
+    that bans a token."""
+    base, spec = engines
+    plain = _generate(base, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    banned = plain[0].outputs[0].token_ids[5]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            logit_bias={109: 2.5, 12: -2.0, banned: -100})
+    ref, got = _generate(base, params), _generate(spec, params)
+    _same_outputs(ref, got)
+    assert [o.outputs[0].token_ids for o in ref] != [o.outputs[0].token_ids for o in plain]
+    assert all(banned not in o.outputs[0].token_ids for o in got)
+    drafted, accepted = _drafted(got)
+    assert 0 < accepted < drafted
+
+
 def test_stop_strings_cut_where_plain_decoding_stops(engines):
     """A stop string taken from the middle of the plain output: the speculative run stops at
     the same token even when that token was an accepted draft with more after it."""
