@@ -110,17 +110,24 @@ class KVCacheManager:
         Returns:
             (blocks, num_computed_tokens): the hit blocks (not yet referenced: pass them to
             ``allocate_slots``) and how many tokens they cover. At most ``num_tokens - 1``.
+            Nothing is counted here (a request may be looked up on many steps before it
+            fits): ``count_prefix_query`` counts its admission.
         """
         if not self._uses_hashing(request) or request.needs_prompt_logprobs:
             return self.empty_blocks, 0
         runs, num_hit = self._find_hit(request)
-        if self.enable_prefix_caching and request.num_cached_tokens < 0:  # count once
-            self.num_queries += request.num_tokens
-            self.num_hits += num_hit * self.block_size
         if num_hit == 0:
             return self.empty_blocks, 0
         hits = tuple(m.hit_blocks(run, num_hit) for m, run in zip(self.managers, runs))
         return KVCacheBlocks(hits), num_hit * self.block_size
+
+    def count_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's first admission into the prefix-cache counters: its tokens
+        looked up and the ``num_hit_tokens`` found (requests that do not look up the shared
+        prefix cache, e.g. those asking for prompt logprobs, count nothing)."""
+        if self.enable_prefix_caching and not request.needs_prompt_logprobs:
+            self.num_queries += request.num_tokens
+            self.num_hits += num_hit_tokens
 
     def peek_computed_tokens(self, request: Request) -> int:
         """The tokens ``get_computed_blocks`` would find cached now, without counting a

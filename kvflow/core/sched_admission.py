@@ -93,8 +93,9 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
     if request.mm_features is not None:
         sched.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
     request.num_computed_tokens = num_hit_tokens
-    if request.num_cached_tokens < 0:
+    if request.num_cached_tokens < 0:  # its first admission: counted once
         request.num_cached_tokens = num_hit_tokens
+        sched.kv.count_prefix_query(request, num_hit_tokens)
     return num_new
 
 

@@ -13,13 +13,15 @@ BS = 4  # block size used throughout (the conftest default)
 
 
 def admit(kv: KVCacheManager, req: Request, num_new: int | None = None) -> int:
-    """Do what the scheduler does for a new request: look up hits, allocate, advance.
+    """Do what the scheduler does for a new request: look up hits, allocate, count the
+    lookup, advance.
 
     Computes ``num_new`` tokens after the hits (default: all the rest) and returns the hit length.
     """
     hits, num_hit = kv.get_computed_blocks(req)
     num_new = req.num_tokens - num_hit if num_new is None else num_new
     kv.allocate_slots(req, num_new, hits)
+    kv.count_prefix_query(req, num_hit)
     req.num_computed_tokens = num_hit + num_new
     return num_hit
 

@@ -1,0 +1,39 @@
+"""The scheduler's and KV-cache manager's counters (what /metrics reports) against hand counts.
+
+Oracles: the prompt lengths and prefix-cache hits worked out by hand for each workload.
+"""
+
+from __future__ import annotations
+
+
+def test_prefix_queries_count_each_admission_once(make_scheduler, make_driver, make_request):
+    """b waits at the head of the queue while a holds the pool (5 usable blocks of 4 tokens:
+    a's 16-token prompt takes 4, its 17th token the 5th); looking b up on every step it does
+    not fit is not a query. Truth: a's 16 prompt tokens + b's 8, no hit (no shared prefix)."""
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    drv = make_driver(sched)
+    drv.add(make_request("a", list(range(2, 18)), max_tokens=3, ignore_eos=True))
+    drv.add(make_request("b", list(range(50, 58)), max_tokens=2, ignore_eos=True))
+    drv.run()
+    assert sched.num_preemptions == 0
+    assert [rid for step in drv.steps for rid in step.num_scheduled].count("b") == 2
+    assert len(drv.steps) > 4  # b was looked up on the steps before it fitted
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (16 + 8, 0)
+
+
+def test_prefix_hits_counted_at_admission(make_scheduler, make_driver, make_request):
+    """c repeats a's first two blocks (8 tokens) and waits for room while b runs (7 usable
+    blocks: b's 16-token prompt takes the 4 a never used, c needs 2 hits + 2 new with only
+    a's third block free, which b's 17th token takes): one query of its 14 tokens with 8
+    hits, however many steps it waited."""
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=64)
+    drv = make_driver(sched)
+    drv.add(make_request("a", list(range(2, 14)), max_tokens=1, ignore_eos=True))
+    drv.run()
+    drv.add(make_request("b", list(range(60, 76)), max_tokens=3, ignore_eos=True))
+    drv.add(make_request("c", [*range(2, 10), *range(90, 96)], max_tokens=1, ignore_eos=True))
+    drv.run()
+    assert drv.steps[-1].num_scheduled == {"c": 6}  # admitted last, after waiting
+    assert len(drv.steps) == 5  # a; b; b; b; then c
+    assert drv.results["c"].num_cached_tokens == 8
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (12 + 16 + 14, 8)
