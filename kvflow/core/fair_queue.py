@@ -103,14 +103,26 @@ class FairWaitingQueue(WaitingQueue):
             self._retire(flow)
         return request
 
-    def _retire(self, flow: Flow) -> None:
-        """An empty flow leaves the ring and loses its credit (not its debt)."""
+    def _retire(self, flow: Flow, keep_credit: bool = False) -> None:
+        """An empty flow leaves the ring and loses its credit (not its debt), unless
+        ``keep_credit`` (its request was only passed over and comes back)."""
         del self._flows[flow]
         self._ring.remove(flow)
-        if self.deficit[flow] >= 0:
+        if self.deficit[flow] >= 0 and not keep_credit:
             del self.deficit[flow]
 
-    def remove(self, request: Request) -> bool:
+    def pass_over(self) -> Request:
+        """Take the request deficit round robin serves next out for this admission round
+        (it is not ready: grammar compiling, no adapter slot, past its TTFT target), without
+        charging its flow: it is added back after the round, and its flow keeps the credit
+        it had (a flow charged for requests it could not run lost its share)."""
+        request = self.peek()
+        self.remove(request, keep_credit=True)
+        return request
+
+    def remove(self, request: Request, keep_credit: bool = False) -> bool:
+        """Remove a request (abort; ``keep_credit``: see ``pass_over``); returns whether it
+        was queued."""
         flow = self.flow_of(request)
         heap = self._flows.get(flow, [])
         for i, entry in enumerate(heap):
@@ -121,7 +133,7 @@ class FairWaitingQueue(WaitingQueue):
                 if self._chosen is request:
                     self._chosen = None
                 if not heap:
-                    self._retire(flow)
+                    self._retire(flow, keep_credit)
                 return True
         return False
 

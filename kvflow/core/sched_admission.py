@@ -35,7 +35,7 @@ def admit_waiting(sched: Scheduler, budget: int, cap: int, out: SchedulerOutput,
             and len(out.num_scheduled_tokens) < cap:
         request = waiting.peek()
         if _passed_over(sched, request, running_loras, now, skip_late):
-            not_ready.append(waiting.pop())
+            not_ready.append(waiting.pass_over())
             continue
         if step_budget is not None and \
                 not step_budget.may_admit(request, sched.planner.tpot_of(request)):

@@ -92,6 +92,11 @@ class WaitingQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]
 
+    def pass_over(self) -> Request:
+        """Take the head out for this admission round only, unadmitted (the caller puts it
+        back with ``add``); nothing is charged for it."""
+        return self.pop()
+
     def remove(self, request: Request) -> bool:
         """Remove a request (abort); returns whether it was queued."""
         for i, entry in enumerate(self._heap):

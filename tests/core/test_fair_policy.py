@@ -85,6 +85,47 @@ def test_remove_and_peek_stay_consistent():
     assert q.pop() is b and not q
 
 
+class _Compiling:
+    """A structured-output state whose grammar is still compiling (never ready here)."""
+
+    is_ready = False
+
+
+def _admission_order(make_scheduler, make_driver, with_compiling: bool) -> list[str]:
+    """A's a1..a5 and B's b0..b5 (200-token prompts, one admission per step of 200 tokens);
+    A's first request a0 (same cost) is passed over every step when ``with_compiling``."""
+    sched = make_scheduler(num_blocks=2000, max_num_batched_tokens=200, policy="fair")
+    drv = make_driver(sched)
+
+    def add(rid: str, client: str, base: int, arrival: float, compiling: bool = False) -> None:
+        r = Request(rid, list(range(base, base + 200)),
+                    SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=arrival,
+                    client_id=client)
+        r.structured_output = _Compiling() if compiling else None
+        drv.add(r)
+
+    if with_compiling:
+        add("a0", "A", 10, 0.0, compiling=True)
+    for i in range(1, 6):
+        add(f"a{i}", "A", 1000 * i, i)
+    for i in range(6):
+        add(f"b{i}", "B", 100_000 + 1000 * i, i + 0.5)
+    order = []
+    for _ in range(8):
+        order += [rid for rid, n in drv.step().num_scheduled.items() if n > 1]
+    return order
+
+
+def test_a_passed_over_request_costs_its_client_nothing(make_scheduler, make_driver):
+    """A request admission passes over (grammar compiling; also: past its TTFT target, no
+    adapter slot) is put back uncharged: its client's other requests are admitted in the
+    order they would be without it (it had been charged its prompt on every step, and A got
+    2 of the first 8 admissions)."""
+    alone = _admission_order(make_scheduler, make_driver, with_compiling=False)
+    assert alone[:4] == ["a1", "b0", "a2", "b1"]
+    assert _admission_order(make_scheduler, make_driver, with_compiling=True) == alone
+
+
 # ---- simulations --------------------------------------------------------------------------------
 def run(workload, **config):
     clock = FakeClock()
