@@ -61,6 +61,11 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_rope_dynamic": ("LlamaConfig", {"max_position_embeddings": 48, "rope_scaling": {
         "rope_type": "dynamic", "factor": 4.0}}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # GeGLU (erf GELU) MLP, biases on every attention and MLP projection, one KV head of
+    # head_dim 8 (not hidden / heads): config fields the parity list above leaves at defaults
+    "llama_gelu_bias": ("LlamaConfig", {"hidden_act": "gelu", "attention_bias": True,
+                                        "mlp_bias": True, "head_dim": 8,
+                                        "num_key_value_heads": 1}),
     # one KV head for all 4 query heads: tensor parallelism replicates it
     "llama_mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
     # every layer attends to the last 8 positions only (shorter than most test prompts)
@@ -99,6 +104,9 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "mscale": 0.707, "mscale_all_dim": 1.0}}),
+    # DeepSeek-V2 with transformers' mlp_bias: biased dense and shared-expert MLPs
+    "deepseek_v2_mlp_bias": ("DeepseekV2Config", {
+        **_MLA_DIMS, "q_lora_rank": None, "n_shared_experts": 1, "mlp_bias": True}),
     # DeepSeek-V3 style: q LoRA, sigmoid "noaux_tc" routing with a random correction bias,
     # renormalized and scaled top-2, 1 shared expert, interleaved RoPE
     "deepseek_v3": ("DeepseekV3Config", {

@@ -47,3 +47,41 @@ class GeluAndMul(CustomOp):
         """Plain torch on every device (no GeGLU kernel yet)."""
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
+
+
+# HF ``hidden_act`` names of the gated MLPs kvflow runs -> (gate activation, GELU approximation)
+_GATED_ACTIVATIONS = {"silu": ("silu", None), "swish": ("silu", None),
+                      "gelu": ("gelu", "none"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+                      "gelu_new": ("gelu", "tanh")}
+
+
+def gated_activation(hidden_act: str | None, field: str = "hidden_act") -> CustomOp:
+    """The gated MLP activation for an HF config's activation name: SwiGLU for ``silu`` /
+    ``swish`` (and ``None``, every Llama-family default), GeGLU for ``gelu`` (erf) and
+    ``gelu_pytorch_tanh`` / ``gelu_new`` (the tanh approximation).
+
+    Args:
+        hidden_act: the config's value.
+        field: the config field it came from, for the error.
+
+    Raises:
+        ValueError: naming ``field`` for any other activation (computing it as SiLU would give
+            wrong numbers silently).
+    """
+    kind, approximate = _GATED_ACTIVATIONS.get(hidden_act or "silu", (None, None))
+    if kind is None:
+        raise ValueError(f"{field}={hidden_act!r} is not supported; kvflow's gated MLPs run "
+                         f"{sorted(_GATED_ACTIVATIONS)}")
+    return SiluAndMul() if kind == "silu" else GeluAndMul(approximate)
+
+
+def require_silu(hidden_act: str | None, what: str, field: str = "hidden_act") -> None:
+    """Refuse a non-SiLU activation where kvflow only has SwiGLU (the fused MoE experts).
+
+    Raises:
+        ValueError: naming ``field`` and ``what`` when ``hidden_act`` is not ``silu`` /
+            ``swish`` (or unset).
+    """
+    if (hidden_act or "silu") not in ("silu", "swish"):
+        raise ValueError(f"{field}={hidden_act!r} is not supported for {what}: kvflow's MoE "
+                         "experts compute SwiGLU (silu) only")

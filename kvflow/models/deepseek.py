@@ -41,6 +41,7 @@ from torch import nn
 from kvflow.attention.layer import AttentionContext
 from kvflow.attention.mla import MLAAttention
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.layers.activation import require_silu
 from kvflow.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvflow.layers.moe import FusedMoE, GroupedTopKRouting
 from kvflow.layers.norm import RMSNorm
@@ -238,7 +239,12 @@ class DeepseekModel(LlamaModel):
 class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
     """DeepSeek-V2 / V2-Lite / V2.5: MLA + DeepSeekMoE with softmax routing. Same interface as
     :class:`~kvflow.models.llama.LlamaForCausalLM`; ``uses_mla`` makes the engine give it an
-    MLA attention backend and latent KV-cache specs."""
+    MLA attention backend and latent KV-cache specs.
+
+    Raises:
+        ValueError: from the constructor when ``hidden_act`` is not SiLU (the fused experts
+            compute SwiGLU only).
+    """
 
     uses_mla: ClassVar[bool] = True
     rope_interleaved_default: ClassVar[bool] = True
@@ -251,6 +257,7 @@ class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
         nn.Module.__init__(self)
+        require_silu(getattr(config, "hidden_act", None), type(self).__name__)
         self.config = config
         parallel = parallel or ParallelState.single()
         self.model = DeepseekModel(config, ctx, self.make_rotary(config),

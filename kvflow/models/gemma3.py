@@ -72,12 +72,29 @@ class _RopeView:
         self.max_position_embeddings = max_position_embeddings  # YaRN / dynamic NTK read it
 
 
+def check_gemma3_attention(config: Any) -> None:
+    """Refuse the attention variants of Gemma 3 configs that kvflow does not compute.
+
+    Raises:
+        ValueError: naming the field, for ``attn_logit_softcapping`` (Gemma 2's soft-capped
+            attention logits) or ``use_bidirectional_attention`` (EmbeddingGemma: every token
+            attends to the whole prompt; kvflow runs Gemma 3 as a causal decoder).
+    """
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(f"Gemma 3 attn_logit_softcapping={cap!r}: attention logit "
+                         "soft-capping is not supported")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("Gemma 3 use_bidirectional_attention=True is not supported: kvflow "
+                         "runs Gemma 3 as a causal decoder (bidirectional attention would be "
+                         "computed causally, giving wrong outputs)")
+
+
 class Gemma3Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, parallel: ParallelState) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("Gemma 3 attention logit soft-capping is not supported")
+        check_gemma3_attention(config)
         tp = parallel.tp
         self.head_dim = get_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))

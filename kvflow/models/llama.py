@@ -18,7 +18,7 @@ from torch import nn
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.layers.activation import SiluAndMul
+from kvflow.layers.activation import gated_activation
 from kvflow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
@@ -106,6 +106,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))``: [T, hidden] -> [T, hidden]; ``act`` is the
+    config's ``hidden_act`` (SiLU, or GELU; see :func:`~kvflow.layers.activation.gated_activation`).
+
+    Raises:
+        ValueError: from the constructor for an activation kvflow does not run.
+    """
+
     def __init__(self, config: Any, parallel: ParallelState) -> None:
         super().__init__()
         tp = parallel.tp
@@ -115,7 +122,7 @@ class LlamaMLP(nn.Module):
                                                        tp.rank, tp.world_size)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp.rank,
                                            tp.world_size, tp_group=tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(getattr(config, "hidden_act", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

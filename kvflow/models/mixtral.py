@@ -24,6 +24,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.layers.activation import require_silu
 from kvflow.layers.linear import ReplicatedLinear
 from kvflow.layers.moe import FusedMoE
 from kvflow.layers.norm import RMSNorm
@@ -50,10 +51,12 @@ _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_pro
 
 
 def gated_mlp(config: Any, intermediate_size: int, parallel: ParallelState) -> LlamaMLP:
-    """A SwiGLU MLP of the given width (Llama's, so its gate/up fusion, loaders and tensor
-    parallelism apply)."""
+    """A gated MLP of the given width with the config's ``hidden_act`` and ``mlp_bias``
+    (DeepSeek-V2 in transformers; absent elsewhere: SwiGLU without bias); Llama's, so its
+    gate/up fusion, loaders and tensor parallelism apply."""
     sub = SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=intermediate_size,
-                          mlp_bias=False)
+                          mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                          hidden_act=getattr(config, "hidden_act", None))
     return LlamaMLP(sub, parallel)
 
 
@@ -129,6 +132,10 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     Subclasses say how to build each layer's MLP (:meth:`make_mlp`), which attention
     projections carry a bias (:meth:`attention_bias_for`), and which checkpoint name fragments
     to rename.
+
+    Raises:
+        ValueError: from the constructor when ``hidden_act`` is not SiLU (the fused experts
+            compute SwiGLU only).
     """
 
     checkpoint_renames: ClassVar[dict[str, str]] = {}
@@ -136,6 +143,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
         nn.Module.__init__(self)
+        require_silu(getattr(config, "hidden_act", None), type(self).__name__)
         self.config = config
         parallel = parallel or ParallelState.single()
         self.model = MoeModel(config, ctx, self.attention_bias_for(config), self.qk_norm,

@@ -1,0 +1,69 @@
+"""Config variations real checkpoints use, beyond the architectures of ``test_parity.py``:
+each variant's prompt logprobs equal HF transformers' log-softmax of its logits (fp32, CPU),
+and a variant kvflow does not compute is refused when the model loads, with an error naming the
+config field (never computed as something else). One short prompt per model keeps this fast."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+
+ATOL = 1e-4
+
+
+def _prompt(vocab: int, length: int = 20) -> list[int]:
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(2, vocab, (length,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("name", ["llama_gelu_bias", "deepseek_v2_mlp_bias"])
+def test_prompt_logprobs_match_hf(tiny_model_factory, name):
+    tiny = tiny_model_factory(name)
+    prompt = _prompt(tiny.vocab_size)
+    with torch.no_grad():
+        logits = tiny.hf_model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1,
+                                                   prompt_logprobs=0), use_tqdm=False)
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    want = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    assert got == pytest.approx(want, abs=ATOL)
+    top2 = ref[-1].topk(2).values
+    assert float(top2[0] - top2[1]) > 2 * ATOL  # no near-tie: the greedy token is defined
+    assert out.outputs[0].token_ids == [int(ref[-1].argmax())]
+
+
+def _edited_copy(tiny, folder, **changes) -> str:
+    """A copy of the tiny model's folder with ``changes`` written into its config.json."""
+    path = shutil.copytree(tiny.path, str(folder))
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("llama", {"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
+    ("mixtral", {"hidden_act": "gelu"},
+     r"hidden_act='gelu' is not supported for MixtralForCausalLM"),
+    ("qwen2_moe", {"hidden_act": "gelu"},
+     r"hidden_act='gelu' is not supported for Qwen2MoeForCausalLM"),
+    ("deepseek_v3", {"hidden_act": "gelu"},
+     r"hidden_act='gelu' is not supported for DeepseekV3ForCausalLM"),
+    ("gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50.0"),
+], ids=["llama_relu", "mixtral_gelu", "qwen2_moe_gelu", "deepseek_gelu", "gemma3_bidirectional",
+        "gemma3_attn_softcap"])
+def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp_path, name,
+                                                         changes, message):
+    path = _edited_copy(tiny_model_factory(name), tmp_path / "model", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
