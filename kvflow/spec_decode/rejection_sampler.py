@@ -33,7 +33,9 @@ tokens are greedy decoding's, whatever the proposer did.
 
 Draws: ``k`` uniforms, then one exponential vector for the final token (the exponential race
 ``argmax(w / E)``, ``E ~ Exp(1)``, draws index ``x`` with probability ``w(x) / sum w``, so the
-residual needs no normalization). A seeded request draws both from its own generator.
+residual needs no normalization). A seeded request draws both from its own generator: one
+uniform per draft it verifies and one exponential vector, so its draws do not depend on the
+other requests of the step.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def rejection_sample(logits: torch.Tensor, temperature: torch.Tensor,
     probs = None
     if not bool(greedy.all()):
         probs = _target_probs(logits, temperature, top_k, top_p, min_p)
-        uniforms = _draw(torch.rand, (num_reqs, k_max), layout.generators, generator, device)
+        uniforms = _uniforms((num_reqs, k_max), layout, generator, device)
         p_draft = probs[draft_rows, drafts]
         q_draft = torch.ones_like(p_draft) if layout.draft_probs is None else \
             layout.draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
@@ -159,12 +161,19 @@ def _sample_final(probs: torch.Tensor, final_row: torch.Tensor, num_accepted: to
     return (weights / noise).argmax(dim=-1)
 
 
-def _draw(fn, shape: tuple[int, ...], generators: dict[int, torch.Generator],
-          generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``fn(shape)`` from ``generator``, row ``r`` redrawn from ``generators[r]``."""
-    out = fn(shape, generator=generator, device=device)
-    for r, gen in generators.items():
-        out[r] = fn(shape[1:], generator=gen, device=device)
+def _uniforms(shape: tuple[int, int], layout: SpecLayout, generator: torch.Generator,
+              device: torch.device) -> torch.Tensor:
+    """U(0, 1) draws float32 [R, K] from ``generator``; a seeded request ``r``'s first
+    ``num_drafts[r]`` redrawn from its own generator. It draws exactly one per draft it
+    verifies, not ``K`` (the batch's most): how far its generator advances, and so its
+    tokens, must not depend on what else is batched (a request without drafts then draws
+    just what a plain step draws)."""
+    out = torch.rand(shape, generator=generator, device=device)
+    if layout.generators:
+        counts = layout.num_drafts.tolist()
+        for r, gen in layout.generators.items():
+            if counts[r]:
+                out[r, :counts[r]] = torch.rand(counts[r], generator=gen, device=device)
     return out
 
 

@@ -179,6 +179,20 @@ def test_seeded_sampling_is_reproducible(engines):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_seeded_tokens_do_not_depend_on_the_batch(engines):
+    """A seeded request alone, and batched with requests that verify more drafts than it
+    does: the same tokens (its generator drew one uniform per draft of the batch's longest
+    draft list, so its draws, and then its text, followed its neighbours)."""
+    _, spec = engines
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = _generate(spec, seeded, PROMPTS[:1])[0].outputs[0].token_ids
+    for other in PROMPTS[1:]:
+        mixed = _generate(spec, [seeded, greedy], [PROMPTS[0], other])
+        assert mixed[0].outputs[0].token_ids == alone
+        assert _drafted(mixed)[0] > 0
+
+
 def test_sampled_tokens_keep_the_target_distribution(tiny_llama):
     """Temperature 0.6 with top_k=4. The prompt starts with "c d" and its first token t1 is c
     with probability > 0.5, so the n-gram draft for t2 is then d: the target's third most
