@@ -10,6 +10,10 @@ which limit it broke, so the server answers 400 with it and the offline API rais
   the header before any pixel is decoded, at most ``--max-image-pixels``;
 * it must decode completely (a truncated file is refused, never padded) in one of the formats
   above.
+
+Decoded as transformers decodes: an encoded image is turned upright by its EXIF orientation
+(``transformers.image_utils.load_image``, as browsers show a phone photo), and transparency is
+composited onto white (the image processors' ``convert_to_rgb``) rather than dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kvflow.config import MultiModalConfig
 
@@ -151,22 +155,56 @@ def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
     if image.format not in IMAGE_FORMATS.values():
         raise MediaError(f"image format {image.format} is not supported: send PNG, JPEG, "
                          "WebP, GIF or BMP")
-    return check_image(image, config)
+    return to_rgb(_upright(_loaded(image, config)))
 
 
 def check_image(image: Image.Image, config: MultiModalConfig) -> Image.Image:
-    """``image`` fully decoded and converted to RGB, after the pixel-count check.
+    """``image`` (a PIL image handed in by the caller) fully decoded and converted to RGB,
+    after the pixel-count check; no EXIF rotation (transformers' image processors apply none
+    to a PIL image either).
 
     Raises:
         MediaError: for more than ``max_image_pixels`` pixels, or pixel data that does not
             decode (truncated or corrupt).
     """
+    return to_rgb(_loaded(image, config))
+
+
+def _loaded(image: Image.Image, config: MultiModalConfig) -> Image.Image:
+    """``image`` with its pixels decoded, after the pixel-count check (MediaError)."""
     width, height = image.size
     if width * height > config.max_image_pixels:
         raise MediaError(f"the image is {width} x {height} = {width * height} pixels; the "
                          f"limit is {config.max_image_pixels} pixels (--max-image-pixels)")
     try:
         image.load()
-        return image.convert("RGB")
+        return image
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise MediaError(f"cannot decode the image (truncated or corrupt): {e}") from None
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """``image`` rotated / mirrored as its EXIF orientation tag says (transformers'
+    ``load_image``); a malformed EXIF block leaves it as stored."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except (OSError, ValueError, SyntaxError, KeyError, TypeError):
+        return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """An RGB copy of ``image``; an alpha channel or transparent palette colour is
+    composited onto white, as transformers' ``convert_to_rgb`` does (plain ``convert("RGB")``
+    would drop it and show transparent pixels' arbitrary colours, often black).
+
+    Raises:
+        MediaError: for pixel data that does not convert.
+    """
+    try:
+        if "A" not in image.getbands() and image.info.get("transparency") is None:
+            return image.convert("RGB")
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    except (OSError, ValueError) as e:
+        raise MediaError(f"cannot convert the image to RGB: {e}") from None

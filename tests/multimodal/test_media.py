@@ -1,18 +1,23 @@
-"""Remote image URLs (``kvflow/multimodal/media.py``): fetched only from allow-listed hosts,
-redirects re-checked, the byte cap applied to the download. A local ``http.server`` on a free
-loopback port stands in for the image host; the oracle is the PNG's own pixels (PIL)."""
+"""Image URLs and decoding (``kvflow/multimodal/media.py``): fetched only from allow-listed
+hosts, redirects re-checked, the byte cap applied to the download (a local ``http.server`` on a
+free loopback port stands in for the image host; the oracle is the PNG's own pixels); EXIF
+orientation applied as transformers' ``load_image`` does, transparency composited onto white
+(hand-computed blend)."""
 
 from __future__ import annotations
 
+import base64
 import http.server
+import io
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from kvflow.config import MultiModalConfig
-from kvflow.multimodal.media import MediaError, load_image_url
+from kvflow.multimodal.media import MediaError, check_image, decode_image_bytes, load_image_url
 from tests.multimodal.conftest import png_bytes, random_image
 
 IMAGE = random_image(40, 30, 9)
@@ -83,3 +88,40 @@ def test_download_byte_cap_and_http_errors(image_host):
 def test_malformed_domain_list_fails_at_start(domains):
     with pytest.raises(ValueError, match="allowed_media_domains"):
         MultiModalConfig(allowed_media_domains=domains)
+
+
+def _rgba_image() -> Image.Image:
+    """40 x 30 RGBA: random colours, alpha 0 on every other column, random elsewhere."""
+    rng = np.random.default_rng(5)
+    pixels = rng.integers(0, 256, (30, 40, 4), dtype=np.uint8)
+    pixels[:, ::2, 3] = 0
+    return Image.fromarray(pixels, "RGBA")
+
+
+def test_transparency_is_composited_onto_white():
+    """Oracle: alpha blending onto white by hand (what transformers' convert_to_rgb and vLLM
+    do); dropping the alpha channel would keep the transparent pixels' colours."""
+    image = _rgba_image()
+    rgba = np.asarray(image).astype(np.float64)
+    alpha = rgba[..., 3:] / 255
+    want = rgba[..., :3] * alpha + 255 * (1 - alpha)
+    for got in (decode_image_bytes(png_bytes(image), MultiModalConfig()),
+                check_image(image, MultiModalConfig())):
+        assert got.mode == "RGB"
+        assert np.abs(np.asarray(got).astype(np.float64) - want).max() <= 1
+        assert (np.asarray(got)[:, ::2] == 255).all()  # fully transparent: white
+
+
+def test_exif_orientation_is_applied_like_transformers():
+    """A JPEG whose EXIF says "rotate 90 degrees clockwise" (orientation 6, a phone photo):
+    decoded upright, pixel for pixel what transformers' load_image gives for the same URL."""
+    from transformers.image_utils import load_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    random_image(40, 30, 4).save(buf, format="JPEG", exif=exif.tobytes(), quality=95)
+    url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    got = load_image_url(url, MultiModalConfig())
+    assert got.size == (30, 40)
+    assert np.array_equal(np.asarray(got), np.asarray(load_image(url)))

@@ -10,7 +10,9 @@ never hits the prefix cache.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from kvflow import LLM, SamplingParams
 from tests.multimodal.conftest import (
@@ -178,3 +180,13 @@ def test_image_count_limit_is_checked_before_decoding(tiny_qwen2_vl):
     with pytest.raises(ValueError, match="3 images in one conversation; the limit is 2"):
         llm.chat([{"role": "user", "content": parts}], greedy())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_transparent_image_equals_transformers(llm, tiny_qwen2_vl):
+    """An RGBA image half transparent: transformers' processor composites it onto white, so
+    must kvflow (dropping the alpha channel shows the hidden colours: other tokens)."""
+    image = random_image(84, 56, 1).convert("RGBA")
+    image.putalpha(Image.fromarray(np.tile(np.array([0, 255], np.uint8), (56, 42))))
+    text = f"a {PLACEHOLDER} what is this?"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, greedy())[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, [image], MAX_TOKENS)
