@@ -118,6 +118,20 @@ class InputProcessor:
                              f"token ids, got {type(ids).__name__}")
         return prompt.get("prompt", ids), images
 
+    def pooling_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of an embedding prompt.
+
+        Raises:
+            ValueError: for a malformed prompt, or one with images (``multi_modal_data``):
+                embeddings are computed from text or token ids only.
+        """
+        if isinstance(prompt, Mapping):
+            prompt, images = self._unpack(prompt)
+            if images:
+                raise ValueError("multi_modal_data: embedding prompts are text or token ids "
+                                 "only; images are not embedded")
+        return self.tokenize(prompt)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked
         at (see ``process``). Raises ValueError on bad input."""
@@ -250,14 +264,19 @@ class InputProcessor:
         """An embedding request (prompt computed and pooled, nothing generated).
 
         Raises:
-            ValueError: on a generation model, for a bad prompt (see ``validate``), or a
-                ``dimensions`` the model cannot give (Matryoshka support, sizes).
+            ValueError: on a generation model, for a bad prompt (see ``validate``; image
+                placeholders included), or a ``dimensions`` the model cannot give
+                (Matryoshka support, sizes).
         """
         if self.pooler is None:
             raise ValueError("this model generates text: embeddings need a model served with "
                              "task='embed' (--task embed)")
         params = params or PoolingParams()
         self.validate(token_ids, pooling=True)
+        if self.mm_processor is not None and self.mm_processor.image_token_id in token_ids:
+            raise ValueError(f"the prompt holds the image placeholder token "
+                             f"({self.mm_processor.placeholder!r}): embedding prompts are "
+                             "text only; images are not embedded")
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
                        pooling_params=params)

@@ -104,7 +104,9 @@ class LLM:
         batched by the same scheduler as generation (prompts only, nothing sampled).
 
         Args:
-            prompts: a string, a token-id list, or a list of either.
+            prompts: a string, a token-id list, a dict prompt (``{"prompt": ...}`` or
+                ``{"prompt_token_ids": ...}``; ``multi_modal_data`` is refused), or a list
+                of these.
             pooling_params: one for all prompts or one per prompt (``dimensions``: Matryoshka
                 truncation, for models that support it).
 
@@ -127,7 +129,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
         processor = self.engine.processor
         for p, pp in zip(prompts, params):  # validate everything before queuing anything
-            processor.make_pooling_request("check", processor.tokenize(p)[1], pp)
+            processor.make_pooling_request("check", processor.pooling_prompt(p)[1], pp)
         ids: list[str] = []
         try:
             for p, pp in zip(prompts, params):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from kvflow import LLM, SamplingParams
@@ -190,3 +191,22 @@ def test_transparent_image_equals_transformers(llm, tiny_qwen2_vl):
     text = f"a {PLACEHOLDER} what is this?"
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, greedy())[0]
     assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, [image], MAX_TOKENS)
+
+
+def test_embeddings_refuse_images(tiny_qwen2_vl):
+    """A Qwen2-VL run with task='embed' pools text like transformers' Qwen2VLModel (last
+    token, L2-normalized); images, given as multi_modal_data or as placeholders, are refused
+    rather than left out or embedded as placeholder tokens."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=32, task="embed")
+    text = "the quick brown fox"
+    ids = tiny_qwen2_vl.tokenizer.encode(text)
+    with torch.no_grad():
+        hidden = tiny_qwen2_vl.hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    got = torch.tensor(llm.embed(text)[0].outputs.embedding)
+    torch.testing.assert_close(got, hidden / hidden.norm(), atol=2e-5, rtol=1e-4)
+    image = random_image(28, 28, 0)
+    with pytest.raises(ValueError, match="multi_modal_data: embedding prompts"):
+        llm.embed({"prompt": f"{PLACEHOLDER} x", "multi_modal_data": {"image": image}})
+    with pytest.raises(ValueError, match="image placeholder token"):
+        llm.embed(f"{PLACEHOLDER} x")
+    assert not llm.engine.has_unfinished_requests()
