@@ -8,7 +8,8 @@ them ("string" content format):
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
   parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
   (the caller passes its ``image_placeholder``), become that placeholder text, one line per
-  image before the text; any other part is refused. A template that loops over a message's
+  image before the text (``detail`` other than ``"auto"`` is refused); any other part is
+  refused. A template that loops over a message's
   content itself (Qwen2-VL's; found in its Jinja syntax tree, as vLLM does) gets the parts
   instead, images as ``{"type": "image"}``, so it places them as the model was trained;
   ``image_urls`` lists the images in prompt order either way;
@@ -46,11 +47,12 @@ _RESERVED_KWARGS = frozenset({
 
 class ChatTemplateError(ValueError):
     """A conversation or option that cannot be rendered; ``param`` names the field at fault
-    (``messages.2.content``, ``continue_final_message``, ...)."""
+    (``messages.2.content``, ``continue_final_message``, ...), ``code`` the OpenAI error code
+    the server answers with."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class NoChatTemplateError(ChatTemplateError):
@@ -143,6 +145,13 @@ def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str
         if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
             raise ChatTemplateError(f"message {i}: content part {j} needs image_url.url",
                                     f"messages.{i}.content.{j}.image_url")
+        detail = image.get("detail") if isinstance(image, dict) else None
+        if detail not in (None, "auto"):  # honoured or refused, never ignored
+            raise ChatTemplateError(f"image_url.detail={detail!r} is not supported: the "
+                                    "model's image processor chooses the resolution (use "
+                                    "'auto' or leave it out)",
+                                    f"messages.{i}.content.{j}.image_url.detail",
+                                    "unsupported_value")
         return kind, image_placeholder
     text = part.get(kind) if kind in _TEXT_PARTS else None
     if kind in _TEXT_PARTS and not isinstance(text, str):

@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             mode = tool_choice_mode(req)
             check_tools(req.tools, compile_schemas=mode in ("required", "named"))
         except RequestFieldError as e:
-            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),
                                       make_reasoning_parser(self.config.reasoning_parser))
 
@@ -166,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
                               "chat_template field, or use /v1/completions with a plain "
                               "prompt", param="messages", code="no_chat_template") from None
         except ChatTemplateError as e:
-            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
         except PromptTooLong as e:
             raise OpenAIError(str(e), param="messages", code="context_length_exceeded") \
                 from None
@@ -213,10 +213,8 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 naming the ``image_url`` part for an image that cannot be used
-                (see ``kvflow/multimodal/media.py``) or a ``detail`` other than "auto", or
-                ``messages`` for a placeholder count that differs from the image count.
+                (see ``kvflow/multimodal/media.py``), or ``messages`` for a placeholder count that differs from the image count.
         """
-        _check_image_details(messages)
         processor = self.engine.processor
         if processor.mm_processor is None:  # rendering refused image parts already
             return ProcessedPrompt(text, ids)
@@ -301,20 +299,6 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
-
-
-def _check_image_details(messages: list[ChatMessage]) -> None:
-    """Only ``detail: "auto"`` (or none): the model's image processor picks the resolution.
-    Raises OpenAIError 400 naming the part otherwise."""
-    for i, message in enumerate(messages):
-        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-            detail = part.image_url.detail if part.image_url is not None else None
-            if detail not in (None, "auto"):
-                raise OpenAIError(f"image_url.detail={detail!r} is not supported: the model's "
-                                  "image processor chooses the resolution (use 'auto' or "
-                                  "leave it out)",
-                                  param=f"messages.{i}.content.{j}.image_url.detail",
-                                  code="unsupported_value")
 
 
 def _check_tool_fields(messages: list[ChatMessage]) -> None:

@@ -210,3 +210,14 @@ def test_embeddings_refuse_images(tiny_qwen2_vl):
     with pytest.raises(ValueError, match="image placeholder token"):
         llm.embed(f"{PLACEHOLDER} x")
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("detail", ["low", "high"])
+def test_chat_refuses_image_detail(llm, detail):
+    """``detail`` asks for a resolution kvflow does not choose: refused, as on the server,
+    rather than ignored."""
+    part = {"type": "image_url",
+            "image_url": {"url": data_url(random_image(28, 28, 0)), "detail": detail}}
+    with pytest.raises(ValueError, match=f"image_url.detail='{detail}' is not supported"):
+        llm.chat([{"role": "user", "content": [part]}], greedy())
+    assert not llm.engine.has_unfinished_requests()
