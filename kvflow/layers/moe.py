@@ -278,6 +278,8 @@ class FusedMoE(GemmPathMixin, CustomOp):
             return  # another expert-parallel rank holds this expert
         if expert_id is None:
             loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
+        if self.quant_method is not None and self.tp_size > 1:  # full tensor, before the slice
+            self.quant_method.note_loaded(self, shard_id, local, loaded)
         dst = param.data if local is None else param.data[local]
         if shard_id == "w2":  # row-parallel: split the input (intermediate) dim
             src = loaded.narrow(-1, self.tp_rank * inter, inter)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.quant.base import LinearMethod
+from kvflow.quant.shard_absmax import note_absmax, take_absmax
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -41,9 +42,14 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 tensor like ``w``, float32 scalar scale) with ``scale = absmax / 448``."""
-    scale = (w.float().abs().amax() / FP8_MAX).clamp(min=_SCALE_EPS)
+def quantize_fp8_per_tensor(w: torch.Tensor, absmax: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 tensor like ``w``, float32 scalar scale) with ``scale = absmax / 448``; ``absmax``
+    (float32 scalar) is the whole checkpoint tensor's when ``w`` is a tensor-parallel shard of
+    it, else None: ``w``'s own."""
+    own = w.float().abs().amax()
+    absmax = own if absmax is None else torch.maximum(own, absmax.float())
+    scale = (absmax / FP8_MAX).clamp(min=_SCALE_EPS)
     return quantize_fp8(w, scale), scale
 
 
@@ -151,6 +157,9 @@ class Fp8LinearMethod(LinearMethod):
         per_shard = param is getattr(layer, "input_scale", None) or (
             param is getattr(layer, "weight_scale", None) and self.weight_strategy == "tensor")
         if not per_shard:
+            if param is layer.weight and not self.prequantized and layer.tp_size > 1:
+                # the whole checkpoint tensor's absmax: the scale one process takes
+                note_absmax(layer, shard[0] if shard else None, loaded.float().abs().amax())
             layer.weight_loader(param, loaded.to(param.dtype), *shard)
             return
         if loaded.numel() != 1:
@@ -164,8 +173,8 @@ class Fp8LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         n = layer.weight.shape[0]
         if not self.prequantized:  # one scale per checkpoint tensor (fused shard)
-            parts = [quantize_fp8_per_tensor(w)
-                     for w in layer.weight.data.split(_shard_rows(layer, n))]
+            parts = [quantize_fp8_per_tensor(w, take_absmax(layer, key)) for w, key in
+                     zip(layer.weight.data.split(_shard_rows(layer, n)), layer.shard_ids)]
             layer.weight = nn.Parameter(torch.cat([q for q, _ in parts]), requires_grad=False)
             layer.weight_scale = nn.Parameter(
                 torch.cat([s.expand(q.shape[0]) for q, s in parts]), requires_grad=False)

@@ -31,6 +31,7 @@ from kvflow.config import cpu_quant_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant.base import EmbeddingMethod, LinearMethod
+from kvflow.quant.shard_absmax import note_absmax, splits_columns, take_absmax
 
 _CPU_16BIT = (torch.bfloat16, torch.float16)
 _LOGITS_INT8PACK_ROWS = 2  # fp32 rows up to which the INT8 LM head runs torch's int8pack kernel
@@ -45,18 +46,24 @@ def _int8pack_takes(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _CPU_16BIT and x.shape[-1] % 16 == 0
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_per_channel(weight: torch.Tensor, row_absmax: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax INT8 per output row.
 
     Args:
         weight: [N, K] float.
+        row_absmax: float32 [N], each row's absmax over more columns than ``weight`` holds
+            (a tensor-parallel shard's full checkpoint rows), or None: ``weight``'s own.
 
     Returns:
         (q int8 [N, K] in [-127, 127], scale float32 [N]) with ``weight ~= q * scale[:, None]``
         (an all-zero row gets scale 1).
     """
     w = weight.float()
-    scale = w.abs().amax(dim=1) / 127.0
+    absmax = w.abs().amax(dim=1)
+    if row_absmax is not None:
+        absmax = torch.maximum(absmax, row_absmax.float())
+    scale = absmax / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
@@ -133,15 +140,20 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
              *shard) -> None:
-        """A checkpoint's per-channel scale [N, 1] lands as [N] in its rows."""
+        """A checkpoint's per-channel scale [N, 1] lands as [N] in its rows; a float weight
+        that a row-parallel rank slices by column has its full rows' absmax noted (the
+        scale one process takes, :mod:`kvflow.quant.shard_absmax`)."""
         if param is getattr(layer, "weight_scale", None) and loaded.dim() == 2:
             loaded = loaded.reshape(-1)
+        if param is layer.weight and not self.prequantized \
+                and splits_columns(layer, param, loaded):
+            note_absmax(layer, "rows", loaded.float().abs().amax(dim=1))
         layer.weight_loader(param, loaded, *shard)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.prequantized:
             return
-        q, scale = quantize_int8_per_channel(layer.weight.data)
+        q, scale = quantize_int8_per_channel(layer.weight.data, take_absmax(layer, "rows"))
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 

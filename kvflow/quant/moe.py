@@ -31,6 +31,7 @@ from torch import nn
 from kvflow.kernels.moe_ref import grouped_experts
 from kvflow.quant.fp8 import fp8_linear, quantize_fp8_per_tensor
 from kvflow.quant.int8 import int8_linear, quantize_int8_per_channel
+from kvflow.quant.shard_absmax import note_absmax, take_absmax
 
 
 class FusedMoEMethod(ABC):
@@ -41,6 +42,15 @@ class FusedMoEMethod(ABC):
     @abstractmethod
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded float ``w13_weight`` / ``w2_weight`` (once)."""
+
+    def note_loaded(self, layer: nn.Module, shard_id: str, local_expert: int | None,
+                    loaded: torch.Tensor) -> None:
+        """See one full checkpoint tensor before a tensor-parallel rank slices it (called by
+        ``FusedMoE.weight_loader`` when ``tp_size > 1``): ``loaded`` is one expert's
+        ``"w1"``/``"w3"`` [I, H] or ``"w2"`` [H, I] (``local_expert`` its index on this rank),
+        or with ``local_expert=None`` this rank's experts stacked (``"w13"`` [E, 2I, H],
+        ``"w2"`` [E, H, I]), I the full width. Methods whose scales span what TP splits note
+        their statistics here (:mod:`kvflow.quant.shard_absmax`)."""
 
     @abstractmethod
     def expert_linear(self, layer: nn.Module, x: torch.Tensor, which: str,
@@ -60,6 +70,16 @@ class FusedMoEMethod(ABC):
                                layer.w2_weight.shape[1], expert_mlp)
 
 
+def _per_expert(layer: nn.Module, local_expert: int | None,
+                stat: torch.Tensor) -> torch.Tensor:
+    """``stat`` of one expert ([R]) placed in a zero [E_local, R] (or already stacked)."""
+    if local_expert is None:
+        return stat
+    full = torch.zeros(layer.w13_weight.shape[0], stat.shape[-1])
+    full[local_expert] = stat
+    return full
+
+
 def _replace(layer: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(layer, name, nn.Parameter(value, requires_grad=False))
 
@@ -70,11 +90,21 @@ class Int8FusedMoEMethod(FusedMoEMethod):
 
     name = "int8"
 
+    def note_loaded(self, layer: nn.Module, shard_id: str, local_expert: int | None,
+                    loaded: torch.Tensor) -> None:
+        """Note the full rows' absmax of ``w2`` (TP splits its columns; w1/w3 rows are
+        whole on every rank)."""
+        if shard_id == "w2":
+            note_absmax(layer, "w2", _per_expert(layer, local_expert,
+                                                 loaded.float().abs().amax(dim=-1)))
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         for which in ("w13", "w2"):
             w = getattr(layer, f"{which}_weight").data
             experts, rows, cols = w.shape
-            q, scale = quantize_int8_per_channel(w.reshape(experts * rows, cols))
+            noted = take_absmax(layer, which)
+            q, scale = quantize_int8_per_channel(
+                w.reshape(experts * rows, cols), None if noted is None else noted.reshape(-1))
             _replace(layer, f"{which}_weight", q.view(experts, rows, cols))
             _replace(layer, f"{which}_weight_scale", scale.view(experts, rows))
 
@@ -90,14 +120,28 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
 
     name = "fp8"
 
+    def note_loaded(self, layer: nn.Module, shard_id: str, local_expert: int | None,
+                    loaded: torch.Tensor) -> None:
+        """Note the absmax of each whole gate, up and down tensor (one per expert)."""
+        absmax = loaded.float().abs()
+        if shard_id == "w13":  # stacked [E, 2I, H]: gate rows, then up rows
+            stat = torch.stack([h.amax(dim=(1, 2)) for h in absmax.chunk(2, dim=1)], dim=1)
+        elif local_expert is None:  # stacked w2 [E, H, I]
+            stat = absmax.amax(dim=(1, 2))[:, None]
+        else:  # one expert's w1 (gate), w3 (up) or w2 (down)
+            stat = torch.zeros(layer.w13_weight.shape[0], 1 if shard_id == "w2" else 2)
+            stat[local_expert, 1 if shard_id == "w3" else 0] = absmax.amax()
+        note_absmax(layer, "w2" if shard_id == "w2" else "w13", stat)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         inter = layer.w2_weight.shape[2]
         for which, parts in (("w13", (inter, inter)), ("w2", (layer.w2_weight.shape[1],))):
             w = getattr(layer, f"{which}_weight").data
+            noted = take_absmax(layer, which)  # [E, shards] of the full tensors, or None
             qs, scales = [], []
-            for expert in w:
-                for shard in expert.split(list(parts)):
-                    q, s = quantize_fp8_per_tensor(shard)
+            for e, expert in enumerate(w):
+                for i, shard in enumerate(expert.split(list(parts))):
+                    q, s = quantize_fp8_per_tensor(shard, None if noted is None else noted[e, i])
                     qs.append(q)
                     scales.append(s.expand(shard.shape[0]))
             _replace(layer, f"{which}_weight", torch.cat(qs).view(w.shape))
