@@ -11,7 +11,9 @@ Two sources feed them:
   speculative decoding's drafts, draft tokens and accepted tokens (in total and by position) as
   counters, and the acceptance rate and mean acceptance length since start-up as gauges;
   the step-time model's mean absolute and relative error (gauges) and its predictions (counter);
-* requests refused by admission control (``ServerMetrics.rejected``, counted by the API).
+* requests refused by admission control (``ServerMetrics.rejected``, counted by the API) and
+  for overload (``ServerMetrics.overloaded``: ``--max-waiting-requests``, counted by the
+  handler that refuses them).
 
 Names follow vLLM's with a ``kvflow:`` prefix; every series carries a ``model_name`` label,
 and the engine-state series also an ``engine`` label: the data-parallel replica they describe
@@ -124,6 +126,9 @@ class ServerMetrics:
         self.rejected = self._labelled(c, "kvflow:requests_rejected",
                                        "Requests refused by admission control (503) because "
                                        "their predicted TTFT exceeded the target")
+        self.overloaded = self._labelled(c, "kvflow:requests_overloaded",
+                                         "Requests refused with 503 because "
+                                         "--max-waiting-requests requests were waiting")
         self._init_spec_decode_metrics()
 
     def _init_spec_decode_metrics(self) -> None:

@@ -162,12 +162,14 @@ class OpenAIServing:
                               code="wrong_task")
 
     def check_admission(self, num_requests: int) -> None:
-        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already."""
+        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already
+        (counted on /metrics as ``kvflow:requests_overloaded``)."""
         limit = self.config.max_waiting_requests
         if not self.engine.is_healthy:
             raise engine_dead(self.engine.dead_error
                               or RuntimeError("the engine core process is gone"))
         if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
+            self.engine.metrics.overloaded.inc()
             raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "
                               f"requests are waiting (limit {limit}); retry later", 503,
                               "server_overloaded", code="server_overloaded",

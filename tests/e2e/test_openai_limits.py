@@ -1,6 +1,7 @@
 """API key (from KVFLOW_API_KEY) and overload control on the tiny Llama: /v1 routes need the key,
 /health and /metrics do not; with one running slot and --max-waiting-requests 1, a third
-concurrent request gets 503 with Retry-After and the server keeps serving."""
+concurrent request gets 503 with Retry-After (counted on /metrics) and the server keeps
+serving."""
 
 from __future__ import annotations
 
@@ -80,8 +81,12 @@ def test_overload_gets_503_with_retry_after(server):
             assert third.status_code == 503
             assert int(third.headers["Retry-After"]) >= 1
             assert third.json()["error"]["code"] == "server_overloaded"
+            overloaded = server.value(server.metrics(), "kvflow:requests_overloaded_total")
+            assert overloaded == 1  # the only 503 this server has sent
     # Both clients hung up: the server aborts their requests as it notices (asynchronously).
     deadline = time.monotonic() + 10
     while (resp := _completion(server, AUTH)).status_code == 503 and time.monotonic() < deadline:
+        overloaded += 1
         time.sleep(0.1)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+    assert server.value(server.metrics(), "kvflow:requests_overloaded_total") == overloaded
