@@ -4,13 +4,15 @@ its bytes on the wire, not seconds of CPU."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from kvflow.entrypoints.openai_errors import OpenAIError
 
-DRAIN_BYTES = 64 * 2**20  # what a refused body may still send before the 413 goes out
+DRAIN_BYTES = 64 * 2**20  # what a refused body may still send after the 413 (then dropped)
+DRAIN_IDLE_S = 5.0  # the longest wait for the next piece of a refused body
 
 
 def body_too_large(size: int | None, limit: int) -> OpenAIError:
@@ -28,11 +30,12 @@ class BodySizeLimitMiddleware:
 
     A body announced by ``Content-Length`` is judged by that header alone (uvicorn ends a
     body that runs past its announced length). A chunked body (no ``Content-Length``) is read
-    here, up to ``limit`` bytes, and replayed to the app. A refused body is read on and
-    discarded (never parsed) up to ``DRAIN_BYTES`` before the 413 goes out, so that a client
-    still sending it reads the answer rather than a reset connection; a bigger one, or one
-    whose client waits for ``Expect: 100-continue`` (it has sent nothing yet), is answered at
-    once and the connection closed.
+    here, up to ``limit`` bytes, and replayed to the app. The 413 goes out at once (a client
+    that sent only the headers gets it without sending the body); the rest of a refused body
+    is then read on and discarded (never parsed), up to ``DRAIN_BYTES``, before the
+    connection closes, so that a client still sending it reads the answer rather than a
+    reset connection; a bigger one, or one whose client waits for ``Expect: 100-continue``
+    (it has sent nothing yet), is not drained: the connection closes after the answer.
 
     Args:
         app: the ASGI app it wraps.
@@ -80,13 +83,30 @@ def _replay(messages: list[dict], receive: Any) -> Any:
 
 async def _refuse(error: OpenAIError, scope: dict, receive: Any, send: Any, unread: bool,
                   drain: bool) -> None:
-    """Answer ``error``. With body bytes ``unread`` and ``drain``, first read and drop them
-    (up to ``DRAIN_BYTES``); when some are left unread, the connection closes after the
-    answer."""
-    read = 0
-    while unread and drain and read <= DRAIN_BYTES:
-        message = await receive()
-        read += len(message.get("body", b""))
-        unread = message["type"] == "http.request" and message.get("more_body", False)
+    """Answer ``error`` at once (a client that sent only the headers reads it without sending
+    its body). With body bytes ``unread``, the answer says ``Connection: close``, and with
+    ``drain`` the rest of the body is then read and dropped (up to ``DRAIN_BYTES``, each
+    piece within ``DRAIN_IDLE_S``) before the response ends and the connection closes, so
+    that a client still sending it reads the answer rather than a reset connection."""
     headers = {"Connection": "close"} if unread else None
-    await JSONResponse(error.body(), error.status, headers=headers)(scope, receive, send)
+    response = JSONResponse(error.body(), error.status, headers=headers)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    # the whole body, announced by Content-Length: the client has its answer from here on
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
+    if unread and drain:
+        await _drain(receive)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(receive: Any) -> None:
+    """Read and drop the rest of a request body: up to ``DRAIN_BYTES``, until it ends or the
+    client disconnects, or until ``DRAIN_IDLE_S`` passes with nothing from it."""
+    read, more = 0, True
+    while more and read <= DRAIN_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+        except asyncio.TimeoutError:
+            return
+        read += len(message.get("body", b""))
+        more = message["type"] == "http.request" and message.get("more_body", False)

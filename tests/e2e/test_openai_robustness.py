@@ -11,6 +11,8 @@ count, OpenAI's error codes.
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -149,6 +151,23 @@ def test_body_over_the_limit_is_413(server, free_at_start, chunked):
     under = post(server, C, {"prompt": WORDS * (BODY_LIMIT // len(WORDS) - 1), "max_tokens": 1})
     assert error_of(under)["code"] == "context_length_exceeded"
     assert_serving_and_no_leak(server, free_at_start)
+
+
+def test_content_length_over_the_limit_is_413_before_the_body(server):
+    """Only the headers sent, announcing a 5 MB body over the 4 MiB limit: the 413 (OpenAI
+    error body, Connection: close) comes at once, without the body (it used to wait for it)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+        conn.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 5000000\r\n\r\n".encode())
+        reply = b""
+        while not (b"\r\n\r\n" in reply and reply.endswith(b"}")):  # the whole JSON body
+            piece = conn.recv(65536)  # socket.timeout after 5 s: no answer without the body
+            assert piece, reply
+            reply += piece
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and "5000000 bytes" in error["message"]
 
 
 # ---- error codes ---------------------------------------------------------------------------------
