@@ -79,6 +79,32 @@ def test_lora_modules_refused_before_the_model_loads(monkeypatch, capsys, flags,
     assert rc == 2 and len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("taken", [False, True], ids=["host_unresolved", "port_in_use"])
+def test_listen_address_checked_before_the_model_loads(monkeypatch, capsys, taken):
+    """A --host that does not resolve, or a --port another socket listens on: one line naming
+    the flag, exit 2, no engine started (was an error from uvicorn after the model loaded)."""
+    import socket
+
+    from kvflow.engine import async_llm
+    from kvflow.entrypoints.cli import main
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = str(other.getsockname()[1])
+        flags = ["--port", port] if taken else ["--host", "no-such-host.invalid"]
+        rc = main(["serve", "SmolLM2-135M-Instruct", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    needle = f"--host 127.0.0.1 --port {port}: cannot listen there" if taken else \
+        "--host no-such-host.invalid: cannot resolve it"
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvflow: error: ") \
+        and needle in err[0], err
+
+
 def test_lora_sizes_without_enable_lora_are_refused():
     """--max-loras / --max-lora-rank only size LoRA slots: without --enable-lora they would be
     ignored, so they are refused (the defaults pass)."""

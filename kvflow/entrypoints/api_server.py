@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -305,16 +306,40 @@ def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
                              f"model {model_name!r}; give it another name")
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """``--host`` resolves and ``--port`` is free on it, checked before the model loads (the
+    server binds only after; another process could still take the port in between).
+
+    Raises:
+        ValueError: for a host name that does not resolve, or an address that cannot be
+            listened on (in use, or a port below 1024 without the right).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]  # what uvicorn binds
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                             f"({e.strerror})") from None
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM.
 
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
             ``--engine-failure exit``; the server has stopped then).
-        ValueError: for a bad model or configuration, or a ``--lora-modules`` adapter the
-            engine refuses.
+        ValueError: for a bad model or configuration, a ``--host`` / ``--port`` that cannot
+            be listened on, or a ``--lora-modules`` adapter the engine refuses.
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
+    check_listen_address(server_config.host, server_config.port)
     _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
     engine = AsyncLLM(engine_config, ServerMetrics(model_name),
                       server_config.engine_start_timeout)
