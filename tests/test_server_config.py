@@ -105,6 +105,28 @@ def test_listen_address_checked_before_the_model_loads(monkeypatch, capsys, take
         and needle in err[0], err
 
 
+def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capsys):
+    """A configuration error the engine-core process finds before it loads anything (here a
+    --cpu-threads-bind CPU outside the affinity mask): the error line alone, with no INFO line
+    before it (``engine core process started`` was logged at INFO)."""
+    import logging
+    import os
+
+    from kvflow.entrypoints.cli import main
+
+    outside = str(max(os.sched_getaffinity(0)) + 1)
+    level = logging.getLogger("kvflow").level
+    try:
+        with caplog.at_level(logging.INFO):
+            rc = main(["serve", tiny_llama.path, "--device", "cpu", "--cpu-threads-bind",
+                       outside])
+    finally:
+        logging.getLogger("kvflow").setLevel(level)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "outside this process's affinity mask" in err[0], err
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
 def test_lora_sizes_without_enable_lora_are_refused():
     """--max-loras / --max-lora-rank only size LoRA slots: without --enable-lora they would be
     ignored, so they are refused (the defaults pass)."""

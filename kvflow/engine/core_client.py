@@ -91,8 +91,8 @@ class CoreProcess:
         self.proc.start()
         self.state = ReplicaState.STARTING
         self.death = None
-        logger.info("engine core process %sstarted (pid %d)",
-                    "" if name == "kvflow-engine-core" else f"{self.index} ", self.proc.pid)
+        logger.debug("engine core process %sstarted (pid %d)",
+                     "" if name == "kvflow-engine-core" else f"{self.index} ", self.proc.pid)
 
     @property
     def pid(self) -> int | None:
