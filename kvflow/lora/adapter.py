@@ -83,13 +83,14 @@ def read_adapter_config(path: str) -> dict[str, Any]:
 
 
 def check_adapter_config(config: dict[str, Any], max_rank: int,
-                         where: str = "adapter_config.json") -> None:
+                         where: str = "adapter_config.json", adapter: str = "") -> None:
     """Refuse what kvflow cannot apply, before any tensor is read.
 
     Args:
         config: the parsed ``adapter_config.json``.
         max_rank: ``--max-lora-rank``.
         where: the file, as the errors name it.
+        adapter: the adapter's name (its ``lora_name``), as the rank error names it.
 
     Raises:
         ValueError: naming ``where`` and the field, for a non-LoRA PEFT type, DoRA, trained
@@ -115,8 +116,16 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
     _checked_values(config, "lora_alpha", "alpha_pattern", 8, where, _is_number,
                     "a LoRA alpha must be a number")
     if max(ranks) > max_rank:
-        raise ValueError(f"LoRA rank {max(ranks)} exceeds max_lora_rank={max_rank} (start the "
-                         f"engine with --max-lora-rank {max(ranks)} or more)")
+        raise rank_error(adapter, max(ranks), max_rank, where)
+
+
+def rank_error(adapter: str, rank: int, max_rank: int, where: str) -> ValueError:
+    """The error for ``adapter`` (its name) of LoRA rank ``rank`` above ``max_rank``, naming
+    it and ``where`` it was read from."""
+    named = f"LoRA adapter {adapter!r}" if adapter else "LoRA adapter"
+    return ValueError(f"{named} ({where}): rank {rank} exceeds "
+                      f"max_lora_rank={max_rank} (start the engine with --max-lora-rank "
+                      f"{rank} or more)")
 
 
 def _is_rank(value: Any) -> bool:
@@ -206,7 +215,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     """
     config = read_adapter_config(request.lora_path)
     check_adapter_config(config, max_rank,
-                         repr(os.path.join(request.lora_path, "adapter_config.json")))
+                         repr(os.path.join(request.lora_path, "adapter_config.json")),
+                         request.lora_name)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(request.lora_path).items():
         match = _WEIGHT_RE.match(key)
@@ -219,7 +229,10 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     rank = 0
     for peft_module, ab in sorted(pairs.items()):
         module, shard = _kvflow_module(peft_module, packed)
-        a, b = _checked_pair(peft_module, module, shard, ab, targets, max_rank)
+        a, b = _checked_pair(peft_module, module, shard, ab, targets)
+        if a.shape[0] > max_rank:  # its weights say more than its adapter_config.json
+            raise rank_error(request.lora_name, a.shape[0], max_rank,
+                             f"module {peft_module!r} of {request.lora_path!r}")
         scale = _scaling(config, peft_module.removeprefix(_PREFIX), a.shape[0])
         weights.setdefault(module, {})[shard] = (a.to(dtype), (b.float() * scale).to(dtype))
         rank = max(rank, a.shape[0])
@@ -229,7 +242,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
 
 
 def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch.Tensor],
-                  targets: dict[str, LoRATarget], max_rank: int
+                  targets: dict[str, LoRATarget]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) of one adapted module, checked against the layer it lands in.
 
@@ -252,7 +265,4 @@ def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch
         raise ValueError(f"adapter module {peft_module!r} has lora_A {tuple(a.shape)} and "
                          f"lora_B {tuple(b.shape)}; the layer needs [r, {target.input_size}] "
                          f"and [{out}, r] (an adapter for another base model?)")
-    if rank > max_rank:
-        raise ValueError(f"adapter module {peft_module!r} has rank {rank} > max_lora_rank="
-                         f"{max_rank}")
     return a, b

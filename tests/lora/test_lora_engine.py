@@ -142,6 +142,26 @@ def test_bad_adapters_fail_at_load(llm, tiny_llama, adapters, tmp_path):
     assert not llm.engine.core.has_unfinished_requests()
 
 
+def test_rank_error_names_the_adapter(llm, tiny_llama, tmp_path):
+    """A rank above --max-lora-rank: the error names the adapter and its folder (it named
+    neither), whether adapter_config.json says so or only the weights do."""
+    params = SamplingParams(max_tokens=2)
+    path = make_adapter(tiny_llama.path, str(tmp_path / "r16"), 3, r=16,
+                        target_modules=["q_proj"])
+    with pytest.raises(ValueError) as exc:
+        llm.generate("hi", params, lora_request=LoRARequest("wide", 80, path))
+    config_path = os.path.join(path, "adapter_config.json")
+    assert str(exc.value) == (f"LoRA adapter 'wide' ({config_path!r}): rank 16 exceeds "
+                              "max_lora_rank=8 (start the engine with --max-lora-rank 16 or "
+                              "more)")
+    lying = _edit_config(path, str(tmp_path / "lying"), r=4)  # the weights still have 16
+    with pytest.raises(ValueError) as exc:
+        llm.generate("hi", params, lora_request=LoRARequest("lying", 81, lying))
+    assert str(exc.value).startswith("LoRA adapter 'lying' (module ") and \
+        f"of {lying!r}): rank 16 exceeds max_lora_rank=8" in str(exc.value), exc.value
+    assert not llm.engine.core.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("size", [500, 8], ids=["500_bytes", "8_bytes"])
 def test_truncated_adapter_names_the_file(llm, adapters, tmp_path, size):
     import shutil
