@@ -9,7 +9,8 @@ computes ``y = x W^T + scaling * (x A^T) B^T`` with ``scaling = lora_alpha / r``
 
 kvflow fuses q/k/v and gate/up into one matmul each; the model's ``packed_modules_mapping``
 says where a PEFT module lands (``q_proj`` -> shard ``"q"`` of ``qkv_proj``). Everything kvflow
-cannot apply (DoRA, trained biases, ``modules_to_save``, embedding or LM-head targets, a rank
+cannot apply (DoRA, trained biases, ``modules_to_save``, activated LoRA, replicated layers,
+embedding or LM-head targets, a rank
 above ``max_lora_rank``, a module the model does not have, a shape that does not fit) is a
 ``ValueError`` when the adapter is loaded, never at a request.
 """
@@ -94,7 +95,9 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
 
     Raises:
         ValueError: naming ``where`` and the field, for a non-LoRA PEFT type, DoRA, trained
-            biases, ``modules_to_save``, ``fan_in_fan_out`` weights, a rank (``r``,
+            biases (``bias``, ``lora_bias``), ``modules_to_save``, ``fan_in_fan_out`` weights,
+            activated LoRA (``alora_invocation_tokens``), ``layer_replication``,
+            ``target_parameters``, ``trainable_token_indices``, a rank (``r``,
             ``rank_pattern``) that is not a positive integer or is above ``max_rank``, or an
             alpha (``lora_alpha``, ``alpha_pattern``) that is not a number.
     """
@@ -107,7 +110,17 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
                ("modules_to_save", config.get("modules_to_save"),
                 "adapters with fully trained modules are not supported"),
                ("fan_in_fan_out", config.get("fan_in_fan_out"),
-                "fan_in_fan_out (Conv1D) weights are not supported")]
+                "fan_in_fan_out (Conv1D) weights are not supported"),
+               ("lora_bias", config.get("lora_bias"),
+                "adapters with a bias on lora_B are not supported"),
+               ("alora_invocation_tokens", config.get("alora_invocation_tokens"),
+                "activated LoRA (applied after its invocation tokens only) is not supported"),
+               ("layer_replication", config.get("layer_replication"),
+                "adapters that duplicate the base model's layers are not supported"),
+               ("target_parameters", config.get("target_parameters"),
+                "LoRA on parameters (e.g. fused MoE experts) is not supported"),
+               ("trainable_token_indices", config.get("trainable_token_indices"),
+                "adapters that retrain token embeddings are not supported")]
     for name, bad, why in refused:
         if bad:
             raise ValueError(f"{where} {name}={config.get(name)!r}: {why}")

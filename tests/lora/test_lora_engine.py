@@ -194,6 +194,27 @@ def test_bad_adapter_config_values_name_field_and_file(llm, adapters, tmp_path, 
     assert str(exc.value).startswith(f"{config_path!r} {field}: "), exc.value
 
 
+@pytest.mark.parametrize("changes, field", [
+    # peft applies an activated LoRA only from its invocation tokens on: run on every token
+    # it would change outputs silently
+    ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens=[5, 6]"),
+    ({"lora_bias": True}, "lora_bias=True"),
+    # layer 1 replaced by a copy of layer 0: same layer count, different model
+    ({"layer_replication": [[0, 1], [0, 1]]}, "layer_replication=[[0, 1], [0, 1]]"),
+    ({"target_parameters": ["experts.gate_up_proj"]},
+     "target_parameters=['experts.gate_up_proj']"),
+    ({"trainable_token_indices": [3, 4]}, "trainable_token_indices=[3, 4]"),
+], ids=["alora", "lora_bias", "layer_replication", "target_parameters", "trainable_tokens"])
+def test_unsupported_peft_features_name_field_and_file(llm, adapters, tmp_path, changes, field):
+    path = _edit_config(adapters["qv"], str(tmp_path / "unsupported"), **changes)
+    with pytest.raises(ValueError) as exc:
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("unsupported", 80, path))
+    config_path = os.path.join(path, "adapter_config.json")
+    assert str(exc.value).startswith(f"{config_path!r} {field}: "), exc.value
+    assert not llm.engine.core.has_unfinished_requests()
+
+
 def test_adapter_config_that_is_not_an_object(llm, tmp_path):
     (tmp_path / "adapter_config.json").write_text("[8]")
     with pytest.raises(ValueError, match="holds a JSON list, not an object"):
