@@ -47,8 +47,8 @@ class SpeculativeConfig:
             zero outside the subset; kvflow/spec_decode/draft_vocab.py).
 
     Raises:
-        ValueError: from the constructor for an unknown method, a missing draft model, or a
-            size out of range.
+        ValueError: from the constructor for an unknown method, a missing or empty draft
+            model, a size out of range, or a key of the other method (``_check_method_keys``).
     """
 
     method: str = "ngram"
@@ -72,9 +72,13 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens="
                              f"{self.num_speculative_tokens} must be in [1, 16]")
+        if self.model is not None and not self.model.strip():
+            raise ValueError(f"speculative_config model={self.model!r} is empty: name the draft "
+                             "model, or leave 'model' out for n-gram lookup")
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative_config model={self.model!r} applies to method="
                              "'draft_model' only (n-gram lookup uses no model)")
+        self._check_method_keys()
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model' (the "
                              "draft model's name or path)")
@@ -98,6 +102,27 @@ class SpeculativeConfig:
         if self.quantization not in (None, "auto", "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
                              "invalid; choose int8, int4, none (or null) or auto")
+
+    def _check_method_keys(self) -> None:
+        """Keys of the other method, set to something they would do, are refused rather
+        than ignored: a draft model's quantization and threads with ``ngram``, n-gram sizes
+        other than the defaults with ``draft_model``.
+
+        Raises:
+            ValueError: naming the key and the method it applies to.
+        """
+        if self.method == "ngram":
+            wrong = [f"quantization={self.quantization!r}"] \
+                if self.quantization in ("int8", "int4") else []
+            wrong += [f"draft_cpu_threads={self.draft_cpu_threads!r}"] \
+                if self.draft_cpu_threads is not None else []
+            if wrong:
+                raise ValueError(f"speculative_config {', '.join(wrong)} applies to method="
+                                 "'draft_model' only (n-gram lookup runs no model)")
+        elif (self.prompt_lookup_max, self.prompt_lookup_min) != (4, 2):
+            raise ValueError(f"speculative_config prompt_lookup_max={self.prompt_lookup_max} "
+                             f"/ prompt_lookup_min={self.prompt_lookup_min} apply to method="
+                             "'ngram' only (a draft model proposes without n-gram lookup)")
 
     def draft_options(self, device_type: str, prequantized: bool = False
                       ) -> tuple[str | None, int | None]:

@@ -51,6 +51,13 @@ def test_flag_dict_and_object_forms_agree():
      "draft_vocab_size=True"),
     ('{"method": "ngram", "draft_vocab_size": 64}', "method='draft_model' only"),
     ('{"method": "ngram", "model": "m"}', "model='m' applies to method='draft_model' only"),
+    # the other method's keys were accepted and ignored
+    ('{"method": "ngram", "draft_cpu_threads": 2}', "draft_cpu_threads=2 applies to method="),
+    ('{"quantization": "int4"}', "quantization='int4' applies to method='draft_model' only"),
+    ('{"model": "m", "prompt_lookup_min": 3}', "apply to method='ngram' only"),
+    ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 8}',
+     "prompt_lookup_max=8 / prompt_lookup_min=2 apply to method='ngram' only"),
+    ('{"model": "  "}', "model='  ' is empty"),  # was n-gram lookup, the model ignored
 ])
 def test_bad_values_name_the_problem(value, needle):
     with pytest.raises(ValueError, match=None) as err:
