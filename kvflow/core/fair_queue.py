@@ -11,7 +11,10 @@ Here a flow is one (priority class, client) pair; the client is the request's ``
 the tokens its prefill computes; after admission every decode token the request computes is
 charged to its flow too (``charge``), so a client with long outputs pays for them with later
 admissions: the share is of tokens computed, prompt and output. A flow that empties keeps a
-negative deficit (debt) but not a positive one. Priority classes weigh the quantum: the
+negative deficit (debt) but not a positive one, until its last request leaves the scheduler:
+a client with nothing waiting or running is forgotten, debt included (``close``), so the state
+is bounded by the clients with requests, and work a client did while nobody else waited is
+not held against it later. Priority classes weigh the quantum: the
 classes with waiting requests, ranked by priority value (lower first), get ``quantum``,
 ``quantum / 2``, ``quantum / 4``, ... per visit, so an urgent class is served more often but
 a lower class always progresses (no starvation: every visit adds a positive quantum, so every
@@ -47,6 +50,7 @@ class FairWaitingQueue(WaitingQueue):
         self._flows: dict[Flow, list[tuple[tuple, int, Request]]] = {}
         self._ring: deque[Flow] = deque()
         self.deficit: dict[Flow, float] = {}
+        self._num_open: dict[Flow, int] = {}  # requests in the scheduler (waiting or running)
         self._chosen: Request | None = None
         self._size = 0
 
@@ -136,6 +140,22 @@ class FairWaitingQueue(WaitingQueue):
                     self._retire(flow, keep_credit)
                 return True
         return False
+
+    def open(self, request: Request) -> None:
+        flow = self.flow_of(request)
+        self._num_open[flow] = self._num_open.get(flow, 0) + 1
+
+    def close(self, request: Request) -> None:
+        """A request left the scheduler; its flow's last one: the flow's deficit (debt) is
+        forgotten."""
+        flow = self.flow_of(request)
+        left = self._num_open.get(flow, 0) - 1
+        if left > 0:
+            self._num_open[flow] = left
+            return
+        self._num_open.pop(flow, None)
+        if flow not in self._flows:
+            self.deficit.pop(flow, None)
 
     def charge(self, num_scheduled_tokens: dict[str, int],
                requests: dict[str, Request]) -> None:

@@ -83,6 +83,12 @@ class WaitingQueue:
                requests: dict[str, Request]) -> None:
         """Account a step's tokens to their senders (only the fair queue uses this)."""
 
+    def open(self, request: Request) -> None:
+        """A request entered the scheduler (only the fair queue keeps count)."""
+
+    def close(self, request: Request) -> None:
+        """A request left the scheduler: finished or aborted (see ``open``)."""
+
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (self._policy.key(request), next(self._counter), request))
 

@@ -136,6 +136,7 @@ class Scheduler:
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.planner.add(request)
+        self.waiting.open(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -282,4 +283,5 @@ class Scheduler:
         if request.mm_features is not None:
             self.encoder.release(request)
         self.requests.pop(request.request_id, None)
+        self.waiting.close(request)
         self._finished_ids.add(request.request_id)

@@ -126,6 +126,31 @@ def test_a_passed_over_request_costs_its_client_nothing(make_scheduler, make_dri
     assert _admission_order(make_scheduler, make_driver, with_compiling=True) == alone
 
 
+def test_a_client_with_nothing_left_is_forgotten(make_scheduler, make_driver):
+    """A decodes 150 tokens alone (nobody else waits), then A and B send 3 prompts each at
+    once: they alternate from the start, A first, as DRR from empty flows does (A's debt of
+    ~150 tokens had put B first), and no per-client state outlives the requests (it had
+    grown by one entry per client ever seen)."""
+    sched = make_scheduler(num_blocks=2000, max_num_batched_tokens=200, policy="fair")
+    drv = make_driver(sched)
+
+    def add(rid: str, client: str, base: int, size: int, max_tokens: int) -> None:
+        drv.add(Request(rid, list(range(base, base + size)),
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                        arrival_time=float(len(drv.results)), client_id=client))
+
+    add("x", "A", 5000, 4, 150)
+    drv.run()
+    for i in range(3):
+        add(f"a{i}", "A", 1000 * (i + 1), 200, 1)
+        add(f"b{i}", "B", 100_000 + 1000 * i, 200, 1)
+    steps = len(drv.steps)
+    drv.run()
+    order = [rid for step in drv.steps[steps:] for rid in step.num_scheduled]
+    assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
+    assert sched.waiting.deficit == {}
+
+
 # ---- simulations --------------------------------------------------------------------------------
 def run(workload, **config):
     clock = FakeClock()
