@@ -55,11 +55,16 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """Pick the implementation for an HF config's ``architectures`` list.
 
     Raises:
-        ValueError: if none is supported, naming what was asked and what is supported.
+        ValueError: if none is supported (or the list is missing or empty), naming what was
+            asked and what is supported.
     """
     for arch in architectures or []:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
+    if not architectures:
+        raise ValueError("the model's config.json has no \"architectures\" list naming its "
+                         "model class (e.g. [\"LlamaForCausalLM\"]); kvflow supports "
+                         f"{sorted(MODEL_REGISTRY)}")
     raise ValueError(f"unsupported model architecture {architectures}; kvflow supports "
                      f"{sorted(MODEL_REGISTRY)}")
 

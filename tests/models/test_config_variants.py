@@ -67,3 +67,15 @@ def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp
     path = _edited_copy(tiny_model_factory(name), tmp_path / "model", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+
+
+@pytest.mark.parametrize("architectures, message", [
+    (["GPTNeoXForCausalLM"],
+     r"unsupported model architecture \['GPTNeoXForCausalLM'\]; kvflow supports \[.*'Llama"),
+    (None, r"config.json has no \"architectures\" list"),
+    ([], r"config.json has no \"architectures\" list"),
+], ids=["unknown", "missing", "empty"])
+def test_architecture_not_served_is_named(tiny_llama, tmp_path, architectures, message):
+    path = _edited_copy(tiny_llama, tmp_path / "model", architectures=architectures)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
