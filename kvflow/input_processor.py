@@ -119,7 +119,8 @@ class InputProcessor:
         return prompt.get("prompt", ids), images
 
     def pooling_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of an embedding prompt.
+        """(prompt text or None, token ids) of an embedding prompt; text is tokenized as
+        ``pooling_text`` prepares it.
 
         Raises:
             ValueError: for a malformed prompt, or one with images (``multi_modal_data``):
@@ -130,7 +131,14 @@ class InputProcessor:
             if images:
                 raise ValueError("multi_modal_data: embedding prompts are text or token ids "
                                  "only; images are not embedded")
-        return self.tokenize(prompt)
+        if not isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return prompt, self.tokenize(self.pooling_text(prompt))[1]
+
+    def pooling_text(self, text: str) -> str:
+        """An embedding input as the model tokenizes it: lower-cased when its
+        sentence-transformers config says ``do_lower_case``."""
+        return text.lower() if self.pooler is not None and self.pooler.lowercase else text
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked

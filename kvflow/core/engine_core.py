@@ -142,6 +142,9 @@ class EngineCore:
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
         positions = model_positions(self.hf_config, self.config, self.is_encoder)
+        if self.pooler_config is not None:  # sentence-transformers' max_seq_length
+            positions = self.pooler_config.cap_model_len(
+                positions, self.config.model_config.max_model_len)
         self.kv_cache_config = make_kv_cache_config(self.executor, self.config, self.is_encoder,
                                                     self.dtype)
         self.num_blocks = self.kv_cache_config.num_blocks

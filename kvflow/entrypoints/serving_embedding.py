@@ -62,7 +62,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         if empty is not None:
             raise OpenAIError("the input is empty", param="input",
                               code="empty_string" if isinstance(empty, str) else "empty_array")
-        texts = [item for item in items if isinstance(item, str)]
+        texts = [self.engine.processor.pooling_text(item) for item in items
+                 if isinstance(item, str)]
         encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,
                                                "input", pooling=True))
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))

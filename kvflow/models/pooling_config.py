@@ -7,7 +7,10 @@ tokens or last token) and optionally ``Normalize`` (L2). kvflow runs exactly tha
 folder asking for anything else (a ``Dense`` projection, max or weighted-mean pooling, pooling
 that leaves out the instruction) is refused with the module's name rather than embedded
 differently. Without those files an encoder (BERT) pools its CLS token and a decoder its last
-token, both normalized (vLLM's defaults).
+token, both normalized (vLLM's defaults). The ``Transformer`` module's
+``sentence_bert_config.json`` is honoured as vLLM does: ``max_seq_length`` caps the context
+(sentence-transformers truncates there; kvflow refuses longer inputs, it never truncates) and
+``do_lower_case`` lower-cases text inputs before tokenizing.
 """
 
 from __future__ import annotations
@@ -36,12 +39,31 @@ class PoolerConfig:
         matryoshka_dimensions: the truncations the model was trained for (None: any
             ``dimensions`` up to the hidden size), when it supports them at all.
         supports_dimensions: whether a request may ask for fewer ``dimensions``.
+        max_seq_length: the longest input in tokens the model was set up for
+            (``sentence_bert_config.json``), None when the folder does not say.
+        lowercase: lower-case text inputs before tokenizing (``do_lower_case``).
     """
 
     pooling_type: str
     normalize: bool
     supports_dimensions: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    max_seq_length: int | None = None
+    lowercase: bool = False
+
+    def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
+        """The model's context limit ``positions`` capped at ``max_seq_length``.
+
+        Raises:
+            ValueError: if ``requested`` (``--max-model-len``) exceeds ``max_seq_length``.
+        """
+        if self.max_seq_length is None:
+            return positions
+        if requested is not None and requested > self.max_seq_length:
+            raise ValueError(f"max_model_len={requested} exceeds the model's max_seq_length "
+                             f"({self.max_seq_length}, sentence_bert_config.json): "
+                             "sentence-transformers embeds at most that many tokens")
+        return min(positions or self.max_seq_length, self.max_seq_length)
 
     def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
         """Whether a request's ``dimensions`` can be honoured.
@@ -98,7 +120,7 @@ def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
     supports, dims = _matryoshka(hf_config)
     if not has_sentence_transformers_config(folder):
         return PoolerConfig("cls" if is_encoder else "last", True, supports, dims)
-    pooling, normalize = None, False
+    pooling, normalize, text = None, False, {}
     for module in _read_json(os.path.join(folder, "modules.json")):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _KNOWN_MODULES:
@@ -107,10 +129,30 @@ def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
                              "Transformer, Pooling and Normalize")
         if kind == "Pooling":
             pooling = _pooling_type(os.path.join(folder, module.get("path", ""), "config.json"))
+        if kind == "Transformer":
+            text = _text_config(os.path.join(folder, module.get("path", "")))
         normalize = normalize or kind == "Normalize"
     if pooling is None:
         pooling = "cls" if is_encoder else "last"
-    return PoolerConfig(pooling, normalize, supports, dims)
+    return PoolerConfig(pooling, normalize, supports, dims, **text)
+
+
+def _text_config(module_dir: str) -> dict[str, Any]:
+    """``max_seq_length`` and ``lowercase`` from a Transformer module's
+    ``sentence_bert_config.json`` (none when the file is absent or does not set them).
+
+    Raises:
+        ValueError: for a ``max_seq_length`` that is not a positive integer.
+    """
+    path = os.path.join(module_dir, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return {}
+    config = _read_json(path)
+    length = config.get("max_seq_length")
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool)
+                               or length < 1):
+        raise ValueError(f"{path}: max_seq_length={length!r} must be a positive integer")
+    return {"max_seq_length": length, "lowercase": bool(config.get("do_lower_case", False))}
 
 
 def _pooling_type(path: str) -> str:

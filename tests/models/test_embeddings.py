@@ -118,3 +118,26 @@ def test_tasks_and_bad_configs(decoder_folder, tiny_llama, tmp_path):
         json.dump(modules, f)
     with pytest.raises(ValueError, match="Dense"):
         LLM(model=dense, dtype="float32", device="cpu", num_kv_blocks=64)
+
+
+def test_sentence_bert_config_max_seq_length_and_lower_case(bert_folder):
+    """sentence_bert_config.json's ``max_seq_length`` caps the context (sentence-transformers
+    truncates there: kvflow refuses longer inputs rather than embed tokens the model never
+    sees) and ``do_lower_case`` lower-cases text, as sentence-transformers does (oracle)."""
+    from sentence_transformers import SentenceTransformer
+
+    folder, _ = bert_folder("mean")
+    path = os.path.join(folder, "sentence_bert_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, "max_seq_length": 12, "do_lower_case": True}, f)
+    st = SentenceTransformer(folder, device="cpu")
+    llm = LLM(model=folder, dtype="float32", device="cpu")
+    assert llm.engine.processor.max_model_len == st.max_seq_length == 12
+    texts = ["The Quick fox", "A LAZY dog"]
+    _check(llm.embed(texts, use_tqdm=False), st_embed(st, texts))
+    with pytest.raises(ValueError, match="max_model_len is 12"):
+        llm.embed(" ".join(SENTENCES))
+    with pytest.raises(ValueError, match="max_seq_length \\(12, sentence_bert_config.json\\)"):
+        LLM(model=folder, dtype="float32", device="cpu", max_model_len=16)
