@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.executor.base import Executor, ExecutorError, StepFuture
+from kvflow.executor.base import Executor, ExecutorError, StepFuture, WorkerConfigError
 
 
 def make_executor(config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> Executor:
@@ -14,8 +14,10 @@ def make_executor(config: EngineConfig, source: Any, hf_config: Any, dtype: Any)
     have loaded the model).
 
     Raises:
-        ValueError: for a bad model or configuration, or ``ray`` without Ray installed.
-        ExecutorError: if a worker process fails to start.
+        ValueError: for a bad model or configuration (from a worker process:
+            :class:`WorkerConfigError`, also an ExecutorError), or ``ray`` without Ray
+            installed.
+        ExecutorError: if a worker process fails to start for another reason.
     """
     backend = config.parallel_config.executor_backend
     if backend == "uni":
@@ -31,4 +33,4 @@ def make_executor(config: EngineConfig, source: Any, hf_config: Any, dtype: Any)
     return RayExecutor(config, source, hf_config, dtype)
 
 
-__all__ = ["Executor", "ExecutorError", "StepFuture", "make_executor"]
+__all__ = ["Executor", "ExecutorError", "StepFuture", "WorkerConfigError", "make_executor"]

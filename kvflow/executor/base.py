@@ -32,6 +32,12 @@ class ExecutorError(RuntimeError):
     no more calls."""
 
 
+class WorkerConfigError(ExecutorError, ValueError):
+    """A worker raised ``ValueError`` while it started (built and loaded its part of the
+    model): bad input, as the same error is in one process (``kvflow`` exits 2 with one
+    line); the executor has shut every worker down."""
+
+
 class StepFuture:
     """The pending result of one ``execute_model_async`` call.
 
@@ -102,6 +108,17 @@ class Executor(ABC):
         logger.error("%s", self._failed)
         self.shutdown()
         raise ExecutorError(self._failed)
+
+    def _fail_config(self, rank: int, message: str) -> NoReturn:
+        """A worker's start-up ``ValueError`` (``message`` without its type): shut the
+        workers down and raise it as bad input, naming the rank.
+
+        Raises:
+            WorkerConfigError: always.
+        """
+        self._failed = f"{message} (worker rank {rank}, while loading the model)"
+        self.shutdown()
+        raise WorkerConfigError(self._failed)
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:

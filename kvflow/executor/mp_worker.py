@@ -91,7 +91,11 @@ class WorkerProc:
             while self._handle(*self.sub.recv_multipart()):
                 pass
         except Exception as e:  # noqa: BLE001 - reported to the executor, which stops all
-            logger.error("worker rank %d failed: %s", self.rank, traceback.format_exc())
+            # a ValueError while the worker starts is a configuration the model does not fit:
+            # the executor raises it as one line, so its traceback is only debug output here
+            config_error = self.worker is None and isinstance(e, ValueError)
+            logger.log(logging.DEBUG if config_error else logging.ERROR,
+                       "worker rank %d failed: %s", self.rank, traceback.format_exc())
             self.reply(b"error", f"{type(e).__name__}: {e}".encode())
             self.close(linger_ms=2000)
             os._exit(1)

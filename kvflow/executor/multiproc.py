@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -131,10 +131,22 @@ class MultiprocExecutor(Executor):
             if self._pull in events:
                 kind, rank, payload = self._pull.recv_multipart()
                 if kind == b"error":
-                    self._fail(f"worker rank {rank.decode()} failed to start: "
-                               f"{payload.decode()}")
+                    self._fail_start(int(rank), payload.decode())
                 ready.add(int(rank))
             self._check_alive()
+
+    def _fail_start(self, rank: int, message: str) -> NoReturn:
+        """Worker ``rank`` reported ``message`` ("Type: text") before it was ready: a
+        ValueError (the model does not fit the configuration) is raised as one, anything
+        else as a failed start.
+
+        Raises:
+            WorkerConfigError: for a ValueError.
+            ExecutorError: otherwise.
+        """
+        if message.startswith("ValueError: "):
+            self._fail_config(rank, message.removeprefix("ValueError: "))
+        self._fail(f"worker rank {rank} failed to start: {message}")
 
     # ---- calls ---------------------------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:

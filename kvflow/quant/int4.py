@@ -85,6 +85,18 @@ class Int4WeightOnlyMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
+        """Raises:
+            ValueError: when ``group_size`` does not divide ``input_size`` (this rank's input
+                columns: a row-parallel layer's are split over the tensor-parallel ranks),
+                before any weight is read.
+        """
+        if input_size % self.group_size:
+            tp = getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1
+            where = (f"the {input_size} input columns each of tensor_parallel_size={tp} ranks "
+                     f"holds of a {input_size * tp}-column layer (groups never straddle "
+                     "ranks)") if tp > 1 else f"a layer's {input_size} input columns"
+            raise ValueError(f"int4: quantization_group_size={self.group_size} does not "
+                             f"divide {where}; use a group size that divides {input_size}")
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
                                     requires_grad=False)
 

@@ -1,5 +1,7 @@
 """A worker process that dies mid-run: the engine names the rank, stops every other worker
-within seconds (no hang, no orphan) and refuses further work with the same error."""
+within seconds (no hang, no orphan) and refuses further work with the same error. A worker
+that finds the configuration does not fit the model while it starts is bad input: one line,
+exit status 2."""
 
 from __future__ import annotations
 
@@ -43,3 +45,20 @@ def test_killed_worker_is_reported_and_the_rest_shut_down(tiny_model_factory):
     with pytest.raises(ExecutorError, match="worker rank 1"):  # no silent half-engine
         llm.generate([[5, 6, 7]], LONG, use_tqdm=False)
     assert not os.path.exists(executor._dir)
+
+
+def test_a_worker_start_up_value_error_is_one_cli_line_exit_2(tiny_llama, capfd):
+    """A configuration the model does not fit, found only while the workers build their part
+    (int4 groups of 64 columns, but TP=2 leaves o_proj 32 input columns per rank): ``kvflow
+    generate`` exits 2 with one line naming what and why, as one process does with a
+    ValueError; no worker traceback on stderr (was: every rank's traceback, then the
+    engine's, exit 1)."""
+    from kvflow.entrypoints.cli import main
+
+    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi", "--max-tokens", "2",
+               "--dtype", "float32", "--tensor-parallel-size", "2", "--quantization", "int4",
+               "--quantization-group-size", "64"])
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert "quantization_group_size=64 does not divide the 32 input columns each of " \
+           "tensor_parallel_size=2 ranks" in err[0]

@@ -166,3 +166,17 @@ def test_int8_lm_head_logits_in_fp32(rows):
     if rows == 2:  # bf16 hidden states: the reference of the same (rounded) rows
         ref = hidden.bfloat16().float() @ (torch.round(table / s).clamp(-127, 127) * s).T
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_group_that_a_tensor_parallel_shard_splits_is_refused_before_loading():
+    """TP=2 leaves a row-parallel layer of 64 input columns 32 per rank: groups of 64 would
+    straddle the ranks, refused when the layer is built (before any weight is read), naming
+    the per-rank width; one process takes the same group size."""
+    layer = RowParallelLinear(64, 16, tp_rank=1, tp_size=2)
+    with pytest.raises(ValueError, match=r"quantization_group_size=64 does not divide the 32 "
+                       r"input columns each of tensor_parallel_size=2 ranks holds of a "
+                       r"64-column layer.*divides 32"):
+        layer.set_quant_method(Int4WeightOnlyMethod(64))
+    RowParallelLinear(64, 16).set_quant_method(Int4WeightOnlyMethod(64))
+    with pytest.raises(ValueError, match=r"does not divide a layer's 48 input columns"):
+        RowParallelLinear(48, 16).set_quant_method(Int4WeightOnlyMethod(32))
