@@ -38,7 +38,7 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int, ctx: LoRAC
     supported = getattr(model, "supported_lora_modules", None)
     if not supported:
         raise ValueError(f"{type(model).__name__} does not support LoRA adapters in kvflow "
-                         "(supported: the Llama family - Llama, Mistral, Qwen2, Qwen3, Phi-3 - and the "
+                         "(supported: the Llama family - Llama, Mistral, Qwen2, Qwen3, Phi-3 - Gemma 3 and the "
                          "MoE models Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3)")
     wrapped: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):

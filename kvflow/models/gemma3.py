@@ -219,6 +219,8 @@ class Gemma3ForCausalLM(nn.Module):
             :class:`~kvflow.models.llama.LlamaForCausalLM` for pipeline stages.
     """
 
+    # LoRA adapts the same fused layers as in Llama (kvflow/lora)
+    supported_lora_modules: ClassVar[tuple[str, ...]] = LlamaForCausalLM.supported_lora_modules
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = \
         LlamaForCausalLM.packed_modules_mapping
 

@@ -253,3 +253,23 @@ def test_phi3_fused_checkpoint_modules(tiny_model_factory, tmp_path, assert_no_l
     assert out[0].outputs[0].token_ids == expected != peft_greedy(tiny.path, None, ids)
     assert out[1].outputs[0].token_ids == peft_greedy(tiny.path, None, ids)
     assert_no_leaks(llm)
+
+
+def test_gemma3_adapter_matches_peft(tiny_model_factory, tmp_path, assert_no_leaks):
+    """Gemma 3 (GeGLU, four norms per layer, local/global layers, soft-capped logits) takes
+    the Llama family's adapters: q/k/v, o, gate/up and down, a prompt longer than its window."""
+    tiny = tiny_model_factory("gemma3")
+    path = make_adapter(tiny.path, str(tmp_path / "gemma3"), 8, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj"])
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, enable_lora=True, max_lora_rank=4)
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    assert len(ids) > tiny.hf_model.config.sliding_window
+    out = llm.generate([ids, ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True),
+                       lora_request=[LoRARequest("gemma", 1, path), None], use_tqdm=False)
+    expected = peft_greedy(tiny.path, path, ids)
+    assert out[0].outputs[0].token_ids == expected != peft_greedy(tiny.path, None, ids)
+    assert out[1].outputs[0].token_ids == peft_greedy(tiny.path, None, ids)
+    assert_no_leaks(llm)
