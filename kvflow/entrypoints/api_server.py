@@ -173,15 +173,17 @@ def _add_openai_routes(app: FastAPI) -> None:
 def _add_lora_routes(app: FastAPI) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
-        """Serve a PEFT folder as model ``lora_name`` (vLLM's endpoint).
+        """Serve a PEFT folder as model ``lora_name`` (vLLM's endpoint); ``load_inplace``
+        replaces an adapter served under that name.
 
         Raises:
-            OpenAIError: 400 for a name in use or an adapter the engine refuses (rank above
-                --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora).
+            OpenAIError: 400 for a name in use (without ``load_inplace``) or an adapter the
+                engine refuses (rank above --max-lora-rank, target modules kvflow cannot
+                adapt, no --enable-lora).
         """
         raw.app.state.unknown_fields.note(req, "/v1/load_lora_adapter")
         try:
-            await raw.app.state.models.load(req.lora_name, req.lora_path)
+            await raw.app.state.models.load(req.lora_name, req.lora_path, req.load_inplace)
         except EngineDeadError as e:
             raise engine_dead(e) from None
         except ValueError as e:

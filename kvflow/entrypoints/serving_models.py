@@ -50,18 +50,29 @@ class ServingModels:
     def names(self) -> list[str]:
         return [self.base_name, *self.loras]
 
-    async def load(self, name: str, path: str) -> LoRARequest:
+    async def load(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """Load an adapter in the engine (read and checked there) and serve it as ``name``.
 
+        With ``replace`` (vLLM's ``load_inplace``), an adapter already served as ``name`` is
+        replaced once the new one has loaded (requests running with the old one finish with
+        it; the new one gets a fresh ``lora_int_id``, so no prefix-cache block computed with
+        the old weights is reused); if the new one is refused, the old one stays.
+
         Raises:
-            ValueError: for a name in use, or an adapter the engine refuses (rank above
-                --max-lora-rank, target modules kvflow cannot adapt, no --enable-lora, ...).
+            ValueError: for the base model's name, a name in use (without ``replace``), or
+                an adapter the engine refuses (rank above --max-lora-rank, target modules
+                kvflow cannot adapt, no --enable-lora, ...).
         """
-        if name == self.base_name or name in self.loras:
-            raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
+        if name == self.base_name or (name in self.loras and not replace):
+            hint = "" if name == self.base_name else \
+                "; send load_inplace: true to replace it"
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded{hint}")
         lora = LoRARequest(name, next(self._ids), path)
         await self.engine.add_lora(lora)
+        old = self.loras.get(name)
         self.loras[name] = lora
+        if old is not None:
+            await self.engine.remove_lora(old.lora_int_id)
         return lora
 
     async def unload(self, name: str) -> None:

@@ -128,6 +128,37 @@ def test_unload(server, adapters):
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "lora_name"
 
 
+def test_load_inplace_replaces_the_adapter(server, tiny_llama, adapters, tiny_tokenizer):
+    """vLLM's ``load_inplace``: a name in use is refused without it (the message says to send
+    it), replaced with it (the replies are then the new adapter's), and a refused replacement
+    leaves the old adapter serving; the field is not logged as unknown."""
+    ids = tiny_tokenizer.encode(PROMPTS["qv"])
+
+    def tokens() -> list[int]:
+        resp = complete(server, "swap", PROMPTS["qv"])
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["token_ids"]
+
+    load = {"lora_name": "swap", "lora_path": adapters["qv"]}
+    assert post(server, "/v1/load_lora_adapter", load).status_code == 200
+    assert tokens() == peft_greedy(tiny_llama.path, adapters["qv"], ids)
+    resp = post(server, "/v1/load_lora_adapter", {**load, "lora_path": adapters["all"]})
+    assert resp.status_code == 400 and "load_inplace" in resp.json()["error"]["message"]
+    resp = post(server, "/v1/load_lora_adapter",
+                {**load, "lora_path": adapters["all"], "load_inplace": True})
+    assert resp.status_code == 200, resp.text
+    expected = peft_greedy(tiny_llama.path, adapters["all"], ids)
+    assert tokens() == expected != peft_greedy(tiny_llama.path, adapters["qv"], ids)
+    roots = {m["id"]: m["root"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert roots["swap"] == adapters["all"]
+    resp = post(server, "/v1/load_lora_adapter",
+                {**load, "lora_path": adapters["r16"], "load_inplace": True})
+    assert resp.status_code == 400 and "max_lora_rank=8" in resp.json()["error"]["message"]
+    assert tokens() == expected  # the refused one replaced nothing
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
+    assert "load_inplace" not in server.log()
+
+
 def test_bad_lora_module_stops_start_up(servers):
     with pytest.raises(RuntimeError, match="max_lora_rank"):
         wait_ready_or_stop(servers["bad"])

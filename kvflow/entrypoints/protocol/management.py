@@ -28,10 +28,12 @@ class ModelList(OpenAIBaseModel):
 
 class LoadLoRAAdapterRequest(RequestBody):
     """POST /v1/load_lora_adapter (vLLM's): serve the PEFT folder ``lora_path`` as model
-    ``lora_name``."""
+    ``lora_name``; with ``load_inplace`` (vLLM's field) it replaces an adapter already served
+    under that name."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(RequestBody):
