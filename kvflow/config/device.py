@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, opt
+from kvflow.kernels.cpu_build import forced_isa_level
 
 
 def cache_dir() -> str:
@@ -239,6 +240,7 @@ class DeviceConfig:
         cpu_gemm_pool_choice(self.cpu_gemm_pool)
         cpu_gguf_choice()
         cpu_quant_choice()
+        forced_isa_level()  # a bad KVFLOW_CPU_ISA fails here too
         self._check_native_choices()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")

@@ -82,6 +82,25 @@ def isa_levels_for_cpu(features: frozenset[str] | None = None) -> list[IsaLevel]
     return [level for level in isa_levels() if level.cpu_features <= features]
 
 
+def forced_isa_level() -> str | None:
+    """The level ``$KVFLOW_CPU_ISA`` forces (None: unset or empty, the best this CPU runs).
+
+    Raises:
+        ValueError: for a name that is not a level, or a level this CPU cannot run, naming
+            the levels it can.
+    """
+    forced = os.environ.get("KVFLOW_CPU_ISA")
+    if not forced:
+        return None
+    runnable = [level.name for level in isa_levels_for_cpu()]
+    if forced not in runnable:
+        known = forced in [level.name for level in isa_levels()]
+        why = "is a level this CPU cannot run" if known else "is invalid"
+        raise ValueError(f"KVFLOW_CPU_ISA={forced!r} {why}; choose one of {runnable} (or "
+                         "leave it unset for the best)")
+    return forced
+
+
 def cpu_fingerprint() -> str:
     """The CPU's model name and feature flags (what kernel timings depend on)."""
     try:

@@ -137,6 +137,10 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
     ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead);
     ``KVFLOW_CPU_ISA=<level>`` (amx_bf16, avx512_bf16, avx512, avx2, x86-64) asks for a lower level
     than the best, e.g. to test the AVX2 path on an AVX512 machine.
+
+    Raises:
+        ValueError: for a ``KVFLOW_CPU_ISA`` this CPU cannot run (checked by ``DeviceConfig``
+            first, before a model loads).
     """
     if not native_cpu_choice():
         return None
@@ -145,13 +149,9 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
         logger.warning("no C compiler (cc/gcc) found: CPU attention uses the torch backend")
         return None
     levels = cpu_build.isa_levels_for_cpu()
-    forced = os.environ.get("KVFLOW_CPU_ISA")
-    if forced:
-        chosen = [lv for lv in levels if lv.name == forced]
-        if not chosen:
-            logger.warning("KVFLOW_CPU_ISA=%s is not one of the levels this CPU runs (%s); "
-                           "using the best", forced, ", ".join(lv.name for lv in levels))
-        levels = chosen or levels
+    forced = cpu_build.forced_isa_level()
+    if forced is not None:
+        levels = [lv for lv in levels if lv.name == forced]
     sources = [Path(__file__).parent / "csrc" / name for name in cpu_build.SOURCES]
     for level in levels:
         try:

@@ -65,17 +65,41 @@ def test_library_names_depend_on_level_not_on_the_cpu(monkeypatch, tmp_path):
 
 
 def test_env_forces_a_lower_level(monkeypatch):
-    """KVFLOW_CPU_ISA picks the level (here the lowest this CPU runs); an unknown one falls
-    back to the best."""
+    """KVFLOW_CPU_ISA picks the level (here the lowest this CPU runs)."""
     if cpu_native.native_cpu_kernels() is None:
         pytest.skip("no C compiler")
     try:
-        for forced, expected in ((LEVELS[-1], LEVELS[-1]), ("avx512_vnni_imaginary", LEVELS[0])):
-            monkeypatch.setenv("KVFLOW_CPU_ISA", forced)
-            cpu_native.native_cpu_kernels.cache_clear()
-            assert cpu_native.native_cpu_kernels().isa == expected
+        monkeypatch.setenv("KVFLOW_CPU_ISA", LEVELS[-1])
+        cpu_native.native_cpu_kernels.cache_clear()
+        assert cpu_native.native_cpu_kernels().isa == LEVELS[-1]
     finally:
         monkeypatch.delenv("KVFLOW_CPU_ISA")
+        cpu_native.native_cpu_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("forced, why", [("avx512_vnni_imaginary", "is invalid"),
+                                         ("generic" if LEVELS[-1] == "x86-64" else "x86-64",
+                                          "is invalid"),
+                                         ("amx_bf16", "is a level this CPU cannot run")])
+def test_env_names_an_unknown_level(monkeypatch, forced, why):
+    """An unknown KVFLOW_CPU_ISA, or a level this CPU cannot run, is a ValueError naming the
+    levels it runs, from the engine config (before a model loads) and the kernel loader
+    alike; it was a warning, the best level used instead."""
+    from kvflow.config import EngineConfig
+
+    if forced in LEVELS:
+        pytest.skip(f"this CPU runs {forced}")
+    monkeypatch.setenv("KVFLOW_CPU_ISA", forced)
+    message = f"KVFLOW_CPU_ISA='{forced}' {why}; choose one of {LEVELS} (or leave it unset"
+    with pytest.raises(ValueError) as exc:
+        EngineConfig.from_kwargs(model="unused")
+    assert str(exc.value).startswith(message), exc.value
+    cpu_native.native_cpu_kernels.cache_clear()
+    try:
+        with pytest.raises(ValueError) as exc:
+            cpu_native.native_cpu_kernels()
+        assert str(exc.value).startswith(message), exc.value
+    finally:
         cpu_native.native_cpu_kernels.cache_clear()
 
 
