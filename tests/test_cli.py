@@ -35,12 +35,27 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_argument_errors_are_one_line(tiny_llama, capsys, argv, needle):
-    """argparse's own errors too: one line on stderr, status 2, not the whole usage block."""
+    """argparse's own errors too: one line on stderr, status 2, not the whole usage block,
+    starting ``kvflow: error:`` as kvflow's own errors do (was ``kvflow generate: error:``)."""
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", tiny_llama.path, *argv])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert exc.value.code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert lines[0].startswith(f"kvflow: error: {needle}") and \
+        lines[0].endswith(" (see kvflow generate --help)"), err
+
+
+def test_argument_errors_of_nested_commands(capsys):
+    """``kvflow bench serve`` and a missing command: the same ``kvflow: error:`` line."""
+    for argv, help_of in ((["bench", "serve", "--no-such-flag"], "kvflow bench serve"),
+                          ([], "kvflow")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exc.value.code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith("kvflow: error: ") and \
+            lines[0].endswith(f"(see {help_of} --help)"), lines
 
 
 def test_logprobs_flag_prints_each_token(tiny_llama, capsys):

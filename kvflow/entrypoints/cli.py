@@ -164,10 +164,23 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (exit status 2) instead of the whole usage block."""
+    """argparse with a one-line error (exit status 2) instead of the whole usage block, in
+    kvflow's own style (``kvflow: error: ...``), the command's help named at the end."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"kvflow: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but unrecognized arguments are reported by the command's parser (so
+        the line names ``kvflow generate --help``, not ``kvflow --help``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # the command's parser says so, naming its own --help
+            words = " ".join(w for w in (getattr(parsed, "command", None),
+                                         getattr(parsed, "bench", None)) if w)
+            command = next((p for p in leaf_parsers(self) if p.prog == f"{self.prog} {words}"),
+                           self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:
