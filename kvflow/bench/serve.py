@@ -130,7 +130,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.api_key = os.environ.get("OPENAI_API_KEY")
     check_args(args)
     slos = metrics.parse_goodput(args.goodput or [])
-    tokenizer_factory = make_tokenizer_factory(args.tokenizer or args.model)
+    tokenizer_factory = make_tokenizer_factory(args.tokenizer or args.model,
+                                               "--tokenizer" if args.tokenizer else None)
+    if args.tokenizer:
+        tokenizer_factory()  # a --tokenizer that does not load fails here, before any request
     requests = build_requests(args, tokenizer_factory)
     if not requests:
         raise ValueError("the dataset has no requests")
@@ -169,7 +172,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer for counts when the server sends no usage (default: --model)")
+                   help="tokenizer for counts when the server sends no usage (default: --model, "
+                   "if a tokenizer loads from it; a --tokenizer that does not load is an error)")
     p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--label", default=None, help="name of this server in results and plots")

@@ -65,29 +65,38 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
     return reqs
 
 
-def make_tokenizer_factory(name: str | None):
+def make_tokenizer_factory(name: str | None, flag: str | None = None):
     """A memoizing zero-argument callable returning the tokenizer of ``name`` (a packaged model,
-    HF folder, GGUF file or hub id), or None when it cannot be loaded."""
+    HF folder, GGUF file, hub id or tokenizer folder), or None when it cannot be loaded - unless
+    ``name`` came from ``flag`` (``--tokenizer``, asked for by name): then that is an error.
+
+    Raises:
+        ValueError: from the callable, naming ``flag`` and why, when ``flag`` is given and no
+            tokenizer loads from ``name``.
+    """
     cache: dict[str, Any] = {}
 
     def get() -> Any:
         if "tok" not in cache:
-            cache["tok"] = _load_tokenizer(name) if name else None
+            cache["tok"] = _load_tokenizer(name, flag) if name else None
         return cache["tok"]
 
     return get
 
 
-def _load_tokenizer(name: str) -> Any:
+def _load_tokenizer(name: str, flag: str | None) -> Any:
     from kvflow.models.loader import load_tokenizer
     from kvflow.models.model_resolver import resolve_model
 
     try:
         return load_tokenizer(resolve_model(name))
-    except Exception:  # noqa: BLE001 - not a local model: try the hub cache
+    except Exception as e:  # noqa: BLE001 - not a local model: try the hub cache
+        why = e
         try:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(name)
         except Exception:  # noqa: BLE001
-            return None
+            if flag is None:
+                return None
+            raise ValueError(f"{flag} {name}: no tokenizer loads from it ({why})") from None

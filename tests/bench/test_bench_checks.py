@@ -60,6 +60,22 @@ def test_malformed_base_url_is_2_unreachable_is_1(capsys, url, why):
     assert "probe request failed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dataset", ["random", "jsonl"])
+def test_tokenizer_that_does_not_load_is_named(tmp_path, capsys, dataset):
+    """A --tokenizer no tokenizer loads from: status 2 and one line naming the flag and why,
+    before any request (it fell back silently to a 32000-token vocabulary and chunk counts;
+    here the request would fail with status 1, no server answering)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "hi", "output_len": 2}\n')
+    flags = ["--random-vocab-size", "100"] if dataset == "random" else ["--dataset", str(path)]
+    assert main(["bench", "serve", "--model", NO_MODEL, "--tokenizer", str(tmp_path),
+                 "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvflow: error: --tokenizer {tmp_path}: no tokenizer loads from it "
+                          f"(Model directory '{tmp_path}' has no config.json") and \
+        err.count("\n") == 1, err
+
+
 def _result(**drop: bool) -> dict:
     run = {"label": "other", "output_throughput": 50.0, "median_ttft_ms": 20.0,
            "p99_ttft_ms": 40.0, "median_tpot_ms": 5.0, "p99_tpot_ms": None}
