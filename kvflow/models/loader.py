@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,17 +56,51 @@ def hoist_text_config(config: Any) -> Any:
     return config
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor in the folder's *.safetensors files.
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """The safetensors files that hold the model, as transformers picks them: the files the
+    folder's ``model.safetensors.index.json`` maps tensors to when it has one (so a stale shard
+    of an earlier save is not read over the current ones), else every top-level
+    ``*.safetensors`` but ``consolidated*.safetensors`` (Mistral's own layout of the same
+    weights, shipped next to the HF files in Mistral and Mixtral repos).
 
     Raises:
-        ValueError: if the folder holds no .safetensors file, or naming a file that cannot be
-            read or is not a whole safetensors file (see :func:`iter_safetensors_file`).
+        ValueError: if the folder holds no such file, or its index cannot be read or names a
+            file that is not there (an incomplete download).
     """
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError,
+                AttributeError) as e:
+            raise ValueError(f"cannot read {index!r} (a safetensors index with a "
+                             f"\"weight_map\" object is expected): {e!r}") from None
+        missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+        if missing:
+            raise ValueError(f"{index!r} names weight files that are not in the folder: "
+                             f"{missing[:5]} (an incomplete download?)")
+        return [os.path.join(folder, n) for n in names]
+    files = [path for path in sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+             if not os.path.basename(path).startswith("consolidated")]
     if not files:
         raise ValueError(f"model folder {folder!r} has no *.safetensors weight files")
-    for path in files:
+    return files
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the folder's checkpoint files
+    (:func:`checkpoint_files`).
+
+    Raises:
+        ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
+            not a whole safetensors file (see :func:`iter_safetensors_file`).
+    """
+    for path in checkpoint_files(folder):
         yield from iter_safetensors_file(path)
 
 

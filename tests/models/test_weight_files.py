@@ -1,6 +1,8 @@
 """A model folder whose safetensors file is cut short (an interrupted download or copy) or
 cannot be read is refused with a ValueError naming the file, and ``kvflow generate`` prints it
-as one line with status 2, not a safetensors traceback."""
+as one line with status 2, not a safetensors traceback. The files read are those transformers
+reads: the shards ``model.safetensors.index.json`` names (not a stale shard beside them), and
+never Mistral's ``consolidated.safetensors``; outputs checked against transformers."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
-from kvflow import LLM
+from kvflow import LLM, SamplingParams
 from kvflow.entrypoints.cli import main
 
 
@@ -48,3 +51,59 @@ def test_unreadable_weight_file_is_named(tmp_path):
         list(iter_safetensors_file(str(folder)))
     with pytest.raises(ValueError, match="cannot read LoRA adapter file .*missing"):
         list(iter_safetensors_file(str(tmp_path / "missing.safetensors"), "LoRA adapter file"))
+
+
+def _assert_matches_hf(path: str, tiny) -> None:
+    """kvflow on ``path`` gives the prompt logprobs of transformers' model ``tiny``."""
+    prompt = list(range(5, 25))
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny.hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    assert got == pytest.approx([float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))],
+                                abs=1e-4)
+
+
+def test_consolidated_file_beside_the_hf_weights_is_not_read(tiny_llama, tmp_path):
+    """Mistral repos ship ``consolidated.safetensors`` (their own tensor names) next to the HF
+    files; a whole-repo download has both."""
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    save_file({n.replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq"):
+               t.clone() for n, t in weights.items()}, os.path.join(path, "consolidated.safetensors"))
+    _assert_matches_hf(path, tiny_llama)
+
+
+def _sharded_copy(tiny, folder: str) -> str:
+    tiny.hf_model.save_pretrained(folder, max_shard_size="100KB")
+    for name in os.listdir(tiny.path):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny.path, name), folder)
+    return folder
+
+
+def test_index_chooses_the_shards(tiny_llama, tmp_path):
+    """A shard of an earlier save left in the folder (same tensor names, other values) is not
+    read: only the files the index maps tensors to."""
+    from safetensors.torch import load_file, save_file
+
+    path = _sharded_copy(tiny_llama, str(tmp_path / "model"))
+    shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(shards) > 1
+    stale = {n: torch.randn_like(t) for s in shards
+             for n, t in load_file(os.path.join(path, s)).items()}
+    save_file(stale, os.path.join(path, "model-zz-old.safetensors"))
+    _assert_matches_hf(path, tiny_llama)
+
+
+def test_index_naming_a_missing_shard_is_named(tiny_llama, tmp_path):
+    path = _sharded_copy(tiny_llama, str(tmp_path / "model"))
+    gone = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))[1]
+    os.remove(os.path.join(path, gone))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json' names weight files "
+                                         rf"that are not in the folder: \['{gone}'\]"):
+        LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
