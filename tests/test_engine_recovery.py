@@ -62,6 +62,30 @@ def test_a_failing_step_aborts_its_requests_and_the_engine_recovers(llm, referen
         reference
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_step_leaves_no_unwritten_kv_in_the_prefix_cache(llm, monkeypatch, error,
+                                                                   assert_no_leaks):
+    """A step that raised (or was interrupted) had its prompt's full blocks indexed when they
+    were allocated; the same prompt afterwards must not hit them (their K/V were never
+    written: it generated other tokens). Oracle: the prompt's tokens on a clean cache."""
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 2 full blocks of 16 and a part
+    kv = llm.engine.core.kv_cache_manager
+    kv.reset_prefix_cache()
+    want = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    kv.reset_prefix_cache()
+    runner = llm.engine.core.executor.runner
+
+    def broken(*args, **kwargs):
+        raise error("simulated failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "execute_model", broken)
+        with pytest.raises(error):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert_no_leaks(llm)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 def test_kv_cache_larger_than_memory_is_a_value_error(tiny_model_factory):
     with pytest.raises(ValueError, match="KV cache needs"):
         LLM(model=tiny_model_factory("llama").path, dtype="float32", kv_cache_memory="100TiB")

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
     """Lock-step: schedule a batch, run the model on it, and fold the sampled tokens back in.
-    A failed step aborts what it scheduled (its K/V were not written) and raises."""
+    A failed (or interrupted) step aborts what it scheduled, keeps the K/V it did not write
+    out of the prefix cache, and raises."""
     scheduler_output = core.scheduler.schedule()
     if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
         core.structured_output.wait_for_compiles(timeout_s=0.05)
@@ -29,10 +30,10 @@ def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
     started = time.perf_counter()
     try:
         runner_output = core.executor.execute_model(scheduler_output, grammar_bitmask)
-    except Exception:
+    except BaseException:  # KeyboardInterrupt too: LLM.generate's caller may go on
         # The step's K/V were not written: abort what it scheduled (freeing their blocks)
         # so the engine stays consistent for the other requests, then report the error.
-        core.abort_requests(list(scheduler_output.num_scheduled_tokens))
+        core.scheduler.fail_steps([scheduler_output])
         raise
     if core.speculator is not None:  # the measured step cost (adaptive draft lengths)
         core.speculator.observe_step(scheduler_output, runner_output,
@@ -55,12 +56,11 @@ def step_async(core: EngineCore) -> list[EngineCoreOutput]:
             core.scheduler.update_from_output(prev, core.executor.collect_output())
         core.executor.launch_sampling(core.structured_output.grammar_bitmask(
             sched.structured_output_request_ids, core.scheduler.requests))
-    except Exception:
+    except BaseException:
         # Neither step's results will come back: abort both steps' requests (freeing
         # their blocks), then report the error.
         core.executor.discard_output()
-        core.abort_requests([*sched.num_scheduled_tokens,
-                             *(prev.num_scheduled_tokens if prev is not None else ())])
+        core.scheduler.fail_steps([sched] if prev is None else [prev, sched])
         raise
     if not sched.is_empty:
         core._in_flight = sched
@@ -93,9 +93,8 @@ def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
     future, sched = core.batch_queue.popleft()
     try:
         runner_output = future.result()
-    except Exception:
-        core.abort_requests([rid for _, s in [(future, sched), *core.batch_queue]
-                             for rid in s.num_scheduled_tokens])
+    except BaseException:
+        core.scheduler.fail_steps([sched, *(s for _, s in core.batch_queue)])
         core.batch_queue.clear()
         raise
     return core.scheduler.update_from_output(sched, runner_output)

@@ -70,6 +70,37 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     return outputs
 
 
+def discard_failed_steps(sched: Scheduler, outs: list[SchedulerOutput]) -> None:
+    """``Scheduler.fail_steps``: abort the requests scheduled in steps that did not complete,
+    and take out of the prefix cache every block those steps were to fill (indexed when
+    allocated, but their K/V were never written, or only partly: a later request with the
+    same prefix would read them). A request swapped out by such a step is recomputed
+    instead (its blocks were never copied to the host)."""
+    first: dict[str, int] = {}  # request id -> its first token the failed steps computed
+    for out in outs:
+        cached = out.scheduled_cached_reqs
+        starts = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
+        starts += [(rid, 0 if rid in cached.resumed_req_ids else computed)  # swap-ins too
+                   for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)]
+        for rid, start in starts:
+            first[rid] = min(start, first.get(rid, start))
+        for rid in out.preempted_ids:
+            _forget_swap_out(sched, rid)
+    for rid, start in first.items():
+        request = sched.requests.get(rid)
+        if request is not None:
+            sched.kv.uncache_from(request, start)
+    sched.finish_requests(list(first), RequestStatus.FINISHED_ABORTED)
+
+
+def _forget_swap_out(sched: Scheduler, request_id: str) -> None:
+    """A swap-out whose copy never ran: the request is recomputed from its tokens."""
+    request = sched.requests.get(request_id)
+    if sched.swap is not None and request is not None and sched.swap.holds(request):
+        sched.swap.drop(request_id)
+        request.num_computed_tokens = 0
+
+
 def _keep_prompt_logprobs(requests: dict[str, Request],
                           runner_output: ModelRunnerOutput) -> None:
     """Keep the prompt logprobs the step computed on their requests (reported with the

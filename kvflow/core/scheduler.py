@@ -52,7 +52,7 @@ from kvflow.core.kv_swap import SwapManager
 from kvflow.core.sched_admission import admit_waiting
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.sched_running import schedule_running
-from kvflow.core.sched_update import update_from_output
+from kvflow.core.sched_update import discard_failed_steps, update_from_output
 from kvflow.core.slo_planner import SLOPlanner
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
@@ -272,6 +272,12 @@ class Scheduler:
         logprobs a step computed are kept on the request and reported with its first token.
         """
         return update_from_output(self, sched_out, runner_output)
+
+    def fail_steps(self, outs: list[SchedulerOutput]) -> None:
+        """Steps ``outs`` will never complete (the model raised, or was interrupted): abort
+        their requests, freeing their blocks, and keep the K/V they did not write out of the
+        prefix cache (see ``sched_update.discard_failed_steps``)."""
+        discard_failed_steps(self, outs)
 
     def _free(self, request: Request) -> None:
         self.in_flight.pop(request.request_id, None)
