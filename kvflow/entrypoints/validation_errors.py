@@ -10,7 +10,7 @@ from kvflow.entrypoints.openai_errors import OpenAIError
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """A 400 naming the first offending field (or the JSON syntax error)."""
-    first = exc.errors()[0] if exc.errors() else {}
+    first = _reported(exc.errors())
     if first.get("type") == "invalid_unicode":
         ctx = first.get("ctx", {})
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
@@ -25,6 +25,30 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
     return OpenAIError(message, param=param, code=_error_code(first))
+
+
+def _reported(errors: list[dict]) -> dict:
+    """The error to report. A value that fits no member of a union gets one error per member
+    (``content: [{"type": "text", "text": 5}]``: "not a string" from ``str``, "text: not a
+    string" from ``list[ContentPart]``); when exactly one member got past its own type (its
+    errors lie deeper in the value), its first error says what is wrong; otherwise the first
+    error."""
+    if not errors:
+        return {}
+    deeper = [(_branch(e.get("loc", ())), e) for e in errors]
+    deeper = [(branch, e) for branch, e in deeper if branch is not None]
+    if len({branch for branch, _ in deeper}) == 1:
+        return deeper[0][1]
+    return errors[0]
+
+
+def _branch(loc: tuple) -> tuple | None:
+    """The location up to a union-member tag followed by more of the value (the member
+    whose own type the value has), or None."""
+    for k, part in enumerate(loc):
+        if _is_tag(part) and k + 1 < len(loc):
+            return tuple(loc[:k + 1])
+    return None
 
 
 def _error_code(error: dict) -> str:
@@ -77,13 +101,14 @@ def _wrong_literal_type(kind: str, error: dict) -> bool:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
 
 
+def _is_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
 def _field_path(loc: tuple) -> list[str]:
     """The request-field part of a pydantic error location: without the leading "body" and the
-    union-member tags pydantic appends ("str", "list[int]", "function-after[...]"), so
-    ``stop: 5`` reports param "stop", not "stop.str"."""
-    path = []
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
-            break
-        path.append(str(part))
-    return path
+    union-member tags pydantic inserts ("str", "list[int]", "function-after[...]"), so
+    ``stop: 5`` reports param "stop", not "stop.str", and a bad content part
+    "messages.0.content.1.text"."""
+    return [str(part) for part in (loc[1:] if loc[:1] == ("body",) else loc)
+            if not _is_tag(part)]

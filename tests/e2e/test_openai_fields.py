@@ -801,6 +801,8 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
     (CH, {"bad_words": ["a"]}, "bad_words", "unsupported_parameter"),
     (CH, {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     (CH, {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+    (CH, {"media_io_kwargs": {"image": {"mode": "L"}}}, "media_io_kwargs",
+     "unsupported_parameter"),
     (C, {"logit_bias": {"5": 1, "05": -1}}, "logit_bias", "invalid_value"),
     (CH, {"chat_template": " "}, "chat_template", "invalid_value"),
     (C, {"response_format": {"type": "json_schema", "json_schema": {"name": "x",

@@ -200,6 +200,13 @@ REFUSED = [  # (path, body, param, code): decided after the schema
     (C, {"prompt": "hi", "n": 0}, "n", "integer_below_min_value"),
     (C, {"prompt": "hi", "top_k": -2}, "top_k", "integer_below_min_value"),
     (CH, {"messages": []}, "messages", "empty_array"),
+    # a bad content part is named (not "content: Input should be a valid string")
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text", "invalid_type"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                      "image_url": "data:image/png;base64,"}]}]},
+     "messages.0.content.0.image_url", "invalid_type"),
+    (C, {"prompt": "hi", "stop": ["x", 5]}, "stop.1", "invalid_type"),
     (CH, {"messages": HI, "tools": [{"type": "function", "function": {"name": ""}}]},
      "tools.0.function.name", "string_below_min_length"),
 ]
