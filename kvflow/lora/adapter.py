@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,9 +199,13 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     return dict(iter_safetensors_file(weights_path, "LoRA adapter file"))
 
 
-def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
-    """A PEFT module name -> (kvflow module name, shard id) via ``packed_modules_mapping``."""
+def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]],
+                   rename: Callable[[str], str] | None = None) -> tuple[str, Any]:
+    """A PEFT module name -> (kvflow module name, shard id): the model's checkpoint renames
+    (``rename``), then ``packed_modules_mapping``."""
     name = peft_module.removeprefix(_PREFIX)
+    if rename is not None:
+        name = rename(name)
     head, _, leaf = name.rpartition(".")
     if leaf in packed:
         fused, shard = packed[leaf]
@@ -210,7 +215,8 @@ def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]]) -> tupl
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                  packed: dict[str, tuple[str, Any]], max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
+                 dtype: torch.dtype, rename: Callable[[str], str] | None = None
+                 ) -> LoRAAdapter:
     """Read and check a PEFT folder against the model's LoRA targets.
 
     Args:
@@ -219,6 +225,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         packed: the model's ``packed_modules_mapping`` (PEFT name -> fused layer, shard).
         max_rank: ``--max-lora-rank``.
         dtype: the model dtype (the weights are cast to it).
+        rename: the model's checkpoint-name mapping (``checkpoint_name``; Qwen2-VL's
+            ``model.language_model.*`` -> ``model.*``), None for none.
 
     Raises:
         ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
@@ -241,7 +249,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
     rank = 0
     for peft_module, ab in sorted(pairs.items()):
-        module, shard = _kvflow_module(peft_module, packed)
+        module, shard = _kvflow_module(peft_module, packed, rename)
         a, b = _checked_pair(peft_module, module, shard, ab, targets)
         if a.shape[0] > max_rank:  # its weights say more than its adapter_config.json
             raise rank_error(request.lora_name, a.shape[0], max_rank,
@@ -263,6 +271,9 @@ def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch
         ValueError: see :func:`load_adapter`.
     """
     target = targets.get(module)
+    if target is None and module.rpartition(".")[2] in {t.rpartition(".")[2] for t in targets}:
+        raise ValueError(f"LoRA target module {peft_module!r} cannot be applied: this model "
+                         f"has no module {module!r} (an adapter for another base model?)")
     if target is None or shard not in target.shard_sizes:
         names = sorted({t.rpartition(".")[2] for t in targets})
         raise ValueError(f"LoRA target module {peft_module!r} cannot be applied: kvflow adapts "

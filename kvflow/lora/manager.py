@@ -72,6 +72,8 @@ class LoRAManager:
         self.targets = {name: layer.target for name, layer in self.layers.items()}
         self.packed: dict[str, tuple[str, Any]] = dict(getattr(model, "packed_modules_mapping",
                                                                {}))
+        # the model's checkpoint renames (Qwen2-VL: model.language_model.* -> model.*)
+        self.rename = getattr(model, "checkpoint_name", None)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
@@ -87,7 +89,7 @@ class LoRAManager:
         adapter = self.adapters.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request, self.targets, self.packed,
-                                   self.config.max_lora_rank, self.dtype)
+                                   self.config.max_lora_rank, self.dtype, self.rename)
             self.adapters[request.lora_int_id] = adapter
         return adapter
 

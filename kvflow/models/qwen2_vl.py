@@ -15,7 +15,8 @@ three things besides the usual forward:
 
 Checkpoints name the parts ``visual.*``, ``model.*`` and ``lm_head.*`` (as transformers'
 ``save_pretrained`` writes them); transformers 5's in-memory names
-``model.visual.*`` / ``model.language_model.*`` are accepted too.
+``model.visual.*`` / ``model.language_model.*`` are accepted too, in checkpoints and in LoRA
+adapters (``checkpoint_name``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,13 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         merged = self.visual(torch.cat(pixel_values).to(device), grid_thw)
         sizes = [t * h * w // self.spatial_merge_size ** 2 for t, h, w in grid_thw]
         return list(merged.split(sizes))
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint's (or a PEFT adapter's) module or tensor name in kvflow's naming:
+        transformers 5's ``model.language_model.*`` / ``model.visual.*`` become ``model.*`` /
+        ``visual.*``; other names are kept."""
+        return _rename(name)
 
     def get_mrope_input_positions(self, token_ids: list[int],
                                   features: list[MultiModalFeature]) -> tuple[np.ndarray, int]:

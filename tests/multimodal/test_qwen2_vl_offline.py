@@ -221,3 +221,36 @@ def test_chat_refuses_image_detail(llm, detail):
     with pytest.raises(ValueError, match=f"image_url.detail='{detail}' is not supported"):
         llm.chat([{"role": "user", "content": [part]}], greedy())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_lora_adapter_made_by_peft_with_an_image(tiny_qwen2_vl, tmp_path):
+    """A PEFT adapter on the decoder names its modules as transformers 5 does
+    (``model.language_model.layers.*``): kvflow maps them like the checkpoint's and gives
+    peft's greedy tokens for a prompt with an image (they were refused as unknown modules)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from kvflow.lora.request import LoRARequest
+
+    base = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2_vl.path,
+                                                           dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(
+        r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(str(tmp_path))
+    text, images = cases()[1]
+    inputs = tiny_qwen2_vl.processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        want = model.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                     min_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                     pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=64, enable_lora=True,
+              max_lora_rank=4)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy(),
+                       lora_request=LoRARequest("vl", 1, str(tmp_path)))[0]
+    assert out.outputs[0].token_ids == want
+    assert want != hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)  # the adapter acts
