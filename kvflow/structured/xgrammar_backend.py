@@ -46,6 +46,28 @@ def _schema_text(spec: str) -> str:
     raise ValueError("a JSON schema must be an object (or true/false)")
 
 
+# xgrammar (0.2.9) writes a string with minLength / maxLength as repetitions of this character
+# class, which lets the raw control characters U+0000-U+001F (but CR and LF) through: a tab or
+# \x0b inside a JSON string, which JSON parsers refuse. Its other strings use the second class.
+_LENGTH_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(spec: str) -> xgr.Grammar:
+    """The grammar of a JSON schema (compact separators), with length-limited strings kept
+    to JSON's characters (``_LENGTH_STRING_CHARS``).
+
+    Raises:
+        ValueError: for text that is not a JSON schema object (or true/false).
+        RuntimeError: from xgrammar, for a schema it cannot convert.
+    """
+    grammar = xgr.Grammar.from_json_schema(_schema_text(spec), any_whitespace=False)
+    text = str(grammar)
+    if _LENGTH_STRING_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+
+
 def validate(params: StructuredOutputsParams) -> None:
     """Check a constraint without a tokenizer (cheap; for the API process / add time).
 
@@ -55,7 +77,7 @@ def validate(params: StructuredOutputsParams) -> None:
     kind, spec = _grammar_text(params)
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(_schema_text(spec), any_whitespace=False)
+            json_schema_grammar(spec)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "grammar":
@@ -124,7 +146,7 @@ class XgrammarBackend(StructuredOutputBackend):
         if kind == "json":
             # Compact separators (", " and ": "): tiny or weak models otherwise wander off in
             # whitespace until max_tokens.
-            return self._compiler.compile_json_schema(spec, any_whitespace=False)
+            return self._compiler.compile_grammar(json_schema_grammar(spec))
         if kind == "json_object":
             # Any object: additional properties allowed (strict mode would forbid them all).
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
