@@ -25,11 +25,12 @@ _ANY_OBJECT = {"type": "object"}
 
 
 class RequestFieldError(ValueError):
-    """A bad request field; ``param`` names it (becomes the 400's ``param``)."""
+    """A bad request field; ``param`` names it (becomes the 400's ``param``), ``code`` the
+    OpenAI error code (``invalid_value``)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
