@@ -3,8 +3,9 @@
 Two sources feed them:
 
 * per-request timings and lengths, observed in the API process as outputs arrive
-  (``RequestStatsTracker``): TTFT, inter-token latency, end-to-end latency, prompt and generation
-  lengths, token counters and finished requests by ``finished_reason``;
+  (``RequestStatsTracker``): TTFT, inter-token latency, time per output token (mean per
+  sample), end-to-end latency, prompt and generation lengths, token counters and finished
+  requests by ``finished_reason``;
 * the engine core's scheduler and KV-cache state, reported with every output message
   (``ServerMetrics.record_engine_stats``): running/waiting requests, KV usage and free blocks,
   weight bytes and KV bytes per token as gauges; preemptions and prefix-cache queries/hits (tokens) as counters;
@@ -66,6 +67,10 @@ class ServerMetrics:
                                   buckets=_LATENCY_BUCKETS)
         self.e2e = self._labelled(h, "kvflow:e2e_request_latency_seconds",
                                   "Arrival to last token (s)", buckets=_LATENCY_BUCKETS)
+        self.tpot = self._labelled(h, "kvflow:request_time_per_output_token_seconds",
+                                   "Per finished sample of 2+ tokens: first to last token over "
+                                   "the tokens after the first (s; the TPOT of "
+                                   "--target-tpot-ms)", buckets=_LATENCY_BUCKETS)
         self.prompt_len = self._labelled(h, "kvflow:request_prompt_tokens",
                                          "Prompt length (tokens)", buckets=_TOKEN_BUCKETS)
         self.gen_len = self._labelled(h, "kvflow:request_generation_tokens",
@@ -101,7 +106,8 @@ class ServerMetrics:
                                                  "KV-cache bytes per token across all layers",
                                                  e)
         self.preemptions = self._labelled(c, "kvflow:num_preemptions",
-                                          "Requests preempted (recomputed later)", e)
+                                          "Requests preempted (recomputed or swapped out, "
+                                          "resumed later)", e)
         self.prefix_queries = self._labelled(c, "kvflow:prefix_cache_queries",
                                              "Prompt tokens looked up in the prefix cache", e)
         self.prefix_hits = self._labelled(c, "kvflow:prefix_cache_hits",
@@ -223,6 +229,7 @@ class _RequestTimes:
     num_prompt_tokens: int
     num_samples: int
     started: bool = False
+    first_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
     last_token_time: dict[int, float] = field(default_factory=dict)  # sample index -> time
     num_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
@@ -249,12 +256,13 @@ class RequestStatsTracker:
         if times is None:
             return
         m = self.metrics
-        if not times.started:
-            times.started = True
+        pooled = not isinstance(output.outputs, list)
+        if not times.started and (pooled or any(s.token_ids for s in output.outputs)):
+            times.started = True  # its first token (an embedding: its vector)
             m.ttft.observe(now - times.arrival_time)
             m.prompt_tokens.inc(times.num_prompt_tokens)
             m.prompt_len.observe(times.num_prompt_tokens)
-        if not isinstance(output.outputs, list):  # an embedding: finished, no tokens
+        if pooled:  # an embedding: finished, no tokens
             self._observe_sample(times, 0, 0, "stop" if output.finished else None, now)
         for sample in output.outputs if isinstance(output.outputs, list) else ():
             self._observe_sample(times, sample.index, len(sample.token_ids),
@@ -268,13 +276,18 @@ class RequestStatsTracker:
         if num_new:
             if index in times.last_token_time:
                 m.itl.observe(now - times.last_token_time[index])
+            times.first_token_time.setdefault(index, now)
             times.last_token_time[index] = now
             times.num_tokens[index] = times.num_tokens.get(index, 0) + num_new
             m.generation_tokens.inc(num_new)
         if finish_reason is not None and index not in times.finished:
             times.finished.add(index)
+            num_tokens = times.num_tokens.get(index, 0)
             m.e2e.observe(now - times.arrival_time)
-            m.gen_len.observe(times.num_tokens.get(index, 0))
+            m.gen_len.observe(num_tokens)
+            if num_tokens > 1:
+                m.tpot.observe((times.last_token_time[index] - times.first_token_time[index])
+                               / (num_tokens - 1))
             m.request_success.labels(m.model_name, finish_reason).inc()
 
     def forget(self, request_id: str) -> None:

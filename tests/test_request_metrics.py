@@ -1,0 +1,58 @@
+"""The per-request series of /metrics (``RequestStatsTracker``) against hand-computed values
+for scripted delta outputs at given times."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvflow.metrics import RequestStatsTracker, ServerMetrics
+from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+def _delta(samples: list[tuple[int, int, str | None]], finished: bool = False) -> RequestOutput:
+    """A delta output of request "r": (sample index, new tokens, finish reason) per sample."""
+    outs = [CompletionOutput(i, token_ids=[7] * n, finish_reason=reason)
+            for i, n, reason in samples]
+    return RequestOutput("r", None, [1, 2, 3], outs, finished, RequestMetrics(0.0))
+
+
+def _samples(metrics: ServerMetrics) -> dict[str, float]:
+    text = metrics.render().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels.get("le") and "finished_reason" not in s.labels}
+
+
+def test_ttft_tpot_and_lengths_by_hand():
+    """Two samples of a 3-token prompt arriving at t=10: sample 0 gets tokens at 10.5 (1),
+    11.0 (2 more), 12.5 (1) and finishes: TPOT (12.5 - 10.5) / 3; sample 1 gets 1 token at
+    11.0 and finishes at 11.2 with none more (a one-token sample has no TPOT)."""
+    metrics = ServerMetrics("m")
+    tracker = RequestStatsTracker(metrics)
+    tracker.start("r", 10.0, 3, 2)
+    tracker.observe(_delta([(0, 1, None)]), 10.5)
+    tracker.observe(_delta([(0, 2, None), (1, 1, None)]), 11.0)
+    tracker.observe(_delta([(1, 0, "stop")]), 11.2)
+    tracker.observe(_delta([(0, 1, "length")], finished=True), 12.5)
+    got = _samples(metrics)
+    assert got["kvflow:time_to_first_token_seconds_count"] == 1
+    assert got["kvflow:time_to_first_token_seconds_sum"] == 0.5
+    assert got["kvflow:request_time_per_output_token_seconds_count"] == 1
+    assert abs(got["kvflow:request_time_per_output_token_seconds_sum"] - 2.0 / 3) < 1e-12
+    assert got["kvflow:inter_token_latency_seconds_count"] == 2  # 10.5->11.0, 11.0->12.5
+    assert got["kvflow:e2e_request_latency_seconds_sum"] == (12.5 - 10) + (11.2 - 10)
+    assert got["kvflow:generation_tokens_total"] == 5
+    assert got["kvflow:prompt_tokens_total"] == 3
+    assert got["kvflow:request_generation_tokens_sum"] == 4 + 1
+
+
+def test_a_request_that_ends_without_a_token_has_no_ttft():
+    """The engine refused it (an abort output with no token): nothing was served, so no
+    time to first token and no prompt tokens are recorded; it counts as aborted."""
+    metrics = ServerMetrics("m")
+    tracker = RequestStatsTracker(metrics)
+    tracker.start("r", 10.0, 3, 1)
+    tracker.observe(_delta([(0, 0, "abort")], finished=True), 10.2)
+    got = _samples(metrics)
+    assert got["kvflow:time_to_first_token_seconds_count"] == 0
+    assert got["kvflow:prompt_tokens_total"] == 0
+    assert metrics.request_success.labels("m", "abort")._value.get() == 1
