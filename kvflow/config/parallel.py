@@ -98,9 +98,13 @@ class ParallelConfig:
 
         Raises:
             ValueError: one line naming the first size that does not divide (heads, KV heads,
-                MLP width, experts) or a pipeline longer than the model's layers.
+                MLP width, experts), a pipeline longer than the model's layers, or
+                ``enable_expert_parallel`` for a model without experts (it would be ignored).
         """
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.enable_expert_parallel and not num_experts(hf_config):
+            raise ValueError("enable_expert_parallel=True, but the model has no experts (no "
+                             "MoE layers): there is nothing to place; drop the flag")
         layers = getattr(hf_config, "num_hidden_layers", None)
         if layers is not None and pp > layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {layers} layers")
@@ -113,6 +117,18 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={tp} is not a multiple of the model's "
                              f"num_key_value_heads={kv_heads} (a KV head is replicated on a "
                              "whole number of ranks)")
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (Mixtral's ``num_local_experts``, Qwen-MoE's
+    ``num_experts``, DeepSeek's ``n_routed_experts``; a multimodal model's ``text_config``
+    too); 0 for a dense model."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 0
 
 
 def _tp_divisions(hf_config: Any, tp: int, expert_parallel: bool

@@ -57,6 +57,8 @@ def test_ray_backend_without_ray_is_one_line(monkeypatch):
 @pytest.mark.parametrize("kwargs, needle", [
     ({"tensor_parallel_size": 3}, "does not divide the model's num_attention_heads=4"),
     ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+    ({"tensor_parallel_size": 2, "enable_expert_parallel": True},
+     "enable_expert_parallel=True, but the model has no experts"),  # was silently ignored
 ])
 def test_model_that_does_not_split_fails_before_any_worker_starts(
         tiny_model_factory, monkeypatch, kwargs, needle):
@@ -97,6 +99,23 @@ def test_expert_parallel_needs_the_experts_to_divide():
     with pytest.raises(ValueError, match="number of experts=6"):
         ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).verify_with_model(
             cfg)
+
+
+def test_expert_parallel_needs_a_model_with_experts():
+    """Routed experts are found under Mixtral's, Qwen-MoE's and DeepSeek's names, also in a
+    multimodal model's text_config; a dense model refuses the flag instead of ignoring it."""
+    from types import SimpleNamespace
+
+    base = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "intermediate_size": 64, "moe_intermediate_size": 32}
+    ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        ep.verify_with_model(SimpleNamespace(**base, **{name: 4}))
+    ep.verify_with_model(SimpleNamespace(**base, text_config=SimpleNamespace(num_experts=4)))
+    for dense in (SimpleNamespace(**base), SimpleNamespace(**base, num_experts=0)):
+        with pytest.raises(ValueError, match="has no experts"):
+            ep.verify_with_model(dense)
+    ParallelConfig(tensor_parallel_size=2).verify_with_model(SimpleNamespace(**base))
 
 
 def test_groups_follow_the_dp_pp_cp_tp_layout():
