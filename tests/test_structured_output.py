@@ -14,7 +14,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.layers.sampler import apply_token_bitmask, apply_token_bitmask_fast
-from kvflow.structured import StructuredOutputsParams
+from kvflow.structured import StructuredOutputsParams, validate
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
@@ -148,6 +148,42 @@ def test_bad_constraints_raise(llm, kind, bad, needle):
     with pytest.raises(ValueError, match=needle):
         llm.generate(PROMPTS[0], _constrained(0, **{kind: bad}), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+_OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("schema, violating, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1],
+     "'uniqueItems'"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, [5],
+     "'contains'"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "x", "'allOf'"),
+    ({**_OBJ_AB, "properties": {"a": {"type": "integer", "not": {"const": 0}}}}, {"a": 0},
+     "'not' at properties.a"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, "'multipleOf'"),
+    ({**_OBJ_AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}, "'dependentRequired'"),
+    ({**_OBJ_AB, "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+     {"a": 1}, "'if'"),
+])
+def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyword):
+    """Keywords xgrammar compiles but does not enforce: its grammar takes an instance that
+    breaks them (jsonschema says so), so a schema using one is a ValueError naming it and
+    where it is (was served as the looser schema)."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    text = json.dumps(violating)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(violating)
+    assert _is_grammar_accept_string(  # the keyword is still ignored by xgrammar itself
+        Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), text)
+    with pytest.raises(ValueError, match="does not enforce") as err:
+        validate(StructuredOutputsParams(json=schema))
+    assert keyword in str(err.value)
+    # what it does enforce passes
+    validate(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}],
+                                           "allOf": [{"minimum": 1}], "multipleOf": 3,
+                                           "type": "integer", "uniqueItems": False}))
 
 
 def test_params_validation_and_msgspec_round_trip():

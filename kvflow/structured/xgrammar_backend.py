@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
+from kvflow.structured.schema_support import unenforced_keyword
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _LOCATION_RE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -58,14 +59,20 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     to JSON's characters (``_LENGTH_STRING_CHARS``).
 
     Raises:
-        ValueError: for text that is not a JSON schema object (or true/false).
+        ValueError: for text that is not a JSON schema object (or true/false), or one using a
+            keyword xgrammar would not enforce (``schema_support.unenforced_keyword``).
         RuntimeError: from xgrammar, for a schema it cannot convert.
     """
-    grammar = xgr.Grammar.from_json_schema(_schema_text(spec), any_whitespace=False)
-    text = str(grammar)
-    if _LENGTH_STRING_CHARS not in text:
+    text = _schema_text(spec)
+    problem = unenforced_keyword(json.loads(text))
+    if problem is not None:
+        raise ValueError(f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword "
+                         "but does not enforce it; leave it out)")
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    ebnf = str(grammar)
+    if _LENGTH_STRING_CHARS not in ebnf:
         return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
 
 
 def validate(params: StructuredOutputsParams) -> None:
