@@ -86,6 +86,16 @@ def test_max_tokens_none_fills_the_context(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_max_tokens_beyond_the_context_stops_at_it(llm, assert_no_leaks):
+    """``max_tokens`` beyond what the context leaves is not refused offline: generation stops
+    when the context is full, ``finish_reason`` "length" (vLLM's offline API does the same:
+    its scheduler caps a request at max_model_len)."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    (out,) = llm.generate([[3, 4, 5, 6, 7]], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 24 - 5 and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
+
+
 def test_model_dependent_limits_and_ignored_options_are_refused(llm, assert_no_leaks):
     """prompt_logprobs above the vocabulary (was a torch RuntimeError from top-k), a user
     name under the fcfs policy (only fair reads it), an empty chat template, chat template
