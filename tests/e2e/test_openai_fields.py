@@ -517,7 +517,18 @@ def lora_cases() -> dict[str, Callable]:
         assert post(server, C, {"model": "to-unload"}).status_code == 404
         rejected(UNLOAD, {"lora_name": "to-unload"}, "lora_name", 404)(server, tokenizer)
 
-    return {LOAD: {"lora_name": load("lora-name"), "lora_path": lora_path},
+    def load_inplace(server, tokenizer):
+        """A name in use: a 400 naming lora_name without it, replaced with it (a 200; its
+        replies are checked against transformers + peft in test_openai_lora.py)."""
+        load("in-place")(server, tokenizer)
+        again = {"lora_name": "in-place", "lora_path": server.lora_path}
+        rejected(LOAD, again, "lora_name")(server, tokenizer)
+        resp = post(server, LOAD, {**again, "load_inplace": True})
+        assert resp.status_code == 200, resp.text
+        assert greedy(server, "in-place") != greedy(server, None)
+
+    return {LOAD: {"lora_name": load("lora-name"), "lora_path": lora_path,
+                   "load_inplace": load_inplace},
             UNLOAD: {"lora_name": unload}}
 
 
