@@ -1,6 +1,7 @@
-"""What the OpenAI endpoints share: checks (model name, overload, context length),
-SamplingParams from a request, queueing and answering (a whole body or an SSE stream). The
-errors live in ``openai_errors``, the streaming plumbing in ``streaming``."""
+"""What the OpenAI endpoints share: checks (model name, overload, context length), queueing
+and answering (a whole body or an SSE stream). The errors live in ``openai_errors``, the
+streaming plumbing in ``streaming``, SamplingParams from a request in
+``sampling_requests``."""
 
 from __future__ import annotations
 
@@ -21,29 +22,16 @@ from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loo
 from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequest
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
-from kvflow.entrypoints.structured_requests import (
-    RequestFieldError,
-    constraint_param,
-    request_constraint,
-)
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog, refuse_unsupported
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
-from kvflow.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 # Logprobs of masked tokens are -inf, which JSON cannot carry; clamp them as vLLM does.
 MIN_LOGPROB = -9999.0
 
-
-# Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
-_COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
-                  "include_stop_str_in_output", "logit_bias")
-_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "target_ttft_ms",
-                    "target_tpot_ms")
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -191,20 +179,6 @@ class OpenAIServing:
                 f"({len(token_ids) + max_tokens} in total)", param="max_tokens",
                 code="context_length_exceeded")
 
-    @staticmethod
-    def check_max_tokens(max_tokens: int, param: str) -> None:
-        """Refuse a request for fewer than one generated token; ``param`` names the field
-        the request set (``max_tokens`` or chat's ``max_completion_tokens``).
-
-        Raises:
-            OpenAIError: 400 naming ``param``, code ``integer_below_min_value`` (the OpenAI
-                API's), if ``max_tokens`` is below 1.
-        """
-        if max_tokens < 1:
-            raise OpenAIError(f"{param}={max_tokens} is invalid: it must be >= 1 (the most "
-                              "tokens to generate)", param=param,
-                              code="integer_below_min_value")
-
     def check_n(self, n: int) -> None:
         """Refuse more samples per request than the server allows.
 
@@ -274,50 +248,6 @@ class OpenAIServing:
             raise OpenAIError(f"priority={req.priority} needs the priority or fair scheduling "
                               f"policy (start the server with --policy priority or fair); it "
                               f"runs {policy!r}", param="priority", code="unsupported_value")
-
-    # ---- sampling params ---------------------------------------------------------------------
-    def default_max_tokens(self, num_prompt_tokens: int, fallback: int | None = None) -> int:
-        """``max_tokens`` of a request that does not set it: the model's default
-        (``max_new_tokens`` in its generation_config.json) capped at what the context leaves,
-        else ``fallback``, else everything the context leaves."""
-        left = max(1, self.engine.max_model_len - num_prompt_tokens)
-        default = self.engine.sampling_defaults.get("max_tokens")
-        if default is not None:
-            return min(default, left)
-        return left if fallback is None else fallback
-
-    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None
-                        ) -> SamplingParams:
-        """SamplingParams from the request's fields; ``structured_outputs`` (a tool-call
-        grammar) is one more constraint: with the request's own ``response_format`` /
-        ``structured_outputs`` / ``guided_*`` it is a 400 (one constraint only).
-        Optional fields the request leaves unset (or null) are not passed, so the model's
-        sampling defaults fill them when the request is queued.
-
-        Raises:
-            OpenAIError: 400 when invalid (a malformed schema or regex too).
-        """
-        try:
-            fields = {"structured_outputs": request_constraint(req, structured_outputs)}
-        except RequestFieldError as e:
-            raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
-        fields.update({name: getattr(req, name) for name in _COPIED_FIELDS})
-        fields.update({name: getattr(req, name) for name in _OPTIONAL_FIELDS
-                       if getattr(req, name) is not None})
-        fields.update(max_tokens=max_tokens, logprobs=logprobs,
-                      stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                      stop_token_ids=list(req.stop_token_ids or []))
-        try:
-            params = SamplingParams(**fields)
-            self.engine.processor.validate_params(params)
-        except ValueError as e:
-            error = invalid_request(e)
-            if " in structured_outputs" in str(e):  # the constraint did not compile
-                error.param = "tools" if structured_outputs is not None else \
-                    constraint_param(req)
-            raise error from None
-        return params
 
     # ---- running requests --------------------------------------------------------------------
     async def add_requests(self, request_id: str,

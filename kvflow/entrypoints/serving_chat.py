@@ -31,6 +31,11 @@ from kvflow.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from kvflow.entrypoints.sampling_requests import (
+    check_max_tokens,
+    default_max_tokens,
+    sampling_params,
+)
 from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, random_id
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
@@ -232,11 +237,11 @@ class OpenAIServingChat(OpenAIServing):
             else "max_tokens"
         max_tokens = getattr(req, field)
         if max_tokens is None:  # the model's default, else as much as the context leaves
-            max_tokens = self.default_max_tokens(len(ids))
+            max_tokens = default_max_tokens(self.engine, len(ids))
         else:
-            self.check_max_tokens(max_tokens, field)
+            check_max_tokens(max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, logprobs, tool_grammar)
+        params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
         self.check_prompt(ids, max_tokens, "messages")
         return params
 

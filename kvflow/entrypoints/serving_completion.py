@@ -20,6 +20,11 @@ from kvflow.entrypoints.protocol import (
     PromptLogprob,
     UsageInfo,
 )
+from kvflow.entrypoints.sampling_requests import (
+    check_max_tokens,
+    default_max_tokens,
+    sampling_params,
+)
 from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.lora.request import LoRARequest
@@ -113,11 +118,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
-            max_tokens = self.default_max_tokens(len(ids), fallback=16)
+            max_tokens = default_max_tokens(self.engine, len(ids), fallback=16)
         else:
             max_tokens = req.max_tokens
-            self.check_max_tokens(max_tokens, "max_tokens")
-        params = self.sampling_params(req, max_tokens, req.logprobs)
+            check_max_tokens(max_tokens, "max_tokens")
+        params = sampling_params(self.engine, req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries logprobs too
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         elif req.prompt_logprobs is not None:
