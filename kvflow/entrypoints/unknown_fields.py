@@ -40,6 +40,8 @@ UNSUPPORTED = {
     "embed_dtype": "vectors are float32 (encoding_format float or base64)",
     "add_special_tokens": "inputs are tokenized with the tokenizer's special tokens",
     "priority": "embedding requests are queued in arrival order",
+    "target_ttft_ms": "embedding requests take the server's --target-ttft-ms",
+    "target_tpot_ms": "an embedding generates no tokens",
 }
 
 

@@ -93,7 +93,9 @@ def test_wrong_endpoint_and_bad_input(bert, start_server, tiny_llama):
     resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "wrong_task"
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"),
-                        ({"input": [10**6]}, "input"), ({"input": "a", "model": "x"}, "model")):
+                        ({"input": [10**6]}, "input"), ({"input": "a", "model": "x"}, "model"),
+                        ({"input": "a", "target_ttft_ms": 50}, "target_ttft_ms"),
+                        ({"input": "a", "target_tpot_ms": 50}, "target_tpot_ms")):
         resp = httpx.post(f"{server.url}/v1/embeddings", json=body)
         assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, body
     too_long = " ".join(["fox"] * 200)
