@@ -32,7 +32,7 @@ from kvflow.config import MultiModalConfig
 
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP", "gif": "GIF",
                  "bmp": "BMP"}
-_DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),(.*)", re.DOTALL)
+_DATA_URL = re.compile(r"([^;,]*)((?:;[^;,]*)*),(.*)", re.DOTALL)  # after "data:"
 
 
 class MediaError(ValueError):
@@ -56,9 +56,10 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
     """
     if not isinstance(url, str):
         raise MediaError(f"an image URL must be a string, got {type(url).__name__}")
-    if url.startswith("data:"):
-        return decode_image_bytes(_data_url_bytes(url, config), config)
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    url = url.strip()
+    scheme = urllib.parse.urlsplit(url).scheme.lower()  # schemes are case-insensitive
+    if scheme == "data":
+        return decode_image_bytes(_data_url_bytes(url[5:], config), config)
     if scheme in ("http", "https"):
         return decode_image_bytes(fetch_url(url, config), config)
     raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...) or http(s) "
@@ -66,6 +67,7 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
 
 
 def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
+    """The payload of a data URL (``url``: what follows ``data:``). Raises MediaError."""
     match = _DATA_URL.fullmatch(url)
     if match is None:
         raise MediaError("malformed data URL: expected data:image/png;base64,<payload>")
@@ -94,7 +96,10 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
             download fails or times out, or the body exceeds the byte limit.
     """
     allowed = config.media_domains()
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:  # urllib would not parse
+        raise MediaError("image URLs with credentials (user@host) are not fetched")  # alike
+    host = (parts.hostname or "").lower()
     if host not in allowed:
         hint = f"allowed hosts: {', '.join(sorted(allowed))}" if allowed else \
             "this server fetches no image URLs; start it with --allowed-media-domains"
@@ -149,7 +154,10 @@ def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
     except Image.DecompressionBombError as e:
         raise MediaError(f"the image is too large: {e} (--max-image-pixels is "
                          f"{config.max_image_pixels})") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError:  # its message names a BytesIO object, nothing useful
+        raise MediaError(f"cannot decode the image: its {len(data)} bytes are not a PNG, "
+                         "JPEG, WebP, GIF or BMP file") from None
+    except (OSError, ValueError) as e:
         raise MediaError(f"cannot decode the image (not a PNG, JPEG, WebP, GIF or BMP "
                          f"file?): {e}") from None
     if image.format not in IMAGE_FORMATS.values():

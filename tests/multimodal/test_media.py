@@ -125,3 +125,19 @@ def test_exif_orientation_is_applied_like_transformers():
     got = load_image_url(url, MultiModalConfig())
     assert got.size == (30, 40)
     assert np.array_equal(np.asarray(got), np.asarray(load_image(url)))
+
+
+def test_url_spellings():
+    """Schemes are case-insensitive (RFC 3986) and surrounding blanks are not part of a URL:
+    ``DATA:`` decodes to the PNG's pixels (it was refused as "scheme 'data'"); a URL with
+    credentials is refused naming them (urllib would read its host differently from the
+    allow-list check); bytes that are no image say so without an object repr."""
+    url = " DATA:image/png;base64," + base64.b64encode(PNG).decode() + "\n"
+    assert np.array_equal(np.asarray(load_image_url(url, MultiModalConfig())),
+                          np.asarray(IMAGE))
+    config = MultiModalConfig(allowed_media_domains="127.0.0.1")
+    with pytest.raises(MediaError, match="credentials"):
+        load_image_url("http://evil.example@127.0.0.1:1/cat.png", config)
+    with pytest.raises(MediaError, match="its 3 bytes are not a PNG") as refused:
+        load_image_url("data:image/png;base64,AAAA", config)
+    assert "BytesIO" not in str(refused.value)
