@@ -104,9 +104,8 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
         ValueError: for a file that cannot be read, or an image the limits refuse.
     """
     import base64
-    import mimetypes
 
-    from kvflow.multimodal.media import decode_image_bytes
+    from kvflow.multimodal.media import decode_image_bytes, image_format
 
     out = []
     for path in paths:
@@ -119,9 +118,7 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
             image = decode_image_bytes(data, config.multimodal_config)
         except ValueError as e:
             raise ValueError(f"--image {path}: {e}") from None
-        media_type = mimetypes.guess_type(path)[0] or "image/png"
-        if not media_type.startswith("image/"):
-            media_type = "image/png"  # the bytes decoded as an image already
+        media_type = f"image/{image_format(data)}"  # the bytes', not the file name's
         out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
     return out
 

@@ -166,6 +166,14 @@ def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
     return to_rgb(_upright(_loaded(image, config)))
 
 
+def image_format(data: bytes) -> str:
+    """The format of encoded image bytes that ``decode_image_bytes`` accepted, as the
+    ``image/<subtype>`` of a data URL names it (``png``, ``jpeg``, ``webp``, ``gif``,
+    ``bmp``)."""
+    with Image.open(io.BytesIO(data)) as image:
+        return str(image.format).lower()
+
+
 def check_image(image: Image.Image, config: MultiModalConfig) -> Image.Image:
     """``image`` (a PIL image handed in by the caller) fully decoded and converted to RGB,
     after the pixel-count check; no EXIF rotation (transformers' image processors apply none

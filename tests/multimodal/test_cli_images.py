@@ -21,13 +21,16 @@ def test_generate_with_image_files(tiny_qwen2_vl, tmp_path, capsys):
                  str(path), *ARGS]) == 0
     want = tok.decode(hf_generate(tiny_qwen2_vl, prompt, [image], 6))
     assert capsys.readouterr().out.rstrip("\n") == prompt + want
-    assert main(["generate", "--model", tiny_qwen2_vl.path, "--chat", "--prompt", "what?",
-                 "--image", str(path), *ARGS]) == 0
     text = tiny_qwen2_vl.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}],
         add_generation_prompt=True, tokenize=False)
-    assert capsys.readouterr().out.rstrip("\n") == \
-        tok.decode(hf_generate(tiny_qwen2_vl, text, [image], 6))
+    misnamed = tmp_path / "cat.tif"  # a PNG under a name that says TIFF: the bytes decide
+    misnamed.write_bytes(png_bytes(image))
+    for file in (path, misnamed):
+        assert main(["generate", "--model", tiny_qwen2_vl.path, "--chat", "--prompt", "what?",
+                     "--image", str(file), *ARGS]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == \
+            tok.decode(hf_generate(tiny_qwen2_vl, text, [image], 6))
 
 
 def test_missing_or_bad_image_file_is_one_error_line(tiny_qwen2_vl, tmp_path, capsys):
