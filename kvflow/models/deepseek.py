@@ -248,6 +248,11 @@ class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
 
     uses_mla: ClassVar[bool] = True
     rope_interleaved_default: ClassVar[bool] = True
+    # LoRA: MLA's query and latent projections and o_proj, the dense and shared-expert MLPs;
+    # not kv_b_proj (absorbed into the queries and the output, never run as a matmul)
+    supported_lora_modules: ClassVar[tuple[str, ...]] = (
+        "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_up_proj",
+        "down_proj")
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     checkpoint_renames: ClassVar[dict[str, str]] = {

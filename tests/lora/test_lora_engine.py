@@ -273,3 +273,37 @@ def test_gemma3_adapter_matches_peft(tiny_model_factory, tmp_path, assert_no_lea
     assert out[0].outputs[0].token_ids == expected != peft_greedy(tiny.path, None, ids)
     assert out[1].outputs[0].token_ids == peft_greedy(tiny.path, None, ids)
     assert_no_leaks(llm)
+
+
+def _peft_prompt_logprobs(base, adapter: str, ids: list[int]) -> list[float]:
+    """log p(ids[p] | ids[:p]) for p >= 1 under transformers + peft (fp32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return [float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))]
+
+
+def test_deepseek_mla_projections_match_peft(tiny_model_factory, tmp_path):
+    """DeepSeek-V3's MLA takes adapters on q_a/q_b, kv_a_proj_with_mqa and o_proj (prompt
+    logprobs equal peft's); one on kv_b_proj (absorbed into the queries and the output, never
+    a matmul here) is refused."""
+    tiny = tiny_model_factory("deepseek_v3")
+    path = make_adapter(tiny.path, str(tmp_path / "mla"), 9, r=4, lora_alpha=8,
+                        target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"])
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=32,
+              block_size=4, enable_lora=True, max_lora_rank=4)
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          lora_request=LoRARequest("mla", 1, path), use_tqdm=False)
+    got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    assert got == pytest.approx(_peft_prompt_logprobs(tiny.path, path, ids), abs=1e-4)
+    kv_b = make_adapter(tiny.path, str(tmp_path / "kv_b"), 10, r=4,
+                        target_modules=["q_a_proj", "kv_b_proj"])
+    with pytest.raises(ValueError, match=r"'base_model.model.model.layers.0.self_attn.kv_b_proj' "
+                                         r"cannot be applied"):
+        llm.generate("hi", SamplingParams(max_tokens=2), lora_request=LoRARequest("kvb", 2, kv_b))
