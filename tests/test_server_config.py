@@ -105,25 +105,32 @@ def test_listen_address_checked_before_the_model_loads(monkeypatch, capsys, take
         and needle in err[0], err
 
 
-def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capsys):
-    """A configuration error the engine-core process finds before it loads anything (here a
-    --cpu-threads-bind CPU outside the affinity mask): the error line alone, with no INFO line
-    before it (``engine core process started`` was logged at INFO)."""
+@pytest.mark.parametrize("flags, needle", [
+    (["--cpu-threads-bind", "OUTSIDE"], "outside this process's affinity mask"),
+    (["--max-model-len", "10000000"], "max_model_len=10000000 exceeds the positions"),
+], ids=["cpu_threads_bind", "max_model_len"])
+def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capfd, flags, needle):
+    """A configuration error the engine-core process finds (a --cpu-threads-bind CPU outside
+    the affinity mask; a --max-model-len beyond the model's positions): the error line alone
+    on stderr, the core's included (``engine core process started`` was logged at INFO
+    before it; the max_model_len check came after the workers had loaded the weights, with
+    their INFO lines)."""
     import logging
     import os
 
     from kvflow.entrypoints.cli import main
 
     outside = str(max(os.sched_getaffinity(0)) + 1)
+    flags = [outside if f == "OUTSIDE" else f for f in flags]
     level = logging.getLogger("kvflow").level
     try:
         with caplog.at_level(logging.INFO):
-            rc = main(["serve", tiny_llama.path, "--device", "cpu", "--cpu-threads-bind",
-                       outside])
+            rc = main(["serve", tiny_llama.path, "--device", "cpu", *flags])
     finally:
         logging.getLogger("kvflow").setLevel(level)
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2 and len(err) == 1 and "outside this process's affinity mask" in err[0], err
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvflow: error: ") and \
+        needle in err[0], err
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
 
 

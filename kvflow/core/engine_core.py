@@ -75,6 +75,8 @@ class EngineCore:
         self.config.parallel_config.verify_with_model(self.hf_config)
         self._check_cpu_threads()
         self._init_task(source)
+        # --max-model-len checked against the model before any worker loads weights
+        self.positions = model_positions(self.hf_config, self.config, self.is_encoder)
         self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
         self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
@@ -141,7 +143,7 @@ class EngineCore:
 
     def _init_kv_cache(self) -> None:
         cc = self.config.cache_config
-        positions = model_positions(self.hf_config, self.config, self.is_encoder)
+        positions = self.positions
         if self.pooler_config is not None:  # sentence-transformers' max_seq_length
             positions = self.pooler_config.cap_model_len(
                 positions, self.config.model_config.max_model_len)
