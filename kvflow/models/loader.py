@@ -56,13 +56,13 @@ def hoist_text_config(config: Any) -> Any:
     return config
 
 
-INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
 def checkpoint_files(folder: str) -> list[str]:
-    """The safetensors files that hold the model, as transformers picks them: the files the
-    folder's ``model.safetensors.index.json`` maps tensors to when it has one (so a stale shard
-    of an earlier save is not read over the current ones), else every top-level
+    """The safetensors files that hold the model, in transformers' order of preference:
+    ``model.safetensors``; else the files ``model.safetensors.index.json`` maps tensors to (so
+    a stale shard of an earlier save is not read over the current ones); else every top-level
     ``*.safetensors`` but ``consolidated*.safetensors`` (Mistral's own layout of the same
     weights, shipped next to the HF files in Mistral and Mixtral repos).
 
@@ -70,26 +70,35 @@ def checkpoint_files(folder: str) -> list[str]:
         ValueError: if the folder holds no such file, or its index cannot be read or names a
             file that is not there (an incomplete download).
     """
-    index = os.path.join(folder, INDEX_FILE)
+    single, index = os.path.join(folder, SINGLE_FILE), os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(single):
+        return [single]
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError,
-                AttributeError) as e:
-            raise ValueError(f"cannot read {index!r} (a safetensors index with a "
-                             f"\"weight_map\" object is expected): {e!r}") from None
-        missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
-        if missing:
-            raise ValueError(f"{index!r} names weight files that are not in the folder: "
-                             f"{missing[:5]} (an incomplete download?)")
-        return [os.path.join(folder, n) for n in names]
+        return _indexed_files(folder, index)
     files = [path for path in sorted(glob.glob(os.path.join(folder, "*.safetensors")))
              if not os.path.basename(path).startswith("consolidated")]
     if not files:
         raise ValueError(f"model folder {folder!r} has no *.safetensors weight files")
     return files
+
+
+def _indexed_files(folder: str, index: str) -> list[str]:
+    """The files a safetensors index's ``weight_map`` names, sorted.
+
+    Raises:
+        ValueError: see :func:`checkpoint_files`.
+    """
+    try:
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot read {index!r} (a safetensors index with a \"weight_map\" "
+                         f"object is expected): {e!r}") from None
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise ValueError(f"{index!r} names weight files that are not in the folder: "
+                         f"{missing[:5]} (an incomplete download?)")
+    return [os.path.join(folder, n) for n in names]
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -86,17 +86,22 @@ def _sharded_copy(tiny, folder: str) -> str:
     return folder
 
 
-def test_index_chooses_the_shards(tiny_llama, tmp_path):
-    """A shard of an earlier save left in the folder (same tensor names, other values) is not
-    read: only the files the index maps tensors to."""
+@pytest.mark.parametrize("sharded", [True, False], ids=["index", "single_file"])
+def test_stale_file_of_an_earlier_save_is_not_read(tiny_llama, tmp_path, sharded):
+    """A file of an earlier save left in the folder (same tensor names, other values) is not
+    read: only the files the index maps tensors to, or ``model.safetensors`` alone."""
     from safetensors.torch import load_file, save_file
 
-    path = _sharded_copy(tiny_llama, str(tmp_path / "model"))
-    shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    assert len(shards) > 1
-    stale = {n: torch.randn_like(t) for s in shards
-             for n, t in load_file(os.path.join(path, s)).items()}
-    save_file(stale, os.path.join(path, "model-zz-old.safetensors"))
+    path = str(tmp_path / "model")
+    if sharded:
+        _sharded_copy(tiny_llama, path)
+    else:
+        shutil.copytree(tiny_llama.path, path)
+    files = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    assert len(files) > 1 if sharded else files == ["model.safetensors"]
+    stale = {n: torch.randn_like(t) for name in files
+             for n, t in load_file(os.path.join(path, name)).items()}
+    save_file(stale, os.path.join(path, "model_zz_old.safetensors"))
     _assert_matches_hf(path, tiny_llama)
 
 
