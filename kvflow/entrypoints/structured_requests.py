@@ -45,9 +45,14 @@ def request_constraint(req: SamplingRequest,
     named function, see :func:`tool_constraint`): one source only.
 
     Raises:
-        RequestFieldError: for two sources at once, or a json_schema format without a schema.
+        RequestFieldError: for two sources at once, a json_schema format without a schema, or
+            a ``json_schema`` under another format type.
     """
     fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise RequestFieldError(f"response_format.json_schema applies to type json_schema "
+                                f"only (the type is {fmt.type!r}, which would ignore it)",
+                                "response_format.json_schema")
     sources = _constraint_sources(req) + (["tool_choice"] if tool_grammar is not None else [])
     if len(sources) > 1:
         raise RequestFieldError(f"set only one of {', '.join(sources)}: each constrains the "

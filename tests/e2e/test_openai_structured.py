@@ -204,6 +204,11 @@ def test_unbounded_grammar_ends_with_length(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "nope"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
+    # the schema was ignored: any object, or free text
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {
+        "type": "array"}}}}, "response_format.json_schema applies to type json_schema only"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+     "the type is 'text'"),
 ])
 def test_bad_constraints_get_400(server, body, needle):
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
