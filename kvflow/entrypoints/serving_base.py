@@ -149,13 +149,20 @@ class OpenAIServing:
                               f"this endpoint needs task={task!r}: use {use}", param="model",
                               code="wrong_task")
 
-    def check_admission(self, num_requests: int) -> None:
+    def check_admission(self, num_requests: int, param: str = "prompt") -> None:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already
-        (counted on /metrics as ``kvflow:requests_overloaded``)."""
+        (counted on /metrics as ``kvflow:requests_overloaded``), or 400 naming ``param``
+        when the request alone has more prompts than ``--max-waiting-requests`` (no retry
+        would ever be admitted)."""
         limit = self.config.max_waiting_requests
         if not self.engine.is_healthy:
             raise engine_dead(self.engine.dead_error
                               or RuntimeError("the engine core process is gone"))
+        if limit is not None and num_requests > limit:
+            raise OpenAIError(f"the request has {num_requests} prompts; this server admits "
+                              f"at most {limit} waiting requests (--max-waiting-requests): "
+                              f"send at most {limit} per request", param=param,
+                              code="too_many_prompts")
         if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
             self.engine.metrics.overloaded.inc()
             raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "

@@ -40,7 +40,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         refuse_unsupported(req)
         prompts = await self._inputs(req)
         params = PoolingParams(dimensions=req.dimensions)
-        self.check_admission(len(prompts))
+        self.check_admission(len(prompts), "input")
         request_id = random_id("embd")
         self.note_request(req, request_id, "/v1/embeddings")
         streams = await self._add(request_id, prompts, params)

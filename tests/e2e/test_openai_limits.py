@@ -65,6 +65,18 @@ def test_n_above_the_configured_cap(server):
     assert _completion(server, AUTH, n=2, temperature=1.0).status_code == 200
 
 
+def test_more_prompts_than_the_waiting_limit_is_a_400(server):
+    """Two prompts in one request where --max-waiting-requests is 1: no retry could ever be
+    admitted, so it is a 400 naming ``prompt`` (it was a 503 "overloaded: 0 requests are
+    waiting" with Retry-After, forever), not counted as an overload; one prompt passes."""
+    resp = _completion(server, AUTH, prompt=["the quick", "brown fox"])
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("prompt", "too_many_prompts")
+    assert server.value(server.metrics(), "kvflow:requests_overloaded_total") == 0
+    assert _completion(server, AUTH, prompt=["the quick"]).status_code == 200
+
+
 def test_overload_gets_503_with_retry_after(server):
     """Request 1 holds the only running slot, request 2 waits for it, request 3 is refused."""
     long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
