@@ -10,6 +10,7 @@ a 4xx, never a 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -321,14 +322,17 @@ def check_listen_address(host: str, port: int) -> None:
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]  # what uvicorn binds
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there "
-                             f"({e.strerror})") from None
+    with contextlib.ExitStack() as probes:  # every address, as asyncio's create_server binds
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            probe = probes.enter_context(socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                                 f"({e.strerror})") from None
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
