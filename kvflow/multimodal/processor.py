@@ -52,6 +52,7 @@ class MultiModalProcessor:
 
     def __init__(self, image_processor: Any, hf_config: Any, tokenizer: Any,
                  config: MultiModalConfig) -> None:
+        check_geometry(image_processor, hf_config)
         self.image_processor = image_processor
         self.config = config
         self.image_token_id = int(hf_config.image_token_id)
@@ -114,6 +115,30 @@ class MultiModalProcessor:
             raise MediaError(f"the image cannot be preprocessed: {e}") from None
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return np.ascontiguousarray(out["pixel_values"], np.float32), grid
+
+
+# image processor attribute -> the vision config's name for the same size
+_GEOMETRY = {"patch_size": "patch_size", "merge_size": "spatial_merge_size",
+             "temporal_patch_size": "temporal_patch_size"}
+
+
+def check_geometry(image_processor: Any, hf_config: Any) -> None:
+    """The image processor cuts patches as the vision encoder reads them.
+
+    Raises:
+        ValueError: when ``preprocessor_config.json`` and ``config.json``'s ``vision_config``
+            disagree on a patch size or the merge (the placeholder count would not match the
+            encoder's rows, and the first image would fail inside the engine).
+    """
+    vision = getattr(hf_config, "vision_config", None)
+    for ours, theirs in _GEOMETRY.items():
+        mine = getattr(image_processor, ours, None)
+        model = vision.get(theirs) if isinstance(vision, dict) else \
+            getattr(vision, theirs, None)
+        if mine is not None and model is not None and int(mine) != int(model):
+            raise ValueError(f"preprocessor_config.json has {ours}={mine} but config.json's "
+                             f"vision_config has {theirs}={model}: the image processor does "
+                             "not fit this model")
 
 
 def _feature(pixels: np.ndarray, grid: tuple[int, int, int], offset: int,

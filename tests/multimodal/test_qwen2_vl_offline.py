@@ -10,6 +10,9 @@ never hits the prefix cache.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -254,3 +257,17 @@ def test_lora_adapter_made_by_peft_with_an_image(tiny_qwen2_vl, tmp_path):
                        lora_request=LoRARequest("vl", 1, str(tmp_path)))[0]
     assert out.outputs[0].token_ids == want
     assert want != hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)  # the adapter acts
+
+
+@pytest.mark.parametrize("key,value", [("merge_size", 1), ("patch_size", 7),
+                                       ("temporal_patch_size", 1)])
+def test_image_processor_that_does_not_fit_the_model(tiny_qwen2_vl, tmp_path, key, value):
+    """preprocessor_config.json disagreeing with the vision config is refused at start-up
+    (it failed inside the engine at the first image: a placeholder count the encoder's rows
+    do not match, or patches of the wrong width)."""
+    folder = tmp_path / "vl"
+    shutil.copytree(tiny_qwen2_vl.path, folder)
+    path = folder / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(ValueError, match=f"preprocessor_config.json has {key}={value}"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=32)
