@@ -137,6 +137,7 @@ class AsyncLLM:
     def _on_ready(self, ready: EngineReady) -> None:
         core = self.cores[ready.engine_index]
         core.state = ReplicaState.LIVE
+        logger.info("%s ready (pid %s)", self.replicas.name(core.index), core.pid)
         self.stats[core.index] = ready.stats
         self.metrics.reset_engine(core.index)
         self.metrics.record_engine_stats(ready.stats, core.index)

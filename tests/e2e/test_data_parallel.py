@@ -47,7 +47,7 @@ def dp_server(start_server, request):
 
 def replica_pids(server) -> dict[int, int]:
     """Replica index -> pid of its latest core process (from the server's log)."""
-    found = re.findall(r"engine core process (\d+) started \(pid (\d+)\)",
+    found = re.findall(r"engine core (\d+) of \d+ ready \(pid (\d+)\)",
                        server.log_path.read_text(errors="replace"))
     return {int(index): int(pid) for index, pid in found}
 
