@@ -157,16 +157,17 @@ class FairWaitingQueue(WaitingQueue):
         if flow not in self._flows:
             self.deficit.pop(flow, None)
 
-    def charge(self, num_scheduled_tokens: dict[str, int],
-               requests: dict[str, Request]) -> None:
-        """Charge every decode token of the step to its request's flow (prefill tokens were
-        paid at admission)."""
+    def charge(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request],
+               drafts: dict[str, list[int]] | None = None) -> None:
+        """Charge every decode token of the step to its request's flow, the draft tokens a
+        decode verifies (speculative decoding, ``drafts``) included: it computes them
+        (prefill tokens were paid at admission)."""
         deficit = self.deficit
         for rid, n in num_scheduled_tokens.items():
             request = requests.get(rid)
-            if n == 1 and request is not None:
+            if (n == 1 or (drafts and rid in drafts)) and request is not None:
                 flow = (request.priority, request.client_id)
-                deficit[flow] = deficit.get(flow, 0.0) - 1
+                deficit[flow] = deficit.get(flow, 0.0) - n
 
     def __len__(self) -> int:
         return self._size

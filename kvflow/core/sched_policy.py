@@ -79,9 +79,10 @@ class WaitingQueue:
         self._heap: list[tuple[tuple, int, Request]] = []
         self._counter = itertools.count()
 
-    def charge(self, num_scheduled_tokens: dict[str, int],
-               requests: dict[str, Request]) -> None:
-        """Account a step's tokens to their senders (only the fair queue uses this)."""
+    def charge(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request],
+               drafts: dict[str, list[int]] | None = None) -> None:
+        """Account a step's tokens (``drafts``: the draft tokens each decode verifies) to
+        their senders (only the fair queue uses this)."""
 
     def open(self, request: Request) -> None:
         """A request entered the scheduler (only the fair queue keeps count)."""

@@ -196,7 +196,8 @@ class Scheduler:
                                              skip_late=bool(self.planner.slos))
             if drained and budget > 0 and self.planner.slos:  # then those past their TTFT
                 admit_waiting(self, budget, cap, out, step_budget, now)
-        self.waiting.charge(out.num_scheduled_tokens, self.requests)
+        self.waiting.charge(out.num_scheduled_tokens, self.requests,
+                            out.scheduled_spec_decode_tokens)
         self.planner.note_step(out, self.requests)
         return out
 

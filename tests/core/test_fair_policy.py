@@ -6,10 +6,14 @@ times in fake-clock simulations against the FCFS and priority policies on the sa
 
 from __future__ import annotations
 
+import numpy as np
+
+from kvflow.config import SpeculativeConfig
 from kvflow.core.fair_queue import FairWaitingQueue
 from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.speculator import Speculator
 from tests.core.sim import FakeClock, SimRequest, assert_idle, make_sim_scheduler, simulate
 
 
@@ -72,6 +76,30 @@ def test_decode_tokens_are_charged_to_the_client():
     for _ in range(12):
         q.charge({"a-running": 1}, {"a-running": running})
     assert drain(q) == ["b0", "b1", "a0", "a1"]
+
+
+class _WrongDrafts(Speculator):
+    """Three drafts per decode, all wrong (every one is computed, then rejected)."""
+
+    def __init__(self) -> None:
+        super().__init__(SpeculativeConfig(num_speculative_tokens=3, adaptive=False), 4000)
+
+    def _candidate_drafts(self, request: Request, room: int):
+        return np.full(room, 7, np.int64)
+
+
+def test_draft_tokens_are_charged_to_the_client(make_scheduler, make_driver):
+    """With speculative decoding a decode computes 1 + 3 tokens: after the prefill (paid at
+    admission) and two decodes, A owes 2 x 4 = 8 tokens (decodes with drafts were charged
+    nothing, so long outputs cost no admissions)."""
+    sched = make_scheduler(policy="fair")
+    sched.speculator = _WrongDrafts()
+    drv = make_driver(sched)
+    drv.add(Request("x", [11, 12, 13, 14], SamplingParams(max_tokens=20, ignore_eos=True),
+                    client_id="A"))
+    steps = [drv.step().num_scheduled for _ in range(3)]
+    assert steps == [{"x": 4}, {"x": 4}, {"x": 4}]  # the prompt, then 1 + 3 drafts twice
+    assert sched.waiting.deficit == {(0, "A"): -8.0}
 
 
 def test_remove_and_peek_stay_consistent():
