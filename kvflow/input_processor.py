@@ -136,9 +136,12 @@ class InputProcessor:
         return prompt, self.tokenize(self.pooling_text(prompt))[1]
 
     def pooling_text(self, text: str) -> str:
-        """An embedding input as the model tokenizes it: lower-cased when its
-        sentence-transformers config says ``do_lower_case``."""
-        return text.lower() if self.pooler is not None and self.pooler.lowercase else text
+        """An embedding input as the model tokenizes it (sentence-transformers' rules): after
+        the model's default prompt, lower-cased when its config says ``do_lower_case``."""
+        if self.pooler is None:
+            return text
+        text = self.pooler.prompt + text
+        return text.lower() if self.pooler.lowercase else text
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked

@@ -10,7 +10,9 @@ differently. Without those files an encoder (BERT) pools its CLS token and a dec
 token, both normalized (vLLM's defaults). The ``Transformer`` module's
 ``sentence_bert_config.json`` is honoured as vLLM does: ``max_seq_length`` caps the context
 (sentence-transformers truncates there; kvflow refuses longer inputs, it never truncates) and
-``do_lower_case`` lower-cases text inputs before tokenizing.
+``do_lower_case`` lower-cases text inputs before tokenizing; the model's default prompt
+(``config_sentence_transformers.json``: ``prompts[default_prompt_name]``) is put before each
+text input, as ``SentenceTransformer.encode`` does.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PoolerConfig:
         max_seq_length: the longest input in tokens the model was set up for
             (``sentence_bert_config.json``), None when the folder does not say.
         lowercase: lower-case text inputs before tokenizing (``do_lower_case``).
+        prompt: text put before every text input (the default prompt), "" for none.
     """
 
     pooling_type: str
@@ -50,6 +53,7 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     max_seq_length: int | None = None
     lowercase: bool = False
+    prompt: str = ""
 
     def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
         """The model's context limit ``positions`` capped at ``max_seq_length``.
@@ -134,7 +138,30 @@ def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
         normalize = normalize or kind == "Normalize"
     if pooling is None:
         pooling = "cls" if is_encoder else "last"
-    return PoolerConfig(pooling, normalize, supports, dims, **text)
+    return PoolerConfig(pooling, normalize, supports, dims, **text,
+                        prompt=_default_prompt(folder))
+
+
+def _default_prompt(folder: str) -> str:
+    """The prompt ``SentenceTransformer.encode`` puts before every text by default:
+    ``prompts[default_prompt_name]`` of ``config_sentence_transformers.json`` ("" without one).
+
+    Raises:
+        ValueError: for a ``default_prompt_name`` that names no prompt (sentence-transformers
+            refuses to load such a model too).
+    """
+    path = os.path.join(folder, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return ""
+    config = _read_json(path)
+    name = config.get("default_prompt_name")
+    if name is None:
+        return ""
+    prompts = config.get("prompts")
+    prompt = prompts.get(name) if isinstance(prompts, dict) else None
+    if prompt is None:
+        raise ValueError(f"{path}: default_prompt_name={name!r} names no prompt in prompts")
+    return str(prompt)
 
 
 def _text_config(module_dir: str) -> dict[str, Any]:

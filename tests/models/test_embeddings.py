@@ -120,18 +120,25 @@ def test_tasks_and_bad_configs(decoder_folder, tiny_llama, tmp_path):
         LLM(model=dense, dtype="float32", device="cpu", num_kv_blocks=64)
 
 
-def test_sentence_bert_config_max_seq_length_and_lower_case(bert_folder):
-    """sentence_bert_config.json's ``max_seq_length`` caps the context (sentence-transformers
-    truncates there: kvflow refuses longer inputs rather than embed tokens the model never
-    sees) and ``do_lower_case`` lower-cases text, as sentence-transformers does (oracle)."""
-    from sentence_transformers import SentenceTransformer
-
-    folder, _ = bert_folder("mean")
-    path = os.path.join(folder, "sentence_bert_config.json")
+def _edit_json(path: str, **changes: Any) -> None:
     with open(path) as f:
         config = json.load(f)
     with open(path, "w") as f:
-        json.dump({**config, "max_seq_length": 12, "do_lower_case": True}, f)
+        json.dump({**config, **changes}, f)
+
+
+def test_sentence_transformers_text_settings(bert_folder):
+    """sentence_bert_config.json's ``max_seq_length`` caps the context (sentence-transformers
+    truncates there: kvflow refuses longer inputs rather than embed tokens the model never
+    sees), ``do_lower_case`` lower-cases text and config_sentence_transformers.json's default
+    prompt goes before each text, as sentence-transformers does (the oracle)."""
+    from sentence_transformers import SentenceTransformer
+
+    folder, _ = bert_folder("mean")
+    _edit_json(os.path.join(folder, "sentence_bert_config.json"), max_seq_length=12,
+               do_lower_case=True)
+    _edit_json(os.path.join(folder, "config_sentence_transformers.json"),
+               prompts={"query": "A ", "document": ""}, default_prompt_name="query")
     st = SentenceTransformer(folder, device="cpu")
     llm = LLM(model=folder, dtype="float32", device="cpu")
     assert llm.engine.processor.max_model_len == st.max_seq_length == 12
