@@ -220,7 +220,10 @@ class InputBatch:
         Raises:
             KeyError: for a cached request that has neither a row nor a state.
         """
-        for rid in sched.finished_ids:
+        # sorted: a set's order follows the process's string hashing, which differs between
+        # worker processes, and the order of removals decides which row moves where; every
+        # rank must lay out the same rows (TP all-reduces and PP stages pair rows by index)
+        for rid in sorted(sched.finished_ids):
             self.remove_request(rid)
         for rid in sched.preempted_ids:
             self.remove_request(rid)
