@@ -5,6 +5,7 @@ untouched; preemption keeps the matcher in step; bad constraints fail loudly, ne
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -129,13 +130,21 @@ def test_unbounded_grammar_stops_at_max_tokens(llm):
     assert set(outs[0].text) <= {"a"}
 
 
-def test_grammar_that_admits_nothing_ends_with_length(llm):
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_grammar_that_admits_nothing_ends_with_length(llm, tiny_llama, temperature):
     """min_tokens bans EOS, the only token a finished choice allows: nothing is allowed, so
-    the request ends at once with ``length`` instead of sampling a forbidden token."""
-    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+    the request ends at once with ``length`` instead of emitting a forbidden token. The tiny
+    vocabulary's EOS is id 0, what an all -inf row yields: it was emitted (min_tokens
+    broken, its logprob NaN)."""
+    assert tiny_llama.eos_token_id == 0
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=20, min_tokens=10,
+                            logprobs=1,
                             structured_outputs=StructuredOutputsParams(choice=["yes"]))
     out = _run(llm, [params], PROMPTS[:1])[0]
     assert out.finish_reason == "length" and out.text == "yes"
+    assert 0 not in out.token_ids
+    assert all(math.isfinite(entry[t].logprob) for entry, t in zip(out.logprobs,
+                                                                     out.token_ids))
 
 
 @pytest.mark.parametrize("kind, bad, needle", [

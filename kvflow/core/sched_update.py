@@ -156,8 +156,9 @@ def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
     """Append tokens until one finishes the request; returns those appended."""
     appended = []
     for token_id in token_ids:
-        if request.structured_output is not None and \
-                not request.structured_output.accept_token(token_id):
+        if request.structured_output is not None and (
+                banned_by_min_tokens(request, token_id) or
+                not request.structured_output.accept_token(token_id)):
             # the grammar admits no further token: the output is cut here (the matcher
             # advances before the token is appended, so both always agree)
             request.status = RequestStatus.FINISHED_LENGTH
@@ -167,6 +168,16 @@ def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
         if check_stop(request, token_id):
             break
     return appended
+
+
+def banned_by_min_tokens(request: Request, token: int) -> bool:
+    """Whether ``min_tokens`` bans ``token`` as the request's next token (a stop token
+    before ``min_tokens`` are out). Sampled anyway, it came from a row that allowed nothing:
+    a grammar whose only way on is the EOS that ``min_tokens`` bans (the row's logits all
+    -inf, its "sample" id 0, which is the EOS of some vocabularies)."""
+    if len(request.all_token_ids) >= request.min_stop_len:
+        return False
+    return token == request.stop_eos_id or token in request.sampling_params.stop_token_ids
 
 
 def check_stop(request: Request, token: int) -> bool:
