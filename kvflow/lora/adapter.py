@@ -98,7 +98,8 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
         ValueError: naming ``where`` and the field, for a non-LoRA PEFT type, DoRA, trained
             biases (``bias``, ``lora_bias``), ``modules_to_save``, ``fan_in_fan_out`` weights,
             activated LoRA (``alora_invocation_tokens``), ``layer_replication``,
-            ``target_parameters``, ``trainable_token_indices``, a rank (``r``,
+            ``target_parameters``, ``trainable_token_indices``, an ``init_lora_weights`` that
+            changed the base weights (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ), a rank (``r``,
             ``rank_pattern``) that is not a positive integer or is above ``max_rank``, or an
             alpha (``lora_alpha``, ``alpha_pattern``) that is not a number.
     """
@@ -121,7 +122,9 @@ def check_adapter_config(config: dict[str, Any], max_rank: int,
                ("target_parameters", config.get("target_parameters"),
                 "LoRA on parameters (e.g. fused MoE experts) is not supported"),
                ("trainable_token_indices", config.get("trainable_token_indices"),
-                "adapters that retrain token embeddings are not supported")]
+                "adapters that retrain token embeddings are not supported"),
+               ("init_lora_weights", _changes_base_weights(config.get("init_lora_weights")),
+                _BASE_CHANGED)]
     for name, bad, why in refused:
         if bad:
             raise ValueError(f"{where} {name}={config.get(name)!r}: {why}")
@@ -140,6 +143,21 @@ def rank_error(adapter: str, rank: int, max_rank: int, where: str) -> ValueError
     return ValueError(f"{named} ({where}): rank {rank} exceeds "
                       f"max_lora_rank={max_rank} (start the engine with --max-lora-rank "
                       f"{rank} or more)")
+
+
+_BASE_CHANGED = ("this initialization changed the base weights the adapter was trained on "
+                 "(peft rebuilds them when it loads the adapter; kvflow serves the unchanged "
+                 "base): convert it to a plain LoRA adapter with peft's save_pretrained("
+                 "path_initial_model_for_weight_conversion=...)")
+
+
+def _changes_base_weights(init: Any) -> bool:
+    """Whether a saved ``init_lora_weights`` means the adapter runs on modified base weights:
+    PiSSA (``pissa``, ``pissa_niter_K``), OLoRA, CorDA and LoRA-GA subtract the initial
+    adapter from the base; LoftQ replaces it by a quantized residual (peft's conversion to a
+    plain adapter saves ``init_lora_weights: true``)."""
+    return isinstance(init, str) and (init.lower().startswith("pissa") or
+                                      init.lower() in ("olora", "corda", "lora_ga", "loftq"))
 
 
 def _is_rank(value: Any) -> bool:

@@ -204,7 +204,12 @@ def test_bad_adapter_config_values_name_field_and_file(llm, adapters, tmp_path, 
     ({"target_parameters": ["experts.gate_up_proj"]},
      "target_parameters=['experts.gate_up_proj']"),
     ({"trainable_token_indices": [3, 4]}, "trainable_token_indices=[3, 4]"),
-], ids=["alora", "lora_bias", "layer_replication", "target_parameters", "trainable_tokens"])
+    # peft rebuilds a PiSSA / OLoRA base (W minus the initial adapter) when it loads one
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+    ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+    ({"init_lora_weights": "loftq"}, "init_lora_weights='loftq'"),
+], ids=["alora", "lora_bias", "layer_replication", "target_parameters", "trainable_tokens",
+        "pissa", "olora", "loftq"])
 def test_unsupported_peft_features_name_field_and_file(llm, adapters, tmp_path, changes, field):
     path = _edit_config(adapters["qv"], str(tmp_path / "unsupported"), **changes)
     with pytest.raises(ValueError) as exc:
