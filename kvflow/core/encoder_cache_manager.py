@@ -86,6 +86,7 @@ class EncoderCacheManager:
         """Record a planned chunk that was scheduled: reserve its encodes, pin the images
         it touches, and unpin those it finishes."""
         features = request.mm_features
+        to_encode = self._still_cached(request, start, start + num_new, to_encode)
         for i in to_encode:
             f = features[i]
             self._budget -= f.length
@@ -104,6 +105,25 @@ class EncoderCacheManager:
             self._pin(f, request.request_id, counted=i in to_encode)
             if f.identifier not in ahead:  # its last placeholder is computed this step
                 self._unpin(f.identifier, request.request_id)
+
+    def _still_cached(self, request: Request, start: int, end: int, to_encode: list[int]
+                      ) -> list[int]:
+        """``to_encode`` after re-checking the chunk's other images: one the plan found
+        cached may have been evicted since (making room for the chunk preempted the request
+        that pinned it). Its drop is still pending - the runners hold it this step - so the
+        drop is cancelled; were it gone, it is encoded again (appended to the list)."""
+        planned = {request.mm_features[i].identifier for i in to_encode}
+        for i, f in enumerate(request.mm_features):
+            if f.offset >= end or f.end <= start or f.identifier in self.cached or \
+                    f.identifier in planned:
+                continue
+            if f.identifier in self._to_free:
+                self._to_free.remove(f.identifier)
+                self.cached[f.identifier] = f.length
+            else:
+                to_encode = [*to_encode, i]
+                planned.add(f.identifier)
+        return to_encode
 
     def release(self, request: Request) -> None:
         """The request finished or was preempted: it needs none of its images now."""

@@ -133,3 +133,29 @@ def test_running_decodes_keep_their_token_every_step_while_images_are_encoded():
     assert steps == [({"d": 1, "a": 10}, {"a": [0]}),  # cut before y
                      ({"d": 1, "a": 9}, {"a": [1]}),
                      ({"d": 1, "a": 1}, {})]  # a's first decode
+
+
+def test_image_evicted_between_plan_and_commit_is_kept_for_the_chunk():
+    """A's chunk reaches x, cached only because b pins it (b is mid-x): the plan finds a hit.
+    Making room for the chunk preempts b (the running tail), which unpins x and, over the
+    1-token cache, evicts it. Committing a's chunk must keep x - the runners still hold it
+    this step, so its drop is cancelled - instead of a reading rows the runners drop with
+    the next step (and the manager failing a KeyError when a releases x)."""
+    enc = EncoderCacheManager(50, cache_size=1)
+    a = request("a", [("t", 4), ("x", 8), ("t", 1)])
+    b = request("b", [("x", 8), ("t", 1)])
+    out = SchedulerOutput()
+    enc.begin_step(out)
+    assert enc.plan(b, 0, 4) == (4, [0])
+    enc.commit(b, 0, 4, [0], out)  # b computes half of x: x encoded, pinned by b
+    out = SchedulerOutput()
+    enc.begin_step(out)
+    assert enc.plan(a, 0, 9) == (9, [])  # a hit
+    enc.release(b)  # b preempted for a's room: x unpinned, 8 > 1 token: evicted
+    enc.commit(a, 0, 9, [], out)
+    assert enc.cached == {"x": 8} and enc.pins == {"x": {"a"}}
+    out = SchedulerOutput()
+    enc.begin_step(out)
+    assert out.free_encoder_mm_hashes == []  # not dropped while a still needs it
+    enc.release(a)
+    assert enc.cached == {} and enc._unpinned_tokens == 0
