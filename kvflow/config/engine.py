@@ -45,7 +45,9 @@ class EngineConfig:
             ValueError: for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
                 parallelism or async scheduling; for LoRA with more than one rank or
-                replica; for GGUF weights kept quantized with tensor parallelism.
+                replica; for GGUF weights kept quantized with tensor parallelism; for async
+                scheduling with an executor of several ranks (checked here, before any
+                worker starts).
         """
         self._check_speculative()
         tp = self.parallel_config.tensor_parallel_size
@@ -55,6 +57,11 @@ class EngineConfig:
                              "ranks); use quantization='none' to dequantize the GGUF at load "
                              "and split it, or tensor_parallel_size=1")
         self.lora_config.verify_with_parallel(self.parallel_config)
+        backend = self.parallel_config.executor_backend
+        if self.scheduler_config.async_scheduling and backend != "uni":
+            raise ValueError(f"--async-scheduling needs a one-rank engine (the uni executor); "
+                             f"it is not available with the {backend} executor (tensor, "
+                             "pipeline or context parallelism) yet")
         cp, cc = self.parallel_config.context_parallel_size, self.cache_config
         if cp > 1 and cc.block_size % cp:
             raise ValueError(f"block_size={cc.block_size} must be a multiple of "

@@ -59,6 +59,8 @@ def test_ray_backend_without_ray_is_one_line(monkeypatch):
     ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model's 2 layers"),
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True},
      "enable_expert_parallel=True, but the model has no experts"),  # was silently ignored
+    ({"pipeline_parallel_size": 2, "async_scheduling": True},  # was after the workers loaded
+     "async-scheduling needs a one-rank engine.*the mp executor"),
 ])
 def test_model_that_does_not_split_fails_before_any_worker_starts(
         tiny_model_factory, monkeypatch, kwargs, needle):
