@@ -435,6 +435,9 @@ def test_metrics_counters_move(server, client, tokenizer):
     assert grew("kvflow:time_to_first_token_seconds_count") == 1
     assert grew("kvflow:e2e_request_latency_seconds_count") == 1
     assert grew("kvflow:inter_token_latency_seconds_count") == 4
+    assert grew("kvflow:request_time_per_output_token_seconds_count") == 1  # one sample
+    tpot = grew("kvflow:request_time_per_output_token_seconds_sum")  # mean of its 4 gaps
+    assert abs(tpot - grew("kvflow:inter_token_latency_seconds_sum") / 4) < 1e-3
     assert grew("kvflow:request_prompt_tokens_sum") == num_prompt
     assert grew("kvflow:request_generation_tokens_sum") == 5
     assert grew("kvflow:prefix_cache_queries_total") == num_prompt
