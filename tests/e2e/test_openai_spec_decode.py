@@ -75,6 +75,38 @@ def test_greedy_completions_and_metrics(server, tiny_chat_model):
     assert server.value(m, "kvflow:kv_cache_usage_perc") == 0
 
 
+def test_streamed_structured_output_with_usage(server, tiny_chat_model):
+    """A regex-constrained greedy completion streamed from the n-gram server, with
+    logprobs and continuous usage: the joined text is plain constrained decoding's and
+    matches the regex, every chunk's usage counts the tokens sent so far (a verification
+    step sends several), and drafts were accepted."""
+    import re
+
+    from kvflow.structured import StructuredOutputsParams
+
+    regex = "(ab ){6,9}(the|a) fox"
+    plain = LLM(model=tiny_chat_model, dtype="float32", num_kv_blocks=128, block_size=4)
+    expected = plain.generate(PROMPTS[1], SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)),
+        use_tqdm=False)[0].outputs[0]
+    before = server.value(server.metrics(), "kvflow:spec_decode_num_accepted_tokens_total")
+    stream = server.client().completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+        logprobs=1, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"structured_outputs": {"regex": regex}})
+    text, sent, finish = "", 0, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            sent += len(choice.logprobs.tokens) if choice.logprobs else 0
+            finish = choice.finish_reason or finish
+        assert chunk.usage.completion_tokens == sent
+    assert (text, finish) == (expected.text, "stop") and re.fullmatch(regex, text)
+    assert sent == len(expected.token_ids)
+    after = server.value(server.metrics(), "kvflow:spec_decode_num_accepted_tokens_total")
+    assert after > before
+
+
 @pytest.fixture(scope="module")
 def draft_server(servers):
     return servers[1]
