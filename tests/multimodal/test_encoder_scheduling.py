@@ -135,27 +135,33 @@ def test_running_decodes_keep_their_token_every_step_while_images_are_encoded():
                      ({"d": 1, "a": 1}, {})]  # a's first decode
 
 
+
 def test_image_evicted_between_plan_and_commit_is_kept_for_the_chunk():
-    """A's chunk reaches x, cached only because b pins it (b is mid-x): the plan finds a hit.
-    Making room for the chunk preempts b (the running tail), which unpins x and, over the
-    1-token cache, evicts it. Committing a's chunk must keep x - the runners still hold it
-    this step, so its drop is cancelled - instead of a reading rows the runners drop with
-    the next step (and the manager failing a KeyError when a releases x)."""
-    enc = EncoderCacheManager(50, cache_size=1)
-    a = request("a", [("t", 4), ("x", 8), ("t", 1)])
-    b = request("b", [("x", 8), ("t", 1)])
-    out = SchedulerOutput()
-    enc.begin_step(out)
-    assert enc.plan(b, 0, 4) == (4, [0])
-    enc.commit(b, 0, 4, [0], out)  # b computes half of x: x encoded, pinned by b
-    out = SchedulerOutput()
-    enc.begin_step(out)
-    assert enc.plan(a, 0, 9) == (9, [])  # a hit
-    enc.release(b)  # b preempted for a's room: x unpinned, 8 > 1 token: evicted
-    enc.commit(a, 0, 9, [], out)
-    assert enc.cached == {"x": 8} and enc.pins == {"x": {"a"}}
-    out = SchedulerOutput()
-    enc.begin_step(out)
-    assert out.free_encoder_mm_hashes == []  # not dropped while a still needs it
-    enc.release(a)
-    assert enc.cached == {} and enc._unpinned_tokens == 0
+    """Priority policy, small KV pool, 1-token encoder cache. b (low priority) has encoded x
+    and pins it (x comes again later in b); a (high priority, so ahead of b in the running
+    order) reaches x: the plan finds a hit. Making room for a's chunk preempts b, which
+    unpins x and evicts it. Committing a's chunk must keep x (the runners still hold it
+    this step: the drop is cancelled): it scheduled a chunk over rows the runners dropped
+    next step, and the scheduler raised KeyError when a released x."""
+    kv = KVCacheManager(fake_kv_cache_config(11, 4), enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, policy="priority"), kv, 512)
+    s.encoder = EncoderCacheManager(8, 1)
+    b = request("b", [("x", 4), ("t", 1), ("y", 8), ("t", 1), ("z", 8), ("t", 1), ("x", 4),
+                      ("t", 1)], max_tokens=3)
+    b.priority = 5
+    s.add_request(b)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 5}  # x encoded, cut before y (encoder budget)
+    a = request("a", [("t", 25), ("x", 4), ("t", 1)], max_tokens=3)
+    s.add_request(a)
+    finish_step(s, out)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 9, "a": 23}  # b cut before z; a before x
+    finish_step(s, out)
+    out = s.schedule()  # a reaches x (a hit), needs room: b preempted, x evicted
+    assert out.num_scheduled_tokens == {"a": 7} and out.preempted_ids == ["b"]
+    assert out.scheduled_encoder_inputs == {} and out.free_encoder_mm_hashes == ["y"]
+    while s.has_unfinished_requests():
+        finish_step(s, out)
+        out = s.schedule()
+    assert not s.encoder.pins and s.encoder.num_cached_tokens <= 4
