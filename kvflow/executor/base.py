@@ -33,9 +33,10 @@ class ExecutorError(RuntimeError):
 
 
 class WorkerConfigError(ExecutorError, ValueError):
-    """A worker raised ``ValueError`` while it started (built and loaded its part of the
-    model): bad input, as the same error is in one process (``kvflow`` exits 2 with one
-    line); the executor has shut every worker down."""
+    """A worker raised ``ValueError`` while the engine was being set up (building and loading
+    its part of the model, sizing or allocating its KV cache): bad input, as the same error
+    is in one process (``kvflow`` exits 2 with one line); the executor has shut every worker
+    down."""
 
 
 class StepFuture:
@@ -110,13 +111,13 @@ class Executor(ABC):
         raise ExecutorError(self._failed)
 
     def _fail_config(self, rank: int, message: str) -> NoReturn:
-        """A worker's start-up ``ValueError`` (``message`` without its type): shut the
+        """A worker's set-up ``ValueError`` (``message`` without its type): shut the
         workers down and raise it as bad input, naming the rank.
 
         Raises:
             WorkerConfigError: always.
         """
-        self._failed = f"{message} (worker rank {rank}, while loading the model)"
+        self._failed = f"{message} (worker rank {rank}, at engine start-up)"
         self.shutdown()
         raise WorkerConfigError(self._failed)
 

@@ -76,6 +76,7 @@ class WorkerProc:
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.connect(args.results_addr)
         self.worker: Worker | None = None
+        self.stepped = False  # a step message has arrived (the engine is set up)
         self.args = args
 
     def reply(self, kind: bytes, payload: bytes = b"") -> None:
@@ -91,9 +92,10 @@ class WorkerProc:
             while self._handle(*self.sub.recv_multipart()):
                 pass
         except Exception as e:  # noqa: BLE001 - reported to the executor, which stops all
-            # a ValueError while the worker starts is a configuration the model does not fit:
-            # the executor raises it as one line, so its traceback is only debug output here
-            config_error = self.worker is None and isinstance(e, ValueError)
+            # a ValueError before the first step (building the model, sizing or allocating
+            # the KV cache) is a configuration the model does not fit: the executor raises
+            # it as one line, so its traceback is only debug output here
+            config_error = not self.stepped and isinstance(e, ValueError)
             logger.log(logging.DEBUG if config_error else logging.ERROR,
                        "worker rank %d failed: %s", self.rank, traceback.format_exc())
             self.reply(b"error", f"{type(e).__name__}: {e}".encode())
@@ -105,6 +107,7 @@ class WorkerProc:
     def _handle(self, kind: bytes, payload: bytes) -> bool:
         """Apply one message; False on ``stop``."""
         if kind == b"step":
+            self.stepped = True
             sched, bitmask = self.codec.decode_step(payload)
             result = self.worker.execute_model(sched, bitmask)
             if self.worker.is_driver:

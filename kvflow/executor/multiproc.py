@@ -188,14 +188,19 @@ class MultiprocExecutor(Executor):
         """The next reply; polls the workers' health while waiting.
 
         Raises:
-            ExecutorError: if a worker died or reported an error.
+            WorkerConfigError: if a worker raised ValueError before the first step (the
+                engine's set-up calls: KV-cache specs, memory, allocation).
+            ExecutorError: if a worker died or reported another error.
         """
         self._check_failed()
         while not self._pull.poll(_POLL_MS):
             self._check_alive()
         kind, rank, payload = self._pull.recv_multipart()
         if kind == b"error":
-            self._fail_from_error(int(rank), payload.decode())
+            message = payload.decode()
+            if self._sent == 0 and message.startswith("ValueError: "):  # engine set-up RPCs
+                self._fail_config(int(rank), message.removeprefix("ValueError: "))
+            self._fail_from_error(int(rank), message)
         return [kind, rank, payload]
 
     # ---- failure and shutdown ------------------------------------------------------------------

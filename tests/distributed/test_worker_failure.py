@@ -62,3 +62,40 @@ def test_a_worker_start_up_value_error_is_one_cli_line_exit_2(tiny_llama, capfd)
     assert rc == 2 and len(err) == 1, err
     assert "quantization_group_size=64 does not divide the 32 input columns each of " \
            "tensor_parallel_size=2 ranks" in err[0]
+
+
+class _OneReply:
+    """A results socket holding one reply."""
+
+    def __init__(self, *frames: bytes) -> None:
+        self.frames = list(frames)
+
+    def poll(self, timeout_ms: int) -> int:
+        return 1
+
+    def recv_multipart(self) -> list[bytes]:
+        return self.frames
+
+
+@pytest.mark.parametrize("steps_sent, is_value_error", [(0, True), (3, False)])
+def test_a_value_error_during_engine_set_up_is_bad_input(monkeypatch, steps_sent,
+                                                         is_value_error):
+    """A worker's ValueError in the engine's set-up calls (before any step: e.g. a quantized
+    KV cache for an MLA model, found when the KV cache is laid out) is raised as a ValueError
+    naming the rank (was ExecutorError: a traceback and exit 1 from ``kvflow``); once steps
+    run, a worker's error is an engine failure as before. No process: the executor's reply
+    socket is replaced."""
+    from kvflow.executor import WorkerConfigError
+    from kvflow.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._failed, executor._procs, executor._sent = None, [], steps_sent
+    executor._pull = _OneReply(b"error", b"1", b"ValueError: kv_cache_dtype='int8' is not "
+                                               b"supported for MLA")
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    with pytest.raises(ExecutorError, match="kv_cache_dtype='int8' is not supported for MLA"
+                       ) as err:
+        executor._recv()
+    assert isinstance(err.value, ValueError) is is_value_error
+    assert isinstance(err.value, WorkerConfigError) is is_value_error
+    assert ("worker rank 1, at engine start-up" in str(err.value)) is is_value_error
