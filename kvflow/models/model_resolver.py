@@ -23,6 +23,7 @@ location is found with ``importlib.util.find_spec``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 
@@ -241,8 +242,25 @@ def _resolve_directory(path: str, model: str) -> ModelSource:
     found = f"{len(ggufs)} .gguf files ({', '.join(ggufs)})" if ggufs else "no .gguf file"
     raise ValueError(
         f"Model directory {model!r} has no config.json and {found}; pass a directory with "
-        "config.json or a single .gguf file"
+        f"config.json or a single .gguf file{_adapter_hint(path)}"
     )
+
+
+def _adapter_hint(path: str) -> str:
+    """For a PEFT adapter folder (``adapter_config.json``) given as the model: how to serve
+    it (its base model, named by the adapter when it says, with LoRA on); else ''."""
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        return ""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    model = repr(base) if isinstance(base, str) and base else "its base model"
+    return (f". It is a LoRA adapter (adapter_config.json): serve {model} with --enable-lora "
+            f"--lora-modules NAME={path} (Python: LLM(model=..., enable_lora=True) and "
+            "lora_request=LoRARequest(...))")
 
 
 def _resolve_file(path: str, model: str) -> ModelSource:

@@ -310,3 +310,10 @@ def test_gemma3_adapter_matches_peft(tiny_model_factory, tmp_path):
                           lora_request=LoRARequest("gemma", 1, path), use_tqdm=False)
     got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
     assert got == pytest.approx(_peft_prompt_logprobs(tiny.path, path, ids), abs=1e-4)
+
+
+def test_adapter_folder_given_as_the_model_says_how_to_serve_it(tiny_llama, adapters):
+    with pytest.raises(ValueError, match="has no config.json") as exc:
+        LLM(model=adapters["qv"], device="cpu")
+    assert (f"It is a LoRA adapter (adapter_config.json): serve {tiny_llama.path!r} with "
+            f"--enable-lora --lora-modules NAME={adapters['qv']}") in str(exc.value)
