@@ -155,11 +155,6 @@ class BlockPool:
         for block in list(self._free.values()):
             self._evict_hash(block)
 
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Take ``block`` out of the prefix cache (no-op if it is not in it); its ref count
-        and place are unchanged."""
-        self._evict_hash(block)
-
     def _evict_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]

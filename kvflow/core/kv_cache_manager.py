@@ -241,18 +241,6 @@ class KVCacheManager:
             m.free_tail(rid, keep)
         return keep
 
-    def uncache_from(self, request: Request, num_tokens: int) -> None:
-        """Take the request's blocks from the one holding token ``num_tokens`` on out of the
-        prefix cache (a failed step: they were indexed when allocated, but their K/V were not
-        written). The blocks stay the request's."""
-        rid, first = request.request_id, num_tokens // self.block_size
-        for m in self.managers:
-            for block in m.req_to_blocks.get(rid, [])[first:]:
-                if block is not self.pool.null_block:
-                    self.pool.uncache(block)
-        if self._num_hashed.get(rid, 0) > first:
-            self._num_hashed[rid] = first
-
     def free(self, request: Request) -> None:
         """Release every block of the request (last group first, each tail first, so its tail
         is evicted before its shared prefix)."""

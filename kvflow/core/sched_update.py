@@ -72,25 +72,19 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
 
 def discard_failed_steps(sched: Scheduler, outs: list[SchedulerOutput]) -> None:
     """``Scheduler.fail_steps``: abort the requests scheduled in steps that did not complete,
-    and take out of the prefix cache every block those steps were to fill (indexed when
-    allocated, but their K/V were never written, or only partly: a later request with the
-    same prefix would read them). A request swapped out by such a step is recomputed
-    instead (its blocks were never copied to the host)."""
-    first: dict[str, int] = {}  # request id -> its first token the failed steps computed
+    then take the free blocks out of the prefix cache. The steps' blocks were indexed when
+    allocated, but their K/V were never written (or only partly), and a later request with
+    the same prefix would read them; once their requests are aborted (and any preempted by a
+    later failed step already is) they are all free, while every block a running request
+    holds was written by a step that completed. A request swapped out by such a step is
+    recomputed instead (its blocks were never copied to the host)."""
+    scheduled: list[str] = []
     for out in outs:
-        cached = out.scheduled_cached_reqs
-        starts = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
-        starts += [(rid, 0 if rid in cached.resumed_req_ids else computed)  # swap-ins too
-                   for rid, computed in zip(cached.req_ids, cached.num_computed_tokens)]
-        for rid, start in starts:
-            first[rid] = min(start, first.get(rid, start))
+        scheduled += out.num_scheduled_tokens
         for rid in out.preempted_ids:
             _forget_swap_out(sched, rid)
-    for rid, start in first.items():
-        request = sched.requests.get(rid)
-        if request is not None:
-            sched.kv.uncache_from(request, start)
-    sched.finish_requests(list(first), RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
+    sched.kv.reset_prefix_cache()
 
 
 def _forget_swap_out(sched: Scheduler, request_id: str) -> None:

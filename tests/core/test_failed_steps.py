@@ -37,6 +37,29 @@ def test_two_failed_steps_in_flight_leave_no_hit(make_scheduler, make_driver, ma
     assert res["b"].output_token_ids == oracle(prompt, 3)
 
 
+def test_a_request_preempted_by_a_later_failed_step_leaves_no_hit(make_scheduler, make_driver,
+                                                                  make_request, oracle):
+    """Two steps in flight: the first computes a's tokens 7..13 (its blocks 1 and 2 indexed,
+    never written), the second preempts a (its 5th block does not fit the 7 usable), freeing
+    those blocks before the failure is known; b, a's prompt afterwards, must not hit them."""
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=8)
+    drv = make_driver(sched)
+    prompt = list(range(2, 20))  # 18 tokens
+    drv.add(make_request("o", list(range(100, 108)), max_tokens=20, ignore_eos=True))
+    drv.add(make_request("a", prompt, max_tokens=2, ignore_eos=True))
+    assert [drv.step().num_scheduled for _ in range(2)] == [{"o": 8}, {"o": 1, "a": 7}]
+    steps = []
+    for _ in range(2):
+        steps.append(sched.schedule())
+        drv.prepare(steps[-1])
+    assert steps[0].num_scheduled_tokens == {"o": 1, "a": 7} and steps[1].preempted_ids == ["a"]
+    sched.fail_steps(steps)
+    drv.add(make_request("b", prompt, max_tokens=3, ignore_eos=True))
+    res = drv.run()
+    assert res["b"].num_cached_tokens == 0
+    assert res["b"].output_token_ids == oracle(prompt, 3)
+
+
 def test_a_swap_out_in_a_failed_step_is_recomputed(make_scheduler, make_driver, make_request,
                                                    oracle):
     """v (300 computed tokens: swapped rather than recomputed) is preempted by the step in
