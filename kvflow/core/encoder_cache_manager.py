@@ -130,6 +130,20 @@ class EncoderCacheManager:
         for f in request.mm_features or ():
             self._unpin(f.identifier, request.request_id)
 
+    def forget(self, identifiers: set[str]) -> None:
+        """Images whose encode was scheduled in steps that failed (the model raised): the
+        runners may never have stored them. Taken out of the mirror, and dropped by any
+        runner that did store them, so a later request encodes them again (a hit would read
+        rows that do not exist). Call once the failed steps' requests released them."""
+        for identifier in identifiers:
+            size = self.cached.pop(identifier, None)
+            if size is None:
+                continue
+            self.pins.pop(identifier, None)
+            if self.unpinned.pop(identifier, None) is not None:
+                self._unpinned_tokens -= size
+            self._to_free.append(identifier)
+
     # ---- pins and eviction -------------------------------------------------------------------
     def _pin(self, f: MultiModalFeature, request_id: str, counted: bool) -> None:
         pins = self.pins.setdefault(f.identifier, set())
@@ -150,7 +164,9 @@ class EncoderCacheManager:
         if pins:
             return
         del self.pins[identifier]
-        size = self.cached[identifier]
+        size = self.cached.get(identifier)
+        if size is None:  # forgotten after a failed step: nothing to keep
+            return
         self.unpinned[identifier] = size
         self._unpinned_tokens += size
         while self._unpinned_tokens > self.cache_size:

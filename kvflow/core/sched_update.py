@@ -77,14 +77,29 @@ def discard_failed_steps(sched: Scheduler, outs: list[SchedulerOutput]) -> None:
     the same prefix would read them; once their requests are aborted (and any preempted by a
     later failed step already is) they are all free, while every block a running request
     holds was written by a step that completed. A request swapped out by such a step is
-    recomputed instead (its blocks were never copied to the host)."""
+    recomputed instead (its blocks were never copied to the host). The images those steps
+    were to encode leave the encoder-cache mirror (the runners may not hold them)."""
     scheduled: list[str] = []
     for out in outs:
         scheduled += out.num_scheduled_tokens
         for rid in out.preempted_ids:
             _forget_swap_out(sched, rid)
+    lost = _scheduled_encodes(sched, outs)
     sched.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
     sched.kv.reset_prefix_cache()
+    if sched.encoder is not None:  # the runners may not hold what those steps encoded
+        sched.encoder.forget(lost)
+
+
+def _scheduled_encodes(sched: Scheduler, outs: list[SchedulerOutput]) -> set[str]:
+    """Identifiers of the images the steps ``outs`` were to encode."""
+    lost = set()
+    for out in outs:
+        for rid, indices in out.scheduled_encoder_inputs.items():
+            request = sched.requests.get(rid)
+            if request is not None and request.mm_features:
+                lost.update(request.mm_features[i].identifier for i in indices)
+    return lost
 
 
 def _forget_swap_out(sched: Scheduler, request_id: str) -> None:

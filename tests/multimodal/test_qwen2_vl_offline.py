@@ -271,3 +271,25 @@ def test_image_processor_that_does_not_fit_the_model(tiny_qwen2_vl, tmp_path, ke
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
     with pytest.raises(ValueError, match=f"preprocessor_config.json has {key}={value}"):
         LLM(str(folder), dtype="float32", num_kv_blocks=32)
+
+
+def test_a_failed_encoder_step_does_not_poison_the_image(llm, tiny_qwen2_vl, monkeypatch,
+                                                          assert_no_leaks):
+    """The vision encoder raises in the step that encodes an image: its request is aborted.
+    The same image afterwards is encoded again and gives transformers' tokens (the scheduler
+    kept it as cached, so every later request with it failed on the missing rows)."""
+    model = llm.engine.core.executor.runner.mm_runner.model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated encoder failure")
+
+    image = random_image(84, 70, 50)
+    prompt = {"prompt": f"a {PLACEHOLDER} b", "multi_modal_data": {"image": image}}
+    monkeypatch.setattr(model, "embed_multimodal", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(prompt, greedy())
+    monkeypatch.undo()
+    out = llm.generate(prompt, greedy())[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, prompt["prompt"], [image],
+                                                   MAX_TOKENS)
+    assert_no_leaks(llm)
