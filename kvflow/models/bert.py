@@ -113,8 +113,8 @@ class BertModel(nn.Module):
         parallel: must be one rank.
 
     Raises:
-        ValueError: for tensor or pipeline parallelism, or a position embedding type other
-            than ``absolute``.
+        ValueError: for tensor or pipeline parallelism, a position embedding type other
+            than ``absolute``, or ``is_decoder`` (causal attention).
     """
 
     is_encoder_only: ClassVar[bool] = True
@@ -132,6 +132,9 @@ class BertModel(nn.Module):
         kind = getattr(config, "position_embedding_type", "absolute")
         if kind != "absolute":
             raise ValueError(f"BERT position_embedding_type={kind!r} is not supported")
+        if getattr(config, "is_decoder", False):
+            raise ValueError("BERT is_decoder=True (causal self-attention) is not supported: "
+                             "kvflow runs BERT as a bidirectional encoder")
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config, ctx)

@@ -79,3 +79,17 @@ def test_architecture_not_served_is_named(tiny_llama, tmp_path, architectures, m
     path = _edited_copy(tiny_llama, tmp_path / "model", architectures=architectures)
     with pytest.raises(ValueError, match=message):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+
+
+def test_bert_decoder_is_refused(tiny_tokenizer, tmp_path):
+    """transformers' BertModel with ``is_decoder`` attends causally; kvflow's encoder would
+    attend both ways."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, intermediate_size=128, is_decoder=True,
+                        architectures=["BertModel"])
+    BertModel(config).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="BERT is_decoder=True"):
+        LLM(model=str(tmp_path), dtype="float32", device="cpu")
