@@ -193,6 +193,9 @@ def test_schema_keywords_the_grammar_ignores_are_refused(schema, violating, keyw
     validate(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}],
                                            "allOf": [{"minimum": 1}], "multipleOf": 3,
                                            "type": "integer", "uniqueItems": False}))
+    validate(StructuredOutputsParams(json={  # properties named like keywords; empty ones
+        "type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
+        "dependentRequired": {}}))
 
 
 def test_params_validation_and_msgspec_round_trip():

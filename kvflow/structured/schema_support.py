@@ -26,6 +26,8 @@ _UNENFORCED = {
     "dependentSchemas": "the dependent schemas are not applied",
     "dependencies": "the dependent properties are not required",
 }
+# keywords that ask for nothing when empty (or 0)
+_EMPTY_IS_NOTHING = ("uniqueItems", "dependentRequired", "dependentSchemas", "dependencies")
 # keywords whose value is one subschema / a list of them / a name -> subschema map
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
         "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
@@ -56,7 +58,7 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     """(keyword, why) for a keyword of this schema object itself, else None."""
     for key, why in _UNENFORCED.items():
         value = schema.get(key)
-        if value is None or value is False or (key == "dependencies" and not value):
+        if value is None or value is False or (not value and key in _EMPTY_IS_NOTHING):
             continue
         return key, why
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
