@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvflow.config.cpu_isa import forced_isa_level
 from kvflow.config.options import check_choices, opt
-from kvflow.kernels.cpu_build import forced_isa_level
 
 
 def cache_dir() -> str:
