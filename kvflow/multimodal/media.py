@@ -5,7 +5,8 @@ which limit it broke, so the server answers 400 with it and the offline API rais
 
 * a data URL must be ``data:image/<png|jpeg|webp|gif|bmp>;base64,<payload>`` with valid base64;
 * an http(s) URL is fetched only from a host named in ``--allowed-media-domains`` (exact host
-  match; redirects to other hosts are refused), within ``--media-fetch-timeout``;
+  match; redirects to other hosts are refused), within ``--media-fetch-timeout`` (the whole
+  download, not each read);
 * the encoded image may hold at most ``--max-image-bytes``; its width x height, read from
   the header before any pixel is decoded, at most ``--max-image-pixels``;
 * it must decode completely (a truncated file is refused, never padded) in one of the formats
@@ -22,6 +23,7 @@ import base64
 import binascii
 import io
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -106,17 +108,37 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
         raise MediaError(f"fetching images from {host!r} is not allowed ({hint}); or send "
                          "the image inline as a data: URL")
     opener = urllib.request.build_opener(_AllowListRedirects(allowed))
+    deadline = time.monotonic() + config.media_fetch_timeout
     try:
         with opener.open(url, timeout=config.media_fetch_timeout) as response:
-            body = response.read(config.max_image_bytes + 1)
+            body = _read_until(response, config.max_image_bytes + 1, deadline)
     except MediaError:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise MediaError(f"cannot fetch the image from {url!r}: {e}") from None
+    if body is None:
+        raise MediaError(f"fetching the image from {url!r} took longer than "
+                         f"{config.media_fetch_timeout} s (--media-fetch-timeout)")
     if len(body) > config.max_image_bytes:
         raise MediaError(f"the image at {url!r} exceeds {config.max_image_bytes} bytes "
                          "(--max-image-bytes)")
     return body
+
+
+def _read_until(response, limit: int, deadline: float) -> bytes | None:
+    """At most ``limit`` bytes of ``response``, or None once ``time.monotonic()`` passes
+    ``deadline`` (the socket timeout bounds each read only: a server sending a byte now and
+    then would hold the fetch for as long as it liked)."""
+    chunks, size = [], 0
+    while size < limit:
+        if time.monotonic() > deadline:
+            return None
+        chunk = response.read1(min(65536, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 class _AllowListRedirects(urllib.request.HTTPRedirectHandler):

@@ -10,6 +10,7 @@ import base64
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -32,6 +33,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(PNG)))
             self.end_headers()
             self.wfile.write(PNG)
+        elif self.path == "/slow.png":  # the PNG in ten pieces, 0.3 s apart
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            try:
+                for k in range(10):
+                    self.wfile.write(PNG[k * len(PNG) // 10:(k + 1) * len(PNG) // 10])
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except OSError:  # the client gave up
+                pass
         elif self.path.startswith("/redirect"):
             host = self.path.split("=", 1)[1]
             self.send_response(302)
@@ -82,6 +94,16 @@ def test_download_byte_cap_and_http_errors(image_host):
     config = MultiModalConfig(allowed_media_domains="127.0.0.1")
     with pytest.raises(MediaError, match="cannot fetch.*404"):
         load_image_url(f"http://127.0.0.1:{image_host}/missing.png", config)
+
+
+def test_fetch_timeout_bounds_the_whole_download(image_host):
+    """A host that keeps sending a little at a time (each read well within the timeout) is
+    cut off once the download as a whole passes --media-fetch-timeout (it ran 3 s)."""
+    config = MultiModalConfig(allowed_media_domains="127.0.0.1", media_fetch_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="took longer than 0.5 s"):
+        load_image_url(f"http://127.0.0.1:{image_host}/slow.png", config)
+    assert time.monotonic() - start < 1.5
 
 
 @pytest.mark.parametrize("domains", ["http://example.com", "example.com:80", "a.com/x"])
