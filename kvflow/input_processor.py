@@ -123,9 +123,10 @@ class InputProcessor:
         ``pooling_text`` prepares it.
 
         Raises:
-            ValueError: for a malformed prompt, or one with images (``multi_modal_data``):
-                embeddings are computed from text or token ids only.
+            ValueError: on a generation model, for a malformed prompt, or one with images
+                (``multi_modal_data``): embeddings are computed from text or token ids only.
         """
+        self._require_pooler()
         if isinstance(prompt, Mapping):
             prompt, images = self._unpack(prompt)
             if images:
@@ -134,6 +135,12 @@ class InputProcessor:
         if not isinstance(prompt, str):
             return self.tokenize(prompt)
         return prompt, self.tokenize(self.pooling_text(prompt))[1]
+
+    def _require_pooler(self) -> None:
+        """Raises ValueError on a generation model (no pooling)."""
+        if self.pooler is None:
+            raise ValueError("this model generates text: embeddings need a model served with "
+                             "task='embed' (--task embed)")
 
     def pooling_text(self, text: str) -> str:
         """An embedding input as the model tokenizes it (sentence-transformers' rules): after
@@ -279,9 +286,7 @@ class InputProcessor:
                 placeholders included), or a ``dimensions`` the model cannot give
                 (Matryoshka support, sizes).
         """
-        if self.pooler is None:
-            raise ValueError("this model generates text: embeddings need a model served with "
-                             "task='embed' (--task embed)")
+        self._require_pooler()
         params = params or PoolingParams()
         self.validate(token_ids, pooling=True)
         if self.mm_processor is not None and self.mm_processor.image_token_id in token_ids:

@@ -293,3 +293,10 @@ def test_a_failed_encoder_step_does_not_poison_the_image(llm, tiny_qwen2_vl, mon
     assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, prompt["prompt"], [image],
                                                    MAX_TOKENS)
     assert_no_leaks(llm)
+
+
+def test_embed_on_a_generation_model_names_the_task(llm):
+    """The task is the first thing wrong with embedding images on a generation model."""
+    prompt = {"prompt": PLACEHOLDER, "multi_modal_data": {"image": random_image(28, 28, 0)}}
+    with pytest.raises(ValueError, match="task='embed'"):
+        llm.embed(prompt)
