@@ -63,7 +63,7 @@ def test_whole_and_streamed_calls_agree(parser, text, names):
 def test_hermes_content_only_and_cut_call():
     parser = HermesToolParser()
     assert parser.parse("just text <tool", final=True).content == "just text <tool"
-    assert parser.parse("just text <tool", final=False).content == "just text "
+    assert parser.parse("just text <tool", final=False).content == "just text"
     cut = parser.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1', final=True)
     assert cut.calls[0].name == "add" and not cut.calls[0].complete
 
@@ -143,3 +143,57 @@ def test_history_calls_as_text_parse_back(parser, expected):
     assert parsed.content == ""
     assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == \
         [("get_weather", {"city": "東京", "q": 'a "b" }'}, True), ("add", {}, True)]
+
+
+def _chat_stream(out, text: str, chunk: int, finish: str):
+    """(content or None, [(name, arguments)] or None, finish_reason) as a client joins a
+    stream of ``text`` in ``chunk``-character deltas through ``ChatOutputParser.delta``."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    state, content, calls, reason = out.stream_state(), "", {}, None
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for i, piece in enumerate(pieces):
+        delta, reason = ChatOutputParser.delta(state, piece,
+                                               finish if i == len(pieces) - 1 else None)
+        for call in (delta.tool_calls or []) if delta else []:
+            entry = calls.setdefault(call.index, [None, ""])
+            entry[0] = call.function.name or entry[0]
+            entry[1] += call.function.arguments or ""
+        content += (delta.content or "") if delta else ""
+    return content or None, [tuple(calls[i]) for i in sorted(calls)] or None, reason
+
+
+@pytest.mark.parametrize("parser, text, expected", [
+    # whitespace before a call: not sent as content by the stream either
+    (HermesToolParser(), 'Hi \n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+     ("Hi", [("f", '{"a": 1}')], "tool_calls")),
+    # arguments that are not JSON: the stream sent them, so the message has them too
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {bad}}</tool_call>',
+     (None, [("f", "{bad}")], "tool_calls")),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": 1',
+     (None, [("f", '{"a": 1')], "tool_calls")),
+    # a nameless object is no call, and does not shift the next call's index
+    (HermesToolParser(), ('<tool_call>{"x": 1}</tool_call><tool_call>{"name": "g", '
+                          '"arguments": {}}</tool_call>'), (None, [("g", "{}")], "tool_calls")),
+    # no arguments member: {} (JSON text), not ""
+    (HermesToolParser(), '<tool_call>{"name": "f"}</tool_call>',
+     (None, [("f", "{}")], "tool_calls")),
+    # no usable call: the model's text is content, not dropped
+    (HermesToolParser(), 'See <tool_call>not json</tool_call>',
+     ("See <tool_call>not json</tool_call>", None, "stop")),
+    (Llama3JsonToolParser(), '{"answer": 42}', ('{"answer": 42}', None, "stop")),
+    # forced arguments: surrounding whitespace is never streamed
+    (NamedToolParser("f"), '  {"a": 1}  ', (None, [("f", '{"a": 1}')], "tool_calls")),
+], ids=["hermes-ws", "hermes-bad-json", "llama3-unclosed", "hermes-nameless",
+        "hermes-no-args", "hermes-no-json", "llama3-json-reply", "named-ws"])
+def test_malformed_output_streamed_equals_whole(parser, text, expected):
+    """Hand-written expectations for odd model output; the stream, split every way, joins to
+    exactly the non-streamed message (content, calls, finish_reason)."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(parser, None)
+    message, finish = out.message(text, "stop")
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert (message.content, calls or None, finish) == expected
+    for chunk in range(1, len(text) + 1):
+        assert _chat_stream(out, text, chunk, "stop") == expected, chunk

@@ -42,19 +42,20 @@ class ChatOutputParser:
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[ChatResponseMessage, str | None]:
-        """The whole message and its finish reason (``tool_calls`` when the reply is
-        complete tool calls; ``length`` stays ``length``). It carries what the streamed
-        deltas carry: a call cut by ``max_tokens`` is reported with its partial arguments,
-        and text the parser treats as a call is never repeated as content."""
+        """The whole message and its finish reason (``tool_calls`` when the reply stopped
+        with tool calls; ``length`` stays ``length``). It carries exactly what the streamed
+        deltas carry: every call whose name the parser read, with its arguments text as
+        written (partial when ``max_tokens`` cut it, and possibly not valid JSON: OpenAI
+        documents that clients must check), and text the parser treats as a call is never
+        repeated as content."""
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
         if self.tool_parser is None:
             return ChatResponseMessage(content=content, reasoning_content=reasoning), \
                 finish_reason
         parsed = self.tool_parser.parse(content, True)
-        cut = finish_reason == "length"
         calls = [ToolCall(id=new_tool_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in parsed.calls if c.complete or (cut and c.name)]
+                 for c in parsed.calls if c.name]
         if not calls:
             return ChatResponseMessage(content=parsed.content or None,
                                        reasoning_content=reasoning), finish_reason

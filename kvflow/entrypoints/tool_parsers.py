@@ -5,7 +5,8 @@ the content, and the tool calls as raw text spans (name, arguments). Streaming r
 growing text and sends only what is new (``StreamingToolState``); because a call's arguments
 are a span of the text that only grows, the streamed argument pieces always join to exactly
 the non-streamed ``arguments``. Parsing is span scanning over the model's JSON (strings, nesting,
-escapes), not a JSON grammar: the grammar backend does the constraining.
+escapes; ``json_spans``), not a JSON grammar: the grammar backend does the constraining.
+Streamed or not, a reply carries the same calls: every call whose name was read.
 
 Parsers: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen2.5,
 Hermes, SmolLM2 prompts), ``llama3_json`` (``{"name": ..., "parameters": {...}}``, several
@@ -20,85 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-
-# ---- JSON span scanning ------------------------------------------------------------------------
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def _scan_string(text: str, i: int) -> int | None:
-    """``text[i] == '"'``; index after the closing quote, or None if the text ends first."""
-    i += 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == '"':
-            return i + 1
-        i += 1
-    return None
-
-
-def scan_value(text: str, i: int) -> int | None:
-    """End index of the JSON value starting at ``text[i]``, or None if it is not complete
-    (a bare number or literal is complete only once a delimiter follows it)."""
-    if i >= len(text):
-        return None
-    if text[i] == '"':
-        return _scan_string(text, i)
-    if text[i] in "{[":
-        depth = 0
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                end = _scan_string(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
-    j = i
-    while j < len(text) and text[j] not in ",}] \t\r\n;<":
-        j += 1
-    return j if j < len(text) else None
-
-
-def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
-    """Members of the (possibly incomplete) JSON object at ``text[i] == '{'``: key ->
-    (value start, value end or None), and the object's end index or None."""
-    members: dict[str, tuple[int, int | None]] = {}
-    i = _skip_ws(text, i + 1)
-    while i < len(text):
-        if text[i] == "}":
-            return members, i + 1
-        if text[i] == ",":
-            i = _skip_ws(text, i + 1)
-            continue
-        key_end = _scan_string(text, i) if text[i] == '"' else None
-        if key_end is None:
-            return members, None
-        key = json.loads(text[i:key_end])
-        i = _skip_ws(text, key_end)
-        if i >= len(text) or text[i] != ":":
-            return members, None
-        start = _skip_ws(text, i + 1)
-        if start >= len(text):
-            return members, None
-        end = scan_value(text, start)
-        members[key] = (start, end)
-        if end is None:
-            return members, None
-        i = _skip_ws(text, end)
-    return members, None
+from kvflow.entrypoints.json_spans import object_members, skip_ws
 
 
 # ---- parsed output -------------------------------------------------------------------------------
@@ -120,22 +43,36 @@ class ParsedOutput:
 
 def _call_from_object(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[ParsedCall,
                                                                                    int | None]:
-    """The call in the JSON object at ``text[start]``; returns it and the object's end."""
+    """The call in the JSON object at ``text[start]``; returns it and the object's end. An
+    ended object without an arguments member has arguments ``{}`` (OpenAI's arguments are
+    JSON text; the stream sends that ``{}`` once the object ends)."""
     members, end = object_members(text, start)
     call = ParsedCall()
     name_span = members.get("name")
     if name_span is not None and name_span[1] is not None:
         try:
-            call.name = json.loads(text[name_span[0]:name_span[1]])
+            name = json.loads(text[name_span[0]:name_span[1]])
         except json.JSONDecodeError:
-            call.name = None
+            name = None
+        call.name = name if isinstance(name, str) and name else None
     for key in args_keys:
         if key in members:
             a, b = members[key]
             call.arguments = text[a:b] if b is not None else text[a:]
             break
+    else:
+        if end is not None:
+            call.arguments = "{}"
     call.complete = end is not None and call.name is not None and _is_json(call.arguments)
     return call, end
+
+
+def _add_call(out: ParsedOutput, call: ParsedCall, end: int | None) -> None:
+    """Append ``call`` unless its object ended without a name: such an object is no call,
+    and skipping it keeps the later calls' indices the same streamed or not (a nameless
+    call is only ever the last, still-growing one)."""
+    if end is None or call.name is not None:
+        out.calls.append(call)
 
 
 def _is_json(text: str) -> bool:
@@ -152,6 +89,16 @@ def _held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _calls_or_content(out: ParsedOutput, text: str, final: bool) -> ParsedOutput:
+    """``out``, unless generation ended without one named call: then the model wrote no
+    usable call (``<tool_call>`` then no JSON, an object without a name, a call cut before
+    its name) and the whole text is content, so nothing it wrote is lost. The content the
+    stream sent before (the text before the call) is a prefix of it."""
+    if final and not any(c.name for c in out.calls):
+        return ParsedOutput(text)
+    return out
 
 
 class ToolParser:
@@ -203,21 +150,21 @@ class HermesToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         first = text.find(self.START)
-        if first < 0:
-            hold = 0 if final else _held_back(text, self.START)
-            return ParsedOutput(text[:len(text) - hold])
-        out = ParsedOutput(text[:first].rstrip() if final else text[:first])
+        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
+            return ParsedOutput(text if final else
+                                text[:len(text) - _held_back(text, self.START)].rstrip())
+        out = ParsedOutput(text[:first].rstrip())
         pos = first
         while pos >= 0:
-            start = _skip_ws(text, pos + len(self.START))
+            start = skip_ws(text, pos + len(self.START))
             if start >= len(text) or text[start] != "{":
                 break
             call, end = _call_from_object(text, start, ("arguments", "parameters"))
-            out.calls.append(call)
+            _add_call(out, call, end)
             if end is None:
                 break
             pos = text.find(self.START, end)
-        return out
+        return _calls_or_content(out, text, final)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -237,9 +184,9 @@ class Llama3JsonToolParser(ToolParser):
     PYTHON_TAG = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        start = _skip_ws(text, 0)
+        start = skip_ws(text, 0)
         if text.startswith(self.PYTHON_TAG, start):
-            start = _skip_ws(text, start + len(self.PYTHON_TAG))
+            start = skip_ws(text, start + len(self.PYTHON_TAG))
         elif not final and self.PYTHON_TAG.startswith(text[start:]):
             return ParsedOutput("")  # maybe the tag is coming
         if start >= len(text) or text[start] != "{":
@@ -247,13 +194,15 @@ class Llama3JsonToolParser(ToolParser):
         out = ParsedOutput("")
         while start < len(text) and text[start] == "{":
             call, end = _call_from_object(text, start, ("parameters", "arguments"))
-            out.calls.append(call)
+            if end is not None and call.name is None and not out.calls:
+                return ParsedOutput(text)  # a JSON reply, not a call: all content
+            _add_call(out, call, end)
             if end is None:
                 break
-            start = _skip_ws(text, end)
+            start = skip_ws(text, end)
             if start < len(text) and text[start] == ";":
-                start = _skip_ws(text, start + 1)
-        return out
+                start = skip_ws(text, start + 1)
+        return _calls_or_content(out, text, final)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -274,7 +223,7 @@ class NamedToolParser(ToolParser):
         self.function_name = function_name
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        args = text.strip() if final else text.lstrip()
+        args = text.strip()  # trailing whitespace waits while streaming, then is dropped
         return ParsedOutput("", [ParsedCall(self.function_name, args, _is_json(args))])
 
 
@@ -285,18 +234,18 @@ class RequiredToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         out = ParsedOutput("")
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return out
-        i = _skip_ws(text, i + 1)
+        i = skip_ws(text, i + 1)
         while i < len(text) and text[i] == "{":
             call, end = _call_from_object(text, i, ("arguments", "parameters"))
-            out.calls.append(call)
+            _add_call(out, call, end)
             if end is None:
                 break
-            i = _skip_ws(text, end)
+            i = skip_ws(text, end)
             if i < len(text) and text[i] == ",":
-                i = _skip_ws(text, i + 1)
+                i = skip_ws(text, i + 1)
         return out
 
 
