@@ -22,6 +22,8 @@ UNSUPPORTED = {
     "length_penalty": "kvflow does not run beam search",
     "logits_processors": "use logit_bias or structured_outputs",
     "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
+    "guided_decoding_backend": "structured output runs on xgrammar (send xgrammar or auto, "
+                               "or leave it out)",
     "return_tokens_as_token_ids": "use return_token_ids",
     "prompt_embeds": "send text or token ids",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
@@ -46,7 +48,8 @@ UNSUPPORTED = {
 
 
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
-HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1]}
+HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1],
+            "guided_decoding_backend": ["xgrammar", "auto"]}
 
 
 def refuse_unsupported(req: RequestBody) -> None:

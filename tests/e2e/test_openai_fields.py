@@ -815,6 +815,8 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
     (CH, {"media_io_kwargs": {"image": {"mode": "L"}}}, "media_io_kwargs",
      "unsupported_parameter"),
     (C, {"logit_bias": {"5": 1, "05": -1}}, "logit_bias", "invalid_value"),
+    (C, {"guided_decoding_backend": "outlines", "guided_regex": "a+"},
+     "guided_decoding_backend", "unsupported_parameter"),  # was ignored: xgrammar ran
     (CH, {"chat_template": " "}, "chat_template", "invalid_value"),
     (C, {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                       "schema": False}}},
@@ -835,10 +837,11 @@ def test_fields_that_would_change_the_reply_are_refused(server, path, body, para
 
 
 def test_harmless_values_of_unsupported_fields_pass(server):
-    """``modalities: ["text"]`` and null ask for nothing kvflow does not do: the same greedy
-    ids as without them."""
+    """``modalities: ["text"]``, ``guided_decoding_backend: "xgrammar"`` and null ask for
+    nothing kvflow does not do: the same greedy ids as without them."""
     plain = ids(ok(server, CH, {}))
-    assert ids(ok(server, CH, {"modalities": ["text"], "audio": None})) == plain
+    assert ids(ok(server, CH, {"modalities": ["text"], "audio": None,
+                               "guided_decoding_backend": "xgrammar"})) == plain
 
 
 def test_schema_true_allows_any_json_and_the_largest_seed_is_a_seed(server):
