@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvflow.models.gguf_checks import ArchKeys, check_against_tensors
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,41 +56,33 @@ def gguf_architecture(meta: GGUFMetadata) -> tuple[str, ArchSpec]:
     return arch, _ARCHS[arch]
 
 
-class _ArchKeys:
-    """Reads ``<arch>.<suffix>`` metadata keys of one GGUF file."""
+def _head_counts(keys: ArchKeys) -> tuple[int, int]:
+    """(query heads, KV heads); a per-layer list (some GGUFs) must repeat one value.
 
-    def __init__(self, meta: GGUFMetadata, arch: str) -> None:
-        self.meta, self.arch = meta, arch
-
-    def get(self, suffix: str, default: Any = None) -> Any:
-        return self.meta.get(f"{self.arch}.{suffix}", default)
-
-    def required(self, suffix: str) -> Any:
-        """The value of ``<arch>.<suffix>``.
-
-        Raises:
-            ValueError: when the file lacks that key.
-        """
-        value = self.get(suffix)
-        if value is None:
-            raise ValueError(f"{self.meta.path!r}: GGUF metadata key '{self.arch}.{suffix}' "
-                             "is missing")
-        return value
+    Raises:
+        ValueError: naming the file and key of a missing, non-integer, zero or per-layer
+            varying head count.
+    """
+    n_heads = keys.per_layer_int("attention.head_count")
+    return n_heads, keys.per_layer_int("attention.head_count_kv", n_heads)
 
 
-def _head_counts(keys: _ArchKeys) -> tuple[int, int]:
-    """(query heads, KV heads); a per-layer KV-head list (some GGUFs) gives its maximum."""
-    n_heads = int(keys.required("attention.head_count"))
-    n_kv_heads = keys.get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv_heads, list):
-        n_kv_heads = max(n_kv_heads)
-    return n_heads, int(n_kv_heads)
+def gguf_head_counts(meta: GGUFMetadata) -> tuple[int, int]:
+    """(query heads, KV heads) of a GGUF file of a supported architecture.
+
+    Raises:
+        ValueError: see :func:`gguf_architecture` and :func:`_head_counts`.
+    """
+    arch, _ = gguf_architecture(meta)
+    return _head_counts(ArchKeys(meta, arch))
 
 
-def _head_dim(keys: _ArchKeys, tensors: dict, hidden: int, n_heads: int) -> int:
+def _head_dim(keys: ArchKeys, tensors: dict, hidden: int, n_heads: int) -> int:
     """head_dim from the q projection's shape (rows = n_heads * head_dim, exact), else the
     metadata, else hidden / n_heads. Raises ValueError when shape and metadata disagree."""
     path, head_dim = keys.meta.path, keys.get("attention.key_length")
+    if head_dim is not None:
+        head_dim = keys.int("attention.key_length")
     q = tensors.get("blk.0.attn_q.weight")
     if q is None:
         return int(head_dim if head_dim is not None else hidden // n_heads)
@@ -102,38 +95,35 @@ def _head_dim(keys: _ArchKeys, tensors: dict, hidden: int, n_heads: int) -> int:
     return q_rows // n_heads
 
 
-def _vocab_size(keys: _ArchKeys, tensors: dict) -> int:
-    vocab_size = keys.get("vocab_size")
-    if vocab_size is not None:
-        return int(vocab_size)
+def _vocab_size(keys: ArchKeys, tensors: dict) -> int:
+    if keys.get("vocab_size") is not None:
+        return keys.int("vocab_size")
     if "token_embd.weight" in tensors:
         return int(tensors["token_embd.weight"].shape[0])
     return len(keys.meta.get("tokenizer.ggml.tokens", []))
 
 
-def _rope_scaling(keys: _ArchKeys) -> dict[str, Any] | None:
+def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
     scaling_type = keys.get("rope.scaling.type")
     if scaling_type in (None, "none"):
         return None
     rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
-    factor = keys.get("rope.scaling.factor")
-    if factor is not None:
-        rope_scaling["factor"] = float(factor)
-    orig = keys.get("rope.scaling.original_context_length")
-    if orig is not None:
-        rope_scaling["original_max_position_embeddings"] = int(orig)
+    if keys.get("rope.scaling.factor") is not None:
+        rope_scaling["factor"] = keys.float("rope.scaling.factor", 1.0)
+    if keys.get("rope.scaling.original_context_length") is not None:
+        rope_scaling["original_max_position_embeddings"] = keys.int(
+            "rope.scaling.original_context_length")
     return rope_scaling
 
 
-def _gemma3_kwargs(keys: _ArchKeys, head_dim: int) -> dict[str, Any]:
+def _gemma3_kwargs(keys: ArchKeys, head_dim: int) -> dict[str, Any]:
     """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
     RoPE base 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
     every size but 27B (and transformers' default of 256 for the 270M-12B sizes)."""
     kwargs: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
                               "query_pre_attn_scalar": head_dim}
-    window = keys.get("attention.sliding_window")
-    if window is not None:
-        kwargs["sliding_window"] = int(window)
+    if keys.get("attention.sliding_window") is not None:
+        kwargs["sliding_window"] = keys.int("attention.sliding_window")
     return kwargs
 
 
@@ -153,33 +143,37 @@ def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
 
 def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
     arch, spec = gguf_architecture(meta)
-    keys = _ArchKeys(meta, arch)
+    keys = ArchKeys(meta, arch)
     tensors = {t.name: t for t in meta.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(
             f"{meta.path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
             "kvflow cannot map back to a transformers rope config"
         )
-    hidden = int(keys.required("embedding_length"))
+    if keys.get("expert_count", 0):
+        raise keys.error("expert_count", f"is {keys.get('expert_count')}: mixture-of-experts "
+                         f"GGUF files of architecture {arch!r} are not supported")
+    hidden = keys.int("embedding_length")
     n_heads, n_kv_heads = _head_counts(keys)
     head_dim = _head_dim(keys, tensors, hidden, n_heads)
     kwargs: dict[str, Any] = {
         "architectures": [spec.hf_architecture],
         "vocab_size": _vocab_size(keys, tensors),
         "hidden_size": hidden,
-        "num_hidden_layers": int(keys.required("block_count")),
+        "num_hidden_layers": keys.int("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(keys.required("feed_forward_length")),
-        "rms_norm_eps": float(keys.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(keys.get("context_length", 2048)),
-        "rope_theta": float(keys.get("rope.freq_base", 10000.0)),
+        "intermediate_size": keys.int("feed_forward_length"),
+        "rms_norm_eps": keys.float("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": keys.int("context_length", 2048),
+        "rope_theta": keys.float("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         # transformers' Qwen2 always has q/k/v biases (and ignores this key); Llama/Qwen3 use it.
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         **_token_kwargs(meta),
     }
+    check_against_tensors(keys, tensors, kwargs)
     if arch == "gemma3":
         kwargs.update(_gemma3_kwargs(keys, head_dim))
     else:
@@ -188,6 +182,16 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
     return spec, kwargs
+
+
+def check_gguf_metadata(meta: GGUFMetadata) -> None:
+    """Everything :func:`load_gguf_config` checks of the metadata (types, values, agreement
+    with the tensor table), without building the config (the weight loader's check).
+
+    Raises:
+        ValueError: naming the file and the offending key.
+    """
+    _config_kwargs(meta)
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:

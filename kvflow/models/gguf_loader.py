@@ -15,7 +15,12 @@ from collections.abc import Iterator
 import torch
 
 from kvflow.kernels.gguf_dequant import SUPPORTED_TYPES as KEPT_TYPES
-from kvflow.models.gguf_config import ArchSpec, gguf_architecture
+from kvflow.models.gguf_config import (
+    ArchSpec,
+    check_gguf_metadata,
+    gguf_architecture,
+    gguf_head_counts,
+)
 from kvflow.models.gguf_reader import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
@@ -113,15 +118,19 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not a valid GGUF, unsupported architecture, or an unrecognized tensor.
+        ValueError: not a valid GGUF, unsupported architecture, metadata that is malformed
+            or contradicts the tensor shapes (see ``gguf_config.check_gguf_metadata``), or
+            an unrecognized tensor (each naming the file).
     """
     meta = read_gguf_metadata(path)
-    arch, spec = gguf_architecture(meta)
-    n_head = int(meta.get(f"{arch}.attention.head_count"))
-    n_kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
-    n_kv = int(max(n_kv) if isinstance(n_kv, list) else n_kv)
-    names = {t.name: _hf_name(t.name, spec) for t in meta.tensors
-             if t.name not in _SKIPPED_TENSORS}
+    _, spec = gguf_architecture(meta)
+    check_gguf_metadata(meta)
+    n_head, n_kv = gguf_head_counts(meta)
+    try:
+        names = {t.name: _hf_name(t.name, spec) for t in meta.tensors
+                 if t.name not in _SKIPPED_TENSORS}
+    except ValueError as e:
+        raise ValueError(f"{meta.path!r}: {e}") from None
     return _iter_weights(meta, names, spec, n_head, n_kv, dtype, keep_quantized)
 
 

@@ -1,0 +1,149 @@
+"""Typed reads of a GGUF file's ``<arch>.*`` metadata and checks of it against the tensor table.
+
+A value of the wrong type (a string head count, a per-layer list where one number is meant), a
+zero head count, or a number the tensors contradict (``embedding_length`` vs ``token_embd``,
+``block_count`` vs the ``blk.N`` tensors, a ``rope.dimension_count`` below the head size) is
+one ``ValueError`` naming the file and the key, instead of a traceback from deep inside the
+model or a model that loads and computes with the wrong numbers."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from kvflow.models.gguf_reader import GGUFMetadata
+
+_BLOCK_INDEX_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+class ArchKeys:
+    """Reads ``<arch>.<suffix>`` metadata keys of one GGUF file, checking their types."""
+
+    def __init__(self, meta: GGUFMetadata, arch: str) -> None:
+        self.meta, self.arch = meta, arch
+
+    def get(self, suffix: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{suffix}", default)
+
+    def error(self, suffix: str, problem: str) -> ValueError:
+        """A ValueError naming the file and the key ``<arch>.<suffix>``."""
+        return ValueError(f"{self.meta.path!r}: GGUF metadata key '{self.arch}.{suffix}' "
+                          f"{problem}")
+
+    def required(self, suffix: str) -> Any:
+        """The value of ``<arch>.<suffix>``.
+
+        Raises:
+            ValueError: when the file lacks that key.
+        """
+        value = self.get(suffix)
+        if value is None:
+            raise self.error(suffix, "is missing")
+        return value
+
+    def int(self, suffix: str, default: int | None = None, minimum: int = 1) -> int:
+        """An integer key (>= ``minimum``); ``default`` when absent, required when None.
+
+        Raises:
+            ValueError: missing (no default), not an integer, or below ``minimum``.
+        """
+        return self._checked_int(suffix, self.get(suffix, default), minimum)
+
+    def _checked_int(self, suffix: str, value: Any, minimum: int = 1) -> int:
+        if value is None:
+            raise self.error(suffix, "is missing")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(suffix, f"is {value!r}, not an integer")
+        if value < minimum:
+            raise self.error(suffix, f"is {value}, below {minimum}")
+        return value
+
+    def per_layer_int(self, suffix: str, default: int | None = None) -> int:
+        """A positive integer key that llama.cpp also allows as a per-layer list: a list must
+        hold one repeated value (kvflow's models have the same count in every layer).
+
+        Raises:
+            ValueError: missing (no default), not an integer, below 1, or a list of
+                differing values.
+        """
+        value = self.get(suffix, default)
+        if isinstance(value, list):
+            if not value or len(set(value)) != 1:
+                raise self.error(suffix, f"holds differing per-layer values {value[:8]} "
+                                 "(not supported)")
+            value = value[0]
+        return self._checked_int(suffix, value)
+
+    def float(self, suffix: str, default: float) -> float:
+        """A positive, finite number key; ``default`` when absent.
+
+        Raises:
+            ValueError: not a number, not finite, or not above zero.
+        """
+        value = self.get(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(suffix, f"is {value!r}, not a number")
+        if not math.isfinite(value) or value <= 0:
+            raise self.error(suffix, f"is {value}, not a positive number")
+        return float(value)
+
+
+def _rows(tensors: dict, name: str) -> int | None:
+    """Rows (first PyTorch dimension) of tensor ``name``, None when the file lacks it."""
+    info = tensors.get(name)
+    return int(info.shape[0]) if info is not None and info.shape else None
+
+
+def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) -> None:
+    """Check the config numbers in ``kwargs`` (transformers config keys) against the tensor
+    shapes of the file (``tensors``: name -> GGUFTensorInfo, PyTorch-order shapes).
+
+    Raises:
+        ValueError: naming the file and the metadata key the tensors contradict.
+    """
+    hidden, vocab = kwargs["hidden_size"], kwargs["vocab_size"]
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and len(embd.shape) == 2:
+        if embd.shape[1] != hidden:
+            raise keys.error("embedding_length", f"is {hidden} but token_embd.weight has "
+                             f"{embd.shape[1]} columns")
+        if embd.shape[0] != vocab:
+            raise keys.error("vocab_size", f"is {vocab} but token_embd.weight has "
+                             f"{embd.shape[0]} rows")
+    blocks = {int(m.group(1)) for m in map(_BLOCK_INDEX_RE.match, tensors) if m}
+    if blocks and blocks != set(range(kwargs["num_hidden_layers"])):
+        raise keys.error("block_count", f"is {kwargs['num_hidden_layers']} but the file has "
+                         f"tensors for blocks 0..{max(blocks)} ({len(blocks)} blocks)")
+    head_dim, n_kv = kwargs["head_dim"], kwargs["num_key_value_heads"]
+    for name, key, expected in (("blk.0.ffn_up.weight", "feed_forward_length",
+                                 kwargs["intermediate_size"]),
+                                ("blk.0.attn_k.weight", "attention.head_count_kv",
+                                 n_kv * head_dim)):
+        rows = _rows(tensors, name)
+        if rows is not None and rows != expected:
+            raise keys.error(key, f"disagrees with {name} ({rows} rows, {expected} expected)")
+    _check_head_sizes(keys, tensors, head_dim, n_kv)
+
+
+def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -> None:
+    """value_length and rope.dimension_count must equal head_dim: kvflow's models have one
+    head size for q, k and v, and rotate the whole head (no partial rotary).
+
+    Raises:
+        ValueError: naming the key that differs.
+    """
+    v_rows = _rows(tensors, "blk.0.attn_v.weight")
+    value_len = keys.get("attention.value_length")
+    if value_len is None and v_rows is not None and v_rows % n_kv == 0:
+        value_len = v_rows // n_kv
+    if value_len is not None and keys.int("attention.value_length", value_len) != head_dim:
+        raise keys.error("attention.value_length", f"is {value_len}, but the key/query head "
+                         f"size is {head_dim}: different v head sizes are not supported")
+    if v_rows is not None and v_rows != n_kv * head_dim:
+        raise keys.error("attention.value_length", f"disagrees with blk.0.attn_v.weight "
+                         f"({v_rows} rows, {n_kv * head_dim} expected)")
+    rot = keys.get("rope.dimension_count")
+    if rot is not None and keys.int("rope.dimension_count") != head_dim:
+        raise keys.error("rope.dimension_count", f"is {rot}, but the head size is {head_dim}: "
+                         "partial rotary embeddings are not supported")

@@ -1,0 +1,118 @@
+"""GGUF metadata that is malformed, or contradicted by the file's own tensor table (the oracle:
+``gguf.GGUFReader``'s shapes of the tiny synthetic files of test_gguf_loader.py), is one
+``ValueError`` naming the file and the key, from the config and the weight loader alike.
+
+Before: a string or zero head count raised a bare ``ValueError``/``ZeroDivisionError`` with
+neither file nor key, a wrong ``embedding_length`` / ``feed_forward_length`` /
+``block_count`` a torch error from inside a layer, and a wrong ``vocab_size``,
+``rope.dimension_count`` (partial rotary) or ``attention.value_length`` loaded silently."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kvflow.models.gguf_config import load_gguf_config
+from kvflow.models.gguf_loader import iter_gguf_weights
+
+gguf = pytest.importorskip("gguf")
+
+from tests.models.test_gguf_loader import _synthetic
+
+U32, F32, STR, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
+                      gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
+
+
+def _rewritten(tmp_path, overrides: dict, drop: tuple[str, ...] = (), extra_tensors=None):
+    """The tiny synthetic llama GGUF written again with metadata ``overrides`` ({key: (value,
+    GGUFValueType[, item type])}), keys ``drop`` left out and ``extra_tensors`` added."""
+    path, _ = _synthetic(tmp_path, "llama", permute=True)
+    reader = gguf.GGUFReader(path)
+    out = str(tmp_path / "edited.gguf")
+    w = gguf.GGUFWriter(out, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", *drop):
+            continue
+        if field.name not in overrides:
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            sub_type=field.types[1] if len(field.types) > 1 else None)
+    for key, (value, vtype, *sub) in overrides.items():
+        w.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _assert_refused(path: str, pattern: str) -> None:
+    """load_gguf_config and iter_gguf_weights (or its first item) raise ValueError matching
+    ``pattern`` and naming the file."""
+    for load in (lambda: load_gguf_config(path),
+                 lambda: next(iter(iter_gguf_weights(path, torch.float32)))):
+        with pytest.raises(ValueError, match=pattern) as info:
+            load()
+        assert "edited.gguf" in str(info.value)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("llama.attention.head_count", ("abc", STR), r"head_count' is 'abc', not an integer"),
+    ("llama.attention.head_count", (0, U32), r"head_count' is 0, below 1"),
+    ("llama.attention.head_count_kv", (0, U32), r"head_count_kv' is 0, below 1"),
+    ("llama.attention.head_count_kv", ([2, 1], ARR, U32), r"differing per-layer values"),
+])
+def test_bad_head_counts_are_named(tmp_path, key, value, pattern):
+    _assert_refused(_rewritten(tmp_path, {key: value}), pattern)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("llama.embedding_length", (32, U32), r"embedding_length' is 32 but token_embd.weight has 16"),
+    ("llama.vocab_size", (50, U32), r"vocab_size' is 50 but token_embd.weight has 40 rows"),
+    ("llama.block_count", (1, U32), r"block_count' is 1 but the file has tensors for blocks"),
+    ("llama.block_count", (3, U32), r"block_count' is 3"),
+    ("llama.feed_forward_length", (48, U32), r"feed_forward_length' disagrees with blk.0.ffn_up"),
+    ("llama.rope.dimension_count", (4, U32), r"dimension_count' is 4.*partial rotary"),
+    ("llama.attention.value_length", (4, U32), r"value_length' is 4.*v head sizes"),
+    ("llama.attention.layer_norm_rms_epsilon", ("x", STR), r"epsilon' is 'x', not a number"),
+    ("llama.rope.freq_base", (-1.0, F32), r"freq_base' is -1.0, not a positive number"),
+    ("llama.expert_count", (8, U32), r"expert_count' is 8: mixture-of-experts"),
+])
+def test_metadata_contradicting_tensors_is_refused(tmp_path, key, value, pattern):
+    """The tensor table (GGUFReader's shapes: token_embd [40, 16], ffn_up [24, 16], two
+    blocks, head size 6) is the oracle the metadata is held to."""
+    path = _rewritten(tmp_path, {key: value})
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape))
+              for t in gguf.GGUFReader(path).tensors}
+    assert shapes["token_embd.weight"] == (40, 16) and shapes["blk.0.ffn_up.weight"] == (24, 16)
+    _assert_refused(path, pattern)
+
+
+def test_missing_key_is_named(tmp_path):
+    _assert_refused(_rewritten(tmp_path, {}, drop=("llama.attention.head_count",)),
+                    r"'llama.attention.head_count' is missing")
+
+
+def test_uniform_per_layer_head_counts_load(tmp_path):
+    """llama.cpp allows a per-layer list; one repeated value is that value."""
+    path = _rewritten(tmp_path, {"llama.attention.head_count": ([4, 4], ARR, U32),
+                                 "llama.attention.head_count_kv": ([2, 2], ARR, U32)})
+    config = load_gguf_config(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert len(dict(iter_gguf_weights(path, torch.float32))) == 20
+
+
+def test_unknown_tensor_names_the_file(tmp_path):
+    path = _rewritten(tmp_path, {}, extra_tensors={"blk.0.ffn_gate_inp.weight":
+                                                   np.zeros((4, 16), np.float32)})
+    with pytest.raises(ValueError, match=r"edited\.gguf.*Unrecognized GGUF tensor "
+                                         r"'blk.0.ffn_gate_inp.weight'"):
+        iter_gguf_weights(path, torch.float32)
