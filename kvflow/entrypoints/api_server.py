@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
@@ -39,6 +39,7 @@ from kvflow.entrypoints.protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -164,9 +165,22 @@ def _add_openai_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
-        state = raw.app.state
-        return ModelList(data=state.models.cards(state.engine.max_model_len,
-                                                 state.engine.config.model_config.model))
+        return ModelList(data=_model_cards(raw))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, raw: Request) -> ModelCard:
+        """OpenAI's retrieve-model: the card of the base model or a LoRA adapter.
+
+        Raises:
+            OpenAIError: 404 (``model_not_found``) for a name this server does not serve.
+        """
+        cards = _model_cards(raw)
+        for card in cards:
+            if card.id == model:
+                return card
+        raise OpenAIError(f"the model {model!r} does not exist; this server serves "
+                          f"{[c.id for c in cards]}", 404, "invalid_request_error", "model",
+                          "model_not_found")
 
     _add_lora_routes(app)
 
@@ -249,8 +263,9 @@ def _add_token_routes(app: FastAPI) -> None:
                               code="missing_required_parameter" if req.messages is None
                               else "invalid_value")
         ids = await _tokenize_ids(chat, req, raw)
+        strs = chat.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=chat.engine.max_model_len,
-                                tokens=ids)
+                                tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
@@ -272,6 +287,12 @@ def _add_token_routes(app: FastAPI) -> None:
         tokenizer = chat.tokenizer
         return DetokenizeResponse(prompt=await off_loop(len(req.tokens), tokenizer.decode,
                                                         req.tokens))
+
+
+def _model_cards(raw: Request) -> list[ModelCard]:
+    """/v1/models' cards: the base model, then each LoRA adapter."""
+    state = raw.app.state
+    return state.models.cards(state.engine.max_model_len, state.engine.config.model_config.model)
 
 
 async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,

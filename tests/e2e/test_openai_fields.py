@@ -465,6 +465,11 @@ def tokenize_cases() -> dict[str, Callable]:
     def messages_text(tokenizer, **kwargs):
         return tokenizer.apply_chat_template(HI, tokenize=False, **kwargs)
 
+    def return_token_strs(server, tokenizer):  # vLLM's field; it was silently ignored
+        expected = tokenizer.convert_ids_to_tokens(tokenizer.encode(PROMPT))
+        assert ok(server, TOK, {"return_token_strs": True})["token_strs"] == expected
+        assert "token_strs" not in ok(server, TOK, {})
+
     return {
         "model": rejected(TOK, {"model": "gpt-4"}, "model", 404), "prompt": prompt,
         "messages": chat_option({}, lambda t: messages_text(t, add_generation_prompt=True)),
@@ -483,6 +488,8 @@ def tokenize_cases() -> dict[str, Callable]:
                                     "chat_template": "{{ tools is none }}"}, lambda t: "True"),
         "documents": chat_option({"documents": [{"text": "dog"}],
                                   "chat_template": "{{ documents[0].text }}"}, lambda t: "dog"),
+
+        "return_token_strs": return_token_strs,
     }
 
 
@@ -697,6 +704,20 @@ def test_history_tool_calls_reach_the_template(server, tokenizer, path):
     resp = post(server, path, {"prompt": None, **refused} if path == TOK else refused)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "messages.1.tool_calls"
+
+
+def test_retrieve_model(server, model_dir):
+    """GET /v1/models/{model}, OpenAI's retrieve-model as the openai client calls it (it was
+    a 404 for every name): the served model's card, a name with slashes included (here the
+    model's path); an unknown name is a 404 model_not_found."""
+    import openai
+
+    client = server.client()
+    card = client.models.retrieve(model_dir)
+    assert (card.id, card.object, card.owned_by) == (model_dir, "model", "kvflow")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.code == "model_not_found"
 
 
 def test_unknown_fields_logged_once(server):

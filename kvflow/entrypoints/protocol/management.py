@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvflow.entrypoints.protocol.base import OpenAIBaseModel, RequestBody, now
+from kvflow.entrypoints.protocol.base import OmitNoneModel, OpenAIBaseModel, RequestBody, now
 from kvflow.entrypoints.protocol.chat import ChatMessage, ChatTool, NamedToolChoice
 
 
@@ -58,12 +58,16 @@ class TokenizeRequest(RequestBody):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = None  # vLLM's: each token's string as well
 
 
-class TokenizeResponse(OpenAIBaseModel):
+class TokenizeResponse(OmitNoneModel):
+    OMIT_IF_NONE = ("token_strs",)
+
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the vocabulary's strings
 
 
 class DetokenizeRequest(RequestBody):
