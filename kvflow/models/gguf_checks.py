@@ -124,6 +124,45 @@ def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any])
         if rows is not None and rows != expected:
             raise keys.error(key, f"disagrees with {name} ({rows} rows, {expected} expected)")
     _check_head_sizes(keys, tensors, head_dim, n_kv)
+    _check_tensor_shapes(keys, tensors, kwargs)
+
+
+def expected_shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """PyTorch-order shape of each known tensor kind, from the config numbers in ``kwargs``:
+    keys are global names (``token_embd.weight``) and block parts (``attn_q.weight``)."""
+    h, v, f = kwargs["hidden_size"], kwargs["vocab_size"], kwargs["intermediate_size"]
+    q = kwargs["num_attention_heads"] * kwargs["head_dim"]
+    kv = kwargs["num_key_value_heads"] * kwargs["head_dim"]
+    norms = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "output_norm")
+    return {
+        "token_embd.weight": (v, h), "output.weight": (v, h),
+        **{f"{n}.weight": (h,) for n in norms},
+        "attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q), "attn_q.bias": (q,), "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,), "attn_q_norm.weight": (kwargs["head_dim"],),
+        "attn_k_norm.weight": (kwargs["head_dim"],),
+        "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f),
+    }
+
+
+def _check_tensor_shapes(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) -> None:
+    """Every tensor of a known kind, in every block, has the shape the metadata implies.
+
+    Raises:
+        ValueError: naming the file, the tensor, its shape and the expected one (a tensor
+            that disagrees would fail inside a layer, or load silently: a short LM head).
+    """
+    shapes = expected_shapes(kwargs)
+    for name, info in tensors.items():
+        m = _BLOCK_INDEX_RE.match(name)
+        expected = shapes.get(name[m.end():] if m else name)
+        if expected is not None and tuple(info.shape) != expected:
+            raise ValueError(
+                f"{keys.meta.path!r}: tensor {name!r} has shape {tuple(info.shape)}, but the "
+                f"'{keys.arch}.*' metadata implies {expected} (hidden {kwargs['hidden_size']}, "
+                f"vocab {kwargs['vocab_size']}, {kwargs['num_attention_heads']} heads / "
+                f"{kwargs['num_key_value_heads']} KV heads of {kwargs['head_dim']}, FFN "
+                f"{kwargs['intermediate_size']}); the file is inconsistent")
 
 
 def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -> None:

@@ -28,10 +28,12 @@ U32, F32, STR, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32,
                       gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
 
 
-def _rewritten(tmp_path, overrides: dict, drop: tuple[str, ...] = (), extra_tensors=None):
+def _rewritten(tmp_path, overrides: dict, drop: tuple[str, ...] = (), extra_tensors=None,
+               untied: bool = False):
     """The tiny synthetic llama GGUF written again with metadata ``overrides`` ({key: (value,
-    GGUFValueType[, item type])}), keys ``drop`` left out and ``extra_tensors`` added."""
-    path, _ = _synthetic(tmp_path, "llama", permute=True)
+    GGUFValueType[, item type])}), keys ``drop`` left out and ``extra_tensors`` added (or
+    replacing a tensor of the same name)."""
+    path, _ = _synthetic(tmp_path, "llama", permute=True, untied=untied)
     reader = gguf.GGUFReader(path)
     out = str(tmp_path / "edited.gguf")
     w = gguf.GGUFWriter(out, "llama")
@@ -43,9 +45,8 @@ def _rewritten(tmp_path, overrides: dict, drop: tuple[str, ...] = (), extra_tens
                             sub_type=field.types[1] if len(field.types) > 1 else None)
     for key, (value, vtype, *sub) in overrides.items():
         w.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    for name, array in (extra_tensors or {}).items():
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    for name, array in {**tensors, **(extra_tensors or {})}.items():
         w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -116,3 +117,21 @@ def test_unknown_tensor_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"edited\.gguf.*Unrecognized GGUF tensor "
                                          r"'blk.0.ffn_gate_inp.weight'"):
         iter_gguf_weights(path, torch.float32)
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("output.weight", (30, 16)),  # a short LM head loaded silently (logits of 30 of 40 ids)
+    ("blk.1.attn_output.weight", (16, 12)),
+    ("blk.0.ffn_down.weight", (16, 20)),
+    ("blk.1.attn_v.weight", (6, 16)),
+    ("blk.0.attn_q.weight", (24, 8)),
+    ("blk.0.attn_norm.weight", (8,)),
+])
+def test_tensor_shape_contradicting_metadata_is_refused(tmp_path, name, shape):
+    """Any block's tensor, not only block 0's: before, a torch error inside a layer (at load,
+    or at the first forward pass with --quantization gguf), or a silent load."""
+    path = _rewritten(tmp_path, {}, untied=True,
+                      extra_tensors={name: np.zeros(shape, np.float32)})
+    assert {t.name: tuple(int(d) for d in reversed(t.shape))
+            for t in gguf.GGUFReader(path).tensors}[name] == shape
+    _assert_refused(path, rf"tensor '{name}' has shape \({shape[0]},")
