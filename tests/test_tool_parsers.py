@@ -197,3 +197,21 @@ def test_malformed_output_streamed_equals_whole(parser, text, expected):
     assert (message.content, calls or None, finish) == expected
     for chunk in range(1, len(text) + 1):
         assert _chat_stream(out, text, chunk, "stop") == expected, chunk
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """parallel_tool_calls: false (max_calls=1) under tool_choice auto: the model wrote two
+    calls; the reply carries only the first, streamed or not (it carried both)."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(HermesToolParser(), None, max_calls=1)
+    expected = ("Hi", [("get_weather", '{"city": "Paris", "note": "x"}')], "tool_calls")
+    text = ('Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "note": "x"}}'
+            '</tool_call><tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    message, finish = out.message(text, "stop")
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert (message.content, calls, finish) == expected
+    for chunk in (1, 5, len(text)):
+        assert _chat_stream(out, text, chunk, "stop") == expected
+    assert len(ChatOutputParser(HermesToolParser(), None).message(text, "stop")[0]
+               .tool_calls) == 2

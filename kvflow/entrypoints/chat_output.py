@@ -30,11 +30,14 @@ class ChatOutputParser:
     Args:
         tool_parser: reads tool calls (None: the text is all content).
         reasoning: splits off ``<think>`` reasoning (None: no split).
+        max_calls: the most tool calls a reply carries (1 for ``parallel_tool_calls: false``,
+            which OpenAI honours under ``tool_choice: "auto"`` too; None: all). Later calls
+            the model wrote are dropped, streamed or not.
     """
 
     def __init__(self, tool_parser: ToolParser | None,
-                 reasoning: ThinkReasoningParser | None) -> None:
-        self.tool_parser, self.reasoning = tool_parser, reasoning
+                 reasoning: ThinkReasoningParser | None, max_calls: int | None = None) -> None:
+        self.tool_parser, self.reasoning, self.max_calls = tool_parser, reasoning, max_calls
 
     @property
     def is_plain(self) -> bool:
@@ -55,7 +58,7 @@ class ChatOutputParser:
         parsed = self.tool_parser.parse(content, True)
         calls = [ToolCall(id=new_tool_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in parsed.calls if c.name]
+                 for c in parsed.calls if c.name][:self.max_calls]
         if not calls:
             return ChatResponseMessage(content=parsed.content or None,
                                        reasoning_content=reasoning), finish_reason
@@ -64,7 +67,7 @@ class ChatOutputParser:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def stream_state(self) -> StreamingToolState:
-        return StreamingToolState(self.tool_parser, self.reasoning)
+        return StreamingToolState(self.tool_parser, self.reasoning, self.max_calls)
 
     @staticmethod
     def delta(state: StreamingToolState, text: str, finish_reason: str | None

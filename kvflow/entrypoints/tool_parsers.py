@@ -309,11 +309,14 @@ class StreamingToolState:
     Args:
         parser: the tool parser, or None (content only).
         reasoning: the reasoning parser, or None.
+        max_calls: the most calls to send (1 for ``parallel_tool_calls: false``; None: all);
+            later calls in the text are dropped.
     """
 
     def __init__(self, parser: ToolParser | None,
-                 reasoning: ThinkReasoningParser | None = None) -> None:
-        self.parser, self.reasoning = parser, reasoning
+                 reasoning: ThinkReasoningParser | None = None,
+                 max_calls: int | None = None) -> None:
+        self.parser, self.reasoning, self.max_calls = parser, reasoning, max_calls
         self.text = ""
         self._sent_reasoning = self._sent_content = 0
         self._sent_args: list[int] = []  # per call: argument characters sent (-1: no header)
@@ -329,7 +332,7 @@ class StreamingToolState:
         parsed = self.parser.parse(content, final) if self.parser else ParsedOutput(content)
         out.content = parsed.content[self._sent_content:]
         self._sent_content = max(self._sent_content, len(parsed.content))
-        for index, call in enumerate(parsed.calls):
+        for index, call in enumerate(parsed.calls[:self.max_calls]):
             if index == len(self._sent_args):
                 if call.name is None:
                     break  # arguments wait for the name

@@ -164,6 +164,25 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     assert streamed[0]["arguments"] == call.function.arguments
 
 
+def test_auto_parallel_tool_calls_false_returns_one_call(client):
+    """parallel_tool_calls: false under tool_choice auto: the (regex-forced) text holds two
+    Hermes calls; the reply carries only the first, whole and streamed (it carried both)."""
+    forced = (r'<tool_call>\{"name": "add", "arguments": \{"a": 1\}\}</tool_call>'
+              r'<tool_call>\{"name": "add", "arguments": \{"a": 2\}\}</tool_call>')
+    request = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": 160,
+               "extra_body": {"structured_outputs": {"regex": forced}}}
+    both = chat(client, **request).choices[0].message.tool_calls
+    assert [c.function.arguments for c in both] == ['{"a": 1}', '{"a": 2}']
+    choice = chat(client, parallel_tool_calls=False, **request).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("add", '{"a": 1}')]
+    streamed, finish = _streamed_calls(chat(client, stream=True, parallel_tool_calls=False,
+                                            **request))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("add", '{"a": 1}')]
+
+
 def test_tool_call_cut_by_max_tokens_reports_length(client):
     """A call cut by max_tokens ends with "length", and the whole message carries what the
     stream sent: the call with its partial (unparseable) arguments, no raw JSON content."""
