@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvflow.models.gguf_reader import read_gguf_metadata
+from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
@@ -24,9 +24,12 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a valid GGUF file.
+        ValueError: ``path`` is not a valid GGUF file, or its tokenizer metadata is missing
+            or malformed (see :func:`check_tokenizer_metadata`), or transformers cannot build
+            a tokenizer from it: naming the file (and the key where one is at fault).
     """
     meta = read_gguf_metadata(path)  # validates the file first (fast)
+    check_tokenizer_metadata(meta)
     from transformers import AutoTokenizer
 
     cached = _tokenizer_cache_dir(meta.path)
@@ -36,7 +39,11 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         except (OSError, ValueError):
             pass  # unreadable cache entry: rebuild it below
     directory, filename = os.path.split(os.path.abspath(meta.path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    except Exception as e:  # transformers' GGUF conversion raises many types
+        raise ValueError(f"{meta.path!r}: cannot build a tokenizer from the GGUF tokenizer "
+                         f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
     template = meta.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = str(template)
@@ -53,6 +60,46 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if cached is not None:
         _save_tokenizer_cache(tokenizer, cached)
     return tokenizer
+
+
+_USE_TOKENIZER = "pass a Hugging Face tokenizer folder with --tokenizer (LLM(tokenizer=...))"
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id",
+                  "seperator_token_id", "separator_token_id")
+
+
+def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
+    """Check the ``tokenizer.ggml.*`` keys transformers builds the tokenizer from: ``model``
+    present, ``tokens`` a non-empty list of strings, ``token_type`` / ``scores`` as long as it,
+    every ``merges`` entry two parts joined by one space, and the special token ids in range.
+
+    Raises:
+        ValueError: naming the file and the key at fault (transformers raised a bare
+            KeyError / IndexError / TypeError from inside its conversion).
+    """
+    def bad(key: str, problem: str) -> ValueError:
+        return ValueError(f"{meta.path!r}: GGUF metadata key 'tokenizer.ggml.{key}' {problem}; "
+                          f"{_USE_TOKENIZER}")
+
+    if meta.get("tokenizer.ggml.model") is None:
+        raise bad("model", "is missing (the file carries no tokenizer)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise bad("tokens", "is missing or not a non-empty list of strings")
+    for key in ("token_type", "scores"):
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
+            raise bad(key, f"does not hold one value per token ({len(tokens)} tokens)")
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        broken = next((m for m in merges if not isinstance(m, str) or m.count(" ") != 1), None)
+        if not isinstance(merges, list) or broken is not None:
+            raise bad("merges", f"has an entry that is not two tokens joined by one space "
+                      f"({broken!r})")
+    for key in _TOKEN_ID_KEYS:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < len(tokens)):
+            raise bad(key, f"is {token_id!r}, not a token id below the {len(tokens)} tokens")
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:

@@ -135,3 +135,39 @@ def test_tensor_shape_contradicting_metadata_is_refused(tmp_path, name, shape):
     assert {t.name: tuple(int(d) for d in reversed(t.shape))
             for t in gguf.GGUFReader(path).tensors}[name] == shape
     _assert_refused(path, rf"tensor '{name}' has shape \({shape[0]},")
+
+
+_STR, _U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32
+_VOCAB = {"tokenizer.ggml.model": ("gpt2", _STR),
+          "tokenizer.ggml.tokens": (["a", "b", "ab"], ARR, _STR),
+          "tokenizer.ggml.merges": (["a b"], ARR, _STR)}
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    ({}, r"'tokenizer.ggml.model' is missing \(the file carries no tokenizer\)"),
+    ({"tokenizer.ggml.model": ("gpt2", _STR)}, r"'tokenizer.ggml.tokens' is missing"),
+    ({**_VOCAB, "tokenizer.ggml.merges": (["a b c"], ARR, _STR)},
+     r"'tokenizer.ggml.merges' has an entry .*'a b c'"),
+    ({**_VOCAB, "tokenizer.ggml.bos_token_id": (99, _U32)},
+     r"'tokenizer.ggml.bos_token_id' is 99, not a token id below the 3 tokens"),
+    ({**_VOCAB, "tokenizer.ggml.token_type": ([1, 1], ARR, gguf.GGUFValueType.INT32)},
+     r"'tokenizer.ggml.token_type' does not hold one value per token"),
+])
+def test_bad_tokenizer_metadata_is_named(tmp_path, overrides, pattern):
+    """Before: transformers' GGUF conversion raised a bare KeyError ('tokens'), IndexError or
+    TypeError (a 3-part merge) with neither file nor key."""
+    from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
+
+    path = _rewritten(tmp_path, overrides)
+    with pytest.raises(ValueError, match=pattern) as info:
+        load_gguf_tokenizer(path)
+    assert "edited.gguf" in str(info.value) and "--tokenizer" in str(info.value)
+
+
+def test_unbuildable_tokenizer_names_the_file(tmp_path):
+    """A tokenizer model transformers cannot build (here 'rwkv'): its error, with the file."""
+    from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
+
+    path = _rewritten(tmp_path, {**_VOCAB, "tokenizer.ggml.model": ("rwkv", _STR)})
+    with pytest.raises(ValueError, match=r"edited\.gguf': cannot build a tokenizer .*rwkv"):
+        load_gguf_tokenizer(path)
