@@ -215,3 +215,17 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         assert _chat_stream(out, text, chunk, "stop") == expected
     assert len(ChatOutputParser(HermesToolParser(), None).message(text, "stop")[0]
                .tool_calls) == 2
+
+
+@pytest.mark.parametrize("parser", [None, Llama3JsonToolParser()], ids=["no-tools", "llama3"])
+def test_spaces_after_think_do_not_eat_the_end_of_the_stream(parser):
+    """Spaces after </think>: the whole reply stripped them but the stream had sent them, so
+    the stream's last characters were never sent ('  Hi' for 'Hi!'). Both now strip them."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    text = "<think>r</think>  \n Hi!"
+    out = ChatOutputParser(parser, ThinkReasoningParser())
+    message, _ = out.message(text, "stop")
+    assert (message.reasoning_content, message.content) == ("r", "Hi!")
+    for chunk in range(1, len(text) + 1):
+        assert _chat_stream(out, text, chunk, "stop") == ("Hi!", None, "stop"), chunk

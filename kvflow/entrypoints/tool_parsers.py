@@ -282,7 +282,7 @@ class ThinkReasoningParser:
             hold = 0 if final else _held_back(body, self.END)
             return body[:len(body) - hold], ""
         content = body[end + len(self.END):]
-        return body[:end], content.lstrip() if final else content.lstrip("\n")
+        return body[:end], content.lstrip()  # as it grows too: the stream sends the same
 
 
 REASONING_PARSERS = {ThinkReasoningParser.name: ThinkReasoningParser}
