@@ -229,3 +229,22 @@ def test_spaces_after_think_do_not_eat_the_end_of_the_stream(parser):
     assert (message.reasoning_content, message.content) == ("r", "Hi!")
     for chunk in range(1, len(text) + 1):
         assert _chat_stream(out, text, chunk, "stop") == ("Hi!", None, "stop"), chunk
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolParser(), '<tool_call>{"a\\x": 1, "name": "f", "arguments": {}}</tool_call>'),
+    (Llama3JsonToolParser(), '{"a\nb": 1, "name": "f", "arguments": {}}'),
+    (RequiredToolParser(), '[{"\\u12": 1, "name": "f", "arguments": {}}]'),
+], ids=["bad-escape", "raw-newline", "short-unicode-escape"])
+def test_member_name_that_is_not_json_does_not_raise(parser, text):
+    """A model's member name with a bad escape or a raw control character raised
+    JSONDecodeError out of the parser (the request failed); it now names no member, and the
+    call is read, streamed or not."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(parser, None)
+    message, finish = out.message(text, "stop")
+    expected = (None, [("f", "{}")], "tool_calls")
+    assert (message.content, [(c.function.name, c.function.arguments)
+                              for c in message.tool_calls], finish) == expected
+    assert _chat_stream(out, text, 1, "stop") == expected

@@ -58,6 +58,16 @@ def scan_value(text: str, i: int) -> int | None:
     return j if j < len(text) else None
 
 
+def _key(literal: str) -> str:
+    """A member name from its JSON string literal; one that is not valid JSON (a model wrote
+    a bad escape or a raw control character) is kept as its raw text, which names no member
+    a parser looks for, instead of raising."""
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return literal
+
+
 def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
     """Members of the (possibly incomplete) JSON object at ``text[i] == '{'``: key ->
     (value start, value end or None), and the object's end index or None."""
@@ -72,7 +82,7 @@ def object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]]
         key_end = _scan_string(text, i) if text[i] == '"' else None
         if key_end is None:
             return members, None
-        key = json.loads(text[i:key_end])
+        key = _key(text[i:key_end])
         i = skip_ws(text, key_end)
         if i >= len(text) or text[i] != ":":
             return members, None
