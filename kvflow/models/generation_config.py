@@ -96,12 +96,17 @@ def load_eos_token_ids(source: ModelSource, hf_config: Any = None) -> list[int]:
     on), else the model config's (``hf_config``'s attribute, or the folder's config.json).
 
     Args:
-        source: the resolved model (a GGUF file has no generation_config.json).
+        source: the resolved model (a GGUF file has no generation_config.json: its ids are
+            llama.cpp's end-of-generation set, see ``gguf_tokenizer.gguf_eos_token_ids``).
         hf_config: the model's HF config when loaded; None reads config.json.
 
     Returns:
         The ids in file order without repeats; ``[]`` when none is declared.
     """
+    if source.kind == "gguf":
+        from kvflow.models.gguf_tokenizer import gguf_eos_token_ids
+
+        return gguf_eos_token_ids(source.path)
     ids: list[int] = []
     if source.kind == "hf":
         ids = _eos_ids(_read_json_object(

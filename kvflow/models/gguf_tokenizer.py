@@ -102,6 +102,33 @@ def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
             raise bad(key, f"is {token_id!r}, not a token id below the {len(tokens)} tokens")
 
 
+# Token texts llama.cpp (llama-vocab.cpp) treats as end-of-generation wherever a vocabulary
+# has them: chat models end turns with these rather than with tokenizer.ggml.eos_token_id.
+EOG_TOKEN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                             "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>"})
+
+
+def gguf_eos_token_ids(path: str) -> list[int]:
+    """Every token id that ends generation for the GGUF at ``path``, as llama.cpp decides:
+    ``tokenizer.ggml.eos_token_id``, ``eot_token_id`` and ``eom_token_id``, then every token
+    whose text is in :data:`EOG_TOKEN_TEXTS` (e.g. Gemma 3's ``<end_of_turn>`` beside its
+    ``<eos>``: [1, 106], Qwen2.5's ``<|im_end|>`` and ``<|endoftext|>``, as their
+    generation_config.json lists them). In that order, without repeats; ``[]`` when the file
+    has no tokenizer.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_gguf_metadata`.
+    """
+    meta = read_gguf_metadata(path)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id",
+                                                         "eom_token_id")]
+    ids += [i for i, text in enumerate(tokens) if text in EOG_TOKEN_TEXTS]
+    return list(dict.fromkeys(int(i) for i in ids
+                              if isinstance(i, int) and 0 <= i < len(tokens)))
+
+
 def _tokenizer_cache_dir(path: str) -> str | None:
     """Cache folder for the tokenizer built from ``path``, keyed by the file's absolute path,
     size and mtime (None when the file cannot be stat'ed). transformers rebuilds a GGUF
