@@ -129,12 +129,20 @@ def gguf_eos_token_ids(path: str) -> list[int]:
                               if isinstance(i, int) and 0 <= i < len(tokens)))
 
 
+# Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
+_CACHE_FORMAT = 2
+
+
 def _tokenizer_cache_dir(path: str) -> str | None:
     """Cache folder for the tokenizer built from ``path``, keyed by the file's absolute path,
-    size and mtime (None when the file cannot be stat'ed). transformers rebuilds a GGUF
-    tokenizer through ``gguf.GGUFReader``, minutes for a 262k vocabulary (Gemma 3) on a small
-    CPU; a saved ``tokenizer.json`` loads in about a second."""
+    size and mtime, the transformers version that converts it and :data:`_CACHE_FORMAT`
+    (None when the file cannot be stat'ed): an upgraded transformers (whose GGUF conversion
+    may tokenize differently) or kvflow rebuilds it instead of reusing the old conversion.
+    transformers rebuilds a GGUF tokenizer through ``gguf.GGUFReader``, minutes for a 262k
+    vocabulary (Gemma 3) on a small CPU; a saved ``tokenizer.json`` loads in about a second."""
     import hashlib
+
+    import transformers
 
     from kvflow.config import cache_dir
 
@@ -142,7 +150,8 @@ def _tokenizer_cache_dir(path: str) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()
+    key = (f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|"
+           f"{transformers.__version__}|{_CACHE_FORMAT}").encode()
     return os.path.join(cache_dir(), "tokenizers", hashlib.sha256(key).hexdigest()[:24])
 
 

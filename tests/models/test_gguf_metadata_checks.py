@@ -171,3 +171,30 @@ def test_unbuildable_tokenizer_names_the_file(tmp_path):
     path = _rewritten(tmp_path, {**_VOCAB, "tokenizer.ggml.model": ("rwkv", _STR)})
     with pytest.raises(ValueError, match=r"edited\.gguf': cannot build a tokenizer .*rwkv"):
         load_gguf_tokenizer(path)
+
+
+def test_tokenizer_cache_is_rebuilt_for_another_transformers(tmp_path, monkeypatch):
+    """A cached conversion is reused only by the transformers version that made it: after an
+    upgrade (whose GGUF conversion may tokenize differently) the tokenizer is converted again.
+    The stale entry is marked by a chat template the file does not have."""
+    import json
+
+    import transformers
+
+    from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = _rewritten(tmp_path, {**_VOCAB, "tokenizer.chat_template": ("{{ 'new' }}", _STR)})
+    assert load_gguf_tokenizer(path).chat_template == "{{ 'new' }}"
+    (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    config_file = entry / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{{ 'stale' }}"
+    config_file.write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (entry / name).exists():
+            (entry / name).write_text("{{ 'stale' }}" if name.endswith("jinja") else
+                                      json.dumps({"chat_template": "{{ 'stale' }}"}))
+    assert load_gguf_tokenizer(path).chat_template == "{{ 'stale' }}"  # same version: reused
+    monkeypatch.setattr(transformers, "__version__", "0.0.0.other")
+    assert load_gguf_tokenizer(path).chat_template == "{{ 'new' }}"
