@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
 from kvflow.engine.async_llm import RequestStream, collect
+from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
@@ -22,13 +23,10 @@ from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
-    ChatLogprobs,
-    ChatLogprobToken,
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     TokenizeRequest,
-    TopLogprob,
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
@@ -36,7 +34,7 @@ from kvflow.entrypoints.sampling_requests import (
     default_max_tokens,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, random_id
+from kvflow.entrypoints.serving_base import OpenAIServing, body_size, random_id
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -49,7 +47,7 @@ from kvflow.entrypoints.structured_requests import (
 from kvflow.entrypoints.tool_parsers import ToolParser, make_tool_parser
 from kvflow.input_processor import InputProcessor, ProcessedPrompt
 from kvflow.multimodal import MediaError
-from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
@@ -263,10 +261,9 @@ class OpenAIServingChat(OpenAIServing):
             usage=_usage(len(ids), num_generated),
             prompt_token_ids=ids if req.return_token_ids else None)
 
-    @staticmethod
-    def _choice_extras(req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
-        return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
-                if req.logprobs else None,
+    def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+        return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
+                                          self.engine.tokenizer) if req.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "token_ids": c.token_ids if req.return_token_ids else None}
 
@@ -365,21 +362,3 @@ def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                      total_tokens=num_prompt + num_generated)
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  top_k: int) -> ChatLogprobs:
-    """Chat-format logprobs: per token its logprob, UTF-8 bytes and the ``top_k`` best."""
-    content = []
-    for token_id, step in zip(token_ids, logprobs):
-        sampled = step[token_id]
-        top = sorted((lp for lp in step.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
-        content.append(ChatLogprobToken(
-            **_top(sampled), top_logprobs=[TopLogprob(**_top(lp)) for lp in top[:top_k]]))
-    return ChatLogprobs(content=content)
-
-
-def _top(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": max(lp.logprob, MIN_LOGPROB),
-            "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,71 @@
+"""Chat-format logprobs (``choices[].logprobs.content``): per token its text, logprob, UTF-8
+``bytes`` and the best alternatives.
+
+``bytes`` are the token's own bytes, as OpenAI's are: a token holding part of a multi-byte
+character decodes alone to U+FFFD, whose bytes would say nothing of the character, so such a
+token's bytes come from the vocabulary (byte-level BPE pieces, ``<0xNN>`` byte-fallback
+pieces); joined, a reply's token bytes are its UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from kvflow.entrypoints.protocol import ChatLogprobs, ChatLogprobToken, TopLogprob
+from kvflow.entrypoints.serving_base import MIN_LOGPROB
+from kvflow.outputs import Logprob
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes of token ``token_id`` whose decoded ``text`` is given: ``text``'s own
+    unless it holds U+FFFD (part of a character), then the vocabulary piece's bytes when
+    the piece is byte-level or ``<0xNN>`` (else ``text``'s, the best there is)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if "\ufffd" not in text or convert is None:
+        return list(text.encode("utf-8"))
+    piece = convert(token_id)
+    if isinstance(piece, str):
+        match = _BYTE_PIECE.fullmatch(piece)
+        if match:
+            return [int(match.group(1), 16)]
+        table = _byte_level_table()
+        if piece and all(ch in table for ch in piece):
+            return [table[ch] for ch in piece]
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_k: int,
+                  tokenizer: Any = None) -> ChatLogprobs:
+    """Chat-format logprobs: per token its logprob, bytes and the ``top_k`` best
+    (``tokenizer`` gives partial characters' bytes; None: the decoded text's)."""
+    content = []
+    for token_id, step in zip(token_ids, logprobs):
+        top = sorted(((tid, lp) for tid, lp in step.items() if lp.rank <= top_k),
+                     key=lambda item: item[1].rank)
+        content.append(ChatLogprobToken(
+            **_entry(tokenizer, token_id, step[token_id]),
+            top_logprobs=[TopLogprob(**_entry(tokenizer, tid, lp)) for tid, lp in top[:top_k]]))
+    return ChatLogprobs(content=content)
+
+
+def _entry(tokenizer: Any, token_id: int, lp: Logprob) -> dict[str, Any]:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": max(lp.logprob, MIN_LOGPROB),
+            "bytes": token_bytes(tokenizer, token_id, token)}

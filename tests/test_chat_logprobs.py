@@ -1,0 +1,34 @@
+"""Chat logprobs' ``bytes``: a token's own bytes (OpenAI's meaning), so that a reply's token
+bytes join to its UTF-8 text even where a token holds part of a character."""
+
+from __future__ import annotations
+
+from kvflow.entrypoints.chat_logprobs import chat_logprobs, token_bytes
+from kvflow.outputs import Logprob
+
+
+def test_partial_character_tokens_carry_their_own_bytes(tiny_tokenizer):
+    """Each token of '東京🙂 ok' (multi-byte characters split across byte-level tokens) decodes
+    alone to U+FFFD or text; its bytes were U+FFFD's (EF BF BD) for the partial ones, so the
+    joined bytes were not the reply. Expected: the text's UTF-8, joined."""
+    text = "東京🙂 ok"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tiny_tokenizer.decode([i]) for i in ids)  # the case under test
+    steps = [{i: Logprob(-0.5, 1, tiny_tokenizer.decode([i]))} for i in ids]
+    content = chat_logprobs(ids, steps, 1, tiny_tokenizer).content
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode("utf-8")
+    assert b"".join(bytes(t.top_logprobs[0].bytes) for t in content) == text.encode("utf-8")
+    assert [t.token for t in content] == [tiny_tokenizer.decode([i]) for i in ids]
+
+
+class _ByteFallbackTokenizer:
+    """A sentencepiece-style vocabulary: partial characters are ``<0xNN>`` pieces."""
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return {7: "<0xE6>", 8: "▁ok"}[token_id]
+
+
+def test_byte_fallback_piece_and_whole_text():
+    assert token_bytes(_ByteFallbackTokenizer(), 7, "\ufffd") == [0xE6]
+    assert token_bytes(_ByteFallbackTokenizer(), 8, " ok") == [32, 111, 107]
+    assert token_bytes(None, 7, "\ufffd") == [0xEF, 0xBF, 0xBD]  # no tokenizer: the text's
