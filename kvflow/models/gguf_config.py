@@ -116,15 +116,23 @@ def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
     return rope_scaling
 
 
-def _gemma3_kwargs(keys: ArchKeys, head_dim: int) -> dict[str, Any]:
+_GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B by its block count (LLM_TYPE_27B)
+
+
+def _gemma3_kwargs(keys: ArchKeys, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
-    RoPE base 10k); query_pre_attn_scalar is not in the file: head_dim, as llama.cpp uses for
-    every size but 27B (and transformers' default of 256 for the 270M-12B sizes)."""
-    kwargs: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
-                              "query_pre_attn_scalar": head_dim}
+    RoPE base 10k). query_pre_attn_scalar is not in the file; llama.cpp's rule
+    (``f_attention_scale`` in llama-model.cpp): hidden / heads for the 27B model (62 blocks:
+    5376 / 32 = 168, its config.json's value, while its head_dim is 128), else head_dim (256
+    for the 270M-12B sizes, as their config.json)."""
+    head_dim = kwargs["head_dim"]
+    scalar = (kwargs["hidden_size"] // kwargs["num_attention_heads"]
+              if kwargs["num_hidden_layers"] == _GEMMA3_27B_LAYERS else head_dim)
+    extra: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                             "query_pre_attn_scalar": scalar}
     if keys.get("attention.sliding_window") is not None:
-        kwargs["sliding_window"] = keys.int("attention.sliding_window")
-    return kwargs
+        extra["sliding_window"] = keys.int("attention.sliding_window")
+    return extra
 
 
 def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
@@ -175,7 +183,7 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
     }
     check_against_tensors(keys, tensors, kwargs)
     if arch == "gemma3":
-        kwargs.update(_gemma3_kwargs(keys, head_dim))
+        kwargs.update(_gemma3_kwargs(keys, kwargs))
     else:
         kwargs["hidden_act"] = "silu"
     rope_scaling = _rope_scaling(keys)
