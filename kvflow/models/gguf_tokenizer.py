@@ -44,6 +44,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     except Exception as e:  # transformers' GGUF conversion raises many types
         raise ValueError(f"{meta.path!r}: cannot build a tokenizer from the GGUF tokenizer "
                          f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
+    _spm_spacing(tokenizer, meta)
     template = meta.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = str(template)
@@ -60,6 +61,30 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if cached is not None:
         _save_tokenizer_cache(tokenizer, cached)
     return tokenizer
+
+
+def _spm_spacing(tokenizer: Any, meta: GGUFMetadata) -> None:
+    """Give a sentencepiece (``tokenizer.ggml.model`` ``llama``) vocabulary of a non-Gemma file
+    sentencepiece's own spacing, as llama.cpp and the HF ``tokenizer.json`` of Llama 2 /
+    Mistral / TinyLlama have it: a space prepended to the text only when
+    ``tokenizer.ggml.add_space_prefix`` (default true) says so, then every space a ``\u2581``,
+    and decoding strips that one prepended space only. transformers builds a ``Metaspace``
+    that always prepends and swallows a leading space (``" hello"`` became ``\u2581hello``, its
+    decode ``"hello"``; ``add_space_prefix = false`` was ignored). Gemma files (their own
+    builder) are left alone."""
+    if meta.get("tokenizer.ggml.model") != "llama" or \
+            str(meta.get("general.architecture", "")).startswith("gemma"):
+        return
+    from tokenizers import decoders, normalizers
+
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), *strip])
 
 
 _USE_TOKENIZER = "pass a Hugging Face tokenizer folder with --tokenizer (LLM(tokenizer=...))"
@@ -130,7 +155,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:
