@@ -45,6 +45,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         raise ValueError(f"{meta.path!r}: cannot build a tokenizer from the GGUF tokenizer "
                          f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
     _spm_spacing(tokenizer, meta)
+    _digit_split(tokenizer, meta)
     template = meta.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = str(template)
@@ -85,6 +86,28 @@ def _spm_spacing(tokenizer: Any, meta: GGUFMetadata) -> None:
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                          decoders.Fuse(), *strip])
+
+
+# llama.cpp pre-tokenizers (tokenizer.ggml.pre) that split every digit off before GPT-2's regex
+# (llama-vocab.cpp: "\\p{N}", then the GPT-2 pattern), which transformers does not know: it
+# used GPT-2's regex alone, keeping " 12" one piece ("\u0120" + "1" could merge).
+_DIGIT_SPLIT_PRES = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell",
+                               "exaone", "minerva"})
+
+
+def _digit_split(tokenizer: Any, meta: GGUFMetadata) -> None:
+    """For a byte-level vocabulary whose ``tokenizer.ggml.pre`` is in
+    :data:`_DIGIT_SPLIT_PRES`: digits split one by one, then GPT-2's regex (the HF
+    ``tokenizer.json`` of SmolLM / StarCoder: ``Digits(individual_digits=True)`` +
+    ``ByteLevel``)."""
+    if meta.get("tokenizer.ggml.model") != "gpt2" or \
+            meta.get("tokenizer.ggml.pre") not in _DIGIT_SPLIT_PRES:
+        return
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
 _USE_TOKENIZER = "pass a Hugging Face tokenizer folder with --tokenizer (LLM(tokenizer=...))"
@@ -155,7 +178,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:
