@@ -184,8 +184,15 @@ def _chat_stream(out, text: str, chunk: int, finish: str):
     (Llama3JsonToolParser(), '{"answer": 42}', ('{"answer": 42}', None, "stop")),
     # forced arguments: surrounding whitespace is never streamed
     (NamedToolParser("f"), '  {"a": 1}  ', (None, [("f", '{"a": 1}')], "tool_calls")),
+    # text after and between calls is content (it was dropped), a line per stretch
+    (HermesToolParser(), 'Hi\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n Done. ',
+     ("Hi\nDone.", [("f", "{}")], "tool_calls")),
+    (HermesToolParser(), ('<tool_call>{"name": "f", "arguments": {}}</tool_call> mid '
+                          '<tool_call>{"name": "g", "arguments": {}}</tool_call>end'),
+     ("mid\nend", [("f", "{}"), ("g", "{}")], "tool_calls")),
 ], ids=["hermes-ws", "hermes-bad-json", "llama3-unclosed", "hermes-nameless",
-        "hermes-no-args", "hermes-no-json", "llama3-json-reply", "named-ws"])
+        "hermes-no-args", "hermes-no-json", "llama3-json-reply", "named-ws", "hermes-after",
+        "hermes-between"])
 def test_malformed_output_streamed_equals_whole(parser, text, expected):
     """Hand-written expectations for odd model output; the stream, split every way, joins to
     exactly the non-streamed message (content, calls, finish_reason)."""

@@ -163,8 +163,27 @@ class HermesToolParser(ToolParser):
             _add_call(out, call, end)
             if end is None:
                 break
-            pos = text.find(self.START, end)
+            pos = self._text_after(out, text, end, final)
         return _calls_or_content(out, text, final)
+
+    def _text_after(self, out: ParsedOutput, text: str, end: int, final: bool) -> int:
+        """Add the text after the call object ending at ``end`` (past its ``</tool_call>``,
+        up to the next ``<tool_call>``) to ``out.content``, stripped, on a line of its own,
+        once a named call was read (before one, ``_calls_or_content`` may yet make the whole
+        text content); returns the next call's start, or -1. While streaming, a possible start of a tag and
+        trailing whitespace wait (the content only ever grows)."""
+        i = skip_ws(text, end)
+        if text.startswith(self.END, i):
+            i += len(self.END)
+        elif not final and self.END.startswith(text[i:]):
+            return -1  # the closing tag may be coming
+        pos = text.find(self.START, i)
+        after = text[i:pos] if pos >= 0 else \
+            text[i:len(text) - (0 if final else _held_back(text, self.START))]
+        after = after.strip()
+        if after and any(c.name for c in out.calls):  # else the text may all be content
+            out.content = f"{out.content}\n{after}" if out.content else after
+        return pos
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
