@@ -255,3 +255,16 @@ def test_member_name_that_is_not_json_does_not_raise(parser, text):
     assert (message.content, [(c.function.name, c.function.arguments)
                               for c in message.tool_calls], finish) == expected
     assert _chat_stream(out, text, 1, "stop") == expected
+
+
+@pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
+def test_reply_that_is_all_reasoning_has_null_content(parser):
+    """An unclosed (cut) think block: the stream sends no content; the whole reply said ""
+    without a tool parser and null with one. Both are null now; an empty plain reply (no
+    reasoning parser) keeps OpenAI's ""."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    message, _ = ChatOutputParser(parser, ThinkReasoningParser()).message("<think>a b",
+                                                                          "length")
+    assert (message.reasoning_content, message.content) == ("a b", None)
+    assert ChatOutputParser(None, None).message("", "stop")[0].content == ""

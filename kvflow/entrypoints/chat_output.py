@@ -52,9 +52,9 @@ class ChatOutputParser:
         documents that clients must check), and text the parser treats as a call is never
         repeated as content."""
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
-        if self.tool_parser is None:
-            return ChatResponseMessage(content=content, reasoning_content=reasoning), \
-                finish_reason
+        if self.tool_parser is None:  # all reasoning: no content (null), as streamed
+            return ChatResponseMessage(content=content or None if reasoning else content,
+                                       reasoning_content=reasoning), finish_reason
         parsed = self.tool_parser.parse(content, True)
         calls = [ToolCall(id=new_tool_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
