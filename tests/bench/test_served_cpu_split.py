@@ -31,10 +31,22 @@ def _busy_child(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _BUSY.format(s=seconds)])
 
 
+def _wait_for_cpu(pid: int, cpu_s: float, timeout_s: float = 30.0) -> None:
+    """Wait until psutil sees ``cpu_s`` CPU seconds spent by ``pid`` (a fixed sleep gave a
+    busy child too little CPU on a loaded machine: load 10 on 2 cores)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        times = psutil.Process(pid).cpu_times()
+        if times.user + times.system >= cpu_s:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} spent under {cpu_s} CPU s in {timeout_s} s")
+
+
 def test_proc_and_thread_cpu_match_psutil(split):
-    child = _busy_child(0.6)
+    child = _busy_child(1.5)
     try:
-        time.sleep(0.4)
+        _wait_for_cpu(child.pid, 0.2)
         ours = split.proc_cpu_s(child.pid)
         threads = split.thread_cpu_s(child.pid)
         times = psutil.Process(child.pid).cpu_times()
@@ -51,10 +63,13 @@ def test_proc_and_thread_cpu_match_psutil(split):
 def test_descendants_and_engine_cpu(split):
     # a child that starts a busy grandchild: both found, the grandchild's CPU counted
     code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
-            f"{_BUSY.format(s=0.5)!r}]); p.wait()")
+            f"{_BUSY.format(s=1.5)!r}]); p.wait()")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _wait_for_cpu(psutil.Process(parent.pid).children()[0].pid, 0.2)
         found = split.descendants(parent.pid)
         expected = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]
         assert sorted(found) == sorted(expected) and len(found) == 1
