@@ -33,6 +33,8 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--n", "2.5"], "argument --n: invalid int value: '2.5'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # a prefix of a flag is not the flag (argparse's abbreviations are off, as in vLLM)
+    (["--max-token", "4"], "unrecognized arguments: --max-token 4"),
 ])
 def test_argument_errors_are_one_line(tiny_llama, capsys, argv, needle):
     """argparse's own errors too: one line on stderr, status 2, not the whole usage block,

@@ -164,6 +164,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (exit status 2) instead of the whole usage block, in
     kvflow's own style (``kvflow: error: ...``), the command's help named at the end."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        # no prefix matching: a typo such as --max-token would silently mean --max-tokens
+        # (vLLM's parser turns abbreviations off too)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"kvflow: error: {message} (see {self.prog} --help)\n")
 
@@ -184,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvflow", description="kvflow LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline")
-    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch; default: 'Once upon a time')")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     gen.add_argument("--image", action="append", metavar="FILE",
                      help="an image for every prompt (repeat for several; vision-language "

@@ -303,6 +303,8 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
         return _resolve_directory(path, model)
     if os.path.isfile(path):
         return _resolve_file(path, model)
+    if model.startswith(("/", "./", "../", "~")) or model.lower().endswith(".gguf"):
+        raise ValueError(f"Model path {model!r} does not exist (no such file or directory)")
     entry = find_packaged_model(model)
     if entry is not None:
         return _resolve_packaged(entry)

@@ -502,7 +502,7 @@ def test_resolve_packaged_not_installed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model", ["no-such-model-xyz", "/definitely/missing/model.gguf", "org/unknown/model"]
+    "model", ["no-such-model-xyz", "org/unknown/model"]
 )  # an org/name Hub id gets the Hub's message instead (tests/models/test_hf_hub.py)
 def test_resolve_unknown_or_missing(model):
     with pytest.raises(ValueError) as info:
@@ -512,6 +512,16 @@ def test_resolve_unknown_or_missing(model):
     assert repr(model) in msg
     assert "neither a local path" in msg and "packaged model" in msg
     assert "SmolLM2-135M-Instruct" in msg
+
+
+@pytest.mark.parametrize("model", ["/definitely/missing/model", "./missing-folder",
+                                   "missing/model.gguf", "~/no-such-model"])
+def test_missing_path_says_it_does_not_exist(model):
+    """Something spelled as a path (absolute, ./, ../, ~, or a .gguf name) that is not there is
+    named as a missing path, not as "neither a local path, a packaged model nor a Hub id"."""
+    with pytest.raises(ValueError) as info:
+        resolve_model(model)
+    assert str(info.value) == f"Model path {model!r} does not exist (no such file or directory)"
 
 
 def test_resolve_local_paths(tmp_path):
