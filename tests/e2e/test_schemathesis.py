@@ -44,7 +44,8 @@ def api_schema(server):
 # Every operation of the schema, fuzzed with valid (positive) and invalid (negative) data.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/embeddings"), ("POST", "/v1/load_lora_adapter"),
-              ("POST", "/v1/unload_lora_adapter"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"),
+              ("POST", "/v1/unload_lora_adapter"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
+              ("GET", "/health"), ("GET", "/version"),
               ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in MODES
