@@ -62,7 +62,7 @@ class SamplingInputs:
                 meta.num_logprobs[i] = k
         meta.penalties = _penalties(batch, rows, self.device)
         meta.logit_bias = _logit_bias(batch, {rid: (i,) for rid, i in position.items()},
-                                      self.device)
+                                      self.device) if batch.logit_bias else None
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
