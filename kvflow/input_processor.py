@@ -278,8 +278,11 @@ class InputProcessor:
 
     def make_pooling_request(self, request_id: str, token_ids: list[int],
                              params: PoolingParams | None = None,
-                             arrival_time: float | None = None) -> Request:
-        """An embedding request (prompt computed and pooled, nothing generated).
+                             arrival_time: float | None = None,
+                             client_id: str = "") -> Request:
+        """An embedding request (prompt computed and pooled, nothing generated);
+        ``client_id`` names the sender for the fair policy ("" when unknown), as for
+        ``make_requests``.
 
         Raises:
             ValueError: on a generation model, for a bad prompt (see ``validate``; image
@@ -295,7 +298,7 @@ class InputProcessor:
                              "text only; images are not embedded")
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
-                       pooling_params=params)
+                       pooling_params=params, client_id=client_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:

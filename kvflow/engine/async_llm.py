@@ -261,10 +261,10 @@ class AsyncLLM:
             await stream.admitted
 
     def add_pooling_request(self, request_id: str, prompt: str | None,
-                            prompt_token_ids: list[int], params: PoolingParams | None = None
-                            ) -> RequestStream:
+                            prompt_token_ids: list[int], params: PoolingParams | None = None,
+                            client_id: str = "") -> RequestStream:
         """Validate and queue one embedding request; its stream ends with one
-        ``EmbeddingRequestOutput``.
+        ``EmbeddingRequestOutput``. ``client_id`` names the sender for the fair policy.
 
         Raises:
             ValueError: on a generation model, for a bad prompt or ``dimensions``.
@@ -274,7 +274,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine core is not running")
         arrival = time.monotonic()
         request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
-                                                      arrival)
+                                                      arrival, client_id)
         return self._queue(request_id, prompt, [request], arrival)
 
     def abort(self, request_id: str) -> None:

@@ -102,15 +102,17 @@ class LLMEngine:
         return request_id
 
     def add_pooling_request(self, prompt: PromptType, params: PoolingParams | None = None,
-                            request_id: str | None = None) -> str:
-        """Validate and queue one embedding request; returns its id.
+                            request_id: str | None = None, client_id: str = "") -> str:
+        """Validate and queue one embedding request; returns its id. ``client_id`` names the
+        sender for the fair policy.
 
         Raises:
             ValueError: on a generation model, for a bad prompt or ``dimensions``.
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.processor.pooling_prompt(prompt)
-        request = self.processor.make_pooling_request(request_id, token_ids, params)
+        request = self.processor.make_pooling_request(request_id, token_ids, params,
+                                                      client_id=client_id)
         self.output_processor.add_request(text, [request])
         if isinstance(self.core, DPCoreClient):
             self.core.add_requests([request])

@@ -19,7 +19,12 @@ from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
-from kvflow.entrypoints.protocol import ErrorResponse, RequestBody, SamplingRequest
+from kvflow.entrypoints.protocol import (
+    EmbeddingRequest,
+    ErrorResponse,
+    RequestBody,
+    SamplingRequest,
+)
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog, refuse_unsupported
@@ -74,10 +79,10 @@ class OpenAIServing:
             logger.info("request %s: user %r", request_id, user)
 
     @staticmethod
-    def client_id(req: SamplingRequest, raw: Request) -> str:
-        """Who sent the request, for ``--policy fair``: its ``user`` field, else a digest of
-        its bearer API key (``key:`` + 16 hex digits; the key itself is never kept), else ""
-        (one anonymous client)."""
+    def client_id(req: SamplingRequest | EmbeddingRequest, raw: Request) -> str:
+        """Who sent the request (completions, chat and embeddings alike), for ``--policy
+        fair``: its ``user`` field, else a digest of its bearer API key (``key:`` + 16 hex
+        digits; the key itself is never kept), else "" (one anonymous client)."""
         if req.user:
             return req.user
         auth = raw.headers.get("authorization", "")

@@ -43,7 +43,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_admission(len(prompts), "input")
         request_id = random_id("embd")
         self.note_request(req, request_id, "/v1/embeddings")
-        streams = await self._add(request_id, prompts, params)
+        streams = await self._add(request_id, prompts, params, self.client_id(req, raw))
         return await self.respond(raw, streams, self._response(req, request_id, prompts,
                                                                streams))
 
@@ -69,10 +69,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
                 for item in items]
 
-    async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams
-                   ) -> list[RequestStream]:
-        """Queue every input (ids ``{request_id}-{i}``), with admission control wait until
-        the engine core accepted them all; on failure abort what was queued.
+    async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams,
+                   client_id: str) -> list[RequestStream]:
+        """Queue every input (ids ``{request_id}-{i}``) for ``client_id`` (``client_id``:
+        the fair policy's sender), with admission control wait until the engine core
+        accepted them all; on failure abort what was queued.
 
         Raises:
             OpenAIError: 400 for an input or ``dimensions`` the engine refuses, 503 if the
@@ -80,7 +81,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         """
         def add(i: int) -> RequestStream:
             text, ids = prompts[i]
-            return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params)
+            return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params,
+                                                   client_id)
 
         def bad_input(e: ValueError) -> OpenAIError:
             param = "dimensions" if "dimensions" in str(e) else "input"

@@ -1,5 +1,6 @@
 """Service levels over HTTP: the step-time model's error on /metrics, admission control's 503s,
-and the client a request is accounted to under ``--policy fair``.
+and the client a request is accounted to under ``--policy fair`` (completions, chat and
+embeddings alike).
 
 The server runs the tiny chat model with ``--policy fair``, server-wide targets loose enough
 that ordinary requests always meet them, and admission control.
@@ -7,15 +8,20 @@ that ordinary requests always meet them, and admission control.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from starlette.requests import Request
 
+from kvflow.config import ServerConfig
 from kvflow.core.slo_planner import COLD_STEPS
-from kvflow.entrypoints.protocol import CompletionRequest
+from kvflow.entrypoints.protocol import CompletionRequest, EmbeddingRequest
 from kvflow.entrypoints.serving_base import OpenAIServing
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from tests.e2e.conftest import post_at_once
 
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--block-size", "4",
@@ -84,3 +90,52 @@ def test_client_is_the_user_field_else_an_api_key_digest():
     two = OpenAIServing.client_id(body, _raw({"Authorization": "Bearer k2"}))
     assert one.startswith("key:") and len(one) == 4 + 16 and one != two and "k1" not in one
     assert OpenAIServing.client_id(body, _raw({})) == ""
+
+
+class _EmbeddingEngine:
+    """What /v1/embeddings asks of the engine, recording each queued input's client."""
+
+    task, is_healthy, num_waiting_requests, max_model_len, tokenizer = "embed", True, 0, 64, None
+
+    def __init__(self) -> None:
+        self.clients: list[str] = []
+
+    def add_pooling_request(self, request_id, text, ids, params, client_id=""):
+        self.clients.append(client_id)
+        return _OneEmbedding(request_id)
+
+    @staticmethod
+    async def admitted(stream) -> None:
+        return None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+class _OneEmbedding:
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.admitted = request_id, None
+
+    async def __aiter__(self):
+        yield SimpleNamespace(outputs=SimpleNamespace(embedding=[1.0, 0.0]))
+
+
+def test_embeddings_are_accounted_to_their_client_like_completions():
+    """/v1/embeddings identifies its sender as completions and chat do (the ``user`` field,
+    else the API key's digest): every input was queued as the anonymous client ""."""
+    engine = _EmbeddingEngine()
+    handler = OpenAIServingEmbedding(engine, ServerConfig(), "m",
+                                     SimpleNamespace(resolve=lambda model: None))
+
+    async def embed(headers: dict[str, str], **body) -> None:
+        raw = _raw(headers)
+        raw._receive = lambda: asyncio.Event().wait()  # the client stays connected
+        reply = await handler.create_embedding(EmbeddingRequest(input=[[5, 6], [7]], **body),
+                                               raw)
+        assert reply.status_code == 200
+
+    asyncio.run(embed({"Authorization": "Bearer k1"}, user="alice"))
+    asyncio.run(embed({"Authorization": "Bearer k1"}))
+    asyncio.run(embed({}))
+    digest = "key:" + hashlib.sha256(b"k1").hexdigest()[:16]
+    assert engine.clients == ["alice", "alice", digest, digest, "", ""]
