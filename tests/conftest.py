@@ -118,6 +118,11 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         **_MLA_DIMS, "q_lora_rank": 48, "n_shared_experts": 1, "norm_topk_prob": False,
         "routed_scaling_factor": 1.5, "rope_interleave": False, "first_k_dense_replace": 0,
         "n_group": 1, "topk_group": 1}),
+    # DeepSeek-V3 with moe_layer_freq 2, saved by transformers (which ignores it: both layers
+    # MoE; DeepSeek's rule would make layer 1 dense): kvflow follows the checkpoint's layout
+    "deepseek_v3_moe_layer_freq": ("DeepseekV3Config", {
+        **_MLA_DIMS, "q_lora_rank": 48, "n_shared_experts": 1, "first_k_dense_replace": 0,
+        "moe_layer_freq": 2, "routed_scaling_factor": 2.5}),
 }
 
 

@@ -14,7 +14,8 @@ and YaRN's ``mscale_all_dim`` also multiplies the softmax scale by its square, a
 does (``yarn_apply_mscale``).
 
 MLP: the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs (``intermediate_size``),
-the others (every ``moe_layer_freq``-th) DeepSeekMoE: ``n_routed_experts`` routed experts of
+the others (every ``moe_layer_freq``-th by DeepSeek's code, all by transformers'; kvflow follows
+the checkpoint, see :func:`is_moe_layer`) DeepSeekMoE: ``n_routed_experts`` routed experts of
 width ``moe_intermediate_size`` chosen by :class:`~kvflow.layers.moe.GroupedTopKRouting` from
 an fp32 router, plus ``n_shared_experts`` always-on experts fused into one MLP of width
 ``n_shared_experts x moe_intermediate_size``. V2 scores with a softmax (``topk_method``
@@ -206,7 +207,13 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
-    """DeepSeek's rule: MoE from layer ``first_k_dense_replace`` on, every ``moe_layer_freq``."""
+    """Whether decoder layer ``layer_idx`` has a DeepSeekMoE MLP: as the checkpoint holds it
+    when :meth:`DeepseekV2ForCausalLM.adapt_config_to_checkpoint` recorded its layout
+    (``config.kvflow_moe_layers``), else DeepSeek's rule: MoE from layer
+    ``first_k_dense_replace`` on, every ``moe_layer_freq``-th."""
+    layout = getattr(config, "kvflow_moe_layers", None)
+    if layout is not None and layer_idx in layout:
+        return layout[layer_idx]
     return (bool(getattr(config, "n_routed_experts", None))
             and layer_idx >= (getattr(config, "first_k_dense_replace", None) or 0)
             and layer_idx % (getattr(config, "moe_layer_freq", None) or 1) == 0)
@@ -290,6 +297,27 @@ class DeepseekV2ForCausalLM(SparseMoeForCausalLM):
             getattr(config, "topk_method", None) or "greedy",
             getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1,
             renormalize, 1.0 if renormalize else float(config.routed_scaling_factor))
+
+    @classmethod
+    def adapt_config_to_checkpoint(cls, config: Any, tensor_names: Iterable[str]) -> None:
+        """Record which decoder layers the checkpoint holds as MoE (``mlp.experts`` /
+        ``mlp.gate`` tensors) and which as dense MLPs (``mlp.gate_proj`` ...) in
+        ``config.kvflow_moe_layers`` ({layer index: is MoE}), for :func:`is_moe_layer`.
+
+        DeepSeek's own code makes a layer MoE from ``first_k_dense_replace`` on only every
+        ``moe_layer_freq``-th layer; transformers ignores ``moe_layer_freq`` (every layer from
+        ``first_k_dense_replace`` on is MoE), so with ``moe_layer_freq != 1`` the two save
+        different layouts from one config. Following the checkpoint loads either, and computes
+        what the code that wrote it computes."""
+        layout: dict[int, bool] = {}
+        for name in tensor_names:
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"] or len(parts) < 5 or parts[3] != "mlp":
+                continue
+            moe = parts[4] in ("experts", "gate", "shared_experts")
+            if moe or parts[4] in ("gate_proj", "up_proj", "down_proj"):
+                layout[int(parts[2])] = layout.get(int(parts[2]), False) or moe
+        config.kvflow_moe_layers = layout
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors, skipping multi-token-prediction layers (indices at or past

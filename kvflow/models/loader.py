@@ -101,6 +101,29 @@ def _indexed_files(folder: str, index: str) -> list[str]:
     return [os.path.join(folder, n) for n in names]
 
 
+def checkpoint_tensor_names(folder: str) -> list[str]:
+    """Names of every tensor in the folder's checkpoint files (:func:`checkpoint_files`), read
+    from the safetensors headers only (no tensor data).
+
+    Raises:
+        ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
+            not a safetensors file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for path in checkpoint_files(folder):
+        try:
+            with safe_open(path, framework="pt") as f:
+                names.extend(f.keys())
+        except SafetensorError as e:
+            raise ValueError(f"weight file {path!r} is truncated or corrupt (not a complete "
+                             f"safetensors file: {e}); download or copy it again") from None
+        except OSError as e:
+            raise ValueError(f"cannot read weight file {path!r}: {e.strerror or e}") from None
+    return names
+
+
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the folder's checkpoint files
     (:func:`checkpoint_files`).
@@ -194,7 +217,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
                quant_config: QuantConfig | None = None,
                parallel: ParallelState | None = None) -> nn.Module:
     """Instantiate the architecture (this rank's shard and pipeline stage when ``parallel``
-    spans several processes), give its layers their quantization methods, load the weights
+    spans several processes; an architecture with an ``adapt_config_to_checkpoint(hf_config,
+    tensor_names)`` classmethod first fits the config to the checkpoint's layout), give its layers their quantization methods, load the weights
     and run the methods' after-loading step (quantize on load, repack).
 
     Raises:
@@ -202,6 +226,9 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
             parameters unset.
     """
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    adapt = getattr(model_cls, "adapt_config_to_checkpoint", None)
+    if adapt is not None and load_format != "dummy" and source.kind != "gguf":
+        adapt(hf_config, checkpoint_tensor_names(source.path))
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, ctx, parallel=parallel or ParallelState.single(device))
         apply_quant_config(model, quant_config)

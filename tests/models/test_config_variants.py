@@ -21,7 +21,8 @@ def _prompt(vocab: int, length: int = 20) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=gen).tolist()
 
 
-@pytest.mark.parametrize("name", ["llama_gelu_bias", "deepseek_v2_mlp_bias"])
+@pytest.mark.parametrize("name", ["llama_gelu_bias", "deepseek_v2_mlp_bias",
+                                  "deepseek_v3_moe_layer_freq"])
 def test_prompt_logprobs_match_hf(tiny_model_factory, name):
     tiny = tiny_model_factory(name)
     prompt = _prompt(tiny.vocab_size)
