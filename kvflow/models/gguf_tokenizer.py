@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvflow.models.gguf_pre_tokenizers import llama_cpp_pre_tokenizer
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +46,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         raise ValueError(f"{meta.path!r}: cannot build a tokenizer from the GGUF tokenizer "
                          f"metadata ({type(e).__name__}: {e}); {_USE_TOKENIZER}") from e
     _spm_spacing(tokenizer, meta)
-    _digit_split(tokenizer, meta)
+    _llama_cpp_pre(tokenizer, meta)
     template = meta.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = str(template)
@@ -88,26 +89,15 @@ def _spm_spacing(tokenizer: Any, meta: GGUFMetadata) -> None:
                                          decoders.Fuse(), *strip])
 
 
-# llama.cpp pre-tokenizers (tokenizer.ggml.pre) that split every digit off before GPT-2's regex
-# (llama-vocab.cpp: "\\p{N}", then the GPT-2 pattern), which transformers does not know: it
-# used GPT-2's regex alone, keeping " 12" one piece ("\u0120" + "1" could merge).
-_DIGIT_SPLIT_PRES = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell",
-                               "exaone", "minerva"})
-
-
-def _digit_split(tokenizer: Any, meta: GGUFMetadata) -> None:
-    """For a byte-level vocabulary whose ``tokenizer.ggml.pre`` is in
-    :data:`_DIGIT_SPLIT_PRES`: digits split one by one, then GPT-2's regex (the HF
-    ``tokenizer.json`` of SmolLM / StarCoder: ``Digits(individual_digits=True)`` +
-    ``ByteLevel``)."""
-    if meta.get("tokenizer.ggml.model") != "gpt2" or \
-            meta.get("tokenizer.ggml.pre") not in _DIGIT_SPLIT_PRES:
+def _llama_cpp_pre(tokenizer: Any, meta: GGUFMetadata) -> None:
+    """For a byte-level vocabulary whose ``tokenizer.ggml.pre`` transformers does not convert
+    (DeepSeek LLM / Coder, the digit-splitting StarCoder family): llama.cpp's pre-tokenizer,
+    from :func:`~kvflow.models.gguf_pre_tokenizers.llama_cpp_pre_tokenizer`."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
         return
-    from tokenizers import pre_tokenizers
-
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    pre_tokenizer = llama_cpp_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    if pre_tokenizer is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
 
 
 _USE_TOKENIZER = "pass a Hugging Face tokenizer folder with --tokenizer (LLM(tokenizer=...))"
@@ -178,7 +168,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 4
+_CACHE_FORMAT = 5
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:

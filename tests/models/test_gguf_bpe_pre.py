@@ -1,5 +1,5 @@
-"""Byte-level GGUF vocabularies whose llama.cpp pre-tokenizer splits digits one by one
-(``tokenizer.ggml.pre`` ``smollm``, ``starcoder``, ...). Oracle: a ``tokenizers`` BPE built
+"""Byte-level GGUF vocabularies whose llama.cpp pre-tokenizer transformers does not convert:
+digits split one by one (``tokenizer.ggml.pre`` ``smollm``, ``starcoder``, ...), DeepSeek below. Oracle: a ``tokenizers`` BPE built
 directly with the same vocabulary and merges and the pre-tokenizer of those models' HF
 ``tokenizer.json`` (``Digits(individual_digits=True)`` + ``ByteLevel``). Before: GPT-2's regex
 alone, so a vocabulary with a ``\\u0120`` + digit merge encoded " 12" as two tokens, not three."""
@@ -61,3 +61,73 @@ def test_digit_splitting_pre_tokenizers(tmp_path, monkeypatch, pre, split_digits
         assert tokenizer.encode(text, add_special_tokens=False) == oracle.encode(text).ids, text
         assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert len(oracle.encode(" 12").ids) == (3 if split_digits else 2)
+
+
+# DeepSeek LLM / Coder (tokenizer.ggml.pre "deepseek-llm" / "deepseek-coder"): a byte-level
+# alphabet plus merges that join what GPT-2's regex keeps together (" 12", "):") and what it
+# cuts apart. Oracle: tokenizers configured as those models' HF tokenizer.json (the Split
+# regexes written out here, Digits for \p{N}); the pieces of two texts are hand-counted.
+ALPHABET = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+DS_MERGES = [f"{G} 1", "1 2", f"{G}1 2", ") :", "d e", "de f", f"{G} r", f"{G}r e", "2 0",
+             "20 2", "202 4", f"{G} {G}", "H e", "He l", "Hel l", "Hell o"]
+DS_VOCAB = ALPHABET + [a + b for a, b in (m.split(" ") for m in DS_MERGES)]
+DS_TEXTS = ["def f(x):\n  return 12", "Hello, w\u00f6rld 2024!\n", "a+=1 2024 ", "x  \n\ny",
+            "\u03a9mega \u03a9\u03bc\u03ad\u03b3\u03b1 12", "\u05e9\u05dc\u05d5\u05dd 12",
+            "\u4f60\u597d \uc138\uacc4123", "it's  (ok)...", "na\u00efve caf\u00e9\t12"]
+CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+DS_SPLITS = {
+    "deepseek-coder": (["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", CJK], True),
+    "deepseek-llm": (["[\r\n]", r"\s?[\p{Lu}\p{Ll}\p{Lt}]+",
+                      "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+                      r"\s+$", CJK], False),
+}
+
+
+def _deepseek_oracle(pre: str):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    regexes, individual_digits = DS_SPLITS[pre]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(DS_VOCAB)},
+                               [tuple(m.split(" ")) for m in DS_MERGES]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
+         pre_tokenizers.Digits(individual_digits=individual_digits),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+def _write_deepseek(path, pre: str) -> str:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(DS_VOCAB)
+    w.add_token_types([1] * len(DS_VOCAB))
+    w.add_token_merges(DS_MERGES)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("deepseek-coder", ("def f(x):\n  return 12",
+                        ["def", " f", "(", "x", "):", "\n", " ", " return", " ", "1", "2"])),
+    ("deepseek-llm", ("Hello, w\u00f6rld 2024!\n",
+                      # ":-~" spans ASCII letters too: " w\u00f6rld" is cut again at "\u00f6"
+                      ["Hello", ",", " w", "\u00f6", "rld", " ", "2024", "!", "\n"])),
+])
+def test_deepseek_pre_tokenizers_match_their_tokenizer_json(tmp_path, monkeypatch, pre, pieces):
+    """Before: GPT-2's regex (" 12" one piece, so ``\\u0120`` + "12" one token)."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = load_gguf_tokenizer(_write_deepseek(tmp_path / f"{pre}.gguf", pre))
+    backend = tokenizer.backend_tokenizer
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    text, expected = pieces
+    expected = [p for piece in expected for p, _ in byte_level.pre_tokenize_str(piece)]
+    assert [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)] == expected
+    oracle = _deepseek_oracle(pre)
+    for text in DS_TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == oracle.encode(text).ids, text
+        assert tokenizer.decode(ids) == text

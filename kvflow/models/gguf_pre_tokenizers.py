@@ -1,0 +1,83 @@
+"""llama.cpp pre-tokenizers (GGUF ``tokenizer.ggml.pre``) that transformers' GGUF conversion does
+not know, as ``tokenizers`` pre-tokenizers.
+
+llama.cpp (``llm_tokenizer_bpe`` in llama-vocab.cpp) splits text with a list of regexes applied
+one after another: each regex cuts every piece from the previous one into its matches and the
+text between them (both kept), which is ``tokenizers``' ``Split(regex, "isolated")``; the
+pieces are then mapped to byte-level characters (``ByteLevel(use_regex=False)``), as in the
+models' own HF ``tokenizer.json``. transformers falls back to GPT-2's regex for these values,
+which cuts text where the vocabulary's merges were not learned (DeepSeek Coder: ``" 12"`` is one
+GPT-2 piece, but ``" "``, ``"1"``, ``"2"`` in llama.cpp and the model's tokenizer.json).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# DeepSeek LLM's "letters": the cased-letter ranges (Lu, Ll, Lt) its tokenizer.json lists.
+_DEEPSEEK_LLM_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126"
+    "\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184"
+    "\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f"
+    "\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
+)
+# CJK ideographs, U+0800..U+4E00 and Hangul: one piece per run (both DeepSeek pre-tokenizers).
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+
+# tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (llama-vocab.cpp, by value).
+SPLIT_REGEXES: dict[str, tuple[str, ...]] = {
+    "deepseek-llm": (
+        "[\r\n]",
+        "\\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        "\\s+$",
+        _DEEPSEEK_CJK,
+        "\\p{N}+",
+    ),
+    "deepseek-coder": (
+        "[\r\n]",
+        "\\s?\\p{L}+",
+        "\\s?\\p{P}+",
+        _DEEPSEEK_CJK,
+        "\\p{N}",
+    ),
+}
+
+# Pre-tokenizers that split every digit off, then apply GPT-2's regex (llama-vocab.cpp:
+# "\\p{N}", then the GPT-2 pattern); the HF tokenizer.json of SmolLM / StarCoder spells it
+# Digits(individual_digits=True) + ByteLevel.
+DIGIT_SPLIT_PRES = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell",
+                              "exaone", "minerva"})
+
+
+def llama_cpp_pre_tokenizer(pre: Any) -> Any | None:
+    """The ``tokenizers`` pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` value ``pre`` means,
+    for a byte-level (``tokenizer.ggml.model = gpt2``) vocabulary; None for a value whose
+    transformers conversion is already right (or unknown to kvflow).
+
+    Returns:
+        a ``tokenizers.pre_tokenizers.Sequence``: the ``Split(..., "isolated")`` of each of
+        :data:`SPLIT_REGEXES` then ``ByteLevel(use_regex=False)``, or, for
+        :data:`DIGIT_SPLIT_PRES`, ``Digits(individual_digits=True)`` then GPT-2's
+        ``ByteLevel(use_regex=True)``.
+    """
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre in DIGIT_SPLIT_PRES:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    regexes = SPLIT_REGEXES.get(pre) if isinstance(pre, str) else None
+    if regexes is None:
+        return None
+    return pre_tokenizers.Sequence(
+        [*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
