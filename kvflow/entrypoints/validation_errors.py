@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi.exceptions import RequestValidationError
 
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.protocol import RequestModel
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -24,6 +25,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
                            code="invalid_json")
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for it
+        message = f"Unrecognized request argument supplied: {param}"
     return OpenAIError(message, param=param, code=_error_code(first))
 
 
@@ -102,7 +105,18 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 
 
 def _is_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+    """Whether a location part is a union-member tag: a type's (``str``, ``list[int]``) or a
+    request model's class name (``NamedToolChoice`` of ``tool_choice``)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part
+                                      or part in _model_names(RequestModel))
+
+
+def _model_names(cls: type) -> set[str]:
+    """The class names of ``cls``'s subclasses, at every depth."""
+    names: set[str] = set()
+    for sub in cls.__subclasses__():
+        names |= {sub.__name__} | _model_names(sub)
+    return names
 
 
 def _field_path(loc: tuple) -> list[str]:

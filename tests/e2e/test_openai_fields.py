@@ -846,11 +846,16 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
                               "json_schema": {"name": "x", "schema": {"type": "banana"}}}},
      "response_format.json_schema.schema", "invalid_value"),
     (C, {"guided_json": {"type": "banana"}}, "guided_json", "invalid_value"),
+    # a misspelled nested key (strict) was dropped: the schema ran as if it were not there
+    (CH, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strct": True}}},
+     "response_format.json_schema.strct", "unknown_parameter"),
 ])
 def test_fields_that_would_change_the_reply_are_refused(server, path, body, param, code):
     """An OpenAI or vLLM field kvflow does not implement but that would change the reply is a
     400 naming it (not ignored and logged); a token id given twice in logit_bias, an empty
-    chat template and a schema no output matches or that does not compile name their field."""
+    chat template, a schema no output matches or that does not compile and an unknown key of
+    a nested object name their field."""
     resp = post(server, path, body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]

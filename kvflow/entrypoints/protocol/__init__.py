@@ -1,7 +1,9 @@
 """OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
 
 Requests ignore unknown top-level fields (as vLLM does; the handlers log each unknown name
-once), but ``stream_options`` takes only its own keys (another is a 400 naming it); ``null``
+once), but nested objects (content parts, ``response_format``, ``tools``, ``tool_choice``,
+``stream_options``, ...) take only their own keys, as OpenAI's do: another is a 400 naming its
+path (code ``unknown_parameter``); a message's extra keys reach the chat template; ``null``
 for a nullable field means the same as leaving it out (``"max_tokens": null``); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,

@@ -31,9 +31,16 @@ class RequestModel(OpenAIBaseModel):
     validates: an integer field takes only a JSON integer (not ``"8"``, ``8.0`` or ``true``),
     a number field a JSON number (an integer is a number: ``"temperature": 1`` is valid), a
     boolean field only ``true`` / ``false`` (not ``"true"`` or ``1``). A refused value is a 400
-    with code ``invalid_type`` naming the field."""
+    with code ``invalid_type`` naming the field.
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    A nested object (a content part, ``response_format.json_schema``, a tool's ``function``,
+    ``tool_choice``, ``stream_options``, ...) takes only the keys it declares: another key is a
+    400 with code ``unknown_parameter`` whose ``param`` is the key's path
+    (``response_format.json_schema.strct``), as OpenAI refuses it, so that a misspelled key
+    is never silently dropped. Top-level bodies (``RequestBody``) ignore and log unknown
+    fields instead, as vLLM does."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class OmitNoneModel(OpenAIBaseModel):
@@ -70,6 +77,8 @@ class RequestBody(RequestModel):
     default (``"n": null`` is ``n`` unset, 1; as OpenAI's nullable fields and vLLM read it),
     and the names of fields it does not declare are kept in ``unknown_fields`` (for the
     handler to log)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
     _unknown_values: dict[str, Any] = PrivateAttr(default_factory=dict)

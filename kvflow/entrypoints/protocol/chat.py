@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
@@ -22,12 +22,23 @@ class ImageURL(RequestModel):
 class ContentPart(RequestModel):
     """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
     parts are images for a vision-language model (a 400 for a text-only one); other types
-    (audio, files) are a 400."""
+    (audio, files) are a 400 naming the part (kvflow/chat_template.py). A key other than
+    ``type`` and the declared ones is a 400 naming it (``messages.0.content.0.foo``), except
+    the payload of an undeclared type (``input_audio`` of an ``input_audio`` part), which is
+    dropped so that the part is refused for its type."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
     image_url: ImageURL | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_other_types_payload(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind in data and kind not in cls.model_fields:
+            data = {k: v for k, v in data.items() if k != kind}
+        return data
 
 
 class CalledFunction(RequestModel):

@@ -22,17 +22,16 @@ class StreamOptions(RequestModel):
     carries the usage so far (prompt tokens, tokens generated up to and including that chunk,
     their sum). A key it does not declare is a 400 naming ``stream_options.<key>``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``: the schema is under ``schema`` (alias of
-    ``json_schema``, which pydantic's BaseModel reserves)."""
+    ``json_schema``, which pydantic's BaseModel reserves). ``strict``: the schema is always
+    enforced (as with OpenAI's ``strict: true``)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -49,8 +48,6 @@ class ResponseFormat(RequestModel):
 
 class StructuredOutputsField(RequestModel):
     """The vLLM-style ``structured_outputs`` extra body field (exactly one of these)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None

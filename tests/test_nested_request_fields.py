@@ -1,0 +1,135 @@
+"""Nested objects of request bodies take only the keys they declare: another key is a 400 with
+an OpenAI error body (code ``unknown_parameter``) whose ``param`` is the key's path, never
+silently dropped; top-level unknown fields are still ignored (and logged, as vLLM does).
+
+The schema and the error handlers are checked in-process (kvflow's own FastAPI error handlers
+on a route that echoes the validated request), so no engine or server starts; one served case
+is in tests/e2e/test_openai_fields.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from kvflow.entrypoints.http_guards import add_error_handlers
+from kvflow.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+SCHEMA_FMT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                     "strict": True}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    """kvflow's error handlers on routes that return the validated request as JSON."""
+    app = FastAPI()
+    add_error_handlers(app)
+
+    @app.post("/chat")
+    async def chat(req: ChatCompletionRequest) -> dict[str, Any]:
+        return req.model_dump(by_alias=True, exclude_unset=True)
+
+    @app.post("/completions")
+    async def completions(req: CompletionRequest) -> dict[str, Any]:
+        return req.model_dump(by_alias=True, exclude_unset=True)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return req.model_dump(by_alias=True, exclude_unset=True)
+
+    return TestClient(app)
+
+
+def _set(body: dict, path: str, value: Any) -> dict:
+    """A copy of ``body`` with ``value`` set at the dotted ``path`` (list indices as ints)."""
+    import copy
+
+    out = copy.deepcopy(body)
+    *parents, last = path.split(".")
+    node: Any = out
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+    return out
+
+
+# (route, a valid body, the dotted path of the key to add: a misspelling or an invented key)
+NESTED = [
+    ("/chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+     "messages.0.content.0.foo"),
+    ("/chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]},
+     "messages.0.content.0.image_url.detial"),
+    ("/chat", {"messages": [*HI, {"role": "assistant", "tool_calls": [CALL]}]},
+     "messages.1.tool_calls.0.function.argumnets"),
+    ("/chat", {"messages": [*HI, {"role": "assistant", "tool_calls": [CALL]}]},
+     "messages.1.tool_calls.0.index"),
+    ("/chat", {"messages": HI, "response_format": SCHEMA_FMT},
+     "response_format.json_schema.strct"),
+    ("/chat", {"messages": HI, "response_format": {"type": "json_object"}},
+     "response_format.schema"),
+    ("/chat", {"messages": HI, "tools": TOOLS}, "tools.0.function.strct"),
+    ("/chat", {"messages": HI, "tools": TOOLS}, "tools.0.strict"),
+    ("/chat", {"messages": HI, "tools": TOOLS,
+               "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.function.arguments"),
+    ("/chat", {"messages": HI, "tools": TOOLS,
+               "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.name"),
+    ("/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}},
+     "stream_options.include_usgae"),
+    ("/completions", {"prompt": "a", "structured_outputs": {"regex": "a+"}},
+     "structured_outputs.flags"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+     "messages.0.content.0.cache_control"),
+]
+
+
+@pytest.mark.parametrize("route,body,extra", NESTED, ids=[n[2] for n in NESTED])
+def test_unknown_nested_key_is_a_400_naming_its_path(client, route, body, extra):
+    """The valid body is accepted with its nested values kept (the oracle: the body itself);
+    the same body with one more key is a 400 naming that key's path (these were ignored)."""
+    ok = client.post(route, json=body)
+    assert ok.status_code == 200, ok.text
+    parent = extra.rsplit(".", 1)[0]
+    echoed: Any = ok.json()
+    sent: Any = body
+    for key in parent.split("."):
+        echoed = echoed[int(key)] if isinstance(echoed, list) else echoed[key]
+        sent = sent[int(key)] if isinstance(sent, list) else sent[key]
+    assert echoed == sent  # kept as sent
+    resp = client.post(route, json=_set(body, extra, 1))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == \
+        ("invalid_request_error", extra, "unknown_parameter"), error
+    assert error["message"] == f"Unrecognized request argument supplied: {extra}"
+
+
+def test_top_level_unknown_fields_are_still_ignored(client):
+    """A top-level field kvflow does not know is ignored (logged by the server), as vLLM
+    does; a message's own extra keys (``name``) still reach the chat template."""
+    resp = client.post("/chat", json={"messages": [{"role": "user", "content": "hi",
+                                                     "name": "bob"}], "frobnicate": 1})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["messages"][0]["name"] == "bob"
+
+
+def test_other_part_types_are_refused_for_their_type():
+    """An ``input_audio`` part with its payload passes the schema (its payload dropped) so that
+    the renderer refuses it for its type, naming the part, not its payload key."""
+    from kvflow.chat_template import ChatTemplateError, normalize_conversation
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]})
+    part = req.messages[0].content[0]
+    assert part.type == "input_audio" and "input_audio" not in part.model_dump()
+    with pytest.raises(ChatTemplateError) as e:
+        normalize_conversation([m.model_dump() for m in req.messages])
+    assert e.value.param == "messages.0.content.0" and "'input_audio'" in str(e.value)
