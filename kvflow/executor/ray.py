@@ -11,7 +11,9 @@ same Worker code as with ``mp``.
 A step is encoded once, put in Ray's object store once, and its reference passed to every
 actor; only the driver rank's result is decoded. A failed actor (dead, or raised) ends the
 wait for its step with :class:`~kvflow.executor.base.ExecutorError` naming the rank, and every
-actor is killed.
+actor is killed. As with ``mp``, a worker's ``ValueError`` before the first step (building its
+part of the model, sizing or allocating its KV cache) is bad input:
+:class:`~kvflow.executor.base.WorkerConfigError`, one line from ``kvflow`` (exit 2).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class RayExecutor(Executor):
 
     Raises:
         ValueError: if Ray is not installed or the cluster cannot hold ``world_size`` bundles
-            within ``placement_timeout_s``.
+            within ``placement_timeout_s``; WorkerConfigError (a ValueError) if a worker
+            finds the model does not fit the configuration while it starts.
         ExecutorError: if a worker fails to start, and from later calls if one fails.
     """
 
@@ -58,6 +61,7 @@ class RayExecutor(Executor):
         self.world_size = config.parallel_config.world_size
         self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
         self.codec = StepCodec()
+        self._sent = 0  # steps sent (a worker's ValueError before the first is bad input)
         self._started_ray = False
         self.actors: list[Any] = []
         self._pg = None
@@ -114,6 +118,7 @@ class RayExecutor(Executor):
                             grammar_bitmask: GrammarBitmask | None = None) -> StepFuture:
         self._check_failed()
         payload = self.ray.put(self.codec.encode((sched, grammar_bitmask)))  # stored once
+        self._sent += 1
         refs = [a.execute_model.remote(payload) for a in self.actors]
         return StepFuture(lambda: self._step_result(refs))
 
@@ -126,7 +131,9 @@ class RayExecutor(Executor):
         """Every rank's result of one call, by rank; a failed rank ends the wait at once.
 
         Raises:
-            ExecutorError: naming the first rank whose call failed.
+            WorkerConfigError: if the first failed call raised ValueError before the first
+                step (the worker's start-up or the engine's set-up calls).
+            ExecutorError: naming the first rank whose call failed, otherwise.
         """
         pending = dict(zip(refs, range(len(refs))))
         results: dict[int, Any] = {}
@@ -137,6 +144,9 @@ class RayExecutor(Executor):
                 try:
                     results[rank] = self.ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - any actor failure is fatal
+                    cause = getattr(e, "cause", None)
+                    if self._sent == 0 and isinstance(cause, ValueError):
+                        self._fail_config(rank, str(cause))
                     what = "failed to start" if starting else "failed"
                     self._fail(f"worker rank {rank} {what}: {_describe(e)}")
         return [results[r] for r in range(len(refs))]

@@ -101,3 +101,46 @@ def test_a_value_error_during_engine_set_up_is_bad_input(monkeypatch, steps_sent
     assert isinstance(err.value, ValueError) is is_value_error
     assert isinstance(err.value, WorkerConfigError) is is_value_error
     assert ("worker rank 1, at engine start-up" in str(err.value)) is is_value_error
+
+
+class _RayTaskError(Exception):
+    """Ray's wrapper of an actor method's exception (the original is ``cause``)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"ray::RayWorkerWrapper.init_worker() (pid=1)\n  Traceback: {cause}")
+        self.cause = cause
+
+
+class _FakeRay:
+    """``ray.wait`` / ``ray.get`` over refs that are the values (or errors) themselves."""
+
+    def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref: object) -> object:
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+
+@pytest.mark.parametrize("steps_sent, is_value_error", [(0, True), (2, False)])
+def test_ray_worker_value_error_at_start_up_is_bad_input(monkeypatch, steps_sent,
+                                                         is_value_error):
+    """Under ``--distributed-executor-backend ray`` a worker's ValueError while it builds its
+    part of the model (or in the engine's set-up calls) is raised as WorkerConfigError naming
+    the rank, so ``kvflow`` prints one line and exits 2 as with ``mp`` (was ExecutorError
+    carrying Ray's task-error text: a traceback and exit 1); after the first step a worker's
+    error is an engine failure. No Ray: its ``wait``/``get`` are faked."""
+    from kvflow.executor import WorkerConfigError
+    from kvflow.executor.ray import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._failed, executor.ray, executor._sent = None, _FakeRay(), steps_sent
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    bad = ValueError("quantization_group_size=64 does not divide the 32 input columns")
+    with pytest.raises(ExecutorError, match="does not divide the 32 input columns") as err:
+        executor._wait([None, _RayTaskError(bad)], starting=steps_sent == 0)
+    assert isinstance(err.value, WorkerConfigError) is is_value_error
+    assert ("worker rank 1, at engine start-up" in str(err.value)) is is_value_error
+    if is_value_error:
+        assert str(err.value).startswith("quantization_group_size=64")  # no Ray task text
