@@ -103,17 +103,56 @@ def _vocab_size(keys: ArchKeys, tensors: dict) -> int:
     return len(keys.meta.get("tokenizer.ggml.tokens", []))
 
 
+# rope.scaling.yarn_* keys -> the transformers YaRN field each one was converted from
+# (llama.cpp's convert_hf_to_gguf.py writes beta_fast / beta_slow / attention_factor as they are).
+_YARN_KEYS = (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+              ("yarn_attn_factor", "attention_factor"))
+
+
 def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
+    """The transformers ``rope_scaling`` dict of ``rope.scaling.*``: ``linear`` (``factor``) or
+    ``yarn`` (``factor``, ``original_max_position_embeddings`` from ``original_context_length``,
+    and ``beta_fast``, ``beta_slow``, ``attention_factor`` from ``yarn_beta_fast``,
+    ``yarn_beta_slow``, ``yarn_attn_factor``, as the checkpoint's config.json had them).
+
+    Raises:
+        ValueError: naming the key, for another scaling type (LongRoPE's factors are tensors
+            kvflow does not read), a ``yarn_ext_factor`` other than 1 (transformers' YaRN always
+            extrapolates fully), a non-zero ``yarn_log_multiplier`` (DeepSeek's softmax scale) or
+            an ``attn_factor`` other than 1.
+    """
+    if keys.get("rope.scaling.attn_factor", 1.0) != 1.0:
+        raise keys.error("rope.scaling.attn_factor", f"is {keys.get('rope.scaling.attn_factor')}"
+                         ": a RoPE attention factor is not supported")
     scaling_type = keys.get("rope.scaling.type")
     if scaling_type in (None, "none"):
         return None
+    if scaling_type not in ("linear", "yarn"):
+        raise keys.error("rope.scaling.type", f"is {scaling_type!r}: kvflow maps 'none', "
+                         "'linear' and 'yarn' RoPE scaling of GGUF files")
     rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
     if keys.get("rope.scaling.factor") is not None:
         rope_scaling["factor"] = keys.float("rope.scaling.factor", 1.0)
     if keys.get("rope.scaling.original_context_length") is not None:
         rope_scaling["original_max_position_embeddings"] = keys.int(
             "rope.scaling.original_context_length")
+    if scaling_type == "yarn":
+        rope_scaling.update(_yarn_fields(keys))
     return rope_scaling
+
+
+def _yarn_fields(keys: ArchKeys) -> dict[str, float]:
+    """transformers' YaRN fields from the ``rope.scaling.yarn_*`` keys (see :func:`_rope_scaling`)."""
+    ext = keys.get("rope.scaling.yarn_ext_factor")
+    if ext is not None and ext != 1.0:
+        raise keys.error("rope.scaling.yarn_ext_factor", f"is {ext}: only 1 (full YaRN "
+                         "extrapolation, as transformers computes it) is supported")
+    if keys.get("rope.scaling.yarn_log_multiplier", 0.0) != 0.0:
+        raise keys.error("rope.scaling.yarn_log_multiplier", "is "
+                         f"{keys.get('rope.scaling.yarn_log_multiplier')}: a YaRN log "
+                         "multiplier (DeepSeek-V2's mscale) is not supported")
+    return {hf: keys.float(f"rope.scaling.{suffix}", 1.0) for suffix, hf in _YARN_KEYS
+            if keys.get(f"rope.scaling.{suffix}") is not None}
 
 
 _GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B by its block count (LLM_TYPE_27B)

@@ -198,3 +198,48 @@ def test_tokenizer_cache_is_rebuilt_for_another_transformers(tmp_path, monkeypat
     assert load_gguf_tokenizer(path).chat_template == "{{ 'stale' }}"  # same version: reused
     monkeypatch.setattr(transformers, "__version__", "0.0.0.other")
     assert load_gguf_tokenizer(path).chat_template == "{{ 'new' }}"
+
+
+_YARN = {"llama.context_length": (4096, U32), "llama.rope.scaling.type": ("yarn", STR),
+         "llama.rope.scaling.factor": (4.0, F32),
+         "llama.rope.scaling.original_context_length": (1024, U32)}
+
+
+def test_yarn_keys_give_the_rope_table_transformers_computes(tmp_path):
+    """``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` / ``yarn_attn_factor`` are the
+    checkpoint's ``beta_fast`` / ``beta_slow`` / ``attention_factor`` (llama.cpp's converter
+    copies them). Oracle: transformers' own YaRN frequencies and attention factor for the
+    config.json they came from. Before: ignored (betas 32 / 1, factor 0.1 ln 4 + 1)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvflow.layers.rotary import compute_cos_sin_cache, get_rope_parameters
+
+    path = _rewritten(tmp_path, {**_YARN, "llama.rope.scaling.yarn_beta_fast": (4.0, F32),
+                                 "llama.rope.scaling.yarn_beta_slow": (0.5, F32),
+                                 "llama.rope.scaling.yarn_attn_factor": (1.3, F32),
+                                 "llama.rope.scaling.yarn_ext_factor": (1.0, F32)})
+    theta, scaling = get_rope_parameters(load_gguf_config(path))
+    ours = compute_cos_sin_cache(4096, 6, theta, scaling)
+    reference = LlamaConfig(hidden_size=16, num_attention_heads=4, head_dim=6,
+                            max_position_embeddings=4096, rope_theta=12345.0,
+                            rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 1024,
+                                          "beta_fast": 4.0, "beta_slow": 0.5,
+                                          "attention_factor": 1.3})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](reference, "cpu")
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
+    expected = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+    assert attention_factor == 1.3
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("llama.rope.scaling.yarn_ext_factor", (0.5, F32), r"yarn_ext_factor' is 0.5"),
+    ("llama.rope.scaling.yarn_log_multiplier", (0.1, F32), r"yarn_log_multiplier' is 0.1"),
+    ("llama.rope.scaling.type", ("longrope", STR), r"scaling.type' is 'longrope'"),
+    ("llama.rope.scaling.attn_factor", (2.0, F32), r"scaling.attn_factor' is 2.0"),
+])
+def test_rope_scaling_keys_kvflow_cannot_apply_are_refused(tmp_path, key, value, pattern):
+    """Before: loaded and computed plain YaRN (or, for longrope, failed deep in the model)."""
+    _assert_refused(_rewritten(tmp_path, {**_YARN, key: value}), pattern)
