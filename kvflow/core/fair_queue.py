@@ -8,9 +8,13 @@ gets a share proportional to its quantum, and an empty flow loses its credit.
 
 Here a flow is one (priority class, client) pair; the client is the request's ``client_id``
 (the OpenAI ``user`` field or an API-key digest). A packet is a request's admission, of size
-the tokens its prefill computes; after admission every decode token the request computes is
-charged to its flow too (``charge``), so a client with long outputs pays for them with later
-admissions: the share is of tokens computed, prompt and output. A flow that empties keeps a
+the tokens its prefill computes (its prompt, and on readmission after preemption its
+outputs, less what the prefix cache holds: ``cached_tokens``); the admission prepays them, and
+every token the request computes afterwards beyond that prepayment (decode tokens, the draft
+tokens a decode verifies) is charged to its flow too (``charge``), so a client with long
+outputs pays for them with later admissions: the share is of tokens computed, prompt and
+output (samples of an ``n > 1`` request that hit their siblings' prompt blocks pay for the
+tokens they compute, not the prompt again). A flow that empties keeps a
 negative deficit (debt) but not a positive one, until its last request leaves the scheduler:
 a client with nothing waiting or running is forgotten, debt included (``close``), so the state
 is bounded by the clients with requests, and work a client did while nobody else waited is
@@ -26,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from kvflow.core.sched_policy import SchedulingPolicy, WaitingQueue
 from kvflow.request import Request
@@ -42,11 +47,17 @@ class FairWaitingQueue(WaitingQueue):
     Args:
         policy: the fair policy (its key orders requests within a flow).
         quantum: tokens added to a top-class flow's deficit per visit (the step budget).
+        cached_tokens: the tokens of a request the prefix cache holds now (the KV cache
+            manager's ``peek_computed_tokens``; default: none), which its admission does not
+            compute.
     """
 
-    def __init__(self, policy: SchedulingPolicy, quantum: int) -> None:
+    def __init__(self, policy: SchedulingPolicy, quantum: int,
+                 cached_tokens: Callable[[Request], int] | None = None) -> None:
         super().__init__(policy)
         self.quantum = quantum
+        self._cached_tokens = cached_tokens or (lambda request: 0)
+        self._prepaid: dict[str, int] = {}  # request id -> admission tokens not yet computed
         self._flows: dict[Flow, list[tuple[tuple, int, Request]]] = {}
         self._ring: deque[Flow] = deque()
         self.deficit: dict[Flow, float] = {}
@@ -77,11 +88,14 @@ class FairWaitingQueue(WaitingQueue):
         return self._chosen
 
     def _choose(self) -> Request:
-        weights = self._class_weights()
+        weights, costs = self._class_weights(), {}
         while True:
             flow = self._ring[0]
             head = self._flows[flow][0][2]
-            if self.deficit[flow] >= self._cost(head):
+            cost = costs.get(flow)
+            if cost is None:
+                cost = costs[flow] = self._cost(head)
+            if self.deficit[flow] >= cost:
                 return head
             self.deficit[flow] += self.quantum * weights[flow[0]]
             self._ring.rotate(-1)
@@ -91,16 +105,22 @@ class FairWaitingQueue(WaitingQueue):
         classes = sorted({flow[0] for flow in self._ring})
         return {p: 0.5 ** rank for rank, p in enumerate(classes)}
 
-    @staticmethod
-    def _cost(request: Request) -> int:
-        """Tokens the request's admission computes (its prefill; at least one)."""
-        return max(1, request.num_tokens - request.num_computed_tokens)
+    def _cost(self, request: Request) -> int:
+        """Tokens the request's admission computes: its tokens less those already computed
+        (a swapped-out request's) or in the prefix cache (at least one)."""
+        done = max(request.num_computed_tokens, self._cached_tokens(request))
+        return max(1, request.num_tokens - done)
 
     def pop(self) -> Request:
+        """Admit the request deficit round robin serves next: its flow prepays its
+        admission's tokens (``_cost``, as the prefix cache stands now), less what an earlier
+        admission of it prepaid and never computed (it was preempted mid-prefill)."""
         request = self.peek()
         flow = self.flow_of(request)
         heapq.heappop(self._flows[flow])
-        self.deficit[flow] -= self._cost(request)
+        cost = self._cost(request)
+        self.deficit[flow] -= cost - self._prepaid.get(request.request_id, 0)
+        self._prepaid[request.request_id] = cost
         self._size -= 1
         self._chosen = None
         if not self._flows[flow]:
@@ -149,6 +169,9 @@ class FairWaitingQueue(WaitingQueue):
         """A request left the scheduler; its flow's last one: the flow's deficit (debt) is
         forgotten."""
         flow = self.flow_of(request)
+        unused = self._prepaid.pop(request.request_id, 0)  # aborted mid-prefill
+        if unused and flow in self.deficit:
+            self.deficit[flow] += unused
         left = self._num_open.get(flow, 0) - 1
         if left > 0:
             self._num_open[flow] = left
@@ -159,13 +182,22 @@ class FairWaitingQueue(WaitingQueue):
 
     def charge(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Request],
                drafts: dict[str, list[int]] | None = None) -> None:
-        """Charge every decode token of the step to its request's flow, the draft tokens a
-        decode verifies (speculative decoding, ``drafts``) included: it computes them
-        (prefill tokens were paid at admission)."""
-        deficit = self.deficit
+        """Charge every token the step computes to its request's flow, the draft tokens a
+        decode verifies (speculative decoding, ``drafts``) included, less what its admission
+        prepaid (``pop``): its prefill's chunks use the prepayment up, its decodes are
+        charged. ``drafts`` is accepted for the interface (the draft tokens are in
+        ``num_scheduled_tokens``)."""
+        deficit, prepaid = self.deficit, self._prepaid
         for rid, n in num_scheduled_tokens.items():
             request = requests.get(rid)
-            if (n == 1 or (drafts and rid in drafts)) and request is not None:
+            if request is None:
+                continue
+            paid = prepaid.get(rid, 0)
+            if paid:
+                used = min(n, paid)
+                prepaid[rid] = paid - used
+                n -= used
+            if n:
                 flow = (request.priority, request.client_id)
                 deficit[flow] = deficit.get(flow, 0.0) - n
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from kvflow.request import Request
 
@@ -61,13 +62,15 @@ def make_policy(name: str) -> SchedulingPolicy:
     return policies[name]()
 
 
-def make_waiting_queue(policy: SchedulingPolicy) -> WaitingQueue:
-    """The waiting queue of ``policy``: deficit round robin over clients for ``fair``, else
-    a heap ordered by the policy key."""
+def make_waiting_queue(policy: SchedulingPolicy,
+                       cached_tokens: Callable[[Request], int] | None = None) -> WaitingQueue:
+    """The waiting queue of ``policy``: deficit round robin over clients for ``fair`` (a
+    request's admission costs its tokens less ``cached_tokens(request)``, those the prefix
+    cache holds), else a heap ordered by the policy key."""
     if policy.name == "fair":
         from kvflow.core.fair_queue import DRR_QUANTUM_TOKENS, FairWaitingQueue
 
-        return FairWaitingQueue(policy, DRR_QUANTUM_TOKENS)
+        return FairWaitingQueue(policy, DRR_QUANTUM_TOKENS, cached_tokens)
     return WaitingQueue(policy)
 
 

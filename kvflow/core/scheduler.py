@@ -100,7 +100,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.policy = make_policy(config.policy)
-        self.waiting = make_waiting_queue(self.policy)
+        self.waiting = make_waiting_queue(self.policy, kv_cache_manager.peek_computed_tokens)
         self.clock = clock
         self.planner = SLOPlanner(config)
         self.swap: SwapManager | None = None  # the engine core sets it for swap preemption

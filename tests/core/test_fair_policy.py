@@ -102,6 +102,39 @@ def test_draft_tokens_are_charged_to_the_client(make_scheduler, make_driver):
     assert sched.waiting.deficit == {(0, "A"): -8.0}
 
 
+def _computed_by_step(records) -> list[int]:
+    return [sum(r.num_scheduled.values()) for r in records]
+
+
+def test_a_client_pays_the_tokens_its_requests_compute(make_scheduler, make_driver):
+    """Hand count (block size 4; one client with a request left waiting, so its flow keeps
+    the one visit's quantum of credit it got): two samples of one 10-token prompt admitted in
+    one step compute 10 + 2 tokens (the second hits the first's 2 full blocks, 8 tokens),
+    then 1 each per decode; the flow owes what the driver saw computed (it was charged
+    10 + 10 for the prompts before). A 9-token prompt over an 8-token budget computes 8 + 1,
+    the 1 being its prefill's last chunk, then 1 per decode (the chunk was charged again as a
+    decode before)."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    sched = make_scheduler(policy="fair", max_num_seqs=2)
+    drv = make_driver(sched)
+    for i in range(3):
+        drv.add(Request(f"x-{i}", list(range(11, 21)), params, parent_id="x",
+                        sample_index=i, client_id="A"))
+    records = [drv.step() for _ in range(3)]
+    assert records[0].num_scheduled == {"x-0": 10, "x-1": 2}
+    assert _computed_by_step(records) == [12, 2, 2]
+    quantum = sched.waiting.quantum
+    assert sched.waiting.deficit == {(0, "A"): quantum - 16}
+
+    sched = make_scheduler(policy="fair", max_num_batched_tokens=8, max_num_seqs=1)
+    drv = make_driver(sched)
+    for rid in ("y", "z"):
+        drv.add(Request(rid, list(range(30, 39)), params, client_id="B"))
+    records = [drv.step() for _ in range(3)]
+    assert _computed_by_step(records) == [8, 1, 1]
+    assert sched.waiting.deficit == {(0, "B"): quantum - 10}
+
+
 def test_remove_and_peek_stay_consistent():
     q = FairWaitingQueue(make_policy("fair"), quantum=6)
     a, b = req("a", "A", 6), req("b", "B", 6, arrival=1)
