@@ -29,8 +29,9 @@ class RequestResult:
     Attributes:
         success: a 200 response whose stream ended without an error event.
         start: when the request was sent.
-        token_times: arrival of every chunk carrying generated text.
-        end: when the response ended.
+        token_times: arrival of every chunk carrying generated tokens (text, token ids or
+            the finishing chunk, whose text may be empty).
+        end: when the response ended (after the usage chunk and ``[DONE]``).
         text: the generated text.
         prompt_tokens / completion_tokens: from the server's usage chunk (None if not sent).
         error: HTTP status and error body, or the exception, of a failed request.
@@ -61,16 +62,20 @@ def build_payload(req: BenchRequest, endpoint: str, model: str, ignore_eos: bool
     return body
 
 
-def _chunk_text(obj: dict[str, Any], endpoint: str) -> tuple[str, list[int]]:
-    """Generated text and token ids (vLLM's ``return_token_ids``) of one stream chunk; empty
-    for role-only or usage-only chunks."""
+def _chunk_text(obj: dict[str, Any], endpoint: str) -> tuple[str, bool]:
+    """Generated text of one stream chunk, and whether the chunk carries generated tokens:
+    text, token ids (vLLM's ``return_token_ids``) or a ``finish_reason`` (the chunk that ends
+    the choice carries its last tokens, whose text may be empty: an EOS or other special
+    token). Role-only and usage-only chunks carry none."""
     choices = obj.get("choices") or []
     if not choices:
-        return "", []
-    token_ids = choices[0].get("token_ids") or []
+        return "", False
+    choice = choices[0]
     if endpoint == "chat":
-        return (choices[0].get("delta") or {}).get("content") or "", token_ids
-    return choices[0].get("text") or "", token_ids
+        text = (choice.get("delta") or {}).get("content") or ""
+    else:
+        text = choice.get("text") or ""
+    return text, bool(text or choice.get("token_ids") or choice.get("finish_reason"))
 
 
 def _apply_event(result: RequestResult, data: str, endpoint: str, now: float) -> bool:
@@ -81,8 +86,8 @@ def _apply_event(result: RequestResult, data: str, endpoint: str, now: float) ->
     if "error" in obj:
         result.error = f"error event in stream: {json.dumps(obj['error'])}"
         return False
-    text, token_ids = _chunk_text(obj, endpoint)
-    if text or token_ids:
+    text, has_tokens = _chunk_text(obj, endpoint)
+    if has_tokens:
         result.token_times.append(now)
         result.text += text
     usage = obj.get("usage")
@@ -115,7 +120,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
             else:
                 await _read_stream(resp, result, endpoint)
                 if not result.error and not result.token_times:
-                    result.error = "stream ended without any generated text"
+                    result.error = "stream ended without any generated token"
     except TimeoutError:
         result.error = (f"TimeoutError: no complete response within "
                         f"{session.timeout.total:g} s (--request-timeout)")

@@ -5,7 +5,8 @@ Definitions (the ones vLLM's and SGLang's serving benchmarks use):
 - ITL: every gap between two successive token-carrying stream chunks of one request.
 - TPOT: (end-to-end latency - TTFT) / (output tokens - 1): the mean time per output token after
   the first; undefined for a request with a single output token.
-- E2E: time from sending a request to receiving its last chunk.
+- E2E: time from sending a request to receiving its last token-carrying chunk (the trailing
+  usage chunk and ``[DONE]`` carry no token; vLLM's ``latency``).
 - Goodput: completed requests per second that meet every given SLO (Zhong et al., DistServe,
   OSDI 2024).
 Percentiles interpolate linearly between closest ranks (numpy's default "linear" method).
@@ -67,14 +68,14 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
             "max": max(scaled, default=math.nan)}
 
 
-def request_timing(start: float, token_times: Sequence[float], end: float,
+def request_timing(start: float, token_times: Sequence[float],
                    num_output_tokens: int) -> RequestTiming:
     """Latencies of one request from client timestamps (seconds, one clock).
 
     Args:
         start: when the request was sent.
-        token_times: arrival time of every chunk that carried generated tokens, in order.
-        end: when the response finished.
+        token_times: arrival time of every chunk that carried generated tokens, in order; the
+            last one ends the request (E2E), as in vLLM's benchmark.
         num_output_tokens: tokens generated (from the server's usage, else the tokenizer); a
             chunk may carry several tokens, so this can exceed ``len(token_times)``.
 
@@ -84,7 +85,7 @@ def request_timing(start: float, token_times: Sequence[float], end: float,
     if not token_times:
         raise ValueError("no token arrived: TTFT is undefined")
     ttft = token_times[0] - start
-    e2e = end - start
+    e2e = token_times[-1] - start
     itls = tuple(b - a for a, b in itertools.pairwise(token_times))
     tpot = (e2e - ttft) / (num_output_tokens - 1) if num_output_tokens > 1 else None
     return RequestTiming(ttft=ttft, tpot=tpot, e2e=e2e, itls=itls)

@@ -42,7 +42,7 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
         usage_ok += res.completion_tokens is not None
         in_lens.append(prompt_len)
         out_lens.append(out_len)
-        timings.append(metrics.request_timing(res.start, res.token_times, res.end, out_len))
+        timings.append(metrics.request_timing(res.start, res.token_times, out_len))
     out = {"duration": duration, "completed": len(timings), "failed": len(errors),
            "failed_by_kind": error_kinds(errors), "usage_from_server": usage_ok, "total_input_tokens": sum(in_lens),
            "total_output_tokens": sum(out_lens),

@@ -39,18 +39,77 @@ def test_summarize_scales_to_ms():
 
 
 def test_request_timing_from_timestamps():
-    # sent at 10.0; token chunks at 10.1, 10.15, 10.3; done at 10.3; 3 tokens
-    t = metrics.request_timing(10.0, [10.1, 10.15, 10.3], 10.3, 3)
+    # sent at 10.0; token chunks at 10.1, 10.15, 10.3; 3 tokens
+    t = metrics.request_timing(10.0, [10.1, 10.15, 10.3], 3)
     assert t.ttft == pytest.approx(0.1)
     assert t.e2e == pytest.approx(0.3)
     assert t.itls == pytest.approx((0.05, 0.15))
     assert t.tpot == pytest.approx(0.1)  # (0.3 - 0.1) / (3 - 1)
     # the same chunks carrying 5 tokens (one chunk had several): TPOT uses the token count
-    assert metrics.request_timing(10.0, [10.1, 10.15, 10.3], 10.3, 5).tpot == pytest.approx(0.05)
-    one = metrics.request_timing(0.0, [0.2], 0.25, 1)
-    assert one.tpot is None and one.itls == ()
+    assert metrics.request_timing(10.0, [10.1, 10.15, 10.3], 5).tpot == pytest.approx(0.05)
+    one = metrics.request_timing(0.0, [0.2], 1)
+    assert one.tpot is None and one.itls == () and one.e2e == pytest.approx(0.2)
     with pytest.raises(ValueError):
-        metrics.request_timing(0.0, [], 1.0, 0)
+        metrics.request_timing(0.0, [], 0)
+
+
+def _streamed(events: list[tuple[float, dict | str]], endpoint: str = "completions"):
+    """A RequestResult sent at t=10.0 that received ``events`` (time, SSE data) in order."""
+    import json
+
+    from kvflow.bench.client import RequestResult, _apply_event
+
+    res = RequestResult(start=10.0)
+    for now, data in events:
+        if not _apply_event(res, data if isinstance(data, str) else json.dumps(data), endpoint,
+                            now):
+            break
+    res.end, res.success = events[-1][0], bool(res.token_times)
+    return res
+
+
+def _summary(results):
+    from kvflow.bench.datasets import BenchRequest
+    from kvflow.bench.serve_summary import aggregate
+
+    requests = [BenchRequest([5, 6, 7, 8], 4, 8)] * len(results)
+    return aggregate(requests, results, 1.0, {}, lambda: None)
+
+
+def _chunk(text, finish=None):
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None}
+
+
+def _usage(prompt, completion):
+    return {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+
+
+def test_stream_of_only_special_tokens_is_a_completed_request():
+    # kvflow serve's stream for a prompt whose one output token is EOS (empty text): the
+    # finishing chunk carries the token; vLLM's client counts it too (any chunk with choices)
+    res = _streamed([(10.2, _chunk("", "stop")), (10.25, _usage(4, 1)), (10.3, "[DONE]")])
+    assert res.token_times == [10.2] and res.completion_tokens == 1
+    r = _summary([res])
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (1, 0, 1)
+    assert r["mean_ttft_ms"] == pytest.approx(200.0) and r["mean_e2e_ms"] == pytest.approx(200.0)
+    # a role-only chat chunk and the usage chunk carry no token
+    chat = _streamed([(10.1, {"choices": [{"index": 0, "delta": {"role": "assistant"},
+                                           "finish_reason": None}]}),
+                      (10.4, {"choices": [{"index": 0, "delta": {"content": "hi"},
+                                           "finish_reason": "length"}]}),
+                      (10.5, _usage(4, 1))], endpoint="chat")
+    assert chat.token_times == [10.4] and chat.text == "hi"
+
+
+def test_e2e_ends_at_the_last_token_chunk_not_the_usage_chunk():
+    # tokens at 10.1 ("a") and 10.3 ("b", finishing); usage at 10.9; [DONE] at 11.0
+    res = _streamed([(10.1, _chunk("a")), (10.3, _chunk("b", "length")), (10.9, _usage(4, 3)),
+                     (11.0, "[DONE]")])
+    r = _summary([res])
+    assert r["mean_e2e_ms"] == pytest.approx(300.0)          # vLLM: latency = last token chunk
+    assert r["mean_ttft_ms"] == pytest.approx(100.0)
+    assert r["mean_tpot_ms"] == pytest.approx(100.0)         # (300 - 100) / (3 - 1)
+    assert r["itls"] == [pytest.approx([0.2])] and r["total_output_tokens"] == 3
 
 
 def test_parse_goodput():
