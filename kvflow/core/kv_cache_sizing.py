@@ -18,6 +18,7 @@ from kvflow.kv_cache_interface import (
     KVCacheGroupSpec,
 )
 from kvflow.layers.rotary import rope_max_positions
+from kvflow.models.registry import position_offset
 
 
 def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> int | None:
@@ -28,7 +29,7 @@ def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> i
         ValueError: if ``--max-model-len`` asks for more.
     """
     requested = config.model_config.max_model_len
-    positions = rope_max_positions(hf_config) \
+    positions = rope_max_positions(hf_config) - position_offset(hf_config) \
         if hasattr(hf_config, "max_position_embeddings") else None
     if is_encoder:  # whole prompts per step: a prompt must fit one step's budget
         positions = min(positions or requested or 512,
@@ -36,7 +37,8 @@ def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> i
     if requested is not None and positions is not None and requested > positions:
         # The rotary tables hold this many positions (max_position_embeddings, scaled for
         # YaRN / dynamic NTK): a longer sequence would index past them mid-step.
-        why = ("whole prompts per step: max_position_embeddings, at most "
+        why = ("whole prompts per step: max_position_embeddings (less RoBERTa's "
+               "padding_idx + 1), at most "
                "max_num_batched_tokens" if is_encoder else
                "max_position_embeddings, scaled for yarn / dynamic rope_scaling")
         raise ValueError(f"max_model_len={requested} exceeds the positions the model "

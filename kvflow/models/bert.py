@@ -119,6 +119,9 @@ class BertModel(nn.Module):
 
     is_encoder_only: ClassVar[bool] = True
     is_pooling_only: ClassVar[bool] = True
+    embeddings_cls: ClassVar[type[nn.Module]] = BertEmbeddings
+    checkpoint_prefix: ClassVar[str] = "bert."  # BertForMaskedLM & co. (optional)
+    skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "cls.")
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "self.query": ("qkv_proj", "q"), "self.key": ("qkv_proj", "k"),
         "self.value": ("qkv_proj", "v")}
@@ -136,7 +139,7 @@ class BertModel(nn.Module):
             raise ValueError("BERT is_decoder=True (causal self-attention) is not supported: "
                              "kvflow runs BERT as a bidirectional encoder")
         self.config = config
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_cls(config)
         self.encoder = BertEncoder(config, ctx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -155,8 +158,9 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("bert.")
-            if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+            name = name.removeprefix(self.checkpoint_prefix)
+            if name.startswith(self.skipped_prefixes) or name.endswith(("position_ids",
+                                                                      "token_type_ids")):
                 continue
             name = name.replace(".gamma", ".weight").replace(".beta", ".bias")
             target, shard = name, None
@@ -164,7 +168,8 @@ class BertModel(nn.Module):
                 if f".{src}." in name:
                     target, shard = name.replace(f".{src}.", f".{dst}."), sid
             if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of BertModel")
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                 f"{type(self).__name__}")
             param = params[target]
             loader = getattr(param, "weight_loader", None)
             if loader is None:

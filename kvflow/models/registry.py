@@ -20,6 +20,7 @@ from kvflow.models.phi3 import Phi3ForCausalLM
 from kvflow.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from kvflow.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kvflow.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from kvflow.models.roberta import RobertaModel
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -37,6 +38,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # embedding (pooling) models: an encoder, and bare decoders without an LM head
     "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
     "LlamaModel": embedding_only(LlamaForCausalLM),
     "MistralModel": embedding_only(LlamaForCausalLM),
     "Qwen2Model": embedding_only(Qwen2ForCausalLM),
@@ -80,6 +83,18 @@ def model_traits(hf_config: Any) -> tuple[bool, bool]:
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     return (bool(getattr(model_cls, "is_pooling_only", False)),
             bool(getattr(model_cls, "is_encoder_only", False)))
+
+
+def position_offset(hf_config: Any) -> int:
+    """Position-table rows the architecture keeps before its first token's (RoBERTa:
+    ``pad_token_id + 1``; 0 for others): it covers ``max_position_embeddings`` minus these.
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    offset = getattr(model_cls, "position_offset", None)
+    return int(offset(hf_config)) if offset is not None else 0
 
 
 def uses_mla(hf_config: Any) -> bool:

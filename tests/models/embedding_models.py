@@ -66,3 +66,18 @@ def build_decoder(tokenizer: Any, folder: str, pooling: str) -> Any:
     model = LlamaModel(config).eval()
     _randomize(model, 4)
     return save_sentence_transformer(model, tokenizer, folder, pooling)
+
+
+def build_roberta(tokenizer: Any, folder: str, pooling: str, xlm: bool = False) -> Any:
+    """A tiny random RoBERTa (``xlm``: XLM-RoBERTa) encoder with 40 position rows (38 tokens
+    after padding_idx + 1 = 2) saved as a sentence-transformers folder; returns the
+    SentenceTransformer."""
+    import transformers
+
+    kind = "XLMRoberta" if xlm else "Roberta"
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=40, type_vocab_size=1, pad_token_id=1)
+    model = getattr(transformers, f"{kind}Model")(config, add_pooling_layer=False).eval()
+    _randomize(model, 5)
+    return save_sentence_transformer(model, tokenizer, folder, pooling)

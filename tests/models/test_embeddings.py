@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvflow import LLM, PoolingParams, SamplingParams
-from tests.models.embedding_models import build_bert, build_decoder, st_embed
+from tests.models.embedding_models import build_bert, build_decoder, build_roberta, st_embed
 
 SENTENCES = ["the quick brown fox", ("prefix caching reuses them, chunked prefill splits long "
              "prompts, and preemption recomputes what it evicted while kvflow pages keys"),
@@ -59,6 +59,28 @@ def test_bert_matches_sentence_transformers(bert_folder, pooling, assert_no_leak
         ("embed", True, pooling)
     assert core.kv_cache_config.num_tensors == 0  # no KV cache for an encoder
     _check(llm.embed(SENTENCES, use_tqdm=False), st_embed(st, SENTENCES))
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("xlm", [False, True], ids=["roberta", "xlm_roberta"])
+def test_roberta_matches_sentence_transformers(tiny_tokenizer, tmp_path, xlm, assert_no_leaks):
+    """RoBERTa / XLM-RoBERTa: positions from padding_idx + 1 (= 2), so 40 position rows cover
+    38 tokens; a token-id prompt holding the padding id (1) gives it position padding_idx and
+    does not count it, as transformers' RobertaModel does (mean of its last hidden state)."""
+    st = build_roberta(tiny_tokenizer, str(tmp_path / "st"), "mean", xlm)
+    llm = LLM(model=str(tmp_path / "st"), dtype="float32", device="cpu",
+              max_num_batched_tokens=64)
+    core = llm.engine.core
+    assert (core.task, core.is_encoder, core.positions) == ("embed", True, 38)
+    short = [SENTENCES[0], SENTENCES[2], SENTENCES[3]]
+    _check(llm.embed(short, use_tqdm=False), st_embed(st, short))
+    ids = [7, 1, 9, 30, 1, 1, 44] + list(range(50, 81))  # 38 tokens, the last position row
+    with torch.no_grad():
+        hidden = st[0].auto_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    (out,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    _check([out], [torch.nn.functional.normalize(hidden.mean(0), dim=0)])
+    with pytest.raises(ValueError, match="39"):
+        llm.embed([{"prompt_token_ids": ids + [5]}], use_tqdm=False)
     assert_no_leaks(llm)
 
 
