@@ -17,9 +17,11 @@ def _run(argv, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "no-such-model"], "no-such-model"),
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--top-p", "2"], "top_p"),
-    (["--temperature", "-1"], "temperature"),
+    # the flag the user typed, not the field behind it (was SamplingParams.max_tokens=0)
+    (["--max-tokens", "0"], "kvflow: error: --max-tokens=0 is invalid: it must be >= 1"),
+    (["--top-p", "2"], "kvflow: error: --top-p=2.0 is invalid"),
+    (["--temperature", "-1"], "kvflow: error: --temperature=-1.0 is invalid"),
+    (["--min-tokens", "5", "--max-tokens", "3"], "kvflow: error: --min-tokens=5 is invalid"),
 ])
 def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     args = ["generate", "--model", tiny_llama.path, "--prompt", "hi", *argv]
@@ -83,6 +85,24 @@ def test_prompt_longer_than_max_model_len_exits_2(tiny_llama, capsys):
     rc, _, err = _run(["generate", "--model", tiny_llama.path, "--max-model-len", "8",
                        "--num-kv-blocks", "16", "--prompt", "the lazy fox pages keys and values " * 4], capsys)
     assert rc == 2 and "max_model_len is 8" in err
+
+
+def test_max_tokens_beyond_the_context_notes_where_it_stops(tiny_llama, capsys):
+    """``--max-tokens`` above max_model_len is not refused (the offline API stops at the
+    context with finish_reason length, README) but a note on stderr says so before the
+    wait; the sample fills the context exactly (hand count: max_model_len minus the
+    prompt's tokens)."""
+    from transformers import AutoTokenizer
+
+    prompt_len = len(AutoTokenizer.from_pretrained(tiny_llama.path).encode("the lazy fox"))
+    rc, out, err = _run(["generate", "--model", tiny_llama.path, "--dtype", "float32",
+                         "--num-kv-blocks", "16", "--max-model-len", "24", "--prompt",
+                         "the lazy fox", "--max-tokens", "1000000000", "--temperature", "0",
+                         "--ignore-eos", "--verbose"], capsys)
+    assert rc == 0
+    assert "kvflow: note: --max-tokens 1000000000 is more than the context leaves " \
+        "(max_model_len 24" in err
+    assert f"[finish_reason=length tokens={24 - prompt_len} " in out
 
 
 def test_generate_prints_prompt_and_completion(tiny_llama, capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 from typing import Any
 
@@ -51,13 +52,45 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
                              if getattr(args, k) is not None})
 
 
+def flag_names(message: str) -> str:
+    """``message`` with each ``SamplingParams.<field>`` that is a ``generate`` flag written as
+    the flag the user typed: ``SamplingParams.max_tokens=-1 is invalid`` becomes
+    ``--max-tokens=-1 is invalid``; other names are left as they are."""
+    return _FIELD_RE.sub(lambda m: "--" + m.group(1).replace("_", "-")
+                         if m.group(1) in _SAMPLING_FLAGS else m.group(0), message)
+
+
+_FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def context_note(max_tokens: int | None, max_model_len: int) -> str | None:
+    """A note for ``--max-tokens`` at or above ``max_model_len`` (no prompt leaves that much
+    room: generation stops when the context is full, with finish_reason "length", as the
+    offline API does, rather than being refused); None otherwise."""
+    if max_tokens is None or max_tokens < max_model_len:
+        return None
+    return (f"kvflow: note: --max-tokens {max_tokens} is more than the context leaves "
+            f"(max_model_len {max_model_len}, prompt included): each sample stops when the "
+            "context is full (finish_reason length)")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except ValueError as e:  # name the flags the user typed, not the fields behind them
+        raise ValueError(flag_names(str(e))) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)
     images = _read_images(args.image or [], config)
     llm = LLM.from_engine_config(config)
+    note = context_note(args.max_tokens, llm.engine.processor.max_model_len)
+    if note is not None:
+        print(note, file=sys.stderr)
     prompts = args.prompt or ["Once upon a time"]
     if args.chat:
         parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
