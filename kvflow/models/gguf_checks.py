@@ -186,3 +186,43 @@ def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -
     if rot is not None and keys.int("rope.dimension_count") != head_dim:
         raise keys.error("rope.dimension_count", f"is {rot}, but the head size is {head_dim}: "
                          "partial rotary embeddings are not supported")
+
+
+# <arch>.* keys of llama.cpp that change the computation, with the value that leaves it as
+# kvflow computes these architectures (a key absent is that value too).
+_NEUTRAL_VALUES: dict[str, Any] = {
+    "attn_logit_softcapping": 0.0,  # Gemma 2's tanh cap on attention scores
+    "logit_scale": 1.0,  # Cohere / Granite: logits times this
+    "embedding_scale": 1.0,  # Granite: embeddings times this
+    "residual_scale": 1.0,  # Granite: each residual branch times this
+    "attention.causal": True,  # False: bidirectional attention (embedding models)
+    "attention.clamp_kqv": 0.0,  # q/k/v clamped to +-this (DBRX, OLMo)
+    "attention.max_alibi_bias": 0.0,  # ALiBi position biases
+}
+
+
+def check_unapplied_keys(keys: ArchKeys, attention_scale: float) -> None:
+    """Refuse metadata that changes the numerics in ways kvflow does not compute: a key of
+    :data:`_NEUTRAL_VALUES` with another value, an ``attention.scale`` other than the scale
+    kvflow's model uses (``attention_scale``: ``head_dim ** -0.5``, Gemma 3's
+    ``query_pre_attn_scalar ** -0.5``), or a LayerNorm ``attention.layer_norm_epsilon``
+    without the ``attention.layer_norm_rms_epsilon`` these RMSNorm models read (llama.cpp
+    refuses such a file too; kvflow would have used a default epsilon).
+
+    Raises:
+        ValueError: naming the file and the key.
+    """
+    for suffix, neutral in _NEUTRAL_VALUES.items():
+        value = keys.get(suffix)
+        if value is not None and value != neutral:
+            raise keys.error(suffix, f"is {value!r}: kvflow does not apply it to architecture "
+                             f"{keys.arch!r} (only {neutral!r} is supported)")
+    scale = keys.get("attention.scale")
+    if scale is not None and not (isinstance(scale, (int, float)) and
+                                  math.isclose(scale, attention_scale, rel_tol=1e-5)):
+        raise keys.error("attention.scale", f"is {scale!r}, but kvflow scales attention "
+                         f"scores of architecture {keys.arch!r} by {attention_scale:.6g}")
+    if keys.get("attention.layer_norm_rms_epsilon") is None and \
+            keys.get("attention.layer_norm_epsilon") is not None:
+        raise keys.error("attention.layer_norm_rms_epsilon", "is missing (the file gives a "
+                         "LayerNorm attention.layer_norm_epsilon; these models use RMSNorm)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.models.gguf_checks import ArchKeys, check_against_tensors
+from kvflow.models.gguf_checks import ArchKeys, check_against_tensors, check_unapplied_keys
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,7 +160,8 @@ _GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B by its block count (LLM_T
 
 def _gemma3_kwargs(keys: ArchKeys, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
-    RoPE base 10k). query_pre_attn_scalar is not in the file; llama.cpp's rule
+    RoPE base 10k, or ``rope.freq_base_swa`` when the file has it); ``final_logit_softcapping``
+    when the file has it. query_pre_attn_scalar is not in the file; llama.cpp's rule
     (``f_attention_scale`` in llama-model.cpp): hidden / heads for the 27B model (62 blocks:
     5376 / 32 = 168, its config.json's value, while its head_dim is 128), else head_dim (256
     for the 270M-12B sizes, as their config.json)."""
@@ -171,6 +172,10 @@ def _gemma3_kwargs(keys: ArchKeys, kwargs: dict[str, Any]) -> dict[str, Any]:
                              "query_pre_attn_scalar": scalar}
     if keys.get("attention.sliding_window") is not None:
         extra["sliding_window"] = keys.int("attention.sliding_window")
+    if keys.get("rope.freq_base_swa") is not None:  # the local layers' RoPE base
+        extra["rope_local_base_freq"] = keys.float("rope.freq_base_swa", 10000.0)
+    if keys.get("final_logit_softcapping", 0.0) != 0.0:
+        extra["final_logit_softcapping"] = keys.float("final_logit_softcapping", 0.0)
     return extra
 
 
@@ -225,6 +230,10 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         kwargs.update(_gemma3_kwargs(keys, kwargs))
     else:
         kwargs["hidden_act"] = "silu"
+        if keys.get("final_logit_softcapping", 0.0) != 0.0:
+            raise keys.error("final_logit_softcapping", f"is {keys.get('final_logit_softcapping')}"
+                             f": logit soft-capping is not supported for architecture {arch!r}")
+    check_unapplied_keys(keys, kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
     rope_scaling = _rope_scaling(keys)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling

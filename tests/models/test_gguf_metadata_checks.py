@@ -243,3 +243,35 @@ def test_yarn_keys_give_the_rope_table_transformers_computes(tmp_path):
 def test_rope_scaling_keys_kvflow_cannot_apply_are_refused(tmp_path, key, value, pattern):
     """Before: loaded and computed plain YaRN (or, for longrope, failed deep in the model)."""
     _assert_refused(_rewritten(tmp_path, {**_YARN, key: value}), pattern)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("llama.attn_logit_softcapping", (50.0, F32), r"attn_logit_softcapping' is 50.0"),
+    ("llama.final_logit_softcapping", (30.0, F32), r"final_logit_softcapping' is 30.0"),
+    ("llama.logit_scale", (0.5, F32), r"logit_scale' is 0.5"),
+    ("llama.embedding_scale", (12.0, F32), r"embedding_scale' is 12.0"),
+    ("llama.residual_scale", (0.25, F32), r"residual_scale' is 0.25"),
+    ("llama.attention.causal", (False, gguf.GGUFValueType.BOOL), r"causal' is False"),
+    ("llama.attention.clamp_kqv", (8.0, F32), r"clamp_kqv' is 8.0"),
+    ("llama.attention.max_alibi_bias", (8.0, F32), r"max_alibi_bias' is 8.0"),
+    ("llama.attention.scale", (0.125, F32),
+     r"attention.scale' is 0.125, but kvflow scales attention scores .* by 0.408248"),
+])
+def test_numerics_keys_kvflow_does_not_apply_are_refused(tmp_path, key, value, pattern):
+    """Before: each loaded and ran as plain Llama (uncapped, unscaled, causal, no ALiBi)."""
+    _assert_refused(_rewritten(tmp_path, {key: value}), pattern)
+
+
+def test_neutral_values_of_those_keys_load(tmp_path):
+    """The value kvflow computes with (head size 6: scale 6 ** -0.5) is not refused."""
+    path = _rewritten(tmp_path, {"llama.attention.scale": (6 ** -0.5, F32),
+                                 "llama.logit_scale": (1.0, F32),
+                                 "llama.attention.causal": (True, gguf.GGUFValueType.BOOL)})
+    assert load_gguf_config(path).head_dim == 6
+
+
+def test_layer_norm_epsilon_without_the_rms_one_is_refused(tmp_path):
+    """Before: the RMSNorm epsilon defaulted to 1e-6, whatever the file's epsilon was."""
+    path = _rewritten(tmp_path, {"llama.attention.layer_norm_epsilon": (1e-5, F32)},
+                      drop=("llama.attention.layer_norm_rms_epsilon",))
+    _assert_refused(path, r"layer_norm_rms_epsilon' is missing \(the file gives a LayerNorm")
