@@ -84,17 +84,32 @@ class LengthDist:
 
 def parse_length_dist(spec: str) -> LengthDist:
     """``"uniform:LOW:HIGH"``, ``"normal:MEAN:STD:LOW:HIGH"`` or
-    ``"lognormal:MEAN:STD:LOW:HIGH"`` -> LengthDist. Raises ValueError on a malformed spec."""
+    ``"lognormal:MEAN:STD:LOW:HIGH"`` -> LengthDist.
+
+    Raises:
+        ValueError: on a malformed spec, or bounds that are not 0 <= LOW <= HIGH, a STD that
+            is not a finite number >= 0, or a lognormal MEAN that is not > 0.
+    """
     kind, *nums = spec.split(":")
+    dist = None
     try:
         if kind == "uniform" and len(nums) == 2:
-            return LengthDist("uniform", int(nums[0]), int(nums[1]))
-        if kind in ("normal", "lognormal") and len(nums) == 4:
-            return LengthDist(kind, int(nums[2]), int(nums[3]), float(nums[0]), float(nums[1]))
+            dist = LengthDist("uniform", int(nums[0]), int(nums[1]))
+        elif kind in ("normal", "lognormal") and len(nums) == 4:
+            dist = LengthDist(kind, int(nums[2]), int(nums[3]), float(nums[0]), float(nums[1]))
     except ValueError:
         pass
-    raise ValueError(f"bad length distribution {spec!r}: use uniform:LOW:HIGH or "
-                     "normal|lognormal:MEAN:STD:LOW:HIGH")
+    if dist is None:
+        raise ValueError(f"bad length distribution {spec!r}: use uniform:LOW:HIGH or "
+                         "normal|lognormal:MEAN:STD:LOW:HIGH")
+    if not 0 <= dist.low <= dist.high:
+        raise ValueError(f"bad length distribution {spec!r}: need 0 <= LOW <= HIGH")
+    if not (0 <= dist.std < np.inf and np.isfinite(dist.mean)):
+        raise ValueError(f"bad length distribution {spec!r}: MEAN must be a number and STD a "
+                         "number >= 0")
+    if kind == "lognormal" and not dist.mean > 0:
+        raise ValueError(f"bad length distribution {spec!r}: a lognormal MEAN must be > 0")
+    return dist
 
 
 def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,

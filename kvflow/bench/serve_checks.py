@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvflow.bench.checks import ensure_parent_dir, is_finite_positive, require_positive
-from kvflow.bench.datasets import parse_image_size
+from kvflow.bench.datasets import parse_image_size, parse_length_dist
 
 
 def parse_rates(spec: str) -> list[float]:
@@ -50,8 +50,16 @@ def check_args(args: argparse.Namespace) -> None:
                      else None,
                      max_concurrency=args.max_concurrency, request_rate=args.request_rate,
                      request_timeout=args.request_timeout)
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.dataset == "random" and args.random_vocab_size is not None \
+            and args.random_vocab_size < 4:
+        raise ValueError(f"--random-vocab-size must be >= 4 (ids are drawn from [3, size)), got "
+                         f"{args.random_vocab_size}")
     if args.dataset == "random-image":
         _check_image_args(args)
+    if args.dataset == "synthetic-chat":
+        _check_synthetic_chat_args(args)
     if not is_finite_positive(args.burstiness):
         raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
     if args.extra_body is not None:
@@ -67,6 +75,21 @@ def check_args(args: argparse.Namespace) -> None:
         load_compare(path)
     ensure_parent_dir(args.result_json, "--result-json")
     ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_synthetic_chat_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag for a bad synthetic-chat workload."""
+    if args.num_system_prompts < 1:
+        raise ValueError(f"--num-system-prompts must be >= 1, got {args.num_system_prompts}")
+    for flag, spec, least in (("--system-len", args.system_len, 0),
+                              ("--user-len", args.user_len, 1),
+                              ("--output-len-dist", args.output_len_dist, 1)):
+        try:
+            dist = parse_length_dist(spec)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if dist.low < least:
+            raise ValueError(f"{flag} {spec!r}: LOW must be >= {least}")
 
 
 def _check_image_args(args: argparse.Namespace) -> None:

@@ -35,7 +35,21 @@ NO_MODEL = "/nonexistent/model"
     (["roofline", "--measured-json", "/nonexistent/r.json"], "--measured-json"),
     (["throughput", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["latency", "--data-parallel-size", "2"], "--data-parallel-size 2"),
-    (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2")])
+    (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2"),
+    (["serve", "--seed", "-1"], "--seed must be >= 0"),
+    (["serve", "--random-vocab-size", "3"], "--random-vocab-size must be >= 4"),
+    (["serve", "--dataset", "synthetic-chat", "--num-system-prompts", "0"],
+     "--num-system-prompts must be >= 1"),
+    (["serve", "--dataset", "synthetic-chat", "--user-len", "uniform:50:10"],
+     "--user-len: bad length distribution 'uniform:50:10': need 0 <= LOW <= HIGH"),
+    (["serve", "--dataset", "synthetic-chat", "--system-len", "uniform:-5:-1"],
+     "--system-len: bad length distribution"),
+    (["serve", "--dataset", "synthetic-chat", "--output-len-dist", "uniform:0:0"],
+     "--output-len-dist 'uniform:0:0': LOW must be >= 1"),
+    (["serve", "--dataset", "synthetic-chat", "--user-len", "lognormal:0:1:1:10"],
+     "a lognormal MEAN must be > 0"),
+    (["serve", "--dataset", "synthetic-chat", "--user-len", "normal:5:-1:1:10"],
+     "STD a number >= 0")])
 def test_bad_flags_exit_2_before_loading(capsys, argv, flag):
     assert main(["bench", *argv, "--model", NO_MODEL]) == 2
     err = capsys.readouterr().err
