@@ -22,7 +22,8 @@ class ParallelConfig:
 
     Raises:
         ValueError: from the constructor for a size < 1, context parallelism with pipeline
-            or expert parallelism, an unknown executor backend, ``ray`` without Ray installed,
+            or expert parallelism, a ``worker_heartbeat_timeout`` <= 0, an unknown executor
+            backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
 
@@ -51,6 +52,12 @@ class ParallelConfig:
         None, "how ranks run: uni (in-process, one rank), mp (one process per rank on this "
         "machine), ray (one Ray actor per rank, several machines) (default: uni for one rank, "
         "else mp)", choices=[None, "uni", "mp", "ray"])
+    worker_heartbeat_timeout: float = opt(
+        30.0, "seconds a worker process (distributed_executor_backend mp) may go without a "
+        "heartbeat (each sends one every second from a thread of its own, also during a "
+        "long step) before the engine fails naming its rank: a stopped (SIGSTOP) or frozen "
+        "worker is reported within this time instead of hanging the other ranks' "
+        "collectives until torch.distributed's 600 s timeout")
     data_parallel_rank: int = opt(0, "this engine's replica index (set by the server for "
                                    "each replica)", cli=False)
 
@@ -60,6 +67,9 @@ class ParallelConfig:
                      "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.worker_heartbeat_timeout > 0:  # also refuses NaN
+            raise ValueError(f"worker_heartbeat_timeout={self.worker_heartbeat_timeout} "
+                             "must be > 0 (seconds)")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside the "
                              f"{self.data_parallel_size} data-parallel replicas")

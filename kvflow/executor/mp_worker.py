@@ -11,7 +11,9 @@ from the executor's broadcast socket in order:
 * ``rpc``: a pickled ``(method, args)`` call on the Worker; every rank replies;
 * ``stop``: leave the process groups and exit.
 
-Any exception is reported as ``error`` (rank and message) and ends the process. A watchdog
+Once ready, a thread sends a heartbeat every second (:mod:`kvflow.executor.heartbeat`), so the
+executor finds a worker that is alive but does not run (stopped, frozen). Any exception is
+reported as ``error`` (rank and message) and ends the process. A watchdog
 thread ends it too as soon as the executor's process is gone (the death pipe whose write end
 the executor holds reaches EOF), even while the main thread waits inside a collective.
 """
@@ -31,6 +33,7 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.executor.heartbeat import HeartbeatSender
 from kvflow.executor.step_codec import StepCodec
 from kvflow.worker.worker import Worker
 
@@ -49,6 +52,8 @@ class WorkerArgs:
     broadcast_addr: str
     results_addr: str
     log_level: int
+    heartbeat_addr: str
+    heartbeat_interval_s: float
 
 
 def _watch_parent(death_fd: int) -> None:
@@ -78,6 +83,7 @@ class WorkerProc:
         self.worker: Worker | None = None
         self.stepped = False  # a step message has arrived (the engine is set up)
         self.args = args
+        self.heartbeat = HeartbeatSender(rank, args.heartbeat_addr, args.heartbeat_interval_s)
 
     def reply(self, kind: bytes, payload: bytes = b"") -> None:
         self.push.send_multipart([kind, str(self.rank).encode(), payload])
@@ -89,6 +95,7 @@ class WorkerProc:
             self.worker = Worker(a.config, self.rank, self.rank, a.distributed_init_method,
                                  a.source, a.hf_config, a.dtype)
             self.reply(b"ready")
+            self.heartbeat.start()
             while self._handle(*self.sub.recv_multipart()):
                 pass
         except Exception as e:  # noqa: BLE001 - reported to the executor, which stops all
@@ -120,6 +127,7 @@ class WorkerProc:
         return False
 
     def close(self, linger_ms: int) -> None:
+        self.heartbeat.stop()
         self.sub.close(linger=0)
         self.push.close(linger=linger_ms)
         self.ctx.term()

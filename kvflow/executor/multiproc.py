@@ -5,6 +5,7 @@ engine process                                     worker process r (kvflow.exec
   MultiprocExecutor                                  WorkerProc -> Worker -> ModelRunner
     XPUB  ipc://<dir>/broadcast  --- step/rpc/stop --->  SUB   (every rank, in order)
     PULL  ipc://<dir>/results    <-- ready/step/rpc/error --  PUSH  (step: driver rank only)
+    PULL  ipc://<dir>/heartbeat  <------ every second ------  PUSH  (a thread of every rank)
     death pipe (write end)       ---------- EOF when the engine process is gone -->  exit
   torch.distributed between the workers: file:// rendezvous in <dir> (no port), gloo | nccl
 ```
@@ -15,8 +16,10 @@ result is read, and results come back in order.
 
 Failure: while waiting for a reply the executor polls every worker's exit status; a worker
 that died (or reported an exception) makes it kill the others, remove its directory and raise
-:class:`~kvflow.executor.base.ExecutorError` naming the rank, within about a second. Workers
-exit by themselves when the engine process dies (their death pipe reaches EOF).
+:class:`~kvflow.executor.base.ExecutorError` naming the rank, within about a second. A worker
+that is alive but sends no heartbeat for ``worker_heartbeat_timeout`` seconds (stopped,
+frozen) fails the engine the same way (:mod:`kvflow.executor.heartbeat`). Workers exit by
+themselves when the engine process dies (their death pipe reaches EOF).
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.executor.base import Executor, StepFuture
+from kvflow.executor.heartbeat import (
+    HEARTBEAT_INTERVAL_S,
+    HeartbeatMonitor,
+    decode_beat,
+    process_state,
+)
 from kvflow.executor.mp_worker import WorkerArgs
 from kvflow.executor.step_codec import StepCodec
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
@@ -71,9 +80,11 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel_config.world_size
         self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
         self.codec = StepCodec()
+        self._heartbeat_timeout_s = config.parallel_config.worker_heartbeat_timeout
         self._procs: list[subprocess.Popen] = []
         self._sent = self._received = 0  # steps published / step results read
         self._results: dict[int, Any] = {}
+        self._heartbeats: HeartbeatMonitor | None = None  # set once every worker is ready
         try:
             self._init_ipc()
             self._start_workers()
@@ -93,13 +104,17 @@ class MultiprocExecutor(Executor):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(f"ipc://{os.path.join(self._dir, 'results')}")
+        self._beats = self._ctx.socket(zmq.PULL)
+        self._beats.bind(f"ipc://{os.path.join(self._dir, 'heartbeat')}")
 
     def _start_workers(self) -> None:
         args = WorkerArgs(self.config, self.source, self.hf_config, self.dtype,
                           f"file://{os.path.join(self._dir, 'dist_store')}",
                           f"ipc://{os.path.join(self._dir, 'broadcast')}",
                           f"ipc://{os.path.join(self._dir, 'results')}",
-                          logging.getLogger("kvflow").getEffectiveLevel())
+                          logging.getLogger("kvflow").getEffectiveLevel(),
+                          f"ipc://{os.path.join(self._dir, 'heartbeat')}",
+                          min(HEARTBEAT_INTERVAL_S, self._heartbeat_timeout_s / 4))
         args_path = os.path.join(self._dir, "worker_args.pkl")
         with open(args_path, "wb") as f:
             pickle.dump(args, f)
@@ -134,6 +149,8 @@ class MultiprocExecutor(Executor):
                     self._fail_start(int(rank), payload.decode())
                 ready.add(int(rank))
             self._check_alive()
+        self._heartbeats = HeartbeatMonitor(self.world_size, self._heartbeat_timeout_s,
+                                            time.monotonic())
 
     def _fail_start(self, rank: int, message: str) -> NoReturn:
         """Worker ``rank`` reported ``message`` ("Type: text") before it was ready: a
@@ -233,10 +250,30 @@ class MultiprocExecutor(Executor):
         self._fail(f"worker rank {rank} failed: {message}")
 
     def _check_alive(self) -> None:
+        """Fail (ExecutorError naming the rank) if a worker exited, or, once they all
+        started, sent no heartbeat for ``worker_heartbeat_timeout`` seconds."""
         for rank, proc in enumerate(self._procs):
             code = proc.poll()
             if code is not None:
                 self._fail(f"worker rank {rank} (pid {proc.pid}) died: {describe_exit(code)}")
+        if self._heartbeats is not None:
+            self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        """Record every heartbeat received, then fail on the first silent rank."""
+        while True:
+            try:
+                self._heartbeats.beat(*decode_beat(self._beats.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        silent = self._heartbeats.silent_ranks(time.monotonic())
+        if silent:
+            rank, age = silent[0]
+            pid = self._procs[rank].pid
+            state = process_state(pid)
+            self._fail(f"worker rank {rank} (pid {pid}) sent no heartbeat for {age:.1f} s "
+                       f"(worker_heartbeat_timeout={self._heartbeat_timeout_s:g})"
+                       + (f": the process is {state}" if state else ""))
 
     def shutdown(self) -> None:
         """Ask the workers to stop, kill any that do not within 5 s, release the sockets and
@@ -248,6 +285,7 @@ class MultiprocExecutor(Executor):
             _wait_or_kill(self._procs, 5.0 if self._failed is None else 0.0)
             self._pub.close(linger=0)
             self._pull.close(linger=0)
+            self._beats.close(linger=0)
             self._ctx.term()
         if getattr(self, "_death_fd", None) is not None:
             os.close(self._death_fd)

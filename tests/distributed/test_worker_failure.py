@@ -144,3 +144,114 @@ def test_ray_worker_value_error_at_start_up_is_bad_input(monkeypatch, steps_sent
     assert ("worker rank 1, at engine start-up" in str(err.value)) is is_value_error
     if is_value_error:
         assert str(err.value).startswith("quantization_group_size=64")  # no Ray task text
+
+
+class _Proc:
+    """A worker process that is running (``poll`` is None)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> None:
+        return None
+
+
+class _Beats:
+    """A heartbeat socket holding some messages."""
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self.messages = messages
+
+    def recv(self, flags: int = 0) -> bytes:
+        import zmq
+
+        if not self.messages:
+            raise zmq.Again()
+        return self.messages.pop(0)
+
+
+def test_a_silent_worker_fails_the_engine_naming_its_rank(monkeypatch):
+    """A worker that is alive but sends no heartbeat (SIGSTOP: no exit status, its peers
+    wait in a collective) fails the engine after ``worker_heartbeat_timeout`` naming the rank
+    and pid (was: a hang until gloo's 600 s timeout); ranks that beat do not. The clock,
+    sockets and processes are faked: rank 0 beats every second, rank 1 stops after t=2."""
+    from kvflow.executor import heartbeat
+    from kvflow.executor.heartbeat import HeartbeatMonitor, encode_beat
+    from kvflow.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._failed, executor._procs = None, [_Proc(4100), _Proc(4101)]
+    executor._heartbeat_timeout_s = 5.0
+    executor._heartbeats = HeartbeatMonitor(2, 5.0, now=0.0)
+    monkeypatch.setattr(executor, "shutdown", lambda: None)
+    monkeypatch.setattr("kvflow.executor.multiproc.process_state",
+                        lambda pid: "stopped (SIGSTOP or SIGTSTP)" if pid == 4101 else None)
+    assert heartbeat.process_state(os.getpid()) is None  # this process runs
+    clock = [0.0]
+    monkeypatch.setattr("kvflow.executor.multiproc.time.monotonic", lambda: clock[0])
+    failed_at = None
+    for t in range(1, 12):
+        clock[0] = float(t)
+        executor._beats = _Beats([encode_beat(0, t - 0.5)] +
+                                 ([encode_beat(1, t - 0.5)] if t <= 2 else []))
+        try:
+            executor._check_alive()
+        except ExecutorError as e:
+            failed_at, message = t, str(e)
+            break
+    assert failed_at == 7  # last beat at 1.5 s: silent for more than 5 s at t = 7
+    assert message.startswith("worker rank 1 (pid 4101) sent no heartbeat for 5.5 s "
+                              "(worker_heartbeat_timeout=5): the process is stopped")
+
+
+def test_heartbeat_monitor_forgives_a_gap_in_its_own_checks():
+    """If the engine process itself did not run for a while (it was stopped with its
+    workers, or an offline engine sat idle with nobody checking), stale stamps are not
+    judged: every rank counts as heard from at the first check after the gap."""
+    from kvflow.executor.heartbeat import HeartbeatMonitor
+
+    monitor = HeartbeatMonitor(2, 4.0, now=0.0)
+    monitor.beat(0, 1.0)
+    assert monitor.silent_ranks(1.5) == []
+    assert monitor.silent_ranks(60.0) == []  # 58.5 s gap > 2 s: forgiven
+    monitor.beat(0, 61.0)
+    assert monitor.silent_ranks(62.0) == []
+    assert monitor.silent_ranks(63.5) == []  # rank 1 silent 3.5 s < 4 s
+    assert monitor.silent_ranks(65.0) == [(1, 5.0)]  # rank 1 silent since 60 s
+    monitor.beat(7, 64.0)  # an unknown rank is ignored
+
+
+def test_heartbeat_sender_thread_beats_and_stops(tmp_path):
+    """The worker's heartbeat thread sends (rank, its monotonic clock) on its own socket and
+    stops promptly; a real zmq socket, no process."""
+    import zmq
+
+    from kvflow.executor.heartbeat import HeartbeatSender, decode_beat
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/heartbeat"
+    pull.bind(address)
+    sender = HeartbeatSender(3, address, interval_s=0.01)
+    before = time.monotonic()
+    sender.start()
+    try:
+        assert pull.poll(5000)
+        beats = [decode_beat(pull.recv())]
+        assert pull.poll(5000)
+        beats.append(decode_beat(pull.recv()))
+    finally:
+        sender.stop()
+        pull.close(linger=0)
+        ctx.term()
+    assert [rank for rank, _ in beats] == [3, 3]
+    assert before <= beats[0][1] < beats[1][1] <= time.monotonic()
+    assert not sender._thread.is_alive()
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
+def test_worker_heartbeat_timeout_must_be_positive(value):
+    from kvflow.config.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match="worker_heartbeat_timeout=.* must be > 0"):
+        ParallelConfig(worker_heartbeat_timeout=value)

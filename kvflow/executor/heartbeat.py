@@ -1,0 +1,126 @@
+"""Worker heartbeats of the multiprocess executor: a stopped or frozen worker is found in
+seconds.
+
+A worker process that is alive but does not run (``SIGSTOP``, a debugger, a machine that
+swaps) keeps its peers waiting inside a collective until torch.distributed's timeout
+(600 s): no exit status to poll, no error to report. So each worker, once ready, sends a
+heartbeat every :data:`HEARTBEAT_INTERVAL_S` from a thread of its own (it runs during long
+steps too: the main thread releases the GIL inside torch ops and collectives), stamped with
+its ``time.monotonic()`` (one system-wide clock on Linux and macOS). The executor reads them
+while it waits for replies and while idle (:class:`HeartbeatMonitor`), and fails the engine
+naming the rank whose last heartbeat is older than ``worker_heartbeat_timeout``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import zmq
+
+HEARTBEAT_INTERVAL_S = 1.0  # a worker's heartbeat period (capped to a quarter of the timeout)
+
+_FORMAT = "<Id"  # rank (uint32), the worker's time.monotonic() (float64)
+
+
+def encode_beat(rank: int, stamp: float) -> bytes:
+    """One heartbeat message: ``rank`` and the sender's ``time.monotonic()`` (seconds)."""
+    return struct.pack(_FORMAT, rank, stamp)
+
+
+def decode_beat(message: bytes) -> tuple[int, float]:
+    """(rank, monotonic stamp in seconds) of a message made by :func:`encode_beat`."""
+    rank, stamp = struct.unpack(_FORMAT, message)
+    return rank, stamp
+
+
+class HeartbeatSender:
+    """A worker's heartbeat thread: PUSHes :func:`encode_beat` messages to ``address``.
+
+    The thread owns its zmq context and socket (zmq sockets are not thread-safe).
+
+    Args:
+        rank: the worker's rank.
+        address: the executor's heartbeat socket (``ipc://...``).
+        interval_s: seconds between heartbeats.
+    """
+
+    def __init__(self, rank: int, address: str, interval_s: float) -> None:
+        self.rank, self.address, self.interval_s = rank, address, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="kvflow-heartbeat")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (within one interval) and close its socket."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 16)  # nobody reading: drop, never block
+        push.connect(self.address)
+        try:
+            while True:
+                try:
+                    push.send(encode_beat(self.rank, time.monotonic()), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                if self._stop.wait(self.interval_s):
+                    break
+        finally:
+            push.close(linger=0)
+            ctx.term()
+
+
+class HeartbeatMonitor:
+    """The executor's view of its workers' heartbeats.
+
+    Args:
+        world_size: number of ranks.
+        timeout_s: the longest a rank may go without a heartbeat (``worker_heartbeat_timeout``).
+        now: the current ``time.monotonic()``; every rank counts as heard from then.
+
+    A check that comes more than ``timeout_s / 2`` after the previous one (the engine
+    process itself did not run: it was stopped too, or an offline engine sat idle with nobody
+    checking) counts every rank as heard from at that moment instead of judging stale stamps.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float, now: float) -> None:
+        self.timeout_s = timeout_s
+        self.last_beat = [now] * world_size
+        self._last_check = now
+
+    def beat(self, rank: int, stamp: float) -> None:
+        """Record a heartbeat of ``rank`` sent at ``stamp`` (monotonic seconds)."""
+        if 0 <= rank < len(self.last_beat):
+            self.last_beat[rank] = max(self.last_beat[rank], stamp)
+
+    def silent_ranks(self, now: float) -> list[tuple[int, float]]:
+        """(rank, seconds since its last heartbeat) of every rank silent for longer than the
+        timeout, as of ``now`` (call after recording every heartbeat received so far)."""
+        if now - self._last_check > self.timeout_s / 2:
+            self.last_beat = [max(t, now) for t in self.last_beat]
+        self._last_check = now
+        return [(rank, now - t) for rank, t in enumerate(self.last_beat)
+                if now - t > self.timeout_s]
+
+
+def process_state(pid: int) -> str | None:
+    """A word on why process ``pid`` does not run, from ``/proc/<pid>/stat`` (Linux):
+    'stopped' (SIGSTOP/SIGTSTP), 'stopped by a debugger', 'in uninterruptible sleep (I/O)',
+    a zombie; None if it is running or sleeping normally, or the state cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+    return {"T": "stopped (SIGSTOP or SIGTSTP)", "t": "stopped by a debugger",
+            "D": "in uninterruptible sleep (I/O)", "Z": "a zombie"}.get(state)
