@@ -5,6 +5,8 @@ one API server.
   both replicas serve (their own ``engine`` series in /metrics);
 * a prompt that shares its first blocks with an earlier one goes to that one's replica (its
   prefix-cache hits grow there), even when another replica is as idle;
+* /metrics counts every replica's requests (the server-wide counters grow by what was sent)
+  and a bad prompt is a 400 on a data-parallel server too;
 * with ``--engine-failure restart`` a killed replica fails only its own stream, the other
   replica keeps streaming and takes new requests, and the dead one comes back.
 
@@ -104,6 +106,34 @@ def test_a_shared_prefix_goes_back_to_its_replica(dp_server):
     complete(dp_server, [*A, 9])
     assert per_engine(dp_server, "kvflow:prefix_cache_hits_total") == {
         "0": hits["0"] + 20, "1": hits["1"]}
+
+
+def test_metrics_sum_the_replicas_and_bad_input_is_a_400(dp_server):
+    """One request of three prompts (A's on replica 0, B's on replica 1 by affinity): the
+    server-wide counters grow by what was sent (3 requests, 21 + 21 + 3 prompt tokens, 3 x 3
+    generated), and the per-replica prefix-cache queries add up to the prompt tokens, both
+    replicas taking part. A prompt id outside the vocabulary is a 400 with an OpenAI error
+    body, and the replicas keep serving."""
+    before = dp_server.metrics()
+    queries = per_engine(dp_server, "kvflow:prefix_cache_queries_total")
+    resp = httpx.post(f"{dp_server.url}/v1/completions", timeout=120, json={
+        "prompt": [[*A, 1], [*B, 1], [7, 8, 9]], "max_tokens": 3, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    after = dp_server.metrics()
+
+    def grew(name: str, **labels: str) -> float:
+        return dp_server.value(after, name, **labels) - dp_server.value(before, name, **labels)
+
+    assert grew("kvflow:request_success_total", finished_reason="length") == 3
+    assert grew("kvflow:prompt_tokens_total") == 45
+    assert grew("kvflow:generation_tokens_total") == 9
+    more = {e: v - queries[e] for e, v in per_engine(
+        dp_server, "kvflow:prefix_cache_queries_total").items()}
+    assert sum(more.values()) == 45 and min(more.values()) >= 21, more
+    bad = httpx.post(f"{dp_server.url}/v1/completions", timeout=60,
+                     json={"prompt": [10**6], "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert len(complete(dp_server, [5, 6, 7], max_tokens=2)["token_ids"]) == 2
 
 
 def _stream(server, prompt: list[int], kill_after: int | None = None) -> list[dict]:
