@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 # SLO names accepted by ``--goodput`` -> RequestTiming attribute (seconds)
 SLO_KEYS = ("ttft", "tpot", "e2e")
+# vLLM's name for the end-to-end SLO (``vllm bench serve --goodput e2el:MS``)
+SLO_ALIASES = {"e2el": "e2e"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def request_timing(start: float, token_times: Sequence[float],
 
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 0.5, "tpot": 0.05}`` (milliseconds in,
-    seconds out).
+    seconds out). ``e2el`` (vLLM's name) is taken for ``e2e``.
 
     Raises:
         ValueError: for an unknown SLO name, a missing colon or a non-positive value.
@@ -101,6 +103,7 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     slos: dict[str, float] = {}
     for spec in specs:
         name, sep, value = spec.partition(":")
+        name = SLO_ALIASES.get(name, name)
         if not sep or name not in SLO_KEYS:
             raise ValueError(f"bad --goodput entry {spec!r}: use NAME:MS with NAME one of "
                              f"{', '.join(SLO_KEYS)}")

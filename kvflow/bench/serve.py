@@ -206,7 +206,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--request-timeout", type=float, default=6 * 3600.0,
                    help="seconds per request")
     t.add_argument("--goodput", nargs="+", metavar="NAME:MS",
-                   help="SLOs, e.g. ttft:500 tpot:50 e2e:5000")
+                   help="SLOs, e.g. ttft:500 tpot:50 e2e:5000 (e2el: vLLM's name for e2e)")
     o = p.add_argument_group("output")
     o.add_argument("--result-json", default=None, help="write the summary here")
     o.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4,8,inf: one run per rate")

@@ -115,6 +115,8 @@ def test_e2e_ends_at_the_last_token_chunk_not_the_usage_chunk():
 def test_parse_goodput():
     assert metrics.parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == {
         "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    # vLLM's name for the end-to-end SLO is e2el
+    assert metrics.parse_goodput(["e2el:1500", "ttft:20"]) == {"e2e": 1.5, "ttft": 0.02}
     for bad in (["ttft"], ["itl:5"], ["ttft:0"]):
         with pytest.raises(ValueError):
             metrics.parse_goodput(bad)
