@@ -298,7 +298,9 @@ def _model_cards(raw: Request) -> list[ModelCard]:
 async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
                         raw: Request) -> list[int]:
     """/tokenize's token ids: the chat conversation rendered with the chat template (image
-    placeholders expanded), else the prompt encoded (off the event loop when long)."""
+    placeholders expanded), else the prompt encoded (off the event loop when long); for an
+    embedding model, the prompt as /v1/embeddings tokenizes it (after the model's default
+    sentence-transformers prompt, lower-cased when its config says ``do_lower_case``)."""
     if req.messages is not None:
         try:
             mode = tool_choice_mode(req)
@@ -311,8 +313,9 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
         return (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
     special = req.add_special_tokens is not False
     tokenizer = chat.tokenizer
-    return await off_loop(len(req.prompt), lambda: tokenizer.encode(
-        req.prompt, add_special_tokens=special))
+    # an embedding model's text as /v1/embeddings feeds it (default prompt, lower-casing)
+    text = chat.engine.processor.pooling_text(req.prompt)
+    return await off_loop(len(text), lambda: tokenizer.encode(text, add_special_tokens=special))
 
 
 def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,

@@ -59,9 +59,24 @@ def _model_dir(tiny_chat_model, built_models) -> str:
     return built_models("fields", build)[0]
 
 
+EMBED_PROMPT = "Query: "  # the embedding model's default prompt (and it lower-cases text)
+
+
 def _embed_model(tiny_tokenizer, built_models) -> str:
-    return built_models("embed",
-                      lambda folder: build_decoder(tiny_tokenizer, folder, "lasttoken"))[0]
+    """A tiny decoder embedding model whose sentence-transformers config lower-cases text and
+    puts ``EMBED_PROMPT`` before each."""
+    def build(folder: str) -> None:
+        build_decoder(tiny_tokenizer, folder, "lasttoken")
+        for name, changes in (("sentence_bert_config.json", {"do_lower_case": True}),
+                              ("config_sentence_transformers.json", {
+                                  "prompts": {"query": EMBED_PROMPT, "document": ""},
+                                  "default_prompt_name": "query"})):
+            with open(f"{folder}/{name}") as f:
+                config = json.load(f)
+            with open(f"{folder}/{name}", "w") as f:
+                json.dump({**config, **changes}, f)
+
+    return built_models("embed", build)[0]
 
 
 def prestart_servers(fixture):
@@ -546,8 +561,8 @@ def embedding_cases() -> dict[str, Callable]:
 
     def input_(server, tokenizer):
         a, b = ok(server, EMB, {}), ok(server, EMB, {"input": "lazy dog"})
-        plain = tokenizer.encode(PROMPT, add_special_tokens=False)  # the <bos> one adds it
-        assert a["usage"]["prompt_tokens"] == len(plain)
+        plain = tokenizer.encode((EMBED_PROMPT + PROMPT).lower(), add_special_tokens=False)
+        assert a["usage"]["prompt_tokens"] == len(plain)  # the <bos> one adds it, not this
         assert vector(a) != vector(b) and len(vector(a)) == 64
 
     def encoding_format(server, tokenizer):
@@ -704,6 +719,20 @@ def test_history_tool_calls_reach_the_template(server, tokenizer, path):
     resp = post(server, path, {"prompt": None, **refused} if path == TOK else refused)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "messages.1.tool_calls"
+
+
+def test_tokenize_counts_what_embeddings_embed(embed_server, tiny_tokenizer, built_models):
+    """/tokenize on an embedding server gives the ids /v1/embeddings feeds the model: after
+    the default prompt, lower-cased (oracle: sentence-transformers' own tokenization of the
+    prompted text; it gave the raw text's ids, 12 where 8 were embedded, before)."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(_embed_model(tiny_tokenizer, built_models), device="cpu")
+    text = "The QUICK Brown fox"
+    expected = st.tokenize([st.prompts[st.default_prompt_name] + text])["input_ids"][0]
+    assert ok(embed_server, TOK, {"prompt": text})["tokens"] == expected.tolist()
+    usage = ok(embed_server, EMB, {"input": text})["usage"]
+    assert usage["prompt_tokens"] == len(expected)
 
 
 def test_retrieve_model(server, model_dir):
