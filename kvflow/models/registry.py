@@ -40,6 +40,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "XLMRobertaModel": RobertaModel,
+    # masked-LM checkpoints (bert-base-uncased, roberta-base, xlm-roberta-base): the encoder
+    # embeds; the MLM head is skipped when loading
+    "BertForMaskedLM": BertModel,
+    "RobertaForMaskedLM": RobertaModel,
+    "XLMRobertaForMaskedLM": RobertaModel,
     "LlamaModel": embedding_only(LlamaForCausalLM),
     "MistralModel": embedding_only(LlamaForCausalLM),
     "Qwen2Model": embedding_only(Qwen2ForCausalLM),

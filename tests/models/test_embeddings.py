@@ -170,3 +170,32 @@ def test_sentence_transformers_text_settings(bert_folder):
         llm.embed(" ".join(SENTENCES))
     with pytest.raises(ValueError, match="max_seq_length \\(12, sentence_bert_config.json\\)"):
         LLM(model=folder, dtype="float32", device="cpu", max_model_len=16)
+
+
+@pytest.mark.parametrize("arch", ["BertForMaskedLM", "RobertaForMaskedLM",
+                                  "XLMRobertaForMaskedLM"])
+def test_masked_lm_checkpoint_embeds_with_its_encoder(tiny_tokenizer, tmp_path, arch):
+    """A masked-LM checkpoint (``bert.`` / ``roberta.`` prefixed encoder + MLM head, as
+    bert-base-uncased or xlm-roberta-base ship) embeds with its encoder: CLS pooling,
+    normalized, equal to transformers' encoder output; the MLM head is not loaded."""
+    import transformers
+
+    from tests.models.embedding_models import _randomize
+
+    kind = arch.removesuffix("ForMaskedLM")
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+        pad_token_id=1, architectures=[arch])
+    model = getattr(transformers, arch)(config).eval()
+    _randomize(model, 6)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=64)
+    assert llm.engine.core.task == "embed"
+    ids = [5, 1, 17, 40, 99, 3, 250]
+    encoder = getattr(model, "bert", None) or model.roberta
+    with torch.no_grad():
+        hidden = encoder(input_ids=torch.tensor([ids])).last_hidden_state[0, 0]
+    (out,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    _check([out], [torch.nn.functional.normalize(hidden, dim=0)])
