@@ -14,7 +14,8 @@ class ModelConfig:
                       "Hub repo id org/name[@revision]")
     download_dir: str | None = opt(None, "huggingface_hub cache folder for Hub models "
                                     "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
-    tokenizer: str | None = opt(None, "tokenizer folder (default: the model's own)")
+    tokenizer: str | None = opt(None, "tokenizer: folder, .gguf file, packaged model name or "
+                                "Hub repo id org/name[@revision] (default: the model's own)")
     task: str = opt("auto", "what the model serves: generate (text), embed (one vector per "
                      "prompt: /v1/embeddings, LLM.embed), or auto (embed for encoder and "
                      "LM-head-less architectures and sentence-transformers folders)",

@@ -228,7 +228,7 @@ class EngineCore:
         from kvflow.structured.xgrammar_backend import XgrammarBackend
 
         mc = self.config.model_config
-        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer)
+        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer, mc.download_dir)
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
                                resolve_eos_token_id(tokenizer, self.hf_config))
 

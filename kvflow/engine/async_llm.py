@@ -115,7 +115,7 @@ class AsyncLLM:
             self.replicas.start()  # their resolve_model then finds the snapshot cached
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer)
+                load_tokenizer(source, mc.tokenizer, mc.download_dir)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config)
             self._init_processors(self._wait_ready(start_timeout))

@@ -54,7 +54,7 @@ class LLMEngine:
             pooler, hidden_size = self.core.pooler_config, hf_config.hidden_size
         try:
             self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer)
+                load_tokenizer(source, mc.tokenizer, mc.download_dir)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
         except BaseException:

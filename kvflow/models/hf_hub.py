@@ -72,21 +72,59 @@ def download_snapshot(repo_id: str, revision: str | None, download_dir: str | No
             such revision; an incomplete cached snapshot; a repo without ``config.json`` or
             without ``*.safetensors`` weights.
     """
-    from huggingface_hub import snapshot_download
-
     cache = hub_cache_dir(download_dir)
     where = f"{repo_id!r} (revision {revision or 'main'!r})"
-    try:
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                   allow_patterns=_METADATA_PATTERNS,
-                                   ignore_patterns=_TOP_LEVEL_ONLY)
-        allow, ignore = _weight_patterns(folder)
-        folder = snapshot_download(repo_id, revision=os.path.basename(folder), cache_dir=cache,
-                                   allow_patterns=allow, ignore_patterns=ignore)
-    except Exception as e:  # noqa: BLE001 - huggingface_hub/httpx/OS errors, each one line
-        raise ValueError(_download_error(e, where, cache)) from None
+    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY)
+    allow, ignore = _weight_patterns(folder)
+    if not _weights_cached(folder, allow, ignore):  # else no second Hub request (and no
+        # retries against an unreachable Hub for a snapshot that is all there)
+        folder = _snapshot(repo_id, os.path.basename(folder), cache, where, allow, ignore)
     _check_snapshot(folder, where)
     return folder
+
+
+def download_tokenizer(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    """Download (or find in the cache) the tokenizer files of a Hub repo (the metadata pass of
+    :func:`download_snapshot`: no weights, no ``config.json`` needed); returns the snapshot
+    folder.
+
+    Raises:
+        ValueError: one line saying why, as :func:`download_snapshot`; or the repo has no
+            tokenizer file (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``,
+            ``vocab.json``).
+    """
+    cache = hub_cache_dir(download_dir)
+    where = f"{repo_id!r} (revision {revision or 'main'!r})"
+    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY)
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"Hugging Face repo {where} has no tokenizer file (snapshot "
+                         f"{folder!r}; looked for {', '.join(_TOKENIZER_FILES)})")
+    return folder
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _snapshot(repo_id: str, revision: str | None, cache: str, where: str,
+              allow: list[str], ignore: list[str]) -> str:
+    """``huggingface_hub.snapshot_download`` of the files matching ``allow`` but not
+    ``ignore``; its errors become one-line ValueErrors (see :func:`_download_error`)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                 allow_patterns=allow, ignore_patterns=ignore)
+    except Exception as e:  # noqa: BLE001 - huggingface_hub/httpx/OS errors, each one line
+        raise ValueError(_download_error(e, where, cache)) from None
+
+
+def _weights_cached(folder: str, allow: list[str], ignore: list[str]) -> bool:
+    """Whether the snapshot already holds the weights ``allow`` / ``ignore`` select: every
+    file the safetensors index names, or (no index) a top-level ``*.safetensors``."""
+    if allow != ["*.safetensors"]:
+        return all(os.path.isfile(os.path.join(folder, name)) for name in allow)
+    return any(name.endswith(".safetensors") and not name.startswith("consolidated")
+               for name in os.listdir(folder))
 
 
 def _weight_patterns(folder: str) -> tuple[list[str], list[str]]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.models.model_resolver import ModelSource
+from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
 
@@ -35,9 +35,9 @@ def load_hf_config(source: ModelSource) -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
     try:
-        config = AutoConfig.from_pretrained(source.path)
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad config
-        raise ValueError(f"cannot read model config {path!r}: {e}") from e
+        raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     return hoist_text_config(config)
 
 
@@ -247,23 +247,40 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     return model.eval()
 
 
-def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:
-    """The model's tokenizer (transformers), with its chat template.
+def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
+                   download_dir: str | None = None) -> Any:
+    """The model's tokenizer (transformers), with its chat template: the model's own, or
+    ``tokenizer_path`` (a folder, a ``.gguf`` file, a packaged model name or a Hub repo id
+    ``org/name[@revision]`` fetched into ``download_dir``; see
+    :func:`~kvflow.models.model_resolver.resolve_tokenizer`). Remote code is never run.
 
     Raises:
-        ValueError: if no tokenizer can be loaded from the source.
+        ValueError: one line: if no tokenizer can be loaded from there, or it needs custom
+            code (``trust_remote_code``).
     """
     from transformers import AutoTokenizer
 
-    if tokenizer_path is None and source.kind == "gguf":
+    if tokenizer_path is not None:
+        source = resolve_tokenizer(tokenizer_path, download_dir)
+    if source.kind == "gguf":
         from kvflow.models.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.path)
-    path = tokenizer_path or source.path
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types
+        raise ValueError(f"cannot load a tokenizer from {source.path!r}: "
+                         f"{_one_line(e)}") from e
+
+
+def _one_line(error: Exception) -> str:
+    """transformers' error as one line: a refusal to run a repo's custom code said plainly,
+    else the first line of its message."""
+    text = str(error).strip()
+    if "trust_remote_code" in text:
+        return ("it needs custom code from its repo (auto_map, trust_remote_code), and kvflow "
+                "does not run remote code; use a model of an architecture transformers ships")
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def resolve_eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:

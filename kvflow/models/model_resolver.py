@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 
 from kvflow.config import cache_dir
-from kvflow.models.hf_hub import download_snapshot, parse_hub_name
+from kvflow.models.hf_hub import download_snapshot, download_tokenizer, parse_hub_name
 
 
 @dataclass(frozen=True)
@@ -318,3 +318,38 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
         f"file), a packaged model nor a Hugging Face repo id (org/name[@revision]); packaged "
         f"models: {', '.join(packaged_model_names())}"
     )
+
+
+def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> ModelSource:
+    """Resolve a ``--tokenizer`` string like :func:`resolve_model` resolves a model, with no
+    weights needed: a local folder (``kind="hf"``), a ``.gguf`` file or a packaged model name
+    (``kind="gguf"``: the tokenizer in the GGUF metadata), or a Hub repo id
+    ``org/name[@revision]`` whose tokenizer files are fetched into ``download_dir`` (default:
+    huggingface_hub's cache) unless cached there (``kind="hf"``).
+
+    Raises:
+        ValueError: one line: a path that does not exist or is not a folder / ``.gguf``; a
+            packaged model not installed; a Hub repo that cannot be had (see
+            :func:`kvflow.models.hf_hub.download_tokenizer`); anything else.
+    """
+    path = os.path.expanduser(tokenizer)
+    if os.path.isdir(path):
+        return ModelSource(kind="hf", path=path, name=_display_name(path))
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            _check_gguf_magic(path, tokenizer)
+            return ModelSource(kind="gguf", path=path, name=_display_name(path))
+        raise ValueError(f"Tokenizer {tokenizer!r} is a file but not a .gguf; pass a tokenizer "
+                         "folder, a .gguf file or a Hugging Face repo id")
+    if tokenizer.startswith(("/", "./", "../", "~")) or tokenizer.lower().endswith(".gguf"):
+        raise ValueError(f"Tokenizer path {tokenizer!r} does not exist (no such file or "
+                         "directory)")
+    entry = find_packaged_model(tokenizer)
+    if entry is not None:
+        return _resolve_packaged(entry)
+    hub_name = parse_hub_name(tokenizer)
+    if hub_name is not None:
+        return ModelSource(kind="hf", path=download_tokenizer(*hub_name, download_dir),
+                           name=hub_name[0])
+    raise ValueError(f"Tokenizer {tokenizer!r} is neither a local folder, a .gguf file, a "
+                     "packaged model nor a Hugging Face repo id (org/name[@revision])")

@@ -8,6 +8,7 @@ HF_HUB_OFFLINE=1 (tests/conftest.py), which huggingface_hub reads when first imp
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.models.hf_hub import parse_hub_name
+from kvflow.models.loader import load_hf_config, load_tokenizer
 from kvflow.models.model_resolver import ModelSource, resolve_model
 
 COMMIT_A = "a" * 8 + "0123456789abcdef0123456789abcdef"
@@ -74,6 +76,19 @@ def hub_cache(tmp_path_factory, tiny_model_factory) -> Path:
     llama = _folder_files(tiny_model_factory("llama").path)
     add_snapshot(cache, "kvflow-test/bin-only", COMMIT_A,
                  {"config.json": llama["config.json"], "pytorch_model.bin": b"\0" * 64})
+    add_snapshot(cache, "kvflow-test/tok", COMMIT_B,
+                 {k: v for k, v in llama.items() if k.startswith("tokenizer")})
+    for repo, name, key in (("remote", "config.json", "AutoConfig"),
+                            ("remote-tok", "tokenizer_config.json", "AutoTokenizer")):
+        edited = json.loads(llama[name])
+        edited["auto_map"] = {key: "custom.Custom"}
+        if repo == "remote":
+            edited["model_type"] = "kvflow_custom"
+        else:
+            edited["tokenizer_class"] = "Custom"
+        add_snapshot(cache, f"kvflow-test/{repo}", COMMIT_A,
+                     {**llama, name: json.dumps(edited).encode(),
+                      "custom.py": b"raise SystemExit('remote code ran')\n"})
     return cache
 
 
@@ -131,6 +146,53 @@ def test_cached_repo_without_safetensors(hub_cache):
     with pytest.raises(ValueError, match=r"no \*\.safetensors weights") as info:
         resolve_model("kvflow-test/bin-only", download_dir=str(hub_cache))
     assert "kvflow-test/bin-only" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tokenizer_by_hub_name_from_the_download_dir(hub_cache, tiny_model_factory):
+    """``--tokenizer org/name`` (a tokenizer-only repo, no config.json) is read from the same
+    cache as the model. Oracle: the tiny model's own tokenizer and transformers' greedy
+    tokens. Before: handed to AutoTokenizer, which looked in $HF_HOME only and needed a
+    config.json ('We couldn't connect to huggingface.co', two lines)."""
+    from transformers import AutoTokenizer
+
+    tiny = tiny_model_factory("llama")
+    text = "the quick brown fox jumps"
+    ids = AutoTokenizer.from_pretrained(tiny.path).encode(text)
+    llm = LLM(model="kvflow-test/tiny", tokenizer="kvflow-test/tok",
+              download_dir=str(hub_cache), dtype="float32", num_kv_blocks=64, block_size=4)
+    (out,) = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=4,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy_tokens(tiny, ids, 4)
+    source = resolve_model("kvflow-test/tiny", download_dir=str(hub_cache))
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1 forbids downloading") as info:
+        load_tokenizer(source, "kvflow-test/missing", str(hub_cache))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("repo", ["remote", "remote-tok"])
+def test_custom_code_repos_are_refused_in_one_line(hub_cache, repo):
+    """A config / tokenizer that needs its repo's code (auto_map, an unknown class). Before:
+    transformers' interactive 'Do you wish to run the custom code? [y/N]' prompt (a wait on
+    a terminal), then a multi-line error."""
+    source = resolve_model(f"kvflow-test/{repo}", download_dir=str(hub_cache))
+    with pytest.raises(ValueError, match="kvflow does not run remote code") as info:
+        load_tokenizer(source) if repo == "remote-tok" else load_hf_config(source)
+    assert "\n" not in str(info.value)
+
+
+def test_cached_snapshot_makes_one_hub_request(hub_cache, monkeypatch):
+    """A snapshot whose weights are all cached is not asked for again: before, a second
+    snapshot_download listed the commit's files on the Hub, which with no network and no
+    HF_HUB_OFFLINE retried for about 30 s before falling back to the cache."""
+    import huggingface_hub
+
+    calls = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: calls.append(k.get("allow_patterns")) or real(*a, **k))
+    source = resolve_model("kvflow-test/tiny", download_dir=str(hub_cache))
+    assert source.path.endswith(COMMIT_A) and len(calls) == 1
 
 
 def test_packaged_name_wins_over_a_cached_hub_repo(tmp_path, tiny_model_factory):
