@@ -4,8 +4,8 @@ Requests arrive at ``--request-rate`` (gamma-distributed gaps, ``--burstiness`` 
 at most ``--max-concurrency`` in flight; each streams, so TTFT and every inter-token gap are
 measured on the client (kvflow/bench/client.py). The summary (throughputs, mean/median/p90/p99
 of TTFT, TPOT, ITL and end-to-end latency in ms, goodput under ``--goodput`` SLOs) is printed
-and written to ``--result-json``. ``--sweep-rates`` repeats the run per rate and plots latency
-against throughput (kvflow/bench/plot.py). Metric definitions: kvflow/bench/metrics.py.
+and written to ``--result-json``. ``--sweep-rates`` repeats the run per rate (a generated workload
+drawn afresh with ``--seed`` + i for the i-th rate) and plots latency against throughput (kvflow/bench/plot.py). Metric definitions: kvflow/bench/metrics.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
 # (uvicorn's default 5 s), so a request is never sent on a connection the server is closing
 # (that race surfaces as aiohttp's ServerDisconnectedError at arrival gaps near 5 s).
 CLIENT_KEEPALIVE_S = 3.0
+# Workloads drawn from --seed: each rate of a sweep after the first draws its own (seed + i),
+# so no run finds the previous runs' prompts in the server's prefix cache.
+GENERATED_DATASETS = ("random", "synthetic-chat", "random-image")
 # Printed (stdout, flushed) right before a run's first request.
 LOAD_START_LINE = "kvflow bench: starting the load"
 
@@ -143,9 +146,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    if len(rates) > 1 and args.dataset not in GENERATED_DATASETS:
+        print(f"kvflow: note: every rate of --sweep-rates sends the prompts of {args.dataset} "
+              "again; a server with prefix caching serves the later runs partly from its "
+              "cache", file=sys.stderr)
     runs = []
-    for rate in rates:
-        runs.append(run_one(requests, args, rate, slos, tokenizer_factory))
+    for i, rate in enumerate(rates):
+        run_args, run_requests = args, requests
+        if i and args.dataset in GENERATED_DATASETS:
+            run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+            run_requests = build_requests(run_args, tokenizer_factory)
+        runs.append(run_one(run_requests, run_args, rate, slos, tokenizer_factory))
         print_summary(runs[-1])
     _write_outputs(args, runs)
     return 0 if all(r["failed"] == 0 for r in runs) else 1

@@ -159,3 +159,30 @@ def test_output_paths_checked_before_a_run(tmp_path):
 def test_latency_output_json_folder_fails_before_loading(tmp_path, capsys):
     assert main(["bench", "latency", "--model", NO_MODEL, "--output-json", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_sweep_draws_new_prompts_per_rate(monkeypatch, tmp_path, capsys):
+    """Each rate of a sweep after the first draws its random prompts with --seed + i: the
+    same prompts again were served from the prefix cache (on a tiny-model kvflow server the
+    second of two equal rates had 72 of its 96 prompt tokens cached and half the TTFT)."""
+    sent: list[list[BenchRequest]] = []
+
+    async def fake_run_load(requests, args, rate):
+        sent.append(list(requests))
+        return [RequestResult(success=True, token_times=[0.1, 0.2], prompt_tokens=8,
+                              completion_tokens=2) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    monkeypatch.setattr("kvflow.bench.plot.plot_sweeps", lambda runs, path: None)
+    out = tmp_path / "s.json"
+    argv = ["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "1000",
+            "--num-prompts", "4", "--input-len", "8", "--seed", "5", "--sweep-rates", "inf,inf",
+            "--result-json", str(out), "--disable-tqdm"]
+    assert main(argv) == 0
+    _probe, first, second = sent
+    firsts = {tuple(r.prompt[:4]) for r in first}
+    assert firsts.isdisjoint(tuple(r.prompt[:4]) for r in second)
+    assert [r.prompt for r in first] == [r.prompt for r in serve.build_requests(
+        argparse.Namespace(dataset="random", random_vocab_size=1000, num_prompts=4, input_len=8,
+                           output_len=64, seed=5, endpoint="completions"), lambda: None)]
+    assert [run["seed"] for run in json.loads(out.read_text())["sweep"]] == [5, 6]
