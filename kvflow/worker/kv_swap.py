@@ -10,6 +10,9 @@ dimension the KV-cache spec's shape says.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kvflow.kv_cache_interface import KVCacheSpec
@@ -20,6 +23,19 @@ def block_dim(spec: KVCacheSpec) -> int:
     MLA's [blocks, ...] -> 0): where the shapes for 1 and 2 blocks differ."""
     one, two = spec.kv_cache_shape(1), spec.kv_cache_shape(2)
     return next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype,
+                       pin_memory: bool) -> torch.Tensor:
+    """A zero-filled host tensor of ``shape`` and ``dtype``. Unpinned, its memory comes from
+    ``calloc`` (numpy's ``zeros``), which maps the OS's zero pages: only the pages later
+    written take memory, so a ``--swap-space 4GiB`` pool that swaps little costs little
+    (``torch.zeros`` writes, so commits, every byte: 4 GiB and seconds at start-up on CPU).
+    Pinned memory (CUDA) is page-locked anyway and comes from ``torch.zeros``."""
+    if pin_memory:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class HostKVCache:
@@ -36,8 +52,8 @@ class HostKVCache:
                  num_host_blocks: int, pin_memory: bool = False) -> None:
         self.device_caches = device_caches
         self.dim = block_dim(spec)
-        self.host_caches = [torch.zeros(spec.kv_cache_shape(num_host_blocks), dtype=spec.dtype,
-                                        pin_memory=pin_memory)
+        self.host_caches = [zeroed_host_tensor(spec.kv_cache_shape(num_host_blocks), spec.dtype,
+                                               pin_memory)
                             for _ in device_caches]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

@@ -9,11 +9,15 @@ host block free) after the run; hand-computed costs for the swap-or-recompute ru
 from __future__ import annotations
 
 import numpy as np
+import psutil
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.step_time_model import StepFeatures, StepTimeModel
+from kvflow.kv_cache_interface import FullAttentionSpec
+from kvflow.worker.kv_swap import HostKVCache
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "kvflow pages keys and values",
            "swap preemption copies blocks to host memory and back again " * 2, "a b c d e f",
@@ -101,3 +105,27 @@ def test_cost_rule_swaps_long_contexts_and_recomputes_short_ones():
     assert not swap.should_swap(_Req(64)) and swap.should_swap(_Req(512))
     assert not SwapManager(_Held(9), 8, 40_000, model).should_swap(_Req(512))  # host too small
     assert not swap.should_swap(_Req(0))
+
+
+def test_host_pool_takes_memory_only_where_written():
+    """A 512 MiB host pool (bfloat16, as a 16-bit model's) reads as zeros and adds only the
+    pages a swap-out writes to the process's resident memory (psutil): it used to be
+    written in full at start-up (torch.zeros), so the default --swap-space 4GiB cost 4 GiB of
+    RAM and ~9 s before the first request, swapped or not. Blocks still round-trip."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
+    device = [torch.randn(spec.kv_cache_shape(4)).to(torch.bfloat16) for _ in range(2)]
+    num_host = 512 * 2**20 // (2 * device[0][:, 0].numel() * 2)  # 2 layers x 256 MiB
+    process = psutil.Process()
+    before = process.memory_info().rss
+    host = HostKVCache(device, spec, num_host)
+    assert process.memory_info().rss - before < 64 * 2**20
+    assert host.host_caches[1].shape == spec.kv_cache_shape(num_host)
+    assert host.host_caches[1].dtype == torch.bfloat16
+    assert not host.host_caches[1][:, [0, num_host // 2, num_host - 1]].any()
+    host.swap_out([(1, num_host - 1), (3, 7)])
+    device_copy = [d.clone() for d in device]
+    for d in device:
+        d.zero_()
+    host.swap_in([(num_host - 1, 2), (7, 0)])
+    for d, original in zip(device, device_copy):
+        assert torch.equal(d[:, 2], original[:, 1]) and torch.equal(d[:, 0], original[:, 3])
