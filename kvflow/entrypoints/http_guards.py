@@ -13,7 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.entrypoints.openai_errors import OpenAIError, content_type_error
+from kvflow.entrypoints.openai_errors import (
+    OpenAIError,
+    body_parse_error,
+    content_encoding_error,
+    content_type_error,
+)
 from kvflow.entrypoints.validation_errors import validation_error
 
 logger = logging.getLogger(__name__)
@@ -50,10 +55,17 @@ async def require_json_body(raw: Request) -> None:
     Raises:
         OpenAIError: 400 (``unsupported_media_type``) for a POST body not sent as JSON.
     """
-    error = content_type_error(raw.headers.get("content-type")) if raw.method == "POST" \
-        else None
+    error = body_header_error(raw) if raw.method == "POST" else None
     if error is not None:
         raise error
+
+
+def body_header_error(raw: Request) -> OpenAIError | None:
+    """The error for a body's headers: a ``Content-Encoding`` (415, see
+    :func:`content_encoding_error`), else a ``Content-Type`` other than JSON (400, see
+    :func:`content_type_error`); None for an uncompressed JSON body."""
+    return content_encoding_error(raw.headers.get("content-encoding")) or \
+        content_type_error(raw.headers.get("content-type"))
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
@@ -61,8 +73,8 @@ def error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
-# FastAPI's detail for a body it could not decode (not UTF-8); a JSON syntax error is a
-# RequestValidationError instead
+# FastAPI's detail for a body it could not decode (not UTF-8, nested past the recursion limit;
+# the parser's exception is its __cause__); a JSON syntax error is a RequestValidationError
 FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
@@ -75,15 +87,12 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def schema_error(raw: Request, exc: RequestValidationError) -> JSONResponse:
         # a body not sent as JSON: say so, not what failed to parse in it
-        error = content_type_error(raw.headers.get("content-type"))
-        return error_response(error or validation_error(exc))
+        return error_response(body_header_error(raw) or validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # bytes, not text
-            error = content_type_error(raw.headers.get("content-type"))
-            return error_response(error or OpenAIError(
-                "the body is not JSON text: it must be UTF-8 encoded", code="invalid_json"))
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:  # not UTF-8, too deep
+            return error_response(body_header_error(raw) or body_parse_error(exc.__cause__))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(OpenAIError(str(exc.detail), exc.status_code, kind))
 

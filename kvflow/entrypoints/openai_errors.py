@@ -71,3 +71,30 @@ def content_type_error(content_type: str | None) -> OpenAIError | None:
     got = f"Content-Type {content_type!r}" if content_type else "no Content-Type header"
     return OpenAIError(f"the request body must be JSON sent with 'Content-Type: "
                        f"application/json'; got {got}", code="unsupported_media_type")
+
+
+def content_encoding_error(encoding: str | None) -> OpenAIError | None:
+    """A 415 (code ``unsupported_content_encoding``) naming a ``Content-Encoding`` other than
+    ``identity``: kvflow reads request bodies as sent (RFC 9110, section 8.4.1: a server
+    answers 415 to a content coding it does not decode), so a gzip body is refused as such
+    rather than read as text that is not UTF-8, and a body claiming a coding it does not use
+    is not silently read; None when there is no coding."""
+    codings = [c.strip().lower() for c in (encoding or "").split(",") if c.strip()]
+    if all(c == "identity" for c in codings):
+        return None
+    return OpenAIError(f"the request body must not be compressed: got Content-Encoding "
+                       f"{encoding!r} (kvflow reads only uncompressed JSON bodies)", 415,
+                       code="unsupported_content_encoding")
+
+
+def body_parse_error(cause: BaseException | None) -> OpenAIError:
+    """The 400 (code ``invalid_json``) for a JSON body that failed to parse for a reason
+    other than its syntax: ``cause`` the exception the parser raised (text that is not UTF-8,
+    or nesting deeper than the parser's recursion limit)."""
+    if isinstance(cause, RecursionError):
+        return OpenAIError("the body's JSON is nested too deeply to parse", code="invalid_json")
+    if isinstance(cause, UnicodeDecodeError) or cause is None:
+        return OpenAIError("the body is not JSON text: it must be UTF-8 encoded",
+                           code="invalid_json")
+    return OpenAIError(f"the body could not be parsed as JSON: {type(cause).__name__}",
+                       code="invalid_json")

@@ -568,6 +568,33 @@ def test_json_content_types_are_read(server, content_type, tokenizer):
     assert resp.json()["tokens"] == tokenizer.encode("x")
 
 
+def test_body_encoding_and_depth_errors_say_what_is_wrong(server, tokenizer):
+    """A compressed body (any Content-Encoding but ``identity``) is a 415 naming the coding
+    (was: gzip read as text "not UTF-8", and a ``br`` header on plain JSON silently read);
+    JSON nested past the parser's recursion limit is a 400 saying so (was: "not UTF-8");
+    bytes that are not UTF-8 still say that. ``identity`` is read (hand-checked: the
+    tokenizer's ids of "x")."""
+    import gzip
+
+    url, raw = f"{server.url}/tokenize", b'{"prompt": "x"}'
+    for encoding, body in (("gzip", gzip.compress(raw)), ("br", raw), ("gzip, identity", raw)):
+        resp = httpx.post(url, content=body, timeout=30, headers={
+            "Content-Type": "application/json", "Content-Encoding": encoding})
+        error = resp.json()["error"]
+        assert (resp.status_code, error["code"]) == (415, "unsupported_content_encoding")
+        assert f"Content-Encoding {encoding!r}" in error["message"]
+    resp = httpx.post(url, content=raw, timeout=30, headers={
+        "Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert resp.status_code == 200 and resp.json()["tokens"] == tokenizer.encode("x")
+    for body, says in ((b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                        "nested too deeply"), (b'{"prompt": "\xff"}', "UTF-8")):
+        resp = httpx.post(url, content=body, headers={"Content-Type": "application/json"},
+                          timeout=30)
+        error = resp.json()["error"]
+        assert (resp.status_code, error["code"]) == (400, "invalid_json"), resp.text
+        assert says in error["message"], error
+
+
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
     num = len(tokenizer.encode(LONG_TEXT))
     error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
