@@ -12,6 +12,8 @@ class ModelConfig:
     model: str = opt("SmolLM2-135M-Instruct",
                       "packaged model name, HF folder, path to a .gguf file, or Hugging Face "
                       "Hub repo id org/name[@revision]")
+    revision: str | None = opt(None, "Hub model revision: a branch, tag or commit (as "
+                                "org/name@revision; Hub repo ids only)")
     download_dir: str | None = opt(None, "huggingface_hub cache folder for Hub models "
                                     "(default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     tokenizer: str | None = opt(None, "tokenizer: folder, .gguf file, packaged model name or "

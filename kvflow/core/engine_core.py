@@ -55,7 +55,7 @@ class EngineCore:
         self.config = config
         self._init_platform()
         mc = config.model_config
-        self._init_model(source or resolve_model(mc.model, mc.download_dir))
+        self._init_model(source or resolve_model(mc.model, mc.download_dir, mc.revision))
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()

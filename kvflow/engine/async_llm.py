@@ -109,7 +109,7 @@ class AsyncLLM:
         self._async_output: zmq.asyncio.Socket | None = None
         try:
             mc = config.model_config
-            source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
+            source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
             self.replicas.start()  # their resolve_model then finds the snapshot cached

@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         if config.parallel_config.data_parallel_size > 1:
-            source = resolve_model(mc.model, mc.download_dir)  # a Hub download happens here
+            source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
             vocab_size, hf_config = self.core.ready.vocab_size, None

@@ -274,7 +274,8 @@ def _resolve_file(path: str, model: str) -> ModelSource:
     )
 
 
-def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
+def resolve_model(model: str, download_dir: str | None = None,
+                  revision: str | None = None) -> ModelSource:
     """Resolve ``model`` (a path, a packaged model name or a Hub repo id) to a
     :class:`ModelSource`.
 
@@ -285,7 +286,8 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
     packaged model name or alias (case-insensitive), e.g. ``"SmolLM2-135M-Instruct"``;
     ``ModelSource(kind="hf", path=<snapshot dir>, name="org/name")`` for a Hub repo id
     ``"org/name[@revision]"``, fetched into ``download_dir`` (default: huggingface_hub's cache,
-    ``$HF_HOME/hub``) unless cached there.
+    ``$HF_HOME/hub``) unless cached there; ``revision`` (a branch, tag or commit) is the same
+    as ``@revision``.
 
     Raises:
         ValueError: ``model`` is neither an existing local path, a packaged model name nor a
@@ -293,12 +295,16 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
             ``config.json`` and zero or several ``.gguf`` files; an existing file is not a
             ``.gguf`` or lacks the GGUF magic bytes; a packaged model is not installed (the
             message gives the pip command); or a Hub repo cannot be had (offline and not
-            cached, not found, no safetensors: see :func:`kvflow.models.hf_hub.download_snapshot`).
+            cached, not found, no safetensors: see :func:`kvflow.models.hf_hub.download_snapshot`);
+            ``revision`` given for a model that is not a Hub repo id, or differing from the
+            ``@revision`` in ``model``.
     """
     model = os.fspath(model)
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"Invalid model name {model!r}")
     path = os.path.expanduser(model)
+    if revision is not None:
+        return _resolve_revision(model, revision, download_dir)
     if os.path.isdir(path):
         return _resolve_directory(path, model)
     if os.path.isfile(path):
@@ -318,6 +324,21 @@ def resolve_model(model: str, download_dir: str | None = None) -> ModelSource:
         f"file), a packaged model nor a Hugging Face repo id (org/name[@revision]); packaged "
         f"models: {', '.join(packaged_model_names())}"
     )
+
+
+def _resolve_revision(model: str, revision: str, download_dir: str | None) -> ModelSource:
+    """A Hub repo id at ``revision`` (raises ValueError as :func:`resolve_model` says)."""
+    hub_name = None if os.path.exists(os.path.expanduser(model)) or \
+        find_packaged_model(model) is not None else parse_hub_name(model)
+    if hub_name is None:
+        raise ValueError(f"revision={revision!r} applies to Hugging Face repo ids only, and "
+                         f"model {model!r} is a local path or packaged model, or no repo id")
+    repo_id, named = hub_name
+    if named is not None and named != revision:
+        raise ValueError(f"model {model!r} names revision {named!r} but revision="
+                         f"{revision!r} was given; give one")
+    return ModelSource(kind="hf", path=download_snapshot(repo_id, revision, download_dir),
+                       name=repo_id)
 
 
 def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> ModelSource:

@@ -133,6 +133,29 @@ def test_revision_by_tag_and_by_commit(hub_cache, tiny_model_factory):
     assert out.outputs[0].token_ids == hf_greedy_tokens(tiny_model_factory("qwen2"), PROMPT, 8)
 
 
+def test_revision_option_picks_the_snapshot(hub_cache, tiny_model_factory):
+    """``--revision`` / ``LLM(revision=...)`` (vLLM's name) is ``@revision``. Before: no such
+    option (``LLM(revision=...)`` a TypeError)."""
+    repo = hub_cache / "models--kvflow-test--tiny" / "snapshots"
+    assert resolve_model("kvflow-test/tiny", str(hub_cache), revision="v1").path == \
+        str(repo / COMMIT_B)
+    llm = LLM(model="kvflow-test/tiny", revision="v1", download_dir=str(hub_cache),
+              dtype="float32", num_kv_blocks=64, block_size=4)
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy_tokens(tiny_model_factory("qwen2"), PROMPT, 8)
+
+
+@pytest.mark.parametrize("model, pattern", [
+    ("kvflow-test/tiny@main", r"names revision 'main' but revision='v1' was given"),
+    ("SmolLM2-135M-Instruct", r"revision='v1' applies to Hugging Face repo ids only"),
+    ("./no/such/dir", r"revision='v1' applies to Hugging Face repo ids only"),
+])
+def test_revision_option_where_it_cannot_apply(hub_cache, model, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        resolve_model(model, str(hub_cache), revision="v1")
+
+
 @pytest.mark.parametrize("model", ["kvflow-test/missing", "kvflow-test/tiny@v2"])
 def test_not_cached_while_offline_is_one_clear_line(hub_cache, model):
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1 forbids downloading") as info:
