@@ -20,6 +20,20 @@ def require_positive(**flags: float | None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
+def require_fits(max_model_len: int, input_len: int, output_len: int) -> None:
+    """The offline benchmarks count ``output_len`` tokens per prompt (EOS ignored): a prompt
+    plus its output must fit in the engine's ``max_model_len``, else generation stops early
+    and every per-token figure is computed over tokens never generated.
+
+    Raises:
+        ValueError: naming ``--input-len`` and ``--output-len`` when they do not fit.
+    """
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} = "
+                         f"{input_len + output_len} tokens exceed the engine's max_model_len "
+                         f"{max_model_len}: lower them or raise --max-model-len")
+
+
 def require_one_engine(data_parallel_size: int, command: str) -> None:
     """The offline benchmarks time one in-process engine: no data-parallel replicas.
 

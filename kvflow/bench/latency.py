@@ -18,6 +18,7 @@ from typing import Any
 from kvflow.bench.checks import (
     ensure_parent_dir,
     parse_positive_ints,
+    require_fits,
     require_one_engine,
     require_positive,
 )
@@ -54,12 +55,15 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
     sizes = parse_positive_ints(args.batch_sizes, "--batch-sizes")
     require_positive(input_len=args.input_len, num_iters=args.num_iters)
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0 (it seeds the random prompts), got {args.seed}")
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.output_len}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "latency")
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     vocab = llm.engine.core.hf_config.vocab_size
     _timed_generate(llm, random_prompts(2, args.input_len, vocab, args.seed + 1), 4)  # warm-up
     batches = []

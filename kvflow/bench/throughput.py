@@ -16,7 +16,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvflow.bench.checks import ensure_parent_dir, require_one_engine, require_positive
+from kvflow.bench.checks import (
+    ensure_parent_dir,
+    require_fits,
+    require_one_engine,
+    require_positive,
+)
 from kvflow.config import EngineConfig
 
 
@@ -110,9 +115,12 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
     require_positive(num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hf_batch_size=args.hf_batch_size)
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0 (it seeds the random prompts), got {args.seed}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "throughput")
     llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     prompts = random_prompts(args.num_prompts, args.input_len,
                              llm.engine.core.hf_config.vocab_size, args.seed)
     results = [run_kvflow(llm, prompts, args.output_len)]

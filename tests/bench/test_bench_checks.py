@@ -37,6 +37,8 @@ NO_MODEL = "/nonexistent/model"
     (["latency", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["serve", "--seed", "-1"], "--seed must be >= 0"),
+    (["throughput", "--seed", "-1"], "--seed must be >= 0"),
+    (["latency", "--seed", "-1"], "--seed must be >= 0"),
     (["serve", "--random-vocab-size", "3"], "--random-vocab-size must be >= 4"),
     (["serve", "--dataset", "synthetic-chat", "--num-system-prompts", "0"],
      "--num-system-prompts must be >= 1"),

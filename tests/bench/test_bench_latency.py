@@ -30,3 +30,18 @@ def test_latency_json(tiny_llama, tmp_path, capsys):
 def test_latency_rejects_bad_batch_sizes(capsys):
     assert main(["bench", "latency", "--batch-sizes", "0", "--model", "x"]) == 2
     assert "batch-sizes" in capsys.readouterr().err
+
+
+def test_prompt_plus_output_beyond_max_model_len_is_refused(tiny_llama, capsys):
+    """8 + 12 tokens in a 16-token context: generation stopped at 8 tokens and latency
+    divided by 11 gaps that never happened (TPOT, out tok/s wrong), throughput ended in a
+    RuntimeError traceback. Now status 2 naming both flags, before any timed run."""
+    common = ["--model", tiny_llama.path, "--input-len", "8", "--output-len", "12",
+              "--max-model-len", "16", "--dtype", "float32", "--device", "cpu",
+              "--num-kv-blocks", "64", "--block-size", "4"]
+    for command in (["latency", "--batch-sizes", "1"], ["throughput", "--num-prompts", "1"]):
+        assert main(["bench", *command, *common]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("kvflow: error: --input-len 8 + --output-len 12 = 20 tokens exceed "
+                            "the engine's max_model_len 16: lower them or raise "
+                            "--max-model-len\n"), err
