@@ -61,13 +61,15 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
-    """mean, median, p90, p99, min and max of ``values`` multiplied by ``scale`` (e.g. 1e3 for
-    seconds -> milliseconds); NaN entries for an empty sequence."""
+    """mean, std, median, p90, p99, min and max of ``values`` multiplied by ``scale`` (e.g. 1e3
+    for seconds -> milliseconds); NaN entries for an empty sequence. ``std`` is the population
+    standard deviation (divisor n, numpy's ``np.std`` default, as vLLM's ``std_*_ms``)."""
     scaled = [v * scale for v in values]
     mean = sum(scaled) / len(scaled) if scaled else math.nan
-    return {"mean": mean, "median": percentile(scaled, 50), "p90": percentile(scaled, 90),
-            "p99": percentile(scaled, 99), "min": min(scaled, default=math.nan),
-            "max": max(scaled, default=math.nan)}
+    std = math.sqrt(sum((v - mean) ** 2 for v in scaled) / len(scaled)) if scaled else math.nan
+    return {"mean": mean, "std": std, "median": percentile(scaled, 50),
+            "p90": percentile(scaled, 90), "p99": percentile(scaled, 99),
+            "min": min(scaled, default=math.nan), "max": max(scaled, default=math.nan)}
 
 
 def request_timing(start: float, token_times: Sequence[float],

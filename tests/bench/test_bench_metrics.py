@@ -34,6 +34,7 @@ def test_summarize_scales_to_ms():
     assert s["mean"] == pytest.approx(25.0)
     assert s["median"] == pytest.approx(25.0)
     assert s["p90"] == pytest.approx(37.0)
+    assert s["std"] == pytest.approx(math.sqrt(125.0))  # ((15^2 + 5^2) * 2 / 4) ** 0.5
     assert (s["min"], s["max"]) == (pytest.approx(10.0), pytest.approx(40.0))
     assert math.isnan(metrics.summarize([])["mean"])
 
