@@ -133,3 +133,27 @@ def test_other_part_types_are_refused_for_their_type():
     with pytest.raises(ChatTemplateError) as e:
         normalize_conversation([m.model_dump() for m in req.messages])
     assert e.value.param == "messages.0.content.0" and "'input_audio'" in str(e.value)
+
+
+@pytest.mark.parametrize("part,key", [
+    ({"type": "text", "text": "hi", "image_url": {"url": "data:image/png;base64,AA"}},
+     "image_url"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}, "text": "hi"},
+     "text"),
+    ({"type": "text", "text": "hi", "refusal": "no"}, "refusal"),
+])
+def test_a_part_carries_only_its_own_types_payload(client, part, key):
+    """A declared key of another part type (an image on a text part) was never read; now a
+    400 naming it. The same part without it passes, and null for it passes (unset)."""
+    messages = [{"role": "user", "content": [part]}]
+    resp = client.post("/chat", json={"messages": messages})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (f"messages.0.content.0.{key}",
+                                                "unknown_parameter"), error
+    assert f"a {part['type']!r} content part carries {part['type']} only" in error["message"]
+    alone = {k: v for k, v in part.items() if k != key}
+    for sent in (alone, {**alone, key: None}):
+        resp = client.post("/chat", json={"messages": [{"role": "user", "content": [sent]}]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["messages"][0]["content"][0] == sent

@@ -20,6 +20,12 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                            code="invalid_json")
     loc = _field_path(first.get("loc", ()))
+    if first.get("type") == "part_key":  # a content part's key of another part type
+        param = ".".join([*loc, first["ctx"]["key"]])
+        return OpenAIError(f"Unrecognized request argument supplied: {param} (a "
+                           f"{first['ctx']['kind']!r} content part carries "
+                           f"{first['ctx']['kind']} only)", param=param,
+                           code="unknown_parameter")
     if not loc and first.get("type") == "missing":
         return OpenAIError("the request body is empty: expected a JSON object",
                            code="invalid_json")

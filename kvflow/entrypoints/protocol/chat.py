@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
@@ -25,7 +26,9 @@ class ContentPart(RequestModel):
     (audio, files) are a 400 naming the part (kvflow/chat_template.py). A key other than
     ``type`` and the declared ones is a 400 naming it (``messages.0.content.0.foo``), except
     the payload of an undeclared type (``input_audio`` of an ``input_audio`` part), which is
-    dropped so that the part is refused for its type."""
+    dropped so that the part is refused for its type. A part carries only its own type's
+    payload: ``image_url`` on a ``text`` part (or ``text`` on an ``image_url`` one) is a 400
+    naming that key (code ``unknown_parameter``), not left unread."""
 
     type: str
     text: str | None = None
@@ -34,10 +37,19 @@ class ContentPart(RequestModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_other_types_payload(cls, data: Any) -> Any:
+    def _one_payload(cls, data: Any) -> Any:
         kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind in data and kind not in cls.model_fields:
+        if not isinstance(kind, str):
+            return data
+        if kind in data and kind not in cls.model_fields:
             data = {k: v for k, v in data.items() if k != kind}
+        payloads = set(cls.model_fields) - {"type"}
+        other = next((k for k in data if k in payloads and k != kind
+                      and data[k] is not None), None)
+        if other is not None:
+            raise PydanticCustomError(
+                "part_key", "Unrecognized request argument supplied: {key} (a {kind!r} part "
+                "carries {kind} only)", {"key": other, "kind": kind})
         return data
 
 
