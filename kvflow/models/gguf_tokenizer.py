@@ -143,7 +143,7 @@ def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
 # Token texts llama.cpp (llama-vocab.cpp) treats as end-of-generation wherever a vocabulary
 # has them: chat models end turns with these rather than with tokenizer.ggml.eos_token_id.
 EOG_TOKEN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
                              "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>"})
 
 

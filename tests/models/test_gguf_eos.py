@@ -49,6 +49,16 @@ def test_llama3_style_eot_and_eom(tmp_path):
     assert load_eos_token_ids(source) == [1, 3, 2]
 
 
+def test_llama3_instruct_eos_eot_id_also_ends_at_end_of_text(tmp_path):
+    """Llama 3.x Instruct GGUFs give eos <|eot_id|> and no eot key; meta-llama/Llama-3.1-8B-
+    Instruct's generation_config.json ends at [128001, 128008, 128009] (<|end_of_text|>,
+    <|eom_id|>, <|eot_id|>), and llama.cpp's end-of-generation texts hold <|end_of_text|>.
+    Before: [3, 2], so a model emitting <|end_of_text|> ran on."""
+    tokens = ["a", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "x"]
+    source = _vocab_gguf(tmp_path / "l.gguf", tokens, eos=3)
+    assert load_eos_token_ids(source) == [3, 1, 2]
+
+
 def test_out_of_range_ids_and_no_tokenizer(tmp_path):
     assert load_eos_token_ids(_vocab_gguf(tmp_path / "o.gguf", ["a", "b"], eos=7)) == []
 
