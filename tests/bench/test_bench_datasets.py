@@ -33,6 +33,17 @@ def test_poisson_counts_per_second():
     assert counts.var() == pytest.approx(8.0, rel=0.15)  # Poisson: variance == mean
 
 
+@pytest.mark.parametrize("n, rate, burstiness", [(64, 4.0, 1.0), (10, 0.5, 0.25), (1, 2.0, 3.0)])
+def test_arrivals_offer_exactly_the_rate(n, rate, burstiness):
+    # vLLM's serving benchmark scales the gaps so the last request goes out at n / rate
+    for seed in range(5):
+        gaps = arrival_intervals(n, rate, burstiness, seed=seed)
+        assert gaps.sum() == pytest.approx(n / rate, rel=1e-12) and (gaps > 0).all()
+    raw = np.random.default_rng(0).gamma(burstiness, 1 / (rate * burstiness), n)
+    assert arrival_intervals(n, rate, burstiness, seed=0) == pytest.approx(
+        raw * (n / rate) / raw.sum())  # the same draws, scaled: the shape is kept
+
+
 def test_arrivals_seeded_inf_and_bad():
     assert (arrival_intervals(5, 2.0, seed=3) == arrival_intervals(5, 2.0, seed=3)).all()
     assert (arrival_intervals(5, float("inf")) == 0).all()
