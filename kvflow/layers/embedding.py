@@ -49,7 +49,16 @@ class VocabParallelEmbedding(nn.Module):
                 lambda p, loaded: method.load(self, p, loaded))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Copy this rank's vocabulary rows of the full table ``loaded`` into ``param``."""
+        """Copy this rank's vocabulary rows of the full table ``loaded`` into ``param``.
+
+        Raises:
+            ValueError: when ``loaded`` is not ``[vocab_size, hidden_size]`` (a config whose
+                ``vocab_size`` or ``hidden_size`` does not describe the checkpoint).
+        """
+        if tuple(loaded.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"shape {tuple(loaded.shape)}: the config gives "
+                             f"[vocab_size, hidden_size] = [{self.vocab_size}, "
+                             f"{self.hidden_size}]")
         shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
         param.data[:shard.shape[0]].copy_(shard)
 

@@ -82,12 +82,30 @@ class LinearBase(GemmPathMixin, nn.Module):
         """Copy this TP rank's slice of the full checkpoint tensor ``loaded`` into ``param``.
 
         Raises:
-            RuntimeError: when the slice's shape does not fit ``param`` (from ``copy_``).
+            ValueError: when the slice holds another number of values than ``param`` (a
+                config that does not describe the checkpoint; ``copy_`` would broadcast a
+                smaller one).
         """
-        param.data.copy_(self._shard(param, loaded))
+        shard = self._shard(param, loaded)
+        if shard.numel() != param.numel():
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit the "
+                             f"{tuple(param.shape)} the config gives this rank")
+        param.data.copy_(shard.reshape(param.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+
+def _check_rows(loaded: torch.Tensor, rows: int) -> None:
+    """A fused sub-projection's full checkpoint tensor must have the ``rows`` its config
+    gives (narrowing a larger one would load part of it silently).
+
+    Raises:
+        ValueError: naming both row counts.
+    """
+    if loaded.dim() == 0 or loaded.shape[0] != rows:
+        raise ValueError(f"shape {tuple(loaded.shape)}: the config gives it {rows} "
+                         "rows (output features)")
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,6 +149,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                              f"[0, {len(self.output_sizes)}), got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
+        _check_rows(loaded, self.output_sizes[shard_id])
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
 
@@ -147,6 +166,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.num_kv_replicas = max(1, tp_size // num_kv_heads)
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.shard_ids = ("q", "k", "v")
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
@@ -168,6 +188,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                               "k": (q_size, kv_size, self.tp_rank // self.num_kv_replicas),
                               "v": (q_size + kv_size, kv_size,
                                     self.tp_rank // self.num_kv_replicas)}[shard_id]
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        _check_rows(loaded, heads * self.head_dim)
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 

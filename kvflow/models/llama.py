@@ -259,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         modules another pipeline stage owns are skipped.
 
         Raises:
-            ValueError: for a checkpoint tensor that matches no parameter.
+            ValueError: for a checkpoint tensor that matches no parameter, or whose shape does
+                not fit it (naming the tensor).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -278,10 +279,10 @@ class LlamaForCausalLM(nn.Module):
                                  f"{type(self).__name__}")
             param = params[target]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            try:
+                loader(param, tensor, *(() if shard is None else (shard,)))
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.add(target)
         if tied and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")

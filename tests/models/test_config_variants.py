@@ -70,6 +70,24 @@ def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
 
 
+@pytest.mark.parametrize("changes, message", [
+    # narrowing the 32-row k_proj / the 320-row table loaded part of each, silently
+    ({"num_key_value_heads": 1},
+     r"'model.layers.0.self_attn.k_proj.weight': shape \(32, 64\): the config gives it 16 rows"),
+    ({"vocab_size": 300},
+     r"'lm_head.weight': shape \(320, 64\): the config gives .* = \[300, 64\]"),
+    # was a RuntimeError from copy_ naming no tensor
+    ({"intermediate_size": 96},
+     r"'model.layers.0.mlp.down_proj.weight': shape \(64, 128\) does not fit the \(64, 96\)"),
+], ids=["kv_heads", "vocab_size", "intermediate_size"])
+def test_config_that_does_not_describe_the_weights_is_refused(tiny_llama, tmp_path, changes,
+                                                              message):
+    """HF transformers refuses such a checkpoint ('size mismatch'); kvflow names the tensor."""
+    path = _edited_copy(tiny_llama, tmp_path / "model", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+
+
 @pytest.mark.parametrize("architectures, message", [
     (["GPTNeoXForCausalLM"],
      r"unsupported model architecture \['GPTNeoXForCausalLM'\]; kvflow supports \[.*'Llama"),
