@@ -117,7 +117,8 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
     """Seconds to wait before each request (float64, length ``num_requests``).
 
     Gamma(shape=burstiness, scale=1 / (rate * burstiness)) gaps have mean ``1 / rate``;
-    shape 1 gives exponential gaps (Poisson arrivals). As in vLLM's serving benchmark the
+    shape 1 gives exponential gaps (Poisson arrivals), ``burstiness=inf`` equal gaps of
+    ``1 / rate`` (the limit; vLLM accepts it too). As in vLLM's serving benchmark the
     gaps are then scaled so that they sum to exactly ``num_requests / rate``: the last request
     is sent at that time, so every seed offers the load ``rate`` (unscaled, 64 Poisson gaps
     sum to within +-12.5% (one standard deviation) of it). ``rate=inf`` sends everything at
@@ -130,6 +131,8 @@ def arrival_intervals(num_requests: int, rate: float, burstiness: float = 1.0,
         raise ValueError(f"rate ({rate}) and burstiness ({burstiness}) must be > 0")
     if np.isinf(rate):
         return np.zeros(num_requests)
+    if np.isinf(burstiness):
+        return np.full(num_requests, 1.0 / rate)
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
     total = gaps.sum()

@@ -47,6 +47,7 @@ def test_arrivals_offer_exactly_the_rate(n, rate, burstiness):
 def test_arrivals_seeded_inf_and_bad():
     assert (arrival_intervals(5, 2.0, seed=3) == arrival_intervals(5, 2.0, seed=3)).all()
     assert (arrival_intervals(5, float("inf")) == 0).all()
+    assert (arrival_intervals(4, 2.0, float("inf")) == 0.5).all()  # vLLM: the limit, even gaps
     for rate, k in ((0.0, 1.0), (1.0, 0.0)):
         with pytest.raises(ValueError):
             arrival_intervals(5, rate, k)
