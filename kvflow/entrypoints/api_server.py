@@ -311,11 +311,31 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
         text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
                                       check_length=False, size=body_size(raw))
         return (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
+    _refuse_chat_options(req)
     special = req.add_special_tokens is not False
     tokenizer = chat.tokenizer
     # an embedding model's text as /v1/embeddings feeds it (default prompt, lower-casing)
     text = chat.engine.processor.pooling_text(req.prompt)
     return await off_loop(len(text), lambda: tokenizer.encode(text, add_special_tokens=special))
+
+
+# /tokenize's fields that only a conversation uses (the chat template renders them)
+CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
+                    "chat_template_kwargs", "tools", "tool_choice", "documents")
+
+
+def _refuse_chat_options(req: TokenizeRequest) -> None:
+    """A /tokenize ``prompt`` is encoded as it is, with no chat template: a chat option set to
+    anything but its default would be ignored, so it is refused.
+
+    Raises:
+        OpenAIError: 400 naming the first such field (code ``invalid_value``).
+    """
+    for name in CHAT_ONLY_FIELDS:
+        if getattr(req, name) != TokenizeRequest.model_fields[name].default:
+            raise OpenAIError(f"{name} applies to messages only: a prompt is tokenized as "
+                              "it is, with no chat template", param=name,
+                              code="invalid_value")
 
 
 def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,

@@ -699,6 +699,22 @@ CALLS_TEMPLATE = (
     "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}\n{% endfor %}")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("add_generation_prompt", False), ("continue_final_message", True),
+    ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"x": 1}),
+    ("tools", [TOOL]), ("tool_choice", "none"), ("documents", [{"text": "d"}])])
+def test_tokenize_prompt_refuses_chat_options(server, tokenizer, field, value):
+    """/tokenize of a ``prompt`` renders no template: a chat option set to anything but its
+    default was silently ignored (the prompt's ids came back); now a 400 naming it. Its
+    default passes and gives the tokenizer's ids."""
+    resp = post(server, TOK, {field: value})
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        (field, "invalid_value")
+    default = protocol.TokenizeRequest.model_fields[field].default
+    assert ok(server, TOK, {field: default})["tokens"] == tokenizer.encode(PROMPT)
+
+
 @pytest.mark.parametrize("path", [CH, TOK])
 def test_history_tool_calls_reach_the_template(server, tokenizer, path):
     """A template that renders tool_calls gets each call with its arguments as an object, and
