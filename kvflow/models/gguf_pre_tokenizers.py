@@ -32,8 +32,32 @@ _DEEPSEEK_LLM_LETTERS = (
 # CJK ideographs, U+0800..U+4E00 and Hangul: one piece per run (both DeepSeek pre-tokenizers).
 _DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 
+_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+# Qwen2's regex: letters after one non-letter, single digits, punctuation runs, newlines
+_QWEN2 = (_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+          "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
+
 # tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (llama-vocab.cpp, by value).
 SPLIT_REGEXES: dict[str, tuple[str, ...]] = {
+    "default": ("[\\p{P}\\$\\+<=>\\^~\\|]+", _GPT2, "\\p{N}+", "[0-9][0-9][0-9]"),
+    "falcon": ("[\\p{P}\\$\\+<=>\\^~\\|`]+", _GPT2, "[0-9][0-9][0-9]"),
+    "stablelm2": (_QWEN2,), "hunyuan": (_QWEN2,), "grok-2": (_QWEN2,),
+    "glm4": (_QWEN2.replace("|\\p{N}|", "|\\p{N}{1,3}|"),),
+    "chatglm-bpe": (_QWEN2.replace("|\\p{N}|", "|\\p{N}{1,3}|"),),
+    "seed-coder": (_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1}"
+                   "| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), ((
+        "'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+        "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"),)),
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_BLOOM,)),
+    "viking": (_BLOOM, "\\p{N}"),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), (
+        "\\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?"
+         "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"))),
     "deepseek-llm": (
         "[\r\n]",
         "\\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
@@ -55,7 +79,40 @@ SPLIT_REGEXES: dict[str, tuple[str, ...]] = {
 # "\\p{N}", then the GPT-2 pattern); the HF tokenizer.json of SmolLM / StarCoder spells it
 # Digits(individual_digits=True) + ByteLevel.
 DIGIT_SPLIT_PRES = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell",
-                              "exaone", "minerva"})
+                              "exaone", "minerva", "minerva-7b"})
+
+# Values llama.cpp splits with GPT-2's regex (transformers' default for a byte-level vocabulary)
+GPT2_PRES = frozenset({"gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en",
+                       "jina-v2-es", "jina-v2-de", "jina-v2-code", "roberta-bpe", "a.x-4.0",
+                       "mellum", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"})
+# Values transformers' GGUF conversion splits as llama.cpp does (its GGUF_PRE_TOKENIZER_SPLITS)
+TRANSFORMERS_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
+                               "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe", "tekken",
+                               "qwen2", "deepseek-r1-qwen", "kormo", "megrez", "gpt-4o",
+                               "llama4", "minimax-m2"})
+
+
+def check_pre_tokenizer(pre: Any) -> str | None:
+    """None when kvflow splits text as llama.cpp does for ``tokenizer.ggml.pre = pre`` (a
+    byte-level vocabulary; an absent value is transformers' GPT-2 split), else why not: a
+    value llama.cpp handles with custom code (``kimi-k2``, ``afmoe``, ``superbpe``,
+    ``chameleon``) or one unknown to kvflow."""
+    if pre is None or pre in SPLIT_REGEXES or pre in DIGIT_SPLIT_PRES or pre in GPT2_PRES \
+            or pre in TRANSFORMERS_PRES or pre in _transformers_pres():
+        return None
+    return (f"is {pre!r}, a pre-tokenizer kvflow does not reproduce (it would split text "
+            "where the vocabulary's merges were not learned)")
+
+
+def _transformers_pres() -> frozenset[str]:
+    """The installed transformers' own GGUF pre-tokenizer table (empty where it has none)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+        )
+    except ImportError:
+        return frozenset()
+    return frozenset(GGUF_PRE_TOKENIZER_SPLITS)
 
 
 def llama_cpp_pre_tokenizer(pre: Any) -> Any | None:

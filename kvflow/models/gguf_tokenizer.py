@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvflow.models.gguf_pre_tokenizers import llama_cpp_pre_tokenizer
+from kvflow.models.gguf_pre_tokenizers import check_pre_tokenizer, llama_cpp_pre_tokenizer
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +108,7 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_t
 def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
     """Check the ``tokenizer.ggml.*`` keys transformers builds the tokenizer from: ``model``
     present, ``tokens`` a non-empty list of strings, ``token_type`` / ``scores`` as long as it,
+    a byte-level vocabulary's ``pre`` one kvflow splits as llama.cpp does,
     every ``merges`` entry two parts joined by one space, and the special token ids in range.
 
     Raises:
@@ -127,6 +128,10 @@ def check_tokenizer_metadata(meta: GGUFMetadata) -> None:
         values = meta.get(f"tokenizer.ggml.{key}")
         if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
             raise bad(key, f"does not hold one value per token ({len(tokens)} tokens)")
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        problem = check_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        if problem is not None:
+            raise bad("pre", problem)
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None:
         broken = next((m for m in merges if not isinstance(m, str) or m.count(" ") != 1), None)
@@ -168,7 +173,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 5
+_CACHE_FORMAT = 6
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:

@@ -131,3 +131,35 @@ def test_deepseek_pre_tokenizers_match_their_tokenizer_json(tmp_path, monkeypatc
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert ids == oracle.encode(text).ids, text
         assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    # Qwen2's regex (StableLM 2, Hunyuan, Grok 2): digits one by one, "'s" kept with no letter
+    ("stablelm2", "it's 2024!", ["it", "'s", " ", "2", "0", "2", "4", "!"]),
+    # BLOOM / Poro / GPT-3 Finnish: cut only at spaces and .,!?
+    ("bloom", "x+=y, 12!", ["x+=y", ",", " 12", "!"]),
+    ("viking", "x+=y, 12!", ["x+=y", ",", " ", "1", "2", "!"]),
+    # DeepSeek V3: digits in threes first, CJK runs apart, punctuation+letters together
+    ("deepseek-v3", "12345.ab \u4f60\u597d", ["123", "45", ".ab", " ", "\u4f60\u597d"]),
+    ("minerva-7b", " 12", [" ", "1", "2"]),
+])
+def test_other_llama_cpp_pre_tokenizers(tmp_path, monkeypatch, pre, text, pieces):
+    """Hand-counted pieces of llama.cpp's regexes for these values. Before: GPT-2's regex
+    (" 12" one piece, "x+=y" three)."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = load_gguf_tokenizer(_write_deepseek(tmp_path / "p.gguf", pre))
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    expected = [p for piece in pieces for p, _ in byte_level.pre_tokenize_str(piece)]
+    got = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    assert [p for p, _ in got] == expected
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+@pytest.mark.parametrize("pre", ["kimi-k2", "no-such-pre"])
+def test_pre_tokenizer_kvflow_cannot_reproduce_is_refused(tmp_path, monkeypatch, pre):
+    """llama.cpp splits kimi-k2 with custom code and refuses unknown values; before, kvflow
+    used GPT-2's regex for both."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=rf"'tokenizer.ggml.pre' is '{pre}', a pre-tokenizer "
+                                         r"kvflow does not reproduce.*--tokenizer"):
+        load_gguf_tokenizer(_write_deepseek(tmp_path / "p.gguf", pre))
