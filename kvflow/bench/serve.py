@@ -190,7 +190,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label", default=None, help="name of this server in results and plots")
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", default="random",
-                   help="random | synthetic-chat | random-image | FILE.jsonl")
+                   help="random | synthetic-chat | random-image | FILE.jsonl | a ShareGPT "
+                   "FILE.json (sampled as vLLM's --dataset-name sharegpt)")
     d.add_argument("--num-prompts", type=int, default=64)
     d.add_argument("--input-len", type=int, default=128,
                    help="random: prompt tokens; random-image: words of text")
@@ -202,6 +203,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--output-len", type=int, default=64, help="max_tokens (random, jsonl)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="ShareGPT: max_tokens of every request (default: each conversation's "
+                   "reply length)")
     d.add_argument("--num-system-prompts", type=int, default=4, help="synthetic-chat")
     d.add_argument("--system-len", default="uniform:200:400", help="synthetic-chat, words")
     d.add_argument("--user-len", default="uniform:16:256", help="synthetic-chat, words")

@@ -49,6 +49,7 @@ def check_args(args: argparse.Namespace) -> None:
                      input_len=args.input_len if args.dataset in ("random", "random-image")
                      else None,
                      max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                     sharegpt_output_len=args.sharegpt_output_len,
                      request_timeout=args.request_timeout)
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")

@@ -15,6 +15,7 @@ from kvflow.bench.datasets import (
     random_requests,
     synthetic_chat_requests,
 )
+from kvflow.bench.sharegpt import is_json_array_file, load_sharegpt
 
 
 def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
@@ -24,7 +25,8 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
     Raises:
         ValueError: for random prompts on the chat endpoint without a tokenizer, a JSONL
             dataset with chat messages on the completions endpoint, a dataset file that cannot
-            be read or has a bad line, or a bad length distribution.
+            be read or has a bad line, a ShareGPT file without a tokenizer or without a
+            qualifying conversation, or a bad length distribution.
     """
     if args.dataset == "random":
         vocab = args.random_vocab_size
@@ -54,6 +56,13 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             args.num_prompts, args.num_system_prompts, parse_length_dist(args.system_len),
             parse_length_dist(args.user_len), parse_length_dist(args.output_len_dist),
             seed=args.seed)
+    if is_json_array_file(args.dataset):
+        reqs = load_sharegpt(args.dataset, args.num_prompts, tokenizer_factory(), args.seed,
+                             args.sharegpt_output_len)
+        if not reqs:
+            raise ValueError(f"--dataset {args.dataset}: no conversation qualifies (two turns, "
+                             "a prompt of 4-1024 tokens, an output of >= 4, 2048 in all)")
+        return reqs
     reqs = load_jsonl(args.dataset, args.output_len)
     if not reqs:
         raise ValueError(f"--dataset {args.dataset}: the file holds no requests (only blank "

@@ -180,3 +180,58 @@ def test_jsonl_messages_with_image_parts(tmp_path):
     (req,) = load_jsonl(str(path), 9)
     assert req.messages[0]["content"] == parts and req.num_images == 1
     assert req.prompt == "what is it" and req.output_len == 9
+
+
+def _sharegpt_file(tmp_path, conversations):
+    import json
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"id": str(i), "conversations": [
+        {"from": "human" if j % 2 == 0 else "gpt", "value": v} for j, v in enumerate(turns)]}
+        for i, turns in enumerate(conversations)], indent=1))
+    return str(path)
+
+
+def test_sharegpt_sampled_as_vllm(tmp_path, tiny_tokenizer):
+    """vLLM's --dataset-name sharegpt rules: >= 2 turns, random.seed(seed) shuffle, prompt of
+    4-1024 tokens, reply of >= 4 (unless a fixed output length), 2048 in all; max_tokens =
+    the reply's token count. A ShareGPT file was refused ('FILE:1: Expecting value')."""
+    import argparse
+    import random
+
+    from kvflow.bench.serve_workload import build_requests
+    from kvflow.bench.sharegpt import load_sharegpt
+
+    long_prompt = " ".join(str(i % 10) for i in range(1500))  # > 1024 tokens
+    convs = [["only one turn here"],
+             ["a", "the reply of a short prompt"],                    # prompt < 4 tokens
+             [long_prompt, "a reply to a long prompt"],
+             ["what is the cache block size here", "ok"],              # reply < 4 tokens
+             ["tell me about the model server please", "the server has a request queue",
+              "a third turn is ignored"],
+             ["how does the engine decode a batch", "it runs one step for every token"],
+             ["where is the prefix memory kept", "in blocks of the page table memory"]]
+    path = _sharegpt_file(tmp_path, convs)
+
+    def n_tok(text):
+        return len(tiny_tokenizer(text).input_ids)
+
+    assert n_tok("a") < 4 and n_tok(long_prompt) > 1024 and n_tok("ok") < 4
+    for seed in (0, 3):
+        kept = [c for c in convs if len(c) >= 2]
+        random.Random(seed).shuffle(kept)
+        want = [(c[0], n_tok(c[0]), n_tok(c[1])) for c in kept
+                if n_tok(c[0]) >= 4 and n_tok(c[1]) >= 4 and n_tok(c[0]) <= 1024]
+        got = load_sharegpt(path, 10, tiny_tokenizer, seed)
+        assert [(r.prompt, r.prompt_len, r.output_len) for r in got] == want
+        assert len(want) == 3
+        assert [r.prompt for r in load_sharegpt(path, 2, tiny_tokenizer, seed)] == \
+            [w[0] for w in want[:2]]
+    # a fixed output length skips the reply-length check: the "ok" reply now qualifies
+    fixed = load_sharegpt(path, 10, tiny_tokenizer, 0, output_len=5)
+    assert {r.output_len for r in fixed} == {5} and len(fixed) == 4
+    args = argparse.Namespace(dataset=path, num_prompts=2, seed=0, sharegpt_output_len=None,
+                              output_len=64, endpoint="completions")
+    assert build_requests(args, lambda: tiny_tokenizer) == load_sharegpt(path, 2, tiny_tokenizer, 0)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        build_requests(args, lambda: None)
