@@ -153,7 +153,8 @@ class BertModel(nn.Module):
         position-id buffers are skipped); returns the parameter names loaded.
 
         Raises:
-            ValueError: for a tensor that matches no parameter.
+            ValueError: for a tensor that matches no parameter or whose shape does not fit it
+                (naming the tensor).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -172,11 +173,15 @@ class BertModel(nn.Module):
                                  f"{type(self).__name__}")
             param = params[target]
             loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
-            elif shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            try:
+                if loader is None:
+                    if tensor.shape != param.shape:
+                        raise ValueError(f"shape {tuple(tensor.shape)} does not fit the "
+                                         f"{tuple(param.shape)} the config gives")
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor, *(() if shard is None else (shard,)))
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.add(target)
         return loaded

@@ -76,7 +76,7 @@ class KVBProjection(nn.Module):
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int,
                  v_head_dim: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.num_heads, self.tp_rank = num_heads // tp_size, tp_rank
+        self.num_heads, self.tp_rank, self.tp_size = num_heads // tp_size, tp_rank, tp_size
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
         rows = self.num_heads * (qk_nope_head_dim + v_head_dim)
         self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank), requires_grad=False)
@@ -86,9 +86,15 @@ class KVBProjection(nn.Module):
         """Copy this rank's heads (a contiguous run of rows) of the full checkpoint tensor.
 
         Raises:
-            RuntimeError: when the rows do not fit ``param`` (from ``copy_``).
+            ValueError: when ``loaded`` is not [heads x (qk_nope_head_dim + v_head_dim),
+                kv_lora_rank] as the config gives it.
         """
         rows = param.shape[0]
+        expected = (rows * self.tp_size, param.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape {tuple(loaded.shape)}: the config gives [num_attention_heads"
+                             f" x (qk_nope_head_dim + v_head_dim), kv_lora_rank] = "
+                             f"{list(expected)}")
         param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
 
     def _per_head(self) -> torch.Tensor:

@@ -190,7 +190,10 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                      f"{type(self).__name__}")
                 param = params[param_name]
-                param.weight_loader(param, tensor, shard_id, expert_id)
+                try:
+                    param.weight_loader(param, tensor, shard_id, expert_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 loaded.add(param_name)
 
         return loaded | super().load_weights(dense_weights())

@@ -70,20 +70,24 @@ def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize("name, changes, message", [
     # narrowing the 32-row k_proj / the 320-row table loaded part of each, silently
-    ({"num_key_value_heads": 1},
+    ("llama", {"num_key_value_heads": 1},
      r"'model.layers.0.self_attn.k_proj.weight': shape \(32, 64\): the config gives it 16 rows"),
-    ({"vocab_size": 300},
+    ("llama", {"vocab_size": 300},
      r"'lm_head.weight': shape \(320, 64\): the config gives .* = \[300, 64\]"),
-    # was a RuntimeError from copy_ naming no tensor
-    ({"intermediate_size": 96},
+    # these were RuntimeErrors from copy_ naming no tensor, or expert errors naming none
+    ("llama", {"intermediate_size": 96},
      r"'model.layers.0.mlp.down_proj.weight': shape \(64, 128\) does not fit the \(64, 96\)"),
-], ids=["kv_heads", "vocab_size", "intermediate_size"])
-def test_config_that_does_not_describe_the_weights_is_refused(tiny_llama, tmp_path, changes,
-                                                              message):
+    ("deepseek_v2", {"v_head_dim": 8},
+     r"'model.layers.0.self_attn.kv_b_proj.weight': shape \(112, 32\): .* = \[96, 32\]"),
+    ("mixtral", {"intermediate_size": 32},
+     r"checkpoint tensor 'model.layers.0.mlp.experts.* expert weight w\d has shape"),
+], ids=["kv_heads", "vocab_size", "intermediate_size", "deepseek_v_head_dim", "mixtral_experts"])
+def test_config_that_does_not_describe_the_weights_is_refused(tiny_model_factory, tmp_path,
+                                                              name, changes, message):
     """HF transformers refuses such a checkpoint ('size mismatch'); kvflow names the tensor."""
-    path = _edited_copy(tiny_llama, tmp_path / "model", **changes)
+    path = _edited_copy(tiny_model_factory(name), tmp_path / "model", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
 
@@ -108,7 +112,14 @@ def test_bert_decoder_is_refused(tiny_tokenizer, tmp_path):
     config = BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=1,
                         num_attention_heads=4, intermediate_size=128, is_decoder=True,
                         architectures=["BertModel"])
-    BertModel(config).save_pretrained(tmp_path)
-    tiny_tokenizer.save_pretrained(tmp_path)
+    saved = tmp_path / "bert"
+    BertModel(config).save_pretrained(saved)
+    tiny_tokenizer.save_pretrained(saved)
     with pytest.raises(ValueError, match="BERT is_decoder=True"):
-        LLM(model=str(tmp_path), dtype="float32", device="cpu")
+        LLM(model=str(saved), dtype="float32", device="cpu")
+    # a vocab_size that does not describe the table: named (was copy_'s RuntimeError)
+    path = _edited_copy(type("Saved", (), {"path": str(saved)}), tmp_path / "vocab",
+                        is_decoder=False, vocab_size=300)
+    with pytest.raises(ValueError, match=r"'embeddings.word_embeddings.weight': shape "
+                                         r"\(320, 64\) does not fit the \(300, 64\)"):
+        LLM(model=path, dtype="float32", device="cpu")
