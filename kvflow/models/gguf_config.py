@@ -116,10 +116,10 @@ def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
     ``yarn_beta_slow``, ``yarn_attn_factor``, as the checkpoint's config.json had them).
 
     Raises:
-        ValueError: naming the key, for another scaling type (LongRoPE's factors are tensors
-            kvflow does not read), a ``yarn_ext_factor`` other than 1 (transformers' YaRN always
-            extrapolates fully), a non-zero ``yarn_log_multiplier`` (DeepSeek's softmax scale) or
-            an ``attn_factor`` other than 1.
+        ValueError: naming the key, for a missing ``factor``, another scaling type (LongRoPE's
+            factors are tensors kvflow does not read), a ``yarn_ext_factor`` other than 1
+            (transformers' YaRN always extrapolates fully), a non-zero ``yarn_log_multiplier``
+            (DeepSeek's softmax scale) or an ``attn_factor`` other than 1.
     """
     if keys.get("rope.scaling.attn_factor", 1.0) != 1.0:
         raise keys.error("rope.scaling.attn_factor", f"is {keys.get('rope.scaling.attn_factor')}"
@@ -130,9 +130,11 @@ def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
     if scaling_type not in ("linear", "yarn"):
         raise keys.error("rope.scaling.type", f"is {scaling_type!r}: kvflow maps 'none', "
                          "'linear' and 'yarn' RoPE scaling of GGUF files")
-    rope_scaling: dict[str, Any] = {"rope_type": scaling_type}
-    if keys.get("rope.scaling.factor") is not None:
-        rope_scaling["factor"] = keys.float("rope.scaling.factor", 1.0)
+    if keys.get("rope.scaling.factor") is None:  # transformers raised a bare KeyError
+        raise keys.error("rope.scaling.factor", f"is missing (rope.scaling.type is "
+                         f"{scaling_type!r})")
+    rope_scaling: dict[str, Any] = {"rope_type": scaling_type,
+                                    "factor": keys.float("rope.scaling.factor", 1.0)}
     if keys.get("rope.scaling.original_context_length") is not None:
         rope_scaling["original_max_position_embeddings"] = keys.int(
             "rope.scaling.original_context_length")

@@ -245,6 +245,14 @@ def test_rope_scaling_keys_kvflow_cannot_apply_are_refused(tmp_path, key, value,
     _assert_refused(_rewritten(tmp_path, {**_YARN, key: value}), pattern)
 
 
+@pytest.mark.parametrize("scaling_type", ["linear", "yarn"])
+def test_rope_scaling_without_a_factor_is_named(tmp_path, scaling_type):
+    """Before: transformers' bare KeyError ('Missing required keys in rope_parameters')."""
+    path = _rewritten(tmp_path, {"llama.rope.scaling.type": (scaling_type, STR)})
+    _assert_refused(path, rf"'llama.rope.scaling.factor' is missing \(rope.scaling.type is "
+                          rf"'{scaling_type}'\)")
+
+
 @pytest.mark.parametrize("key,value,pattern", [
     ("llama.attn_logit_softcapping", (50.0, F32), r"attn_logit_softcapping' is 50.0"),
     ("llama.final_logit_softcapping", (30.0, F32), r"final_logit_softcapping' is 30.0"),
