@@ -28,13 +28,15 @@ from kvflow.bench.datasets import BenchRequest, arrival_intervals
 from kvflow.bench.serve_checks import check_args, load_compare, parse_rates
 from kvflow.bench.serve_summary import aggregate, finite, print_summary
 from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
+from kvflow.bench.sharegpt import is_json_array_file
 
 # Idle seconds before the client drops a pooled connection: below the servers' keep-alive
 # (uvicorn's default 5 s), so a request is never sent on a connection the server is closing
 # (that race surfaces as aiohttp's ServerDisconnectedError at arrival gaps near 5 s).
 CLIENT_KEEPALIVE_S = 3.0
 # Workloads drawn from --seed: each rate of a sweep after the first draws its own (seed + i),
-# so no run finds the previous runs' prompts in the server's prefix cache.
+# so no run finds the previous runs' prompts in the server's prefix cache (a ShareGPT file is
+# sampled from --seed too).
 GENERATED_DATASETS = ("random", "synthetic-chat", "random-image")
 # Printed (stdout, flushed) right before a run's first request.
 LOAD_START_LINE = "kvflow bench: starting the load"
@@ -146,14 +148,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
-    if len(rates) > 1 and args.dataset not in GENERATED_DATASETS:
+    redraw = args.dataset in GENERATED_DATASETS or is_json_array_file(args.dataset)
+    if len(rates) > 1 and not redraw:
         print(f"kvflow: note: every rate of --sweep-rates sends the prompts of {args.dataset} "
               "again; a server with prefix caching serves the later runs partly from its "
               "cache", file=sys.stderr)
     runs = []
     for i, rate in enumerate(rates):
         run_args, run_requests = args, requests
-        if i and args.dataset in GENERATED_DATASETS:
+        if i and redraw:
             run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
             run_requests = build_requests(run_args, tokenizer_factory)
         runs.append(run_one(run_requests, run_args, rate, slos, tokenizer_factory))

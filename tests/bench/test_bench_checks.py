@@ -188,3 +188,20 @@ def test_sweep_draws_new_prompts_per_rate(monkeypatch, tmp_path, capsys):
         argparse.Namespace(dataset="random", random_vocab_size=1000, num_prompts=4, input_len=8,
                            output_len=64, seed=5, endpoint="completions"), lambda: None)]
     assert [run["seed"] for run in json.loads(out.read_text())["sweep"]] == [5, 6]
+    # a ShareGPT file is resampled per rate too (conversations reshuffled with seed + i)
+    sent.clear()
+    convs = [{"conversations": [{"from": "human", "value": f"{i} {i} {i} {i} {i}"},
+                                {"from": "gpt", "value": "a b c d e"}]} for i in range(40)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    monkeypatch.setattr(serve, "make_tokenizer_factory", lambda *a: lambda: _WordTokenizer())
+    argv[argv.index("--random-vocab-size"):argv.index("--seed")] = [
+        "--dataset", str(tmp_path / "sg.json"), "--num-prompts", "3"]
+    assert main(argv) == 0
+    assert {r.prompt for r in sent[1]}.isdisjoint(r.prompt for r in sent[2])
+
+
+class _WordTokenizer:
+    """One token per word (a ShareGPT sampling stand-in)."""
+
+    def __call__(self, text):
+        return argparse.Namespace(input_ids=text.split())
