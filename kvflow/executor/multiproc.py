@@ -126,9 +126,17 @@ class MultiprocExecutor(Executor):
                      str(read_fd)], pass_fds=(read_fd,)))
         finally:
             os.close(read_fd)
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._dir)
+        self._register_finalizer()
         logger.info("started %d worker processes (pids %s)", self.world_size,
                     [p.pid for p in self._procs])
+
+    def _register_finalizer(self) -> None:
+        """Release the sockets, workers and directory also when the executor is garbage
+        collected without ``shutdown()`` (an ``LLM`` dropped) or at interpreter exit. The
+        sockets are closed without lingering first: zmq's ``Context.__del__`` would wait
+        for them (and a reply no one read) forever."""
+        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._dir,
+                                           self._ctx, [self._pub, self._pull, self._beats])
 
     def _wait_started(self, timeout_s: float) -> None:
         """Wait until every worker subscribed to the broadcast and reported ready."""
@@ -303,6 +311,16 @@ def _wait_or_kill(procs: list[subprocess.Popen], grace_s: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(max(0.0, deadline - time.monotonic()))
     _kill_all(procs, None)
+
+
+def _release(procs: list[subprocess.Popen], folder: str, ctx: zmq.Context,
+             sockets: list[zmq.Socket]) -> None:
+    """Close ``sockets`` without lingering and end ``ctx``, then :func:`_kill_all`."""
+    for sock in sockets:
+        sock.close(linger=0)
+    if not ctx.closed:
+        ctx.term()
+    _kill_all(procs, folder)
 
 
 def _kill_all(procs: list[subprocess.Popen], folder: str | None) -> None:

@@ -255,3 +255,35 @@ def test_worker_heartbeat_timeout_must_be_positive(value):
 
     with pytest.raises(ValueError, match="worker_heartbeat_timeout=.* must be > 0"):
         ParallelConfig(worker_heartbeat_timeout=value)
+
+
+def test_an_executor_dropped_without_shutdown_is_collected_without_a_hang(tmp_path):
+    """``del llm`` of a multi-process engine: garbage collection releases the executor's
+    sockets, workers and folder (was: ``gc.collect()`` hung forever in zmq's
+    ``Context.__del__``, the workers alive, found with benchmarks/worker_faults.py llm-gc).
+    No worker process: a worker's sockets in this process, with a reply left unread."""
+    import gc
+
+    import zmq
+
+    from kvflow.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._procs = []
+    executor._init_ipc()
+    executor._register_finalizer()
+    folder = executor._dir
+    worker_ctx = zmq.Context()
+    push = worker_ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{folder}/results")
+    push.send_multipart([b"ready", b"0", b""])
+    time.sleep(0.1)
+    executor.cycle = executor  # collected by gc, as the engine's objects are
+    del executor
+    collect = threading.Thread(target=gc.collect, daemon=True)
+    collect.start()
+    collect.join(10)
+    push.close(linger=0)
+    worker_ctx.term()
+    assert not collect.is_alive(), "gc.collect() hung"
+    assert not os.path.exists(folder)
