@@ -95,7 +95,8 @@ def download_tokenizer(repo_id: str, revision: str | None, download_dir: str | N
     """
     cache = hub_cache_dir(download_dir)
     where = f"{repo_id!r} (revision {revision or 'main'!r})"
-    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY)
+    folder = _snapshot(repo_id, revision, cache, where, _METADATA_PATTERNS, _TOP_LEVEL_ONLY,
+                       what="Tokenizer")
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         raise ValueError(f"Hugging Face repo {where} has no tokenizer file (snapshot "
                          f"{folder!r}; looked for {', '.join(_TOKENIZER_FILES)})")
@@ -106,7 +107,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _snapshot(repo_id: str, revision: str | None, cache: str, where: str,
-              allow: list[str], ignore: list[str]) -> str:
+              allow: list[str], ignore: list[str], what: str = "Model") -> str:
     """``huggingface_hub.snapshot_download`` of the files matching ``allow`` but not
     ``ignore``; its errors become one-line ValueErrors (see :func:`_download_error`)."""
     from huggingface_hub import snapshot_download
@@ -115,7 +116,7 @@ def _snapshot(repo_id: str, revision: str | None, cache: str, where: str,
         return snapshot_download(repo_id, revision=revision, cache_dir=cache,
                                  allow_patterns=allow, ignore_patterns=ignore)
     except Exception as e:  # noqa: BLE001 - huggingface_hub/httpx/OS errors, each one line
-        raise ValueError(_download_error(e, where, cache)) from None
+        raise ValueError(_download_error(e, where, cache, what)) from None
 
 
 def _weights_cached(folder: str, allow: list[str], ignore: list[str]) -> bool:
@@ -140,8 +141,9 @@ def _weight_patterns(folder: str) -> tuple[list[str], list[str]]:
     return ["*.safetensors"], [*_TOP_LEVEL_ONLY, "consolidated*.safetensors"]
 
 
-def _download_error(error: Exception, where: str, cache: str) -> str:
-    """A one-line explanation of a huggingface_hub failure."""
+def _download_error(error: Exception, where: str, cache: str, what: str = "Model") -> str:
+    """A one-line explanation of a huggingface_hub failure (``what``: the ``Model`` or the
+    ``Tokenizer`` asked for)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -153,14 +155,14 @@ def _download_error(error: Exception, where: str, cache: str) -> str:
     if isinstance(error, LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if constants.HF_HUB_OFFLINE else \
             "the Hugging Face Hub could not be reached"
-        return (f"Model {where} is neither a local path, a packaged model, nor in the Hugging "
+        return (f"{what} {where} is neither a local path, a packaged model, nor in the Hugging "
                 f"Face cache {cache!r}, and {why}")
     if isinstance(error, RevisionNotFoundError):
         return f"Hugging Face repo {where}: no such revision (branch, tag or commit)"
     if isinstance(error, GatedRepoError):
         return f"Hugging Face repo {where} is gated: accept its terms and set HF_TOKEN"
     if isinstance(error, RepositoryNotFoundError):
-        return (f"Model {where} is neither a local path, a packaged model, nor a Hugging Face "
+        return (f"{what} {where} is neither a local path, a packaged model, nor a Hugging Face "
                 "repo you can access (private repos need HF_TOKEN)")
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"cannot download {where} from the Hugging Face Hub: {type(error).__name__}: " \
