@@ -22,6 +22,9 @@ def _run(argv, capsys):
     (["--top-p", "2"], "kvflow: error: --top-p=2.0 is invalid"),
     (["--temperature", "-1"], "kvflow: error: --temperature=-1.0 is invalid"),
     (["--min-tokens", "5", "--max-tokens", "3"], "kvflow: error: --min-tokens=5 is invalid"),
+    # engine flags too (was num_kv_blocks=1 must be >= 2)
+    (["--num-kv-blocks", "1"], "kvflow: error: --num-kv-blocks=1 must be >= 2"),
+    (["--max-model-len", "0"], "kvflow: error: --max-model-len=0 must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     args = ["generate", "--model", tiny_llama.path, "--prompt", "hi", *argv]

@@ -52,15 +52,29 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
                              if getattr(args, k) is not None})
 
 
-def flag_names(message: str) -> str:
-    """``message`` with each ``SamplingParams.<field>`` that is a ``generate`` flag written as
-    the flag the user typed: ``SamplingParams.max_tokens=-1 is invalid`` becomes
-    ``--max-tokens=-1 is invalid``; other names are left as they are."""
-    return _FIELD_RE.sub(lambda m: "--" + m.group(1).replace("_", "-")
-                         if m.group(1) in _SAMPLING_FLAGS else m.group(0), message)
+def flag_names(message: str, flags: dict[str, str]) -> str:
+    """``message`` with each field named as ``<field>=`` or ``SamplingParams.<field>`` that
+    is in ``flags`` (field -> the flag that sets it) written as that flag, as the user typed
+    it: ``SamplingParams.max_tokens=-1 is invalid`` becomes ``--max-tokens=-1 is invalid``,
+    ``num_kv_blocks=-1 must be >= 2`` becomes ``--num-kv-blocks=-1 ...``; other names are
+    left as they are."""
+    return _FIELD_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
-_FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
+_FIELD_RE = re.compile(r"(?:SamplingParams\.)?\b([a-z][a-z0-9_]*)(?==)")
+
+
+def command_flags(parser: argparse.ArgumentParser, typed: list[str]) -> dict[str, str]:
+    """The options of ``parser`` found in ``typed`` (the command line as typed, before any
+    ``--config`` file's values joined it: a value from the file keeps its key's name): the
+    destination (the field each sets) -> the flag as typed."""
+    words = {w.split("=", 1)[0] for w in typed if w.startswith("--")}
+    flags = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option in words:
+                flags.setdefault(action.dest, option)
+    return flags
 
 
 def context_note(max_tokens: int | None, max_model_len: int) -> str | None:
@@ -75,13 +89,6 @@ def context_note(max_tokens: int | None, max_model_len: int) -> str | None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    try:
-        return _generate(args)
-    except ValueError as e:  # name the flags the user typed, not the fields behind them
-        raise ValueError(flag_names(str(e))) from None
-
-
-def _generate(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
     params = sampling_params_from_args(args)
@@ -211,11 +218,7 @@ class _Parser(argparse.ArgumentParser):
         the line names ``kvflow generate --help``, not ``kvflow --help``)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:  # the command's parser says so, naming its own --help
-            words = " ".join(w for w in (getattr(parsed, "command", None),
-                                         getattr(parsed, "bench", None)) if w)
-            command = next((p for p in leaf_parsers(self) if p.prog == f"{self.prog} {words}"),
-                           self)
-            command.error(f"unrecognized arguments: {' '.join(extras)}")
+            _command(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
 
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one ``kvflow`` command; returns the exit status (2 for bad input, one line)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    typed = argv
     try:
         argv = expand_config_file(parser, argv)
     except ValueError as e:
@@ -267,9 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"kvflow: error: {e}", file=sys.stderr)
+    except ValueError as e:  # name the flags the user typed, not the fields behind them
+        print(f"kvflow: error: {flag_names(str(e), command_flags(_command(parser, args), typed))}",
+              file=sys.stderr)
         return 2
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace
+             ) -> argparse.ArgumentParser:
+    """The leaf parser of the command ``args`` were parsed for (``kvflow bench serve``)."""
+    words = " ".join(w for w in (getattr(args, "command", None), getattr(args, "bench", None))
+                     if w)
+    return next((p for p in leaf_parsers(parser) if p.prog == f"{parser.prog} {words}"),
+                parser)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_cli_bad_tensor_parallel_size_exits_2_with_one_line(tiny_llama, capsys):
     rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
                "--tensor-parallel-size", "3"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2 and len(err) == 1 and "tensor_parallel_size=3" in err[0]
+    assert rc == 2 and len(err) == 1 and "--tensor-parallel-size=3 " in err[0]
 
 
 def test_kv_heads_must_divide_or_be_replicated_evenly():

@@ -62,8 +62,8 @@ def test_a_worker_start_up_value_error_is_one_cli_line_exit_2(tiny_llama, capfd)
     err = [line for line in capfd.readouterr().err.splitlines()
            if line.strip() and not line.startswith("WARNING ")]
     assert rc == 2 and len(err) == 1, err
-    assert "quantization_group_size=64 does not divide the 32 input columns each of " \
-           "tensor_parallel_size=2 ranks" in err[0]
+    assert "--quantization-group-size=64 does not divide the 32 input columns each of " \
+           "--tensor-parallel-size=2 ranks" in err[0]
 
 
 class _OneReply:

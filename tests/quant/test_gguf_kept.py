@@ -180,5 +180,5 @@ def test_kept_gguf_with_tensor_parallelism_is_refused_before_any_worker(
                "--tensor-parallel-size", "2"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1, err
-    assert "quantization='gguf' with tensor_parallel_size=2" in err[0]
+    assert "--quantization='gguf' with --tensor-parallel-size=2" in err[0]
     assert "quantization='none'" in err[0]
