@@ -118,7 +118,7 @@ for ROUND in $(seq "$ROUNDS"); do
         # transformers serve picks the model from each request's "model" field and has no
         # ignore_eos: chat endpoint, text prompts (the random ids decoded), EOS honoured.
         MODEL_NAME=$MODEL_DIR
-        run_engine "hf-serve@$DT" "--endpoint chat" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
+        run_engine "hf-serve@$DT" "--endpoint chat --no-ignore-eos" -- "$HF_VENV/bin/transformers" serve ${HF_ARGS:-}
     else
         echo "== transformers serve: skipped (set HF_VENV to a venv with transformers[serving]; see docs/benchmarks.md, \"Installing the peers\")"
     fi

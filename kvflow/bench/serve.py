@@ -38,6 +38,9 @@ CLIENT_KEEPALIVE_S = 3.0
 # so no run finds the previous runs' prompts in the server's prefix cache (a ShareGPT file is
 # sampled from --seed too).
 GENERATED_DATASETS = ("random", "synthetic-chat", "random-image")
+# Workloads whose requests send ignore_eos unless --no-ignore-eos: their output lengths are
+# part of the workload's definition (vLLM defaults to it for its random datasets too).
+IGNORE_EOS_DATASETS = ("random", "random-image")
 # Printed (stdout, flushed) right before a run's first request.
 LOAD_START_LINE = "kvflow bench: starting the load"
 
@@ -134,6 +137,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("OPENAI_API_KEY")
     check_args(args)
+    if args.ignore_eos is None:
+        args.ignore_eos = args.dataset in IGNORE_EOS_DATASETS
     slos = metrics.parse_goodput(args.goodput or [])
     tokenizer_factory = make_tokenizer_factory(args.tokenizer or args.model,
                                                "--tokenizer" if args.tokenizer else None)
@@ -213,7 +218,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--system-len", default="uniform:200:400", help="synthetic-chat, words")
     d.add_argument("--user-len", default="uniform:16:256", help="synthetic-chat, words")
     d.add_argument("--output-len-dist", default="uniform:32:128", help="synthetic-chat, tokens")
-    d.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="send ignore_eos (vLLM extension) so every output is max_tokens long "
+                   "(default: on for random and random-image, as vLLM's random datasets; off "
+                   "otherwise)")
     d.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     d.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("load")

@@ -205,3 +205,31 @@ class _WordTokenizer:
 
     def __call__(self, text):
         return argparse.Namespace(input_ids=text.split())
+
+
+@pytest.mark.parametrize("flags, sent_ignore_eos", [
+    ([], True), (["--no-ignore-eos"], False), (["--ignore-eos"], True),
+    (["--dataset", "{jsonl}"], False), (["--dataset", "{jsonl}", "--ignore-eos"], True)])
+def test_random_workloads_ignore_eos_by_default(monkeypatch, tmp_path, flags, sent_ignore_eos):
+    """A random workload's output length is part of its definition: vLLM's bench serve sends
+    ignore_eos for its random datasets by default; kvflow let EOS cut outputs short unless
+    --ignore-eos was given, so the same command measured different work on the two."""
+    from kvflow.bench.client import build_payload
+
+    bodies: list[dict] = []
+
+    async def fake_run_load(requests, args, rate):
+        bodies.extend(build_payload(r, args.endpoint, args.model, args.ignore_eos)
+                      for r in requests)
+        return [RequestResult(success=True, token_times=[0.1], prompt_tokens=4,
+                              completion_tokens=1) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    (tmp_path / "d.jsonl").write_text('{"prompt": [5, 6, 7], "output_len": 3}\n')
+    flags = [f.format(jsonl=tmp_path / "d.jsonl") for f in flags]
+    out = tmp_path / "r.json"
+    assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "100",
+                 "--num-prompts", "1", "--input-len", "4", "--disable-tqdm", "--result-json",
+                 str(out), *flags]) == 0
+    assert [b.get("ignore_eos", False) for b in bodies] == [sent_ignore_eos] * 2  # probe, run
+    assert json.loads(out.read_text())["ignore_eos"] is sent_ignore_eos
