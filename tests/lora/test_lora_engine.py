@@ -317,3 +317,45 @@ def test_adapter_folder_given_as_the_model_says_how_to_serve_it(tiny_llama, adap
         LLM(model=adapters["qv"], device="cpu")
     assert (f"It is a LoRA adapter (adapter_config.json): serve {tiny_llama.path!r} with "
             f"--enable-lora --lora-modules NAME={adapters['qv']}") in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def peft_first_prompt(tiny_llama, adapters) -> tuple[list[int], dict[str | None, list[int]]]:
+    """PROMPTS[0]'s ids and peft's greedy tokens for it under each adapter and none."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_llama.path).encode(PROMPTS[0])
+    expected = {name: peft_greedy(tiny_llama.path, adapters.get(name), ids)
+                for name in ("all", "qv", None)}
+    assert len({tuple(v) for v in expected.values()}) == 3  # the adapters change the tokens
+    return ids, expected
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_adapters_under_preemption_match_peft(tiny_llama, adapters, peft_first_prompt,
+                                              monkeypatch, mode, assert_no_leaks):
+    """One prompt under both adapters and the base model, twice each, in a 12-block pool:
+    requests are preempted (recomputed, or swapped out and back in, where the swapped-in
+    blocks are indexed for prefix caching again) and their blocks shared by prefix caching
+    only with requests of the same adapter. Tokens equal peft's, each adapter alone."""
+    from tests.core.test_swap_preemption import _always_swap
+
+    if mode == "swap":
+        _always_swap(monkeypatch)
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=12,
+              block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+              preemption_mode=mode, swap_space="1MiB")
+    ids, expected = peft_first_prompt
+    loras = [*_requests(adapters), None] * 2
+    outs = llm.generate([ids] * 6, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True),
+                        lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [expected[None if a is None else a.lora_name] for a in loras]
+    sched = llm.engine.core.scheduler
+    assert sched.num_preemptions > 0
+    if mode == "swap":
+        assert sched.swap.num_swapped_out > 0
+        sched.swap.release_read_blocks()
+        assert sched.swap.host.num_free_blocks == sched.swap.host.num_blocks
+    assert_no_leaks(llm)
