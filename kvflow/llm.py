@@ -99,7 +99,8 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, user: Sequence[str] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
         batched by the same scheduler as generation (prompts only, nothing sampled).
 
@@ -109,10 +110,13 @@ class LLM:
                 of these.
             pooling_params: one for all prompts or one per prompt (``dimensions``: Matryoshka
                 truncation, for models that support it).
+            user: one client name per prompt (needs ``policy="fair"``; default: one client),
+                as for ``generate``.
 
         Raises:
-            ValueError: on a generation model (start it with ``task="embed"``), or for a bad
-                prompt or ``dimensions`` (nothing is queued then).
+            ValueError: on a generation model (start it with ``task="embed"``), for a bad
+                prompt or ``dimensions``, or a ``user`` list ``generate`` would refuse
+                (nothing is queued then).
         """
         prompts = _as_prompt_list(prompts)
         if not prompts:
@@ -127,13 +131,14 @@ class LLM:
             params = list(pooling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         for p, pp in zip(prompts, params):  # validate everything before queuing anything
             processor.make_pooling_request("check", processor.pooling_prompt(p)[1], pp)
         ids: list[str] = []
         try:
-            for p, pp in zip(prompts, params):
-                ids.append(self.engine.add_pooling_request(p, pp))
+            for p, pp, who in zip(prompts, params, users):
+                ids.append(self.engine.add_pooling_request(p, pp, client_id=who))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

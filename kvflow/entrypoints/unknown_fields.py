@@ -41,7 +41,7 @@ UNSUPPORTED = {
     "normalize": "vectors are normalized as the model's pooling config says",
     "embed_dtype": "vectors are float32 (encoding_format float or base64)",
     "add_special_tokens": "inputs are tokenized with the tokenizer's special tokens",
-    "priority": "embedding requests are queued in arrival order",
+    "priority": "embedding requests are queued at priority 0 (by client under --policy fair)",
     "target_ttft_ms": "embedding requests take the server's --target-ttft-ms",
     "target_tpot_ms": "an embedding generates no tokens",
 }

@@ -99,12 +99,23 @@ def test_decoder_matches_sentence_transformers(decoder_folder, pooling, assert_n
     assert_no_leaks(llm)
 
 
-def test_matryoshka_dimensions(decoder_folder, bert_folder):
+def test_matryoshka_dimensions_and_users(decoder_folder, bert_folder):
+    """``dimensions`` truncates; ``user`` names each prompt's client for the fair policy (as
+    ``generate``'s does: the scheduler gets it; ``embed`` had no ``user`` and every embedding
+    was the one anonymous client), a wrong count of names is a ValueError."""
     folder, st = decoder_folder("lasttoken")
-    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+              policy="fair")
+    sched, seen = llm.engine.core.scheduler, []
+    add = sched.add_request
+    sched.add_request = lambda request: (seen.append(request.client_id), add(request))
     full = st_embed(st, SENTENCES[:2])
-    outs = llm.embed(SENTENCES[:2], PoolingParams(dimensions=16), use_tqdm=False)
+    outs = llm.embed(SENTENCES[:2], PoolingParams(dimensions=16), use_tqdm=False,
+                     user=["ann", "bob"])
     _check(outs, [torch.nn.functional.normalize(v[:16], dim=0) for v in full])
+    assert seen == ["ann", "bob"]
+    with pytest.raises(ValueError, match="user must be a list of 2"):
+        llm.embed(SENTENCES[:2], user=["ann"])
     with pytest.raises(ValueError, match="dimensions=65"):
         llm.embed("hi", PoolingParams(dimensions=65))
     bert, _ = bert_folder("cls")
@@ -118,6 +129,8 @@ def test_tasks_and_bad_configs(decoder_folder, tiny_llama, tmp_path):
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)
     with pytest.raises(ValueError, match="task='embed'"):
         llm.generate("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="user=.*fair"):  # only the fair policy reads it
+        llm.embed("hi", user=["bob"])
     with pytest.raises(ValueError, match="task='generate'"):
         LLM(model=folder, task="generate")
     gen = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64)
