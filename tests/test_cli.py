@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvflow.entrypoints.cli import main
+from kvflow.entrypoints.cli import build_parser, main
 
 
 def _run(argv, capsys):
@@ -189,3 +189,16 @@ def test_help_lists_only_typeable_choices():
     args = parser.parse_args([])
     assert args.quantization is None and args.cpu_gemm is None and args.cpu_attention is None
     assert parser.parse_args(["--cpu-attention", "sdpa"]).cpu_attention == "sdpa"
+
+
+def test_vllm_scheduling_policy_name_is_accepted():
+    """vLLM's ``--scheduling-policy`` / ``scheduling_policy=`` name ``--policy`` (they were
+    'unrecognized arguments' / 'unknown engine option'); giving both names is refused."""
+    from kvflow.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "m", "--scheduling-policy", "priority"])
+    assert EngineConfig.from_cli_args(args).scheduler_config.policy == "priority"
+    config = EngineConfig.from_kwargs(model="m", scheduling_policy="fair")
+    assert config.scheduler_config.policy == "fair"
+    with pytest.raises(ValueError, match="scheduling_policy and policy name the same"):
+        EngineConfig.from_kwargs(model="m", scheduling_policy="fair", policy="fcfs")

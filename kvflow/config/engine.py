@@ -93,16 +93,24 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``);
+        """Build from flat keyword arguments (``LLM(model=..., block_size=...)``; a field's
+        ``aliases``, e.g. vLLM's ``scheduling_policy`` for ``policy``, name it too);
         ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig.
 
         Raises:
-            ValueError: on an unknown keyword, listing the valid ones, or a bad value.
+            ValueError: on an unknown keyword, listing the valid ones, a field given under
+                two names, or a bad value.
         """
         speculative = kwargs.pop("speculative_config", None)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
+        alias = {a.lstrip("-").replace("-", "_"): f.name for c in _SECTIONS.values()
+                 for f in fields(c) for a in f.metadata.get("aliases", ())}
         for key, value in kwargs.items():
+            if key in alias:
+                if alias[key] in kwargs:
+                    raise ValueError(f"{key} and {alias[key]} name the same option: give one")
+                key = alias[key]
             if key not in owner:
                 raise ValueError(f"unknown engine option {key!r}; valid: "
                                  f"{sorted([*owner, 'speculative_config'])}")

@@ -12,7 +12,8 @@ from typing import Any
 
 def opt(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with ``default`` and the metadata the CLI generator reads: ``help``
-    and ``extra`` (``choices``, ``nargs``, ``cli=False`` for fields kvflow sets itself)."""
+    and ``extra`` (``choices``, ``nargs``, ``cli=False`` for fields kvflow sets itself,
+    ``aliases``: further flags, e.g. vLLM's name for it)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -66,20 +67,21 @@ def check_choices(config: Any) -> None:
 
 def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """Add ``--field-name`` for config field ``f`` to ``group`` (booleans get ``--no-`` forms;
-    int/float annotations parse as such; ``choices`` and ``nargs`` from the metadata)."""
+    int/float annotations parse as such; ``choices``, ``nargs`` and ``aliases``, further flag
+    names, from the metadata)."""
     if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
         return
-    flag = "--" + f.name.replace("_", "-")
     meta = f.metadata
+    flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
     if f.type in ("bool", bool, "bool | None"):
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=meta.get("help"))
+        group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=meta.get("help"))
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
         str(f.type), str)
     choices = meta.get("choices")  # None (unset) is the default, not a value one can type
     choices = None if choices is None else [c for c in choices if c is not None]
-    group.add_argument(flag, type=kind, default=f.default, choices=choices,
+    group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=choices,
                        **({"nargs": meta["nargs"]} if "nargs" in meta else {}),
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")

@@ -16,7 +16,8 @@ class SchedulerConfig:
     policy: str = opt("fcfs", "waiting-queue order: fcfs, priority (lower first), or fair "
                        "(deficit round robin of tokens over clients, the OpenAI 'user' field or "
                        "API key; priority classes weighted, none starved)",
-                       choices=["fcfs", "priority", "fair"])
+                       choices=["fcfs", "priority", "fair"],
+                       aliases=["--scheduling-policy"])  # vLLM's flag
     target_ttft_ms: float | None = opt(None, "time-to-first-token target of every request "
                                         "(ms; a request's target_ttft_ms overrides it): "
                                         "admissions skip requests that already missed it "
