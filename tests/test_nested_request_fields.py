@@ -1,6 +1,7 @@
 """Nested objects of request bodies take only the keys they declare: another key is a 400 with
 an OpenAI error body (code ``unknown_parameter``) whose ``param`` is the key's path, never
-silently dropped; top-level unknown fields are still ignored (and logged, as vLLM does).
+silently dropped; top-level unknown fields are still ignored (and logged, as vLLM does). A
+value no member of a union field takes is a 400 saying what the field takes.
 
 The schema and the error handlers are checked in-process (kvflow's own FastAPI error handlers
 on a route that echoes the validated request), so no engine or server starts; one served case
@@ -157,3 +158,28 @@ def test_a_part_carries_only_its_own_types_payload(client, part, key):
         resp = client.post("/chat", json={"messages": [{"role": "user", "content": [sent]}]})
         assert resp.status_code == 200, resp.text
         assert resp.json()["messages"][0]["content"][0] == sent
+
+
+PROMPT_TAKES = "a string, a list of integers, a list of strings or a list of lists of integers"
+
+
+@pytest.mark.parametrize("route,body,param,expected", [
+    ("/completions", {"prompt": [5, "a"]}, "prompt", PROMPT_TAKES),
+    ("/completions", {"prompt": [[5], ["a"]]}, "prompt", PROMPT_TAKES),
+    ("/completions", {"prompt": "a", "stop": 5}, "stop", "a string or a list of strings"),
+    ("/chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "a string or a list of objects (ContentPart)"),
+    ("/chat", {"messages": HI, "tool_choice": 5}, "tool_choice",
+     "one of 'none', 'auto', 'required' or an object (NamedToolChoice)"),
+])
+def test_a_value_no_union_member_takes_names_the_members(client, route, body, param,
+                                                         expected):
+    """A value that fits no member of a union field (a mixed list of token ids and strings)
+    said the first member's complaint ("prompt: Input should be a valid string"); now what
+    the field takes, by the schema's own members."""
+    resp = client.post(route, json={**({"prompt": "a"} if route == "/completions" else {}),
+                                    **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_type"), error
+    assert error["message"] == f"{param}: expected {expected}"

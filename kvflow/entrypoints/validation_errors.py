@@ -33,7 +33,52 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
     if first.get("type") == "extra_forbidden":  # OpenAI's words for it
         message = f"Unrecognized request argument supplied: {param}"
+    alternatives = _union_members(exc.errors(), first)
+    if param and len(alternatives) > 1:  # fits no member: say what the field takes
+        message = f"{param}: expected {', '.join(alternatives[:-1])} or {alternatives[-1]}"
     return OpenAIError(message, param=param, code=_error_code(first))
+
+
+def _union_members(errors: list[dict], first: dict) -> list[str]:
+    """What a union field takes, in words (``a string``, ``a list of integers``), when
+    ``first`` is the first of its members' errors and no single member got past its own
+    type (``"prompt": [5, "a"]``: neither token ids nor strings); else []."""
+    loc = tuple(first.get("loc", ()))
+    k = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+    if k is None or _reported(errors) is not first or _branch_count(errors, loc[:k]) == 1:
+        return []
+    tags = []
+    for e in errors:
+        where = tuple(e.get("loc", ()))
+        if where[:k] == loc[:k] and len(where) > k and where[k] not in tags:
+            tags.append(where[k])
+    return [_in_words(t) for t in tags if t != "none"]
+
+
+def _branch_count(errors: list[dict], prefix: tuple) -> int:
+    """How many union members under ``prefix`` got past their own type."""
+    deeper = {_branch(e.get("loc", ())) for e in errors
+              if tuple(e.get("loc", ()))[:len(prefix)] == prefix}
+    return len(deeper - {None})
+
+
+_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}
+
+
+def _in_words(tag: str) -> str:
+    """A union-member tag in words: ``list[list[int]]`` -> ``a list of lists of integers``."""
+    if tag in _WORDS:
+        return _WORDS[tag]
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _in_words(tag[5:-1])
+        noun = inner.split(" ", 1)[1] if inner.startswith(("a ", "an ")) else inner
+        return "a list of " + {"list": "lists"}.get(noun.split(" ")[0], noun.split(" ")[0] +
+                                                    "s") + noun[len(noun.split(" ")[0]):]
+    if tag.startswith("dict["):
+        return "an object"
+    if tag.startswith("literal["):
+        return "one of " + tag[8:-1].replace(",", ", ")
+    return f"an object ({tag})"
 
 
 def _reported(errors: list[dict]) -> dict:
