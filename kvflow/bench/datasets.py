@@ -237,7 +237,8 @@ def random_image_requests(num: int, input_len: int, output_len: int,
 def load_jsonl(path: str, default_output_len: int) -> list[BenchRequest]:
     """Requests from a JSON-lines file. Each line is an object with ``prompt`` (text or a list
     of token ids) or ``messages`` (a list of ``{"role", "content"}`` objects, for chat), and
-    optionally ``output_len`` or ``max_tokens`` (a positive integer).
+    optionally one of ``output_len``, ``max_tokens`` or ``output_tokens`` (vLLM's custom
+    dataset name): a positive integer.
 
     Raises:
         ValueError: when the file cannot be read, or naming the first line that is not such an
@@ -260,12 +261,21 @@ def load_jsonl(path: str, default_output_len: int) -> list[BenchRequest]:
     return requests
 
 
+# A JSON-lines request's output length (max_tokens): kvflow's names and vLLM's custom-dataset
+# name (``output_tokens``).
+OUTPUT_LEN_KEYS = ("output_len", "max_tokens", "output_tokens")
+
+
 def _jsonl_request(obj: Any, default_output_len: int) -> BenchRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004
-    out = obj.get("output_len", obj.get("max_tokens", default_output_len))
+    given = [k for k in OUTPUT_LEN_KEYS if k in obj]
+    if len(given) > 1:
+        raise ValueError(f"give one of {', '.join(given)}, not several")
+    out = obj[given[0]] if given else default_output_len
     if isinstance(out, bool) or not isinstance(out, int) or out < 1:
-        raise ValueError(f"output_len/max_tokens must be a positive integer, got {out!r}")
+        raise ValueError(f"{given[0] if given else 'the output length'} must be a positive "
+                         f"integer, got {out!r}")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages or not all(

@@ -108,6 +108,12 @@ def test_load_jsonl(tmp_path):
     path.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[2]) + "\n")
     with pytest.raises(ValueError, match="w.jsonl:2"):
         load_jsonl(str(path), 16)
+    # vLLM's custom JSONL names the output length output_tokens (it was ignored: 16 sent)
+    path.write_text('{"prompt": "hi", "output_tokens": 7}\n')
+    assert load_jsonl(str(path), 16)[0].output_len == 7
+    path.write_text('{"prompt": "hi", "output_tokens": 7, "max_tokens": 5}\n')
+    with pytest.raises(ValueError, match="w.jsonl:1: give one of max_tokens, output_tokens"):
+        load_jsonl(str(path), 16)
 
 
 @pytest.mark.parametrize("line,why", [
