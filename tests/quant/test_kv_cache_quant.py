@@ -108,3 +108,32 @@ def test_engine_matches_hf_with_a_rounding_cache(tiny_model_factory, name, backe
     layer = next(iter(runner.attn_layers.values()))
     assert layer.kv_cache.dtype == kv_cache_dtypes(name, torch.float32)[0]
     assert layer.kv_scales.shape == layer.kv_cache.shape[:4]
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_preempted_requests_decode_as_unpreempted(tiny_model_factory, name, assert_no_leaks):
+    """Six requests (two sharing a prompt prefix) in an 11-usable-block quantized pool are
+    preempted and recomputed, their blocks (values and scales) reused by others and hit by
+    prefix caching: greedy tokens equal a 255-block pool's, where nothing is preempted, and
+    logprobs agree to 1e-3 (recomputed chunks round the same rows in other batches)."""
+    tiny = tiny_model_factory("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, tiny.vocab_size, (int(n),), generator=gen).tolist()
+               for n in (9, 14, 5, 11, 7, 12)]
+    prompts[3] = prompts[1][:8] + prompts[3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run(num_kv_blocks: int) -> tuple[LLM, list]:
+        llm = LLM(model=tiny.path, dtype="float32", kv_cache_dtype=name, block_size=4,
+                  num_kv_blocks=num_kv_blocks, max_num_batched_tokens=16)
+        return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    _, expected = run(256)
+    llm, got = run(12)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for a, b in zip(got, expected):
+        for step, token in enumerate(a.token_ids):
+            assert a.logprobs[step][token].logprob == \
+                pytest.approx(b.logprobs[step][token].logprob, abs=1e-3)
+    assert_no_leaks(llm)
