@@ -135,6 +135,32 @@ def test_a_client_pays_the_tokens_its_requests_compute(make_scheduler, make_driv
     assert sched.waiting.deficit == {(0, "B"): quantum - 10}
 
 
+def test_a_prefill_cut_short_is_paid_only_for_what_it_computed():
+    """Hand count, quantum 100, one client with a second request waiting (its flow keeps its
+    credit): a 20-token prompt prepays 20 at admission (80); its first 8-token chunk uses the
+    prepayment (80); preempted (recompute) and readmitted, it prepays 20 again less the 12
+    it never computed (72: 8 computed + 20 prepaid so far); aborted after one more 8-token
+    chunk, the 12 prepaid and never computed come back (84 = 100 - the 16 tokens computed).
+    The old charge took 20 per admission and nothing back (60)."""
+    q = FairWaitingQueue(make_policy("fair"), quantum=100)
+    x, y = req("x", "A", 20), req("y", "A", 20, arrival=1)
+    for r in (x, y):
+        q.open(r)
+        q.add(r)
+    assert q.pop() is x and q.deficit[(0, "A")] == 80
+    x.num_computed_tokens = 8
+    q.charge({"x": 8}, {"x": x})
+    assert q.deficit[(0, "A")] == 80
+    x.num_computed_tokens = 0  # preempted: its KV freed
+    q.add(x)
+    assert q.pop() is x and q.deficit[(0, "A")] == 72  # 80 - (20 - 12)
+    x.num_computed_tokens = 8
+    q.charge({"x": 8}, {"x": x})
+    q.close(x)  # aborted mid-prefill
+    assert q.deficit[(0, "A")] == 84  # 100 - 8 - 8: y is still waiting, unpaid
+    assert q._prepaid == {}
+
+
 def test_remove_and_peek_stay_consistent():
     q = FairWaitingQueue(make_policy("fair"), quantum=6)
     a, b = req("a", "A", 6), req("b", "B", 6, arrival=1)
