@@ -166,8 +166,9 @@ def _check_tensor_shapes(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) 
 
 
 def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -> None:
-    """value_length and rope.dimension_count must equal head_dim: kvflow's models have one
-    head size for q, k and v, and rotate the whole head (no partial rotary).
+    """value_length and rope.dimension_count (and their sliding-window ``_swa`` variants) must
+    equal head_dim: kvflow's models have one head size for q, k and v in every layer, and
+    rotate the whole head (no partial rotary).
 
     Raises:
         ValueError: naming the key that differs.
@@ -186,6 +187,12 @@ def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -
     if rot is not None and keys.int("rope.dimension_count") != head_dim:
         raise keys.error("rope.dimension_count", f"is {rot}, but the head size is {head_dim}: "
                          "partial rotary embeddings are not supported")
+    for suffix in ("attention.key_length_swa", "attention.value_length_swa",
+                   "rope.dimension_count_swa"):  # llama.cpp's sliding-window-layer sizes
+        value = keys.get(suffix)
+        if value is not None and value != head_dim:
+            raise keys.error(suffix, f"is {value!r}, but the head size is {head_dim}: another "
+                             "head or rotary size for sliding-window layers is not supported")
 
 
 # <arch>.* keys of llama.cpp that change the computation, with the value that leaves it as

@@ -262,6 +262,8 @@ def test_rope_scaling_without_a_factor_is_named(tmp_path, scaling_type):
     ("llama.attention.causal", (False, gguf.GGUFValueType.BOOL), r"causal' is False"),
     ("llama.attention.clamp_kqv", (8.0, F32), r"clamp_kqv' is 8.0"),
     ("llama.attention.max_alibi_bias", (8.0, F32), r"max_alibi_bias' is 8.0"),
+    ("llama.attention.key_length_swa", (4, U32), r"key_length_swa' is 4, but the head size"),
+    ("llama.rope.dimension_count_swa", (4, U32), r"dimension_count_swa' is 4, but the head"),
     ("llama.attention.scale", (0.125, F32),
      r"attention.scale' is 0.125, but kvflow scales attention scores .* by 0.408248"),
 ])
