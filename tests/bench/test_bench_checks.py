@@ -233,3 +233,20 @@ def test_random_workloads_ignore_eos_by_default(monkeypatch, tmp_path, flags, se
                  str(out), *flags]) == 0
     assert [b.get("ignore_eos", False) for b in bodies] == [sent_ignore_eos] * 2  # probe, run
     assert json.loads(out.read_text())["ignore_eos"] is sent_ignore_eos
+
+
+def test_vllm_random_length_flags(monkeypatch):
+    """vLLM's --random-input-len/--random-output-len name the random workload's lengths
+    (they were 'unrecognized arguments', exit 2)."""
+    sent: list[BenchRequest] = []
+
+    async def fake_run_load(requests, args, rate):
+        sent.extend(requests)
+        return [RequestResult(success=True, token_times=[0.1], prompt_tokens=4,
+                              completion_tokens=1) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "100",
+                 "--num-prompts", "2", "--random-input-len", "5", "--random-output-len", "7",
+                 "--disable-tqdm"]) == 0
+    assert [(len(r.prompt), r.output_len) for r in sent[1:]] == [(5, 7), (5, 7)]
