@@ -5,9 +5,13 @@ e.g. the output of llm-compressor): ``config.json`` has a ``quantization_config`
 ``input_scale``.
 
 The config is parsed and matched with the ``compressed-tensors`` package itself
-(``QuantizationConfig``; ``is_match`` with vLLM-style fused names, so a fused ``qkv_proj`` is
-quantized when its ``q_proj``/``k_proj``/``v_proj`` are): each config group's ``targets``
-(``"Linear"``, a module name or ``"re:<regex>"``) minus ``ignore`` picks the scheme of a layer.
+(``QuantizationConfig``, ``is_match``, ``match_targets``): a layer named in ``ignore`` stays
+unquantized, else it takes the group of its most specific target (an exact module name, then a
+``"re:<regex>"``, then a class name such as ``"Linear"``), as ``apply_quantization_config``
+resolves it. A layer kvflow fuses (``qkv_proj``, ``gate_up_proj``) takes the scheme its
+checkpoint shards (``q_proj``/``k_proj``/``v_proj``) share; shards with different schemes are a
+ValueError.
+
 Schemes kvflow runs (formats ``float-quantized``, ``naive-quantized``, ``int-quantized``):
 
 =============================  ==============================================================
@@ -59,16 +63,56 @@ def _fused_names(packed_modules_mapping: dict[str, tuple[str, Any]]) -> dict[str
     return fused
 
 
+def _layer_scheme(config: Any, name: str, module: nn.Module) -> Any | None:
+    """The scheme compressed-tensors gives the (unfused) layer ``name``: None when ``ignore``
+    names it, else the group of its most specific target -- an exact name, then a regex, then
+    a class name (``match_targets``' order), a target listed in two groups taking the later
+    one, as ``apply_quantization_config`` resolves it."""
+    from compressed_tensors.utils.match import is_match, match_targets
+
+    if config.ignore and is_match(name, module, config.ignore):
+        return None
+    target_to_scheme = {t: scheme for scheme in config.config_groups.values()
+                        for t in scheme.targets}
+    matched = match_targets(name, module, target_to_scheme)
+    return target_to_scheme[matched[0]] if matched else None
+
+
+def _numerics(scheme: Any | None) -> dict[str, Any] | None:
+    return None if scheme is None else scheme.model_dump(exclude={"targets"})
+
+
 def scheme_for(config: Any, prefix: str, module: nn.Module,
                packed_modules_mapping: dict[str, tuple[str, Any]]) -> Any | None:
-    """The ``QuantizationScheme`` of the layer at ``prefix`` (None: left unquantized)."""
-    from compressed_tensors.utils.match import is_match
+    """The ``QuantizationScheme`` of the layer at ``prefix`` (None: left unquantized). A
+    layer kvflow fuses (``qkv_proj``) takes its checkpoint shards' (``q_proj``, ``k_proj``,
+    ``v_proj``) common scheme.
 
-    fused = _fused_names(packed_modules_mapping)
-    for scheme in config.config_groups.values():
-        if is_match(prefix, module, scheme.targets, config.ignore or [], fused):
-            return scheme
-    return None
+    Raises:
+        ValueError: when the shards of a fused layer have different schemes (or some are
+            ignored): kvflow runs one method per fused layer.
+    """
+    head, _, last = prefix.rpartition(".")
+    shards = _fused_names(packed_modules_mapping).get(last)
+    names = [f"{head}.{s}" if head else s for s in shards] if shards else [prefix]
+    schemes = [_layer_scheme(config, name, module) for name in names]
+    if any(_numerics(s) != _numerics(schemes[0]) for s in schemes[1:]):
+        desc = ", ".join(f"{n.rsplit('.', 1)[-1]}: "
+                         f"{'unquantized' if s is None else _scheme_desc(s, config.format)}"
+                         for n, s in zip(names, schemes))
+        raise ValueError(f"the compressed-tensors checkpoint quantizes the shards of {prefix!r} "
+                         f"differently ({desc}); kvflow fuses them into one layer, which "
+                         "needs one scheme")
+    return schemes[0]
+
+
+def _scheme_desc(scheme: Any, fmt: str | None) -> str:
+    """``weights float8/channel, format float-quantized, activations float8/token``."""
+    w, act = scheme.weights, scheme.input_activations
+    fmt = getattr(scheme, "format", None) or fmt
+    weights = "none" if w is None else f"{w.type}{w.num_bits}/{w.strategy}"
+    acts = "none" if act is None else f"{act.type}{act.num_bits}/{act.strategy}"
+    return f"weights {weights}, format {fmt}, activations {acts}"
 
 
 def method_for_scheme(scheme: Any, fmt: str | None) -> LinearMethod:
@@ -79,8 +123,7 @@ def method_for_scheme(scheme: Any, fmt: str | None) -> LinearMethod:
     """
     w, act = scheme.weights, scheme.input_activations
     fmt = getattr(scheme, "format", None) or fmt
-    desc = f"weights {w.type}{w.num_bits}/{w.strategy}, format {fmt}, activations " \
-           f"{'none' if act is None else f'{act.type}{act.num_bits}/{act.strategy}'}"
+    desc = _scheme_desc(scheme, fmt)
     if w is None or fmt not in _FORMATS or w.num_bits != 8 or not w.symmetric \
             or w.strategy not in ("tensor", "channel"):
         raise ValueError(f"compressed-tensors scheme not supported ({desc}); kvflow runs "

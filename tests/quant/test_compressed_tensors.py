@@ -47,15 +47,17 @@ def _scheme(preset: str) -> QuantizationScheme:
     return preset_name_to_scheme(preset, ["Linear"])
 
 
-def build_checkpoint(tiny, preset: str, folder: str) -> str:
-    """Quantize ``tiny``'s HF model with a compressed-tensors preset and save it (plus the
-    tokenizer) in ``folder``; static input scales come from one calibration forward."""
+def build_checkpoint(tiny, preset: str, folder: str,
+                     groups: dict[str, QuantizationScheme] | None = None) -> str:
+    """Quantize ``tiny``'s HF model with a compressed-tensors preset (or the config ``groups``)
+    and save it (plus the tokenizer) in ``folder``; static input scales come from one
+    calibration forward."""
     import copy
 
     model = copy.deepcopy(tiny.hf_model)
     calib = _observe_inputs(model, torch.arange(2, 30).unsqueeze(0))
-    qc = QuantizationConfig(config_groups={"group_0": _scheme(preset)}, ignore=["lm_head"],
-                            quantization_status=QuantizationStatus.INITIALIZED)
+    qc = QuantizationConfig(config_groups=groups or {"group_0": _scheme(preset)},
+                            ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, qc)
     for name, m in model.named_modules():
         scheme = getattr(m, "quantization_scheme", None)
@@ -76,6 +78,12 @@ def build_checkpoint(tiny, preset: str, folder: str) -> str:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny.path}/{f}", folder)
     return folder
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> list[float]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
 
 def _hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
@@ -148,4 +156,38 @@ def test_quantized_lm_head_is_refused(tiny_model_factory, tmp_path):
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match="quantizes 'lm_head'"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_most_specific_target_wins(tiny_model_factory, tmp_path):
+    """Two groups both match down_proj ("Linear" FP8, "re:.*down_proj$" INT8 W8A8): as in
+    compressed-tensors, the regex beats the class name whatever the group order (kvflow took
+    the first group listed, FP8, and cast the stored int8 values to float8)."""
+    tiny = tiny_model_factory("llama")
+    groups = {"group_0": preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]),
+              "group_1": preset_name_to_scheme("W8A8", ["re:.*down_proj$"])}
+    folder = build_checkpoint(tiny, "", str(tmp_path / "mixed"), groups)
+    prompt = torch.randint(2, tiny.vocab_size, (12,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=64, block_size=4)
+    mlp = llm.engine.core.executor.runner.model.model.layers[1].mlp
+    assert isinstance(mlp.down_proj.quant_method, Int8WeightOnlyMethod)
+    assert isinstance(mlp.gate_up_proj.quant_method, Fp8LinearMethod)
+    ref = _hf_logprobs(folder, prompt)
+    want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
+    assert _prompt_logprobs(llm, prompt) == pytest.approx(want, abs=5e-3)
+
+
+def test_fused_shards_with_different_schemes_are_refused(tiny_model_factory, tmp_path):
+    """q_proj left unquantized while k_proj/v_proj are FP8: kvflow's one qkv_proj layer cannot
+    hold both, so the load stops with a ValueError naming the layer and each shard's scheme."""
+    folder = build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC", str(tmp_path / "q"))
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*q_proj$"]
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"shards of 'model.layers.0.self_attn.qkv_proj' "
+                                         r"differently \(q_proj: unquantized, k_proj: weights "
+                                         r"float8/channel"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
