@@ -35,6 +35,13 @@ from kvflow.text_checks import find_lone_surrogate
 __all__ = ["ChatTemplateError", "NoChatTemplateError", "image_urls", "normalize_conversation",
            "render_chat"]
 
+# A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
+# or not, as vLLM does: clients send them routinely); any other key must be read by the
+# template, or it is refused (``_check_other_keys_read``).
+_MESSAGE_KEYS = frozenset({
+    "role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio",
+    "function_call", "annotations", "reasoning_content", "reasoning"})
+_MAX_OTHER_KEYS = 8  # distinct other keys a conversation may use (one extra render each)
 _TEXT_PARTS = {"text", "refusal"}
 _IMAGE_PARTS = {"image_url"}
 # apply_chat_template's own parameters: never template variables.
@@ -236,12 +243,47 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,
                               continue_final_message, tools, documents, template_kwargs)
     try:
-        return tokenizer.apply_chat_template(conversation, chat_template=template,
+        text = tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja and transformers errors: bad input
         param = "chat_template" if chat_template is not None else "messages"
         raise ChatTemplateError(f"the chat template cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param) from None
+    _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
+    return text
+
+
+def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], template: str,
+                           kwargs: dict[str, Any], text: str) -> None:
+    """Refuse a message key outside ``_MESSAGE_KEYS`` (a misspelling such as
+    ``tool_call_idd``, or a key of another API) that the template does not read: rendered
+    without it in every message, the conversation gives the same ``text``. A template that
+    fails without it reads it. At most ``_MAX_OTHER_KEYS`` distinct such keys (one render
+    each).
+
+    Raises:
+        ChatTemplateError: naming ``messages.<i>.<key>`` of the first message carrying the
+            key (code ``unknown_parameter``).
+    """
+    keys = list(dict.fromkeys(k for m in conversation for k, v in m.items()
+                              if k not in _MESSAGE_KEYS and v is not None))
+    for n, key in enumerate(keys):
+        first = next(i for i, m in enumerate(conversation) if m.get(key) is not None)
+        param = f"messages.{first}.{key}"
+        if n == _MAX_OTHER_KEYS:
+            raise ChatTemplateError(f"{param}: a conversation may use at most "
+                                    f"{_MAX_OTHER_KEYS} message keys beyond OpenAI's", param,
+                                    "unknown_parameter")
+        without = [{k: v for k, v in m.items() if k != key} for m in conversation]
+        try:
+            same = tokenizer.apply_chat_template(without, chat_template=template,
+                                                 tokenize=False, **kwargs) == text
+        except Exception:  # noqa: BLE001 - it fails without the key: it reads it
+            same = False
+        if same:
+            raise ChatTemplateError(f"Unrecognized request argument supplied: {param} (not "
+                                    "an OpenAI message field, and this chat template does "
+                                    "not read it)", param, "unknown_parameter")
 
 
 def _template_kwargs(conversation: list[dict[str, Any]], template: Any,

@@ -165,3 +165,28 @@ def test_priority_needs_the_priority_policy(tiny_llama):
     with pytest.raises(ValueError, match="policy"):
         llm.generate(["a"], SamplingParams(max_tokens=1), priority=[3])
     assert len(llm.generate(["a"], SamplingParams(max_tokens=1), priority=[0])) == 1
+
+
+def test_other_message_keys_must_be_read(tok):
+    """A message key beyond OpenAI's and vLLM's (a misspelled ``tool_call_idd``, another
+    API's key) that the template does not read was passed on and silently ignored; now
+    refused naming it (code ``unknown_parameter``), judged by rendering without it. A
+    template that reads it gets it (hand-written expectation); OpenAI's own keys (``name``)
+    and null values pass whether read or not."""
+    turns = [{"role": "user", "content": "hi", "tool_call_idd": "c1"}]
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, turns)
+    assert (info.value.param, info.value.code) == ("messages.0.tool_call_idd",
+                                                   "unknown_parameter")
+    reads = "{% for m in messages %}{{ m.content }}/{{ m.tool_call_idd }}{% endfor %}"
+    assert render_chat(tok, turns, chat_template=reads) == "hi/c1"
+    needs = "{% for m in messages %}{{ m.content ~ m['weight'] }}{% endfor %}"  # reads it
+    assert render_chat(tok, [{"role": "user", "content": "x", "weight": 2}],
+                       chat_template=needs) == "x2"
+    plain = render_chat(tok, [{"role": "user", "content": "hi"}])
+    assert render_chat(tok, [{"role": "user", "content": "hi", "name": "bob",
+                              "tool_call_idd": None}]) == plain
+    many = [{"role": "user", "content": "hi", **{f"k{j}": j for j in range(9)}}]
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, many, chat_template="{{ messages }}")  # reads them all
+    assert info.value.param == "messages.0.k8"

@@ -71,7 +71,8 @@ class MessageToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     """A conversation turn. ``tool_calls`` (assistant turns only) and a tool turn's
-    ``tool_call_id`` reach the template; other keys (``name``, ...) reach it unchecked."""
+    ``tool_call_id`` reach the template; OpenAI's and vLLM's other keys (``name``, ...) reach
+    it unchecked, any other key only when the template reads it (kvflow/chat_template.py)."""
 
     model_config = ConfigDict(extra="allow")
 
