@@ -21,8 +21,10 @@ FP8 e4m3, tensor or channel    none (W8A16), dynamic per token, or static per te
 INT8 symmetric, channel        none (W8A16) or dynamic INT8 per token (W8A8)
 =============================  ==============================================================
 
-Anything else (packed INT4, group/block strategies, asymmetric INT8, NVFP4/MXFP) is a
-ValueError naming the scheme. ``kv_cache_scheme`` is not read (``--kv-cache-dtype`` chooses
+Anything else (packed INT4, group/block strategies, asymmetric INT8, NVFP4/MXFP, quantized
+output activations, no weight quantization) is a ValueError naming the scheme, and so are the
+config keys the package's parser drops unread: ``transform_config``, a compressed
+``sparsity_config``, ``moe_sparsity_config``. ``kv_cache_scheme`` is not read (``--kv-cache-dtype`` chooses
 the cache's type); the vocabulary tables must be unquantized (``lm_head`` in ``ignore``).
 """
 
@@ -48,10 +50,29 @@ def parse_config(config: dict[str, Any]) -> Any:
     """
     from compressed_tensors.quantization import QuantizationConfig
 
+    _check_unread_keys(config)
     try:
         return QuantizationConfig.model_validate(config)
     except Exception as e:  # pydantic raises ValidationError (a ValueError) and TypeError
         raise ValueError(f"unreadable compressed-tensors quantization_config: {e}") from e
+
+
+def _check_unread_keys(config: dict[str, Any]) -> None:
+    """Refuse the keys beside the quantization scheme that change the numerics and that
+    ``QuantizationConfig`` drops unread: ``transform_config`` (online rotations such as
+    QuIP/SpinQuant Hadamards), ``sparsity_config`` with a compressed (not ``dense``) storage
+    format, ``moe_sparsity_config``.
+
+    Raises:
+        ValueError: naming the key and its value.
+    """
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError("compressed-tensors sparsity_config.format="
+                         f"{sparsity['format']!r} is not supported; kvflow reads dense weights")
+    for key in ("transform_config", "moe_sparsity_config"):
+        if config.get(key):
+            raise ValueError(f"compressed-tensors {key} is not supported ({config[key]!r:.200})")
 
 
 def _fused_names(packed_modules_mapping: dict[str, tuple[str, Any]]) -> dict[str, list[str]]:
@@ -124,7 +145,11 @@ def method_for_scheme(scheme: Any, fmt: str | None) -> LinearMethod:
     w, act = scheme.weights, scheme.input_activations
     fmt = getattr(scheme, "format", None) or fmt
     desc = _scheme_desc(scheme, fmt)
-    if w is None or fmt not in _FORMATS or w.num_bits != 8 or not w.symmetric \
+    if w is None or scheme.output_activations is not None:
+        raise ValueError(f"compressed-tensors scheme not supported ({desc}, output activations "
+                         f"{'none' if scheme.output_activations is None else 'quantized'}); "
+                         "kvflow runs quantized weights with unquantized outputs")
+    if fmt not in _FORMATS or w.num_bits != 8 or not w.symmetric \
             or w.strategy not in ("tensor", "channel"):
         raise ValueError(f"compressed-tensors scheme not supported ({desc}); kvflow runs "
                          "8-bit symmetric tensor/channel weights")

@@ -191,3 +191,43 @@ def test_fused_shards_with_different_schemes_are_refused(tiny_model_factory, tmp
                                          r"differently \(q_proj: unquantized, k_proj: weights "
                                          r"float8/channel"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+@pytest.fixture(scope="module")
+def fp8_dynamic_folder(tiny_model_factory, tmp_path_factory) -> str:
+    """One FP8_DYNAMIC checkpoint of the tiny Llama, to copy and edit."""
+    return build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC",
+                            str(tmp_path_factory.mktemp("ct") / "fp8_dynamic"))
+
+
+def _set(key: str, value):
+    return lambda qc: qc.__setitem__(key, value)
+
+
+def _set_in_group(key: str, value):
+    return lambda qc: qc["config_groups"]["group_0"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit,message", [
+    # each of these changes what the model computes, and compressed-tensors' config parser
+    # drops (or kvflow did not read) it: the checkpoint used to load as plain FP8
+    (_set_in_group("output_activations", {"num_bits": 8, "type": "float", "strategy": "token",
+                                          "dynamic": True}),
+     r"scheme not supported \(.*output activations quantized\)"),
+    (_set_in_group("weights", None), r"scheme not supported \(weights none,"),
+    (_set("transform_config", {"config_groups": {"u": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "input"}]}}}), "transform_config is not supported"),
+    (_set("sparsity_config", {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
+                              "targets": ["Linear"]}),
+     "sparsity_config.format='sparse-24-bitmask' is not supported"),
+], ids=["output_activations", "no_weights", "transform_config", "sparsity_config"])
+def test_unread_numerics_keys_are_refused(fp8_dynamic_folder, tmp_path, edit, message):
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(fp8_dynamic_folder, folder)
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
