@@ -183,3 +183,22 @@ def test_a_value_no_union_member_takes_names_the_members(client, route, body, pa
     error = resp.json()["error"]
     assert (error["param"], error["code"]) == (param, "invalid_type"), error
     assert error["message"] == f"{param}: expected {expected}"
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"structured_outputs": {}}, "structured_outputs",
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+      "(got none)")),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice",
+     "structured_outputs.choice must be a non-empty list of non-empty strings"),
+    ({"guided_choice": [""]}, "guided_choice",
+     "guided_choice must be a non-empty list of non-empty strings"),
+])
+def test_structured_outputs_errors_use_the_request_names(body, param, message):
+    """A bad ``structured_outputs`` said "SamplingParams.structured_outputs ..." (kvflow's
+    class) and ``guided_choice`` "guided_choice.choice"; now the request's own field path."""
+    from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
+
+    with pytest.raises(RequestFieldError) as e:
+        request_constraint(CompletionRequest.model_validate({"prompt": "a", **body}))
+    assert (e.value.param, str(e.value)) == (param, message)

@@ -4,6 +4,7 @@ parser that reads tool calls back out of the text)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvflow.entrypoints.protocol import (
@@ -33,6 +34,8 @@ class RequestFieldError(ValueError):
         self.param, self.code = param, code
 
 
+# how StructuredOutputsParams names itself and its fields in its errors
+_INTERNAL_NAME = re.compile(r"SamplingParams\.structured_outputs(\.\w+)?")
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 
@@ -65,15 +68,16 @@ def request_constraint(req: SamplingRequest,
         name, value = guided[0]
         try:
             return StructuredOutputsParams(**{_GUIDED_FIELDS[name]: value})
-        except ValueError as e:
-            raise RequestFieldError(str(e).replace("SamplingParams.structured_outputs", name),
-                                    name) from None
+        except ValueError as e:  # guided_choice, not structured_outputs.choice
+            raise RequestFieldError(_INTERNAL_NAME.sub(name, str(e)), name) from None
     if extra is not None:
         fields = extra.model_dump(by_alias=True, exclude_none=True)
         try:
             return StructuredOutputsParams(**fields)
-        except ValueError as e:
-            raise RequestFieldError(str(e), "structured_outputs") from None
+        except ValueError as e:  # the request's own names, not SamplingParams'
+            inner = _INTERNAL_NAME.search(str(e))
+            param = "structured_outputs" + (inner.group(1) or "" if inner else "")
+            raise RequestFieldError(_INTERNAL_NAME.sub(param, str(e)), param) from None
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
