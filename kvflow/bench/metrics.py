@@ -100,12 +100,15 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     seconds out). ``e2el`` (vLLM's name) is taken for ``e2e``.
 
     Raises:
-        ValueError: for an unknown SLO name, a missing colon or a non-positive value.
+        ValueError: for an unknown SLO name, a missing colon, a non-positive value or an SLO
+            given twice.
     """
     slos: dict[str, float] = {}
     for spec in specs:
         name, sep, value = spec.partition(":")
         name = SLO_ALIASES.get(name, name)
+        if name in slos:
+            raise ValueError(f"bad --goodput entry {spec!r}: the {name} SLO is given twice")
         if not sep or name not in SLO_KEYS:
             raise ValueError(f"bad --goodput entry {spec!r}: use NAME:MS with NAME one of "
                              f"{', '.join(SLO_KEYS)}")

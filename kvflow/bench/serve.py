@@ -152,7 +152,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
-    rates = parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    rates = parse_rates(args.sweep_rates) if args.sweep_rates else \
+        [math.inf if args.request_rate is None else args.request_rate]
     redraw = args.dataset in GENERATED_DATASETS or is_json_array_file(args.dataset)
     if len(rates) > 1 and not redraw:
         print(f"kvflow: note: every rate of --sweep-rates sends the prompts of {args.dataset} "
@@ -228,7 +229,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     d.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("load")
-    t.add_argument("--request-rate", type=float, default=math.inf, help="req/s, or inf")
+    t.add_argument("--request-rate", type=float, default=None,
+                   help="req/s, or inf (the default); not with --sweep-rates")
     t.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of arrival gaps (1 = Poisson)")
     t.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")

@@ -73,6 +73,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
     if args.sweep_rates:
         parse_rates(args.sweep_rates)
+        if args.request_rate is not None:
+            raise ValueError("give --request-rate (one run) or --sweep-rates (one run per "
+                             "rate), not both")
     for path in args.compare or []:
         load_compare(path)
     ensure_parent_dir(args.result_json, "--result-json")

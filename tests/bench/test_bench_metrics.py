@@ -118,7 +118,7 @@ def test_parse_goodput():
         "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
     # vLLM's name for the end-to-end SLO is e2el
     assert metrics.parse_goodput(["e2el:1500", "ttft:20"]) == {"e2e": 1.5, "ttft": 0.02}
-    for bad in (["ttft"], ["itl:5"], ["ttft:0"]):
+    for bad in (["ttft"], ["itl:5"], ["ttft:0"], ["ttft:5", "ttft:9"], ["e2e:5", "e2el:9"]):
         with pytest.raises(ValueError):
             metrics.parse_goodput(bad)
 
