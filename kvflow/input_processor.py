@@ -43,16 +43,20 @@ class InputProcessor:
             it sets ``ignore_eos`` (as vLLM does), so any of them ends generation.
         pooler: an embedding model's pooling (None: a generation model).
         hidden_size: the model's hidden size (the embedding's length).
+        max_model_len_note: appended to a too-long prompt's error after max_model_len (why
+            it is lower than asked: the engine core's ``max_model_len_note``).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, mm_processor: Any = None,
                  eos_token_ids: list[int] | None = None,
-                 pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0,
+                 max_model_len_note: str = "") -> None:
         self.tokenizer = tokenizer
         self.extra_eos_ids = [t for t in eos_token_ids or []
                               if t != eos_token_id and 0 <= t < vocab_size]
         self.max_model_len = max_model_len
+        self.max_model_len_note = max_model_len_note
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pooler, self.hidden_size = pooler, hidden_size
@@ -178,10 +182,11 @@ class InputProcessor:
             raise ValueError("the prompt is empty: it must contain at least one token")
         if pooling and len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.max_model_len}")
+                             f"{self.max_model_len}{self.max_model_len_note}")
         if not pooling and len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.max_model_len}: it must be shorter to leave room for "
+                             f"{self.max_model_len}{self.max_model_len_note}: it must be "
+                             "shorter to leave room for "
                              "at least one generated token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:

@@ -34,6 +34,26 @@ def test_prompt_longer_than_max_model_len(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_prompt_past_what_the_kv_cache_holds_names_the_cache(llm, tiny_llama, assert_no_leaks):
+    """max_model_len=64 asked of a 4-block pool (block 0 is the null block: 3 x 4 = 12 tokens
+    per request): the engine caps it at 12, and a longer prompt is refused at once, saying
+    the KV cache capped it (the error said only 'max_model_len is 12', contradicting the 64
+    asked) and what to raise; the engine keeps serving."""
+    small = _llm(tiny_llama.path, num_kv_blocks=4, max_model_len=64)
+    assert small.engine.core.max_model_len == 12
+    for n in (12, 20):
+        with pytest.raises(ValueError, match=r"max_model_len is 12 \(capped from 64: the KV "
+                                             r"cache holds 12 tokens per request; raise "
+                                             r"--num-kv-blocks or --kv-cache-memory"):
+            small.generate([[3] * n], GREEDY, use_tqdm=False)
+    (out,) = small.generate([[3] * 11], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(small)
+    # max_model_len within the cache: no note
+    with pytest.raises(ValueError, match=r"max_model_len is 24: it must be shorter"):
+        llm.generate([[3] * 30], GREEDY, use_tqdm=False)
+
+
 def test_long_prompt_in_a_batch_queues_nothing(llm, assert_no_leaks):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[3, 4, 5], [3] * 30], GREEDY, use_tqdm=False)

@@ -158,6 +158,10 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model_len, capacity)
         self.max_model_len = min(model_len, capacity)
+        # why max_model_len is what it is, for the refusal of a prompt that does not fit
+        self.max_model_len_note = "" if model_len <= capacity else (
+            f" (capped from {model_len}: the KV cache holds {capacity} tokens per request; "
+            "raise --num-kv-blocks or --kv-cache-memory for longer contexts)")
         self.executor.capture_graphs(self.max_model_len)
         self.weight_bytes = self.executor.weight_bytes
         self.kv_bytes_per_token = kv_bytes_per_token(self.kv_cache_config)

@@ -152,7 +152,8 @@ class AsyncLLM:
                                         resolve_eos_token_id(self.tokenizer, ready),
                                         self._mm_processor,
                                         eos_token_ids=self._eos_token_ids,
-                                        pooler=ready.pooler, hidden_size=ready.hidden_size)
+                                        pooler=ready.pooler, hidden_size=ready.hidden_size,
+                                        max_model_len_note=ready.max_model_len_note)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
         self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
                                      self.balancer, self.metrics,

@@ -44,12 +44,14 @@ class LLMEngine:
             source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
+            note = self.core.ready.max_model_len_note
             vocab_size, hf_config = self.core.ready.vocab_size, None
             pooler, hidden_size = self.core.ready.pooler, self.core.ready.hidden_size
         else:
             self.core = EngineCore(config)
             source, eos_source = self.core.source, self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
+            note = self.core.max_model_len_note
             hf_config = self.core.hf_config
             pooler, hidden_size = self.core.pooler_config, hf_config.hidden_size
         try:
@@ -64,7 +66,7 @@ class LLMEngine:
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
                                         mm_processor, load_eos_token_ids(source, hf_config),
-                                        pooler, hidden_size)
+                                        pooler, hidden_size, max_model_len_note=note)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

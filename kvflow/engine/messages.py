@@ -98,6 +98,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     task: str = "generate"  # or "embed"
     pooler: PoolerConfig | None = None  # an embedding model's pooling
     hidden_size: int = 0
+    max_model_len_note: str = ""  # why max_model_len is lower than asked (the KV cache)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
