@@ -86,6 +86,19 @@ class LinearMethod(DeviceDispatch, ABC):
         """Called once after the checkpoint is loaded (default: nothing)."""
 
 
+def check_stored_dtype(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """A pre-quantized weight must be stored in the dtype its scheme quantizes to (int8,
+    float8_e4m3fn): a float tensor there (a dequantized or never-compressed folder) would
+    otherwise be cast, scales ignored, into garbage.
+
+    Raises:
+        ValueError: naming both dtypes.
+    """
+    if loaded.dtype != param.dtype:
+        raise ValueError(f"stored as {loaded.dtype}, but the checkpoint's quantization_config "
+                         f"says this weight is quantized to {param.dtype}")
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy: every parameter and buffer (each storage counted once,
     so a tied LM head is not counted twice) plus the CPU GEMM's packed copies

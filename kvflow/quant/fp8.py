@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.quant.base import LinearMethod
+from kvflow.quant.base import LinearMethod, check_stored_dtype
 from kvflow.quant.shard_absmax import note_absmax, take_absmax
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -152,11 +152,14 @@ class Fp8LinearMethod(LinearMethod):
         scale goes to its shard's slot.
 
         Raises:
-            ValueError: for a per-tensor scale that is not one value, or an unknown shard.
+            ValueError: for a per-tensor scale that is not one value, an unknown shard, or a
+                pre-quantized weight not stored as float8_e4m3fn.
         """
         per_shard = param is getattr(layer, "input_scale", None) or (
             param is getattr(layer, "weight_scale", None) and self.weight_strategy == "tensor")
         if not per_shard:
+            if param is layer.weight and self.prequantized:
+                check_stored_dtype(param, loaded)
             if param is layer.weight and not self.prequantized and layer.tp_size > 1:
                 # the whole checkpoint tensor's absmax: the scale one process takes
                 note_absmax(layer, shard[0] if shard else None, loaded.float().abs().amax())

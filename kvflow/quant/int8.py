@@ -30,7 +30,7 @@ from torch import nn
 from kvflow.config import cpu_quant_choice
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.cpu_quant import int8_gemm
-from kvflow.quant.base import EmbeddingMethod, LinearMethod
+from kvflow.quant.base import EmbeddingMethod, LinearMethod, check_stored_dtype
 from kvflow.quant.shard_absmax import note_absmax, splits_columns, take_absmax
 
 _CPU_16BIT = (torch.bfloat16, torch.float16)
@@ -142,7 +142,13 @@ class Int8WeightOnlyMethod(LinearMethod):
              *shard) -> None:
         """A checkpoint's per-channel scale [N, 1] lands as [N] in its rows; a float weight
         that a row-parallel rank slices by column has its full rows' absmax noted (the
-        scale one process takes, :mod:`kvflow.quant.shard_absmax`)."""
+        scale one process takes, :mod:`kvflow.quant.shard_absmax`).
+
+        Raises:
+            ValueError: for a pre-quantized weight not stored as int8.
+        """
+        if param is layer.weight and self.prequantized:
+            check_stored_dtype(param, loaded)
         if param is getattr(layer, "weight_scale", None) and loaded.dim() == 2:
             loaded = loaded.reshape(-1)
         if param is layer.weight and not self.prequantized \

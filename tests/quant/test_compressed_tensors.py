@@ -231,3 +231,22 @@ def test_unread_numerics_keys_are_refused(fp8_dynamic_folder, tmp_path, edit, me
         json.dump(config, f)
     with pytest.raises(ValueError, match=message):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("preset,stored", [("FP8_DYNAMIC", "float8_e4m3fn"), ("W8A8", "int8")])
+def test_float_weights_under_a_quantized_config_are_refused(tiny_model_factory, tmp_path,
+                                                            preset, stored):
+    """A folder whose config says the linears are FP8/INT8 but whose safetensors hold the
+    dequantized float weights (``q * scale``): kvflow cast them to float8/int8 with the scales
+    still applied on top (wrong logits, no error); now the tensor is named."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build_checkpoint(tiny_model_factory("llama"), preset, str(tmp_path / preset))
+    tensors = load_file(f"{folder}/model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        weight = name.removesuffix("_scale")
+        tensors[weight] = tensors[weight].float() * tensors[name].float()
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\..*\.weight': "
+                                         rf"stored as torch.float32, .* quantized to torch\.{stored}"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
