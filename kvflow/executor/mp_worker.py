@@ -9,7 +9,8 @@ from the executor's broadcast socket in order:
 * ``step``: a msgspec-encoded ``(SchedulerOutput, GrammarBitmask | None)``; the driver rank
   replies with the runner's result, the others stay silent;
 * ``rpc``: a pickled ``(method, args)`` call on the Worker; every rank replies;
-* ``stop``: leave the process groups and exit.
+* ``stop``: leave the process groups and exit (status 0, at once: ``os._exit`` after the
+  logs are flushed).
 
 Once ready, a thread sends a heartbeat every second (:mod:`kvflow.executor.heartbeat`), so the
 executor finds a worker that is alive but does not run (stopped, frozen). Any exception is
@@ -144,6 +145,13 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=args.log_level,
                         format=f"%(levelname)s %(name)s [rank {rank}]: %(message)s")
     WorkerProc(rank, args).run()
+    # stopped cleanly: skip the interpreter's teardown, as multiprocessing's children do
+    # (with torch loaded it took seconds, past the executor's 5 s grace: the workers were
+    # killed, and a killed engine-core process left its folder behind)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ threads, and two ranks on two shared cores must not oversubscribe them.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -30,8 +31,22 @@ def greedy_run(path: str, shutdown: bool = True, **engine_kwargs: Any) -> tuple[
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         if shutdown:
-            llm.shutdown()
+            shutdown_and_check(llm)
     return [list(zip(o.outputs[0].token_ids, o.outputs[0].logprobs)) for o in outs], llm
+
+
+def shutdown_and_check(llm: LLM) -> None:
+    """``llm.shutdown()``; its worker processes (if any) must stop by themselves at once (exit
+    status 0 within 3 s; a worker that ran the interpreter's teardown took 4-6 s on 2 busy
+    cores and was often killed after the executor's 5 s grace)."""
+    executor = getattr(getattr(llm.engine, "core", None), "executor", None)
+    procs = list(getattr(executor, "_procs", []))
+    start = time.monotonic()
+    llm.shutdown()
+    took = time.monotonic() - start
+    assert [p.returncode for p in procs] == [0] * len(procs), \
+        f"worker exit statuses {[p.returncode for p in procs]} (negative: killed)"
+    assert took < 3.0, f"shutdown took {took:.1f} s"
 
 
 def assert_same_greedy(reference: list, got: list) -> None:
