@@ -202,3 +202,19 @@ def test_vllm_scheduling_policy_name_is_accepted():
     assert config.scheduler_config.policy == "fair"
     with pytest.raises(ValueError, match="scheduling_policy and policy name the same"):
         EngineConfig.from_kwargs(model="m", scheduling_policy="fair", policy="fcfs")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, command):
+    """Ctrl-C: ``kvflow serve`` shuts down, then uvicorn re-raises the SIGINT it handled as
+    KeyboardInterrupt; ``kvflow`` exits 130 (128 + SIGINT) without printing a traceback (was:
+    the KeyboardInterrupt traceback, found with benchmarks/worker_faults.py serve-sigint). The
+    command is replaced by one that is interrupted."""
+    from kvflow.entrypoints import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
+    assert main([command, "--model", "m"]) == 130
+    assert capsys.readouterr().err == ""

@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``kvflow`` command; returns the exit status (2 for bad input, one line)."""
+    """Run one ``kvflow`` command; returns the exit status (2 for bad input, one line; 130
+    for Ctrl-C, without a traceback: ``kvflow serve`` has shut down by then)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     typed = argv
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvflow: error: {flag_names(str(e), command_flags(_command(parser, args), typed))}",
               file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; 128 + SIGINT
+        return 130
 
 
 def _command(parser: argparse.ArgumentParser, args: argparse.Namespace
