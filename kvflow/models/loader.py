@@ -238,7 +238,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         keep = quant_config is not None and quant_config.name == "gguf"
         keep_fp32 = getattr(model, "keep_in_fp32", ())
         loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
-                                    for n, t in iter_weights(source, dtype, keep))
+                                    for n, t in iter_weights(source, dtype, keep)
+                                    if quant_config is None or not quant_config.skips_tensor(n))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")

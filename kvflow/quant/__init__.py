@@ -85,6 +85,15 @@ class QuantConfig:
                                              self.packed_modules_mapping)
         return None
 
+    def skips_tensor(self, name: str) -> bool:
+        """Whether the loader drops checkpoint tensor ``name`` unread: a compressed-tensors
+        checkpoint's calibrated KV-cache scales (see ``is_unread_kv_scale``)."""
+        if self.name != "compressed-tensors":
+            return False
+        from kvflow.quant.compressed_tensors import is_unread_kv_scale
+
+        return is_unread_kv_scale(self.checkpoint_config or {}, name)
+
     def moe_method(self, prefix: str) -> FusedMoEMethod | None:
         """The method for the experts of the ``FusedMoE`` layer at ``prefix``; None: float
         experts (every scheme but int8 and fp8, which quantize them on load)."""

@@ -24,8 +24,9 @@ INT8 symmetric, channel        none (W8A16) or dynamic INT8 per token (W8A8)
 Anything else (packed INT4, group/block strategies, asymmetric INT8, NVFP4/MXFP, quantized
 output activations, no weight quantization) is a ValueError naming the scheme, and so are the
 config keys the package's parser drops unread: ``transform_config``, a compressed
-``sparsity_config``, ``moe_sparsity_config``. ``kv_cache_scheme`` is not read (``--kv-cache-dtype`` chooses
-the cache's type); the vocabulary tables must be unquantized (``lm_head`` in ``ignore``).
+``sparsity_config``, ``moe_sparsity_config``. ``kv_cache_scheme`` and its calibrated
+``k_scale``/``v_scale`` tensors are not read (``--kv-cache-dtype`` chooses the cache's type;
+kvflow's 8-bit caches take one scale per row); the vocabulary tables must be unquantized (``lm_head`` in ``ignore``).
 """
 
 from __future__ import annotations
@@ -187,6 +188,17 @@ def compressed_tensors_method(config: dict[str, Any], prefix: str, module: nn.Mo
     return None if scheme is None else method_for_scheme(scheme, parsed.format)
 
 
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
+
+
+def is_unread_kv_scale(config: dict[str, Any], name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a calibrated KV-cache scale of a checkpoint with a
+    ``kv_cache_scheme`` (``self_attn.k_scale``/``v_scale``, or the older
+    ``k_proj``/``v_proj.output_scale``): kvflow skips it, as it does the scheme (its 8-bit caches
+    take one scale per stored row, computed as the row is written)."""
+    return bool(config.get("kv_cache_scheme")) and name.endswith(_KV_SCALE_SUFFIXES)
+
+
 def check_tables(config: dict[str, Any], prefix: str, module: nn.Module) -> None:
     """Vocabulary tables (embedding, LM head) must be left unquantized by the checkpoint.
 
@@ -197,8 +209,9 @@ def check_tables(config: dict[str, Any], prefix: str, module: nn.Module) -> None
 
     parsed = parse_config(config)
     if parsed.kv_cache_scheme is not None:
-        logger.warning("the checkpoint's kv_cache_scheme is not read; --kv-cache-dtype "
-                       "chooses the KV cache's type")
+        logger.warning("the checkpoint's kv_cache_scheme and its k_scale/v_scale tensors are "
+                       "not read; --kv-cache-dtype chooses the KV cache's type (8-bit caches "
+                       "take one scale per row, computed as it is written)")
     kind = "Linear" if hasattr(module, "compute_logits") else "Embedding"  # HF's class
     ignored = any(match_name(prefix, ign) or ign == kind for ign in parsed.ignore or [])
     targeted = any(match_name(prefix, t) or t == kind

@@ -250,3 +250,29 @@ def test_float_weights_under_a_quantized_config_are_refused(tiny_model_factory, 
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\..*\.weight': "
                                          rf"stored as torch.float32, .* quantized to torch\.{stored}"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_kv_cache_scheme_scales_are_skipped(fp8_dynamic_folder, tmp_path):
+    """An FP8-KV checkpoint (``kv_cache_scheme`` plus per-layer ``self_attn.k_scale`` /
+    ``v_scale``) failed to load ('k_scale matches no parameter'); the scales are skipped and
+    the logits are the same checkpoint's without them (the cache type is --kv-cache-dtype's)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = str(tmp_path / "kv")
+    shutil.copytree(fp8_dynamic_folder, folder)
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+        "symmetric": True}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    tensors = load_file(f"{folder}/model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01)
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    prompt = list(range(5, 17))
+    kw = {"dtype": "float32", "num_kv_blocks": 16, "block_size": 4}
+    want = _prompt_logprobs(LLM(model=fp8_dynamic_folder, **kw), prompt)
+    assert _prompt_logprobs(LLM(model=folder, **kw), prompt) == want
