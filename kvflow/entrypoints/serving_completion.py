@@ -91,9 +91,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("the prompt is empty", param="prompt", code="empty_array")
         else:
             items = list(prompt)
-        for item in items:
-            if len(item) == 0:
-                raise OpenAIError("the prompt is empty", param="prompt",
+        for i, item in enumerate(items):
+            if len(item) == 0:  # in a list of prompts, name the empty one
+                listed = items[0] is not prompt
+                raise OpenAIError(f"prompt {i} of the list is empty" if listed
+                                  else "the prompt is empty",
+                                  param=f"prompt.{i}" if listed else "prompt",
                                   code="empty_string" if isinstance(item, str)
                                   else "empty_array")
         texts = [item for item in items if isinstance(item, str)]

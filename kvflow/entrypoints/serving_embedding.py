@@ -58,10 +58,15 @@ class OpenAIServingEmbedding(OpenAIServing):
         value = req.input
         items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
             else list(value)
-        empty = next((item for item in items if len(item) == 0), None if items else [])
-        if empty is not None:
-            raise OpenAIError("the input is empty", param="input",
-                              code="empty_string" if isinstance(empty, str) else "empty_array")
+        empty = next((i for i, item in enumerate(items) if len(item) == 0),
+                     None if items else -1)
+        if empty is not None:  # in a list of inputs, name the empty one
+            listed = empty >= 0 and items[0] is not value
+            kind = items[empty] if empty >= 0 else []
+            raise OpenAIError(f"input {empty} of the list is empty" if listed
+                              else "the input is empty",
+                              param=f"input.{empty}" if listed else "input",
+                              code="empty_string" if isinstance(kind, str) else "empty_array")
         texts = [self.engine.processor.pooling_text(item) for item in items
                  if isinstance(item, str)]
         encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,

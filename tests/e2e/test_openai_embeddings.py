@@ -93,6 +93,7 @@ def test_wrong_endpoint_and_bad_input(bert, start_server, tiny_llama):
     resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "wrong_task"
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"),
+                        ({"input": ["a", ""]}, "input.1"), ({"input": [[5], []]}, "input.1"),
                         ({"input": [10**6]}, "input"), ({"input": "a", "model": "x"}, "model"),
                         ({"input": "a", "target_ttft_ms": 50}, "target_ttft_ms"),
                         ({"input": "a", "target_tpot_ms": 50}, "target_tpot_ms")):

@@ -466,7 +466,9 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("prompt_missing", C, {"max_tokens": 3}, 400, "prompt"),
     ("empty_text", C, {"prompt": ""}, 400, "prompt"),
     ("empty_list", C, {"prompt": []}, 400, "prompt"),
-    ("empty_ids", C, {"prompt": [[]]}, 400, "prompt"),
+    ("empty_ids", C, {"prompt": [[]]}, 400, "prompt.0"),
+    ("empty_text_in_list", C, {"prompt": ["a", ""]}, 400, "prompt.1"),  # was "prompt"
+    ("empty_ids_in_list", C, {"prompt": [[5], []]}, 400, "prompt.1"),
     ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt"),
     ("max_tokens_0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens_bool", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
