@@ -215,6 +215,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "--random-output-len also works)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
+    d.add_argument("--disable-shuffle", action="store_true",
+                   help="JSONL / ShareGPT file: take the first --num-prompts in file order "
+                   "(default: shuffled with --seed first, as vLLM)")
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="ShareGPT: max_tokens of every request (default: each conversation's "
                    "reply length)")

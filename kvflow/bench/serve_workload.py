@@ -4,6 +4,7 @@ that counts tokens when a server sends no usage."""
 from __future__ import annotations
 
 import argparse
+import random
 from typing import Any
 
 from kvflow.bench.datasets import (
@@ -20,7 +21,9 @@ from kvflow.bench.sharegpt import is_json_array_file, load_sharegpt
 
 def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchRequest]:
     """The workload of ``args.dataset``. Random prompts are token ids for the completions
-    endpoint and the tokenizer's decoding of them for chat.
+    endpoint and the tokenizer's decoding of them for chat. A JSONL file's requests are
+    shuffled with ``random.Random(args.seed)`` before the first ``args.num_prompts`` are
+    taken (vLLM's custom dataset), unless ``args.disable_shuffle``.
 
     Raises:
         ValueError: for random prompts on the chat endpoint without a tokenizer, a JSONL
@@ -58,7 +61,7 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
             seed=args.seed)
     if is_json_array_file(args.dataset):
         reqs = load_sharegpt(args.dataset, args.num_prompts, tokenizer_factory(), args.seed,
-                             args.sharegpt_output_len)
+                             args.sharegpt_output_len, shuffle=not args.disable_shuffle)
         if not reqs:
             raise ValueError(f"--dataset {args.dataset}: no conversation qualifies (two turns, "
                              "a prompt of 4-1024 tokens, an output of >= 4, 2048 in all)")
@@ -67,6 +70,8 @@ def build_requests(args: argparse.Namespace, tokenizer_factory) -> list[BenchReq
     if not reqs:
         raise ValueError(f"--dataset {args.dataset}: the file holds no requests (only blank "
                          "lines)")
+    if not args.disable_shuffle:  # vLLM's custom JSONL dataset: seeded shuffle, first N
+        random.Random(args.seed).shuffle(reqs)
     if args.num_prompts < len(reqs):
         reqs = reqs[:args.num_prompts]
     if args.endpoint == "completions" and any(r.messages for r in reqs):

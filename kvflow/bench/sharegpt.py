@@ -41,7 +41,7 @@ def is_json_array_file(path: str) -> bool:
 
 
 def load_sharegpt(path: str, num: int, tokenizer: Any, seed: int,
-                  output_len: int | None = None) -> list[BenchRequest]:
+                  output_len: int | None = None, shuffle: bool = True) -> list[BenchRequest]:
     """Up to ``num`` requests sampled from a ShareGPT file (rules in the module docstring).
 
     Args:
@@ -51,6 +51,7 @@ def load_sharegpt(path: str, num: int, tokenizer: Any, seed: int,
         seed: seeds the shuffle (``random.Random(seed).shuffle``).
         output_len: a fixed ``max_tokens`` for every request; None takes each conversation's
             second turn length.
+        shuffle: False keeps the file's order (vLLM's ``--disable-shuffle``).
 
     Raises:
         ValueError: naming ``--dataset`` and the file when it cannot be read, is not a JSON
@@ -60,7 +61,8 @@ def load_sharegpt(path: str, num: int, tokenizer: Any, seed: int,
         raise ValueError(f"--dataset {path}: a ShareGPT file needs a tokenizer to count prompt "
                          "and output tokens: give --tokenizer")
     conversations = _conversations(path)
-    random.Random(seed).shuffle(conversations)
+    if shuffle:
+        random.Random(seed).shuffle(conversations)
     requests: list[BenchRequest] = []
     for turns in conversations:
         if len(requests) >= num:

@@ -237,7 +237,30 @@ def test_sharegpt_sampled_as_vllm(tmp_path, tiny_tokenizer):
     fixed = load_sharegpt(path, 10, tiny_tokenizer, 0, output_len=5)
     assert {r.output_len for r in fixed} == {5} and len(fixed) == 4
     args = argparse.Namespace(dataset=path, num_prompts=2, seed=0, sharegpt_output_len=None,
-                              output_len=64, endpoint="completions")
+                              output_len=64, endpoint="completions", disable_shuffle=False)
     assert build_requests(args, lambda: tiny_tokenizer) == load_sharegpt(path, 2, tiny_tokenizer, 0)
+    args.disable_shuffle = True  # vLLM's --disable-shuffle: file order
+    assert [r.prompt for r in build_requests(args, lambda: tiny_tokenizer)] == [
+        convs[4][0], convs[5][0]]
     with pytest.raises(ValueError, match="needs a tokenizer"):
         build_requests(args, lambda: None)
+
+
+def test_jsonl_sampled_as_vllm_custom_dataset(tmp_path):
+    """vLLM's custom JSONL dataset shuffles with random.seed(seed) and takes the first N; kvflow
+    took the first N lines, so the two benchmarks sent different requests from one file."""
+    import argparse
+    import random
+
+    from kvflow.bench.serve_workload import build_requests
+
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "output_len": i + 1}) + "\n"
+                            for i in range(10)))
+    args = argparse.Namespace(dataset=str(path), num_prompts=4, seed=3, output_len=64,
+                              endpoint="completions", disable_shuffle=False)
+    order = list(range(10))
+    random.Random(3).shuffle(order)
+    assert [r.prompt for r in build_requests(args, lambda: None)] == [f"p{i}" for i in order[:4]]
+    args.disable_shuffle = True
+    assert [r.prompt for r in build_requests(args, lambda: None)] == ["p0", "p1", "p2", "p3"]
