@@ -165,7 +165,11 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
 
 def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> int:
     """Give every linear and vocabulary layer of ``model`` its method (before loading);
-    tables tied at construction (a tied LM head) stay tied. Returns the layers changed."""
+    tables tied at construction (a tied LM head) stay tied. Returns the layers changed.
+
+    Raises:
+        ValueError: for a checkpoint quantization scheme kvflow cannot run.
+    """
     if quant_config is None:
         return 0
     quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}))
@@ -190,6 +194,10 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
         if method is not None:
             module.set_quant_method(method)
             changed += 1
+    if quant_config.name == "compressed-tensors":
+        from kvflow.quant.compressed_tensors import check_attention_targets
+
+        check_attention_targets(quant_config.checkpoint_config or {}, model)
     return changed
 
 

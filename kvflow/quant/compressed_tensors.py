@@ -22,11 +22,12 @@ INT8 symmetric, channel        none (W8A16) or dynamic INT8 per token (W8A8)
 =============================  ==============================================================
 
 Anything else (packed INT4, group/block strategies, asymmetric INT8, NVFP4/MXFP, quantized
-output activations, no weight quantization) is a ValueError naming the scheme, and so are the
-config keys the package's parser drops unread: ``transform_config``, a compressed
-``sparsity_config``, ``moe_sparsity_config``. ``kv_cache_scheme`` and its calibrated
-``k_scale``/``v_scale`` tensors are not read (``--kv-cache-dtype`` chooses the cache's type;
-kvflow's 8-bit caches take one scale per row); the vocabulary tables must be unquantized (``lm_head`` in ``ignore``).
+output activations, no weight quantization, a group targeting attention modules) is a
+ValueError naming the scheme, and so are the config keys the package's parser drops unread:
+``transform_config``, a compressed ``sparsity_config``, ``moe_sparsity_config``.
+``kv_cache_scheme`` and its calibrated ``k_scale``/``v_scale`` tensors are not read
+(``--kv-cache-dtype`` chooses the cache's type; kvflow's 8-bit caches take one scale per row);
+the vocabulary tables must be unquantized (``lm_head`` in ``ignore``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,28 @@ def compressed_tensors_method(config: dict[str, Any], prefix: str, module: nn.Mo
     parsed = parse_config(config)
     scheme = scheme_for(parsed, prefix, module, packed_modules_mapping)
     return None if scheme is None else method_for_scheme(scheme, parsed.format)
+
+
+def check_attention_targets(config: dict[str, Any], model: nn.Module) -> None:
+    """Refuse a config group that targets attention modules themselves (``re:.*self_attn$``,
+    ``LlamaAttention``): compressed-tensors then quantizes the attention's queries, keys and
+    values (its ``is_narrow_match`` rule), which kvflow does not run.
+
+    Raises:
+        ValueError: naming the first such module and the group.
+    """
+    from compressed_tensors.utils.match import is_match, is_narrow_match
+
+    parsed = parse_config(config)
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("Attention") or hasattr(module, "set_quant_method"):
+            continue
+        for group, scheme in parsed.config_groups.items():
+            if is_narrow_match(model, scheme.targets, name, module) and not (
+                    parsed.ignore and is_match(name, module, parsed.ignore)):
+                raise ValueError(f"compressed-tensors config group {group!r} targets the "
+                                 f"attention module {name!r} (attention quantization); kvflow "
+                                 "reads quantized linear layers only")
 
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")

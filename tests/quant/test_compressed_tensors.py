@@ -276,3 +276,21 @@ def test_kv_cache_scheme_scales_are_skipped(fp8_dynamic_folder, tmp_path):
     kw = {"dtype": "float32", "num_kv_blocks": 16, "block_size": 4}
     want = _prompt_logprobs(LLM(model=fp8_dynamic_folder, **kw), prompt)
     assert _prompt_logprobs(LLM(model=folder, **kw), prompt) == want
+
+
+@pytest.mark.parametrize("target", ["re:.*self_attn$", "LlamaAttention"])
+def test_attention_quantization_group_is_refused(fp8_dynamic_folder, tmp_path, target):
+    """A group targeting the attention modules (compressed-tensors then quantizes queries,
+    keys and values inside attention) was ignored: the folder loaded as plain FP8 linears."""
+    folder = str(tmp_path / "attn")
+    shutil.copytree(fp8_dynamic_folder, folder)
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    qc = config["quantization_config"]
+    qc["config_groups"]["attn"] = {"targets": [target], "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="group 'attn' targets the attention module "
+                                         "'model.layers.0.self_attn'"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
