@@ -145,8 +145,16 @@ def _content_parts(content: list, i: int, image_placeholder: str | None) -> list
 
 
 def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str, str]:
-    """(type, text) of one content part; an image's text is the placeholder."""
+    """(type, text) of one content part; an image's text is the placeholder. A part holds
+    ``type`` and its type's payload only (another non-null key would go unread: a
+    ChatTemplateError naming it, as the HTTP schema refuses it)."""
     kind = part.get("type") if isinstance(part, dict) else None
+    other = next((k for k, v in part.items() if k not in ("type", kind) and v is not None),
+                 None) if isinstance(kind, str) else None
+    if other is not None and kind in _TEXT_PARTS | _IMAGE_PARTS:
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} carries "
+                                f"{kind} only, not {other!r}",
+                                f"messages.{i}.content.{j}.{other}", "unknown_parameter")
     if kind in _IMAGE_PARTS and image_placeholder is not None:
         image = part.get("image_url")
         if not isinstance(image.get("url") if isinstance(image, dict) else image, str):

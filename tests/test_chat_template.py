@@ -190,3 +190,19 @@ def test_other_message_keys_must_be_read(tok):
     with pytest.raises(ChatTemplateError) as info:
         render_chat(tok, many, chat_template="{{ messages }}")  # reads them all
     assert info.value.param == "messages.0.k8"
+
+
+@pytest.mark.parametrize("part,key", [({"type": "text", "text": "hi", "foo": 1}, "foo"),
+                                      ({"type": "text", "text": "hi", "image_url": "u"},
+                                       "image_url")])
+def test_llm_chat_part_keys_are_checked(tok, part, key):
+    """LLM.chat (no HTTP schema before it) refused nothing in a content part: an unknown key,
+    or another type's payload, was dropped; now a ChatTemplateError naming it, as the
+    server's 400 does. Null for another type's key passes (the server's parts carry them)."""
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tok, [{"role": "user", "content": [part]}])
+    assert (info.value.param, info.value.code) == (f"messages.0.content.0.{key}",
+                                                   "unknown_parameter")
+    assert render_chat(tok, [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "image_url": None, "refusal": None}]}]) == \
+        render_chat(tok, [{"role": "user", "content": "hi"}])
