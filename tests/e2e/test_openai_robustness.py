@@ -178,8 +178,8 @@ REFUSED = [  # (path, body, param, code): decided after the schema
      "integer_above_max_value"),
     (C, {"prompt": ""}, "prompt", "empty_string"),
     (C, {"prompt": []}, "prompt", "empty_array"),
-    (C, {"prompt": [[]]}, "prompt", "empty_array"),
-    (C, {"prompt": ["hi", ""]}, "prompt", "empty_string"),
+    (C, {"prompt": [[]]}, "prompt.0", "empty_array"),  # the empty one of the list
+    (C, {"prompt": ["hi", ""]}, "prompt.1", "empty_string"),
     (C, {"prompt": [5, 99999]}, "prompt", "invalid_value"),
     (C, {"prompt": [5, -1]}, "prompt", "invalid_value"),
     ("/detokenize", {"tokens": [5, 99999]}, "tokens", "invalid_value"),
