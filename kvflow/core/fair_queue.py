@@ -162,6 +162,8 @@ class FairWaitingQueue(WaitingQueue):
         return False
 
     def open(self, request: Request) -> None:
+        """A request entered the scheduler: its flow counts one more open request (``close``
+        forgets the flow's deficit when the count returns to zero)."""
         flow = self.flow_of(request)
         self._num_open[flow] = self._num_open.get(flow, 0) + 1
 
