@@ -85,6 +85,22 @@ class QuantConfig:
                                              self.packed_modules_mapping)
         return None
 
+    def check_kept_float(self, prefix: str, module: nn.Module) -> None:
+        """A layer kvflow keeps unquantized (an MoE router) must be unquantized in a
+        compressed-tensors checkpoint too.
+
+        Raises:
+            ValueError: naming the layer, when the checkpoint's config quantizes it.
+        """
+        if self.name != "compressed-tensors":
+            return
+        from kvflow.quant.compressed_tensors import parse_config, scheme_for
+
+        if scheme_for(parse_config(self.checkpoint_config or {}), prefix, module,
+                      self.packed_modules_mapping) is not None:
+            raise ValueError(f"the compressed-tensors checkpoint quantizes {prefix!r}, which "
+                             "kvflow keeps unquantized (MoE routers and gates)")
+
     def skips_tensor(self, name: str) -> bool:
         """Whether the loader drops checkpoint tensor ``name`` unread: a compressed-tensors
         checkpoint's calibrated KV-cache scales (see ``is_unread_kv_scale``)."""
@@ -176,7 +192,10 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
     tied: dict[int, nn.Module] = {}
     changed = 0
     for prefix, module in model.named_modules():
-        if not hasattr(module, "set_quant_method") or not getattr(module, "quantizable", True):
+        if not hasattr(module, "set_quant_method"):
+            continue
+        if not getattr(module, "quantizable", True):  # a router: kept in the model dtype
+            quant_config.check_kept_float(prefix, module)
             continue
         weight = getattr(module, "weight", None)
         owner = tied.setdefault(id(module if weight is None else weight), module)

@@ -309,3 +309,14 @@ def test_attention_quantization_group_is_refused(fp8_dynamic_folder, tmp_path, t
     with pytest.raises(ValueError, match="group 'attn' targets the attention module "
                                          "'model.layers.0.self_attn'"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_quantized_moe_gate_is_refused(tiny_model_factory, tmp_path):
+    """Qwen2-MoE's shared_expert_gate is an nn.Linear, so a "Linear" group quantizes it; kvflow
+    keeps routers and gates unquantized, and failed with 'shared_expert_gate.weight_scale
+    matches no parameter'; now the error names the layer and why."""
+    folder = build_checkpoint(tiny_model_factory("qwen2_moe"), "FP8_DYNAMIC",
+                              str(tmp_path / "moe"))
+    with pytest.raises(ValueError, match=r"quantizes 'model\.layers\.0\.mlp\.\w+', which kvflow "
+                                         r"keeps unquantized"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
