@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.engine.core_proc import run_engine_core
+from kvflow.engine.core_proc import engine_core_process
 from kvflow.engine.messages import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class CoreProcess:
         ctx = multiprocessing.get_context("spawn")  # no forked CUDA or torch thread state
         name = "kvflow-engine-core" + ("" if self.config.parallel_config.data_parallel_size
                                        == 1 else f"-{self.index}")
-        self.proc = ctx.Process(target=run_engine_core, name=name, daemon=True,
+        self.proc = ctx.Process(target=engine_core_process, name=name, daemon=True,
                                 args=(self.config, self.input_addr, self.output_addr,
                                       log_level, core_process_env(self.config)))
         self.proc.start()

@@ -287,3 +287,25 @@ def test_an_executor_dropped_without_shutdown_is_collected_without_a_hang(tmp_pa
     worker_ctx.term()
     assert not collect.is_alive(), "gc.collect() hung"
     assert not os.path.exists(folder)
+
+
+def test_the_engine_core_process_exits_at_once_after_its_loop(monkeypatch):
+    """The spawned engine-core process ends with ``os._exit(0)`` once ``run_engine_core``
+    has shut its workers down (was: the interpreter's teardown, 4 s with torch on 2 busy
+    cores, so Ctrl-C of ``kvflow serve`` took that much longer, or past the API process's
+    5 s grace the core was killed; benchmarks/worker_faults.py serve-sigint). Faked: the
+    loop and ``os._exit``."""
+    from kvflow.engine import core_client, core_proc
+
+    calls: list = []
+    monkeypatch.setattr(core_proc, "run_engine_core", lambda *a: calls.append(("run", a)))
+
+    def exit_now(code: int) -> None:
+        calls.append(("exit", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(core_proc.os, "_exit", exit_now)
+    with pytest.raises(SystemExit):
+        core_proc.engine_core_process("config", "in", "out", 20, {})
+    assert calls == [("run", ("config", "in", "out", 20, {})), ("exit", 0)]
+    assert core_client.engine_core_process is core_proc.engine_core_process  # the target
