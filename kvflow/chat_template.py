@@ -116,8 +116,25 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
     else:
         out["content"] = _content_text(content, i, image_placeholder)
     if isinstance(message.get("tool_calls"), list):
-        out["tool_calls"] = [_parsed_arguments(c) for c in message["tool_calls"]]
+        out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
+                             for j, c in enumerate(message["tool_calls"])]
     return out
+
+
+def _without_index(call: Any, i: int, j: int) -> Any:
+    """Tool call ``j`` of message ``i`` without its ``index`` key: the position a streamed
+    delta gave the call (clients echo it back), which must be ``j``.
+
+    Raises:
+        ChatTemplateError: if ``index`` is given and is not ``j``.
+    """
+    if not isinstance(call, dict) or "index" not in call:
+        return call
+    if call["index"] is not None and call["index"] != j:
+        raise ChatTemplateError(f"message {i}: tool call {j} has index {call['index']}; a "
+                                "call's index is its position in tool_calls",
+                                f"messages.{i}.tool_calls.{j}.index")
+    return {k: v for k, v in call.items() if k != "index"}
 
 
 def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:

@@ -70,7 +70,7 @@ NESTED = [
     ("/chat", {"messages": [*HI, {"role": "assistant", "tool_calls": [CALL]}]},
      "messages.1.tool_calls.0.function.argumnets"),
     ("/chat", {"messages": [*HI, {"role": "assistant", "tool_calls": [CALL]}]},
-     "messages.1.tool_calls.0.index"),
+     "messages.1.tool_calls.0.idx"),
     ("/chat", {"messages": HI, "response_format": SCHEMA_FMT},
      "response_format.json_schema.strct"),
     ("/chat", {"messages": HI, "response_format": {"type": "json_object"}},
@@ -202,3 +202,24 @@ def test_structured_outputs_errors_use_the_request_names(body, param, message):
     with pytest.raises(RequestFieldError) as e:
         request_constraint(CompletionRequest.model_validate({"prompt": "a", **body}))
     assert (e.value.param, str(e.value)) == (param, message)
+
+
+@pytest.mark.parametrize("index", [None, 0, 1])
+def test_a_streamed_tool_call_index_echoed_back_must_be_its_position(index):
+    """Clients that build the assistant message from the stream echo each call's ``index``:
+    the call's own position (0 here) is accepted and kept from the template, which sees
+    OpenAI's shape (``arguments`` parsed); another position is refused naming the key."""
+    from kvflow.chat_template import ChatTemplateError, normalize_conversation
+
+    call = CALL if index is None else {**CALL, "index": index}
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [*HI, {"role": "assistant", "tool_calls": [call]}]})
+    conversation = [m.model_dump() for m in req.messages]
+    if index == 1:
+        with pytest.raises(ChatTemplateError) as e:
+            normalize_conversation(conversation)
+        assert e.value.param == "messages.1.tool_calls.0.index"
+        return
+    rendered = normalize_conversation(conversation)[1]["tool_calls"]
+    assert rendered == [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": {}}}]

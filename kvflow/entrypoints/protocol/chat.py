@@ -62,11 +62,15 @@ class CalledFunction(RequestModel):
 
 
 class MessageToolCall(RequestModel):
-    """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed)."""
+    """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed).
+    ``index`` is the position a streamed delta gave the call, which clients that build the
+    message from the stream echo back: it must equal the call's position in the list
+    (checked with the conversation, kvflow/chat_template.py) and does not reach the template."""
 
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = Field(default=None, ge=0)
 
 
 class ChatMessage(RequestModel):
