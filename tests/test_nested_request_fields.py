@@ -223,3 +223,14 @@ def test_a_streamed_tool_call_index_echoed_back_must_be_its_position(index):
     rendered = normalize_conversation(conversation)[1]["tool_calls"]
     assert rendered == [{"id": "c1", "type": "function",
                          "function": {"name": "f", "arguments": {}}}]
+
+
+def test_an_empty_list_of_content_parts_is_a_400(client):
+    """OpenAI's content array has ``minItems: 1``: ``[]`` is a 400 naming the message's
+    content (it rendered as empty text before); an empty string is still content."""
+    resp = client.post("/chat", json={"messages": [{"role": "user", "content": []}]})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages.0.content"
+    assert "at least one part" in resp.json()["error"]["message"]
+    assert client.post("/chat", json={"messages": [{"role": "user", "content": ""}]}
+                       ).status_code == 200

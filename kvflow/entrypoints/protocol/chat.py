@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel
@@ -84,6 +84,15 @@ class ChatMessage(RequestModel):
     content: str | list[ContentPart] | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_not_empty(cls, content: Any) -> Any:
+        """A list of content parts holds at least one part (OpenAI's ``minItems: 1``)."""
+        if isinstance(content, list) and not content:
+            raise PydanticCustomError("empty_content", "a list of content parts must hold at "
+                                      "least one part (for no content send a string or null)")
+        return content
 
 
 class FunctionDefinition(RequestModel):
