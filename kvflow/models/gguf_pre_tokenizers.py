@@ -94,7 +94,7 @@ TRANSFORMERS_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "fa
 
 def check_pre_tokenizer(pre: Any) -> str | None:
     """None when kvflow splits text as llama.cpp does for ``tokenizer.ggml.pre = pre`` (a
-    byte-level vocabulary; an absent value is transformers' GPT-2 split), else why not: a
+    byte-level vocabulary; an absent value is llama.cpp's ``"default"``), else why not: a
     value llama.cpp handles with custom code (``kimi-k2``, ``afmoe``, ``superbpe``,
     ``chameleon``) or one unknown to kvflow."""
     if pre is None or pre in SPLIT_REGEXES or pre in DIGIT_SPLIT_PRES or pre in GPT2_PRES \
@@ -118,7 +118,10 @@ def _transformers_pres() -> frozenset[str]:
 def llama_cpp_pre_tokenizer(pre: Any) -> Any | None:
     """The ``tokenizers`` pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` value ``pre`` means,
     for a byte-level (``tokenizer.ggml.model = gpt2``) vocabulary; None for a value whose
-    transformers conversion is already right (or unknown to kvflow).
+    transformers conversion is already right (or unknown to kvflow). An absent key
+    (``pre is None``) is ``"default"``, as llama.cpp's loader decides
+    (``LLAMA_VOCAB_PRE_TYPE_DEFAULT``, with a "missing pre-tokenizer type" warning); transformers
+    would split it with GPT-2's regex alone.
 
     Returns:
         a ``tokenizers.pre_tokenizers.Sequence``: the ``Split(..., "isolated")`` of each of
@@ -132,6 +135,8 @@ def llama_cpp_pre_tokenizer(pre: Any) -> Any | None:
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre is None:
+        pre = "default"
     regexes = SPLIT_REGEXES.get(pre) if isinstance(pre, str) else None
     if regexes is None:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,8 @@ from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -31,6 +34,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """
     meta = read_gguf_metadata(path)  # validates the file first (fast)
     check_tokenizer_metadata(meta)
+    _warn_missing_pre(meta)
     from transformers import AutoTokenizer
 
     cached = _tokenizer_cache_dir(meta.path)
@@ -91,13 +95,23 @@ def _spm_spacing(tokenizer: Any, meta: GGUFMetadata) -> None:
 
 def _llama_cpp_pre(tokenizer: Any, meta: GGUFMetadata) -> None:
     """For a byte-level vocabulary whose ``tokenizer.ggml.pre`` transformers does not convert
-    (DeepSeek LLM / Coder, the digit-splitting StarCoder family): llama.cpp's pre-tokenizer,
+    (DeepSeek LLM / Coder, the digit-splitting StarCoder family, an absent key = llama.cpp's
+    ``"default"``): llama.cpp's pre-tokenizer,
     from :func:`~kvflow.models.gguf_pre_tokenizers.llama_cpp_pre_tokenizer`."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
         return
     pre_tokenizer = llama_cpp_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     if pre_tokenizer is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+
+
+def _warn_missing_pre(meta: GGUFMetadata) -> None:
+    """Log (once per load) that a byte-level vocabulary has no ``tokenizer.ggml.pre`` and is
+    split with llama.cpp's ``"default"`` regexes, as llama.cpp warns for such a file."""
+    if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") is None:
+        logger.warning("%s: GGUF has no 'tokenizer.ggml.pre'; splitting text with llama.cpp's "
+                       "'default' pre-tokenizer as llama.cpp does (tokenization may differ "
+                       "from the original model's; pass --tokenizer to use its own)", meta.path)
 
 
 _USE_TOKENIZER = "pass a Hugging Face tokenizer folder with --tokenizer (LLM(tokenizer=...))"
@@ -173,7 +187,7 @@ def gguf_eos_token_ids(path: str) -> list[int]:
 
 
 # Bump when load_gguf_tokenizer changes what it saves, so earlier cache entries are not reused.
-_CACHE_FORMAT = 6
+_CACHE_FORMAT = 7
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:

@@ -163,3 +163,46 @@ def test_pre_tokenizer_kvflow_cannot_reproduce_is_refused(tmp_path, monkeypatch,
     with pytest.raises(ValueError, match=rf"'tokenizer.ggml.pre' is '{pre}', a pre-tokenizer "
                                          r"kvflow does not reproduce.*--tokenizer"):
         load_gguf_tokenizer(_write_deepseek(tmp_path / "p.gguf", pre))
+
+
+# llama.cpp's "default" list (LLAMA_VOCAB_PRE_TYPE_DEFAULT, what it uses when the key is
+# absent): a punctuation run, GPT-2's word rule, digit runs, then digits in threes.
+DEFAULT_SPLITS = [r"[\p{P}\$\+<=>\^~\|]+",
+                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                  r"\p{N}+", "[0-9][0-9][0-9]"]
+
+
+def test_missing_pre_is_llama_cpp_default(tmp_path, monkeypatch, caplog):
+    """No ``tokenizer.ggml.pre``: llama.cpp splits with its "default" regexes and warns.
+    Before: GPT-2's regex (" 12345" one piece, "'s" kept together), no warning."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "nopre.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(DS_VOCAB)
+    w.add_token_types([1] * len(DS_VOCAB))
+    w.add_token_merges(DS_MERGES)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with caplog.at_level("WARNING", logger="kvflow.models.gguf_tokenizer"):
+        tokenizer = load_gguf_tokenizer(str(path))
+    warnings = [r for r in caplog.records if "tokenizer.ggml.pre" in r.getMessage()]
+    assert len(warnings) == 1 and "'default'" in warnings[0].getMessage()
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    pieces = ["it", "'", "s", " x", "+=", "y", ",", " ", "123", "45", "!"]  # hand-counted
+    expected = [p for piece in pieces for p, _ in byte_level.pre_tokenize_str(piece)]
+    got = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("it's x+=y, 12345!")
+    assert [p for p, _ in got] == expected
+    oracle = Tokenizer(models.BPE({t: i for i, t in enumerate(DS_VOCAB)},
+                                  [tuple(m.split(" ")) for m in DS_MERGES]))
+    oracle.pre_tokenizer = pre_tokenizers.Sequence(
+        [*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEFAULT_SPLITS),
+         byte_level])
+    for text in [*DS_TEXTS, "it's x+=y, 12345!"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == oracle.encode(text).ids, text
+        assert tokenizer.decode(ids) == text
