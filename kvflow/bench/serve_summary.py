@@ -4,6 +4,7 @@ failures by kind, the printed table and the JSON-safe form of the result."""
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any
 
 from kvflow.bench import metrics
@@ -11,6 +12,10 @@ from kvflow.bench.client import RequestResult
 from kvflow.bench.datasets import BenchRequest
 
 MAX_ERRORS_KEPT = 20
+# Series whose result keys are also written under vLLM's name (``vllm bench serve`` writes
+# ``mean_e2el_ms``, ``median_e2el_ms``, ``std_e2el_ms``, ``p99_e2el_ms``; kvflow's scripts
+# read the ``*_e2e_ms`` keys).
+VLLM_KEY_NAMES = MappingProxyType({"e2e": "e2el"})
 
 
 def _token_counts(req: BenchRequest, res: RequestResult, tokenizer_factory) -> tuple[int, int]:
@@ -55,6 +60,8 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
     for name, values in series.items():
         for stat, value in metrics.summarize(values, scale=1e3).items():
             out[f"{stat}_{name}_ms"] = value
+            if name in VLLM_KEY_NAMES:  # vLLM's key too, for scripts that parse its results
+                out[f"{stat}_{VLLM_KEY_NAMES[name]}_ms"] = value
     if slos:
         out["goodput_slos_ms"] = {k: v * 1e3 for k, v in slos.items()}
         out["good_requests"], out["request_goodput"] = metrics.goodput(timings, slos, duration)

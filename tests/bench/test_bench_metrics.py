@@ -113,6 +113,18 @@ def test_e2e_ends_at_the_last_token_chunk_not_the_usage_chunk():
     assert r["itls"] == [pytest.approx([0.2])] and r["total_output_tokens"] == 3
 
 
+def test_result_has_vllm_e2el_keys():
+    # two requests: last token chunks at 10.3 and 10.5 (sent at 10.0) -> E2E 300 and 500 ms
+    a = _streamed([(10.1, _chunk("a")), (10.3, _chunk("b", "length")), (10.4, _usage(4, 2))])
+    b = _streamed([(10.2, _chunk("a")), (10.5, _chunk("b", "length")), (10.6, _usage(4, 2))])
+    r = _summary([a, b])
+    # the keys vLLM's result-parsing scripts read, next to kvflow's *_e2e_ms
+    assert r["mean_e2el_ms"] == pytest.approx(400.0) == r["mean_e2e_ms"]
+    assert r["median_e2el_ms"] == pytest.approx(400.0)
+    assert r["std_e2el_ms"] == pytest.approx(100.0)       # population std of 300, 500
+    assert r["p99_e2el_ms"] == pytest.approx(498.0)       # 300 + 200 * 0.99
+
+
 def test_parse_goodput():
     assert metrics.parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == {
         "ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
