@@ -4,6 +4,7 @@ Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``ge
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +117,8 @@ def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
     ``yarn_beta_slow``, ``yarn_attn_factor``, as the checkpoint's config.json had them).
 
     Raises:
-        ValueError: naming the key, for a missing ``factor``, another scaling type (LongRoPE's
+        ValueError: naming the key, for a missing or out-of-range ``factor`` (see
+            :func:`_scaling_factor`), another scaling type (LongRoPE's
             factors are tensors kvflow does not read), a ``yarn_ext_factor`` other than 1
             (transformers' YaRN always extrapolates fully), a non-zero ``yarn_log_multiplier``
             (DeepSeek's softmax scale) or an ``attn_factor`` other than 1.
@@ -134,13 +136,40 @@ def _rope_scaling(keys: ArchKeys) -> dict[str, Any] | None:
         raise keys.error("rope.scaling.factor", f"is missing (rope.scaling.type is "
                          f"{scaling_type!r})")
     rope_scaling: dict[str, Any] = {"rope_type": scaling_type,
-                                    "factor": keys.float("rope.scaling.factor", 1.0)}
+                                    "factor": _scaling_factor(keys)}
     if keys.get("rope.scaling.original_context_length") is not None:
         rope_scaling["original_max_position_embeddings"] = keys.int(
             "rope.scaling.original_context_length")
     if scaling_type == "yarn":
         rope_scaling.update(_yarn_fields(keys))
     return rope_scaling
+
+
+# The most positions a scaled RoPE may cover (context x factor): 16M, above any released
+# model's context (Llama 4 Scout: 10M); beyond it the rotary table would not fit in memory.
+MAX_ROPE_POSITIONS = 1 << 24
+
+
+def _scaling_factor(keys: ArchKeys) -> float:
+    """``rope.scaling.factor``, checked against the range transformers' RoPE validation accepts
+    (``factor >= 1``) and :data:`MAX_ROPE_POSITIONS` over the context it scales
+    (``rope.scaling.original_context_length``, else ``context_length``, default 2048): YaRN
+    sizes the rotary table as context x factor.
+
+    Raises:
+        ValueError: naming the key and the accepted range, for a factor that is not a number,
+            not finite, below 1 or above that limit.
+    """
+    value = keys.get("rope.scaling.factor")
+    context = keys.get("rope.scaling.original_context_length") or keys.get("context_length") \
+        or 2048
+    limit = MAX_ROPE_POSITIONS // context if isinstance(context, int) and context > 0 else 1
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not math.isfinite(value) or not 1 <= value <= limit:
+        raise keys.error("rope.scaling.factor", f"is {value!r}; accepted: 1 <= factor <= {limit} "
+                         f"(transformers requires >= 1; context {context} x factor may cover at "
+                         f"most {MAX_ROPE_POSITIONS} RoPE positions)")
+    return float(value)
 
 
 def _yarn_fields(keys: ArchKeys) -> dict[str, float]:

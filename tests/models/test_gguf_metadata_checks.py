@@ -253,6 +253,24 @@ def test_rope_scaling_without_a_factor_is_named(tmp_path, scaling_type):
                           rf"'{scaling_type}'\)")
 
 
+@pytest.mark.parametrize("scaling_type", ["linear", "yarn"])
+@pytest.mark.parametrize("factor", [1e30, float("inf"), float("nan"), 0.0, -2.0, 0.5])
+def test_rope_scaling_factor_out_of_range_is_refused(tmp_path, scaling_type, factor):
+    """transformers' RoPE validation accepts factor >= 1; context 1024 (original) x factor may
+    cover at most 2**24 positions, so factor <= 16384. Before: 1e30 and 0.5 loaded (YaRN sized
+    its rotary table from 1024 x 1e30), NaN / 0 / -2 were refused without the range."""
+    path = _rewritten(tmp_path, {**_YARN, "llama.rope.scaling.type": (scaling_type, STR),
+                                 "llama.rope.scaling.factor": (factor, F32)})
+    _assert_refused(path, r"'llama.rope.scaling.factor' is .*; accepted: 1 <= factor <= 16384 ")
+
+
+def test_rope_scaling_factor_at_the_limit_loads(tmp_path):
+    """The boundaries themselves are accepted (1 and 2**24 / 1024)."""
+    for factor in (1.0, 16384.0):
+        path = _rewritten(tmp_path, {**_YARN, "llama.rope.scaling.factor": (factor, F32)})
+        assert load_gguf_config(path).rope_scaling["factor"] == factor
+
+
 @pytest.mark.parametrize("key,value,pattern", [
     ("llama.attn_logit_softcapping", (50.0, F32), r"attn_logit_softcapping' is 50.0"),
     ("llama.final_logit_softcapping", (30.0, F32), r"final_logit_softcapping' is 30.0"),
