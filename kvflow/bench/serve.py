@@ -25,6 +25,7 @@ import aiohttp
 from kvflow.bench import metrics
 from kvflow.bench.client import ENDPOINT_PATHS, RequestResult, build_payload, send_request
 from kvflow.bench.datasets import BenchRequest, arrival_intervals
+from kvflow.bench.result_file import vllm_result_path
 from kvflow.bench.serve_checks import check_args, load_compare, parse_rates
 from kvflow.bench.serve_summary import aggregate, finite, print_summary
 from kvflow.bench.serve_workload import build_requests, make_tokenizer_factory
@@ -172,15 +173,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    if args.result_json:
+    result_path = args.result_json or vllm_result_path(args, datetime.now())
+    if result_path:
         doc = runs[0] if not args.sweep_rates else {"label": runs[0]["label"], "sweep": runs}
-        with open(args.result_json, "w") as f:
+        with open(result_path, "w") as f:
             json.dump(finite(doc), f, indent=1, allow_nan=False)
-        print(f"results written to {args.result_json}")
+        print(f"results written to {result_path}")
     if args.sweep_rates or args.compare:
         from kvflow.bench.plot import plot_sweeps
 
-        path = args.plot or os.path.splitext(args.result_json or "sweep")[0] + ".png"
+        path = args.plot or os.path.splitext(result_path or "sweep")[0] + ".png"
         others = [load_compare(p) for p in args.compare or []]
         plot_sweeps([(runs[0]["label"], runs), *others], path)
         print(f"plot written to {path}")
@@ -243,6 +245,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="SLOs, e.g. ttft:500 tpot:50 e2e:5000 (e2el: vLLM's name for e2e)")
     o = p.add_argument_group("output")
     o.add_argument("--result-json", default=None, help="write the summary here")
+    o.add_argument("--save-result", action="store_true",
+                   help="vLLM's way: write the summary to --result-filename, or by default "
+                   "to LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json (LABEL: "
+                   "--label or openai), in --result-dir (default: here)")
+    o.add_argument("--result-dir", default=None, help="folder of --save-result's file")
+    o.add_argument("--result-filename", default=None, help="name of --save-result's file")
     o.add_argument("--sweep-rates", default=None, help="e.g. 1,2,4,8,inf: one run per rate")
     o.add_argument("--plot", default=None, help="sweep PNG (default: next to --result-json)")
     o.add_argument("--compare", action="append", metavar="RESULT.json",

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from kvflow.bench.checks import ensure_parent_dir, require_positive
 from kvflow.bench.datasets import parse_image_size, parse_length_dist
+from kvflow.bench.result_file import check_result_flags
 
 
 def parse_rates(spec: str) -> list[float]:
@@ -79,6 +80,7 @@ def check_args(args: argparse.Namespace) -> None:
     for path in args.compare or []:
         load_compare(path)
     ensure_parent_dir(args.result_json, "--result-json")
+    check_result_flags(args)
     ensure_parent_dir(args.plot, "--plot")
 
 

@@ -253,3 +253,58 @@ def test_vllm_random_length_flags(monkeypatch):
                  "--num-prompts", "2", "--random-input-len", "5", "--random-output-len", "7",
                  "--disable-tqdm"]) == 0
     assert [(len(r.prompt), r.output_len) for r in sent[1:]] == [(5, 7), (5, 7)]
+
+
+def test_vllm_result_file_name():
+    from datetime import datetime
+
+    from kvflow.bench.result_file import vllm_result_filename, vllm_result_path
+
+    # vLLM's name: {label}-{rate}qps[-concurrency{N}]-{model basename}-{%Y%m%d-%H%M%S}.json
+    assert vllm_result_filename(None, float("inf"), None, "org/SmolLM2-135M",
+                                "20261203-133000") == "openai-infqps-SmolLM2-135M-20261203-133000.json"
+    assert vllm_result_filename("kv", 4, 8, "m", "20261203-133000") == \
+        "kv-4.0qps-concurrency8-m-20261203-133000.json"
+    args = argparse.Namespace(save_result=True, result_dir="out", result_filename=None,
+                              request_rate=None, label=None, max_concurrency=None, model="a/b")
+    now = datetime(2026, 12, 3, 13, 30, 5)
+    assert vllm_result_path(args, now) == "out/openai-infqps-b-20261203-133005.json"
+    args.result_filename = "x.json"
+    assert vllm_result_path(args, now) == "out/x.json"
+    args.result_dir = None
+    assert vllm_result_path(args, now) == "x.json"
+    args.save_result = False
+    assert vllm_result_path(args, now) is None
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--result-dir", "d"], "--result-dir names the file of --save-result"),
+    (["--result-filename", "f.json"], "--result-filename names the file of --save-result"),
+    (["--save-result", "--result-json", "r.json"], "not both"),
+    (["--save-result", "--sweep-rates", "1,2"], "with --sweep-rates use --result-json"),
+])
+def test_vllm_result_flags_refused_when_they_would_not_write(capsys, tmp_path, monkeypatch,
+                                                             flags, why):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "serve", "--model", NO_MODEL, *flags]) == 2
+    assert why in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_result_writes_vllm_named_file(monkeypatch, tmp_path):
+    async def fake_run_load(requests, args, rate):
+        return [RequestResult(success=True, start=0.0, token_times=[0.1, 0.3], prompt_tokens=8,
+                              completion_tokens=2) for _ in requests], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    argv = ["bench", "serve", "--model", "org/" + NO_MODEL.rsplit("/", 1)[-1],
+            "--random-vocab-size", "1000", "--num-prompts", "2", "--input-len", "8",
+            "--request-rate", "4", "--max-concurrency", "2", "--save-result", "--result-dir",
+            str(tmp_path / "res"), "--label", "kv", "--disable-tqdm"]
+    assert main(argv) == 0
+    (written,) = (tmp_path / "res").iterdir()
+    assert written.name.startswith("kv-4.0qps-concurrency2-model-") and written.suffix == ".json"
+    r = json.loads(written.read_text())
+    assert r["completed"] == 2 and r["mean_e2el_ms"] == pytest.approx(300.0)
+    assert main([*argv, "--result-filename", "mine.json"]) == 0
+    assert json.loads((tmp_path / "res" / "mine.json").read_text())["completed"] == 2
