@@ -113,6 +113,20 @@ def test_e2e_ends_at_the_last_token_chunk_not_the_usage_chunk():
     assert r["itls"] == [pytest.approx([0.2])] and r["total_output_tokens"] == 3
 
 
+def test_ttft_waits_for_a_token_chunk_not_the_role_chunk():
+    # kvflow serve sends the chat role chunk at admission (10.01), the first token at 10.4;
+    # vLLM's client would take TTFT at the role chunk (10 ms): kvflow's bench takes 400 ms
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "finish_reason": None}]}
+    tok = {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}]}
+    res = _streamed([(10.01, role), (10.4, tok), (10.6, last), (10.7, _usage(4, 2))],
+                    endpoint="chat")
+    r = _summary([res])
+    assert r["mean_ttft_ms"] == pytest.approx(400.0)
+    assert r["itls"] == [pytest.approx([0.2])] and r["mean_tpot_ms"] == pytest.approx(200.0)
+
+
 def test_result_has_vllm_e2el_keys():
     # two requests: last token chunks at 10.3 and 10.5 (sent at 10.0) -> E2E 300 and 500 ms
     a = _streamed([(10.1, _chunk("a")), (10.3, _chunk("b", "length")), (10.4, _usage(4, 2))])
