@@ -21,9 +21,13 @@ FP8 e4m3, tensor or channel    none (W8A16), dynamic per token, or static per te
 INT8 symmetric, channel        none (W8A16) or dynamic INT8 per token (W8A8)
 =============================  ==============================================================
 
-Anything else (packed INT4, group/block strategies, asymmetric INT8, NVFP4/MXFP, quantized
-output activations, no weight quantization, a group targeting attention modules) is a
-ValueError naming the scheme, and so are the config keys the package's parser drops unread:
+``pack-quantized`` (llm-compressor's W4A16 / W8A16 presets): symmetric INT4 group or channel
+weights and symmetric INT8 channel weights, unpacked at load
+(:mod:`kvflow.quant.pack_quantized`).
+
+Anything else (asymmetric or act-ordered packed weights, INT8 group scales, block
+strategies, asymmetric INT8, NVFP4/MXFP, quantized output activations, no weight
+quantization, a group targeting attention modules) is a ValueError naming the scheme, and so are the config keys the package's parser drops unread:
 ``transform_config``, a compressed ``sparsity_config``, ``moe_sparsity_config``.
 ``kv_cache_scheme`` and its calibrated ``k_scale``/``v_scale`` tensors are not read
 (``--kv-cache-dtype`` chooses the cache's type; kvflow's 8-bit caches take one scale per row);
@@ -151,6 +155,10 @@ def method_for_scheme(scheme: Any, fmt: str | None) -> LinearMethod:
         raise ValueError(f"compressed-tensors scheme not supported ({desc}, output activations "
                          f"{'none' if scheme.output_activations is None else 'quantized'}); "
                          "kvflow runs quantized weights with unquantized outputs")
+    if fmt == "pack-quantized":
+        from kvflow.quant.pack_quantized import pack_quantized_method
+
+        return pack_quantized_method(scheme, desc)
     if fmt not in _FORMATS or w.num_bits != 8 or not w.symmetric \
             or w.strategy not in ("tensor", "channel"):
         raise ValueError(f"compressed-tensors scheme not supported ({desc}); kvflow runs "

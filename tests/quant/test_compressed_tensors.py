@@ -79,7 +79,7 @@ def build_checkpoint(tiny, preset: str, folder: str,
         if hasattr(m, "input_scale"):
             m.input_scale.data.fill_(calib[name] / 448)
         m.quantization_status = QuantizationStatus.FROZEN
-    # llm-compressor stores INT8 weight-only as pack-quantized (which kvflow refuses); the
+    # llm-compressor stores INT8 weight-only as pack-quantized (test_pack_quantized.py); the
     # int-quantized format holds the same int8 values unpacked
     fmt = "int-quantized" if preset == "INT8_WEIGHT_ONLY" else None
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
@@ -141,12 +141,13 @@ def test_checkpoint_matches_transformers(tiny_model_factory, tmp_path, preset, m
 
 
 def test_unsupported_scheme_is_a_value_error(tiny_model_factory, tmp_path):
-    """A packed INT4 group-wise config (W4A16) is refused before any tensor is read."""
+    """An unpacked (``int-quantized``) INT4 group-wise config is refused before any tensor is
+    read (packed INT4, llm-compressor's W4A16, loads: tests/quant/test_pack_quantized.py)."""
     folder = build_checkpoint(tiny_model_factory("llama"), "FP8_DYNAMIC", str(tmp_path / "w4"))
     with open(f"{folder}/config.json") as f:
         config = json.load(f)
     qc = config["quantization_config"]
-    qc["format"] = qc["config_groups"]["group_0"]["format"] = "pack-quantized"
+    qc["format"] = qc["config_groups"]["group_0"]["format"] = "int-quantized"
     qc["config_groups"]["group_0"]["input_activations"] = None
     qc["config_groups"]["group_0"]["weights"] = {"num_bits": 4, "type": "int",
                                                  "strategy": "group", "group_size": 32,
