@@ -123,6 +123,8 @@ def run_one(requests: list[BenchRequest], args: argparse.Namespace, rate: float,
     settings = {"label": args.label or args.base_url, "date": datetime.now(timezone.utc)
                 .strftime("%Y-%m-%dT%H:%M:%SZ"), "base_url": args.base_url,
                 "model": args.model, "endpoint": args.endpoint, "dataset": args.dataset,
+                # vLLM's names of the model and tokenizer in its result files
+                "model_id": args.model, "tokenizer_id": args.tokenizer or args.model,
                 "num_prompts": len(requests),
                 "request_rate": "inf" if math.isinf(rate) else rate,
                 "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -66,6 +66,7 @@ def aggregate(requests: list[BenchRequest], results: list[RequestResult], durati
         out["goodput_slos_ms"] = {k: v * 1e3 for k, v in slos.items()}
         out["good_requests"], out["request_goodput"] = metrics.goodput(timings, slos, duration)
     out.update(input_lens=in_lens, output_lens=out_lens, ttfts=series["ttft"],
+               latencies=series["e2e"],  # vLLM's per-request E2E list (seconds)
                itls=[list(t.itls) for t in timings], errors=errors[:MAX_ERRORS_KEPT])
     return out
 

@@ -306,5 +306,6 @@ def test_save_result_writes_vllm_named_file(monkeypatch, tmp_path):
     assert written.name.startswith("kv-4.0qps-concurrency2-model-") and written.suffix == ".json"
     r = json.loads(written.read_text())
     assert r["completed"] == 2 and r["mean_e2el_ms"] == pytest.approx(300.0)
+    assert r["model_id"] == r["tokenizer_id"] == "org/model"  # vLLM's key names
     assert main([*argv, "--result-filename", "mine.json"]) == 0
     assert json.loads((tmp_path / "res" / "mine.json").read_text())["completed"] == 2

@@ -137,6 +137,7 @@ def test_result_has_vllm_e2el_keys():
     assert r["median_e2el_ms"] == pytest.approx(400.0)
     assert r["std_e2el_ms"] == pytest.approx(100.0)       # population std of 300, 500
     assert r["p99_e2el_ms"] == pytest.approx(498.0)       # 300 + 200 * 0.99
+    assert r["latencies"] == [pytest.approx(0.3), pytest.approx(0.5)]  # vLLM's list, seconds
 
 
 def test_parse_goodput():
