@@ -69,8 +69,8 @@ def download_snapshot(repo_id: str, revision: str | None, download_dir: str | No
     Raises:
         ValueError: one line saying why: offline (``HF_HUB_OFFLINE=1``) or the Hub unreachable
             and the snapshot not cached; no such repo (or private/gated without a token); no
-            such revision; an incomplete cached snapshot; a repo without ``config.json`` or
-            without ``*.safetensors`` weights.
+            such revision; an incomplete cached snapshot; a repo without ``config.json`` (naming
+            its ``.gguf`` files, if any, to pass by path) or without ``*.safetensors`` weights.
     """
     cache = hub_cache_dir(download_dir)
     where = f"{repo_id!r} (revision {revision or 'main'!r})"
@@ -79,7 +79,7 @@ def download_snapshot(repo_id: str, revision: str | None, download_dir: str | No
     if not _weights_cached(folder, allow, ignore):  # else no second Hub request (and no
         # retries against an unreachable Hub for a snapshot that is all there)
         folder = _snapshot(repo_id, os.path.basename(folder), cache, where, allow, ignore)
-    _check_snapshot(folder, where)
+    _check_snapshot(folder, where, repo_id)
     return folder
 
 
@@ -169,13 +169,44 @@ def _download_error(error: Exception, where: str, cache: str, what: str = "Model
         f"{first_line}"
 
 
-def _check_snapshot(folder: str, where: str) -> None:
-    """Raise ValueError unless the snapshot holds ``config.json`` and ``*.safetensors``."""
+def _check_snapshot(folder: str, where: str, repo_id: str) -> None:
+    """Raise ValueError unless the snapshot holds ``config.json`` and ``*.safetensors``; a
+    repo without config.json that holds ``.gguf`` files (llama.cpp's format) is told to pass
+    the file's path (see :func:`_gguf_hint`)."""
     names = os.listdir(folder)
     if "config.json" not in names:
         raise ValueError(f"Hugging Face repo {where} has no config.json (snapshot {folder!r}): "
-                         "not a transformers model")
+                         f"not a transformers model{_gguf_hint(folder, repo_id)}")
     if not any(n.endswith(".safetensors") for n in names):
         raise ValueError(f"Hugging Face repo {where} has no *.safetensors weights (snapshot "
                          f"{folder!r}); kvflow loads safetensors, or a .gguf file given by "
                          "its path")
+
+
+def _gguf_hint(folder: str, repo_id: str) -> str:
+    """``"; it holds the GGUF file ...: pass its path"`` for the ``.gguf`` files of a repo
+    (those in the cached snapshot, with their paths; else, when online, the names the Hub
+    lists for the snapshot's commit, which kvflow does not download); ``""`` when none."""
+    local = sorted(n for n in os.listdir(folder) if n.lower().endswith(".gguf"))
+    if local:
+        paths = ", ".join(repr(os.path.join(folder, n)) for n in local[:3])
+        return f"; it holds GGUF file(s) {paths}: pass a .gguf file's path as the model"
+    remote = _hub_gguf_names(repo_id, os.path.basename(folder))
+    if remote:
+        return (f"; it holds GGUF file(s) {', '.join(map(repr, remote[:3]))}: download one "
+                "(huggingface-cli download) and pass its path as the model")
+    return ""
+
+
+def _hub_gguf_names(repo_id: str, commit: str) -> list[str]:
+    """The ``.gguf`` file names the Hub lists for ``repo_id`` at ``commit`` (best effort: [] when
+    offline, unreachable within 5 s, or on any Hub error)."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        return []
+    try:
+        info = HfApi().model_info(repo_id, revision=commit, timeout=5)
+    except Exception:  # noqa: BLE001 - only a hint: any failure means no hint
+        return []
+    return sorted(s.rfilename for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf"))

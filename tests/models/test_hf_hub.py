@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,8 @@ def hub_cache(tmp_path_factory, tiny_model_factory) -> Path:
     llama = _folder_files(tiny_model_factory("llama").path)
     add_snapshot(cache, "kvflow-test/bin-only", COMMIT_A,
                  {"config.json": llama["config.json"], "pytorch_model.bin": b"\0" * 64})
+    add_snapshot(cache, "kvflow-test/gguf-only", COMMIT_A,
+                 {"README.md": b"# GGUF\n", "tiny.Q4_0.gguf": b"GGUF" + b"\0" * 60})
     add_snapshot(cache, "kvflow-test/tok", COMMIT_B,
                  {k: v for k, v in llama.items() if k.startswith("tokenizer")})
     for repo, name, key in (("remote", "config.json", "AutoConfig"),
@@ -169,6 +172,22 @@ def test_cached_repo_without_safetensors(hub_cache):
     with pytest.raises(ValueError, match=r"no \*\.safetensors weights") as info:
         resolve_model("kvflow-test/bin-only", download_dir=str(hub_cache))
     assert "kvflow-test/bin-only" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cached_gguf_only_repo_names_the_file_to_pass(hub_cache):
+    """A repo of a .gguf file and no config.json. Before: 'has no config.json ...: not a
+    transformers model', no hint. Oracle: the named path is the snapshot's .gguf file, which
+    resolves as a GGUF model."""
+    with pytest.raises(ValueError) as info:
+        resolve_model("kvflow-test/gguf-only", download_dir=str(hub_cache))
+    found = re.search(r"has no config.json .* it holds GGUF file\(s\) '(.*)': pass a \.gguf "
+                      r"file's path", str(info.value))
+    assert found, str(info.value)
+    path = found.group(1)
+    assert "\n" not in str(info.value)
+    assert path == str(hub_cache / "models--kvflow-test--gguf-only" / "snapshots" / COMMIT_A
+                       / "tiny.Q4_0.gguf")
+    assert resolve_model(path).kind == "gguf"
 
 
 def test_tokenizer_by_hub_name_from_the_download_dir(hub_cache, tiny_model_factory):
