@@ -147,6 +147,25 @@ def test_grammar_that_admits_nothing_ends_with_length(llm, tiny_llama, temperatu
                                                                      out.token_ids))
 
 
+@pytest.mark.parametrize("kind, text", [({"choice": ["yes"]}, "yes"),
+                                        ({"regex": "[a-c]{2,8}"}, None)])
+def test_ignore_eos_ends_with_stop_once_the_grammar_completes(llm, tiny_llama, kind, text):
+    """``ignore_eos`` cannot carry a request past a complete grammar: the grammar then admits
+    only the EOS, and once it took it nothing more is allowed. The request ends right there
+    with ``stop`` (no stop_reason: the EOS stopped it), the EOS (id 0) its last token; it
+    used to end with ``length`` one step later. "yes" + EOS is 2-4 tokens, well before
+    ``max_tokens``; the regex here runs to its 8 characters and the forced EOS is the 9th
+    token, the last ``max_tokens`` allows: still ``stop``, the output being complete."""
+    assert tiny_llama.eos_token_id == 0
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(**kind))
+    out = _run(llm, [params], PROMPTS[:1])[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None), out
+    assert out.token_ids[-1] == 0 and 0 not in out.token_ids[:-1]
+    assert len(out.token_ids) <= 9
+    assert out.text == text if text else re.fullmatch(kind["regex"], out.text), out.text
+
+
 @pytest.mark.parametrize("kind, bad, needle", [
     ("json", '{"type": "object", "properties": ', "JSON"),
     ("json", {"type": "frobnicate"}, "frobnicate"),

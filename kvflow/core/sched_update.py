@@ -162,7 +162,8 @@ def _returned(sched: Scheduler, request_id: str) -> None:
 
 
 def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
-    """Append tokens until one finishes the request; returns those appended."""
+    """Append tokens until one finishes the request (a stop, the length limit, a token the
+    grammar rejects or one that terminates it); returns those appended."""
     appended = []
     for token_id in token_ids:
         if request.structured_output is not None and (
@@ -174,6 +175,13 @@ def append_tokens(request: Request, token_ids: list[int]) -> list[int]:
             break
         request.all_token_ids.append(token_id)
         appended.append(token_id)
+        if request.structured_output is not None and \
+                request.structured_output.is_terminated():
+            # the grammar took its stop token, the EOS (which ``ignore_eos`` keeps check_stop
+            # from stopping on): the output is complete and nothing may follow, so ``stop``,
+            # also when it was the last token ``max_tokens`` allowed
+            request.status = RequestStatus.FINISHED_STOPPED
+            break
         if check_stop(request, token_id):
             break
     return appended

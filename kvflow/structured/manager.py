@@ -11,7 +11,8 @@ Life of a constrained request in the engine core:
    one, a row after each, and is rolled back); the sampler masks those rows only.
 3. ``Scheduler.update_from_output`` feeds each sampled token to the request's matcher before
    appending it. A token the grammar rejects (only possible when the grammar admits nothing
-   more) ends the request with ``length``.
+   more) ends the request with ``length``; a token that terminates the grammar (the EOS after a
+   complete match) ends it with ``stop``, also under ``ignore_eos`` (nothing may follow it).
 
 Preemption needs no rollback: recompute only recomputes K/V for tokens the matcher has already
 accepted, and the next sample continues after all of them.
@@ -62,6 +63,12 @@ class RequestStructuredOutput:
         """Advance the matcher; False if the grammar rejects the token (or failed to compile)."""
         matcher = self.matcher
         return matcher is not None and matcher.accept_tokens([token_id])
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and its stop token (the EOS) was accepted: the
+        grammar admits no further token."""
+        matcher = self.matcher
+        return matcher is not None and matcher.is_terminated()
 
     def num_valid_drafts(self, token_ids: list[int]) -> int:
         """How many leading ``token_ids`` (speculative decoding's draft tokens) the grammar

@@ -115,8 +115,8 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self._num_accepted -= num_tokens
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._matcher.is_terminated():  # stop token taken but the request goes on
-            bitmask[row].zero_()  # (ignore_eos, min_tokens): nothing more is allowed
+        if self._matcher.is_terminated():  # stop token taken (the scheduler ends such a
+            bitmask[row].zero_()  # request with ``stop``): nothing more is allowed
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 

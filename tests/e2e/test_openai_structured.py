@@ -106,6 +106,17 @@ def test_structured_outputs_regex_and_choice(client):
         assert "".join(pieces) == whole.choices[0].message.content
 
 
+def test_ignore_eos_ends_with_stop_once_the_grammar_completes(client):
+    """The only choice, then the EOS it requires: ``ignore_eos`` cannot go past it, and the
+    reply ends with ``stop`` (it was ``length``), whole and streamed."""
+    body = {"ignore_eos": True, "structured_outputs": {"choice": ["yes"]}}
+    resp = chat(client, max_tokens=9, extra_body=body)
+    assert (resp.choices[0].message.content, resp.choices[0].finish_reason) == ("yes", "stop")
+    finishes = [c.choices[0].finish_reason for c in chat(client, max_tokens=9, stream=True,
+                                                         extra_body=body) if c.choices]
+    assert [f for f in finishes if f] == ["stop"]
+
+
 def _streamed_calls(stream):
     calls, finish = {}, None
     for chunk in stream:
