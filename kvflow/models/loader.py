@@ -35,7 +35,8 @@ def load_hf_config(source: ModelSource) -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
     try:
-        config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+        with quiet_model_type_warning():
+            config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     return hoist_text_config(config)
@@ -268,10 +269,30 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
 
         return load_gguf_tokenizer(source.path)
     try:
-        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+        with quiet_model_type_warning():
+            return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types
         raise ValueError(f"cannot load a tokenizer from {source.path!r}: "
                          f"{_one_line(e)}") from e
+
+
+@contextmanager
+def quiet_model_type_warning() -> Iterator[None]:
+    """Within the block, drop transformers' "You are using a model of type X to instantiate a
+    model of type Y" warning. AutoTokenizer reads a config whose ``model_type`` transformers does
+    not know (a ``trust_remote_code`` model) through the base config class, which logs it; kvflow
+    then refuses that config in one line of its own, so the warning only doubled the output."""
+    import logging
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("You are using a model of type")
+
+    config_logger = logging.getLogger("transformers.configuration_utils")
+    config_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        config_logger.removeFilter(drop)
 
 
 def _one_line(error: Exception) -> str:

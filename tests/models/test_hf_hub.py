@@ -224,6 +224,27 @@ def test_custom_code_repos_are_refused_in_one_line(hub_cache, repo):
     assert "\n" not in str(info.value)
 
 
+def test_custom_code_refusal_is_not_preceded_by_a_model_type_warning(hub_cache):
+    """``kvflow serve`` loads the tokenizer, then the config: before, transformers logged "You
+    are using a model of type `kvflow_custom` to instantiate a model of type ``" while reading
+    the remote-code config for the tokenizer, a line before kvflow's one-line refusal."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        source = resolve_model("kvflow-test/remote", download_dir=str(hub_cache))
+        assert load_tokenizer(source).encode("hello")  # its tokenizer needs no code
+        with pytest.raises(ValueError, match="kvflow does not run remote code"):
+            load_hf_config(source)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert not [r for r in records if "model of type" in r.getMessage()]
+
+
 def test_cached_snapshot_makes_one_hub_request(hub_cache, monkeypatch):
     """A snapshot whose weights are all cached is not asked for again: before, a second
     snapshot_download listed the commit's files on the Hub, which with no network and no
