@@ -282,13 +282,20 @@ class OpenAIServingChat(OpenAIServing):
                                                 model=self.response_model(req.model), choices=choices,
                                                 usage=usage, prompt_token_ids=prompt_token_ids)
 
-        # the first chunk of every choice: the role, and (as vLLM) the prompt's token ids
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(req.n)],
-                    prompt_token_ids=ids if req.return_token_ids else None)
+        def role_chunk() -> ChatCompletionStreamResponse:
+            """Every choice's first chunk: the role and (as vLLM) the prompt's token ids."""
+            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                       content=""))
+                          for i in range(req.n)],
+                         prompt_token_ids=ids if req.return_token_ids else None)
+
         want_tokens = req.logprobs or req.return_token_ids
         states = {i: parser.stream_state() for i in range(req.n)}
+        sent_role = False
         async for _, delta in merge_streams(streams):
+            if not sent_role:  # with the first output, as vLLM: a client's TTFT (time to its
+                sent_role = True  # first chunk) then includes the prefill it waits for
+                yield role_chunk()
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
                 message, extras = DeltaMessage(content=c.text), self._choice_extras(req, c)
@@ -300,6 +307,8 @@ class OpenAIServingChat(OpenAIServing):
                         and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
                 yield chunk([ChatStreamChoice(index=c.index, delta=message, **extras)])
+        if not sent_role:
+            yield role_chunk()
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
 
