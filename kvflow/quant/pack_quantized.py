@@ -91,6 +91,25 @@ def _check_shape(layer: nn.Module, loaded: torch.Tensor, input_size: int) -> Non
                          f"{input_size * tp} input columns")
 
 
+def _load_packed(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                 *shard) -> None:
+    """Load one pack-quantized tensor: ``weight_shape`` is checked, not placed; a channel
+    scale [N, 1] lands as [N]; the others land by rows (and TP columns).
+
+    Raises:
+        ValueError: for a ``weight_packed`` not int32 or a ``weight_shape`` that does not
+            give the layer's input columns.
+    """
+    if param is layer.weight_shape:
+        _check_shape(layer, loaded, layer.weight_shape[1].item())
+        return
+    if param is layer.weight_packed:
+        check_stored_dtype(param, loaded)
+    if param is layer.weight_scale and param.dim() == 1 and loaded.dim() == 2:
+        loaded = loaded.reshape(-1)
+    layer.weight_loader(param, loaded, *shard)
+
+
 def _replace(layer: nn.Module, names: tuple[str, ...], drop: tuple[str, ...]) -> None:
     for name in drop:
         delattr(layer, name)
@@ -134,14 +153,7 @@ class PackedInt4Method(Int4WeightOnlyMethod):
             ValueError: for a ``weight_packed`` not int32 or a ``weight_shape`` that does not
                 give the layer's input columns.
         """
-        if param is layer.weight_shape:
-            _check_shape(layer, loaded, layer.weight_shape[1].item())
-            return
-        if param is layer.weight_packed:
-            check_stored_dtype(param, loaded)
-        if param is layer.weight_scale and param.dim() == 1 and loaded.dim() == 2:
-            loaded = loaded.reshape(-1)
-        layer.weight_loader(param, loaded, *shard)
+        _load_packed(layer, param, loaded, *shard)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Unpack to nibbles ``u = q + 8`` and express the scales at the largest group size
@@ -202,14 +214,7 @@ class PackedInt8Method(Int8WeightOnlyMethod):
         Raises:
             ValueError: as :meth:`PackedInt4Method.load`.
         """
-        if param is layer.weight_shape:
-            _check_shape(layer, loaded, layer.weight_shape[1].item())
-            return
-        if param is layer.weight_packed:
-            check_stored_dtype(param, loaded)
-        if param is layer.weight_scale and param.dim() == 1 and loaded.dim() == 2:
-            loaded = loaded.reshape(-1)
-        layer.weight_loader(param, loaded, *shard)
+        _load_packed(layer, param, loaded, *shard)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """int8 ``q = u - 128`` from the stored bytes."""
