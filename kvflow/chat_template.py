@@ -122,19 +122,29 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
 
 
 def _without_index(call: Any, i: int, j: int) -> Any:
-    """Tool call ``j`` of message ``i`` without its ``index`` key: the position a streamed
-    delta gave the call (clients echo it back), which must be ``j``.
+    """Tool call ``j`` of message ``i`` without its ``index`` key (see
+    :func:`check_call_index`).
 
     Raises:
         ChatTemplateError: if ``index`` is given and is not ``j``.
     """
     if not isinstance(call, dict) or "index" not in call:
         return call
-    if call["index"] is not None and call["index"] != j:
-        raise ChatTemplateError(f"message {i}: tool call {j} has index {call['index']}; a "
-                                "call's index is its position in tool_calls",
-                                f"messages.{i}.tool_calls.{j}.index")
+    check_call_index(call["index"], i, j)
     return {k: v for k, v in call.items() if k != "index"}
+
+
+def check_call_index(index: Any, i: int, j: int) -> None:
+    """A tool call's ``index``, the position a streamed delta gave the call (clients echo it
+    back), must be ``j``, its position in message ``i``'s ``tool_calls`` (or absent: None).
+
+    Raises:
+        ChatTemplateError: naming ``messages.i.tool_calls.j.index`` otherwise.
+    """
+    if index is not None and index != j:
+        raise ChatTemplateError(f"message {i}: tool call {j} has index {index}; a call's "
+                                "index is its position in tool_calls",
+                                f"messages.{i}.tool_calls.{j}.index")
 
 
 def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:

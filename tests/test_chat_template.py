@@ -206,3 +206,33 @@ def test_llm_chat_part_keys_are_checked(tok, part, key):
     assert render_chat(tok, [{"role": "user", "content": [
         {"type": "text", "text": "hi", "image_url": None, "refusal": None}]}]) == \
         render_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("index, param", [(0, None), (1, "messages.1.tool_calls.0.index")])
+def test_served_tool_call_index_checked_before_calls_become_text(tiny_tokenizer, index,
+                                                                   param):
+    """Over HTTP, a template that never reads tool_calls gets them as the tool parser's text
+    (``_with_calls_as_text``) before the conversation is normalized: a call's echoed
+    ``index`` is still checked (a wrong one was accepted, HTTP 200) and a right one renders."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = TEMPLATE  # reads neither tools nor tool_calls
+    engine = SimpleNamespace(tokenizer=plain, processor=InputProcessor(plain, 64, 320, 0),
+                             max_model_len=64)
+    chat = OpenAIServingChat(engine, ServerConfig(), "m")
+    call = {"index": index, "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "tool_calls": [call]}])
+    if param is None:
+        text, _ = asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
+        assert text.startswith("<user>hi\n<assistant>") and '"f"' in text
+        return
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
+    assert info.value.status == 400 and info.value.param == param

@@ -12,7 +12,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
+from kvflow.chat_template import (
+    ChatTemplateError,
+    NoChatTemplateError,
+    check_call_index,
+    image_urls,
+)
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
@@ -315,13 +320,20 @@ class OpenAIServingChat(OpenAIServing):
 
 def _check_tool_fields(messages: list[ChatMessage]) -> None:
     """``tool_calls`` only on assistant turns, ``tool_call_id`` only on tool turns (a
-    template reads them nowhere else). Raises OpenAIError 400 naming the field otherwise."""
+    template reads them nowhere else), each call's ``index`` its position (checked here too,
+    before calls a template cannot read become text). Raises OpenAIError 400 naming the field
+    otherwise."""
     for i, message in enumerate(messages):
         for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
             if getattr(message, name) is not None and message.role != role:
                 raise OpenAIError(f"messages.{i}.{name} is for {role} messages only (this is "
                                   f"a {message.role} message)", param=f"messages.{i}.{name}",
                                   code="invalid_value")
+        for j, call in enumerate(message.tool_calls or []):
+            try:
+                check_call_index(call.index, i, j)
+            except ChatTemplateError as e:
+                raise OpenAIError(str(e), param=e.param, code=e.code) from None
 
 
 def _with_calls_as_text(conversation: list[dict[str, Any]], parser: ToolParser
