@@ -107,7 +107,7 @@ def test_listen_address_checked_before_the_model_loads(monkeypatch, capsys, take
 
 @pytest.mark.parametrize("flags, needle", [
     (["--cpu-threads-bind", "OUTSIDE"], "outside this process's affinity mask"),
-    (["--max-model-len", "10000000"], "max_model_len=10000000 exceeds the positions"),
+    (["--max-model-len", "10000000"], "--max-model-len=10000000 exceeds the positions"),
 ], ids=["cpu_threads_bind", "max_model_len"])
 def test_engine_start_up_error_is_the_only_line(tiny_llama, caplog, capfd, flags, needle):
     """A configuration error the engine-core process finds (a --cpu-threads-bind CPU outside

@@ -61,6 +61,7 @@ def test_async_side_uses_the_core_config_eos(tokenizer_without_eos, tiny_tokeniz
     core = SimpleNamespace(max_model_len=64, hf_config=LlamaConfig(eos_token_id=[5, 6]),
                            num_blocks=10, kv_cache_manager=kv, scheduler=sched, weight_bytes=0,
                            kv_bytes_per_token=0, task="generate", pooler_config=None,
+                           max_model_len_note="",
                            config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16)))
     ready = _ready(core)
     idle = EngineStats(num_free_blocks=9, num_usable_blocks=9)  # all but the null block free
