@@ -96,10 +96,13 @@ def _deepseek_oracle(pre: str):
     return tok
 
 
-def _write_deepseek(path, pre: str) -> str:
+def _write_deepseek(path, pre: str | None) -> str:
+    """A vocabulary-only GGUF with the test BPE vocabulary; ``pre=None`` writes no
+    ``tokenizer.ggml.pre`` key."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(DS_VOCAB)
     w.add_token_types([1] * len(DS_VOCAB))
     w.add_token_merges(DS_MERGES)
@@ -178,16 +181,7 @@ def test_missing_pre_is_llama_cpp_default(tmp_path, monkeypatch, caplog):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "nopre.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(DS_VOCAB)
-    w.add_token_types([1] * len(DS_VOCAB))
-    w.add_token_merges(DS_MERGES)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _write_deepseek(tmp_path / "nopre.gguf", None)
     with caplog.at_level("WARNING", logger="kvflow.models.gguf_tokenizer"):
         tokenizer = load_gguf_tokenizer(str(path))
     warnings = [r for r in caplog.records if "tokenizer.ggml.pre" in r.getMessage()]

@@ -82,6 +82,12 @@ def build_checkpoint(tiny, preset: str, folder: str,
     # llm-compressor stores INT8 weight-only as pack-quantized (test_pack_quantized.py); the
     # int-quantized format holds the same int8 values unpacked
     fmt = "int-quantized" if preset == "INT8_WEIGHT_ONLY" else None
+    return save_compressed(model, tiny, folder, fmt)
+
+
+def save_compressed(model, tiny, folder: str, fmt: str | None = None) -> str:
+    """Compress ``model`` (its quantization config applied and frozen) in compressed-tensors
+    format ``fmt`` (None: the library's choice) and save it with ``tiny``'s tokenizer."""
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(folder)

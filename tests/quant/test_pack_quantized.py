@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import (
     QuantizationConfig,
     QuantizationStatus,
@@ -23,6 +22,7 @@ from safetensors.torch import load_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.quant.pack_quantized import PackedInt4Method, PackedInt8Method
+from tests.quant.test_compressed_tensors import save_compressed
 
 
 def _build(tiny, bits: int, group: int | None, folder: str, symmetric: bool = True) -> str:
@@ -45,13 +45,7 @@ def _build(tiny, bits: int, group: int | None, folder: str, symmetric: bool = Tr
         m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
         m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
         m.quantization_status = QuantizationStatus.FROZEN
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(folder)
-    compressor.update_config(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny.path}/{f}", folder)
-    return folder
+    return save_compressed(model, tiny, folder)
 
 
 def _dequantized_reference(tiny, folder: str, bits: int) -> torch.nn.Module:
