@@ -59,9 +59,17 @@ class AttentionBackend(ABC):
     """Computes paged attention for a mixed batch of prefill chunks and decodes.
 
     A backend instance is shared by all layers of one model; ``prepare`` runs once per step.
+
+    ``supports_cuda_graphs``: whether a decode step's forward may be captured in a CUDA graph
+    and replayed (``worker/cuda_graphs.py``). Only a backend with no host syncs, launch grids
+    fixed by the batch size, and a ``prepare`` that computes nothing from the step may say
+    so: a captured graph runs ``prepare`` once, at capture time, and replays reuse what it
+    made (the torch backend's causal mask, built from ``seq_lens``, would stay the one of
+    contexts of length 1). Opt-in: False unless a backend sets it.
     """
 
     name: str = "abstract"
+    supports_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step tensors (stored in ``meta.extra``); default: nothing."""

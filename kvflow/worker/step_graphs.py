@@ -40,8 +40,7 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
         return None
     max_num_seqs = runner.config.scheduler_config.max_num_seqs
     max_blocks = -(-max_model_len // runner.block_size)
-    if runner.platform.supports_graphs \
-            and getattr(runner.attn_ctx.backend, "supports_cuda_graphs", True):
+    if runner.platform.supports_graphs and runner.attn_ctx.backend.supports_cuda_graphs:
         graphs = CudaGraphRunner(runner.model, runner.attn_ctx, max_num_seqs, max_blocks,
                                  max_model_len, runner.block_size,
                                  runner.model.config.hidden_size, runner.device, runner.dtype)

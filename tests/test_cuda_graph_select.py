@@ -1,0 +1,84 @@
+"""The CUDA-graph runner's Python side, without a GPU: which attention backends it captures.
+
+A captured decode graph replays the kernels of one step with new inputs copied into static
+buffers; the backend's ``prepare`` runs once, at capture time, and never again. So only a
+backend whose ``prepare`` computes nothing from the step (the Triton one) may be captured: the
+torch backend builds its causal mask from ``seq_lens`` in ``prepare``, and a replay would keep
+the capture-time mask (every context of length 1).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+from kvflow.worker.step_graphs import make_graph_runner
+
+
+def _decode_meta(seq_lens: list[int], block_size: int = 4, width: int = 4) -> AttentionMetadata:
+    n = len(seq_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.arange(n * width, dtype=torch.int32).view(n, width),
+        max_query_len=1, max_seq_len=block_size * width, num_actual_tokens=n)
+
+
+def _runner(backend) -> SimpleNamespace:
+    """A ModelRunner as make_graph_runner reads it, on a platform that supports graphs."""
+    return SimpleNamespace(
+        config=SimpleNamespace(device_config=SimpleNamespace(enforce_eager=False),
+                               scheduler_config=SimpleNamespace(max_num_seqs=4)),
+        lora_manager=None, mm_runner=None,
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]),
+        parallel=SimpleNamespace(pp=SimpleNamespace(world_size=1)),
+        platform=SimpleNamespace(supports_graphs=True),
+        attn_ctx=SimpleNamespace(backend=backend), device=torch.device("cuda"),
+        block_size=4)
+
+
+def test_torch_backend_prepare_depends_on_the_step():
+    """Why it cannot be captured: the mask prepare builds for contexts of 1 (capture time)
+    hides keys a replayed step of context 3 must see."""
+    backend = TorchPagedAttentionBackend()
+    captured, replayed = _decode_meta([1, 1]), _decode_meta([3, 1])
+    backend.prepare(captured, 4)
+    backend.prepare(replayed, 4)
+    assert captured.extra["mask"][0, 0, :3].tolist() == [True, False, False]
+    assert replayed.extra["mask"][0, 0, :3].tolist() == [True, True, True]
+
+
+def test_torch_backend_is_not_captured():
+    assert make_graph_runner(_runner(TorchPagedAttentionBackend()), 16) is None
+
+
+def test_a_backend_that_does_not_declare_itself_graph_safe_is_not_captured():
+    """A backend (a plugin platform's, say) is captured only when it says it may be."""
+    from kvflow.attention.backend import AttentionBackend
+
+    class PluginBackend(AttentionBackend):
+        name = "plugin"
+
+        def forward(self, *args, **kwargs):
+            raise AssertionError("not called")
+
+    assert make_graph_runner(_runner(PluginBackend()), 16) is None
+
+
+def test_graph_safe_backends_prepare_nothing():
+    """Every built-in backend that says it may be captured keeps ``prepare`` a no-op, so the
+    capture-time call leaves nothing a replay would reuse."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    backend = TritonPagedAttentionBackend(fuse_rotary=False)
+    assert backend.supports_cuda_graphs
+    meta = _decode_meta([3, 1])
+    backend.prepare(meta, 4)
+    assert meta.extra is None
