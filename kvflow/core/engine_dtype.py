@@ -21,15 +21,21 @@ def resolve_dtype(requested: str, hf_config, platform,
     """``auto``: the checkpoint's dtype when it is a float type, else the platform default; on
     a CPU without native bf16/fp16 matmuls, half types fall back to float32. Where that gives a
     16-bit dtype and ``measure`` is given, ``measure(dtype)`` has the last word (on CPU: that
-    dtype or float32, whichever the timed GEMMs favour)."""
+    dtype or float32, whichever the timed GEMMs favour). A checkpoint dtype the platform
+    cannot compute in (bf16 on a GPU older than Ampere) gives the platform default instead.
+
+    Raises:
+        ValueError: for an explicit ``requested`` dtype the platform cannot compute in.
+    """
     if requested != "auto":
+        platform.check_dtype(_DTYPES[requested], f"dtype={requested!r}")
         return _DTYPES[requested]
     native = platform.default_dtype()
     cfg = getattr(hf_config, "dtype", None)  # transformers >= 4.56 (``torch_dtype`` is deprecated)
     if isinstance(cfg, str):
         cfg = _DTYPES.get(cfg)
     dtype = native
-    if cfg in (torch.float32, torch.bfloat16, torch.float16):
+    if cfg in (torch.float32, torch.bfloat16, torch.float16) and platform.supports_dtype(cfg):
         dtype = torch.float32 if native == torch.float32 else cfg
     return measure(dtype) if measure is not None and dtype != torch.float32 else dtype
 

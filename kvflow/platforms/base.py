@@ -80,7 +80,13 @@ class Platform(ABC):
         return 0
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the device computes in ``dtype`` (``--dtype auto`` falls back to
+        ``default_dtype()`` for a checkpoint dtype it does not)."""
         return True
+
+    def check_dtype(self, dtype: torch.dtype, flag: str) -> None:
+        """Raises ValueError (naming ``flag``, e.g. ``dtype='bfloat16'``) when the device
+        cannot compute in ``dtype``; nothing here."""
 
     def has_native_matmul(self, dtype: torch.dtype) -> bool:
         """Whether matmuls in ``dtype`` run on units built for it (else the engine widens

@@ -25,8 +25,27 @@ class CudaPlatform(Platform):
     def set_device(self, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
 
+    def capability(self) -> tuple[int, int]:
+        """The GPU's compute capability ``(major, minor)``, e.g. (9, 0) on an H100/H200."""
+        return torch.cuda.get_device_capability(self.device)
+
     def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        """bf16 where the GPU computes it natively (compute capability 8.0+), else fp16."""
+        return torch.bfloat16 if self.supports_dtype(torch.bfloat16) else torch.float16
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        """bf16 needs compute capability 8.0 (Ampere) or newer: on older GPUs torch only
+        emulates it (``torch.cuda.is_bf16_supported()`` says True there) and Triton's dots
+        cannot take it."""
+        return dtype != torch.bfloat16 or self.capability() >= (8, 0)
+
+    def check_dtype(self, dtype: torch.dtype, flag: str) -> None:
+        """Raises ValueError naming ``flag`` when this GPU cannot compute in ``dtype``."""
+        if not self.supports_dtype(dtype):
+            major, minor = self.capability()
+            raise ValueError(f"{flag} needs a GPU of compute capability 8.0 or newer (Ampere); "
+                             f"{torch.cuda.get_device_name(self.device)} is {major}.{minor}: "
+                             "use dtype='float16' (or 'auto')")
 
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()

@@ -1,0 +1,52 @@
+"""The CUDA platform's device checks, without a GPU: torch.cuda's device queries stood in
+for by those of a Tesla T4 (compute capability 7.5: bf16 only emulated, no fp8), an A100 (8.0:
+bf16, no fp8 in Triton) and an H100 (9.0: both)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvflow.core.engine_dtype import resolve_dtype
+from kvflow.platforms.cuda import CudaPlatform
+
+GPUS = {"t4": ("Tesla T4", 7, 5), "a100": ("NVIDIA A100-SXM4-80GB", 8, 0),
+        "h100": ("NVIDIA H100 80GB HBM3", 9, 0)}
+
+
+@pytest.fixture(params=sorted(GPUS))
+def gpu(request, monkeypatch) -> str:
+    """torch.cuda answers as the named GPU would (torch's own is_bf16_supported and
+    get_device_capability run on top of these)."""
+    name, major, minor = GPUS[request.param]
+    props = SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=80)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    # an sm 7.x GPU can make bf16 tensors (emulated), so torch's default check says True
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    return request.param
+
+
+def test_default_dtype_is_bf16_only_with_bf16_hardware(gpu):
+    expected = torch.float16 if gpu == "t4" else torch.bfloat16
+    assert CudaPlatform().default_dtype() == expected
+
+
+def test_auto_dtype_of_a_bf16_checkpoint(gpu):
+    cfg = SimpleNamespace(dtype=torch.bfloat16)
+    expected = torch.float16 if gpu == "t4" else torch.bfloat16
+    assert resolve_dtype("auto", cfg, CudaPlatform()) == expected
+
+
+def test_explicit_bf16_is_refused_without_bf16_hardware(gpu):
+    if gpu != "t4":
+        assert resolve_dtype("bfloat16", None, CudaPlatform()) == torch.bfloat16
+        return
+    with pytest.raises(ValueError, match=r"dtype='bfloat16'.*Tesla T4.*7\.5"):
+        resolve_dtype("bfloat16", None, CudaPlatform())
+
