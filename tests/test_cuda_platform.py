@@ -50,3 +50,26 @@ def test_explicit_bf16_is_refused_without_bf16_hardware(gpu):
     with pytest.raises(ValueError, match=r"dtype='bfloat16'.*Tesla T4.*7\.5"):
         resolve_dtype("bfloat16", None, CudaPlatform())
 
+
+def test_fp8_kv_cache_with_triton_needs_compute_capability_8_9(gpu):
+    platform = CudaPlatform()
+    platform.check_kv_cache_dtype("int8", "triton")
+    platform.check_kv_cache_dtype("fp8_e4m3", "torch")  # torch casts float8 on any GPU
+    if gpu == "h100":
+        platform.check_kv_cache_dtype("fp8_e4m3", "triton")
+        return
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3'.*8\.9.*int8"):
+        platform.check_kv_cache_dtype("fp8_e4m3", "triton")
+
+
+def test_engine_refuses_fp8_kv_cache_before_loading_weights(gpu, tiny_llama, monkeypatch):
+    """The refusal reaches LLM(...) at start-up, before any weight is loaded."""
+    from kvflow import LLM
+    from kvflow.models import loader
+
+    if gpu != "a100":
+        pytest.skip("one GPU is enough")
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3'.*A100.*8\.0"):
+        LLM(model=tiny_llama.path, device="cuda", kv_cache_dtype="fp8_e4m3",
+            skip_tokenizer_init=True)

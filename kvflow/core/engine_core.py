@@ -62,6 +62,10 @@ class EngineCore:
 
     def _init_platform(self) -> None:
         self.platform = get_platform(self.config.device_config.device)
+        dc = self.config.device_config
+        self.platform.check_kv_cache_dtype(
+            self.config.cache_config.kv_cache_dtype,
+            dc.attention_backend or self.platform.default_attention_backend)
         sc = self.config.scheduler_config
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = self.platform.default_max_num_batched_tokens

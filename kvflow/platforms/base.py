@@ -84,6 +84,10 @@ class Platform(ABC):
         ``default_dtype()`` for a checkpoint dtype it does not)."""
         return True
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: str, attention_backend: str) -> None:
+        """Raises ValueError when ``--kv-cache-dtype`` cannot run with ``attention_backend``
+        (the backend's name) on this device; nothing here."""
+
     def check_dtype(self, dtype: torch.dtype, flag: str) -> None:
         """Raises ValueError (naming ``flag``, e.g. ``dtype='bfloat16'``) when the device
         cannot compute in ``dtype``; nothing here."""

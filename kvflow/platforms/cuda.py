@@ -62,3 +62,20 @@ class CudaPlatform(Platform):
 
     def peak_memory_reserved(self) -> int:
         return torch.cuda.memory_reserved()
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str, attention_backend: str) -> None:
+        """An fp8_e4m3 cache with the Triton kernels needs compute capability 8.9+ (Ada,
+        Hopper): Triton compiles no float8 e4m3 (``fp8e4nv``) code for older GPUs. The torch
+        backend casts float8 on any GPU, and int8 runs everywhere.
+
+        Raises:
+            ValueError: naming kv_cache_dtype, the GPU and its capability.
+        """
+        if kv_cache_dtype != "fp8_e4m3" or attention_backend != "triton":
+            return
+        major, minor = self.capability()
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer "
+                f"(Ada, Hopper) for the Triton kernels; {torch.cuda.get_device_name(self.device)} "
+                f"is {major}.{minor}: use kv_cache_dtype='int8', or attention_backend='torch'")
