@@ -68,10 +68,25 @@ def make_kv_cache_config(executor: Executor, config: EngineConfig, is_encoder: b
         budget = executor.determine_available_memory(groups)
         num_blocks = budget // page
         if num_blocks < 2:
-            raise ValueError(f"KV-cache budget of {budget} bytes holds {num_blocks} blocks "
-                             f"of {page} bytes; need at least 2")
+            raise ValueError(_budget_refusal(config, budget, page))
     return KVCacheConfig(num_blocks, groups, draft_group,
                          num_host_blocks(config, KVCacheConfig(2, groups, draft_group)))
+
+
+def _budget_refusal(config: EngineConfig, budget: int, page: int) -> str:
+    """Why a budget of ``budget`` bytes (fewer than 2 blocks of ``page`` bytes) is refused,
+    naming the setting it came from."""
+    cc = config.cache_config
+    blocks = max(budget // page, 0)
+    if cc.kv_cache_memory is not None:
+        return (f"kv_cache_memory={cc.kv_cache_memory!r} holds {blocks} KV-cache blocks of "
+                f"{page} bytes (all layers); need at least 2: raise it, or set num_kv_blocks")
+    return (f"the KV cache gets {budget / 2**30:.2f} GiB, {blocks} blocks of {page} bytes (all "
+            "layers); need at least 2. On a GPU that budget is gpu_memory_utilization="
+            f"{cc.gpu_memory_utilization} of its memory less the weights, the activation peak "
+            "of a max_num_batched_tokens step and other processes' use: raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens, or set kv_cache_memory / "
+            "num_kv_blocks")
 
 
 def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
