@@ -185,11 +185,12 @@ print("OK" if k is not None and torch.allclose(k.rms_norm(x, w, 1e-6), ref, atol
 """
 
 
-def _start_fresh_process(cache: Path) -> subprocess.Popen:
+def _start_fresh_process(cache: Path, cc: Path | None = None) -> subprocess.Popen:
     """Start loading the kernels in a new interpreter (the dynamic loader of this one has the
-    library mapped already) with ``cache`` as KVFLOW_CACHE_DIR; :func:`_kernels_worked` reads
-    its verdict. Several run at once: each rebuild is one single-threaded compile."""
-    env = {**os.environ, "KVFLOW_CACHE_DIR": str(cache)}
+    library mapped already) with ``cache`` as KVFLOW_CACHE_DIR (and ``cc`` as CC when given);
+    :func:`_kernels_worked` reads its verdict. Several run at once: each rebuild is one
+    single-threaded compile."""
+    env = {**os.environ, "KVFLOW_CACHE_DIR": str(cache), **({"CC": str(cc)} if cc else {})}
     return subprocess.Popen([sys.executable, "-c", _CHECK_NATIVE], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -216,10 +217,29 @@ def _seed_cache(cache: Path) -> Path:
     return lib
 
 
+def _copying_compiler(folder: Path) -> Path:
+    """A CC for the rebuild of the foreign library: ``--version`` is the real compiler's (so the
+    library's cached name is the same), and a build copies the library this process loaded to
+    the ``-o`` target and logs its command line in ``folder``/cc.log, instead of compiling it
+    a second time (one real compile, of the truncated library, is enough; each takes ~17 s of
+    CPU)."""
+    from kvflow.kernels import cpu_native
+
+    script = folder / "copying-cc"
+    script.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && exec '{cpu_native._compiler()}' --version
+echo "$@" >> '{folder / "cc.log"}'
+while [ $# -gt 1 ]; do [ "$1" = -o ] && cp '{KERNELS.lib._name}' "$2"; shift; done
+""")
+    script.chmod(0o755)
+    return script
+
+
 def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """A truncated library (would SIGBUS the loader) and a foreign one that lacks kvflow's
     symbols are rebuilt; a compiler that writes nothing means the torch fallback. Three cache
-    dirs, one fresh process each, run side by side (the two rebuilds compile at once)."""
+    dirs, one fresh process each, run side by side. The truncated library is really compiled
+    again; the foreign one's rebuild copies the loaded library (:func:`_copying_compiler`)."""
     from kvflow.kernels import cpu_build, cpu_native
 
     intact, truncated, foreign = (_seed_cache(tmp_path / name)  # as a first build leaves it
@@ -229,7 +249,9 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     foreign_c.write_text("int kvflow_unrelated(void) { return 1; }\n")
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(foreign), str(foreign_c)], check=True)
     cpu_build.digest_path(foreign).write_text(hashlib.sha256(foreign.read_bytes()).hexdigest())
-    procs = [_start_fresh_process(lib.parent.parent) for lib in (intact, truncated, foreign)]
+    copying_cc = _copying_compiler(tmp_path)
+    procs = [_start_fresh_process(lib.parent.parent, cc) for lib, cc in
+             ((intact, None), (truncated, None), (foreign, copying_cc))]
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("CC", "/bin/true")  # "succeeds" without writing a library
     try:
@@ -241,6 +263,8 @@ def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     assert list((tmp_path / "intact").rglob("*.so")) == [intact]  # loaded without a build
     assert cpu_build.intact(truncated) and cpu_build.intact(foreign)
     assert b"kvflow_paged_attention" in foreign.read_bytes()
+    # the foreign library's rebuild ran the build command (once) at the cached path
+    assert (tmp_path / "cc.log").read_text().count(f"-o {foreign.parent}") == 1
 
 
 PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21, 34))]
