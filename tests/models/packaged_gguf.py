@@ -35,23 +35,32 @@ def transformers_greedy(gguf_path: str, prompt_ids: list[int], recorded: list[in
 
 
 def assert_generates_like_transformers(model: str, prompt: str, prompt_ids: list[int],
-                                       hf_greedy: list[int], hf_text: str, capsys) -> None:
-    """``LLM(model).generate`` (greedy, float32) gives transformers' token ids and text, and
-    ``kvflow generate --model MODEL --prompt PROMPT --temperature 0 --dtype float32`` prints
-    prompt + text (float32 like the reference: in the CPU's default bf16 the greedy pick can
-    follow whichever GEMM kernel the per-shape timing chose, a near-tie the reference avoids)."""
-    from kvflow import LLM, SamplingParams
+                                       hf_greedy: list[int], hf_text: str, capsys,
+                                       monkeypatch) -> None:
+    """``kvflow generate --model MODEL --prompt PROMPT --temperature 0 --dtype float32`` prints
+    prompt + transformers' text, and the ``LLM.generate`` call it makes (recorded by a spy that
+    passes it through) returns transformers' prompt and output token ids and text (float32 like
+    the reference: in the CPU's default bf16 the greedy pick can follow whichever GEMM kernel
+    the per-shape timing chose, a near-tie the reference avoids). One engine: the CLI's (a
+    second ``LLM(model)`` would load the model again, ~15 s of CPU)."""
+    from kvflow import LLM
     from kvflow.entrypoints.cli import main
 
+    outputs = []
+    real_generate = LLM.generate
+
+    def recording_generate(self, *args, **kwargs):
+        result = real_generate(self, *args, **kwargs)
+        outputs.extend(result)
+        return result
+
+    monkeypatch.setattr(LLM, "generate", recording_generate)
     max_tokens = len(hf_greedy)
-    llm = LLM(model=model, dtype="float32", kv_cache_memory="64MiB")
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                          use_tqdm=False)
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == hf_greedy
-    assert out.outputs[0].text == hf_text
-    del llm
     assert main(["generate", "--model", model, "--prompt", prompt, "--temperature", "0",
                  "--max-tokens", str(max_tokens), "--kv-cache-memory", "64MiB",
                  "--dtype", "float32"]) == 0
     assert capsys.readouterr().out.strip() == prompt + hf_text
+    (out,) = outputs
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == hf_greedy
+    assert out.outputs[0].text == hf_text

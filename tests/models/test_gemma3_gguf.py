@@ -62,8 +62,8 @@ def test_config_from_gguf(gguf_path):
     assert cfg.tie_word_embeddings
 
 
-def test_generate_matches_transformers(gguf_path, hf_greedy, capsys):
+def test_generate_matches_transformers(gguf_path, hf_greedy, capsys, monkeypatch):
     """``kvflow generate --model gemma-3-270m --prompt "Once upon a time" --temperature 0
     --max-tokens 20`` prints transformers' continuation; the engine's token ids equal HF's."""
     assert_generates_like_transformers("gemma-3-270m", PROMPT, PROMPT_IDS, hf_greedy, HF_TEXT,
-                                       capsys)
+                                       capsys, monkeypatch)

@@ -63,8 +63,9 @@ def test_config_from_gguf(gguf_path):
     assert cfg.tie_word_embeddings is False
 
 
-def test_generate_matches_transformers(gguf_path, hf_greedy, capsys):
+def test_generate_matches_transformers(gguf_path, hf_greedy, capsys, monkeypatch):
     """``kvflow generate --model Qwen2.5-Coder-0.5B-Instruct --prompt "The capital of France
     is" --temperature 0 --max-tokens 20`` prints transformers' continuation; the token ids
     equal HF's."""
-    assert_generates_like_transformers(MODEL, PROMPT, PROMPT_IDS, hf_greedy, HF_TEXT, capsys)
+    assert_generates_like_transformers(MODEL, PROMPT, PROMPT_IDS, hf_greedy, HF_TEXT, capsys,
+                                       monkeypatch)
