@@ -73,3 +73,48 @@ def test_engine_refuses_fp8_kv_cache_before_loading_weights(gpu, tiny_llama, mon
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3'.*A100.*8\.0"):
         LLM(model=tiny_llama.path, device="cuda", kv_cache_dtype="fp8_e4m3",
             skip_tokenizer_init=True)
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """``import triton`` fails, as on a CUDA machine without the package."""
+    import sys
+
+    from kvflow.platforms import cuda
+
+    clear = getattr(getattr(cuda, "triton_available", None), "cache_clear", lambda: None)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    clear()
+    yield
+    clear()
+
+
+def test_without_triton_cuda_attention_defaults_to_torch(no_triton):
+    assert CudaPlatform().default_attention_backend == "torch"
+
+
+def test_without_triton_an_explicit_triton_backend_is_refused(no_triton):
+    from kvflow.worker.attention_backends import make_attention_backend
+
+    with pytest.raises(ValueError, match=r"attention_backend='triton'.*triton package"):
+        make_attention_backend("triton")
+
+
+def test_without_triton_cuda_ops_run_their_torch_code(no_triton):
+    from kvflow.layers.norm import RMSNorm
+
+    norm = RMSNorm(8)
+    assert norm.implementation_for(torch.device("cuda")) == norm.forward_native
+    assert norm.implementation_for(torch.device("cpu")) == norm.forward_cpu
+
+
+def test_without_triton_deterministic_is_refused_on_cuda(no_triton):
+    """--deterministic's CUDA GEMM and attention are Triton kernels: without triton the
+    engine would silently run the torch attention backend (not batch-invariant)."""
+    from kvflow.config import EngineConfig
+    from kvflow.worker.deterministic import unsupported_reasons
+
+    hf_config = SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"])
+    assert any("triton" in reason for reason in
+               unsupported_reasons(EngineConfig(), hf_config, "cuda", None, True))
+    assert unsupported_reasons(EngineConfig(), hf_config, "cpu", None, True) == []

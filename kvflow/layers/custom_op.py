@@ -8,7 +8,8 @@ runs on any device) and may add faster implementations per platform. The choice,
    device type no platform owns maps to itself).
 2. ``forward_<name>`` runs if the op has one, else ``forward_native``. The base's
    ``forward_cpu`` (kvflow's native C kernels) and ``forward_cuda`` (Triton) default to
-   ``forward_native``, so an op overrides only those it has kernels for.
+   ``forward_native``, so an op overrides only those it has kernels for. Where the triton
+   package is not installed, CUDA tensors run ``forward_native``.
 3. An implementation whose kernel cannot take the operands (native kernels not built or
    ``KVFLOW_NATIVE_CPU=0``, a layout or dtype the kernel does not handle) returns
    ``self.forward_native(...)``; that check sits in the op's ``forward_cpu`` / ``forward_cuda``,
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from kvflow.platforms import op_dispatch_key
+from kvflow.platforms.cuda import triton_available
 
 
 class CustomOp(nn.Module):
@@ -61,8 +63,11 @@ class CustomOp(nn.Module):
         """The bound ``forward_<platform>`` for tensors on ``device``, else ``forward_native``."""
         impl = self._implementations.get(device)
         if impl is None:
-            name = f"forward_{op_dispatch_key(device.type)}"
-            impl = self._implementations[device] = getattr(self, name, self.forward_native)
+            key = op_dispatch_key(device.type)
+            impl = getattr(self, f"forward_{key}", self.forward_native)
+            if key == "cuda" and not triton_available():  # forward_cuda is Triton's
+                impl = self.forward_native
+            self._implementations[device] = impl
         return impl
 
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from kvflow.platforms.base import Platform
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether the ``triton`` package imports (checked once per process; ``cache_clear()``
+    checks again). Without it CUDA runs the torch attention backend and every custom op's
+    plain-torch code (``forward_native``): every ``forward_cuda`` is a Triton kernel."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("the triton package is not importable: CUDA runs the torch attention "
+                       "backend and plain-torch ops (pip install triton for kvflow's kernels)")
+        return False
+    return True
 
 
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
-    default_attention_backend = "triton"
     supports_graphs = True
+
+    @property
+    def default_attention_backend(self) -> str:
+        """``triton`` (kvflow's kernels), or ``torch`` where triton is not installed."""
+        return "triton" if triton_available() else "torch"
     dist_backend = "nccl"
 
     @staticmethod

@@ -23,7 +23,8 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
     token by token. ``cpu_attention`` (``--cpu-attention``, see
     :func:`kvflow.config.cpu_attention_choice`): what "cpu" runs for a batch of whole prompts.
     "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises ValueError for an
-    unknown name or ``cpu_attention``, or for flashinfer off CUDA or not installed."""
+    unknown name or ``cpu_attention``, for flashinfer off CUDA or not installed, or for triton
+    not installed."""
     if name == "cpu":
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.attention.prefill_select import PrefillAttentionChoice
@@ -41,6 +42,11 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
 
         return TorchPagedAttentionBackend()
     if name == "triton":
+        from kvflow.platforms.cuda import triton_available
+
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package (pip install "
+                             "triton); choose attention_backend='torch' without it")
         from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
         return TritonPagedAttentionBackend(batch_invariant=batch_invariant)

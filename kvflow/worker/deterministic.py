@@ -72,11 +72,15 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
         has_native_kernels: whether kvflow's native CPU kernels are built.
     """
     from kvflow.models.registry import uses_mla
+    from kvflow.platforms.cuda import triton_available
 
     dc, pc = config.device_config, config.parallel_config
     checks = [
         (device_type not in ("cpu", "cuda"),
          f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
+        (device_type == "cuda" and not triton_available(),
+         ("CUDA without the triton package: the mode's batch-invariant GEMM and attention are "
+          "Triton kernels")),
         (not has_native_kernels,
          ("kvflow's native CPU kernels off (KVFLOW_NATIVE_CPU=0) or not built (no C "
           "compiler): the mode's batch-invariant CPU GEMM is one of them")),
