@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
@@ -33,7 +34,7 @@ def _runner(backend) -> SimpleNamespace:
     return SimpleNamespace(
         config=SimpleNamespace(device_config=SimpleNamespace(enforce_eager=False),
                                scheduler_config=SimpleNamespace(max_num_seqs=4)),
-        lora_manager=None, mm_runner=None,
+        lora_manager=None, mm_runner=None, pooling=None,
         kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]),
         parallel=SimpleNamespace(pp=SimpleNamespace(world_size=1)),
         platform=SimpleNamespace(supports_graphs=True),
@@ -72,8 +73,6 @@ def test_a_backend_that_does_not_declare_itself_graph_safe_is_not_captured():
 def test_graph_safe_backends_prepare_nothing():
     """Every built-in backend that says it may be captured keeps ``prepare`` a no-op, so the
     capture-time call leaves nothing a replay would reuse."""
-    import pytest
-
     pytest.importorskip("triton")
     from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
@@ -82,3 +81,14 @@ def test_graph_safe_backends_prepare_nothing():
     meta = _decode_meta([3, 1])
     backend.prepare(meta, 4)
     assert meta.extra is None
+
+
+def test_an_embedding_model_is_not_captured():
+    """An encoder's attention reads query_start_loc on the host (a sync that breaks stream
+    capture) and a pooling model never decodes: no CUDA graphs for embedding models."""
+    pytest.importorskip("triton")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+
+    runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
+    runner.pooling = object()
+    assert make_graph_runner(runner, 16) is None

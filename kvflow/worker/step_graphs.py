@@ -2,10 +2,12 @@
 (``worker/cuda_graphs.py``), recorded native calls on CPU (``worker/cpu_graphs.py``), or none.
 
 Both replay one KV-cache group's block table for batches of single-token queries, so both are
-off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model or a pipeline
-split; the CPU runner also needs the native CPU attention backend with its work-sharing pool
-closed, an unquantized KV cache, one tensor-parallel rank, no draft model and a generative
-model (a pooling model keeps hidden states across steps; a replayed step's live in an arena).
+off with ``--enforce-eager``, LoRA, several KV-cache groups, a multimodal model, a pipeline
+split or an embedding (pooling) model: it never decodes, an encoder's attention reads
+``query_start_loc`` on the host (a sync that breaks CUDA stream capture), and a pooling model
+keeps hidden states across steps while a replayed step's live in a static buffer (CUDA) or an
+arena (CPU). The CPU runner also needs the native CPU attention backend with its
+work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 def _common_ok(runner) -> bool:
     return not runner.config.device_config.enforce_eager and runner.lora_manager is None \
         and len(runner.kv_cache_config.kv_cache_groups) == 1 and runner.mm_runner is None \
-        and runner.parallel.pp.world_size == 1
+        and runner.parallel.pp.world_size == 1 and runner.pooling is None
 
 
 def _cpu_ok(runner) -> bool:
@@ -29,7 +31,6 @@ def _cpu_ok(runner) -> bool:
     return runner.device.type == "cpu" and runner.attn_ctx.backend.name == "cpu" \
         and kernels is not None and (kernels.pool is None or not kernels.pool.is_open) \
         and runner.parallel.tp.world_size == 1 and runner.drafter is None \
-        and runner.pooling is None \
         and all(cache.dtype == runner.dtype for cache in runner.kv_caches)
 
 
