@@ -66,6 +66,8 @@ def _launch(x, residual, weight, out, res_out, eps: float) -> None:
     out2 = _as_rows(out, "out")
     r2 = _as_rows(residual, "residual") if residual is not None else x2
     ro2 = _as_rows(res_out, "residual out") if res_out is not None else out2
+    if out2.shape != x2.shape or ro2.shape != x2.shape:
+        raise ValueError(f"out must be shaped like x {tuple(x.shape)}, got {tuple(out.shape)}")
     if x2.shape[0] == 0:
         return
     block = triton.next_power_of_2(hidden)
@@ -103,7 +105,8 @@ def rms_norm(
         [..., H] in ``x.dtype``.
 
     Raises:
-        ValueError: on a bad ``weight`` shape or a non-row-viewable layout.
+        ValueError: on a bad ``weight`` shape, an ``out`` not shaped like ``x`` or a
+            non-row-viewable layout.
     """
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -65,6 +65,16 @@ def test_bad_weight_shape():
         rms_norm(x, w[:10], 1e-6)
 
 
+def test_out_with_fewer_rows_than_x_is_refused():
+    """The kernel writes one row of ``out`` per row of ``x``: a smaller ``out`` (here a view
+    of the first 2 rows of a buffer) would have rows written past its end."""
+    x, _, w = _inputs((4, 64), torch.float32)
+    buffer = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match="out"):
+        rms_norm(x, w, 1e-6, out=buffer[:2])
+    assert not buffer.any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("hidden", [576, 4096, 8192])
