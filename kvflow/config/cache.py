@@ -19,11 +19,14 @@ class CacheConfig:
     kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
                                "fp8_e4m3 (quantized per token and KV head with float32 scales "
                                "beside the blocks: about twice the blocks of a 16-bit cache "
-                               "for the same --kv-cache-memory)",
-                               choices=["auto", "int8", "fp8_e4m3"])
+                               "for the same --kv-cache-memory); fp8 is vLLM's name for "
+                               "fp8_e4m3",
+                               choices=["auto", "int8", "fp8", "fp8_e4m3"])
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.kv_cache_dtype == "fp8":  # vLLM's spelling: FP8 E4M3 (its CUDA default)
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

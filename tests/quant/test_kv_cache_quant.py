@@ -79,7 +79,19 @@ def _hf_logprobs_with_rounding_cache(tiny, ids: list[int], name: str) -> torch.T
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_engine_matches_hf_with_a_rounding_cache(tiny_model_factory, name, backend):
-    tiny = tiny_model_factory("llama")
+    _check_against_rounding_cache(tiny_model_factory("llama"), name, backend, name)
+
+
+def test_vllm_fp8_name_is_an_e4m3_cache(tiny_model_factory):
+    """``--kv-cache-dtype fp8``, vLLM's spelling (FP8 E4M3 on CUDA), is an ``fp8_e4m3`` cache:
+    logprobs equal transformers' with an e4m3-rounding cache (it was refused as invalid)."""
+    llm = _check_against_rounding_cache(tiny_model_factory("llama"), "fp8", "cpu", "fp8_e4m3")
+    assert llm.engine.config.cache_config.kv_cache_dtype == "fp8_e4m3"
+
+
+def _check_against_rounding_cache(tiny, name: str, backend: str, rounding: str) -> LLM:
+    """The engine with ``kv_cache_dtype=name`` decodes with transformers' logprobs under a
+    cache rounding every row as ``rounding``; returns the engine."""
     prompt = torch.randint(2, tiny.vocab_size, (13,), generator=torch.Generator().manual_seed(8))
     llm = LLM(model=tiny.path, dtype="float32", kv_cache_dtype=name, num_kv_blocks=64,
               block_size=4, attention_backend=backend, max_num_batched_tokens=8)
@@ -94,7 +106,7 @@ def test_engine_matches_hf_with_a_rounding_cache(tiny_model_factory, name, backe
                                                             ignore_eos=True, logprobs=1),
                           use_tqdm=False)
     ids = prompt.tolist() + out.outputs[0].token_ids[:-1]
-    ref = _hf_logprobs_with_rounding_cache(tiny, ids, name)[len(prompt) - 1:]
+    ref = _hf_logprobs_with_rounding_cache(tiny, ids, rounding)[len(prompt) - 1:]
     for step, token in enumerate(out.outputs[0].token_ids):
         if token != int(ref[step].argmax()):
             top2 = ref[step].topk(2).values
@@ -106,8 +118,9 @@ def test_engine_matches_hf_with_a_rounding_cache(tiny_model_factory, name, backe
         plain = torch.log_softmax(tiny.hf_model(torch.tensor([ids])).logits[0], dim=-1)
     assert (plain[len(prompt) - 1:] - ref).abs().max() > 1e-3
     layer = next(iter(runner.attn_layers.values()))
-    assert layer.kv_cache.dtype == kv_cache_dtypes(name, torch.float32)[0]
+    assert layer.kv_cache.dtype == kv_cache_dtypes(rounding, torch.float32)[0]
     assert layer.kv_scales.shape == layer.kv_cache.shape[:4]
+    return llm
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
