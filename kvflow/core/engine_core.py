@@ -23,6 +23,7 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
+from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
@@ -198,7 +199,9 @@ class EngineCore:
         # a pooled prompt needs every token's hidden state unless only its last one counts
         caching = cc.enable_prefix_caching and not self.is_encoder and (
             self.pooler_config is None or self.pooler_config.pooling_type == "last")
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching)
+        rope = long_prompt_rope(self.hf_config)
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching,
+                                               rope.original if rope is not None else None)
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
         lc = self.config.lora_config

@@ -66,10 +66,16 @@ class KVCacheManager:
     Args:
         kv_cache_config: the pool size and the KV-cache groups.
         enable_prefix_caching: reuse blocks across requests with equal prefixes.
+        long_prompt_threshold: a LongRoPE model's original context: the keys of a longer
+            prompt are rotated differently (long factors at every position,
+            ``kvflow/layers/rotary.py: LongPromptRope``), so its blocks are cached apart from
+            a shorter prompt's (None: no such model).
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, enable_prefix_caching: bool = True):
+    def __init__(self, kv_cache_config: KVCacheConfig, enable_prefix_caching: bool = True,
+                 long_prompt_threshold: int | None = None):
         self.kv_cache_config = kv_cache_config
+        self.long_prompt_threshold = long_prompt_threshold
         self.block_size = kv_cache_config.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching=True)
@@ -86,10 +92,14 @@ class KVCacheManager:
     # ---- prefix cache ------------------------------------------------------------------------
     def _cache_extra_key(self, request: Request) -> object | None:
         """None for ordinary prefix caching; the parent id when only siblings may share; with
-        a LoRA adapter its id too (the adapter changes every layer's K/V)."""
+        a LoRA adapter its id too (the adapter changes every layer's K/V); for a LongRoPE
+        prompt longer than the original context, a mark (its keys' rotations differ)."""
         key = None if self.enable_prefix_caching else request.parent_id
         if request.lora_request is not None:
             key = (key, request.lora_request.lora_int_id)
+        if self.long_prompt_threshold is not None and \
+                request.num_prompt_tokens > self.long_prompt_threshold:
+            key = (key, "long_prompt_rope")
         return key
 
     def _uses_hashing(self, request: Request) -> bool:

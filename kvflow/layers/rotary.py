@@ -3,15 +3,18 @@
 
 Every scaling ends in one ``cos_sin_cache`` [max_position, rotary_dim] float32 table indexed by
 position, computed once at start-up (:func:`compute_cos_sin_cache`): a token's rotation depends
-on its position only, never on its batch, its chunk or later tokens, which a paged KV cache
-with prefix caching and chunked prefill needs (a cached key is never rotated again).
+on its position only (LongRoPE: and on whether its request's prompt is longer than the original
+context, :class:`LongPromptRope`), never on its batch, its chunk or later tokens, which a paged
+KV cache with prefix caching and chunked prefill needs (a cached key is never rotated again).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvflow.kernels.cpu_native import native_kernels_for
@@ -202,11 +205,21 @@ def _dynamic_cache(max_position: int, rotary_dim: int, theta: float,
 
 def _longrope_cache(max_position: int, rotary_dim: int, theta: float,
                     scaling: dict) -> torch.Tensor:
-    """LongRoPE table: positions below ``original_max_position_embeddings`` use the short
-    factors, positions at or beyond it the long factors (a per-position rule, so a token's
-    rotation never depends on its batch or on later tokens), both times the attention
-    factor. transformers instead switches the whole sequence to the long factors once it
-    grows past the original length; the two agree on every sequence that stays within it.
+    """LongRoPE table [max_position + L0, rotary_dim] (``L0`` the
+    ``original_max_position_embeddings``, when below ``max_position``; else no extra rows),
+    times the attention factor. Rows ``p < max_position``: the short factors below ``L0``,
+    the long ones from it. Rows ``max_position + p`` (``p < L0``): position ``p`` with the long
+    factors, for the prompt tokens of a prompt longer than ``L0``.
+
+    transformers picks the factors from the length of each forward pass: long for all of it
+    once it passes ``L0``, so in its ``generate`` a longer prompt is rotated with the long
+    factors at every position and a shorter one with the short factors. The runner
+    reproduces that per request by reading the extra rows for such a prompt's positions
+    below ``L0`` (:class:`LongPromptRope`), so a key's rotation depends on its position and
+    its request's prompt length only, never on its batch or chunk. When a sequence grows
+    past ``L0`` while generating, Phi-3's ``generate`` recomputes its whole cache with the
+    long factors; kvflow keeps the keys below ``L0`` it computed with the short factors
+    (positions from ``L0`` on take the long ones), so later tokens may differ.
     """
     orig = scaling["original_max_position_embeddings"]
     mscale = longrope_attention_factor(scaling, max_position)
@@ -214,15 +227,57 @@ def _longrope_cache(max_position: int, rotary_dim: int, theta: float,
     short = _longrope_inv_freq(rotary_dim, theta, scaling["short_factor"])
     long = _longrope_inv_freq(rotary_dim, theta, scaling["long_factor"])
     inv_freq = torch.where((positions < orig).unsqueeze(1), short, long)
+    if orig < max_position:  # the long-prompt rows
+        positions = torch.cat([positions, torch.arange(orig, dtype=torch.float32)])
+        inv_freq = torch.cat([inv_freq, long.expand(orig, -1)])
     freqs = positions.unsqueeze(1) * inv_freq
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale
 
 
+@dataclass(frozen=True)
+class LongPromptRope:
+    """Where a LongRoPE table keeps the long-factor rows of positions below the original
+    context, read by the prompt tokens of a prompt longer than it (:func:`_longrope_cache`).
+
+    Attributes:
+        original: ``original_max_position_embeddings`` (``L0``): prompts of more tokens are
+            rotated with the long factors at every position.
+        offset: the row of position 0 with the long factors (the table's per-position length,
+            :func:`rope_max_positions`).
+    """
+
+    original: int
+    offset: int
+
+    def table_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
+        """int64 rows of the RoPE table for tokens at ``positions`` [T] (int64) of requests
+        with ``prompt_lens`` [T] prompt tokens: ``position + offset`` for positions below
+        ``original`` of prompts longer than it, the position otherwise (a fresh array)."""
+        shift = (prompt_lens > self.original) & (positions < self.original)
+        return positions + self.offset * shift
+
+
+def long_prompt_rope(config: Any) -> LongPromptRope | None:
+    """The model's :class:`LongPromptRope` when its RoPE is LongRoPE (``longrope`` / ``su``)
+    with an original context shorter than the positions it covers; None otherwise (every
+    token's table row is then its position). Per-layer-type RoPE (Gemma 3's
+    ``rope_parameters``) has tables without the extra rows: None."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and "rope_theta" not in params:
+        return None
+    _, scaling = get_rope_parameters(config)
+    if (scaling or {}).get("rope_type") not in ("longrope", "su"):
+        return None
+    orig, positions = scaling.get("original_max_position_embeddings"), rope_max_positions(config)
+    return LongPromptRope(int(orig), positions) if orig and orig < positions else None
+
+
 def compute_cos_sin_cache(max_position: int, rotary_dim: int, theta: float,
                           scaling: dict | None) -> torch.Tensor:
-    """The RoPE table [max_position, rotary_dim] float32: row ``p`` is ``cos(p * f)`` for
-    the ``rotary_dim // 2`` frequencies ``f``, then ``sin(p * f)``, times the scaling's
-    attention factor (YaRN, LongRoPE; 1 otherwise).
+    """The RoPE table [max_position, rotary_dim] float32 (LongRoPE: more rows, see
+    :func:`_longrope_cache`): row ``p`` is ``cos(p * f)`` for the ``rotary_dim // 2``
+    frequencies ``f``, then ``sin(p * f)``, times the scaling's attention factor (YaRN,
+    LongRoPE; 1 otherwise).
 
     Raises:
         ValueError: for an unsupported ``rope_type``.

@@ -42,6 +42,7 @@ import torch
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
+from kvflow.layers.rotary import long_prompt_rope
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
@@ -106,6 +107,7 @@ class DraftModel:
             device.type, getattr(hf_config, "quantization_config", None) is not None)
         quant = get_quant_config(quantization, hf_config, source.kind,
                                  mc.quantization_group_size)
+        self.long_prompt_rope = long_prompt_rope(hf_config)
         self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
                                 mc.load_format, mc.seed, quant)
         # FR-Spec: the head cut to frequent tokens (before the runner packs it)
@@ -267,7 +269,8 @@ class DraftModel:
               logits_rows: np.ndarray) -> torch.Tensor:
         """One draft forward over ``query[r]`` tokens of each row from ``computed[r]``;
         returns the float32 logits [len(logits_rows), V] of those rows' last tokens."""
-        inputs = build_model_inputs(batch, query, block_size, stager, num_computed=computed)
+        inputs = build_model_inputs(batch, query, block_size, stager, num_computed=computed,
+                                    long_prompt_rope=self.long_prompt_rope)
         if fill_pending is not None and len(inputs.pending_token_index):
             fill_pending(inputs)
         metadata = inputs.attn_metadata[:1]

@@ -14,6 +14,7 @@ import torch
 
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.kv_cache_interface import SlidingWindowSpec
+from kvflow.layers.rotary import LongPromptRope
 from kvflow.worker.input_batch import InputBatch
 
 
@@ -22,7 +23,9 @@ class ModelInputs:
     """One step's flattened batch.
 
     Attributes:
-        input_ids: int64 [num_tokens]; positions: int64 [num_tokens].
+        input_ids: int64 [num_tokens]; positions: int64 [num_tokens], the rows of the model's
+            RoPE table (the token positions, but for a LongRoPE model's long prompts, see
+            :class:`~kvflow.layers.rotary.LongPromptRope`).
         attn_metadata: slot mapping, block table and lengths for attention, one per KV-cache
             group (the groups differ only in slot mapping and block table).
         logits_indices: int64 [num_sampling_reqs]; the last token of each request that samples.
@@ -49,8 +52,8 @@ class ModelInputs:
 
 
 def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size: int,
-                       stager: InputStager, num_computed: np.ndarray | None = None
-                       ) -> ModelInputs:
+                       stager: InputStager, num_computed: np.ndarray | None = None,
+                       long_prompt_rope: LongPromptRope | None = None) -> ModelInputs:
     """Flatten the scheduled rows into token-major tensors on the stager's device.
 
     Args:
@@ -60,6 +63,8 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
         stager: moves the arrays to the device.
         num_computed: int64 [batch.num_reqs], where each row's tokens start instead of
             ``batch.num_computed_tokens`` (a speculative-decoding draft model's passes).
+        long_prompt_rope: the model's LongRoPE rows for long prompts (None: the positions
+            are the table rows).
     """
     rows = np.flatnonzero(num_scheduled)
     index = batch.index(rows)  # a slice when every row is scheduled
@@ -81,8 +86,10 @@ def build_model_inputs(batch: InputBatch, num_scheduled: np.ndarray, block_size:
         computed[pending]
     groups = [_block_table_and_slots(batch, g, index, req_of_token, positions, block_size)
               for g in range(len(batch.kv_cache_specs))]
+    rope_rows = positions if long_prompt_rope is None else \
+        long_prompt_rope.table_rows(positions, batch.num_prompt_tokens[rows[req_of_token]])
     i64, i32 = stager.stage(
-        [input_ids, positions, logits_indices, pending_tokens,
+        [input_ids, rope_rows, logits_indices, pending_tokens,
          batch.pending_sample[rows[pending]], *(s for _, s in groups)],
         [query_start, seq_lens, *(table for table, _ in groups)])
     query_start_t, seq_lens_t = i32[:2]

@@ -23,6 +23,7 @@ from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import Sampler
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
@@ -112,6 +113,7 @@ class ModelRunner:
         mc = self.config.model_config
         self.quant_config = runner_quant_config(self.config, source, hf_config, self.device)
         self.attn_ctx = AttentionContext(self._attention_backend(hf_config))
+        self.long_prompt_rope = long_prompt_rope(hf_config)  # LongRoPE's long-prompt rows
         self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
                                 mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
@@ -187,7 +189,7 @@ class ModelRunner:
         block_ids = list(range(1, num_blocks + 1))
         batch.add_request(state, [], tuple(block_ids for _ in kv_cache_groups), 0)
         inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
-                                    self.stager)
+                                    self.stager, long_prompt_rope=self.long_prompt_rope)
         with torch.inference_mode():
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp), batch)
             if send_to_next_stage(self.parallel.pp, hidden) and self.pooling is None:
@@ -330,7 +332,8 @@ class ModelRunner:
             spec_tokens = proposal.token_ids
         if spec_tokens:
             place_drafts(batch, spec_tokens)
-        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager)
+        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager,
+                                    long_prompt_rope=self.long_prompt_rope)
         if len(inputs.pending_token_index):
             self._fill_pending(inputs)
         return inputs, spec_tokens, proposal

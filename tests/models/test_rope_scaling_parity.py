@@ -55,3 +55,21 @@ def test_dynamic_context_limit_is_scaled(tiny_model_factory):
     assert _llm(tiny).engine.core.max_model_len == 192
     with pytest.raises(ValueError, match="the model covers \\(192: max_position_embeddings, scaled"):
         _llm(tiny, max_model_len=193)
+
+
+def test_longrope_prompt_past_the_original_context(tiny_model_factory, assert_no_leaks):
+    """Phi-3 LongRoPE (``phi3_longrope``: short factors within 64 original positions): a
+    prompt longer than 64 is rotated with the long factors at every position, as
+    transformers' ``generate`` does (it picks the factors from the sequence's length), while
+    a sequence within 64 keeps the short ones. The short prompt shares the long prompt's
+    first 60 tokens and runs after it with prefix caching on: the long prompt's blocks
+    (long-factor keys) must not be reused for it, nor its blocks for the long prompt's
+    second run. Chunks of 13 tokens cross the 4-token blocks and position 64 mid-chunk."""
+    tiny = tiny_model_factory("phi3_longrope")
+    llm = _llm(tiny, max_num_batched_tokens=13, enable_prefix_caching=True)
+    (long,) = _prompts([100], tiny.vocab_size, seed=13)
+    for prompt, max_tokens in ((long, 20), (long[:60], 4), (long, 20)):
+        (out,) = llm.generate([prompt], greedy(max_tokens), use_tqdm=False)
+        assert_matches_hf(tiny, out, max_tokens)
+    assert llm.engine.core.kv_cache_manager.num_hits >= 96  # the second long run's prefix
+    assert_no_leaks(llm)
