@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything kvflow checks on a GPU, in one run (target: under 6 minutes on an H200):
-# kernel tests (bf16, realistic shapes) and engine parity CUDA vs CPU (async scheduling
-# included), measured ceilings; GPU-W1/W2 for kvflow (CUDA graphs), three rounds in one
+# kernel tests (bf16, realistic shapes; bf16 paged attention on edge shapes: head dims 80-192,
+# GQA 1-8, block sizes 16/32) and engine parity CUDA vs CPU (async scheduling, the eager torch
+# backend and a BERT embedding model on CUDA included), measured ceilings; GPU-W1/W2 for kvflow (CUDA graphs), three rounds in one
 # process, each round lock-step then --async-scheduling (medians reported); the batch-1 A/B
 # (W2 TPOT on one engine: CUDA graphs vs eager, each with the separate rotary + KV-store
 # kernels and with them fused (KVFLOW_FUSED_KERNELS), medians of 3; decides that default);
@@ -25,7 +26,7 @@ PY=${PYTHON:-python3}
 log=$OUT/bench.log; : > "$log"
 run() { echo "== $(date +%T) $*" | tee -a "$log"; timeout "$1" "${@:2}" 2>&1 | tee -a "$log" | tail -30; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
-run 90 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
+run 120 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
 run 45 $PY benchmarks/gpu_bench.py ceilings
 run 150 $PY benchmarks/gpu_bench.py kvflow --repeats 3
 # FlashInfer JIT-compiles on first use: a longer limit when it is there

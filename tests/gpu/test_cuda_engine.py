@@ -121,3 +121,34 @@ def test_cuda_deterministic_batch_invariant(tiny_llama, dtype):
     alone = run([])
     for size in (1, 7, 63):
         assert run(others[:size]) == alone, size
+
+
+def test_cuda_torch_backend_runs_eagerly_and_matches(tiny_llama, cpu_reference):
+    """--attention-backend torch on CUDA: no CUDA graphs (its prepare builds the step's mask
+    on the host side of the graph; a replay would keep the capture-time one) and the CPU
+    reference's tokens. Written without a GPU run (session 19)."""
+    from kvflow import LLM
+
+    assert _greedy(tiny_llama, device="cuda", attention_backend="torch") == cpu_reference
+    llm = LLM(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+              device="cuda", attention_backend="torch", max_num_seqs=8)
+    assert llm.engine.core.executor.runner.graph_runner is None
+
+
+def test_cuda_bert_embeddings_start_and_match_sentence_transformers(tiny_tokenizer,
+                                                                   tmp_path_factory):
+    """An encoder on CUDA starts without --enforce-eager (graph capture of its host-synced
+    attention is skipped) and embeds as sentence-transformers does on CPU. Written without a
+    GPU run (session 19)."""
+    from kvflow import LLM
+    from tests.models.embedding_models import build_bert, st_embed
+
+    folder = str(tmp_path_factory.mktemp("bert_gpu") / "st")
+    st = build_bert(tiny_tokenizer, folder, "mean")
+    sentences = ["the quick brown fox", "a", "keys and values through blocks of tokens"]
+    llm = LLM(model=folder, dtype="float32", device="cuda", max_num_batched_tokens=64)
+    assert llm.engine.core.executor.runner.graph_runner is None
+    outs = llm.embed(sentences, use_tqdm=False)
+    for out, ref in zip(outs, st_embed(st, sentences)):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=1e-4,
+                                   rtol=1e-3)

@@ -162,3 +162,22 @@ def test_gpu_decode_bf16(num_splits, head_dim):
 def test_gpu_prefill_only_bf16():
     batch = make_batch([(0, 2048), (0, 1000), (512, 1500)], 32, 8, 128, dtype=torch.bfloat16)
     check(batch, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,block_size",
+                         [(80, 8, 1, 16), (96, 8, 8, 32), (112, 32, 4, 16), (192, 16, 2, 32)])
+def test_gpu_edge_shapes_bf16(head_dim, num_heads, num_kv_heads, block_size):
+    """bf16 (which Triton's interpreter cannot run: its tl.dot multiplies bf16 bit patterns,
+    triton-lang/triton#11584) on head dims that are not powers of two, GQA 1/4/8 and one KV
+    head, contexts of 1, block_size - 1, block_size, block_size + 1 and a mixed batch, split
+    and not. Written without a GPU run (session 19)."""
+    b = block_size
+    reqs = [(0, 1), (0, b - 1), (0, b), (0, b + 1), (b - 1, 1), (b, 1), (b + 1, 1), (700, 1),
+            (3 * b, 2 * b + 3)]
+    batch = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size=block_size,
+                       dtype=torch.bfloat16, seed=11)
+    for num_splits in (None, 1, 4):
+        check(batch, GPU_TOL, num_splits=num_splits)
+
