@@ -359,3 +359,30 @@ def test_adapters_under_preemption_match_peft(tiny_llama, adapters, peft_first_p
         sched.swap.release_read_blocks()
         assert sched.swap.host.num_free_blocks == sched.swap.host.num_blocks
     assert_no_leaks(llm)
+
+
+def test_adapters_with_ngram_speculation_match_peft(llm, tiny_llama, adapters,
+                                                    peft_first_prompt, assert_no_leaks):
+    """LoRA with n-gram speculative decoding: each request's drafts are verified with its own
+    adapter, so greedy tokens equal peft's (each adapter alone) and logprobs and prompt
+    logprobs equal the run without speculation."""
+    spec = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+               block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_min": 1, "adaptive": False})
+    ids, expected = peft_first_prompt
+    loras = [*_requests(adapters), None]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1)
+    got = spec.generate([ids] * 3, params, lora_request=loras, use_tqdm=False)
+    plain = llm.generate([ids] * 3, params, lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == \
+        [expected[None if a is None else a.lora_name] for a in loras]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    for s, p in zip(got, plain):
+        for rows in ((s.outputs[0].logprobs, p.outputs[0].logprobs),
+                     (s.prompt_logprobs[1:], p.prompt_logprobs[1:])):
+            for a, b in zip(*rows):
+                assert {t: x.logprob for t, x in a.items()} == \
+                    pytest.approx({t: x.logprob for t, x in b.items()}, abs=1e-5)
+    assert_no_leaks(spec)

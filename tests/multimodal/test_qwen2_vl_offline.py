@@ -176,6 +176,20 @@ def test_async_scheduling_same_tokens(tiny_qwen2_vl, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_ngram_speculation_verifies_drafts_at_mrope_positions(tiny_qwen2_vl, assert_no_leaks):
+    """N-gram drafts of image prompts are verified several tokens per step, each at its M-RoPE
+    position (past an image, text positions run behind the token index): transformers'
+    tokens, with drafts accepted."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=256, block_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 1, "adaptive": False})
+    text, images = cases()[2]  # two images
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy(12))[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, 12)
+    assert out.metrics.num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
 def test_image_count_limit_is_checked_before_decoding(tiny_qwen2_vl):
     """Three image parts over a limit of two: refused naming the limit, before any image is
     decoded (the parts' URLs are not even valid images)."""
