@@ -118,3 +118,32 @@ def test_without_triton_deterministic_is_refused_on_cuda(no_triton):
     assert any("triton" in reason for reason in
                unsupported_reasons(EngineConfig(), hf_config, "cuda", None, True))
     assert unsupported_reasons(EngineConfig(), hf_config, "cpu", None, True) == []
+
+
+def test_fp8_gemm_needs_compute_capability_8_9(gpu):
+    from kvflow.platforms.cuda import fp8_gemm_supported
+
+    assert fp8_gemm_supported(torch.device("cuda", 0)) == (gpu == "h100")
+    assert fp8_gemm_supported(torch.device("cpu"))
+
+
+def test_fp8_linear_without_fp8_tensor_cores_runs_the_reference(monkeypatch):
+    """W8A8 FP8 on a GPU below 8.9 (A100): the dequantized reference instead of
+    torch._scaled_mm, which raises there (here: a _scaled_mm stand-in that raises)."""
+    from kvflow.layers.linear import RowParallelLinear
+    from kvflow.quant import fp8
+
+    layer = RowParallelLinear(32, 16, bias=False)
+    layer.set_quant_method(fp8.Fp8LinearMethod())
+    layer.weight.weight_loader(layer.weight, torch.randn(16, 32))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, 32)
+    expected = layer.quant_method.apply_native(layer, x, None)
+
+    def no_fp8_mm(*args, **kwargs):
+        raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute "
+                           "capability >= 9.0 or 8.9")
+
+    monkeypatch.setattr(fp8, "scaled_mm_rowwise", no_fp8_mm)
+    monkeypatch.setattr(fp8, "fp8_gemm_supported", lambda device: False, raising=False)
+    torch.testing.assert_close(layer.quant_method.apply_cuda(layer, x, None), expected)

@@ -26,6 +26,14 @@ def triton_available() -> bool:
     return True
 
 
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` (FP8 tensor cores) runs on ``device``: compute capability
+    8.9+ (Ada, Hopper) for a CUDA device; True elsewhere (torch's CPU ``_scaled_mm``)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device.index) >= (8, 9)
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"

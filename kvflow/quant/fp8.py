@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.platforms.cuda import fp8_gemm_supported
 from kvflow.quant.base import LinearMethod, check_stored_dtype
 from kvflow.quant.shard_absmax import note_absmax, take_absmax
 
@@ -211,9 +212,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply_cuda(self, layer: nn.Module, x: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """``torch._scaled_mm`` (row-wise scales) where the shape allows (K and N multiples of
-        16); the reference otherwise and for weight-only FP8."""
+        16) and the GPU has FP8 tensor cores (compute capability 8.9+; an A100's
+        ``_scaled_mm`` raises); the reference otherwise and for weight-only FP8."""
         n, k = layer.weight.shape
-        if not self.quantize_input or k % 16 or n % 16:
+        if not self.quantize_input or k % 16 or n % 16 or not fp8_gemm_supported(x.device):
             return self.apply_native(layer, x, bias)
         rows = x.reshape(-1, k)
         if layer.input_scale is None:
