@@ -92,3 +92,42 @@ def test_an_embedding_model_is_not_captured():
     runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
     runner.pooling = object()
     assert make_graph_runner(runner, 16) is None
+
+
+class _Replay:
+    """A captured graph stand-in: records the runner's static inputs at each replay."""
+
+    def __init__(self, runner, size: int, log: list) -> None:
+        self.runner, self.size, self.log = runner, size, log
+
+    def replay(self) -> None:
+        r, s = self.runner, self.size
+        self.log.append((s, r.slot_mapping[:s].tolist(), r.seq_lens[:s].tolist(),
+                         r.block_table[:s, :2].tolist()))
+
+
+def test_graph_runner_pads_to_the_next_size_and_refuses_larger_batches():
+    """A batch of 3 replays the size-4 graph with row 3 as padding (slot -1, context 1, the
+    null block), also right after a batch of 4 wrote real values there; a batch of 9 (more
+    than the largest size, 8) or a prefill chunk runs eagerly."""
+    from kvflow.worker.cuda_graphs import CudaGraphRunner
+
+    runner = CudaGraphRunner(torch.nn.Identity(), None, max_num_seqs=8, max_blocks_per_seq=4,
+                             max_model_len=16, block_size=4, hidden_size=2,
+                             device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.sizes == [1, 2, 4, 8]
+    log: list = []
+    runner.graphs = {s: _Replay(runner, s, log) for s in runner.sizes}
+    for seq_lens in ([5, 6, 7, 8], [9, 10, 11]):
+        meta = _decode_meta(seq_lens)
+        meta.slot_mapping = torch.tensor(seq_lens) - 1
+        n = len(seq_lens)
+        assert runner.can_run(meta)
+        hidden = runner.run(torch.arange(n), torch.tensor(seq_lens) - 1, meta)
+        assert hidden.shape == (n, 2)
+    assert log[1] == (4, [8, 9, 10, -1], [9, 10, 11, 1],
+                      [[0, 1], [4, 5], [8, 9], [0, 0]])
+    assert not runner.can_run(_decode_meta([2] * 9))
+    prefill = _decode_meta([3, 1])
+    prefill.max_query_len = 2
+    assert not runner.can_run(prefill)
