@@ -45,7 +45,13 @@ from kvflow.engine.messages import (
 from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine.replica_restarts import ReplicaRestarts
 from kvflow.engine.replica_set import ReplicaSet
-from kvflow.engine.streams import AdmissionRejected, EngineDeadError, RequestStream, collect
+from kvflow.engine.streams import (
+    AdmissionRejected,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestStream,
+    collect,
+)
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
@@ -65,7 +71,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000  # how often the output loop checks that the core processes are alive
 
-__all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "RequestStream", "collect"]
+__all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownError",
+           "RequestStream", "collect"]
 
 
 class AsyncLLM:
@@ -384,6 +391,20 @@ class AsyncLLM:
         self._calls.fail(error)
 
     # ---- shutdown ----------------------------------------------------------------------------
+    def abort_all(self, error: EngineShutdownError) -> int:
+        """Abort every open request in its engine core (their KV blocks are freed), end its
+        stream with ``error``, and refuse new requests with it (the server is stopping);
+        returns how many requests were open.
+
+        Pending LoRA calls fail with ``error`` too.
+        """
+        self._dead = error
+        count = len(self.requests.streams)
+        for replica, sample_ids in self.requests.abort_all(error).items():
+            self.replicas.send(replica, AbortRequests(sample_ids))
+        self._calls.fail(error)
+        return count
+
     async def shutdown(self) -> None:
         """Stop the output loop and the core processes; release the sockets."""
         if self._output_task is not None:

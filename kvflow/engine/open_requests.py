@@ -106,6 +106,20 @@ class OpenRequests:
             stream.settle(error)
             stream.put(error)
 
+    def abort_all(self, error: BaseException) -> dict[int, list[str]]:
+        """End every open request's stream with ``error`` and forget it; returns, per
+        replica, the sample ids still running there (for the caller to abort on it, freeing
+        their KV blocks)."""
+        running: dict[int, list[str]] = {}
+        for request_id, stream in list(self.streams.items()):
+            sample_ids, replica = self.abort(request_id)
+            if sample_ids and replica is not None:
+                running.setdefault(replica, []).extend(sample_ids)
+            stream.settle(error)
+            stream.put(error)
+        self.waiting.clear()
+        return running
+
     def fail_all(self, error: BaseException) -> None:
         """End every open request's stream with ``error``."""
         for request_id in list(self.streams):

@@ -12,6 +12,12 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died or reported a fatal error; no request can proceed."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The engine is stopping on purpose (the server got SIGINT or SIGTERM): open requests
+    were aborted and new ones are refused. An ``EngineDeadError``, so every caller that ends
+    a request on a dead engine ends it the same way."""
+
+
 class AdmissionRejected(RuntimeError):
     """Admission control refused the request: its predicted time to first token exceeds its
     target.

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from kvflow import __version__
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
+from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError
 from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
 from kvflow.entrypoints.http_guards import (
     ApiKeyMiddleware,
@@ -46,6 +46,7 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from kvflow.entrypoints.server_shutdown import AbortingServer
 from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
@@ -229,8 +230,11 @@ def _add_status_routes(app: FastAPI) -> None:
     """The open routes: /health, /version, /metrics."""
     @app.get("/health")
     async def health(raw: Request) -> Response:
-        if raw.app.state.engine.is_healthy:
+        engine = raw.app.state.engine
+        if engine.is_healthy:
             return Response(status_code=200)
+        if isinstance(engine.dead_error, EngineShutdownError):
+            return error_response(engine_dead(engine.dead_error))
         return error_response(OpenAIError("the engine core is not running", 503,
                                            "service_unavailable", code="engine_dead"))
 
@@ -380,7 +384,8 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM.
+    """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM (which
+    abort the open requests first: ``server_shutdown.AbortingServer``).
 
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
@@ -397,10 +402,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         app = build_app(engine, server_config, model_name)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host,
                     server_config.port)
-        server = uvicorn.Server(uvicorn.Config(
+        # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
+        # are for other work in flight (a long /tokenize, say)
+        server = AbortingServer(uvicorn.Config(
             app, host=server_config.host, port=server_config.port,
             log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
-            timeout_keep_alive=server_config.timeout_keep_alive))
+            timeout_keep_alive=server_config.timeout_keep_alive), engine)
         app.state.uvicorn_server = server
         server.run()
     finally:

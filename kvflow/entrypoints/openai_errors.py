@@ -1,12 +1,13 @@
 """The OpenAI error body as an exception (``OpenAIError``), and the errors the handlers share:
 a 400 from the engine's validation, a 400 for a body not sent as JSON, a 503 when the engine
-is gone."""
+is gone or the server is shutting down."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from kvflow.engine.streams import EngineShutdownError
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse
 
 
@@ -49,6 +50,10 @@ def invalid_request(error: ValueError) -> OpenAIError:
 
 
 def engine_dead(error: BaseException) -> OpenAIError:
+    """A 503 for a request the engine could not finish: code ``server_shutting_down`` when
+    the server is stopping (SIGINT / SIGTERM aborted it), else ``engine_dead``."""
+    if isinstance(error, EngineShutdownError):
+        return OpenAIError(str(error), 503, "service_unavailable", code="server_shutting_down")
     return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
                        code="engine_dead")
 

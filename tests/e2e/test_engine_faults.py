@@ -152,3 +152,37 @@ def test_disconnect_storm_leaves_no_block_held(restarting):
     resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
                       json={"prompt": "the quick", "max_tokens": 3})
     assert resp.status_code == 200
+
+
+def test_sigterm_aborts_open_requests(restarting):
+    """SIGTERM (``docker stop``; Ctrl-C is handled the same) with a stream and a whole reply in
+    flight: both end at once with code ``server_shutting_down`` (the stream with an error event
+    then ``[DONE]``), not after uvicorn's 5 s graceful timeout with the stream cut. The last
+    test of the module: the server stops here."""
+    server = restarting
+    whole = {}
+
+    def post_whole() -> None:
+        whole["resp"] = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
+
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
+                      timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        next(lines)  # generating
+        thread = threading.Thread(target=post_whole)
+        thread.start()
+        wait_for(lambda: server.value(server.metrics(), "kvflow:num_requests_running") == 2)
+        sent = time.monotonic()
+        server.terminate()
+        for line in lines:
+            events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+        took = time.monotonic() - sent
+    thread.join(30)
+    assert events[-1] == {"done": True} and "error" not in events[0], events[-3:]
+    assert events[-2]["error"]["code"] == "server_shutting_down", events[-2]
+    assert "SIGTERM" in events[-2]["error"]["message"]
+    assert whole["resp"].status_code == 503
+    assert whole["resp"].json()["error"]["code"] == "server_shutting_down"
+    assert took < 3.0  # uvicorn alone cut the stream after its 5 s graceful timeout
+    assert "aborted 2 open request(s)" in server.log()
