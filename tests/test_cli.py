@@ -218,3 +218,25 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, command):
     monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
     assert main([command, "--model", "m"]) == 130
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, exits", [(None, True), (["serve", "--model", "m"], False)])
+def test_serve_from_the_command_line_exits_at_once(monkeypatch, argv, exits):
+    """``kvflow serve`` run as the process's command (``argv`` None) ends the process with
+    os._exit once the server has stopped, skipping the interpreter's teardown (2.8 s with
+    torch on 2 busy cores: Ctrl-C seemed to hang; benchmarks/server_signals.py measures it);
+    called with an explicit argv (in a test, in another program) it returns the status."""
+    import sys
+
+    from kvflow.entrypoints import cli
+
+    exited = []
+
+    def fake_exit(status: int) -> None:
+        exited.append(status)
+
+    monkeypatch.setattr(sys, "argv", ["kvflow", "serve", "--model", "m"])
+    monkeypatch.setattr(cli, "_cmd_serve", lambda args: 130)
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    assert main(argv) == 130
+    assert exited == ([130] if exits else [])
