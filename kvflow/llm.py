@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -53,7 +53,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
                  user: Sequence[str] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 on_output: Callable[[int, RequestOutput], None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -68,6 +69,10 @@ class LLM:
             user: one client name per prompt (needs ``policy="fair"``; default: one client).
             lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
                 model); needs ``enable_lora=True``. Adapters of different prompts share steps.
+            on_output: called with the prompt's index and its RequestOutput so far (every
+                sample's whole text until now) each time a step adds to it, the finished one
+                last; a kvflow extension (``kvflow generate`` prints the tokens as they come
+                with it).
 
         Raises:
             ValueError: if any prompt, parameter or adapter is invalid (nothing is queued then).
@@ -95,7 +100,7 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
+        return self._run(ids, use_tqdm and len(ids) > 1, on_output)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -150,7 +155,9 @@ class LLM:
              add_generation_prompt: bool = True, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
              chat_template: str | None = None, tools: list[dict] | None = None,
-             documents: list[dict] | None = None) -> list[RequestOutput]:
+             documents: list[dict] | None = None,
+             on_output: Callable[[int, RequestOutput], None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
         Message ``content`` may be a string, a list of text (and, for a vision-language
@@ -158,7 +165,9 @@ class LLM:
         ``data:`` URLs, or http(s) from ``allowed_media_domains``);
         ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;
-        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables.
+        ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
+        ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
+        sets it on the ones it returns).
 
         Raises:
             ValueError: if the model has no chat template, or for a message or option the
@@ -177,18 +186,22 @@ class LLM:
         token_prompts = [_with_images(tokenizer.encode(p, add_special_tokens=False),
                                       self.engine.processor.load_chat_images(c))
                          for p, c in zip(prompts, conversations)]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm, on_output=on_output)
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+    def _run(self, request_ids: list[str], use_tqdm: bool,
+             on_output: Callable[[int, Any], None] | None = None) -> list[Any]:
         finished: dict[str, Any] = {}
+        index = {rid: i for i, rid in enumerate(request_ids)}
         try:
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
+                        if on_output is not None:
+                            on_output(index[out.request_id], out)
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)

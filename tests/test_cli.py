@@ -121,6 +121,53 @@ def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
     assert f"tokens={len(expected.outputs[0].token_ids)}" in out
 
 
+class _Writes:
+    """A stdout that records each write (and says it is not a terminal, as a pipe)."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_generate_streams_the_completion_as_it_is_generated(tiny_llama, monkeypatch):
+    """``kvflow generate`` writes the completion piece by piece as the steps produce it (was:
+    nothing until it finished: with a large --max-tokens it looked hung), and the bytes are
+    exactly what printing the finished outputs gives (oracle: LLM.generate's outputs, printed
+    as the README shows them), for two prompts of n=2 samples with --logprobs lines."""
+    import sys
+
+    from kvflow import LLM, SamplingParams
+
+    prompts = ["the lazy fox", "keys and values"]
+    expected = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=64).generate(
+        prompts, SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+        use_tqdm=False)
+    stdout = _Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    argv = ["generate", "--model", tiny_llama.path, "--dtype", "float32", "--num-kv-blocks",
+            "64", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--n", "2",
+            "--logprobs", "1"]
+    for p in prompts:
+        argv += ["--prompt", p]
+    assert main(argv) == 0
+    lines = "".join(stdout.writes).splitlines()
+    assert len(lines) == 4 * 13  # each sample's line, then one line per token
+    assert lines[::13] == [out.prompt + s.text for out in expected for s in out.outputs]
+    assert all(line.startswith("  ") for i, line in enumerate(lines) if i % 13)
+    first = expected[0].outputs[0].text
+    pieces = stdout.writes[1:stdout.writes.index("\n")]  # after the prompt, to the newline
+    assert "".join(pieces) == first and len(pieces) >= 4, pieces  # streamed, not one write
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "adaptive": False}
 LOOPING = ["the quick brown fox jumps over the lazy dog the quick brown fox jumps",

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
+from kvflow.entrypoints.generate_output import GeneratePrinter
 from kvflow.models.generation_config import SAMPLING_DEFAULT_FIELDS
 from kvflow.sampling_params import SamplingParams
 
@@ -100,41 +101,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if note is not None:
         print(note, file=sys.stderr)
     prompts = args.prompt or ["Once upon a time"]
-    if args.chat:
-        parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
-        outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text", "text": p}]
-                             if parts else p}] for p in prompts], params, use_tqdm=False)
-    elif images:
-        outputs = llm.generate([{"prompt": p, "multi_modal_data": {
-            "image": [image for _, image in images]}} for p in prompts], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    for out in outputs:
-        for sample in out.outputs:
-            print(out.prompt + sample.text if not args.chat else sample.text)
-            if args.verbose:
-                print(f"[finish_reason={sample.finish_reason} tokens={len(sample.token_ids)} "
-                      f"ttft={out.metrics.ttft:.3f}s e2e={out.metrics.e2e_latency:.3f}s]")
-            if args.logprobs is not None:
-                _print_logprobs(sample)
-        if args.verbose and config.speculative_config is not None:
-            print(_speculation_line("speculative", [out.metrics]))
-    if args.verbose and config.speculative_config is not None and len(outputs) > 1:
-        print(_speculation_line("speculative, all prompts", [o.metrics for o in outputs]))
+    printer = GeneratePrinter(len(prompts), sys.stdout, args.chat, args.verbose,
+                              args.logprobs is not None, config.speculative_config is not None)
+    try:  # printed as generated (generate_output.py)
+        if args.chat:
+            parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
+            outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text",
+                                                                        "text": p}]
+                                 if parts else p}] for p in prompts], params, use_tqdm=False,
+                               on_output=printer.update)
+        elif images:
+            outputs = llm.generate([{"prompt": p, "multi_modal_data": {
+                "image": [image for _, image in images]}} for p in prompts], params,
+                use_tqdm=False, on_output=printer.update)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False, on_output=printer.update)
+    finally:
+        printer.close()  # Ctrl-C mid-sample: end its line
+    printer.print_totals([o.metrics for o in outputs])
     return 0
-
-
-def _speculation_line(label: str, metrics: list) -> str:
-    """``[label: drafted=D accepted=A acceptance_rate=A/D verify_steps=S
-    mean_acceptance_length=1+A/S]`` summed over ``metrics`` (RequestMetrics: a request's
-    counts, over its ``n`` samples); ``n/a`` for a rate without drafts."""
-    steps = sum(m.num_drafts for m in metrics)
-    drafted = sum(m.num_draft_tokens for m in metrics)
-    accepted = sum(m.num_accepted_tokens for m in metrics)
-    rate = f"{accepted / drafted:.3f}" if drafted else "n/a"
-    length = f"{1 + accepted / steps:.2f}" if steps else "n/a"
-    return (f"[{label}: drafted={drafted} accepted={accepted} acceptance_rate={rate} "
-            f"verify_steps={steps} mean_acceptance_length={length}]")
 
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -162,17 +147,6 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
         media_type = f"image/{image_format(data)}"  # the bytes', not the file name's
         out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
     return out
-
-
-def _print_logprobs(sample) -> None:
-    """One line per generated token: the token, its logprob, then the top alternatives."""
-    for token_id, top in zip(sample.token_ids, sample.logprobs or []):
-        chosen = top[token_id]
-        others = " ".join(f"{lp.decoded_token!r}={lp.logprob:.3f}"
-                          for tid, lp in sorted(top.items(), key=lambda kv: kv[1].rank)
-                          if tid != token_id)
-        print(f"  {chosen.decoded_token!r} {chosen.logprob:.3f}" + (f"  | {others}" if others
-                                                                   else ""))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
