@@ -56,7 +56,18 @@ def smollm_meta(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm_path):
+def shared_gguf_reader():
+    """``gguf.GGUFReader`` memoized by path, for transformers' GGUF loading in this module
+    (speed only): transformers parses the same file with it once for each config read and
+    once for the weights, ~4 s of CPU each for SmolLM2's 49k-token vocabulary; the reader
+    is read-only (a memmap), so one parse serves them all."""
+    import functools
+
+    return functools.lru_cache(gguf.GGUFReader)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_path, shared_gguf_reader):
     """transformers' own GGUF loading: the oracle for weights and config."""
     import functools
 
@@ -67,6 +78,7 @@ def hf_model(smollm_path):
         # Speed only: transformers rebuilds the same gguf TensorNameMap once per submodule
         # (~400 times, ~15 s here); memoize it. The mapping itself is unchanged.
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        mp.setattr(gguf, "GGUFReader", shared_gguf_reader)
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
 
 
@@ -172,10 +184,12 @@ def test_smollm_tokenizer_matches_gguf_vocab(smollm_tokenizer, smollm_meta):
 
 
 @pytest.mark.slow
-def test_smollm_tokenizer_matches_transformers(smollm_path, smollm_tokenizer):
+def test_smollm_tokenizer_matches_transformers(smollm_path, smollm_tokenizer, shared_gguf_reader,
+                                               monkeypatch):
     from transformers import AutoTokenizer
 
     directory, name = os.path.split(smollm_path)
+    monkeypatch.setattr(gguf, "GGUFReader", shared_gguf_reader)
     ref = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     for text in TEXTS:
         ids = smollm_tokenizer.encode(text)
