@@ -140,7 +140,7 @@ def test_triton_engine_deterministic(tiny_llama_path):
 
     target = [(7 * j) % 250 + 3 for j in range(19)]
     others = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 26))]
-    params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
 
     def run(llm, batch):
         prompts = [{"prompt_token_ids": p} for p in batch]
