@@ -64,12 +64,23 @@ def check_kv_cache_config(kv_cache_config: KVCacheConfig, cache_config: CacheCon
 
 
 def profile_kv_budget(platform: Platform, gpu_memory_utilization: float,
-                      profile_run: Callable[[], None]) -> int:
-    """GPU: a forward pass at the full token budget (``profile_run``) measures peak
-    activations; the KV cache gets gpu_memory_utilization x total memory minus the weights +
-    activation peak and minus what other processes hold (bytes)."""
+                      profile_run: Callable[[], None], num_tokens: int) -> int:
+    """GPU: a forward pass at the full token budget (``profile_run``, ``num_tokens`` tokens:
+    max_num_batched_tokens) measures peak activations; the KV cache gets
+    gpu_memory_utilization x total memory minus the weights + activation peak and minus what
+    other processes hold (bytes).
+
+    Raises:
+        ValueError: when that pass runs out of device memory (naming the token budget).
+    """
     platform.reset_peak_memory()
-    profile_run()
+    try:
+        profile_run()
+    except torch.OutOfMemoryError as exc:
+        raise ValueError(
+            f"the profiling step (one forward of max_num_batched_tokens={num_tokens} tokens) "
+            f"ran out of {platform.name} memory beside the weights: lower "
+            f"--max-num-batched-tokens, or use more GPUs or a quantized model ({exc})") from exc
     free, total = platform.memory_info()
     peak = platform.peak_memory()
     in_use_by_us = platform.peak_memory_reserved()

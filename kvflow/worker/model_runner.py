@@ -175,7 +175,8 @@ class ModelRunner:
         if self.platform.default_kv_cache_bytes is not None:
             return self.platform.default_kv_cache_bytes
         return profile_kv_budget(self.platform, cc.gpu_memory_utilization,
-                                 lambda: self.profile_run(kv_cache_groups))
+                                 lambda: self.profile_run(kv_cache_groups),
+                                 self.config.scheduler_config.max_num_batched_tokens)
 
     def profile_run(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> None:
         """One forward pass over max_num_batched_tokens dummy tokens (one request), with a KV
