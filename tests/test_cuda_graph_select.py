@@ -131,3 +131,21 @@ def test_graph_runner_pads_to_the_next_size_and_refuses_larger_batches():
     prefill = _decode_meta([3, 1])
     prefill.max_query_len = 2
     assert not runner.can_run(prefill)
+
+
+def test_a_capture_out_of_memory_runs_eagerly(monkeypatch):
+    """The graphs' memory pool is allocated after the KV cache took its budget; a capture that
+    runs out of memory (gpu_memory_utilization near 1) leaves decode steps eager instead of
+    failing the start-up."""
+    pytest.importorskip("triton")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+    from kvflow.worker.cuda_graphs import CudaGraphRunner
+
+    def oom(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", oom)
+    runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
+    runner.model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    assert make_graph_runner(runner, 16) is None

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from kvflow.worker.cpu_graphs import CpuGraphRunner
 from kvflow.worker.cuda_graphs import CudaGraphRunner
 
@@ -36,7 +38,8 @@ def _cpu_ok(runner) -> bool:
 
 def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphRunner | None:
     """The decode-step graph runner for ``runner`` (a ModelRunner after
-    ``initialize_kv_cache``), CUDA graphs already captured; None where none applies."""
+    ``initialize_kv_cache``), CUDA graphs already captured; None where none applies or where
+    the capture ran out of memory (logged; the steps then run eagerly)."""
     if not _common_ok(runner):
         return None
     max_num_seqs = runner.config.scheduler_config.max_num_seqs
@@ -45,7 +48,13 @@ def make_graph_runner(runner, max_model_len: int) -> CudaGraphRunner | CpuGraphR
         graphs = CudaGraphRunner(runner.model, runner.attn_ctx, max_num_seqs, max_blocks,
                                  max_model_len, runner.block_size,
                                  runner.model.config.hidden_size, runner.device, runner.dtype)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except torch.OutOfMemoryError as exc:  # the KV cache took the memory budget first
+            logger.warning("CUDA graph capture ran out of memory (%s); decode steps run "
+                           "eagerly: lower --gpu-memory-utilization to leave room for the "
+                           "graphs", exc)
+            return None
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.sizes)
         return graphs
     if _cpu_ok(runner):
