@@ -147,3 +147,17 @@ def test_fp8_linear_without_fp8_tensor_cores_runs_the_reference(monkeypatch):
     monkeypatch.setattr(fp8, "scaled_mm_rowwise", no_fp8_mm)
     monkeypatch.setattr(fp8, "fp8_gemm_supported", lambda device: False, raising=False)
     torch.testing.assert_close(layer.quant_method.apply_cuda(layer, x, None), expected)
+
+
+def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
+    """--attention-backend triton on CPU (no GPU driver for Triton) failed at the first step
+    with Triton's '0 active drivers' RuntimeError; it is refused up front unless Triton's
+    interpreter is on (TRITON_INTERPRET=1, as the kernel tests run it)."""
+    pytest.importorskip("triton")
+    from kvflow.worker.attention_backends import make_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"attention_backend='triton'.*CUDA.*TRITON_INTERPRET"):
+        make_attention_backend("triton", device=torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert make_attention_backend("triton", device=torch.device("cpu")).name == "triton"

@@ -5,6 +5,7 @@ context-parallel backend and the MLA backend (a platform's own backends come fro
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
     :func:`kvflow.config.cpu_attention_choice`): what "cpu" runs for a batch of whole prompts.
     "flashinfer" needs a CUDA ``device`` and the flashinfer package. Raises ValueError for an
     unknown name or ``cpu_attention``, for flashinfer off CUDA or not installed, or for triton
-    not installed."""
+    not installed or off CUDA without its interpreter (``TRITON_INTERPRET=1``)."""
     if name == "cpu":
         from kvflow.attention.cpu_paged import CpuPagedAttentionBackend
         from kvflow.attention.prefill_select import PrefillAttentionChoice
@@ -47,6 +48,11 @@ def make_attention_backend(name: str, batch_invariant: bool = False,
         if not triton_available():
             raise ValueError("attention_backend='triton' needs the triton package (pip install "
                              "triton); choose attention_backend='torch' without it")
+        if device is not None and device.type != "cuda" \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only in "
+                             "Triton's interpreter (TRITON_INTERPRET=1, slow: for tests); "
+                             "choose attention_backend='cpu' or 'torch' there")
         from kvflow.attention.triton_paged import TritonPagedAttentionBackend
 
         return TritonPagedAttentionBackend(batch_invariant=batch_invariant)
