@@ -24,9 +24,11 @@ On a CPU the draft's passes run on their own thread count (``draft_threads.py``)
 as measured, of the engine's count and one thread, unless ``draft_cpu_threads`` fixes it.
 
 Draft tokens: the argmax for greedy requests (point masses); for sampled requests a draw from
-``q = softmax(draft logits / temperature)`` (the request's own generator when seeded), with
-``q`` handed to the rejection sampler, which keeps the target's distribution exactly whatever
-``q`` is (kvflow/spec_decode/rejection_sampler.py).
+``q = softmax(draft logits / temperature)`` within the request's top-k / top-p / min-p, as the
+target's ``p`` is (the request's own generator when seeded), with ``q`` handed to the rejection
+sampler, which keeps the target's distribution exactly whatever ``q`` is
+(kvflow/spec_decode/rejection_sampler.py); truncating ``q`` as ``p`` is only what makes drafts
+likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always rejected).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
+from kvflow.layers.sampler import apply_top_k_top_p_min_p
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
@@ -287,16 +290,19 @@ class DraftModel:
                 tokens: np.ndarray, probs: list[list[torch.Tensor]],
                 generator: torch.Generator, sub: np.ndarray | None = None) -> None:
         """Draft ``i`` of each row in ``rows`` (``sub``: their indices among the drafting
-        rows, default all): argmax for greedy rows, else a draw from softmax(logits / T).
-        With a restricted vocabulary (``self.vocab``) the logits' columns are its token ids
-        and ``q`` is zero outside them (draft_vocab.py: why that stays exact)."""
+        rows, default all): argmax for greedy rows, else a draw from ``q``
+        (``_proposal_probs``). With a restricted vocabulary (``self.vocab``) the logits'
+        columns are its token ids and ``q`` is zero outside them (draft_vocab.py: why that
+        stays exact)."""
         sub = np.arange(len(rows)) if sub is None else sub
         if not len(rows):
             return
         choice = logits.float().argmax(dim=-1)
-        temperature = batch.temperature[rows]
-        for j in np.flatnonzero(temperature > 0).tolist():
-            q = torch.softmax(logits[j].float() / float(temperature[j]), dim=-1)
+        sampled = np.flatnonzero(batch.temperature[rows] > 0)
+        qs = _proposal_probs(logits[torch.from_numpy(sampled).to(logits.device)], batch,
+                             rows[sampled]) if len(sampled) else None
+        for n, j in enumerate(sampled.tolist()):
+            q = qs[n]
             gen = batch.generators.get(batch.req_ids[rows[j]], generator)
             noise = torch.empty_like(q).exponential_(generator=gen)
             choice[j] = (q / noise).argmax()
@@ -304,6 +310,23 @@ class DraftModel:
         if self.vocab is not None:
             choice = self.vocab.token_ids[choice]
         tokens[sub, i] = choice.cpu().numpy()
+
+
+def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:
+    """The draft distributions ``q`` of sampled rows: float32 [len(rows), columns], the softmax
+    of ``logits`` (the draft's, [len(rows), columns]) over each request's temperature within
+    its top-k / top-p / min-p, as the rejection sampler forms the target's ``p``
+    (``_target_probs``): a draft outside ``p``'s top-k / nucleus would always be rejected."""
+    device = logits.device
+
+    def column(values: np.ndarray, off: float) -> torch.Tensor | None:
+        picked = values[rows]
+        return None if (picked == off).all() else torch.from_numpy(picked).to(device)
+
+    scale = torch.from_numpy(batch.temperature[rows]).to(device).unsqueeze(1)
+    truncated = apply_top_k_top_p_min_p(logits.float() / scale, column(batch.top_k, 0),
+                                        column(batch.top_p, 1.0), column(batch.min_p, 0.0))
+    return torch.softmax(truncated, dim=-1)
 
 
 def _end_token_ids(hf_config: Any) -> list[int]:

@@ -103,19 +103,34 @@ def second_token_marginal(hf, prompt: list[int], top_k: int, temperature: float)
     return sum(p1[t1] * probs(prompt + [t1]) for t1 in p1.nonzero().flatten().tolist())
 
 
-def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
-                                                                  tiny_model_factory):
-    """Temperature 0.8, top_k=5 on the target; the draft is another random model sampling
-    from its own softmax (so q differs from p everywhere and the residual max(0, p - q) is
-    drawn often). The second token's marginal over 2,000 requests must match
-    sum_t1 p(t1) p(t2 | t1) from transformers (chi-square, p > 0.001)."""
+def _noisy_copy(path: str, folder, scale: float = 0.02) -> str:
+    """``path``'s model saved in ``folder`` with N(0, scale) added to every weight."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, folder)
+    gen = torch.Generator().manual_seed(0)
+    weights = load_file(f"{folder}/model.safetensors")
+    save_file({name: w + scale * torch.randn(w.shape, generator=gen)
+               for name, w in sorted(weights.items())}, f"{folder}/model.safetensors",
+              metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama, tmp_path):
+    """Temperature 0.8, top_k=5 on the target; the draft is the target with noisy weights
+    sampling from its own top 5 (so q differs from p everywhere, its top 5 overlap p's only
+    in part, and the residual max(0, p - q) is drawn often). The second token's marginal over
+    2,000 requests must match sum_t1 p(t1) p(t2 | t1) from transformers (chi-square,
+    p > 0.001)."""
     from tests.spec_decode.test_rejection_sampler import chi_square_p_value
 
     hf, top_k, temperature = tiny_llama.hf_model, 5, 0.8
 
     prompt = [5, 17, 42, 99, 7, 23]
     marginal = second_token_marginal(hf, prompt, top_k, temperature)
-    spec = _engine(tiny_llama.path, tiny_model_factory("llama_mqa").path, k=2,
+    spec = _engine(tiny_llama.path, _noisy_copy(tiny_llama.path, tmp_path / "noisy"), k=2,
                    num_kv_blocks=4000, max_num_seqs=256)
     n = 2000
     outs = _generate(spec, SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3,
@@ -125,6 +140,17 @@ def test_sampling_with_a_bad_draft_keeps_the_target_distribution(tiny_llama,
     assert chi_square_p_value(counts, marginal) > 1e-3
     drafted, accepted = _drafted(outs)
     assert drafted >= n and 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 5}, {"top_p": 0.3}, {"min_p": 0.6}])
+def test_sampled_drafts_are_cut_like_the_target(self_draft, cut):
+    """Sampled drafts come from the draft's softmax within the request's top-k / top-p /
+    min-p, as the target's p: with the target as its own draft q = p, and a draft is accepted
+    with probability sum min(p, q) = 1 (Leviathan et al. 2023), so every draft is (up to
+    float noise between the two passes)."""
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3, **cut)
+    drafted, accepted = _drafted(_generate(self_draft, params))
+    assert drafted > 0 and accepted >= 0.95 * drafted
 
 
 def test_quantized_kv_cache_holds_the_drafts_scales_too(tiny_llama, assert_no_leaks):
