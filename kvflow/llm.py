@@ -156,7 +156,8 @@ class LLM:
              chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
              chat_template: str | None = None, tools: list[dict] | None = None,
              documents: list[dict] | None = None,
-             on_output: Callable[[int, RequestOutput], None] | None = None
+             on_output: Callable[[int, RequestOutput], None] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
 
@@ -167,7 +168,8 @@ class LLM:
         message instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
         ``on_output`` is ``generate``'s (the outputs it sees have no ``prompt`` text: ``chat``
-        sets it on the ones it returns).
+        sets it on the ones it returns); ``lora_request`` is ``generate``'s too (one adapter
+        for every conversation, or one per conversation).
 
         Raises:
             ValueError: if the model has no chat template, or for a message or option the
@@ -186,7 +188,8 @@ class LLM:
         token_prompts = [_with_images(tokenizer.encode(p, add_special_tokens=False),
                                       self.engine.processor.load_chat_images(c))
                          for p, c in zip(prompts, conversations)]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm, on_output=on_output)
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm,
+                                lora_request=lora_request, on_output=on_output)
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs

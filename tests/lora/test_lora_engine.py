@@ -386,3 +386,19 @@ def test_adapters_with_ngram_speculation_match_peft(llm, tiny_llama, adapters,
                 assert {t: x.logprob for t, x in a.items()} == \
                     pytest.approx({t: x.logprob for t, x in b.items()}, abs=1e-5)
     assert_no_leaks(spec)
+
+
+def test_chat_takes_a_lora_request(llm, tiny_llama, adapters):
+    """``LLM.chat(..., lora_request=...)`` (vLLM's offline chat argument) renders each
+    conversation and decodes it with its adapter: peft's greedy tokens for the rendered ids
+    (it was a TypeError)."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    lora_all, _ = _requests(adapters)
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True),
+                    use_tqdm=False, chat_template=template, lora_request=[lora_all, None])
+    for out, adapter in zip(outs, (adapters["all"], None)):
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapter,
+                                                       out.prompt_token_ids)
+    assert outs[0].prompt == f"<user>{PROMPTS[0]}\n"
