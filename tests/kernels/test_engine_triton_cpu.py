@@ -21,7 +21,7 @@ PROMPTS.append(PROMPTS[3][:32] + [7, 8])  # shares two full blocks with prompt 3
 def _greedy(llm) -> list[list[int]]:
     from kvflow import SamplingParams
 
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)
     kv = llm.engine.core.kv_cache_manager
     kv.pool.check_invariants()
