@@ -287,3 +287,30 @@ def test_serve_from_the_command_line_exits_at_once(monkeypatch, argv, exits):
     monkeypatch.setattr(cli.os, "_exit", fake_exit)
     assert main(argv) == 130
     assert exited == ([130] if exits else [])
+
+
+def test_generate_applies_the_lora_path_adapter(tiny_llama, capsys, tmp_path):
+    """``kvflow generate --enable-lora --lora-path FOLDER`` decodes every prompt with the
+    adapter: peft's greedy tokens (the flag did not exist, and ``--enable-lora`` alone ran the
+    base model with nothing said); either flag without the other is one error line."""
+    from transformers import AutoTokenizer
+
+    from tests.lora.adapters import make_adapter, peft_greedy
+
+    adapter = make_adapter(tiny_llama.path, str(tmp_path / "qv"), 5, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "down_proj"])
+    prompt = "the lazy fox jumps"
+    tok = AutoTokenizer.from_pretrained(tiny_llama.path)
+    want = peft_greedy(tiny_llama.path, adapter, tok.encode(prompt))
+    assert want != peft_greedy(tiny_llama.path, None, tok.encode(prompt))
+    argv = ["generate", "--model", tiny_llama.path, "--dtype", "float32", "--num-kv-blocks",
+            "32", "--prompt", prompt, "--max-tokens", str(len(want)), "--temperature", "0",
+            "--ignore-eos"]
+    rc, out, _ = _run([*argv, "--enable-lora", "--max-lora-rank", "4", "--lora-path", adapter],
+                      capsys)
+    assert rc == 0
+    assert out.startswith(prompt + tok.decode(want))
+    for extra, needle in ((["--enable-lora"], "--enable-lora without --lora-path"),
+                          (["--lora-path", adapter], "needs --enable-lora")):
+        rc, _, err = _run([*argv, *extra], capsys)
+        assert rc == 2 and needle in err, err

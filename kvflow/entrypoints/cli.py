@@ -96,6 +96,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)
     images = _read_images(args.image or [], config)
+    lora = _lora_request(args.lora_path, config)
     llm = LLM.from_engine_config(config)
     note = context_note(args.max_tokens, llm.engine.processor.max_model_len)
     if note is not None:
@@ -109,17 +110,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text",
                                                                         "text": p}]
                                  if parts else p}] for p in prompts], params, use_tqdm=False,
-                               on_output=printer.update)
+                               on_output=printer.update, lora_request=lora)
         elif images:
             outputs = llm.generate([{"prompt": p, "multi_modal_data": {
                 "image": [image for _, image in images]}} for p in prompts], params,
-                use_tqdm=False, on_output=printer.update)
+                use_tqdm=False, on_output=printer.update, lora_request=lora)
         else:
-            outputs = llm.generate(prompts, params, use_tqdm=False, on_output=printer.update)
+            outputs = llm.generate(prompts, params, use_tqdm=False, on_output=printer.update,
+                                   lora_request=lora)
     finally:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])
     return 0
+
+
+def _lora_request(path: str | None, config: EngineConfig) -> Any:
+    """The ``--lora-path`` adapter as a ``LoRARequest`` for every prompt, or None.
+
+    Raises:
+        ValueError: ``--lora-path`` without ``--enable-lora``, or ``--enable-lora`` without
+            ``--lora-path`` (no adapter would be applied).
+    """
+    from kvflow.lora.request import LoRARequest
+
+    enabled = config.lora_config.enable_lora
+    if path is None:
+        if enabled:
+            raise ValueError("--enable-lora without --lora-path: kvflow generate applies "
+                             "the adapter --lora-path names (kvflow serve takes "
+                             "--lora-modules)")
+        return None
+    if not enabled:
+        raise ValueError(f"--lora-path {path} needs --enable-lora")
+    return LoRARequest(os.path.basename(os.path.normpath(path)) or "adapter", 1, path)
 
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -207,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an image for every prompt (repeat for several; vision-language "
                      "models): with --chat it goes before the text, otherwise the prompt "
                      "holds one image placeholder per image")
+    gen.add_argument("--lora-path", metavar="FOLDER",
+                     help="a PEFT LoRA adapter folder applied to every prompt (needs "
+                     "--enable-lora)")
     gen.add_argument("--verbose", action="store_true",
                      help="print finish reason and timings (with --speculative-config, the "
                           "drafted and accepted tokens and the acceptance rate)")
