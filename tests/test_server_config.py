@@ -144,3 +144,29 @@ def test_lora_sizes_without_enable_lora_are_refused():
             EngineConfig.from_kwargs(**kwargs)
         assert LoRAConfig(enable_lora=True, **kwargs).enable_lora
     assert not EngineConfig.from_kwargs().lora_config.enable_lora
+
+
+def test_cancelled_requests_are_not_logged_with_a_traceback_on_shutdown():
+    """Once ``kvflow serve`` shuts down, what uvicorn cancels (a request left after its 5 s
+    graceful timeout or a second Ctrl-C, and the lifespan task) is not logged as ~50 lines of
+    traceback each (benchmarks/server_signals.py sigint-twice found two); other errors are."""
+    import asyncio
+    import logging
+
+    from kvflow.entrypoints.server_shutdown import drop_cancelled_tracebacks
+
+    def record(msg: str, error: BaseException | None = None) -> logging.LogRecord:
+        info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord("uvicorn.error", logging.ERROR, "f", 1, msg, None, info)
+
+    assert not drop_cancelled_tracebacks(record("Exception in ASGI application\n",
+                                                asyncio.CancelledError()))
+    assert not drop_cancelled_tracebacks(record("x", KeyboardInterrupt()))
+    lifespan = ("Traceback (most recent call last):\n  File \"q.py\", line 158, in get\n"
+                "asyncio.exceptions.CancelledError\n")
+    assert not drop_cancelled_tracebacks(record(lifespan))
+    assert drop_cancelled_tracebacks(record("Exception in ASGI application\n",
+                                            ValueError("a real bug")))
+    assert drop_cancelled_tracebacks(record(lifespan.replace("CancelledError", "OSError")))
+    assert drop_cancelled_tracebacks(record("Cancel 1 running task(s), timeout graceful "
+                                            "shutdown exceeded"))

@@ -7,11 +7,14 @@ later). Here the open requests are aborted first, as vLLM's server aborts them o
 each one's engine core frees its KV blocks, a stream ends with an error event (code
 ``server_shutting_down``) and ``data: [DONE]``, a non-streaming request gets a 503 with that
 code, and new requests get the same 503. The responses then end at once and the server exits
-within about a second; a second Ctrl-C exits without waiting for anything.
+within about a second; a second Ctrl-C exits without waiting for anything. Requests that
+uvicorn cancels then (or after its graceful timeout: a client that never sends its whole body)
+are not logged with a traceback each: uvicorn's own line says how many it cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -38,6 +41,7 @@ class AbortingServer(uvicorn.Server):
         self.engine = engine
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logging.getLogger("uvicorn.error").addFilter(drop_cancelled_tracebacks)
         if self.engine.is_healthy:  # a dead engine has failed its requests already
             error = EngineShutdownError(f"the server is shutting down ({self._reason()}): "
                                         "the request was aborted")
@@ -52,3 +56,15 @@ class AbortingServer(uvicorn.Server):
         if captured:
             return signal.Signals(captured[0]).name
         return "stopped"
+
+
+def drop_cancelled_tracebacks(record: logging.LogRecord) -> bool:
+    """A ``logging`` filter (installed on ``uvicorn.error`` once shutdown starts): False for a
+    record carrying a CancelledError or KeyboardInterrupt, or the text of a traceback ending in
+    CancelledError (the lifespan task's, which starlette hands over as text): a request or the
+    lifespan cancelled on purpose, ~50 lines each, where uvicorn has said what it cancelled."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+        return False
+    text = record.msg if isinstance(record.msg, str) else ""  # the lifespan's, as text
+    return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
