@@ -119,10 +119,13 @@ class CoreProcess:
 
     def stop(self, shutdown_payload: bytes) -> None:
         """Ask the core to stop (``Shutdown``), kill it after 5 s, close the socket
-        (idempotent)."""
+        (idempotent). A core still loading the model reads no message until it is loaded:
+        it gets SIGTERM at once (Ctrl-C during the load waited the 5 s)."""
         proc = self.proc
         if proc is not None and proc.is_alive():
-            if not self.input.closed:
+            if self.state is ReplicaState.STARTING:
+                proc.terminate()
+            elif not self.input.closed:
                 with contextlib.suppress(zmq.ZMQError):
                     self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
             proc.join(5)

@@ -57,6 +57,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     """
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     dp = config.parallel_config
     tag = "core" if dp.data_parallel_size == 1 else f"core {dp.data_parallel_rank}"
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{tag}]: %(message)s")
@@ -93,11 +94,23 @@ def engine_core_process(*args: Any) -> NoReturn:
     interpreter's teardown, which with torch loaded takes seconds (4 s on 2 busy cores):
     ``kvflow serve`` stopped that much later on Ctrl-C, and past the API process's 5 s grace
     the core was killed (its workers and folder left to the death pipe)."""
-    run_engine_core(*args)
+    status = 0
+    try:
+        run_engine_core(*args)
+    except SystemExit as e:  # SIGTERM (_unwind_on_sigterm), cleaned up on the way out
+        status = e.code if isinstance(e.code, int) else 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def _unwind_on_sigterm(signum: int, frame: Any) -> NoReturn:
+    """SIGTERM (the API process stops a core that is still loading the model: it reads no
+    ``Shutdown`` until loaded): raise SystemExit so that what was started unwinds (a
+    tensor-parallel executor's start-up stops its workers and removes its folder) and the
+    process exits with 128 + SIGTERM."""
+    raise SystemExit(128 + signum)
 
 
 def _ready(core: EngineCore, engine_index: int = 0) -> EngineReady:

@@ -285,12 +285,15 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ask the workers to stop, kill any that do not within 5 s, release the sockets and
-        the private directory (idempotent)."""
+        the private directory (idempotent). Workers still starting (the executor's start-up
+        was interrupted: Ctrl-C of ``kvflow serve`` while the model loads) read no ``stop``
+        until loaded: they are killed at once."""
         if getattr(self, "_pub", None) is not None and not self._pub.closed:
-            if self._failed is None:
+            started = getattr(self, "_heartbeats", None) is not None
+            if self._failed is None and started:
                 with contextlib.suppress(zmq.ZMQError):
                     self._pub.send_multipart([b"stop", b""], flags=zmq.NOBLOCK)
-            _wait_or_kill(self._procs, 5.0 if self._failed is None else 0.0)
+            _wait_or_kill(self._procs, 5.0 if self._failed is None and started else 0.0)
             self._pub.close(linger=0)
             self._pull.close(linger=0)
             self._beats.close(linger=0)

@@ -309,3 +309,72 @@ def test_the_engine_core_process_exits_at_once_after_its_loop(monkeypatch):
         core_proc.engine_core_process("config", "in", "out", 20, {})
     assert calls == [("run", ("config", "in", "out", 20, {})), ("exit", 0)]
     assert core_client.engine_core_process is core_proc.engine_core_process  # the target
+
+
+def test_an_executor_stopped_while_its_workers_start_kills_them_at_once():
+    """Ctrl-C of ``kvflow serve --tensor-parallel-size 2`` while the model loads: the
+    executor's start-up is interrupted before any worker subscribed, so none can read
+    ``stop``; they are killed at once and the folder removed (was: a 5 s wait, past which the
+    API process had killed the engine core and the folder stayed;
+    benchmarks/server_signals.py sigint-loading). A ``sleep`` stands in for a loading
+    worker."""
+    import subprocess
+
+    from kvflow.executor.multiproc import MultiprocExecutor
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._failed, executor._heartbeats = None, None  # start-up not finished
+    executor._procs = [subprocess.Popen(["sleep", "30"])]
+    executor._init_ipc()
+    folder = executor._dir
+    started = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - started < 2.0
+    assert executor._procs[0].poll() is not None and not os.path.exists(folder)
+
+
+def test_a_loading_engine_core_is_terminated_at_once_and_unwinds(monkeypatch):
+    """A core still loading reads no ``Shutdown``: ``CoreProcess.stop`` sends it SIGTERM at
+    once (was: 5 s, then SIGKILL), which the core turns into SystemExit(143) so that what it
+    started unwinds (a tensor-parallel executor's start-up stops its workers), then it exits
+    with that status. Faked: the process and the core's loop."""
+    import zmq
+
+    from kvflow.engine import core_client, core_proc
+
+    calls: list = []
+
+    class LoadingProcess:
+        def is_alive(self) -> bool:
+            return not calls
+
+        def terminate(self) -> None:
+            calls.append("terminate")
+
+        def join(self, timeout: float) -> None:
+            calls.append(("join", timeout))
+
+    core = core_client.CoreProcess.__new__(core_client.CoreProcess)
+    ctx = zmq.Context()
+    core.input = ctx.socket(zmq.PUSH)
+    core.proc, core.state = LoadingProcess(), core_client.ReplicaState.STARTING
+    core.stop(b"shutdown")
+    ctx.term()
+    assert calls == ["terminate", ("join", 5)]
+
+    with pytest.raises(SystemExit) as unwound:
+        core_proc._unwind_on_sigterm(signal.SIGTERM, None)
+    assert unwound.value.code == 128 + signal.SIGTERM
+
+    def run(*args: object) -> None:
+        raise SystemExit(143)
+
+    def exit_now(code: int) -> None:
+        calls.append(("exit", code))
+        raise RuntimeError("exited")
+
+    monkeypatch.setattr(core_proc, "run_engine_core", run)
+    monkeypatch.setattr(core_proc.os, "_exit", exit_now)
+    with pytest.raises(RuntimeError, match="exited"):
+        core_proc.engine_core_process("config", "in", "out", 20, {})
+    assert calls[-1] == ("exit", 143)
