@@ -14,7 +14,8 @@ Cases (default: all):
 * ``serve-stop``: the same with SIGSTOP (a worker alive but not running) and
   ``--worker-heartbeat-timeout 3``: the error must name the stopped rank.
 * ``serve-sigint``: Ctrl-C (SIGINT) to the server with a request in flight: exit within 15 s,
-  nothing left behind.
+  nothing left behind (what the request gets, and other signals and moments, are
+  ``benchmarks/server_signals.py``'s).
 * ``llm-gc``: an offline ``LLM(tensor_parallel_size=2)`` dropped without ``shutdown()`` (``del``
   and garbage collection): its workers must be gone within 10 s, the process still running.
 
