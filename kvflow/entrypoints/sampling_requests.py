@@ -27,13 +27,13 @@ _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty"
 def default_max_tokens(engine: AsyncLLM, num_prompt_tokens: int,
                        fallback: int | None = None) -> int:
     """``max_tokens`` of a request that does not set it: the model's default
-    (``max_new_tokens`` in its generation_config.json) capped at what the context leaves,
-    else ``fallback``, else everything the context leaves."""
+    (``max_new_tokens`` in its generation_config.json), else ``fallback`` (completions:
+    OpenAI's 16), capped at what the context leaves (as vLLM does: the request never asked
+    for that length), else everything the context leaves."""
     left = max(1, engine.max_model_len - num_prompt_tokens)
     default = engine.sampling_defaults.get("max_tokens")
-    if default is not None:
-        return min(default, left)
-    return left if fallback is None else fallback
+    default = fallback if default is None else default
+    return left if default is None else min(default, left)
 
 
 def check_max_tokens(max_tokens: int, param: str) -> None:

@@ -597,6 +597,20 @@ def test_body_encoding_and_depth_errors_say_what_is_wrong(server, tokenizer):
         assert says in error["message"], error
 
 
+def test_unset_max_tokens_is_capped_by_the_context(server):
+    """A 90-token prompt in the 96-token context without max_tokens: OpenAI's default of 16
+    becomes the 6 tokens that fit (vLLM's rule, and kvflow's for a generation config's
+    default), not a 400 for a length the request never asked for; an explicit 16 is still
+    refused."""
+    body = {"model": MODEL, "prompt": [3 + i % 50 for i in range(90)], "temperature": 0,
+            "ignore_eos": True}
+    out = httpx.post(f"{server.url}{C}", json=body, timeout=60).json()
+    assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == \
+        (6, "length"), out
+    error = httpx.post(f"{server.url}{C}", json={**body, "max_tokens": 16}).json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+
+
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
     num = len(tokenizer.encode(LONG_TEXT))
     error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
