@@ -18,6 +18,8 @@ Cases (default: all):
 * ``sigint-loading``: SIGINT while a tensor-parallel (TP=2) model loads (before /health
   answers): exit 130 within 3 s, no traceback, no child process and no ``kvflow-mp-*``
   executor folder left.
+* ``sigterm-loading``: the same with SIGTERM (a pod replaced while it loads): the server ends
+  by that signal.
 * ``port-in-use``: ``--port`` taken by another socket: one ``kvflow: error:`` line naming the
   port, status 2, before the model loads.
 * ``dp-sigint``: ``--data-parallel-size 2`` with a stream on each replica, SIGINT: both
@@ -49,7 +51,8 @@ from worker_faults import Report, build_model, free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-CASES = ("sigint", "sigterm", "sigint-twice", "sigint-loading", "port-in-use", "dp-sigint")
+CASES = ("sigint", "sigterm", "sigint-twice", "sigint-loading", "sigterm-loading",
+         "port-in-use", "dp-sigint")
 LONG = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
 
@@ -241,9 +244,10 @@ def twice_case(model: str, logs: str, report: Report) -> None:
         server.stop()
 
 
-def loading_case(model: str, logs: str, report: Report) -> None:
-    """sigint-loading: Ctrl-C before the model is loaded."""
-    case = "sigint-loading"
+def loading_case(case: str, model: str, logs: str, report: Report) -> None:
+    """sigint-loading / sigterm-loading: the signal before the model is loaded."""
+    sig = signal.SIGTERM if case == "sigterm-loading" else signal.SIGINT
+    want = 130 if sig == signal.SIGINT else -signal.SIGTERM
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvflow-mp-*")))
     server = Server(model, os.path.join(logs, f"{case}.log"), "--tensor-parallel-size", "2",
                     wait=False)
@@ -253,12 +257,13 @@ def loading_case(model: str, logs: str, report: Report) -> None:
             server.children = psutil.Process(server.proc.pid).children(recursive=True)
             time.sleep(0.05)
         sent = time.monotonic()
-        server.mark("SIGINT")
-        server.proc.send_signal(signal.SIGINT)
+        server.mark(sig.name)
+        server.proc.send_signal(sig)
         code = server.wait_exit(15)
         took = time.monotonic() - sent
-        report.check(case, code == 130 and took < 3.0,
-                     f"exited with status {code} {took:.1f} s after SIGINT (limit 3 s; "
+        report.check(case, code == want and took < 3.0,
+                     f"exited with status {code} (want {want}) {took:.1f} s after {sig.name} "
+                     f"(limit 3 s; "
                      f"{len(server.children)} child processes then)")
         left_behind(case, report, server)
         new = sorted(set(glob.glob(os.path.join(tempfile.gettempdir(), "kvflow-mp-*")))
@@ -302,8 +307,8 @@ def main() -> int:
                 signal_case(case, model, logs, report)
             elif case == "sigint-twice":
                 twice_case(model, logs, report)
-            elif case == "sigint-loading":
-                loading_case(model, logs, report)
+            elif case in ("sigint-loading", "sigterm-loading"):
+                loading_case(case, model, logs, report)
             else:
                 port_case(model, logs, report)
     return 1 if report.failed else 0

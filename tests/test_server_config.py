@@ -170,3 +170,29 @@ def test_cancelled_requests_are_not_logged_with_a_traceback_on_shutdown():
     assert drop_cancelled_tracebacks(record(lifespan.replace("CancelledError", "OSError")))
     assert drop_cancelled_tracebacks(record("Cancel 1 running task(s), timeout graceful "
                                             "shutdown exceeded"))
+
+
+def test_sigterm_while_the_model_loads_unwinds_then_ends_by_sigterm(monkeypatch):
+    """SIGTERM before uvicorn serves (the model loading) raises KeyboardInterrupt inside the
+    start-up, so it unwinds as for Ctrl-C (the engine's processes and folders cleaned up),
+    then the process ends by SIGTERM (was: SIGTERM's default action ended the API process
+    alone, the engine-core and worker processes left loading; benchmarks/server_signals.py
+    sigterm-loading). The installed handler is called directly; ending by the signal is
+    faked."""
+    import signal
+
+    from kvflow.entrypoints import server_shutdown
+
+    raised, unwound = [], []
+    monkeypatch.setattr(server_shutdown.signal, "raise_signal", raised.append)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), server_shutdown.sigterm_stops_loading():
+        try:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        finally:
+            unwound.append(raised.copy())  # the start-up's cleanup runs first
+    assert unwound == [[]] and raised == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(KeyboardInterrupt), server_shutdown.sigterm_stops_loading():
+        raise KeyboardInterrupt  # Ctrl-C: no SIGTERM raised
+    assert raised == [signal.SIGTERM]

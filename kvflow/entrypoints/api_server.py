@@ -46,7 +46,7 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from kvflow.entrypoints.server_shutdown import AbortingServer
+from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
@@ -396,8 +396,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     model_name = server_config.served_model_name or engine_config.model_config.model
     check_listen_address(server_config.host, server_config.port)
     _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
-    engine = AsyncLLM(engine_config, ServerMetrics(model_name),
-                      server_config.engine_start_timeout)
+    with sigterm_stops_loading():  # as Ctrl-C does (uvicorn handles both once serving)
+        engine = AsyncLLM(engine_config, ServerMetrics(model_name),
+                          server_config.engine_start_timeout)
     try:
         app = build_app(engine, server_config, model_name)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host,

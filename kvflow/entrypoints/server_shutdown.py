@@ -7,7 +7,9 @@ later). Here the open requests are aborted first, as vLLM's server aborts them o
 each one's engine core frees its KV blocks, a stream ends with an error event (code
 ``server_shutting_down``) and ``data: [DONE]``, a non-streaming request gets a 503 with that
 code, and new requests get the same 503. The responses then end at once and the server exits
-within about a second; a second Ctrl-C exits without waiting for anything. Requests that
+within about a second; a second Ctrl-C exits without waiting for anything. SIGTERM while the
+model loads (before uvicorn handles signals) stops the load as Ctrl-C does
+(``sigterm_stops_loading``). Requests that
 uvicorn cancels then (or after its graceful timeout: a client that never sends its whole body)
 are not logged with a traceback each: uvicorn's own line says how many it cancelled.
 """
@@ -15,9 +17,12 @@ are not logged with a traceback each: uvicorn's own line says how many it cancel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -68,3 +73,36 @@ def drop_cancelled_tracebacks(record: logging.LogRecord) -> bool:
         return False
     text = record.msg if isinstance(record.msg, str) else ""  # the lifespan's, as text
     return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
+
+
+@contextlib.contextmanager
+def sigterm_stops_loading() -> Iterator[None]:
+    """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so an engine start-up
+    unwinds (``AsyncLLM`` stops its processes and removes its folders); leaving by it, the
+    process then ends by SIGTERM. Its default action had ended the API process alone, the
+    engine-core and worker processes loading on and their folders left (a pod replaced while
+    the model loads; benchmarks/server_signals.py sigterm-loading). A no-op outside the main
+    thread (no signal handler can be set there).
+
+    Raises:
+        KeyboardInterrupt: for Ctrl-C (SIGTERM ends the process instead).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def _interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if received:  # cleaned up: now end as SIGTERM ends a process
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
