@@ -314,3 +314,25 @@ def test_generate_applies_the_lora_path_adapter(tiny_llama, capsys, tmp_path):
                           (["--lora-path", adapter], "needs --enable-lora")):
         rc, _, err = _run([*argv, *extra], capsys)
         assert rc == 2 and needle in err, err
+
+
+def test_generate_into_a_pipe_closed_early_ends_quietly(tiny_llama, monkeypatch, capsys):
+    """``kvflow generate ... | head -c 20``: the reader leaves while the completion streams;
+    the command ends with status 141 (128 + SIGPIPE, as ``yes | head`` does) and nothing on
+    stderr (was: two BrokenPipeError tracebacks). A stdout that breaks after its first
+    write stands in for the pipe."""
+    import sys
+
+    class ClosedAfterOne(_Writes):
+        def write(self, text: str) -> int:
+            if self.writes:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    stdout = ClosedAfterOne()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    argv = ["generate", "--model", tiny_llama.path, "--dtype", "float32", "--num-kv-blocks",
+            "64", "--max-tokens", "8", "--ignore-eos", "--prompt", "the lazy fox"]
+    assert main(argv) == 141
+    assert stdout.writes == ["the lazy fox"] and capsys.readouterr().err == ""

@@ -282,9 +282,23 @@ def main(argv: list[str] | None = None) -> int:
         status = 2
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; 128 + SIGINT
         status = 130
+    except BrokenPipeError:  # stdout's reader left (kvflow generate | head): end quietly
+        _silence_stdout()
+        status = 141  # 128 + SIGPIPE, as a tool that SIGPIPE ended
     if own_process and args.command == "serve":
         _exit_at_once(status)
     return status
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so the interpreter's final flush of what
+    is still buffered for a closed pipe prints no second BrokenPipeError (Python's
+    documented recipe, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test's stdout)
+        pass
 
 
 def _exit_at_once(status: int) -> NoReturn:
