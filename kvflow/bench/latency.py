@@ -24,26 +24,30 @@ from kvflow.bench.checks import (
 )
 from kvflow.bench.throughput import random_prompts
 from kvflow.config import EngineConfig
+from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 
 
-def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
-    """Seconds for one ``generate`` call (prefix cache reset first)."""
+def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+                    lora_request: Any = None) -> float:
+    """Seconds for one ``generate`` call (prefix cache reset first; through
+    ``lora_request``'s adapter when given)."""
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.engine.core.kv_cache_manager.reset_prefix_cache()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return time.perf_counter() - start
 
 
 def measure_batch(llm: Any, prompts: list[list[int]], output_len: int,
-                  num_iters: int) -> dict[str, float]:
-    """Median TTFT, TPOT and end-to-end seconds and output tokens/s of one batch."""
+                  num_iters: int, lora_request: Any = None) -> dict[str, float]:
+    """Median TTFT, TPOT and end-to-end seconds and output tokens/s of one batch (through
+    ``lora_request``'s adapter when given)."""
     ttfts, e2es = [], []
     for _ in range(num_iters):
-        ttfts.append(_timed_generate(llm, prompts, 1))
-        e2es.append(_timed_generate(llm, prompts, output_len))
+        ttfts.append(_timed_generate(llm, prompts, 1, lora_request))
+        e2es.append(_timed_generate(llm, prompts, output_len, lora_request))
     ttft, e2e = statistics.median(ttfts), statistics.median(e2es)
     tpot = (e2e - ttft) / (output_len - 1) if output_len > 1 else float("nan")
     return {"batch_size": len(prompts), "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
@@ -62,15 +66,19 @@ def _cmd_latency(args: argparse.Namespace) -> int:
                          f"{args.output_len}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "latency")
-    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
+                                   "kvflow bench latency")
+    llm = LLM.from_engine_config(config)
     require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     vocab = llm.engine.core.hf_config.vocab_size
-    _timed_generate(llm, random_prompts(2, args.input_len, vocab, args.seed + 1), 4)  # warm-up
+    _timed_generate(llm, random_prompts(2, args.input_len, vocab, args.seed + 1), 4,
+                    lora)  # warm-up
     batches = []
     print(f"{'batch':>6} {'TTFT ms':>10} {'TPOT ms':>10} {'e2e s':>8} {'out tok/s':>10}")
     for size in sizes:
         prompts = random_prompts(size, args.input_len, vocab, args.seed)
-        b = measure_batch(llm, prompts, args.output_len, args.num_iters)
+        b = measure_batch(llm, prompts, args.output_len, args.num_iters, lora)
         batches.append(b)
         print(f"{size:>6} {b['ttft_s'] * 1e3:>10.1f} {b['tpot_s'] * 1e3:>10.2f} "
               f"{b['e2e_s']:>8.2f} {b['output_tok_per_s']:>10.1f}")
@@ -89,5 +97,6 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
     p.add_argument("--num-iters", type=int, default=3, help="repetitions (median)")
     p.add_argument("--output-json", default=None)
+    add_lora_path_arg(p, "every request")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=_cmd_latency)

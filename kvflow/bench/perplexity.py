@@ -32,6 +32,7 @@ from kvflow.bench.checks import (
     require_positive,
 )
 from kvflow.config import EngineConfig
+from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "opticks_excerpt.txt"
 
@@ -43,13 +44,15 @@ def windows(token_ids: list[int], window: int) -> list[list[int]]:
     return [c for c in chunks if len(c) >= 2]
 
 
-def perplexity_of(llm: Any, chunks: list[list[int]]) -> tuple[float, int]:
-    """(perplexity, scored tokens) of the windows through ``llm``'s prompt logprobs."""
+def perplexity_of(llm: Any, chunks: list[list[int]],
+                  lora_request: Any = None) -> tuple[float, int]:
+    """(perplexity, scored tokens) of the windows through ``llm``'s prompt logprobs (with
+    ``lora_request``'s adapter when given)."""
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     total, count = 0.0, 0
-    for out in llm.generate(chunks, params, use_tqdm=False):
+    for out in llm.generate(chunks, params, use_tqdm=False, lora_request=lora_request):
         for token_id, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
             total += step[token_id].logprob
             count += 1
@@ -62,18 +65,22 @@ def greedy_agreement(ours: list[list[int]], base: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / max(1, len(pairs))
 
 
-def _greedy(llm: Any, token_ids: list[int], num_prompts: int, num_tokens: int) -> list[list[int]]:
+def _greedy(llm: Any, token_ids: list[int], num_prompts: int, num_tokens: int,
+            lora_request: Any = None) -> list[list[int]]:
     from kvflow.sampling_params import SamplingParams
 
     step = max(1, len(token_ids) // (num_prompts + 1))
     prompts = [token_ids[i * step:i * step + 32] for i in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)]
 
 
 def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
-                   greedy_tokens: int, source: str = "the text") -> dict[str, Any]:
-    """Everything the command reports, as a JSON-ready dict.
+                   greedy_tokens: int, source: str = "the text",
+                   lora_request: Any = None) -> dict[str, Any]:
+    """Everything the command reports, as a JSON-ready dict (every request through
+    ``lora_request``'s adapter when given).
 
     Raises:
         ValueError: naming ``source`` when the text has fewer than 2 tokens (nothing to score).
@@ -85,12 +92,13 @@ def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
         raise ValueError(f"{source} has {len(token_ids)} token(s): at least 2 are needed to "
                          "score one")
     start = time.perf_counter()
-    ppl, scored = perplexity_of(llm, chunks)
+    ppl, scored = perplexity_of(llm, chunks, lora_request)
     seconds = time.perf_counter() - start
     core = llm.engine.core
     return {"perplexity": ppl, "scored_tokens": scored, "window": window, "seconds": seconds,
             "weight_bytes": core.weight_bytes, "kv_bytes_per_token": core.kv_bytes_per_token,
-            "greedy": _greedy(llm, token_ids, num_greedy, greedy_tokens) if num_greedy else []}
+            "greedy": _greedy(llm, token_ids, num_greedy, greedy_tokens, lora_request)
+            if num_greedy else []}
 
 
 def load_compare(path: str) -> dict[str, Any]:
@@ -126,10 +134,13 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
         raise ValueError(f"--text-file {args.text_file}: the file is empty; give a text to "
                          "score")
     base = load_compare(args.compare) if args.compare else None
-    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
+                                   "kvflow bench perplexity")
+    llm = LLM.from_engine_config(config)
     result = run_perplexity(llm, text, args.window, args.num_greedy_prompts, args.greedy_tokens,
-                            source=f"--text-file {args.text_file}")
-    result.update(model=args.model, quantization=args.quantization,
+                            source=f"--text-file {args.text_file}", lora_request=lora)
+    result.update(model=args.model, lora_path=args.lora_path, quantization=args.quantization,
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), dtype=args.dtype)
     print(f"perplexity {result['perplexity']:.4f} over {result['scored_tokens']} tokens "
           f"(windows of {result['window']}, {result['seconds']:.1f} s)")
@@ -156,5 +167,6 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--compare", default=None, help="a previous run's --output-json")
     p.add_argument("--output-json", default=None)
+    add_lora_path_arg(p, "every request")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=_cmd_perplexity)

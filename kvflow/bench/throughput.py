@@ -23,6 +23,7 @@ from kvflow.bench.checks import (
     require_positive,
 )
 from kvflow.config import EngineConfig
+from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 
 
 @dataclass
@@ -50,9 +51,11 @@ def _result(engine: str, prompts: list[list[int]], output_len: int, elapsed: flo
                             (inp + out) / elapsed)
 
 
-def run_kvflow(llm, prompts: list[list[int]], output_len: int) -> ThroughputResult:
+def run_kvflow(llm, prompts: list[list[int]], output_len: int,
+               lora_request=None) -> ThroughputResult:
     """Time ``llm.generate`` over every prompt (greedy, ``ignore_eos``, ``output_len`` tokens
-    each) after a two-prompt warm-up and a prefix-cache reset.
+    each; through ``lora_request``'s adapter when given) after a two-prompt warm-up and a
+    prefix-cache reset.
 
     Raises:
         RuntimeError: if kvflow did not produce exactly ``output_len`` tokens per prompt.
@@ -61,10 +64,10 @@ def run_kvflow(llm, prompts: list[list[int]], output_len: int) -> ThroughputResu
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
+                 use_tqdm=False, lora_request=lora_request)  # warm-up
     llm.engine.core.kv_cache_manager.reset_prefix_cache()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != len(prompts) * output_len:
@@ -119,11 +122,17 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         raise ValueError(f"--seed must be >= 0 (it seeds the random prompts), got {args.seed}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "throughput")
-    llm = LLM.from_engine_config(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
+                                   "kvflow bench throughput")
+    if lora is not None and args.compare == "hf":
+        raise ValueError("--compare hf runs the base model: it cannot be combined with "
+                         "--lora-path")
+    llm = LLM.from_engine_config(config)
     require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     prompts = random_prompts(args.num_prompts, args.input_len,
                              llm.engine.core.hf_config.vocab_size, args.seed)
-    results = [run_kvflow(llm, prompts, args.output_len)]
+    results = [run_kvflow(llm, prompts, args.output_len, lora)]
     _print(results[0])
     if args.compare == "hf":
         model = load_hf_model(llm, llm.engine.core.dtype)
@@ -147,5 +156,6 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
                    help="also run HF transformers generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=64, help="HF static batch size")
     p.add_argument("--output-json", default=None, help="write the results here")
+    add_lora_path_arg(p, "every request")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=_cmd_throughput)

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
 from kvflow.entrypoints.generate_output import GeneratePrinter
+from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 from kvflow.models.generation_config import SAMPLING_DEFAULT_FIELDS
 from kvflow.sampling_params import SamplingParams
 
@@ -96,7 +97,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)
     images = _read_images(args.image or [], config)
-    lora = _lora_request(args.lora_path, config)
+    lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
+                                   "kvflow generate")
     llm = LLM.from_engine_config(config)
     note = context_note(args.max_tokens, llm.engine.processor.max_model_len)
     if note is not None:
@@ -122,27 +124,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])
     return 0
-
-
-def _lora_request(path: str | None, config: EngineConfig) -> Any:
-    """The ``--lora-path`` adapter as a ``LoRARequest`` for every prompt, or None.
-
-    Raises:
-        ValueError: ``--lora-path`` without ``--enable-lora``, or ``--enable-lora`` without
-            ``--lora-path`` (no adapter would be applied).
-    """
-    from kvflow.lora.request import LoRARequest
-
-    enabled = config.lora_config.enable_lora
-    if path is None:
-        if enabled:
-            raise ValueError("--enable-lora without --lora-path: kvflow generate applies "
-                             "the adapter --lora-path names (kvflow serve takes "
-                             "--lora-modules)")
-        return None
-    if not enabled:
-        raise ValueError(f"--lora-path {path} needs --enable-lora")
-    return LoRARequest(os.path.basename(os.path.normpath(path)) or "adapter", 1, path)
 
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -230,9 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an image for every prompt (repeat for several; vision-language "
                      "models): with --chat it goes before the text, otherwise the prompt "
                      "holds one image placeholder per image")
-    gen.add_argument("--lora-path", metavar="FOLDER",
-                     help="a PEFT LoRA adapter folder applied to every prompt (needs "
-                     "--enable-lora)")
+    add_lora_path_arg(gen, "every prompt")
     gen.add_argument("--verbose", action="store_true",
                      help="print finish reason and timings (with --speculative-config, the "
                           "drafted and accepted tokens and the acceptance rate)")
