@@ -10,9 +10,10 @@ weight that kvflow fails to load changes the output.
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +242,18 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory,
 def tiny_llama(tiny_model_factory: Callable[[str], TinyModel]) -> TinyModel:
     """The tiny Llama (untied, plain RoPE)."""
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(autouse=True)
+def _kvflow_log_level_restored() -> Iterator[None]:
+    """Put the ``kvflow`` logger's level back after each test: ``kvflow serve`` run in-process
+    (``cli.main(["serve", ...])``) sets it for the whole process (to its --uvicorn-log-level),
+    and a later in-process ``kvflow generate`` would then print INFO lines on stderr, so a test
+    reading stderr passed or failed by which tests ran before it in the same process."""
+    logger = logging.getLogger("kvflow")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 def _assert_no_leaked_blocks(llm: Any) -> None:
