@@ -27,6 +27,7 @@ from kvflow.entrypoints.sampling_requests import (
 )
 from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
+from kvflow.entrypoints.text_offsets import TokenTextOffsets
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
@@ -148,11 +149,12 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = self._echo(req, prompts[i])
             for c in out.outputs:
                 num_generated += len(c.token_ids)
-                choice, _ = self._choice(req, i * req.n + c.index, echo + c.text, c,
-                                         len(echo))
+                choice = self._choice(req, i * req.n + c.index, echo + c.text, c,
+                                      self._offsets(req, len(echo)), len(echo + c.text))
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
-                                            prompts[i][1], out)  # decodes every prompt token
+                                            prompts[i][1], out,
+                                            len(echo))  # decodes every prompt token
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(out.prompt_logprobs)
@@ -162,34 +164,37 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                   usage=_usage(prompts, num_generated))
 
+    def _offsets(self, req: CompletionRequest, start: int) -> TokenTextOffsets:
+        """The text offsets of a choice's completion tokens, which start at ``start``."""
+        return TokenTextOffsets(self.engine.tokenizer, start, req.skip_special_tokens)
+
     @staticmethod
     def _choice(req: CompletionRequest, index: int, text: str, c: CompletionOutput,
-                text_offset: int) -> tuple[CompletionChoice, int]:
-        """One choice for (a delta of) a sample; returns it and the text offset after it."""
+                offsets: TokenTextOffsets, text_end: int | None) -> CompletionChoice:
+        """One choice for (a delta of) a sample; ``offsets`` gives its tokens' text offsets
+        (capped at ``text_end`` when given)."""
         logprobs = None
         if req.logprobs is not None:
-            logprobs, text_offset = completion_logprobs(c.token_ids, c.logprobs or [],
-                                                        text_offset)
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                  token_ids=c.token_ids if req.return_token_ids else None)
-        return choice, text_offset
+            logprobs = completion_logprobs(c.token_ids, c.logprobs or [],
+                                           offsets.next_offsets(c.token_ids, text_end))
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                token_ids=c.token_ids if req.return_token_ids else None)
 
-    def _prompt_logprobs(self, ids: list[int], out) -> CompletionLogProbs:
-        """The echoed prompt's logprobs (OpenAI legacy form: the first token has none)."""
+    def _prompt_logprobs(self, ids: list[int], out, text_end: int) -> CompletionLogProbs:
+        """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
+        offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters)."""
         entries = out.prompt_logprobs or [None] * len(ids)
         lp = CompletionLogProbs()
-        offset = 0
-        for token_id, step in zip(ids, entries):
-            token = self.tokenizer.decode([token_id])
+        offsets = TokenTextOffsets(self.tokenizer, 0, skip_special_tokens=False)
+        for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):
             if step is None:
-                lp.tokens.append(token)
+                lp.tokens.append(self.tokenizer.decode([token_id]))
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
                 lp.text_offset.append(offset)
-                offset += len(token)
                 continue
-            one, offset = completion_logprobs([token_id], [step], offset)
+            one = completion_logprobs([token_id], [step], [offset])
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(lp, name).extend(getattr(one, name))
         return lp
@@ -199,7 +204,8 @@ class OpenAIServingCompletion(OpenAIServing):
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
         include_usage, continuous_usage = self.stream_usage(req)
-        offsets: dict[int, int] = {}  # choice index -> text offset (logprobs)
+        offsets: dict[int, TokenTextOffsets] = {}  # choice index -> its tokens' text offsets
+        ends: dict[int, int] = {}  # choice index -> characters sent
         want_tokens = req.logprobs is not None or req.return_token_ids
         prompt_outputs = {}  # prompt index -> the delta that carried its prompt logprobs
         sent_prompt: set[int] = set()  # choices whose first chunk went out
@@ -214,13 +220,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = echo + c.text
                 if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
-                choice, offsets[index] = self._choice(req, index, text, c,
-                                                      offsets.get(index, len(echo)))
+                if index not in offsets:
+                    offsets[index] = self._offsets(req, len(echo))
+                ends[index] = ends.get(index, 0) + len(text)
+                choice = self._choice(req, index, text, c, offsets[index],
+                                      ends[index] if c.finish_reason is not None else None)
                 first = index not in sent_prompt
                 sent_prompt.add(index)
                 if echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
-                                            prompts[i][1], prompt_outputs.get(i, delta))
+                                            prompts[i][1], prompt_outputs.get(i, delta),
+                                            len(echo))
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
@@ -263,13 +273,14 @@ def _usage(prompts: list[Prompt], num_generated: int) -> UsageInfo:
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                        text_offset: int) -> tuple[CompletionLogProbs, int]:
-    """Legacy-completions logprobs for some tokens; returns them and the offset after them.
+                        text_offsets: list[int]) -> CompletionLogProbs:
+    """Legacy-completions logprobs for some tokens, ``text_offsets`` (one per token, from
+    ``TokenTextOffsets``) as their ``text_offset``.
 
     ``top_logprobs`` maps decoded token -> logprob for the top-k tokens and the sampled one.
     """
     out = CompletionLogProbs()
-    for token_id, step in zip(token_ids, logprobs):
+    for token_id, step, text_offset in zip(token_ids, logprobs, text_offsets):
         sampled = step[token_id]
         token = sampled.decoded_token or ""
         out.tokens.append(token)
@@ -279,5 +290,4 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
             top.setdefault(lp.decoded_token or "", max(lp.logprob, MIN_LOGPROB))  # keep best
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
-        text_offset += len(token)
-    return out, text_offset
+    return out

@@ -386,6 +386,33 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, tiny_llama):
     assert streamed == lp.token_logprobs
 
 
+def test_echo_text_offsets_index_the_returned_text_across_split_characters(client, tokenizer):
+    """echo + logprobs with a prompt whose 2- and 3-byte characters are split across byte
+    tokens: each piece decoded alone to U+FFFD and the prompt's offsets summed those, so they
+    ran past the prompt and the completion's (starting at len(prompt)) went back below them.
+    Now every offset is where the token's text starts in prompt + completion text (oracle
+    from the tokens' bytes), non-decreasing; streamed the same."""
+    from tests.test_text_offsets import stable_offsets
+
+    prompt = "the café 你 fox"
+    ids = tokenizer.encode(prompt)
+    want_prompt = stable_offsets(tokenizer, ids)
+    assert len(set(want_prompt)) < len(ids)  # some character spans several tokens
+    params = {"echo": True, "logprobs": 1, "max_tokens": 24, "temperature": 1.0, "seed": 7,
+              "ignore_eos": True, "return_token_ids": True}
+    (c,) = complete(client, prompt, **params).choices
+    offsets = c.logprobs.text_offset
+    assert offsets[:len(ids)] == want_prompt
+    # the completion's random bytes may be invalid UTF-8 (the oracle then differs on
+    # which U+FFFD a token starts at): its offsets start at the echo's end and never go back
+    assert offsets[len(ids)] == len(prompt)
+    assert offsets == sorted(offsets) and offsets[-1] <= len(c.text)
+    chunks = list(complete(client, prompt, stream=True, **params))
+    streamed = [o for ch in chunks for cc in ch.choices if cc.logprobs
+                for o in cc.logprobs.text_offset]
+    assert streamed == offsets
+
+
 def test_logit_bias_forces_a_token(client, tokenizer):
     token = tokenizer.encode(" fox")[-1]
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
