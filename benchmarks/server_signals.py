@@ -31,7 +31,6 @@ Prints one line per check and exits 1 if any failed; the servers' logs stay in a
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -47,7 +46,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_faults import Report, build_model, free_port
+from worker_faults import Report, build_model, free_port, parse_cases
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -291,18 +290,13 @@ def port_case(model: str, logs: str, report: Report) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
-    args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    selected = parse_cases(__doc__, CASES)
     report = Report()
     logs = tempfile.mkdtemp(prefix="kvflow-signals-logs-")
     print(f"server logs in {logs}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvflow-signals-") as folder:
         model = build_model(folder)
-        for case in args.cases or CASES:
+        for case in selected:
             if case in ("sigint", "sigterm", "dp-sigint"):
                 signal_case(case, model, logs, report)
             elif case == "sigint-twice":

@@ -254,19 +254,27 @@ def gc_case(model: str, report: Report) -> None:
     report.check(case, not new_shm, f"no new /dev/shm segment ({new_shm[:5]})")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
+def parse_cases(doc: str, cases: tuple[str, ...]) -> list[str]:
+    """The case names given on the command line (all of ``cases`` when none); an unknown name
+    exits 2 naming the known ones. ``doc``: the script's docstring (its first paragraph is
+    the help text)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", help=f"of {', '.join(cases)} (default: all)")
     args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(CASES))
+    unknown = sorted(set(args.cases) - set(cases))
     if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(cases)}")
+    return args.cases or list(cases)
+
+
+def main() -> int:
+    selected = parse_cases(__doc__, CASES)
     report = Report()
     logs = tempfile.mkdtemp(prefix="kvflow-faults-logs-")
     print(f"server logs in {logs}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvflow-faults-") as folder:
         model = build_model(folder)
-        for case in args.cases or CASES:
+        for case in selected:
             if case in ("serve-kill", "serve-stop"):
                 fault_case(case, model, logs, report)
             elif case == "serve-sigint":
