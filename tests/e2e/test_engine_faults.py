@@ -157,24 +157,34 @@ def test_disconnect_storm_leaves_no_block_held(restarting):
 def test_sigterm_aborts_open_requests(restarting):
     """SIGTERM (``docker stop``; Ctrl-C is handled the same) with a stream and a whole reply in
     flight: both end at once with code ``server_shutting_down`` (the stream with an error event
-    then ``[DONE]``), not after uvicorn's 5 s graceful timeout with the stream cut. The last
-    test of the module: the server stops here."""
+    then ``[DONE]``), not after uvicorn's 5 s graceful timeout with the stream cut. The engine
+    core is stopped (SIGSTOP) once the stream has its first token, so neither request can
+    finish before the signal however fast the machine (on a quiet one the tiny model's 200
+    tokens took about a second, and the stream often ended before the signal); it continues
+    (SIGCONT) right after. The last test of the module: the server stops here."""
     server = restarting
     whole = {}
 
     def post_whole() -> None:
-        whole["resp"] = httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
+        whole["resp"] = httpx.post(f"{server.url}/v1/completions", json={**LONG, "user": "whole"},
+                                   timeout=60)
 
     events = []
+    core = core_pid(server.proc.pid)
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True},
                       timeout=60) as resp:
         lines = (line for line in resp.iter_lines() if line.startswith("data: "))
         next(lines)  # generating
-        thread = threading.Thread(target=post_whole)
-        thread.start()
-        wait_for(lambda: server.value(server.metrics(), "kvflow:num_requests_running") == 2)
-        sent = time.monotonic()
-        server.terminate()
+        os.kill(core, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=post_whole)
+            thread.start()
+            wait_for(lambda: "user 'whole'" in server.log())  # the handler has it
+            time.sleep(0.3)  # and has handed it to the engine client (it opens it at once)
+            sent = time.monotonic()
+            server.terminate()
+        finally:
+            os.kill(core, signal.SIGCONT)
         for line in lines:
             events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
         took = time.monotonic() - sent
