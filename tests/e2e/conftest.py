@@ -311,9 +311,10 @@ def _prestart_next_module(request: pytest.FixtureRequest, start_server: ServerSt
     call takes is only stopped, and warned about, at the end. A module that times its
     server's answers sets ``TIMING_SENSITIVE = True``: nothing is started while it runs (the
     module after it starts the next modules' servers instead; servers started earlier may
-    still be coming up)."""
-    if getattr(request.module, "TIMING_SENSITIVE", False):
-        return
+    still be coming up). Off under pytest-xdist (``-n``): a worker does not know which module it
+    gets next, and the other worker keeps the second core busy anyway."""
+    if getattr(request.module, "TIMING_SENSITIVE", False) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist the next module may run in another worker
     for module in _next_prestarting_modules(request):
         if module.__name__ not in start_server.prestarted_modules:
             start_server.prestarted_modules.add(module.__name__)

@@ -49,11 +49,13 @@ def _engine_runs_started(request: pytest.FixtureRequest) -> Iterator[dict[tuple,
     """When the session runs the Triton engine tests (``BACKGROUND_MODULES``), start every
     ``BACKGROUND_RUNS`` run at the first kernel test, in one spawned worker process: the runs
     (interpreted Triton, several seconds each) proceed on the other core while the kernel
-    tests before those modules run. {(kind, path, *args): its Future}; empty when not needed
-    or when Triton does not run interpreted here."""
+    tests before those modules run. {(kind, path, *args): its Future}; empty when not needed,
+    when Triton does not run interpreted here, or under pytest-xdist (every worker sees the
+    whole session's items, and the other worker keeps the second core busy)."""
     wanted = any(getattr(item, "path", None) is not None and
                  item.path.name in BACKGROUND_MODULES for item in request.session.items)
     if not wanted or os.environ.get("TRITON_INTERPRET") != "1" or \
+            os.environ.get("PYTEST_XDIST_WORKER") or \
             importlib.util.find_spec("triton") is None:
         yield {}
         return
