@@ -46,7 +46,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_faults import Report, build_model, free_port, parse_cases
+from worker_faults import Report, build_model, completion_in_thread, free_port, parse_cases
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -116,25 +116,22 @@ class Server:
 
     def request_in_thread(self, stream: bool, into: dict) -> threading.Thread:
         """Send a completion; ``into`` gets status, text and when it ended."""
-        def run() -> None:
-            try:
-                with httpx.stream("POST", self.url + "/v1/completions",
-                                  json={**LONG, "stream": stream}, timeout=120) as r:
-                    into["status"] = r.status_code
-                    into["text"] = "".join(r.iter_text())
-            except httpx.HTTPError as e:
-                into["status"], into["text"] = None, repr(e)
-            into["ended"] = time.monotonic()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+        return completion_in_thread(self.url, {**LONG, "stream": stream}, into)
 
     def running(self) -> float:
         """kvflow:num_requests_running summed over the replicas."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("kvflow:num_requests_running{"))
+
+    def signal_and_wait(self, sig: signal.Signals, timeout: float = 15) -> tuple[int | None, float]:
+        """Send ``sig`` (marked in the log) and wait up to ``timeout`` s for the exit:
+        (exit status or None, seconds from the signal to the exit)."""
+        sent = time.monotonic()
+        self.mark(sig.name)
+        self.proc.send_signal(sig)
+        code = self.wait_exit(timeout)
+        return code, time.monotonic() - sent
 
     def wait_exit(self, timeout: float) -> int | None:
         try:
@@ -200,11 +197,7 @@ def signal_case(case: str, model: str, logs: str, report: Report) -> None:
         deadline = time.monotonic() + 60
         while server.running() < len(results) and time.monotonic() < deadline:
             time.sleep(0.1)
-        sent = time.monotonic()
-        server.mark(sig.name)
-        server.proc.send_signal(sig)
-        code = server.wait_exit(15)
-        took = time.monotonic() - sent
+        code, took = server.signal_and_wait(sig)
         want = 130 if sig == signal.SIGINT else -signal.SIGTERM
         report.check(case, code == want and took < 3.0,
                      f"exited with status {code} (want {want}) {took:.1f} s after "
@@ -255,11 +248,7 @@ def loading_case(case: str, model: str, logs: str, report: Report) -> None:
         while time.monotonic() < deadline and len(server.children) < 3:
             server.children = psutil.Process(server.proc.pid).children(recursive=True)
             time.sleep(0.05)
-        sent = time.monotonic()
-        server.mark(sig.name)
-        server.proc.send_signal(sig)
-        code = server.wait_exit(15)
-        took = time.monotonic() - sent
+        code, took = server.signal_and_wait(sig)
         report.check(case, code == want and took < 3.0,
                      f"exited with status {code} (want {want}) {took:.1f} s after {sig.name} "
                      f"(limit 3 s; "

@@ -87,6 +87,24 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def completion_in_thread(url: str, body: dict, into: dict) -> threading.Thread:
+    """POST ``body`` to ``url``/v1/completions in a daemon thread (started, returned); ``into``
+    gets ``status`` (None when the connection failed), the whole response ``text`` and
+    ``ended`` (time.monotonic() when it ended). Shared with server_signals.py."""
+    def run() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                into["status"] = r.status_code
+                into["text"] = "".join(r.iter_text())
+        except httpx.HTTPError as e:
+            into["status"], into["text"] = None, repr(e)
+        into["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 class Report:
     """PASS/FAIL lines; ``failed`` counts the failures."""
 
@@ -131,19 +149,7 @@ class Server:
 
     def request_in_thread(self, stream: bool, into: dict) -> threading.Thread:
         """Send a completion; ``into`` gets status, text and when it ended."""
-        def run() -> None:
-            try:
-                with httpx.stream("POST", self.url + "/v1/completions",
-                                  json=self.body(stream), timeout=120) as r:
-                    into["status"] = r.status_code
-                    into["text"] = "".join(r.iter_text())
-            except httpx.HTTPError as e:
-                into["status"], into["text"] = None, repr(e)
-            into["ended"] = time.monotonic()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+        return completion_in_thread(self.url, self.body(stream), into)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
