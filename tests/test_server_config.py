@@ -196,3 +196,37 @@ def test_sigterm_while_the_model_loads_unwinds_then_ends_by_sigterm(monkeypatch)
     with pytest.raises(KeyboardInterrupt), server_shutdown.sigterm_stops_loading():
         raise KeyboardInterrupt  # Ctrl-C: no SIGTERM raised
     assert raised == [signal.SIGTERM]
+
+
+def test_server_stopped_by_an_ignored_signal_still_ends_as_signalled(monkeypatch):
+    """A server started with SIGINT ignored (``kvflow serve ... &`` in a script: a background
+    job of a non-interactive shell) still stops on SIGINT (uvicorn installs its handler), but
+    uvicorn's re-raise then went to the ignored handler and ``kvflow serve`` exited 0 instead
+    of 130. ``end_as_signalled`` raises KeyboardInterrupt for it, and ends by SIGTERM for an
+    ignored SIGTERM (faked here); a signal whose handler acts (uvicorn re-raised it already)
+    and a stop without a signal change nothing."""
+    import signal
+
+    from kvflow.entrypoints import server_shutdown
+
+    raised = []
+    monkeypatch.setattr(server_shutdown.signal, "raise_signal", raised.append)
+    server = server_shutdown.AbortingServer.__new__(server_shutdown.AbortingServer)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server._captured_signals = [signal.SIGINT]
+        server.end_as_signalled()  # pytest's SIGINT handler acts: nothing to do
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with pytest.raises(KeyboardInterrupt):
+            server.end_as_signalled()
+        server._captured_signals = [signal.SIGTERM]
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server.end_as_signalled()
+        assert raised == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        server._captured_signals = []
+        server.end_as_signalled()
+        assert raised == [signal.SIGTERM]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

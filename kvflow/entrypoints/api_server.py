@@ -411,6 +411,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             timeout_keep_alive=server_config.timeout_keep_alive), engine)
         app.state.uvicorn_server = server
         server.run()
+        server.end_as_signalled()
     finally:
         engine.close()
     if app.state.startup_error is not None:

@@ -55,6 +55,23 @@ class AbortingServer(uvicorn.Server):
                 logger.info("shutting down: aborted %d open request(s)", count)
         await super().shutdown(sockets)
 
+    def end_as_signalled(self) -> None:
+        """After :meth:`run` returned: end as the signal that stopped the server ends a process
+        where uvicorn's own re-raise of it did nothing (the process started with that signal
+        ignored, as a background job of a non-interactive shell does SIGINT: it exited 0).
+
+        Raises:
+            KeyboardInterrupt: for SIGINT (``kvflow`` then exits 130); SIGTERM ends the
+                process by that signal instead.
+        """
+        for signum in getattr(self, "_captured_signals", ()):  # uvicorn's record of them
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                continue  # uvicorn re-raised it to a handler that acts
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
     def _reason(self) -> str:
         """The signal that stopped the server (``SIGINT``), else ``stopped``."""
         captured = getattr(self, "_captured_signals", None)  # uvicorn's record of them
