@@ -22,8 +22,12 @@ Cases (default: all):
   by that signal.
 * ``port-in-use``: ``--port`` taken by another socket: one ``kvflow: error:`` line naming the
   port, status 2, before the model loads.
-* ``dp-sigint``: ``--data-parallel-size 2`` with a stream on each replica, SIGINT: both
+* ``dp-sigint``: ``--data-parallel-size 2`` with two streams, SIGINT: both
   streams end as in ``sigint``, every engine-core process is gone.
+
+In the signal cases the engine cores are stopped (SIGSTOP) while the requests are sent and
+continued (SIGCONT) right after the signal, so the requests are open when it arrives however
+fast the machine (the tiny model's 240 tokens take ~0.25 s on a quiet one).
 
 Prints one line per check and exits 1 if any failed; the servers' logs stay in a
 ``kvflow-signals-logs-*`` folder under the temp directory (printed first).
@@ -114,24 +118,15 @@ class Server:
         for thread in threads:
             thread.join()
 
-    def request_in_thread(self, stream: bool, into: dict) -> threading.Thread:
-        """Send a completion; ``into`` gets status, text and when it ended."""
-        return completion_in_thread(self.url, {**LONG, "stream": stream}, into)
+    def request_in_thread(self, stream: bool, into: dict, user: str = "") -> threading.Thread:
+        """Send a completion (``user`` its OpenAI user field); ``into`` gets status, text and
+        when it ended."""
+        return completion_in_thread(self.url, {**LONG, "stream": stream, "user": user}, into)
 
-    def running(self) -> float:
-        """kvflow:num_requests_running summed over the replicas."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("kvflow:num_requests_running{"))
-
-    def signal_and_wait(self, sig: signal.Signals, timeout: float = 15) -> tuple[int | None, float]:
-        """Send ``sig`` (marked in the log) and wait up to ``timeout`` s for the exit:
-        (exit status or None, seconds from the signal to the exit)."""
-        sent = time.monotonic()
-        self.mark(sig.name)
-        self.proc.send_signal(sig)
-        code = self.wait_exit(timeout)
-        return code, time.monotonic() - sent
+    def engine_cores(self) -> list[psutil.Process]:
+        """The engine-core processes (spawned by multiprocessing)."""
+        return [c for c in psutil.Process(self.proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(c.cmdline())]
 
     def wait_exit(self, timeout: float) -> int | None:
         try:
@@ -192,12 +187,20 @@ def signal_case(case: str, model: str, logs: str, report: Report) -> None:
                                                  for i in range(2 if dp else 1)]
         if not dp:
             results.append(("whole", {}, False))
-        for _, got, stream in results:
-            server.request_in_thread(stream, got)
+        # the engine cores stopped (SIGSTOP) until the signal is sent, so that no request
+        # finishes first (the tiny model's 240 tokens take ~0.25 s on a quiet machine): all
+        # are open in the server, queued for the cores
+        cores = server.engine_cores()
+        for core in cores:
+            core.suspend()
+        for name, got, stream in results:
+            server.request_in_thread(stream, got, name)
         deadline = time.monotonic() + 60
-        while server.running() < len(results) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        code, took = server.signal_and_wait(sig)
+        while time.monotonic() < deadline and not all(
+                f"user '{name}'" in server.text() for name, _, _ in results):
+            time.sleep(0.05)
+        time.sleep(0.3)  # each handler has handed its request to the engine client
+        code, took = server.signal_and_wait(sig, resume=cores)
         want = 130 if sig == signal.SIGINT else -signal.SIGTERM
         report.check(case, code == want and took < 3.0,
                      f"exited with status {code} (want {want}) {took:.1f} s after "
