@@ -106,20 +106,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["Once upon a time"]
     printer = GeneratePrinter(len(prompts), sys.stdout, args.chat, args.verbose,
                               args.logprobs is not None, config.speculative_config is not None)
+    run = {"use_tqdm": False, "on_output": printer.update, "lora_request": lora}
     try:  # printed as generated (generate_output.py)
         if args.chat:
             parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
             outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text",
                                                                         "text": p}]
-                                 if parts else p}] for p in prompts], params, use_tqdm=False,
-                               on_output=printer.update, lora_request=lora)
+                                 if parts else p}] for p in prompts], params, **run)
         elif images:
             outputs = llm.generate([{"prompt": p, "multi_modal_data": {
-                "image": [image for _, image in images]}} for p in prompts], params,
-                use_tqdm=False, on_output=printer.update, lora_request=lora)
+                "image": [image for _, image in images]}} for p in prompts], params, **run)
         else:
-            outputs = llm.generate(prompts, params, use_tqdm=False, on_output=printer.update,
-                                   lora_request=lora)
+            outputs = llm.generate(prompts, params, **run)
     finally:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])
