@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
     "kvflow.kernels": 2, "kvflow.distributed": 2,
     "kvflow.platforms": 1,
     # foundation: configuration and pure data that crosses a boundary
-    "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.malloc_env": 0,
+    "kvflow.config": 0, "kvflow.openmp_env": 0, "kvflow.malloc_env": 0, "kvflow.gc_heap": 0,
     "kvflow.sampling_params": 0, "kvflow.request": 0,
     "kvflow.outputs": 0, "kvflow.sched_output": 0, "kvflow.runner_output": 0,
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,

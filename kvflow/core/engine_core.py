@@ -60,6 +60,7 @@ class EngineCore:
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()
+        self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
 
     def _init_platform(self) -> None:
         self.platform = get_platform(self.config.device_config.device)

@@ -3,7 +3,9 @@
 The loop, once per iteration: take every pending input message (block only when there is no
 work, waking every ``_IDLE_POLL_MS`` to check that the API process is still alive), run one
 step if any request is unfinished, and send the step's outputs with fresh stats. Aborts are
-therefore applied (and their KV blocks freed) before the next step.
+therefore applied (and their KV blocks freed) before the next step. Before it reports ready,
+the process freezes its start-up heap (model, tokenizer) out of the garbage collector's reach
+(``kvflow.gc_heap``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvflow.engine.messages import (
     input_decoder,
 )
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.gc_heap import freeze_startup_heap
 from kvflow.models.loader import resolve_eos_token_id
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             logger.debug("engine core: %s", e)  # the API process prints it
             out.send(encoder.encode(EngineFailed(str(e), index, bad_input=True)))
             return
+        freeze_startup_heap(f"engine {tag}")  # kvflow/gc_heap.py: no 0.2 s pauses in steps
         out.send(encoder.encode(_ready(core, index)))
         EngineCoreProc(core, inp, out, index).run()
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process

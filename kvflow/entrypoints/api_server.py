@@ -59,6 +59,7 @@ from kvflow.entrypoints.structured_requests import (
     tools_for_template,
 )
 from kvflow.entrypoints.unknown_fields import UnknownFieldLog
+from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -410,9 +411,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
             timeout_keep_alive=server_config.timeout_keep_alive), engine)
         app.state.uvicorn_server = server
+        freeze_startup_heap("API server")  # kvflow/gc_heap.py: no 0.2 s stalls of the streams
         server.run()
         server.end_as_signalled()
     finally:
+        unfreeze_heap()  # a no-op unless frozen; for `kvflow serve` called in-process (tests)
         engine.close()
     if app.state.startup_error is not None:
         raise app.state.startup_error

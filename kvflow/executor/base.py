@@ -211,6 +211,16 @@ class Executor(ABC):
         """Capture CUDA graphs on every rank (a no-op where graphs are off)."""
         self.collective_rpc("capture_graphs", max_model_len)
 
+    def freeze_worker_heaps(self) -> None:
+        """Freeze each worker process's start-up heap out of the garbage collector's reach
+        (:mod:`kvflow.gc_heap`), once the engine is set up. Executors whose worker runs in the
+        caller's process (uniproc) leave it alone.
+
+        Raises:
+            ExecutorError: if a worker fails.
+        """
+        self.collective_rpc("freeze_startup_heap")
+
     def check_health(self) -> None:
         """Raise if a worker has failed (cheap: called by an idle engine every second).
 

@@ -33,6 +33,10 @@ class UniprocExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
+    def freeze_worker_heaps(self) -> None:
+        """Nothing: the worker runs in the engine's process, which is the caller's (offline
+        ``LLM``) or freezes itself (the engine-core process)."""
+
     def execute_model_async(self, sched: SchedulerOutput,
                             grammar_bitmask: GrammarBitmask | None = None) -> StepFuture:
         return StepFuture.done(self.worker.execute_model(sched, grammar_bitmask))

@@ -20,6 +20,7 @@ from kvflow.distributed.parallel_state import (
     destroy_parallel_state,
     init_parallel_state,
 )
+from kvflow.gc_heap import freeze_startup_heap
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
@@ -73,6 +74,12 @@ class Worker:
     def weight_bytes(self) -> int:
         """Bytes this rank's weights occupy (as stored)."""
         return self.runner.weight_bytes
+
+    def freeze_startup_heap(self) -> int:
+        """Freeze this worker process's heap (:func:`kvflow.gc_heap.freeze_startup_heap`);
+        called by multi-process executors once the engine is set up. Returns the number of
+        frozen objects."""
+        return freeze_startup_heap(f"rank {self.rank}")
 
     def time_draft_passes(self) -> list[tuple[int, float]]:
         """This rank's draft model's passes timed at start-up, ``[(requests, seconds), ...]``

@@ -1,0 +1,53 @@
+"""Keeping CPython's cyclic garbage collector off the start-up heap of kvflow's own processes.
+
+A collection of the oldest generation walks every object the collector tracks. A process that
+has loaded a model tracks hundreds of thousands of them (torch modules and parameters,
+transformers' tokenizer and configs, FastAPI's routes): a full collection took 160-220 ms in
+each process of ``kvflow serve`` holding SmolLM2-135M (300,000-370,000 objects; 2-core AVX512
+EPYC; ``benchmarks/gc_pause.py``). CPython starts one whenever the objects promoted to the
+oldest generation grow by a quarter of those already there, so a served run of 64 requests met
+one in the engine-core process (one step 179 ms longer, every running request's next token
+that much later; docs/benchmarks.md, session 20), and a long-running server meets another
+each time that many more objects have been promoted.
+
+``gc.freeze()`` (Python 3.7+, `gc module docs <https://docs.python.org/3/library/gc.html#gc.freeze>`_)
+moves every tracked object into a permanent generation that collections skip; objects created
+later are collected as before (cyclic garbage of requests and steps included), and a full
+collection then walks only those. vLLM's engine core, workers and API server freeze their
+start-up heap for the same reason. kvflow freezes only processes it owns (the engine-core
+process, the workers of a multi-process or Ray executor, ``kvflow serve``'s API process): the
+offline ``LLM`` runs in the caller's process and leaves its collector alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap(process: str) -> int:
+    """Collect every generation once, then freeze what is left (``gc.freeze``).
+
+    Args:
+        process: the process's name for the log line (``"engine core"``, ``"rank 1"``).
+
+    Returns:
+        The number of frozen objects (``gc.get_freeze_count()``).
+    """
+    start = time.perf_counter()
+    gc.collect()
+    collect_ms = (time.perf_counter() - start) * 1e3
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("froze %d start-up objects of the %s process out of the garbage collector's "
+                "reach (a full collection of them took %.0f ms)", frozen, process, collect_ms)
+    return frozen
+
+
+def unfreeze_heap() -> None:
+    """Hand the frozen objects back to the collector (``gc.unfreeze``), for a loop that froze
+    the heap of a process that lives on (a test's, or ``kvflow serve`` called in-process)."""
+    gc.unfreeze()
