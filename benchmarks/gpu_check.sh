@@ -18,13 +18,27 @@
 # KVFLOW_BENCH_TOKENIZER=<a tokenizer folder>). The async-scheduling and served phases were
 # written without a GPU run (issue 20): their first H200 run is their test.
 # Writes bench.log, results.json, summary.txt and serve/ to $OUT (./out).
+# GPU_CHECK_BUDGET_S (default 330) caps the phases' total: each phase runs under the smaller of
+# its own limit and what is left of the budget, and a phase with under 20 s left is skipped
+# (logged as such), so a slow or hanging phase cannot push the run past the device's time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 log=$OUT/bench.log; : > "$log"
-run() { echo "== $(date +%T) $*" | tee -a "$log"; timeout "$1" "${@:2}" 2>&1 | tee -a "$log" | tail -30; }
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-330}))
+# run LIMIT_S CMD...: CMD under the smaller of LIMIT_S and the budget left, or skipped.
+run() {
+    local left=$((deadline - SECONDS)) limit=$1; shift
+    if [ "$left" -lt 20 ]; then
+        echo "== $(date +%T) skipped, ${left} s of GPU_CHECK_BUDGET_S left: $*" | tee -a "$log"
+        return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "== $(date +%T) (limit ${limit} s) $*" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log" | tail -30
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
 run 120 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
 run 45 $PY benchmarks/gpu_bench.py ceilings

@@ -115,8 +115,12 @@ def main(path: str) -> None:
         if offline:
             r["fraction_of_offline"] = r["output_tok_per_s"] / offline
     summary.update(results)
+    summary["skipped"] = [line[3:] for line in lines  # phases gpu_check.sh had no budget for
+                          if line.startswith("== ") and " skipped, " in line]
     print(json.dumps(summary, indent=2))
     print(table(summary))
+    for line in summary["skipped"]:
+        print(f"not run: {line}")
     out = sys.argv[2] if len(sys.argv) > 2 else None
     if out:
         with open(out, "w") as f:
