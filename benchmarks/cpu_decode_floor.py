@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from offline_engine import cpu_w1_token_ids, load_engine
+from offline_engine import NUM_PROMPTS, cpu_w1_token_ids, load_engine
 
 EMBEDDING_NAMES = ("embed_tokens", "wte", "word_embeddings")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -87,6 +87,18 @@ def gemm_rate(dtype: str) -> float:
     return 2 * 2048 * 1024 * 4096 / best
 
 
+def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--batches`` as batch sizes, each 1..NUM_PROMPTS (CPU-W1's prompts); a bad list exits
+    through ``parser.error`` naming it."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        parser.error(f"--batches must be comma-separated integers, got {text!r}")
+    if not all(1 <= b <= NUM_PROMPTS for b in batches):
+        parser.error(f"--batches must each be in 1..{NUM_PROMPTS} (CPU-W1's prompts), got {text!r}")
+    return batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
@@ -95,7 +107,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = parse_batches(parser, args.batches)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if not list(Path(args.model_dir).glob("*.safetensors")) or \
+            not (Path(args.model_dir) / "config.json").is_file():
+        parser.error(f"{args.model_dir} is not an HF folder with config.json and *.safetensors "
+                     "(export one: benchmarks/export_hf.py out/smollm2-hf)")
     llm, sampling_params, wrap = load_engine(args.engine, args.model_dir, args.dtype)
     prompts = [wrap(row) for row in cpu_w1_token_ids(llm.get_tokenizer().vocab_size)]
 
