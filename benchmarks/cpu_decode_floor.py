@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from offline_engine import NUM_PROMPTS, cpu_w1_token_ids, load_engine
+from offline_engine import NUM_PROMPTS, cpu_w1_token_ids, greedy_run, load_engine
 
 EMBEDDING_NAMES = ("embed_tokens", "wte", "word_embeddings")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -118,10 +118,7 @@ def main() -> None:
     prompts = [wrap(row) for row in cpu_w1_token_ids(llm.get_tokenizer().vocab_size)]
 
     def seconds(batch: list, max_tokens: int) -> float:
-        params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - start
+        return greedy_run(llm, sampling_params, batch, max_tokens)[0]
 
     seconds(prompts[:2], 4)  # warm-up
     weight_bytes = decode_weight_bytes(args.model_dir, args.dtype)

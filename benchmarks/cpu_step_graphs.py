@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 NUM_PROMPTS, OUTPUT_LEN = 64, 64  # prompts of offline_engine.INPUT_LEN (128) tokens
 MODES = ("graphs", "eager")
@@ -49,10 +48,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     ids = offline_engine.cpu_w1_token_ids(vocab, NUM_PROMPTS)
 
     def run(batch: list, max_tokens: int) -> float:
-        params = params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - start
+        return offline_engine.greedy_run(llm, params_cls, batch, max_tokens)[0]
 
     run(ids[:2], 4)  # warm-up
     result = {}

@@ -46,6 +46,16 @@ def cpu_w1_token_ids(vocab: int, num_prompts: int = NUM_PROMPTS) -> list[list[in
     return rng.integers(3, min(vocab, 32000), (num_prompts, INPUT_LEN)).tolist()
 
 
+def greedy_run(llm, sampling_params, batch: list, max_tokens: int) -> tuple[float, int]:
+    """Seconds of one ``llm.generate`` of ``batch`` (``max_tokens`` greedy tokens each, EOS
+    ignored) and the tokens it produced; ``sampling_params`` is the engine's class. Shared with
+    cpu_step_graphs.py and cpu_decode_floor.py."""
+    params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["kvflow", "vllm"], required=True)
@@ -59,10 +69,7 @@ def main() -> None:
     prompts = [wrap(row) for row in cpu_w1_token_ids(llm.get_tokenizer().vocab_size)]
 
     def run(batch: list, max_tokens: int) -> tuple[float, int]:
-        params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+        return greedy_run(llm, sampling_params, batch, max_tokens)
 
     run(prompts[:2], 4)  # warm-up
     elapsed, produced = run(prompts, OUTPUT_LEN)
