@@ -94,6 +94,8 @@ def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
         batches = [int(b) for b in text.split(",")]
     except ValueError:
         parser.error(f"--batches must be comma-separated integers, got {text!r}")
+    if len(set(batches)) != len(batches):
+        parser.error(f"--batches lists a size twice: {text!r}")
     if not all(1 <= b <= NUM_PROMPTS for b in batches):
         parser.error(f"--batches must each be in 1..{NUM_PROMPTS} (CPU-W1's prompts), got {text!r}")
     return batches
@@ -148,9 +150,9 @@ def main() -> None:
         runs = ", ".join(f"{s * 1e3:.2f}" for s in steps[b])
         print(f"| {b} | {runs} | {med:.2f} | {floor_ms(b):.2f} | {floor_ms(b) / med:.2f} |")
     step1 = statistics.median(steps[batches[0]]) * 1e3
-    print(f"rate 4, 64 x 64 tokens: >= 16 s + the last prefill + 63 steps = "
-          f"{16 + 0.063 * floor_ms(1):.2f} s at the floor, {16 + 0.063 * step1:.2f} s at batch "
-          f"{batches[0]}'s step (+ the prefill)")
+    print(f"rate 4, 64 x 64 tokens: a run lasts >= 16 s + 63 steps + the last prefill: "
+          f"{16 + 0.063 * floor_ms(1):.2f} s + prefill at the floor, "
+          f"{16 + 0.063 * step1:.2f} s + prefill at batch {batches[0]}'s step")
 
 if __name__ == "__main__":
     main()

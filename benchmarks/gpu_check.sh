@@ -34,19 +34,26 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PYTHON:-python3}
 log=$OUT/bench.log; : > "$log"
 budget=${GPU_CHECK_BUDGET_S:-345} cpu_s=${GPU_CHECK_CPU_S:-90}
+for v in "$budget" "$cpu_s"; do
+    [[ "$v" =~ ^[0-9]+$ ]] || { echo "GPU_CHECK_BUDGET_S and GPU_CHECK_CPU_S are whole seconds, got '$v'"; exit 2; }
+done
+part="GPU part (GPU_CHECK_BUDGET_S - GPU_CHECK_CPU_S)"
 deadline=$((SECONDS + budget - cpu_s))  # the GPU phases'; the CPU phases get the rest
-# run LIMIT_S CMD...: CMD under the smaller of LIMIT_S and the budget left, or skipped.
+# run LIMIT_S CMD...: CMD under the smaller of LIMIT_S and what is left of its part of the
+# budget, or skipped; a command stopped by that limit is logged as timed out.
 run() {
     local left=$((deadline - SECONDS)) limit=$1; shift
     if [ "$left" -lt 20 ]; then
-        echo "== $(date +%T) skipped, ${left} s of GPU_CHECK_BUDGET_S left: $*" | tee -a "$log"
+        echo "== $(date +%T) skipped, $((left > 0 ? left : 0)) s of the $part left: $*" | tee -a "$log"
         return 0
     fi
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== $(date +%T) (limit ${limit} s) $*" | tee -a "$log"
     timeout "$limit" "$@" 2>&1 | tee -a "$log" | tail -30
+    [ "${PIPESTATUS[0]}" = 124 ] && echo "== $(date +%T) timed out after ${limit} s: $*" | tee -a "$log"
+    return 0
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 run 120 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -o addopts=""
 run 45 $PY benchmarks/gpu_bench.py ceilings
 run 150 $PY benchmarks/gpu_bench.py kvflow --repeats 3
@@ -56,8 +63,11 @@ run $attn_s $PY benchmarks/gpu_attention.py --iters 50
 run 100 $PY benchmarks/gpu_bench.py batch1 --repeats 3
 [ "${GPU_CHECK_HF:-0}" = 1 ] && run 120 $PY benchmarks/gpu_bench.py hf
 run 200 $PY benchmarks/gpu_serve.py --repeats 3 --out "$OUT/serve"
-deadline=$((deadline + cpu_s))
-if [ "$cpu_s" -gt 0 ]; then
+deadline=$((deadline + cpu_s)) part="CPU part (GPU_CHECK_CPU_S)"
+if [ "$cpu_s" = 0 ]; then
+    echo "== $(date +%T) skipped, GPU_CHECK_CPU_S=0: the host-CPU phases" | tee -a "$log"
+else
+    echo "== $(date +%T) host CPU, CUDA hidden" | tee -a "$log"
     lscpu | grep -E "^Model name|^CPU\(s\)" | tee -a "$log"
     grep -o -w -E "avx2|avx512f|avx512_bf16|amx_tile|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
     run 45 env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
@@ -31,7 +32,11 @@ def load_engine(engine: str, model_dir: str, dtype: str, **kvflow_options):
         options = {"kv_cache_memory": "1GiB", **kvflow_options}
         return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False, **options), \
             SamplingParams, (lambda ids: ids)
-    from vllm import LLM, SamplingParams
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as exc:
+        raise SystemExit(f"--engine vllm: vllm is not importable by {sys.executable} ({exc}); "
+                         "run this script with the vLLM venv's python") from exc
 
     return LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False), SamplingParams, \
         (lambda ids: {"prompt_token_ids": ids})

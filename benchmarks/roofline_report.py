@@ -14,6 +14,7 @@ K/V bytes / bandwidth), one after the other):
 from __future__ import annotations
 
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -83,6 +84,27 @@ def table(s: dict) -> str:
                      for name, v, scale in rows)
 
 
+HOST_CPU_KEEP = re.compile(r"^(Model name|CPU\(s\)|avx|amx|\| |\|-|kvflow |rate 4,)"
+                           r"|\d+ (passed|failed|skipped)|error")
+
+
+def host_cpu_lines(lines: list[str]) -> list[str]:
+    """The host-CPU phases' results in gpu_check.sh's log (the lines after its ``host CPU``
+    marker, up to the report): the CPU's name and flags, the kernel tests' summary, and
+    cpu_decode_floor.py's figures and table."""
+    start = next((i for i, line in enumerate(lines)
+                  if line.startswith("== ") and line.endswith("host CPU, CUDA hidden")), None)
+    if start is None:
+        return []
+    kept = []
+    for line in lines[start + 1:]:
+        if line.startswith("== ") and line.endswith(" report"):
+            break
+        if HOST_CPU_KEEP.search(line):
+            kept.append(line)
+    return kept
+
+
 def main(path: str) -> None:
     results = {}
     with open(path) as f:
@@ -117,10 +139,18 @@ def main(path: str) -> None:
     summary.update(results)
     summary["skipped"] = [line[3:] for line in lines  # phases gpu_check.sh had no budget for
                           if line.startswith("== ") and " skipped, " in line]
+    summary["timed_out"] = [line[3:] for line in lines
+                            if line.startswith("== ") and " timed out after " in line]
+    summary["host_cpu"] = host_cpu_lines(lines)
     print(json.dumps(summary, indent=2))
     print(table(summary))
     for line in summary["skipped"]:
         print(f"not run: {line}")
+    for line in summary["timed_out"]:
+        print(f"cut short: {line}")
+    if summary["host_cpu"]:
+        print("host CPU (CUDA hidden):")
+        print("\n".join(summary["host_cpu"]))
     out = sys.argv[2] if len(sys.argv) > 2 else None
     if out:
         with open(out, "w") as f:
