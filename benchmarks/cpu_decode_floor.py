@@ -57,18 +57,23 @@ def decode_weight_bytes(model_dir: str, dtype: str) -> int:
     return elements * BYTES[dtype]
 
 
+def best_seconds(fn) -> float:
+    """The shortest of 5 timed calls of ``fn`` (after one untimed call), in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def read_bandwidth() -> float:
     """Bytes per second ``torch.sum`` reads a 1 GiB fp32 tensor at (best of 5)."""
     import torch
 
     x = torch.ones(1 << 28)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
+    return x.numel() * 4 / best_seconds(x.sum)
 
 
 def gemm_rate(dtype: str) -> float:
@@ -78,13 +83,7 @@ def gemm_rate(dtype: str) -> float:
 
     a = torch.randn(2048, 1024).to(getattr(torch, dtype))
     b = torch.randn(1024, 4096).to(a.dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048 * 1024 * 4096 / best
+    return 2 * 2048 * 1024 * 4096 / best_seconds(lambda: torch.mm(a, b))
 
 
 def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
@@ -131,6 +130,12 @@ def main() -> None:
         for b in batches:
             steps[b].append(statistics.median(
                 (seconds(prompts[:b], 65) - seconds(prompts[:b], 1)) / 64 for _ in range(3)))
+    report(args, batches, weight_bytes, bandwidth, flops, steps)
+
+
+def report(args, batches: list[int], weight_bytes: int, bandwidth: list[float],
+           flops: list[float], steps: dict[int, list[float]]) -> None:
+    """Prints the rates, the per-batch table against the floor and the rate-4 bound."""
     import torch
 
     gbs, rate = statistics.median(bandwidth), statistics.median(flops)
@@ -153,6 +158,7 @@ def main() -> None:
     print(f"rate 4, 64 x 64 tokens: a run lasts >= 16 s + 63 steps + the last prefill: "
           f"{16 + 0.063 * floor_ms(1):.2f} s + prefill at the floor, "
           f"{16 + 0.063 * step1:.2f} s + prefill at batch {batches[0]}'s step")
+
 
 if __name__ == "__main__":
     main()
