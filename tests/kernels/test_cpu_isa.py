@@ -128,6 +128,23 @@ def test_gemm_at_every_level(kernels, dtype, m, n, k):
     assert ((got.double() - ref).abs() <= fp32_error_bound(x.float(), w.float(), b)).all()
 
 
+
+# Every row count a block can have up to 40 (each micro-kernel row count, one pass of up to 8
+# rows, balanced passes, 6-row passes), and two blocks (97 rows at k = 600: 96 + 1).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_every_row_count_at_every_level(kernels, dtype):
+    gen = torch.Generator().manual_seed(40)
+    n, k = 70, 600  # an edge panel (70 = 2 x 32 + 6 columns) and k over three 256-chunks
+    x = torch.randn(97, k, generator=gen).to(kernels.gemm_x_dtype(dtype))
+    w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+    packed = kernels.gemm_pack(w)
+    alone = torch.cat([kernels.gemm(x[i:i + 1], packed, n, b) for i in range(97)])
+    ref = x.double() @ w.double().T + b.double()
+    assert ((alone.double() - ref).abs() <= fp32_error_bound(x.float(), w.float(), b)).all()
+    for m in [*range(2, 41), 64, 97]:
+        # each row is the same sum in the same order whatever the rows around it: bit for bit
+        assert torch.equal(kernels.gemm(x[:m], packed, n, b), alone[:m]), m
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 

@@ -164,9 +164,10 @@ def test_packed_gemm_matches_float64_oracle(shape, packer):
     _fp32_oracle_check(linear(x, w.new_empty(0, 96), b, packed=_pack(w, packer)), x, w, b)
 
 
-# kvflow's GEMM tiles: 6 rows x 16 columns, k in chunks of 256, x in blocks of up to 96 rows
-# (fewer when k is large). These cover every edge: m, n not multiples of the tile, k over one
-# and over several chunks, several row blocks, k = 1, and an empty k (the bias alone).
+# kvflow's GEMM tiles: up to 6 (AVX2) or 8 (AVX512) rows x 16 or 32 columns, k in chunks of
+# 256, x in blocks of up to 96 rows (fewer when k is large). These cover every edge: m, n not
+# multiples of the tile, k over one and over several chunks, several row blocks, k = 1, and an
+# empty k (the bias alone).
 @native
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 17, 3), (6, 16, 256), (7, 33, 257),
                                    (97, 48, 600), (200, 70, 1536), (13, 5, 0)])

@@ -12,11 +12,14 @@
  *     L2 while every panel of the weight passes over it). Goto packs x as well, to make its
  *     reads unit-stride; here the micro-kernel reads its row streams in place instead, which
  *     measured equal or faster and leaves no per-call packing or scratch memory;
- *   - the micro-kernel multiplies up to MR = 6 rows x KC of x by a KC x NR micro-panel of the
- *     weight (kept in L1 across the micro-kernels of a block) into MR x NR accumulators held in
- *     registers (12 vectors), two weight loads and one broadcast per row per k. Blocks whose
- *     last micro-kernel has fewer rows run a copy specialized for that count (decode: one
- *     row), instead of computing rows that are thrown away.
+ *   - the micro-kernel multiplies up to MR rows x KC of x by a KC x NR micro-panel of the
+ *     weight (kept in L1 across the micro-kernels of a block) into rows x NR accumulators held
+ *     in registers (2 vectors per row), two weight loads and one broadcast per row per k. How
+ *     many rows each micro-kernel takes depends on the block's row count (kernel_rows): a
+ *     decode-sized block runs as few micro-kernels as the registers allow, because only the
+ *     first reads the weight from memory and the memory stream stalls while the others re-read
+ *     it from L1. Each row count runs a copy specialized for it, instead of computing rows that
+ *     are thrown away.
  *
  * Weight dtypes (wdt): fp32; fp16 and bf16 kept 16-bit in the panels and widened to fp32 in
  * registers as they are loaded (exact), with fp32 x. In builds with AVX512-BF16
@@ -59,7 +62,16 @@ typedef uint16_t vhu16 __attribute__((vector_size(16)));
 typedef uint32_t vhu32 __attribute__((vector_size(32)));
 typedef _Float16 vhh __attribute__((vector_size(16)));
 #endif
-enum { HALF = NR / 2, MR = 6, KC = 256, MC = 96 };
+/* MR: the most rows of one micro-kernel; MR_FULL: rows per micro-kernel in blocks of more than
+ * MR_BALANCED rows (see kernel_rows); PF_ONE_PASS: whether a block of one micro-kernel
+ * prefetches (block_panel). AVX512 has 32 vector registers: 8 rows x 2 accumulators. AVX2
+ * builds keep the layout they were tuned with on a Zen 3 EPYC (not re-measured there). */
+#if defined(__AVX512F__)
+enum { MR = 8, MR_FULL = 6, MR_BALANCED = 32, PF_ONE_PASS = 0 };
+#else
+enum { MR = 6, MR_FULL = 6, MR_BALANCED = 0, PF_ONE_PASS = 1 };
+#endif
+enum { HALF = NR / 2, KC = 256, MC = 96 };
 
 #if defined(__AVX512BF16__)
 #define BF16_PAIRS 1
@@ -242,7 +254,9 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
     case 3: CALL(3); break;                                                                 \
     case 4: CALL(4); break;                                                                 \
     case 5: CALL(5); break;                                                                 \
-    default: CALL(6); break;                                                                \
+    case 6: CALL(6); break;                                                                 \
+    case 7: CALL(MR >= 7 ? 7 : MR); break;                                                  \
+    default: CALL(MR >= 8 ? 8 : MR); break;                                                 \
     }
 
 typedef struct {
@@ -277,9 +291,28 @@ int kvflow_gemm_amx(int64_t k) {
 #endif
 }
 
+/* Rows per micro-kernel in a block of mb rows. Up to MR rows: all of them, so the weight chunk
+ * is read once, streamed from memory by the hardware prefetcher with the products computed as
+ * it arrives. Up to MR_BALANCED rows (AVX512): equal shares of at most MR rows. Beyond that
+ * (compute-bound: the chunk is re-read from L1 many times) MR_FULL rows, which ran faster
+ * there. Measured on a Zen 4 EPYC (AVX512-BF16) on SmolLM2-135M's decode shapes, weights
+ * streamed from memory, 2 threads, against 6-row micro-kernels that all prefetch: k-paired
+ * bf16 1.09-1.26x faster at 1-8 rows, 1.13x at 16, level at 12 and 24-64; fp32 1.14-1.35x at
+ * 1-16 rows; at 64 rows 8-row micro-kernels were 1.06x slower than 6-row ones
+ * (docs/benchmarks.md, session 22). */
+static inline int64_t kernel_rows(int64_t mb) {
+    if (mb <= MR) return mb;
+    if (mb > MR_BALANCED) return MR_FULL;
+    const int64_t passes = (mb + MR - 1) / MR;
+    return (mb + passes - 1) / passes;
+}
+
 /* Rows [ic, ic + mb) of x times panel p into y, KC values of k at a time; the panel is read
- * once, front to back, while each micro-kernel prefetches its share of the next KC x NR chunk.
- * Edge panels (fewer than NR columns) go through an MR x NR scratch tile. */
+ * once, front to back. Blocks of several micro-kernels prefetch the next KC x NR chunk, each
+ * micro-kernel its share. In AVX512 builds a block of one micro-kernel leaves the stream to
+ * the hardware prefetcher when its weight is fp32 or k-paired bf16 (measured on Zen 4: 1.1-1.2x
+ * faster at 1-8 rows), and prefetches for a widened 16-bit weight (1.08x faster with it at 4-6
+ * rows). Edge panels (fewer than NR columns) go through an MR x NR scratch tile. */
 static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int64_t ic,
                                                                int64_t mb, int64_t p, int wdt,
                                                                int paired, float *y,
@@ -293,16 +326,18 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
         for (int64_t j = 0; j < NR; ++j) bias_tile[j] = j < cols ? g->bias[p * NR + j] : 0.f;
         bias = bias_tile;
     }
-    const int64_t kernels = (mb + MR - 1) / MR;
-    const int64_t pf_lines = (KC * NR * es / 64 + kernels - 1) / kernels;
+    const int64_t mr = kernel_rows(mb), kernels = (mb + mr - 1) / mr;
+    const int widened = wdt != DT_F32 && !paired; /* more work per weight byte */
+    const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened
+                                 ? (KC * NR * es / 64 + kernels - 1) / kernels : 0;
     for (int64_t pc = 0; pc < g->k; pc += KC) {
         const int64_t kc = min64(g->k - pc, KC);
         const char *wp = panel + pc * NR * es, *next = wp + kc * NR * es;
         const float *init = pc == 0 ? bias : NULL;
-        for (int64_t ir = 0; ir < mb; ir += MR) {
-            const int64_t rows = min64(mb - ir, MR);
+        for (int64_t ir = 0; ir < mb; ir += mr) {
+            const int64_t rows = min64(mb - ir, mr);
             const char *xm = (const char *)g->x + ((ic + ir) * g->x_stride + pc) * xes;
-            const char *pf = next + ir / MR * pf_lines * 64;
+            const char *pf = next + ir / mr * pf_lines * 64;
             const int direct = cols == NR;
             float *c = direct ? y + ir * ldy : tile;
             const int64_t ldc = direct ? ldy : NR;
@@ -382,8 +417,8 @@ static int64_t block_rows(const Gemm *g) {
 #if AMX_TILES
     if (g->k > 0 && amx_applies(g)) return AMX_MB;
 #endif
-    const int64_t k = g->k, rows = (65536 / (k > 0 ? k : 1)) / MR * MR;
-    return rows < MR ? MR : rows > MC ? MC : rows;
+    const int64_t k = g->k, rows = (65536 / (k > 0 ? k : 1)) / MR_FULL * MR_FULL;
+    return rows < MR_FULL ? MR_FULL : rows > MC ? MC : rows;
 }
 
 /* A thread's share of the items, [front, back) packed into one word (front in the high 32
