@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -71,11 +72,19 @@ STREAM_ROWS = 64  # up to this many rows a call streams its weight (decode); abo
 
 def baseline_kernels(root: str):
     """kvflow's kernels built (same ISA level) from the C sources of another checkout at
-    ``root`` (e.g. ``git worktree add /tmp/base <commit>``): an A/B of kernel versions."""
-    from pathlib import Path
+    ``root`` (e.g. ``git worktree add /tmp/base <commit>``): an A/B of kernel versions.
 
+    Raises SystemExit when ``root`` is the checkout kvflow is imported from (a second worktree
+    sharing one virtual environment imports the environment's checkout unless PYTHONPATH names
+    its own: both sides would then be the same code)."""
+    import kvflow
     from kvflow.kernels import cpu_build, cpu_native
 
+    here = Path(kvflow.__file__).resolve().parent.parent
+    if here == Path(root).resolve():
+        raise SystemExit(f"--baseline {root} is the checkout kvflow is imported from, so both "
+                         "sides would run the same kernels; run this script with "
+                         "PYTHONPATH=<the checkout to measure>")
     level = next(lv for lv in cpu_build.isa_levels_for_cpu()
                  if lv.name == cpu_native.native_cpu_kernels().isa)
     csrc = Path(root) / "kvflow/kernels/csrc"
@@ -101,6 +110,10 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
     gen = torch.Generator().manual_seed(0)
     print(f"kvflow ({kernels.isa}) vs oneDNN, {dtype} -> {dtype}, {threads} thread(s), "
           f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
+    if base is not None:
+        import kvflow
+
+        print(f"kvflow: {Path(kvflow.__file__).resolve().parent.parent}; baseline: {baseline}")
     extra = " baseline ms | baseline / kvflow |" if base else ""
     print(f"| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |{extra}")
     print("|---|---|---|---|---|" + ("---|---|" if base else ""))
