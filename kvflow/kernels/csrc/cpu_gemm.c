@@ -185,16 +185,19 @@ static inline void store_tile_row(float *row, vhf lo, vhf hi, int accumulate, co
 /* c[R][NR] (row stride ldc) = init + x[R rows (stride xs)][kc] @ wp[kc][NR] for R (a
  * compile-time constant wherever this is inlined) rows of fp32 x; init is c itself
  * (accumulate), bias (NR values) or zero (bias NULL). Meanwhile prefetches pf_lines cache lines
- * (64 bytes each) from pf: the weight chunk the next micro-kernels will read. */
+ * (64 bytes each) from pf, the weight chunk the next micro-kernels will read: into L1, or into
+ * L2 only when pf_l2 (block_panel says when). */
 static inline __attribute__((always_inline)) void micro_kernel(
         int R, int64_t kc, const float *x, int64_t xs, const void *wp, int wdt, float *c,
-        int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines) {
+        int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines,
+        int pf_l2) {
     vhf acc[MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (vhf){0};
     const int64_t pf_per_k = kc > 0 ? (pf_lines + kc - 1) / kc : 0; /* lines per k step */
     for (int64_t kk = 0; kk < kc; ++kk) {
         for (int64_t l = kk * pf_per_k; l < (kk + 1) * pf_per_k && l < pf_lines; ++l)
-            __builtin_prefetch(pf + l * 64);
+            if (pf_l2) __builtin_prefetch(pf + l * 64, 0, 2);
+            else __builtin_prefetch(pf + l * 64);
         const vhf w0 = load_w(wp, kk * NR, wdt), w1 = load_w(wp, kk * NR + HALF, wdt);
         for (int r = 0; r < R; ++r) {
             const vhf a = splat(x[r * xs + kk]);
@@ -211,13 +214,15 @@ static inline __attribute__((always_inline)) void micro_kernel(
  * chunk of an odd k) ends with a pair whose second x value is zero. */
 static inline __attribute__((always_inline)) void micro_kernel_dp(
         int R, int64_t kc, const uint16_t *x, int64_t xs, const uint16_t *wp, float *c,
-        int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines) {
+        int64_t ldc, int accumulate, const float *bias, const char *pf, int64_t pf_lines,
+        int pf_l2) {
     __m512 acc[MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = kc / 2, pf_per_k = pairs > 0 ? (pf_lines + pairs - 1) / pairs : 0;
     for (int64_t kp = 0; kp < pairs; ++kp) {
         for (int64_t l = kp * pf_per_k; l < (kp + 1) * pf_per_k && l < pf_lines; ++l)
-            __builtin_prefetch(pf + l * 64);
+            if (pf_l2) __builtin_prefetch(pf + l * 64, 0, 2);
+            else __builtin_prefetch(pf + l * 64);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR + NR);
         for (int r = 0; r < R; ++r) {
@@ -309,10 +314,17 @@ static inline int64_t kernel_rows(int64_t mb) {
 
 /* Rows [ic, ic + mb) of x times panel p into y, KC values of k at a time; the panel is read
  * once, front to back. Blocks of several micro-kernels prefetch the next KC x NR chunk, each
- * micro-kernel its share. In AVX512 builds a block of one micro-kernel leaves the stream to
- * the hardware prefetcher when its weight is fp32 or k-paired bf16 (measured on Zen 4: 1.1-1.2x
- * faster at 1-8 rows), and prefetches for a widened 16-bit weight (1.08x faster with it at 4-6
- * rows). Edge panels (fewer than NR columns) go through an MR x NR scratch tile. */
+ * micro-kernel its share. In AVX512 builds a block of fewer than MR rows (one micro-kernel)
+ * leaves the stream to the hardware prefetcher when its weight is fp32 or k-paired bf16
+ * (measured on Zen 4: 1.1-1.2x faster than with prefetches into L1), and prefetches for a widened 16-bit weight (1.08x faster with it at 4-6
+ * rows). From MR to MR_BALANCED rows of fp32 or k-paired bf16 the next chunk is prefetched into
+ * L2, not L1: the current chunk (16-32 KB), which every micro-kernel of the block re-reads, and
+ * the block's x fill L1 (32 KB on Zen 4), so a next chunk prefetched into L1 evicted it. On
+ * Zen 4, streamed decode shapes, 2 threads: bf16 1.1x at 8 rows, 1.22-1.31x at 9-12, 1.08-1.12x
+ * at 16-20, 1.03-1.05x at 28-32; fp32 1.13x at 8, 1.15-1.5x at 9-24; the same into L2 at 64-96
+ * rows (MR_FULL micro-kernels) ran 0.98-0.99x, for widened weights 0.97-0.99x, and for a lone
+ * micro-kernel of 1-5 rows 0.83-0.88x (docs/benchmarks.md, session 23). Edge panels (fewer
+ * than NR columns) go through an MR x NR scratch tile. */
 static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int64_t ic,
                                                                int64_t mb, int64_t p, int wdt,
                                                                int paired, float *y,
@@ -328,7 +340,8 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
     }
     const int64_t mr = kernel_rows(mb), kernels = (mb + mr - 1) / mr;
     const int widened = wdt != DT_F32 && !paired; /* more work per weight byte */
-    const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened
+    const int pf_l2 = !widened && mb >= MR && mb <= MR_BALANCED;
+    const int64_t pf_lines = kernels > 1 || PF_ONE_PASS || widened || pf_l2
                                  ? (KC * NR * es / 64 + kernels - 1) / kernels : 0;
     for (int64_t pc = 0; pc < g->k; pc += KC) {
         const int64_t kc = min64(g->k - pc, KC);
@@ -345,14 +358,14 @@ static inline __attribute__((always_inline)) void block_panel(const Gemm *g, int
 #if BF16_PAIRS
             if (paired) {
 #define DP(R) micro_kernel_dp(R, kc, (const uint16_t *)xm, g->x_stride, (const uint16_t *)wp, \
-                              c, ldc, acc, init, pf, pf_lines)
+                              c, ldc, acc, init, pf, pf_lines, pf_l2)
                 FOR_ROWS(rows, DP)
 #undef DP
             } else
 #endif
             {
 #define MK(R) micro_kernel(R, kc, (const float *)xm, g->x_stride, wp, wdt, c, ldc, acc, init, \
-                           pf, pf_lines)
+                           pf, pf_lines, pf_l2)
                 FOR_ROWS(rows, MK)
 #undef MK
             }
