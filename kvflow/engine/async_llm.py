@@ -18,14 +18,11 @@ the model.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 import msgspec
-import zmq.asyncio
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import CoreProcess, ReplicaState
@@ -34,15 +31,12 @@ from kvflow.engine.messages import (
     AbortRequests,
     AddLoRA,
     AddRequests,
-    AdmissionVerdicts,
     EngineCoreRequest,
-    EngineFailed,
-    EngineOutputs,
     EngineReady,
     RemoveLoRA,
-    UtilityResult,
 )
 from kvflow.engine.open_requests import OpenRequests
+from kvflow.engine.output_loop import OutputLoop
 from kvflow.engine.replica_restarts import ReplicaRestarts
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine.streams import (
@@ -68,8 +62,6 @@ from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_POLL_MS = 1000  # how often the output loop checks that the core processes are alive
 
 __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownError",
            "RequestStream", "collect"]
@@ -107,13 +99,12 @@ class AsyncLLM:
         self.num_replicas = config.parallel_config.data_parallel_size
         self.stats = [EngineStats() for _ in range(self.num_replicas)]
         self._dead: BaseException | None = None  # set when no replica is left
-        self._output_task: asyncio.Task | None = None
+        self._outputs: OutputLoop | None = None  # started by start()
         self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA awaiting answers
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self.replicas = ReplicaSet(config)
         self._restarts = ReplicaRestarts(self.replicas)
-        self._async_output: zmq.asyncio.Socket | None = None
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
@@ -170,8 +161,10 @@ class AsyncLLM:
         """Start the output loop on the running event loop. When a core process dies or
         fails, its open streams get an ``EngineDeadError`` and ``on_dead(error)`` (if set) is
         called; once no replica is left, new requests are refused."""
-        self._async_output = zmq.asyncio.Socket.from_socket(self.replicas.output)
-        self._output_task = asyncio.create_task(self._output_loop(), name="kvflow-outputs")
+        self._outputs = OutputLoop(self.replicas, self.requests, self._calls, self._restarts,
+                                   self.stats, self.metrics, on_ready=self._on_ready,
+                                   is_healthy=lambda: self.is_healthy,
+                                   on_lost=self._replica_lost, on_broken=self._outputs_broke)
 
     @property
     def core_pid(self) -> int | None:
@@ -317,71 +310,20 @@ class AsyncLLM:
             raise EngineDeadError("the engine core is not running")
         await self._calls.call(self.replicas, msg)
 
-    # ---- outputs -----------------------------------------------------------------------------
-    async def _output_loop(self) -> None:
-        next_check = 0.0
-        while True:
-            try:
-                if time.monotonic() >= next_check:  # even while other replicas keep talking
-                    self._check_processes()
-                    next_check = time.monotonic() + _POLL_MS / 1000
-                if not await self._async_output.poll(_POLL_MS):
-                    continue
-                msg = self.replicas.decoder.decode(await self._async_output.recv())
-                if isinstance(msg, EngineFailed):
-                    self._replica_died(msg.engine_index, EngineDeadError(
-                        f"{self.replicas.name(msg.engine_index)} failed: {msg.message}"))
-                elif isinstance(msg, EngineReady):
-                    self._on_ready(msg)
-                elif isinstance(msg, EngineOutputs):
-                    self._handle_outputs(msg)
-                elif isinstance(msg, AdmissionVerdicts):
-                    self.requests.settle(msg)
-                elif isinstance(msg, UtilityResult):
-                    self._calls.answer(msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the loop itself broke: end every request
-                logger.exception("output loop failed")
-                self.fail_all(EngineDeadError(f"output loop failed: {e}"))
-                if self.on_dead is not None:
-                    self.on_dead(self._dead)
-                return
-
-    def _check_processes(self) -> None:
-        for core in self.replicas.exited():
-            self._replica_died(core.index, EngineDeadError(
-                f"{self.replicas.name(core.index)} process exited with code "
-                f"{core.proc.exitcode}"))
-
-    def _replica_died(self, index: int, error: EngineDeadError) -> None:
-        """Fail the replica's open requests, stop routing to it, tell ``on_dead``."""
-        core = self.cores[index]
-        if core.state is ReplicaState.DEAD:
-            return
-        was_live = core.state is ReplicaState.LIVE  # else a restart failed: restart() says so
-        core.state, core.death = ReplicaState.DEAD, error
-        failed = self.balancer.requests_on(index)
-        self.balancer.forget_replica(index)
-        self.metrics.reset_engine(index)
-        logger.error("%s lost (%s): ending its %d open requests with an error%s",
-                     self.replicas.name(index), error, len(failed),
-                     "" if self.is_healthy else "; new requests get 503")
-        for request_id in failed:
-            self.requests.fail(request_id, error)
-        self._calls.fail(error, index)
-        self._restarts.died(index)  # a restart that failed, if one was running
+    # ---- outputs (the loop: output_loop.py) --------------------------------------------------
+    def _replica_lost(self, error: EngineDeadError, was_live: bool) -> None:
+        """A replica died (its requests and calls have failed): refuse new requests once no
+        replica is left; tell ``on_dead`` unless it was a restart that failed."""
         if not any(c.state is not ReplicaState.DEAD for c in self.cores):
             self._dead = error
         if was_live and self.on_dead is not None:
             self.on_dead(error)
 
-    def _handle_outputs(self, msg: EngineOutputs) -> None:
-        self.stats[msg.engine_index] = msg.stats
-        self.metrics.record_engine_stats(msg.stats, msg.engine_index)
-        stopped = self.requests.deliver(msg)
-        if stopped:  # stop strings matched: free their KV blocks now
-            self.replicas.send(msg.engine_index, AbortRequests(stopped))
+    def _outputs_broke(self, error: Exception) -> None:
+        """The output loop itself failed (it has ended): end every request, tell ``on_dead``."""
+        self.fail_all(EngineDeadError(f"output loop failed: {error}"))
+        if self.on_dead is not None:
+            self.on_dead(self._dead)
 
     def fail_all(self, error: EngineDeadError) -> None:
         """End every open request with ``error`` and refuse new ones (the server is
@@ -407,14 +349,11 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Stop the output loop and the core processes; release the sockets."""
-        if self._output_task is not None:
-            self._output_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._output_task
-            self._output_task = None
+        if self._outputs is not None:
+            await self._outputs.stop()
         self.close()
 
     def close(self) -> None:
         """Synchronous teardown (idempotent): ask the cores to stop, then make sure they do;
         release the sockets and the IPC directory."""
-        self.replicas.close(self._async_output)
+        self.replicas.close(self._outputs.socket if self._outputs is not None else None)
