@@ -28,6 +28,8 @@ from kvflow.engine.messages import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
 
+STEP_GRACE_S = 1.0  # how long ``CoreProcess.stop`` lets a core finish its step and read Shutdown
+
 
 class ReplicaState(enum.Enum):
     STARTING = "starting"  # process started, model loading (no EngineReady yet)
@@ -118,17 +120,22 @@ class CoreProcess:
                 self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
 
     def stop(self, shutdown_payload: bytes) -> None:
-        """Ask the core to stop (``Shutdown``), kill it after 5 s, close the socket
-        (idempotent). A core still loading the model reads no message until it is loaded:
-        it gets SIGTERM at once (Ctrl-C during the load waited the 5 s)."""
+        """Ask the core to stop (``Shutdown``), close the socket (idempotent). A core reads
+        ``Shutdown`` between steps: one still running a step after ``STEP_GRACE_S`` (a long
+        prefill: seconds on a CPU), or still loading the model (it reads no message until
+        loaded: at once), gets SIGTERM, which unwinds it between two Python operations
+        (``core_proc._unwind_on_sigterm``; its clean-up still runs); SIGKILL 5 s later (was:
+        SIGKILL after 5 s, so Ctrl-C during a long step waited that long and left a
+        tensor-parallel core's workers to their death pipe)."""
         proc = self.proc
         if proc is not None and proc.is_alive():
-            if self.state is ReplicaState.STARTING:
-                proc.terminate()
-            elif not self.input.closed:
+            if self.state is not ReplicaState.STARTING and not self.input.closed:
                 with contextlib.suppress(zmq.ZMQError):
                     self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
-            proc.join(5)
+                proc.join(STEP_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)

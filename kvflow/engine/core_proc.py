@@ -84,7 +84,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     except Exception as e:  # noqa: BLE001 - report anything fatal to the API process
         logger.error("engine core failed: %s", traceback.format_exc())
         out.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}", index)))
-    finally:
+    finally:  # from here SIGTERM (CoreProcess.stop after its grace) waits for the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if core is not None:
             core.shutdown()  # the executor's worker processes, if any
         inp.close(linger=0)

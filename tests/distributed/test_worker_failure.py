@@ -333,6 +333,57 @@ def test_an_executor_stopped_while_its_workers_start_kills_them_at_once():
     assert executor._procs[0].poll() is not None and not os.path.exists(folder)
 
 
+class _FakeCoreProcess:
+    """A core process that exits when it has been sent ``Shutdown`` and then joined (it read
+    it between steps) unless ``mid_step``, or when it gets SIGTERM; records the calls."""
+
+    def __init__(self, mid_step: bool) -> None:
+        self.mid_step, self.calls, self.exited = mid_step, [], False
+
+    def is_alive(self) -> bool:
+        return not self.exited
+
+    def join(self, timeout: float) -> None:
+        self.calls.append(("join", timeout))
+        self.exited = self.exited or not self.mid_step
+
+    def terminate(self) -> None:
+        self.calls.append("terminate")
+        self.exited = True
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+        self.exited = True
+
+
+@pytest.mark.parametrize("mid_step", [False, True])
+def test_a_core_still_in_its_step_after_the_grace_gets_sigterm(mid_step):
+    """``CoreProcess.stop`` sends ``Shutdown`` and waits ``STEP_GRACE_S`` (1 s) for the core to
+    read it between steps; a core still running its step then gets SIGTERM (unwinding it
+    between two Python operations) instead of running on until SIGKILL 5 s later (was: a
+    long prefill delayed Ctrl-C by 5 s, then the core was killed). A core that read
+    ``Shutdown`` in time is not signalled. Faked: the process; the socket is real (inproc)."""
+    import zmq
+
+    from kvflow.engine import core_client
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://core-input")  # a message sent is in pull's queue at once (no I/O thread)
+    core = core_client.CoreProcess.__new__(core_client.CoreProcess)
+    core.input = ctx.socket(zmq.PUSH)
+    core.input.connect("inproc://core-input")
+    fake = _FakeCoreProcess(mid_step)
+    core.proc, core.state = fake, core_client.ReplicaState.LIVE
+    core.stop(b"shutdown")
+    assert pull.poll(2000) and pull.recv() == b"shutdown"
+    pull.close(linger=0)
+    ctx.term()
+    assert core_client.STEP_GRACE_S == 1.0
+    expected = [("join", 1.0)] + (["terminate", ("join", 5)] if mid_step else [])
+    assert fake.calls == expected and core.input.closed
+
+
 def test_a_loading_engine_core_is_terminated_at_once_and_unwinds(monkeypatch):
     """A core still loading reads no ``Shutdown``: ``CoreProcess.stop`` sends it SIGTERM at
     once (was: 5 s, then SIGKILL), which the core turns into SystemExit(143) so that what it
