@@ -24,6 +24,12 @@ Cases (default: all):
   port, status 2, before the model loads.
 * ``dp-sigint``: ``--data-parallel-size 2`` with two streams, SIGINT: both
   streams end as in ``sigint``, every engine-core process is gone.
+* ``sigint-long-step``: SIGINT 1 s into a long prefill (a 4,000-token prompt to the packaged
+  SmolLM2-135M's HF export, ``out/smollm2-hf`` from ``benchmarks/export_hf.py``, in fp32;
+  skipped without it): the engine core, still in its step after the 1 s it is given to read
+  ``Shutdown``, gets SIGTERM and stops between two operations, so the server exits 130 within
+  3 s. The prompt's whole prefill is timed first and printed: the case tests something only
+  where it takes longer than that (about 4 s on 2 Zen 4 cores).
 
 In the signal cases the engine cores are stopped (SIGSTOP) while the requests are sent and
 continued (SIGCONT) right after the signal, so the requests are open when it arrives however
@@ -55,7 +61,8 @@ from worker_faults import Report, build_model, completion_in_thread, free_port, 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CASES = ("sigint", "sigterm", "sigint-twice", "sigint-loading", "sigterm-loading",
-         "port-in-use", "dp-sigint")
+         "port-in-use", "dp-sigint", "sigint-long-step")
+SMOLLM2_HF = "out/smollm2-hf"  # benchmarks/export_hf.py
 LONG = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
 
@@ -127,6 +134,19 @@ class Server:
         """The engine-core processes (spawned by multiprocessing)."""
         return [c for c in psutil.Process(self.proc.pid).children(recursive=True)
                 if "spawn_main" in " ".join(c.cmdline())]
+
+    def signal_and_wait(self, sig: signal.Signals, resume: list[psutil.Process] = (),
+                        timeout: float = 15) -> tuple[int | None, float]:
+        """Send ``sig`` (marked in the log), continue the processes in ``resume`` (stopped
+        with SIGSTOP so that their requests stayed open) and wait up to ``timeout`` s for the
+        exit: (exit status or None, seconds from the signal to the exit)."""
+        sent = time.monotonic()
+        self.mark(sig.name)
+        self.proc.send_signal(sig)
+        for proc in resume:
+            proc.resume()
+        code = self.wait_exit(timeout)
+        return code, time.monotonic() - sent
 
     def wait_exit(self, timeout: float) -> int | None:
         try:
@@ -264,6 +284,32 @@ def loading_case(case: str, model: str, logs: str, report: Report) -> None:
         server.stop()
 
 
+def long_step_case(logs: str, report: Report) -> None:
+    """sigint-long-step: Ctrl-C while the engine core runs a long prefill step."""
+    case = "sigint-long-step"
+    if not os.path.isdir(SMOLLM2_HF):
+        print(f"SKIP {case}: no {SMOLLM2_HF} (python benchmarks/export_hf.py {SMOLLM2_HF})")
+        return
+    server = Server(SMOLLM2_HF, os.path.join(logs, f"{case}.log"), "--max-model-len", "4608",
+                    "--num-kv-blocks", "320", "--max-num-batched-tokens", "4096")
+    try:
+        body = {"prompt": list(range(100, 4100)), "max_tokens": 1, "temperature": 0}
+        start = time.monotonic()
+        httpx.post(server.url + "/v1/completions", json=body, timeout=300).raise_for_status()
+        print(f"{case}: the 4,000-token prefill took {time.monotonic() - start:.1f} s")
+        got: dict = {}  # other tokens: no prefix of this prompt is cached
+        completion_in_thread(server.url, {**body, "prompt": list(range(5000, 9000)),
+                                          "user": "long"}, got)
+        time.sleep(1.0)
+        code, took = server.signal_and_wait(signal.SIGINT)
+        report.check(case, code == 130 and took < 3.0,
+                     f"exited with status {code} {took:.1f} s after SIGINT (limit 3 s)")
+        shutting_down(case, report, "whole", got, False)
+        left_behind(case, report, server)
+    finally:
+        server.stop()
+
+
 def port_case(model: str, logs: str, report: Report) -> None:
     """port-in-use: another socket listens on --port."""
     case = "port-in-use"
@@ -295,6 +341,8 @@ def main() -> int:
                 twice_case(model, logs, report)
             elif case in ("sigint-loading", "sigterm-loading"):
                 loading_case(case, model, logs, report)
+            elif case == "sigint-long-step":
+                long_step_case(logs, report)
             else:
                 port_case(model, logs, report)
     return 1 if report.failed else 0
