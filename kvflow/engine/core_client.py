@@ -119,11 +119,11 @@ class CoreProcess:
             with contextlib.suppress(zmq.ZMQError):
                 self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
 
-    def stop(self, shutdown_payload: bytes) -> None:
+    def stop(self, shutdown_payload: bytes, hurry: Callable[[], bool] = lambda: False) -> None:
         """Ask the core to stop (``Shutdown``), close the socket (idempotent). A core reads
         ``Shutdown`` between steps: one still running a step after ``STEP_GRACE_S`` (a long
-        prefill: seconds on a CPU), or still loading the model (it reads no message until
-        loaded: at once), gets SIGTERM, which unwinds it between two Python operations
+        prefill: seconds on a CPU) or once ``hurry()`` is true (a second Ctrl-C), or still
+        loading the model (it reads no message until loaded: at once), gets SIGTERM, which unwinds it between two Python operations
         (``core_proc._unwind_on_sigterm``; its clean-up still runs); SIGKILL 5 s later (was:
         SIGKILL after 5 s, so Ctrl-C during a long step waited that long and left a
         tensor-parallel core's workers to their death pipe)."""
@@ -132,7 +132,9 @@ class CoreProcess:
             if self.state is not ReplicaState.STARTING and not self.input.closed:
                 with contextlib.suppress(zmq.ZMQError):
                     self.input.send(shutdown_payload, flags=zmq.NOBLOCK)
-                proc.join(STEP_GRACE_S)
+                deadline = time.monotonic() + STEP_GRACE_S
+                while proc.is_alive() and time.monotonic() < deadline and not hurry():
+                    proc.join(0.05)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)

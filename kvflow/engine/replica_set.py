@@ -41,6 +41,8 @@ class ReplicaSet:
         output: the PULL socket every replica's core pushes its messages to (bound here).
         encoder, decoder: msgpack encoder of inputs, decoder of the cores' messages.
         cores: one ``CoreProcess`` per replica, by index.
+        hurry: True once the caller wants no waiting (a second Ctrl-C): ``close`` then sends
+            a core still in its step SIGTERM at once instead of after ``STEP_GRACE_S``.
     """
 
     def __init__(self, config: EngineConfig, prefix: str = "kvflow-") -> None:
@@ -55,6 +57,7 @@ class ReplicaSet:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = output_decoder()
         self.cores: list[CoreProcess] = []
+        self.hurry = False
 
     def start(self) -> None:
         """Start one core process per replica (they load the model on their own)."""
@@ -106,7 +109,7 @@ class ReplicaSet:
         for core in self.cores:  # all stop at once, then each is waited for
             core.ask_to_stop(shutdown)
         for core in self.cores:
-            core.stop(shutdown)
+            core.stop(shutdown, lambda: self.hurry)
         for sock in (*sockets, self.output):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)

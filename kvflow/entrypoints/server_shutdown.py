@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 import uvicorn
 
@@ -54,6 +55,14 @@ class AbortingServer(uvicorn.Server):
             if count:
                 logger.info("shutting down: aborted %d open request(s)", count)
         await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's signal handler; a second Ctrl-C (uvicorn's ``force_exit``) also stops
+        the engine cores without their grace (``ReplicaSet.hurry``): one still in a long step
+        gets SIGTERM at once (was: the second Ctrl-C still waited out its 1 s)."""
+        super().handle_exit(sig, frame)
+        if self.force_exit:
+            self.engine.replicas.hurry = True
 
     def end_as_signalled(self) -> None:
         """After :meth:`run` returned: end as the signal that stopped the server ends a process

@@ -345,6 +345,8 @@ class _FakeCoreProcess:
 
     def join(self, timeout: float) -> None:
         self.calls.append(("join", timeout))
+        if self.mid_step and timeout < 1:
+            time.sleep(timeout)
         self.exited = self.exited or not self.mid_step
 
     def terminate(self) -> None:
@@ -356,13 +358,14 @@ class _FakeCoreProcess:
         self.exited = True
 
 
-@pytest.mark.parametrize("mid_step", [False, True])
-def test_a_core_still_in_its_step_after_the_grace_gets_sigterm(mid_step):
+@pytest.mark.parametrize(("mid_step", "hurry"), [(False, False), (True, False), (True, True)])
+def test_a_core_still_in_its_step_after_the_grace_gets_sigterm(mid_step, hurry):
     """``CoreProcess.stop`` sends ``Shutdown`` and waits ``STEP_GRACE_S`` (1 s) for the core to
     read it between steps; a core still running its step then gets SIGTERM (unwinding it
     between two Python operations) instead of running on until SIGKILL 5 s later (was: a
     long prefill delayed Ctrl-C by 5 s, then the core was killed). A core that read
-    ``Shutdown`` in time is not signalled. Faked: the process; the socket is real (inproc)."""
+    ``Shutdown`` in time is not signalled; with ``hurry()`` true (a second Ctrl-C) a core in
+    its step gets SIGTERM without the grace. Faked: the process; the socket is real (inproc)."""
     import zmq
 
     from kvflow.engine import core_client
@@ -375,13 +378,41 @@ def test_a_core_still_in_its_step_after_the_grace_gets_sigterm(mid_step):
     core.input.connect("inproc://core-input")
     fake = _FakeCoreProcess(mid_step)
     core.proc, core.state = fake, core_client.ReplicaState.LIVE
-    core.stop(b"shutdown")
+    started = time.monotonic()
+    core.stop(b"shutdown", lambda: hurry)
+    took = time.monotonic() - started
     assert pull.poll(2000) and pull.recv() == b"shutdown"
     pull.close(linger=0)
     ctx.term()
-    assert core_client.STEP_GRACE_S == 1.0
-    expected = [("join", 1.0)] + (["terminate", ("join", 5)] if mid_step else [])
-    assert fake.calls == expected and core.input.closed
+    assert core_client.STEP_GRACE_S == 1.0 and core.input.closed
+    if not mid_step:
+        assert fake.calls == [("join", 0.05)]
+    elif hurry:
+        assert fake.calls == ["terminate", ("join", 5)] and took < 0.5
+    else:  # waited the grace in slices (a second Ctrl-C can cut it short), then SIGTERM
+        grace, rest = fake.calls[:-2], fake.calls[-2:]
+        assert set(grace) == {("join", 0.05)} and rest == ["terminate", ("join", 5)]
+        assert 0.95 < took < 2.0
+
+
+def test_a_second_ctrl_c_hurries_the_engine_cores():
+    """``AbortingServer.handle_exit``: the first SIGINT starts the shutdown (the cores get
+    their grace), a second (uvicorn's ``force_exit``) sets ``ReplicaSet.hurry`` so ``close``
+    gives a core still in a long step SIGTERM at once; SIGTERM twice is not Ctrl-C twice
+    (uvicorn forces only on SIGINT)."""
+    import types
+
+    import uvicorn
+
+    from kvflow.entrypoints.server_shutdown import AbortingServer
+
+    for second, hurried in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+        engine = types.SimpleNamespace(replicas=types.SimpleNamespace(hurry=False))
+        server = AbortingServer(uvicorn.Config(app=None), engine)
+        server.handle_exit(signal.SIGINT, None)
+        assert server.should_exit and engine.replicas.hurry is False
+        server.handle_exit(second, None)
+        assert engine.replicas.hurry is hurried
 
 
 def test_a_loading_engine_core_is_terminated_at_once_and_unwinds(monkeypatch):
