@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -20,6 +21,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import (
+    STEP_GRACE_S,
     CoreProcess,
     ReplicaState,
     replica_config,
@@ -104,12 +106,15 @@ class ReplicaSet:
 
     def close(self, *sockets: zmq.Socket | None) -> None:
         """Ask every core to stop, then make sure each does; close ``sockets`` (views of
-        ``output``) and the output socket, the context and the IPC directory. Idempotent."""
+        ``output``) and the output socket, the context and the IPC directory. Idempotent.
+        The cores share one ``STEP_GRACE_S`` (all asked at once): replicas all in long steps
+        get SIGTERM after 1 s, not 1 s each in turn."""
         shutdown = self.encoder.encode(Shutdown())
         for core in self.cores:  # all stop at once, then each is waited for
             core.ask_to_stop(shutdown)
+        grace_end = time.monotonic() + STEP_GRACE_S
         for core in self.cores:
-            core.stop(shutdown, lambda: self.hurry)
+            core.stop(shutdown, lambda: self.hurry or time.monotonic() >= grace_end)
         for sock in (*sockets, self.output):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)

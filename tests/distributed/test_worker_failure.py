@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 
 from kvflow import LLM, SamplingParams
@@ -393,6 +394,38 @@ def test_a_core_still_in_its_step_after_the_grace_gets_sigterm(mid_step, hurry):
         grace, rest = fake.calls[:-2], fake.calls[-2:]
         assert set(grace) == {("join", 0.05)} and rest == ["terminate", ("join", 5)]
         assert 0.95 < took < 2.0
+
+
+def test_replicas_in_long_steps_share_one_grace(tmp_path):
+    """``ReplicaSet.close`` asks every core to stop at once, so they share one
+    ``STEP_GRACE_S``: two data-parallel replicas both in long steps get SIGTERM after about
+    1 s in all (was: 1 s each, in turn). Faked: the processes; the sockets are real."""
+    import zmq
+
+    from kvflow.engine import core_client
+    from kvflow.engine.replica_set import ReplicaSet
+
+    replicas = ReplicaSet.__new__(ReplicaSet)
+    replicas.ctx, replicas.hurry, replicas.ipc_dir = zmq.Context(), False, str(tmp_path)
+    replicas.encoder = msgspec.msgpack.Encoder()
+    replicas.output = replicas.ctx.socket(zmq.PULL)
+    pulls, fakes, replicas.cores = [], [], []
+    for i in range(2):
+        pulls.append(replicas.ctx.socket(zmq.PULL))
+        pulls[-1].bind(f"inproc://core-{i}")
+        core = core_client.CoreProcess.__new__(core_client.CoreProcess)
+        core.input = replicas.ctx.socket(zmq.PUSH)
+        core.input.connect(f"inproc://core-{i}")
+        fakes.append(_FakeCoreProcess(mid_step=True))
+        core.proc, core.state = fakes[-1], core_client.ReplicaState.LIVE
+        replicas.cores.append(core)
+    for pull in pulls:
+        pull.close(linger=0)
+    started = time.monotonic()
+    replicas.close()
+    took = time.monotonic() - started
+    assert all(fake.calls[-2:] == ["terminate", ("join", 5)] for fake in fakes)
+    assert 0.95 < took < 1.6, took
 
 
 def test_a_second_ctrl_c_hurries_the_engine_cores():
