@@ -182,6 +182,14 @@ static inline void store_tile_row(float *row, vhf lo, vhf hi, int accumulate, co
     memcpy(row + HALF, &b, sizeof b);
 }
 
+/* Prefetches cache lines [from, to) (64 bytes each) of pf: into L1, or into L2 only when l2. */
+static inline __attribute__((always_inline)) void prefetch_lines(const char *pf, int64_t from,
+                                                                 int64_t to, int l2) {
+    for (int64_t l = from; l < to; ++l)
+        if (l2) __builtin_prefetch(pf + l * 64, 0, 2);
+        else __builtin_prefetch(pf + l * 64);
+}
+
 /* c[R][NR] (row stride ldc) = init + x[R rows (stride xs)][kc] @ wp[kc][NR] for R (a
  * compile-time constant wherever this is inlined) rows of fp32 x; init is c itself
  * (accumulate), bias (NR values) or zero (bias NULL). Meanwhile prefetches pf_lines cache lines
@@ -195,9 +203,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = (vhf){0};
     const int64_t pf_per_k = kc > 0 ? (pf_lines + kc - 1) / kc : 0; /* lines per k step */
     for (int64_t kk = 0; kk < kc; ++kk) {
-        for (int64_t l = kk * pf_per_k; l < (kk + 1) * pf_per_k && l < pf_lines; ++l)
-            if (pf_l2) __builtin_prefetch(pf + l * 64, 0, 2);
-            else __builtin_prefetch(pf + l * 64);
+        prefetch_lines(pf, kk * pf_per_k, min64((kk + 1) * pf_per_k, pf_lines), pf_l2);
         const vhf w0 = load_w(wp, kk * NR, wdt), w1 = load_w(wp, kk * NR + HALF, wdt);
         for (int r = 0; r < R; ++r) {
             const vhf a = splat(x[r * xs + kk]);
@@ -220,9 +226,7 @@ static inline __attribute__((always_inline)) void micro_kernel_dp(
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = kc / 2, pf_per_k = pairs > 0 ? (pf_lines + pairs - 1) / pairs : 0;
     for (int64_t kp = 0; kp < pairs; ++kp) {
-        for (int64_t l = kp * pf_per_k; l < (kp + 1) * pf_per_k && l < pf_lines; ++l)
-            if (pf_l2) __builtin_prefetch(pf + l * 64, 0, 2);
-            else __builtin_prefetch(pf + l * 64);
+        prefetch_lines(pf, kp * pf_per_k, min64((kp + 1) * pf_per_k, pf_lines), pf_l2);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * NR + NR);
         for (int r = 0; r < R; ++r) {
