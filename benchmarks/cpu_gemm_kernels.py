@@ -70,6 +70,13 @@ STREAM_BYTES = 160 << 20  # weights cycled per timing: more than the 105 MB L3 o
 STREAM_ROWS = 64  # up to this many rows a call streams its weight (decode); above, two copies
 
 
+def imported_checkout() -> Path:
+    """The checkout kvflow is imported from (PYTHONPATH, else the environment's install)."""
+    import kvflow
+
+    return Path(kvflow.__file__).resolve().parent.parent
+
+
 def baseline_kernels(root: str):
     """kvflow's kernels built (same ISA level) from the C sources of another checkout at
     ``root`` (e.g. ``git worktree add /tmp/base <commit>``): an A/B of kernel versions.
@@ -77,11 +84,9 @@ def baseline_kernels(root: str):
     Raises SystemExit when ``root`` is the checkout kvflow is imported from (a second worktree
     sharing one virtual environment imports the environment's checkout unless PYTHONPATH names
     its own: both sides would then be the same code)."""
-    import kvflow
     from kvflow.kernels import cpu_build, cpu_native
 
-    here = Path(kvflow.__file__).resolve().parent.parent
-    if here == Path(root).resolve():
+    if imported_checkout() == Path(root).resolve():
         raise SystemExit(f"--baseline {root} is the checkout kvflow is imported from, so both "
                          "sides would run the same kernels; run this script with "
                          "PYTHONPATH=<the checkout to measure>")
@@ -111,9 +116,7 @@ def compare(rows_list: list[int], threads: int, passes: int = 5, baseline: str =
     print(f"kvflow ({kernels.isa}) vs oneDNN, {dtype} -> {dtype}, {threads} thread(s), "
           f"{'CPU' if threads == 1 else 'wall'} time, min of {passes} passes")
     if base is not None:
-        import kvflow
-
-        print(f"kvflow: {Path(kvflow.__file__).resolve().parent.parent}; baseline: {baseline}")
+        print(f"kvflow: {imported_checkout()}; baseline: {baseline}")
     extra = " baseline ms | baseline / kvflow |" if base else ""
     print(f"| n x k | rows | kvflow ms | oneDNN ms | oneDNN / kvflow |{extra}")
     print("|---|---|---|---|---|" + ("---|---|" if base else ""))
