@@ -30,6 +30,8 @@ Cases (default: all):
   ``Shutdown``, gets SIGTERM and stops between two operations, so the server exits 130 within
   3 s. The prompt's whole prefill is timed first and printed: the case tests something only
   where it takes longer than that (about 4 s on 2 Zen 4 cores).
+* ``sigint-twice-long-step``: the same with a second SIGINT 0.3 s after the first: the core
+  gets SIGTERM at once (no 1 s grace), so the server exits 130 within 1 s of the first.
 
 In the signal cases the engine cores are stopped (SIGSTOP) while the requests are sent and
 continued (SIGCONT) right after the signal, so the requests are open when it arrives however
@@ -61,7 +63,7 @@ from worker_faults import Report, build_model, completion_in_thread, free_port, 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CASES = ("sigint", "sigterm", "sigint-twice", "sigint-loading", "sigterm-loading",
-         "port-in-use", "dp-sigint", "sigint-long-step")
+         "port-in-use", "dp-sigint", "sigint-long-step", "sigint-twice-long-step")
 SMOLLM2_HF = "out/smollm2-hf"  # benchmarks/export_hf.py
 LONG = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
@@ -284,9 +286,10 @@ def loading_case(case: str, model: str, logs: str, report: Report) -> None:
         server.stop()
 
 
-def long_step_case(logs: str, report: Report) -> None:
-    """sigint-long-step: Ctrl-C while the engine core runs a long prefill step."""
-    case = "sigint-long-step"
+def long_step_case(case: str, logs: str, report: Report) -> None:
+    """sigint-long-step / sigint-twice-long-step: Ctrl-C (twice) while the engine core runs a
+    long prefill step."""
+    twice = case == "sigint-twice-long-step"
     if not os.path.isdir(SMOLLM2_HF):
         print(f"SKIP {case}: no {SMOLLM2_HF} (python benchmarks/export_hf.py {SMOLLM2_HF})")
         return
@@ -301,9 +304,13 @@ def long_step_case(logs: str, report: Report) -> None:
         completion_in_thread(server.url, {**body, "prompt": list(range(5000, 9000)),
                                           "user": "long"}, got)
         time.sleep(1.0)
+        if twice:
+            threading.Timer(0.3, server.proc.send_signal, (signal.SIGINT,)).start()
         code, took = server.signal_and_wait(signal.SIGINT)
-        report.check(case, code == 130 and took < 3.0,
-                     f"exited with status {code} {took:.1f} s after SIGINT (limit 3 s)")
+        limit = 1.0 if twice else 3.0
+        report.check(case, code == 130 and took < limit,
+                     f"exited with status {code} {took:.1f} s after the first SIGINT "
+                     f"(limit {limit:.0f} s)")
         shutting_down(case, report, "whole", got, False)
         left_behind(case, report, server)
     finally:
@@ -341,8 +348,8 @@ def main() -> int:
                 twice_case(model, logs, report)
             elif case in ("sigint-loading", "sigterm-loading"):
                 loading_case(case, model, logs, report)
-            elif case == "sigint-long-step":
-                long_step_case(logs, report)
+            elif case in ("sigint-long-step", "sigint-twice-long-step"):
+                long_step_case(case, logs, report)
             else:
                 port_case(model, logs, report)
     return 1 if report.failed else 0
