@@ -214,8 +214,12 @@ def test_server_stopped_by_an_ignored_signal_still_ends_as_signalled(monkeypatch
     server = server_shutdown.AbortingServer.__new__(server_shutdown.AbortingServer)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # Python's own SIGINT handler, set here: a suite started with SIGINT ignored (a
+        # background job of a non-interactive shell, `trap '' INT`) inherits SIG_IGN, and the
+        # first call below then raised KeyboardInterrupt into pytest, ending the whole run
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         server._captured_signals = [signal.SIGINT]
-        server.end_as_signalled()  # pytest's SIGINT handler acts: nothing to do
+        server.end_as_signalled()  # the SIGINT handler acts: nothing to do
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with pytest.raises(KeyboardInterrupt):
             server.end_as_signalled()
