@@ -47,7 +47,7 @@ from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.token_routes import add_token_routes
-from kvflow.entrypoints.unknown_fields import UnknownFieldLog
+from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -127,7 +127,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app.state.startup_error = None
     app.state.model_name = model_name
     app.state.models = models = ServingModels(engine, model_name)
-    app.state.unknown_fields = unknown = UnknownFieldLog()  # each name logged once, server-wide
+    # one for the whole server: under --ignore-unknown-fields each name is logged once
+    app.state.unknown_fields = unknown = UnknownFields(config.ignore_unknown_fields)
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
     app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown)
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
@@ -185,9 +186,9 @@ def _add_lora_routes(app: FastAPI) -> None:
         Raises:
             OpenAIError: 400 for a name in use (without ``load_inplace``) or an adapter the
                 engine refuses (rank above --max-lora-rank, target modules kvflow cannot
-                adapt, no --enable-lora).
+                adapt, no --enable-lora) or a field kvflow does not declare.
         """
-        raw.app.state.unknown_fields.note(req, "/v1/load_lora_adapter")
+        raw.app.state.unknown_fields.check(req, "/v1/load_lora_adapter")
         try:
             await raw.app.state.models.load(req.lora_name, req.lora_path, req.load_inplace)
         except EngineDeadError as e:
@@ -203,9 +204,10 @@ def _add_lora_routes(app: FastAPI) -> None:
         """Stop serving adapter ``lora_name`` (vLLM's endpoint).
 
         Raises:
-            OpenAIError: 404 when no adapter of that name is loaded.
+            OpenAIError: 404 when no adapter of that name is loaded; 400 for a field kvflow
+                does not declare.
         """
-        raw.app.state.unknown_fields.note(req, "/v1/unload_lora_adapter")
+        raw.app.state.unknown_fields.check(req, "/v1/unload_lora_adapter")
         try:
             await raw.app.state.models.unload(req.lora_name)
         except EngineDeadError as e:

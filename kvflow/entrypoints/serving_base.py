@@ -27,7 +27,7 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
-from kvflow.entrypoints.unknown_fields import UnknownFieldLog, refuse_unsupported
+from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
@@ -58,25 +58,35 @@ class OpenAIServing:
         model_name: the name clients must send in ``model`` for the base model.
         models: the served names (base model and LoRA adapters), shared by the handlers
             (default: the base model alone).
-        unknown_fields: the server's log of unknown body fields, shared by every endpoint
-            so that each name is logged once (default: one of this handler's own).
+        unknown_fields: what the server does with body fields kvflow does not declare,
+            shared by every endpoint so that each name is logged once under
+            ``--ignore-unknown-fields`` (default: one of this handler's own, by ``config``).
     """
 
     def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
                  models: ServingModels | None = None,
-                 unknown_fields: UnknownFieldLog | None = None) -> None:
+                 unknown_fields: UnknownFields | None = None) -> None:
         self.engine, self.config, self.model_name = engine, config, model_name
         self.models = models or ServingModels(engine, model_name)
-        self.unknown_fields = unknown_fields or UnknownFieldLog()
+        self.unknown_fields = unknown_fields or UnknownFields(config.ignore_unknown_fields)
 
-    def note_request(self, req: RequestBody, request_id: str, endpoint: str) -> None:
-        """Log the body fields kvflow does not know (ignored, as in vLLM; each name once for
-        the whole server: ``unknown_fields``); log the request's ``user`` when it names
-        one."""
-        self.unknown_fields.note(req, endpoint)
-        user = getattr(req, "user", None)
-        if user:
-            logger.info("request %s: user %r", request_id, user)
+    def check_fields(self, req: RequestBody, endpoint: str) -> None:
+        """Refuse (or, under ``--ignore-unknown-fields``, log) the body fields kvflow does not
+        declare; the first check of every request (``UnknownFields.check``).
+
+        Raises:
+            OpenAIError: 400 naming the unknown or unsupported field(s).
+        """
+        self.unknown_fields.check(req, endpoint)
+
+    @staticmethod
+    def note_request(req: RequestBody, request_id: str) -> None:
+        """Log the client identifiers the request names: ``user`` and OpenAI's
+        ``safety_identifier``."""
+        for name in ("user", "safety_identifier"):
+            value = getattr(req, name, None)
+            if value:
+                logger.info("request %s: %s %r", request_id, name, value)
 
     @staticmethod
     def client_id(req: SamplingRequest | EmbeddingRequest, raw: Request) -> str:
@@ -241,10 +251,8 @@ class OpenAIServing:
         endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
         while the scheduler is not run by priority (it would be ignored). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
-        ``unsupported_value`` (OpenAI's codes for the two); also an OpenAI or vLLM field
-        kvflow does not declare that would change the reply (``unknown_fields.UNSUPPORTED``,
-        e.g. ``allowed_token_ids``)."""
-        refuse_unsupported(req)
+        ``unsupported_value`` (OpenAI's codes for the two). Undeclared fields were checked
+        first (``check_fields``)."""
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",

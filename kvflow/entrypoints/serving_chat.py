@@ -83,8 +83,10 @@ class OpenAIServingChat(OpenAIServing):
         """Validate, render the conversation, queue it, then answer.
 
         Raises:
-            OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
+            OpenAIError: 400 for bad input (a field kvflow does not declare included), 404
+                for another model, 503 when overloaded.
         """
+        self.check_fields(req, "/v1/chat/completions")
         lora = self.check_model(req.model)
         self.check_task("generate")
         self._check_request(req)
@@ -96,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
         request_id = random_id("chatcmpl")
-        self.note_request(req, request_id, "/v1/chat/completions")
+        self.note_request(req, request_id)
         streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
                                           prompt.mm_features, self.client_id(req, raw),
                                           lora_request=lora)
@@ -131,6 +133,22 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
                               code="invalid_value")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
+        self._check_platform_options(req)
+
+    @staticmethod
+    def _check_platform_options(req: ChatCompletionRequest) -> None:
+        """Raises OpenAIError 400 (``unsupported_value``) for ``store: true`` (kvflow keeps no
+        completions) and a ``service_tier`` other than ``auto`` / ``default`` (kvflow has one
+        tier; its ``priority`` field orders the queue)."""
+        if req.store:
+            raise OpenAIError("store=true is not supported: kvflow does not store completions "
+                              "(send false or leave it out)", param="store",
+                              code="unsupported_value")
+        if req.service_tier not in (None, "auto", "default"):
+            raise OpenAIError(f"service_tier={req.service_tier!r} is not supported: kvflow "
+                              "serves every request on one tier (send auto or default; "
+                              "kvflow's priority field orders the queue under --policy "
+                              "priority)", param="service_tier", code="unsupported_value")
 
     async def render(self, messages: list[ChatMessage], options: ChatOptions,
                      tools: list[dict[str, Any]] | None = None, check_length: bool = True,

@@ -42,14 +42,16 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate everything, queue every prompt, then answer.
 
         Raises:
-            OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
+            OpenAIError: 400 for bad input (a field kvflow does not declare included), 404
+                for another model, 503 when overloaded.
         """
+        self.check_fields(req, "/v1/completions")
         lora = self._check_request(req)
         prompts = await self._prompts(req)
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
         request_id = random_id("cmpl")
-        self.note_request(req, request_id, "/v1/completions")
+        self.note_request(req, request_id)
         streams = await self.add_requests(request_id, prompts, params, req.priority,
                                           client_id=self.client_id(req, raw),
                                           lora_request=lora)

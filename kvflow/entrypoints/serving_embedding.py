@@ -19,7 +19,6 @@ from kvflow.entrypoints.protocol import (
     EmbeddingUsage,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, random_id
-from kvflow.entrypoints.unknown_fields import refuse_unsupported
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]
@@ -35,14 +34,14 @@ class OpenAIServingEmbedding(OpenAIServing):
             OpenAIError: 400 for bad input, a ``dimensions`` the model cannot give, or a text
                 model; 404 for another model; 503 when overloaded.
         """
+        self.check_fields(req, "/v1/embeddings")
         self.check_model(req.model)
         self.check_task("embed")
-        refuse_unsupported(req)
         prompts = await self._inputs(req)
         params = PoolingParams(dimensions=req.dimensions)
         self.check_admission(len(prompts), "input")
         request_id = random_id("embd")
-        self.note_request(req, request_id, "/v1/embeddings")
+        self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw))
         return await self.respond(raw, streams, self._response(req, request_id, prompts,
                                                                streams))

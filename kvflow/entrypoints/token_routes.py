@@ -35,9 +35,10 @@ def add_token_routes(app: FastAPI) -> None:
             OpenAIError: 404 if ``model`` names another model; 400 unless exactly one of
                 ``prompt`` and ``messages`` is given, when the chat template cannot render
                 the messages, or for an image that cannot be used (a vision-language model's
-                image placeholders are expanded, so ``count`` is what generation would use).
+                image placeholders are expanded, so ``count`` is what generation would use),
+                or a field kvflow does not declare (``UnknownFields.check``).
         """
-        raw.app.state.unknown_fields.note(req, "/tokenize")
+        raw.app.state.unknown_fields.check(req, "/tokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -55,9 +56,9 @@ def add_token_routes(app: FastAPI) -> None:
 
         Raises:
             OpenAIError: 404 if ``model`` names another model; 400 for a token id outside
-                ``[0, vocab_size)``.
+                ``[0, vocab_size)`` or a field kvflow does not declare.
         """
-        raw.app.state.unknown_fields.note(req, "/detokenize")
+        raw.app.state.unknown_fields.check(req, "/detokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
         vocab = chat.engine.vocab_size

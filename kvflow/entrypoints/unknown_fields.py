@@ -1,8 +1,12 @@
-"""Request-body fields kvflow does not declare: ignored, as vLLM ignores them, and logged once
-per field name for the whole server, whichever endpoint they come to - except the OpenAI and
-vLLM fields that would change the output (``UNSUPPORTED``), which are a 400 naming the field
-rather than silently ignored (a field kvflow declares is honoured or rejected with a 400 naming
-it; see ``protocol``)."""
+"""Request-body fields kvflow does not declare. By default each is a 400 naming it (code
+``unknown_parameter``), as the OpenAI API answers "Unrecognized request argument supplied", so
+that a misspelled field (``max_token``) is never silently dropped; the OpenAI and vLLM fields
+that would change the reply (``UNSUPPORTED``) get a 400 of their own saying what to do instead
+(code ``unsupported_parameter``; null and the ``HARMLESS`` values pass). With
+``--ignore-unknown-fields`` the other unknown fields are ignored, as vLLM ignores them, and
+logged once per field name for the whole server, whichever endpoint they come to
+(``UnknownFieldLog``). A field kvflow declares is honoured or rejected with a 400 naming it
+(see ``protocol``); ``UnknownFields`` is the one object every endpoint asks."""
 
 from __future__ import annotations
 
@@ -41,15 +45,24 @@ UNSUPPORTED = {
     "normalize": "vectors are normalized as the model's pooling config says",
     "embed_dtype": "vectors are float32 (encoding_format float or base64)",
     "add_special_tokens": "inputs are tokenized with the tokenizer's special tokens",
-    "priority": "embedding requests are queued at priority 0 (by client under --policy fair)",
-    "target_ttft_ms": "embedding requests take the server's --target-ttft-ms",
-    "target_tpot_ms": "an embedding generates no tokens",
+    "priority": "only generation requests take a priority (embedding requests are queued at "
+                "priority 0, by client under --policy fair)",
+    "target_ttft_ms": "only generation requests take one (embedding requests take the "
+                      "server's --target-ttft-ms)",
+    "target_tpot_ms": "only generation requests generate tokens",
+    # vLLM fields kvflow does not read
+    "request_id": "kvflow names each request itself: the reply's id (chatcmpl-..., cmpl-...)",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
+                                     "writes them (vLLM's default, true)",
+    # OpenAI fields of its own models
+    "verbosity": "the reply's length follows the model and max_tokens",
 }
 
 
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
 HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1],
-            "guided_decoding_backend": ["xgrammar", "auto"]}
+            "guided_decoding_backend": ["xgrammar", "auto"],
+            "spaces_between_special_tokens": [True]}
 
 
 def refuse_unsupported(req: RequestBody) -> None:
@@ -61,6 +74,18 @@ def refuse_unsupported(req: RequestBody) -> None:
         if name in UNSUPPORTED and value is not None and value not in HARMLESS.get(name, []):
             raise OpenAIError(f"{name} is not supported by kvflow: {UNSUPPORTED[name]}",
                               param=name, code="unsupported_parameter")
+
+
+def refuse_unknown(req: RequestBody) -> None:
+    """Raises OpenAIError 400 (code ``unknown_parameter``, ``param`` the first name in sorted
+    order) naming every field of ``req`` that kvflow does not declare, except the
+    ``UNSUPPORTED`` ones that ``refuse_unsupported`` let pass (null, ``HARMLESS``)."""
+    unknown = [name for name in req.unknown_fields if name not in UNSUPPORTED]
+    if unknown:
+        raise OpenAIError(f"unrecognized request field(s): {', '.join(unknown)}; kvflow does "
+                          "not know them and does not ignore them (check the spelling, or "
+                          "start the server with --ignore-unknown-fields to ignore them as "
+                          "vLLM does)", param=unknown[0], code="unknown_parameter")
 
 
 class UnknownFieldLog:
@@ -78,3 +103,32 @@ class UnknownFieldLog:
             logger.warning("ignoring request fields kvflow does not know: %s (first sent to "
                            "%s; each name is logged once)", ", ".join(new), endpoint)
         return new
+
+
+class UnknownFields:
+    """What the server does with the body fields kvflow does not declare; one per server,
+    shared by every endpoint.
+
+    Args:
+        ignore: ignore them and log each name once (``--ignore-unknown-fields``, vLLM's
+            behaviour) instead of refusing them.
+    """
+
+    def __init__(self, ignore: bool = False) -> None:
+        self.ignore = ignore
+        self.log = UnknownFieldLog()
+
+    def check(self, req: RequestBody, endpoint: str) -> None:
+        """Refuse ``req``'s ``UNSUPPORTED`` fields (``refuse_unsupported``), then its other
+        unknown fields (``refuse_unknown``) unless ``ignore``, which logs them instead
+        (``endpoint`` names where a name was first sent).
+
+        Raises:
+            OpenAIError: 400 naming the field (``unsupported_parameter``) or every unknown
+                field (``unknown_parameter``).
+        """
+        refuse_unsupported(req)
+        if self.ignore:
+            self.log.note(req, endpoint)
+        else:
+            refuse_unknown(req)

@@ -1,16 +1,18 @@
 """OpenAI API request/response schemas (pydantic), plus the vLLM extensions kvflow supports.
 
-Requests ignore unknown top-level fields (as vLLM does; the handlers log each unknown name
-once), but nested objects (content parts, ``response_format``, ``tools``, ``tool_choice``,
-``stream_options``, ...) take only their own keys, as OpenAI's do: another is a 400 naming its
-path (code ``unknown_parameter``); a message's extra keys reach the chat template; ``null``
+A top-level field a request does not declare is a 400 naming it (code ``unknown_parameter``,
+as OpenAI answers; under ``--ignore-unknown-fields`` it is ignored and each name logged once,
+as vLLM does: ``entrypoints/unknown_fields.py``), and nested objects (content parts,
+``response_format``, ``tools``, ``tool_choice``, ``stream_options``, ...) take only their own
+keys, as OpenAI's do: another is a 400 naming its path (code ``unknown_parameter``); a message's extra keys reach the chat template; ``null``
 for a nullable field means the same as leaving it out (``"max_tokens": null``); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,
 ``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
 takes any JSON number, an integer included. Every field a request model declares is honoured,
 or rejected with a 400 naming it when set to a value kvflow does not implement (``best_of``
-other than ``n``, ``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``);
+other than ``n``, ``use_beam_search``, chat ``prompt_logprobs``, ``suffix``, chat ``echo``,
+``store: true``, a ``service_tier`` other than ``auto`` / ``default``);
 tests/e2e/test_openai_fields.py walks every field. Text anywhere in a body that holds a lone
 UTF-16 surrogate is a 400 naming the field (``invalid_unicode``).
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,

@@ -37,8 +37,9 @@ class RequestModel(OpenAIBaseModel):
     ``tool_choice``, ``stream_options``, ...) takes only the keys it declares: another key is a
     400 with code ``unknown_parameter`` whose ``param`` is the key's path
     (``response_format.json_schema.strct``), as OpenAI refuses it, so that a misspelled key
-    is never silently dropped. Top-level bodies (``RequestBody``) ignore and log unknown
-    fields instead, as vLLM does."""
+    is never silently dropped. Top-level bodies (``RequestBody``) keep their unknown fields
+    aside instead, for the server to refuse (or, under ``--ignore-unknown-fields``, ignore
+    and log, as vLLM does: ``entrypoints/unknown_fields.py``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -76,7 +77,7 @@ class RequestBody(RequestModel):
     validation (``invalid_unicode`` error with ``ctx.param``), a field sent as null takes its
     default (``"n": null`` is ``n`` unset, 1; as OpenAI's nullable fields and vLLM read it),
     and the names of fields it does not declare are kept in ``unknown_fields`` (for the
-    handler to log)."""
+    handler to refuse or log: ``entrypoints/unknown_fields.UnknownFields``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -104,7 +105,8 @@ class RequestBody(RequestModel):
 
     @property
     def unknown_fields(self) -> tuple[str, ...]:
-        """Top-level fields of the body that this model does not declare (ignored)."""
+        """Top-level fields of the body that this model does not declare, sorted (not
+        validated; the server refuses or logs them)."""
         return self._unknown_fields
 
     @property

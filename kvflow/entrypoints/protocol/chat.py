@@ -121,7 +121,13 @@ class NamedToolChoice(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions. ``tools`` are rendered through the chat template;
-    ``tool_choice`` ``required`` and a named function are enforced with a grammar."""
+    ``tool_choice`` ``required`` and a named function are enforced with a grammar.
+
+    OpenAI's fields about the platform rather than the reply are accepted: ``metadata`` (up
+    to 16 string pairs, as OpenAI limits them; not kept), ``prompt_cache_key`` (every request
+    shares the prefix cache anyway), ``safety_identifier`` (logged like ``user``),
+    ``store: false`` and ``service_tier`` ``auto`` / ``default``; ``store: true`` and another
+    tier ask for what kvflow does not do and are a 400 naming the field (the handler's)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, le=INT32_MAX)
@@ -138,3 +144,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    metadata: dict[Annotated[str, Field(max_length=64)],
+                   Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
