@@ -1,0 +1,127 @@
+"""Request-body fields kvflow does not declare (kvflow/entrypoints/unknown_fields.py), checked
+in-process on the parsed bodies of every endpoint: by default each is a 400 naming every
+unknown field (code ``unknown_parameter``, ``param`` the first in sorted order), as the OpenAI
+API answers; ``UNSUPPORTED`` names keep their own message and code; with
+``--ignore-unknown-fields`` (a ``kvflow serve`` flag and config-file key) they are ignored
+and each name is logged once for the whole server. The served checks (reply lengths, KV
+blocks) are in tests/e2e/test_unknown_fields.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvflow.config import ServerConfig
+from kvflow.entrypoints import protocol
+from kvflow.entrypoints.cli import build_parser
+from kvflow.entrypoints.config_file import expand_config_file
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.unknown_fields import UnknownFields
+
+HI = [{"role": "user", "content": "hi"}]
+# every model that is a whole request body, with a minimal valid body
+BODIES = {"/v1/completions": (protocol.CompletionRequest, {"prompt": "hi"}),
+          "/v1/chat/completions": (protocol.ChatCompletionRequest, {"messages": HI}),
+          "/v1/embeddings": (protocol.EmbeddingRequest, {"input": "hi"}),
+          "/tokenize": (protocol.TokenizeRequest, {"prompt": "hi"}),
+          "/detokenize": (protocol.DetokenizeRequest, {"tokens": [1]}),
+          "/v1/load_lora_adapter": (protocol.LoadLoRAAdapterRequest,
+                                    {"lora_name": "a", "lora_path": "/p"}),
+          "/v1/unload_lora_adapter": (protocol.UnloadLoRAAdapterRequest, {"lora_name": "a"})}
+
+
+def _parsed(endpoint: str, extra: dict) -> protocol.RequestBody:
+    model, body = BODIES[endpoint]
+    return model.model_validate({**body, **extra})
+
+
+def _refusal(endpoint: str, extra: dict, ignore: bool = False) -> OpenAIError:
+    with pytest.raises(OpenAIError) as e:
+        UnknownFields(ignore).check(_parsed(endpoint, extra), endpoint)
+    return e.value
+
+
+def test_every_request_body_model_is_covered():
+    """A new body model (a subclass of RequestBody) must be added to BODIES."""
+    def subclasses(cls: type) -> set[type]:
+        return {s for c in cls.__subclasses__() for s in {c} | subclasses(c)}
+
+    models = {m for m in subclasses(protocol.RequestBody) if m is not protocol.SamplingRequest}
+    assert models == {model for model, _ in BODIES.values()}
+
+
+@pytest.mark.parametrize("endpoint", BODIES)
+def test_an_unknown_field_is_a_400_naming_it(endpoint):
+    error = _refusal(endpoint, {"max_token": 5})
+    assert (error.status, error.type, error.param, error.code) == \
+        (400, "invalid_request_error", "max_token", "unknown_parameter")
+    assert "max_token" in str(error) and "--ignore-unknown-fields" in str(error)
+
+
+def test_every_unknown_field_is_named_and_param_is_the_first_sorted():
+    error = _refusal("/v1/chat/completions", {"temprature": 0.5, "max_token": 5})
+    assert error.param == "max_token"
+    assert "max_token, temprature" in str(error)
+
+
+def test_null_is_no_excuse_for_an_unknown_field():
+    """``"max_token": null`` is still a misspelled field (OpenAI refuses it too)."""
+    assert _refusal("/v1/completions", {"max_token": None}).param == "max_token"
+
+
+def test_unsupported_fields_keep_their_own_message_in_both_modes():
+    for ignore in (False, True):
+        error = _refusal("/v1/completions", {"allowed_token_ids": [1], "max_token": 5}, ignore)
+        assert (error.param, error.code) == ("allowed_token_ids", "unsupported_parameter")
+        assert "structured_outputs" in str(error)  # what to do instead
+    error = _refusal("/v1/chat/completions", {"request_id": "abc"})
+    assert (error.param, error.code) == ("request_id", "unsupported_parameter")
+
+
+def test_null_and_harmless_values_of_unsupported_fields_pass():
+    harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
+                "spaces_between_special_tokens": True, "request_id": None}
+    UnknownFields().check(_parsed("/v1/chat/completions", harmless), "/v1/chat/completions")
+    error = _refusal("/v1/chat/completions", {"spaces_between_special_tokens": False})
+    assert error.param == "spaces_between_special_tokens"
+
+
+def test_ignored_fields_are_logged_once_per_name_for_the_whole_server(caplog):
+    fields = UnknownFields(ignore=True)
+    with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.unknown_fields"):
+        for endpoint in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            fields.check(_parsed(endpoint, {"max_token": 5}), endpoint)
+        fields.check(_parsed("/detokenize", {"max_token": 1, "frobnicate": 2}), "/detokenize")
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2, logged
+    assert "max_token" in logged[0] and "/v1/completions" in logged[0]
+    assert "frobnicate" in logged[1] and "max_token" not in logged[1]
+
+
+def test_declared_platform_fields_are_not_unknown():
+    """OpenAI's chat fields about the platform rather than the reply are declared."""
+    req = _parsed("/v1/chat/completions", {
+        "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+        "prompt_cache_key": "p", "safety_identifier": "s", "parallel_tool_calls": False})
+    assert req.unknown_fields == ()
+    assert (req.metadata, req.prompt_cache_key, req.safety_identifier) == ({"k": "v"}, "p", "s")
+
+
+def test_the_flag_and_the_config_file_key(tmp_path):
+    parser = build_parser()
+
+    def config(*argv: str) -> ServerConfig:
+        return ServerConfig.from_cli_args(parser.parse_args(expand_config_file(
+            parser, ["serve", "m", *argv])), env={})
+
+    assert config().ignore_unknown_fields is False
+    assert config("--ignore-unknown-fields").ignore_unknown_fields is True
+    path = tmp_path / "serve.yaml"
+    path.write_text("ignore-unknown-fields: true\n")
+    assert config("--config", str(path)).ignore_unknown_fields is True
+    path.write_text("ignore_unknown_fields: false\n")
+    assert config("--config", str(path)).ignore_unknown_fields is False
+    help_text = next(a.help for a in parser._subparsers._group_actions[0].choices["serve"]
+                     ._actions if a.dest == "ignore_unknown_fields")
+    assert "vLLM" in help_text
