@@ -4,7 +4,7 @@ unknown field (code ``unknown_parameter``, ``param`` the first in sorted order),
 API answers; ``UNSUPPORTED`` names keep their own message and code; with
 ``--ignore-unknown-fields`` (a ``kvflow serve`` flag and config-file key) they are ignored
 and each name is logged once for the whole server. The served checks (reply lengths, KV
-blocks) are in tests/e2e/test_unknown_fields.py."""
+blocks) are in tests/e2e/test_unknown_fields_served.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ fails when a field is added without one. A "used" check sends a value and assert
 against a baseline request or an independent oracle (the tokenizer, the Jinja template); a
 "rejected" check asserts a 400 (404 for ``model``) whose ``param`` names the field. Also:
 text with a lone UTF-16 surrogate in any string of any body is a 400 naming that string's path
-(unknown top-level fields: tests/e2e/test_unknown_fields.py). The server runs the tiny Llama
+(unknown top-level fields: tests/e2e/test_unknown_fields_served.py). The server runs the tiny Llama
 with a tokenizer that adds ``<bos>`` (so ``add_special_tokens`` shows), ``--policy priority``
 and admission control with a 60 s TTFT target (so ``target_ttft_ms`` shows; every ordinary
 request is admitted).
