@@ -5,8 +5,9 @@ Its helpers, one job each: ``attention_backends`` (kvflow's own backends by name
 ``kv_cache_setup`` (specs, memory budget, tensors), ``step_inputs`` (the scheduler's changes
 applied, LoRA mapping, tokens still on the device), ``forward_pass`` (the model's forward with
 the attention metadata bound), ``pipeline_stages`` (hand-off between pipeline stages),
-``step_logits`` (the sampling rows' logits, prompt logprobs, pooling) and ``step_sampling``
-(sampling a launched step, collecting its tokens)."""
+``step_drafts`` (speculative drafts placed, the step's inputs built), ``step_logits`` (the
+sampling rows' logits, prompt logprobs, pooling) and ``step_sampling`` (sampling a launched
+step, collecting its tokens)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,7 @@ from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
-from kvflow.spec_decode.draft_model import DraftProposal
 from kvflow.spec_decode.draft_timing import time_draft_passes
-from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
@@ -64,8 +63,9 @@ from kvflow.worker.model_setup import make_draft_model, runner_quant_config
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.sampling_inputs import SamplingInputs
+from kvflow.worker.step_drafts import draft_and_build_inputs
 from kvflow.worker.step_graphs import make_graph_runner
-from kvflow.worker.step_inputs import fill_pending, hidden_rows, step_lora_mapping, update_states
+from kvflow.worker.step_inputs import hidden_rows, step_lora_mapping, update_states
 from kvflow.worker.step_logits import launch_logits
 from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pending, sample_step
 
@@ -293,7 +293,7 @@ class ModelRunner:
         pass up to the logits of the rows that sample (on CUDA: queued, not waited for).
         Tokens sampled by the previous step and not yet collected are read on the device.
         Draft tokens to verify (speculative decoding) are placed after their requests' tokens
-        first (see kvflow/spec_decode/verification.py).
+        first (``worker/step_drafts.py``).
         """
         if self.host_kv is not None:  # swap preemption: before this step writes any K/V
             self.host_kv.swap_out(sched.blocks_to_swap_out)
@@ -306,7 +306,9 @@ class ModelRunner:
         if self.adaptive_threads is not None:  # between steps, on the model's thread
             self.adaptive_threads.before_step()
         with self.caller_pin:  # draft and target forward, on the pinned model thread
-            inputs, spec_tokens, proposal = self._draft_and_build_inputs(sched)
+            inputs, spec_tokens, proposal = draft_and_build_inputs(
+                sched, self.input_batch, self.drafter, self.block_size, self.stager,
+                self._pending, self.sampler.generator, self.long_prompt_rope)
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                    lora_mapping=self._lora_mapping(inputs),
                                    rows=hidden_rows(inputs, self.input_batch, self.pooling,
@@ -316,32 +318,6 @@ class ModelRunner:
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal)
-
-    def _draft_and_build_inputs(self, sched: SchedulerOutput
-                                ) -> tuple[ModelInputs, dict[str, list[int]], DraftProposal | None]:
-        """The step's model inputs, with the draft tokens to verify placed after their
-        requests' tokens: the scheduled ones, or a draft model's proposal for the drafting rows
-        (draft_model.py). Returns (inputs, draft token ids by request id, the proposal or
-        None)."""
-        spec_tokens, batch = sched.scheduled_spec_decode_tokens, self.input_batch
-        num_scheduled = batch.num_scheduled_per_row(sched)
-        proposal = None
-        if self.drafter is not None and spec_tokens:
-            proposal = self.drafter.propose(batch, num_scheduled, spec_tokens, self.block_size,
-                                            self.stager, self._fill_pending,
-                                            self.sampler.generator)
-            spec_tokens = proposal.token_ids
-        if spec_tokens:
-            place_drafts(batch, spec_tokens)
-        inputs = build_model_inputs(batch, num_scheduled, self.block_size, self.stager,
-                                    long_prompt_rope=self.long_prompt_rope)
-        if len(inputs.pending_token_index):
-            self._fill_pending(inputs)
-        return inputs, spec_tokens, proposal
-
-    def _fill_pending(self, inputs: ModelInputs) -> None:
-        """Write the previous step's sampled tokens still on the device into the inputs."""
-        fill_pending(inputs, self._pending)
 
     @torch.inference_mode()
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
