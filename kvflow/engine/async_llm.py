@@ -347,6 +347,14 @@ class AsyncLLM:
         self._calls.fail(error)
         return count
 
+    def hurry_shutdown(self) -> None:
+        """Stop the engine cores without their grace: from now on :meth:`close` (or
+        :meth:`shutdown`) sends a core still in its step SIGTERM at once instead of after
+        ``STEP_GRACE_S`` (1 s; ``ReplicaSet.hurry``). A server calls it on a second Ctrl-C,
+        when the user wants no more waiting; it only sets a flag, so it may run in a signal
+        handler, before or while the cores are being stopped, and more than once."""
+        self.replicas.hurry = True
+
     async def shutdown(self) -> None:
         """Stop the output loop and the core processes; release the sockets."""
         if self._outputs is not None:

@@ -58,11 +58,11 @@ class AbortingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """uvicorn's signal handler; a second Ctrl-C (uvicorn's ``force_exit``) also stops
-        the engine cores without their grace (``ReplicaSet.hurry``): one still in a long step
-        gets SIGTERM at once (was: the second Ctrl-C still waited out its 1 s)."""
+        the engine cores without their grace (``AsyncLLM.hurry_shutdown``): one still in a
+        long step gets SIGTERM at once (was: the second Ctrl-C still waited out its 1 s)."""
         super().handle_exit(sig, frame)
         if self.force_exit:
-            self.engine.replicas.hurry = True
+            self.engine.hurry_shutdown()
 
     def end_as_signalled(self) -> None:
         """After :meth:`run` returned: end as the signal that stopped the server ends a process

@@ -430,17 +430,20 @@ def test_replicas_in_long_steps_share_one_grace(tmp_path):
 
 def test_a_second_ctrl_c_hurries_the_engine_cores():
     """``AbortingServer.handle_exit``: the first SIGINT starts the shutdown (the cores get
-    their grace), a second (uvicorn's ``force_exit``) sets ``ReplicaSet.hurry`` so ``close``
-    gives a core still in a long step SIGTERM at once; SIGTERM twice is not Ctrl-C twice
-    (uvicorn forces only on SIGINT)."""
+    their grace), a second (uvicorn's ``force_exit``) calls ``AsyncLLM.hurry_shutdown``, which
+    sets ``ReplicaSet.hurry`` so ``close`` gives a core still in a long step SIGTERM at once;
+    SIGTERM twice is not Ctrl-C twice (uvicorn forces only on SIGINT). The engine is an
+    ``AsyncLLM`` without its processes (its ``replicas`` a stand-in)."""
     import types
 
     import uvicorn
 
+    from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.server_shutdown import AbortingServer
 
     for second, hurried in ((signal.SIGINT, True), (signal.SIGTERM, False)):
-        engine = types.SimpleNamespace(replicas=types.SimpleNamespace(hurry=False))
+        engine = AsyncLLM.__new__(AsyncLLM)
+        engine.replicas = types.SimpleNamespace(hurry=False)
         server = AbortingServer(uvicorn.Config(app=None), engine)
         server.handle_exit(signal.SIGINT, None)
         assert server.should_exit and engine.replicas.hurry is False
