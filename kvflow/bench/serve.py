@@ -191,8 +191,20 @@ def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvflow bench serve``'s parser to ``sub`` (the ``kvflow bench`` subcommands): the
+    server and model, then the workload, load and output flag groups, in that order (the order
+    of ``--help``)."""
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_target_args(p)
+    _add_workload_args(p.add_argument_group("workload"))
+    _add_load_args(p.add_argument_group("load"))
+    _add_output_args(p.add_argument_group("output"))
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    """The server under test and what each request names: URL, model, endpoint, key, label."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--tokenizer", default=None,
@@ -201,7 +213,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--label", default=None, help="name of this server in results and plots")
-    d = p.add_argument_group("workload")
+
+
+def _add_workload_args(d: argparse._ArgumentGroup) -> None:
+    """The ``workload`` group: which prompts are sent and how each request is built."""
+    _add_synthetic_dataset_args(d)
+    _add_file_and_chat_dataset_args(d)
+    _add_request_body_args(d)
+
+
+def _add_synthetic_dataset_args(d: argparse._ArgumentGroup) -> None:
+    """The dataset, the number of prompts, and the random and random-image datasets' sizes."""
     d.add_argument("--dataset", default="random",
                    help="random | synthetic-chat | random-image | FILE.jsonl | a ShareGPT "
                    "FILE.json (sampled as vLLM's --dataset-name sharegpt)")
@@ -219,6 +241,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "--random-output-len also works)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
+
+
+def _add_file_and_chat_dataset_args(d: argparse._ArgumentGroup) -> None:
+    """JSONL / ShareGPT files' order and output length; synthetic-chat's length distributions."""
     d.add_argument("--disable-shuffle", action="store_true",
                    help="JSONL / ShareGPT file: take the first --num-prompts in file order "
                    "(default: shuffled with --seed first, as vLLM)")
@@ -229,13 +255,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--system-len", default="uniform:200:400", help="synthetic-chat, words")
     d.add_argument("--user-len", default="uniform:16:256", help="synthetic-chat, words")
     d.add_argument("--output-len-dist", default="uniform:32:128", help="synthetic-chat, tokens")
+
+
+def _add_request_body_args(d: argparse._ArgumentGroup) -> None:
+    """What every request body carries beside its prompt (ignore_eos, extra JSON), and the
+    seed of the workload's draws."""
     d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="send ignore_eos (vLLM extension) so every output is max_tokens long "
                    "(default: on for random and random-image, as vLLM's random datasets; off "
                    "otherwise)")
     d.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     d.add_argument("--seed", type=int, default=0)
-    t = p.add_argument_group("load")
+
+
+def _add_load_args(t: argparse._ArgumentGroup) -> None:
+    """The ``load`` group: arrival rate and burstiness, concurrency, timeouts, goodput SLOs."""
     t.add_argument("--request-rate", type=float, default=None,
                    help="req/s, or inf (the default); not with --sweep-rates")
     t.add_argument("--burstiness", type=float, default=1.0,
@@ -245,7 +279,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds per request")
     t.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                    help="SLOs, e.g. ttft:500 tpot:50 e2e:5000 (e2el: vLLM's name for e2e)")
-    o = p.add_argument_group("output")
+
+
+def _add_output_args(o: argparse._ArgumentGroup) -> None:
+    """The ``output`` group: result files, rate sweeps and their plots, the progress bar."""
     o.add_argument("--result-json", default=None, help="write the summary here")
     o.add_argument("--save-result", action="store_true",
                    help="vLLM's way: write the summary to --result-filename, or by default "
@@ -258,4 +295,3 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--compare", action="append", metavar="RESULT.json",
                    help="other servers' sweep results to plot alongside (repeat)")
     o.add_argument("--disable-tqdm", action="store_true")
-    p.set_defaults(func=_cmd_serve)
