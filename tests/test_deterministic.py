@@ -21,6 +21,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels import cpu_native
+from kvflow.worker.deterministic import unpacked_gemm_modules
 
 NATIVE = cpu_native.native_cpu_kernels() is not None
 # Without kvflow's native CPU kernels (KVFLOW_NATIVE_CPU=0, or no C compiler) the mode refuses
@@ -188,6 +189,36 @@ def test_seeded_sampling_and_speculation_are_batch_invariant(tiny_llama):
     assert _run(spec, target, others, 8) == plain
     speculator = spec.engine.core.scheduler.speculator
     assert speculator.num_draft_tokens > 0 and speculator.num_accepted_tokens > 0
+
+
+@needs_native
+def test_draft_model_speculation_is_batch_invariant(tiny_llama):
+    """A draft model with its defaults (``quantization`` and ``draft_vocab_size`` auto) runs
+    under --deterministic: on a CPU ``auto`` quantizes the draft to INT8 elsewhere, whose
+    GEMMs have no batch-invariant kernel, so the engine refused to start ('9 GEMM module(s)
+    have no batch-invariant kernel'); now the draft stays as loaded, the target's logprobs are
+    bitwise those of plain decoding, alone and in a batch of 8, and drafts are accepted. An
+    explicitly quantized draft is refused naming the key."""
+    target = [7, 9, 11, 13, 17, 19, 23, 29] * 4
+    _, others = _prompts()
+    common = {"model": tiny_llama.path, "dtype": "float32", "deterministic": True,
+              "kv_cache_memory": "32MiB", "enable_prefix_caching": False}
+    draft = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 3,
+             "adaptive": False}
+    llm = LLM(**common)
+    plain = _run(llm, target, others, 1)
+    del llm
+    spec = LLM(**common, speculative_config=draft)
+    # the draft runs the batch-invariant GEMM too, so its drafts do not depend on the batch
+    assert unpacked_gemm_modules(spec.engine.core.executor.runner.drafter.model) == []
+    assert _run(spec, target, others, 1) == plain
+    assert _run(spec, target, others, 8) == plain
+    assert spec.engine.core.scheduler.speculator.num_accepted_tokens > 0
+    del spec
+    for quantization in ("int8", "int4"):
+        with pytest.raises(ValueError, match="deterministic=True is not available with "
+                           f"speculative_config quantization='{quantization}'"):
+            LLM(**common, speculative_config={**draft, "quantization": quantization})
 
 
 @needs_native

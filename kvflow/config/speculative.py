@@ -124,16 +124,19 @@ class SpeculativeConfig:
                              f"/ prompt_lookup_min={self.prompt_lookup_min} apply to method="
                              "'ngram' only (a draft model proposes without n-gram lookup)")
 
-    def draft_options(self, device_type: str, prequantized: bool = False
-                      ) -> tuple[str | None, int | None]:
+    def draft_options(self, device_type: str, prequantized: bool = False,
+                      deterministic: bool = False) -> tuple[str | None, int | None]:
         """The draft model's ``(quantization, draft_vocab_size)`` on a device of
         ``device_type`` (``"cpu"``, ``"cuda"``, ...): ``auto`` resolved (a CPU: int8 and
-        32768; elsewhere none; a ``prequantized`` checkpoint keeps its own scheme: None),
-        ``none`` / null / 0 as None (as loaded / the whole vocabulary)."""
+        32768; elsewhere none; a ``prequantized`` checkpoint keeps its own scheme, and a
+        ``deterministic`` engine its weights, whose quantized GEMMs would have no
+        batch-invariant kernel: None), ``none`` / null / 0 as None (as loaded / the whole
+        vocabulary)."""
         cpu = device_type == "cpu"
         quant = self.quantization
         if quant == "auto":
-            quant = CPU_DRAFT_QUANTIZATION if cpu and not prequantized else None
+            quant = CPU_DRAFT_QUANTIZATION if cpu and not (prequantized or deterministic) \
+                else None
         vocab = self.draft_vocab_size
         if vocab == "auto":
             vocab = CPU_DRAFT_VOCAB_SIZE if cpu else None

@@ -107,7 +107,8 @@ class DraftModel:
                              "a draft model must share the target's tokenizer")
         self.attn_ctx = AttentionContext(backend)
         quantization, vocab_size = spec.draft_options(  # "auto" resolved
-            device.type, getattr(hf_config, "quantization_config", None) is not None)
+            device.type, getattr(hf_config, "quantization_config", None) is not None,
+            config.device_config.deterministic)
         quant = get_quant_config(quantization, hf_config, source.kind,
                                  mc.quantization_group_size)
         self.long_prompt_rope = long_prompt_rope(hf_config)

@@ -74,7 +74,9 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
     from kvflow.models.registry import uses_mla
     from kvflow.platforms.cuda import triton_available
 
-    dc, pc = config.device_config, config.parallel_config
+    dc, pc, spec = config.device_config, config.parallel_config, config.speculative_config
+    draft_quantization = spec.quantization \
+        if spec is not None and spec.method == "draft_model" else None
     checks = [
         (device_type not in ("cpu", "cuda"),
          f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
@@ -93,6 +95,10 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
          "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
         (quantization is not None,
          f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
+        (draft_quantization in ("int8", "int4"),
+         (f"speculative_config quantization={draft_quantization!r} (the draft's "
+          "quantized GEMMs change kernel with the row count; 'auto' keeps the draft as loaded "
+          "under --deterministic)")),
         (_is_moe(hf_config),
          ("a mixture-of-experts model (its expert GEMMs run torch's GEMM on the tokens routed "
           "to each expert)")),

@@ -75,15 +75,18 @@ def test_a_missing_method_is_inferred_as_vllm_does():
 
 def test_draft_defaults_are_int8_and_a_32k_head_on_a_cpu():
     """``auto`` (the default): INT8 weights and a 32768-id head on a CPU, the draft as loaded
-    elsewhere and for a checkpoint quantized already; each turned off on its own by
-    ``"quantization": "none"`` or null and ``"draft_vocab_size": 0`` or null."""
-    def options(device="cpu", prequantized=False, **kw):
+    elsewhere, for a checkpoint quantized already and under --deterministic; each turned off
+    on its own by ``"quantization": "none"`` or null and ``"draft_vocab_size": 0`` or
+    null."""
+    def options(device="cpu", prequantized=False, deterministic=False, **kw):
         config = SpeculativeConfig.from_value({"method": "draft_model", "model": "m", **kw})
-        return config.draft_options(device, prequantized)
+        return config.draft_options(device, prequantized, deterministic)
 
     assert options() == ("int8", 32768)
     assert options("cuda") == (None, None)
     assert options(prequantized=True) == (None, 32768)
+    # --deterministic: the draft as loaded (quantized GEMMs have no batch-invariant kernel)
+    assert options(deterministic=True) == (None, 32768)
     assert options(quantization="none") == options(quantization=None) == (None, 32768)
     assert options(draft_vocab_size=0) == options(draft_vocab_size=None) == ("int8", None)
     assert options(quantization="int4", draft_vocab_size=4096) == ("int4", 4096)
