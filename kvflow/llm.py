@@ -30,13 +30,18 @@ class LLM:
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
-        if kwargs.get("admission_control"):
-            raise ValueError("admission_control is a server option (kvflow serve "
-                             "--admission-control): LLM.generate never refuses a request")
+        _refuse_server_options(bool(kwargs.get("admission_control")))
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM on an engine built from ``config`` (``kvflow generate`` and ``kvflow
+        bench`` build theirs so).
+
+        Raises:
+            ValueError: as the constructor, ``admission_control`` included.
+        """
+        _refuse_server_options(config.scheduler_config.admission_control)
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         return llm
@@ -303,3 +308,11 @@ def _check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
         raise ValueError(f"user={users} needs the fair scheduling policy (policy='fair'); "
                          f"this engine runs {policy!r}")
     return users
+
+
+def _refuse_server_options(admission_control: bool) -> None:
+    """Raises ValueError for ``admission_control``: a server option (offline requests are
+    never refused, so it would be ignored)."""
+    if admission_control:
+        raise ValueError("admission_control is a server option (kvflow serve "
+                         "--admission-control): LLM.generate never refuses a request")

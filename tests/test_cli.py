@@ -25,6 +25,8 @@ def _run(argv, capsys):
     # engine flags too (was num_kv_blocks=1 must be >= 2)
     (["--num-kv-blocks", "1"], "kvflow: error: --num-kv-blocks=1 must be >= 2"),
     (["--max-model-len", "0"], "kvflow: error: --max-model-len=0 must be >= 1"),
+    # a server option: generate ran and ignored it (LLM(admission_control=True) refuses it)
+    (["--admission-control"], "kvflow: error: admission_control is a server option"),
 ])
 def test_bad_input_exits_2_with_one_line(tiny_llama, capsys, argv, needle):
     args = ["generate", "--model", tiny_llama.path, "--prompt", "hi", *argv]

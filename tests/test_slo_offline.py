@@ -10,6 +10,7 @@ import math
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
 
 
 @pytest.mark.parametrize("field", ["target_ttft_ms", "target_tpot_ms"])
@@ -27,6 +28,10 @@ def test_targets_are_kept_as_floats():
 def test_admission_control_is_a_server_option():
     with pytest.raises(ValueError, match="admission_control is a server option"):
         LLM(model="unused", admission_control=True)
+    # from an EngineConfig too (kvflow generate and kvflow bench build the LLM this way)
+    config = EngineConfig.from_kwargs(model="unused", admission_control=True)
+    with pytest.raises(ValueError, match="admission_control is a server option"):
+        LLM.from_engine_config(config)
 
 
 def test_generate_fair_alternates_clients(tiny_llama, assert_no_leaks):
