@@ -22,7 +22,8 @@ class ParallelConfig:
 
     Raises:
         ValueError: from the constructor for a size < 1, context parallelism with pipeline
-            or expert parallelism, a ``worker_heartbeat_timeout`` <= 0, an unknown executor
+            or expert parallelism, ``context_parallel_prefill`` other than ``ring`` without
+            context parallelism, a ``worker_heartbeat_timeout`` <= 0, an unknown executor
             backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
@@ -74,6 +75,10 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside the "
                              f"{self.data_parallel_size} data-parallel replicas")
         cp = self.context_parallel_size
+        if cp == 1 and self.context_parallel_prefill != "ring":  # it would be ignored
+            raise ValueError(f"context_parallel_prefill={self.context_parallel_prefill!r} "
+                             "applies to context_parallel_size > 1 only (this engine has no "
+                             "context parallelism); drop it or set context_parallel_size")
         if cp > 1 and (self.pipeline_parallel_size > 1 or self.enable_expert_parallel):
             raise ValueError(f"context_parallel_size={cp} combines with tensor parallelism "
                              "only, not with pipeline_parallel_size > 1 or "

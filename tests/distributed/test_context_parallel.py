@@ -206,6 +206,9 @@ def test_ring_prefill_runs_each_token_on_its_owner_only(tiny_llama, cp, prefill,
     ({"context_parallel_size": 2, "kv_cache_dtype": "int8"}, "not available with"),
     ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, "tensor parallelism only"),
     ({"context_parallel_size": 2, "enable_expert_parallel": True}, "tensor parallelism only"),
+    # without context parallelism the prefill mode was accepted and ignored
+    ({"context_parallel_prefill": "replicated"},
+     "context_parallel_prefill='replicated' applies to context_parallel_size > 1 only"),
 ])
 def test_unsupported_combinations_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
