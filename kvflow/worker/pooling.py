@@ -4,7 +4,8 @@ An embedding request is a prompt computed like any prefill (chunked over steps w
 for decoder models) whose final hidden states are pooled instead of sampled from:
 ``last`` takes the last prompt token's row (computed in the step that finishes the prompt),
 ``cls`` the first token's (computed in the first chunk) and ``mean`` the average over every
-prompt token (a float32 running sum per request, added to by each chunk). A preempted request
+prompt token (a float64 running sum per request that each chunk continues token by token, so
+it is the same however the prompt is chunked: ``--deterministic`` holds for it). A preempted request
 recomputes its prompt from the start, so its partial state is dropped. The vector is then cut
 to the request's ``dimensions`` (Matryoshka) and L2-normalized when the model normalizes.
 """
@@ -64,8 +65,8 @@ class PoolingState:
             start, end = int(query_start[k]), int(query_start[k + 1])
             first = int(batch.num_computed_tokens[row]) == 0
             if kind == "mean":
-                chunk = hidden[start:end].float().sum(0)
-                self._partial[rid] = chunk if first else self._partial[rid] + chunk
+                self._partial[rid] = _running_sum(
+                    None if first else self._partial[rid], hidden[start:end])
             elif kind == "cls" and first:
                 self._partial[rid] = hidden[start].float()
             if int(batch.num_computed_tokens[row]) + end - start < batch.num_tokens[row]:
@@ -73,8 +74,27 @@ class PoolingState:
             if kind == "last":
                 vector = hidden[end - 1].float()
             elif kind == "mean":
-                vector = self._partial.pop(rid) / int(batch.num_prompt_tokens[row])
+                vector = (self._partial.pop(rid) / int(batch.num_prompt_tokens[row])).float()
             else:
                 vector = self._partial.pop(rid)
             done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
         return done
+
+
+def _running_sum(partial: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``partial + rows[0] + rows[1] + ...`` added one row at a time, in float64.
+
+    A left fold continued from ``partial`` performs the same additions whatever the chunk
+    boundaries were (``.sum(0)`` of each chunk rounds in an order that depends on them); CPU
+    ``cumsum`` is that sequential scan.
+
+    Args:
+        partial: float64 [H], the sum of the earlier chunks' rows (None: the first chunk).
+        rows: [T, H] this chunk's hidden states (any float dtype).
+    Returns:
+        float64 [H].
+    """
+    rows = rows.double()
+    if partial is not None:
+        rows = torch.cat([partial.unsqueeze(0), rows])
+    return rows.cumsum(0)[-1]

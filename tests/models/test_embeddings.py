@@ -99,6 +99,28 @@ def test_decoder_matches_sentence_transformers(decoder_folder, pooling, assert_n
     assert_no_leaks(llm)
 
 
+def test_deterministic_mean_pooling_does_not_depend_on_the_chunks(decoder_folder):
+    """--deterministic: a mean-pooled embedding is bitwise the same alone and beside other
+    inputs, though an 8-token budget splits its prompt into other chunks in each batch (each
+    chunk's sum was added to the running sum in float32, so the rounding followed the chunk
+    boundaries: it differed in the last bits with the batch); and it still equals
+    sentence-transformers'."""
+    from kvflow.kernels import cpu_native
+
+    if cpu_native.native_cpu_kernels() is None:
+        pytest.skip("deterministic mode needs the native CPU kernels")
+    folder, st = decoder_folder("mean")
+    llm = LLM(model=folder, dtype="float32", device="cpu", deterministic=True,
+              max_num_batched_tokens=8, num_kv_blocks=64, block_size=4,
+              enable_prefix_caching=False)
+    target = SENTENCES[1]
+    alone = llm.embed([target], use_tqdm=False)[0].outputs.embedding
+    _check(llm.embed([target], use_tqdm=False), st_embed(st, [target]))
+    for others in (SENTENCES[:1], SENTENCES[2:], [SENTENCES[0], "a b", "the lazy dog"]):
+        batch = [*others, target]
+        assert llm.embed(batch, use_tqdm=False)[-1].outputs.embedding == alone, others
+
+
 def test_matryoshka_dimensions_and_users(decoder_folder, bert_folder):
     """``dimensions`` truncates; ``user`` names each prompt's client for the fair policy (as
     ``generate``'s does: the scheduler gets it; ``embed`` had no ``user`` and every embedding
