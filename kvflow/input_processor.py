@@ -232,8 +232,10 @@ class InputProcessor:
         """
         self.validate(token_ids)
         self.validate_params(params)
-        if params.max_tokens is None:  # as many as the context leaves
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
+        if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
+            # the request then stops at the context's end, as an explicit max_tokens does)
+            room = self.max_model_len - len(token_ids)
+            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         requests = []
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63

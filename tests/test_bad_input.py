@@ -116,6 +116,18 @@ def test_max_tokens_beyond_the_context_stops_at_it(llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_min_tokens_beyond_the_context_with_max_tokens_none(llm, assert_no_leaks):
+    """``max_tokens=None`` with ``min_tokens`` above what the context leaves is taken as an
+    explicit ``max_tokens=min_tokens`` is (the test above): it stops when the context is full
+    (was: a ValueError "min_tokens ... must be <= max_tokens (19)", a value never sent)."""
+    for max_tokens in (None, 30):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=30)
+        (out,) = llm.generate([[3, 4, 5, 6, 7]], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 24 - 5
+        assert out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
+
+
 def test_model_dependent_limits_and_ignored_options_are_refused(llm, assert_no_leaks):
     """prompt_logprobs above the vocabulary (was a torch RuntimeError from top-k), a user
     name under the fcfs policy (only fair reads it), an empty chat template, chat template
