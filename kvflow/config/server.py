@@ -55,12 +55,13 @@ class ServerConfig:
                                             "such a request gets 400, since a template runs "
                                             "code of the client's choosing on the server "
                                             "(vLLM's flag of the same name)")
-    ignore_unknown_fields: bool = opt(False, "ignore request-body fields kvflow does not "
-                                      "know and log each name once, as vLLM does; off: "
-                                      "such a request gets 400 naming them (code "
-                                      "unknown_parameter), as the OpenAI API answers, so "
-                                      "that a misspelled field (max_token) is never "
-                                      "silently dropped")
+    ignore_unknown_fields: bool = opt(False, "ignore top-level request-body fields kvflow "
+                                      "does not know and log each name once, as vLLM "
+                                      "does; off: such a request gets a 400 naming them "
+                                      "(code unknown_parameter), as the OpenAI API "
+                                      "answers, so that a misspelled field (max_token) is "
+                                      "never silently dropped (an unknown key inside a "
+                                      "nested object is a 400 either way)")
     lora_modules: tuple[str, ...] | None = opt(None, "LoRA adapters served from start-up, each "
                                                 "NAME=PATH (a PEFT folder); requests pick one "
                                                 "by model=NAME (needs --enable-lora)",

@@ -82,10 +82,11 @@ def refuse_unknown(req: RequestBody) -> None:
     ``UNSUPPORTED`` ones that ``refuse_unsupported`` let pass (null, ``HARMLESS``)."""
     unknown = [name for name in req.unknown_fields if name not in UNSUPPORTED]
     if unknown:
-        raise OpenAIError(f"unrecognized request field(s): {', '.join(unknown)}; kvflow does "
-                          "not know them and does not ignore them (check the spelling, or "
-                          "start the server with --ignore-unknown-fields to ignore them as "
-                          "vLLM does)", param=unknown[0], code="unknown_parameter")
+        raise OpenAIError(f"Unrecognized request argument supplied: {', '.join(unknown)} "
+                          "(kvflow does not know it, so it is refused rather than ignored: "
+                          "check the spelling, or start the server with "
+                          "--ignore-unknown-fields to ignore such top-level fields as vLLM "
+                          "does)", param=unknown[0], code="unknown_parameter")
 
 
 class UnknownFieldLog:
