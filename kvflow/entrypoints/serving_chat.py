@@ -22,6 +22,7 @@ from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.platform_fields import refuse_platform_options
 from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     ChatChoice,
@@ -133,22 +134,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
                               code="invalid_value")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
-        self._check_platform_options(req)
-
-    @staticmethod
-    def _check_platform_options(req: ChatCompletionRequest) -> None:
-        """Raises OpenAIError 400 (``unsupported_value``) for ``store: true`` (kvflow keeps no
-        completions) and a ``service_tier`` other than ``auto`` / ``default`` (kvflow has one
-        tier; its ``priority`` field orders the queue)."""
-        if req.store:
-            raise OpenAIError("store=true is not supported: kvflow does not store completions "
-                              "(send false or leave it out)", param="store",
-                              code="unsupported_value")
-        if req.service_tier not in (None, "auto", "default"):
-            raise OpenAIError(f"service_tier={req.service_tier!r} is not supported: kvflow "
-                              "serves every request on one tier (send auto or default; "
-                              "kvflow's priority field orders the queue under --policy "
-                              "priority)", param="service_tier", code="unsupported_value")
+        refuse_platform_options(req)
 
     async def render(self, messages: list[ChatMessage], options: ChatOptions,
                      tools: list[dict[str, Any]] | None = None, check_length: bool = True,

@@ -127,7 +127,7 @@ class ChatCompletionRequest(SamplingRequest):
     to 16 string pairs, as OpenAI limits them; not kept), ``prompt_cache_key`` (every request
     shares the prefix cache anyway), ``safety_identifier`` (logged like ``user``),
     ``store: false`` and ``service_tier`` ``auto`` / ``default``; ``store: true`` and another
-    tier ask for what kvflow does not do and are a 400 naming the field (the handler's)."""
+    tier ask for what kvflow does not do and are a 400 naming the field (``platform_fields``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, le=INT32_MAX)
