@@ -4,8 +4,9 @@ A top-level field a request does not declare is a 400 naming it (code ``unknown_
 as OpenAI answers; under ``--ignore-unknown-fields`` it is ignored and each name logged once,
 as vLLM does: ``entrypoints/unknown_fields.py``), and nested objects (content parts,
 ``response_format``, ``tools``, ``tool_choice``, ``stream_options``, ...) take only their own
-keys, as OpenAI's do: another is a 400 naming its path (code ``unknown_parameter``); a message's extra keys reach the chat template; ``null``
-for a nullable field means the same as leaving it out (``"max_tokens": null``); a known
+keys, as OpenAI's do: another is a 400 naming its path (code ``unknown_parameter``); a
+message's extra keys reach the chat template; ``null`` for a nullable field means the same as
+leaving it out (``"max_tokens": null``); a known
 field with a value of the wrong type or out of its range fails validation and becomes a 400
 with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``): ``"8"``,
 ``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
