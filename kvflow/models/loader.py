@@ -14,6 +14,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.models.hf_config_checks import read_config_json
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
@@ -23,7 +24,8 @@ def load_hf_config(source: ModelSource) -> Any:
     """The model's HF config (a transformers PretrainedConfig).
 
     Raises:
-        ValueError: if config.json is missing or cannot be parsed.
+        ValueError: if config.json is missing, cannot be parsed, or its sizes are missing or
+            invalid (see :func:`kvflow.models.hf_config_checks.read_config_json`).
     """
     if source.kind == "gguf":
         from kvflow.models.gguf_config import load_gguf_config
@@ -34,6 +36,7 @@ def load_hf_config(source: ModelSource) -> Any:
     path = os.path.join(source.path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
+    read_config_json(path)
     try:
         with quiet_model_type_warning():
             config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)

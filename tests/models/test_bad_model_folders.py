@@ -1,0 +1,71 @@
+"""A broken model folder or path is one ``ValueError`` naming the file and the field or reason,
+raised before any weights load (the CLI turns it into one ``kvflow: error:`` line, exit 2):
+never a traceback from torch, a message about something else, or a half-built engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from kvflow import LLM
+
+
+def _llm(path: str) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+
+
+def _config_copy(tiny, folder, remove=(), **changes) -> str:
+    """A copy of the tiny model's folder with ``changes`` set in / ``remove`` dropped from its
+    config.json; returns the config.json path."""
+    path = shutil.copytree(tiny.path, str(folder))
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(changes)
+    for name in remove:
+        del config[name]
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return config_path
+
+
+# The tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads. Before the check: transformers' 4096
+# default then "The hidden size (4096) is not a multiple ..."; the default 32 layers then
+# "lacks weights for layers 2-31"; "pipeline_parallel_size=1 exceeds the model's 0 layers";
+# torch's RuntimeError "negative dimension"; "integer modulo by zero"; "rotary: positions must
+# lie in [0, 0)"; a k_proj shape mismatch instead of the head counts.
+@pytest.mark.parametrize("remove, changes, reason", [
+    (("hidden_size",), {}, "has no 'hidden_size'; kvflow needs it"),
+    (("num_hidden_layers",), {}, "has no 'num_hidden_layers'; kvflow needs it"),
+    ((), {"num_hidden_layers": 0}, ": num_hidden_layers=0 is invalid; it must be a positive"),
+    ((), {"num_hidden_layers": -1}, ": num_hidden_layers=-1 is invalid"),
+    ((), {"hidden_size": -64}, ": hidden_size=-64 is invalid; it must be a positive integer"),
+    ((), {"hidden_size": "64"}, ": hidden_size='64' is invalid"),
+    ((), {"num_attention_heads": 0}, ": num_attention_heads=0 is invalid"),
+    ((), {"vocab_size": 0}, ": vocab_size=0 is invalid"),
+    ((), {"max_position_embeddings": 0}, ": max_position_embeddings=0 is invalid"),
+    ((), {"num_key_value_heads": 3},
+     ": num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+], ids=["no_hidden_size", "no_layers", "zero_layers", "negative_layers", "negative_hidden",
+        "string_hidden", "zero_heads", "zero_vocab", "max_positions_0", "kv_heads_not_dividing"])
+def test_bad_config_size_is_named(tiny_llama, tmp_path, remove, changes, reason):
+    config_path = _config_copy(tiny_llama, tmp_path / "model", remove, **changes)
+    with pytest.raises(ValueError) as info:
+        _llm(os.path.dirname(config_path))
+    assert str(info.value).startswith(f"model config {config_path!r}")
+    assert reason in str(info.value)
+
+
+def test_invalid_json_names_the_line_and_column(tiny_llama, tmp_path):
+    config_path = _config_copy(tiny_llama, tmp_path / "model")
+    with open(config_path, "w") as f:
+        f.write('{"hidden_size": 64,')
+    with pytest.raises(ValueError, match=re.escape(
+            f"model config {config_path!r} is not valid JSON: Expecting property name enclosed "
+            "in double quotes: line 1 column 20 (char 19)")):
+        _llm(os.path.dirname(config_path))
+
