@@ -300,12 +300,19 @@ def quiet_model_type_warning() -> Iterator[None]:
 
 def _one_line(error: Exception) -> str:
     """transformers' error as one line: a refusal to run a repo's custom code said plainly,
-    else the first line of its message."""
+    else the first line of its message, with the next one when the first only introduces it
+    (a validation error: "Class validation error for validator 'validate_architecture':" and
+    then the reason)."""
     text = str(error).strip()
     if "trust_remote_code" in text:
         return ("it needs custom code from its repo (auto_map, trust_remote_code), and kvflow "
                 "does not run remote code; use a model of an architecture transformers ships")
-    return text.splitlines()[0] if text else type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def resolve_eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:

@@ -69,3 +69,15 @@ def test_invalid_json_names_the_line_and_column(tiny_llama, tmp_path):
             "in double quotes: line 1 column 20 (char 19)")):
         _llm(os.path.dirname(config_path))
 
+
+def test_transformers_validation_error_keeps_its_reason(tiny_llama, tmp_path):
+    """transformers' own check (hidden size a multiple of the heads) puts its reason on the
+    second line of the message; the one-line error used to stop at "validator
+    'validate_architecture':"."""
+    config_path = _config_copy(tiny_llama, tmp_path / "model", num_attention_heads=3,
+                               num_key_value_heads=3)
+    with pytest.raises(ValueError) as info:
+        _llm(os.path.dirname(config_path))
+    assert str(info.value).startswith(f"cannot read model config {config_path!r}: ")
+    assert "The hidden size (64) is not a multiple of the number of attention heads (3)" \
+        in str(info.value)
