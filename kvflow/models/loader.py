@@ -113,12 +113,12 @@ def checkpoint_tensor_names(folder: str) -> list[str]:
         ValueError: see :func:`checkpoint_files`, or naming a file that cannot be read or is
             not a safetensors file.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     names: list[str] = []
     for path in checkpoint_files(folder):
         try:
-            with safe_open(path, framework="pt") as f:
+            with _safe_open(path) as f:
                 names.extend(f.keys())
         except SafetensorError as e:
             raise ValueError(f"weight file {path!r} is truncated or corrupt (not a complete "
@@ -155,10 +155,10 @@ def iter_safetensors_file(path: str, what: str = "weight file"
             or is not a whole safetensors file (truncated, e.g. by an interrupted download, or
             corrupt).
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with _safe_open(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, f.get_tensor(name)
     except SafetensorError as e:
@@ -166,6 +166,17 @@ def iter_safetensors_file(path: str, what: str = "weight file"
                          f"safetensors file: {e}); download or copy it again") from None
     except OSError as e:
         raise ValueError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+
+
+def _safe_open(path: str) -> Any:
+    """safetensors' ``safe_open(path, framework="pt")``, after a plain ``open`` so that a file
+    that cannot be opened raises the true OSError: safetensors reports every failure to open
+    (no permission, a folder) as FileNotFoundError "No such file or directory"."""
+    from safetensors import safe_open
+
+    with open(path, "rb"):
+        pass
+    return safe_open(path, framework="pt")
 
 
 def iter_weights(source: ModelSource, dtype: torch.dtype,

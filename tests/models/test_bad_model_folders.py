@@ -81,3 +81,26 @@ def test_transformers_validation_error_keeps_its_reason(tiny_llama, tmp_path):
     assert str(info.value).startswith(f"cannot read model config {config_path!r}: ")
     assert "The hidden size (64) is not a multiple of the number of attention heads (3)" \
         in str(info.value)
+
+
+def test_weight_file_that_cannot_be_opened_says_why(tmp_path):
+    """safetensors reports any failure to open as "No such file or directory"; the error now
+    gives the real reason (here a folder where the file should be; a chmod 000 file gives
+    "Permission denied" the same way)."""
+    from kvflow.models.loader import iter_safetensors_file
+
+    path = str(tmp_path / "model.safetensors")
+    os.mkdir(path)
+    with pytest.raises(ValueError) as info:
+        list(iter_safetensors_file(path))
+    assert str(info.value) == f"cannot read weight file {path!r}: Is a directory"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file")
+def test_weight_file_without_permission_says_so(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    weights_path = os.path.join(folder, "model.safetensors")
+    os.chmod(weights_path, 0)
+    with pytest.raises(ValueError, match=re.escape(
+            f"cannot read weight file {weights_path!r}: Permission denied")):
+        _llm(folder)
