@@ -233,7 +233,11 @@ def _resolve_directory(path: str, model: str) -> ModelSource:
     (raises ValueError as :func:`resolve_model` says)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return ModelSource(kind="hf", path=path, name=_display_name(path))
-    ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+    try:
+        entries = os.listdir(path)
+    except OSError as e:  # no permission: config.json above looked absent
+        raise ValueError(f"Model directory {model!r} cannot be read: {e.strerror}") from None
+    ggufs = sorted(f for f in entries if f.lower().endswith(".gguf"))
     ggufs = [f for f in ggufs if os.path.isfile(os.path.join(path, f))]
     if len(ggufs) == 1:
         file = os.path.join(path, ggufs[0])
@@ -293,7 +297,8 @@ def resolve_model(model: str, download_dir: str | None = None,
         ValueError: ``model`` is neither an existing local path, a packaged model name nor a
             Hub repo id (the message lists the packaged names); a directory has no
             ``config.json`` and zero or several ``.gguf`` files; an existing file is not a
-            ``.gguf`` or lacks the GGUF magic bytes; a packaged model is not installed (the
+            ``.gguf`` or lacks the GGUF magic bytes; a symbolic link leads nowhere (a loop or a
+            missing target); a packaged model is not installed (the
             message gives the pip command); or a Hub repo cannot be had (offline and not
             cached, not found, no safetensors: see :func:`kvflow.models.hf_hub.download_snapshot`);
             ``revision`` given for a model that is not a Hub repo id, or differing from the
@@ -309,6 +314,9 @@ def resolve_model(model: str, download_dir: str | None = None,
         return _resolve_directory(path, model)
     if os.path.isfile(path):
         return _resolve_file(path, model)
+    if os.path.islink(path):  # exists as a link only: os.path.exists follows it and fails
+        raise ValueError(f"Model path {model!r} is a symbolic link that leads nowhere (a link "
+                         f"loop, or its target {os.readlink(path)!r} does not exist)")
     if model.startswith(("/", "./", "../", "~")) or model.lower().endswith(".gguf"):
         raise ValueError(f"Model path {model!r} does not exist (no such file or directory)")
     entry = find_packaged_model(model)

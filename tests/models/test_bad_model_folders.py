@@ -83,6 +83,37 @@ def test_transformers_validation_error_keeps_its_reason(tiny_llama, tmp_path):
         in str(info.value)
 
 
+@pytest.mark.parametrize("target", ["loop", "missing"])
+def test_symlink_that_leads_nowhere_is_named(tmp_path, target):
+    """Was "does not exist (no such file or directory)", though the path is right there."""
+    link = tmp_path / "model"
+    os.symlink(tmp_path / "model" if target == "loop" else tmp_path / "gone", link)
+    with pytest.raises(ValueError) as info:
+        _llm(str(link))
+    assert str(info.value) == (
+        f"Model path {str(link)!r} is a symbolic link that leads nowhere (a link loop, or its "
+        f"target {os.readlink(link)!r} does not exist)")
+
+
+def test_unreadable_model_folder_is_named(tiny_llama, tmp_path, monkeypatch):
+    """A folder without read permission (chmod 000): its config.json looks absent, and listing
+    it raised PermissionError with a traceback. Tests may run as root, whom chmod does not stop,
+    so the listing's PermissionError is simulated."""
+    folder = str(tmp_path / "model")
+    os.mkdir(folder)
+    real_listdir = os.listdir
+
+    def listdir(path):
+        if os.fspath(path) == folder:
+            raise PermissionError(13, "Permission denied", path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(ValueError, match=re.escape(
+            f"Model directory {folder!r} cannot be read: Permission denied")):
+        _llm(folder)
+
+
 def test_weight_file_that_cannot_be_opened_says_why(tmp_path):
     """safetensors reports any failure to open as "No such file or directory"; the error now
     gives the real reason (here a folder where the file should be; a chmod 000 file gives
