@@ -203,6 +203,25 @@ def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str = "",
     return tensor
 
 
+def _checked_weights(source: ModelSource, dtype: torch.dtype, keep_quantized: bool,
+                     quant_config: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_weights`, refusing an integer ``*.weight`` / ``*.bias`` in a checkpoint
+    without quantization: loading copies it into the float parameter (an int32 q_proj generated
+    text from integer-rounded weights).
+
+    Raises:
+        ValueError: naming the tensor, its dtype and the folder.
+    """
+    for name, tensor in iter_weights(source, dtype, keep_quantized):
+        if quant_config is None and not tensor.is_floating_point() and \
+                name.endswith((".weight", ".bias")):
+            raise ValueError(f"checkpoint tensor {name!r} in {source.path!r} has dtype "
+                             f"{tensor.dtype}; the model has no quantization (config.json "
+                             "has no quantization_config), so its weights must be floating "
+                             "point")
+        yield name, tensor
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -253,7 +272,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         keep = quant_config is not None and quant_config.name == "gguf"
         keep_fp32 = getattr(model, "keep_in_fp32", ())
         loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
-                                    for n, t in iter_weights(source, dtype, keep)
+                                    for n, t in _checked_weights(source, dtype, keep,
+                                                                 quant_config)
                                     if quant_config is None or not quant_config.skips_tensor(n))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:

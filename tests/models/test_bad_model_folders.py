@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from kvflow import LLM
 
@@ -81,6 +82,24 @@ def test_transformers_validation_error_keeps_its_reason(tiny_llama, tmp_path):
     assert str(info.value).startswith(f"cannot read model config {config_path!r}: ")
     assert "The hidden size (64) is not a multiple of the number of attention heads (3)" \
         in str(info.value)
+
+
+def test_integer_weight_in_unquantized_checkpoint_is_refused(tiny_llama, tmp_path):
+    """An int32 q_proj in a checkpoint without quantization_config was copied into the float
+    parameter (integer-rounded weights) and the model generated text from it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    weights_path = os.path.join(folder, "model.safetensors")
+    weights = load_file(weights_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint tensor {name!r} in {folder!r} has dtype torch.int32; the model has no "
+            "quantization (config.json has no quantization_config), so its weights must be "
+            "floating point")):
+        _llm(folder)
 
 
 @pytest.mark.parametrize("target", ["loop", "missing"])
