@@ -306,8 +306,37 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
         with quiet_model_type_warning():
             return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types
+        problem = _tokenizer_files_problem(source.path)
+        if problem is not None:
+            raise ValueError(f"cannot load a tokenizer from {source.path!r}: {problem}; pass a "
+                             "tokenizer with --tokenizer (LLM(tokenizer=...))") from e
         raise ValueError(f"cannot load a tokenizer from {source.path!r}: "
                          f"{_one_line(e)}") from e
+
+
+# the files a transformers tokenizer is built from (fast, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "added_tokens.json")
+
+
+def _tokenizer_files_problem(folder: str) -> str | None:
+    """Why a folder's tokenizer failed to load, said in terms of its files: one of its JSON
+    files is not valid JSON (a truncated copy), or it has no tokenizer file at all; None when
+    neither. transformers says the first as a bare "Expecting value: line 97580 column 6" and
+    the second as "Couldn't instantiate the backend tokenizer" with a hint to install
+    sentencepiece."""
+    for name in TOKENIZER_JSON_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                return f"{path!r} is not valid JSON, truncated or corrupt ({e})"
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        return f"the folder has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
+    return None
 
 
 @contextmanager

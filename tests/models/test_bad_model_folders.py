@@ -154,3 +154,33 @@ def test_weight_file_without_permission_says_so(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             f"cannot read weight file {weights_path!r}: Permission denied")):
         _llm(folder)
+
+
+def test_model_folder_without_tokenizer_files_says_so(tiny_llama, tmp_path):
+    """Was transformers' "Couldn't instantiate the backend tokenizer from one of:" (cut there
+    in the one-line error), whose full text suggests installing sentencepiece."""
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    os.remove(os.path.join(folder, "tokenizer.json"))
+    with pytest.raises(ValueError) as info:
+        _llm(folder)
+    assert str(info.value) == (
+        f"cannot load a tokenizer from {folder!r}: the folder has no tokenizer file (one of "
+        "tokenizer.json, tokenizer.model, vocab.json, vocab.txt); pass a tokenizer with "
+        "--tokenizer (LLM(tokenizer=...))")
+
+
+def test_truncated_tokenizer_json_is_named(tiny_llama, tmp_path):
+    """Was "cannot load a tokenizer from <folder>: Expecting value: line 1 column ...", naming
+    neither the file nor what is wrong with it."""
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError) as info:
+        _llm(folder)
+    message = str(info.value)
+    assert message.startswith(f"cannot load a tokenizer from {folder!r}: {path!r} is not valid "
+                              "JSON, truncated or corrupt (")
+    assert message.endswith("); pass a tokenizer with --tokenizer (LLM(tokenizer=...))")
