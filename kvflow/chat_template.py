@@ -261,9 +261,12 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
-        ChatTemplateError: for a bad message or option (see the module docstring), or one the
-            template fails on.
+        ChatTemplateError: for a bad message or option (see the module docstring), one the
+            template fails on, or a template with a Jinja syntax error (naming the line, and
+            whether it is the model's template or the caller's).
     """
+    import jinja2
+
     if chat_template is not None and (not isinstance(chat_template, str)
                                       or not chat_template.strip()):
         raise ChatTemplateError("chat_template must be a non-empty Jinja template string",
@@ -282,10 +285,25 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                                              tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja and transformers errors: bad input
         param = "chat_template" if chat_template is not None else "messages"
+        if isinstance(e, jinja2.TemplateSyntaxError):  # the template is broken, not the messages
+            raise ChatTemplateError(_syntax_error_message(e, chat_template is None),
+                                    param) from None
         raise ChatTemplateError(f"the chat template cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param) from None
     _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
     return text
+
+
+def _syntax_error_message(error: Any, models_own: bool) -> str:
+    """The error for a template that does not compile (a ``jinja2.TemplateSyntaxError``),
+    naming whose template it is and where it breaks."""
+    if models_own:
+        return (f"the model's chat template is not a valid Jinja template (line "
+                f"{error.lineno}: {error.message}), so no conversation can be rendered; fix "
+                "the model's chat_template.jinja (or the chat_template in its "
+                "tokenizer_config.json)")
+    return (f"chat_template is not a valid Jinja template (line {error.lineno}: "
+            f"{error.message})")
 
 
 def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], template: str,

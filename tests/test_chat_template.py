@@ -236,3 +236,40 @@ def test_served_tool_call_index_checked_before_calls_become_text(tiny_tokenizer,
     with pytest.raises(OpenAIError) as info:
         asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
     assert info.value.status == 400 and info.value.param == param
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }\n{% endfor %}"
+
+
+def test_template_syntax_error_blames_the_template(tiny_tokenizer):
+    """A model template that does not compile was "the chat template cannot render these
+    messages: TemplateSyntaxError: unexpected '}'" (param messages), as if another conversation
+    could render; over HTTP it stays a 400 (no traceback), now naming the template's fault."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    broken = copy.deepcopy(tiny_tokenizer)
+    broken.chat_template = BROKEN_TEMPLATE
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(broken, messages)
+    assert str(info.value) == (
+        "the model's chat template is not a valid Jinja template (line 1: unexpected '}'), so "
+        "no conversation can be rendered; fix the model's chat_template.jinja (or the "
+        "chat_template in its tokenizer_config.json)")
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tiny_tokenizer, messages, chat_template=BROKEN_TEMPLATE)
+    assert str(info.value) == "chat_template is not a valid Jinja template (line 1: unexpected '}')"
+    assert info.value.param == "chat_template"
+
+    engine = SimpleNamespace(tokenizer=broken, processor=InputProcessor(broken, 64, 320, 0),
+                             max_model_len=64)
+    chat = OpenAIServingChat(engine, ServerConfig(), "m")
+    req = ChatCompletionRequest(messages=messages)
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
+    assert info.value.status == 400
+    assert str(info.value).startswith("the model's chat template is not a valid Jinja template")
