@@ -158,7 +158,10 @@ def _iter_weights(
                     continue
                 type_name = _type_name(info.ggml_type)
                 unkept[type_name] = unkept.get(type_name, 0) + 1
-            weight = torch.from_numpy(_dequantize(data, info))
+            try:
+                weight = torch.from_numpy(_dequantize(data, info))
+            except ValueError as e:  # a GGML type gguf cannot dequantize: name the file
+                raise ValueError(f"{meta.path!r}: {e}") from None
             if spec.norm_offset and name.endswith("norm.weight"):
                 weight = weight - spec.norm_offset
             if spec.permute_qk:

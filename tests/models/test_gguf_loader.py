@@ -491,6 +491,22 @@ def test_unsupported_architecture_error(tmp_path):
         iter_gguf_weights(str(path), torch.float32)
 
 
+def test_tensor_type_gguf_cannot_dequantize_names_file_and_type(tmp_path):
+    """A Q8_1 tensor (a type llama.cpp uses for activations; gguf has no dequantizer) was an
+    error naming the tensor but not the file."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    path = tmp_path / "q8_1.gguf"
+    block, type_size = GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    raw = np.zeros((4, 64 // block * type_size), np.uint8)  # 4 rows of 64 Q8_1 values
+    _write_gguf(path, "llama", {"token_embd.weight": (raw, gguf.GGMLQuantizationType.Q8_1)},
+                n_head=2, n_kv=2, head_dim=32, hidden=64, ffn=128, n_layers=1, vocab=4)
+    with pytest.raises(ValueError) as info:
+        list(iter_gguf_weights(str(path), torch.float32))
+    assert str(info.value).startswith(
+        f"{str(path)!r}: token_embd.weight: cannot dequantize GGML type Q8_1: ")
+
+
 # --------------------------------------------------------------------------- resolver
 
 
