@@ -174,7 +174,10 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 return _parse_header(path, mm, size)
-            except (struct.error, ValueError, IndexError, OverflowError, MemoryError) as e:
+            except struct.error:  # a number runs past the end of the file
+                raise ValueError(f"{path!r} is not a valid GGUF file: its header runs past the "
+                                 "end of the file (truncated?)") from None
+            except (ValueError, IndexError, OverflowError, MemoryError) as e:
                 raise ValueError(f"{path!r} is not a valid GGUF file: {e}") from e
 
 

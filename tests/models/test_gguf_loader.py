@@ -470,6 +470,21 @@ def test_not_a_gguf_error(tmp_path, content):
         iter_gguf_weights(str(bad), torch.float32)
 
 
+def test_truncated_header_says_so(tmp_path):
+    """A GGUF cut inside a number of its header (an interrupted copy) was "not a valid GGUF
+    file: unpack_from requires a buffer of at least 16 bytes ...", not saying it is cut short
+    (a string cut short already said "string runs past the end of the file")."""
+    path, _ = _synthetic(tmp_path, "llama")
+    with open(path, "rb") as f:
+        head = f.read(12)  # magic, version, half of the tensor count
+    with open(path, "wb") as f:
+        f.write(head)
+    with pytest.raises(ValueError) as info:
+        load_gguf_config(path)
+    assert str(info.value) == (f"{path!r} is not a valid GGUF file: its header runs past the "
+                               "end of the file (truncated?)")
+
+
 def test_unsupported_architecture_error(tmp_path):
     path = tmp_path / "gpt2.gguf"
     _write_gguf(
