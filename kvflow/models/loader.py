@@ -322,17 +322,19 @@ TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_toke
 
 def _tokenizer_files_problem(folder: str) -> str | None:
     """Why a folder's tokenizer failed to load, said in terms of its files: one of its JSON
-    files is not valid JSON (a truncated copy), or it has no tokenizer file at all; None when
-    neither. transformers says the first as a bare "Expecting value: line 97580 column 6" and
-    the second as "Couldn't instantiate the backend tokenizer" with a hint to install
-    sentencepiece."""
+    files cannot be read or is not valid JSON (a truncated copy), or it has no tokenizer file
+    at all; None when neither. transformers says a truncated file as a bare "Expecting value:
+    line 97580 column 6" and a missing one as "Couldn't instantiate the backend tokenizer" with
+    a hint to install sentencepiece."""
     for name in TOKENIZER_JSON_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:
                     json.load(f)
-            except (OSError, UnicodeDecodeError, ValueError) as e:
+            except OSError as e:
+                return f"{path!r} cannot be read: {e.strerror or e}"
+            except (UnicodeDecodeError, ValueError) as e:
                 return f"{path!r} is not valid JSON, truncated or corrupt ({e})"
     if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         return f"the folder has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"

@@ -184,3 +184,14 @@ def test_truncated_tokenizer_json_is_named(tiny_llama, tmp_path):
     assert message.startswith(f"cannot load a tokenizer from {folder!r}: {path!r} is not valid "
                               "JSON, truncated or corrupt (")
     assert message.endswith("); pass a tokenizer with --tokenizer (LLM(tokenizer=...))")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file")
+def test_unreadable_tokenizer_json_says_so(tiny_llama, tmp_path):
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    path = os.path.join(folder, "tokenizer.json")
+    os.chmod(path, 0)
+    with pytest.raises(ValueError, match=re.escape(
+            f"cannot load a tokenizer from {folder!r}: {path!r} cannot be read: Permission "
+            "denied")):
+        _llm(folder)
