@@ -17,6 +17,7 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.hf_config_checks import read_config_json
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
+from kvflow.models.tokenizer_files import tokenizer_files_problem
 from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
 
 
@@ -306,39 +307,12 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
         with quiet_model_type_warning():
             return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types
-        problem = _tokenizer_files_problem(source.path)
+        problem = tokenizer_files_problem(source.path)
         if problem is not None:
             raise ValueError(f"cannot load a tokenizer from {source.path!r}: {problem}; pass a "
                              "tokenizer with --tokenizer (LLM(tokenizer=...))") from e
         raise ValueError(f"cannot load a tokenizer from {source.path!r}: "
                          f"{_one_line(e)}") from e
-
-
-# the files a transformers tokenizer is built from (fast, sentencepiece, BPE, WordPiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                        "added_tokens.json")
-
-
-def _tokenizer_files_problem(folder: str) -> str | None:
-    """Why a folder's tokenizer failed to load, said in terms of its files: one of its JSON
-    files cannot be read or is not valid JSON (a truncated copy), or it has no tokenizer file
-    at all; None when neither. transformers says a truncated file as a bare "Expecting value:
-    line 97580 column 6" and a missing one as "Couldn't instantiate the backend tokenizer" with
-    a hint to install sentencepiece."""
-    for name in TOKENIZER_JSON_FILES:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    json.load(f)
-            except OSError as e:
-                return f"{path!r} cannot be read: {e.strerror or e}"
-            except (UnicodeDecodeError, ValueError) as e:
-                return f"{path!r} is not valid JSON, truncated or corrupt ({e})"
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
-        return f"the folder has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
-    return None
 
 
 @contextmanager
