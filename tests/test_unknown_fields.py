@@ -76,13 +76,13 @@ def test_unsupported_fields_keep_their_own_message_in_both_modes():
         error = _refusal("/v1/completions", {"allowed_token_ids": [1], "max_token": 5}, ignore)
         assert (error.param, error.code) == ("allowed_token_ids", "unsupported_parameter")
         assert "structured_outputs" in str(error)  # what to do instead
-    error = _refusal("/v1/chat/completions", {"request_id": "abc"})
-    assert (error.param, error.code) == ("request_id", "unsupported_parameter")
+    error = _refusal("/v1/chat/completions", {"verbosity": "low"})
+    assert (error.param, error.code) == ("verbosity", "unsupported_parameter")
 
 
 def test_null_and_harmless_values_of_unsupported_fields_pass():
     harmless = {"modalities": ["text"], "audio": None, "guided_decoding_backend": "auto",
-                "spaces_between_special_tokens": True, "request_id": None}
+                "spaces_between_special_tokens": True, "verbosity": None}
     UnknownFields().check(_parsed("/v1/chat/completions", harmless), "/v1/chat/completions")
     error = _refusal("/v1/chat/completions", {"spaces_between_special_tokens": False})
     assert error.param == "spaces_between_special_tokens"

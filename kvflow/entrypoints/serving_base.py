@@ -42,6 +42,18 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, client_request_id: str | None) -> tuple[str, str]:
+    """``(reply id, engine request id)`` for a request: both ``{prefix}-{uuid}``; or, when
+    the client sent vLLM's ``request_id``, the reply's ``id`` is ``{prefix}-{request_id}``
+    (as vLLM names it) and the engine's that with ``-{uuid}`` appended, so that two requests
+    sending the same id stay two requests in the engine."""
+    if client_request_id is None:
+        engine_id = random_id(prefix)
+        return engine_id, engine_id
+    reply_id = f"{prefix}-{client_request_id}"
+    return reply_id, random_id(reply_id)
+
+
 def body_size(raw: Request) -> int | None:
     """The request body's bytes by its ``Content-Length`` (None for a chunked body): what a
     request's preprocessing cost grows with (``preprocess.off_loop``'s ``size``)."""

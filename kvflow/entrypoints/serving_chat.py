@@ -40,7 +40,7 @@ from kvflow.entrypoints.sampling_requests import (
     default_max_tokens,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import OpenAIServing, body_size, random_id
+from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -98,15 +98,15 @@ class OpenAIServingChat(OpenAIServing):
         ids = prompt.token_ids
         params = self._params(req, ids, tool_constraint(req, mode))
         self.check_admission(1)
-        request_id = random_id("chatcmpl")
+        reply_id, request_id = request_ids("chatcmpl", req.request_id)
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
                                           prompt.mm_features, self.client_id(req, raw),
                                           lora_request=lora)
         if req.stream:
-            return SSEResponse(self.stream(streams, self._chunks(req, request_id, ids,
+            return SSEResponse(self.stream(streams, self._chunks(req, reply_id, ids,
                                                                  streams, parser)))
-        return await self.respond(raw, streams, self._response(req, request_id, ids,
+        return await self.respond(raw, streams, self._response(req, reply_id, ids,
                                                                streams[0], parser))
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:

@@ -25,7 +25,7 @@ from kvflow.entrypoints.sampling_requests import (
     default_max_tokens,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, random_id
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, request_ids
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import TokenTextOffsets
 from kvflow.lora.request import LoRARequest
@@ -50,15 +50,15 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(req)
         params = [self._params(req, ids) for _, ids in prompts]
         self.check_admission(len(prompts))
-        request_id = random_id("cmpl")
+        reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, prompts, params, req.priority,
                                           client_id=self.client_id(req, raw),
                                           lora_request=lora)
         if req.stream:
-            return SSEResponse(self.stream(streams, self._chunks(req, request_id, prompts,
+            return SSEResponse(self.stream(streams, self._chunks(req, reply_id, prompts,
                                                                  streams)))
-        return await self.respond(raw, streams, self._response(req, request_id, prompts,
+        return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
 
     def _check_request(self, req: CompletionRequest) -> LoRARequest | None:

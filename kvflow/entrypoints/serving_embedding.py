@@ -18,7 +18,7 @@ from kvflow.entrypoints.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from kvflow.entrypoints.serving_base import OpenAIServing, random_id
+from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]
@@ -40,10 +40,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = await self._inputs(req)
         params = PoolingParams(dimensions=req.dimensions)
         self.check_admission(len(prompts), "input")
-        request_id = random_id("embd")
+        reply_id, request_id = request_ids("embd", req.request_id)
         self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw))
-        return await self.respond(raw, streams, self._response(req, request_id, prompts,
+        return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
 
     async def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:

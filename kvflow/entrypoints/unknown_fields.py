@@ -51,7 +51,6 @@ UNSUPPORTED = {
                       "server's --target-ttft-ms)",
     "target_tpot_ms": "only generation requests generate tokens",
     # vLLM fields kvflow does not read
-    "request_id": "kvflow names each request itself: the reply's id (chatcmpl-..., cmpl-...)",
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
                                      "writes them (vLLM's default, true)",
     # OpenAI fields of its own models

@@ -14,6 +14,7 @@ request is admitted).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -291,8 +292,25 @@ def sampling_cases(path: str) -> dict[str, Callable]:
             assert ids(ok(server, path, body)) == base
         rejected(path, {"target_tpot_ms": 0}, "target_tpot_ms")(server, tokenizer)
 
+    def request_id(server, tokenizer):
+        """vLLM's request_id names the reply (``cmpl-`` / ``chatcmpl-`` + it), streamed
+        chunks too; two requests sending the same id at once are still two requests (the
+        engine's ids stay unique), each with the greedy reply; without it the id is random."""
+        prefix = "chatcmpl" if path == CH else "cmpl"
+        body = {**BASE[path], "max_tokens": 16, "request_id": "trace-42"}
+        for resp in post_at_once(f"{server.url}{path}", body, 2):
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["id"] == f"{prefix}-trace-42"
+            assert ids(resp.json()) == greedy(server)
+        chunks = post(server, path, {"request_id": "trace-42", "stream": True}).text
+        events = [json.loads(line[6:]) for line in chunks.splitlines()
+                  if line.startswith("data: {")]
+        assert events and {e["id"] for e in events} == {f"{prefix}-trace-42"}
+        assert re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", ok(server, path, {})["id"])
+        rejected(path, {"request_id": ""}, "request_id")(server, tokenizer)
+
     return {
-        "model": rejected(path, {"model": "gpt-4"}, "model", 404),
+        "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "target_ttft_ms": target_ttft_ms, "target_tpot_ms": target_tpot_ms,
         "n": n, "temperature": temperature, "seed": seed,
         "top_p": hot_differs_and_filter_restores("top_p", 1e-6),
@@ -607,8 +625,13 @@ def embedding_cases() -> dict[str, Callable]:
         ok(server, EMB, {"user": "user-e1b2"})
         assert "user 'user-e1b2'" in server.log()
 
+    def request_id(server, tokenizer):
+        reply = ok(server, EMB, {"request_id": "trace-7"})
+        assert reply["id"] == "embd-trace-7" and vector(reply) == vector(ok(server, EMB, {}))
+
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
-            "encoding_format": encoding_format, "dimensions": dimensions, "user": user}
+            "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
+            "request_id": request_id}
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),

@@ -17,9 +17,11 @@ from kvflow.entrypoints.protocol.base import (
 class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
     list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
-    ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes)."""
+    ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes);
+    vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``)."""
 
     model: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)

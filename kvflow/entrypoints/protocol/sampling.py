@@ -61,9 +61,12 @@ class SamplingRequest(RequestBody):
     ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are ``structured_outputs``
     under other names; ``priority`` orders the waiting queue (needs ``--policy priority`` or
     ``fair``); ``target_ttft_ms`` / ``target_tpot_ms`` override the server's service-level
-    targets for this request; ``user`` names the client for ``--policy fair``."""
+    targets for this request; ``user`` names the client for ``--policy fair``; vLLM's
+    ``request_id`` names the reply (``id``: ``cmpl-{request_id}`` / ``chatcmpl-{request_id}``,
+    as vLLM writes it)."""
 
     model: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     n: int = Field(1, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
