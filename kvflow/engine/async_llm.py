@@ -52,7 +52,7 @@ from kvflow.input_processor import InputProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
-from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
+from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
 from kvflow.models.model_resolver import resolve_model
 from kvflow.multimodal import mm_processor_of_source
 from kvflow.multimodal_inputs import MultiModalFeature
@@ -108,6 +108,10 @@ class AsyncLLM:
         try:
             mc = config.model_config
             source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
+            # config.json checked before anything reads it: the tokenizer below (transformers
+            # may read it to pick the tokenizer class) would call a broken one a tokenizer
+            # failure, and no core process starts for it
+            load_hf_config(source)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
             self.replicas.start()  # their resolve_model then finds the snapshot cached

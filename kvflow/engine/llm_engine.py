@@ -30,9 +30,12 @@ class LLMEngine:
     """EngineCore plus the input and output processing around it (in one process), or, with
     ``data_parallel_size`` N > 1, N engine-core processes behind a ``DPCoreClient``.
 
+    The constructor reads the model folder's config.json, tokenizer, generation config and
+    image processor before the core loads any weight, so a broken one fails in seconds.
+
     Raises:
-        ValueError: from the constructor for a bad config or model; from ``add_request`` for a
-            bad prompt or parameters (other requests keep running).
+        ValueError: from the constructor for a bad config, tokenizer or model; from
+            ``add_request`` for a bad prompt or parameters (other requests keep running).
         RuntimeError: with data parallelism, from the constructor if a replica fails to start
             and from ``step`` if one dies (naming it).
     """
@@ -40,32 +43,31 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
+        # The model folder's small files first, so a bad one fails in seconds, not after the
+        # weight load: config.json before the tokenizer (transformers may read it to pick the
+        # tokenizer class, and would report a broken one as a tokenizer failure).
+        hf_config = load_hf_config(source)
+        self.tokenizer = None if mc.skip_tokenizer_init else \
+            load_tokenizer(source, mc.tokenizer, mc.download_dir)
+        self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+        mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
         if config.parallel_config.data_parallel_size > 1:
-            source = resolve_model(mc.model, mc.download_dir, mc.revision)  # a Hub download happens here
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)
             max_model_len, eos_source = self.core.max_model_len, self.core.ready
             note = self.core.ready.max_model_len_note
-            vocab_size, hf_config = self.core.ready.vocab_size, None
+            vocab_size, eos_config = self.core.ready.vocab_size, None
             pooler, hidden_size = self.core.ready.pooler, self.core.ready.hidden_size
         else:
-            self.core = EngineCore(config)
-            source, eos_source = self.core.source, self.core.hf_config
+            self.core = EngineCore(config, source)
+            eos_source = eos_config = self.core.hf_config
             max_model_len, vocab_size = self.core.max_model_len, self.core.hf_config.vocab_size
             note = self.core.max_model_len_note
-            hf_config = self.core.hf_config
-            pooler, hidden_size = self.core.pooler_config, hf_config.hidden_size
-        try:
-            self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer, mc.download_dir)
-            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
-            mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
-        except BaseException:
-            self.core.shutdown()  # no orphan worker or replica processes
-            raise
+            pooler, hidden_size = self.core.pooler_config, self.core.hf_config.hidden_size
         self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
-                                        mm_processor, load_eos_token_ids(source, hf_config),
+                                        mm_processor, load_eos_token_ids(source, eos_config),
                                         pooler, hidden_size, max_model_len_note=note)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -142,14 +144,12 @@ class LLMEngine:
 
 def _mm_processor(source: ModelSource, hf_config: Any, tokenizer: Any,
                   config: EngineConfig) -> MultiModalProcessor | None:
-    """The image processor of a vision-language model (None for a text-only one); the
-    config is read here when the core runs in other processes (data parallelism).
+    """The image processor of a vision-language model (None for a text-only one, and for a
+    GGUF file: kvflow loads no vision-language GGUF).
 
     Raises:
-        ValueError: for an unreadable config or a model folder without an image processor.
+        ValueError: for a model folder without a loadable image processor.
     """
-    if hf_config is None:
-        if source.kind == "gguf":  # kvflow loads no vision-language GGUF
-            return None
-        hf_config = load_hf_config(source)
+    if source.kind == "gguf":
+        return None
     return make_mm_processor(source, hf_config, tokenizer, config.multimodal_config)

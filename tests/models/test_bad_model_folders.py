@@ -211,3 +211,68 @@ def test_unreadable_tokenizer_json_says_so(tiny_llama, monkeypatch):
     path = os.path.join(tiny_llama.path, "tokenizer.json")
     _deny_open(monkeypatch, path)
     assert tokenizer_files_problem(tiny_llama.path) == f"{path!r} cannot be read: Permission denied"
+
+
+def _spy_weight_reads(monkeypatch) -> list[str]:
+    """The weight files read from now on (every checkpoint file passes through
+    ``loader.iter_safetensors_file``), in order."""
+    from kvflow.models import loader
+
+    read: list[str] = []
+    real = loader.iter_safetensors_file
+
+    def spy(path, *args, **kwargs):
+        read.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "iter_safetensors_file", spy)
+    return read
+
+
+def test_truncated_tokenizer_json_fails_before_the_weights_load(tiny_llama, tmp_path,
+                                                                  monkeypatch):
+    """The offline engine loaded every weight (EngineCore) before it looked at the tokenizer,
+    so a broken tokenizer.json was reported only after the whole weight load."""
+    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "model"))
+    read = _spy_weight_reads(monkeypatch)
+    _llm(folder).shutdown()  # the spy sees the weights of an intact copy
+    assert read == [os.path.join(folder, "model.safetensors")]
+    read.clear()
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=re.escape(
+            f"cannot load a tokenizer from {folder!r}: {path!r} is not valid JSON")):
+        _llm(folder)
+    assert read == []
+
+
+def test_served_model_with_invalid_config_json_is_named_before_any_core_starts(
+        tiny_llama, tmp_path, monkeypatch, capsys):
+    """``kvflow serve`` started the core processes, then loaded the tokenizer in the API
+    process; transformers read the broken config.json to pick the tokenizer class, so the
+    server exited with "cannot load a tokenizer from <folder>: It looks like the config file
+    ... is not a valid JSON file", without the line and column."""
+    import socket
+
+    from kvflow.engine.replica_set import ReplicaSet
+    from kvflow.entrypoints.cli import main
+
+    def no_core(self):
+        raise AssertionError("a core process was started")
+
+    monkeypatch.setattr(ReplicaSet, "start", no_core)
+    config_path = _config_copy(tiny_llama, tmp_path / "model")
+    with open(config_path, "w") as f:
+        f.write('{"hidden_size": 64,')
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    rc = main(["serve", os.path.dirname(config_path), "--port", port, "--device", "cpu"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert err[-1] == (f"kvflow: error: model config {config_path!r} is not valid JSON: "
+                       "Expecting property name enclosed in double quotes: line 1 column 20 "
+                       "(char 19)"), err
