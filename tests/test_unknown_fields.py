@@ -126,3 +126,21 @@ def test_the_flag_and_the_config_file_key(tmp_path):
     help_text = next(a.help for a in parser._subparsers._group_actions[0].choices["serve"]
                      ._actions if a.dest == "ignore_unknown_fields")
     assert "vLLM" in help_text
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("ignore", [False, True], ids=["strict", "ignore_unknown"])
+def test_platform_fields_asking_for_what_kvflow_cannot_do_are_refused_everywhere(endpoint,
+                                                                                 ignore):
+    """``store: true`` is a 400 on chat (declared there); where OpenAI has no such field
+    (completions, embeddings) --ignore-unknown-fields used to drop it silently. Now the same
+    values are refused on every endpoint in both modes, and the ones chat accepts pass."""
+    error = _refusal(endpoint, {"store": True}, ignore)
+    assert (error.status, error.param, error.code) == (400, "store", "unsupported_parameter")
+    assert str(error) == ("store is not supported by kvflow: completions are never stored "
+                          "(send false or leave it out)")
+    error = _refusal(endpoint, {"service_tier": "flex"}, ignore)
+    assert (error.param, error.code) == ("service_tier", "unsupported_parameter")
+    for accepted in ({"store": False}, {"store": None}, {"service_tier": "auto"},
+                     {"service_tier": "default"}):
+        UnknownFields(ignore).check(_parsed(endpoint, accepted), endpoint)

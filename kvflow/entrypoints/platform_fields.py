@@ -1,6 +1,7 @@
 """OpenAI's chat fields about the platform rather than the reply (``store``,
 ``service_tier``): declared on ``ChatCompletionRequest``, accepted where kvflow already does
-what they ask, else a 400 naming the field (never silently ignored)."""
+what they ask, else a 400 naming the field (never silently ignored). Where OpenAI has no
+such field (completions, embeddings) ``unknown_fields.UNSUPPORTED`` refuses the same values."""
 
 from __future__ import annotations
 

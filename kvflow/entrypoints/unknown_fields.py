@@ -55,13 +55,20 @@ UNSUPPORTED = {
                                      "writes them (vLLM's default, true)",
     # OpenAI fields of its own models
     "verbosity": "the reply's length follows the model and max_tokens",
+    # OpenAI's chat platform fields (kvflow/entrypoints/platform_fields.py decides them on
+    # chat, where they are declared): elsewhere too a value that asks for what kvflow cannot
+    # do is refused, not ignored under --ignore-unknown-fields
+    "store": "completions are never stored (send false or leave it out)",
+    "service_tier": "every request is served on one tier (send auto or default, or leave it "
+                    "out)",
 }
 
 
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
 HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1],
             "guided_decoding_backend": ["xgrammar", "auto"],
-            "spaces_between_special_tokens": [True]}
+            "spaces_between_special_tokens": [True], "store": [False],
+            "service_tier": ["auto", "default"]}
 
 
 def refuse_unsupported(req: RequestBody) -> None:

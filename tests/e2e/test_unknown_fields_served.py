@@ -178,3 +178,18 @@ def test_fields_real_clients_send_are_accepted(strict, path, extra):
     assert streamed.status_code == 200 and '"completion_tokens":6' in \
         streamed.text.replace(" ", ""), streamed.text
 
+
+
+def test_store_true_is_refused_on_completions_even_when_ignoring(ignoring):
+    """Chat refuses ``store: true`` (kvflow keeps no completions); completions have no
+    ``store`` in OpenAI's API, and --ignore-unknown-fields used to drop it there and answer
+    200 (embeddings: tests/test_unknown_fields.py; this server's model generates).
+    ``store: false`` and ``service_tier: "default"`` ask for nothing and pass."""
+    for body, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier")):
+        resp = post(ignoring, C, {"max_tokens": 2, **body})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    reply = ok(ignoring, C, {"max_tokens": 2, "ignore_eos": True, "store": False,
+                             "service_tier": "default"})
+    assert reply["usage"]["completion_tokens"] == 2
