@@ -238,3 +238,42 @@ def test_an_empty_list_of_content_parts_is_a_400(client):
     assert "at least one part" in resp.json()["error"]["message"]
     assert client.post("/chat", json={"messages": [{"role": "user", "content": ""}]}
                        ).status_code == 200
+
+
+LONG_KEY = "k" * 65
+
+
+@pytest.mark.parametrize("body,param,code,message", [
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "array_above_max_length",
+     "metadata: at most 16 key-value pairs, got 17"),
+    ({"metadata": {LONG_KEY: "v"}}, f"metadata.{LONG_KEY}", "string_above_max_length",
+     "metadata: at most 64 characters per key, got 65"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", "string_above_max_length",
+     "metadata.k: at most 512 characters, got 513"),
+    ({"messages": []}, "messages", "empty_array", "messages: at least 1 item, got 0"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role", "missing_required_parameter",
+     "messages.0.role: a required field, not sent"),
+    ({"temperature": -1}, "temperature", "decimal_below_min_value",
+     "temperature: at least 0, got -1"),
+    ({"top_p": 1.5}, "top_p", "decimal_above_max_value", "top_p: at most 1, got 1.5"),
+    ({"n": 0}, "n", "integer_below_min_value", "n: at least 1, got 0"),
+    ({"max_tokens": "abc"}, "max_tokens", "invalid_type",
+     "max_tokens: expected an integer, got 'abc'"),
+    ({"seed": 1.5}, "seed", "invalid_type", "seed: expected an integer, got 1.5"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value",
+     "response_format.type: expected 'text', 'json_object' or 'json_schema', got 'yaml'"),
+    ({"tools": [{"type": "function", "function": {"name": "get x"}}]},
+     "tools.0.function.name", "invalid_value",
+     "tools.0.function.name: must match the pattern '^[a-zA-Z0-9_-]+$', got 'get x'"),
+], ids=["metadata_pairs", "metadata_key", "metadata_value", "no_messages", "no_role",
+        "temperature", "top_p", "n", "max_tokens_string", "seed_float", "response_format",
+        "tool_name"])
+def test_schema_refusals_name_the_field_and_the_limit_in_plain_words(client, body, param,
+                                                                    code, message):
+    """Was pydantic's wording: "Dictionary should have at most 16 items after validation, not
+    more", "Input should be greater than or equal to 0", "Field required"; now the limit the
+    field declares and what the body sent. ``param`` and ``code`` as before."""
+    resp = client.post("/chat", json={"messages": HI, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"], error["message"]) == (param, code, message)

@@ -10,7 +10,8 @@ from kvflow.entrypoints.protocol import RequestModel
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """A 400 naming the first offending field (or the JSON syntax error)."""
+    """A 400 naming the first offending field (or the JSON syntax error), with a message
+    that says the field's limit and what was sent (see :func:`_in_plain_words`)."""
     first = _reported(exc.errors())
     if first.get("type") == "invalid_unicode":
         ctx = first.get("ctx", {})
@@ -30,13 +31,83 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError("the request body is empty: expected a JSON object",
                            code="invalid_json")
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
+    # a dict key's error names the dict (its param still ends in the key)
+    where = ".".join(loc[:-1]) if _at_key(first) and len(loc) > 1 else param
+    message = f"{where}: {_in_plain_words(first)}" if param else str(first.get("msg", exc))
     if first.get("type") == "extra_forbidden":  # OpenAI's words for it
         message = f"Unrecognized request argument supplied: {param}"
     alternatives = _union_members(exc.errors(), first)
     if param and len(alternatives) > 1:  # fits no member: say what the field takes
         message = f"{param}: expected {', '.join(alternatives[:-1])} or {alternatives[-1]}"
     return OpenAIError(message, param=param, code=_error_code(first))
+
+
+def _in_plain_words(error: dict) -> str:
+    """What is wrong with the value, in the request's terms: the limit and what was sent
+    (``at most 16 key-value pairs, got 17``), not pydantic's wording ("Dictionary should have
+    at most 16 items after validation, not more"); pydantic's message for the other kinds."""
+    kind, ctx, value = str(error.get("type", "")), error.get("ctx") or {}, error.get("input")
+    if kind in ("too_long", "too_short"):
+        noun = "key-value pair" if ctx.get("field_type") == "Dictionary" else "item"
+        limit = ctx["max_length"] if kind == "too_long" else ctx["min_length"]
+        got = len(value) if isinstance(value, dict | list | tuple | set) else \
+            ctx.get("actual_length")
+        bound = "at most" if kind == "too_long" else "at least"
+        return f"{bound} {_count(limit, noun)}, got {got}"
+    if kind in ("string_too_long", "string_too_short"):
+        bound, limit = ("at most", ctx["max_length"]) if kind.endswith("long") else \
+            ("at least", ctx["min_length"])
+        of = " per key" if _at_key(error) else ""
+        return f"{bound} {_count(limit, 'character')}{of}, got {len(str(value))}"
+    if kind in _BOUNDS:
+        return f"{_BOUNDS[kind]} {_number(next(iter(ctx.values())))}, got {_sent(value)}"
+    if kind in _TYPES:
+        return f"expected {_TYPES[kind]}, got {_sent(value)}"
+    if kind in ("literal_error", "enum"):
+        return f"expected {ctx.get('expected')}, got {_sent(value)}"
+    if kind == "string_pattern_mismatch":
+        return f"must match the pattern {ctx.get('pattern')!r}, got {_sent(value)}"
+    if kind == "missing":
+        return "a required field, not sent"
+    return str(error.get("msg"))
+
+
+def _at_key(error: dict) -> bool:
+    """Whether the error is about a dict's key (pydantic ends its location with ``[key]``)."""
+    return tuple(error.get("loc", ()))[-1:] == ("[key]",)
+
+
+_BOUNDS = {"greater_than_equal": "at least", "greater_than": "must be greater than",
+           "less_than_equal": "at most", "less_than": "must be less than"}
+_TYPES = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+          "float_type": "a number", "float_parsing": "a number", "string_type": "a string",
+          "bool_type": "a boolean", "bool_parsing": "a boolean", "list_type": "a list",
+          "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object"}
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 item``, ``16 items``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _number(x: object) -> object:
+    """A bound as the request would write it: ``0``, not pydantic's ``0.0``."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _sent(value: object) -> str:
+    """The sent value in JSON's words: a number or boolean as written, short strings quoted,
+    else its JSON type."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _union_members(errors: list[dict], first: dict) -> list[str]:
