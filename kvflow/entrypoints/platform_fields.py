@@ -22,3 +22,11 @@ def refuse_platform_options(req: ChatCompletionRequest) -> None:
                           "serves every request on one tier (send auto or default; "
                           "kvflow's priority field orders the queue under --policy "
                           "priority)", param="service_tier", code="unsupported_value")
+
+
+def served_tier(req: ChatCompletionRequest) -> str | None:
+    """The ``service_tier`` a chat reply carries: OpenAI's names the tier that served the
+    request when the request set one (``auto`` resolves to the tier used), so ``"default"``,
+    kvflow's one tier, for ``auto`` or ``default``; None (no field in the reply) when the
+    request set none. Call after :func:`refuse_platform_options`."""
+    return None if req.service_tier is None else "default"

@@ -22,7 +22,7 @@ from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
-from kvflow.entrypoints.platform_fields import refuse_platform_options
+from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
 from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     ChatChoice,
@@ -267,7 +267,7 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.response_model(req.model), choices=choices,
-            usage=_usage(len(ids), num_generated),
+            usage=_usage(len(ids), num_generated), service_tier=served_tier(req),
             prompt_token_ids=ids if req.return_token_ids else None)
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
@@ -289,7 +289,8 @@ class OpenAIServingChat(OpenAIServing):
                 usage = _usage(len(ids), num_generated)
             return ChatCompletionStreamResponse(id=request_id, created=created,
                                                 model=self.response_model(req.model), choices=choices,
-                                                usage=usage, prompt_token_ids=prompt_token_ids)
+                                                usage=usage, service_tier=served_tier(req),
+                                                prompt_token_ids=prompt_token_ids)
 
         def role_chunk() -> ChatCompletionStreamResponse:
             """Every choice's first chunk: the role and (as vLLM) the prompt's token ids."""

@@ -469,6 +469,21 @@ def chat_cases() -> dict[str, Callable]:
                 rejected(CH, refused, next(iter(refused)))(server, tokenizer)
         return check
 
+    def service_tier(server, tokenizer):
+        """Accepted with the same reply, which then names the tier that served it, as
+        OpenAI's does: "default", kvflow's one tier (``auto`` resolves to it), on every
+        streamed chunk too; a request that sends none gets no such field; ``flex`` is a 400."""
+        same_reply({"service_tier": "default"}, {"service_tier": "flex"})(server, tokenizer)
+        assert "service_tier" not in ok(server, CH, {})
+        for sent in ("auto", "default"):
+            assert ok(server, CH, {"service_tier": sent})["service_tier"] == "default"
+            body = {"service_tier": sent, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            events = [json.loads(line[6:]) for line in post(server, CH, body).text.splitlines()
+                      if line.startswith("data: {")]
+            assert len(events) > 2 and [e.get("service_tier") for e in events] == \
+                ["default"] * len(events), events
+
     def safety_identifier(server, tokenizer):
         same_reply({"safety_identifier": "sid-4c1d"})(server, tokenizer)
         assert "safety_identifier 'sid-4c1d'" in server.log()
@@ -492,7 +507,7 @@ def chat_cases() -> dict[str, Callable]:
             "metadata": same_reply({"metadata": {"team": "a", "run": "7"}},
                                    {"metadata": {f"k{i}": "v" for i in range(17)}}),
             "store": same_reply({"store": False}, {"store": True}),
-            "service_tier": same_reply({"service_tier": "default"}, {"service_tier": "flex"}),
+            "service_tier": service_tier,
             "prompt_cache_key": same_reply({"prompt_cache_key": "conversation-9"}),
             "safety_identifier": safety_identifier}
 

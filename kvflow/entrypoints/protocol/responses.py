@@ -101,7 +101,9 @@ class ChatChoice(OmitNoneModel):
 
 
 class ChatCompletionResponse(OmitNoneModel):
-    OMIT_IF_NONE = ("prompt_token_ids",)
+    """``service_tier``: the tier that served the request, when it sent one (as OpenAI's)."""
+
+    OMIT_IF_NONE = ("prompt_token_ids", "service_tier")
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -109,6 +111,7 @@ class ChatCompletionResponse(OmitNoneModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    service_tier: str | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -151,9 +154,10 @@ class ChatStreamChoice(OmitNoneModel):
 
 
 class ChatCompletionStreamResponse(OmitNoneModel):
-    """A chat stream chunk; ``prompt_token_ids`` (``return_token_ids``) on the first only."""
+    """A chat stream chunk; ``prompt_token_ids`` (``return_token_ids``) on the first only;
+    ``service_tier`` on every chunk when the request sent one (as OpenAI's)."""
 
-    OMIT_IF_NONE = ("prompt_token_ids",)
+    OMIT_IF_NONE = ("prompt_token_ids", "service_tier")
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -161,4 +165,5 @@ class ChatCompletionStreamResponse(OmitNoneModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    service_tier: str | None = None
     prompt_token_ids: list[int] | None = None
