@@ -1,7 +1,8 @@
 """Runs the model for one scheduled step: inputs -> forward -> logits -> sampled tokens.
 
 Its helpers, one job each: ``attention_backends`` (kvflow's own backends by name),
-``cpu_setup`` (threads, GEMM kernels), ``model_setup`` (quantization config, draft model),
+``cpu_setup`` (threads, GEMM kernels), ``model_setup`` (quantization config, attention backend
+choice, weights loaded, draft model),
 ``kv_cache_setup`` (specs, memory budget, tensors), ``step_inputs`` (the scheduler's changes
 applied, LoRA mapping, tokens still on the device), ``forward_pass`` (the model's forward with
 the attention metadata bound), ``pipeline_stages`` (hand-off between pipeline stages),
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.attention.layer import Attention, AttentionContext
+from kvflow.attention.layer import Attention
 from kvflow.config import EngineConfig, parse_bytes
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
@@ -30,22 +31,15 @@ from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.malloc_env import keep_freed_memory
-from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.pooling_config import model_task
-from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_timing import time_draft_passes
-from kvflow.worker.attention_backends import (
-    make_attention_backend,
-    make_context_parallel_backend,
-    make_mla_backend,
-)
-from kvflow.worker.cpu_setup import choose_gemm_path, configure_runner_threads
+from kvflow.worker.cpu_setup import configure_runner_threads
 from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.kv_cache_setup import (
@@ -59,7 +53,7 @@ from kvflow.worker.kv_cache_setup import (
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
-from kvflow.worker.model_setup import make_draft_model, runner_quant_config
+from kvflow.worker.model_setup import load_runner_model, make_draft_model
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.sampling_inputs import SamplingInputs
@@ -111,14 +105,11 @@ class ModelRunner:
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         mc = self.config.model_config
-        self.quant_config = runner_quant_config(self.config, source, hf_config, self.device)
-        self.attn_ctx = AttentionContext(self._attention_backend(hf_config))
+        self.model, self.attn_ctx, self.quant_config = load_runner_model(
+            self.config, self.platform, source, hf_config, self.dtype, self.parallel)
         self.long_prompt_rope = long_prompt_rope(hf_config)  # LongRoPE's long-prompt rows
-        self.model = load_model(source, hf_config, self.attn_ctx, self.dtype, self.device,
-                                mc.load_format, mc.seed, self.quant_config, self.parallel)
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
         self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
-        choose_gemm_path(self.model, self.config, self.platform, self.device, self.dtype)
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
             if lc.enable_lora else None
@@ -129,24 +120,6 @@ class ModelRunner:
                             if isinstance(m, Attention)}
         self.mm_runner = MultiModalRunner(self.model, self.parallel.pp.is_first_rank) \
             if getattr(self.model, "supports_multimodal", False) else None
-
-    def _attention_backend(self, hf_config: Any):
-        """The target model's attention backend: context-parallel with CP ranks, the MLA one
-        for an MLA model, else ``--attention-backend`` (or the platform's default) from the
-        platform, then from kvflow's own (``make_attention_backend``, looked up on this
-        module); under ``--deterministic`` always kvflow's batch-invariant one."""
-        requested = self.config.device_config.attention_backend
-        deterministic = self.config.device_config.deterministic
-        if self.parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
-            return make_context_parallel_backend(
-                self.parallel.cp, hf_config, self.block_size,
-                self.config.parallel_config.context_parallel_prefill == "ring")
-        if uses_mla(hf_config):
-            return make_mla_backend(requested)
-        name = requested or self.platform.default_attention_backend
-        backend = None if deterministic else self.platform.get_attention_backend(name)
-        return backend or make_attention_backend(name, deterministic, self.device,
-                                                 self.config.device_config.cpu_attention)
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)

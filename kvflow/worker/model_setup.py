@@ -1,21 +1,89 @@
-"""The runner's model set-up beside loading: the quantization config (checked against
-``--deterministic``) and the speculative-decoding draft model."""
+"""The runner's model set-up: the quantization config (checked against ``--deterministic``),
+the attention backend, the weights loaded onto the device with their GEMM path chosen, and the
+speculative-decoding draft model. ``ModelRunner`` keeps the running state."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
+from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
+from kvflow.models.registry import uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_model import DraftModel
-from kvflow.worker.attention_backends import make_attention_backend
+from kvflow.worker.attention_backends import (
+    make_attention_backend,
+    make_context_parallel_backend,
+    make_mla_backend,
+)
 from kvflow.worker.cpu_setup import choose_gemm_path
 from kvflow.worker.deterministic import check_supported as check_deterministic
+
+logger = logging.getLogger(__name__)
+
+
+class LoadedModel(NamedTuple):
+    """:func:`load_runner_model`'s result: the model on its device (this rank's shard and
+    pipeline stage), the attention context its layers share, and its quantization config
+    (None: unquantized)."""
+
+    model: nn.Module
+    attn_ctx: AttentionContext
+    quant_config: Any
+
+
+def load_runner_model(config: EngineConfig, platform: Platform, source: ModelSource,
+                      hf_config: Any, dtype: torch.dtype, parallel: ParallelState
+                      ) -> LoadedModel:
+    """Build the target model on ``platform.device``: quantization config, attention backend
+    (:func:`choose_attention_backend`), weights (``loader.load_model``), GEMM path.
+
+    Raises:
+        ValueError: for a quantization, attention backend or checkpoint that cannot be used
+            (see the functions named).
+    """
+    mc, device = config.model_config, platform.device
+    quant_config = runner_quant_config(config, source, hf_config, device)
+    attn_ctx = AttentionContext(choose_attention_backend(config, platform, parallel,
+                                                         hf_config))
+    model = load_model(source, hf_config, attn_ctx, dtype, device, mc.load_format, mc.seed,
+                       quant_config, parallel)
+    choose_gemm_path(model, config, platform, device, dtype)
+    return LoadedModel(model, attn_ctx, quant_config)
+
+
+def choose_attention_backend(config: EngineConfig, platform: Platform,
+                             parallel: ParallelState, hf_config: Any):
+    """The target model's attention backend: context-parallel with CP ranks, the MLA one
+    for an MLA model, else ``--attention-backend`` (or the platform's default) from the
+    platform, then from kvflow's own (``make_attention_backend``, looked up on this module
+    so a test can stand one in); under ``--deterministic`` always kvflow's batch-invariant
+    one.
+
+    Raises:
+        ValueError: see :func:`~kvflow.worker.attention_backends.make_attention_backend`,
+            ``make_context_parallel_backend`` and ``make_mla_backend``.
+    """
+    dc = config.device_config
+    if parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
+        return make_context_parallel_backend(
+            parallel.cp, hf_config, config.cache_config.block_size,
+            config.parallel_config.context_parallel_prefill == "ring")
+    if uses_mla(hf_config):
+        return make_mla_backend(dc.attention_backend)
+    name = dc.attention_backend or platform.default_attention_backend
+    backend = None if dc.deterministic else platform.get_attention_backend(name)
+    return backend or make_attention_backend(name, dc.deterministic, platform.device,
+                                             dc.cpu_attention)
 
 
 def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: Any,

@@ -158,7 +158,7 @@ def test_bad_arguments_raise_value_error():
 def test_build_falls_back_when_disabled_or_no_compiler(monkeypatch, tmp_path):
     """KVFLOW_NATIVE_CPU=0 or a compiler that fails gives None (the torch backend is used)."""
     from kvflow.kernels import cpu_native
-    from kvflow.worker.model_runner import make_attention_backend
+    from kvflow.worker.attention_backends import make_attention_backend
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     try:

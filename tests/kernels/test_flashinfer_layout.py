@@ -201,12 +201,12 @@ def test_engine_with_stand_in_flashinfer_matches_torch_backend(tiny_llama_path, 
     per step, chunked prefill, prefix-cache hits, decodes; greedy tokens equal the torch
     backend's."""
     pytest.importorskip("triton")
-    from kvflow.worker import model_runner
+    from kvflow.worker import model_setup
     from tests.kernels.test_engine_triton_cpu import _greedy, _llm
 
     reference = _greedy(_llm(tiny_llama_path, "torch"))
-    make = model_runner.make_attention_backend
-    monkeypatch.setattr(model_runner, "make_attention_backend", lambda name, *a, **k: (
+    make = model_setup.make_attention_backend
+    monkeypatch.setattr(model_setup, "make_attention_backend", lambda name, *a, **k: (
         FlashInferPagedAttentionBackend(torch.device("cuda")) if name == "flashinfer"
         else make(name, *a, **k)))  # past the CUDA check: the stand-in runs on CPU tensors
     assert _greedy(_llm(tiny_llama_path, "flashinfer")) == reference
