@@ -377,11 +377,16 @@ def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], 
 
 def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str
                         ) -> list[dict[str, Any]]:
-    """``prompt`` as the system message, before the conversation's own system text if any."""
+    """``prompt`` as the system message, after the conversation's own system text if any
+    (a blank line between; content given as parts gets it as one more text part, which the
+    parts' newline join renders the same)."""
     if conversation and conversation[0].get("role") == "system":
-        first = {**conversation[0],
-                 "content": f"{conversation[0].get('content') or ''}\n\n{prompt}".strip()}
-        return [first, *conversation[1:]]
+        content = conversation[0].get("content")
+        if isinstance(content, list):
+            content = [*content, {"type": "text", "text": f"\n{prompt}"}]
+        else:
+            content = f"{content or ''}\n\n{prompt}".strip()
+        return [{**conversation[0], "content": content}, *conversation[1:]]
     return [{"role": "system", "content": prompt}, *conversation]
 
 
