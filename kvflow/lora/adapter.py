@@ -11,7 +11,8 @@ kvflow fuses q/k/v and gate/up into one matmul each; the model's ``packed_module
 says where a PEFT module lands (``q_proj`` -> shard ``"q"`` of ``qkv_proj``). Everything kvflow
 cannot apply (DoRA, trained biases, ``modules_to_save``, activated LoRA, replicated layers,
 embedding or LM-head targets, a rank
-above ``max_lora_rank``, a module the model does not have, a shape that does not fit) is a
+above ``max_lora_rank``, a module the model does not have, a shape that does not fit, weights
+whose rank is not the config's) is a
 ``ValueError`` when the adapter is loaded, never at a request.
 """
 
@@ -203,6 +204,19 @@ def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def _check_config_rank(config: dict[str, Any], peft_module: str, rank: int,
+                       path: str) -> None:
+    """Raises ValueError when the weights' ``rank`` of ``peft_module`` is not the rank
+    ``adapter_config.json`` gives it (``rank_pattern``, else ``r``): the scaling
+    ``lora_alpha / r`` would be ambiguous, and peft refuses to load such an adapter."""
+    module = peft_module.removeprefix(_PREFIX)
+    said = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+    if said != rank:
+        raise ValueError(f"adapter module {peft_module!r} of {path!r} has rank {rank} "
+                         f"(lora_A rows) but adapter_config.json says {said}: the config "
+                         "does not belong to these weights")
+
+
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     """The tensors of the folder's ``adapter_model.safetensors``.
 
@@ -272,6 +286,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         if a.shape[0] > max_rank:  # its weights say more than its adapter_config.json
             raise rank_error(request.lora_name, a.shape[0], max_rank,
                              f"module {peft_module!r} of {request.lora_path!r}")
+        _check_config_rank(config, peft_module, a.shape[0], request.lora_path)
         scale = _scaling(config, peft_module.removeprefix(_PREFIX), a.shape[0])
         weights.setdefault(module, {})[shard] = (a.to(dtype), (b.float() * scale).to(dtype))
         rank = max(rank, a.shape[0])

@@ -162,6 +162,26 @@ def test_rank_error_names_the_adapter(llm, tiny_llama, tmp_path):
     assert not llm.engine.core.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("changes, rank", [({"r": 2}, 2), ({"rank_pattern": {"v_proj": 8}}, 8)],
+                         ids=["r", "rank_pattern"])
+def test_config_rank_that_contradicts_the_weights_is_refused(llm, tiny_llama, adapters,
+                                                             tmp_path, changes, rank):
+    """adapter_config.json's rank (r, or rank_pattern for a module) differs from the rank of
+    the weights (4), both within --max-lora-rank: it was served, scaled by lora_alpha over the
+    weights' rank, which is neither what the config says nor loadable: peft refuses it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = _edit_config(adapters["qv"], str(tmp_path / "contradicts"), **changes)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama.path), path)
+    with pytest.raises(ValueError) as exc:
+        llm.generate("hi", SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("contradicts", 90 + rank, path))
+    assert "has rank 4" in str(exc.value) and f"says {rank}" in str(exc.value), exc.value
+    assert not llm.engine.core.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("size", [500, 8], ids=["500_bytes", "8_bytes"])
 def test_truncated_adapter_names_the_file(llm, adapters, tmp_path, size):
     import shutil
