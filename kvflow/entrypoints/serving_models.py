@@ -10,6 +10,7 @@ prefix-cache blocks or device slots with the old one.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.protocol import ModelCard
@@ -32,6 +33,7 @@ class ServingModels:
         self.engine, self.base_name = engine, base_name
         self.loras: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._loading: Counter[str] = Counter()  # name -> its loads still in the engine
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model, also for an omitted model).
@@ -59,16 +61,26 @@ class ServingModels:
         the old weights is reused); if the new one is refused, the old one stays.
 
         Raises:
-            ValueError: for the base model's name, a name in use (without ``replace``), or
-                an adapter the engine refuses (rank above --max-lora-rank, target modules
-                kvflow cannot adapt, no --enable-lora, ...).
+            ValueError: for the base model's name, a name in use or still being loaded by
+                another request (without ``replace``), or an adapter the engine refuses
+                (rank above --max-lora-rank, target modules kvflow cannot adapt, no
+                --enable-lora, ...).
         """
-        if name == self.base_name or (name in self.loras and not replace):
+        loading = " (by a request whose load is still running)" \
+            if name not in self.loras and self._loading[name] else ""
+        if name == self.base_name or (not replace and (name in self.loras or loading)):
             hint = "" if name == self.base_name else \
                 "; send load_inplace: true to replace it"
-            raise ValueError(f"the LoRA adapter {name!r} has already been loaded{hint}")
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded"
+                             f"{loading}{hint}")
         lora = LoRARequest(name, next(self._ids), path)
-        await self.engine.add_lora(lora)
+        self._loading[name] += 1
+        try:
+            await self.engine.add_lora(lora)
+        finally:
+            self._loading[name] -= 1
+            if not self._loading[name]:
+                del self._loading[name]
         old = self.loras.get(name)
         self.loras[name] = lora
         if old is not None:
