@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,7 +28,7 @@ from kvflow.entrypoints.sampling_requests import (
 )
 from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, request_ids
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
-from kvflow.entrypoints.text_offsets import TokenTextOffsets
+from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
@@ -151,8 +152,9 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = self._echo(req, prompts[i])
             for c in out.outputs:
                 num_generated += len(c.token_ids)
-                choice = self._choice(req, i * req.n + c.index, echo + c.text, c,
-                                      self._offsets(req, len(echo)), len(echo + c.text))
+                offsets = [] if req.logprobs is None else self._offsets(
+                    req, len(echo)).next_offsets(c.token_ids, len(echo + c.text))
+                choice = self._choice(req, i * req.n + c.index, echo + c.text, c, offsets)
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
                                             prompts[i][1], out,
@@ -172,16 +174,29 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _choice(req: CompletionRequest, index: int, text: str, c: CompletionOutput,
-                offsets: TokenTextOffsets, text_end: int | None) -> CompletionChoice:
-        """One choice for (a delta of) a sample; ``offsets`` gives its tokens' text offsets
-        (capped at ``text_end`` when given)."""
+                text_offsets: list[int]) -> CompletionChoice:
+        """One choice for (a delta of) a sample; ``text_offsets``: its tokens' text offsets
+        (read only when the request asks for logprobs)."""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs or [],
-                                           offsets.next_offsets(c.token_ids, text_end))
+            logprobs = completion_logprobs(c.token_ids, c.logprobs or [], text_offsets)
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 token_ids=c.token_ids if req.return_token_ids else None)
+
+    def _release(self, req: CompletionRequest, c: CompletionOutput,
+                 held: dict[int, StreamedTokenOffsets], index: int, start: int,
+                 text_sent: int) -> tuple[CompletionOutput, list[int]]:
+        """A streamed delta ``c`` of choice ``index`` with only the tokens (and logprobs)
+        the stream may send now, and their text offsets: a token starting in text the stream
+        still holds back waits for it (``StreamedTokenOffsets``). ``start``: the offset of
+        the choice's first token; ``text_sent``: the choice's characters sent so far, this
+        delta's included."""
+        if index not in held:
+            held[index] = StreamedTokenOffsets(self._offsets(req, start))
+        ids, entries, text_offsets = held[index].release(c.token_ids, c.logprobs or [],
+                                                         text_sent, c.finished)
+        return dataclasses.replace(c, token_ids=ids, logprobs=entries), text_offsets
 
     def _prompt_logprobs(self, ids: list[int], out, text_end: int) -> CompletionLogProbs:
         """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
@@ -206,7 +221,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
         include_usage, continuous_usage = self.stream_usage(req)
-        offsets: dict[int, TokenTextOffsets] = {}  # choice index -> its tokens' text offsets
+        offsets: dict[int, StreamedTokenOffsets] = {}  # choice index -> its tokens not sent
         ends: dict[int, int] = {}  # choice index -> characters sent
         want_tokens = req.logprobs is not None or req.return_token_ids
         prompt_outputs = {}  # prompt index -> the delta that carried its prompt logprobs
@@ -218,16 +233,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = i * req.n + c.index
                 num_generated += len(c.token_ids)
                 # The first chunk sent for a choice carries the echo.
-                echo = "" if index in offsets else self._echo(req, prompts[i])
+                first = index not in sent_prompt
+                echo = self._echo(req, prompts[i]) if first else ""
                 text = echo + c.text
+                ends[index] = ends.get(index, 0) + len(text)
+                text_offsets: list[int] = []
+                if req.logprobs is not None:
+                    c, text_offsets = self._release(req, c, offsets, index, len(echo),
+                                                    ends[index])
                 if not text and c.finish_reason is None and not (want_tokens and c.token_ids):
                     continue  # text held back (partial character, stop-string prefix)
-                if index not in offsets:
-                    offsets[index] = self._offsets(req, len(echo))
-                ends[index] = ends.get(index, 0) + len(text)
-                choice = self._choice(req, index, text, c, offsets[index],
-                                      ends[index] if c.finish_reason is not None else None)
-                first = index not in sent_prompt
+                choice = self._choice(req, index, text, c, text_offsets)
                 sent_prompt.add(index)
                 if echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,

@@ -12,6 +12,7 @@ meaning: the character position in prompt + completion text at which the token s
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,4 +46,41 @@ class TokenTextOffsets:
             out.append(here if text_end is None else min(here, text_end))
             if self._detok is not None:
                 self._detok.update([token_id], finished=False)
+        return out
+
+
+class StreamedTokenOffsets:
+    """A streamed choice's tokens with their text offsets, sent only once the stream has sent
+    the text they start in.
+
+    A stream holds text back (a stop-string prefix) while its tokens arrive. A token that
+    starts in held-back text has an offset past the text sent so far; should a stop string
+    then cut that text, the whole response caps the token at the cut text's end, but a
+    stream that had sent it could not take it back (its offsets went down and past the
+    returned text). So such tokens (with their logprobs) wait; released, each has the offset
+    the whole response gives it.
+
+    Args:
+        offsets: the choice's ``TokenTextOffsets``.
+    """
+
+    def __init__(self, offsets: TokenTextOffsets) -> None:
+        self._offsets = offsets
+        self._token_ids: list[int] = []
+        self._logprobs: list[Any] = []
+        self._starts: list[int] = []
+
+    def release(self, token_ids: Sequence[int], logprobs: Sequence[Any], text_sent: int,
+                final: bool) -> tuple[list[int], list[Any], list[int]]:
+        """Add a delta's ``token_ids`` and their ``logprobs`` entries; returns the tokens to
+        send now, their entries and their offsets: those starting within the ``text_sent``
+        characters sent so far (this delta's text included), or all of them, capped at
+        ``text_sent``, when the choice is ``final``."""
+        self._token_ids += token_ids
+        self._logprobs += logprobs
+        self._starts += self._offsets.next_offsets(token_ids)
+        num = len(self._starts) if final else bisect.bisect_right(self._starts, text_sent)
+        out = (self._token_ids[:num], self._logprobs[:num],
+               [min(start, text_sent) for start in self._starts[:num]])
+        del self._token_ids[:num], self._logprobs[:num], self._starts[:num]
         return out

@@ -413,6 +413,26 @@ def test_echo_text_offsets_index_the_returned_text_across_split_characters(clien
     assert streamed == offsets
 
 
+
+def test_streamed_text_offsets_under_a_stop_string_equal_the_whole_response(client, tokenizer):
+    """A stop string completed by the 3rd of three tokens: the stream sent each token while
+    its text was held back (a stop-string prefix), the 2nd with the offset it has before the
+    cut (1), then the last one capped at the cut text's end (0): [0, 1, 0], going back and
+    past the returned text "". Hand-computed: the text is empty, so every offset is 0, as
+    the whole response says; the stream must send the same offsets (and token ids)."""
+    hash_id = tokenizer.convert_tokens_to_ids("#")
+    params = {"max_tokens": 8, "temperature": 0, "logit_bias": {str(hash_id): 100},
+              "stop": ["###"], "logprobs": 0, "return_token_ids": True}
+    (c,) = complete(client, **params).choices
+    assert c.text == "" and c.finish_reason == "stop" and c.token_ids == [hash_id] * 3
+    assert c.logprobs.text_offset == [0, 0, 0]
+    chunks = list(complete(client, stream=True, **params))
+    streamed = [o for ch in chunks for cc in ch.choices if cc.logprobs
+                for o in cc.logprobs.text_offset]
+    assert streamed == [0, 0, 0]
+    assert [t for ch in chunks for cc in ch.choices for t in cc.token_ids or []] == \
+        [hash_id] * 3
+
 def test_logit_bias_forces_a_token(client, tokenizer):
     token = tokenizer.encode(" fox")[-1]
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
