@@ -59,6 +59,8 @@ class MultiModalProcessor:
         self.merge = int(getattr(image_processor, "merge_size", 1))
         self.patch_size = int(getattr(image_processor, "patch_size", 1))
         self.placeholder = _placeholder_text(tokenizer, hf_config, self.image_token_id)
+        video = getattr(hf_config, "video_token_id", None)  # kvflow takes no video yet
+        self.video_token_id = None if video is None else int(video)
 
     def process(self, token_ids: list[int], images: list[Image.Image]
                 ) -> tuple[list[int], list[MultiModalFeature]]:
@@ -68,10 +70,14 @@ class MultiModalProcessor:
             (the expanded prompt, one feature per image in prompt order).
 
         Raises:
-            ValueError: if the prompt's placeholder count differs from the image count, or
-                there are more images than ``max_images_per_prompt``; ``MediaError`` for an
+            ValueError: if the prompt's placeholder count differs from the image count, it
+                holds the video placeholder token, or there are more images than
+                ``max_images_per_prompt``; ``MediaError`` for an
                 image the model cannot take (too small, too elongated, too large).
         """
+        if self.video_token_id is not None and self.video_token_id in token_ids:
+            raise ValueError(f"the prompt holds the video placeholder token (id "
+                             f"{self.video_token_id}): kvflow takes no video yet, only images")
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(images) > self.config.max_images_per_prompt:
             raise ValueError(f"{len(images)} images in one prompt; the limit is "

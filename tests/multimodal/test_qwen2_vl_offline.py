@@ -145,6 +145,20 @@ def test_bad_prompts_raise_value_error(llm, prompt, match):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("text", ["look <|vision_start|><|video_pad|><|vision_end|> now",
+                                  "x <|video_pad|>"])
+def test_video_placeholder_is_refused(llm, text):
+    """kvflow takes no video (README): a prompt holding Qwen2-VL's video placeholder token
+    was generated from as if the token were text (its raw embedding, which the model only
+    saw replaced by a video's features), while a stray image placeholder is refused; a
+    video placeholder is refused too, in a prompt and in a chat message."""
+    with pytest.raises(ValueError, match="video"):
+        llm.generate(text, greedy())
+    with pytest.raises(ValueError, match="video"):
+        llm.chat([{"role": "user", "content": text}], greedy())
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("size,match", [((1, 1), "at least 14 pixels"),
                                         ((3000, 10), "at least 14 pixels"),
                                         ((5000, 20), "aspect ratio")])
