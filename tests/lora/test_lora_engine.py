@@ -162,6 +162,21 @@ def test_rank_error_names_the_adapter(llm, tiny_llama, tmp_path):
     assert not llm.engine.core.has_unfinished_requests()
 
 
+def test_rank_and_alpha_patterns_match_peft(llm, tiny_llama, tmp_path):
+    """Per-module ranks and alphas (peft's rank_pattern / alpha_pattern, a suffix and a
+    one-layer key): the weights' ranks agree with the config (the check above accepts them)
+    and the greedy tokens equal peft's."""
+    path = make_adapter(tiny_llama.path, str(tmp_path / "patterns"), 5, r=8, lora_alpha=16,
+                        target_modules=["q_proj", "v_proj", "down_proj"],
+                        rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 2},
+                        alpha_pattern={"down_proj": 4})
+    ids = llm.engine.tokenizer.encode(PROMPTS[0])
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                       lora_request=LoRARequest("patterns", 95, path))
+    assert out[0].outputs[0].token_ids == peft_greedy(tiny_llama.path, path, ids)
+
+
 @pytest.mark.parametrize("changes, rank", [({"r": 2}, 2), ({"rank_pattern": {"v_proj": 8}}, 8)],
                          ids=["r", "rank_pattern"])
 def test_config_rank_that_contradicts_the_weights_is_refused(llm, tiny_llama, adapters,
