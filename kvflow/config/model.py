@@ -24,7 +24,8 @@ class ModelConfig:
                      choices=["auto", "generate", "embed"])
     dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
-    seed: int = opt(0, "seed for unseeded random sampling and dummy weights")
+    seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "
+                     "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
     load_format: str = opt("auto", "weights: auto (from files) or dummy (random init)",
                             choices=["auto", "dummy"])
     skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only)")
@@ -49,6 +50,9 @@ class ModelConfig:
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
                              "to quantization='int4' only (quantization="
                              f"{self.quantization!r})")
+        if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed={self.seed} is out of range: torch's generators take an "
+                             "integer in [-2**63, 2**64)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")
