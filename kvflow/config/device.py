@@ -241,6 +241,8 @@ class DeviceConfig:
         cpu_gguf_choice()
         cpu_quant_choice()
         forced_isa_level()  # a bad KVFLOW_CPU_ISA fails here too
+        fused_kernels_enabled()  # the CUDA-only switches too: a CPU engine never reads
+        lora_kernel_choice()  # them later, so a typo there went unnoticed
         self._check_native_choices()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads={self.cpu_threads} must be >= 1")
