@@ -234,3 +234,24 @@ def test_server_stopped_by_an_ignored_signal_still_ends_as_signalled(monkeypatch
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_empty_api_key_in_the_environment_is_refused(value):
+    """README: an empty key is refused at start (it would leave the server open); an empty
+    KVFLOW_API_KEY used to be read as no key at all, serving every route without one."""
+    with pytest.raises(ValueError, match=r"KVFLOW_API_KEY=.* is empty"):
+        ServerConfig.from_cli_args(_parse(), env={"KVFLOW_API_KEY": value})
+    # a key typed on the command line wins over the variable, empty or not
+    assert ServerConfig.from_cli_args(_parse("--api-key", "k"),
+                                      env={"KVFLOW_API_KEY": value}).api_key == "k"
+
+
+def test_empty_api_key_variable_is_one_line_before_loading(monkeypatch, capsys):
+    from kvflow.entrypoints.cli import main
+
+    monkeypatch.setenv("KVFLOW_API_KEY", "")
+    rc = main(["serve", "/nonexistent/model"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("kvflow: error: KVFLOW_API_KEY='' is empty"), lines[0]

@@ -111,9 +111,19 @@ class ServerConfig:
     def from_cli_args(cls, args: argparse.Namespace,
                       env: dict[str, str] | None = None) -> ServerConfig:
         """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
-        (default: the process environment)."""
+        (default: the process environment).
+
+        Raises:
+            ValueError: for a bad flag value, or a ``KVFLOW_API_KEY`` that is set but empty
+                or blank (it would leave the server open, as an empty ``--api-key`` would;
+                unset it to serve without a key).
+        """
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if values.get("api_key") is None:
-            values["api_key"] = (os.environ if env is None else env).get("KVFLOW_API_KEY") \
-                or None
+            key = (os.environ if env is None else env).get("KVFLOW_API_KEY")
+            if key is not None and not key.strip():
+                raise ValueError(f"KVFLOW_API_KEY={key!r} is empty: an empty key would leave "
+                                 "the server open; give a key, or unset the variable to "
+                                 "serve without one")
+            values["api_key"] = key
         return cls(**values)
