@@ -127,6 +127,9 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
     require_positive(window=args.window, greedy_tokens=args.greedy_tokens)
     if args.window < 2:
         raise ValueError(f"--window must be >= 2, got {args.window}")
+    if args.num_greedy_prompts < 0:
+        raise ValueError(f"--num-greedy-prompts must be >= 0 (0: no greedy check), got "
+                         f"{args.num_greedy_prompts}")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "perplexity")
     text = read_text_file(args.text_file, "--text-file")

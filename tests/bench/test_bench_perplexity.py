@@ -100,3 +100,15 @@ def test_text_of_one_token_is_one_line(tiny_llama, tmp_path, capsys):
     expected = (f"kvflow: error: --text-file {text_file} has 1 token(s): at least 2 are needed "
                 "to score one")
     assert rc == 2 and lines == [expected]
+
+
+@pytest.mark.parametrize("count", ["-1", "-2"])
+def test_negative_greedy_prompts_is_one_line_before_loading(capsys, count):
+    """0 means no greedy check; a negative count was run: -1 ended in a ZeroDivisionError
+    traceback after the model had loaded and the text had been scored."""
+    rc = main(["bench", "perplexity", "--model", "/nonexistent/model",
+               "--num-greedy-prompts", count])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0] == (f"kvflow: error: --num-greedy-prompts must be >= 0 (0: no greedy "
+                        f"check), got {count}"), lines[0]
