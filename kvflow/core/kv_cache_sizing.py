@@ -19,6 +19,7 @@ from kvflow.kv_cache_interface import (
 )
 from kvflow.layers.rotary import rope_max_positions
 from kvflow.models.registry import position_offset
+from kvflow.platforms.cpu import host_memory_bytes
 
 
 def model_positions(hf_config: Any, config: EngineConfig, is_encoder: bool) -> int | None:
@@ -93,7 +94,8 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
     """Blocks of --swap-space with --preemption-mode swap (0 otherwise).
 
     Raises:
-        ValueError: for a setup swapping does not support.
+        ValueError: for a setup swapping does not support, or a --swap-space larger than
+            the machine's memory or smaller than one block.
     """
     if engine_config.scheduler_config.preemption_mode != "swap":
         return 0
@@ -107,7 +109,12 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
         if present:
             raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
                              "--preemption-mode recompute")
-    num = parse_bytes(engine_config.cache_config.swap_space) // config.page_size_bytes
+    swap_space = engine_config.cache_config.swap_space
+    total = host_memory_bytes()
+    if parse_bytes(swap_space) > total:  # more than lazily mapped pages could ever back
+        raise ValueError(f"--swap-space {swap_space} (host memory per worker) exceeds this "
+                         f"machine's {total / 2**30:.2f} GiB of memory; lower it")
+    num = parse_bytes(swap_space) // config.page_size_bytes
     if num < 1:
         raise ValueError(f"--swap-space {engine_config.cache_config.swap_space} holds no "
                          f"KV block of {config.page_size_bytes} bytes")

@@ -52,7 +52,7 @@ class CpuPlatform(Platform):
         and other memory the kernel can reclaim without swapping), else the free pages. Free
         pages alone shrink to almost nothing once files have filled the page cache, and the
         KV-cache check then refused caches the machine could hold."""
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        pages = host_memory_bytes()
         avail = mem_available(MEMINFO)
         if avail is None:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -60,6 +60,11 @@ class CpuPlatform(Platform):
 
 
 MEMINFO = "/proc/meminfo"
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory in bytes (``SC_PHYS_PAGES`` x ``SC_PAGE_SIZE``)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def mem_available(path: str) -> int | None:
