@@ -65,12 +65,19 @@ class GemmWorkspace:
         return self._buffer[:n].view(weight.shape).copy_(weight)
 
 
+MAX_ONEDNN_BATCH_HINT = 65536  # rows; oneDNN failed from ~9e7 (K=576) on a Zen 4 CPU
+
+
 class OneDnnPackedWeight:
     """A weight in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
     multiplied with ``_linear_pointwise``; computes in the packed weight's dtype."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, batch_hint))
+        # a hint in the tens of millions (--max-num-seqs 1000000000) overflows oneDNN's
+        # descriptors ("could not create a primitive descriptor"); past a few thousand rows
+        # the hint is a large batch all the same
+        hint = min(max(1, batch_hint), MAX_ONEDNN_BATCH_HINT)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:

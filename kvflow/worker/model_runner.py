@@ -200,8 +200,13 @@ class ModelRunner:
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         draft = kv_cache_config.draft_group
         self.kv_cache_config = kv_cache_config
-        self.input_batch = InputBatch(self.config.scheduler_config.max_num_seqs,
-                                      [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups])
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        try:  # its rows are mapped zero pages, taken only as requests fill them
+            self.input_batch = InputBatch(max_num_seqs, [g.kv_cache_spec for g in
+                                                         kv_cache_config.kv_cache_groups])
+        except MemoryError:  # numpy's _ArrayMemoryError: a max_num_seqs of 1e9
+            raise ValueError(f"max_num_seqs={max_num_seqs}: the runner's rows for that many "
+                             "requests do not fit in this machine's memory; lower it") from None
         self.requests = {}
         self.kv_caches = allocate_kv_caches(tensors, spec, kv_cache_config.num_blocks,
                                             self.attn_layers, self.device,
