@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, opt, parse_bytes
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 
 @dataclass
 class CacheConfig:
@@ -13,7 +15,9 @@ class CacheConfig:
     kv_cache_memory: str | int | None = opt(None, "KV-cache size in bytes, e.g. 2GiB")
     num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (overrides memory)")
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prompt prefixes")
-    gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory kvflow may use")
+    gpu_memory_utilization: float | None = opt(
+        None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
+        "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")
     swap_space: str | int = opt("4GiB", "host memory per worker for the KV blocks of "
                                  "swapped-out requests (--preemption-mode swap), e.g. 4GiB")
     kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
@@ -34,6 +38,13 @@ class CacheConfig:
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
         parse_bytes(self.swap_space)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None \
+                and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")
+
+    @property
+    def gpu_memory_fraction(self) -> float:
+        """``gpu_memory_utilization``, or its default 0.9 when unset."""
+        return DEFAULT_GPU_MEMORY_UTILIZATION if self.gpu_memory_utilization is None \
+            else self.gpu_memory_utilization

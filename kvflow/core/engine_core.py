@@ -71,6 +71,12 @@ class EngineCore:
         sc = self.config.scheduler_config
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = self.platform.default_max_num_batched_tokens
+        fraction = self.config.cache_config.gpu_memory_utilization
+        fixed = self.platform.default_kv_cache_bytes
+        if fraction is not None and fixed is not None:  # it would size nothing here
+            raise ValueError(f"gpu_memory_utilization={fraction} sizes a GPU's KV cache; on "
+                             f"{self.platform.name} the KV cache is {fixed / 2**30:g} GiB "
+                             "unless --kv-cache-memory or --num-kv-blocks sets it")
 
     def _init_model(self, source: ModelSource) -> None:
         self.source = source

@@ -84,7 +84,7 @@ def _budget_refusal(config: EngineConfig, budget: int, page: int) -> str:
                 f"{page} bytes (all layers); need at least 2: raise it, or set num_kv_blocks")
     return (f"the KV cache gets {budget / 2**30:.2f} GiB, {blocks} blocks of {page} bytes (all "
             "layers); need at least 2. On a GPU that budget is gpu_memory_utilization="
-            f"{cc.gpu_memory_utilization} of its memory less the weights, the activation peak "
+            f"{cc.gpu_memory_fraction} of its memory less the weights, the activation peak "
             "of a max_num_batched_tokens step and other processes' use: raise "
             "gpu_memory_utilization, lower max_num_batched_tokens, or set kv_cache_memory / "
             "num_kv_blocks")

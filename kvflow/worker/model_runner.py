@@ -147,7 +147,7 @@ class ModelRunner:
             return parse_bytes(cc.kv_cache_memory)
         if self.platform.default_kv_cache_bytes is not None:
             return self.platform.default_kv_cache_bytes
-        return profile_kv_budget(self.platform, cc.gpu_memory_utilization,
+        return profile_kv_budget(self.platform, cc.gpu_memory_fraction,
                                  lambda: self.profile_run(kv_cache_groups),
                                  self.config.scheduler_config.max_num_batched_tokens)
 
