@@ -251,3 +251,22 @@ with caller:
     in_step = sorted(os.sched_getaffinity(0))
 print(json.dumps({"in_step": in_step, "after": sorted(os.sched_getaffinity(0))}))
 """
+
+
+def test_forced_isa_level_with_the_native_kernels_off_is_refused(monkeypatch):
+    """KVFLOW_CPU_ISA picks which build of kvflow's native kernels loads; with
+    KVFLOW_NATIVE_CPU=0 none loads, so the level was accepted and ignored in silence."""
+    from kvflow.config.cpu_isa import isa_levels_for_cpu
+
+    lowest = isa_levels_for_cpu()[-1].name  # a level every CPU of this architecture runs
+    monkeypatch.setenv("KVFLOW_CPU_ISA", lowest)
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+    with pytest.raises(ValueError, match=rf"^KVFLOW_CPU_ISA='{lowest}' chooses the build of "
+                                         "kvflow's native CPU kernels, which "
+                                         "KVFLOW_NATIVE_CPU=0 turns off"):
+        EngineConfig.from_kwargs()
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "1")
+    EngineConfig.from_kwargs()  # with the native kernels on it is accepted
+    monkeypatch.setenv("KVFLOW_CPU_ISA", "")  # empty: unset, the best level
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+    EngineConfig.from_kwargs()

@@ -259,15 +259,19 @@ class DeviceConfig:
                                      "worker; give one CPU per thread")
 
     def _check_native_choices(self) -> None:
-        """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention needs the
-        native kernels (not ``KVFLOW_NATIVE_CPU=0``), and ``cpu_attention`` chooses within
-        the ``cpu`` attention backend only.
+        """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention and a
+        forced ``KVFLOW_CPU_ISA`` level need the native kernels (not ``KVFLOW_NATIVE_CPU=0``),
+        and ``cpu_attention`` chooses within the ``cpu`` attention backend only.
 
         Raises:
             ValueError: naming the setting that cannot take effect.
         """
         off = "kvflow's native CPU kernels, which KVFLOW_NATIVE_CPU=0 turns off"
         if not native_cpu_choice():
+            forced = forced_isa_level()
+            if forced is not None:
+                raise ValueError(f"KVFLOW_CPU_ISA={forced!r} chooses the build of {off}; "
+                                 "unset one of them")
             if cpu_gemm_choice(self.cpu_gemm) == "native":
                 raise ValueError(f"cpu_gemm='native' (--cpu-gemm or KVFLOW_CPU_GEMM) needs {off}")
             if cpu_attention_choice(self.cpu_attention) == "native":
