@@ -152,13 +152,16 @@ def test_more_threads_than_cpus_is_warned_about(caplog):
     ({"KVFLOW_NATIVE_CPU": "0"}, {"cpu_gemm": "native"}, "cpu_gemm='native'"),
     ({"KVFLOW_NATIVE_CPU": "0", "KVFLOW_CPU_GEMM": "native"}, {}, "cpu_gemm='native'"),
     ({"KVFLOW_NATIVE_CPU": "0"}, {"cpu_attention": "native"}, "cpu_attention='native'"),
+    ({"KVFLOW_NATIVE_CPU": "0"}, {"cpu_gemm_pool": True}, "cpu_gemm_pool=True"),
+    ({"KVFLOW_NATIVE_CPU": "0", "KVFLOW_CPU_GEMM_POOL": "1"}, {}, "cpu_gemm_pool=True"),
     ({}, {"cpu_attention": "sdpa", "attention_backend": "torch"},
      "attention_backend='torch' does not use it"),
     ({}, {"quantization": "int8", "quantization_group_size": 128},
      "quantization_group_size=128 applies to quantization='int4' only"),
 ])
 def test_settings_that_cannot_take_effect_are_refused(monkeypatch, env, kwargs, needle):
-    for name in ("KVFLOW_NATIVE_CPU", "KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION"):
+    for name in ("KVFLOW_NATIVE_CPU", "KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION",
+                 "KVFLOW_CPU_GEMM_POOL"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -270,3 +273,23 @@ def test_forced_isa_level_with_the_native_kernels_off_is_refused(monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_ISA", "")  # empty: unset, the best level
     monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
     EngineConfig.from_kwargs()
+
+
+def test_pool_is_not_claimed_without_the_native_kernels(monkeypatch, caplog):
+    """--cpu-gemm-pool shares the native kernels' work; where they did not build (no C
+    compiler) there is no pool, and the start-up line said 'GEMM work shared by kvflow's
+    pool' all the same."""
+    import torch
+
+    from kvflow.kernels import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "native_cpu_kernels", lambda: None)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("INFO", logger="kvflow.kernels.cpu_threads"):
+            threads, cpus, _ = cpu_threads.configure_cpu_threads(2, "none", gemm_pool=True)
+    finally:
+        torch.set_num_threads(before)
+    assert (threads, cpus) == (2, None)
+    assert "CPU compute threads: 2" in caplog.text
+    assert "kvflow's pool" not in caplog.text

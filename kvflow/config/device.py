@@ -259,8 +259,8 @@ class DeviceConfig:
                                      "worker; give one CPU per thread")
 
     def _check_native_choices(self) -> None:
-        """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention and a
-        forced ``KVFLOW_CPU_ISA`` level need the native kernels (not ``KVFLOW_NATIVE_CPU=0``),
+        """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention, the
+        GEMM pool and a forced ``KVFLOW_CPU_ISA`` level need the native kernels (not ``KVFLOW_NATIVE_CPU=0``),
         and ``cpu_attention`` chooses within the ``cpu`` attention backend only.
 
         Raises:
@@ -277,6 +277,9 @@ class DeviceConfig:
             if cpu_attention_choice(self.cpu_attention) == "native":
                 raise ValueError("cpu_attention='native' (--cpu-attention or "
                                  f"KVFLOW_CPU_ATTENTION) needs {off}")
+            if cpu_gemm_pool_choice(self.cpu_gemm_pool):
+                raise ValueError("cpu_gemm_pool=True (--cpu-gemm-pool or KVFLOW_CPU_GEMM_POOL=1) "
+                                 f"shares the work of {off}")
         if self.cpu_attention is not None and self.attention_backend not in (None, "cpu"):
             raise ValueError(f"cpu_attention={self.cpu_attention!r} chooses within the 'cpu' "
                              f"attention backend; attention_backend={self.attention_backend!r} "

@@ -169,7 +169,8 @@ def configure_cpu_threads(cpu_threads: int | None, bind: str | None, rank: int =
             os.sched_setaffinity(0, cpus)
     use_gemm_pool(kernels, threads, cpus, gemm_pool)
     logger.info("CPU compute threads: %d%s%s", threads, f", pinned to {cpus}" if cpus else "",
-                ", GEMM work shared by kvflow's pool" if gemm_pool and threads > 1 else "")
+                ", GEMM work shared by kvflow's pool"
+                if gemm_pool and threads > 1 and kernels is not None else "")
     return threads, cpus, caller
 
 
