@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from kvflow.bench.checks import ensure_parent_dir, require_positive
 from kvflow.bench.datasets import parse_image_size, parse_length_dist
 from kvflow.bench.result_file import check_result_flags
+from kvflow.bench.sharegpt import is_json_array_file
 
 
 def parse_rates(spec: str) -> list[float]:
@@ -54,6 +55,11 @@ def check_args(args: argparse.Namespace) -> None:
                      request_timeout=args.request_timeout)
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.sharegpt_output_len is not None and (
+            args.dataset in ("random", "random-image", "synthetic-chat")
+            or not is_json_array_file(args.dataset)):
+        raise ValueError("--sharegpt-output-len applies to a ShareGPT JSON file only; "
+                         f"--dataset {args.dataset} is not one, so it would be ignored")
     if args.dataset == "random" and args.random_vocab_size is not None \
             and args.random_vocab_size < 4:
         raise ValueError(f"--random-vocab-size must be >= 4 (ids are drawn from [3, size)), got "

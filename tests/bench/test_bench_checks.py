@@ -309,3 +309,17 @@ def test_save_result_writes_vllm_named_file(monkeypatch, tmp_path):
     assert r["model_id"] == r["tokenizer_id"] == "org/model"  # vLLM's key names
     assert main([*argv, "--result-filename", "mine.json"]) == 0
     assert json.loads((tmp_path / "res" / "mine.json").read_text())["completed"] == 2
+
+
+@pytest.mark.parametrize("dataset", ["random", "synthetic-chat", "requests.jsonl"])
+def test_sharegpt_output_len_without_a_sharegpt_file_is_refused(tmp_path, capsys, dataset):
+    """--sharegpt-output-len sets max_tokens of a ShareGPT file's requests only; with any
+    other dataset the run went on with --output-len (or the JSONL lines' own) in silence."""
+    if dataset.endswith(".jsonl"):
+        (tmp_path / dataset).write_text('{"prompt": "hello there"}\n')
+        dataset = str(tmp_path / dataset)
+    assert main(["bench", "serve", "--model", NO_MODEL, "--dataset", dataset,
+                 "--sharegpt-output-len", "100"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvflow: error: --sharegpt-output-len applies to a ShareGPT JSON file only; "
+        f"--dataset {dataset} is not one, so it would be ignored\n")
