@@ -28,7 +28,8 @@ class ModelConfig:
                      "[-2**63, 2**64); a negative one wraps, as torch's generators take it)")
     load_format: str = opt("auto", "weights: auto (from files) or dummy (random init)",
                             choices=["auto", "dummy"])
-    skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only)")
+    skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only; "
+                                      "refused with --tokenizer)")
     generation_config: str = opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
                                   "min_p, repetition_penalty, max_new_tokens from the model "
                                   "folder's generation_config.json; a request's own values "
@@ -50,6 +51,9 @@ class ModelConfig:
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
                              "to quantization='int4' only (quantization="
                              f"{self.quantization!r})")
+        if self.tokenizer is not None and self.skip_tokenizer_init:  # it would go unread
+            raise ValueError(f"tokenizer={self.tokenizer!r} is not loaded with "
+                             "skip_tokenizer_init=True; give one of them")
         if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed={self.seed} is out of range: torch's generators take an "
                              "integer in [-2**63, 2**64)")
