@@ -8,6 +8,8 @@ from typing import Any
 
 from kvflow.config.options import check_choices, opt
 
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # seconds
+
 
 @dataclass
 class ParallelConfig:
@@ -23,7 +25,8 @@ class ParallelConfig:
     Raises:
         ValueError: from the constructor for a size < 1, context parallelism with pipeline
             or expert parallelism, ``context_parallel_prefill`` other than ``ring`` without
-            context parallelism, a ``worker_heartbeat_timeout`` <= 0, an unknown executor
+            context parallelism, a ``worker_heartbeat_timeout`` <= 0 (or other than the
+            default without ``mp`` worker processes), an unknown executor
             backend, ``ray`` without Ray installed,
             ``uni`` with more than one rank, or a data-parallel rank outside the replicas.
     """
@@ -54,7 +57,7 @@ class ParallelConfig:
         "machine), ray (one Ray actor per rank, several machines) (default: uni for one rank, "
         "else mp)", choices=[None, "uni", "mp", "ray"])
     worker_heartbeat_timeout: float = opt(
-        30.0, "seconds a worker process (distributed_executor_backend mp) may go without a "
+        DEFAULT_HEARTBEAT_TIMEOUT, "seconds a worker process (distributed_executor_backend mp) may go without a "
         "heartbeat (each sends one every second from a thread of its own, also during a "
         "long step) before the engine fails naming its rank: a stopped (SIGSTOP) or frozen "
         "worker is reported within this time instead of hanging the other ranks' "
@@ -90,6 +93,11 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but "
                              f"the engine has {self.world_size} (tensor x pipeline x context "
                              "parallel); use mp or ray")
+        if self.worker_heartbeat_timeout != DEFAULT_HEARTBEAT_TIMEOUT \
+                and self.executor_backend != "mp":  # no worker process sends heartbeats
+            raise ValueError(f"worker_heartbeat_timeout={self.worker_heartbeat_timeout:g} "
+                             "applies to worker processes (distributed_executor_backend mp); "
+                             f"this engine's executor is {self.executor_backend}")
 
     @property
     def world_size(self) -> int:
