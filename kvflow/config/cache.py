@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvflow.config.options import check_choices, opt, parse_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_SWAP_SPACE = "4GiB"
 
 
 @dataclass
@@ -18,7 +19,7 @@ class CacheConfig:
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
         "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")
-    swap_space: str | int = opt("4GiB", "host memory per worker for the KV blocks of "
+    swap_space: str | int = opt(DEFAULT_SWAP_SPACE, "host memory per worker for the KV blocks of "
                                  "swapped-out requests (--preemption-mode swap), e.g. 4GiB")
     kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
                                "fp8_e4m3 (quantized per token and KV head with float32 scales "

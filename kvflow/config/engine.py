@@ -8,12 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvflow.config.cache import CacheConfig
+from kvflow.config.cache import DEFAULT_SWAP_SPACE, CacheConfig
 from kvflow.config.device import DeviceConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
-from kvflow.config.options import add_field_arg
+from kvflow.config.options import add_field_arg, parse_bytes
 from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.speculative import SpeculativeConfig
@@ -42,7 +42,8 @@ class EngineConfig:
         becomes a SpeculativeConfig).
 
         Raises:
-            ValueError: for context parallelism with a block size it does not divide or a
+            ValueError: for a swap_space other than the default without preemption_mode
+                'swap'; for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
                 parallelism or async scheduling; for LoRA with more than one rank or
                 replica; for GGUF weights kept quantized with tensor parallelism; for async
@@ -50,6 +51,10 @@ class EngineConfig:
                 worker starts).
         """
         self._check_speculative()
+        swap, mode = self.cache_config.swap_space, self.scheduler_config.preemption_mode
+        if mode != "swap" and parse_bytes(swap) != parse_bytes(DEFAULT_SWAP_SPACE):
+            raise ValueError(f"swap_space={swap!r} sizes the host pool of preemption_mode="
+                             f"'swap'; this engine's is {mode!r}, which keeps none")
         tp = self.parallel_config.tensor_parallel_size
         if self.model_config.quantization == "gguf" and tp > 1:
             raise ValueError(f"quantization='gguf' with tensor_parallel_size={tp} is not "

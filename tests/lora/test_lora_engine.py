@@ -379,7 +379,7 @@ def test_adapters_under_preemption_match_peft(tiny_llama, adapters, peft_first_p
         _always_swap(monkeypatch)
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=12,
               block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
-              preemption_mode=mode, swap_space="1MiB")
+              preemption_mode=mode, **({"swap_space": "1MiB"} if mode == "swap" else {}))
     ids, expected = peft_first_prompt
     loras = [*_requests(adapters), None] * 2
     outs = llm.generate([ids] * 6, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
