@@ -64,6 +64,11 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.output_len}")
+    if max(sizes) > args.max_num_seqs:  # smaller batches in turn, labelled as this one
+        raise ValueError(f"--batch-sizes {max(sizes)} exceeds --max-num-seqs "
+                         f"{args.max_num_seqs}: the engine runs at most {args.max_num_seqs} "
+                         f"requests at once, so it would not time a batch of {max(sizes)}; "
+                         "raise --max-num-seqs or lower the batch size")
     ensure_parent_dir(args.output_json, "--output-json")
     require_one_engine(args.data_parallel_size, "latency")
     config = EngineConfig.from_cli_args(args)

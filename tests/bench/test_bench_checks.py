@@ -323,3 +323,17 @@ def test_sharegpt_output_len_without_a_sharegpt_file_is_refused(tmp_path, capsys
     assert capsys.readouterr().err == (
         f"kvflow: error: --sharegpt-output-len applies to a ShareGPT JSON file only; "
         f"--dataset {dataset} is not one, so it would be ignored\n")
+
+
+@pytest.mark.parametrize("sizes, max_num_seqs, largest", [("1,8,32", "8", 32),
+                                                          ("300", None, 300)])
+def test_latency_batch_above_max_num_seqs_is_refused(capsys, sizes, max_num_seqs, largest):
+    """A batch of B prompts runs at most --max-num-seqs (256 by default) at once: the row
+    printed for B timed smaller batches one after another, labelled B."""
+    limit = ["--max-num-seqs", max_num_seqs] if max_num_seqs else []
+    assert main(["bench", "latency", "--model", NO_MODEL, "--batch-sizes", sizes, *limit]) == 2
+    expected = max_num_seqs or "256"
+    assert capsys.readouterr().err == (
+        f"kvflow: error: --batch-sizes {largest} exceeds --max-num-seqs {expected}: the engine "
+        f"runs at most {expected} requests at once, so it would not time a batch of "
+        f"{largest}; raise --max-num-seqs or lower the batch size\n")
