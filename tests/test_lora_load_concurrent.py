@@ -1,7 +1,9 @@
 """Loading LoRA adapters by name while another load of that name is still running
 (kvflow/entrypoints/serving_models.py). The documented contract (README, "LoRA adapters"):
 loading a name in use is refused unless ``load_inplace`` asks to replace it. The engine is a
-stand-in whose ``add_lora`` waits until the test lets it finish, so the overlap is certain."""
+stand-in whose ``add_lora`` waits until the test lets it finish, so the overlap is certain.
+The same stand-in serves the checks of names no adapter can have (empty, whitespace only, a
+control character such as NUL), on the load route and in a request's ``model``."""
 
 from __future__ import annotations
 
@@ -69,3 +71,76 @@ def test_a_refused_load_frees_the_name():
     engine.release.set()
     engine.add_lora = _SlowEngine.add_lora.__get__(engine)
     assert asyncio.run(models.load("sql", "/adapters/a")).lora_path == "/adapters/a"
+
+
+BAD_NAMES = [("", "is empty"), ("   ", "is whitespace only"), ("\t\n", "is whitespace only"),
+             ("sql\x00", "holds the control character U+0000"),
+             ("a\x7fb", "holds the control character U+007F")]
+
+
+@pytest.mark.parametrize("name,why", BAD_NAMES)
+def test_a_name_no_adapter_can_have_is_refused(name, why):
+    """Such a name was loaded and served (HTTP 200 on the load route, then as ``model``);
+    now a ValueError naming the field and why, offline (LoRARequest) as on the server, and
+    nothing reaches the engine."""
+    from kvflow.lora.request import LoRANameError, LoRARequest
+
+    engine = _SlowEngine()
+    engine.release.set()
+    models = ServingModels(engine, "base")
+    with pytest.raises(LoRANameError) as e:
+        asyncio.run(models.load(name, "/adapters/a"))
+    assert str(e.value).startswith(f"lora_name {name!r} {why}")
+    assert engine.added == [] and models.names() == ["base"]
+    with pytest.raises(LoRANameError) as e:
+        LoRARequest(name, 1, "/adapters/a")
+    assert why in str(e.value)
+    with pytest.raises(LoRANameError) as e:
+        models.resolve(name)
+    assert str(e.value).startswith(f"model {name!r} {why}")
+
+
+def test_names_with_inner_spaces_and_other_scripts_still_load():
+    engine = _SlowEngine()
+    engine.release.set()
+    models = ServingModels(engine, "base")
+    for name in ("my adapter", "sql-v2", "数据"):
+        assert asyncio.run(models.load(name, "/adapters/a")).lora_name == name
+        assert models.resolve(name).lora_name == name
+
+
+def test_the_load_route_and_model_lookups_answer_400_naming_the_field():
+    """Over HTTP: kvflow's load route and its ``model`` check (the server's own code, a
+    stand-in engine behind it) answer OpenAI's 400 with ``param`` the field."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvflow.entrypoints.api_server import _add_lora_routes
+    from kvflow.entrypoints.http_guards import add_error_handlers
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.serving_base import OpenAIServing
+
+    engine = _SlowEngine()
+    engine.release.set()
+    app = FastAPI()
+    add_error_handlers(app)
+    _add_lora_routes(app)
+    app.state.models = ServingModels(engine, "base")
+    app.state.unknown_fields = SimpleNamespace(check=lambda req, endpoint: None)
+    client = TestClient(app)
+    resp = client.post("/v1/load_lora_adapter", json={"lora_name": "sql\u0000",
+                                                       "lora_path": "/adapters/a"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == ("lora_name", "invalid_value"), error
+    assert "U+0000" in error["message"] and engine.added == []
+    ok = client.post("/v1/load_lora_adapter", json={"lora_name": "sql",
+                                                     "lora_path": "/adapters/a"})
+    assert ok.status_code == 200, ok.text
+    serving = SimpleNamespace(models=app.state.models)
+    with pytest.raises(OpenAIError) as e:
+        OpenAIServing.check_model(serving, " ")
+    assert (e.value.status, e.value.param, e.value.code) == (400, "model", "invalid_value")
+    assert OpenAIServing.check_model(serving, "sql").lora_path == "/adapters/a"

@@ -265,9 +265,24 @@ LONG_KEY = "k" * 65
     ({"tools": [{"type": "function", "function": {"name": "get x"}}]},
      "tools.0.function.name", "invalid_value",
      "tools.0.function.name: must match the pattern '^[a-zA-Z0-9_-]+$', got 'get x'"),
+    # OpenAI refuses these (kvflow answered 200): tools must hold at least one tool, and a
+    # json_schema response format needs a name by the same rule as a function's
+    ({"tools": []}, "tools", "empty_array", "tools: at least 1 item, got 0"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", "missing_required_parameter",
+     "response_format.json_schema.name: a required field, not sent"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "my schema",
+                                                                 "schema": {}}}},
+     "response_format.json_schema.name", "invalid_value",
+     ("response_format.json_schema.name: must match the pattern '^[a-zA-Z0-9_-]+$', "
+      "got 'my schema'")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65}}},
+     "response_format.json_schema.name", "string_above_max_length",
+     "response_format.json_schema.name: at most 64 characters, got 65"),
 ], ids=["metadata_pairs", "metadata_key", "metadata_value", "no_messages", "no_role",
         "temperature", "top_p", "n", "max_tokens_string", "seed_float", "response_format",
-        "tool_name"])
+        "tool_name", "tools_empty", "schema_no_name", "schema_name_space",
+        "schema_name_long"])
 def test_schema_refusals_name_the_field_and_the_limit_in_plain_words(client, body, param,
                                                                     code, message):
     """Was pydantic's wording: "Dictionary should have at most 16 items after validation, not
@@ -277,3 +292,36 @@ def test_schema_refusals_name_the_field_and_the_limit_in_plain_words(client, bod
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert (error["param"], error["code"], error["message"]) == (param, code, message)
+
+
+def test_a_json_schema_name_of_64_allowed_characters_passes(client):
+    """The edge of OpenAI's rule ``^[a-zA-Z0-9_-]{1,64}$``: 64 characters, each kind."""
+    name = ("aZ0_-" * 13)[:64]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": {}}}
+    resp = client.post("/chat", json={"messages": HI, "response_format": fmt})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["response_format"]["json_schema"]["name"] == name
+
+
+def test_tokenize_refuses_an_empty_tools_list_too(client):
+    resp = client.post("/tokenize", json={"messages": HI, "tools": []})
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("tools", "empty_array")
+
+
+def test_a_tool_message_needs_its_tool_call_id():
+    """OpenAI's tool message requires ``tool_call_id`` (the call it answers): one without it
+    was rendered (200); now a 400 naming that message's key. With it, it passes."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.serving_chat import _check_tool_fields
+
+    turns = [*HI, {"role": "assistant", "tool_calls": [CALL]},
+             {"role": "tool", "content": "42"}]
+    req = ChatCompletionRequest.model_validate({"messages": turns})
+    with pytest.raises(OpenAIError) as e:
+        _check_tool_fields(req.messages)
+    assert (e.value.param, e.value.code, e.value.status) == \
+        ("messages.2.tool_call_id", "missing_required_parameter", 400)
+    turns[2]["tool_call_id"] = "c1"
+    _check_tool_fields(ChatCompletionRequest.model_validate({"messages": turns}).messages)

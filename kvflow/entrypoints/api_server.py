@@ -49,6 +49,7 @@ from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.token_routes import add_token_routes
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
+from kvflow.lora.request import LoRANameError
 from kvflow.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ def _add_lora_routes(app: FastAPI) -> None:
         replaces an adapter served under that name.
 
         Raises:
-            OpenAIError: 400 for a name in use (without ``load_inplace``) or an adapter the
+            OpenAIError: 400 for a name in use (without ``load_inplace``), empty, whitespace
+                only or holding a control character, or an adapter the
                 engine refuses (rank above --max-lora-rank, target modules kvflow cannot
                 adapt, no --enable-lora) or a field kvflow does not declare.
         """
@@ -194,7 +196,8 @@ def _add_lora_routes(app: FastAPI) -> None:
         except EngineDeadError as e:
             raise engine_dead(e) from None
         except ValueError as e:
-            param = "lora_name" if "already been loaded" in str(e) else "lora_path"
+            param = "lora_name" if isinstance(e, LoRANameError) or \
+                "already been loaded" in str(e) else "lora_path"
             raise OpenAIError(str(e), param=param, code="invalid_value") from None
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
                         media_type="text/plain")

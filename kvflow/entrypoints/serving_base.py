@@ -28,7 +28,7 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 from kvflow.entrypoints.unknown_fields import UnknownFields
-from kvflow.lora.request import LoRARequest
+from kvflow.lora.request import LoRANameError, LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.sampling_params import SamplingParams
 
@@ -147,11 +147,14 @@ class OpenAIServing:
         """The LoRA adapter ``model`` names, None for the base model.
 
         Raises:
-            OpenAIError: 404 if the request names a model or adapter this server does not
+            OpenAIError: 400 for a name no model can have (empty, whitespace only, a control
+                character); 404 if the request names a model or adapter this server does not
                 serve.
         """
         try:
             return self.models.resolve(model)
+        except LoRANameError as e:
+            raise OpenAIError(str(e), param="model", code="invalid_value") from None
         except ModelNotFound as e:
             raise OpenAIError(str(e), 404, "invalid_request_error", "model",
                               "model_not_found") from None

@@ -325,10 +325,16 @@ class OpenAIServingChat(OpenAIServing):
 
 def _check_tool_fields(messages: list[ChatMessage]) -> None:
     """``tool_calls`` only on assistant turns, ``tool_call_id`` only on tool turns (a
-    template reads them nowhere else), each call's ``index`` its position (checked here too,
-    before calls a template cannot read become text). Raises OpenAIError 400 naming the field
+    template reads them nowhere else) and on every tool turn (OpenAI requires it: the call
+    the result answers), each call's ``index`` its position (checked here too, before calls
+    a template cannot read become text). Raises OpenAIError 400 naming the field
     otherwise."""
     for i, message in enumerate(messages):
+        if message.role == "tool" and message.tool_call_id is None:
+            raise OpenAIError(f"messages.{i}.tool_call_id: a required field for tool messages "
+                              "(the id of the call this result answers), not sent",
+                              param=f"messages.{i}.tool_call_id",
+                              code="missing_required_parameter")
         for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
             if getattr(message, name) is not None and message.role != role:
                 raise OpenAIError(f"messages.{i}.{name} is for {role} messages only (this is "

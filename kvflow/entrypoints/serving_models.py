@@ -14,7 +14,7 @@ from collections import Counter
 
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.protocol import ModelCard
-from kvflow.lora.request import LoRARequest
+from kvflow.lora.request import LoRARequest, check_lora_name
 
 
 class ModelNotFound(LookupError):
@@ -39,10 +39,13 @@ class ServingModels:
         """The adapter ``model`` names (None: the base model, also for an omitted model).
 
         Raises:
+            LoRANameError: (a ValueError) for a name no model can have: empty, whitespace
+                only or holding a control character.
             ModelNotFound: for a name that is neither the base model nor a loaded adapter.
         """
         if model is None or model == self.base_name:
             return None
+        check_lora_name(model, "model")
         lora = self.loras.get(model)
         if lora is None:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
@@ -61,11 +64,14 @@ class ServingModels:
         the old weights is reused); if the new one is refused, the old one stays.
 
         Raises:
+            LoRANameError: (a ValueError) for a name that is empty, whitespace only or holds
+                a control character.
             ValueError: for the base model's name, a name in use or still being loaded by
                 another request (without ``replace``), or an adapter the engine refuses
                 (rank above --max-lora-rank, target modules kvflow cannot adapt, no
                 --enable-lora, ...).
         """
+        check_lora_name(name)
         loading = " (by a request whose load is still running)" \
             if name not in self.loras and self._loading[name] else ""
         if name == self.base_name or (not replace and (name in self.loras or loading)):

@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
+
+
+class LoRANameError(ValueError):
+    """A name no adapter can have (see :func:`check_lora_name`)."""
+
+
+def check_lora_name(name: str, what: str = "lora_name") -> None:
+    """Refuse a name that clients could not reliably send or read back as ``model``: empty,
+    whitespace only, or holding a control character (Unicode category Cc: U+0000-U+001F,
+    U+007F-U+009F, NUL included).
+
+    Raises:
+        LoRANameError: (a ValueError) naming ``what``, the name and why.
+    """
+    why = None
+    if not name:
+        why = "is empty"
+    elif not name.strip():
+        why = "is whitespace only"
+    else:
+        bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+        if bad is not None:
+            why = f"holds the control character U+{ord(bad):04X}"
+    if why is not None:
+        raise LoRANameError(f"{what} {name!r} {why}: a LoRA adapter's name must hold "
+                            "visible characters and no control characters")
 
 
 @dataclass(frozen=True)
@@ -16,7 +43,8 @@ class LoRARequest:
         lora_path: the PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``).
 
     Raises:
-        ValueError: from the constructor for an empty name or path or an id < 1.
+        ValueError: from the constructor for an empty path, an id < 1, or a name that is
+            empty, whitespace only or holds a control character (``LoRANameError``).
     """
 
     lora_name: str
@@ -24,7 +52,8 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not self.lora_name or not self.lora_path:
+        check_lora_name(self.lora_name)
+        if not self.lora_path:
             raise ValueError("LoRARequest needs a lora_name and a lora_path")
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"LoRARequest.lora_int_id={self.lora_int_id!r} must be an "

@@ -75,7 +75,7 @@ class MessageToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     """A conversation turn. ``tool_calls`` (assistant turns only) and a tool turn's
-    ``tool_call_id`` reach the template; OpenAI's and vLLM's other keys (``name``, ...) reach
+    ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the template; OpenAI's and vLLM's other keys (``name``, ...) reach
     it unchecked, any other key only when the template reads it (kvflow/chat_template.py)."""
 
     model_config = ConfigDict(extra="allow")
@@ -141,7 +141,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(None, min_length=1)  # OpenAI: [] is too short
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     metadata: dict[Annotated[str, Field(max_length=64)],

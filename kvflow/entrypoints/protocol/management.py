@@ -55,7 +55,7 @@ class TokenizeRequest(RequestBody):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool | None = None  # vLLM's: each token's string as well

@@ -29,11 +29,12 @@ class StreamOptions(RequestModel):
 class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``: the schema is under ``schema`` (alias of
     ``json_schema``, which pydantic's BaseModel reserves). ``strict``: the schema is always
-    enforced (as with OpenAI's ``strict: true``)."""
+    enforced (as with OpenAI's ``strict: true``). ``name`` is required, by OpenAI's rule
+    (``^[a-zA-Z0-9_-]{1,64}$``)."""
 
     model_config = ConfigDict(populate_by_name=True)
 
-    name: str = "response"
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
