@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING, Any
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
 
+# Stop strings are matched on the API process's output loop, per stop string per token (a
+# search over the last ``max(len(stop))`` characters, and the held-back suffix against each
+# stop's prefixes): these caps bound that work for one request (OpenAI allows 4 stops).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 256
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -31,7 +37,9 @@ class SamplingParams:
         min_tokens: no stop condition ends the request before this many tokens are generated:
             EOS and ``stop_token_ids`` are masked until then, and a stop string counts only
             when it completes in a later token.
-        stop: strings that end generation; the output text is cut before the match.
+        stop: strings that end generation; the output text is cut before the match. At most
+            ``MAX_STOP_STRINGS`` (128) non-empty strings of at most ``MAX_STOP_CHARS`` (256)
+            characters each.
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past the EOS token.
         logprobs: if set, return this many top logprobs per generated token (plus the sampled).
@@ -162,6 +170,7 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
 
     def _validate(self) -> None:
+        self._check_stop_limits()
         max_tokens = self.max_tokens if self.max_tokens is not None else math.inf
         checks = [
             (self.n >= 1, "n", self.n, "must be >= 1"),
@@ -200,6 +209,21 @@ class SamplingParams:
         for ok, name, value, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it {why}")
+
+    def _check_stop_limits(self) -> None:
+        """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters
+        (the message gives the counts, not the strings: they may be megabytes).
+
+        Raises:
+            ValueError: naming ``SamplingParams.stop``, the limit and what was sent.
+        """
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop holds {len(self.stop)} strings: at most "
+                             f"{MAX_STOP_STRINGS} stop strings are accepted per request")
+        for i, stop in enumerate(self.stop):
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"SamplingParams.stop[{i}] holds {len(stop)} characters: at "
+                                 f"most {MAX_STOP_CHARS} are accepted per stop string")
 
     @property
     def is_greedy(self) -> bool:

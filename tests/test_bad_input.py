@@ -191,6 +191,49 @@ def test_bad_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_stop_strings_are_capped_at_128_of_256_characters():
+    """20,000 stop strings of 1,000 characters were accepted (and slowed every other client:
+    they are matched on the API process's output loop). The documented caps: 128 strings of
+    256 characters pass; one more string, or one more character, is a ValueError saying the
+    limit and what was sent (counts, not the strings)."""
+    from kvflow.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    assert (MAX_STOP_STRINGS, MAX_STOP_CHARS) == (128, 256)
+    edge = [f"{i:03d}" + "x" * 253 for i in range(128)]
+    assert SamplingParams(stop=edge).stop == edge
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=[*edge, "one more"])
+    assert str(e.value) == ("SamplingParams.stop holds 129 strings: at most 128 stop strings "
+                            "are accepted per request")
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=["ok", "y" * 257])
+    assert str(e.value) == ("SamplingParams.stop[1] holds 257 characters: at most 256 are "
+                            "accepted per stop string")
+    with pytest.raises(ValueError, match="holds 20000 strings"):
+        SamplingParams(stop=["z" * 1000] * 20000)
+
+
+@pytest.mark.parametrize("stop,message", [
+    (["s"] * 129, "stop holds 129 strings: at most 128 stop strings are accepted per request"),
+    ("w" * 300, "stop[0] holds 300 characters: at most 256 are accepted per stop string"),
+])
+def test_the_server_refuses_too_many_or_too_long_stops_naming_stop(stop, message):
+    """The server's own conversion of a request (a stand-in engine, whose checks pass):
+    a 400 with ``param`` ``stop``, before anything is queued."""
+    from types import SimpleNamespace
+
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol import CompletionRequest
+    from kvflow.entrypoints.sampling_requests import sampling_params
+
+    engine = SimpleNamespace(processor=SimpleNamespace(validate_params=lambda params: None))
+    req = CompletionRequest.model_validate({"prompt": "a", "stop": stop})
+    with pytest.raises(OpenAIError) as e:
+        sampling_params(engine, req, max_tokens=4, logprobs=None)
+    assert (e.value.status, e.value.param, e.value.code, str(e.value)) == \
+        (400, "stop", "invalid_value", message)
+
+
 # ---- engine options and models -------------------------------------------------------------------
 def test_unknown_engine_option(tiny_llama):
     with pytest.raises(ValueError, match="unknown engine option 'no_such_option'"):
