@@ -31,7 +31,9 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p(max); 0 disables.
-        seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
+        seed: per-request RNG seed (a signed 64-bit integer); the same seed gives the same
+            tokens whatever else is batched. On CPU torch's generator uses only its low 32
+            bits: seeds that differ by a multiple of 2**32 sample alike.
         max_tokens: maximum number of generated tokens (>= 1); None: as many as the context
             leaves (``max_model_len`` minus the prompt), as in vLLM.
         min_tokens: no stop condition ends the request before this many tokens are generated:

@@ -193,3 +193,19 @@ def test_scheduler_output_crosses_a_process_boundary_with_msgspec():
         wire = msgspec.msgpack.encode(out)
         back = msgspec.msgpack.decode(wire, type=SchedulerOutput)
         assert back == out
+
+
+def test_cpu_seeds_that_differ_by_2_to_the_32_draw_the_same_numbers():
+    """README: on CPU torch's generator keeps only a seed's low 32 bits, so 5 and 5 + 2**32
+    (and -1 and 2**32 - 1) draw the same numbers while 5 and 6 do not; kvflow passes the seed
+    unchanged (a request's generator remembers all 64 bits)."""
+    from kvflow.worker.input_batch import request_generator
+
+    def draws(seed: int) -> torch.Tensor:
+        gen = request_generator(SamplingParams(temperature=1.0, seed=seed), torch.device("cpu"))
+        assert gen.initial_seed() == seed % 2**64
+        return torch.rand(8, generator=gen)
+
+    assert torch.equal(draws(5), draws(5 + 2**32))
+    assert torch.equal(draws(-1), draws(2**32 - 1))
+    assert not torch.equal(draws(5), draws(6))
