@@ -32,3 +32,14 @@ def test_byte_fallback_piece_and_whole_text():
     assert token_bytes(_ByteFallbackTokenizer(), 7, "\ufffd") == [0xE6]
     assert token_bytes(_ByteFallbackTokenizer(), 8, " ok") == [32, 111, 107]
     assert token_bytes(None, 7, "\ufffd") == [0xEF, 0xBF, 0xBD]  # no tokenizer: the text's
+
+
+def test_a_skipped_special_token_keeps_its_vocabulary_bytes(tiny_tokenizer):
+    """README: joined bytes are the reply's text only where the text holds every token. An
+    ``<eos>`` (id 0) generated under ignore_eos is skipped from the text (the default
+    skip_special_tokens) but its bytes are its vocabulary string's."""
+    ids = [*tiny_tokenizer.encode("ok", add_special_tokens=False), 0]
+    steps = [{i: Logprob(-0.5, 1, tiny_tokenizer.decode([i]))} for i in ids]
+    content = chat_logprobs(ids, steps, 0, tiny_tokenizer).content
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == "ok"
+    assert b"".join(bytes(t.bytes) for t in content) == b"ok<eos>"

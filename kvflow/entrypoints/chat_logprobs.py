@@ -4,7 +4,9 @@
 ``bytes`` are the token's own bytes, as OpenAI's are: a token holding part of a multi-byte
 character decodes alone to U+FFFD, whose bytes would say nothing of the character, so such a
 token's bytes come from the vocabulary (byte-level BPE pieces, ``<0xNN>`` byte-fallback
-pieces); joined, a reply's token bytes are its UTF-8 text.
+pieces); joined, a reply's token bytes are its UTF-8 text where that text holds every token
+whole (a special token skipped from the text, ``<eos>`` under ``ignore_eos``, keeps its
+vocabulary string's bytes; a token that completed a stop string keeps all of its bytes).
 """
 
 from __future__ import annotations
