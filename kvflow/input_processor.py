@@ -293,16 +293,18 @@ class InputProcessor:
 
         Raises:
             ValueError: on a generation model, for a bad prompt (see ``validate``; image
-                placeholders included), or a ``dimensions`` the model cannot give
+                and video placeholders included), or a ``dimensions`` the model cannot give
                 (Matryoshka support, sizes).
         """
         self._require_pooler()
         params = params or PoolingParams()
         self.validate(token_ids, pooling=True)
-        if self.mm_processor is not None and self.mm_processor.image_token_id in token_ids:
-            raise ValueError(f"the prompt holds the image placeholder token "
-                             f"({self.mm_processor.placeholder!r}): embedding prompts are "
-                             "text only; images are not embedded")
+        if self.mm_processor is not None:
+            if self.mm_processor.image_token_id in token_ids:
+                raise ValueError(f"the prompt holds the image placeholder token "
+                                 f"({self.mm_processor.placeholder!r}): embedding prompts "
+                                 "are text only; images are not embedded")
+            self.mm_processor.check_no_video(token_ids)
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
                        pooling_params=params, client_id=client_id)

@@ -62,6 +62,14 @@ class MultiModalProcessor:
         video = getattr(hf_config, "video_token_id", None)  # kvflow takes no video yet
         self.video_token_id = None if video is None else int(video)
 
+    def check_no_video(self, token_ids: list[int]) -> None:
+        """Raises ValueError if ``token_ids`` hold the model's video placeholder token (its
+        raw embedding, which the model only ever saw replaced by a video's features): kvflow
+        takes no video. Used for generation (``process``) and embedding prompts alike."""
+        if self.video_token_id is not None and self.video_token_id in token_ids:
+            raise ValueError(f"the prompt holds the video placeholder token (id "
+                             f"{self.video_token_id}): kvflow takes no video yet, only images")
+
     def process(self, token_ids: list[int], images: list[Image.Image]
                 ) -> tuple[list[int], list[MultiModalFeature]]:
         """Preprocess ``images`` and expand their placeholders in ``token_ids``.
@@ -75,9 +83,7 @@ class MultiModalProcessor:
                 ``max_images_per_prompt``; ``MediaError`` for an
                 image the model cannot take (too small, too elongated, too large).
         """
-        if self.video_token_id is not None and self.video_token_id in token_ids:
-            raise ValueError(f"the prompt holds the video placeholder token (id "
-                             f"{self.video_token_id}): kvflow takes no video yet, only images")
+        self.check_no_video(token_ids)
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(images) > self.config.max_images_per_prompt:
             raise ValueError(f"{len(images)} images in one prompt; the limit is "

@@ -240,6 +240,13 @@ def test_embeddings_refuse_images(tiny_qwen2_vl):
         llm.embed({"prompt": f"{PLACEHOLDER} x", "multi_modal_data": {"image": image}})
     with pytest.raises(ValueError, match="image placeholder token"):
         llm.embed(f"{PLACEHOLDER} x")
+    # the video placeholder was embedded as a token (generation refuses it since 78e423f)
+    video_id = tiny_qwen2_vl.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    for prompt in ("look <|vision_start|><|video_pad|><|vision_end|> now", "x <|video_pad|>"):
+        with pytest.raises(ValueError) as e:
+            llm.embed(prompt)
+        assert str(e.value) == (f"the prompt holds the video placeholder token (id "
+                                f"{video_id}): kvflow takes no video yet, only images")
     assert not llm.engine.has_unfinished_requests()
 
 
