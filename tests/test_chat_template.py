@@ -131,6 +131,14 @@ def test_no_chat_template_http_message(tiny_tokenizer):
     with pytest.raises(NoChatTemplateError):
         LLM.chat(SimpleNamespace(engine=SimpleNamespace(processor=engine.processor)),
                  [{"role": "user", "content": "hi"}])
+    # an embedding server (/tokenize renders messages there) refuses /v1/completions: the
+    # message named it; now the routes that server takes text on
+    engine.task = "embed"
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
+    assert str(info.value) == ("this model has no chat template: send one in the request's "
+                               "chat_template field, or send the text as /tokenize's prompt "
+                               "or /v1/embeddings' input")
 
 
 @pytest.fixture(scope="module")

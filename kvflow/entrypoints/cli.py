@@ -118,6 +118,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 "image": [image for _, image in images]}} for p in prompts], params, **run)
         else:
             outputs = llm.generate(prompts, params, **run)
+    except ValueError as e:  # the model's own limits (too small, aspect ratio): name the file
+        index = getattr(e, "image_index", None)
+        if index is None or not 0 <= index < len(args.image or []):
+            raise
+        raise ValueError(f"--image {args.image[index]}: {e}") from None
     finally:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])

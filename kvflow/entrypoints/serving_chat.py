@@ -175,9 +175,12 @@ class OpenAIServingChat(OpenAIServing):
                                   self._render_now, tokenizer, conversation, options, tools,
                                   limit)
         except NoChatTemplateError:
+            plain = "send the text as /tokenize's prompt or /v1/embeddings' input" \
+                if getattr(self.engine, "task", "generate") == "embed" else \
+                "use /v1/completions with a plain prompt"  # the routes this server serves
             raise OpenAIError("this model has no chat template: send one in the request's "
-                              "chat_template field, or use /v1/completions with a plain "
-                              "prompt", param="messages", code="no_chat_template") from None
+                              f"chat_template field, or {plain}", param="messages",
+                              code="no_chat_template") from None
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         except PromptTooLong as e:

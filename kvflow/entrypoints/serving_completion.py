@@ -30,6 +30,7 @@ from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, request_
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
+from kvflow.multimodal import VideoNotSupported
 from kvflow.outputs import CompletionOutput, Logprob
 from kvflow.sampling_params import SamplingParams
 
@@ -116,9 +117,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _refuse_placeholders(self, text: str | None, ids: list[int]) -> None:
         """A vision-language model's completion prompt carries no images: an image
-        placeholder token in it would stand for nothing. Raises OpenAIError 400."""
+        placeholder token in it would stand for nothing (images go in /v1/chat/completions
+        image_url parts), nor would a video one (kvflow takes no video). Raises OpenAIError
+        400."""
         try:
             self.engine.processor.attach_images(text, ids, [])
+        except VideoNotSupported as e:  # no route takes video: no hint of where it goes
+            raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
         except ValueError as e:
             raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
                               param="prompt", code="invalid_value") from None

@@ -7,10 +7,14 @@ from typing import Any
 
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, load_image_url
-from kvflow.multimodal.processor import MultiModalProcessor, load_image_processor
+from kvflow.multimodal.processor import (
+    MultiModalProcessor,
+    VideoNotSupported,
+    load_image_processor,
+)
 
-__all__ = ["MediaError", "MultiModalProcessor", "load_image_url", "make_mm_processor",
-           "mm_processor_of_source"]
+__all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_image_url",
+           "make_mm_processor", "mm_processor_of_source"]
 
 
 def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,

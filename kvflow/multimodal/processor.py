@@ -39,6 +39,10 @@ def load_image_processor(path: str) -> Any:
                          f"(preprocessor_config.json): {e}") from e
 
 
+class VideoNotSupported(ValueError):
+    """A prompt holding the video placeholder token: kvflow takes no video."""
+
+
 class MultiModalProcessor:
     """Expands image placeholders and preprocesses images for one vision-language model.
 
@@ -65,10 +69,14 @@ class MultiModalProcessor:
     def check_no_video(self, token_ids: list[int]) -> None:
         """Raises ValueError if ``token_ids`` hold the model's video placeholder token (its
         raw embedding, which the model only ever saw replaced by a video's features): kvflow
-        takes no video. Used for generation (``process``) and embedding prompts alike."""
+        takes no video. Used for generation (``process``) and embedding prompts alike.
+
+        Raises:
+            VideoNotSupported: (a ValueError) naming the token's id."""
         if self.video_token_id is not None and self.video_token_id in token_ids:
-            raise ValueError(f"the prompt holds the video placeholder token (id "
-                             f"{self.video_token_id}): kvflow takes no video yet, only images")
+            raise VideoNotSupported(f"the prompt holds the video placeholder token (id "
+                                    f"{self.video_token_id}): kvflow takes no video; remove "
+                                    "the token from the prompt")
 
     def process(self, token_ids: list[int], images: list[Image.Image]
                 ) -> tuple[list[int], list[MultiModalFeature]]:

@@ -246,7 +246,8 @@ def test_embeddings_refuse_images(tiny_qwen2_vl):
         with pytest.raises(ValueError) as e:
             llm.embed(prompt)
         assert str(e.value) == (f"the prompt holds the video placeholder token (id "
-                                f"{video_id}): kvflow takes no video yet, only images")
+                                f"{video_id}): kvflow takes no video; remove the token from "
+                                "the prompt")
     assert not llm.engine.has_unfinished_requests()
 
 

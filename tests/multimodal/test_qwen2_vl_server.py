@@ -193,6 +193,15 @@ def test_tokenize_counts_expanded_images_and_completions_refuse_placeholders(
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "prompt"
     assert "image_url" in resp.json()["error"]["message"]
+    # a video placeholder: kvflow takes no video on any route, so no hint of where images
+    # go (it ended "(images go in /v1/chat/completions image_url parts)")
+    video_id = tiny_qwen2_vl.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "a <|video_pad|> b", "max_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert resp.json()["error"]["message"] == (
+        f"the prompt holds the video placeholder token (id {video_id}): kvflow takes no "
+        "video; remove the token from the prompt")
     ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
                     json={"prompt": "a plain prompt", "max_tokens": 2})
     assert ok.status_code == 200
