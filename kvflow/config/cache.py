@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.config.options import check_choices, opt, parse_bytes
+from kvflow.config.options import check_choices, opt, parse_bytes, parse_gib_or_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_SWAP_SPACE = "4GiB"
@@ -19,8 +19,9 @@ class CacheConfig:
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
         "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")
-    swap_space: str | int = opt(DEFAULT_SWAP_SPACE, "host memory per worker for the KV blocks of "
-                                 "swapped-out requests (--preemption-mode swap), e.g. 4GiB")
+    swap_space: str | float = opt(
+        DEFAULT_SWAP_SPACE, "host memory per worker for the KV blocks of swapped-out requests "
+        "(--preemption-mode swap), e.g. 4GiB; a bare number is GiB, as in vLLM (4 = 4GiB)")
     kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
                                "fp8_e4m3 (quantized per token and KV head with float32 scales "
                                "beside the blocks: about twice the blocks of a 16-bit cache "
@@ -38,11 +39,16 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        parse_bytes(self.swap_space)
+        parse_gib_or_bytes(self.swap_space)
         if self.gpu_memory_utilization is not None \
                 and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """``swap_space`` in bytes (a bare number is GiB, as vLLM reads it)."""
+        return parse_gib_or_bytes(self.swap_space)
 
     @property
     def gpu_memory_fraction(self) -> float:

@@ -51,10 +51,12 @@ class EngineConfig:
                 worker starts).
         """
         self._check_speculative()
-        swap, mode = self.cache_config.swap_space, self.scheduler_config.preemption_mode
-        if mode != "swap" and parse_bytes(swap) != parse_bytes(DEFAULT_SWAP_SPACE):
-            raise ValueError(f"swap_space={swap!r} sizes the host pool of preemption_mode="
-                             f"'swap'; this engine's is {mode!r}, which keeps none")
+        cc, mode = self.cache_config, self.scheduler_config.preemption_mode
+        if mode != "swap" and cc.swap_space_bytes != parse_bytes(DEFAULT_SWAP_SPACE):
+            raise ValueError(f"--swap-space {cc.swap_space} (swap_space) sizes the host pool "
+                             f"of --preemption-mode swap, and this engine preempts by "
+                             f"{mode}, which keeps none: add --preemption-mode swap "
+                             "(preemption_mode='swap'), or leave --swap-space out")
         tp = self.parallel_config.tensor_parallel_size
         if self.model_config.quantization == "gguf" and tp > 1:
             raise ValueError(f"quantization='gguf' with tensor_parallel_size={tp} is not "

@@ -40,6 +40,25 @@ def parse_bytes(value: str | int) -> int:
     return size
 
 
+def parse_gib_or_bytes(value: str | float) -> int:
+    """Parse a memory size given as vLLM's ``--swap-space`` takes it: a bare number (``4``,
+    ``0.5``, ``"8"``) is GiB, as in vLLM; a size with a unit (``4GiB``, ``512MiB``) is read
+    by :func:`parse_bytes`.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: if the value is not a positive number with an optional unit.
+    """
+    if isinstance(value, int | float) or re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(value)):
+        size = int(float(value) * 2**30)
+        if size <= 0:
+            raise ValueError(f"memory size {value!r} must be positive")
+        return size
+    return parse_bytes(value)
+
+
 def _has_type(value: Any, type_name: str) -> bool:
     """Whether ``value`` fits one name of a field's annotation ("int", "float", ...); names
     this check does not know pass."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvflow.config import EngineConfig, parse_bytes
+from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_utils import group_kv_cache_specs
 from kvflow.executor import Executor
 from kvflow.kv_cache_interface import (
@@ -109,15 +109,16 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
         if present:
             raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
                              "--preemption-mode recompute")
-    swap_space = engine_config.cache_config.swap_space
+    swap_space, size = engine_config.cache_config.swap_space, \
+        engine_config.cache_config.swap_space_bytes
     total = host_memory_bytes()
-    if parse_bytes(swap_space) > total:  # more than lazily mapped pages could ever back
+    if size > total:  # more than lazily mapped pages could ever back
         raise ValueError(f"--swap-space {swap_space} (host memory per worker) exceeds this "
                          f"machine's {total / 2**30:.2f} GiB of memory; lower it")
-    num = parse_bytes(swap_space) // config.page_size_bytes
+    num = size // config.page_size_bytes
     if num < 1:
-        raise ValueError(f"--swap-space {engine_config.cache_config.swap_space} holds no "
-                         f"KV block of {config.page_size_bytes} bytes")
+        raise ValueError(f"--swap-space {swap_space} ({size} bytes) holds no KV block of "
+                         f"{config.page_size_bytes} bytes")
     return num
 
 

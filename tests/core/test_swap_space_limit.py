@@ -30,7 +30,7 @@ def test_pool_size_in_blocks():
     assert num_host_blocks(EngineConfig.from_kwargs(), POOL) == 0  # recompute: no pool
 
 
-@pytest.mark.parametrize("swap_space", [str(TOTAL + 2**30), "10TiB"])
+@pytest.mark.parametrize("swap_space", [f"{TOTAL + 2**30}B", "10TiB", "10240"])
 def test_swap_space_beyond_the_machines_memory_is_refused(swap_space):
     with pytest.raises(ValueError, match=rf"^--swap-space {swap_space} .* exceeds this "
                                          rf"machine's {TOTAL / 2**30:.2f} GiB of memory"):
@@ -40,4 +40,4 @@ def test_swap_space_beyond_the_machines_memory_is_refused(swap_space):
 def test_swap_space_up_to_the_machines_memory_is_kept():
     """The pool's pages are taken only where written (kvflow/worker/kv_swap.py), so a pool
     as large as the memory is sized, not refused."""
-    assert num_host_blocks(_config(str(TOTAL)), POOL) == TOTAL // PAGE
+    assert num_host_blocks(_config(f"{TOTAL}B"), POOL) == TOTAL // PAGE
