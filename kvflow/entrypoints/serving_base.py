@@ -213,7 +213,8 @@ class OpenAIServing:
             raise OpenAIError(
                 f"this model's maximum context length is {limit} tokens"
                 f"{self.engine.processor.max_model_len_note}; the request has "
-                f"{len(token_ids)} prompt tokens and asks for {max_tokens} more "
+                f"{len(token_ids)} prompt token{'s' * (len(token_ids) != 1)} and asks for "
+                f"{max_tokens} more "
                 f"({len(token_ids) + max_tokens} in total)", param="max_tokens",
                 code="context_length_exceeded")
 

@@ -30,6 +30,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if not loc and first.get("type") == "missing":
         return OpenAIError("the request body is empty: expected a JSON object",
                            code="invalid_json")
+    if not loc and first.get("type") in _TYPES:  # a JSON array, string or number
+        return OpenAIError(f"the request body must be a JSON object, got "
+                           f"{_sent(first.get('input'))}", code="invalid_json")
     param = ".".join(loc) or None
     # a dict key's error names the dict (its param still ends in the key)
     where = ".".join(loc[:-1]) if _at_key(first) and len(loc) > 1 else param

@@ -867,6 +867,20 @@ def test_schema_errors_carry_openai_codes(server, body, param, code):
     assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("body,sent", [(b"[1, 2]", "a list"), (b'"hi"', "'hi'"),
+                                       (b"7", "7"), (b"null", "null")])
+def test_a_body_that_is_not_an_object_says_so(server, body, sent):
+    """JSON that is not an object (an array, string, number or null) is a 400 saying the body
+    must be an object and what it got, not pydantic's "Input should be a valid dictionary or
+    object to extract fields from"."""
+    resp = httpx.post(f"{server.url}{C}", content=body,
+                      headers={"Content-Type": "application/json"}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["message"], error["code"], error["param"]) == (
+        f"the request body must be a JSON object, got {sent}", "invalid_json", None)
+
+
 STRICT_TYPES = [  # (path, body, param): OpenAI refuses each with code invalid_type
     (C, {"max_tokens": "8"}, "max_tokens"), (C, {"max_tokens": 8.0}, "max_tokens"),
     (C, {"n": True}, "n"), (C, {"seed": "7"}, "seed"), (C, {"temperature": "0.5"},

@@ -656,6 +656,9 @@ def test_unset_max_tokens_is_capped_by_the_context(server):
         (6, "length"), out
     error = httpx.post(f"{server.url}{C}", json={**body, "max_tokens": 16}).json()["error"]
     assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    one = httpx.post(f"{server.url}{C}", json={**body, "prompt": [3], "max_tokens": 96}).json()
+    assert one["error"]["message"].endswith("the request has 1 prompt token and asks for 96 "
+                                            "more (97 in total)"), one
 
 
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
