@@ -324,3 +324,89 @@ def test_a_recording_over_budget_refuses_its_size_and_larger_ones(tiny_model_fac
     threads = torch.get_num_threads()
     assert graphs.refused == {(n, threads) for n in (4, 3, 2, 1)}
     assert graphs.max_recorded_rows == 0 and graphs.replayed_steps == 0 and not graphs.programs
+
+
+def _recorded_chain(kernels, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor):
+    """RMSNorm (with a residual: a float argument and NULL-free pointers), a GEMM with no
+    bias (a NULL pointer) and SiLU-and-mul on kernels' wrappers, recorded: (calls, the
+    outputs the calls wrote, the residual). Every tensor a call reads stays alive."""
+    residual = x * 0.5
+    with StepRecorder(kernels) as recorder:
+        normed, summed = kernels.rms_norm(x, w, 1e-5, residual=residual)
+        up = kernels.gemm(normed, packed, 2 * x.shape[1])
+        act = kernels.silu_and_mul(up)
+    calls = [c for c in recorder.calls if c[0].__name__ in  # not the size look-ups
+             ("kvflow_rms_norm", "kvflow_gemm", "kvflow_silu_and_mul")]
+    assert len(calls) == 3
+    return calls, (normed, summed, up, act), residual
+
+
+def test_calls_replayed_from_c_write_what_the_python_calls_wrote():
+    """The C replay loop (csrc/cpu_replay.c) runs the same entry points with the same
+    arguments as the recorded Python calls: every output is the same bit for bit when the
+    outputs are cleared and the encoded calls run again, and equal to a plain-torch oracle
+    within float32 rounding. A call the table lacks (here a ctypes entry point bound to a
+    Python callback) stays a Python call between two encoded runs."""
+    kernels = native_cpu_kernels()
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 64), torch.randn(64)
+    weight = torch.randn(128, 64)
+    packed = kernels.gemm_pack(weight)
+    calls, outs, _residual = _recorded_chain(kernels, x, w, packed)
+    expected = [o.clone() for o in outs]
+    mid = x.new_zeros(1)
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def marker(address):
+        ctypes.c_float.from_address(address).value = 7.0
+        return 0
+    marker.argtypes = [ctypes.c_void_p]
+    calls = [*calls[:2], (marker, (mid.data_ptr(),)), *calls[2:]]
+    replayer = kernels.replayer
+    segments = replayer.encode(calls)
+    assert [isinstance(s[0], torch.Tensor) for s in segments] == [True, False, True]
+    assert segments[0][1] == ["kvflow_rms_norm", "kvflow_gemm"]
+    for o in outs:
+        o.fill_(float("nan"))
+    replayer.run(segments)
+    assert all(same_bits(o, e) for o, e in zip(outs, expected, strict=True))
+    assert mid.item() == 7.0
+    s = x + x * 0.5
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    up = ref @ weight.T
+    torch.testing.assert_close(outs[1], s)
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[2], up, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[3], torch.nn.functional.silu(up[:, :64]) * up[:, 64:],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_failing_call_replayed_from_c_is_named_and_stops_the_run():
+    """A call that returns a nonzero status (kvflow_gemm given an x dtype its weight does not
+    take) raises RuntimeError naming it, and the calls after it do not run."""
+    kernels = native_cpu_kernels()
+    x, w = torch.randn(2, 32), torch.randn(32)
+    packed = kernels.gemm_pack(torch.randn(64, 32))
+    calls, outs, _residual = _recorded_chain(kernels, x, w, packed)
+    fn, args = calls[1]
+    assert fn.__name__ == "kvflow_gemm"
+    calls[1] = (fn, (*args[:2], 99, *args[3:]))  # xdt: no dtype code
+    outs[3].fill_(-1.0)
+    with pytest.raises(RuntimeError, match="replayed native call kvflow_gemm failed"):
+        kernels.replayer.run(kernels.replayer.encode(calls))
+    assert (outs[3] == -1.0).all()
+
+
+def test_replayed_steps_run_from_c(tiny_model_factory):
+    """The engine's trusted programs are bound to the C replayer, each one encoded run (every
+    call of a Llama decode step is in the table), and the greedy outputs equal the eager
+    engine's (the oracle test above compares against transformers)."""
+    tiny = tiny_model_factory("llama")
+    expected = _generate(_engine(tiny.path, "float32", enforce_eager=True))
+    llm = _engine(tiny.path, "float32")
+    assert _generate(llm) == expected
+    graphs = _graphs(llm)
+    assert graphs.replayed_steps > 0 and graphs.programs
+    for program in graphs.programs.values():
+        assert program.replayer is not None
+        assert len(program.segments) == 1 and isinstance(program.segments[0][0], torch.Tensor)

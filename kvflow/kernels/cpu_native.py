@@ -37,6 +37,7 @@ from kvflow.kernels.cpu_native_attention import AttentionKernels
 from kvflow.kernels.cpu_native_common import DTYPE_CODES, bind, c_int, gemm_out_code, ptr
 from kvflow.kernels.cpu_native_elementwise import ElementwiseKernels
 from kvflow.kernels.cpu_native_gemm import GemmKernels
+from kvflow.kernels.cpu_native_replay import CallReplayer
 
 __all__ = ["NativeCpuKernels", "gemm_out_code", "native_cpu_kernels",
            "native_cpu_kernels_for_isa", "native_kernels_for"]
@@ -59,6 +60,7 @@ class NativeCpuKernels(AttentionKernels, ElementwiseKernels, GemmKernels):
         self._bind_elementwise(lib)
         self._bind_gemm(lib)
         self._bind_threads = bind(lib, "kvflow_bind_threads", c_int, [ptr, c_int])
+        self.replayer = CallReplayer(lib)  # runs step graphs' calls from C (cpu_replay.c)
 
     def bind_threads(self, cpus: list[int | None]) -> bool:
         """Pin the OpenMP threads of the calling thread's parallel regions, thread i to

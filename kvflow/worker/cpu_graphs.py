@@ -225,9 +225,10 @@ class CpuGraphRunner:
 
     def _bind(self, program: StepProgram) -> None:
         """Bind ``program`` to the shared buffer, growing it (and rebinding the others)."""
+        replayer = getattr(self.kernels, "replayer", None)  # calls run from C (cpu_replay.c)
         if program.size > self.buffer.numel():
             self.buffer = torch.empty(program.size, dtype=torch.uint8)
             for other in self.programs.values():
-                other.bind(self.buffer)
-        program.bind(self.buffer)
+                other.bind(self.buffer, replayer)
+        program.bind(self.buffer, replayer)
 

@@ -249,9 +249,13 @@ class StepProgram:
     hidden: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
     calls: list = field(default_factory=list)
     hidden_states: torch.Tensor | None = None
+    replayer: object | None = None  # a kernels.cpu_native_replay.CallReplayer, when bound so
+    segments: list = field(default_factory=list)  # the calls encoded for the replayer
 
-    def bind(self, buffer: torch.Tensor) -> None:
-        """Point the calls (and ``hidden_states``) into ``buffer`` (uint8, >= ``size``)."""
+    def bind(self, buffer: torch.Tensor, replayer=None) -> None:
+        """Point the calls (and ``hidden_states``) into ``buffer`` (uint8, >= ``size``).
+        With a ``replayer`` (:class:`kvflow.kernels.cpu_native_replay.CallReplayer` of the
+        calls' library) :meth:`replay` runs the calls it can encode from C, in runs."""
         base = buffer.data_ptr()
         self.calls = []
         for fn, args, relocs in self.template:
@@ -259,6 +263,8 @@ class StepProgram:
             for a, offset in relocs:
                 bound[a] = base + offset
             self.calls.append((fn, tuple(bound)))
+        self.replayer = replayer
+        self.segments = replayer.encode(self.calls) if replayer is not None else []
         offset, shape, stride, dtype = self.hidden
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) \
             * dtype.itemsize
@@ -272,6 +278,9 @@ class StepProgram:
             RuntimeError: when a call returns a nonzero status (its scratch could not be
                 allocated, or a slot was out of range).
         """
+        if self.replayer is not None:
+            self.replayer.run(self.segments)
+            return self.hidden_states
         for fn, args in self.calls:
             if fn(*args):
                 raise RuntimeError(f"replayed native call {fn.__name__} failed")

@@ -1,0 +1,127 @@
+/*
+ * Replaying a recorded CPU step's native calls from C (kvflow/worker/cpu_graphs.py).
+ *
+ * A replayed decode step of SmolLM2-135M is ~300 calls; from Python each pays ctypes'
+ * argument conversion and the interpreter's loop (~1.3 us for kvflow_gemm's 13 arguments on
+ * a Zen 4 EPYC), while the other OpenMP thread waits. kvflow_replay runs a whole run of
+ * calls in one ctypes call instead. A call is encoded as 1 + argc 64-bit words: the entry
+ * point's index in ENTRIES, then its arguments in order (pointers and integers as their
+ * values, a float as its IEEE-754 bits in the low 32 bits). Each entry has a thunk that
+ * unpacks the words into the entry point's own prototype, so every call is an ordinary,
+ * type-correct C call of the same function with the same arguments as from Python.
+ * kernels/cpu_native_replay.py encodes programs and checks each entry point's name, argument
+ * count and address against this table before it trusts it.
+ */
+#include "cpu_common.h"
+
+int kvflow_gemm(const void *x, int64_t x_stride, int xdt, const void *packed, int wdt,
+                const float *bias, void *y, int64_t y_stride, int ydt, int64_t m, int64_t n,
+                int64_t k, int num_threads);
+int kvflow_gemm_rows(const void *packed, int wdt, int64_t n, int64_t k, const int64_t *ids,
+                     int64_t m, void *out, int64_t out_stride);
+int kvflow_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
+                    void *residual_out, const void *weight, void *out, int64_t rows,
+                    int64_t hidden, float eps, int dtype, int num_threads);
+int kvflow_embedding_rows(const void *table, int64_t table_stride, int64_t n, int64_t k,
+                          int64_t elem_bytes, const int64_t *ids, int64_t m, void *out);
+int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
+                        int dtype, int num_threads);
+int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t num_heads,
+                  void *k, int64_t k_stride, int64_t num_kv_heads, int64_t head_dim,
+                  int64_t rot_dim, const float *cos_sin, int64_t max_position, int64_t tokens,
+                  int neox, int dtype, int num_threads);
+int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, void *out, const int32_t *block_table,
+                           int64_t bt_stride, const int32_t *query_start_loc,
+                           const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int64_t window, int dtype, int num_threads,
+                           int tiled);
+int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t n,
+                    int64_t num_slots, int64_t row_elems, int dtype, int num_threads);
+
+#define P(i) ((void *)(intptr_t)a[i])
+#define I(i) ((int)a[i])
+
+static float F(int64_t word) {
+    const uint32_t bits = (uint32_t)word;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static int gemm(const int64_t *a) {
+    return kvflow_gemm(P(0), a[1], I(2), P(3), I(4), P(5), P(6), a[7], I(8), a[9], a[10],
+                       a[11], I(12));
+}
+static int gemm_rows(const int64_t *a) {
+    return kvflow_gemm_rows(P(0), I(1), a[2], a[3], P(4), a[5], P(6), a[7]);
+}
+static int rms_norm(const int64_t *a) {
+    return kvflow_rms_norm(P(0), a[1], P(2), a[3], P(4), P(5), P(6), a[7], a[8], F(a[9]),
+                           I(10), I(11));
+}
+static int embedding_rows(const int64_t *a) {
+    return kvflow_embedding_rows(P(0), a[1], a[2], a[3], a[4], P(5), a[6], P(7));
+}
+static int silu_and_mul(const int64_t *a) {
+    return kvflow_silu_and_mul(P(0), a[1], P(2), a[3], a[4], I(5), I(6));
+}
+static int rotary(const int64_t *a) {
+    return kvflow_rotary(P(0), P(1), a[2], a[3], P(4), a[5], a[6], a[7], a[8], P(9), a[10],
+                         a[11], I(12), I(13), I(14));
+}
+static int paged_attention(const int64_t *a) {
+    return kvflow_paged_attention(P(0), a[1], P(2), P(3), P(4), P(5), a[6], P(7), P(8), a[9],
+                                  a[10], a[11], a[12], a[13], F(a[14]), a[15], I(16), I(17),
+                                  I(18));
+}
+static int store_kv(const int64_t *a) {
+    return kvflow_store_kv(P(0), a[1], P(2), a[3], P(4), P(5), P(6), a[7], a[8], a[9], I(10),
+                           I(11));
+}
+
+typedef struct {
+    const char *name;
+    int argc;
+    int (*thunk)(const int64_t *args);
+    const void *fn; /* the entry point itself (its address, checked by the encoder) */
+} Entry;
+
+static const Entry ENTRIES[] = {
+    {"kvflow_gemm", 13, gemm, (const void *)kvflow_gemm},
+    {"kvflow_gemm_rows", 8, gemm_rows, (const void *)kvflow_gemm_rows},
+    {"kvflow_rms_norm", 12, rms_norm, (const void *)kvflow_rms_norm},
+    {"kvflow_embedding_rows", 8, embedding_rows, (const void *)kvflow_embedding_rows},
+    {"kvflow_silu_and_mul", 7, silu_and_mul, (const void *)kvflow_silu_and_mul},
+    {"kvflow_rotary", 15, rotary, (const void *)kvflow_rotary},
+    {"kvflow_paged_attention", 19, paged_attention, (const void *)kvflow_paged_attention},
+    {"kvflow_store_kv", 12, store_kv, (const void *)kvflow_store_kv},
+};
+enum { NUM_ENTRIES = sizeof ENTRIES / sizeof ENTRIES[0] };
+
+/* Entries kvflow_replay can call: their count. */
+int64_t kvflow_replay_entries(void) { return NUM_ENTRIES; }
+
+/* Entry i's name, argument count (*argc) and address (*fn); NULL when i is out of range. */
+const char *kvflow_replay_entry(int64_t i, int64_t *argc, int64_t *fn) {
+    if (i < 0 || i >= NUM_ENTRIES) return NULL;
+    *argc = ENTRIES[i].argc;
+    *fn = (int64_t)(intptr_t)ENTRIES[i].fn;
+    return ENTRIES[i].name;
+}
+
+/* Runs the `calls` encoded calls of `program` (see the header) in order. Returns 0 when every
+ * call returned 0; else stops at the first that did not and returns its position + 1, or
+ * -(position + 1) when its entry index is out of range (nothing of it runs). */
+int64_t kvflow_replay(const int64_t *program, int64_t calls) {
+    const int64_t *word = program;
+    for (int64_t c = 0; c < calls; ++c) {
+        const int64_t e = word[0];
+        if (e < 0 || e >= NUM_ENTRIES) return -(c + 1);
+        if (ENTRIES[e].thunk(word + 1)) return c + 1;
+        word += 1 + ENTRIES[e].argc;
+    }
+    return 0;
+}
