@@ -43,7 +43,7 @@ SOURCES = ("cpu_argmax.c", "cpu_attention.c", "cpu_attention_kvq.c", "cpu_elemen
            "cpu_threads.c")
 HEADERS = ("cpu_common.h", "cpu_attention_tiled.h", "cpu_attention_dp.h",
            "cpu_attention_decode.h", "cpu_attention_decode_bf16.h", "cpu_pool.h",
-           "cpu_gemm_amx.h", "cpu_elementwise_avx512.h")
+           "cpu_gemm_amx.h", "cpu_elementwise_avx512.h", "cpu_entry_points.h")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=gnu11", "-Wno-psabi")
 

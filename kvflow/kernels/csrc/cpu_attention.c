@@ -29,6 +29,7 @@
  * one pool. The caller guarantees the indices are in range (kvflow checks them once per step).
  */
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 #include "cpu_pool.h"
 
 #include <stdint.h>

@@ -12,6 +12,7 @@
  * pass (a decode step's) runs on the calling thread alone (threads_for, cpu_common.h).
  */
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 #include "cpu_elementwise_avx512.h"
 
 /* Call f(DT, args...) with the dtype a compile-time constant, so an always-inline row function

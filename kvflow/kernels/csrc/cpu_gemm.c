@@ -42,6 +42,7 @@
  * on which thread ran an item. Threads come from torch's OpenMP runtime (see cpu_attention.c).
  */
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 #include "cpu_pool.h"
 
 #include <omp.h>
