@@ -12,13 +12,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.chat_template import (
-    ChatTemplateError,
-    NoChatTemplateError,
-    check_call_index,
-    image_urls,
-)
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
 from kvflow.engine.async_llm import RequestStream, collect
+from kvflow.entrypoints.chat_conversation import (
+    check_tool_fields,
+    with_calls_as_text,
+    with_system_prompt,
+)
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
@@ -50,7 +50,7 @@ from kvflow.entrypoints.structured_requests import (
     tool_parser_for,
     tools_for_template,
 )
-from kvflow.entrypoints.tool_parsers import ToolParser, make_tool_parser
+from kvflow.entrypoints.tool_parsers import make_tool_parser
 from kvflow.input_processor import InputProcessor, ProcessedPrompt
 from kvflow.multimodal import MediaError
 from kvflow.outputs import CompletionOutput
@@ -158,16 +158,16 @@ class OpenAIServingChat(OpenAIServing):
         self._check_chat_template(options.chat_template)
         if options.chat_template is not None:
             size = None  # a client's template may run long: never on the event loop
-        _check_tool_fields(messages)
+        check_tool_fields(messages)
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer
         template = str(options.chat_template or getattr(tokenizer, "chat_template", None) or "")
         parser = make_tool_parser(self.config.tool_call_parser)
         if "tools" not in template and "tool_calls" not in template:
-            conversation = _with_calls_as_text(conversation, parser)
+            conversation = with_calls_as_text(conversation, parser)
         if tools and "tools" not in template:
-            conversation, tools = _with_system_prompt(conversation,
+            conversation, tools = with_system_prompt(conversation,
                                                       parser.system_prompt(tools)), None
         limit = self.engine.max_model_len - 1 if check_length else None
         try:
@@ -326,50 +326,6 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([], _usage(len(ids), num_generated))
 
 
-def _check_tool_fields(messages: list[ChatMessage]) -> None:
-    """``tool_calls`` only on assistant turns, ``tool_call_id`` only on tool turns (a
-    template reads them nowhere else) and on every tool turn (OpenAI requires it: the call
-    the result answers), each call's ``index`` its position (checked here too, before calls
-    a template cannot read become text). Raises OpenAIError 400 naming the field
-    otherwise."""
-    for i, message in enumerate(messages):
-        if message.role == "tool" and message.tool_call_id is None:
-            raise OpenAIError(f"messages.{i}.tool_call_id: a required field for tool messages "
-                              "(the id of the call this result answers), not sent",
-                              param=f"messages.{i}.tool_call_id",
-                              code="missing_required_parameter")
-        for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
-            if getattr(message, name) is not None and message.role != role:
-                raise OpenAIError(f"messages.{i}.{name} is for {role} messages only (this is "
-                                  f"a {message.role} message)", param=f"messages.{i}.{name}",
-                                  code="invalid_value")
-        for j, call in enumerate(message.tool_calls or []):
-            try:
-                check_call_index(call.index, i, j)
-            except ChatTemplateError as e:
-                raise OpenAIError(str(e), param=e.param, code=e.code) from None
-
-
-def _with_calls_as_text(conversation: list[dict[str, Any]], parser: ToolParser
-                        ) -> list[dict[str, Any]]:
-    """Each assistant turn's ``tool_calls`` appended to its content as ``parser``'s text
-    (on a line of its own after any text; a new text part for content given as parts)."""
-    out = []
-    for message in conversation:
-        calls = message.get("tool_calls")
-        if not calls:
-            out.append(message)
-            continue
-        text, content = parser.calls_text(calls), message.get("content")
-        if isinstance(content, list):
-            content = [*content, {"type": "text", "text": text}]
-        else:
-            content = f"{content}\n{text}" if content else text
-        out.append({k: v for k, v in message.items() if k != "tool_calls"} |
-                   {"content": content})
-    return out
-
-
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
                  ids: list[int]) -> ProcessedPrompt:
     """Load the conversation's images and expand their placeholders in ``ids``; a refused
@@ -382,21 +338,6 @@ def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], 
         if e.image_index is not None and e.image_index < len(urls):
             e.param = urls[e.image_index][0]
         raise
-
-
-def _with_system_prompt(conversation: list[dict[str, Any]], prompt: str
-                        ) -> list[dict[str, Any]]:
-    """``prompt`` as the system message, after the conversation's own system text if any
-    (a blank line between; content given as parts gets it as one more text part, which the
-    parts' newline join renders the same)."""
-    if conversation and conversation[0].get("role") == "system":
-        content = conversation[0].get("content")
-        if isinstance(content, list):
-            content = [*content, {"type": "text", "text": f"\n{prompt}"}]
-        else:
-            content = f"{content or ''}\n\n{prompt}".strip()
-        return [{**conversation[0], "content": content}, *conversation[1:]]
-    return [{"role": "system", "content": prompt}, *conversation]
 
 
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:
