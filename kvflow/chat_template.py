@@ -33,7 +33,7 @@ from typing import Any
 from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ChatTemplateError", "NoChatTemplateError", "image_urls", "normalize_conversation",
-           "render_chat"]
+           "render_chat", "syntax_error_message"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
 # or not, as vLLM does: clients send them routinely); any other key must be read by the
@@ -245,7 +245,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 tools: list[dict[str, Any]] | None = None,
                 documents: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None,
-                image_placeholder: str | None = None) -> str:
+                image_placeholder: str | None = None,
+                default_template: str | None = None) -> str:
     """Render a conversation to prompt text.
 
     Args:
@@ -258,12 +259,15 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         template_kwargs: further template variables.
         image_placeholder: the text standing for one image, for a model that takes images
             (None: ``image_url`` parts are refused).
+        default_template: a Jinja template replacing the model's, below ``chat_template``
+            (a server's ``--chat-template``, checked when it started): its errors are the
+            conversation's (param ``messages``), as the model's are.
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
         ChatTemplateError: for a bad message or option (see the module docstring), one the
             template fails on, or a template with a Jinja syntax error (naming the line, and
-            whether it is the model's template or the caller's).
+            whether it is the model's template, the default or the caller's).
     """
     import jinja2
 
@@ -271,8 +275,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                                       or not chat_template.strip()):
         raise ChatTemplateError("chat_template must be a non-empty Jinja template string",
                                 "chat_template")
-    template = chat_template if chat_template is not None else \
-        getattr(tokenizer, "chat_template", None)
+    source = "caller" if chat_template is not None else \
+        "default" if default_template is not None else "model"
+    template = {"caller": chat_template, "default": default_template,
+                "model": getattr(tokenizer, "chat_template", None)}[source]
     conversation = normalize_conversation(
         messages, image_placeholder,
         content_parts=isinstance(template, str) and loops_over_content(template))
@@ -284,26 +290,27 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         text = tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja and transformers errors: bad input
-        param = "chat_template" if chat_template is not None else "messages"
+        param = "chat_template" if source == "caller" else "messages"
         if isinstance(e, jinja2.TemplateSyntaxError):  # the template is broken, not the messages
-            raise ChatTemplateError(_syntax_error_message(e, chat_template is None),
-                                    param) from None
+            raise ChatTemplateError(syntax_error_message(e, source), param) from None
         raise ChatTemplateError(f"the chat template cannot render these messages: "
                                 f"{type(e).__name__}: {e}", param) from None
     _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
     return text
 
 
-def _syntax_error_message(error: Any, models_own: bool) -> str:
+def syntax_error_message(error: Any, source: str) -> str:
     """The error for a template that does not compile (a ``jinja2.TemplateSyntaxError``),
-    naming whose template it is and where it breaks."""
-    if models_own:
-        return (f"the model's chat template is not a valid Jinja template (line "
-                f"{error.lineno}: {error.message}), so no conversation can be rendered; fix "
-                "the model's chat_template.jinja (or the chat_template in its "
-                "tokenizer_config.json)")
-    return (f"chat_template is not a valid Jinja template (line {error.lineno}: "
-            f"{error.message})")
+    naming whose template it is (``source``: "model", "default" for a server's
+    ``--chat-template``, "caller" for a ``chat_template`` argument) and where it breaks."""
+    where = f"(line {error.lineno}: {error.message})"
+    if source == "model":
+        return (f"the model's chat template is not a valid Jinja template {where}, so no "
+                "conversation can be rendered; fix the model's chat_template.jinja (or the "
+                "chat_template in its tokenizer_config.json)")
+    if source == "default":
+        return f"the server's --chat-template is not a valid Jinja template {where}"
+    return f"chat_template is not a valid Jinja template {where}"
 
 
 def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], template: str,

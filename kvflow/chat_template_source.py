@@ -1,0 +1,120 @@
+"""Where a chat template comes from, checked before it is used: a ``--chat-template`` value
+(a Jinja file, or the template itself, as vLLM's flag takes it) read and compiled at start-up,
+and the model's own template compiled at start-up so that a broken one is reported then, not
+on the first chat request. Rendering lives in ``chat_template.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["load_chat_template", "model_template_warning", "template_name",
+           "template_syntax_error"]
+
+FLAG = "--chat-template"
+# A value that is no file is taken as the template itself only if it holds Jinja markup: a
+# statement, an expression or a comment. A value without any (``chat.jinja`` misspelled, or a
+# path in a folder that does not exist) is a missing file, never a template that renders its
+# own name (vLLM's rule, stricter: vLLM takes any ``{``, ``}`` or newline).
+_JINJA_MARKERS = ("{%", "{{", "{#")
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja chat template a ``--chat-template`` value names, compiled once as a check.
+
+    Args:
+        value: the path of a file holding the template (UTF-8, a byte-order mark dropped;
+            relative to the working directory), or, when no such path exists, the template
+            text itself, which must then hold Jinja markup (``{%``, ``{{`` or ``{#``).
+
+    Returns:
+        The template text, as ``apply_chat_template(chat_template=...)`` takes it.
+
+    Raises:
+        ValueError: starting ``--chat-template VALUE:`` (an inline template is named
+            ``<inline template>``) for a path that does not exist (and no Jinja markup), a
+            file that cannot be read (a folder, no permission), is not UTF-8 or is empty (or
+            blank), or a template that does not compile (naming its Jinja line).
+    """
+    where = f"{FLAG} {template_name(value)}"
+    if os.path.exists(value):
+        template = _read_template_file(value)
+    elif any(marker in value for marker in _JINJA_MARKERS):
+        template = value
+    else:
+        raise ValueError(f"{where}: no such file (a template given inline, not as a file, "
+                         "must hold Jinja markup: {%, {{ or {#)")
+    if not template.strip():  # only a file can be: an inline template holds markup
+        raise ValueError(f"{where}: the file is empty" + (" (blank)" if template else ""))
+    error = template_syntax_error(template)
+    if error is not None:
+        raise ValueError(f"{where}: not a valid Jinja template (line {error.lineno}: "
+                         f"{error.message})")
+    return template
+
+
+def template_name(value: str) -> str:
+    """How messages name a ``--chat-template`` value: the file's path, or ``<inline
+    template>`` for the template itself."""
+    return value if os.path.exists(value) or not any(m in value for m in _JINJA_MARKERS) \
+        else "<inline template>"
+
+
+def _read_template_file(path: str) -> str:
+    """The text of ``path``. Raises ValueError naming the flag and the file when it cannot be
+    read or is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{FLAG} {path}: cannot read it ({e.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{FLAG} {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                         f"offset {e.start})") from None
+
+
+def template_syntax_error(template: str) -> Any:
+    """The ``jinja2.TemplateSyntaxError`` of a chat template that does not compile, None when
+    it compiles. Compiled as ``apply_chat_template`` compiles it (transformers' sandboxed
+    environment, with its loop controls and ``{% generation %}`` tag), so a template passes
+    exactly when rendering can start."""
+    import jinja2
+
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        return e
+    return None
+
+
+def _compile(template: str) -> None:
+    try:  # private, but the one compiler apply_chat_template renders with (cached there)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that moved it: Jinja's sandbox, loop controls on
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        return
+    _compile_jinja_template(template)
+
+
+def model_template_warning(tokenizer: Any) -> str | None:
+    """The start-up warning for a model whose own chat template does not compile (every chat
+    request would get a 400 saying so; completions are unaffected), None when it compiles,
+    or the model has none, or there is no tokenizer. A tokenizer holding named templates (a
+    dict) has each checked."""
+    from kvflow.chat_template import syntax_error_message
+
+    templates = getattr(tokenizer, "chat_template", None)
+    named = templates.items() if isinstance(templates, dict) else [(None, templates)]
+    for name, template in named:
+        error = template_syntax_error(template) if isinstance(template, str) and \
+            template else None
+        if error is not None:
+            which = "" if name is None else f" (the template named {name!r})"
+            return (f"{syntax_error_message(error, 'model')}{which}, or serve another "
+                    f"with {FLAG}; chat requests get a 400 until then, completions are served")
+    return None
