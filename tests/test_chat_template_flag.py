@@ -6,15 +6,20 @@ the same template, the tokenizer's own encoding, and hand-written expected messa
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import logging
+from types import SimpleNamespace
 
 import pytest
 
 from kvflow.chat_template import ChatTemplateError, render_chat
 from kvflow.chat_template_source import (
     load_chat_template,
+    model_template_warning,
     template_syntax_error,
 )
+from kvflow.config import ServerConfig
 
 MODEL_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -127,3 +132,150 @@ def test_default_template_errors_are_the_conversations(tok):
     assert (info.value.param, str(info.value)) == (
         "messages", ("the server's --chat-template is not a valid Jinja template (line 3: "
                      "unexpected '}')"))
+
+
+# ---- the server --------------------------------------------------------------------------------
+def _engine(tokenizer):
+    """What the chat handler and /tokenize use of an AsyncLLM (no model)."""
+    from kvflow.input_processor import InputProcessor
+
+    return SimpleNamespace(tokenizer=tokenizer, processor=InputProcessor(tokenizer, 256, 320, 0),
+                           max_model_len=256, vocab_size=320, task="generate")
+
+
+def _render(chat, messages=MESSAGES, chat_template=None):
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import ChatOptions
+
+    req = ChatCompletionRequest(messages=messages, chat_template=chat_template)
+    return asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["file", "inline"])
+def test_server_renders_every_conversation_with_the_flag(tmp_path, tok, inline):
+    """The flag's template, not the model's, renders chat prompts (text and token ids as
+    transformers renders and the tokenizer encodes them)."""
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+
+    value = FLAG_TEMPLATE if inline else _file(tmp_path, FLAG_TEMPLATE)
+    chat = OpenAIServingChat(_engine(tok), ServerConfig(chat_template=value), "m")
+    text, ids = _render(chat)
+    assert text == _hf(tok, FLAG_TEMPLATE) != _hf(tok, MODEL_TEMPLATE)
+    assert ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_trusted_request_template_wins_over_the_flag(tmp_path, tok):
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+
+    path = _file(tmp_path, FLAG_TEMPLATE)
+    trusted = OpenAIServingChat(_engine(tok), ServerConfig(
+        chat_template=path, trust_request_chat_template=True), "m")
+    assert _render(trusted, chat_template=REQUEST_TEMPLATE)[0] == "be brief|hi|"
+    assert _render(trusted)[0] == _hf(tok, FLAG_TEMPLATE)  # the flag's for the others
+    untrusted = OpenAIServingChat(_engine(tok), ServerConfig(chat_template=path), "m")
+    with pytest.raises(OpenAIError) as info:
+        _render(untrusted, chat_template=REQUEST_TEMPLATE)
+    assert (info.value.status, info.value.param, info.value.code) == \
+        (400, "chat_template", "unsupported_parameter")
+
+
+def test_the_flag_serves_chat_for_a_model_without_a_template(tiny_tokenizer):
+    """A model without a chat template: a 400 (code no_chat_template) without the flag, the
+    flag's rendering with it."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+
+    assert not tiny_tokenizer.chat_template
+    with pytest.raises(OpenAIError) as info:
+        _render(OpenAIServingChat(_engine(tiny_tokenizer), ServerConfig(), "m"))
+    assert (info.value.status, info.value.code) == (400, "no_chat_template")
+    chat = OpenAIServingChat(_engine(tiny_tokenizer),
+                             ServerConfig(chat_template=FLAG_TEMPLATE), "m")
+    assert _render(chat)[0] == _hf(tiny_tokenizer, FLAG_TEMPLATE)
+
+
+def test_tokenize_over_http_counts_the_flags_prompt(tmp_path, tok):
+    """The app ``build_app`` makes (ASGI, no model): /tokenize's messages render with the
+    flag's template; the ids are the tokenizer's for transformers' rendering."""
+    import httpx
+
+    from kvflow.entrypoints.api_server import build_app
+
+    app = build_app(_engine(tok), ServerConfig(chat_template=_file(tmp_path, FLAG_TEMPLATE)),
+                    "m")
+
+    async def post():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/tokenize", json={"model": "m", "messages": MESSAGES})
+
+    resp = asyncio.run(post())
+    expected = tok.encode(_hf(tok, FLAG_TEMPLATE), add_special_tokens=False)
+    assert resp.status_code == 200, resp.text
+    assert (resp.json()["tokens"], resp.json()["count"]) == (expected, len(expected))
+
+
+def test_the_models_broken_template_is_a_warning_at_start_up(tok, caplog):
+    """A model template that does not compile: one warning when the chat handler is built
+    (server start-up), naming the Jinja line and the way out; none for a template that
+    compiles, nor when --chat-template replaces the broken one."""
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+
+    broken = copy.deepcopy(tok)
+    broken.chat_template = BROKEN
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        OpenAIServingChat(_engine(tok), ServerConfig(), "m")
+        assert caplog.records == []
+        OpenAIServingChat(_engine(broken), ServerConfig(chat_template=FLAG_TEMPLATE), "m")
+        assert caplog.records == []
+        OpenAIServingChat(_engine(broken), ServerConfig(), "m")
+    assert [r.getMessage() for r in caplog.records] == [
+        ("the model's chat template is not a valid Jinja template (line 3: unexpected '}'), "
+         "so no conversation can be rendered; fix the model's chat_template.jinja (or the "
+         "chat_template in its tokenizer_config.json), or serve another with "
+         "--chat-template; chat requests get a 400 until then, completions are served")]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_named_templates_are_each_checked(tok):
+    """A tokenizer holding named templates (a dict, as transformers loads several): each is
+    compiled; the broken one is named."""
+    named = SimpleNamespace(chat_template={"default": MODEL_TEMPLATE, "tool_use": BROKEN})
+    assert model_template_warning(named).endswith(
+        "(the template named 'tool_use'), or serve another with --chat-template; chat "
+        "requests get a 400 until then, completions are served")
+    assert model_template_warning(SimpleNamespace(chat_template={"default": MODEL_TEMPLATE})) \
+        is None
+    assert model_template_warning(None) is None
+
+
+@pytest.mark.parametrize("how", ["flag", "config_file"])
+def test_serve_refuses_a_bad_template_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                             how):
+    """``kvflow serve --chat-template`` (or the --config file's chat_template key) with a
+    template that does not compile: one line naming the flag, the file and the Jinja line,
+    exit 2, and no engine started."""
+    from kvflow.engine import async_llm
+    from kvflow.entrypoints.cli import main
+
+    def no_engine(*args, **kw):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_engine)
+    path = _file(tmp_path, BROKEN)
+    if how == "flag":
+        flags = ["--chat-template", path]
+    else:
+        config = tmp_path / "serve.yaml"
+        config.write_text(f"chat_template: {path}\n")
+        flags = ["--config", str(config)]
+    rc = main(["serve", "SmolLM2-135M-Instruct", "--port", "0", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and err == [(f"kvflow: error: --chat-template {path}: not a valid Jinja "
+                                "template (line 3: unexpected '}')")], err
+
+
+def test_an_empty_flag_is_refused():
+    with pytest.raises(ValueError, match="chat_template='' is invalid: it must not be empty"):
+        ServerConfig(chat_template="")

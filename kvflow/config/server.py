@@ -50,6 +50,15 @@ class ServerConfig:
                                  "tool_choice=auto", choices=["hermes", "llama3_json"])
     reasoning_parser: str | None = opt(None, "split <think>...</think> reasoning into "
                                         "reasoning_content", choices=[None, "think"])
+    chat_template: str | None = opt(None, "the Jinja chat template of every conversation "
+                                    "(/v1/chat/completions, /tokenize messages), replacing "
+                                    "the model's: a file, or the template itself (a value "
+                                    "that names no file and holds {%%, {{ or {#); read and "
+                                    "compiled at start-up, before the model loads; a "
+                                    "request's own chat_template (under "
+                                    "--trust-request-chat-template) still wins; unset: the "
+                                    "model's (vLLM's flag of the same name)",
+                                    metavar="FILE_OR_TEMPLATE")
     trust_request_chat_template: bool = opt(False, "accept a Jinja chat_template sent in a "
                                             "request (/v1/chat/completions, /tokenize); off: "
                                             "such a request gets 400, since a template runs "
@@ -80,6 +89,8 @@ class ServerConfig:
                    "must not be empty (an empty key would leave the server open)"),
                   (self.served_model_name is None or self.served_model_name.strip() != "",
                    "served_model_name", "must not be empty"),
+                  (self.chat_template is None or self.chat_template.strip() != "",
+                   "chat_template", "must not be empty (leave it unset for the model's)"),
                   (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
                   (self.timeout_keep_alive > 0, "timeout_keep_alive", "must be > 0"),
                   (all(m.partition("=")[0] and m.partition("=")[2]

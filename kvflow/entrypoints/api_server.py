@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from kvflow import __version__
+from kvflow.chat_template_source import load_chat_template
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError
 from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
@@ -119,7 +120,11 @@ def _on_engine_dead_exit(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     """The FastAPI app over a started-up (model loaded) AsyncLLM; its lifespan starts the
-    output loop and shuts the engine down. All state lives on ``app.state``."""
+    output loop and shuts the engine down. All state lives on ``app.state``.
+
+    Raises:
+        ValueError: for a ``config.chat_template`` that cannot be used (``OpenAIServingChat``).
+    """
     app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan,
                   dependencies=[Depends(require_json_body)])
     app.state.engine = engine
@@ -297,11 +302,14 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         RuntimeError: if the engine fails to start, or died while serving (under
             ``--engine-failure exit``; the server has stopped then).
         ValueError: for a bad model or configuration, a ``--host`` / ``--port`` that cannot
-            be listened on, or a ``--lora-modules`` adapter the engine refuses.
+            be listened on, a ``--chat-template`` that cannot be used (both checked before
+            the model loads), or a ``--lora-modules`` adapter the engine refuses.
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
     check_listen_address(server_config.host, server_config.port)
     _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
+    if server_config.chat_template is not None:  # read again by build_app, to serve it
+        load_chat_template(server_config.chat_template)
     with sigterm_stops_loading():  # as Ctrl-C does (uvicorn handles both once serving)
         engine = AsyncLLM(engine_config, ServerMetrics(model_name),
                           server_config.engine_start_timeout)

@@ -4,6 +4,7 @@ streamed (SSE) or whole; and the conversation rendering that /tokenize shares.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
-from kvflow.engine.async_llm import RequestStream, collect
+from kvflow.chat_template_source import load_chat_template, model_template_warning, template_name
+from kvflow.config import ServerConfig
+from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
 from kvflow.entrypoints.chat_conversation import (
     check_tool_fields,
     with_calls_as_text,
@@ -41,6 +44,7 @@ from kvflow.entrypoints.sampling_requests import (
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
+from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -51,11 +55,14 @@ from kvflow.entrypoints.structured_requests import (
     tools_for_template,
 )
 from kvflow.entrypoints.tool_parsers import make_tool_parser
+from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.input_processor import InputProcessor, ProcessedPrompt
 from kvflow.multimodal import MediaError
 from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,34 @@ class ChatOptions:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handler of /v1/chat/completions (see OpenAIServing for the constructor)."""
+    """Handler of /v1/chat/completions (see OpenAIServing for the arguments). Conversations
+    render with ``config.chat_template`` (``--chat-template``, read and compiled here) in
+    place of the model's template; without it, a model template that does not compile is
+    logged as a warning here, at start-up (each chat request would get a 400 saying so).
+
+    Raises:
+        ValueError: from the constructor, for a ``--chat-template`` that cannot be used
+            (``chat_template_source.load_chat_template``).
+    """
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
+                 models: ServingModels | None = None,
+                 unknown_fields: UnknownFields | None = None) -> None:
+        super().__init__(engine, config, model_name, models, unknown_fields)
+        self.chat_template = self._init_chat_template()
+
+    def _init_chat_template(self) -> str | None:
+        """The server's template (None: the model's, checked to compile)."""
+        value = self.config.chat_template
+        if value is None:
+            warning = model_template_warning(self.engine.tokenizer)
+            if warning is not None:
+                logger.warning(warning)
+            return None
+        template = load_chat_template(value)
+        logger.info("conversations render with --chat-template %s, not the model's template",
+                    template_name(value))
+        return template
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Validate, render the conversation, queue it, then answer.
@@ -162,7 +196,8 @@ class OpenAIServingChat(OpenAIServing):
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer
-        template = str(options.chat_template or getattr(tokenizer, "chat_template", None) or "")
+        template = str(options.chat_template or self.chat_template
+                       or getattr(tokenizer, "chat_template", None) or "")
         parser = make_tool_parser(self.config.tool_call_parser)
         if "tools" not in template and "tool_calls" not in template:
             conversation = with_calls_as_text(conversation, parser)
@@ -215,7 +250,7 @@ class OpenAIServingChat(OpenAIServing):
             conversation, options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             chat_template=options.chat_template, tools=tools, documents=options.documents,
-            template_kwargs=options.template_kwargs)
+            template_kwargs=options.template_kwargs, default_template=self.chat_template)
         special = options.add_special_tokens
         if limit is None:
             return text, tokenizer.encode(text, add_special_tokens=special)
