@@ -279,3 +279,48 @@ def test_serve_refuses_a_bad_template_before_the_model_loads(tmp_path, monkeypat
 def test_an_empty_flag_is_refused():
     with pytest.raises(ValueError, match="chat_template='' is invalid: it must not be empty"):
         ServerConfig(chat_template="")
+
+
+# ---- kvflow generate ---------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, needle", [
+    (["--chat-template", FLAG_TEMPLATE], "--chat-template needs --chat"),
+    (["--chat", "--chat-template", BROKEN],
+     "--chat-template <inline template>: not a valid Jinja template (line 3"),
+])
+def test_generate_refuses_the_flag_before_the_model_loads(tiny_llama, monkeypatch, capsys,
+                                                          flags, needle):
+    from kvflow.entrypoints.cli import main
+    from kvflow.llm import LLM
+
+    def no_model(*args, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LLM, "from_engine_config", no_model)
+    rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"kvflow: error: {needle}"), err
+
+
+def test_generate_chats_with_the_flags_template(tiny_llama, tmp_path, capsys):
+    """The tiny model has no chat template (``--chat`` alone is refused); with the flag, the
+    greedy completion is the one of transformers' rendering of that template."""
+    from transformers import AutoTokenizer
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.entrypoints.cli import main
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama.path)
+    assert not tokenizer.chat_template
+    messages = [{"role": "user", "content": "the lazy fox"}]
+    ids = tokenizer.encode(_hf(tokenizer, FLAG_TEMPLATE, messages), add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    expected = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=64).generate(
+        [{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    argv = ["generate", "--model", tiny_llama.path, "--dtype", "float32", "--num-kv-blocks",
+            "64", "--prompt", "the lazy fox", "--max-tokens", "5", "--temperature", "0",
+            "--chat", "--verbose"]
+    assert main(argv) == 2
+    assert "this model has no chat template" in capsys.readouterr().err
+    assert main([*argv, "--chat-template", _file(tmp_path, FLAG_TEMPLATE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == expected.text and f"tokens={len(expected.token_ids)}" in out[1]

@@ -16,6 +16,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from kvflow.chat_template_source import load_chat_template
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
 from kvflow.entrypoints.generate_output import GeneratePrinter
@@ -96,6 +97,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)
+    template = _chat_template_flag(args)
     images = _read_images(args.image or [], config)
     lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
                                    "kvflow generate")
@@ -112,7 +114,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
             outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text",
                                                                         "text": p}]
-                                 if parts else p}] for p in prompts], params, **run)
+                                 if parts else p}] for p in prompts], params,
+                               chat_template=template, **run)
         elif images:
             outputs = llm.generate([{"prompt": p, "multi_modal_data": {
                 "image": [image for _, image in images]}} for p in prompts], params, **run)
@@ -127,6 +130,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])
     return 0
+
+
+def _chat_template_flag(args: argparse.Namespace) -> str | None:
+    """``kvflow generate --chat-template``'s template, read and compiled before the model
+    loads (None: the model's).
+
+    Raises:
+        ValueError: without ``--chat``, or for a template that cannot be used
+            (``chat_template_source.load_chat_template``).
+    """
+    if args.chat_template is None:
+        return None
+    if not args.chat:
+        raise ValueError("--chat-template needs --chat (a template renders conversations)")
+    return load_chat_template(args.chat_template)
 
 
 def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -210,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch; default: 'Once upon a time')")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                     help="with --chat, the Jinja chat template to use instead of the "
+                     "model's: a file, or the template itself (as kvflow serve takes it)")
     gen.add_argument("--image", action="append", metavar="FILE",
                      help="an image for every prompt (repeat for several; vision-language "
                      "models): with --chat it goes before the text, otherwise the prompt "
