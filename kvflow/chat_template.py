@@ -4,7 +4,9 @@ Shared by ``LLM.chat``, ``/v1/chat/completions`` and ``/tokenize``, so a convers
 the same everywhere. Messages are normalized as OpenAI clients send them and as vLLM renders
 them ("string" content format):
 
-* ``content`` null (an assistant turn that only calls tools, or any empty turn) becomes ``""``;
+* ``content`` must be sent, except on an assistant turn that calls tools (OpenAI's rule,
+  ``check_message_fields``); null (an assistant turn that only calls tools, or any empty
+  turn) becomes ``""``;
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
   parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
   (the caller passes its ``image_placeholder``), become that placeholder text, one line per
@@ -27,13 +29,13 @@ variables; names of ``apply_chat_template``'s own parameters are refused).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.text_checks import find_lone_surrogate
 
-__all__ = ["ChatTemplateError", "NoChatTemplateError", "image_urls", "normalize_conversation",
-           "render_chat", "syntax_error_message"]
+__all__ = ["ChatTemplateError", "NoChatTemplateError", "check_message_fields", "image_urls",
+           "normalize_conversation", "render_chat", "syntax_error_message"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
 # or not, as vLLM does: clients send them routinely); any other key must be read by the
@@ -109,6 +111,7 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
                                 f"messages.{i}")
+    check_message_fields(message, i)
     out = dict(message)
     content = message.get("content")
     if content_parts and isinstance(content, list):
@@ -119,6 +122,31 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
         out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
                              for j, c in enumerate(message["tool_calls"])]
     return out
+
+
+def check_message_fields(message: Mapping[str, Any], i: int) -> None:
+    """OpenAI's per-role rules for message ``i``'s fields, the same for ``LLM.chat`` and the
+    server (which passes the fields its client sent): ``content`` is sent on every message
+    (null counts: it renders as empty text) except an assistant message calling tools
+    (``tool_calls``, or the older ``function_call``).
+
+    Args:
+        message: the message's keys as sent (a None value counts as sent for ``content``),
+            ``role`` a string.
+        i: the message's position in the conversation.
+
+    Raises:
+        ChatTemplateError: naming ``messages.<i>.content`` when missing (code
+            ``missing_required_parameter``).
+    """
+    role = message.get("role")
+    calls = bool(message.get("tool_calls")) or message.get("function_call") is not None
+    if "content" not in message and not (role == "assistant" and calls):
+        need = "assistant messages without tool_calls" if role == "assistant" else \
+            f"{role} messages"
+        raise ChatTemplateError(f"messages.{i}.content: a required field for {need} (null "
+                                "for no text), not sent", f"messages.{i}.content",
+                                "missing_required_parameter")
 
 
 def _without_index(call: Any, i: int, j: int) -> Any:

@@ -281,3 +281,79 @@ def test_template_syntax_error_blames_the_template(tiny_tokenizer):
         asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
     assert info.value.status == 400
     assert str(info.value).startswith("the model's chat template is not a valid Jinja template")
+
+
+@pytest.fixture(scope="module")
+def served_chat(tok):
+    """The server's chat handler (rendering only) on ``tok`` (TEMPLATE: reads neither tools
+    nor tool_calls, so an assistant's calls become the tool parser's text)."""
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+    from kvflow.input_processor import InputProcessor
+
+    engine = SimpleNamespace(tokenizer=tok, processor=InputProcessor(tok, 64, 320, 0),
+                             max_model_len=4096)
+    return OpenAIServingChat(engine, ServerConfig(), "m")
+
+
+def _served_render(served_chat, messages: list[dict]) -> str:
+    """The prompt text /v1/chat/completions renders for ``messages`` (an OpenAIError for a
+    conversation it refuses)."""
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.serving_chat import ChatOptions
+
+    req = ChatCompletionRequest.model_validate({"messages": messages})
+    return asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))[0]
+
+
+HI = {"role": "user", "content": "hi"}
+NO_CONTENT = [  # (conversation, the message sent without content)
+    ([{"role": "user"}], 0),
+    ([{"role": "system"}, HI], 0),
+    ([{"role": "developer"}, HI], 0),
+    ([HI, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1"}],
+     2),
+    ([HI, {"role": "assistant"}, HI], 1),  # an assistant without calls needs content too
+]
+
+
+@pytest.mark.parametrize("messages, i", NO_CONTENT,
+                         ids=["user", "system", "developer", "tool", "assistant"])
+def test_content_is_required_except_on_an_assistant_calling_tools(served_chat, chat_llm,
+                                                                  assert_no_leaks, messages,
+                                                                  i):
+    """OpenAI requires ``content`` on every message but an assistant's that has tool_calls;
+    one sent without it rendered as empty text (HTTP 200, and offline). Now a 400 naming
+    ``messages.<i>.content`` over HTTP and the same ChatTemplateError (a ValueError) from
+    LLM.chat, which keeps working afterwards (no KV block held)."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+
+    expected = (f"messages.{i}.content", "missing_required_parameter")
+    with pytest.raises(OpenAIError) as served:
+        _served_render(served_chat, messages)
+    assert (served.value.status, served.value.param, served.value.code) == (400, *expected)
+    with pytest.raises(ChatTemplateError) as offline:
+        chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert (offline.value.param, offline.value.code) == expected
+    assert str(offline.value) == str(served.value)
+    out = chat_llm.chat([HI], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert out[0].prompt == "<user>hi\n<assistant>" and len(out[0].outputs[0].token_ids) == 1
+    assert_no_leaks(chat_llm)
+
+
+def test_content_may_be_null_or_left_out_of_an_assistant_calling_tools(tok, served_chat):
+    """What OpenAI accepts still renders: null content on any turn (as empty text), and no
+    content on an assistant turn with tool_calls, the same as with null (oracle: the same
+    turns with ``"content": None``)."""
+    calls_read = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                  "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}"
+                  "{% endfor %}")
+    without = [HI, {"role": "assistant", "tool_calls": [CALL]}]
+    with_null = [HI, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+    assert render_chat(tok, without, chat_template=calls_read, add_generation_prompt=False) \
+        == render_chat(tok, with_null, chat_template=calls_read, add_generation_prompt=False) \
+        == "<user>hi<assistant>f"
+    assert _served_render(served_chat, without) == _served_render(served_chat, with_null)
+    nulls = [{"role": "system", "content": None}, {"role": "user", "content": None}]
+    assert render_chat(tok, nulls) == _served_render(served_chat, nulls) == \
+        "<system>\n<user>\n<assistant>"

@@ -313,15 +313,15 @@ def test_tokenize_refuses_an_empty_tools_list_too(client):
 def test_a_tool_message_needs_its_tool_call_id():
     """OpenAI's tool message requires ``tool_call_id`` (the call it answers): one without it
     was rendered (200); now a 400 naming that message's key. With it, it passes."""
-    from kvflow.entrypoints.chat_conversation import check_tool_fields
+    from kvflow.entrypoints.chat_conversation import check_messages
     from kvflow.entrypoints.openai_errors import OpenAIError
 
     turns = [*HI, {"role": "assistant", "tool_calls": [CALL]},
              {"role": "tool", "content": "42"}]
     req = ChatCompletionRequest.model_validate({"messages": turns})
     with pytest.raises(OpenAIError) as e:
-        check_tool_fields(req.messages)
+        check_messages(req.messages)
     assert (e.value.param, e.value.code, e.value.status) == \
         ("messages.2.tool_call_id", "missing_required_parameter", 400)
     turns[2]["tool_call_id"] = "c1"
-    check_tool_fields(ChatCompletionRequest.model_validate({"messages": turns}).messages)
+    check_messages(ChatCompletionRequest.model_validate({"messages": turns}).messages)

@@ -1,4 +1,4 @@
-"""A chat request's conversation before the template renders it: the tool fields of its
+"""A chat request's conversation before the template renders it: the fields of its
 messages checked, earlier turns' tool calls written as text for a template that cannot read
 them, and the tools' instructions added to the system message."""
 
@@ -6,19 +6,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_template import ChatTemplateError, check_call_index
+from kvflow.chat_template import ChatTemplateError, check_call_index, check_message_fields
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
 from kvflow.entrypoints.tool_parsers import ToolParser
 
 
-def check_tool_fields(messages: list[ChatMessage]) -> None:
-    """``tool_calls`` only on assistant turns, ``tool_call_id`` only on tool turns (a
-    template reads them nowhere else) and on every tool turn (OpenAI requires it: the call
-    the result answers), each call's ``index`` its position (checked here too, before calls
-    a template cannot read become text). Raises OpenAIError 400 naming the field
-    otherwise."""
+def check_messages(messages: list[ChatMessage]) -> None:
+    """``content`` sent unless an assistant turn calls tools (``check_message_fields``, as
+    ``LLM.chat`` checks it, on the fields the client sent), ``tool_calls`` only on assistant
+    turns, ``tool_call_id`` only on tool turns (a template reads them nowhere else) and on
+    every tool turn (OpenAI requires it: the call the result answers), each call's ``index``
+    its position (checked here too, before calls a template cannot read become text).
+    Raises OpenAIError 400 naming the field otherwise."""
     for i, message in enumerate(messages):
+        try:
+            check_message_fields({k: getattr(message, k) for k in message.model_fields_set}, i)
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
         if message.role == "tool" and message.tool_call_id is None:
             raise OpenAIError(f"messages.{i}.tool_call_id: a required field for tool messages "
                               "(the id of the call this result answers), not sent",

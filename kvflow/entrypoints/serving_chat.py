@@ -18,7 +18,7 @@ from kvflow.chat_template_source import load_chat_template, model_template_warni
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
 from kvflow.entrypoints.chat_conversation import (
-    check_tool_fields,
+    check_messages,
     with_calls_as_text,
     with_system_prompt,
 )
@@ -192,7 +192,7 @@ class OpenAIServingChat(OpenAIServing):
         self._check_chat_template(options.chat_template)
         if options.chat_template is not None:
             size = None  # a client's template may run long: never on the event loop
-        check_tool_fields(messages)
+        check_messages(messages)
         conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
                         for m in messages]
         tokenizer = self.tokenizer

@@ -74,9 +74,12 @@ class MessageToolCall(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    """A conversation turn. ``tool_calls`` (assistant turns only) and a tool turn's
-    ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the template; OpenAI's and vLLM's other keys (``name``, ...) reach
-    it unchecked, any other key only when the template reads it (kvflow/chat_template.py)."""
+    """A conversation turn. ``content`` must be sent (null renders as empty text) except on
+    an assistant turn with ``tool_calls``, as OpenAI requires (checked with the conversation,
+    ``chat_template.check_message_fields``). ``tool_calls`` (assistant turns only) and a tool
+    turn's ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the
+    template; OpenAI's and vLLM's other keys (``name``, ...) reach it unchecked, any other key
+    only when the template reads it (kvflow/chat_template.py)."""
 
     model_config = ConfigDict(extra="allow")
 
