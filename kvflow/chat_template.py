@@ -4,8 +4,8 @@ Shared by ``LLM.chat``, ``/v1/chat/completions`` and ``/tokenize``, so a convers
 the same everywhere. Messages are normalized as OpenAI clients send them and as vLLM renders
 them ("string" content format):
 
-* ``content`` must be sent, except on an assistant turn that calls tools (OpenAI's rule,
-  ``check_message_fields``); null (an assistant turn that only calls tools, or any empty
+* ``content`` must be sent, except on an assistant turn that calls tools, and a tool turn
+  needs ``tool_call_id`` (OpenAI's rules, ``check_message_fields``); null (an assistant turn that only calls tools, or any empty
   turn) becomes ``""``;
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
   parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
@@ -128,16 +128,19 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
     """OpenAI's per-role rules for message ``i``'s fields, the same for ``LLM.chat`` and the
     server (which passes the fields its client sent): ``content`` is sent on every message
     (null counts: it renders as empty text) except an assistant message calling tools
-    (``tool_calls``, or the older ``function_call``).
+    (``tool_calls``, or the older ``function_call``); a tool message has ``tool_call_id`` (the
+    call its result answers); ``tool_calls`` is on assistant messages only and
+    ``tool_call_id`` on tool messages only (a template reads them nowhere else).
 
     Args:
-        message: the message's keys as sent (a None value counts as sent for ``content``),
-            ``role`` a string.
+        message: the message's keys as sent (a None value counts as sent for ``content``,
+            as unset for the others), ``role`` a string.
         i: the message's position in the conversation.
 
     Raises:
-        ChatTemplateError: naming ``messages.<i>.content`` when missing (code
-            ``missing_required_parameter``).
+        ChatTemplateError: naming ``messages.<i>.content`` or ``messages.<i>.tool_call_id``
+            when missing (code ``missing_required_parameter``), or ``messages.<i>.tool_calls``
+            / ``messages.<i>.tool_call_id`` on another role (code ``invalid_value``).
     """
     role = message.get("role")
     calls = bool(message.get("tool_calls")) or message.get("function_call") is not None
@@ -147,6 +150,14 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
         raise ChatTemplateError(f"messages.{i}.content: a required field for {need} (null "
                                 "for no text), not sent", f"messages.{i}.content",
                                 "missing_required_parameter")
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise ChatTemplateError(f"messages.{i}.tool_call_id: a required field for tool "
+                                "messages (the id of the call this result answers), not sent",
+                                f"messages.{i}.tool_call_id", "missing_required_parameter")
+    for name, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+        if message.get(name) is not None and role != owner:
+            raise ChatTemplateError(f"messages.{i}.{name} is for {owner} messages only (this "
+                                    f"is a {role} message)", f"messages.{i}.{name}")
 
 
 def _without_index(call: Any, i: int, j: int) -> Any:

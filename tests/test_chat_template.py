@@ -307,6 +307,8 @@ def _served_render(served_chat, messages: list[dict]) -> str:
 
 
 HI = {"role": "user", "content": "hi"}
+CALLS_READ = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"  # reads tool_calls
+              "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endfor %}")
 NO_CONTENT = [  # (conversation, the message sent without content)
     ([{"role": "user"}], 0),
     ([{"role": "system"}, HI], 0),
@@ -345,15 +347,41 @@ def test_content_may_be_null_or_left_out_of_an_assistant_calling_tools(tok, serv
     """What OpenAI accepts still renders: null content on any turn (as empty text), and no
     content on an assistant turn with tool_calls, the same as with null (oracle: the same
     turns with ``"content": None``)."""
-    calls_read = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
-                  "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}"
-                  "{% endfor %}")
     without = [HI, {"role": "assistant", "tool_calls": [CALL]}]
     with_null = [HI, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
-    assert render_chat(tok, without, chat_template=calls_read, add_generation_prompt=False) \
-        == render_chat(tok, with_null, chat_template=calls_read, add_generation_prompt=False) \
+    assert render_chat(tok, without, chat_template=CALLS_READ, add_generation_prompt=False) \
+        == render_chat(tok, with_null, chat_template=CALLS_READ, add_generation_prompt=False) \
         == "<user>hi<assistant>f"
     assert _served_render(served_chat, without) == _served_render(served_chat, with_null)
     nulls = [{"role": "system", "content": None}, {"role": "user", "content": None}]
     assert render_chat(tok, nulls) == _served_render(served_chat, nulls) == \
         "<system>\n<user>\n<assistant>"
+
+
+@pytest.mark.parametrize("messages, param, code", [
+    ([HI, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "42"}],
+     "messages.2.tool_call_id", "missing_required_parameter"),
+    ([HI, {"role": "assistant", "tool_calls": [CALL]},
+      {"role": "tool", "content": "42", "tool_call_id": None}],
+     "messages.2.tool_call_id", "missing_required_parameter"),
+    ([{**HI, "tool_call_id": "c1"}], "messages.0.tool_call_id", "invalid_value"),
+    ([{**HI, "tool_calls": [CALL]}], "messages.0.tool_calls", "invalid_value"),
+], ids=["tool_without_id", "tool_null_id", "id_on_user", "calls_on_user"])
+def test_llm_chat_checks_tool_fields_as_the_server_does(served_chat, chat_llm,
+                                                        assert_no_leaks, messages, param,
+                                                        code):
+    """The server refused a tool message without ``tool_call_id`` (and the tool fields on
+    another role) while LLM.chat rendered it; both now run the same check, so the offline
+    ValueError names the same field with the same words as the server's 400."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+
+    with pytest.raises(OpenAIError) as served:
+        _served_render(served_chat, messages)
+    assert (served.value.status, served.value.param, served.value.code) == (400, param, code)
+    with pytest.raises(ValueError, match=param) as offline:
+        chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False,
+                      chat_template=CALLS_READ)
+    assert isinstance(offline.value, ChatTemplateError)
+    assert (offline.value.param, offline.value.code, str(offline.value)) == \
+        (param, code, str(served.value))
+    assert_no_leaks(chat_llm)

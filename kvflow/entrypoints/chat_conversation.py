@@ -13,32 +13,19 @@ from kvflow.entrypoints.tool_parsers import ToolParser
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """``content`` sent unless an assistant turn calls tools (``check_message_fields``, as
-    ``LLM.chat`` checks it, on the fields the client sent), ``tool_calls`` only on assistant
-    turns, ``tool_call_id`` only on tool turns (a template reads them nowhere else) and on
-    every tool turn (OpenAI requires it: the call the result answers), each call's ``index``
-    its position (checked here too, before calls a template cannot read become text).
-    Raises OpenAIError 400 naming the field otherwise."""
-    for i, message in enumerate(messages):
-        try:
+    """OpenAI's per-role rules (``content`` sent unless an assistant turn calls tools,
+    ``tool_call_id`` on every tool turn and only there, ``tool_calls`` only on assistant
+    turns: ``chat_template.check_message_fields``, the check ``LLM.chat`` runs, here on the
+    fields the client sent) and each call's ``index`` its position (checked here too, before
+    calls a template cannot read become text). Raises OpenAIError 400 naming the field
+    otherwise."""
+    try:
+        for i, message in enumerate(messages):
             check_message_fields({k: getattr(message, k) for k in message.model_fields_set}, i)
-        except ChatTemplateError as e:
-            raise OpenAIError(str(e), param=e.param, code=e.code) from None
-        if message.role == "tool" and message.tool_call_id is None:
-            raise OpenAIError(f"messages.{i}.tool_call_id: a required field for tool messages "
-                              "(the id of the call this result answers), not sent",
-                              param=f"messages.{i}.tool_call_id",
-                              code="missing_required_parameter")
-        for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
-            if getattr(message, name) is not None and message.role != role:
-                raise OpenAIError(f"messages.{i}.{name} is for {role} messages only (this is "
-                                  f"a {message.role} message)", param=f"messages.{i}.{name}",
-                                  code="invalid_value")
-        for j, call in enumerate(message.tool_calls or []):
-            try:
+            for j, call in enumerate(message.tool_calls or []):
                 check_call_index(call.index, i, j)
-            except ChatTemplateError as e:
-                raise OpenAIError(str(e), param=e.param, code=e.code) from None
+    except ChatTemplateError as e:
+        raise OpenAIError(str(e), param=e.param, code=e.code) from None
 
 
 def with_calls_as_text(conversation: list[dict[str, Any]], parser: ToolParser
