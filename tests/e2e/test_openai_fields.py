@@ -830,12 +830,30 @@ def test_retrieve_model(server, model_dir):
 def test_max_tokens_below_one_names_the_field(server, path, field):
     """A 400 whose param is the field the request set and whose code is OpenAI's
     ``integer_below_min_value``; the message names the field, not kvflow's classes."""
-    for value in (0, -3):
-        resp = post(server, path, {field: value})
+    for value in (0, -3):  # chat's max_completion_tokens alone (max_tokens unset)
+        resp = post(server, path, {"max_tokens": None, field: value})
         error = resp.json()["error"]
         assert resp.status_code == 400, resp.text
         assert (error["param"], error["code"]) == (field, "integer_below_min_value")
         assert error["message"].startswith(f"{field}={value} is invalid")
+
+
+def test_max_tokens_and_max_completion_tokens_together(server):
+    """Both chat length fields with different values: max_completion_tokens won and
+    max_tokens was dropped unread (vLLM's rule; 200 with 3 tokens here); OpenAI refuses the
+    pair. Now a 400 naming both (code ``invalid_parameter_combination``, param ``max_tokens``
+    as OpenAI's); the same value in both is honoured (3 tokens), and the server keeps
+    serving."""
+    resp = post(server, CH, {"max_tokens": 8, "max_completion_tokens": 3})
+    error = resp.json()["error"]
+    assert resp.status_code == 400, resp.text
+    assert (error["param"], error["code"]) == ("max_tokens", "invalid_parameter_combination")
+    assert error["message"].startswith("max_tokens=8 and max_completion_tokens=3 set "
+                                       "different limits")
+    for both in (3, 5):
+        reply = ok(server, CH, {"max_tokens": both, "max_completion_tokens": both,
+                                "ignore_eos": True})
+        assert len(ids(reply)) == reply["usage"]["completion_tokens"] == both
 
 
 def test_sampling_value_error_names_the_field(server):
