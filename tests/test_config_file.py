@@ -77,10 +77,18 @@ def test_bench_commands_take_a_config_file(config):
     ("block_size: [8, 16]\n", ["key 'block_size'", "takes one value"]),
     ("enable_prefix_caching: 0\n", ["key 'enable_prefix_caching'", "true or false"]),
     ("config: other.yaml\n", ["do not nest"]),
-    ("block_size: 0\n", ["block_size=0"]),
+    ("block_size: 0\n", ["{path}: key 'block_size': block_size=0 must be >= 1"]),
+    ("dtype: int8\n", ["{path}: key 'dtype': argument --dtype: invalid choice: 'int8'"]),
+    ("max-num-seqs: lots\n", ["{path}: key 'max-num-seqs': argument --max-num-seqs:",
+                              "invalid int value: 'lots'"]),
+    ('{"max_num_seqs": 0}\n', ["{path}: key 'max_num_seqs': max_num_seqs=0"]),  # JSON
+    ('{"block_size": 8,,}\n', ["not valid YAML", "line 1, column 18"]),
 ])
 def test_bad_files_exit_2_with_one_line_naming_the_key(tiny_llama, config, capsys, text,
                                                        needles):
+    """Each error names the file (and the key at fault): a value refused by argparse or by
+    the config's own checks after parsing named neither (``argument --dtype: invalid
+    choice``, ``block_size=0 must be >= 1``), as if typed on the command line."""
     path = config(text)
     rc = main(["generate", "--model", tiny_llama.path, "--config", path, "--max-tokens", "1",
                "--num-kv-blocks", "16"])
@@ -89,7 +97,26 @@ def test_bad_files_exit_2_with_one_line_naming_the_key(tiny_llama, config, capsy
         assert rc == 0
         return
     assert rc == 2 and len(err) == 1 and err[0].startswith("kvflow: error:"), err
-    assert all(n in err[0] for n in needles), err[0]
+    assert path in err[0], err[0]
+    assert all(n.replace("{path}", path) in err[0] for n in needles), err[0]
+
+
+@pytest.mark.parametrize("argv, text, line", [
+    (["serve"], "port: 70000\n",
+     "{path}: key 'port': port=70000 is invalid: it must be in [0, 65535]"),
+    (["serve"], "max-n: -3\n", "{path}: key 'max-n': max_n=-3 is invalid: it must be >= 1"),
+    (["bench", "throughput"], "num-prompts: 0\n",
+     "{path}: key 'num-prompts': --num-prompts must be > 0, got 0"),
+    (["generate", "--block-size", "0"], "block-size: 8\n", "--block-size=0 must be >= 1"),
+], ids=["serve_port", "serve_max_n", "bench_num_prompts", "typed_flag_wins"])
+def test_values_checked_after_parsing_name_the_file(config, capsys, argv, text, line):
+    """A value the command checks after parsing (a config's range, a benchmark's count) was
+    reported by field or flag alone (``kvflow: error: port=70000 is invalid``), as if typed;
+    now prefixed with the file and key that set it. A flag typed on the command line
+    overrides the file's key, so its error names the flag only."""
+    path = config(text)
+    assert main([*argv, "--config", path]) == 2
+    assert capsys.readouterr().err == f"kvflow: error: {line.replace('{path}', path)}\n"
 
 
 def test_a_key_of_another_command_is_unknown(config, capsys):
@@ -98,11 +125,15 @@ def test_a_key_of_another_command_is_unknown(config, capsys):
     assert "unknown key 'temperature'" in err and "kvflow serve has no flag" in err
 
 
-def test_argparse_checks_file_values_like_typed_ones(config, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["generate", "--config", config("dtype: int8\n")])
-    assert exc.value.code == 2
-    assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
+def test_file_values_are_converted_as_typed_ones(config):
+    """The file's values go through argparse's own conversion (a list item too), so a value
+    refused there names the file and key while a good one parses as typed."""
+    path = config("stop: [a, 5]\ndtype: float32\ntemperature: 1\n")
+    args = _parse(["generate", "--config", path])
+    assert (args.stop, args.dtype, args.temperature) == (["a", "5"], "float32", 1.0)
+    with pytest.raises(ValueError, match=r"key 'cpu_gemm': argument --cpu-gemm: invalid "
+                                         r"choice: 'fast'"):
+        _parse(["generate", "--config", config("cpu_gemm: fast\n")])
 
 
 @pytest.mark.parametrize("argv, needle", [

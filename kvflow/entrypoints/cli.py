@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from kvflow.chat_template_source import load_chat_template
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.entrypoints.config_file import add_config_arg, expand_config_file, leaf_parsers
+from kvflow.entrypoints.config_file import add_config_arg, leaf_parsers, read_config_file
 from kvflow.entrypoints.generate_output import GeneratePrinter
 from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 from kvflow.models.generation_config import SAMPLING_DEFAULT_FIELDS
@@ -271,17 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     typed = argv
     try:
-        argv = expand_config_file(parser, argv)
+        expanded = read_config_file(parser, argv)
     except ValueError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expanded.argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         status = args.func(args)
-    except ValueError as e:  # name the flags the user typed, not the fields behind them
-        print(f"kvflow: error: {flag_names(str(e), command_flags(_command(parser, args), typed))}",
-              file=sys.stderr)
+    except ValueError as e:  # name the flags the user typed (or the file's keys), not the
+        flags = command_flags(_command(parser, args), typed)  # fields behind them
+        message = expanded.name_keys(str(e), set(flags))
+        print(f"kvflow: error: {flag_names(message, flags)}", file=sys.stderr)
         status = 2
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; 128 + SIGINT
         status = 130

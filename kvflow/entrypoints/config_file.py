@@ -14,9 +14,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 CONFIG_FLAG = "--config"
+
+
+@dataclass(frozen=True)
+class ConfigFileArgs:
+    """The command line with a ``--config`` file's flags joined (``argv``), the file
+    (``path``, None without one) and the keys it set, by the field each sets (``keys``:
+    destination -> the key as the file wrote it)."""
+
+    argv: list[str]
+    path: str | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def name_keys(self, message: str, typed: set[str]) -> str:
+        """``message`` (an error found after parsing, e.g. ``block_size=0 must be >= 1``)
+        prefixed with the file and its keys that the message names (as ``field=...``, as
+        its flag ``--field``, or as the word it starts with), as errors found in the file
+        itself are (``FILE: key 'block_size': ...``); fields in ``typed`` (given on the
+        command line, which overrides the file) are not the file's. Unchanged when it names
+        none of them."""
+        named = [key for dest, key in self.keys.items()
+                 if dest not in typed and re.search(_named(dest), message)]
+        if not named:
+            return message
+        keys = ", ".join(repr(k) for k in named)
+        return f"{self.path}: key{'s' if len(named) > 1 else ''} {keys}: {message}"
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
@@ -35,31 +62,46 @@ def leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParse
             for leaf in leaf_parsers(p)]
 
 
+def _named(dest: str) -> str:
+    """A pattern for where an error message names the field ``dest``."""
+    name, flag = re.escape(dest), re.escape("--" + dest.replace("_", "-"))
+    return rf"(?:^{name}\b|\b{name}=|{flag}(?![\w-]))"
+
+
 def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``read_config_file(parser, argv).argv``: the command line with the file's flags."""
+    return read_config_file(parser, argv).argv
+
+
+def read_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> ConfigFileArgs:
     """``argv`` with ``--config FILE`` replaced by the file's flags, which go right after the
     subcommand words and any positional arguments that follow them, before the first typed
-    option (so typed options override them and no positional lands in a list flag).
+    option (so typed options override them and no positional lands in a list flag); each
+    value is converted and checked as argparse will (type, choices) here, so that an error
+    names the file and the key.
 
     Raises:
         ValueError: the file cannot be read or parsed, is not a mapping, names a key that is no
-            flag of this command, or gives a value of the wrong shape for its flag (the message
-            names the file and the key); ``--config`` is given twice or without a file.
+            flag of this command, or gives a value its flag does not take (the wrong shape,
+            type or choice; the message names the file and the key); ``--config`` is given
+            twice or without a file.
     """
     argv, path = _pop_config_flag(argv)
     if path is None:
-        return argv
+        return ConfigFileArgs(argv)
     leaf, depth = _leaf_for(parser, argv)
     values = _load_yaml(path)
-    words = []
+    words, keys = [], {}
     for key, value in values.items():
         action = _action_for(leaf, key, path)
         if action.dest == "config":
             raise ValueError(f"{path}: key {key!r}: config files do not nest")
         if _given_on_command_line(action, argv):
             continue  # a repeated flag typed on the command line replaces the file's list
-        words += _words(action, value, f"{path}: key {key!r}")
+        words += _words(leaf, action, value, f"{path}: key {key!r}")
+        keys[action.dest] = str(key)
     at = next((i for i in range(depth, len(argv)) if argv[i].startswith("-")), len(argv))
-    return argv[:at] + words + argv[at:]
+    return ConfigFileArgs(argv[:at] + words + argv[at:], path, keys)
 
 
 def _pop_config_flag(argv: list[str]) -> tuple[list[str], str | None]:
@@ -140,8 +182,10 @@ def _given_on_command_line(action: argparse.Action, argv: list[str]) -> bool:
                for w in argv)
 
 
-def _words(action: argparse.Action, value: Any, where: str) -> list[str]:
-    """Command-line words for one flag's value (none for null: leave the flag unset)."""
+def _words(parser: argparse.ArgumentParser, action: argparse.Action, value: Any,
+           where: str) -> list[str]:
+    """Command-line words for one flag's value (none for null: leave the flag unset), its
+    items checked as ``parser`` will check them (``_check_items``)."""
     flag = action.option_strings[0]
     if value is None:
         return []
@@ -152,15 +196,34 @@ def _words(action: argparse.Action, value: Any, where: str) -> list[str]:
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value else []
-    items = value if isinstance(value, list) else [value]
+    items = [_text(item) for item in (value if isinstance(value, list) else [value])]
     if isinstance(action, argparse._AppendAction):  # --flag=value: values may start with "-"
-        return [f"{flag}={_text(item)}" for item in items]
+        _check_items(parser, action, items, where)
+        return [f"{flag}={item}" for item in items]
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        return [flag, *(_text(item) for item in items)]
+        _check_items(parser, action, items, where)
+        return [flag, *items]
     if isinstance(value, list):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"{where}: {flag} takes one value, not a list")
-    return [f"{flag}={_text(value)}"]
+    _check_items(parser, action, items, where)
+    return [f"{flag}={items[0]}"]
+
+
+def _check_items(parser: argparse.ArgumentParser, action: argparse.Action, items: list[str],
+                 where: str) -> None:
+    """Convert each of a flag's values from the file as argparse will (its ``type`` and
+    ``choices``), so that a bad one is refused naming the file and key (``where``) rather
+    than as a typed flag.
+
+    Raises:
+        ValueError: ``where`` and argparse's words (``argument --dtype: invalid choice``).
+    """
+    for item in items:
+        try:
+            parser._get_values(action, [item])
+        except argparse.ArgumentError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 def _text(value: Any) -> str:
