@@ -148,7 +148,8 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
         return None
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler (cc/gcc) found: CPU attention uses the torch backend")
+        logger.warning("no C compiler ($CC, cc or gcc) found: kvflow's native CPU kernels "
+                       "cannot be built, torch's kernels are used instead; %s", _asked_by())
         return None
     levels = cpu_build.isa_levels_for_cpu()
     forced = cpu_build.forced_isa_level()
@@ -160,5 +161,33 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
             return _load(cc, sources, level)
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
             logger.warning("native CPU kernels for %s unavailable: %s", level.name, exc)
-    logger.warning("native CPU kernels unavailable, using the torch backend")
+    logger.warning("kvflow's native CPU kernels did not build with %s (for %s), torch's "
+                   "kernels are used instead; %s", cc, ", ".join(lv.name for lv in levels),
+                   _asked_by())
     return None
+
+
+# Settings that need the native kernels, by variable: the values that ask for them.
+_NEED_NATIVE = (("KVFLOW_CPU_GEMM", ("native",)), ("KVFLOW_CPU_ATTENTION", ("native",)),
+                ("KVFLOW_CPU_GEMM_POOL", ("1",)))
+
+
+def _asked_by() -> str:
+    """For the warning when the native kernels cannot be built: the environment settings
+    that asked for them (``KVFLOW_NATIVE_CPU``, set or by default, a forced
+    ``KVFLOW_CPU_ISA`` level, and the kernel choices that need them) and how to run without
+    them."""
+    native = os.environ.get("KVFLOW_NATIVE_CPU")
+    asked = [f"KVFLOW_NATIVE_CPU={native}" if native is not None else
+             "KVFLOW_NATIVE_CPU unset (on by default)"]
+    forced = cpu_build.forced_isa_level()
+    need = ([f"KVFLOW_CPU_ISA={forced}"] if forced is not None else []) + \
+        [f"{name}={os.environ[name]}" for name, on in _NEED_NATIVE if os.environ.get(name) in on]
+    asked += need
+    off = "set KVFLOW_NATIVE_CPU=0 to use torch's kernels without trying to build them"
+    if need:
+        names = [n.split("=")[0] for n in need]
+        off += f" (and unset {', '.join(names)}, which need{'s' if len(names) == 1 else ''} them)"
+    if forced is not None:
+        off += ", or unset KVFLOW_CPU_ISA to let kvflow try the other levels"
+    return f"asked for by {', '.join(asked)}: {off}"

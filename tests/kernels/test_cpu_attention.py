@@ -11,6 +11,7 @@ path (AVX512-BF16 builds) also round the softmax weights to bf16: :func:`bf16_do
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -173,6 +174,45 @@ def test_build_falls_back_when_disabled_or_no_compiler(monkeypatch, tmp_path):
         assert not list(tmp_path.rglob("*.so"))
     finally:
         cpu_native.native_cpu_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("env, asked, off", [
+    ({"KVFLOW_NATIVE_CPU": "1"}, "KVFLOW_NATIVE_CPU=1", ""),
+    ({}, "KVFLOW_NATIVE_CPU unset (on by default)", ""),
+    ({"KVFLOW_NATIVE_CPU": "1", "KVFLOW_CPU_ISA": "{level}", "KVFLOW_CPU_GEMM": "native"},
+     "KVFLOW_NATIVE_CPU=1, KVFLOW_CPU_ISA={level}, KVFLOW_CPU_GEMM=native",
+     (" (and unset KVFLOW_CPU_ISA, KVFLOW_CPU_GEMM, which need them), or unset "
+      "KVFLOW_CPU_ISA to let kvflow try the other levels")),
+], ids=["forced_on", "default", "level_and_gemm_forced"])
+def test_a_failed_build_names_what_asked_for_it_and_how_to_turn_it_off(monkeypatch, caplog,
+                                                                       tmp_path, env, asked,
+                                                                       off):
+    """The kernels forced on with a compiler that fails said only "native CPU kernels
+    unavailable, using the torch backend": nothing named the variables that asked for them
+    or how to run without them. Now the last warning names the compiler, the levels tried,
+    each setting that asked (KVFLOW_NATIVE_CPU, a forced KVFLOW_CPU_ISA level, a kernel
+    choice that needs them) and the switch that turns them off."""
+    from kvflow.kernels import cpu_build, cpu_native
+
+    level = cpu_build.isa_levels_for_cpu()[-1].name  # the baseline: one quick failed build
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    for name in ("KVFLOW_NATIVE_CPU", "KVFLOW_CPU_ISA", "KVFLOW_CPU_GEMM"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.replace("{level}", level))
+    levels = [level] if "KVFLOW_CPU_ISA" in env else \
+        [lv.name for lv in cpu_build.isa_levels_for_cpu()]
+    try:
+        cpu_native.native_cpu_kernels.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="kvflow.kernels.cpu_native"):
+            assert cpu_native.native_cpu_kernels() is None
+    finally:
+        cpu_native.native_cpu_kernels.cache_clear()
+    assert caplog.records[-1].getMessage() == (
+        f"kvflow's native CPU kernels did not build with /bin/false (for {', '.join(levels)}), "
+        f"torch's kernels are used instead; asked for by {asked.replace('{level}', level)}: "
+        f"set KVFLOW_NATIVE_CPU=0 to use torch's kernels without trying to build them{off}")
 
 
 _CHECK_NATIVE = """
