@@ -17,6 +17,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         ctx = first.get("ctx", {})
         return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
                            code="invalid_unicode")
+    if first.get("type") == "request_limit":  # a body too large to validate (protocol.chat)
+        ctx = first.get("ctx", {})
+        return OpenAIError(f"{ctx.get('param')}: {ctx.get('why')}", param=ctx.get("param"),
+                           code=ctx.get("code"))
     if first.get("type") == "json_invalid":
         return OpenAIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error')}",
                            code="invalid_json")

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.entrypoints.protocol.base import OmitNoneModel, OpenAIBaseModel, RequestBody, now
-from kvflow.entrypoints.protocol.chat import ChatMessage, ChatTool, NamedToolChoice
+from kvflow.entrypoints.protocol.chat import (
+    ChatMessage,
+    ChatTool,
+    NamedToolChoice,
+    check_content_parts,
+)
 
 
 class ModelCard(OpenAIBaseModel):
@@ -59,6 +64,12 @@ class TokenizeRequest(RequestBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool | None = None  # vLLM's: each token's string as well
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cap_content_parts(cls, data: Any, handler: Any) -> Any:
+        check_content_parts(data)  # as chat's: before the body's other checks
+        return handler(data)
 
 
 class TokenizeResponse(OmitNoneModel):
