@@ -272,8 +272,9 @@ def test_serve_refuses_a_bad_template_before_the_model_loads(tmp_path, monkeypat
         flags = ["--config", str(config)]
     rc = main(["serve", "SmolLM2-135M-Instruct", "--port", "0", *flags])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert rc == 2 and err == [(f"kvflow: error: --chat-template {path}: not a valid Jinja "
-                                "template (line 3: unexpected '}')")], err
+    where = "" if how == "flag" else f"{config}: key 'chat_template': "  # the file's key named
+    assert rc == 2 and err == [(f"kvflow: error: {where}--chat-template {path}: not a valid "
+                                "Jinja template (line 3: unexpected '}')")], err
 
 
 def test_an_empty_flag_is_refused():
