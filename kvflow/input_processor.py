@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvflow.chat_template import image_urls, render_chat
+from kvflow.chat_messages import image_urls
+from kvflow.chat_template import render_chat
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
 from kvflow.multimodal_inputs import MultiModalFeature

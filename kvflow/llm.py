@@ -167,7 +167,7 @@ class LLM:
         """Apply the chat template to one conversation or a list of them and generate.
 
         Message ``content`` may be a string, a list of text (and, for a vision-language
-        model, ``image_url``) parts or None (see ``kvflow.chat_template``; image URLs are
+        model, ``image_url``) parts or None (see ``kvflow.chat_messages``; image URLs are
         ``data:`` URLs, or http(s) from ``allowed_media_domains``);
         ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;

@@ -1,6 +1,7 @@
-"""Conversation rendering (kvflow/chat_template.py), the offline ``LLM.chat`` options and
-``LLM.generate(priority=...)``. Oracles: the HF tokenizer's own ``apply_chat_template`` on
-hand-normalized messages, hand-written templates, and the scheduler's documented order."""
+"""Conversation rendering (kvflow/chat_template.py; its message checks: kvflow/chat_messages.py),
+the offline ``LLM.chat`` options and ``LLM.generate(priority=...)``. Oracles: the HF tokenizer's
+own ``apply_chat_template`` on hand-normalized messages, hand-written templates, and the
+scheduler's documented order."""
 
 from __future__ import annotations
 
@@ -11,12 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.chat_template import (
-    ChatTemplateError,
-    NoChatTemplateError,
-    normalize_conversation,
-    render_chat,
-)
+from kvflow.chat_messages import normalize_conversation
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, render_chat
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.chat_template import ChatTemplateError, check_call_index, check_message_fields
+from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
 from kvflow.entrypoints.tool_parsers import ToolParser
@@ -15,7 +15,7 @@ from kvflow.entrypoints.tool_parsers import ToolParser
 def check_messages(messages: list[ChatMessage]) -> None:
     """OpenAI's per-role rules (``content`` sent unless an assistant turn calls tools,
     ``tool_call_id`` on every tool turn and only there, ``tool_calls`` only on assistant
-    turns: ``chat_template.check_message_fields``, the check ``LLM.chat`` runs, here on the
+    turns: ``chat_messages.check_message_fields``, the check ``LLM.chat`` runs, here on the
     fields the client sent) and each call's ``index`` its position (checked here too, before
     calls a template cannot read become text). Raises OpenAIError 400 naming the field
     otherwise."""

@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError, image_urls
+from kvflow.chat_messages import image_urls
+from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
 from kvflow.chat_template_source import load_chat_template, model_template_warning, template_name
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect

@@ -55,7 +55,7 @@ class ImageURL(RequestModel):
 class ContentPart(RequestModel):
     """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
     parts are images for a vision-language model (a 400 for a text-only one); other types
-    (audio, files) are a 400 naming the part (kvflow/chat_template.py). A key other than
+    (audio, files) are a 400 naming the part (kvflow/chat_messages.py). A key other than
     ``type`` and the declared ones is a 400 naming it (``messages.0.content.0.foo``), except
     the payload of an undeclared type (``input_audio`` of an ``input_audio`` part), which is
     dropped so that the part is refused for its type. A part carries only its own type's
@@ -87,7 +87,7 @@ class ContentPart(RequestModel):
 
 class CalledFunction(RequestModel):
     """The function an earlier assistant turn called: ``arguments`` is JSON text, as OpenAI
-    returns it (parsed into an object for the chat template, see kvflow/chat_template.py)."""
+    returns it (parsed into an object for the chat template, see kvflow/chat_messages.py)."""
 
     name: str
     arguments: str
@@ -97,7 +97,7 @@ class MessageToolCall(RequestModel):
     """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed).
     ``index`` is the position a streamed delta gave the call, which clients that build the
     message from the stream echo back: it must equal the call's position in the list
-    (checked with the conversation, kvflow/chat_template.py) and does not reach the template."""
+    (checked with the conversation, kvflow/chat_messages.py) and does not reach the template."""
 
     id: str
     type: Literal["function"]
@@ -108,7 +108,7 @@ class MessageToolCall(RequestModel):
 class ChatMessage(RequestModel):
     """A conversation turn. ``content`` must be sent (null renders as empty text) except on
     an assistant turn with ``tool_calls``, as OpenAI requires (checked with the conversation,
-    ``chat_template.check_message_fields``). ``tool_calls`` (assistant turns only) and a tool
+    ``chat_messages.check_message_fields``). ``tool_calls`` (assistant turns only) and a tool
     turn's ``tool_call_id`` (required on tool turns, as OpenAI requires it) reach the
     template; OpenAI's and vLLM's other keys (``name``, ...) reach it unchecked, any other key
     only when the template reads it (kvflow/chat_template.py)."""

@@ -1,0 +1,233 @@
+"""A conversation's messages checked and normalized as a chat template sees them.
+
+Messages are normalized as OpenAI clients send them and as vLLM renders them ("string" content
+format); rendering them is ``chat_template.py``'s job:
+
+* ``content`` must be sent, except on an assistant turn that calls tools, and a tool turn
+  needs ``tool_call_id`` (OpenAI's rules, ``check_message_fields``); null (an assistant turn
+  that only calls tools, or any empty turn) becomes ``""``;
+* a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
+  parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
+  (the caller passes its ``image_placeholder``), become that placeholder text, one line per
+  image before the text (``detail`` other than ``"auto"`` is refused); any other part is
+  refused. A template that loops over a message's content itself (Qwen2-VL's; found by
+  ``chat_template.loops_over_content``) gets the parts instead (``content_parts``), images as
+  ``{"type": "image"}``, so it places them as the model was trained; ``image_urls`` lists the
+  images in prompt order either way;
+* an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
+  parsed into an object, as templates that write ``arguments | tojson`` expect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvflow.text_checks import find_lone_surrogate
+
+__all__ = ["ChatTemplateError", "check_call_index", "check_message_fields", "image_urls",
+           "normalize_conversation"]
+
+_TEXT_PARTS = {"text", "refusal"}
+_IMAGE_PARTS = {"image_url"}
+
+
+class ChatTemplateError(ValueError):
+    """A conversation or option that cannot be rendered; ``param`` names the field at fault
+    (``messages.2.content``, ``continue_final_message``, ...), ``code`` the OpenAI error code
+    the server answers with."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def normalize_conversation(messages: Sequence[Any], image_placeholder: str | None = None,
+                           content_parts: bool = False) -> list[dict[str, Any]]:
+    """Messages as the template sees them (see the module docstring); inputs are not changed.
+
+    Args:
+        messages: OpenAI-style message dicts.
+        image_placeholder: the text standing for one image (None: images are refused).
+        content_parts: keep list content as parts (for templates that loop over them).
+
+    Raises:
+        ChatTemplateError: for an empty list, a message that is not a dict with a string
+            ``role``, an unsupported content part (any image when ``image_placeholder`` is
+            None), or text with a lone surrogate.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatTemplateError("a conversation must be a non-empty list of messages",
+                                "messages")
+    found = find_lone_surrogate(list(messages), "messages")
+    if found is not None:
+        raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
+    return [_normalize_message(m, i, image_placeholder, content_parts)
+            for i, m in enumerate(messages)]
+
+
+def image_urls(messages: Sequence[Any]) -> list[tuple[str, Any]]:
+    """``(field path, url)`` of every ``image_url`` part, in prompt order (messages in
+    order, parts in order). Call after ``normalize_conversation`` accepted the messages."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                out.append((f"messages.{i}.content.{j}.image_url", url))
+    return out
+
+
+def _normalize_message(message: Any, i: int, image_placeholder: str | None,
+                       content_parts: bool) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
+                                f"messages.{i}")
+    check_message_fields(message, i)
+    out = dict(message)
+    content = message.get("content")
+    if content_parts and isinstance(content, list):
+        out["content"] = _content_parts(content, i, image_placeholder)
+    else:
+        out["content"] = _content_text(content, i, image_placeholder)
+    if isinstance(message.get("tool_calls"), list):
+        out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
+                             for j, c in enumerate(message["tool_calls"])]
+    return out
+
+
+def check_message_fields(message: Mapping[str, Any], i: int) -> None:
+    """OpenAI's per-role rules for message ``i``'s fields, the same for ``LLM.chat`` and the
+    server (which passes the fields its client sent): ``content`` is sent on every message
+    (null counts: it renders as empty text) except an assistant message calling tools
+    (``tool_calls``, or the older ``function_call``); a tool message has ``tool_call_id`` (the
+    call its result answers); ``tool_calls`` is on assistant messages only and
+    ``tool_call_id`` on tool messages only (a template reads them nowhere else).
+
+    Args:
+        message: the message's keys as sent (a None value counts as sent for ``content``,
+            as unset for the others), ``role`` a string.
+        i: the message's position in the conversation.
+
+    Raises:
+        ChatTemplateError: naming ``messages.<i>.content`` or ``messages.<i>.tool_call_id``
+            when missing (code ``missing_required_parameter``), or ``messages.<i>.tool_calls``
+            / ``messages.<i>.tool_call_id`` on another role (code ``invalid_value``).
+    """
+    role = message.get("role")
+    calls = bool(message.get("tool_calls")) or message.get("function_call") is not None
+    if "content" not in message and not (role == "assistant" and calls):
+        need = "assistant messages without tool_calls" if role == "assistant" else \
+            f"{role} messages"
+        raise ChatTemplateError(f"messages.{i}.content: a required field for {need} (null "
+                                "for no text), not sent", f"messages.{i}.content",
+                                "missing_required_parameter")
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise ChatTemplateError(f"messages.{i}.tool_call_id: a required field for tool "
+                                "messages (the id of the call this result answers), not sent",
+                                f"messages.{i}.tool_call_id", "missing_required_parameter")
+    for name, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+        if message.get(name) is not None and role != owner:
+            raise ChatTemplateError(f"messages.{i}.{name} is for {owner} messages only (this "
+                                    f"is a {role} message)", f"messages.{i}.{name}")
+
+
+def _without_index(call: Any, i: int, j: int) -> Any:
+    """Tool call ``j`` of message ``i`` without its ``index`` key (see
+    :func:`check_call_index`).
+
+    Raises:
+        ChatTemplateError: if ``index`` is given and is not ``j``.
+    """
+    if not isinstance(call, dict) or "index" not in call:
+        return call
+    check_call_index(call["index"], i, j)
+    return {k: v for k, v in call.items() if k != "index"}
+
+
+def check_call_index(index: Any, i: int, j: int) -> None:
+    """A tool call's ``index``, the position a streamed delta gave the call (clients echo it
+    back), must be ``j``, its position in message ``i``'s ``tool_calls`` (or absent: None).
+
+    Raises:
+        ChatTemplateError: naming ``messages.i.tool_calls.j.index`` otherwise.
+    """
+    if index is not None and index != j:
+        raise ChatTemplateError(f"message {i}: tool call {j} has index {index}; a call's "
+                                "index is its position in tool_calls",
+                                f"messages.{i}.tool_calls.{j}.index")
+
+
+def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"message {i}: content must be a string, a list of content "
+                                "parts or null", f"messages.{i}.content")
+    images, texts = [], []
+    for j, part in enumerate(content):
+        kind, text = _part(part, i, j, image_placeholder)
+        (images if kind in _IMAGE_PARTS else texts).append(text)
+    return "\n".join(images + texts)
+
+
+def _content_parts(content: list, i: int, image_placeholder: str | None) -> list[dict]:
+    parts = []
+    for j, part in enumerate(content):
+        kind, text = _part(part, i, j, image_placeholder)
+        parts.append({"type": "image"} if kind in _IMAGE_PARTS else
+                     {"type": "text", "text": text})
+    return parts
+
+
+def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str, str]:
+    """(type, text) of one content part; an image's text is the placeholder. A part holds
+    ``type`` and its type's payload only (another non-null key would go unread: a
+    ChatTemplateError naming it, as the HTTP schema refuses it)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    other = next((k for k, v in part.items() if k not in ("type", kind) and v is not None),
+                 None) if isinstance(kind, str) else None
+    if other is not None and kind in _TEXT_PARTS | _IMAGE_PARTS:
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} carries "
+                                f"{kind} only, not {other!r}",
+                                f"messages.{i}.content.{j}.{other}", "unknown_parameter")
+    if kind in _IMAGE_PARTS and image_placeholder is not None:
+        image = part.get("image_url")
+        if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
+            raise ChatTemplateError(f"message {i}: content part {j} needs image_url.url",
+                                    f"messages.{i}.content.{j}.image_url")
+        detail = image.get("detail") if isinstance(image, dict) else None
+        if detail not in (None, "auto"):  # honoured or refused, never ignored
+            raise ChatTemplateError(f"image_url.detail={detail!r} is not supported: the "
+                                    "model's image processor chooses the resolution (use "
+                                    "'auto' or leave it out)",
+                                    f"messages.{i}.content.{j}.image_url.detail",
+                                    "unsupported_value")
+        return kind, image_placeholder
+    text = part.get(kind) if kind in _TEXT_PARTS else None
+    if kind in _TEXT_PARTS and not isinstance(text, str):
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} needs "
+                                f"{kind} (a string)", f"messages.{i}.content.{j}.{kind}")
+    if not isinstance(text, str):
+        what = "text and image_url" if image_placeholder is not None else \
+            "text only: this model does not take images"
+        raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
+                                f"supported ({what})", f"messages.{i}.content.{j}")
+    return kind, text
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call whose ``function.arguments`` JSON text is parsed (left alone otherwise)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
