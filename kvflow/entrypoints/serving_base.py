@@ -200,10 +200,13 @@ class OpenAIServing:
                               "server_overloaded", code="server_overloaded",
                               headers={"Retry-After": "1"})
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str) -> None:
+    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str,
+                     length_param: str = "max_tokens") -> None:
         """Raises OpenAIError 400 naming ``param`` for an empty prompt (code ``empty_array``),
-        an out-of-vocabulary token id (``invalid_value``), or one that leaves no room for
-        ``max_tokens`` in the context (``context_length_exceeded``)."""
+        an out-of-vocabulary token id (``invalid_value``), or naming ``length_param`` (the
+        field the client set the limit with: ``max_tokens`` or chat's
+        ``max_completion_tokens``) for one that leaves no room for ``max_tokens`` in the
+        context (``context_length_exceeded``)."""
         try:
             self.engine.processor.validate(token_ids)
         except ValueError as e:
@@ -215,7 +218,7 @@ class OpenAIServing:
                 f"{self.engine.processor.max_model_len_note}; the request has "
                 f"{len(token_ids)} prompt token{'s' * (len(token_ids) != 1)} and asks for "
                 f"{max_tokens} more "
-                f"({len(token_ids) + max_tokens} in total)", param="max_tokens",
+                f"({len(token_ids) + max_tokens} in total)", param=length_param,
                 code="context_length_exceeded")
 
     def check_n(self, n: int) -> None:

@@ -290,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
             check_max_tokens(max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
-        self.check_prompt(ids, max_tokens, "messages")
+        self.check_prompt(ids, max_tokens, "messages", length_param=field)
         return params
 
     # ---- whole response ----------------------------------------------------------------------

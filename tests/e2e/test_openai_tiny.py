@@ -661,6 +661,20 @@ def test_unset_max_tokens_is_capped_by_the_context(server):
                                             "more (97 in total)"), one
 
 
+def test_chat_context_error_names_the_length_field_sent(server):
+    """Chat's limit set with max_completion_tokens alone, past the 96-token context: the 400
+    names max_completion_tokens (was max_tokens, a field the client never sent); set with
+    max_tokens, it names max_tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for field in ("max_completion_tokens", "max_tokens"):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, field: 100},
+                          timeout=60)
+        error = resp.json()["error"]
+        assert (resp.status_code, error["param"], error["code"]) == \
+            (400, field, "context_length_exceeded"), resp.text
+        assert "asks for 100 more" in error["message"], error
+
+
 def test_context_errors_name_the_limit_and_the_length(server, tokenizer):
     num = len(tokenizer.encode(LONG_TEXT))
     error = httpx.post(f"{server.url}{C}", json={"prompt": LONG_TEXT}).json()["error"]
