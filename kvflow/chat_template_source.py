@@ -18,6 +18,7 @@ FLAG = "--chat-template"
 # path in a folder that does not exist) is a missing file, never a template that renders its
 # own name (vLLM's rule, stricter: vLLM takes any ``{``, ``}`` or newline).
 _JINJA_MARKERS = ("{%", "{{", "{#")
+MAX_TEMPLATE_BYTES = 1 << 20  # the largest template file read (published ones: under 20 KiB)
 
 
 def load_chat_template(value: str) -> str:
@@ -63,12 +64,15 @@ def template_name(value: str) -> str:
 
 def _read_template_file(path: str) -> str:
     """The text of ``path``. Raises ValueError naming the flag and the file when it cannot be
-    read or is not UTF-8."""
+    read, is larger than :data:`MAX_TEMPLATE_BYTES` or is not UTF-8."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_TEMPLATE_BYTES + 1)  # /dev/zero named by mistake ends here
     except OSError as e:
         raise ValueError(f"{FLAG} {path}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"{FLAG} {path}: larger than {MAX_TEMPLATE_BYTES >> 20} MiB, not a "
+                         "chat template (those are a few KiB)")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -64,6 +64,10 @@ def test_a_file_wins_over_markup_in_its_name(tmp_path):
     ("empty", "--chat-template {path}: the file is empty"),
     ("blank", "--chat-template {path}: the file is empty (blank)"),
     ("syntax", "--chat-template {path}: not a valid Jinja template (line 3: unexpected '}')"),
+    ("huge", ("--chat-template {path}: larger than 1 MiB, not a chat template (those are a "
+              "few KiB)")),
+    ("device", ("--chat-template {path}: larger than 1 MiB, not a chat template (those are a "
+                "few KiB)")),
     ("inline_syntax", ("--chat-template <inline template>: not a valid Jinja template "
                        "(line 3: unexpected '}')")),
 ])
@@ -74,6 +78,8 @@ def test_unusable_values_are_refused_naming_flag_and_file(tmp_path, case, expect
             "empty": lambda: _file(tmp_path, b""),
             "blank": lambda: _file(tmp_path, " \n\t"),
             "syntax": lambda: _file(tmp_path, BROKEN),
+            "huge": lambda: _file(tmp_path, "{{ x }}" + " " * (1 << 20)),  # 1 MiB + 7 bytes
+            "device": lambda: "/dev/zero",  # endless: read up to the limit only
             "inline_syntax": lambda: BROKEN}[case]()
     with pytest.raises(ValueError) as info:
         load_chat_template(path)
