@@ -126,8 +126,9 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
                                 "for no text), not sent", f"messages.{i}.content",
                                 "missing_required_parameter")
     if role == "tool" and message.get("tool_call_id") is None:
+        how = "sent as null" if "tool_call_id" in message else "not sent"
         raise ChatTemplateError(f"messages.{i}.tool_call_id: a required field for tool "
-                                "messages (the id of the call this result answers), not sent",
+                                f"messages (the id of the call this result answers), {how}",
                                 f"messages.{i}.tool_call_id", "missing_required_parameter")
     for name, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
         if message.get(name) is not None and role != owner:

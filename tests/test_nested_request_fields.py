@@ -323,6 +323,11 @@ def test_a_tool_message_needs_its_tool_call_id():
         check_messages(req.messages)
     assert (e.value.param, e.value.code, e.value.status) == \
         ("messages.2.tool_call_id", "missing_required_parameter", 400)
+    assert str(e.value).endswith("answers), not sent"), str(e.value)
+    turns[2]["tool_call_id"] = None  # sent, as null: said so (was "not sent")
+    with pytest.raises(OpenAIError) as e:
+        check_messages(ChatCompletionRequest.model_validate({"messages": turns}).messages)
+    assert str(e.value).endswith("answers), sent as null"), str(e.value)
     turns[2]["tool_call_id"] = "c1"
     check_messages(ChatCompletionRequest.model_validate({"messages": turns}).messages)
 
