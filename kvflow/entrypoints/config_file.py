@@ -63,9 +63,10 @@ def leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParse
 
 
 def _named(dest: str) -> str:
-    """A pattern for where an error message names the field ``dest``."""
+    """A pattern for where an error message names the field ``dest`` (as its first word in
+    any case: ``Model 'x' is neither a local path ...`` names ``model``)."""
     name, flag = re.escape(dest), re.escape("--" + dest.replace("_", "-"))
-    return rf"(?:^{name}\b|\b{name}=|{flag}(?![\w-]))"
+    return rf"(?:(?i:^{name}\b)|\b{name}=|{flag}(?![\w-]))"
 
 
 def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
