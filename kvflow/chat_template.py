@@ -97,10 +97,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
     """
     import jinja2
 
-    if chat_template is not None and (not isinstance(chat_template, str)
-                                      or not chat_template.strip()):
-        raise ChatTemplateError("chat_template must be a non-empty Jinja template string",
-                                "chat_template")
+    if chat_template is not None:
+        _check_caller_template(chat_template)
     source = "caller" if chat_template is not None else \
         "default" if default_template is not None else "model"
     template = {"caller": chat_template, "default": default_template,
@@ -123,6 +121,24 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                                 f"{type(e).__name__}: {e}", param) from None
     _check_other_keys_read(tokenizer, conversation, template, kwargs, text)
     return text
+
+
+def _check_caller_template(chat_template: Any) -> None:
+    """Raises ChatTemplateError (param ``chat_template``) unless ``chat_template`` is Jinja
+    text holding markup: text without any renders the same prompt for every conversation,
+    most likely a file's name passed where its text belongs (``LLM.chat(chat_template=
+    "chat.jinja")``, as ``--chat-template`` takes it)."""
+    if not isinstance(chat_template, str) or not chat_template.strip():
+        raise ChatTemplateError("chat_template must be a non-empty Jinja template string",
+                                "chat_template")
+    if not any(marker in chat_template for marker in ("{%", "{{", "{#")):
+        shown = chat_template if len(chat_template) <= 80 else chat_template[:77] + "..."
+        raise ChatTemplateError(
+            f"chat_template must be the Jinja template's text, holding {{%, {{{{ or {{#; got "
+            f"text without any ({shown!r}), which would render the same prompt for every "
+            "conversation (for a template file, pass its text: "
+            "kvflow.chat_template_source.load_chat_template(path) reads and checks it)",
+            "chat_template")
 
 
 def syntax_error_message(error: Any, source: str) -> str:

@@ -77,6 +77,7 @@ def test_options_honoured(tok):
     ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ({"chat_template": "{{ 1 / 0 }}"}, "chat_template"),
     ({"chat_template": " "}, "chat_template"),  # empty: not "the model has no template"
+    ({"chat_template": "chat.jinja"}, "chat_template"),  # a file's name, not its text
     ({"template_kwargs": [1]}, "chat_template_kwargs"),
 ])
 def test_bad_options_rejected(tok, kwargs, param):
