@@ -215,9 +215,11 @@ class OpenAIServingChat(OpenAIServing):
             plain = "send the text as /tokenize's prompt or /v1/embeddings' input" \
                 if getattr(self.engine, "task", "generate") == "embed" else \
                 "use /v1/completions with a plain prompt"  # the routes this server serves
-            raise OpenAIError("this model has no chat template: send one in the request's "
-                              f"chat_template field, or {plain}", param="messages",
-                              code="no_chat_template") from None
+            how = "send one in the request's chat_template field" \
+                if self.config.trust_request_chat_template else \
+                "the server needs one (kvflow serve --chat-template FILE)"
+            raise OpenAIError(f"this model has no chat template: {how}, or {plain}",
+                              param="messages", code="no_chat_template") from None
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         except PromptTooLong as e:
