@@ -33,11 +33,14 @@ def load_chat_template(value: str) -> str:
         The template text, as ``apply_chat_template(chat_template=...)`` takes it.
 
     Raises:
-        ValueError: starting ``--chat-template VALUE:`` (an inline template is named
+        ValueError: for a value that is no string or is empty; starting
+            ``--chat-template VALUE:`` (an inline template is named
             ``<inline template>``) for a path that does not exist (and no Jinja markup), a
             file that cannot be read (a folder, no permission), is not UTF-8 or is empty (or
             blank), or a template that does not compile (naming its Jinja line).
     """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{FLAG} must be a file's path or a template's text, got {value!r}")
     where = f"{FLAG} {template_name(value)}"
     if os.path.exists(value):
         template = _read_template_file(value)

@@ -288,6 +288,16 @@ def test_an_empty_flag_is_refused():
         ServerConfig(chat_template="")
 
 
+@pytest.mark.parametrize("value", [None, 5, ""])
+def test_load_chat_template_refuses_what_is_no_path_or_text(value):
+    """From Python, a value that is no string (or an empty one) is a ValueError saying what
+    the flag takes (was a TypeError from os.stat, or 'no such file' for '')."""
+    with pytest.raises(ValueError) as info:
+        load_chat_template(value)
+    assert str(info.value) == ("--chat-template must be a file's path or a template's text, "
+                               f"got {value!r}")
+
+
 # ---- kvflow generate ---------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, needle", [
     (["--chat-template", FLAG_TEMPLATE], "--chat-template needs --chat"),
