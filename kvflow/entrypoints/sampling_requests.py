@@ -83,3 +83,22 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                 constraint_param(req)
         raise error from None
     return params
+
+
+def check_length_fields(max_tokens: int | None, max_completion_tokens: int | None) -> None:
+    """Both of chat's length fields (``max_tokens``, ``max_completion_tokens``) may be sent
+    only with the same value (then both are honoured). OpenAI refuses the pair outright;
+    vLLM takes ``max_completion_tokens`` and drops ``max_tokens`` unread, which would ignore
+    a field the client set.
+
+    Raises:
+        OpenAIError: 400 naming both (``param`` ``max_tokens``, as OpenAI's; code
+            ``invalid_parameter_combination``) when they differ.
+    """
+    if None in (max_tokens, max_completion_tokens) or max_tokens == max_completion_tokens:
+        return
+    raise OpenAIError(f"max_tokens={max_tokens} and max_completion_tokens="
+                      f"{max_completion_tokens} set different limits: send one of them "
+                      "(max_completion_tokens replaces max_tokens in OpenAI's chat API), or "
+                      "both with the same value", param="max_tokens",
+                      code="invalid_parameter_combination")

@@ -40,6 +40,7 @@ from kvflow.entrypoints.protocol import (
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
+    check_length_fields,
     check_max_tokens,
     default_max_tokens,
     sampling_params,
@@ -165,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("echo is not supported on /v1/chat/completions (use "
                               "continue_final_message to continue an assistant message)",
                               param="echo", code="unsupported_parameter")
-        _check_length_fields(req.max_tokens, req.max_completion_tokens)
+        check_length_fields(req.max_tokens, req.max_completion_tokens)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
                               code="invalid_value")
@@ -377,24 +378,6 @@ def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], 
         if e.image_index is not None and e.image_index < len(urls):
             e.param = urls[e.image_index][0]
         raise
-
-
-def _check_length_fields(max_tokens: int | None, max_completion_tokens: int | None) -> None:
-    """Both of chat's length fields may be sent only with the same value (then both are
-    honoured). OpenAI refuses the pair outright; vLLM takes ``max_completion_tokens`` and
-    drops ``max_tokens`` unread, which would ignore a field the client set.
-
-    Raises:
-        OpenAIError: 400 naming both (``param`` ``max_tokens``, as OpenAI's; code
-            ``invalid_parameter_combination``) when they differ.
-    """
-    if None in (max_tokens, max_completion_tokens) or max_tokens == max_completion_tokens:
-        return
-    raise OpenAIError(f"max_tokens={max_tokens} and max_completion_tokens="
-                      f"{max_completion_tokens} set different limits: send one of them "
-                      "(max_completion_tokens replaces max_tokens in OpenAI's chat API), or "
-                      "both with the same value", param="max_tokens",
-                      code="invalid_parameter_combination")
 
 
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:
