@@ -27,7 +27,9 @@ class SpeculativeConfig:
             target's tokenizer). Left out of a dict or JSON (:meth:`from_value`):
             ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
-        model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id.
+        model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id;
+            its tokenizer must be the target's (refused at start-up otherwise:
+            kvflow/spec_decode/draft_tokenizer.py).
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
         quantization: the draft model's weight quantization: ``int8``, ``int4``, ``none`` (or
             null: as loaded); default ``auto``: int8 on a CPU, none elsewhere. Only the draft's

@@ -60,6 +60,7 @@ from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class AsyncLLM:
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
                 load_tokenizer(source, mc.tokenizer, mc.download_dir)
+            check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config)
             self._init_processors(self._wait_ready(start_timeout))

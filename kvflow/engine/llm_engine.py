@@ -24,6 +24,7 @@ from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
 
 class LLMEngine:
@@ -50,6 +51,7 @@ class LLMEngine:
         hf_config = load_hf_config(source)
         self.tokenizer = None if mc.skip_tokenizer_init else \
             load_tokenizer(source, mc.tokenizer, mc.download_dir)
+        check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
         self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
         mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
         if config.parallel_config.data_parallel_size > 1:
