@@ -12,9 +12,23 @@ DEFAULT_SWAP_SPACE = "4GiB"
 
 @dataclass
 class CacheConfig:
+    """The paged KV cache (``--block-size``, ``--kv-cache-memory``, ...).
+
+    The pool's size comes from one setting: ``num_kv_blocks`` (blocks), ``kv_cache_memory``
+    (bytes), or ``gpu_memory_utilization`` (a GPU's share of its memory, less weights and
+    activations; 0.9 when none is set; a CPU's cache is 2 GiB instead). Unset fields are None,
+    so "given" and "default" stay apart.
+
+    Raises:
+        ValueError: from the constructor for a value out of range, or for two of the three
+            size settings given together (one would go unread; ``_check_one_size``).
+    """
+
     block_size: int = opt(16, "tokens per KV-cache block")
     kv_cache_memory: str | int | None = opt(None, "KV-cache size in bytes, e.g. 2GiB")
-    num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (overrides memory)")
+    num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (instead of a memory "
+                                    "size: give one of --num-kv-blocks, --kv-cache-memory, "
+                                    "--gpu-memory-utilization)")
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prompt prefixes")
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
@@ -44,6 +58,25 @@ class CacheConfig:
                 and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")
+        self._check_one_size()
+
+    def _check_one_size(self) -> None:
+        """Refuse two KV-cache size settings given together: the engine reads the first of
+        ``num_kv_blocks``, ``kv_cache_memory``, ``gpu_memory_utilization`` that is set, so
+        the other would be accepted and ignored (vLLM takes an explicit KV size over
+        ``gpu_memory_utilization`` in silence).
+
+        Raises:
+            ValueError: naming both settings and their values.
+        """
+        given = [(name, getattr(self, name)) for name in
+                 ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")
+                 if getattr(self, name) is not None]
+        if len(given) > 1:
+            (used, used_value), (unread, unread_value) = given[:2]
+            raise ValueError(f"{used}={used_value!r} and {unread}={unread_value!r} both size "
+                             "the KV cache, and only the first would be read; give one of "
+                             "them")
 
     @property
     def swap_space_bytes(self) -> int:
