@@ -258,6 +258,18 @@ class DeviceConfig:
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
                                      "worker; give one CPU per thread")
 
+    def native_kernel_flags(self) -> tuple[str, ...]:
+        """The options given here that need kvflow's native CPU kernels, as flags
+        (``--cpu-gemm native``, ``--cpu-attention native``, ``--cpu-gemm-pool``,
+        ``--attention-backend cpu``): named in the warning when the kernels cannot be built
+        and torch's run instead (:func:`kvflow.kernels.cpu_native.native_cpu_kernels`).
+        Environment settings are not included (that warning reads them itself)."""
+        given = (("--cpu-gemm native", self.cpu_gemm == "native"),
+                 ("--cpu-attention native", self.cpu_attention == "native"),
+                 ("--cpu-gemm-pool", self.cpu_gemm_pool is True),
+                 ("--attention-backend cpu", self.attention_backend == "cpu"))
+        return tuple(flag for flag, on in given if on)
+
     def _check_native_choices(self) -> None:
         """A CPU kernel asked for must be one that runs: ``native`` GEMM or attention, the
         GEMM pool and a forced ``KVFLOW_CPU_ISA`` level need the native kernels (not ``KVFLOW_NATIVE_CPU=0``),

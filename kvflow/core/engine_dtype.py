@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvflow.config import DeviceConfig, cpu_gemm_choice
+from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.kernels.cpu_threads import cpu_thread_count
 from kvflow.kernels.gemm_select import measure_cpu_dtype
 from kvflow.platforms import Platform
@@ -49,6 +50,7 @@ def cpu_dtype_measure(platform: Platform, device_config: DeviceConfig,
     choice = cpu_gemm_choice(device_config.cpu_gemm)
 
     def measure(half: torch.dtype) -> torch.dtype:
+        native_cpu_kernels(device_config.native_kernel_flags())  # a failure names them
         with cpu_thread_count(device_config.cpu_threads):
             return measure_cpu_dtype(hf_config, half, choice, platform.prepacks_gemm_weights)
 

@@ -131,26 +131,29 @@ def native_cpu_kernels_for_isa(name: str) -> NativeCpuKernels | None:
         return None
 
 
-@functools.cache
-def native_cpu_kernels() -> NativeCpuKernels | None:
-    """The compiled kernels of the best ISA level this CPU runs, building them on first use
-    (a level whose build fails falls back to the next); None (logged once) if unavailable.
+class _Build:
+    """The outcome of building (or loading) the kernels once: ``kernels``, or None with the
+    ``failure`` to warn about (None too when ``KVFLOW_NATIVE_CPU=0`` turned them off), and
+    whether that warning was logged yet."""
 
-    ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead);
-    ``KVFLOW_CPU_ISA=<level>`` (amx_bf16, avx512_bf16, avx512, avx2, x86-64) asks for a lower level
-    than the best, e.g. to test the AVX2 path on an AVX512 machine.
+    def __init__(self, kernels: NativeCpuKernels | None, failure: str | None = None) -> None:
+        self.kernels, self.failure, self.warned = kernels, failure, False
+
+
+@functools.cache
+def _build() -> _Build:
+    """Build or load the kernels of the best ISA level this CPU runs, once per process (a
+    level whose build fails falls back to the next, each failure logged).
 
     Raises:
-        ValueError: for a ``KVFLOW_CPU_ISA`` this CPU cannot run (checked by ``DeviceConfig``
-            first, before a model loads).
+        ValueError: for a ``KVFLOW_CPU_ISA`` this CPU cannot run.
     """
     if not native_cpu_choice():
-        return None
+        return _Build(None)
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler ($CC, cc or gcc) found: kvflow's native CPU kernels "
-                       "cannot be built, torch's kernels are used instead; %s", _asked_by())
-        return None
+        return _Build(None, "no C compiler ($CC, cc or gcc) found: kvflow's native CPU "
+                            "kernels cannot be built")
     levels = cpu_build.isa_levels_for_cpu()
     forced = cpu_build.forced_isa_level()
     if forced is not None:
@@ -158,13 +161,43 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
     sources = [Path(__file__).parent / "csrc" / name for name in cpu_build.SOURCES]
     for level in levels:
         try:
-            return _load(cc, sources, level)
+            return _Build(_load(cc, sources, level))
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
             logger.warning("native CPU kernels for %s unavailable: %s", level.name, exc)
-    logger.warning("kvflow's native CPU kernels did not build with %s (for %s), torch's "
-                   "kernels are used instead; %s", cc, ", ".join(lv.name for lv in levels),
-                   _asked_by())
-    return None
+    return _Build(None, f"kvflow's native CPU kernels did not build with {cc} (for "
+                        f"{', '.join(lv.name for lv in levels)})")
+
+
+def native_cpu_kernels(asked_by: tuple[str, ...] = ()) -> NativeCpuKernels | None:
+    """The compiled kernels of the best ISA level this CPU runs, building them on first use
+    (a level whose build fails falls back to the next); None if unavailable, with one warning
+    per process that names the compiler, the levels tried, the settings that asked for the
+    kernels and how to run without them (README: the documented fallback to torch's kernels).
+
+    ``KVFLOW_NATIVE_CPU=0`` disables them (the torch kernels are used instead);
+    ``KVFLOW_CPU_ISA=<level>`` (amx_bf16, avx512_bf16, avx512, avx2, x86-64) asks for a lower level
+    than the best, e.g. to test the AVX2 path on an AVX512 machine. ``cache_clear()`` forgets
+    the outcome (tests re-read those variables).
+
+    Args:
+        asked_by: engine options the user gave that need the kernels, as given (e.g.
+            ``("--cpu-gemm native",)``, :meth:`kvflow.config.DeviceConfig.native_kernel_flags`),
+            named in the warning beside the environment settings. The engine's first calls
+            pass them; the warning is logged by whichever call first finds the kernels missing.
+
+    Raises:
+        ValueError: for a ``KVFLOW_CPU_ISA`` this CPU cannot run (checked by ``DeviceConfig``
+            first, before a model loads).
+    """
+    build = _build()
+    if build.failure is not None and not build.warned:
+        build.warned = True
+        logger.warning("%s, torch's kernels are used instead; %s", build.failure,
+                       _asked_by(asked_by))
+    return build.kernels
+
+
+native_cpu_kernels.cache_clear = _build.cache_clear  # type: ignore[attr-defined]
 
 
 # Settings that need the native kernels, by variable: the values that ask for them.
@@ -172,22 +205,25 @@ _NEED_NATIVE = (("KVFLOW_CPU_GEMM", ("native",)), ("KVFLOW_CPU_ATTENTION", ("nat
                 ("KVFLOW_CPU_GEMM_POOL", ("1",)))
 
 
-def _asked_by() -> str:
-    """For the warning when the native kernels cannot be built: the environment settings
-    that asked for them (``KVFLOW_NATIVE_CPU``, set or by default, a forced
-    ``KVFLOW_CPU_ISA`` level, and the kernel choices that need them) and how to run without
-    them."""
+def _asked_by(flags: tuple[str, ...] = ()) -> str:
+    """For the warning when the native kernels cannot be built: the settings that asked for
+    them (engine options ``flags`` as given, ``KVFLOW_NATIVE_CPU``, set or by default, a
+    forced ``KVFLOW_CPU_ISA`` level, and the kernel choices that need them) and how to run
+    without them."""
     native = os.environ.get("KVFLOW_NATIVE_CPU")
-    asked = [f"KVFLOW_NATIVE_CPU={native}" if native is not None else
+    asked = [*flags, f"KVFLOW_NATIVE_CPU={native}" if native is not None else
              "KVFLOW_NATIVE_CPU unset (on by default)"]
     forced = cpu_build.forced_isa_level()
     need = ([f"KVFLOW_CPU_ISA={forced}"] if forced is not None else []) + \
         [f"{name}={os.environ[name]}" for name, on in _NEED_NATIVE if os.environ.get(name) in on]
     asked += need
     off = "set KVFLOW_NATIVE_CPU=0 to use torch's kernels without trying to build them"
-    if need:
+    if need or flags:  # KVFLOW_NATIVE_CPU=0 refuses each of these
         names = [n.split("=")[0] for n in need]
-        off += f" (and unset {', '.join(names)}, which need{'s' if len(names) == 1 else ''} them)"
+        parts = ([f"drop {', '.join(flags)}"] if flags else []) + \
+            ([f"unset {', '.join(names)}"] if names else [])
+        one = len(names) + len(flags) == 1
+        off += f" (and {' and '.join(parts)}, which need{'s' if one else ''} them)"
     if forced is not None:
         off += ", or unset KVFLOW_CPU_ISA to let kvflow try the other levels"
     return f"asked for by {', '.join(asked)}: {off}"

@@ -50,6 +50,7 @@ def configure_runner_threads(config: EngineConfig, parallel: ParallelState
     runs between steps, and the :class:`~kvflow.kernels.cpu_threads.CallerPin` each model step
     runs in."""
     dc = config.device_config
+    native_cpu_kernels(dc.native_kernel_flags())  # built here first: a failure names them
     pc, world = config.parallel_config, parallel.world.world_size
     adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads)
     if adaptive and dc.deterministic:
