@@ -67,7 +67,7 @@ def test_an_engine_given_the_flags_warns_naming_them_and_runs_on_torch(failed_bu
     naming both flags (the options as the engine got them), then the documented fallback, whose
     greedy output is transformers'."""
     with caplog.at_level(logging.WARNING, logger="kvflow.kernels.cpu_native"):
-        llm = LLM(model=tiny_llama.path, dtype="float32", num_kv_blocks=32,
+        llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", num_kv_blocks=32,
                   cpu_gemm="native", cpu_attention="native")
     finals = [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]
     assert finals == [_warning(

@@ -258,6 +258,18 @@ class DeviceConfig:
                                      f"{self.cpu_threads_bind!r} names {len(cpus)} CPUs for a "
                                      "worker; give one CPU per thread")
 
+    def cpu_only_options(self) -> list[str]:
+        """The CPU-only options given here (``name=value``), set to something a CPU engine
+        would do: ``cpu_gemm``, ``cpu_attention``, ``cpu_threads``, ``cpu_threads_bind``
+        (any value), ``cpu_gemm_pool`` and ``cpu_adaptive_threads`` (True; False is what
+        another device does anyway). An engine on another device refuses them, since nothing
+        there reads them (``EngineCore._check_cpu_only_options``)."""
+        given = [f"{name}={getattr(self, name)!r}" for name in
+                 ("cpu_gemm", "cpu_attention", "cpu_threads", "cpu_threads_bind")
+                 if getattr(self, name) is not None]
+        return given + [f"{name}=True" for name in ("cpu_gemm_pool", "cpu_adaptive_threads")
+                        if getattr(self, name) is True]
+
     def native_kernel_flags(self) -> tuple[str, ...]:
         """The options given here that need kvflow's native CPU kernels, as flags
         (``--cpu-gemm native``, ``--cpu-attention native``, ``--cpu-gemm-pool``,

@@ -77,6 +77,27 @@ class EngineCore:
             raise ValueError(f"gpu_memory_utilization={fraction} sizes a GPU's KV cache; on "
                              f"{self.platform.name} the KV cache is {fixed / 2**30:g} GiB "
                              "unless --kv-cache-memory or --num-kv-blocks sets it")
+        self._check_cpu_only_options()
+
+    def _check_cpu_only_options(self) -> None:
+        """On a device other than the CPU, refuse the CPU-only options given (threads, CPU
+        kernels, a draft model's ``draft_cpu_threads``): nothing there reads them, and they
+        were ignored in silence.
+
+        Raises:
+            ValueError: naming each such option and the platform.
+        """
+        if self.platform.device_type == "cpu":
+            return
+        given = self.config.device_config.cpu_only_options()
+        spec = self.config.speculative_config
+        if spec is not None and spec.draft_cpu_threads is not None:
+            given.append(f"speculative_config draft_cpu_threads={spec.draft_cpu_threads}")
+        if given:
+            raise ValueError(f"{', '.join(given)}: CPU-only option{'s' if len(given) > 1 else ''}"
+                             f", which an engine on {self.platform.name} does not read; leave "
+                             f"{'them' if len(given) > 1 else 'it'} out (or run with "
+                             "--device cpu)")
 
     def _init_model(self, source: ModelSource) -> None:
         self.source = source
