@@ -263,7 +263,7 @@ class DeviceConfig:
         would do: ``cpu_gemm``, ``cpu_attention``, ``cpu_threads``, ``cpu_threads_bind``
         (any value), ``cpu_gemm_pool`` and ``cpu_adaptive_threads`` (True; False is what
         another device does anyway). An engine on another device refuses them, since nothing
-        there reads them (``EngineCore._check_cpu_only_options``)."""
+        there reads them (``kvflow.core.unread_options``)."""
         given = [f"{name}={getattr(self, name)!r}" for name in
                  ("cpu_gemm", "cpu_attention", "cpu_threads", "cpu_threads_bind")
                  if getattr(self, name) is not None]

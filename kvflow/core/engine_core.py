@@ -20,6 +20,7 @@ from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
 from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
+from kvflow.core.unread_options import check_cpu_only_options, check_no_kv_cache_settings
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
@@ -77,27 +78,7 @@ class EngineCore:
             raise ValueError(f"gpu_memory_utilization={fraction} sizes a GPU's KV cache; on "
                              f"{self.platform.name} the KV cache is {fixed / 2**30:g} GiB "
                              "unless --kv-cache-memory or --num-kv-blocks sets it")
-        self._check_cpu_only_options()
-
-    def _check_cpu_only_options(self) -> None:
-        """On a device other than the CPU, refuse the CPU-only options given (threads, CPU
-        kernels, a draft model's ``draft_cpu_threads``): nothing there reads them, and they
-        were ignored in silence.
-
-        Raises:
-            ValueError: naming each such option and the platform.
-        """
-        if self.platform.device_type == "cpu":
-            return
-        given = self.config.device_config.cpu_only_options()
-        spec = self.config.speculative_config
-        if spec is not None and spec.draft_cpu_threads is not None:
-            given.append(f"speculative_config draft_cpu_threads={spec.draft_cpu_threads}")
-        if given:
-            raise ValueError(f"{', '.join(given)}: CPU-only option{'s' if len(given) > 1 else ''}"
-                             f", which an engine on {self.platform.name} does not read; leave "
-                             f"{'them' if len(given) > 1 else 'it'} out (or run with "
-                             "--device cpu)")
+        check_cpu_only_options(self.config, self.platform)
 
     def _init_model(self, source: ModelSource) -> None:
         self.source = source
@@ -134,7 +115,8 @@ class EngineCore:
 
         Raises:
             ValueError: for a task the model cannot run, or embedding with LoRA, speculative
-                decoding, swap preemption or pipeline parallelism.
+                decoding, swap preemption or pipeline parallelism; for an encoder, a KV-cache
+                setting (``unread_options.check_no_kv_cache_settings``).
         """
         folder = source.path if source.kind == "hf" else None
         self.task, self.pooler_config = model_task(self.config.model_config.task,
@@ -152,6 +134,8 @@ class EngineCore:
         if self.task == "embed" and self.config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("embedding models run without pipeline parallelism "
                              "(pipeline_parallel_size=1)")
+        if self.is_encoder:
+            check_no_kv_cache_settings(self.config, self.hf_config)
 
     def _resolve_async_scheduling(self) -> None:
         """--async-scheduling: the platform's default when not given (where the executor can

@@ -12,11 +12,13 @@ from tests.e2e.conftest import ready_side_by_side
 from tests.models.embedding_models import build_bert, build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
-ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4"]
+ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4"]
 
 
-BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "64"]  # whole
-DEC_ARGS = [*ARGS, "--served-model-name", "dec", "--max-num-batched-tokens", "8"]  # in chunks
+# whole prompts per step, and no KV cache to size (an encoder refuses --num-kv-blocks)
+BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "64"]
+DEC_ARGS = [*ARGS, "--num-kv-blocks", "64", "--served-model-name", "dec",
+            "--max-num-batched-tokens", "8"]  # in chunks
 
 
 def _models(tiny_tokenizer, built_models) -> dict[str, tuple[str, object]]:

@@ -62,6 +62,22 @@ def test_bert_matches_sentence_transformers(bert_folder, pooling, assert_no_leak
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("options, named", [
+    ({"num_kv_blocks": 64}, "num_kv_blocks=64"),
+    ({"kv_cache_memory": "1GiB", "kv_cache_dtype": "int8"},
+     "kv_cache_memory='1GiB', kv_cache_dtype='int8'"),
+])
+def test_an_encoder_refuses_kv_cache_settings(bert_folder, options, named):
+    """A BERT encoder keeps no KV cache (its pool has no tensor, as above): a size or element
+    type given for one was accepted and never read."""
+    folder, _ = bert_folder("mean")
+    them = "them" if "," in named else "it"
+    with pytest.raises(ValueError) as e:
+        LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64, **options)
+    assert str(e.value) == (f"{named}: BertModel is an encoder-only model, which keeps no KV "
+                            f"cache, so nothing reads {them}; leave {them} out")
+
+
 @pytest.mark.parametrize("xlm", [False, True], ids=["roberta", "xlm_roberta"])
 def test_roberta_matches_sentence_transformers(tiny_tokenizer, tmp_path, xlm, assert_no_leaks):
     """RoBERTa / XLM-RoBERTa: positions from padding_idx + 1 (= 2), so 40 position rows cover

@@ -1,0 +1,54 @@
+"""Options an engine would accept and never read in some setup, refused at start-up instead
+(kvflow's rule: a setting is honoured or refused with a ValueError naming it, never ignored).
+
+Each check runs as soon as the engine core knows what decides it (the platform, the model's
+architecture), before any worker loads weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.platforms import Platform
+
+
+def check_cpu_only_options(config: EngineConfig, platform: Platform) -> None:
+    """On a device other than the CPU, refuse the CPU-only options given (threads, CPU kernels,
+    a draft model's ``draft_cpu_threads``): only a CPU runner reads them.
+
+    Raises:
+        ValueError: naming each such option and the platform.
+    """
+    if platform.device_type == "cpu":
+        return
+    given = config.device_config.cpu_only_options()
+    spec = config.speculative_config
+    if spec is not None and spec.draft_cpu_threads is not None:
+        given.append(f"speculative_config draft_cpu_threads={spec.draft_cpu_threads}")
+    if given:
+        them = "them" if len(given) > 1 else "it"
+        raise ValueError(f"{', '.join(given)}: CPU-only option{'s' if len(given) > 1 else ''}, "
+                         f"which an engine on {platform.name} does not read; leave {them} out "
+                         "(or run with --device cpu)")
+
+
+def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
+    """For an encoder-only model, which keeps no KV cache (its stand-in pool is sized from the
+    step budget: ``encoder_kv_cache_config``), refuse the settings that size or shape one.
+
+    Raises:
+        ValueError: naming each such setting given (``num_kv_blocks``, ``kv_cache_memory``,
+            ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto) and the
+            architecture.
+    """
+    cc = config.cache_config
+    given = [f"{name}={getattr(cc, name)!r}" for name in
+             ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")
+             if getattr(cc, name) is not None]
+    given += [f"kv_cache_dtype={cc.kv_cache_dtype!r}"] if cc.kv_cache_dtype != "auto" else []
+    if given:
+        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        them = "them" if len(given) > 1 else "it"
+        raise ValueError(f"{', '.join(given)}: {arch} is an encoder-only model, which keeps no "
+                         f"KV cache, so nothing reads {them}; leave {them} out")
