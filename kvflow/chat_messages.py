@@ -4,8 +4,8 @@ Messages are normalized as OpenAI clients send them and as vLLM renders them ("s
 format); rendering them is ``chat_template.py``'s job:
 
 * ``content`` must be sent, except on an assistant turn that calls tools, and a tool turn
-  needs ``tool_call_id`` (OpenAI's rules, ``check_message_fields``); null (an assistant turn
-  that only calls tools, or any empty turn) becomes ``""``;
+  needs ``tool_call_id``, a non-empty string (OpenAI's rules, ``check_message_fields``);
+  null (an assistant turn that only calls tools, or any empty turn) becomes ``""``;
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
   parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
   (the caller passes its ``image_placeholder``), become that placeholder text, one line per
@@ -103,8 +103,8 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
     """OpenAI's per-role rules for message ``i``'s fields, the same for ``LLM.chat`` and the
     server (which passes the fields its client sent): ``content`` is sent on every message
     (null counts: it renders as empty text) except an assistant message calling tools
-    (``tool_calls``, or the older ``function_call``); a tool message has ``tool_call_id`` (the
-    call its result answers); ``tool_calls`` is on assistant messages only and
+    (``tool_calls``, or the older ``function_call``); a tool message has ``tool_call_id``, a
+    non-empty string (the call its result answers); ``tool_calls`` is on assistant messages only and
     ``tool_call_id`` on tool messages only (a template reads them nowhere else).
 
     Args:
@@ -114,8 +114,10 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
 
     Raises:
         ChatTemplateError: naming ``messages.<i>.content`` or ``messages.<i>.tool_call_id``
-            when missing (code ``missing_required_parameter``), or ``messages.<i>.tool_calls``
-            / ``messages.<i>.tool_call_id`` on another role (code ``invalid_value``).
+            when missing (code ``missing_required_parameter``), a tool message's
+            ``messages.<i>.tool_call_id`` that is ``""`` (code ``empty_string``) or no string
+            (``invalid_type``), or ``messages.<i>.tool_calls`` / ``messages.<i>.tool_call_id``
+            on another role (code ``invalid_value``).
     """
     role = message.get("role")
     calls = bool(message.get("tool_calls")) or message.get("function_call") is not None
@@ -125,15 +127,34 @@ def check_message_fields(message: Mapping[str, Any], i: int) -> None:
         raise ChatTemplateError(f"messages.{i}.content: a required field for {need} (null "
                                 "for no text), not sent", f"messages.{i}.content",
                                 "missing_required_parameter")
-    if role == "tool" and message.get("tool_call_id") is None:
-        how = "sent as null" if "tool_call_id" in message else "not sent"
-        raise ChatTemplateError(f"messages.{i}.tool_call_id: a required field for tool "
-                                f"messages (the id of the call this result answers), {how}",
-                                f"messages.{i}.tool_call_id", "missing_required_parameter")
+    if role == "tool":
+        _check_tool_call_id(message, i)
     for name, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
         if message.get(name) is not None and role != owner:
             raise ChatTemplateError(f"messages.{i}.{name} is for {owner} messages only (this "
                                     f"is a {role} message)", f"messages.{i}.{name}")
+
+
+def _check_tool_call_id(message: Mapping[str, Any], i: int) -> None:
+    """A tool message's ``tool_call_id`` is a non-empty string: the id of the call its result
+    answers (an empty one answers no call; the server's schema has made it a string already).
+
+    Raises:
+        ChatTemplateError: naming ``messages.<i>.tool_call_id``: code
+            ``missing_required_parameter`` when not sent or null, ``empty_string`` for ``""``,
+            ``invalid_type`` for a value that is no string.
+    """
+    call_id = message.get("tool_call_id")
+    param = f"messages.{i}.tool_call_id"
+    if call_id is None:
+        how = "sent as null" if "tool_call_id" in message else "not sent"
+        raise ChatTemplateError(f"{param}: a required field for tool messages (the id of the "
+                                f"call this result answers), {how}", param,
+                                "missing_required_parameter")
+    if not isinstance(call_id, str) or not call_id:
+        raise ChatTemplateError(f"{param} must be a non-empty string (the id of the call this "
+                                f"result answers), got {call_id!r}", param,
+                                "empty_string" if call_id == "" else "invalid_type")
 
 
 def _without_index(call: Any, i: int, j: int) -> Any:

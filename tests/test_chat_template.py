@@ -370,9 +370,12 @@ def test_content_may_be_null_or_left_out_of_an_assistant_calling_tools(tok, serv
     ([HI, {"role": "assistant", "tool_calls": [CALL]},
       {"role": "tool", "content": "42", "tool_call_id": None}],
      "messages.2.tool_call_id", "missing_required_parameter"),
+    ([HI, {"role": "assistant", "tool_calls": [CALL]},
+      {"role": "tool", "content": "42", "tool_call_id": ""}],
+     "messages.2.tool_call_id", "empty_string"),
     ([{**HI, "tool_call_id": "c1"}], "messages.0.tool_call_id", "invalid_value"),
     ([{**HI, "tool_calls": [CALL]}], "messages.0.tool_calls", "invalid_value"),
-], ids=["tool_without_id", "tool_null_id", "id_on_user", "calls_on_user"])
+], ids=["tool_without_id", "tool_null_id", "tool_empty_id", "id_on_user", "calls_on_user"])
 def test_llm_chat_checks_tool_fields_as_the_server_does(served_chat, chat_llm,
                                                         assert_no_leaks, messages, param,
                                                         code):
@@ -390,4 +393,37 @@ def test_llm_chat_checks_tool_fields_as_the_server_does(served_chat, chat_llm,
     assert isinstance(offline.value, ChatTemplateError)
     assert (offline.value.param, offline.value.code, str(offline.value)) == \
         (param, code, str(served.value))
+    assert_no_leaks(chat_llm)
+
+
+def test_empty_or_non_string_tool_call_id_is_refused(served_chat, chat_llm, assert_no_leaks):
+    """A tool message with ``tool_call_id: ""`` answers no call; it rendered (HTTP 200, and
+    offline). Now the server's 400 and LLM.chat's ValueError say, word for word (hand-written
+    oracle), that it must be a non-empty string; offline, where no schema ran, an id that is
+    no string is refused the same way (the server's schema answers ``invalid_type`` for it,
+    tests/e2e/test_openai_smollm.py)."""
+    from kvflow.entrypoints.openai_errors import OpenAIError
+
+    turns = [HI, {"role": "assistant", "tool_calls": [CALL]}]
+    with pytest.raises(OpenAIError) as served:
+        _served_render(served_chat, [*turns, {"role": "tool", "content": "42",
+                                              "tool_call_id": ""}])
+    assert served.value.status == 400
+    assert served.value.body()["error"] == {
+        "message": "messages.2.tool_call_id must be a non-empty string (the id of the call "
+                   "this result answers), got ''",
+        "type": "invalid_request_error", "param": "messages.2.tool_call_id",
+        "code": "empty_string"}
+    for call_id, code in (("", "empty_string"), (7, "invalid_type")):
+        with pytest.raises(ValueError) as offline:
+            chat_llm.chat([*turns, {"role": "tool", "content": "42", "tool_call_id": call_id}],
+                          SamplingParams(max_tokens=1), use_tqdm=False,
+                          chat_template=CALLS_READ)
+        expected = ("messages.2.tool_call_id must be a non-empty string (the id of the call "
+                    f"this result answers), got {call_id!r}")
+        assert (offline.value.param, offline.value.code, str(offline.value)) == (
+            "messages.2.tool_call_id", code, expected)
+    ok = [*turns, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert render_chat(served_chat.engine.tokenizer, ok, chat_template=CALLS_READ,
+                       add_generation_prompt=False) == "<user>hi<assistant>f<tool>42"
     assert_no_leaks(chat_llm)

@@ -225,6 +225,8 @@ BAD_HISTORY = [  # (messages, param, code)
     ([{**TOOL_TURNS[0], "tool_calls": [CALL]}], "messages.0.tool_calls", "invalid_value"),
     ([*TOOL_TURNS[:2], {**TOOL_TURNS[2], "tool_call_id": 1}], "messages.2.tool_call_id",
      "invalid_type"),
+    ([*TOOL_TURNS[:2], {**TOOL_TURNS[2], "tool_call_id": ""}], "messages.2.tool_call_id",
+     "empty_string"),
     ([{**TOOL_TURNS[0], "tool_call_id": "call_1"}], "messages.0.tool_call_id",
      "invalid_value"),
 ]
@@ -235,7 +237,8 @@ BAD_HISTORY = [  # (messages, param, code)
                          ids=[f"{p}:{c}" for _, p, c in BAD_HISTORY])
 def test_malformed_history_tool_calls_are_400(server, path, messages, param, code):
     """OpenAI's shape for an assistant's tool_calls ({id, type "function", function {name,
-    arguments as JSON text}}), only on assistant turns; tool_call_id a string, on tool turns."""
+    arguments as JSON text}}), only on assistant turns; tool_call_id a non-empty string, on tool
+    turns."""
     body = {"messages": messages, **({"max_tokens": 1} if path != "/tokenize" else {})}
     assert refused(post(server, path, body)) == (param, code)
 
