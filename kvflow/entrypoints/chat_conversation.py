@@ -1,6 +1,7 @@
 """A chat request's conversation before the template renders it: the fields of its
 messages checked, earlier turns' tool calls written as text for a template that cannot read
-them, and the tools' instructions added to the system message."""
+them, and the tools' instructions added to the system message (a template that fails on
+that message gets an error saying kvflow added it)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def with_system_prompt(conversation: list[dict[str, Any]], prompt: str
             content = f"{content or ''}\n\n{prompt}".strip()
         return [{**conversation[0], "content": content}, *conversation[1:]]
     return [{"role": "system", "content": prompt}, *conversation]
+
+
+_RENDER_FAILED = "the chat template cannot render these messages: "  # chat_template.py's words
+
+
+def tools_prompt_error(error: ChatTemplateError, before: list[dict[str, Any]]
+                       ) -> ChatTemplateError:
+    """The error for a template that fails on the tools' instructions
+    ``with_system_prompt`` wrote into ``before`` (the conversation as the client sent it,
+    which the template renders): a system message kvflow added, or the end of the client's
+    own. ``error`` is the template's failure, kept in the text; param ``tools`` (the field
+    that brought the message in), code ``invalid_value``."""
+    which = "the end of message 0 (the system message)" \
+        if before and before[0].get("role") == "system" else "message 0 (a system message)"
+    failure = str(error).removeprefix(_RENDER_FAILED)
+    return ChatTemplateError(
+        f"the chat template cannot render {which} that kvflow added for tools: this template "
+        "does not read tools, so kvflow writes their instructions into the system message, "
+        f"and the template fails on it ({failure}); send the request without tools, or use a "
+        "chat template that reads tools", "tools")

@@ -20,6 +20,7 @@ from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
 from kvflow.entrypoints.chat_conversation import (
     check_messages,
+    tools_prompt_error,
     with_calls_as_text,
     with_system_prompt,
 )
@@ -178,7 +179,9 @@ class OpenAIServingChat(OpenAIServing):
                      size: int | None = None) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
         template's ``tools`` argument; a template that ignores them gets the tool parser's
-        instructions as (the start of) the system message instead. Assistant turns'
+        instructions as (the end of) the system message instead, added by kvflow: a template
+        that fails on that message but renders the client's messages is a 400 at ``tools``
+        saying so (``chat_conversation.tools_prompt_error``). Assistant turns'
         ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
         ``tool_calls`` gets them as the tool parser's text at the end of the turn (the format
         those instructions ask for), one that reads tools but not tool_calls is a 400. A long
@@ -189,7 +192,8 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 naming the field for non-text content, a model without a chat
-                template, an option the template cannot honour, or a conversation it rejects;
+                template, an option the template cannot honour, or a conversation it rejects
+                (``tools`` when it rejects only the system text kvflow added for them);
                 400 (code ``context_length_exceeded``) for a prompt certainly too long.
         """
         self._check_chat_template(options.chat_template)
@@ -204,14 +208,16 @@ class OpenAIServingChat(OpenAIServing):
         parser = make_tool_parser(self.config.tool_call_parser)
         if "tools" not in template and "tool_calls" not in template:
             conversation = with_calls_as_text(conversation, parser)
+        before_tools = None  # the conversation before kvflow wrote the tools into it
         if tools and "tools" not in template:
+            before_tools = conversation
             conversation, tools = with_system_prompt(conversation,
                                                       parser.system_prompt(tools)), None
         limit = self.engine.max_model_len - 1 if check_length else None
         try:
             return await off_loop(INLINE_CHARS + 1 if size is None else size,
                                   self._render_now, tokenizer, conversation, options, tools,
-                                  limit)
+                                  limit, before_tools)
         except NoChatTemplateError:
             plain = "send the text as /tokenize's prompt or /v1/embeddings' input" \
                 if getattr(self.engine, "task", "generate") == "embed" else \
@@ -244,22 +250,43 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render_now(self, tokenizer: Any, conversation: list[dict[str, Any]],
                     options: ChatOptions, tools: list[dict[str, Any]] | None,
-                    limit: int | None) -> tuple[str, list[int]]:
+                    limit: int | None, before_tools: list[dict[str, Any]] | None = None
+                    ) -> tuple[str, list[int]]:
         """``render``'s work (run in a worker thread for a long conversation): the template,
         then the tokenizer (refusing a text certainly over ``limit`` tokens unless None).
+        ``before_tools``: the conversation before kvflow wrote the tools' instructions into
+        its system message (None: it did not), rendered once more when the template fails, to
+        tell whether that text is what it fails on.
 
         Raises:
-            NoChatTemplateError, ChatTemplateError: from the template; PromptTooLong.
+            NoChatTemplateError, ChatTemplateError: from the template (param ``tools``, from
+                ``tools_prompt_error``, when it renders ``before_tools``); PromptTooLong.
         """
-        text = self.engine.processor.apply_chat_template(
-            conversation, options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            chat_template=options.chat_template, tools=tools, documents=options.documents,
-            template_kwargs=options.template_kwargs, default_template=self.chat_template)
+        try:
+            text = self._apply_template(conversation, options, tools)
+        except NoChatTemplateError:
+            raise
+        except ChatTemplateError as e:
+            if before_tools is None or e.param not in ("messages", "chat_template"):
+                raise
+            try:
+                self._apply_template(before_tools, options, None)
+            except ChatTemplateError:
+                raise e from None  # the client's messages fail too: their error
+            raise tools_prompt_error(e, before_tools) from None
         special = options.add_special_tokens
         if limit is None:
             return text, tokenizer.encode(text, add_special_tokens=special)
         return text, encode_checked(tokenizer, text, limit, special)
+
+    def _apply_template(self, conversation: list[dict[str, Any]], options: ChatOptions,
+                        tools: list[dict[str, Any]] | None) -> str:
+        """The prompt text. Raises NoChatTemplateError, ChatTemplateError (``render_chat``)."""
+        return self.engine.processor.apply_chat_template(
+            conversation, options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            chat_template=options.chat_template, tools=tools, documents=options.documents,
+            template_kwargs=options.template_kwargs, default_template=self.chat_template)
 
     async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
                             ) -> ProcessedPrompt:

@@ -797,6 +797,32 @@ def test_history_tool_calls_reach_the_template(server, tokenizer, path):
     assert resp.json()["error"]["param"] == "messages.1.tool_calls"
 
 
+NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}"
+                      "<{{ m.role }}>{{ m.content }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("path", [CH, TOK])
+def test_tools_system_message_a_template_refuses_is_a_400_at_tools(server, path):
+    """Tools on a template that reads neither tools nor tool_calls and refuses a system role
+    (Mistral's do): kvflow's system message for the tools fails to render. A 400 at
+    ``tools`` saying kvflow added it, with the template's own words (hand-written oracle),
+    never a 5xx; without tools the same request renders."""
+    body = {"messages": HI, "chat_template": NO_SYSTEM_TEMPLATE, "tools": [TOOL]}
+    resp = post(server, path, {"prompt": None, **body} if path == TOK else body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == \
+        ("tools", "invalid_value", "invalid_request_error")
+    assert error["message"] == (
+        "the chat template cannot render message 0 (a system message) that kvflow added for "
+        "tools: this template does not read tools, so kvflow writes their instructions into "
+        "the system message, and the template fails on it (TemplateError: System role not "
+        "supported); send the request without tools, or use a chat template that reads tools")
+    without = {k: v for k, v in body.items() if k != "tools"}
+    ok(server, path, {"prompt": None, **without} if path == TOK else without)
+
+
 def test_tokenize_counts_what_embeddings_embed(embed_server, tiny_tokenizer, built_models):
     """/tokenize on an embedding server gives the ids /v1/embeddings feeds the model: after
     the default prompt, lower-cased (oracle: sentence-transformers' own tokenization of the
