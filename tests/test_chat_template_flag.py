@@ -283,6 +283,42 @@ def test_serve_refuses_a_bad_template_before_the_model_loads(tmp_path, monkeypat
                                 "Jinja template (line 3: unexpected '}')")], err
 
 
+def test_serve_reads_the_template_once_and_serves_what_it_checked(tmp_path, tok,
+                                                                  monkeypatch):
+    """``kvflow serve --chat-template FILE`` read the file before the model loaded (the check)
+    and again when it built the app: two reads, and a file edited while the model loaded (here
+    made broken) was served unchecked, or failed the start after the load. Now one read, whose
+    text is served: the app's chat handler renders with the template as it was at start-up
+    (oracle: transformers' rendering with that template)."""
+    from kvflow import chat_template_source
+    from kvflow.entrypoints import api_server
+    from kvflow.entrypoints.cli import main
+
+    path = _file(tmp_path, FLAG_TEMPLATE)
+    reads, apps = [], []
+    read = chat_template_source._read_template_file
+    monkeypatch.setattr(chat_template_source, "_read_template_file",
+                        lambda p: reads.append(p) or read(p))
+
+    def load_model(*args, **kwargs):  # the model loads; meanwhile the file is edited
+        _file(tmp_path, BROKEN)
+        return SimpleNamespace(**vars(_engine(tok)), close=lambda: None)
+
+    def served(app, *args, **kwargs):  # the app is built: look at it instead of serving it
+        apps.append(app)
+        return SimpleNamespace(run=lambda: None, end_as_signalled=lambda: None)
+
+    monkeypatch.setattr(api_server, "AsyncLLM", load_model)
+    monkeypatch.setattr(api_server, "AbortingServer",
+                        lambda config, engine: served(config.app))
+    assert main(["serve", "SmolLM2-135M-Instruct", "--port", "0", "--chat-template", path]) == 0
+    assert reads == [path]
+    assert _render(apps[0].state.chat)[0] == _hf(tok, FLAG_TEMPLATE)
+    with pytest.raises(ValueError, match="without config.chat_template"):  # text of no flag
+        api_server.OpenAIServingChat(_engine(tok), ServerConfig(), "m",
+                                     chat_template=FLAG_TEMPLATE)
+
+
 def test_an_empty_flag_is_refused():
     with pytest.raises(ValueError, match="chat_template='' is invalid: it must not be empty"):
         ServerConfig(chat_template="")

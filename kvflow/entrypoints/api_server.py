@@ -118,9 +118,12 @@ def _on_engine_dead_exit(app: FastAPI) -> None:
         server.should_exit = True
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
+              chat_template: str | None = None) -> FastAPI:
     """The FastAPI app over a started-up (model loaded) AsyncLLM; its lifespan starts the
     output loop and shuts the engine down. All state lives on ``app.state``.
+    ``chat_template``: ``config.chat_template``'s text as ``load_chat_template`` returned it
+    (``run_server`` reads it once, before the model loads); None: read here.
 
     Raises:
         ValueError: for a ``config.chat_template`` that cannot be used (``OpenAIServingChat``).
@@ -136,7 +139,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     # one for the whole server: under --ignore-unknown-fields each name is logged once
     app.state.unknown_fields = unknown = UnknownFields(config.ignore_unknown_fields)
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
-    app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown)
+    app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown,
+                                       chat_template)
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
@@ -308,13 +312,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     model_name = server_config.served_model_name or engine_config.model_config.model
     check_listen_address(server_config.host, server_config.port)
     _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
-    if server_config.chat_template is not None:  # read again by build_app, to serve it
-        load_chat_template(server_config.chat_template)
+    template = None if server_config.chat_template is None else \
+        load_chat_template(server_config.chat_template)  # the one read: served as checked
     with sigterm_stops_loading():  # as Ctrl-C does (uvicorn handles both once serving)
         engine = AsyncLLM(engine_config, ServerMetrics(model_name),
                           server_config.engine_start_timeout)
     try:
-        app = build_app(engine, server_config, model_name)
+        app = build_app(engine, server_config, model_name, template)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host,
                     server_config.port)
         # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s

@@ -88,31 +88,39 @@ class ChatOptions:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handler of /v1/chat/completions (see OpenAIServing for the arguments). Conversations
-    render with ``config.chat_template`` (``--chat-template``, read and compiled here) in
-    place of the model's template; without it, a model template that does not compile is
-    logged as a warning here, at start-up (each chat request would get a 400 saying so).
+    """Handler of /v1/chat/completions (see OpenAIServing for the other arguments).
+    Conversations render with ``config.chat_template`` (``--chat-template``) in place of the
+    model's template: ``chat_template`` is its text as ``load_chat_template`` returned it
+    (``run_server`` reads it once, before the model loads), or None to read and compile it
+    here. Without the flag, a model template that does not compile is logged as a warning
+    here, at start-up (each chat request would get a 400 saying so).
 
     Raises:
         ValueError: from the constructor, for a ``--chat-template`` that cannot be used
-            (``chat_template_source.load_chat_template``).
+            (``chat_template_source.load_chat_template``), or a ``chat_template`` text
+            without ``config.chat_template`` (the setting it is the text of).
     """
 
     def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
                  models: ServingModels | None = None,
-                 unknown_fields: UnknownFields | None = None) -> None:
+                 unknown_fields: UnknownFields | None = None,
+                 chat_template: str | None = None) -> None:
         super().__init__(engine, config, model_name, models, unknown_fields)
-        self.chat_template = self._init_chat_template()
+        self.chat_template = self._init_chat_template(chat_template)
 
-    def _init_chat_template(self) -> str | None:
-        """The server's template (None: the model's, checked to compile)."""
+    def _init_chat_template(self, text: str | None) -> str | None:
+        """The server's template, ``text`` if read already (None: the model's, checked to
+        compile)."""
         value = self.config.chat_template
         if value is None:
+            if text is not None:
+                raise ValueError("a chat template text was given without "
+                                 "config.chat_template, the --chat-template it is read from")
             warning = model_template_warning(self.engine.tokenizer)
             if warning is not None:
                 logger.warning(warning)
             return None
-        template = load_chat_template(value)
+        template = load_chat_template(value) if text is None else text
         logger.info("conversations render with --chat-template %s, not the model's template",
                     template_name(value))
         return template
