@@ -174,6 +174,9 @@ class SamplingParams:
     def _validate(self) -> None:
         self._check_stop_limits()
         max_tokens = self.max_tokens if self.max_tokens is not None else math.inf
+        # a bias out of range is named alone: logit_bias may hold 100,000s of entries
+        out_of_range = next(({t: b} for t, b in (self.logit_bias or {}).items()
+                             if not -100.0 <= b <= 100.0), None)
         checks = [
             (self.n >= 1, "n", self.n, "must be >= 1"),
             (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
@@ -201,8 +204,8 @@ class SamplingParams:
              "must be in [-2, 2]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
              "must be > 0"),
-            (all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()), "logit_bias",
-             self.logit_bias, "must map token ids to biases in [-100, 100]"),
+            (out_of_range is None, "logit_bias", out_of_range,
+             "must map token ids to biases in [-100, 100]"),
             (self.target_ttft_ms is None or 0 < self.target_ttft_ms < math.inf,
              "target_ttft_ms", self.target_ttft_ms, "must be a number of milliseconds > 0"),
             (self.target_tpot_ms is None or 0 < self.target_tpot_ms < math.inf,
@@ -247,22 +250,22 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
 
     Raises:
         ValueError: for a key that is not an integer token id, two keys naming one token id
-            (``"7"`` and ``"07"``), or a non-numeric bias.
+            (``"7"`` and ``"07"``), or a non-numeric bias, showing those entries only.
     """
     if not bias:
         return None
-    out = {}
+    out, keys = {}, {}  # errors show the entries at fault, not the bias (100,000s of them)
     for key, value in bias.items():
         try:
             if not (_is_int(key) or isinstance(key, str)) or isinstance(value, bool):
                 raise TypeError
             token_id, bias_value = int(key), float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: entry {key!r}: "
-                             f"{value!r}; keys "
+            raise ValueError(f"SamplingParams.logit_bias={ {key: value}!r} is invalid: keys "
                              "must be integer token ids and values numbers") from None
         if token_id in out:
-            raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: it names token "
-                             f"id {token_id} more than once")
-        out[token_id] = bias_value
+            first = keys[token_id]
+            raise ValueError(f"SamplingParams.logit_bias={ {first: bias[first], key: value}!r} "
+                             f"is invalid: it names token id {token_id} more than once")
+        out[token_id], keys[token_id] = bias_value, key
     return out

@@ -369,3 +369,81 @@ def test_many_messages_count_against_the_content_part_cap(client):
     assert resp.status_code == 400, resp.text[:300]
     assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
         ("messages.10000.content", "array_above_max_length")
+
+
+MAX_TOOLS = MAX_TOOL_CALLS = 2048  # the limits README documents
+MAX_LOGIT_BIAS = 262_144
+
+
+def _tool(i: int, parameters: Any = None) -> dict:
+    return {"type": "function", "function": {"name": f"f{i}",
+                                             "parameters": parameters or {"type": "object"}}}
+
+
+@pytest.mark.parametrize("route", ["/chat", "/tokenize"])
+def test_tools_are_capped_per_request(client, route):
+    """100,000 tools were validated on the event loop (the schema, then each tool's JSON
+    schema checked: seconds) and accepted. A request holds at most MAX_TOOLS tools: one more
+    is a 400 at ``tools`` saying the limit and the count (hand-written oracle), found before
+    any tool is validated (the bad tool at the end is not what is reported); the limit
+    itself passes."""
+    resp = client.post(route, json={"messages": HI, "tools": [_tool(i)
+                                                             for i in range(MAX_TOOLS)]})
+    assert resp.status_code == 200, resp.text[:300]
+    assert len(resp.json()["tools"]) == MAX_TOOLS
+    for count in (MAX_TOOLS + 1, 100_000):
+        tools = [*[_tool(i) for i in range(count - 1)], {"type": "function", "function": 5}]
+        resp = client.post(route, json={"messages": HI, "tools": tools})
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["error"] == {
+            "message": f"tools: a request holds at most 2048 tools; this one holds {count}",
+            "type": "invalid_request_error", "param": "tools", "code": "array_above_max_length"}
+
+
+@pytest.mark.parametrize("route", ["/chat", "/tokenize"])
+def test_tool_calls_are_capped_per_request(client, route):
+    """An assistant turn with 100,000 tool_calls was validated on the event loop (2.3 s) and
+    rendered. A request holds at most MAX_TOOL_CALLS calls, all messages together: one more
+    is a 400 naming ``messages.N.tool_calls`` of the message that passes the limit, the
+    limit and the count, before any call is validated; the limit itself passes."""
+    def turns(*counts: int) -> list[dict]:
+        out = [*HI]
+        for n in counts:
+            out.append({"role": "assistant", "tool_calls": [CALL] * n})
+            out.append({"role": "tool", "tool_call_id": "c1", "content": "1"})
+        return out
+
+    resp = client.post(route, json={"messages": turns(1000, MAX_TOOL_CALLS - 1000)})
+    assert resp.status_code == 200, resp.text[:300]
+    for counts in ((1000, MAX_TOOL_CALLS - 999), (100_000,)):
+        messages = turns(*counts)
+        messages[-2]["tool_calls"][-1] = {"id": 5}  # invalid, but never reached
+        resp = client.post(route, json={"messages": messages})
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["error"] == {
+            "message": f"messages.{2 * len(counts) - 1}.tool_calls: a request holds at most "
+                       "2048 tool calls, all messages together; this one holds "
+                       f"{sum(counts)}",
+            "type": "invalid_request_error", "param": f"messages.{2 * len(counts) - 1}.tool_calls",
+            "code": "array_above_max_length"}
+
+
+@pytest.mark.parametrize("route", ["/chat", "/completions"])
+def test_logit_bias_is_capped_per_request(client, route):
+    """A logit_bias of millions of entries was validated on the event loop (100,000: 0.12 s,
+    a 32 MiB body's ~2.5 million: seconds). No vocabulary served has more than
+    MAX_LOGIT_BIAS tokens, so no valid request holds more entries: one more is a 400 at
+    ``logit_bias`` saying the limit and the count, before any entry is validated (a bad
+    value among them is not what is reported); the limit itself passes."""
+    base = {"messages": HI} if route == "/chat" else {"prompt": "hi"}
+    resp = client.post(route, json={**base, "logit_bias": {str(i): 1 for i in
+                                                           range(MAX_LOGIT_BIAS)}})
+    assert resp.status_code == 200, resp.text[:300]
+    assert len(resp.json()["logit_bias"]) == MAX_LOGIT_BIAS
+    bias = {str(i): 1 for i in range(MAX_LOGIT_BIAS)} | {"x": "not a number"}
+    resp = client.post(route, json={**base, "logit_bias": bias})
+    assert resp.status_code == 400, resp.text[:300]
+    assert resp.json()["error"] == {
+        "message": "logit_bias: a request holds at most 262144 entries (no vocabulary is "
+                   f"larger); this one holds {MAX_LOGIT_BIAS + 1}",
+        "type": "invalid_request_error", "param": "logit_bias", "code": "array_above_max_length"}

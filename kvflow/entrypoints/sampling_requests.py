@@ -61,8 +61,15 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     the model's sampling defaults fill them when the request is queued.
 
     Raises:
-        OpenAIError: 400 when invalid (a malformed schema or regex too).
+        OpenAIError: 400 when invalid (a malformed schema or regex too); a ``logit_bias`` of
+            more entries than the model's vocabulary has tokens (code
+            ``array_above_max_length``: they cannot all name a token) before any is read.
     """
+    if req.logit_bias and len(req.logit_bias) > engine.processor.vocab_size:
+        raise OpenAIError(f"logit_bias holds {len(req.logit_bias)} entries, more than this "
+                          f"model's vocabulary of {engine.processor.vocab_size} tokens (each "
+                          "names a different token id)", param="logit_bias",
+                          code="array_above_max_length")
     try:
         fields = {"structured_outputs": request_constraint(req, structured_outputs)}
     except RequestFieldError as e:

@@ -51,7 +51,7 @@ from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
-    check_tools,
+    check_tools_off_loop,
     tool_choice_mode,
     tool_constraint,
     tool_parser_for,
@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         lora = self.check_model(req.model)
         self.check_task("generate")
         self._check_request(req)
-        mode, parser = self._tools(req)
+        mode, parser = await self._tools(req)
         text, ids = await self.render(req.messages, ChatOptions.of(req),
                                       tools_for_template(req, mode), size=body_size(raw))
         prompt = await self.attach_images(req.messages, text, ids)
@@ -154,13 +154,13 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(raw, streams, self._response(req, reply_id, ids,
                                                                streams[0], parser))
 
-    def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
+    async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.
         Raises OpenAIError 400 for a bad tool (see ``check_tools``) or a tool_choice that
         does not fit the tools."""
         try:
             mode = tool_choice_mode(req)
-            check_tools(req.tools, compile_schemas=mode in ("required", "named"))
+            await check_tools_off_loop(req.tools, compile_schemas=mode in ("required", "named"))
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),

@@ -19,7 +19,7 @@ from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
-    check_tools,
+    check_tools_off_loop,
     tool_choice_mode,
     tools_for_template,
 )
@@ -81,7 +81,8 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
     if req.messages is not None:
         try:
             mode = tool_choice_mode(req)
-            check_tools(req.tools, compile_schemas=mode in ("required", "named"))  # as chat
+            await check_tools_off_loop(req.tools, compile_schemas=mode in ("required",
+                                                                           "named"))  # as chat
             tools = tools_for_template(req, mode)  # as chat renders them
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None

@@ -71,6 +71,15 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+def request_limit(param: str, why: str) -> PydanticCustomError:
+    """The error for a body over one of kvflow's size limits, raised before the body is
+    validated (the schema runs on the server's event loop): the server answers it with a
+    400 at ``param`` (code ``array_above_max_length``) saying ``why``
+    (``validation_errors``)."""
+    return PydanticCustomError("request_limit", "{why}",
+                               {"param": param, "code": "array_above_max_length", "why": why})
+
+
 # ---- shared request fields -----------------------------------------------------------------------
 class RequestBody(RequestModel):
     """A top-level request body: all its text is checked for lone surrogates before

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel
+from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel, request_limit
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
 
 # Content parts one request may hold, all messages together, a string (or null) content
@@ -16,31 +16,46 @@ from kvflow.entrypoints.protocol.sampling import SamplingRequest
 # the server 1.3 s (parsing and validating the body in-process); at this limit about 0.06 s.
 # Documented in README (the chat fields).
 MAX_CONTENT_PARTS = 10_000
+# Tools and earlier turns' tool calls one request may hold (OpenAI's API takes 128 tools; vLLM
+# sets no limit): validated on the event loop too, 100,000 tools (each with a JSON schema
+# then checked, ~0.5 ms a tool) or tool calls held it for seconds. Documented in README.
+MAX_TOOLS = 2048
+MAX_TOOL_CALLS = 2048
 
 
-def check_content_parts(data: Any) -> None:
+def check_list_caps(data: Any) -> None:
     """Refuse a body whose ``messages`` hold more than :data:`MAX_CONTENT_PARTS` content
-    parts in all (a message whose content is not a list counts as one), before anything
-    else of it is read: one pass over the messages, not over the parts.
+    parts in all (a message whose content is not a list counts as one), more than
+    :data:`MAX_TOOL_CALLS` ``tool_calls`` in all, or whose ``tools`` are more than
+    :data:`MAX_TOOLS`, before anything else of it is read: one pass over the messages, not
+    over the parts or calls.
 
     Raises:
-        PydanticCustomError: ``request_limit``, its context naming the field
-            (``messages.<i>.content`` of the message that passes the limit), the limit and the
-            count (the server's 400, code ``array_above_max_length``).
+        PydanticCustomError: ``request_limit`` (``base.request_limit``), its context naming
+            the field (``messages.<i>.content`` / ``messages.<i>.tool_calls`` of the message
+            that passes the limit, or ``tools``), the limit and the count (the server's 400,
+            code ``array_above_max_length``).
     """
-    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return
+    tools = data.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise request_limit("tools", f"a request holds at most {MAX_TOOLS} tools; this one "
+                                     f"holds {len(tools)}")
+    messages = data.get("messages")
     if not isinstance(messages, list):
         return
-    contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
-    totals = list(accumulate(len(c) if isinstance(c, list) else 1 for c in contents))
-    if not totals or totals[-1] <= MAX_CONTENT_PARTS:
-        return
-    i = next(i for i, total in enumerate(totals) if total > MAX_CONTENT_PARTS)
-    raise PydanticCustomError(
-        "request_limit", "{why}",
-        {"param": f"messages.{i}.content", "code": "array_above_max_length",
-         "why": f"a request holds at most {MAX_CONTENT_PARTS} content parts, all messages "
-                f"together (a string content counts as one); this one holds {totals[-1]}"})
+    for key, limit, what in (("content", MAX_CONTENT_PARTS, "content parts"),
+                             ("tool_calls", MAX_TOOL_CALLS, "tool calls")):
+        values = [m.get(key) if isinstance(m, dict) else None for m in messages]
+        one = 1 if key == "content" else 0  # a content that is no list is one part
+        totals = list(accumulate(len(v) if isinstance(v, list) else one for v in values))
+        if not totals or totals[-1] <= limit:
+            continue
+        i = next(i for i, total in enumerate(totals) if total > limit)
+        note = " (a string content counts as one)" if key == "content" else ""
+        raise request_limit(f"messages.{i}.{key}", f"a request holds at most {limit} {what}, "
+                            f"all messages together{note}; this one holds {totals[-1]}")
 
 
 class ImageURL(RequestModel):
@@ -176,7 +191,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     echo: bool = False
-    tools: list[ChatTool] | None = Field(None, min_length=1)  # OpenAI: [] is too short
+    tools: list[ChatTool] | None = Field(None, min_length=1)  # [] too short; MAX_TOOLS
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     metadata: dict[Annotated[str, Field(max_length=64)],
@@ -188,6 +203,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _cap_content_parts(cls, data: Any, handler: Any) -> Any:
-        check_content_parts(data)  # before the body's other checks and its validation
+    def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        check_list_caps(data)  # before the body's other checks and its validation
         return handler(data)

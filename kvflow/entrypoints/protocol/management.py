@@ -12,7 +12,7 @@ from kvflow.entrypoints.protocol.chat import (
     ChatMessage,
     ChatTool,
     NamedToolChoice,
-    check_content_parts,
+    check_list_caps,
 )
 
 
@@ -67,8 +67,8 @@ class TokenizeRequest(RequestBody):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _cap_content_parts(cls, data: Any, handler: Any) -> Any:
-        check_content_parts(data)  # as chat's: before the body's other checks
+    def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        check_list_caps(data)  # as chat's: before the body's other checks
         return handler(data)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvflow.entrypoints.protocol.base import (
     INT32_MAX,
@@ -13,7 +13,13 @@ from kvflow.entrypoints.protocol.base import (
     INT64_MIN,
     RequestBody,
     RequestModel,
+    request_limit,
 )
+
+# logit_bias entries one request may hold: no vocabulary served has more tokens (Gemma 3's
+# has 262,144), so no valid request holds more; validated on the event loop, a 32 MiB body's
+# ~2.5 million entries held it for seconds. Documented in README.
+MAX_LOGIT_BIAS = 1 << 18
 
 
 class StreamOptions(RequestModel):
@@ -100,6 +106,17 @@ class SamplingRequest(RequestBody):
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     use_beam_search: bool = False
     prompt_logprobs: int | None = Field(None, ge=0)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cap_logit_bias(cls, data: Any, handler: Any) -> Any:
+        """Refuse more than :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries before the body is
+        validated (``base.request_limit``: a 400 at ``logit_bias``)."""
+        bias = data.get("logit_bias") if isinstance(data, dict) else None
+        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+            raise request_limit("logit_bias", f"a request holds at most {MAX_LOGIT_BIAS} "
+                                f"entries (no vocabulary is larger); this one holds {len(bias)}")
+        return handler(data)
 
 
 class CompletionRequest(SamplingRequest):
