@@ -222,26 +222,86 @@ def test_tokenize_over_http_counts_the_flags_prompt(tmp_path, tok):
     assert (resp.json()["tokens"], resp.json()["count"]) == (expected, len(expected))
 
 
-def test_the_models_broken_template_is_a_warning_at_start_up(tok, caplog):
-    """A model template that does not compile: one warning when the chat handler is built
-    (server start-up), naming the Jinja line and the way out; none for a template that
-    compiles, nor when --chat-template replaces the broken one."""
-    from kvflow.entrypoints.serving_chat import OpenAIServingChat
+BROKEN_WARNING = (
+    "the model's chat template is not a valid Jinja template (line 3: unexpected '}'), so no "
+    "conversation can be rendered; fix the model's chat_template.jinja (or the chat_template "
+    "in its tokenizer_config.json), or serve another with --chat-template; chat requests get "
+    "a 400 until then, completions are served")
+
+
+def test_the_models_broken_template_is_a_warning(tok, caplog):
+    """A model template that does not compile: one warning naming the Jinja line and the way
+    out (hand-written); none for a template that compiles, nor without a tokenizer."""
+    from kvflow.entrypoints.serving_chat import warn_if_model_template_broken
 
     broken = copy.deepcopy(tok)
     broken.chat_template = BROKEN
     with caplog.at_level(logging.WARNING, logger="kvflow"):
-        OpenAIServingChat(_engine(tok), ServerConfig(), "m")
+        warn_if_model_template_broken(tok)
+        warn_if_model_template_broken(None)
         assert caplog.records == []
-        OpenAIServingChat(_engine(broken), ServerConfig(chat_template=FLAG_TEMPLATE), "m")
-        assert caplog.records == []
-        OpenAIServingChat(_engine(broken), ServerConfig(), "m")
-    assert [r.getMessage() for r in caplog.records] == [
-        ("the model's chat template is not a valid Jinja template (line 3: unexpected '}'), "
-         "so no conversation can be rendered; fix the model's chat_template.jinja (or the "
-         "chat_template in its tokenizer_config.json), or serve another with "
-         "--chat-template; chat requests get a 400 until then, completions are served")]
-    assert caplog.records[0].levelno == logging.WARNING
+        warn_if_model_template_broken(broken)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == \
+        [(logging.WARNING, BROKEN_WARNING)]
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["model_template", "flag"])
+def test_serve_warns_of_the_models_template_before_the_model_loads(tok, tmp_path, caplog,
+                                                                   monkeypatch, flag):
+    """``kvflow serve`` warned of a broken model template when it built the chat handler,
+    after the weights had loaded (minutes for a large model); now the warning comes once, as
+    soon as the tokenizer is loaded (AsyncLLM's ``on_tokenizer``), while the model loads
+    (oracle: the log at the moment the stand-in engine finishes loading). With
+    --chat-template, which replaces the model's, none."""
+    from kvflow.entrypoints import api_server
+    from kvflow.entrypoints.cli import main
+
+    broken = copy.deepcopy(tok)
+    broken.chat_template = BROKEN
+    at_load_end = []
+
+    def load_model(*args, on_tokenizer=None, **kwargs):  # tokenizer first, then the model
+        if on_tokenizer is not None:
+            on_tokenizer(broken)
+        at_load_end.append([r.getMessage() for r in caplog.records
+                            if r.levelno == logging.WARNING])
+        return SimpleNamespace(**vars(_engine(broken)), close=lambda: None)
+
+    monkeypatch.setattr(api_server, "AsyncLLM", load_model)
+    monkeypatch.setattr(api_server, "AbortingServer", lambda config, engine: SimpleNamespace(
+        run=lambda: None, end_as_signalled=lambda: None))
+    flags = ["--chat-template", _file(tmp_path, FLAG_TEMPLATE)] if flag else []
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        assert main(["serve", "SmolLM2-135M-Instruct", "--port", "0", *flags]) == 0
+    expected = [] if flag else [BROKEN_WARNING]
+    assert at_load_end == [expected]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == expected
+
+
+def test_async_llm_hands_over_the_tokenizer_before_waiting_for_the_model(monkeypatch):
+    """AsyncLLM calls ``on_tokenizer`` with the tokenizer it loaded before it waits for the
+    core processes to load the model (here: no process started; the wait ends the test)."""
+    from kvflow.config import EngineConfig
+    from kvflow.engine import async_llm
+    from kvflow.models.loader import load_tokenizer
+    from kvflow.models.model_resolver import resolve_model
+
+    events = []
+
+    class Loading(Exception):
+        pass
+
+    def wait_ready(self, timeout):
+        events.append("wait for the model")
+        raise Loading
+
+    monkeypatch.setattr(async_llm.ReplicaSet, "start", lambda self: None)
+    monkeypatch.setattr(async_llm.AsyncLLM, "_wait_ready", wait_ready)
+    config = EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct", device="cpu")
+    with pytest.raises(Loading):
+        async_llm.AsyncLLM(config, on_tokenizer=lambda t: events.append(t.chat_template))
+    expected = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"), None).chat_template
+    assert events == [expected, "wait for the model"] and "{%" in expected
 
 
 def test_named_templates_are_each_checked(tok):

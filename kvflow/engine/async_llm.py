@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -86,6 +87,10 @@ class AsyncLLM:
         config: engine configuration (each core process builds its EngineCore from it).
         metrics: where to record request and engine metrics (default: a fresh ServerMetrics).
         start_timeout: seconds to wait for the core processes to load the model.
+        on_tokenizer: called with the tokenizer (None under ``skip_tokenizer_init``) as soon
+            as it is loaded, while the core processes still load the model: the server's
+            start-up checks of it (a model chat template that does not compile is reported
+            then, not minutes later); what it raises ends the start-up.
 
     Raises:
         RuntimeError: if a core process fails to start or exceeds ``start_timeout``.
@@ -93,7 +98,8 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0,
+                 on_tokenizer: Callable[[Any], None] | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics(config.model_config.model)
         self.tracker = RequestStatsTracker(self.metrics)
@@ -122,6 +128,8 @@ class AsyncLLM:
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config)
+            if on_tokenizer is not None:
+                on_tokenizer(self.tokenizer)
             self._init_processors(self._wait_ready(start_timeout))
         except BaseException:
             self.close()

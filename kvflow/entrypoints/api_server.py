@@ -43,7 +43,7 @@ from kvflow.entrypoints.protocol import (
     VersionResponse,
 )
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
-from kvflow.entrypoints.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.serving_chat import OpenAIServingChat, warn_if_model_template_broken
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
@@ -300,7 +300,9 @@ def check_listen_address(host: str, port: int) -> None:
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the model (engine-core process), then serve HTTP until SIGINT/SIGTERM (which
-    abort the open requests first: ``server_shutdown.AbortingServer``).
+    abort the open requests first: ``server_shutdown.AbortingServer``). Without
+    ``--chat-template``, a model chat template that does not compile is logged as a warning
+    as soon as the tokenizer is loaded (``warn_if_model_template_broken``).
 
     Raises:
         RuntimeError: if the engine fails to start, or died while serving (under
@@ -314,9 +316,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
+    # without --chat-template, the model's template is checked once the tokenizer is loaded,
+    # while the model still loads
+    check_tokenizer = warn_if_model_template_broken if template is None else None
     with sigterm_stops_loading():  # as Ctrl-C does (uvicorn handles both once serving)
         engine = AsyncLLM(engine_config, ServerMetrics(model_name),
-                          server_config.engine_start_timeout)
+                          server_config.engine_start_timeout, on_tokenizer=check_tokenizer)
     try:
         app = build_app(engine, server_config, model_name, template)
         logger.info("serving %s on http://%s:%d", model_name, server_config.host,

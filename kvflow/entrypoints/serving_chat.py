@@ -92,8 +92,9 @@ class OpenAIServingChat(OpenAIServing):
     Conversations render with ``config.chat_template`` (``--chat-template``) in place of the
     model's template: ``chat_template`` is its text as ``load_chat_template`` returned it
     (``run_server`` reads it once, before the model loads), or None to read and compile it
-    here. Without the flag, a model template that does not compile is logged as a warning
-    here, at start-up (each chat request would get a 400 saying so).
+    here. Without the flag, a model template that does not compile is reported by
+    :func:`warn_if_model_template_broken` (``run_server`` calls it as soon as the tokenizer
+    is loaded, while the model still loads).
 
     Raises:
         ValueError: from the constructor, for a ``--chat-template`` that cannot be used
@@ -109,16 +110,12 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = self._init_chat_template(chat_template)
 
     def _init_chat_template(self, text: str | None) -> str | None:
-        """The server's template, ``text`` if read already (None: the model's, checked to
-        compile)."""
+        """The server's template, ``text`` if read already (None: the model's)."""
         value = self.config.chat_template
         if value is None:
             if text is not None:
                 raise ValueError("a chat template text was given without "
                                  "config.chat_template, the --chat-template it is read from")
-            warning = model_template_warning(self.engine.tokenizer)
-            if warning is not None:
-                logger.warning(warning)
             return None
         template = load_chat_template(value) if text is None else text
         logger.info("conversations render with --chat-template %s, not the model's template",
@@ -399,6 +396,16 @@ class OpenAIServingChat(OpenAIServing):
             yield role_chunk()
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
+
+
+def warn_if_model_template_broken(tokenizer: Any) -> None:
+    """Log a warning when the model's own chat template does not compile (every chat request
+    would get a 400 saying so; ``chat_template_source.model_template_warning``); nothing for
+    one that compiles, a model without one, or no tokenizer (None). For a server without
+    ``--chat-template``: ``run_server`` passes it to AsyncLLM as ``on_tokenizer``."""
+    warning = model_template_warning(tokenizer)
+    if warning is not None:
+        logger.warning(warning)
 
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
