@@ -6,11 +6,14 @@ on the first chat request. Rendering lives in ``chat_template.py``.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 __all__ = ["load_chat_template", "model_template_warning", "template_name",
-           "template_syntax_error"]
+           "template_syntax_error", "warn_if_model_template_broken"]
+
+logger = logging.getLogger(__name__)
 
 FLAG = "--chat-template"
 # A value that is no file is taken as the template itself only if it holds Jinja markup: a
@@ -125,3 +128,13 @@ def model_template_warning(tokenizer: Any) -> str | None:
             return (f"{syntax_error_message(error, 'model')}{which}, or serve another "
                     f"with {FLAG}; chat requests get a 400 until then, completions are served")
     return None
+
+
+def warn_if_model_template_broken(tokenizer: Any) -> None:
+    """Log :func:`model_template_warning` as a warning, if any (nothing for a template that
+    compiles, a model without one, or no tokenizer: None). For a server without
+    ``--chat-template``: ``run_server`` passes it to AsyncLLM as ``on_tokenizer``, so it is
+    logged once the tokenizer is loaded, while the model still loads."""
+    warning = model_template_warning(tokenizer)
+    if warning is not None:
+        logger.warning(warning)

@@ -18,6 +18,7 @@ from kvflow.chat_template_source import (
     load_chat_template,
     model_template_warning,
     template_syntax_error,
+    warn_if_model_template_broken,
 )
 from kvflow.config import ServerConfig
 
@@ -232,8 +233,6 @@ BROKEN_WARNING = (
 def test_the_models_broken_template_is_a_warning(tok, caplog):
     """A model template that does not compile: one warning naming the Jinja line and the way
     out (hand-written); none for a template that compiles, nor without a tokenizer."""
-    from kvflow.entrypoints.serving_chat import warn_if_model_template_broken
-
     broken = copy.deepcopy(tok)
     broken.chat_template = BROKEN
     with caplog.at_level(logging.WARNING, logger="kvflow"):

@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from kvflow import __version__
-from kvflow.chat_template_source import load_chat_template
+from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError
 from kvflow.entrypoints.body_limit import BodySizeLimitMiddleware
@@ -43,7 +43,7 @@ from kvflow.entrypoints.protocol import (
     VersionResponse,
 )
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
-from kvflow.entrypoints.serving_chat import OpenAIServingChat, warn_if_model_template_broken
+from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels

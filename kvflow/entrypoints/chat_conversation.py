@@ -1,13 +1,16 @@
 """A chat request's conversation before the template renders it: the fields of its
 messages checked, earlier turns' tool calls written as text for a template that cannot read
 them, and the tools' instructions added to the system message (a template that fails on
-that message gets an error saying kvflow added it)."""
+that message gets an error saying kvflow added it); and the 400 for a model without a
+template."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
+from kvflow.chat_template import NoChatTemplateError
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
 from kvflow.entrypoints.tool_parsers import ToolParser
@@ -82,3 +85,43 @@ def tools_prompt_error(error: ChatTemplateError, before: list[dict[str, Any]]
         "does not read tools, so kvflow writes their instructions into the system message, "
         f"and the template fails on it ({failure}); send the request without tools, or use a "
         "chat template that reads tools", "tools")
+
+
+def apply_with_tools_prompt(apply: Callable[[list[dict[str, Any]], Any], str],
+                            conversation: list[dict[str, Any]], tools: Any,
+                            before_tools: list[dict[str, Any]] | None) -> str:
+    """``apply(conversation, tools)``, the template's prompt text. ``before_tools``: the
+    conversation before ``with_system_prompt`` wrote the tools' instructions into it (None:
+    it did not); when the template fails, it is rendered too (``apply(before_tools,
+    None)``), to tell whether that text is what the template fails on.
+
+    Raises:
+        NoChatTemplateError: from ``apply``.
+        ChatTemplateError: from ``apply``; :func:`tools_prompt_error` (param ``tools``) when
+            the template fails on the conversation but renders ``before_tools``.
+    """
+    try:
+        return apply(conversation, tools)
+    except NoChatTemplateError:
+        raise
+    except ChatTemplateError as e:
+        if before_tools is None or e.param not in ("messages", "chat_template"):
+            raise
+        try:
+            apply(before_tools, None)
+        except ChatTemplateError:
+            raise e from None  # the client's messages fail too: their error
+        raise tools_prompt_error(e, before_tools) from None
+
+
+def no_template_error(embed: bool, request_templates: bool) -> OpenAIError:
+    """The 400 (param ``messages``, code ``no_chat_template``) for a conversation on a model
+    without a chat template, saying what this server takes instead: a request's
+    ``chat_template`` when it trusts them (``request_templates``), else ``--chat-template``,
+    or the plain-text routes it serves (an ``embed`` server's, else /v1/completions)."""
+    plain = "send the text as /tokenize's prompt or /v1/embeddings' input" if embed else \
+        "use /v1/completions with a plain prompt"
+    how = "send one in the request's chat_template field" if request_templates else \
+        "the server needs one (kvflow serve --chat-template FILE)"
+    return OpenAIError(f"this model has no chat template: {how}, or {plain}",
+                       param="messages", code="no_chat_template")

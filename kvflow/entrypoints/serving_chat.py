@@ -15,12 +15,13 @@ from fastapi.responses import Response
 
 from kvflow.chat_messages import image_urls
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
-from kvflow.chat_template_source import load_chat_template, model_template_warning, template_name
+from kvflow.chat_template_source import load_chat_template, template_name
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
 from kvflow.entrypoints.chat_conversation import (
+    apply_with_tools_prompt,
     check_messages,
-    tools_prompt_error,
+    no_template_error,
     with_calls_as_text,
     with_system_prompt,
 )
@@ -93,8 +94,8 @@ class OpenAIServingChat(OpenAIServing):
     model's template: ``chat_template`` is its text as ``load_chat_template`` returned it
     (``run_server`` reads it once, before the model loads), or None to read and compile it
     here. Without the flag, a model template that does not compile is reported by
-    :func:`warn_if_model_template_broken` (``run_server`` calls it as soon as the tokenizer
-    is loaded, while the model still loads).
+    ``chat_template_source.warn_if_model_template_broken`` (``run_server`` calls it as soon
+    as the tokenizer is loaded, while the model still loads).
 
     Raises:
         ValueError: from the constructor, for a ``--chat-template`` that cannot be used
@@ -186,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
         template's ``tools`` argument; a template that ignores them gets the tool parser's
         instructions as (the end of) the system message instead, added by kvflow: a template
         that fails on that message but renders the client's messages is a 400 at ``tools``
-        saying so (``chat_conversation.tools_prompt_error``). Assistant turns'
+        saying so (``chat_conversation.apply_with_tools_prompt``). Assistant turns'
         ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
         ``tool_calls`` gets them as the tool parser's text at the end of the turn (the format
         those instructions ask for), one that reads tools but not tool_calls is a 400. A long
@@ -224,14 +225,8 @@ class OpenAIServingChat(OpenAIServing):
                                   self._render_now, tokenizer, conversation, options, tools,
                                   limit, before_tools)
         except NoChatTemplateError:
-            plain = "send the text as /tokenize's prompt or /v1/embeddings' input" \
-                if getattr(self.engine, "task", "generate") == "embed" else \
-                "use /v1/completions with a plain prompt"  # the routes this server serves
-            how = "send one in the request's chat_template field" \
-                if self.config.trust_request_chat_template else \
-                "the server needs one (kvflow serve --chat-template FILE)"
-            raise OpenAIError(f"this model has no chat template: {how}, or {plain}",
-                              param="messages", code="no_chat_template") from None
+            raise no_template_error(getattr(self.engine, "task", "generate") == "embed",
+                                    self.config.trust_request_chat_template) from None
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         except PromptTooLong as e:
@@ -264,21 +259,12 @@ class OpenAIServingChat(OpenAIServing):
         tell whether that text is what it fails on.
 
         Raises:
-            NoChatTemplateError, ChatTemplateError: from the template (param ``tools``, from
-                ``tools_prompt_error``, when it renders ``before_tools``); PromptTooLong.
+            NoChatTemplateError, ChatTemplateError: from the template (param ``tools`` when it
+                renders ``before_tools``: ``apply_with_tools_prompt``); PromptTooLong.
         """
-        try:
-            text = self._apply_template(conversation, options, tools)
-        except NoChatTemplateError:
-            raise
-        except ChatTemplateError as e:
-            if before_tools is None or e.param not in ("messages", "chat_template"):
-                raise
-            try:
-                self._apply_template(before_tools, options, None)
-            except ChatTemplateError:
-                raise e from None  # the client's messages fail too: their error
-            raise tools_prompt_error(e, before_tools) from None
+        text = apply_with_tools_prompt(
+            lambda messages, tools: self._apply_template(messages, options, tools),
+            conversation, tools, before_tools)
         special = options.add_special_tokens
         if limit is None:
             return text, tokenizer.encode(text, add_special_tokens=special)
@@ -396,16 +382,6 @@ class OpenAIServingChat(OpenAIServing):
             yield role_chunk()
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
-
-
-def warn_if_model_template_broken(tokenizer: Any) -> None:
-    """Log a warning when the model's own chat template does not compile (every chat request
-    would get a 400 saying so; ``chat_template_source.model_template_warning``); nothing for
-    one that compiles, a model without one, or no tokenizer (None). For a server without
-    ``--chat-template``: ``run_server`` passes it to AsyncLLM as ``on_tokenizer``."""
-    warning = model_template_warning(tokenizer)
-    if warning is not None:
-        logger.warning(warning)
 
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
