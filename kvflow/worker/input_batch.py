@@ -62,6 +62,18 @@ class RequestState:
     pooling_params: PoolingParams | None = None
 
 
+def request_stop_ids(state: RequestState) -> list[int]:
+    """The token ids that end the request: its ``stop_token_ids`` (the front end adds the
+    model's further EOS ids from generation_config.json to them) and its EOS unless
+    ``ignore_eos``, the ids ``core/sched_update.check_stop`` finishes it on (as
+    ``Request.stop_eos_id`` and ``stop_token_ids``)."""
+    p = state.sampling_params
+    stop = list(p.stop_token_ids)
+    if state.eos_token_id is not None and not p.ignore_eos:
+        stop.append(state.eos_token_id)
+    return stop
+
+
 def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A request's own generator on ``device`` (seeded random sampling), else None."""
     if params.seed is None or params.temperature == 0:
@@ -115,6 +127,7 @@ class InputBatch:
         self.num_logprobs: dict[str, int] = {}
         self.logit_bias: dict[str, dict[int, float]] = {}
         self.min_tokens_banned: dict[str, list[int]] = {}
+        self.stop_ids: dict[str, list[int]] = {}  # request_stop_ids, when it has any
         self.prompt_logprobs: dict[str, int] = {}  # top tokens per prompt position
 
     @property
@@ -177,11 +190,11 @@ class InputBatch:
             self.num_logprobs[rid] = p.logprobs
         if p.logit_bias:
             self.logit_bias[rid] = p.logit_bias
-        banned = list(p.stop_token_ids)
-        if state.eos_token_id is not None and not p.ignore_eos:
-            banned.append(state.eos_token_id)
-        if p.min_tokens > 0 and banned:
-            self.min_tokens_banned[rid] = banned
+        stop = request_stop_ids(state)
+        if stop:
+            self.stop_ids[rid] = stop
+        if p.min_tokens > 0 and stop:
+            self.min_tokens_banned[rid] = stop
         if p.prompt_logprobs is not None:
             self.prompt_logprobs[rid] = p.prompt_logprobs
 
@@ -196,7 +209,7 @@ class InputBatch:
             self._move_row(last, row)
         self.req_ids.pop()
         for sparse in (self.generators, self.num_logprobs, self.logit_bias,
-                       self.min_tokens_banned, self.prompt_logprobs):
+                       self.min_tokens_banned, self.stop_ids, self.prompt_logprobs):
             sparse.pop(req_id, None)
         return True
 
