@@ -34,7 +34,7 @@ likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,9 @@ class DraftModel:
             backend keeps per-step state).
         dtype / device: the target's compute dtype and device.
         target_vocab_size: rows of the target's logits; the draft must have as many.
+        target_end_ids: the target's declared EOS ids (``load_eos_token_ids``: its
+            generation_config.json's ``eos_token_id``, else its config's), kept in a cut LM
+            head beside the draft's own end tokens; ids outside the vocabulary are skipped.
 
     Raises:
         ValueError: for a draft whose vocabulary size differs from the target's, or one that
@@ -93,7 +96,8 @@ class DraftModel:
     """
 
     def __init__(self, config: EngineConfig, backend: Any, dtype: torch.dtype,
-                 device: torch.device, target_vocab_size: int) -> None:
+                 device: torch.device, target_vocab_size: int,
+                 target_end_ids: Iterable[int] = ()) -> None:
         spec = config.speculative_config
         mc = config.model_config
         try:
@@ -114,8 +118,12 @@ class DraftModel:
         self.long_prompt_rope = long_prompt_rope(hf_config)
         self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
                                 mc.load_format, mc.seed, quant)
-        # FR-Spec: the head cut to frequent tokens (before the runner packs it)
-        self.vocab = DraftVocab(self.model, vocab_size, _end_token_ids(hf_config)) \
+        # FR-Spec: the head cut to frequent tokens (before the runner packs it), keeping the
+        # end tokens of both models: a base-model draft ends text with another token than an
+        # instruct target, whose end the draft must be able to propose
+        end_ids = _end_token_ids(hf_config) + [t for t in target_end_ids
+                                               if 0 <= t < hf_config.vocab_size]
+        self.vocab = DraftVocab(self.model, vocab_size, end_ids) \
             if vocab_size and vocab_size < hf_config.vocab_size else None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
@@ -200,8 +208,9 @@ class DraftModel:
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
         if not len(drafting):
             return DraftProposal({}, {}, 0.0)
-        if self.vocab is not None:
-            self.vocab.update(batch.token_ids, batch.num_tokens, drafting)
+        if self.vocab is not None:  # the context's tokens and the ids that end each request
+            self.vocab.update(batch.token_ids, batch.num_tokens, drafting,
+                              [batch.stop_ids.get(batch.req_ids[r], ()) for r in drafting])
         steady = self._mirror(batch, num_scheduled - num_drafts, drafting, block_size, stager,
                               fill_pending, generator, tokens, probs)
         for i in range(1, tokens.shape[1]):

@@ -14,7 +14,18 @@ The subset, with no corpus at run time:
   lower id was a more frequent pair in the tokenizer's training corpus (FR-Spec ranks by
   counts on a corpus instead; the merge rank is the proxy available offline). Ids below the
   byte alphabet's 256 are single bytes, kept too;
-* the model's special end tokens (``eos_token_id``), so a draft can end a sequence;
+* the end tokens of both models, so a draft can end an answer where the target does: the
+  draft's config's ``eos_token_id`` and the target's declared EOS ids (its
+  generation_config.json's ``eos_token_id``, an int or a list, else its config's:
+  ``load_eos_token_ids``, which the front end makes every request stop on). A base-model
+  draft for an instruct target (Qwen2.5: ``<|endoftext|>`` against ``<|im_end|>``) has other
+  end tokens than the target, and when the target's lay above the cut the draft could never
+  propose them, so the last draft window of every answer was rejected. The draft's own end
+  tokens are harmless to a target that does not stop on them: a drafted one is verified like
+  any token, and accepted it is an ordinary token that the target's stop check ignores;
+* each drafting request's own stop ids (its EOS, the tokenizer's when it has one, and its
+  ``stop_token_ids``: ``InputBatch.stop_ids``, what ``check_stop`` ends it on), added with
+  the context's tokens below: the runner has the target's configs but not its tokenizer;
 * every token already in a drafting request's context (prompt and output): code repeats its
   identifiers, and a rare identifier the prompt uses is likely to come back. These rows are
   gathered from the full head each step (``DraftVocab.update``); a few hundred rows cost
@@ -47,7 +58,8 @@ from kvflow.layers.embedding import ParallelLMHead
 def frequent_token_ids(vocab_size: int, draft_vocab_size: int,
                        always: Iterable[int] = ()) -> np.ndarray:
     """The subset's fixed part: ids ``[0, draft_vocab_size)`` (the lowest merge ranks) and
-    ``always`` (special end tokens), sorted, unique, int64 [<= draft_vocab_size + len(always)].
+    ``always`` (both models' end tokens), sorted, unique, int64
+    [<= draft_vocab_size + len(always)].
 
     Raises:
         ValueError: for a ``draft_vocab_size`` below 1 or an id outside the vocabulary.
@@ -99,7 +111,7 @@ class DraftVocab:
     Args:
         model: the draft model (``lm_head``: a :class:`ParallelLMHead`, ``compute_logits``).
         draft_vocab_size: ids kept by merge rank.
-        always: ids always kept (the model's end tokens).
+        always: ids always kept (the draft's and the target's end tokens).
 
     Attributes:
         fixed_ids: int64 [S] numpy, the fixed subset.
@@ -122,15 +134,21 @@ class DraftVocab:
         device = self.full_head.weight.device
         self.token_ids = torch.from_numpy(self.fixed_ids).to(device)
 
-    def update(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> None:
-        """Add this step's context tokens: those of ``rows`` (their first ``num_tokens[r]``
-        entries of ``token_ids`` [num_rows, width]; negative placeholders skipped) outside the
-        fixed subset get their rows of the full head (gathered again only when the set
-        changes)."""
+    def update(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray,
+               stop_ids: Iterable[Iterable[int]] = ()) -> None:
+        """Add this step's context tokens and stop ids: the tokens of ``rows`` (their first
+        ``num_tokens[r]`` entries of ``token_ids`` [num_rows, width]; negative placeholders
+        skipped) and the ids in ``stop_ids`` (each drafting request's ids that end it, e.g.
+        its tokenizer's EOS when that is not among the fixed subset's end tokens; ids outside
+        the vocabulary skipped) outside the fixed subset get their rows of the full head
+        (gathered again only when the set changes)."""
         seen = np.zeros(len(self._in_fixed), np.bool_)
         for r in rows.tolist():
             ids = token_ids[r, :num_tokens[r]]
             seen[ids[ids >= 0]] = True
+        for ids in stop_ids:
+            stops = np.fromiter(ids, np.int64)
+            seen[stops[(stops >= 0) & (stops < len(seen))]] = True
         seen &= ~self._in_fixed
         extra = np.flatnonzero(seen)
         if np.array_equal(extra, self._extra_ids):

@@ -95,7 +95,8 @@ class ModelRunner:
             self.adaptive_threads, self.caller_pin = configure_runner_threads(config,
                                                                               self.parallel)
         self._init_model(source, hf_config)
-        self.drafter = make_draft_model(config, platform, hf_config, dtype, self.device)
+        self.drafter = make_draft_model(config, platform, source, hf_config, dtype,
+                                        self.device)
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool

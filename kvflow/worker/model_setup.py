@@ -14,6 +14,7 @@ from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.registry import uses_mla
@@ -105,10 +106,13 @@ def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: An
     return quant_config
 
 
-def make_draft_model(config: EngineConfig, platform: Platform, hf_config: Any,
-                     dtype: torch.dtype, device: torch.device) -> DraftModel | None:
+def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSource,
+                     hf_config: Any, dtype: torch.dtype,
+                     device: torch.device) -> DraftModel | None:
     """The speculative-decoding draft model (``method: draft_model``), else None; it runs on
-    the target's attention backend and GEMM path."""
+    the target's attention backend and GEMM path. ``source`` / ``hf_config``: the target's;
+    its declared EOS ids (``load_eos_token_ids``, the ids the front end makes every request
+    stop on) stay in a draft LM head cut to frequent tokens."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
@@ -116,7 +120,8 @@ def make_draft_model(config: EngineConfig, platform: Platform, hf_config: Any,
     backend = platform.get_attention_backend(name) or \
         make_attention_backend(name, device=device,
                                cpu_attention=config.device_config.cpu_attention)
-    drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size)
+    drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size,
+                         load_eos_token_ids(source, hf_config))
     # unpacked, a bf16 draft cost more than it saved
     choose_gemm_path(drafter.model, config, platform, device, dtype)
     return drafter
