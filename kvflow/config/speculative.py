@@ -43,7 +43,9 @@ class SpeculativeConfig:
             pass 9x faster than two).
         draft_vocab_size: FR-Spec (``draft_model``): the draft's LM head computes only the
             logits of this many lowest token ids (a byte-level BPE's merge ranks: the most
-            frequent tokens), the model's end tokens and the tokens already in the request's
+            frequent tokens), the end tokens of the draft and of the target (its
+            generation_config.json / config.json ``eos_token_id``), each request's stop ids
+            (its EOS, ``stop_token_ids``) and the tokens already in the request's
             context; ``0`` or null: the whole vocabulary; default ``auto``: 32768 on a CPU, the
             whole vocabulary elsewhere. The output stays exact (the draft's distribution is
             zero outside the subset; kvflow/spec_decode/draft_vocab.py).
