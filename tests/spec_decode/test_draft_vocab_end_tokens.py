@@ -161,12 +161,13 @@ def test_a_requests_stop_ids_join_the_head(tiny_llama, tmp_path):
 def test_greedy_ends_where_the_target_does_and_the_draft_proposes_it(
         tiny_llama, tmp_path, greedy_ids, assert_no_leaks, where):
     """The target stops on E, an id above the cut that its greedy continuation reaches (the
-    second such new id), declared in generation_config.json (beside the tokenizer's EOS 0) or
+    first such new id at position 10 or later, so the answer spans several draft windows),
+    declared in generation_config.json (beside the tokenizer's EOS 0) or
     as the tokenizer's EOS (beside generation_config.json's 0: E reaches the draft only as the
     request's ``eos_token_id``). Output
     equals transformers' ``generate`` stopping on the target's end tokens, and the draft (the
     same weights, eos 0) proposes E: before, E was outside its head and never drafted."""
-    end = _new_ids_above_cut(greedy_ids)[1]
+    end = next(t for t in _new_ids_above_cut(greedy_ids) if greedy_ids.index(t) >= 10)
     edits = {"generation_eos": [end]} if where == "generation_config" else \
         {"tokenizer_eos": end}  # generation_config.json's eos 0 stays: only requests carry E
     target = _edited_copy(tiny_llama.path, str(tmp_path / "target"), **edits)
