@@ -212,3 +212,22 @@ def test_a_drafts_own_end_token_is_a_plain_token_to_the_target(
     assert list(got[0].outputs[0].token_ids) == expected
     assert x in drafts
     assert_no_leaks(spec)
+
+
+def test_update_adds_stop_ids_and_skips_ids_outside_the_vocabulary():
+    """A head of 100 ids cut to 0-6 plus the end token 99; the context adds 40, the drafting
+    rows' stop ids add 50 and 77 (99 is already kept; -1 and 120 lie outside the vocabulary
+    and are skipped, not an IndexError)."""
+    import numpy as np
+
+    from kvflow.layers.embedding import ParallelLMHead
+    from kvflow.spec_decode.draft_vocab import DraftVocab
+
+    head = ParallelLMHead(100, 16)
+    head.weight.data.copy_(torch.randn(100, 16, generator=torch.Generator().manual_seed(0)))
+    model = torch.nn.Module()
+    model.lm_head = head
+    vocab = DraftVocab(model, 7, always=[99])
+    vocab.update(np.array([[3, 40, 5]]), np.array([3]), np.array([0]),
+                 [[77, 99, -1, 120], (50,)])
+    assert vocab.token_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 99, 40, 50, 77]
