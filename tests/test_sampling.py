@@ -106,9 +106,14 @@ def test_n_samples_share_prompt_blocks(tiny_llama, prefix_caching, assert_no_lea
 
 
 # ---- filters that reduce to greedy ---------------------------------------------------------------
-@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}],
-                         ids=["top_k=1", "top_p=1e-6", "min_p=1"])
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0},
+                                     {"top_p": 1e-300}, {"temperature": 1e-45}],
+                         ids=["top_k=1", "top_p=1e-6", "min_p=1", "top_p=1e-300",
+                              "temperature=1e-45"])
 def test_filter_to_one_token_equals_greedy(llm, filters, assert_no_leaks):
+    """top_p=1e-300 is 0 in float32 and masked every token; temperature=1e-45 (float32's
+    smallest subnormal) sent the logits to inf: both sampled a NaN row, whose "sample" was
+    token 0 (the EOS) at the first step. Each is the greedy limit."""
     greedy = [_greedy_tokens(llm, p) for p in PROMPTS]
     outs = llm.generate(PROMPTS, hot(**filters), use_tqdm=False)
     assert _tokens(outs) == greedy
@@ -315,3 +320,14 @@ def test_sampler_seeded_rows_and_greedy_rows():
     seeded_b, _ = draw(swapped, 2)
     assert seeded_a == seeded_b
     assert out_a[0] == int(logits[0].argmax()) and out_a[3] == int(logits[3].argmax())
+
+
+def test_sampler_vanishing_temperature_and_top_p_take_the_argmax():
+    """The Sampler itself (all rows random): temperature 1e-45 and top_p 0 (float32's
+    1e-300) each reduce to the argmax; they sampled token 0 from a NaN row."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(torch.Generator().manual_seed(4))
+    tiny = SamplingMetadata(temperature=torch.full((6,), 1e-45))
+    nucleus = SamplingMetadata(temperature=torch.ones(6), top_p=torch.zeros(6))
+    for meta in (tiny, nucleus):
+        assert sampler(logits.clone(), meta).sampled.tolist() == logits.argmax(-1).tolist()

@@ -148,9 +148,8 @@ class Sampler:
             apply_token_bitmask_fast(logits, *meta.grammar)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-        logits = apply_top_k_top_p_min_p(logits / temperature.unsqueeze(1), meta.top_k,
-                                         meta.top_p, meta.min_p)
+        logits = apply_top_k_top_p_min_p(scale_by_temperature(logits, meta.temperature),
+                                         meta.top_k, meta.top_p, meta.min_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in meta.generators.items():
@@ -231,6 +230,19 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:
     logits[pen.rows] = sub
 
 
+def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, V] float32 divided by each row's ``temperature`` [B] float32 (0 reads
+    as 1: a greedy row's scaled logits go unused) after each row's largest finite logit is
+    subtracted: the same softmax, top-k, top-p and min-p, but no overflow. The plain quotient
+    overflowed for a vanishing temperature (1e-45, float32's smallest subnormal: the logits
+    became inf and the row's probabilities NaN); shifted, the largest logit maps to 0 and
+    every other to a finite number or -inf, the greedy limit. Returns a new tensor."""
+    scale = torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    peak = logits.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)  # a fully masked row stays as it was
+    return (logits - peak) / scale
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                             top_p: torch.Tensor | None,
                             min_p: torch.Tensor | None) -> torch.Tensor:
@@ -255,6 +267,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1),
-                                                  float("-inf"))
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token stays even where top_p is 0 in float32
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.layers.sampler import apply_top_k_top_p_min_p
+from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
 
 
 @dataclass
@@ -133,8 +133,8 @@ def _target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
     """float32 [N, V]: softmax of the temperature-scaled logits within top-k / top-p / min-p
     (greedy rows are scaled by 1; their probabilities are not used)."""
-    scale = torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
-    return torch.softmax(apply_top_k_top_p_min_p(logits / scale, top_k, top_p, min_p), dim=-1)
+    scaled = scale_by_temperature(logits, temperature)
+    return torch.softmax(apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p), dim=-1)
 
 
 def _sample_final(probs: torch.Tensor, final_row: torch.Tensor, num_accepted: torch.Tensor,

@@ -131,3 +131,22 @@ def test_seeded_requests_draw_from_their_own_generator():
     noise = torch.randn(4, V, generator=base)
     crowded = run(torch.cat([noise, logits]), 3, 2, 1)  # the request's rows come last
     assert alone == crowded
+
+
+def test_vanishing_temperature_and_top_p_are_the_argmax():
+    """temperature 1e-45 (float32's smallest subnormal: the scaled logits overflowed to inf)
+    and top_p 0 (what 1e-300 is in float32: every token was masked) made NaN target rows,
+    whose drafts were all rejected and whose tokens were garbage. Both are the greedy limit:
+    a draft of the argmax is accepted and the bonus token is the next row's argmax."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, V, generator=gen)
+    best = logits.argmax(dim=-1).tolist()
+    q = torch.zeros(N, 1, V)
+    q[:, 0, best[0]] = 1.0
+    drafts = torch.full((N, 1), best[0])
+    for temperature, top_p in [(1e-45, 1.0), (1.0, 0.0)]:
+        out = rejection_sample(logits.repeat(N, 1), torch.full((2 * N,), temperature), None,
+                               torch.full((2 * N,), top_p), None,
+                               _layout(N, 1, drafts, q), gen)
+        assert out.num_emitted.tolist() == [2] * N, (temperature, top_p)
+        assert out.token_ids.tolist() == [best] * N, (temperature, top_p)
