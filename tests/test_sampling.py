@@ -331,3 +331,19 @@ def test_sampler_vanishing_temperature_and_top_p_take_the_argmax():
     nucleus = SamplingMetadata(temperature=torch.ones(6), top_p=torch.zeros(6))
     for meta in (tiny, nucleus):
         assert sampler(logits.clone(), meta).sampled.tolist() == logits.argmax(-1).tolist()
+
+
+def test_huge_temperature_keeps_the_masks(llm, assert_no_leaks):
+    """temperature=1e308 (accepted over HTTP too) is inf in float32, and -inf / inf is NaN:
+    a row with any masked token went NaN and its "sample" was token 0, the tiny Llama's EOS.
+    A choice constraint then ended at once with no token ("length"), and min_tokens let the
+    EOS it bans through. At that temperature the sample is uniform, but only over what the
+    masks allow."""
+    choice = SamplingParams(temperature=1e308, seed=3, max_tokens=5,
+                            structured_outputs={"choice": ["yes", "no"]})
+    for out in llm.generate(PROMPTS, choice, use_tqdm=False):
+        assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+    banned = SamplingParams(temperature=1e308, seed=3, max_tokens=6, min_tokens=4)
+    for out in llm.generate(PROMPTS, banned, use_tqdm=False):
+        assert 0 not in out.outputs[0].token_ids[:4]  # 0 is the EOS, banned for 4 tokens
+    assert_no_leaks(llm)

@@ -32,6 +32,10 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 
+# float32's largest finite value: a larger temperature (SamplingParams takes any finite float)
+# would be inf in its float32 column, and -inf / inf (a masked token) is NaN.
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass
 class RequestState:
@@ -177,7 +181,7 @@ class InputBatch:
 
     def _set_sampling(self, row: int, state: RequestState) -> None:
         p, rid = state.sampling_params, state.req_id
-        self.temperature[row], self.top_k[row] = p.temperature, p.top_k
+        self.temperature[row], self.top_k[row] = min(p.temperature, _F32_MAX), p.top_k
         self.top_p[row], self.min_p[row] = p.top_p, p.min_p
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
