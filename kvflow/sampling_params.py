@@ -54,9 +54,9 @@ class SamplingParams:
             in [-2, 2] (OpenAI semantics).
         frequency_penalty: subtracted from a token's logit once per time it was generated;
             in [-2, 2] (OpenAI semantics).
-        repetition_penalty: > 0; logits of tokens seen in the prompt or the output are divided
-            by it when positive and multiplied by it when negative (CTRL, Keskar et al. 2019);
-            1 disables.
+        repetition_penalty: finite and > 0; logits of tokens seen in the prompt or the output
+            are divided by it when positive and multiplied by it when negative (CTRL, Keskar
+            et al. 2019); 1 disables.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit every step
             (string keys such as JSON's are converted to int).
         structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice
@@ -202,8 +202,8 @@ class SamplingParams:
              "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
              "must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-             "must be > 0"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty",
+             self.repetition_penalty, "must be a finite number > 0"),
             (out_of_range is None, "logit_bias", out_of_range,
              "must map token ids to biases in [-100, 100]"),
             (self.target_ttft_ms is None or 0 < self.target_ttft_ms < math.inf,

@@ -89,3 +89,43 @@ def test_token_ids_outside_the_vocabulary_are_refused(kwargs, field):
     processor = InputProcessor(None, max_model_len=64, vocab_size=VOCAB, eos_token_id=0)
     with pytest.raises(ValueError, match=f"{field} has token id"):
         processor.make_requests("r", [1, 2], SamplingParams(**kwargs))
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama):
+    from kvflow import LLM
+    return LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+               block_size=4)
+
+
+def test_extreme_repetition_penalty_is_its_limit(tiny_llm, tiny_llama, assert_no_leaks):
+    """repetition_penalty=1e-300 is 0 in float32, so a seen token's positive logit became
+    inf and the row NaN: the sample was token 0 (the EOS) at once. Its limit: a token seen
+    in the prompt or output with a positive logit outweighs every other token. Checked
+    against the transformers model's own logits at each step. 1e308 (inf in float32, where
+    a logit of exactly 0 times inf would be NaN) samples what 1e30 (finite) does."""
+    prompt = [5, 17, 33, 100, 200, 7, 9, 42, 3, 11]
+    params = SamplingParams(repetition_penalty=1e-300, seed=7, max_tokens=8, ignore_eos=True)
+    (out,) = tiny_llm.generate([prompt], params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 8
+    checked = 0
+    for i, token in enumerate(tokens):
+        seen = set(prompt) | set(tokens[:i])
+        with torch.no_grad():
+            logits = tiny_llama.hf_model(torch.tensor([prompt + tokens[:i]])).logits[0, -1]
+        if any(logits[t] > 0 for t in seen):
+            assert token in seen and logits[token] > 0, (i, token)
+            checked += 1
+    assert checked >= 4  # the oracle applied to most steps
+    outs = [tiny_llm.generate([prompt], SamplingParams(repetition_penalty=r, seed=7,
+                                                       max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids for r in (1e308, 1e30)]
+    assert outs[0] == outs[1]  # both: seen positive logits ~0, seen negative ones ~-inf
+    assert_no_leaks(tiny_llm)
+
+
+def test_infinite_repetition_penalty_is_refused():
+    """inf was accepted offline (the server refuses it: a JSON number must be finite)."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.repetition_penalty=inf"):
+        SamplingParams(repetition_penalty=float("inf"))

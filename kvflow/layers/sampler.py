@@ -224,8 +224,13 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:
     in_prompt = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=sub.device)
     in_prompt.scatter_(1, prompts, True)
     seen = in_prompt[:, :vocab] | (counts > 0)
-    rep = pen.repetition.unsqueeze(1)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    # A penalty outside float32's normal range (1e-300 is 0, 1e308 inf) would divide by 0
+    # or make 0 * inf: the row went NaN. Clamped, and a positive quotient kept finite, the
+    # row keeps the penalty's limit (seen positive logits outweigh all others as it -> 0).
+    finfo = torch.finfo(sub.dtype)
+    rep = pen.repetition.clamp(min=finfo.tiny, max=finfo.max).unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, (sub / rep).clamp(max=finfo.max),
+                                        sub * rep), sub)
     sub = sub - pen.frequency.unsqueeze(1) * counts - pen.presence.unsqueeze(1) * (counts > 0)
     logits[pen.rows] = sub
 

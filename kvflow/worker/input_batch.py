@@ -32,8 +32,9 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import SchedulerOutput
 
-# float32's largest finite value: a larger temperature (SamplingParams takes any finite float)
-# would be inf in its float32 column, and -inf / inf (a masked token) is NaN.
+# float32's largest finite value: a larger temperature or repetition penalty (SamplingParams
+# takes any finite float) would be inf in its float32 column (and a RuntimeWarning in the
+# log), and -inf / inf (a masked token) is NaN.
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -185,7 +186,7 @@ class InputBatch:
         self.top_p[row], self.min_p[row] = p.top_p, p.min_p
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
-        self.repetition_penalty[row] = p.repetition_penalty
+        self.repetition_penalty[row] = min(p.repetition_penalty, _F32_MAX)
         self.uses_penalties[row] = p.uses_penalties
         self.min_tokens[row] = p.min_tokens
         if state.generator is not None:
