@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -249,9 +250,13 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float] | None:
     """``{"50256": -100}`` -> ``{50256: -100.0}``; None or empty -> None.
 
     Raises:
-        ValueError: for a key that is not an integer token id, two keys naming one token id
-            (``"7"`` and ``"07"``), or a non-numeric bias, showing those entries only.
+        ValueError: for a value that is not a mapping (or None), a key that is not an
+            integer token id, two keys naming one token id (``"7"`` and ``"07"``), or a
+            non-numeric bias, showing those entries only.
     """
+    if bias is not None and not isinstance(bias, Mapping):
+        raise ValueError(f"SamplingParams.logit_bias={reprlib.repr(bias)} is invalid: it must "
+                         "be a dict of token id -> bias, or None")
     if not bias:
         return None
     out, keys = {}, {}  # errors show the entries at fault, not the bias (100,000s of them)

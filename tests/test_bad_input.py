@@ -180,6 +180,8 @@ def test_params_count_must_match_prompts(llm):
     ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
     ({"logit_bias": {1: True}}, "logit_bias"),
     ({"logit_bias": {"7": 1.0, "07": 2.0}}, "logit_bias"),
+    ({"logit_bias": [7, 1.0]}, "logit_bias"),  # was an AttributeError ('list' ... 'items')
+    ({"logit_bias": 5}, "logit_bias"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
