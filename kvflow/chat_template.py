@@ -11,11 +11,13 @@ the last, assistant, message; exclusive with ``add_generation_prompt``), ``chat_
 Jinja template replacing the model's; rendered in transformers' sandbox), ``documents``,
 ``tools`` and an assistant's ``tool_calls`` (refused when the template never reads them;
 callers that can inject them as text do so first), ``chat_template_kwargs`` (extra template
-variables; names of ``apply_chat_template``'s own parameters are refused).
+variables; names of ``apply_chat_template``'s own parameters are refused, and so is a name
+the template never reads).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +66,27 @@ def loops_over_content(template: str) -> bool:
             return True
     return False
 
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str] | None:
+    """The variables a Jinja chat template reads from its context (``messages``,
+    ``add_generation_prompt``, ``enable_thinking``, ...), found statically (as vLLM finds
+    which ``chat_template_kwargs`` to pass); None when the template does not parse
+    (rendering reports the syntax error). Parsed with transformers' environment, which knows
+    its ``{% generation %}`` tag."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        env = _compile_jinja_template(template).environment
+    except Exception:  # noqa: BLE001 - a syntax error, or another transformers version
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True,
@@ -218,6 +241,12 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
     found = find_lone_surrogate(extra, "chat_template_kwargs")
     if found is not None:
         raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
+    read = _template_variables(template) if isinstance(template, str) else None
+    unread = [] if read is None else sorted(set(extra) - read)
+    if unread:
+        raise ChatTemplateError(f"this chat template does not use chat_template_kwargs."
+                                f"{unread[0]} (it reads no variable of that name)",
+                                f"chat_template_kwargs.{unread[0]}")
     return {**extra, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "tools": tools or None,
             "documents": documents or None}

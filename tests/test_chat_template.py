@@ -64,6 +64,12 @@ def test_options_honoured(tok):
     assert render_chat(tok, partial, add_generation_prompt=False,
                        continue_final_message=True) == "<user>hi\n<assistant>the"
     assert render_chat(tok, hi, chat_template="{{ x }}!", template_kwargs={"x": 3}) == "3!"
+    # read only where defined, or inside a macro or loop: still read
+    for template, text in [("{% if think is defined and not think %}no{% endif %}!", "no!"),
+                           ("{% macro m() %}{{ think }}{% endmacro %}{{ m() }}!", "False!"),
+                           ("{% for m in messages %}{{ think }}{% endfor %}!", "False!")]:
+        assert render_chat(tok, hi, chat_template=template,
+                           template_kwargs={"think": False}) == text
     docs = [{"text": "d1"}]
     assert render_chat(tok, hi, chat_template="{{ documents[0].text }}", documents=docs) == "d1"
 
@@ -79,6 +85,10 @@ def test_options_honoured(tok):
     ({"chat_template": " "}, "chat_template"),  # empty: not "the model has no template"
     ({"chat_template": "chat.jinja"}, "chat_template"),  # a file's name, not its text
     ({"template_kwargs": [1]}, "chat_template_kwargs"),
+    # a variable the template never reads was dropped unread (vLLM drops it too)
+    ({"template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
+    ({"chat_template": "{{ x }}", "template_kwargs": {"x": 1, "y": 2}},
+     "chat_template_kwargs.y"),
 ])
 def test_bad_options_rejected(tok, kwargs, param):
     with pytest.raises(ChatTemplateError) as info:
