@@ -216,6 +216,10 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
                      tools: list | None, documents: list | None,
                      extra: dict[str, Any] | None) -> dict[str, Any]:
     """apply_chat_template's keyword arguments. Raises ChatTemplateError for a bad option."""
+    for name, flag in (("add_generation_prompt", add_generation_prompt),
+                       ("continue_final_message", continue_final_message)):
+        if not isinstance(flag, bool):  # "no" would read as true
+            raise ChatTemplateError(f"{name} must be true or false, got {flag!r:.40}", name)
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both "
                                 "be true", "continue_final_message")

@@ -89,6 +89,9 @@ def test_options_honoured(tok):
     ({"template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
     ({"chat_template": "{{ x }}", "template_kwargs": {"x": 1, "y": 2}},
      "chat_template_kwargs.y"),
+    # not bools: "no" was read as true (a generation prompt added)
+    ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"continue_final_message": 0}, "continue_final_message"),
 ])
 def test_bad_options_rejected(tok, kwargs, param):
     with pytest.raises(ChatTemplateError) as info:
