@@ -80,8 +80,12 @@ class LLM:
                 with it).
 
         Raises:
-            ValueError: if any prompt, parameter or adapter is invalid (nothing is queued then).
+            ValueError: if any prompt, parameter or adapter is invalid, or ``on_output`` is
+                not callable (nothing is queued then).
         """
+        if on_output is not None and not callable(on_output):
+            raise ValueError(f"on_output must be a callable (index, RequestOutput) or None, "
+                             f"got {type(on_output).__name__}")
         prompts = _as_prompt_list(prompts)
         if not prompts:
             return []

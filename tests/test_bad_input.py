@@ -150,6 +150,14 @@ def test_params_count_must_match_prompts(llm):
         llm.generate([[3], [4], [5]], [GREEDY, GREEDY], use_tqdm=False)
 
 
+def test_on_output_must_be_callable(llm, assert_no_leaks):
+    """on_output=5 raised TypeError: 'int' object is not callable, from the first step (the
+    requests queued, then aborted): now a ValueError naming it before anything is queued."""
+    with pytest.raises(ValueError, match="on_output must be a callable"):
+        llm.generate([[3]], GREEDY, use_tqdm=False, on_output=5)
+    assert_no_leaks(llm)
+
+
 # ---- sampling parameters -------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": 0}, "max_tokens"),
