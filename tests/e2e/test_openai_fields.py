@@ -433,6 +433,17 @@ def chat_cases() -> dict[str, Callable]:
         assert prompt_ids(server, body) == tokenizer.encode("a dog", add_special_tokens=False)
         resp = post(server, CH, {"chat_template_kwargs": {"tokenize": True}})
         assert resp.json()["error"]["param"] == "chat_template_kwargs.tokenize"
+        # a variable the (model's) template never reads: dropped with a 200 before
+        for path in (CH, TOK):
+            resp = post(server, path, {"messages": HI, "max_tokens": 2,
+                                       "chat_template_kwargs": {"enable_thinking": False}}
+                        if path == CH else {"messages": HI, "chat_template_kwargs":
+                                            {"enable_thinking": False}}, base=False)
+            assert (resp.status_code, resp.json()) == (400, {"error": {
+                "message": "this chat template does not use chat_template_kwargs."
+                           "enable_thinking (it reads no variable of that name)",
+                "type": "invalid_request_error", "param": "chat_template_kwargs.enable_thinking",
+                "code": "invalid_value"}})
 
     def documents(server, tokenizer):
         docs = [{"title": "t", "text": "lazy dog"}]
