@@ -300,3 +300,29 @@ def test_required_tool_calls_name_before_arguments(llm):
         assert o.finish_reason == "stop", o.text
         calls = json.loads(o.text, object_pairs_hook=list)
         assert [k for k, _ in calls[0]] == ["name", "arguments"], o.text
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "string", "pattern": "^[a-z]{1,6000}$"}, "pattern"),
+    ({"type": "string", "pattern": "^(abcdefghij){1,1000}$"}, "pattern"),  # 12 chars repeated
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x{2500,}"},
+                                       "b": {"type": "string", "pattern": "y{2500}"}}},
+     "properties.b"),  # neither alone, both together
+    ({"type": "object", "patternProperties": {"^k{1,5000}$": {"type": "integer"}}},
+     "patternProperties"),
+])
+def test_patterns_too_costly_to_convert_are_refused(schema, where):
+    """xgrammar converts a schema's string ``pattern`` in time that grows with the square of
+    each counted repetition: "^[a-z]{1,50000}$" took ~95 s here, during which the API
+    server's event loop (it validates the schema) and then the engine core (it validates it
+    again when the request is added) served nobody. Costly patterns are now a ValueError
+    naming the pattern's place, before xgrammar sees them; the ones below the budget pass
+    (each of these takes xgrammar under 0.4 s)."""
+    with pytest.raises(ValueError, match="repeat") as err:
+        validate(StructuredOutputsParams(json=schema))
+    assert where in str(err.value) and "maxLength" in str(err.value)
+    for fine in ({"type": "string", "pattern": "^[a-z]{1,3000}$"},
+                 {"type": "string", "pattern": "^" + "a{1,1000}" * 9 + "$"},
+                 {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}\{1000000\}$"},  # literal
+                 {"type": "string", "maxLength": 10**6}):
+        validate(StructuredOutputsParams(json=fine))

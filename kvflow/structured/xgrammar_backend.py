@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
-from kvflow.structured.schema_support import unenforced_keyword
+from kvflow.structured.schema_support import costly_pattern, unenforced_keyword
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _LOCATION_RE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -59,15 +59,21 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     to JSON's characters (``_LENGTH_STRING_CHARS``).
 
     Raises:
-        ValueError: for text that is not a JSON schema object (or true/false), or one using a
-            keyword xgrammar would not enforce (``schema_support.unenforced_keyword``).
+        ValueError: for text that is not a JSON schema object (or true/false), one using a
+            keyword xgrammar would not enforce (``schema_support.unenforced_keyword``), or
+            one whose string patterns repeat more than xgrammar converts in well under a
+            second (``schema_support.costly_pattern``).
         RuntimeError: from xgrammar, for a schema it cannot convert.
     """
     text = _schema_text(spec)
-    problem = unenforced_keyword(json.loads(text))
+    schema = json.loads(text)
+    problem = unenforced_keyword(schema)
     if problem is not None:
         raise ValueError(f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword "
                          "but does not enforce it; leave it out)")
+    problem = costly_pattern(schema)  # before xgrammar spends minutes on it
+    if problem is not None:
+        raise ValueError(problem)
     grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
     ebnf = str(grammar)
     if _LENGTH_STRING_CHARS not in ebnf:

@@ -239,6 +239,11 @@ def test_unbounded_grammar_ends_with_length(client):
         "type": "array"}}}}, "response_format.json_schema applies to type json_schema only"),
     ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
      "the type is 'text'"),
+    # xgrammar took ~95 s to convert this pattern, the server answering nobody meanwhile
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "^[a-z]{1,50000}$"}}}},
+     ("invalid JSON schema in structured_outputs: the pattern '^[a-z]{1,50000}$' at pattern "
+      "repeats up to 50000 times")),
 ])
 def test_bad_constraints_get_400(server, body, needle):
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
