@@ -45,7 +45,7 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
-from kvflow.layers.sampler import apply_top_k_top_p_min_p
+from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
@@ -326,16 +326,19 @@ def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -
     """The draft distributions ``q`` of sampled rows: float32 [len(rows), columns], the softmax
     of ``logits`` (the draft's, [len(rows), columns]) over each request's temperature within
     its top-k / top-p / min-p, as the rejection sampler forms the target's ``p``
-    (``_target_probs``): a draft outside ``p``'s top-k / nucleus would always be rejected."""
+    (``_target_probs``): a draft outside ``p``'s top-k / nucleus would always be rejected.
+    Scaled by ``scale_by_temperature`` as ``p`` is: a vanishing temperature is the greedy
+    limit, not a NaN row."""
     device = logits.device
 
     def column(values: np.ndarray, off: float) -> torch.Tensor | None:
         picked = values[rows]
         return None if (picked == off).all() else torch.from_numpy(picked).to(device)
 
-    scale = torch.from_numpy(batch.temperature[rows]).to(device).unsqueeze(1)
-    truncated = apply_top_k_top_p_min_p(logits.float() / scale, column(batch.top_k, 0),
-                                        column(batch.top_p, 1.0), column(batch.min_p, 0.0))
+    temperature = torch.from_numpy(batch.temperature[rows]).to(device)
+    truncated = apply_top_k_top_p_min_p(scale_by_temperature(logits.float(), temperature),
+                                        column(batch.top_k, 0), column(batch.top_p, 1.0),
+                                        column(batch.min_p, 0.0))
     return torch.softmax(truncated, dim=-1)
 
 

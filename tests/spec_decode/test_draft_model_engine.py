@@ -153,6 +153,19 @@ def test_sampled_drafts_are_cut_like_the_target(self_draft, cut):
     assert drafted > 0 and accepted >= 0.95 * drafted
 
 
+def test_vanishing_temperature_drafts_are_the_greedy_limit(base, self_draft):
+    """temperature=1e-45 (float32's smallest subnormal) is the greedy limit for the draft's q
+    as for the target's p: the plain quotient logits / 1e-45 overflowed to inf and made q NaN,
+    so every draft was rejected. With the target as its own draft q = p = the argmax's one-hot,
+    so every draft is accepted and the tokens are greedy's."""
+    params = SamplingParams(temperature=1e-45, max_tokens=12, ignore_eos=True, seed=3)
+    got = _generate(self_draft, params)
+    _same_outputs(_generate(base, SamplingParams(temperature=0, max_tokens=12,
+                                                 ignore_eos=True)), got)
+    drafted, accepted = _drafted(got)
+    assert drafted > 0 and accepted >= 0.95 * drafted
+
+
 def test_quantized_kv_cache_holds_the_drafts_scales_too(tiny_llama, assert_no_leaks):
     """--kv-cache-dtype int8: the draft's layers get int8 tensors and scales of their own in
     the same pool (twice the bytes per block with a self-draft); greedy output equals the
