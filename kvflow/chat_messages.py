@@ -26,8 +26,12 @@ from typing import Any
 
 from kvflow.text_checks import find_lone_surrogate
 
-__all__ = ["ChatTemplateError", "check_call_index", "check_message_fields", "image_urls",
-           "normalize_conversation"]
+__all__ = ["ROLES", "ChatTemplateError", "check_call_index", "check_message_fields",
+           "image_urls", "normalize_conversation"]
+
+# The roles a message may have: OpenAI's chat roles and the older "function" (the server's
+# ChatMessage schema lists the same ones; LLM.chat checks them here)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 _TEXT_PARTS = {"text", "refusal"}
 _IMAGE_PARTS = {"image_url"}
@@ -54,7 +58,7 @@ def normalize_conversation(messages: Sequence[Any], image_placeholder: str | Non
 
     Raises:
         ChatTemplateError: for an empty list, a message that is not a dict with a string
-            ``role``, an unsupported content part (any image when ``image_placeholder`` is
+            ``role`` or whose role is not one of ``ROLES``, an unsupported content part (any image when ``image_placeholder`` is
             None), or text with a lone surrogate.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -86,6 +90,9 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
                                 f"messages.{i}")
+    if message["role"] not in ROLES:
+        raise ChatTemplateError(f"messages.{i}.role={message['role']!r} is not a chat role: "
+                                f"one of {', '.join(ROLES)}", f"messages.{i}.role")
     check_message_fields(message, i)
     out = dict(message)
     content = message.get("content")

@@ -42,6 +42,7 @@ def test_null_parts_and_tool_arguments_normalized():
 @pytest.mark.parametrize("messages,param", [
     ([], "messages"),
     ([{"content": "x"}], "messages.0"),
+    ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "x"}], "messages.1.role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
      "messages.0.content.0"),
     ([{"role": "user", "content": 5}], "messages.0.content"),
@@ -440,3 +441,13 @@ def test_empty_or_non_string_tool_call_id_is_refused(served_chat, chat_llm, asse
     assert render_chat(served_chat.engine.tokenizer, ok, chat_template=CALLS_READ,
                        add_generation_prompt=False) == "<user>hi<assistant>f<tool>42"
     assert_no_leaks(chat_llm)
+
+
+def test_offline_roles_are_the_servers():
+    """LLM.chat takes the roles the server's ChatMessage schema takes, no more (a 'wizard'
+    message is a 400 at messages.N.role there and a ChatTemplateError here)."""
+    import typing
+
+    from kvflow.chat_messages import ROLES
+    from kvflow.entrypoints.protocol.chat import ChatMessage
+    assert set(typing.get_args(ChatMessage.model_fields["role"].annotation)) == set(ROLES)
