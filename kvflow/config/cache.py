@@ -17,7 +17,8 @@ class CacheConfig:
     The pool's size comes from one setting: ``num_kv_blocks`` (blocks), ``kv_cache_memory``
     (bytes), or ``gpu_memory_utilization`` (a GPU's share of its memory, less weights and
     activations; 0.9 when none is set; a CPU's cache is 2 GiB instead). Unset fields are None,
-    so "given" and "default" stay apart.
+    so "given" and "default" stay apart (``swap_space`` too: 4GiB when unset, and refused when
+    given without swap preemption, ``EngineConfig``).
 
     Raises:
         ValueError: from the constructor for a value out of range, or for two of the three
@@ -33,9 +34,10 @@ class CacheConfig:
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
         "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")
-    swap_space: str | float = opt(
-        DEFAULT_SWAP_SPACE, "host memory per worker for the KV blocks of swapped-out requests "
-        "(--preemption-mode swap), e.g. 4GiB; a bare number is GiB, as in vLLM (4 = 4GiB)")
+    swap_space: str | float | None = opt(
+        None, "host memory per worker for the KV blocks of swapped-out requests "
+        "(--preemption-mode swap only; refused without it), e.g. 4GiB; a bare number is GiB, "
+        f"as in vLLM (4 = 4GiB) (default: {DEFAULT_SWAP_SPACE})")
     kv_cache_dtype: str = opt("auto", "KV-cache element type: auto (the model dtype), int8 or "
                                "fp8_e4m3 (quantized per token and KV head with float32 scales "
                                "beside the blocks: about twice the blocks of a 16-bit cache "
@@ -53,7 +55,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        parse_gib_or_bytes(self.swap_space)
+        if self.swap_space is not None:
+            parse_gib_or_bytes(self.swap_space)
         if self.gpu_memory_utilization is not None \
                 and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} "
@@ -80,8 +83,14 @@ class CacheConfig:
 
     @property
     def swap_space_bytes(self) -> int:
-        """``swap_space`` in bytes (a bare number is GiB, as vLLM reads it)."""
-        return parse_gib_or_bytes(self.swap_space)
+        """``swap_space`` in bytes (a bare number is GiB, as vLLM reads it), or its default
+        4GiB when unset."""
+        return parse_gib_or_bytes(self.swap_space_or_default)
+
+    @property
+    def swap_space_or_default(self) -> str | float:
+        """``swap_space`` as given, or its default ``"4GiB"`` when unset."""
+        return DEFAULT_SWAP_SPACE if self.swap_space is None else self.swap_space
 
     @property
     def gpu_memory_fraction(self) -> float:

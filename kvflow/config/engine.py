@@ -8,12 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvflow.config.cache import DEFAULT_SWAP_SPACE, CacheConfig
+from kvflow.config.cache import CacheConfig
 from kvflow.config.device import DeviceConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
-from kvflow.config.options import add_field_arg, parse_bytes
+from kvflow.config.options import add_field_arg
 from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.speculative import SpeculativeConfig
@@ -42,8 +42,8 @@ class EngineConfig:
         becomes a SpeculativeConfig).
 
         Raises:
-            ValueError: for a swap_space other than the default without preemption_mode
-                'swap'; for context parallelism with a block size it does not divide or a
+            ValueError: for a swap_space given (any size, the default's too) without
+                preemption_mode 'swap'; for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
                 parallelism or async scheduling; for LoRA with more than one rank or
                 replica; for GGUF weights kept quantized with tensor parallelism; for async
@@ -52,7 +52,7 @@ class EngineConfig:
         """
         self._check_speculative()
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
-        if mode != "swap" and cc.swap_space_bytes != parse_bytes(DEFAULT_SWAP_SPACE):
+        if mode != "swap" and cc.swap_space is not None:  # only the swap host pool reads it
             raise ValueError(f"--swap-space {cc.swap_space} (swap_space) sizes the host pool "
                              f"of --preemption-mode swap, and this engine preempts by "
                              f"{mode}, which keeps none: add --preemption-mode swap "

@@ -109,7 +109,7 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
         if present:
             raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
                              "--preemption-mode recompute")
-    swap_space, size = engine_config.cache_config.swap_space, \
+    swap_space, size = engine_config.cache_config.swap_space_or_default, \
         engine_config.cache_config.swap_space_bytes
     total = host_memory_bytes()
     if size > total:  # more than lazily mapped pages could ever back
