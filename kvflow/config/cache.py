@@ -18,7 +18,9 @@ class CacheConfig:
     (bytes), or ``gpu_memory_utilization`` (a GPU's share of its memory, less weights and
     activations; 0.9 when none is set; a CPU's cache is 2 GiB instead). Unset fields are None,
     so "given" and "default" stay apart (``swap_space`` too: 4GiB when unset, and refused when
-    given without swap preemption, ``EngineConfig``).
+    given without swap preemption, ``EngineConfig``; ``enable_prefix_caching``: on where the
+    engine can reuse prefixes when unset, refused as True where it cannot,
+    ``kvflow.core.unread_options``).
 
     Raises:
         ValueError: from the constructor for a value out of range, or for two of the three
@@ -30,7 +32,10 @@ class CacheConfig:
     num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (instead of a memory "
                                     "size: give one of --num-kv-blocks, --kv-cache-memory, "
                                     "--gpu-memory-utilization)")
-    enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prompt prefixes")
+    enable_prefix_caching: bool | None = opt(
+        None, "reuse KV blocks of identical prompt prefixes (default: on, where the engine "
+        "can: not for an encoder-only model, which keeps no KV cache, nor for an embedding "
+        "model pooling more than its last token; asking for it there is refused)")
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
         "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")

@@ -20,7 +20,11 @@ from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
 from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
-from kvflow.core.unread_options import check_cpu_only_options, check_no_kv_cache_settings
+from kvflow.core.unread_options import (
+    check_cpu_only_options,
+    check_no_kv_cache_settings,
+    check_prefix_caching_pooling,
+)
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
@@ -116,7 +120,8 @@ class EngineCore:
         Raises:
             ValueError: for a task the model cannot run, or embedding with LoRA, speculative
                 decoding, swap preemption or pipeline parallelism; for an encoder, a KV-cache
-                setting (``unread_options.check_no_kv_cache_settings``).
+                setting (``unread_options.check_no_kv_cache_settings``); prefix caching asked
+                for where pooling turns it off (``check_prefix_caching_pooling``).
         """
         folder = source.path if source.kind == "hf" else None
         self.task, self.pooler_config = model_task(self.config.model_config.task,
@@ -136,6 +141,9 @@ class EngineCore:
                              "(pipeline_parallel_size=1)")
         if self.is_encoder:
             check_no_kv_cache_settings(self.config, self.hf_config)
+        else:
+            check_prefix_caching_pooling(self.config, self.pooler_config and
+                                         self.pooler_config.pooling_type)
 
     def _resolve_async_scheduling(self) -> None:
         """--async-scheduling: the platform's default when not given (where the executor can
@@ -209,7 +217,7 @@ class EngineCore:
     def _init_scheduler(self) -> None:
         cc = self.config.cache_config
         # a pooled prompt needs every token's hidden state unless only its last one counts
-        caching = cc.enable_prefix_caching and not self.is_encoder and (
+        caching = cc.enable_prefix_caching is not False and not self.is_encoder and (
             self.pooler_config is None or self.pooler_config.pooling_type == "last")
         rope = long_prompt_rope(self.hf_config)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching,

@@ -39,7 +39,8 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
 
     Raises:
         ValueError: naming each such setting given (``num_kv_blocks``, ``kv_cache_memory``,
-            ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto) and the
+            ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto,
+            ``enable_prefix_caching=True``; False asks for what an encoder does) and the
             architecture.
     """
     cc = config.cache_config
@@ -47,8 +48,25 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
              ("num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization")
              if getattr(cc, name) is not None]
     given += [f"kv_cache_dtype={cc.kv_cache_dtype!r}"] if cc.kv_cache_dtype != "auto" else []
+    given += ["enable_prefix_caching=True"] if cc.enable_prefix_caching else []
     if given:
         arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
         them = "them" if len(given) > 1 else "it"
         raise ValueError(f"{', '.join(given)}: {arch} is an encoder-only model, which keeps no "
                          f"KV cache, so nothing reads {them}; leave {them} out")
+
+
+def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None) -> None:
+    """For a decoder embedding model whose pooling needs every prompt token's hidden state
+    (``pooling_type`` other than "last"; None: a generating engine), refuse
+    ``enable_prefix_caching=True``: its engine keeps prefix caching off, since a cached
+    prefix's tokens would not be run again and their hidden states would be missing.
+
+    Raises:
+        ValueError: naming ``enable_prefix_caching=True`` and the pooling.
+    """
+    if config.cache_config.enable_prefix_caching and pooling_type not in (None, "last"):
+        raise ValueError(f"enable_prefix_caching=True: this engine embeds with {pooling_type} "
+                         "pooling, which needs every prompt token's hidden state, so a cached "
+                         "prefix would never be reused and prefix caching stays off (on only "
+                         "with last-token pooling); leave it out")

@@ -66,16 +66,52 @@ def test_bert_matches_sentence_transformers(bert_folder, pooling, assert_no_leak
     ({"num_kv_blocks": 64}, "num_kv_blocks=64"),
     ({"kv_cache_memory": "1GiB", "kv_cache_dtype": "int8"},
      "kv_cache_memory='1GiB', kv_cache_dtype='int8'"),
+    ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
+    ({"num_kv_blocks": 64, "enable_prefix_caching": True},
+     "num_kv_blocks=64, enable_prefix_caching=True"),
 ])
 def test_an_encoder_refuses_kv_cache_settings(bert_folder, options, named):
     """A BERT encoder keeps no KV cache (its pool has no tensor, as above): a size or element
-    type given for one was accepted and never read."""
+    type given for one, or prefix caching asked for, was accepted and never read
+    (``--no-enable-prefix-caching`` asks for what an encoder does, and passes)."""
     folder, _ = bert_folder("mean")
     them = "them" if "," in named else "it"
     with pytest.raises(ValueError) as e:
         LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64, **options)
     assert str(e.value) == (f"{named}: BertModel is an encoder-only model, which keeps no KV "
                             f"cache, so nothing reads {them}; leave {them} out")
+
+
+def test_an_encoder_takes_prefix_caching_off(bert_folder):
+    folder, st = bert_folder("cls")
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    _check(llm.embed(SENTENCES, use_tqdm=False), st_embed(st, SENTENCES))
+    assert llm.engine.core.kv_cache_manager.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_decoder_pooling_every_token_refuses_prefix_caching(decoder_folder, pooling):
+    """A decoder embedding model pooling other than its last token needs every prompt token's
+    hidden state, so its engine keeps prefix caching off: asked for, it was never read."""
+    folder, _ = decoder_folder(pooling)
+    with pytest.raises(ValueError) as e:
+        LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64,
+            enable_prefix_caching=True)
+    assert str(e.value) == (
+        f"enable_prefix_caching=True: this engine embeds with {pooling} pooling, which needs "
+        "every prompt token's hidden state, so a cached prefix would never be reused and "
+        "prefix caching stays off (on only with last-token pooling); leave it out")
+
+
+def test_a_decoder_pooling_its_last_token_takes_prefix_caching(decoder_folder):
+    folder, st = decoder_folder("lasttoken")
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=8,
+              num_kv_blocks=64, block_size=4, enable_prefix_caching=True)
+    expected = st_embed(st, SENTENCES)
+    _check(llm.embed(SENTENCES, use_tqdm=False), expected)
+    _check(llm.embed(SENTENCES, use_tqdm=False), expected)
+    assert llm.engine.core.kv_cache_manager.num_hits > 0
 
 
 @pytest.mark.parametrize("xlm", [False, True], ids=["roberta", "xlm_roberta"])

@@ -1,0 +1,52 @@
+"""Options a text-generating decoder's engine reads by default stay as they were when the
+unread ones are refused elsewhere (kvflow/core/unread_options.py): left out, prefix caching is
+on for a decoder (a repeated prompt hits its cached blocks) and the engine generates
+transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+
+IDS = [5, 17, 42, 8, 99, 3, 61, 12, 7, 33, 21, 54, 2, 80, 19, 40, 11]
+
+
+def _hf_greedy(tiny, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = tiny.hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                                     eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _greedy(llm: LLM, ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def default_llm(tiny_llama) -> LLM:
+    return LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32,
+               block_size=4)
+
+
+def test_a_decoder_caches_prefixes_by_default_and_generates_as_transformers(tiny_llama,
+                                                                             default_llm):
+    kv = default_llm.engine.core.kv_cache_manager
+    expected = _hf_greedy(tiny_llama, IDS, 10)
+    assert _greedy(default_llm, IDS, 10) == expected
+    hits = kv.num_hits
+    assert _greedy(default_llm, IDS, 10) == expected
+    assert kv.enable_prefix_caching is True and kv.num_hits > hits
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decoder_takes_prefix_caching_either_way(tiny_llama, caching):
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32,
+              block_size=4, enable_prefix_caching=caching)
+    expected = _hf_greedy(tiny_llama, IDS, 6)
+    assert _greedy(llm, IDS, 6) == expected and _greedy(llm, IDS, 6) == expected
+    kv = llm.engine.core.kv_cache_manager
+    assert (kv.enable_prefix_caching, kv.num_hits > 0) == (caching, caching)
