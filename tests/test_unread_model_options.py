@@ -50,3 +50,23 @@ def test_a_decoder_takes_prefix_caching_either_way(tiny_llama, caching):
     assert _greedy(llm, IDS, 6) == expected and _greedy(llm, IDS, 6) == expected
     kv = llm.engine.core.kv_cache_manager
     assert (kv.enable_prefix_caching, kv.num_hits > 0) == (caching, caching)
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"encoder_cache_size": 4096}, "encoder_cache_size=4096"),
+    ({"max_num_encoder_input_tokens": 512}, "max_num_encoder_input_tokens=512"),
+    ({"encoder_cache_size": 16384, "max_num_encoder_input_tokens": 64},
+     "max_num_encoder_input_tokens=64, encoder_cache_size=16384"),
+])
+def test_a_text_only_model_refuses_image_encoder_settings(tiny_llama, options, named):
+    """The vision encoder's step budget and cache exist only for a model that takes images:
+    for a text-only one they were accepted and never read (the default's 16384 too, given)."""
+    them = "them" if "," in named else "it"
+    with pytest.raises(ValueError) as e:
+        LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32, **options)
+    assert str(e.value) == (f"{named}: LlamaForCausalLM is a text-only model, which takes no "
+                            f"images, so nothing reads {them}; leave {them} out")
+
+
+def test_a_text_only_model_has_no_encoder_cache(default_llm):
+    assert default_llm.engine.core.scheduler.encoder is None

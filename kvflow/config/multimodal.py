@@ -7,11 +7,17 @@ from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, opt
 
+DEFAULT_ENCODER_CACHE_SIZE = 16384
+
 
 @dataclass
 class MultiModalConfig:
     """Image inputs of vision-language models: where images may come from, how big they may
     be, and how much vision-encoder work one engine step takes on.
+
+    Unset encoder settings are None (their documented defaults apply), so a value given for a
+    text-only model, which reads none, can be told apart and refused
+    (``kvflow.core.unread_options.check_no_image_settings``).
 
     Raises:
         ValueError: from the constructor for a limit below 1 or a malformed domain list.
@@ -30,22 +36,34 @@ class MultiModalConfig:
         None, "vision-encoder output tokens computed per engine step (an image that does not "
         "fit waits for the next step; one image always runs alone) (default: "
         "max_num_batched_tokens)")
-    encoder_cache_size: int = opt(16384, "image embeddings (in tokens) kept for reuse after "
-                                   "the requests that needed them moved on (the encoder runs "
-                                   "once per distinct image while it stays cached)")
+    encoder_cache_size: int | None = opt(
+        None, "image embeddings (in tokens) kept for reuse after the requests that needed them "
+        "moved on (the encoder runs once per distinct image while it stays cached) (default: "
+        f"{DEFAULT_ENCODER_CACHE_SIZE}); this and --max-num-encoder-input-tokens are refused "
+        "for a text-only model")
 
     def __post_init__(self) -> None:
         check_choices(self)
         for name in ("max_image_bytes", "max_image_pixels", "max_images_per_prompt",
-                     "encoder_cache_size"):
-            if getattr(self, name) < 1:
+                     "encoder_cache_size", "max_num_encoder_input_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
-            raise ValueError(f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens} "
-                             "must be >= 1")
         if self.media_fetch_timeout <= 0:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        """``encoder_cache_size``, or its default 16384 tokens when unset."""
+        return DEFAULT_ENCODER_CACHE_SIZE if self.encoder_cache_size is None \
+            else self.encoder_cache_size
+
+    def image_encoder_options(self) -> list[str]:
+        """The vision-encoder settings given (``name=value``, in field order): only an engine
+        whose model takes images reads them."""
+        return [f"{name}={getattr(self, name)!r}" for name in
+                ("max_num_encoder_input_tokens", "encoder_cache_size")
+                if getattr(self, name) is not None]
 
     def media_domains(self) -> frozenset[str]:
         """The allowed host names, lower-cased (empty: no remote fetching).

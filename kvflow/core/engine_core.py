@@ -22,6 +22,7 @@ from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.unread_options import (
     check_cpu_only_options,
+    check_no_image_settings,
     check_no_kv_cache_settings,
     check_prefix_caching_pooling,
 )
@@ -121,7 +122,8 @@ class EngineCore:
             ValueError: for a task the model cannot run, or embedding with LoRA, speculative
                 decoding, swap preemption or pipeline parallelism; for an encoder, a KV-cache
                 setting (``unread_options.check_no_kv_cache_settings``); prefix caching asked
-                for where pooling turns it off (``check_prefix_caching_pooling``).
+                for where pooling turns it off (``check_prefix_caching_pooling``); for a
+                text-only model, an image setting (``check_no_image_settings``).
         """
         folder = source.path if source.kind == "hf" else None
         self.task, self.pooler_config = model_task(self.config.model_config.task,
@@ -144,6 +146,7 @@ class EngineCore:
         else:
             check_prefix_caching_pooling(self.config, self.pooler_config and
                                          self.pooler_config.pooling_type)
+        check_no_image_settings(self.config, self.hf_config)
 
     def _resolve_async_scheduling(self) -> None:
         """--async-scheduling: the platform's default when not given (where the executor can
@@ -243,7 +246,7 @@ class EngineCore:
             mm = self.config.multimodal_config
             budget = mm.max_num_encoder_input_tokens or \
                 self.config.scheduler_config.max_num_batched_tokens
-            self.scheduler.encoder = EncoderCacheManager(budget, mm.encoder_cache_size)
+            self.scheduler.encoder = EncoderCacheManager(budget, mm.encoder_cache_tokens)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.models.registry import is_multimodal
 from kvflow.platforms import Platform
 
 
@@ -70,3 +71,21 @@ def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None)
                          "pooling, which needs every prompt token's hidden state, so a cached "
                          "prefix would never be reused and prefix caching stays off (on only "
                          "with last-token pooling); leave it out")
+
+
+def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
+    """For a text-only model (no vision encoder), refuse the image settings given: only an
+    engine whose model takes images reads them.
+
+    Raises:
+        ValueError: naming each such setting given (``max_num_encoder_input_tokens``,
+            ``encoder_cache_size``) and the architecture.
+    """
+    if is_multimodal(hf_config):
+        return
+    given = config.multimodal_config.image_encoder_options()
+    if given:
+        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        them = "them" if len(given) > 1 else "it"
+        raise ValueError(f"{', '.join(given)}: {arch} is a text-only model, which takes no "
+                         f"images, so nothing reads {them}; leave {them} out")

@@ -72,15 +72,21 @@ def test_chunked_prefill_splits_images(tiny_qwen2_vl, assert_no_leaks):
     text, images = cases()[2]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy())[0]
     assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, text, images, MAX_TOKENS)
-    assert llm.engine.core.scheduler.encoder.num_encoded == 2
+    encoder = llm.engine.core.scheduler.encoder
+    assert encoder.num_encoded == 2
+    assert (encoder.budget_per_step, encoder.cache_size) == (24, 16384)  # the defaults
     assert_no_leaks(llm)
 
 
 def test_small_encoder_budget_and_preemption(tiny_qwen2_vl, assert_no_leaks):
-    """An encoder budget below one image (each image then runs alone in its step) and a KV
-    pool so small that requests are preempted and recomputed: same tokens."""
+    """An encoder budget below one image (each image then runs alone in its step), a small
+    encoder cache, and a KV pool so small that requests are preempted and recomputed: same
+    tokens."""
     llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=14, block_size=8,
-              max_num_batched_tokens=64, max_num_encoder_input_tokens=8)
+              max_num_batched_tokens=64, max_num_encoder_input_tokens=8,
+              encoder_cache_size=100)
+    encoder = llm.engine.core.scheduler.encoder
+    assert (encoder.budget_per_step, encoder.cache_size) == (8, 100)  # given: read
     prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
     outs = llm.generate(prompts * 2, greedy(12))
     assert llm.engine.core.scheduler.num_preemptions > 0
