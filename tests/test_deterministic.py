@@ -110,6 +110,33 @@ def test_unsupported_combinations_are_refused(tiny_llama, option):
         LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB", **option)
 
 
+@pytest.mark.parametrize(("gemm", "why"), [
+    ("auto", ("cpu_gemm='auto' (a choice timed per CPU and shape class, which the mode "
+              "cannot make: it runs kvflow's C GEMM; leave --cpu-gemm out or give native)")),
+    ("onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)")])
+def test_a_cpu_gemm_the_mode_does_not_run_is_refused(tiny_llama, gemm, why):
+    """--cpu-gemm auto asks for the kernel timed fastest on this CPU; the mode runs kvflow's
+    C GEMM whatever it says, so auto was accepted and never read (as onednn would be)."""
+    with pytest.raises(ValueError) as e:
+        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB",
+            cpu_gemm=gemm)
+    assert str(e.value) == f"deterministic=True is not available with {why}"
+
+
+@needs_native
+@pytest.mark.parametrize("options", [{}, {"cpu_gemm": "native"}], ids=["default", "native"])
+def test_the_gemm_the_mode_runs_is_taken(tiny_llama, options):
+    """Left out or given as native (what the mode runs), --cpu-gemm passes, and the engine
+    generates transformers' greedy tokens."""
+    target, _ = _prompts()
+    llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+              kv_cache_memory="16MiB", **options)
+    got = _result(llm.generate([{"prompt_token_ids": target}], PARAMS, use_tqdm=False)[0])[0]
+    hf = tiny_llama.hf_model.generate(torch.tensor([target]), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == hf[0, len(target):].tolist()
+
+
 def test_refused_without_native_kernels(tiny_llama, monkeypatch):
     """KVFLOW_NATIVE_CPU=0: a ValueError saying the native kernels are off, and why they are
     needed (the mode has no batch-invariant GEMM without them)."""

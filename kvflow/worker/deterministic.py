@@ -90,6 +90,9 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
          (device_type == "cuda" and dc.attention_backend == "cpu"),
          (f"attention_backend={dc.attention_backend!r} (only 'cpu' and 'triton' have a "
           "batch-invariant mode)")),
+        (dc.cpu_gemm == "auto",  # given: left out, KVFLOW_CPU_GEMM's default goes unread
+         ("cpu_gemm='auto' (a choice timed per CPU and shape class, which the mode cannot "
+          "make: it runs kvflow's C GEMM; leave --cpu-gemm out or give native)")),
         (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
         (dc.cpu_attention == "sdpa",
          "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
