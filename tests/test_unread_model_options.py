@@ -57,10 +57,14 @@ def test_a_decoder_takes_prefix_caching_either_way(tiny_llama, caching):
     ({"max_num_encoder_input_tokens": 512}, "max_num_encoder_input_tokens=512"),
     ({"encoder_cache_size": 16384, "max_num_encoder_input_tokens": 64},
      "max_num_encoder_input_tokens=64, encoder_cache_size=16384"),
+    ({"allowed_media_domains": "images.example.com"},
+     "allowed_media_domains='images.example.com'"),
 ])
-def test_a_text_only_model_refuses_image_encoder_settings(tiny_llama, options, named):
-    """The vision encoder's step budget and cache exist only for a model that takes images:
-    for a text-only one they were accepted and never read (the default's 16384 too, given)."""
+def test_a_text_only_model_refuses_image_settings(tiny_llama, options, named):
+    """The vision encoder's step budget and cache exist only for a model that takes images,
+    and image URLs are fetched only for one (the API side's image processor is None for a
+    text-only model): for a text-only one they were accepted and never read (the default's
+    16384 too, given)."""
     them = "them" if "," in named else "it"
     with pytest.raises(ValueError) as e:
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32, **options)
@@ -70,3 +74,17 @@ def test_a_text_only_model_refuses_image_encoder_settings(tiny_llama, options, n
 
 def test_a_text_only_model_has_no_encoder_cache(default_llm):
     assert default_llm.engine.core.scheduler.encoder is None
+
+
+def test_serve_says_it_in_one_line(tiny_llama, capfd):
+    """``kvflow serve`` of a text-only model with --allowed-media-domains: one error line
+    naming the flag, before the server listens."""
+    from kvflow.entrypoints.cli import main
+
+    rc = main(["serve", tiny_llama.path, "--device", "cpu", "--num-kv-blocks", "32",
+               "--allowed-media-domains", "images.example.com,127.0.0.1"])
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and err == [
+        ("kvflow: error: --allowed-media-domains='images.example.com,127.0.0.1': "
+         "LlamaForCausalLM is a text-only model, which takes no images, so nothing reads it; "
+         "leave it out")], err

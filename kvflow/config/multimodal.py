@@ -15,8 +15,8 @@ class MultiModalConfig:
     """Image inputs of vision-language models: where images may come from, how big they may
     be, and how much vision-encoder work one engine step takes on.
 
-    Unset encoder settings are None (their documented defaults apply), so a value given for a
-    text-only model, which reads none, can be told apart and refused
+    Unset encoder settings and media domains are None (their documented defaults apply), so
+    a value given for a text-only model, which reads none, can be told apart and refused
     (``kvflow.core.unread_options.check_no_image_settings``).
 
     Raises:
@@ -25,7 +25,8 @@ class MultiModalConfig:
 
     allowed_media_domains: str | None = opt(
         None, "comma-separated host names image URLs may be fetched from over http(s), e.g. "
-        "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images)")
+        "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images); "
+        "refused for a text-only model")
     max_image_bytes: int = opt(20 * 2**20, "largest encoded image (data URL payload or "
                                 "download) in bytes")
     max_image_pixels: int = opt(4096 * 4096, "largest image in pixels (width x height), "
@@ -58,11 +59,12 @@ class MultiModalConfig:
         return DEFAULT_ENCODER_CACHE_SIZE if self.encoder_cache_size is None \
             else self.encoder_cache_size
 
-    def image_encoder_options(self) -> list[str]:
-        """The vision-encoder settings given (``name=value``, in field order): only an engine
-        whose model takes images reads them."""
+    def image_options(self) -> list[str]:
+        """The image settings given (``name=value``, in field order) that only an engine
+        whose model takes images reads: the image URL hosts and the vision encoder's budget
+        and cache."""
         return [f"{name}={getattr(self, name)!r}" for name in
-                ("max_num_encoder_input_tokens", "encoder_cache_size")
+                ("allowed_media_domains", "max_num_encoder_input_tokens", "encoder_cache_size")
                 if getattr(self, name) is not None]
 
     def media_domains(self) -> frozenset[str]:

@@ -75,15 +75,16 @@ def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None)
 
 def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
     """For a text-only model (no vision encoder), refuse the image settings given: only an
-    engine whose model takes images reads them.
+    engine whose model takes images reads them (the API side builds no image processor for a
+    text-only model, ``kvflow.multimodal.mm_processor_of_source``, so no URL is fetched).
 
     Raises:
-        ValueError: naming each such setting given (``max_num_encoder_input_tokens``,
-            ``encoder_cache_size``) and the architecture.
+        ValueError: naming each such setting given (``allowed_media_domains``,
+            ``max_num_encoder_input_tokens``, ``encoder_cache_size``) and the architecture.
     """
     if is_multimodal(hf_config):
         return
-    given = config.multimodal_config.image_encoder_options()
+    given = config.multimodal_config.image_options()
     if given:
         arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
         them = "them" if len(given) > 1 else "it"

@@ -84,9 +84,11 @@ def test_small_encoder_budget_and_preemption(tiny_qwen2_vl, assert_no_leaks):
     tokens."""
     llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=14, block_size=8,
               max_num_batched_tokens=64, max_num_encoder_input_tokens=8,
-              encoder_cache_size=100)
+              encoder_cache_size=100, allowed_media_domains="Images.Example.com")
     encoder = llm.engine.core.scheduler.encoder
     assert (encoder.budget_per_step, encoder.cache_size) == (8, 100)  # given: read
+    mm_config = llm.engine.processor.mm_processor.config  # where image URLs are checked
+    assert mm_config.media_domains() == {"images.example.com"}
     prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
     outs = llm.generate(prompts * 2, greedy(12))
     assert llm.engine.core.scheduler.num_preemptions > 0
