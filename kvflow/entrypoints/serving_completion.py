@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -50,7 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_fields(req, "/v1/completions")
         lora = self._check_request(req)
         prompts = await self._prompts(req)
-        params = [self._params(req, ids) for _, ids in prompts]
+        listed = _is_prompt_list(req.prompt)
+        params = [self._params(req, ids, i if listed else None)
+                  for i, (_, ids) in enumerate(prompts)]
         self.check_admission(len(prompts))
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
@@ -128,7 +131,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
                               param="prompt", code="invalid_value") from None
 
-    def _params(self, req: CompletionRequest, ids: list[int]) -> SamplingParams:
+    def _params(self, req: CompletionRequest, ids: list[int],
+                index: int | None) -> SamplingParams:
+        """The sampling parameters of the prompt ``ids`` (``index``: its place in a list of
+        prompts, named by its errors as ``prompt.<index>``; None for a request's one prompt).
+
+        Raises:
+            OpenAIError: 400 for an invalid field or a prompt the context cannot take.
+        """
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
             max_tokens = default_max_tokens(self.engine, len(ids), fallback=16)
         else:
@@ -139,7 +149,14 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         elif req.prompt_logprobs is not None:
             params.prompt_logprobs = req.prompt_logprobs
-        self.check_prompt(ids, max_tokens, "prompt")
+        param = "prompt" if index is None else f"prompt.{index}"
+        try:
+            self.check_prompt(ids, max_tokens, param)
+        except OpenAIError as e:
+            if index is None or e.param == param:
+                raise
+            raise OpenAIError(f"prompt {index} of the list: {e}", param=e.param,
+                              code=e.code) from None
         return params
 
     def _echo(self, req: CompletionRequest, prompt: Prompt) -> str:
@@ -314,3 +331,9 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
     return out
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """Whether a completion request's ``prompt`` is a list of prompts (of strings or of
+    token-id lists), not one prompt (a string or one list of token ids)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)

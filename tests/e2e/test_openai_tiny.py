@@ -517,6 +517,7 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("empty_text_in_list", C, {"prompt": ["a", ""]}, 400, "prompt.1"),  # was "prompt"
     ("empty_ids_in_list", C, {"prompt": [[5], []]}, 400, "prompt.1"),
     ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt"),
+    ("listed_ids_out_of_vocab", C, {"prompt": [[3], [3, 99999]]}, 400, "prompt.1"),
     ("max_tokens_0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens_bool", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
     ("temperature_bool", C, {"prompt": "x", "temperature": True}, 400, "temperature"),
@@ -659,6 +660,16 @@ def test_unset_max_tokens_is_capped_by_the_context(server):
     one = httpx.post(f"{server.url}{C}", json={**body, "prompt": [3], "max_tokens": 96}).json()
     assert one["error"]["message"].endswith("the request has 1 prompt token and asks for 96 "
                                             "more (97 in total)"), one
+
+
+def test_listed_prompt_context_error_names_the_prompt(server):
+    """In a list of prompts, the one too long for max_tokens is named in the message (the
+    param stays the length field, as for one prompt)."""
+    body = {"model": MODEL, "prompt": [[3], [3 + i % 50 for i in range(90)]], "max_tokens": 16}
+    error = httpx.post(f"{server.url}{C}", json=body, timeout=60).json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert error["message"].startswith("prompt 1 of the list: this model's maximum context "
+                                       "length is 96 tokens"), error
 
 
 def test_chat_context_error_names_the_length_field_sent(server):
