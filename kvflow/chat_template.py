@@ -18,7 +18,7 @@ the template never reads).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.chat_messages import ChatTemplateError, normalize_conversation
@@ -95,7 +95,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 documents: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None,
                 image_placeholder: str | None = None,
-                default_template: str | None = None) -> str:
+                default_template: str | None = None,
+                on_unread_kwargs: Callable[[list[str]], None] | None = None) -> str:
     """Render a conversation to prompt text.
 
     Args:
@@ -111,6 +112,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         default_template: a Jinja template replacing the model's, below ``chat_template``
             (a server's ``--chat-template``, checked when it started): its errors are the
             conversation's (param ``messages``), as the model's are.
+        on_unread_kwargs: None: a ``template_kwargs`` key the template never reads is a
+            ChatTemplateError; else such keys are dropped and this is called with their
+            names, sorted (a server started with ``--ignore-unknown-fields`` logs them).
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
@@ -132,7 +136,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
     if not template:
         raise NoChatTemplateError("this model has no chat template", "messages")
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,
-                              continue_final_message, tools, documents, template_kwargs)
+                              continue_final_message, tools, documents, template_kwargs,
+                              on_unread_kwargs)
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False, **kwargs)
@@ -214,8 +219,10 @@ def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], t
 def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
                      add_generation_prompt: bool, continue_final_message: bool,
                      tools: list | None, documents: list | None,
-                     extra: dict[str, Any] | None) -> dict[str, Any]:
-    """apply_chat_template's keyword arguments. Raises ChatTemplateError for a bad option."""
+                     extra: dict[str, Any] | None,
+                     on_unread: Callable[[list[str]], None] | None) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments (``on_unread``: see ``render_chat``'s
+    ``on_unread_kwargs``). Raises ChatTemplateError for a bad option."""
     for name, flag in (("add_generation_prompt", add_generation_prompt),
                        ("continue_final_message", continue_final_message)):
         if not isinstance(flag, bool):  # "no" would read as true
@@ -247,10 +254,15 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
         raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
     read = _template_variables(template) if isinstance(template, str) else None
     unread = [] if read is None else sorted(set(extra) - read)
-    if unread:
+    if unread and on_unread is None:
         raise ChatTemplateError(f"this chat template does not use chat_template_kwargs."
-                                f"{unread[0]} (it reads no variable of that name)",
+                                f"{unread[0]} (it reads no variable of that name): leave it "
+                                "out for this model (a server started with "
+                                "--ignore-unknown-fields drops such keys, as vLLM does)",
                                 f"chat_template_kwargs.{unread[0]}")
+    if unread:
+        on_unread(unread)
+        extra = {k: v for k, v in extra.items() if k not in unread}
     return {**extra, "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message, "tools": tools or None,
             "documents": documents or None}

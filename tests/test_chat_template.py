@@ -451,3 +451,17 @@ def test_offline_roles_are_the_servers():
     from kvflow.chat_messages import ROLES
     from kvflow.entrypoints.protocol.chat import ChatMessage
     assert set(typing.get_args(ChatMessage.model_fields["role"].annotation)) == set(ROLES)
+
+
+def test_unread_kwargs_dropped_when_the_caller_asks(tok):
+    """``on_unread_kwargs`` (a server under --ignore-unknown-fields): a key the template never
+    reads is dropped and reported, the text the one without it; a key it reads still
+    renders."""
+    told = []
+    hi = [{"role": "user", "content": "hi"}]
+    got = render_chat(tok, hi, template_kwargs={"zz_unused": 1, "b_unused": 2},
+                      on_unread_kwargs=told.append)
+    assert (got, told) == (render_chat(tok, hi), [["b_unused", "zz_unused"]])
+    assert render_chat(tok, hi, chat_template="{{ x }}!", template_kwargs={"x": "q", "y": 1},
+                       on_unread_kwargs=told.append) == "q!"
+    assert told[-1] == ["y"]

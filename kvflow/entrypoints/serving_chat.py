@@ -272,12 +272,20 @@ class OpenAIServingChat(OpenAIServing):
 
     def _apply_template(self, conversation: list[dict[str, Any]], options: ChatOptions,
                         tools: list[dict[str, Any]] | None) -> str:
-        """The prompt text. Raises NoChatTemplateError, ChatTemplateError (``render_chat``)."""
+        """The prompt text. Raises NoChatTemplateError, ChatTemplateError (``render_chat``);
+        under ``--ignore-unknown-fields`` a ``chat_template_kwargs`` key the template never
+        reads is dropped and logged once (``_log_unread_kwargs``) instead of refused."""
         return self.engine.processor.apply_chat_template(
             conversation, options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             chat_template=options.chat_template, tools=tools, documents=options.documents,
-            template_kwargs=options.template_kwargs, default_template=self.chat_template)
+            template_kwargs=options.template_kwargs, default_template=self.chat_template,
+            on_unread_kwargs=self._log_unread_kwargs if self.unknown_fields.ignore else None)
+
+    def _log_unread_kwargs(self, names: list[str]) -> None:
+        self.unknown_fields.log.note_names(
+            [f"chat_template_kwargs.{name}" for name in names], "a chat or /tokenize request",
+            "chat_template_kwargs keys the chat template does not read")
 
     async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
                             ) -> ProcessedPrompt:

@@ -11,6 +11,7 @@ logged once per field name for the whole server, whichever endpoint they come to
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import RequestBody
@@ -104,11 +105,17 @@ class UnknownFieldLog:
     def note(self, req: RequestBody, endpoint: str) -> list[str]:
         """Log the names among ``req.unknown_fields`` that no request has sent before (with
         the endpoint of the first one to send them); returns those names, sorted."""
-        new = sorted(set(req.unknown_fields) - self._logged)
+        return self.note_names(req.unknown_fields, endpoint)
+
+    def note_names(self, names: Iterable[str], endpoint: str,
+                   what: str = "request fields kvflow does not know") -> list[str]:
+        """Log the ``names`` (``what`` says what they are) that no request has sent before;
+        returns those names, sorted."""
+        new = sorted(set(names) - self._logged)
         if new:
             self._logged.update(new)
-            logger.warning("ignoring request fields kvflow does not know: %s (first sent to "
-                           "%s; each name is logged once)", ", ".join(new), endpoint)
+            logger.warning("ignoring %s: %s (first sent to %s; each name is logged once)",
+                           what, ", ".join(new), endpoint)
         return new
 
 

@@ -148,6 +148,28 @@ def test_ignore_option_answers_as_without_the_field_and_logs_it_once(ignoring):
     assert "ignoring request fields" in log
 
 
+def test_ignore_option_drops_unread_chat_template_kwargs(strict, ignoring):
+    """A chat_template_kwargs key the template never reads (``enable_thinking`` for a model
+    without that switch): a 400 naming it by default; under --ignore-unknown-fields dropped:
+    the chat reply is the one without it (greedy ids), /tokenize renders the same prompt, and
+    the key is logged once."""
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    resp = post(strict, CH, {"max_tokens": 3, **kwargs})
+    assert (resp.status_code, resp.json()["error"]["param"]) == \
+        (400, "chat_template_kwargs.enable_thinking")
+    plain = ok(ignoring, CH, {"max_tokens": 3})
+    for _ in range(2):
+        assert token_ids(ok(ignoring, CH, {"max_tokens": 3, **kwargs})) == token_ids(plain)
+
+    def tokenize(body):
+        resp = httpx.post(f"{ignoring.url}{TOK}", json={"messages": HI, **body}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["tokens"]
+    assert tokenize(kwargs) == tokenize({})
+    log = ignoring.log_path.read_text(errors="replace")
+    assert log.count("chat_template_kwargs.enable_thinking") == 1, log
+
+
 def test_ignore_option_still_refuses_unsupported_fields(ignoring):
     resp = post(ignoring, CH, {"allowed_token_ids": [5]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_parameter"
