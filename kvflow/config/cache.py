@@ -28,7 +28,9 @@ class CacheConfig:
     """
 
     block_size: int = opt(16, "tokens per KV-cache block")
-    kv_cache_memory: str | int | None = opt(None, "KV-cache size in bytes, e.g. 2GiB")
+    kv_cache_memory: str | int | None = opt(
+        None, "KV-cache size in bytes, e.g. 2GiB (default: 2GiB on CPU; on a GPU what "
+        "--gpu-memory-utilization leaves)")
     num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (instead of a memory "
                                     "size: give one of --num-kv-blocks, --kv-cache-memory, "
                                     "--gpu-memory-utilization)")
