@@ -137,6 +137,42 @@ def test_the_gemm_the_mode_runs_is_taken(tiny_llama, options):
     assert got == hf[0, len(target):].tolist()
 
 
+ATTENTION_WHY = ("(the mode attends every token alone by the native kernel's decode path, "
+                 "neither prefill tiles nor SDPA, so only a draft model's attention reads it; "
+                 "leave --cpu-attention out)")
+
+
+@pytest.mark.parametrize("attention", ["auto", "native"])
+def test_a_cpu_attention_the_mode_does_not_read_is_refused(tiny_llama, attention):
+    """--cpu-attention chooses what a batch of whole prompts takes (prefill tiles or SDPA);
+    the mode attends token by token whatever it says, so auto and native were accepted and
+    never read without a draft model (sdpa was already refused)."""
+    with pytest.raises(ValueError) as e:
+        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB",
+            cpu_attention=attention)
+    assert str(e.value) == ("deterministic=True is not available with "
+                            f"cpu_attention={attention!r} {ATTENTION_WHY}")
+
+
+@needs_native
+def test_a_draft_model_reads_cpu_attention_under_the_mode(tiny_llama):
+    """A draft model's attention is not the mode's (its proposals are only checked by the
+    target): it takes --cpu-attention, and the target still generates transformers' greedy
+    tokens."""
+    target, _ = _prompts()
+    draft = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 2,
+             "adaptive": False}
+    llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+              kv_cache_memory="32MiB", cpu_attention="native", speculative_config=draft)
+    runner = llm.engine.core.executor.runner
+    assert runner.drafter.attn_ctx.backend.prefill.choice == "native"
+    assert runner.attn_ctx.backend.batch_invariant is True
+    got = _result(llm.generate([{"prompt_token_ids": target}], PARAMS, use_tqdm=False)[0])[0]
+    hf = tiny_llama.hf_model.generate(torch.tensor([target]), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == hf[0, len(target):].tolist()
+
+
 def test_refused_without_native_kernels(tiny_llama, monkeypatch):
     """KVFLOW_NATIVE_CPU=0: a ValueError saying the native kernels are off, and why they are
     needed (the mode has no batch-invariant GEMM without them)."""

@@ -33,7 +33,9 @@ What it refuses (ValueError at start-up), because those paths are not batch-inva
 verified: a device other than CPU and CUDA, a CPU build without kvflow's native kernels, an
 attention backend other than cpu/triton, weight quantization (int8/int4/fp8 and kept GGUF blocks switch kernels by row
 count; a .gguf file dequantized at load is fine), MoE layers (torch GEMMs per expert),
-multi-head latent attention, context or tensor parallelism (all-reduce chunking) and LoRA.
+multi-head latent attention, context or tensor parallelism (all-reduce chunking) and LoRA,
+and kernel choices the mode does not read: ``--cpu-gemm auto|onednn`` and, without a draft
+model (whose attention takes it), any ``--cpu-attention``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
         (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
         (dc.cpu_attention == "sdpa",
          "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
+        (dc.cpu_attention in ("auto", "native") and
+         (spec is None or spec.method != "draft_model"),  # a draft's attention reads it
+         (f"cpu_attention={dc.cpu_attention!r} (the mode attends every token alone by the "
+          "native kernel's decode path, neither prefill tiles nor SDPA, so only a draft "
+          "model's attention reads it; leave --cpu-attention out)")),
         (quantization is not None,
          f"quantization={quantization!r} (its GEMMs change kernel with the row count)"),
         (draft_quantization in ("int8", "int4"),
