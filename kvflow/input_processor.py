@@ -269,7 +269,8 @@ class InputProcessor:
             return []  # rendering has refused image parts already
         from kvflow.multimodal.media import MediaError, load_image_url
 
-        urls, limit = image_urls(messages), self.mm_processor.config.max_images_per_prompt
+        urls = image_urls(messages)
+        limit = self.mm_processor.config.limit("max_images_per_prompt")
         if len(urls) > limit:  # before any image is fetched or decoded
             error = MediaError(f"{len(urls)} images in one conversation; the limit is {limit} "
                                "(--max-images-per-prompt)")

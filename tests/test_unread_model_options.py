@@ -59,12 +59,18 @@ def test_a_decoder_takes_prefix_caching_either_way(tiny_llama, caching):
      "max_num_encoder_input_tokens=64, encoder_cache_size=16384"),
     ({"allowed_media_domains": "images.example.com"},
      "allowed_media_domains='images.example.com'"),
+    ({"max_image_bytes": 1024}, "max_image_bytes=1024"),
+    ({"max_image_pixels": 4096 * 4096}, "max_image_pixels=16777216"),
+    ({"max_images_per_prompt": 16}, "max_images_per_prompt=16"),
+    ({"media_fetch_timeout": 2.5}, "media_fetch_timeout=2.5"),
+    ({"encoder_cache_size": 4096, "media_fetch_timeout": 10.0, "max_image_bytes": 1024},
+     "max_image_bytes=1024, media_fetch_timeout=10.0, encoder_cache_size=4096"),
 ])
 def test_a_text_only_model_refuses_image_settings(tiny_llama, options, named):
     """The vision encoder's step budget and cache exist only for a model that takes images,
-    and image URLs are fetched only for one (the API side's image processor is None for a
-    text-only model): for a text-only one they were accepted and never read (the default's
-    16384 too, given)."""
+    and images are fetched, decoded and counted only for one (the API side's image processor
+    is None for a text-only model): for a text-only one they were accepted and never read
+    (the defaults' values too, given: 16384 tokens, 4096 x 4096 pixels, 16 images, 10 s)."""
     them = "them" if "," in named else "it"
     with pytest.raises(ValueError) as e:
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32, **options)

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from kvflow.config.options import check_choices, opt
 
 DEFAULT_ENCODER_CACHE_SIZE = 16384
+# The image limits' documented defaults, which an unset (None) limit takes:
+# MultiModalConfig.limit is the one place they are resolved.
+IMAGE_LIMIT_DEFAULTS: dict[str, int | float] = {
+    "max_image_bytes": 20 * 2**20, "max_image_pixels": 4096 * 4096,
+    "max_images_per_prompt": 16, "media_fetch_timeout": 10.0}
 
 
 @dataclass
@@ -15,9 +20,9 @@ class MultiModalConfig:
     """Image inputs of vision-language models: where images may come from, how big they may
     be, and how much vision-encoder work one engine step takes on.
 
-    Unset encoder settings and media domains are None (their documented defaults apply), so
-    a value given for a text-only model, which reads none, can be told apart and refused
-    (``kvflow.core.unread_options.check_no_image_settings``).
+    Unset settings are None (their documented defaults apply: readers take the image limits
+    through :meth:`limit`), so a value given for a text-only model, which reads none, can be
+    told apart and refused (``kvflow.core.unread_options.check_no_image_settings``).
 
     Raises:
         ValueError: from the constructor for a limit below 1 or a malformed domain list.
@@ -27,12 +32,17 @@ class MultiModalConfig:
         None, "comma-separated host names image URLs may be fetched from over http(s), e.g. "
         "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images); "
         "refused for a text-only model")
-    max_image_bytes: int = opt(20 * 2**20, "largest encoded image (data URL payload or "
-                                "download) in bytes")
-    max_image_pixels: int = opt(4096 * 4096, "largest image in pixels (width x height), "
-                                 "checked before the image is decoded")
-    max_images_per_prompt: int = opt(16, "most images one prompt or conversation may carry")
-    media_fetch_timeout: float = opt(10.0, "seconds allowed for fetching one image URL")
+    max_image_bytes: int | None = opt(None, "largest encoded image (data URL payload or "
+                                       "download) in bytes (default: 20 MiB, 20971520); "
+                                       "refused for a text-only model")
+    max_image_pixels: int | None = opt(None, "largest image in pixels (width x height), "
+                                        "checked before the image is decoded (default: 4096 x "
+                                        "4096, 16777216); refused for a text-only model")
+    max_images_per_prompt: int | None = opt(None, "most images one prompt or conversation may "
+                                             "carry (default: 16); refused for a text-only "
+                                             "model")
+    media_fetch_timeout: float | None = opt(None, "seconds allowed for fetching one image URL "
+                                             "(default: 10); refused for a text-only model")
     max_num_encoder_input_tokens: int | None = opt(
         None, "vision-encoder output tokens computed per engine step (an image that does not "
         "fit waits for the next step; one image always runs alone) (default: "
@@ -49,7 +59,7 @@ class MultiModalConfig:
                      "encoder_cache_size", "max_num_encoder_input_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.media_fetch_timeout <= 0:
+        if self.media_fetch_timeout is not None and self.media_fetch_timeout <= 0:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
 
@@ -59,12 +69,25 @@ class MultiModalConfig:
         return DEFAULT_ENCODER_CACHE_SIZE if self.encoder_cache_size is None \
             else self.encoder_cache_size
 
+    def limit(self, name: str) -> int | float:
+        """The image limit ``name`` in force (``max_image_bytes`` in bytes,
+        ``max_image_pixels`` in pixels, ``max_images_per_prompt`` in images,
+        ``media_fetch_timeout`` in seconds): the value given, else its documented default
+        (``IMAGE_LIMIT_DEFAULTS``).
+
+        Raises:
+            KeyError: for a name that is not one of those four.
+        """
+        value = getattr(self, name) if name in IMAGE_LIMIT_DEFAULTS else None
+        return IMAGE_LIMIT_DEFAULTS[name] if value is None else value
+
     def image_options(self) -> list[str]:
         """The image settings given (``name=value``, in field order) that only an engine
-        whose model takes images reads: the image URL hosts and the vision encoder's budget
-        and cache."""
+        whose model takes images reads: the image URL hosts, the image limits and the vision
+        encoder's budget and cache."""
         return [f"{name}={getattr(self, name)!r}" for name in
-                ("allowed_media_domains", "max_num_encoder_input_tokens", "encoder_cache_size")
+                ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS,
+                 "max_num_encoder_input_tokens", "encoder_cache_size")
                 if getattr(self, name) is not None]
 
     def media_domains(self) -> frozenset[str]:

@@ -76,11 +76,14 @@ def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None)
 def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
     """For a text-only model (no vision encoder), refuse the image settings given: only an
     engine whose model takes images reads them (the API side builds no image processor for a
-    text-only model, ``kvflow.multimodal.mm_processor_of_source``, so no URL is fetched).
+    text-only model, ``kvflow.multimodal.mm_processor_of_source``, so no URL is fetched and
+    no image is decoded or counted).
 
     Raises:
-        ValueError: naming each such setting given (``allowed_media_domains``,
-            ``max_num_encoder_input_tokens``, ``encoder_cache_size``) and the architecture.
+        ValueError: naming each such setting given (``allowed_media_domains``, the image
+            limits ``max_image_bytes``, ``max_image_pixels``, ``max_images_per_prompt`` and
+            ``media_fetch_timeout``, ``max_num_encoder_input_tokens``,
+            ``encoder_cache_size``) and the architecture.
     """
     if is_multimodal(hf_config):
         return

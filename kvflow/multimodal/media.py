@@ -81,9 +81,10 @@ def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
     if ";base64" not in params.lower():
         raise MediaError("data URLs of images must be base64-encoded (data:image/png;base64,...)")
     payload = "".join(payload.split())
-    if len(payload) * 3 // 4 > config.max_image_bytes + 3:
+    limit = config.limit("max_image_bytes")
+    if len(payload) * 3 // 4 > limit + 3:
         raise MediaError(f"the image has about {len(payload) * 3 // 4} bytes; the limit is "
-                         f"{config.max_image_bytes} bytes (--max-image-bytes)")
+                         f"{limit} bytes (--max-image-bytes)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -108,19 +109,20 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
         raise MediaError(f"fetching images from {host!r} is not allowed ({hint}); or send "
                          "the image inline as a data: URL")
     opener = urllib.request.build_opener(_AllowListRedirects(allowed))
-    deadline = time.monotonic() + config.media_fetch_timeout
+    timeout, limit = config.limit("media_fetch_timeout"), config.limit("max_image_bytes")
+    deadline = time.monotonic() + timeout
     try:
-        with opener.open(url, timeout=config.media_fetch_timeout) as response:
-            body = _read_until(response, config.max_image_bytes + 1, deadline)
+        with opener.open(url, timeout=timeout) as response:
+            body = _read_until(response, limit + 1, deadline)
     except MediaError:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise MediaError(f"cannot fetch the image from {url!r}: {e}") from None
     if body is None:
         raise MediaError(f"fetching the image from {url!r} took longer than "
-                         f"{config.media_fetch_timeout} s (--media-fetch-timeout)")
-    if len(body) > config.max_image_bytes:
-        raise MediaError(f"the image at {url!r} exceeds {config.max_image_bytes} bytes "
+                         f"{timeout} s (--media-fetch-timeout)")
+    if len(body) > limit:
+        raise MediaError(f"the image at {url!r} exceeds {limit} bytes "
                          "(--max-image-bytes)")
     return body
 
@@ -168,14 +170,15 @@ def decode_image_bytes(data: bytes, config: MultiModalConfig) -> Image.Image:
             than ``max_image_pixels`` pixels (checked from the header), or a truncated or
             corrupt file.
     """
-    if len(data) > config.max_image_bytes:
+    limit = config.limit("max_image_bytes")
+    if len(data) > limit:
         raise MediaError(f"the image has {len(data)} bytes; the limit is "
-                         f"{config.max_image_bytes} bytes (--max-image-bytes)")
+                         f"{limit} bytes (--max-image-bytes)")
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise MediaError(f"the image is too large: {e} (--max-image-pixels is "
-                         f"{config.max_image_pixels})") from None
+                         f"{config.limit('max_image_pixels')})") from None
     except UnidentifiedImageError:  # its message names a BytesIO object, nothing useful
         raise MediaError(f"cannot decode the image: its {len(data)} bytes are not a PNG, "
                          "JPEG, WebP, GIF or BMP file") from None
@@ -211,9 +214,10 @@ def check_image(image: Image.Image, config: MultiModalConfig) -> Image.Image:
 def _loaded(image: Image.Image, config: MultiModalConfig) -> Image.Image:
     """``image`` with its pixels decoded, after the pixel-count check (MediaError)."""
     width, height = image.size
-    if width * height > config.max_image_pixels:
+    limit = config.limit("max_image_pixels")
+    if width * height > limit:
         raise MediaError(f"the image is {width} x {height} = {width * height} pixels; the "
-                         f"limit is {config.max_image_pixels} pixels (--max-image-pixels)")
+                         f"limit is {limit} pixels (--max-image-pixels)")
     try:
         image.load()
         return image

@@ -93,9 +93,10 @@ class MultiModalProcessor:
         """
         self.check_no_video(token_ids)
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(images) > self.config.max_images_per_prompt:
-            raise ValueError(f"{len(images)} images in one prompt; the limit is "
-                             f"{self.config.max_images_per_prompt} (--max-images-per-prompt)")
+        limit = self.config.limit("max_images_per_prompt")
+        if len(images) > limit:
+            raise ValueError(f"{len(images)} images in one prompt; the limit is {limit} "
+                             "(--max-images-per-prompt)")
         if len(slots) != len(images):
             raise ValueError(f"the prompt has {len(slots)} image placeholder(s) "
                              f"({self.placeholder!r}) but {len(images)} image(s) were given: "

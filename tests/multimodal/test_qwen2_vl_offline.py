@@ -24,6 +24,7 @@ from tests.multimodal.conftest import (
     data_url,
     hf_generate,
     hf_prompt_ids,
+    png_bytes,
     random_image,
 )
 
@@ -220,6 +221,45 @@ def test_image_count_limit_is_checked_before_decoding(tiny_qwen2_vl):
     with pytest.raises(ValueError, match="3 images in one conversation; the limit is 2"):
         llm.chat([{"role": "user", "content": parts}], greedy())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_image_limits_given_are_read(tiny_qwen2_vl):
+    """The image limits given to a Qwen2-VL engine take effect: one image per prompt refuses
+    two (offline prompt and chat), a pixel limit under an 84 x 56 image refuses it, a byte
+    limit under its PNG refuses the data URL; what stays under them generates transformers'
+    tokens."""
+    image, other = random_image(84, 56, 1), random_image(120, 200, 2)
+    size = len(png_bytes(image))
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=64, max_images_per_prompt=1,
+              max_image_pixels=84 * 56, max_image_bytes=size, media_fetch_timeout=2.5)
+    text = f"{PLACEHOLDER} and {PLACEHOLDER} compare them"
+    with pytest.raises(ValueError, match=r"^2 images in one prompt; the limit is 1 "
+                                         r"\(--max-images-per-prompt\)$"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": [image, image]}}, greedy())
+    with pytest.raises(ValueError, match="2 images in one conversation; the limit is 1"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}}] * 2}], greedy())
+    one = f"a {PLACEHOLDER} what is this?"
+    with pytest.raises(ValueError, match=r"the image is 120 x 200 = 24000 pixels; the limit "
+                                         r"is 4704 pixels \(--max-image-pixels\)"):
+        llm.generate({"prompt": one, "multi_modal_data": {"image": other}}, greedy())
+    with pytest.raises(ValueError, match=rf"the image has {size + 1} bytes; the limit is "
+                                         rf"{size} bytes \(--max-image-bytes\)"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": data_url(png_bytes(image) + b"\0")}}]}], greedy())
+    assert llm.engine.processor.mm_processor.config.limit("media_fetch_timeout") == 2.5
+    out = llm.generate({"prompt": one, "multi_modal_data": {"image": image}}, greedy())[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_qwen2_vl, one, [image], MAX_TOKENS)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_image_limits_left_out_are_the_documented_defaults(llm):
+    """Left out (None), the limits are the README's: 20 MiB, 4096 x 4096 pixels, 16 images,
+    10 s (the default engine takes the two-image prompts of the other tests)."""
+    config = llm.engine.processor.mm_processor.config
+    assert [config.limit(name) for name in ("max_image_bytes", "max_image_pixels",
+                                            "max_images_per_prompt", "media_fetch_timeout")] \
+        == [20 * 1024 * 1024, 16777216, 16, 10.0]
 
 
 def test_transparent_image_equals_transformers(llm, tiny_qwen2_vl):
