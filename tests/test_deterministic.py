@@ -304,3 +304,51 @@ def test_start_up_log_says_what_changed(tiny_llama, caplog):
     assert len(lines) == 1
     assert "kvflow's C GEMM" in lines[0] and "every query token alone" in lines[0]
     assert "GEMM kernels (--cpu-gemm native" in caplog.text
+
+
+ENV_UNREAD = {
+    "KVFLOW_CPU_GEMM": ("KVFLOW_CPU_GEMM='onednn' is not read under --deterministic, which runs "
+                        "kvflow's C GEMM (native) for every projection and the LM head; unset "
+                        "it"),
+    "KVFLOW_CPU_ATTENTION": ("KVFLOW_CPU_ATTENTION='sdpa' is not read under --deterministic, "
+                             "which attends every token alone by the native kernel's decode "
+                             "path (only a draft model's attention reads it); unset it"),
+}
+
+
+@needs_native
+@pytest.mark.parametrize(("variable", "value"), [("KVFLOW_CPU_GEMM", "onednn"),
+                                                 ("KVFLOW_CPU_ATTENTION", "sdpa")])
+def test_an_unread_kernel_variable_is_warned_about(tiny_llama, caplog, monkeypatch, variable,
+                                                   value):
+    """A KVFLOW_CPU_* variable is a default, which a flag overrides in silence; the mode reads
+    neither of these (as it turns off KVFLOW_CPU_ADAPTIVE_THREADS=1 with a warning), so a set
+    one is named in a start-up warning, and the engine still generates transformers' greedy
+    tokens."""
+    monkeypatch.setenv(variable, value)
+    target, _ = _prompts()
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+                  kv_cache_memory="16MiB")
+    warned = [r.getMessage() for r in caplog.records if variable in r.getMessage()]
+    assert warned == [ENV_UNREAD[variable]]
+    got = _result(llm.generate([{"prompt_token_ids": target}], PARAMS, use_tqdm=False)[0])[0]
+    hf = tiny_llama.hf_model.generate(torch.tensor([target]), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == hf[0, len(target):].tolist()
+
+
+@needs_native
+def test_a_kernel_variable_the_mode_reads_is_not_warned_about(tiny_llama, caplog,
+                                                              monkeypatch):
+    """KVFLOW_CPU_GEMM=native is what the mode runs, and a draft model's attention reads
+    KVFLOW_CPU_ATTENTION: no warning."""
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "native")
+    monkeypatch.setenv("KVFLOW_CPU_ATTENTION", "native")
+    draft = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 2,
+             "adaptive": False}
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+                  kv_cache_memory="32MiB", speculative_config=draft)
+    assert [r.getMessage() for r in caplog.records if "KVFLOW_CPU" in r.getMessage()] == []
+    assert llm.engine.core.executor.runner.drafter.attn_ctx.backend.prefill.choice == "native"

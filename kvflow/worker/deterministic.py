@@ -40,6 +40,7 @@ model (whose attention takes it), any ``--cpu-attention``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -133,6 +134,31 @@ def check_supported(config: EngineConfig, hf_config: Any, device_type: str,
                                   has_native_kernels)
     if reasons:
         raise ValueError("deterministic=True is not available with " + "; ".join(reasons))
+
+
+def unread_environment(config: EngineConfig, device_type: str) -> list[str]:
+    """Warnings naming the CPU kernel variables set that ``--deterministic`` does not read on
+    a CPU (empty elsewhere, or with the matching flag given, which overrides a variable in
+    silence as everywhere in kvflow): ``KVFLOW_CPU_GEMM`` other than ``native`` (the mode
+    runs kvflow's C GEMM) and, without a draft model (whose attention reads it),
+    ``KVFLOW_CPU_ATTENTION``. Variables are defaults, so they are warned about (as
+    ``KVFLOW_CPU_ADAPTIVE_THREADS=1`` is), not refused."""
+    dc, spec = config.device_config, config.speculative_config
+    if device_type != "cpu":
+        return []
+    gemm, attention = os.environ.get("KVFLOW_CPU_GEMM"), os.environ.get("KVFLOW_CPU_ATTENTION")
+    warnings = []
+    if dc.cpu_gemm is None and gemm is not None and gemm != "native":
+        warnings.append(f"KVFLOW_CPU_GEMM={gemm!r} is not read under --deterministic, which "
+                        "runs kvflow's C GEMM (native) for every projection and the LM head; "
+                        "unset it")
+    if dc.cpu_attention is None and attention is not None and \
+            (spec is None or spec.method != "draft_model"):
+        warnings.append(f"KVFLOW_CPU_ATTENTION={attention!r} is not read under "
+                        "--deterministic, which attends every token alone by the native "
+                        "kernel's decode path (only a draft model's attention reads it); "
+                        "unset it")
+    return warnings
 
 
 def _is_moe(hf_config: Any) -> bool:

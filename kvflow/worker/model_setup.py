@@ -28,6 +28,7 @@ from kvflow.worker.attention_backends import (
 )
 from kvflow.worker.cpu_setup import choose_gemm_path
 from kvflow.worker.deterministic import check_supported as check_deterministic
+from kvflow.worker.deterministic import unread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def choose_attention_backend(config: EngineConfig, platform: Platform,
 def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: Any,
                         device: torch.device) -> Any:
     """The model's quantization config (None: unquantized) from ``--quantization`` or the
-    checkpoint.
+    checkpoint. Under ``--deterministic`` a CPU kernel variable the mode does not read is
+    warned about (``worker/deterministic.py: unread_environment``).
 
     Raises:
         ValueError: under ``--deterministic``, for a setup it cannot make batch-invariant
@@ -103,6 +105,8 @@ def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: An
         check_deterministic(config, hf_config, device.type,
                             quant_config and quant_config.name,
                             device.type != "cpu" or native_cpu_kernels() is not None)
+        for warning in unread_environment(config, device.type):
+            logger.warning(warning)
     return quant_config
 
 
