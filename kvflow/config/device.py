@@ -207,7 +207,9 @@ class DeviceConfig:
     deterministic: bool = opt(False, "batch-invariant kernels: a request's temperature-0 "
                               "output (and logits) do not depend on the other requests of "
                               "its batch or on how its prompt was chunked (CPU: kvflow's C "
-                              "GEMM for every projection, token-by-token attention; slower)")
+                              "GEMM for every projection, token-by-token attention; slower; "
+                              "so it refuses --cpu-gemm other than native and, without a "
+                              "draft model, any --cpu-attention)")
     cpu_threads: int | None = opt(None, "CPU compute threads (default: torch's count, capped by "
                                    "the CPUs of the affinity mask and the cgroup CPU quota; "
                                    "the length of --cpu-threads-bind when that is a list)")
