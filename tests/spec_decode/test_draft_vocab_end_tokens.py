@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from tests.spec_decode.test_draft_vocab import _spy_drafts
 from tests.spec_decode.test_ngram_engine import _drafted
 
 SUBSET = 48  # of the tiny tokenizer's 320 ids
@@ -93,20 +94,6 @@ def _new_ids_above_cut(greedy: list[int]) -> list[int]:
 
 def _drafter(llm: LLM):
     return llm.engine.core.executor.runner.drafter
-
-
-def _spy_drafts(llm: LLM) -> list[int]:
-    drafter, seen = _drafter(llm), []
-    original = drafter._propose
-
-    def spy(*args, **kwargs):
-        proposal = original(*args, **kwargs)
-        for tokens in proposal.token_ids.values():
-            seen.extend(tokens)
-        return proposal
-
-    drafter._propose = spy
-    return seen
 
 
 @pytest.mark.parametrize("generation_eos", [[300, 0, 310], 305], ids=["list", "int"])
