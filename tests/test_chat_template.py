@@ -123,9 +123,10 @@ def test_tool_calls_reach_the_template(tok):
 def test_no_chat_template_http_message(tiny_tokenizer):
     """Over HTTP the error speaks of request fields and endpoints, not of Python calls."""
     from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
     from kvflow.input_processor import InputProcessor
 
     plain = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer)
@@ -243,9 +244,10 @@ def test_served_tool_call_index_checked_before_calls_become_text(tiny_tokenizer,
     (``chat_conversation.with_calls_as_text``) before the conversation is normalized: a call's echoed
     ``index`` is still checked (a wrong one was accepted, HTTP 200) and a right one renders."""
     from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
     from kvflow.input_processor import InputProcessor
 
     plain = copy.deepcopy(tiny_tokenizer)
@@ -274,9 +276,10 @@ def test_template_syntax_error_blames_the_template(tiny_tokenizer):
     messages: TemplateSyntaxError: unexpected '}'" (param messages), as if another conversation
     could render; over HTTP it stays a 400 (no traceback), now naming the template's fault."""
     from kvflow.config import ServerConfig
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+    from kvflow.entrypoints.serving_chat import OpenAIServingChat
     from kvflow.input_processor import InputProcessor
 
     broken = copy.deepcopy(tiny_tokenizer)
@@ -319,8 +322,8 @@ def served_chat(tok):
 def _served_render(served_chat, messages: list[dict]) -> str:
     """The prompt text /v1/chat/completions renders for ``messages`` (an OpenAIError for a
     conversation it refuses)."""
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions
 
     req = ChatCompletionRequest.model_validate({"messages": messages})
     return asyncio.run(served_chat.render(req.messages, ChatOptions.of(req)))[0]

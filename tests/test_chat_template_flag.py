@@ -151,8 +151,8 @@ def _engine(tokenizer):
 
 
 def _render(chat, messages=MESSAGES, chat_template=None):
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions
 
     req = ChatCompletionRequest(messages=messages, chat_template=chat_template)
     return asyncio.run(chat.render(req.messages, ChatOptions.of(req)))

@@ -29,8 +29,8 @@ def chat(tiny_tokenizer):
 
 
 def _render(chat, system_content) -> str:
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions
 
     req = ChatCompletionRequest(messages=[{"role": "system", "content": system_content},
                                           {"role": "user", "content": "hi"}], tools=TOOLS)
@@ -74,9 +74,9 @@ def _served(tiny_tokenizer, template: str):
 
 
 def _render_error(chat, messages: list[dict], tools: list[dict] | None = TOOLS):
+    from kvflow.entrypoints.chat_options import ChatOptions
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol import ChatCompletionRequest
-    from kvflow.entrypoints.serving_chat import ChatOptions
 
     req = ChatCompletionRequest(messages=messages, tools=tools)
     with pytest.raises(OpenAIError) as info:

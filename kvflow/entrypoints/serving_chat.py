@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -26,6 +25,7 @@ from kvflow.entrypoints.chat_conversation import (
     with_system_prompt,
 )
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
+from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
@@ -38,7 +38,6 @@ from kvflow.entrypoints.protocol import (
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
-    TokenizeRequest,
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
@@ -67,25 +66,6 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """How to render a conversation (the chat-template fields of a request)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    documents: list[dict[str, Any]] | None = None
-    template_kwargs: dict[str, Any] | None = None
-
-    @classmethod
-    def of(cls, req: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
-        """The options of a chat or /tokenize request."""
-        special = req.add_special_tokens
-        return cls(req.add_generation_prompt, req.continue_final_message, bool(special),
-                   req.chat_template, req.documents, req.chat_template_kwargs)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
@@ -16,7 +17,7 @@ from kvflow.entrypoints.protocol import (
     TokenizeResponse,
 )
 from kvflow.entrypoints.serving_base import body_size
-from kvflow.entrypoints.serving_chat import ChatOptions, OpenAIServingChat
+from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
     check_tools_off_loop,
