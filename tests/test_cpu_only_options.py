@@ -24,7 +24,10 @@ class StandInGpu(CpuPlatform):
 
 @pytest.fixture
 def on_gpu(monkeypatch):
+    """A stand-in GPU platform; KVFLOW_NATIVE_CPU unset (its 0 refuses the options that need
+    the native CPU kernels first, whatever the device)."""
     monkeypatch.setattr(engine_core, "get_platform", lambda device: StandInGpu())
+    monkeypatch.delenv("KVFLOW_NATIVE_CPU", raising=False)
 
 
 @pytest.mark.parametrize("options, named", [
@@ -47,7 +50,8 @@ def test_cpu_options_on_a_gpu_are_refused(on_gpu, tiny_llama, options, named):
                             f"{'them' if several else 'it'} out (or run with --device cpu)")
 
 
-def test_options_left_unset_or_off_are_no_cpu_options():
+def test_options_left_unset_or_off_are_no_cpu_options(monkeypatch):
+    monkeypatch.delenv("KVFLOW_NATIVE_CPU", raising=False)  # its 0 refuses cpu_gemm native
     assert DeviceConfig().cpu_only_options() == []
     assert DeviceConfig(cpu_gemm_pool=False, cpu_adaptive_threads=False).cpu_only_options() == []
     assert DeviceConfig(cpu_threads=4, cpu_gemm="native").cpu_only_options() == \

@@ -110,6 +110,7 @@ def test_unsupported_combinations_are_refused(tiny_llama, option):
         LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB", **option)
 
 
+@needs_native  # without the kernels the message also says they are off
 @pytest.mark.parametrize(("gemm", "why"), [
     ("auto", ("cpu_gemm='auto' (a choice timed per CPU and shape class, which the mode "
               "cannot make: it runs kvflow's C GEMM; leave --cpu-gemm out or give native)")),
@@ -142,6 +143,7 @@ ATTENTION_WHY = ("(the mode attends every token alone by the native kernel's dec
                  "leave --cpu-attention out)")
 
 
+@needs_native  # without the kernels the message also says they are off
 @pytest.mark.parametrize("attention", ["auto", "native"])
 def test_a_cpu_attention_the_mode_does_not_read_is_refused(tiny_llama, attention):
     """--cpu-attention chooses what a batch of whole prompts takes (prefill tiles or SDPA);

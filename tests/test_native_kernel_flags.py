@@ -47,7 +47,8 @@ def _warning(levels: str, asked: str, off: str) -> str:
       "attention_backend": "cpu"},
      ("--cpu-attention native", "--cpu-gemm-pool", "--attention-backend cpu")),
 ])
-def test_the_options_that_need_the_kernels(options, flags):
+def test_the_options_that_need_the_kernels(options, flags, monkeypatch):
+    monkeypatch.delenv("KVFLOW_NATIVE_CPU", raising=False)  # its 0 refuses these options
     assert DeviceConfig(**options).native_kernel_flags() == flags
 
 
