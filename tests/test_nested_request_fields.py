@@ -332,6 +332,22 @@ def test_a_tool_message_needs_its_tool_call_id():
     check_messages(ChatCompletionRequest.model_validate({"messages": turns}).messages)
 
 
+@pytest.mark.parametrize("route", ["/chat", "/tokenize"])
+def test_an_assistant_tool_call_id_is_not_empty(client, route):
+    """A call's ``id`` is what a tool message's ``tool_call_id`` answers: ``""`` names no call
+    (a tool message answering it is refused) and was accepted; now a 400 at that key, code
+    string_below_min_length, as pydantic's min_length answers."""
+    resp = client.post(route, json={"messages": [*HI, {"role": "assistant",
+                                                        "tool_calls": [{**CALL, "id": ""}]}]})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == \
+        ("messages.1.tool_calls.0.id", "string_below_min_length"), error
+    assert client.post(route, json={"messages": [*HI, {"role": "assistant",
+                                                         "tool_calls": [CALL]}]}).status_code \
+        == 200
+
+
 PART = {"type": "text", "text": "a"}
 MAX_CONTENT_PARTS = 10_000  # the limit README documents
 

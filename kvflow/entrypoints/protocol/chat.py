@@ -112,9 +112,10 @@ class MessageToolCall(RequestModel):
     """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed).
     ``index`` is the position a streamed delta gave the call, which clients that build the
     message from the stream echo back: it must equal the call's position in the list
-    (checked with the conversation, kvflow/chat_messages.py) and does not reach the template."""
+    (checked with the conversation, kvflow/chat_messages.py) and does not reach the template.
+    ``id`` is a non-empty string, as a tool message's ``tool_call_id`` must be."""
 
-    id: str
+    id: str = Field(min_length=1)  # what a tool message's tool_call_id answers
     type: Literal["function"]
     function: CalledFunction
     index: int | None = Field(default=None, ge=0)
