@@ -50,11 +50,7 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
              if getattr(cc, name) is not None]
     given += [f"kv_cache_dtype={cc.kv_cache_dtype!r}"] if cc.kv_cache_dtype != "auto" else []
     given += ["enable_prefix_caching=True"] if cc.enable_prefix_caching else []
-    if given:
-        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
-        them = "them" if len(given) > 1 else "it"
-        raise ValueError(f"{', '.join(given)}: {arch} is an encoder-only model, which keeps no "
-                         f"KV cache, so nothing reads {them}; leave {them} out")
+    _refuse_unread(given, hf_config, "an encoder-only model, which keeps no KV cache")
 
 
 def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None) -> None:
@@ -88,8 +84,15 @@ def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
     if is_multimodal(hf_config):
         return
     given = config.multimodal_config.image_options()
-    if given:
-        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
-        them = "them" if len(given) > 1 else "it"
-        raise ValueError(f"{', '.join(given)}: {arch} is a text-only model, which takes no "
-                         f"images, so nothing reads {them}; leave {them} out")
+    _refuse_unread(given, hf_config, "a text-only model, which takes no images")
+
+
+def _refuse_unread(given: list[str], hf_config: Any, kind: str) -> None:
+    """Raise the ValueError for settings ``given`` (``name=value``) that a model of ``kind``
+    (its architecture named from ``hf_config``) never reads; nothing when none is given."""
+    if not given:
+        return
+    arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+    them = "them" if len(given) > 1 else "it"
+    raise ValueError(f"{', '.join(given)}: {arch} is {kind}, so nothing reads {them}; "
+                     f"leave {them} out")
