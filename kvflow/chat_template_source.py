@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import stat
+import time
 from typing import Any
 
 __all__ = ["load_chat_template", "model_template_warning", "template_name",
@@ -22,6 +25,7 @@ FLAG = "--chat-template"
 # own name (vLLM's rule, stricter: vLLM takes any ``{``, ``}`` or newline).
 _JINJA_MARKERS = ("{%", "{{", "{#")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest template file read (published ones: under 20 KiB)
+PIPE_WAIT_S = 10.0  # how long a pipe (``<(cat t.jinja)``, a FIFO) may take to send its template
 
 
 def load_chat_template(value: str) -> str:
@@ -40,7 +44,7 @@ def load_chat_template(value: str) -> str:
             ``--chat-template VALUE:`` (an inline template is named
             ``<inline template>``) for a path that does not exist (and no Jinja markup), a
             file that cannot be read (a folder, no permission), is not UTF-8 or is empty (or
-            blank), or a template that does not compile (naming its Jinja line).
+            blank), a pipe that sends nothing for :data:`PIPE_WAIT_S` s, or a template that does not compile (naming its Jinja line).
     """
     if not isinstance(value, str) or not value:
         raise ValueError(f"{FLAG} must be a file's path or a template's text, got {value!r}")
@@ -69,11 +73,15 @@ def template_name(value: str) -> str:
 
 
 def _read_template_file(path: str) -> str:
-    """The text of ``path``. Raises ValueError naming the flag and the file when it cannot be
-    read, is larger than :data:`MAX_TEMPLATE_BYTES` or is not UTF-8."""
+    """The text of ``path`` (a file, or a pipe read by :func:`_read_pipe`). Raises ValueError
+    naming the flag and the file when it cannot be read, is larger than
+    :data:`MAX_TEMPLATE_BYTES`, is not UTF-8 or is a pipe that sends nothing."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TEMPLATE_BYTES + 1)  # /dev/zero named by mistake ends here
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            data = _read_pipe(path)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(MAX_TEMPLATE_BYTES + 1)  # /dev/zero named by mistake ends here
     except OSError as e:
         raise ValueError(f"{FLAG} {path}: cannot read it ({e.strerror})") from None
     if len(data) > MAX_TEMPLATE_BYTES:
@@ -84,6 +92,33 @@ def _read_template_file(path: str) -> str:
     except UnicodeDecodeError as e:
         raise ValueError(f"{FLAG} {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
                          f"offset {e.start})") from None
+
+
+def _read_pipe(path: str) -> bytes:
+    """Up to ``MAX_TEMPLATE_BYTES + 1`` bytes of the pipe ``path`` (a FIFO, or bash's
+    ``<(...)``), read until its writer closes it. Opened without blocking, so a FIFO that
+    nothing writes to cannot hang start-up: raises ValueError when no byte or end comes for
+    :data:`PIPE_WAIT_S` seconds (OSError as ``open`` would)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        chunks: list[bytes] = []
+        size, deadline = 0, time.monotonic() + PIPE_WAIT_S
+        while size <= MAX_TEMPLATE_BYTES:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise ValueError(f"{FLAG} {path}: a pipe that sent no template within "
+                                 f"{PIPE_WAIT_S:g} s (nothing writing to it?)")
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:  # woken without data: wait again
+                continue
+            if not chunk:  # the writer closed it
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def template_syntax_error(template: str) -> Any:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from kvflow import chat_template_source
 from kvflow.chat_template import ChatTemplateError, render_chat
 from kvflow.chat_template_source import (
     load_chat_template,
@@ -349,7 +353,6 @@ def test_serve_reads_the_template_once_and_serves_what_it_checked(tmp_path, tok,
     made broken) was served unchecked, or failed the start after the load. Now one read, whose
     text is served: the app's chat handler renders with the template as it was at start-up
     (oracle: transformers' rendering with that template)."""
-    from kvflow import chat_template_source
     from kvflow.entrypoints import api_server
     from kvflow.entrypoints.cli import main
 
@@ -436,3 +439,39 @@ def test_generate_chats_with_the_flags_template(tiny_llama, tmp_path, capsys):
     assert main([*argv, "--chat-template", _file(tmp_path, FLAG_TEMPLATE)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == expected.text and f"tokens={len(expected.token_ids)}" in out[1]
+
+
+# ---- a pipe named as the file ------------------------------------------------------------------
+def test_a_pipe_is_read_to_its_end(tmp_path):
+    """bash's ``--chat-template <(cat t.jinja)`` and a FIFO with a writer: read until the
+    writer closes it, in chunks (the writer sends the template in two parts)."""
+    fifo = str(tmp_path / "t.fifo")
+    os.mkfifo(fifo)
+
+    def write():
+        with open(fifo, "wb") as f:  # blocks until the reader opens the FIFO
+            f.write(FLAG_TEMPLATE[:5].encode())
+            f.flush()
+            time.sleep(0.1)
+            f.write(FLAG_TEMPLATE[5:].encode())
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert load_chat_template(fifo) == FLAG_TEMPLATE
+    finally:
+        writer.join(5)
+
+
+def test_a_pipe_nothing_writes_to_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """A FIFO without a writer used to block start-up for ever in ``open``; now it is opened
+    without blocking and refused once PIPE_WAIT_S passes without data."""
+    monkeypatch.setattr(chat_template_source, "PIPE_WAIT_S", 0.2)
+    fifo = str(tmp_path / "idle.fifo")
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        load_chat_template(fifo)
+    assert time.monotonic() - start < 5
+    assert str(info.value) == (f"--chat-template {fifo}: a pipe that sent no template within "
+                               "0.2 s (nothing writing to it?)")
