@@ -28,6 +28,40 @@ def _clean(error: Exception) -> str:
     return " ".join(line for line in lines if line).strip()
 
 
+# xgrammar's EBNF errors: "EBNF parser error at line 2, column 1: Expect element, but got x";
+# at the end of the grammar the "got" part is empty and the column counts UTF-8 bytes.
+_EBNF_ERROR = re.compile(r"EBNF (?:lexer|parser) error at line (\d+), column (\d+): (.*)",
+                         re.DOTALL)
+_ELEMENT = ('an element (a "quoted string", a [character class], a rule name or a '
+            '(parenthesized group))')
+
+
+def grammar_error(spec: str, message: str) -> str:
+    """An EBNF error (``message``, xgrammar's, location prefix removed) in the grammar's
+    terms: where (line, column in characters, and the grammar text just before it), what
+    was expected and what the grammar has there (its next word, or ``the end of the
+    grammar``: xgrammar's own message then ends in an empty "but got"). A message of
+    another shape is returned unchanged."""
+    found = _EBNF_ERROR.search(message)
+    if found is None:
+        return message
+    line, byte_column, what = int(found[1]), int(found[2]), found[3].strip()
+    lines = spec.split("\n")
+    text = lines[line - 1].encode() if line <= len(lines) else b""
+    head = text[:byte_column - 1].decode(errors="ignore")
+    before = "\n".join([*lines[:line - 1], head])
+    after = "\n".join([text[byte_column - 1:].decode(errors="ignore"), *lines[line:]])
+    if what.startswith("Expect "):  # "Expect )", "Expect element, but got x"
+        expected, _, got = what.removeprefix("Expect ").partition(", but got")
+        expected = _ELEMENT if expected.strip() == "element" else repr(expected.strip())
+        got = got.strip() or (after.split()[0] if after.strip() else "")
+        got = repr(got) if got else "the end of the grammar"
+        what = f"expected {expected}, but got {got}"
+    shown = before.strip()[-40:]
+    where = f"line {line}, column {len(head) + 1}" + (f" (after {shown!r})" if shown else "")
+    return f"{where}: {what}"
+
+
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, spec) with choices turned into an EBNF alternation of JSON-quoted literals
     (EBNF string literals use JSON escapes, so any Unicode text is safe)."""
@@ -97,9 +131,10 @@ def validate(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
+        why = grammar_error(spec, _clean(e)) if params.kind == "grammar" else _clean(e)
         if params.kind == "choice":
             what = "choice"
-        raise ValueError(f"invalid {what} in structured_outputs: {_clean(e)}") from None
+        raise ValueError(f"invalid {what} in structured_outputs: {why}") from None
 
 
 class XgrammarGrammar(StructuredOutputGrammar):
