@@ -14,6 +14,7 @@ from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 
 # A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
 # with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model.
@@ -63,6 +64,7 @@ class InputProcessor:
         self.pooler, self.hidden_size = pooler, hidden_size
         # kvflow.multimodal.processor.MultiModalProcessor for a vision-language model
         self.mm_processor = mm_processor
+        self.checked_constraints = CheckedConstraints()
 
     @property
     def image_placeholder(self) -> str | None:
@@ -196,8 +198,10 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
-        vocabulary, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop strings without a tokenizer, or a malformed structured-output schema / regex / grammar
-        (SamplingParams checks everything that does not depend on the model)."""
+        vocabulary, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop
+        strings without a tokenizer, or a malformed structured-output schema / regex /
+        grammar (``check_structured``; SamplingParams checks everything that does not depend
+        on the model)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to match text "
                              "(skip_tokenizer_init is set); use stop_token_ids")
@@ -213,9 +217,15 @@ class InputProcessor:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "
                                  f"vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
-            from kvflow.structured import validate
+            self.check_structured(params.structured_outputs)
 
-            validate(params.structured_outputs)  # malformed schema / regex / grammar
+    def check_structured(self, constraint: StructuredOutputsParams) -> None:
+        """Raises ValueError for a malformed structured-output schema / regex / grammar
+        (``kvflow.structured.validate``: converted to a grammar, tens to hundreds of ms for a
+        large schema). A constraint that passed before is not converted again
+        (``CheckedConstraints``), so the server can check one in a worker thread before it
+        queues the request. Thread-safe."""
+        self.checked_constraints.check(constraint)
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0,

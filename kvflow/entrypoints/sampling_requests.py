@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
+from kvflow.entrypoints.preprocess import INLINE_CHARS, off_loop
 from kvflow.entrypoints.protocol import SamplingRequest
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -84,12 +85,46 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
         params = SamplingParams(**fields)
         engine.processor.validate_params(params)
     except ValueError as e:
-        error = invalid_request(e)
-        if " in structured_outputs" in str(e):  # the constraint did not compile
-            error.param = "tools" if structured_outputs is not None else \
-                constraint_param(req)
-        raise error from None
+        raise _params_error(e, req, structured_outputs) from None
     return params
+
+
+async def check_constraint(engine: AsyncLLM, req: SamplingRequest,
+                           tool_grammar: StructuredOutputsParams | None, size: int | None
+                           ) -> None:
+    """Check the request's output constraint (``request_constraint``: its own, or the tool
+    grammar of tool_choice ``required`` / a named function) before it is queued: converted
+    to a grammar in a worker thread when the body is large (``size``: its bytes, None for
+    unknown: large), inline otherwise (``preprocess.off_loop``). A large schema takes
+    hundreds of ms to convert (2,048 small tools: ~0.2 s), which on the event loop would
+    stall every other client; once checked here, :func:`sampling_params` and the engine's
+    own check find it done (``InputProcessor.check_structured``).
+
+    Raises:
+        OpenAIError: 400 naming the field for two constraints at once or a malformed schema,
+            regex or grammar (``tools`` for the tool grammar).
+    """
+    try:
+        constraint = request_constraint(req, tool_grammar)
+    except RequestFieldError as e:
+        raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
+    if constraint is None:
+        return
+    try:
+        await off_loop(INLINE_CHARS + 1 if size is None else size,
+                       engine.processor.check_structured, constraint)
+    except ValueError as e:
+        raise _params_error(e, req, tool_grammar) from None
+
+
+def _params_error(error: ValueError, req: SamplingRequest,
+                  tool_grammar: StructuredOutputsParams | None) -> OpenAIError:
+    """The 400 for parameters the engine's processor refused; a constraint that did not
+    compile is named by the field it came from (``tools`` for the tool grammar)."""
+    out = invalid_request(error)
+    if " in structured_outputs" in str(error):
+        out.param = "tools" if tool_grammar is not None else constraint_param(req)
+    return out
 
 
 def check_length_fields(max_tokens: int | None, max_completion_tokens: int | None) -> None:

@@ -41,6 +41,7 @@ from kvflow.entrypoints.protocol import (
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
+    check_constraint,
     check_length_fields,
     check_max_tokens,
     default_max_tokens,
@@ -115,11 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_task("generate")
         self._check_request(req)
         mode, parser = await self._tools(req)
+        tool_grammar = tool_constraint(req, mode)
+        await check_constraint(self.engine, req, tool_grammar, body_size(raw))
         text, ids = await self.render(req.messages, ChatOptions.of(req),
                                       tools_for_template(req, mode), size=body_size(raw))
         prompt = await self.attach_images(req.messages, text, ids)
         ids = prompt.token_ids
-        params = self._params(req, ids, tool_constraint(req, mode))
+        params = self._params(req, ids, tool_grammar)
         self.check_admission(1)
         reply_id, request_id = request_ids("chatcmpl", req.request_id)
         self.note_request(req, request_id)

@@ -23,11 +23,12 @@ from kvflow.entrypoints.protocol import (
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
+    check_constraint,
     check_max_tokens,
     default_max_tokens,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, request_ids
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
@@ -50,6 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_fields(req, "/v1/completions")
         lora = self._check_request(req)
+        await check_constraint(self.engine, req, None, body_size(raw))
         prompts = await self._prompts(req)
         listed = _is_prompt_list(req.prompt)
         params = [self._params(req, ids, i if listed else None)

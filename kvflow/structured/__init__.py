@@ -7,9 +7,13 @@ the step loop, per-step token bitmask).
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
+
 from kvflow.structured.params import StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams", "validate"]
+__all__ = ["CheckedConstraints", "StructuredOutputsParams", "validate"]
 
 
 def validate(params: StructuredOutputsParams) -> None:
@@ -21,3 +25,40 @@ def validate(params: StructuredOutputsParams) -> None:
     from kvflow.structured.xgrammar_backend import validate as _validate
 
     _validate(params)
+
+
+class CheckedConstraints:
+    """The constraints that passed :func:`validate`, so that each is converted once: the
+    server checks a request's constraint in a worker thread, then the same constraint is
+    checked again when the request is queued (``InputProcessor.make_requests``), where it is
+    now found here. Remembered by a SHA-256 digest of ``params.key`` (kind and spec text:
+    what ``validate`` reads), the ``capacity`` most recently used; the key itself (JSON text
+    of a schema dict) is computed on every check, about 5 ms for a 400 KB schema against
+    ~200 ms for its conversion. Thread-safe.
+
+    Args:
+        capacity: digests kept (32 bytes each).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """:func:`validate` ``params`` unless a constraint with the same key passed before.
+
+        Raises:
+            ValueError: as :func:`validate` (a constraint that fails is not remembered).
+        """
+        kind, spec = params.key
+        digest = hashlib.sha256(f"{kind}:{spec}".encode(errors="surrogatepass")).digest()
+        with self._lock:
+            if digest in self._digests:
+                self._digests.move_to_end(digest)
+                return
+        validate(params)
+        with self._lock:
+            self._digests[digest] = None
+            if len(self._digests) > self.capacity:
+                self._digests.popitem(last=False)
