@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.input_processor import PromptType
@@ -182,11 +183,19 @@ class LLM:
 
         Raises:
             ValueError: if the model has no chat template, or for a message or option the
-                template cannot honour (``ChatTemplateError`` names the field).
+                template cannot honour (``ChatTemplateError`` names the field): an
+                assistant's ``tool_calls`` not in the server's shape
+                (``messages.N.tool_calls.M.id`` for an empty id, ...), or a tool message's
+                ``tool_call_id`` that no earlier assistant message's call has
+                (``kvflow.chat_tool_calls``).
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a non-empty list of messages (or of conversations)")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        for conversation in conversations:  # what the server's schema checks
+            if isinstance(conversation, list):
+                check_tool_calls(conversation)
+                check_tool_call_ids(message_turns(conversation))
         options = {"continue_final_message": continue_final_message,
                    "chat_template": chat_template, "tools": tools, "documents": documents,
                    "template_kwargs": chat_template_kwargs}

@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "kvflow.llm": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
-    "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8,
+    "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8, "kvflow.chat_tool_calls": 8,
     "kvflow.multimodal": 8,
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
     "kvflow.executor": 6,

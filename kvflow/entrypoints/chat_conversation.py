@@ -11,6 +11,7 @@ from typing import Any
 
 from kvflow.chat_messages import ChatTemplateError, check_call_index, check_message_fields
 from kvflow.chat_template import NoChatTemplateError
+from kvflow.chat_tool_calls import check_tool_call_ids
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import ChatMessage
 from kvflow.entrypoints.tool_parsers import ToolParser
@@ -21,13 +22,16 @@ def check_messages(messages: list[ChatMessage]) -> None:
     ``tool_call_id`` on every tool turn and only there, ``tool_calls`` only on assistant
     turns: ``chat_messages.check_message_fields``, the check ``LLM.chat`` runs, here on the
     fields the client sent) and each call's ``index`` its position (checked here too, before
-    calls a template cannot read become text). Raises OpenAIError 400 naming the field
-    otherwise."""
+    calls a template cannot read become text), and each tool turn's ``tool_call_id`` the id
+    of an earlier assistant turn's call (``chat_tool_calls.check_tool_call_ids``, as
+    ``LLM.chat``). Raises OpenAIError 400 naming the field otherwise."""
     try:
         for i, message in enumerate(messages):
             check_message_fields({k: getattr(message, k) for k in message.model_fields_set}, i)
             for j, call in enumerate(message.tool_calls or []):
                 check_call_index(call.index, i, j)
+        check_tool_call_ids((m.role, [c.id for c in m.tool_calls or ()], m.tool_call_id)
+                            for m in messages)
     except ChatTemplateError as e:
         raise OpenAIError(str(e), param=e.param, code=e.code) from None
 

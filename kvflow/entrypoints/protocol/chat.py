@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvflow.chat_tool_calls import ToolCalls
 from kvflow.entrypoints.protocol.base import INT32_MAX, RequestModel, request_limit
 from kvflow.entrypoints.protocol.sampling import SamplingRequest
 
@@ -100,25 +101,8 @@ class ContentPart(RequestModel):
         return data
 
 
-class CalledFunction(RequestModel):
-    """The function an earlier assistant turn called: ``arguments`` is JSON text, as OpenAI
-    returns it (parsed into an object for the chat template, see kvflow/chat_messages.py)."""
-
-    name: str
-    arguments: str
-
-
-class MessageToolCall(RequestModel):
-    """One call in an assistant message's ``tool_calls`` (OpenAI's shape, every key needed).
-    ``index`` is the position a streamed delta gave the call, which clients that build the
-    message from the stream echo back: it must equal the call's position in the list
-    (checked with the conversation, kvflow/chat_messages.py) and does not reach the template.
-    ``id`` is a non-empty string, as a tool message's ``tool_call_id`` must be."""
-
-    id: str = Field(min_length=1)  # what a tool message's tool_call_id answers
-    type: Literal["function"]
-    function: CalledFunction
-    index: int | None = Field(default=None, ge=0)
+# An earlier assistant turn's calls (ToolCalls: CalledFunction, MessageToolCall) are defined with
+# the conversation's other tool-call checks in kvflow/chat_tool_calls.py, which LLM.chat runs too.
 
 
 class ChatMessage(RequestModel):
@@ -133,7 +117,7 @@ class ChatMessage(RequestModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_calls: ToolCalls | None = None
     tool_call_id: str | None = None
 
     @field_validator("content")
