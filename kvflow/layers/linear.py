@@ -82,18 +82,37 @@ class LinearBase(GemmPathMixin, nn.Module):
         """Copy this TP rank's slice of the full checkpoint tensor ``loaded`` into ``param``.
 
         Raises:
-            ValueError: when the slice holds another number of values than ``param`` (a
-                config that does not describe the checkpoint; ``copy_`` would broadcast a
-                smaller one).
+            ValueError: when the slice's shape is not ``param``'s, dimensions of size 1 aside
+                (a checkpoint scale ``[N, 1]`` loads into ``[N]``): a config that does not
+                describe the checkpoint, or a transposed or flattened tensor, which a reshape
+                of the same number of values would load scrambled.
         """
         shard = self._shard(param, loaded)
-        if shard.numel() != param.numel():
+        if _sizes(shard) != _sizes(param):
             raise ValueError(f"shape {tuple(loaded.shape)} does not fit the "
                              f"{tuple(param.shape)} the config gives this rank")
         param.data.copy_(shard.reshape(param.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+
+def _sizes(tensor: torch.Tensor) -> tuple[int, ...]:
+    """``tensor``'s dimensions without those of size 1."""
+    return tuple(d for d in tensor.shape if d != 1)
+
+
+def _check_columns(loaded: torch.Tensor, param: nn.Parameter) -> None:
+    """A fused sub-projection's checkpoint tensor must match the fused ``param`` past the
+    rows (its input features): ``copy_`` would broadcast a single column over every column,
+    or raise a torch error naming neither the tensor nor the config.
+
+    Raises:
+        ValueError: naming both shapes.
+    """
+    if tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(f"shape {tuple(loaded.shape)}: the config gives it "
+                         f"{list(param.shape[1:])} past the rows (input features)")
 
 
 def _check_rows(loaded: torch.Tensor, rows: int) -> None:
@@ -141,8 +160,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         into its place in the fused ``param``.
 
         Raises:
-            ValueError: when ``shard_id`` is None or not an index of ``output_sizes``.
-            RuntimeError: when ``loaded``'s columns do not fit ``param`` (from ``copy_``).
+            ValueError: when ``shard_id`` is None or not an index of ``output_sizes``, or
+                ``loaded``'s rows or columns are not the config's.
         """
         if shard_id is None or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs a shard_id in "
@@ -150,6 +169,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         _check_rows(loaded, self.output_sizes[shard_id])
+        _check_columns(loaded, param)
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(shard)
 
@@ -177,8 +197,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         place in the fused ``param``.
 
         Raises:
-            ValueError: when ``shard_id`` is not "q", "k" or "v".
-            RuntimeError: when ``loaded``'s columns do not fit ``param`` (from ``copy_``).
+            ValueError: when ``shard_id`` is not "q", "k" or "v", or ``loaded``'s rows or
+                columns are not the config's.
         """
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"QKVParallelLinear needs a shard_id of 'q', 'k' or 'v', "
@@ -190,6 +210,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                                     self.tp_rank // self.num_kv_replicas)}[shard_id]
         heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         _check_rows(loaded, heads * self.head_dim)
+        _check_columns(loaded, param)
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
