@@ -4,12 +4,17 @@ transformers fills a missing size with its class default (LlamaConfig: 4096 hidd
 and builds a config with zero or negative sizes, so such a file used to fail much later with a
 message about something else: a checkpoint "lacking" layers 30-31, a pipeline-parallel size
 exceeding "-1 layers", torch refusing a negative tensor dimension, or ``integer modulo by
-zero``. Here each is one ``ValueError`` naming the file and the field.
+zero``. Here each is one ``ValueError`` naming the file and the field. So are the fields transformers
+reads leniently and kvflow would otherwise apply silently: an ``architectures`` string (read
+letter by letter), a ``quantization_config`` that is not an object with a ``quant_method``, a
+negative norm epsilon or sliding window, and RoPE parameters out of transformers' range (it only
+logs a warning for a ``factor`` below 1, and kvflow generated from a zero one).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 # every architecture kvflow serves describes its transformer with these
@@ -20,11 +25,13 @@ OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "head_dim",
 
 
 def read_config_json(path: str) -> dict[str, Any]:
-    """The parsed config.json at ``path``, its sizes checked (see :func:`check_config_sizes`).
+    """The parsed config.json at ``path``, its sizes and other fields checked (see
+    :func:`check_config_sizes` and :func:`check_config_fields`).
 
     Raises:
         ValueError: naming ``path``: it cannot be read, is not valid JSON (with the line and
-            column), is not a JSON object, or a size is missing or invalid.
+            column), is not a JSON object, or a size or another checked field is missing or
+            invalid.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -37,6 +44,7 @@ def read_config_json(path: str) -> dict[str, Any]:
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"model config {path!r} is not a JSON object (it is a {type(raw).__name__})")
     check_config_sizes(raw, path)
+    check_config_fields(raw, path)
     return raw
 
 
@@ -68,3 +76,81 @@ def check_config_sizes(raw: dict[str, Any], path: str) -> None:
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"model config {path!r}: num_attention_heads={heads} is not a multiple "
                          f"of num_key_value_heads={kv_heads}")
+
+
+EPSILONS = ("rms_norm_eps", "layer_norm_eps")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_config_fields(raw: dict[str, Any], path: str) -> None:
+    """Check the non-size fields kvflow reads from a parsed config.json (the top level; a
+    vision-language config's ``text_config`` for the epsilons and window): ``architectures`` a
+    list of class names; ``quantization_config`` null or an object with a string
+    ``quant_method``; :data:`EPSILONS` finite numbers >= 0; a ``sliding_window`` that applies
+    (``use_sliding_window`` not false) a positive integer.
+
+    Raises:
+        ValueError: naming ``path`` and the field, with its value and what is expected.
+    """
+    arches = raw.get("architectures")
+    if arches is not None and (not isinstance(arches, list)
+                               or not all(isinstance(a, str) for a in arches)):
+        raise ValueError(f"model config {path!r}: architectures={arches!r} is invalid; it must "
+                         'be a list of model class names, e.g. ["LlamaForCausalLM"]')
+    quant = raw.get("quantization_config")
+    if quant is not None and not (isinstance(quant, dict)
+                                  and isinstance(quant.get("quant_method"), str)):
+        raise ValueError(f"model config {path!r}: quantization_config={quant!r:.200} is "
+                         "invalid; it must be an object naming its \"quant_method\" (kvflow "
+                         "reads 'compressed-tensors'), or be left out for float weights")
+    text = raw.get("text_config")
+    text = text if isinstance(text, dict) else {}
+    for name in EPSILONS:
+        value = raw.get(name, text.get(name))
+        if value is not None and not (_is_number(value) and value >= 0):
+            raise ValueError(f"model config {path!r}: {name}={value!r} is invalid; it must be "
+                             "a number >= 0")
+    window = raw.get("sliding_window", text.get("sliding_window"))
+    applies = raw.get("use_sliding_window", text.get("use_sliding_window", True)) is not False
+    if window is not None and applies and (isinstance(window, bool)
+                                           or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"model config {path!r}: sliding_window={window!r} is invalid; it "
+                         "must be a positive integer (tokens), or null for full attention")
+
+
+# rope types whose ``factor`` stretches the positions (transformers' RoPE validation: >= 1)
+_FACTOR_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope", "su")
+
+
+def check_rope_parameters(config: Any, path: str) -> None:
+    """Check the RoPE parameters of a loaded transformers config (``rope_parameters``, one
+    dict or one per layer type as Gemma 3's; transformers 5 has moved an older
+    ``rope_scaling`` / ``rope_theta`` there): ``rope_theta`` a finite number > 0 and, for a
+    scaling type, ``factor`` (when given) a finite number >= 1. transformers only logs a
+    warning for such values; kvflow built its cos/sin table from them (a zero ``factor``
+    generated a constant token).
+
+    Raises:
+        ValueError: naming ``path``, the field and its value.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return
+    per_type = params if "rope_theta" not in params and all(
+        isinstance(v, dict) for v in params.values()) else {None: params}
+    for layer_type, entry in per_type.items():
+        where = "rope_parameters" + ("" if layer_type is None else f"[{layer_type!r}]")
+        theta = entry.get("rope_theta")
+        if theta is not None and not (_is_number(theta) and theta > 0):
+            raise ValueError(f"model config {path!r}: {where}.rope_theta={theta!r} is "
+                             "invalid; it must be a number > 0 (the RoPE base)")
+        rope_type = entry.get("rope_type", entry.get("type", "default"))
+        factor = entry.get("factor")
+        if rope_type in _FACTOR_ROPE_TYPES and factor is not None and \
+                not (_is_number(factor) and factor >= 1):
+            raise ValueError(f"model config {path!r}: {where}.factor={factor!r} is invalid "
+                             f"for rope_type {rope_type!r}; it must be a number >= 1 (how "
+                             "many times the original context the scaled RoPE covers)")

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.models.hf_config_checks import read_config_json
+from kvflow.models.hf_config_checks import check_rope_parameters, read_config_json
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.tokenizer_files import tokenizer_files_problem
@@ -25,8 +25,10 @@ def load_hf_config(source: ModelSource) -> Any:
     """The model's HF config (a transformers PretrainedConfig).
 
     Raises:
-        ValueError: if config.json is missing, cannot be parsed, or its sizes are missing or
-            invalid (see :func:`kvflow.models.hf_config_checks.read_config_json`).
+        ValueError: if config.json is missing, cannot be parsed, or its sizes, other fields
+            or RoPE parameters are missing or invalid (see
+            :func:`kvflow.models.hf_config_checks.read_config_json` and
+            :func:`~kvflow.models.hf_config_checks.check_rope_parameters`).
     """
     if source.kind == "gguf":
         from kvflow.models.gguf_config import load_gguf_config
@@ -43,7 +45,9 @@ def load_hf_config(source: ModelSource) -> Any:
             config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
-    return hoist_text_config(config)
+    config = hoist_text_config(config)
+    check_rope_parameters(config, path)
+    return config
 
 
 def hoist_text_config(config: Any) -> Any:
