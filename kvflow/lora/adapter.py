@@ -68,9 +68,15 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     """The folder's ``adapter_config.json``.
 
     Raises:
-        ValueError: when the folder or the file is missing, or the file is not a JSON object.
+        ValueError: when the folder does not exist or is a file, the file is missing, or it is
+            not a JSON object.
     """
     config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"LoRA adapter {path!r} does not exist (a PEFT folder is expected)")
+    if not os.path.isdir(path):
+        raise ValueError(f"LoRA adapter {path!r} is a file, not a folder (a PEFT folder with "
+                         "adapter_config.json is expected)")
     if not os.path.isfile(config_path):
         raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json (a PEFT folder is "
                          "expected)")
@@ -263,8 +269,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     Raises:
         ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
             truncated or corrupt ``adapter_model.safetensors`` (naming it), a target module the
-            model does not have (or cannot adapt), an A without its B, or a shape that does not
-            fit the layer.
+            model does not have (or cannot adapt), an A without its B, a shape that does not
+            fit the layer, or a weight that is not floating point or not finite.
     """
     config = read_adapter_config(request.lora_path)
     check_adapter_config(config, max_rank,
@@ -277,6 +283,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
             raise ValueError(f"adapter tensor {key!r} cannot be applied: kvflow loads LoRA A/B "
                              "weights of linear layers only (no saved whole modules, "
                              "embeddings or LM head)")
+        _check_values(key, tensor, request.lora_path)
         pairs.setdefault(match["module"], {})[match["kind"]] = tensor
     weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
     rank = 0
@@ -293,6 +300,22 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     if not weights:
         raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _check_values(key: str, tensor: torch.Tensor, path: str) -> None:
+    """A LoRA weight must hold finite floating-point values: an integer tensor would be cast
+    to whole-number weights (peft refuses to load one), a NaN or infinity makes every adapted
+    token's logits NaN (the request then ends after one arbitrary token).
+
+    Raises:
+        ValueError: naming the tensor, the folder and the problem.
+    """
+    if not tensor.is_floating_point():
+        raise ValueError(f"adapter tensor {key!r} of {path!r} has dtype {tensor.dtype}; LoRA "
+                         "weights must be floating point")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"adapter tensor {key!r} of {path!r} holds NaN or infinite values "
+                         "(a diverged or corrupt training run?)")
 
 
 def _checked_pair(peft_module: str, module: str, shard: Any, ab: dict[str, torch.Tensor],

@@ -88,7 +88,7 @@ def test_half_given_or_missing_lora_path_is_one_error_line(tiny_llama, tmp_path,
     missing = str(tmp_path / "nope")
     for extra, needle in ((_LORA, "--enable-lora without --lora-path"),
                           (["--lora-path", missing], "needs --enable-lora"),
-                          ([*_LORA, "--lora-path", missing], "no adapter_config.json")):
+                          ([*_LORA, "--lora-path", missing], "does not exist")):
         assert main(["bench", bench, "--model", tiny_llama.path, *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
