@@ -34,7 +34,8 @@ likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,17 @@ class DraftProposal:
     threads: int = 0
 
 
+@contextmanager
+def _naming_the_draft(model: str) -> Iterator[None]:
+    """Within the block, a ``ValueError`` (from resolving, reading or loading the draft) says
+    it is about the draft: a checkpoint-tensor error of the loader names the tensor only, which
+    read as the target's."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"speculative_config model {model!r}: {e}") from None
+
+
 class DraftModel:
     """The draft model, its attention context and KV tensors, on the target's device.
 
@@ -92,7 +104,8 @@ class DraftModel:
 
     Raises:
         ValueError: for a draft whose vocabulary size differs from the target's, or one that
-            cannot be resolved or loaded (from the loader).
+            cannot be resolved or loaded (the loader's message, after
+            ``speculative_config model NAME:``).
     """
 
     def __init__(self, config: EngineConfig, backend: Any, dtype: torch.dtype,
@@ -100,11 +113,9 @@ class DraftModel:
                  target_end_ids: Iterable[int] = ()) -> None:
         spec = config.speculative_config
         mc = config.model_config
-        try:
+        with _naming_the_draft(spec.model):
             source = resolve_model(spec.model, mc.download_dir)
-        except ValueError as e:
-            raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
-        hf_config = load_hf_config(source)
+            hf_config = load_hf_config(source)
         if hf_config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
                              f"{hf_config.vocab_size} tokens, the target {target_vocab_size}; "
@@ -113,11 +124,12 @@ class DraftModel:
         quantization, vocab_size = spec.draft_options(  # "auto" resolved
             device.type, getattr(hf_config, "quantization_config", None) is not None,
             config.device_config.deterministic)
-        quant = get_quant_config(quantization, hf_config, source.kind,
-                                 mc.quantization_group_size)
-        self.long_prompt_rope = long_prompt_rope(hf_config)
-        self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
-                                mc.load_format, mc.seed, quant)
+        with _naming_the_draft(spec.model):
+            quant = get_quant_config(quantization, hf_config, source.kind,
+                                     mc.quantization_group_size)
+            self.long_prompt_rope = long_prompt_rope(hf_config)
+            self.model = load_model(source, hf_config, self.attn_ctx, dtype, device,
+                                    mc.load_format, mc.seed, quant)
         # FR-Spec: the head cut to frequent tokens (before the runner packs it), keeping the
         # end tokens of both models: a base-model draft ends text with another token than an
         # instruct target, whose end the draft must be able to propose
