@@ -260,12 +260,16 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: for a checkpoint tensor that matches no parameter, or whose shape does
-                not fit it (naming the tensor).
+                not fit it (naming the tensor); for a tied model whose checkpoint holds an
+                ``lm_head.weight`` other than its embedding (see :func:`check_tied_head`).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         tied = getattr(self.config, "tie_word_embeddings", False)
+        tables: dict[str, torch.Tensor] = {}  # a tied model's two checkpoint tables
         for name, tensor in weights:
+            if tied and name in ("lm_head.weight", "model.embed_tokens.weight"):
+                tables[name] = tensor
             if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
                 continue
             if tied and name == "model.embed_tokens.weight" and \
@@ -286,7 +290,30 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target)
         if tied and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
+        check_tied_head(tables)
         return loaded
+
+
+def check_tied_head(tables: dict[str, torch.Tensor]) -> None:
+    """A model whose config ties the LM head to the embedding (``tie_word_embeddings``) may
+    still store ``lm_head.weight``: transformers then ties the two only when the tensors are
+    equal, and otherwise keeps them apart and computes logits with the stored head. kvflow's
+    tied head reads the embedding, so a different stored head is refused rather than ignored.
+
+    Args:
+        tables: the checkpoint's ``lm_head.weight`` and ``model.embed_tokens.weight``, those
+            present (in the model dtype).
+
+    Raises:
+        ValueError: when both are present and differ.
+    """
+    head, embed = tables.get("lm_head.weight"), tables.get("model.embed_tokens.weight")
+    if head is None or embed is None or torch.equal(head, embed):
+        return
+    raise ValueError("config.json sets tie_word_embeddings=true, but the checkpoint's "
+                     "lm_head.weight differs from model.embed_tokens.weight; transformers "
+                     "then computes the logits with lm_head.weight, untied. Set "
+                     '"tie_word_embeddings": false in config.json to load that head')
 
 
 def make_lm_head(config: Any, parallel: ParallelState, embed_tokens: nn.Module,
