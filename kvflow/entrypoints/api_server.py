@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -259,17 +260,31 @@ def _model_cards(raw: Request) -> list[ModelCard]:
 
 def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
                         model_name: str) -> None:
-    """What ``--lora-modules`` can be told to be wrong before the model loads.
+    """What ``--lora-modules`` can be told to be wrong before the model loads: the flags,
+    and each adapter's folder and ``adapter_config.json`` (a missing folder or file, a rank
+    above ``--max-lora-rank``, a LoRA variant kvflow cannot apply). A refusal found only once
+    the engine reads the weights stops the server later.
 
     Raises:
-        ValueError: without ``--enable-lora``, or for an adapter named like the base model.
+        ValueError: without ``--enable-lora``, for an adapter named like the base model, or
+            for an adapter folder or config refused (see
+            :func:`kvflow.lora.adapter.check_adapter_config`).
     """
+    from kvflow.lora.adapter import check_adapter_config, read_adapter_config
+
     if modules and not engine_config.lora_config.enable_lora:
         raise ValueError(f"--lora-modules {' '.join(modules)} needs --enable-lora")
     for module in modules:
-        if module.partition("=")[0] == model_name:
+        name, _, path = module.partition("=")
+        if name == model_name:
             raise ValueError(f"--lora-modules {module}: the adapter is named like the served "
                              f"model {model_name!r}; give it another name")
+        try:
+            check_adapter_config(read_adapter_config(path),
+                                 engine_config.lora_config.max_lora_rank,
+                                 repr(os.path.join(path, "adapter_config.json")), name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module}: {e}") from None
 
 
 def check_listen_address(host: str, port: int) -> None:

@@ -160,5 +160,8 @@ def test_load_inplace_replaces_the_adapter(server, tiny_llama, adapters, tiny_to
 
 
 def test_bad_lora_module_stops_start_up(servers):
-    with pytest.raises(RuntimeError, match="max_lora_rank"):
+    """Refused from its adapter_config.json before the model loads: one line naming the
+    flag (tests/test_lora_modules_precheck.py has the exact line)."""
+    with pytest.raises(RuntimeError, match=r"--lora-modules big=.*rank 16 exceeds "
+                                           r"--max-lora-rank=8"):
         wait_ready_or_stop(servers["bad"])
