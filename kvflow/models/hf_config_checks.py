@@ -121,6 +121,24 @@ def check_config_fields(raw: dict[str, Any], path: str) -> None:
                          "must be a positive integer (tokens), or null for full attention")
 
 
+def unread_field_warnings(raw: dict[str, Any], path: str) -> list[str]:
+    """Warnings for config.json fields that transformers' own model class never reads, so
+    kvflow, which matches its output, does not either: today a ``sliding_window`` in a
+    ``llama`` config (transformers' Llama attends to every token; a windowed model is
+    ``MistralForCausalLM`` / ``model_type`` ``mistral``).
+
+    Returns:
+        One message per unread field, naming ``path``, the field and its value (empty when
+        every field set is read).
+    """
+    window = raw.get("sliding_window")
+    if raw.get("model_type") == "llama" and window:
+        return [(f"model config {path!r}: sliding_window={window!r} is not read: a 'llama' "
+                "model attends to every token, as transformers' Llama does (a windowed model "
+                "is model_type 'mistral', MistralForCausalLM)")]
+    return []
+
+
 # rope types whose ``factor`` stretches the positions (transformers' RoPE validation: >= 1)
 _FACTOR_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope", "su")
 

@@ -30,6 +30,9 @@ from kvflow.layers.rotary import (
 )
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
 
+# model types whose transformers attention reads no ``sliding_window`` from the config
+WINDOWLESS_MODEL_TYPES = frozenset({"llama"})
+
 
 def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -40,10 +43,13 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
     transformers' ``layer_types`` (e.g. Qwen2's ``max_window_layers``) decides per layer when
     present; otherwise a configured ``sliding_window`` applies to every layer unless
-    ``use_sliding_window`` is false (Mistral sets the window, Qwen2 the flag).
+    ``use_sliding_window`` is false (Mistral sets the window, Qwen2 the flag). A Llama config
+    (``model_type`` ``llama``) has no window whatever it sets: transformers' Llama attention
+    never reads ``sliding_window`` (its Mistral does), and kvflow matches its output
+    (``kvflow.models.hf_config_checks.unread_field_warnings`` logs the unread field).
     """
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "model_type", None) in WINDOWLESS_MODEL_TYPES:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types:

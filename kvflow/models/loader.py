@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,15 +15,27 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.models.hf_config_checks import check_rope_parameters, read_config_json
+from kvflow.models.hf_config_checks import (
+    check_rope_parameters,
+    read_config_json,
+    unread_field_warnings,
+)
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.tokenizer_files import tokenizer_files_problem
 from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_loading
 
+logger = logging.getLogger(__name__)
 
-def load_hf_config(source: ModelSource) -> Any:
+
+def load_hf_config(source: ModelSource, warn_unread: bool = False) -> Any:
     """The model's HF config (a transformers PretrainedConfig).
+
+    Args:
+        source: the resolved model.
+        warn_unread: log a warning for each config.json field transformers' model class
+            never reads (:func:`~kvflow.models.hf_config_checks.unread_field_warnings`);
+            the engine core asks for it, once per engine, the other readers do not.
 
     Raises:
         ValueError: if config.json is missing, cannot be parsed, or its sizes, other fields
@@ -39,7 +52,9 @@ def load_hf_config(source: ModelSource) -> Any:
     path = os.path.join(source.path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
-    read_config_json(path)
+    raw = read_config_json(path)
+    for warning in unread_field_warnings(raw, path) if warn_unread else ():
+        logger.warning("%s", warning)
     try:
         with quiet_model_type_warning():
             config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
