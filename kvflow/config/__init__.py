@@ -19,6 +19,7 @@ from kvflow.config.device import (
     cpu_gemm_choice,
     cpu_gemm_pool_choice,
     cpu_gguf_choice,
+    cpu_only_environment,
     cpu_quant_choice,
     lora_kernel_choice,
     native_cpu_choice,
@@ -39,5 +40,5 @@ __all__ = ["CPU_ATTENTION_CHOICES", "CPU_GEMM_CHOICES", "LORA_KERNEL_CHOICES", "
            "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig",
            "SpeculativeConfig", "cache_dir", "cpu_adaptive_threads_choice",
            "cpu_attention_choice", "cpu_gemm_choice", "cpu_gemm_pool_choice", "cpu_gguf_choice",
-           "cpu_quant_choice", "lora_kernel_choice", "native_cpu_choice", "parse_bytes",
-           "parse_cpu_list"]
+           "cpu_only_environment", "cpu_quant_choice", "lora_kernel_choice",
+           "native_cpu_choice", "parse_bytes", "parse_cpu_list"]

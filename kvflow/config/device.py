@@ -171,6 +171,28 @@ def lora_kernel_choice(value: str | None = None) -> str:
                                LORA_KERNEL_CHOICES)
 
 
+# The CPU-only kernel variables documented above, in that order: the string choices (any
+# value set asks a CPU engine for something) and the switches (only "1" does: "0" is what an
+# engine on another device does anyway). KVFLOW_NATIVE_CPU is neither: its "1" is the default
+# and its "0" (no native CPU kernels) what another device does anyway.
+_CPU_CHOICE_VARIABLES = ("KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION", "KVFLOW_CPU_GGUF",
+                         "KVFLOW_CPU_QUANT", "KVFLOW_CPU_ISA")
+_CPU_SWITCH_VARIABLES = ("KVFLOW_CPU_GEMM_POOL", "KVFLOW_CPU_ADAPTIVE_THREADS")
+
+
+def cpu_only_environment() -> list[str]:
+    """The CPU-only kernel variables set (``NAME='value'``) to something only a CPU engine
+    acts on: ``KVFLOW_CPU_GEMM``, ``KVFLOW_CPU_ATTENTION``, ``KVFLOW_CPU_GGUF``,
+    ``KVFLOW_CPU_QUANT`` and ``KVFLOW_CPU_ISA`` (any non-empty value), ``KVFLOW_CPU_GEMM_POOL``
+    and ``KVFLOW_CPU_ADAPTIVE_THREADS`` (``1``). An engine on another device warns about them
+    at start-up (``kvflow.core.unread_options``): a variable may be set machine-wide, so it is
+    not refused as the matching option is."""
+    given = [(name, os.environ.get(name)) for name in _CPU_CHOICE_VARIABLES]
+    given += [(name, os.environ.get(name)) for name in _CPU_SWITCH_VARIABLES
+              if os.environ.get(name) == "1"]
+    return [f"{name}={value!r}" for name, value in given if value]
+
+
 def fused_kernels_enabled() -> bool:
     """Whether the Triton (CUDA) attention backend runs kvflow's fused kernels (rotary
     embedding + KV-cache store in one launch, ``kvflow/kernels/rotary_kv_store.py``):

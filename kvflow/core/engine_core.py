@@ -25,6 +25,7 @@ from kvflow.core.unread_options import (
     check_no_image_settings,
     check_no_kv_cache_settings,
     check_prefix_caching_pooling,
+    warn_unread_settings,
 )
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
@@ -84,6 +85,7 @@ class EngineCore:
                              f"{self.platform.name} the KV cache is {fixed / 2**30:g} GiB "
                              "unless --kv-cache-memory or --num-kv-blocks sets it")
         check_cpu_only_options(self.config, self.platform)
+        warn_unread_settings(self.config, self.platform)
 
     def _init_model(self, source: ModelSource) -> None:
         self.source = source

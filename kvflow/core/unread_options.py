@@ -1,5 +1,7 @@
 """Options an engine would accept and never read in some setup, refused at start-up instead
 (kvflow's rule: a setting is honoured or refused with a ValueError naming it, never ignored).
+Environment variables, which may be set machine-wide, are warned about instead
+(:func:`unread_setting_warnings`), once per engine.
 
 Each check runs as soon as the engine core knows what decides it (the platform, the model's
 architecture), before any worker loads weights.
@@ -7,11 +9,14 @@ architecture), before any worker loads weights.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, cpu_only_environment
 from kvflow.models.registry import is_multimodal
 from kvflow.platforms import Platform
+
+logger = logging.getLogger(__name__)
 
 
 def check_cpu_only_options(config: EngineConfig, platform: Platform) -> None:
@@ -32,6 +37,28 @@ def check_cpu_only_options(config: EngineConfig, platform: Platform) -> None:
         raise ValueError(f"{', '.join(given)}: CPU-only option{'s' if len(given) > 1 else ''}, "
                          f"which an engine on {platform.name} does not read; leave {them} out "
                          "(or run with --device cpu)")
+
+
+def unread_setting_warnings(config: EngineConfig, platform: Platform) -> list[str]:
+    """One line per kind of environment setting this engine will not read: on a device
+    other than the CPU, the CPU-only kernel variables set
+    (:func:`kvflow.config.cpu_only_environment`)."""
+    warnings = []
+    unread = cpu_only_environment() if platform.device_type != "cpu" else []
+    if unread:
+        them = "them" if len(unread) > 1 else "it"
+        warnings.append(f"{', '.join(unread)}: CPU-only setting{'s' if len(unread) > 1 else ''}"
+                        f", which an engine on {platform.name} does not read; unset {them} "
+                        "(or run with --device cpu)")
+    return warnings
+
+
+def warn_unread_settings(config: EngineConfig, platform: Platform) -> None:
+    """Log :func:`unread_setting_warnings` once per engine: in data-parallel replica 0 only
+    (every replica runs an engine core with the same configuration and environment)."""
+    if config.parallel_config.data_parallel_rank == 0:
+        for warning in unread_setting_warnings(config, platform):
+            logger.warning(warning)
 
 
 def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
