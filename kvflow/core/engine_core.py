@@ -115,7 +115,8 @@ class EngineCore:
         pc, dc = self.config.parallel_config, self.config.device_config
         if self.platform.name == "cpu" and pc.executor_backend != "ray":
             check_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind,
-                              pc.data_parallel_size * pc.world_size)
+                              pc.data_parallel_size * pc.world_size,
+                              warn=pc.data_parallel_rank == 0)  # every replica checks all
 
     def _init_task(self, source: ModelSource) -> None:
         """``task`` (generate | embed), the pooling of an embedding model, and whether it is

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvflow.config import EngineConfig, cpu_only_environment
+from kvflow.config import EngineConfig, cpu_adaptive_threads_choice, cpu_only_environment
 from kvflow.models.registry import is_multimodal
 from kvflow.platforms import Platform
+from kvflow.worker.deterministic import unread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ def check_cpu_only_options(config: EngineConfig, platform: Platform) -> None:
 
 
 def unread_setting_warnings(config: EngineConfig, platform: Platform) -> list[str]:
-    """One line per kind of environment setting this engine will not read: on a device
-    other than the CPU, the CPU-only kernel variables set
-    (:func:`kvflow.config.cpu_only_environment`)."""
+    """One line per kind of setting this engine will not read, to warn about rather than
+    refuse: on a device other than the CPU, the CPU-only kernel variables set
+    (:func:`kvflow.config.cpu_only_environment`); under ``--deterministic``, the CPU kernel
+    variables it does not read (``worker/deterministic.py: unread_environment``) and
+    ``--cpu-adaptive-threads`` (or ``KVFLOW_CPU_ADAPTIVE_THREADS=1``), which it turns off."""
     warnings = []
     unread = cpu_only_environment() if platform.device_type != "cpu" else []
     if unread:
@@ -50,12 +53,18 @@ def unread_setting_warnings(config: EngineConfig, platform: Platform) -> list[st
         warnings.append(f"{', '.join(unread)}: CPU-only setting{'s' if len(unread) > 1 else ''}"
                         f", which an engine on {platform.name} does not read; unset {them} "
                         "(or run with --device cpu)")
+    dc = config.device_config
+    if dc.deterministic:
+        warnings += unread_environment(config, platform.device_type)
+        if platform.device_type == "cpu" and cpu_adaptive_threads_choice(dc.cpu_adaptive_threads):
+            warnings.append("--cpu-adaptive-threads is off: not available with --deterministic")
     return warnings
 
 
 def warn_unread_settings(config: EngineConfig, platform: Platform) -> None:
-    """Log :func:`unread_setting_warnings` once per engine: in data-parallel replica 0 only
-    (every replica runs an engine core with the same configuration and environment)."""
+    """Log :func:`unread_setting_warnings` once per engine: by the engine core (not by each
+    worker rank: pipeline or tensor parallelism starts several) of data-parallel replica 0
+    only (every replica runs an engine core with the same configuration and environment)."""
     if config.parallel_config.data_parallel_rank == 0:
         for warning in unread_setting_warnings(config, platform):
             logger.warning(warning)

@@ -85,11 +85,13 @@ def resolve_threads(cpu_threads: int | None, bind: str | None, allowed: list[int
     return len(cpus), cpus
 
 
-def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int) -> None:
+def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
+                      warn: bool = True) -> None:
     """Check ``--cpu-threads`` / ``--cpu-threads-bind`` for every one of ``ranks`` worker
     processes on this machine before any starts (each worker resolves its own share later
     with :func:`resolve_threads`), so a bad list is one error in the calling process rather
-    than a failed worker. Warns when more threads are asked for than the CPUs granted.
+    than a failed worker. Warns (when ``warn``: one data-parallel replica's engine core of
+    several) when more threads are asked for than the CPUs granted.
 
     Raises:
         ValueError: see :func:`resolve_threads`.
@@ -98,7 +100,7 @@ def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int) -> 
     for rank in range(ranks):
         resolve_threads(cpu_threads, bind, allowed, quota, torch.get_num_threads(), rank, ranks)
     granted = min(len(allowed), math.ceil(quota)) if quota is not None else len(allowed)
-    if cpu_threads is not None and cpu_threads * ranks > granted:
+    if warn and cpu_threads is not None and cpu_threads * ranks > granted:
         logger.warning("cpu_threads=%d for each of %d worker process(es) exceeds the %d CPUs "
                        "this process may use (affinity mask %s, CPU quota %s): threads will "
                        "wait for each other", cpu_threads, ranks, granted, allowed, quota)
@@ -228,12 +230,13 @@ class AdaptiveThreads:
         self._reported = False
 
     @classmethod
-    def create(cls, enabled: bool, threads: int, pinned: bool, ranks: int
-               ) -> AdaptiveThreads | None:
+    def create(cls, enabled: bool, threads: int, pinned: bool, ranks: int,
+               warn: bool = True) -> AdaptiveThreads | None:
         """The governor an engine uses, or None: off when disabled, with one thread, with pinned
         threads (fewer threads would leave their CPUs idle while the rest share a busy one),
         with several worker ranks (which run in lock-step), or where the kernel gives no
-        scheduler statistics (each of these logged as a warning when ``enabled``)."""
+        scheduler statistics (each of these logged as a warning when ``enabled`` and ``warn``:
+        an engine's other ranks pass False, so the engine logs it once)."""
         if not enabled:
             return None
         why = ("one thread" if threads < 2 else "pinned threads" if pinned else
@@ -241,7 +244,8 @@ class AdaptiveThreads:
                "no scheduler statistics (/proc/self/schedstat)" if runqueue_wait_ns() is None
                else None)
         if why is not None:
-            logger.warning("--cpu-adaptive-threads is off: not available with %s", why)
+            if warn:
+                logger.warning("--cpu-adaptive-threads is off: not available with %s", why)
             return None
         return cls(threads)
 

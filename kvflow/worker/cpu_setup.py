@@ -48,19 +48,18 @@ def configure_runner_threads(config: EngineConfig, parallel: ParallelState
     ``--cpu-threads-bind``, ``--cpu-gemm-pool``). Returns the ``--cpu-adaptive-threads``
     controller (None when off; always off under ``--deterministic``), whose ``before_step``
     runs between steps, and the :class:`~kvflow.kernels.cpu_threads.CallerPin` each model step
-    runs in."""
+    runs in. Why the controller is off is logged once per engine, by rank 0 of data-parallel
+    replica 0 (``--deterministic``: by the engine core, ``core/unread_options.py``)."""
     dc = config.device_config
     native_cpu_kernels(dc.native_kernel_flags())  # built here first: a failure names them
     pc, world = config.parallel_config, parallel.world.world_size
-    adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads)
-    if adaptive and dc.deterministic:
-        logger.warning("--cpu-adaptive-threads is off: not available with --deterministic")
-        adaptive = False
+    adaptive = cpu_adaptive_threads_choice(dc.cpu_adaptive_threads) and not dc.deterministic
+    rank = pc.data_parallel_rank * world + parallel.rank
     threads, pinned, caller = configure_cpu_threads(
-        dc.cpu_threads, dc.cpu_threads_bind,
-        pc.data_parallel_rank * world + parallel.rank, pc.data_parallel_size * world,
+        dc.cpu_threads, dc.cpu_threads_bind, rank, pc.data_parallel_size * world,
         cpu_gemm_pool_choice(dc.cpu_gemm_pool), pin_by_default=not adaptive)
-    return AdaptiveThreads.create(adaptive, threads, pinned is not None, world), caller
+    return AdaptiveThreads.create(adaptive, threads, pinned is not None, world,
+                                  warn=rank == 0), caller
 
 
 def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Platform,

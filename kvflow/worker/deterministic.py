@@ -142,7 +142,8 @@ def unread_environment(config: EngineConfig, device_type: str) -> list[str]:
     silence as everywhere in kvflow): ``KVFLOW_CPU_GEMM`` other than ``native`` (the mode
     runs kvflow's C GEMM) and, without a draft model (whose attention reads it),
     ``KVFLOW_CPU_ATTENTION``. Variables are defaults, so they are warned about (as
-    ``KVFLOW_CPU_ADAPTIVE_THREADS=1`` is), not refused."""
+    ``KVFLOW_CPU_ADAPTIVE_THREADS=1`` is), not refused, once per engine by its engine core
+    (``kvflow.core.unread_options.warn_unread_settings``)."""
     dc, spec = config.device_config, config.speculative_config
     if device_type != "cpu":
         return []

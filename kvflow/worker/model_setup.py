@@ -4,7 +4,6 @@ speculative-decoding draft model. ``ModelRunner`` keeps the running state."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -28,9 +27,6 @@ from kvflow.worker.attention_backends import (
 )
 from kvflow.worker.cpu_setup import choose_gemm_path
 from kvflow.worker.deterministic import check_supported as check_deterministic
-from kvflow.worker.deterministic import unread_environment
-
-logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -91,8 +87,7 @@ def choose_attention_backend(config: EngineConfig, platform: Platform,
 def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: Any,
                         device: torch.device) -> Any:
     """The model's quantization config (None: unquantized) from ``--quantization`` or the
-    checkpoint. Under ``--deterministic`` a CPU kernel variable the mode does not read is
-    warned about (``worker/deterministic.py: unread_environment``).
+    checkpoint.
 
     Raises:
         ValueError: under ``--deterministic``, for a setup it cannot make batch-invariant
@@ -105,8 +100,6 @@ def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: An
         check_deterministic(config, hf_config, device.type,
                             quant_config and quant_config.name,
                             device.type != "cpu" or native_cpu_kernels() is not None)
-        for warning in unread_environment(config, device.type):
-            logger.warning(warning)
     return quant_config
 
 

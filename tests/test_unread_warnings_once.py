@@ -1,0 +1,99 @@
+"""Warnings about settings an engine does not read are logged once per engine, not once per
+worker rank: the ``--deterministic`` ones (``KVFLOW_CPU_GEMM`` other than native,
+``KVFLOW_CPU_ATTENTION`` without a draft model, ``--cpu-adaptive-threads``) by the engine core,
+of data-parallel replica 0 only; why the adaptive thread count is off, and more threads than
+CPUs, by rank 0 of replica 0. Before, a pipeline-parallel engine's every worker logged them.
+In one process (the uni executor) they are still logged, once (tests/test_deterministic.py
+checks the exact lines there)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
+from kvflow.core.unread_options import warn_unread_settings
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.cpu_threads import AdaptiveThreads, check_cpu_threads
+from kvflow.platforms.cpu import CpuPlatform
+
+GEMM_UNREAD = ("KVFLOW_CPU_GEMM='onednn' is not read under --deterministic, which runs kvflow's "
+               "C GEMM (native) for every projection and the LM head; unset it")
+ADAPTIVE_OFF = "--cpu-adaptive-threads is off: not available with --deterministic"
+
+needs_native = pytest.mark.skipif(native_cpu_kernels() is None,
+                                  reason="--deterministic needs kvflow's native CPU kernels")
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_the_deterministic_warnings_come_from_replica_0_only(monkeypatch, caplog):
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "onednn")
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("KVFLOW_CPU_ATTENTION", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        for rank in (0, 1):
+            warn_unread_settings(EngineConfig.from_kwargs(
+                model="m", deterministic=True, data_parallel_size=2, data_parallel_rank=rank),
+                CpuPlatform())
+    assert _messages(caplog) == [GEMM_UNREAD, ADAPTIVE_OFF]
+
+
+def test_adaptive_threads_off_is_logged_by_the_rank_told_to(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        assert AdaptiveThreads.create(True, 2, pinned=True, ranks=1, warn=False) is None
+        assert AdaptiveThreads.create(True, 2, pinned=False, ranks=2, warn=False) is None
+        assert _messages(caplog) == []
+        assert AdaptiveThreads.create(True, 2, pinned=False, ranks=2) is None
+    assert _messages(caplog) == [
+        "--cpu-adaptive-threads is off: not available with 2 worker processes"]
+
+
+def test_too_many_threads_is_logged_by_the_replica_told_to(caplog):
+    cpus = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        check_cpu_threads(cpus + 1, None, 2, warn=False)
+        assert _messages(caplog) == []
+        check_cpu_threads(cpus + 1, None, 2)
+    assert len(caplog.records) == 1
+    assert caplog.records[0].getMessage().startswith(
+        f"cpu_threads={cpus + 1} for each of 2 worker process(es) exceeds the ")
+
+
+def _counts_everywhere(lines: list[str], caplog, capfd) -> list[int]:
+    """How often each line was logged: records of this process (caplog) plus lines the worker
+    processes wrote to stderr."""
+    err = capfd.readouterr().err.splitlines()
+    return [_messages(caplog).count(line) + sum(line in e for e in err) for line in lines]
+
+
+@needs_native
+def test_a_pipeline_parallel_engine_warns_once(tiny_llama, monkeypatch, caplog, capfd):
+    """Two pipeline stages, two worker processes: each line once (each worker logged the
+    --deterministic ones before, and each logged why the adaptive count is off: with two
+    threads each, unpinned, the two worker processes)."""
+    monkeypatch.setenv("KVFLOW_CPU_GEMM", "onednn")
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("KVFLOW_CPU_ATTENTION", raising=False)
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", deterministic=True,
+                  pipeline_parallel_size=2, num_kv_blocks=32, enforce_eager=True)
+        out = llm.generate([[5, 17, 42]], SamplingParams(temperature=0, max_tokens=2),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+        llm.shutdown()
+    assert _counts_everywhere([GEMM_UNREAD, ADAPTIVE_OFF], caplog, capfd) == [1, 1]
+    caplog.clear()
+    monkeypatch.delenv("KVFLOW_CPU_GEMM")
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", cpu_threads=2,
+                  pipeline_parallel_size=2, num_kv_blocks=32, enforce_eager=True)
+        llm.shutdown()
+    assert _counts_everywhere([("--cpu-adaptive-threads is off: not available with 2 worker "
+                               "processes")], caplog, capfd) == [1]
