@@ -47,6 +47,7 @@ from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
+from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
@@ -100,7 +101,8 @@ class DraftModel:
         target_vocab_size: rows of the target's logits; the draft must have as many.
         target_end_ids: the target's declared EOS ids (``load_eos_token_ids``: its
             generation_config.json's ``eos_token_id``, else its config's), kept in a cut LM
-            head beside the draft's own end tokens; ids outside the vocabulary are skipped.
+            head beside the draft's own end tokens (read the same way from the draft's
+            folder or GGUF file); ids outside the vocabulary are skipped.
 
     Raises:
         ValueError: for a draft whose vocabulary size differs from the target's, or one that
@@ -133,8 +135,8 @@ class DraftModel:
         # FR-Spec: the head cut to frequent tokens (before the runner packs it), keeping the
         # end tokens of both models: a base-model draft ends text with another token than an
         # instruct target, whose end the draft must be able to propose
-        end_ids = _end_token_ids(hf_config) + [t for t in target_end_ids
-                                               if 0 <= t < hf_config.vocab_size]
+        end_ids = [t for t in [*load_eos_token_ids(source, hf_config), *target_end_ids]
+                   if 0 <= t < hf_config.vocab_size]
         self.vocab = DraftVocab(self.model, vocab_size, end_ids) \
             if vocab_size and vocab_size < hf_config.vocab_size else None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
@@ -352,11 +354,3 @@ def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -
                                         column(batch.top_k, 0), column(batch.top_p, 1.0),
                                         column(batch.min_p, 0.0))
     return torch.softmax(truncated, dim=-1)
-
-
-def _end_token_ids(hf_config: Any) -> list[int]:
-    """The config's ``eos_token_id`` (an int, a list, or absent) as a list."""
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]

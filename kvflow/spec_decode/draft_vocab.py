@@ -14,10 +14,10 @@ The subset, with no corpus at run time:
   lower id was a more frequent pair in the tokenizer's training corpus (FR-Spec ranks by
   counts on a corpus instead; the merge rank is the proxy available offline). Ids below the
   byte alphabet's 256 are single bytes, kept too;
-* the end tokens of both models, so a draft can end an answer where the target does: the
-  draft's config's ``eos_token_id`` and the target's declared EOS ids (its
-  generation_config.json's ``eos_token_id``, an int or a list, else its config's:
-  ``load_eos_token_ids``, which the front end makes every request stop on). A base-model
+* the end tokens of both models, so a draft can end an answer where the target does: each
+  model's declared EOS ids (its generation_config.json's ``eos_token_id``, an int or a list,
+  else its config's; a GGUF file's end-of-generation set: ``load_eos_token_ids``, which for
+  the target the front end makes every request stop on). A base-model
   draft for an instruct target (Qwen2.5: ``<|endoftext|>`` against ``<|im_end|>``) has other
   end tokens than the target, and when the target's lay above the cut the draft could never
   propose them, so the last draft window of every answer was rejected. The draft's own end

@@ -7,7 +7,9 @@ never propose the end of an answer and the last draft window before it was alway
 Now the head keeps the target's declared EOS ids (generation_config.json's ``eos_token_id``, an
 int or a list, else config.json's: ``load_eos_token_ids``, whose ids the engine stops on), and
 each drafting request's own stop ids (its EOS, the tokenizer's when it has one, and its
-``stop_token_ids``: what ``check_stop`` ends it on) are added like its context tokens.
+``stop_token_ids``: what ``check_stop`` ends it on) are added like its context tokens. The
+draft's own end tokens are read the same way (generation_config.json's, else config.json's),
+not from its config.json alone.
 
 The target here is the tiny Llama with its end tokens moved above the 48-id cut (its config,
 generation_config.json or tokenizer edited); the draft is the unchanged tiny Llama (EOS id 0),
@@ -42,7 +44,7 @@ def _engine(target: str, draft: str | None = None) -> LLM:
                speculative_config=spec)
 
 
-def _edited_copy(path: str, folder: str, config_eos: int | None = None,
+def _edited_copy(path: str, folder: str, config_eos: int | list[int] | None = None,
                  generation_eos: int | list[int] | None = None,
                  tokenizer_eos: int | None = None, no_generation_config: bool = False) -> str:
     """The tiny model in ``path`` copied to ``folder`` with its end tokens edited: config.json's
@@ -118,6 +120,27 @@ def test_config_eos_is_kept_without_generation_config(tiny_llama, tmp_path):
     assert vocab.fixed_ids.tolist() == list(range(SUBSET)) + [290]
 
 
+@pytest.mark.parametrize("generation_eos", [[0, 260, 270], 265], ids=["list", "int"])
+def test_the_drafts_declared_end_tokens_are_kept(tiny_llama, tmp_path, generation_eos):
+    """The draft's end tokens are read as the target's are (``load_eos_token_ids``): its
+    generation_config.json ``eos_token_id`` (a list or an int) wins over its config.json's
+    (290, not kept). Target: the tiny Llama (end token 0). The fixed subset is ids 0-47, the
+    target's 0 and the draft's generation_config ids."""
+    draft = _edited_copy(tiny_llama.path, str(tmp_path / "draft"), config_eos=290,
+                         generation_eos=generation_eos)
+    vocab = _drafter(_engine(tiny_llama.path, draft)).vocab
+    expected = list(range(SUBSET)) + ([260, 270] if isinstance(generation_eos, list) else [265])
+    assert vocab.fixed_ids.tolist() == expected
+    assert 290 not in vocab.fixed_ids
+
+
+def test_the_drafts_config_eos_is_kept_without_generation_config(tiny_llama, tmp_path):
+    draft = _edited_copy(tiny_llama.path, str(tmp_path / "draft"), config_eos=[290, 300],
+                         no_generation_config=True)
+    vocab = _drafter(_engine(tiny_llama.path, draft)).vocab
+    assert vocab.fixed_ids.tolist() == list(range(SUBSET)) + [290, 300]
+
+
 def test_a_requests_stop_ids_join_the_head(tiny_llama, tmp_path):
     """The tokenizer's EOS (317, in neither config: the request's ``eos_token_id``) and a
     request's ``stop_token_ids`` (299) are not in the fixed subset but in the head's columns
@@ -181,12 +204,14 @@ def test_greedy_ends_where_the_target_does_and_the_draft_proposes_it(
 
 def test_a_drafts_own_end_token_is_a_plain_token_to_the_target(
         tiny_llama, tmp_path, greedy_ids, assert_no_leaks):
-    """The opposite direction: the draft's config says its EOS is X, an id above the cut that
-    the target generates mid-answer (not a stop for the target, whose EOS stays 0). X is in the
-    draft's head, the draft proposes it, and the target takes it as an ordinary token and
-    goes on: output equals transformers' ``generate`` (eos 0), all 30 tokens, X inside."""
+    """The opposite direction: the draft's config says its EOS is X (no generation_config.json,
+    whose ids would win), an id above the cut that the target generates mid-answer (not a stop
+    for the target, whose EOS stays 0). X is in the draft's head, the draft proposes it, and
+    the target takes it as an ordinary token and goes on: output equals transformers'
+    ``generate`` (eos 0), all 30 tokens, X inside."""
     x = _new_ids_above_cut(greedy_ids)[0]
-    draft = _edited_copy(tiny_llama.path, str(tmp_path / "draft"), config_eos=x)
+    draft = _edited_copy(tiny_llama.path, str(tmp_path / "draft"), config_eos=x,
+                         no_generation_config=True)
     with torch.no_grad():
         ref = tiny_llama.hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=30,
                                            do_sample=False, eos_token_id=[0], pad_token_id=0)
