@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from kvflow.config.options import check_choices, opt
 
 DEFAULT_ENCODER_CACHE_SIZE = 16384
-# The image limits' documented defaults, which an unset (None) limit takes:
-# MultiModalConfig.limit is the one place they are resolved.
+# The image limits' documented defaults, which an unset (None) limit takes.
 IMAGE_LIMIT_DEFAULTS: dict[str, int | float] = {
     "max_image_bytes": 20 * 2**20, "max_image_pixels": 4096 * 4096,
     "max_images_per_prompt": 16, "media_fetch_timeout": 10.0}
+# Every setting with a fixed documented default: MultiModalConfig.limit is the one place
+# they are resolved (max_num_encoder_input_tokens defaults to the step budget, not here).
+LIMIT_DEFAULTS: dict[str, int | float] = {
+    **IMAGE_LIMIT_DEFAULTS, "encoder_cache_size": DEFAULT_ENCODER_CACHE_SIZE}
 
 
 @dataclass
@@ -21,7 +24,7 @@ class MultiModalConfig:
     be, and how much vision-encoder work one engine step takes on.
 
     Unset settings are None (their documented defaults apply: readers take the image limits
-    through :meth:`limit`), so a value given for a text-only model, which reads none, can be
+    and the encoder cache's size through :meth:`limit`), so a value given for a text-only model, which reads none, can be
     told apart and refused (``kvflow.core.unread_options.check_no_image_settings``).
 
     Raises:
@@ -63,23 +66,17 @@ class MultiModalConfig:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
 
-    @property
-    def encoder_cache_tokens(self) -> int:
-        """``encoder_cache_size``, or its default 16384 tokens when unset."""
-        return DEFAULT_ENCODER_CACHE_SIZE if self.encoder_cache_size is None \
-            else self.encoder_cache_size
-
     def limit(self, name: str) -> int | float:
-        """The image limit ``name`` in force (``max_image_bytes`` in bytes,
-        ``max_image_pixels`` in pixels, ``max_images_per_prompt`` in images,
-        ``media_fetch_timeout`` in seconds): the value given, else its documented default
-        (``IMAGE_LIMIT_DEFAULTS``).
+        """The limit ``name`` in force (``max_image_bytes`` in bytes, ``max_image_pixels`` in
+        pixels, ``max_images_per_prompt`` in images, ``media_fetch_timeout`` in seconds,
+        ``encoder_cache_size`` in tokens): the value given, else its documented default
+        (``LIMIT_DEFAULTS``).
 
         Raises:
-            KeyError: for a name that is not one of those four.
+            KeyError: for a name that is not one of those five.
         """
-        value = getattr(self, name) if name in IMAGE_LIMIT_DEFAULTS else None
-        return IMAGE_LIMIT_DEFAULTS[name] if value is None else value
+        value = getattr(self, name) if name in LIMIT_DEFAULTS else None
+        return LIMIT_DEFAULTS[name] if value is None else value
 
     def image_options(self) -> list[str]:
         """The image settings given (``name=value``, in field order) that only an engine

@@ -250,7 +250,7 @@ class EngineCore:
             mm = self.config.multimodal_config
             budget = mm.max_num_encoder_input_tokens or \
                 self.config.scheduler_config.max_num_batched_tokens
-            self.scheduler.encoder = EncoderCacheManager(budget, mm.encoder_cache_tokens)
+            self.scheduler.encoder = EncoderCacheManager(budget, mm.limit("encoder_cache_size"))
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is
