@@ -152,8 +152,8 @@ def test_engine_drops_a_thread_mid_run_and_keeps_greedy_output(tiny_llama):
     from kvflow import LLM, SamplingParams
 
     before = torch.get_num_threads()
-    llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2, kv_cache_memory="16MiB",
-              cpu_adaptive_threads=True)  # (the suite's default is off: conftest.py)
+    llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", cpu_threads=2,
+              kv_cache_memory="16MiB", cpu_adaptive_threads=True)  # (the suite's default is off: conftest.py)
     try:
         adaptive = llm.engine.core.executor.worker.runner.adaptive_threads
         assert adaptive is not None and adaptive.threads == 2
@@ -188,7 +188,7 @@ def test_engine_keeps_a_fixed_count_when_asked(tiny_llama):
         if native_cpu_kernels() is not None:  # deterministic mode refuses to start without
             options.append({"cpu_adaptive_threads": True, "deterministic": True})
         for option in options:
-            llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2,
+            llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", cpu_threads=2,
                       kv_cache_memory="16MiB", **option)
             assert llm.engine.core.executor.worker.runner.adaptive_threads is None, option
     finally:

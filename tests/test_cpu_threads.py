@@ -129,7 +129,7 @@ def test_tensor_parallel_bind_is_checked_before_any_worker_starts(tiny_llama, mo
     for bind, needle in ((f"0|{outside}", f"CPUs [{outside}] outside"),
                          ("0|0", "CPUs [0] to more than one worker"),
                          ("0", "1 '|'-separated parts for 2 worker processes")):
-        rc = main(["generate", "--model", tiny_llama.path, "--prompt", "hi",
+        rc = main(["generate", "--model", tiny_llama.path, "--device", "cpu", "--prompt", "hi",
                    "--tensor-parallel-size", "2", "--cpu-threads-bind", bind])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert rc == 2 and len(err) == 1 and needle in err[0], (bind, err)

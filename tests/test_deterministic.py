@@ -107,7 +107,8 @@ def test_default_mode_is_batch_dependent(tiny_llama):
                                     {"cpu_gemm": "onednn"}])
 def test_unsupported_combinations_are_refused(tiny_llama, option):
     with pytest.raises(ValueError, match="deterministic=True is not available with"):
-        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB", **option)
+        LLM(model=tiny_llama.path, device="cpu", deterministic=True, kv_cache_memory="16MiB",
+            **option)
 
 
 @needs_native  # without the kernels the message also says they are off
@@ -119,7 +120,7 @@ def test_a_cpu_gemm_the_mode_does_not_run_is_refused(tiny_llama, gemm, why):
     """--cpu-gemm auto asks for the kernel timed fastest on this CPU; the mode runs kvflow's
     C GEMM whatever it says, so auto was accepted and never read (as onednn would be)."""
     with pytest.raises(ValueError) as e:
-        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB",
+        LLM(model=tiny_llama.path, device="cpu", deterministic=True, kv_cache_memory="16MiB",
             cpu_gemm=gemm)
     assert str(e.value) == f"deterministic=True is not available with {why}"
 
@@ -130,7 +131,7 @@ def test_the_gemm_the_mode_runs_is_taken(tiny_llama, options):
     """Left out or given as native (what the mode runs), --cpu-gemm passes, and the engine
     generates transformers' greedy tokens."""
     target, _ = _prompts()
-    llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+    llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", deterministic=True,
               kv_cache_memory="16MiB", **options)
     got = _result(llm.generate([{"prompt_token_ids": target}], PARAMS, use_tqdm=False)[0])[0]
     hf = tiny_llama.hf_model.generate(torch.tensor([target]), max_new_tokens=MAX_TOKENS,
@@ -150,7 +151,7 @@ def test_a_cpu_attention_the_mode_does_not_read_is_refused(tiny_llama, attention
     the mode attends token by token whatever it says, so auto and native were accepted and
     never read without a draft model (sdpa was already refused)."""
     with pytest.raises(ValueError) as e:
-        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB",
+        LLM(model=tiny_llama.path, device="cpu", deterministic=True, kv_cache_memory="16MiB",
             cpu_attention=attention)
     assert str(e.value) == ("deterministic=True is not available with "
                             f"cpu_attention={attention!r} {ATTENTION_WHY}")
@@ -164,7 +165,7 @@ def test_a_draft_model_reads_cpu_attention_under_the_mode(tiny_llama):
     target, _ = _prompts()
     draft = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 2,
              "adaptive": False}
-    llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+    llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", deterministic=True,
               kv_cache_memory="32MiB", cpu_attention="native", speculative_config=draft)
     runner = llm.engine.core.executor.runner
     assert runner.drafter.attn_ctx.backend.prefill.choice == "native"
@@ -330,7 +331,7 @@ def test_an_unread_kernel_variable_is_warned_about(tiny_llama, caplog, monkeypat
     monkeypatch.setenv(variable, value)
     target, _ = _prompts()
     with caplog.at_level(logging.WARNING, logger="kvflow"):
-        llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+        llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", deterministic=True,
                   kv_cache_memory="16MiB")
     warned = [r.getMessage() for r in caplog.records if variable in r.getMessage()]
     assert warned == [ENV_UNREAD[variable]]
@@ -350,7 +351,7 @@ def test_a_kernel_variable_the_mode_reads_is_not_warned_about(tiny_llama, caplog
     draft = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 2,
              "adaptive": False}
     with caplog.at_level(logging.WARNING, logger="kvflow"):
-        llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True,
+        llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", deterministic=True,
                   kv_cache_memory="32MiB", speculative_config=draft)
     assert [r.getMessage() for r in caplog.records if "KVFLOW_CPU" in r.getMessage()] == []
     assert llm.engine.core.executor.runner.drafter.attn_ctx.backend.prefill.choice == "native"

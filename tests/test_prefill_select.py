@@ -111,7 +111,7 @@ def test_deterministic_mode_refuses_forced_sdpa(tiny_llama):
     from kvflow import LLM
 
     with pytest.raises(ValueError, match="cpu_attention='sdpa'"):
-        LLM(model=tiny_llama.path, deterministic=True, kv_cache_memory="16MiB",
+        LLM(model=tiny_llama.path, device="cpu", deterministic=True, kv_cache_memory="16MiB",
             cpu_attention="sdpa")
 
 

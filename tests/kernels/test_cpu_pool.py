@@ -124,7 +124,7 @@ def test_engine_with_and_without_the_pool_agree(tiny_llama, monkeypatch):
     results = []
     try:
         for on in (True, False):
-            llm = LLM(model=tiny_llama.path, dtype="float32", cpu_threads=2,
+            llm = LLM(model=tiny_llama.path, device="cpu", dtype="float32", cpu_threads=2,
                       cpu_gemm_pool=on, kv_cache_memory="16MiB")
             assert (native_cpu_kernels().pool is not None) == on
             outs = llm.generate(prompts, params, use_tqdm=False)
