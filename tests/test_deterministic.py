@@ -176,6 +176,33 @@ def test_a_draft_model_reads_cpu_attention_under_the_mode(tiny_llama):
     assert got == hf[0, len(target):].tolist()
 
 
+@needs_native
+def test_a_draft_model_with_sdpa_attention_keeps_the_output(tiny_llama):
+    """``--cpu-attention sdpa`` with a draft model was refused ('a prompt's SDPA attention
+    depends on its batch and chunk') while auto (which may pick SDPA) and native were taken:
+    only the draft's whole-prompt attention reads it, and a draft is only proposed, the target
+    verifying it with its own batch-invariant pass. Now taken: the draft's prompts run SDPA,
+    the target's stay token by token, and the watched prompt's greedy tokens and logprobs are
+    bitwise plain deterministic decoding's, alone and in a batch of 8, on two runs each, with
+    drafts accepted."""
+    target = [7, 9, 11, 13, 17, 19, 23, 29] * 4
+    _, others = _prompts()
+    common = {"model": tiny_llama.path, "device": "cpu", "dtype": "float32",
+              "deterministic": True, "kv_cache_memory": "32MiB", "enable_prefix_caching": False}
+    llm = LLM(**common)
+    plain = _run(llm, target, others, 1)
+    del llm
+    spec = LLM(**common, cpu_attention="sdpa", speculative_config={
+        "method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 3,
+        "adaptive": False})
+    runner = spec.engine.core.executor.runner
+    assert runner.drafter.attn_ctx.backend.prefill.choice == "sdpa"
+    assert runner.attn_ctx.backend.batch_invariant is True
+    runs = [_run(spec, target, others, size) for size in (1, 8, 1, 8)]
+    assert runs == [plain] * 4
+    assert spec.engine.core.scheduler.speculator.num_accepted_tokens > 0
+
+
 def test_refused_without_native_kernels(tiny_llama, monkeypatch):
     """KVFLOW_NATIVE_CPU=0: a ValueError saying the native kernels are off, and why they are
     needed (the mode has no batch-invariant GEMM without them)."""

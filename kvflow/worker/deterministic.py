@@ -78,8 +78,8 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
     from kvflow.platforms.cuda import triton_available
 
     dc, pc, spec = config.device_config, config.parallel_config, config.speculative_config
-    draft_quantization = spec.quantization \
-        if spec is not None and spec.method == "draft_model" else None
+    has_draft = spec is not None and spec.method == "draft_model"
+    draft_quantization = spec.quantization if has_draft else None
     checks = [
         (device_type not in ("cpu", "cuda"),
          f"device {device_type!r}: batch-invariant kernels exist for CPU and CUDA only"),
@@ -97,10 +97,12 @@ def unsupported_reasons(config: EngineConfig, hf_config: Any, device_type: str,
          ("cpu_gemm='auto' (a choice timed per CPU and shape class, which the mode cannot "
           "make: it runs kvflow's C GEMM; leave --cpu-gemm out or give native)")),
         (dc.cpu_gemm == "onednn", "cpu_gemm='onednn' (oneDNN's row sums depend on M)"),
-        (dc.cpu_attention == "sdpa",
+        # a draft model's attention reads it, and any choice is fine there: a draft is only
+        # proposed, and the target's tokens and logprobs come from its own batch-invariant
+        # pass whatever the draft proposed (greedy: its argmax; see rejection_sampler.py)
+        (dc.cpu_attention == "sdpa" and not has_draft,
          "cpu_attention='sdpa' (a prompt's SDPA attention depends on its batch and chunk)"),
-        (dc.cpu_attention in ("auto", "native") and
-         (spec is None or spec.method != "draft_model"),  # a draft's attention reads it
+        (dc.cpu_attention in ("auto", "native") and not has_draft,
          (f"cpu_attention={dc.cpu_attention!r} (the mode attends every token alone by the "
           "native kernel's decode path, neither prefill tiles nor SDPA, so only a draft "
           "model's attention reads it; leave --cpu-attention out)")),
