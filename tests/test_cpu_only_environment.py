@@ -112,3 +112,36 @@ def test_the_engine_warns_at_start_up(clean_env, caplog, tiny_llama):
     assert [r.getMessage() for r in caplog.records if "KVFLOW_CPU" in r.getMessage()] == [
         ("KVFLOW_CPU_GEMM='native': CPU-only setting, which an engine on cuda does not read; "
         "unset it (or run with --device cpu)")]
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ({"KVFLOW_FUSED_KERNELS": "1"}, "KVFLOW_FUSED_KERNELS='1': CUDA kernel setting"),
+    ({"KVFLOW_LORA_KERNEL": "triton"}, "KVFLOW_LORA_KERNEL='triton': CUDA kernel setting"),
+    ({"KVFLOW_FUSED_KERNELS": "1", "KVFLOW_LORA_KERNEL": "triton"},
+     "KVFLOW_FUSED_KERNELS='1', KVFLOW_LORA_KERNEL='triton': CUDA kernel settings"),
+    ({"KVFLOW_FUSED_KERNELS": "0", "KVFLOW_LORA_KERNEL": "torch"}, None),
+])
+def test_cuda_only_variables_on_a_cpu_engine(clean_env, setting, expected):
+    """The mirror: the Triton attention's fused rotary + store and the grouped LoRA kernel
+    are CUDA's; a CPU engine runs the separate ops and plain torch (what 0 / torch ask for,
+    so those are not named)."""
+    clean_env.delenv("KVFLOW_FUSED_KERNELS", raising=False)
+    clean_env.delenv("KVFLOW_LORA_KERNEL", raising=False)
+    for name, value in setting.items():
+        clean_env.setenv(name, value)
+    many = expected is not None and "settings" in expected
+    assert _warnings_on(CpuPlatform(), device="cpu") == ([] if expected is None else [
+        (f"{expected}, which this engine (cpu, attention backend cpu) does not read; unset "
+         f"{'them' if many else 'it'}")])
+    assert _warnings_on(StandInGpu(), attention_backend="triton") == []  # CUDA reads them
+
+
+def test_the_fused_kernels_variable_is_read_by_triton_attention_anywhere(clean_env):
+    """KVFLOW_FUSED_KERNELS asks the Triton attention backend, which a CPU engine runs in
+    Triton's interpreter (attention_backend='triton'): read there, not named; on CUDA with
+    another backend it is unread and named."""
+    clean_env.setenv("KVFLOW_FUSED_KERNELS", "1")
+    assert _warnings_on(CpuPlatform(), device="cpu", attention_backend="triton") == []
+    assert _warnings_on(StandInGpu(), attention_backend="torch") == [
+        ("KVFLOW_FUSED_KERNELS='1': CUDA kernel setting, which this engine (cuda, attention "
+         "backend torch) does not read; unset it")]

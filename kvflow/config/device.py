@@ -193,6 +193,20 @@ def cpu_only_environment() -> list[str]:
     return [f"{name}={value!r}" for name, value in given if value]
 
 
+def cuda_only_environment(device_type: str, attention_backend: str) -> list[str]:
+    """The CUDA kernel variables set (``NAME='value'``) that an engine on ``device_type``
+    with ``attention_backend`` does not read: ``KVFLOW_FUSED_KERNELS=1`` without the
+    ``triton`` attention backend (whose fused rotary + store it asks for; on a CPU that
+    backend runs in Triton's interpreter and reads it), ``KVFLOW_LORA_KERNEL`` other than
+    ``torch`` off CUDA (the grouped LoRA matmul; every other device runs plain torch). The
+    mirror of :func:`cpu_only_environment`, warned about at start-up by
+    ``kvflow.core.unread_options``."""
+    given = [("KVFLOW_FUSED_KERNELS", ("", "0"), attention_backend != "triton"),
+             ("KVFLOW_LORA_KERNEL", ("", "torch"), device_type != "cuda")]
+    return [f"{name}={os.environ[name]!r}" for name, anyway, unread in given
+            if unread and os.environ.get(name, "") not in anyway]
+
+
 def fused_kernels_enabled() -> bool:
     """Whether the Triton (CUDA) attention backend runs kvflow's fused kernels (rotary
     embedding + KV-cache store in one launch, ``kvflow/kernels/rotary_kv_store.py``):

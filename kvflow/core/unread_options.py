@@ -12,7 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvflow.config import EngineConfig, cpu_adaptive_threads_choice, cpu_only_environment
+from kvflow.config import (
+    EngineConfig,
+    cpu_adaptive_threads_choice,
+    cpu_only_environment,
+    cuda_only_environment,
+)
 from kvflow.models.registry import is_multimodal
 from kvflow.platforms import Platform
 from kvflow.worker.deterministic import unread_environment
@@ -43,16 +48,22 @@ def check_cpu_only_options(config: EngineConfig, platform: Platform) -> None:
 def unread_setting_warnings(config: EngineConfig, platform: Platform) -> list[str]:
     """One line per kind of setting this engine will not read, to warn about rather than
     refuse: on a device other than the CPU, the CPU-only kernel variables set
-    (:func:`kvflow.config.cpu_only_environment`); under ``--deterministic``, the CPU kernel
+    (:func:`kvflow.config.cpu_only_environment`), the CUDA kernel variables this engine does
+    not read (:func:`kvflow.config.cuda_only_environment`); under ``--deterministic``, the CPU kernel
     variables it does not read (``worker/deterministic.py: unread_environment``) and
     ``--cpu-adaptive-threads`` (or ``KVFLOW_CPU_ADAPTIVE_THREADS=1``), which it turns off."""
     warnings = []
-    unread = cpu_only_environment() if platform.device_type != "cpu" else []
-    if unread:
-        them = "them" if len(unread) > 1 else "it"
-        warnings.append(f"{', '.join(unread)}: CPU-only setting{'s' if len(unread) > 1 else ''}"
-                        f", which an engine on {platform.name} does not read; unset {them} "
-                        "(or run with --device cpu)")
+    cpu_vars = cpu_only_environment() if platform.device_type != "cpu" else []
+    if cpu_vars:
+        warnings.append(f"{', '.join(cpu_vars)}: CPU-only setting{'s' * (len(cpu_vars) > 1)}, "
+                        f"which an engine on {platform.name} does not read; unset "
+                        f"{'them' if len(cpu_vars) > 1 else 'it'} (or run with --device cpu)")
+    backend = config.device_config.attention_backend or platform.default_attention_backend
+    cuda_vars = cuda_only_environment(platform.device_type, backend)
+    if cuda_vars:
+        warnings.append(f"{', '.join(cuda_vars)}: CUDA kernel setting{'s' * (len(cuda_vars) > 1)}"
+                        f", which this engine ({platform.name}, attention backend {backend}) "
+                        f"does not read; unset {'them' if len(cuda_vars) > 1 else 'it'}")
     dc = config.device_config
     if dc.deterministic:
         warnings += unread_environment(config, platform.device_type)
