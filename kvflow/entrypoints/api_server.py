@@ -59,28 +59,46 @@ logger = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """uvicorn's lifespan: shut the engine down once the server stops (``_start_app`` started
+    it before the lifespan's start-up)."""
+    yield
+    await app.state.engine.shutdown()
+
+
+async def _start_app(app: FastAPI) -> None:
+    """Start the engine's output loop, then load the adapters of ``--lora-modules NAME=PATH
+    ...``; ``_StartingServer`` runs it before uvicorn's start-up, so a refused adapter leaves
+    ``uvicorn.Server.run`` as itself. Raised in the lifespan, starlette had logged it as a
+    20-line traceback and uvicorn had ended the process with exit status 3.
+
+    Raises:
+        ValueError: for an adapter the engine refuses, naming the flag (the engine is shut
+            down first; the server does not start).
+    """
     engine: AsyncLLM = app.state.engine
     engine.on_dead = lambda error: _on_engine_dead(app, error)
     await engine.start()
-    await _load_lora_modules(app)
-    yield
-    await engine.shutdown()
-
-
-async def _load_lora_modules(app: FastAPI) -> None:
-    """Load the adapters of ``--lora-modules NAME=PATH ...`` before serving.
-
-    Raises:
-        ValueError: for an adapter the engine refuses (the server does not start).
-    """
     for spec in app.state.config.lora_modules or []:
         name, _, path = spec.partition("=")
         try:
             await app.state.models.load(name, path)
         except ValueError as e:
-            app.state.startup_error = ValueError(f"--lora-modules {spec}: {e}")
-            raise app.state.startup_error from None
+            await engine.shutdown()
+            raise ValueError(f"--lora-modules {spec}: {e}") from None
         logger.info("serving LoRA adapter %s from %s", name, path)
+
+
+class _StartingServer(AbortingServer):
+    """``AbortingServer`` that runs ``_start_app`` before uvicorn's own start-up (the
+    lifespan, then the listening socket)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config, app.state.engine)
+        self.app = app
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await _start_app(self.app)
+        await super().startup(sockets)
 
 
 def _on_engine_dead(app: FastAPI, error: BaseException) -> None:
@@ -134,7 +152,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
-    app.state.startup_error = None
     app.state.model_name = model_name
     app.state.models = models = ServingModels(engine, model_name)
     # one for the whole server: under --ignore-unknown-fields each name is logged once
@@ -263,7 +280,7 @@ def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
     """What ``--lora-modules`` can be told to be wrong before the model loads: the flags,
     and each adapter's folder and ``adapter_config.json`` (a missing folder or file, a rank
     above ``--max-lora-rank``, a LoRA variant kvflow cannot apply). A refusal found only once
-    the engine reads the weights stops the server later.
+    the engine reads the weights is raised by ``_start_app``, after the model loaded.
 
     Raises:
         ValueError: without ``--enable-lora``, for an adapter named like the base model, or
@@ -343,10 +360,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
                     server_config.port)
         # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
         # are for other work in flight (a long /tokenize, say)
-        server = AbortingServer(uvicorn.Config(
+        server = _StartingServer(uvicorn.Config(
             app, host=server_config.host, port=server_config.port,
             log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
-            timeout_keep_alive=server_config.timeout_keep_alive), engine)
+            timeout_keep_alive=server_config.timeout_keep_alive), app)
         app.state.uvicorn_server = server
         freeze_startup_heap("API server")  # kvflow/gc_heap.py: no 0.2 s stalls of the streams
         server.run()
@@ -354,8 +371,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     finally:
         unfreeze_heap()  # a no-op unless frozen; for `kvflow serve` called in-process (tests)
         engine.close()
-    if app.state.startup_error is not None:
-        raise app.state.startup_error
     if app.state.engine_died:
         raise RuntimeError("the engine core process died; the server stopped "
                            "(--engine-failure restart starts a new engine instead)")
