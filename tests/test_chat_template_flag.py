@@ -271,7 +271,7 @@ def test_serve_warns_of_the_models_template_before_the_model_loads(tok, tmp_path
         return SimpleNamespace(**vars(_engine(broken)), close=lambda: None)
 
     monkeypatch.setattr(api_server, "AsyncLLM", load_model)
-    monkeypatch.setattr(api_server, "AbortingServer", lambda config, engine: SimpleNamespace(
+    monkeypatch.setattr(api_server, "_StartingServer", lambda config, app: SimpleNamespace(
         run=lambda: None, end_as_signalled=lambda: None))
     flags = ["--chat-template", _file(tmp_path, FLAG_TEMPLATE)] if flag else []
     with caplog.at_level(logging.WARNING, logger="kvflow"):
@@ -371,8 +371,8 @@ def test_serve_reads_the_template_once_and_serves_what_it_checked(tmp_path, tok,
         return SimpleNamespace(run=lambda: None, end_as_signalled=lambda: None)
 
     monkeypatch.setattr(api_server, "AsyncLLM", load_model)
-    monkeypatch.setattr(api_server, "AbortingServer",
-                        lambda config, engine: served(config.app))
+    monkeypatch.setattr(api_server, "_StartingServer",
+                        lambda config, app: served(app))
     assert main(["serve", "SmolLM2-135M-Instruct", "--port", "0", "--chat-template", path]) == 0
     assert reads == [path]
     assert _render(apps[0].state.chat)[0] == _hf(tok, FLAG_TEMPLATE)
