@@ -97,8 +97,9 @@ def _read_template_file(path: str) -> str:
 def _read_pipe(path: str) -> bytes:
     """Up to ``MAX_TEMPLATE_BYTES + 1`` bytes of the pipe ``path`` (a FIFO, or bash's
     ``<(...)``), read until its writer closes it. Opened without blocking, so a FIFO that
-    nothing writes to cannot hang start-up: raises ValueError when no byte or end comes for
-    :data:`PIPE_WAIT_S` seconds (OSError as ``open`` would)."""
+    nothing writes to, or a writer that never closes it, cannot hang start-up: raises
+    ValueError when no byte or end comes for :data:`PIPE_WAIT_S` seconds (OSError as ``open``
+    would)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         chunks: list[bytes] = []
@@ -106,8 +107,11 @@ def _read_pipe(path: str) -> bytes:
         while size <= MAX_TEMPLATE_BYTES:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise ValueError(f"{FLAG} {path}: a pipe that sent no template within "
-                                 f"{PIPE_WAIT_S:g} s (nothing writing to it?)")
+                raise ValueError(f"{FLAG} {path}: " + (
+                    f"a pipe that sent {size} bytes but was not closed within "
+                    f"{PIPE_WAIT_S:g} s (is its writer still running?)" if size else
+                    f"a pipe that sent no template within {PIPE_WAIT_S:g} s (nothing "
+                    "writing to it?)"))
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:  # woken without data: wait again

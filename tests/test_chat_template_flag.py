@@ -475,3 +475,29 @@ def test_a_pipe_nothing_writes_to_is_refused_not_waited_on(tmp_path, monkeypatch
     assert time.monotonic() - start < 5
     assert str(info.value) == (f"--chat-template {fifo}: a pipe that sent no template within "
                                "0.2 s (nothing writing to it?)")
+
+
+def test_a_pipe_whose_writer_never_closes_it_is_refused_saying_so(tmp_path, monkeypatch):
+    """``(echo '{{ messages }}'; sleep 40) > fifo``: the template came but the pipe stayed
+    open; the message said nothing was written (newcomer check, session 29)."""
+    monkeypatch.setattr(chat_template_source, "PIPE_WAIT_S", 0.3)
+    fifo = str(tmp_path / "open.fifo")
+    os.mkfifo(fifo)
+    release = threading.Event()
+
+    def write():
+        with open(fifo, "wb") as f:
+            f.write(b"{{ messages }}\n")
+            f.flush()
+            release.wait(5)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        with pytest.raises(ValueError) as info:
+            load_chat_template(fifo)
+    finally:
+        release.set()
+        writer.join(5)
+    assert str(info.value) == (f"--chat-template {fifo}: a pipe that sent 15 bytes but was not "
+                               "closed within 0.3 s (is its writer still running?)")

@@ -44,7 +44,7 @@ def grammar_error(spec: str, message: str) -> str:
     another shape is returned unchanged."""
     found = _EBNF_ERROR.search(message)
     if found is None:
-        return message
+        return message + _lark_hint(spec)
     line, byte_column, what = int(found[1]), int(found[2]), found[3].strip()
     lines = spec.split("\n")
     text = lines[line - 1].encode() if line <= len(lines) else b""
@@ -59,7 +59,21 @@ def grammar_error(spec: str, message: str) -> str:
         what = f"expected {expected}, but got {got}"
     shown = before.strip()[-40:]
     where = f"line {line}, column {len(head) + 1}" + (f" (after {shown!r})" if shown else "")
-    return f"{where}: {what}"
+    return f"{where}: {what}" + _lark_hint(spec)
+
+
+# a Lark rule or terminal definition ("start: ...", "?value: ...", "NUMBER.2: ..."), which
+# EBNF writes "name ::= ..."
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.\d+)?\s*:(?!:=)", re.MULTILINE)
+
+
+def _lark_hint(spec: str) -> str:
+    """For a grammar written in Lark's syntax (vLLM converts those; xgrammar does not read
+    them): a sentence saying which syntax kvflow reads; else empty."""
+    if "::=" in spec or not _LARK_RULE.search(spec):
+        return ""
+    return (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads "
+            "GBNF / EBNF, rules written 'name ::= ...' with 'root' the start rule)")
 
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
