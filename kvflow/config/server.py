@@ -48,6 +48,10 @@ class ServerConfig:
                                "('restart')", choices=["exit", "restart"])
     tool_call_parser: str = opt("hermes", "how tool calls are read from the output under "
                                  "tool_choice=auto", choices=["hermes", "llama3_json"])
+    exclude_tools_when_tool_choice_none: bool = opt(
+        False, "leave a request's tools out of the chat template's prompt under "
+        "tool_choice=none (default: the model still sees them and calls none, as with "
+        "OpenAI; vLLM's flag of the same name)")
     reasoning_parser: str | None = opt(None, "split <think>...</think> reasoning into "
                                         "reasoning_content", choices=[None, "think"])
     chat_template: str | None = opt(None, "the Jinja chat template of every conversation "

@@ -118,8 +118,8 @@ class OpenAIServingChat(OpenAIServing):
         mode, parser = await self._tools(req)
         tool_grammar = tool_constraint(req, mode)
         await check_constraint(self.engine, req, tool_grammar, body_size(raw))
-        text, ids = await self.render(req.messages, ChatOptions.of(req),
-                                      tools_for_template(req, mode), size=body_size(raw))
+        text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
+            req, mode), size=body_size(raw), tool_instructions=mode is not None)
         prompt = await self.attach_images(req.messages, text, ids)
         ids = prompt.token_ids
         params = self._params(req, ids, tool_grammar)
@@ -163,12 +163,20 @@ class OpenAIServingChat(OpenAIServing):
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
         refuse_platform_options(req)
 
+    def template_tools(self, req: Any, mode: str | None) -> list[dict[str, Any]] | None:
+        """The request's tools for the chat template (``tools_for_template`` under this
+        server's ``--exclude-tools-when-tool-choice-none``)."""
+        return tools_for_template(req, mode, self.config.exclude_tools_when_tool_choice_none)
+
     async def render(self, messages: list[ChatMessage], options: ChatOptions,
                      tools: list[dict[str, Any]] | None = None, check_length: bool = True,
-                     size: int | None = None) -> tuple[str, list[int]]:
+                     size: int | None = None, tool_instructions: bool = True
+                     ) -> tuple[str, list[int]]:
         """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
         template's ``tools`` argument; a template that ignores them gets the tool parser's
-        instructions as (the end of) the system message instead, added by kvflow: a template
+        instructions as (the end of) the system message instead, added by kvflow (not under
+        tool_choice none, ``tool_instructions`` False: they would ask for calls the request
+        forbids, so such a template sees no tools then): a template
         that fails on that message but renders the client's messages is a 400 at ``tools``
         saying so (``chat_conversation.apply_with_tools_prompt``). Assistant turns'
         ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
@@ -198,6 +206,8 @@ class OpenAIServingChat(OpenAIServing):
         if "tools" not in template and "tool_calls" not in template:
             conversation = with_calls_as_text(conversation, parser)
         before_tools = None  # the conversation before kvflow wrote the tools into it
+        if tools and "tools" not in template and not tool_instructions:
+            tools = None
         if tools and "tools" not in template:
             before_tools = conversation
             conversation, tools = with_system_prompt(conversation,

@@ -230,10 +230,12 @@ def tool_parser_for(req: ChatCompletionRequest, mode: str | None,
     return None
 
 
-def tools_for_template(req: ChatCompletionRequest | TokenizeRequest, mode: str | None
-                       ) -> list[dict] | None:
-    """The tools as the chat template's ``tools`` argument (None under tool_choice none or
-    without tools), for a chat or a /tokenize request."""
-    if mode is None:
+def tools_for_template(req: ChatCompletionRequest | TokenizeRequest, mode: str | None,
+                       exclude_when_none: bool = False) -> list[dict] | None:
+    """The tools as the chat template's ``tools`` argument, for a chat or a /tokenize
+    request: None without tools, and under tool_choice ``none`` (``mode`` None) only with
+    ``exclude_when_none`` (``--exclude-tools-when-tool-choice-none``); otherwise the model
+    still sees them, as with OpenAI and vLLM (it knows the functions, and calls none)."""
+    if not req.tools or (mode is None and exclude_when_none):
         return None
     return [t.model_dump(exclude_none=True) for t in req.tools]

@@ -22,7 +22,6 @@ from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
     check_tools_off_loop,
     tool_choice_mode,
-    tools_for_template,
 )
 
 
@@ -84,11 +83,12 @@ async def _tokenize_ids(chat: OpenAIServingChat, req: TokenizeRequest,
             mode = tool_choice_mode(req)
             await check_tools_off_loop(req.tools, compile_schemas=mode in ("required",
                                                                            "named"))  # as chat
-            tools = tools_for_template(req, mode)  # as chat renders them
+            tools = chat.template_tools(req, mode)  # as chat renders them
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code="invalid_value") from None
         text, ids = await chat.render(req.messages, ChatOptions.of(req), tools,
-                                      check_length=False, size=body_size(raw))
+                                      check_length=False, size=body_size(raw),
+                                      tool_instructions=mode is not None)
         return (await chat.attach_images(req.messages, text, ids)).token_ids  # expanded
     _refuse_chat_options(req)
     special = req.add_special_tokens is not False

@@ -504,8 +504,9 @@ def chat_cases() -> dict[str, Callable]:
     def tools(server, tokenizer):
         body = {"tools": [TOOL], "tool_choice": "auto", "chat_template": TOOLS_TEMPLATE}
         assert prompt_ids(server, body) == tokenizer.encode("hi get_x", add_special_tokens=False)
+        # tool_choice none: the template still gets the tools (OpenAI's and vLLM's default)
         assert prompt_ids(server, {**body, "tool_choice": "none"}) == \
-            tokenizer.encode("hi", add_special_tokens=False)
+            tokenizer.encode("hi get_x", add_special_tokens=False)
 
     return {**sampling_cases(CH), "messages": messages,
             "max_tokens": max_tokens("max_tokens"),
@@ -567,8 +568,11 @@ def tokenize_cases() -> dict[str, Callable]:
             {"chat_template": "{{ x }}", "chat_template_kwargs": {"x": "fox"}}, lambda t: "fox"),
         "tools": chat_option({"tools": [TOOL], "chat_template": "{{ tools[0].function.name }}"},
                              lambda t: "get_x"),
-        "tool_choice": chat_option({"tools": [TOOL], "tool_choice": "none",
-                                    "chat_template": "{{ tools is none }}"}, lambda t: "True"),
+        # none: a template that ignores tools gets no tool instructions (auto: a system
+        # message holding them comes first)
+        "tool_choice": chat_option({"tools": [TOOL], "tool_choice": "none", "chat_template":
+                                    "{% for m in messages %}{{ m.role }}:{{ m.content }};"
+                                    "{% endfor %}"}, lambda t: "user:hi;"),
         "documents": chat_option({"documents": [{"text": "dog"}],
                                   "chat_template": "{{ documents[0].text }}"}, lambda t: "dog"),
 
