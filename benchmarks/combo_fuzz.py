@@ -40,6 +40,7 @@ import tempfile
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
@@ -300,10 +301,12 @@ def one_case(seed: int, config_seed: int, engines: Engines, adapters: list[LoRAR
             f"accepted={sum(g.metrics.num_accepted_tokens for g in got if g)} {model} {kw}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def fuzz_args(description: str, default_n: int) -> argparse.Namespace:
+    """The fuzzers' common options (--start, --n, --sticky, --models), parsed; exits with a
+    usage error for --n or --sticky below 1."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--start", type=int, default=0, help="first case seed")
-    ap.add_argument("--n", type=int, default=200, help="number of cases")
+    ap.add_argument("--n", type=int, default=default_n, help="number of cases")
     ap.add_argument("--sticky", type=int, default=1,
                     help="consecutive cases sharing one configuration (and engine)")
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "kvflow_combo_fuzz"),
@@ -311,15 +314,19 @@ def main() -> int:
     args = ap.parse_args()
     if args.n < 1 or args.sticky < 1:
         ap.error("--n and --sticky must be >= 1")
-    kv_swap.SwapManager.should_swap = _always_swap
-    adapters = build_models(args.models)
-    engines = Engines(args.models)
+    return args
+
+
+def run_cases(args: argparse.Namespace, case: Callable[[int, int], str]) -> int:
+    """Run ``case(seed, config_seed)`` for each seed (``config_seed``: the seed of the
+    configuration, shared by ``--sticky`` consecutive cases), printing one line per case
+    (a failure's exception and traceback, then the next case); returns the exit status,
+    1 if any case failed."""
     failed = 0
     for seed in range(args.start, args.start + args.n):
         t0 = time.perf_counter()
         try:
-            line = one_case(seed, seed // args.sticky if args.sticky > 1 else seed, engines,
-                            adapters)
+            line = case(seed, seed // args.sticky)
         except Exception as e:  # noqa: BLE001 - report the case and go on
             failed += 1
             line = f"FAIL {e!r}"[:2000]
@@ -327,6 +334,14 @@ def main() -> int:
         print(f"{seed} {time.perf_counter() - t0:.1f}s {line}", flush=True)
     print(f"{args.n} cases, {failed} failed")
     return 1 if failed else 0
+
+
+def main() -> int:
+    args = fuzz_args(__doc__.split("\n")[0], 200)
+    kv_swap.SwapManager.should_swap = _always_swap
+    adapters = build_models(args.models)
+    engines = Engines(args.models)
+    return run_cases(args, lambda seed, config: one_case(seed, config, engines, adapters))
 
 
 if __name__ == "__main__":

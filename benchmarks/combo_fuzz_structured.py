@@ -37,15 +37,11 @@ broken constraint, no leak; with ``num_valid_drafts``' rollback removed (a plant
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
 import sys
-import tempfile
-import time
-import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -218,16 +214,7 @@ def one_case(seed: int, config_seed: int, engines: cf.Engines, adapters: list,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--start", type=int, default=0, help="first case seed")
-    ap.add_argument("--n", type=int, default=100, help="number of cases")
-    ap.add_argument("--sticky", type=int, default=1,
-                    help="consecutive cases sharing one configuration (and engine)")
-    ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "kvflow_combo_fuzz"),
-                    help="folder for the tiny models and adapters (built once, reused)")
-    args = ap.parse_args()
-    if args.n < 1 or args.sticky < 1:
-        ap.error("--n and --sticky must be >= 1")
+    args = cf.fuzz_args(__doc__.split("\n")[0], 100)
     kv_swap.SwapManager.should_swap = cf._always_swap
     adapters = cf.build_models(args.models)
     engines = cf.Engines(args.models)
@@ -235,18 +222,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.models, "llama"))
     with open(os.path.join(args.models, "llama", "config.json")) as f:
         checker = PrefixChecker(tokenizer, json.load(f)["vocab_size"])
-    failed = 0
-    for seed in range(args.start, args.start + args.n):
-        t0 = time.perf_counter()
-        try:
-            line = one_case(seed, seed // args.sticky, engines, adapters, tokenizer, checker)
-        except Exception as e:  # noqa: BLE001 - report the case and go on
-            failed += 1
-            line = f"FAIL {e!r}"[:2000]
-            traceback.print_exc(limit=6)
-        print(f"{seed} {time.perf_counter() - t0:.1f}s {line}", flush=True)
-    print(f"{args.n} cases, {failed} failed")
-    return 1 if failed else 0
+    return cf.run_cases(args, lambda seed, config: one_case(seed, config, engines, adapters,
+                                                            tokenizer, checker))
 
 
 if __name__ == "__main__":
