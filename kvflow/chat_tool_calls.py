@@ -11,10 +11,12 @@ way for the server and ``LLM.chat``:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvflow.chat_messages import ChatTemplateError
 
@@ -26,11 +28,40 @@ class _StrictModel(BaseModel):
 
 
 class CalledFunction(_StrictModel):
-    """The function an earlier assistant turn called: ``arguments`` is JSON text, as OpenAI
-    returns it (parsed into an object for the chat template, see kvflow/chat_messages.py)."""
+    """The function an earlier assistant turn called: ``arguments`` is a JSON object's text, as
+    OpenAI returns it (parsed into an object for the chat template, see
+    kvflow/chat_messages.py); text that is not JSON, or JSON that is not an object, is refused
+    (error type ``invalid_arguments``: the server's ``invalid_value``)."""
 
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _object_text(cls, arguments: Any) -> Any:
+        """A string must be a JSON object's text (an object, offline, is taken as it is)."""
+        if isinstance(arguments, str):
+            _check_object_text(arguments)
+        return arguments
+
+
+def _check_object_text(text: str) -> None:
+    """Raises ``PydanticCustomError("invalid_arguments")`` unless ``text`` parses to a JSON
+    object, saying what was sent and why it is not one."""
+    shown = repr(text) if len(text) <= 40 else f"a string of {len(text)} characters"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        why = f"not valid JSON: {e.msg} at position {e.pos}"
+    else:
+        if isinstance(value, dict):
+            return
+        kind = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean",
+                type(None): "JSON null"}.get(type(value), "a JSON number")
+        why = f"{kind}, not an object"
+    raise PydanticCustomError("invalid_arguments",
+                              "must be a JSON object's text, got {shown} ({why})",
+                              {"shown": shown, "why": why})
 
 
 class MessageToolCall(_StrictModel):
@@ -94,8 +125,8 @@ def check_tool_calls(messages: Sequence[Any]) -> None:
             kind = first["type"]
             code = _CODES.get(kind) or ("invalid_type" if kind.endswith("_type")
                                         else "invalid_value")
-            why = "a required field, not sent" if kind == "missing" else \
-                f"{first['msg']}, got {first['input']!r}"
+            why = "a required field, not sent" if kind == "missing" else first["msg"] \
+                if kind == "invalid_arguments" else f"{first['msg']}, got {first['input']!r}"
             raise ChatTemplateError(f"{param}: {why}", param, code) from None
 
 
