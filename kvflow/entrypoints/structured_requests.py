@@ -24,6 +24,9 @@ from kvflow.entrypoints.tool_parsers import (
 from kvflow.structured import StructuredOutputsParams, validate
 
 _ANY_OBJECT = {"type": "object"}
+# A function without ``parameters`` takes none (OpenAI: omitting parameters defines a function
+# with an empty parameter list): its forced call's arguments can only be {}.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # Tools whose schemas are checked on the event loop; more go to a worker thread (each schema's
 # check against its meta-schema takes ~0.5 ms: 2,048 tools held the loop ~1 s).
 TOOLS_INLINE = 8
@@ -204,18 +207,27 @@ def tool_constraint(req: ChatCompletionRequest, mode: str | None
     if mode == "named":
         function = next(t.function for t in req.tools
                         if t.function.name == req.tool_choice.function.name)
-        return StructuredOutputsParams(json=function.parameters or _ANY_OBJECT)
+        return StructuredOutputsParams(json=arguments_schema(function.parameters))
     if mode != "required":
         return None
     calls = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "arguments": t.function.parameters or _ANY_OBJECT},
+                             "arguments": arguments_schema(t.function.parameters)},
               "required": ["name", "arguments"]} for t in req.tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema a forced call's ``arguments`` must satisfy: the function's
+    ``parameters``; ``{}`` (no arguments at all) when it has none, as OpenAI defines a function
+    without ``parameters``; any object for ``parameters: {}``."""
+    if parameters is None:
+        return _NO_PARAMETERS
+    return parameters or _ANY_OBJECT
 
 
 def tool_parser_for(req: ChatCompletionRequest, mode: str | None,

@@ -840,6 +840,24 @@ def test_tools_system_message_a_template_refuses_is_a_400_at_tools(server, path)
     ok(server, path, {"prompt": None, **without} if path == TOK else without)
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                  "function": {"name": "ping"}}],
+                         ids=["required", "named"])
+def test_forced_call_of_a_tool_without_parameters_has_no_arguments(server, tokenizer, choice):
+    """A tool without ``parameters`` takes none (OpenAI's rule): a forced call's arguments are
+    "{}" even with a bias towards '"' that makes the model write keys wherever the grammar lets
+    it (before, the any-object grammar let it make arguments up)."""
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    body = {**HOT, "max_tokens": 40, "tools": [{"type": "function",
+                                                "function": {"name": "ping"}}],
+            "tool_choice": choice, "chat_template": TOOLS_TEMPLATE,
+            "parallel_tool_calls": False, "logit_bias": {str(quote): 30}}
+    choice_out = ok(server, CH, body)["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in choice_out["message"]["tool_calls"]] == [("ping", "{}")]
+
+
 def test_tokenize_counts_what_embeddings_embed(embed_server, tiny_tokenizer, built_models):
     """/tokenize on an embedding server gives the ids /v1/embeddings feeds the model: after
     the default prompt, lower-cased (oracle: sentence-transformers' own tokenization of the
