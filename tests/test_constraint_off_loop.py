@@ -110,7 +110,8 @@ def test_bad_schema_is_the_same_400_inline_or_in_a_thread(tiny_tokenizer, size):
     with pytest.raises(OpenAIError) as e:
         asyncio.run(check_constraint(_engine(tiny_tokenizer), req, None, size))
     assert e.value.body()["error"] == {
-        "message": "invalid JSON schema in structured_outputs: 'uniqueItems': repeated items "
+        "message": "invalid JSON schema in response_format.json_schema.schema: "
+                   "'uniqueItems': repeated items "
                    "are not prevented (xgrammar, kvflow's grammar engine, accepts this "
                    "keyword but does not enforce it; leave it out)",
         "type": "invalid_request_error", "param": "response_format.json_schema.schema",

@@ -52,7 +52,8 @@ def test_other_messages_pass_unchanged():
 
 def test_served_guided_grammar_400_is_complete(tiny_tokenizer):
     """Over HTTP (the chat handler's SamplingParams step, in-process): a 400 naming
-    ``guided_grammar`` with the whole message (was "... Expect element, but got")."""
+    ``guided_grammar``, in the message too, with the whole message (was "... Expect element,
+    but got")."""
     from types import SimpleNamespace
 
     from kvflow.entrypoints.openai_errors import OpenAIError
@@ -68,6 +69,7 @@ def test_served_guided_grammar_400_is_complete(tiny_tokenizer):
         sampling_params(engine, req, 4, None)
     assert e.value.status == 400
     assert e.value.body()["error"] == {
-        "message": PREFIX + f"line 1, column 24 (after 'root ::= \"yes\" | \"no\" |'): expected "
-                            f"{ELEMENT}, but got the end of the grammar",
+        "message": "invalid grammar in guided_grammar: "  # the field sent, not the engine's
+                   f"line 1, column 24 (after 'root ::= \"yes\" | \"no\" |'): expected "
+                   f"{ELEMENT}, but got the end of the grammar",
         "type": "invalid_request_error", "param": "guided_grammar", "code": "invalid_value"}

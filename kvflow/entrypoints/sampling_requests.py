@@ -120,11 +120,14 @@ async def check_constraint(engine: AsyncLLM, req: SamplingRequest,
 def _params_error(error: ValueError, req: SamplingRequest,
                   tool_grammar: StructuredOutputsParams | None) -> OpenAIError:
     """The 400 for parameters the engine's processor refused; a constraint that did not
-    compile is named by the field it came from (``tools`` for the tool grammar)."""
-    out = invalid_request(error)
-    if " in structured_outputs" in str(error):
-        out.param = "tools" if tool_grammar is not None else constraint_param(req)
-    return out
+    compile is named, in the message and as ``param``, by the field it came from
+    (``guided_regex``, ``structured_outputs.grammar``, ``response_format.json_schema.schema``;
+    ``tools`` for the tool grammar), not the engine's ``structured_outputs``."""
+    if " in structured_outputs" not in str(error):
+        return invalid_request(error)
+    param = "tools" if tool_grammar is not None else constraint_param(req)
+    return OpenAIError(str(error).replace(" in structured_outputs", f" in {param}", 1),
+                       param=param, code="invalid_value")
 
 
 def check_length_fields(max_tokens: int | None, max_completion_tokens: int | None) -> None:

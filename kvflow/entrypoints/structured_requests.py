@@ -109,13 +109,17 @@ def _constraint_sources(req: SamplingRequest) -> list[str]:
 
 def constraint_param(req: SamplingRequest) -> str | None:
     """The request field a constraint came from, for errors found when it is compiled (None
-    when the request sets none): ``guided_*``, ``structured_outputs``, ``response_format``
-    or ``response_format.json_schema.schema``."""
+    when the request sets none): ``guided_*``, ``structured_outputs.<its field>``
+    (``structured_outputs.grammar``, ...), ``response_format`` or
+    ``response_format.json_schema.schema``."""
     sources = _constraint_sources(req)
     if not sources:
         return None
     if sources[0] == "response_format" and req.response_format.type == "json_schema":
         return "response_format.json_schema.schema"
+    if sources[0] == "structured_outputs":
+        fields = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        return ".".join(["structured_outputs", *list(fields)[:1]])
     return sources[0]
 
 

@@ -138,7 +138,7 @@ def costly_pattern(schema: Any) -> str | None:
     ``patternProperties`` name, subschemas included), naming the pattern that passes the
     budget and where it is; None when within it."""
     total = 0
-    for path, pattern in _patterns(schema, ""):
+    for path, pattern in string_patterns(schema):
         cost, largest = pattern_repeat_cost(pattern)
         total += cost
         if total > MAX_PATTERN_REPEAT_COST:
@@ -150,8 +150,10 @@ def costly_pattern(schema: Any) -> str | None:
     return None
 
 
-def _patterns(schema: Any, path: str) -> list[tuple[str, str]]:
-    """(path, regex) of every string pattern in ``schema`` and its subschemas."""
+def string_patterns(schema: Any, path: str = "") -> list[tuple[str, str]]:
+    """(path, regex) of every string pattern in ``schema`` (a parsed JSON schema) and its
+    subschemas: each ``pattern`` (path ``properties.a.pattern``) and ``patternProperties``
+    name (path ``...patternProperties``), in the schema's order."""
     if not isinstance(schema, dict):
         return []
     at = f"{path}." if path else ""
@@ -162,5 +164,5 @@ def _patterns(schema: Any, path: str) -> list[tuple[str, str]]:
         found += [(f"{at}patternProperties", name) for name in schema["patternProperties"]]
     for key, value in schema.items():
         for sub_path, sub in _subschemas(key, value):
-            found += _patterns(sub, f"{at}{sub_path}")
+            found += string_patterns(sub, f"{at}{sub_path}")
     return found

@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvflow.structured.params import StructuredOutputsParams
-from kvflow.structured.schema_support import costly_pattern, unenforced_keyword
+from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _LOCATION_RE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -110,7 +110,8 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
         ValueError: for text that is not a JSON schema object (or true/false), one using a
             keyword xgrammar would not enforce (``schema_support.unenforced_keyword``), or
             one whose string patterns repeat more than xgrammar converts in well under a
-            second (``schema_support.costly_pattern``).
+            second (``schema_support.costly_pattern``), or one with a string pattern that is
+            not a valid regex (:func:`bad_pattern`, naming it and where it is).
         RuntimeError: from xgrammar, for a schema it cannot convert.
     """
     text = _schema_text(spec)
@@ -122,11 +123,31 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     problem = costly_pattern(schema)  # before xgrammar spends minutes on it
     if problem is not None:
         raise ValueError(problem)
-    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    try:
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    except RuntimeError:
+        problem = bad_pattern(schema)  # xgrammar's regex error does not say which pattern
+        if problem is not None:
+            raise ValueError(problem) from None
+        raise
     ebnf = str(grammar)
     if _LENGTH_STRING_CHARS not in ebnf:
         return grammar
     return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
+
+
+def bad_pattern(schema: Any) -> str | None:
+    """Why the first string pattern of ``schema`` (a parsed JSON schema) that xgrammar's
+    regex parser refuses is refused, naming the pattern and where it is
+    (``the pattern 'a[' at properties.code.pattern is not a valid regex: ...``); None when
+    every pattern parses."""
+    for path, pattern in string_patterns(schema):
+        try:
+            xgr.Grammar.from_regex(pattern)
+        except RuntimeError as e:
+            shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+            return f"the pattern {shown!r} at {path} is not a valid regex: {_clean(e)}"
+    return None
 
 
 def validate(params: StructuredOutputsParams) -> None:

@@ -242,7 +242,8 @@ def test_unbounded_grammar_ends_with_length(client):
     # xgrammar took ~95 s to convert this pattern, the server answering nobody meanwhile
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "^[a-z]{1,50000}$"}}}},
-     ("invalid JSON schema in structured_outputs: the pattern '^[a-z]{1,50000}$' at pattern "
+     ("invalid JSON schema in response_format.json_schema.schema: the pattern "
+      "'^[a-z]{1,50000}$' at pattern "
       "repeats up to 50000 times")),
 ])
 def test_bad_constraints_get_400(server, body, needle):
