@@ -229,7 +229,9 @@ def _template_kwargs(conversation: list[dict[str, Any]], template: Any,
             raise ChatTemplateError(f"{name} must be true or false, got {flag!r:.40}", name)
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both "
-                                "be true", "continue_final_message")
+                                "be true; add_generation_prompt defaults to true, so send it "
+                                "as false with continue_final_message",
+                                "continue_final_message")
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ChatTemplateError("continue_final_message needs the last message to be an "
                                 "assistant message", "continue_final_message")
