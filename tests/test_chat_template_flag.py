@@ -151,7 +151,8 @@ def _engine(tokenizer):
     from kvflow.input_processor import InputProcessor
 
     return SimpleNamespace(tokenizer=tokenizer, processor=InputProcessor(tokenizer, 256, 320, 0),
-                           max_model_len=256, vocab_size=320, task="generate")
+                           max_model_len=256, vocab_size=320, task="generate",
+                           config=SimpleNamespace(lora_config=SimpleNamespace(enable_lora=False)))
 
 
 def _render(chat, messages=MESSAGES, chat_template=None):

@@ -153,7 +153,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.config = config
     app.state.engine_died = False
     app.state.model_name = model_name
-    app.state.models = models = ServingModels(engine, model_name)
+    app.state.models = models = ServingModels(
+        engine, model_name, enable_lora=engine.config.lora_config.enable_lora)
     # one for the whole server: under --ignore-unknown-fields each name is logged once
     app.state.unknown_fields = unknown = UnknownFields(config.ignore_unknown_fields)
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)

@@ -14,7 +14,7 @@ from collections import Counter
 
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.protocol import ModelCard
-from kvflow.lora.request import LoRARequest, check_lora_name
+from kvflow.lora.request import LoRANameError, LoRARequest, check_lora_name, lora_name_problem
 
 
 class ModelNotFound(LookupError):
@@ -27,10 +27,12 @@ class ServingModels:
     Args:
         engine: the running AsyncLLM (adapters are loaded by its engine core).
         base_name: the base model's served name.
+        enable_lora: whether the server was started with ``--enable-lora`` (without it,
+            ``model`` can only name the base model, and errors about it say so).
     """
 
-    def __init__(self, engine: AsyncLLM, base_name: str) -> None:
-        self.engine, self.base_name = engine, base_name
+    def __init__(self, engine: AsyncLLM, base_name: str, enable_lora: bool = True) -> None:
+        self.engine, self.base_name, self.enable_lora = engine, base_name, enable_lora
         self.loras: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._loading: Counter[str] = Counter()  # name -> its loads still in the engine
@@ -40,11 +42,16 @@ class ServingModels:
 
         Raises:
             LoRANameError: (a ValueError) for a name no model can have: empty, whitespace
-                only or holding a control character.
+                only or holding a control character (without ``enable_lora``, naming the
+                served model instead of the rule for adapter names).
             ModelNotFound: for a name that is neither the base model nor a loaded adapter.
         """
         if model is None or model == self.base_name:
             return None
+        why = lora_name_problem(model)
+        if why is not None and not self.enable_lora:  # no adapter names to speak of
+            raise LoRANameError(f"model {model!r} {why}: send the served model's name, "
+                                f"{self.base_name!r} (or leave model out)")
         check_lora_name(model, "model")
         lora = self.loras.get(model)
         if lora is None:

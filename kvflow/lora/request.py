@@ -10,6 +10,17 @@ class LoRANameError(ValueError):
     """A name no adapter can have (see :func:`check_lora_name`)."""
 
 
+def lora_name_problem(name: str) -> str | None:
+    """Why no model or adapter can be called ``name`` (``is empty``, ``is whitespace only``,
+    ``holds the control character U+0000``), or None for a usable name."""
+    if not name:
+        return "is empty"
+    if not name.strip():
+        return "is whitespace only"
+    bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    return None if bad is None else f"holds the control character U+{ord(bad):04X}"
+
+
 def check_lora_name(name: str, what: str = "lora_name") -> None:
     """Refuse a name that clients could not reliably send or read back as ``model``: empty,
     whitespace only, or holding a control character (Unicode category Cc: U+0000-U+001F,
@@ -18,15 +29,7 @@ def check_lora_name(name: str, what: str = "lora_name") -> None:
     Raises:
         LoRANameError: (a ValueError) naming ``what``, the name and why.
     """
-    why = None
-    if not name:
-        why = "is empty"
-    elif not name.strip():
-        why = "is whitespace only"
-    else:
-        bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
-        if bad is not None:
-            why = f"holds the control character U+{ord(bad):04X}"
+    why = lora_name_problem(name)
     if why is not None:
         raise LoRANameError(f"{what} {name!r} {why}: a LoRA adapter's name must hold "
                             "visible characters and no control characters")

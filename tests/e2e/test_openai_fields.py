@@ -872,6 +872,39 @@ def test_tokenize_counts_what_embeddings_embed(embed_server, tiny_tokenizer, bui
     assert usage["prompt_tokens"] == len(expected)
 
 
+def test_continue_final_message_alone_says_the_default(server):
+    """``continue_final_message: true`` alone: add_generation_prompt defaults to true, and the
+    400 says so and what to send (it said only that both cannot be true)."""
+    messages = [*HI, {"role": "assistant", "content": "The"}]
+    resp = post(server, CH, {"messages": messages, "continue_final_message": True,
+                             "max_tokens": 1})
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": "continue_final_message and add_generation_prompt cannot both be true; "
+                   "add_generation_prompt defaults to true, so send it as false with "
+                   "continue_final_message",
+        "type": "invalid_request_error", "param": "continue_final_message",
+        "code": "invalid_value"})
+    ok(server, CH, {"messages": messages, "continue_final_message": True,
+                    "add_generation_prompt": False, "max_tokens": 1})
+
+
+def test_empty_model_names_the_served_model_without_lora(server, embed_server,
+                                                         tiny_tokenizer, built_models):
+    """``"model": ""``: without --enable-lora (the embedding server) the 400 says the name is
+    empty and names the served model (it spoke of LoRA adapters' names); with it, the rule
+    for adapter names."""
+    served = _embed_model(tiny_tokenizer, built_models)
+    resp = post(embed_server, EMB, {"model": "", "input": "a"})
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": f"model '' is empty: send the served model's name, {served!r} (or leave "
+                   "model out)",
+        "type": "invalid_request_error", "param": "model", "code": "invalid_value"})
+    resp = post(server, CH, {"model": " ", "messages": HI})
+    assert (resp.status_code, resp.json()["error"]["message"]) == (400, (
+        "model ' ' is whitespace only: a LoRA adapter's name must hold visible characters and "
+        "no control characters"))
+
+
 def test_retrieve_model(server, model_dir):
     """GET /v1/models/{model}, OpenAI's retrieve-model as the openai client calls it (it was
     a 404 for every name): the served model's card, a name with slashes included (here the
