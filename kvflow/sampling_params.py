@@ -18,6 +18,17 @@ from kvflow.text_checks import find_lone_surrogate
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 256
 
+
+class LimitError(ValueError):
+    """A value over one of the caps above; ``code`` is the OpenAI error code the server gives
+    it (``array_above_max_length`` for too many items, ``string_above_max_length`` for a
+    string too long)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -221,15 +232,18 @@ class SamplingParams:
         (the message gives the counts, not the strings: they may be megabytes).
 
         Raises:
-            ValueError: naming ``SamplingParams.stop``, the limit and what was sent.
+            LimitError: (a ValueError) naming ``SamplingParams.stop``, the limit and what was
+                sent; code ``array_above_max_length`` / ``string_above_max_length``.
         """
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"SamplingParams.stop holds {len(self.stop)} strings: at most "
-                             f"{MAX_STOP_STRINGS} stop strings are accepted per request")
+            raise LimitError(f"SamplingParams.stop holds {len(self.stop)} strings: at most "
+                             f"{MAX_STOP_STRINGS} stop strings are accepted per request",
+                             "array_above_max_length")
         for i, stop in enumerate(self.stop):
             if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
-                raise ValueError(f"SamplingParams.stop[{i}] holds {len(stop)} characters: at "
-                                 f"most {MAX_STOP_CHARS} are accepted per stop string")
+                raise LimitError(f"SamplingParams.stop[{i}] holds {len(stop)} characters: at "
+                                 f"most {MAX_STOP_CHARS} are accepted per stop string",
+                                 "string_above_max_length")
 
     @property
     def is_greedy(self) -> bool:

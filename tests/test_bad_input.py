@@ -223,13 +223,16 @@ def test_stop_strings_are_capped_at_128_of_256_characters():
         SamplingParams(stop=["z" * 1000] * 20000)
 
 
-@pytest.mark.parametrize("stop,message", [
-    (["s"] * 129, "stop holds 129 strings: at most 128 stop strings are accepted per request"),
-    ("w" * 300, "stop[0] holds 300 characters: at most 256 are accepted per stop string"),
+@pytest.mark.parametrize("stop,message,code", [
+    (["s"] * 129, "stop holds 129 strings: at most 128 stop strings are accepted per request",
+     "array_above_max_length"),
+    ("w" * 300, "stop[0] holds 300 characters: at most 256 are accepted per stop string",
+     "string_above_max_length"),
 ])
-def test_the_server_refuses_too_many_or_too_long_stops_naming_stop(stop, message):
+def test_the_server_refuses_too_many_or_too_long_stops_naming_stop(stop, message, code):
     """The server's own conversion of a request (a stand-in engine, whose checks pass):
-    a 400 with ``param`` ``stop``, before anything is queued."""
+    a 400 with ``param`` ``stop``, before anything is queued, with the code the schema gives
+    other too-long arrays and strings (it was ``invalid_value``)."""
     from types import SimpleNamespace
 
     from kvflow.entrypoints.openai_errors import OpenAIError
@@ -241,7 +244,7 @@ def test_the_server_refuses_too_many_or_too_long_stops_naming_stop(stop, message
     with pytest.raises(OpenAIError) as e:
         sampling_params(engine, req, max_tokens=4, logprobs=None)
     assert (e.value.status, e.value.param, e.value.code, str(e.value)) == \
-        (400, "stop", "invalid_value", message)
+        (400, "stop", code, message)
 
 
 # ---- engine options and models -------------------------------------------------------------------

@@ -231,13 +231,27 @@ def test_a_streamed_tool_call_index_echoed_back_must_be_its_position(index):
 
 def test_an_empty_list_of_content_parts_is_a_400(client):
     """OpenAI's content array has ``minItems: 1``: ``[]`` is a 400 naming the message's
-    content (it rendered as empty text before); an empty string is still content."""
+    content (it rendered as empty text before), code ``empty_array`` as other empty arrays
+    (it was ``invalid_value``); an empty string is still content."""
     resp = client.post("/chat", json={"messages": [{"role": "user", "content": []}]})
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "messages.0.content"
-    assert "at least one part" in resp.json()["error"]["message"]
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": "messages.0.content: a list of content parts must hold at least one part "
+                   "(for no content send a string or null)",
+        "type": "invalid_request_error", "param": "messages.0.content", "code": "empty_array"})
     assert client.post("/chat", json={"messages": [{"role": "user", "content": ""}]}
                        ).status_code == 200
+
+
+@pytest.mark.parametrize("field, sent", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                         ("presence_penalty", "-Infinity")])
+def test_a_number_that_is_not_finite_is_said_plainly(client, field, sent):
+    """Python's JSON parser reads NaN and Infinity; the 400 said pydantic's "Input should be a
+    finite number". Now in the words of the other number errors, the value as sent."""
+    body = '{"messages": [{"role": "user", "content": "hi"}], "' + field + '": ' + sent + "}"
+    resp = client.post("/chat", content=body, headers={"Content-Type": "application/json"})
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": f"{field}: must be a finite number, got {sent}",
+        "type": "invalid_request_error", "param": field, "code": "invalid_value"})
 
 
 LONG_KEY = "k" * 65

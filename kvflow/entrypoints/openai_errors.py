@@ -41,12 +41,14 @@ _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 def invalid_request(error: ValueError) -> OpenAIError:
     """A 400 for a ValueError from the engine's validation. When the message names a
     ``SamplingParams.<field>`` (the request field of that name), the field is the error's
-    ``param``, its code ``invalid_value``, and the message names the field alone."""
+    ``param``, and the message names the field alone. The code is the error's own ``code``
+    when it carries one (``sampling_params.LimitError``: ``array_above_max_length``, ...),
+    else ``invalid_value``."""
     match = _PARAM_RE.search(str(error))
+    code = getattr(error, "code", None) or "invalid_value"
     if match is None:
-        return OpenAIError(str(error), code="invalid_value")
-    return OpenAIError(_PARAM_RE.sub(r"\1", str(error)), param=match.group(1),
-                       code="invalid_value")
+        return OpenAIError(str(error), code=code)
+    return OpenAIError(_PARAM_RE.sub(r"\1", str(error)), param=match.group(1), code=code)
 
 
 def engine_dead(error: BaseException) -> OpenAIError:

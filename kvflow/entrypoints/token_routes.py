@@ -56,17 +56,19 @@ def add_token_routes(app: FastAPI) -> None:
 
         Raises:
             OpenAIError: 404 if ``model`` names another model; 400 for a token id outside
-                ``[0, vocab_size)`` or a field kvflow does not declare.
+                ``[0, vocab_size)`` (``param`` ``tokens.N``, N its index) or a field kvflow
+                does not declare.
         """
         raw.app.state.unknown_fields.check(req, "/detokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
         vocab = chat.engine.vocab_size
         in_range = not req.tokens or (min(req.tokens) >= 0 and max(req.tokens) < vocab)
-        bad = [] if in_range else [t for t in req.tokens if not 0 <= t < vocab]  # C-speed first
-        if bad:
-            raise OpenAIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                              param="tokens", code="invalid_value")
+        if not in_range:  # the C-speed check first; then the first bad id's index
+            i = next(i for i, t in enumerate(req.tokens) if not 0 <= t < vocab)
+            raise OpenAIError(f"tokens.{i}: token id {req.tokens[i]} is outside the "
+                              f"vocabulary [0, {vocab})", param=f"tokens.{i}",
+                              code="invalid_value")
         tokenizer = chat.tokenizer
         return DetokenizeResponse(prompt=await off_loop(len(req.tokens), tokenizer.decode,
                                                         req.tokens))

@@ -3,6 +3,8 @@ the first offending field as ``param`` and OpenAI's code for what is wrong with 
 
 from __future__ import annotations
 
+import math
+
 from fastapi.exceptions import RequestValidationError
 
 from kvflow.entrypoints.openai_errors import OpenAIError
@@ -76,6 +78,8 @@ def _in_plain_words(error: dict) -> str:
         return f"must match the pattern {ctx.get('pattern')!r}, got {_sent(value)}"
     if kind == "missing":
         return "a required field, not sent"
+    if kind == "finite_number":  # NaN or Infinity, which Python's JSON parser takes
+        return f"must be a finite number, got {_sent(value)}"
     return str(error.get("msg"))
 
 
@@ -108,6 +112,8 @@ def _sent(value: object) -> str:
     else its JSON type."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):  # as JSON text writes them
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, int | float):
         return str(value)
     if value is None:
@@ -196,7 +202,7 @@ def _error_code(error: dict) -> str:
       (pydantic reports a number field's bound as a float, an integer field's as an int);
     - ``string_below_min_length`` / ``string_above_max_length`` for a string's length,
       ``empty_array`` / ``array_below_min_length`` / ``array_above_max_length`` for a list's
-      (OpenAI's spellings);
+      (OpenAI's spellings; ``empty_array`` for ``"content": []`` too);
     - else ``invalid_value`` (a value of the right type the field does not take).
     """
     kind = str(error.get("type", ""))
@@ -214,6 +220,8 @@ def _error_code(error: dict) -> str:
     if kind in ("string_too_short", "string_too_long"):
         return "string_below_min_length" if kind.endswith("short") else \
             "string_above_max_length"
+    if kind == "empty_content":  # ChatMessage's own check of an empty list of parts
+        return "empty_array"
     if kind in ("too_short", "too_long"):
         if kind == "too_long":
             return "array_above_max_length"

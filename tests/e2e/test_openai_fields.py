@@ -905,6 +905,25 @@ def test_empty_model_names_the_served_model_without_lora(server, embed_server,
         "no control characters"))
 
 
+def test_detokenize_out_of_vocabulary_names_the_index(server, tokenizer):
+    """A token id outside the vocabulary: param ``tokens.N`` (N its index), as the schema's
+    type errors say ``tokens.0`` (it was ``tokens``)."""
+    vocab = len(tokenizer)
+    resp = post(server, DETOK, {"tokens": [5, 6, vocab, -1]})
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": f"tokens.2: token id {vocab} is outside the vocabulary [0, {vocab})",
+        "type": "invalid_request_error", "param": "tokens.2", "code": "invalid_value"})
+
+
+def test_too_many_stop_strings_is_array_above_max_length(server):
+    """129 stop strings: code ``array_above_max_length``, as other too-long arrays (it was
+    ``invalid_value``)."""
+    resp = post(server, CH, {"messages": HI, "stop": [f"s{i}" for i in range(129)]})
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": "stop holds 129 strings: at most 128 stop strings are accepted per request",
+        "type": "invalid_request_error", "param": "stop", "code": "array_above_max_length"})
+
+
 def test_retrieve_model(server, model_dir):
     """GET /v1/models/{model}, OpenAI's retrieve-model as the openai client calls it (it was
     a 404 for every name): the served model's card, a name with slashes included (here the

@@ -562,7 +562,7 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
      "messages.0.content.0"),
     ("chat_too_long", CH, {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400,
      "messages"),
-    ("detokenize_out_of_vocab", "/detokenize", {"tokens": [99999]}, 400, "tokens"),
+    ("detokenize_out_of_vocab", "/detokenize", {"tokens": [99999]}, 400, "tokens.0"),
     ("tokenize_nothing", "/tokenize", {}, 400, "prompt"),
     ("unknown_route", "/v1/nothing", {}, 404, None),
 ]
