@@ -1,9 +1,8 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> assistant replies,
-streamed (SSE) or whole; and the conversation rendering that /tokenize shares."""
+streamed (SSE) or whole. The rendering (shared with /tokenize) is ``chat_render.py``'s."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -12,30 +11,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvflow.chat_messages import image_urls
-from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
-from kvflow.chat_template_source import load_chat_template, template_name
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
-from kvflow.entrypoints.chat_conversation import (
-    apply_with_tools_prompt,
-    check_messages,
-    no_template_error,
-    with_calls_as_text,
-    with_system_prompt,
-)
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
+from kvflow.entrypoints.chat_render import ChatRendering
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
-from kvflow.entrypoints.preprocess import INLINE_CHARS, PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -56,12 +44,8 @@ from kvflow.entrypoints.structured_requests import (
     tool_choice_mode,
     tool_constraint,
     tool_parser_for,
-    tools_for_template,
 )
-from kvflow.entrypoints.tool_parsers import make_tool_parser
 from kvflow.entrypoints.unknown_fields import UnknownFields
-from kvflow.input_processor import InputProcessor, ProcessedPrompt
-from kvflow.multimodal import MediaError
 from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
@@ -69,7 +53,7 @@ from kvflow.structured import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat(ChatRendering, OpenAIServing):
     """Handler of /v1/chat/completions (see OpenAIServing for the other arguments).
     Conversations render with ``config.chat_template`` (``--chat-template``) in place of the
     model's template: ``chat_template`` is its text as ``load_chat_template`` returned it
@@ -90,19 +74,6 @@ class OpenAIServingChat(OpenAIServing):
                  chat_template: str | None = None) -> None:
         super().__init__(engine, config, model_name, models, unknown_fields)
         self.chat_template = self._init_chat_template(chat_template)
-
-    def _init_chat_template(self, text: str | None) -> str | None:
-        """The server's template, ``text`` if read already (None: the model's)."""
-        value = self.config.chat_template
-        if value is None:
-            if text is not None:
-                raise ValueError("a chat template text was given without "
-                                 "config.chat_template, the --chat-template it is read from")
-            return None
-        template = load_chat_template(value) if text is None else text
-        logger.info("conversations render with --chat-template %s, not the model's template",
-                    template_name(value))
-        return template
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Validate, render the conversation, queue it, then answer.
@@ -162,144 +133,6 @@ class OpenAIServingChat(OpenAIServing):
                               code="invalid_value")
         self.check_num_logprobs(req.top_logprobs, "top_logprobs")
         refuse_platform_options(req)
-
-    def template_tools(self, req: Any, mode: str | None) -> list[dict[str, Any]] | None:
-        """The request's tools for the chat template (``tools_for_template`` under this
-        server's ``--exclude-tools-when-tool-choice-none``)."""
-        return tools_for_template(req, mode, self.config.exclude_tools_when_tool_choice_none)
-
-    async def render(self, messages: list[ChatMessage], options: ChatOptions,
-                     tools: list[dict[str, Any]] | None = None, check_length: bool = True,
-                     size: int | None = None, tool_instructions: bool = True
-                     ) -> tuple[str, list[int]]:
-        """Apply the chat template; returns (prompt text, token ids). ``tools`` go to the
-        template's ``tools`` argument; a template that ignores them gets the tool parser's
-        instructions as (the end of) the system message instead, added by kvflow (not under
-        tool_choice none, ``tool_instructions`` False: they would ask for calls the request
-        forbids, so such a template sees no tools then): a template
-        that fails on that message but renders the client's messages is a 400 at ``tools``
-        saying so (``chat_conversation.apply_with_tools_prompt``). Assistant turns'
-        ``tool_calls`` go to the template too; one that mentions neither ``tools`` nor
-        ``tool_calls`` gets them as the tool parser's text at the end of the turn (the format
-        those instructions ask for), one that reads tools but not tool_calls is a 400. A long
-        conversation (``size``: its request body's bytes, ``body_size``; None: long) is
-        rendered and tokenized in a worker thread (``preprocess.off_loop``); with
-        ``check_length``, a prompt whose prefix alone is longer than the context is refused
-        without tokenizing the rest.
-
-        Raises:
-            OpenAIError: 400 naming the field for non-text content, a model without a chat
-                template, an option the template cannot honour, or a conversation it rejects
-                (``tools`` when it rejects only the system text kvflow added for them);
-                400 (code ``context_length_exceeded``) for a prompt certainly too long.
-        """
-        self._check_chat_template(options.chat_template)
-        if options.chat_template is not None:
-            size = None  # a client's template may run long: never on the event loop
-        check_messages(messages)
-        conversation = [m.model_dump(exclude_none=True) | {"content": m.model_dump()["content"]}
-                        for m in messages]
-        tokenizer = self.tokenizer
-        template = str(options.chat_template or self.chat_template
-                       or getattr(tokenizer, "chat_template", None) or "")
-        parser = make_tool_parser(self.config.tool_call_parser)
-        if "tools" not in template and "tool_calls" not in template:
-            conversation = with_calls_as_text(conversation, parser)
-        before_tools = None  # the conversation before kvflow wrote the tools into it
-        if tools and "tools" not in template and not tool_instructions:
-            tools = None
-        if tools and "tools" not in template:
-            before_tools = conversation
-            conversation, tools = with_system_prompt(conversation,
-                                                      parser.system_prompt(tools)), None
-        limit = self.engine.max_model_len - 1 if check_length else None
-        try:
-            return await off_loop(INLINE_CHARS + 1 if size is None else size,
-                                  self._render_now, tokenizer, conversation, options, tools,
-                                  limit, before_tools)
-        except NoChatTemplateError:
-            raise no_template_error(getattr(self.engine, "task", "generate") == "embed",
-                                    self.config.trust_request_chat_template) from None
-        except ChatTemplateError as e:
-            raise OpenAIError(str(e), param=e.param, code=e.code) from None
-        except PromptTooLong as e:
-            raise OpenAIError(str(e), param="messages", code="context_length_exceeded") \
-                from None
-
-    def _check_chat_template(self, template: str | None) -> None:
-        """Raises OpenAIError 400 (``chat_template``) for a request's own template unless the
-        server trusts them (``--trust-request-chat-template``: a Jinja template is code run on
-        the server, and one that loops for minutes would hold a worker thread), or an empty
-        one."""
-        if template is None:
-            return
-        if not self.config.trust_request_chat_template:
-            raise OpenAIError("chat_template in a request is refused: this server was not "
-                              "started with --trust-request-chat-template",
-                              param="chat_template", code="unsupported_parameter")
-        if not template.strip():
-            raise OpenAIError("chat_template is empty", param="chat_template",
-                              code="invalid_value")
-
-    def _render_now(self, tokenizer: Any, conversation: list[dict[str, Any]],
-                    options: ChatOptions, tools: list[dict[str, Any]] | None,
-                    limit: int | None, before_tools: list[dict[str, Any]] | None = None
-                    ) -> tuple[str, list[int]]:
-        """``render``'s work (run in a worker thread for a long conversation): the template,
-        then the tokenizer (refusing a text certainly over ``limit`` tokens unless None).
-        ``before_tools``: the conversation before kvflow wrote the tools' instructions into
-        its system message (None: it did not), rendered once more when the template fails, to
-        tell whether that text is what it fails on.
-
-        Raises:
-            NoChatTemplateError, ChatTemplateError: from the template (param ``tools`` when it
-                renders ``before_tools``: ``apply_with_tools_prompt``); PromptTooLong.
-        """
-        text = apply_with_tools_prompt(
-            lambda messages, tools: self._apply_template(messages, options, tools),
-            conversation, tools, before_tools)
-        special = options.add_special_tokens
-        if limit is None:
-            return text, tokenizer.encode(text, add_special_tokens=special)
-        return text, encode_checked(tokenizer, text, limit, special)
-
-    def _apply_template(self, conversation: list[dict[str, Any]], options: ChatOptions,
-                        tools: list[dict[str, Any]] | None) -> str:
-        """The prompt text. Raises NoChatTemplateError, ChatTemplateError (``render_chat``);
-        under ``--ignore-unknown-fields`` a ``chat_template_kwargs`` key the template never
-        reads is dropped and logged once (``_log_unread_kwargs``) instead of refused."""
-        return self.engine.processor.apply_chat_template(
-            conversation, options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            chat_template=options.chat_template, tools=tools, documents=options.documents,
-            template_kwargs=options.template_kwargs, default_template=self.chat_template,
-            on_unread_kwargs=self._log_unread_kwargs if self.unknown_fields.ignore else None)
-
-    def _log_unread_kwargs(self, names: list[str]) -> None:
-        self.unknown_fields.log.note_names(
-            [f"chat_template_kwargs.{name}" for name in names], "a chat or /tokenize request",
-            "chat_template_kwargs keys the chat template does not read")
-
-    async def attach_images(self, messages: list[ChatMessage], text: str, ids: list[int]
-                            ) -> ProcessedPrompt:
-        """The rendered prompt with the conversation's images (a vision-language model):
-        each ``image_url`` part's image fetched or decoded, checked and preprocessed in a
-        worker thread (the event loop keeps serving), and its placeholder expanded.
-
-        Raises:
-            OpenAIError: 400 naming the ``image_url`` part for an image that cannot be used
-                (see ``kvflow/multimodal/media.py``), or ``messages`` for a placeholder count that differs from the image count.
-        """
-        processor = self.engine.processor
-        if processor.mm_processor is None:  # rendering refused image parts already
-            return ProcessedPrompt(text, ids)
-        conversation = [m.model_dump() for m in messages]
-        try:
-            return await asyncio.to_thread(_with_images, processor, conversation, text, ids)
-        except ValueError as e:
-            param = getattr(e, "param", None) or "messages"
-            raise OpenAIError(str(e), param=param,
-                              code=getattr(e, "code", None) or "invalid_value") from None
 
     def _params(self, req: ChatCompletionRequest, ids: list[int],
                 tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -384,19 +217,6 @@ class OpenAIServingChat(OpenAIServing):
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
 
-
-def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
-                 ids: list[int]) -> ProcessedPrompt:
-    """Load the conversation's images and expand their placeholders in ``ids``; a refused
-    image's error names its ``image_url`` part. Raises ValueError (``MediaError``)."""
-    urls = image_urls(conversation)
-    images = processor.load_chat_images(conversation)
-    try:
-        return processor.attach_images(text, ids, images)
-    except MediaError as e:
-        if e.image_index is not None and e.image_index < len(urls):
-            e.param = urls[e.image_index][0]
-        raise
 
 
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:
