@@ -101,8 +101,7 @@ def test_cut_call_whole_message_matches_the_stream(parser, text):
     streamed_names: dict[int, str] = {}
     streamed_content = ""
     for i in range(len(text)):
-        delta, _ = ChatOutputParser.delta(state, text[i], "length" if i == len(text) - 1
-                                          else None)
+        delta, _ = out.delta(state, text[i], "length" if i == len(text) - 1 else None)
         if delta is None:
             continue
         streamed_content += delta.content or ""
@@ -148,13 +147,10 @@ def test_history_calls_as_text_parse_back(parser, expected):
 def _chat_stream(out, text: str, chunk: int, finish: str):
     """(content or None, [(name, arguments)] or None, finish_reason) as a client joins a
     stream of ``text`` in ``chunk``-character deltas through ``ChatOutputParser.delta``."""
-    from kvflow.entrypoints.chat_output import ChatOutputParser
-
     state, content, calls, reason = out.stream_state(), "", {}, None
     pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
     for i, piece in enumerate(pieces):
-        delta, reason = ChatOutputParser.delta(state, piece,
-                                               finish if i == len(pieces) - 1 else None)
+        delta, reason = out.delta(state, piece, finish if i == len(pieces) - 1 else None)
         for call in (delta.tool_calls or []) if delta else []:
             entry = calls.setdefault(call.index, [None, ""])
             entry[0] = call.function.name or entry[0]

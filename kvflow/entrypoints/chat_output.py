@@ -33,11 +33,16 @@ class ChatOutputParser:
         max_calls: the most tool calls a reply carries (1 for ``parallel_tool_calls: false``,
             which OpenAI honours under ``tool_choice: "auto"`` too; None: all). Later calls
             the model wrote are dropped, streamed or not.
+        calls_finish: the finish reason of a reply that stopped with tool calls:
+            ``tool_calls``, or ``stop`` under a named ``tool_choice`` (OpenAI's answers,
+            streamed or not; vLLM aligned with them in its PR 25054).
     """
 
     def __init__(self, tool_parser: ToolParser | None,
-                 reasoning: ThinkReasoningParser | None, max_calls: int | None = None) -> None:
+                 reasoning: ThinkReasoningParser | None, max_calls: int | None = None,
+                 calls_finish: str = "tool_calls") -> None:
         self.tool_parser, self.reasoning, self.max_calls = tool_parser, reasoning, max_calls
+        self.calls_finish = calls_finish
 
     @property
     def is_plain(self) -> bool:
@@ -64,16 +69,15 @@ class ChatOutputParser:
                                        reasoning_content=reasoning), finish_reason
         message = ChatResponseMessage(content=parsed.content or None, tool_calls=calls,
                                       reasoning_content=reasoning)
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, self.calls_finish if finish_reason == "stop" else finish_reason
 
     def stream_state(self) -> StreamingToolState:
         return StreamingToolState(self.tool_parser, self.reasoning, self.max_calls)
 
-    @staticmethod
-    def delta(state: StreamingToolState, text: str, finish_reason: str | None
+    def delta(self, state: StreamingToolState, text: str, finish_reason: str | None
               ) -> tuple[DeltaMessage | None, str | None]:
         """The delta message for new ``text`` (None if nothing to send yet) and the finish
-        reason to report (``tool_calls`` once a call was streamed and the reply stopped)."""
+        reason to report (``calls_finish`` once a call was streamed and the reply stopped)."""
         out = state.update(text, finish_reason is not None)
         calls: dict[int, DeltaToolCall] = {}
         for index, call_id, name, arguments in out.tool_calls:
@@ -85,7 +89,7 @@ class ChatOutputParser:
                 fn = calls[index].function
                 fn.arguments = (fn.arguments or "") + arguments
         if finish_reason == "stop" and state.num_calls:
-            finish_reason = "tool_calls"
+            finish_reason = self.calls_finish
         if not (out.content or out.reasoning or calls):
             return None, finish_reason
         return DeltaMessage(content=out.content or None, reasoning_content=out.reasoning or None,

@@ -117,7 +117,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),
                                       make_reasoning_parser(self.config.reasoning_parser),
-                                      None if req.parallel_tool_calls else 1)
+                                      None if req.parallel_tool_calls else 1,
+                                      "stop" if mode == "named" else "tool_calls")
 
     def _check_request(self, req: ChatCompletionRequest) -> None:
         self.check_n(req.n)
