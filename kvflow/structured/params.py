@@ -20,7 +20,8 @@ class StructuredOutputsParams:
         json_object: the output is any JSON object (OpenAI ``{"type": "json_object"}``).
         regex: the output fully matches this regular expression.
         choice: the output is exactly one of these strings.
-        grammar: an EBNF / GBNF grammar whose ``root`` rule the output matches.
+        grammar: an EBNF / GBNF grammar whose ``root`` rule the output matches, or a Lark
+            grammar (``start`` rule) in the subset ``lark_grammar`` converts.
 
     Raises:
         ValueError: when none or more than one constraint is set, or a field has the wrong

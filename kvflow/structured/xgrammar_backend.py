@@ -16,6 +16,7 @@ import torch
 import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
 
@@ -62,15 +63,10 @@ def grammar_error(spec: str, message: str) -> str:
     return f"{where}: {what}" + _lark_hint(spec)
 
 
-# a Lark rule or terminal definition ("start: ...", "?value: ...", "NUMBER.2: ..."), which
-# EBNF writes "name ::= ..."
-_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.\d+)?\s*:(?!:=)", re.MULTILINE)
-
-
 def _lark_hint(spec: str) -> str:
-    """For a grammar written in Lark's syntax (vLLM converts those; xgrammar does not read
-    them): a sentence saying which syntax kvflow reads; else empty."""
-    if "::=" in spec or not _LARK_RULE.search(spec):
+    """For a grammar written in Lark's syntax that kvflow could not convert
+    (``lark_grammar``): a sentence saying which syntax kvflow reads; else empty."""
+    if not looks_like_lark(spec):
         return ""
     return (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads "
             "GBNF / EBNF, rules written 'name ::= ...' with 'root' the start rule)")
@@ -78,10 +74,13 @@ def _lark_hint(spec: str) -> str:
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, spec) with choices turned into an EBNF alternation of JSON-quoted literals
-    (EBNF string literals use JSON escapes, so any Unicode text is safe)."""
+    (EBNF string literals use JSON escapes, so any Unicode text is safe) and a grammar in
+    Lark's syntax converted to GBNF (``lark_grammar.lark_to_gbnf``; its ValueError passes)."""
     if params.kind == "choice":
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return "grammar", f"root ::= {alternatives}"
+    if params.kind == "grammar" and looks_like_lark(params.grammar):
+        return "grammar", lark_to_gbnf(params.grammar)
     return params.key
 
 
@@ -154,9 +153,14 @@ def validate(params: StructuredOutputsParams) -> None:
     """Check a constraint without a tokenizer (cheap; for the API process / add time).
 
     Raises:
-        ValueError: naming the problem in a malformed JSON schema, regex or EBNF grammar.
+        ValueError: naming the problem in a malformed JSON schema, regex or EBNF grammar,
+            or in a Lark grammar outside the subset ``lark_grammar`` converts.
     """
-    kind, spec = _grammar_text(params)
+    try:
+        kind, spec = _grammar_text(params)
+    except ValueError as e:  # a Lark grammar outside the subset kvflow converts
+        raise ValueError(f"invalid grammar in structured_outputs: {e}"
+                         f"{_lark_hint(params.grammar)}") from None
     try:
         if kind == "json":
             json_schema_grammar(spec)
@@ -167,9 +171,15 @@ def validate(params: StructuredOutputsParams) -> None:
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
         why = grammar_error(spec, _clean(e)) if params.kind == "grammar" else _clean(e)
+        if params.kind == "grammar" and spec != params.grammar:
+            why += f" (in the GBNF converted from the Lark grammar: {_shown(spec)})"
         if params.kind == "choice":
             what = "choice"
         raise ValueError(f"invalid {what} in structured_outputs: {why}") from None
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
 class XgrammarGrammar(StructuredOutputGrammar):
