@@ -10,7 +10,8 @@ import pytest
 from kvflow.structured import StructuredOutputsParams, validate
 
 HINT = (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads GBNF / "
-        "EBNF, rules written 'name ::= ...' with 'root' the start rule)")
+        "EBNF, rules written 'name ::= ...' with 'root' the start rule, and converts Lark's "
+        "rules, literals, groups and quantifiers only)")
 
 
 @pytest.mark.parametrize("grammar", ['start: "yes" | "no"', '?start: value\nvalue: "a"'])

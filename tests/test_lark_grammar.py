@@ -12,7 +12,8 @@ from kvflow.structured import StructuredOutputsParams, validate
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 
 HINT = (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads GBNF / "
-        "EBNF, rules written 'name ::= ...' with 'root' the start rule)")
+        "EBNF, rules written 'name ::= ...' with 'root' the start rule, and converts Lark's "
+        "rules, literals, groups and quantifiers only)")
 
 CONVERTED = [
     ('start: "yes" | "no"', 'root ::= "yes" | "no"'),

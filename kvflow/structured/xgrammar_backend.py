@@ -69,7 +69,8 @@ def _lark_hint(spec: str) -> str:
     if not looks_like_lark(spec):
         return ""
     return (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads "
-            "GBNF / EBNF, rules written 'name ::= ...' with 'root' the start rule)")
+            "GBNF / EBNF, rules written 'name ::= ...' with 'root' the start rule, and "
+            "converts Lark's rules, literals, groups and quantifiers only)")
 
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
