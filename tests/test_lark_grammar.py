@@ -103,3 +103,11 @@ def test_lark_choice_generation_is_one_of_the_alternatives(tiny_llama):
     for out in outs:
         o = out.outputs[0]
         assert o.finish_reason == "stop" and o.text in allowed, (o.finish_reason, o.text)
+
+
+def test_an_ebnf_error_gets_no_lark_sentence():
+    """A GBNF grammar's own error (no ``name:`` rule line) is not blamed on Lark."""
+    with pytest.raises(ValueError) as info:
+        validate(StructuredOutputsParams(grammar='root ::= "yes" |'))
+    assert "Lark" not in str(info.value)
+    assert str(info.value).endswith("but got the end of the grammar")
