@@ -279,13 +279,7 @@ def one_case(seed: int, config_seed: int, engines: Engines, adapters: list[LoRAR
     kept = [(r, o) for r, o in zip(reqs, first) if _no_near_tie(o)]
     if not kept:
         return "skipped (near-ties)"
-    for r, o in kept:  # stops the oracle's own output reaches
-        toks, text = o.outputs[0].token_ids, o.outputs[0].text
-        if len(toks) > 2 and rng.random() < 0.3:
-            r[1]["stop_token_ids"] = [rng.choice(toks[1:])]
-        if len(text) > 4 and rng.random() < 0.25:
-            a = rng.randint(1, len(text) - 2)
-            r[1]["stop"] = [text[a:a + rng.randint(1, 3)]]
+    add_oracle_stops(kept, rng, p_stop_ids=0.3, min_text=5)
     reqs = [(p, SamplingParams(**sp), arr, prio, lr) for (p, sp, arr, prio, lr), _ in kept]
     ref = run(plain, [(p, sp, 0, 0, lr) for p, sp, _, _, lr in reqs])
     hits0 = llm.engine.core.kv_cache_manager.num_hits
@@ -299,6 +293,21 @@ def one_case(seed: int, config_seed: int, engines: Engines, adapters: list[LoRAR
             f"preemptions={sched.num_preemptions} "
             f"swaps={sched.swap.num_swapped_out if sched.swap else 0} "
             f"accepted={sum(g.metrics.num_accepted_tokens for g in got if g)} {model} {kw}")
+
+
+def add_oracle_stops(pairs: list[tuple[Any, Any]], rng: random.Random, p_stop_ids: float,
+                     min_text: int) -> None:
+    """Stops the oracle's own output reaches, drawn into each request's sampling kwargs
+    (``request[1]``) of ``(request, oracle RequestOutput)`` pairs: with probability
+    ``p_stop_ids`` one of its generated token ids after the first, with probability 0.25 (for
+    a text of at least ``min_text`` characters) a 1-3 character piece of its text."""
+    for r, o in pairs:
+        toks, text = o.outputs[0].token_ids, o.outputs[0].text
+        if len(toks) > 2 and rng.random() < p_stop_ids:
+            r[1]["stop_token_ids"] = [rng.choice(toks[1:])]
+        if len(text) >= min_text and rng.random() < 0.25:
+            a = rng.randint(1, len(text) - 2)
+            r[1]["stop"] = [text[a:a + rng.randint(1, 3)]]
 
 
 def fuzz_args(description: str, default_n: int) -> argparse.Namespace:

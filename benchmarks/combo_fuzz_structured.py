@@ -190,13 +190,7 @@ def one_case(seed: int, config_seed: int, engines: cf.Engines, adapters: list,
     kept = [r for r, o in zip(reqs, first) if cf._no_near_tie(o)]
     if not kept:
         return "skipped (near-ties)"
-    for r, o in zip(reqs, first):  # stops the oracle's own output reaches
-        toks, text = o.outputs[0].token_ids, o.outputs[0].text
-        if len(toks) > 2 and rng.random() < 0.2:
-            r[1]["stop_token_ids"] = [rng.choice(toks[1:])]
-        if len(text) > 3 and rng.random() < 0.25:
-            a = rng.randint(1, len(text) - 2)
-            r[1]["stop"] = [text[a:a + rng.randint(1, 3)]]
+    cf.add_oracle_stops(list(zip(reqs, first)), rng, p_stop_ids=0.2, min_text=4)
     reqs = [(p, SamplingParams(**sp), arr, prio, lr) for p, sp, arr, prio, lr, _ in kept]
     ref = cf.run(plain, [(p, sp, 0, 0, lr) for p, sp, _, _, lr in reqs])
     abort = (rng.randrange(len(reqs)), rng.randint(0, 12)) if rng.random() < 0.2 else None
