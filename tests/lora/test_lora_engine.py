@@ -4,7 +4,6 @@ with peft itself) and the base model in one batch give the same greedy tokens as
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
+from tests.folder_edits import copy_with_json
 from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
 
 PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
@@ -110,16 +110,7 @@ def test_one_slot_serializes_adapters(tiny_llama, adapters, assert_no_leaks):
 
 
 def _edit_config(src: str, dst: str, **changes: Any) -> str:
-    import shutil
-
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "adapter_config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return dst
+    return os.path.dirname(copy_with_json(src, dst, "adapter_config.json", **changes))
 
 
 def test_bad_adapters_fail_at_load(llm, tiny_llama, adapters, tmp_path):

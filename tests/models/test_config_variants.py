@@ -5,13 +5,13 @@ config field (never computed as something else). One short prompt per model keep
 
 from __future__ import annotations
 
-import json
-import shutil
+import os
 
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from tests.folder_edits import copy_with_json
 
 ATOL = 1e-4
 
@@ -42,13 +42,7 @@ def test_prompt_logprobs_match_hf(tiny_model_factory, name):
 
 def _edited_copy(tiny, folder, **changes) -> str:
     """A copy of the tiny model's folder with ``changes`` written into its config.json."""
-    path = shutil.copytree(tiny.path, str(folder))
-    with open(f"{path}/config.json") as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(f"{path}/config.json", "w") as f:
-        json.dump(config, f)
-    return path
+    return os.path.dirname(copy_with_json(tiny.path, folder, **changes))
 
 
 @pytest.mark.parametrize("name, changes, message", [

@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from kvflow import LLM, SamplingParams
+from tests.folder_edits import copy_with_json
 
 
 def _edited(tiny, folder, **changes) -> str:
     """A copy of the tiny model's folder with ``changes`` set in its config.json; returns the
     config.json path."""
-    path = shutil.copytree(tiny.path, str(folder))
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    return config_path
+    return copy_with_json(tiny.path, folder, **changes)
 
 
 def _llm(config_path: str) -> LLM:

@@ -9,21 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 
 from kvflow import LLM
+from tests.folder_edits import copy_with_json
 from tests.models.test_parity import _prompts, assert_matches_hf, greedy
 
 
 def test_llama_config_window_is_not_applied_and_is_named(tiny_llama, tmp_path, caplog):
-    folder = shutil.copytree(tiny_llama.path, str(tmp_path / "llama-window"))
-    config_path = os.path.join(folder, "config.json")
+    config_path = copy_with_json(tiny_llama.path, tmp_path / "llama-window", sliding_window=8)
+    folder = os.path.dirname(config_path)
     with open(config_path) as f:
-        config = json.load(f)
-    assert config["model_type"] == "llama"
-    config["sliding_window"] = 8
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+        assert json.load(f)["model_type"] == "llama"
     with caplog.at_level(logging.WARNING, logger="kvflow.models.loader"):
         llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
                   max_num_batched_tokens=16)
