@@ -53,13 +53,9 @@ import xgrammar as xgr
 from kvflow import SamplingParams
 from kvflow.core import kv_swap
 from kvflow.structured import StructuredOutputsParams
+from tests.test_structured_output import SCHEMA as STRUCTURED_TEST_SCHEMA
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                  "maxItems": 3}},
-          "required": ["name", "age", "tags"]}
+SCHEMA = STRUCTURED_TEST_SCHEMA  # bounded strings, an integer range, an enum array
 SCHEMA_FLAT = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                                 "k": {"enum": ["x", "yz", 3]}},
                "required": ["ok", "k"]}
