@@ -59,13 +59,13 @@ logger = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """uvicorn's lifespan: shut the engine down once the server stops (``_start_app`` started
+    """uvicorn's lifespan: shut the engine down once the server stops (``start_app`` started
     it before the lifespan's start-up)."""
     yield
     await app.state.engine.shutdown()
 
 
-async def _start_app(app: FastAPI) -> None:
+async def start_app(app: FastAPI) -> None:
     """Start the engine's output loop, then load the adapters of ``--lora-modules NAME=PATH
     ...``; ``_StartingServer`` runs it before uvicorn's start-up, so a refused adapter leaves
     ``uvicorn.Server.run`` as itself. Raised in the lifespan, starlette had logged it as a
@@ -89,7 +89,7 @@ async def _start_app(app: FastAPI) -> None:
 
 
 class _StartingServer(AbortingServer):
-    """``AbortingServer`` that runs ``_start_app`` before uvicorn's own start-up (the
+    """``AbortingServer`` that runs ``start_app`` before uvicorn's own start-up (the
     lifespan, then the listening socket)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
@@ -97,7 +97,7 @@ class _StartingServer(AbortingServer):
         self.app = app
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await _start_app(self.app)
+        await start_app(self.app)
         await super().startup(sockets)
 
 
@@ -276,12 +276,12 @@ def _model_cards(raw: Request) -> list[ModelCard]:
     return state.models.cards(state.engine.max_model_len, state.engine.config.model_config.model)
 
 
-def _check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
+def check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
                         model_name: str) -> None:
     """What ``--lora-modules`` can be told to be wrong before the model loads: the flags,
     and each adapter's folder and ``adapter_config.json`` (a missing folder or file, a rank
     above ``--max-lora-rank``, a LoRA variant kvflow cannot apply). A refusal found only once
-    the engine reads the weights is raised by ``_start_app``, after the model loaded.
+    the engine reads the weights is raised by ``start_app``, after the model loaded.
 
     Raises:
         ValueError: without ``--enable-lora``, for an adapter named like the base model, or
@@ -346,7 +346,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
     check_listen_address(server_config.host, server_config.port)
-    _check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
+    check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
     # without --chat-template, the model's template is checked once the tokenizer is loaded,

@@ -1,4 +1,4 @@
-"""The ``kvflow`` command (also ``python -m kvflow``): ``generate``, ``serve``,
+"""The ``kvflow`` command (also ``python -m kvflow``): ``generate``, ``serve``, ``run-batch``,
 ``bench throughput|serve|latency|roofline|perplexity``; each takes ``--config FILE`` (YAML flag
 values).
 
@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
     _add_serve_parser(sub)
+    from kvflow.entrypoints.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
     from kvflow.bench.latency import add_latency_parser

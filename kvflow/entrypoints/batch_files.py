@@ -1,0 +1,120 @@
+"""The files of ``kvflow run-batch``: the input read lazily, line by line (``BatchInput``),
+and the output written so that a crash never leaves a half line (``BatchOutput``). Both are
+opened before the model loads, so a path that cannot be read or written is one error line,
+at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any
+
+_URL_PREFIXES = ("http://", "https://")
+
+
+def _refuse_url(flag: str, path: str) -> None:
+    if path.lower().startswith(_URL_PREFIXES):
+        raise ValueError(f"{flag} {path}: URLs are not supported; download the file first "
+                         "(curl -o FILE URL) and pass its path, or '-'")
+
+
+class BatchInput:
+    """The input JSONL file (``-``: stdin), read one line (bytes) at a time.
+
+    Raises:
+        ValueError: from the constructor for a URL or a path that cannot be opened for
+            reading (missing, a folder, no permission).
+    """
+
+    def __init__(self, path: str) -> None:
+        _refuse_url("-i", path)
+        self.path = path
+        if path == "-":
+            self._file: IO[bytes] = sys.stdin.buffer
+            return
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            raise ValueError(f"-i {path}: cannot read it ({e.strerror})") from None
+
+    def count_lines(self) -> int | None:
+        """Lines in a regular file (a last line without a newline counted), read in 1 MiB
+        chunks and the file rewound; None for stdin or a pipe (the progress bar then shows
+        no total)."""
+        if self.path == "-" or not os.path.isfile(self.path):
+            return None
+        count, last = 0, b"\n"
+        while chunk := self._file.read(1 << 20):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+        self._file.seek(0)
+        return count + (last != b"\n")
+
+    def lines(self) -> Iterator[bytes]:
+        """The lines, newline included, one at a time (never the whole file in memory)."""
+        yield from self._file
+
+    def close(self) -> None:
+        if self.path != "-":
+            self._file.close()
+
+
+class BatchOutput:
+    """The output JSONL file (``-``: stdout). A path is written to a hidden temporary file in
+    its folder (``.NAME.<hex>.tmp``, the umask's permissions) and renamed over it by
+    :meth:`commit`, so the path holds either its old content or the whole output, never a half
+    line; :meth:`discard` removes the temporary file. On stdout each line is written and
+    flushed whole.
+
+    Raises:
+        ValueError: from the constructor for a URL, a folder, or a folder that cannot be
+            written to.
+    """
+
+    def __init__(self, path: str) -> None:
+        _refuse_url("-o", path)
+        self.path = path
+        self._temp: str | None = None
+        if path == "-":
+            self._file: IO[str] = sys.stdout
+            return
+        if os.path.isdir(path):
+            raise ValueError(f"-o {path}: is a folder; give a file path")
+        folder, name = os.path.split(os.path.abspath(path))
+        self._temp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            fd = os.open(self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except OSError as e:
+            raise ValueError(f"-o {path}: cannot write there ({e.strerror})") from None
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Append one output line (compact JSON, non-ASCII kept) and its newline."""
+        self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        if self._temp is None:
+            self._file.flush()
+
+    def commit(self) -> None:
+        """Flush the output to disk and put it at its path (stdout: flush)."""
+        self._file.flush()
+        if self._temp is None:
+            return
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._temp, self.path)
+        self._temp = None
+
+    def discard(self) -> None:
+        """Drop a file output not committed (its temporary file removed; the path keeps what
+        it held). Safe to call after :meth:`commit` (then a no-op)."""
+        if self._temp is None:
+            return
+        self._file.close()
+        try:
+            os.unlink(self._temp)
+        except FileNotFoundError:
+            pass
+        self._temp = None

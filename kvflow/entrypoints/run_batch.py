@@ -1,0 +1,275 @@
+"""``kvflow run-batch``: an OpenAI Batch file (JSONL) run offline through one engine.
+
+Every accepted line is POSTed, in-process, to the very FastAPI app ``kvflow serve`` serves
+(``api_server.build_app``, through httpx's ``ASGITransport``: no socket), so a line's
+response body is byte for byte what the server answers, validation, 4xx error bodies and
+``--served-model-name`` / ``--lora-modules`` / chat-template options included. All lines are
+in flight at once (or ``--max-concurrency`` of them) over one AsyncLLM, so the scheduler
+batches them continuously as it batches concurrent HTTP clients. Output lines are written in
+input order as soon as every line before them is answered. The line formats are in
+``batch_lines``, the files in ``batch_files``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from kvflow.config import EngineConfig, ServerConfig
+from kvflow.config.options import add_field_arg
+from kvflow.entrypoints.batch_files import BatchInput, BatchOutput
+from kvflow.entrypoints.batch_lines import BatchRequest, LineError, parse_line, response_line
+
+logger = logging.getLogger(__name__)
+
+# the ServerConfig fields that mean something without a socket (no host, port, API key,
+# keep-alive, log level, overload limit or engine-failure policy)
+BATCH_SERVER_FIELDS = ("served_model_name", "max_n", "max_logprobs", "max_request_body_size",
+                       "engine_start_timeout", "tool_call_parser",
+                       "exclude_tools_when_tool_choice_none", "reasoning_parser",
+                       "chat_template", "trust_request_chat_template",
+                       "ignore_unknown_fields", "lora_modules")
+
+
+class EngineDiedDuringBatch(RuntimeError):
+    """The engine core died while the batch ran; every line still got its output line."""
+
+
+@dataclasses.dataclass
+class BatchCounts:
+    """Output lines written: ``succeeded`` got status 200; ``failed`` = ``refused`` (the
+    batch's own ``error``) + ``error_responses`` (status other than 200)."""
+
+    succeeded: int = 0
+    refused: int = 0
+    error_responses: int = 0
+
+    @property
+    def failed(self) -> int:
+        return self.refused + self.error_responses
+
+    def add(self, line: dict[str, Any]) -> None:
+        if line["response"] is None:
+            self.refused += 1
+        elif line["response"]["status_code"] == 200:
+            self.succeeded += 1
+        else:
+            self.error_responses += 1
+
+    def summary(self) -> str:
+        return (f"kvflow run-batch: {self.succeeded + self.failed} lines: {self.succeeded} "
+                f"succeeded, {self.failed} failed ({self.error_responses} with an error "
+                f"response, {self.refused} refused by the batch format)")
+
+
+class BatchClient:
+    """POSTs batch lines to ``app`` in-process (httpx ``ASGITransport``), as an HTTP client of
+    ``kvflow serve`` would; :meth:`aclose` when done."""
+
+    def __init__(self, app: FastAPI) -> None:
+        # an exception the app's handlers did not turn into a response is answered as 500
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        self._http = httpx.AsyncClient(transport=transport, base_url="http://run-batch",
+                                       timeout=None)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def answer(self, request: BatchRequest | LineError) -> dict[str, Any]:
+        """The output line of one parsed input line: a ``LineError``'s own, or the app's
+        response to ``request.body`` POSTed to ``request.url``. Never raises (but for
+        cancellation): a failure of kvflow's own is a status-500 line, so no line is lost."""
+        if isinstance(request, LineError):
+            return request.output()
+        try:
+            resp = await self._http.post(request.url, content=json.dumps(request.body),
+                                         headers={"content-type": "application/json"})
+            return response_line(request.custom_id, resp.status_code, _body(resp))
+        except Exception as e:  # one line's failure must not end the batch
+            logger.exception("line %d failed", request.line)
+            error = {"message": f"internal error: {type(e).__name__}: {e}",
+                     "type": "internal_server_error", "param": None, "code": None}
+            return response_line(request.custom_id, 500, {"error": error})
+
+
+def _body(resp: httpx.Response) -> Any:
+    """The response's JSON body (every route the batch reaches answers JSON); text otherwise
+    (not expected: kept rather than lost)."""
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+async def run_lines(lines: Iterator[bytes],
+                    answer: Callable[[BatchRequest | LineError], Any],
+                    write: Callable[[dict[str, Any]], None],
+                    max_concurrency: int | None = None) -> BatchCounts:
+    """Parse and answer every line of ``lines`` concurrently, and ``write`` each output line
+    in input order as soon as the lines before it are written. At most ``max_concurrency``
+    lines (None: no bound) are read but not yet written: a slow line holds back the reading
+    of further lines, so memory stays bounded on a huge file. Lines are read in a worker
+    thread (stdin may block).
+
+    Returns:
+        The counts of what was written (one output line per input line).
+    """
+    seen_ids: set[str] = set()
+    counts = BatchCounts()
+    pending: deque[asyncio.Future] = deque()
+    number = 0
+
+    def write_next(result: dict[str, Any]) -> None:
+        counts.add(result)
+        write(result)
+
+    try:
+        while (raw := await asyncio.to_thread(next, lines, None)) is not None:
+            number += 1
+            request = parse_line(raw, number, seen_ids)
+            pending.append(asyncio.ensure_future(answer(request)))
+            while pending and (pending[0].done() or len(pending) >= (max_concurrency or
+                                                                     float("inf"))):
+                write_next(await pending.popleft())
+        while pending:
+            write_next(await pending.popleft())
+    finally:  # an error or Ctrl-C: the requests still in flight are cancelled (aborted)
+        for future in pending:
+            future.cancel()
+    return counts
+
+
+async def run_batch(app: FastAPI, lines: Iterator[bytes], write: Callable[[dict], None],
+                    max_concurrency: int | None = None) -> BatchCounts:
+    """Start ``app``'s engine (``api_server.start_app``: its output loop, the
+    ``--lora-modules`` adapters), run every line through the app (:func:`run_lines`), and
+    shut the engine down.
+
+    Raises:
+        ValueError: for a ``--lora-modules`` adapter the engine refuses.
+        EngineDiedDuringBatch: when the engine core died meanwhile (the lines answered
+            after it hold 503 bodies, code ``engine_dead``, as the server's would).
+    """
+    from kvflow.entrypoints.api_server import start_app
+
+    await start_app(app)
+    try:
+        client = BatchClient(app)
+        try:
+            counts = await run_lines(lines, client.answer, write, max_concurrency)
+        finally:
+            await client.aclose()
+    finally:
+        await app.state.engine.shutdown()
+    if app.state.engine_died:
+        raise EngineDiedDuringBatch("the engine core process died during the batch; the "
+                                    "lines answered after it hold 503 (engine_dead) "
+                                    "responses")
+    return counts
+
+
+def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvflow run-batch``: ``-i``, ``-o``, ``--max-concurrency``, ``--no-progress``, every
+    engine flag and the server flags in ``BATCH_SERVER_FIELDS``."""
+    parser = sub.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) offline",
+        description="Run every request of an OpenAI Batch input file (JSONL: one "
+        '{"custom_id", "method": "POST", "url", "body"} per line; url /v1/chat/completions, '
+        "/v1/completions or /v1/embeddings) through one engine, concurrently, and write one "
+        "output line per input line, in input order, each holding the body kvflow serve "
+        "would answer (4xx error bodies included). Lines that are not valid batch requests "
+        "(not JSON, missing fields, other methods or urls, a repeated custom_id, "
+        "stream: true) get an output line with an 'error' instead. Exit status 0 once the "
+        "whole file is processed, whatever the lines' statuses.")
+    parser.add_argument("-i", "--input-file", required=True, metavar="FILE",
+                        help="the batch input file (JSONL), or - for stdin")
+    parser.add_argument("-o", "--output-file", required=True, metavar="FILE",
+                        help="the output file (JSONL; written whole or not at all: a "
+                        "temporary file renamed at the end), or - for stdout")
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="at most N lines read but not yet written (in flight or "
+                        "waiting for an earlier line); default: no bound")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr")
+    EngineConfig.add_cli_args(parser)
+    group = parser.add_argument_group("ServerConfig")
+    for f in dataclasses.fields(ServerConfig):
+        if f.name in BATCH_SERVER_FIELDS:
+            add_field_arg(group, f)
+    parser.set_defaults(func=cmd_run_batch)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    """Run ``kvflow run-batch``; returns the exit status (0: every line has its output line;
+    1: the engine did not start (no output written) or died during the batch (the output
+    written, its later lines 503s)). The summary line goes to stderr.
+
+    Raises:
+        ValueError: for bad options, an input that cannot be read or an output that cannot
+            be written (both checked before the model loads).
+    """
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
+    engine_config = EngineConfig.from_cli_args(args)
+    server_config = ServerConfig(**{name: getattr(args, name) for name in BATCH_SERVER_FIELDS})
+    source = BatchInput(args.input_file)
+    try:
+        sink = BatchOutput(args.output_file)
+    except ValueError:
+        source.close()
+        raise
+    try:
+        counts = _run(engine_config, server_config, source, sink, args)
+        sink.commit()
+    except RuntimeError as e:
+        if isinstance(e, EngineDiedDuringBatch):
+            sink.commit()  # every line was answered (503 after the engine died)
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sink.discard()
+        source.close()
+    print(counts.summary(), file=sys.stderr)
+    return 0
+
+
+def _run(engine_config: EngineConfig, server_config: ServerConfig, source: BatchInput,
+         sink: BatchOutput, args: argparse.Namespace) -> BatchCounts:
+    """Load the model as ``kvflow serve`` does (the options checked first), then run the
+    batch with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
+    from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.entrypoints.api_server import build_app, check_lora_modules
+    from kvflow.metrics import ServerMetrics
+
+    model_name = server_config.served_model_name or engine_config.model_config.model
+    check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
+    template = None if server_config.chat_template is None else \
+        load_chat_template(server_config.chat_template)
+    total = source.count_lines()
+    engine = AsyncLLM(engine_config, ServerMetrics(model_name),
+                      server_config.engine_start_timeout,
+                      on_tokenizer=warn_if_model_template_broken if template is None else None)
+    try:
+        app = build_app(engine, server_config, model_name, template)
+        with tqdm(total=total, desc="run-batch", unit="line", disable=args.no_progress,
+                  file=sys.stderr) as bar:
+            def write(line: dict[str, Any]) -> None:
+                sink.write(line)
+                bar.update(1)
+
+            return asyncio.run(run_batch(app, source.lines(), write, args.max_concurrency))
+    finally:
+        engine.close()
