@@ -1,0 +1,203 @@
+"""``kvflow run-batch`` without a model: each kind of refused line against its hand-written
+error object (kvflow/entrypoints/batch_lines.py), output order and the ``--max-concurrency``
+bound with a stand-in endpoint that answers out of order (run_batch.run_lines), the output
+file written whole or not at all (batch_files.BatchOutput), and the errors the command gives
+before any model loads. The lines run through the real server are in
+tests/e2e/test_run_batch.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvflow.entrypoints.batch_files import BatchInput, BatchOutput
+from kvflow.entrypoints.batch_lines import BatchRequest, LineError, parse_line
+from kvflow.entrypoints.run_batch import run_lines
+
+GOOD = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+        "body": {"model": "m", "prompt": "hi"}}
+
+
+def _line(**changes) -> bytes:
+    value = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in value.items() if v is not ...}).encode() + b"\n"
+
+
+def test_a_good_line_is_a_request_and_its_custom_id_is_taken():
+    seen: set[str] = set()
+    assert parse_line(_line(), 4, seen) == BatchRequest(4, "a", "/v1/completions",
+                                                        GOOD["body"])
+    assert seen == {"a"}
+    # stream false (or absent) is a whole-body request, as the server answers it
+    got = parse_line(_line(custom_id="b", body={"prompt": "x", "stream": False}), 5, seen)
+    assert isinstance(got, BatchRequest) and got.body == {"prompt": "x", "stream": False}
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b"{not json\n", (None, "invalid_json_line",
+                      ("line 7 is not valid JSON: Expecting property name enclosed in double "
+                      "quotes (column 2)"), None)),
+    (b"  \r\n", (None, "invalid_json_line", "line 7 is empty", None)),
+    (b'"\xff"\n', (None, "invalid_json_line", "line 7 is not UTF-8 text", None)),
+    (b"[1, 2]\n", (None, "invalid_json_line", "line 7 is a JSON list, not an object", None)),
+    (_line(custom_id=...), (None, "missing_required_parameter",
+                            "line 7 has no 'custom_id': it must be a non-empty string",
+                            "custom_id")),
+    (_line(custom_id=3), (None, "invalid_value",
+                          "line 7: custom_id must be a non-empty string, got 3", "custom_id")),
+    (_line(custom_id=""), (None, "invalid_value",
+                           'line 7: custom_id must be a non-empty string, got ""',
+                           "custom_id")),
+    (_line(method=...), ("a", "missing_required_parameter",
+                         "line 7 has no 'method': it must be the string 'POST'", "method")),
+    (_line(method="GET"), ("a", "invalid_method",
+                           "line 7: method 'GET' is not supported; batch requests are POST",
+                           "method")),
+    (_line(url="/v1/responses"), ("a", "invalid_url",
+                                  ("line 7: url '/v1/responses' is not supported; use one of "
+                                  "/v1/chat/completions, /v1/completions, /v1/embeddings"),
+                                  "url")),
+    (_line(url="/v1/completions?x=1"), ("a", "invalid_url",
+                                        ("line 7: url '/v1/completions?x=1' is not supported; "
+                                        "use one of /v1/chat/completions, /v1/completions, "
+                                        "/v1/embeddings"), "url")),
+    (_line(body=...), ("a", "missing_required_parameter",
+                       "line 7 has no 'body': it must be a JSON object", "body")),
+    (_line(body=["x"]), ("a", "invalid_value",
+                         'line 7: body must be a JSON object, got ["x"]', "body")),
+    (_line(body={"prompt": "x", "stream": True}),
+     ("a", "stream_unsupported", ("line 7: batch requests cannot stream; leave body.stream out "
+      "or false (got true)"), "body.stream")),
+    # pydantic would read the string "true" as True: refused too, not streamed
+    (_line(body={"prompt": "x", "stream": "true"}),
+     ("a", "stream_unsupported", ("line 7: batch requests cannot stream; leave body.stream out "
+      'or false (got "true")'), "body.stream")),
+])
+def test_refused_lines_say_why(raw, expected):
+    custom_id, code, message, param = expected
+    got = parse_line(raw, 7, set())
+    assert got == LineError(7, custom_id, code, message, param)
+    out = got.output()
+    assert set(out) == {"id", "custom_id", "response", "error"}
+    assert re.fullmatch(r"batch_req_[0-9a-f]{32}", out["id"])
+    assert out["custom_id"] == custom_id and out["response"] is None
+    assert out["error"] == {"code": code, "message": message, "param": param, "line": 7}
+
+
+def test_a_repeated_custom_id_is_refused_even_after_a_refused_first_line():
+    seen: set[str] = set()
+    assert parse_line(_line(method="GET"), 1, seen).code == "invalid_method"
+    assert parse_line(_line(), 2, seen) == LineError(
+        2, "a", "duplicate_custom_id",
+        "line 2: custom_id 'a' was used by an earlier line; each line needs its own",
+        "custom_id")
+
+
+def _run(lines: list[bytes], delays: dict[int, float], max_concurrency: int | None):
+    """run_lines over a stand-in endpoint: line ``i`` (1-based) answers after ``delays[i]``
+    seconds with its custom_id as the body; -> (written lines, the most lines read but not
+    yet written at once, counts)."""
+    written, state = [], {"read": 0, "most": 0}
+
+    async def answer(request):
+        state["read"] += 1
+        state["most"] = max(state["most"], state["read"] - len(written))
+        if isinstance(request, LineError):
+            return request.output()
+        await asyncio.sleep(delays.get(request.line, 0.0))
+        return {"id": "x", "custom_id": request.custom_id,
+                "response": {"status_code": 400 if request.custom_id == "c" else 200,
+                             "request_id": "r", "body": request.custom_id}, "error": None}
+
+    counts = asyncio.run(run_lines(iter(lines), answer, written.append, max_concurrency))
+    return written, state["most"], counts
+
+
+def test_lines_are_written_in_input_order_whatever_order_they_finish_in():
+    ids = ["a", "b", "c", "d", "e"]
+    lines = [_line(custom_id=i) for i in ids[:2]] + [b"oops\n"] + \
+        [_line(custom_id=i) for i in ids[2:]]
+    # the first line is the slowest, the last the fastest
+    written, most, counts = _run(lines, {1: 0.2, 2: 0.15, 4: 0.1, 5: 0.05}, None)
+    assert [w["custom_id"] for w in written] == ["a", "b", None, "c", "d", "e"]
+    assert [w["response"]["body"] if w["response"] else w["error"]["line"]
+            for w in written] == ["a", "b", 3, "c", "d", "e"]
+    assert most == 6  # all read before the first was answered
+    assert (counts.succeeded, counts.error_responses, counts.refused) == (4, 1, 1)
+    assert counts.summary() == ("kvflow run-batch: 6 lines: 4 succeeded, 2 failed (1 with an "
+                                "error response, 1 refused by the batch format)")
+
+
+def test_max_concurrency_bounds_lines_not_yet_written():
+    lines = [_line(custom_id=str(i)) for i in range(8)]
+    written, most, _ = _run(lines, {1: 0.1, 5: 0.1}, 3)
+    assert [w["custom_id"] for w in written] == [str(i) for i in range(8)]
+    assert most == 3
+
+
+def test_file_output_appears_whole_at_commit_and_discard_keeps_the_old_file(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text("old\n")
+    out = BatchOutput(str(path))
+    out.write({"custom_id": "é"})
+    assert path.read_text() == "old\n"  # nothing at the path before commit
+    temps = [p for p in os.listdir(tmp_path) if p != "out.jsonl"]
+    assert len(temps) == 1 and temps[0].startswith(".out.jsonl.")
+    out.commit()
+    out.discard()  # after commit: nothing to drop
+    assert path.read_text(encoding="utf-8") == '{"custom_id": "é"}\n'
+    assert os.listdir(tmp_path) == ["out.jsonl"]
+    again = BatchOutput(str(path))
+    again.write({"custom_id": "x"})
+    again.discard()
+    assert path.read_text(encoding="utf-8") == '{"custom_id": "é"}\n'
+    assert os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_stdout_output_writes_whole_lines(capsys):
+    out = BatchOutput("-")
+    out.write({"a": 1})
+    assert capsys.readouterr().out == '{"a": 1}\n'  # flushed at once
+    out.commit()
+
+
+def test_input_lines_and_count(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n\nb")
+    source = BatchInput(str(path))
+    assert source.count_lines() == 3
+    assert list(source.lines()) == [b"a\n", b"\n", b"b"]
+    source.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-i", "{missing}", "-o", "{out}"],
+     "-i {missing}: cannot read it (No such file or directory)"),
+    (["-i", "https://example.com/in.jsonl", "-o", "{out}"],
+     ("-i https://example.com/in.jsonl: URLs are not supported; download the file first "
+     "(curl -o FILE URL) and pass its path, or '-'")),
+    (["-i", "{good}", "-o", "{tmp}"], "-o {tmp}: is a folder; give a file path"),
+    (["-i", "{good}", "-o", "{tmp}/no/such/out.jsonl"],
+     "-o {tmp}/no/such/out.jsonl: cannot write there (No such file or directory)"),
+    (["-i", "{good}", "-o", "{out}", "--max-concurrency", "0"],
+     "--max-concurrency 0: must be >= 1"),
+])
+def test_command_errors_before_the_model_loads(tmp_path, flags, message):
+    """One ``kvflow: error:`` line, exit status 2, no output file; the model folder does
+    not exist, so reaching the model would be a different error."""
+    good = tmp_path / "in.jsonl"
+    good.write_text(json.dumps(GOOD) + "\n")
+    names = {"missing": str(tmp_path / "missing.jsonl"), "out": str(tmp_path / "out.jsonl"),
+             "good": str(good), "tmp": str(tmp_path)}
+    cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch",
+           *[f.format(**names) for f in flags], "--model", str(tmp_path / "no-model")]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == f"kvflow: error: {message.format(**names)}\n"
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
