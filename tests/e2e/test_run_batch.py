@@ -1,0 +1,184 @@
+"""``kvflow run-batch`` end to end on the tiny Llama: one batch file (read from stdin) mixing
+greedy chat and completion requests, requests the server refuses with a 4xx, and lines the
+batch format refuses, run by the command in a subprocess. The oracle for every line that
+reaches an endpoint is ``kvflow serve`` with the same flags, sent the same body over HTTP:
+same status, same body but for ``id`` and ``created``. The refused lines are checked against
+hand-written error objects, the output line format field by field."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+               "--block-size", "4", "--max-model-len", "96"]
+SERVER_ARGS = [*ENGINE_ARGS, "--served-model-name", MODEL]
+CHAT, CMPL, EMBD = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+
+# (custom_id, url, body) of the lines that reach an endpoint, and the status the server gives
+SENT = [
+    ("chat-1", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}],
+                      "max_tokens": 8, "temperature": 0, "ignore_eos": True}),
+    ("cmpl-logprobs", CMPL, {"model": MODEL, "prompt": "the quick brown fox jumps",
+                             "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                             "logprobs": 2}),
+    ("cmpl-two-prompts", CMPL, {"model": MODEL, "prompt": ["the lazy dog", "prefix caching"],
+                                "max_tokens": 5, "temperature": 0, "echo": True}),
+    ("chat-n2", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "keys"}],
+                       "n": 2, "temperature": 0, "max_tokens": 6, "logprobs": True,
+                       "top_logprobs": 2}),
+    ("bad-temperature", CMPL, {"model": MODEL, "prompt": "x", "temperature": -1}),
+    ("misspelled", CMPL, {"model": MODEL, "prompt": "x", "max_token": 5}),
+    ("other-model", CHAT, {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    ("embed-text-model", EMBD, {"model": MODEL, "input": "hello"}),
+    ("too-long", CMPL, {"model": MODEL, "prompt": "the quick brown fox " * 40}),
+]
+STATUS = {"chat-1": 200, "cmpl-logprobs": 200, "cmpl-two-prompts": 200, "chat-n2": 200,
+          "bad-temperature": 400, "misspelled": 400, "other-model": 404,
+          "embed-text-model": 400, "too-long": 400}
+
+
+def _envelope(custom_id, url, body, method="POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+# the input file: each refused line (raw text, expected custom_id, code, message, param)
+# placed after the sent line of the same index, so order is checked across both kinds
+REFUSED = [
+    ("{not json", None, "invalid_json_line",
+     "is not valid JSON: Expecting property name enclosed in double quotes (column 2)", None),
+    ("", None, "invalid_json_line", "is empty", None),
+    (_envelope("get", CMPL, {"prompt": "x"}, method="GET"), "get", "invalid_method",
+     "method 'GET' is not supported; batch requests are POST", "method"),
+    (_envelope("responses", "/v1/responses", {"input": "x"}), "responses", "invalid_url",
+     ("url '/v1/responses' is not supported; use one of /v1/chat/completions, "
+     "/v1/completions, /v1/embeddings"), "url"),
+    (_envelope("stream", CMPL, {"model": MODEL, "prompt": "x", "stream": True}), "stream",
+     "stream_unsupported", ("batch requests cannot stream; leave body.stream out or false "
+     "(got true)"), "body.stream"),
+    (_envelope("chat-1", CMPL, {"model": MODEL, "prompt": "x"}), "chat-1",
+     "duplicate_custom_id", ("custom_id 'chat-1' was used by an earlier line; each line "
+     "needs its own"), "custom_id"),
+]
+
+
+def _input_lines() -> list[tuple[str, object]]:
+    """(line text, what it expects: the SENT entry or the REFUSED entry), in file order."""
+    lines = []
+    for i, sent in enumerate(SENT):
+        lines.append((_envelope(*sent), sent))
+        if i < len(REFUSED):
+            lines.append((REFUSED[i][0], REFUSED[i]))
+    return lines
+
+
+def prestart_servers(fixture):
+    """This module's server, taken with ``start_server.declared`` and started ahead
+    (``_prestart_next_module`` in conftest.py)."""
+    return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def batch_run(tiny_chat_model, tmp_path_factory):
+    """The command run once over the input (stdin), ``--max-concurrency 4``: (completed
+    process, output lines parsed)."""
+    out = tmp_path_factory.mktemp("run_batch") / "out.jsonl"
+    text = "".join(line + "\n" for line, _ in _input_lines())
+    cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-",
+           "-o", str(out), "--model", tiny_chat_model, *SERVER_ARGS, "--max-concurrency", "4"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, input=text, capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, request):
+    server = start_server.declared(request)
+    yield server
+    server.terminate()
+
+
+def _same(got, want, where="body"):
+    """``got`` equals ``want`` (floats within 1e-4: a batch's requests run in other batch
+    shapes than the oracle's, one at a time)."""
+    if isinstance(want, float) and isinstance(got, float):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-4), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _without_ids(body):
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def test_one_output_line_per_input_line_in_order(batch_run):
+    _, output = batch_run
+    expected_ids = [entry[0] if len(entry) == 3 else entry[1] for _, entry in _input_lines()]
+    assert [line["custom_id"] for line in output] == expected_ids
+    for line in output:
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert re.fullmatch(r"batch_req_[0-9a-f]{32}", line["id"])
+    assert len({line["id"] for line in output}) == len(output)
+
+
+def test_sent_lines_answer_as_the_server_does(batch_run, server):
+    _, output = batch_run
+    by_line = dict(zip([text for text, _ in _input_lines()], output))
+    for custom_id, url, body in SENT:
+        got = by_line[_envelope(custom_id, url, body)]
+        assert got["error"] is None and set(got["response"]) == {"status_code", "request_id",
+                                                                 "body"}
+        resp = httpx.post(f"{server.url}{url}", json=body, timeout=60)
+        assert resp.status_code == STATUS[custom_id], resp.text
+        assert got["response"]["status_code"] == resp.status_code, custom_id
+        want, reply = resp.json(), got["response"]["body"]
+        if resp.status_code == 200:
+            prefix = "chatcmpl-" if url == CHAT else "cmpl-"
+            assert reply["id"].startswith(prefix) and got["response"]["request_id"] == \
+                reply["id"]
+            assert isinstance(reply["created"], int)
+            _same(_without_ids(reply), _without_ids(want), custom_id)
+        else:  # the OpenAI error body, exactly
+            assert re.fullmatch(r"req_[0-9a-f]{32}", got["response"]["request_id"])
+            assert reply == want, custom_id
+
+
+def test_refused_lines_carry_their_error(batch_run):
+    _, output = batch_run
+    for number, ((_, entry), got) in enumerate(zip(_input_lines(), output), 1):
+        if len(entry) == 3:
+            continue
+        _, custom_id, code, message, param = entry
+        joiner = " " if message.startswith(("is ", "has ")) else ": "
+        assert got["response"] is None and got["custom_id"] == custom_id
+        assert got["error"] == {"code": code, "message": f"line {number}{joiner}{message}",
+                                "param": param, "line": number}
+
+
+def test_exit_status_and_summary(batch_run):
+    proc, _ = batch_run
+    assert proc.stderr.splitlines()[-1] == (
+        "kvflow run-batch: 15 lines: 4 succeeded, 11 failed (5 with an error response, "
+        "6 refused by the batch format)")
+    assert "kvflow: error" not in proc.stderr and "Traceback" not in proc.stderr
+    # the progress bar reached the end (stdin: no total known ahead)
+    assert "run-batch: 15line " in proc.stderr
+    assert proc.stdout == ""
