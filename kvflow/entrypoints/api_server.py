@@ -69,7 +69,9 @@ async def start_app(app: FastAPI) -> None:
     """Start the engine's output loop, then load the adapters of ``--lora-modules NAME=PATH
     ...``; ``_StartingServer`` runs it before uvicorn's start-up, so a refused adapter leaves
     ``uvicorn.Server.run`` as itself. Raised in the lifespan, starlette had logged it as a
-    20-line traceback and uvicorn had ended the process with exit status 3.
+    20-line traceback and uvicorn had ended the process with exit status 3. ``kvflow
+    run-batch`` (``run_batch.run_batch``) runs it before its first line, as it has no
+    lifespan.
 
     Raises:
         ValueError: for an adapter the engine refuses, naming the flag (the engine is shut
