@@ -5,9 +5,12 @@ at once."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -32,8 +35,11 @@ class BatchInput:
     def __init__(self, path: str) -> None:
         _refuse_url("-i", path)
         self.path = path
-        if path == "-":
-            self._file: IO[bytes] = sys.stdin.buffer
+        if path == "-":  # a reader of its own: the interpreter's exit never waits for its
+            # lock, which LineReader's thread may hold, blocked in a read (sys.stdin.buffer's
+            # would abort the process: "could not acquire lock ... at interpreter shutdown")
+            self._file: IO[bytes] = io.BufferedReader(io.FileIO(sys.stdin.fileno(),
+                                                                closefd=False))
             return
         try:
             self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
@@ -58,7 +64,7 @@ class BatchInput:
         yield from self._file
 
     def close(self) -> None:
-        if self.path != "-":
+        if self.path != "-":  # stdin's reader is left to the thread that may be reading it
             self._file.close()
 
 
@@ -118,3 +124,44 @@ class BatchOutput:
         except FileNotFoundError:
             pass
         self._temp = None
+
+
+class LineReader:
+    """The lines of an iterator read, one at a time when asked, by a daemon thread of its
+    own, so the event loop never blocks on a slow stdin and a reader still blocked there
+    never holds up the process's exit (a thread of asyncio's default executor would: its
+    shutdown waits for it). Create it inside the running loop.
+    """
+
+    def __init__(self, lines: Iterator[bytes]) -> None:
+        self._lines = lines
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._wanted = threading.Semaphore(0)
+        threading.Thread(target=self._run, name="run-batch-reader", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.acquire()
+            try:
+                item: bytes | BaseException | None = next(self._lines, None)
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                item = e
+            try:
+                self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                return
+            if not isinstance(item, bytes):
+                return
+
+    async def next(self) -> bytes | None:
+        """The next line, or None at the end.
+
+        Raises:
+            OSError: (or what else the iterator raised) when reading failed.
+        """
+        self._wanted.release()
+        item = await self._ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item

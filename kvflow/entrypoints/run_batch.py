@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,7 +30,7 @@ from fastapi import FastAPI
 
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.config.options import add_field_arg
-from kvflow.entrypoints.batch_files import BatchInput, BatchOutput
+from kvflow.entrypoints.batch_files import BatchInput, BatchOutput, LineReader
 from kvflow.entrypoints.batch_lines import BatchRequest, LineError, parse_line, response_line
 
 logger = logging.getLogger(__name__)
@@ -118,8 +121,8 @@ async def run_lines(lines: Iterator[bytes],
     """Parse and answer every line of ``lines`` concurrently, and ``write`` each output line
     in input order as soon as the lines before it are written. At most ``max_concurrency``
     lines (None: no bound) are read but not yet written: a slow line holds back the reading
-    of further lines, so memory stays bounded on a huge file. Lines are read in a worker
-    thread (stdin may block).
+    of further lines, so memory stays bounded on a huge file. Lines are read by a thread of
+    their own (``batch_files.LineReader``: stdin may block).
 
     Returns:
         The counts of what was written (one output line per input line).
@@ -127,14 +130,14 @@ async def run_lines(lines: Iterator[bytes],
     seen_ids: set[str] = set()
     counts = BatchCounts()
     pending: deque[asyncio.Future] = deque()
-    number = 0
+    number, reader = 0, LineReader(lines)
 
     def write_next(result: dict[str, Any]) -> None:
         counts.add(result)
         write(result)
 
     try:
-        while (raw := await asyncio.to_thread(next, lines, None)) is not None:
+        while (raw := await reader.next()) is not None:
             number += 1
             request = parse_line(raw, number, seen_ids)
             pending.append(asyncio.ensure_future(answer(request)))
@@ -229,18 +232,38 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         source.close()
         raise
     try:
-        counts = _run(engine_config, server_config, source, sink, args)
+        with _sigterm_exits():
+            counts = _run(engine_config, server_config, source, sink, args)
         sink.commit()
     except RuntimeError as e:
         if isinstance(e, EngineDiedDuringBatch):
             sink.commit()  # every line was answered (503 after the engine died)
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 1
-    finally:
+    finally:  # also on Ctrl-C / SIGTERM: the output path keeps what it held
         sink.discard()
         source.close()
     print(counts.summary(), file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) (128 + SIGTERM) in the main thread, so the clean-up
+    Ctrl-C gets runs for it too (engine processes stopped, the temporary output removed)
+    instead of the process ending mid-write; the previous handler is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_143(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(engine_config: EngineConfig, server_config: ServerConfig, source: BatchInput,

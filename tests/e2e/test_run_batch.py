@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -85,18 +87,25 @@ def prestart_servers(fixture):
     return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
+_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1"}
+
+
+def _command(model, out) -> list[str]:
+    """``kvflow run-batch`` reading stdin, writing ``out``."""
+    return [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-",
+            "-o", str(out), "--model", model, *SERVER_ARGS]
+
+
 @pytest.fixture(scope="module")
 def batch_run(tiny_chat_model, tmp_path_factory):
     """The command run once over the input (stdin), ``--max-concurrency 4``: (completed
     process, output lines parsed)."""
     out = tmp_path_factory.mktemp("run_batch") / "out.jsonl"
     text = "".join(line + "\n" for line, _ in _input_lines())
-    cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-",
-           "-o", str(out), "--model", tiny_chat_model, *SERVER_ARGS, "--max-concurrency", "4"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, input=text, capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    proc = subprocess.run([*_command(tiny_chat_model, out), "--max-concurrency", "4"],
+                          input=text, capture_output=True, text=True, env=_ENV, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
@@ -182,3 +191,31 @@ def test_exit_status_and_summary(batch_run):
     # the progress bar reached the end (stdin: no total known ahead)
     assert "run-batch: 15line " in proc.stderr
     assert proc.stdout == ""
+
+
+def test_sigterm_mid_batch_leaves_the_output_path_as_it_was(tiny_chat_model, tmp_path):
+    """SIGTERM (Ctrl-C takes the same clean-up) while a line is answered and stdin is still
+    open (the reader thread blocked in a read): exit status 143 within seconds, the output path
+    untouched, no temporary file left. (Without the handler SIGTERM left the temporary file;
+    a reader on sys.stdin.buffer made the interpreter abort at exit, status -6.)"""
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+    proc = subprocess.Popen(_command(tiny_chat_model, out), stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_ENV)
+    try:
+        body = {**SENT[0][2], "max_tokens": 80}  # a line still running at the signal
+        proc.stdin.write((_envelope("long", CHAT, body) + "\n").encode())
+        proc.stdin.flush()
+        seen = b""
+        while b"run-batch:" not in seen:  # the bar: the model is loaded, lines are read
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, f"exited early: {seen.decode(errors='replace')[-2000:]}"
+            seen += chunk
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 143, (seen + proc.stderr.read()).decode(errors="replace")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["out.jsonl"]
