@@ -219,3 +219,52 @@ def test_sigterm_mid_batch_leaves_the_output_path_as_it_was(tiny_chat_model, tmp
         proc.wait()
     assert out.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokenizer, tmp_path):
+    """/v1/embeddings lines on a tiny random BERT (mean pooling), against
+    sentence-transformers: float and base64 vectors in input order, one input or several,
+    usage counted in tokens; ``dimensions`` on a model without Matryoshka is the 400 the
+    server gives (param ``dimensions``)."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from tests.e2e.test_openai_embeddings import BERT_ARGS, INPUTS
+    from tests.models.embedding_models import build_bert, st_embed
+
+    folder, st = built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean"))
+    lines = [_envelope("one", EMBD, {"model": "bert", "input": INPUTS[0],
+                                     "encoding_format": "float"}),
+             _envelope("many", EMBD, {"model": "bert", "input": INPUTS}),
+             _envelope("b64", EMBD, {"input": INPUTS[1], "encoding_format": "base64"}),
+             _envelope("dims", EMBD, {"input": INPUTS[2], "dimensions": 8})]
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-", "-o",
+           str(out), "--model", folder, *BERT_ARGS, "--no-progress"]
+    proc = subprocess.run(cmd, input="".join(line + "\n" for line in lines), text=True,
+                          capture_output=True, env=_ENV, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {line["custom_id"]: line["response"] for line in
+           map(json.loads, out.read_text().splitlines())}
+    expected = st_embed(st, INPUTS)
+
+    def close(vector, ref):
+        torch.testing.assert_close(torch.tensor(vector), ref, atol=2e-5, rtol=1e-4)
+
+    assert got["one"]["status_code"] == 200 and got["one"]["body"]["model"] == "bert"
+    close(got["one"]["body"]["data"][0]["embedding"], expected[0])
+    many = got["many"]["body"]
+    assert [d["index"] for d in many["data"]] == [0, 1, 2]
+    for d, ref in zip(many["data"], expected):
+        close(d["embedding"], ref)
+    tokens = sum(len(tiny_tokenizer.encode(s)) for s in INPUTS)
+    assert many["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    packed = base64.b64decode(got["b64"]["body"]["data"][0]["embedding"])
+    close(np.frombuffer(packed, dtype="<f4").tolist(), expected[1])
+    assert got["dims"]["status_code"] == 400
+    assert got["dims"]["body"]["error"]["param"] == "dimensions"
+    assert proc.stderr.splitlines()[-1] == ("kvflow run-batch: 4 lines: 3 succeeded, 1 failed "
+                                            "(1 with an error response, 0 refused by the "
+                                            "batch format)")
