@@ -193,7 +193,9 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
         "would answer (4xx error bodies included). Lines that are not valid batch requests "
         "(not JSON, missing fields, other methods or urls, a repeated custom_id, "
         "stream: true) get an output line with an 'error' instead. Exit status 0 once the "
-        "whole file is processed, whatever the lines' statuses.")
+        "whole file is processed, whatever the lines' statuses; 2 with one 'kvflow: error:' "
+        "line for bad options, an input that cannot be read or an output that cannot be "
+        "written (checked before the model loads); 1 if the engine fails.")
     parser.add_argument("-i", "--input-file", required=True, metavar="FILE",
                         help="the batch input file (JSONL), or - for stdin")
     parser.add_argument("-o", "--output-file", required=True, metavar="FILE",
