@@ -8,6 +8,7 @@ tests/e2e/test_run_batch.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import sys
 
 import pytest
 
-from kvflow.entrypoints.batch_files import BatchInput, BatchOutput
+from kvflow.entrypoints.batch_files import BatchFileError, BatchInput, BatchOutput
 from kvflow.entrypoints.batch_lines import BatchRequest, LineError, parse_line
 from kvflow.entrypoints.run_batch import run_lines
 
@@ -165,6 +166,21 @@ def test_stdout_output_writes_whole_lines(capsys):
     out.write({"a": 1})
     assert capsys.readouterr().out == '{"a": 1}\n'  # flushed at once
     out.commit()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failed_write_names_the_flag_and_the_reason(monkeypatch):
+    """stdout on a full device: a BatchFileError (exit status 1, one line), not a
+    traceback."""
+    full = open("/dev/full", "w")  # noqa: SIM115 - closed below, its flush failing
+    monkeypatch.setattr(sys, "stdout", full)
+    out = BatchOutput("-")
+    with pytest.raises(BatchFileError) as e:
+        out.write({"a": 1})
+    assert str(e.value) == "-o -: writing failed (No space left on device)"
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):  # the line is still in its buffer
+        full.close()
 
 
 def test_input_lines_and_count(tmp_path):

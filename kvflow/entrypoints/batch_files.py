@@ -6,6 +6,7 @@ at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -16,6 +17,23 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 _URL_PREFIXES = ("http://", "https://")
+
+
+class BatchFileError(RuntimeError):
+    """Reading the input or writing the output failed mid-batch (an I/O error, a full disk):
+    the message names the flag, the path and the system's reason."""
+
+
+@contextlib.contextmanager
+def _io_errors(flag: str, path: str, doing: str) -> Iterator[None]:
+    """An OSError inside (but a closed pipe's, which ``kvflow`` ends quietly) re-raised as
+    ``BatchFileError``."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise BatchFileError(f"{flag} {path}: {doing} failed ({e.strerror or e})") from None
 
 
 def _refuse_url(flag: str, path: str) -> None:
@@ -60,8 +78,13 @@ class BatchInput:
         return count + (last != b"\n")
 
     def lines(self) -> Iterator[bytes]:
-        """The lines, newline included, one at a time (never the whole file in memory)."""
-        yield from self._file
+        """The lines, newline included, one at a time (never the whole file in memory).
+
+        Raises:
+            BatchFileError: when a read fails.
+        """
+        with _io_errors("-i", self.path, "reading"):
+            yield from self._file
 
     def close(self) -> None:
         if self.path != "-":  # stdin's reader is left to the thread that may be reading it
@@ -98,19 +121,29 @@ class BatchOutput:
         self._file = os.fdopen(fd, "w", encoding="utf-8")
 
     def write(self, line: dict[str, Any]) -> None:
-        """Append one output line (compact JSON, non-ASCII kept) and its newline."""
-        self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
-        if self._temp is None:
-            self._file.flush()
+        """Append one output line (compact JSON, non-ASCII kept) and its newline.
+
+        Raises:
+            BatchFileError: when the write fails (a full disk).
+        """
+        with _io_errors("-o", self.path, "writing"):
+            self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
+            if self._temp is None:
+                self._file.flush()
 
     def commit(self) -> None:
-        """Flush the output to disk and put it at its path (stdout: flush)."""
-        self._file.flush()
-        if self._temp is None:
-            return
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._temp, self.path)
+        """Flush the output to disk and put it at its path (stdout: flush).
+
+        Raises:
+            BatchFileError: when the flush or the rename fails.
+        """
+        with _io_errors("-o", self.path, "writing"):
+            self._file.flush()
+            if self._temp is None:
+                return
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._temp, self.path)
         self._temp = None
 
     def discard(self) -> None:
@@ -118,11 +151,10 @@ class BatchOutput:
         it held). Safe to call after :meth:`commit` (then a no-op)."""
         if self._temp is None:
             return
-        self._file.close()
-        try:
+        with contextlib.suppress(OSError):  # closing flushes: a full disk fails again
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._temp)
-        except FileNotFoundError:
-            pass
         self._temp = None
 
 

@@ -216,8 +216,9 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     """Run ``kvflow run-batch``; returns the exit status (0: every line has its output line;
-    1: the engine did not start (no output written) or died during the batch (the output
-    written, its later lines 503s)). The summary line goes to stderr.
+    1: the engine did not start or reading / writing failed mid-batch (no output written),
+    or the engine died during the batch (the output written, its later lines 503s)). The
+    summary line goes to stderr.
 
     Raises:
         ValueError: for bad options, an input that cannot be read or an output that cannot
@@ -258,10 +259,10 @@ def _sigterm_exits() -> Iterator[None]:
         yield
         return
 
-    def exit_143(signum: int, frame: Any) -> None:
+    def _exit_143(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, exit_143)
+    previous = signal.signal(signal.SIGTERM, _exit_143)
     try:
         yield
     finally:
