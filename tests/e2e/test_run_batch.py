@@ -221,6 +221,12 @@ def test_sigterm_mid_batch_leaves_the_output_path_as_it_was(tiny_chat_model, tmp
     assert os.listdir(tmp_path) == ["out.jsonl"]
 
 
+EMBED_INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
+# the tiny BERT as tests/e2e/test_openai_embeddings.py serves it (no KV cache to size)
+BERT_ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4",
+             "--served-model-name", "bert", "--max-num-batched-tokens", "64"]
+
+
 def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokenizer, tmp_path):
     """/v1/embeddings lines on a tiny random BERT (mean pooling), against
     sentence-transformers: float and base64 vectors in input order, one input or several,
@@ -231,15 +237,14 @@ def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokeniz
     import numpy as np
     import torch
 
-    from tests.e2e.test_openai_embeddings import BERT_ARGS, INPUTS
     from tests.models.embedding_models import build_bert, st_embed
 
     folder, st = built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean"))
-    lines = [_envelope("one", EMBD, {"model": "bert", "input": INPUTS[0],
+    lines = [_envelope("one", EMBD, {"model": "bert", "input": EMBED_INPUTS[0],
                                      "encoding_format": "float"}),
-             _envelope("many", EMBD, {"model": "bert", "input": INPUTS}),
-             _envelope("b64", EMBD, {"input": INPUTS[1], "encoding_format": "base64"}),
-             _envelope("dims", EMBD, {"input": INPUTS[2], "dimensions": 8})]
+             _envelope("many", EMBD, {"model": "bert", "input": EMBED_INPUTS}),
+             _envelope("b64", EMBD, {"input": EMBED_INPUTS[1], "encoding_format": "base64"}),
+             _envelope("dims", EMBD, {"input": EMBED_INPUTS[2], "dimensions": 8})]
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i", "-", "-o",
            str(out), "--model", folder, *BERT_ARGS, "--no-progress"]
@@ -248,7 +253,7 @@ def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokeniz
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {line["custom_id"]: line["response"] for line in
            map(json.loads, out.read_text().splitlines())}
-    expected = st_embed(st, INPUTS)
+    expected = st_embed(st, EMBED_INPUTS)
 
     def close(vector, ref):
         torch.testing.assert_close(torch.tensor(vector), ref, atol=2e-5, rtol=1e-4)
@@ -259,7 +264,7 @@ def test_embeddings_lines_match_sentence_transformers(built_models, tiny_tokeniz
     assert [d["index"] for d in many["data"]] == [0, 1, 2]
     for d, ref in zip(many["data"], expected):
         close(d["embedding"], ref)
-    tokens = sum(len(tiny_tokenizer.encode(s)) for s in INPUTS)
+    tokens = sum(len(tiny_tokenizer.encode(s)) for s in EMBED_INPUTS)
     assert many["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     packed = base64.b64decode(got["b64"]["body"]["data"][0]["embedding"])
     close(np.frombuffer(packed, dtype="<f4").tolist(), expected[1])
