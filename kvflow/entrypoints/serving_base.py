@@ -381,6 +381,22 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Refuse a token id a client sent outside ``[0, vocab_size)``, naming its place:
+    ``param`` is the list's path (``prompt``, ``prompt.1``, ``tokens``) and the error's
+    ``param`` is ``{param}.{index}`` of the first bad id, as the schema's own errors and the
+    chat content parts name a list's element (``messages.0.content.1``).
+
+    Raises:
+        OpenAIError: 400, code ``invalid_value``.
+    """
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return  # the C-speed check first; then the first bad id's index
+    i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    raise OpenAIError(f"{param}.{i}: token id {token_ids[i]} is outside the vocabulary "
+                      f"[0, {vocab_size})", param=f"{param}.{i}", code="invalid_value")
+
+
 def _prompt_error_code(message: str) -> str:
     """The code of a prompt the engine's ``validate`` refused (by its message)."""
     if "max_model_len" in message:

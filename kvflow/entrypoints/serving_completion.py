@@ -28,7 +28,13 @@ from kvflow.entrypoints.sampling_requests import (
     default_max_tokens,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, request_ids
+from kvflow.entrypoints.serving_base import (
+    MIN_LOGPROB,
+    OpenAIServing,
+    body_size,
+    check_token_ids,
+    request_ids,
+)
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
@@ -54,8 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         await check_constraint(self.engine, req, None, body_size(raw))
         prompts = await self._prompts(req)
         listed = _is_prompt_list(req.prompt)
-        params = [self._params(req, ids, i if listed else None)
-                  for i, (_, ids) in enumerate(prompts)]
+        params = [self._params(req, prompt, i if listed else None)
+                  for i, prompt in enumerate(prompts)]
         self.check_admission(len(prompts))
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
@@ -133,14 +139,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
                               param="prompt", code="invalid_value") from None
 
-    def _params(self, req: CompletionRequest, ids: list[int],
+    def _params(self, req: CompletionRequest, prompt: Prompt,
                 index: int | None) -> SamplingParams:
-        """The sampling parameters of the prompt ``ids`` (``index``: its place in a list of
-        prompts, named by its errors as ``prompt.<index>``; None for a request's one prompt).
+        """The sampling parameters of ``prompt`` (``index``: its place in a list of prompts,
+        named by its errors as ``prompt.<index>``; None for a request's one prompt).
 
         Raises:
-            OpenAIError: 400 for an invalid field or a prompt the context cannot take.
+            OpenAIError: 400 for an invalid field or a prompt the context cannot take; a
+                token id sent outside the vocabulary is named by its place, ``prompt.<j>``
+                in the one prompt, ``prompt.<index>.<j>`` in a list (``check_token_ids``).
         """
+        text, ids = prompt
+        param = "prompt" if index is None else f"prompt.{index}"
+        if text is None:
+            check_token_ids(ids, self.engine.vocab_size, param)
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
             max_tokens = default_max_tokens(self.engine, len(ids), fallback=16)
         else:
@@ -151,7 +163,6 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         elif req.prompt_logprobs is not None:
             params.prompt_logprobs = req.prompt_logprobs
-        param = "prompt" if index is None else f"prompt.{index}"
         try:
             self.check_prompt(ids, max_tokens, param)
         except OpenAIError as e:

@@ -16,7 +16,7 @@ from kvflow.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvflow.entrypoints.serving_base import body_size
+from kvflow.entrypoints.serving_base import body_size, check_token_ids
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
@@ -62,13 +62,7 @@ def add_token_routes(app: FastAPI) -> None:
         raw.app.state.unknown_fields.check(req, "/detokenize")
         chat = raw.app.state.chat
         chat.check_model(req.model)
-        vocab = chat.engine.vocab_size
-        in_range = not req.tokens or (min(req.tokens) >= 0 and max(req.tokens) < vocab)
-        if not in_range:  # the C-speed check first; then the first bad id's index
-            i = next(i for i, t in enumerate(req.tokens) if not 0 <= t < vocab)
-            raise OpenAIError(f"tokens.{i}: token id {req.tokens[i]} is outside the "
-                              f"vocabulary [0, {vocab})", param=f"tokens.{i}",
-                              code="invalid_value")
+        check_token_ids(req.tokens, chat.engine.vocab_size, "tokens")
         tokenizer = chat.tokenizer
         return DetokenizeResponse(prompt=await off_loop(len(req.tokens), tokenizer.decode,
                                                         req.tokens))

@@ -132,7 +132,7 @@ def test_metrics_sum_the_replicas_and_bad_input_is_a_400(dp_server):
     assert sum(more.values()) == 45 and min(more.values()) >= 21, more
     bad = httpx.post(f"{dp_server.url}/v1/completions", timeout=60,
                      json={"prompt": [10**6], "max_tokens": 2})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.0"
     assert len(complete(dp_server, [5, 6, 7], max_tokens=2)["token_ids"]) == 2
 
 

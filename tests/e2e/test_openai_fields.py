@@ -917,6 +917,23 @@ def test_detokenize_out_of_vocabulary_names_the_index(server, tokenizer):
         "type": "invalid_request_error", "param": "tokens.2", "code": "invalid_value"})
 
 
+@pytest.mark.parametrize("prompt,where,bad", [
+    (lambda v: [5, 6, v, -1], "prompt.2", "V"),  # one prompt of token ids: the id's index
+    (lambda v: [[5, 6], [8], [7, -1, v]], "prompt.2.1", -1),  # the prompt's, then the id's
+])
+def test_completion_out_of_vocabulary_names_the_index(server, tokenizer, prompt, where, bad):
+    """A prompt token id outside the vocabulary is named by its path, as /detokenize's
+    ``tokens.N`` and the schema's errors for a nested list (``prompt.2.1``): a single
+    prompt's bad id was ``prompt`` and a listed prompt's ``prompt.N`` without the id's
+    index. The first bad id in request order is named ("V": the vocabulary size)."""
+    vocab = len(tokenizer)
+    bad = vocab if bad == "V" else bad
+    resp = post(server, C, {"prompt": prompt(vocab), "max_tokens": 1}, base=False)
+    assert (resp.status_code, resp.json()["error"]) == (400, {
+        "message": f"{where}: token id {bad} is outside the vocabulary [0, {vocab})",
+        "type": "invalid_request_error", "param": where, "code": "invalid_value"})
+
+
 def test_too_many_stop_strings_is_array_above_max_length(server):
     """129 stop strings: code ``array_above_max_length``, as other too-long arrays (it was
     ``invalid_value``)."""

@@ -180,8 +180,8 @@ REFUSED = [  # (path, body, param, code): decided after the schema
     (C, {"prompt": []}, "prompt", "empty_array"),
     (C, {"prompt": [[]]}, "prompt.0", "empty_array"),  # the empty one of the list
     (C, {"prompt": ["hi", ""]}, "prompt.1", "empty_string"),
-    (C, {"prompt": [5, 99999]}, "prompt", "invalid_value"),
-    (C, {"prompt": [5, -1]}, "prompt", "invalid_value"),
+    (C, {"prompt": [5, 99999]}, "prompt.1", "invalid_value"),  # the bad id, as tokens.1
+    (C, {"prompt": [5, -1]}, "prompt.1", "invalid_value"),
     ("/detokenize", {"tokens": [5, 99999]}, "tokens.1", "invalid_value"),  # the bad one
     (C, {"prompt": "hi", "priority": 1}, "priority", "unsupported_value"),
     (CH, {"messages": HI, "priority": -2}, "priority", "unsupported_value"),

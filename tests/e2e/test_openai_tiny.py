@@ -516,8 +516,8 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("empty_ids", C, {"prompt": [[]]}, 400, "prompt.0"),
     ("empty_text_in_list", C, {"prompt": ["a", ""]}, 400, "prompt.1"),  # was "prompt"
     ("empty_ids_in_list", C, {"prompt": [[5], []]}, 400, "prompt.1"),
-    ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt"),
-    ("listed_ids_out_of_vocab", C, {"prompt": [[3], [3, 99999]]}, 400, "prompt.1"),
+    ("ids_out_of_vocab", C, {"prompt": [3, 99999]}, 400, "prompt.1"),  # was "prompt"
+    ("listed_ids_out_of_vocab", C, {"prompt": [[3], [3, 99999]]}, 400, "prompt.1.1"),
     ("max_tokens_0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens_bool", C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
     ("temperature_bool", C, {"prompt": "x", "temperature": True}, 400, "temperature"),
