@@ -12,14 +12,15 @@ says where a PEFT module lands (``q_proj`` -> shard ``"q"`` of ``qkv_proj``). Ev
 cannot apply (DoRA, trained biases, ``modules_to_save``, activated LoRA, replicated layers,
 embedding or LM-head targets, a rank
 above ``max_lora_rank``, a module the model does not have, a shape that does not fit, weights
-whose rank is not the config's, weights of a module the config's ``target_modules`` /
-``layers_to_transform`` / ``exclude_modules`` leave out) is a
-``ValueError`` when the adapter is loaded, never at a request.
+whose rank is not the config's, weights of a module the config's ``target_modules`` (unset:
+peft's default for the model type) / ``layers_to_transform`` / ``exclude_modules`` leave out)
+is a ``ValueError`` when the adapter is loaded, never at a request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -29,8 +30,14 @@ from typing import Any
 
 import torch
 
-from kvflow.lora.adapter_targets import check_target_fields, check_weights_in_config
+from kvflow.lora.adapter_targets import (
+    check_target_fields,
+    check_weights_in_config,
+    weightless_targets,
+)
 from kvflow.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 _PREFIX = "base_model.model."
 _WEIGHT_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(\.default)?\.weight$")
@@ -258,9 +265,11 @@ def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]],
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                  packed: dict[str, tuple[str, Any]], max_rank: int,
-                 dtype: torch.dtype, rename: Callable[[str], str] | None = None
-                 ) -> LoRAAdapter:
-    """Read and check a PEFT folder against the model's LoRA targets.
+                 dtype: torch.dtype, rename: Callable[[str], str] | None = None,
+                 model_type: str | None = None) -> LoRAAdapter:
+    """Read and check a PEFT folder against the model's LoRA targets. Modules the config
+    adapts that hold no weights (peft loads zero deltas there and warns) are logged, one
+    warning per load.
 
     Args:
         request: the adapter's name, id and folder.
@@ -270,14 +279,18 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
         dtype: the model dtype (the weights are cast to it).
         rename: the model's checkpoint-name mapping (``checkpoint_name``; Qwen2-VL's
             ``model.language_model.*`` -> ``model.*``), None for none.
+        model_type: the base model's config.json ``model_type``: a config without
+            ``target_modules`` adapts what peft adapts by default for it.
 
     Raises:
         ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
             truncated or corrupt ``adapter_model.safetensors`` (naming it), a target module the
             model does not have (or cannot adapt), an A without its B, a shape that does not
-            fit the layer, a weight that is not floating point or not finite, or weights
-            of a module that ``target_modules`` / ``layers_to_transform`` /
-            ``exclude_modules`` leave out (peft would drop them; naming the field).
+            fit the layer, a weight that is not floating point or not finite, weights
+            of a module that ``target_modules`` (unset: peft's default for ``model_type``) /
+            ``layers_to_transform`` / ``exclude_modules`` leave out (peft would drop them;
+            naming the field), or no ``target_modules`` for a model type peft has no
+            default for.
     """
     config = read_adapter_config(request.lora_path)
     check_adapter_config(config, max_rank,
@@ -292,8 +305,14 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                              "embeddings or LM head)")
         _check_values(key, tensor, request.lora_path)
         pairs.setdefault(match["module"], {})[match["kind"]] = tensor
-    check_weights_in_config(config, [m.removeprefix(_PREFIX) for m in sorted(pairs)],
-                            request.lora_path)
+    peft_modules = [m.removeprefix(_PREFIX) for m in sorted(pairs)]
+    check_weights_in_config(config, peft_modules, request.lora_path, model_type)
+    unweighted = weightless_targets(config, model_type, _unfused_modules(targets, packed),
+                                    [rename(m) if rename else m for m in peft_modules],
+                                    rename is not None)
+    if unweighted is not None:
+        logger.warning("LoRA adapter %r (%s): %s", request.lora_name, request.lora_path,
+                       unweighted)
     weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
     rank = 0
     for peft_module, ab in sorted(pairs.items()):
@@ -309,6 +328,21 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     if not weights:
         raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _unfused_modules(targets: dict[str, LoRATarget],
+                     packed: dict[str, tuple[str, Any]]) -> list[str]:
+    """The modules a PEFT adapter can name, in kvflow's names: each target, a fused one as
+    its parts (``qkv_proj`` shard ``"q"`` -> ``q_proj``, by ``packed_modules_mapping``)."""
+    part = {(fused, shard): leaf for leaf, (fused, shard) in packed.items()}
+    out = []
+    for name, target in targets.items():
+        head, _, leaf = name.rpartition(".")
+        for shard in target.shard_sizes:
+            unfused = leaf if shard is None else part.get((leaf, shard))
+            if unfused is not None:
+                out.append(f"{head}.{unfused}" if head else unfused)
+    return out
 
 
 def _check_values(key: str, tensor: torch.Tensor, path: str) -> None:

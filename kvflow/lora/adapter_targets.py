@@ -8,9 +8,22 @@ whatever the weights hold; kvflow refuses an adapter where the two disagree.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["check_target_fields", "check_weights_in_config"]
+__all__ = ["PEFT_DEFAULT_TARGET_MODULES", "check_target_fields", "check_weights_in_config",
+           "weightless_targets"]
+
+# The modules peft adapts when adapter_config.json has no target_modules, by the base model's
+# config.json model_type: peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (0.21),
+# for the model types kvflow can adapt (tests/lora/test_lora_default_targets.py checks it
+# against the installed peft). peft refuses such a config for a model type it has no entry
+# for ("Please specify `target_modules`"): phi3, qwen2_moe, qwen3_moe, deepseek_v2,
+# deepseek_v3, qwen2_vl, qwen2_5_vl; so does kvflow.
+PEFT_DEFAULT_TARGET_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    model_type: ("q_proj", "v_proj")
+    for model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text")})
 
 
 def check_target_fields(config: dict[str, Any], where: str) -> None:
@@ -84,26 +97,96 @@ def _field_leaving_out(config: dict[str, Any], module: str) -> str | None:
     return None if index is not None and index in wanted else "layers_to_transform"
 
 
-def check_weights_in_config(config: dict[str, Any], peft_modules: list[str],
-                             path: str) -> None:
-    """Every module with weights (``peft_modules``: PEFT names without ``base_model.model.``)
-    must be one ``adapter_config.json`` adapts: peft adapts only
-    what the config names (and drops other weights without a word), vLLM applies whatever the
-    weights hold, so such an adapter is refused rather than served as either.
+def _with_default_targets(config: dict[str, Any], model_type: str | None,
+                          path: str) -> dict[str, Any]:
+    """``config`` with ``target_modules`` set as peft sets it when the file has none: its
+    default for ``model_type`` (``PEFT_DEFAULT_TARGET_MODULES``).
 
     Raises:
-        ValueError: naming the folder, the field, its value and the modules it leaves out.
+        ValueError: naming the folder and the model type when peft has no default for it.
     """
+    if config.get("target_modules") is not None:
+        return config
+    default = PEFT_DEFAULT_TARGET_MODULES.get(model_type or "")
+    if default is None:
+        raise ValueError(
+            f"LoRA adapter {path!r}: adapter_config.json has no target_modules, and peft has "
+            f"no default target modules for model type {model_type!r} (it refuses such a "
+            "config): name the adapted modules in target_modules")
+    return {**config, "target_modules": list(default)}
+
+
+def _shown_field(config: dict[str, Any], field: str, effective: dict[str, Any],
+                 model_type: str | None) -> str:
+    """``field=value`` as the errors name it; an unset ``target_modules`` as peft's default."""
+    if field == "target_modules" and config.get(field) is None:
+        return (f"target_modules (unset: peft's default for model type {model_type!r}, "
+                f"{effective[field]!r})")
+    return f"{field}={config.get(field)!r}"
+
+
+def _listed(modules: list[str]) -> str:
+    return ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4
+                                     else "")
+
+
+def check_weights_in_config(config: dict[str, Any], peft_modules: list[str], path: str,
+                            model_type: str | None) -> None:
+    """Every module with weights (``peft_modules``: PEFT names without ``base_model.model.``)
+    must be one ``adapter_config.json`` adapts (without ``target_modules``: the ones peft
+    adapts by default for the base model's ``model_type``): peft adapts only what the config
+    names (and drops other weights without a word), vLLM applies whatever the weights hold,
+    so such an adapter is refused rather than served as either.
+
+    Raises:
+        ValueError: naming the folder, the field, its value and the modules it leaves out;
+            or, for a config without ``target_modules``, a ``model_type`` peft has no
+            default for.
+    """
+    effective = _with_default_targets(config, model_type, path)
     left_out: dict[str, list[str]] = {}
     for peft_module in peft_modules:
-        field = _field_leaving_out(config, peft_module)
+        field = _field_leaving_out(effective, peft_module)
         if field is not None:
             left_out.setdefault(field, []).append(peft_module)
     for field, modules in left_out.items():
-        shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more"
-                                          if len(modules) > 4 else "")
         raise ValueError(
-            f"LoRA adapter {path!r}: adapter_model.safetensors holds weights for {shown}, "
-            f"which adapter_config.json's {field}={config.get(field)!r} leaves out (peft "
-            "would load the adapter without them, vLLM would apply them): make the config "
-            "and the weights agree")
+            f"LoRA adapter {path!r}: adapter_model.safetensors holds weights for "
+            f"{_listed(modules)}, which adapter_config.json's "
+            f"{_shown_field(config, field, effective, model_type)} leaves out (peft would "
+            "load the adapter without them, vLLM would apply them): make the config and the "
+            "weights agree")
+
+
+def weightless_targets(config: dict[str, Any], model_type: str | None,
+                       model_modules: list[str], weight_modules: list[str],
+                       renamed: bool) -> str | None:
+    """The modules the config adapts that hold no weights, as a warning's text (None when
+    there are none): peft loads zero deltas there and warns of missing adapter keys; kvflow
+    serves them unadapted, the same output.
+
+    Args:
+        config: the parsed ``adapter_config.json`` (its weights already checked by
+            ``check_weights_in_config``).
+        model_type: the base model's ``model_type``.
+        model_modules: every module of the model kvflow can adapt, unfused (``q_proj``,
+            not ``qkv_proj``), in kvflow's names.
+        weight_modules: the modules the adapter holds weights for, in the same names.
+        renamed: whether the model renames checkpoint modules (Qwen2-VL): a regex
+            ``target_modules`` / ``exclude_modules`` written against the checkpoint's names
+            is then not matched (no warning), name lists are (they match name suffixes).
+    """
+    effective = _with_default_targets(config, model_type, "")
+    regex = any(isinstance(effective.get(f), str) and effective.get(f) != "all-linear"
+                for f in ("target_modules", "exclude_modules"))
+    if renamed and regex:
+        return None
+    held = set(weight_modules)
+    missing = [m for m in sorted(model_modules)
+               if m not in held and _field_leaving_out(effective, m) is None]
+    if not missing:
+        return None
+    return (f"adapter_config.json's {_shown_field(config, 'target_modules', effective, model_type)} "
+            f"names {len(missing)} module{'s' * (len(missing) != 1)} that "
+            f"adapter_model.safetensors has no weights for, served unadapted (as peft, which "
+            f"warns of missing adapter keys, loads zero deltas there): {_listed(missing)}")

@@ -59,14 +59,17 @@ class LoRAManager:
         config: ``max_loras`` slots, ``max_lora_rank``.
         dtype: the model dtype.
         device: the model's device.
+        model_type: the base model's config.json ``model_type`` (a config without
+            ``target_modules`` adapts peft's default modules for it).
 
     Raises:
         ValueError: from the constructor for a model without LoRA support.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, model_type: str | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, device
+        self.model_type = model_type
         self.ctx = LoRAContext()
         self.layers = wrap_lora_layers(model, config.max_loras, config.max_lora_rank, self.ctx)
         self.targets = {name: layer.target for name, layer in self.layers.items()}
@@ -89,7 +92,8 @@ class LoRAManager:
         adapter = self.adapters.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request, self.targets, self.packed,
-                                   self.config.max_lora_rank, self.dtype, self.rename)
+                                   self.config.max_lora_rank, self.dtype, self.rename,
+                                   self.model_type)
             self.adapters[request.lora_int_id] = adapter
         return adapter
 

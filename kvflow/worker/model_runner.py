@@ -112,7 +112,8 @@ class ModelRunner:
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
         self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
         lc = self.config.lora_config
-        self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device) \
+        self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
+                                        getattr(hf_config, "model_type", None)) \
             if lc.enable_lora else None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
