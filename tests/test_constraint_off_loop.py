@@ -8,6 +8,8 @@ and once queueing). Oracles: the thread the conversion ran in, the number of con
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 from types import SimpleNamespace
 
@@ -57,6 +59,27 @@ def test_each_constraint_is_converted_once(conversions):
     checked.check(StructuredOutputsParams(json=SCHEMA))
     assert [key[0] for _, key in conversions] == ["json", "regex", "regex", "regex", "choice",
                                                   "json"]
+
+
+def test_key_is_built_once_per_object_and_anew_when_a_field_is_set(monkeypatch):
+    """A request's constraint is checked twice and looked up more: its key (the schema's
+    JSON text, milliseconds for a large schema) and digest are built once per object; setting
+    a field builds them anew. Oracle: json.dumps and hashlib, called here."""
+    builds = []
+    make_key = StructuredOutputsParams._make_key
+    monkeypatch.setattr(StructuredOutputsParams, "_make_key",
+                        lambda self: builds.append(1) or make_key(self))
+    params = StructuredOutputsParams(json=SCHEMA)
+    checked = CheckedConstraints()
+    for _ in range(3):
+        checked.check(params)
+    text = json.dumps(SCHEMA, separators=(",", ":"))
+    assert (params.key, len(builds)) == (("json", text), 1)
+    assert params.digest == hashlib.sha256(f"json:{text}".encode()).digest()
+    params.json = {"type": "string"}
+    assert (params.key, len(builds)) == (("json", '{"type":"string"}'), 2)
+    assert params.digest == hashlib.sha256(b'json:{"type":"string"}').digest()
+    assert params == StructuredOutputsParams(json={"type": "string"})  # key not a field
 
 
 @pytest.mark.parametrize("num_tools", [2, 2048])

@@ -6,6 +6,7 @@ ZMQ/msgspec (every field is a plain str / dict / list / bool).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,11 @@ class StructuredOutputsParams:
                 return name
         return "json_object"
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        self.__dict__.pop("_key", None)  # a field set anew: its key is computed anew
+        self.__dict__.pop("_digest", None)
+
     @property
     def key(self) -> tuple[str, str]:
         """A hashable cache key and the text to compile: (kind, spec text).
@@ -70,7 +76,28 @@ class StructuredOutputsParams:
         of ``properties`` is the order the output's keys must follow (JSON Schema leaves it
         free; xgrammar and OpenAI keep it), so schemas differing only in order are different
         constraints and must not share a key.
+
+        Computed once per object (the JSON text of a 400 KB schema dict takes milliseconds,
+        and a request's constraint is checked, validated and looked up several times); setting
+        a field computes it anew, but a schema dict changed in place afterwards is not seen.
+        Not a dataclass field: neither compared, shown nor sent to the engine core.
         """
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = self.__dict__["_key"] = self._make_key()
+        return key
+
+    @property
+    def digest(self) -> bytes:
+        """SHA-256 of ``key`` (32 bytes), computed once per object as ``key`` is."""
+        digest = self.__dict__.get("_digest")
+        if digest is None:
+            kind, spec = self.key
+            digest = self.__dict__["_digest"] = hashlib.sha256(
+                f"{kind}:{spec}".encode(errors="surrogatepass")).digest()
+        return digest
+
+    def _make_key(self) -> tuple[str, str]:
         kind = self.kind
         if kind == "json":
             spec = self.json if isinstance(self.json, str) else \
