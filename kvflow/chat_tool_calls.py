@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from pydantic_core import PydanticCustomError
 
 from kvflow.chat_messages import ChatTemplateError
+from kvflow.validation_words import error_code, field_message
 
 
 class _StrictModel(BaseModel):
@@ -95,12 +96,6 @@ class _OfflineToolCall(MessageToolCall):
 _OFFLINE_TOOL_CALLS: TypeAdapter[list[_OfflineToolCall]] = TypeAdapter(
     Annotated[list[_OfflineToolCall], Field(min_length=1)])
 
-# pydantic error type -> the server's OpenAI error code for it (validation_errors._error_code,
-# for the types these models can raise)
-_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter",
-          "string_too_short": "string_below_min_length", "too_short": "empty_array",
-          "greater_than_equal": "integer_below_min_value"}
-
 
 def check_tool_calls(messages: Sequence[Any]) -> None:
     """Each message's ``tool_calls`` (when set) in the server's schema (``ToolCalls``; a
@@ -110,8 +105,9 @@ def check_tool_calls(messages: Sequence[Any]) -> None:
     Raises:
         ChatTemplateError: naming the first offending key, ``messages.N.tool_calls`` or
             ``messages.N.tool_calls.M.<key>`` (``...M.id`` for an empty id, ``...M.function
-            .name`` ...), with the server's code for it (``string_below_min_length``,
-            ``missing_required_parameter``, ``unknown_parameter``, ``invalid_type``, ...).
+            .name`` ...), with the server's message and code for it
+            (``kvflow.validation_words``: ``...M.id: at least 1 character, got 0``, code
+            ``string_below_min_length``).
     """
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or message.get("tool_calls") is None:
@@ -120,14 +116,10 @@ def check_tool_calls(messages: Sequence[Any]) -> None:
             _OFFLINE_TOOL_CALLS.validate_python(message["tool_calls"])
         except ValidationError as e:
             first = e.errors()[0]
-            loc = [p for p in first["loc"] if p != "str" and "[" not in str(p)]  # no union tag
-            param = ".".join(str(part) for part in (f"messages.{i}.tool_calls", *loc))
-            kind = first["type"]
-            code = _CODES.get(kind) or ("invalid_type" if kind.endswith("_type")
-                                        else "invalid_value")
-            why = "a required field, not sent" if kind == "missing" else first["msg"] \
-                if kind == "invalid_arguments" else f"{first['msg']}, got {first['input']!r}"
-            raise ChatTemplateError(f"{param}: {why}", param, code) from None
+            loc = [f"messages.{i}.tool_calls",  # without union tags (str of str | dict)
+                   *(str(p) for p in first["loc"] if p != "str" and "[" not in str(p))]
+            raise ChatTemplateError(field_message(loc, first), ".".join(loc),
+                                    error_code(first)) from None
 
 
 def check_tool_call_ids(turns: Iterable[tuple[str, Sequence[str], Any]]) -> None:

@@ -2,8 +2,8 @@
 call's ``id``), as OpenAI requires: one answering no call was rendered (HTTP 200, and offline);
 now a 400 naming ``messages.N.tool_call_id`` and the id, and the same ValueError from
 ``LLM.chat``. LLM.chat also checks an assistant's ``tool_calls`` with the server's schema
-(kvflow/chat_tool_calls.py): the same param and code as the server's 400. Expectations are
-hand-written."""
+(kvflow/chat_tool_calls.py): the same message, param and code as the server's 400 (the
+message was pydantic's wording offline). Expectations are hand-written."""
 
 from __future__ import annotations
 
@@ -141,8 +141,8 @@ def test_llm_chat_refuses_the_call_shapes_the_server_refuses(chat_llm, assert_no
     assert (served["param"], served["code"]) == (param, code)
     with pytest.raises(ChatTemplateError) as offline:
         chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert (offline.value.param, offline.value.code) == (param, code)
-    assert str(offline.value).startswith(f"{param}: ")
+    assert (offline.value.param, offline.value.code, str(offline.value)) == \
+        (param, code, served["message"])
     assert_no_leaks(chat_llm)
 
 
@@ -194,3 +194,76 @@ def test_object_arguments_text_still_renders(chat_llm):
     ChatCompletionRequest.model_validate({"messages": messages})
     out = chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
     assert out[0].prompt == "<user>hi<assistant>[c1]<tool>42(c1)"
+
+
+@pytest.fixture(scope="module")
+def served_app(chat_llm):
+    """The server's app (``build_app``, every route and error handler) over what its chat
+    route reads of an engine before the engine is asked anything (no model runs: these
+    requests are refused by the schema)."""
+    from types import SimpleNamespace
+
+    from kvflow.config import ServerConfig
+    from kvflow.entrypoints.api_server import build_app
+
+    engine = SimpleNamespace(
+        tokenizer=chat_llm.engine.tokenizer, processor=chat_llm.engine.processor,
+        max_model_len=4096, vocab_size=chat_llm.engine.processor.vocab_size, task="generate",
+        config=SimpleNamespace(lora_config=SimpleNamespace(enable_lora=False)))
+    return build_app(engine, ServerConfig(), "m")
+
+
+def _post_chat(app, messages: list[dict]):
+    import httpx
+
+    async def post():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/chat/completions",
+                                     json={"model": "m", "messages": messages})
+
+    return asyncio.run(post())
+
+
+C0, F0 = "messages.1.tool_calls.0", "messages.1.tool_calls.0.function"
+SAME_WORDS = [  # (tool_calls sent, the message both give; hand-written)
+    ([{**_call("c1"), "id": ""}], f"{C0}.id: at least 1 character, got 0"),
+    ([{**_call("c1"), "id": 7}], f"{C0}.id: expected a string, got 7"),
+    ([{**_call("c1"), "type": "fn"}], f"{C0}.type: expected 'function', got 'fn'"),
+    ([{**_call("c1"), "idx": 0}], f"Unrecognized request argument supplied: {C0}.idx"),
+    ([{**_call("c1"), "index": -1}], f"{C0}.index: at least 0, got -1"),
+    ([{**_call("c1"), "index": True}], f"{C0}.index: expected an integer, got true"),
+    ([{**_call("c1"), "function": "f"}], f"{F0}: expected an object, got 'f'"),
+    ([{**_call("c1"), "function": {"name": 5, "arguments": "{}"}}],
+     f"{F0}.name: expected a string, got 5"),
+    ([{**_call("c1"), "function": {"name": "f", "arguments": [1]}}],
+     f"{F0}.arguments: expected a string, got a list"),
+    ([{**_call("c1"), "function": {"name": "f", "arguments": "{}", "x": 1}}],
+     f"Unrecognized request argument supplied: {F0}.x"),
+    ([{**_call("c1"), "function": {"name": "f"}}], f"{F0}.arguments: a required field, not sent"),
+    (["x"], f"{C0}: expected an object, got 'x'"),
+    ([], "messages.1.tool_calls: at least 1 item, got 0"),
+    (_call("c1"), "messages.1.tool_calls: expected a list, got an object"),
+]
+
+
+@pytest.mark.parametrize("tool_calls, message", SAME_WORDS,
+                         ids=["empty_id", "int_id", "bad_type", "unknown_key", "negative_index",
+                              "bool_index", "function_text", "int_name", "list_arguments",
+                              "unknown_function_key", "no_arguments", "call_text",
+                              "no_calls", "calls_object"])
+def test_llm_chat_says_what_the_served_400_says(served_app, chat_llm, assert_no_leaks,
+                                                tool_calls, message):
+    """The same bad assistant ``tool_calls`` through the server's /v1/chat/completions and
+    through LLM.chat: the same message text (it was pydantic's wording offline: "String
+    should have at least 1 character, got ''"), param and code."""
+    messages = [HI, {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    resp = _post_chat(served_app, messages)
+    assert resp.status_code == 400, resp.text
+    served = resp.json()["error"]
+    with pytest.raises(ValueError) as offline:
+        chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert served["message"] == message
+    assert (str(offline.value), offline.value.param, offline.value.code) == \
+        (served["message"], served["param"], served["code"])
+    assert_no_leaks(chat_llm)
