@@ -89,6 +89,48 @@ def test_tiny_llama_batch_invariant(tiny_llama, dtype):
         assert alone[0] == hf[0, len(target):].tolist()
 
 
+class _ThreadsEveryStep:
+    """Stands in for ``--cpu-adaptive-threads``' controller (``AdaptiveThreads``, which the
+    mode turns off): its ``before_step`` sets a different thread count before every step,
+    as the controller does, between steps, on the model's thread."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        self.counts, self.set = counts, []
+
+    def before_step(self) -> None:
+        n = self.counts[len(self.set) % len(self.counts)]
+        torch.set_num_threads(n)
+        self.set.append(n)
+
+
+@needs_native
+def test_thread_count_changed_between_steps_keeps_the_output(tiny_llama):
+    """Why ``--cpu-adaptive-threads`` under ``--deterministic`` is a warning, not an error:
+    the mode's results do not depend on the thread count, also when it changes between
+    steps. Oracle: the same batch (the watched prompt among 7 others, a 16-token budget so
+    prefill spans steps) at a fixed 2 threads; compared bitwise, every request."""
+    def run(change: bool) -> tuple[list, list[int]]:
+        llm = LLM(model=tiny_llama.path, dtype="float32", deterministic=True, cpu_threads=2,
+                  kv_cache_memory="64MiB", max_num_batched_tokens=16)
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.adaptive_threads is None  # the mode turns the controller off
+        if change:
+            runner.adaptive_threads = _ThreadsEveryStep((1, 3, 2, 4))
+        target, others = _prompts()
+        batch = [{"prompt_token_ids": p} for p in [target, *others[:7]]]
+        results = [_result(o) for o in llm.generate(batch, PARAMS, use_tqdm=False)]
+        return results, runner.adaptive_threads.set if change else []
+
+    threads = torch.get_num_threads()
+    try:
+        fixed, _ = run(False)
+        changing, counts = run(True)
+    finally:
+        torch.set_num_threads(threads)  # this process's count, as the other tests found it
+    assert len(counts) > 20 and set(counts) == {1, 2, 3, 4}  # every step, four counts
+    assert changing == fixed
+
+
 def test_default_mode_is_batch_dependent(tiny_llama):
     """Without --deterministic, the watched prompt's logprobs change with the batch (tokens
     usually do not: the tiny model has no near-ties) with the torch attention backend (which
