@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -53,6 +54,17 @@ from kvflow.structured import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ChatRun:
+    """A queued chat request: the reply's id, the prompt's token ids, its one stream and the
+    parser that reads reasoning and tool calls back out of the generated text."""
+
+    reply_id: str
+    prompt_ids: list[int]
+    streams: list[RequestStream]
+    parser: ChatOutputParser
+
+
 class OpenAIServingChat(ChatRendering, OpenAIServing):
     """Handler of /v1/chat/completions (see OpenAIServing for the other arguments).
     Conversations render with ``config.chat_template`` (``--chat-template``) in place of the
@@ -83,6 +95,21 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
                 for another model, 503 when overloaded.
         """
         self.check_fields(req, "/v1/chat/completions")
+        run = await self.start(req, raw, "chatcmpl")
+        if req.stream:
+            return SSEResponse(self.stream(run.streams, self._chunks(
+                req, run.reply_id, run.prompt_ids, run.streams, run.parser)))
+        return await self.respond(raw, run.streams, self._response(
+            req, run.reply_id, run.prompt_ids, run.streams[0], run.parser))
+
+    async def start(self, req: ChatCompletionRequest, raw: Request, prefix: str) -> ChatRun:
+        """Check ``req`` (its unknown fields were checked by the caller), render the
+        conversation and queue it; the reply's id is ``{prefix}-...``. /v1/responses runs its
+        requests through here too (``serving_responses``).
+
+        Raises:
+            OpenAIError: 400 for bad input, 404 for another model, 503 when overloaded.
+        """
         lora = self.check_model(req.model)
         self.check_task("generate")
         self._check_request(req)
@@ -95,16 +122,12 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         ids = prompt.token_ids
         params = self._params(req, ids, tool_grammar)
         self.check_admission(1)
-        reply_id, request_id = request_ids("chatcmpl", req.request_id)
+        reply_id, request_id = request_ids(prefix, req.request_id)
         self.note_request(req, request_id)
         streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
                                           prompt.mm_features, self.client_id(req, raw),
                                           lora_request=lora)
-        if req.stream:
-            return SSEResponse(self.stream(streams, self._chunks(req, reply_id, ids,
-                                                                 streams, parser)))
-        return await self.respond(raw, streams, self._response(req, reply_id, ids,
-                                                               streams[0], parser))
+        return ChatRun(reply_id, ids, streams, parser)
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.
