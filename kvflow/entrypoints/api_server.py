@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models[/{model}],
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET /v1/responses/{id}),
+/v1/embeddings, /v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
@@ -43,11 +44,13 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
+from kvflow.entrypoints.serving_responses import OpenAIServingResponses
 from kvflow.entrypoints.token_routes import add_token_routes
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
@@ -162,6 +165,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
     app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown,
                                        chat_template)
+    app.state.responses = OpenAIServingResponses(app.state.chat)
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
@@ -181,6 +185,8 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await raw.app.state.chat.create_chat_completion(req, raw)
+
+    _add_responses_routes(app)
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
@@ -206,6 +212,27 @@ def _add_openai_routes(app: FastAPI) -> None:
                           "model_not_found")
 
     _add_lora_routes(app)
+
+
+def _add_responses_routes(app: FastAPI) -> None:
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await raw.app.state.responses.create_response(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw: Request) -> Response:
+        """A reply stored by POST /v1/responses (``store`` true).
+
+        Raises:
+            OpenAIError: 404 for an id not stored; 400 for a query parameter (OpenAI's
+                ``include``, ``stream``, ``starting_after`` are not honoured).
+        """
+        if raw.query_params:
+            name = next(iter(raw.query_params))
+            raise OpenAIError(f"the query parameter {name} is not supported by kvflow",
+                              param=name, code="unsupported_parameter")
+        stored = raw.app.state.responses.retrieve(response_id)
+        return Response(stored.model_dump_json(), media_type="application/json")
 
 
 def _add_lora_routes(app: FastAPI) -> None:

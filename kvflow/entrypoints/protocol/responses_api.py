@@ -1,0 +1,156 @@
+"""The OpenAI Responses API (POST /v1/responses): the request body and the response object.
+
+Not to be confused with ``protocol/responses.py`` (the completion and chat replies). The
+request's ``input`` items and ``tools`` are kept as JSON here and read item by item by
+``entrypoints/responses_input.py``, so that a bad item is a 400 whose ``param`` is its exact
+path (``input.2.content.0.type``, ``tools.1.type``). The OpenAI fields kvflow does not honour
+are declared (``Any``) so that ``serving_responses`` can refuse a set value with a 400 naming
+it; a field neither declared nor OpenAI's is refused like on every endpoint
+(``unknown_fields.py``). The stream events are plain dicts built by ``responses_events.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from kvflow.entrypoints.protocol.base import (
+    INT32_MAX,
+    OpenAIBaseModel,
+    RequestBody,
+    RequestModel,
+)
+
+
+class TextFormat(RequestModel):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``,
+    ``strict``, ``description``: the same as chat's ``response_format.json_schema``, flat)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(RequestModel):
+    """``text``: the output's ``format``; ``verbosity`` is refused unless null (the reply's
+    length follows the model and ``max_output_tokens``)."""
+
+    format: TextFormat | None = None
+    verbosity: Any = None
+
+
+class ReasoningConfig(RequestModel):
+    """``reasoning``: kvflow has no switch for it; an empty object or nulls are accepted, any
+    set key is a 400 naming it (``reasoning.effort``). Reasoning text is returned when the
+    server runs with ``--reasoning-parser``."""
+
+    effort: Any = None
+    summary: Any = None
+    generate_summary: Any = None
+
+
+class ResponsesRequest(RequestBody):
+    """POST /v1/responses. ``input``: a string (one user message) or a list of items (each
+    checked by ``responses_input.chat_messages``); ``tools``: function tools (JSON, checked by
+    ``responses_input.chat_tools``); the other honoured fields map onto the chat request
+    (``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
+    ``response_format``). ``store`` (OpenAI's default true) keeps the response in the
+    server's bounded in-memory store for GET /v1/responses/{id} and ``previous_response_id``.
+    The fields after ``user`` are OpenAI's that kvflow does not honour: declared so that a
+    set value is a 400 naming it (``serving_responses.refuse_unhonoured``)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    metadata: dict[Annotated[str, Field(max_length=64)],
+                   Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    parallel_tool_calls: bool = True
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    reasoning: ReasoningConfig | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
+    background: Any = None
+    conversation: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    top_logprobs: Any = None
+    context_management: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
+    background_options: Any = None
+
+
+# ---- the response ----------------------------------------------------------------------------
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    """Token counts: ``input_tokens`` the prompt's (instructions, earlier turns and tools as
+    the chat template rendered them), ``output_tokens`` every generated token (reasoning
+    included); ``cached_tokens`` is 0 (kvflow does not report a request's prefix-cache
+    hits), ``reasoning_tokens`` the reasoning text re-tokenized."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseObject(OpenAIBaseModel):
+    """The ``response`` object (OpenAI's ``Response``): ``output`` holds the items as plain
+    dicts (``responses_events.OutputItems`` builds them); the request's settings are echoed."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
+    model: str
+    output: list[dict[str, Any]] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    previous_response_id: str | None = None
+    store: bool = True
+    truncation: str = "disabled"
+    user: str | None = None
+    service_tier: str | None = None
+    background: bool = False

@@ -1,0 +1,210 @@
+"""A Responses API request's ``input``, ``tools``, ``tool_choice`` and ``text.format`` in the
+chat endpoint's terms, so that /v1/responses renders, samples, constrains and parses exactly
+as /v1/chat/completions does. Every item is checked here: a bad one is a
+``RequestFieldError`` whose ``param`` is its path in the Responses request
+(``input.2.content.0.type``).
+
+Input items -> chat messages:
+- a message (``type`` ``message`` or absent; ``role`` user / system / developer / assistant;
+  ``content`` a string or ``input_text`` / ``output_text`` parts) -> that message, its parts
+  as text parts;
+- ``function_call`` (``call_id``, ``name``, ``arguments``) -> a tool call of an assistant turn
+  (consecutive calls, and calls right after an assistant message, share one turn);
+- ``function_call_output`` (``call_id``, ``output``) -> a ``tool`` message;
+- ``reasoning`` -> not rendered (chat templates drop earlier turns' reasoning too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.entrypoints.structured_requests import RequestFieldError
+
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text")
+# keys an item may carry besides the ones read (OpenAI's ids and statuses of earlier output)
+_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+              "function_call_output": {"type", "call_id", "output", "id", "status"},
+              "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
+_PART_KEYS = {"type", "text", "annotations", "logprobs"}
+_TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+
+
+@dataclass
+class Conversation:
+    """Chat messages (dicts as ``ChatMessage`` takes them) and, per message, the request path
+    it came from (``input.3``, ``instructions``), for naming a chat-side error's field."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+
+    def add(self, message: dict[str, Any], path: str) -> None:
+        self.messages.append(message)
+        self.paths.append(path)
+
+
+def chat_messages(input_: str | list[dict[str, Any]], instructions: str | None,
+                  earlier: list[dict[str, Any]] = ()) -> Conversation:
+    """The conversation: ``instructions`` as a system message first, the ``earlier`` turns
+    (a stored response's, for ``previous_response_id``), then the ``input`` items.
+
+    Raises:
+        RequestFieldError: naming the item's field (``input.1.role``, ``input.0.content.2.type``,
+            ``input.4.call_id``) for an item kvflow cannot read.
+    """
+    conv = Conversation()
+    if instructions is not None:
+        conv.add({"role": "system", "content": instructions}, "instructions")
+    for message in earlier:
+        conv.add(message, "previous_response_id")
+    if isinstance(input_, str):
+        conv.add({"role": "user", "content": input_}, "input")
+        return conv
+    if not input_:
+        raise RequestFieldError("input must hold at least one item", "input", "empty_array")
+    for i, item in enumerate(input_):
+        _add_item(conv, item, f"input.{i}")
+    return conv
+
+
+def _add_item(conv: Conversation, item: Any, path: str) -> None:
+    if not isinstance(item, dict):
+        raise RequestFieldError(f"{path} must be an object", path, "invalid_type")
+    kind = item.get("type", "message")
+    if kind not in _ITEM_KEYS:
+        raise RequestFieldError(f"input items of type {kind!r} are not supported by kvflow "
+                                f"(it reads {', '.join(_ITEM_KEYS)})", f"{path}.type",
+                                "unsupported_value")
+    _check_keys(item, _ITEM_KEYS[kind], path)
+    if kind == "message":
+        conv.add({"role": _role(item, path), "content": _content(item, path)}, path)
+    elif kind == "function_call":
+        _add_call(conv, item, path)
+    elif kind == "function_call_output":
+        output = _string(item, "output", path)
+        conv.add({"role": "tool", "tool_call_id": _string(item, "call_id", path),
+                  "content": output}, path)
+
+
+def _add_call(conv: Conversation, item: dict[str, Any], path: str) -> None:
+    call = {"id": _string(item, "call_id", path), "type": "function",
+            "function": {"name": _string(item, "name", path),
+                         "arguments": _string(item, "arguments", path)}}
+    last = conv.messages[-1] if conv.messages else None
+    if last is not None and last["role"] == "assistant" and conv.paths[-1] != "instructions":
+        last.setdefault("tool_calls", []).append(call)
+        return
+    conv.add({"role": "assistant", "content": None, "tool_calls": [call]}, path)
+
+
+def _role(item: dict[str, Any], path: str) -> str:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise RequestFieldError(f"{path}.role must be one of {', '.join(_ROLES)}; got "
+                                f"{role!r}", f"{path}.role")
+    return role
+
+
+def _content(item: dict[str, Any], path: str) -> str | list[dict[str, str]]:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise RequestFieldError(f"{path}.content must be a string or a non-empty list of "
+                                "input_text / output_text parts", f"{path}.content",
+                                "invalid_type")
+    parts = []
+    for j, part in enumerate(content):
+        where = f"{path}.content.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise RequestFieldError(f"content parts of type {kind!r} are not supported by "
+                                    "kvflow (send input_text or output_text parts)",
+                                    f"{where}.type", "unsupported_value")
+        _check_keys(part, _PART_KEYS, where)
+        parts.append({"type": "text", "text": _string(part, "text", where)})
+    return parts
+
+
+def _string(item: dict[str, Any], key: str, path: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        what = "missing" if value is None else f"a {type(value).__name__}"
+        raise RequestFieldError(f"{path}.{key} must be a string; it is {what}",
+                                f"{path}.{key}", "invalid_type")
+    return value
+
+
+def _check_keys(obj: dict[str, Any], allowed: set[str], path: str) -> None:
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise RequestFieldError(f"Unrecognized request argument supplied: {path}.{extra[0]}",
+                                f"{path}.{extra[0]}", "unknown_parameter")
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools in chat's form (``{"type": "function", "function": {...}}``).
+
+    Raises:
+        RequestFieldError: ``tools.N.type`` for a tool other than ``function`` (built-in
+            tools: web_search, file_search, code_interpreter, ... are not supported), or
+            ``tools.N.<key>`` for a key a function tool does not take.
+    """
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise RequestFieldError(f"tools of type {kind!r} are not supported by kvflow "
+                                    "(only function tools: it runs no built-in tools)",
+                                    f"tools.{i}.type", "unsupported_value")
+        _check_keys(tool, _TOOL_KEYS, f"tools.{i}")
+        function = {k: v for k, v in tool.items() if k != "type"}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """``tool_choice`` in chat's form: ``{"type": "function", "name": N}`` ->
+    ``{"type": "function", "function": {"name": N}}``; the strings as they are.
+
+    Raises:
+        RequestFieldError: ``tool_choice`` for another object (hosted tools, allowed_tools).
+    """
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or set(choice) != {"type", "name"}:
+        raise RequestFieldError("tool_choice must be none, auto, required or "
+                                '{"type": "function", "name": ...}', "tool_choice",
+                                "unsupported_value")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def chat_response_format(fmt: Any) -> dict[str, Any] | None:
+    """``text.format`` (a ``TextFormat`` or None) as chat's ``response_format``.
+
+    Raises:
+        RequestFieldError: ``text.format.name`` / ``text.format.schema`` missing for
+            ``json_schema``, or set for another type.
+    """
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema":
+        extra = next((k for k in ("name", "json_schema", "strict", "description")
+                      if getattr(fmt, k) is not None), None)
+        if extra is not None:
+            key = "schema" if extra == "json_schema" else extra
+            raise RequestFieldError(f"text.format.{key} applies to type json_schema only",
+                                    f"text.format.{key}")
+        return {"type": fmt.type}
+    for key, value in (("name", fmt.name), ("schema", fmt.json_schema)):
+        if value is None:
+            raise RequestFieldError(f"text.format of type json_schema needs {key}",
+                                    f"text.format.{key}", "missing_required_parameter")
+    spec = {"name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict,
+            "description": fmt.description}
+    return {"type": "json_schema",
+            "json_schema": {k: v for k, v in spec.items() if v is not None}}

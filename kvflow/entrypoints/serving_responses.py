@@ -1,0 +1,295 @@
+"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API on top of the chat
+handler. A request becomes a ``ChatCompletionRequest`` (``responses_input``: input items ->
+messages, function tools, ``text.format`` -> ``response_format``), runs through
+``OpenAIServingChat.start`` (the same checks, template, sampling, structured output and tool
+parsing as /v1/chat/completions), and the chat parser's deltas become output items and
+stream events (``responses_events``). Replies are kept in a bounded in-memory store when
+``store`` is true (``responses_store``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from kvflow.engine.async_llm import EngineDeadError, collect
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.protocol import ChatCompletionRequest
+from kvflow.entrypoints.protocol.base import now
+from kvflow.entrypoints.protocol.responses_api import (
+    OutputTokensDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from kvflow.entrypoints.responses_events import Event, ResponseEvents, new_id
+from kvflow.entrypoints.responses_input import (
+    Conversation,
+    chat_messages,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+)
+from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse, output_messages
+from kvflow.entrypoints.serving_chat import ChatRun, OpenAIServingChat
+from kvflow.entrypoints.streaming import SSEResponse
+from kvflow.entrypoints.structured_requests import RequestFieldError
+from kvflow.entrypoints.validation_errors import validation_error
+
+# OpenAI fields kvflow does not honour -> the value that asks for nothing (None: only null)
+_UNHONOURED = {"background": False, "conversation": None, "max_tool_calls": None,
+               "prompt": None, "top_logprobs": 0, "context_management": None,
+               "prompt_cache_retention": None, "prompt_cache_options": None,
+               "moderation": None, "image": None, "access_programs": None,
+               "background_options": None}
+# chat request fields -> the Responses fields they came from (for errors found by chat)
+_RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+            "response_format.json_schema.schema": "text.format.schema",
+            "response_format.json_schema.name": "text.format.name",
+            "response_format": "text.format", "messages": "input"}
+
+
+def refuse_unhonoured(req: ResponsesRequest) -> None:
+    """Raises OpenAIError 400 naming the first OpenAI field set to something kvflow does
+    not do: ``truncation: auto``, any ``include`` value, a ``reasoning`` key, ``text.verbosity``,
+    a ``service_tier`` other than auto / default, ``stream_options`` other than
+    ``include_obfuscation: false`` or without ``stream``, and the ``_UNHONOURED`` fields
+    (``background: true``, ``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
+    for name, harmless in _UNHONOURED.items():
+        value = getattr(req, name)
+        if value is not None and value != harmless:
+            raise _unsupported(name, f"{name} is not supported by kvflow")
+    if req.truncation == "auto":
+        raise _unsupported("truncation", "truncation=auto is not supported: a conversation "
+                           "longer than the context is a 400 (send disabled)")
+    if req.include:
+        raise _unsupported("include", f"include={req.include} is not supported: kvflow "
+                           "returns no extra output data")
+    if req.reasoning is not None:
+        for key in ("effort", "summary", "generate_summary"):
+            if getattr(req.reasoning, key) is not None:
+                raise _unsupported(f"reasoning.{key}", f"reasoning.{key} is not supported: "
+                                   "kvflow has no reasoning switch (pass none; reasoning "
+                                   "text is returned when the server runs with "
+                                   "--reasoning-parser)")
+    if req.text is not None and req.text.verbosity is not None:
+        raise _unsupported("text.verbosity", "text.verbosity is not supported: the reply's "
+                           "length follows the model and max_output_tokens")
+    if req.service_tier not in (None, "auto", "default"):
+        raise _unsupported("service_tier", f"service_tier={req.service_tier!r} is not "
+                           "supported: kvflow serves every request on one tier")
+    _check_stream_options(req)
+
+
+def _check_stream_options(req: ResponsesRequest) -> None:
+    options = req.stream_options
+    if options is None:
+        return
+    if not req.stream:
+        raise OpenAIError("stream_options is only allowed when stream is true",
+                          param="stream_options", code="invalid_value")
+    extra = sorted(set(options) - {"include_obfuscation"})
+    if extra or options.get("include_obfuscation"):
+        param = f"stream_options.{extra[0] if extra else 'include_obfuscation'}"
+        raise _unsupported(param, f"{param} is not supported (kvflow adds no obfuscation "
+                           "to stream events; send include_obfuscation false)")
+
+
+def _unsupported(param: str, message: str) -> OpenAIError:
+    return OpenAIError(message, param=param, code="unsupported_parameter")
+
+
+def _renamed(param: str | None, conv: Conversation) -> str | None:
+    """A chat request field's name as the Responses request's (``messages.3.tool_call_id``
+    -> ``input.2.call_id``, ``tools.0.function.parameters`` -> ``tools.0.parameters``)."""
+    if param is None:
+        return None
+    for chat_name, name in _RENAMED.items():
+        if param == chat_name or param.startswith(chat_name + ".") and chat_name != "messages":
+            return name + param[len(chat_name):]
+    parts = param.split(".")
+    if parts[0] == "tools" and parts[2:3] == ["function"]:
+        return ".".join(parts[:2] + parts[3:])
+    if parts[0] == "messages" and len(parts) > 1 and parts[1].isdigit() \
+            and int(parts[1]) < len(conv.paths):
+        rest = {"tool_call_id": "call_id"}.get(parts[2], parts[2]) if len(parts) > 2 else None
+        path = conv.paths[int(parts[1])]
+        return path if rest in (None, "tool_calls") or not path.startswith("input.") \
+            else ".".join([path, rest, *parts[3:]])
+    return param
+
+
+class OpenAIServingResponses:
+    """Handler of /v1/responses, running its requests through ``chat`` (the server's chat
+    handler: same template, checks and parsers) and keeping replies in ``store``."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
+        self.chat = chat
+        self.store = store if store is not None else ResponseStore()
+
+    async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
+        """Validate, run the conversation through the chat handler, answer with a response
+        object or (``stream``) its SSE events.
+
+        Raises:
+            OpenAIError: 400 for bad input or a field kvflow does not honour (``param`` its
+                path in this request), 404 for another model or an unknown
+                ``previous_response_id``, 503 when overloaded.
+        """
+        self.chat.check_fields(req, "/v1/responses")
+        refuse_unhonoured(req)
+        conv, chat_req = self._chat_request(req)
+        try:
+            run = await self.chat.start(chat_req, raw, "resp")
+        except OpenAIError as e:
+            e.param = _renamed(e.param, conv)
+            raise
+        skeleton = self._skeleton(req)
+        if req.stream:
+            return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
+        return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv))
+
+    def retrieve(self, response_id: str) -> ResponseObject:
+        """A stored reply (GET /v1/responses/{id}).
+
+        Raises:
+            OpenAIError: 404 when no reply of that id is stored.
+        """
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise OpenAIError(f"no response with id {response_id!r} is stored (replies are "
+                              f"kept in memory, the last {self.store.capacity}, when sent "
+                              "with store true)", 404, "invalid_request_error",
+                              code="response_not_found")
+        return stored.response
+
+    # ---- the chat request --------------------------------------------------------------------
+    def _chat_request(self, req: ResponsesRequest
+                      ) -> tuple[Conversation, ChatCompletionRequest]:
+        earlier = self._earlier(req.previous_response_id)
+        try:
+            conv = chat_messages(req.input, req.instructions, earlier)
+            body = {"model": req.model, "messages": conv.messages,
+                    "max_completion_tokens": req.max_output_tokens,
+                    "temperature": req.temperature, "top_p": req.top_p, "user": req.user,
+                    "tools": chat_tools(req.tools) or None,
+                    "tool_choice": chat_tool_choice(req.tool_choice),
+                    "parallel_tool_calls": req.parallel_tool_calls,
+                    "response_format": chat_response_format(req.text and req.text.format),
+                    "prompt_cache_key": req.prompt_cache_key,
+                    "safety_identifier": req.safety_identifier}
+        except RequestFieldError as e:
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
+        try:
+            chat = ChatCompletionRequest.model_validate(
+                {k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            error = validation_error(RequestValidationError(
+                [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]))
+            error.param = _renamed(error.param, conv)
+            raise error from None
+        return conv, chat
+
+    def _earlier(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise OpenAIError(f"previous response {previous_response_id!r} is not stored "
+                              f"(replies are kept in memory, the last {self.store.capacity}, "
+                              "when sent with store true)", 404, "invalid_request_error",
+                              "previous_response_id", "previous_response_not_found")
+        return stored.messages
+
+    def _skeleton(self, req: ResponsesRequest) -> ResponseObject:
+        """The reply in progress: id, time, the request's settings echoed, no output."""
+        text = {"format": {"type": "text"}}
+        if req.text is not None and req.text.format is not None:
+            text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+        return ResponseObject(
+            id=new_id("resp"), created_at=now(),
+            status="in_progress", model=self.chat.response_model(req.model),
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p, tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls,
+            text=text, reasoning=req.reasoning.model_dump() if req.reasoning else None,
+            metadata=req.metadata or {}, previous_response_id=req.previous_response_id,
+            store=req.store, truncation=req.truncation or "disabled", user=req.user,
+            service_tier=None if req.service_tier is None else "default")
+
+    # ---- answering ---------------------------------------------------------------------------
+    async def _whole(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
+                     conv: Conversation) -> ResponseObject:
+        out = await collect(run.streams[0])
+        c = out.outputs[0]
+        events = ResponseEvents()
+        events.feed(run.parser.stream_state().update(c.text, True))
+        response, _ = self._finish(req, events, skeleton, conv, c.finish_reason,
+                                   len(c.token_ids), len(run.prompt_ids))
+        return response
+
+    async def _events(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
+                      conv: Conversation) -> AsyncIterator[Event]:
+        events = ResponseEvents()
+        yield events.event("response.created", response=skeleton.model_dump())
+        yield events.event("response.in_progress", response=skeleton.model_dump())
+        state, num_generated, finish_reason = run.parser.stream_state(), 0, None
+        try:
+            async for delta in run.streams[0]:
+                for c in delta.outputs:
+                    num_generated += len(c.token_ids)
+                    finish_reason = c.finish_reason or finish_reason
+                    for event in events.feed(state.update(c.text, c.finish_reason is not None)):
+                        yield event
+        except EngineDeadError as e:
+            error = engine_dead(e)
+            yield events.event("error", code=error.code, message=str(error), param=None)
+            return
+        response, closing = self._finish(req, events, skeleton, conv, finish_reason,
+                                         num_generated, len(run.prompt_ids))
+        for event in closing:
+            yield event
+        yield events.event(f"response.{response.status}", response=response.model_dump())
+
+    def _finish(self, req: ResponsesRequest, events: ResponseEvents, skeleton: ResponseObject,
+                conv: Conversation, finish_reason: str | None, num_generated: int,
+                num_prompt: int) -> tuple[ResponseObject, list[Event]]:
+        """Close the items, build the finished reply (stored when ``req.store``), and return
+        it with the closing events."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        closing = events.finish(status)
+        reasoning = "".join(p["text"] for item in events.items if item["type"] == "reasoning"
+                            for p in item["content"])
+        usage = ResponseUsage(input_tokens=num_prompt, output_tokens=num_generated,
+                              total_tokens=num_prompt + num_generated,
+                              output_tokens_details=OutputTokensDetails(
+                                  reasoning_tokens=self._count_tokens(reasoning)))
+        response = skeleton.model_copy(update={
+            "status": status, "output": events.items, "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None})
+        if req.store:
+            turns = [m for m, path in zip(conv.messages, conv.paths, strict=True)
+                     if path != "instructions"]
+            self.store.put(StoredResponse(response, turns + output_messages(events.items)))
+        return response, closing
+
+    def _count_tokens(self, text: str) -> int:
+        if not text:
+            return 0
+        return len(self.chat.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    async def _sse(self, run: ChatRun, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """The events as SSE (``event: <type>`` + ``data: <json>``); always aborts the request
+        when it ends (the client gone too)."""
+        try:
+            async for event in events:
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        finally:
+            self.chat.abort(run.streams)
+            await events.aclose()

@@ -1,0 +1,349 @@
+"""POST /v1/responses end to end on the tiny random model (the tools template of
+test_openai_structured). Oracles: the same request through /v1/chat/completions (same text,
+same token counts, same tool calls), the openai package's own pydantic types (every body and
+every stream event validates; the client parses them), a hand-written event order, and
+``jsonschema`` for ``text.format`` json_schema. Bad input is a 4xx naming the field; the
+engine keeps serving and holds no KV block afterwards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import jsonschema
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from tests.e2e.test_openai_structured import ARGS, MODEL, SCHEMA
+
+# test_openai_structured's template (tools named first), plus each assistant turn's calls
+TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} "
+            "{% endfor %}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+            "{{ m['content'] }}{% for c in m['tool_calls'] or [] %}[{{ c['function']['name'] }}"
+            "]{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "weather",
+          "parameters": SCHEMA},
+         {"type": "function", "name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+              for t in TOOLS]
+EVENTS = TypeAdapter(ResponseStreamEvent)
+# a server of its own (ARGS + the parser flag), so its block count is this module's alone
+SERVER_ARGS = [*ARGS, "--reasoning-parser", "think"]
+
+
+def responses_model(tiny_llama, built_models) -> str:
+    """The tiny Llama with ``TEMPLATE`` as its chat template (one folder per session)."""
+
+    def build(folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        shutil.copytree(tiny_llama.path, folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = TEMPLATE
+        tokenizer.save_pretrained(folder)
+
+    return built_models("tiny_responses", build)[0]
+
+
+def prestart_servers(fixture):
+    return [(responses_model(fixture("tiny_llama"), fixture("built_models")), SERVER_ARGS,
+             None)]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, request):
+    server = start_server.declared(request)
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope="module")
+def free_at_start(server) -> float:
+    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
+
+
+def respond(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=60)
+
+
+def chat(server, messages, **body) -> dict:
+    resp = httpx.post(f"{server.url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": messages, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def whole(server, **body) -> dict:
+    """A non-streamed reply, checked against the openai package's ``Response``."""
+    resp = respond(server, **body)
+    assert resp.status_code == 200, resp.text
+    Response.model_validate(resp.json())
+    return resp.json()
+
+
+def streamed(server, **body) -> list[dict]:
+    """The SSE events of a streamed reply (``event:`` line checked against the data's type,
+    each event validated as the openai package's ``ResponseStreamEvent``)."""
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for block in resp.read().decode().split("\n\n"):
+            if not block:
+                continue
+            name_line, data_line = block.split("\n")
+            event = json.loads(data_line.removeprefix("data: "))
+            assert name_line == f"event: {event['type']}"
+            EVENTS.validate_python(event)
+            events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def output_text(reply: dict) -> str:
+    return "".join(p["text"] for item in reply["output"] if item["type"] == "message"
+                   for p in item["content"])
+
+
+def assert_usage_is_chats(reply: dict, chat_reply: dict) -> None:
+    usage = reply["usage"]
+    assert usage["input_tokens"] == chat_reply["usage"]["prompt_tokens"]
+    assert usage["output_tokens"] == chat_reply["usage"]["completion_tokens"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def assert_no_leak(server, free_at_start: float) -> None:
+    deadline = time.monotonic() + 10
+    while (free := server.value(server.metrics(), "kvflow:kv_cache_free_blocks")) \
+            != free_at_start and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free == free_at_start
+
+
+# ---- text ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [4, 40])
+def test_text_reply_is_chats(server, max_tokens):
+    """A string input with instructions: the text, token counts and finish equal chat's for
+    the same conversation (system + user), greedy; cut by length -> incomplete."""
+    reply = whole(server, input="the quick brown fox", instructions="be brief",
+                  max_output_tokens=max_tokens, temperature=0, metadata={"k": "v"})
+    oracle = chat(server, [{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": "the quick brown fox"}],
+                  max_completion_tokens=max_tokens, temperature=0)
+    choice = oracle["choices"][0]
+    assert output_text(reply) == choice["message"]["content"]
+    assert_usage_is_chats(reply, oracle)
+    cut = choice["finish_reason"] == "length"
+    assert reply["status"] == ("incomplete" if cut else "completed")
+    assert reply["incomplete_details"] == ({"reason": "max_output_tokens"} if cut else None)
+    assert reply["id"].startswith("resp_") and reply["object"] == "response"
+    (item,) = reply["output"]
+    assert item["id"].startswith("msg_") and item["role"] == "assistant"
+    assert (reply["metadata"], reply["max_output_tokens"], reply["instructions"]) == \
+        ({"k": "v"}, max_tokens, "be brief")
+
+
+def test_openai_client_parses_the_reply(server):
+    client = server.client()
+    resp = client.responses.create(model=MODEL, input="hello there", max_output_tokens=8,
+                                   temperature=0)
+    oracle = chat(server, [{"role": "user", "content": "hello there"}],
+                  max_completion_tokens=8, temperature=0)
+    assert resp.output_text == oracle["choices"][0]["message"]["content"]
+    assert resp.usage.output_tokens == oracle["usage"]["completion_tokens"]
+
+
+def test_input_items_render_as_chat_messages(server):
+    """Roles, text parts, function_call and function_call_output items: the same prompt
+    (input tokens) and text as chat's messages with tool_calls and a tool turn."""
+    items = [{"role": "developer", "content": "dev"},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "a"},
+                          {"type": "input_text", "text": "b"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "c",
+                                                "annotations": []}]},
+             {"type": "function_call", "call_id": "call_1", "name": "add",
+              "arguments": '{"a": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "2"}]
+    messages = [{"role": "developer", "content": "dev"},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    reply = whole(server, input=items, max_output_tokens=6, temperature=0)
+    oracle = chat(server, messages, max_completion_tokens=6, temperature=0)
+    assert output_text(reply) == oracle["choices"][0]["message"]["content"]
+    assert_usage_is_chats(reply, oracle)
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+def test_stream_event_order_and_text(server):
+    body = {"input": "the quick brown fox", "max_output_tokens": 12, "temperature": 0}
+    events = streamed(server, **body)
+    reply = whole(server, **body)
+    kinds = [e["type"] for e in events]
+    last = f"response.{reply['status']}"
+    num_deltas = kinds.count("response.output_text.delta")
+    assert num_deltas >= 2
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added",
+                     *["response.output_text.delta"] * num_deltas,
+                     "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", last]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == output_text(reply)
+    assert events[-4]["text"] == text
+    final = events[-1]["response"]
+    Response.model_validate(final)
+    assert output_text(final) == text and final["usage"] == reply["usage"]
+    assert events[0]["response"]["status"] == "in_progress"
+
+
+def test_openai_client_stream_events(server):
+    client = server.client()
+    kinds, deltas = [], []
+    with client.responses.create(model=MODEL, input="hello", max_output_tokens=6,
+                                 temperature=0, stream=True) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                            "response.incomplete")
+    assert "".join(deltas) == output_text(whole(server, input="hello", max_output_tokens=6,
+                                                temperature=0))
+
+
+# ---- structured output and tools -----------------------------------------------------------------
+def test_json_schema_format(server):
+    fmt = {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}
+    for seed_temp in (0, 0.8):
+        body = {"input": "the quick brown fox", "max_output_tokens": 48,
+                "temperature": seed_temp, "text": {"format": fmt}}
+        reply = whole(server, **body)
+        assert reply["text"]["format"]["name"] == "weather"
+        if seed_temp == 0:
+            oracle = chat(server, [{"role": "user", "content": "the quick brown fox"}],
+                          max_completion_tokens=48, temperature=0, response_format={
+                              "type": "json_schema",
+                              "json_schema": {"name": "weather", "schema": SCHEMA}})
+            assert output_text(reply) == oracle["choices"][0]["message"]["content"]
+        if reply["status"] == "completed":
+            jsonschema.validate(json.loads(output_text(reply)), SCHEMA)
+        else:
+            assert output_text(reply).startswith("{")
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "get_weather"},
+                                         "required"])
+def test_forced_tool_choice_gives_function_calls(server, tool_choice):
+    """tool_choice named / required (a grammar forces the calls): function_call items with
+    chat's names and arguments; streamed, the argument deltas join to the same arguments."""
+    body = {"input": "the quick brown fox", "tools": TOOLS, "tool_choice": tool_choice,
+            "max_output_tokens": 64, "temperature": 0}
+    reply = whole(server, **body)
+    chat_choice = tool_choice if tool_choice == "required" else \
+        {"type": "function", "function": {"name": "get_weather"}}
+    oracle = chat(server, [{"role": "user", "content": "the quick brown fox"}],
+                  tools=CHAT_TOOLS, tool_choice=chat_choice, max_completion_tokens=64,
+                  temperature=0)
+    calls = [i for i in reply["output"] if i["type"] == "function_call"]
+    expected = [(c["function"]["name"], c["function"]["arguments"])
+                for c in oracle["choices"][0]["message"]["tool_calls"] or []]
+    assert [(c["name"], c["arguments"]) for c in calls] == expected and calls
+    assert all(c["id"].startswith("fc_") and c["call_id"].startswith("call_") for c in calls)
+    assert_usage_is_chats(reply, oracle)
+    events = streamed(server, **body)
+    args: dict[str, str] = {}
+    for e in events:
+        if e["type"] == "response.function_call_arguments.delta":
+            args[e["item_id"]] = args.get(e["item_id"], "") + e["delta"]
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [(e["name"], e["arguments"]) for e in done] == expected
+    assert [args.get(e["item_id"], "") for e in done] == [a for _, a in expected]
+
+
+# ---- store and previous_response_id --------------------------------------------------------------
+def test_store_and_previous_response_id(server):
+    first = whole(server, input="hello", instructions="sys", max_output_tokens=5,
+                  temperature=0)
+    got = httpx.get(f"{server.url}/v1/responses/{first['id']}", timeout=10)
+    assert got.status_code == 200 and got.json() == first
+    second = whole(server, input="again", previous_response_id=first["id"],
+                   max_output_tokens=5, temperature=0)
+    assert second["previous_response_id"] == first["id"]
+    # the instructions are not carried over (OpenAI's rule); the first reply is a turn
+    oracle = chat(server, [{"role": "user", "content": "hello"},
+                           {"role": "assistant", "content": output_text(first)},
+                           {"role": "user", "content": "again"}],
+                  max_completion_tokens=5, temperature=0)
+    assert output_text(second) == oracle["choices"][0]["message"]["content"]
+    assert_usage_is_chats(second, oracle)
+    unstored = whole(server, input="x", store=False, max_output_tokens=2)
+    missing = httpx.get(f"{server.url}/v1/responses/{unstored['id']}", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == \
+        "response_not_found"
+
+
+# ---- errors --------------------------------------------------------------------------------------
+BAD = [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
+     400, "input.1.role"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]},
+     400, "input.0.call_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "txt": "a"}]}]},
+     400, "input.0.content.0.txt"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    ({"input": "hi", "tools": [TOOLS[0], {"type": "file_search", "vector_store_ids": []}]},
+     400, "tools.1.type"),
+    ({"input": "hi", "tools": [{**TOOLS[1], "parameters": {"type": 3}}]}, 400,
+     "tools.0.parameters"),
+    ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
+    ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "hi", "seed": 1}, 400, "seed"),
+    ({"input": "hi", "stop": ["x"]}, 400, "stop"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
+     "text.format.schema"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "zz"}},
+     400, "tool_choice"),
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    ({"input": []}, 400, "input"),
+    ({"input": "hi", "model": "other"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[p for _, _, p in BAD])
+def test_bad_input_is_a_4xx_naming_the_field(server, body, status, param):
+    resp = respond(server, **body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_serves_after_bad_input_and_disconnect_without_leak(server, free_at_start):
+    """A stream the client leaves after two deltas is aborted: the blocks come back."""
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL, "input": "the quick brown fox", "max_output_tokens": 200,
+            "stream": True, "temperature": 0}) as resp:
+        deltas = 0
+        for line in resp.iter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas == 2:
+                break
+    assert_no_leak(server, free_at_start)
+    assert whole(server, input="hi", max_output_tokens=2)["status"] in ("completed",
+                                                                        "incomplete")
+    assert_no_leak(server, free_at_start)
