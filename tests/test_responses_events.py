@@ -1,0 +1,181 @@
+"""/v1/responses' pieces without a server: output items and stream events from the chat
+parser's deltas (``responses_events``), input items -> chat messages (``responses_input``),
+the bounded store. Oracles: the openai package's pydantic types (every event and the items
+validate), hand-written event orders, the whole text fed at once giving the same items as
+the text fed in pieces, and the chat messages written by hand."""
+
+from __future__ import annotations
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from kvflow.entrypoints.protocol.responses_api import ResponseObject, TextFormat
+from kvflow.entrypoints.responses_events import ResponseEvents
+from kvflow.entrypoints.responses_input import (
+    chat_messages,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+)
+from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse, output_messages
+from kvflow.entrypoints.structured_requests import RequestFieldError
+from kvflow.entrypoints.tool_parsers import (
+    StreamingToolState,
+    ThinkReasoningParser,
+    make_tool_parser,
+)
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+TEXT = f"<think>let me see</think>Sure.{CALL}"
+
+
+def run(pieces: list[str], status: str = "completed") -> tuple[list[dict], list[dict]]:
+    """Feed ``pieces`` through a think + Hermes parser state: (events, items)."""
+    state = StreamingToolState(make_tool_parser("hermes"), ThinkReasoningParser())
+    events = ResponseEvents()
+    out = []
+    for i, piece in enumerate(pieces):
+        out += events.feed(state.update(piece, i == len(pieces) - 1))
+    out += events.finish(status)
+    return out, events.items
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def test_reasoning_text_and_call_items_and_events():
+    events, items = run([TEXT[i:i + 3] for i in range(0, len(TEXT), 3)])
+    for event in events:
+        EVENTS.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    compact = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert compact == [
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "let me see"}]
+    assert items[1]["content"][0]["text"] == "Sure."
+    assert (items[2]["name"], items[2]["arguments"]) == ("add", '{"a": 1}')
+    deltas = "".join(e["delta"] for e in events
+                     if e["type"] == "response.function_call_arguments.delta")
+    assert deltas == '{"a": 1}'
+    # each item's done event carries the item as it ends, added carries it empty
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == items
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert added[1]["content"] == [] and added[2]["arguments"] == ""
+
+
+def test_whole_text_gives_the_streamed_items():
+    _, streamed = run([TEXT[i:i + 2] for i in range(0, len(TEXT), 2)])
+    _, whole = run([TEXT])
+    assert without_ids(whole) == without_ids(streamed)
+    reply = ResponseObject(id="resp_1", created_at=0, status="completed", model="m",
+                           output=whole)
+    parsed = Response.model_validate(reply.model_dump())
+    assert parsed.output_text == "Sure."
+
+
+def test_empty_reply_is_one_empty_message_and_incomplete_marks_the_last_item():
+    _, items = run([""], "incomplete")
+    assert [i["type"] for i in items] == ["message"] and items[0]["content"][0]["text"] == ""
+    assert items[0]["status"] == "incomplete"
+    _, items = run(["<think>abc</think>de"], "incomplete")
+    assert [i["status"] for i in items] == ["completed", "incomplete"]
+
+
+def test_input_items_as_chat_messages():
+    conv = chat_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "b", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "[]"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c3", "name": "h", "arguments": "{}"},
+    ], "sys", earlier=[{"role": "user", "content": "before"}])
+    call = lambda i, n, a: {"id": i, "type": "function",
+                            "function": {"name": n, "arguments": a}}
+    assert conv.messages == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "before"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "b"}],
+         "tool_calls": [call("c1", "f", "{}"), call("c2", "g", "[]")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c3", "h", "{}")]}]
+    assert conv.paths == ["instructions", "previous_response_id", "input.0", "input.1",
+                          "input.4", "input.6"]
+    assert chat_messages("hi", None).messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("items", "param"), [
+    ([{"role": "tool", "content": "x"}], "input.0.role"),
+    ([{"role": "user", "content": []}], "input.0.content"),
+    ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}],
+     "input.0.content.0.type"),
+    ([{"role": "user", "content": "a", "name": "n"}], "input.0.name"),
+    ([{"type": "function_call", "call_id": "c", "name": "f"}], "input.0.arguments"),
+    ([{"type": "function_call_output", "call_id": "c", "output": 3}], "input.0.output"),
+    ([{"type": "item_reference", "id": "x"}], "input.0.type"),
+    ([], "input"),
+])
+def test_bad_input_items_name_their_path(items, param):
+    with pytest.raises(RequestFieldError) as info:
+        chat_messages(items, None)
+    assert info.value.param == param
+
+
+def test_tools_choice_and_format_in_chat_terms():
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
+    assert chat_tools([tool]) == [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}, "strict": True}}]
+    with pytest.raises(RequestFieldError, match="code_interpreter") as info:
+        chat_tools([tool, {"type": "code_interpreter"}])
+    assert info.value.param == "tools.1.type"
+    assert chat_tool_choice({"type": "function", "name": "f"}) == \
+        {"type": "function", "function": {"name": "f"}}
+    assert chat_tool_choice("required") == "required"
+    with pytest.raises(RequestFieldError):
+        chat_tool_choice({"type": "web_search_preview"})
+    fmt = TextFormat.model_validate({"type": "json_schema", "name": "x",
+                                     "schema": {"type": "object"}})
+    assert chat_response_format(fmt) == {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}
+    with pytest.raises(RequestFieldError) as info:
+        chat_response_format(TextFormat.model_validate({"type": "text", "name": "x"}))
+    assert info.value.param == "text.format.name"
+
+
+def test_store_is_bounded_and_least_recently_used_goes_first():
+    store = ResponseStore(capacity=2)
+    replies = [ResponseObject(id=f"resp_{i}", created_at=0, status="completed", model="m")
+               for i in range(3)]
+    store.put(StoredResponse(replies[0], []))
+    store.put(StoredResponse(replies[1], []))
+    assert store.get("resp_0").response is replies[0]  # now the most recently used
+    store.put(StoredResponse(replies[2], []))
+    assert store.get("resp_1") is None and len(store) == 2
+    assert store.get("resp_0") is not None and store.get("resp_2") is not None
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(0)
+
+
+def test_output_as_chat_turns():
+    _, items = run([TEXT])
+    (turn,) = output_messages(items)
+    assert turn["content"] == "Sure." and turn["role"] == "assistant"
+    assert [c["function"] for c in turn["tool_calls"]] == [{"name": "add",
+                                                             "arguments": '{"a": 1}'}]
+    assert turn["tool_calls"][0]["id"] == items[2]["call_id"]
