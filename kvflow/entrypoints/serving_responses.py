@@ -220,6 +220,7 @@ class OpenAIServingResponses:
             text=text, reasoning=req.reasoning.model_dump() if req.reasoning else None,
             metadata=req.metadata or {}, previous_response_id=req.previous_response_id,
             store=req.store, truncation=req.truncation or "disabled", user=req.user,
+            prompt_cache_key=req.prompt_cache_key, safety_identifier=req.safety_identifier,
             service_tier=None if req.service_tier is None else "default")
 
     # ---- answering ---------------------------------------------------------------------------

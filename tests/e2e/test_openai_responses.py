@@ -347,3 +347,73 @@ def test_serves_after_bad_input_and_disconnect_without_leak(server, free_at_star
     assert whole(server, input="hi", max_output_tokens=2)["status"] in ("completed",
                                                                         "incomplete")
     assert_no_leak(server, free_at_start)
+
+
+# ---- every field ---------------------------------------------------------------------------------
+# OpenAI fields kvflow does not honour: a value that asks for something -> a 400 at ``param``
+REFUSED = {"background": (True, "background"), "conversation": ("conv_1", "conversation"),
+           "max_tool_calls": (2, "max_tool_calls"), "prompt": ({"id": "pmpt_1"}, "prompt"),
+           "top_logprobs": (2, "top_logprobs"),
+           "context_management": ([{"type": "compaction"}], "context_management"),
+           "prompt_cache_retention": ("24h", "prompt_cache_retention"),
+           "prompt_cache_options": ({"mode": "x"}, "prompt_cache_options"),
+           "moderation": ({"model": "m"}, "moderation"), "image": ({"x": 1}, "image"),
+           "access_programs": ({"x": 1}, "access_programs"),
+           "background_options": ({"x": 1}, "background_options"),
+           "truncation": ("auto", "truncation"),
+           "include": (["reasoning.encrypted_content"], "include"),
+           "reasoning": ({"summary": "auto"}, "reasoning.summary"),
+           "service_tier": ("flex", "service_tier"),
+           "stream_options": ({"include_obfuscation": True}, "stream_options.include_obfuscation")}
+# honoured fields: each checked against chat or by its effect in a test of this module
+USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+        "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
+        "previous_response_id", "user", "prompt_cache_key", "safety_identifier"}
+
+
+def test_every_field_is_used_or_refused():
+    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
+
+    assert set(REFUSED) | USED == set(ResponsesRequest.model_fields)
+    assert not set(REFUSED) & USED
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_unhonoured_field_is_a_400_naming_it(server, field):
+    value, param = REFUSED[field]
+    resp = respond(server, input="hi", stream=True, **{field: value})
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        (param, "unsupported_parameter")
+
+
+def test_harmless_values_of_unhonoured_fields_pass(server):
+    reply = whole(server, input="hi", max_output_tokens=2, background=False, top_logprobs=0,
+                  truncation="disabled", include=[], reasoning={}, service_tier="auto",
+                  user="u1", prompt_cache_key="k", safety_identifier="s")
+    assert (reply["truncation"], reply["service_tier"], reply["user"]) == \
+        ("disabled", "default", "u1")
+    assert (reply["prompt_cache_key"], reply["safety_identifier"]) == ("k", "s")
+
+
+def test_tiny_top_p_is_greedy(server):
+    """top_p 1e-6 at temperature 1 keeps only the most likely token: chat's greedy text."""
+    reply = whole(server, input="the quick", max_output_tokens=8, temperature=1, top_p=1e-6)
+    oracle = chat(server, [{"role": "user", "content": "the quick"}],
+                  max_completion_tokens=8, temperature=0)
+    assert output_text(reply) == oracle["choices"][0]["message"]["content"]
+    assert reply["top_p"] == 1e-6
+
+
+def test_parallel_tool_calls_false_is_chats(server):
+    body = {"tools": TOOLS, "tool_choice": "required", "max_output_tokens": 80,
+            "temperature": 0, "parallel_tool_calls": False}
+    reply = whole(server, input="the quick brown fox", **body)
+    oracle = chat(server, [{"role": "user", "content": "the quick brown fox"}],
+                  tools=CHAT_TOOLS, tool_choice="required", max_completion_tokens=80,
+                  temperature=0, parallel_tool_calls=False)
+    calls = [(i["name"], i["arguments"]) for i in reply["output"]
+             if i["type"] == "function_call"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in oracle["choices"][0]["message"]["tool_calls"]]
+    assert len(calls) == 1 and reply["parallel_tool_calls"] is False

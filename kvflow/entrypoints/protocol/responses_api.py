@@ -152,5 +152,7 @@ class ResponseObject(OpenAIBaseModel):
     store: bool = True
     truncation: str = "disabled"
     user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool = False
