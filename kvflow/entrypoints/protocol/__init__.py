@@ -25,7 +25,8 @@ the first chunk of each choice carries ``prompt_token_ids``), ``stream_options``
 
 The models live in one module per job: ``base`` (base classes, the error body, the
 request-body checks), ``sampling`` (the fields completion and chat share; the completion
-request), ``chat`` (the chat request), ``responses``, ``embeddings``, ``management`` (models,
+request), ``chat`` (the chat request), ``responses`` (completion and chat replies),
+``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``management`` (models,
 LoRA adapters, tokenize, version). Import them from this package.
 """
 
