@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.entrypoints.protocol.chat import MAX_CONTENT_PARTS, MAX_TOOLS
 from kvflow.entrypoints.structured_requests import RequestFieldError
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -52,7 +53,8 @@ def chat_messages(input_: str | list[dict[str, Any]], instructions: str | None,
 
     Raises:
         RequestFieldError: naming the item's field (``input.1.role``, ``input.0.content.2.type``,
-            ``input.4.call_id``) for an item kvflow cannot read.
+            ``input.4.call_id``) for an item kvflow cannot read; ``input`` for none, or more
+            than chat's ``MAX_CONTENT_PARTS`` (``array_above_max_length``).
     """
     conv = Conversation()
     if instructions is not None:
@@ -64,6 +66,9 @@ def chat_messages(input_: str | list[dict[str, Any]], instructions: str | None,
         return conv
     if not input_:
         raise RequestFieldError("input must hold at least one item", "input", "empty_array")
+    if len(input_) > MAX_CONTENT_PARTS:  # chat's cap, before any item is read on the loop
+        raise RequestFieldError(f"input holds at most {MAX_CONTENT_PARTS} items; this one "
+                                f"holds {len(input_)}", "input", "array_above_max_length")
     for i, item in enumerate(input_):
         _add_item(conv, item, f"input.{i}")
     return conv
@@ -149,11 +154,15 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
     Raises:
         RequestFieldError: ``tools.N.type`` for a tool other than ``function`` (built-in
-            tools: web_search, file_search, code_interpreter, ... are not supported), or
-            ``tools.N.<key>`` for a key a function tool does not take.
+            tools: web_search, file_search, code_interpreter, ... are not supported),
+            ``tools.N.<key>`` for a key a function tool does not take, or ``tools`` for more
+            than chat's ``MAX_TOOLS``.
     """
     if tools is None:
         return None
+    if len(tools) > MAX_TOOLS:
+        raise RequestFieldError(f"a request holds at most {MAX_TOOLS} tools; this one holds "
+                                f"{len(tools)}", "tools", "array_above_max_length")
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")

@@ -27,7 +27,7 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponsesRequest,
     ResponseUsage,
 )
-from kvflow.entrypoints.responses_events import Event, ResponseEvents, new_id
+from kvflow.entrypoints.responses_events import Event, ResponseEvents
 from kvflow.entrypoints.responses_input import (
     Conversation,
     chat_messages,
@@ -149,7 +149,7 @@ class OpenAIServingResponses:
         except OpenAIError as e:
             e.param = _renamed(e.param, conv)
             raise
-        skeleton = self._skeleton(req)
+        skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
         return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv))
@@ -206,13 +206,14 @@ class OpenAIServingResponses:
                               "previous_response_id", "previous_response_not_found")
         return stored.messages
 
-    def _skeleton(self, req: ResponsesRequest) -> ResponseObject:
-        """The reply in progress: id, time, the request's settings echoed, no output."""
+    def _skeleton(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
+        """The reply in progress: ``response_id`` (the engine's request id with ``resp_``, so
+        that logs and replies match), time, the request's settings echoed, no output."""
         text = {"format": {"type": "text"}}
         if req.text is not None and req.text.format is not None:
             text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
         return ResponseObject(
-            id=new_id("resp"), created_at=now(),
+            id=response_id, created_at=now(),
             status="in_progress", model=self.chat.response_model(req.model),
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             temperature=req.temperature, top_p=req.top_p, tools=req.tools or [],

@@ -417,3 +417,22 @@ def test_parallel_tool_calls_false_is_chats(server):
     assert calls == [(c["function"]["name"], c["function"]["arguments"])
                      for c in oracle["choices"][0]["message"]["tool_calls"]]
     assert len(calls) == 1 and reply["parallel_tool_calls"] is False
+
+
+def test_json_object_format_is_an_object(server):
+    reply = whole(server, input="the quick brown fox", max_output_tokens=48, temperature=0,
+                  text={"format": {"type": "json_object"}})
+    oracle = chat(server, [{"role": "user", "content": "the quick brown fox"}],
+                  max_completion_tokens=48, temperature=0,
+                  response_format={"type": "json_object"})
+    assert output_text(reply) == oracle["choices"][0]["message"]["content"]
+    assert output_text(reply).startswith("{")
+    if reply["status"] == "completed":
+        assert isinstance(json.loads(output_text(reply)), dict)
+
+
+def test_input_over_the_item_cap_is_a_400(server):
+    resp = respond(server, input=[{"role": "user", "content": "a"}] * 10_001)
+    assert resp.status_code == 400
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("input", "array_above_max_length")
