@@ -436,3 +436,21 @@ def test_input_over_the_item_cap_is_a_400(server):
     assert resp.status_code == 400
     assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
         ("input", "array_above_max_length")
+
+
+def test_openai_stream_helper_rebuilds_the_reply(server):
+    """The openai client's ``responses.stream`` accumulates the events into a response (it
+    checks each delta against the items announced before it): the calls and usage equal the
+    whole reply's."""
+    none = {"type": "function", "name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}
+    body = {"input": "the quick brown fox", "tools": [*TOOLS, none], "max_output_tokens": 64,
+            "tool_choice": {"type": "function", "name": "now"}, "temperature": 0}
+    reply = whole(server, **body)
+    assert reply["status"] == "completed"  # the helper wants response.completed
+    with server.client().responses.stream(model=MODEL, **body) as stream:
+        final = stream.get_final_response()
+    calls = [(i.name, i.arguments) for i in final.output if i.type == "function_call"]
+    assert calls == [(i["name"], i["arguments"]) for i in reply["output"]
+                     if i["type"] == "function_call"]
+    assert final.usage.output_tokens == reply["usage"]["output_tokens"]
