@@ -23,11 +23,13 @@ NUM_KV_BLOCKS = 64
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--block-size", "4", "--max-num-seqs", "4", "--uvicorn-log-level", "info"]
 C, CH, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+R = "/v1/responses"
 TOK, DETOK = "/tokenize", "/detokenize"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 HI = [{"role": "user", "content": "hi"}]
 BASE = {C: {"prompt": "the quick brown fox", "temperature": 0, "return_token_ids": True},
         CH: {"messages": HI, "temperature": 0, "return_token_ids": True},
+        R: {"input": "hi", "temperature": 0, "max_output_tokens": 4},
         EMB: {"input": "hi"}, TOK: {"prompt": "hi"}, DETOK: {"tokens": [5, 6]},
         LOAD: {"lora_name": "a", "lora_path": "/nowhere"}, UNLOAD: {"lora_name": "a"}}
 
@@ -103,7 +105,7 @@ def test_every_unknown_field_is_named(strict, path):
     assert "max_token" in error["message"] and "temprature" in error["message"]
 
 
-@pytest.mark.parametrize("path", [EMB, TOK, DETOK, LOAD, UNLOAD])
+@pytest.mark.parametrize("path", [R, EMB, TOK, DETOK, LOAD, UNLOAD])
 def test_every_json_endpoint_refuses_unknown_fields(strict, path):
     """Before anything else (this text model would refuse /v1/embeddings for its task, and
     the adapter for its path, after)."""
@@ -146,6 +148,18 @@ def test_ignore_option_answers_as_without_the_field_and_logs_it_once(ignoring):
     log = ignoring.log_path.read_text(errors="replace")
     assert (log.count("max_token_z9"), log.count("frobnicate_y8")) == (1, 1), log
     assert "ignoring request fields" in log
+
+
+def test_ignore_option_answers_responses_as_without_the_field(ignoring):
+    """/v1/responses under --ignore-unknown-fields: ``seed`` (not a Responses API field) is
+    ignored, the reply's text is the one without it; ``reasoning.effort``, a declared field
+    kvflow does not honour, is still a 400."""
+    plain = ok(ignoring, R, {})
+    reply = ok(ignoring, R, {"seed": 7})
+    assert reply["output"] == [{**item, "id": reply["output"][i]["id"]}
+                               for i, item in enumerate(plain["output"])]
+    resp = post(ignoring, R, {"reasoning": {"effort": "low"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "reasoning.effort"
 
 
 def test_ignore_option_drops_unread_chat_template_kwargs(strict, ignoring):
