@@ -41,17 +41,25 @@ from kvflow.entrypoints.streaming import SSEResponse
 from kvflow.entrypoints.structured_requests import RequestFieldError
 from kvflow.entrypoints.validation_errors import validation_error
 
-# OpenAI fields kvflow does not honour -> the value that asks for nothing (None: only null)
-_UNHONOURED = {"background": False, "conversation": None, "max_tool_calls": None,
-               "prompt": None, "top_logprobs": 0, "context_management": None,
-               "prompt_cache_retention": None, "prompt_cache_options": None,
-               "moderation": None, "image": None, "access_programs": None,
-               "background_options": None}
+# OpenAI fields kvflow does not honour -> (the value that asks for nothing, None: only null;
+# what kvflow does instead)
+_UNHONOURED = {
+    "background": (False, "replies are generated while the request waits (send false)"),
+    "conversation": (None, "use previous_response_id to continue a stored reply"),
+    "max_tool_calls": (None, "send parallel_tool_calls false for at most one call"),
+    "prompt": (None, "there are no stored prompt templates: send input and instructions"),
+    "top_logprobs": (0, "output logprobs are returned by /v1/chat/completions"),
+    "context_management": (None, "a conversation longer than the context is a 400"),
+    "prompt_cache_retention": (None, "the prefix cache keeps blocks while memory allows"),
+    "prompt_cache_options": (None, "every request shares the prefix cache"),
+    "moderation": (None, "kvflow runs no moderation"),
+    "image": (None, "the reply is text only"),
+    "access_programs": (None, "kvflow has no access programs"),
+    "background_options": (None, "replies are generated while the request waits")}
 # chat request fields -> the Responses fields they came from (for errors found by chat)
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-            "response_format.json_schema.schema": "text.format.schema",
-            "response_format.json_schema.name": "text.format.name",
-            "response_format": "text.format", "messages": "input"}
+            "response_format.json_schema": "text.format", "response_format": "text.format",
+            "messages": "input"}
 
 
 def refuse_unhonoured(req: ResponsesRequest) -> None:
@@ -60,10 +68,10 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
     a ``service_tier`` other than auto / default, ``stream_options`` other than
     ``include_obfuscation: false`` or without ``stream``, and the ``_UNHONOURED`` fields
     (``background: true``, ``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
-    for name, harmless in _UNHONOURED.items():
+    for name, (harmless, instead) in _UNHONOURED.items():
         value = getattr(req, name)
         if value is not None and value != harmless:
-            raise _unsupported(name, f"{name} is not supported by kvflow")
+            raise _unsupported(name, f"{name} is not supported by kvflow: {instead}")
     if req.truncation == "auto":
         raise _unsupported("truncation", "truncation=auto is not supported: a conversation "
                            "longer than the context is a 400 (send disabled)")
@@ -102,6 +110,16 @@ def _check_stream_options(req: ResponsesRequest) -> None:
 
 def _unsupported(param: str, message: str) -> OpenAIError:
     return OpenAIError(message, param=param, code="unsupported_parameter")
+
+
+def _renamed_error(error: OpenAIError, conv: Conversation) -> OpenAIError:
+    """``error`` (found by the chat path) naming the Responses request's field, in its
+    ``param`` and where its message names the chat field."""
+    param = _renamed(error.param, conv)
+    if param == error.param:
+        return error
+    message = str(error).replace(error.param, param) if error.param else str(error)
+    return OpenAIError(message, error.status, error.type, param, error.code, error.headers)
 
 
 def _renamed(param: str | None, conv: Conversation) -> str | None:
@@ -147,8 +165,7 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(chat_req, raw, "resp")
         except OpenAIError as e:
-            e.param = _renamed(e.param, conv)
-            raise
+            raise _renamed_error(e, conv) from None
         skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
@@ -191,8 +208,7 @@ class OpenAIServingResponses:
         except ValidationError as e:
             error = validation_error(RequestValidationError(
                 [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]))
-            error.param = _renamed(error.param, conv)
-            raise error from None
+            raise _renamed_error(error, conv) from None
         return conv, chat
 
     def _earlier(self, previous_response_id: str | None) -> list[dict[str, Any]]:
