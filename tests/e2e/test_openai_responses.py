@@ -336,19 +336,30 @@ def test_bad_input_is_a_4xx_naming_the_field(server, body, status, param):
     assert not re.search(r"max_completion_tokens|response_format|messages\.\d", error["message"])
 
 
-def test_serves_after_bad_input_and_disconnect_without_leak(server, free_at_start):
-    """A stream the client leaves after two deltas is aborted: the blocks come back."""
-    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
-            "model": MODEL, "input": "the quick brown fox", "max_output_tokens": 200,
-            "stream": True, "temperature": 0}) as resp:
+def test_disconnect_mid_stream_aborts_without_leak(server, free_at_start):
+    """A stream the client leaves after two deltas is aborted (counted as an abort, fewer
+    tokens generated than asked, every block free again), and the server serves on."""
+    body = {"input": "the quick brown fox", "max_output_tokens": 200, "temperature": 0}
+    oracle = chat(server, [{"role": "user", "content": "the quick brown fox"}],
+                  max_completion_tokens=200, temperature=0)
+    assert oracle["choices"][0]["finish_reason"] == "length"  # it would run all 200
+    before = server.metrics()
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as resp:
         deltas = 0
         for line in resp.iter_lines():
             deltas += line == "event: response.output_text.delta"
             if deltas == 2:
                 break
     assert_no_leak(server, free_at_start)
-    assert whole(server, input="hi", max_output_tokens=2)["status"] in ("completed",
-                                                                        "incomplete")
+    after = server.metrics()
+
+    def grew(name, **labels):
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
+
+    assert grew("kvflow:request_success_total", finished_reason="abort") == 1
+    assert grew("kvflow:generation_tokens_total") < 200
+    assert whole(server, input="hi", max_output_tokens=2)["usage"]["output_tokens"] <= 2
     assert_no_leak(server, free_at_start)
 
 
