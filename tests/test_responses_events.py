@@ -179,3 +179,77 @@ def test_output_as_chat_turns():
     assert [c["function"] for c in turn["tool_calls"]] == [{"name": "add",
                                                              "arguments": '{"a": 1}'}]
     assert turn["tool_calls"][0]["id"] == items[2]["call_id"]
+
+
+# ---- the handler's stream, with a fake engine stream ---------------------------------------------
+class _Stream:
+    """A request stream yielding ``pieces`` as delta outputs, then raising ``error`` (or
+    finishing with ``finish``)."""
+
+    def __init__(self, pieces, finish="stop", error=None):
+        self.pieces, self.finish, self.error = pieces, finish, error
+
+    async def __aiter__(self):
+        from types import SimpleNamespace
+
+        from kvflow.outputs import CompletionOutput
+
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1 and self.error is None
+            yield SimpleNamespace(outputs=[CompletionOutput(
+                0, piece, [i], finish_reason=self.finish if last else None)])
+        if self.error is not None:
+            raise self.error
+
+
+def _handler_events(stream):
+    """(events, the handler) of a streamed reply of ``stream`` under a think parser; the
+    fake tokenizer makes one token per character."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
+    from kvflow.entrypoints.serving_chat import ChatRun
+    from kvflow.entrypoints.serving_responses import OpenAIServingResponses
+
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: list(text))
+    chat = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer),
+                           response_model=lambda model: "m")
+    handler = OpenAIServingResponses(chat)
+    req = ResponsesRequest.model_validate({"input": "hi", "stream": True})
+    run = ChatRun("resp-1", [1, 2, 3], [stream], ChatOutputParser(None, ThinkReasoningParser()))
+
+    async def drain():
+        from kvflow.entrypoints.responses_input import chat_messages
+
+        skeleton = handler._skeleton(req, "resp_1")
+        return [e async for e in handler._events(req, run, skeleton, chat_messages("hi", None))]
+
+    return asyncio.run(drain()), handler
+
+
+def test_streamed_reply_counts_reasoning_tokens_and_is_stored():
+    events, handler = _handler_events(_Stream(["<thi", "nk>ab</th", "ink>cd"], "length"))
+    for event in events:
+        EVENTS.validate_python(event)
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    response = final["response"]
+    assert response["usage"]["output_tokens"] == 3 and response["usage"]["input_tokens"] == 3
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 2  # "ab"
+    assert [i["type"] for i in response["output"]] == ["reasoning", "message"]
+    assert handler.store.get("resp_1").messages == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "cd"}]
+
+
+def test_engine_death_mid_stream_is_an_error_event():
+    from kvflow.engine.streams import EngineDeadError
+
+    events, handler = _handler_events(_Stream(["a", "b"], error=EngineDeadError("gone")))
+    for event in events:
+        EVENTS.validate_python(event)
+    assert [e["type"] for e in events][-2:] == ["response.output_text.delta", "error"]
+    assert events[-1]["code"] == "engine_dead" and "gone" in events[-1]["message"]
+    assert events[-1]["sequence_number"] == len(events) - 1
+    assert handler.store.get("resp_1") is None  # a failed reply is not stored
