@@ -253,3 +253,23 @@ def test_engine_death_mid_stream_is_an_error_event():
     assert events[-1]["code"] == "engine_dead" and "gone" in events[-1]["message"]
     assert events[-1]["sequence_number"] == len(events) - 1
     assert handler.store.get("resp_1") is None  # a failed reply is not stored
+
+
+@pytest.mark.parametrize(("chat_param", "param"), [
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("tools.1.function.parameters", "tools.1.parameters"),
+    ("tool_choice", "tool_choice"), ("messages", "input"),
+    ("messages.0.content", "instructions"),
+    ("messages.2.tool_call_id", "input.1.call_id"),
+    ("messages.1.content.0.text", "input.0.content.0.text"),
+    ("messages.1.tool_calls.0.function.arguments", "input.0"),
+])
+def test_chat_error_fields_are_named_as_the_request_names_them(chat_param, param):
+    from kvflow.entrypoints.serving_responses import _renamed
+
+    conv = chat_messages([{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                          {"type": "function_call_output", "call_id": "c", "output": "1"}],
+                         "sys")
+    assert _renamed(chat_param, conv) == param

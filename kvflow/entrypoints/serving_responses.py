@@ -123,23 +123,35 @@ def _renamed_error(error: OpenAIError, conv: Conversation) -> OpenAIError:
 
 
 def _renamed(param: str | None, conv: Conversation) -> str | None:
-    """A chat request field's name as the Responses request's (``messages.3.tool_call_id``
-    -> ``input.2.call_id``, ``tools.0.function.parameters`` -> ``tools.0.parameters``)."""
+    """A chat request field's name as the Responses request's (``max_completion_tokens`` ->
+    ``max_output_tokens``, ``tools.0.function.parameters`` -> ``tools.0.parameters``,
+    ``messages.3.tool_call_id`` -> ``input.2.call_id``)."""
     if param is None:
         return None
+    head, _, rest = param.partition(".")
+    if head == "messages" and rest:
+        return _message_path(rest, conv)
     for chat_name, name in _RENAMED.items():
-        if param == chat_name or param.startswith(chat_name + ".") and chat_name != "messages":
+        if param == chat_name or param.startswith(chat_name + "."):
             return name + param[len(chat_name):]
     parts = param.split(".")
-    if parts[0] == "tools" and parts[2:3] == ["function"]:
+    if head == "tools" and parts[2:3] == ["function"]:
         return ".".join(parts[:2] + parts[3:])
-    if parts[0] == "messages" and len(parts) > 1 and parts[1].isdigit() \
-            and int(parts[1]) < len(conv.paths):
-        rest = {"tool_call_id": "call_id"}.get(parts[2], parts[2]) if len(parts) > 2 else None
-        path = conv.paths[int(parts[1])]
-        return path if rest in (None, "tool_calls") or not path.startswith("input.") \
-            else ".".join([path, rest, *parts[3:]])
     return param
+
+
+def _message_path(rest: str, conv: Conversation) -> str:
+    """``messages.<rest>`` as the path of the input item the message came from (the item
+    itself for a message of several items' calls, ``instructions``, or an earlier reply)."""
+    index, _, key = rest.partition(".")
+    if not index.isdigit() or int(index) >= len(conv.paths):
+        return "input"
+    path = conv.paths[int(index)]
+    first, _, deeper = key.partition(".")
+    if not first or first == "tool_calls" or not path.startswith("input."):
+        return path
+    return ".".join(p for p in (path, {"tool_call_id": "call_id"}.get(first, first), deeper)
+                    if p)
 
 
 class OpenAIServingResponses:
