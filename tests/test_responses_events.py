@@ -117,6 +117,7 @@ def test_input_items_as_chat_messages():
         {"role": "assistant", "content": None, "tool_calls": [call("c3", "h", "{}")]}]
     assert conv.paths == ["instructions", "previous_response_id", "input.0", "input.1",
                           "input.4", "input.6"]
+    assert conv.call_paths == {3: ["input.2", "input.3"], 5: ["input.6"]}
     assert chat_messages("hi", None).messages == [{"role": "user", "content": "hi"}]
 
 
@@ -264,12 +265,16 @@ def test_engine_death_mid_stream_is_an_error_event():
     ("messages.0.content", "instructions"),
     ("messages.2.tool_call_id", "input.1.call_id"),
     ("messages.1.content.0.text", "input.0.content.0.text"),
-    ("messages.1.tool_calls.0.function.arguments", "input.0"),
+    ("messages.3.tool_calls.1.function.arguments", "input.3.arguments"),
+    ("messages.3.tool_calls.0.id", "input.2.call_id"),
+    ("messages.3.tool_calls", "input.2"),
+    ("tool_choice.function.name", "tool_choice.name"),
 ])
 def test_chat_error_fields_are_named_as_the_request_names_them(chat_param, param):
     from kvflow.entrypoints.serving_responses import _renamed
 
+    call = {"type": "function_call", "name": "f", "arguments": "{}"}
     conv = chat_messages([{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
-                          {"type": "function_call_output", "call_id": "c", "output": "1"}],
-                         "sys")
+                          {"type": "function_call_output", "call_id": "c", "output": "1"},
+                          {**call, "call_id": "c1"}, {**call, "call_id": "c2"}], "sys")
     assert _renamed(chat_param, conv) == param

@@ -36,10 +36,12 @@ _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 @dataclass
 class Conversation:
     """Chat messages (dicts as ``ChatMessage`` takes them) and, per message, the request path
-    it came from (``input.3``, ``instructions``), for naming a chat-side error's field."""
+    it came from (``input.3``, ``instructions``) and the paths of its tool calls' items (by
+    message index), for naming a chat-side error's field."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    call_paths: dict[int, list[str]] = field(default_factory=dict)
 
     def add(self, message: dict[str, Any], path: str) -> None:
         self.messages.append(message)
@@ -98,10 +100,10 @@ def _add_call(conv: Conversation, item: dict[str, Any], path: str) -> None:
             "function": {"name": _string(item, "name", path),
                          "arguments": _string(item, "arguments", path)}}
     last = conv.messages[-1] if conv.messages else None
-    if last is not None and last["role"] == "assistant" and conv.paths[-1] != "instructions":
-        last.setdefault("tool_calls", []).append(call)
-        return
-    conv.add({"role": "assistant", "content": None, "tool_calls": [call]}, path)
+    if last is None or last["role"] != "assistant" or conv.paths[-1] == "instructions":
+        conv.add({"role": "assistant", "content": None, "tool_calls": []}, path)
+    conv.messages[-1].setdefault("tool_calls", []).append(call)
+    conv.call_paths.setdefault(len(conv.messages) - 1, []).append(path)
 
 
 def _role(item: dict[str, Any], path: str) -> str:

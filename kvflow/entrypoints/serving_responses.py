@@ -59,7 +59,9 @@ _UNHONOURED = {
 # chat request fields -> the Responses fields they came from (for errors found by chat)
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format",
-            "messages": "input"}
+            "tool_choice.function": "tool_choice", "messages": "input"}
+# a chat tool call's fields -> the function_call item's
+_CALL_KEYS = {"id": "call_id", "function.name": "name", "function.arguments": "arguments"}
 
 
 def refuse_unhonoured(req: ResponsesRequest) -> None:
@@ -148,10 +150,21 @@ def _message_path(rest: str, conv: Conversation) -> str:
         return "input"
     path = conv.paths[int(index)]
     first, _, deeper = key.partition(".")
-    if not first or first == "tool_calls" or not path.startswith("input."):
+    if first == "tool_calls":
+        return _call_path(conv.call_paths.get(int(index), []), deeper) or path
+    if not first or not path.startswith("input."):
         return path
     return ".".join(p for p in (path, {"tool_call_id": "call_id"}.get(first, first), deeper)
                     if p)
+
+
+def _call_path(call_paths: list[str], key: str) -> str | None:
+    """``tool_calls.<key>`` of a message as its function_call item's path (``0.function.
+    arguments`` -> ``input.3.arguments``); None when the call came from no input item."""
+    index, _, rest = key.partition(".")
+    if not index.isdigit() or int(index) >= len(call_paths):
+        return None
+    return ".".join(p for p in (call_paths[int(index)], _CALL_KEYS.get(rest, "")) if p)
 
 
 class OpenAIServingResponses:
