@@ -119,6 +119,10 @@ def test_input_items_as_chat_messages():
                           "input.4", "input.6"]
     assert conv.call_paths == {3: ["input.2", "input.3"], 5: ["input.6"]}
     assert chat_messages("hi", None).messages == [{"role": "user", "content": "hi"}]
+    parts = chat_messages([{"type": "function_call_output", "call_id": "c",
+                            "output": [{"type": "input_text", "text": "x"}]}], None)
+    assert parts.messages == [{"role": "tool", "tool_call_id": "c",
+                               "content": [{"type": "text", "text": "x"}]}]
 
 
 @pytest.mark.parametrize(("items", "param"), [
@@ -129,6 +133,8 @@ def test_input_items_as_chat_messages():
     ([{"role": "user", "content": "a", "name": "n"}], "input.0.name"),
     ([{"type": "function_call", "call_id": "c", "name": "f"}], "input.0.arguments"),
     ([{"type": "function_call_output", "call_id": "c", "output": 3}], "input.0.output"),
+    ([{"type": "function_call_output", "call_id": "c",
+       "output": [{"type": "input_image", "image_url": "x"}]}], "input.0.output.0.type"),
     ([{"type": "item_reference", "id": "x"}], "input.0.type"),
     ([], "input"),
 ])

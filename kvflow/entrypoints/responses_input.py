@@ -10,7 +10,8 @@ Input items -> chat messages:
   as text parts;
 - ``function_call`` (``call_id``, ``name``, ``arguments``) -> a tool call of an assistant turn
   (consecutive calls, and calls right after an assistant message, share one turn);
-- ``function_call_output`` (``call_id``, ``output``) -> a ``tool`` message;
+- ``function_call_output`` (``call_id``, ``output``: a string or text parts) -> a ``tool``
+  message;
 - ``reasoning`` -> not rendered (chat templates drop earlier turns' reasoning too).
 """
 
@@ -86,11 +87,12 @@ def _add_item(conv: Conversation, item: Any, path: str) -> None:
                                 "unsupported_value")
     _check_keys(item, _ITEM_KEYS[kind], path)
     if kind == "message":
-        conv.add({"role": _role(item, path), "content": _content(item, path)}, path)
+        conv.add({"role": _role(item, path), "content": _content(item, "content", path)},
+                 path)
     elif kind == "function_call":
         _add_call(conv, item, path)
     elif kind == "function_call_output":
-        output = _string(item, "output", path)
+        output = _content(item, "output", path)
         conv.add({"role": "tool", "tool_call_id": _string(item, "call_id", path),
                   "content": output}, path)
 
@@ -114,17 +116,19 @@ def _role(item: dict[str, Any], path: str) -> str:
     return role
 
 
-def _content(item: dict[str, Any], path: str) -> str | list[dict[str, str]]:
-    content = item.get("content")
+def _content(item: dict[str, Any], key: str, path: str) -> str | list[dict[str, str]]:
+    """A message's ``content`` or a function_call_output's ``output`` (``key``): a string,
+    or text parts as chat's ``text`` parts."""
+    content = item.get(key)
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise RequestFieldError(f"{path}.content must be a string or a non-empty list of "
-                                "input_text / output_text parts", f"{path}.content",
+        raise RequestFieldError(f"{path}.{key} must be a string or a non-empty list of "
+                                "input_text / output_text parts", f"{path}.{key}",
                                 "invalid_type")
     parts = []
     for j, part in enumerate(content):
-        where = f"{path}.content.{j}"
+        where = f"{path}.{key}.{j}"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise RequestFieldError(f"content parts of type {kind!r} are not supported by "

@@ -160,9 +160,12 @@ def test_openai_client_parses_the_reply(server):
     assert resp.usage.output_tokens == oracle["usage"]["completion_tokens"]
 
 
-def test_input_items_render_as_chat_messages(server):
-    """Roles, text parts, function_call and function_call_output items: the same prompt
-    (input tokens) and text as chat's messages with tool_calls and a tool turn."""
+@pytest.mark.parametrize("output", ["2", [{"type": "input_text", "text": "2"},
+                                           {"type": "input_text", "text": "3"}]])
+def test_input_items_render_as_chat_messages(server, output):
+    """Roles, text parts, function_call and function_call_output items (output a string or
+    text parts): the same prompt (input tokens) and text as chat's messages with tool_calls
+    and a tool turn."""
     items = [{"role": "developer", "content": "dev"},
              {"type": "message", "role": "user",
               "content": [{"type": "input_text", "text": "a"},
@@ -171,14 +174,15 @@ def test_input_items_render_as_chat_messages(server):
                                                 "annotations": []}]},
              {"type": "function_call", "call_id": "call_1", "name": "add",
               "arguments": '{"a": 1}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": "2"}]
+             {"type": "function_call_output", "call_id": "call_1", "output": output}]
     messages = [{"role": "developer", "content": "dev"},
                 {"role": "user", "content": [{"type": "text", "text": "a"},
                                              {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "c", "tool_calls": [
                     {"id": "call_1", "type": "function",
                      "function": {"name": "add", "arguments": '{"a": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+                {"role": "tool", "tool_call_id": "call_1", "content": output if isinstance(
+                    output, str) else [{"type": "text", "text": p["text"]} for p in output]}]
     reply = whole(server, input=items, max_output_tokens=6, temperature=0)
     oracle = chat(server, messages, max_completion_tokens=6, temperature=0)
     assert output_text(reply) == oracle["choices"][0]["message"]["content"]
