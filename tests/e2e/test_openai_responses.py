@@ -292,6 +292,11 @@ def test_store_and_previous_response_id(server):
                   max_completion_tokens=5, temperature=0)
     assert output_text(second) == oracle["choices"][0]["message"]["content"]
     assert_usage_is_chats(second, oracle)
+    events = streamed(server, input="x", max_output_tokens=3)  # a streamed reply is stored
+    got = httpx.get(f"{server.url}/v1/responses/{events[-1]['response']['id']}", timeout=10)
+    assert got.json() == events[-1]["response"]
+    query = httpx.get(f"{server.url}/v1/responses/{first['id']}?stream=true", timeout=10)
+    assert query.status_code == 400 and query.json()["error"]["param"] == "stream"
     unstored = whole(server, input="x", store=False, max_output_tokens=2)
     missing = httpx.get(f"{server.url}/v1/responses/{unstored['id']}", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == \
