@@ -17,12 +17,14 @@ from kvflow.entrypoints import protocol
 from kvflow.entrypoints.cli import build_parser
 from kvflow.entrypoints.config_file import expand_config_file
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
 from kvflow.entrypoints.unknown_fields import UnknownFields
 
 HI = [{"role": "user", "content": "hi"}]
 # every model that is a whole request body, with a minimal valid body
 BODIES = {"/v1/completions": (protocol.CompletionRequest, {"prompt": "hi"}),
           "/v1/chat/completions": (protocol.ChatCompletionRequest, {"messages": HI}),
+          "/v1/responses": (ResponsesRequest, {"input": "hi"}),
           "/v1/embeddings": (protocol.EmbeddingRequest, {"input": "hi"}),
           "/tokenize": (protocol.TokenizeRequest, {"prompt": "hi"}),
           "/detokenize": (protocol.DetokenizeRequest, {"tokens": [1]}),
