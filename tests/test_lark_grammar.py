@@ -13,18 +13,33 @@ from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 
 HINT = (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads GBNF / "
         "EBNF, rules written 'name ::= ...' with 'root' the start rule, and converts Lark's "
-        "rules, literals, groups and quantifiers only)")
+        "rules, literals, ranges, /regex/ terminals, groups, quantifiers, %import common and "
+        "%ignore)")
 
 CONVERTED = [
     ('start: "yes" | "no"', 'root ::= "yes" | "no"'),
     ('?start: value\nvalue: "a"', 'root ::= value\nvalue ::= "a"'),
     (('// pairs\n?start: pair ("," pair)*  // more\n!pair: KEY ":" [VALUE]+\n'
-     'KEY.2: "k" | "kk"\n\nVALUE: ("1"\n     | "2")?\n     | "3"'),
+     'KEY.2: "k" | "kk"\n\nVALUE: ("1"\n     | "2")+\n     | "3"'),
      ('root ::= pair ("," pair)*\npair ::= KEY ":" (VALUE)*\nKEY ::= "k" | "kk"\n'
-     'VALUE ::= ("1" | "2")? | "3"')),
+     'VALUE ::= ("1" | "2")+ | "3"')),
     ('start: _item+ [";"]\n_item: "a\\n" | "\\"q\\"" | [ "b" ]?',
      'root ::= _item+ (";")?\n_item ::= "a\\n" | "\\"q\\"" | ("b")?'),
     ('start: "x" start\n     | ', 'root ::= "x" root | ""'),
+    # aliases dropped; regex terminals and ranges become classes; "..."i a class a letter
+    ('start: NAME "=" /[0-9]+/ -> assign\n     | "on"i -> on\nNAME: /[a-z_](?i:[a-c])?/ | "A".."C"',
+     'root ::= NAME "=" [0-9]+ | [Oo] [Nn]\nNAME ::= [_a-z] [A-Ca-c]? | [A-C]'),
+    (r'start: /(ab|c){2,3}x.\//s', r'root ::= ("ab" | "c"){2,3} "x" [\u0000-\ud7ff\ue000-\U0010ffff] "/"'),
+    # %import brings the terminal and (namespaced) what it refers to; %ignore follows tokens
+    ('start: INT ("," X)*\n%import common.INT\n%import common.DIGIT -> X\n%ignore " "',
+     ('root ::= __ignore start\nstart ::= INT __ignore ("," __ignore X __ignore)*\n'
+     'INT ::= COMMON__DIGIT+\nCOMMON__DIGIT ::= [0-9]\nX ::= [0-9]\n__ignore ::= " "*')),
+    ('start: a\na: WORD+\n%import common (WORD, WS)\n%ignore WS\n%ignore /#[^\\n]*/',
+     ('root ::= __ignore start\nstart ::= a\na ::= (WORD __ignore)+\n'
+     'WORD ::= COMMON__LETTER+\nCOMMON__LETTER ::= COMMON__UCASE_LETTER | '
+     'COMMON__LCASE_LETTER\nCOMMON__UCASE_LETTER ::= [A-Z]\nCOMMON__LCASE_LETTER ::= [a-z]\n'
+     'WS ::= [\\u0009-\\u000a\\u000c-\\u000d ]+\n'
+     '__ignore ::= ([\\u0009-\\u000a\\u000c-\\u000d ] | "#" [^\\u000a]*)*')),
 ]
 
 
@@ -42,23 +57,52 @@ def test_gbnf_and_other_text_is_not_lark(text):
 
 
 REFUSED = [
-    ('start: "a"\n  | /b+/', (" line 2: regular-expression terminals (/.../) are not supported; "
-     "write them as GBNF character classes")),
-    ('start: WORD\n%import common.WORD', (" line 2: %import is not supported; write the "
-     "imported rules out")),
-    ('start: "a"\n%ignore " "', (" line 2: %ignore is not supported (GBNF skips nothing); write "
-     "the whitespace into the rules")),
+    ('start: "a"\n  | /b+?/', (" line 2: in /b+?/: lazy quantifiers (*? +? ?? {m,n}?: Lark's "
+     "lexer takes the shortest match, which GBNF cannot express; write the terminal without "
+     'one, e.g. /"[^"]*"/ for /".*?"/)')),
+    ("start: /a(?=b)/", (" line 1: in /a(?=b)/: lookahead / lookbehind assertions are not "
+     "supported in regular expressions")),
+    ("start: /^a/", (" line 1: in /^a/: anchors and word boundaries (^ $ \\A \\Z \\b \\B) are "
+     "not supported in regular expressions")),
+    (r"start: /(a)\1/", (r" line 1: in /(a)\1/: backreferences are not supported in regular "
+     "expressions")),
+    ("start: /a/l", " line 1: in /a/l: regex flag 'l' is not supported (Lark's flags: imsux)"),
+    ("start: /a(/", (" line 1: in /a(/: invalid regular expression /a(/: missing ), "
+     "unterminated subpattern at position 1")),
+    ("start: /a*/", " line 1: /a*/ matches the empty string (Lark refuses zero-width terminals)"),
+    ('start: A\nA: "a"?', (" line 1: terminal 'A' matches the empty string (Lark refuses "
+     "zero-width terminals)")),
+    ('start: A\nA: "a" A | "a"', (" line 2: terminal 'A' refers to itself (Lark terminals "
+     "cannot be recursive)")),
+    ('start: A\nA: b\nb: "x"', (" line 2: a terminal refers to the rule 'b' (Lark terminals "
+     "refer to terminals only)")),
+    ('start: "ab".."z"', (' line 1: a range needs two single characters, the first not after '
+     'the second ("ab".."z")')),
+    ('start: "a" ->', " line 1: '->' without a name"),
+    ('start: "a" -> x "b"', " line 1: an alias (-> name) must end its alternative"),
+    ('start: WORD\n%import common.FOO', (" line 2: common.FOO is not supported; kvflow imports "
+     "these terminals of common.lark: DIGIT, HEXDIGIT, INT, SIGNED_INT, DECIMAL, FLOAT, "
+     "SIGNED_FLOAT, NUMBER, SIGNED_NUMBER, ESCAPED_STRING, LCASE_LETTER, UCASE_LETTER, LETTER, "
+     "WORD, CNAME, WS_INLINE, WS, CR, LF, NEWLINE, SH_COMMENT, CPP_COMMENT, C_COMMENT, "
+     "SQL_COMMENT")),
+    ('start: X\n%import .other.X', (" line 2: '%import .other.X' is not supported; kvflow "
+     "imports the terminals of Lark's common.lark only (%import common.NAME, %import "
+     "common.NAME -> ALIAS, %import common (A, B))")),
+    ('start: INT\nINT: "1"\n%import common.INT', (" line 3: 'INT' is defined twice (first on "
+     "line 2)")),
+    ('start: "a"\n%ignore /b*/', (" line 2: %ignore /b*/ matches the empty string (Lark refuses "
+     "zero-width terminals)")),
     ('%declare X\nstart: "a"', (" line 1: %declare is not supported (a declared terminal has no "
      "definition)")),
-    ('start: "a".."z"', (' line 1: ranges ("a".."z") are not supported; write them as GBNF '
-     "character classes ([a-z])")),
-    ('start: "a" -> yes', " line 1: aliases (-> name) are not supported; leave them out"),
+    ('start: "a"\n%override x: "b"', (" line 2: directives other than %import and %ignore "
+     "(%declare, %override ...) are not supported")),
     ('start: "a" ~ 3', (" line 1: repetition counts (~ n) are not supported; write the "
      "repetitions out")),
     ('pair{x}: x\nstart: pair{"a"}', " line 1: templates (name{...}) are not supported"),
-    ('start: "a"i', ' line 1: case-insensitive literals ("..."i) are not supported'),
     ('start: a\nroot: "b"\na: "c"', (" line 2: a rule named 'root' is not supported ('start' "
-     "becomes GBNF's start rule 'root'); rename it")),
+     "becomes GBNF's start rule 'root', names starting '__' are kvflow's); rename it")),
+    ('start: __a\n__a: "c"', (" line 2: a rule named '__a' is not supported ('start' "
+     "becomes GBNF's start rule 'root', names starting '__' are kvflow's); rename it")),
     ('value: "a"', ": no 'start' rule (the start rule, which becomes GBNF's 'root')"),
     ('start: x', " line 1: 'x' is not defined"),
     ('start: "a"\nstart: "b"', " line 2: 'start' is defined twice (first on line 1)"),

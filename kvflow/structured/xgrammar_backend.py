@@ -70,7 +70,8 @@ def _lark_hint(spec: str) -> str:
         return ""
     return (" (this looks like a Lark grammar, rules written 'name: ...'; kvflow reads "
             "GBNF / EBNF, rules written 'name ::= ...' with 'root' the start rule, and "
-            "converts Lark's rules, literals, groups and quantifiers only)")
+            "converts Lark's rules, literals, ranges, /regex/ terminals, groups, "
+            "quantifiers, %import common and %ignore)")
 
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
