@@ -271,7 +271,11 @@ class _Converter:
 
     def ignore_rule(self, ignored: list[tuple[list[Token], int]]) -> str:
         """``(a | b ...)*`` over the ignored terminals, a top-level ``+`` of each dropped
-        (``(x+)* = x*``, which keeps xgrammar's parse unambiguous)."""
+        (``(x+)* = x*``, which keeps xgrammar's parse unambiguous).
+
+        Raises:
+            ValueError: for an ignored literal or regex that matches the empty string.
+        """
         items = []
         for tokens, line in ignored:
             expression, least = self._expansion(tokens, line, in_rule=False)

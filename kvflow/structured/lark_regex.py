@@ -118,12 +118,6 @@ def class_ebnf(ranges: Ranges) -> str:
     return "[" + _class_items(ranges) + "]"
 
 
-def char_ranges(pattern: str, flags: int) -> Ranges:
-    """The code points a one-character Python pattern matches, as Python's ``re`` decides
-    (run over every code point once; memoized, about 10 ms a new pattern)."""
-    return _matching(pattern, flags)
-
-
 # --- the regex tree -> EBNF ------------------------------------------------------------
 
 def _sequence(items: list, flags: int) -> Expression:
