@@ -1,7 +1,8 @@
 """Structured output: constrain sampling to a JSON schema, regex, choice list or grammar.
 
 ``params`` (StructuredOutputsParams, no heavy imports), ``backend`` (the interface),
-``xgrammar_backend`` (the implementation), ``lark_grammar`` (Lark grammars to GBNF),
+``xgrammar_backend`` (the implementation), ``lark_grammar`` (Lark grammars to GBNF, with
+``lark_expansion``, ``lark_regex`` and ``lark_common``),
 ``manager`` (the engine core's side: compile off the step loop, per-step token bitmask).
 """
 
