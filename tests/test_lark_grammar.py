@@ -80,6 +80,13 @@ REFUSED = [
      'the second ("ab".."z")')),
     ('start: "a" ->', " line 1: '->' without a name"),
     ('start: "a" -> x "b"', " line 1: an alias (-> name) must end its alternative"),
+    ('start: "a" -> X', " line 1: an alias names a rule, in lower case (not 'X')"),
+    ('start: ("a" -> x)', (" line 1: an alias (-> name) belongs at the end of a rule's "
+     "alternative, not in a group, a terminal or %ignore")),
+    ('start: A\nA: "a" -> x', (" line 2: an alias (-> name) belongs at the end of a rule's "
+     "alternative, not in a group, a terminal or %ignore")),
+    ('start: "a"\nB:', (" line 2: terminal 'B' has an empty definition (Lark: terminals "
+     "cannot be empty)")),
     ('start: WORD\n%import common.FOO', (" line 2: common.FOO is not supported; kvflow imports "
      "these terminals of common.lark: DIGIT, HEXDIGIT, INT, SIGNED_INT, DECIMAL, FLOAT, "
      "SIGNED_FLOAT, NUMBER, SIGNED_NUMBER, ESCAPED_STRING, LCASE_LETTER, UCASE_LETTER, LETTER, "
@@ -94,6 +101,10 @@ REFUSED = [
      "zero-width terminals)")),
     ('%declare X\nstart: "a"', (" line 1: %declare is not supported (a declared terminal has no "
      "definition)")),
+    ('  | "a"\nstart: "b"', (" line 1: a '|' line continues no definition (it follows a "
+     "directive or starts the grammar)")),
+    ('start: "a"\n%ignore " "\n  | "b"', (" line 3: a '|' line continues no definition (it "
+     "follows a directive or starts the grammar)")),
     ('start: "a"\n%override x: "b"', (" line 2: directives other than %import and %ignore "
      "(%declare, %override ...) are not supported")),
     ('start: "a" ~ 3', (" line 1: repetition counts (~ n) are not supported; write the "

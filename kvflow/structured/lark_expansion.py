@@ -107,6 +107,7 @@ class ExpansionConverter:
         return expression, least
 
     def _least(self, name: str, line: int) -> int:
+        """The least length of a terminal's strings (ValueError if it refers to itself)."""
         if name in self.least:
             if self.least[name] is None:
                 raise ValueError(f"Lark grammar line {line}: terminal '{name}' refers to "
@@ -121,7 +122,8 @@ class ExpansionConverter:
                       in_rule: bool) -> tuple[Expression, int, int]:
         parts, least = [], None
         while True:
-            sequence, length, at = self._sequence(tokens, at, line, in_rule)
+            sequence, length, at = self._sequence(tokens, at, line, in_rule,
+                                                  aliased=in_rule and closer is None)
             parts.append(sequence)
             least = length if least is None else min(least, length)
             if at < len(tokens) and tokens[at][0] == "|":
@@ -138,18 +140,13 @@ class ExpansionConverter:
             return parts[0], least, at
         return Expression(" | ".join(p.text for p in parts), "alternatives"), least, at
 
-    def _sequence(self, tokens: list[Token], at: int, line: int,
-                  in_rule: bool) -> tuple[Expression, int, int]:
+    def _sequence(self, tokens: list[Token], at: int, line: int, in_rule: bool,
+                  aliased: bool) -> tuple[Expression, int, int]:
         items, least = [], 0
         while at < len(tokens) and tokens[at][0] not in ("|", ")", "]"):
             kind, word, where = tokens[at]
             if kind == "alias":
-                if at + 1 == len(tokens) or tokens[at + 1][0] != "name":
-                    raise ValueError(f"Lark grammar line {where}: '->' without a name")
-                at += 2
-                if at < len(tokens) and tokens[at][0] not in ("|", ")", "]"):
-                    raise ValueError(f"Lark grammar line {where}: an alias (-> name) must "
-                                     "end its alternative")
+                at = _alias(tokens, at, aliased)
                 break
             if kind in ("?", "*", "+"):
                 raise ValueError(f"Lark grammar line {where}: {word!r} follows nothing")
@@ -225,6 +222,25 @@ class ExpansionConverter:
             expression, least = _regex(re.escape(value), "i", line)
             return expression, least, at
         return Expression(word, "atom"), len(value), at
+
+
+def _alias(tokens: list[Token], at: int, aliased: bool) -> int:
+    """Past ``-> name``, which Lark allows at the end of a rule's top-level alternative, the
+    name a rule name (lower case)."""
+    where = tokens[at][2]
+    if not aliased:
+        raise ValueError(f"Lark grammar line {where}: an alias (-> name) belongs at the end "
+                         "of a rule's alternative, not in a group, a terminal or %ignore")
+    if at + 1 == len(tokens) or tokens[at + 1][0] != "name":
+        raise ValueError(f"Lark grammar line {where}: '->' without a name")
+    if not re.fullmatch(r"_?[a-z][_a-z0-9]*", tokens[at + 1][1]):
+        raise ValueError(f"Lark grammar line {where}: an alias names a rule, in lower case "
+                         f"(not {tokens[at + 1][1]!r})")
+    at += 2
+    if at < len(tokens) and tokens[at][0] != "|":
+        raise ValueError(f"Lark grammar line {where}: an alias (-> name) must end its "
+                         "alternative")
+    return at
 
 
 def _literal_value(word: str, line: int) -> str:

@@ -30,7 +30,9 @@ of Lark below, following Lark's grammar reference
 The language is the grammar's read as a context-free grammar whose terminals are regular
 languages: what Lark's Earley parser accepts with ``lexer="dynamic_complete"``. Lark's other
 lexers match each terminal once (the regex's first match, not every length), so they can
-reject strings of that language (``NAME "s"`` with ``NAME: /[a-z]+/`` on ``cats``).
+reject strings of that language (``NAME "s"`` with ``NAME: /[a-z]+/`` on ``cats``); Lark skips
+an ignored terminal by its first match only, which differs when a token can begin with what an
+ignored terminal can end with.
 
 Refused (ValueError naming the construct and the line): ``%declare``, ``%override``,
 ``%extend`` and other directives, imports other than common.lark's terminals, templates
@@ -130,10 +132,18 @@ def _definitions(text: str) -> tuple[list[Definition], list[tuple[list[Token], i
     definitions: list[Definition] = []
     imported: list[Definition] = []
     ignored: list[tuple[list[Token], int]] = []
+    continued = False  # whether a '|' line continues a definition here
     for number, line in enumerate(text.split("\n"), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("//"):
             continue
+        if stripped.startswith("|"):
+            if not continued:
+                raise ValueError(f"Lark grammar line {number}: a '|' line continues no "
+                                 "definition (it follows a directive or starts the grammar)")
+            definitions[-1].tokens.extend(_tokens(line, number))
+            continue
+        continued = not stripped.startswith("%")
         if stripped.startswith("%ignore"):
             ignored.append((_tokens(stripped[len("%ignore"):], number), number))
         elif stripped.startswith("%import"):
@@ -142,14 +152,13 @@ def _definitions(text: str) -> tuple[list[Definition], list[tuple[list[Token], i
             word = stripped.split()[0]
             raise ValueError(f"Lark grammar line {number}: "
                              + _DIRECTIVES.get(word, _UNSUPPORTED["%"]))
-        elif stripped.startswith("|"):
-            if not definitions:
-                raise ValueError(f"Lark grammar line {number}: a '|' line before any "
-                                 "definition")
-            definitions[-1].tokens.extend(_tokens(line, number))
         else:
             definitions.append(_definition(line, number))
     unique: dict[str, Definition] = {}
+    for d in definitions:
+        if d.terminal and not d.tokens:
+            raise ValueError(f"Lark grammar line {d.line}: terminal '{d.name}' has an empty "
+                             "definition (Lark: terminals cannot be empty)")
     for d in definitions + imported:
         if d.name in unique:
             if d.name.startswith("COMMON__"):  # a dependency two imports share
@@ -168,7 +177,8 @@ def _definition(line: str, number: int) -> Definition:
         raise ValueError(f"Lark grammar line {number}: expected a definition 'name: ...' "
                          "or a continuation line starting with '|'")
     name = found[2]
-    return Definition(name, number, _tokens(line[found.end():], number), is_terminal(name))
+    tokens = _tokens(line[found.end():], number)
+    return Definition(name, number, tokens, is_terminal(name))
 
 
 def _imports(line: str, number: int) -> list[Definition]:
