@@ -29,6 +29,8 @@ CONVERTED = [
     # aliases dropped; regex terminals and ranges become classes; "..."i a class a letter
     ('start: NAME "=" /[0-9]+/ -> assign\n     | "on"i -> on\nNAME: /[a-z_](?i:[a-c])?/ | "A".."C"',
      'root ::= NAME "=" [0-9]+ | [Oo] [Nn]\nNAME ::= [_a-z] [A-Ca-c]? | [A-C]'),
+    ('start: "a" ~ 3 ("b" | "c") ~ 0..2 A ~ 2 "d" ~ 0\nA: "e" ~ 1..2',
+     'root ::= "a"{3} ("b" | "c"){0,2} A{2} ""\nA ::= "e"{1,2}'),
     (r'start: /(ab|c){2,3}x.\//s', r'root ::= ("ab" | "c"){2,3} "x" [\u0000-\ud7ff\ue000-\U0010ffff] "/"'),
     # %import brings the terminal and (namespaced) what it refers to; %ignore follows tokens
     ('start: INT ("," X)*\n%import common.INT\n%import common.DIGIT -> X\n%ignore " "',
@@ -107,8 +109,9 @@ REFUSED = [
      "follows a directive or starts the grammar)")),
     ('start: "a"\n%override x: "b"', (" line 2: directives other than %import and %ignore "
      "(%declare, %override ...) are not supported")),
-    ('start: "a" ~ 3', (" line 1: repetition counts (~ n) are not supported; write the "
-     "repetitions out")),
+    ('start: "a" ~ 3..2', (" line 1: the repetition ~ 3..2 needs its first count not above "
+     "its second")),
+    ('start: "a" ~ x', " line 1: '~' needs a count (~ n or ~ m..n)"),
     ('pair{x}: x\nstart: pair{"a"}', " line 1: templates (name{...}) are not supported"),
     ('start: a\nroot: "b"\na: "c"', (" line 2: a rule named 'root' is not supported ('start' "
      "becomes GBNF's start rule 'root', names starting '__' are kvflow's); rename it")),

@@ -66,7 +66,7 @@ STRING: /'[^'\n]*'/
 """
 RANGES = r"""
 start: id ("," id)* -> ids
-!id: ("a".."z" | "_") ("a".."z" | "0".."9")* "x"?
+!id: ("a".."z" | "_") ("a".."z" | "0".."9") ~ 0..3 "x"?
 """
 REGEX_FEATURES = r"""
 start: (WORD | HEX | QUOTED | ANYCHAR | SPACED)+
@@ -91,7 +91,8 @@ GRAMMARS = {
         "selectafrom t", "select x\nfrom y"],
         ["select * from t where", "select from t", "select * from 't'", "select * from t;;",
          "select * -- c\nfrom"]),
-    "ranges": (RANGES, "abz_09x,A", ["a", "ab0,_x9", "zx", "a,b,c"], ["A", "a,", "9a", ""]),
+    "ranges": (RANGES, "abz_09x,A", ["a", "ab0,_x9", "zx", "a,b,c", "a123x"], [
+        "A", "a,", "9a", "", "a1234"]),
     "regex features": (REGEX_FEATURES, 'ab_0xF9"\\#\n [] c\u00e9\u0661', [
         "ab", "\u00e9\u0661", "0xFf", '"a\\"b"', "#\n", "[ a ]", "[]", "[bc]ab", "ab0X1"], [
         "a", "a b", "[ a", '"\\"', "#", "[ab]", "[ a ] ", ""]),

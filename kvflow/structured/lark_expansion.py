@@ -45,7 +45,7 @@ class ExpansionConverter:
 
         alternatives := sequence ('|' sequence)*
         sequence     := item* ('->' name)?          (empty -> ""; the alias is dropped)
-        item         := atom ('?' | '*' | '+')?
+        item         := atom ('?' | '*' | '+' | '~' number ('..' number)?)?
         atom         := name | literal ('..' literal)? | regex | '(' alternatives ')'
                       | '[' alternatives ']'
 
@@ -153,12 +153,16 @@ class ExpansionConverter:
             atom, length, at = self._atom(tokens, at, in_rule)
             quantifier = tokens[at][0] if at < len(tokens) and tokens[at][0] in "?*+" else ""
             at += bool(quantifier)
+            counted = not quantifier and at < len(tokens) and tokens[at][0] == "~"
             if kind == "[":  # [x] = (x)?; [x]? = (x)?; [x]* = [x]+ = (x)*
                 quantifier = "?" if quantifier in ("", "?") else "*"
             if quantifier:
                 atom = Expression(parenthesized(atom) + quantifier, "quantified")
+                length = 0 if quantifier in ("?", "*") else length
+            if counted:
+                atom, length, at = _counted(atom, length, tokens, at)
             items.append(atom)
-            least += 0 if quantifier in ("?", "*") else length
+            least += length
         if not items:
             return Expression('""', "atom"), 0, at
         if len(items) == 1:
@@ -222,6 +226,27 @@ class ExpansionConverter:
             expression, least = _regex(re.escape(value), "i", line)
             return expression, least, at
         return Expression(word, "atom"), len(value), at
+
+
+def _counted(atom: Expression, length: int, tokens: list[Token],
+             at: int) -> tuple[Expression, int, int]:
+    """``atom ~ n`` or ``atom ~ m..n`` (Lark's repetition) as ``atom{n}`` / ``atom{m,n}``."""
+    where = tokens[at][2]
+    kinds = [t[0] for t in tokens[at + 1:at + 4]]
+    if kinds[:1] != ["number"]:
+        raise ValueError(f"Lark grammar line {where}: '~' needs a count (~ n or ~ m..n)")
+    low = high = int(tokens[at + 1][1])
+    at += 2
+    if kinds[1:] == ["range", "number"]:
+        high = int(tokens[at + 1][1])
+        at += 2
+    if low > high:
+        raise ValueError(f"Lark grammar line {where}: the repetition ~ {low}..{high} needs "
+                         "its first count not above its second")
+    if high == 0:
+        return Expression('""', "atom"), 0, at
+    count = f"{{{low}}}" if low == high else f"{{{low},{high}}}"
+    return Expression(parenthesized(atom) + count, "quantified"), low * length, at
 
 
 def _alias(tokens: list[Token], at: int, aliased: bool) -> int:

@@ -17,7 +17,7 @@ of Lark below, following Lark's grammar reference
 - regular-expression terminals ``/.../flags`` (flags of ``imsux``), translated by
   ``lark_regex.regex_to_ebnf`` (which lists the regex constructs it refuses);
 - grouping ``( ... )``, optional ``[ ... ]`` (GBNF ``( ... )?``), quantifiers ``?``, ``*``,
-  ``+``;
+  ``+``, repetition ``x ~ n`` / ``x ~ m..n`` (GBNF ``x{n}`` / ``x{m,n}``);
 - ``%import common.NAME``, ``%import common.NAME -> ALIAS``, ``%import common (A, B)`` for the
   terminals of Lark's ``common.lark`` (``lark_common``);
 - ``%ignore TERMINAL`` / ``%ignore "..."`` / ``%ignore /.../``: Lark's lexer drops the ignored
@@ -36,7 +36,7 @@ ignored terminal can end with.
 
 Refused (ValueError naming the construct and the line): ``%declare``, ``%override``,
 ``%extend`` and other directives, imports other than common.lark's terminals, templates
-``name{x}``, repetition ``~ n``, terminals that match the empty string or refer to rules or
+``name{x}``, terminals that match the empty string or refer to rules or
 to themselves (Lark refuses them too), the regex constructs ``lark_regex`` refuses, a rule
 named ``root`` or starting with ``__``. The output has one rule a line, in the order of
 definition (imported terminals after the grammar's own), items separated by one space.
@@ -67,13 +67,13 @@ _TOKEN = re.compile(r"""
   | (?P<name>[_A-Za-z]\w*)
   | (?P<range>\.\.)
   | (?P<alias>->)
-  | (?P<op>[|()\[\]?*+])
+  | (?P<number>\d+)
+  | (?P<op>[|()\[\]?*+~])
 """, re.VERBOSE)
 _IMPORT = re.compile(r"%import\s+(?:common\.(\w+)(?:\s*->\s*(\w+))?|common\s*\(([\w\s,]*)\))"
                      r"\s*(?://.*)?$")
 
 _UNSUPPORTED = {
-    "~": "repetition counts (~ n) are not supported; write the repetitions out",
     "{": "templates (name{...}) are not supported",
     "}": "templates (name{...}) are not supported",
     "%": "directives other than %import and %ignore (%declare, %override ...) are not "
