@@ -30,9 +30,10 @@ of Lark below, following Lark's grammar reference
 The language is the grammar's read as a context-free grammar whose terminals are regular
 languages: what Lark's Earley parser accepts with ``lexer="dynamic_complete"``. Lark's other
 lexers match each terminal once (the regex's first match, not every length), so they can
-reject strings of that language (``NAME "s"`` with ``NAME: /[a-z]+/`` on ``cats``); Lark skips
-an ignored terminal by its first match only, which differs when a token can begin with what an
-ignored terminal can end with.
+reject strings of that language (``NAME "s"`` with ``NAME: /[a-z]+/`` on ``cats``). Even
+``dynamic_complete`` tries only the prefixes of a terminal's first match (``/a|ab/`` never
+matches ``ab``) and skips an ignored terminal by its first match only, which differs when a
+token can begin with what an ignored terminal can end with.
 
 Refused (ValueError naming the construct and the line): ``%declare``, ``%override``,
 ``%extend`` and other directives, imports other than common.lark's terminals, templates
