@@ -237,3 +237,55 @@ def test_lark_grammar_generation_parses_with_lark(tiny_llama):
     assert finished, [o.outputs[0].text for o in outs]
     for o in finished:
         assert _lark_accepts(parser, o.text), o.text
+
+
+# regex -> EBNF alone, Python's re as the oracle: fullmatch <=> xgrammar accepts
+REGEXES = [
+    (r"\d+", ""), (r"\w\W\s\S", ""), (r"\D.", ""), (r".", "s"), (r"[^a-c\]\-^\\]+", ""),
+    (r"[\]\-^\\[]*", ""), (r"k+", "i"), (r"[a-z]{2}", "i"), (r"(?i:ab)c", ""),
+    (r"(?x) a \ b (?s:.)", ""), (r"\t\n\x41\u00e9[\u0660-\u0669]", ""),
+    (r"(ab|c|)(d(e|f)?){1,3}", ""), (r"a{0,2}b{2,}c?", ""), (r"[^\d\s]", ""), (r"[\W_]", ""),
+    (r"\"([^\"\\]|\\.)*\"", ""), (r"(?a)\w+", ""), (r"[^\x00-\x7f]", ""),
+]
+REGEX_ALPHABET = 'abcdefABK\u212a\u017f01_-^]\\[ \t\n\r"\u00e9\u0661\u00a0\u3000.\x00'
+
+
+def _python_matches(pattern: str, flags: str, text: str) -> bool:
+    bits = 0
+    for letter in flags:
+        bits |= getattr(re, letter.upper())
+    return re.fullmatch(pattern, text, bits) is not None
+
+
+@pytest.mark.parametrize("pattern, flags", REGEXES)
+def test_regex_translation_agrees_with_python_re(pattern, flags):
+    from kvflow.structured.lark_regex import regex_to_ebnf
+    expression, least = regex_to_ebnf(pattern, flags)
+    converted = _Xgrammar(f"root ::= {expression.text}")
+    rng = random.Random(pattern)
+    draws = ["".join(rng.choice(REGEX_ALPHABET) for _ in range(rng.randint(0, 6)))
+             for _ in range(400)]
+    positives = [t for t in draws if _python_matches(pattern, flags, t)]
+    for text in draws:
+        assert converted.accepts(text) == _python_matches(pattern, flags, text), text
+    assert least == min((len(t) for t in positives), default=least) or not positives
+
+
+@pytest.mark.parametrize("pattern, flags", REGEXES)
+def test_strings_python_re_generates_are_accepted(pattern, flags):
+    """Positives drawn by hypothesis from the regex itself (``from_regex``), which random
+    strings rarely hit for the longer patterns."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from kvflow.structured.lark_regex import regex_to_ebnf
+    converted = _Xgrammar(f"root ::= {regex_to_ebnf(pattern, flags)[0].text}")
+    bits = sum(getattr(re, letter.upper()) for letter in flags)
+
+    @settings(max_examples=60, derandomize=True, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(re.compile(pattern, bits), fullmatch=True))
+    def check(text):
+        assert converted.accepts(text), text
+
+    check()
