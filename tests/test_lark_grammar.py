@@ -169,3 +169,33 @@ def test_an_ebnf_error_gets_no_lark_sentence():
         validate(StructuredOutputsParams(grammar='root ::= "yes" |'))
     assert "Lark" not in str(info.value)
     assert str(info.value).endswith("but got the end of the grammar")
+
+
+def test_served_lark_grammar_refusal_is_a_400_naming_the_construct(tiny_tokenizer):
+    """Over HTTP (the chat handler's SamplingParams step, in-process): a Lark grammar with a
+    lookahead in a regex terminal is a 400 at ``guided_grammar`` naming it and its line; the
+    same grammar without it passes."""
+    from types import SimpleNamespace
+
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.sampling_requests import sampling_params
+    from kvflow.input_processor import InputProcessor
+
+    engine = SimpleNamespace(processor=InputProcessor(tiny_tokenizer, 64, 320, 0))
+    grammar = 'start: NAME+\nNAME: /[a-z]+(?=;)/ ";"\n%ignore " "'
+
+    def request(text):
+        return ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "hi"}], "guided_grammar": text})
+
+    with pytest.raises(OpenAIError) as e:
+        sampling_params(engine, request(grammar), 4, None)
+    assert e.value.status == 400
+    assert e.value.body()["error"] == {
+        "message": "invalid grammar in guided_grammar: Lark grammar line 2: in /[a-z]+(?=;)/: "
+                   "lookahead / lookbehind assertions are not supported in regular "
+                   f"expressions{HINT}",
+        "type": "invalid_request_error", "param": "guided_grammar", "code": "invalid_value"}
+    params = sampling_params(engine, request(grammar.replace("(?=;)", "")), 4, None)
+    assert params.structured_outputs.grammar == grammar.replace("(?=;)", "")
