@@ -68,6 +68,17 @@ RANGES = r"""
 start: id ("," id)* -> ids
 !id: ("a".."z" | "_") ("a".."z" | "0".."9") ~ 0..3 "x"?
 """
+# the shape of OpenAI's custom-tool grammar examples: literal keywords, SP, regex terminals
+OPENAI_TOOL = r"""
+start: "SELECT" SP select_list SP "FROM" SP "orders" SP "WHERE" SP filter ("," SP filter)* ";"
+select_list: column ("," SP column)*
+column: "order_id" | "amount"
+filter: "total_amount" SP OP SP NUMBER | "order_date" SP OP SP DATE
+OP: ">" | "<" | "=" | ">=" | "<="
+SP: " "
+NUMBER: /[0-9]+/
+DATE: /'[0-9]{4}-[0-9]{2}-[0-9]{2}'/
+"""
 REGEX_FEATURES = r"""
 start: (WORD | HEX | QUOTED | ANYCHAR | SPACED)+
 WORD: /\w{2,3}/
@@ -93,6 +104,12 @@ GRAMMARS = {
          "select * -- c\nfrom"]),
     "ranges": (RANGES, "abz_09x,A", ["a", "ab0,_x9", "zx", "a,b,c", "a123x"], [
         "A", "a,", "9a", "", "a1234"]),
+    "openai tool": (OPENAI_TOOL, "SELCTFROMWHorde_idamunt ,;<>='0123-", [
+        "SELECT order_id, amount FROM orders WHERE total_amount >= 500;",
+        "SELECT amount FROM orders WHERE order_date < '2024-01-31', total_amount = 7;"], [
+        "SELECT amount FROM orders WHERE total_amount >= 5e2;",
+        "SELECT amount FROM orders WHERE order_date < '2024-1-31';",
+        "SELECT amount  FROM orders WHERE total_amount = 1;"]),
     "regex features": (REGEX_FEATURES, 'ab_0xF9"\\#\n [] c\u00e9\u0661', [
         "ab", "\u00e9\u0661", "0xFf", '"a\\"b"', "#\n", "[ a ]", "[]", "[bc]ab", "ab0X1"], [
         "a", "a b", "[ a", '"\\"', "#", "[ab]", "[ a ] ", ""]),
