@@ -40,20 +40,20 @@ _CATEGORY_ESCAPES = {
     _sre.CATEGORY_WORD: r"\w", _sre.CATEGORY_NOT_WORD: r"\W",
     _sre.CATEGORY_SPACE: r"\s", _sre.CATEGORY_NOT_SPACE: r"\S",
 }
+_NOT_SUPPORTED = " are not supported in regular expressions"
 _REFUSED = {
-    _sre.AT: "anchors and word boundaries (^ $ \\A \\Z \\b \\B)",
-    _sre.ASSERT: "lookahead / lookbehind assertions",
-    _sre.ASSERT_NOT: "negative lookahead / lookbehind assertions",
-    _sre.GROUPREF: "backreferences",
-    _sre.GROUPREF_EXISTS: "conditional groups (?(id)yes|no)",
+    _sre.AT: "anchors and word boundaries (^ $ \\A \\Z \\b \\B)" + _NOT_SUPPORTED,
+    _sre.ASSERT: "lookahead / lookbehind assertions" + _NOT_SUPPORTED,
+    _sre.ASSERT_NOT: "negative lookahead / lookbehind assertions" + _NOT_SUPPORTED,
+    _sre.GROUPREF: "backreferences" + _NOT_SUPPORTED,
+    _sre.GROUPREF_EXISTS: "conditional groups (?(id)yes|no)" + _NOT_SUPPORTED,
     _sre.MIN_REPEAT: ("lazy quantifiers (*? +? ?? {m,n}?: Lark's lexer takes the shortest "
                       "match, which GBNF cannot express; write the terminal without one, "
                       "e.g. /\"[^\"]*\"/ for /\".*?\"/)"),
+    # Python 3.11+ (getattr: absent before)
+    getattr(_sre, "POSSESSIVE_REPEAT", None): "possessive quantifiers (*+ ++ ?+)" + _NOT_SUPPORTED,
+    getattr(_sre, "ATOMIC_GROUP", None): "atomic groups (?>...)" + _NOT_SUPPORTED,
 }
-for _name, _what in (("POSSESSIVE_REPEAT", "possessive quantifiers (*+ ++ ?+)"),
-                     ("ATOMIC_GROUP", "atomic groups (?>...)")):
-    if hasattr(_sre, _name):  # Python 3.11+
-        _REFUSED[getattr(_sre, _name)] = _what
 
 
 class Expression(NamedTuple):
@@ -144,8 +144,7 @@ def _sequence(items: list, flags: int) -> Expression:
 
 def _item(op, av, flags: int) -> Expression:
     if op in _REFUSED:
-        raise ValueError(f"{_REFUSED[op]} are not supported in regular expressions"
-                         if op != _sre.MIN_REPEAT else f"{_REFUSED[op]}")
+        raise ValueError(_REFUSED[op])
     if op in (_sre.LITERAL, _sre.NOT_LITERAL, _sre.ANY, _sre.IN):
         return Expression(class_ebnf(_char_set(op, av, flags)), "atom")
     if op == _sre.BRANCH:
