@@ -32,16 +32,15 @@ CONVERTED = [
     ('start: "a" ~ 3 ("b" | "c") ~ 0..2 A ~ 2 "d" ~ 0\nA: "e" ~ 1..2',
      'root ::= "a"{3} ("b" | "c"){0,2} A{2} ""\nA ::= "e"{1,2}'),
     (r'start: /(ab|c){2,3}x.\//s', r'root ::= ("ab" | "c"){2,3} "x" [\u0000-\ud7ff\ue000-\U0010ffff] "/"'),
-    # %import brings the terminal and (namespaced) what it refers to; %ignore follows tokens
+    # a terminal is one expression: the terminals it refers to inline (and imported ones'
+    # parts only so); %ignore's expression follows every token of a rule and starts root
     ('start: INT ("," X)*\n%import common.INT\n%import common.DIGIT -> X\n%ignore " "',
-     ('root ::= __ignore start\nstart ::= INT __ignore ("," __ignore X __ignore)*\n'
-     'INT ::= COMMON__DIGIT+\nCOMMON__DIGIT ::= [0-9]\nX ::= [0-9]\n__ignore ::= " "*')),
+     'root ::= " "* start\nstart ::= INT " "* ("," " "* X " "*)*\nINT ::= [0-9]+\nX ::= [0-9]'),
     ('start: a\na: WORD+\n%import common (WORD, WS)\n%ignore WS\n%ignore /#[^\\n]*/',
-     ('root ::= __ignore start\nstart ::= a\na ::= (WORD __ignore)+\n'
-     'WORD ::= COMMON__LETTER+\nCOMMON__LETTER ::= COMMON__UCASE_LETTER | '
-     'COMMON__LCASE_LETTER\nCOMMON__UCASE_LETTER ::= [A-Z]\nCOMMON__LCASE_LETTER ::= [a-z]\n'
-     'WS ::= [\\u0009-\\u000a\\u000c-\\u000d ]+\n'
-     '__ignore ::= ([\\u0009-\\u000a\\u000c-\\u000d ] | "#" [^\\u000a]*)*')),
+     ('root ::= (@ | "#" [^\\u000a]*)* start\nstart ::= a\na ::= (WORD (@ | "#" [^\\u000a]*)*)+\n'
+      'WORD ::= ([A-Z] | [a-z])+\nWS ::= @+').replace("@", "[\\u0009-\\u000a\\u000c-\\u000d ]")),
+    ('start: B C\nA: "a" | "b"\nB: A+ "c"\nC: B ~ 2',
+     'root ::= B C\nA ::= "a" | "b"\nB ::= ("a" | "b")+ "c"\nC ::= (("a" | "b")+ "c"){2}'),
 ]
 
 
@@ -114,9 +113,7 @@ REFUSED = [
     ('start: "a" ~ x', " line 1: '~' needs a count (~ n or ~ m..n)"),
     ('pair{x}: x\nstart: pair{"a"}', " line 1: templates (name{...}) are not supported"),
     ('start: a\nroot: "b"\na: "c"', (" line 2: a rule named 'root' is not supported ('start' "
-     "becomes GBNF's start rule 'root', names starting '__' are kvflow's); rename it")),
-    ('start: __a\n__a: "c"', (" line 2: a rule named '__a' is not supported ('start' "
-     "becomes GBNF's start rule 'root', names starting '__' are kvflow's); rename it")),
+     "becomes GBNF's start rule 'root'); rename it")),
     ('value: "a"', ": no 'start' rule (the start rule, which becomes GBNF's 'root')"),
     ('start: x', " line 1: 'x' is not defined"),
     ('start: "a"\nstart: "b"', " line 2: 'start' is defined twice (first on line 1)"),

@@ -1,8 +1,9 @@
 """Lark expansions (the right side of ``name: ...``) to GBNF, for ``lark_grammar``.
 
 :class:`ExpansionConverter` is a recursive descent over one definition's tokens that writes the
-GBNF expression, follows each token in a rule by ``__ignore`` when the grammar has ``%ignore``,
-and tracks each expansion's least length to refuse zero-width terminals, as Lark does.
+GBNF expression (terminals inline in terminals), follows each token in a rule by the ignore
+expression when the grammar has ``%ignore``, and tracks each expansion's least length to refuse
+zero-width terminals, as Lark does.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import warnings
 from typing import NamedTuple
 
 from kvflow.structured.lark_regex import Expression, class_ebnf, parenthesized, regex_to_ebnf
-
-IGNORE_RULE = "__ignore"
 
 Token = tuple[str, str, int]  # (kind, text, line number)
 
@@ -31,7 +30,7 @@ class Definition(NamedTuple):
 
 def gbnf_name(name: str, ignore: bool) -> str:
     """The GBNF name of a Lark rule: ``start`` is ``root`` unless ``%ignore`` puts
-    ``root ::= __ignore start`` first."""
+    ``root ::= <ignore> start`` first."""
     return "root" if name == "start" and not ignore else name
 
 
@@ -49,19 +48,24 @@ class ExpansionConverter:
         atom         := name | literal ('..' literal)? | regex | '(' alternatives ')'
                       | '[' alternatives ']'
 
-    Each step returns (expression, least length in characters); in a rule with ``%ignore``,
-    each token is followed by ``__ignore``. The least lengths find zero-width terminals.
+    Each step returns (expression, least length in characters); the least lengths find
+    zero-width terminals. Two choices keep xgrammar fast (its per-token mask time with a
+    49k-token vocabulary, ``WORD+`` with ``%ignore WS``: 61 ms with a rule per terminal and an
+    ``__ignore`` rule, 0.06 ms so): a terminal's definition is one expression, the terminals
+    it refers to written inline (as Lark compiles a terminal into one regex); and with
+    ``%ignore`` each token in a rule is followed by the ignore expression itself.
     """
 
-    def __init__(self, definitions: dict[str, Definition], ignore: bool) -> None:
+    def __init__(self, definitions: dict[str, Definition],
+                 ignored: list[tuple[list[Token], int]]) -> None:
         self.definitions = definitions
-        self.ignore = ignore
         self.lexed: dict[str, int] = {}  # terminals used as tokens -> a line using them
-        self.least: dict[str, int | None] = {}  # terminal -> least length (None: visiting)
+        self.inlined: dict[str, tuple[Expression, int] | None] = {}  # None: visiting
+        self.ignore = self._ignore_expression(ignored) if ignored else None
 
     def expansion(self, tokens: list[Token], line: int, in_rule: bool) -> Expression:
         """The GBNF for one definition's tokens (``in_rule``: a rule's, whose tokens take
-        ``__ignore``; else a terminal's).
+        the ignore expression; else a terminal's, other terminals inline).
 
         Raises:
             ValueError: for a syntax error, an undefined name, a zero-width token, a
@@ -70,21 +74,24 @@ class ExpansionConverter:
         """
         return self._expansion(tokens, line, in_rule)[0]
 
-    def ignore_rule(self, ignored: list[tuple[list[Token], int]]) -> str:
-        """``(a | b ...)*`` over the ignored terminals, a top-level ``+`` of each dropped
-        (``(x+)* = x*``, which keeps xgrammar's parse unambiguous).
+    def check_terminals(self) -> None:
+        """Raises ValueError for a terminal used as a token that matches the empty string."""
+        for name, line in self.lexed.items():
+            if self._terminal(name, line)[1] == 0:
+                raise ValueError(f"Lark grammar line {line}: terminal '{name}' matches the "
+                                 "empty string (Lark refuses zero-width terminals)")
 
-        Raises:
-            ValueError: for an ignored literal or regex that matches the empty string.
-        """
+    def _ignore_expression(self, ignored: list[tuple[list[Token], int]]) -> str:
+        """``x*`` or ``(a | b ...)*`` over the ignored terminals, a top-level ``+`` of each
+        dropped (``(x+)* = x*``, which keeps xgrammar's parse unambiguous)."""
         items = []
         for tokens, line in ignored:
-            expression, least = self._expansion(tokens, line, in_rule=False)
-            if len(tokens) == 1 and tokens[0][0] == "name" and is_terminal(tokens[0][1]):
-                self.lexed.setdefault(tokens[0][1], line)  # checked by check_terminals
-                definition = self.definitions[tokens[0][1]]
-                expression = self._expansion(definition.tokens, definition.line, False)[0]
-            elif least == 0:
+            if len(tokens) == 1 and tokens[0][0] == "name" and tokens[0][1] in self.definitions \
+                    and is_terminal(tokens[0][1]):  # the definition itself, unparenthesized
+                expression, least = self._terminal(tokens[0][1], line)
+            else:
+                expression, least = self._expansion(tokens, line, in_rule=False)
+            if least == 0:
                 raise ValueError(f"Lark grammar line {line}: %ignore "
                                  f"{' '.join(t[1] for t in tokens)} matches the empty string "
                                  "(Lark refuses zero-width terminals)")
@@ -95,28 +102,23 @@ class ExpansionConverter:
             return parenthesized(items[0]) + "*"
         return "(" + " | ".join(e.text for e in items) + ")*"
 
-    def check_terminals(self) -> None:
-        """Raises ValueError for a terminal used as a token that matches the empty string."""
-        for name, line in self.lexed.items():
-            if self._least(name, line) == 0:
-                raise ValueError(f"Lark grammar line {line}: terminal '{name}' matches the "
-                                 "empty string (Lark refuses zero-width terminals)")
-
     def _expansion(self, tokens: list[Token], line: int, in_rule: bool) -> tuple[Expression, int]:
         expression, least, _ = self._alternatives(tokens, 0, None, line, in_rule)
         return expression, least
 
-    def _least(self, name: str, line: int) -> int:
-        """The least length of a terminal's strings (ValueError if it refers to itself)."""
-        if name in self.least:
-            if self.least[name] is None:
+    def _terminal(self, name: str, line: int) -> tuple[Expression, int]:
+        """A terminal's definition as one expression and its least length (memoized;
+        ValueError if it refers to itself)."""
+        if name in self.inlined:
+            found = self.inlined[name]
+            if found is None:
                 raise ValueError(f"Lark grammar line {line}: terminal '{name}' refers to "
                                  "itself (Lark terminals cannot be recursive)")
-            return self.least[name]
-        self.least[name] = None
+            return found
+        self.inlined[name] = None
         definition = self.definitions[name]
-        self.least[name] = self._expansion(definition.tokens, definition.line, False)[1]
-        return self.least[name]
+        self.inlined[name] = self._expansion(definition.tokens, definition.line, False)
+        return self.inlined[name]
 
     def _alternatives(self, tokens: list[Token], at: int, closer: str | None, line: int,
                       in_rule: bool) -> tuple[Expression, int, int]:
@@ -171,7 +173,7 @@ class ExpansionConverter:
                                    for i in items), "sequence"), least, at
 
     def _atom(self, tokens: list[Token], at: int, in_rule: bool) -> tuple[Expression, int, int]:
-        """One atom (a token in a rule followed by ``__ignore`` when there is ``%ignore``)."""
+        """One atom (a token in a rule followed by the ignore expression with ``%ignore``)."""
         kind, word, where = tokens[at]
         if kind in ("(", "["):
             inner, least, at = self._alternatives(tokens, at + 1, ")" if kind == "(" else "]",
@@ -193,7 +195,7 @@ class ExpansionConverter:
             raise ValueError(f"Lark grammar line {where}: {word} matches the empty string "
                              "(Lark refuses zero-width terminals)")
         if token and self.ignore:
-            expression = Expression(f"{parenthesized(expression)} {IGNORE_RULE}", "sequence")
+            expression = Expression(f"{parenthesized(expression)} {self.ignore}", "sequence")
         return expression, least, at + 1
 
     def _reference(self, name: str, line: int, in_rule: bool) -> tuple[Expression, int]:
@@ -203,11 +205,12 @@ class ExpansionConverter:
             if not in_rule:
                 raise ValueError(f"Lark grammar line {line}: a terminal refers to the rule "
                                  f"'{name}' (Lark terminals refer to terminals only)")
-            return Expression(gbnf_name(name, self.ignore), "atom"), 1
+            return Expression(gbnf_name(name, self.ignore is not None), "atom"), 1
         if in_rule:
             self.lexed.setdefault(name, line)
             return Expression(name, "atom"), 1  # zero width is checked on the definition
-        return Expression(name, "atom"), self._least(name, line)
+        expression, least = self._terminal(name, line)
+        return Expression(parenthesized(expression), "atom"), least
 
     def _literal(self, tokens: list[Token], at: int, line: int) -> tuple[Expression, int, int]:
         """A literal, a case-insensitive literal or a range ``"a".."z"``."""
