@@ -96,6 +96,8 @@ REFUSED = [
     ('start: X\n%import .other.X', (" line 2: '%import .other.X' is not supported; kvflow "
      "imports the terminals of Lark's common.lark only (%import common.NAME, %import "
      "common.NAME -> ALIAS, %import common (A, B))")),
+    ('start: num\n%import common.INT -> num', (" line 2: common.INT is a terminal; import it "
+     "under an upper-case name, not 'num'")),
     ('start: INT\nINT: "1"\n%import common.INT', (" line 3: 'INT' is defined twice (first on "
      "line 2)")),
     ('start: "a"\n%ignore /b*/', (" line 2: %ignore /b*/ matches the empty string (Lark refuses "

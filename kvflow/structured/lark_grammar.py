@@ -204,6 +204,9 @@ def _imports(line: str, number: int) -> list[Definition]:
             raise ValueError(f"Lark grammar line {number}: common.{name} is not supported; "
                              "kvflow imports these terminals of common.lark: "
                              + ", ".join(n for n in COMMON_TERMINALS if not n.startswith("_")))
+        if not is_terminal(alias):
+            raise ValueError(f"Lark grammar line {number}: common.{name} is a terminal; "
+                             f"import it under an upper-case name, not {alias!r}")
         out.extend(_imported(name, alias, number))
     return out
 
