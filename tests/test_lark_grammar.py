@@ -39,6 +39,9 @@ CONVERTED = [
     ('start: a\na: WORD+\n%import common (WORD, WS)\n%ignore WS\n%ignore /#[^\\n]*/',
      ('root ::= (@ | "#" [^\\u000a]*)* start\nstart ::= a\na ::= (WORD (@ | "#" [^\\u000a]*)*)+\n'
       'WORD ::= ([A-Z] | [a-z])+\nWS ::= @+').replace("@", "[\\u0009-\\u000a\\u000c-\\u000d ]")),
+    # a rule under ~ is written out (xgrammar 0.2.9 crashed compiling b ::= b{2})
+    ('start: "x" | b\nb: b ~ 2 | ("y" b) ~ 1..3 | c ~ 0..1\nc: "z"',
+     'root ::= "x" | b\nb ::= b b | ("y" b) (("y" b) (("y" b))?)? | (c)?\nc ::= "z"'),
     ('start: B C\nA: "a" | "b"\nB: A+ "c"\nC: B ~ 2',
      'root ::= B C\nA ::= "a" | "b"\nB ::= ("a" | "b")+ "c"\nC ::= (("a" | "b")+ "c"){2}'),
 ]
@@ -113,6 +116,8 @@ REFUSED = [
     ('start: "a" ~ 3..2', (" line 1: the repetition ~ 3..2 needs its first count not above "
      "its second")),
     ('start: "a" ~ x', " line 1: '~' needs a count (~ n or ~ m..n)"),
+    ('start: b ~ 101\nb: "x"', (" line 1: a repetition of a rule up to 101 times is not "
+     "supported (at most 100)")),
     ('pair{x}: x\nstart: pair{"a"}', " line 1: templates (name{...}) are not supported"),
     ('start: a\nroot: "b"\na: "c"', (" line 2: a rule named 'root' is not supported ('start' "
      "becomes GBNF's start rule 'root'); rename it")),

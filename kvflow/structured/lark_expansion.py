@@ -152,6 +152,7 @@ class ExpansionConverter:
                 break
             if kind in ("?", "*", "+"):
                 raise ValueError(f"Lark grammar line {where}: {word!r} follows nothing")
+            first = at
             atom, length, at = self._atom(tokens, at, in_rule)
             quantifier = tokens[at][0] if at < len(tokens) and tokens[at][0] in "?*+" else ""
             at += bool(quantifier)
@@ -161,8 +162,10 @@ class ExpansionConverter:
             if quantifier:
                 atom = Expression(parenthesized(atom) + quantifier, "quantified")
                 length = 0 if quantifier in ("?", "*") else length
-            if counted:
-                atom, length, at = _counted(atom, length, tokens, at)
+            if counted:  # a rule inside is written out: xgrammar 0.2.9 crashed on b ::= b{2}
+                written_out = any(k == "name" and not is_terminal(w)
+                                  for k, w, _ in tokens[first:at])
+                atom, length, at = _counted(atom, length, tokens, at, written_out)
             items.append(atom)
             least += length
         if not items:
@@ -231,9 +234,12 @@ class ExpansionConverter:
         return Expression(word, "atom"), len(value), at
 
 
-def _counted(atom: Expression, length: int, tokens: list[Token],
-             at: int) -> tuple[Expression, int, int]:
-    """``atom ~ n`` or ``atom ~ m..n`` (Lark's repetition) as ``atom{n}`` / ``atom{m,n}``."""
+def _counted(atom: Expression, length: int, tokens: list[Token], at: int,
+             written_out: bool) -> tuple[Expression, int, int]:
+    """``atom ~ n`` or ``atom ~ m..n`` (Lark's repetition) as ``atom{n}`` / ``atom{m,n}``, or
+    ``written_out`` (for an atom that refers to a rule) as ``atom atom (atom (atom)?)?``:
+    xgrammar 0.2.9 crashes the process compiling a rule that is a counted repetition of
+    itself (``b ::= b{2}``), which a grammar with such an atom could otherwise produce."""
     where = tokens[at][2]
     kinds = [t[0] for t in tokens[at + 1:at + 4]]
     if kinds[:1] != ["number"]:
@@ -248,8 +254,27 @@ def _counted(atom: Expression, length: int, tokens: list[Token],
                          "its first count not above its second")
     if high == 0:
         return Expression('""', "atom"), 0, at
+    if written_out:
+        if high > _MAX_WRITTEN_OUT:
+            raise ValueError(f"Lark grammar line {where}: a repetition of a rule up to "
+                             f"{high} times is not supported (at most {_MAX_WRITTEN_OUT})")
+        return _written_out(parenthesized(atom), low, high), low * length, at
     count = f"{{{low}}}" if low == high else f"{{{low},{high}}}"
     return Expression(parenthesized(atom) + count, "quantified"), low * length, at
+
+
+_MAX_WRITTEN_OUT = 100  # copies of a repeated rule reference in the GBNF
+
+
+def _written_out(item: str, low: int, high: int) -> Expression:
+    """``item`` ``low`` times, then up to ``high - low`` more as nested optionals."""
+    tail = ""
+    for _ in range(high - low):
+        tail = f"({item} {tail})?" if tail else f"({item})?"
+    parts = [item] * low + ([tail] if tail else [])
+    if len(parts) == 1:
+        return Expression(parts[0], "atom" if parts[0] == item else "quantified")
+    return Expression(" ".join(parts), "sequence")
 
 
 def _alias(tokens: list[Token], at: int, aliased: bool) -> int:
