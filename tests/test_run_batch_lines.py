@@ -40,6 +40,25 @@ def test_a_good_line_is_a_request_and_its_custom_id_is_taken():
     assert isinstance(got, BatchRequest) and got.body == {"prompt": "x", "stream": False}
 
 
+@pytest.mark.parametrize("body", [
+    {"model": "m", "input": "hi"},
+    {"input": "hi", "store": True},  # store is the endpoint's: echoed, kept for no one
+    {"input": "hi", "store": False, "stream": False},
+    {"input": "hi", "previous_response_id": None},  # null: no earlier reply named
+])
+def test_a_responses_line_is_a_request_as_written(body):
+    got = parse_line(_line(url="/v1/responses", body=body), 2, set())
+    assert got == BatchRequest(2, "a", "/v1/responses", body)
+
+
+def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
+    """Only /v1/responses has the field: on another url it is the body's unknown field, for
+    the server to answer (a 400 there), not the batch's to refuse."""
+    body = {"prompt": "x", "previous_response_id": "resp_1"}
+    assert parse_line(_line(body=body), 1, set()) == BatchRequest(1, "a", "/v1/completions",
+                                                                 body)
+
+
 @pytest.mark.parametrize("raw, expected", [
     (b"{not json\n", (None, "invalid_json_line",
                       ("line 7 is not valid JSON: Expecting property name enclosed in double "
@@ -60,14 +79,31 @@ def test_a_good_line_is_a_request_and_its_custom_id_is_taken():
     (_line(method="GET"), ("a", "invalid_method",
                            "line 7: method 'GET' is not supported; batch requests are POST",
                            "method")),
-    (_line(url="/v1/responses"), ("a", "invalid_url",
-                                  ("line 7: url '/v1/responses' is not supported; use one of "
-                                  "/v1/chat/completions, /v1/completions, /v1/embeddings"),
-                                  "url")),
+    (_line(url="/v1/moderations"), ("a", "invalid_url",
+                                    ("line 7: url '/v1/moderations' is not supported; use one "
+                                    "of /v1/chat/completions, /v1/completions, /v1/embeddings, "
+                                    "/v1/responses"), "url")),
     (_line(url="/v1/completions?x=1"), ("a", "invalid_url",
                                         ("line 7: url '/v1/completions?x=1' is not supported; "
                                         "use one of /v1/chat/completions, /v1/completions, "
-                                        "/v1/embeddings"), "url")),
+                                        "/v1/embeddings, /v1/responses"), "url")),
+    # GET /v1/responses/{id} is not a batch url (lines are POSTs)
+    (_line(url="/v1/responses/resp_1"), ("a", "invalid_url",
+                                         ("line 7: url '/v1/responses/resp_1' is not supported; "
+                                          "use one of /v1/chat/completions, /v1/completions, "
+                                          "/v1/embeddings, /v1/responses"), "url")),
+    (_line(url="/v1/responses", body={"input": "x", "stream": True}),
+     ("a", "stream_unsupported", ("line 7: batch requests cannot stream; leave body.stream out "
+      "or false (got true)"), "body.stream")),
+    (_line(url="/v1/responses", body={"input": "x", "previous_response_id": "resp_0a"}),
+     ("a", "unsupported_parameter", ("line 7: body.previous_response_id is not supported in a "
+      "batch (lines run concurrently and no reply outlives the batch); send the earlier turns "
+      'in input instead (got "resp_0a")'), "body.previous_response_id")),
+    # a mistyped id is refused the same way: the batch refuses the field, whatever its value
+    (_line(url="/v1/responses", body={"input": "x", "previous_response_id": 5}),
+     ("a", "unsupported_parameter", ("line 7: body.previous_response_id is not supported in a "
+      "batch (lines run concurrently and no reply outlives the batch); send the earlier turns "
+      "in input instead (got 5)"), "body.previous_response_id")),
     (_line(body=...), ("a", "missing_required_parameter",
                        "line 7 has no 'body': it must be a JSON object", "body")),
     (_line(body=["x"]), ("a", "invalid_value",

@@ -15,9 +15,18 @@ Output line, one per input line, in input order::
 OpenAI's batch output does). ``error`` (``response`` null) holds a line the batch refused
 before any endpoint saw it: its envelope is not a JSON object, lacks or mistypes
 ``custom_id`` / ``method`` / ``url`` / ``body``, has a method other than POST, a url other
-than the three endpoints, a ``custom_id`` an earlier line used, or a body asking to stream.
-The error object is ``{"code", "message", "param", "line"}`` (OpenAI's batch validation
-errors' fields; ``line`` counts from 1).
+than the four endpoints (``BATCH_URLS``), a ``custom_id`` an earlier line used, a body asking
+to stream, or a /v1/responses body naming a ``previous_response_id``. The error object is
+``{"code", "message", "param", "line"}`` (OpenAI's batch validation errors' fields; ``line``
+counts from 1).
+
+/v1/responses lines and the reply store: ``store`` is sent on as written (absent means true,
+OpenAI's default, so refusing it would refuse nearly every line) and echoed in the body as the
+server echoes it, but nothing outlives the batch: the server's store is in-process memory, and
+no batch line can read it (POST only; no GET /v1/responses/{id}). ``previous_response_id`` is
+refused: the lines run concurrently, so whether another line's reply is stored when a line
+names it would depend on timing, and a reply stored by an earlier ``kvflow serve`` is gone.
+A batch line sends the whole conversation in ``input`` instead.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
 
 @dataclass(frozen=True)
@@ -122,11 +131,24 @@ def _envelope_error(line: int, custom_id: str, value: dict[str, Any]) -> LineErr
         return LineError(line, custom_id, "invalid_url",
                          f"line {line}: url {value['url']!r} is not supported; use one of "
                          f"{', '.join(BATCH_URLS)}", "url")
-    stream = value["body"].get("stream")
+    return _body_error(line, custom_id, value["url"], value["body"])
+
+
+def _body_error(line: int, custom_id: str, url: str, body: dict[str, Any]) -> LineError | None:
+    """What a batch cannot do that ``body`` asks for (a stream; on /v1/responses, a
+    ``previous_response_id``); None if nothing."""
+    stream = body.get("stream")
     if stream is not None and stream is not False:
         return LineError(line, custom_id, "stream_unsupported",
                          f"line {line}: batch requests cannot stream; leave body.stream out "
                          f"or false (got {_shown(stream)})", "body.stream")
+    previous = body.get("previous_response_id")
+    if url == "/v1/responses" and previous is not None:
+        return LineError(line, custom_id, "unsupported_parameter",
+                         f"line {line}: body.previous_response_id is not supported in a batch "
+                         "(lines run concurrently and no reply outlives the batch); send the "
+                         f"earlier turns in input instead (got {_shown(previous)})",
+                         "body.previous_response_id")
     return None
 
 

@@ -188,11 +188,13 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
         "run-batch", help="run an OpenAI batch file (JSONL) offline",
         description="Run every request of an OpenAI Batch input file (JSONL: one "
         '{"custom_id", "method": "POST", "url", "body"} per line; url /v1/chat/completions, '
-        "/v1/completions or /v1/embeddings) through one engine, concurrently, and write one "
-        "output line per input line, in input order, each holding the body kvflow serve "
-        "would answer (4xx error bodies included). Lines that are not valid batch requests "
-        "(not JSON, missing fields, other methods or urls, a repeated custom_id, "
-        "stream: true) get an output line with an 'error' instead. Exit status 0 once the "
+        "/v1/completions, /v1/embeddings or /v1/responses) through one engine, "
+        "concurrently, and write one output line per input line, in input order, each "
+        "holding the body kvflow serve would answer (4xx error bodies included). Lines that "
+        "are not valid batch requests (not JSON, missing fields, other methods or urls, a "
+        "repeated custom_id, stream: true, a /v1/responses previous_response_id: lines run "
+        "concurrently and no stored reply outlives the batch) get an output line with an "
+        "'error' instead. Exit status 0 once the "
         "whole file is processed, whatever the lines' statuses; 2 with one 'kvflow: error:' "
         "line for bad options, an input that cannot be read or an output that cannot be "
         "written (checked before the model loads); 1 if the engine fails.")

@@ -1,8 +1,8 @@
 """``kvflow run-batch`` end to end on the tiny Llama: one batch file (read from stdin) mixing
-greedy chat and completion requests, requests the server refuses with a 4xx, and lines the
-batch format refuses, run by the command in a subprocess. The oracle for every line that
-reaches an endpoint is ``kvflow serve`` with the same flags, sent the same body over HTTP:
-same status, same body but for ``id`` and ``created``. The refused lines are checked against
+greedy chat, completion and Responses API requests, requests the server refuses with a 4xx,
+and lines the batch format refuses, run by the command in a subprocess. The oracle for every
+line that reaches an endpoint is ``kvflow serve`` with the same flags, sent the same body over
+HTTP: same status, same body but for ids and creation times. The refused lines are checked against
 hand-written error objects, the output line format field by field."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128"
                "--block-size", "4", "--max-model-len", "96"]
 SERVER_ARGS = [*ENGINE_ARGS, "--served-model-name", MODEL]
 CHAT, CMPL, EMBD = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+RESP = "/v1/responses"
+URLS = "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses"
 
 # (custom_id, url, body) of the lines that reach an endpoint, and the status the server gives
 SENT = [
@@ -41,10 +43,21 @@ SENT = [
     ("other-model", CHAT, {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
     ("embed-text-model", EMBD, {"model": MODEL, "input": "hello"}),
     ("too-long", CMPL, {"model": MODEL, "prompt": "the quick brown fox " * 40}),
+    # /v1/responses: store absent (true) and false, each echoed as the server echoes it
+    ("resp-1", RESP, {"model": MODEL, "instructions": "Be brief.", "input": "hi there",
+                      "max_output_tokens": 8, "temperature": 0}),
+    ("resp-items", RESP, {"model": MODEL, "store": False, "metadata": {"k": "v"},
+                          "input": [{"role": "user", "content": [
+                              {"type": "input_text", "text": "keys"}]}],
+                          "max_output_tokens": 6, "temperature": 0}),
+    ("resp-truncation", RESP, {"model": MODEL, "input": "x", "truncation": "auto"}),
+    ("resp-seed", RESP, {"model": MODEL, "input": "x", "seed": 1}),  # chat's, not a field here
 ]
 STATUS = {"chat-1": 200, "cmpl-logprobs": 200, "cmpl-two-prompts": 200, "chat-n2": 200,
           "bad-temperature": 400, "misspelled": 400, "other-model": 404,
-          "embed-text-model": 400, "too-long": 400}
+          "embed-text-model": 400, "too-long": 400, "resp-1": 200, "resp-items": 200,
+          "resp-truncation": 400, "resp-seed": 400}
+PREFIX = {CHAT: "chatcmpl-", CMPL: "cmpl-", RESP: "resp_"}
 
 
 def _envelope(custom_id, url, body, method="POST") -> str:
@@ -59,15 +72,24 @@ REFUSED = [
     ("", None, "invalid_json_line", "is empty", None),
     (_envelope("get", CMPL, {"prompt": "x"}, method="GET"), "get", "invalid_method",
      "method 'GET' is not supported; batch requests are POST", "method"),
-    (_envelope("responses", "/v1/responses", {"input": "x"}), "responses", "invalid_url",
-     ("url '/v1/responses' is not supported; use one of /v1/chat/completions, "
-     "/v1/completions, /v1/embeddings"), "url"),
+    (_envelope("moderations", "/v1/moderations", {"input": "x"}), "moderations",
+     "invalid_url", f"url '/v1/moderations' is not supported; use one of {URLS}", "url"),
     (_envelope("stream", CMPL, {"model": MODEL, "prompt": "x", "stream": True}), "stream",
      "stream_unsupported", ("batch requests cannot stream; leave body.stream out or false "
      "(got true)"), "body.stream"),
     (_envelope("chat-1", CMPL, {"model": MODEL, "prompt": "x"}), "chat-1",
      "duplicate_custom_id", ("custom_id 'chat-1' was used by an earlier line; each line "
      "needs its own"), "custom_id"),
+    (_envelope("resp-stream", RESP, {"model": MODEL, "input": "x", "stream": True}),
+     "resp-stream", "stream_unsupported", ("batch requests cannot stream; leave body.stream "
+     "out or false (got true)"), "body.stream"),
+    # the first /v1/responses line's reply is stored in the batch's process, but the lines run
+    # concurrently: naming another line's reply is refused, whatever the order
+    (_envelope("resp-follow-up", RESP, {"model": MODEL, "input": "and?",
+                                        "previous_response_id": "resp_0"}),
+     "resp-follow-up", "unsupported_parameter", ("body.previous_response_id is not supported "
+     "in a batch (lines run concurrently and no reply outlives the batch); send the earlier "
+     'turns in input instead (got "resp_0")'), "body.previous_response_id"),
 ]
 
 
@@ -135,7 +157,13 @@ def _same(got, want, where="body"):
 
 
 def _without_ids(body):
-    return {k: v for k, v in body.items() if k not in ("id", "created")}
+    """``body`` less what differs between two runs of one request: its ``id`` and
+    ``created`` / ``created_at``, and a Responses output item's ``id`` (``msg_<hex>``)."""
+    body = {k: v for k, v in body.items() if k not in ("id", "created", "created_at")}
+    if "output" in body:
+        for item in body["output"]:
+            assert re.fullmatch(r"(msg|rs|fc)_[0-9a-f]{32}", item.pop("id")), item
+    return body
 
 
 def test_one_output_line_per_input_line_in_order(batch_run):
@@ -160,14 +188,29 @@ def test_sent_lines_answer_as_the_server_does(batch_run, server):
         assert got["response"]["status_code"] == resp.status_code, custom_id
         want, reply = resp.json(), got["response"]["body"]
         if resp.status_code == 200:
-            prefix = "chatcmpl-" if url == CHAT else "cmpl-"
-            assert reply["id"].startswith(prefix) and got["response"]["request_id"] == \
+            assert reply["id"].startswith(PREFIX[url]) and got["response"]["request_id"] == \
                 reply["id"]
-            assert isinstance(reply["created"], int)
+            assert isinstance(reply["created_at" if url == RESP else "created"], int)
             _same(_without_ids(reply), _without_ids(want), custom_id)
         else:  # the OpenAI error body, exactly
             assert re.fullmatch(r"req_[0-9a-f]{32}", got["response"]["request_id"])
             assert reply == want, custom_id
+
+
+def test_responses_lines_echo_store_and_keep_their_reply(batch_run):
+    """A /v1/responses line's body echoes ``store`` as sent (absent: true, OpenAI's default)
+    and holds its reply as one assistant message; its request_id is the reply's id."""
+    _, output = batch_run
+    got = {line["custom_id"]: line["response"] for line in output}
+    for custom_id, store in (("resp-1", True), ("resp-items", False)):
+        body = got[custom_id]["body"]
+        assert (body["object"], body["store"]) == ("response", store)
+        cut = body["usage"]["output_tokens"] == body["max_output_tokens"]
+        assert (body["status"], body["incomplete_details"]) == (
+            ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None))
+        assert [item["type"] for item in body["output"]] == ["message"]
+        assert re.fullmatch(r"resp_[0-9a-f]{32}", got[custom_id]["request_id"])
+    assert got["resp-items"]["body"]["metadata"] == {"k": "v"}
 
 
 def test_refused_lines_carry_their_error(batch_run):
@@ -185,11 +228,11 @@ def test_refused_lines_carry_their_error(batch_run):
 def test_exit_status_and_summary(batch_run):
     proc, _ = batch_run
     assert proc.stderr.splitlines()[-1] == (
-        "kvflow run-batch: 15 lines: 4 succeeded, 11 failed (5 with an error response, "
-        "6 refused by the batch format)")
+        "kvflow run-batch: 21 lines: 6 succeeded, 15 failed (7 with an error response, "
+        "8 refused by the batch format)")
     assert "kvflow: error" not in proc.stderr and "Traceback" not in proc.stderr
     # the progress bar reached the end (stdin: no total known ahead)
-    assert "run-batch: 15line " in proc.stderr
+    assert "run-batch: 21line " in proc.stderr
     assert proc.stdout == ""
 
 
