@@ -18,7 +18,7 @@ from kvflow.entrypoints.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
+from kvflow.entrypoints.serving_base import OpenAIServing, check_token_ids, request_ids
 from kvflow.pooling_params import PoolingParams
 
 Prompt = tuple[str | None, list[int]]
@@ -52,26 +52,43 @@ class OpenAIServingEmbedding(OpenAIServing):
 
         Raises:
             OpenAIError: 400 (param ``input``) for an empty input (code ``empty_string`` /
-                ``empty_array``) or a text certainly longer than the context.
+                ``empty_array``) or a text certainly longer than the context; a token id
+                outside the vocabulary is named by its place, ``input.<j>`` in the one list
+                of ids, ``input.<index>.<j>`` in a list of lists (``check_token_ids``, as
+                /v1/completions names ``prompt.<j>`` / ``prompt.<index>.<j>``).
         """
         value = req.input
         items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
             else list(value)
-        empty = next((i for i, item in enumerate(items) if len(item) == 0),
-                     None if items else -1)
-        if empty is not None:  # in a list of inputs, name the empty one
-            listed = empty >= 0 and items[0] is not value
-            kind = items[empty] if empty >= 0 else []
-            raise OpenAIError(f"input {empty} of the list is empty" if listed
-                              else "the input is empty",
-                              param=f"input.{empty}" if listed else "input",
-                              code="empty_string" if isinstance(kind, str) else "empty_array")
+        self._check_items(items, listed=items[0] is not value if items else False)
         texts = [self.engine.processor.pooling_text(item) for item in items
                  if isinstance(item, str)]
         encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,
                                                "input", pooling=True))
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
                 for item in items]
+
+    def _check_items(self, items: list[str | list[int]], listed: bool) -> None:
+        """Refuse an empty input or a token id outside the vocabulary, naming its place
+        (``listed``: ``items`` is the request's list of inputs, so ``input.<index>``; else
+        ``items`` holds the request's one input, named ``input``).
+
+        Raises:
+            OpenAIError: 400, code ``empty_string`` / ``empty_array`` / ``invalid_value``.
+        """
+        empty = next((i for i, item in enumerate(items) if len(item) == 0),
+                     None if items else -1)
+        if empty is not None:  # in a list of inputs, name the empty one
+            listed = listed and empty >= 0
+            kind = items[empty] if empty >= 0 else []
+            raise OpenAIError(f"input {empty} of the list is empty" if listed
+                              else "the input is empty",
+                              param=f"input.{empty}" if listed else "input",
+                              code="empty_string" if isinstance(kind, str) else "empty_array")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                check_token_ids(item, self.engine.vocab_size, f"input.{i}" if listed
+                                else "input")
 
     async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams,
                    client_id: str) -> list[RequestStream]:

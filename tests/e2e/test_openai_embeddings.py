@@ -96,7 +96,8 @@ def test_wrong_endpoint_and_bad_input(bert, start_server, tiny_llama):
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "wrong_task"
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"),
                         ({"input": ["a", ""]}, "input.1"), ({"input": [[5], []]}, "input.1"),
-                        ({"input": [10**6]}, "input"), ({"input": "a", "model": "x"}, "model"),
+                        ({"input": [10**6]}, "input.0"),
+                        ({"input": "a", "model": "x"}, "model"),
                         ({"input": "a", "target_ttft_ms": 50}, "target_ttft_ms"),
                         ({"input": "a", "target_tpot_ms": 50}, "target_tpot_ms")):
         resp = httpx.post(f"{server.url}/v1/embeddings", json=body)
@@ -107,3 +108,23 @@ def test_wrong_endpoint_and_bad_input(bert, start_server, tiny_llama):
     assert server.metrics() is not None  # still serving
     ok = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("which", ["bert", "decoder"])
+@pytest.mark.parametrize("make_input,where,bad", [
+    (lambda v: [5, 6, v, -1], "input.2", "V"),  # one list of ids: the id's index
+    (lambda v: [[5, 6], [8], [7, -1, v]], "input.2.1", -1),  # the input's, then the id's
+])
+def test_out_of_vocabulary_names_the_index(which, bert, decoder, make_input, where, bad):
+    """A token id outside the model's vocabulary (its config's ``vocab_size``, read from the
+    sentence-transformers model) is named by its path, in the words /v1/completions uses for
+    ``prompt.N`` / ``prompt.I.N``: it was ``input`` (one list) without the id's index, in
+    the engine's words. The first bad id in request order is named ("V": the vocabulary
+    size)."""
+    server, st = bert if which == "bert" else decoder
+    vocab = st[0].auto_model.config.vocab_size
+    bad = vocab if bad == "V" else bad
+    resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": make_input(vocab)})
+    assert (resp.status_code, resp.json()) == (400, {"error": {
+        "message": f"{where}: token id {bad} is outside the vocabulary [0, {vocab})",
+        "type": "invalid_request_error", "param": where, "code": "invalid_value"}})
