@@ -253,3 +253,17 @@ def test_command_errors_before_the_model_loads(tmp_path, flags, message):
     assert proc.returncode == 2
     assert proc.stderr == f"kvflow: error: {message.format(**names)}\n"
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_help_names_every_batch_url_and_the_responses_refusals():
+    """``kvflow run-batch --help`` lists the four urls a line may POST to (/v1/responses
+    included) and says a /v1/responses previous_response_id is refused, as stream is."""
+    import argparse
+
+    from kvflow.entrypoints.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["run-batch"].format_help().split())
+    for url in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
+        assert re.search(rf"(?<![\w/]){re.escape(url)}(?![\w/])", text), url
+    assert "stream: true, a /v1/responses previous_response_id" in text
