@@ -16,6 +16,7 @@ import torch
 import xgrammar as xgr
 
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvflow.structured.grammar_cycles import unit_cycle_problem
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
@@ -169,7 +170,9 @@ def validate(params: StructuredOutputsParams) -> None:
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec)
+            problem = unit_cycle_problem(str(xgr.Grammar.from_ebnf(spec)))
+            if problem is not None:  # xgrammar's compiler would crash the process
+                raise ValueError(problem)
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
         why = grammar_error(spec, _clean(e)) if params.kind == "grammar" else _clean(e)

@@ -1,0 +1,78 @@
+"""A grammar with a rule defined only as itself (``b ::= b{1,2}``, ``b ::= c{2}`` with
+``c ::= b``) is refused before xgrammar compiles it: xgrammar 0.2.9's compiler crashes the
+whole process on such a rule (checked here in a child process, the oracle for why the
+guard exists), which would take the engine down. Grammars that only look alike (recursion
+through text, a repeated rule that consumes text, left recursion) still compile and match
+the strings worked out by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import xgrammar as xgr
+
+from kvflow.structured import StructuredOutputsParams, validate
+from kvflow.structured.grammar_cycles import unit_cycle
+
+PREFIX = "invalid grammar in structured_outputs: "
+CRASHING = [
+    ('root ::= "x"\nb ::= b{1,2}', "b -> b"),
+    ('root ::= "x"\nb ::= b{0,1}', "b -> b"),
+    ('root ::= "x"\nb ::= b{2,}', "b -> b"),
+    ('root ::= "x"\nb ::= c{2}\nc ::= b', "b -> c -> b"),
+    ('root ::= "x"\nb ::= c\nc ::= b{1,2}', "b -> c -> b"),
+]
+VOCAB = ["a", "b", "c", "x", "ab", "</s>"]
+
+
+@pytest.mark.parametrize("grammar, cycle", CRASHING)
+def test_unit_cycle_refused_with_its_rules(grammar, cycle):
+    with pytest.raises(ValueError) as e:
+        validate(StructuredOutputsParams(grammar=grammar))
+    assert str(e.value) == (f"{PREFIX}rule 'b' is defined only as itself ({cycle}), so it "
+                            "matches no text; give it an alternative that does, or remove it")
+
+
+def test_xgrammar_crashes_on_the_refused_grammar():
+    """The reason for the guard: compiling one crashes the interpreter (a signal, no
+    Python exception). If a later xgrammar compiles it, the guard may be relaxed."""
+    code = ("import xgrammar as xgr\n"
+            f"info = xgr.TokenizerInfo({VOCAB!r}, stop_token_ids=[5])\n"
+            f"xgr.GrammarCompiler(info).compile_grammar({CRASHING[0][0]!r})\n"
+            "print('compiled')")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True, timeout=120)
+    if run.returncode == 0:
+        pytest.skip(f"xgrammar {xgr.__version__} compiles it now: the guard may be relaxed")
+    assert run.returncode < 0 and "compiled" not in run.stdout
+
+
+@pytest.mark.parametrize("grammar, accepted, refused", [
+    # recursion that consumes text first
+    ('root ::= b\nb ::= "a" b{1,2} | "c"', ["c", "ac", "acc", "aac", "aacc"], ["a", "cc", "ca"]),
+    # a repeated rule that matches text
+    ('root ::= b{1,2}\nb ::= "a"', ["a", "aa"], ["", "aaa"]),
+    # left recursion
+    ('root ::= root "a" | "b"', ["b", "ba", "baaa"], ["a", "ab"]),
+    # a rule that is one reference to a rule that is not a cycle
+    ('root ::= b\nb ::= c{2}\nc ::= "x" | "a"', ["xx", "ax", "aa"], ["x", "xxx"]),
+])
+def test_look_alikes_compile_and_match(grammar, accepted, refused):
+    validate(StructuredOutputsParams(grammar=grammar))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5])) \
+        .compile_grammar(grammar)
+    for text, want in [(t, True) for t in accepted] + [(t, False) for t in refused]:
+        matcher = xgr.GrammarMatcher(compiled)
+        ok = all(matcher.accept_token(VOCAB.index(ch)) for ch in text)
+        assert (ok and matcher.accept_token(5)) == want, text
+
+
+def test_unit_cycle_on_printed_grammars():
+    """The detector on xgrammar's printed form, by hand: a chain into a cycle reports the
+    cycle only; a chain ending at a rule with text reports nothing."""
+    printed = ('root ::= (("x"))\na ::= ((b))\nb ::= ((c{2, 2}))\nc ::= ((b))\n'
+               'd ::= ((e))\ne ::= (("y") | (d))\n')
+    assert unit_cycle(printed) == ["b", "c", "b"]
+    assert unit_cycle(printed.replace("c ::= ((b))", 'c ::= (("z"))')) is None
