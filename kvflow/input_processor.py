@@ -9,7 +9,7 @@ from typing import Any
 from kvflow.chat_messages import image_urls
 from kvflow.chat_template import render_chat
 from kvflow.lora.request import LoRARequest
-from kvflow.models.pooling_config import PoolerConfig
+from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
@@ -125,15 +125,17 @@ class InputProcessor:
                              f"token ids, got {type(ids).__name__}")
         return prompt.get("prompt", ids), images
 
-    def pooling_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of an embedding prompt; text is tokenized as
-        ``pooling_text`` prepares it.
+    def pooling_prompt(self, prompt: PromptType, task: str = "embed"
+                       ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a pooling prompt of ``task``; text is
+        tokenized as ``pooling_text`` prepares it.
 
         Raises:
-            ValueError: on a generation model, for a malformed prompt, or one with images
-                (``multi_modal_data``): embeddings are computed from text or token ids only.
+            ValueError: on an engine not running ``task``, for a malformed prompt, or one with
+                images (``multi_modal_data``): embeddings are computed from text or token ids
+                only.
         """
-        self._require_pooler()
+        self.require_task(task)
         if isinstance(prompt, Mapping):
             prompt, images = self._unpack(prompt)
             if images:
@@ -143,11 +145,15 @@ class InputProcessor:
             return self.tokenize(prompt)
         return prompt, self.tokenize(self.pooling_text(prompt))[1]
 
-    def _require_pooler(self) -> None:
-        """Raises ValueError on a generation model (no pooling)."""
-        if self.pooler is None:
+    def require_task(self, task: str = "embed") -> None:
+        """Raises ValueError (what the engine runs, what to use) on an engine that does not
+        run ``task`` ("embed" or "score"): a generation model, or the other pooling task."""
+        if self.pooler is None and task == "embed":
             raise ValueError("this model generates text: embeddings need a model served with "
                              "task='embed' (--task embed)")
+        engine_task = "generate" if self.pooler is None else self.pooler.task
+        if engine_task != task:
+            raise ValueError(task_mismatch(engine_task, task))
 
     def pooling_text(self, text: str) -> str:
         """An embedding input as the model tokenizes it (sentence-transformers' rules): after
@@ -308,8 +314,8 @@ class InputProcessor:
                 and video placeholders included), or a ``dimensions`` the model cannot give
                 (Matryoshka support, sizes).
         """
-        self._require_pooler()
         params = params or PoolingParams()
+        self.require_task(params.task)
         self.validate(token_ids, pooling=True)
         if self.mm_processor is not None:
             if self.mm_processor.image_token_id in token_ids:

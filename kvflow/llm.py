@@ -12,9 +12,15 @@ from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.input_processor import PromptType
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
+from kvflow.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
+from kvflow.score_inputs import pair_prompt, score_pairs, score_value
 
 
 class LLM:
@@ -146,6 +152,9 @@ class LLM:
             params = list(pooling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        if any(p is not None and p.task != "embed" for p in params):
+            raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
+                             "with LLM.score")
         users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         for p, pp in zip(prompts, params):  # validate everything before queuing anything
@@ -159,6 +168,52 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              user: Sequence[str] | None = None) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of each text pair, in pair order
+        (``out.outputs.score``; see :class:`~kvflow.outputs.ScoringOutput`).
+
+        Args:
+            text_1 / text_2: a string or a list of strings: one text against one or each of
+                N texts (1-to-N), or two lists of the same length paired item by item
+                (N-to-N) (``kvflow.score_inputs.score_pairs``).
+            truncate_prompt_tokens: cut each pair to at most this many tokens (the longer
+                text first); None: a pair longer than ``max_model_len`` is refused.
+            user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
+
+        Raises:
+            ValueError: on an engine not running ``task="score"`` (a generation or embedding
+                model), for bad ``text_1`` / ``text_2`` (named), a pair longer than
+                ``max_model_len`` (named by its index and texts), or a bad
+                ``truncate_prompt_tokens`` or ``user`` (nothing is queued then).
+        """
+        processor = self.engine.processor
+        processor.require_task("score")
+        pairs = score_pairs(text_1, text_2)
+        users = _check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
+        prompts = []
+        for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
+            try:
+                ids, params = pair_prompt(processor.tokenizer, a, b, truncate_prompt_tokens)
+                processor.make_pooling_request("check", ids, params)
+            except ValueError as e:
+                raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \
+                    from None
+            prompts.append((ids, params))
+        request_ids: list[str] = []
+        try:
+            for (ids, params), who in zip(prompts, users):
+                request_ids.append(self.engine.add_pooling_request(ids, params, client_id=who))
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                     ScoringOutput(score_value(o.outputs.embedding)),
+                                     o.finished, o.metrics)
+                for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

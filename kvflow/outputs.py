@@ -114,6 +114,32 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """A cross-encoder's score of one text pair.
+
+    Attributes:
+        score: the logit after the model's activation (sentence-transformers'
+            ``CrossEncoder.predict``: sigmoid for a one-label model, so in (0, 1)); for a
+            model with ``num_labels`` > 1, the list of its ``num_labels`` values (no
+            activation unless the model's config names one).
+    """
+
+    score: float | list[float]
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of one scored pair (vLLM's ``ScoringRequestOutput`` shape); the prompt is
+    the pair's token ids (``prompt_token_ids``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
 class RequestOutput:
     """All samples of one prompt.
 

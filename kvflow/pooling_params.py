@@ -1,27 +1,44 @@
-"""What an embedding request asks for beyond its prompt (pure data, crosses to the runner)."""
+"""What a pooling request (an embedding, or a pair's score) asks for beyond its prompt (pure
+data, crosses to the runner)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+POOLING_TASKS = ("embed", "score")
+
 
 @dataclass
 class PoolingParams:
-    """Options of one embedding (pooling) request.
+    """Options of one pooling request.
 
     Attributes:
         dimensions: keep the first ``dimensions`` values of the pooled vector (Matryoshka
             representation learning, Kusupati et al. 2022), normalized again when the model
             normalizes; None: the whole vector. Only for models that declare Matryoshka
             support (checked by the engine against the model).
+        task: "embed" (a vector, ``LLM.embed``) or "score" (a cross-encoder's pair, set by
+            ``LLM.score`` and the score routes); the engine refuses a task it does not run.
+        second_segment_start: for a scored pair whose tokenizer gives token types (BERT),
+            the index in tokens of the pair's second segment (token type 1 from there on);
+            None: one segment (type 0 throughout). Set by the score paths, not by users.
 
     Raises:
-        ValueError: from the constructor for ``dimensions`` < 1 or not an integer.
+        ValueError: from the constructor for ``dimensions`` < 1 or not an integer, an unknown
+            ``task``, or a ``second_segment_start`` < 1 or not an integer.
     """
 
     dimensions: int | None = None
+    task: str = "embed"
+    second_segment_start: int | None = None
 
     def __post_init__(self) -> None:
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"PoolingParams.dimensions={d!r} must be an integer >= 1")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"PoolingParams.task={self.task!r} must be one of {POOLING_TASKS}")
+        s = self.second_segment_start
+        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
+            raise ValueError(f"PoolingParams.second_segment_start={s!r} must be an integer "
+                             ">= 1")

@@ -19,9 +19,11 @@ class ModelConfig:
     tokenizer: str | None = opt(None, "tokenizer: folder, .gguf file, packaged model name or "
                                 "Hub repo id org/name[@revision] (default: the model's own)")
     task: str = opt("auto", "what the model serves: generate (text), embed (one vector per "
-                     "prompt: /v1/embeddings, LLM.embed), or auto (embed for encoder and "
-                     "LM-head-less architectures and sentence-transformers folders)",
-                     choices=["auto", "generate", "embed"])
+                     "prompt: /v1/embeddings, LLM.embed), score (a cross-encoder's score per "
+                     "text pair: /v1/score, /v1/rerank, LLM.score), or auto (score for "
+                     "*ForSequenceClassification, embed for encoder and LM-head-less "
+                     "architectures and sentence-transformers folders)",
+                     choices=["auto", "generate", "embed", "score"])
     dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "

@@ -34,7 +34,7 @@ from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
 from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import ModelSource, resolve_model
-from kvflow.models.pooling_config import model_task
+from kvflow.models.pooling_config import TASK_VERB, model_task, task_mismatch
 from kvflow.models.registry import is_multimodal, model_traits
 from kvflow.platforms import get_platform
 from kvflow.request import Request, RequestStatus
@@ -133,16 +133,17 @@ class EngineCore:
         self.task, self.pooler_config = model_task(self.config.model_config.task,
                                                    self.hf_config, folder)
         self.is_encoder = model_traits(self.hf_config)[1]
-        if self.task == "embed" and self.config.lora_config.enable_lora:
-            raise ValueError("enable_lora is for text generation; this engine embeds "
-                             "(task='embed')")
-        if self.task == "embed" and self.config.scheduler_config.preemption_mode == "swap":
+        pooling, does = self.task != "generate", TASK_VERB[self.task]
+        if pooling and self.config.lora_config.enable_lora:
+            raise ValueError(f"enable_lora is for text generation; this engine {does} "
+                             f"(task={self.task!r})")
+        if pooling and self.config.scheduler_config.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap' is not available for embedding models "
                              "(a pooled prompt is recomputed when preempted)")
-        if self.task == "embed" and self.config.speculative_config is not None:
-            raise ValueError("speculative decoding is for text generation; this engine embeds "
-                             "(task='embed')")
-        if self.task == "embed" and self.config.parallel_config.pipeline_parallel_size > 1:
+        if pooling and self.config.speculative_config is not None:
+            raise ValueError(f"speculative decoding is for text generation; this engine "
+                             f"{does} (task={self.task!r})")
+        if pooling and self.config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("embedding models run without pipeline parallelism "
                              "(pipeline_parallel_size=1)")
         if self.is_encoder:
@@ -165,9 +166,9 @@ class EngineCore:
             sc.async_scheduling = self.platform.default_async_scheduling and \
                 self.executor.supports_async_scheduling and \
                 self.config.speculative_config is None and self.task == "generate"
-        elif sc.async_scheduling and self.task == "embed":
-            raise ValueError("--async-scheduling is for text generation; this engine embeds "
-                             "(task='embed': nothing is sampled)")
+        elif sc.async_scheduling and self.task != "generate":
+            raise ValueError(f"--async-scheduling is for text generation; this engine "
+                             f"{TASK_VERB[self.task]} (task={self.task!r}: nothing is sampled)")
         elif sc.async_scheduling and not self.executor.supports_async_scheduling:
             raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
                              "it is not available with tensor or pipeline parallelism yet")
@@ -312,11 +313,9 @@ class EngineCore:
                 adapter that cannot be loaded, or a generation request to an embedding
                 engine (and the reverse).
         """
-        if (request.pooling_params is not None) != (self.task == "embed"):
-            raise ValueError(f"this engine runs task={self.task!r}: "
-                             + ("use LLM.embed or /v1/embeddings" if self.task == "embed"
-                                else "embedding requests need a model served with "
-                                "task='embed'"))
+        asked = "generate" if request.pooling_params is None else request.pooling_params.task
+        if asked != self.task:
+            raise ValueError(task_mismatch(self.task, asked))
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise ValueError(f"request {request.request_id!r} has images but this model "
                              "takes text only")

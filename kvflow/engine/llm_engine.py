@@ -116,7 +116,7 @@ class LLMEngine:
             ValueError: on a generation model, for a bad prompt or ``dimensions``.
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
-        text, token_ids = self.processor.pooling_prompt(prompt)
+        text, token_ids = self.processor.pooling_prompt(prompt, (params or PoolingParams()).task)
         request = self.processor.make_pooling_request(request_id, token_ids, params,
                                                       client_id=client_id)
         self.output_processor.add_request(text, [request])

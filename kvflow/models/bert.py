@@ -37,10 +37,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One segment (token type 0), positions counted from each sequence's start."""
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + \
-            self.token_type_embeddings.weight[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions counted from each sequence's start; ``token_type_ids`` int64 [T] (a
+        cross-encoder's pair), None: one segment (token type 0)."""
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None \
+            else self.token_type_embeddings(token_type_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + types
         return self.LayerNorm(x)
 
 
@@ -104,8 +107,8 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` for whole
-    sequences (the step's ``query_start_loc`` delimits them).
+    """``forward(input_ids [T], positions [T], token_type_ids [T] | None) -> hidden
+    [T, hidden_size]`` for whole sequences (the step's ``query_start_loc`` delimits them).
 
     Args:
         config: an HF BertConfig (absolute positions only).
@@ -142,8 +145,9 @@ class BertModel(nn.Module):
         self.embeddings = self.embeddings_cls(config)
         self.encoder = BertEncoder(config, ctx)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden = layer(hidden)
         return hidden

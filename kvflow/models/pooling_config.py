@@ -22,7 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("generate", "embed")
+TASKS = ("generate", "embed", "score")
+# sentence-transformers' CrossEncoder activation_fn paths kvflow applies (config.json)
+_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                "torch.nn.modules.linear.Identity": "identity", "torch.nn.Sigmoid": "sigmoid",
+                "torch.nn.Identity": "identity"}
 _KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
 # sentence-transformers < 6: one boolean per mode; >= 6: "pooling_mode": name
 _POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -45,6 +49,10 @@ class PoolerConfig:
             (``sentence_bert_config.json``), None when the folder does not say.
         lowercase: lower-case text inputs before tokenizing (``do_lower_case``).
         prompt: text put before every text input (the default prompt), "" for none.
+        task: "embed" (a vector per prompt) or "score" (a cross-encoder: the model's
+            ``score_head`` on the pooled CLS state, then ``activation``).
+        activation: a score model's activation on its logits, "sigmoid" or "identity"
+            (:func:`score_activation`); None for embeddings.
     """
 
     pooling_type: str
@@ -54,6 +62,8 @@ class PoolerConfig:
     max_seq_length: int | None = None
     lowercase: bool = False
     prompt: str = ""
+    task: str = "embed"
+    activation: str | None = None
 
     def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
         """The model's context limit ``positions`` capped at ``max_seq_length``.
@@ -97,14 +107,28 @@ def has_sentence_transformers_config(folder: str | None) -> bool:
     return folder is not None and os.path.isfile(os.path.join(folder, "modules.json"))
 
 
-def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None) -> str:
-    """``generate`` or ``embed``: ``requested``, or for ``auto`` embed when the architecture
-    only embeds (an encoder such as BertModel, a decoder without LM head such as Qwen2Model)
-    or the folder is a sentence-transformers model (``modules.json``).
+def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None,
+                 is_cross_encoder: bool = False) -> str:
+    """``generate``, ``embed`` or ``score``: ``requested``, or for ``auto`` score for a
+    cross-encoder (``*ForSequenceClassification``), embed when the architecture only embeds
+    (an encoder such as BertModel, a decoder without LM head such as Qwen2Model) or the folder
+    is a sentence-transformers model (``modules.json``).
 
     Raises:
-        ValueError: for ``generate`` on an architecture without an LM head.
+        ValueError: for ``generate`` on an architecture without an LM head, ``score`` on one
+            without a classification head, or ``generate`` / ``embed`` on a cross-encoder.
     """
+    if is_cross_encoder:
+        if requested not in ("auto", "score"):
+            raise ValueError(f"task={requested!r}: this architecture is a cross-encoder (a "
+                             "sequence-classification head); it only scores pairs (use "
+                             "task='score')")
+        return "score"
+    if requested == "score":
+        raise ValueError("task='score' needs a cross-encoder (BertForSequenceClassification, "
+                         "RobertaForSequenceClassification, "
+                         "XLMRobertaForSequenceClassification); this architecture has no "
+                         "classification head")
     if requested == "auto":
         embed = is_pooling_architecture or has_sentence_transformers_config(folder)
         return "embed" if embed else "generate"
@@ -213,21 +237,60 @@ def _matryoshka(hf_config: Any) -> tuple[bool, tuple[int, ...] | None]:
 
 def model_task(requested: str, hf_config: Any, folder: str | None
                ) -> tuple[str, PoolerConfig | None]:
-    """The task an engine runs and, for ``embed``, the model's pooling (one place for the
+    """The task an engine runs and, for ``embed`` and ``score``, the model's pooling (one place for the
     engine core, the runners and the API process to decide it alike).
 
     Args:
-        requested: ``ModelConfig.task`` (auto | generate | embed).
+        requested: ``ModelConfig.task`` (auto | generate | embed | score).
         hf_config: the model's HF config.
         folder: the HF model folder (None for a GGUF file).
 
     Raises:
         ValueError: see :func:`resolve_task` and :func:`load_pooler_config`.
     """
-    from kvflow.models.registry import model_traits
+    from kvflow.models.registry import is_cross_encoder, model_traits
 
     pooling_only, encoder = model_traits(hf_config)
-    task = resolve_task(requested, pooling_only, folder)
+    task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config))
     if task == "generate":
         return task, None
+    if task == "score":
+        return task, PoolerConfig("cls", False, task="score",
+                                  activation=score_activation(hf_config))
     return task, load_pooler_config(folder, hf_config, encoder)
+
+
+def score_activation(hf_config: Any) -> str:
+    """The activation sentence-transformers' ``CrossEncoder.predict`` applies to the logits
+    (its ``get_default_activation_fn``, v4-v6): ``config.json``'s
+    ``sentence_transformers.activation_fn`` (or the older ``sbert_ce_default_activation_function``)
+    when set, else sigmoid for one label (``num_labels == 1``) and identity for several.
+
+    Raises:
+        ValueError: for an activation other than torch's Sigmoid or Identity.
+    """
+    st = getattr(hf_config, "sentence_transformers", None)
+    path = st.get("activation_fn") if isinstance(st, dict) else None
+    path = path or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if path is None:
+        return "sigmoid" if int(hf_config.num_labels) == 1 else "identity"
+    if path not in _ACTIVATIONS:
+        raise ValueError(f"config.json: cross-encoder activation_fn {path!r} is not supported; "
+                         f"kvflow applies {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[path]
+
+
+TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs"}
+_TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
+                         "/v1/chat/completions",
+             "embed": "LLM.embed or /v1/embeddings",
+             "score": "LLM.score or /v1/score and /v1/rerank"}
+
+
+def task_mismatch(engine_task: str, asked: str) -> str:
+    """The message refusing a request of task ``asked`` on an engine running
+    ``engine_task`` (each a name of :data:`TASKS`): what the engine does, what to use instead
+    and which task the request needs."""
+    return (f"this engine runs task={engine_task!r} (it {TASK_VERB[engine_task]}): use "
+            f"{_TASK_USE[engine_task]}; a {asked} request needs a model served with "
+            f"task={asked!r}")

@@ -7,6 +7,10 @@ from typing import Any
 from torch import nn
 
 from kvflow.models.bert import BertModel
+from kvflow.models.cross_encoder import (
+    BertForSequenceClassification,
+    RobertaForSequenceClassification,
+)
 from kvflow.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import (
@@ -45,6 +49,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertForMaskedLM": BertModel,
     "RobertaForMaskedLM": RobertaModel,
     "XLMRobertaForMaskedLM": RobertaModel,
+    # cross-encoders (--task score): the encoder + its sequence-classification head
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
     "LlamaModel": embedding_only(LlamaForCausalLM),
     "MistralModel": embedding_only(LlamaForCausalLM),
     "Qwen2Model": embedding_only(Qwen2ForCausalLM),
@@ -88,6 +96,17 @@ def model_traits(hf_config: Any) -> tuple[bool, bool]:
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     return (bool(getattr(model_cls, "is_pooling_only", False)),
             bool(getattr(model_cls, "is_encoder_only", False)))
+
+
+def is_cross_encoder(hf_config: Any) -> bool:
+    """Whether the config's architecture is a cross-encoder (an encoder with a
+    sequence-classification head: it scores pairs, ``task="score"``).
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    return bool(getattr(model_cls, "is_cross_encoder", False))
 
 
 def position_offset(hf_config: Any) -> int:

@@ -48,10 +48,13 @@ class RobertaEmbeddings(BertEmbeddings):
         super().__init__(config)
         self.padding_idx = int(config.pad_token_id)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One segment (token type 0); ``positions`` count from each sequence's start."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` count from each sequence's start; one segment (RoBERTa has one token
+        type: ``token_type_ids`` is None or zeros)."""
         return super().forward(input_ids,
-                               roberta_position_ids(input_ids, positions, self.padding_idx))
+                               roberta_position_ids(input_ids, positions, self.padding_idx),
+                               token_type_ids)
 
 
 class RobertaModel(BertModel):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionMetadata
@@ -29,17 +30,39 @@ class ForwardCounters:
 
 
 def model_extra_inputs(mm_runner: MultiModalRunner | None, inputs: ModelInputs,
-                       batch: InputBatch, requests: dict[str, RequestState]
-                       ) -> tuple[torch.Tensor, dict[str, Any]]:
+                       batch: InputBatch, requests: dict[str, RequestState],
+                       token_types: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
     """The positions and extra keyword inputs of the model's forward: ``inputs.positions`` and
     none, or for a multimodal model ``inputs_embeds`` [T, hidden] with the image rows merged
-    and, with M-RoPE, positions [3, T] (``worker/mm_runner.py``)."""
+    and, with M-RoPE, positions [3, T] (``worker/mm_runner.py``); with ``token_types`` (a
+    BERT cross-encoder) ``token_type_ids`` [T] (:func:`token_type_ids`)."""
     positions, extra = inputs.positions, {}
+    if token_types:
+        extra["token_type_ids"] = token_type_ids(inputs, batch, requests)
     if mm_runner is not None:  # image rows merged; M-RoPE positions [3, T]
         extra["inputs_embeds"] = mm_runner.inputs_embeds(inputs, batch, requests)
         if mm_runner.uses_mrope:
             positions = mm_runner.positions(inputs, batch, requests)
     return positions, extra
+
+
+def token_type_ids(inputs: ModelInputs, batch: InputBatch,
+                   requests: dict[str, RequestState]) -> torch.Tensor:
+    """int64 [T]: BERT's token type of each of the step's tokens, 1 from a scored pair's
+    second segment on (``PoolingParams.second_segment_start``, compared with the token's
+    position in its prompt), else 0. Encoders run whole prompts, so ``inputs.positions``
+    are each token's index in its prompt."""
+    starts = []
+    for row in inputs.rows.tolist():
+        state = requests.get(batch.req_ids[row])
+        params = state.pooling_params if state is not None else None
+        start = params.second_segment_start if params is not None else None
+        starts.append(np.iinfo(np.int64).max if start is None else start)
+    per_token = np.repeat(np.asarray(starts, dtype=np.int64), np.diff(inputs.query_start))
+    positions = inputs.positions
+    if per_token.shape[0] < positions.shape[0]:  # padding tokens after the step's own
+        per_token = np.pad(per_token, (0, positions.shape[0] - per_token.shape[0]))
+    return (positions >= torch.from_numpy(per_token).to(positions.device)).long()
 
 
 def prepare_attention(attn_ctx: AttentionContext, metadata: list[AttentionMetadata],

@@ -110,7 +110,8 @@ class ModelRunner:
             self.config, self.platform, source, hf_config, self.dtype, self.parallel)
         self.long_prompt_rope = long_prompt_rope(hf_config)  # LongRoPE's long-prompt rows
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
-        self.pooling = None if pooler is None else PoolingState(pooler)  # embedding models
+        self.pooling = None if pooler is None else \
+            PoolingState(pooler, getattr(self.model, "score_head", None))  # embed, score
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
                                         getattr(hf_config, "model_type", None)) \
@@ -343,7 +344,8 @@ class ModelRunner:
             self.counters.forward_s += time.perf_counter() - start
             return hidden
         positions, extra = model_extra_inputs(self.mm_runner, inputs, batch or self.input_batch,
-                                              self.requests)
+                                              self.requests,
+                                              getattr(self.model, "uses_token_types", False))
         if self.lora_manager is not None:
             with self.lora_manager.ctx.bind(lora_mapping):
                 return self._run_model(inputs, intermediate_tensors, positions, extra, rows)

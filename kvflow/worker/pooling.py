@@ -8,9 +8,13 @@ prompt token (a float64 running sum per request that each chunk continues token 
 it is the same however the prompt is chunked: ``--deterministic`` holds for it). A preempted request
 recomputes its prompt from the start, so its partial state is dropped. The vector is then cut
 to the request's ``dimensions`` (Matryoshka) and L2-normalized when the model normalizes.
+A cross-encoder (``task="score"``) pools ``cls`` and reports its classification head's logits
+on that state after the model's activation (sigmoid or identity): ``num_labels`` values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,10 +41,20 @@ class PoolingState:
 
     Args:
         config: the model's pooling.
+        score_head: a cross-encoder's head, [N, hidden] -> [N, num_labels] logits (the
+            model's ``score_head``), for ``config.task == "score"``.
+
+    Raises:
+        ValueError: for a score config without a head.
     """
 
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig,
+                 score_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if config.task == "score" and score_head is None:
+            raise ValueError("task='score' needs a model with a classification head "
+                             "(score_head)")
         self.config = config
+        self.score_head = score_head if config.task == "score" else None
         self._partial: dict[str, torch.Tensor] = {}  # cls: first row; mean: running sum
 
     def drop(self, req_id: str) -> None:
@@ -77,8 +91,19 @@ class PoolingState:
                 vector = (self._partial.pop(rid) / int(batch.num_prompt_tokens[row])).float()
             else:
                 vector = self._partial.pop(rid)
+            if self.score_head is not None:
+                done[rid] = self._score(vector.to(hidden.dtype))
+                continue
             done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
         return done
+
+    def _score(self, cls_hidden: torch.Tensor) -> list[float]:
+        """[H] CLS state -> the ``num_labels`` scores: head logits (float32), then the
+        activation (sentence-transformers' ``CrossEncoder.predict`` default)."""
+        logits = self.score_head(cls_hidden.unsqueeze(0))[0].float()
+        if self.config.activation == "sigmoid":
+            logits = torch.sigmoid(logits)
+        return logits.tolist()
 
 
 def _running_sum(partial: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

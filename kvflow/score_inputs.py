@@ -1,0 +1,99 @@
+"""Text pairs for a cross-encoder (``task="score"``): which pairs ``text_1`` / ``text_2`` make
+(vLLM's forms: 1-to-1, 1-to-N, N-to-N) and how one pair becomes a prompt (the tokenizer's
+``(text, text_pair)`` encoding, with BERT's token types turned into
+``PoolingParams.second_segment_start``). Shared by ``LLM.score`` and the server's
+``/v1/score`` and ``/v1/rerank``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.pooling_params import PoolingParams
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str],
+                names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
+    """The (text_1, text_2) pairs to score, in order: one string and one string give one
+    pair; one string (or a one-item list) and a list give it paired with each item (1-to-N);
+    two lists of the same length pair item by item (N-to-N).
+
+    Args:
+        names: what to call the two arguments in errors (the server's field names).
+
+    Raises:
+        ValueError: for an argument that is not a string or a list of strings, an empty list,
+            an empty string, or lists whose lengths are neither 1-to-N nor N-to-N (naming the
+            argument and, for a list, the item).
+    """
+    first, second = (_as_texts(v, n) for v, n in zip((text_1, text_2), names))
+    if len(first) == 1:
+        return [(first[0], t) for t in second]
+    if len(first) != len(second):
+        raise ValueError(f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: "
+                         f"score one {names[0]} against N texts (1-to-N) or two lists of the "
+                         "same length (N-to-N)")
+    return list(zip(first, second))
+
+
+def _as_texts(value: Any, name: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of strings, got "  # noqa: TRY004
+                         f"{type(value).__name__}")
+    if not texts:
+        raise ValueError(f"{name} is an empty list: give at least one text")
+    for i, text in enumerate(texts):
+        where = name if isinstance(value, str) else f"{name}[{i}]"
+        if not isinstance(text, str):
+            raise ValueError(f"{where} must be a string, got "  # noqa: TRY004
+                             f"{type(text).__name__}")
+        if not text:
+            raise ValueError(f"{where} is an empty string")
+    return list(texts)
+
+
+def pair_prompt(tokenizer: Any, text_1: str, text_2: str,
+                truncate_prompt_tokens: int | None = None) -> tuple[list[int], PoolingParams]:
+    """One pair as the cross-encoder reads it: the token ids of
+    ``tokenizer(text_1, text_2)`` (special tokens added: ``[CLS] A [SEP] B [SEP]`` for BERT,
+    ``<s> A </s></s> B </s>`` for RoBERTa) and the request's PoolingParams (``task="score"``,
+    ``second_segment_start`` where the tokenizer gives token type 1).
+
+    Args:
+        tokenizer: an HF tokenizer (callable on a text pair).
+        truncate_prompt_tokens: cut the pair to at most this many tokens, the longer text
+            first (transformers' ``longest_first``, what sentence-transformers' CrossEncoder
+            does at its ``max_length``); None: never cut (the engine refuses a pair longer
+            than ``max_model_len``).
+
+    Raises:
+        ValueError: without a tokenizer, for a ``truncate_prompt_tokens`` below 1 or one the
+            pair cannot be cut to (its special tokens alone are longer), or token types that
+            are not one run of 0s then one run of 1s.
+    """
+    if tokenizer is None or not callable(tokenizer):
+        raise ValueError("scoring text pairs needs the model's HF tokenizer")
+    cut: dict[str, Any] = {}
+    if truncate_prompt_tokens is not None:
+        t = truncate_prompt_tokens
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+            raise ValueError(f"truncate_prompt_tokens={t!r} must be an integer >= 1")
+        cut = {"truncation": "longest_first", "max_length": t}
+    enc = tokenizer(text_1, text_2, add_special_tokens=True, **cut)
+    ids = list(enc["input_ids"])
+    if truncate_prompt_tokens is not None and len(ids) > truncate_prompt_tokens:
+        raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens}: the pair cannot be "
+                         f"cut below {len(ids)} tokens")
+    types = list(enc.get("token_type_ids") or [])
+    start = types.index(1) if 1 in types else None
+    if start is not None and types != [0] * start + [1] * (len(types) - start):
+        raise ValueError(f"the tokenizer's token types {types} are not one segment of 0s "
+                         "then one of 1s")
+    return ids, PoolingParams(task="score", second_segment_start=start)
+
+
+def score_value(values: list[float]) -> float | list[float]:
+    """A pooled score request's values -> its score: the one value of a one-label model, the
+    ``num_labels`` values otherwise (what ``CrossEncoder.predict`` gives per pair)."""
+    return values[0] if len(values) == 1 else list(values)
