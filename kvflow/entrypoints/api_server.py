@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET /v1/responses/{id}),
-/v1/embeddings, /v1/models[/{model}],
+/v1/embeddings, /v1/score, /v1/rerank (and /rerank), /v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
@@ -41,6 +41,8 @@ from kvflow.entrypoints.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
+    ScoreRequest,
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
@@ -51,6 +53,7 @@ from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.serving_responses import OpenAIServingResponses
+from kvflow.entrypoints.serving_score import OpenAIServingScore
 from kvflow.entrypoints.token_routes import add_token_routes
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
@@ -167,6 +170,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
                                        chat_template)
     app.state.responses = OpenAIServingResponses(app.state.chat)
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
+    app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -191,6 +195,15 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
         return await raw.app.state.embedding.create_embedding(req, raw)
+
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest, raw: Request) -> Response:
+        return await raw.app.state.score.create_score(req, raw)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(req: RerankRequest, raw: Request) -> Response:
+        return await raw.app.state.score.create_rerank(req, raw)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:

@@ -167,14 +167,14 @@ class OpenAIServing:
 
     def check_task(self, task: str) -> None:
         """Refuse an endpoint the served model does not do (text on an embedding model,
-        embeddings on a text model).
+        embeddings on a text model, scores on either, ...).
 
         Raises:
             OpenAIError: 400 (param ``model``) when the engine's task is not ``task``.
         """
         if self.engine.task != task:
-            use = "/v1/embeddings" if self.engine.task == "embed" else \
-                "/v1/completions or /v1/chat/completions"
+            use = {"embed": "/v1/embeddings", "score": "/v1/score or /v1/rerank"}.get(
+                self.engine.task, "/v1/completions or /v1/chat/completions")
             raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
                               f"this endpoint needs task={task!r}: use {use}", param="model",
                               code="wrong_task")

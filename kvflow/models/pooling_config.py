@@ -53,6 +53,8 @@ class PoolerConfig:
             ``score_head`` on the pooled CLS state, then ``activation``).
         activation: a score model's activation on its logits, "sigmoid" or "identity"
             (:func:`score_activation`); None for embeddings.
+        num_labels: a score model's outputs per pair (its classifier's ``num_labels``); 0 for
+            embeddings.
     """
 
     pooling_type: str
@@ -64,6 +66,7 @@ class PoolerConfig:
     prompt: str = ""
     task: str = "embed"
     activation: str | None = None
+    num_labels: int = 0
 
     def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
         """The model's context limit ``positions`` capped at ``max_seq_length``.
@@ -256,7 +259,8 @@ def model_task(requested: str, hf_config: Any, folder: str | None
         return task, None
     if task == "score":
         return task, PoolerConfig("cls", False, task="score",
-                                  activation=score_activation(hf_config))
+                                  activation=score_activation(hf_config),
+                                  num_labels=int(hf_config.num_labels))
     return task, load_pooler_config(folder, hf_config, encoder)
 
 

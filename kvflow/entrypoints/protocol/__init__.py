@@ -26,7 +26,8 @@ the first chunk of each choice carries ``prompt_token_ids``), ``stream_options``
 The models live in one module per job: ``base`` (base classes, the error body, the
 request-body checks), ``sampling`` (the fields completion and chat share; the completion
 request), ``chat`` (the chat request), ``responses`` (completion and chat replies),
-``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``management`` (models,
+``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``scoring``
+(score and rerank), ``management`` (models,
 LoRA adapters, tokenize, version). Import them from this package.
 """
 
@@ -95,6 +96,17 @@ from kvflow.entrypoints.protocol.sampling import (
     StreamOptions,
     StructuredOutputsField,
 )
+from kvflow.entrypoints.protocol.scoring import (
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreUsage,
+)
 
 __all__ = [
     "ChatChoice",
@@ -137,8 +149,17 @@ __all__ = [
     "PromptLogprob",
     "RequestBody",
     "RequestModel",
+    "RerankDocument",
+    "RerankRequest",
+    "RerankResponse",
+    "RerankResult",
+    "RerankUsage",
     "ResponseFormat",
     "SamplingRequest",
+    "ScoreData",
+    "ScoreRequest",
+    "ScoreResponse",
+    "ScoreUsage",
     "StreamOptions",
     "StructuredOutputsField",
     "TokenizeRequest",

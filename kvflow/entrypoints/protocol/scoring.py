@@ -1,0 +1,88 @@
+"""The /v1/score (vLLM's shape) and /v1/rerank (Jina / Cohere's shape) requests and
+responses of a cross-encoder server (``--task score``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from kvflow.entrypoints.protocol.base import (
+    INT32_MAX,
+    OmitNoneModel,
+    OpenAIBaseModel,
+    RequestBody,
+    now,
+)
+
+
+class ScoreRequest(RequestBody):
+    """POST /v1/score: ``text_1`` against ``text_2`` (a string or a list each: 1-to-1, 1-to-N
+    or N-to-N pairs); ``truncate_prompt_tokens`` cuts each pair to that many tokens (the
+    longer text first) instead of refusing a pair longer than the context; vLLM's
+    ``request_id`` names the reply (``id``: ``score-{request_id}``)."""
+
+    model: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: str | None = None
+
+
+class ScoreData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float | list[float]  # the num_labels values of a model with several labels
+
+
+class ScoreUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+
+
+class RerankRequest(RequestBody):
+    """POST /v1/rerank (and /rerank): ``documents`` scored against ``query``, best first;
+    ``top_n`` keeps the best N (0 or None: all); ``return_documents`` echoes each
+    document's text (default true, as vLLM and Jina do; false: no ``document``)."""
+
+    model: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(None, ge=0, le=INT32_MAX)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: str | None = None
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OmitNoneModel):
+    OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ("document",)
+
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int = 0
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

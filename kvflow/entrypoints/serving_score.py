@@ -1,0 +1,171 @@
+"""POST /v1/score (vLLM's shape) and /v1/rerank, /rerank (Jina / Cohere's shape): text pairs
+scored by a cross-encoder (``--task score``), one engine request per pair, batched by the
+scheduler like any prompts. A pair is tokenized as ``LLM.score`` does
+(``kvflow.score_inputs.pair_prompt``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.preprocess import off_loop
+from kvflow.entrypoints.protocol import (
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreUsage,
+)
+from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
+from kvflow.pooling_params import PoolingParams
+from kvflow.score_inputs import pair_prompt, score_pairs, score_value
+
+Pair = tuple[list[int], PoolingParams]
+
+
+class OpenAIServingScore(OpenAIServing):
+    """Handler of /v1/score and /v1/rerank (see OpenAIServing for the constructor)."""
+
+    async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
+        """Score every (text_1, text_2) pair; answer in pair order.
+
+        Raises:
+            OpenAIError: 400 for bad texts (named), a pair longer than the context without
+                ``truncate_prompt_tokens`` or a model that does not score (``wrong_task``);
+                404 for another model; 503 when overloaded.
+        """
+        self._check(req, "/v1/score")
+        try:
+            pairs = score_pairs(req.text_1, req.text_2)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_named(str(e), ("text_1", "text_2")),
+                              code="invalid_value") from None
+        names = [f"pair {i} (text_1, text_2)" for i in range(len(pairs))]
+        prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, "text_2")
+        reply_id, request_id = request_ids("score", req.request_id)
+        streams = await self._add(req, raw, request_id, prompts)
+
+        async def response() -> ScoreResponse:
+            scores = await _collect(streams)
+            tokens = sum(len(ids) for ids, _ in prompts)
+            return ScoreResponse(id=reply_id, model=self.model_name,
+                                 data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+                                 usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+        return await self.respond(raw, streams, response())
+
+    async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
+        """Score every document against the query; answer the best ``top_n`` first.
+
+        Raises:
+            OpenAIError: 400 for an empty query or documents (named), a pair longer than the
+                context without ``truncate_prompt_tokens``, a model with several labels (no
+                single relevance score) or one that does not score (``wrong_task``); 404 for
+                another model; 503 when overloaded.
+        """
+        self._check(req, "/v1/rerank")
+        labels = self.engine.processor.pooler.num_labels
+        if labels != 1:
+            raise OpenAIError(f"rerank needs one relevance score per document, but this model "
+                              f"has num_labels={labels}: use /v1/score for its {labels} values",
+                              param="model", code="invalid_value")
+        try:
+            pairs = score_pairs(req.query, req.documents, ("query", "documents"))
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_named(str(e), ("query", "documents")),
+                              code="invalid_value") from None
+        names = [f"documents[{i}]" for i in range(len(pairs))]
+        prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, "documents")
+        reply_id, request_id = request_ids("rerank", req.request_id)
+        streams = await self._add(req, raw, request_id, prompts)
+
+        async def response() -> RerankResponse:
+            scores = await _collect(streams)
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable on ties
+            results = [RerankResult(index=i, relevance_score=scores[i],
+                                    document=RerankDocument(text=req.documents[i])
+                                    if req.return_documents else None)
+                       for i in order[:req.top_n or None]]
+            tokens = sum(len(ids) for ids, _ in prompts)
+            return RerankResponse(id=reply_id, model=self.model_name, results=results,
+                                  usage=RerankUsage(total_tokens=tokens))
+
+        return await self.respond(raw, streams, response())
+
+    def _check(self, req: ScoreRequest | RerankRequest, endpoint: str) -> None:
+        """The checks before any work: fields, model, task."""
+        self.check_fields(req, endpoint)
+        self.check_model(req.model)
+        self.check_task("score")
+
+    async def _prompts(self, pairs: list[tuple[str, str]], truncate: int | None,
+                       names: list[str], param: str) -> list[Pair]:
+        """Each pair's token ids and PoolingParams (tokenized off the event loop when long),
+        each checked against the context.
+
+        Raises:
+            OpenAIError: 400 naming the pair (``names[i]``; ``param``) that does not fit,
+                code ``context_length_exceeded``, or a bad ``truncate_prompt_tokens``.
+        """
+        tokenizer = self.tokenizer
+
+        def encode_all() -> list[Pair]:
+            return [pair_prompt(tokenizer, a, b, truncate) for a, b in pairs]
+
+        try:
+            prompts = await off_loop(sum(len(a) + len(b) for a, b in pairs), encode_all)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
+        limit = self.engine.max_model_len
+        for name, (ids, _) in zip(names, prompts):
+            if len(ids) > limit:
+                raise OpenAIError(f"{name} has {len(ids)} tokens but max_model_len is {limit}: "
+                                  "shorten it or send truncate_prompt_tokens", param=param,
+                                  code="context_length_exceeded")
+        return prompts
+
+    async def _add(self, req: ScoreRequest | RerankRequest, raw: Request, request_id: str,
+                   prompts: list[Pair]) -> list[RequestStream]:
+        """Queue every pair (ids ``{request_id}-{i}``); see ``OpenAIServing.admit_all``."""
+        self.check_admission(len(prompts), "text_2" if isinstance(req, ScoreRequest)
+                             else "documents")
+        self.note_request(req, request_id)
+        client = self.client_id(req, raw)
+
+        def add(i: int) -> RequestStream:
+            ids, params = prompts[i]
+            return self.engine.add_pooling_request(f"{request_id}-{i}", None, ids, params,
+                                                   client)
+
+        return await self.admit_all(add, len(prompts))
+
+
+async def _collect(streams: Sequence[RequestStream]) -> list[float | list[float]]:
+    """Each stream's score, in order.
+
+    Raises:
+        OpenAIError: 503 if the engine dropped a request.
+    """
+    scores = []
+    for stream in streams:
+        last = None
+        async for out in stream:
+            last = out
+        if last is None or not last.outputs.embedding:
+            raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+        scores.append(score_value(last.outputs.embedding))
+    return scores
+
+
+def _named(message: str, names: tuple[str, str]) -> str:
+    """The request field a pairing error names first (``names[0]`` when it names neither)."""
+    return min(names, key=lambda n: (message.find(n) < 0, message.find(n)))

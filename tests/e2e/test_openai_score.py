@@ -1,0 +1,181 @@
+"""/v1/score and /v1/rerank against sentence-transformers' CrossEncoder and transformers:
+``kvflow serve`` with a tiny random BertForSequenceClassification (one label: sigmoid scores)
+and XLMRobertaForSequenceClassification (two labels: the logits), plus an embedding server
+that answers these routes with a 400 (``wrong_task``)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.e2e.conftest import ready_side_by_side
+from tests.models.cross_encoder_models import (
+    DOCUMENTS,
+    QUERY,
+    build_cross_encoder,
+    hf_scores,
+    st_scores,
+)
+from tests.models.embedding_models import build_bert
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
+BERT_ARGS = [*ARGS, "--served-model-name", "ce", "--max-model-len", "16"]
+XLMR_ARGS = [*ARGS, "--served-model-name", "ce2"]
+EMBED_ARGS = [*ARGS, "--served-model-name", "emb"]
+TOL = 2e-5
+
+
+def _models(tiny_tokenizer, built_models) -> dict[str, str]:
+    return {"bert": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0],
+            "xlmr": built_models("ce_xlmr",
+                                 lambda f: build_cross_encoder(f, "XLMRoberta", 2))[0],
+            "embed": built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean"))[0]}
+
+
+def prestart_servers(fixture):
+    """This module's servers (see ``prestart_servers`` in conftest.py)."""
+    models = _models(fixture("tiny_tokenizer"), fixture("built_models"))
+    return [(models["bert"], BERT_ARGS, None), (models["xlmr"], XLMR_ARGS, None),
+            (models["embed"], EMBED_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, request, tiny_tokenizer, built_models):
+    """{"bert": (server, folder), "xlmr": ..., "embed": ...}, up side by side."""
+    models = _models(tiny_tokenizer, built_models)
+    started = [start_server.declared(request, i, wait=False) for i in range(3)]
+    with ready_side_by_side(*started):
+        yield {name: (server, models[name])
+               for name, server in zip(("bert", "xlmr", "embed"), started)}
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def _free_blocks(server) -> float:
+    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
+
+
+def test_score_matches_cross_encoder(servers):
+    server, folder = servers["bert"]
+    docs = DOCUMENTS[2:4]  # pairs that fit --max-model-len 16
+    body = _post(server, "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": docs}).json()
+    pairs = [(QUERY, d) for d in docs]
+    expected = st_scores(folder, pairs)
+    torch.testing.assert_close(expected, hf_scores(folder, pairs), atol=TOL, rtol=1e-4)
+    assert body["object"] == "list" and body["model"] == "ce" and body["id"].startswith("score-")
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "score"), (1, "score")]
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), expected,
+                               atol=TOL, rtol=1e-4)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tokens = sum(len(tok(a, b)["input_ids"]) for a, b in pairs)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # N-to-N, and a long pair cut by truncate_prompt_tokens
+    body = _post(server, "/v1/score", {"text_1": docs, "text_2": docs[::-1],
+                                       "request_id": "r1"}).json()
+    assert body["id"] == "score-r1"
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]),
+                               st_scores(folder, list(zip(docs, docs[::-1]))), atol=TOL,
+                               rtol=1e-4)
+    body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1],
+                                       "truncate_prompt_tokens": 16}).json()
+    assert body["usage"]["prompt_tokens"] == 16
+
+
+def test_several_labels_score_as_lists_and_do_not_rerank(servers):
+    server, folder = servers["xlmr"]
+    body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()
+    got = torch.tensor([d["score"] for d in body["data"]])
+    assert got.shape == (len(DOCUMENTS), 2)
+    torch.testing.assert_close(got, st_scores(folder, [(QUERY, d) for d in DOCUMENTS]),
+                               atol=TOL, rtol=1e-4)
+    resp = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS})
+    assert resp.status_code == 400
+    assert resp.json()["error"] == {
+        "message": "rerank needs one relevance score per document, but this model has "
+                   "num_labels=2: use /v1/score for its 2 values",
+        "type": "invalid_request_error", "param": "model", "code": "invalid_value"}
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank"])
+def test_rerank_orders_by_the_oracle(servers, path):
+    server, folder = servers["bert"]
+    docs = [DOCUMENTS[0], DOCUMENTS[2], DOCUMENTS[3], DOCUMENTS[5]]  # fit in 16 tokens
+    expected = st_scores(folder, [(QUERY, d) for d in docs]).tolist()
+    body = _post(server, path, {"model": "ce", "query": QUERY, "documents": docs,
+                                "top_n": 3}).json()
+    assert body["model"] == "ce" and body["id"].startswith("rerank-")
+    results = body["results"]
+    assert len(results) == 3
+    for r in results:
+        assert r["document"] == {"text": docs[r["index"]]}
+        assert abs(r["relevance_score"] - expected[r["index"]]) < TOL
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    best = sorted(range(len(docs)), key=lambda i: -expected[i])
+    # no near-ties among the oracle's top four, so its order is the one to expect
+    assert all(expected[best[k]] - expected[best[k + 1]] > 10 * TOL for k in range(3))
+    assert [r["index"] for r in results] == best[:3]
+    body = _post(server, path, {"query": QUERY, "documents": docs,
+                                "return_documents": False}).json()
+    assert len(body["results"]) == 4 and all("document" not in r for r in body["results"])
+
+
+def test_errors_and_no_leaks(servers):
+    server, _ = servers["bert"]
+    idle = _free_blocks(server)
+    long_doc = DOCUMENTS[1]  # 18 tokens with the query: more than --max-model-len 16
+    cases = [
+        ("/v1/score", {"text_1": QUERY, "text_2": [DOCUMENTS[2], long_doc]},
+         {"message": "pair 1 (text_1, text_2) has 18 tokens but max_model_len is 16: shorten "
+                     "it or send truncate_prompt_tokens",
+          "type": "invalid_request_error", "param": "text_2",
+          "code": "context_length_exceeded"}),
+        ("/v1/rerank", {"query": QUERY, "documents": [DOCUMENTS[2], long_doc]},
+         {"message": "documents[1] has 18 tokens but max_model_len is 16: shorten it or send "
+                     "truncate_prompt_tokens",
+          "type": "invalid_request_error", "param": "documents",
+          "code": "context_length_exceeded"}),
+        ("/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCUMENTS},
+         {"message": "text_1 has 2 texts and text_2 6: score one text_1 against N texts "
+                     "(1-to-N) or two lists of the same length (N-to-N)",
+          "type": "invalid_request_error", "param": "text_1", "code": "invalid_value"}),
+        ("/v1/rerank", {"query": QUERY, "documents": []},
+         {"message": "documents is an empty list: give at least one text",
+          "type": "invalid_request_error", "param": "documents", "code": "invalid_value"}),
+        ("/v1/score", {"text_1": QUERY, "text_2": "a", "top_k": 2},
+         None),
+    ]
+    for path, body, error in cases:
+        resp = _post(server, path, body)
+        assert resp.status_code == 400, (path, body)
+        if error is not None:
+            assert resp.json()["error"] == error
+        else:
+            assert resp.json()["error"]["param"] == "top_k"
+            assert resp.json()["error"]["code"] == "unknown_parameter"
+    resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b", "model": "other"})
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+    assert _post(server, "/v1/score", {"text_1": "a", "text_2": "b"}).status_code == 200
+    assert _free_blocks(server) == idle > 0  # every block back after errors and a score
+
+
+def test_an_embedding_server_does_not_score(servers):
+    server, _ = servers["embed"]
+    for path, body in (("/v1/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        resp = _post(server, path, body)
+        assert resp.status_code == 400
+        assert resp.json()["error"] == {
+            "message": "this server's model runs task='embed' (--task); this endpoint needs "
+                       "task='score': use /v1/embeddings",
+            "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
+    ce, _ = servers["bert"]
+    resp = _post(ce, "/v1/embeddings", {"input": "a"})
+    assert resp.status_code == 400 and resp.json()["error"]["message"] == (
+        "this server's model runs task='score' (--task); this endpoint needs task='embed': "
+        "use /v1/score or /v1/rerank")
