@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "kvflow.llm": 9,
     "kvflow.engine": 8, "kvflow.input_processor": 8, "kvflow.output_processor": 8,
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
+    "kvflow.score_inputs": 8,  # text pairs -> cross-encoder prompts (LLM.score, /v1/score)
     "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8, "kvflow.chat_tool_calls": 8,
     "kvflow.multimodal": 8,
     "kvflow.core": 7, "kvflow.structured": 7, "kvflow.spec_decode": 7,
