@@ -20,7 +20,7 @@ from kvflow.outputs import (
 )
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.score_inputs import pair_prompt, score_pairs, score_value
+from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 
 class LLM:
@@ -183,13 +183,19 @@ class LLM:
                 text first); None: a pair longer than ``max_model_len`` is refused.
             user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
 
+        On an embedding model (``task="embed"``) a pair's score is the cosine similarity of
+        its two texts' embeddings, as vLLM scores with embedding models
+        (``_score_embeddings``).
+
         Raises:
-            ValueError: on an engine not running ``task="score"`` (a generation or embedding
-                model), for bad ``text_1`` / ``text_2`` (named), a pair longer than
-                ``max_model_len`` (named by its index and texts), or a bad
+            ValueError: on a generating engine, for bad ``text_1`` / ``text_2`` (named), a
+                pair longer than ``max_model_len`` (named by its index and texts), or a bad
                 ``truncate_prompt_tokens`` or ``user`` (nothing is queued then).
         """
         processor = self.engine.processor
+        if processor.pooler is not None and processor.pooler.task == "embed":
+            return self._score_embeddings(score_pairs(text_1, text_2), truncate_prompt_tokens,
+                                          use_tqdm, user)
         processor.require_task("score")
         pairs = score_pairs(text_1, text_2)
         users = _check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
@@ -214,6 +220,40 @@ class LLM:
                                      ScoringOutput(score_value(o.outputs.embedding)),
                                      o.finished, o.metrics)
                 for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
+
+    def _score_embeddings(self, pairs: list[tuple[str, str]],
+                          truncate_prompt_tokens: int | None, use_tqdm: bool,
+                          user: Sequence[str] | None) -> list[ScoringRequestOutput]:
+        """``score`` on an embedding model: each distinct text embedded once (as ``embed``
+        does), a pair's score the cosine similarity of its two embeddings (vLLM's rule); its
+        ``prompt_token_ids`` are both texts' ids, its ``request_id`` and metrics the second
+        text's request's. ``user`` names the sender of each pair (the same for its texts).
+
+        Raises:
+            ValueError: for ``truncate_prompt_tokens`` (embedding inputs are never cut), a
+                text the engine refuses (named), or a bad ``user``.
+        """
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is for cross-encoders: this engine "
+                             "scores with an embedding model, whose inputs are never cut")
+        users = _check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
+        owner = {}
+        for (a, b), who in zip(pairs, users):
+            owner.setdefault(a, who)
+            owner.setdefault(b, who)
+        processor = self.engine.processor
+        for text in owner:  # name a refused text before queuing anything
+            try:
+                processor.make_pooling_request("check", processor.pooling_prompt(text)[1])
+            except ValueError as e:
+                raise ValueError(f"text {text[:40]!r}: {e}") from None
+        texts = list(owner)
+        outs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm,
+                                          user=None if user is None else list(owner.values()))))
+        return [ScoringRequestOutput(
+            outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
+            ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),
+            outs[a].finished and outs[b].finished, outs[b].metrics) for a, b in pairs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

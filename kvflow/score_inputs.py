@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvflow.pooling_params import PoolingParams
 
 
@@ -97,3 +99,18 @@ def score_value(values: list[float]) -> float | list[float]:
     """A pooled score request's values -> its score: the one value of a one-label model, the
     ``num_labels`` values otherwise (what ``CrossEncoder.predict`` gives per pair)."""
     return values[0] if len(values) == 1 else list(values)
+
+
+def cosine_similarity(u: Sequence[float], v: Sequence[float]) -> float:
+    """``u . v / (|u| |v|)`` of two embeddings (float64 sums; 0.0 when either is all zeros):
+    the score of a pair on an embedding model (vLLM's, and sentence-transformers'
+    ``util.cos_sim``).
+
+    Raises:
+        ValueError: for vectors of different lengths.
+    """
+    if len(u) != len(v):
+        raise ValueError(f"embeddings of {len(u)} and {len(v)} values cannot be compared")
+    a, b = np.asarray(u, np.float64), np.asarray(v, np.float64)
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b / norms) if norms > 0 else 0.0

@@ -173,7 +173,8 @@ class OpenAIServing:
             OpenAIError: 400 (param ``model``) when the engine's task is not ``task``.
         """
         if self.engine.task != task:
-            use = {"embed": "/v1/embeddings", "score": "/v1/score or /v1/rerank"}.get(
+            use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
+                   "score": "/v1/score or /v1/rerank"}.get(
                 self.engine.task, "/v1/completions or /v1/chat/completions")
             raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
                               f"this endpoint needs task={task!r}: use {use}", param="model",

@@ -1,11 +1,12 @@
 """POST /v1/score (vLLM's shape) and /v1/rerank, /rerank (Jina / Cohere's shape): text pairs
 scored by a cross-encoder (``--task score``), one engine request per pair, batched by the
-scheduler like any prompts. A pair is tokenized as ``LLM.score`` does
-(``kvflow.score_inputs.pair_prompt``)."""
+scheduler like any prompts; a pair is tokenized as ``LLM.score`` does
+(``kvflow.score_inputs.pair_prompt``). An embedding model (``--task embed``) scores a pair
+with the cosine similarity of its two texts' embeddings, as vLLM does."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,9 +27,11 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
 from kvflow.pooling_params import PoolingParams
-from kvflow.score_inputs import pair_prompt, score_pairs, score_value
+from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 Pair = tuple[list[int], PoolingParams]
+_FIRST = {"text_2": "text_1", "documents": "query"}  # the other field of a pair
+Finish = Callable[[], Awaitable[tuple[list[float | list[float]], int]]]
 
 
 class OpenAIServingScore(OpenAIServing):
@@ -38,9 +41,10 @@ class OpenAIServingScore(OpenAIServing):
         """Score every (text_1, text_2) pair; answer in pair order.
 
         Raises:
-            OpenAIError: 400 for bad texts (named), a pair longer than the context without
-                ``truncate_prompt_tokens`` or a model that does not score (``wrong_task``);
-                404 for another model; 503 when overloaded.
+            OpenAIError: 400 for bad texts (named), a pair (or, for an embedding model, a
+                text) longer than the context, ``truncate_prompt_tokens`` on an embedding
+                model, or a model that does not score (``wrong_task``); 404 for another
+                model; 503 when overloaded.
         """
         self._check(req, "/v1/score")
         try:
@@ -49,13 +53,10 @@ class OpenAIServingScore(OpenAIServing):
             raise OpenAIError(str(e), param=_named(str(e), ("text_1", "text_2")),
                               code="invalid_value") from None
         names = [f"pair {i} (text_1, text_2)" for i in range(len(pairs))]
-        prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, "text_2")
-        reply_id, request_id = request_ids("score", req.request_id)
-        streams = await self._add(req, raw, request_id, prompts)
+        reply_id, streams, finish = await self._queue(req, raw, pairs, names, "text_2")
 
         async def response() -> ScoreResponse:
-            scores = await _collect(streams)
-            tokens = sum(len(ids) for ids, _ in prompts)
+            scores, tokens = await finish()
             return ScoreResponse(id=reply_id, model=self.model_name,
                                  data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                                  usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
@@ -66,14 +67,14 @@ class OpenAIServingScore(OpenAIServing):
         """Score every document against the query; answer the best ``top_n`` first.
 
         Raises:
-            OpenAIError: 400 for an empty query or documents (named), a pair longer than the
-                context without ``truncate_prompt_tokens``, a model with several labels (no
-                single relevance score) or one that does not score (``wrong_task``); 404 for
-                another model; 503 when overloaded.
+            OpenAIError: 400 for an empty query or documents (named), a document too long for
+                the context (see ``create_score``), a model with several labels (no single
+                relevance score) or one that does not score (``wrong_task``); 404 for another
+                model; 503 when overloaded.
         """
         self._check(req, "/v1/rerank")
         labels = self.engine.processor.pooler.num_labels
-        if labels != 1:
+        if self.engine.task == "score" and labels != 1:
             raise OpenAIError(f"rerank needs one relevance score per document, but this model "
                               f"has num_labels={labels}: use /v1/score for its {labels} values",
                               param="model", code="invalid_value")
@@ -83,28 +84,77 @@ class OpenAIServingScore(OpenAIServing):
             raise OpenAIError(str(e), param=_named(str(e), ("query", "documents")),
                               code="invalid_value") from None
         names = [f"documents[{i}]" for i in range(len(pairs))]
-        prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, "documents")
-        reply_id, request_id = request_ids("rerank", req.request_id)
-        streams = await self._add(req, raw, request_id, prompts)
+        reply_id, streams, finish = await self._queue(req, raw, pairs, names, "documents")
 
         async def response() -> RerankResponse:
-            scores = await _collect(streams)
+            scores, tokens = await finish()
             order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable on ties
             results = [RerankResult(index=i, relevance_score=scores[i],
                                     document=RerankDocument(text=req.documents[i])
                                     if req.return_documents else None)
                        for i in order[:req.top_n or None]]
-            tokens = sum(len(ids) for ids, _ in prompts)
             return RerankResponse(id=reply_id, model=self.model_name, results=results,
                                   usage=RerankUsage(total_tokens=tokens))
 
         return await self.respond(raw, streams, response())
 
     def _check(self, req: ScoreRequest | RerankRequest, endpoint: str) -> None:
-        """The checks before any work: fields, model, task."""
+        """The checks before any work: fields, model, task (a cross-encoder, or an embedding
+        model: cosine similarity)."""
         self.check_fields(req, endpoint)
         self.check_model(req.model)
-        self.check_task("score")
+        if self.engine.task != "embed":
+            self.check_task("score")
+
+    async def _queue(self, req: ScoreRequest | RerankRequest, raw: Request,
+                     pairs: list[tuple[str, str]], names: list[str], param: str
+                     ) -> tuple[str, list[RequestStream], Finish]:
+        """Queue the work for ``pairs``: (reply id, the streams, ``finish()`` -> (each pair's
+        score, the tokens counted)). A cross-encoder computes one request per pair; an
+        embedding model one per distinct text, the score of a pair being the cosine
+        similarity of its two embeddings (vLLM's scoring with embedding models; each pair
+        counts both texts' tokens).
+
+        Raises:
+            OpenAIError: see ``create_score``.
+        """
+        reply_id, request_id = request_ids("score" if isinstance(req, ScoreRequest)
+                                           else "rerank", req.request_id)
+        if self.engine.task == "embed":
+            if req.truncate_prompt_tokens is not None:
+                raise OpenAIError("truncate_prompt_tokens is for cross-encoders: this server "
+                                  "scores with an embedding model, whose inputs are never "
+                                  "truncated", param="truncate_prompt_tokens",
+                                  code="unsupported_parameter")
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            processor = self.engine.processor
+            ids = await self.encode_texts(self.tokenizer, [processor.pooling_text(t)
+                                                           for t in texts], True, param,
+                                          pooling=True)
+            first = {a for a, _ in pairs}
+            limit = self.engine.max_model_len
+            for text, text_ids in zip(texts, ids):
+                if len(text_ids) > limit:
+                    raise OpenAIError(f"the text {text[:40]!r} has {len(text_ids)} tokens but "
+                                      f"max_model_len is {limit}",
+                                      param=_FIRST[param] if text in first else param,
+                                      code="context_length_exceeded")
+            prompts: list[Pair] = [(i, PoolingParams()) for i in ids]
+        else:
+            prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, param)
+        streams = await self._add(req, raw, request_id, prompts)
+
+        async def finish() -> tuple[list[float | list[float]], int]:
+            values = await _collect(streams)
+            if self.engine.task != "embed":
+                return ([score_value(v) for v in values],
+                        sum(len(i) for i, _ in prompts))
+            index = {t: k for k, t in enumerate(texts)}
+            found = [(values[index[a]], values[index[b]]) for a, b in pairs]
+            return ([cosine_similarity(u, v) for u, v in found],
+                    sum(len(ids[index[a]]) + len(ids[index[b]]) for a, b in pairs))
+
+        return reply_id, streams, finish
 
     async def _prompts(self, pairs: list[tuple[str, str]], truncate: int | None,
                        names: list[str], param: str) -> list[Pair]:
@@ -149,8 +199,8 @@ class OpenAIServingScore(OpenAIServing):
         return await self.admit_all(add, len(prompts))
 
 
-async def _collect(streams: Sequence[RequestStream]) -> list[float | list[float]]:
-    """Each stream's score, in order.
+async def _collect(streams: Sequence[RequestStream]) -> list[list[float]]:
+    """Each stream's pooled values, in order.
 
     Raises:
         OpenAIError: 503 if the engine dropped a request.
@@ -162,7 +212,7 @@ async def _collect(streams: Sequence[RequestStream]) -> list[float | list[float]
             last = out
         if last is None or not last.outputs.embedding:
             raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
-        scores.append(score_value(last.outputs.embedding))
+        scores.append(last.outputs.embedding)
     return scores
 
 

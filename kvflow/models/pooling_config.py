@@ -287,7 +287,8 @@ def score_activation(hf_config: Any) -> str:
 TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs"}
 _TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
                          "/v1/chat/completions",
-             "embed": "LLM.embed or /v1/embeddings",
+             "embed": "LLM.embed or /v1/embeddings (or LLM.score, /v1/score and /v1/rerank "
+                      "for cosine similarities)",
              "score": "LLM.score or /v1/score and /v1/rerank"}
 
 
@@ -295,6 +296,7 @@ def task_mismatch(engine_task: str, asked: str) -> str:
     """The message refusing a request of task ``asked`` on an engine running
     ``engine_task`` (each a name of :data:`TASKS`): what the engine does, what to use instead
     and which task the request needs."""
+    needs = "task='score' (a cross-encoder) or task='embed' (cosine similarity)" \
+        if asked == "score" else f"task={asked!r}"
     return (f"this engine runs task={engine_task!r} (it {TASK_VERB[engine_task]}): use "
-            f"{_TASK_USE[engine_task]}; a {asked} request needs a model served with "
-            f"task={asked!r}")
+            f"{_TASK_USE[engine_task]}; a {asked} request needs a model served with {needs}")

@@ -1,7 +1,8 @@
 """/v1/score and /v1/rerank against sentence-transformers' CrossEncoder and transformers:
 ``kvflow serve`` with a tiny random BertForSequenceClassification (one label: sigmoid scores)
-and XLMRobertaForSequenceClassification (two labels: the logits), plus an embedding server
-that answers these routes with a 400 (``wrong_task``)."""
+and XLMRobertaForSequenceClassification (two labels: the logits); an embedding server scoring
+by cosine similarity (against ``util.cos_sim``), and a generating one that answers these
+routes with a 400 (``wrong_task``)."""
 
 from __future__ import annotations
 
@@ -23,31 +24,39 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64
 BERT_ARGS = [*ARGS, "--served-model-name", "ce", "--max-model-len", "16"]
 XLMR_ARGS = [*ARGS, "--served-model-name", "ce2"]
 EMBED_ARGS = [*ARGS, "--served-model-name", "emb"]
+GEN_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+            "--served-model-name", "gen"]
 TOL = 2e-5
 
 
-def _models(tiny_tokenizer, built_models) -> dict[str, str]:
-    return {"bert": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0],
-            "xlmr": built_models("ce_xlmr",
-                                 lambda f: build_cross_encoder(f, "XLMRoberta", 2))[0],
-            "embed": built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean"))[0]}
+NAMES = ("bert", "xlmr", "embed", "gen")
+
+
+def _models(tiny_tokenizer, built_models, tiny_llama) -> dict[str, tuple[str, object]]:
+    """{name: (folder, what its builder returned)} (the embedding model's: its
+    SentenceTransformer)."""
+    return {"bert": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1)),
+            "xlmr": built_models("ce_xlmr", lambda f: build_cross_encoder(f, "XLMRoberta", 2)),
+            "embed": built_models("bert", lambda f: build_bert(tiny_tokenizer, f, "mean")),
+            "gen": (tiny_llama.path, None)}
 
 
 def prestart_servers(fixture):
     """This module's servers (see ``prestart_servers`` in conftest.py)."""
-    models = _models(fixture("tiny_tokenizer"), fixture("built_models"))
-    return [(models["bert"], BERT_ARGS, None), (models["xlmr"], XLMR_ARGS, None),
-            (models["embed"], EMBED_ARGS, None)]
+    models = _models(fixture("tiny_tokenizer"), fixture("built_models"), fixture("tiny_llama"))
+    return [(models[name][0], args, None)
+            for name, args in zip(NAMES, (BERT_ARGS, XLMR_ARGS, EMBED_ARGS, GEN_ARGS))]
 
 
 @pytest.fixture(scope="module")
-def servers(start_server, request, tiny_tokenizer, built_models):
-    """{"bert": (server, folder), "xlmr": ..., "embed": ...}, up side by side."""
-    models = _models(tiny_tokenizer, built_models)
-    started = [start_server.declared(request, i, wait=False) for i in range(3)]
+def servers(start_server, request, tiny_tokenizer, built_models, tiny_llama):
+    """{name: (server, folder)} for ``NAMES`` ("embed": (server, SentenceTransformer)), up
+    side by side."""
+    models = _models(tiny_tokenizer, built_models, tiny_llama)
+    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
     with ready_side_by_side(*started):
-        yield {name: (server, models[name])
-               for name, server in zip(("bert", "xlmr", "embed"), started)}
+        yield {name: (server, models[name][1] if name == "embed" else models[name][0])
+               for name, server in zip(NAMES, started)}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -164,15 +173,48 @@ def test_errors_and_no_leaks(servers):
     assert _free_blocks(server) == idle > 0  # every block back after errors and a score
 
 
-def test_an_embedding_server_does_not_score(servers):
-    server, _ = servers["embed"]
+def test_an_embedding_server_scores_by_cosine_similarity(servers):
+    from sentence_transformers import util
+
+    server, st = servers["embed"]
+    idle = _free_blocks(server)
+    query, docs = "the quick brown fox", ["a lazy dog", "the quick brown fox jumps", "tokens"]
+    expected = util.cos_sim(st.encode([query], convert_to_tensor=True),
+                            st.encode(docs, convert_to_tensor=True))[0].float()
+    body = _post(server, "/v1/score", {"text_1": query, "text_2": docs}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), expected,
+                               atol=TOL, rtol=1e-4)
+    tok = st.tokenizer
+    tokens = sum(len(tok.encode(query)) + len(tok.encode(d)) for d in docs)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    body = _post(server, "/v1/rerank", {"query": query, "documents": docs}).json()
+    best = sorted(range(3), key=lambda i: -float(expected[i]))
+    assert all(expected[best[k]] - expected[best[k + 1]] > 10 * TOL for k in range(2))
+    assert [r["index"] for r in body["results"]] == best
+    resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b",
+                                       "truncate_prompt_tokens": 4})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"
+    resp = _post(server, "/v1/score", {"text_1": "a", "text_2": " ".join(["fox"] * 200)})
+    assert resp.status_code == 400
+    assert resp.json()["error"] == {
+        "message": "the text 'fox fox fox fox fox fox fox fox fox fox ' has 599 tokens but "
+                   "max_model_len is 64", "type": "invalid_request_error", "param": "text_2",
+        "code": "context_length_exceeded"}
+    resp = _post(server, "/v1/rerank", {"query": " ".join(["fox"] * 200), "documents": ["a"]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "query"
+    assert _post(server, "/v1/score", {"text_1": "a", "text_2": "b"}).status_code == 200
+    assert _free_blocks(server) == idle > 0
+
+
+def test_a_generating_server_does_not_score(servers):
+    server, _ = servers["gen"]
     for path, body in (("/v1/score", {"text_1": "a", "text_2": "b"}),
                        ("/v1/rerank", {"query": "a", "documents": ["b"]})):
         resp = _post(server, path, body)
         assert resp.status_code == 400
         assert resp.json()["error"] == {
-            "message": "this server's model runs task='embed' (--task); this endpoint needs "
-                       "task='score': use /v1/embeddings",
+            "message": "this server's model runs task='generate' (--task); this endpoint "
+                       "needs task='score': use /v1/completions or /v1/chat/completions",
             "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
     ce, _ = servers["bert"]
     resp = _post(ce, "/v1/embeddings", {"input": "a"})

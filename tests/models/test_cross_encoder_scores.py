@@ -150,7 +150,7 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
     assert str(e.value) == (
         "this engine runs task='generate' (it generates text): use LLM.generate / LLM.chat "
         "or /v1/completions and /v1/chat/completions; a score request needs a model served "
-        "with task='score'")
+        "with task='score' (a cross-encoder) or task='embed' (cosine similarity)")
     with pytest.raises(ValueError, match="task='score' needs a cross-encoder"):
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", task="score")
     # an activation named in config.json (sentence-transformers >= 4) is the one applied
@@ -165,3 +165,35 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
     torch.testing.assert_close(got, st_scores(str(ident), [(QUERY, d) for d in DOCUMENTS]),
                                atol=2e-5, rtol=1e-4)
     assert (got < 0).any()  # logits, not sigmoids
+
+
+def test_an_embedding_model_scores_by_cosine_similarity(tiny_tokenizer, tmp_path,
+                                                        assert_no_leaks):
+    """vLLM's rule for embedding models: score = cos(embed(text_1), embed(text_2)); the oracle
+    is sentence-transformers' ``util.cos_sim`` of ``SentenceTransformer.encode``."""
+    from sentence_transformers import util
+
+    from tests.models.embedding_models import build_bert
+
+    st = build_bert(tiny_tokenizer, str(tmp_path / "st"), "mean")
+    llm = LLM(model=str(tmp_path / "st"), dtype="float32", device="cpu",
+              max_num_batched_tokens=64)
+    query, docs = "the quick brown fox", ["a lazy dog", "the quick brown fox jumps", "tokens"]
+    for first, second in [(query, docs), (docs, docs[::-1])]:
+        outs = llm.score(first, second, use_tqdm=False)
+        lefts = [first] * len(second) if isinstance(first, str) else first
+        expected = util.cos_sim(st.encode(lefts, convert_to_tensor=True),
+                                st.encode(second, convert_to_tensor=True)).diagonal()
+        torch.testing.assert_close(_scores(outs), expected.float(), atol=2e-5, rtol=1e-4)
+        tok = llm.get_tokenizer()
+        assert [o.prompt_token_ids for o in outs] == \
+            [tok.encode(a) + tok.encode(b) for a, b in zip(lefts, second)]
+    with pytest.raises(ValueError) as e:
+        llm.score(query, docs, truncate_prompt_tokens=4)
+    assert str(e.value) == ("truncate_prompt_tokens is for cross-encoders: this engine scores "
+                            "with an embedding model, whose inputs are never cut")
+    with pytest.raises(ValueError) as e:
+        llm.score(query, " ".join(["fox"] * 200), use_tqdm=False)
+    assert str(e.value).startswith("text 'fox fox fox")
+    assert "max_model_len" in str(e.value)
+    assert_no_leaks(llm)
