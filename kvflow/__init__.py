@@ -18,6 +18,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "__version__",
 ]
 
@@ -40,7 +41,7 @@ def __getattr__(name: str):
         from kvflow.lora.request import LoRARequest
 
         return LoRARequest
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "ScoringRequestOutput"):
         from kvflow import outputs
 
         return getattr(outputs, name)

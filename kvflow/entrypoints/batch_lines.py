@@ -36,7 +36,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+              "/v1/score", "/v1/rerank")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,53 @@
+"""``kvflow run-batch`` with /v1/score and /v1/rerank lines on a tiny random
+BertForSequenceClassification, against sentence-transformers' CrossEncoder: the bodies
+``kvflow serve`` would answer, in input order, a too-long pair's 400 included."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder, st_scores
+
+ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64",
+        "--max-model-len", "16", "--served-model-name", "ce", "--no-progress"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "OMP_NUM_THREADS": "1"}
+
+
+def _line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path):
+    folder, _ = built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))
+    docs = [DOCUMENTS[0], DOCUMENTS[2], DOCUMENTS[3]]  # pairs that fit in 16 tokens
+    lines = [_line("score", "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": docs}),
+             _line("rerank", "/v1/rerank", {"query": QUERY, "documents": docs, "top_n": 2}),
+             _line("long", "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1]})]
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i",
+                           "-", "-o", str(out), "--model", folder, *ARGS],
+                          input="".join(line + "\n" for line in lines), text=True,
+                          capture_output=True, env=ENV, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == ["score", "rerank", "long"]
+    expected = st_scores(folder, [(QUERY, d) for d in docs])
+    score = got[0]["response"]["body"]
+    torch.testing.assert_close(torch.tensor([d["score"] for d in score["data"]]), expected,
+                               atol=2e-5, rtol=1e-4)
+    best = sorted(range(3), key=lambda i: -float(expected[i]))
+    assert float(expected[best[0]] - expected[best[1]]) > 1e-3
+    assert float(expected[best[1]] - expected[best[2]]) > 1e-3
+    results = got[1]["response"]["body"]["results"]
+    assert [r["index"] for r in results] == best[:2]
+    assert [r["document"]["text"] for r in results] == [docs[i] for i in best[:2]]
+    long = got[2]["response"]
+    assert long["status_code"] == 400
+    assert long["body"]["error"]["code"] == "context_length_exceeded"
+    assert long["body"]["error"]["message"].startswith("pair 0 (text_1, text_2) has 18 tokens")
