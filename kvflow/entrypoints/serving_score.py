@@ -120,41 +120,51 @@ class OpenAIServingScore(OpenAIServing):
         """
         reply_id, request_id = request_ids("score" if isinstance(req, ScoreRequest)
                                            else "rerank", req.request_id)
+        texts = None  # an embedding model's distinct texts, in the order they are queued
         if self.engine.task == "embed":
-            if req.truncate_prompt_tokens is not None:
-                raise OpenAIError("truncate_prompt_tokens is for cross-encoders: this server "
-                                  "scores with an embedding model, whose inputs are never "
-                                  "truncated", param="truncate_prompt_tokens",
-                                  code="unsupported_parameter")
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            processor = self.engine.processor
-            ids = await self.encode_texts(self.tokenizer, [processor.pooling_text(t)
-                                                           for t in texts], True, param,
-                                          pooling=True)
-            first = {a for a, _ in pairs}
-            limit = self.engine.max_model_len
-            for text, text_ids in zip(texts, ids):
-                if len(text_ids) > limit:
-                    raise OpenAIError(f"the text {text[:40]!r} has {len(text_ids)} tokens but "
-                                      f"max_model_len is {limit}",
-                                      param=_FIRST[param] if text in first else param,
-                                      code="context_length_exceeded")
-            prompts: list[Pair] = [(i, PoolingParams()) for i in ids]
+            texts, prompts = await self._embedding_prompts(req, pairs, param)
         else:
             prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, param)
         streams = await self._add(req, raw, request_id, prompts)
 
         async def finish() -> tuple[list[float | list[float]], int]:
             values = await _collect(streams)
-            if self.engine.task != "embed":
-                return ([score_value(v) for v in values],
-                        sum(len(i) for i, _ in prompts))
-            index = {t: k for k, t in enumerate(texts)}
-            found = [(values[index[a]], values[index[b]]) for a, b in pairs]
-            return ([cosine_similarity(u, v) for u, v in found],
-                    sum(len(ids[index[a]]) + len(ids[index[b]]) for a, b in pairs))
+            if texts is None:
+                return [score_value(v) for v in values], sum(len(i) for i, _ in prompts)
+            at = {t: k for k, t in enumerate(texts)}
+            return ([cosine_similarity(values[at[a]], values[at[b]]) for a, b in pairs],
+                    sum(len(prompts[at[a]][0]) + len(prompts[at[b]][0]) for a, b in pairs))
 
         return reply_id, streams, finish
+
+    async def _embedding_prompts(self, req: ScoreRequest | RerankRequest,
+                                 pairs: list[tuple[str, str]], param: str
+                                 ) -> tuple[list[str], list[Pair]]:
+        """An embedding model's distinct texts of ``pairs`` and their prompts (as
+        /v1/embeddings tokenizes them).
+
+        Raises:
+            OpenAIError: 400 for ``truncate_prompt_tokens`` (embedding inputs are never cut)
+                or a text longer than the context (named; ``param``, or the pair's other
+                field for a first text).
+        """
+        if req.truncate_prompt_tokens is not None:
+            raise OpenAIError("truncate_prompt_tokens is for cross-encoders: this server "
+                              "scores with an embedding model, whose inputs are never "
+                              "truncated", param="truncate_prompt_tokens",
+                              code="unsupported_parameter")
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        processor = self.engine.processor
+        ids = await self.encode_texts(self.tokenizer, [processor.pooling_text(t) for t in texts],
+                                      True, param, pooling=True)
+        first, limit = {a for a, _ in pairs}, self.engine.max_model_len
+        for text, text_ids in zip(texts, ids):
+            if len(text_ids) > limit:
+                raise OpenAIError(f"the text {text[:40]!r} has {len(text_ids)} tokens but "
+                                  f"max_model_len is {limit}",
+                                  param=_FIRST[param] if text in first else param,
+                                  code="context_length_exceeded")
+        return texts, [(i, PoolingParams()) for i in ids]
 
     async def _prompts(self, pairs: list[tuple[str, str]], truncate: int | None,
                        names: list[str], param: str) -> list[Pair]:
