@@ -501,20 +501,22 @@ def main() -> int:
             counts[(case[0], status)] += 1
     reproducers = []
     shrunk: Counter = Counter()
+    end = start + args.minutes * 60
     for case, status, detail in incidents:
-        if status in ("error", "slow"):
+        cls = (case[0], status, detail.split()[0] if detail else "")
+        if status in ("error", "slow") or shrunk[cls] >= args.shrink_per_class:
             continue
+        if time.monotonic() >= end:
+            print("out of time: the remaining incidents are not shrunk", flush=True)
+            break
         if status == "timeout":  # confirm with a longer limit
             status2, _ = pool.run_one(case, args.case_timeout * 6)
             if status2 != "timeout":
                 print(f"timeout not confirmed ({status2}): {case[1][:200]!r}", flush=True)
                 continue
-        cls = (case[0], status, detail.split()[0])
-        if shrunk[cls] >= args.shrink_per_class:
-            continue
         shrunk[cls] += 1
-        left = start + args.minutes * 60 - time.monotonic()
-        small = shrink(pool, case, status, args.case_timeout, max(30.0, left / 2))
+        budget = max(30.0, (end - time.monotonic()) / 2)
+        small = shrink(pool, case, status, args.case_timeout, budget)
         reproducers.append({"kind": small[0], "vocab": small[2], "status": status,
                             "detail": detail, "spec": small[1], "original": case[1]})
         print(f"REPRO {status} {small[0]} {small[2]} {detail}: {small[1]!r}", flush=True)
@@ -527,8 +529,11 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"counts": {f"{k}.{s}": v for (k, s), v in counts.items()},
-                       "reproducers": reproducers}, f, indent=1, ensure_ascii=False)
-    return 1 if reproducers else 0
+                       "reproducers": reproducers,
+                       "incidents": [{"kind": c[0], "vocab": c[2], "status": st, "detail": d,
+                                      "spec": c[1]} for c, st, d in incidents]},
+                      f, indent=1, ensure_ascii=False)
+    return 1 if any(st in ("died", "timeout", "memory") for _, st, _ in incidents) else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ through other rules that are each one reference: ``b ::= b{1,2}``, ``b ::= c{2}`
 ``c ::= b``, ``b ::= c`` with ``c ::= b{0,1}``, even when ``root`` never uses the rule. Such
 a "unit cycle" derives nothing but itself, so a grammar holding one is refused with a
 ValueError before it reaches the compiler (all of them, with or without a repetition: none
-is a useful rule). Found by fuzzing random Lark grammars against Lark (session 30).
+is a useful rule). Found by fuzzing random Lark grammars against Lark (session 30). A
+lookahead after the reference (``b ::= b{9} (= "a")``, ``b ::= c (= [a-z])`` with
+``c ::= b{2}``) changes nothing: the same segfault, found by
+``benchmarks/xgrammar_crash_fuzz.py`` (session 31).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import re
 
 # A rule of xgrammar's printed (normalized) grammar whose body is exactly one rule reference,
-# optionally repeated: ``name ::= ((other))`` or ``name ::= ((other{m, n}))``.
-_UNIT_RULE = re.compile(r"^(\S+) ::= \(\(([A-Za-z_][\w.-]*)(\{\d+, -?\d+\})?\)\)$")
+# optionally repeated, optionally followed by a lookahead: ``name ::= ((other))``,
+# ``name ::= ((other{m, n}))``, ``name ::= ((other{m, n})) (=("a"))``.
+_UNIT_RULE = re.compile(
+    r"^(\S+) ::= \(\(([A-Za-z_][\w.-]*)(\{\d+, -?\d+\})?\)\)(?: \(=.*\))?$")
 
 
 def unit_edges(normalized: str) -> dict[str, str]:
