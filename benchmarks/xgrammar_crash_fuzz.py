@@ -347,38 +347,39 @@ class Pool:
         self.ctx = mp.get_context("spawn")
         self.workers = [Worker(self.ctx) for _ in range(n)]
 
-    def _finish(self, i: int, status: str, detail: str) -> tuple:
-        worker = self.workers[i]
-        case, worker.case = worker.case, None
-        if status in ("died", "timeout"):
-            worker.stop()
-            self.workers[i] = Worker(self.ctx)
-        return case, status, detail
-
     def collect(self) -> list[tuple]:
         """Wait for at least one busy worker to answer, die or time out; (case, status,
-        detail) for each that did."""
+        detail) for each that did. A worker that died or timed out is replaced after every
+        worker's answer is read (a replacement's start-up takes seconds, which must not count
+        against the other workers' cases)."""
         busy = [w for w in self.workers if w.case is not None]
         until = min(w.deadline for w in busy)
-        ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy],
-                     timeout=max(0.0, until - time.monotonic()))
-        done = []
+        wait([w.conn for w in busy] + [w.proc.sentinel for w in busy],
+             timeout=max(0.0, until - time.monotonic()))
+        done, dead = [], []
         for i, w in enumerate(self.workers):
             if w.case is None:
                 continue
-            if w.conn in ready and w.conn.poll():
+            status = detail = None
+            if w.conn.poll():
                 try:
                     status, detail = w.conn.recv()
-                    done.append(self._finish(i, status, detail))
-                    continue
                 except EOFError:
                     pass
-            if w.proc.sentinel in ready or w.conn in ready:
+            if status is None and not w.proc.is_alive():
                 w.proc.join(5)
-                code = w.proc.exitcode
-                done.append(self._finish(i, "died", f"{STAGES[w.stage.value]} exit {code}"))
-            elif time.monotonic() >= w.deadline:
-                done.append(self._finish(i, "timeout", STAGES[w.stage.value]))
+                status, detail = "died", f"{STAGES[w.stage.value]} exit {w.proc.exitcode}"
+            elif status is None and time.monotonic() >= w.deadline:
+                status, detail = "timeout", STAGES[w.stage.value]
+            if status is None:
+                continue
+            done.append((w.case, status, detail))
+            w.case = None
+            if status in ("died", "timeout"):
+                dead.append(i)
+        for i in dead:
+            self.workers[i].stop()
+            self.workers[i] = Worker(self.ctx)
         return done
 
     def run_one(self, case: tuple, timeout_s: float) -> tuple[str, str]:
