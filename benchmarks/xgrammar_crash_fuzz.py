@@ -466,6 +466,14 @@ def shrink(pool: Pool, case: tuple, status: str, timeout_s: float, budget_s: flo
 
 
 # --------------------------------------------------------------------------- main
+def _record(counts: Counter, incidents: list, case: tuple, status: str, detail: str) -> None:
+    counts[(case[0], "cases")] += 1
+    counts[(case[0], status)] += 1
+    if status in ("died", "timeout", "memory", "error", "slow"):
+        incidents.append((case, status, detail))
+        print(f"{status:8} {case[0]:7} {case[2]:7} {detail} :: {case[1][:300]!r}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -490,16 +498,10 @@ def main() -> int:
                 w.submit((kind, GENERATORS[kind](rng), vocab, case_no), args.case_timeout)
                 case_no += 1
         for case, status, detail in pool.collect():
-            counts[(case[0], "cases")] += 1
-            counts[(case[0], status)] += 1
-            if status in ("died", "timeout", "memory", "error", "slow"):
-                incidents.append((case, status, detail))
-                print(f"{status:8} {case[0]:7} {case[2]:7} {detail} :: {case[1][:300]!r}",
-                      flush=True)
+            _record(counts, incidents, case, status, detail)
     while any(w.case is not None for w in pool.workers):
         for case, status, detail in pool.collect():
-            counts[(case[0], "cases")] += 1
-            counts[(case[0], status)] += 1
+            _record(counts, incidents, case, status, detail)
     reproducers = []
     shrunk: Counter = Counter()
     end = start + args.minutes * 60
