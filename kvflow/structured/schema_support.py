@@ -3,8 +3,9 @@
 xgrammar (0.2.9) compiles a schema using any of these without an error, then lets through
 outputs that break them (checked against ``jsonschema`` on violating instances): ``[1, 1]``
 under ``uniqueItems``, ``"x"`` under ``{"allOf": [{"type": "integer"}, {"minimum": 5}]}``, an
-object missing what ``if``/``then`` or ``dependentRequired`` require. A constraint kvflow
-accepts must hold in every output, so such a schema is refused, naming the keyword and where
+object missing what ``if``/``then`` or ``dependentRequired`` require, ``"aaa"`` under
+``{"pattern": "^a*$", "maxLength": 2}`` (minLength / maxLength beside a pattern). A
+constraint kvflow accepts must hold in every output, so such a schema is refused, naming the keyword and where
 it is, rather than served as a looser one. Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
 2020-12; xgrammar enforces the common formats).
@@ -30,6 +31,11 @@ _UNENFORCED = {
     "dependentSchemas": "the dependent schemas are not applied",
     "dependencies": "the dependent properties are not required",
 }
+# xgrammar (0.2.9) drops a string's minLength / maxLength when it also has a pattern (it logs
+# "pattern combined with minLength/maxLength is not supported"): "aaa" passes
+# {"pattern": "^a*$", "maxLength": 2}. Found by benchmarks/xgrammar_crash_fuzz.py.
+_WITH_PATTERN = ("not enforced together with 'pattern' (write the length into the pattern, "
+                 "e.g. ^[a-z]{3,8}$)")
 # keywords that ask for nothing when empty (or 0)
 _EMPTY_IS_NOTHING = ("uniqueItems", "dependentRequired", "dependentSchemas", "dependencies")
 # keywords whose value is one subschema / a list of them / a name -> subschema map
@@ -69,6 +75,10 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "only one of its subschemas is applied"
     if "multipleOf" in schema and schema.get("type") not in ("integer", ["integer"]):
         return "multipleOf", "enforced for type integer only"
+    if isinstance(schema.get("pattern"), str):
+        for key in ("minLength", "maxLength"):
+            if key in schema and not (key == "minLength" and schema[key] == 0):
+                return key, _WITH_PATTERN
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return "$ref", f"{ref!r} is not in the schema (only '#...' references resolve)"

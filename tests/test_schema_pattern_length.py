@@ -1,0 +1,69 @@
+"""A JSON schema string with a pattern and minLength / maxLength is refused: xgrammar 0.2.9
+compiles it but drops the length limits (it logs "pattern combined with minLength/maxLength
+is not supported"), so outputs outside them would pass (checked here on xgrammar itself, the
+oracle for why). Found by ``benchmarks/xgrammar_crash_fuzz.py``. Look-alikes (a length limit
+alone, a length written into the pattern, minLength 0 beside a pattern) are accepted and
+enforced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from kvflow.structured import StructuredOutputsParams, validate
+from kvflow.structured.xgrammar_backend import json_schema_grammar
+
+VOCAB = ['"', "a", "b", "</s>"]
+STOP = 3
+SUFFIX = ("not enforced together with 'pattern' (write the length into the pattern, e.g. "
+          "^[a-z]{3,8}$) (xgrammar, kvflow's grammar engine, accepts this keyword but does not "
+          "enforce it; leave it out)")
+
+
+def _accepts(grammar: xgr.Grammar, text: str) -> bool:
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[STOP])) \
+        .compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(VOCAB.index(ch)) for ch in text) and \
+        matcher.accept_token(STOP)
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "string", "pattern": "^a*$", "maxLength": 2}, "'maxLength'"),
+    ({"type": "string", "pattern": "^a*$", "minLength": 3}, "'minLength'"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a*$",
+                                             "minLength": 1, "maxLength": 2}}},
+     "'minLength' at properties.s"),
+])
+def test_length_beside_pattern_refused(schema, where):
+    with pytest.raises(ValueError) as e:
+        validate(StructuredOutputsParams(json=schema))
+    assert str(e.value) == f"invalid JSON schema in structured_outputs: {where}: {SUFFIX}"
+
+
+def test_xgrammar_drops_the_length_beside_a_pattern():
+    """The reason for the refusal: "aaa" (3 characters) passes maxLength 2, "a" passes
+    minLength 3. If a later xgrammar enforces them, the refusal may be relaxed."""
+    too_long = xgr.Grammar.from_json_schema(
+        json.dumps({"type": "string", "pattern": "^a*$", "maxLength": 2}), any_whitespace=False)
+    too_short = xgr.Grammar.from_json_schema(
+        json.dumps({"type": "string", "pattern": "^a*$", "minLength": 3}), any_whitespace=False)
+    if not (_accepts(too_long, '"aaa"') or _accepts(too_short, '"a"')):
+        pytest.skip("the installed xgrammar enforces the lengths: the refusal may be relaxed")
+    assert _accepts(too_long, '"aaa"') and _accepts(too_short, '"a"')
+
+
+@pytest.mark.parametrize("schema, accepted, refused", [
+    ({"type": "string", "maxLength": 2}, ['""', '"a"', '"ab"'], ['"aaa"']),
+    ({"type": "string", "minLength": 2}, ['"ab"', '"aaa"'], ['""', '"a"']),
+    ({"type": "string", "pattern": "^a{1,2}$"}, ['"a"', '"aa"'], ['""', '"aaa"', '"b"']),
+    ({"type": "string", "pattern": "^a*$", "minLength": 0}, ['""', '"aaa"'], ['"b"']),
+])
+def test_look_alikes_accepted_and_enforced(schema, accepted, refused):
+    text = json.dumps(schema)
+    validate(StructuredOutputsParams(json=text))
+    grammar = json_schema_grammar(text)
+    for output, want in [(t, True) for t in accepted] + [(t, False) for t in refused]:
+        assert _accepts(grammar, output) == want, output
