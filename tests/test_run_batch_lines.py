@@ -219,12 +219,18 @@ def test_a_failed_write_names_the_flag_and_the_reason(monkeypatch):
         full.close()
 
 
-def test_input_lines_and_count(tmp_path):
+@pytest.mark.parametrize("data, lines", [
+    (b"a\n\nb", [b"a\n", b"\n", b"b"]),
+    # blank lines that end the file are dropped (vLLM strips the file); inner ones kept
+    (b"a\n \t\nb\n\n  \r\n\n", [b"a\n", b" \t\n", b"b\n"]),
+    (b"\n\n", []),
+])
+def test_input_lines_and_count(tmp_path, data, lines):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b"a\n\nb")
+    path.write_bytes(data)
     source = BatchInput(str(path))
-    assert source.count_lines() == 3
-    assert list(source.lines()) == [b"a\n", b"\n", b"b"]
+    assert source.count_lines() == len(lines)
+    assert list(source.lines()) == lines
     source.close()
 
 

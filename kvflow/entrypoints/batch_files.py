@@ -65,26 +65,36 @@ class BatchInput:
             raise ValueError(f"-i {path}: cannot read it ({e.strerror})") from None
 
     def count_lines(self) -> int | None:
-        """Lines in a regular file (a last line without a newline counted), read in 1 MiB
-        chunks and the file rewound; None for stdin or a pipe (the progress bar then shows
-        no total)."""
+        """Lines in a regular file up to its last non-blank one (the lines :meth:`lines`
+        yields), the file rewound; None for stdin or a pipe (the progress bar then shows no
+        total)."""
         if self.path == "-" or not os.path.isfile(self.path):
             return None
-        count, last = 0, b"\n"
-        while chunk := self._file.read(1 << 20):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
+        last_text = 0
+        for number, line in enumerate(self._file, start=1):
+            if line.strip():
+                last_text = number
         self._file.seek(0)
-        return count + (last != b"\n")
+        return last_text
 
     def lines(self) -> Iterator[bytes]:
-        """The lines, newline included, one at a time (never the whole file in memory).
+        """The lines, newline included, one at a time (never the whole file in memory),
+        but for the blank (whitespace-only) lines that end the file, which are dropped as
+        vLLM's run-batch drops them (it strips the file); a blank line before a request is
+        yielded (and answered as an empty line).
 
         Raises:
             BatchFileError: when a read fails.
         """
+        blank: list[bytes] = []  # blank lines held until a line with text follows them
         with _io_errors("-i", self.path, "reading"):
-            yield from self._file
+            for line in self._file:
+                if not line.strip():
+                    blank.append(line)
+                    continue
+                yield from blank
+                blank.clear()
+                yield line
 
     def close(self) -> None:
         if self.path != "-":  # stdin's reader is left to the thread that may be reading it
