@@ -12,8 +12,10 @@ import contextlib
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -195,6 +197,38 @@ def test_file_output_appears_whole_at_commit_and_discard_keeps_the_old_file(tmp_
     again.discard()
     assert path.read_text(encoding="utf-8") == '{"custom_id": "é"}\n'
     assert os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_a_symlink_output_replaces_its_target_and_stays_a_link(tmp_path):
+    target = tmp_path / "target.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    out = BatchOutput(str(link))
+    out.write({"a": 1})
+    assert target.read_text() == "old\n"  # nothing at the target before commit
+    out.commit()
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == '{"a": 1}\n'
+    assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "target.jsonl"]
+
+
+def test_a_fifo_output_is_written_through_and_stays_a_fifo(tmp_path):
+    """A non-regular path (here a FIFO; a device such as /dev/null alike) is written in
+    place: renaming a temporary file over it replaced it with a regular file."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    out = BatchOutput(str(fifo))
+    out.write({"a": 1})
+    out.write({"b": 2})
+    out.commit()
+    reader.join(timeout=10)
+    assert got == ['{"a": 1}\n{"b": 2}\n']
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert os.listdir(tmp_path) == ["out.fifo"]
 
 
 def test_stdout_output_writes_whole_lines(capsys):

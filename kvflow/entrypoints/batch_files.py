@@ -102,14 +102,17 @@ class BatchInput:
 
 
 class BatchOutput:
-    """The output JSONL file (``-``: stdout). A path is written to a hidden temporary file in
-    its folder (``.NAME.<hex>.tmp``, the umask's permissions) and renamed over it by
-    :meth:`commit`, so the path holds either its old content or the whole output, never a half
-    line; :meth:`discard` removes the temporary file. On stdout each line is written and
-    flushed whole.
+    """The output JSONL file (``-``: stdout). A regular file (or a new path) is written to a
+    hidden temporary file in its folder (``.NAME.<hex>.tmp``, the umask's permissions) and
+    renamed over it by :meth:`commit`, so the path holds either its old content or the whole
+    output, never a half line; :meth:`discard` removes the temporary file. A symbolic link is
+    followed: its target is the file replaced, the link stays. Anything else that exists
+    (a device such as ``/dev/null``, a FIFO, ``/dev/stdout``) is opened and written
+    through, as stdout is: each line written and flushed whole, nothing to undo (renaming
+    over it would replace the device with a regular file).
 
     Raises:
-        ValueError: from the constructor for a URL, a folder, or a folder that cannot be
+        ValueError: from the constructor for a URL, a folder, or a path that cannot be
             written to.
     """
 
@@ -117,18 +120,31 @@ class BatchOutput:
         _refuse_url("-o", path)
         self.path = path
         self._temp: str | None = None
+        self._target = ""  # the regular file the temporary one replaces
         if path == "-":
             self._file: IO[str] = sys.stdout
             return
         if os.path.isdir(path):
             raise ValueError(f"-o {path}: is a folder; give a file path")
-        folder, name = os.path.split(os.path.abspath(path))
+        if os.path.exists(path) and not os.path.isfile(path):
+            self._file = self._open_through(path)
+            return
+        self._target = os.path.realpath(path)
+        folder, name = os.path.split(self._target)
         self._temp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             fd = os.open(self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
             raise ValueError(f"-o {path}: cannot write there ({e.strerror})") from None
         self._file = os.fdopen(fd, "w", encoding="utf-8")
+
+    @staticmethod
+    def _open_through(path: str) -> IO[str]:
+        """A device, FIFO or other non-regular path, opened for writing in place."""
+        try:
+            return open(path, "w", encoding="utf-8")  # closed by commit
+        except OSError as e:
+            raise ValueError(f"-o {path}: cannot write there ({e.strerror})") from None
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one output line (compact JSON, non-ASCII kept) and its newline.
@@ -150,10 +166,12 @@ class BatchOutput:
         with _io_errors("-o", self.path, "writing"):
             self._file.flush()
             if self._temp is None:
+                if self._file is not sys.stdout:
+                    self._file.close()
                 return
             os.fsync(self._file.fileno())
             self._file.close()
-            os.replace(self._temp, self.path)
+            os.replace(self._temp, self._target)
         self._temp = None
 
     def discard(self) -> None:
