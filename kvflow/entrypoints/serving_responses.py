@@ -9,6 +9,7 @@ stream events (``responses_events``). Replies are kept in a bounded in-memory st
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,6 +61,10 @@ _UNHONOURED = {
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format",
             "tool_choice.function": "tool_choice", "messages": "input"}
+# the chat fields a Responses request cannot have: wherever a message names one, it means
+# the Responses field it came from (longest first)
+_CHAT_ONLY = ("max_completion_tokens", "max_tokens", "response_format.json_schema",
+              "response_format")
 # a chat tool call's fields -> the function_call item's
 _CALL_KEYS = {"id": "call_id", "function.name": "name", "function.arguments": "arguments"}
 
@@ -118,9 +123,11 @@ def _renamed_error(error: OpenAIError, conv: Conversation) -> OpenAIError:
     """``error`` (found by the chat path) naming the Responses request's field, in its
     ``param`` and where its message names the chat field."""
     param = _renamed(error.param, conv)
-    if param == error.param:
-        return error
     message = str(error).replace(error.param, param) if error.param else str(error)
+    for chat_name in _CHAT_ONLY:  # named in the message beside another param
+        message = re.sub(rf"\b{re.escape(chat_name)}\b", _RENAMED[chat_name], message)
+    if param == error.param and message == str(error):
+        return error
     return OpenAIError(message, error.status, error.type, param, error.code, error.headers)
 
 

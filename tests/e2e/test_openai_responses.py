@@ -344,6 +344,9 @@ BAD = [
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": 5}}, 400,
      "tool_choice.name"),
     ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    # two constraints at once: the message names text.format, not chat's response_format
+    ({"input": "hi", "tools": TOOLS, "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, 400, "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": 5}}}}, 400, "text.format.schema"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
