@@ -147,7 +147,8 @@ class BatchOutput:
             raise ValueError(f"-o {path}: cannot write there ({e.strerror})") from None
 
     def write(self, line: dict[str, Any]) -> None:
-        """Append one output line (compact JSON, non-ASCII kept) and its newline.
+        """Append one output line (``json.dumps`` with its default separators, non-ASCII
+        kept) and its newline.
 
         Raises:
             BatchFileError: when the write fails (a full disk).
