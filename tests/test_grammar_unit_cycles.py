@@ -1,9 +1,12 @@
 """A grammar with a rule defined only as itself (``b ::= b{1,2}``, ``b ::= c{2}`` with
 ``c ::= b``) is refused before xgrammar compiles it: xgrammar 0.2.9's compiler crashes the
 whole process on such a rule (checked here in a child process, the oracle for why the
-guard exists), which would take the engine down. Grammars that only look alike (recursion
-through text, a repeated rule that consumes text, left recursion) still compile and match
-the strings worked out by hand."""
+guard exists), which would take the engine down. It stays refused when a lookahead follows
+the reference (``b ::= b{9} (= "a")``, ``b ::= c (= "a")`` with ``c ::= b{2}``, found by
+``benchmarks/xgrammar_crash_fuzz.py``): xgrammar segfaults on it exactly as without the
+lookahead. Grammars that only look alike (recursion through text, a repeated rule that
+consumes text, left recursion, a lookahead after text or after a reference to a rule that
+matches text) still compile and match the strings worked out by hand."""
 
 from __future__ import annotations
 
@@ -24,10 +27,19 @@ CRASHING = [
     ('root ::= "x"\nb ::= c{2}\nc ::= b', "b -> c -> b"),
     ('root ::= "x"\nb ::= c\nc ::= b{1,2}', "b -> c -> b"),
 ]
+CRASHING_WITH_LOOKAHEAD = [
+    ('root ::= "x"\nb ::= b{9} (= "a")', "b -> b"),
+    ('root ::= "x"\nb ::= b{1,2} (= [a-z])', "b -> b"),
+    ('root ::= "x"\nb ::= c (= "a")\nc ::= b{2}', "b -> c -> b"),
+    ('root ::= "x"\nb ::= b (= "a")', "b -> b"),  # compiles, but matches no text either
+]
+# the vocabulary each case was written against ("ab" and "y" are never both needed)
 VOCAB = ["a", "b", "c", "x", "ab", "</s>"]
+VOCAB_LOOKAHEAD = ["a", "b", "c", "x", "y", "</s>"]
+STOP = 5
 
 
-@pytest.mark.parametrize("grammar, cycle", CRASHING)
+@pytest.mark.parametrize("grammar, cycle", CRASHING + CRASHING_WITH_LOOKAHEAD)
 def test_unit_cycle_refused_with_its_rules(grammar, cycle):
     with pytest.raises(ValueError) as e:
         validate(StructuredOutputsParams(grammar=grammar))
@@ -35,12 +47,14 @@ def test_unit_cycle_refused_with_its_rules(grammar, cycle):
                             "matches no text; give it an alternative that does, or remove it")
 
 
-def test_xgrammar_crashes_on_the_refused_grammar():
+@pytest.mark.parametrize("grammar, vocab", [(CRASHING[0][0], VOCAB)]
+                         + [(g, VOCAB_LOOKAHEAD) for g, _ in CRASHING_WITH_LOOKAHEAD[:3]])
+def test_xgrammar_crashes_on_the_refused_grammar(grammar, vocab):
     """The reason for the guard: compiling one crashes the interpreter (a signal, no
     Python exception). If a later xgrammar compiles it, the guard may be relaxed."""
     code = ("import xgrammar as xgr\n"
-            f"info = xgr.TokenizerInfo({VOCAB!r}, stop_token_ids=[5])\n"
-            f"xgr.GrammarCompiler(info).compile_grammar({CRASHING[0][0]!r})\n"
+            f"info = xgr.TokenizerInfo({vocab!r}, stop_token_ids=[{STOP}])\n"
+            f"xgr.GrammarCompiler(info).compile_grammar({grammar!r})\n"
             "print('compiled')")
     run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                          text=True, timeout=120)
@@ -49,24 +63,31 @@ def test_xgrammar_crashes_on_the_refused_grammar():
     assert run.returncode < 0 and "compiled" not in run.stdout
 
 
-@pytest.mark.parametrize("grammar, accepted, refused", [
+@pytest.mark.parametrize("grammar, vocab, accepted, refused", [
     # recursion that consumes text first
-    ('root ::= b\nb ::= "a" b{1,2} | "c"', ["c", "ac", "acc", "aac", "aacc"], ["a", "cc", "ca"]),
+    ('root ::= b\nb ::= "a" b{1,2} | "c"', VOCAB,
+     ["c", "ac", "acc", "aac", "aacc"], ["a", "cc", "ca"]),
     # a repeated rule that matches text
-    ('root ::= b{1,2}\nb ::= "a"', ["a", "aa"], ["", "aaa"]),
+    ('root ::= b{1,2}\nb ::= "a"', VOCAB, ["a", "aa"], ["", "aaa"]),
     # left recursion
-    ('root ::= root "a" | "b"', ["b", "ba", "baaa"], ["a", "ab"]),
+    ('root ::= root "a" | "b"', VOCAB, ["b", "ba", "baaa"], ["a", "ab"]),
     # a rule that is one reference to a rule that is not a cycle
-    ('root ::= b\nb ::= c{2}\nc ::= "x" | "a"', ["xx", "ax", "aa"], ["x", "xxx"]),
+    ('root ::= b\nb ::= c{2}\nc ::= "x" | "a"', VOCAB, ["xx", "ax", "aa"], ["x", "xxx"]),
+    # a single reference with a lookahead, to a rule that matches text
+    ('root ::= b "a"\nb ::= c (= "a")\nc ::= "x" | "y"', VOCAB_LOOKAHEAD,
+     ["xa", "ya"], ["x", "a", "xaa", "xy"]),
+    # a repeated rule with a lookahead that consumes text
+    ('root ::= b{1,2} "c"\nb ::= "a" (= [ac])', VOCAB_LOOKAHEAD,
+     ["ac", "aac"], ["c", "aaac", "a", "acc"]),
 ])
-def test_look_alikes_compile_and_match(grammar, accepted, refused):
+def test_look_alikes_compile_and_match(grammar, vocab, accepted, refused):
     validate(StructuredOutputsParams(grammar=grammar))
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[5])) \
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[STOP])) \
         .compile_grammar(grammar)
     for text, want in [(t, True) for t in accepted] + [(t, False) for t in refused]:
         matcher = xgr.GrammarMatcher(compiled)
-        ok = all(matcher.accept_token(VOCAB.index(ch)) for ch in text)
-        assert (ok and matcher.accept_token(5)) == want, text
+        ok = all(matcher.accept_token(vocab.index(ch)) for ch in text)
+        assert (ok and matcher.accept_token(STOP)) == want, text
 
 
 def test_unit_cycle_on_printed_grammars():
@@ -76,3 +97,13 @@ def test_unit_cycle_on_printed_grammars():
                'd ::= ((e))\ne ::= (("y") | (d))\n')
     assert unit_cycle(printed) == ["b", "c", "b"]
     assert unit_cycle(printed.replace("c ::= ((b))", 'c ::= (("z"))')) is None
+
+
+def test_unit_cycle_on_printed_grammars_with_lookahead():
+    """The detector on xgrammar's printed form, by hand: a lookahead after the one
+    reference keeps the rule a unit rule; text before the lookahead does not."""
+    printed = ('root ::= (("x"))\nb ::= ((c)) (=("a"))\nc ::= ((b{2, 2}))\n'
+               'd ::= (("y")) (=("a"))\n')
+    assert unit_cycle(printed) == ["b", "c", "b"]
+    assert unit_cycle(printed.replace("c ::= ((b{2, 2}))", 'c ::= (("z"))')) is None
+    assert unit_cycle('root ::= (("x"))\nd ::= ((d "y")) (=("a"))\n') is None
