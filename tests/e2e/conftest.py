@@ -342,11 +342,40 @@ class BuiltModels:
             self._built[name] = (folder, build(folder))
         return self._built[name]
 
+    def with_chat_template(self, name: str, src: str, template: str) -> str:
+        """The model folder ``src`` copied (once per session, under ``name``) with its
+        tokenizer's chat template replaced by ``template``; returns the copy's folder."""
+
+        def build(folder: str) -> None:
+            from transformers import AutoTokenizer
+
+            shutil.copytree(src, folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer.chat_template = template
+            tokenizer.save_pretrained(folder)
+
+        return self(name, build)[0]
+
 
 @pytest.fixture(scope="session")
 def built_models(tmp_path_factory: pytest.TempPathFactory) -> BuiltModels:
     """Model folders built once per session (see :class:`BuiltModels`)."""
     return BuiltModels(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(start_server: ServerStarter, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """The requesting module's first declared server (``prestart_servers``), sent SIGTERM
+    when the module ends. A module may define its own ``server`` instead."""
+    server = start_server.declared(request)
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope="module")
+def free_at_start(server: ServerProcess) -> float:
+    """The engine's free KV blocks before any request (every test ends back there)."""
+    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
 
 
 SMOLLM2 = "SmolLM2-135M-Instruct"

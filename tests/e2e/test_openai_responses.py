@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 
 import httpx
@@ -39,33 +38,12 @@ SERVER_ARGS = [*ARGS, "--reasoning-parser", "think"]
 
 def responses_model(tiny_llama, built_models) -> str:
     """The tiny Llama with ``TEMPLATE`` as its chat template (one folder per session)."""
-
-    def build(folder: str) -> None:
-        from transformers import AutoTokenizer
-
-        shutil.copytree(tiny_llama.path, folder)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        tokenizer.chat_template = TEMPLATE
-        tokenizer.save_pretrained(folder)
-
-    return built_models("tiny_responses", build)[0]
+    return built_models.with_chat_template("tiny_responses", tiny_llama.path, TEMPLATE)
 
 
 def prestart_servers(fixture):
     return [(responses_model(fixture("tiny_llama"), fixture("built_models")), SERVER_ARGS,
              None)]
-
-
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
-@pytest.fixture(scope="module")
-def free_at_start(server) -> float:
-    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
 
 
 def respond(server, **body) -> httpx.Response:

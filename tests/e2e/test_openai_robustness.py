@@ -38,19 +38,6 @@ def prestart_servers(fixture):
     return [(fixture("tiny_chat_model"), ARGS, None)]
 
 
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
-@pytest.fixture(scope="module")
-def free_at_start(server) -> float:
-    """The engine's free KV blocks before any request (every test ends back there)."""
-    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
-
-
 def post(server, path: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=timeout)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import httpx
 import jsonschema
@@ -34,29 +33,13 @@ CHOICES = ["北京🙂", "東京タワー", "kvflow ✓"]
 
 def tools_model(tiny_llama, built_models) -> str:
     """The tiny Llama with ``TOOLS_TEMPLATE`` as its chat template (one folder per session)."""
-
-    def build(folder: str) -> None:
-        from transformers import AutoTokenizer
-
-        shutil.copytree(tiny_llama.path, folder)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        tokenizer.chat_template = TOOLS_TEMPLATE
-        tokenizer.save_pretrained(folder)
-
-    return built_models("tiny_tools", build)[0]
+    return built_models.with_chat_template("tiny_tools", tiny_llama.path, TOOLS_TEMPLATE)
 
 
 def prestart_servers(fixture):
     """This module's servers, taken with ``start_server.declared`` and started ahead
     (``_prestart_next_module`` in conftest.py)."""
     return [(tools_model(fixture("tiny_llama"), fixture("built_models")), ARGS, None)]
-
-
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
 
 
 @pytest.fixture(scope="module")

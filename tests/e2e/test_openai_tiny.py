@@ -28,13 +28,6 @@ def prestart_servers(fixture):
 
 
 @pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return server.client()
 

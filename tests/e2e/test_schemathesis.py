@@ -30,13 +30,6 @@ def prestart_servers(fixture):
 
 
 @pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
-@pytest.fixture(scope="module")
 def api_schema(server):
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
