@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from tests.models.embedding_models import _randomize
+
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "what", "is",
          "capital", "of", "france", "paris", "city", "river", "cat", "sat", "on", "mat", "keys",
          "and", "values", "blocks", "tokens", "prefix", "caching", "reuses", "them", "engine",
@@ -18,16 +20,6 @@ QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "the quick brown fox jumps over a lazy dog",
              "a cat sat on the mat", "keys and values blocks of tokens",
              "the engine serves large models fast", "paris city river"]
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = "norm" in name.lower()
-            param.copy_(1.0 + 0.2 * noise if is_norm and name.endswith("weight")
-                        else 0.2 * noise if name.endswith("bias") else 0.3 * noise)
 
 
 def bert_tokenizer() -> Any:
@@ -69,7 +61,7 @@ def build_cross_encoder(folder: str, kind: str, num_labels: int, seed: int = 11)
             vocab_size=len(tokenizer), type_vocab_size=1, max_position_embeddings=40,
             pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
     model = getattr(transformers, f"{kind}ForSequenceClassification")(config).eval()
-    _randomize(model, seed)
+    _randomize(model, seed, scale=0.3)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

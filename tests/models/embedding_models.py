@@ -9,14 +9,16 @@ from typing import Any
 import torch
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    """Seeded weights in place, parameters visited in name order: norm weights
+    1 + N(0, 0.2), biases N(0, 0.2), every other parameter N(0, ``scale``)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen)
             is_norm = "norm" in name.lower()
             param.copy_(1.0 + 0.2 * noise if is_norm and name.endswith("weight")
-                        else 0.2 * noise if name.endswith("bias") else 0.1 * noise)
+                        else 0.2 * noise if name.endswith("bias") else scale * noise)
 
 
 def save_sentence_transformer(model: Any, tokenizer: Any, folder: str, pooling: str,
