@@ -47,11 +47,7 @@ class OpenAIServingScore(OpenAIServing):
                 model; 503 when overloaded.
         """
         self._check(req, "/v1/score")
-        try:
-            pairs = score_pairs(req.text_1, req.text_2)
-        except ValueError as e:
-            raise OpenAIError(str(e), param=_named(str(e), ("text_1", "text_2")),
-                              code="invalid_value") from None
+        pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
         names = [f"pair {i} (text_1, text_2)" for i in range(len(pairs))]
         reply_id, streams, finish = await self._queue(req, raw, pairs, names, "text_2")
 
@@ -78,11 +74,7 @@ class OpenAIServingScore(OpenAIServing):
             raise OpenAIError(f"rerank needs one relevance score per document, but this model "
                               f"has num_labels={labels}: use /v1/score for its {labels} values",
                               param="model", code="invalid_value")
-        try:
-            pairs = score_pairs(req.query, req.documents, ("query", "documents"))
-        except ValueError as e:
-            raise OpenAIError(str(e), param=_named(str(e), ("query", "documents")),
-                              code="invalid_value") from None
+        pairs = _pairs(req.query, req.documents, ("query", "documents"))
         names = [f"documents[{i}]" for i in range(len(pairs))]
         reply_id, streams, finish = await self._queue(req, raw, pairs, names, "documents")
 
@@ -224,6 +216,19 @@ async def _collect(streams: Sequence[RequestStream]) -> list[list[float]]:
             raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
         scores.append(last.outputs.embedding)
     return scores
+
+
+def _pairs(first: str | Sequence[str], second: str | Sequence[str],
+           names: tuple[str, str]) -> list[tuple[str, str]]:
+    """``score_pairs(first, second, names)``: the pairs to score, in order.
+
+    Raises:
+        OpenAIError: 400 (``invalid_value``) for texts that do not pair, naming the field.
+    """
+    try:
+        return score_pairs(first, second, names)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=_named(str(e), names), code="invalid_value") from None
 
 
 def _named(message: str, names: tuple[str, str]) -> str:
