@@ -96,6 +96,7 @@ class _EmbeddingEngine:
     """What /v1/embeddings asks of the engine, recording each queued input's client."""
 
     task, is_healthy, num_waiting_requests, max_model_len, tokenizer = "embed", True, 0, 64, None
+    vocab_size = 100  # token-id inputs are checked against it (input.N)
 
     def __init__(self) -> None:
         self.clients: list[str] = []
