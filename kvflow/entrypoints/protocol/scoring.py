@@ -14,6 +14,7 @@ from kvflow.entrypoints.protocol.base import (
     RequestBody,
     now,
 )
+from kvflow.entrypoints.protocol.embeddings import EmbeddingUsage
 
 
 class ScoreRequest(RequestBody):
@@ -36,9 +37,7 @@ class ScoreData(OpenAIBaseModel):
     score: float | list[float]  # the num_labels values of a model with several labels
 
 
-class ScoreUsage(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
+ScoreUsage = EmbeddingUsage  # the same counts: prompt tokens only (vLLM's shape)
 
 
 class ScoreResponse(OpenAIBaseModel):
