@@ -4,11 +4,12 @@ xgrammar (0.2.9) compiles a schema using any of these without an error, then let
 outputs that break them (checked against ``jsonschema`` on violating instances): ``[1, 1]``
 under ``uniqueItems``, ``"x"`` under ``{"allOf": [{"type": "integer"}, {"minimum": 5}]}``, an
 object missing what ``if``/``then`` or ``dependentRequired`` require, ``"aaa"`` under
-``{"pattern": "^a*$", "maxLength": 2}`` (minLength / maxLength beside a pattern). A
+``{"pattern": "^a*$", "maxLength": 2}`` (minLength / maxLength beside a pattern, and beside a
+``format`` xgrammar knows, such as ``"date"``). A
 constraint kvflow accepts must hold in every output, so such a schema is refused, naming the keyword and where
 it is, rather than served as a looser one. Not refused: ``oneOf`` (enforced as ``anyOf``: an
 output matching several branches passes) and ``format`` (an annotation in JSON Schema
-2020-12; xgrammar enforces the common formats).
+2020-12; xgrammar enforces the formats in ``LENGTHLESS_FORMATS`` and ignores the others).
 
 Also here: the budget on a schema's counted repetitions in string patterns
 (``costly_pattern``), which xgrammar converts in time quadratic in the count.
@@ -36,6 +37,13 @@ _UNENFORCED = {
 # {"pattern": "^a*$", "maxLength": 2}. Found by benchmarks/xgrammar_crash_fuzz.py.
 _WITH_PATTERN = ("not enforced together with 'pattern' (write the length into the pattern, "
                  "e.g. ^[a-z]{3,8}$)")
+# The string formats xgrammar (0.2.9) enforces, and for which it drops minLength / maxLength
+# (it logs "format combined with minLength/maxLength is not supported"): "2024-01-02" passes
+# {"format": "date", "maxLength": 3}. Checked one by one; other format names (idn-email, iri,
+# regex, unknown ones) are ignored by xgrammar and the lengths are enforced.
+LENGTHLESS_FORMATS = frozenset((
+    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"))
 # keywords that ask for nothing when empty (or 0)
 _EMPTY_IS_NOTHING = ("uniqueItems", "dependentRequired", "dependentSchemas", "dependencies")
 # keywords whose value is one subschema / a list of them / a name -> subschema map
@@ -75,13 +83,24 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "only one of its subschemas is applied"
     if "multipleOf" in schema and schema.get("type") not in ("integer", ["integer"]):
         return "multipleOf", "enforced for type integer only"
-    if isinstance(schema.get("pattern"), str):
-        for key in ("minLength", "maxLength"):
-            if key in schema and not (key == "minLength" and schema[key] == 0):
-                return key, _WITH_PATTERN
+    length = _length_keyword(schema)
+    if length is not None and isinstance(schema.get("pattern"), str):
+        return length, _WITH_PATTERN
+    if length is not None and schema.get("format") in LENGTHLESS_FORMATS:
+        return length, (f"not enforced together with format {schema['format']!r} (leave the "
+                        "length out, or write format and length as one pattern)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return "$ref", f"{ref!r} is not in the schema (only '#...' references resolve)"
+    return None
+
+
+def _length_keyword(schema: dict[str, Any]) -> str | None:
+    """``"minLength"`` or ``"maxLength"`` if the schema object limits a string's length (a
+    minLength of 0 limits nothing), else None."""
+    for key in ("minLength", "maxLength"):
+        if key in schema and not (key == "minLength" and schema[key] == 0):
+            return key
     return None
 
 
