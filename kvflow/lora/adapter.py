@@ -292,42 +292,93 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
             naming the field), or no ``target_modules`` for a model type peft has no
             default for.
     """
+    config = _read_checked_config(request, max_rank)
+    pairs = _weight_pairs(_read_tensors(request.lora_path), request.lora_path)
+    peft_modules = [m.removeprefix(_PREFIX) for m in sorted(pairs)]
+    check_weights_in_config(config, peft_modules, request.lora_path, model_type)
+    _warn_weightless_targets(request, config, model_type, targets, packed, peft_modules,
+                             rename)
+    weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+    rank = 0
+    for peft_module, ab in sorted(pairs.items()):
+        module, shard = _kvflow_module(peft_module, packed, rename)
+        a, b = _checked_pair(peft_module, module, shard, ab, targets)
+        _check_weights_rank(request, config, peft_module, a.shape[0], max_rank)
+        weights.setdefault(module, {})[shard] = _folded_pair(config, peft_module, a, b, dtype)
+        rank = max(rank, a.shape[0])
+    if not weights:
+        raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
+    return LoRAAdapter(request, rank, weights)
+
+
+def _read_checked_config(request: LoRARequest, max_rank: int) -> dict[str, Any]:
+    """The folder's ``adapter_config.json``, read and refused where kvflow cannot apply it.
+
+    Raises:
+        ValueError: see :func:`read_adapter_config` and :func:`check_adapter_config`.
+    """
     config = read_adapter_config(request.lora_path)
     check_adapter_config(config, max_rank,
                          repr(os.path.join(request.lora_path, "adapter_config.json")),
                          request.lora_name)
+    return config
+
+
+def _weight_pairs(tensors: dict[str, torch.Tensor],
+                  path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors grouped by PEFT module: module -> ``{"A": A, "B": B}`` (either may
+    be missing; :func:`_checked_pair` refuses that), each tensor's values checked.
+
+    Raises:
+        ValueError: naming a tensor that is not a LoRA A/B weight of a linear layer, or whose
+            values are not finite floating point (see :func:`_check_values`).
+    """
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(request.lora_path).items():
+    for key, tensor in tensors.items():
         match = _WEIGHT_RE.match(key)
         if match is None:
             raise ValueError(f"adapter tensor {key!r} cannot be applied: kvflow loads LoRA A/B "
                              "weights of linear layers only (no saved whole modules, "
                              "embeddings or LM head)")
-        _check_values(key, tensor, request.lora_path)
+        _check_values(key, tensor, path)
         pairs.setdefault(match["module"], {})[match["kind"]] = tensor
-    peft_modules = [m.removeprefix(_PREFIX) for m in sorted(pairs)]
-    check_weights_in_config(config, peft_modules, request.lora_path, model_type)
+    return pairs
+
+
+def _warn_weightless_targets(request: LoRARequest, config: dict[str, Any],
+                             model_type: str | None, targets: dict[str, LoRATarget],
+                             packed: dict[str, tuple[str, Any]], peft_modules: list[str],
+                             rename: Callable[[str], str] | None) -> None:
+    """Log one warning when the config adapts modules that hold no weights (peft loads zero
+    deltas there)."""
     unweighted = weightless_targets(config, model_type, _unfused_modules(targets, packed),
                                     [rename(m) if rename else m for m in peft_modules],
                                     rename is not None)
     if unweighted is not None:
         logger.warning("LoRA adapter %r (%s): %s", request.lora_name, request.lora_path,
                        unweighted)
-    weights: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
-    rank = 0
-    for peft_module, ab in sorted(pairs.items()):
-        module, shard = _kvflow_module(peft_module, packed, rename)
-        a, b = _checked_pair(peft_module, module, shard, ab, targets)
-        if a.shape[0] > max_rank:  # its weights say more than its adapter_config.json
-            raise rank_error(request.lora_name, a.shape[0], max_rank,
-                             f"module {peft_module!r} of {request.lora_path!r}")
-        _check_config_rank(config, peft_module, a.shape[0], request.lora_path)
-        scale = _scaling(config, peft_module.removeprefix(_PREFIX), a.shape[0])
-        weights.setdefault(module, {})[shard] = (a.to(dtype), (b.float() * scale).to(dtype))
-        rank = max(rank, a.shape[0])
-    if not weights:
-        raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
-    return LoRAAdapter(request, rank, weights)
+
+
+def _check_weights_rank(request: LoRARequest, config: dict[str, Any], peft_module: str,
+                        rank: int, max_rank: int) -> None:
+    """The rank of ``peft_module``'s weights (lora_A rows) must be at most ``max_rank`` and
+    the one its ``adapter_config.json`` gives it.
+
+    Raises:
+        ValueError: see :func:`rank_error` and :func:`_check_config_rank`.
+    """
+    if rank > max_rank:  # its weights say more than its adapter_config.json
+        raise rank_error(request.lora_name, rank, max_rank,
+                         f"module {peft_module!r} of {request.lora_path!r}")
+    _check_config_rank(config, peft_module, rank, request.lora_path)
+
+
+def _folded_pair(config: dict[str, Any], peft_module: str, a: torch.Tensor, b: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [r, in], B [out, r])`` cast to ``dtype`` with the module's scaling
+    (``lora_alpha / r``, or ``/ sqrt(r)`` under rsLoRA) folded into B in float32 first."""
+    scale = _scaling(config, peft_module.removeprefix(_PREFIX), a.shape[0])
+    return a.to(dtype), (b.float() * scale).to(dtype)
 
 
 def _unfused_modules(targets: dict[str, LoRATarget],
