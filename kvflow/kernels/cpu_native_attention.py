@@ -73,13 +73,19 @@ class AttentionKernels:
         rest = (query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
                 num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
                 DTYPE_CODES[q.dtype], torch.get_num_threads(),
-                3 if batch_invariant else int(tiled) * (1 + int(bf16_dot)))
-        if self.pool is not None and self.pool.is_open:
-            status = self.pool.paged_attention(kv_cache, *args, block_table.shape[1], *rest)
-        else:
-            status = self._attn(*args, *rest)
-        raise_on(status, "paged attention")
+                attention_path(tiled, bf16_dot, batch_invariant))
+        raise_on(self._run_attention(kv_cache, args, block_table.shape[1], rest),
+                 "paged attention")
         return out
+
+    def _run_attention(self, kv_cache: torch.Tensor, args: tuple, max_blocks: int,
+                       rest: tuple) -> int:
+        """One ``kvflow_paged_attention`` call (its arguments split at the block table's
+        width, which only the worker pool takes): on the pool's threads when it is open, else
+        directly. Returns the C status (0 ok, 1 no scratch memory)."""
+        if self.pool is not None and self.pool.is_open:
+            return self.pool.paged_attention(kv_cache, *args, max_blocks, *rest)
+        return self._attn(*args, *rest)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -186,6 +192,22 @@ class AttentionKernels:
                 or block_table.shape[0] < seq_lens.shape[0]:
             raise ValueError("query_start_loc needs num_reqs + 1 entries and block_table a row "
                              "per request")
+
+
+# The ``tiled`` argument of ``kvflow_paged_attention`` (csrc/cpu_attention.c): which path a
+# tile of query tokens takes.
+ROW_BY_ROW, REGISTER_TILED, BF16_DOT_TILED, BATCH_INVARIANT = 0, 1, 2, 3
+
+
+def attention_path(tiled: bool, bf16_dot: bool, batch_invariant: bool) -> int:
+    """The native kernel's path code for :meth:`AttentionKernels.paged_attention`'s flags:
+    ``batch_invariant`` overrides the others; ``bf16_dot`` counts only with ``tiled`` (the C
+    side falls back to the register-tiled path where the build or dtype has no bf16 dots)."""
+    if batch_invariant:
+        return BATCH_INVARIANT
+    if not tiled:
+        return ROW_BY_ROW
+    return BF16_DOT_TILED if bf16_dot else REGISTER_TILED
 
 
 def cache_halves(kv_cache: torch.Tensor) -> tuple[int, int]:
