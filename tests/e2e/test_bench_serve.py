@@ -25,13 +25,6 @@ def prestart_servers(fixture):
     return [(fixture("tiny_chat_model"), ENGINE_ARGS, None)]
 
 
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
 def bench(server, tmp_path, name, *args):
     """Run ``kvflow bench serve`` in-process; returns (exit status, result JSON path)."""
     path = tmp_path / f"{name}.json"

@@ -40,13 +40,6 @@ def prestart_servers(fixture):
     return [(fixture("tiny_chat_model"), SERVER_ARGS, None)]
 
 
-@pytest.fixture(scope="module")
-def dp_server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
 def replica_pids(server) -> dict[int, int]:
     """Replica index -> pid of its latest core process (from the server's log)."""
     found = re.findall(r"engine core (\d+) of \d+ ready \(pid (\d+)\)",
@@ -67,73 +60,73 @@ def complete(server, prompt: list[int], **extra) -> dict:
     return resp.json()["choices"][0]
 
 
-def test_greedy_tokens_equal_one_process_and_both_replicas_serve(dp_server, tiny_chat_model):
+def test_greedy_tokens_equal_one_process_and_both_replicas_serve(server, tiny_chat_model):
     reference, _ = greedy_run(tiny_chat_model)
-    before = per_engine(dp_server, "kvflow:prefix_cache_queries_total")
+    before = per_engine(server, "kvflow:prefix_cache_queries_total")
     # one request of 4 prompts: queued at once, so they alternate between the replicas
-    resp = httpx.post(f"{dp_server.url}/v1/completions", timeout=120, json={
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
         "prompt": PROMPTS, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert resp.status_code == 200, resp.text
     choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
     assert_same_greedy(reference, [[(t, None) for t in c["token_ids"]] for c in choices])
-    after = per_engine(dp_server, "kvflow:prefix_cache_queries_total")
+    after = per_engine(server, "kvflow:prefix_cache_queries_total")
     assert all(after[e] > before[e] for e in ("0", "1")), (before, after)
-    m = dp_server.metrics()
+    m = server.metrics()
     for e in ("0", "1"):  # each replica has its own idle pool again
-        assert dp_server.value(m, "kvflow:kv_cache_free_blocks", engine=e) == 95
+        assert server.value(m, "kvflow:kv_cache_free_blocks", engine=e) == 95
 
 
 A = list(range(100, 120))  # 5 blocks of 4 token ids; the first 4 blocks name the replica
 B = list(range(140, 160))
 
 
-def test_a_shared_prefix_goes_back_to_its_replica(dp_server):
+def test_a_shared_prefix_goes_back_to_its_replica(server):
     """One request of two prompts queues both at once: A goes to replica 0, B to replica 1
     (the least loaded then). Later, with both replicas idle, the least-loaded rule alone
     would send everything to replica 0; prompts starting like B go to replica 1."""
-    wait_for(lambda: per_engine(dp_server, "kvflow:num_requests_running") == {"0": 0, "1": 0})
-    resp = httpx.post(f"{dp_server.url}/v1/completions", timeout=120,
+    wait_for(lambda: per_engine(server, "kvflow:num_requests_running") == {"0": 0, "1": 0})
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
                       json={"prompt": [[*A, 1, 2], [*B, 1, 2]], "max_tokens": 4})
     assert resp.status_code == 200, resp.text
     for tail, engine in (([3, 4, 5], "1"), ([6], "1"), ([7, 8], "1")):
-        hits = per_engine(dp_server, "kvflow:prefix_cache_hits_total")
-        complete(dp_server, [*B, *tail])
+        hits = per_engine(server, "kvflow:prefix_cache_hits_total")
+        complete(server, [*B, *tail])
         grew = {e: v - hits[e] for e, v in per_engine(
-            dp_server, "kvflow:prefix_cache_hits_total").items()}
+            server, "kvflow:prefix_cache_hits_total").items()}
         assert grew == {"0": 0, engine: 20}  # the 5 shared blocks, cached on replica 1
-    hits = per_engine(dp_server, "kvflow:prefix_cache_hits_total")
-    complete(dp_server, [*A, 9])
-    assert per_engine(dp_server, "kvflow:prefix_cache_hits_total") == {
+    hits = per_engine(server, "kvflow:prefix_cache_hits_total")
+    complete(server, [*A, 9])
+    assert per_engine(server, "kvflow:prefix_cache_hits_total") == {
         "0": hits["0"] + 20, "1": hits["1"]}
 
 
-def test_metrics_sum_the_replicas_and_bad_input_is_a_400(dp_server):
+def test_metrics_sum_the_replicas_and_bad_input_is_a_400(server):
     """One request of three prompts (A's on replica 0, B's on replica 1 by affinity): the
     server-wide counters grow by what was sent (3 requests, 21 + 21 + 3 prompt tokens, 3 x 3
     generated), and the per-replica prefix-cache queries add up to the prompt tokens, both
     replicas taking part. A prompt id outside the vocabulary is a 400 with an OpenAI error
     body, and the replicas keep serving."""
-    before = dp_server.metrics()
-    queries = per_engine(dp_server, "kvflow:prefix_cache_queries_total")
-    resp = httpx.post(f"{dp_server.url}/v1/completions", timeout=120, json={
+    before = server.metrics()
+    queries = per_engine(server, "kvflow:prefix_cache_queries_total")
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
         "prompt": [[*A, 1], [*B, 1], [7, 8, 9]], "max_tokens": 3, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
-    after = dp_server.metrics()
+    after = server.metrics()
 
     def grew(name: str, **labels: str) -> float:
-        return dp_server.value(after, name, **labels) - dp_server.value(before, name, **labels)
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
 
     assert grew("kvflow:request_success_total", finished_reason="length") == 3
     assert grew("kvflow:prompt_tokens_total") == 45
     assert grew("kvflow:generation_tokens_total") == 9
     more = {e: v - queries[e] for e, v in per_engine(
-        dp_server, "kvflow:prefix_cache_queries_total").items()}
+        server, "kvflow:prefix_cache_queries_total").items()}
     assert sum(more.values()) == 45 and min(more.values()) >= 21, more
-    bad = httpx.post(f"{dp_server.url}/v1/completions", timeout=60,
+    bad = httpx.post(f"{server.url}/v1/completions", timeout=60,
                      json={"prompt": [10**6], "max_tokens": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.0"
-    assert len(complete(dp_server, [5, 6, 7], max_tokens=2)["token_ids"]) == 2
+    assert len(complete(server, [5, 6, 7], max_tokens=2)["token_ids"]) == 2
 
 
 def _stream(server, prompt: list[int], kill_after: int | None = None) -> list[dict]:
@@ -163,25 +156,25 @@ def assert_ends_with_engine_dead(events: list[dict]) -> None:
     assert "engine core 1 of 2" in events[-2]["error"]["message"]
 
 
-def test_a_killed_replica_fails_only_its_requests_and_restarts(dp_server):
-    old = replica_pids(dp_server)
-    on_zero, on_one = _kill_replica_one_mid_stream(dp_server)
+def test_a_killed_replica_fails_only_its_requests_and_restarts(server):
+    old = replica_pids(server)
+    on_zero, on_one = _kill_replica_one_mid_stream(server)
     # replica 0 still serves meanwhile: health and new requests
-    assert httpx.get(f"{dp_server.url}/health", timeout=5).status_code == 200
-    assert len(complete(dp_server, [5, 6, 7], max_tokens=3)["token_ids"]) == 3
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert len(complete(server, [5, 6, 7], max_tokens=3)["token_ids"]) == 3
     assert_ends_with_engine_dead(on_one)
     assert on_zero[-1] == {"done": True} and all("error" not in e for e in on_zero)
     assert on_zero[-2]["choices"][0]["finish_reason"] == "length"  # all 200 tokens
-    wait_for(lambda: replica_pids(dp_server)[1] != old[1] and
-             per_engine(dp_server, "kvflow:kv_cache_free_blocks") == {"0": 95, "1": 95})
-    assert replica_pids(dp_server)[0] == old[0]  # replica 0 was never restarted
-    assert "engine core restarted" in dp_server.log()
+    wait_for(lambda: replica_pids(server)[1] != old[1] and
+             per_engine(server, "kvflow:kv_cache_free_blocks") == {"0": 95, "1": 95})
+    assert replica_pids(server)[0] == old[0]  # replica 0 was never restarted
+    assert "engine core restarted" in server.log()
     # the new replica 1 serves (its prefix cache starts empty)
-    hits = per_engine(dp_server, "kvflow:prefix_cache_hits_total")
-    resp = httpx.post(f"{dp_server.url}/v1/completions", timeout=120,
+    hits = per_engine(server, "kvflow:prefix_cache_hits_total")
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
                       json={"prompt": [[*A, 1], [*B, 1]], "max_tokens": 2})
     assert resp.status_code == 200
-    assert per_engine(dp_server, "kvflow:prefix_cache_hits_total")["0"] == hits["0"] + 20
+    assert per_engine(server, "kvflow:prefix_cache_hits_total")["0"] == hits["0"] + 20
 
 
 @pytest.mark.distributed_slow

@@ -38,10 +38,8 @@ def gen_model(tiny_llama, built_models) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(start_server, request):
-    server = start_server.declared(request)
-    yield server.client()
-    server.terminate()
+def client(server):
+    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ def prestart_servers(fixture):
     return [(fixture("tiny_chat_model"), ARGS, {"KVFLOW_API_KEY": API_KEY})]
 
 
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
 def _completion(server, headers=None, **body):
     body = {"prompt": "the quick brown fox", "max_tokens": 4, **body}
     return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)

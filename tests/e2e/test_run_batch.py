@@ -133,13 +133,6 @@ def batch_run(tiny_chat_model, tmp_path_factory):
     return proc, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
 
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
-
-
 def _same(got, want, where="body"):
     """``got`` equals ``want`` (floats within 1e-4: a batch's requests run in other batch
     shapes than the oracle's, one at a time)."""

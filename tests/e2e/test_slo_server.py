@@ -14,7 +14,6 @@ import math
 from types import SimpleNamespace
 
 import httpx
-import pytest
 from starlette.requests import Request
 
 from kvflow.config import ServerConfig
@@ -35,13 +34,6 @@ def prestart_servers(fixture):
     """This module's servers, taken with ``start_server.declared`` and started ahead
     (``_prestart_next_module`` in conftest.py)."""
     return [(fixture("tiny_chat_model"), ARGS, None)]
-
-
-@pytest.fixture(scope="module")
-def server(start_server, request):
-    server = start_server.declared(request)
-    yield server
-    server.terminate()
 
 
 def complete(server, **body) -> httpx.Response:
