@@ -1,5 +1,6 @@
-"""What the OpenAI endpoints share: checks (model name, overload, context length), queueing
-and answering (a whole body or an SSE stream). The errors live in ``openai_errors``, the
+"""What the OpenAI endpoints share: the base handler, its checks (model name, task, overload,
+context length, limits, unsupported fields) and request ids; queueing and answering (a whole
+body or an SSE stream) live in ``engine_requests``, the errors in ``openai_errors``, the
 streaming plumbing in ``streaming``, SamplingParams from a request in
 ``sampling_requests``."""
 
@@ -16,17 +17,16 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvflow.config import ServerConfig
-from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
+from kvflow.engine.async_llm import AsyncLLM, RequestStream
+from kvflow.entrypoints import engine_requests
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingRequest,
-    ErrorResponse,
     RequestBody,
     SamplingRequest,
 )
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
-from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.lora.request import LoRANameError, LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
@@ -290,7 +290,7 @@ class OpenAIServing:
                               f"policy (start the server with --policy priority or fair); it "
                               f"runs {policy!r}", param="priority", code="unsupported_value")
 
-    # ---- running requests --------------------------------------------------------------------
+    # ---- running requests (engine_requests) --------------------------------------------------
     async def add_requests(self, request_id: str,
                            prompts: Sequence[tuple[str | None, list[int]]],
                            params: Sequence[SamplingParams], priority: int = 0,
@@ -298,88 +298,44 @@ class OpenAIServing:
                            client_id: str = "",
                            lora_request: LoRARequest | None = None
                            ) -> list[RequestStream]:
-        """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
-        the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
-        expanded in the prompts' ids); with admission control, wait until the engine core
-        accepted them all; ``lora_request``: their adapter. On failure abort what
-        was queued.
+        """Queue the prompts in this handler's engine: :func:`engine_requests.add_requests`.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
                 admission control refused a prompt (with ``Retry-After``).
         """
-        def add(i: int) -> RequestStream:
-            (text, ids), sp = prompts[i], params[i]
-            return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
-                                           mm_features, client_id, lora_request)
-
-        return await self.admit_all(add, len(prompts))
+        return await engine_requests.add_requests(self.engine, request_id, prompts, params,
+                                                  priority, mm_features, client_id,
+                                                  lora_request)
 
     async def admit_all(self, add: Callable[[int], RequestStream], count: int,
                         bad_input: Callable[[ValueError], OpenAIError] = invalid_request
                         ) -> list[RequestStream]:
-        """Queue ``add(0) .. add(count - 1)``, then (with admission control) wait until the
-        engine core accepted them all; on any failure abort every stream queued so far.
+        """Queue ``add(0) .. add(count - 1)``: :func:`engine_requests.admit_all`.
 
         Raises:
             OpenAIError: ``bad_input(e)`` (a 400) for a ValueError from the engine's
-                validation; 503 if the engine is gone or admission control refused a prompt
-                (with ``Retry-After``).
+                validation; 503 if the engine is gone or admission control refused a prompt.
         """
-        streams: list[RequestStream] = []
-        try:
-            for i in range(count):
-                streams.append(add(i))
-            for stream in streams:
-                await self.engine.admitted(stream)
-        except ValueError as e:
-            self.abort(streams)
-            raise bad_input(e) from None
-        except EngineDeadError as e:
-            self.abort(streams)
-            raise engine_dead(e) from None
-        except AdmissionRejected as e:
-            self.abort(streams)
-            raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
-                              headers={"Retry-After": str(int(e.retry_after_s))}) from None
-        return streams
+        return await engine_requests.admit_all(self.engine, add, count, bad_input)
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
-        """Abort every stream's request (no-op for finished ones)."""
-        for stream in streams:
-            self.engine.abort(stream.request_id)
+        """Abort every stream's request: :func:`engine_requests.abort`."""
+        engine_requests.abort(self.engine, streams)
 
     async def respond(self, raw: Request, streams: Sequence[RequestStream],
                       work: Awaitable[BaseModel]) -> Response:
-        """Await the non-streaming response body; abort the requests if the client leaves.
+        """The non-streaming answer: :func:`engine_requests.respond`.
 
         Raises:
             OpenAIError: 503 if the engine dies meanwhile.
         """
-        try:
-            result = await run_unless_disconnected(raw, work, lambda: self.abort(streams))
-        except EngineDeadError as e:
-            raise engine_dead(e) from None
-        finally:
-            self.abort(streams)
-        if result is None:  # the client is gone; nobody reads this
-            return Response(status_code=499)
-        return Response(result.model_dump_json(), media_type="application/json")
+        return await engine_requests.respond(self.engine, raw, streams, work)
 
-    async def stream(self, streams: Sequence[RequestStream],
-                     chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-        """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
-        becomes an error event. Always aborts the requests when it ends (client gone too)."""
-        try:
-            async for chunk in chunks:
-                yield sse(chunk.model_dump_json())
-        except EngineDeadError as e:
-            yield sse(ErrorResponse.model_validate(engine_dead(e).body()).model_dump_json())
-        finally:
-            self.abort(streams)
-            if hasattr(chunks, "aclose"):
-                await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
-        yield SSE_DONE
+    def stream(self, streams: Sequence[RequestStream],
+               chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        """The SSE body: :func:`engine_requests.stream`."""
+        return engine_requests.stream(self.engine, streams, chunks)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

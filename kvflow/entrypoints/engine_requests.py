@@ -1,0 +1,115 @@
+"""Running a request's prompts in the engine: queueing them (admission control included),
+aborting them, and answering (a whole JSON body, or an SSE stream). What every OpenAI handler
+does once its request is checked (``serving_base.OpenAIServing`` calls these with its engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
+from kvflow.entrypoints.protocol import ErrorResponse
+from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
+from kvflow.lora.request import LoRARequest
+from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.sampling_params import SamplingParams
+
+
+async def add_requests(engine: AsyncLLM, request_id: str,
+                       prompts: Sequence[tuple[str | None, list[int]]],
+                       params: Sequence[SamplingParams], priority: int = 0,
+                       mm_features: list[MultiModalFeature] | None = None,
+                       client_id: str = "",
+                       lora_request: LoRARequest | None = None
+                       ) -> list[RequestStream]:
+    """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
+    the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
+    expanded in the prompts' ids); with admission control, wait until the engine core
+    accepted them all; ``lora_request``: their adapter. On failure abort what
+    was queued.
+
+    Raises:
+        OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
+            admission control refused a prompt (with ``Retry-After``).
+    """
+    def add(i: int) -> RequestStream:
+        (text, ids), sp = prompts[i], params[i]
+        return engine.add_request(f"{request_id}-{i}", text, ids, sp, priority, mm_features,
+                                  client_id, lora_request)
+
+    return await admit_all(engine, add, len(prompts))
+
+
+async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count: int,
+                    bad_input: Callable[[ValueError], OpenAIError] = invalid_request
+                    ) -> list[RequestStream]:
+    """Queue ``add(0) .. add(count - 1)``, then (with admission control) wait until the
+    engine core accepted them all; on any failure abort every stream queued so far.
+
+    Raises:
+        OpenAIError: ``bad_input(e)`` (a 400) for a ValueError from the engine's
+            validation; 503 if the engine is gone or admission control refused a prompt
+            (with ``Retry-After``).
+    """
+    streams: list[RequestStream] = []
+    try:
+        for i in range(count):
+            streams.append(add(i))
+        for stream in streams:
+            await engine.admitted(stream)
+    except ValueError as e:
+        abort(engine, streams)
+        raise bad_input(e) from None
+    except EngineDeadError as e:
+        abort(engine, streams)
+        raise engine_dead(e) from None
+    except AdmissionRejected as e:
+        abort(engine, streams)
+        raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
+                          headers={"Retry-After": str(int(e.retry_after_s))}) from None
+    return streams
+
+
+def abort(engine: AsyncLLM, streams: Sequence[RequestStream]) -> None:
+    """Abort every stream's request (no-op for finished ones)."""
+    for stream in streams:
+        engine.abort(stream.request_id)
+
+
+async def respond(engine: AsyncLLM, raw: Request, streams: Sequence[RequestStream],
+                  work: Awaitable[BaseModel]) -> Response:
+    """Await the non-streaming response body; abort the requests if the client leaves.
+
+    Raises:
+        OpenAIError: 503 if the engine dies meanwhile.
+    """
+    try:
+        result = await run_unless_disconnected(raw, work, lambda: abort(engine, streams))
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    finally:
+        abort(engine, streams)
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+async def stream(engine: AsyncLLM, streams: Sequence[RequestStream],
+                 chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
+    becomes an error event. Always aborts the requests when it ends (client gone too)."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk.model_dump_json())
+    except EngineDeadError as e:
+        yield sse(ErrorResponse.model_validate(engine_dead(e).body()).model_dump_json())
+    finally:
+        abort(engine, streams)
+        if hasattr(chunks, "aclose"):
+            await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
+    yield SSE_DONE
