@@ -1,6 +1,7 @@
-"""Running a request's prompts in the engine: queueing them (admission control included),
-aborting them, and answering (a whole JSON body, or an SSE stream). What every OpenAI handler
-does once its request is checked (``serving_base.OpenAIServing`` calls these with its engine).
+"""Running a request's prompts in the engine once they are queued: waiting for admission
+(aborting them all on any failure), aborting them, and answering (a whole JSON body, or an SSE
+stream). What every OpenAI handler does once its request is checked
+(``serving_base.OpenAIServing`` calls these with its engine).
 """
 
 from __future__ import annotations
@@ -15,34 +16,6 @@ from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.protocol import ErrorResponse
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
-from kvflow.lora.request import LoRARequest
-from kvflow.multimodal_inputs import MultiModalFeature
-from kvflow.sampling_params import SamplingParams
-
-
-async def add_requests(engine: AsyncLLM, request_id: str,
-                       prompts: Sequence[tuple[str | None, list[int]]],
-                       params: Sequence[SamplingParams], priority: int = 0,
-                       mm_features: list[MultiModalFeature] | None = None,
-                       client_id: str = "",
-                       lora_request: LoRARequest | None = None
-                       ) -> list[RequestStream]:
-    """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
-    the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
-    expanded in the prompts' ids); with admission control, wait until the engine core
-    accepted them all; ``lora_request``: their adapter. On failure abort what
-    was queued.
-
-    Raises:
-        OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
-            admission control refused a prompt (with ``Retry-After``).
-    """
-    def add(i: int) -> RequestStream:
-        (text, ids), sp = prompts[i], params[i]
-        return engine.add_request(f"{request_id}-{i}", text, ids, sp, priority, mm_features,
-                                  client_id, lora_request)
-
-    return await admit_all(engine, add, len(prompts))
 
 
 async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count: int,

@@ -298,15 +298,22 @@ class OpenAIServing:
                            client_id: str = "",
                            lora_request: LoRARequest | None = None
                            ) -> list[RequestStream]:
-        """Queue the prompts in this handler's engine: :func:`engine_requests.add_requests`.
+        """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
+        the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
+        expanded in the prompts' ids); with admission control, wait until the engine core
+        accepted them all; ``lora_request``: their adapter. On failure abort what
+        was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
                 admission control refused a prompt (with ``Retry-After``).
         """
-        return await engine_requests.add_requests(self.engine, request_id, prompts, params,
-                                                  priority, mm_features, client_id,
-                                                  lora_request)
+        def add(i: int) -> RequestStream:
+            (text, ids), sp = prompts[i], params[i]
+            return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
+                                           mm_features, client_id, lora_request)
+
+        return await self.admit_all(add, len(prompts))
 
     async def admit_all(self, add: Callable[[int], RequestStream], count: int,
                         bad_input: Callable[[ValueError], OpenAIError] = invalid_request
