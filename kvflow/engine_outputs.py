@@ -29,6 +29,8 @@ class EngineCoreOutput:
         num_draft_tokens / num_accepted_tokens: speculative decoding: draft tokens this step
             verified for the request and how many of them it accepted (0 / 0 without).
         pooling_output: an embedding request's pooled vector (with its finish).
+        error: why the request could not run (with finish_reason "abort"; e.g. its grammar
+            did not compile in time): the client's error, a 400 over HTTP. None otherwise.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     pooling_output: list[float] | None = None
+    error: str | None = None
 
 
 class EngineStats(msgspec.Struct):

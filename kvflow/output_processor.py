@@ -114,6 +114,10 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._states)
 
+    def parent_of(self, sample_id: str) -> str | None:
+        """The user request id of a sample in flight; None for an unknown one."""
+        return self._parent_of.get(sample_id)
+
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns its sample ids (to abort in the core)."""
         state = self._states.pop(parent_id, None)

@@ -17,11 +17,12 @@ from kvflow.config.options import add_field_arg
 from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.speculative import SpeculativeConfig
+from kvflow.config.structured import StructuredOutputConfig
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
              "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig,
-             "lora_config": LoRAConfig}
+             "lora_config": LoRAConfig, "structured_output_config": StructuredOutputConfig}
 
 
 @dataclass
@@ -36,6 +37,8 @@ class EngineConfig:
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    structured_output_config: StructuredOutputConfig = field(
+        default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
         """Checks across sections (``speculative_config`` given as a dict or JSON string

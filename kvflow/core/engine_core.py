@@ -254,13 +254,16 @@ class EngineCore:
             self.scheduler.encoder = EncoderCacheManager(budget, mm.limit("encoder_cache_size"))
 
     def _init_structured_output(self) -> None:
-        """Grammar compiles run on a worker thread; the backend (tokenizer + xgrammar) is
+        """Grammar compiles run on compile threads, each within a time limit; the backend (tokenizer + xgrammar) is
         built there at the first constrained request. Offline ``LLM`` hands over its
         tokenizer through ``self.tokenizer``; the server's core process loads its own."""
         self.tokenizer = None
+        so = self.config.structured_output_config
         self.structured_output = StructuredOutputManager(
             self._make_grammar_backend, self.hf_config.vocab_size,
-            self.config.scheduler_config.max_num_seqs)
+            self.config.scheduler_config.max_num_seqs,
+            compile_timeout_s=so.structured_output_compile_timeout,
+            num_compile_threads=so.structured_output_compile_threads)
 
     def _make_grammar_backend(self):
         from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
@@ -326,7 +329,8 @@ class EngineCore:
             if self.config.model_config.skip_tokenizer_init:
                 raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is "
                                  "set)")
-            request.structured_output = self.structured_output.request_state(structured)
+            request.structured_output = self.structured_output.request_state(
+                structured, request.request_id)
         self.scheduler.add_request(request)
 
     def admission_verdict(self, requests: list[Request]) -> float | None:
@@ -353,11 +357,27 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a batch, run the model on it, and fold the sampled tokens back in: one
         of the step variants (``kvflow/core/engine_steps.py``), by how the executor runs."""
+        failed = self._finish_failed_compiles()
         if self.executor.max_concurrent_batches > 1:
-            return step_with_batch_queue(self)
+            return failed + step_with_batch_queue(self)
         self._time_last_step(time.perf_counter())
         outputs = step_async(self) if self.scheduler.async_scheduling else step_sync(self)
         self._last_step = (self._last_step[0], time.perf_counter())
+        return failed + outputs
+
+    def _finish_failed_compiles(self) -> list[EngineCoreOutput]:
+        """End the waiting requests whose grammar compile failed or passed its time limit:
+        finish_reason ``abort`` with the error (the API answers it with a 400). They were
+        never scheduled, so they hold no KV blocks."""
+        outputs = []
+        for request_id, message in self.structured_output.take_failed():
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            logger.warning("request %s: %s", request_id, message)
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort",
+                                            error=message))
         return outputs
 
     def _time_last_step(self, now: float) -> None:

@@ -44,6 +44,7 @@ from kvflow.engine.streams import (
     AdmissionRejected,
     EngineDeadError,
     EngineShutdownError,
+    RequestRefused,
     RequestStream,
     collect,
 )
@@ -66,7 +67,7 @@ from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownError",
-           "RequestStream", "collect"]
+           "RequestRefused", "RequestStream", "collect"]
 
 
 class AsyncLLM:

@@ -12,7 +12,7 @@ import time
 
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import AdmissionVerdicts, EngineOutputs
-from kvflow.engine.streams import AdmissionRejected, RequestStream
+from kvflow.engine.streams import AdmissionRejected, RequestRefused, RequestStream
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.output_processor import OutputProcessor
 from kvflow.request import Request
@@ -64,8 +64,15 @@ class OpenRequests:
 
     def deliver(self, msg: EngineOutputs) -> list[str]:
         """Detokenize a core's outputs and put them on their streams; returns the sample
-        ids that stop strings finished (to abort on that core, freeing their KV blocks)."""
+        ids that stop strings finished or whose request the core refused (an output with
+        ``error``: its stream ends with ``RequestRefused``), to abort on that core, freeing
+        their KV blocks."""
+        refused = [eco for eco in msg.outputs if eco.error is not None]
+        others = []
+        for eco in refused:
+            others += self._refuse(eco.request_id, eco.error)
         outputs, stopped = self.output_processor.process(msg.outputs)
+        stopped += others
         now = time.monotonic()
         for out in outputs:
             self.tracker.observe(out, now)
@@ -78,6 +85,20 @@ class OpenRequests:
                 if out.finished:
                     del self.streams[out.request_id]
         return stopped
+
+    def _refuse(self, sample_id: str, message: str) -> list[str]:
+        """End the user request of ``sample_id`` with ``RequestRefused(message)``; returns
+        its sample ids (to abort on the core: the others may still be waiting there)."""
+        parent = self.output_processor.parent_of(sample_id)
+        if parent is None:
+            return []
+        stream = self.streams.get(parent)
+        sample_ids, _ = self.abort(parent)
+        if stream is not None:
+            error = RequestRefused(message)
+            stream.settle(error)
+            stream.put(error)
+        return [sid for sid in sample_ids if sid != sample_id]
 
     def settle(self, msg: AdmissionVerdicts) -> None:
         """Admission control's answers: resolve the accepted streams; drop the refused

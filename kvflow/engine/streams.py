@@ -32,6 +32,12 @@ class AdmissionRejected(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class RequestRefused(ValueError):
+    """The engine core could not run the request, for a reason in the request itself (its
+    structured-output grammar did not compile within the time limit, or failed to); the
+    server answers 400 with the message. No sample of it is left running."""
+
+
 class RequestStream:
     """Async iterator over one request's delta RequestOutputs; ends after the finished one.
 
@@ -41,6 +47,7 @@ class RequestStream:
 
     Raises:
         EngineDeadError: from iteration if the engine dies meanwhile.
+        RequestRefused: from iteration if the engine core could not run the request.
     """
 
     def __init__(self, request_id: str, admission: bool = False) -> None:

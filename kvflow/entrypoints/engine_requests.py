@@ -12,7 +12,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, EngineDeadError, RequestStream
+from kvflow.engine.async_llm import (
+    AdmissionRejected,
+    AsyncLLM,
+    EngineDeadError,
+    RequestRefused,
+    RequestStream,
+)
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.protocol import ErrorResponse
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
@@ -59,12 +65,15 @@ async def respond(engine: AsyncLLM, raw: Request, streams: Sequence[RequestStrea
     """Await the non-streaming response body; abort the requests if the client leaves.
 
     Raises:
-        OpenAIError: 503 if the engine dies meanwhile.
+        OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
+            request (``RequestRefused``: e.g. its grammar did not compile in time).
     """
     try:
         result = await run_unless_disconnected(raw, work, lambda: abort(engine, streams))
     except EngineDeadError as e:
         raise engine_dead(e) from None
+    except RequestRefused as e:
+        raise invalid_request(e) from None
     finally:
         abort(engine, streams)
     if result is None:  # the client is gone; nobody reads this
@@ -75,12 +84,14 @@ async def respond(engine: AsyncLLM, raw: Request, streams: Sequence[RequestStrea
 async def stream(engine: AsyncLLM, streams: Sequence[RequestStream],
                  chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
-    becomes an error event. Always aborts the requests when it ends (client gone too)."""
+    or a refused request (``RequestRefused``) becomes an error event (the 503's / 400's
+    body). Always aborts the requests when it ends (client gone too)."""
     try:
         async for chunk in chunks:
             yield sse(chunk.model_dump_json())
-    except EngineDeadError as e:
-        yield sse(ErrorResponse.model_validate(engine_dead(e).body()).model_dump_json())
+    except (EngineDeadError, RequestRefused) as e:
+        error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
+        yield sse(ErrorResponse.model_validate(error.body()).model_dump_json())
     finally:
         abort(engine, streams)
         if hasattr(chunks, "aclose"):

@@ -335,7 +335,8 @@ class OpenAIServing:
         """The non-streaming answer: :func:`engine_requests.respond`.
 
         Raises:
-            OpenAIError: 503 if the engine dies meanwhile.
+            OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused
+                a request (``RequestRefused``: e.g. its grammar did not compile in time).
         """
         return await engine_requests.respond(self.engine, raw, streams, work)
 

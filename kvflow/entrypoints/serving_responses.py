@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kvflow.engine.async_llm import EngineDeadError, collect
-from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.engine.async_llm import EngineDeadError, RequestRefused, collect
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.protocol.responses_api import (
@@ -296,8 +296,8 @@ class OpenAIServingResponses:
                     finish_reason = c.finish_reason or finish_reason
                     for event in events.feed(state.update(c.text, c.finish_reason is not None)):
                         yield event
-        except EngineDeadError as e:
-            error = engine_dead(e)
+        except (EngineDeadError, RequestRefused) as e:
+            error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
             yield events.event("error", code=error.code, message=str(error), param=None)
             return
         response, closing = self._finish(req, events, skeleton, conv, finish_reason,

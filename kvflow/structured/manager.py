@@ -2,10 +2,17 @@
 
 Life of a constrained request in the engine core:
 
-1. ``add_request`` (when the request arrives): the compile is submitted to a worker thread
-   (or found in the cache by ``params.key``); the request carries a ``RequestStructuredOutput``.
-   The scheduler does not admit it while ``is_ready`` is False, so a compile never stalls a
-   step.
+1. ``add_request`` (when the request arrives): the compile is submitted to the compile pool
+   (``compile_pool.CompilePool``: ``structured_output_compile_threads`` threads) or found in
+   the cache by ``params.key``; the request carries a ``RequestStructuredOutput``. The
+   scheduler does not admit it while ``is_ready`` is False, so a compile never stalls a
+   step. A compile that runs past ``structured_output_compile_timeout`` is abandoned (its
+   slot goes to the next compile; its thread finishes in the background); at the start of
+   each step ``take_failed`` names the waiting requests whose compile timed out or raised,
+   and the engine core ends them with that error (they never held KV blocks). A timed-out
+   grammar stays in the cache as failed: identical requests are refused at once instead of
+   each burning a thread for the whole limit (until the entry leaves the LRU cache). A
+   compile that raised is retried by the next identical request, as before.
 2. Each step, ``grammar_bitmask`` fills one bitmask row per constrained request that samples
    (``k + 1`` rows for one verifying ``k`` draft tokens: the matcher accepts the drafts one by
    one, a row after each, and is rolled back); the sampler masks those rows only.
@@ -21,9 +28,11 @@ accepted, and the next sample continues after all of them.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -31,11 +40,23 @@ import torch
 from kvflow.request import Request
 from kvflow.sched_output import GrammarBitmask
 from kvflow.structured.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvflow.structured.compile_pool import CompilePool, CompileTimeoutError
 from kvflow.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU)
+
+
+def _retried(future: Future) -> bool:
+    """Whether a cached compile is started again for the next identical request: one that
+    raised or was cancelled is; one that timed out is not (it is refused at once)."""
+    if not future.done():
+        return False
+    if future.cancelled():
+        return True
+    error = future.exception()
+    return error is not None and not isinstance(error, CompileTimeoutError)
 
 
 class RequestStructuredOutput:
@@ -55,7 +76,8 @@ class RequestStructuredOutput:
     @property
     def matcher(self) -> StructuredOutputGrammar | None:
         """The matcher, or None if compilation failed. Call only when ``is_ready``."""
-        if self._matcher is None and self._future.exception() is None:
+        if self._matcher is None and not self._future.cancelled() and \
+                self._future.exception() is None:
             self._matcher = self._new_matcher(self._future.result())
         return self._matcher
 
@@ -87,47 +109,93 @@ class RequestStructuredOutput:
 
 
 class StructuredOutputManager:
-    """Owns the grammar backend (built lazily, on the worker thread, at the first constrained
-    request), the compile cache and the per-step bitmask.
+    """Owns the grammar backend (built lazily, on a compile thread, at the first constrained
+    request), the compile pool and cache, and the per-step bitmask.
 
     Args:
         make_backend: builds the backend (loads the tokenizer; may take a second or two).
         vocab_size: the model's logits width (tokens).
         max_num_seqs: most rows a step can sample (bitmask buffer size).
+        compile_timeout_s: seconds one compile may run (time queued for a thread not
+            counted; the first compile's backend build counts).
+        num_compile_threads: compiles running at once.
     """
 
     def __init__(self, make_backend: Callable[[], StructuredOutputBackend], vocab_size: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, compile_timeout_s: float = 30.0,
+                 num_compile_threads: int = 2) -> None:
         self._make_backend = make_backend
         self.vocab_size = vocab_size
         self._backend: StructuredOutputBackend | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._backend_lock = threading.Lock()
+        self.compile_timeout_s = compile_timeout_s
+        self._num_compile_threads = num_compile_threads
+        self._pool: CompilePool | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compiling: dict[str, tuple[str, Future]] = {}  # request id -> (kind, future)
         self._max_num_seqs = max_num_seqs
         self._bitmask: torch.Tensor | None = None
 
-    def request_state(self, params: StructuredOutputsParams) -> RequestStructuredOutput:
-        """Start (or reuse) the compile of ``params``; returns the request's state."""
+    def request_state(self, params: StructuredOutputsParams, request_id: str | None = None
+                      ) -> RequestStructuredOutput:
+        """Start (or reuse) the compile of ``params``; returns the request's state. With
+        ``request_id``, ``take_failed`` names the request if its compile fails."""
         key = params.key
         future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvflow-grammar")
-            future = self._executor.submit(self._compile, params)
+        if future is None or _retried(future):
+            if self._pool is None:
+                self._pool = CompilePool(self._num_compile_threads, self.compile_timeout_s)
+            future = self._pool.submit(self._compile, params)
             self._cache[key] = future
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
+        if request_id is not None and not (future.done() and future.exception() is None):
+            self._compiling[request_id] = (params.kind, future)
         return RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled))
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         try:
-            if self._backend is None:
-                self._backend = self._make_backend()
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = self._make_backend()
             return self._backend.compile(params)
         except Exception:
             logger.exception("structured output: compiling %s failed", params.kind)
             raise
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """Abandon compiles past the time limit, then return ``(request id, error message)``
+        for each request (given to ``request_state`` by id) whose compile failed since the
+        last call: timed out (``structured_output_compile_timeout`` named) or raised (the
+        error's message). Requests whose compile succeeded are forgotten here. Ids of
+        requests finished meanwhile may be among them (the caller skips unknown ids)."""
+        if self._pool is None or not self._compiling:
+            return []
+        if self._pool.expire():
+            logger.warning("structured output: a grammar compile passed the %g s limit "
+                           "(--structured-output-compile-timeout); %d abandoned compiles "
+                           "still run", self.compile_timeout_s, self._pool.num_abandoned)
+        failed = []
+        for rid, (kind, future) in list(self._compiling.items()):
+            if future.done():
+                del self._compiling[rid]
+                if future.cancelled() or future.exception() is not None:
+                    failed.append((rid, self._failure_message(kind, future)))
+        return failed
+
+    def _failure_message(self, kind: str, future: Future) -> str:
+        error = None if future.cancelled() else future.exception()
+        if isinstance(error, CompileTimeoutError):
+            what = {"json": "JSON schema", "json_object": "JSON object constraint",
+                    "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, kind)
+            return (f"the {what} in structured_outputs did not compile within "
+                    f"{self.compile_timeout_s:g} s (the server's "
+                    "--structured-output-compile-timeout); simplify it (bounded repetitions "
+                    "such as {2,40} of a rule are costly to compile for a large vocabulary)")
+        if isinstance(error, ValueError):  # the backend's own check, with its message
+            return str(error)
+        return f"structured_outputs could not be compiled: {error or 'cancelled'}"
 
     def grammar_bitmask(self, request_ids: list[str], requests: dict[str, Request],
                         spec_tokens: dict[str, list[int]] | None = None
@@ -140,7 +208,7 @@ class StructuredOutputManager:
         A request whose grammar failed to compile gets a row allowing nothing, so its first
         token is rejected and it ends with ``length`` (it never runs unconstrained).
         """
-        if self._executor is None or not request_ids:  # no constrained request this step
+        if self._pool is None or not request_ids:  # no constrained request this step
             return None
         rows = []
         for rid in request_ids:
@@ -177,11 +245,16 @@ class StructuredOutputManager:
             matcher.rollback(accepted)
 
     def wait_for_compiles(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` seconds for a running compile (no-op when none runs)."""
-        pending = [f for f in self._cache.values() if not f.done()]
-        if pending:
-            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        """Block up to ``timeout_s`` seconds for a running compile to finish or pass its
+        time limit (no-op when none runs)."""
+        pending = [f for _, f in self._compiling.values() if not f.done()]
+        if not pending:
+            return
+        deadline = self._pool.next_deadline()
+        if deadline is not None:
+            timeout_s = max(0.0, min(timeout_s, deadline - time.monotonic()))
+        wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown()

@@ -1,0 +1,109 @@
+"""Grammar compiles on threads, each with a time limit that frees its slot.
+
+xgrammar's compiler is C++ that releases the GIL (measured: a Python thread kept ~57% of its
+idle rate on 2 cores while ``root ::= [^"\\] | root{2,40}`` compiled for SmolLM2's 49,152
+tokens in 14-20 s), so compiles on several threads run in parallel with each other and with
+the step loop. Such a compile cannot be interrupted: a thread stuck in C can be neither
+cancelled nor killed. ``CompilePool`` therefore runs each compile on a thread of its own and
+counts at most ``num_threads`` of them as running; one past ``timeout_s`` is *abandoned*: its
+future fails with ``CompileTimeoutError`` at once and the next queued compile takes its slot,
+while the abandoned thread finishes in the background (its result is dropped). A compile in a
+child process could be killed instead, but every child would need its own tokenizer tables
+(about a second to build for a 49k vocabulary) and each compiled grammar would have to be
+serialized back; the thread keeps the common case (a compile of milliseconds) free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class CompileTimeoutError(RuntimeError):
+    """A grammar did not compile within the time limit."""
+
+
+class CompilePool:
+    """Runs ``fn(*args)`` compiles, at most ``num_threads`` at a time, each abandoned once it
+    has run ``timeout_s`` seconds (``expire``). Thread-safe.
+
+    Args:
+        num_threads: compiles counted as running at once (queued ones wait for a slot).
+        timeout_s: seconds a compile may run (time queued not counted) before ``expire``
+            fails its future with ``CompileTimeoutError``.
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(self, num_threads: int, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.num_threads, self.timeout_s, self._clock = num_threads, timeout_s, clock
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
+        self._running: dict[Future, float] = {}  # future -> when its compile started
+        self.num_abandoned = 0  # abandoned compiles whose threads still run
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; its future gets the result, the exception it raised, or
+        ``CompileTimeoutError`` (from ``expire``)."""
+        future: Future = Future()
+        with self._lock:
+            self._queue.append((future, fn, args))
+            self._start_queued()
+        return future
+
+    def expire(self) -> int:
+        """Abandon every compile that has run longer than ``timeout_s`` (its future fails
+        with ``CompileTimeoutError``) and start queued ones in the freed slots; returns how
+        many were abandoned."""
+        with self._lock:
+            now = self._clock()
+            late = [f for f, start in self._running.items() if now - start > self.timeout_s]
+            for future in late:
+                del self._running[future]
+                self.num_abandoned += 1
+                future.set_exception(CompileTimeoutError(
+                    f"not compiled within {self.timeout_s:g} s"))
+            self._start_queued()
+        return len(late)
+
+    def next_deadline(self) -> float | None:
+        """When (``clock`` seconds) the earliest running compile will be past its limit;
+        None when none runs."""
+        with self._lock:
+            starts = self._running.values()
+            return min(starts) + self.timeout_s if starts else None
+
+    def shutdown(self) -> None:
+        """Cancel queued compiles; running threads finish on their own (daemon threads)."""
+        with self._lock:
+            self._closed = True
+            while self._queue:
+                self._queue.popleft()[0].cancel()
+
+    def _start_queued(self) -> None:  # with the lock held
+        while self._queue and len(self._running) < self.num_threads and not self._closed:
+            future, fn, args = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._running[future] = self._clock()
+            threading.Thread(target=self._run, args=(future, fn, args), daemon=True,
+                             name="kvflow-grammar").start()
+
+    def _run(self, future: Future, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the future's waiters
+            result, error = None, e
+        with self._lock:
+            if self._running.pop(future, None) is None:  # abandoned: its future failed
+                self.num_abandoned -= 1
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+            self._start_queued()

@@ -1,0 +1,142 @@
+"""The grammar compile pool and the manager's time limit, without a model: compiles are
+plain functions that block on events, the clock a fake one, so every case is exact and
+takes milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvflow.structured import StructuredOutputsParams
+from kvflow.structured.compile_pool import CompilePool, CompileTimeoutError
+from kvflow.structured.manager import StructuredOutputManager
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.002)
+
+
+def test_stuck_compile_is_abandoned_and_frees_its_slot():
+    """One thread: a compile stuck past the limit fails with CompileTimeoutError at
+    ``expire`` and the queued compile runs in its slot while the stuck one still runs."""
+    clock, release = FakeClock(), threading.Event()
+    pool = CompilePool(num_threads=1, timeout_s=2.0, clock=clock)
+    slow = pool.submit(lambda: release.wait(10) and "slow")
+    fast = pool.submit(lambda x: x * 3, 7)
+    time.sleep(0.05)
+    assert not fast.done() and not slow.done()  # queued behind the one thread
+    clock.now += 1.9
+    assert pool.expire() == 0 and not slow.done()
+    clock.now += 0.2  # 2.1 s since the slow one started
+    assert pool.expire() == 1
+    with pytest.raises(CompileTimeoutError):
+        slow.result(timeout=0)
+    assert fast.result(timeout=5) == 21  # ran while the abandoned compile still runs
+    assert pool.num_abandoned == 1
+    release.set()
+    _wait_until(lambda: pool.num_abandoned == 0)
+    assert pool.expire() == 0
+
+
+def test_at_most_num_threads_run_and_results_pass_through():
+    clock, release, started = FakeClock(), threading.Event(), []
+    pool = CompilePool(num_threads=2, timeout_s=5.0, clock=clock)
+
+    def job(i: int) -> int:
+        started.append(i)
+        release.wait(10)
+        if i == 2:
+            raise ValueError("bad grammar 2")
+        return i * 10
+
+    futures = [pool.submit(job, i) for i in range(3)]
+    _wait_until(lambda: len(started) == 2)
+    time.sleep(0.05)
+    assert sorted(started) == [0, 1]  # the third waits for a slot
+    assert pool.next_deadline() == pytest.approx(105.0)
+    release.set()
+    assert [f.result(timeout=5) for f in futures[:2]] == [0, 10]
+    with pytest.raises(ValueError, match="bad grammar 2"):
+        futures[2].result(timeout=5)
+    assert pool.next_deadline() is None
+
+
+class BlockingBackend:
+    """Compiles a grammar to its text; the grammar ``"slow"`` blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        self.calls.append(params.grammar)
+        if params.grammar == "slow":
+            self.release.wait(10)
+        if params.grammar == "broken":
+            raise RuntimeError("xgrammar said no")
+        return params.grammar
+
+    def new_matcher(self, compiled: str) -> str:
+        return f"matcher({compiled})"
+
+
+def _take_failed_within(manager: StructuredOutputManager, timeout_s: float) -> list:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        failed = manager.take_failed()
+        if failed:
+            return failed
+        manager.wait_for_compiles(0.05)
+    return []
+
+
+def test_manager_fails_timed_out_requests_and_refuses_identical_ones_at_once():
+    backend = BlockingBackend()
+    manager = StructuredOutputManager(lambda: backend, vocab_size=64, max_num_seqs=4,
+                                      compile_timeout_s=0.3, num_compile_threads=1)
+    slow = StructuredOutputsParams(grammar="slow")
+    state = manager.request_state(slow, "r0")
+    fast = manager.request_state(StructuredOutputsParams(grammar="fast"), "r1")
+    began = time.monotonic()
+    failed = _take_failed_within(manager, 5.0)
+    assert time.monotonic() - began >= 0.25  # not before the limit (0.3 s from its start)
+    assert [rid for rid, _ in failed] == ["r0"]
+    assert "did not compile within 0.3 s" in failed[0][1]
+    assert "--structured-output-compile-timeout" in failed[0][1]
+    assert state.is_ready and state.matcher is None
+    _wait_until(lambda: fast.is_ready)  # the one thread was freed for it
+    assert fast.matcher == "matcher(fast)"
+    again = manager.request_state(slow, "r2")  # refused at once, no second compile
+    assert again.is_ready and manager.take_failed()[0][0] == "r2"
+    assert backend.calls.count("slow") == 1
+    backend.release.set()
+    manager.shutdown()
+
+
+def test_manager_reports_compile_errors_and_retries_them():
+    backend = BlockingBackend()
+    manager = StructuredOutputManager(lambda: backend, vocab_size=64, max_num_seqs=4,
+                                      compile_timeout_s=5.0)
+    broken = StructuredOutputsParams(grammar="broken")
+    manager.request_state(broken, "a")
+    failed = _take_failed_within(manager, 5.0)
+    assert failed == [("a", "structured_outputs could not be compiled: xgrammar said no")]
+    manager.request_state(broken, "b")
+    assert _take_failed_within(manager, 5.0)[0][0] == "b"
+    assert backend.calls == ["broken", "broken"]  # an error is retried, not cached
+    ok = manager.request_state(StructuredOutputsParams(grammar="ok"), "c")
+    _wait_until(lambda: ok.is_ready)
+    assert manager.take_failed() == [] and ok.matcher == "matcher(ok)"
