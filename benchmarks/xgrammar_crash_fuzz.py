@@ -46,7 +46,8 @@ SMALL_VOCAB = ["a", "b", "c", "x", "ab", "abc", "{", "}", '"', ":", ",", "0", "1
                "\n", "[", "]", "é", "中", "😀", "true", "null", "</s>"]
 KINDS = ("grammar", "regex", "json", "choice")
 MEMORY_HEADROOM = 4 << 30  # bytes of address space a child may add to its start-up size
-SLOW_COMPILE_S = 3.0  # a compile this long holds the engine's one grammar thread
+SLOW_COMPILE_S = 3.0  # a compile this long holds one of the engine's compile threads (and a
+# core) for seconds; past --structured-output-compile-timeout its request fails
 SLOW_FILL_S = 0.2  # a bitmask fill this long stalls the step loop (it runs in it)
 
 

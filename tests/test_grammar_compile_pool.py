@@ -116,11 +116,11 @@ def test_manager_fails_timed_out_requests_and_refuses_identical_ones_at_once():
     assert [rid for rid, _ in failed] == ["r0"]
     assert "did not compile within 0.3 s" in failed[0][1]
     assert "--structured-output-compile-timeout" in failed[0][1]
-    assert state.is_ready and state.matcher is None
+    assert not state.is_ready and state.matcher is None  # never scheduled
     _wait_until(lambda: fast.is_ready)  # the one thread was freed for it
     assert fast.matcher == "matcher(fast)"
     again = manager.request_state(slow, "r2")  # refused at once, no second compile
-    assert again.is_ready and manager.take_failed()[0][0] == "r2"
+    assert not again.is_ready and manager.take_failed()[0][0] == "r2"
     assert backend.calls.count("slow") == 1
     backend.release.set()
     manager.shutdown()

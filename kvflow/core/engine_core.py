@@ -254,9 +254,10 @@ class EngineCore:
             self.scheduler.encoder = EncoderCacheManager(budget, mm.limit("encoder_cache_size"))
 
     def _init_structured_output(self) -> None:
-        """Grammar compiles run on compile threads, each within a time limit; the backend (tokenizer + xgrammar) is
-        built there at the first constrained request. Offline ``LLM`` hands over its
-        tokenizer through ``self.tokenizer``; the server's core process loads its own."""
+        """Grammar compiles run on compile threads, each within a time limit
+        (``StructuredOutputConfig``); the backend (tokenizer + xgrammar) is built by the first
+        compile. Offline ``LLM`` hands over its tokenizer through ``self.tokenizer``; the
+        server's core process loads its own."""
         self.tokenizer = None
         so = self.config.structured_output_config
         self.structured_output = StructuredOutputManager(

@@ -1,7 +1,7 @@
 """Grammar compiles on threads, each with a time limit that frees its slot.
 
 xgrammar's compiler is C++ that releases the GIL (measured: a Python thread kept ~57% of its
-idle rate on 2 cores while ``root ::= [^"\\] | root{2,40}`` compiled for SmolLM2's 49,152
+idle rate on 2 cores while ``root ::= [^"\\\\] | root{2,40}`` compiled for SmolLM2's 49,152
 tokens in 14-20 s), so compiles on several threads run in parallel with each other and with
 the step loop. Such a compile cannot be interrupted: a thread stuck in C can be neither
 cancelled nor killed. ``CompilePool`` therefore runs each compile on a thread of its own and

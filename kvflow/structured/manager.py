@@ -70,8 +70,11 @@ class RequestStructuredOutput:
 
     @property
     def is_ready(self) -> bool:
-        """True once compilation finished (successfully or not): the request may be scheduled."""
-        return self._future.done()
+        """True once the grammar compiled: the request may be scheduled. A compile that
+        failed or timed out leaves it False: the engine core ends such a request
+        (``StructuredOutputManager.take_failed``) before it is ever scheduled."""
+        future = self._future
+        return future.done() and not future.cancelled() and future.exception() is None
 
     @property
     def matcher(self) -> StructuredOutputGrammar | None:
@@ -136,10 +139,10 @@ class StructuredOutputManager:
         self._max_num_seqs = max_num_seqs
         self._bitmask: torch.Tensor | None = None
 
-    def request_state(self, params: StructuredOutputsParams, request_id: str | None = None
+    def request_state(self, params: StructuredOutputsParams, request_id: str
                       ) -> RequestStructuredOutput:
-        """Start (or reuse) the compile of ``params``; returns the request's state. With
-        ``request_id``, ``take_failed`` names the request if its compile fails."""
+        """Start (or reuse) the compile of ``params`` for request ``request_id``; returns
+        the request's state. ``take_failed`` names the request if its compile fails."""
         key = params.key
         future = self._cache.get(key)
         if future is None or _retried(future):
@@ -150,9 +153,10 @@ class StructuredOutputManager:
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        if request_id is not None and not (future.done() and future.exception() is None):
+        state = RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled))
+        if not state.is_ready:
             self._compiling[request_id] = (params.kind, future)
-        return RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled))
+        return state
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         try:
@@ -205,8 +209,8 @@ class StructuredOutputManager:
         finished meanwhile are skipped. A request verifying draft tokens (``spec_tokens``,
         already cut to what its grammar accepts) gets one more row after each of them.
 
-        A request whose grammar failed to compile gets a row allowing nothing, so its first
-        token is rejected and it ends with ``length`` (it never runs unconstrained).
+        A request without a matcher (never scheduled: its compile failed) would get a row
+        allowing nothing, so it could never run unconstrained.
         """
         if self._pool is None or not request_ids:  # no constrained request this step
             return None
