@@ -4,6 +4,7 @@ takes milliseconds."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -140,3 +141,33 @@ def test_manager_reports_compile_errors_and_retries_them():
     ok = manager.request_state(StructuredOutputsParams(grammar="ok"), "c")
     _wait_until(lambda: ok.is_ready)
     assert manager.take_failed() == [] and ok.matcher == "matcher(ok)"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"structured_output_compile_timeout": 0}, "structured_output_compile_timeout=0 must"),
+    ({"structured_output_compile_timeout": -1.5}, "compile_timeout=-1.5 must"),
+    ({"structured_output_compile_timeout": float("inf")}, "compile_timeout=inf must"),
+    ({"structured_output_compile_threads": 0}, "structured_output_compile_threads=0 must"),
+])
+def test_config_refuses_bad_limits(kwargs, needle):
+    from kvflow.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_cli_flags_set_the_limits():
+    import argparse
+
+    from kvflow.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--structured-output-compile-timeout", "2.5",
+                              "--structured-output-compile-threads", "3"])
+    so = EngineConfig.from_cli_args(args).structured_output_config
+    assert (so.structured_output_compile_timeout, so.structured_output_compile_threads) \
+        == (2.5, 3)
+    default = EngineConfig.from_cli_args(parser.parse_args([])).structured_output_config
+    assert (default.structured_output_compile_timeout,
+            default.structured_output_compile_threads) == (30.0, 2)
