@@ -9,8 +9,10 @@ counts at most ``num_threads`` of them as running; one past ``timeout_s`` is *ab
 future fails with ``CompileTimeoutError`` at once and the next queued compile takes its slot,
 while the abandoned thread finishes in the background (its result is dropped). A compile in a
 child process could be killed instead, but every child would need its own tokenizer tables
-(about a second to build for a 49k vocabulary) and each compiled grammar would have to be
-serialized back; the thread keeps the common case (a compile of milliseconds) free.
+(0.19 s measured to build for SmolLM2's 49k vocabulary, the tokenizer's load not counted;
+a replacement costs that after every kill) and each compiled grammar would have to be
+serialized back to the engine process; a thread costs ~0.2 ms a compile (measured: 233 us
+per round trip vs 21 us on a ThreadPoolExecutor), next to compiles of a millisecond or more.
 """
 
 from __future__ import annotations
