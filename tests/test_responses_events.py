@@ -86,6 +86,37 @@ def test_whole_text_gives_the_streamed_items():
     assert parsed.output_text == "Sure."
 
 
+def _lp(token: str) -> dict:
+    return {"token": token, "logprob": -1.0, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": token, "logprob": -1.0, "bytes": list(token.encode())}]}
+
+
+def test_logprobs_go_to_the_text_their_tokens_made():
+    """One token per piece: the reasoning's tokens are dropped, a token held back (``<th``
+    of ``</think>``) goes with the text that follows it, the message's tokens go on its
+    deltas and part, and a token of no text at the end (EOS) joins the part."""
+    pieces = ["<think>", "ab", "</th", "ink>", "Su", "re", ""]
+    state = StreamingToolState(None, ThinkReasoningParser())
+    events, out = ResponseEvents(), []
+    for i, piece in enumerate(pieces):
+        out += events.feed(state.update(piece, i == len(pieces) - 1), [_lp(f"t{i}")])
+    out += events.finish("completed")
+    for event in out:
+        EVENTS.validate_python(event)
+    deltas = [e for e in out if e["type"] == "response.output_text.delta"]
+    # t2 ("</th") and t3 ("ink>") made no text alone: they come with the first content
+    assert [[lp["token"] for lp in e["logprobs"]] for e in deltas] == \
+        [["t2", "t3", "t4"], ["t5"]]
+    assert "bytes" not in deltas[0]["logprobs"][0]
+    message = events.items[-1]
+    assert message["content"][0]["logprobs"] == [_lp(t) for t in ("t2", "t3", "t4", "t5", "t6")]
+    (done,) = [e for e in out if e["type"] == "response.output_text.done"]
+    assert [lp["token"] for lp in done["logprobs"]] == ["t2", "t3", "t4", "t5", "t6"]
+    reply = ResponseObject(id="resp_1", created_at=0, status="completed", model="m",
+                           output=events.items)
+    Response.model_validate(reply.model_dump())
+
+
 def test_empty_reply_is_one_empty_message_and_incomplete_marks_the_last_item():
     _, items = run([""], "incomplete")
     assert [i["type"] for i in items] == ["message"] and items[0]["content"][0]["text"] == ""

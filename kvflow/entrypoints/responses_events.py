@@ -14,6 +14,16 @@ Per item, the events are (each with ``sequence_number`` counting from the respon
   ``response.function_call_arguments.done``, ``response.output_item.done``.
 An item is done when another starts or the reply ends; the one the reply's end closes takes
 the reply's status (``incomplete`` when cut by ``max_output_tokens``).
+
+Output logprobs (``include: ["message.output_text.logprobs"]``): each engine delta's tokens
+are held until the parser turns their text into something. Text of the message: they are the
+``logprobs`` of that ``response.output_text.delta`` event (OpenAI's event form: ``token``,
+``logprob``, ``top_logprobs``) and are appended to the ``output_text`` part's (the part form
+adds ``bytes``, as chat's ``logprobs.content`` entries). Reasoning or a function call: they
+are dropped (OpenAI gives logprobs on output_text only). Tokens whose text never showed (an
+EOS, a stop string's) join the last message's part when the reply ends, so for a reply that
+is all message text the part holds every generated token, as chat's ``logprobs.content``
+does; ``response.output_text.done`` carries the whole part's list.
 """
 
 from __future__ import annotations
@@ -32,6 +42,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Part-form logprobs (``token``, ``bytes``, ``logprob``, ``top_logprobs``) in the stream
+    events' form (OpenAI's ``ResponseTextDeltaEvent.Logprob``: no ``bytes``)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                              for t in e["top_logprobs"]]} for e in entries]
+
+
 class ResponseEvents:
     """The output items of one reply and its event counter. Each method returns the events
     its change produced (a caller that does not stream drops them)."""
@@ -41,6 +59,7 @@ class ResponseEvents:
         self.sequence_number = 0
         self._open: str | None = None  # the kind of the last item while it is open
         self._calls: dict[int, int] = {}  # tool-call index -> output index
+        self._pending: list[dict[str, Any]] = []  # logprobs of tokens not yet placed
 
     def event(self, kind: str, **fields: Any) -> Event:
         """An event of type ``kind`` with the next sequence number (``fields`` copied)."""
@@ -49,11 +68,16 @@ class ResponseEvents:
         self.sequence_number += 1
         return out
 
-    def feed(self, delta: StreamDelta) -> list[Event]:
-        """The events of one parsed delta: reasoning, then content, then tool calls."""
+    def feed(self, delta: StreamDelta, logprobs: list[dict[str, Any]] = ()) -> list[Event]:
+        """The events of one parsed delta: reasoning, then content, then tool calls.
+        ``logprobs``: the part-form entries (chat's ``logprobs.content`` dicts) of the tokens
+        the delta's text came from (see the module's docstring for where they go)."""
+        self._pending += logprobs
         events = self._text("reasoning", delta.reasoning) if delta.reasoning else []
         if delta.content:
             events += self._text("message", delta.content)
+        elif delta.reasoning or delta.tool_calls:
+            self._pending = []
         for index, call_id, name, arguments in delta.tool_calls:
             events += self._call(index, name, arguments) if call_id else \
                 self._arguments(index, arguments)
@@ -63,6 +87,10 @@ class ResponseEvents:
         """Close the open item with ``status`` (``completed`` / ``incomplete``); a reply with
         no item at all gets an empty message (its ``output_text`` is "")."""
         events = [] if self.items else self._open_message()
+        last = self.items[-1]
+        if last["type"] == "message":
+            last["content"][0]["logprobs"] += self._pending
+        self._pending = []
         return events + self._close(status)
 
     # ---- text items --------------------------------------------------------------------------
@@ -75,7 +103,10 @@ class ResponseEvents:
         item = self.items[index]
         item["content"][0]["text"] += text
         name = "output_text" if kind == "message" else "reasoning_text"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            item["content"][0]["logprobs"] += self._pending
+            extra, self._pending = {"logprobs": event_logprobs(self._pending)}, []
         return events + [self.event(f"response.{name}.delta", item_id=item["id"],
                                     output_index=index, content_index=0, delta=text, **extra)]
 
@@ -133,7 +164,7 @@ class ResponseEvents:
         else:
             part = item["content"][0]
             name = "output_text" if kind == "message" else "reasoning_text"
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": event_logprobs(part["logprobs"])} if kind == "message" else {}
             events = [self.event(f"response.{name}.done", **ids, content_index=0,
                                  text=part["text"], **extra),
                       self.event("response.content_part.done", **ids, content_index=0,

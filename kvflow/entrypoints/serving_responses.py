@@ -18,7 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kvflow.engine.async_llm import EngineDeadError, RequestRefused, collect
+from kvflow.engine.async_llm import EngineDeadError, RequestRefused
+from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
@@ -49,7 +50,6 @@ _UNHONOURED = {
     "conversation": (None, "use previous_response_id to continue a stored reply"),
     "max_tool_calls": (None, "send parallel_tool_calls false for at most one call"),
     "prompt": (None, "there are no stored prompt templates: send input and instructions"),
-    "top_logprobs": (0, "output logprobs are returned by /v1/chat/completions"),
     "context_management": (None, "a conversation longer than the context is a 400"),
     "prompt_cache_retention": (None, "the prefix cache keeps blocks while memory allows"),
     "prompt_cache_options": (None, "every request shares the prefix cache"),
@@ -57,8 +57,10 @@ _UNHONOURED = {
     "image": (None, "the reply is text only"),
     "access_programs": (None, "kvflow has no access programs"),
     "background_options": (None, "replies are generated while the request waits")}
+# the one ``include`` value kvflow honours: output_text parts carry their tokens' logprobs
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 # chat request fields -> the Responses fields they came from (for errors found by chat)
-_RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+_RENAMED = {"logprobs": "include", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format",
             "tool_choice.function": "tool_choice", "messages": "input"}
 # the chat fields a Responses request cannot have: wherever a message names one, it means
@@ -71,7 +73,9 @@ _CALL_KEYS = {"id": "call_id", "function.name": "name", "function.arguments": "a
 
 def refuse_unhonoured(req: ResponsesRequest) -> None:
     """Raises OpenAIError 400 naming the first OpenAI field set to something kvflow does
-    not do: ``truncation: auto``, any ``include`` value, a ``reasoning`` key, ``text.verbosity``,
+    not do: ``truncation: auto``, an ``include`` value other than
+    ``message.output_text.logprobs`` (``include.N``), ``top_logprobs`` above 0 without that
+    value, a ``reasoning`` key, ``text.verbosity``,
     a ``service_tier`` other than auto / default, ``stream_options`` other than
     ``include_obfuscation: false`` or without ``stream``, and the ``_UNHONOURED`` fields
     (``background: true``, ``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
@@ -82,9 +86,7 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
     if req.truncation == "auto":
         raise _unsupported("truncation", "truncation=auto is not supported: a conversation "
                            "longer than the context is a 400 (send disabled)")
-    if req.include:
-        raise _unsupported("include", f"include={req.include} is not supported: kvflow "
-                           "returns no extra output data")
+    _check_include(req)
     if req.reasoning is not None:
         for key in ("effort", "summary", "generate_summary"):
             if getattr(req.reasoning, key) is not None:
@@ -99,6 +101,23 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
         raise _unsupported("service_tier", f"service_tier={req.service_tier!r} is not "
                            "supported: kvflow serves every request on one tier")
     _check_stream_options(req)
+
+
+def _check_include(req: ResponsesRequest) -> None:
+    for i, value in enumerate(req.include or []):
+        if value != OUTPUT_LOGPROBS:
+            raise _unsupported(f"include.{i}", f"include value {value!r} is not supported: "
+                               f"kvflow returns no extra output data but {OUTPUT_LOGPROBS}")
+    if req.top_logprobs and OUTPUT_LOGPROBS not in (req.include or []):
+        raise OpenAIError(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}] (the logprobs "
+                          "are returned on the output_text parts)", param="top_logprobs",
+                          code="invalid_value")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the reply's output_text parts carry logprobs (``include`` holds
+    ``message.output_text.logprobs``)."""
+    return OUTPUT_LOGPROBS in (req.include or [])
 
 
 def _check_stream_options(req: ResponsesRequest) -> None:
@@ -230,6 +249,8 @@ class OpenAIServingResponses:
                     "tool_choice": chat_tool_choice(req.tool_choice),
                     "parallel_tool_calls": req.parallel_tool_calls,
                     "response_format": chat_response_format(req.text and req.text.format),
+                    "logprobs": wants_logprobs(req) or None,
+                    "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
                     "prompt_cache_key": req.prompt_cache_key,
                     "safety_identifier": req.safety_identifier}
         except RequestFieldError as e:
@@ -264,7 +285,8 @@ class OpenAIServingResponses:
             id=response_id, created_at=now(),
             status="in_progress", model=self.chat.response_model(req.model),
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-            temperature=req.temperature, top_p=req.top_p, tools=req.tools or [],
+            temperature=req.temperature, top_p=req.top_p, top_logprobs=req.top_logprobs,
+            tools=req.tools or [],
             tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls,
             text=text, reasoning=req.reasoning.model_dump() if req.reasoning else None,
             metadata=req.metadata or {}, previous_response_id=req.previous_response_id,
@@ -275,33 +297,47 @@ class OpenAIServingResponses:
     # ---- answering ---------------------------------------------------------------------------
     async def _whole(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
                      conv: Conversation) -> ResponseObject:
-        out = await collect(run.streams[0])
-        c = out.outputs[0]
-        events = ResponseEvents()
-        events.feed(run.parser.stream_state().update(c.text, True))
-        response, _ = self._finish(req, events, skeleton, conv, c.finish_reason,
-                                   len(c.token_ids), len(run.prompt_ids))
-        return response
+        """The finished reply, built by the same steps as the stream's (its events dropped),
+        so that whole and streamed replies carry the same items and logprobs.
+        Raises EngineDeadError when the engine dies meanwhile, RequestRefused when the engine
+        core refused the request (its grammar did not compile in time)."""
+        done: list[ResponseObject] = []
+        async for _ in self._run(req, run, skeleton, conv, ResponseEvents(), done):
+            pass
+        return done[0]
 
     async def _events(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
                       conv: Conversation) -> AsyncIterator[Event]:
         events = ResponseEvents()
-        yield events.event("response.created", response=skeleton.model_dump())
-        yield events.event("response.in_progress", response=skeleton.model_dump())
-        state, num_generated, finish_reason = run.parser.stream_state(), 0, None
         try:
-            async for delta in run.streams[0]:
-                for c in delta.outputs:
-                    num_generated += len(c.token_ids)
-                    finish_reason = c.finish_reason or finish_reason
-                    for event in events.feed(state.update(c.text, c.finish_reason is not None)):
-                        yield event
+            async for event in self._run(req, run, skeleton, conv, events, []):
+                yield event
         except (EngineDeadError, RequestRefused) as e:
             error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
             yield events.event("error", code=error.code, message=str(error), param=None)
-            return
+
+    async def _run(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
+                   conv: Conversation, events: ResponseEvents, done: list[ResponseObject]
+                   ) -> AsyncIterator[Event]:
+        """The reply's events, from ``response.created`` to its last; the finished reply is
+        appended to ``done``."""
+        yield events.event("response.created", response=skeleton.model_dump())
+        yield events.event("response.in_progress", response=skeleton.model_dump())
+        state, num_generated, finish_reason = run.parser.stream_state(), 0, None
+        top = (req.top_logprobs or 0) if wants_logprobs(req) else None
+        async for delta in run.streams[0]:
+            for c in delta.outputs:
+                num_generated += len(c.token_ids)
+                finish_reason = c.finish_reason or finish_reason
+                logprobs = [] if top is None else [
+                    entry.model_dump() for entry in chat_logprobs(
+                        c.token_ids, c.logprobs or [], top, self.chat.engine.tokenizer).content]
+                for event in events.feed(state.update(c.text, c.finish_reason is not None),
+                                         logprobs):
+                    yield event
         response, closing = self._finish(req, events, skeleton, conv, finish_reason,
                                          num_generated, len(run.prompt_ids))
+        done.append(response)
         for event in closing:
             yield event
         yield events.event(f"response.{response.status}", response=response.model_dump())

@@ -298,7 +298,7 @@ BAD = [
      "tools.0.parameters"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
-    ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include.0"),
     ({"input": "hi", "seed": 1}, 400, "seed"),
     ({"input": "hi", "stop": ["x"]}, 400, "stop"),
     ({"input": "hi", "background": True}, 400, "background"),
@@ -375,7 +375,6 @@ def test_disconnect_mid_stream_aborts_without_leak(server, free_at_start):
 # OpenAI fields kvflow does not honour: a value that asks for something -> a 400 at ``param``
 REFUSED = {"background": (True, "background"), "conversation": ("conv_1", "conversation"),
            "max_tool_calls": (2, "max_tool_calls"), "prompt": ({"id": "pmpt_1"}, "prompt"),
-           "top_logprobs": (2, "top_logprobs"),
            "context_management": ([{"type": "compaction"}], "context_management"),
            "prompt_cache_retention": ("24h", "prompt_cache_retention"),
            "prompt_cache_options": ({"mode": "x"}, "prompt_cache_options"),
@@ -383,14 +382,14 @@ REFUSED = {"background": (True, "background"), "conversation": ("conv_1", "conve
            "access_programs": ({"x": 1}, "access_programs"),
            "background_options": ({"x": 1}, "background_options"),
            "truncation": ("auto", "truncation"),
-           "include": (["reasoning.encrypted_content"], "include"),
            "reasoning": ({"summary": "auto"}, "reasoning.summary"),
            "service_tier": ("flex", "service_tier"),
            "stream_options": ({"include_obfuscation": True}, "stream_options.include_obfuscation")}
 # honoured fields: each checked against chat or by its effect in a test of this module
 USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
         "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
-        "previous_response_id", "user", "prompt_cache_key", "safety_identifier"}
+        "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
+        "include", "top_logprobs"}  # output logprobs: test_openai_responses_extras
 
 
 def test_every_field_is_used_or_refused():

@@ -61,6 +61,8 @@ class ResponsesRequest(RequestBody):
     (``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
     ``response_format``). ``store`` (OpenAI's default true) keeps the response in the
     server's bounded in-memory store for GET /v1/responses/{id} and ``previous_response_id``.
+    ``include`` may hold ``message.output_text.logprobs`` (output text logprobs, with
+    ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
     The fields after ``user`` are OpenAI's that kvflow does not honour: declared so that a
     set value is a 400 naming it (``serving_responses.refuse_unhonoured``)."""
 
@@ -86,13 +88,13 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     stream_options: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
     background: Any = None
     conversation: Any = None
     max_tool_calls: Any = None
     prompt: Any = None
-    top_logprobs: Any = None
     context_management: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
@@ -142,6 +144,7 @@ class ResponseObject(OpenAIBaseModel):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
