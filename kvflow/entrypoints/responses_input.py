@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.entrypoints.protocol.chat import MAX_CONTENT_PARTS, MAX_TOOLS
+from kvflow.entrypoints.responses_events import new_id
 from kvflow.entrypoints.structured_requests import RequestFieldError
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -223,3 +224,35 @@ def chat_response_format(fmt: Any) -> dict[str, Any] | None:
             "description": fmt.description}
     return {"type": "json_schema",
             "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+
+def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` (already read by ``chat_messages``) as OpenAI lists it back (GET
+    /v1/responses/{id}/input_items): each item with an ``id`` (its own, else a new
+    ``msg_`` / ``fc_`` / ``fco_`` / ``rs_`` one) and ``status`` ``completed``; a string is
+    one user message; message content as parts (``input_text`` for user / system /
+    developer, ``output_text`` for assistant, OpenAI's item types for each role)."""
+    if isinstance(input_, str):
+        input_ = [{"role": "user", "content": input_}]
+    return [_listed(item) for item in input_]
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "id": item.get("id") or new_id(_ID_PREFIX[kind])}
+    if kind == "reasoning":
+        out.setdefault("summary", [])
+        return out
+    out["status"] = item.get("status") or "completed"
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item["content"]
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+        out["content"] = [{"type": part, "text": t, **({"annotations": []}
+                                                     if part == "output_text" else {})}
+                          for t in texts]
+    return out

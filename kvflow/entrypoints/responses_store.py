@@ -1,16 +1,19 @@
 """The server's in-memory store of Responses API replies (``store: true``, OpenAI's default):
-GET /v1/responses/{id} returns a stored reply, and ``previous_response_id`` continues its
-conversation. Bounded: past ``capacity`` replies the least recently stored or read is
+GET /v1/responses/{id} returns a stored reply, GET /v1/responses/{id}/input_items its input
+items (a page of them: ``item_page``), DELETE /v1/responses/{id} forgets it, and
+``previous_response_id`` continues its conversation. Bounded: past ``capacity`` replies the least recently stored or read is
 dropped (a later reference to it is a 404). Nothing is written to disk; a restart forgets
 everything, as vLLM's store does."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.entrypoints.protocol.responses_api import ResponseObject
+from kvflow.entrypoints.protocol.responses_api import ResponseItemList, ResponseObject
+from kvflow.entrypoints.structured_requests import RequestFieldError
 
 # Replies kept per server: each holds its conversation's text, so a bound keeps a long-running
 # server's memory flat (1,000 replies of a 4k-token context: ~16 MiB of text).
@@ -21,10 +24,12 @@ DEFAULT_CAPACITY = 1000
 class StoredResponse:
     """A stored reply and its conversation as chat messages (the turns before it, without
     its ``instructions``, which OpenAI does not carry over, then its output as assistant
-    turns)."""
+    turns); ``input_items``: its request's ``input`` as OpenAI lists it back
+    (``responses_input.input_items``: the items of that request only, oldest first)."""
 
     response: ResponseObject
     messages: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -49,8 +54,64 @@ class ResponseStore:
             self._items.move_to_end(response_id)
         return stored
 
+    def delete(self, response_id: str) -> bool:
+        """Forget a reply; False when none of that id is stored."""
+        return self._items.pop(response_id, None) is not None
+
     def __len__(self) -> int:
         return len(self._items)
+
+
+# GET /v1/responses/{id}/input_items query parameters (OpenAI's): defaults and limits
+DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT = 20, 100
+
+
+def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, list[str]]
+              ) -> ResponseItemList:
+    """A page of ``items`` (oldest first) as OpenAI's list object. ``query``: each query
+    parameter's values: ``order`` ``desc`` (newest first, the default) or ``asc``, ``limit``
+    1-100 (default 20), ``after`` an item id (the page starts after it, in that order).
+    ``first_id`` / ``last_id`` are null for an empty page.
+
+    Raises:
+        RequestFieldError: naming the parameter: a bad value, one given twice, ``after`` not
+            an id of these items, ``include`` (kvflow has no extra item data) or another
+            parameter.
+    """
+    order, limit, after = "desc", DEFAULT_PAGE_LIMIT, None
+    for name, values in query.items():
+        if name not in ("order", "limit", "after"):
+            raise RequestFieldError(f"the query parameter {name} is not supported by kvflow "
+                                    "(it reads order, limit, after)", name,
+                                    "unsupported_parameter")
+        if len(values) != 1:
+            raise RequestFieldError(f"{name} given {len(values)} times", name)
+    if "order" in query:
+        order = query["order"][0]
+        if order not in ("asc", "desc"):
+            raise RequestFieldError(f"order must be asc or desc; got {order!r}", "order")
+    if "limit" in query:
+        limit = _limit(query["limit"][0])
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    start = 0
+    if "after" in query:
+        after = query["after"][0]
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise RequestFieldError(f"after={after!r} is not an input item of this response",
+                                    "after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return ResponseItemList(data=data, first_id=data[0]["id"] if data else None,
+                            last_id=data[-1]["id"] if data else None,
+                            has_more=start + limit < len(ordered))
+
+
+def _limit(value: str) -> int:
+    if not value.lstrip("-").isdigit() or not 1 <= int(value) <= MAX_PAGE_LIMIT:
+        raise RequestFieldError(f"limit must be an integer from 1 to {MAX_PAGE_LIMIT}; got "
+                                f"{value!r}", "limit")
+    return int(value)
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -25,6 +25,8 @@ from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.protocol.responses_api import (
     OutputTokensDetails,
+    ResponseDeleted,
+    ResponseItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -36,8 +38,14 @@ from kvflow.entrypoints.responses_input import (
     chat_response_format,
     chat_tool_choice,
     chat_tools,
+    input_items,
 )
-from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse, output_messages
+from kvflow.entrypoints.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    item_page,
+    output_messages,
+)
 from kvflow.entrypoints.serving_chat import ChatRun, OpenAIServingChat
 from kvflow.entrypoints.streaming import SSEResponse
 from kvflow.entrypoints.structured_requests import RequestFieldError
@@ -228,13 +236,42 @@ class OpenAIServingResponses:
         Raises:
             OpenAIError: 404 when no reply of that id is stored.
         """
+        return self._stored(response_id).response
+
+    def delete(self, response_id: str) -> ResponseDeleted:
+        """Forget a stored reply (DELETE /v1/responses/{id}); a later GET, input_items or
+        ``previous_response_id`` naming it is a 404.
+
+        Raises:
+            OpenAIError: 404 when no reply of that id is stored.
+        """
+        self._stored(response_id)
+        self.store.delete(response_id)
+        return ResponseDeleted(id=response_id)
+
+    def input_items(self, response_id: str, query: Mapping[str, list[str]]
+                    ) -> ResponseItemList:
+        """A page of a stored reply's input items (GET /v1/responses/{id}/input_items;
+        ``query``: its query parameters' values, see ``responses_store.item_page``).
+
+        Raises:
+            OpenAIError: 404 when no reply of that id is stored, 400 naming a bad query
+                parameter.
+        """
+        stored = self._stored(response_id)
+        try:
+            return item_page(stored.input_items, query)
+        except RequestFieldError as e:
+            raise OpenAIError(str(e), param=e.param, code=e.code) from None
+
+    def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
         if stored is None:
             raise OpenAIError(f"no response with id {response_id!r} is stored (replies are "
                               f"kept in memory, the last {self.store.capacity}, when sent "
                               "with store true)", 404, "invalid_request_error",
                               code="response_not_found")
-        return stored.response
+        return stored
 
     # ---- the chat request --------------------------------------------------------------------
     def _chat_request(self, req: ResponsesRequest
@@ -362,7 +399,8 @@ class OpenAIServingResponses:
         if req.store:
             turns = [m for m, path in zip(conv.messages, conv.paths, strict=True)
                      if path != "instructions"]
-            self.store.put(StoredResponse(response, turns + output_messages(events.items)))
+            self.store.put(StoredResponse(response, turns + output_messages(events.items),
+                                          input_items(req.input)))
         return response, closing
 
     def _count_tokens(self, text: str) -> int:

@@ -1,11 +1,14 @@
 """/v1/responses beyond the reply itself, end to end on the tiny random model (the template
 of test_openai_responses): output logprobs (oracle: chat's ``logprobs.content`` for the same
-greedy request; the openai package's types parse every body and event). Bad values are a 400
-naming the field."""
+greedy request; the openai package's types parse every body and event), DELETE and
+input_items (oracle: the request's items written by hand, OpenAI's ``ResponseItemList``).
+Bad values are a 400 naming the field."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
+from openai.types.responses import ResponseItemList
 
 from tests.e2e.test_openai_responses import (
     SERVER_ARGS,
@@ -104,3 +107,85 @@ def test_bad_logprobs_fields_are_a_400(server, body, param):
     resp = respond(server, input="hi", **body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+# ---- DELETE and input_items ----------------------------------------------------------------------
+ITEMS = [{"role": "developer", "content": "be terse"},
+         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+         {"type": "message", "role": "assistant", "content": "hello", "id": "msg_given"},
+         {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+         {"type": "function_call_output", "call_id": "c1", "output": "2"},
+         {"role": "user", "content": "and?"}]
+
+
+def input_items(server, response_id: str, **query) -> httpx.Response:
+    return httpx.get(f"{server.url}/v1/responses/{response_id}/input_items", params=query,
+                     timeout=10)
+
+
+def test_input_items_list_the_request_input(server):
+    """The items come back in OpenAI's item types (ResponseItemList validates), newest first
+    by default, with ids (the one given kept), and page with limit / after / order."""
+    reply = whole(server, input=ITEMS, instructions="sys", tools=TOOLS, max_output_tokens=2)
+    page = input_items(server, reply["id"])
+    assert page.status_code == 200, page.text
+    ResponseItemList.model_validate(page.json())
+    data = page.json()["data"]
+    # oldest first in asc order: the request's items, as written by hand
+    asc = list(reversed(data))
+    assert [(i["type"], i.get("role")) for i in asc] == [
+        ("message", "developer"), ("message", "user"), ("message", "assistant"),
+        ("function_call", None), ("function_call_output", None), ("message", "user")]
+    assert asc[0]["content"] == [{"type": "input_text", "text": "be terse"}]
+    assert asc[1]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert asc[2]["id"] == "msg_given"
+    assert asc[2]["content"] == [{"type": "output_text", "text": "hello", "annotations": []}]
+    assert (asc[3]["call_id"], asc[3]["arguments"], asc[4]["output"]) == ("c1", '{"a": 1}', "2")
+    assert len({i["id"] for i in data}) == 6
+    assert page.json()["first_id"] == data[0]["id"] and page.json()["last_id"] == data[-1]["id"]
+    assert page.json()["has_more"] is False
+    ids = [i["id"] for i in asc]
+    first = input_items(server, reply["id"], order="asc", limit=4).json()
+    assert [i["id"] for i in first["data"]] == ids[:4] and first["has_more"] is True
+    rest = input_items(server, reply["id"], order="asc", limit=4, after=ids[3]).json()
+    assert [i["id"] for i in rest["data"]] == ids[4:] and rest["has_more"] is False
+    desc = input_items(server, reply["id"], limit=2, after=ids[4]).json()
+    assert [i["id"] for i in desc["data"]] == [ids[3], ids[2]] and desc["has_more"] is True
+    end = input_items(server, reply["id"], after=ids[0]).json()
+    assert end == {"object": "list", "data": [], "first_id": None, "last_id": None,
+                   "has_more": False}
+
+
+def test_a_string_input_is_one_user_message_and_the_client_pages(server):
+    reply = whole(server, input="hello", max_output_tokens=2)
+    items = list(server.client().responses.input_items.list(reply["id"]))
+    assert [(i.type, i.role, [c.text for c in i.content]) for i in items] == \
+        [("message", "user", ["hello"])]
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "x"}, "limit"),
+    ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"),
+    ({"include": "message.input_image.image_url"}, "include"), ({"x": "1"}, "x")])
+def test_bad_input_items_query_is_a_400_naming_it(server, query, param):
+    reply = whole(server, input="hello", max_output_tokens=2)
+    resp = input_items(server, reply["id"], **query)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_delete_forgets_the_reply(server):
+    reply = whole(server, input="hello", max_output_tokens=2)
+    url = f"{server.url}/v1/responses/{reply['id']}"
+    deleted = httpx.delete(url, timeout=10)
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": reply["id"], "object": "response.deleted", "deleted": True}
+    for resp in (httpx.get(url, timeout=10), input_items(server, reply["id"]),
+                 httpx.delete(url, timeout=10)):
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "response_not_found"
+    follow = respond(server, input="x", previous_response_id=reply["id"])
+    assert follow.status_code == 404
+    assert follow.json()["error"]["param"] == "previous_response_id"
+    other = whole(server, input="hello", max_output_tokens=2)
+    assert server.client().responses.delete(other["id"]) is None  # the client's call: a 200
+    assert httpx.get(f"{server.url}/v1/responses/{other['id']}", timeout=10).status_code == 404

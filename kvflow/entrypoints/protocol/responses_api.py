@@ -159,3 +159,22 @@ class ResponseObject(OpenAIBaseModel):
     safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool = False
+
+
+class ResponseItemList(OpenAIBaseModel):
+    """GET /v1/responses/{id}/input_items: a page of a stored reply's input items (OpenAI's
+    ``ResponseItemList``; ``first_id`` / ``last_id`` null for an empty page)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ResponseDeleted(OpenAIBaseModel):
+    """DELETE /v1/responses/{id}: the reply is no longer stored."""
+
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
