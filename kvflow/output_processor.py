@@ -157,6 +157,7 @@ class OutputProcessor:
                 metrics.num_accepted_tokens += eco.num_accepted_tokens
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+                state.metrics.num_cached_tokens = max(eco.num_cached_tokens, 0)
             changed[parent] = state
         results = []
         for parent, state in changed.items():

@@ -50,6 +50,9 @@ class RequestMetrics:
     Attributes:
         num_drafts: verification steps that carried draft tokens.
         num_draft_tokens / num_accepted_tokens: draft tokens verified / accepted.
+        num_cached_tokens: prompt tokens found in the prefix cache when the request was
+            first scheduled (whole blocks, at most the prompt's length less one; for ``n``
+            samples, the first output's sample); 0 before its first output.
     """
 
     arrival_time: float
@@ -58,6 +61,7 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -235,7 +235,8 @@ class _Stream:
         for i, piece in enumerate(self.pieces):
             last = i == len(self.pieces) - 1 and self.error is None
             yield SimpleNamespace(outputs=[CompletionOutput(
-                0, piece, [i], finish_reason=self.finish if last else None)])
+                0, piece, [i], finish_reason=self.finish if last else None)],
+                metrics=SimpleNamespace(num_cached_tokens=2))
         if self.error is not None:
             raise self.error
 
@@ -276,6 +277,7 @@ def test_streamed_reply_counts_reasoning_tokens_and_is_stored():
     response = final["response"]
     assert response["usage"]["output_tokens"] == 3 and response["usage"]["input_tokens"] == 3
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 2  # "ab"
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 2  # the engine's
     assert [i["type"] for i in response["output"]] == ["reasoning", "message"]
     assert handler.store.get("resp_1").messages == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "cd"}]

@@ -24,6 +24,7 @@ from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_r
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.protocol.responses_api import (
+    InputTokensDetails,
     OutputTokensDetails,
     ResponseDeleted,
     ResponseItemList,
@@ -362,7 +363,9 @@ class OpenAIServingResponses:
         yield events.event("response.in_progress", response=skeleton.model_dump())
         state, num_generated, finish_reason = run.parser.stream_state(), 0, None
         top = (req.top_logprobs or 0) if wants_logprobs(req) else None
+        num_cached = 0
         async for delta in run.streams[0]:
+            num_cached = delta.metrics.num_cached_tokens
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
                 finish_reason = c.finish_reason or finish_reason
@@ -372,26 +375,33 @@ class OpenAIServingResponses:
                 for event in events.feed(state.update(c.text, c.finish_reason is not None),
                                          logprobs):
                     yield event
-        response, closing = self._finish(req, events, skeleton, conv, finish_reason,
-                                         num_generated, len(run.prompt_ids))
+        usage = self._usage(events, len(run.prompt_ids), num_cached, num_generated)
+        response, closing = self._finish(req, events, skeleton, conv, finish_reason, usage)
         done.append(response)
         for event in closing:
             yield event
         yield events.event(f"response.{response.status}", response=response.model_dump())
 
+    def _usage(self, events: ResponseEvents, num_prompt: int, num_cached: int,
+               num_generated: int) -> ResponseUsage:
+        """Token counts: ``num_cached`` of the ``num_prompt`` prompt tokens were prefix-cache
+        hits; the reasoning text is re-tokenized for ``reasoning_tokens``."""
+        reasoning = "".join(p["text"] for item in events.items if item["type"] == "reasoning"
+                            for p in item["content"])
+        return ResponseUsage(
+            input_tokens=num_prompt, output_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+            input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+            output_tokens_details=OutputTokensDetails(
+                reasoning_tokens=self._count_tokens(reasoning)))
+
     def _finish(self, req: ResponsesRequest, events: ResponseEvents, skeleton: ResponseObject,
-                conv: Conversation, finish_reason: str | None, num_generated: int,
-                num_prompt: int) -> tuple[ResponseObject, list[Event]]:
+                conv: Conversation, finish_reason: str | None, usage: ResponseUsage
+                ) -> tuple[ResponseObject, list[Event]]:
         """Close the items, build the finished reply (stored when ``req.store``), and return
         it with the closing events."""
         status = "incomplete" if finish_reason == "length" else "completed"
         closing = events.finish(status)
-        reasoning = "".join(p["text"] for item in events.items if item["type"] == "reasoning"
-                            for p in item["content"])
-        usage = ResponseUsage(input_tokens=num_prompt, output_tokens=num_generated,
-                              total_tokens=num_prompt + num_generated,
-                              output_tokens_details=OutputTokensDetails(
-                                  reasoning_tokens=self._count_tokens(reasoning)))
         response = skeleton.model_copy(update={
             "status": status, "output": events.items, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"}

@@ -6,6 +6,8 @@ Bad values are a 400 naming the field."""
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 from openai.types.responses import ResponseItemList
@@ -189,3 +191,28 @@ def test_delete_forgets_the_reply(server):
     other = whole(server, input="hello", max_output_tokens=2)
     assert server.client().responses.delete(other["id"]) is None  # the client's call: a 200
     assert httpx.get(f"{server.url}/v1/responses/{other['id']}", timeout=10).status_code == 404
+
+
+# ---- cached tokens -------------------------------------------------------------------------------
+BLOCK_SIZE = int(SERVER_ARGS[SERVER_ARGS.index("--block-size") + 1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_are_the_prefix_cache_hits(server, stream):
+    """A prompt whose first block no earlier request shared hits nothing; the same prompt
+    again hits its whole blocks but the last token's (the engine computes at least one):
+    ``((input_tokens - 1) // block_size) * block_size``, by hand."""
+    words = " ".join(f"{uuid.uuid4().hex[:6]} lorem ipsum dolor" for _ in range(8))
+    body = {"input": words, "max_output_tokens": 2, "temperature": 0}
+
+    def usage():
+        if stream:
+            return streamed(server, **body)[-1]["response"]["usage"]
+        return whole(server, **body)["usage"]
+
+    first, second = usage(), usage()
+    num_prompt = first["input_tokens"]
+    assert num_prompt > 3 * BLOCK_SIZE
+    assert first["input_tokens_details"]["cached_tokens"] == 0
+    assert second["input_tokens_details"]["cached_tokens"] == \
+        (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE

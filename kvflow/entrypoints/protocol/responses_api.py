@@ -117,8 +117,9 @@ class OutputTokensDetails(OpenAIBaseModel):
 class ResponseUsage(OpenAIBaseModel):
     """Token counts: ``input_tokens`` the prompt's (instructions, earlier turns and tools as
     the chat template rendered them), ``output_tokens`` every generated token (reasoning
-    included); ``cached_tokens`` is 0 (kvflow does not report a request's prefix-cache
-    hits), ``reasoning_tokens`` the reasoning text re-tokenized."""
+    included); ``cached_tokens`` the prompt tokens found in the prefix cache (whole KV
+    blocks, at most ``input_tokens - 1``), ``reasoning_tokens`` the reasoning text
+    re-tokenized; ``cache_write_tokens`` is 0."""
 
     input_tokens: int
     input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
