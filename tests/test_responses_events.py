@@ -207,7 +207,7 @@ def test_store_is_bounded_and_least_recently_used_goes_first():
     assert store.get("resp_1") is None and len(store) == 2
     assert store.get("resp_0") is not None and store.get("resp_2") is not None
     with pytest.raises(ValueError, match="capacity"):
-        ResponseStore(0)
+        ResponseStore(-1)
 
 
 def test_output_as_chat_turns():

@@ -31,6 +31,7 @@ def test_api_key_falls_back_to_the_environment():
 
 
 @pytest.mark.parametrize("kwargs,field", [({"port": 70000}, "port"), ({"max_n": 0}, "max_n"),
+                                          ({"responses_store_size": -1}, "responses_store_size"),
                                           ({"max_waiting_requests": -1},
                                            "max_waiting_requests"),
                                           ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),

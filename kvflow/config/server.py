@@ -34,6 +34,11 @@ class ServerConfig:
                                             "it is parsed or tokenized (the default leaves "
                                             "room for one image of the default "
                                             "--max-image-bytes, base64-encoded)")
+    responses_store_size: int = opt(1000, "replies of /v1/responses (store true, OpenAI's "
+                                    "default) kept in memory for GET /v1/responses/{id}, "
+                                    "input_items and previous_response_id, least recently "
+                                    "used dropped first; 0 keeps none: a reply then echoes "
+                                    "store false, and a request sending store true gets 400")
     uvicorn_log_level: str = opt("info", "HTTP server log level",
                                   choices=["critical", "error", "warning", "info", "debug"])
     engine_start_timeout: float = opt(600.0, "seconds to wait for the engine process to load "
@@ -87,6 +92,7 @@ class ServerConfig:
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
                   (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
+                  (self.responses_store_size >= 0, "responses_store_size", "must be >= 0"),
                   (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                    "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
                   (self.api_key is None or self.api_key.strip() != "", "api_key",

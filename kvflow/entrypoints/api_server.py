@@ -52,6 +52,7 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponseItemList,
     ResponsesRequest,
 )
+from kvflow.entrypoints.responses_store import ResponseStore
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
@@ -173,7 +174,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
     app.state.chat = OpenAIServingChat(engine, config, model_name, models, unknown,
                                        chat_template)
-    app.state.responses = OpenAIServingResponses(app.state.chat)
+    app.state.responses = OpenAIServingResponses(
+        app.state.chat, ResponseStore(config.responses_store_size))
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
     app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)

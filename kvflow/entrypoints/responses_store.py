@@ -15,8 +15,9 @@ from typing import Any
 from kvflow.entrypoints.protocol.responses_api import ResponseItemList, ResponseObject
 from kvflow.entrypoints.structured_requests import RequestFieldError
 
-# Replies kept per server: each holds its conversation's text, so a bound keeps a long-running
-# server's memory flat (1,000 replies of a 4k-token context: ~16 MiB of text).
+# Replies kept per server by default (--responses-store-size): each holds its conversation's
+# text, so a bound keeps a long-running server's memory flat (1,000 replies of a 4k-token
+# context: ~16 MiB of text).
 DEFAULT_CAPACITY = 1000
 
 
@@ -33,11 +34,16 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Replies by id, at most ``capacity`` (least recently used dropped first)."""
+    """Replies by id, at most ``capacity`` (least recently used dropped first; 0: the store
+    is off and keeps nothing, ``--responses-store-size 0``).
+
+    Raises:
+        ValueError: from the constructor for a negative ``capacity``.
+    """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 

@@ -221,6 +221,7 @@ class OpenAIServingResponses:
         """
         self.chat.check_fields(req, "/v1/responses")
         refuse_unhonoured(req)
+        self._check_store(req)
         conv, chat_req = self._chat_request(req)
         try:
             run = await self.chat.start(chat_req, raw, "resp")
@@ -230,6 +231,17 @@ class OpenAIServingResponses:
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
         return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv))
+
+    def _check_store(self, req: ResponsesRequest) -> None:
+        """With the store off (capacity 0) a reply is not stored and says so (``store``
+        false, as vLLM's does with its store off); a request that sent ``store: true``
+        itself asks for what the server cannot do: a 400 naming ``store``."""
+        if self.store.capacity == 0 and req.store:
+            if "store" in req.model_fields_set:
+                raise OpenAIError("store=true is not possible: this server keeps no replies "
+                                  "(--responses-store-size 0); send store false or leave it "
+                                  "out", param="store", code="unsupported_parameter")
+            req.store = False
 
     def retrieve(self, response_id: str) -> ResponseObject:
         """A stored reply (GET /v1/responses/{id}).
@@ -265,12 +277,17 @@ class OpenAIServingResponses:
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
 
+    def _kept(self) -> str:
+        if self.store.capacity == 0:
+            return "this server keeps no replies: --responses-store-size 0"
+        return (f"replies are kept in memory, the last {self.store.capacity} "
+                "(--responses-store-size), when sent with store true")
+
     def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
         if stored is None:
             raise OpenAIError(f"no response with id {response_id!r} is stored (replies are "
-                              f"kept in memory, the last {self.store.capacity}, when sent "
-                              "with store true)", 404, "invalid_request_error",
+                              f"{self._kept()})", 404, "invalid_request_error",
                               code="response_not_found")
         return stored
 
@@ -308,8 +325,7 @@ class OpenAIServingResponses:
         stored = self.store.get(previous_response_id)
         if stored is None:
             raise OpenAIError(f"previous response {previous_response_id!r} is not stored "
-                              f"(replies are kept in memory, the last {self.store.capacity}, "
-                              "when sent with store true)", 404, "invalid_request_error",
+                              f"({self._kept()})", 404, "invalid_request_error",
                               "previous_response_id", "previous_response_not_found")
         return stored.messages
 

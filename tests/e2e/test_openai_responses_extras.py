@@ -26,9 +26,22 @@ from tests.e2e.test_openai_responses import (
 LOGPROBS = ["message.output_text.logprobs"]
 
 
+STORE_SIZE = 4
+# this module's server keeps STORE_SIZE replies; the second keeps none
+ARGS = [*SERVER_ARGS, "--responses-store-size", str(STORE_SIZE)]
+NO_STORE_ARGS = [*SERVER_ARGS, "--responses-store-size", "0"]
+
+
 def prestart_servers(fixture):
-    return [(responses_model(fixture("tiny_llama"), fixture("built_models")), SERVER_ARGS,
-             None)]
+    model = responses_model(fixture("tiny_llama"), fixture("built_models"))
+    return [(model, ARGS, None), (model, NO_STORE_ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def no_store_server(start_server, request):
+    server = start_server.declared(request, 1)
+    yield server
+    server.terminate()
 
 
 def event_form(entries: list[dict]) -> list[dict]:
@@ -194,7 +207,7 @@ def test_delete_forgets_the_reply(server):
 
 
 # ---- cached tokens -------------------------------------------------------------------------------
-BLOCK_SIZE = int(SERVER_ARGS[SERVER_ARGS.index("--block-size") + 1])
+BLOCK_SIZE = int(ARGS[ARGS.index("--block-size") + 1])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -216,3 +229,34 @@ def test_cached_tokens_are_the_prefix_cache_hits(server, stream):
     assert first["input_tokens_details"]["cached_tokens"] == 0
     assert second["input_tokens_details"]["cached_tokens"] == \
         (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+# ---- the store's size ----------------------------------------------------------------------------
+def test_the_store_keeps_the_last_store_size_replies(server):
+    """--responses-store-size 4: after 5 stored replies the first is gone (404 on GET, on
+    input_items and as previous_response_id), the 4 others are there."""
+    ids = [whole(server, input=f"x{i}", max_output_tokens=1)["id"] for i in range(5)]
+    got = [httpx.get(f"{server.url}/v1/responses/{i}", timeout=10).status_code for i in ids]
+    assert got == [404, 200, 200, 200, 200]
+    assert input_items(server, ids[0]).status_code == 404
+    assert "--responses-store-size" in httpx.get(
+        f"{server.url}/v1/responses/{ids[0]}", timeout=10).json()["error"]["message"]
+    assert respond(server, input="y", previous_response_id=ids[0]).status_code == 404
+
+
+def test_store_size_0_keeps_nothing_and_says_so(no_store_server):
+    """--responses-store-size 0: a reply echoes store false and is not kept (404); sending
+    store true itself is a 400 naming store; store false is a 200."""
+    reply = whole(no_store_server, input="hello", max_output_tokens=2)
+    assert reply["store"] is False
+    got = httpx.get(f"{no_store_server.url}/v1/responses/{reply['id']}", timeout=10)
+    assert got.status_code == 404
+    assert "--responses-store-size 0" in got.json()["error"]["message"]
+    refused = respond(no_store_server, input="hello", store=True)
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == \
+        ("store", "unsupported_parameter")
+    assert whole(no_store_server, input="hello", max_output_tokens=2, store=False)["store"] \
+        is False
+    events = streamed(no_store_server, input="hello", max_output_tokens=2)
+    assert events[0]["response"]["store"] is False and events[-1]["response"]["store"] is False
