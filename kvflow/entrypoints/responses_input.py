@@ -57,19 +57,26 @@ def chat_messages(input_: str | list[dict[str, Any]], instructions: str | None,
 
     Raises:
         RequestFieldError: naming the item's field (``input.1.role``, ``input.0.content.2.type``,
-            ``input.4.call_id``) for an item kvflow cannot read; ``input`` for none, or more
-            than chat's ``MAX_CONTENT_PARTS`` (``array_above_max_length``).
+            ``input.4.call_id``) for an item kvflow cannot read; ``input`` for an empty
+            string (``empty_string``) or list (``empty_array``), or more than chat's
+            ``MAX_CONTENT_PARTS`` items (``array_above_max_length``).
     """
     conv = Conversation()
     if instructions is not None:
         conv.add({"role": "system", "content": instructions}, "instructions")
     for message in earlier:
         conv.add(message, "previous_response_id")
+    if input_ == "":  # OpenAI's answer (and code) for an empty string or list
+        raise RequestFieldError("Invalid 'input': empty string. Expected a string with "
+                                "minimum length 1, but got an empty string instead.", "input",
+                                "empty_string")
     if isinstance(input_, str):
         conv.add({"role": "user", "content": input_}, "input")
         return conv
     if not input_:
-        raise RequestFieldError("input must hold at least one item", "input", "empty_array")
+        raise RequestFieldError("Invalid 'input': empty array. Expected an array with "
+                                "minimum length 1, but got an empty array instead.", "input",
+                                "empty_array")
     if len(input_) > MAX_CONTENT_PARTS:  # chat's cap, before any item is read on the loop
         raise RequestFieldError(f"input holds at most {MAX_CONTENT_PARTS} items; this one "
                                 f"holds {len(input_)}", "input", "array_above_max_length")

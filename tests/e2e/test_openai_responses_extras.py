@@ -260,3 +260,25 @@ def test_store_size_0_keeps_nothing_and_says_so(no_store_server):
         is False
     events = streamed(no_store_server, input="hello", max_output_tokens=2)
     assert events[0]["response"]["store"] is False and events[-1]["response"]["store"] is False
+
+
+# ---- empty input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("value", "code"), [("", "empty_string"), ([], "empty_array")])
+def test_empty_input_is_a_400_naming_input(server, value, code):
+    """OpenAI's answer to an empty string / list (its message form and code), whole and
+    streamed, before anything is queued."""
+    for stream in (False, True):
+        resp = respond(server, input=value, stream=stream)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"], error["type"]) == \
+            ("input", code, "invalid_request_error")
+        assert error["message"].startswith("Invalid 'input': empty")
+
+
+def test_a_one_space_input_is_served(server):
+    """Not empty: a one-space message is a turn like any other (chat's reply for it)."""
+    reply = whole(server, input=" ", max_output_tokens=3, temperature=0)
+    oracle = chat(server, [{"role": "user", "content": " "}], max_completion_tokens=3,
+                  temperature=0)
+    assert output_text(reply) == oracle["choices"][0]["message"]["content"]
