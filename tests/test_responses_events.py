@@ -317,3 +317,26 @@ def test_chat_error_fields_are_named_as_the_request_names_them(chat_param, param
                           {"type": "function_call_output", "call_id": "c", "output": "1"},
                           {**call, "call_id": "c1"}, {**call, "call_id": "c2"}], "sys")
     assert _renamed(chat_param, conv) == param
+
+
+# ---- the unhonoured fields: one table --------------------------------------------------------
+def test_every_untyped_field_is_marked_unhonoured_and_refused():
+    """A request field typed ``Any`` is there only to be refused: each carries an
+    ``Unhonoured`` mark (so ``refuse_unhonoured`` sees it), and a value other than its
+    harmless one is a 400 naming it, while the harmless one passes."""
+    from typing import Any
+
+    from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest, unhonoured_fields
+    from kvflow.entrypoints.serving_responses import refuse_unhonoured
+
+    marked = unhonoured_fields()
+    untyped = {name for name, info in ResponsesRequest.model_fields.items()
+               if info.annotation is Any}
+    assert set(marked) == untyped and len(marked) == 11
+    for name, mark in marked.items():
+        refuse_unhonoured(ResponsesRequest.model_validate({"input": "hi", name: mark.harmless}))
+        with pytest.raises(OpenAIError) as info:
+            refuse_unhonoured(ResponsesRequest.model_validate({"input": "hi", name: "x"}))
+        assert (info.value.param, info.value.code) == (name, "unsupported_parameter")
+        assert mark.instead in str(info.value)

@@ -31,6 +31,7 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    unhonoured_fields,
 )
 from kvflow.entrypoints.responses_events import Event, ResponseEvents
 from kvflow.entrypoints.responses_input import (
@@ -52,20 +53,9 @@ from kvflow.entrypoints.streaming import SSEResponse
 from kvflow.entrypoints.structured_requests import RequestFieldError
 from kvflow.entrypoints.validation_errors import validation_error
 
-# OpenAI fields kvflow does not honour -> (the value that asks for nothing, None: only null;
-# what kvflow does instead)
-_UNHONOURED = {
-    "background": (False, "replies are generated while the request waits (send false)"),
-    "conversation": (None, "use previous_response_id to continue a stored reply"),
-    "max_tool_calls": (None, "send parallel_tool_calls false for at most one call"),
-    "prompt": (None, "there are no stored prompt templates: send input and instructions"),
-    "context_management": (None, "a conversation longer than the context is a 400"),
-    "prompt_cache_retention": (None, "the prefix cache keeps blocks while memory allows"),
-    "prompt_cache_options": (None, "every request shares the prefix cache"),
-    "moderation": (None, "kvflow runs no moderation"),
-    "image": (None, "the reply is text only"),
-    "access_programs": (None, "kvflow has no access programs"),
-    "background_options": (None, "replies are generated while the request waits")}
+# OpenAI fields kvflow does not honour (marked so in the protocol: one table) -> their
+# harmless value and what kvflow does instead
+_UNHONOURED = unhonoured_fields()
 # the one ``include`` value kvflow honours: output_text parts carry their tokens' logprobs
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 # chat request fields -> the Responses fields they came from (for errors found by chat)
@@ -88,10 +78,10 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
     a ``service_tier`` other than auto / default, ``stream_options`` other than
     ``include_obfuscation: false`` or without ``stream``, and the ``_UNHONOURED`` fields
     (``background: true``, ``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
-    for name, (harmless, instead) in _UNHONOURED.items():
+    for name, mark in _UNHONOURED.items():
         value = getattr(req, name)
-        if value is not None and value != harmless:
-            raise _unsupported(name, f"{name} is not supported by kvflow: {instead}")
+        if value is not None and value != mark.harmless:
+            raise _unsupported(name, f"{name} is not supported by kvflow: {mark.instead}")
     if req.truncation == "auto":
         raise _unsupported("truncation", "truncation=auto is not supported: a conversation "
                            "longer than the context is a 400 (send disabled)")

@@ -393,10 +393,11 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
 
 
 def test_every_field_is_used_or_refused():
-    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest
+    from kvflow.entrypoints.protocol.responses_api import ResponsesRequest, unhonoured_fields
 
     assert set(REFUSED) | USED == set(ResponsesRequest.model_fields)
     assert not set(REFUSED) & USED
+    assert set(unhonoured_fields()) <= set(REFUSED)  # each marked field is refused here
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))

@@ -11,6 +11,7 @@ it; a field neither declared nor OpenAI's is refused like on every endpoint
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -54,6 +55,17 @@ class ReasoningConfig(RequestModel):
     generate_summary: Any = None
 
 
+@dataclass(frozen=True)
+class Unhonoured:
+    """Marks an OpenAI field of ``ResponsesRequest`` that kvflow declares but does not
+    honour (``Annotated[Any, Unhonoured(...)]``): ``harmless`` is the value that asks for
+    nothing (None: only null passes), ``instead`` says what kvflow does instead (in the 400's
+    message for any other value)."""
+
+    harmless: Any
+    instead: str
+
+
 class ResponsesRequest(RequestBody):
     """POST /v1/responses. ``input``: a string (one user message) or a list of items (each
     checked by ``responses_input.chat_messages``); ``tools``: function tools (JSON, checked by
@@ -63,8 +75,10 @@ class ResponsesRequest(RequestBody):
     server's bounded in-memory store for GET /v1/responses/{id} and ``previous_response_id``.
     ``include`` may hold ``message.output_text.logprobs`` (output text logprobs, with
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
-    The fields after ``user`` are OpenAI's that kvflow does not honour: declared so that a
-    set value is a 400 naming it (``serving_responses.refuse_unhonoured``)."""
+    The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
+    ``Unhonoured`` (its harmless value and what kvflow does instead): declared so that a set
+    value is a 400 naming it (``serving_responses.refuse_unhonoured`` reads
+    ``unhonoured_fields()``)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -91,17 +105,32 @@ class ResponsesRequest(RequestBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
-    background: Any = None
-    conversation: Any = None
-    max_tool_calls: Any = None
-    prompt: Any = None
-    context_management: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    moderation: Any = None
-    image: Any = None
-    access_programs: Any = None
-    background_options: Any = None
+    background: Annotated[Any, Unhonoured(
+        False, "replies are generated while the request waits (send false)")] = None
+    conversation: Annotated[Any, Unhonoured(
+        None, "use previous_response_id to continue a stored reply")] = None
+    max_tool_calls: Annotated[Any, Unhonoured(
+        None, "send parallel_tool_calls false for at most one call")] = None
+    prompt: Annotated[Any, Unhonoured(
+        None, "there are no stored prompt templates: send input and instructions")] = None
+    context_management: Annotated[Any, Unhonoured(
+        None, "a conversation longer than the context is a 400")] = None
+    prompt_cache_retention: Annotated[Any, Unhonoured(
+        None, "the prefix cache keeps blocks while memory allows")] = None
+    prompt_cache_options: Annotated[Any, Unhonoured(
+        None, "every request shares the prefix cache")] = None
+    moderation: Annotated[Any, Unhonoured(None, "kvflow runs no moderation")] = None
+    image: Annotated[Any, Unhonoured(None, "the reply is text only")] = None
+    access_programs: Annotated[Any, Unhonoured(None, "kvflow has no access programs")] = None
+    background_options: Annotated[Any, Unhonoured(
+        None, "replies are generated while the request waits")] = None
+
+
+def unhonoured_fields() -> dict[str, Unhonoured]:
+    """``ResponsesRequest``'s fields marked ``Unhonoured``, by name (in declaration order):
+    the one table ``serving_responses.refuse_unhonoured`` reads."""
+    return {name: meta for name, info in ResponsesRequest.model_fields.items()
+            for meta in info.metadata if isinstance(meta, Unhonoured)}
 
 
 # ---- the response ----------------------------------------------------------------------------
