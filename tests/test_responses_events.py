@@ -310,13 +310,13 @@ def test_engine_death_mid_stream_is_an_error_event():
     ("tool_choice.function.name", "tool_choice.name"),
 ])
 def test_chat_error_fields_are_named_as_the_request_names_them(chat_param, param):
-    from kvflow.entrypoints.serving_responses import _renamed
+    from kvflow.entrypoints.responses_errors import renamed
 
     call = {"type": "function_call", "name": "f", "arguments": "{}"}
     conv = chat_messages([{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
                           {"type": "function_call_output", "call_id": "c", "output": "1"},
                           {**call, "call_id": "c1"}, {**call, "call_id": "c2"}], "sys")
-    assert _renamed(chat_param, conv) == param
+    assert renamed(chat_param, conv) == param
 
 
 # ---- the unhonoured fields: one table --------------------------------------------------------

@@ -3,13 +3,14 @@ handler. A request becomes a ``ChatCompletionRequest`` (``responses_input``: inp
 messages, function tools, ``text.format`` -> ``response_format``), runs through
 ``OpenAIServingChat.start`` (the same checks, template, sampling, structured output and tool
 parsing as /v1/chat/completions), and the chat parser's deltas become output items and
-stream events (``responses_events``). Replies are kept in a bounded in-memory store when
-``store`` is true (``responses_store``)."""
+stream events (``responses_events``); an error the chat path finds names the Responses
+field (``responses_errors``). Replies are kept in a bounded in-memory store when ``store`` is
+true (``responses_store``), which also serves GET / DELETE /v1/responses/{id} and
+/v1/responses/{id}/input_items."""
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponseUsage,
     unhonoured_fields,
 )
+from kvflow.entrypoints.responses_errors import renamed_error
 from kvflow.entrypoints.responses_events import Event, ResponseEvents
 from kvflow.entrypoints.responses_input import (
     Conversation,
@@ -58,16 +60,6 @@ from kvflow.entrypoints.validation_errors import validation_error
 _UNHONOURED = unhonoured_fields()
 # the one ``include`` value kvflow honours: output_text parts carry their tokens' logprobs
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
-# chat request fields -> the Responses fields they came from (for errors found by chat)
-_RENAMED = {"logprobs": "include", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-            "response_format.json_schema": "text.format", "response_format": "text.format",
-            "tool_choice.function": "tool_choice", "messages": "input"}
-# the chat fields a Responses request cannot have: wherever a message names one, it means
-# the Responses field it came from (longest first)
-_CHAT_ONLY = ("max_completion_tokens", "max_tokens", "response_format.json_schema",
-              "response_format")
-# a chat tool call's fields -> the function_call item's
-_CALL_KEYS = {"id": "call_id", "function.name": "name", "function.arguments": "arguments"}
 
 
 def refuse_unhonoured(req: ResponsesRequest) -> None:
@@ -137,61 +129,6 @@ def _unsupported(param: str, message: str) -> OpenAIError:
     return OpenAIError(message, param=param, code="unsupported_parameter")
 
 
-def _renamed_error(error: OpenAIError, conv: Conversation) -> OpenAIError:
-    """``error`` (found by the chat path) naming the Responses request's field, in its
-    ``param`` and where its message names the chat field."""
-    param = _renamed(error.param, conv)
-    message = str(error).replace(error.param, param) if error.param else str(error)
-    for chat_name in _CHAT_ONLY:  # named in the message beside another param
-        message = re.sub(rf"\b{re.escape(chat_name)}\b", _RENAMED[chat_name], message)
-    if param == error.param and message == str(error):
-        return error
-    return OpenAIError(message, error.status, error.type, param, error.code, error.headers)
-
-
-def _renamed(param: str | None, conv: Conversation) -> str | None:
-    """A chat request field's name as the Responses request's (``max_completion_tokens`` ->
-    ``max_output_tokens``, ``tools.0.function.parameters`` -> ``tools.0.parameters``,
-    ``messages.3.tool_call_id`` -> ``input.2.call_id``)."""
-    if param is None:
-        return None
-    head, _, rest = param.partition(".")
-    if head == "messages" and rest:
-        return _message_path(rest, conv)
-    for chat_name, name in _RENAMED.items():
-        if param == chat_name or param.startswith(chat_name + "."):
-            return name + param[len(chat_name):]
-    parts = param.split(".")
-    if head == "tools" and parts[2:3] == ["function"]:
-        return ".".join(parts[:2] + parts[3:])
-    return param
-
-
-def _message_path(rest: str, conv: Conversation) -> str:
-    """``messages.<rest>`` as the path of the input item the message came from (the item
-    itself for a message of several items' calls, ``instructions``, or an earlier reply)."""
-    index, _, key = rest.partition(".")
-    if not index.isdigit() or int(index) >= len(conv.paths):
-        return "input"
-    path = conv.paths[int(index)]
-    first, _, deeper = key.partition(".")
-    if first == "tool_calls":
-        return _call_path(conv.call_paths.get(int(index), []), deeper) or path
-    if not first or not path.startswith("input."):
-        return path
-    return ".".join(p for p in (path, {"tool_call_id": "call_id"}.get(first, first), deeper)
-                    if p)
-
-
-def _call_path(call_paths: list[str], key: str) -> str | None:
-    """``tool_calls.<key>`` of a message as its function_call item's path (``0.function.
-    arguments`` -> ``input.3.arguments``); None when the call came from no input item."""
-    index, _, rest = key.partition(".")
-    if not index.isdigit() or int(index) >= len(call_paths):
-        return None
-    return ".".join(p for p in (call_paths[int(index)], _CALL_KEYS.get(rest, "")) if p)
-
-
 class OpenAIServingResponses:
     """Handler of /v1/responses, running its requests through ``chat`` (the server's chat
     handler: same template, checks and parsers) and keeping replies in ``store``."""
@@ -216,7 +153,7 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(chat_req, raw, "resp")
         except OpenAIError as e:
-            raise _renamed_error(e, conv) from None
+            raise renamed_error(e, conv) from None
         skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
@@ -306,7 +243,7 @@ class OpenAIServingResponses:
         except ValidationError as e:
             error = validation_error(RequestValidationError(
                 [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]))
-            raise _renamed_error(error, conv) from None
+            raise renamed_error(error, conv) from None
         return conv, chat
 
     def _earlier(self, previous_response_id: str | None) -> list[dict[str, Any]]:
