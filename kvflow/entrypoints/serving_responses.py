@@ -213,8 +213,8 @@ class OpenAIServingResponses:
     def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
         if stored is None:
-            raise OpenAIError(f"no response with id {response_id!r} is stored (replies are "
-                              f"{self._kept()})", 404, "invalid_request_error",
+            raise OpenAIError(f"no response with id {response_id!r} is stored "
+                              f"({self._kept()})", 404, "invalid_request_error",
                               code="response_not_found")
         return stored
 

@@ -37,6 +37,8 @@ def api_schema(server):
 # Every operation of the schema, fuzzed with valid (positive) and invalid (negative) data.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items"),
               ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/v1/rerank"),
               ("POST", "/rerank"), ("POST", "/v1/load_lora_adapter"),
               ("POST", "/v1/unload_lora_adapter"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
