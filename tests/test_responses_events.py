@@ -340,3 +340,29 @@ def test_every_untyped_field_is_marked_unhonoured_and_refused():
             refuse_unhonoured(ResponsesRequest.model_validate({"input": "hi", name: "x"}))
         assert (info.value.param, info.value.code) == (name, "unsupported_parameter")
         assert mark.instead in str(info.value)
+
+
+@pytest.mark.parametrize(("query", "ids", "has_more"), [
+    ({}, ["i4", "i3", "i2", "i1", "i0"], False),
+    ({"order": ["asc"], "limit": ["2"]}, ["i0", "i1"], True),
+    ({"order": ["asc"], "after": ["i2"]}, ["i3", "i4"], False),
+    ({"after": ["i2"], "limit": ["1"]}, ["i1"], True),
+    ({"limit": ["100"], "after": ["i0"]}, [], False)])
+def test_item_page_orders_and_pages(query, ids, has_more):
+    """Five items i0..i4 (oldest first), paged by hand."""
+    from kvflow.entrypoints.responses_store import item_page
+
+    page = item_page([{"id": f"i{k}"} for k in range(5)], query)
+    assert ([i["id"] for i in page.data], page.has_more) == (ids, has_more)
+    assert (page.first_id, page.last_id) == ((ids[0], ids[-1]) if ids else (None, None))
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"limit": ["1", "2"]}, "limit"), ({"limit": ["-1"]}, "limit"), ({"limit": ["2.5"]}, "limit"),
+    ({"order": ["DESC"]}, "order"), ({"after": ["i9"]}, "after"), ({"include": ["x"]}, "include")])
+def test_item_page_names_a_bad_parameter(query, param):
+    from kvflow.entrypoints.responses_store import item_page
+
+    with pytest.raises(RequestFieldError) as info:
+        item_page([{"id": "i0"}], query)
+    assert info.value.param == param
