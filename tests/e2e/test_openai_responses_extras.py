@@ -108,6 +108,24 @@ def test_openai_client_reads_logprobs(server):
          for e in oracle["choices"][0]["logprobs"]["content"]]
 
 
+def test_openai_stream_helper_keeps_the_logprobs(server):
+    """The client's ``responses.stream`` helper: its text events carry the delta logprobs
+    and its last event's response (``response.incomplete``: cut by max_output_tokens, so
+    no get_final_response) the part's, equal to the whole reply's."""
+    body = {"input": "hello there", "max_output_tokens": 6, "temperature": 0,
+            "include": LOGPROBS, "top_logprobs": 1}
+    reply = whole(server, **body)
+    with server.client().responses.stream(model="tiny", **body) as stream:
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    expected = reply["output"][0]["content"][0]["logprobs"]
+    assert [lp.model_dump() for lp in final.output[0].content[0].logprobs] == expected
+    sent = [lp.model_dump(exclude_none=True) for e in deltas for lp in e.logprobs]
+    assert sent and sent == event_form(expected)[:len(sent)]
+
+
 BAD_LOGPROBS = [
     ({"top_logprobs": 21, "include": LOGPROBS}, "top_logprobs"),
     ({"top_logprobs": -1, "include": LOGPROBS}, "top_logprobs"),
