@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "LLMEngine",
     "LoRARequest",
@@ -41,7 +42,8 @@ def __getattr__(name: str):
         from kvflow.lora.request import LoRARequest
 
         return LoRARequest
-    if name in ("RequestOutput", "CompletionOutput", "ScoringRequestOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "ScoringRequestOutput",
+                "ClassificationRequestOutput"):
         from kvflow import outputs
 
         return getattr(outputs, name)

@@ -13,6 +13,8 @@ from kvflow.engine.llm_engine import LLMEngine
 from kvflow.input_processor import PromptType
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
@@ -154,7 +156,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
         if any(p is not None and p.task != "embed" for p in params):
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
-                             "with LLM.score")
+                             "with LLM.score, classify texts with LLM.classify")
         users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         for p, pp in zip(prompts, params):  # validate everything before queuing anything
@@ -220,6 +222,49 @@ class LLM:
                                      ScoringOutput(score_value(o.outputs.embedding)),
                                      o.finished, o.metrics)
                 for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 user: Sequence[str] | None = None) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities for each prompt, in order
+        (``out.outputs.probs``: the softmax of its ``num_labels`` logits; see
+        :class:`~kvflow.outputs.ClassificationOutput`), batched like ``embed``. Needs an
+        engine started with ``task="classify"`` on a ``*ForSequenceClassification`` model
+        (BERT / RoBERTa / XLM-R pool their first token, Llama / Mistral / Qwen2 / Qwen3 their
+        last).
+
+        Args:
+            prompts: as ``embed`` takes them (text, token ids, dict prompts, or a list).
+            user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
+
+        Raises:
+            ValueError: on an engine not running ``task="classify"`` (naming what it runs),
+                for an empty prompt, a token id outside the vocabulary or a prompt longer than
+                ``max_model_len`` (naming the prompt by its index), or a bad ``user``
+                (nothing is queued then).
+        """
+        self.engine.processor.require_task("classify")
+        prompts = _as_prompt_list(prompts)
+        params = PoolingParams(task="classify")
+        processor = self.engine.processor
+        for i, p in enumerate(prompts):  # validate everything before queuing anything
+            try:
+                processor.make_pooling_request("check", processor.pooling_prompt(p, "classify")[1],
+                                               params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
+        ids: list[str] = []
+        try:
+            for p, who in zip(prompts, users):
+                ids.append(self.engine.add_pooling_request(p, params, client_id=who))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.outputs.embedding),
+                                            o.finished, o.metrics)
+                for o in self._run(ids, use_tqdm and len(ids) > 1)]
 
     def _score_embeddings(self, pairs: list[tuple[str, str]],
                           truncate_prompt_tokens: int | None, use_tqdm: bool,

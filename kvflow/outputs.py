@@ -144,6 +144,34 @@ class ScoringRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """A sequence classifier's class probabilities for one prompt.
+
+    Attributes:
+        probs: ``num_labels`` values, the softmax of the classification head's logits
+            (float32 arithmetic; they sum to 1), in class-index order (``config.id2label``).
+    """
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes the model tells apart (``len(probs)``)."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """The result of one classified prompt (vLLM's ``ClassificationRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
 class RequestOutput:
     """All samples of one prompt.
 

@@ -1,11 +1,11 @@
-"""What a pooling request (an embedding, or a pair's score) asks for beyond its prompt (pure
-data, crosses to the runner)."""
+"""What a pooling request (an embedding, a pair's score or a text's classes) asks for beyond
+its prompt (pure data, crosses to the runner)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "score")
+POOLING_TASKS = ("embed", "score", "classify")
 
 
 @dataclass
@@ -17,8 +17,9 @@ class PoolingParams:
             representation learning, Kusupati et al. 2022), normalized again when the model
             normalizes; None: the whole vector. Only for models that declare Matryoshka
             support (checked by the engine against the model).
-        task: "embed" (a vector, ``LLM.embed``) or "score" (a cross-encoder's pair, set by
-            ``LLM.score`` and the score routes); the engine refuses a task it does not run.
+        task: "embed" (a vector, ``LLM.embed``), "score" (a cross-encoder's pair, set by
+            ``LLM.score`` and the score routes) or "classify" (class probabilities,
+            ``LLM.classify`` and /classify); the engine refuses a task it does not run.
         second_segment_start: for a scored pair whose tokenizer gives token types (BERT),
             the index in tokens of the pair's second segment (token type 1 from there on);
             None: one segment (type 0 throughout). Set by the score paths, not by users.

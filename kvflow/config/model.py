@@ -20,10 +20,12 @@ class ModelConfig:
                                 "Hub repo id org/name[@revision] (default: the model's own)")
     task: str = opt("auto", "what the model serves: generate (text), embed (one vector per "
                      "prompt: /v1/embeddings, LLM.embed), score (a cross-encoder's score per "
-                     "text pair: /v1/score, /v1/rerank, LLM.score), or auto (score for "
+                     "text pair: /v1/score, /v1/rerank, LLM.score), classify (a "
+                     "*ForSequenceClassification model's class probabilities per prompt: "
+                     "/classify, LLM.classify), or auto (score for "
                      "*ForSequenceClassification, embed for encoder and LM-head-less "
                      "architectures and sentence-transformers folders)",
-                     choices=["auto", "generate", "embed", "score"])
+                     choices=["auto", "generate", "embed", "score", "classify"])
     dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "

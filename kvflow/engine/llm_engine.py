@@ -100,11 +100,15 @@ class LLMEngine:
                                                 client_id=client_id,
                                                 lora_request=lora_request)
         self.output_processor.add_request(prompt.text, requests)
-        if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
-            self.core.add_requests(requests)
-        else:
-            for r in requests:
-                self.core.add_request(r)
+        try:
+            if isinstance(self.core, DPCoreClient):  # the samples go to one replica together
+                self.core.add_requests(requests)
+            else:
+                for r in requests:
+                    self.core.add_request(r)
+        except BaseException:  # the core refused one (e.g. the wrong task): forget them all
+            self.abort_request(request_id)
+            raise
         return request_id
 
     def add_pooling_request(self, prompt: PromptType, params: PoolingParams | None = None,
@@ -120,10 +124,14 @@ class LLMEngine:
         request = self.processor.make_pooling_request(request_id, token_ids, params,
                                                       client_id=client_id)
         self.output_processor.add_request(text, [request])
-        if isinstance(self.core, DPCoreClient):
-            self.core.add_requests([request])
-        else:
-            self.core.add_request(request)
+        try:
+            if isinstance(self.core, DPCoreClient):
+                self.core.add_requests([request])
+            else:
+                self.core.add_request(request)
+        except BaseException:  # refused by the core: nothing of it may stay unfinished
+            self.abort_request(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -95,7 +95,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     stats: EngineStats  # the idle engine's counters, so /metrics is right before any request
     engine_index: int = 0  # the data-parallel replica
-    task: str = "generate"  # or "embed", "score"
+    task: str = "generate"  # or "embed", "score", "classify"
     pooler: PoolerConfig | None = None  # a pooling (embed or score) model's pooling
     hidden_size: int = 0
     max_model_len_note: str = ""  # why max_model_len is lower than asked (the KV cache)

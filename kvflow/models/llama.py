@@ -390,3 +390,35 @@ def embedding_only(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
 
     EmbeddingOnly.__name__ = EmbeddingOnly.__qualname__ = f"{cls.__name__}EmbeddingOnly"
     return EmbeddingOnly
+
+
+def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
+    """``cls`` as transformers' ``*ForSequenceClassification`` decoder (Llama, Mistral, Qwen2,
+    Qwen3: ``model.*`` tensors and a ``score.weight`` [num_labels, hidden] head without bias,
+    no LM head): it computes hidden states, the runner pools the prompt's last token and
+    calls :meth:`score_head` on it (``task="score"`` or ``"classify"``). transformers pools
+    the last non-pad token of a padded batch; a kvflow prompt carries no padding, so that is
+    its last token (vLLM's rule too)."""
+
+    class SequenceClassifier(cls):
+        is_pooling_only: ClassVar[bool] = True
+        is_cross_encoder: ClassVar[bool] = True  # has a sequence-classification head
+
+        def __init__(self, config: Any, ctx: AttentionContext,
+                     parallel: ParallelState | None = None) -> None:
+            super().__init__(config, ctx, parallel)
+            self.lm_head = PPMissingLayer()
+            self.score = nn.Linear(config.hidden_size, int(config.num_labels), bias=False)
+
+        def score_head(self, pooled: torch.Tensor) -> torch.Tensor:
+            """[N, hidden] last-token hidden states (after the final norm) -> [N, num_labels]
+            logits (no activation)."""
+            return self.score(pooled)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            return super().load_weights((n, t) for n, t in weights
+                                        if not n.startswith("lm_head."))
+
+    SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = \
+        f"{cls.__name__}SequenceClassifier"
+    return SequenceClassifier

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("generate", "embed", "score")
+TASKS = ("generate", "embed", "score", "classify")
 # sentence-transformers' CrossEncoder activation_fn paths kvflow applies (config.json)
 _ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
                 "torch.nn.modules.linear.Identity": "identity", "torch.nn.Sigmoid": "sigmoid",
@@ -49,12 +49,15 @@ class PoolerConfig:
             (``sentence_bert_config.json``), None when the folder does not say.
         lowercase: lower-case text inputs before tokenizing (``do_lower_case``).
         prompt: text put before every text input (the default prompt), "" for none.
-        task: "embed" (a vector per prompt) or "score" (a cross-encoder: the model's
-            ``score_head`` on the pooled CLS state, then ``activation``).
-        activation: a score model's activation on its logits, "sigmoid" or "identity"
-            (:func:`score_activation`); None for embeddings.
-        num_labels: a score model's outputs per pair (its classifier's ``num_labels``); 0 for
-            embeddings.
+        task: "embed" (a vector per prompt), "score" (a cross-encoder: the model's
+            ``score_head`` on the pooled state, then ``activation``) or "classify" (the same
+            head, then a softmax over the classes).
+        activation: a score or classify model's activation on its logits, "sigmoid" or
+            "identity" (:func:`score_activation`), "softmax" (classify); None for embeddings.
+        num_labels: a score or classify model's outputs per prompt (its classifier's
+            ``num_labels``); 0 for embeddings.
+        labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
+            where it names none); () otherwise.
     """
 
     pooling_type: str
@@ -67,6 +70,7 @@ class PoolerConfig:
     task: str = "embed"
     activation: str | None = None
     num_labels: int = 0
+    labels: tuple[str, ...] = ()
 
     def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
         """The model's context limit ``positions`` capped at ``max_seq_length``.
@@ -112,25 +116,25 @@ def has_sentence_transformers_config(folder: str | None) -> bool:
 
 def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None,
                  is_cross_encoder: bool = False) -> str:
-    """``generate``, ``embed`` or ``score``: ``requested``, or for ``auto`` score for a
-    cross-encoder (``*ForSequenceClassification``), embed when the architecture only embeds
-    (an encoder such as BertModel, a decoder without LM head such as Qwen2Model) or the folder
-    is a sentence-transformers model (``modules.json``).
+    """``generate``, ``embed``, ``score`` or ``classify``: ``requested``, or for ``auto`` score
+    for a sequence classifier (``*ForSequenceClassification``, encoder or decoder), embed when
+    the architecture only embeds (an encoder such as BertModel, a decoder without LM head such
+    as Qwen2Model) or the folder is a sentence-transformers model (``modules.json``).
 
     Raises:
-        ValueError: for ``generate`` on an architecture without an LM head, ``score`` on one
-            without a classification head, or ``generate`` / ``embed`` on a cross-encoder.
+        ValueError: for ``generate`` on an architecture without an LM head, ``score`` /
+            ``classify`` on one without a classification head, or ``generate`` / ``embed``
+            on a sequence classifier.
     """
     if is_cross_encoder:
-        if requested not in ("auto", "score"):
-            raise ValueError(f"task={requested!r}: this architecture is a cross-encoder (a "
-                             "sequence-classification head); it only scores pairs (use "
-                             "task='score')")
-        return "score"
-    if requested == "score":
-        raise ValueError("task='score' needs a cross-encoder (BertForSequenceClassification, "
-                         "RobertaForSequenceClassification, "
-                         "XLMRobertaForSequenceClassification); this architecture has no "
+        if requested not in ("auto", "score", "classify"):
+            raise ValueError(f"task={requested!r}: this architecture is a sequence classifier "
+                             "(a *ForSequenceClassification head); it scores text pairs "
+                             "(task='score') or classifies texts (task='classify')")
+        return "score" if requested == "auto" else requested
+    if requested in ("score", "classify"):
+        raise ValueError(f"task={requested!r} needs a sequence classifier ("
+                         f"{', '.join(_CLASSIFIERS)}); this architecture has no "
                          "classification head")
     if requested == "auto":
         embed = is_pooling_architecture or has_sentence_transformers_config(folder)
@@ -139,6 +143,12 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
         raise ValueError("task='generate' needs a model with an LM head; this architecture "
                          "only embeds (use task='embed')")
     return requested
+
+
+_CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                "XLMRobertaForSequenceClassification", "LlamaForSequenceClassification",
+                "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
+                "Qwen3ForSequenceClassification")
 
 
 def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:
@@ -240,11 +250,14 @@ def _matryoshka(hf_config: Any) -> tuple[bool, tuple[int, ...] | None]:
 
 def model_task(requested: str, hf_config: Any, folder: str | None
                ) -> tuple[str, PoolerConfig | None]:
-    """The task an engine runs and, for ``embed`` and ``score``, the model's pooling (one place for the
-    engine core, the runners and the API process to decide it alike).
+    """The task an engine runs and, for ``embed``, ``score`` and ``classify``, the model's
+    pooling (one place for the engine core, the runners and the API process to decide it
+    alike). A sequence classifier pools its first token (CLS, an encoder) or its last (a
+    decoder: the last token of the prompt, which has no padding), as transformers'
+    ``*ForSequenceClassification`` do.
 
     Args:
-        requested: ``ModelConfig.task`` (auto | generate | embed | score).
+        requested: ``ModelConfig.task`` (auto | generate | embed | score | classify).
         hf_config: the model's HF config.
         folder: the HF model folder (None for a GGUF file).
 
@@ -257,10 +270,15 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config))
     if task == "generate":
         return task, None
+    pooling = "cls" if encoder else "last"
     if task == "score":
-        return task, PoolerConfig("cls", False, task="score",
+        return task, PoolerConfig(pooling, False, task="score",
                                   activation=score_activation(hf_config),
                                   num_labels=int(hf_config.num_labels))
+    if task == "classify":
+        return task, PoolerConfig(pooling, False, task="classify", activation="softmax",
+                                  num_labels=int(hf_config.num_labels),
+                                  labels=class_labels(hf_config))
     return task, load_pooler_config(folder, hf_config, encoder)
 
 
@@ -284,19 +302,31 @@ def score_activation(hf_config: Any) -> str:
     return _ACTIVATIONS[path]
 
 
-TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs"}
+def class_labels(hf_config: Any) -> tuple[str, ...]:
+    """The ``num_labels`` class names by index: ``config.id2label`` (keys ints or digit
+    strings, as config.json stores them), ``LABEL_i`` for an index it does not name
+    (transformers' default names)."""
+    names = getattr(hf_config, "id2label", None) or {}
+    names = {int(k): str(v) for k, v in names.items()}
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(int(hf_config.num_labels)))
+
+
+TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs",
+             "classify": "classifies texts"}
 _TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
                          "/v1/chat/completions",
              "embed": "LLM.embed or /v1/embeddings (or LLM.score, /v1/score and /v1/rerank "
                       "for cosine similarities)",
-             "score": "LLM.score or /v1/score and /v1/rerank"}
+             "score": "LLM.score or /v1/score and /v1/rerank",
+             "classify": "LLM.classify or /classify"}
 
 
 def task_mismatch(engine_task: str, asked: str) -> str:
     """The message refusing a request of task ``asked`` on an engine running
     ``engine_task`` (each a name of :data:`TASKS`): what the engine does, what to use instead
     and which task the request needs."""
-    needs = "task='score' (a cross-encoder) or task='embed' (cosine similarity)" \
-        if asked == "score" else f"task={asked!r}"
+    needs = {"score": "task='score' (a cross-encoder) or task='embed' (cosine similarity)",
+             "classify": "task='classify' (a *ForSequenceClassification model)"}.get(
+        asked, f"task={asked!r}")
     return (f"this engine runs task={engine_task!r} (it {TASK_VERB[engine_task]}): use "
             f"{_TASK_USE[engine_task]}; a {asked} request needs a model served with {needs}")

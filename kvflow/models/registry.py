@@ -18,6 +18,7 @@ from kvflow.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     embedding_only,
+    sequence_classifier,
 )
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
@@ -49,7 +50,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertForMaskedLM": BertModel,
     "RobertaForMaskedLM": RobertaModel,
     "XLMRobertaForMaskedLM": RobertaModel,
-    # cross-encoders (--task score): the encoder + its sequence-classification head
+    # cross-encoders (--task score, or classify): the encoder + its classification head
     "BertForSequenceClassification": BertForSequenceClassification,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
@@ -57,6 +58,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralModel": embedding_only(LlamaForCausalLM),
     "Qwen2Model": embedding_only(Qwen2ForCausalLM),
     "Qwen3Model": embedding_only(Qwen3ForCausalLM),
+    # decoder sequence classifiers (--task score / classify): last-token pooling + ``score``
+    "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
+    "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
+    "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
+    "Qwen3ForSequenceClassification": sequence_classifier(Qwen3ForCausalLM),
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -99,8 +105,9 @@ def model_traits(hf_config: Any) -> tuple[bool, bool]:
 
 
 def is_cross_encoder(hf_config: Any) -> bool:
-    """Whether the config's architecture is a cross-encoder (an encoder with a
-    sequence-classification head: it scores pairs, ``task="score"``).
+    """Whether the config's architecture has a sequence-classification head (an encoder's or
+    a decoder's ``*ForSequenceClassification``: it scores pairs, ``task="score"``, or
+    classifies texts, ``task="classify"``).
 
     Raises:
         ValueError: if the architecture is not supported (see :func:`get_model_class`).

@@ -111,7 +111,7 @@ class ModelRunner:
         self.long_prompt_rope = long_prompt_rope(hf_config)  # LongRoPE's long-prompt rows
         _, pooler = model_task(mc.task, hf_config, source.path if source.kind == "hf" else None)
         self.pooling = None if pooler is None else \
-            PoolingState(pooler, getattr(self.model, "score_head", None))  # embed, score
+            PoolingState(pooler, getattr(self.model, "score_head", None))  # embed, score, classify
         lc = self.config.lora_config
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
                                         getattr(hf_config, "model_type", None)) \

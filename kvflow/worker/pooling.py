@@ -8,8 +8,10 @@ prompt token (a float64 running sum per request that each chunk continues token 
 it is the same however the prompt is chunked: ``--deterministic`` holds for it). A preempted request
 recomputes its prompt from the start, so its partial state is dropped. The vector is then cut
 to the request's ``dimensions`` (Matryoshka) and L2-normalized when the model normalizes.
-A cross-encoder (``task="score"``) pools ``cls`` and reports its classification head's logits
-on that state after the model's activation (sigmoid or identity): ``num_labels`` values.
+A sequence classifier (``task="score"`` or ``"classify"``) pools ``cls`` (an encoder) or
+``last`` (a decoder) and reports its classification head's logits on that state after the
+model's activation (sigmoid or identity for score, softmax for classify): ``num_labels``
+values.
 """
 
 from __future__ import annotations
@@ -41,20 +43,21 @@ class PoolingState:
 
     Args:
         config: the model's pooling.
-        score_head: a cross-encoder's head, [N, hidden] -> [N, num_labels] logits (the
-            model's ``score_head``), for ``config.task == "score"``.
+        score_head: a sequence classifier's head, [N, hidden] -> [N, num_labels] logits (the
+            model's ``score_head``), for ``config.task`` "score" or "classify".
 
     Raises:
-        ValueError: for a score config without a head.
+        ValueError: for a score or classify config without a head.
     """
 
     def __init__(self, config: PoolerConfig,
                  score_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if config.task == "score" and score_head is None:
-            raise ValueError("task='score' needs a model with a classification head "
+        head_task = config.task in ("score", "classify")
+        if head_task and score_head is None:
+            raise ValueError(f"task={config.task!r} needs a model with a classification head "
                              "(score_head)")
         self.config = config
-        self.score_head = score_head if config.task == "score" else None
+        self.score_head = score_head if head_task else None
         self._partial: dict[str, torch.Tensor] = {}  # cls: first row; mean: running sum
 
     def drop(self, req_id: str) -> None:
@@ -97,12 +100,15 @@ class PoolingState:
             done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
         return done
 
-    def _score(self, cls_hidden: torch.Tensor) -> list[float]:
-        """[H] CLS state -> the ``num_labels`` scores: head logits (float32), then the
-        activation (sentence-transformers' ``CrossEncoder.predict`` default)."""
-        logits = self.score_head(cls_hidden.unsqueeze(0))[0].float()
+    def _score(self, pooled: torch.Tensor) -> list[float]:
+        """[H] pooled state (CLS or last token) -> the ``num_labels`` values: head logits
+        (float32), then the activation (score: sentence-transformers' ``CrossEncoder.predict``
+        default; classify: softmax, the class probabilities)."""
+        logits = self.score_head(pooled.unsqueeze(0))[0].float()
         if self.config.activation == "sigmoid":
             logits = torch.sigmoid(logits)
+        elif self.config.activation == "softmax":
+            logits = torch.softmax(logits, dim=-1)
         return logits.tolist()
 
 

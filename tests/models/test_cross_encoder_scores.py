@@ -141,9 +141,10 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
     for task in ("embed", "generate"):
         with pytest.raises(ValueError) as e:
             LLM(model=folder, dtype="float32", device="cpu", task=task)
-        assert str(e.value) == (f"task={task!r}: this architecture is a cross-encoder (a "
-                                "sequence-classification head); it only scores pairs (use "
-                                "task='score')")
+        assert str(e.value) == (f"task={task!r}: this architecture is a sequence "
+                                "classifier (a *ForSequenceClassification head); it scores "
+                                "text pairs (task='score') or classifies texts "
+                                "(task='classify')")
     gen = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64)
     with pytest.raises(ValueError) as e:
         gen.score("a", "b")
@@ -151,7 +152,7 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
         "this engine runs task='generate' (it generates text): use LLM.generate / LLM.chat "
         "or /v1/completions and /v1/chat/completions; a score request needs a model served "
         "with task='score' (a cross-encoder) or task='embed' (cosine similarity)")
-    with pytest.raises(ValueError, match="task='score' needs a cross-encoder"):
+    with pytest.raises(ValueError, match="task='score' needs a sequence classifier"):
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", task="score")
     # an activation named in config.json (sentence-transformers >= 4) is the one applied
     with open(os.path.join(folder, "config.json")) as f:
