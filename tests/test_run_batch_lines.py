@@ -84,16 +84,18 @@ def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
     (_line(url="/v1/moderations"), ("a", "invalid_url",
                                     ("line 7: url '/v1/moderations' is not supported; use one "
                                     "of /v1/chat/completions, /v1/completions, /v1/embeddings, "
-                                    "/v1/responses, /v1/score, /v1/rerank"), "url")),
+                                    "/v1/responses, /v1/score, /v1/rerank, /v1/classify"), "url")),
     (_line(url="/v1/completions?x=1"), ("a", "invalid_url",
                                         ("line 7: url '/v1/completions?x=1' is not supported; "
                                         "use one of /v1/chat/completions, /v1/completions, "
-                                        "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank"), "url")),
+                                        "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank, "
+                                        "/v1/classify"), "url")),
     # GET /v1/responses/{id} is not a batch url (lines are POSTs)
     (_line(url="/v1/responses/resp_1"), ("a", "invalid_url",
                                          ("line 7: url '/v1/responses/resp_1' is not supported; "
                                           "use one of /v1/chat/completions, /v1/completions, "
-                                          "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank"), "url")),
+                                          "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank, "
+                                        "/v1/classify"), "url")),
     (_line(url="/v1/responses", body={"input": "x", "stream": True}),
      ("a", "stream_unsupported", ("line 7: batch requests cannot stream; leave body.stream out "
       "or false (got true)"), "body.stream")),

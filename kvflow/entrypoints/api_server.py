@@ -2,7 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET and DELETE
 /v1/responses/{id}, GET /v1/responses/{id}/input_items),
-/v1/embeddings, /v1/score, /v1/rerank (and /rerank), /v1/models[/{model}],
+/v1/embeddings, /v1/score, /v1/rerank (and /rerank), /classify (and /v1/classify),
+/v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
@@ -37,6 +38,7 @@ from kvflow.entrypoints.http_guards import (
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
@@ -55,6 +57,7 @@ from kvflow.entrypoints.protocol.responses_api import (
 from kvflow.entrypoints.responses_store import ResponseStore
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.serving_classification import OpenAIServingClassification
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
@@ -178,6 +181,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
         app.state.chat, ResponseStore(config.responses_store_size))
     app.state.embedding = OpenAIServingEmbedding(engine, config, model_name, models, unknown)
     app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
+    app.state.classify = OpenAIServingClassification(engine, config, model_name, models,
+                                                     unknown)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -211,6 +216,11 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/rerank")
     async def rerank(req: RerankRequest, raw: Request) -> Response:
         return await raw.app.state.score.create_rerank(req, raw)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(req: ClassificationRequest, raw: Request) -> Response:
+        return await raw.app.state.classify.create_classify(req, raw)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:

@@ -15,7 +15,7 @@ Output line, one per input line, in input order::
 OpenAI's batch output does). ``error`` (``response`` null) holds a line the batch refused
 before any endpoint saw it: its envelope is not a JSON object, lacks or mistypes
 ``custom_id`` / ``method`` / ``url`` / ``body``, has a method other than POST, a url other
-than the four endpoints (``BATCH_URLS``), a ``custom_id`` an earlier line used, a body asking
+than the batch endpoints (``BATCH_URLS``), a ``custom_id`` an earlier line used, a body asking
 to stream, or a /v1/responses body naming a ``previous_response_id``. The error object is
 ``{"code", "message", "param", "line"}`` (OpenAI's batch validation errors' fields; ``line``
 counts from 1).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-              "/v1/score", "/v1/rerank")
+              "/v1/score", "/v1/rerank", "/v1/classify")
 
 
 @dataclass(frozen=True)

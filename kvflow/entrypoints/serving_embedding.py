@@ -57,16 +57,26 @@ class OpenAIServingEmbedding(OpenAIServing):
                 of ids, ``input.<index>.<j>`` in a list of lists (``check_token_ids``, as
                 /v1/completions names ``prompt.<j>`` / ``prompt.<index>.<j>``).
         """
-        value = req.input
-        items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
-            else list(value)
-        self._check_items(items, listed=items[0] is not value if items else False)
+        items = self._checked_items(req.input)
         texts = [self.engine.processor.pooling_text(item) for item in items
                  if isinstance(item, str)]
         encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,
                                                "input", pooling=True))
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
                 for item in items]
+
+    def _checked_items(self, value: str | list[int] | list[str] | list[list[int]]
+                       ) -> list[str | list[int]]:
+        """A request's ``input`` as its list of inputs (one string or one list of ids is
+        one input), each checked by ``_check_items``.
+
+        Raises:
+            OpenAIError: see ``_check_items``.
+        """
+        items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) \
+            else list(value)
+        self._check_items(items, listed=items[0] is not value if items else False)
+        return items
 
     def _check_items(self, items: list[str | list[int]], listed: bool) -> None:
         """Refuse an empty input or a token id outside the vocabulary, naming its place

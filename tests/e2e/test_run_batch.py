@@ -25,7 +25,7 @@ SERVER_ARGS = [*ENGINE_ARGS, "--served-model-name", MODEL]
 CHAT, CMPL, EMBD = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 RESP = "/v1/responses"
 URLS = ("/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/score, "
-        "/v1/rerank")
+        "/v1/rerank, /v1/classify")
 
 # (custom_id, url, body) of the lines that reach an endpoint, and the status the server gives
 SENT = [

@@ -1,6 +1,7 @@
 """``kvflow run-batch`` with /v1/score and /v1/rerank lines on a tiny random
 BertForSequenceClassification, against sentence-transformers' CrossEncoder: the bodies
-``kvflow serve`` would answer, in input order, a too-long pair's 400 included."""
+``kvflow serve`` would answer, in input order, a too-long pair's 400 included; and
+/v1/classify lines on a tiny random Qwen2ForSequenceClassification against transformers."""
 
 from __future__ import annotations
 
@@ -51,3 +52,31 @@ def test_score_and_rerank_lines_match_cross_encoder(built_models, tmp_path):
     assert long["status_code"] == 400
     assert long["body"]["error"]["code"] == "context_length_exceeded"
     assert long["body"]["error"]["message"].startswith("pair 0 (text_1, text_2) has 18 tokens")
+
+
+def test_classify_lines_match_transformers(built_models, tmp_path):
+    """/v1/classify lines on a tiny random Qwen2ForSequenceClassification (--task classify):
+    the probabilities of transformers' logits -> softmax, an empty input's 400 in place."""
+    from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
+
+    folder, _ = built_models("cls_qwen2_batch", lambda f: build_decoder_classifier(f, "Qwen2", 3))
+    lines = [_line("many", "/v1/classify", {"model": "ce", "input": TEXTS[:3]}),
+             _line("empty", "/v1/classify", {"input": ""})]
+    out = tmp_path / "out.jsonl"
+    args = [a for a in ARGS if a not in ("--max-model-len", "16")]
+    proc = subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i",
+                           "-", "-o", str(out), "--model", folder, "--task", "classify",
+                           "--num-kv-blocks", "64", *args],
+                          input="".join(line + "\n" for line in lines), text=True,
+                          capture_output=True, env=ENV, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == ["many", "empty"]
+    body = got[0]["response"]["body"]
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in body["data"]]),
+                               torch.softmax(hf_logits(folder, TEXTS[:3]), -1), atol=1e-5,
+                               rtol=0)
+    assert [d["label"] for d in body["data"]] == \
+        [f"LABEL_{i}" for i in hf_logits(folder, TEXTS[:3]).argmax(-1).tolist()]
+    empty = got[1]["response"]
+    assert (empty["status_code"], empty["body"]["error"]["code"]) == (400, "empty_string")

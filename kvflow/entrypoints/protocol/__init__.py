@@ -27,7 +27,7 @@ The models live in one module per job: ``base`` (base classes, the error body, t
 request-body checks), ``sampling`` (the fields completion and chat share; the completion
 request), ``chat`` (the chat request), ``responses`` (completion and chat replies),
 ``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``scoring``
-(score and rerank), ``management`` (models,
+(score and rerank), ``classification`` (/classify), ``management`` (models,
 LoRA adapters, tokenize, version). Import them from this package.
 """
 
@@ -50,6 +50,11 @@ from kvflow.entrypoints.protocol.chat import (
     ImageURL,
     NamedFunction,
     NamedToolChoice,
+)
+from kvflow.entrypoints.protocol.classification import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
 )
 from kvflow.entrypoints.protocol.embeddings import (
     EmbeddingData,
@@ -119,6 +124,9 @@ __all__ = [
     "ChatResponseMessage",
     "ChatStreamChoice",
     "ChatTool",
+    "ClassificationData",
+    "ClassificationRequest",
+    "ClassificationResponse",
     "CompletionChoice",
     "CompletionLogProbs",
     "CompletionRequest",

@@ -1,0 +1,50 @@
+"""The /classify request and response (vLLM's shape) of a sequence-classification server
+(``--task classify``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvflow.entrypoints.protocol.base import (
+    INT32_MAX,
+    OpenAIBaseModel,
+    RequestBody,
+    now,
+)
+from kvflow.entrypoints.protocol.responses import UsageInfo
+
+
+class ClassificationRequest(RequestBody):
+    """POST /classify (and /v1/classify). ``input``: a string, a list of strings, a list of
+    token ids or a list of token-id lists, one classification each;
+    ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing one
+    longer than the context (a text as its tokenizer truncates, special tokens kept; token ids
+    keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
+    ``classify-{request_id}``)."""
+
+    model: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: str | None = None
+
+
+class ClassificationData(OpenAIBaseModel):
+    """One input's classes: ``probs`` (softmax of the head's logits, class-index order),
+    ``label`` the most probable class's name (``config.id2label``), ``num_classes``."""
+
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo  # prompt tokens; completion_tokens 0 (vLLM's shape)

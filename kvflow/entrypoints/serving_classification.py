@@ -1,0 +1,92 @@
+"""POST /classify (and /v1/classify; vLLM's shape): each input (text or token ids) -> a
+sequence classifier's class probabilities (``--task classify``), one engine request per
+input, batched by the scheduler like any prompts. Inputs are read and refused as
+/v1/embeddings reads them (the same handler's steps); ``label`` is the most probable class's
+name from the model's ``config.id2label``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.preprocess import off_loop
+from kvflow.entrypoints.protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    UsageInfo,
+)
+from kvflow.entrypoints.serving_base import request_ids
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
+from kvflow.pooling_params import PoolingParams
+
+
+class OpenAIServingClassification(OpenAIServingEmbedding):
+    """Handler of /classify (see OpenAIServing for the constructor)."""
+
+    async def create_classify(self, req: ClassificationRequest, raw: Request) -> Response:
+        """Classify every input; answer in input order.
+
+        Raises:
+            OpenAIError: 400 for an empty input or a token id outside the vocabulary (named
+                ``input`` / ``input.<i>``), an input longer than the context (code
+                ``context_length_exceeded``; send ``truncate_prompt_tokens`` to cut it), or a
+                model that does not classify (``wrong_task``); 404 for another model; 503
+                when overloaded.
+        """
+        self.check_fields(req, "/classify")
+        self.check_model(req.model)
+        self.check_task("classify")
+        if req.truncate_prompt_tokens is None:
+            prompts = await self._inputs(req)
+        else:
+            prompts = await self._cut_inputs(req.input, req.truncate_prompt_tokens)
+        self.check_admission(len(prompts), "input")
+        reply_id, request_id = request_ids("classify", req.request_id)
+        self.note_request(req, request_id)
+        streams = await self._add(request_id, prompts, PoolingParams(task="classify"),
+                                  self.client_id(req, raw))
+        return await self.respond(raw, streams, self._classes(reply_id, prompts, streams))
+
+    async def _cut_inputs(self, value: str | list[int] | list[str] | list[list[int]],
+                          limit: int) -> list[Prompt]:
+        """The inputs cut to ``limit`` tokens: a text as the tokenizer truncates it (its
+        special tokens kept), token ids to their last ``limit`` (vLLM's rules).
+
+        Raises:
+            OpenAIError: see ``_check_items``.
+        """
+        items = self._checked_items(value)
+        tokenizer = self.tokenizer
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=True, truncation=True,
+                                  max_length=limit)["input_ids"])
+
+        def encode_all() -> list[Prompt]:
+            return [(item, encode(item)) if isinstance(item, str) else (None, item[-limit:])
+                    for item in items]
+
+        return await off_loop(sum(len(item) for item in items), encode_all)
+
+    async def _classes(self, reply_id: str, prompts: list[Prompt],
+                       streams: Sequence[RequestStream]) -> ClassificationResponse:
+        labels, data = self.engine.processor.pooler.labels, []
+        for i, stream in enumerate(streams):
+            last = None
+            async for out in stream:
+                last = out
+            probs = last.outputs.embedding if last is not None else []
+            if not probs:
+                raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+            best = max(range(len(probs)), key=probs.__getitem__)  # the first of equal ones
+            data.append(ClassificationData(index=i, label=labels[best], probs=probs,
+                                           num_classes=len(probs)))
+        num_tokens = sum(len(ids) for _, ids in prompts)
+        return ClassificationResponse(id=reply_id, model=self.model_name, data=data,
+                                      usage=UsageInfo(prompt_tokens=num_tokens,
+                                                      total_tokens=num_tokens))

@@ -1,0 +1,156 @@
+"""POST /classify (vLLM's shape; and /v1/classify) against transformers'
+``AutoModelForSequenceClassification`` (logits -> softmax): ``kvflow serve --task classify``
+with a tiny random Qwen2ForSequenceClassification (last-token pooling, named classes from
+``id2label``); text and token-id inputs, ``truncate_prompt_tokens``, the 400s (empty input,
+token id out of the vocabulary, too long, unknown field, a score server) and a server that
+keeps serving with every KV block back."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.e2e.conftest import ready_side_by_side
+from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
+from tests.models.cross_encoder_models import build_cross_encoder
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
+CLS_ARGS = [*ARGS, "--task", "classify", "--served-model-name", "cls", "--num-kv-blocks",
+            "64", "--max-model-len", "10"]
+SCORE_ARGS = [*ARGS, "--served-model-name", "ce"]
+ATOL = 1e-5  # float32 rounding of two implementations (see tests/models/test_classify.py)
+NAMES = ("cls", "ce")
+
+
+def _models(built_models) -> dict[str, str]:
+    return {"cls": built_models("cls_qwen2", lambda f: build_decoder_classifier(
+                f, "Qwen2", 3, id2label=LABELS))[0],
+            "ce": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0]}
+
+
+def prestart_servers(fixture):
+    """This module's servers (see ``prestart_servers`` in conftest.py)."""
+    models = _models(fixture("built_models"))
+    return [(models[name], args, None) for name, args in zip(NAMES, (CLS_ARGS, SCORE_ARGS))]
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, request, built_models):
+    """{name: (server, folder)} for ``NAMES``, up side by side."""
+    models = _models(built_models)
+    started = [start_server.declared(request, i, wait=False) for i in range(len(NAMES))]
+    with ready_side_by_side(*started):
+        yield {name: (server, models[name]) for name, server in zip(NAMES, started)}
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def _free_blocks(server) -> float:
+    return server.value(server.metrics(), "kvflow:kv_cache_free_blocks")
+
+
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _hf_probs_of_ids(folder: str, ids: list[list[int]]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return torch.stack([torch.softmax(model(input_ids=torch.tensor([i])).logits[0].float(),
+                                          dim=-1) for i in ids])
+
+
+def test_classify_matches_transformers(servers):
+    server, folder = servers["cls"]
+    texts = [t for t in TEXTS if len(_tokenizer(folder)(t)["input_ids"]) <= 10]
+    assert len(texts) >= 4
+    expected = torch.softmax(hf_logits(folder, texts), dim=-1)
+    body = _post(server, "/classify", {"model": "cls", "input": texts}).json()
+    assert body["object"] == "list" and body["model"] == "cls"
+    assert body["id"].startswith("classify-") and isinstance(body["created"], int)
+    got = torch.tensor([d["probs"] for d in body["data"]])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    assert [d["num_classes"] for d in body["data"]] == [3] * len(texts)
+    assert [d["label"] for d in body["data"]] == \
+        [LABELS[int(i)] for i in expected.argmax(-1)]
+    assert len({d["label"] for d in body["data"]}) > 1  # the oracle's labels differ
+    tokens = sum(len(_tokenizer(folder)(t)["input_ids"]) for t in texts)
+    assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0,
+                             "total_tokens": tokens}
+    # one text, one list of ids, a list of id lists; the /v1/classify alias; request_id
+    ids = [_tokenizer(folder)(t)["input_ids"] for t in texts[:2]]
+    for path, value, rows in [("/classify", texts[0], [0]), ("/v1/classify", ids[0], [0]),
+                              ("/classify", ids, [0, 1])]:
+        body = _post(server, path, {"input": value, "request_id": "r7"}).json()
+        assert body["id"] == "classify-r7"
+        torch.testing.assert_close(torch.tensor([d["probs"] for d in body["data"]]),
+                                   expected[rows], atol=ATOL, rtol=0)
+
+
+def test_truncate_prompt_tokens(servers):
+    server, folder = servers["cls"]
+    long_text = TEXTS[3]
+    full = _tokenizer(folder)(long_text)["input_ids"]
+    assert len(full) > 10
+    # a text as the tokenizer truncates it (its first 6 tokens: no special tokens here),
+    # token ids keep their last 6 (vLLM's rules)
+    expected = _hf_probs_of_ids(folder, [full[:6], full[-6:]])
+    for value, row in [([long_text], 0), ([full], 1)]:
+        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": 6}).json()
+        torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), expected[row],
+                                   atol=ATOL, rtol=0)
+        assert body["usage"]["prompt_tokens"] == 6
+    assert (expected[0] - expected[1]).abs().max() > 1e-3  # the two cuts are told apart
+
+
+def test_errors_and_the_server_keeps_serving(servers):
+    server, folder = servers["cls"]
+    idle = _free_blocks(server)
+    long_text = TEXTS[3]
+    n = len(_tokenizer(folder)(long_text)["input_ids"])
+    cases = [
+        ({"input": ""}, "input", "empty_string"),
+        ({"input": []}, "input", "empty_array"),
+        ({"input": ["paris", ""]}, "input.1", "empty_string"),
+        ({"input": [3, 100000]}, "input.1", "invalid_value"),  # the id's place
+        ({"input": [[3], [4, -1]]}, "input.1.1", "invalid_value"),
+        ({"input": long_text}, "input", "context_length_exceeded"),
+        ({"input": [1] * (n + 1)}, "input", "context_length_exceeded"),
+        ({"input": "paris", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+        ({"input": "paris", "dimensions": 2}, "dimensions", "unknown_parameter"),
+    ]
+    for body, param, code in cases:
+        resp = _post(server, "/classify", body)
+        assert resp.status_code == 400, (body, resp.text)
+        error = resp.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+        if code is not None:
+            assert error["code"] == code, error
+    resp = _post(server, "/classify", {"input": "paris", "model": "other"})
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+    resp = _post(server, "/v1/score", {"text_1": "paris", "text_2": "city"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "wrong_task"
+    body = _post(server, "/classify", {"input": "paris"}).json()
+    torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]),
+                               torch.softmax(hf_logits(folder, ["paris"])[0], -1),
+                               atol=ATOL, rtol=0)
+    assert _free_blocks(server) == idle > 0
+
+
+def test_a_score_server_refuses_classify(servers):
+    server, _ = servers["ce"]
+    resp = _post(server, "/classify", {"input": "paris"})
+    assert resp.status_code == 400
+    assert resp.json()["error"] == {
+        "message": "this server's model runs task='score' (--task); this endpoint needs "
+                   "task='classify': use /v1/score or /v1/rerank",
+        "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
