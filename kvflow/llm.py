@@ -245,17 +245,17 @@ class LLM:
         self.engine.processor.require_task("classify")
         prompts = _as_prompt_list(prompts)
         params = PoolingParams(task="classify")
-        processor = self.engine.processor
-        for i, p in enumerate(prompts):  # validate everything before queuing anything
+        processor, token_ids = self.engine.processor, []
+        for i, p in enumerate(prompts):  # tokenize and check all before queuing any
             try:
-                processor.make_pooling_request("check", processor.pooling_prompt(p, "classify")[1],
-                                               params)
+                token_ids.append(processor.pooling_prompt(p, "classify")[1])
+                processor.make_pooling_request("check", token_ids[-1], params)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         ids: list[str] = []
         try:
-            for p, who in zip(prompts, users):
+            for p, who in zip(token_ids, users):
                 ids.append(self.engine.add_pooling_request(p, params, client_id=who))
         except BaseException:
             for rid in ids:
