@@ -144,6 +144,9 @@ def test_bad_input_and_wrong_tasks_are_refused(classifier, tiny_llama, assert_no
     with pytest.raises(ValueError) as e:
         llm.generate("paris", SamplingParams(max_tokens=1), use_tqdm=False)
     assert str(e.value) == refusal.format("generate", "task='generate'")
+    # the core refused it after the output processor took it: nothing may stay unfinished
+    # (it did, and the next LLM call waited for it forever)
+    assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError) as e:
         llm.embed("paris", PoolingParams(task="classify"), use_tqdm=False)
     assert str(e.value) == ("LLM.embed takes PoolingParams with task='embed'; score text "
