@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchParams",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "LLMEngine",
@@ -38,6 +39,10 @@ def __getattr__(name: str):
         from kvflow.engine import async_llm
 
         return async_llm.AsyncLLM
+    if name == "BeamSearchParams":
+        from kvflow.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "LoRARequest":
         from kvflow.lora.request import LoRARequest
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvflow.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_offline
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
@@ -119,6 +120,44 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm and len(ids) > 1, on_output)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``; the algorithm and its
+        source: ``kvflow.beam_search``): one BeamSearchOutput per prompt, in order, its
+        ``sequences`` the ``beam_width`` best beams, best first, each with ``tokens``
+        (prompt included), ``cum_logprob``, per-token ``logprobs``, ``text`` and
+        ``finish_reason``. Each step runs every live beam as a one-token request through
+        ``generate`` (prefix caching makes their shared prefix a cache hit).
+
+        Args:
+            prompts: as for ``generate`` (text, token ids, a dict prompt without
+                ``multi_modal_data``, or a list of these).
+            params: the search's parameters (``kvflow.beam_search.BeamSearchParams``).
+
+        Raises:
+            ValueError: for a bad prompt, a prompt that leaves no room for
+                ``params.max_tokens`` in the context, or ``params`` that is not a
+                BeamSearchParams (nothing is run then).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"params must be a BeamSearchParams, got {type(params).__name__}")
+        processor = self.engine.processor
+        token_prompts = []
+        for i, prompt in enumerate(_as_prompt_list(prompts)):
+            p = processor.process(prompt)
+            if p.mm_features:
+                raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
+            processor.validate(p.token_ids)
+            if len(p.token_ids) + params.max_tokens > processor.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
+                                 f"max_tokens={params.max_tokens} it exceeds max_model_len "
+                                 f"({processor.max_model_len})")
+            token_prompts.append(p.token_ids)
+        eos = frozenset([processor.eos_token_id, *processor.extra_eos_ids]) - {None}
+        return beam_search_offline(lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
+                                   token_prompts, params, eos, self.engine.tokenizer)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
