@@ -225,19 +225,19 @@ class BeamSearch:
 
 
 def generated_text(tokenizer: Any, beam: BeamSearchSequence, start: int,
-                   params: BeamSearchParams) -> str:
-    """``beam.tokens[start:]`` decoded with special tokens skipped (a final EOS dropped
-    unless ``include_stop_str_in_output``, then decoded as written); "" without a
-    tokenizer."""
+                   params: BeamSearchParams, skip_special_tokens: bool = True) -> str:
+    """``beam.tokens[start:]`` decoded (a final EOS dropped unless
+    ``include_stop_str_in_output``, then decoded as written even when special tokens are
+    skipped); "" without a tokenizer."""
     if tokenizer is None:
         return ""
     tokens = beam.tokens[start:]
     if beam.finish_reason == "stop" and params.include_stop_str_in_output:
-        return tokenizer.decode(tokens[:-1], skip_special_tokens=True) + \
+        return tokenizer.decode(tokens[:-1], skip_special_tokens=skip_special_tokens) + \
             tokenizer.decode(tokens[-1:], skip_special_tokens=False)
     if beam.finish_reason == "stop":
         tokens = tokens[:-1]
-    return tokenizer.decode(tokens, skip_special_tokens=True)
+    return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
 
 def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams],
@@ -278,8 +278,8 @@ def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams],
 
 async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list[int],
                             params: BeamSearchParams, *, priority: int = 0,
-                            client_id: str = "", lora_request: Any = None
-                            ) -> RequestOutput:
+                            client_id: str = "", lora_request: Any = None,
+                            skip_special_tokens: bool = True) -> RequestOutput:
     """One prompt's beam search on the server's ``AsyncLLM``; its step requests are named
     ``{request_id}-s{step}-b{beam}``. If this coroutine is cancelled (the client went
     away) or fails, every step request still in flight is aborted.
@@ -287,7 +287,7 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
     Returns:
         a finished RequestOutput whose ``outputs`` are the best beams, best first
         (``index`` 0, 1, ...; ``token_ids`` the generated tokens, a final EOS included;
-        ``text`` per ``generated_text``; ``cumulative_logprob``; ``logprobs`` each step's
+        ``text`` per ``generated_text`` with ``skip_special_tokens``; ``cumulative_logprob``; ``logprobs`` each step's
         top ``2 * beam_width``).
 
     Raises:
@@ -313,7 +313,8 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
         search.advance([_step_logprobs(out) for out in outs])
         first = first or outs[0].metrics
     start = len(prompt_token_ids)
-    outputs = [CompletionOutput(i, generated_text(engine.tokenizer, beam, start, params),
+    outputs = [CompletionOutput(i, generated_text(engine.tokenizer, beam, start, params,
+                                                  skip_special_tokens),
                                 beam.tokens[start:], beam.cum_logprob, beam.logprobs,
                                 beam.finish_reason)
                for i, beam in enumerate(search.best())]

@@ -1,7 +1,7 @@
 """Running a request's prompts in the engine once they are queued: waiting for admission
-(aborting them all on any failure), aborting them, and answering (a whole JSON body, or an SSE
-stream). What every OpenAI handler does once its request is checked
-(``serving_base.OpenAIServing`` calls these with its engine).
+(aborting them all on any failure) and answering (a whole JSON body, or an SSE stream). What
+every OpenAI handler does once its request is checked (``serving_base.OpenAIServing`` calls
+these with its engine and its ``abort``, which also cancels beam searches).
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_r
 from kvflow.entrypoints.protocol import ErrorResponse
 from kvflow.entrypoints.streaming import SSE_DONE, run_unless_disconnected, sse
 
+Abort = Callable[[Sequence[RequestStream]], None]  # ends the streams' requests (no-op if done)
+
 
 async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count: int,
-                    bad_input: Callable[[ValueError], OpenAIError] = invalid_request
+                    abort: Abort, bad_input: Callable[[ValueError], OpenAIError] = invalid_request
                     ) -> list[RequestStream]:
     """Queue ``add(0) .. add(count - 1)``, then (with admission control) wait until the
-    engine core accepted them all; on any failure abort every stream queued so far.
+    engine core accepted them all; on any failure ``abort`` every stream queued so far.
 
     Raises:
         OpenAIError: ``bad_input(e)`` (a 400) for a ValueError from the engine's
@@ -42,47 +44,41 @@ async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count
         for stream in streams:
             await engine.admitted(stream)
     except ValueError as e:
-        abort(engine, streams)
+        abort(streams)
         raise bad_input(e) from None
     except EngineDeadError as e:
-        abort(engine, streams)
+        abort(streams)
         raise engine_dead(e) from None
     except AdmissionRejected as e:
-        abort(engine, streams)
+        abort(streams)
         raise OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
                           headers={"Retry-After": str(int(e.retry_after_s))}) from None
     return streams
 
 
-def abort(engine: AsyncLLM, streams: Sequence[RequestStream]) -> None:
-    """Abort every stream's request (no-op for finished ones)."""
-    for stream in streams:
-        engine.abort(stream.request_id)
-
-
-async def respond(engine: AsyncLLM, raw: Request, streams: Sequence[RequestStream],
-                  work: Awaitable[BaseModel]) -> Response:
-    """Await the non-streaming response body; abort the requests if the client leaves.
+async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitable[BaseModel],
+                  abort: Abort) -> Response:
+    """Await the non-streaming response body; ``abort`` the requests if the client leaves.
 
     Raises:
         OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
             request (``RequestRefused``: e.g. its grammar did not compile in time).
     """
     try:
-        result = await run_unless_disconnected(raw, work, lambda: abort(engine, streams))
+        result = await run_unless_disconnected(raw, work, lambda: abort(streams))
     except EngineDeadError as e:
         raise engine_dead(e) from None
     except RequestRefused as e:
         raise invalid_request(e) from None
     finally:
-        abort(engine, streams)
+        abort(streams)
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return Response(result.model_dump_json(), media_type="application/json")
 
 
-async def stream(engine: AsyncLLM, streams: Sequence[RequestStream],
-                 chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+async def stream(streams: Sequence[RequestStream], chunks: AsyncIterator[BaseModel],
+                 abort: Abort) -> AsyncIterator[str]:
     """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
     or a refused request (``RequestRefused``) becomes an error event (the 503's / 400's
     body). Always aborts the requests when it ends (client gone too)."""
@@ -93,7 +89,7 @@ async def stream(engine: AsyncLLM, streams: Sequence[RequestStream],
         error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
         yield sse(ErrorResponse.model_validate(error.body()).model_dump_json())
     finally:
-        abort(engine, streams)
+        abort(streams)
         if hasattr(chunks, "aclose"):
             await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
     yield SSE_DONE

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream
 from kvflow.entrypoints import engine_requests
+from kvflow.entrypoints.beam_requests import BeamSearches, check_beam_request
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
 from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
@@ -81,6 +82,7 @@ class OpenAIServing:
         self.engine, self.config, self.model_name = engine, config, model_name
         self.models = models or ServingModels(engine, model_name)
         self.unknown_fields = unknown_fields or UnknownFields(config.ignore_unknown_fields)
+        self.beam_searches = BeamSearches()
 
     def check_fields(self, req: RequestBody, endpoint: str) -> None:
         """Refuse (or, under ``--ignore-unknown-fields``, log) the body fields kvflow does not
@@ -267,7 +269,9 @@ class OpenAIServing:
 
     def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
-        ``best_of`` other than ``n``, ``use_beam_search``, ``prompt_logprobs`` where the
+        ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
+        ``length_penalty`` without it: ``beam_requests.check_beam_request``),
+        ``prompt_logprobs`` where the
         endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
         while the scheduler is not run by priority (it would be ignored). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
@@ -277,10 +281,7 @@ class OpenAIServing:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",
                               param="best_of", code="unsupported_value")
-        if req.use_beam_search:
-            raise OpenAIError("use_beam_search is not supported (kvflow samples; it does not "
-                              "run beam search)", param="use_beam_search",
-                              code="unsupported_value")
+        check_beam_request(req)
         if req.prompt_logprobs is not None and not prompt_logprobs:
             raise OpenAIError("prompt_logprobs is returned by /v1/completions only",
                               param="prompt_logprobs", code="unsupported_parameter")
@@ -324,11 +325,14 @@ class OpenAIServing:
             OpenAIError: ``bad_input(e)`` (a 400) for a ValueError from the engine's
                 validation; 503 if the engine is gone or admission control refused a prompt.
         """
-        return await engine_requests.admit_all(self.engine, add, count, bad_input)
+        return await engine_requests.admit_all(self.engine, add, count, self.abort, bad_input)
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
-        """Abort every stream's request: :func:`engine_requests.abort`."""
-        engine_requests.abort(self.engine, streams)
+        """Abort every stream's request, or cancel the beam search feeding it (no-op for
+        finished ones)."""
+        for stream in streams:
+            self.engine.abort(stream.request_id)
+            self.beam_searches.cancel(stream.request_id)
 
     async def respond(self, raw: Request, streams: Sequence[RequestStream],
                       work: Awaitable[BaseModel]) -> Response:
@@ -338,12 +342,12 @@ class OpenAIServing:
             OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused
                 a request (``RequestRefused``: e.g. its grammar did not compile in time).
         """
-        return await engine_requests.respond(self.engine, raw, streams, work)
+        return await engine_requests.respond(raw, streams, work, self.abort)
 
     def stream(self, streams: Sequence[RequestStream],
                chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         """The SSE body: :func:`engine_requests.stream`."""
-        return engine_requests.stream(self.engine, streams, chunks)
+        return engine_requests.stream(streams, chunks, self.abort)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, RequestStream, collect
+from kvflow.entrypoints.beam_requests import beam_params
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
 from kvflow.entrypoints.chat_options import ChatOptions
 from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_parser
@@ -124,9 +125,15 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.check_admission(1)
         reply_id, request_id = request_ids(prefix, req.request_id)
         self.note_request(req, request_id)
-        streams = await self.add_requests(request_id, [(text, ids)], [params], req.priority,
-                                          prompt.mm_features, self.client_id(req, raw),
-                                          lora_request=lora)
+        if req.use_beam_search:
+            _refuse_for_beam_search(tool_grammar, prompt.mm_features)
+            streams = self.beam_searches.start(
+                self.engine, request_id, [(text, ids)], [params], [beam_params(req, params)],
+                req.priority, self.client_id(req, raw), lora, req.skip_special_tokens)
+        else:
+            streams = await self.add_requests(request_id, [(text, ids)], [params],
+                                              req.priority, prompt.mm_features,
+                                              self.client_id(req, raw), lora_request=lora)
         return ChatRun(reply_id, ids, streams, parser)
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
@@ -241,6 +248,18 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if include_usage:
             yield chunk([], _usage(len(ids), num_generated))
 
+
+def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,
+                            images: list | None) -> None:
+    """Raises OpenAIError 400 for what a beam search request cannot carry: a forced tool
+    call (``tool_choice`` required or named: a grammar) or images."""
+    if tool_grammar is not None:
+        raise OpenAIError("tool_choice required or a named function cannot be used with "
+                          "use_beam_search (structured output is not supported with beam "
+                          "search)", param="tool_choice", code="unsupported_value")
+    if images:
+        raise OpenAIError("images cannot be used with use_beam_search", param="messages",
+                          code="unsupported_value")
 
 
 def _usage(num_prompt: int, num_generated: int) -> UsageInfo:

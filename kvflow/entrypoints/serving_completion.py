@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
+from kvflow.entrypoints.beam_requests import beam_params
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
@@ -65,9 +66,15 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_admission(len(prompts))
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
-        streams = await self.add_requests(request_id, prompts, params, req.priority,
-                                          client_id=self.client_id(req, raw),
-                                          lora_request=lora)
+        if req.use_beam_search:
+            streams = self.beam_searches.start(
+                self.engine, request_id, prompts, params,
+                [beam_params(req, sp) for sp in params], req.priority,
+                self.client_id(req, raw), lora, req.skip_special_tokens)
+        else:
+            streams = await self.add_requests(request_id, prompts, params, req.priority,
+                                              client_id=self.client_id(req, raw),
+                                              lora_request=lora)
         if req.stream:
             return SSEResponse(self.stream(streams, self._chunks(req, reply_id, prompts,
                                                                  streams)))

@@ -24,7 +24,8 @@ UNSUPPORTED = {
     "allowed_token_ids": "restrict the output with structured_outputs (choice, regex)",
     "bad_words": "use logit_bias with a large negative bias on the words' tokens",
     "truncate_prompt_tokens": "send a prompt that fits; prompts are never truncated",
-    "length_penalty": "kvflow does not run beam search",
+    "early_stopping": "kvflow's beam search, as vLLM's, runs every beam to EOS or "
+                      "max_tokens (send false or leave it out)",
     "logits_processors": "use logit_bias or structured_outputs",
     "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
     "guided_decoding_backend": "structured output runs on xgrammar (send xgrammar or auto, "
@@ -66,7 +67,7 @@ UNSUPPORTED = {
 
 
 # Values of an UNSUPPORTED field that ask for nothing kvflow does not do.
-HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "length_penalty": [1],
+HARMLESS = {"modalities": [["text"]], "bad_words": [[]], "early_stopping": [False],
             "guided_decoding_backend": ["xgrammar", "auto"],
             "spaces_between_special_tokens": [True], "store": [False],
             "service_tier": ["auto", "default"]}

@@ -309,6 +309,26 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", ok(server, path, {})["id"])
         rejected(path, {"request_id": ""}, "request_id")(server, tokenizer)
 
+    def beam_search(server, tokenizer):
+        """One beam without EOS is greedy decoding; n beams are n distinct choices, the
+        greedy one among them only if it ranks first (not asserted); streaming is a 400.
+        The search itself is checked against a torch reference in
+        tests/e2e/test_openai_beam_search.py."""
+        body = {"use_beam_search": True, "ignore_eos": True}
+        greedy_ids = ids(ok(server, path, {"ignore_eos": True}))
+        assert ids(ok(server, path, {**body, "n": 1})) == greedy_ids
+        resp = ok(server, path, {**body, "n": 3})
+        assert len({tuple(ids(resp, i)) for i in range(3)}) == 3
+        rejected(path, {**body, "stream": True}, "stream")(server, tokenizer)
+
+    def length_penalty(server, tokenizer):
+        """Honoured with beam search (one beam without EOS: greedy whatever the penalty);
+        without it a 400 naming it."""
+        body = {"use_beam_search": True, "ignore_eos": True, "n": 1}
+        assert ids(ok(server, path, {**body, "length_penalty": 2.0})) == \
+            ids(ok(server, path, {"ignore_eos": True}))
+        rejected(path, {"length_penalty": 2.0}, "length_penalty")(server, tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "target_ttft_ms": target_ttft_ms, "target_tpot_ms": target_tpot_ms,
@@ -336,7 +356,7 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                                      lambda t: t in ("a", "b")),
         "priority": priority,
         "best_of": rejected(path, {"best_of": 2}, "best_of"),
-        "use_beam_search": rejected(path, {"use_beam_search": True}, "use_beam_search"),
+        "use_beam_search": beam_search, "length_penalty": length_penalty,
         "prompt_logprobs": rejected(path, {"prompt_logprobs": 1}, "prompt_logprobs"),
     }
 

@@ -105,6 +105,7 @@ class SamplingRequest(RequestBody):
     target_tpot_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     use_beam_search: bool = False
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
     prompt_logprobs: int | None = Field(None, ge=0)
 
     @model_validator(mode="wrap")

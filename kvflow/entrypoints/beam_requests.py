@@ -1,0 +1,162 @@
+"""``use_beam_search`` on /v1/completions and /v1/chat/completions (vLLM's fields: ``n`` is
+the beam width and the number of beams returned, ``length_penalty``, ``ignore_eos``,
+``include_stop_str_in_output``). The search is ``kvflow.beam_search.beam_search_async``;
+this module checks a request for it (every field the search would not honour is a 400
+naming it) and runs one search per prompt as an asyncio task whose result is one finished
+``RequestOutput`` on an ordinary ``RequestStream``, so the handlers build replies from it as
+from a sampled request. Cancelling the task (the client went away) aborts its step
+requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvflow.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_search_async
+from kvflow.engine.async_llm import AdmissionRejected, AsyncLLM, RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
+from kvflow.entrypoints.protocol import SamplingRequest
+from kvflow.lora.request import LoRARequest
+from kvflow.outputs import Logprob, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+_CANDIDATES = "beam search considers the 2 * n most likely tokens of each beam"
+_RAW = "beam search ranks the model's own, unpenalized and unbiased logprobs"
+_STOPS = "beam search ends beams at EOS or max_tokens only"
+_STRUCTURED = "structured output is not supported with beam search"
+
+# request field -> (its values that ask for nothing beam search ignores, why it is refused)
+_SAMPLING_ONLY = {
+    "temperature": ((None, 0), _RAW + " (send 0 or leave it out)"),
+    "top_p": ((None, 1), _CANDIDATES), "top_k": ((None, 0, -1), _CANDIDATES),
+    "min_p": ((None, 0), _CANDIDATES),
+    "presence_penalty": ((None, 0), _RAW), "frequency_penalty": ((None, 0), _RAW),
+    "repetition_penalty": ((None, 1), _RAW), "logit_bias": ((None, {}), _RAW),
+    "stop": ((None, "", []), _STOPS), "stop_token_ids": ((None, []), _STOPS),
+    "min_tokens": ((0,), _STOPS),
+    "structured_outputs": ((None,), _STRUCTURED), "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED), "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
+    "echo": ((None, False), "the prompt is not echoed with beam search"),
+    "stream": ((False,), "beam search replies are whole (send stream: false)"),
+}
+
+
+def check_beam_request(req: SamplingRequest) -> bool:
+    """Whether ``req`` asks for beam search; refuses what beam search would not honour.
+
+    Raises:
+        OpenAIError: 400 naming the field: ``length_penalty`` other than 1 without
+            ``use_beam_search`` (it applies to beam search only); with it, ``n`` above
+            ``MAX_BEAM_WIDTH``, any sampling, stop, penalty or structured-output field set
+            to something beam search would ignore, ``response_format`` other than
+            ``text``, ``stream`` or ``echo``.
+    """
+    if not req.use_beam_search:
+        if req.length_penalty != 1:
+            raise OpenAIError(f"length_penalty={req.length_penalty} applies to beam search "
+                              "only (send use_beam_search: true, or leave it out)",
+                              param="length_penalty", code="unsupported_value")
+        return False
+    if req.n > MAX_BEAM_WIDTH:
+        raise OpenAIError(f"n={req.n} (the beam width) is above kvflow's beam search limit "
+                          f"of {MAX_BEAM_WIDTH}", param="n", code="integer_above_max_value")
+    for name, (harmless, why) in _SAMPLING_ONLY.items():
+        value = getattr(req, name, None)
+        if value not in harmless:
+            raise OpenAIError(f"{name}={value!r} cannot be used with use_beam_search: {why}",
+                              param=name, code="unsupported_value")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError("response_format cannot be used with use_beam_search: structured "
+                          "output is not supported with beam search",
+                          param="response_format", code="unsupported_value")
+    return True
+
+
+def beam_params(req: SamplingRequest, params: SamplingParams) -> BeamSearchParams:
+    """The search's parameters: ``n`` beams, ``params.max_tokens`` (the request's or the
+    server's default), the request's ``ignore_eos``, ``length_penalty`` and
+    ``include_stop_str_in_output``.
+
+    Raises:
+        OpenAIError: 400 naming ``length_penalty`` when it is not finite.
+    """
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens,
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as e:
+        raise OpenAIError(str(e).replace("BeamSearchParams.", ""), param="length_penalty",
+                          code="invalid_value") from None
+
+
+class BeamSearches:
+    """The server's running beam searches (one asyncio task per prompt), so that aborting a
+    stream (``OpenAIServing.abort``) cancels the task that feeds it."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, engine: AsyncLLM, request_id: str,
+              prompts: Sequence[tuple[str | None, list[int]]],
+              params: Sequence[SamplingParams], beam: Sequence[BeamSearchParams],
+              priority: int, client_id: str, lora_request: LoRARequest | None,
+              skip_special_tokens: bool) -> list[RequestStream]:
+        """Start one search per prompt (ids ``{request_id}-{i}``, as ``add_requests``
+        names them); each stream yields one finished RequestOutput (its logprobs cut to
+        ``params[i].logprobs`` per token, the chosen token kept) or raises OpenAIError (a
+        400 for input the engine refuses, a 503 when admission control refuses a step)."""
+        streams = []
+        for i, ((text, ids), sp, bp) in enumerate(zip(prompts, params, beam)):
+            stream = RequestStream(f"{request_id}-{i}")
+            task = asyncio.create_task(self._run(
+                engine, stream, text, ids, bp, sp.logprobs, priority, client_id,
+                lora_request, skip_special_tokens))
+            self.tasks[stream.request_id] = task
+            task.add_done_callback(lambda _, rid=stream.request_id: self.tasks.pop(rid, None))
+            streams.append(stream)
+        return streams
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel the search feeding ``request_id``'s stream (no-op when none runs)."""
+        task = self.tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    @staticmethod
+    async def _run(engine: AsyncLLM, stream: RequestStream, text: str | None, ids: list[int],
+                   beam: BeamSearchParams, num_logprobs: int | None, priority: int,
+                   client_id: str, lora_request: LoRARequest | None,
+                   skip_special_tokens: bool) -> None:
+        try:
+            out = await beam_search_async(engine, stream.request_id, ids, beam,
+                                          priority=priority, client_id=client_id,
+                                          lora_request=lora_request,
+                                          skip_special_tokens=skip_special_tokens)
+        except ValueError as e:
+            stream.put(invalid_request(e))
+        except AdmissionRejected as e:
+            stream.put(OpenAIError(str(e), 503, "server_overloaded", code="ttft_unattainable",
+                                   headers={"Retry-After": str(int(e.retry_after_s))}))
+        except Exception as e:  # noqa: BLE001 (the handler awaiting the stream raises it)
+            stream.put(e)
+        else:
+            out.prompt = text
+            stream.put(_cut_logprobs(out, num_logprobs))
+
+
+def _cut_logprobs(out: RequestOutput, num_logprobs: int | None) -> RequestOutput:
+    """Each token's logprobs cut to the ``num_logprobs`` most likely plus the token itself
+    (None when the request asked for none)."""
+    for c in out.outputs:
+        if num_logprobs is None:
+            c.logprobs = None
+            continue
+        c.logprobs = [_top(step, token, num_logprobs)
+                      for step, token in zip(c.logprobs or [], c.token_ids)]
+    return out
+
+
+def _top(step: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
+    return {t: lp for t, lp in step.items() if lp.rank <= k or t == token}
