@@ -177,3 +177,17 @@ def test_bad_prompts_are_refused_before_anything_runs(beam_llm, assert_no_leaks)
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         beam_llm.beam_search([[5, 6]], SamplingParams())
     assert_no_leaks(beam_llm)
+
+
+def test_include_stop_str_in_output_keeps_the_eos_text(beam_llm, tiny_llama):
+    """The EOS token's text ends a stopped beam's text only with include_stop_str_in_output;
+    the beams and scores are the same either way."""
+    plain, kept = (beam_llm.beam_search([EOS_PROMPT], BeamSearchParams(
+        3, 8, include_stop_str_in_output=flag))[0] for flag in (False, True))
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in kept.sequences]
+    tok = beam_llm.get_tokenizer()
+    for a, b in zip(plain.sequences, kept.sequences):
+        if a.finish_reason == "stop":
+            assert b.text == a.text + tok.decode([tiny_llama.eos_token_id]) != a.text
+        else:
+            assert b.text == a.text
