@@ -319,7 +319,8 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
                                 beam.finish_reason)
                for i, beam in enumerate(search.best())]
     metrics = RequestMetrics(first.arrival_time, first.first_token_time,
-                             outs[0].metrics.finished_time)
+                             outs[0].metrics.finished_time,
+                             num_cached_tokens=first.num_cached_tokens)  # first step's
     return RequestOutput(request_id, None, list(prompt_token_ids), outputs, True, metrics)
 
 

@@ -80,6 +80,12 @@ class ServerConfig:
                                       "answers, so that a misspelled field (max_token) is "
                                       "never silently dropped (an unknown key inside a "
                                       "nested object is a 400 either way)")
+    enable_prompt_tokens_details: bool = opt(False, "add usage.prompt_tokens_details."
+                                             "cached_tokens (the prompt tokens found in the "
+                                             "prefix cache) to /v1/chat/completions and "
+                                             "/v1/completions replies, streamed ones' usage "
+                                             "chunks included; off: usage has no details "
+                                             "(vLLM's flag of the same name)")
     lora_modules: tuple[str, ...] | None = opt(None, "LoRA adapters served from start-up, each "
                                                 "NAME=PATH (a PEFT folder); requests pick one "
                                                 "by model=NAME (needs --enable-lora)",

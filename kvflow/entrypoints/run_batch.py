@@ -41,7 +41,8 @@ BATCH_SERVER_FIELDS = ("served_model_name", "max_n", "max_logprobs", "max_reques
                        "engine_start_timeout", "tool_call_parser",
                        "exclude_tools_when_tool_choice_none", "reasoning_parser",
                        "chat_template", "trust_request_chat_template",
-                       "ignore_unknown_fields", "lora_modules")
+                       "ignore_unknown_fields", "lora_modules",
+                       "enable_prompt_tokens_details")
 
 
 class EngineDiedDuringBatch(RuntimeError):

@@ -24,8 +24,10 @@ from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_r
 from kvflow.entrypoints.preprocess import PromptTooLong, encode_checked, off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingRequest,
+    PromptTokenUsageInfo,
     RequestBody,
     SamplingRequest,
+    UsageInfo,
 )
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFields
@@ -267,6 +269,12 @@ class OpenAIServing:
             return False, False
         return options.include_usage, options.continuous_usage_stats
 
+    def usage(self, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+        """A reply's ``usage`` (``usage_info``), with the prompt tokens' details under
+        ``--enable-prompt-tokens-details``."""
+        return usage_info(num_prompt, num_generated, num_cached,
+                          self.config.enable_prompt_tokens_details)
+
     def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
@@ -348,6 +356,19 @@ class OpenAIServing:
                chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
         """The SSE body: :func:`engine_requests.stream`."""
         return engine_requests.stream(streams, chunks, self.abort)
+
+
+def usage_info(num_prompt: int, num_generated: int, num_cached: int,
+               details: bool) -> UsageInfo:
+    """A reply's ``usage`` (counts in tokens): ``num_cached`` of the ``num_prompt`` prompt
+    tokens were prefix-cache hits, reported as ``prompt_tokens_details.cached_tokens`` when
+    ``details`` (``--enable-prompt-tokens-details``), 0 included as OpenAI reports it (vLLM
+    leaves the details out when nothing was cached); without, the usage has no
+    ``prompt_tokens_details`` key at all."""
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                     total_tokens=num_prompt + num_generated,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached)
+                     if details else None)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -193,7 +193,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.response_model(req.model), choices=choices,
-            usage=_usage(len(ids), num_generated), service_tier=served_tier(req),
+            usage=self.usage(len(ids), num_generated, out.metrics.num_cached_tokens),
+            service_tier=served_tier(req),
             prompt_token_ids=ids if req.return_token_ids else None)
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
@@ -206,13 +207,13 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
                       streams: Sequence[RequestStream], parser: ChatOutputParser
                       ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        created, num_generated = int(time.time()), 0
+        created, num_generated, num_cached = int(time.time()), 0, 0
         include_usage, continuous_usage = self.stream_usage(req)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None):
             if continuous_usage and usage is None:  # the usage so far, on every chunk
-                usage = _usage(len(ids), num_generated)
+                usage = self.usage(len(ids), num_generated, num_cached)
             return ChatCompletionStreamResponse(id=request_id, created=created,
                                                 model=self.response_model(req.model), choices=choices,
                                                 usage=usage, service_tier=served_tier(req),
@@ -232,6 +233,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             if not sent_role:  # with the first output, as vLLM: a client's TTFT (time to its
                 sent_role = True  # first chunk) then includes the prefill it waits for
                 yield role_chunk()
+            num_cached = delta.metrics.num_cached_tokens  # the prompt's, once known
             for c in delta.outputs:
                 num_generated += len(c.token_ids)
                 message, extras = DeltaMessage(content=c.text), self._choice_extras(req, c)
@@ -246,7 +248,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         if not sent_role:
             yield role_chunk()
         if include_usage:
-            yield chunk([], _usage(len(ids), num_generated))
+            yield chunk([], self.usage(len(ids), num_generated, num_cached))
 
 
 def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,
@@ -260,8 +262,3 @@ def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,
     if images:
         raise OpenAIError("images cannot be used with use_beam_search", param="messages",
                           code="unsupported_value")
-
-
-def _usage(num_prompt: int, num_generated: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                     total_tokens=num_prompt + num_generated)

@@ -179,6 +179,13 @@ class OpenAIServingCompletion(OpenAIServing):
                               code=e.code) from None
         return params
 
+    def _usage(self, prompts: list[Prompt], num_generated: int, num_cached: int) -> UsageInfo:
+        """Prompt tokens count once per prompt, and so do their prefix-cache hits
+        (``num_cached``, summed over the prompts: each prompt's are its first scheduled
+        sample's; vLLM reports the last prompt's alone); completion tokens sum over every
+        sample."""
+        return self.usage(sum(len(ids) for _, ids in prompts), num_generated, num_cached)
+
     def _echo(self, req: CompletionRequest, prompt: Prompt) -> str:
         if not req.echo:
             return ""
@@ -188,9 +195,10 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                         streams: Sequence[RequestStream]) -> CompletionResponse:
-        choices, num_generated = [], 0
+        choices, num_generated, num_cached = [], 0, 0
         for i, stream in enumerate(streams):
             out = await collect(stream)
+            num_cached += out.metrics.num_cached_tokens
             echo = self._echo(req, prompts[i])
             for c in out.outputs:
                 num_generated += len(c.token_ids)
@@ -208,7 +216,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.return_token_ids:
                     choices[-1].prompt_token_ids = prompts[i][1]
         return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
-                                  usage=_usage(prompts, num_generated))
+                                  usage=self._usage(prompts, num_generated, num_cached))
 
     def _offsets(self, req: CompletionRequest, start: int) -> TokenTextOffsets:
         """The text offsets of a choice's completion tokens, which start at ``start``."""
@@ -262,6 +270,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, num_generated = int(time.time()), 0
+        cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits, once known
         include_usage, continuous_usage = self.stream_usage(req)
         offsets: dict[int, StreamedTokenOffsets] = {}  # choice index -> its tokens not sent
         ends: dict[int, int] = {}  # choice index -> characters sent
@@ -271,6 +280,7 @@ class OpenAIServingCompletion(OpenAIServing):
         async for i, delta in merge_streams(streams):
             if delta.prompt_logprobs is not None:
                 prompt_outputs[i] = delta
+            cached[i] = delta.metrics.num_cached_tokens
             for c in delta.outputs:
                 index = i * req.n + c.index
                 num_generated += len(c.token_ids)
@@ -297,12 +307,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_outputs.get(i, delta).prompt_logprobs)
                 if first and req.return_token_ids:  # as vLLM: with the choice's first chunk
                     choice.prompt_token_ids = prompts[i][1]
-                usage = _usage(prompts, num_generated) if continuous_usage else None
+                usage = self._usage(prompts, num_generated, sum(cached.values())) \
+                    if continuous_usage else None
                 yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                          choices=[choice], usage=usage)
         if include_usage:
             yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
-                                     choices=[], usage=_usage(prompts, num_generated))
+                                     choices=[], usage=self._usage(prompts, num_generated,
+                                                                   sum(cached.values())))
 
 
 def _vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None
@@ -323,13 +335,6 @@ def _with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         getattr(out, name).extend(getattr(prompt, name) + getattr(completion, name))
     return out
-
-
-def _usage(prompts: list[Prompt], num_generated: int) -> UsageInfo:
-    """Prompt tokens count once per prompt; completion tokens sum over every sample."""
-    num_prompt = sum(len(ids) for _, ids in prompts)
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                     total_tokens=num_prompt + num_generated)
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],

@@ -9,10 +9,23 @@ from pydantic import BaseModel, Field
 from kvflow.entrypoints.protocol.base import OmitNoneModel, OpenAIBaseModel, now
 
 
-class UsageInfo(OpenAIBaseModel):
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens found in the
+    prefix cache (OpenAI's ``CompletionUsage.prompt_tokens_details``)."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(OmitNoneModel):
+    """Token counts of a request; ``prompt_tokens_details`` only on a server started with
+    ``--enable-prompt-tokens-details`` (left out of the JSON otherwise)."""
+
+    OMIT_IF_NONE = ("prompt_tokens_details",)
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
