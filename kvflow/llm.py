@@ -11,6 +11,7 @@ from kvflow.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_o
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import PromptType
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
@@ -91,7 +92,12 @@ class LLM:
 
         Raises:
             ValueError: if any prompt, parameter or adapter is invalid, or ``on_output`` is
-                not callable (nothing is queued then).
+                not callable (nothing is queued then); ``RequestRefused`` (a ValueError)
+                ``"prompt <i>: <why>"`` when the engine core could not run prompt ``i`` (its
+                structured-output grammar did not compile within
+                ``structured_output_compile_timeout``, or failed to): this call's other
+                requests are aborted then and their outputs dropped; the engine stays
+                usable.
         """
         if on_output is not None and not callable(on_output):
             raise ValueError(f"on_output must be a callable (index, RequestOutput) or None, "
@@ -405,10 +411,13 @@ class LLM:
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)
-        except BaseException:
+        except BaseException as e:
             # Leave the engine usable: drop this call's requests and free their KV blocks.
             for rid in request_ids:
                 self.engine.abort_request(rid)
+            if isinstance(e, RequestRefused) and e.request_id in index:
+                i = index[e.request_id]  # name the prompt, as the checks before queuing do
+                raise RequestRefused(f"prompt {i}: {e}", e.request_id) from None
             raise
         return [finished[rid] for rid in request_ids]
 

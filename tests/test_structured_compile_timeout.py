@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.engine.streams import RequestRefused
 from kvflow.structured import StructuredOutputsParams
 from kvflow.structured.xgrammar_backend import XgrammarBackend
 
@@ -99,4 +100,39 @@ def test_fast_grammar_finishes_while_slow_one_compiles_then_times_out(llm, block
     assert out.finish_reason == "stop"
     assert re.fullmatch(PATTERN, llm.get_tokenizer().decode(fast_tokens,
                                                             skip_special_tokens=True))
+    assert pool.num_free_blocks == free_at_start
+
+
+def _params(grammar=None, regex=None, seed=0) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=seed, max_tokens=12,
+                          structured_outputs=StructuredOutputsParams(grammar=grammar,
+                                                                     regex=regex))
+
+
+def test_generate_raises_the_timeout_naming_the_prompt(llm, blocked):
+    """Offline, the core's error is ``LLM.generate``'s ValueError (``RequestRefused``) naming
+    the prompt; the call's other request is aborted, no KV block stays held, and the engine
+    keeps serving (the same grammar is refused again at once, a regex still runs)."""
+    pool = llm.engine.core.kv_cache_manager.pool
+    free_at_start = pool.num_free_blocks
+    prompts = ["the quick brown fox", "the quick brown fox"]
+    with pytest.raises(RequestRefused) as raised:
+        llm.generate(prompts, [_params(regex=PATTERN, seed=1), _params(grammar=SLOW)],
+                     use_tqdm=False)
+    assert isinstance(raised.value, ValueError)
+    assert str(raised.value).startswith(
+        "prompt 1: the grammar in structured_outputs did not compile within 0.5 s")
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.core.has_unfinished_requests()
+    assert pool.num_free_blocks == free_at_start
+
+    began = time.monotonic()
+    with pytest.raises(RequestRefused, match=r"^prompt 0: the grammar in structured_outputs "
+                                             r"did not compile within 0\.5 s"):
+        llm.generate("the quick brown fox", _params(grammar=SLOW), use_tqdm=False)
+    assert time.monotonic() - began < 0.4 and blocked.calls == [SLOW]  # no second compile
+    (out,) = llm.generate("the quick brown fox", _params(regex=PATTERN, seed=2),
+                          use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(PATTERN, out.outputs[0].text), out.outputs[0].text
     assert pool.num_free_blocks == free_at_start

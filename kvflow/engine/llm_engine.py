@@ -14,6 +14,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
+from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
@@ -145,10 +146,27 @@ class LLMEngine:
         self.core.shutdown()
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
-        """One engine step; returns the outputs that changed (finished or not)."""
-        outputs, stopped = self.output_processor.process(self.core.step())
+        """One engine step; returns the outputs that changed (finished or not).
+
+        Raises:
+            RequestRefused: (a ValueError) when the core could not run a request (an output
+                with ``error``: its grammar did not compile within
+                ``structured_output_compile_timeout``, or failed to), naming it by
+                ``request_id``; the step's other outputs are folded in first, the refused
+                request forgotten and its other samples aborted (the other requests keep
+                running; a caller that does not re-raise may step on).
+        """
+        core_outputs = self.core.step()
+        refused = [(parent, eco.error) for eco in core_outputs if eco.error is not None
+                   and (parent := self.output_processor.parent_of(eco.request_id))]
+        for parent, _ in refused:  # process() then skips the refused samples' outputs
+            self.abort_request(parent)
+        outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped)
+        if refused:
+            parent, message = refused[0]
+            raise RequestRefused(message, parent)
         return outputs
 
 

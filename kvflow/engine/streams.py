@@ -35,7 +35,17 @@ class AdmissionRejected(RuntimeError):
 class RequestRefused(ValueError):
     """The engine core could not run the request, for a reason in the request itself (its
     structured-output grammar did not compile within the time limit, or failed to); the
-    server answers 400 with the message. No sample of it is left running."""
+    server answers 400 with the message, the offline ``LLM`` raises it. No sample of it is
+    left running.
+
+    Args:
+        message: why (the core's ``EngineCoreOutput.error``).
+        request_id: the refused request's id, where the raiser knows it.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class RequestStream:
