@@ -152,10 +152,13 @@ class LLM:
         processor = self.engine.processor
         token_prompts = []
         for i, prompt in enumerate(_as_prompt_list(prompts)):
-            p = processor.process(prompt)
+            try:
+                p = processor.process(prompt)
+                processor.validate(p.token_ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
             if p.mm_features:
                 raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
-            processor.validate(p.token_ids)
             if len(p.token_ids) + params.max_tokens > processor.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
                                  f"max_tokens={params.max_tokens} it exceeds max_model_len "

@@ -171,8 +171,10 @@ def test_bad_params_are_refused_naming_the_field(kwargs, field):
 def test_bad_prompts_are_refused_before_anything_runs(beam_llm, assert_no_leaks):
     with pytest.raises(ValueError, match="prompt 1 has 250 tokens"):
         beam_llm.beam_search([[5, 6], [7] * 250], BeamSearchParams(2, 8))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        beam_llm.beam_search([[5, 6, 100000]], BeamSearchParams(2, 8))
+    with pytest.raises(ValueError, match="prompt 1: .*outside the vocabulary"):
+        beam_llm.beam_search([[5, 6], [5, 6, 100000]], BeamSearchParams(2, 8))
+    with pytest.raises(ValueError, match="prompt 2: the prompt is empty"):
+        beam_llm.beam_search([[5, 6], "x", []], BeamSearchParams(2, 8))
     from kvflow import SamplingParams
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         beam_llm.beam_search([[5, 6]], SamplingParams())
