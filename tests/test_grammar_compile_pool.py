@@ -146,7 +146,10 @@ def test_manager_reports_compile_errors_and_retries_them():
 @pytest.mark.parametrize("kwargs, needle", [
     ({"structured_output_compile_timeout": 0}, "structured_output_compile_timeout=0 must"),
     ({"structured_output_compile_timeout": -1.5}, "compile_timeout=-1.5 must"),
-    ({"structured_output_compile_timeout": float("inf")}, "compile_timeout=inf must"),
+    ({"structured_output_compile_timeout": float("inf")},
+     "compile_timeout=inf must be a finite number of seconds > 0"),
+    ({"structured_output_compile_timeout": float("nan")},
+     "compile_timeout=nan must be a finite number of seconds > 0"),
     ({"structured_output_compile_threads": 0}, "structured_output_compile_threads=0 must"),
 ])
 def test_config_refuses_bad_limits(kwargs, needle):

@@ -30,8 +30,8 @@ class StructuredOutputConfig:
         check_choices(self)
         timeout = self.structured_output_compile_timeout
         if not (0 < timeout and math.isfinite(timeout)):
-            raise ValueError(f"structured_output_compile_timeout={timeout} must be a number "
-                             "of seconds > 0")
+            raise ValueError(f"structured_output_compile_timeout={timeout} must be a finite "
+                             "number of seconds > 0")
         if self.structured_output_compile_threads < 1:
             raise ValueError(f"structured_output_compile_threads="
                              f"{self.structured_output_compile_threads} must be >= 1")
