@@ -178,7 +178,7 @@ class OpenAIServing:
         """
         if self.engine.task != task:
             use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
-                   "score": "/v1/score or /v1/rerank", "classify": "/classify"}.get(
+                   "score": "/v1/score or /v1/rerank", "classify": "/v1/classify"}.get(
                 self.engine.task, "/v1/completions or /v1/chat/completions")
             raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
                               f"this endpoint needs task={task!r}: use {use}", param="model",

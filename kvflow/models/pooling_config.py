@@ -318,7 +318,7 @@ _TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
              "embed": "LLM.embed or /v1/embeddings (or LLM.score, /v1/score and /v1/rerank "
                       "for cosine similarities)",
              "score": "LLM.score or /v1/score and /v1/rerank",
-             "classify": "LLM.classify or /classify"}
+             "classify": "LLM.classify or /v1/classify"}
 
 
 def task_mismatch(engine_task: str, asked: str) -> str:

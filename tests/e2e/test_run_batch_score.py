@@ -61,7 +61,8 @@ def test_classify_lines_match_transformers(built_models, tmp_path):
 
     folder, _ = built_models("cls_qwen2_batch", lambda f: build_decoder_classifier(f, "Qwen2", 3))
     lines = [_line("many", "/v1/classify", {"model": "ce", "input": TEXTS[:3]}),
-             _line("empty", "/v1/classify", {"input": ""})]
+             _line("empty", "/v1/classify", {"input": ""}),
+             _line("wrong", "/v1/completions", {"prompt": "paris", "max_tokens": 2})]
     out = tmp_path / "out.jsonl"
     args = [a for a in ARGS if a not in ("--max-model-len", "16")]
     proc = subprocess.run([sys.executable, "-m", "kvflow.entrypoints.cli", "run-batch", "-i",
@@ -71,7 +72,7 @@ def test_classify_lines_match_transformers(built_models, tmp_path):
                           capture_output=True, env=ENV, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [g["custom_id"] for g in got] == ["many", "empty"]
+    assert [g["custom_id"] for g in got] == ["many", "empty", "wrong"]
     body = got[0]["response"]["body"]
     torch.testing.assert_close(torch.tensor([d["probs"] for d in body["data"]]),
                                torch.softmax(hf_logits(folder, TEXTS[:3]), -1), atol=1e-5,
@@ -80,3 +81,7 @@ def test_classify_lines_match_transformers(built_models, tmp_path):
         [f"LABEL_{i}" for i in hf_logits(folder, TEXTS[:3]).argmax(-1).tolist()]
     empty = got[1]["response"]
     assert (empty["status_code"], empty["body"]["error"]["code"]) == (400, "empty_string")
+    # the wrong-task 400 points at an endpoint this batch file takes: the one "many" used
+    wrong = got[2]["response"]
+    assert (wrong["status_code"], wrong["body"]["error"]["code"]) == (400, "wrong_task")
+    assert wrong["body"]["error"]["message"].endswith(f"use {json.loads(lines[0])['url']}")

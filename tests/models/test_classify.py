@@ -133,7 +133,7 @@ def test_bad_input_and_wrong_tasks_are_refused(classifier, tiny_llama, assert_no
             llm.classify(prompts, use_tqdm=False)
         assert str(e.value) == message
     refusal = ("this engine runs task='classify' (it classifies texts): use LLM.classify or "
-               "/classify; a {} request needs a model served with {}")
+               "/v1/classify; a {} request needs a model served with {}")
     with pytest.raises(ValueError) as e:
         llm.score(QUERY, DOCUMENTS[0], use_tqdm=False)
     assert str(e.value) == refusal.format(
