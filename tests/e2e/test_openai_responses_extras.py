@@ -51,6 +51,21 @@ def event_form(entries: list[dict]) -> list[dict]:
                               for t in e["top_logprobs"]]} for e in entries]
 
 
+def close(got, want, tol: float = 1e-4) -> bool:
+    """``got == want`` but for floats, equal within ``tol``: the oracle is a second request,
+    whose prompt may come from the prefix cache (computed in other chunks, so the logprobs
+    can differ in the last digits, as seen with KVFLOW_NATIVE_CPU=0)."""
+    if isinstance(want, float):
+        return isinstance(got, float) and abs(got - want) <= tol
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and \
+            all(close(got[k], want[k], tol) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and \
+            all(close(g, w, tol) for g, w in zip(got, want))
+    return got == want
+
+
 # ---- output logprobs -----------------------------------------------------------------------------
 @pytest.mark.parametrize("top", [None, 0, 3])
 def test_output_text_logprobs_are_chats(server, top):
@@ -66,16 +81,16 @@ def test_output_text_logprobs_are_chats(server, top):
     assert len(expected) == oracle["usage"]["completion_tokens"] == 12
     assert all(len(e["top_logprobs"]) == (top or 0) for e in expected)
     ((part,),) = [item["content"] for item in reply["output"]]
-    assert part["logprobs"] == expected
+    assert close(part["logprobs"], expected)
     assert output_text(reply) == oracle["choices"][0]["message"]["content"]
     assert reply["top_logprobs"] == top
     events = streamed(server, include=LOGPROBS, **body, **extra)
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     sent = [entry for e in deltas for entry in e["logprobs"]]
-    assert sent == event_form(expected)[:len(sent)] and sent
+    assert sent and close(sent, event_form(expected)[:len(sent)])
     (done,) = [e for e in events if e["type"] == "response.output_text.done"]
-    assert done["logprobs"] == event_form(expected)
-    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    assert close(done["logprobs"], event_form(expected))
+    assert close(events[-1]["response"]["output"][0]["content"][0]["logprobs"], expected)
 
 
 def test_without_include_no_logprobs(server):
@@ -103,9 +118,9 @@ def test_openai_client_reads_logprobs(server):
     oracle = chat(server, [{"role": "user", "content": "hello there"}],
                   max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
     logprobs = resp.output[0].content[0].logprobs
-    assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in logprobs] == \
-        [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]])
-         for e in oracle["choices"][0]["logprobs"]["content"]]
+    assert close([[lp.token, lp.logprob, [t.token for t in lp.top_logprobs]] for lp in logprobs],
+                 [[e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]]]
+                  for e in oracle["choices"][0]["logprobs"]["content"]])
 
 
 def test_openai_stream_helper_keeps_the_logprobs(server):
@@ -121,9 +136,9 @@ def test_openai_stream_helper_keeps_the_logprobs(server):
     assert events[-1].type == "response.incomplete"
     final = events[-1].response
     expected = reply["output"][0]["content"][0]["logprobs"]
-    assert [lp.model_dump() for lp in final.output[0].content[0].logprobs] == expected
+    assert close([lp.model_dump() for lp in final.output[0].content[0].logprobs], expected)
     sent = [lp.model_dump(exclude_none=True) for e in deltas for lp in e.logprobs]
-    assert sent and sent == event_form(expected)[:len(sent)]
+    assert sent and close(sent, event_form(expected)[:len(sent)])
 
 
 BAD_LOGPROBS = [
