@@ -88,7 +88,7 @@ def test_length_beside_known_format_refused(fmt):
                                                "maxLength": 2}))
     assert str(e.value).startswith(
         f"invalid JSON schema in structured_outputs: 'maxLength': not enforced together with "
-        f"format {fmt!r} (leave the length out, or write format and length as one pattern)")
+        f"format {fmt!r} (write the format and the length as one pattern instead)")
 
 
 @pytest.mark.parametrize("fmt", sorted(LENGTHLESS_FORMATS))

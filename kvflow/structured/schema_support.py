@@ -87,8 +87,8 @@ def _own_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
     if length is not None and isinstance(schema.get("pattern"), str):
         return length, _WITH_PATTERN
     if length is not None and schema.get("format") in LENGTHLESS_FORMATS:
-        return length, (f"not enforced together with format {schema['format']!r} (leave the "
-                        "length out, or write format and length as one pattern)")
+        return length, (f"not enforced together with format {schema['format']!r} (write the "
+                        "format and the length as one pattern instead)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return "$ref", f"{ref!r} is not in the schema (only '#...' references resolve)"
