@@ -86,7 +86,7 @@ def test_fast_grammar_finishes_while_slow_one_compiles_then_times_out(llm, block
     assert re.fullmatch(PATTERN, text), text
     assert fast_s < slow_s and not blocked.is_set()  # while the slow one still compiled
     assert slow.finish_reason == "abort" and slow.new_token_ids == []
-    assert "the grammar in structured_outputs did not compile within 0.5 s" in slow.error
+    assert "the grammar did not compile within 0.5 s" in slow.error
     assert slow_s >= 0.45
     assert not llm.engine.core.has_unfinished_requests()
     assert pool.num_free_blocks == free_at_start
@@ -121,13 +121,13 @@ def test_generate_raises_the_timeout_naming_the_prompt(llm, blocked):
                      use_tqdm=False)
     assert isinstance(raised.value, ValueError)
     assert str(raised.value).startswith(
-        "prompt 1: the grammar in structured_outputs did not compile within 0.5 s")
+        "prompt 1: the grammar did not compile within 0.5 s")
     assert not llm.engine.has_unfinished_requests()
     assert not llm.engine.core.has_unfinished_requests()
     assert pool.num_free_blocks == free_at_start
 
     began = time.monotonic()
-    with pytest.raises(RequestRefused, match=r"^prompt 0: the grammar in structured_outputs "
+    with pytest.raises(RequestRefused, match=r"^prompt 0: the grammar "
                                              r"did not compile within 0\.5 s"):
         llm.generate("the quick brown fox", _params(grammar=SLOW), use_tqdm=False)
     assert time.monotonic() - began < 0.4 and blocked.calls == [SLOW]  # no second compile

@@ -193,7 +193,7 @@ class StructuredOutputManager:
         if isinstance(error, CompileTimeoutError):
             what = {"json": "JSON schema", "json_object": "JSON object constraint",
                     "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, kind)
-            return (f"the {what} in structured_outputs did not compile within "
+            return (f"the {what} did not compile within "
                     f"{self.compile_timeout_s:g} s (the server's "
                     "--structured-output-compile-timeout); simplify it (bounded repetitions "
                     "such as {2,40} of a rule are costly to compile for a large vocabulary)")

@@ -48,7 +48,7 @@ def test_grammar_past_the_limit_is_a_400(timed_out):
     error = timed_out.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(
-        "the grammar in structured_outputs did not compile within 0.001 s")
+        "the grammar did not compile within 0.001 s")
     assert "--structured-output-compile-timeout" in error["message"]
 
 
