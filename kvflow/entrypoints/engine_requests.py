@@ -1,7 +1,8 @@
 """Running a request's prompts in the engine once they are queued: waiting for admission
-(aborting them all on any failure) and answering (a whole JSON body, or an SSE stream). What
-every OpenAI handler does once its request is checked (``serving_base.OpenAIServing`` calls
-these with its engine and its ``abort``, which also cancels beam searches).
+(aborting them all on any failure) and answering (a whole JSON body, an SSE stream, or a pooling
+request's pooled vector). What every OpenAI handler does once its request is checked
+(``serving_base.OpenAIServing`` calls these with its engine and its ``abort``, which also
+cancels beam searches).
 """
 
 from __future__ import annotations
@@ -93,3 +94,19 @@ async def stream(streams: Sequence[RequestStream], chunks: AsyncIterator[BaseMod
         if hasattr(chunks, "aclose"):
             await chunks.aclose()  # stops merge_streams' pump tasks now, not at GC
     yield SSE_DONE
+
+
+async def pooled_vector(stream: RequestStream) -> list[float]:
+    """A pooling request's result (its last output's ``embedding``: an embedding, a score or
+    class probabilities), once the stream ends.
+
+    Raises:
+        OpenAIError: 503 if the stream ended without one (the engine dropped the request).
+    """
+    last = None
+    async for out in stream:
+        last = out
+    vector = last.outputs.embedding if last is not None else []
+    if not vector:
+        raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+    return vector

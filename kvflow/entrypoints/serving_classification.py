@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.streams import RequestStream
-from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     ClassificationData,
@@ -77,12 +77,7 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
                        streams: Sequence[RequestStream]) -> ClassificationResponse:
         labels, data = self.engine.processor.pooler.labels, []
         for i, stream in enumerate(streams):
-            last = None
-            async for out in stream:
-                last = out
-            probs = last.outputs.embedding if last is not None else []
-            if not probs:
-                raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+            probs = await pooled_vector(stream)
             best = max(range(len(probs)), key=probs.__getitem__)  # the first of equal ones
             data.append(ClassificationData(index=i, label=labels[best], probs=probs,
                                            num_classes=len(probs)))

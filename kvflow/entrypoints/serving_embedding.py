@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
@@ -125,12 +126,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                         streams: Sequence[RequestStream]) -> EmbeddingResponse:
         data = []
         for i, stream in enumerate(streams):
-            last = None
-            async for out in stream:
-                last = out
-            vector = last.outputs.embedding if last is not None else []
-            if not vector:
-                raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
+            vector = await pooled_vector(stream)
             data.append(EmbeddingData(embedding=_encode(vector, req.encoding_format), index=i))
         num_tokens = sum(len(ids) for _, ids in prompts)
         return EmbeddingResponse(id=request_id, model=self.model_name, data=data,

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvflow.engine.streams import RequestStream
+from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
@@ -207,15 +208,7 @@ async def _collect(streams: Sequence[RequestStream]) -> list[list[float]]:
     Raises:
         OpenAIError: 503 if the engine dropped a request.
     """
-    scores = []
-    for stream in streams:
-        last = None
-        async for out in stream:
-            last = out
-        if last is None or not last.outputs.embedding:
-            raise OpenAIError("the engine dropped the request", 503, "service_unavailable")
-        scores.append(last.outputs.embedding)
-    return scores
+    return [await pooled_vector(stream) for stream in streams]
 
 
 def _pairs(first: str | Sequence[str], second: str | Sequence[str],
