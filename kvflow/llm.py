@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,6 +13,15 @@ from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import PromptType
+from kvflow.llm_inputs import (
+    as_prompt_list,
+    broadcast_loras,
+    broadcast_params,
+    check_priorities,
+    check_users,
+    refuse_server_options,
+    with_images,
+)
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
     ClassificationOutput,
@@ -41,7 +50,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
-        _refuse_server_options(bool(kwargs.get("admission_control")))
+        refuse_server_options(bool(kwargs.get("admission_control")))
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod
@@ -52,7 +61,7 @@ class LLM:
         Raises:
             ValueError: as the constructor, ``admission_control`` included.
         """
-        _refuse_server_options(config.scheduler_config.admission_control)
+        refuse_server_options(config.scheduler_config.admission_control)
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         return llm
@@ -102,16 +111,16 @@ class LLM:
         if on_output is not None and not callable(on_output):
             raise ValueError(f"on_output must be a callable (index, RequestOutput) or None, "
                              f"got {type(on_output).__name__}")
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if not prompts:
             return []
-        params = _broadcast_params(sampling_params, len(prompts))
-        priorities = _check_priorities(priority, len(prompts),
+        params = broadcast_params(sampling_params, len(prompts))
+        priorities = check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
-        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
+        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
-        loras = _broadcast_loras(lora_request, len(prompts))
+        loras = broadcast_loras(lora_request, len(prompts))
         for p in prompts:  # validate everything before queuing anything
             processor.validate(p.token_ids)
         for lora in {lr for lr in loras if lr is not None}:
@@ -151,7 +160,7 @@ class LLM:
                 f"params must be a BeamSearchParams, got {type(params).__name__}")
         processor = self.engine.processor
         token_prompts = []
-        for i, prompt in enumerate(_as_prompt_list(prompts)):
+        for i, prompt in enumerate(as_prompt_list(prompts)):
             try:
                 p = processor.process(prompt)
                 processor.validate(p.token_ids)
@@ -189,7 +198,7 @@ class LLM:
                 prompt or ``dimensions``, or a ``user`` list ``generate`` would refuse
                 (nothing is queued then).
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if not prompts:
             return []
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -205,7 +214,7 @@ class LLM:
         if any(p is not None and p.task != "embed" for p in params):
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
                              "with LLM.score, classify texts with LLM.classify")
-        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
+        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         for p, pp in zip(prompts, params):  # validate everything before queuing anything
             processor.make_pooling_request("check", processor.pooling_prompt(p)[1], pp)
@@ -248,7 +257,7 @@ class LLM:
                                           use_tqdm, user)
         processor.require_task("score")
         pairs = score_pairs(text_1, text_2)
-        users = _check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
+        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         prompts = []
         for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
             try:
@@ -291,7 +300,7 @@ class LLM:
                 (nothing is queued then).
         """
         self.engine.processor.require_task("classify")
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         params = PoolingParams(task="classify")
         processor, token_ids = self.engine.processor, []
         for i, p in enumerate(prompts):  # tokenize and check all before queuing any
@@ -300,7 +309,7 @@ class LLM:
                 processor.make_pooling_request("check", token_ids[-1], params)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        users = _check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
+        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         ids: list[str] = []
         try:
             for p, who in zip(token_ids, users):
@@ -329,7 +338,7 @@ class LLM:
         if truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens is for cross-encoders: this engine "
                              "scores with an embedding model, whose inputs are never cut")
-        users = _check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
+        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         owner = {}
         for (a, b), who in zip(pairs, users):
             owner.setdefault(a, who)
@@ -391,7 +400,7 @@ class LLM:
                                                              **options)
                    for c in conversations]
         tokenizer = self.engine.tokenizer
-        token_prompts = [_with_images(tokenizer.encode(p, add_special_tokens=False),
+        token_prompts = [with_images(tokenizer.encode(p, add_special_tokens=False),
                                       self.engine.processor.load_chat_images(c))
                          for p, c in zip(prompts, conversations)]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm,
@@ -424,99 +433,3 @@ class LLM:
             raise
         return [finished[rid] for rid in request_ids]
 
-
-def _with_images(token_ids: list[int], images: list[Any]) -> PromptType:
-    """A token-id prompt, as a dict with its images when it has some."""
-    if not images:
-        return token_ids
-    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
-
-
-def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    if not isinstance(prompts, (list, tuple)):  # ValueError, like every bad input here
-        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"prompts must be a string, a list of token ids, or a list of either; got "
-            f"{type(prompts).__name__}")
-    return list(prompts)
-
-
-def _broadcast_params(params: Any, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if not isinstance(params, (list, tuple)) or not all(
-            isinstance(p, SamplingParams) for p in params):
-        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
-                         f"{type(params).__name__}")
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-    return params
-
-
-def _broadcast_loras(lora: Any, n: int) -> list[LoRARequest | None]:
-    """One LoRARequest (or None) per prompt.
-
-    Raises:
-        ValueError: for a list of the wrong length or of other things.
-    """
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    loras = list(lora) if isinstance(lora, (list, tuple)) else None
-    if loras is None or len(loras) != n or \
-            not all(x is None or isinstance(x, LoRARequest) for x in loras):
-        raise ValueError(f"lora_request must be a LoRARequest, None, or a list of {n} of them "
-                         f"(one per prompt), got {lora!r}")
-    return loras
-
-
-def _check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
-    """One priority per prompt (0 when None).
-
-    Raises:
-        ValueError: for a wrong count, a non-integer, or a non-zero priority while the
-            scheduling policy is not ``priority`` (it would be ignored).
-    """
-    if priority is None:
-        return [0] * n
-    priorities = list(priority)
-    if len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
-                                       for p in priorities):
-        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
-                         f"{priority!r}")
-    if policy not in ("priority", "fair") and any(priorities):
-        raise ValueError(f"priority={priorities} needs the priority or fair scheduling policy "
-                         f"(policy='priority' or 'fair'); this engine runs {policy!r}")
-    return priorities
-
-
-def _check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
-    """One client name per prompt ("" when None).
-
-    Raises:
-        ValueError: for a wrong count, a name that is not a string, or a name while the
-            scheduling policy is not ``fair`` (the only one that reads it: it would be
-            ignored).
-    """
-    if user is None:
-        return [""] * n
-    users = list(user) if not isinstance(user, str) else []
-    if len(users) != n or not all(isinstance(u, str) for u in users):
-        raise ValueError(f"user must be a list of {n} strings (one per prompt), got {user!r}")
-    if policy != "fair" and any(users):
-        raise ValueError(f"user={users} needs the fair scheduling policy (policy='fair'); "
-                         f"this engine runs {policy!r}")
-    return users
-
-
-def _refuse_server_options(admission_control: bool) -> None:
-    """Raises ValueError for ``admission_control``: a server option (offline requests are
-    never refused, so it would be ignored)."""
-    if admission_control:
-        raise ValueError("admission_control is a server option (kvflow serve "
-                         "--admission-control): LLM.generate never refuses a request")

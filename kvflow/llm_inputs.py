@@ -1,0 +1,120 @@
+"""Checking and broadcasting ``LLM``'s per-call arguments: the prompts as a list, and one
+SamplingParams, LoRARequest, priority and client name per prompt (``kvflow/llm.py`` calls
+these before queuing anything, so a bad argument queues nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvflow.input_processor import PromptType
+from kvflow.lora.request import LoRARequest
+from kvflow.sampling_params import SamplingParams
+
+
+def with_images(token_ids: list[int], images: list[Any]) -> PromptType:
+    """A token-id prompt, as a dict with its images when it has some."""
+    if not images:
+        return token_ids
+    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+
+
+def as_prompt_list(prompts: Any) -> list[PromptType]:
+    """``prompts`` (one prompt: a string, a dict or a list of token ids; or a list of
+    prompts) as a list of prompts.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)):  # ValueError, like every bad input here
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"prompts must be a string, a list of token ids, or a list of either; got "
+            f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def broadcast_params(params: Any, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (the defaults when None, one repeated, or a list of n).
+
+    Raises:
+        ValueError: for a list of the wrong length or of other things.
+    """
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(params).__name__}")
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def broadcast_loras(lora: Any, n: int) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt.
+
+    Raises:
+        ValueError: for a list of the wrong length or of other things.
+    """
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora) if isinstance(lora, (list, tuple)) else None
+    if loras is None or len(loras) != n or \
+            not all(x is None or isinstance(x, LoRARequest) for x in loras):
+        raise ValueError(f"lora_request must be a LoRARequest, None, or a list of {n} of them "
+                         f"(one per prompt), got {lora!r}")
+    return loras
+
+
+def check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
+    """One priority per prompt (0 when None).
+
+    Raises:
+        ValueError: for a wrong count, a non-integer, or a non-zero priority while the
+            scheduling policy is not ``priority`` (it would be ignored).
+    """
+    if priority is None:
+        return [0] * n
+    priorities = list(priority)
+    if len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
+                                       for p in priorities):
+        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
+                         f"{priority!r}")
+    if policy not in ("priority", "fair") and any(priorities):
+        raise ValueError(f"priority={priorities} needs the priority or fair scheduling policy "
+                         f"(policy='priority' or 'fair'); this engine runs {policy!r}")
+    return priorities
+
+
+def check_users(user: Sequence[str] | None, n: int, policy: str) -> list[str]:
+    """One client name per prompt ("" when None).
+
+    Raises:
+        ValueError: for a wrong count, a name that is not a string, or a name while the
+            scheduling policy is not ``fair`` (the only one that reads it: it would be
+            ignored).
+    """
+    if user is None:
+        return [""] * n
+    users = list(user) if not isinstance(user, str) else []
+    if len(users) != n or not all(isinstance(u, str) for u in users):
+        raise ValueError(f"user must be a list of {n} strings (one per prompt), got {user!r}")
+    if policy != "fair" and any(users):
+        raise ValueError(f"user={users} needs the fair scheduling policy (policy='fair'); "
+                         f"this engine runs {policy!r}")
+    return users
+
+
+def refuse_server_options(admission_control: bool) -> None:
+    """Raises ValueError for ``admission_control``: a server option (offline requests are
+    never refused, so it would be ignored)."""
+    if admission_control:
+        raise ValueError("admission_control is a server option (kvflow serve "
+                         "--admission-control): LLM.generate never refuses a request")
