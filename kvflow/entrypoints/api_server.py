@@ -369,9 +369,9 @@ def check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
     Raises:
         ValueError: without ``--enable-lora``, for an adapter named like the base model, or
             for an adapter folder or config refused (see
-            :func:`kvflow.lora.adapter.check_adapter_config`).
+            :func:`kvflow.lora.adapter_config.check_adapter_config`).
     """
-    from kvflow.lora.adapter import check_adapter_config, read_adapter_config
+    from kvflow.lora.adapter_config import check_adapter_config, read_adapter_config
 
     if modules and not engine_config.lora_config.enable_lora:
         raise ValueError(f"--lora-modules {' '.join(modules)} needs --enable-lora")

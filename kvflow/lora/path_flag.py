@@ -39,7 +39,7 @@ def lora_request_from_flags(path: str | None, enable_lora: bool,
         return None
     if not enable_lora:
         raise ValueError(f"--lora-path {path} needs --enable-lora")
-    from kvflow.lora.adapter import read_adapter_config
+    from kvflow.lora.adapter_config import read_adapter_config
 
     read_adapter_config(path)
     return LoRARequest(os.path.basename(os.path.normpath(path)) or "adapter", 1, path)
