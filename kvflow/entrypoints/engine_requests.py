@@ -57,20 +57,31 @@ async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count
     return streams
 
 
+def refused(error: RequestRefused, param: str | None) -> OpenAIError:
+    """The 400 for a request the engine core refused, naming ``param`` (the request field
+    it is about, e.g. the one that held a grammar that did not compile in time) unless the
+    message names a field itself."""
+    answer = invalid_request(error)
+    if answer.param is None:
+        answer.param = param
+    return answer
+
+
 async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitable[BaseModel],
-                  abort: Abort) -> Response:
+                  abort: Abort, refused_param: str | None = None) -> Response:
     """Await the non-streaming response body; ``abort`` the requests if the client leaves.
 
     Raises:
         OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
-            request (``RequestRefused``: e.g. its grammar did not compile in time).
+            request (``RequestRefused``: e.g. its grammar did not compile in time), its
+            ``param`` ``refused_param``.
     """
     try:
         result = await run_unless_disconnected(raw, work, lambda: abort(streams))
     except EngineDeadError as e:
         raise engine_dead(e) from None
     except RequestRefused as e:
-        raise invalid_request(e) from None
+        raise refused(e, refused_param) from None
     finally:
         abort(streams)
     if result is None:  # the client is gone; nobody reads this
@@ -79,15 +90,16 @@ async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitabl
 
 
 async def stream(streams: Sequence[RequestStream], chunks: AsyncIterator[BaseModel],
-                 abort: Abort) -> AsyncIterator[str]:
+                 abort: Abort, refused_param: str | None = None) -> AsyncIterator[str]:
     """SSE body: each chunk as ``data: {json}``, then ``data: [DONE]``; an engine failure
     or a refused request (``RequestRefused``) becomes an error event (the 503's / 400's
-    body). Always aborts the requests when it ends (client gone too)."""
+    body, the latter's ``param`` ``refused_param``). Always aborts the requests when it ends
+    (client gone too)."""
     try:
         async for chunk in chunks:
             yield sse(chunk.model_dump_json())
     except (EngineDeadError, RequestRefused) as e:
-        error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
+        error = engine_dead(e) if isinstance(e, EngineDeadError) else refused(e, refused_param)
         yield sse(ErrorResponse.model_validate(error.body()).model_dump_json())
     finally:
         abort(streams)

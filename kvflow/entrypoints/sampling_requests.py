@@ -125,9 +125,16 @@ def _params_error(error: ValueError, req: SamplingRequest,
     ``tools`` for the tool grammar), not the engine's ``structured_outputs``."""
     if " in structured_outputs" not in str(error):
         return invalid_request(error)
-    param = "tools" if tool_grammar is not None else constraint_param(req)
+    param = grammar_param(req, tool_grammar)
     return OpenAIError(str(error).replace(" in structured_outputs", f" in {param}", 1),
                        param=param, code="invalid_value")
+
+
+def grammar_param(req: SamplingRequest,
+                  tool_grammar: StructuredOutputsParams | None) -> str | None:
+    """The request field that holds the request's grammar, as errors about its compile name
+    it: ``tools`` for the tool grammar, else :func:`constraint_param` (None without one)."""
+    return "tools" if tool_grammar is not None else constraint_param(req)
 
 
 def check_length_fields(max_tokens: int | None, max_completion_tokens: int | None) -> None:

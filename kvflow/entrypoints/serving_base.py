@@ -343,19 +343,20 @@ class OpenAIServing:
             self.beam_searches.cancel(stream.request_id)
 
     async def respond(self, raw: Request, streams: Sequence[RequestStream],
-                      work: Awaitable[BaseModel]) -> Response:
+                      work: Awaitable[BaseModel], refused_param: str | None = None) -> Response:
         """The non-streaming answer: :func:`engine_requests.respond`.
 
         Raises:
             OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused
-                a request (``RequestRefused``: e.g. its grammar did not compile in time).
+                a request (``RequestRefused``: e.g. its grammar did not compile in time),
+                ``param`` ``refused_param`` (the field that held the grammar).
         """
-        return await engine_requests.respond(raw, streams, work, self.abort)
+        return await engine_requests.respond(raw, streams, work, self.abort, refused_param)
 
-    def stream(self, streams: Sequence[RequestStream],
-               chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    def stream(self, streams: Sequence[RequestStream], chunks: AsyncIterator[BaseModel],
+               refused_param: str | None = None) -> AsyncIterator[str]:
         """The SSE body: :func:`engine_requests.stream`."""
-        return engine_requests.stream(streams, chunks, self.abort)
+        return engine_requests.stream(streams, chunks, self.abort, refused_param)
 
 
 def usage_info(num_prompt: int, num_generated: int, num_cached: int,

@@ -35,6 +35,7 @@ from kvflow.entrypoints.sampling_requests import (
     check_length_fields,
     check_max_tokens,
     default_max_tokens,
+    grammar_param,
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
@@ -57,13 +58,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ChatRun:
-    """A queued chat request: the reply's id, the prompt's token ids, its one stream and the
-    parser that reads reasoning and tool calls back out of the generated text."""
+    """A queued chat request: the reply's id, the prompt's token ids, its one stream, the
+    parser that reads reasoning and tool calls back out of the generated text, and the
+    request field that holds its grammar (``grammar_param``; None without one)."""
 
     reply_id: str
     prompt_ids: list[int]
     streams: list[RequestStream]
     parser: ChatOutputParser
+    grammar_param: str | None = None
 
 
 class OpenAIServingChat(ChatRendering, OpenAIServing):
@@ -99,9 +102,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         run = await self.start(req, raw, "chatcmpl")
         if req.stream:
             return SSEResponse(self.stream(run.streams, self._chunks(
-                req, run.reply_id, run.prompt_ids, run.streams, run.parser)))
+                req, run.reply_id, run.prompt_ids, run.streams, run.parser), run.grammar_param))
         return await self.respond(raw, run.streams, self._response(
-            req, run.reply_id, run.prompt_ids, run.streams[0], run.parser))
+            req, run.reply_id, run.prompt_ids, run.streams[0], run.parser), run.grammar_param)
 
     async def start(self, req: ChatCompletionRequest, raw: Request, prefix: str) -> ChatRun:
         """Check ``req`` (its unknown fields were checked by the caller), render the
@@ -134,7 +137,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             streams = await self.add_requests(request_id, [(text, ids)], [params],
                                               req.priority, prompt.mm_features,
                                               self.client_id(req, raw), lora_request=lora)
-        return ChatRun(reply_id, ids, streams, parser)
+        return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar))
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:
         """The tool-choice mode and the parser that reads the reply back.

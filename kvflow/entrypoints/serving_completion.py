@@ -27,6 +27,7 @@ from kvflow.entrypoints.sampling_requests import (
     check_constraint,
     check_max_tokens,
     default_max_tokens,
+    grammar_param,
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import (
@@ -75,11 +76,12 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
                                               lora_request=lora)
+        param = grammar_param(req, None)
         if req.stream:
-            return SSEResponse(self.stream(streams, self._chunks(req, reply_id, prompts,
-                                                                 streams)))
-        return await self.respond(raw, streams, self._response(req, reply_id, prompts,
-                                                               streams))
+            return SSEResponse(self.stream(
+                streams, self._chunks(req, reply_id, prompts, streams), param))
+        return await self.respond(raw, streams, self._response(req, reply_id, prompts, streams),
+                                  param)
 
     def _check_request(self, req: CompletionRequest) -> LoRARequest | None:
         """Refuse what cannot be served; returns the LoRA adapter ``model`` names.

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from kvflow.engine.async_llm import EngineDeadError, RequestRefused
 from kvflow.entrypoints.chat_logprobs import chat_logprobs
-from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead, invalid_request
+from kvflow.entrypoints.engine_requests import refused
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.protocol.responses_api import (
@@ -34,7 +35,7 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponseUsage,
     unhonoured_fields,
 )
-from kvflow.entrypoints.responses_errors import renamed_error
+from kvflow.entrypoints.responses_errors import renamed, renamed_error
 from kvflow.entrypoints.responses_events import Event, ResponseEvents
 from kvflow.entrypoints.responses_input import (
     Conversation,
@@ -157,7 +158,8 @@ class OpenAIServingResponses:
         skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
-        return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv))
+        return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv),
+                                       renamed(run.grammar_param, conv))
 
     def _check_store(self, req: ResponsesRequest) -> None:
         """With the store off (capacity 0) a reply is not stored and says so (``store``
@@ -294,8 +296,9 @@ class OpenAIServingResponses:
             async for event in self._run(req, run, skeleton, conv, events, []):
                 yield event
         except (EngineDeadError, RequestRefused) as e:
-            error = engine_dead(e) if isinstance(e, EngineDeadError) else invalid_request(e)
-            yield events.event("error", code=error.code, message=str(error), param=None)
+            error = engine_dead(e) if isinstance(e, EngineDeadError) else \
+                refused(e, renamed(run.grammar_param, conv))
+            yield events.event("error", code=error.code, message=str(error), param=error.param)
 
     async def _run(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
                    conv: Conversation, events: ResponseEvents, done: list[ResponseObject]

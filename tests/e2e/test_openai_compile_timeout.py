@@ -3,7 +3,8 @@ OpenAI 400 through the server, and the engine keeps serving. The limit here is 1
 first constrained request's compile also builds the grammar backend (the tokenizer loaded in
 the core process, its token tables), which takes far longer, so it times out every time;
 the same grammar is then refused at once (the timed-out compile stays cached as failed),
-whole or streamed (an error event in the stream)."""
+whole or streamed (an error event in the stream). The error's ``param`` is the request field
+that held the grammar."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 MODEL = "tiny"
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--block-size", "8",
         "--max-model-len", "128", "--served-model-name", MODEL,
-        "--structured-output-compile-timeout", "0.001"]
+        "--structured-output-compile-timeout", "0.001", "--trust-request-chat-template"]
 GRAMMAR = 'root ::= "yes" | "no"'
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny model has none
 
 
 def prestart_servers(fixture):
@@ -50,6 +52,7 @@ def test_grammar_past_the_limit_is_a_400(timed_out):
     assert error["message"].startswith(
         "the grammar did not compile within 0.001 s")
     assert "--structured-output-compile-timeout" in error["message"]
+    assert error["param"] == "structured_outputs.grammar"
 
 
 def test_same_grammar_refused_at_once_whole_and_streamed(server, timed_out, free_at_start):
@@ -74,3 +77,31 @@ def test_same_grammar_refused_at_once_whole_and_streamed(server, timed_out, free
     while _free_blocks(server) != free_at_start and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _free_blocks(server) == free_at_start
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", _body(guided_grammar=GRAMMAR), "guided_grammar"),
+    ("/v1/completions", _body(guided_grammar=GRAMMAR, stream=True), "guided_grammar"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8,
+                              "messages": [{"role": "user", "content": "yes or no?"}], "chat_template": TEMPLATE,
+                              "structured_outputs": {"grammar": GRAMMAR}},
+     "structured_outputs.grammar"),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "stream": True,
+                              "messages": [{"role": "user", "content": "yes or no?"}], "chat_template": TEMPLATE,
+                              "structured_outputs": {"grammar": GRAMMAR}},
+     "structured_outputs.grammar"),
+])
+def test_the_error_names_the_field_that_held_the_grammar(server, timed_out, path, body, param):
+    """The same grammar (refused at once from the cache) sent in another field, or to chat:
+    the 400 (or the stream's error event) names that field."""
+    resp = httpx.post(f"{server.url}{path}", timeout=60, json=body)
+    if body.get("stream"):
+        events = [line.removeprefix("data: ") for line in resp.text.splitlines()
+                  if line.startswith("data: ")]
+        assert resp.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+    assert error["message"] == timed_out.json()["error"]["message"]
+    assert error["param"] == param
