@@ -240,7 +240,7 @@ def generated_text(tokenizer: Any, beam: BeamSearchSequence, start: int,
     return tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
 
-def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams],
+def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams, list[int]],
                                            list[RequestOutput]],
                         prompts: Sequence[Sequence[int]], params: BeamSearchParams,
                         eos_token_ids: frozenset[int], tokenizer: Any
@@ -249,7 +249,10 @@ def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams],
     prompt's live beams (``LLM.beam_search`` passes its own ``generate``).
 
     Args:
-        generate: ``(token-id prompts, params) -> one finished RequestOutput per prompt``.
+        generate: ``(token-id prompts, params, owners) -> one finished RequestOutput per
+            prompt``; ``owners[j]`` is the index in ``prompts`` of the search the j-th
+            token-id prompt (a beam) belongs to (``LLM.beam_search`` picks its LoRA adapter
+            by it).
         prompts: token-id prompts (each non-empty and leaving room for ``max_tokens``).
         params: the search's parameters.
         eos_token_ids: ids that finish a beam unless ``params.ignore_eos``.
@@ -260,12 +263,13 @@ def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams],
     """
     searches = [BeamSearch(p, params, eos_token_ids) for p in prompts]
     while True:
-        running = [s for s in searches if not s.done]
+        running = [(i, s) for i, s in enumerate(searches) if not s.done]
         if not running:
             break
-        batch = [tokens for s in running for tokens in s.live_prompts()]
-        outputs = iter(generate(batch, running[0].step_params()))
-        for s in running:
+        beams = [(i, tokens) for i, s in running for tokens in s.live_prompts()]
+        outputs = iter(generate([tokens for _, tokens in beams], running[0][1].step_params(),
+                                [i for i, _ in beams]))
+        for _, s in running:
             s.advance([_step_logprobs(next(outputs)) for _ in s.live])
     results = []
     for s in searches:

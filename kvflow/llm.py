@@ -137,7 +137,9 @@ class LLM:
         return self._run(ids, use_tqdm and len(ids) > 1, on_output)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's ``LLM.beam_search``; the algorithm and its
         source: ``kvflow.beam_search``): one BeamSearchOutput per prompt, in order, its
         ``sequences`` the ``beam_width`` best beams, best first, each with ``tokens``
@@ -149,11 +151,14 @@ class LLM:
             prompts: as for ``generate`` (text, token ids, a dict prompt without
                 ``multi_modal_data``, or a list of these).
             params: the search's parameters (``kvflow.beam_search.BeamSearchParams``).
+            lora_request: the LoRA adapter every beam of a prompt runs with, one for all
+                prompts or one (or None: the base model) per prompt, as for ``generate``.
 
         Raises:
             ValueError: for a bad prompt, a prompt that leaves no room for
-                ``params.max_tokens`` in the context, or ``params`` that is not a
-                BeamSearchParams (nothing is run then).
+                ``params.max_tokens`` in the context, ``params`` that is not a
+                BeamSearchParams, or a ``lora_request`` ``generate`` would refuse (nothing
+                is run then).
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
@@ -173,9 +178,17 @@ class LLM:
                                  f"max_tokens={params.max_tokens} it exceeds max_model_len "
                                  f"({processor.max_model_len})")
             token_prompts.append(p.token_ids)
+        loras = broadcast_loras(lora_request, len(token_prompts))
+        for lora in {lr for lr in loras if lr is not None}:  # refused here, before a step
+            self.engine.core.add_lora(lora)
         eos = frozenset([processor.eos_token_id, *processor.extra_eos_ids]) - {None}
-        return beam_search_offline(lambda batch, sp: self.generate(batch, sp, use_tqdm=False),
-                                   token_prompts, params, eos, self.engine.tokenizer)
+
+        def generate(batch: list[list[int]], sp: SamplingParams,
+                     owners: list[int]) -> list[RequestOutput]:
+            return self.generate(batch, sp, use_tqdm=False,
+                                 lora_request=[loras[i] for i in owners])
+
+        return beam_search_offline(generate, token_prompts, params, eos, self.engine.tokenizer)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
