@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app built by ``build_app`` over one AsyncLLM.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET and DELETE
-/v1/responses/{id}, GET /v1/responses/{id}/input_items),
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel:
+``responses_routes``),
 /v1/embeddings, /v1/score, /v1/rerank (and /rerank), /classify (and /v1/classify),
 /v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
@@ -49,11 +50,7 @@ from kvflow.entrypoints.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from kvflow.entrypoints.protocol.responses_api import (
-    ResponseDeleted,
-    ResponseItemList,
-    ResponsesRequest,
-)
+from kvflow.entrypoints.responses_routes import add_responses_routes
 from kvflow.entrypoints.responses_store import ResponseStore
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
@@ -202,7 +199,7 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await raw.app.state.chat.create_chat_completion(req, raw)
 
-    _add_responses_routes(app)
+    add_responses_routes(app)
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
@@ -242,51 +239,6 @@ def _add_openai_routes(app: FastAPI) -> None:
                           "model_not_found")
 
     _add_lora_routes(app)
-
-
-def _add_responses_routes(app: FastAPI) -> None:
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, raw: Request) -> Response:
-        return await raw.app.state.responses.create_response(req, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, raw: Request) -> Response:
-        """A reply stored by POST /v1/responses (``store`` true).
-
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 for a query parameter (OpenAI's
-                ``include``, ``stream``, ``starting_after`` are not honoured).
-        """
-        _refuse_query(raw)
-        stored = raw.app.state.responses.retrieve(response_id)
-        return Response(stored.model_dump_json(), media_type="application/json")
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, raw: Request) -> ResponseDeleted:
-        """Forget a stored reply: ``{"id", "object": "response.deleted", "deleted": true}``.
-
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 for a query parameter.
-        """
-        _refuse_query(raw)
-        return raw.app.state.responses.delete(response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(response_id: str, raw: Request) -> ResponseItemList:
-        """A page of a stored reply's input items (``order``, ``limit``, ``after``).
-
-        Raises:
-            OpenAIError: 404 for an id not stored; 400 naming a bad query parameter.
-        """
-        query = {name: raw.query_params.getlist(name) for name in raw.query_params}
-        return raw.app.state.responses.input_items(response_id, query)
-
-
-def _refuse_query(raw: Request) -> None:
-    if raw.query_params:
-        name = next(iter(raw.query_params))
-        raise OpenAIError(f"the query parameter {name} is not supported by kvflow",
-                          param=name, code="unsupported_parameter")
 
 
 def _add_lora_routes(app: FastAPI) -> None:

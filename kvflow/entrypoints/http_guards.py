@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,8 @@ from kvflow.entrypoints.validation_errors import validation_error
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# POST routes that take no body (OpenAI's client sends none): the JSON-body rule skips them
+BODYLESS_POSTS = re.compile(r"/v1/responses/[^/]+/cancel")
 
 
 class ApiKeyMiddleware:
@@ -49,13 +52,14 @@ class ApiKeyMiddleware:
 
 async def require_json_body(raw: Request) -> None:
     """Every POST body is JSON: a 400 naming the Content-Type otherwise (see
-    :func:`content_type_error`). A coroutine, so FastAPI runs it on the event loop: a plain
+    :func:`content_type_error`), but on the routes that take none (``BODYLESS_POSTS``). A coroutine, so FastAPI runs it on the event loop: a plain
     ``def`` dependency is handed to a worker thread (and back) on every request.
 
     Raises:
         OpenAIError: 400 (``unsupported_media_type``) for a POST body not sent as JSON.
     """
-    error = body_header_error(raw) if raw.method == "POST" else None
+    takes_body = raw.method == "POST" and not BODYLESS_POSTS.fullmatch(raw.url.path)
+    error = body_header_error(raw) if takes_body else None
     if error is not None:
         raise error
 

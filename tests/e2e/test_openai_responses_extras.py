@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import openai
 import pytest
 from openai.types.responses import ResponseItemList
 
@@ -237,6 +238,28 @@ def test_delete_forgets_the_reply(server):
     other = whole(server, input="hello", max_output_tokens=2)
     assert server.client().responses.delete(other["id"]) is None  # the client's call: a 200
     assert httpx.get(f"{server.url}/v1/responses/{other['id']}", timeout=10).status_code == 404
+
+
+def test_cancel_is_a_400_for_a_finished_reply_and_a_404_for_none(server):
+    """kvflow runs no reply in the background: a stored reply can only be finished, which
+    OpenAI's cancel refuses; an unknown id is a 404, a query parameter a 400 naming it."""
+    reply = whole(server, input="hello", max_output_tokens=2)
+    cancel = f"{server.url}/v1/responses/{reply['id']}/cancel"
+    resp = httpx.post(cancel, timeout=10)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith(
+        "only a response created with background true can be cancelled")
+    assert resp.json()["error"]["param"] == "response_id"
+    assert httpx.get(f"{server.url}/v1/responses/{reply['id']}",  # still stored, unchanged
+                     timeout=10).json() == reply
+    resp = httpx.post(cancel, params={"stream": "true"}, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    resp = httpx.post(cancel, json={"x": 1}, timeout=10)
+    assert resp.status_code == 400 and "takes no body" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{server.url}/v1/responses/resp_nothere/cancel", timeout=10)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError, match="background true"):  # the client's call
+        server.client().responses.cancel(reply["id"])
 
 
 # ---- cached tokens -------------------------------------------------------------------------------
