@@ -17,19 +17,35 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 
 # A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
-# with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model.
+# with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model
+# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's).
 PromptType = str | list[int] | Mapping[str, Any]
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """``salt`` itself when it is None or a non-empty string (vLLM's ``cache_salt``: mixed
+    into the hash of the prompt's first KV block, so only requests with the same salt share
+    prefix-cache blocks).
+
+    Raises:
+        ValueError: naming ``cache_salt`` for an empty string or a value of another type.
+    """
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string (or None), got {salt!r}")
+    return salt
 
 
 @dataclasses.dataclass
 class ProcessedPrompt:
     """A prompt ready to queue: its text (None for token ids), its token ids (image
-    placeholders expanded) and its images' features (None: text only)."""
+    placeholders expanded), its images' features (None: text only) and its prefix-cache
+    salt (a dict prompt's ``cache_salt``; None: unsalted)."""
 
     text: str | None
     token_ids: list[int]
     mm_features: list[MultiModalFeature] | None = None
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -73,17 +89,20 @@ class InputProcessor:
 
     def process(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenize a prompt and, for a vision-language model, preprocess its images and
-        expand their placeholders.
+        expand their placeholders; a dict prompt's ``cache_salt`` is kept.
 
         Raises:
             ValueError: for a malformed prompt, images for a text-only model, a placeholder
-                count that differs from the image count, or a bad image (``MediaError``).
+                count that differs from the image count, a bad image (``MediaError``), or a
+                ``cache_salt`` that is not a non-empty string.
         """
-        images = []
+        images, salt = [], None
         if isinstance(prompt, Mapping):
+            salt = check_cache_salt(prompt.get("cache_salt"))
             prompt, images = self._unpack(prompt)
         text, token_ids = self.tokenize(prompt)
-        return self.attach_images(text, token_ids, images)
+        return dataclasses.replace(self.attach_images(text, token_ids, images),
+                                   cache_salt=salt)
 
     def attach_images(self, text: str | None, token_ids: list[int],
                       images: list[Any]) -> ProcessedPrompt:
@@ -108,8 +127,8 @@ class InputProcessor:
         unknown = sorted(set(prompt) - _PROMPT_KEYS)
         if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
             raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
-                             f"'prompt_token_ids' (and optionally 'multi_modal_data'); got "
-                             f"keys {sorted(prompt)}")
+                             f"'prompt_token_ids' (and optionally 'multi_modal_data', "
+                             f"'cache_salt'); got keys {sorted(prompt)}")
         data = prompt.get("multi_modal_data") or {}
         if not isinstance(data, Mapping) or set(data) - {"image"}:
             raise ValueError("multi_modal_data must be a dict with an 'image' entry (a PIL "
@@ -133,10 +152,13 @@ class InputProcessor:
         Raises:
             ValueError: on an engine not running ``task``, for a malformed prompt, or one with
                 images (``multi_modal_data``): embeddings are computed from text or token ids
-                only.
+                only; or with a ``cache_salt`` (generation prompts only).
         """
         self.require_task(task)
         if isinstance(prompt, Mapping):
+            if prompt.get("cache_salt") is not None:
+                raise ValueError("cache_salt: only generation prompts take a prefix-cache "
+                                 "salt")
             prompt, images = self._unpack(prompt)
             if images:
                 raise ValueError("multi_modal_data: embedding prompts are text or token ids "
@@ -237,16 +259,20 @@ class InputProcessor:
                       arrival_time: float | None = None, priority: int = 0,
                       mm_features: list[MultiModalFeature] | None = None,
                       client_id: str = "",
-                      lora_request: LoRARequest | None = None) -> list[Request]:
+                      lora_request: LoRARequest | None = None,
+                      cache_salt: str | None = None) -> list[Request]:
         """One Request per sample (``n``); sample i of a seeded request uses seed + i
         (wrapped into the signed 64-bit range, the same generator seed modulo 2**64). The
         samples share ``mm_features`` (the images of the prompt, already expanded).
         ``client_id`` names the sender for the fair policy ("" when unknown); every
-        sample runs with ``lora_request`` (None: the base model).
+        sample runs with ``lora_request`` (None: the base model) and ``cache_salt`` (its
+        prefix-cache salt, ``check_cache_salt``; None: unsalted).
 
         Raises:
-            ValueError: for a bad prompt (see ``validate``) or parameters (``validate_params``).
+            ValueError: for a bad prompt (see ``validate``), parameters
+                (``validate_params``) or ``cache_salt``.
         """
+        check_cache_salt(cache_salt)
         self.validate(token_ids)
         self.validate_params(params)
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
@@ -262,7 +288,7 @@ class InputProcessor:
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
                                     mm_features=mm_features, client_id=client_id,
-                                    lora_request=lora_request))
+                                    lora_request=lora_request, cache_salt=cache_salt))
         return requests
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:

@@ -87,7 +87,9 @@ class LLM:
             prompts: a string, a token-id list, a dict (``{"prompt": str}`` or
                 ``{"prompt_token_ids": [...]}``, for a vision-language model with
                 ``"multi_modal_data": {"image": PIL image or list}`` and one image
-                placeholder per image in the prompt), or a list of these.
+                placeholder per image in the prompt; ``"cache_salt"``: a non-empty string,
+                vLLM's, so that only prompts with the same salt share prefix-cache blocks),
+                or a list of these.
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             priority: one integer per prompt, lower first (needs ``policy="priority"`` or
                 ``"fair"``).
@@ -149,7 +151,7 @@ class LLM:
 
         Args:
             prompts: as for ``generate`` (text, token ids, a dict prompt without
-                ``multi_modal_data``, or a list of these).
+                ``multi_modal_data`` or ``cache_salt``, or a list of these).
             params: the search's parameters (``kvflow.beam_search.BeamSearchParams``).
             lora_request: the LoRA adapter every beam of a prompt runs with, one for all
                 prompts or one (or None: the base model) per prompt, as for ``generate``.
@@ -173,6 +175,9 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             if p.mm_features:
                 raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
+            if p.cache_salt is not None:
+                raise ValueError(f"prompt {i}: beam search takes no cache_salt (its steps use "
+                                 "the unsalted prefix cache)")
             if len(p.token_ids) + params.max_tokens > processor.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
                                  f"max_tokens={params.max_tokens} it exceeds max_model_len "

@@ -83,6 +83,9 @@ class Request:
         lora_request: the LoRA adapter it runs with (None: the base model).
         pooling_params: set for an embedding request: its prompt is computed and pooled into
             one vector, nothing is generated.
+        cache_salt: a non-empty string mixed into the hash of the prompt's first KV block, so
+            that only requests with the same salt share prefix-cache blocks (vLLM's
+            ``cache_salt``); None: unsalted, shared with every unsalted request.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class Request:
         client_id: str = "",
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -112,6 +116,7 @@ class Request:
         self.client_id = client_id
         self.lora_request = lora_request
         self.pooling_params = pooling_params
+        self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -14,7 +14,10 @@ still share their prompt blocks: their hashes carry the parent request id as an 
 only siblings can hit them. A block holding image placeholder tokens also carries the images'
 identifiers (hashes of their pixels), so the same text with another image never hits. A
 request with a LoRA adapter adds the adapter's id to the extra key: the same tokens under
-another adapter (or none) have other K/V.
+another adapter (or none) have other K/V. A request's ``cache_salt`` (vLLM's) is added to the
+extra key of its first block only, as vLLM mixes it in: every later block chains from that
+hash, so only requests with the same salt share any block; an unsalted request's hashes are
+unchanged.
 
 KV-cache groups (layers with different attention spans, see ``core/kv_cache_utils.py``): one
 ``SingleTypeKVCacheManager`` per group keeps that group's block table of every request, all
@@ -112,6 +115,8 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             key = extra if request.mm_features is None else \
                 _with_image_keys(extra, request, i * bs, (i + 1) * bs)
+            if i == 0 and request.cache_salt is not None:  # later blocks chain from block 0
+                key = (key, ("cache_salt", request.cache_salt))
             hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), key))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

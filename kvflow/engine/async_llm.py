@@ -221,7 +221,8 @@ class AsyncLLM:
                     params: SamplingParams, priority: int = 0,
                     mm_features: list[MultiModalFeature] | None = None,
                     client_id: str = "",
-                    lora_request: LoRARequest | None = None) -> RequestStream:
+                    lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
@@ -229,9 +230,11 @@ class AsyncLLM:
         expanded in ``prompt_token_ids``). ``client_id`` names the sender for the fair
         policy. With admission control, await ``admitted(stream)``.
         ``lora_request``: the adapter it runs with (added with ``add_lora`` first).
+        ``cache_salt``: salts its prefix-cache blocks (a non-empty string; None: unsalted).
 
         Raises:
-            ValueError: for a bad prompt or parameters, or a request id in use (nothing queued).
+            ValueError: for a bad prompt, parameters or ``cache_salt``, or a request id in use
+                (nothing queued).
             EngineDeadError: if no replica is running.
         """
         if not self.is_healthy:
@@ -240,7 +243,7 @@ class AsyncLLM:
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
-                                                lora_request)
+                                                lora_request, cache_salt)
         return self._queue(request_id, prompt, requests, arrival)
 
     def _queue(self, request_id: str, prompt: str | None, requests: list[Request],

@@ -99,7 +99,8 @@ class LLMEngine:
                                                 priority=priority,
                                                 mm_features=prompt.mm_features,
                                                 client_id=client_id,
-                                                lora_request=lora_request)
+                                                lora_request=lora_request,
+                                                cache_salt=prompt.cache_salt)
         self.output_processor.add_request(prompt.text, requests)
         try:
             if isinstance(self.core, DPCoreClient):  # the samples go to one replica together

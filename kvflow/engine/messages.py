@@ -40,18 +40,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     client_id: str = ""
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    cache_salt: str | None = None  # salts the prompt's first prefix-cache block
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
-                   r.client_id, r.lora_request, r.pooling_params)
+                   r.client_id, r.lora_request, r.pooling_params, r.cache_salt)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
                        self.sample_index, self.mm_features, self.client_id,
-                       self.lora_request, self.pooling_params)
+                       self.lora_request, self.pooling_params, self.cache_salt)
 
 
 class AddRequests(msgspec.Struct, tag="add"):

@@ -40,6 +40,7 @@ _SAMPLING_ONLY = {
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
     "echo": ((None, False), "the prompt is not echoed with beam search"),
     "stream": ((False,), "beam search replies are whole (send stream: false)"),
+    "cache_salt": ((None,), "beam search steps use the unsalted prefix cache"),
 }
 
 

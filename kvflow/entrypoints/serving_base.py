@@ -305,13 +305,13 @@ class OpenAIServing:
                            params: Sequence[SamplingParams], priority: int = 0,
                            mm_features: list[MultiModalFeature] | None = None,
                            client_id: str = "",
-                           lora_request: LoRARequest | None = None
-                           ) -> list[RequestStream]:
+                           lora_request: LoRARequest | None = None,
+                           cache_salt: str | None = None) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
         the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
         expanded in the prompts' ids); with admission control, wait until the engine core
-        accepted them all; ``lora_request``: their adapter. On failure abort what
-        was queued.
+        accepted them all; ``lora_request``: their adapter; ``cache_salt``: their prefix-cache
+        salt (None: unsalted). On failure abort what was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
@@ -320,7 +320,7 @@ class OpenAIServing:
         def add(i: int) -> RequestStream:
             (text, ids), sp = prompts[i], params[i]
             return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
-                                           mm_features, client_id, lora_request)
+                                           mm_features, client_id, lora_request, cache_salt)
 
         return await self.admit_all(add, len(prompts))
 

@@ -136,7 +136,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         else:
             streams = await self.add_requests(request_id, [(text, ids)], [params],
                                               req.priority, prompt.mm_features,
-                                              self.client_id(req, raw), lora_request=lora)
+                                              self.client_id(req, raw), lora_request=lora,
+                                              cache_salt=req.cache_salt)
         return ChatRun(reply_id, ids, streams, parser, grammar_param(req, tool_grammar))
 
     async def _tools(self, req: ChatCompletionRequest) -> tuple[str | None, ChatOutputParser]:

@@ -75,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
-                                              lora_request=lora)
+                                              lora_request=lora, cache_salt=req.cache_salt)
         param = grammar_param(req, None)
         if req.stream:
             return SSEResponse(self.stream(

@@ -235,7 +235,7 @@ class OpenAIServingResponses:
                     "response_format": chat_response_format(req.text and req.text.format),
                     "logprobs": wants_logprobs(req) or None,
                     "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
-                    "prompt_cache_key": req.prompt_cache_key,
+                    "prompt_cache_key": req.prompt_cache_key, "cache_salt": req.cache_salt,
                     "safety_identifier": req.safety_identifier}
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None

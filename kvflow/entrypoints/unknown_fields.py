@@ -34,7 +34,6 @@ UNSUPPORTED = {
     "prompt_embeds": "send text or token ids",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
     "media_io_kwargs": "images are decoded as RGB with the server's limits",
-    "cache_salt": "the prefix cache is shared by every request of this server",
     "functions": "send tools (the deprecated functions field is not read)",
     "function_call": "send tool_choice (the deprecated function_call field is not read)",
     "prediction": "predicted outputs are not supported",

@@ -373,17 +373,17 @@ def make_request():
     """Factory: ``make_request(rid, prompt, **kw)`` -> Request with increasing arrival times.
 
     Keywords: ``max_tokens`` (default 16), ``eos`` (default ``EOS``), ``arrival``, ``priority``,
-    ``parent_id``, ``sample_index``; anything else goes to SamplingParams.
+    ``parent_id``, ``sample_index``, ``cache_salt``; anything else goes to SamplingParams.
     """
     clock = itertools.count()
 
     def factory(rid: str, prompt: list[int], *, max_tokens: int = 16, eos: int | None = EOS,
                 arrival: float | None = None, priority: int = 0, parent_id: str | None = None,
-                sample_index: int = 0, **params) -> Request:
+                sample_index: int = 0, cache_salt: str | None = None, **params) -> Request:
         sp = SamplingParams(max_tokens=max_tokens, **params)
         when = float(next(clock)) if arrival is None else arrival
         return Request(rid, prompt, sp, eos_token_id=eos, arrival_time=when, priority=priority,
-                       parent_id=parent_id, sample_index=sample_index)
+                       parent_id=parent_id, sample_index=sample_index, cache_salt=cache_salt)
 
     return factory
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvflow.core.block_pool import hash_block_tokens
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.request import Request
 
@@ -320,3 +321,32 @@ def test_can_allocate_agrees_with_allocate_slots_randomized(make_kv, make_reques
     kv = make_kv(rng.randint(2, 12), block_size=rng.choice([1, 2, 4, 4]),
                  enable_prefix_caching=caching)
     _random_trial(kv, make_request, rng, num_ops=150)
+
+
+def test_cache_salt_shares_blocks_only_within_one_salt(make_kv, make_request):
+    """vLLM's ``cache_salt``: mixed into the first block's hash only, so a request hits the
+    blocks of earlier requests with the same salt (here 13 tokens: 3 whole blocks, 12 tokens)
+    and none of another salt's or of unsalted requests'; unsalted requests keep plain chain
+    hashes and share among themselves."""
+    kv = make_kv(40)
+    prompt = list(range(13))
+    reqs = {rid: make_request(rid, prompt, cache_salt=salt)
+            for rid, salt in (("a", "alice"), ("b", "alice"), ("c", "bob"), ("d", None),
+                              ("e", None))}
+    assert [admit(kv, r) for r in reqs.values()] == [0, 12, 0, 0, 12]
+    first = reqs["a"]
+    assert kv.get_computed_blocks(make_request("f", prompt, cache_salt="carol"))[1] == 0
+    # the hash chain, recomputed by hand: unsalted blocks hash their tokens alone; a salted
+    # request's block 0 carries the salt and its later blocks only chain from it
+    plain = [hash_block_tokens(None, tuple(prompt[:4]))]
+    for i in (1, 2):
+        plain.append(hash_block_tokens(plain[-1], tuple(prompt[4 * i:4 * i + 4])))
+    unsalted = make_request("g", prompt)
+    kv.get_computed_blocks(unsalted)
+    assert unsalted.block_hashes == plain
+    salted = first.block_hashes
+    assert salted[0] != plain[0]
+    assert salted[1] == hash_block_tokens(salted[0], tuple(prompt[4:8]))
+    assert salted[2] == hash_block_tokens(salted[1], tuple(prompt[8:12]))
+    for r in reqs.values():
+        kv.free(r)

@@ -329,8 +329,17 @@ def sampling_cases(path: str) -> dict[str, Callable]:
             ids(ok(server, path, {"ignore_eos": True}))
         rejected(path, {"length_penalty": 2.0}, "length_penalty")(server, tokenizer)
 
+    def cache_salt(server, tokenizer):
+        """Salted, the same greedy tokens; what the salt does to prefix-cache hits
+        (``cached_tokens``, by hand from the block size) is asserted in
+        tests/e2e/test_openai_prompt_tokens_details.py (a server with the details on); an
+        empty salt is a 400 naming it."""
+        assert ids(ok(server, path, {"cache_salt": "tenant-1"})) == ids(ok(server, path, {}))
+        rejected(path, {"cache_salt": ""}, "cache_salt")(server, tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
+        "cache_salt": cache_salt,
         "target_ttft_ms": target_ttft_ms, "target_tpot_ms": target_tpot_ms,
         "n": n, "temperature": temperature, "seed": seed,
         "top_p": hot_differs_and_filter_restores("top_p", 1e-6),

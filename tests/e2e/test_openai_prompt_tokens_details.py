@@ -5,7 +5,9 @@ prompt's prefix-cache hits: 0 for a prompt whose first block no earlier request 
 again (its whole blocks but the last token's: the engine computes at least one). A prompt
 counts once however many samples ``n`` asks for, as ``prompt_tokens`` does; a list of
 prompts sums its prompts' hits. Off (the default) the usage has no details:
-tests/test_usage_info.py."""
+tests/test_usage_info.py. vLLM's ``cache_salt``: a salted prompt hits only what the same salt
+cached (the same hand-computed count), 0 against unsalted or other-salted copies; a bad salt
+is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -117,3 +119,57 @@ def test_a_list_of_prompts_sums_their_hits(client, stream):
     num_new = usage.prompt_tokens - alone.prompt_tokens
     assert num_new > 4 * BLOCK_SIZE
     assert usage.prompt_tokens_details.cached_tokens == hits(alone.prompt_tokens)  # new: 0
+
+
+def salted_usages(client, path: str, text: str, salts: list[str | None]
+                  ) -> tuple[list[int], int]:
+    """(the cached tokens of ``text`` sent once per salt in ``salts``, in order, its prompt
+    tokens); greedy, 2 tokens, each reply's text checked against the first's (a salt changes
+    no output)."""
+    hits, texts = [], []
+    for salt in salts:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        if path == "chat":
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2,
+                temperature=0, **extra)
+            texts.append(reply.choices[0].message.content)
+        else:
+            reply = client.completions.create(model=MODEL, prompt=text, max_tokens=2,
+                                              temperature=0, **extra)
+            texts.append(reply.choices[0].text)
+        hits.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert texts == [texts[0]] * len(texts)
+    return hits, reply.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path", ["completions", "chat"])
+def test_cache_salt_shares_blocks_only_with_the_same_salt(client, path):
+    """vLLM's ``cache_salt`` is mixed into the prompt's first block: a salted prompt hits
+    only what the same salt cached (every whole block but the last token's, by hand), never
+    an unsalted or other-salted copy (not even the chat template's prefix that every
+    unsalted chat shares); unsalted copies still share with each other."""
+    a, b = (f"{path}-{uuid.uuid4().hex}" for _ in range(2))  # salts no earlier request sent
+    got, num_prompt = salted_usages(client, path, fresh_text(), [None, a, a, b, None, b])
+    full = hits(num_prompt)
+    assert got[1:] == [0, full, 0, full, full]
+    # the first, unsalted, hits at most the chat template's prefix that earlier chats shared
+    assert got[0] == 0 if path == "completions" else got[0] < full
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+def test_a_bad_cache_salt_is_a_400_naming_it(server, path, salt):
+    body = {"model": MODEL, "max_tokens": 2, "cache_salt": salt,
+            **({"prompt": "hi"} if path == "/v1/completions"
+               else {"messages": [{"role": "user", "content": "hi"}]})}
+    resp = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "cache_salt", resp.text
+
+
+def test_beam_search_refuses_a_cache_salt(server):
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "use_beam_search": True,
+        "cache_salt": "a"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text

@@ -396,7 +396,8 @@ REFUSED = {"background": (True, "background"), "conversation": ("conv_1", "conve
 USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
         "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
         "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
-        "include", "top_logprobs"}  # output logprobs: test_openai_responses_extras
+        "include", "top_logprobs",  # output logprobs: test_openai_responses_extras
+        "cache_salt"}
 
 
 def test_every_field_is_used_or_refused():
@@ -405,6 +406,25 @@ def test_every_field_is_used_or_refused():
     assert set(REFUSED) | USED == set(ResponsesRequest.model_fields)
     assert not set(REFUSED) & USED
     assert set(unhonoured_fields()) <= set(REFUSED)  # each marked field is refused here
+
+
+def test_cache_salt_shares_blocks_only_with_the_same_salt(server):
+    """vLLM's ``cache_salt``, passed to the chat request: the same input under a new salt
+    hits nothing (not even the template's shared prefix), under the same salt again every
+    whole block but the last token's (by hand from the block size); an empty salt is a 400
+    naming it."""
+    block_size = int(SERVER_ARGS[SERVER_ARGS.index("--block-size") + 1])
+    salt, other = (f"salt-{time.monotonic_ns()}-{i}" for i in range(2))
+    got = []
+    for s in (salt, salt, other):
+        resp = respond(server, input="salted words for the prefix cache", max_output_tokens=2,
+                       temperature=0, cache_salt=s, store=False)
+        assert resp.status_code == 200, resp.text
+        got.append(resp.json()["usage"]["input_tokens_details"]["cached_tokens"])
+    num_prompt = resp.json()["usage"]["input_tokens"]
+    assert got == [0, (num_prompt - 1) // block_size * block_size, 0]
+    resp = respond(server, input="hi", cache_salt="")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))

@@ -104,6 +104,7 @@ class ResponsesRequest(RequestBody):
     stream_options: dict[str, Any] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: salts the prefix cache
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
     background: Annotated[Any, Unhonoured(
         False, "replies are generated while the request waits (send false)")] = None

@@ -70,7 +70,8 @@ class SamplingRequest(RequestBody):
     ``fair``); ``target_ttft_ms`` / ``target_tpot_ms`` override the server's service-level
     targets for this request; ``user`` names the client for ``--policy fair``; vLLM's
     ``request_id`` names the reply (``id``: ``cmpl-{request_id}`` / ``chatcmpl-{request_id}``,
-    as vLLM writes it)."""
+    as vLLM writes it); vLLM's ``cache_salt`` (a non-empty string) salts the prompt's
+    prefix-cache blocks: only requests with the same salt share them."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -107,6 +108,7 @@ class SamplingRequest(RequestBody):
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     prompt_logprobs: int | None = Field(None, ge=0)
+    cache_salt: str | None = Field(None, min_length=1)
 
     @model_validator(mode="wrap")
     @classmethod
