@@ -207,7 +207,8 @@ class LLM:
                 ``{"prompt_token_ids": ...}``; ``multi_modal_data`` is refused), or a list
                 of these.
             pooling_params: one for all prompts or one per prompt (``dimensions``: Matryoshka
-                truncation, for models that support it).
+                truncation, for models that support it; ``normalize``: True / False to
+                L2-normalize the vector or not, None as the model's pooling config says).
             user: one client name per prompt (needs ``policy="fair"``; default: one client),
                 as for ``generate``.
 

@@ -14,9 +14,13 @@ class PoolingParams:
 
     Attributes:
         dimensions: keep the first ``dimensions`` values of the pooled vector (Matryoshka
-            representation learning, Kusupati et al. 2022), normalized again when the model
-            normalizes; None: the whole vector. Only for models that declare Matryoshka
-            support (checked by the engine against the model).
+            representation learning, Kusupati et al. 2022), normalized again when the vector
+            is normalized (``normalize``); None: the whole vector. Only for models that
+            declare Matryoshka support (checked by the engine against the model).
+        normalize: L2-normalize the embedding (after any ``dimensions`` cut): True or False
+            (vLLM's field; False gives the raw pooled vector, float32); None: as the model's
+            pooling config says (its sentence-transformers ``Normalize`` module). Embeddings
+            (``task="embed"``) only.
         task: "embed" (a vector, ``LLM.embed``), "score" (a cross-encoder's pair, set by
             ``LLM.score`` and the score routes) or "classify" (class probabilities,
             ``LLM.classify`` and /classify); the engine refuses a task it does not run.
@@ -26,12 +30,14 @@ class PoolingParams:
 
     Raises:
         ValueError: from the constructor for ``dimensions`` < 1 or not an integer, an unknown
-            ``task``, or a ``second_segment_start`` < 1 or not an integer.
+            ``task``, a ``second_segment_start`` < 1 or not an integer, or a ``normalize``
+            that is not a bool (or is set for a task other than "embed").
     """
 
     dimensions: int | None = None
     task: str = "embed"
     second_segment_start: int | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
         d = self.dimensions
@@ -43,3 +49,10 @@ class PoolingParams:
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
             raise ValueError(f"PoolingParams.second_segment_start={s!r} must be an integer "
                              ">= 1")
+        if self.normalize is not None:
+            if not isinstance(self.normalize, bool):
+                raise ValueError(f"PoolingParams.normalize={self.normalize!r} must be a bool "
+                                 "or None")
+            if self.task != "embed":
+                raise ValueError(f"PoolingParams.normalize applies to embeddings only, not "
+                                 f"task={self.task!r}")

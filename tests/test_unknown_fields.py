@@ -149,3 +149,21 @@ def test_platform_fields_asking_for_what_kvflow_cannot_do_are_refused_everywhere
     for accepted in ({"store": False}, {"store": None}, {"service_tier": "auto"},
                      {"service_tier": "default"}):
         UnknownFields(ignore).check(_parsed(endpoint, accepted), endpoint)
+
+
+def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
+    """``cache_salt`` (completions, chat, responses) and ``normalize`` /
+    ``add_special_tokens`` (embeddings) are declared, so honoured, where vLLM takes them;
+    sent to another endpoint each is refused as unsupported even under
+    ``--ignore-unknown-fields`` (ignored, a salt would share the prefix cache); ``embed_dtype``
+    is refused on embeddings too."""
+    for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        UnknownFields().check(_parsed(endpoint, {"cache_salt": "a"}), endpoint)
+    UnknownFields().check(_parsed("/v1/embeddings", {"normalize": False,
+                                                     "add_special_tokens": False}), "emb")
+    for endpoint, field, value in (("/v1/embeddings", "cache_salt", "a"),
+                                   ("/v1/score", "normalize", False),
+                                   ("/classify", "add_special_tokens", False),
+                                   ("/v1/embeddings", "embed_dtype", "float16")):
+        error = _refusal(endpoint, {field: value}, ignore=True)
+        assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")

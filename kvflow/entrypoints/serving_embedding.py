@@ -39,7 +39,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(req.model)
         self.check_task("embed")
         prompts = await self._inputs(req)
-        params = PoolingParams(dimensions=req.dimensions)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
         self.note_request(req, request_id)
@@ -48,8 +48,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                                                                streams))
 
     async def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:
-        """The inputs as (text or None, token ids), in order; long text is tokenized off the
-        event loop (``encode_texts``).
+        """The inputs as (text or None, token ids), in order; text is tokenized with the
+        tokenizer's special tokens unless ``req.add_special_tokens`` is false, long text off
+        the event loop (``encode_texts``).
 
         Raises:
             OpenAIError: 400 (param ``input``) for an empty input (code ``empty_string`` /
@@ -61,8 +62,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         items = self._checked_items(req.input)
         texts = [self.engine.processor.pooling_text(item) for item in items
                  if isinstance(item, str)]
-        encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts, True,
-                                               "input", pooling=True))
+        encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts,
+                                               req.add_special_tokens, "input", pooling=True))
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
                 for item in items]
 

@@ -34,6 +34,9 @@ UNSUPPORTED = {
     "prompt_embeds": "send text or token ids",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
     "media_io_kwargs": "images are decoded as RGB with the server's limits",
+    # declared (and honoured) on completions, chat and responses; refused elsewhere, even
+    # under --ignore-unknown-fields, as a salt ignored would share the prefix cache
+    "cache_salt": "only /v1/completions, /v1/chat/completions and /v1/responses take it",
     "functions": "send tools (the deprecated functions field is not read)",
     "function_call": "send tool_choice (the deprecated function_call field is not read)",
     "prediction": "predicted outputs are not supported",
@@ -42,10 +45,15 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
     "reasoning_effort": "pass the model's own switch in chat_template_kwargs "
                         "(e.g. enable_thinking)",
-    # vLLM's /v1/embeddings extensions
-    "normalize": "vectors are normalized as the model's pooling config says",
-    "embed_dtype": "vectors are float32 (encoding_format float or base64)",
-    "add_special_tokens": "inputs are tokenized with the tokenizer's special tokens",
+    # vLLM's /v1/embeddings extensions; normalize and add_special_tokens are declared (and
+    # honoured) there, these entries refuse them on the endpoints that do not take them
+    "normalize": "only /v1/embeddings takes it (scores and classes use the model's own "
+                 "pooling)",
+    "add_special_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings and "
+                          "/tokenize take it (other inputs are tokenized with the "
+                          "tokenizer's special tokens)",
+    "embed_dtype": "vectors are float32 (encoding_format float, or base64 of little-endian "
+                   "float32 bytes)",
     "priority": "only generation requests take a priority (embedding requests are queued at "
                 "priority 0, by client under --policy fair)",
     "target_ttft_ms": "only generation requests take one (embedding requests take the "

@@ -7,7 +7,8 @@ for decoder models) whose final hidden states are pooled instead of sampled from
 prompt token (a float64 running sum per request that each chunk continues token by token, so
 it is the same however the prompt is chunked: ``--deterministic`` holds for it). A preempted request
 recomputes its prompt from the start, so its partial state is dropped. The vector is then cut
-to the request's ``dimensions`` (Matryoshka) and L2-normalized when the model normalizes.
+to the request's ``dimensions`` (Matryoshka) and L2-normalized when the request's
+``normalize`` says so, else when the model normalizes.
 A sequence classifier (``task="score"`` or ``"classify"``) pools ``cls`` (an encoder) or
 ``last`` (a decoder) and reports its classification head's logits on that state after the
 model's activation (sigmoid or identity for score, softmax for classify): ``num_labels``
@@ -30,9 +31,12 @@ from kvflow.worker.input_batch import InputBatch
 def finish_vector(vector: torch.Tensor, params: PoolingParams | None,
                   normalize: bool) -> list[float]:
     """float32 [H] -> the reported values: the first ``params.dimensions`` (if set), then
-    L2-normalized if ``normalize``."""
+    L2-normalized if ``params.normalize`` is True, or if it is None (or no params) and the
+    model's ``normalize`` is True."""
     if params is not None and params.dimensions is not None:
         vector = vector[:params.dimensions]
+    if params is not None and params.normalize is not None:
+        normalize = params.normalize
     if normalize:
         vector = F.normalize(vector, dim=-1)
     return vector.tolist()

@@ -128,3 +128,44 @@ def test_out_of_vocabulary_names_the_index(which, bert, decoder, make_input, whe
     assert (resp.status_code, resp.json()) == (400, {"error": {
         "message": f"{where}: token id {bad} is outside the vocabulary [0, {vocab})",
         "type": "invalid_request_error", "param": where, "code": "invalid_value"}})
+
+
+def _raw_st(st):
+    """``st`` less its ``Normalize`` module (the oracle of ``normalize: false``)."""
+    from sentence_transformers import SentenceTransformer, models
+
+    assert isinstance(st[-1], models.Normalize)
+    return SentenceTransformer(modules=list(st)[:-1], device="cpu")
+
+
+@pytest.mark.parametrize("which", ["bert", "decoder"])
+def test_normalize(which, bert, decoder):
+    """vLLM's ``normalize``: false returns sentence-transformers' pooled vector without its
+    Normalize module (mean pooling for BERT, last token for the decoder; with
+    ``dimensions`` cut, not normalized again), true the normalized one; a non-bool is a 400
+    naming it."""
+    server, st = bert if which == "bert" else decoder
+    raw = st_embed(_raw_st(st), INPUTS)
+    assert all(abs(v.norm().item() - 1.0) > 1e-2 for v in raw)
+    for body, expected in (({"normalize": False}, raw),
+                           ({"normalize": True}, st_embed(st, INPUTS)),
+                           *([({"normalize": False, "dimensions": 8}, [v[:8] for v in raw])]
+                             if which == "decoder" else [])):
+        reply = server.client().embeddings.create(model="bert" if which == "bert" else "dec",
+                                                  input=INPUTS, extra_body=body)
+        for d, ref in zip(reply.data, expected):
+            _close(d.embedding, ref)
+    resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a", "normalize": "no"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "normalize", resp.text
+
+
+def test_add_special_tokens_and_embed_dtype_refusals(bert):
+    """A non-bool ``add_special_tokens`` is a 400 naming it (what false does is checked with a
+    tokenizer that adds ``<bos>``: tests/e2e/test_openai_fields.py); ``embed_dtype`` stays
+    refused: vLLM pairs it with an ``endianness`` and fp8 formats kvflow does not encode."""
+    server, _ = bert
+    for field, value, code in (("add_special_tokens", "no", "invalid_type"),
+                               ("embed_dtype", "float16", "unsupported_parameter")):
+        resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a", field: value})
+        assert resp.status_code == 400, resp.text
+        assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (field, code)

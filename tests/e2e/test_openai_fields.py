@@ -47,16 +47,22 @@ EMBED_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
               "--uvicorn-log-level", "info"]
 
 
+def _add_bos(folder: str) -> None:
+    """Make the tokenizer saved in ``folder`` put ``<bos>`` before every text it encodes
+    with special tokens (so ``add_special_tokens`` shows)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok.save_pretrained(folder)
+
+
 def _model_dir(tiny_chat_model, built_models) -> str:
     def build(folder: str) -> None:
-        from tokenizers import processors
-        from transformers import AutoTokenizer
-
         shutil.copytree(tiny_chat_model, folder)
-        tok = AutoTokenizer.from_pretrained(folder)
-        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
-        tok.save_pretrained(folder)
+        _add_bos(folder)
 
     return built_models("fields", build)[0]
 
@@ -66,9 +72,10 @@ EMBED_PROMPT = "Query: "  # the embedding model's default prompt (and it lower-c
 
 def _embed_model(tiny_tokenizer, built_models) -> str:
     """A tiny decoder embedding model whose sentence-transformers config lower-cases text and
-    puts ``EMBED_PROMPT`` before each."""
+    puts ``EMBED_PROMPT`` before each, its tokenizer adding ``<bos>``."""
     def build(folder: str) -> None:
         build_decoder(tiny_tokenizer, folder, "lasttoken")
+        _add_bos(folder)
         for name, changes in (("sentence_bert_config.json", {"do_lower_case": True}),
                               ("config_sentence_transformers.json", {
                                   "prompts": {"query": EMBED_PROMPT, "document": ""},
@@ -660,11 +667,37 @@ def embedding_cases() -> dict[str, Callable]:
     def vector(resp: dict[str, Any]) -> list[float]:
         return resp["data"][0]["embedding"]
 
+    embed_text = (EMBED_PROMPT + PROMPT).lower()  # as the model's config prepares it
+
     def input_(server, tokenizer):
         a, b = ok(server, EMB, {}), ok(server, EMB, {"input": "lazy dog"})
-        plain = tokenizer.encode((EMBED_PROMPT + PROMPT).lower(), add_special_tokens=False)
-        assert a["usage"]["prompt_tokens"] == len(plain)  # the <bos> one adds it, not this
+        assert a["usage"]["prompt_tokens"] == len(tokenizer.encode(embed_text))  # with <bos>
         assert vector(a) != vector(b) and len(vector(a)) == 64
+
+    def add_special_tokens(server, tokenizer):
+        """False: the text's ids without ``<bos>`` (usage and vector those of the ids sent
+        as tokens); true is the default."""
+        plain = tokenizer.encode(embed_text, add_special_tokens=False)
+        assert tokenizer.encode(embed_text) == [tokenizer.bos_token_id, *plain]
+        bare = ok(server, EMB, {"add_special_tokens": False})
+        assert bare["usage"]["prompt_tokens"] == len(plain)
+        assert vector(bare) == pytest.approx(vector(ok(server, EMB, {"input": plain})),
+                                             abs=1e-6)
+        assert vector(bare) != pytest.approx(vector(ok(server, EMB, {})), abs=1e-3)
+        assert vector(ok(server, EMB, {"add_special_tokens": True})) == \
+            vector(ok(server, EMB, {}))
+        rejected(EMB, {"add_special_tokens": "no"}, "add_special_tokens")(server, tokenizer)
+
+    def normalize(server, tokenizer):
+        """False: the raw last-token vector (this model normalizes by default), so the
+        default one is it divided by its norm (the sentence-transformers oracle is in
+        tests/e2e/test_openai_embeddings.py); a non-bool is a 400 naming it."""
+        raw, unit = vector(ok(server, EMB, {"normalize": False})), vector(ok(server, EMB, {}))
+        norm = sum(v * v for v in raw) ** 0.5
+        assert abs(norm - 1.0) > 1e-2
+        assert unit == pytest.approx([v / norm for v in raw], abs=1e-6)
+        assert vector(ok(server, EMB, {"normalize": True})) == unit
+        rejected(EMB, {"normalize": 1}, "normalize")(server, tokenizer)
 
     def encoding_format(server, tokenizer):
         import base64
@@ -692,7 +725,8 @@ def embedding_cases() -> dict[str, Callable]:
 
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
             "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
-            "request_id": request_id}
+            "request_id": request_id, "add_special_tokens": add_special_tokens,
+            "normalize": normalize}
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),

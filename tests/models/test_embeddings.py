@@ -286,3 +286,33 @@ def test_masked_lm_checkpoint_embeds_with_its_encoder(tiny_tokenizer, tmp_path, 
         hidden = encoder(input_ids=torch.tensor([ids])).last_hidden_state[0, 0]
     (out,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
     _check([out], [torch.nn.functional.normalize(hidden, dim=0)])
+
+
+def _without_normalize(st: Any) -> Any:
+    """The same sentence-transformers pipeline less its ``Normalize`` module: the raw pooled
+    vector (the oracle of ``normalize=False``)."""
+    from sentence_transformers import SentenceTransformer, models
+
+    assert isinstance(st[-1], models.Normalize)
+    return SentenceTransformer(modules=list(st)[:-1], device="cpu")
+
+
+def test_normalize_false_gives_the_raw_pooled_vector(decoder_folder):
+    """vLLM's ``PoolingParams.normalize``: False returns the pooled vector as pooled (cut to
+    ``dimensions`` first, not normalized again), True normalizes, None follows the model
+    (whose config normalizes); a non-bool, or one on another task, is a ValueError."""
+    folder, st = decoder_folder("lasttoken")
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    raw = st_embed(_without_normalize(st), SENTENCES[:2])
+    assert all(abs(v.norm().item() - 1.0) > 1e-2 for v in raw)  # the oracle is not unit
+    for params, expected in ((PoolingParams(normalize=False), raw),
+                             (PoolingParams(normalize=False, dimensions=16),
+                              [v[:16] for v in raw]),
+                             (PoolingParams(normalize=True), st_embed(st, SENTENCES[:2]))):
+        outs = llm.embed(SENTENCES[:2], params, use_tqdm=False)
+        for out, ref in zip(outs, expected):
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5,
+                                       rtol=1e-4)
+    for bad in ({"normalize": "yes"}, {"normalize": 1}, {"normalize": True, "task": "score"}):
+        with pytest.raises(ValueError, match="PoolingParams.normalize"):
+            PoolingParams(**bad)

@@ -18,7 +18,10 @@ class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
     list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
     ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes);
-    vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``)."""
+    vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``); vLLM's
+    ``normalize`` (true / false; unset: as the model's pooling config says) L2-normalizes the
+    vector or returns it raw, and ``add_special_tokens`` (default true) false tokenizes text
+    inputs without the tokenizer's special tokens (token-id inputs are taken as sent)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -26,6 +29,8 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
 
 
 class EmbeddingData(OpenAIBaseModel):
