@@ -1215,12 +1215,13 @@ def test_null_means_the_default(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
 
 
-@pytest.mark.parametrize("field,value", [("truncate_prompt_tokens", 1), ("normalize", False),
+@pytest.mark.parametrize("field,value", [("truncate_prompt_tokens", 1),
                                          ("embed_dtype", "float16"), ("priority", 1),
-                                         ("add_special_tokens", False)])
+                                         ("cache_salt", "a")])
 def test_embedding_fields_that_would_change_the_vectors_are_refused(embed_server, field, value):
     """vLLM's /v1/embeddings extensions kvflow does not implement are a 400 naming the field
-    (they were ignored: the same vector came back); null passes."""
+    (they were ignored: the same vector came back); null passes. (``normalize`` and
+    ``add_special_tokens`` are honoured: ``embedding_cases``.)"""
     resp = post(embed_server, EMB, {field: value})
     error = resp.json()["error"]
     assert resp.status_code == 400 and (error["param"], error["code"]) == \
