@@ -283,9 +283,10 @@ def beam_search_offline(generate: Callable[[list[list[int]], SamplingParams, lis
 async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list[int],
                             params: BeamSearchParams, *, priority: int = 0,
                             client_id: str = "", lora_request: Any = None,
-                            skip_special_tokens: bool = True) -> RequestOutput:
+                            skip_special_tokens: bool = True,
+                            cache_salt: str | None = None) -> RequestOutput:
     """One prompt's beam search on the server's ``AsyncLLM``; its step requests are named
-    ``{request_id}-s{step}-b{beam}``. If this coroutine is cancelled (the client went
+    ``{request_id}-s{step}-b{beam}`` and each carries ``lora_request`` and ``cache_salt``. If this coroutine is cancelled (the client went
     away) or fails, every step request still in flight is aborted.
 
     Returns:
@@ -307,7 +308,8 @@ async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list
             for i, tokens in enumerate(search.live_prompts()):
                 streams.append(engine.add_request(
                     f"{request_id}-s{search.num_steps}-b{i}", None, tokens,
-                    search.step_params(), priority, None, client_id, lora_request))
+                    search.step_params(), priority, None, client_id, lora_request,
+                    cache_salt))
             for stream in streams:
                 await engine.admitted(stream)
             outs = await asyncio.gather(*(_last(stream) for stream in streams))

@@ -151,7 +151,8 @@ class LLM:
 
         Args:
             prompts: as for ``generate`` (text, token ids, a dict prompt without
-                ``multi_modal_data`` or ``cache_salt``, or a list of these).
+                ``multi_modal_data``, or a list of these); a prompt's ``cache_salt`` salts
+                every step request of its search.
             params: the search's parameters (``kvflow.beam_search.BeamSearchParams``).
             lora_request: the LoRA adapter every beam of a prompt runs with, one for all
                 prompts or one (or None: the base model) per prompt, as for ``generate``.
@@ -166,7 +167,7 @@ class LLM:
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
                 f"params must be a BeamSearchParams, got {type(params).__name__}")
         processor = self.engine.processor
-        token_prompts = []
+        token_prompts, salts = [], []
         for i, prompt in enumerate(as_prompt_list(prompts)):
             try:
                 p = processor.process(prompt)
@@ -175,14 +176,12 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             if p.mm_features:
                 raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
-            if p.cache_salt is not None:
-                raise ValueError(f"prompt {i}: beam search takes no cache_salt (its steps use "
-                                 "the unsalted prefix cache)")
             if len(p.token_ids) + params.max_tokens > processor.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
                                  f"max_tokens={params.max_tokens} it exceeds max_model_len "
                                  f"({processor.max_model_len})")
             token_prompts.append(p.token_ids)
+            salts.append(p.cache_salt)
         loras = broadcast_loras(lora_request, len(token_prompts))
         for lora in {lr for lr in loras if lr is not None}:  # refused here, before a step
             self.engine.core.add_lora(lora)
@@ -190,7 +189,10 @@ class LLM:
 
         def generate(batch: list[list[int]], sp: SamplingParams,
                      owners: list[int]) -> list[RequestOutput]:
-            return self.generate(batch, sp, use_tqdm=False,
+            steps = [ids if salts[i] is None else {"prompt_token_ids": ids,
+                                                   "cache_salt": salts[i]}
+                     for ids, i in zip(batch, owners)]
+            return self.generate(steps, sp, use_tqdm=False,
                                  lora_request=[loras[i] for i in owners])
 
         return beam_search_offline(generate, token_prompts, params, eos, self.engine.tokenizer)

@@ -59,8 +59,21 @@ def test_bad_salt_is_refused(llm, salt):
                      SamplingParams(max_tokens=1), use_tqdm=False)
 
 
-def test_beam_search_refuses_a_salt(llm):
-    """Beam search's step requests would run unsalted: a salted prompt is refused."""
-    with pytest.raises(ValueError, match="prompt 0: beam search takes no cache_salt"):
-        llm.beam_search({"prompt_token_ids": [5, 6, 7], "cache_salt": "x"},
-                        BeamSearchParams(beam_width=2, max_tokens=2))
+def test_beam_search_steps_carry_the_salt(llm, tiny_model_factory, assert_no_leaks):
+    """Every step request of a salted search is salted: afterwards the prompt's blocks hit
+    for that salt only, and the beams are the unsalted search's."""
+    tiny = tiny_model_factory("llama")
+    gen = torch.Generator().manual_seed(12)
+    prompt = torch.randint(2, tiny.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
+    beam = BeamSearchParams(beam_width=2, max_tokens=3)
+    (salted,) = llm.beam_search({"prompt_token_ids": prompt, "cache_salt": "dora"}, beam)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    seen = (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE  # 12: three whole blocks
+    for p, hits in [(prompt, 0), ({"prompt_token_ids": prompt, "cache_salt": "dora"}, seen)]:
+        (out,) = llm.generate([p], params, use_tqdm=False)
+        assert out.metrics.num_cached_tokens == hits
+    (plain,) = llm.beam_search(prompt, beam)
+    assert [s.tokens for s in salted.sequences] == [s.tokens for s in plain.sequences]
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.beam_search({"prompt_token_ids": prompt, "cache_salt": ""}, beam)
+    assert_no_leaks(llm)

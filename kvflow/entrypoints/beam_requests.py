@@ -40,7 +40,6 @@ _SAMPLING_ONLY = {
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
     "echo": ((None, False), "the prompt is not echoed with beam search"),
     "stream": ((False,), "beam search replies are whole (send stream: false)"),
-    "cache_salt": ((None,), "beam search steps use the unsalted prefix cache"),
 }
 
 
@@ -103,7 +102,8 @@ class BeamSearches:
               prompts: Sequence[tuple[str | None, list[int]]],
               params: Sequence[SamplingParams], beam: Sequence[BeamSearchParams],
               priority: int, client_id: str, lora_request: LoRARequest | None,
-              skip_special_tokens: bool) -> list[RequestStream]:
+              skip_special_tokens: bool, cache_salt: str | None = None
+              ) -> list[RequestStream]:
         """Start one search per prompt (ids ``{request_id}-{i}``, as ``add_requests``
         names them); each stream yields one finished RequestOutput (its logprobs cut to
         ``params[i].logprobs`` per token, the chosen token kept) or raises OpenAIError (a
@@ -113,7 +113,7 @@ class BeamSearches:
             stream = RequestStream(f"{request_id}-{i}")
             task = asyncio.create_task(self._run(
                 engine, stream, text, ids, bp, sp.logprobs, priority, client_id,
-                lora_request, skip_special_tokens))
+                lora_request, skip_special_tokens, cache_salt))
             self.tasks[stream.request_id] = task
             task.add_done_callback(lambda _, rid=stream.request_id: self.tasks.pop(rid, None))
             streams.append(stream)
@@ -129,12 +129,13 @@ class BeamSearches:
     async def _run(engine: AsyncLLM, stream: RequestStream, text: str | None, ids: list[int],
                    beam: BeamSearchParams, num_logprobs: int | None, priority: int,
                    client_id: str, lora_request: LoRARequest | None,
-                   skip_special_tokens: bool) -> None:
+                   skip_special_tokens: bool, cache_salt: str | None) -> None:
         try:
             out = await beam_search_async(engine, stream.request_id, ids, beam,
                                           priority=priority, client_id=client_id,
                                           lora_request=lora_request,
-                                          skip_special_tokens=skip_special_tokens)
+                                          skip_special_tokens=skip_special_tokens,
+                                          cache_salt=cache_salt)
         except ValueError as e:
             stream.put(invalid_request(e))
         except AdmissionRejected as e:

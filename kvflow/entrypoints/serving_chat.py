@@ -132,7 +132,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             _refuse_for_beam_search(tool_grammar, prompt.mm_features)
             streams = self.beam_searches.start(
                 self.engine, request_id, [(text, ids)], [params], [beam_params(req, params)],
-                req.priority, self.client_id(req, raw), lora, req.skip_special_tokens)
+                req.priority, self.client_id(req, raw), lora, req.skip_special_tokens,
+                req.cache_salt)
         else:
             streams = await self.add_requests(request_id, [(text, ids)], [params],
                                               req.priority, prompt.mm_features,

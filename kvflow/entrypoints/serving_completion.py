@@ -71,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = self.beam_searches.start(
                 self.engine, request_id, prompts, params,
                 [beam_params(req, sp) for sp in params], req.priority,
-                self.client_id(req, raw), lora, req.skip_special_tokens)
+                self.client_id(req, raw), lora, req.skip_special_tokens, req.cache_salt)
         else:
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),

@@ -168,8 +168,23 @@ def test_a_bad_cache_salt_is_a_400_naming_it(server, path, salt):
     assert resp.json()["error"]["param"] == "cache_salt", resp.text
 
 
-def test_beam_search_refuses_a_cache_salt(server):
+def test_beam_search_steps_carry_the_cache_salt(server):
+    """A salted beam search's steps fill the cache under that salt: a later request with
+    the same salt hits the prompt's whole blocks, one without it none; a bad salt is a
+    400 naming it."""
+    prompt = "the salted beams wander through a garden of seven paged blocks"
+    beams = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "use_beam_search": True,
+        "n": 2, "cache_salt": "beam-salt"})
+    assert beams.status_code == 200, beams.text
+    num_prompt = beams.json()["usage"]["prompt_tokens"]
+    whole_blocks = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    for salt, hits in [(None, 0), ("beam-salt", whole_blocks)]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                **({} if salt is None else {"cache_salt": salt})}
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == hits, salt
     resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "use_beam_search": True,
-        "cache_salt": "a"})
+        "cache_salt": ""})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
