@@ -12,6 +12,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
@@ -225,8 +226,9 @@ class InputProcessor:
                              f"[0, {self.vocab_size})")
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Raises ValueError for a ``logit_bias`` or ``stop_token_ids`` id outside the
-        vocabulary, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop
+        """Raises ValueError for a ``logit_bias``, ``stop_token_ids`` or
+        ``allowed_token_ids`` id outside the vocabulary, ``bad_words`` without a tokenizer, a
+        ``truncate_prompt_tokens`` above ``max_model_len``, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop
         strings without a tokenizer, or a malformed structured-output schema / regex /
         grammar (``check_structured``; SamplingParams checks everything that does not depend
         on the model)."""
@@ -239,11 +241,17 @@ class InputProcessor:
                 raise ValueError(f"SamplingParams.{name}={value} exceeds the vocabulary "
                                  f"size ({self.vocab_size})")
         for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids)):
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]} outside the "
                                  f"vocabulary [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer to tokenize the words "
+                             "(skip_tokenizer_init is set); use logit_bias or "
+                             "allowed_token_ids")
+        truncation_length(params.truncate_prompt_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs)
 
@@ -266,15 +274,26 @@ class InputProcessor:
         samples share ``mm_features`` (the images of the prompt, already expanded).
         ``client_id`` names the sender for the fair policy ("" when unknown); every
         sample runs with ``lora_request`` (None: the base model) and ``cache_salt`` (its
-        prefix-cache salt, ``check_cache_salt``; None: unsalted).
+        prefix-cache salt, ``check_cache_salt``; None: unsalted). The prompt is first cut to
+        its last ``params.truncate_prompt_tokens`` tokens (the Requests hold the cut ids) and
+        ``params.bad_words`` are tokenized into each sample's ``bad_words_token_ids``.
 
         Raises:
-            ValueError: for a bad prompt (see ``validate``), parameters
-                (``validate_params``) or ``cache_salt``.
+            ValueError: for a bad prompt (see ``validate``), parameters (``validate_params``,
+                ``bad_words_token_ids``) or ``cache_salt``, or a truncation that would cut a
+                prompt with images.
         """
         check_cache_salt(cache_salt)
+        limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len)
+        if mm_features and limit is not None and len(token_ids) > limit:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
+                             f"prompt of {len(token_ids)} tokens that holds images: send "
+                             "fewer tokens or no truncate_prompt_tokens")
+        token_ids = keep_last_tokens(token_ids, limit)  # vLLM: the prompt's last k tokens
         self.validate(token_ids)
         self.validate_params(params)
+        bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
+            if params.bad_words else None
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
             # the request then stops at the context's end, as an explicit max_tokens does)
             room = self.max_model_len - len(token_ids)
@@ -283,7 +302,8 @@ class InputProcessor:
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
             child = dataclasses.replace(params, n=1, seed=seed,
-                                        stop_token_ids=self._stop_token_ids(params))
+                                        stop_token_ids=self._stop_token_ids(params),
+                                        bad_words_token_ids=bad_words_ids)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
@@ -371,3 +391,35 @@ class InputProcessor:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         return render_chat(self.tokenizer, messages, add_generation_prompt,
                            image_placeholder=self.image_placeholder, **options)
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str], vocab_size: int
+                        ) -> list[list[int]]:
+    """The token-id sequences ``bad_words`` ban (vLLM's rule): each word, leading spaces
+    stripped, is encoded without special tokens as it is and with one leading space; the
+    spaced variant is kept only when its first token differs and it has as many tokens
+    (a tokenizer that adds a prefix space itself gives the same ids twice: kept once).
+
+    Args:
+        tokenizer: an HF tokenizer (``encode(text, add_special_tokens=False)``).
+        bad_words: non-empty words.
+        vocab_size: the model's vocabulary size (ids must be below it).
+
+    Raises:
+        ValueError: naming ``bad_words`` and the word for a word that encodes to no token or
+            to an id outside the vocabulary (a tokenizer larger than the model).
+    """
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (plain, spaced):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if not ids or bad:
+                why = "encodes to no token" if not ids else \
+                    f"encodes to token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+                raise ValueError(f"SamplingParams.bad_words: the word {word!r} {why}")
+        out.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

@@ -78,6 +78,20 @@ class SamplingParams:
         target_tpot_ms: this request's time-per-output-token target in milliseconds
             (overrides the engine's ``target_tpot_ms``): the scheduler sizes each step so the
             request's mean time per token after the first stays under it; None: the engine's.
+        allowed_token_ids: only these token ids can be sampled (every other logit is -inf
+            before sampling, logprobs included, as vLLM's); None: all. A non-empty list; ids
+            outside the vocabulary are refused when the request is queued.
+        bad_words: words never generated (vLLM's semantics): each word is tokenized as given
+            (leading spaces stripped) and with one leading space; a one-token word's token is
+            banned at every step, a longer word's last token only where the generated tokens
+            so far end with the word's other tokens (the prompt is not searched). Tokenized
+            when the request is queued (:attr:`bad_words_token_ids`).
+        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (``k >= 1``; -1:
+            ``max_model_len``); None: never cut (a prompt the context cannot take is
+            refused). A ``k`` above ``max_model_len`` is refused when the request is queued.
+        bad_words_token_ids: the token ids of ``bad_words``' variants, filled in by the
+            engine's ``InputProcessor`` when the request is queued (a value given here is
+            replaced then); None before.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
     ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
@@ -111,6 +125,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     target_ttft_ms: float | None = None
     target_tpot_ms: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -147,6 +165,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
@@ -156,9 +177,10 @@ class SamplingParams:
         def bad(name: str, value, what: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {what}")
 
-        optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs"}
+        optional = {"seed", "logprobs", "max_tokens", "prompt_logprobs",
+                    "truncate_prompt_tokens"}
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs",
-                     "prompt_logprobs"):
+                     "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if not (_is_int(value) or (value is None and name in optional)):
                 raise bad(name, value, "an integer" + (" or None" if name in optional else ""))
@@ -182,6 +204,13 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))) or \
                 not all(_is_int(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
+        if not isinstance(self.allowed_token_ids, (list, tuple, type(None))) or \
+                not all(_is_int(t) for t in self.allowed_token_ids or []):
+            raise bad("allowed_token_ids", self.allowed_token_ids,
+                      "a list of integer token ids or None")
+        if not isinstance(self.bad_words, (list, tuple, type(None))) or \
+                not all(isinstance(w, str) for w in self.bad_words or []):
+            raise bad("bad_words", self.bad_words, "a list of strings or None")
 
     def _validate(self) -> None:
         self._check_stop_limits()
@@ -222,6 +251,14 @@ class SamplingParams:
              "target_ttft_ms", self.target_ttft_ms, "must be a number of milliseconds > 0"),
             (self.target_tpot_ms is None or 0 < self.target_tpot_ms < math.inf,
              "target_tpot_ms", self.target_tpot_ms, "must be a number of milliseconds > 0"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids", self.allowed_token_ids,
+             "must name at least one token id (None allows every token)"),
+            (all(w.strip() for w in self.bad_words or []), "bad_words", self.bad_words,
+             "must be words, not empty or whitespace-only strings"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
+             or self.truncate_prompt_tokens == -1, "truncate_prompt_tokens",
+             self.truncate_prompt_tokens, "must be an integer >= 1, or -1 (max_model_len)"),
         ]
         for ok, name, value, why in checks:
             if not ok:

@@ -23,6 +23,7 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.serving_base import request_ids
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import keep_last_tokens
 
 
 class OpenAIServingClassification(OpenAIServingEmbedding):
@@ -68,8 +69,8 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
                                   max_length=limit)["input_ids"])
 
         def encode_all() -> list[Prompt]:
-            return [(item, encode(item)) if isinstance(item, str) else (None, item[-limit:])
-                    for item in items]
+            return [(item, encode(item)) if isinstance(item, str)
+                    else (None, keep_last_tokens(item, limit)) for item in items]
 
         return await off_loop(sum(len(item) for item in items), encode_all)
 

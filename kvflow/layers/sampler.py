@@ -70,6 +70,8 @@ class SamplingMetadata:
         penalties: presence / frequency / repetition penalties of the rows that use them.
         logit_bias: (rows int64 [K], token ids int64 [K], biases float32 [K]) for every
             (row, token) pair with a bias, or None.
+        allowed_token_ids: (rows int64 [R], positions int64 [K] in ``rows``, token ids int64
+            [K]): each of the R rows may sample only its listed tokens; None: no row limited.
     """
 
     temperature: torch.Tensor
@@ -81,6 +83,7 @@ class SamplingMetadata:
     num_logprobs: dict[int, int] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Structured output: (batch rows [R], token bitmask int32 [R, ceil(V / 32)]) of the
     # constrained rows only, or None.
     grammar: tuple[list[int], torch.Tensor] | None = None
@@ -136,12 +139,15 @@ class Sampler:
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         """Everything before temperature, in place on ``logits`` [B, V] float32: logit bias,
-        penalties, banned ids (min_tokens), the grammar's mask."""
+        penalties, allowed token ids, banned ids (min_tokens, bad words), the grammar's mask.
+        Logprobs are taken after this (a masked token's is -inf)."""
         if meta.logit_bias is not None:
             rows, token_ids, biases = meta.logit_bias
             logits.index_put_((rows, token_ids), biases, accumulate=True)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
+        if meta.allowed_token_ids is not None:
+            apply_allowed_token_ids(logits, *meta.allowed_token_ids)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
         if meta.grammar is not None:
@@ -202,6 +208,17 @@ def apply_token_bitmask_fast(logits: torch.Tensor, rows: list[int],
                       device=logits.device)
     full[rows] = bitmask
     apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1], indices=rows)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                            token_ids: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit of ``rows`` (int64 [R]) of ``logits`` [B, V] but
+    those of the row's allowed tokens: ``token_ids[j]`` (int64 [K]) is allowed in row
+    ``rows[positions[j]]``. Other rows are untouched."""
+    blocked = torch.ones((rows.shape[0], logits.shape[1]), dtype=torch.bool,
+                         device=logits.device)
+    blocked[positions, token_ids] = False
+    logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> None:

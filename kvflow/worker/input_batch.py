@@ -13,8 +13,8 @@ per KV-cache group, the sampling
 parameters as columns (temperature, top-k/p, min-p, penalties, min_tokens), and which of the
 row's tokens is still on the device (``pending_sample``: async scheduling samples a token,
 launches the next step with it, and copies it to the host later). Rarely used per-request
-settings (seeded generators, logprobs, logit bias, min_tokens bans) live in small dicts keyed
-by request id.
+settings (seeded generators, logprobs, logit bias, min_tokens bans, allowed token ids, bad
+words' token ids) live in small dicts keyed by request id.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
         self.logit_bias: dict[str, dict[int, float]] = {}
+        self.allowed_token_ids: dict[str, list[int]] = {}
+        self.bad_words: dict[str, list[list[int]]] = {}  # SamplingParams.bad_words_token_ids
         self.min_tokens_banned: dict[str, list[int]] = {}
         self.stop_ids: dict[str, list[int]] = {}  # request_stop_ids, when it has any
         self.prompt_logprobs: dict[str, int] = {}  # top tokens per prompt position
@@ -195,6 +197,10 @@ class InputBatch:
             self.num_logprobs[rid] = p.logprobs
         if p.logit_bias:
             self.logit_bias[rid] = p.logit_bias
+        if p.allowed_token_ids:
+            self.allowed_token_ids[rid] = p.allowed_token_ids
+        if p.bad_words_token_ids:
+            self.bad_words[rid] = p.bad_words_token_ids
         stop = request_stop_ids(state)
         if stop:
             self.stop_ids[rid] = stop
@@ -214,7 +220,8 @@ class InputBatch:
             self._move_row(last, row)
         self.req_ids.pop()
         for sparse in (self.generators, self.num_logprobs, self.logit_bias,
-                       self.min_tokens_banned, self.stop_ids, self.prompt_logprobs):
+                       self.allowed_token_ids, self.bad_words, self.min_tokens_banned,
+                       self.stop_ids, self.prompt_logprobs):
             sparse.pop(req_id, None)
         return True
 
@@ -357,6 +364,13 @@ class InputBatch:
     def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Generated tokens of each row in ``rows`` (int64 [R])."""
         return self.num_tokens[rows] - self.num_prompt_tokens[rows]
+
+    def output_tail(self, row: int, length: int, num_extra: int = 0) -> list[int]:
+        """The last ``length`` (at most) generated tokens of ``row``, counting its first
+        ``num_extra`` draft tokens as generated (they follow its known tokens); on the host."""
+        end = int(self.num_tokens[row]) + num_extra
+        start = max(int(self.num_prompt_tokens[row]), end - length)
+        return self.token_ids[row, start:end].tolist()
 
     def prompt_and_output_ids(self, rows: np.ndarray, num_extra: np.ndarray | None = None
                               ) -> tuple[np.ndarray, np.ndarray]:

@@ -38,8 +38,9 @@ class SamplingInputs:
 
         Speculative decoding (``num_extra`` given, int64 [B]): a request has one sampling row
         per draft token plus one, consecutive in ``rows``; row ``i`` predicts the token after
-        ``num_extra[i]`` of the request's drafts, which count as generated for its penalties
-        and ``min_tokens``. Generators are left to the rejection sampler.
+        ``num_extra[i]`` of the request's drafts, which count as generated for its penalties,
+        ``min_tokens`` and ``bad_words``; ``logit_bias`` and ``allowed_token_ids`` apply to
+        every row. Generators are left to the rejection sampler.
 
         Raises:
             KeyError: if ``grammar`` names a request without a row among ``rows``.
@@ -61,8 +62,9 @@ class SamplingInputs:
             if (i := position.get(rid)) is not None:
                 meta.num_logprobs[i] = k
         meta.penalties = _penalties(batch, rows, self.device)
-        meta.logit_bias = _logit_bias(batch, {rid: (i,) for rid, i in position.items()},
-                                      self.device) if batch.logit_bias else None
+        rows_of = {rid: (i,) for rid, i in position.items()}
+        meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
+        _token_masks(meta, batch, rows, rows_of, None, self.device)
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
@@ -85,9 +87,9 @@ class SamplingInputs:
             if (span := spans.get(rid)) is not None:
                 meta.num_logprobs.update(dict.fromkeys(range(span[0], span[0] + span[1]), k))
         meta.penalties = _penalties(batch, rows, self.device, num_extra)
-        meta.logit_bias = _logit_bias(batch, {rid: range(s, s + c)
-                                              for rid, (s, c) in spans.items()}, self.device) \
-            if batch.logit_bias else None
+        rows_of = {rid: range(s, s + c) for rid, (s, c) in spans.items()}
+        meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
+        _token_masks(meta, batch, rows, rows_of, num_extra, self.device)
         if grammar is not None:
             grammar_rows, seen = [], {}
             for rid in grammar.request_ids:  # a request's k + 1 rows, in order
@@ -125,7 +127,7 @@ def _sampling_positions(batch: InputBatch, rows: np.ndarray,
     """Request id -> sampling row; empty (unless ``always``) when no request uses a
     per-request dict setting."""
     if not (always or batch.generators or batch.min_tokens_banned or batch.num_logprobs
-            or batch.logit_bias):
+            or batch.logit_bias or batch.allowed_token_ids or batch.bad_words):
         return {}
     return {batch.req_ids[r]: i for i, r in enumerate(rows.tolist())}
 
@@ -172,3 +174,41 @@ def _logit_bias(batch: InputBatch, rows_of: dict[str, Sequence[int]], device: to
     return (torch.tensor(rows_, dtype=torch.int64, device=device),
             torch.tensor(token_ids, dtype=torch.int64, device=device),
             torch.tensor(values, dtype=torch.float32, device=device))
+
+
+def _token_masks(meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
+                 rows_of: dict[str, Sequence[int]], num_extra: np.ndarray | None,
+                 device: torch.device) -> None:
+    """Fill ``meta.allowed_token_ids`` and add each row's bad-word bans to
+    ``meta.banned_token_ids`` (``rows_of``: request id -> its sampling rows; ``num_extra``:
+    drafts counted as generated per sampling row, None for none)."""
+    if batch.allowed_token_ids:
+        entries = [(rid, i) for rid in batch.allowed_token_ids for i in rows_of.get(rid, ())]
+        if entries:
+            pos = [p for p, (rid, _) in enumerate(entries)
+                   for _ in batch.allowed_token_ids[rid]]
+            ids = [t for rid, _ in entries for t in batch.allowed_token_ids[rid]]
+            meta.allowed_token_ids = (
+                torch.tensor([i for _, i in entries], dtype=torch.int64, device=device),
+                torch.tensor(pos, dtype=torch.int64, device=device),
+                torch.tensor(ids, dtype=torch.int64, device=device))
+    for rid, words in batch.bad_words.items():
+        longest = max(len(w) for w in words) - 1
+        for i in rows_of.get(rid, ()):
+            extra = 0 if num_extra is None else int(num_extra[i])
+            past = batch.output_tail(int(rows[i]), longest, extra)
+            banned = bad_word_bans(words, past)
+            if banned:
+                meta.banned_token_ids[i] = meta.banned_token_ids.get(i, []) + banned
+
+
+def bad_word_bans(words: list[list[int]], past: list[int]) -> list[int]:
+    """The token ids banned next by bad words ``words`` (token-id sequences) after the
+    generated tokens ``past`` (vLLM's rule): a word's last token when ``past`` ends with the
+    word's other tokens (always for a one-token word)."""
+    banned = []
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(past) and past[len(past) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned

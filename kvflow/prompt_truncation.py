@@ -1,0 +1,35 @@
+"""``truncate_prompt_tokens``: a prompt cut to its last ``k`` tokens (vLLM's rule), shared by
+generation (``SamplingParams.truncate_prompt_tokens``: ``InputProcessor.make_requests``, the
+/v1/completions and /v1/chat/completions handlers) and /classify's token-id inputs."""
+
+from __future__ import annotations
+
+
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many prompt tokens to keep: None for None (never cut), ``max_model_len`` for -1,
+    else ``truncate_prompt_tokens`` itself (vLLM's reading of the field).
+
+    Raises:
+        ValueError: naming ``truncate_prompt_tokens`` for 0, a value below -1, or one above
+            ``max_model_len`` (tokens).
+    """
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if k < 1:
+        raise ValueError(f"truncate_prompt_tokens={k} is invalid: it must be an integer >= 1, "
+                         "or -1 (max_model_len)")
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len "
+                         f"({max_model_len}): send a smaller one, or -1 for max_model_len")
+    return k
+
+
+def keep_last_tokens(token_ids: list[int], limit: int | None) -> list[int]:
+    """The last ``limit`` of ``token_ids`` (all of them when there are no more, or ``limit``
+    is None); ``token_ids`` itself when nothing is cut."""
+    if limit is None or len(token_ids) <= limit:
+        return token_ids
+    return token_ids[-limit:]
