@@ -78,9 +78,14 @@ def test_null_is_no_excuse_for_an_unknown_field():
 
 def test_unsupported_fields_keep_their_own_message_in_both_modes():
     for ignore in (False, True):
-        error = _refusal("/v1/completions", {"allowed_token_ids": [1], "max_token": 5}, ignore)
-        assert (error.param, error.code) == ("allowed_token_ids", "unsupported_parameter")
+        error = _refusal("/v1/completions", {"logits_processors": ["x"], "max_token": 5},
+                         ignore)
+        assert (error.param, error.code) == ("logits_processors", "unsupported_parameter")
         assert "structured_outputs" in str(error)  # what to do instead
+        # the generation fields completions and chat declare stay refused elsewhere
+        error = _refusal("/v1/embeddings", {"allowed_token_ids": [1]}, ignore)
+        assert (error.param, error.code) == ("allowed_token_ids", "unsupported_parameter")
+        assert "only /v1/completions and /v1/chat/completions take it" in str(error)
     error = _refusal("/v1/chat/completions", {"verbosity": "low"})
     assert (error.param, error.code) == ("verbosity", "unsupported_parameter")
 

@@ -32,6 +32,7 @@ _SAMPLING_ONLY = {
     "min_p": ((None, 0), _CANDIDATES),
     "presence_penalty": ((None, 0), _RAW), "frequency_penalty": ((None, 0), _RAW),
     "repetition_penalty": ((None, 1), _RAW), "logit_bias": ((None, {}), _RAW),
+    "allowed_token_ids": ((None,), _RAW), "bad_words": ((None, []), _RAW),
     "stop": ((None, "", []), _STOPS), "stop_token_ids": ((None, []), _STOPS),
     "min_tokens": ((0,), _STOPS),
     "structured_outputs": ((None,), _STRUCTURED), "guided_json": ((None,), _STRUCTURED),

@@ -54,16 +54,27 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_k: int,
-                  tokenizer: Any = None) -> ChatLogprobs:
+                  tokenizer: Any = None, as_token_ids: bool = False) -> ChatLogprobs:
     """Chat-format logprobs: per token its logprob, bytes and the ``top_k`` best
-    (``tokenizer`` gives partial characters' bytes; None: the decoded text's)."""
+    (``tokenizer`` gives partial characters' bytes; None: the decoded text's).
+
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every ``token``, the chosen
+    one's and the alternatives', is ``"token_id:{id}"``; as vLLM writes them, the chosen
+    token's ``bytes`` stay its text's and an alternative's are those of its
+    ``"token_id:{id}"`` string."""
     content = []
     for token_id, step in zip(token_ids, logprobs):
         top = sorted(((tid, lp) for tid, lp in step.items() if lp.rank <= top_k),
                      key=lambda item: item[1].rank)
+        chosen = _entry(tokenizer, token_id, step[token_id])
+        alternatives = [_entry(tokenizer, tid, lp) for tid, lp in top[:top_k]]
+        if as_token_ids:
+            chosen["token"] = f"token_id:{token_id}"
+            for (tid, _), entry in zip(top, alternatives):
+                entry["token"] = f"token_id:{tid}"
+                entry["bytes"] = list(entry["token"].encode("utf-8"))
         content.append(ChatLogprobToken(
-            **_entry(tokenizer, token_id, step[token_id]),
-            top_logprobs=[TopLogprob(**_entry(tokenizer, tid, lp)) for tid, lp in top[:top_k]]))
+            **chosen, top_logprobs=[TopLogprob(**entry) for entry in alternatives]))
     return ChatLogprobs(content=content)
 
 

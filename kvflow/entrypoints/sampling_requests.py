@@ -14,12 +14,14 @@ from kvflow.entrypoints.structured_requests import (
     constraint_param,
     request_constraint,
 )
+from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
 # Request fields that map 1:1 onto SamplingParams (the optional ones only when set).
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
-                  "include_stop_str_in_output", "logit_bias")
+                  "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+                  "bad_words", "truncate_prompt_tokens")
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "target_ttft_ms",
                     "target_tpot_ms")
@@ -35,6 +37,20 @@ def default_max_tokens(engine: AsyncLLM, num_prompt_tokens: int,
     default = engine.sampling_defaults.get("max_tokens")
     default = fallback if default is None else default
     return left if default is None else min(default, left)
+
+
+def prompt_truncation(engine: AsyncLLM, req: SamplingRequest) -> int | None:
+    """How many prompt tokens ``req`` keeps (its last ones): ``truncate_prompt_tokens`` as
+    vLLM reads it (-1: ``max_model_len``), None when it is unset (never cut).
+
+    Raises:
+        OpenAIError: 400 naming ``truncate_prompt_tokens`` (code ``invalid_value``) for 0, a
+            value below -1 or one above ``max_model_len``.
+    """
+    try:
+        return truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="truncate_prompt_tokens", code="invalid_value") from None
 
 
 def check_max_tokens(max_tokens: int, param: str) -> None:

@@ -125,12 +125,13 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     async def encode_texts(self, tokenizer: Any, texts: Sequence[str],
-                           add_special_tokens: bool, param: str, pooling: bool = False
-                           ) -> list[list[int]]:
+                           add_special_tokens: bool, param: str, pooling: bool = False,
+                           check_length: bool = True) -> list[list[int]]:
         """The token ids of each text, in order, tokenized in one go: in a worker thread when
         they are long (``preprocess.off_loop``), each refused as soon as a prefix of it is
         longer than the context allows (``max_model_len - 1`` tokens, ``max_model_len`` for
-        an embedding, ``pooling``) without tokenizing the rest.
+        an embedding, ``pooling``) without tokenizing the rest; not refused, tokenized whole,
+        without ``check_length`` (a prompt ``truncate_prompt_tokens`` will cut).
 
         Raises:
             OpenAIError: 400 naming ``param``, code ``context_length_exceeded``, for a text
@@ -139,6 +140,9 @@ class OpenAIServing:
         limit = self.engine.max_model_len - (0 if pooling else 1)
 
         def encode_all() -> list[list[int]]:
+            if not check_length:
+                return [tokenizer.encode(text, add_special_tokens=add_special_tokens)
+                        for text in texts]
             return [encode_checked(tokenizer, text, limit, add_special_tokens) for text in texts]
 
         try:

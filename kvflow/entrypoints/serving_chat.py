@@ -36,6 +36,7 @@ from kvflow.entrypoints.sampling_requests import (
     check_max_tokens,
     default_max_tokens,
     grammar_param,
+    prompt_truncation,
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
@@ -50,6 +51,7 @@ from kvflow.entrypoints.structured_requests import (
 )
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.outputs import CompletionOutput
+from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import StructuredOutputsParams
 
@@ -120,10 +122,12 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         mode, parser = await self._tools(req)
         tool_grammar = tool_constraint(req, mode)
         await check_constraint(self.engine, req, tool_grammar, body_size(raw))
+        limit = prompt_truncation(self.engine, req)
         text, ids = await self.render(req.messages, ChatOptions.of(req), self.template_tools(
-            req, mode), size=body_size(raw), tool_instructions=mode is not None)
+            req, mode), check_length=limit is None, size=body_size(raw),
+            tool_instructions=mode is not None)
         prompt = await self.attach_images(req.messages, text, ids)
-        ids = prompt.token_ids
+        text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
         self.check_admission(1)
         reply_id, request_id = request_ids(prefix, req.request_id)
@@ -204,7 +208,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
         return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
-                                          self.engine.tokenizer) if req.logprobs else None,
+                                          self.engine.tokenizer,
+                                          req.return_tokens_as_token_ids)
+                if req.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "token_ids": c.token_ids if req.return_token_ids else None}
 
@@ -254,6 +260,24 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             yield role_chunk()
         if include_usage:
             yield chunk([], self.usage(len(ids), num_generated, num_cached))
+
+
+def _truncated(text: str, ids: list[int], limit: int | None, images: list | None
+               ) -> tuple[str | None, list[int]]:
+    """The rendered prompt cut to its last ``limit`` tokens (``truncate_prompt_tokens``; its
+    text is then None: no longer the prompt); as it is when it fits or ``limit`` is None.
+
+    Raises:
+        OpenAIError: 400 naming ``truncate_prompt_tokens`` for a cut through a prompt with
+            images (their placeholder tokens would be cut from their features).
+    """
+    if limit is None or len(ids) <= limit:
+        return text, ids
+    if images:
+        raise OpenAIError(f"truncate_prompt_tokens={limit} would cut the rendered prompt of "
+                          f"{len(ids)} tokens, which holds images: send a larger value or "
+                          "leave it out", param="truncate_prompt_tokens", code="invalid_value")
+    return None, keep_last_tokens(ids, limit)
 
 
 def _refuse_for_beam_search(tool_grammar: StructuredOutputsParams | None,

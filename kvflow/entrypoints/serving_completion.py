@@ -28,6 +28,7 @@ from kvflow.entrypoints.sampling_requests import (
     check_max_tokens,
     default_max_tokens,
     grammar_param,
+    prompt_truncation,
     sampling_params,
 )
 from kvflow.entrypoints.serving_base import (
@@ -42,6 +43,7 @@ from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffse
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal import VideoNotSupported
 from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
@@ -103,11 +105,14 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The request's prompts as (text or None, token ids), in order; text is tokenized
-        off the event loop when it is long (``preprocess.off_loop``).
+        off the event loop when it is long (``preprocess.off_loop``). With
+        ``truncate_prompt_tokens``, each keeps its last tokens (vLLM's rule; its text is then
+        None: the echo and the output's prompt are the kept tokens' decoding).
 
         Raises:
-            OpenAIError: 400 for an empty prompt, or (code ``context_length_exceeded``) a text
-                prompt whose prefix alone is longer than the context.
+            OpenAIError: 400 for an empty prompt, a bad ``truncate_prompt_tokens``, or (code
+                ``context_length_exceeded``) a text prompt whose prefix alone is longer than
+                the context (not with ``truncate_prompt_tokens``).
         """
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -124,12 +129,16 @@ class OpenAIServingCompletion(OpenAIServing):
                                   param=f"prompt.{i}" if listed else "prompt",
                                   code="empty_string" if isinstance(item, str)
                                   else "empty_array")
+        limit = prompt_truncation(self.engine, req)
         texts = [item for item in items if isinstance(item, str)]
         tokenizer = self.tokenizer if texts else None
         encoded = iter(await self.encode_texts(tokenizer, texts, req.add_special_tokens,
-                                               "prompt"))
+                                               "prompt", check_length=limit is None))
         out: list[Prompt] = [(item, next(encoded)) if isinstance(item, str)
                              else (None, list(item)) for item in items]
+        if limit is not None:  # the last ``limit`` tokens; a cut text is no longer the prompt
+            out = [(text, ids) if len(ids) <= limit else (None, keep_last_tokens(ids, limit))
+                   for text, ids in out]
         if self.engine.processor.mm_processor is not None:
             for text, ids in out:
                 self._refuse_placeholders(text, ids)
@@ -209,8 +218,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(req, i * req.n + c.index, echo + c.text, c, offsets)
                 if req.echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
-                                            prompts[i][1], out,
-                                            len(echo))  # decodes every prompt token
+                                            prompts[i][1], out, len(echo),
+                                            req.return_tokens_as_token_ids)  # decodes all
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(out.prompt_logprobs)
@@ -231,7 +240,8 @@ class OpenAIServingCompletion(OpenAIServing):
         (read only when the request asks for logprobs)."""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs or [], text_offsets)
+            logprobs = completion_logprobs(c.token_ids, c.logprobs or [], text_offsets,
+                                           req.return_tokens_as_token_ids)
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 token_ids=c.token_ids if req.return_token_ids else None)
@@ -250,20 +260,23 @@ class OpenAIServingCompletion(OpenAIServing):
                                                          text_sent, c.finished)
         return dataclasses.replace(c, token_ids=ids, logprobs=entries), text_offsets
 
-    def _prompt_logprobs(self, ids: list[int], out, text_end: int) -> CompletionLogProbs:
+    def _prompt_logprobs(self, ids: list[int], out, text_end: int,
+                         as_token_ids: bool = False) -> CompletionLogProbs:
         """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
-        offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters)."""
+        offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters);
+        ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``)."""
         entries = out.prompt_logprobs or [None] * len(ids)
         lp = CompletionLogProbs()
         offsets = TokenTextOffsets(self.tokenizer, 0, skip_special_tokens=False)
         for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):
             if step is None:
-                lp.tokens.append(self.tokenizer.decode([token_id]))
+                lp.tokens.append(f"token_id:{token_id}" if as_token_ids
+                                 else self.tokenizer.decode([token_id]))
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
                 lp.text_offset.append(offset)
                 continue
-            one = completion_logprobs([token_id], [step], [offset])
+            one = completion_logprobs([token_id], [step], [offset], as_token_ids)
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(lp, name).extend(getattr(one, name))
         return lp
@@ -302,7 +315,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if echo and choice.logprobs is not None:
                     echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
                                             prompts[i][1], prompt_outputs.get(i, delta),
-                                            len(echo))
+                                            len(echo), req.return_tokens_as_token_ids)
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = _vllm_prompt_logprobs(
@@ -340,21 +353,26 @@ def _with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                        text_offsets: list[int]) -> CompletionLogProbs:
+                        text_offsets: list[int], as_token_ids: bool = False
+                        ) -> CompletionLogProbs:
     """Legacy-completions logprobs for some tokens, ``text_offsets`` (one per token, from
     ``TokenTextOffsets``) as their ``text_offset``.
 
     ``top_logprobs`` maps decoded token -> logprob for the top-k tokens and the sampled one.
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every token, in ``tokens`` and
+    as a ``top_logprobs`` key, is written ``"token_id:{id}"`` instead of its text.
     """
+    def name(tid: int, lp: Logprob) -> str:
+        return f"token_id:{tid}" if as_token_ids else lp.decoded_token or ""
+
     out = CompletionLogProbs()
     for token_id, step, text_offset in zip(token_ids, logprobs, text_offsets):
         sampled = step[token_id]
-        token = sampled.decoded_token or ""
-        out.tokens.append(token)
+        out.tokens.append(name(token_id, sampled))
         out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
         top: dict[str, float] = {}
-        for lp in sorted(step.values(), key=lambda lp: lp.rank):  # tokens decoding alike:
-            top.setdefault(lp.decoded_token or "", max(lp.logprob, MIN_LOGPROB))  # keep best
+        for tid, lp in sorted(step.items(), key=lambda item: item[1].rank):  # tokens
+            top.setdefault(name(tid, lp), max(lp.logprob, MIN_LOGPROB))  # decoding alike: best
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
     return out

@@ -21,16 +21,12 @@ logger = logging.getLogger(__name__)
 # OpenAI (chat) and vLLM (both endpoints) request fields kvflow does not implement and that
 # change what the reply holds: field -> what to do instead.
 UNSUPPORTED = {
-    "allowed_token_ids": "restrict the output with structured_outputs (choice, regex)",
-    "bad_words": "use logit_bias with a large negative bias on the words' tokens",
-    "truncate_prompt_tokens": "send a prompt that fits; prompts are never truncated",
     "early_stopping": "kvflow's beam search, as vLLM's, runs every beam to EOS or "
                       "max_tokens (send false or leave it out)",
     "logits_processors": "use logit_bias or structured_outputs",
     "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
     "guided_decoding_backend": "structured output runs on xgrammar (send xgrammar or auto, "
                                "or leave it out)",
-    "return_tokens_as_token_ids": "use return_token_ids",
     "prompt_embeds": "send text or token ids",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
     "media_io_kwargs": "images are decoded as RGB with the server's limits",
@@ -59,6 +55,13 @@ UNSUPPORTED = {
     "target_ttft_ms": "only generation requests take one (embedding requests take the "
                       "server's --target-ttft-ms)",
     "target_tpot_ms": "only generation requests generate tokens",
+    # vLLM sampling fields /v1/completions and /v1/chat/completions declare (and honour):
+    # refused where they are not declared rather than ignored under --ignore-unknown-fields
+    "allowed_token_ids": "only /v1/completions and /v1/chat/completions take it",
+    "bad_words": "only /v1/completions and /v1/chat/completions take it",
+    "return_tokens_as_token_ids": "only /v1/completions and /v1/chat/completions take it",
+    "truncate_prompt_tokens": "only /v1/completions, /v1/chat/completions, /v1/score, "
+                              "/v1/rerank and /classify take it",
     # vLLM fields kvflow does not read
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
                                      "writes them (vLLM's default, true)",

@@ -344,9 +344,85 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert ids(ok(server, path, {"cache_salt": "tenant-1"})) == ids(ok(server, path, {}))
         rejected(path, {"cache_salt": ""}, "cache_salt")(server, tokenizer)
 
+    def allowed_token_ids(server, tokenizer):
+        """The same greedy ids as a -100 bias on every other token (logit_bias's path)."""
+        allowed = [7, 30, 200]
+        got = ids(ok(server, path, {"allowed_token_ids": allowed}))
+        others = {str(t): -100 for t in range(len(tokenizer)) if t not in allowed}
+        assert set(got) <= set(allowed) and got != ids(ok(server, path, {}))
+        assert got == ids(ok(server, path, {"logit_bias": others}))
+
+    steer = {"logit_bias": {"66": 30}}  # "a" (id 66; " a" is 266) wins every step
+
+    def bad_words(server, tokenizer):
+        """A one-token word: "a" and " a" banned at every step, as -100 biases ban them. On
+        completions, a two-token word ("aa": [66, 66] and [266, 66]) against the same
+        request grown one token at a time, 66 biased away only after a generated 66 or 266
+        (the oracle of vLLM's rule)."""
+        assert ids(ok(server, path, steer))[:3] == [66, 66, 66]
+        got = ids(ok(server, path, {**steer, "bad_words": ["a"]}))
+        assert 66 not in got and \
+            got == ids(ok(server, path, {"logit_bias": {"66": -100, "266": -100}}))
+        if path != C:
+            return
+        prompt, grown = tokenizer.encode(PROMPT), []
+        for _ in range(6):
+            bias = {"66": -100} if grown and grown[-1] in (66, 266) else {"66": 30}
+            grown += ids(ok(server, C, {"prompt": prompt + grown, "max_tokens": 1,
+                                        "logit_bias": bias}))
+        assert grown.count(66) >= 2 and grown != [66] * 6
+        assert ids(ok(server, C, {**steer, "prompt": prompt, "max_tokens": 6,
+                                  "bad_words": ["aa"]})) == grown
+
+    def truncate_prompt_tokens(server, tokenizer):
+        """The reply to the prompt's last k tokens sent as the prompt; usage counts k."""
+        full = tokenizer.encode(PROMPT) if path == C else prompt_ids(server, {})
+        resp = ok(server, path, {"truncate_prompt_tokens": 5})
+        assert resp["usage"]["prompt_tokens"] == 5 < len(full)
+        assert ids(resp) == ids(ok(server, C, {"prompt": full[-5:]})) != ids(ok(server, path,
+                                                                               {}))
+        if path == CH:
+            assert resp["prompt_token_ids"] == full[-5:]
+        whole = ok(server, path, {"truncate_prompt_tokens": -1})  # max_model_len: no cut
+        assert ids(whole) == ids(ok(server, path, {}))
+        assert whole["usage"]["prompt_tokens"] == len(full)
+
+    def return_tokens_as_token_ids(server, tokenizer):
+        """Every logprobs token is "token_id:{id}", the chosen one's id the generated id; the
+        logprobs are the plain request's (an alternative's id decodes to its text)."""
+        body = {"logprobs": 2} if path == C else {"logprobs": True, "top_logprobs": 2}
+        plain, resp = ok(server, path, body), ok(server, path, {**body,
+                                                                "return_tokens_as_token_ids": True})
+        token_ids, named = ids(resp), [f"token_id:{t}" for t in ids(resp)]
+        assert token_ids == ids(plain)
+        if path == C:
+            lp, plain_lp = resp["choices"][0]["logprobs"], plain["choices"][0]["logprobs"]
+            assert lp["tokens"] == named and lp["token_logprobs"] == plain_lp["token_logprobs"]
+            steps = [(top.items(), plain_top) for top, plain_top in
+                     zip(lp["top_logprobs"], plain_lp["top_logprobs"])]
+            assert all(name in top for name, top in zip(named, lp["top_logprobs"]))
+        else:
+            content = resp["choices"][0]["logprobs"]["content"]
+            plain_content = plain["choices"][0]["logprobs"]["content"]
+            assert [c["token"] for c in content] == named
+            assert [c["bytes"] for c in content] == [c["bytes"] for c in plain_content]
+            steps = [([(t["token"], t["logprob"]) for t in c["top_logprobs"]],
+                      {t["token"]: t["logprob"] for t in p["top_logprobs"]})
+                     for c, p in zip(content, plain_content)]
+            assert all(t["bytes"] == list(t["token"].encode()) for c in content
+                       for t in c["top_logprobs"])
+        for top, plain_top in steps:
+            decoded = {tokenizer.decode([int(re.fullmatch(r"token_id:(\d+)", name)[1])]): lp
+                       for name, lp in top}
+            if len(decoded) == len(plain_top):  # no two ids decode alike
+                assert decoded == plain_top
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
         "cache_salt": cache_salt,
+        "allowed_token_ids": allowed_token_ids, "bad_words": bad_words,
+        "truncate_prompt_tokens": truncate_prompt_tokens,
+        "return_tokens_as_token_ids": return_tokens_as_token_ids,
         "target_ttft_ms": target_ttft_ms, "target_tpot_ms": target_tpot_ms,
         "n": n, "temperature": temperature, "seed": seed,
         "top_p": hot_differs_and_filter_restores("top_p", 1e-6),
@@ -1143,8 +1219,15 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
 
 
 @pytest.mark.parametrize("path,body,param,code", [
-    (C, {"allowed_token_ids": [5]}, "allowed_token_ids", "unsupported_parameter"),
-    (CH, {"bad_words": ["a"]}, "bad_words", "unsupported_parameter"),
+    (C, {"allowed_token_ids": []}, "allowed_token_ids", "invalid_value"),
+    (CH, {"allowed_token_ids": [5, 320]}, "allowed_token_ids", "invalid_value"),  # vocab 320
+    (C, {"bad_words": [""]}, "bad_words", "invalid_value"),
+    (CH, {"bad_words": "a"}, "bad_words", "invalid_type"),
+    (C, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "invalid_value"),
+    (CH, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "invalid_value"),
+    (C, {"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "invalid_value"),
+    (CH, {"return_tokens_as_token_ids": "maybe"}, "return_tokens_as_token_ids",
+     "invalid_type"),
     (CH, {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     (CH, {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
     (CH, {"media_io_kwargs": {"image": {"mode": "L"}}}, "media_io_kwargs",
@@ -1168,8 +1251,9 @@ def test_strict_types_keep_integers_as_numbers(server, embed_server):
 def test_fields_that_would_change_the_reply_are_refused(server, path, body, param, code):
     """An OpenAI or vLLM field kvflow does not implement but that would change the reply is a
     400 naming it (not ignored and logged); a token id given twice in logit_bias, an empty
-    chat template, a schema no output matches or that does not compile and an unknown key of
-    a nested object name their field."""
+    chat template, a schema no output matches or that does not compile, an unknown key of
+    a nested object, an empty or out-of-vocabulary allowed_token_ids, an empty bad word and
+    a truncate_prompt_tokens of 0, below -1 or above max_model_len name their field."""
     resp = post(server, path, body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]

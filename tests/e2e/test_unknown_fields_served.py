@@ -113,10 +113,10 @@ def test_every_json_endpoint_refuses_unknown_fields(strict, path):
 
 
 def test_unsupported_fields_keep_their_code(strict):
-    resp = post(strict, CH, {"allowed_token_ids": [5], "max_token": 3})
+    resp = post(strict, CH, {"logits_processors": ["x"], "max_token": 3})
     error = resp.json()["error"]
     assert resp.status_code == 400 and (error["param"], error["code"]) == \
-        ("allowed_token_ids", "unsupported_parameter"), resp.text
+        ("logits_processors", "unsupported_parameter"), resp.text
 
 
 def test_the_server_still_serves_and_holds_no_block_after_the_400s(strict, free_at_start):
@@ -185,7 +185,7 @@ def test_ignore_option_drops_unread_chat_template_kwargs(strict, ignoring):
 
 
 def test_ignore_option_still_refuses_unsupported_fields(ignoring):
-    resp = post(ignoring, CH, {"allowed_token_ids": [5]})
+    resp = post(ignoring, CH, {"logits_processors": ["x"]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_parameter"
 
 

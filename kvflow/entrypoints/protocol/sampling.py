@@ -71,7 +71,10 @@ class SamplingRequest(RequestBody):
     targets for this request; ``user`` names the client for ``--policy fair``; vLLM's
     ``request_id`` names the reply (``id``: ``cmpl-{request_id}`` / ``chatcmpl-{request_id}``,
     as vLLM writes it); vLLM's ``cache_salt`` (a non-empty string) salts the prompt's
-    prefix-cache blocks: only requests with the same salt share them."""
+    prefix-cache blocks: only requests with the same salt share them. vLLM's
+    ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are SamplingParams'
+    (``kvflow.sampling_params``); ``return_tokens_as_token_ids`` writes every logprobs token
+    as ``token_id:{id}``."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -109,6 +112,10 @@ class SamplingRequest(RequestBody):
     length_penalty: float = Field(1.0, allow_inf_nan=False)
     prompt_logprobs: int | None = Field(None, ge=0)
     cache_salt: str | None = Field(None, min_length=1)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="wrap")
     @classmethod
