@@ -416,6 +416,14 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                        for name, lp in top}
             if len(decoded) == len(plain_top):  # no two ids decode alike
                 assert decoded == plain_top
+        streamed = post(server, path, {**body, "return_tokens_as_token_ids": True,
+                                       "stream": True})
+        tokens = []  # streamed, the same names, event by event
+        for line in streamed.text.splitlines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                lp = choice.get("logprobs") or {}
+                tokens += lp.get("tokens") or [c["token"] for c in lp.get("content") or []]
+        assert tokens == named
 
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
