@@ -43,7 +43,7 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_model(req.model)
         self.check_task("classify")
         if req.truncate_prompt_tokens is None:
-            prompts = await self._inputs(req)
+            prompts = await self._inputs(req.input)
         else:
             prompts = await self._cut_inputs(req.input, req.truncate_prompt_tokens)
         self.check_admission(len(prompts), "input")

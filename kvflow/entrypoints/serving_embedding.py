@@ -38,7 +38,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_fields(req, "/v1/embeddings")
         self.check_model(req.model)
         self.check_task("embed")
-        prompts = await self._inputs(req)
+        prompts = await self._inputs(req.input, req.add_special_tokens)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
@@ -47,10 +47,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
 
-    async def _inputs(self, req: EmbeddingRequest) -> list[Prompt]:
-        """The inputs as (text or None, token ids), in order; text is tokenized with the
-        tokenizer's special tokens unless ``req.add_special_tokens`` is false, long text off
-        the event loop (``encode_texts``).
+    async def _inputs(self, value: str | list[int] | list[str] | list[list[int]],
+                      add_special_tokens: bool = True) -> list[Prompt]:
+        """A request's ``input`` as (text or None, token ids), in order; text is tokenized
+        with the tokenizer's special tokens unless ``add_special_tokens`` is false, long text
+        off the event loop (``encode_texts``).
 
         Raises:
             OpenAIError: 400 (param ``input``) for an empty input (code ``empty_string`` /
@@ -59,11 +60,11 @@ class OpenAIServingEmbedding(OpenAIServing):
                 of ids, ``input.<index>.<j>`` in a list of lists (``check_token_ids``, as
                 /v1/completions names ``prompt.<j>`` / ``prompt.<index>.<j>``).
         """
-        items = self._checked_items(req.input)
+        items = self._checked_items(value)
         texts = [self.engine.processor.pooling_text(item) for item in items
                  if isinstance(item, str)]
         encoded = iter(await self.encode_texts(self.tokenizer if texts else None, texts,
-                                               req.add_special_tokens, "input", pooling=True))
+                                               add_special_tokens, "input", pooling=True))
         return [(item, next(encoded)) if isinstance(item, str) else (None, list(item))
                 for item in items]
 
