@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config.options import check_choices, opt
+
+HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
+
+
+def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """The overrides as a dict: a dict as given, JSON object text parsed (the CLI and config
+    file form), None / ``null`` / ``{}`` as None (nothing to merge).
+
+    Raises:
+        ValueError: naming the flag, for text that is not valid JSON (with the position) or a
+            value that is not a JSON object (a list, a string, a number).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{HF_OVERRIDES_FLAG} is not valid JSON: {e}; give a JSON object "
+                             'such as \'{"architectures": ["Qwen3ForSequenceClassification"]}\'') \
+                from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{HF_OVERRIDES_FLAG} must be a JSON object of config.json keys, got "
+            f"{json.dumps(value)[:100]} ({type(value).__name__})")
+    return value or None
 
 
 @dataclass
@@ -48,9 +76,23 @@ class ModelConfig:
         choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
     quantization_group_size: int = opt(32, "input columns per scale for int4 (int4 only)",
                                         choices=[32, 64, 128, 256])
+    # the default is None: opt() builds no shared mutable value (ruff cannot see that)
+    hf_overrides: dict | str | None = opt(  # noqa: RUF009
+        None, "a JSON object merged into the model's config.json before it is checked and "
+        "read (vLLM's flag; an object for a nested config such as text_config is merged into "
+        "it, any other value replaces the key), e.g. '{\"architectures\": "
+        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+        "\"is_original_qwen3_reranker\": true}' (default: none)", metavar="JSON")
 
     def __post_init__(self) -> None:
+        """Checks each field (``hf_overrides`` given as JSON text becomes a dict, or None).
+
+        Raises:
+            ValueError: naming the field, for a value of the wrong type or out of range,
+                ``hf_overrides`` that is not a JSON object, or two fields that conflict.
+        """
         check_choices(self)
+        self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         if self.quantization_group_size != 32 and self.quantization != "int4":
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
                              "to quantization='int4' only (quantization="

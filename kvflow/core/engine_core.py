@@ -90,7 +90,8 @@ class EngineCore:
     def _init_model(self, source: ModelSource) -> None:
         self.source = source
         self.hf_config = load_hf_config(
-            source, warn_unread=self.config.parallel_config.data_parallel_rank == 0)
+            source, warn_unread=self.config.parallel_config.data_parallel_rank == 0,
+            hf_overrides=self.config.model_config.hf_overrides)
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))

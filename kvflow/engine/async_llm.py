@@ -119,7 +119,7 @@ class AsyncLLM:
             # config.json checked before anything reads it: the tokenizer below (transformers
             # may read it to pick the tokenizer class) would call a broken one a tokenizer
             # failure, and no core process starts for it
-            load_hf_config(source)
+            load_hf_config(source, hf_overrides=mc.hf_overrides)
             self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
             self.replicas.start()  # their resolve_model then finds the snapshot cached
@@ -128,7 +128,8 @@ class AsyncLLM:
                 load_tokenizer(source, mc.tokenizer, mc.download_dir)
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
-                                                        config.multimodal_config)
+                                                        config.multimodal_config,
+                                                        mc.hf_overrides)
             if on_tokenizer is not None:
                 on_tokenizer(self.tokenizer)
             self._init_processors(self._wait_ready(start_timeout))

@@ -49,7 +49,7 @@ class LLMEngine:
         # The model folder's small files first, so a bad one fails in seconds, not after the
         # weight load: config.json before the tokenizer (transformers may read it to pick the
         # tokenizer class, and would report a broken one as a tokenizer failure).
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides)
         self.tokenizer = None if mc.skip_tokenizer_init else \
             load_tokenizer(source, mc.tokenizer, mc.download_dir)
         check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights

@@ -24,14 +24,15 @@ OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "head_dim",
                   "max_position_embeddings")
 
 
-def read_config_json(path: str) -> dict[str, Any]:
-    """The parsed config.json at ``path``, its sizes and other fields checked (see
-    :func:`check_config_sizes` and :func:`check_config_fields`).
+def read_config_json(path: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parsed config.json at ``path`` with ``hf_overrides`` merged in
+    (:func:`kvflow.models.hf_overrides.merge_hf_overrides`), its sizes and other fields
+    checked (see :func:`check_config_sizes` and :func:`check_config_fields`) after the merge.
 
     Raises:
         ValueError: naming ``path``: it cannot be read, is not valid JSON (with the line and
             column), is not a JSON object, or a size or another checked field is missing or
-            invalid.
+            invalid (then also naming ``--hf-overrides`` when overrides were merged).
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -43,9 +44,20 @@ def read_config_json(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
             f"model config {path!r} is not a JSON object (it is a {type(raw).__name__})")
-    check_config_sizes(raw, path)
-    check_config_fields(raw, path)
-    return raw
+    if not hf_overrides:
+        check_config_sizes(raw, path)
+        check_config_fields(raw, path)
+        return raw
+    from kvflow.models.hf_overrides import FLAG, merge_hf_overrides
+
+    merged = merge_hf_overrides(raw, hf_overrides)
+    try:
+        check_config_sizes(merged, path)
+        check_config_fields(merged, path)
+    except ValueError as e:
+        raise ValueError(f"{e} (config.json with {FLAG} {json.dumps(hf_overrides)[:200]} "
+                         "merged in)") from None
+    return merged
 
 
 def check_config_sizes(raw: dict[str, Any], path: str) -> None:

@@ -20,6 +20,7 @@ from kvflow.models.hf_config_checks import (
     read_config_json,
     unread_field_warnings,
 )
+from kvflow.models.hf_overrides import config_from_dict
 from kvflow.models.model_resolver import ModelSource, resolve_tokenizer
 from kvflow.models.registry import get_model_class
 from kvflow.models.tokenizer_files import tokenizer_files_problem
@@ -28,7 +29,8 @@ from kvflow.quant import QuantConfig, apply_quant_config, process_weights_after_
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(source: ModelSource, warn_unread: bool = False) -> Any:
+def load_hf_config(source: ModelSource, warn_unread: bool = False,
+                   hf_overrides: dict[str, Any] | None = None) -> Any:
     """The model's HF config (a transformers PretrainedConfig).
 
     Args:
@@ -36,6 +38,10 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False) -> Any:
         warn_unread: log a warning for each config.json field transformers' model class
             never reads (:func:`~kvflow.models.hf_config_checks.unread_field_warnings`);
             the engine core asks for it, once per engine, the other readers do not.
+        hf_overrides: ``ModelConfig.hf_overrides`` (parsed), merged into config.json before
+            it is checked and read (:mod:`kvflow.models.hf_overrides`); every reader of the
+            engine's config passes them, so all see the same merged config. Refused for a
+            GGUF file (its metadata is not a config.json).
 
     Raises:
         ValueError: if config.json is missing, cannot be parsed, or its sizes, other fields
@@ -44,6 +50,9 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False) -> Any:
             :func:`~kvflow.models.hf_config_checks.check_rope_parameters`).
     """
     if source.kind == "gguf":
+        if hf_overrides:
+            raise ValueError(f"--hf-overrides (hf_overrides) merges into a model folder's "
+                             f"config.json; {source.path!r} is a GGUF file, which has none")
         from kvflow.models.gguf_config import load_gguf_config
 
         return load_gguf_config(source.path)
@@ -52,12 +61,13 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False) -> Any:
     path = os.path.join(source.path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model folder {source.path!r} has no config.json")
-    raw = read_config_json(path)
+    raw = read_config_json(path, hf_overrides)
     for warning in unread_field_warnings(raw, path) if warn_unread else ():
         logger.warning("%s", warning)
     try:
         with quiet_model_type_warning():
-            config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+            config = config_from_dict(raw, source.path) if hf_overrides else \
+                AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     config = hoist_text_config(config)

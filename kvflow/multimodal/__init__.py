@@ -31,9 +31,11 @@ def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,
     return MultiModalProcessor(load_image_processor(source.path), hf_config, tokenizer, config)
 
 
-def mm_processor_of_source(source: Any, tokenizer: Any,
-                           config: MultiModalConfig) -> MultiModalProcessor | None:
-    """The server's image processor for the model at ``source`` (a ``ModelSource``), so that
+def mm_processor_of_source(source: Any, tokenizer: Any, config: MultiModalConfig,
+                           hf_overrides: dict[str, Any] | None = None
+                           ) -> MultiModalProcessor | None:
+    """The server's image processor for the model at ``source`` (a ``ModelSource``, its
+    config.json with ``hf_overrides`` merged in, as the engine core reads it), so that
     images are decoded, checked and preprocessed in the API process (a bad image is a 400
     before anything is queued). None for a GGUF file (kvflow loads no vision-language GGUF),
     a text-only model, or a config that cannot be read (the engine core reports that one).
@@ -47,7 +49,7 @@ def mm_processor_of_source(source: Any, tokenizer: Any,
     if source.kind == "gguf":
         return None
     try:
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source, hf_overrides=hf_overrides)
         if not is_multimodal(hf_config):
             return None
     except ValueError:  # an unreadable config or unknown architecture
