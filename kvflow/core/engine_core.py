@@ -32,7 +32,8 @@ from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
-from kvflow.models.loader import load_hf_config
+from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
+from kvflow.models.loader import load_hf_config, load_tokenizer
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import TASK_VERB, model_task, task_mismatch
 from kvflow.models.registry import is_multimodal, model_traits
@@ -92,6 +93,9 @@ class EngineCore:
         self.hf_config = load_hf_config(
             source, warn_unread=self.config.parallel_config.data_parallel_rank == 0,
             hf_overrides=self.config.model_config.hf_overrides)
+        mc = self.config.model_config  # a reranker's score head from LM-head rows: its tokens
+        resolve_classifier_tokens(self.hf_config, lambda: None if mc.skip_tokenizer_init else
+                                  load_tokenizer(source, mc.tokenizer, mc.download_dir))
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))

@@ -28,6 +28,7 @@ from kvflow.layers.rotary import (
     get_rotary_dim,
     rope_max_positions,
 )
+from kvflow.models.classifier_from_tokens import score_weight_from_lm_head
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
 
 # model types whose transformers attention reads no ``sliding_window`` from the config
@@ -398,11 +399,17 @@ def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     no LM head): it computes hidden states, the runner pools the prompt's last token and
     calls :meth:`score_head` on it (``task="score"`` or ``"classify"``). transformers pools
     the last non-pad token of a padded batch; a kvflow prompt carries no padding, so that is
-    its last token (vLLM's rule too)."""
+    its last token (vLLM's rule too).
+
+    A causal-LM checkpoint (``lm_head.weight``, no ``score.weight``) whose config names
+    ``classifier_from_token`` (set with ``--hf-overrides``, e.g. Qwen3-Reranker) loads too: its
+    score head is built from those tokens' LM-head rows (the tied embedding's when
+    ``tie_word_embeddings``), see :mod:`kvflow.models.classifier_from_tokens`."""
 
     class SequenceClassifier(cls):
         is_pooling_only: ClassVar[bool] = True
         is_cross_encoder: ClassVar[bool] = True  # has a sequence-classification head
+        builds_score_from_tokens: ClassVar[bool] = True  # classifier_from_token
 
         def __init__(self, config: Any, ctx: AttentionContext,
                      parallel: ParallelState | None = None) -> None:
@@ -416,8 +423,39 @@ def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             return self.score(pooled)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            return super().load_weights((n, t) for n, t in weights
-                                        if not n.startswith("lm_head."))
+            """As the causal LM's, without its LM head; a config with
+            ``classifier_token_ids`` builds ``score.weight`` from the LM head's rows.
+
+            Raises:
+                ValueError: see :meth:`LlamaForCausalLM.load_weights`; a checkpoint without
+                    the LM head (or tied embedding) such a config reads, or with a
+                    ``score.weight`` of its own besides.
+            """
+            if getattr(self.config, "classifier_token_ids", None) is None:
+                return super().load_weights((n, t) for n, t in weights
+                                            if not n.startswith("lm_head."))
+            tied = getattr(self.config, "tie_word_embeddings", False)
+            source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            found: dict[str, torch.Tensor] = {}
+
+            def keep_head(items: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterable[tuple[str, torch.Tensor]]:
+                for name, tensor in items:
+                    if name in (source, "score.weight"):
+                        found[name] = tensor
+                    if not name.startswith("lm_head.") and name != "score.weight":
+                        yield name, tensor
+
+            loaded = super().load_weights(keep_head(weights))
+            if "score.weight" in found or source not in found:
+                raise ValueError(
+                    f"classifier_from_token builds the score head from {source}; the "
+                    f"checkpoint {'has a score.weight of its own' if source in found else 'lacks it'}"
+                    " (leave classifier_from_token / method / is_original_qwen3_reranker out "
+                    "for a checkpoint converted to sequence classification)")
+            with torch.no_grad():
+                self.score.weight.copy_(score_weight_from_lm_head(found[source], self.config))
+            return loaded | {"score.weight"}
 
     SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = \
         f"{cls.__name__}SequenceClassifier"

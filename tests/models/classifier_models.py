@@ -70,3 +70,49 @@ def hf_logits(folder: str, texts: list[str]) -> torch.Tensor:
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     with torch.no_grad():
         return model(**tokenizer(texts, return_tensors="pt", padding=True)).logits.float()
+
+
+# LLM-as-reranker checkpoints: a causal LM whose answer tokens' logits give the relevance
+# (Qwen3-Reranker answers "no" / "yes"); these are tokens of ``bpe_tokenizer``'s vocabulary
+NO_TOKEN, YES_TOKEN = "Ġdog", "Ġthe"
+
+
+def build_causal_reranker(folder: str, kind: str = "Qwen3", tied: bool = False,
+                          seed: int = 29) -> None:
+    """Save a tiny random ``{kind}ForCausalLM`` (kind: Llama, Qwen2, Qwen3; the LM head tied
+    to the embedding when ``tied``) and ``bpe_tokenizer`` in ``folder``: a reranker served
+    through ``--hf-overrides`` (``classifier_from_token``)."""
+    import transformers
+
+    tokenizer = bpe_tokenizer()
+    extra = {"head_dim": 16} if kind == "Qwen3" else {}
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-6, pad_token_id=PAD_ID, tie_word_embeddings=tied, **extra)
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+    _randomize(model, seed, scale=0.3)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def hf_last_token_logits(folder: str, token_ids: list[list[int]]) -> torch.Tensor:
+    """[N, vocab] float32: transformers' causal-LM logits at each prompt's last token (one
+    prompt at a time, no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                            for ids in token_ids])
+
+
+def hf_reranker_scores(folder: str, token_ids: list[list[int]]) -> torch.Tensor:
+    """[N] the reranker's relevance by its own definition: softmax over the "no" / "yes"
+    logits at the last token, P(yes) = sigmoid(logit_yes - logit_no)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    no, yes = tokenizer.convert_tokens_to_ids([NO_TOKEN, YES_TOKEN])
+    logits = hf_last_token_logits(folder, token_ids)
+    return torch.softmax(logits[:, [no, yes]], dim=-1)[:, 1]
