@@ -170,13 +170,15 @@ class InputProcessor:
 
     def require_task(self, task: str = "embed") -> None:
         """Raises ValueError (what the engine runs, what to use) on an engine that does not
-        run ``task`` ("embed" or "score"): a generation model, or the other pooling task."""
+        serve ``task`` ("embed", "score" or "classify"; ``PoolerConfig.tasks``): a generation
+        model, or another pooling task."""
         if self.pooler is None and task == "embed":
             raise ValueError("this model generates text: embeddings need a model served with "
                              "task='embed' (--task embed)")
-        engine_task = "generate" if self.pooler is None else self.pooler.task
-        if engine_task != task:
-            raise ValueError(task_mismatch(engine_task, task))
+        if self.pooler is None:
+            raise ValueError(task_mismatch("generate", task))
+        if task not in self.pooler.tasks:
+            raise ValueError(task_mismatch(self.pooler.task, task, self.pooler.num_labels))
 
     def pooling_text(self, text: str) -> str:
         """An embedding input as the model tokenizes it (sentence-transformers' rules): after

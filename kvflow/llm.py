@@ -267,8 +267,12 @@ class LLM:
         its two texts' embeddings, as vLLM scores with embedding models
         (``_score_embeddings``).
 
+        A ``task="classify"`` engine scores too when its classifier has one label (vLLM's
+        rule: a relevance logit, through a sigmoid).
+
         Raises:
-            ValueError: on a generating engine, for bad ``text_1`` / ``text_2`` (named), a
+            ValueError: on a generating engine or a classify engine whose classifier has
+                several labels, for bad ``text_1`` / ``text_2`` (named), a
                 pair longer than ``max_model_len`` (named by its index and texts), or a bad
                 ``truncate_prompt_tokens`` or ``user`` (nothing is queued then).
         """
@@ -304,18 +308,19 @@ class LLM:
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
                  user: Sequence[str] | None = None) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities for each prompt, in order
-        (``out.outputs.probs``: the softmax of its ``num_labels`` logits; see
-        :class:`~kvflow.outputs.ClassificationOutput`), batched like ``embed``. Needs an
-        engine started with ``task="classify"`` on a ``*ForSequenceClassification`` model
-        (BERT / RoBERTa / XLM-R pool their first token, Llama / Mistral / Qwen2 / Qwen3 their
-        last).
+        (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
+        single one; see :class:`~kvflow.outputs.ClassificationOutput`), batched like
+        ``embed``. Needs an engine started with ``task="classify"`` or ``"score"`` on a
+        ``*ForSequenceClassification`` model (BERT / RoBERTa / XLM-R pool their first token,
+        Llama / Mistral / Qwen2 / Qwen3 their last).
 
         Args:
             prompts: as ``embed`` takes them (text, token ids, dict prompts, or a list).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
 
         Raises:
-            ValueError: on an engine not running ``task="classify"`` (naming what it runs),
+            ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
+                what it runs),
                 for an empty prompt, a token id outside the vocabulary or a prompt longer than
                 ``max_model_len`` (naming the prompt by its index), or a bad ``user``
                 (nothing is queued then).

@@ -149,7 +149,8 @@ class ClassificationOutput:
 
     Attributes:
         probs: ``num_labels`` values, the softmax of the classification head's logits
-            (float32 arithmetic; they sum to 1), in class-index order (``config.id2label``).
+            (float32 arithmetic; they sum to 1), in class-index order (``config.id2label``);
+            for a one-label classifier, the sigmoid of its logit (vLLM's rule).
     """
 
     probs: list[float]

@@ -323,8 +323,10 @@ class EngineCore:
                 engine (and the reverse).
         """
         asked = "generate" if request.pooling_params is None else request.pooling_params.task
-        if asked != self.task:
-            raise ValueError(task_mismatch(self.task, asked))
+        served = (self.task,) if self.pooler_config is None else self.pooler_config.tasks
+        if asked not in served:
+            raise ValueError(task_mismatch(self.task, asked, self.pooler_config and
+                                           self.pooler_config.num_labels or 0))
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise ValueError(f"request {request.request_id!r} has images but this model "
                              "takes text only")

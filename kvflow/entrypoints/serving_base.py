@@ -175,18 +175,31 @@ class OpenAIServing:
 
     def check_task(self, task: str) -> None:
         """Refuse an endpoint the served model does not do (text on an embedding model,
-        embeddings on a text model, scores on either, ...).
+        embeddings on a text model, scores on either, scores on a classify server whose
+        classifier has several labels, ...). A sequence classifier serves both head tasks
+        where it can (``PoolerConfig.tasks``).
 
         Raises:
-            OpenAIError: 400 (param ``model``) when the engine's task is not ``task``.
+            OpenAIError: 400 (param ``model``, code ``wrong_task``) when the engine does not
+                serve ``task``.
         """
-        if self.engine.task != task:
-            use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
-                   "score": "/v1/score or /v1/rerank", "classify": "/v1/classify"}.get(
-                self.engine.task, "/v1/completions or /v1/chat/completions")
-            raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
-                              f"this endpoint needs task={task!r}: use {use}", param="model",
-                              code="wrong_task")
+        pooler = self.engine.processor.pooler
+        if task in ((self.engine.task,) if pooler is None else pooler.tasks):
+            return
+        if self.engine.task == "classify" and task == "score":
+            labels = pooler.num_labels
+            raise OpenAIError(f"this server's model runs task='classify' (--task) with "
+                              f"num_labels={labels}: /v1/score and /v1/rerank need a "
+                              "one-label classifier (num_labels == 1, a relevance logit); "
+                              f"serve it with --task score for its {labels} values per pair, "
+                              "or use /v1/classify", param="model", code="wrong_task")
+        use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
+               "score": "/v1/score, /v1/rerank or /v1/classify",
+               "classify": "/v1/classify"}.get(
+            self.engine.task, "/v1/completions or /v1/chat/completions")
+        raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+                          f"this endpoint needs task={task!r}: use {use}", param="model",
+                          code="wrong_task")
 
     def check_admission(self, num_requests: int, param: str = "prompt") -> None:
         """Raises OpenAIError 503 (with Retry-After) when too many requests wait already

@@ -51,9 +51,15 @@ class PoolerConfig:
         prompt: text put before every text input (the default prompt), "" for none.
         task: "embed" (a vector per prompt), "score" (a cross-encoder: the model's
             ``score_head`` on the pooled state, then ``activation``) or "classify" (the same
-            head, then a softmax over the classes).
-        activation: a score or classify model's activation on its logits, "sigmoid" or
-            "identity" (:func:`score_activation`), "softmax" (classify); None for embeddings.
+            head, then a softmax over the classes, a sigmoid for one class): the engine's
+            task (``--task``, or what ``auto`` picked).
+        activation: the activation of ``task`` on a score or classify model's logits:
+            "sigmoid" or "identity" (score, :func:`score_activation`), "softmax" or
+            "sigmoid" (classify, :func:`classify_activation`); None for embeddings.
+        other_tasks: the head tasks the engine serves besides ``task``, each with its
+            activation (``(("classify", "softmax"),)``): a sequence classifier scores and
+            classifies on one engine, scoring only with one label on a classify engine
+            (:func:`model_task`); () for embeddings.
         num_labels: a score or classify model's outputs per prompt (its classifier's
             ``num_labels``); 0 for embeddings.
         labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
@@ -71,6 +77,26 @@ class PoolerConfig:
     activation: str | None = None
     num_labels: int = 0
     labels: tuple[str, ...] = ()
+    other_tasks: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """Every pooling task the engine serves, its own ``task`` first."""
+        return (self.task, *(name for name, _ in self.other_tasks))
+
+    def activation_for(self, task: str) -> str | None:
+        """The activation of a ``task`` request's logits (``activation`` for the engine's
+        own task, the one ``other_tasks`` names for another).
+
+        Raises:
+            ValueError: for a task the engine does not serve.
+        """
+        if task == self.task:
+            return self.activation
+        for name, activation in self.other_tasks:
+            if name == task:
+                return activation
+        raise ValueError(task_mismatch(self.task, task, self.num_labels))
 
     def cap_model_len(self, positions: int | None, requested: int | None) -> int | None:
         """The model's context limit ``positions`` capped at ``max_seq_length``.
@@ -254,7 +280,9 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     pooling (one place for the engine core, the runners and the API process to decide it
     alike). A sequence classifier pools its first token (CLS, an encoder) or its last (a
     decoder: the last token of the prompt, which has no padding), as transformers'
-    ``*ForSequenceClassification`` do.
+    ``*ForSequenceClassification`` do, and serves both head tasks where the model allows
+    (``PoolerConfig.other_tasks``): a score engine classifies too, a classify engine scores
+    when its classifier has one label (vLLM's rule for /score and /rerank).
 
     Args:
         requested: ``ModelConfig.task`` (auto | generate | embed | score | classify).
@@ -270,16 +298,26 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config))
     if task == "generate":
         return task, None
-    pooling = "cls" if encoder else "last"
-    if task == "score":
-        return task, PoolerConfig(pooling, False, task="score",
-                                  activation=score_activation(hf_config),
-                                  num_labels=int(hf_config.num_labels))
-    if task == "classify":
-        return task, PoolerConfig(pooling, False, task="classify", activation="softmax",
-                                  num_labels=int(hf_config.num_labels),
-                                  labels=class_labels(hf_config))
-    return task, load_pooler_config(folder, hf_config, encoder)
+    if task not in ("score", "classify"):
+        return task, load_pooler_config(folder, hf_config, encoder)
+    # One head serves both (vLLM): classify always; score on a classify engine only with
+    # one label (a relevance logit), on a score engine with any (CrossEncoder.predict's values).
+    num_labels = int(hf_config.num_labels)
+    served = ("score", "classify") if task == "score" or num_labels == 1 else ("classify",)
+    activations = {t: score_activation(hf_config) if t == "score" else
+                   classify_activation(num_labels) for t in served}
+    return task, PoolerConfig("cls" if encoder else "last", False, task=task,
+                              activation=activations[task], num_labels=num_labels,
+                              labels=class_labels(hf_config),
+                              other_tasks=tuple(kv for kv in activations.items()
+                                                if kv[0] != task))
+
+
+def classify_activation(num_labels: int) -> str:
+    """The activation of a classify request's logits: softmax over two or more classes, the
+    sigmoid of a single one (vLLM's ``PoolerClassify``; a softmax over one logit is always
+    1)."""
+    return "softmax" if num_labels >= 2 else "sigmoid"
 
 
 def score_activation(hf_config: Any) -> str:
@@ -317,14 +355,21 @@ _TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
                          "/v1/chat/completions",
              "embed": "LLM.embed or /v1/embeddings (or LLM.score, /v1/score and /v1/rerank "
                       "for cosine similarities)",
-             "score": "LLM.score or /v1/score and /v1/rerank",
+             "score": "LLM.score or /v1/score and /v1/rerank (or LLM.classify, /v1/classify)",
              "classify": "LLM.classify or /v1/classify"}
 
 
-def task_mismatch(engine_task: str, asked: str) -> str:
+def task_mismatch(engine_task: str, asked: str, num_labels: int = 0) -> str:
     """The message refusing a request of task ``asked`` on an engine running
     ``engine_task`` (each a name of :data:`TASKS`): what the engine does, what to use instead
-    and which task the request needs."""
+    and which task the request needs (a classify engine asked to score: that its classifier
+    has ``num_labels`` != 1)."""
+    if engine_task == "classify" and asked == "score":
+        return (f"this engine runs task='classify' with num_labels={num_labels}: it scores "
+                "text pairs (LLM.score, /v1/score, /v1/rerank) only with a one-label "
+                "classifier (num_labels == 1, a relevance logit); serve the model with "
+                f"task='score' for its {num_labels} values per pair, or use LLM.classify or "
+                "/v1/classify")
     needs = {"score": "task='score' (a cross-encoder) or task='embed' (cosine similarity)",
              "classify": "task='classify' (a *ForSequenceClassification model)"}.get(
         asked, f"task={asked!r}")

@@ -11,8 +11,8 @@ to the request's ``dimensions`` (Matryoshka) and L2-normalized when the request'
 ``normalize`` says so, else when the model normalizes.
 A sequence classifier (``task="score"`` or ``"classify"``) pools ``cls`` (an encoder) or
 ``last`` (a decoder) and reports its classification head's logits on that state after the
-model's activation (sigmoid or identity for score, softmax for classify): ``num_labels``
-values.
+activation of the request's task (sigmoid or identity for score, softmax or a one-label
+sigmoid for classify; one engine serves both, see ``model_task``): ``num_labels`` values.
 """
 
 from __future__ import annotations
@@ -99,19 +99,23 @@ class PoolingState:
             else:
                 vector = self._partial.pop(rid)
             if self.score_head is not None:
-                done[rid] = self._score(vector.to(hidden.dtype))
+                p = params.get(rid)
+                done[rid] = self._score(vector.to(hidden.dtype),
+                                        self.config.task if p is None else p.task)
                 continue
             done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
         return done
 
-    def _score(self, pooled: torch.Tensor) -> list[float]:
+    def _score(self, pooled: torch.Tensor, task: str) -> list[float]:
         """[H] pooled state (CLS or last token) -> the ``num_labels`` values: head logits
-        (float32), then the activation (score: sentence-transformers' ``CrossEncoder.predict``
-        default; classify: softmax, the class probabilities)."""
+        (float32), then the activation of the request's ``task`` (score: sentence-transformers'
+        ``CrossEncoder.predict`` default; classify: softmax, the class probabilities, or the
+        sigmoid of a single logit)."""
         logits = self.score_head(pooled.unsqueeze(0))[0].float()
-        if self.config.activation == "sigmoid":
+        activation = self.config.activation_for(task)
+        if activation == "sigmoid":
             logits = torch.sigmoid(logits)
-        elif self.config.activation == "softmax":
+        elif activation == "softmax":
             logits = torch.softmax(logits, dim=-1)
         return logits.tolist()
 

@@ -3,7 +3,10 @@
 with a tiny random Qwen2ForSequenceClassification (last-token pooling, named classes from
 ``id2label``); text and token-id inputs, ``truncate_prompt_tokens``, the 400s (empty input,
 token id out of the vocabulary, too long, unknown field, a score server) and a server that
-keeps serving with every KV block back."""
+keeps serving with every KV block back. One engine serves both head tasks where the model
+allows: a tiny random Qwen3ForCausalLM served as a Qwen3-Reranker (``--hf-overrides`` with
+``classifier_from_token``, ``--task classify``) answers /v1/score, /rerank and /classify with
+transformers' causal-LM P(yes) = sigmoid(logit_yes - logit_no); a score server classifies."""
 
 from __future__ import annotations
 
@@ -12,28 +15,43 @@ import pytest
 import torch
 
 from tests.e2e.conftest import ready_side_by_side
-from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
-from tests.models.cross_encoder_models import build_cross_encoder
+from tests.models.classifier_models import (
+    NO_TOKEN,
+    TEXTS,
+    YES_TOKEN,
+    build_causal_reranker,
+    build_decoder_classifier,
+    hf_logits,
+    hf_reranker_scores,
+)
+from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 ARGS = ["--dtype", "float32", "--device", "cpu", "--max-num-batched-tokens", "64"]
 CLS_ARGS = [*ARGS, "--task", "classify", "--served-model-name", "cls", "--num-kv-blocks",
             "64", "--max-model-len", "10"]
 SCORE_ARGS = [*ARGS, "--served-model-name", "ce"]
+RERANKER_OVERRIDES = ('{"architectures": ["Qwen3ForSequenceClassification"], '
+                      f'"classifier_from_token": ["{NO_TOKEN}", "{YES_TOKEN}"], '
+                      '"is_original_qwen3_reranker": true}')
+RERANKER_ARGS = [*ARGS, "--task", "classify", "--served-model-name", "rr", "--num-kv-blocks",
+                 "64", "--hf-overrides", RERANKER_OVERRIDES]
 ATOL = 1e-5  # float32 rounding of two implementations (see tests/models/test_classify.py)
-NAMES = ("cls", "ce")
+NAMES = ("cls", "ce", "rr")
 
 
 def _models(built_models) -> dict[str, str]:
     return {"cls": built_models("cls_qwen2", lambda f: build_decoder_classifier(
                 f, "Qwen2", 3, id2label=LABELS))[0],
-            "ce": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0]}
+            "ce": built_models("ce_bert", lambda f: build_cross_encoder(f, "Bert", 1))[0],
+            "rr": built_models("reranker_qwen3", build_causal_reranker)[0]}
 
 
 def prestart_servers(fixture):
     """This module's servers (see ``prestart_servers`` in conftest.py)."""
     models = _models(fixture("built_models"))
-    return [(models[name], args, None) for name, args in zip(NAMES, (CLS_ARGS, SCORE_ARGS))]
+    return [(models[name], args, None)
+            for name, args in zip(NAMES, (CLS_ARGS, SCORE_ARGS, RERANKER_ARGS))]
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +164,55 @@ def test_errors_and_the_server_keeps_serving(servers):
     assert _free_blocks(server) == idle > 0
 
 
-def test_a_score_server_refuses_classify(servers):
-    server, _ = servers["ce"]
-    resp = _post(server, "/classify", {"input": "paris"})
-    assert resp.status_code == 400
-    assert resp.json()["error"] == {
-        "message": "this server's model runs task='score' (--task); this endpoint needs "
-                   "task='classify': use /v1/score or /v1/rerank",
-        "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
+def test_a_score_server_classifies(servers):
+    """A one-label cross-encoder served for scores answers /classify too: its one
+    probability is the sigmoid of its logit, the pair's score (vLLM's PoolerClassify)."""
+    from transformers import AutoModelForSequenceClassification
+
+    server, folder = servers["ce"]
+    text = "paris is the capital"
+    body = _post(server, "/classify", {"input": text}).json()
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logit = model(**_tokenizer(folder)(text, return_tensors="pt")).logits[0]
+    assert [d["num_classes"] for d in body["data"]] == [1]
+    torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), torch.sigmoid(logit),
+                               atol=ATOL, rtol=0)
+
+
+def test_a_classify_server_with_many_labels_refuses_scores(servers):
+    server, _ = servers["cls"]
+    for path, body in (("/v1/score", {"text_1": "paris", "text_2": "city"}),
+                       ("/rerank", {"query": "paris", "documents": ["city"]})):
+        resp = _post(server, path, body)
+        assert resp.status_code == 400
+        assert resp.json()["error"] == {
+            "message": "this server's model runs task='classify' (--task) with num_labels=3: "
+                       "/v1/score and /v1/rerank need a one-label classifier (num_labels == 1, "
+                       "a relevance logit); serve it with --task score for its 3 values per "
+                       "pair, or use /v1/classify",
+            "type": "invalid_request_error", "param": "model", "code": "wrong_task"}
+
+
+def test_qwen3_reranker_from_hf_overrides_scores_reranks_and_classifies(servers):
+    """The reranker recipe: a Qwen3ForCausalLM checkpoint, ``--hf-overrides`` turning it into
+    Qwen3ForSequenceClassification from its "no" / "yes" LM-head rows, on a classify server;
+    every route equals transformers' causal LM P(yes) at the last token."""
+    server, folder = servers["rr"]
+    tokenizer = _tokenizer(folder)
+    ids = [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS]
+    expected = hf_reranker_scores(folder, ids)
+    assert expected.max() - expected.min() > 0.05  # the documents are told apart
+    body = _post(server, "/v1/score", {"model": "rr", "text_1": QUERY,
+                                       "text_2": DOCUMENTS}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), expected,
+                               atol=ATOL, rtol=0)
+    assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    body = _post(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}).json()
+    best = expected.argsort(descending=True).tolist()
+    assert [r["index"] for r in body["results"]] == best[:2]
+    torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in body["results"]]),
+                               expected[best[:2]], atol=ATOL, rtol=0)
+    body = _post(server, "/classify", {"input": ids[:2]}).json()
+    torch.testing.assert_close(torch.tensor([d["probs"][0] for d in body["data"]]),
+                               expected[:2], atol=ATOL, rtol=0)

@@ -220,4 +220,4 @@ def test_a_generating_server_does_not_score(servers):
     resp = _post(ce, "/v1/embeddings", {"input": "a"})
     assert resp.status_code == 400 and resp.json()["error"]["message"] == (
         "this server's model runs task='score' (--task); this endpoint needs task='embed': "
-        "use /v1/score or /v1/rerank")
+        "use /v1/score, /v1/rerank or /v1/classify")

@@ -134,10 +134,13 @@ def test_bad_input_and_wrong_tasks_are_refused(classifier, tiny_llama, assert_no
         assert str(e.value) == message
     refusal = ("this engine runs task='classify' (it classifies texts): use LLM.classify or "
                "/v1/classify; a {} request needs a model served with {}")
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as e:  # three labels: no single relevance score
         llm.score(QUERY, DOCUMENTS[0], use_tqdm=False)
-    assert str(e.value) == refusal.format(
-        "score", "task='score' (a cross-encoder) or task='embed' (cosine similarity)")
+    assert str(e.value) == (
+        "this engine runs task='classify' with num_labels=3: it scores text pairs (LLM.score, "
+        "/v1/score, /v1/rerank) only with a one-label classifier (num_labels == 1, a "
+        "relevance logit); serve the model with task='score' for its 3 values per pair, or "
+        "use LLM.classify or /v1/classify")
     with pytest.raises(ValueError) as e:
         llm.embed("paris", use_tqdm=False)
     assert str(e.value) == refusal.format("embed", "task='embed'")

@@ -130,7 +130,8 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
     llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64,
               task="score")
     refusal = ("this engine runs task='score' (it scores text pairs): use LLM.score or "
-               "/v1/score and /v1/rerank; a {} request needs a model served with task='{}'")
+               "/v1/score and /v1/rerank (or LLM.classify, /v1/classify); a {} request needs "
+               "a model served with task='{}'")
     with pytest.raises(ValueError) as e:
         llm.embed("the quick fox", use_tqdm=False)
     assert str(e.value) == refusal.format("embed", "embed")

@@ -3,8 +3,9 @@
 (or tied embedding) become the score head. Oracle: transformers' causal LM on the same
 tokens, its last-token logits: softmax over the "no" / "yes" logits (P(yes)) for
 ``from_2_way_softmax`` / ``is_original_qwen3_reranker``, the token's own logit through a
-sigmoid for a one-token ``no_post_processing``; and the refusals of bad override values,
-each named.
+sigmoid for a one-token ``no_post_processing``. Also one engine serving both score and
+classify (a classify engine scores with one label; a score engine classifies), and the
+refusals of bad override values, each named.
 
 Tolerance: float32 on 2-layer, 64-wide models; the logits of the two implementations differ
 by rounding (~1e-6) and sigmoid / softmax have slopes below 1: 1e-5 absolute."""
@@ -17,9 +18,11 @@ import torch
 from kvflow import LLM
 from tests.models.classifier_models import (
     NO_TOKEN,
+    TEXTS,
     YES_TOKEN,
     build_causal_reranker,
     build_decoder_classifier,
+    hf_last_token_logits,
     hf_reranker_scores,
 )
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY
@@ -70,6 +73,61 @@ def test_score_is_p_yes_of_the_causal_lm(reranker, kind, tied, overrides, assert
     expected = hf_reranker_scores(folder, ids)
     assert expected.max() - expected.min() > 0.05  # the documents are told apart
     torch.testing.assert_close(torch.tensor([o.outputs.score for o in outs]), expected,
+                               atol=ATOL, rtol=0)
+    assert_no_leaks(llm)
+
+
+def test_one_token_no_post_processing_and_classify(reranker, assert_no_leaks):
+    """``no_post_processing``: one label per token, its LM-head row; a classify engine gives
+    the softmax over the tokens' logits for two tokens and, with one token (one label), the
+    sigmoid of that logit for both classify and score (vLLM's PoolerClassify / PoolerScore)."""
+    folder = reranker("Qwen3")
+    base = {"architectures": ["Qwen3ForSequenceClassification"], "method": "no_post_processing"}
+    ids = None
+    for tokens in ([YES_TOKEN], [NO_TOKEN, YES_TOKEN]):
+        llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, task="classify",
+                  hf_overrides={**base, "classifier_from_token": tokens})
+        tok = llm.get_tokenizer()
+        ids = ids or [tok(t)["input_ids"] for t in TEXTS]
+        rows = tok.convert_tokens_to_ids(tokens)
+        logits = hf_last_token_logits(folder, ids)[:, rows]
+        probs = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
+        if len(tokens) == 1:
+            torch.testing.assert_close(probs, torch.sigmoid(logits), atol=ATOL, rtol=0)
+            pair = llm.get_tokenizer()(QUERY, DOCUMENTS[0])["input_ids"]
+            score = llm.score(QUERY, DOCUMENTS[0], use_tqdm=False)[0].outputs.score
+            assert score == pytest.approx(
+                float(torch.sigmoid(hf_last_token_logits(folder, [pair])[0, rows[0]])),
+                abs=ATOL)
+        else:
+            torch.testing.assert_close(probs, torch.softmax(logits, -1), atol=ATOL, rtol=0)
+        assert_no_leaks(llm)
+
+
+def test_a_classify_engine_scores_with_one_label(reranker, assert_no_leaks):
+    folder = reranker("Qwen3")
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, task="classify",
+              hf_overrides=QWEN3_RERANKER)
+    assert llm.engine.processor.pooler.tasks == ("classify", "score")
+    ids = _pair_ids(llm, DOCUMENTS[:3])
+    expected = hf_reranker_scores(folder, ids)
+    scores = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS[:3], use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=ATOL, rtol=0)
+    probs = [o.outputs.probs for o in llm.classify([{"prompt_token_ids": i} for i in ids],
+                                                   use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(probs)[:, 0], expected, atol=ATOL, rtol=0)
+    assert_no_leaks(llm)
+
+
+def test_a_score_engine_classifies(tmp_path, assert_no_leaks):
+    from tests.models.classifier_models import hf_logits
+
+    folder = str(tmp_path / "cls")
+    build_decoder_classifier(folder, "Qwen2", 3)
+    llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)  # auto: score
+    assert llm.engine.processor.pooler.tasks == ("score", "classify")
+    probs = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS[:3], use_tqdm=False)])
+    torch.testing.assert_close(probs, torch.softmax(hf_logits(folder, TEXTS[:3]), -1),
                                atol=ATOL, rtol=0)
     assert_no_leaks(llm)
 
