@@ -167,7 +167,8 @@ class GrammarBitmask:
     Attributes:
         request_ids: the constrained requests that sample this step, one entry per bitmask
             row: a request verifying ``k`` draft tokens has ``k + 1`` consecutive rows, row
-            ``i`` allowing what may follow its first ``i`` drafts.
+            ``i`` allowing what may follow its first ``i`` drafts (nothing once one of them
+            is a token the grammar rejects).
         bitmask: int32 [len(request_ids), ceil(vocab_size / 32)], CPU; bit ``t % 32`` of word
             ``t // 32`` set means token ``t`` is allowed (xgrammar's layout).
     """

@@ -12,6 +12,8 @@ import time
 from typing import TYPE_CHECKING
 
 from kvflow.engine_outputs import EngineCoreOutput
+from kvflow.runner_output import ModelRunnerOutput
+from kvflow.sched_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from kvflow.core.engine_core import EngineCore
@@ -24,12 +26,9 @@ def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
     scheduler_output = core.scheduler.schedule()
     if scheduler_output.is_empty:  # only grammars compiling: wait a little, do not spin
         core.structured_output.wait_for_compiles(timeout_s=0.05)
-    grammar_bitmask = core.structured_output.grammar_bitmask(
-        scheduler_output.structured_output_request_ids, core.scheduler.requests,
-        scheduler_output.scheduled_spec_decode_tokens)
     started = time.perf_counter()
     try:
-        runner_output = core.executor.execute_model(scheduler_output, grammar_bitmask)
+        runner_output = execute_with_grammar(core, scheduler_output)
     except BaseException:  # KeyboardInterrupt too: LLM.generate's caller may go on
         # The step's K/V were not written: abort what it scheduled (freeing their blocks)
         # so the engine stays consistent for the other requests, then report the error.
@@ -39,6 +38,28 @@ def step_sync(core: EngineCore) -> list[EngineCoreOutput]:
         core.speculator.observe_step(scheduler_output, runner_output,
                                      time.perf_counter() - started)
     return core.scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def execute_with_grammar(core: EngineCore, sched: SchedulerOutput) -> ModelRunnerOutput:
+    """Run one step with its grammar bitmask. The bitmask rows of a constrained request that
+    verifies drafts follow its drafts; a draft model's drafts (``-1`` placeholders in
+    ``sched``) are known only once the runner proposed them, so such a step is split: the
+    runner proposes and launches the target's forward pass, the rows are filled after the
+    proposed drafts (while the forward pass runs on a GPU), then the runner samples
+    (``Executor.proposed_drafts``; the speculator drafts so only where the executor splits
+    steps)."""
+    drafts, constrained = sched.scheduled_spec_decode_tokens, sched.structured_output_request_ids
+    so, requests, executor = core.structured_output, core.scheduler.requests, core.executor
+    if not any(-1 in drafts.get(rid, ()) for rid in constrained):
+        return executor.execute_model(sched, so.grammar_bitmask(constrained, requests, drafts))
+    executor.launch_forward(sched)
+    try:
+        proposed = {**drafts, **executor.proposed_drafts()}
+        executor.launch_sampling(so.grammar_bitmask(constrained, requests, proposed))
+        return executor.collect_output()
+    except BaseException:
+        executor.discard_output()
+        raise
 
 
 def step_async(core: EngineCore) -> list[EngineCoreOutput]:

@@ -156,6 +156,16 @@ class Executor(ABC):
         """
         raise NotImplementedError("this executor does not split steps (async scheduling)")
 
+    def proposed_drafts(self) -> dict[str, list[int]]:
+        """The draft model's tokens for the step ``launch_forward`` launched: request id ->
+        its draft tokens (what the step's ``-1`` placeholders became); empty without a draft
+        model or drafts. Valid until the next ``launch_forward``.
+
+        Raises:
+            NotImplementedError: where ``supports_async_scheduling`` is False.
+        """
+        raise NotImplementedError("this executor does not split steps")
+
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Async scheduling: launch the sampling of the step ``launch_forward`` started.
 

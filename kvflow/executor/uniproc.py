@@ -48,6 +48,9 @@ class UniprocExecutor(Executor):
     def launch_forward(self, sched: SchedulerOutput) -> None:
         self.worker.runner.launch_forward(sched)
 
+    def proposed_drafts(self) -> dict[str, list[int]]:
+        return self.worker.runner.proposed_drafts()
+
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
         self.worker.runner.launch_sampling(grammar_bitmask)
 

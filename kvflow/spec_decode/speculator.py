@@ -12,9 +12,19 @@ with ``adaptive`` the lengths come from ``cost_model.choose_draft_lengths`` (eac
 running acceptance rate against the measured step costs), and a step whose base token count
 has no recent measurement runs without drafts once to measure it.
 
-A constrained request's n-gram drafts are cut at the first token its grammar rejects (the
-matcher accepts them one by one and is rolled back). A draft model proposes inside the runner,
-where the grammar is not known, so constrained requests are not speculated with it.
+Constrained requests (structured output, tool-call grammars) are speculated too, with every
+verified position masked by the grammar, so the output distribution (and logprobs) are exactly
+those of non-speculative constrained decoding. Their n-gram drafts are cut here at the first
+token the grammar rejects (the matcher accepts them one by one and is rolled back). A draft
+model proposes inside the runner, at the start of the step, where the grammar is not known: the
+step loop then splits the step (``core/engine_steps.py``): the runner proposes and runs the
+target's forward pass, the engine core reads the proposed drafts and fills the bitmask rows
+after each of them (``StructuredOutputManager.grammar_bitmask``: rows after a draft the grammar
+rejects allow nothing, and the rejection sampler rejects that draft, as the target's masked
+``p`` gives it zero probability), then the runner samples. Only an executor that splits steps
+(the in-process one: ``Executor.supports_async_scheduling``) can do that; under another one
+(``distributed_executor_backend`` mp or ray with one rank) a draft model does not speculate
+constrained requests (``constrained_draft_model`` False).
 """
 
 from __future__ import annotations
@@ -44,13 +54,17 @@ class Speculator:
             no draft pass is measured (the cost model's fallback; default 1.0: as costly as
             the target). An engine times its draft at start-up instead
             (``observe_draft_passes``).
+        constrained_draft_model: whether a draft model drafts for constrained requests (the
+            step loop must then fill their bitmask rows after the runner proposed: an
+            executor that splits steps); ignored for n-gram drafts, which always do.
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 draft_cost_ratio: float = 1.0) -> None:
+                 draft_cost_ratio: float = 1.0, constrained_draft_model: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.uses_draft_model = config.method == "draft_model"
+        self.constrained_draft_model = constrained_draft_model
         self.draft_cost_ratio = draft_cost_ratio  # the fallback before any draft pass is timed
         self.min_gain = MIN_GAIN  # the predicted gain speculation must clear
         self.target_times = StepTimes()
@@ -98,8 +112,8 @@ class Speculator:
 
     def _candidate_drafts(self, request: Request, room: int) -> np.ndarray:
         """The proposer's tokens (int64 [<= room]) before the length choice."""
-        if self.uses_draft_model:
-            if request.structured_output is not None:
+        if self.uses_draft_model:  # placeholders: the runner's draft model proposes them
+            if request.structured_output is not None and not self.constrained_draft_model:
                 return np.zeros(0, np.int64)
             return np.full(room, -1, np.int64)
         cfg = self.config

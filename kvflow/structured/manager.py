@@ -15,7 +15,11 @@ Life of a constrained request in the engine core:
    compile that raised is retried by the next identical request, as before.
 2. Each step, ``grammar_bitmask`` fills one bitmask row per constrained request that samples
    (``k + 1`` rows for one verifying ``k`` draft tokens: the matcher accepts the drafts one by
-   one, a row after each, and is rolled back); the sampler masks those rows only.
+   one, a row after each, and is rolled back; rows after a draft it rejects allow nothing, and
+   that draft is rejected by the verification, whose target row gives it no probability); the
+   sampler masks those rows only. A draft model's drafts are filled in by the runner, so for
+   them this runs between the runner's proposal and its sampling (``engine_steps.
+   execute_with_grammar``).
 3. ``Scheduler.update_from_output`` feeds each sampled token to the request's matcher before
    appending it. A token the grammar rejects (only possible when the grammar admits nothing
    more) ends the request with ``length``; a token that terminates the grammar (the EOS after a
@@ -206,8 +210,10 @@ class StructuredOutputManager:
                         ) -> GrammarBitmask | None:
         """One bitmask row per constrained request that samples this step (``request_ids``,
         the step's ``structured_output_request_ids``); None if none does. Requests that
-        finished meanwhile are skipped. A request verifying draft tokens (``spec_tokens``,
-        already cut to what its grammar accepts) gets one more row after each of them.
+        finished meanwhile are skipped. A request verifying draft tokens (``spec_tokens``:
+        n-gram drafts already cut to what its grammar accepts, or a draft model's proposal,
+        never ``-1`` placeholders) gets one more row after each of them; the rows after a
+        draft the grammar rejects (or after its stop token) allow nothing.
 
         A request without a matcher (never scheduled: its compile failed) would get a row
         allowing nothing, so it could never run unconstrained.

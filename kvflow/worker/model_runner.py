@@ -133,6 +133,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made with the KV cache (needs the groups)
         self._step: LaunchedStep | None = None  # forward launched, not sampled yet
         self._pending: PendingOutput | None = None  # sampled, not collected yet
+        self._proposed: dict[str, list[int]] = {}  # the launched step's draft-model tokens
 
     # ---- KV cache ----------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -281,7 +282,7 @@ class ModelRunner:
             self.host_kv.swap_in(sched.blocks_to_swap_in)
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
                       self.lora_manager, self.mm_runner)
-        self._step = None
+        self._step, self._proposed = None, {}
         if sched.is_empty:
             return
         if self.adaptive_threads is not None:  # between steps, on the model's thread
@@ -290,6 +291,8 @@ class ModelRunner:
             inputs, spec_tokens, proposal = draft_and_build_inputs(
                 sched, self.input_batch, self.drafter, self.block_size, self.stager,
                 self._pending, self.sampler.generator, self.long_prompt_rope)
+            if proposal is not None:
+                self._proposed = proposal.token_ids
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),
                                    lora_mapping=self._lora_mapping(inputs),
                                    rows=hidden_rows(inputs, self.input_batch, self.pooling,
@@ -299,6 +302,13 @@ class ModelRunner:
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal)
+
+    def proposed_drafts(self) -> dict[str, list[int]]:
+        """The draft model's tokens for the step ``launch_forward`` launched: request id ->
+        its draft tokens; empty without a draft model or drafts. Valid until the next
+        ``launch_forward`` (the engine core fills constrained requests' grammar rows after
+        them before ``launch_sampling``)."""
+        return self._proposed
 
     @torch.inference_mode()
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:

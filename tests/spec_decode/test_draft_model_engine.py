@@ -259,24 +259,6 @@ def test_draft_catches_up_lazily_in_bounded_passes(tiny_llama, assert_no_leaks):
     assert_no_leaks(spec)
 
 
-def test_constrained_requests_run_unspeculated_with_no_draft_pass(tiny_llama, assert_no_leaks):
-    """A draft model does not draft for structured-output requests (the grammar lives in the
-    engine core, the draft in the runner): they run as without speculation, same output, and
-    the draft model runs no pass at all for them."""
-    from tests.spec_decode.test_ngram_engine import StructuredOutputsParams
-
-    regex = "(ab ){2,12}(the|a) fox"
-    params = SamplingParams(temperature=0, max_tokens=60,
-                            structured_outputs=StructuredOutputsParams(regex=regex))
-    plain, spec = _engine(tiny_llama.path), _engine(tiny_llama.path, tiny_llama.path)
-    passes = _count_draft_passes(spec)
-    ref, got = _generate(plain, params), _generate(spec, params)
-    _same_outputs(ref, got)
-    assert all(o.outputs[0].finish_reason == "stop" for o in got)
-    assert _drafted(got) == (0, 0) and passes == []
-    assert_no_leaks(spec)
-
-
 def test_draft_passes_try_each_thread_count_and_keep_greedy_output(base, self_draft):
     """The draft's passes run on the engine's thread count and on one (measured, the faster
     kept): both were tried, the engine's count is back after every step, and the greedy
