@@ -2,7 +2,8 @@
 on tiny random models (float32): greedy output is the non-speculative constrained output token
 for token (JSON schema, regex, choice, a tool call's grammar), and both are transformers'
 greedy decoding with xgrammar's bitmask applied to its logits; the draft model did propose for
-them (drafted > 0); logprobs are those of every position masked; a seeded sampled request
+them (drafted > 0); logprobs are those of every position masked; sampled tokens follow the
+masked target's distribution (chi-square against transformers + xgrammar); a seeded request
 gives the same output twice and matches its constraint; an executor that cannot split a step
 leaves constrained requests undrafted.
 """
@@ -220,3 +221,90 @@ def test_constrained_requests_drafted_only_where_the_step_splits(splits):
     assert drafts["free"] == [-1, -1, -1]
     assert drafts.get("constrained") == ([-1, -1, -1] if splits else None)
     assert np.array_equal(spec.num_accepted_per_pos, [0, 0, 0])
+
+
+def _masked_probs(hf, matcher, bitmask, ids: list[int], top_k: int,
+                  temperature: float) -> torch.Tensor:
+    """float64 [vocab]: the target's next-token distribution after ``ids`` as plain
+    constrained sampling forms it: logits masked by the grammar (xgrammar's bitmask from
+    ``matcher``'s state, unpacked with torch), then top-k, then softmax(logits / T)."""
+    vocab = hf.config.vocab_size
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1].double()
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    logits[~bits.bool().flatten()[:vocab]] = float("-inf")
+    keep = logits.topk(top_k).indices
+    p = torch.zeros_like(logits)
+    p[keep] = torch.softmax(logits[keep] / temperature, 0)
+    return p
+
+
+def _third_token_marginal(hf, tokenizer, regex: str, prompt: list[int], top_k: int,
+                          temperature: float) -> torch.Tensor:
+    """sum over t1, t2 of P(t1) P(t2 | t1) P(t3 | t1 t2), [vocab] float64, each P masked."""
+    import xgrammar as xgr
+
+    vocab = hf.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab,
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex(regex))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    total = torch.zeros(vocab, dtype=torch.float64)
+    p1 = _masked_probs(hf, matcher, bitmask, prompt, top_k, temperature)
+    for t1 in p1.nonzero().flatten().tolist():
+        assert matcher.accept_token(t1)
+        p2 = _masked_probs(hf, matcher, bitmask, prompt + [t1], top_k, temperature)
+        for t2 in p2.nonzero().flatten().tolist():
+            assert matcher.accept_token(t2)
+            p3 = _masked_probs(hf, matcher, bitmask, prompt + [t1, t2], top_k, temperature)
+            total += p1[t1] * p2[t2] * p3
+            matcher.rollback(1)
+        matcher.rollback(1)
+    return total
+
+
+def _draft_leaning_to(path: str, folder, token_ids: list[int]) -> str:
+    """``path``'s model saved in ``folder`` with its LM head's rows of ``token_ids`` scaled
+    by 5 and every other row zeroed: its top tokens are mostly ``token_ids`` (those the
+    target scores above 0), padded with others when fewer are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, folder)
+    weights = load_file(f"{folder}/model.safetensors")
+    head = weights["lm_head.weight"]
+    lean = torch.zeros_like(head)
+    lean[token_ids] = 5 * head[token_ids]
+    weights["lm_head.weight"] = lean
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_sampling_keeps_the_masked_target_distribution(tiny_llama, tiny_tokenizer, tmp_path):
+    """Temperature 0.8, top_k=5, a regex allowing only tokens of the letters a-h (14 of the
+    tiny vocabulary; 12 reach the third token's marginal); the draft leans to those tokens
+    but also proposes others (which the masked target rejects), with q far from p. The third token (verified at a draft's position after an accepted draft,
+    or first in a later step) over 2,000 requests must follow the masked target's marginal
+    from transformers + xgrammar (chi-square, p > 0.001)."""
+    from tests.spec_decode.test_rejection_sampler import chi_square_p_value
+
+    hf, top_k, temperature, regex = tiny_llama.hf_model, 5, 0.8, "[a-h]{12}"
+    allowed = [t for t in range(tiny_llama.vocab_size)
+               if (text := tiny_tokenizer.decode([t])) and set(text) <= set("abcdefgh")]
+    assert len(allowed) >= 3
+    prompt = [5, 17, 42, 99, 7, 23]
+    marginal = _third_token_marginal(hf, tiny_tokenizer, regex, prompt, top_k, temperature)
+    spec = _engine(tiny_llama.path, _draft_leaning_to(tiny_llama.path, tmp_path / "lean",
+                                                      allowed),
+                   num_kv_blocks=4000, max_num_seqs=256)
+    n = 2000
+    outs = _generate(spec, SamplingParams(
+        temperature=temperature, top_k=top_k, max_tokens=4,
+        structured_outputs=StructuredOutputsParams(regex=regex)), [prompt] * n)
+    third = torch.tensor([o.outputs[0].token_ids[2] for o in outs])
+    counts = torch.bincount(third, minlength=len(marginal)).double()
+    assert chi_square_p_value(counts, marginal) > 1e-3
+    drafted, accepted = _drafted(outs)
+    assert drafted >= n and 0.1 * drafted < accepted < 0.9 * drafted
