@@ -138,6 +138,32 @@ def test_mixed_batch_with_a_bad_draft_and_preemption(tiny_llama, tiny_model_fact
     assert_no_leaks(spec)
 
 
+def test_a_split_step_that_fails_aborts_its_requests_and_the_engine_recovers(
+        plain, self_draft, monkeypatch, assert_no_leaks):
+    """A failure between the draft's proposal and the sampling (the forward pass launched)
+    aborts the step's requests; the engine then serves the same requests as before."""
+    params = SamplingParams(temperature=0, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    runner = self_draft.engine.core.executor.runner
+    real, failed = runner.launch_sampling, []
+
+    def broken(*args, **kwargs):
+        if not runner.proposed_drafts():  # the prefill step
+            return real(*args, **kwargs)
+        failed.append(True)
+        raise RuntimeError("simulated failure while sampling")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "launch_sampling", broken)
+        with pytest.raises(RuntimeError, match="simulated"):
+            _generate(self_draft, params, PROMPTS[:2])
+    assert failed == [True]
+    assert_no_leaks(self_draft)
+    _same_outputs(_generate(plain, params, PROMPTS[:2]), _generate(self_draft, params,
+                                                                    PROMPTS[:2]))
+    assert_no_leaks(self_draft)
+
+
 def test_matches_transformers_with_xgrammar_mask(tiny_llama, tiny_tokenizer, self_draft):
     """The oracle: transformers' greedy decoding, logits masked with xgrammar's bitmask."""
     params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=(
