@@ -148,11 +148,11 @@ def test_a_failing_step_aborts_both_steps_and_the_engine_recovers(tiny_llama, mo
     runner = overlap.engine.core.executor.runner
     real, calls = runner.launch_forward, []
 
-    def broken(sched):
+    def broken(sched, *args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("simulated kernel failure")
-        return real(sched)
+        return real(sched, *args)
     monkeypatch.setattr(runner, "launch_forward", broken)
     with pytest.raises(RuntimeError, match="simulated"):
         overlap.generate(PROMPTS[:2], params, use_tqdm=False)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.runner_output import ModelRunnerOutput
-from kvflow.sched_output import SchedulerOutput
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvflow.core.engine_core import EngineCore
@@ -44,15 +44,18 @@ def execute_with_grammar(core: EngineCore, sched: SchedulerOutput) -> ModelRunne
     """Run one step with its grammar bitmask. The bitmask rows of a constrained request that
     verifies drafts follow its drafts; a draft model's drafts (``-1`` placeholders in
     ``sched``) are known only once the runner proposed them, so such a step is split: the
-    runner proposes and launches the target's forward pass, the rows are filled after the
-    proposed drafts (while the forward pass runs on a GPU), then the runner samples
-    (``Executor.proposed_drafts``; the speculator drafts so only where the executor splits
-    steps)."""
+    runner proposes (draft 1 within the grammar's current row) and launches the target's
+    forward pass, the rows are filled after the proposed drafts (while the forward pass runs
+    on a GPU), then the runner samples (``Executor.proposed_drafts``; the speculator drafts
+    so only where the executor splits steps)."""
     drafts, constrained = sched.scheduled_spec_decode_tokens, sched.structured_output_request_ids
     so, requests, executor = core.structured_output, core.scheduler.requests, core.executor
     if not any(-1 in drafts.get(rid, ()) for rid in constrained):
         return executor.execute_model(sched, so.grammar_bitmask(constrained, requests, drafts))
-    executor.launch_forward(sched)
+    # draft 1 is chosen within the grammar's current row (a copy: the buffer is refilled)
+    first = so.grammar_bitmask(constrained, requests)
+    executor.launch_forward(sched, first and GrammarBitmask(first.request_ids,
+                                                            first.bitmask.clone()))
     try:
         proposed = {**drafts, **executor.proposed_drafts()}
         executor.launch_sampling(so.grammar_bitmask(constrained, requests, proposed))

@@ -148,8 +148,11 @@ class Executor(ABC):
         """
         return self.execute_model_async(sched, grammar_bitmask).result()
 
-    def launch_forward(self, sched: SchedulerOutput) -> None:
-        """Async scheduling: apply the step and launch its forward pass (not waited for).
+    def launch_forward(self, sched: SchedulerOutput,
+                       first_grammar: GrammarBitmask | None = None) -> None:
+        """Async scheduling (and a split draft-model step): apply the step and launch its
+        forward pass (not waited for); ``first_grammar``: constrained requests' grammar rows
+        before their first draft (a draft model chooses draft 1 within them), or None.
 
         Raises:
             NotImplementedError: where ``supports_async_scheduling`` is False.

@@ -45,8 +45,9 @@ class UniprocExecutor(Executor):
                       grammar_bitmask: GrammarBitmask | None = None) -> Any:
         return self.worker.execute_model(sched, grammar_bitmask)
 
-    def launch_forward(self, sched: SchedulerOutput) -> None:
-        self.worker.runner.launch_forward(sched)
+    def launch_forward(self, sched: SchedulerOutput,
+                       first_grammar: GrammarBitmask | None = None) -> None:
+        self.worker.runner.launch_forward(sched, first_grammar)
 
     def proposed_drafts(self) -> dict[str, list[int]]:
         return self.worker.runner.proposed_drafts()

@@ -29,6 +29,12 @@ target's ``p`` is (the request's own generator when seeded), with ``q`` handed t
 sampler, which keeps the target's distribution exactly whatever ``q`` is
 (kvflow/spec_decode/rejection_sampler.py); truncating ``q`` as ``p`` is only what makes drafts
 likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always rejected).
+
+Constrained requests (structured output): the grammar lives in the engine core, which hands the
+step its first grammar row per constrained request (what may follow the request's tokens); draft
+1 is chosen within it (argmax or ``q`` over the allowed tokens), so it is never one the grammar
+rejects. Drafts 2..k are proposed unmasked (the grammar's state after draft 1 is not known
+here); the core fills the verification's rows after them (``core/engine_steps.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
+from kvflow.sched_output import GrammarBitmask
 from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.spec_decode.draft_vocab import DraftVocab
 from kvflow.worker.input_batch import InputBatch
@@ -183,7 +190,8 @@ class DraftModel:
     def propose(self, batch: InputBatch, num_scheduled: np.ndarray,
                 spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
                 fill_pending: Callable[[ModelInputs], None],
-                generator: torch.Generator) -> DraftProposal:
+                generator: torch.Generator,
+                first_grammar: GrammarBitmask | None = None) -> DraftProposal:
         """Run the mirror pass of the drafting requests, then propose their tokens (module
         docstring).
 
@@ -197,11 +205,13 @@ class DraftModel:
             stager / fill_pending: the runner's input stager, and what writes tokens still on
                 the device (the previous step's samples) into a pass's input ids.
             generator: for unseeded sampled requests.
+            first_grammar: one bitmask row per constrained request (its grammar's row before
+                draft 1, which is chosen within it), or None.
         """
         threads = self.threads.pick()
         with self.threads.running(threads):
             proposal = self._propose(batch, num_scheduled, spec_tokens, block_size, stager,
-                                     fill_pending, generator)
+                                     fill_pending, generator, first_grammar)
         self.threads.observe(proposal.pass_seconds)
         proposal.threads = threads
         if not self.threads.picked_best:  # a pass on a slower count is not the draft's cost
@@ -210,8 +220,8 @@ class DraftModel:
 
     def _propose(self, batch: InputBatch, num_scheduled: np.ndarray,
                  spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
-                 fill_pending: Callable[[ModelInputs], None],
-                 generator: torch.Generator) -> DraftProposal:
+                 fill_pending: Callable[[ModelInputs], None], generator: torch.Generator,
+                 first_grammar: GrammarBitmask | None) -> DraftProposal:
         started = time.perf_counter()
         n = batch.num_reqs
         num_drafts = np.zeros(n, np.int64)
@@ -226,7 +236,7 @@ class DraftModel:
             self.vocab.update(batch.token_ids, batch.num_tokens, drafting,
                               [batch.stop_ids.get(batch.req_ids[r], ()) for r in drafting])
         steady = self._mirror(batch, num_scheduled - num_drafts, drafting, block_size, stager,
-                              fill_pending, generator, tokens, probs)
+                              fill_pending, generator, tokens, probs, first_grammar)
         for i in range(1, tokens.shape[1]):
             passed = time.perf_counter()
             self._next_draft(batch, num_drafts, drafting, i, block_size, stager, generator,
@@ -245,9 +255,11 @@ class DraftModel:
     def _mirror(self, batch: InputBatch, num_base: np.ndarray, drafting: np.ndarray,
                 block_size: int, stager: InputStager,
                 fill_pending: Callable[[ModelInputs], None], generator: torch.Generator,
-                tokens: np.ndarray, probs: list[list[torch.Tensor]]) -> list[float]:
+                tokens: np.ndarray, probs: list[list[torch.Tensor]],
+                first_grammar: GrammarBitmask | None = None) -> list[float]:
         """Catch the drafting rows' draft K/V up to their last known token, in passes of at
-        most ``max_tokens_per_pass`` tokens, and choose draft 1 from each row's last logits.
+        most ``max_tokens_per_pass`` tokens, and choose draft 1 from each row's last logits
+        (within ``first_grammar``'s row for a constrained request).
         ``num_base``: int64 [num_reqs], each row's scheduled tokens without its drafts.
         Returns the seconds of the pass when it was steady (at most 2 tokens per row)."""
         n = batch.num_reqs
@@ -266,9 +278,33 @@ class DraftModel:
             computed += query
             left -= query
             sub = np.searchsorted(drafting, done)
+            if first_grammar is not None:
+                self._mask_first_drafts(batch, done, logits, first_grammar)
             self._choose(batch, done, logits, 0, tokens, probs, generator, sub)
         batch.num_draft_computed[drafting] = end[drafting]
         return [time.perf_counter() - passed] if steady else []
+
+    def _mask_first_drafts(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor,
+                           grammar: GrammarBitmask) -> None:
+        """Set to -inf, in place, the logits (float32 [len(rows), columns], rows ``rows``) of
+        the tokens a constrained row's grammar forbids as its next token. A row whose draft
+        columns (a cut vocabulary) hold no allowed token is left as it is (its draft is
+        then rejected by the masked target)."""
+        grammar_row = {rid: i for i, rid in enumerate(grammar.request_ids)}
+        picked = [(j, grammar_row[batch.req_ids[r]]) for j, r in enumerate(rows.tolist())
+                  if batch.req_ids[r] in grammar_row]
+        if not picked:
+            return
+        words = grammar.bitmask[[g for _, g in picked]].to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+        columns = self.vocab.token_ids if self.vocab is not None else \
+            torch.arange(logits.shape[1], device=logits.device)
+        allowed = allowed[:, columns.clamp(max=allowed.shape[1] - 1)] & \
+            (columns < allowed.shape[1])
+        keep = allowed.any(dim=1)
+        index = torch.tensor([j for j, _ in picked], device=logits.device)[keep]
+        logits[index] = logits[index].masked_fill(~allowed[keep], float("-inf"))
 
     def _next_draft(self, batch: InputBatch, num_drafts: np.ndarray, drafting: np.ndarray,
                     i: int, block_size: int, stager: InputStager,

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from kvflow.layers.rotary import LongPromptRope
-from kvflow.sched_output import SchedulerOutput
+from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_model import DraftModel, DraftProposal
 from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.input_batch import InputBatch
@@ -21,7 +21,8 @@ from kvflow.worker.step_sampling import PendingOutput
 def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: DraftModel | None,
                            block_size: int, stager: InputStager, pending: PendingOutput | None,
                            generator: torch.Generator,
-                           long_prompt_rope: LongPromptRope | None = None
+                           long_prompt_rope: LongPromptRope | None = None,
+                           first_grammar: GrammarBitmask | None = None
                            ) -> tuple[ModelInputs, dict[str, list[int]], DraftProposal | None]:
     """The step's model inputs, with the draft tokens to verify placed after their requests'
     tokens: the scheduled ones, or ``drafter``'s proposal for the drafting rows
@@ -37,6 +38,8 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
             written into the inputs (and into the draft model's pass inputs).
         generator: the sampler's generator (the draft model's unseeded sampled requests).
         long_prompt_rope: LongRoPE's long-prompt rows (``layers.rotary.long_prompt_rope``).
+        first_grammar: constrained requests' grammar rows before their first draft (the draft
+            model chooses draft 1 within them), or None.
 
     Returns:
         (inputs, draft token ids by request id, the proposal or None).
@@ -47,7 +50,7 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
     proposal = None
     if drafter is not None and spec_tokens:
         proposal = drafter.propose(batch, num_scheduled, spec_tokens, block_size, stager, fill,
-                                   generator)
+                                   generator, first_grammar)
         spec_tokens = proposal.token_ids
     if spec_tokens:
         place_drafts(batch, spec_tokens)

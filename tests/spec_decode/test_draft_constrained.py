@@ -96,7 +96,8 @@ def _reference(hf, tokenizer, prompt: list[int], regex: str, max_tokens: int) ->
 def test_greedy_equals_plain_constrained_decoding(plain, self_draft, assert_no_leaks, kind):
     """Every verified position is masked by the grammar (rows filled after the proposed
     drafts), so the output is plain constrained greedy output; the draft model proposed for
-    every request (its drafts are rejected where the grammar forbids them)."""
+    the requests (drafts 2..k unmasked, rejected where the grammar forbids them; draft 1
+    within the grammar's row, so the self-draft's first draft is accepted)."""
     constraint = {"json": lambda: StructuredOutputsParams(json=SCHEMA),
                   "regex": lambda: StructuredOutputsParams(regex=REGEX),
                   "choice": lambda: StructuredOutputsParams(choice=["ab ab ab the", "fox"]),
@@ -116,7 +117,9 @@ def test_greedy_equals_plain_constrained_decoding(plain, self_draft, assert_no_l
             assert [k for k, _ in json.loads(text, object_pairs_hook=list)[0]] == \
                 ["name", "arguments"], text
     drafted, accepted = _drafted(got)
-    assert drafted > 0 and passes and 0 <= accepted <= drafted
+    # draft 1 is chosen within the grammar's row: the self-draft's is the target's choice
+    # (without that mask: 0 of 174 regex drafts accepted, here 29 of 87)
+    assert drafted > 0 and passes and 0.25 * drafted <= accepted <= drafted
     assert_no_leaks(self_draft)
 
 
@@ -135,6 +138,36 @@ def test_mixed_batch_with_a_bad_draft_and_preemption(tiny_llama, tiny_model_fact
     _same_outputs(ref, got)
     assert spec.engine.core.scheduler.num_preemptions > 0
     assert all(_drafted([o])[0] > 0 for o in got)
+    assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_restricted_draft_vocabulary(tiny_llama, plain, assert_no_leaks, temperature):
+    """A draft whose head is cut to 48 ids (FR-Spec): draft 1's grammar row is read through
+    the cut columns (a row with no allowed column stays unmasked), so greedy drafts 1 are
+    accepted where the target's choice is among the columns; greedy output is plain
+    constrained output, seeded sampling repeats itself and matches the regex."""
+    spec = LLM(model=tiny_llama.path, dtype="float32", block_size=4, num_kv_blocks=96,
+               speculative_config={"method": "draft_model", "model": tiny_llama.path,
+                                   "num_speculative_tokens": 3, "adaptive": False,
+                                   "quantization": "none", "draft_vocab_size": 48})
+    assert spec.engine.core.executor.runner.drafter.vocab is not None
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=REGEX))
+              for s in range(4)]
+    got = _generate(spec, params)
+    if temperature == 0:
+        _same_outputs(_generate(plain, params), got)
+    else:
+        again = _generate(spec, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in again]
+    for out in got:
+        if out.outputs[0].finish_reason == "stop":
+            assert re.fullmatch(REGEX, out.outputs[0].text), out.outputs[0].text
+    drafted, accepted = _drafted(got)
+    assert drafted > 0
+    if temperature == 0:  # 26 of 102 here; 0 of 174 without the first draft's mask
+        assert accepted >= 0.15 * drafted
     assert_no_leaks(spec)
 
 
@@ -334,3 +367,35 @@ def test_sampling_keeps_the_masked_target_distribution(tiny_llama, tiny_tokenize
     assert chi_square_p_value(counts, marginal) > 1e-3
     drafted, accepted = _drafted(outs)
     assert drafted >= n and 0.1 * drafted < accepted < 0.9 * drafted
+
+
+def test_first_draft_mask_against_plain_torch():
+    """``DraftModel._mask_first_drafts`` against the sampler's plain-torch bitmask
+    (``apply_token_bitmask``): full columns, cut columns (a subset of ids, in any order),
+    unconstrained rows untouched, a cut row with no allowed column left as it is."""
+    from kvflow.layers.sampler import apply_token_bitmask
+    from kvflow.sched_output import GrammarBitmask
+    from kvflow.spec_decode.draft_model import DraftModel
+
+    vocab, gen = 70, torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64
+                            ).to(torch.int32)
+    bitmask[1] = 0
+    bitmask[1, 0] = 1 << 5  # request "c" allows token 5 only
+    grammar = GrammarBitmask(["a", "c"], bitmask)
+    batch = SimpleNamespace(req_ids=["a", "b", "c"])
+    rows = np.array([0, 1, 2])
+    drafter = DraftModel.__new__(DraftModel)
+    logits = torch.randn(3, vocab, generator=gen)
+    expected = logits.clone()
+    apply_token_bitmask(expected, [0, 2], bitmask)
+    drafter.vocab = None
+    got = logits.clone()
+    drafter._mask_first_drafts(batch, rows, got, grammar)
+    torch.testing.assert_close(got, expected)
+    columns = torch.tensor([9, 3, 64, 0, 41, 17])  # no 5: row "c" has no allowed column
+    drafter.vocab = SimpleNamespace(token_ids=columns)
+    cut = logits[:, columns].clone()
+    drafter._mask_first_drafts(batch, rows, cut, grammar)
+    torch.testing.assert_close(cut[:2], expected[:2, columns])
+    torch.testing.assert_close(cut[2], logits[2, columns])
