@@ -298,10 +298,9 @@ class DraftModel:
         words = grammar.bitmask[[g for _, g in picked]].to(logits.device)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-        columns = self.vocab.token_ids if self.vocab is not None else \
-            torch.arange(logits.shape[1], device=logits.device)
-        allowed = allowed[:, columns.clamp(max=allowed.shape[1] - 1)] & \
-            (columns < allowed.shape[1])
+        if self.vocab is not None:  # the logits' columns are the cut head's token ids
+            allowed = allowed[:, self.vocab.token_ids]
+        allowed = allowed[:, :logits.shape[1]]
         keep = allowed.any(dim=1)
         index = torch.tensor([j for j, _ in picked], device=logits.device)[keep]
         logits[index] = logits[index].masked_fill(~allowed[keep], float("-inf"))
