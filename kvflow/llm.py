@@ -32,6 +32,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -283,10 +284,11 @@ class LLM:
         processor.require_task("score")
         pairs = score_pairs(text_1, text_2)
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
+        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)  # -1: all
         prompts = []
         for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
             try:
-                ids, params = pair_prompt(processor.tokenizer, a, b, truncate_prompt_tokens)
+                ids, params = pair_prompt(processor.tokenizer, a, b, limit)
                 processor.make_pooling_request("check", ids, params)
             except ValueError as e:
                 raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \

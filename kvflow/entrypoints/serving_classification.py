@@ -13,7 +13,6 @@ from fastapi.responses import Response
 
 from kvflow.engine.streams import RequestStream
 from kvflow.entrypoints.engine_requests import pooled_vector
-from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -23,7 +22,6 @@ from kvflow.entrypoints.protocol import (
 from kvflow.entrypoints.serving_base import request_ids
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import keep_last_tokens
 
 
 class OpenAIServingClassification(OpenAIServingEmbedding):
@@ -42,37 +40,13 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_fields(req, "/classify")
         self.check_model(req.model)
         self.check_task("classify")
-        if req.truncate_prompt_tokens is None:
-            prompts = await self._inputs(req.input)
-        else:
-            prompts = await self._cut_inputs(req.input, req.truncate_prompt_tokens)
+        prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("classify", req.request_id)
         self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, PoolingParams(task="classify"),
                                   self.client_id(req, raw))
         return await self.respond(raw, streams, self._classes(reply_id, prompts, streams))
-
-    async def _cut_inputs(self, value: str | list[int] | list[str] | list[list[int]],
-                          limit: int) -> list[Prompt]:
-        """The inputs cut to ``limit`` tokens: a text as the tokenizer truncates it (its
-        special tokens kept), token ids to their last ``limit`` (vLLM's rules).
-
-        Raises:
-            OpenAIError: see ``_check_items``.
-        """
-        items = self._checked_items(value)
-        tokenizer = self.tokenizer
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=True, truncation=True,
-                                  max_length=limit)["input_ids"])
-
-        def encode_all() -> list[Prompt]:
-            return [(item, encode(item)) if isinstance(item, str)
-                    else (None, keep_last_tokens(item, limit)) for item in items]
-
-        return await off_loop(sum(len(item) for item in items), encode_all)
 
     async def _classes(self, reply_id: str, prompts: list[Prompt],
                        streams: Sequence[RequestStream]) -> ClassificationResponse:

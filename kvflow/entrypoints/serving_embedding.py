@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from kvflow.engine.streams import RequestStream
 from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -21,6 +22,7 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, check_token_ids, request_ids
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 
 Prompt = tuple[str | None, list[int]]
 
@@ -38,7 +40,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_fields(req, "/v1/embeddings")
         self.check_model(req.model)
         self.check_task("embed")
-        prompts = await self._inputs(req.input, req.add_special_tokens)
+        prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens,
+                                             req.add_special_tokens)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
@@ -46,6 +49,49 @@ class OpenAIServingEmbedding(OpenAIServing):
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw))
         return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
+
+    async def _request_inputs(self, value: str | list[int] | list[str] | list[list[int]],
+                              truncate_prompt_tokens: int | None,
+                              add_special_tokens: bool = True) -> list[Prompt]:
+        """A request's ``input`` as (text or None, token ids), cut to
+        ``truncate_prompt_tokens`` (vLLM's reading: -1 is ``max_model_len``; None: never
+        cut, ``_inputs``; else ``_cut_inputs``).
+
+        Raises:
+            OpenAIError: 400 naming ``truncate_prompt_tokens`` for 0, a value below -1 or
+                one above ``max_model_len``; see ``_inputs`` / ``_check_items``.
+        """
+        try:
+            limit = truncation_length(truncate_prompt_tokens, self.engine.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
+        if limit is None:
+            return await self._inputs(value, add_special_tokens)
+        return await self._cut_inputs(value, limit, add_special_tokens)
+
+    async def _cut_inputs(self, value: str | list[int] | list[str] | list[list[int]],
+                          limit: int, add_special_tokens: bool = True) -> list[Prompt]:
+        """The inputs cut to ``limit`` tokens: a text (as the model tokenizes it,
+        ``pooling_text``) as the tokenizer truncates it (its special tokens kept unless
+        ``add_special_tokens`` is false), token ids to their last ``limit`` (vLLM's rules).
+
+        Raises:
+            OpenAIError: see ``_check_items``.
+        """
+        items = self._checked_items(value)
+        tokenizer, processor = self.tokenizer, self.engine.processor
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(processor.pooling_text(text),
+                                  add_special_tokens=add_special_tokens, truncation=True,
+                                  max_length=limit)["input_ids"])
+
+        def encode_all() -> list[Prompt]:
+            return [(item, encode(item)) if isinstance(item, str)
+                    else (None, keep_last_tokens(item, limit)) for item in items]
+
+        return await off_loop(sum(len(item) for item in items), encode_all)
 
     async def _inputs(self, value: str | list[int] | list[str] | list[list[int]],
                       add_special_tokens: bool = True) -> list[Prompt]:

@@ -28,6 +28,7 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 Pair = tuple[list[int], PoolingParams]
@@ -171,7 +172,8 @@ class OpenAIServingScore(OpenAIServing):
         tokenizer = self.tokenizer
 
         def encode_all() -> list[Pair]:
-            return [pair_prompt(tokenizer, a, b, truncate) for a, b in pairs]
+            limit = truncation_length(truncate, self.engine.max_model_len)  # -1: all of it
+            return [pair_prompt(tokenizer, a, b, limit) for a, b in pairs]
 
         try:
             prompts = await off_loop(sum(len(a) + len(b) for a, b in pairs), encode_all)

@@ -128,6 +128,13 @@ def test_truncate_prompt_tokens(servers):
                                    atol=ATOL, rtol=0)
         assert body["usage"]["prompt_tokens"] == 6
     assert (expected[0] - expected[1]).abs().max() > 1e-3  # the two cuts are told apart
+    # -1: max_model_len (10), vLLM's reading; the text alone is refused as too long
+    expected = _hf_probs_of_ids(folder, [full[:10], full[-10:]])
+    for value, row in [([long_text], 0), ([full], 1)]:
+        body = _post(server, "/classify", {"input": value, "truncate_prompt_tokens": -1}).json()
+        torch.testing.assert_close(torch.tensor(body["data"][0]["probs"]), expected[row],
+                                   atol=ATOL, rtol=0)
+        assert body["usage"]["prompt_tokens"] == 10
 
 
 def test_errors_and_the_server_keeps_serving(servers):
@@ -144,6 +151,8 @@ def test_errors_and_the_server_keeps_serving(servers):
         ({"input": long_text}, "input", "context_length_exceeded"),
         ({"input": [1] * (n + 1)}, "input", "context_length_exceeded"),
         ({"input": "paris", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+        ({"input": "paris", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
+        ({"input": "paris", "truncate_prompt_tokens": 11}, "truncate_prompt_tokens", None),
         ({"input": "paris", "dimensions": 2}, "dimensions", "unknown_parameter"),
     ]
     for body, param, code in cases:

@@ -803,6 +803,25 @@ def embedding_cases() -> dict[str, Callable]:
         ok(server, EMB, {"user": "user-e1b2"})
         assert "user 'user-e1b2'" in server.log()
 
+    def truncate_prompt_tokens(server, tokenizer):
+        """k: a text as its tokenizer truncates it (its first k ids, ``<bos>`` included),
+        token ids their last k (each the vector of those ids sent whole); -1
+        (max_model_len) cuts nothing here; 0 is a 400 naming it."""
+        ids = tokenizer.encode(embed_text)
+        assert len(ids) > 3
+        cut = ok(server, EMB, {"truncate_prompt_tokens": 3})
+        assert cut["usage"]["prompt_tokens"] == 3
+        assert vector(cut) == pytest.approx(vector(ok(server, EMB, {"input": ids[:3]})),
+                                            abs=1e-6)
+        last = ok(server, EMB, {"input": ids, "truncate_prompt_tokens": 3})
+        assert vector(last) == pytest.approx(vector(ok(server, EMB, {"input": ids[-3:]})),
+                                             abs=1e-6)
+        assert vector(last) != pytest.approx(vector(cut), abs=1e-3)
+        assert vector(ok(server, EMB, {"truncate_prompt_tokens": -1})) == \
+            vector(ok(server, EMB, {}))
+        rejected(EMB, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")(server,
+                                                                                tokenizer)
+
     def request_id(server, tokenizer):
         reply = ok(server, EMB, {"request_id": "trace-7"})
         assert reply["id"] == "embd-trace-7" and vector(reply) == vector(ok(server, EMB, {}))
@@ -810,7 +829,7 @@ def embedding_cases() -> dict[str, Callable]:
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
             "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
             "request_id": request_id, "add_special_tokens": add_special_tokens,
-            "normalize": normalize}
+            "normalize": normalize, "truncate_prompt_tokens": truncate_prompt_tokens}
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),
@@ -1307,13 +1326,12 @@ def test_null_means_the_default(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
 
 
-@pytest.mark.parametrize("field,value", [("truncate_prompt_tokens", 1),
-                                         ("embed_dtype", "float16"), ("priority", 1),
+@pytest.mark.parametrize("field,value", [("embed_dtype", "float16"), ("priority", 1),
                                          ("cache_salt", "a")])
 def test_embedding_fields_that_would_change_the_vectors_are_refused(embed_server, field, value):
     """vLLM's /v1/embeddings extensions kvflow does not implement are a 400 naming the field
-    (they were ignored: the same vector came back); null passes. (``normalize`` and
-    ``add_special_tokens`` are honoured: ``embedding_cases``.)"""
+    (they were ignored: the same vector came back); null passes. (``normalize``,
+    ``add_special_tokens`` and ``truncate_prompt_tokens`` are honoured: ``embedding_cases``.)"""
     resp = post(embed_server, EMB, {field: value})
     error = resp.json()["error"]
     assert resp.status_code == 400 and (error["param"], error["code"]) == \

@@ -93,6 +93,9 @@ def test_score_matches_cross_encoder(servers):
     body = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1],
                                        "truncate_prompt_tokens": 16}).json()
     assert body["usage"]["prompt_tokens"] == 16
+    whole = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[1],
+                                        "truncate_prompt_tokens": -1}).json()  # max_model_len
+    assert whole["usage"]["prompt_tokens"] == 16 and whole["data"] == body["data"]
 
 
 def test_several_labels_score_as_lists_and_do_not_rerank(servers):

@@ -121,7 +121,10 @@ def test_bad_pairs_and_too_long_pairs_are_refused(cross_encoder, assert_no_leaks
     assert abs(cut.outputs.score - ref.item()) < 2e-5
     with pytest.raises(ValueError) as e:
         llm.score(QUERY, long_doc, truncate_prompt_tokens=0, use_tqdm=False)
-    assert str(e.value).endswith("truncate_prompt_tokens=0 must be an integer >= 1")
+    assert str(e.value).endswith("truncate_prompt_tokens=0 is invalid: it must be an integer "
+                                 ">= 1, or -1 (max_model_len)")
+    (whole,) = llm.score(QUERY, long_doc, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert whole.prompt_token_ids == cut.prompt_token_ids  # -1: max_model_len, here 16
     assert_no_leaks(llm)
 
 

@@ -20,14 +20,14 @@ class ClassificationRequest(RequestBody):
     """POST /classify (and /v1/classify). ``input``: a string, a list of strings, a list of
     token ids or a list of token-id lists, one classification each;
     ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing one
-    longer than the context (a text as its tokenizer truncates, special tokens kept; token ids
-    keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
+    longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates, special
+    tokens kept; token ids keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
     ``classify-{request_id}``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
 
 

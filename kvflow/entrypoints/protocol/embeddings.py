@@ -21,7 +21,10 @@ class EmbeddingRequest(RequestBody):
     vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``); vLLM's
     ``normalize`` (true / false; unset: as the model's pooling config says) L2-normalizes the
     vector or returns it raw, and ``add_special_tokens`` (default true) false tokenizes text
-    inputs without the tokenizer's special tokens (token-id inputs are taken as sent)."""
+    inputs without the tokenizer's special tokens (token-id inputs are taken as sent);
+    vLLM's ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing
+    one longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates,
+    token ids keep their last N)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -31,6 +34,7 @@ class EmbeddingRequest(RequestBody):
     user: str | None = None
     normalize: bool | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
 
 
 class EmbeddingData(OpenAIBaseModel):

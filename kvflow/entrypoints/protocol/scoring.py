@@ -27,7 +27,7 @@ class ScoreRequest(RequestBody):
     request_id: str | None = Field(None, min_length=1, max_length=256)
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
 
 
@@ -60,7 +60,7 @@ class RerankRequest(RequestBody):
     documents: list[str]
     top_n: int | None = Field(None, ge=0, le=INT32_MAX)
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
 
 
