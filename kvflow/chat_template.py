@@ -24,8 +24,8 @@ from typing import Any
 from kvflow.chat_messages import ChatTemplateError, normalize_conversation
 from kvflow.text_checks import find_lone_surrogate
 
-__all__ = ["ChatTemplateError", "NoChatTemplateError", "loops_over_content", "render_chat",
-           "syntax_error_message"]
+__all__ = ["ChatTemplateError", "NoChatTemplateError", "check_default_template_kwargs",
+           "loops_over_content", "render_chat", "syntax_error_message"]
 
 # A message's keys in OpenAI's API and vLLM's (passed to the template whether it reads them
 # or not, as vLLM does: clients send them routinely); any other key must be read by the
@@ -96,7 +96,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 template_kwargs: dict[str, Any] | None = None,
                 image_placeholder: str | None = None,
                 default_template: str | None = None,
-                on_unread_kwargs: Callable[[list[str]], None] | None = None) -> str:
+                on_unread_kwargs: Callable[[list[str]], None] | None = None,
+                default_kwargs: dict[str, Any] | None = None,
+                content_format: str = "auto") -> str:
     """Render a conversation to prompt text.
 
     Args:
@@ -115,6 +117,13 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
         on_unread_kwargs: None: a ``template_kwargs`` key the template never reads is a
             ChatTemplateError; else such keys are dropped and this is called with their
             names, sorted (a server started with ``--ignore-unknown-fields`` logs them).
+        default_kwargs: template variables under ``template_kwargs`` (a server's
+            ``--default-chat-template-kwargs``): a key ``template_kwargs`` sets wins, and a
+            key the template never reads is left out (it is no request's mistake).
+        content_format: how a message's content reaches the template: ``auto`` (as a list
+            of parts for a template that loops over a message's content, else as one
+            string), ``string`` (always one string) or ``openai`` (always a list of parts);
+            vLLM's ``--chat-template-content-format``.
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
@@ -132,12 +141,14 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 "model": getattr(tokenizer, "chat_template", None)}[source]
     conversation = normalize_conversation(
         messages, image_placeholder,
-        content_parts=isinstance(template, str) and loops_over_content(template))
+        content_parts={"string": False, "openai": True}.get(
+            content_format, isinstance(template, str) and loops_over_content(template)))
     if not template:
         raise NoChatTemplateError("this model has no chat template", "messages")
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,
                               continue_final_message, tools, documents, template_kwargs,
                               on_unread_kwargs)
+    kwargs = {**_read_defaults(template, default_kwargs, kwargs), **kwargs}
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False, **kwargs)
@@ -214,6 +225,31 @@ def _check_other_keys_read(tokenizer: Any, conversation: list[dict[str, Any]], t
             raise ChatTemplateError(f"Unrecognized request argument supplied: {param} (not "
                                     "an OpenAI message field, and this chat template does "
                                     "not read it)", param, "unknown_parameter")
+
+
+def check_default_template_kwargs(defaults: dict[str, Any] | None) -> None:
+    """Check a server's ``--default-chat-template-kwargs`` (template variables of every
+    conversation) at start-up.
+
+    Raises:
+        ValueError: for a name of ``apply_chat_template``'s own parameters (``tools``,
+            ``tokenize``, ...), which a template variable cannot be.
+    """
+    reserved = sorted(_RESERVED_KWARGS & set(defaults or {}))
+    if reserved:
+        raise ValueError(f"--default-chat-template-kwargs may not set {reserved}: they are "
+                         "parameters of the renderer, not template variables")
+
+
+def _read_defaults(template: Any, defaults: dict[str, Any] | None,
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``defaults`` that ``kwargs`` (the request's) does not set and the
+    template reads (every key when the template does not parse)."""
+    if not defaults:
+        return {}
+    read = _template_variables(template) if isinstance(template, str) else None
+    return {k: v for k, v in defaults.items()
+            if k not in kwargs and (read is None or k in read)}
 
 
 def _template_kwargs(conversation: list[dict[str, Any]], template: Any,

@@ -3,10 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvflow.config.options import add_field_arg, check_choices, opt, parse_bytes
+
+_LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
+
+
+def _word_list(name: str, value: Any) -> tuple[str, ...] | None:
+    """A CORS list flag's value as a tuple of strings: each word is one entry, or a JSON list
+    of entries (vLLM's form, ``'["https://a.example"]'``); None stays None.
+
+    Raises:
+        ValueError: for a word that starts a JSON list but is not one of strings.
+    """
+    if value is None:
+        return None
+    words = [value] if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for word in words:
+        if isinstance(word, str) and word.lstrip().startswith("["):
+            try:
+                items = json.loads(word)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name}={word!r} is not a JSON list: {e}") from None
+            if not all(isinstance(item, str) for item in items):
+                raise ValueError(f"{name}={word!r} must be a list of strings")
+            out += items
+        elif isinstance(word, str):
+            out.append(word)
+        else:
+            raise ValueError(f"{name}={value!r} must be strings")
+    return tuple(out)
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any] | None:
+    """A JSON-object flag's value as a dict (given as JSON text or a dict); None stays None.
+
+    Raises:
+        ValueError: for text that is not a JSON object.
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}={value!r} is not a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{name}={value!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return parsed
 
 
 @dataclass
@@ -90,11 +139,74 @@ class ServerConfig:
                                                 "NAME=PATH (a PEFT folder); requests pick one "
                                                 "by model=NAME (needs --enable-lora)",
                                                 nargs="+")
+    # vLLM's server flags (README "Coming from vLLM"): each honoured, or refused at start
+    enable_auto_tool_choice: bool | None = opt(
+        None, "accepted for vLLM command lines: kvflow always reads tool calls under "
+        "tool_choice=auto with --tool-call-parser (vLLM answers such a request 400 without "
+        "this flag); --no-enable-auto-tool-choice is refused, as kvflow cannot turn it off")
+    enable_log_requests: bool = opt(False, "log each request at INFO as the engine gets it: "
+                                    "its id, sampling parameters and prompt (cut to "
+                                    "--max-log-len) (vLLM's flag of the same name)")
+    disable_log_requests: bool | None = opt(
+        None, "vLLM's deprecated flag: no request log lines, kvflow's default; refused with "
+        "--enable-log-requests")
+    max_log_len: int | None = opt(None, "longest prompt logged under --enable-log-requests, "
+                                   "in characters (text) or token ids (default: unlimited)")
+    allowed_origins: tuple[str, ...] | None = opt(
+        None, "CORS: origins browsers may call from (a JSON list as vLLM takes it, "
+        "'[\"https://a.example\"]', or the origins as words; '*': any); any CORS flag turns "
+        "CORS on, its other settings taking vLLM's defaults (origins, methods, headers '*', no "
+        "credentials) (default: CORS off, no Access-Control headers; vLLM's is on for '*')",
+        nargs="+")
+    allowed_methods: tuple[str, ...] | None = opt(None, "CORS: allowed methods (as "
+                                                   "--allowed-origins; default with CORS "
+                                                   "on: '*')", nargs="+")
+    allowed_headers: tuple[str, ...] | None = opt(None, "CORS: allowed request headers (as "
+                                                   "--allowed-origins; default with CORS "
+                                                   "on: '*')", nargs="+")
+    allow_credentials: bool | None = opt(None, "CORS: allow credentials (cookies, "
+                                         "Authorization) on cross-origin requests; turns "
+                                         "CORS on (default: off)")
+    root_path: str | None = opt(None, "the path prefix a path-routing proxy serves this server "
+                                "under, e.g. /llm (the ASGI root_path: the OpenAPI schema and "
+                                "/docs name it; the proxy strips it, routes stay where they "
+                                "are)")
+    ssl_keyfile: str | None = opt(None, "serve HTTPS with this private key file (PEM; needs "
+                                  "--ssl-certfile)")
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this certificate chain file (PEM); "
+                                   "both files are loaded before the model")
+    ssl_ca_certs: str | None = opt(None, "CA certificates file (PEM) given to uvicorn's TLS "
+                                   "context, as vLLM does (client certificates stay "
+                                   "optional; needs --ssl-certfile)")
+    disable_fastapi_docs: bool = opt(False, "serve no /openapi.json, /docs or /redoc (404)")
+    enable_request_id_headers: bool = opt(False, "add an X-Request-Id header to every "
+                                          "response: the request's own X-Request-Id, else a "
+                                          "new random id")
+    response_role: str = opt("assistant", "the role of /v1/chat/completions replies to a "
+                              "request with add_generation_prompt true (else the last "
+                              "message's role, as vLLM)")
+    default_chat_template_kwargs: str | dict | None = opt(  # noqa: RUF009 (a dict, once parsed)
+        None, "chat template variables of every conversation, as a JSON object, e.g. "
+        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win key by key; a key "
+        "the template does not read is left out")
+    enable_force_include_usage: bool = opt(False, "send the usage chunk at the end of every "
+                                           "stream, as if each request asked for "
+                                           "stream_options.include_usage")
+    chat_template_content_format: str = opt(
+        "auto", "how message content reaches the chat template: auto (a list of parts for a "
+        "template that loops over a message's content, else one string), string (always "
+        "one string) or openai (always a list of {type, ...} parts)",
+        choices=["auto", "string", "openai"])
 
     def __post_init__(self) -> None:
+        for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
+            setattr(self, name, _word_list(name, getattr(self, name)))
+        self.default_chat_template_kwargs = _json_object(
+            "default_chat_template_kwargs", self.default_chat_template_kwargs)
         check_choices(self)
         if self.lora_modules is not None:
             self.lora_modules = tuple(self.lora_modules)
+        self._check_vllm_flags()
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
                   (self.max_logprobs >= 0, "max_logprobs", "must be >= 0"),
@@ -122,6 +234,45 @@ class ServerConfig:
         except ValueError as e:
             raise ValueError(f"max_request_body_size={self.max_request_body_size!r} is "
                              f"invalid: {e}") from None
+
+    def _check_vllm_flags(self) -> None:
+        """Refuse the vLLM flags' values kvflow cannot honour, and pairs that contradict
+        each other.
+
+        Raises:
+            ValueError: naming the flag and why.
+        """
+        refusals = [
+            (self.enable_auto_tool_choice is False,
+             ("--no-enable-auto-tool-choice is refused: kvflow always reads tool calls under "
+              "tool_choice=auto (with --tool-call-parser) and cannot turn that off")),
+            (self.disable_log_requests and self.enable_log_requests,
+             "--disable-log-requests and --enable-log-requests contradict each other"),
+            (self.max_log_len is not None and self.max_log_len < 0,
+             f"max_log_len={self.max_log_len} must be >= 0"),
+            (self.ssl_keyfile is not None and self.ssl_certfile is None,
+             "--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)"),
+            (self.ssl_ca_certs is not None and self.ssl_certfile is None,
+             "--ssl-ca-certs needs --ssl-certfile (it configures HTTPS)"),
+            (self.root_path is not None and not (self.root_path == ""
+                                                 or self.root_path.startswith("/")),
+             f"root_path={self.root_path!r} must start with '/' (e.g. /llm)"),
+            (not self.response_role.strip(), "response_role must not be empty")]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(why)
+
+    @property
+    def cors_enabled(self) -> bool:
+        """Whether any CORS flag was given (CORS is off without one)."""
+        return any(getattr(self, name) is not None for name in
+                   ("allowed_origins", "allowed_methods", "allowed_headers",
+                    "allow_credentials"))
+
+    @property
+    def log_requests(self) -> bool:
+        """Whether each request is logged (``--enable-log-requests``)."""
+        return self.enable_log_requests and not self.disable_log_requests
 
     @property
     def max_request_body_bytes(self) -> int:

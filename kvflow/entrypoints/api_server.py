@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from kvflow import __version__
+from kvflow.chat_template import check_default_template_kwargs
 from kvflow.chat_template_source import load_chat_template, warn_if_model_template_broken
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError
@@ -35,6 +36,12 @@ from kvflow.entrypoints.http_guards import (
     add_error_handlers,
     error_response,
     require_json_body,
+)
+from kvflow.entrypoints.http_options import (
+    add_http_middleware,
+    check_ssl_files,
+    fastapi_options,
+    uvicorn_options,
 )
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import (
@@ -162,7 +169,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
         ValueError: for a ``config.chat_template`` that cannot be used (``OpenAIServingChat``).
     """
     app = FastAPI(title="kvflow", version=__version__, lifespan=_lifespan,
-                  dependencies=[Depends(require_json_body)])
+                  dependencies=[Depends(require_json_body)], **fastapi_options(config))
     app.state.engine = engine
     app.state.config = config
     app.state.engine_died = False
@@ -183,6 +190,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    add_http_middleware(app, config)  # CORS outermost: preflights before the key check
     add_error_handlers(app)
     _add_openai_routes(app)
     _add_status_routes(app)
@@ -381,6 +389,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     """
     model_name = server_config.served_model_name or engine_config.model_config.model
     check_listen_address(server_config.host, server_config.port)
+    check_ssl_files(server_config)
+    check_default_template_kwargs(server_config.default_chat_template_kwargs)
     check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
@@ -392,14 +402,16 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
                           server_config.engine_start_timeout, on_tokenizer=check_tokenizer)
     try:
         app = build_app(engine, server_config, model_name, template)
-        logger.info("serving %s on http://%s:%d", model_name, server_config.host,
-                    server_config.port)
+        http_options = uvicorn_options(server_config)
+        logger.info("serving %s on %s://%s:%d%s", model_name,
+                    "https" if "ssl_certfile" in http_options else "http", server_config.host,
+                    server_config.port, server_config.root_path or "")
         # open requests are aborted first on SIGINT / SIGTERM (server_shutdown.py); the 5 s
         # are for other work in flight (a long /tokenize, say)
         server = _StartingServer(uvicorn.Config(
             app, host=server_config.host, port=server_config.port,
             log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
-            timeout_keep_alive=server_config.timeout_keep_alive), app)
+            timeout_keep_alive=server_config.timeout_keep_alive, **http_options), app)
         app.state.uvicorn_server = server
         freeze_startup_heap("API server")  # kvflow/gc_heap.py: no 0.2 s stalls of the streams
         server.run()

@@ -164,7 +164,9 @@ class ChatRendering:
             continue_final_message=options.continue_final_message,
             chat_template=options.chat_template, tools=tools, documents=options.documents,
             template_kwargs=options.template_kwargs, default_template=self.chat_template,
-            on_unread_kwargs=self._log_unread_kwargs if self.unknown_fields.ignore else None)
+            on_unread_kwargs=self._log_unread_kwargs if self.unknown_fields.ignore else None,
+            default_kwargs=self.config.default_chat_template_kwargs,
+            content_format=self.config.chat_template_content_format)
 
     def _log_unread_kwargs(self, names: list[str]) -> None:
         self.unknown_fields.log.note_names(

@@ -104,6 +104,20 @@ class OpenAIServing:
             if value:
                 logger.info("request %s: %s %r", request_id, name, value)
 
+    def log_request(self, request_id: str, text: str | None, ids: list[int],
+                    params: SamplingParams, lora_request: LoRARequest | None) -> None:
+        """One INFO line per engine request under ``--enable-log-requests``: its id, the
+        prompt text (or, without text, its token ids), each cut to ``--max-log-len``
+        characters / ids, the sampling parameters and the LoRA adapter."""
+        limit = self.config.max_log_len
+        prompt = text if text is not None else ids
+        if limit is not None:
+            prompt = prompt[:limit]
+        logger.info("received request %s: prompt: %r, params: %s, prompt_token_ids: %s, "
+                    "lora_request: %s", request_id, prompt if text is not None else None,
+                    params, ids[:limit] if limit is not None else ids,
+                    None if lora_request is None else lora_request.lora_name)
+
     @staticmethod
     def client_id(req: SamplingRequest | EmbeddingRequest, raw: Request) -> str:
         """Who sent the request (completions, chat and embeddings alike), for ``--policy
@@ -277,14 +291,15 @@ class OpenAIServing:
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options", code="invalid_value")
 
-    @staticmethod
-    def stream_usage(req: SamplingRequest) -> tuple[bool, bool]:
+    def stream_usage(self, req: SamplingRequest) -> tuple[bool, bool]:
         """What a stream reports of its usage: (a last chunk with the request's usage,
-        ``include_usage``; every chunk with the usage so far, ``continuous_usage_stats``)."""
+        ``include_usage``, always under ``--enable-force-include-usage``; every chunk with
+        the usage so far, ``continuous_usage_stats``)."""
+        force = self.config.enable_force_include_usage
         options = req.stream_options
         if options is None:
-            return False, False
-        return options.include_usage, options.continuous_usage_stats
+            return force, False
+        return options.include_usage or force, options.continuous_usage_stats
 
     def usage(self, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
         """A reply's ``usage`` (``usage_info``), with the prompt tokens' details under
@@ -336,6 +351,8 @@ class OpenAIServing:
         """
         def add(i: int) -> RequestStream:
             (text, ids), sp = prompts[i], params[i]
+            if self.config.log_requests:
+                self.log_request(f"{request_id}-{i}", text, ids, sp, lora_request)
             return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
                                            mm_features, client_id, lora_request, cache_salt)
 

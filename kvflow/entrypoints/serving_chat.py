@@ -188,6 +188,13 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.check_prompt(ids, max_tokens, "messages", length_param=field)
         return params
 
+    def response_role(self, req: ChatCompletionRequest) -> str:
+        """The reply's role: ``--response-role`` (default "assistant") for a request with
+        add_generation_prompt true, else the last message's role (as vLLM answers)."""
+        if req.add_generation_prompt or not req.messages:
+            return self.config.response_role
+        return req.messages[-1].role
+
     # ---- whole response ----------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
                         stream: RequestStream, parser: ChatOutputParser
@@ -196,6 +203,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         choices = []
         for c in out.outputs:
             message, finish_reason = parser.message(c.text, c.finish_reason)
+            message.role = self.response_role(req)
             choices.append(ChatChoice(index=c.index, message=message,
                                       **{**self._choice_extras(req, c),
                                          "finish_reason": finish_reason}))
@@ -232,8 +240,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
 
         def role_chunk() -> ChatCompletionStreamResponse:
             """Every choice's first chunk: the role and (as vLLM) the prompt's token ids."""
-            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                       content=""))
+            role = self.response_role(req)
+            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))
                           for i in range(req.n)],
                          prompt_token_ids=ids if req.return_token_ids else None)
 
