@@ -29,11 +29,14 @@ class CacheConfig:
 
     block_size: int = opt(16, "tokens per KV-cache block")
     kv_cache_memory: str | int | None = opt(
-        None, "KV-cache size in bytes, e.g. 2GiB (default: 2GiB on CPU; on a GPU what "
-        "--gpu-memory-utilization leaves)")
+        None, "KV-cache size in bytes, e.g. 2GiB, or in vLLM's form (1G = 2**30, 1g = 10**9) "
+        "(default: 2GiB on CPU; on a GPU what --gpu-memory-utilization leaves); "
+        "--kv-cache-memory-bytes is vLLM's name for it",
+        aliases=["--kv-cache-memory-bytes"])
     num_kv_blocks: int | None = opt(None, "KV-cache size in blocks (instead of a memory "
                                     "size: give one of --num-kv-blocks, --kv-cache-memory, "
-                                    "--gpu-memory-utilization)")
+                                    "--gpu-memory-utilization); --num-gpu-blocks-override is "
+                                    "vLLM's name for it", aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool | None = opt(
         None, "reuse KV blocks of identical prompt prefixes (default: on, where the engine "
         "can: not for an encoder-only model, which keeps no KV cache, nor for an embedding "

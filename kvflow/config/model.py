@@ -35,8 +35,46 @@ def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | N
     return value or None
 
 
+# generation_config.json keys --override-generation-config may set (the sampling defaults read)
+GENERATION_OVERRIDE_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "max_new_tokens")
+
+
+def _generation_overrides(value: Any) -> dict[str, Any] | None:
+    """``override_generation_config`` as a dict (from JSON text or a dict); None stays None.
+
+    Raises:
+        ValueError: for text that is not a JSON object, or a key kvflow does not read from
+            generation_config.json (it would be ignored).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        try:
+            value = json.loads(value)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"override_generation_config={value!r} is not a JSON object: "
+                             f"{e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"override_generation_config={value!r} must be a JSON object")
+    unknown = sorted(set(value) - set(GENERATION_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config sets {unknown}, which kvflow does not "
+                         f"read from generation_config.json; it reads "
+                         f"{list(GENERATION_OVERRIDE_KEYS)}")
+    return value
+
+
 @dataclass
 class ModelConfig:
+    """Which model runs and how its config, tokenizer and weights are read.
+
+    Raises:
+        ValueError: from the constructor for a value out of range or a combination that
+            leaves a setting unread.
+    """
+
     model: str = opt("SmolLM2-135M-Instruct",
                       "packaged model name, HF folder, path to a .gguf file, or Hugging Face "
                       "Hub repo id org/name[@revision]")
@@ -84,15 +122,38 @@ class ModelConfig:
         "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
         "\"is_original_qwen3_reranker\": true}' (default: none)", metavar="JSON")
 
+    trust_remote_code: bool = opt(False, "let transformers run the model repo's own Python "
+                                  "code (auto_map) to read its config and tokenizer, as "
+                                  "vLLM's flag of the same name; kvflow still runs the model "
+                                  "itself with its own code, so an architecture kvflow does "
+                                  "not implement stays refused; a Hub download fetches no "
+                                  ".py files (download the repo to use its code)")
+    tokenizer_mode: str = opt("auto", "auto or hf: transformers' tokenizer (the fast one: "
+                               "transformers 5 loads no other); vLLM's other modes (slow, "
+                               "mistral, custom, ...) are refused", metavar="MODE")
+    override_generation_config: str | dict | None = opt(  # noqa: RUF009 (a dict once parsed)
+        None, "sampling defaults as a JSON object of generation_config.json keys "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), e.g. "
+        "'{\"temperature\": 0.5}': merged over the model's file under --generation-config "
+        "auto, the only defaults under none (vLLM's flag of the same name)")
+
     def __post_init__(self) -> None:
-        """Checks each field (``hf_overrides`` given as JSON text becomes a dict, or None).
+        """Checks each field (``hf_overrides`` and ``override_generation_config`` given as
+        JSON text become dicts, or None).
 
         Raises:
             ValueError: naming the field, for a value of the wrong type or out of range,
-                ``hf_overrides`` that is not a JSON object, or two fields that conflict.
+                ``hf_overrides`` / ``override_generation_config`` that is not a JSON object
+                (or sets a key kvflow does not read), a ``tokenizer_mode`` other than auto /
+                hf, or two fields that conflict.
         """
+        self.override_generation_config = _generation_overrides(self.override_generation_config)
         check_choices(self)
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not available: kvflow "
+                             "loads tokenizers through transformers, whose version 5 always "
+                             "loads the fast tokenizer (give auto or hf)")
         if self.quantization_group_size != 32 and self.quantization != "int4":
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
                              "to quantization='int4' only (quantization="
@@ -106,3 +167,8 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or unset for "
                              "the model's own)")
+
+    @property
+    def tokenizer_options(self) -> dict[str, Any]:
+        """``AutoTokenizer.from_pretrained`` keyword arguments: ``trust_remote_code``."""
+        return {"trust_remote_code": self.trust_remote_code}

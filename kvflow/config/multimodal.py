@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config.options import check_choices, opt
 
@@ -16,6 +18,25 @@ IMAGE_LIMIT_DEFAULTS: dict[str, int | float] = {
 # they are resolved (max_num_encoder_input_tokens defaults to the step budget, not here).
 LIMIT_DEFAULTS: dict[str, int | float] = {
     **IMAGE_LIMIT_DEFAULTS, "encoder_cache_size": DEFAULT_ENCODER_CACHE_SIZE}
+
+
+def _mm_count(name: str, value: Any) -> int:
+    """One modality's count in ``limit_mm_per_prompt``: an integer >= 0, or vLLM's
+    ``{"count": N}`` form (its other keys, such as width and height, are refused: kvflow does
+    not read them).
+
+    Raises:
+        ValueError: naming the modality.
+    """
+    if isinstance(value, dict):
+        extra = sorted(set(value) - {"count"})
+        if extra:
+            raise ValueError(f"limit_mm_per_prompt {name} sets {extra}, which kvflow does not "
+                             "read (only count)")
+        value = value.get("count")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"limit_mm_per_prompt {name}={value!r} must be an integer >= 0")
+    return value
 
 
 @dataclass
@@ -44,6 +65,11 @@ class MultiModalConfig:
     max_images_per_prompt: int | None = opt(None, "most images one prompt or conversation may "
                                              "carry (default: 16); refused for a text-only "
                                              "model")
+    limit_mm_per_prompt: str | dict | None = opt(  # noqa: RUF009 (a dict once parsed)
+        None, "vLLM's per-modality limits as a JSON object, e.g. '{\"image\": 4}' (or "
+        "'{\"image\": {\"count\": 4}}'): the image count sets --max-images-per-prompt (give "
+        "one of the two); a video or audio count above 0 is refused (kvflow takes images "
+        "only), and so is an image count of 0 (kvflow cannot turn images off)")
     media_fetch_timeout: float | None = opt(None, "seconds allowed for fetching one image URL "
                                              "(default: 10); refused for a text-only model")
     max_num_encoder_input_tokens: int | None = opt(
@@ -57,6 +83,7 @@ class MultiModalConfig:
         "for a text-only model")
 
     def __post_init__(self) -> None:
+        self._apply_mm_limits()
         check_choices(self)
         for name in ("max_image_bytes", "max_image_pixels", "max_images_per_prompt",
                      "encoder_cache_size", "max_num_encoder_input_tokens"):
@@ -65,6 +92,49 @@ class MultiModalConfig:
         if self.media_fetch_timeout is not None and self.media_fetch_timeout <= 0:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
+
+    def _apply_mm_limits(self) -> None:
+        """``limit_mm_per_prompt`` (JSON text or a dict) parsed, and its image count set as
+        ``max_images_per_prompt``.
+
+        Raises:
+            ValueError: for text that is not a JSON object, a modality other than image,
+                video or audio, a video or audio count above 0, an image count of 0 or one
+                given with ``max_images_per_prompt`` too, or image options (width, height)
+                kvflow does not read.
+        """
+        if self.limit_mm_per_prompt is None:
+            return
+        limits = self.limit_mm_per_prompt
+        if not isinstance(limits, dict):
+            try:
+                limits = json.loads(limits)
+            except (TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"limit_mm_per_prompt={limits!r} is not a JSON object: "
+                                 f"{e}") from None
+        if not isinstance(limits, dict):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+                f"limit_mm_per_prompt={limits!r} must be a JSON object, e.g. '{{\"image\": 4}}'")
+        self.limit_mm_per_prompt = limits
+        counts = {name: _mm_count(name, value) for name, value in limits.items()}
+        for name, count in counts.items():
+            if name not in ("image", "video", "audio"):
+                raise ValueError(f"limit_mm_per_prompt names {name!r}; kvflow knows image "
+                                 "(and refuses video and audio)")
+            if name != "image" and count > 0:
+                raise ValueError(f"limit_mm_per_prompt {name}={count} is refused: kvflow "
+                                 f"takes no {name} inputs (images only); give {name} 0 or "
+                                 "leave it out")
+        image = counts.get("image")
+        if image is None:
+            return
+        if image == 0:
+            raise ValueError("limit_mm_per_prompt image=0 is refused: kvflow cannot turn "
+                             "image inputs off for a model that takes them")
+        if self.max_images_per_prompt is not None:
+            raise ValueError(f"limit_mm_per_prompt image={image} and max_images_per_prompt="
+                             f"{self.max_images_per_prompt} set the same limit: give one")
+        self.max_images_per_prompt = image
 
     def limit(self, name: str) -> int | float:
         """The limit ``name`` in force (``max_image_bytes`` in bytes, ``max_image_pixels`` in
@@ -82,10 +152,14 @@ class MultiModalConfig:
         """The image settings given (``name=value``, in field order) that only an engine
         whose model takes images reads: the image URL hosts, the image limits and the vision
         encoder's budget and cache."""
-        return [f"{name}={getattr(self, name)!r}" for name in
-                ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS,
-                 "max_num_encoder_input_tokens", "encoder_cache_size")
-                if getattr(self, name) is not None]
+        given = [f"{name}={getattr(self, name)!r}" for name in
+                 ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS,
+                  "max_num_encoder_input_tokens", "encoder_cache_size")
+                 if getattr(self, name) is not None]
+        if self.limit_mm_per_prompt is not None:  # named as given, not as the field it set
+            given = [f"limit_mm_per_prompt={self.limit_mm_per_prompt!r}" if
+                     g.startswith("max_images_per_prompt=") else g for g in given]
+        return given
 
     def media_domains(self) -> frozenset[str]:
         """The allowed host names, lower-cased (empty: no remote fetching).

@@ -22,13 +22,17 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 
 def parse_bytes(value: str | int) -> int:
-    """Parse a memory size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes.
+    """Parse a memory size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes; vLLM's
+    one-letter suffixes too (its ``--kv-cache-memory-bytes``): lower case decimal (``1g`` =
+    10**9, ``25.6k`` = 25600), upper case binary and whole numbers only (``1G`` = 2**30).
 
     Raises:
         ValueError: if the string is not a positive number with an optional unit.
     """
     if isinstance(value, int):
         size = value
+    elif re.fullmatch(r"\s*[0-9]+(?:\.[0-9]+)?[kmgtKMGT]\s*", str(value)):
+        size = _vllm_size(str(value).strip())
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         unit = m.group(2).lower() if m else None
@@ -38,6 +42,22 @@ def parse_bytes(value: str | int) -> int:
     if size <= 0:
         raise ValueError(f"memory size {value!r} must be positive")
     return size
+
+
+def _vllm_size(text: str) -> int:
+    """``text`` (a number and one of k m g t K M G T) in bytes, as vLLM reads it.
+
+    Raises:
+        ValueError: for a fraction with an upper-case (binary) suffix, which vLLM refuses.
+    """
+    number, suffix = text[:-1], text[-1]
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000**power)
+    if not number.isdigit():
+        raise ValueError(f"cannot parse memory size {text!r}: a binary suffix ({suffix}) takes "
+                         f"a whole number (or use {number}{suffix.lower()}, decimal)")
+    return int(number) * 1024**power
 
 
 def parse_gib_or_bytes(value: str | float) -> int:

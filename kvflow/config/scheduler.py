@@ -30,6 +30,11 @@ class SchedulerConfig:
     admission_control: bool = opt(False, "kvflow serve: refuse at arrival (503 + Retry-After) "
                                    "a request whose predicted time to first token exceeds "
                                    "its TTFT target (requests without one are admitted)")
+    enable_chunked_prefill: bool | None = opt(
+        None, "accepted for vLLM command lines: kvflow always splits a long prompt over steps "
+        "within --max-num-batched-tokens (its one scheduling rule; an encoder-only model, "
+        "BERT or RoBERTa, runs prompts whole and refuses the flag); "
+        "--no-enable-chunked-prefill is refused, as kvflow cannot turn chunking off")
     preemption_mode: str = opt("recompute", "what a preempted request's KV becomes: "
                                 "recompute (freed, recomputed on readmission) or swap (copied "
                                 "to a host pool of --swap-space and back, when the context is "
@@ -47,6 +52,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("turning chunked prefill off (--no-enable-chunked-prefill, "
+                             "enable_chunked_prefill False) is refused: kvflow always splits "
+                             "a long prompt over steps (chunked prefill is its one scheduling "
+                             "rule) and cannot turn that off; leave the flag out")
         for name in ("target_ttft_ms", "target_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):

@@ -92,10 +92,12 @@ class EngineCore:
         self.source = source
         self.hf_config = load_hf_config(
             source, warn_unread=self.config.parallel_config.data_parallel_rank == 0,
-            hf_overrides=self.config.model_config.hf_overrides)
+            hf_overrides=self.config.model_config.hf_overrides,
+            trust_remote_code=self.config.model_config.trust_remote_code)
         mc = self.config.model_config  # a reranker's score head from LM-head rows: its tokens
         resolve_classifier_tokens(self.hf_config, lambda: None if mc.skip_tokenizer_init else
-                                  load_tokenizer(source, mc.tokenizer, mc.download_dir))
+                                  load_tokenizer(source, mc.tokenizer, mc.download_dir,
+                                                 mc.tokenizer_options))
         self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
                                    cpu_dtype_measure(self.platform, self.config.device_config,
                                                      self.hf_config))
@@ -281,7 +283,8 @@ class EngineCore:
         from kvflow.structured.xgrammar_backend import XgrammarBackend
 
         mc = self.config.model_config
-        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer, mc.download_dir)
+        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer, mc.download_dir,
+                                                     mc.tokenizer_options)
         return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
                                resolve_eos_token_id(tokenizer, self.hf_config))
 

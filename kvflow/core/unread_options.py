@@ -88,7 +88,8 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
     Raises:
         ValueError: naming each such setting given (``num_kv_blocks``, ``kv_cache_memory``,
             ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto,
-            ``enable_prefix_caching=True``; False asks for what an encoder does) and the
+            ``enable_prefix_caching=True``; False asks for what an encoder does;
+            ``enable_chunked_prefill=True``: an encoder runs each prompt whole) and the
             architecture.
     """
     cc = config.cache_config
@@ -97,6 +98,8 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
              if getattr(cc, name) is not None]
     given += [f"kv_cache_dtype={cc.kv_cache_dtype!r}"] if cc.kv_cache_dtype != "auto" else []
     given += ["enable_prefix_caching=True"] if cc.enable_prefix_caching else []
+    given += ["enable_chunked_prefill=True"] \
+        if config.scheduler_config.enable_chunked_prefill else []  # it runs prompts whole
     _refuse_unread(given, hf_config, "an encoder-only model, which keeps no KV cache")
 
 

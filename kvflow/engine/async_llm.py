@@ -119,13 +119,15 @@ class AsyncLLM:
             # config.json checked before anything reads it: the tokenizer below (transformers
             # may read it to pick the tokenizer class) would call a broken one a tokenizer
             # failure, and no core process starts for it
-            load_hf_config(source, hf_overrides=mc.hf_overrides)
-            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+            load_hf_config(source, hf_overrides=mc.hf_overrides,
+                           trust_remote_code=mc.trust_remote_code)
+            self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
+                                                           mc.override_generation_config)
             self._eos_token_ids = load_eos_token_ids(source)
             self.replicas.start()  # their resolve_model then finds the snapshot cached
             # while the core processes load the model:
             self.tokenizer = None if mc.skip_tokenizer_init else \
-                load_tokenizer(source, mc.tokenizer, mc.download_dir)
+                load_tokenizer(source, mc.tokenizer, mc.download_dir, mc.tokenizer_options)
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config,

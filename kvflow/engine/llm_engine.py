@@ -49,11 +49,13 @@ class LLMEngine:
         # The model folder's small files first, so a bad one fails in seconds, not after the
         # weight load: config.json before the tokenizer (transformers may read it to pick the
         # tokenizer class, and would report a broken one as a tokenizer failure).
-        hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides)
+        hf_config = load_hf_config(source, hf_overrides=mc.hf_overrides,
+                                   trust_remote_code=mc.trust_remote_code)
         self.tokenizer = None if mc.skip_tokenizer_init else \
-            load_tokenizer(source, mc.tokenizer, mc.download_dir)
+            load_tokenizer(source, mc.tokenizer, mc.download_dir, mc.tokenizer_options)
         check_draft_tokenizer(config, source, self.tokenizer)  # before the draft's weights
-        self.sampling_defaults = load_sampling_defaults(source, mc.generation_config)
+        self.sampling_defaults = load_sampling_defaults(source, mc.generation_config,
+                                                       mc.override_generation_config)
         mm_processor = _mm_processor(source, hf_config, self.tokenizer, config)
         if config.parallel_config.data_parallel_size > 1:
             self.core: EngineCore | DPCoreClient = DPCoreClient(config)

@@ -31,12 +31,15 @@ _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
 SAMPLING_DEFAULT_FIELDS = tuple(_FIELDS.values())  # the SamplingParams fields it can default
 
 
-def load_sampling_defaults(source: ModelSource, mode: str = "auto") -> dict[str, Any]:
-    """The SamplingParams defaults the model's ``generation_config.json`` sets.
+def load_sampling_defaults(source: ModelSource, mode: str = "auto",
+                           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The SamplingParams defaults the model's ``generation_config.json`` sets, with
+    ``overrides`` (``--override-generation-config``: generation_config.json keys) over them.
 
     Args:
         source: the resolved model; only Hugging Face folders (``kind="hf"``) have the file.
-        mode: ``"auto"`` reads the file, ``"none"`` ignores it (returns ``{}``).
+        mode: ``"auto"`` reads the file, ``"none"`` ignores it (the overrides alone).
+        overrides: values that replace the file's, key by key (vLLM merges them the same way).
 
     Returns:
         ``{SamplingParams field: value}`` for the keys the file sets (``null`` counts as
@@ -44,8 +47,23 @@ def load_sampling_defaults(source: ModelSource, mode: str = "auto") -> dict[str,
 
     Raises:
         ValueError: the file is not a JSON object, or a value is invalid for its field (the
-            message names the file and says ``--generation-config none`` ignores it).
+            message names the file and says ``--generation-config none`` ignores it), or an
+            override invalid for its field.
     """
+    defaults = _file_defaults(source, mode)
+    if overrides:
+        given = {_FIELDS[key]: value for key, value in overrides.items() if value is not None}
+        try:
+            SamplingParams(**given)
+        except ValueError as e:
+            raise ValueError(f"override_generation_config: {e}") from None
+        defaults = {**defaults, **given}
+        logger.warning("sampling defaults with --override-generation-config: %s", defaults)
+    return defaults
+
+
+def _file_defaults(source: ModelSource, mode: str) -> dict[str, Any]:
+    """``load_sampling_defaults`` without the overrides."""
     if mode == "none" or source.kind != "hf":
         return {}
     path = os.path.join(source.path, GENERATION_CONFIG_FILE)

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_config(source: ModelSource, warn_unread: bool = False,
-                   hf_overrides: dict[str, Any] | None = None) -> Any:
+                   hf_overrides: dict[str, Any] | None = None,
+                   trust_remote_code: bool = False) -> Any:
     """The model's HF config (a transformers PretrainedConfig).
 
     Args:
@@ -42,6 +43,9 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False,
             it is checked and read (:mod:`kvflow.models.hf_overrides`); every reader of the
             engine's config passes them, so all see the same merged config. Refused for a
             GGUF file (its metadata is not a config.json).
+        trust_remote_code: let transformers run the folder's own config class (``auto_map``;
+            ``--trust-remote-code``); off, such a config is refused in one line; with ``hf_overrides`` the merged
+            config is built from transformers' own classes (no repo code runs).
 
     Raises:
         ValueError: if config.json is missing, cannot be parsed, or its sizes, other fields
@@ -67,7 +71,7 @@ def load_hf_config(source: ModelSource, warn_unread: bool = False,
     try:
         with quiet_model_type_warning():
             config = config_from_dict(raw, source.path) if hf_overrides else \
-                AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+                AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"cannot read model config {path!r}: {_one_line(e)}") from e
     config = hoist_text_config(config)
@@ -314,11 +318,14 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
-                   download_dir: str | None = None) -> Any:
+                   download_dir: str | None = None, options: dict[str, Any] | None = None
+                   ) -> Any:
     """The model's tokenizer (transformers), with its chat template: the model's own, or
     ``tokenizer_path`` (a folder, a ``.gguf`` file, a packaged model name or a Hub repo id
     ``org/name[@revision]`` fetched into ``download_dir``; see
-    :func:`~kvflow.models.model_resolver.resolve_tokenizer`). Remote code is never run.
+    :func:`~kvflow.models.model_resolver.resolve_tokenizer`). ``options``: further
+    ``AutoTokenizer.from_pretrained`` arguments (``ModelConfig.tokenizer_options``:
+    ``trust_remote_code``); remote code is run only with ``trust_remote_code=True``.
 
     Raises:
         ValueError: one line: if no tokenizer can be loaded from there, or it needs custom
@@ -334,7 +341,8 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
         return load_gguf_tokenizer(source.path)
     try:
         with quiet_model_type_warning():
-            return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+            return AutoTokenizer.from_pretrained(
+                source.path, **{"trust_remote_code": False, **(options or {})})
     except Exception as e:  # transformers raises many types
         problem = tokenizer_files_problem(source.path)
         if problem is not None:

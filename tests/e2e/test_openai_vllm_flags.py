@@ -5,7 +5,8 @@ variable; the request's own value wins), ``--enable-force-include-usage`` (a usa
 request asked for, equal to the whole reply's usage), ``--root-path`` (the OpenAPI schema's
 server; routes stay where they are, as the proxy strips the prefix), ``--enable-log-requests`` with
 ``--max-log-len`` (the log line, its prompt cut), and ``--enable-auto-tool-choice`` (accepted:
-tool_choice auto is served). The HTTP-only flags are tested without a model in
+tool_choice auto is served); engine flags accepted at start-up, and
+``--override-generation-config`` as the default max_tokens. The HTTP-only flags are tested without a model in
 tests/test_vllm_server_flags.py."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ MODEL = "tiny"
 GREETING = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}{% if tools %}T{% endif %}"
             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
-ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "4",
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "128",
+        "--block-size", "4", "--enable-chunked-prefill", "--trust-remote-code",
+        "--override-generation-config", json.dumps({"max_new_tokens": 3}),
         "--max-model-len", "96", "--served-model-name", MODEL, "--chat-template", GREETING,
         "--default-chat-template-kwargs", json.dumps({"greeting": "hello",
                                                       "enable_thinking": False}),
@@ -87,3 +90,9 @@ def test_request_logged_with_prompt_cut(client, server):
     client.completions.create(model=MODEL, prompt="zebra crossing", max_tokens=1)
     lines = [line for line in server.log().splitlines() if "received request cmpl-" in line]
     assert any("prompt: 'zebr'," in line for line in lines), lines
+
+
+def test_override_generation_config_sets_the_default_max_tokens(client):
+    reply = client.completions.create(model=MODEL, prompt="the quick",
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"

@@ -1,0 +1,171 @@
+"""vLLM's engine flags on ``kvflow generate/serve`` and as ``LLM(...)`` keywords (README
+"Coming from vLLM"): each maps onto kvflow's own setting (values hand-computed), or is
+refused with a message naming it and why. Effects: --override-generation-config merged over a
+generation_config.json written here, --trust-remote-code letting transformers load a config
+class from the model folder's own Python file, --enable-chunked-prefill refused for an
+encoder-only model (which runs prompts whole)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvflow.config import EngineConfig, parse_bytes
+from kvflow.entrypoints.cli import build_parser
+
+
+def _engine(*argv: str, command: str = "serve") -> EngineConfig:
+    return EngineConfig.from_cli_args(build_parser().parse_args([command, *argv]))
+
+
+def test_flags_map_onto_kvflow_settings():
+    config = _engine("--enable-chunked-prefill", "--kv-cache-memory-bytes", "3G",
+                     "--scheduling-policy", "priority", "--limit-mm-per-prompt",
+                     '{"image": 3, "video": 0}', "--trust-remote-code", "--tokenizer-mode",
+                     "hf", "--override-generation-config", '{"temperature": 0.5}')
+    assert config.scheduler_config.enable_chunked_prefill is True
+    assert config.cache_config.kv_cache_memory == "3G"
+    assert parse_bytes(config.cache_config.kv_cache_memory) == 3 * 2**30
+    assert config.scheduler_config.policy == "priority"
+    assert config.multimodal_config.max_images_per_prompt == 3
+    assert config.model_config.trust_remote_code is True
+    assert config.model_config.tokenizer_options == {"trust_remote_code": True}
+    assert config.model_config.override_generation_config == {"temperature": 0.5}
+    blocks = _engine("--num-gpu-blocks-override", "64", command="generate")
+    assert blocks.cache_config.num_kv_blocks == 64
+    nested = _engine("--limit-mm-per-prompt", '{"image": {"count": 2}}')
+    assert nested.multimodal_config.max_images_per_prompt == 2
+    default = _engine()
+    assert default.model_config.tokenizer_options == {"trust_remote_code": False}
+    assert default.scheduler_config.enable_chunked_prefill is None
+
+
+def test_llm_keywords():
+    """``LLM(...)`` takes vLLM's names too (EngineConfig.from_kwargs)."""
+    config = EngineConfig.from_kwargs(kv_cache_memory_bytes=2**30, num_gpu_blocks_override=None,
+                                      enable_chunked_prefill=True, trust_remote_code=True,
+                                      limit_mm_per_prompt={"image": 5},
+                                      override_generation_config={"top_k": 7})
+    assert config.cache_config.kv_cache_memory == 2**30
+    assert config.multimodal_config.max_images_per_prompt == 5
+    assert config.model_config.override_generation_config == {"top_k": 7}
+    with pytest.raises(ValueError, match="name the same option"):
+        EngineConfig.from_kwargs(kv_cache_memory_bytes="1G", kv_cache_memory="1GiB")
+
+
+@pytest.mark.parametrize("text,size", [("1G", 2**30), ("1g", 10**9), ("25.6k", 25600),
+                                       ("2T", 2 * 2**40), ("512M", 512 * 2**20),
+                                       ("2GiB", 2 * 2**30), ("512MB", 512 * 10**6)])
+def test_vllm_sizes(text, size):
+    """vLLM's human-readable sizes: lower case decimal, upper case binary (kvflow's units
+    unchanged)."""
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"enable_chunked_prefill": False}, "turning chunked prefill off"),
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not available"),
+    ({"tokenizer_mode": "slow"}, "always loads the fast tokenizer"),
+    ({"limit_mm_per_prompt": '{"video": 1}'}, "video=1 is refused: kvflow takes no video"),
+    ({"limit_mm_per_prompt": {"audio": 2}}, "audio=2 is refused"),
+    ({"limit_mm_per_prompt": {"image": 0}}, "image=0 is refused"),
+    ({"limit_mm_per_prompt": {"image": 2}, "max_images_per_prompt": 3}, "give one"),
+    ({"limit_mm_per_prompt": {"image": {"count": 2, "width": 64}}}, "['width']"),
+    ({"limit_mm_per_prompt": "[2]"}, "must be a JSON object"),
+    ({"override_generation_config": '{"do_sample": true}'}, "['do_sample']"),
+    ({"override_generation_config": "{bad"}, "is not a JSON object"),
+    ({"kv_cache_memory_bytes": "1.5G"}, "takes a whole number"),
+])
+def test_refused(kwargs, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        EngineConfig.from_kwargs(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_refusal_names_the_typed_flag(capsys):
+    """From the command line: one line, status 2, the flag as typed (before any model)."""
+    from kvflow.entrypoints.cli import main
+
+    rc = main(["generate", "--no-enable-chunked-prefill", "--prompt", "x"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("kvflow: error: turning chunked prefill off "
+                             "(--no-enable-chunked-prefill, enable_chunked_prefill False)")
+
+
+def test_engine_flags_in_a_config_file(tmp_path):
+    from kvflow.entrypoints.config_file import expand_config_file
+
+    path = tmp_path / "engine.yaml"
+    path.write_text("enable-chunked-prefill: true\nlimit-mm-per-prompt: {image: 2}\n"
+                    "trust-remote-code: true\nkv-cache-memory-bytes: 1G\n"
+                    "override-generation-config: {temperature: 0.25}\n")
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(path)]))
+    config = EngineConfig.from_cli_args(args)
+    assert config.scheduler_config.enable_chunked_prefill is True
+    assert config.multimodal_config.max_images_per_prompt == 2
+    assert config.model_config.trust_remote_code is True
+    assert parse_bytes(config.cache_config.kv_cache_memory) == 2**30
+    assert config.model_config.override_generation_config == {"temperature": 0.25}
+
+
+def test_override_generation_config_merges_over_the_file(tmp_path):
+    from kvflow.models.generation_config import load_sampling_defaults
+    from kvflow.models.model_resolver import ModelSource
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64}))
+    source = ModelSource(kind="hf", path=str(tmp_path), name="m")
+    overrides = {"temperature": 0.2, "top_k": 5}
+    assert load_sampling_defaults(source, "auto", overrides) == {
+        "temperature": 0.2, "top_p": 0.9, "max_tokens": 64, "top_k": 5}
+    assert load_sampling_defaults(source, "none", overrides) == {"temperature": 0.2,
+                                                                 "top_k": 5}
+    assert load_sampling_defaults(source, "auto") == {"temperature": 0.6, "top_p": 0.9,
+                                                      "max_tokens": 64}
+    with pytest.raises(ValueError, match="override_generation_config: .*temperature"):
+        load_sampling_defaults(source, "auto", {"temperature": -1.0})
+
+
+REMOTE_CONFIG = '''from transformers import LlamaConfig
+
+
+class KvflowRemoteConfig(LlamaConfig):
+    model_type = "kvflow_remote_test"
+'''
+
+
+def test_trust_remote_code_reaches_autoconfig(tiny_llama, tmp_path):
+    """A model folder whose config.json names its own config class (auto_map): refused
+    without --trust-remote-code, loaded through the folder's code with it."""
+    import shutil
+
+    from kvflow.models.loader import load_hf_config
+    from kvflow.models.model_resolver import ModelSource
+
+    folder = tmp_path / f"remote_{tmp_path.name}"
+    shutil.copytree(tiny_llama.path, folder)
+    (folder / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kvflow_remote_test",
+                  auto_map={"AutoConfig": "configuration_remote.KvflowRemoteConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    source = ModelSource(kind="hf", path=str(folder), name="remote")
+    with pytest.raises(ValueError, match="custom code"):
+        load_hf_config(source)
+    loaded = load_hf_config(source, trust_remote_code=True)
+    assert type(loaded).__name__ == "KvflowRemoteConfig"
+    assert loaded.hidden_size == config["hidden_size"]
+
+
+def test_chunked_prefill_refused_for_an_encoder():
+    from kvflow.core.unread_options import check_no_kv_cache_settings
+
+    bert = SimpleNamespace(architectures=["BertModel"])
+    with pytest.raises(ValueError, match="enable_chunked_prefill=True: BertModel is an "
+                                         "encoder-only model"):
+        check_no_kv_cache_settings(EngineConfig.from_kwargs(enable_chunked_prefill=True), bert)
+    check_no_kv_cache_settings(EngineConfig.from_kwargs(), bert)  # nothing given: fine
