@@ -52,11 +52,14 @@ def test_vllm_command_line_parses():
     assert not defaults.cors_enabled and defaults.response_role == "assistant"
     assert defaults.log_requests is False and defaults.enable_auto_tool_choice is None
     assert _config("--enable-log-requests").log_requests is True
+    assert _config("--no-disable-log-requests").log_requests is True
+    assert _config("--no-enable-log-requests").log_requests is False
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--no-enable-auto-tool-choice"], "--no-enable-auto-tool-choice is refused"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict"),
+    (["--no-enable-log-requests", "--no-disable-log-requests"], "contradict"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-certfile"),
     (["--root-path", "llm"], "must start with '/'"),

@@ -144,12 +144,13 @@ class ServerConfig:
         None, "accepted for vLLM command lines: kvflow always reads tool calls under "
         "tool_choice=auto with --tool-call-parser (vLLM answers such a request 400 without "
         "this flag); --no-enable-auto-tool-choice is refused, as kvflow cannot turn it off")
-    enable_log_requests: bool = opt(False, "log each request at INFO as the engine gets it: "
-                                    "its id, sampling parameters and prompt (cut to "
-                                    "--max-log-len) (vLLM's flag of the same name)")
+    enable_log_requests: bool | None = opt(
+        None, "log each generation request (completions, chat, responses; not beam search) "
+        "at INFO as the engine gets it: its id, prompt (cut to --max-log-len) and sampling "
+        "parameters (default: off; vLLM's flag of the same name)")
     disable_log_requests: bool | None = opt(
-        None, "vLLM's deprecated flag: no request log lines, kvflow's default; refused with "
-        "--enable-log-requests")
+        None, "vLLM's deprecated inverse of --enable-log-requests (--no-disable-log-requests "
+        "turns logging on); refused when the two contradict each other")
     max_log_len: int | None = opt(None, "longest prompt logged under --enable-log-requests, "
                                    "in characters (text) or token ids (default: unlimited)")
     allowed_origins: tuple[str, ...] | None = opt(
@@ -246,8 +247,10 @@ class ServerConfig:
             (self.enable_auto_tool_choice is False,
              ("--no-enable-auto-tool-choice is refused: kvflow always reads tool calls under "
               "tool_choice=auto (with --tool-call-parser) and cannot turn that off")),
-            (self.disable_log_requests and self.enable_log_requests,
-             "--disable-log-requests and --enable-log-requests contradict each other"),
+            (self.disable_log_requests is not None and self.enable_log_requests is not None
+             and self.disable_log_requests == self.enable_log_requests,
+             ("--disable-log-requests and --enable-log-requests (or their --no- forms) "
+              "contradict each other")),
             (self.max_log_len is not None and self.max_log_len < 0,
              f"max_log_len={self.max_log_len} must be >= 0"),
             (self.ssl_keyfile is not None and self.ssl_certfile is None,
@@ -271,8 +274,9 @@ class ServerConfig:
 
     @property
     def log_requests(self) -> bool:
-        """Whether each request is logged (``--enable-log-requests``)."""
-        return self.enable_log_requests and not self.disable_log_requests
+        """Whether each request is logged (``--enable-log-requests``, or
+        ``--no-disable-log-requests``)."""
+        return bool(self.enable_log_requests) or self.disable_log_requests is False
 
     @property
     def max_request_body_bytes(self) -> int:
