@@ -169,3 +169,17 @@ def test_chunked_prefill_refused_for_an_encoder():
                                          "encoder-only model"):
         check_no_kv_cache_settings(EngineConfig.from_kwargs(enable_chunked_prefill=True), bert)
     check_no_kv_cache_settings(EngineConfig.from_kwargs(), bert)  # nothing given: fine
+
+
+@pytest.mark.parametrize("argv", [["--kv-cache-memory", "1GiB", "--kv-cache-memory-bytes=2G"],
+                                  ["--policy", "fcfs", "--scheduling-policy", "priority"]])
+def test_both_names_of_a_setting_refused(capsys, argv):
+    """argparse kept the later of the two in silence."""
+    from kvflow.entrypoints.cli import main
+
+    rc = main(["generate", *argv, "--prompt", "x"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    first, second = argv[0], argv[2].split("=")[0]
+    assert err[0] == (f"kvflow: error: {first} and {second} name the same setting (one is "
+                      "vLLM's name for it): give one")

@@ -81,6 +81,20 @@ def command_flags(parser: argparse.ArgumentParser, typed: list[str]) -> dict[str
     return flags
 
 
+def same_setting_twice(parser: argparse.ArgumentParser, typed: list[str]
+                       ) -> tuple[str, str] | None:
+    """Two names of one option (``--kv-cache-memory`` and its alias
+    ``--kv-cache-memory-bytes``) both typed in ``typed``, as typed; None when there are none
+    (argparse would keep the later value and drop the other in silence). A flag typed twice
+    under one name is argparse's usual last-wins, not this."""
+    words = {w.split("=", 1)[0] for w in typed if w.startswith("--")}
+    for action in parser._actions:
+        names = [o for o in action.option_strings if o in words]
+        if len(names) > 1 and not isinstance(action, argparse.BooleanOptionalAction):
+            return names[0], names[1]
+    return None
+
+
 def context_note(max_tokens: int | None, max_model_len: int) -> str | None:
     """A note for ``--max-tokens`` at or above ``max_model_len`` (no prompt leaves that much
     room: generation stops when the context is full, with finish_reason "length", as the
@@ -279,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(expanded.argv)
+    twice = same_setting_twice(_command(parser, args), typed)
+    if twice is not None:
+        print(f"kvflow: error: {twice[0]} and {twice[1]} name the same setting (one is "
+              "vLLM's name for it): give one", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         status = args.func(args)
