@@ -32,7 +32,8 @@ def test_vllm_command_line_parses():
     """The command line of the bug report, and vLLM's JSON-list and JSON-object forms."""
     config = _config("--model", "M", "--enable-auto-tool-choice", "--tool-call-parser",
                      "hermes", "--allowed-origins", '["http://a.example", "http://b.example"]',
-                     "--allowed-methods", "GET", "POST", "--allow-credentials",
+                     "--allowed-methods", "GET", "--allowed-methods", "POST",
+                     "--allow-credentials",
                      "--root-path", "/llm", "--disable-fastapi-docs", "--response-role", "bot",
                      "--default-chat-template-kwargs", '{"enable_thinking": false}',
                      "--enable-force-include-usage", "--enable-request-id-headers",
@@ -206,3 +207,11 @@ def test_vllm_flags_in_a_config_file(tmp_path):
     assert config.allowed_origins == ("http://a.example",)
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
     assert (config.root_path, config.log_requests, config.max_log_len) == ("/llm", True, 7)
+
+
+def test_a_list_flag_does_not_take_the_model_argument():
+    """vLLM's list flags take one word each (a JSON list), so the positional model after one
+    is still the model."""
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "some/model"])
+    assert args.model_tag == "some/model"
+    assert ServerConfig.from_cli_args(args, env={}).allowed_origins == ("*",)

@@ -12,7 +12,8 @@ from typing import Any
 
 def opt(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with ``default`` and the metadata the CLI generator reads: ``help``
-    and ``extra`` (``choices``, ``nargs``, ``metavar``, ``cli=False`` for fields kvflow sets
+    and ``extra`` (``choices``, ``nargs``, ``metavar``, ``action`` such as "append" for a
+    repeated flag, ``cli=False`` for fields kvflow sets
     itself, ``aliases``: further flags, e.g. vLLM's name for it)."""
     return field(default=default, metadata={"help": help, **extra})
 
@@ -106,7 +107,8 @@ def check_choices(config: Any) -> None:
 
 def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """Add ``--field-name`` for config field ``f`` to ``group`` (booleans get ``--no-`` forms;
-    int/float annotations parse as such; ``choices``, ``nargs``, ``metavar`` and ``aliases``,
+    int/float annotations parse as such; ``choices``, ``nargs``, ``metavar``, ``action`` and
+    ``aliases``,
     further flag names, from the metadata)."""
     if not f.metadata.get("cli", True):  # set by kvflow itself, not a user flag
         return
@@ -121,6 +123,6 @@ def add_field_arg(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     choices = meta.get("choices")  # None (unset) is the default, not a value one can type
     choices = None if choices is None else [c for c in choices if c is not None]
     group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=choices,
-                       **{k: meta[k] for k in ("nargs", "metavar") if k in meta},
+                       **{k: meta[k] for k in ("nargs", "metavar", "action") if k in meta},
                        help=meta.get("help") if "default" in str(meta.get("help"))
                        else f"{meta.get('help')} (default: {f.default})")

@@ -154,17 +154,19 @@ class ServerConfig:
     max_log_len: int | None = opt(None, "longest prompt logged under --enable-log-requests, "
                                    "in characters (text) or token ids (default: unlimited)")
     allowed_origins: tuple[str, ...] | None = opt(
-        None, "CORS: origins browsers may call from (a JSON list as vLLM takes it, "
-        "'[\"https://a.example\"]', or the origins as words; '*': any); any CORS flag turns "
-        "CORS on, its other settings taking vLLM's defaults (origins, methods, headers '*', no "
-        "credentials) (default: CORS off, no Access-Control headers; vLLM's is on for '*')",
-        nargs="+")
+        None, "CORS: origins browsers may call from, as vLLM takes them (a JSON list, "
+        "'[\"https://a.example\"]') or one origin per flag (repeat it); '*': any; any CORS "
+        "flag turns CORS on, its other settings taking vLLM's defaults (origins, methods, "
+        "headers '*', no credentials) (default: CORS off, no Access-Control headers; vLLM's "
+        "is on for '*')", action="append", metavar="ORIGINS")
     allowed_methods: tuple[str, ...] | None = opt(None, "CORS: allowed methods (as "
                                                    "--allowed-origins; default with CORS "
-                                                   "on: '*')", nargs="+")
+                                                   "on: '*')", action="append",
+                                                   metavar="METHODS")
     allowed_headers: tuple[str, ...] | None = opt(None, "CORS: allowed request headers (as "
                                                    "--allowed-origins; default with CORS "
-                                                   "on: '*')", nargs="+")
+                                                   "on: '*')", action="append",
+                                                   metavar="HEADERS")
     allow_credentials: bool | None = opt(None, "CORS: allow credentials (cookies, "
                                          "Authorization) on cross-origin requests; turns "
                                          "CORS on (default: off)")
