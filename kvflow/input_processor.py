@@ -12,6 +12,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -19,7 +20,9 @@ from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 
 # A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
 # with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model
-# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's).
+# and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's); or
+# {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
+# without "cache_salt".
 PromptType = str | list[int] | Mapping[str, Any]
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
 
@@ -40,13 +43,15 @@ def check_cache_salt(salt: object) -> str | None:
 @dataclasses.dataclass
 class ProcessedPrompt:
     """A prompt ready to queue: its text (None for token ids), its token ids (image
-    placeholders expanded), its images' features (None: text only) and its prefix-cache
-    salt (a dict prompt's ``cache_salt``; None: unsalted)."""
+    placeholders expanded; one placeholder 0 per row of a prompt given as embeddings), its
+    images' features (None: text only), its embedding rows (None: token ids) and its
+    prefix-cache salt (a dict prompt's ``cache_salt``; None: unsalted)."""
 
     text: str | None
     token_ids: list[int]
     mm_features: list[MultiModalFeature] | None = None
     cache_salt: str | None = None
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class InputProcessor:
@@ -64,13 +69,14 @@ class InputProcessor:
         hidden_size: the model's hidden size (the embedding's length).
         max_model_len_note: appended to a too-long prompt's error after max_model_len (why
             it is lower than asked: the engine core's ``max_model_len_note``).
+        enable_prompt_embeds: prompts may come as embedding rows (``prompt_embeds``).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, mm_processor: Any = None,
                  eos_token_ids: list[int] | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int = 0,
-                 max_model_len_note: str = "") -> None:
+                 max_model_len_note: str = "", enable_prompt_embeds: bool = False) -> None:
         self.tokenizer = tokenizer
         self.extra_eos_ids = [t for t in eos_token_ids or []
                               if t != eos_token_id and 0 <= t < vocab_size]
@@ -79,6 +85,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pooler, self.hidden_size = pooler, hidden_size
+        self.enable_prompt_embeds = enable_prompt_embeds
         # kvflow.multimodal.processor.MultiModalProcessor for a vision-language model
         self.mm_processor = mm_processor
         self.checked_constraints = CheckedConstraints()
@@ -95,15 +102,45 @@ class InputProcessor:
         Raises:
             ValueError: for a malformed prompt, images for a text-only model, a placeholder
                 count that differs from the image count, a bad image (``MediaError``), or a
-                ``cache_salt`` that is not a non-empty string.
+                ``cache_salt`` that is not a non-empty string; for ``{"prompt_embeds": ...}``,
+                see :meth:`embeds_prompt`.
         """
         images, salt = [], None
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            if not set(prompt) <= {"prompt_embeds", "cache_salt"}:
+                raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt; "
+                                 f"got keys {sorted(prompt)}")
+            salt = check_cache_salt(prompt.get("cache_salt"))
+            return dataclasses.replace(self.embeds_prompt(prompt["prompt_embeds"]),
+                                       cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
             prompt, images = self._unpack(prompt)
         text, token_ids = self.tokenize(prompt)
         return dataclasses.replace(self.attach_images(text, token_ids, images),
                                    cache_salt=salt)
+
+    def embeds_prompt(self, embeds: Any) -> ProcessedPrompt:
+        """A prompt given as embedding rows: ``embeds`` a float tensor [num_tokens,
+        hidden_size] (or [1, num_tokens, hidden_size]), checked and packed
+        (``kvflow.prompt_embeds.check_prompt_embeds``), with one placeholder id 0 per row.
+
+        Raises:
+            ValueError: on an engine without ``enable_prompt_embeds``, or for a bad tensor
+                (type, dtype, rank, hidden size, no rows, NaN/inf, too long).
+        """
+        self.require_prompt_embeds()
+        packed = check_prompt_embeds(embeds, self.hidden_size, self.max_model_len,
+                                     self.max_model_len_note)
+        return ProcessedPrompt(None, [0] * packed.num_tokens, prompt_embeds=packed)
+
+    def require_prompt_embeds(self) -> None:
+        """Raises ValueError (naming the flag) unless this engine takes prompt embeddings."""
+        if not self.enable_prompt_embeds:
+            raise ValueError("prompt_embeds needs the engine started with "
+                             "enable_prompt_embeds=True (--enable-prompt-embeds)")
+        if self.mm_processor is not None:
+            raise ValueError("prompt_embeds is not supported for vision-language models")
 
     def attach_images(self, text: str | None, token_ids: list[int],
                       images: list[Any]) -> ProcessedPrompt:
@@ -125,6 +162,9 @@ class InputProcessor:
     @staticmethod
     def _unpack(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]]:
         """(text or token ids, images) of a dict prompt. Raises ValueError when malformed."""
+        if "prompt_embeds" in prompt:
+            raise ValueError("a prompt_embeds prompt is for text generation only "
+                             "(LLM.generate, /v1/completions)")
         unknown = sorted(set(prompt) - _PROMPT_KEYS)
         if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
             raise ValueError(f"a dict prompt needs exactly one of 'prompt' and "
@@ -270,32 +310,41 @@ class InputProcessor:
                       mm_features: list[MultiModalFeature] | None = None,
                       client_id: str = "",
                       lora_request: LoRARequest | None = None,
-                      cache_salt: str | None = None) -> list[Request]:
+                      cache_salt: str | None = None,
+                      prompt_embeds: PromptEmbeds | None = None) -> list[Request]:
         """One Request per sample (``n``); sample i of a seeded request uses seed + i
         (wrapped into the signed 64-bit range, the same generator seed modulo 2**64). The
-        samples share ``mm_features`` (the images of the prompt, already expanded).
-        ``client_id`` names the sender for the fair policy ("" when unknown); every
-        sample runs with ``lora_request`` (None: the base model) and ``cache_salt`` (its
-        prefix-cache salt, ``check_cache_salt``; None: unsalted). The prompt is first cut to
-        its last ``params.truncate_prompt_tokens`` tokens (the Requests hold the cut ids) and
-        ``params.bad_words`` are tokenized into each sample's ``bad_words_token_ids``.
+        samples share ``mm_features`` (the images of the prompt, already expanded) and
+        ``prompt_embeds`` (a prompt given as embeddings, checked by ``embeds_prompt``;
+        ``token_ids`` are then its placeholders). ``client_id`` names the sender for the
+        fair policy ("" when unknown); every sample runs with ``lora_request`` (None: the
+        base model) and ``cache_salt`` (its prefix-cache salt, ``check_cache_salt``; None:
+        unsalted). The prompt is first cut to its last ``params.truncate_prompt_tokens``
+        tokens (the Requests hold the cut ids) and ``params.bad_words`` are tokenized into
+        each sample's ``bad_words_token_ids``.
 
         Raises:
             ValueError: for a bad prompt (see ``validate``), parameters (``validate_params``,
-                ``bad_words_token_ids``) or ``cache_salt``, or a truncation that would cut a
-                prompt with images.
+                ``bad_words_token_ids``) or ``cache_salt``, a truncation that would cut a
+                prompt with images or one given as embeddings; for ``prompt_embeds`` on an
+                engine without ``enable_prompt_embeds``, or with ``prompt_logprobs`` (a prompt
+                given as embeddings has no token ids to score).
         """
         check_cache_salt(cache_salt)
         limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len)
-        if mm_features and limit is not None and len(token_ids) > limit:
+        if (mm_features or prompt_embeds is not None) and limit is not None and \
+                len(token_ids) > limit:
+            held = "holds images" if mm_features else "was given as embeddings"
             raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
-                             f"prompt of {len(token_ids)} tokens that holds images: send "
+                             f"prompt of {len(token_ids)} tokens that {held}: send "
                              "fewer tokens or no truncate_prompt_tokens")
         token_ids = keep_last_tokens(token_ids, limit)  # vLLM: the prompt's last k tokens
         self.validate(token_ids)
         self.validate_params(params)
         bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
             if params.bad_words else None
+        if prompt_embeds is not None:
+            self._check_embeds_request(token_ids, params, prompt_embeds)
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
             # the request then stops at the context's end, as an explicit max_tokens does)
             room = self.max_model_len - len(token_ids)
@@ -310,8 +359,21 @@ class InputProcessor:
             requests.append(Request(rid, token_ids, child, self.eos_token_id, arrival_time,
                                     priority, parent_id=request_id, sample_index=i,
                                     mm_features=mm_features, client_id=client_id,
-                                    lora_request=lora_request, cache_salt=cache_salt))
+                                    lora_request=lora_request, cache_salt=cache_salt,
+                                    prompt_embeds=prompt_embeds))
         return requests
+
+    def _check_embeds_request(self, token_ids: list[int], params: SamplingParams,
+                              prompt_embeds: PromptEmbeds) -> None:
+        """Raises ValueError for what a prompt given as embeddings cannot do (see
+        ``make_requests``)."""
+        self.require_prompt_embeds()
+        if len(token_ids) != prompt_embeds.num_tokens:
+            raise ValueError(f"{len(token_ids)} placeholder ids for {prompt_embeds.num_tokens} "
+                             "prompt_embeds rows")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be computed for prompt_embeds: the prompt "
+                             "has no token ids")
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
         """The request's ``stop_token_ids`` plus the model's further EOS ids (none with

@@ -177,6 +177,9 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             if p.mm_features:
                 raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
+            if p.prompt_embeds is not None:  # each step is a new token-id prompt
+                raise ValueError(f"prompt {i}: beam search takes no prompt_embeds (generation "
+                                 "only, with LLM.generate)")
             if len(p.token_ids) + params.max_tokens > processor.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
                                  f"max_tokens={params.max_tokens} it exceeds max_model_len "

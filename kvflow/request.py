@@ -8,6 +8,7 @@ import time
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 
 
@@ -86,6 +87,9 @@ class Request:
         cache_salt: a non-empty string mixed into the hash of the prompt's first KV block, so
             that only requests with the same salt share prefix-cache blocks (vLLM's
             ``cache_salt``); None: unsalted, shared with every unsalted request.
+        prompt_embeds: the prompt's embedding rows when it was given as embeddings
+            (``prompt_token_ids`` then holds one placeholder 0 per row); kept until the
+            request finishes, since a preempted request recomputes its prompt from them.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -117,6 +122,7 @@ class Request:
         self.lora_request = lora_request
         self.pooling_params = pooling_params
         self.cache_salt = cache_salt
+        self.prompt_embeds = prompt_embeds
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -36,6 +36,7 @@ import torch
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 
 # One block-id list per KV-cache group.
@@ -60,6 +61,9 @@ class NewRequestData:
         lora_request: its LoRA adapter (None: the base model).
         pooling_params: set for an embedding request (pooled when its prompt is computed,
             nothing sampled).
+        prompt_embeds: the prompt's embedding rows when it was given as embeddings (its
+            ``prompt_token_ids`` are placeholders); the runner keeps them until the request
+            finishes (a preempted request computes its prompt again).
     """
 
     req_id: str
@@ -71,6 +75,7 @@ class NewRequestData:
     mm_features: list[MultiModalFeature] | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    prompt_embeds: PromptEmbeds | None = None
 
 
 @dataclass

@@ -85,6 +85,10 @@ class EngineConfig:
         spec = self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if spec is None:
             return
+        if self.model_config.enable_prompt_embeds:
+            raise ValueError(f"speculative decoding (method={spec.method!r}) with "
+                             "enable_prompt_embeds is not available: the proposer needs the "
+                             "prompt's token ids, which a prompt given as embeddings has not")
         pc = self.parallel_config
         for name in ("pipeline_parallel_size", "context_parallel_size"):
             if getattr(pc, name) > 1:

@@ -100,6 +100,10 @@ class ModelConfig:
                             choices=["auto", "dummy"])
     skip_tokenizer_init: bool = opt(False, "do not load a tokenizer (token-id prompts only; "
                                       "refused with --tokenizer)")
+    enable_prompt_embeds: bool = opt(False, "accept prompts given as embedding rows instead "
+                                       "of token ids (LLM.generate({'prompt_embeds': "
+                                       "tensor}), /v1/completions prompt_embeds); refused "
+                                       "with speculative decoding")
     generation_config: str = opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
                                   "min_p, repetition_penalty, max_new_tokens from the model "
                                   "folder's generation_config.json; a request's own values "

@@ -96,13 +96,17 @@ class KVCacheManager:
     def _cache_extra_key(self, request: Request) -> object | None:
         """None for ordinary prefix caching; the parent id when only siblings may share; with
         a LoRA adapter its id too (the adapter changes every layer's K/V); for a LongRoPE
-        prompt longer than the original context, a mark (its keys' rotations differ)."""
+        prompt longer than the original context, a mark (its keys' rotations differ); for a
+        prompt given as embeddings, their digest (its placeholder token ids say nothing of its
+        K/V), so it shares blocks only with prompts of the very same rows."""
         key = None if self.enable_prefix_caching else request.parent_id
         if request.lora_request is not None:
             key = (key, request.lora_request.lora_int_id)
         if self.long_prompt_threshold is not None and \
                 request.num_prompt_tokens > self.long_prompt_threshold:
             key = (key, "long_prompt_rope")
+        if request.prompt_embeds is not None:
+            key = (key, "prompt_embeds", request.prompt_embeds.identifier)
         return key
 
     def _uses_hashing(self, request: Request) -> bool:

@@ -143,7 +143,7 @@ def _send_admitted(sched: Scheduler, request: Request, num_new: int,
         sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
         block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
         mm_features=request.mm_features, lora_request=request.lora_request,
-        pooling_params=request.pooling_params))
+        pooling_params=request.pooling_params, prompt_embeds=request.prompt_embeds))
 
 
 def _record_scheduled(sched: Scheduler, request: Request, num_new: int,

@@ -60,6 +60,7 @@ from kvflow.multimodal import mm_processor_of_source
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.output_processor import OutputProcessor
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
@@ -169,7 +170,9 @@ class AsyncLLM:
                                         self._mm_processor,
                                         eos_token_ids=self._eos_token_ids,
                                         pooler=ready.pooler, hidden_size=ready.hidden_size,
-                                        max_model_len_note=ready.max_model_len_note)
+                                        max_model_len_note=ready.max_model_len_note,
+                                        enable_prompt_embeds=self.config.model_config
+                                        .enable_prompt_embeds)
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
         self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
                                      self.balancer, self.metrics,
@@ -225,7 +228,8 @@ class AsyncLLM:
                     mm_features: list[MultiModalFeature] | None = None,
                     client_id: str = "",
                     lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> RequestStream:
+                    cache_salt: str | None = None,
+                    prompt_embeds: PromptEmbeds | None = None) -> RequestStream:
         """Validate and queue one prompt (its ``n`` samples) on one replica; returns its
         output stream. Fields ``params`` was not given take the model's sampling defaults
         (``sampling_defaults``, from its generation_config.json). ``mm_features``: the
@@ -234,6 +238,8 @@ class AsyncLLM:
         policy. With admission control, await ``admitted(stream)``.
         ``lora_request``: the adapter it runs with (added with ``add_lora`` first).
         ``cache_salt``: salts its prefix-cache blocks (a non-empty string; None: unsalted).
+        ``prompt_embeds``: the prompt's embedding rows (``processor.embeds_prompt``;
+        ``prompt_token_ids`` are then its placeholders).
 
         Raises:
             ValueError: for a bad prompt, parameters or ``cache_salt``, or a request id in use
@@ -246,7 +252,7 @@ class AsyncLLM:
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
-                                                lora_request, cache_salt)
+                                                lora_request, cache_salt, prompt_embeds)
         return self._queue(request_id, prompt, requests, arrival)
 
     def _queue(self, request_id: str, prompt: str | None, requests: list[Request],

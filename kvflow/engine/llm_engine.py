@@ -73,7 +73,8 @@ class LLMEngine:
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
                                         mm_processor, load_eos_token_ids(source, eos_config),
-                                        pooler, hidden_size, max_model_len_note=note)
+                                        pooler, hidden_size, max_model_len_note=note,
+                                        enable_prompt_embeds=mc.enable_prompt_embeds)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -102,7 +103,8 @@ class LLMEngine:
                                                 mm_features=prompt.mm_features,
                                                 client_id=client_id,
                                                 lora_request=lora_request,
-                                                cache_salt=prompt.cache_salt)
+                                                cache_salt=prompt.cache_salt,
+                                                prompt_embeds=prompt.prompt_embeds)
         self.output_processor.add_request(prompt.text, requests)
         try:
             if isinstance(self.core, DPCoreClient):  # the samples go to one replica together

@@ -20,6 +20,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -41,18 +42,22 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
     cache_salt: str | None = None  # salts the prompt's first prefix-cache block
+    # a prompt given as embedding rows (raw bytes): see kvflow/prompt_embeds.py
+    prompt_embeds: PromptEmbeds | None = None
 
     @classmethod
     def from_request(cls, r: Request) -> EngineCoreRequest:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.priority, r.parent_id, r.sample_index, r.mm_features,
-                   r.client_id, r.lora_request, r.pooling_params, r.cache_salt)
+                   r.client_id, r.lora_request, r.pooling_params, r.cache_salt,
+                   r.prompt_embeds)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, self.priority, self.parent_id,
                        self.sample_index, self.mm_features, self.client_id,
-                       self.lora_request, self.pooling_params, self.cache_salt)
+                       self.lora_request, self.pooling_params, self.cache_salt,
+                       self.prompt_embeds)
 
 
 class AddRequests(msgspec.Struct, tag="add"):

@@ -216,6 +216,10 @@ class LlamaForCausalLM(nn.Module):
     :data:`~kvflow.distributed.comm.IntermediateTensors`, and only the last stage has the LM
     head (its own copy of a tied embedding when the embedding lives on the first stage).
 
+    Prompts given as embeddings (``enable_prompt_embeds``): the runner embeds the step's
+    tokens with ``embed_input_ids``, writes the prompt rows over them and passes the result
+    as ``forward(..., inputs_embeds=[T, hidden])`` (``supports_prompt_embeds``).
+
     Args:
         config: an HF config (LlamaConfig, Qwen2Config, ...).
         ctx: the engine's attention context (backend + forward context).
@@ -252,10 +256,18 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionBias(qkv=bias, o=bias)
 
+    supports_prompt_embeds = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None
                 ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [T] -> [T, hidden] in the model's dtype: the embedding lookup (first
+        pipeline stage only)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor,
                        head: ParallelLMHead | None = None) -> torch.Tensor:

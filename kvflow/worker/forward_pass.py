@@ -17,6 +17,7 @@ from kvflow.distributed.comm import IntermediateTensors
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
+from kvflow.worker.prompt_embeds_runner import Span, merge_prompt_embeds
 
 
 @dataclass
@@ -31,14 +32,22 @@ class ForwardCounters:
 
 def model_extra_inputs(mm_runner: MultiModalRunner | None, inputs: ModelInputs,
                        batch: InputBatch, requests: dict[str, RequestState],
-                       token_types: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+                       token_types: bool = False,
+                       prompt_embeds: tuple[Any, list[Span]] | None = None
+                       ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The positions and extra keyword inputs of the model's forward: ``inputs.positions`` and
     none, or for a multimodal model ``inputs_embeds`` [T, hidden] with the image rows merged
     and, with M-RoPE, positions [3, T] (``worker/mm_runner.py``); with ``token_types`` (a
-    BERT cross-encoder) ``token_type_ids`` [T] (:func:`token_type_ids`)."""
+    BERT cross-encoder) ``token_type_ids`` [T] (:func:`token_type_ids`); with
+    ``prompt_embeds`` (the model's ``embed_input_ids`` and the step's spans of prompt
+    positions given as embeddings) ``inputs_embeds`` [T, hidden] with those rows written
+    (``worker/prompt_embeds_runner.py``)."""
     positions, extra = inputs.positions, {}
     if token_types:
         extra["token_type_ids"] = token_type_ids(inputs, batch, requests)
+    if prompt_embeds is not None:
+        extra["inputs_embeds"] = merge_prompt_embeds(prompt_embeds[0], inputs,
+                                                     prompt_embeds[1], requests)
     if mm_runner is not None:  # image rows merged; M-RoPE positions [3, T]
         extra["inputs_embeds"] = mm_runner.inputs_embeds(inputs, batch, requests)
         if mm_runner.uses_mrope:

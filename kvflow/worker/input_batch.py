@@ -52,6 +52,8 @@ class RequestState:
         lora_request: its LoRA adapter, else None; ``lora`` the loaded adapter (the runner's
             copy, kept while the request lives even if the adapter is removed meanwhile).
         pooling_params: set for an embedding request.
+        prompt_embeds: a prompt given as embeddings: its rows [prompt_len, hidden] (cast to
+            the model's dtype on first use; the prompt ids are placeholders), else None.
     """
 
     req_id: str
@@ -65,6 +67,7 @@ class RequestState:
     lora_request: LoRARequest | None = None
     lora: object | None = None
     pooling_params: PoolingParams | None = None
+    prompt_embeds: torch.Tensor | None = None
 
 
 def request_stop_ids(state: RequestState) -> list[int]:
@@ -113,6 +116,8 @@ class InputBatch:
         self.num_draft_computed = np.zeros(n, np.int64)  # positions with a draft model's K/V
         self.pending_sample = np.full(n, -1, np.int64)  # index in the pending sampled tensor
         self.lora_ids = np.zeros(n, np.int64)  # LoRA adapter id (0: the base model)
+        # the prompt came as embeddings: its ids are placeholders (penalties skip them)
+        self.prompt_is_embeds = np.zeros(n, np.bool_)
         self.block_tables = [np.zeros((n, 16), np.int32) for _ in self.kv_cache_specs]
         self.num_blocks = [np.zeros(n, np.int64) for _ in self.kv_cache_specs]
         self._init_sampling_columns(n)
@@ -144,7 +149,8 @@ class InputBatch:
     def _row_columns(self) -> list[np.ndarray]:
         """Every array indexed by row first (moved together when rows are condensed)."""
         return [self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                self.num_draft_computed, self.pending_sample, self.lora_ids, *self.num_blocks,
+                self.num_draft_computed, self.pending_sample, self.lora_ids,
+                self.prompt_is_embeds, *self.num_blocks,
                 self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
                 self.frequency_penalty,
                 self.repetition_penalty, self.uses_penalties, self.min_tokens]
@@ -175,6 +181,7 @@ class InputBatch:
         self.num_draft_computed[row] = 0  # a cached block may lack the draft K/V (draft_model.py)
         self.pending_sample[row] = -1
         self.lora_ids[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
+        self.prompt_is_embeds[row] = state.prompt_embeds is not None
         for g, ids in enumerate(block_ids):
             self.block_tables[g][row] = 0
             self.num_blocks[g][row] = 0
@@ -376,7 +383,9 @@ class InputBatch:
                               ) -> tuple[np.ndarray, np.ndarray]:
         """(prompt ids [R, Lp], generated ids [R, Lo]) of ``rows``, right-padded with -1
         (int64; Lp, Lo >= 1); ``num_extra`` (int64 [R]) counts that many of each row's draft
-        tokens as generated. Every token of those rows must be on the host."""
+        tokens as generated. A prompt given as embeddings has no ids (all -1: the
+        repetition penalty sees its generated tokens only). Every token of those rows must
+        be on the host."""
         n_prompt = self.num_prompt_tokens[rows]
         n_out = self.num_tokens[rows] - n_prompt
         if num_extra is not None:
@@ -384,7 +393,8 @@ class InputBatch:
         tokens = self.token_ids[rows]
         width = tokens.shape[1]
         prompt_cols = np.arange(max(1, int(n_prompt.max(initial=0))))
-        prompt = np.where(prompt_cols < n_prompt[:, None],
+        known = np.where(self.prompt_is_embeds[rows], 0, n_prompt)
+        prompt = np.where(prompt_cols < known[:, None],
                           tokens[:, np.minimum(prompt_cols, width - 1)], -1)
         out_cols = np.arange(max(1, int(n_out.max(initial=0))))
         index = np.minimum(n_prompt[:, None] + out_cols, width - 1)

@@ -56,6 +56,7 @@ from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inp
 from kvflow.worker.model_setup import load_runner_model, make_draft_model
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
+from kvflow.worker.prompt_embeds_runner import prompt_embed_spans
 from kvflow.worker.sampling_inputs import SamplingInputs
 from kvflow.worker.step_drafts import draft_and_build_inputs
 from kvflow.worker.step_graphs import make_graph_runner
@@ -123,6 +124,25 @@ class ModelRunner:
                             if isinstance(m, Attention)}
         self.mm_runner = MultiModalRunner(self.model, self.parallel.pp.is_first_rank) \
             if getattr(self.model, "supports_multimodal", False) else None
+        self._init_prompt_embeds()
+
+    def _init_prompt_embeds(self) -> None:
+        """``enable_prompt_embeds``: the embedding lookup the prompt rows are written over
+        (the first pipeline stage's; None elsewhere and when disabled).
+
+        Raises:
+            ValueError: if the model cannot take ``inputs_embeds`` (only the Llama family
+                and its subclasses can; vision-language models cannot).
+        """
+        self.embed_prompts = None
+        if not self.config.model_config.enable_prompt_embeds:
+            return
+        if not getattr(self.model, "supports_prompt_embeds", False) or \
+                self.mm_runner is not None:
+            raise ValueError(f"enable_prompt_embeds: {type(self.model).__name__} does not "
+                             "take prompt embeddings (the Llama-family causal LMs do)")
+        if self.parallel.pp.is_first_rank:
+            self.embed_prompts = self.model.embed_input_ids
 
     def _init_sampler(self) -> None:
         gen = torch.Generator(device=self.device)
@@ -349,15 +369,19 @@ class ModelRunner:
         ``rows``: int64 token indices whose hidden states are read (None: all; under a
         context-parallel token split the other rows are 0)."""
         metadata = inputs.attn_metadata
-        if self.graph_runner is not None and self.graph_runner.can_run(metadata[0]):
+        batch = batch or self.input_batch
+        spans = prompt_embed_spans(inputs, batch) if self.embed_prompts is not None else []
+        if not spans and self.graph_runner is not None and \
+                self.graph_runner.can_run(metadata[0]):
             start = time.perf_counter()
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, metadata[0])
             self.counters.dense_tokens += metadata[0].num_reqs
             self.counters.forward_s += time.perf_counter() - start
             return hidden
-        positions, extra = model_extra_inputs(self.mm_runner, inputs, batch or self.input_batch,
-                                              self.requests,
-                                              getattr(self.model, "uses_token_types", False))
+        positions, extra = model_extra_inputs(
+            self.mm_runner, inputs, batch, self.requests,
+            getattr(self.model, "uses_token_types", False),
+            (self.embed_prompts, spans) if spans else None)
         if self.lora_manager is not None:
             with self.lora_manager.ctx.bind(lora_mapping):
                 return self._run_model(inputs, intermediate_tensors, positions, extra, rows)

@@ -23,7 +23,8 @@ def update_states(sched: SchedulerOutput, requests: dict[str, RequestState], bat
                   device: torch.device, pooling: PoolingState | None,
                   lora_manager: LoRAManager | None, mm_runner: MultiModalRunner | None) -> None:
     """Apply the step's changes to the request states (``requests``, in place: finished ones
-    dropped, new ones added with their generator, adapter and images) and the input batch."""
+    dropped, new ones added with their generator, adapter, images and prompt embeddings) and
+    the input batch."""
     for rid in sched.finished_ids:
         requests.pop(rid, None)
     if pooling is not None:
@@ -35,7 +36,8 @@ def update_states(sched: SchedulerOutput, requests: dict[str, RequestState], bat
             new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
             request_generator(new.sampling_params, device), new.mm_features,
             lora_request=new.lora_request, lora=lora,
-            pooling_params=new.pooling_params)
+            pooling_params=new.pooling_params,
+            prompt_embeds=None if new.prompt_embeds is None else new.prompt_embeds.tensor())
         if mm_runner is not None:
             mm_runner.add_request(state)
     if mm_runner is not None:  # encoder-cache drops, then this step's images
