@@ -117,13 +117,14 @@ def decode_prompt_embeds(encoded: str) -> torch.Tensor:
     try:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("is not valid base64") from None
+        raise ValueError("prompt_embeds is not valid base64") from None
     try:
         obj = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unpickling failure is the client's input
-        raise ValueError(f"is not a torch.save'd tensor ({type(e).__name__})") from None
+        raise ValueError(f"prompt_embeds is not a torch.save'd tensor, as torch.load("
+                         f"weights_only=True) reads it ({type(e).__name__})") from None
     if not isinstance(obj, torch.Tensor):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"holds a {type(obj).__name__}, not a tensor")
+            f"prompt_embeds holds a {type(obj).__name__}, not a tensor")
     return obj
 

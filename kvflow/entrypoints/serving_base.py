@@ -33,6 +33,7 @@ from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.lora.request import LoRANameError, LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
+from kvflow.prompt_embeds import PromptEmbeds
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class OpenAIServing:
         try:
             self.engine.processor.validate(token_ids)
         except ValueError as e:
-            raise OpenAIError(str(e), param=param, code=_prompt_error_code(str(e))) from None
+            raise OpenAIError(str(e), param=param, code=prompt_error_code(str(e))) from None
         limit = self.engine.max_model_len
         if len(token_ids) + max_tokens > limit:
             raise OpenAIError(
@@ -338,12 +339,15 @@ class OpenAIServing:
                            mm_features: list[MultiModalFeature] | None = None,
                            client_id: str = "",
                            lora_request: LoRARequest | None = None,
-                           cache_salt: str | None = None) -> list[RequestStream]:
+                           cache_salt: str | None = None,
+                           prompt_embeds: Sequence[PromptEmbeds | None] = ()
+                           ) -> list[RequestStream]:
         """Queue every prompt (ids ``{request_id}-{i}``) at ``priority`` (lower first under
         the priority policy) for ``client_id``, with the images ``mm_features`` (placeholders
         expanded in the prompts' ids); with admission control, wait until the engine core
         accepted them all; ``lora_request``: their adapter; ``cache_salt``: their prefix-cache
-        salt (None: unsalted). On failure abort what was queued.
+        salt (None: unsalted); ``prompt_embeds``: the embedding rows of the first prompts
+        (their ids are placeholders). On failure abort what was queued.
 
         Raises:
             OpenAIError: 400 for input the engine refuses, 503 if the engine is gone or
@@ -353,8 +357,10 @@ class OpenAIServing:
             (text, ids), sp = prompts[i], params[i]
             if self.config.log_requests:
                 self.log_request(f"{request_id}-{i}", text, ids, sp, lora_request)
+            embeds = prompt_embeds[i] if i < len(prompt_embeds) else None
             return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
-                                           mm_features, client_id, lora_request, cache_salt)
+                                           mm_features, client_id, lora_request, cache_salt,
+                                           embeds)
 
         return await self.admit_all(add, len(prompts))
 
@@ -422,7 +428,7 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
                       f"[0, {vocab_size})", param=f"{param}.{i}", code="invalid_value")
 
 
-def _prompt_error_code(message: str) -> str:
+def prompt_error_code(message: str) -> str:
     """The code of a prompt the engine's ``validate`` refused (by its message)."""
     if "max_model_len" in message:
         return "context_length_exceeded"

@@ -1,5 +1,6 @@
-"""POST /v1/completions: prompts (text or token ids, one or many) -> completions, streamed
-(SSE) or whole. Choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
+"""POST /v1/completions: prompts (text or token ids, one or many; embedding rows with
+``--enable-prompt-embeds``) -> completions, streamed (SSE) or whole. Choice ``i * n + j`` is
+sample ``j`` of prompt ``i``; ``prompt_embeds`` prompts come first, then ``prompt``'s."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from kvflow.entrypoints.serving_base import (
     OpenAIServing,
     body_size,
     check_token_ids,
+    prompt_error_code,
     request_ids,
 )
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
@@ -43,6 +45,7 @@ from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffse
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal import VideoNotSupported
 from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
 
@@ -62,10 +65,14 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_fields(req, "/v1/completions")
         lora = self._check_request(req)
         await check_constraint(self.engine, req, None, body_size(raw))
-        prompts = await self._prompts(req)
+        embeds = await self._embeds_prompts(req)
+        prompts = [(None, [0] * e.num_tokens) for e in embeds] + await self._prompts(req)
         listed = _is_prompt_list(req.prompt)
-        params = [self._params(req, prompt, i if listed else None)
-                  for i, prompt in enumerate(prompts)]
+        embeds_listed = isinstance(req.prompt_embeds, list)
+        params = [self._params(req, prompt, i if embeds_listed else None, "prompt_embeds")
+                  for i, prompt in enumerate(prompts[:len(embeds)])] + \
+            [self._params(req, prompt, i if listed else None)
+             for i, prompt in enumerate(prompts[len(embeds):])]
         self.check_admission(len(prompts))
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
@@ -77,7 +84,8 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             streams = await self.add_requests(request_id, prompts, params, req.priority,
                                               client_id=self.client_id(req, raw),
-                                              lora_request=lora, cache_salt=req.cache_salt)
+                                              lora_request=lora, cache_salt=req.cache_salt,
+                                              prompt_embeds=embeds)
         param = grammar_param(req, None)
         if req.stream:
             return SSEResponse(self.stream(
@@ -101,7 +109,47 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
                               "completion", param="suffix", code="unsupported_parameter")
+        if req.prompt is None and req.prompt_embeds is None:
+            raise OpenAIError("either prompt or prompt_embeds is required", param="prompt",
+                              code="missing_required_parameter")
+        if req.prompt_embeds is not None:
+            _check_embeds_request(req)
         return lora
+
+    async def _embeds_prompts(self, req: CompletionRequest) -> list[PromptEmbeds]:
+        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``, off
+        the event loop when large) and checked, in order (none: []).
+
+        Raises:
+            OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) on a
+                server without ``--enable-prompt-embeds``, for an empty list, or for an entry
+                that is not base64 of a ``torch.save``d float tensor [num_tokens,
+                hidden_size] of finite values shorter than the context.
+        """
+        raw = req.prompt_embeds
+        if raw is None:
+            return []
+        processor = self.engine.processor
+        try:
+            processor.require_prompt_embeds()
+        except ValueError as e:
+            raise OpenAIError(str(e), param="prompt_embeds",
+                              code="unsupported_parameter") from None
+        items = [raw] if isinstance(raw, str) else raw
+        if not items:
+            raise OpenAIError("prompt_embeds is an empty list", param="prompt_embeds",
+                              code="empty_array")
+        out = []
+        for i, item in enumerate(items):
+            try:
+                tensor = await off_loop(len(item), decode_prompt_embeds, item)
+                out.append(processor.embeds_prompt(tensor).prompt_embeds)
+            except ValueError as e:
+                listed = isinstance(raw, list)
+                raise OpenAIError(f"prompt_embeds {i} of the list: {e}" if listed else str(e),
+                                  param=f"prompt_embeds.{i}" if listed else "prompt_embeds",
+                                  code=prompt_error_code(str(e))) from None
+        return out
 
     async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The request's prompts as (text or None, token ids), in order; text is tokenized
@@ -115,6 +163,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 the context (not with ``truncate_prompt_tokens``).
         """
         prompt = req.prompt
+        if prompt is None:  # prompt_embeds only
+            return []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items = [prompt]
         elif not prompt:
@@ -158,9 +208,10 @@ class OpenAIServingCompletion(OpenAIServing):
                               param="prompt", code="invalid_value") from None
 
     def _params(self, req: CompletionRequest, prompt: Prompt,
-                index: int | None) -> SamplingParams:
-        """The sampling parameters of ``prompt`` (``index``: its place in a list of prompts,
-        named by its errors as ``prompt.<index>``; None for a request's one prompt).
+                index: int | None, field: str = "prompt") -> SamplingParams:
+        """The sampling parameters of ``prompt`` (``index``: its place in the list of
+        ``field``'s prompts, named by its errors as ``<field>.<index>``; None for a field's
+        one prompt).
 
         Raises:
             OpenAIError: 400 for an invalid field or a prompt the context cannot take; a
@@ -168,7 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 in the one prompt, ``prompt.<index>.<j>`` in a list (``check_token_ids``).
         """
         text, ids = prompt
-        param = "prompt" if index is None else f"prompt.{index}"
+        param = field if index is None else f"{field}.{index}"
         if text is None:
             check_token_ids(ids, self.engine.vocab_size, param)
         if req.max_tokens is None:  # unset or null: the model's default, else OpenAI's 16
@@ -186,7 +237,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except OpenAIError as e:
             if index is None or e.param == param:
                 raise
-            raise OpenAIError(f"prompt {index} of the list: {e}", param=e.param,
+            raise OpenAIError(f"{field} {index} of the list: {e}", param=e.param,
                               code=e.code) from None
         return params
 
@@ -376,6 +427,19 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
     return out
+
+
+def _check_embeds_request(req: CompletionRequest) -> None:
+    """Raises OpenAIError 400 naming the field a ``prompt_embeds`` request cannot have:
+    ``echo``, ``prompt_logprobs`` (its prompt has no token ids to echo or score) and
+    ``use_beam_search`` (each beam step is a token-id prompt)."""
+    for name, value in (("echo", req.echo),
+                        ("prompt_logprobs", req.prompt_logprobs is not None),
+                        ("use_beam_search", req.use_beam_search)):
+        if value:
+            raise OpenAIError(f"{name} cannot be used with prompt_embeds: a prompt given as "
+                              "embeddings has no token ids", param=name,
+                              code="unsupported_value")
 
 
 def _is_prompt_list(prompt: Any) -> bool:

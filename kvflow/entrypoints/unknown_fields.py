@@ -27,7 +27,8 @@ UNSUPPORTED = {
     "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
     "guided_decoding_backend": "structured output runs on xgrammar (send xgrammar or auto, "
                                "or leave it out)",
-    "prompt_embeds": "send text or token ids",
+    "prompt_embeds": "send text or token ids (/v1/completions takes prompt_embeds when the "
+                     "server runs with --enable-prompt-embeds)",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
     "media_io_kwargs": "images are decoded as RGB with the server's limits",
     # declared (and honoured) on completions, chat and responses; refused elsewhere, even

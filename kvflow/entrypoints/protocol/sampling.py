@@ -132,11 +132,14 @@ class SamplingRequest(RequestBody):
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
-    list of token-id lists."""
+    list of token-id lists; ``prompt_embeds`` (``--enable-prompt-embeds``): base64 of a
+    ``torch.save``d float tensor [num_tokens, hidden_size], or a list of them, answered
+    before the ``prompt`` prompts (one of the two fields is required)."""
 
     # list[int] before list[str]: a long list of token ids is then matched at once, not
     # first refused item by item as strings (1M ids: 0.03 s instead of 0.3 s on the loop)
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     # unset or null: the model's generation-config max_new_tokens, else 16
     max_tokens: int | None = Field(None, le=INT32_MAX)
     echo: bool = False
