@@ -100,6 +100,16 @@ def test_prefix_cache_is_keyed_by_the_embedding_bytes(tiny_llama, llm, assert_no
     assert_no_leaks(llm)
 
 
+def test_samples_share_the_rows(tiny_llama, llm, assert_no_leaks):
+    e = _embeds(15, 10)
+    out = llm.generate({"prompt_embeds": e}, SamplingParams(
+        n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    assert out.prompt is None and len(out.outputs) == 2
+    for sample in out.outputs:
+        _assert_matches_hf(tiny_llama, e, sample.token_ids)
+    assert_no_leaks(llm)
+
+
 def test_dtypes_are_cast_to_the_model_dtype(tiny_llama, llm):
     e = _embeds(20, 9)
     ref = llm.generate({"prompt_embeds": e}, GREEDY)[0].outputs[0].token_ids
@@ -151,6 +161,12 @@ def test_refused_combinations(llm):
         EngineConfig.from_kwargs(model="x", enable_prompt_embeds=True,
                                  speculative_config={"method": "ngram",
                                                      "num_speculative_tokens": 2})
+
+
+def test_refused_for_a_model_without_inputs_embeds(tiny_model_factory):
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM does not take prompt embeddings"):
+        LLM(model=tiny_model_factory("gemma3").path, dtype="float32", max_model_len=64,
+            enable_prompt_embeds=True, num_kv_blocks=32)
 
 
 def test_refused_without_the_flag(tiny_llama):
