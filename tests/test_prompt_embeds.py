@@ -16,6 +16,8 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.beam_search import BeamSearchParams
 from kvflow.config import EngineConfig
+from kvflow.prompt_embeds import check_prompt_embeds
+from kvflow.request import Request
 
 MAX_TOKENS = 8
 TIE = 1e-4
@@ -174,3 +176,9 @@ def test_refused_without_the_flag(tiny_llama):
                 max_num_batched_tokens=16, block_size=4, num_kv_blocks=32)
     with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
         plain.generate({"prompt_embeds": _embeds(50, 4)}, GREEDY)
+    # the engine core refuses one that got past a front end
+    request = Request("r", [0] * 4, GREEDY, prompt_embeds=check_prompt_embeds(
+        _embeds(50, 4), 64, 64))
+    with pytest.raises(ValueError, match="started without enable_prompt_embeds"):
+        plain.engine.core.add_request(request)
+    assert not plain.engine.core.has_unfinished_requests()

@@ -327,14 +327,19 @@ class EngineCore:
         Raises:
             ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
                 on an engine without a tokenizer, images for a text-only model, a LoRA
-                adapter that cannot be loaded, or a generation request to an embedding
-                engine (and the reverse).
+                adapter that cannot be loaded, a generation request to an embedding
+                engine (and the reverse), or prompt embeddings to an engine without
+                ``enable_prompt_embeds`` (the front end refuses them first).
         """
         asked = "generate" if request.pooling_params is None else request.pooling_params.task
         served = (self.task,) if self.pooler_config is None else self.pooler_config.tasks
         if asked not in served:
             raise ValueError(task_mismatch(self.task, asked, self.pooler_config and
                                            self.pooler_config.num_labels or 0))
+        if request.prompt_embeds is not None and \
+                not self.config.model_config.enable_prompt_embeds:
+            raise ValueError(f"request {request.request_id!r} has prompt_embeds but the engine "
+                             "was started without enable_prompt_embeds")
         if request.mm_features is not None and self.scheduler.encoder is None:
             raise ValueError(f"request {request.request_id!r} has images but this model "
                              "takes text only")
