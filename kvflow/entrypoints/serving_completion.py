@@ -113,6 +113,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("either prompt or prompt_embeds is required", param="prompt",
                               code="missing_required_parameter")
         if req.prompt_embeds is not None:
+            try:
+                self.engine.processor.require_prompt_embeds()
+            except ValueError as e:  # first: the other refusals would not apply then
+                raise OpenAIError(str(e), param="prompt_embeds",
+                                  code="unsupported_parameter") from None
             _check_embeds_request(req)
         return lora
 
@@ -121,20 +126,15 @@ class OpenAIServingCompletion(OpenAIServing):
         the event loop when large) and checked, in order (none: []).
 
         Raises:
-            OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) on a
-                server without ``--enable-prompt-embeds``, for an empty list, or for an entry
-                that is not base64 of a ``torch.save``d float tensor [num_tokens,
-                hidden_size] of finite values shorter than the context.
+            OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) for
+                an empty list, or for an entry that is not base64 of a ``torch.save``d float
+                tensor [num_tokens, hidden_size] of finite values shorter than the context
+                (a server without ``--enable-prompt-embeds`` refused it before).
         """
         raw = req.prompt_embeds
         if raw is None:
             return []
         processor = self.engine.processor
-        try:
-            processor.require_prompt_embeds()
-        except ValueError as e:
-            raise OpenAIError(str(e), param="prompt_embeds",
-                              code="unsupported_parameter") from None
         items = [raw] if isinstance(raw, str) else raw
         if not items:
             raise OpenAIError("prompt_embeds is an empty list", param="prompt_embeds",

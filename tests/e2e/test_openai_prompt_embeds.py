@@ -139,7 +139,7 @@ def test_bad_inputs_are_400s(server, tmp_path):
 
 
 def test_refused_without_the_flag(plain_server):
-    resp = complete(plain_server, prompt_embeds=b64(torch.ones(3, 64)))
+    resp = complete(plain_server, prompt_embeds=b64(torch.ones(3, 64)), echo=True)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "prompt_embeds" and "--enable-prompt-embeds" in error["message"]
