@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import pickle
 
@@ -83,6 +84,13 @@ def test_embedding_rows_answer_as_their_token_ids(server, tiny_llama):
     assert choices[0]["token_ids"] == plain[0]["token_ids"]
     assert choices[0]["text"] == plain[0]["text"]
     assert choices[2]["token_ids"] == plain[1]["token_ids"]
+    streamed = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "prompt_embeds": b64(table[ids[0]]), "stream": True})
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+        choices[0]["text"]
     ref, logits = _hf_greedy(tiny_llama, rand)
     ours = choices[1]["token_ids"]
     for step, (a, b) in enumerate(zip(ours, ref)):
