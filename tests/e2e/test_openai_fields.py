@@ -493,7 +493,10 @@ def completion_cases() -> dict[str, Callable]:
     return {**sampling_cases(C), "prompt": prompt, "max_tokens": max_tokens, "echo": echo,
             "logprobs": logprobs, "add_special_tokens": add_special_tokens,
             "prompt_logprobs": prompt_logprobs,
-            "suffix": rejected(C, {"suffix": " the end"}, "suffix")}
+            "suffix": rejected(C, {"suffix": " the end"}, "suffix"),
+            # this server runs without --enable-prompt-embeds (the flag is named before the
+            # value is read); used: tests/e2e/test_openai_prompt_embeds.py
+            "prompt_embeds": rejected(C, {"prompt_embeds": "AAAA"}, "prompt_embeds")}
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
