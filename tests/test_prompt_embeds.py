@@ -167,10 +167,15 @@ def test_refused_combinations(llm):
                                                      "num_speculative_tokens": 2})
 
 
-def test_refused_for_a_model_without_inputs_embeds(tiny_model_factory):
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM does not take prompt embeddings"):
+def test_refused_where_nothing_reads_the_rows(tiny_model_factory, tiny_llama):
+    with pytest.raises(ValueError, match="enable_prompt_embeds=True: Gemma3ForCausalLM is a "
+                                         "model that takes no prompt embeddings"):
         LLM(model=tiny_model_factory("gemma3").path, dtype="float32", max_model_len=64,
             enable_prompt_embeds=True, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="enable_prompt_embeds=True is for text generation; "
+                                         "this engine runs task='embed'"):
+        LLM(model=tiny_llama.path, dtype="float32", max_model_len=64, task="embed",
+            enable_prompt_embeds=True)
 
 
 def test_refused_without_the_flag(tiny_llama):

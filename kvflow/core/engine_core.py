@@ -25,6 +25,7 @@ from kvflow.core.unread_options import (
     check_no_image_settings,
     check_no_kv_cache_settings,
     check_prefix_caching_pooling,
+    check_prompt_embeds_model,
     warn_unread_settings,
 )
 from kvflow.engine_outputs import EngineCoreOutput
@@ -134,7 +135,9 @@ class EngineCore:
                 decoding, swap preemption or pipeline parallelism; for an encoder, a KV-cache
                 setting (``unread_options.check_no_kv_cache_settings``); prefix caching asked
                 for where pooling turns it off (``check_prefix_caching_pooling``); for a
-                text-only model, an image setting (``check_no_image_settings``).
+                text-only model, an image setting (``check_no_image_settings``);
+                ``enable_prompt_embeds`` where nothing reads it
+                (``check_prompt_embeds_model``).
         """
         folder = source.path if source.kind == "hf" else None
         self.task, self.pooler_config = model_task(self.config.model_config.task,
@@ -159,6 +162,7 @@ class EngineCore:
             check_prefix_caching_pooling(self.config, self.pooler_config and
                                          self.pooler_config.pooling_type)
         check_no_image_settings(self.config, self.hf_config)
+        check_prompt_embeds_model(self.config, self.task, self.hf_config)
 
     def _resolve_async_scheduling(self) -> None:
         """--async-scheduling: the platform's default when not given (where the executor can

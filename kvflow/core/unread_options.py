@@ -18,7 +18,7 @@ from kvflow.config import (
     cpu_only_environment,
     cuda_only_environment,
 )
-from kvflow.models.registry import is_multimodal
+from kvflow.models.registry import get_model_class, is_multimodal
 from kvflow.platforms import Platform
 from kvflow.worker.deterministic import unread_environment
 
@@ -135,6 +135,27 @@ def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
         return
     given = config.multimodal_config.image_options()
     _refuse_unread(given, hf_config, "a text-only model, which takes no images")
+
+
+def check_prompt_embeds_model(config: EngineConfig, task: str, hf_config: Any) -> None:
+    """``enable_prompt_embeds`` where nothing would read a prompt's embedding rows: a pooling
+    engine (``task`` other than "generate"), or an architecture whose forward takes no
+    ``inputs_embeds`` (no ``supports_prompt_embeds``: Gemma 3, DeepSeek) or that takes
+    images (its placeholders need token ids).
+
+    Raises:
+        ValueError: naming ``enable_prompt_embeds=True`` and the task or architecture.
+    """
+    if not config.model_config.enable_prompt_embeds:
+        return
+    if task != "generate":
+        raise ValueError(f"enable_prompt_embeds=True is for text generation; this engine runs "
+                         f"task={task!r}; leave it out")
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    if not getattr(model_cls, "supports_prompt_embeds", False) or is_multimodal(hf_config):
+        _refuse_unread(["enable_prompt_embeds=True"], hf_config,
+                       "a model that takes no prompt embeddings (the Llama-family causal "
+                       "LMs do)")
 
 
 def _refuse_unread(given: list[str], hf_config: Any, kind: str) -> None:
