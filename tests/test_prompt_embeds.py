@@ -61,7 +61,7 @@ def llm(tiny_llama):
     """Chunked prefill (8-token steps), prefix caching on."""
     return LLM(model=tiny_llama.path, dtype="float32", enable_prompt_embeds=True,
                max_num_batched_tokens=8, block_size=4, enable_prefix_caching=True,
-               max_model_len=64)
+               max_model_len=64, num_kv_blocks=128)
 
 
 def test_greedy_matches_hf_inputs_embeds_in_a_mixed_chunked_batch(tiny_llama, llm,
