@@ -4,7 +4,8 @@ served with ``--enable-prompt-embeds``.
 Oracles: the same server's completion of the equivalent token ids when the embeddings are the
 model's own embedding rows, and HF ``generate(inputs_embeds=...)`` greedy tokens for random
 rows (a divergence only at a near-tie of HF's top-2 logits). Every bad input is a 400 OpenAI
-error naming the field; a server without the flag answers 400 naming it. The pickle payload
+error naming the field, a body over ``--max-request-body-size`` a 413; a server without the
+flag answers 400 naming it. The pickle payload
 that would run a command is refused by ``torch.load(weights_only=True)`` and runs nothing.
 """
 
@@ -31,7 +32,8 @@ def prestart_servers(fixture):
     """This module's servers (``_prestart_next_module`` in conftest.py): with the flag, and
     without it."""
     model = fixture("tiny_chat_model")
-    return [(model, [*ARGS, "--enable-prompt-embeds"], None), (model, ARGS, None)]
+    return [(model, [*ARGS, "--enable-prompt-embeds", "--max-request-body-size", "64KiB"], None),
+            (model, ARGS, None)]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,10 @@ def test_bad_inputs_are_400s(server, tmp_path):
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
         "prompt_embeds": good})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_embeds"
+    # the body limit applies before anything is decoded: 40 rows of float32 fit in 64 KiB of
+    # base64, 300 do not
+    big = complete(server, prompt_embeds=b64(torch.ones(300, 64)))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     # still serving; prompt null as the openai client sends it with prompt=None
     assert complete(server, prompt=None, prompt_embeds=good).status_code == 200
 
