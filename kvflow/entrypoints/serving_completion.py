@@ -122,8 +122,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return lora
 
     async def _embeds_prompts(self, req: CompletionRequest) -> list[PromptEmbeds]:
-        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``, off
-        the event loop when large) and checked, in order (none: []).
+        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``) and
+        checked, off the event loop when large, in order (none: []).
 
         Raises:
             OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) for
@@ -142,8 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for i, item in enumerate(items):
             try:
-                tensor = await off_loop(len(item), decode_prompt_embeds, item)
-                out.append(processor.embeds_prompt(tensor).prompt_embeds)
+                out.append(await off_loop(len(item), _load_prompt_embeds, processor, item))
             except ValueError as e:
                 listed = isinstance(raw, list)
                 raise OpenAIError(f"prompt_embeds {i} of the list: {e}" if listed else str(e),
@@ -427,6 +426,12 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
     return out
+
+
+def _load_prompt_embeds(processor: Any, encoded: str) -> PromptEmbeds:
+    """One ``prompt_embeds`` entry decoded, checked and packed (digest included): the whole
+    CPU work of it, for one worker thread. Raises ValueError saying what is wrong."""
+    return processor.embeds_prompt(decode_prompt_embeds(encoded)).prompt_embeds
 
 
 def _check_embeds_request(req: CompletionRequest) -> None:
