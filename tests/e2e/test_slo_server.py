@@ -89,6 +89,7 @@ class _EmbeddingEngine:
 
     task, is_healthy, num_waiting_requests, max_model_len, tokenizer = "embed", True, 0, 64, None
     vocab_size = 100  # token-id inputs are checked against it (input.N)
+    processor = SimpleNamespace(pooler=None)  # no pooler config: serves its task alone
 
     def __init__(self) -> None:
         self.clients: list[str] = []
