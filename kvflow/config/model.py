@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config.options import check_choices, opt
+from kvflow.config.options import check_choices, json_object, opt
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
 
@@ -47,17 +47,9 @@ def _generation_overrides(value: Any) -> dict[str, Any] | None:
         ValueError: for text that is not a JSON object, or a key kvflow does not read from
             generation_config.json (it would be ignored).
     """
+    value = json_object("override_generation_config", value, '{"temperature": 0.5}')
     if value is None:
         return None
-    if not isinstance(value, dict):
-        try:
-            value = json.loads(value)
-        except (TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"override_generation_config={value!r} is not a JSON object: "
-                             f"{e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"override_generation_config={value!r} must be a JSON object")
     unknown = sorted(set(value) - set(GENERATION_OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config sets {unknown}, which kvflow does not "

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config.options import check_choices, opt
+from kvflow.config.options import check_choices, json_object, opt
 
 DEFAULT_ENCODER_CACHE_SIZE = 16384
 # The image limits' documented defaults, which an unset (None) limit takes.
@@ -105,16 +104,7 @@ class MultiModalConfig:
         """
         if self.limit_mm_per_prompt is None:
             return
-        limits = self.limit_mm_per_prompt
-        if not isinstance(limits, dict):
-            try:
-                limits = json.loads(limits)
-            except (TypeError, json.JSONDecodeError) as e:
-                raise ValueError(f"limit_mm_per_prompt={limits!r} is not a JSON object: "
-                                 f"{e}") from None
-        if not isinstance(limits, dict):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                f"limit_mm_per_prompt={limits!r} must be a JSON object, e.g. '{{\"image\": 4}}'")
+        limits = json_object("limit_mm_per_prompt", self.limit_mm_per_prompt, '{"image": 4}')
         self.limit_mm_per_prompt = limits
         counts = {name: _mm_count(name, value) for name, value in limits.items()}
         for name, count in counts.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import field, fields
 from typing import Any
@@ -20,6 +21,26 @@ def opt(default: Any, help: str, **extra: Any) -> Any:
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def json_object(name: str, value: Any, example: str) -> dict[str, Any] | None:
+    """A JSON-object setting's value (a flag's JSON text, or a dict from Python or the config
+    file) as a dict; None stays None.
+
+    Raises:
+        ValueError: naming ``name``, for text that is not JSON or JSON that is not an object
+            (the message shows ``example``, a valid value).
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}={value!r} is not a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{name}={value!r} must be a JSON object, e.g. '{example}'")
+    return parsed
 
 
 def parse_bytes(value: str | int) -> int:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvflow.config.options import add_field_arg, check_choices, opt, parse_bytes
+from kvflow.config.options import add_field_arg, check_choices, json_object, opt, parse_bytes
 
 _LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
@@ -38,24 +38,6 @@ def _word_list(name: str, value: Any) -> tuple[str, ...] | None:
         else:
             raise ValueError(f"{name}={value!r} must be strings")
     return tuple(out)
-
-
-def _json_object(name: str, value: Any) -> dict[str, Any] | None:
-    """A JSON-object flag's value as a dict (given as JSON text or a dict); None stays None.
-
-    Raises:
-        ValueError: for text that is not a JSON object.
-    """
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{name}={value!r} is not a JSON object: {e}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-            f"{name}={value!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
-    return parsed
 
 
 @dataclass
@@ -204,8 +186,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
             setattr(self, name, _word_list(name, getattr(self, name)))
-        self.default_chat_template_kwargs = _json_object(
-            "default_chat_template_kwargs", self.default_chat_template_kwargs)
+        self.default_chat_template_kwargs = json_object(
+            "default_chat_template_kwargs", self.default_chat_template_kwargs,
+            '{"enable_thinking": false}')
         check_choices(self)
         if self.lora_modules is not None:
             self.lora_modules = tuple(self.lora_modules)
