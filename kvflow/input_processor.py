@@ -325,7 +325,9 @@ class InputProcessor:
 
         Raises:
             ValueError: for a bad prompt (see ``validate``), parameters (``validate_params``,
-                ``bad_words_token_ids``) or ``cache_salt``, a truncation that would cut a
+                ``bad_words_token_ids``, ``check_masks_leave_a_token``: ``allowed_token_ids``
+                that ``bad_words`` or ``min_tokens`` leave empty) or ``cache_salt``, a
+                truncation that would cut a
                 prompt with images or one given as embeddings; for ``prompt_embeds`` on an
                 engine without ``enable_prompt_embeds``, or with ``prompt_logprobs`` (a prompt
                 given as embeddings has no token ids to score).
@@ -343,6 +345,11 @@ class InputProcessor:
         self.validate_params(params)
         bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
             if params.bad_words else None
+        if params.allowed_token_ids:
+            stop_ids = self._stop_token_ids(params)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                stop_ids.append(self.eos_token_id)
+            check_masks_leave_a_token(params, bad_words_ids or [], stop_ids)
         if prompt_embeds is not None:
             self._check_embeds_request(token_ids, params, prompt_embeds)
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
@@ -455,6 +462,38 @@ class InputProcessor:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         return render_chat(self.tokenizer, messages, add_generation_prompt,
                            image_placeholder=self.image_placeholder, **options)
+
+
+def check_masks_leave_a_token(params: SamplingParams, bad_words_ids: list[list[int]],
+                              stop_ids: list[int]) -> None:
+    """Refuse ``allowed_token_ids`` that the request's other bans leave empty: every allowed
+    id a one-token bad word (banned at every step), or, with ``min_tokens`` > 0, every
+    allowed id a stop token or such a bad word (nothing could be sampled before
+    ``min_tokens`` are out). Such a step's logits would be all -inf, and the sampler's
+    "choice" there is id 0, a token the request never allowed.
+
+    Args:
+        params: the request's parameters (``allowed_token_ids`` set).
+        bad_words_ids: ``bad_words_token_ids`` of its ``bad_words`` ([] for none).
+        stop_ids: the ids ``min_tokens`` bans: ``stop_token_ids``, the model's further EOS
+            ids and its EOS (the last two unless ``ignore_eos``).
+
+    Raises:
+        ValueError: naming ``SamplingParams.bad_words`` or ``SamplingParams.min_tokens``.
+    """
+    allowed = set(params.allowed_token_ids or ())
+    if not allowed:
+        return
+    one_token_bans = {ids[0] for ids in bad_words_ids if len(ids) == 1}
+    if allowed <= one_token_bans:
+        raise ValueError(f"SamplingParams.bad_words ban every token allowed_token_ids allows "
+                         f"({sorted(allowed)[:8]}{' ...' if len(allowed) > 8 else ''}): no "
+                         "token could ever be sampled")
+    if params.min_tokens > 0 and allowed <= one_token_bans | set(stop_ids):
+        raise ValueError(f"SamplingParams.min_tokens={params.min_tokens} bans the stop tokens "
+                         f"(EOS and stop_token_ids), and every token allowed_token_ids allows "
+                         f"({sorted(allowed)[:8]}{' ...' if len(allowed) > 8 else ''}) is one "
+                         "of them or a bad word: no first token could be sampled")
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: list[str], vocab_size: int

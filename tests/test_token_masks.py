@@ -207,3 +207,36 @@ def test_values_the_model_cannot_take_are_refused(fields, message):
     processor = InputProcessor(None, max_model_len=64, vocab_size=50, eos_token_id=0)
     with pytest.raises(ValueError, match=message):
         processor.make_requests("r", [1, 2], SamplingParams(**fields))
+
+
+@pytest.mark.parametrize("fields,message", [
+    # both pieces of "a" banned by the word: nothing allowed is left at any step
+    ({"allowed_token_ids": ["a", "Ġa"], "bad_words": ["a"]},
+     r"SamplingParams.bad_words ban every token allowed_token_ids allows"),
+    # only the EOS (2) allowed, which min_tokens bans for the first token
+    ({"allowed_token_ids": [2], "min_tokens": 1}, r"SamplingParams.min_tokens=1 bans"),
+    ({"allowed_token_ids": [7, "a"], "min_tokens": 2, "stop_token_ids": [7],
+      "bad_words": ["a"]}, r"SamplingParams.min_tokens=2 bans"),
+])
+def test_allowed_token_ids_the_other_bans_empty_are_refused(tiny_tokenizer, fields, message):
+    """Each case leaves a step whose logits are all -inf, where the sampler's id 0 would be
+    a token the request never allowed: refused before anything runs."""
+    fields = dict(fields, allowed_token_ids=[
+        tiny_tokenizer.convert_tokens_to_ids(t) if isinstance(t, str) else t
+        for t in fields["allowed_token_ids"]])
+    processor = InputProcessor(tiny_tokenizer, max_model_len=64,
+                               vocab_size=len(tiny_tokenizer), eos_token_id=2)
+    with pytest.raises(ValueError, match=message):
+        processor.make_requests("r", [1, 2], SamplingParams(**fields))
+
+
+@pytest.mark.parametrize("fields", [
+    {"allowed_token_ids": [2], "min_tokens": 1, "ignore_eos": True},  # EOS not banned then
+    {"allowed_token_ids": [2, 9], "min_tokens": 1},  # 9 is left
+    {"allowed_token_ids": [12], "bad_words": ["a b"]},  # a two-token word bans only in context
+])
+def test_allowed_token_ids_with_a_token_left_are_taken(tiny_tokenizer, fields):
+    processor = InputProcessor(tiny_tokenizer, max_model_len=64,
+                               vocab_size=len(tiny_tokenizer), eos_token_id=2)
+    (request,) = processor.make_requests("r", [1, 2], SamplingParams(**fields))
+    assert request.sampling_params.allowed_token_ids == fields["allowed_token_ids"]
