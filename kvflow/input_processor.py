@@ -12,7 +12,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds
+from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds, pack_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -120,10 +120,12 @@ class InputProcessor:
         return dataclasses.replace(self.attach_images(text, token_ids, images),
                                    cache_salt=salt)
 
-    def embeds_prompt(self, embeds: Any) -> ProcessedPrompt:
+    def embeds_prompt(self, embeds: Any, keep_last: int | None = None) -> ProcessedPrompt:
         """A prompt given as embedding rows: ``embeds`` a float tensor [num_tokens,
         hidden_size] (or [1, num_tokens, hidden_size]), checked and packed
-        (``kvflow.prompt_embeds.check_prompt_embeds``), with one placeholder id 0 per row.
+        (``kvflow.prompt_embeds.check_prompt_embeds``; ``keep_last``: keep only the last
+        that many rows, a ``truncate_prompt_tokens`` length), with one placeholder id 0 per
+        row.
 
         Raises:
             ValueError: on an engine without ``enable_prompt_embeds``, or for a bad tensor
@@ -131,7 +133,7 @@ class InputProcessor:
         """
         self.require_prompt_embeds()
         packed = check_prompt_embeds(embeds, self.hidden_size, self.max_model_len,
-                                     self.max_model_len_note)
+                                     self.max_model_len_note, keep_last)
         return ProcessedPrompt(None, [0] * packed.num_tokens, prompt_embeds=packed)
 
     def require_prompt_embeds(self) -> None:
@@ -327,19 +329,21 @@ class InputProcessor:
             ValueError: for a bad prompt (see ``validate``), parameters (``validate_params``,
                 ``bad_words_token_ids``, ``check_masks_leave_a_token``: ``allowed_token_ids``
                 that ``bad_words`` or ``min_tokens`` leave empty) or ``cache_salt``, a
-                truncation that would cut a
-                prompt with images or one given as embeddings; for ``prompt_embeds`` on an
+                truncation that would cut a prompt with images (a prompt given as
+                embeddings keeps its last rows, as vLLM does); for ``prompt_embeds`` on an
                 engine without ``enable_prompt_embeds``, or with ``prompt_logprobs`` (a prompt
                 given as embeddings has no token ids to score).
         """
         check_cache_salt(cache_salt)
         limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len)
-        if (mm_features or prompt_embeds is not None) and limit is not None and \
-                len(token_ids) > limit:
-            held = "holds images" if mm_features else "was given as embeddings"
+        if mm_features and limit is not None and len(token_ids) > limit:
             raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
-                             f"prompt of {len(token_ids)} tokens that {held}: send "
+                             f"prompt of {len(token_ids)} tokens that holds images: send "
                              "fewer tokens or no truncate_prompt_tokens")
+        if prompt_embeds is not None and limit is not None and len(token_ids) > limit:
+            # vLLM's rule (serving_engine._load_prompt_embeds): the last k rows; packed
+            # again, so the prefix-cache digest is that of the kept rows
+            prompt_embeds = pack_prompt_embeds(prompt_embeds.tensor()[-limit:])
         token_ids = keep_last_tokens(token_ids, limit)  # vLLM: the prompt's last k tokens
         self.validate(token_ids)
         self.validate_params(params)

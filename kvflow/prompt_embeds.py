@@ -54,10 +54,13 @@ class PromptEmbeds:
 
 
 def check_prompt_embeds(embeds: object, hidden_size: int, max_model_len: int,
-                        max_model_len_note: str = "") -> PromptEmbeds:
+                        max_model_len_note: str = "", keep_last: int | None = None
+                        ) -> PromptEmbeds:
     """``embeds`` checked and packed: a float tensor [num_tokens, hidden_size] (a leading
     batch dimension of 1 is squeezed, as vLLM does); float64 is narrowed to float32, other
-    float dtypes are kept (the runner casts to the model's dtype).
+    float dtypes are kept (the runner casts to the model's dtype). ``keep_last`` (a
+    ``truncate_prompt_tokens`` length, >= 1): only the last that many rows are kept, cut
+    before the length check (vLLM's rule); None keeps every row.
 
     Raises:
         ValueError: naming what is wrong: not a tensor, not floating point, a rank other than
@@ -76,10 +79,13 @@ def check_prompt_embeds(embeds: object, hidden_size: int, max_model_len: int,
     if embeds.dim() != 2:
         raise ValueError(f"prompt_embeds must have shape [num_tokens, hidden_size] (or "
                          f"[1, num_tokens, hidden_size]), got {list(embeds.shape)}")
-    num_tokens, width = embeds.shape
+    width = embeds.shape[1]
     if width != hidden_size:
         raise ValueError(f"prompt_embeds has hidden size {width} but the model's is "
                          f"{hidden_size}")
+    if keep_last is not None:
+        embeds = embeds[-keep_last:]
+    num_tokens = embeds.shape[0]
     if num_tokens == 0:
         raise ValueError("prompt_embeds has no rows: the prompt must have at least one token")
     if num_tokens >= max_model_len:

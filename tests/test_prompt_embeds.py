@@ -112,6 +112,26 @@ def test_samples_share_the_rows(tiny_llama, llm, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_truncation_keeps_the_last_rows(tiny_llama, llm, assert_no_leaks):
+    """truncate_prompt_tokens=k keeps the last k rows (vLLM's rule for prompt_embeds):
+    the same tokens as the explicitly cut rows, HF's greedy on those rows, and the cut
+    rows' prefix-cache key (a request with the cut rows hits the truncated one's blocks)."""
+    e = _embeds(33, 14)
+    cut = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                         truncate_prompt_tokens=9)
+    truncated = llm.generate({"prompt_embeds": e}, cut)[0]
+    assert len(truncated.prompt_token_ids) == 9
+    _assert_matches_hf(tiny_llama, e[-9:], truncated.outputs[0].token_ids)
+    explicit = llm.generate({"prompt_embeds": e[-9:].clone()}, GREEDY)[0]
+    assert explicit.outputs[0].token_ids == truncated.outputs[0].token_ids
+    assert explicit.metrics.num_cached_tokens >= 8  # keyed by the kept rows' digest
+    whole = llm.generate({"prompt_embeds": e}, SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, truncate_prompt_tokens=-1))[0]
+    assert len(whole.prompt_token_ids) == 14  # -1: max_model_len (64), nothing cut
+    _assert_matches_hf(tiny_llama, e, whole.outputs[0].token_ids)
+    assert_no_leaks(llm)
+
+
 def test_dtypes_are_cast_to_the_model_dtype(tiny_llama, llm):
     e = _embeds(20, 9)
     ref = llm.generate({"prompt_embeds": e}, GREEDY)[0].outputs[0].token_ids

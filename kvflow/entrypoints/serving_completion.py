@@ -122,14 +122,16 @@ class OpenAIServingCompletion(OpenAIServing):
         return lora
 
     async def _embeds_prompts(self, req: CompletionRequest) -> list[PromptEmbeds]:
-        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``) and
-        checked, off the event loop when large, in order (none: []).
+        """The request's ``prompt_embeds`` decoded (``torch.load(weights_only=True)``), cut
+        to their last ``truncate_prompt_tokens`` rows (vLLM's rule) and checked, off the
+        event loop when large, in order (none: []).
 
         Raises:
             OpenAIError: 400 naming ``prompt_embeds`` (``prompt_embeds.<i>`` in a list) for
                 an empty list, or for an entry that is not base64 of a ``torch.save``d float
                 tensor [num_tokens, hidden_size] of finite values shorter than the context
-                (a server without ``--enable-prompt-embeds`` refused it before).
+                (a server without ``--enable-prompt-embeds`` refused it before); naming
+                ``truncate_prompt_tokens`` for a bad one.
         """
         raw = req.prompt_embeds
         if raw is None:
@@ -139,10 +141,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if not items:
             raise OpenAIError("prompt_embeds is an empty list", param="prompt_embeds",
                               code="empty_array")
+        limit = prompt_truncation(self.engine, req)  # the last rows, as vLLM keeps them
         out = []
         for i, item in enumerate(items):
             try:
-                out.append(await off_loop(len(item), _load_prompt_embeds, processor, item))
+                out.append(await off_loop(len(item), _load_prompt_embeds, processor, item,
+                                          limit))
             except ValueError as e:
                 listed = isinstance(raw, list)
                 raise OpenAIError(f"prompt_embeds {i} of the list: {e}" if listed else str(e),
@@ -428,10 +432,13 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     return out
 
 
-def _load_prompt_embeds(processor: Any, encoded: str) -> PromptEmbeds:
-    """One ``prompt_embeds`` entry decoded, checked and packed (digest included): the whole
-    CPU work of it, for one worker thread. Raises ValueError saying what is wrong."""
-    return processor.embeds_prompt(decode_prompt_embeds(encoded)).prompt_embeds
+def _load_prompt_embeds(processor: Any, encoded: str, keep_last: int | None
+                        ) -> PromptEmbeds:
+    """One ``prompt_embeds`` entry decoded, cut to its last ``keep_last`` rows (the
+    request's ``truncate_prompt_tokens``; None: all), checked and packed (digest included):
+    the whole CPU work of it, for one worker thread. Raises ValueError saying what is
+    wrong."""
+    return processor.embeds_prompt(decode_prompt_embeds(encoded), keep_last).prompt_embeds
 
 
 def _check_embeds_request(req: CompletionRequest) -> None:

@@ -104,6 +104,23 @@ def test_embedding_rows_answer_as_their_token_ids(server, tiny_llama):
         assert ours == ref
 
 
+def test_truncate_prompt_tokens_keeps_the_last_rows(server, tiny_llama):
+    """vLLM's rule: ``truncate_prompt_tokens`` k keeps the last k rows, cut before the length
+    check (60 rows, more than --max-model-len 48, are served), and usage counts the kept
+    rows. Oracle: the same server's completion of the last k token ids."""
+    ids = list(range(10, 70))
+    table = tiny_llama.hf_model.model.embed_tokens.weight.detach()
+    resp = complete(server, prompt_embeds=b64(table[ids]), truncate_prompt_tokens=5)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["usage"]["prompt_tokens"] == 5
+    assert body["choices"][0]["prompt_token_ids"] == [0] * 5  # one placeholder per kept row
+    plain = complete(server, prompt=ids[-5:]).json()["choices"][0]
+    assert body["choices"][0]["token_ids"] == plain["token_ids"]
+    whole = complete(server, prompt_embeds=b64(table[ids]))  # not cut: too long
+    assert whole.status_code == 400 and whole.json()["error"]["param"] == "prompt_embeds"
+
+
 class _RunsCommand:
     def __init__(self, marker: str) -> None:
         self.marker = marker
