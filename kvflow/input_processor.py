@@ -95,9 +95,11 @@ class InputProcessor:
         """The text standing for one image in a prompt (None: the model takes no images)."""
         return None if self.mm_processor is None else self.mm_processor.placeholder
 
-    def process(self, prompt: PromptType) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, keep_last: int | None = None) -> ProcessedPrompt:
         """Tokenize a prompt and, for a vision-language model, preprocess its images and
-        expand their placeholders; a dict prompt's ``cache_salt`` is kept.
+        expand their placeholders; a dict prompt's ``cache_salt`` is kept. ``keep_last``
+        (the request's ``truncate_prompt_tokens`` length) cuts a ``prompt_embeds`` prompt's
+        rows before their length check; token prompts are cut by ``make_requests``.
 
         Raises:
             ValueError: for a malformed prompt, images for a text-only model, a placeholder
@@ -111,7 +113,7 @@ class InputProcessor:
                 raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt; "
                                  f"got keys {sorted(prompt)}")
             salt = check_cache_salt(prompt.get("cache_salt"))
-            return dataclasses.replace(self.embeds_prompt(prompt["prompt_embeds"]),
+            return dataclasses.replace(self.embeds_prompt(prompt["prompt_embeds"], keep_last),
                                        cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))

@@ -32,7 +32,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
+from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -122,10 +122,14 @@ class LLM:
                                        self.engine.config.scheduler_config.policy)
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
-        prompts = [processor.process(p) for p in prompts]  # images decoded and expanded
+        # truncate_prompt_tokens: the kept tokens (rows) are what must fit the context
+        limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len)
+                  for p in params]
+        prompts = [processor.process(p, keep_last=limit)  # images decoded and expanded
+                   for p, limit in zip(prompts, limits)]
         loras = broadcast_loras(lora_request, len(prompts))
-        for p in prompts:  # validate everything before queuing anything
-            processor.validate(p.token_ids)
+        for p, limit in zip(prompts, limits):  # validate everything before queuing anything
+            processor.validate(keep_last_tokens(p.token_ids, limit))
         for lora in {lr for lr in loras if lr is not None}:
             self.engine.core.add_lora(lora)
         ids: list[str] = []

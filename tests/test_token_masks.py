@@ -185,6 +185,23 @@ def test_truncation_keeps_the_last_tokens(small_llm, tiny_tokenizer):
     assert minus_one.outputs[0].token_ids == whole.outputs[0].token_ids
 
 
+def test_truncation_cuts_a_prompt_longer_than_the_context(small_llm, tiny_tokenizer):
+    """A prompt of more than max_model_len (64) tokens is cut first, then checked (vLLM's
+    order, and the server's): the last 6 tokens answer as that prompt sent alone."""
+    ids = tiny_tokenizer.encode("prefix caching reuses them, chunked prefill splits long " * 8)
+    assert len(ids) > 64
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut, salted, explicit = small_llm.generate(
+        [ids, {"prompt_token_ids": ids, "cache_salt": "s"}, ids[-6:]],
+        [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                        truncate_prompt_tokens=6)] * 2 + [greedy], use_tqdm=False)
+    assert cut.prompt_token_ids == salted.prompt_token_ids == ids[-6:]
+    assert cut.outputs[0].token_ids == explicit.outputs[0].token_ids
+    assert salted.outputs[0].token_ids == explicit.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"the prompt has \d+ tokens but max_model_len is 64"):
+        small_llm.generate(ids, greedy, use_tqdm=False)  # not cut: too long
+
+
 @pytest.mark.parametrize("fields,message", [
     ({"allowed_token_ids": []}, r"SamplingParams.allowed_token_ids=\[\] is invalid"),
     ({"allowed_token_ids": [1, "2"]}, "SamplingParams.allowed_token_ids"),
