@@ -127,6 +127,12 @@ def test_truncation_keeps_the_last_rows(tiny_llama, llm, assert_no_leaks):
     assert explicit.metrics.num_cached_tokens >= 8  # keyed by the kept rows' digest
     longer = llm.generate({"prompt_embeds": torch.cat([_embeds(34, 60), e])}, cut)[0]
     assert longer.outputs[0].token_ids == truncated.outputs[0].token_ids  # 74 rows > 64: cut
+    llm.engine.add_request({"prompt_embeds": torch.cat([_embeds(35, 60), e])}, cut,
+                           request_id="engine-cut")  # LLMEngine's own path cuts them too
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        finished += [o for o in llm.engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in finished] == [truncated.outputs[0].token_ids]
     whole = llm.generate({"prompt_embeds": e}, SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, truncate_prompt_tokens=-1))[0]
     assert len(whole.prompt_token_ids) == 14  # -1: max_model_len (64), nothing cut

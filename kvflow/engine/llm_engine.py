@@ -24,6 +24,7 @@ from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
@@ -94,8 +95,9 @@ class LLMEngine:
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         params = params.with_defaults(self.sampling_defaults)
-        if not isinstance(prompt, ProcessedPrompt):
-            prompt = self.processor.process(prompt)
+        if not isinstance(prompt, ProcessedPrompt):  # prompt_embeds rows cut before their check
+            prompt = self.processor.process(prompt, keep_last=truncation_length(
+                params.truncate_prompt_tokens, self.processor.max_model_len))
         if lora_request is not None:
             self.core.add_lora(lora_request)
         requests = self.processor.make_requests(request_id, prompt.token_ids, params,
