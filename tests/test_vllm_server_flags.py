@@ -37,7 +37,7 @@ def test_vllm_command_line_parses():
                      "--root-path", "/llm", "--disable-fastapi-docs", "--response-role", "bot",
                      "--default-chat-template-kwargs", '{"enable_thinking": false}',
                      "--enable-force-include-usage", "--enable-request-id-headers",
-                     "--disable-log-requests", "--max-log-len", "100",
+                     "--disable-log-requests",
                      "--chat-template-content-format", "string")
     assert config.enable_auto_tool_choice is True and config.tool_call_parser == "hermes"
     assert config.allowed_origins == ("http://a.example", "http://b.example")
@@ -47,7 +47,7 @@ def test_vllm_command_line_parses():
     assert config.response_role == "bot"
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
     assert config.enable_force_include_usage and config.enable_request_id_headers
-    assert config.log_requests is False and config.max_log_len == 100
+    assert config.log_requests is False and config.max_log_len is None
     assert config.chat_template_content_format == "string"
     defaults = _config()
     assert not defaults.cors_enabled and defaults.response_role == "assistant"
@@ -55,6 +55,7 @@ def test_vllm_command_line_parses():
     assert _config("--enable-log-requests").log_requests is True
     assert _config("--no-disable-log-requests").log_requests is True
     assert _config("--no-enable-log-requests").log_requests is False
+    assert _config("--enable-log-requests", "--max-log-len", "100").max_log_len == 100
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -64,6 +65,7 @@ def test_vllm_command_line_parses():
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-certfile"),
     (["--root-path", "llm"], "must start with '/'"),
+    (["--max-log-len", "100"], "without it no request is logged"),  # it would be ignored
     (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--default-chat-template-kwargs", "{bad"], "is not a JSON object"),
     (["--allowed-origins", "[1]"], "must be a list of strings"),

@@ -238,6 +238,9 @@ class ServerConfig:
               "contradict each other")),
             (self.max_log_len is not None and self.max_log_len < 0,
              f"max_log_len={self.max_log_len} must be >= 0"),
+            (self.max_log_len is not None and not self.log_requests,
+             ("--max-log-len cuts the prompts --enable-log-requests logs: without it no "
+              "request is logged (give --enable-log-requests too, or leave --max-log-len out)")),
             (self.ssl_keyfile is not None and self.ssl_certfile is None,
              "--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key)"),
             (self.ssl_ca_certs is not None and self.ssl_certfile is None,

@@ -215,7 +215,7 @@ class OpenAIServingResponses:
     def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
         if stored is None:
-            raise OpenAIError(f"no response with id {response_id!r} is stored "
+            raise OpenAIError(f"no response with id {response_id[:100]!r} is stored "
                               f"({self._kept()})", 404, "invalid_request_error",
                               code="response_not_found")
         return stored

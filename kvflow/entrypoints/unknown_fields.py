@@ -62,7 +62,7 @@ UNSUPPORTED = {
     "bad_words": "only /v1/completions and /v1/chat/completions take it",
     "return_tokens_as_token_ids": "only /v1/completions and /v1/chat/completions take it",
     "truncate_prompt_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings, "
-                              "/v1/score, /v1/rerank and /classify take it",
+                              "/v1/score, /v1/rerank and /classify (/v1/classify) take it",
     # vLLM fields kvflow does not read
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
                                      "writes them (vLLM's default, true)",
