@@ -13,7 +13,7 @@ from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds, pack_prompt_embeds
-from kvflow.prompt_truncation import keep_last_tokens, truncation_length
+from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured import CheckedConstraints, StructuredOutputsParams
@@ -297,7 +297,7 @@ class InputProcessor:
             raise ValueError("SamplingParams.bad_words needs a tokenizer to tokenize the words "
                              "(skip_tokenizer_init is set); use logit_bias or "
                              "allowed_token_ids")
-        truncation_length(params.truncate_prompt_tokens, self.max_model_len)
+        truncation_length(params.truncate_prompt_tokens, self.max_model_len, SAMPLING_FIELD)
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs)
 
@@ -337,7 +337,8 @@ class InputProcessor:
                 given as embeddings has no token ids to score).
         """
         check_cache_salt(cache_salt)
-        limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len)
+        limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len,
+                                  SAMPLING_FIELD)
         if mm_features and limit is not None and len(token_ids) > limit:
             raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
                              f"prompt of {len(token_ids)} tokens that holds images: send "

@@ -32,7 +32,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import keep_last_tokens, truncation_length
+from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -123,8 +123,8 @@ class LLM:
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
         # truncate_prompt_tokens: the kept tokens (rows) are what must fit the context
-        limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len)
-                  for p in params]
+        limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
+                                    SAMPLING_FIELD) for p in params]
         prompts = [processor.process(p, keep_last=limit)  # images decoded and expanded
                    for p, limit in zip(prompts, limits)]
         loras = broadcast_loras(lora_request, len(prompts))

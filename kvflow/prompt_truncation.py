@@ -4,14 +4,18 @@ generation (``SamplingParams.truncate_prompt_tokens``: ``InputProcessor.make_req
 
 from __future__ import annotations
 
+SAMPLING_FIELD = "SamplingParams.truncate_prompt_tokens"  # as errors name a SamplingParams' value
 
-def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int,
+                      field: str = "truncate_prompt_tokens") -> int | None:
     """How many prompt tokens to keep: None for None (never cut), ``max_model_len`` for -1,
     else ``truncate_prompt_tokens`` itself (vLLM's reading of the field).
 
     Raises:
-        ValueError: naming ``truncate_prompt_tokens`` for 0, a value below -1, or one above
-            ``max_model_len`` (tokens).
+        ValueError: naming ``field`` (``SamplingParams.truncate_prompt_tokens`` for a
+            SamplingParams' value) for 0, a value below -1, or one above ``max_model_len``
+            (tokens).
     """
     k = truncate_prompt_tokens
     if k is None:
@@ -19,10 +23,10 @@ def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) ->
     if k == -1:
         return max_model_len
     if k < 1:
-        raise ValueError(f"truncate_prompt_tokens={k} is invalid: it must be an integer >= 1, "
+        raise ValueError(f"{field}={k} is invalid: it must be an integer >= 1, "
                          "or -1 (max_model_len)")
     if k > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len "
+        raise ValueError(f"{field}={k} is greater than max_model_len "
                          f"({max_model_len}): send a smaller one, or -1 for max_model_len")
     return k
 

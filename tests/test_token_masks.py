@@ -217,7 +217,8 @@ def test_bad_values_are_refused(fields, message):
 
 @pytest.mark.parametrize("fields,message", [
     ({"allowed_token_ids": [3, 50]}, "allowed_token_ids has token id 50 outside the vocabulary"),
-    ({"truncate_prompt_tokens": 65}, r"truncate_prompt_tokens=65 is greater than max_model_len \(64\)"),
+    ({"truncate_prompt_tokens": 65},
+     r"^SamplingParams.truncate_prompt_tokens=65 is greater than max_model_len \(64\)"),
     ({"bad_words": ["a"]}, "bad_words needs a tokenizer"),
 ])
 def test_values_the_model_cannot_take_are_refused(fields, message):

@@ -24,7 +24,7 @@ from kvflow.multimodal import MultiModalProcessor, make_mm_processor
 from kvflow.output_processor import OutputProcessor
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
+from kvflow.prompt_truncation import SAMPLING_FIELD, truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 
@@ -97,7 +97,7 @@ class LLMEngine:
         params = params.with_defaults(self.sampling_defaults)
         if not isinstance(prompt, ProcessedPrompt):  # prompt_embeds rows cut before their check
             prompt = self.processor.process(prompt, keep_last=truncation_length(
-                params.truncate_prompt_tokens, self.processor.max_model_len))
+                params.truncate_prompt_tokens, self.processor.max_model_len, SAMPLING_FIELD))
         if lora_request is not None:
             self.core.add_lora(lora_request)
         requests = self.processor.make_requests(request_id, prompt.token_ids, params,
