@@ -127,9 +127,9 @@ class ServerConfig:
         "tool_choice=auto with --tool-call-parser (vLLM answers such a request 400 without "
         "this flag); --no-enable-auto-tool-choice is refused, as kvflow cannot turn it off")
     enable_log_requests: bool | None = opt(
-        None, "log each generation request (completions, chat, responses; not beam search) "
-        "at INFO as the engine gets it: its id, prompt (cut to --max-log-len) and sampling "
-        "parameters (default: off; vLLM's flag of the same name)")
+        None, "log each request at INFO as the engine gets it (completions, chat, responses, "
+        "beam searches, embeddings, scores, classes): its id, prompt (cut to --max-log-len) "
+        "and parameters (default: off; vLLM's flag of the same name)")
     disable_log_requests: bool | None = opt(
         None, "vLLM's deprecated inverse of --enable-log-requests (--no-disable-log-requests "
         "turns logging on); refused when the two contradict each other")

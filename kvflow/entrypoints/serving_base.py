@@ -106,10 +106,13 @@ class OpenAIServing:
                 logger.info("request %s: %s %r", request_id, name, value)
 
     def log_request(self, request_id: str, text: str | None, ids: list[int],
-                    params: SamplingParams, lora_request: LoRARequest | None) -> None:
-        """One INFO line per engine request under ``--enable-log-requests``: its id, the
-        prompt text (or, without text, its token ids), each cut to ``--max-log-len``
-        characters / ids, the sampling parameters and the LoRA adapter."""
+                    params: Any, lora_request: LoRARequest | None = None) -> None:
+        """One INFO line per request under ``--enable-log-requests`` (a no-op without it):
+        its id, the prompt text (or, without text, its token ids), each cut to
+        ``--max-log-len`` characters / ids, its parameters (SamplingParams, PoolingParams, or
+        a beam search's BeamSearchParams) and the LoRA adapter."""
+        if not self.config.log_requests:
+            return
         limit = self.config.max_log_len
         prompt = text if text is not None else ids
         if limit is not None:
@@ -355,8 +358,7 @@ class OpenAIServing:
         """
         def add(i: int) -> RequestStream:
             (text, ids), sp = prompts[i], params[i]
-            if self.config.log_requests:
-                self.log_request(f"{request_id}-{i}", text, ids, sp, lora_request)
+            self.log_request(f"{request_id}-{i}", text, ids, sp, lora_request)
             embeds = prompt_embeds[i] if i < len(prompt_embeds) else None
             return self.engine.add_request(f"{request_id}-{i}", text, ids, sp, priority,
                                            mm_features, client_id, lora_request, cache_salt,
@@ -374,6 +376,19 @@ class OpenAIServing:
                 validation; 503 if the engine is gone or admission control refused a prompt.
         """
         return await engine_requests.admit_all(self.engine, add, count, self.abort, bad_input)
+
+    def start_beam_searches(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+                            params: Sequence[SamplingParams], beams: Sequence[Any],
+                            priority: int, client_id: str, lora_request: LoRARequest | None,
+                            skip_special_tokens: bool, cache_salt: str | None
+                            ) -> list[RequestStream]:
+        """Log (``log_request``) and start one beam search per prompt
+        (:meth:`BeamSearches.start`, which names the arguments)."""
+        for i, ((text, ids), beam) in enumerate(zip(prompts, beams)):
+            self.log_request(f"{request_id}-{i}", text, ids, beam, lora_request)
+        return self.beam_searches.start(self.engine, request_id, prompts, params, beams,
+                                        priority, client_id, lora_request,
+                                        skip_special_tokens, cache_salt)
 
     def abort(self, streams: Sequence[RequestStream]) -> None:
         """Abort every stream's request, or cancel the beam search feeding it (no-op for

@@ -134,8 +134,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.note_request(req, request_id)
         if req.use_beam_search:
             _refuse_for_beam_search(tool_grammar, prompt.mm_features)
-            streams = self.beam_searches.start(
-                self.engine, request_id, [(text, ids)], [params], [beam_params(req, params)],
+            streams = self.start_beam_searches(
+                request_id, [(text, ids)], [params], [beam_params(req, params)],
                 req.priority, self.client_id(req, raw), lora, req.skip_special_tokens,
                 req.cache_salt)
         else:

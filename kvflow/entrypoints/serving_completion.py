@@ -77,8 +77,8 @@ class OpenAIServingCompletion(OpenAIServing):
         reply_id, request_id = request_ids("cmpl", req.request_id)
         self.note_request(req, request_id)
         if req.use_beam_search:
-            streams = self.beam_searches.start(
-                self.engine, request_id, prompts, params,
+            streams = self.start_beam_searches(
+                request_id, prompts, params,
                 [beam_params(req, sp) for sp in params], req.priority,
                 self.client_id(req, raw), lora, req.skip_special_tokens, req.cache_salt)
         else:

@@ -161,6 +161,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         """
         def add(i: int) -> RequestStream:
             text, ids = prompts[i]
+            self.log_request(f"{request_id}-{i}", text, ids, params)
             return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params,
                                                    client_id)
 

@@ -198,6 +198,7 @@ class OpenAIServingScore(OpenAIServing):
 
         def add(i: int) -> RequestStream:
             ids, params = prompts[i]
+            self.log_request(f"{request_id}-{i}", None, ids, params)
             return self.engine.add_pooling_request(f"{request_id}-{i}", None, ids, params,
                                                    client)
 

@@ -92,6 +92,14 @@ def test_request_logged_with_prompt_cut(client, server):
     assert any("prompt: 'zebr'," in line for line in lines), lines
 
 
+def test_beam_search_logged_with_its_params(client, server):
+    client.completions.create(model=MODEL, prompt="yak herding", max_tokens=2, n=2,
+                              extra_body={"use_beam_search": True})
+    lines = [line for line in server.log().splitlines() if "received request cmpl-" in line
+             and "prompt: 'yak '," in line]
+    assert len(lines) == 1 and "params: BeamSearchParams(beam_width=2" in lines[0], lines
+
+
 def test_override_generation_config_sets_the_default_max_tokens(client):
     reply = client.completions.create(model=MODEL, prompt="the quick",
                                       extra_body={"ignore_eos": True})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 from types import SimpleNamespace
 
@@ -133,3 +134,29 @@ def test_embeddings_are_accounted_to_their_client_like_completions():
     asyncio.run(embed({}))
     digest = "key:" + hashlib.sha256(b"k1").hexdigest()[:16]
     assert engine.clients == ["alice", "alice", digest, digest, "", ""]
+
+
+def test_embedding_inputs_are_logged_under_enable_log_requests(caplog):
+    """``--enable-log-requests`` logs pooling requests as it logs generation ones (one line
+    per input: its id, its ids cut to ``--max-log-len``, its PoolingParams); without the flag
+    nothing is logged."""
+    for flags, expected in [({"enable_log_requests": True, "max_log_len": 1}, 2), ({}, 0)]:
+        handler = OpenAIServingEmbedding(_EmbeddingEngine(), ServerConfig(**flags), "m",
+                                         SimpleNamespace(resolve=lambda model: None))
+
+        async def embed() -> None:
+            raw = _raw({})
+            raw._receive = lambda: asyncio.Event().wait()  # the client stays connected
+            reply = await handler.create_embedding(  # noqa: B023 (run at once)
+                EmbeddingRequest(input=[[5, 6], [7]], request_id="lg"), raw)
+            assert reply.status_code == 200
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvflow.entrypoints.serving_base"):
+            asyncio.run(embed())
+        lines = [r.getMessage() for r in caplog.records if "received request" in r.getMessage()]
+        assert len(lines) == expected, lines
+        if expected:
+            assert lines[0].startswith("received request embd-lg-")  # + a unique suffix
+            assert "-0: prompt: None, params: PoolingParams(" in lines[0]
+            assert lines[0].endswith("prompt_token_ids: [5], lora_request: None")
