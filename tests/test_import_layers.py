@@ -50,7 +50,7 @@ LAYERS: dict[str, int] = {
     "kvflow.engine_outputs": 0, "kvflow.kv_cache_interface": 0, "kvflow.structured.params": 0,
     "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
     "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
-    "kvflow.prompt_embeds": 0,
+    "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
 }
 FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.input_processor import InputProcessor, bad_words_token_ids
+from kvflow.input_processor import InputProcessor
 from kvflow.layers.sampler import apply_allowed_token_ids
+from kvflow.token_masks import bad_words_token_ids
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.sampling_inputs import SamplingInputs
 from tests.test_input_batch import FULL
