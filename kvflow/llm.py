@@ -15,6 +15,7 @@ from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import PromptType
 from kvflow.llm_inputs import (
     as_prompt_list,
+    beam_search_prompts,
     broadcast_loras,
     broadcast_params,
     check_priorities,
@@ -172,24 +173,8 @@ class LLM:
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
                 f"params must be a BeamSearchParams, got {type(params).__name__}")
         processor = self.engine.processor
-        token_prompts, salts = [], []
-        for i, prompt in enumerate(as_prompt_list(prompts)):
-            try:
-                p = processor.process(prompt)
-                processor.validate(p.token_ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            if p.mm_features:
-                raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
-            if p.prompt_embeds is not None:  # each step is a new token-id prompt
-                raise ValueError(f"prompt {i}: beam search takes no prompt_embeds (generation "
-                                 "only, with LLM.generate)")
-            if len(p.token_ids) + params.max_tokens > processor.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
-                                 f"max_tokens={params.max_tokens} it exceeds max_model_len "
-                                 f"({processor.max_model_len})")
-            token_prompts.append(p.token_ids)
-            salts.append(p.cache_salt)
+        checked = beam_search_prompts(processor, as_prompt_list(prompts), params.max_tokens)
+        token_prompts, salts = [p.token_ids for p in checked], [p.cache_salt for p in checked]
         loras = broadcast_loras(lora_request, len(token_prompts))
         for lora in {lr for lr in loras if lr is not None}:  # refused here, before a step
             self.engine.core.add_lora(lora)

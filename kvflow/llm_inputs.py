@@ -1,5 +1,6 @@
 """Checking and broadcasting ``LLM``'s per-call arguments: the prompts as a list, and one
-SamplingParams, LoRARequest, priority and client name per prompt (``kvflow/llm.py`` calls
+SamplingParams, LoRARequest, priority and client name per prompt, beam search's prompts
+(``kvflow/llm.py`` calls
 these before queuing anything, so a bad argument queues nothing)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.input_processor import PromptType
+from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
@@ -118,3 +119,33 @@ def refuse_server_options(admission_control: bool) -> None:
     if admission_control:
         raise ValueError("admission_control is a server option (kvflow serve "
                          "--admission-control): LLM.generate never refuses a request")
+
+
+def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],
+                        max_tokens: int) -> list[ProcessedPrompt]:
+    """``LLM.beam_search``'s prompts, processed and checked before any step runs: token ids
+    (and a dict prompt's ``cache_salt``), each leaving room for ``max_tokens``.
+
+    Raises:
+        ValueError: ``prompt i: ...`` for a bad prompt, images or prompt embeddings (each
+            step is a new token-id prompt), or a prompt that leaves no room for
+            ``max_tokens`` in ``max_model_len``.
+    """
+    checked = []
+    for i, prompt in enumerate(prompts):
+        try:
+            p = processor.process(prompt)
+            processor.validate(p.token_ids)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        if p.mm_features:
+            raise ValueError(f"prompt {i}: beam search takes no multi_modal_data")
+        if p.prompt_embeds is not None:  # each step is a new token-id prompt
+            raise ValueError(f"prompt {i}: beam search takes no prompt_embeds (generation "
+                             "only, with LLM.generate)")
+        if len(p.token_ids) + max_tokens > processor.max_model_len:
+            raise ValueError(f"prompt {i} has {len(p.token_ids)} tokens: with "
+                             f"max_tokens={max_tokens} it exceeds max_model_len "
+                             f"({processor.max_model_len})")
+        checked.append(p)
+    return checked
