@@ -1,7 +1,6 @@
-"""Checking and broadcasting ``LLM``'s per-call arguments: the prompts as a list, and one
-SamplingParams, LoRARequest, priority and client name per prompt, beam search's prompts
-(``kvflow/llm.py`` calls
-these before queuing anything, so a bad argument queues nothing)."""
+"""Checking and broadcasting ``LLM``'s per-call arguments: the prompts as a list, one
+SamplingParams, LoRARequest, priority and client name per prompt, and beam search's prompts
+(``kvflow/llm.py`` calls these before queuing anything, so a bad argument queues nothing)."""
 
 from __future__ import annotations
 
