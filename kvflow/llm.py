@@ -20,6 +20,7 @@ from kvflow.llm_inputs import (
     broadcast_params,
     check_priorities,
     check_users,
+    processed_prompts,
     refuse_server_options,
     with_images,
 )
@@ -33,7 +34,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
+from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -122,15 +123,8 @@ class LLM:
         priorities = check_priorities(priority, len(prompts),
                                        self.engine.config.scheduler_config.policy)
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
-        processor = self.engine.processor
-        # truncate_prompt_tokens: the kept tokens (rows) are what must fit the context
-        limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
-                                    SAMPLING_FIELD) for p in params]
-        prompts = [processor.process(p, keep_last=limit)  # images decoded and expanded
-                   for p, limit in zip(prompts, limits)]
+        prompts = processed_prompts(self.engine.processor, prompts, params)
         loras = broadcast_loras(lora_request, len(prompts))
-        for p, limit in zip(prompts, limits):  # validate everything before queuing anything
-            processor.validate(keep_last_tokens(p.token_ids, limit))
         for lora in {lr for lr in loras if lr is not None}:
             self.engine.core.add_lora(lora)
         ids: list[str] = []

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
+from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.sampling_params import SamplingParams
 
 
@@ -148,3 +149,22 @@ def beam_search_prompts(processor: InputProcessor, prompts: list[PromptType],
                              f"({processor.max_model_len})")
         checked.append(p)
     return checked
+
+
+def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
+                      params: list[SamplingParams]) -> list[ProcessedPrompt]:
+    """Each prompt processed (images decoded and expanded; prompt embeddings cut to their
+    last ``truncate_prompt_tokens`` rows) and checked against the context as
+    ``params[i].truncate_prompt_tokens`` leaves it: the kept tokens are what must fit
+    (vLLM's order), so nothing is queued if one does not.
+
+    Raises:
+        ValueError: for a bad prompt or truncation (``SamplingParams.truncate_prompt_tokens``
+            above ``max_model_len``), or kept tokens that do not fit.
+    """
+    limits = [truncation_length(p.truncate_prompt_tokens, processor.max_model_len,
+                                SAMPLING_FIELD) for p in params]
+    processed = [processor.process(p, keep_last=limit) for p, limit in zip(prompts, limits)]
+    for p, limit in zip(processed, limits):
+        processor.validate(keep_last_tokens(p.token_ids, limit))
+    return processed
