@@ -161,6 +161,41 @@ def test_trust_remote_code_reaches_autoconfig(tiny_llama, tmp_path):
     assert loaded.hidden_size == config["hidden_size"]
 
 
+def test_trust_remote_code_reaches_the_draft_models_config(tiny_llama, tmp_path):
+    """A draft model folder whose config names its own class: refused without
+    --trust-remote-code (the draft's config read as the target's), drafting with it; the
+    greedy output is the target's own (transformers', as speculation leaves it)."""
+    import shutil
+
+    import torch
+
+    from kvflow import LLM, SamplingParams
+
+    folder = tmp_path / "remote_draft"
+    shutil.copytree(tiny_llama.path, folder)
+    (folder / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kvflow_remote_test",
+                  auto_map={"AutoConfig": "configuration_remote.KvflowRemoteConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 2,
+            "adaptive": False}
+    kwargs = {"model": tiny_llama.path, "dtype": "float32", "device": "cpu",
+              "num_kv_blocks": 64, "block_size": 4, "speculative_config": spec}
+    with pytest.raises(ValueError, match="custom code"):
+        LLM(**kwargs)
+    llm = LLM(**kwargs, trust_remote_code=True)
+    prompt = [219, 319, 53, 135, 37, 115, 38]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True), use_tqdm=False)
+    with torch.no_grad():
+        ref = tiny_llama.hf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                           max_new_tokens=6, min_new_tokens=6,
+                                           eos_token_id=None, pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert out.metrics.num_draft_tokens > 0  # the draft proposed
+
+
 def test_chunked_prefill_refused_for_an_encoder():
     from kvflow.core.unread_options import check_no_kv_cache_settings
 

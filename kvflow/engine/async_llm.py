@@ -132,7 +132,7 @@ class AsyncLLM:
             check_draft_tokenizer(config, source, self.tokenizer)
             self._mm_processor = mm_processor_of_source(source, self.tokenizer,
                                                         config.multimodal_config,
-                                                        mc.hf_overrides)
+                                                        mc.hf_overrides, mc.trust_remote_code)
             if on_tokenizer is not None:
                 on_tokenizer(self.tokenizer)
             self._init_processors(self._wait_ready(start_timeout))

@@ -32,11 +32,12 @@ def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,
 
 
 def mm_processor_of_source(source: Any, tokenizer: Any, config: MultiModalConfig,
-                           hf_overrides: dict[str, Any] | None = None
-                           ) -> MultiModalProcessor | None:
+                           hf_overrides: dict[str, Any] | None = None,
+                           trust_remote_code: bool = False) -> MultiModalProcessor | None:
     """The server's image processor for the model at ``source`` (a ``ModelSource``, its
-    config.json with ``hf_overrides`` merged in, as the engine core reads it), so that
-    images are decoded, checked and preprocessed in the API process (a bad image is a 400
+    config.json with ``hf_overrides`` merged in and read with ``trust_remote_code``, as the
+    engine core reads it), so that images are decoded, checked and preprocessed in the API
+    process (a bad image is a 400
     before anything is queued). None for a GGUF file (kvflow loads no vision-language GGUF),
     a text-only model, or a config that cannot be read (the engine core reports that one).
 
@@ -49,7 +50,8 @@ def mm_processor_of_source(source: Any, tokenizer: Any, config: MultiModalConfig
     if source.kind == "gguf":
         return None
     try:
-        hf_config = load_hf_config(source, hf_overrides=hf_overrides)
+        hf_config = load_hf_config(source, hf_overrides=hf_overrides,
+                                   trust_remote_code=trust_remote_code)
         if not is_multimodal(hf_config):
             return None
     except ValueError:  # an unreadable config or unknown architecture

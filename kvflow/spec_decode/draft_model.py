@@ -124,7 +124,7 @@ class DraftModel:
         mc = config.model_config
         with _naming_the_draft(spec.model):
             source = resolve_model(spec.model, mc.download_dir)
-            hf_config = load_hf_config(source)
+            hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
         if hf_config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
                              f"{hf_config.vocab_size} tokens, the target {target_vocab_size}; "
