@@ -25,7 +25,7 @@ The tied case (``tie_word_embeddings``) takes the rows of ``model.embed_tokens.w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -126,3 +126,42 @@ def score_weight_from_lm_head(head: torch.Tensor, hf_config: Any) -> torch.Tenso
         false_id, true_id = ids
         return (head[true_id].float() - head[false_id].float()).unsqueeze(0).to(head.dtype)
     return head[ids].clone()
+
+
+def load_score_from_lm_head(load: Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]],
+                            weights: Iterable[tuple[str, torch.Tensor]], hf_config: Any,
+                            score: torch.Tensor) -> set[str]:
+    """Load a causal-LM checkpoint into a sequence classifier whose config names
+    ``classifier_token_ids``: ``load`` (the model's own loader) gets every tensor but the LM
+    head, and ``score`` ([num_labels, hidden]) is filled from the LM head's rows
+    (:func:`score_weight_from_lm_head`; the tied embedding's with ``tie_word_embeddings``).
+
+    Returns:
+        the parameter names loaded, ``score.weight`` included.
+
+    Raises:
+        ValueError: for a checkpoint without the LM head (or tied embedding) it reads, or with
+            a ``score.weight`` of its own besides; the loader's own errors.
+    """
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    found: dict[str, torch.Tensor] = {}
+
+    def keep_head(items: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in items:
+            if name in (source, "score.weight"):
+                found[name] = tensor
+            if not name.startswith("lm_head.") and name != "score.weight":
+                yield name, tensor
+
+    loaded = load(keep_head(weights))
+    if "score.weight" in found or source not in found:
+        raise ValueError(
+            f"classifier_from_token builds the score head from {source}; the checkpoint "
+            f"{'has a score.weight of its own' if source in found else 'lacks it'} (leave "
+            "classifier_from_token / method / is_original_qwen3_reranker out for a "
+            "checkpoint converted to sequence classification)")
+    with torch.no_grad():
+        score.copy_(score_weight_from_lm_head(found[source], hf_config))
+    return loaded | {"score.weight"}

@@ -28,7 +28,7 @@ from kvflow.layers.rotary import (
     get_rotary_dim,
     rope_max_positions,
 )
-from kvflow.models.classifier_from_tokens import score_weight_from_lm_head
+from kvflow.models.classifier_from_tokens import load_score_from_lm_head
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
 
 # model types whose transformers attention reads no ``sliding_window`` from the config
@@ -446,28 +446,8 @@ def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             if getattr(self.config, "classifier_token_ids", None) is None:
                 return super().load_weights((n, t) for n, t in weights
                                             if not n.startswith("lm_head."))
-            tied = getattr(self.config, "tie_word_embeddings", False)
-            source = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            found: dict[str, torch.Tensor] = {}
-
-            def keep_head(items: Iterable[tuple[str, torch.Tensor]]
-                          ) -> Iterable[tuple[str, torch.Tensor]]:
-                for name, tensor in items:
-                    if name in (source, "score.weight"):
-                        found[name] = tensor
-                    if not name.startswith("lm_head.") and name != "score.weight":
-                        yield name, tensor
-
-            loaded = super().load_weights(keep_head(weights))
-            if "score.weight" in found or source not in found:
-                raise ValueError(
-                    f"classifier_from_token builds the score head from {source}; the "
-                    f"checkpoint {'has a score.weight of its own' if source in found else 'lacks it'}"
-                    " (leave classifier_from_token / method / is_original_qwen3_reranker out "
-                    "for a checkpoint converted to sequence classification)")
-            with torch.no_grad():
-                self.score.weight.copy_(score_weight_from_lm_head(found[source], self.config))
-            return loaded | {"score.weight"}
+            return load_score_from_lm_head(super().load_weights, weights, self.config,
+                                           self.score.weight)
 
     SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = \
         f"{cls.__name__}SequenceClassifier"
