@@ -40,7 +40,6 @@ _SAMPLING_ONLY = {
     "guided_grammar": ((None,), _STRUCTURED),
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
     "echo": ((None, False), "the prompt is not echoed with beam search"),
-    "stream": ((False,), "beam search replies are whole (send stream: false)"),
 }
 
 
@@ -52,7 +51,8 @@ def check_beam_request(req: SamplingRequest) -> bool:
             ``use_beam_search`` (it applies to beam search only); with it, ``n`` above
             ``MAX_BEAM_WIDTH``, any sampling, stop, penalty or structured-output field set
             to something beam search would ignore, ``response_format`` other than
-            ``text``, ``stream`` or ``echo``.
+            ``text``, or ``echo``. With ``stream`` the reply comes as one chunk per beam when the
+            search ends (vLLM's behaviour: beams change until the last step).
     """
     if not req.use_beam_search:
         if req.length_penalty != 1:

@@ -112,8 +112,54 @@ def test_chat_beams_match_the_reference(server, hf_model, tiny_chat_model, free_
     assert_no_leak(server, free_at_start)
 
 
+def _streamed(server, path: str, body: dict) -> tuple[dict[int, dict], list[dict]]:
+    """The SSE chunks of a streamed request, merged per choice index: text (or content) and
+    token ids joined, the last finish_reason kept; and every chunk."""
+    merged: dict[int, dict] = {}
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            chunks.append(chunk)
+            for c in chunk["choices"]:
+                m = merged.setdefault(c["index"], {"text": "", "token_ids": [],
+                                                   "finish_reason": None})
+                m["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                m["token_ids"] += c.get("token_ids") or []
+                m["finish_reason"] = c.get("finish_reason") or m["finish_reason"]
+    return merged, chunks
+
+
+@pytest.mark.parametrize("path", [C, CH])
+def test_streamed_beams_equal_the_whole_reply(server, hf_model, tiny_chat_model, path,
+                                              free_at_start):
+    """stream: true (vLLM streams beam search's result when the search ends): the chunks,
+    merged per choice, give the reference's beams; the usage chunk counts every token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    base = {"prompt": "the quick brown fox"} if path == C else {"messages": HI}
+    body = {**base, "use_beam_search": True, "n": 3, "max_tokens": 6, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    merged, chunks = _streamed(server, path, body)
+    whole = ok(server, path, {**body, "stream": False, "stream_options": None})
+    prompt = whole["prompt_token_ids"] if path == CH else tok.encode(base["prompt"])
+    ref = reference_beam_search(hf_model, prompt, 3, 6, tok.eos_token_id, 1.0)
+    assert [prompt + merged[i]["token_ids"] for i in range(3)] == [b.tokens for b in ref]
+    for i, beam in enumerate(ref):
+        assert merged[i]["finish_reason"] == ("stop" if beam.eos else "length")
+        assert merged[i]["text"] == tok.decode(beam.tokens[len(prompt):],
+                                               skip_special_tokens=True)
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(
+        len(b.tokens) - len(prompt) for b in ref)
+    assert_no_leak(server, free_at_start)
+
+
 @pytest.mark.parametrize("path,field,value", [
-    (C, "stream", True), (CH, "stream", True), (C, "temperature", 0.7),
+    (C, "temperature", 0.7),
     (CH, "top_p", 0.5), (C, "logit_bias", {"5": 10}), (C, "stop", ["x"]),
     (CH, "response_format", {"type": "json_object"}), (C, "guided_regex", "[a-z]+"),
     (C, "echo", True), (C, "prompt_logprobs", 1), (C, "presence_penalty", 1.0),
