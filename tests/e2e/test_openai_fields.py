@@ -318,7 +318,8 @@ def sampling_cases(path: str) -> dict[str, Callable]:
 
     def beam_search(server, tokenizer):
         """One beam without EOS is greedy decoding; n beams are n distinct choices, the
-        greedy one among them only if it ranks first (not asserted); streaming is a 400.
+        greedy one among them only if it ranks first (not asserted); streamed, the same
+        beams (the search's whole result in chunks).
         The search itself is checked against a torch reference in
         tests/e2e/test_openai_beam_search.py."""
         body = {"use_beam_search": True, "ignore_eos": True}
@@ -326,7 +327,13 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert ids(ok(server, path, {**body, "n": 1})) == greedy_ids
         resp = ok(server, path, {**body, "n": 3})
         assert len({tuple(ids(resp, i)) for i in range(3)}) == 3
-        rejected(path, {**body, "stream": True}, "stream")(server, tokenizer)
+        streamed = post(server, path, {**body, "n": 3, "stream": True}).text
+        events = [json.loads(line[6:]) for line in streamed.splitlines()
+                  if line.startswith("data: {")]
+        streamed_ids: dict[int, list[int]] = {}
+        for c in (c for e in events for c in e["choices"]):
+            streamed_ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+        assert [streamed_ids[i] for i in range(3)] == [ids(resp, i) for i in range(3)]
 
     def length_penalty(server, tokenizer):
         """Honoured with beam search (one beam without EOS: greedy whatever the penalty);
