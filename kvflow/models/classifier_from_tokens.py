@@ -13,7 +13,8 @@ the one-label classifier's sigmoid gives the score, without the [vocab, hidden] 
 with ``--hf-overrides`` over the checkpoint's own ``*ForCausalLM`` config, says how (vLLM's
 fields and rules):
 
-- ``architectures``: a decoder ``*ForSequenceClassification`` (Llama, Mistral, Qwen2, Qwen3);
+- ``architectures``: a decoder ``*ForSequenceClassification`` (Llama, Mistral, Qwen2, Qwen3,
+  Mixtral, Qwen2Moe, Qwen3Moe);
 - ``classifier_from_token``: token strings of the vocabulary;
 - ``method``: ``from_2_way_softmax`` (two tokens ``[false, true]``: one label, the row
   ``lm_head[true] - lm_head[false]``, computed in float32) or ``no_post_processing`` (one

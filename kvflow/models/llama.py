@@ -407,7 +407,7 @@ def embedding_only(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
 
 def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     """``cls`` as transformers' ``*ForSequenceClassification`` decoder (Llama, Mistral, Qwen2,
-    Qwen3: ``model.*`` tensors and a ``score.weight`` [num_labels, hidden] head without bias,
+    Qwen3 and the sparse MoE Mixtral, Qwen2-MoE, Qwen3-MoE: ``model.*`` tensors and a ``score.weight`` [num_labels, hidden] head without bias,
     no LM head): it computes hidden states, the runner pools the prompt's last token and
     calls :meth:`score_head` on it (``task="score"`` or ``"classify"``). transformers pools
     the last non-pad token of a padded batch; a kvflow prompt carries no padding, so that is

@@ -174,7 +174,8 @@ def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | No
 _CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                 "XLMRobertaForSequenceClassification", "LlamaForSequenceClassification",
                 "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
-                "Qwen3ForSequenceClassification")
+                "Qwen3ForSequenceClassification", "MixtralForSequenceClassification",
+                "Qwen2MoeForSequenceClassification", "Qwen3MoeForSequenceClassification")
 
 
 def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:

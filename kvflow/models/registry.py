@@ -63,6 +63,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
     "Qwen3ForSequenceClassification": sequence_classifier(Qwen3ForCausalLM),
+    "MixtralForSequenceClassification": sequence_classifier(MixtralForCausalLM),
+    "Qwen2MoeForSequenceClassification": sequence_classifier(Qwen2MoeForCausalLM),
+    "Qwen3MoeForSequenceClassification": sequence_classifier(Qwen3MoeForCausalLM),
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {

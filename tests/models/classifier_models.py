@@ -38,15 +38,28 @@ def bpe_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
 
 
+def family_config(kind: str) -> dict[str, Any]:
+    """The config fields a tiny ``kind`` decoder needs beyond the shared ones: Qwen3's
+    head_dim; the sparse MoE decoders' 4 experts, 2 per token (Qwen2-MoE adds a shared
+    expert)."""
+    return {"Qwen3": {"head_dim": 16},
+            "Mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+            "Qwen2Moe": {"num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+            "Qwen3Moe": {"num_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                         "moe_intermediate_size": 32}}.get(kind, {})
+
+
 def build_decoder_classifier(folder: str, kind: str, num_labels: int, seed: int = 13,
                              id2label: dict[int, str] | None = None) -> None:
-    """Save a tiny random ``{kind}ForSequenceClassification`` (kind: Llama, Qwen2, Qwen3)
+    """Save a tiny random ``{kind}ForSequenceClassification`` (kind: Llama, Qwen2, Qwen3,
+    or the sparse MoE Mixtral, Qwen2Moe, Qwen3Moe)
     with ``num_labels`` classes (names ``id2label``, transformers' LABEL_i by default) and
     its tokenizer in ``folder``."""
     import transformers
 
     tokenizer = bpe_tokenizer()
-    extra = {"head_dim": 16} if kind == "Qwen3" else {}
+    extra = family_config(kind)
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -79,13 +92,13 @@ NO_TOKEN, YES_TOKEN = "Ġdog", "Ġthe"
 
 def build_causal_reranker(folder: str, kind: str = "Qwen3", tied: bool = False,
                           seed: int = 29) -> None:
-    """Save a tiny random ``{kind}ForCausalLM`` (kind: Llama, Qwen2, Qwen3; the LM head tied
-    to the embedding when ``tied``) and ``bpe_tokenizer`` in ``folder``: a reranker served
+    """Save a tiny random ``{kind}ForCausalLM`` (kind as :func:`build_decoder_classifier`'s;
+    the LM head tied to the embedding when ``tied``) and ``bpe_tokenizer`` in ``folder``: a reranker served
     through ``--hf-overrides`` (``classifier_from_token``)."""
     import transformers
 
     tokenizer = bpe_tokenizer()
-    extra = {"head_dim": 16} if kind == "Qwen3" else {}
+    extra = family_config(kind)
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

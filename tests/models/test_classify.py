@@ -20,7 +20,8 @@ from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_l
 from tests.models.cross_encoder_models import DOCUMENTS, QUERY, build_cross_encoder
 
 ATOL = 1e-5
-DECODERS = [("Qwen2", 3), ("Llama", 2), ("Qwen3", 4)]
+DECODERS = [("Qwen2", 3), ("Llama", 2), ("Qwen3", 4), ("Mixtral", 3), ("Qwen2Moe", 2),
+            ("Qwen3Moe", 3)]
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,10 @@ def _pair_ids(llm: LLM, docs: list[str]) -> list[list[int]]:
     ("Llama", True, {"architectures": ["LlamaForSequenceClassification"],
                      "classifier_from_token": [NO_TOKEN, YES_TOKEN],
                      "method": "from_2_way_softmax"}),
-], ids=["qwen3_original", "qwen2_method", "llama_tied"])
+    ("Qwen3Moe", False, {"architectures": ["Qwen3MoeForSequenceClassification"],
+                         "classifier_from_token": [NO_TOKEN, YES_TOKEN],
+                         "method": "from_2_way_softmax"}),
+], ids=["qwen3_original", "qwen2_method", "llama_tied", "qwen3_moe"])
 def test_score_is_p_yes_of_the_causal_lm(reranker, kind, tied, overrides, assert_no_leaks):
     folder = reranker(kind, tied)
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64,
