@@ -92,9 +92,8 @@ def resolve_classifier_tokens(hf_config: Any, load_tokenizer: Callable[[], Any])
     if not getattr(get_model_class(arches), "builds_score_from_tokens", False):
         raise ValueError(f"classifier_from_token builds a sequence classifier's score head, "
                          f"but the model's architectures are {arches}: add \"architectures\": "
-                         "[\"<Family>ForSequenceClassification\"] (Llama, Mistral, Qwen2, Qwen3, Mixtral, "
-                         "Qwen2Moe, Qwen3Moe) "
-                         "to the overrides")
+                         "[\"<Family>ForSequenceClassification\"] (Llama, Mistral, Qwen2, "
+                         "Qwen3, Mixtral, Qwen2Moe, Qwen3Moe) to the overrides")
     tokenizer = load_tokenizer()
     if tokenizer is None:
         raise ValueError("classifier_from_token needs the model's tokenizer to find its "
