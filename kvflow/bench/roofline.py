@@ -193,6 +193,7 @@ def report(bounds: dict[str, float], measured: dict[str, float]) -> list[str]:
 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
+    from kvflow.config.model import parse_hf_overrides
     from kvflow.models.loader import load_hf_config
     from kvflow.models.model_resolver import resolve_model
 
@@ -203,7 +204,9 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     measured = measured_from_json(args.measured_json) if args.measured_json else {}
     workload = {key: getattr(args, key) or measured.get(key) or default
                 for key, default in (("num_prompts", 64), ("input_len", 128), ("output_len", 64))}
-    shape = ModelShape.from_hf_config(load_hf_config(resolve_model(args.model)))
+    shape = ModelShape.from_hf_config(load_hf_config(
+        resolve_model(args.model), hf_overrides=parse_hf_overrides(args.hf_overrides),
+        trust_remote_code=args.trust_remote_code))
     nbytes = DTYPE_BYTES[args.dtype]
     print(f"model {args.model}: {shape}")
     print(f"matmul parameters {shape.matmul_params():,}  weight bytes "
@@ -236,6 +239,11 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="packaged model name, HF folder or GGUF")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
                    help="weight and KV dtype")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="config.json keys merged in, as `kvflow serve --hf-overrides` (the "
+                        "shape bounded is the one the engine would serve)")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="let transformers run the folder's own config class, as kvflow serve")
     p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, GB/s")
     p.add_argument("--flops", type=float, default=None, help="peak matmul rate, TFLOP/s")
     p.add_argument("--num-prompts", type=int, default=None,

@@ -123,3 +123,27 @@ def test_h200_llama_8b_decode_floor():
     assert step == pytest.approx(2 * 7_504_658_432 * 256 / 780e12 + kv / 4.2e12)
     assert step == pytest.approx(9.53e-3, rel=1e-2)
     assert roofline(m, hw, 256, 512, 128)["output_tok_per_s"] == pytest.approx(8727, rel=1e-2)
+
+
+def test_cli_bounds_the_overridden_shape(tmp_path, capsys):
+    """``--hf-overrides`` reaches the shape bounded (as ``kvflow serve`` would build the
+    model): 1 layer instead of 2 drops one layer's 36,864 parameters (above); a bad JSON is
+    exit status 2 naming the flag."""
+    import transformers
+
+    from kvflow.entrypoints.cli import main
+
+    config = transformers.LlamaConfig(**{k: v for k, v in vars(CONFIG).items()},
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+
+    def params(*extra: str) -> int:
+        assert main(["bench", "roofline", "--model", str(tmp_path), *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines()
+                    if x.startswith("matmul parameters"))
+        return int(line.split()[2].replace(",", ""))
+
+    assert params() == 80128
+    assert params("--hf-overrides", '{"num_hidden_layers": 1}') == 80128 - 36864
+    assert main(["bench", "roofline", "--model", str(tmp_path), "--hf-overrides", "[1"]) == 2
+    assert "--hf-overrides" in capsys.readouterr().err
