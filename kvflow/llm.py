@@ -34,7 +34,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
+from kvflow.prompt_truncation import cut_text_ids, truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -345,26 +345,30 @@ class LLM:
         ``prompt_token_ids`` are both texts' ids, its ``request_id`` and metrics the second
         text's request's. ``user`` names the sender of each pair (the same for its texts).
 
+        ``truncate_prompt_tokens`` cuts each text on its own, as ``/v1/embeddings`` cuts an
+        input (:func:`~kvflow.prompt_truncation.cut_text_ids`; -1: ``max_model_len``).
+
         Raises:
-            ValueError: for ``truncate_prompt_tokens`` (embedding inputs are never cut), a
-                text the engine refuses (named), or a bad ``user``.
+            ValueError: for a bad ``truncate_prompt_tokens``, a text the engine refuses
+                (named), or a bad ``user``.
         """
-        if truncate_prompt_tokens is not None:
-            raise ValueError("truncate_prompt_tokens is for cross-encoders: this engine "
-                             "scores with an embedding model, whose inputs are never cut")
+        processor = self.engine.processor
+        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
         users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
         owner = {}
         for (a, b), who in zip(pairs, users):
             owner.setdefault(a, who)
             owner.setdefault(b, who)
-        processor = self.engine.processor
-        for text in owner:  # name a refused text before queuing anything
+        prompts = {text: text if limit is None else
+                   cut_text_ids(self.get_tokenizer(), processor.pooling_text(text), limit)
+                   for text in owner}
+        for text, prompt in prompts.items():  # name a refused text before queuing anything
             try:
-                processor.make_pooling_request("check", processor.pooling_prompt(text)[1])
+                processor.make_pooling_request("check", processor.pooling_prompt(prompt)[1])
             except ValueError as e:
                 raise ValueError(f"text {text[:40]!r}: {e}") from None
         texts = list(owner)
-        outs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm,
+        outs = dict(zip(texts, self.embed([prompts[t] for t in texts], use_tqdm=use_tqdm,
                                           user=None if user is None else list(owner.values()))))
         return [ScoringRequestOutput(
             outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,

@@ -28,7 +28,7 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
+from kvflow.prompt_truncation import cut_text_ids, truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 Pair = tuple[list[int], PoolingParams]
@@ -137,20 +137,26 @@ class OpenAIServingScore(OpenAIServing):
         """An embedding model's distinct texts of ``pairs`` and their prompts (as
         /v1/embeddings tokenizes them).
 
+        ``truncate_prompt_tokens`` cuts each text on its own, as /v1/embeddings cuts an
+        input (:func:`~kvflow.prompt_truncation.cut_text_ids`).
+
         Raises:
-            OpenAIError: 400 for ``truncate_prompt_tokens`` (embedding inputs are never cut)
-                or a text longer than the context (named; ``param``, or the pair's other
-                field for a first text).
+            OpenAIError: 400 for a bad ``truncate_prompt_tokens`` or a text longer than the
+                context (named; ``param``, or the pair's other field for a first text).
         """
-        if req.truncate_prompt_tokens is not None:
-            raise OpenAIError("truncate_prompt_tokens is for cross-encoders: this server "
-                              "scores with an embedding model, whose inputs are never "
-                              "truncated", param="truncate_prompt_tokens",
-                              code="unsupported_parameter")
+        try:
+            limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        processor = self.engine.processor
-        ids = await self.encode_texts(self.tokenizer, [processor.pooling_text(t) for t in texts],
-                                      True, param, pooling=True)
+        processor, tokenizer = self.engine.processor, self.tokenizer
+        model_texts = [processor.pooling_text(t) for t in texts]
+        if limit is None:
+            ids = await self.encode_texts(tokenizer, model_texts, True, param, pooling=True)
+        else:
+            ids = await off_loop(sum(map(len, model_texts)), lambda: [
+                cut_text_ids(tokenizer, t, limit) for t in model_texts])
         first, limit = {a for a, _ in pairs}, self.engine.max_model_len
         for text, text_ids in zip(texts, ids):
             if len(text_ids) > limit:

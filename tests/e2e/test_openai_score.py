@@ -194,8 +194,22 @@ def test_an_embedding_server_scores_by_cosine_similarity(servers):
     best = sorted(range(3), key=lambda i: -float(expected[i]))
     assert all(expected[best[k]] - expected[best[k + 1]] > 10 * TOL for k in range(2))
     assert [r["index"] for r in body["results"]] == best
+    # truncate_prompt_tokens cuts each text as sentence-transformers cuts to max_seq_length
+    whole, st.max_seq_length = st.max_seq_length, 4
+    try:
+        cut = util.cos_sim(st.encode([query], convert_to_tensor=True),
+                           st.encode(docs, convert_to_tensor=True))[0].float()
+    finally:
+        st.max_seq_length = whole
+    body = _post(server, "/v1/score", {"text_1": query, "text_2": docs,
+                                       "truncate_prompt_tokens": 4}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), cut,
+                               atol=TOL, rtol=1e-4)
+    assert (cut - expected).abs().max() > 0.01
+    cut_tokens = sum(4 + min(4, len(tok.encode(d))) for d in docs)
+    assert body["usage"]["prompt_tokens"] == cut_tokens
     resp = _post(server, "/v1/score", {"text_1": "a", "text_2": "b",
-                                       "truncate_prompt_tokens": 4})
+                                       "truncate_prompt_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"
     resp = _post(server, "/v1/score", {"text_1": "a", "text_2": " ".join(["fox"] * 200)})
     assert resp.status_code == 400

@@ -175,7 +175,8 @@ def test_tasks(cross_encoder, tiny_llama, tmp_path, assert_no_leaks):
 def test_an_embedding_model_scores_by_cosine_similarity(tiny_tokenizer, tmp_path,
                                                         assert_no_leaks):
     """vLLM's rule for embedding models: score = cos(embed(text_1), embed(text_2)); the oracle
-    is sentence-transformers' ``util.cos_sim`` of ``SentenceTransformer.encode``."""
+    is sentence-transformers' ``util.cos_sim`` of ``SentenceTransformer.encode`` (with
+    ``truncate_prompt_tokens``: of its encode at that ``max_seq_length``)."""
     from sentence_transformers import util
 
     from tests.models.embedding_models import build_bert
@@ -193,10 +194,18 @@ def test_an_embedding_model_scores_by_cosine_similarity(tiny_tokenizer, tmp_path
         tok = llm.get_tokenizer()
         assert [o.prompt_token_ids for o in outs] == \
             [tok.encode(a) + tok.encode(b) for a, b in zip(lefts, second)]
-    with pytest.raises(ValueError) as e:
-        llm.score(query, docs, truncate_prompt_tokens=4)
-    assert str(e.value) == ("truncate_prompt_tokens is for cross-encoders: this engine scores "
-                            "with an embedding model, whose inputs are never cut")
+    # truncate_prompt_tokens cuts each text on its own, as sentence-transformers cuts an
+    # input to max_seq_length (the tokenizer's truncation, special tokens counted)
+    st.max_seq_length = 4
+    cut = util.cos_sim(st.encode([query], convert_to_tensor=True),
+                       st.encode(docs, convert_to_tensor=True))[0].float()
+    outs = llm.score(query, docs, truncate_prompt_tokens=4, use_tqdm=False)
+    torch.testing.assert_close(_scores(outs), cut, atol=2e-5, rtol=1e-4)
+    assert (cut - expected).abs().max() > 0.01  # the cut changed the scores
+    assert [len(o.prompt_token_ids) for o in outs] == [4 + min(4, len(tok.encode(d)))
+                                                       for d in docs]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=0 is invalid"):
+        llm.score(query, docs, truncate_prompt_tokens=0)
     with pytest.raises(ValueError) as e:
         llm.score(query, " ".join(["fox"] * 200), use_tqdm=False)
     assert str(e.value).startswith("text 'fox fox fox")
