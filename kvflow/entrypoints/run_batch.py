@@ -42,7 +42,10 @@ BATCH_SERVER_FIELDS = ("served_model_name", "max_n", "max_logprobs", "max_reques
                        "exclude_tools_when_tool_choice_none", "reasoning_parser",
                        "chat_template", "trust_request_chat_template",
                        "ignore_unknown_fields", "lora_modules",
-                       "enable_prompt_tokens_details")
+                       "enable_prompt_tokens_details", "response_role",
+                       "default_chat_template_kwargs", "chat_template_content_format",
+                       "enable_auto_tool_choice", "enable_log_requests",
+                       "disable_log_requests", "max_log_len")
 
 
 class EngineDiedDuringBatch(RuntimeError):
@@ -233,6 +236,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
     engine_config = EngineConfig.from_cli_args(args)
     server_config = ServerConfig(**{name: getattr(args, name) for name in BATCH_SERVER_FIELDS})
+    if server_config.log_requests:  # each line's request logged at INFO, as kvflow serve logs
+        logging.getLogger("kvflow.entrypoints.serving_base").setLevel(logging.INFO)
     source = BatchInput(args.input_file)
     try:
         sink = BatchOutput(args.output_file)

@@ -230,6 +230,44 @@ def test_exit_status_and_summary(batch_run):
     assert proc.stdout == ""
 
 
+GREETING = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_vllm_chat_flags_reach_the_lines(tiny_chat_model, tmp_path):
+    """vLLM's chat flags work in a batch as on the server: ``--response-role`` names the
+    reply's role, ``--default-chat-template-kwargs`` reaches the template (the prompt's
+    tokens are the tokenizer's ids of the text the template prints with it; a line's own
+    ``chat_template_kwargs`` wins), ``--enable-log-requests --max-log-len`` logs each line."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    hi = [{"role": "user", "content": "hi"}]
+    lines = [_envelope(cid, CHAT, {"model": MODEL, "messages": hi, "max_tokens": 2,
+                                   "temperature": 0, "return_token_ids": True, **extra})
+             for cid, extra in (("default", {}),
+                                ("own", {"chat_template_kwargs": {"greeting": "yo"}}))]
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [*_command(tiny_chat_model, out), "--chat-template", GREETING, "--response-role", "bot",
+         "--default-chat-template-kwargs", json.dumps({"greeting": "hello"}),
+         "--enable-log-requests", "--max-log-len", "3"],
+        input="".join(line + "\n" for line in lines), capture_output=True, text=True,
+        env=_ENV, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {o["custom_id"]: o["response"]["body"]
+           for o in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
+    for cid, greeting in (("default", "hello"), ("own", "yo")):
+        body = got[cid]
+        assert body["choices"][0]["message"]["role"] == "bot"
+        assert body["prompt_token_ids"] == tok(f"[{greeting}]<user>hi\n<assistant>",
+                                               add_special_tokens=False)["input_ids"]
+    logged = [x for x in proc.stderr.splitlines() if "received request chatcmpl-" in x]
+    assert len(logged) == 2 and all("prompt: '[he'," in x or "prompt: '[yo'," in x
+                                    for x in logged), logged  # cut to --max-log-len 3
+
+
 def test_sigterm_mid_batch_leaves_the_output_path_as_it_was(tiny_chat_model, tmp_path):
     """SIGTERM (Ctrl-C takes the same clean-up) while a line is answered and stdin is still
     open (the reader thread blocked in a read): exit status 143 within seconds, the output path
