@@ -311,12 +311,10 @@ class OpenAIServing:
         return usage_info(num_prompt, num_generated, num_cached,
                           self.config.enable_prompt_tokens_details)
 
-    def check_unsupported(self, req: SamplingRequest, prompt_logprobs: bool = False) -> None:
+    def check_unsupported(self, req: SamplingRequest) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
-        ``length_penalty`` without it: ``beam_requests.check_beam_request``),
-        ``prompt_logprobs`` where the
-        endpoint does not return them (``prompt_logprobs=False``: chat), or a ``priority``
+        ``length_penalty`` without it: ``beam_requests.check_beam_request``), or a ``priority``
         while the scheduler is not run by priority (it would be ignored). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
         ``unsupported_value`` (OpenAI's codes for the two). Undeclared fields were checked
@@ -326,9 +324,6 @@ class OpenAIServing:
                               "sample it generates (send n, or best_of equal to n)",
                               param="best_of", code="unsupported_value")
         check_beam_request(req)
-        if req.prompt_logprobs is not None and not prompt_logprobs:
-            raise OpenAIError("prompt_logprobs is returned by /v1/completions only",
-                              param="prompt_logprobs", code="unsupported_parameter")
         policy = self.engine.config.scheduler_config.policy
         if req.priority and policy not in ("priority", "fair"):
             raise OpenAIError(f"priority={req.priority} needs the priority or fair scheduling "

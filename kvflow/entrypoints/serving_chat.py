@@ -21,6 +21,7 @@ from kvflow.entrypoints.chat_output import ChatOutputParser, make_reasoning_pars
 from kvflow.entrypoints.chat_render import ChatRendering
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.platform_fields import refuse_platform_options, served_tier
+from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -163,6 +164,11 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         self.check_n(req.n)
         self.check_stream_options(req)
         self.check_unsupported(req)
+        self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.stream and req.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not returned when streaming chat (vLLM's "
+                              "rule): send stream: false", param="prompt_logprobs",
+                              code="unsupported_value")
         if req.echo:
             raise OpenAIError("echo is not supported on /v1/chat/completions (use "
                               "continue_final_message to continue an assistant message)",
@@ -185,6 +191,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             check_max_tokens(max_tokens, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(self.engine, req, max_tokens, logprobs, tool_grammar)
+        params.prompt_logprobs = req.prompt_logprobs
         self.check_prompt(ids, max_tokens, "messages", length_param=field)
         return params
 
@@ -212,7 +219,9 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             id=request_id, model=self.response_model(req.model), choices=choices,
             usage=self.usage(len(ids), num_generated, out.metrics.num_cached_tokens),
             service_tier=served_tier(req),
-            prompt_token_ids=ids if req.return_token_ids else None)
+            prompt_token_ids=ids if req.return_token_ids else None,
+            prompt_logprobs=None if req.prompt_logprobs is None
+            else vllm_prompt_logprobs(out.prompt_logprobs))
 
     def _choice_extras(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
         return {"logprobs": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,

@@ -16,12 +16,12 @@ from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.beam_requests import beam_params
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
+from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
-    PromptLogprob,
     UsageInfo,
 )
 from kvflow.entrypoints.sampling_requests import (
@@ -104,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_n(req.n)
         self.check_num_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
-        self.check_unsupported(req, prompt_logprobs=True)
+        self.check_unsupported(req)
         self.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.suffix:
             raise OpenAIError("suffix is not supported: kvflow does not do fill-in-the-middle "
@@ -276,7 +276,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                             req.return_tokens_as_token_ids)  # decodes all
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
-                    choice.prompt_logprobs = _vllm_prompt_logprobs(out.prompt_logprobs)
+                    choice.prompt_logprobs = vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
                 if req.return_token_ids:
                     choices[-1].prompt_token_ids = prompts[i][1]
@@ -372,7 +372,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                             len(echo), req.return_tokens_as_token_ids)
                     choice.logprobs = _with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
-                    choice.prompt_logprobs = _vllm_prompt_logprobs(
+                    choice.prompt_logprobs = vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
                 if first and req.return_token_ids:  # as vLLM: with the choice's first chunk
                     choice.prompt_token_ids = prompts[i][1]
@@ -384,16 +384,6 @@ class OpenAIServingCompletion(OpenAIServing):
             yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                      choices=[], usage=self._usage(prompts, num_generated,
                                                                    sum(cached.values())))
-
-
-def _vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None
-                          ) -> list[dict[str, PromptLogprob] | None]:
-    """``prompt_logprobs`` in vLLM's response form (token ids as string keys)."""
-    return [None if step is None else
-            {str(tid): PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
-                                     decoded_token=lp.decoded_token)
-             for tid, lp in step.items()}
-            for step in entries or []]
 
 
 def _with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs

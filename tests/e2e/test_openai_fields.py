@@ -316,6 +316,31 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         assert re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", ok(server, path, {})["id"])
         rejected(path, {"request_id": ""}, "request_id")(server, tokenizer)
 
+    def prompt_logprobs(server, tokenizer):
+        """Chat (vLLM's field on the reply): one entry per rendered prompt token, None
+        first, each holding the prompt's token and the top 2, logprobs equal to
+        transformers' log-softmax over the same ids; streamed chat refuses it (vLLM's rule).
+        Completions: per choice, checked in ``completion_cases``."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        reply = ok(server, path, {"prompt_logprobs": 2, "max_tokens": 1})
+        ids = reply["prompt_token_ids"]
+        entries = reply["prompt_logprobs"]
+        model = AutoModelForCausalLM.from_pretrained(tokenizer.name_or_path,
+                                                     dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        assert len(entries) == len(ids) and entries[0] is None
+        for pos in range(1, len(ids)):
+            top2 = ref[pos - 1].topk(2).indices.tolist()
+            assert set(entries[pos]) == {str(t) for t in {ids[pos], *top2}}
+            for tid, entry in entries[pos].items():
+                assert entry["logprob"] == pytest.approx(float(ref[pos - 1, int(tid)]),
+                                                         abs=1e-4)
+        rejected(path, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")(
+            server, tokenizer)
+
     def beam_search(server, tokenizer):
         """One beam without EOS is greedy decoding; n beams are n distinct choices, the
         greedy one among them only if it ranks first (not asserted); streamed, the same
@@ -464,7 +489,7 @@ def sampling_cases(path: str) -> dict[str, Callable]:
         "priority": priority,
         "best_of": rejected(path, {"best_of": 2}, "best_of"),
         "use_beam_search": beam_search, "length_penalty": length_penalty,
-        "prompt_logprobs": rejected(path, {"prompt_logprobs": 1}, "prompt_logprobs"),
+        "prompt_logprobs": prompt_logprobs,
     }
 
 

@@ -12,7 +12,8 @@ with an OpenAI error body. Types are strict, as OpenAI's are (``RequestModel``):
 ``8.0`` or ``true`` for an integer field is an ``invalid_type`` 400, not 8; a number field
 takes any JSON number, an integer included. Every field a request model declares is honoured,
 or rejected with a 400 naming it when set to a value kvflow does not implement (``best_of``
-other than ``n``, a field ``use_beam_search`` does not honour, chat ``prompt_logprobs``, ``suffix``, chat ``echo``,
+other than ``n``, a field ``use_beam_search`` does not honour, streamed chat
+``prompt_logprobs``, ``suffix``, chat ``echo``,
 ``store: true``, a ``service_tier`` other than ``auto`` / ``default``);
 tests/e2e/test_openai_fields.py walks every field. Text anywhere in a body that holds a lone
 UTF-16 surrogate is a 400 naming the field (``invalid_unicode``).

@@ -114,9 +114,11 @@ class ChatChoice(OmitNoneModel):
 
 
 class ChatCompletionResponse(OmitNoneModel):
-    """``service_tier``: the tier that served the request, when it sent one (as OpenAI's)."""
+    """``service_tier``: the tier that served the request, when it sent one (as OpenAI's);
+    ``prompt_logprobs`` (vLLM's field, when asked for): as ``CompletionChoice``'s, for the
+    rendered conversation's tokens."""
 
-    OMIT_IF_NONE = ("prompt_token_ids", "service_tier")
+    OMIT_IF_NONE = ("prompt_token_ids", "service_tier", "prompt_logprobs")
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -126,6 +128,7 @@ class ChatCompletionResponse(OmitNoneModel):
     usage: UsageInfo
     service_tier: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaFunctionCall(OmitNoneModel):
