@@ -31,6 +31,9 @@ class EngineCoreOutput:
         pooling_output: an embedding request's pooled vector (with its finish).
         error: why the request could not run (with finish_reason "abort"; e.g. its grammar
             did not compile in time): the client's error, a 400 over HTTP. None otherwise.
+        retry_after_s: with ``error``, when the server was too busy rather than the request
+            bad (grammar compiles saturated): seconds after which a retry may succeed; the
+            API answers 429 with ``Retry-After``. None otherwise.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class EngineCoreOutput:
     num_accepted_tokens: int = 0
     pooling_output: list[float] | None = None
     error: str | None = None
+    retry_after_s: float | None = None
 
 
 class EngineStats(msgspec.Struct):

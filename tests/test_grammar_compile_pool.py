@@ -75,6 +75,36 @@ def test_at_most_num_threads_run_and_results_pass_through():
     assert pool.next_deadline() is None
 
 
+def test_abandoned_compiles_hold_their_threads_until_they_end():
+    """One compile counted as running, at most two threads alive: two stuck compiles are
+    abandoned in turn; then the pool is saturated and a third compile does not start until
+    a stuck one ends by itself."""
+    clock, releases = FakeClock(), [threading.Event(), threading.Event()]
+    pool = CompilePool(num_threads=1, timeout_s=2.0, max_threads=2, clock=clock)
+    stuck = [pool.submit(lambda e=e: e.wait(10) and "stuck") for e in releases]
+    started = []
+    fast = pool.submit(lambda: started.append(1) or "fast")
+    clock.now += 2.1
+    assert pool.expire() == 1 and not pool.is_saturated  # the second stuck one starts
+    clock.now += 2.1
+    assert pool.expire() == 1 and pool.num_abandoned == 2 and pool.is_saturated
+    time.sleep(0.05)
+    assert started == [] and not fast.done()  # two threads live: none may start
+    for future in stuck:
+        with pytest.raises(CompileTimeoutError):
+            future.result(timeout=0)
+    releases[0].set()
+    assert fast.result(timeout=5) == "fast"
+    assert pool.num_abandoned == 1 and not pool.is_saturated
+    releases[1].set()
+    _wait_until(lambda: pool.num_abandoned == 0)
+
+
+def test_pool_refuses_a_cap_below_its_threads():
+    with pytest.raises(ValueError, match="max_threads=1 is below num_threads=2"):
+        CompilePool(num_threads=2, timeout_s=1.0, max_threads=1)
+
+
 class BlockingBackend:
     """Compiles a grammar to its text; the grammar ``"slow"`` blocks until released."""
 
@@ -143,6 +173,36 @@ def test_manager_reports_compile_errors_and_retries_them():
     assert manager.take_failed() == [] and ok.matcher == "matcher(ok)"
 
 
+def test_manager_is_busy_while_timed_out_compiles_fill_every_thread():
+    """max_compile_threads=1: once the slow compile is abandoned, a grammar that needs a new
+    compile is refused (``busy_message``) while a cached one is not; when the slow compile
+    ends, new grammars compile again."""
+    backend = BlockingBackend()
+    manager = StructuredOutputManager(lambda: backend, vocab_size=64, max_num_seqs=4,
+                                      compile_timeout_s=0.2, num_compile_threads=1,
+                                      max_compile_threads=1)
+    fast, slow = StructuredOutputsParams(grammar="fast"), StructuredOutputsParams(grammar="slow")
+    assert manager.busy_message(fast) is None  # no pool yet
+    done = manager.request_state(fast, "r0")
+    _wait_until(lambda: done.is_ready)
+    manager.request_state(slow, "r1")
+    assert [rid for rid, _ in _take_failed_within(manager, 5.0)] == ["r1"]
+    other = StructuredOutputsParams(grammar="other")
+    message = manager.busy_message(other)
+    assert message == ("the server is busy compiling structured-output grammars: 1 compiles "
+                       "that passed the 0.2 s limit (--structured-output-compile-timeout) "
+                       "still run, the most it allows (--structured-output-max-compile-threads"
+                       " 1); retry later")
+    assert manager.busy_message(fast) is None  # compiled: needs no thread
+    assert manager.busy_message(slow) is None  # refused by its own timeout instead
+    backend.release.set()
+    _wait_until(lambda: manager.busy_message(other) is None)
+    state = manager.request_state(other, "r2")
+    _wait_until(lambda: state.is_ready)
+    assert state.matcher == "matcher(other)"
+    manager.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"structured_output_compile_timeout": 0}, "structured_output_compile_timeout=0 must"),
     ({"structured_output_compile_timeout": -1.5}, "compile_timeout=-1.5 must"),
@@ -151,6 +211,8 @@ def test_manager_reports_compile_errors_and_retries_them():
     ({"structured_output_compile_timeout": float("nan")},
      "compile_timeout=nan must be a finite number of seconds > 0"),
     ({"structured_output_compile_threads": 0}, "structured_output_compile_threads=0 must"),
+    ({"structured_output_compile_threads": 3, "structured_output_max_compile_threads": 2},
+     "structured_output_max_compile_threads=2 must be >= structured_output_compile_threads=3"),
 ])
 def test_config_refuses_bad_limits(kwargs, needle):
     from kvflow.config import EngineConfig
@@ -167,10 +229,13 @@ def test_cli_flags_set_the_limits():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--structured-output-compile-timeout", "2.5",
-                              "--structured-output-compile-threads", "3"])
+                              "--structured-output-compile-threads", "3",
+                              "--structured-output-max-compile-threads", "5"])
     so = EngineConfig.from_cli_args(args).structured_output_config
-    assert (so.structured_output_compile_timeout, so.structured_output_compile_threads) \
-        == (2.5, 3)
+    assert (so.structured_output_compile_timeout, so.structured_output_compile_threads,
+            so.structured_output_max_compile_threads) == (2.5, 3, 5)
     default = EngineConfig.from_cli_args(parser.parse_args([])).structured_output_config
     assert (default.structured_output_compile_timeout,
-            default.structured_output_compile_threads) == (30.0, 2)
+            default.structured_output_compile_threads,
+            default.structured_output_max_compile_threads) == (30.0, 2, None)
+    assert CompilePool(2, 1.0).max_threads == 4  # None: twice the compile threads

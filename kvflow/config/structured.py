@@ -14,7 +14,8 @@ class StructuredOutputConfig:
 
     Raises:
         ValueError: from the constructor for a timeout that is not a positive number of
-            seconds, or fewer than one compile thread.
+            seconds, fewer than one compile thread, or a cap on live compile threads below
+            the compile threads.
     """
 
     structured_output_compile_timeout: float = opt(
@@ -25,6 +26,12 @@ class StructuredOutputConfig:
     structured_output_compile_threads: int = opt(
         2, "grammars compiled at the same time; a compile past its time limit stops counting "
         "(its thread runs on in the background), so slow grammars never hold the others back")
+    structured_output_max_compile_threads: int | None = opt(
+        None, "grammar compile threads alive at once, those past their time limit included "
+        "(default: twice --structured-output-compile-threads); once timed-out compiles alone "
+        "fill it, kvflow serve answers constrained requests that need a new compile with "
+        "429 (code grammar_compiles_busy, Retry-After) until one of them ends, so slow "
+        "grammars cannot occupy every core")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -35,3 +42,8 @@ class StructuredOutputConfig:
         if self.structured_output_compile_threads < 1:
             raise ValueError(f"structured_output_compile_threads="
                              f"{self.structured_output_compile_threads} must be >= 1")
+        most = self.structured_output_max_compile_threads
+        if most is not None and most < self.structured_output_compile_threads:
+            raise ValueError(f"structured_output_max_compile_threads={most} must be >= "
+                             "structured_output_compile_threads="
+                             f"{self.structured_output_compile_threads}")

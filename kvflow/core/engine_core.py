@@ -280,7 +280,8 @@ class EngineCore:
             self._make_grammar_backend, self.hf_config.vocab_size,
             self.config.scheduler_config.max_num_seqs,
             compile_timeout_s=so.structured_output_compile_timeout,
-            num_compile_threads=so.structured_output_compile_threads)
+            num_compile_threads=so.structured_output_compile_threads,
+            max_compile_threads=so.structured_output_max_compile_threads)
 
     def _make_grammar_backend(self):
         from kvflow.models.loader import load_tokenizer, resolve_eos_token_id

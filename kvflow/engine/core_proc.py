@@ -44,6 +44,7 @@ from kvflow.models.loader import resolve_eos_token_id
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
+_BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a refusal for saturated grammar compiles
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -209,11 +210,28 @@ class EngineCoreProc:
         if self._admission_control and requests and not self._admit(requests):
             return
         for request in requests:
+            busy = self._compiles_busy(request)
+            if busy is not None:
+                self._errors.append(busy)
+                continue
             try:
                 self.core.add_request(request)
             except ValueError as e:  # the API process validates first; this is a safety net
                 logger.error("refused request %s: %s", request.request_id, e)
                 self._errors.append(EngineCoreOutput(request.request_id, [], None, "abort"))
+
+    def _compiles_busy(self, request) -> EngineCoreOutput | None:
+        """The refusal of a constrained request whose grammar needs a compile while
+        timed-out compiles fill every compile thread (``StructuredOutputManager.
+        busy_message``): the API answers it with a 429 rather than have it wait for threads
+        that may run for minutes. None to queue the request."""
+        structured = request.sampling_params.structured_outputs
+        message = structured and self.core.structured_output.busy_message(structured)
+        if message is None:
+            return None
+        logger.warning("refused request %s: %s", request.request_id, message)
+        return EngineCoreOutput(request.request_id, [], None, "abort", error=message,
+                                retry_after_s=_BUSY_RETRY_AFTER_S)
 
     def _admit(self, requests: list) -> bool:
         """Admission control for one user request's samples: record the verdict; False when

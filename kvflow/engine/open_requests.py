@@ -70,7 +70,7 @@ class OpenRequests:
         refused = [eco for eco in msg.outputs if eco.error is not None]
         others = []
         for eco in refused:
-            others += self._refuse(eco.request_id, eco.error)
+            others += self._refuse(eco.request_id, eco.error, eco.retry_after_s)
         outputs, stopped = self.output_processor.process(msg.outputs)
         stopped += others
         now = time.monotonic()
@@ -86,8 +86,10 @@ class OpenRequests:
                     del self.streams[out.request_id]
         return stopped
 
-    def _refuse(self, sample_id: str, message: str) -> list[str]:
-        """End the user request of ``sample_id`` with ``RequestRefused(message)``; returns
+    def _refuse(self, sample_id: str, message: str,
+                retry_after_s: float | None = None) -> list[str]:
+        """End the user request of ``sample_id`` with ``RequestRefused(message)`` (busy:
+        ``retry_after_s`` set); returns
         its sample ids (to abort on the core: the others may still be waiting there)."""
         parent = self.output_processor.parent_of(sample_id)
         if parent is None:
@@ -95,7 +97,7 @@ class OpenRequests:
         stream = self.streams.get(parent)
         sample_ids, _ = self.abort(parent)
         if stream is not None:
-            error = RequestRefused(message)
+            error = RequestRefused(message, retry_after_s=retry_after_s)
             stream.settle(error)
             stream.put(error)
         return [sid for sid in sample_ids if sid != sample_id]

@@ -41,11 +41,15 @@ class RequestRefused(ValueError):
     Args:
         message: why (the core's ``EngineCoreOutput.error``).
         request_id: the refused request's id, where the raiser knows it.
+        retry_after_s: set when the server was busy rather than the request bad (the
+            core's ``EngineCoreOutput.retry_after_s``): the server answers 429 then.
     """
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
+    def __init__(self, message: str, request_id: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.retry_after_s = retry_after_s
 
 
 class RequestStream:

@@ -60,7 +60,13 @@ async def admit_all(engine: AsyncLLM, add: Callable[[int], RequestStream], count
 def refused(error: RequestRefused, param: str | None) -> OpenAIError:
     """The 400 for a request the engine core refused, naming ``param`` (the request field
     it is about, e.g. the one that held a grammar that did not compile in time) unless the
-    message names a field itself."""
+    message names a field itself; a 429 (type ``rate_limit_exceeded``, code
+    ``grammar_compiles_busy``, with ``Retry-After``) when the core was busy rather than the
+    request bad (``error.retry_after_s`` set: grammar compiles saturated)."""
+    if error.retry_after_s is not None:
+        return OpenAIError(str(error), 429, "rate_limit_exceeded", param=param,
+                           code="grammar_compiles_busy",
+                           headers={"Retry-After": str(max(1, round(error.retry_after_s)))})
     answer = invalid_request(error)
     if answer.param is None:
         answer.param = param
@@ -74,7 +80,7 @@ async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitabl
     Raises:
         OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
             request (``RequestRefused``: e.g. its grammar did not compile in time), its
-            ``param`` ``refused_param``.
+            ``param`` ``refused_param``; 429 if it refused it as busy (``refused``).
     """
     try:
         result = await run_unless_disconnected(raw, work, lambda: abort(streams))

@@ -7,7 +7,12 @@ the step loop. Such a compile cannot be interrupted: a thread stuck in C can be 
 cancelled nor killed. ``CompilePool`` therefore runs each compile on a thread of its own and
 counts at most ``num_threads`` of them as running; one past ``timeout_s`` is *abandoned*: its
 future fails with ``CompileTimeoutError`` at once and the next queued compile takes its slot,
-while the abandoned thread finishes in the background (its result is dropped). A compile in a
+while the abandoned thread finishes in the background (its result is dropped). Abandoned
+threads still use a core each, so at most ``max_threads`` compile threads live at once,
+abandoned ones included: a queued compile starts only while fewer run, and once the abandoned
+ones alone fill ``max_threads`` the pool is *saturated* (``is_saturated``): nothing starts until
+one of them ends on its own, and the server refuses new compiles (429) instead of queueing
+them behind threads that may run for minutes. A compile in a
 child process could be killed instead, but every child would need its own tokenizer tables
 (0.19 s measured to build for SmolLM2's 49k vocabulary, the tokenizer's load not counted;
 a replacement costs that after every kill) and each compiled grammar would have to be
@@ -31,18 +36,27 @@ class CompileTimeoutError(RuntimeError):
 
 class CompilePool:
     """Runs ``fn(*args)`` compiles, at most ``num_threads`` at a time, each abandoned once it
-    has run ``timeout_s`` seconds (``expire``). Thread-safe.
+    has run ``timeout_s`` seconds (``expire``), with at most ``max_threads`` compile threads
+    alive, abandoned ones included. Thread-safe.
 
     Args:
         num_threads: compiles counted as running at once (queued ones wait for a slot).
         timeout_s: seconds a compile may run (time queued not counted) before ``expire``
             fails its future with ``CompileTimeoutError``.
+        max_threads: compile threads alive at once, running and abandoned (None: twice
+            ``num_threads``).
         clock: seconds, monotonic (tests pass a fake one).
+
+    Raises:
+        ValueError: if ``max_threads`` is below ``num_threads``.
     """
 
-    def __init__(self, num_threads: int, timeout_s: float,
+    def __init__(self, num_threads: int, timeout_s: float, max_threads: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.num_threads, self.timeout_s, self._clock = num_threads, timeout_s, clock
+        self.max_threads = 2 * num_threads if max_threads is None else max_threads
+        if self.max_threads < num_threads:
+            raise ValueError(f"max_threads={max_threads} is below num_threads={num_threads}")
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
         self._running: dict[Future, float] = {}  # future -> when its compile started
@@ -73,6 +87,12 @@ class CompilePool:
             self._start_queued()
         return len(late)
 
+    @property
+    def is_saturated(self) -> bool:
+        """True while abandoned compiles alone hold ``max_threads`` threads: no compile can
+        start until one of them ends by itself (a thread in C cannot be stopped)."""
+        return self.num_abandoned >= self.max_threads
+
     def next_deadline(self) -> float | None:
         """When (``clock`` seconds) the earliest running compile will be past its limit;
         None when none runs."""
@@ -88,7 +108,8 @@ class CompilePool:
                 self._queue.popleft()[0].cancel()
 
     def _start_queued(self) -> None:  # with the lock held
-        while self._queue and len(self._running) < self.num_threads and not self._closed:
+        while (self._queue and len(self._running) < self.num_threads and not self._closed
+               and len(self._running) + self.num_abandoned < self.max_threads):
             future, fn, args = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue

@@ -126,17 +126,20 @@ class StructuredOutputManager:
         compile_timeout_s: seconds one compile may run (time queued for a thread not
             counted; the first compile's backend build counts).
         num_compile_threads: compiles running at once.
+        max_compile_threads: compile threads alive at once, abandoned ones included (None:
+            twice ``num_compile_threads``; see ``compile_pool``).
     """
 
     def __init__(self, make_backend: Callable[[], StructuredOutputBackend], vocab_size: int,
                  max_num_seqs: int, compile_timeout_s: float = 30.0,
-                 num_compile_threads: int = 2) -> None:
+                 num_compile_threads: int = 2, max_compile_threads: int | None = None) -> None:
         self._make_backend = make_backend
         self.vocab_size = vocab_size
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self.compile_timeout_s = compile_timeout_s
         self._num_compile_threads = num_compile_threads
+        self._max_compile_threads = max_compile_threads
         self._pool: CompilePool | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiling: dict[str, tuple[str, Future]] = {}  # request id -> (kind, future)
@@ -151,7 +154,8 @@ class StructuredOutputManager:
         future = self._cache.get(key)
         if future is None or _retried(future):
             if self._pool is None:
-                self._pool = CompilePool(self._num_compile_threads, self.compile_timeout_s)
+                self._pool = CompilePool(self._num_compile_threads, self.compile_timeout_s,
+                                         self._max_compile_threads)
             future = self._pool.submit(self._compile, params)
             self._cache[key] = future
             if len(self._cache) > _CACHE_SIZE:
@@ -161,6 +165,22 @@ class StructuredOutputManager:
         if not state.is_ready:
             self._compiling[request_id] = (params.kind, future)
         return state
+
+    def busy_message(self, params: StructuredOutputsParams) -> str | None:
+        """Why ``params`` cannot be compiled now, or None when it can (or needs no compile:
+        its grammar is cached, compiled or compiling): the compile pool is saturated
+        (abandoned compiles alone fill ``max_compile_threads``), so a new compile would wait
+        for one of them to end, which may take minutes. The server refuses such a request
+        (429) rather than queue it."""
+        future = self._cache.get(params.key)
+        if self._pool is None or not self._pool.is_saturated or \
+                (future is not None and not _retried(future)):
+            return None
+        return (f"the server is busy compiling structured-output grammars: "
+                f"{self._pool.num_abandoned} compiles that passed the "
+                f"{self.compile_timeout_s:g} s limit (--structured-output-compile-timeout) "
+                f"still run, the most it allows (--structured-output-max-compile-threads "
+                f"{self._pool.max_threads}); retry later")
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         try:
