@@ -70,6 +70,30 @@ def test_bans_follow_the_drafts_at_every_verification_position():
     assert sorted(plain.banned_token_ids[0]) == [2, 12, 12, 30]
 
 
+def test_allowed_token_ids_tensors_follow_the_batch_rows():
+    """The per-step tensors are reused while the rows stay (same objects) and rebuilt when
+    a request leaves or joins; each time they list exactly each row's allowed ids."""
+    def pairs(meta):
+        rows, positions, ids = meta.allowed_token_ids
+        return sorted((rows[p].item(), t) for p, t in zip(positions.tolist(), ids.tolist()))
+
+    batch = InputBatch(3, [FULL])
+    for rid, allowed in (("a", [4, 9]), ("b", None), ("c", [7])):
+        params = SamplingParams(allowed_token_ids=allowed)
+        batch.add_request(RequestState(rid, [5, 6], params, 2), [], ([1],), 2)
+    inputs = SamplingInputs(torch.device("cpu"))
+    first = inputs.build(batch, np.arange(3))
+    assert pairs(first) == [(0, 4), (0, 9), (2, 7)]
+    again = inputs.build(batch, np.arange(3))
+    assert all(x is y for x, y in zip(again.allowed_token_ids, first.allowed_token_ids))
+    batch.remove_request("a")  # "c" moves to row 0
+    params = SamplingParams(allowed_token_ids=[3, 8, 11])
+    batch.add_request(RequestState("d", [5], params, 2), [], ([2],), 1)
+    assert batch.req_ids == ["c", "b", "d"]
+    assert pairs(inputs.build(batch, np.arange(3))) == [(0, 7), (2, 3), (2, 8), (2, 11)]
+    assert pairs(inputs.build(batch, np.array([1, 2]))) == [(1, 3), (1, 8), (1, 11)]
+
+
 def test_allowed_token_ids_mask_matches_a_row_loop():
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     allowed = {0: [1, 5], 2: [7]}

@@ -136,7 +136,8 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
         self.num_logprobs: dict[str, int] = {}
         self.logit_bias: dict[str, dict[int, float]] = {}
-        self.allowed_token_ids: dict[str, list[int]] = {}
+        # allowed_token_ids as int64 [K] host tensors, built once when the row is added
+        self.allowed_token_ids: dict[str, torch.Tensor] = {}
         self.bad_words: dict[str, list[list[int]]] = {}  # SamplingParams.bad_words_token_ids
         self.min_tokens_banned: dict[str, list[int]] = {}
         self.stop_ids: dict[str, list[int]] = {}  # request_stop_ids, when it has any
@@ -205,7 +206,7 @@ class InputBatch:
         if p.logit_bias:
             self.logit_bias[rid] = p.logit_bias
         if p.allowed_token_ids:
-            self.allowed_token_ids[rid] = p.allowed_token_ids
+            self.allowed_token_ids[rid] = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
         if p.bad_words_token_ids:
             self.bad_words[rid] = p.bad_words_token_ids
         stop = request_stop_ids(state)

@@ -27,6 +27,8 @@ class SamplingInputs:
         self.device = device
         self._key: tuple[int, bytes] | None = None
         self._dense: tuple = ()
+        self._allowed_key: tuple | None = None
+        self._allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def build(self, batch: InputBatch, rows: np.ndarray,
               grammar: GrammarBitmask | None = None,
@@ -64,7 +66,8 @@ class SamplingInputs:
         meta.penalties = _penalties(batch, rows, self.device)
         rows_of = {rid: (i,) for rid, i in position.items()}
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
-        _token_masks(meta, batch, rows, rows_of, None, self.device)
+        meta.allowed_token_ids = self._allowed_token_ids(batch, rows_of)
+        _bad_words(meta, batch, rows, rows_of, None)
         if grammar is not None:
             position = position or _sampling_positions(batch, rows, always=True)
             grammar_rows = [position[rid] for rid in grammar.request_ids]
@@ -89,7 +92,8 @@ class SamplingInputs:
         meta.penalties = _penalties(batch, rows, self.device, num_extra)
         rows_of = {rid: range(s, s + c) for rid, (s, c) in spans.items()}
         meta.logit_bias = _logit_bias(batch, rows_of, self.device) if batch.logit_bias else None
-        _token_masks(meta, batch, rows, rows_of, num_extra, self.device)
+        meta.allowed_token_ids = self._allowed_token_ids(batch, rows_of)
+        _bad_words(meta, batch, rows, rows_of, num_extra)
         if grammar is not None:
             grammar_rows, seen = [], {}
             for rid in grammar.request_ids:  # a request's k + 1 rows, in order
@@ -97,6 +101,32 @@ class SamplingInputs:
                 seen[rid] = seen.get(rid, 0) + 1
             meta.grammar = grammar_rows, grammar.bitmask.to(self.device, non_blocking=True)
         return meta
+
+    def _allowed_token_ids(self, batch: InputBatch, rows_of: dict[str, Sequence[int]]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``SamplingMetadata.allowed_token_ids`` of the sampling rows ``rows_of`` (request
+        id -> its sampling rows), or None when none is limited. Each request's ids are an
+        int64 tensor built once, when its row was added (``InputBatch.allowed_token_ids``);
+        they are concatenated and moved to the device only when the batch's rows
+        (``batch.version``) or the sampling rows change, so a decode step with the same rows
+        as the previous one reuses the last step's tensors (measured in
+        benchmarks/allowed_token_ids_host.py)."""
+        if not batch.allowed_token_ids:
+            return None
+        entries = tuple((rid, i) for rid in batch.allowed_token_ids
+                        for i in rows_of.get(rid, ()))
+        if not entries:
+            return None
+        key = (batch.version, entries)
+        if key != self._allowed_key:
+            ids = [batch.allowed_token_ids[rid] for rid, _ in entries]
+            positions = torch.from_numpy(np.repeat(np.arange(len(entries), dtype=np.int64),
+                                                   [len(t) for t in ids]))
+            self._allowed = (
+                torch.tensor([i for _, i in entries], dtype=torch.int64).to(self.device),
+                positions.to(self.device), torch.cat(ids).to(self.device))
+            self._allowed_key = key
+        return self._allowed
 
     def _dense_columns(self, batch: InputBatch, rows: np.ndarray) -> tuple:
         """(temperature, top_k, top_p, min_p, all_greedy) of ``rows``, cached while the batch
@@ -176,22 +206,11 @@ def _logit_bias(batch: InputBatch, rows_of: dict[str, Sequence[int]], device: to
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _token_masks(meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
-                 rows_of: dict[str, Sequence[int]], num_extra: np.ndarray | None,
-                 device: torch.device) -> None:
-    """Fill ``meta.allowed_token_ids`` and add each row's bad-word bans to
-    ``meta.banned_token_ids`` (``rows_of``: request id -> its sampling rows; ``num_extra``:
-    drafts counted as generated per sampling row, None for none)."""
-    if batch.allowed_token_ids:
-        entries = [(rid, i) for rid in batch.allowed_token_ids for i in rows_of.get(rid, ())]
-        if entries:
-            pos = [p for p, (rid, _) in enumerate(entries)
-                   for _ in batch.allowed_token_ids[rid]]
-            ids = [t for rid, _ in entries for t in batch.allowed_token_ids[rid]]
-            meta.allowed_token_ids = (
-                torch.tensor([i for _, i in entries], dtype=torch.int64, device=device),
-                torch.tensor(pos, dtype=torch.int64, device=device),
-                torch.tensor(ids, dtype=torch.int64, device=device))
+def _bad_words(meta: SamplingMetadata, batch: InputBatch, rows: np.ndarray,
+               rows_of: dict[str, Sequence[int]], num_extra: np.ndarray | None) -> None:
+    """Add each row's bad-word bans to ``meta.banned_token_ids`` (``rows_of``: request id ->
+    its sampling rows; ``num_extra``: drafts counted as generated per sampling row, None for
+    none)."""
     for rid, words in batch.bad_words.items():
         longest = max(len(w) for w in words) - 1
         for i in rows_of.get(rid, ()):
