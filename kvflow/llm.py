@@ -109,7 +109,8 @@ class LLM:
                 not callable (nothing is queued then); ``RequestRefused`` (a ValueError)
                 ``"prompt <i>: <why>"`` when the engine core could not run prompt ``i`` (its
                 structured-output grammar did not compile within
-                ``structured_output_compile_timeout``, or failed to): this call's other
+                ``structured_output_compile_timeout``, or failed to, or its
+                ``allowed_token_ids`` miss every token it allows first): this call's other
                 requests are aborted then and their outputs dropped; the engine stays
                 usable.
         """

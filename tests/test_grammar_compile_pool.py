@@ -203,6 +203,43 @@ def test_manager_is_busy_while_timed_out_compiles_fill_every_thread():
     manager.shutdown()
 
 
+class FirstTokenBackend(BlockingBackend):
+    """Compiles grammar ``"t<i>,<j>"`` to a matcher whose first step allows tokens i and j."""
+
+    def new_matcher(self, compiled: str):
+        class Matcher:
+            def fill_bitmask(self, bitmask, row):
+                bitmask[row].zero_()
+                for t in map(int, compiled[1:].split(",")):
+                    bitmask[row, t // 32] |= 1 << (t % 32)
+
+        return Matcher()
+
+
+def test_allowed_token_ids_are_checked_against_the_first_step_before_scheduling():
+    """A request with allowed_token_ids is not ready (not schedulable) until ``take_failed``
+    checked its grammar's first step: refused when the sets are disjoint (33 and 70 allowed
+    first, 34 and 69 by the request; neighbours in the same bitmask words), ready when they
+    share a token (70)."""
+    manager = StructuredOutputManager(FirstTokenBackend, vocab_size=100, max_num_seqs=4,
+                                      compile_timeout_s=5.0)
+    grammar = StructuredOutputsParams(grammar="t33,70")
+    plain = manager.request_state(grammar, "plain")
+    disjoint = manager.request_state(grammar, "disjoint", [34, 69])
+    shared = manager.request_state(grammar, "shared", [5, 70])
+    _wait_until(lambda: plain.is_ready)  # compiled; the others wait for the check
+    assert disjoint.is_compiled and not disjoint.is_ready and not shared.is_ready
+    failed = manager.take_failed()
+    message = ("SamplingParams.allowed_token_ids allows none of the tokens the grammar can "
+               "start with: no output could satisfy both; allow a token that can begin the "
+               "grammar's text")
+    assert failed == [("disjoint", message)]
+    assert shared.is_ready and not disjoint.is_ready
+    again = manager.request_state(grammar, "cached", [70])  # compiled: checked next call
+    assert not again.is_ready and manager.take_failed() == [] and again.is_ready
+    manager.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"structured_output_compile_timeout": 0}, "structured_output_compile_timeout=0 must"),
     ({"structured_output_compile_timeout": -1.5}, "compile_timeout=-1.5 must"),

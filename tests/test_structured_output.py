@@ -98,6 +98,34 @@ def test_grammar_ebnf(llm):
             assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", o.text), o.text
 
 
+def _token_ids(tokenizer, keep) -> list[int]:
+    """The ids of the tokens whose text passes ``keep``."""
+    return [i for i in range(len(tokenizer)) if keep(tokenizer.decode([i]))]
+
+
+def test_allowed_token_ids_missing_the_grammar_start_are_refused(llm, assert_no_leaks):
+    """A JSON object's text begins with ``{`` or whitespace, so allowed_token_ids of
+    letters-only tokens leave a JSON schema's first step nothing to sample: the request is
+    refused naming allowed_token_ids (the call's other prompt aborted), not run to an empty
+    ``length``. With the tokens that begin with ``{`` allowed too it runs and starts with one."""
+    tokenizer = llm.get_tokenizer()
+    letters = _token_ids(tokenizer, str.isalpha)
+    assert len(letters) > 50
+    refused = SamplingParams(max_tokens=8, allowed_token_ids=letters,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    with pytest.raises(ValueError, match=r"^prompt 1: SamplingParams\.allowed_token_ids allows "
+                                         r"none of the tokens the JSON schema can start with"):
+        llm.generate(PROMPTS[:2], [_constrained(0, json=SCHEMA), refused], use_tqdm=False)
+    assert_no_leaks(llm)
+    braces = _token_ids(tokenizer, lambda text: text.startswith("{"))
+    params = SamplingParams(max_tokens=8, allowed_token_ids=letters + braces,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    (out,) = _run(llm, [params], PROMPTS[:1])
+    assert out.token_ids[0] in braces and out.text.startswith("{")
+    assert set(out.token_ids) <= set(letters + braces)
+    assert_no_leaks(llm)
+
+
 def test_mixed_batch_leaves_unconstrained_rows_untouched(llm):
     free = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)]

@@ -356,7 +356,7 @@ class EngineCore:
                 raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is "
                                  "set)")
             request.structured_output = self.structured_output.request_state(
-                structured, request.request_id)
+                structured, request.request_id, request.sampling_params.allowed_token_ids)
         self.scheduler.add_request(request)
 
     def admission_verdict(self, requests: list[Request]) -> float | None:
@@ -392,7 +392,8 @@ class EngineCore:
         return failed + outputs
 
     def _finish_failed_compiles(self) -> list[EngineCoreOutput]:
-        """End the waiting requests whose grammar compile failed or passed its time limit:
+        """End the waiting requests whose grammar compile failed or passed its time limit,
+        or whose ``allowed_token_ids`` miss every token their grammar allows first:
         finish_reason ``abort`` with the error (the API answers it with a 400). They were
         never scheduled, so they hold no KV blocks."""
         outputs = []

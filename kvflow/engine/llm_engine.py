@@ -158,7 +158,8 @@ class LLMEngine:
         Raises:
             RequestRefused: (a ValueError) when the core could not run a request (an output
                 with ``error``: its grammar did not compile within
-                ``structured_output_compile_timeout``, or failed to), naming it by
+                ``structured_output_compile_timeout``, or failed to; or its
+                ``allowed_token_ids`` miss every token the grammar allows first), naming it by
                 ``request_id``; the step's other outputs are folded in first, the refused
                 request forgotten and its other samples aborted (the other requests keep
                 running; a caller that does not re-raise may step on).

@@ -50,6 +50,8 @@ from kvflow.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU)
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+               "choice": "choice", "grammar": "grammar"}
 
 
 def _retried(future: Future) -> bool:
@@ -66,19 +68,29 @@ def _retried(future: Future) -> bool:
 class RequestStructuredOutput:
     """A request's constraint: its compile future, then its matcher (made on first use)."""
 
-    def __init__(self, future: Future, new_matcher: Callable[[Any], StructuredOutputGrammar]
-                 ) -> None:
+    def __init__(self, future: Future, new_matcher: Callable[[Any], StructuredOutputGrammar],
+                 check_first_step: bool = False) -> None:
         self._future = future
         self._new_matcher = new_matcher
         self._matcher: StructuredOutputGrammar | None = None
+        # the request has allowed_token_ids: not ready until the manager has checked that
+        # the grammar's first step allows one of them (``_take_disjoint_first_steps``)
+        self.first_step_unchecked = check_first_step
+
+    @property
+    def is_compiled(self) -> bool:
+        """True once the grammar compiled (False while it compiles, or if it failed)."""
+        future = self._future
+        return future.done() and not future.cancelled() and future.exception() is None
 
     @property
     def is_ready(self) -> bool:
-        """True once the grammar compiled: the request may be scheduled. A compile that
-        failed or timed out leaves it False: the engine core ends such a request
-        (``StructuredOutputManager.take_failed``) before it is ever scheduled."""
-        future = self._future
-        return future.done() and not future.cancelled() and future.exception() is None
+        """True once the grammar compiled (and its first step was checked against the
+        request's ``allowed_token_ids``): the request may be scheduled. A compile that
+        failed or timed out, or a first step the allowed ids miss, leaves it False: the
+        engine core ends such a request (``StructuredOutputManager.take_failed``) before it
+        is ever scheduled."""
+        return self.is_compiled and not self.first_step_unchecked
 
     @property
     def matcher(self) -> StructuredOutputGrammar | None:
@@ -143,13 +155,17 @@ class StructuredOutputManager:
         self._pool: CompilePool | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiling: dict[str, tuple[str, Future]] = {}  # request id -> (kind, future)
+        # request id -> (kind, state, allowed_token_ids): first steps to check once compiled
+        self._first_checks: dict[str, tuple[str, RequestStructuredOutput, list[int]]] = {}
         self._max_num_seqs = max_num_seqs
         self._bitmask: torch.Tensor | None = None
 
-    def request_state(self, params: StructuredOutputsParams, request_id: str
-                      ) -> RequestStructuredOutput:
+    def request_state(self, params: StructuredOutputsParams, request_id: str,
+                      allowed_token_ids: list[int] | None = None) -> RequestStructuredOutput:
         """Start (or reuse) the compile of ``params`` for request ``request_id``; returns
-        the request's state. ``take_failed`` names the request if its compile fails."""
+        the request's state. ``take_failed`` names the request if its compile fails, or if
+        the grammar's first token can be none of ``allowed_token_ids`` (the request's
+        ``SamplingParams.allowed_token_ids``, None: any token)."""
         key = params.key
         future = self._cache.get(key)
         if future is None or _retried(future):
@@ -161,9 +177,12 @@ class StructuredOutputManager:
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        state = RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled))
-        if not state.is_ready:
+        state = RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled),
+                                        check_first_step=bool(allowed_token_ids))
+        if not state.is_compiled:
             self._compiling[request_id] = (params.kind, future)
+        if allowed_token_ids:
+            self._first_checks[request_id] = (params.kind, state, allowed_token_ids)
         return state
 
     def busy_message(self, params: StructuredOutputsParams) -> str | None:
@@ -196,11 +215,13 @@ class StructuredOutputManager:
         """Abandon compiles past the time limit, then return ``(request id, error message)``
         for each request (given to ``request_state`` by id) whose compile failed since the
         last call: timed out (``structured_output_compile_timeout`` named) or raised (the
-        error's message). Requests whose compile succeeded are forgotten here. Ids of
+        error's message); or whose grammar compiled but allows none of its
+        ``allowed_token_ids`` first (the others with such ids are ready now). Requests whose
+        compile succeeded are forgotten here. Ids of
         requests finished meanwhile may be among them (the caller skips unknown ids)."""
-        if self._pool is None or not self._compiling:
+        if self._pool is None or not (self._compiling or self._first_checks):
             return []
-        if self._pool.expire():
+        if self._compiling and self._pool.expire():
             logger.warning("structured output: a grammar compile passed the %g s limit "
                            "(--structured-output-compile-timeout); %d abandoned compiles "
                            "still run", self.compile_timeout_s, self._pool.num_abandoned)
@@ -210,13 +231,37 @@ class StructuredOutputManager:
                 del self._compiling[rid]
                 if future.cancelled() or future.exception() is not None:
                     failed.append((rid, self._failure_message(kind, future)))
+        return failed + self._take_disjoint_first_steps()
+
+    def _take_disjoint_first_steps(self) -> list[tuple[str, str]]:
+        """``(request id, error message)`` of each compiled request whose
+        ``allowed_token_ids`` allow none of the tokens its grammar allows first: its first
+        step's logits would all be masked (no output could satisfy both). Checked once per
+        request, when its grammar is ready (one bitmask row: its matcher at the start)."""
+        failed = []
+        for rid, (kind, state, allowed) in list(self._first_checks.items()):
+            if not state.is_compiled:
+                if rid not in self._compiling:  # its compile failed: reported as such
+                    del self._first_checks[rid]
+                continue
+            del self._first_checks[rid]
+            row = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+            state.matcher.fill_bitmask(row, 0)
+            ids = torch.tensor(allowed, dtype=torch.int64)
+            if ((row[0, ids // 32] >> (ids % 32)) & 1).any():  # bit t % 32 of word t // 32
+                state.first_step_unchecked = False
+                continue
+            what = _KIND_NAMES.get(kind, kind)
+            message = (f"SamplingParams.allowed_token_ids allows none of the tokens the {what} "
+                       f"can start with: no output could satisfy both; allow a token that can "
+                       f"begin the {what}'s text")
+            failed.append((rid, message))
         return failed
 
     def _failure_message(self, kind: str, future: Future) -> str:
         error = None if future.cancelled() else future.exception()
         if isinstance(error, CompileTimeoutError):
-            what = {"json": "JSON schema", "json_object": "JSON object constraint",
-                    "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, kind)
+            what = _KIND_NAMES.get(kind, kind)
             return (f"the {what} did not compile within "
                     f"{self.compile_timeout_s:g} s (the server's "
                     "--structured-output-compile-timeout); simplify it (bounded repetitions "

@@ -210,6 +210,24 @@ def test_unbounded_grammar_ends_with_length(client):
     assert resp.choices[0].finish_reason == "length"
 
 
+def test_allowed_token_ids_missing_the_schema_start_get_400(server, built_models, tiny_llama):
+    """Letters-only allowed_token_ids cannot begin a JSON object (``{`` or whitespace
+    first): a 400 naming allowed_token_ids, not an empty ``length`` reply."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tools_model(tiny_llama, built_models))
+    letters = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).isalpha()]
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 8, "allowed_token_ids": letters,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "weather", "schema": SCHEMA}}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == ("allowed_token_ids", "invalid_value")
+    assert error["message"].startswith(
+        "allowed_token_ids allows none of the tokens the JSON schema can start with")
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
