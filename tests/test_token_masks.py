@@ -210,6 +210,18 @@ def test_truncation_keeps_the_last_tokens(small_llm, tiny_tokenizer):
     assert minus_one.outputs[0].token_ids == whole.outputs[0].token_ids
 
 
+def test_truncated_text_prompt_keeps_its_text_as_vllm_does(small_llm, tiny_tokenizer):
+    """vLLM's ``RequestOutput.prompt`` is the text as given (its engines hand the caller's
+    prompt text to the output processor; truncation cuts only the token ids), so kvflow's is
+    too: the whole text, while ``prompt_token_ids`` are the last 6 of its tokenization."""
+    text = "prefix caching reuses them, chunked prefill splits long"
+    ids = tiny_tokenizer.encode(text)
+    (out,) = small_llm.generate(text, SamplingParams(max_tokens=2, truncate_prompt_tokens=6),
+                                use_tqdm=False)
+    assert out.prompt_token_ids == ids[-6:]
+    assert out.prompt == text != tiny_tokenizer.decode(ids[-6:])
+
+
 def test_truncation_cuts_a_prompt_longer_than_the_context(small_llm, tiny_tokenizer):
     """A prompt of more than max_model_len (64) tokens is cut first, then checked (vLLM's
     order, and the server's): the last 6 tokens answer as that prompt sent alone."""
