@@ -77,6 +77,47 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    # ---- sleep mode (vLLM's; needs enable_sleep_mode=True) -----------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory while the engine is idle: level 1 offloads the weights to
+        host memory (on a CPU device they stay) and frees the KV cache; level 2 drops both
+        (wake_up, then ``collective_rpc("reload_weights")``). The prefix cache is reset; a
+        second sleep is a no-op. Generation is refused until :meth:`wake_up`.
+
+        Raises:
+            ValueError: without enable_sleep_mode, for a level other than 1 and 2, or while
+                requests are in flight.
+        """
+        self.engine.local_core("sleep").sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give back what :meth:`sleep` freed: ``tags`` "weights" and/or "kv_cache" (None:
+        both); the KV cache has as many blocks as before. A no-op while awake.
+
+        Raises:
+            ValueError: for an unknown tag.
+        """
+        self.engine.local_core("wake_up").wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from :meth:`sleep` until every tag woke up."""
+        return self.engine.local_core("is_sleeping").sleep_mode.is_sleeping
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run the Worker method named ``method`` on every rank (e.g. ``"reload_weights"``
+        after a level-2 sleep) and return the results by rank; a callable (called as
+        ``method(worker, *args, **kwargs)``) only with the in-process executor.
+
+        Raises:
+            ValueError: for a name that is not a Worker method, a callable with worker
+                processes, or a ``timeout`` (not supported: calls are waited for).
+        """
+        if timeout is not None:
+            raise ValueError(f"collective_rpc timeout={timeout!r} is not supported; leave it "
+                             "None (the call is waited for)")
+        return self.engine.local_core("collective_rpc").collective_rpc(method, args, kwargs)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,

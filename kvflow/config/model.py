@@ -96,6 +96,10 @@ class ModelConfig:
                                        "of token ids (LLM.generate({'prompt_embeds': "
                                        "tensor}), /v1/completions prompt_embeds); refused "
                                        "with speculative decoding")
+    enable_sleep_mode: bool = opt(False, "allow LLM.sleep / LLM.wake_up (and the server's "
+                                    "/sleep, /wake_up under KVFLOW_SERVER_DEV_MODE=1): free "
+                                    "the KV cache (and offload or drop the weights) while "
+                                    "idle, as vLLM's flag of the same name")
     generation_config: str = opt("auto", "sampling defaults: auto (temperature, top_p, top_k, "
                                   "min_p, repetition_penalty, max_new_tokens from the model "
                                   "folder's generation_config.json; a request's own values "

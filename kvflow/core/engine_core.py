@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from kvflow.config import EngineConfig, SchedulerConfig
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
@@ -20,6 +21,7 @@ from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
 from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
+from kvflow.core.sleep_mode import EngineSleep
 from kvflow.core.unread_options import (
     check_cpu_only_options,
     check_no_image_settings,
@@ -69,6 +71,7 @@ class EngineCore:
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()
+        self.sleep_mode = EngineSleep(config.model_config.enable_sleep_mode)
         self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
 
     def _init_platform(self) -> None:
@@ -323,6 +326,22 @@ class EngineCore:
         self.executor.collective_rpc("remove_lora", lora_int_id)
         return True
 
+    # ---- sleep mode (core/sleep_mode.py) ---------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and offload (level 1) or drop (level 2) the weights on every
+        worker; needs an idle engine (see :meth:`EngineSleep.sleep` for what is raised)."""
+        self.sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` ("weights", "kv_cache"; None: both); see :meth:`EngineSleep.wake_up`."""
+        self.sleep_mode.wake_up(self, tags)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None
+                       ) -> list[Any]:
+        """A Worker method on every rank, results by rank (see
+        :meth:`EngineSleep.collective_rpc` for what is raised)."""
+        return self.sleep_mode.collective_rpc(self, method, args, kwargs)
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request (see InputProcessor). A constrained request starts its
@@ -332,10 +351,14 @@ class EngineCore:
         Raises:
             ValueError: for a duplicate id, a prompt at max_model_len, structured outputs
                 on an engine without a tokenizer, images for a text-only model, a LoRA
-                adapter that cannot be loaded, a generation request to an embedding
+                adapter that cannot be loaded, an engine asleep (or whose weights a
+                level-2 sleep dropped), a generation request to an embedding
                 engine (and the reverse), or prompt embeddings to an engine without
                 ``enable_prompt_embeds`` (the front end refuses them first).
         """
+        refusal = self.sleep_mode.refusal()
+        if refusal is not None:
+            raise ValueError(f"request {request.request_id!r} refused: {refusal}")
         asked = "generate" if request.pooling_params is None else request.pooling_params.task
         served = (self.task,) if self.pooler_config is None else self.pooler_config.tasks
         if asked not in served:

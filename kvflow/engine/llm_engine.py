@@ -142,6 +142,17 @@ class LLMEngine:
             raise
         return request_id
 
+    def local_core(self, what: str) -> EngineCore:
+        """The in-process EngineCore, for calls a data-parallel client does not relay.
+
+        Raises:
+            ValueError: with data_parallel_size > 1 (``what`` names the call).
+        """
+        if self.config.parallel_config.data_parallel_size > 1:
+            raise ValueError(f"{what} is not available offline with data_parallel_size > 1 "
+                             "(the API server's /sleep and /wake_up reach every replica)")
+        return self.core
+
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort(request_id))
 

@@ -83,6 +83,9 @@ class Executor(ABC):
     # Whether the step can be split (launch_forward / collect_output / launch_sampling) for
     # async scheduling.
     supports_async_scheduling: bool = False
+    # Whether the workers run in the caller's process (collective_rpc may then pass a
+    # callable, not only a Worker method's name).
+    runs_in_process: bool = False
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         self.config = config

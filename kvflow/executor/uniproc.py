@@ -20,6 +20,7 @@ class UniprocExecutor(Executor):
     """
 
     supports_async_scheduling = True
+    runs_in_process = True
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         super().__init__(config, source, hf_config, dtype)

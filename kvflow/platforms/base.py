@@ -71,6 +71,9 @@ class Platform(ABC):
     def reset_peak_memory(self) -> None:
         """Release cached blocks and reset the peak-allocation counter (no-op on CPU)."""
 
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached free blocks back to the device (no-op on CPU)."""
+
     def peak_memory(self) -> int:
         """Bytes allocated at the peak since ``reset_peak_memory`` (0 where unknown)."""
         return 0

@@ -84,6 +84,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def reset_peak_memory(self) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -95,15 +95,25 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.adaptive_threads, self.caller_pin = configure_runner_threads(config,
                                                                               self.parallel)
-        self._init_model(source, hf_config)
-        self.drafter = make_draft_model(config, platform, source, hf_config, dtype,
-                                        self.device)
+        self.source, self.hf_config = source, hf_config
+        self.load_model()
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
         self.counters = ForwardCounters()  # tokens and seconds in the forward (statistics)
+
+    def load_model(self) -> None:
+        """Build the model (and the draft model, if any) and load their weights: at start-up,
+        and again for ``reload_weights`` (``worker/sleep_mode.py``).
+
+        Raises:
+            ValueError: for a model, checkpoint or quantization that cannot be used.
+        """
+        self._init_model(self.source, self.hf_config)
+        self.drafter = make_draft_model(self.config, self.platform, self.source,
+                                        self.hf_config, self.dtype, self.device)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         mc = self.config.model_config
@@ -221,8 +231,6 @@ class ModelRunner:
         tensors = self.local_kv_tensors(kv_cache_config)
         check_kv_cache_config(kv_cache_config, self.config.cache_config, self.platform,
                               len(tensors), self.parallel.cp.world_size)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        draft = kv_cache_config.draft_group
         self.kv_cache_config = kv_cache_config
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         try:  # its rows are mapped zero pages, taken only as requests fill them
@@ -232,16 +240,24 @@ class ModelRunner:
             raise ValueError(f"max_num_seqs={max_num_seqs}: the runner's rows for that many "
                              "requests do not fit in this machine's memory; lower it") from None
         self.requests = {}
-        self.kv_caches = allocate_kv_caches(tensors, spec, kv_cache_config.num_blocks,
-                                            self.attn_layers, self.device,
-                                            self.parallel.cp.world_size)
+        self.allocate_kv_tensors(kv_cache_config)
+        if self.device.type == "cpu":  # after the weights and the cache: only activations
+            keep_freed_memory()        # (each step's) stay in the heap
+
+    def allocate_kv_tensors(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate and bind this rank's KV tensors (the draft model's and the swap pool's
+        too) for ``kv_cache_config``: ``initialize_kv_cache``'s allocation, also run when a
+        sleeping KV cache wakes up (``worker/sleep_mode.py``)."""
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        draft = kv_cache_config.draft_group
+        self.kv_caches = allocate_kv_caches(self.local_kv_tensors(kv_cache_config), spec,
+                                            kv_cache_config.num_blocks, self.attn_layers,
+                                            self.device, self.parallel.cp.world_size)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
         self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
                                    pin_memory=self.device.type == "cuda") \
             if kv_cache_config.num_host_blocks else None
-        if self.device.type == "cpu":  # after the weights and the cache: only activations
-            keep_freed_memory()        # (each step's) stay in the heap
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Set up the decode-step graph runner (``worker/step_graphs.py``: CUDA graphs

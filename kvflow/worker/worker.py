@@ -27,6 +27,7 @@ from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import get_platform
 from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.sleep_mode import RunnerSleep, check_wake_tags, kv_tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Worker:
         self.runner = ModelRunner(config, self.platform, source, hf_config, dtype,
                                   self.parallel)
         self.num_steps, self.step_time_s = 0, 0.0
+        self.sleep_state = RunnerSleep()
 
     def _init_device(self, local_rank: int) -> None:
         """Bind the device: data-parallel replica ``d`` of engines with ``W`` ranks each uses
@@ -115,6 +117,56 @@ class Worker:
 
     def capture_graphs(self, max_model_len: int) -> None:
         self.runner.capture_graphs(max_model_len)
+        self.sleep_state.graphs_len = max_model_len  # to make them again after a sleep
+
+    # ---- sleep mode (worker/sleep_mode.py) -------------------------------------------------
+    def sleep(self, level: int = 1) -> int:
+        """Free this rank's KV tensors and offload (level 1) or drop (level 2) its weights;
+        a no-op if it sleeps already. Returns the KV tensors' bytes still held (0).
+
+        Raises:
+            ValueError: for a level other than 1 and 2.
+        """
+        self.sleep_state.sleep(self.runner, level)
+        return kv_tensor_bytes(self.runner)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` ("weights", "kv_cache"; None: both) where they sleep.
+
+        Raises:
+            ValueError: for an unknown tag.
+        """
+        self.sleep_state.wake_up(self.runner, check_wake_tags(tags))
+
+    def reload_weights(self) -> None:
+        """Load the model's weights again from its checkpoint (after ``sleep(level=2)``
+        dropped them, or to read changed files).
+
+        Raises:
+            ValueError: while the weights sleep, or for a checkpoint that cannot be loaded.
+        """
+        self.sleep_state.reload_weights(self.runner)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV tensors this rank holds now (each storage once)."""
+        return kv_tensor_bytes(self.runner)
+
+    def run_method(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """``collective_rpc``'s call on this rank: the public Worker method named ``method``
+        (or, in the engine's own process, a callable run as ``method(worker, ...)``).
+
+        Raises:
+            ValueError: for a name that is not a public method of Worker.
+        """
+        if callable(method):
+            return method(self, *args, **(kwargs or {}))
+        if not isinstance(method, str) or method.startswith("_") or \
+                not callable(getattr(type(self), method, None)):
+            public = sorted(n for n in dir(type(self))
+                            if not n.startswith("_") and callable(getattr(type(self), n)))
+            raise ValueError(f"collective_rpc method={method!r} is not a Worker method; "
+                             f"valid: {public}")
+        return getattr(self, method)(*args, **(kwargs or {}))
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load a LoRA adapter (see :meth:`ModelRunner.add_lora`).

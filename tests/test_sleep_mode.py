@@ -1,0 +1,211 @@
+"""Sleep mode (vLLM's LLM.sleep / wake_up / collective_rpc("reload_weights")) on the tiny Llama:
+greedy output after a wake-up equals the output before the sleep and transformers' greedy
+decoding; the KV tensors (and, at level 2, the weights) are really let go while asleep;
+requests are refused while asleep and a sleep is refused while requests run."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.kernels.cpu_native import native_cpu_kernels
+
+# prompts of whole blocks (block_size 4): a prefix cache that survived the sleep would hit
+PROMPTS = [[5, 9, 23, 41, 7, 77, 120, 3, 64, 200, 11, 12],
+           [5, 9, 23, 41, 7, 77, 120, 3, 90, 31],
+           [150, 2, 88, 17, 240, 33]]
+MAX_TOKENS = 8
+NUM_BLOCKS = 64
+
+
+def _engine(path: str, **kwargs) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=NUM_BLOCKS,
+               block_size=4, enable_sleep_mode=True, **kwargs)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params,
+                                                                use_tqdm=False)]
+
+
+def _hf_greedy(tiny) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            seq = tiny.hf_model.generate(torch.tensor([ids]), do_sample=False,
+                                         max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                         pad_token_id=0)
+            out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+def _runner(llm: LLM):
+    return llm.engine.core.executor.runner
+
+
+def _kv_bytes(llm: LLM) -> int:
+    return sum(llm.collective_rpc("kv_cache_bytes"))
+
+
+def test_level_1_frees_the_kv_cache_and_wakes_to_the_same_greedy_output(
+        tiny_llama, assert_no_leaks):
+    llm = _engine(tiny_llama.path)
+    expected = _hf_greedy(tiny_llama)
+    assert _greedy(llm) == expected  # fills the prefix cache too
+    runner = _runner(llm)
+    shapes = llm.collective_rpc("kv_cache_shapes")
+    kv_bytes = _kv_bytes(llm)
+    assert kv_bytes == sum(c.numel() * c.element_size() for c in runner.kv_caches) > 0
+    had_graphs = runner.graph_runner is not None
+    assert had_graphs == (native_cpu_kernels() is not None)  # CPU step graphs: remade below
+    old_kv = [weakref.ref(c) for c in runner.kv_caches]
+    weight = weakref.ref(runner.model.model.layers[0].mlp.down_proj.weight)
+    assert not llm.is_sleeping()
+
+    llm.sleep(level=1)
+    gc.collect()
+    assert llm.is_sleeping()
+    assert _kv_bytes(llm) == 0 and runner.kv_caches == []
+    assert all(ref() is None for ref in old_kv), "a KV tensor is still referenced"
+    assert weight() is not None  # level 1 on a CPU device keeps the weights
+    with pytest.raises(ValueError, match="asleep.*wake_up"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_no_leaks(llm)
+
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert llm.collective_rpc("kv_cache_shapes") == shapes  # as many blocks as before
+    assert _kv_bytes(llm) == kv_bytes
+    assert (runner.graph_runner is not None) == had_graphs
+    assert llm.engine.core.kv_cache_manager.pool.num_usable_blocks == NUM_BLOCKS - 1
+    assert _greedy(llm) == expected
+    assert_no_leaks(llm)
+
+
+def test_level_2_drops_the_weights_until_reload_weights(tiny_llama, assert_no_leaks):
+    llm = _engine(tiny_llama.path)
+    expected = _hf_greedy(tiny_llama)
+    assert _greedy(llm) == expected
+    runner = _runner(llm)
+    weight = weakref.ref(runner.model.model.layers[0].mlp.down_proj.weight)
+    weight_bytes = llm.engine.core.weight_bytes
+
+    llm.sleep(level=2)
+    gc.collect()
+    assert weight() is None, "the dropped weights are still referenced"
+    assert runner.model is None and _kv_bytes(llm) == 0
+    with pytest.raises(ValueError, match="reload_weights"):  # asleep weights: wake first
+        llm.collective_rpc("reload_weights")
+
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    with pytest.raises(ValueError, match="reload_weights"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.collective_rpc("reload_weights") == [None]
+    assert llm.engine.core.weight_bytes == weight_bytes
+    assert (runner.graph_runner is not None) == (native_cpu_kernels() is not None)
+    assert _greedy(llm) == expected
+    assert_no_leaks(llm)
+
+
+def test_weights_then_kv_cache_woken_separately(tiny_llama):
+    """The RLHF order: wake the weights (reload / update them), then the KV cache."""
+    llm = _engine(tiny_llama.path)
+    expected = _greedy(llm)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping() and _kv_bytes(llm) == 0
+    llm.collective_rpc("reload_weights")  # no KV tensor to rebind yet
+    with pytest.raises(ValueError, match="asleep"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and _kv_bytes(llm) > 0
+    assert _greedy(llm) == expected
+
+
+def test_sleep_with_a_request_in_flight_is_refused(tiny_llama, assert_no_leaks):
+    llm = _engine(tiny_llama.path)
+    expected = _greedy(llm)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(ValueError, match=r"1 request\(s\) in flight"):
+        llm.sleep()
+    assert not llm.is_sleeping() and _kv_bytes(llm) > 0
+    while engine.has_unfinished_requests():  # it finishes normally
+        engine.step()
+    llm.sleep()
+    llm.wake_up()
+    assert _greedy(llm) == expected
+    assert_no_leaks(llm)
+
+
+def test_double_sleep_and_wake_while_awake_are_no_ops(tiny_llama, caplog):
+    llm = _engine(tiny_llama.path)
+    expected = _greedy(llm)
+    llm.wake_up()  # awake: nothing to do
+    assert not llm.is_sleeping() and _kv_bytes(llm) > 0
+    llm.sleep(1)
+    with caplog.at_level("WARNING", logger="kvflow"):
+        llm.sleep(2)  # asleep already: stays at level 1 (vLLM's behaviour), weights kept
+    assert "asleep already" in caplog.text
+    assert _runner(llm).model is not None
+    llm.wake_up()
+    llm.wake_up()
+    assert _greedy(llm) == expected
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda llm: llm.sleep(level=3), "sleep level=3"),
+    (lambda llm: llm.sleep(level=0), "sleep level=0"),
+    (lambda llm: llm.wake_up(tags=["weights", "kv"]), r"unknown \['kv'\]"),
+    (lambda llm: llm.wake_up(tags="weights"), "non-empty list"),
+    (lambda llm: llm.collective_rpc("no_such_method"), "not a Worker method"),
+    (lambda llm: llm.collective_rpc("_init_device"), "not a Worker method"),
+    (lambda llm: llm.collective_rpc("kv_cache_bytes", timeout=5.0), "timeout"),
+])
+def test_bad_arguments_are_refused(tiny_llama, call, match):
+    llm = _engine(tiny_llama.path)
+    llm.sleep()
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+    llm.wake_up()
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+
+
+def test_sleep_needs_enable_sleep_mode(tiny_llama):
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="enable_sleep_mode"):
+        llm.sleep()
+    assert not llm.is_sleeping()
+
+
+def test_collective_rpc_runs_a_callable_in_process(tiny_llama):
+    llm = _engine(tiny_llama.path)
+    assert llm.collective_rpc(lambda worker, k: worker.rank + k, args=(10,)) == [10]
+    assert llm.collective_rpc("weight_bytes") == [llm.engine.core.weight_bytes]
+
+
+def test_worker_processes_sleep_and_wake(tiny_llama):
+    """The mp executor: the calls reach the worker process; a callable is refused there."""
+    llm = _engine(tiny_llama.path, distributed_executor_backend="mp")
+    try:
+        expected = _hf_greedy(tiny_llama)
+        assert _greedy(llm) == expected
+        kv_bytes = _kv_bytes(llm)
+        llm.sleep(level=2)
+        assert _kv_bytes(llm) == 0
+        assert llm.collective_rpc("weight_bytes") == [0]
+        llm.wake_up()
+        llm.collective_rpc("reload_weights")
+        assert _kv_bytes(llm) == kv_bytes
+        assert _greedy(llm) == expected
+        with pytest.raises(ValueError, match="in-process executor"):
+            llm.collective_rpc(lambda worker: worker.rank)
+    finally:
+        llm.shutdown()
