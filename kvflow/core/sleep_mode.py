@@ -71,9 +71,21 @@ class EngineSleep:
         if encoder is not None:  # the runners drop their encoder outputs too
             encoder.forget(set(encoder.cached))
         core.executor.collective_rpc("sleep", level)
-        self.asleep, self.level = set(SLEEP_TAGS), level
-        self.weights_dropped = self.weights_dropped or level == 2
+        self.record_sleep(level)
         logger.info("engine asleep (level %d)", level)
+
+    def record_sleep(self, level: int) -> None:
+        """Note a sleep at ``level`` that the workers did (the API process's mirror calls it
+        once every replica answered)."""
+        if not self.asleep:
+            self.asleep, self.level = set(SLEEP_TAGS), level
+            self.weights_dropped = self.weights_dropped or level == 2
+
+    def record_wake_up(self, tags: tuple[str, ...]) -> None:
+        """Note that ``tags`` woke up."""
+        self.asleep -= set(tags)
+        if not self.asleep:
+            self.level = None
 
     def wake_up(self, core: Any, tags: list[str] | None) -> None:
         """Wake ``tags`` ("weights", "kv_cache"; None: both) on every worker; a no-op
@@ -87,9 +99,7 @@ class EngineSleep:
             logger.warning("wake_up(tags=%s): the engine is not asleep", tags)
             return
         core.executor.collective_rpc("wake_up", list(wanted))
-        self.asleep -= set(wanted)
-        if not self.asleep:
-            self.level = None
+        self.record_wake_up(wanted)
 
     def collective_rpc(self, core: Any, method: Any, args: tuple,
                        kwargs: dict | None) -> list[Any]:

@@ -26,15 +26,20 @@ from typing import Any
 import msgspec
 
 from kvflow.config import EngineConfig
+from kvflow.core.sleep_mode import EngineSleep, check_wake_tags
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
     AddLoRA,
     AddRequests,
+    CollectiveRPC,
     EngineCoreRequest,
     EngineReady,
     RemoveLoRA,
+    Sleep,
+    UtilityCall,
+    WakeUp,
 )
 from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine.output_loop import OutputLoop
@@ -44,6 +49,7 @@ from kvflow.engine.streams import (
     AdmissionRejected,
     EngineDeadError,
     EngineShutdownError,
+    EngineSleepingError,
     RequestRefused,
     RequestStream,
     collect,
@@ -68,7 +74,7 @@ from kvflow.spec_decode.draft_tokenizer import check_draft_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownError",
-           "RequestRefused", "RequestStream", "collect"]
+           "EngineSleepingError", "RequestRefused", "RequestStream", "collect"]
 
 
 class AsyncLLM:
@@ -109,7 +115,9 @@ class AsyncLLM:
         self.stats = [EngineStats() for _ in range(self.num_replicas)]
         self._dead: BaseException | None = None  # set when no replica is left
         self._outputs: OutputLoop | None = None  # started by start()
-        self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA awaiting answers
+        self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA / Sleep / ... awaiting answers
+        # the replicas' sleep state, mirrored once they all answered (new requests checked)
+        self.sleep_state = EngineSleep(config.model_config.enable_sleep_mode)
         # Called (in the event loop) when a core process dies or fails; see start().
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self.replicas = ReplicaSet(config)
@@ -246,14 +254,22 @@ class AsyncLLM:
                 (nothing queued).
             EngineDeadError: if no replica is running.
         """
-        if not self.is_healthy:
-            raise EngineDeadError("the engine core is not running")
+        self._check_serving()
         arrival = time.monotonic()
         params = params.with_defaults(self.sampling_defaults)
         requests = self.processor.make_requests(request_id, prompt_token_ids, params, arrival,
                                                 priority, mm_features, client_id,
                                                 lora_request, cache_salt, prompt_embeds)
         return self._queue(request_id, prompt, requests, arrival)
+
+    def _check_serving(self) -> None:
+        """Raises EngineDeadError if no replica is running, EngineSleepingError (one) while
+        the engine sleeps or waits for its weights to be reloaded."""
+        if not self.is_healthy:
+            raise EngineDeadError("the engine core is not running")
+        refusal = self.sleep_state.refusal()
+        if refusal is not None:
+            raise EngineSleepingError(refusal)
 
     def _queue(self, request_id: str, prompt: str | None, requests: list[Request],
                arrival: float) -> RequestStream:
@@ -298,8 +314,7 @@ class AsyncLLM:
             ValueError: on a generation model, for a bad prompt or ``dimensions``.
             EngineDeadError: if no replica is running.
         """
-        if not self.is_healthy:
-            raise EngineDeadError("the engine core is not running")
+        self._check_serving()
         arrival = time.monotonic()
         request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
                                                       arrival, client_id)
@@ -330,12 +345,54 @@ class AsyncLLM:
         """
         await self._call(RemoveLoRA(0, lora_int_id))
 
-    async def _call(self, msg: AddLoRA | RemoveLoRA) -> None:
-        """Send the call to every live replica and wait for all answers; the first refusal
-        is raised as a ValueError."""
+    async def _call(self, msg: UtilityCall) -> list:
+        """Send the call to every live replica and wait for all answers (their results, by
+        replica); the first refusal is raised as a ValueError."""
         if not self.is_healthy:
             raise EngineDeadError("the engine core is not running")
-        await self._calls.call(self.replicas, msg)
+        return await self._calls.call(self.replicas, msg)
+
+    # ---- sleep mode (core/sleep_mode.py) -----------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Put every replica to sleep (see ``LLM.sleep``); a no-op if it sleeps already.
+
+        Raises:
+            ValueError: without enable_sleep_mode, for a bad level, or while requests are
+                open (their streams, or a replica's own check).
+            EngineDeadError: if the engine is gone.
+        """
+        if self.requests.streams and not self.sleep_state.is_sleeping:
+            raise ValueError(f"cannot sleep with {len(self.requests.streams)} request(s) in "
+                             "flight: sleep needs an idle engine (wait for them to finish, "
+                             "or abort them)")
+        await self._call(Sleep(0, level))
+        self.sleep_state.record_sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` ("weights", "kv_cache"; None: both) on every replica.
+
+        Raises:
+            ValueError: for an unknown tag.
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(WakeUp(0, tags))
+        self.sleep_state.record_wake_up(check_wake_tags(tags))
+
+    async def collective_rpc(self, method: str, args: list | None = None,
+                             kwargs: dict | None = None) -> list:
+        """The Worker method named ``method`` on every rank of every replica; results by
+        replica, each a list by rank (``reload_weights`` also ends a level-2 sleep's
+        refusals).
+
+        Raises:
+            ValueError: for a name that is not a Worker method, bad ``args`` / ``kwargs``,
+                or results that are not plain data.
+            EngineDeadError: if the engine is gone.
+        """
+        results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
+        if method == "reload_weights":
+            self.sleep_state.weights_dropped = False
+        return results
 
     # ---- outputs (the loop: output_loop.py) --------------------------------------------------
     def _replica_lost(self, error: EngineDeadError, was_live: bool) -> None:

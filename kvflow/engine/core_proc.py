@@ -28,13 +28,17 @@ from kvflow.engine.messages import (
     AddLoRA,
     AddRequests,
     AdmissionVerdicts,
+    CollectiveRPC,
     EngineFailed,
     EngineOutputs,
     EngineReady,
     Rejection,
     RemoveLoRA,
     Shutdown,
+    Sleep,
+    UtilityCall,
     UtilityResult,
+    WakeUp,
     input_decoder,
 )
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
@@ -199,11 +203,11 @@ class EngineCoreProc:
             handled += 1
         return handled
 
-    def _apply(self, msg: AddRequests | AbortRequests | AddLoRA | RemoveLoRA) -> None:
+    def _apply(self, msg: AddRequests | AbortRequests | UtilityCall) -> None:
         if isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
             return
-        if isinstance(msg, (AddLoRA, RemoveLoRA)):
+        if not isinstance(msg, AddRequests):
             self._call(msg)
             return
         requests = [spec.to_request() for spec in msg.requests]
@@ -246,18 +250,29 @@ class EngineCoreProc:
             "target now (its predicted TTFT is longer); retry later"))
         return False
 
-    def _call(self, msg: AddLoRA | RemoveLoRA) -> None:
-        """Run a call from the API process and answer it; a ValueError is the answer, not a
-        failure of the engine."""
-        error = None
+    def _call(self, msg: UtilityCall) -> None:
+        """Run a call from the API process and answer it; a ValueError (or results that
+        cannot be sent) is the answer, not a failure of the engine."""
+        error = result = None
         try:
             if isinstance(msg, AddLoRA):
                 self.core.add_lora(msg.lora_request)
-            else:
+            elif isinstance(msg, RemoveLoRA):
                 self.core.remove_lora(msg.lora_int_id)
+            elif isinstance(msg, Sleep):
+                self.core.sleep(msg.level)
+            elif isinstance(msg, WakeUp):
+                self.core.wake_up(msg.tags)
+            elif isinstance(msg, CollectiveRPC):
+                result = self.core.collective_rpc(msg.method, tuple(msg.args), msg.kwargs)
         except ValueError as e:
             error = str(e)
-        self.out.send(self._encoder.encode(UtilityResult(msg.call_id, error)))
+        try:
+            payload = self._encoder.encode(UtilityResult(msg.call_id, error, result))
+        except (TypeError, msgspec.EncodeError) as e:
+            payload = self._encoder.encode(UtilityResult(
+                msg.call_id, f"{msg.method}'s results cannot be sent back: {e}"))
+        self.out.send(payload)
 
     def _parent_alive(self) -> bool:
         return self._parent is None or self._parent.is_alive()

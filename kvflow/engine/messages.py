@@ -1,7 +1,7 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack-encoded).
 
 API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``, and the
-calls ``AddLoRA`` / ``RemoveLoRA``.
+calls ``AddLoRA`` / ``RemoveLoRA`` / ``Sleep`` / ``WakeUp`` / ``CollectiveRPC``.
 Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
 produced tokens and after every batch of inputs it handled, and, with admission control, an
@@ -12,6 +12,8 @@ one output socket; their messages carry the replica's ``engine_index``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -88,7 +90,33 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
     lora_int_id: int
 
 
-EngineInput = AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Sleep mode: free the KV cache, offload (1) or drop (2) the weights (answered by a
+    ``UtilityResult``)."""
+
+    call_id: int
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    """Wake the sleeping ``tags`` ("weights", "kv_cache"; None: both)."""
+
+    call_id: int
+    tags: list[str] | None = None
+
+
+class CollectiveRPC(msgspec.Struct, tag="collective_rpc"):
+    """A Worker method by name on every rank; the ``UtilityResult`` holds the results."""
+
+    call_id: int
+    method: str
+    args: list = msgspec.field(default_factory=list)
+    kwargs: dict | None = None
+
+
+UtilityCall = AddLoRA | RemoveLoRA | Sleep | WakeUp | CollectiveRPC
+EngineInput = AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA | Sleep | WakeUp \
+    | CollectiveRPC
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -140,11 +168,13 @@ class AdmissionVerdicts(msgspec.Struct, tag="verdicts"):
 
 
 class UtilityResult(msgspec.Struct, tag="utility"):
-    """The answer to an ``AddLoRA`` / ``RemoveLoRA`` call: ``error`` is None on success, else
-    the ValueError's message (the engine keeps running)."""
+    """The answer to a call (``UtilityCall``): ``error`` is None on success, else the
+    ValueError's message (the engine keeps running); ``result``: a ``CollectiveRPC``'s
+    results by rank (plain data)."""
 
     call_id: int
     error: str | None = None
+    result: Any = None
 
 
 EngineOutput = EngineReady | EngineFailed | EngineOutputs | AdmissionVerdicts | UtilityResult

@@ -18,6 +18,13 @@ class EngineShutdownError(EngineDeadError):
     a request on a dead engine ends it the same way."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine is asleep (sleep mode), or a level-2 sleep dropped its weights and they
+    were not reloaded: new requests are refused until ``wake_up`` (and ``reload_weights``).
+    An ``EngineDeadError``, so every caller answers it as the engine being unavailable
+    (the server: 503, code ``engine_sleeping``)."""
+
+
 class AdmissionRejected(RuntimeError):
     """Admission control refused the request: its predicted time to first token exceeds its
     target.

@@ -1,28 +1,30 @@
 """Calls from the API process to every live engine-core replica that wait for an answer
-(``AddLoRA`` / ``RemoveLoRA``, answered by ``UtilityResult``), matched by ``call_id``."""
+(``AddLoRA`` / ``RemoveLoRA`` / ``Sleep`` / ``WakeUp`` / ``CollectiveRPC``, answered by
+``UtilityResult``), matched by ``call_id``."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import msgspec
 
-from kvflow.engine.messages import AddLoRA, RemoveLoRA, UtilityResult
+from kvflow.engine.messages import UtilityCall, UtilityResult
 from kvflow.engine.replica_set import ReplicaSet
 
 
 class UtilityCalls:
-    """The calls awaiting answers: call id -> (replica index, future of its error or None).
+    """The calls awaiting answers: call id -> (replica index, future of its UtilityResult).
     Used on the event loop only."""
 
     def __init__(self) -> None:
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count()
 
-    async def call(self, replicas: ReplicaSet, msg: AddLoRA | RemoveLoRA) -> None:
+    async def call(self, replicas: ReplicaSet, msg: UtilityCall) -> list[Any]:
         """Send ``msg`` to every live replica (each with its own ``call_id``) and wait for
-        all answers.
+        all answers; returns their ``result`` values, by replica.
 
         Raises:
             ValueError: the first refusal's message.
@@ -36,16 +38,17 @@ class UtilityCalls:
                 self._calls[call_id] = (core.index, future)
                 replicas.send(core.index, msgspec.structs.replace(msg, call_id=call_id))
                 futures.append(future)
-        errors = await asyncio.gather(*futures)
-        error = next((e for e in errors if e is not None), None)
+        answers: list[UtilityResult] = await asyncio.gather(*futures)
+        error = next((a.error for a in answers if a.error is not None), None)
         if error is not None:
             raise ValueError(error)
+        return [a.result for a in answers]
 
     def answer(self, msg: UtilityResult) -> None:
         """Resolve the call ``msg`` answers (unknown ids are ignored)."""
         _, future = self._calls.pop(msg.call_id, (None, None))
         if future is not None and not future.done():
-            future.set_result(msg.error)
+            future.set_result(msg)
 
     def fail(self, error: BaseException, replica: int | None = None) -> None:
         """End the calls waiting on ``replica`` (every replica: None) with ``error``."""

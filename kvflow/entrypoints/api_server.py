@@ -67,6 +67,7 @@ from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
 from kvflow.entrypoints.serving_responses import OpenAIServingResponses
 from kvflow.entrypoints.serving_score import OpenAIServingScore
+from kvflow.entrypoints.sleep_routes import add_sleep_routes
 from kvflow.entrypoints.token_routes import add_token_routes
 from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.gc_heap import freeze_startup_heap, unfreeze_heap
@@ -195,6 +196,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     _add_openai_routes(app)
     _add_status_routes(app)
     add_token_routes(app)
+    add_sleep_routes(app)  # KVFLOW_SERVER_DEV_MODE=1 only
     return app
 
 

@@ -25,8 +25,9 @@ from kvflow.entrypoints.validation_errors import validation_error
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-# POST routes that take no body (OpenAI's client sends none): the JSON-body rule skips them
-BODYLESS_POSTS = re.compile(r"/v1/responses/[^/]+/cancel")
+# POST routes that take no body (OpenAI's client sends none; sleep mode's take query
+# parameters): the JSON-body rule skips them
+BODYLESS_POSTS = re.compile(r"/v1/responses/[^/]+/cancel|/sleep|/wake_up")
 
 
 class ApiKeyMiddleware:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvflow.engine.streams import EngineShutdownError
+from kvflow.engine.streams import EngineShutdownError, EngineSleepingError
 from kvflow.entrypoints.protocol import ErrorInfo, ErrorResponse
 
 
@@ -53,9 +53,12 @@ def invalid_request(error: ValueError) -> OpenAIError:
 
 def engine_dead(error: BaseException) -> OpenAIError:
     """A 503 for a request the engine could not finish: code ``server_shutting_down`` when
-    the server is stopping (SIGINT / SIGTERM aborted it), else ``engine_dead``."""
+    the server is stopping (SIGINT / SIGTERM aborted it), ``engine_sleeping`` while sleep
+    mode holds new requests back, else ``engine_dead``."""
     if isinstance(error, EngineShutdownError):
         return OpenAIError(str(error), 503, "service_unavailable", code="server_shutting_down")
+    if isinstance(error, EngineSleepingError):  # sleep mode: POST /wake_up first
+        return OpenAIError(str(error), 503, "service_unavailable", code="engine_sleeping")
     return OpenAIError(f"the engine is not running: {error}", 503, "service_unavailable",
                        code="engine_dead")
 

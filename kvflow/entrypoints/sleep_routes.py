@@ -1,0 +1,109 @@
+"""Sleep mode's HTTP routes (vLLM's development endpoints), on the app only when the server
+runs with ``KVFLOW_SERVER_DEV_MODE=1`` (they free the model's memory: not for the public):
+
+``POST /sleep?level=1``     free the KV cache, offload (1) or drop (2) the weights; 200
+``POST /wake_up[?tags=..]`` wake "weights" and/or "kv_cache" (repeat ``tags``; none: both); 200
+``GET  /is_sleeping``       ``{"is_sleeping": bool}``
+``POST /collective_rpc``    ``{"method": "reload_weights", "args": [], "kwargs": {}}``: a
+                            Worker method on every rank, ``{"results": [...]}`` by rank
+
+Refusals (a bad level or tag, requests in flight, no ``--enable-sleep-mode``) are 400s with an
+OpenAI error body; while asleep, generation routes answer 503 (code ``engine_sleeping``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvflow.engine.async_llm import EngineDeadError
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+
+DEV_MODE_ENV = "KVFLOW_SERVER_DEV_MODE"
+
+
+def dev_mode() -> bool:
+    """Whether ``KVFLOW_SERVER_DEV_MODE=1`` is set (read when the app is built)."""
+    return os.environ.get(DEV_MODE_ENV) == "1"
+
+
+def add_sleep_routes(app: FastAPI) -> None:
+    """/sleep, /wake_up, /is_sleeping and /collective_rpc, under dev mode only."""
+    if not dev_mode():
+        return
+
+    @app.post("/sleep")
+    async def sleep(raw: Request) -> Response:
+        """Raises OpenAIError: 400 for a level other than 1 and 2, requests in flight, or an
+        engine without --enable-sleep-mode; 503 if the engine is gone."""
+        text = raw.query_params.get("level", "1")
+        try:
+            level = int(text)
+        except ValueError:
+            raise OpenAIError(f"level={text!r} must be 1 or 2", param="level",
+                              code="invalid_value") from None
+        await _engine_call(raw, "level", lambda e: e.sleep(level))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw: Request) -> Response:
+        """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
+        tags = raw.query_params.getlist("tags") or None
+        await _engine_call(raw, "tags", lambda e: e.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(raw: Request) -> JSONResponse:
+        return JSONResponse({"is_sleeping": raw.app.state.engine.sleep_state.is_sleeping})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(raw: Request) -> JSONResponse:
+        """Raises OpenAIError: 400 for a body that is not ``{"method": str, "args": list,
+        "kwargs": object}``, a method that is not a Worker's, a ``timeout`` (calls are waited
+        for), or results that are not plain data; 503 if the engine is gone."""
+        body = await _rpc_body(raw)
+        results = await _engine_call(raw, "method", lambda e: e.collective_rpc(
+            body["method"], body.get("args") or [], body.get("kwargs")))
+        return JSONResponse({"results": [r for replica in results for r in replica]})
+
+
+async def _engine_call(raw: Request, param: str, call: Any) -> Any:
+    """Await ``call(engine)``; a ValueError is a 400 naming ``param``."""
+    try:
+        return await call(raw.app.state.engine)
+    except EngineDeadError as e:
+        raise engine_dead(e) from None
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param, code="invalid_value") from None
+
+
+async def _rpc_body(raw: Request) -> dict[str, Any]:
+    """The /collective_rpc body, checked.
+
+    Raises:
+        OpenAIError: 400 naming the field at fault.
+    """
+    try:
+        body = json.loads(await raw.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("the body must be a JSON object with a method")
+    checks = {"method": str, "args": list, "kwargs": dict}
+    for field, kind in checks.items():
+        value = body.get(field)
+        if (value is not None or field == "method") and not isinstance(value, kind):
+            raise OpenAIError(f"{field}={value!r} must be a JSON {kind.__name__}",
+                              param=field, code="invalid_type")
+    unknown = sorted(set(body) - {*checks, "timeout"})
+    if unknown:
+        raise OpenAIError(f"unknown field(s) {unknown}; /collective_rpc takes method, args, "
+                          "kwargs", param=unknown[0], code="unknown_parameter")
+    if body.get("timeout") is not None:
+        raise OpenAIError("timeout is not supported: the call is waited for; leave it out",
+                          param="timeout", code="unsupported_value")
+    return body

@@ -1,0 +1,154 @@
+"""Sleep mode over HTTP (``KVFLOW_SERVER_DEV_MODE=1 kvflow serve --enable-sleep-mode``):
+/sleep, /wake_up, /is_sleeping and /collective_rpc through the engine-core process. Greedy
+completions after each wake-up equal the ones before the sleep and transformers' greedy
+decoding; requests are answered 503 (``engine_sleeping``) while asleep; a sleep with a request
+in flight is a 400."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+
+from kvflow.entrypoints.sleep_routes import DEV_MODE_ENV, add_sleep_routes
+from tests.e2e.test_engine_faults import ARGS, core_pid
+
+PROMPT = [5, 9, 23, 41, 7, 77, 120, 3, 64, 200, 11, 12]  # whole blocks of 4: prefix-cached
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_llama):
+    return start_server(tiny_llama.path, [*ARGS, "--enable-sleep-mode"],
+                        env={DEV_MODE_ENV: "1"})
+
+
+def _complete(server, **extra) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def _text(server) -> str:
+    resp = _complete(server)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+def _hf_text(tiny) -> str:
+    from transformers import AutoTokenizer
+
+    with torch.no_grad():
+        out = tiny.hf_model.generate(torch.tensor([PROMPT]), do_sample=False,
+                                     max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                     pad_token_id=0)
+    return AutoTokenizer.from_pretrained(tiny.path).decode(out[0, len(PROMPT):])
+
+
+def _post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", timeout=60, **kwargs)
+
+
+def _sleeping(server) -> bool:
+    return httpx.get(f"{server.url}/is_sleeping", timeout=10).json()["is_sleeping"]
+
+
+def _assert_refused_asleep(server, words: str) -> None:
+    resp = _complete(server)
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "engine_sleeping" and words in error["message"], error
+
+
+def test_level_1_sleep_and_wake_up(server, tiny_llama):
+    expected = _hf_text(tiny_llama)
+    assert not _sleeping(server) and _text(server) == expected
+    assert _post(server, "/sleep?level=1").status_code == 200
+    assert _sleeping(server)
+    _assert_refused_asleep(server, "wake_up")
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert _post(server, "/sleep").status_code == 200  # asleep already: a no-op
+    kv = _post(server, "/collective_rpc", json={"method": "kv_cache_bytes"}).json()
+    assert kv == {"results": [0]}
+    assert _post(server, "/wake_up?tags=weights").status_code == 200
+    assert _sleeping(server)  # the KV cache still sleeps
+    assert _post(server, "/wake_up?tags=kv_cache").status_code == 200
+    assert not _sleeping(server)
+    assert _post(server, "/wake_up").status_code == 200  # awake: a no-op
+    assert _post(server, "/collective_rpc",
+                 json={"method": "kv_cache_bytes"}).json()["results"][0] > 0
+    assert _text(server) == expected
+
+
+def test_level_2_needs_reload_weights(server, tiny_llama):
+    expected = _hf_text(tiny_llama)
+    assert _post(server, "/sleep", params={"level": 2}).status_code == 200
+    assert _post(server, "/wake_up").status_code == 200
+    assert not _sleeping(server)
+    _assert_refused_asleep(server, "reload_weights")
+    resp = _post(server, "/collective_rpc", json={"method": "reload_weights", "args": []})
+    assert resp.status_code == 200 and resp.json() == {"results": [None]}
+    assert _text(server) == expected
+
+
+def test_sleep_with_a_request_in_flight_is_refused(server, tiny_llama):
+    expected = _hf_text(tiny_llama)
+    started, done = threading.Event(), {}
+
+    def stream() -> None:
+        body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=120) as resp:
+            for line in resp.iter_lines():
+                started.set()
+                if line:
+                    done["last"] = line
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    core = core_pid(server.proc.pid)
+    os.kill(core, signal.SIGSTOP)  # the request stays in flight, however fast the model
+    try:
+        resp = _post(server, "/sleep")
+    finally:
+        os.kill(core, signal.SIGCONT)
+    thread.join(120)
+    assert resp.status_code == 400, resp.text
+    assert "in flight" in resp.json()["error"]["message"]
+    assert done["last"] == "data: [DONE]" and not _sleeping(server)
+    assert _text(server) == expected
+
+
+@pytest.mark.parametrize(("path", "kwargs", "param", "words"), [
+    ("/sleep?level=3", {}, "level", "must be 1"),
+    ("/sleep?level=x", {}, "level", "must be 1"),
+    ("/wake_up?tags=weights&tags=kv", {}, "tags", "unknown ['kv']"),
+    ("/collective_rpc", {"json": {"method": "no_such"}}, "method", "not a Worker method"),
+    ("/collective_rpc", {"json": {"args": []}}, "method", "must be a JSON str"),
+    ("/collective_rpc", {"json": {"method": "kv_cache_bytes", "timeout": 3}}, "timeout",
+     "not supported"),
+    ("/collective_rpc", {"json": {"method": "kv_cache_bytes", "x": 1}}, "x", "unknown"),
+])
+def test_bad_calls_are_400s(server, path, kwargs, param, words):
+    resp = _post(server, path, **kwargs)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert not _sleeping(server)
+
+
+def test_routes_only_in_dev_mode(monkeypatch):
+    monkeypatch.delenv(DEV_MODE_ENV, raising=False)
+    app = FastAPI()
+    add_sleep_routes(app)
+    assert not {"/sleep", "/wake_up", "/is_sleeping"} & {r.path for r in app.routes}
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    add_sleep_routes(app)
+    assert {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"} <= \
+        {r.path for r in app.routes}
