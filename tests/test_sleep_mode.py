@@ -209,3 +209,61 @@ def test_worker_processes_sleep_and_wake(tiny_llama):
             llm.collective_rpc(lambda worker: worker.rank)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_draft_model_wakes_to_the_same_output(tiny_llama, level):
+    """A self-draft: its own layers and KV tensors, rebuilt and rebound at level 2."""
+    spec = {"method": "draft_model", "model": tiny_llama.path, "num_speculative_tokens": 2,
+            "adaptive": False, "quantization": "none"}
+    llm = _engine(tiny_llama.path, speculative_config=spec)
+    expected = _hf_greedy(tiny_llama)
+    assert _greedy(llm) == expected
+    kv_bytes = _kv_bytes(llm)
+    assert len(_runner(llm).kv_caches) == 4  # two target layers, two draft layers
+    drafter = weakref.ref(_runner(llm).drafter)
+    llm.sleep(level=level)
+    gc.collect()
+    assert _kv_bytes(llm) == 0 and (drafter() is None) == (level == 2)
+    llm.wake_up()
+    if level == 2:
+        llm.collective_rpc("reload_weights")
+    assert _kv_bytes(llm) == kv_bytes and _runner(llm).drafter is not None
+    assert _greedy(llm) == expected
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_async_scheduling_wakes_to_the_same_output(tiny_llama, level):
+    """With async scheduling a step is launched ahead: none may outlive the sleep."""
+    llm = _engine(tiny_llama.path, async_scheduling=True)
+    expected = _hf_greedy(tiny_llama)
+    assert _greedy(llm) == expected
+    llm.sleep(level=level)
+    llm.wake_up()
+    if level == 2:
+        llm.collective_rpc("reload_weights")
+    assert _greedy(llm) == expected
+
+
+def test_level_2_keeps_the_lora_adapters_loaded(tiny_llama, tmp_path):
+    from kvflow.lora.request import LoRARequest
+    from tests.lora.adapters import MAX_TOKENS as LORA_TOKENS
+    from tests.lora.adapters import make_adapter, peft_greedy
+
+    folder = make_adapter(tiny_llama.path, str(tmp_path / "all"), 1, r=8, lora_alpha=16,
+                          target_modules=["q_proj", "v_proj", "down_proj"])
+    lora = LoRARequest("all", 1, folder)
+    llm = _engine(tiny_llama.path, enable_lora=True, max_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=LORA_TOKENS, ignore_eos=True)
+    expected = peft_greedy(tiny_llama.path, folder, PROMPTS[0])
+
+    def run() -> list[int]:
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=lora)
+        return list(out[0].outputs[0].token_ids)
+
+    assert run() == expected
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    assert _runner(llm).lora_manager.adapters.keys() == {1}
+    assert run() == expected

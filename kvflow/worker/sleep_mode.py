@@ -147,11 +147,13 @@ def kv_tensor_bytes(runner) -> int:
 @dataclass
 class RunnerSleep:
     """One runner's sleep state: which tags sleep, what level 1 offloaded, whether level 2
-    dropped the weights, and the graph runner's ``max_model_len`` to make it again."""
+    dropped the weights (and the LoRA adapters to load into the rebuilt model), and the graph
+    runner's ``max_model_len`` to make it again."""
 
     asleep: set[str] = field(default_factory=set)
     offloaded: list[_Moved] = field(default_factory=list)
     weights_dropped: bool = False
+    adapters: dict[int, Any] = field(default_factory=dict)  # LoRA adapters of dropped weights
     graphs_len: int | None = None  # capture_graphs' max_model_len (None: never captured)
 
     def sleep(self, runner, level: int) -> None:
@@ -166,6 +168,7 @@ class RunnerSleep:
         if runner.mm_runner is not None:  # the engine core's mirror forgets them too
             runner.mm_runner.encoder_cache.clear()
         if level == 2:
+            self.adapters = _lora_adapters(runner)
             _drop_model(runner)
             self.weights_dropped = True
         elif runner.device.type != "cpu":
@@ -199,7 +202,7 @@ class RunnerSleep:
             raise ValueError("reload_weights: the weights are asleep; call "
                              "wake_up(tags=['weights']) first")
         bindings = _kv_bindings(runner)
-        adapters = runner.lora_manager.adapters if runner.lora_manager is not None else {}
+        adapters = _lora_adapters(runner) if runner.model is not None else self.adapters
         _drop_model(runner)
         gc.collect()
         runner.platform.empty_cache()
@@ -212,7 +215,7 @@ class RunnerSleep:
             _allocate_kv_cache(runner)
         if runner.lora_manager is not None:
             runner.lora_manager.adapters.update(adapters)
-        self.weights_dropped = False
+        self.weights_dropped, self.adapters = False, {}
         self._remake_graphs(runner)
 
     def _remake_graphs(self, runner) -> None:
@@ -223,6 +226,12 @@ class RunnerSleep:
 
 def _models(runner) -> list[nn.Module]:
     return [runner.model] + ([runner.drafter.model] if runner.drafter is not None else [])
+
+
+def _lora_adapters(runner) -> dict[int, Any]:
+    """The runner's loaded LoRA adapters (lora_int_id -> adapter; read from their folders,
+    independent of the model object)."""
+    return dict(runner.lora_manager.adapters) if runner.lora_manager is not None else {}
 
 
 def _layer_maps(runner) -> list[dict[str, nn.Module]]:
