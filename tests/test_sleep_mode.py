@@ -167,6 +167,7 @@ def test_double_sleep_and_wake_while_awake_are_no_ops(tiny_llama, caplog):
     (lambda llm: llm.collective_rpc("no_such_method"), "not a Worker method"),
     (lambda llm: llm.collective_rpc("_init_device"), "not a Worker method"),
     (lambda llm: llm.collective_rpc("kv_cache_bytes", timeout=5.0), "timeout"),
+    (lambda llm: llm.collective_rpc("kv_cache_bytes", kwargs={"x": 1}), "unexpected keyword"),
 ])
 def test_bad_arguments_are_refused(tiny_llama, call, match):
     llm = _engine(tiny_llama.path)
@@ -207,6 +208,11 @@ def test_worker_processes_sleep_and_wake(tiny_llama):
         assert _greedy(llm) == expected
         with pytest.raises(ValueError, match="in-process executor"):
             llm.collective_rpc(lambda worker: worker.rank)
+        with pytest.raises(ValueError, match="not a Worker method"):
+            llm.collective_rpc("no_such_method")
+        with pytest.raises(ValueError, match="kv_cache_bytes: TypeError"):
+            llm.collective_rpc("kv_cache_bytes", args=(1,))  # answered by the worker
+        assert _greedy(llm) == expected  # which lives on
     finally:
         llm.shutdown()
 

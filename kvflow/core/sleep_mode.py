@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from kvflow.worker.sleep_mode import SLEEP_TAGS, WEIGHTS, check_sleep_level, check_wake_tags
+from kvflow.worker.worker import RpcRefusal, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,12 @@ class EngineSleep:
         if method == "reload_weights" and WEIGHTS in self.asleep:
             raise ValueError("reload_weights: the weights are asleep; call "
                              "wake_up(tags=['weights']) first")
+        if not callable(method):
+            Worker.check_method(method)  # before it reaches a worker process
         results = core.executor.collective_rpc("run_method", method, tuple(args), kwargs)
+        refused = next((r for r in results if isinstance(r, RpcRefusal)), None)
+        if refused is not None:
+            raise ValueError(f"collective_rpc {refused.message}")
         if method == "reload_weights":
             self.weights_dropped = False
             core.weight_bytes = core.executor.weight_bytes

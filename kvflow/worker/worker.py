@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,13 @@ from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.sleep_mode import RunnerSleep, check_wake_tags, kv_tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RpcRefusal:
+    """A ``run_method`` call that raised ValueError or TypeError: its message."""
+
+    message: str
 
 
 class Worker:
@@ -151,22 +159,34 @@ class Worker:
         """Bytes of the KV tensors this rank holds now (each storage once)."""
         return kv_tensor_bytes(self.runner)
 
+    @classmethod
+    def check_method(cls, method: Any) -> None:
+        """Raises ValueError unless ``method`` names a public method of Worker (what
+        ``collective_rpc`` may call)."""
+        if not isinstance(method, str) or method.startswith("_") or \
+                not callable(getattr(cls, method, None)):
+            public = sorted(n for n in dir(cls)
+                            if not n.startswith("_") and callable(getattr(cls, n)))
+            raise ValueError(f"collective_rpc method={method!r} is not a Worker method; "
+                             f"valid: {public}")
+
     def run_method(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         """``collective_rpc``'s call on this rank: the public Worker method named ``method``
         (or, in the engine's own process, a callable run as ``method(worker, ...)``).
+
+        A ValueError or TypeError the method raises (bad arguments) is returned as an
+        :class:`RpcRefusal`, so a worker process lives on (the engine core raises it).
 
         Raises:
             ValueError: for a name that is not a public method of Worker.
         """
         if callable(method):
             return method(self, *args, **(kwargs or {}))
-        if not isinstance(method, str) or method.startswith("_") or \
-                not callable(getattr(type(self), method, None)):
-            public = sorted(n for n in dir(type(self))
-                            if not n.startswith("_") and callable(getattr(type(self), n)))
-            raise ValueError(f"collective_rpc method={method!r} is not a Worker method; "
-                             f"valid: {public}")
-        return getattr(self, method)(*args, **(kwargs or {}))
+        self.check_method(method)
+        try:
+            return getattr(self, method)(*args, **(kwargs or {}))
+        except (TypeError, ValueError) as e:  # answered, not a failure of this worker
+            return RpcRefusal(f"{method}: {type(e).__name__}: {e}")
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load a LoRA adapter (see :meth:`ModelRunner.add_lora`).
