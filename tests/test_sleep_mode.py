@@ -193,15 +193,17 @@ def test_collective_rpc_runs_a_callable_in_process(tiny_llama):
 
 
 def test_worker_processes_sleep_and_wake(tiny_llama):
-    """The mp executor: the calls reach the worker process; a callable is refused there."""
-    llm = _engine(tiny_llama.path, distributed_executor_backend="mp")
+    """The mp executor, two tensor-parallel ranks: the calls reach both worker processes; a
+    callable is refused there."""
+    llm = _engine(tiny_llama.path, distributed_executor_backend="mp", tensor_parallel_size=2)
     try:
         expected = _hf_greedy(tiny_llama)
         assert _greedy(llm) == expected
         kv_bytes = _kv_bytes(llm)
+        assert all(b > 0 for b in llm.collective_rpc("kv_cache_bytes"))
         llm.sleep(level=2)
-        assert _kv_bytes(llm) == 0
-        assert llm.collective_rpc("weight_bytes") == [0]
+        assert llm.collective_rpc("kv_cache_bytes") == [0, 0]
+        assert llm.collective_rpc("weight_bytes") == [0, 0]
         llm.wake_up()
         llm.collective_rpc("reload_weights")
         assert _kv_bytes(llm) == kv_bytes
@@ -273,3 +275,16 @@ def test_level_2_keeps_the_lora_adapters_loaded(tiny_llama, tmp_path):
     llm.collective_rpc("reload_weights")
     assert _runner(llm).lora_manager.adapters.keys() == {1}
     assert run() == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], False), (["--enable-sleep-mode"], True), (["--no-enable-sleep-mode"], False)])
+def test_flag_parses(argv, expected):
+    import argparse
+
+    from kvflow.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(argv))
+    assert config.model_config.enable_sleep_mode is expected
