@@ -288,3 +288,36 @@ def test_flag_parses(argv, expected):
     EngineConfig.add_cli_args(parser)
     config = EngineConfig.from_cli_args(parser.parse_args(argv))
     assert config.model_config.enable_sleep_mode is expected
+
+
+def test_relocated_tensors_keep_their_values_identity_and_aliasing():
+    """What level 1 does on a GPU (weights to host memory and back), as CPU-to-CPU copies:
+    parameters keep their identity, a tied weight stays one parameter, and a weight's view
+    kept as a plain attribute (a packed or transposed copy) still aliases the weight."""
+    from kvflow.worker.sleep_mode import collect_tensors, offload_weights, relocate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=True))
+    model[1].weight = model[0].weight  # tied
+    model[1].register_buffer("scale", torch.tensor([2.0, 3.0]))
+    model[1].weight_t = model[1].weight.t()  # a view as a plain attribute
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    weight, old_ptr = model[0].weight, model[0].weight.data_ptr()
+
+    assert offload_weights([model], torch.device("cpu")) == []  # on the host already
+    moved = collect_tensors([model], lambda t: True)
+    assert sorted((m.kind, m.name) for m in moved) == [
+        ("attr", "weight_t"), ("buffer", "scale"), ("param", "bias"), ("param", "weight")]
+    for target in (torch.device("cpu"), None):  # there, then back to each one's device
+        relocate(moved, target)
+        assert model[0].weight is weight and model[1].weight is weight
+        assert weight.data_ptr() != old_ptr
+        old_ptr = weight.data_ptr()
+        assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+        assert model[1].weight_t.untyped_storage().data_ptr() == \
+            weight.untyped_storage().data_ptr()
+        with torch.no_grad():
+            weight[0, 1] += 1.0  # an in-place weight update reaches the view
+        assert model[1].weight_t[1, 0] == weight[0, 1]
+        with torch.no_grad():
+            weight[0, 1] -= 1.0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +67,8 @@ def check_wake_tags(tags: Any) -> tuple[str, ...]:
 
 
 @dataclass
-class _Moved:
-    """One tensor moved off the device: where it lives (a module's parameter, buffer or
+class MovedTensor:
+    """One tensor moved off its device: where it lives (a module's parameter, buffer or
     plain attribute) and the device it came from."""
 
     module: nn.Module
@@ -75,61 +76,81 @@ class _Moved:
     name: str
     device: torch.device
 
+    def get(self) -> torch.Tensor:
+        if self.kind == "param":
+            return self.module._parameters[self.name]
+        if self.kind == "buffer":
+            return self.module._buffers[self.name]
+        return getattr(self.module, self.name)
 
-def _device_tensors(module: nn.Module, host: torch.device):
-    """(kind, name, tensor) of ``module``'s own tensors not on ``host``."""
-    for name, p in module._parameters.items():
-        if p is not None and p.device != host:
-            yield "param", name, p
-    for name, b in module._buffers.items():
-        if b is not None and b.device != host:
-            yield "buffer", name, b
-    for name, value in vars(module).items():
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
-                and value.device != host and name not in ("kv_cache", "kv_scales"):
-            yield "attr", name, value
-
-
-def _move(module: nn.Module, kind: str, name: str, tensor: torch.Tensor,
-          target: torch.device, memo: dict[int, torch.Tensor]) -> None:
-    """Put ``tensor`` on ``target`` where it lives; a tensor shared by several modules (tied
-    weights) is moved once (``memo``: id -> its moved copy). A parameter keeps its identity
-    (its ``data`` moves)."""
-    moved = memo.get(id(tensor))
-    if moved is None:
-        moved = tensor.data.to(target)
-        if target.type == "cpu" and tensor.device.type == "cuda":
-            moved = moved.pin_memory()  # a faster copy back at wake-up
-        memo[id(tensor)] = moved
-    if kind == "param":
-        tensor.data = moved
-    elif kind == "buffer":
-        module._buffers[name] = moved
-    else:
-        setattr(module, name, moved)
+    def put(self, tensor: torch.Tensor) -> None:
+        """Replace the tensor; a parameter keeps its identity (its ``data`` changes)."""
+        if self.kind == "param":
+            self.module._parameters[self.name].data = tensor
+        elif self.kind == "buffer":
+            self.module._buffers[self.name] = tensor
+        else:
+            setattr(self.module, self.name, tensor)
 
 
-def offload_weights(models: list[nn.Module], host: torch.device) -> list[_Moved]:
-    """Move every tensor of ``models`` (parameters, buffers, and tensors kept as plain module
-    attributes: packed or quantized copies) that is not on ``host`` there; the KV tensors
-    bound to attention layers are left alone. Returns what moved, for
-    :func:`restore_weights`."""
-    moved, memo = [], {}
+def collect_tensors(models: list[nn.Module],
+                    select: Callable[[torch.Tensor], bool]) -> list[MovedTensor]:
+    """Every tensor of ``models`` that ``select`` picks: parameters, buffers and tensors kept
+    as plain module attributes (packed or quantized copies, RoPE tables), each object once (a
+    tied weight is one parameter); the KV tensors bound to attention layers are left out."""
+    found, seen = [], set()
     for model in models:
         for module in model.modules():
-            for kind, name, tensor in list(_device_tensors(module, host)):
-                moved.append(_Moved(module, kind, name, tensor.device))
-                _move(module, kind, name, tensor, host, memo)
+            tensors = [("param", n, p) for n, p in module._parameters.items()] + \
+                [("buffer", n, b) for n, b in module._buffers.items()] + \
+                [("attr", n, v) for n, v in vars(module).items()
+                 if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+                 and n not in ("kv_cache", "kv_scales")]
+            for kind, name, t in tensors:
+                if t is not None and id(t) not in seen and select(t):
+                    seen.add(id(t))
+                    found.append(MovedTensor(module, kind, name, t.device))
+    return found
+
+
+def _copy_storage(storage: torch.UntypedStorage, target: torch.device) -> torch.UntypedStorage:
+    """A copy of ``storage``'s bytes on ``target`` (pinned when a GPU's go to the host)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+    copy = raw.to(target, copy=True)
+    if target.type == "cpu" and storage.device.type == "cuda":
+        copy = copy.pin_memory()  # a faster copy back at wake-up
+    return copy.untyped_storage()
+
+
+def relocate(moved: list[MovedTensor], target: torch.device | None) -> None:
+    """Copy the tensors ``moved`` lists to ``target`` (None: back to the device each came
+    from) and put the copies in their places. Storage by storage: tensors that shared one
+    (a view of a weight kept as an attribute, a tied weight) share its copy, at the same
+    offsets and strides, so the aliasing a weight update relies on survives."""
+    copies: dict[tuple[str, int], torch.UntypedStorage] = {}
+    for m in moved:
+        t = m.get()
+        storage = t.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        device = target or m.device
+        if key not in copies:
+            copies[key] = _copy_storage(storage, device)
+        m.put(torch.empty(0, dtype=t.dtype, device=device).set_(
+            copies[key], t.storage_offset(), t.size(), t.stride()))
+
+
+def offload_weights(models: list[nn.Module], host: torch.device) -> list[MovedTensor]:
+    """Move every tensor of ``models`` (:func:`collect_tensors`) not on ``host`` there;
+    returns what moved, for :func:`restore_weights`."""
+    moved = collect_tensors(models, lambda t: t.device != host)
+    relocate(moved, host)
     return moved
 
 
-def restore_weights(moved: list[_Moved]) -> None:
+def restore_weights(moved: list[MovedTensor]) -> None:
     """Put back on their devices the tensors :func:`offload_weights` moved."""
-    memo: dict[int, torch.Tensor] = {}
-    for m in moved:
-        tensor = m.module._parameters.get(m.name) if m.kind == "param" else \
-            m.module._buffers.get(m.name) if m.kind == "buffer" else getattr(m.module, m.name)
-        _move(m.module, m.kind, m.name, tensor, m.device, memo)
+    relocate(moved, None)
 
 
 def kv_tensor_bytes(runner) -> int:
@@ -151,7 +172,7 @@ class RunnerSleep:
     runner's ``max_model_len`` to make it again."""
 
     asleep: set[str] = field(default_factory=set)
-    offloaded: list[_Moved] = field(default_factory=list)
+    offloaded: list[MovedTensor] = field(default_factory=list)
     weights_dropped: bool = False
     adapters: dict[int, Any] = field(default_factory=dict)  # LoRA adapters of dropped weights
     graphs_len: int | None = None  # capture_graphs' max_model_len (None: never captured)
