@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from kvflow.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_offline
@@ -18,17 +19,22 @@ from kvflow.llm_inputs import (
     beam_search_prompts,
     broadcast_loras,
     broadcast_params,
+    broadcast_pooling_params,
     check_priorities,
     check_users,
     processed_prompts,
     refuse_server_options,
+    resolve_pooling_task,
     with_images,
+    with_pooling_task,
 )
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -249,25 +255,73 @@ class LLM:
                 (nothing is queued then).
         """
         prompts = as_prompt_list(prompts)
-        if not prompts:
-            return []
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params] * len(prompts)
-        else:
-            if not isinstance(pooling_params, (list, tuple)) or not all(
-                    isinstance(p, PoolingParams) for p in pooling_params):
-                raise ValueError("pooling_params must be a PoolingParams or a list of them, "
-                                 f"got {type(pooling_params).__name__}")
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        params = broadcast_pooling_params(pooling_params, len(prompts))
         if any(p is not None and p.task != "embed" for p in params):
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
                              "with LLM.score, classify texts with LLM.classify")
+        return self._pool(prompts, params, use_tqdm, user)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None, user: Sequence[str] | None = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: each prompt's pooled output as a float32 tensor
+        (``out.outputs.data``, shape [n]): the embedding (as ``embed``) or the class
+        probabilities (as ``classify``), batched like ``embed``.
+
+        Args:
+            prompts: as ``embed`` takes them.
+            pooling_params: one for all prompts or one per prompt (None: the defaults);
+                their ``task`` is set to the pooling task.
+            lora_request: None (or None per prompt): pooling engines run no adapters.
+            pooling_task: ``"embed"`` or ``"classify"``, where the engine runs it; None: the
+                engine's (``embed`` on an embedding engine, else ``classify``).
+            user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
+
+        Raises:
+            ValueError: on a generating engine, for a pooling task the engine does not run
+                (or vLLM's per-token tasks and ``score``, which kvflow's encode does not run),
+                a LoRA adapter, PoolingParams of another task or with fields the task
+                refuses, or what ``embed`` refuses (nothing is queued then).
+        """
+        task = resolve_pooling_task(self.engine.processor, pooling_task)
+        prompts = as_prompt_list(prompts)
+        if any(lora is not None for lora in broadcast_loras(lora_request, len(prompts))):
+            raise ValueError("lora_request: a pooling engine runs no LoRA adapters (LoRA is "
+                             "refused with a pooling task)")
+        params = [with_pooling_task(p, task)
+                  for p in broadcast_pooling_params(pooling_params, len(prompts))]
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
+                                     PoolingOutput(torch.tensor(o.outputs.embedding,
+                                                                dtype=torch.float32)),
+                                     o.finished, o.metrics)
+                for o in self._pool(prompts, params, use_tqdm, user)]
+
+    def _pool(self, prompts: list[PromptType], params: list[PoolingParams | None],
+              use_tqdm: bool, user: Sequence[str] | None, name_prompts: bool = False
+              ) -> list[EmbeddingRequestOutput]:
+        """Queue one pooling request per prompt (with its params; None: an embedding's
+        defaults) after checking them all, run them; outputs in prompt order.
+
+        Raises:
+            ValueError: for a prompt or params the engine refuses (``prompt i: ...`` with
+                ``name_prompts``), or a bad ``user`` (nothing is queued then).
+        """
+        if not prompts:
+            return []
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
-        for p, pp in zip(prompts, params):  # validate everything before queuing anything
-            processor.make_pooling_request("check", processor.pooling_prompt(p)[1], pp)
+        for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
+            task = pp.task if pp is not None else "embed"
+            try:
+                processor.make_pooling_request("check", processor.pooling_prompt(p, task)[1],
+                                               pp)
+            except ValueError as e:
+                if not name_prompts:
+                    raise
+                raise ValueError(f"prompt {i}: {e}") from None
         ids: list[str] = []
         try:
             for p, pp, who in zip(prompts, params, users):
@@ -357,27 +411,12 @@ class LLM:
         """
         self.engine.processor.require_task("classify")
         prompts = as_prompt_list(prompts)
-        params = PoolingParams(task="classify")
-        processor, token_ids = self.engine.processor, []
-        for i, p in enumerate(prompts):  # tokenize and check all before queuing any
-            try:
-                token_ids.append(processor.pooling_prompt(p, "classify")[1])
-                processor.make_pooling_request("check", token_ids[-1], params)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
-        ids: list[str] = []
-        try:
-            for p, who in zip(token_ids, users):
-                ids.append(self.engine.add_pooling_request(p, params, client_id=who))
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        outs = self._pool(prompts, [PoolingParams(task="classify")] * len(prompts), use_tqdm,
+                          user, name_prompts=True)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.finished, o.metrics)
-                for o in self._run(ids, use_tqdm and len(ids) > 1)]
+                for o in outs]
 
     def _score_embeddings(self, pairs: list[tuple[str, str]],
                           truncate_prompt_tokens: int | None, use_tqdm: bool,

@@ -1,14 +1,17 @@
 """Checking and broadcasting ``LLM``'s per-call arguments: the prompts as a list, one
-SamplingParams, LoRARequest, priority and client name per prompt, and beam search's prompts
+SamplingParams (or PoolingParams), LoRARequest, priority and client name per prompt,
+``encode``'s pooling task, and beam search's prompts
 (``kvflow/llm.py`` calls these before queuing anything, so a bad argument queues nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
+from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
 from kvflow.sampling_params import SamplingParams
 
@@ -56,6 +59,71 @@ def broadcast_params(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def broadcast_pooling_params(params: Any, n: int) -> list[PoolingParams | None]:
+    """One PoolingParams (or None: the defaults) per prompt: None or one repeated, or a list
+    of n.
+
+    Raises:
+        ValueError: for a list of the wrong length or of other things.
+    """
+    if params is None or isinstance(params, PoolingParams):
+        return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(
+            isinstance(p, PoolingParams) for p in params):
+        raise ValueError("pooling_params must be a PoolingParams or a list of them, "
+                         f"got {type(params).__name__}")
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} PoolingParams for {n} prompts")
+    return list(params)
+
+
+# vLLM's pooling tasks that LLM.encode does not run, and what to use instead
+OTHER_POOLING_TASKS = {
+    "score": "score text pairs with LLM.score",
+    "encode": "kvflow pools one vector per prompt (pooling_task 'embed' or 'classify'), "
+              "not one per token",
+    "token_embed": "kvflow pools one vector per prompt (pooling_task 'embed'), not one per "
+                   "token",
+    "token_classify": "kvflow classifies whole prompts (pooling_task 'classify'), not each "
+                      "token",
+}
+
+
+def resolve_pooling_task(processor: InputProcessor, task: str | None) -> str:
+    """``LLM.encode``'s task: ``task``, else the engine's (``embed`` on an embedding engine,
+    else ``classify``, which score engines run too).
+
+    Raises:
+        ValueError: on a generating engine, for a task the engine does not run (naming what
+            it runs), one of ``OTHER_POOLING_TASKS`` or an unknown one.
+    """
+    if task in OTHER_POOLING_TASKS:
+        raise ValueError(f"pooling_task={task!r} is not supported: {OTHER_POOLING_TASKS[task]}")
+    if task not in (None, "embed", "classify"):
+        raise ValueError(f"pooling_task={task!r} must be 'embed', 'classify' or None")
+    pooler = processor.pooler
+    if task is None:
+        task = "embed" if pooler is None or pooler.task == "embed" else "classify"
+    processor.require_task(task)
+    return task
+
+
+def with_pooling_task(params: PoolingParams | None, task: str) -> PoolingParams:
+    """``params`` (None: the defaults) for ``task``: its ``task`` set when it is the default
+    (``embed``), so that ``normalize`` and the rest are checked for ``task``.
+
+    Raises:
+        ValueError: for params of another explicit task, or fields ``task`` refuses
+            (``normalize`` for ``classify``).
+    """
+    if params is None:
+        return PoolingParams(task=task)
+    if params.task not in ("embed", task):
+        raise ValueError(f"PoolingParams.task={params.task!r} but the pooling task is "
+                         f"{task!r}")
+    return params if params.task == task else dataclasses.replace(params, task=task)
 
 
 def broadcast_loras(lora: Any, n: int) -> list[LoRARequest | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -113,6 +114,30 @@ class EmbeddingRequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling model's output for one prompt (vLLM's ``PoolingOutput``).
+
+    Attributes:
+        data: a float32 torch tensor [n]: the embedding (``hidden_size`` or ``dimensions``
+            values) or the class probabilities (``num_labels``), as ``LLM.embed`` /
+            ``LLM.classify`` give them as lists.
+    """
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one ``LLM.encode`` prompt (vLLM's ``PoolingRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool
     metrics: RequestMetrics
 
