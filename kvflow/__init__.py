@@ -18,6 +18,7 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
     "ScoringRequestOutput",
@@ -48,7 +49,7 @@ def __getattr__(name: str):
 
         return LoRARequest
     if name in ("RequestOutput", "CompletionOutput", "ScoringRequestOutput",
-                "ClassificationRequestOutput"):
+                "ClassificationRequestOutput", "PoolingRequestOutput"):
         from kvflow import outputs
 
         return getattr(outputs, name)

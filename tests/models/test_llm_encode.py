@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import LLM, PoolingParams
+from kvflow import LLM, PoolingParams, PoolingRequestOutput
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import PoolingRequestOutput
 from tests.models.classifier_models import TEXTS, build_decoder_classifier, hf_logits
 from tests.models.embedding_models import build_bert, st_embed
 
