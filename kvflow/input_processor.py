@@ -429,9 +429,10 @@ class InputProcessor:
     def make_pooling_request(self, request_id: str, token_ids: list[int],
                              params: PoolingParams | None = None,
                              arrival_time: float | None = None,
-                             client_id: str = "") -> Request:
+                             client_id: str = "", priority: int = 0) -> Request:
         """An embedding request (prompt computed and pooled, nothing generated);
-        ``client_id`` names the sender for the fair policy ("" when unknown), as for
+        ``client_id`` names the sender for the fair policy ("" when unknown) and
+        ``priority`` its place under the priority policy (lower first), as for
         ``make_requests``.
 
         Raises:
@@ -450,7 +451,7 @@ class InputProcessor:
             self.mm_processor.check_no_video(token_ids)
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
-                       pooling_params=params, client_id=client_id)
+                       priority, pooling_params=params, client_id=client_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:

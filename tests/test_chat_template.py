@@ -159,7 +159,7 @@ def test_no_chat_template_http_message(tiny_tokenizer):
         asyncio.run(chat.render(req.messages, ChatOptions.of(req)))
     assert str(info.value) == ("this model has no chat template: the server needs one "
                                "(kvflow serve --chat-template FILE), or send the text as "
-                               "/tokenize's prompt or /v1/embeddings' input")
+                               "/tokenize's prompt or /v1/embeddings' (/pooling's) input")
 
 
 @pytest.fixture(scope="module")

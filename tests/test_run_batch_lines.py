@@ -108,6 +108,11 @@ def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
      ("a", "unsupported_parameter", ("line 7: body.previous_response_id is not supported in a "
       "batch (lines run concurrently and no reply outlives the batch); send the earlier turns "
       "in input instead (got 5)"), "body.previous_response_id")),
+    # a binary reply cannot be an output line: base64 carries the same bytes
+    (_line(url="/v1/embeddings", body={"input": "x", "encoding_format": "bytes"}),
+     ("a", "unsupported_value", ('line 7: body.encoding_format "bytes" answers with a binary '
+      "body, which an output line (JSON) cannot hold; send base64 (with embed_dtype and "
+      "endianness as needed)"), "body.encoding_format")),
     (_line(body=...), ("a", "missing_required_parameter",
                        "line 7 has no 'body': it must be a JSON object", "body")),
     (_line(body=["x"]), ("a", "invalid_value",

@@ -26,6 +26,7 @@ BODIES = {"/v1/completions": (protocol.CompletionRequest, {"prompt": "hi"}),
           "/v1/chat/completions": (protocol.ChatCompletionRequest, {"messages": HI}),
           "/v1/responses": (ResponsesRequest, {"input": "hi"}),
           "/v1/embeddings": (protocol.EmbeddingRequest, {"input": "hi"}),
+          "/pooling": (protocol.PoolingRequest, {"input": "hi"}),
           "/v1/score": (protocol.ScoreRequest, {"text_1": "hi", "text_2": "yo"}),
           "/v1/rerank": (protocol.RerankRequest, {"query": "hi", "documents": ["yo"]}),
           "/classify": (protocol.ClassificationRequest, {"input": "hi"}),
@@ -157,18 +158,21 @@ def test_platform_fields_asking_for_what_kvflow_cannot_do_are_refused_everywhere
 
 
 def test_vllm_fields_pass_where_declared_and_are_refused_elsewhere():
-    """``cache_salt`` (completions, chat, responses) and ``normalize`` /
-    ``add_special_tokens`` (embeddings) are declared, so honoured, where vLLM takes them;
-    sent to another endpoint each is refused as unsupported even under
-    ``--ignore-unknown-fields`` (ignored, a salt would share the prefix cache); ``embed_dtype``
-    is refused on embeddings too."""
+    """``cache_salt`` (completions, chat, responses), ``normalize`` / ``add_special_tokens``
+    / ``embed_dtype`` / ``endianness`` / ``priority`` (embeddings, /pooling) are declared, so
+    honoured, where vLLM takes them; sent to another endpoint each is refused as unsupported
+    even under ``--ignore-unknown-fields`` (ignored, a salt would share the prefix cache)."""
     for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         UnknownFields().check(_parsed(endpoint, {"cache_salt": "a"}), endpoint)
-    UnknownFields().check(_parsed("/v1/embeddings", {"normalize": False,
-                                                     "add_special_tokens": False}), "emb")
+    vllm_fields = {"normalize": False, "add_special_tokens": False, "embed_dtype": "float16",
+                   "endianness": "big", "priority": 1}
+    for endpoint in ("/v1/embeddings", "/pooling"):
+        UnknownFields().check(_parsed(endpoint, vllm_fields), endpoint)
     for endpoint, field, value in (("/v1/embeddings", "cache_salt", "a"),
                                    ("/v1/score", "normalize", False),
                                    ("/classify", "add_special_tokens", False),
-                                   ("/v1/embeddings", "embed_dtype", "float16")):
+                                   ("/v1/score", "embed_dtype", "float16"),
+                                   ("/v1/rerank", "endianness", "big"),
+                                   ("/v1/score", "priority", 1)):
         error = _refusal(endpoint, {field: value}, ignore=True)
         assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")

@@ -306,9 +306,10 @@ class AsyncLLM:
 
     def add_pooling_request(self, request_id: str, prompt: str | None,
                             prompt_token_ids: list[int], params: PoolingParams | None = None,
-                            client_id: str = "") -> RequestStream:
+                            client_id: str = "", priority: int = 0) -> RequestStream:
         """Validate and queue one embedding request; its stream ends with one
-        ``EmbeddingRequestOutput``. ``client_id`` names the sender for the fair policy.
+        ``EmbeddingRequestOutput``. ``client_id`` names the sender for the fair policy,
+        ``priority`` its place under the priority policy (lower first).
 
         Raises:
             ValueError: on a generation model, for a bad prompt or ``dimensions``.
@@ -317,7 +318,7 @@ class AsyncLLM:
         self._check_serving()
         arrival = time.monotonic()
         request = self.processor.make_pooling_request(request_id, prompt_token_ids, params,
-                                                      arrival, client_id)
+                                                      arrival, client_id, priority)
         return self._queue(request_id, prompt, [request], arrival)
 
     def abort(self, request_id: str) -> None:

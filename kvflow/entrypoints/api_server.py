@@ -3,7 +3,8 @@
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET and DELETE
 /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel:
 ``responses_routes``),
-/v1/embeddings, /v1/score, /v1/rerank (and /rerank), /classify (and /v1/classify),
+/v1/embeddings, /pooling, /v1/score (and /score), /v1/rerank (and /rerank, /v2/rerank),
+/classify (and /v1/classify),
 /v1/models[/{model}],
 /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
 the API key when one is set), and /health, /metrics, /version (always open). Every error is
@@ -52,6 +53,7 @@ from kvflow.entrypoints.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     UnloadLoRAAdapterRequest,
@@ -65,6 +67,7 @@ from kvflow.entrypoints.serving_classification import OpenAIServingClassificatio
 from kvflow.entrypoints.serving_completion import OpenAIServingCompletion
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.serving_models import ModelNotFound, ServingModels
+from kvflow.entrypoints.serving_pooling import OpenAIServingPooling
 from kvflow.entrypoints.serving_responses import OpenAIServingResponses
 from kvflow.entrypoints.serving_score import OpenAIServingScore
 from kvflow.entrypoints.sleep_routes import add_sleep_routes
@@ -188,6 +191,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.score = OpenAIServingScore(engine, config, model_name, models, unknown)
     app.state.classify = OpenAIServingClassification(engine, config, model_name, models,
                                                      unknown)
+    app.state.pooling = OpenAIServingPooling(engine, config, model_name, models, unknown,
+                                             app.state.chat)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -215,12 +220,18 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
         return await raw.app.state.embedding.create_embedding(req, raw)
 
+    @app.post("/pooling")
+    async def pooling(req: PoolingRequest, raw: Request) -> Response:
+        return await raw.app.state.pooling.create_pooling(req, raw)
+
     @app.post("/v1/score")
+    @app.post("/score")
     async def score(req: ScoreRequest, raw: Request) -> Response:
         return await raw.app.state.score.create_score(req, raw)
 
     @app.post("/v1/rerank")
     @app.post("/rerank")
+    @app.post("/v2/rerank")
     async def rerank(req: RerankRequest, raw: Request) -> Response:
         return await raw.app.state.score.create_rerank(req, raw)
 

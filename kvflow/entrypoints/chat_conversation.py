@@ -118,13 +118,16 @@ def apply_with_tools_prompt(apply: Callable[[list[dict[str, Any]], Any], str],
         raise tools_prompt_error(e, before_tools) from None
 
 
-def no_template_error(embed: bool, request_templates: bool) -> OpenAIError:
+def no_template_error(task: str, request_templates: bool) -> OpenAIError:
     """The 400 (param ``messages``, code ``no_chat_template``) for a conversation on a model
     without a chat template, saying what this server takes instead: a request's
     ``chat_template`` when it trusts them (``request_templates``), else ``--chat-template``,
-    or the plain-text routes it serves (an ``embed`` server's, else /v1/completions)."""
-    plain = "send the text as /tokenize's prompt or /v1/embeddings' input" if embed else \
-        "use /v1/completions with a plain prompt"
+    or the plain-text routes of the server's ``task`` (a pooling server's inputs, else
+    /v1/completions)."""
+    plain = {"generate": "use /v1/completions with a plain prompt",
+             "embed": "send the text as /tokenize's prompt or /v1/embeddings' (/pooling's) "
+                      "input"}.get(task, "send the text as /tokenize's prompt or /pooling's "
+                                         "input")
     how = "send one in the request's chat_template field" if request_templates else \
         "the server needs one (kvflow serve --chat-template FILE)"
     return OpenAIError(f"this model has no chat template: {how}, or {plain}",

@@ -109,7 +109,7 @@ class ChatRendering:
                                   self._render_now, tokenizer, conversation, options, tools,
                                   limit, before_tools)
         except NoChatTemplateError:
-            raise no_template_error(getattr(self.engine, "task", "generate") == "embed",
+            raise no_template_error(getattr(self.engine, "task", "generate"),
                                     self.config.trust_request_chat_template) from None
         except ChatTemplateError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None

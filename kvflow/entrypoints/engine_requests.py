@@ -73,9 +73,11 @@ def refused(error: RequestRefused, param: str | None) -> OpenAIError:
     return answer
 
 
-async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitable[BaseModel],
-                  abort: Abort, refused_param: str | None = None) -> Response:
-    """Await the non-streaming response body; ``abort`` the requests if the client leaves.
+async def respond(raw: Request, streams: Sequence[RequestStream],
+                  work: Awaitable[BaseModel | Response], abort: Abort,
+                  refused_param: str | None = None) -> Response:
+    """Await the non-streaming response body (a model, sent as JSON, or a whole Response:
+    /v1/embeddings' ``bytes``); ``abort`` the requests if the client leaves.
 
     Raises:
         OpenAIError: 503 if the engine dies meanwhile; 400 if the engine core refused a
@@ -92,6 +94,8 @@ async def respond(raw: Request, streams: Sequence[RequestStream], work: Awaitabl
         abort(streams)
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
+    if isinstance(result, Response):
+        return result
     return Response(result.model_dump_json(), media_type="application/json")
 
 

@@ -324,9 +324,18 @@ class OpenAIServing:
                               "sample it generates (send n, or best_of equal to n)",
                               param="best_of", code="unsupported_value")
         check_beam_request(req)
+        self.check_priority(req.priority)
+
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` orders only the priority (and fair) policy's queue.
+
+        Raises:
+            OpenAIError: 400 (param ``priority``, code ``unsupported_value``) for a nonzero
+                priority while the scheduler is not run by priority (it would be ignored).
+        """
         policy = self.engine.config.scheduler_config.policy
-        if req.priority and policy not in ("priority", "fair"):
-            raise OpenAIError(f"priority={req.priority} needs the priority or fair scheduling "
+        if priority and policy not in ("priority", "fair"):
+            raise OpenAIError(f"priority={priority} needs the priority or fair scheduling "
                               f"policy (start the server with --policy priority or fair); it "
                               f"runs {policy!r}", param="priority", code="unsupported_value")
 
@@ -393,7 +402,7 @@ class OpenAIServing:
             self.beam_searches.cancel(stream.request_id)
 
     async def respond(self, raw: Request, streams: Sequence[RequestStream],
-                      work: Awaitable[BaseModel], refused_param: str | None = None) -> Response:
+                      work: Awaitable[BaseModel | Response], refused_param: str | None = None) -> Response:
         """The non-streaming answer: :func:`engine_requests.respond`.
 
         Raises:

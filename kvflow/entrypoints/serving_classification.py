@@ -40,12 +40,13 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_fields(req, "/classify")
         self.check_model(req.model)
         self.check_task("classify")
+        self.check_priority(req.priority)
         prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("classify", req.request_id)
         self.note_request(req, request_id)
         streams = await self._add(request_id, prompts, PoolingParams(task="classify"),
-                                  self.client_id(req, raw))
+                                  self.client_id(req, raw), req.priority)
         return await self.respond(raw, streams, self._classes(reply_id, prompts, streams))
 
     async def _classes(self, reply_id: str, prompts: list[Prompt],

@@ -3,16 +3,16 @@ shape), batched by the engine's scheduler like any prompts."""
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from kvflow.engine.streams import RequestStream
 from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.pooling_encoding import bytes_response, check_encoding, encode_vector
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
@@ -20,6 +20,7 @@ from kvflow.entrypoints.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
+from kvflow.entrypoints.protocol.base import now
 from kvflow.entrypoints.serving_base import OpenAIServing, check_token_ids, request_ids
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import keep_last_tokens, truncation_length
@@ -40,13 +41,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_fields(req, "/v1/embeddings")
         self.check_model(req.model)
         self.check_task("embed")
+        check_encoding(req.encoding_format, req.embed_dtype, req.endianness)
+        self.check_priority(req.priority)
         prompts = await self._request_inputs(req.input, req.truncate_prompt_tokens,
                                              req.add_special_tokens)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("embd", req.request_id)
         self.note_request(req, request_id)
-        streams = await self._add(request_id, prompts, params, self.client_id(req, raw))
+        streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
+                                  req.priority)
         return await self.respond(raw, streams, self._response(req, reply_id, prompts,
                                                                streams))
 
@@ -150,10 +154,11 @@ class OpenAIServingEmbedding(OpenAIServing):
                                 else "input")
 
     async def _add(self, request_id: str, prompts: list[Prompt], params: PoolingParams,
-                   client_id: str) -> list[RequestStream]:
+                   client_id: str, priority: int = 0) -> list[RequestStream]:
         """Queue every input (ids ``{request_id}-{i}``) for ``client_id`` (``client_id``:
-        the fair policy's sender), with admission control wait until the engine core
-        accepted them all; on failure abort what was queued.
+        the fair policy's sender) at ``priority`` (checked: ``check_priority``), with
+        admission control wait until the engine core accepted them all; on failure abort
+        what was queued.
 
         Raises:
             OpenAIError: 400 for an input or ``dimensions`` the engine refuses, 503 if the
@@ -163,7 +168,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             text, ids = prompts[i]
             self.log_request(f"{request_id}-{i}", text, ids, params)
             return self.engine.add_pooling_request(f"{request_id}-{i}", text, ids, params,
-                                                   client_id)
+                                                   client_id, priority)
 
         def bad_input(e: ValueError) -> OpenAIError:
             param = "dimensions" if "dimensions" in str(e) else "input"
@@ -171,24 +176,30 @@ class OpenAIServingEmbedding(OpenAIServing):
 
         return await self.admit_all(add, len(prompts), bad_input)
 
-    async def _response(self, req: EmbeddingRequest, request_id: str, prompts: list[Prompt],
-                        streams: Sequence[RequestStream]) -> EmbeddingResponse:
-        data = []
-        for i, stream in enumerate(streams):
-            vector = await pooled_vector(stream)
-            data.append(EmbeddingData(embedding=_encode(vector, req.encoding_format), index=i))
+    async def _response(self, req: EmbeddingRequest, reply_id: str, prompts: list[Prompt],
+                        streams: Sequence[RequestStream]) -> EmbeddingResponse | Response:
+        def reply(values: list[list[float] | str], num_tokens: int) -> EmbeddingResponse:
+            data = [EmbeddingData(index=i, embedding=value) for i, value in enumerate(values)]
+            return EmbeddingResponse(id=reply_id, model=self.model_name, data=data,
+                                     usage=EmbeddingUsage(prompt_tokens=num_tokens,
+                                                          total_tokens=num_tokens))
+
+        return await self.encoded_reply(req, reply_id, prompts, streams, reply)
+
+    async def encoded_reply(self, req: EmbeddingRequest, reply_id: str, prompts: list[Prompt],
+                            streams: Sequence[RequestStream],
+                            reply: Callable[[list[list[float] | str], int], BaseModel]
+                            ) -> BaseModel | Response:
+        """The answer once every input's vector is in: the ``bytes`` body
+        (``bytes_response``), else ``reply(values, prompt tokens)``, each value a vector as
+        ``req.encoding_format`` encodes it (``encode_vector``)."""
+        vectors = [await pooled_vector(stream) for stream in streams]
         num_tokens = sum(len(ids) for _, ids in prompts)
-        return EmbeddingResponse(id=request_id, model=self.model_name, data=data,
-                                 usage=EmbeddingUsage(prompt_tokens=num_tokens,
-                                                      total_tokens=num_tokens))
-
-
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
-    """``float``: the list; ``base64``: its little-endian float32 bytes in base64 (OpenAI's
-    format, what the openai client decodes with numpy)."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return vector
+        if req.encoding_format == "bytes":
+            head = {"id": reply_id, "created": now(), "model": self.model_name}
+            return bytes_response(vectors, req.embed_dtype, req.endianness, head, num_tokens)
+        return reply([encode_vector(vector, req.encoding_format, req.embed_dtype,
+                                    req.endianness) for vector in vectors], num_tokens)
 
 
 def _embedding_error_code(message: str) -> str:

@@ -44,15 +44,18 @@ UNSUPPORTED = {
                         "(e.g. enable_thinking)",
     # vLLM's /v1/embeddings extensions; normalize and add_special_tokens are declared (and
     # honoured) there, these entries refuse them on the endpoints that do not take them
-    "normalize": "only /v1/embeddings takes it (scores and classes use the model's own "
-                 "pooling)",
-    "add_special_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings and "
-                          "/tokenize take it (other inputs are tokenized with the "
+    "normalize": "only /v1/embeddings and /pooling take it (scores and classes use the "
+                 "model's own pooling)",
+    "add_special_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings, "
+                          "/pooling and /tokenize take it (other inputs are tokenized with the "
                           "tokenizer's special tokens)",
-    "embed_dtype": "vectors are float32 (encoding_format float, or base64 of little-endian "
-                   "float32 bytes)",
-    "priority": "only generation requests take a priority (embedding requests are queued at "
-                "priority 0, by client under --policy fair)",
+    "embed_dtype": "only /v1/embeddings and /pooling take it (with encoding_format base64 "
+                   "or bytes)",
+    "endianness": "only /v1/embeddings and /pooling take it (with encoding_format base64 "
+                  "or bytes)",
+    "priority": "only /v1/completions, /v1/chat/completions, /v1/embeddings, /pooling and "
+                "/classify take a priority (other requests are queued at priority 0, by "
+                "client under --policy fair)",
     "target_ttft_ms": "only generation requests take one (embedding requests take the "
                       "server's --target-ttft-ms)",
     "target_tpot_ms": "only generation requests generate tokens",
@@ -62,7 +65,8 @@ UNSUPPORTED = {
     "bad_words": "only /v1/completions and /v1/chat/completions take it",
     "return_tokens_as_token_ids": "only /v1/completions and /v1/chat/completions take it",
     "truncate_prompt_tokens": "only /v1/completions, /v1/chat/completions, /v1/embeddings, "
-                              "/v1/score, /v1/rerank and /classify (/v1/classify) take it",
+                              "/pooling, /v1/score, /v1/rerank and /classify (/v1/classify) "
+                              "take it",
     # vLLM fields kvflow does not read
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer's decode "
                                      "writes them (vLLM's default, true)",

@@ -3,14 +3,18 @@
 with a tiny random Qwen2ForSequenceClassification (last-token pooling, named classes from
 ``id2label``); text and token-id inputs, ``truncate_prompt_tokens``, the 400s (empty input,
 token id out of the vocabulary, too long, unknown field, a score server) and a server that
-keeps serving with every KV block back. One engine serves both head tasks where the model
+keeps serving with every KV block back; /pooling's class probabilities; the /score and
+/v2/rerank aliases. One engine serves both head tasks where the model
 allows: a tiny random Qwen3ForCausalLM served as a Qwen3-Reranker (``--hf-overrides`` with
 ``classifier_from_token``, ``--task classify``) answers /v1/score, /rerank and /classify with
 transformers' causal-LM P(yes) = sigmoid(logit_yes - logit_no); a score server classifies."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -225,3 +229,63 @@ def test_qwen3_reranker_from_hf_overrides_scores_reranks_and_classifies(servers)
     body = _post(server, "/classify", {"input": ids[:2]}).json()
     torch.testing.assert_close(torch.tensor([d["probs"][0] for d in body["data"]]),
                                expected[:2], atol=ATOL, rtol=0)
+
+
+def test_pooling_gives_a_classifiers_class_probabilities(servers):
+    """/pooling (vLLM's generic endpoint) on a classify server: each input's ``data`` is its
+    class probabilities (transformers' softmax), in base64 the float32 bytes; task, fields of
+    embeddings and the per-token tasks are 400s naming them; a score server's /pooling
+    classifies too (the sigmoid of its one logit)."""
+    server, folder = servers["cls"]
+    texts = [t for t in TEXTS if len(_tokenizer(folder)(t)["input_ids"]) <= 10][:3]
+    expected = torch.softmax(hf_logits(folder, texts), dim=-1)
+    for task in ({}, {"task": "classify"}):
+        body = _post(server, "/pooling", {"model": "cls", "input": texts, "request_id": "p1",
+                                          **task}).json()
+        assert (body["id"], body["object"], body["model"]) == ("pool-p1", "list", "cls")
+        assert [(d["index"], d["object"]) for d in body["data"]] == \
+            [(i, "pooling") for i in range(len(texts))]
+        torch.testing.assert_close(torch.tensor([d["data"] for d in body["data"]]), expected,
+                                   atol=ATOL, rtol=0)
+        tokens = sum(len(_tokenizer(folder)(t)["input_ids"]) for t in texts)
+        assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0,
+                                 "total_tokens": tokens}
+    floats = [d["data"] for d in body["data"]]
+    body = _post(server, "/pooling", {"input": texts, "encoding_format": "base64"}).json()
+    assert [np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).tolist()
+            for d in body["data"]] == floats  # exact: the same float32 values
+    classified = _post(server, "/classify", {"input": texts}).json()
+    assert [d["probs"] for d in classified["data"]] == floats
+    for extra, param, code in (({"task": "embed"}, "task", "wrong_task"),
+                               ({"task": "token_classify"}, "task", "unsupported_value"),
+                               ({"task": "score"}, "task", "unsupported_value"),
+                               ({"task": "reward"}, "task", "invalid_value"),
+                               ({"normalize": True}, "normalize", "invalid_value"),
+                               ({"dimensions": 2}, "dimensions", "invalid_value"),
+                               ({"messages": [{"role": "user", "content": "hi"}]}, "messages",
+                                "invalid_value")):
+        resp = _post(server, "/pooling", {"input": "paris", **extra})
+        assert resp.status_code == 400, (extra, resp.text)
+        assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (param, code)
+    ce, _ = servers["ce"]
+    body = _post(ce, "/pooling", {"input": "paris is the capital"}).json()
+    probs = _post(ce, "/classify", {"input": "paris is the capital"}).json()["data"][0]["probs"]
+    assert body["data"][0]["data"] == probs and len(probs) == 1
+
+
+def test_score_and_v2_rerank_aliases(servers):
+    """vLLM's /score (= /v1/score) and /v2/rerank (= /v1/rerank): the same replies,
+    transformers' causal-LM P(yes) on the reranker."""
+    server, folder = servers["rr"]
+    tokenizer = _tokenizer(folder)
+    expected = hf_reranker_scores(folder, [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS])
+    scores = {path: _post(server, path, {"text_1": QUERY, "text_2": DOCUMENTS}).json()
+              for path in ("/score", "/v1/score")}
+    torch.testing.assert_close(torch.tensor([d["score"] for d in scores["/score"]["data"]]),
+                               expected, atol=ATOL, rtol=0)
+    assert scores["/score"]["data"] == scores["/v1/score"]["data"]
+    reranks = {path: _post(server, path, {"query": QUERY, "documents": DOCUMENTS}).json()
+               for path in ("/v2/rerank", "/v1/rerank")}
+    assert reranks["/v2/rerank"]["results"] == reranks["/v1/rerank"]["results"]
+    assert [r["index"] for r in reranks["/v2/rerank"]["results"]] == \
+        expected.argsort(descending=True).tolist()

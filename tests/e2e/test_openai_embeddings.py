@@ -1,14 +1,21 @@
-"""/v1/embeddings against sentence-transformers: ``kvflow serve`` with a tiny random BERT
-(mean pooling) and a tiny random bare Llama decoder (last-token pooling, Matryoshka), queried
-with the official openai client (base64 by default) and plain JSON (float)."""
+"""/v1/embeddings and /pooling against sentence-transformers: ``kvflow serve`` with a tiny
+random BERT (mean pooling) and a tiny random bare Llama decoder (last-token pooling,
+Matryoshka, a chat template for /pooling's ``messages``), queried with the official openai
+client (base64 by default) and plain JSON (float); vLLM's ``embed_dtype`` / ``endianness``
+bytes against torch's own casts, ``encoding_format: bytes``."""
 
 from __future__ import annotations
 
+import base64
+import json
+import sys
+
 import httpx
+import numpy as np
 import pytest
 import torch
 
-from tests.e2e.conftest import ready_side_by_side
+from tests.e2e.conftest import TINY_CHAT_TEMPLATE, ready_side_by_side
 from tests.models.embedding_models import build_bert, build_decoder, st_embed
 
 INPUTS = ["the quick brown fox", "a lazy dog while kvflow pages keys and values", "tokens"]
@@ -16,9 +23,11 @@ ARGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "4"]
 
 
 # whole prompts per step, and no KV cache to size (an encoder refuses --num-kv-blocks)
-BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "64"]
+BERT_ARGS = [*ARGS, "--served-model-name", "bert", "--max-num-batched-tokens", "64",
+             "--policy", "priority"]
 DEC_ARGS = [*ARGS, "--num-kv-blocks", "64", "--served-model-name", "dec",
-            "--max-num-batched-tokens", "8"]  # in chunks
+            "--max-num-batched-tokens", "8",  # in chunks
+            "--chat-template", TINY_CHAT_TEMPLATE]
 
 
 def _models(tiny_tokenizer, built_models) -> dict[str, tuple[str, object]]:
@@ -159,13 +168,162 @@ def test_normalize(which, bert, decoder):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "normalize", resp.text
 
 
-def test_add_special_tokens_and_embed_dtype_refusals(bert):
+def test_add_special_tokens_embed_dtype_and_endianness_refusals(bert, decoder):
     """A non-bool ``add_special_tokens`` is a 400 naming it (what false does is checked with a
-    tokenizer that adds ``<bos>``: tests/e2e/test_openai_fields.py); ``embed_dtype`` stays
-    refused: vLLM pairs it with an ``endianness`` and fp8 formats kvflow does not encode."""
+    tokenizer that adds ``<bos>``: tests/e2e/test_openai_fields.py); so are an unknown
+    ``embed_dtype`` or ``endianness``, either set with ``encoding_format`` float (which
+    writes no bytes), and a ``priority`` on a server not run by priority."""
     server, _ = bert
-    for field, value, code in (("add_special_tokens", "no", "invalid_type"),
-                               ("embed_dtype", "float16", "unsupported_parameter")):
-        resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a", field: value})
-        assert resp.status_code == 400, resp.text
-        assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (field, code)
+    for extra, param, code in (({"add_special_tokens": "no"}, "add_special_tokens",
+                                "invalid_type"),
+                               ({"embed_dtype": "int8", "encoding_format": "base64"},
+                                "embed_dtype", "invalid_value"),
+                               ({"endianness": "middle", "encoding_format": "bytes"},
+                                "endianness", "invalid_value"),
+                               ({"encoding_format": "float16"}, "encoding_format",
+                                "invalid_value"),
+                               ({"embed_dtype": "float16"}, "embed_dtype", "invalid_value"),
+                               ({"endianness": "big", "encoding_format": "float"},
+                                "endianness", "invalid_value")):
+        for path in ("/v1/embeddings", "/pooling"):
+            resp = httpx.post(f"{server.url}{path}", json={"input": "a", **extra})
+            assert resp.status_code == 400, (path, extra, resp.text)
+            assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+                (param, code), (path, resp.json())
+    for path in ("/v1/embeddings", "/pooling"):  # the decoder runs fcfs; BERT priority
+        resp = httpx.post(f"{decoder[0].url}{path}", json={"input": "a", "priority": 1})
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, "priority")
+        assert httpx.post(f"{server.url}{path}", timeout=60,
+                          json={"input": "a", "priority": 1}).status_code == 200
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _decoded(raw: bytes, dtype: torch.dtype, endianness: str) -> torch.Tensor:
+    """``raw`` read back as a client would: numpy for the bytes (swapped from big-endian),
+    then viewed as ``dtype`` by torch."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    values = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
+    if endianness == "big" or (endianness == "native" and sys.byteorder == "big"):
+        values = values[:, ::-1]
+    return torch.from_numpy(values.copy()).flatten().view(dtype)
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
+def test_embed_dtype_and_endianness(bert, path):
+    """vLLM's ``embed_dtype`` / ``endianness`` with base64: the bytes decode to torch's own
+    cast of the float32 vector (``encoding_format`` float's numbers), bit for bit, in every
+    dtype and byte order; float32 is the float reply itself; the openai client's default
+    (base64, no embed_dtype) is little-endian float32 as before."""
+    server, st = bert
+    key = "embedding" if path == "/v1/embeddings" else "data"
+    floats = [d[key] for d in httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS, "encoding_format": "float"}).json()["data"]]
+    for got, ref in zip(floats, st_embed(st, INPUTS)):
+        _close(got, ref)
+    for name, dtype in DTYPES.items():
+        for endianness in ("native", "big", "little"):
+            body = httpx.post(f"{server.url}{path}", timeout=60, json={
+                "input": INPUTS, "encoding_format": "base64", "embed_dtype": name,
+                "endianness": endianness}).json()
+            for d, vector in zip(body["data"], floats):
+                got = _decoded(base64.b64decode(d[key]), dtype, endianness)
+                want = torch.tensor(vector, dtype=torch.float32).to(dtype)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+                    (name, endianness)
+                if name == "float32":
+                    assert got.tolist() == vector
+    body = httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS[0], "encoding_format": "base64"}).json()
+    assert np.frombuffer(base64.b64decode(body["data"][0][key]), "<f4").tolist() == floats[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
+def test_bytes_encoding(bert, path, tiny_tokenizer):
+    """vLLM's ``encoding_format: bytes``: the body is every input's bytes in input order
+    (application/octet-stream), the ``metadata`` header their offsets, shape, dtype and the
+    usage; each slice decodes to torch's cast of the float reply."""
+    server, _ = bert
+    key = "embedding" if path == "/v1/embeddings" else "data"
+    floats = [d[key] for d in httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS}).json()["data"]]
+    resp = httpx.post(f"{server.url}{path}", timeout=60, json={
+        "input": INPUTS, "encoding_format": "bytes", "embed_dtype": "bfloat16",
+        "endianness": "big", "request_id": "b1"})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(resp.headers["metadata"])
+    assert meta["id"] == ("embd-b1" if path == "/v1/embeddings" else "pool-b1")
+    tokens = sum(len(tiny_tokenizer.encode(s)) for s in INPUTS)
+    assert meta["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    dim = len(floats[0])
+    assert [(m["index"], m["start"], m["end"], m["shape"], m["embed_dtype"], m["endianness"])
+            for m in meta["data"]] == [(i, 2 * dim * i, 2 * dim * (i + 1), [dim], "bfloat16",
+                                        "big") for i in range(len(INPUTS))]
+    assert len(resp.content) == 2 * dim * len(INPUTS)
+    for m, vector in zip(meta["data"], floats):
+        got = _decoded(resp.content[m["start"]:m["end"]], torch.bfloat16, "big")
+        want = torch.tensor(vector).to(torch.bfloat16)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_pooling_embeds_inputs(bert, decoder):
+    """/pooling on an embedding server: each input's ``data`` is its embedding, the same
+    values as /v1/embeddings (sentence-transformers' vectors), with its ``dimensions`` and
+    ``normalize``; vLLM's reply shape; a classify task is a 400 naming ``task``."""
+    server, st = decoder
+    body = httpx.post(f"{server.url}/pooling", timeout=60, json={
+        "model": "dec", "input": INPUTS, "request_id": "q"}).json()
+    assert (body["id"], body["object"], body["model"]) == ("pool-q", "list", "dec")
+    assert [(d["index"], d["object"]) for d in body["data"]] == \
+        [(i, "pooling") for i in range(len(INPUTS))]
+    for d, ref in zip(body["data"], st_embed(st, INPUTS)):
+        _close(d["data"], ref)
+    embedded = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json={
+        "input": INPUTS}).json()
+    assert [d["data"] for d in body["data"]] == [d["embedding"] for d in embedded["data"]]
+    assert body["usage"] == {**embedded["usage"], "completion_tokens": 0}
+    raw = st_embed(_raw_st(st), INPUTS[:1])[0]
+    for extra, expected in (({"dimensions": 8},
+                             torch.nn.functional.normalize(st_embed(st, INPUTS[:1])[0][:8],
+                                                           dim=0)),
+                            ({"normalize": False, "task": "embed"}, raw)):
+        body = httpx.post(f"{server.url}/pooling", timeout=60, json={
+            "input": INPUTS[0], **extra}).json()
+        _close(body["data"][0]["data"], expected)
+    for extra, param in (({"task": "classify"}, "task"), ({}, "input"),
+                         ({"input": "a", "chat_template_kwargs": {"x": 1}},
+                          "chat_template_kwargs")):
+        resp = httpx.post(f"{server.url}/pooling", json=extra)
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
+    resp = httpx.post(f"{bert[0].url}/pooling", json={"messages": [{"role": "user",
+                                                                    "content": "hi"}]})
+    assert (resp.status_code, resp.json()["error"]["code"]) == (400, "no_chat_template")
+
+
+def test_pooling_messages(decoder, tiny_tokenizer):
+    """/pooling with ``messages``: the conversation rendered by the server's chat template
+    (``--chat-template``, as /v1/chat/completions renders it; no generation prompt unless
+    asked) is embedded as that text would be (sentence-transformers' vector of the rendered
+    text, rendered here by hand); ``truncate_prompt_tokens`` keeps the rendered text's first
+    tokens."""
+    server, st = decoder
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "the quick brown fox"}]
+    text = "<system>be brief\n<user>the quick brown fox\n"
+    assert tiny_tokenizer.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
+    for extra, rendered in (({}, text),
+                            ({"add_generation_prompt": True}, text + "<assistant>")):
+        body = httpx.post(f"{server.url}/pooling", timeout=60, json={
+            "messages": messages, **extra}).json()
+        _close(body["data"][0]["data"], st_embed(st, [rendered])[0])
+        n = len(tiny_tokenizer.encode(rendered))
+        assert body["usage"]["prompt_tokens"] == n
+    ids = tiny_tokenizer.encode(text)
+    body = httpx.post(f"{server.url}/pooling", timeout=60, json={
+        "messages": messages, "truncate_prompt_tokens": 5}).json()
+    same = httpx.post(f"{server.url}/pooling", timeout=60, json={"input": ids[:5]}).json()
+    assert body["data"][0]["data"] == same["data"][0]["data"]
+    assert body["usage"]["prompt_tokens"] == 5

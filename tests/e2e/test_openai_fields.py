@@ -828,6 +828,45 @@ def embedding_cases() -> dict[str, Callable]:
         assert values == pytest.approx(vector(ok(server, EMB, {})), abs=1e-7)
         rejected(EMB, {"encoding_format": "int8"}, "encoding_format")(server, tokenizer)
 
+    def embed_dtype(server, tokenizer):
+        """base64 bytes of the vector cast to it: torch's own float16 cast of the float
+        reply, bit for bit (every dtype and byte order against torch, and
+        ``encoding_format: bytes``: tests/e2e/test_openai_embeddings.py); an unknown dtype,
+        or one with ``encoding_format`` float (no bytes to cast), is a 400 naming it."""
+        import base64
+
+        import torch
+
+        floats = torch.tensor(vector(ok(server, EMB, {})), dtype=torch.float32)
+        packed = vector(ok(server, EMB, {"encoding_format": "base64", "embed_dtype": "float16",
+                                         "endianness": "little"}))
+        got = torch.frombuffer(bytearray(base64.b64decode(packed)), dtype=torch.uint8)
+        assert torch.equal(got, floats.to(torch.float16).view(torch.uint8))  # little-endian host
+        rejected(EMB, {"encoding_format": "base64", "embed_dtype": "int8"},
+                 "embed_dtype")(server, tokenizer)
+        rejected(EMB, {"embed_dtype": "float16"}, "embed_dtype")(server, tokenizer)
+
+    def endianness(server, tokenizer):
+        """big: each float32 value's bytes most significant first (numpy's ``>f4`` reads the
+        float reply back exactly); with ``encoding_format`` float a 400 naming it."""
+        import base64
+
+        import numpy as np
+
+        packed = vector(ok(server, EMB, {"encoding_format": "base64", "endianness": "big"}))
+        assert np.frombuffer(base64.b64decode(packed), dtype=">f4").tolist() == \
+            vector(ok(server, EMB, {}))
+        rejected(EMB, {"endianness": "big"}, "endianness")(server, tokenizer)
+        rejected(EMB, {"encoding_format": "base64", "endianness": "middle"},
+                 "endianness")(server, tokenizer)
+
+    def priority(server, tokenizer):
+        """Orders the waiting queue under --policy priority (accepted there:
+        tests/e2e/test_openai_embeddings.py); this server runs fcfs, so a nonzero priority,
+        which it would ignore, is a 400 naming it, and 0 is the default."""
+        assert vector(ok(server, EMB, {"priority": 0})) == vector(ok(server, EMB, {}))
+        rejected(EMB, {"priority": 1}, "priority")(server, tokenizer)
+
     def dimensions(server, tokenizer):
         full, cut = vector(ok(server, EMB, {})), vector(ok(server, EMB, {"dimensions": 8}))
         norm = sum(v * v for v in full[:8]) ** 0.5
@@ -864,7 +903,8 @@ def embedding_cases() -> dict[str, Callable]:
     return {"model": rejected(EMB, {"model": "gpt-4"}, "model", 404), "input": input_,
             "encoding_format": encoding_format, "dimensions": dimensions, "user": user,
             "request_id": request_id, "add_special_tokens": add_special_tokens,
-            "normalize": normalize, "truncate_prompt_tokens": truncate_prompt_tokens}
+            "normalize": normalize, "truncate_prompt_tokens": truncate_prompt_tokens,
+            "embed_dtype": embed_dtype, "endianness": endianness, "priority": priority}
 
 
 CASES = {C: (protocol.CompletionRequest, completion_cases()),
@@ -1361,12 +1401,12 @@ def test_null_means_the_default(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
 
 
-@pytest.mark.parametrize("field,value", [("embed_dtype", "float16"), ("priority", 1),
-                                         ("cache_salt", "a")])
+@pytest.mark.parametrize("field,value", [("cache_salt", "a")])
 def test_embedding_fields_that_would_change_the_vectors_are_refused(embed_server, field, value):
-    """vLLM's /v1/embeddings extensions kvflow does not implement are a 400 naming the field
-    (they were ignored: the same vector came back); null passes. (``normalize``,
-    ``add_special_tokens`` and ``truncate_prompt_tokens`` are honoured: ``embedding_cases``.)"""
+    """A field /v1/embeddings does not take but another endpoint does (a prefix-cache salt)
+    is a 400 naming it (it was ignored: the same vector came back); null passes.
+    (vLLM's ``normalize``, ``add_special_tokens``, ``truncate_prompt_tokens``,
+    ``embed_dtype``, ``endianness`` and ``priority`` are honoured: ``embedding_cases``.)"""
     resp = post(embed_server, EMB, {field: value})
     error = resp.json()["error"]
     assert resp.status_code == 400 and (error["param"], error["code"]) == \

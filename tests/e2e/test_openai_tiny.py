@@ -724,3 +724,16 @@ def test_body_that_is_not_utf8_is_invalid_json(server):
     error = resp.json()["error"]
     assert resp.status_code == 400 and error["code"] == "invalid_json", resp.text
     assert "UTF-8" in error["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/pooling", {"input": "hi"}), ("/pooling", {"input": "hi", "task": "generate"}),
+    ("/pooling", {"messages": HI}), ("/score", {"text_1": "a", "text_2": "b"}),
+    ("/v2/rerank", {"query": "a", "documents": ["b"]})])
+def test_pooling_routes_on_a_generating_server_are_wrong_task(server, path, body):
+    """/pooling and vLLM's /score and /v2/rerank aliases are served; a generating model
+    answers them 400 ``wrong_task`` naming ``model``, as it answers /v1/embeddings."""
+    resp = httpx.post(f"{server.url}{path}", timeout=30, json=body)
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("model", "wrong_task")

@@ -27,9 +27,9 @@ the first chunk of each choice carries ``prompt_token_ids``), ``stream_options``
 The models live in one module per job: ``base`` (base classes, the error body, the
 request-body checks), ``sampling`` (the fields completion and chat share; the completion
 request), ``chat`` (the chat request), ``responses`` (completion and chat replies),
-``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``scoring``
-(score and rerank), ``classification`` (/classify), ``management`` (models,
-LoRA adapters, tokenize, version). Import them from this package.
+``responses_api`` (/v1/responses: imported from its module), ``embeddings``, ``pooling``
+(/pooling), ``scoring`` (score and rerank), ``classification`` (/classify), ``management``
+(models, LoRA adapters, tokenize, version). Import them from this package.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from kvflow.entrypoints.protocol.management import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from kvflow.entrypoints.protocol.pooling import PoolingData, PoolingRequest, PoolingResponse
 from kvflow.entrypoints.protocol.responses import (
     ChatChoice,
     ChatCompletionResponse,
@@ -156,6 +157,9 @@ __all__ = [
     "NamedToolChoice",
     "OmitNoneModel",
     "OpenAIBaseModel",
+    "PoolingData",
+    "PoolingRequest",
+    "PoolingResponse",
     "PromptLogprob",
     "PromptTokenUsageInfo",
     "RequestBody",

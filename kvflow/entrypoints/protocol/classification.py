@@ -22,13 +22,15 @@ class ClassificationRequest(RequestBody):
     ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing one
     longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates, special
     tokens kept; token ids keep their last N, as vLLM does); vLLM's ``request_id`` names the reply (``id``:
-    ``classify-{request_id}``)."""
+    ``classify-{request_id}``); vLLM's ``priority`` orders the waiting queue (needs
+    ``--policy priority`` or ``fair``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
 
 
 class ClassificationData(OpenAIBaseModel):

@@ -17,24 +17,31 @@ from kvflow.entrypoints.protocol.base import (
 class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings. ``input``: a string, a list of strings, a list of token ids or a
     list of token-id lists; ``dimensions``: Matryoshka truncation (models that support it);
-    ``encoding_format``: ``float`` (a JSON list) or ``base64`` (little-endian float32 bytes);
+    ``encoding_format``: ``float`` (a JSON list), ``base64`` or ``bytes`` (vLLM's: the raw
+    bytes as the body, their layout in the ``metadata`` header), the bytes being the values
+    cast to vLLM's ``embed_dtype`` in its ``endianness`` (default float32, this machine's
+    order; ``entrypoints/pooling_encoding.py``);
     vLLM's ``request_id`` names the reply (``id``: ``embd-{request_id}``); vLLM's
     ``normalize`` (true / false; unset: as the model's pooling config says) L2-normalizes the
     vector or returns it raw, and ``add_special_tokens`` (default true) false tokenizes text
     inputs without the tokenizer's special tokens (token-id inputs are taken as sent);
     vLLM's ``truncate_prompt_tokens`` cuts each input to that many tokens instead of refusing
     one longer than the context (-1: ``max_model_len``; a text as its tokenizer truncates,
-    token ids keep their last N)."""
+    token ids keep their last N); vLLM's ``priority`` orders the waiting queue as a
+    generation request's does (needs ``--policy priority`` or ``fair``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     input: str | list[int] | list[str] | list[list[int]]  # ids first: see CompletionRequest
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64", "bytes"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
     dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
     normalize: bool | None = None
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
 
 
 class EmbeddingData(OpenAIBaseModel):

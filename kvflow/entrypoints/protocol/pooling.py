@@ -1,0 +1,58 @@
+"""The /pooling request and response (vLLM's generic pooling endpoint) of a pooling server:
+an embedding model's vectors, a sequence classifier's class probabilities."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from kvflow.entrypoints.protocol.base import OpenAIBaseModel, now
+from kvflow.entrypoints.protocol.chat import ChatMessage, check_list_caps
+from kvflow.entrypoints.protocol.embeddings import EmbeddingRequest
+from kvflow.entrypoints.protocol.responses import UsageInfo
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling: /v1/embeddings' fields (their meaning and checks), with exactly one of
+    ``input`` (as /v1/embeddings takes it) and ``messages`` (one chat conversation rendered
+    with the chat template as /v1/chat/completions renders it, with its template fields
+    ``add_generation_prompt`` (default false here, as vLLM's pooling chat request),
+    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs``).
+    ``add_special_tokens`` defaults to true for ``input`` and false for ``messages`` (the
+    template writes them). vLLM's ``task``: ``embed`` or ``classify``, where the server's
+    model runs it (None: ``embed`` on an embedding server, else ``classify``); ``dimensions``
+    and ``normalize`` apply to ``embed`` only."""
+
+    input: str | list[int] | list[str] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    task: str | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cap_lists(cls, data: Any, handler: Any) -> Any:
+        check_list_caps(data)  # as chat's: before the body's other checks
+        return handler(data)
+
+
+class PoolingData(OpenAIBaseModel):
+    """One input's pooled output: an embedding (``task`` embed) or the class probabilities
+    (classify), a JSON list of floats or its bytes in base64 (``encoding_format``)."""
+
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo  # prompt tokens; completion_tokens 0 (vLLM's shape)

@@ -1,0 +1,178 @@
+"""POST /pooling (vLLM's generic pooling endpoint): each input, or one chat conversation, ->
+the pooling model's output: an embedding model's vector (as /v1/embeddings gives it), a
+sequence classifier's class probabilities (as /classify's ``probs``). Inputs are read,
+queued and encoded by /v1/embeddings' steps (``OpenAIServingEmbedding``); a conversation is
+rendered by the chat handler's ``render``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvflow.config import ServerConfig
+from kvflow.engine.async_llm import AsyncLLM
+from kvflow.entrypoints.chat_options import ChatOptions
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.pooling_encoding import check_encoding
+from kvflow.entrypoints.preprocess import off_loop
+from kvflow.entrypoints.protocol import (
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
+    UsageInfo,
+)
+from kvflow.entrypoints.serving_base import body_size, request_ids
+from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
+from kvflow.pooling_params import PoolingParams
+from kvflow.prompt_truncation import truncation_length
+
+# vLLM's pooling tasks kvflow does not run on /pooling, and what to use instead
+OTHER_TASKS = {
+    "score": "score text pairs with /score (/v1/score) or /rerank",
+    "token_embed": "kvflow pools one vector per input (task embed), not one per token",
+    "token_classify": "kvflow classifies whole inputs (task classify), not each token",
+    "encode": "kvflow pools one vector per input (task embed or classify), not one per token",
+    "plugin": "kvflow has no IO-processor plugins",
+}
+
+
+class OpenAIServingPooling(OpenAIServingEmbedding):
+    """Handler of /pooling (see OpenAIServing for the constructor's first arguments).
+
+    Args:
+        chat: the server's chat handler, which renders ``messages``.
+    """
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str, models: Any,
+                 unknown_fields: Any, chat: Any) -> None:
+        super().__init__(engine, config, model_name, models, unknown_fields)
+        self.chat = chat
+
+    async def create_pooling(self, req: PoolingRequest, raw: Request) -> Response:
+        """Pool every input (or the conversation); answer in input order.
+
+        Raises:
+            OpenAIError: 400 for a generating server (``wrong_task``), a ``task`` the model
+                does not run or kvflow does not implement (naming ``task``), both or neither
+                of ``input`` and ``messages``, a field that does not apply to the task
+                (``dimensions``, ``normalize``) or encoding (``embed_dtype``,
+                ``endianness`` with ``float``), and what /v1/embeddings refuses; 404 for
+                another model; 503 when overloaded.
+        """
+        self.check_fields(req, "/pooling")
+        self.check_model(req.model)
+        params = self._params(req, self._task(req.task))
+        check_encoding(req.encoding_format, req.embed_dtype, req.endianness)
+        self.check_priority(req.priority)
+        prompts = await self._inputs_of(req, raw)
+        self.check_admission(len(prompts), "input")
+        reply_id, request_id = request_ids("pool", req.request_id)
+        self.note_request(req, request_id)
+        streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
+                                  req.priority)
+
+        def reply(values: list[list[float] | str], num_tokens: int) -> PoolingResponse:
+            data = [PoolingData(index=i, data=value) for i, value in enumerate(values)]
+            return PoolingResponse(id=reply_id, model=self.model_name, data=data,
+                                   usage=UsageInfo(prompt_tokens=num_tokens,
+                                                   total_tokens=num_tokens))
+
+        return await self.respond(raw, streams, self.encoded_reply(req, reply_id, prompts,
+                                                                   streams, reply))
+
+    def _task(self, task: str | None) -> str:
+        """The pooling task of a request: ``task``, else the server's (``embed`` on an
+        embedding server, else ``classify``, which score servers run too).
+
+        Raises:
+            OpenAIError: 400 ``wrong_task`` (param ``model``) on a generating server, or
+                (param ``task``) for a task the model does not run; 400 naming ``task`` for
+                one kvflow does not implement here (``OTHER_TASKS``) or an unknown one.
+        """
+        pooler = self.engine.processor.pooler
+        if pooler is None:
+            self.check_task("embed")  # raises: this server generates
+        if task in OTHER_TASKS:
+            raise OpenAIError(f"task={task!r} is not supported on /pooling: "
+                              f"{OTHER_TASKS[task]}", param="task", code="unsupported_value")
+        if task not in (None, "embed", "classify"):
+            raise OpenAIError(f"task={task!r} is not a pooling task: send embed or classify "
+                              "(or leave it out)", param="task", code="invalid_value")
+        task = task or ("embed" if pooler.task == "embed" else "classify")
+        if task not in pooler.tasks:
+            raise OpenAIError(f"this server's model runs task={pooler.task!r} (--task), "
+                              f"not {task!r}: leave task out for its "
+                              f"{'embeddings' if pooler.task == 'embed' else 'classes'}",
+                              param="task", code="wrong_task")
+        return task
+
+    @staticmethod
+    def _params(req: PoolingRequest, task: str) -> PoolingParams:
+        """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only).
+
+        Raises:
+            OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify``.
+        """
+        for name in ("dimensions", "normalize"):
+            if task != "embed" and getattr(req, name) is not None:
+                raise OpenAIError(f"{name} applies to embeddings (task embed); this "
+                                  f"request's task is {task!r}", param=name,
+                                  code="invalid_value")
+        return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize)
+
+    async def _inputs_of(self, req: PoolingRequest, raw: Request) -> list[Prompt]:
+        """The request's prompts: its ``input`` as /v1/embeddings reads it, or its
+        ``messages`` rendered (``_conversation``).
+
+        Raises:
+            OpenAIError: 400 (param ``messages``) for both, (``input``, code
+                ``missing_required_parameter``) for neither; see ``_request_inputs``.
+        """
+        if req.input is not None and req.messages is not None:
+            raise OpenAIError("give input or messages, not both", param="messages",
+                              code="invalid_value")
+        if req.messages is not None:
+            return [await self._conversation(req, raw)]
+        if req.input is None:
+            raise OpenAIError("give input (or messages)", param="input",
+                              code="missing_required_parameter")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                     "chat_template_kwargs"):
+            if getattr(req, name) != PoolingRequest.model_fields[name].default:
+                raise OpenAIError(f"{name} applies to messages only", param=name,
+                                  code="invalid_value")
+        return await self._request_inputs(req.input, req.truncate_prompt_tokens,
+                                          req.add_special_tokens is not False)
+
+    async def _conversation(self, req: PoolingRequest, raw: Request) -> Prompt:
+        """``messages`` rendered with the chat template (the chat handler's ``render``;
+        special tokens only with ``add_special_tokens: true``), cut to
+        ``truncate_prompt_tokens`` as the tokenizer truncates the rendered text.
+
+        Raises:
+            OpenAIError: what ``render`` refuses (a model without a chat template, ...); 400
+                (param ``messages``, code ``context_length_exceeded``) for a conversation
+                longer than ``--max-model-len`` and no ``truncate_prompt_tokens``.
+        """
+        options = ChatOptions(req.add_generation_prompt, req.continue_final_message,
+                              bool(req.add_special_tokens), req.chat_template, None,
+                              req.chat_template_kwargs)
+        text, ids = await self.chat.render(req.messages, options, check_length=False,
+                                           size=body_size(raw))
+        try:
+            limit = truncation_length(req.truncate_prompt_tokens, self.engine.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
+        if limit is not None and len(ids) > limit:
+            tokenizer = self.tokenizer
+            ids = await off_loop(len(text), lambda: list(tokenizer(
+                text, add_special_tokens=options.add_special_tokens, truncation=True,
+                max_length=limit)["input_ids"]))
+        if len(ids) > self.engine.max_model_len:
+            raise OpenAIError(f"the conversation has {len(ids)} tokens but max_model_len is "
+                              f"{self.engine.max_model_len}: send truncate_prompt_tokens to "
+                              "cut it", param="messages", code="context_length_exceeded")
+        return text, ids
