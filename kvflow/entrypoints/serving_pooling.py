@@ -6,8 +6,6 @@ rendered by the chat handler's ``render``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -24,7 +22,10 @@ from kvflow.entrypoints.protocol import (
     UsageInfo,
 )
 from kvflow.entrypoints.serving_base import body_size, request_ids
+from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
+from kvflow.entrypoints.serving_models import ServingModels
+from kvflow.entrypoints.unknown_fields import UnknownFields
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import truncation_length
 
@@ -45,8 +46,9 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
         chat: the server's chat handler, which renders ``messages``.
     """
 
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str, models: Any,
-                 unknown_fields: Any, chat: Any) -> None:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, model_name: str,
+                 models: ServingModels | None, unknown_fields: UnknownFields | None,
+                 chat: OpenAIServingChat) -> None:
         super().__init__(engine, config, model_name, models, unknown_fields)
         self.chat = chat
 
