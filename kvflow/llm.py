@@ -22,6 +22,7 @@ from kvflow.llm_inputs import (
     broadcast_pooling_params,
     check_priorities,
     check_users,
+    cut_pooling_prompt,
     processed_prompts,
     refuse_server_options,
     resolve_pooling_task,
@@ -40,7 +41,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import cut_text_ids, truncation_length
+from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -234,8 +235,8 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, user: Sequence[str] | None = None
-              ) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, user: Sequence[str] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
         batched by the same scheduler as generation (prompts only, nothing sampled).
 
@@ -248,25 +249,30 @@ class LLM:
                 L2-normalize the vector or not, None as the model's pooling config says).
             user: one client name per prompt (needs ``policy="fair"``; default: one client),
                 as for ``generate``.
+            truncate_prompt_tokens: cut each prompt to at most this many tokens (-1:
+                ``max_model_len``), as ``/v1/embeddings`` cuts an input: a text as the
+                tokenizer truncates it (its special tokens counted), token ids to their last
+                ``k``; None: a prompt longer than ``max_model_len`` is refused.
 
         Raises:
             ValueError: on a generation model (start it with ``task="embed"``), for a bad
-                prompt or ``dimensions``, or a ``user`` list ``generate`` would refuse
-                (nothing is queued then).
+                prompt, ``dimensions`` or ``truncate_prompt_tokens``, or a ``user`` list
+                ``generate`` would refuse (nothing is queued then).
         """
         prompts = as_prompt_list(prompts)
         params = broadcast_pooling_params(pooling_params, len(prompts))
         if any(p is not None and p.task != "embed" for p in params):
             raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
                              "with LLM.score, classify texts with LLM.classify")
-        return self._pool(prompts, params, use_tqdm, user)
+        return self._pool(prompts, params, use_tqdm, user,
+                          truncate_prompt_tokens=truncate_prompt_tokens)
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-               pooling_task: str | None = None, user: Sequence[str] | None = None
-               ) -> list[PoolingRequestOutput]:
+               pooling_task: str | None = None, user: Sequence[str] | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as a float32 tensor
         (``out.outputs.data``, shape [n]): the embedding (as ``embed``) or the class
         probabilities (as ``classify``), batched like ``embed``.
@@ -279,6 +285,7 @@ class LLM:
             pooling_task: ``"embed"`` or ``"classify"``, where the engine runs it; None: the
                 engine's (``embed`` on an embedding engine, else ``classify``).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
+            truncate_prompt_tokens: as ``embed`` takes it.
 
         Raises:
             ValueError: on a generating engine, for a pooling task the engine does not run
@@ -297,27 +304,33 @@ class LLM:
                                      PoolingOutput(torch.tensor(o.outputs.embedding,
                                                                 dtype=torch.float32)),
                                      o.finished, o.metrics)
-                for o in self._pool(prompts, params, use_tqdm, user)]
+                for o in self._pool(prompts, params, use_tqdm, user,
+                                    truncate_prompt_tokens=truncate_prompt_tokens)]
 
     def _pool(self, prompts: list[PromptType], params: list[PoolingParams | None],
-              use_tqdm: bool, user: Sequence[str] | None, name_prompts: bool = False
-              ) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool, user: Sequence[str] | None, name_prompts: bool = False,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Queue one pooling request per prompt (with its params; None: an embedding's
-        defaults) after checking them all, run them; outputs in prompt order.
+        defaults) after checking them all, run them; outputs in prompt order. With
+        ``truncate_prompt_tokens`` each prompt is cut first (``cut_pooling_prompt``).
 
         Raises:
             ValueError: for a prompt or params the engine refuses (``prompt i: ...`` with
-                ``name_prompts``), or a bad ``user`` (nothing is queued then).
+                ``name_prompts``), a bad ``truncate_prompt_tokens`` or ``user`` (nothing is
+                queued then).
         """
         if not prompts:
             return []
         users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
         processor = self.engine.processor
+        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
+        prompts = list(prompts)
         for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
             task = pp.task if pp is not None else "embed"
             try:
-                processor.make_pooling_request("check", processor.pooling_prompt(p, task)[1],
-                                               pp)
+                prompts[i] = cut_pooling_prompt(processor, self.get_tokenizer(), p, task, limit)
+                processor.make_pooling_request(
+                    "check", processor.pooling_prompt(prompts[i], task)[1], pp)
             except ValueError as e:
                 if not name_prompts:
                     raise
@@ -390,7 +403,8 @@ class LLM:
                 for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 user: Sequence[str] | None = None) -> list[ClassificationRequestOutput]:
+                 user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities for each prompt, in order
         (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
         single one; see :class:`~kvflow.outputs.ClassificationOutput`), batched like
@@ -401,6 +415,7 @@ class LLM:
         Args:
             prompts: as ``embed`` takes them (text, token ids, dict prompts, or a list).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
+            truncate_prompt_tokens: as ``embed`` takes it (as ``/classify`` cuts inputs).
 
         Raises:
             ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
@@ -412,7 +427,7 @@ class LLM:
         self.engine.processor.require_task("classify")
         prompts = as_prompt_list(prompts)
         outs = self._pool(prompts, [PoolingParams(task="classify")] * len(prompts), use_tqdm,
-                          user, name_prompts=True)
+                          user, name_prompts=True, truncate_prompt_tokens=truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.finished, o.metrics)
@@ -440,17 +455,16 @@ class LLM:
         for (a, b), who in zip(pairs, users):
             owner.setdefault(a, who)
             owner.setdefault(b, who)
-        prompts = {text: text if limit is None else
-                   cut_text_ids(self.get_tokenizer(), processor.pooling_text(text), limit)
-                   for text in owner}
-        for text, prompt in prompts.items():  # name a refused text before queuing anything
+        for text in owner:  # name a refused text before queuing anything
             try:
-                processor.make_pooling_request("check", processor.pooling_prompt(prompt)[1])
+                cut = cut_pooling_prompt(processor, self.get_tokenizer(), text, "embed", limit)
+                processor.make_pooling_request("check", processor.pooling_prompt(cut)[1])
             except ValueError as e:
                 raise ValueError(f"text {text[:40]!r}: {e}") from None
         texts = list(owner)
-        outs = dict(zip(texts, self.embed([prompts[t] for t in texts], use_tqdm=use_tqdm,
-                                          user=None if user is None else list(owner.values()))))
+        outs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm,
+                                          user=None if user is None else list(owner.values()),
+                                          truncate_prompt_tokens=truncate_prompt_tokens)))
         return [ScoringRequestOutput(
             outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
             ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),

@@ -12,7 +12,12 @@ from typing import Any
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kvflow.lora.request import LoRARequest
 from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import SAMPLING_FIELD, keep_last_tokens, truncation_length
+from kvflow.prompt_truncation import (
+    SAMPLING_FIELD,
+    cut_text_ids,
+    keep_last_tokens,
+    truncation_length,
+)
 from kvflow.sampling_params import SamplingParams
 
 
@@ -236,3 +241,22 @@ def processed_prompts(processor: InputProcessor, prompts: list[PromptType],
     for p, limit in zip(processed, limits):
         processor.validate(keep_last_tokens(p.token_ids, limit))
     return processed
+
+
+
+def cut_pooling_prompt(processor: InputProcessor, tokenizer: Any, prompt: PromptType,
+                       task: str, limit: int | None) -> PromptType:
+    """A pooling prompt cut to ``limit`` tokens as ``/v1/embeddings`` cuts its inputs
+    (``limit`` from :func:`~kvflow.prompt_truncation.truncation_length`; None: ``prompt``
+    unchanged): a text as the tokenizer truncates it
+    (:func:`~kvflow.prompt_truncation.cut_text_ids`), token ids to their last ``limit``;
+    a cut prompt is its token-id list.
+
+    Raises:
+        ValueError: for a prompt ``InputProcessor.pooling_prompt`` refuses for ``task``.
+    """
+    if limit is None:
+        return prompt
+    text, ids = processor.pooling_prompt(prompt, task)
+    return keep_last_tokens(ids, limit) if text is None else \
+        cut_text_ids(tokenizer, processor.pooling_text(text), limit)

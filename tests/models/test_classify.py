@@ -171,3 +171,23 @@ def test_bad_input_and_wrong_tasks_are_refused(classifier, tiny_llama, assert_no
         LLM(model=tiny_llama.path, dtype="float32", device="cpu", task="classify")
     with pytest.raises(ValueError, match="it scores text pairs .task='score'. or classifies"):
         LLM(model=folder, dtype="float32", device="cpu", task="embed")
+
+
+def test_classify_truncate_prompt_tokens(classifier, assert_no_leaks):
+    """``LLM.classify(truncate_prompt_tokens=k)``: each text as the tokenizer truncates it
+    to k tokens (as /classify cuts it); oracle: transformers' probabilities of those ids."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = classifier("Qwen2", 3)
+    llm = LLM(model=folder, dtype="float32", device="cpu", task="classify", num_kv_blocks=64)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    cut_ids = [tokenizer(t, truncation=True, max_length=3)["input_ids"] for t in TEXTS]
+    with torch.no_grad():
+        ref = torch.stack([torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)
+                           for ids in cut_ids])
+    outs = llm.classify(TEXTS, truncate_prompt_tokens=3, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == cut_ids
+    torch.testing.assert_close(_probs(outs), ref, atol=ATOL, rtol=0)
+    assert (ref - torch.softmax(hf_logits(folder, TEXTS), -1)).abs().max() > 0.01
+    assert_no_leaks(llm)

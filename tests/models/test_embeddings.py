@@ -316,3 +316,31 @@ def test_normalize_false_gives_the_raw_pooled_vector(decoder_folder):
     for bad in ({"normalize": "yes"}, {"normalize": 1}, {"normalize": True, "task": "score"}):
         with pytest.raises(ValueError, match="PoolingParams.normalize"):
             PoolingParams(**bad)
+
+
+def test_truncate_prompt_tokens_cuts_each_prompt(bert_folder, assert_no_leaks):
+    """``LLM.embed(truncate_prompt_tokens=k)`` cuts as /v1/embeddings does: a text as
+    sentence-transformers cuts it at ``max_seq_length`` k (the tokenizer's truncation,
+    special tokens counted), token ids to their last k (oracle: sentence-transformers'
+    forward over those k ids); -1 is max_model_len (nothing cut here); 0 is refused."""
+    folder, st = bert_folder("mean")
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    whole = st_embed(st, SENTENCES)
+    saved, st.max_seq_length = st.max_seq_length, 5
+    try:
+        cut = st_embed(st, SENTENCES)
+    finally:
+        st.max_seq_length = saved
+    assert max((c - w).abs().max().item() for c, w in zip(cut, whole)) > 0.01
+    _check(llm.embed(SENTENCES, truncate_prompt_tokens=5, use_tqdm=False), cut)
+    _check(llm.embed(SENTENCES, truncate_prompt_tokens=-1, use_tqdm=False), whole)
+    ids = llm.get_tokenizer()(SENTENCES[1])["input_ids"]
+    with torch.no_grad():
+        ref = st({"input_ids": torch.tensor([ids[-5:]]),
+                  "attention_mask": torch.ones(1, 5, dtype=torch.long)})["sentence_embedding"][0]
+    (out,) = llm.embed([ids], truncate_prompt_tokens=5, use_tqdm=False)
+    assert out.prompt_token_ids == ids[-5:]
+    _check([out], [ref])
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=0 is invalid"):
+        llm.embed(SENTENCES, truncate_prompt_tokens=0)
+    assert_no_leaks(llm)
