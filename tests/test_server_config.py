@@ -18,7 +18,13 @@ def test_serve_flags_reach_both_configs():
                   "3", "--served-model-name", "m", "--block-size", "8", "--max-n", "4")
     server = ServerConfig.from_cli_args(args, env={})
     assert (server.port, server.api_key, server.max_waiting_requests) == (9001, "k", 3)
-    assert (server.served_model_name, server.max_n, server.host) == ("m", 4, "127.0.0.1")
+    assert (server.served_model_name, server.max_n, server.host) == (("m",), 4, "127.0.0.1")
+    assert server.model_names("some/model") == ("m",)
+    aliased = ServerConfig.from_cli_args(_parse("--served-model-name", "m", "alias"), env={})
+    assert aliased.model_names("some/model") == ("m", "alias")
+    assert ServerConfig.from_cli_args(_parse(), env={}).model_names("some/model") == \
+        ("some/model",)
+    assert ServerConfig(served_model_name="one").served_model_name == ("one",)  # config file
     assert args.model_tag == "some/model"
     assert EngineConfig.from_cli_args(args).cache_config.block_size == 8
 
@@ -44,6 +50,9 @@ def test_api_key_falls_back_to_the_environment():
                                            "max_waiting_requests"),
                                           ({"api_key": ""}, "api_key"),
                                           ({"served_model_name": " "}, "served_model_name"),
+                                          ({"served_model_name": []}, "served_model_name"),
+                                          ({"served_model_name": ["a", "a"]},
+                                           "served_model_name"),
                                           ({"lora_modules": ["a="]}, "lora_modules"),
                                           ({"lora_modules": ["a=/x", "a=/y"]},
                                            "lora_modules")])

@@ -52,8 +52,10 @@ class ServerConfig:
     port: int = opt(8000, "TCP port the HTTP server listens on")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but "
                                "/health, /metrics and /version; unset: $KVFLOW_API_KEY, if set")
-    served_model_name: str | None = opt(None, "model name clients send; unset: the model "
-                                         "argument")
+    served_model_name: tuple[str, ...] | None = opt(
+        None, "model name clients send; unset: the model argument. Several names (vLLM's "
+        "aliases): each is accepted as a request's model; the first names the metrics' "
+        "model_name label and /v1/models' base card (the others follow it)", nargs="+")
     max_waiting_requests: int | None = opt(None, "accepted requests that have not produced a "
                                             "token yet beyond which new requests get 503; "
                                             "unset: unlimited")
@@ -192,6 +194,10 @@ class ServerConfig:
         check_choices(self)
         if self.lora_modules is not None:
             self.lora_modules = tuple(self.lora_modules)
+        if isinstance(self.served_model_name, str):  # a config file's one name
+            self.served_model_name = (self.served_model_name,)
+        elif self.served_model_name is not None:
+            self.served_model_name = tuple(self.served_model_name)
         self._check_vllm_flags()
         checks = [(0 <= self.port <= 65535, "port", "must be in [0, 65535]"),
                   (self.max_n >= 1, "max_n", "must be >= 1"),
@@ -201,8 +207,13 @@ class ServerConfig:
                    "max_waiting_requests", "must be >= 1 (0 would refuse every request)"),
                   (self.api_key is None or self.api_key.strip() != "", "api_key",
                    "must not be empty (an empty key would leave the server open)"),
-                  (self.served_model_name is None or self.served_model_name.strip() != "",
-                   "served_model_name", "must not be empty"),
+                  (self.served_model_name is None or (
+                      len(self.served_model_name) > 0
+                      and all(isinstance(n, str) and n.strip()
+                              for n in self.served_model_name)),
+                   "served_model_name", "must not be empty (nor hold an empty name)"),
+                  (len(set(self.served_model_name or ())) == len(self.served_model_name or ()),
+                   "served_model_name", "names a model twice"),
                   (self.chat_template is None or self.chat_template.strip() != "",
                    "chat_template", "must not be empty (leave it unset for the model's)"),
                   (self.engine_start_timeout > 0, "engine_start_timeout", "must be > 0"),
@@ -220,6 +231,11 @@ class ServerConfig:
         except ValueError as e:
             raise ValueError(f"max_request_body_size={self.max_request_body_size!r} is "
                              f"invalid: {e}") from None
+
+    def model_names(self, model: str) -> tuple[str, ...]:
+        """The names the server answers to as its base model: ``--served-model-name``'s
+        (first the main one), or ``model`` (the ``--model`` argument) when unset."""
+        return self.served_model_name or (model,)
 
     def _check_vllm_flags(self) -> None:
         """Refuse the vLLM flags' values kvflow cannot honour, and pairs that contradict

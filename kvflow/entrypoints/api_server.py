@@ -179,7 +179,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     app.state.engine_died = False
     app.state.model_name = model_name
     app.state.models = models = ServingModels(
-        engine, model_name, enable_lora=engine.config.lora_config.enable_lora)
+        engine, model_name, enable_lora=engine.config.lora_config.enable_lora,
+        aliases=config.model_names(model_name)[1:])
     # one for the whole server: under --ignore-unknown-fields each name is logged once
     app.state.unknown_fields = unknown = UnknownFields(config.ignore_unknown_fields)
     app.state.completion = OpenAIServingCompletion(engine, config, model_name, models, unknown)
@@ -333,14 +334,15 @@ def _model_cards(raw: Request) -> list[ModelCard]:
 
 
 def check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
-                        model_name: str) -> None:
+                       model_names: tuple[str, ...]) -> None:
     """What ``--lora-modules`` can be told to be wrong before the model loads: the flags,
     and each adapter's folder and ``adapter_config.json`` (a missing folder or file, a rank
     above ``--max-lora-rank``, a LoRA variant kvflow cannot apply). A refusal found only once
     the engine reads the weights is raised by ``start_app``, after the model loaded.
 
     Raises:
-        ValueError: without ``--enable-lora``, for an adapter named like the base model, or
+        ValueError: without ``--enable-lora``, for an adapter named like the base model
+            (any of ``model_names``, its served names), or
             for an adapter folder or config refused (see
             :func:`kvflow.lora.adapter_config.check_adapter_config`).
     """
@@ -350,9 +352,9 @@ def check_lora_modules(modules: tuple[str, ...], engine_config: EngineConfig,
         raise ValueError(f"--lora-modules {' '.join(modules)} needs --enable-lora")
     for module in modules:
         name, _, path = module.partition("=")
-        if name == model_name:
+        if name in model_names:
             raise ValueError(f"--lora-modules {module}: the adapter is named like the served "
-                             f"model {model_name!r}; give it another name")
+                             f"model {name!r}; give it another name")
         try:
             check_adapter_config(read_adapter_config(path),
                                  engine_config.lora_config.max_lora_rank,
@@ -400,11 +402,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             be listened on, a ``--chat-template`` that cannot be used (both checked before
             the model loads), or a ``--lora-modules`` adapter the engine refuses.
     """
-    model_name = server_config.served_model_name or engine_config.model_config.model
+    names = server_config.model_names(engine_config.model_config.model)
+    model_name = names[0]
     check_listen_address(server_config.host, server_config.port)
     check_ssl_files(server_config)
     check_default_template_kwargs(server_config.default_chat_template_kwargs)
-    check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
+    check_lora_modules(server_config.lora_modules or (), engine_config, names)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)  # the one read: served as checked
     # without --chat-template, the model's template is checked once the tokenizer is loaded,

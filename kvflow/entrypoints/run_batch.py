@@ -290,8 +290,9 @@ def _run(engine_config: EngineConfig, server_config: ServerConfig, source: Batch
     from kvflow.entrypoints.api_server import build_app, check_lora_modules
     from kvflow.metrics import ServerMetrics
 
-    model_name = server_config.served_model_name or engine_config.model_config.model
-    check_lora_modules(server_config.lora_modules or (), engine_config, model_name)
+    names = server_config.model_names(engine_config.model_config.model)
+    model_name = names[0]
+    check_lora_modules(server_config.lora_modules or (), engine_config, names)
     template = None if server_config.chat_template is None else \
         load_chat_template(server_config.chat_template)
     total = source.count_lines()

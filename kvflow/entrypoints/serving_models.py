@@ -29,10 +29,14 @@ class ServingModels:
         base_name: the base model's served name.
         enable_lora: whether the server was started with ``--enable-lora`` (without it,
             ``model`` can only name the base model, and errors about it say so).
+        aliases: the base model's other served names (``--served-model-name`` given
+            several: vLLM's aliases), each accepted as ``model`` for the base model.
     """
 
-    def __init__(self, engine: AsyncLLM, base_name: str, enable_lora: bool = True) -> None:
+    def __init__(self, engine: AsyncLLM, base_name: str, enable_lora: bool = True,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.base_name, self.enable_lora = engine, base_name, enable_lora
+        self.base_names = (base_name, *aliases)
         self.loras: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._loading: Counter[str] = Counter()  # name -> its loads still in the engine
@@ -46,7 +50,7 @@ class ServingModels:
                 served model instead of the rule for adapter names).
             ModelNotFound: for a name that is neither the base model nor a loaded adapter.
         """
-        if model is None or model == self.base_name:
+        if model is None or model in self.base_names:
             return None
         why = lora_name_problem(model)
         if why is not None and not self.enable_lora:  # no adapter names to speak of
@@ -60,7 +64,8 @@ class ServingModels:
         return lora
 
     def names(self) -> list[str]:
-        return [self.base_name, *self.loras]
+        """Every name ``model`` may take: the base model's served names, then the adapters."""
+        return [*self.base_names, *self.loras]
 
     async def load(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """Load an adapter in the engine (read and checked there) and serve it as ``name``.
@@ -81,8 +86,8 @@ class ServingModels:
         check_lora_name(name)
         loading = " (by a request whose load is still running)" \
             if name not in self.loras and self._loading[name] else ""
-        if name == self.base_name or (not replace and (name in self.loras or loading)):
-            hint = "" if name == self.base_name else \
+        if name in self.base_names or (not replace and (name in self.loras or loading)):
+            hint = "" if name in self.base_names else \
                 "; send load_inplace: true to replace it"
             raise ValueError(f"the LoRA adapter {name!r} has already been loaded"
                              f"{loading}{hint}")
@@ -112,8 +117,10 @@ class ServingModels:
         await self.engine.remove_lora(lora.lora_int_id)
 
     def cards(self, max_model_len: int, root: str) -> list[ModelCard]:
-        """/v1/models: the base model, then each adapter (its ``parent`` the base model)."""
-        base = ModelCard(id=self.base_name, root=root, max_model_len=max_model_len)
-        return [base, *(ModelCard(id=name, root=lora.lora_path, parent=self.base_name,
-                                  max_model_len=max_model_len)
-                        for name, lora in self.loras.items())]
+        """/v1/models: the base model under each of its served names, then each adapter
+        (its ``parent`` the base model's first name)."""
+        bases = [ModelCard(id=name, root=root, max_model_len=max_model_len)
+                 for name in self.base_names]
+        return [*bases, *(ModelCard(id=name, root=lora.lora_path, parent=self.base_name,
+                                    max_model_len=max_model_len)
+                          for name, lora in self.loras.items())]

@@ -16,14 +16,14 @@ import json
 import httpx
 import pytest
 
-MODEL = "tiny"
+MODEL, ALIAS = "tiny", "tiny-alias"
 GREETING = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}{% if tools %}T{% endif %}"
             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 ARGS = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "128",
         "--block-size", "4", "--enable-chunked-prefill", "--trust-remote-code",
         "--override-generation-config", json.dumps({"max_new_tokens": 3}),
-        "--max-model-len", "96", "--served-model-name", MODEL, "--chat-template", GREETING,
+        "--max-model-len", "96", "--served-model-name", MODEL, ALIAS, "--chat-template", GREETING,
         "--default-chat-template-kwargs", json.dumps({"greeting": "hello",
                                                       "enable_thinking": False}),
         "--response-role", "bot", "--enable-force-include-usage", "--root-path", "/llm",
@@ -77,6 +77,25 @@ def test_root_path(server):
     # the proxy strips the prefix: routes stay where they are
     response = httpx.get(f"{server.url}/v1/models", timeout=30)
     assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL
+
+
+def test_served_model_name_aliases(client, server):
+    """``--served-model-name tiny tiny-alias``: both names serve the base model (the same
+    greedy tokens, each echoed as the reply's model), /v1/models lists both, another name
+    is a 404 listing them."""
+    ids = {}
+    for name in (MODEL, ALIAS):
+        reply = client.completions.create(model=name, prompt="the quick", max_tokens=3,
+                                          temperature=0, extra_body={"ignore_eos": True,
+                                                                     "return_token_ids": True})
+        assert reply.model == name
+        ids[name] = reply.choices[0].token_ids
+    assert ids[MODEL] == ids[ALIAS] and len(ids[MODEL]) == 3
+    cards = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, ALIAS]
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"model": "other", "prompt": "x", "max_tokens": 1})
+    assert resp.status_code == 404 and "['tiny', 'tiny-alias']" in resp.json()["error"]["message"]
 
 
 def test_tool_choice_auto_served(client):
