@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from kvflow.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_offline
@@ -19,35 +18,23 @@ from kvflow.llm_inputs import (
     beam_search_prompts,
     broadcast_loras,
     broadcast_params,
-    broadcast_pooling_params,
     check_priorities,
     check_users,
-    cut_pooling_prompt,
     processed_prompts,
     refuse_server_options,
-    resolve_pooling_task,
     with_images,
-    with_pooling_task,
 )
+from kvflow.llm_pooling import LLMPooling
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
     RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
 )
-from kvflow.pooling_params import PoolingParams
-from kvflow.prompt_truncation import truncation_length
 from kvflow.sampling_params import SamplingParams
-from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
 
-class LLM:
-    """Offline batch generation.
+class LLM(LLMPooling):
+    """Offline batch generation, and pooling (``embed``, ``encode``, ``classify``,
+    ``score``: :class:`~kvflow.llm_pooling.LLMPooling`).
 
     Args:
         model: packaged model name, HF folder or GGUF path.
@@ -232,243 +219,6 @@ class LLM:
                                  lora_request=[loras[i] for i in owners])
 
         return beam_search_offline(generate, token_prompts, params, eos, self.engine.tokenizer)
-
-    def embed(self, prompts: PromptType | Sequence[PromptType],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, user: Sequence[str] | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt, in order (``out.outputs.embedding``: a list of floats),
-        batched by the same scheduler as generation (prompts only, nothing sampled).
-
-        Args:
-            prompts: a string, a token-id list, a dict prompt (``{"prompt": ...}`` or
-                ``{"prompt_token_ids": ...}``; ``multi_modal_data`` is refused), or a list
-                of these.
-            pooling_params: one for all prompts or one per prompt (``dimensions``: Matryoshka
-                truncation, for models that support it; ``normalize``: True / False to
-                L2-normalize the vector or not, None as the model's pooling config says).
-            user: one client name per prompt (needs ``policy="fair"``; default: one client),
-                as for ``generate``.
-            truncate_prompt_tokens: cut each prompt to at most this many tokens (-1:
-                ``max_model_len``), as ``/v1/embeddings`` cuts an input: a text as the
-                tokenizer truncates it (its special tokens counted), token ids to their last
-                ``k``; None: a prompt longer than ``max_model_len`` is refused.
-
-        Raises:
-            ValueError: on a generation model (start it with ``task="embed"``), for a bad
-                prompt, ``dimensions`` or ``truncate_prompt_tokens``, or a ``user`` list
-                ``generate`` would refuse (nothing is queued then).
-        """
-        prompts = as_prompt_list(prompts)
-        params = broadcast_pooling_params(pooling_params, len(prompts))
-        if any(p is not None and p.task != "embed" for p in params):
-            raise ValueError("LLM.embed takes PoolingParams with task='embed'; score text pairs "
-                             "with LLM.score, classify texts with LLM.classify")
-        return self._pool(prompts, params, use_tqdm, user,
-                          truncate_prompt_tokens=truncate_prompt_tokens)
-
-    def encode(self, prompts: PromptType | Sequence[PromptType],
-               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True,
-               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-               pooling_task: str | None = None, user: Sequence[str] | None = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's ``LLM.encode``: each prompt's pooled output as a float32 tensor
-        (``out.outputs.data``, shape [n]): the embedding (as ``embed``) or the class
-        probabilities (as ``classify``), batched like ``embed``.
-
-        Args:
-            prompts: as ``embed`` takes them.
-            pooling_params: one for all prompts or one per prompt (None: the defaults);
-                their ``task`` is set to the pooling task.
-            lora_request: None (or None per prompt): pooling engines run no adapters.
-            pooling_task: ``"embed"`` or ``"classify"``, where the engine runs it; None: the
-                engine's (``embed`` on an embedding engine, else ``classify``).
-            user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
-            truncate_prompt_tokens: as ``embed`` takes it.
-
-        Raises:
-            ValueError: on a generating engine, for a pooling task the engine does not run
-                (or vLLM's per-token tasks and ``score``, which kvflow's encode does not run),
-                a LoRA adapter, PoolingParams of another task or with fields the task
-                refuses, or what ``embed`` refuses (nothing is queued then).
-        """
-        task = resolve_pooling_task(self.engine.processor, pooling_task)
-        prompts = as_prompt_list(prompts)
-        if any(lora is not None for lora in broadcast_loras(lora_request, len(prompts))):
-            raise ValueError("lora_request: a pooling engine runs no LoRA adapters (LoRA is "
-                             "refused with a pooling task)")
-        params = [with_pooling_task(p, task)
-                  for p in broadcast_pooling_params(pooling_params, len(prompts))]
-        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
-                                     PoolingOutput(torch.tensor(o.outputs.embedding,
-                                                                dtype=torch.float32)),
-                                     o.finished, o.metrics)
-                for o in self._pool(prompts, params, use_tqdm, user,
-                                    truncate_prompt_tokens=truncate_prompt_tokens)]
-
-    def _pool(self, prompts: list[PromptType], params: list[PoolingParams | None],
-              use_tqdm: bool, user: Sequence[str] | None, name_prompts: bool = False,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
-        """Queue one pooling request per prompt (with its params; None: an embedding's
-        defaults) after checking them all, run them; outputs in prompt order. With
-        ``truncate_prompt_tokens`` each prompt is cut first (``cut_pooling_prompt``).
-
-        Raises:
-            ValueError: for a prompt or params the engine refuses (``prompt i: ...`` with
-                ``name_prompts``), a bad ``truncate_prompt_tokens`` or ``user`` (nothing is
-                queued then).
-        """
-        if not prompts:
-            return []
-        users = check_users(user, len(prompts), self.engine.config.scheduler_config.policy)
-        processor = self.engine.processor
-        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
-        prompts = list(prompts)
-        for i, (p, pp) in enumerate(zip(prompts, params)):  # check all before queuing any
-            task = pp.task if pp is not None else "embed"
-            try:
-                prompts[i] = cut_pooling_prompt(processor, self.get_tokenizer(), p, task, limit)
-                processor.make_pooling_request(
-                    "check", processor.pooling_prompt(prompts[i], task)[1], pp)
-            except ValueError as e:
-                if not name_prompts:
-                    raise
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids: list[str] = []
-        try:
-            for p, pp, who in zip(prompts, params, users):
-                ids.append(self.engine.add_pooling_request(p, pp, client_id=who))
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
-
-    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              user: Sequence[str] | None = None) -> list[ScoringRequestOutput]:
-        """A cross-encoder's score of each text pair, in pair order
-        (``out.outputs.score``; see :class:`~kvflow.outputs.ScoringOutput`).
-
-        Args:
-            text_1 / text_2: a string or a list of strings: one text against one or each of
-                N texts (1-to-N), or two lists of the same length paired item by item
-                (N-to-N) (``kvflow.score_inputs.score_pairs``).
-            truncate_prompt_tokens: cut each pair to at most this many tokens (the longer
-                text first); None: a pair longer than ``max_model_len`` is refused.
-            user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
-
-        On an embedding model (``task="embed"``) a pair's score is the cosine similarity of
-        its two texts' embeddings, as vLLM scores with embedding models
-        (``_score_embeddings``).
-
-        A ``task="classify"`` engine scores too when its classifier has one label (vLLM's
-        rule: a relevance logit, through a sigmoid).
-
-        Raises:
-            ValueError: on a generating engine or a classify engine whose classifier has
-                several labels, for bad ``text_1`` / ``text_2`` (named), a
-                pair longer than ``max_model_len`` (named by its index and texts), or a bad
-                ``truncate_prompt_tokens`` or ``user`` (nothing is queued then).
-        """
-        processor = self.engine.processor
-        if processor.pooler is not None and processor.pooler.task == "embed":
-            return self._score_embeddings(score_pairs(text_1, text_2), truncate_prompt_tokens,
-                                          use_tqdm, user)
-        processor.require_task("score")
-        pairs = score_pairs(text_1, text_2)
-        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
-        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)  # -1: all
-        prompts = []
-        for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
-            try:
-                ids, params = pair_prompt(processor.tokenizer, a, b, limit)
-                processor.make_pooling_request("check", ids, params)
-            except ValueError as e:
-                raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \
-                    from None
-            prompts.append((ids, params))
-        request_ids: list[str] = []
-        try:
-            for (ids, params), who in zip(prompts, users):
-                request_ids.append(self.engine.add_pooling_request(ids, params, client_id=who))
-        except BaseException:
-            for rid in request_ids:
-                self.engine.abort_request(rid)
-            raise
-        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
-                                     ScoringOutput(score_value(o.outputs.embedding)),
-                                     o.finished, o.metrics)
-                for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
-
-    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None
-                 ) -> list[ClassificationRequestOutput]:
-        """A sequence classifier's class probabilities for each prompt, in order
-        (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
-        single one; see :class:`~kvflow.outputs.ClassificationOutput`), batched like
-        ``embed``. Needs an engine started with ``task="classify"`` or ``"score"`` on a
-        ``*ForSequenceClassification`` model (BERT / RoBERTa / XLM-R pool their first token,
-        Llama / Mistral / Qwen2 / Qwen3 their last).
-
-        Args:
-            prompts: as ``embed`` takes them (text, token ids, dict prompts, or a list).
-            user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
-            truncate_prompt_tokens: as ``embed`` takes it (as ``/classify`` cuts inputs).
-
-        Raises:
-            ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
-                what it runs),
-                for an empty prompt, a token id outside the vocabulary or a prompt longer than
-                ``max_model_len`` (naming the prompt by its index), or a bad ``user``
-                (nothing is queued then).
-        """
-        self.engine.processor.require_task("classify")
-        prompts = as_prompt_list(prompts)
-        outs = self._pool(prompts, [PoolingParams(task="classify")] * len(prompts), use_tqdm,
-                          user, name_prompts=True, truncate_prompt_tokens=truncate_prompt_tokens)
-        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
-                                            ClassificationOutput(o.outputs.embedding),
-                                            o.finished, o.metrics)
-                for o in outs]
-
-    def _score_embeddings(self, pairs: list[tuple[str, str]],
-                          truncate_prompt_tokens: int | None, use_tqdm: bool,
-                          user: Sequence[str] | None) -> list[ScoringRequestOutput]:
-        """``score`` on an embedding model: each distinct text embedded once (as ``embed``
-        does), a pair's score the cosine similarity of its two embeddings (vLLM's rule); its
-        ``prompt_token_ids`` are both texts' ids, its ``request_id`` and metrics the second
-        text's request's. ``user`` names the sender of each pair (the same for its texts).
-
-        ``truncate_prompt_tokens`` cuts each text on its own, as ``/v1/embeddings`` cuts an
-        input (:func:`~kvflow.prompt_truncation.cut_text_ids`; -1: ``max_model_len``).
-
-        Raises:
-            ValueError: for a bad ``truncate_prompt_tokens``, a text the engine refuses
-                (named), or a bad ``user``.
-        """
-        processor = self.engine.processor
-        limit = truncation_length(truncate_prompt_tokens, processor.max_model_len)
-        users = check_users(user, len(pairs), self.engine.config.scheduler_config.policy)
-        owner = {}
-        for (a, b), who in zip(pairs, users):
-            owner.setdefault(a, who)
-            owner.setdefault(b, who)
-        for text in owner:  # name a refused text before queuing anything
-            try:
-                cut = cut_pooling_prompt(processor, self.get_tokenizer(), text, "embed", limit)
-                processor.make_pooling_request("check", processor.pooling_prompt(cut)[1])
-            except ValueError as e:
-                raise ValueError(f"text {text[:40]!r}: {e}") from None
-        texts = list(owner)
-        outs = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm,
-                                          user=None if user is None else list(owner.values()),
-                                          truncate_prompt_tokens=truncate_prompt_tokens)))
-        return [ScoringRequestOutput(
-            outs[b].request_id, outs[a].prompt_token_ids + outs[b].prompt_token_ids,
-            ScoringOutput(cosine_similarity(outs[a].outputs.embedding, outs[b].outputs.embedding)),
-            outs[a].finished and outs[b].finished, outs[b].metrics) for a, b in pairs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
