@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "kvflow.detokenizer": 8, "kvflow.metrics": 8, "kvflow.chat_template": 8,
     "kvflow.beam_search": 8,  # beam search above the engine (LLM.beam_search, the server)
     "kvflow.llm_inputs": 8,  # LLM's per-call argument checks (prompts, one SamplingParams each)
+    "kvflow.llm_pooling": 8,  # LLM's pooling half (embed, encode, classify, score), mixed into LLM
     "kvflow.score_inputs": 8,  # text pairs -> cross-encoder prompts (LLM.score, /v1/score)
     "kvflow.chat_template_source": 8, "kvflow.chat_messages": 8, "kvflow.chat_tool_calls": 8,
     "kvflow.multimodal": 8,
