@@ -121,7 +121,21 @@ class BlockingBackend:
         return params.grammar
 
     def new_matcher(self, compiled: str) -> str:
-        return f"matcher({compiled})"
+        return AnyTokenMatcher(f"matcher({compiled})")
+
+
+class AnyTokenMatcher(str):
+    """A fake matcher (its text names it) whose first step allows every token."""
+
+    def fill_bitmask(self, bitmask, row) -> None:
+        bitmask[row].fill_(-1)
+
+
+def _ready(manager: StructuredOutputManager, state) -> bool:
+    """Whether ``state`` is ready once the manager's per-step check ran (``take_failed``
+    checks a compiled grammar's first step before the request may be scheduled)."""
+    manager.take_failed()
+    return state.is_ready
 
 
 def _take_failed_within(manager: StructuredOutputManager, timeout_s: float) -> list:
@@ -148,7 +162,7 @@ def test_manager_fails_timed_out_requests_and_refuses_identical_ones_at_once():
     assert "did not compile within 0.3 s" in failed[0][1]
     assert "--structured-output-compile-timeout" in failed[0][1]
     assert not state.is_ready and state.matcher is None  # never scheduled
-    _wait_until(lambda: fast.is_ready)  # the one thread was freed for it
+    _wait_until(lambda: _ready(manager, fast))  # the one thread was freed for it
     assert fast.matcher == "matcher(fast)"
     again = manager.request_state(slow, "r2")  # refused at once, no second compile
     assert not again.is_ready and manager.take_failed()[0][0] == "r2"
@@ -169,7 +183,7 @@ def test_manager_reports_compile_errors_and_retries_them():
     assert _take_failed_within(manager, 5.0)[0][0] == "b"
     assert backend.calls == ["broken", "broken"]  # an error is retried, not cached
     ok = manager.request_state(StructuredOutputsParams(grammar="ok"), "c")
-    _wait_until(lambda: ok.is_ready)
+    _wait_until(lambda: _ready(manager, ok))
     assert manager.take_failed() == [] and ok.matcher == "matcher(ok)"
 
 
@@ -184,7 +198,7 @@ def test_manager_is_busy_while_timed_out_compiles_fill_every_thread():
     fast, slow = StructuredOutputsParams(grammar="fast"), StructuredOutputsParams(grammar="slow")
     assert manager.busy_message(fast) is None  # no pool yet
     done = manager.request_state(fast, "r0")
-    _wait_until(lambda: done.is_ready)
+    _wait_until(lambda: _ready(manager, done))
     manager.request_state(slow, "r1")
     assert [rid for rid, _ in _take_failed_within(manager, 5.0)] == ["r1"]
     other = StructuredOutputsParams(grammar="other")
@@ -198,7 +212,7 @@ def test_manager_is_busy_while_timed_out_compiles_fill_every_thread():
     backend.release.set()
     _wait_until(lambda: manager.busy_message(other) is None)
     state = manager.request_state(other, "r2")
-    _wait_until(lambda: state.is_ready)
+    _wait_until(lambda: _ready(manager, state))
     assert state.matcher == "matcher(other)"
     manager.shutdown()
 
@@ -210,31 +224,35 @@ class FirstTokenBackend(BlockingBackend):
         class Matcher:
             def fill_bitmask(self, bitmask, row):
                 bitmask[row].zero_()
-                for t in map(int, compiled[1:].split(",")):
+                for t in map(int, filter(None, compiled[1:].split(","))):
                     bitmask[row, t // 32] |= 1 << (t % 32)
 
         return Matcher()
 
 
-def test_allowed_token_ids_are_checked_against_the_first_step_before_scheduling():
-    """A request with allowed_token_ids is not ready (not schedulable) until ``take_failed``
-    checked its grammar's first step: refused when the sets are disjoint (33 and 70 allowed
-    first, 34 and 69 by the request; neighbours in the same bitmask words), ready when they
-    share a token (70)."""
+def test_first_steps_are_checked_before_scheduling():
+    """A constrained request is not ready (not schedulable) until ``take_failed`` checked
+    its grammar's first step: refused when its allowed_token_ids miss every first token
+    (33 and 70 allowed first, 34 and 69 by the request; neighbours in the same bitmask
+    words), or when the grammar allows no first token at all (it matches no text); ready
+    when they share a token (70), or without allowed ids."""
     manager = StructuredOutputManager(FirstTokenBackend, vocab_size=100, max_num_seqs=4,
                                       compile_timeout_s=5.0)
     grammar = StructuredOutputsParams(grammar="t33,70")
     plain = manager.request_state(grammar, "plain")
     disjoint = manager.request_state(grammar, "disjoint", [34, 69])
     shared = manager.request_state(grammar, "shared", [5, 70])
-    _wait_until(lambda: plain.is_ready)  # compiled; the others wait for the check
-    assert disjoint.is_compiled and not disjoint.is_ready and not shared.is_ready
+    empty = manager.request_state(StructuredOutputsParams(grammar="t"), "empty")
+    _wait_until(lambda: plain.is_compiled and empty.is_compiled)
+    assert not plain.is_ready and not disjoint.is_ready and not shared.is_ready
     failed = manager.take_failed()
     message = ("SamplingParams.allowed_token_ids allows none of the tokens the grammar can "
                "start with: no output could satisfy both; allow a token that can begin the "
                "grammar's text")
-    assert failed == [("disjoint", message)]
-    assert shared.is_ready and not disjoint.is_ready
+    empty_message = ("the grammar matches no text: no token can begin it (every first token "
+                     "is masked, so the request would end with no output)")
+    assert sorted(failed) == [("disjoint", message), ("empty", empty_message)]
+    assert plain.is_ready and shared.is_ready and not disjoint.is_ready and not empty.is_ready
     again = manager.request_state(grammar, "cached", [70])  # compiled: checked next call
     assert not again.is_ready and manager.take_failed() == [] and again.is_ready
     manager.shutdown()

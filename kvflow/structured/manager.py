@@ -54,6 +54,30 @@ _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "
                "choice": "choice", "grammar": "grammar"}
 
 
+def _first_step_problem(bitmask: torch.Tensor, allowed: list[int] | None,
+                        what: str) -> str | None:
+    """Why a grammar's first step leaves no token to sample, or None when it leaves some.
+
+    Args:
+        bitmask: int32 [ceil(vocab / 32)]: the grammar's first-step mask (bit ``t % 32`` of
+            word ``t // 32`` set when token ``t`` may come first; a grammar that accepts
+            the empty text allows its stop token).
+        allowed: the request's ``SamplingParams.allowed_token_ids`` (None: every token).
+        what: the constraint's name in the message ("regex", "JSON schema", ...).
+    """
+    if not bitmask.any():
+        return (f"the {what} matches no text: no token can begin it (every first token is "
+                f"masked, so the request would end with no output)")
+    if allowed is None:
+        return None
+    ids = torch.tensor(allowed, dtype=torch.int64)
+    if ((bitmask[ids // 32] >> (ids % 32)) & 1).any():
+        return None
+    return (f"SamplingParams.allowed_token_ids allows none of the tokens the {what} can "
+            f"start with: no output could satisfy both; allow a token that can begin the "
+            f"{what}'s text")
+
+
 def _retried(future: Future) -> bool:
     """Whether a cached compile is started again for the next identical request: one that
     raised or was cancelled is; one that timed out is not (it is refused at once)."""
@@ -73,8 +97,8 @@ class RequestStructuredOutput:
         self._future = future
         self._new_matcher = new_matcher
         self._matcher: StructuredOutputGrammar | None = None
-        # the request has allowed_token_ids: not ready until the manager has checked that
-        # the grammar's first step allows one of them (``_take_disjoint_first_steps``)
+        # not ready until the manager has checked that the grammar's first step allows a
+        # token (one of the request's allowed_token_ids) (``_take_disjoint_first_steps``)
         self.first_step_unchecked = check_first_step
 
     @property
@@ -85,9 +109,10 @@ class RequestStructuredOutput:
 
     @property
     def is_ready(self) -> bool:
-        """True once the grammar compiled (and its first step was checked against the
-        request's ``allowed_token_ids``): the request may be scheduled. A compile that
-        failed or timed out, or a first step the allowed ids miss, leaves it False: the
+        """True once the grammar compiled and its first step was checked (it allows a token,
+        one of the request's ``allowed_token_ids`` if it has them): the request may be
+        scheduled. A compile that failed or timed out, or a first step that allows no
+        token, leaves it False: the
         engine core ends such a request (``StructuredOutputManager.take_failed``) before it
         is ever scheduled."""
         return self.is_compiled and not self.first_step_unchecked
@@ -155,7 +180,8 @@ class StructuredOutputManager:
         self._pool: CompilePool | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiling: dict[str, tuple[str, Future]] = {}  # request id -> (kind, future)
-        # request id -> (kind, state, allowed_token_ids): first steps to check once compiled
+        # request id -> (kind, state, allowed_token_ids or None): first steps to check once
+        # compiled (a grammar matching no text, or none of the allowed ids)
         self._first_checks: dict[str, tuple[str, RequestStructuredOutput, list[int]]] = {}
         self._max_num_seqs = max_num_seqs
         self._bitmask: torch.Tensor | None = None
@@ -178,11 +204,10 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         state = RequestStructuredOutput(future, lambda compiled: self._backend.new_matcher(compiled),
-                                        check_first_step=bool(allowed_token_ids))
+                                        check_first_step=True)
         if not state.is_compiled:
             self._compiling[request_id] = (params.kind, future)
-        if allowed_token_ids:
-            self._first_checks[request_id] = (params.kind, state, allowed_token_ids)
+        self._first_checks[request_id] = (params.kind, state, allowed_token_ids or None)
         return state
 
     def busy_message(self, params: StructuredOutputsParams) -> str | None:
@@ -234,10 +259,11 @@ class StructuredOutputManager:
         return failed + self._take_disjoint_first_steps()
 
     def _take_disjoint_first_steps(self) -> list[tuple[str, str]]:
-        """``(request id, error message)`` of each compiled request whose
-        ``allowed_token_ids`` allow none of the tokens its grammar allows first: its first
-        step's logits would all be masked (no output could satisfy both). Checked once per
-        request, when its grammar is ready (one bitmask row: its matcher at the start)."""
+        """``(request id, error message)`` of each compiled request whose grammar allows no
+        first token at all (it matches no text, e.g. the regex ``[^\\s\\S]``), or none of
+        its ``allowed_token_ids``: its first step's logits would all be masked, and it would
+        end with no token and finish ``length``. Checked once per request, when its grammar
+        is ready (one bitmask row: its matcher at the start)."""
         failed = []
         for rid, (kind, state, allowed) in list(self._first_checks.items()):
             if not state.is_compiled:
@@ -247,15 +273,11 @@ class StructuredOutputManager:
             del self._first_checks[rid]
             row = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
             state.matcher.fill_bitmask(row, 0)
-            ids = torch.tensor(allowed, dtype=torch.int64)
-            if ((row[0, ids // 32] >> (ids % 32)) & 1).any():  # bit t % 32 of word t // 32
+            message = _first_step_problem(row[0], allowed, _KIND_NAMES.get(kind, kind))
+            if message is None:
                 state.first_step_unchecked = False
-                continue
-            what = _KIND_NAMES.get(kind, kind)
-            message = (f"SamplingParams.allowed_token_ids allows none of the tokens the {what} "
-                       f"can start with: no output could satisfy both; allow a token that can "
-                       f"begin the {what}'s text")
-            failed.append((rid, message))
+            else:
+                failed.append((rid, message))
         return failed
 
     def _failure_message(self, kind: str, future: Future) -> str:

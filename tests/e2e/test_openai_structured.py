@@ -228,6 +228,27 @@ def test_allowed_token_ids_missing_the_schema_start_get_400(server, built_models
         "allowed_token_ids allows none of the tokens the JSON schema can start with")
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+])
+def test_a_grammar_matching_no_text_gets_400(server, body, param):
+    """A regex no text matches (an empty character class: xgrammar compiles it, its first
+    step allows no token) is a 400 naming the field that held it, not an empty ``length``
+    reply; the server keeps serving."""
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 8, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith("the regex matches no text: no token can begin it")
+    ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+        "structured_outputs": {"regex": "[ab]+"}})
+    assert ok.status_code == 200 and set(ok.json()["choices"][0]["message"]["content"]) <= \
+        {"a", "b"}
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
