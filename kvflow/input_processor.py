@@ -338,26 +338,11 @@ class InputProcessor:
                 given as embeddings has no token ids to score).
         """
         check_cache_salt(cache_salt)
-        limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len,
-                                  SAMPLING_FIELD)
-        if mm_features and limit is not None and len(token_ids) > limit:
-            raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
-                             f"prompt of {len(token_ids)} tokens that holds images: send "
-                             "fewer tokens or no truncate_prompt_tokens")
-        if prompt_embeds is not None and limit is not None and len(token_ids) > limit:
-            # vLLM's rule (serving_engine._load_prompt_embeds): the last k rows; packed
-            # again, so the prefix-cache digest is that of the kept rows
-            prompt_embeds = pack_prompt_embeds(prompt_embeds.tensor()[-limit:])
-        token_ids = keep_last_tokens(token_ids, limit)  # vLLM: the prompt's last k tokens
+        token_ids, prompt_embeds = self._truncated(token_ids, params, mm_features,
+                                                   prompt_embeds)
         self.validate(token_ids)
         self.validate_params(params)
-        bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
-            if params.bad_words else None
-        if params.allowed_token_ids:
-            stop_ids = self._stop_token_ids(params)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                stop_ids.append(self.eos_token_id)
-            check_masks_leave_a_token(params, bad_words_ids or [], stop_ids)
+        bad_words_ids = self._bad_words_ids(params)
         if prompt_embeds is not None:
             self._check_embeds_request(token_ids, params, prompt_embeds)
         if params.max_tokens is None:  # as many as the context leaves (at least min_tokens:
@@ -377,6 +362,47 @@ class InputProcessor:
                                     lora_request=lora_request, cache_salt=cache_salt,
                                     prompt_embeds=prompt_embeds))
         return requests
+
+    def _truncated(self, token_ids: list[int], params: SamplingParams,
+                   mm_features: list[MultiModalFeature] | None,
+                   prompt_embeds: PromptEmbeds | None
+                   ) -> tuple[list[int], PromptEmbeds | None]:
+        """The prompt cut to its last ``params.truncate_prompt_tokens`` tokens (vLLM's rule;
+        a prompt given as embeddings keeps its last rows, packed again so that its
+        prefix-cache digest is the kept rows'); unchanged without truncation.
+
+        Raises:
+            ValueError: for a bad ``truncate_prompt_tokens``, or one that would cut a prompt
+                with images.
+        """
+        limit = truncation_length(params.truncate_prompt_tokens, self.max_model_len,
+                                  SAMPLING_FIELD)
+        if limit is None or len(token_ids) <= limit:
+            return token_ids, prompt_embeds
+        if mm_features:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens={limit} would cut a "
+                             f"prompt of {len(token_ids)} tokens that holds images: send "
+                             "fewer tokens or no truncate_prompt_tokens")
+        if prompt_embeds is not None:  # vLLM's rule (serving_engine._load_prompt_embeds)
+            prompt_embeds = pack_prompt_embeds(prompt_embeds.tensor()[-limit:])
+        return keep_last_tokens(token_ids, limit), prompt_embeds
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """``params.bad_words`` tokenized (vLLM's variants; None without bad words), after
+        checking that ``allowed_token_ids`` keep a token the bad words, ``min_tokens`` and
+        the stop tokens leave sampleable (``check_masks_leave_a_token``).
+
+        Raises:
+            ValueError: for bad words without a tokenizer, or masks that leave no token.
+        """
+        bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) \
+            if params.bad_words else None
+        if params.allowed_token_ids:
+            stop_ids = self._stop_token_ids(params)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                stop_ids.append(self.eos_token_id)
+            check_masks_leave_a_token(params, bad_words_ids or [], stop_ids)
+        return bad_words_ids
 
     def _check_embeds_request(self, token_ids: list[int], params: SamplingParams,
                               prompt_embeds: PromptEmbeds) -> None:
