@@ -333,8 +333,10 @@ class OpenAIServing:
             OpenAIError: 400 (param ``priority``, code ``unsupported_value``) for a nonzero
                 priority while the scheduler is not run by priority (it would be ignored).
         """
+        if not priority:
+            return
         policy = self.engine.config.scheduler_config.policy
-        if priority and policy not in ("priority", "fair"):
+        if policy not in ("priority", "fair"):
             raise OpenAIError(f"priority={priority} needs the priority or fair scheduling "
                               f"policy (start the server with --policy priority or fair); it "
                               f"runs {policy!r}", param="priority", code="unsupported_value")
