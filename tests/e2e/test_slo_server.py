@@ -95,7 +95,7 @@ class _EmbeddingEngine:
     def __init__(self) -> None:
         self.clients: list[str] = []
 
-    def add_pooling_request(self, request_id, text, ids, params, client_id=""):
+    def add_pooling_request(self, request_id, text, ids, params, client_id="", priority=0):
         self.clients.append(client_id)
         return _OneEmbedding(request_id)
 
