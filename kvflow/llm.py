@@ -112,6 +112,20 @@ class LLM(LLMPooling):
                              "None (the call is waited for)")
         return self.engine.local_core("collective_rpc").collective_rpc(method, args, kwargs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next prompts compute all their tokens
+        (vLLM's ``LLM.reset_prefix_cache``; for timing runs). Between calls of ``generate``
+        and the others no request is open and it always resets; from an ``on_output``
+        callback it returns False and changes nothing (requests are running).
+
+        Returns:
+            True if the cache was reset (of every data-parallel replica), else False.
+
+        Raises:
+            RuntimeError: with data parallelism, if a replica failed or exited.
+        """
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,

@@ -34,7 +34,7 @@ def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int,
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return time.perf_counter() - start

@@ -65,7 +65,7 @@ def run_kvflow(llm, prompts: list[list[int]], output_len: int,
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False, lora_request=lora_request)  # warm-up
-    llm.engine.core.kv_cache_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     elapsed = time.perf_counter() - start

@@ -342,6 +342,22 @@ class EngineCore:
         :meth:`EngineSleep.collective_rpc` for what is raised)."""
         return self.sleep_mode.collective_rpc(self, method, args, kwargs)
 
+    # ---- prefix cache ------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: later prompts compute all their tokens again (vLLM's
+        ``reset_prefix_cache``; benchmarks call it between runs). Refused while any request
+        is unfinished: its blocks are indexed as they fill and would serve hits once it ends,
+        so the reset would be partial; running requests are never touched either way.
+
+        Returns:
+            True once the cache is empty; False (nothing changed) while requests are
+            unfinished.
+        """
+        if self.scheduler.has_unfinished_requests():
+            return False
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request (see InputProcessor). A constrained request starts its

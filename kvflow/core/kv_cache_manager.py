@@ -314,6 +314,8 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes of every free block (blocks a request holds keep
+        theirs: see ``EngineCore.reset_prefix_cache``)."""
         self.pool.reset_prefix_cache()
 
 

@@ -37,6 +37,7 @@ from kvflow.engine.messages import (
     EngineCoreRequest,
     EngineReady,
     RemoveLoRA,
+    ResetPrefixCache,
     Sleep,
     UtilityCall,
     WakeUp,
@@ -115,7 +116,7 @@ class AsyncLLM:
         self.stats = [EngineStats() for _ in range(self.num_replicas)]
         self._dead: BaseException | None = None  # set when no replica is left
         self._outputs: OutputLoop | None = None  # started by start()
-        self._calls = UtilityCalls()  # AddLoRA / RemoveLoRA / Sleep / ... awaiting answers
+        self._calls = UtilityCalls()  # AddLoRA / Sleep / ResetPrefixCache / ... awaiting answers
         # the replicas' sleep state, mirrored once they all answered (new requests checked)
         self.sleep_state = EngineSleep(config.model_config.enable_sleep_mode)
         # Called (in the event loop) when a core process dies or fails; see start().
@@ -394,6 +395,19 @@ class AsyncLLM:
         if method == "reload_weights":
             self.sleep_state.weights_dropped = False
         return results
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of every live replica (``EngineCore.reset_prefix_cache``;
+        a replica with unfinished requests refuses and keeps its cache).
+
+        Returns:
+            True if every replica reset its cache, False if any refused.
+
+        Raises:
+            EngineDeadError: if the engine is gone.
+        """
+        return all(await self._call(ResetPrefixCache(0)))
 
     # ---- outputs (the loop: output_loop.py) --------------------------------------------------
     def _replica_lost(self, error: EngineDeadError, was_live: bool) -> None:

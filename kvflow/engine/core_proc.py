@@ -34,6 +34,7 @@ from kvflow.engine.messages import (
     EngineReady,
     Rejection,
     RemoveLoRA,
+    ResetPrefixCache,
     Shutdown,
     Sleep,
     UtilityCall,
@@ -265,6 +266,8 @@ class EngineCoreProc:
                 self.core.wake_up(msg.tags)
             elif isinstance(msg, CollectiveRPC):
                 result = self.core.collective_rpc(msg.method, tuple(msg.args), msg.kwargs)
+            elif isinstance(msg, ResetPrefixCache):
+                result = self.core.reset_prefix_cache()
         except ValueError as e:
             error = str(e)
         try:

@@ -12,6 +12,7 @@ returns whatever outputs arrived, from any replica.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 
@@ -25,6 +26,8 @@ from kvflow.engine.messages import (
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    ResetPrefixCache,
+    UtilityResult,
 )
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
@@ -67,6 +70,7 @@ class DPCoreClient:
         self.balancer = DPLoadBalancer(self.num_replicas, self.ready.block_size)
         self._pending: collections.deque[EngineCoreOutput] = collections.deque()
         self._next_check = 0.0
+        self._call_ids = itertools.count()
 
     @property
     def cores(self) -> list[CoreProcess]:
@@ -125,6 +129,37 @@ class DPCoreClient:
         outputs = list(self._pending)
         self._pending.clear()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of every live replica (``EngineCore.reset_prefix_cache``),
+        waiting for their answers (outputs arriving meanwhile are kept for ``step``).
+
+        Returns:
+            True if every replica reset its cache, False if any refused (it had unfinished
+            requests).
+
+        Raises:
+            RuntimeError: naming the replica, if one failed or its process exited.
+        """
+        waiting = {}
+        for core in self.cores:
+            if core.is_live:
+                call_id = next(self._call_ids)
+                waiting[call_id] = core.index
+                core.send(self.replicas.encoder.encode(ResetPrefixCache(call_id)))
+        reset = True
+        while waiting:
+            self.check_health()
+            output = self.replicas.output
+            if not output.poll(_POLL_MS):
+                continue
+            msg = self.replicas.decoder.decode(output.recv())
+            if isinstance(msg, UtilityResult):
+                if waiting.pop(msg.call_id, None) is not None:  # else an earlier call's
+                    reset = reset and bool(msg.result)
+            else:
+                self._handle(msg)
+        return reset
 
     def _handle(self, msg: EngineOutputs | EngineFailed | EngineReady) -> None:
         if isinstance(msg, EngineFailed):

@@ -159,6 +159,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (of each data-parallel replica): see
+        ``EngineCore.reset_prefix_cache``. Returns False, changing nothing, while requests
+        are unfinished (with data parallelism: on any replica).
+
+        Raises:
+            RuntimeError: with data parallelism, if a replica failed or exited.
+        """
+        return self.core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes, if any (idempotent)."""
         self.core.shutdown()

@@ -1,7 +1,8 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack-encoded).
 
 API -> core (one PUSH/PULL socket): ``AddRequests``, ``AbortRequests``, ``Shutdown``, and the
-calls ``AddLoRA`` / ``RemoveLoRA`` / ``Sleep`` / ``WakeUp`` / ``CollectiveRPC``.
+calls ``AddLoRA`` / ``RemoveLoRA`` / ``ResetPrefixCache`` / ``Sleep`` / ``WakeUp`` /
+``CollectiveRPC``.
 Core -> API (another PUSH/PULL socket): ``EngineReady`` or ``EngineFailed`` once at start-up,
 then ``EngineOutputs`` (the step's new tokens plus the core's stats) after every step that
 produced tokens and after every batch of inputs it handled, and, with admission control, an
@@ -114,9 +115,16 @@ class CollectiveRPC(msgspec.Struct, tag="collective_rpc"):
     kwargs: dict | None = None
 
 
-UtilityCall = AddLoRA | RemoveLoRA | Sleep | WakeUp | CollectiveRPC
-EngineInput = AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA | Sleep | WakeUp \
-    | CollectiveRPC
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Forget the cached prefixes (answered by a ``UtilityResult`` whose ``result`` says
+    whether the cache was reset: ``EngineCore.reset_prefix_cache``)."""
+
+    call_id: int
+
+
+UtilityCall = AddLoRA | RemoveLoRA | ResetPrefixCache | Sleep | WakeUp | CollectiveRPC
+EngineInput = AddRequests | AbortRequests | Shutdown | AddLoRA | RemoveLoRA | ResetPrefixCache \
+    | Sleep | WakeUp | CollectiveRPC
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -169,8 +177,9 @@ class AdmissionVerdicts(msgspec.Struct, tag="verdicts"):
 
 class UtilityResult(msgspec.Struct, tag="utility"):
     """The answer to a call (``UtilityCall``): ``error`` is None on success, else the
-    ValueError's message (the engine keeps running); ``result``: a ``CollectiveRPC``'s
-    results by rank (plain data)."""
+    ValueError's message (the engine keeps running); ``result``: the call's return value,
+    for a call that has one (``ResetPrefixCache``: whether the cache was reset; a
+    ``CollectiveRPC``'s results by rank, plain data)."""
 
     call_id: int
     error: str | None = None

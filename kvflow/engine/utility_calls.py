@@ -1,6 +1,6 @@
 """Calls from the API process to every live engine-core replica that wait for an answer
-(``AddLoRA`` / ``RemoveLoRA`` / ``Sleep`` / ``WakeUp`` / ``CollectiveRPC``, answered by
-``UtilityResult``), matched by ``call_id``."""
+(``AddLoRA`` / ``RemoveLoRA`` / ``ResetPrefixCache`` / ``Sleep`` / ``WakeUp`` /
+``CollectiveRPC``, answered by ``UtilityResult``), matched by ``call_id``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class UtilityCalls:
 
     async def call(self, replicas: ReplicaSet, msg: UtilityCall) -> list[Any]:
         """Send ``msg`` to every live replica (each with its own ``call_id``) and wait for
-        all answers; returns their ``result`` values, by replica.
+        all answers; returns their ``result`` values, by replica (None for calls without one).
 
         Raises:
             ValueError: the first refusal's message.
