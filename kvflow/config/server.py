@@ -51,7 +51,8 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address the HTTP server listens on")
     port: int = opt(8000, "TCP port the HTTP server listens on")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on every route but "
-                               "/health, /metrics and /version; unset: $KVFLOW_API_KEY, if set")
+                               "/health, /ping, /load, /metrics and /version; unset: "
+                               "$KVFLOW_API_KEY, if set")
     served_model_name: tuple[str, ...] | None = opt(
         None, "model name clients send; unset: the model argument. Several names (vLLM's "
         "aliases): each is accepted as a request's model; the first names the metrics' "
@@ -184,6 +185,14 @@ class ServerConfig:
         "template that loops over a message's content, else one string), string (always "
         "one string) or openai (always a list of {type, ...} parts)",
         choices=["auto", "string", "openai"])
+    enable_server_load_tracking: bool = opt(False, "serve GET /load: {\"server_load\": N}, "
+                                            "the generation and pooling requests being "
+                                            "served now (streams until their last chunk)")
+    enable_tokenizer_info_endpoint: bool = opt(False, "serve GET /tokenizer_info: the "
+                                               "tokenizer's configuration, its class and the "
+                                               "chat template the server renders with")
+    dev_mode: bool = opt(False, "serve POST /reset_prefix_cache and GET /server_info (set "
+                         "from KVFLOW_SERVER_DEV_MODE=1)", cli=False)
 
     def __post_init__(self) -> None:
         for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple
@@ -297,16 +306,24 @@ class ServerConfig:
     def from_cli_args(cls, args: argparse.Namespace,
                       env: dict[str, str] | None = None) -> ServerConfig:
         """Build from parsed flags; ``--api-key`` falls back to ``KVFLOW_API_KEY`` in ``env``
-        (default: the process environment).
+        (default: the process environment), and ``dev_mode`` is ``KVFLOW_SERVER_DEV_MODE``
+        (vLLM's ``VLLM_SERVER_DEV_MODE``: ``1`` on; ``0`` or unset off).
 
         Raises:
-            ValueError: for a bad flag value, or a ``KVFLOW_API_KEY`` that is set but empty
+            ValueError: for a bad flag value, a ``KVFLOW_API_KEY`` that is set but empty
                 or blank (it would leave the server open, as an empty ``--api-key`` would;
-                unset it to serve without a key).
+                unset it to serve without a key), or a ``KVFLOW_SERVER_DEV_MODE`` other
+                than 0 or 1.
         """
+        env = os.environ if env is None else env
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        dev_mode = env.get("KVFLOW_SERVER_DEV_MODE", "0").strip()
+        if dev_mode not in ("0", "1"):
+            raise ValueError(f"KVFLOW_SERVER_DEV_MODE={dev_mode!r} must be 1 (serve the "
+                             "development endpoints) or 0")
+        values["dev_mode"] = dev_mode == "1"
         if values.get("api_key") is None:
-            key = (os.environ if env is None else env).get("KVFLOW_API_KEY")
+            key = env.get("KVFLOW_API_KEY")
             if key is not None and not key.strip():
                 raise ValueError(f"KVFLOW_API_KEY={key!r} is empty: an empty key would leave "
                                  "the server open; give a key, or unset the variable to "

@@ -6,8 +6,10 @@ Routes: /v1/completions, /v1/chat/completions, /v1/responses (+ GET and DELETE
 /v1/embeddings, /pooling, /v1/score (and /score), /v1/rerank (and /rerank, /v2/rerank),
 /classify (and /v1/classify),
 /v1/models[/{model}],
-/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize (these need
-the API key when one is set), and /health, /metrics, /version (always open). Every error is
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize, /invocations
+(``invocations``), /tokenizer_info and the development routes (``ops_routes``) (these need
+the API key when one is set), and /health, /ping, /load, /metrics, /version (always open).
+Every error is
 an OpenAI error body (``{"error": {"message", "type", "param", "code"}}``); malformed input is
 a 4xx, never a 500.
 """
@@ -44,7 +46,9 @@ from kvflow.entrypoints.http_options import (
     fastapi_options,
     uvicorn_options,
 )
+from kvflow.entrypoints.invocations import add_invocations_route
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.ops_routes import add_ops_routes
 from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -61,6 +65,7 @@ from kvflow.entrypoints.protocol import (
 )
 from kvflow.entrypoints.responses_routes import add_responses_routes
 from kvflow.entrypoints.responses_store import ResponseStore
+from kvflow.entrypoints.server_load import ServerLoad, ServerLoadMiddleware
 from kvflow.entrypoints.server_shutdown import AbortingServer, sigterm_stops_loading
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_classification import OpenAIServingClassification
@@ -194,6 +199,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
                                                      unknown)
     app.state.pooling = OpenAIServingPooling(engine, config, model_name, models, unknown,
                                              app.state.chat)
+    app.state.server_load = ServerLoad()
+    if config.enable_server_load_tracking:  # innermost: refused requests are not counted
+        app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:  # outermost: a request without the key is refused before its body
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -202,6 +210,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     _add_openai_routes(app)
     _add_status_routes(app)
     add_token_routes(app)
+    add_invocations_route(app)
+    add_ops_routes(app, _health)
     add_sleep_routes(app)  # KVFLOW_SERVER_DEV_MODE=1 only
     return app
 
@@ -306,17 +316,20 @@ def _add_lora_routes(app: FastAPI) -> None:
                         media_type="text/plain")
 
 
+async def _health(raw: Request) -> Response:
+    """/health (and /ping): 200 with no body while the engine runs, else 503."""
+    engine = raw.app.state.engine
+    if engine.is_healthy:
+        return Response(status_code=200)
+    if isinstance(engine.dead_error, EngineShutdownError):
+        return error_response(engine_dead(engine.dead_error))
+    return error_response(OpenAIError("the engine core is not running", 503,
+                                       "service_unavailable", code="engine_dead"))
+
+
 def _add_status_routes(app: FastAPI) -> None:
-    """The open routes: /health, /version, /metrics."""
-    @app.get("/health")
-    async def health(raw: Request) -> Response:
-        engine = raw.app.state.engine
-        if engine.is_healthy:
-            return Response(status_code=200)
-        if isinstance(engine.dead_error, EngineShutdownError):
-            return error_response(engine_dead(engine.dead_error))
-        return error_response(OpenAIError("the engine core is not running", 503,
-                                           "service_unavailable", code="engine_dead"))
+    """The open routes: /health, /version, /metrics (/ping and /load: ``ops_routes``)."""
+    app.add_api_route("/health", _health, methods=["GET"])
 
     @app.get("/version")
     async def version() -> VersionResponse:

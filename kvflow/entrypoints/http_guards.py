@@ -24,10 +24,11 @@ from kvflow.entrypoints.validation_errors import validation_error
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
 # POST routes that take no body (OpenAI's client sends none; sleep mode's take query
 # parameters): the JSON-body rule skips them
-BODYLESS_POSTS = re.compile(r"/v1/responses/[^/]+/cancel|/sleep|/wake_up")
+BODYLESS_POSTS = re.compile(
+    r"/v1/responses/[^/]+/cancel|/ping|/reset_prefix_cache|/sleep|/wake_up")
 
 
 class ApiKeyMiddleware:

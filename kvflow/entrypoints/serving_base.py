@@ -191,6 +191,11 @@ class OpenAIServing:
         model's name. ``model`` was checked by ``check_model`` on entry."""
         return model or self.model_name
 
+    def serves(self, task: str) -> bool:
+        """Whether the served model does ``task`` (what ``check_task`` refuses otherwise)."""
+        pooler = self.engine.processor.pooler
+        return task in ((self.engine.task,) if pooler is None else pooler.tasks)
+
     def check_task(self, task: str) -> None:
         """Refuse an endpoint the served model does not do (text on an embedding model,
         embeddings on a text model, scores on either, scores on a classify server whose
@@ -201,9 +206,9 @@ class OpenAIServing:
             OpenAIError: 400 (param ``model``, code ``wrong_task``) when the engine does not
                 serve ``task``.
         """
-        pooler = self.engine.processor.pooler
-        if task in ((self.engine.task,) if pooler is None else pooler.tasks):
+        if self.serves(task):
             return
+        pooler = self.engine.processor.pooler
         if self.engine.task == "classify" and task == "score":
             labels = pooler.num_labels
             raise OpenAIError(f"this server's model runs task='classify' (--task) with "
