@@ -289,3 +289,41 @@ def test_score_and_v2_rerank_aliases(servers):
     assert reranks["/v2/rerank"]["results"] == reranks["/v1/rerank"]["results"]
     assert [r["index"] for r in reranks["/v2/rerank"]["results"]] == \
         expected.argsort(descending=True).tolist()
+
+
+def _same_answer(routed: httpx.Response, direct: httpx.Response) -> None:
+    """Two answers to one body equal but for the reply's id and time (values within float32
+    rounding: a prompt's second run may reuse the first's cached KV)."""
+    assert routed.status_code == direct.status_code == 200, routed.text
+    got, want = routed.json(), direct.json()
+    for body in (got, want):
+        body.pop("id", None), body.pop("created", None)  # a score reply has no "created"
+    assert _approx(got) == _approx(want)
+
+
+def _approx(value):
+    """``value`` with its floats rounded to 4 places (for comparing two JSON answers)."""
+    if isinstance(value, dict):
+        return {k: _approx(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_approx(v) for v in value]
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def test_invocations_routes_by_the_served_task(servers):
+    """SageMaker's /invocations: ``input`` classifies on a classify server (it embeds
+    nothing), ``text_1``/``text_2`` score and ``query``/``documents`` rerank on a score server,
+    each answered as the endpoint's own route; a score body on a classifier with 3 labels
+    (it serves no scores) names the one field it takes."""
+    server, folder = servers["cls"]
+    body = {"model": "cls", "input": [t for t in TEXTS
+                                      if len(_tokenizer(folder)(t)["input_ids"]) <= 10][:2]}
+    _same_answer(_post(server, "/invocations", body), _post(server, "/classify", body))
+    refused = _post(server, "/invocations", {"text_1": "paris", "text_2": "city"})
+    assert refused.status_code == 400
+    assert "(input for /v1/classify)" in refused.json()["error"]["message"]
+    server, _ = servers["ce"]
+    for path, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[2:4]}),
+                       ("/rerank", {"query": QUERY, "documents": DOCUMENTS[2:4]}),
+                       ("/classify", {"input": "paris is the capital"})):
+        _same_answer(_post(server, "/invocations", body), _post(server, path, body))

@@ -327,3 +327,28 @@ def test_pooling_messages(decoder, tiny_tokenizer):
     same = httpx.post(f"{server.url}/pooling", timeout=60, json={"input": ids[:5]}).json()
     assert body["data"][0]["data"] == same["data"][0]["data"]
     assert body["usage"]["prompt_tokens"] == 5
+
+
+def test_invocations_embeds_and_scores(bert):
+    """SageMaker's /invocations on an embedding server: ``input`` embeds (equal to
+    /v1/embeddings' answer and to sentence-transformers), ``text_1``/``text_2`` score as
+    /v1/score does; a chat body (no endpoint here takes ``messages``) is a 400 listing the
+    fields it could have had."""
+    server, st = bert
+    body = {"input": INPUTS, "encoding_format": "float"}
+    routed = httpx.post(f"{server.url}/invocations", json=body, timeout=60).json()
+    direct = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60).json()
+    for reply in (routed, direct):
+        reply.pop("id", None), reply.pop("created", None)
+    assert routed == direct
+    for d, ref in zip(routed["data"], st_embed(st, INPUTS)):
+        _close(d["embedding"], ref)
+    body = {"text_1": INPUTS[0], "text_2": INPUTS[1:]}
+    routed = httpx.post(f"{server.url}/invocations", json=body, timeout=60).json()
+    direct = httpx.post(f"{server.url}/v1/score", json=body, timeout=60).json()
+    assert [d["score"] for d in routed["data"]] == [d["score"] for d in direct["data"]]
+    refused = httpx.post(f"{server.url}/invocations", timeout=60,
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert "input for /v1/embeddings" in message and "text_1 or text_2 for /v1/score" in message
