@@ -46,11 +46,13 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/load_lora_adapter"),
               ("POST", "/v1/unload_lora_adapter"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
               ("GET", "/health"), ("GET", "/version"),
-              ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("GET", "/ping"), ("POST", "/ping"), ("POST", "/invocations")]
+BODYLESS = ("/cancel", "/ping")  # POSTs that take no body
 MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in MODES
-         if (method == "POST" and not path.endswith("/cancel")) or
-         mode is GenerationMode.POSITIVE]  # a GET, and cancel, take no body
+         if (method == "POST" and not path.endswith(BODYLESS)) or
+         mode is GenerationMode.POSITIVE]  # a GET, and BODYLESS, take no body
 
 
 def test_operations_list_is_the_schema(api_schema):
