@@ -3,8 +3,8 @@
 Greedy tokens equal the one-process engine's (itself checked against HF transformers in
 tests/models/test_parity.py); the four prompts, queued at once, alternate between the replicas
 (the balancer's least-depth rule: worked out below), which each replica's prefix-cache query
-count shows; a replica killed mid-run makes ``generate`` raise naming it, and the LLM goes on
-serving on the other one.
+count shows; ``reset_prefix_cache`` reaches every replica; a replica killed mid-run makes
+``generate`` raise naming it, and the LLM goes on serving on the other one.
 """
 
 from __future__ import annotations
@@ -43,6 +43,26 @@ def test_greedy_equals_one_process_and_prompts_alternate(dp_llm, tiny_model_fact
     assert [s.prefix_cache_queries for s in client.stats] == [lengths[0] + lengths[2],
                                                                lengths[1] + lengths[3]]
     assert client.balancer.depth == [0, 0] and not client.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_asks_every_replica(dp_llm, single_process_greedy):
+    """``LLM.reset_prefix_cache()`` over the replicas: a 40-token prompt sent again hits its 2
+    whole blocks of 16 (32 tokens, hand-computed; the balancer sends it to the replica that
+    cached it), after a reset none. From an ``on_output`` callback mid-run it is refused
+    (a replica still runs that request), and the outputs the replicas send meanwhile are kept:
+    the tokens equal the one-process run's."""
+    prompt = {"prompt_token_ids": PROMPTS[3]}
+    assert dp_llm.reset_prefix_cache() is True  # an earlier test may have cached it
+    hits = [dp_llm.generate(prompt, GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens
+            for _ in range(2)]
+    assert dp_llm.reset_prefix_cache() is True
+    hits.append(dp_llm.generate(prompt, GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens)
+    assert hits == [0, 32, 0]
+    answers = []
+    outs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False, on_output=lambda i, out: (
+        out.finished or answers.append(dp_llm.reset_prefix_cache())))
+    assert answers and not any(answers)
+    assert_same_greedy(single_process_greedy("llama"), _tokens(outs))
 
 
 def test_a_killed_replica_is_named_and_the_other_keeps_serving(dp_llm, single_process_greedy):
