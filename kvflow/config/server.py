@@ -191,8 +191,9 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = opt(False, "serve GET /tokenizer_info: the "
                                                "tokenizer's configuration, its class and the "
                                                "chat template the server renders with")
-    dev_mode: bool = opt(False, "serve POST /reset_prefix_cache and GET /server_info (set "
-                         "from KVFLOW_SERVER_DEV_MODE=1)", cli=False)
+    dev_mode: bool = opt(False, "serve the development endpoints: POST /reset_prefix_cache, "
+                         "GET /server_info and sleep mode's /sleep, /wake_up, /is_sleeping, "
+                         "/collective_rpc (set from KVFLOW_SERVER_DEV_MODE=1)", cli=False)
 
     def __post_init__(self) -> None:
         for name in _LIST_FIELDS:  # before the type check: a list becomes a tuple

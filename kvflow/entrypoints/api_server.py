@@ -212,7 +212,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str,
     add_token_routes(app)
     add_invocations_route(app)
     add_ops_routes(app, _health)
-    add_sleep_routes(app)  # KVFLOW_SERVER_DEV_MODE=1 only
+    add_sleep_routes(app, config.dev_mode)  # KVFLOW_SERVER_DEV_MODE=1 only
     return app
 
 

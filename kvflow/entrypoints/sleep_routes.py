@@ -14,7 +14,6 @@ OpenAI error body; while asleep, generation routes answer 503 (code ``engine_sle
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,17 +22,10 @@ from fastapi.responses import JSONResponse, Response
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 
-DEV_MODE_ENV = "KVFLOW_SERVER_DEV_MODE"
-
-
-def dev_mode() -> bool:
-    """Whether ``KVFLOW_SERVER_DEV_MODE=1`` is set (read when the app is built)."""
-    return os.environ.get(DEV_MODE_ENV) == "1"
-
-
-def add_sleep_routes(app: FastAPI) -> None:
-    """/sleep, /wake_up, /is_sleeping and /collective_rpc, under dev mode only."""
-    if not dev_mode():
+def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
+    """/sleep, /wake_up, /is_sleeping and /collective_rpc, under dev mode only
+    (``ServerConfig.dev_mode``: ``KVFLOW_SERVER_DEV_MODE=1``)."""
+    if not dev_mode:
         return
 
     @app.post("/sleep")

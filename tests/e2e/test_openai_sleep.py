@@ -15,7 +15,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from kvflow.entrypoints.sleep_routes import DEV_MODE_ENV, add_sleep_routes
+from kvflow.entrypoints.sleep_routes import add_sleep_routes
 from tests.e2e.test_engine_faults import ARGS, core_pid
 
 PROMPT = [5, 9, 23, 41, 7, 77, 120, 3, 64, 200, 11, 12]  # whole blocks of 4: prefix-cached
@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def server(start_server, tiny_llama):
     return start_server(tiny_llama.path, [*ARGS, "--enable-sleep-mode"],
-                        env={DEV_MODE_ENV: "1"})
+                        env={"KVFLOW_SERVER_DEV_MODE": "1"})
 
 
 def _complete(server, **extra) -> httpx.Response:
@@ -143,12 +143,10 @@ def test_bad_calls_are_400s(server, path, kwargs, param, words):
     assert not _sleeping(server)
 
 
-def test_routes_only_in_dev_mode(monkeypatch):
-    monkeypatch.delenv(DEV_MODE_ENV, raising=False)
+def test_routes_only_in_dev_mode():
     app = FastAPI()
-    add_sleep_routes(app)
+    add_sleep_routes(app, dev_mode=False)
     assert not {"/sleep", "/wake_up", "/is_sleeping"} & {r.path for r in app.routes}
-    monkeypatch.setenv(DEV_MODE_ENV, "1")
-    add_sleep_routes(app)
+    add_sleep_routes(app, dev_mode=True)
     assert {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"} <= \
         {r.path for r in app.routes}
