@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 
+
 def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     """/sleep, /wake_up, /is_sleeping and /collective_rpc, under dev mode only
     (``ServerConfig.dev_mode``: ``KVFLOW_SERVER_DEV_MODE=1``)."""
