@@ -49,7 +49,7 @@ def test_reset_prefix_cache_asks_every_replica(dp_llm, single_process_greedy):
     """``LLM.reset_prefix_cache()`` over the replicas: a 40-token prompt sent again hits its 2
     whole blocks of 16 (32 tokens, hand-computed; the balancer sends it to the replica that
     cached it), after a reset none. From an ``on_output`` callback mid-run it is refused
-    (a replica still runs that request), and the outputs the replicas send meanwhile are kept:
+    while a replica still runs requests, and the outputs the replicas send meanwhile are kept:
     the tokens equal the one-process run's."""
     prompt = {"prompt_token_ids": PROMPTS[3]}
     assert dp_llm.reset_prefix_cache() is True  # an earlier test may have cached it
@@ -61,7 +61,9 @@ def test_reset_prefix_cache_asks_every_replica(dp_llm, single_process_greedy):
     answers = []
     outs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False, on_output=lambda i, out: (
         out.finished or answers.append(dp_llm.reset_prefix_cache())))
-    assert answers and not any(answers)
+    # refused at the first output (every other prompt still runs); a later one may find
+    # both replicas idle while their last outputs are still on the way (then it resets)
+    assert answers and answers[0] is False
     assert_same_greedy(single_process_greedy("llama"), _tokens(outs))
 
 
