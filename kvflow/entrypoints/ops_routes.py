@@ -44,6 +44,7 @@ def _optional(app: FastAPI, method: str, path: str, route: Callable[[Request], A
         return
 
     async def off() -> Response:
+        """Raises OpenAIError: 404 (code ``endpoint_disabled``) naming the switch."""
         raise OpenAIError(f"{method} {path} is served only with {switch}", 404,
                           "not_found_error", code="endpoint_disabled")
 
