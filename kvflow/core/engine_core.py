@@ -225,15 +225,15 @@ class EngineCore:
         """The speculator (None without speculative decoding). A draft model's pass cost is
         timed now, over 1, 2, 4, ... requests (spec_decode/draft_timing.py, about a second),
         so the cost model knows it before the first step. A draft model drafts for
-        constrained requests where the executor splits steps (``engine_steps.
-        execute_with_grammar`` fills their grammar rows between the runner's proposal and its
-        sampling)."""
+        constrained requests where the executor splits steps (``Executor.splits_draft_steps``:
+        uni and mp; ``engine_steps.execute_with_grammar`` fills their grammar rows between
+        the runner's proposal and its sampling)."""
         spec = self.config.speculative_config
         if spec is None:
             return None
         speculator = Speculator(
             spec, self.max_model_len,
-            constrained_draft_model=self.executor.supports_async_scheduling)
+            constrained_draft_model=self.executor.splits_draft_steps)
         if spec.method == "draft_model":
             passes = self.executor.collective_rpc("time_draft_passes")[0]
             speculator.observe_draft_passes(passes)

@@ -47,7 +47,7 @@ def execute_with_grammar(core: EngineCore, sched: SchedulerOutput) -> ModelRunne
     runner proposes (draft 1 within the grammar's current row) and launches the target's
     forward pass, the rows are filled after the proposed drafts (while the forward pass runs
     on a GPU), then the runner samples (``Executor.proposed_drafts``; the speculator drafts
-    so only where the executor splits steps)."""
+    so only where ``Executor.splits_draft_steps``: the uni and mp executors)."""
     drafts, constrained = sched.scheduled_spec_decode_tokens, sched.structured_output_request_ids
     so, requests, executor = core.structured_output, core.scheduler.requests, core.executor
     if not any(-1 in drafts.get(rid, ()) for rid in constrained):

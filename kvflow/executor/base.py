@@ -86,6 +86,10 @@ class Executor(ABC):
     # Whether the workers run in the caller's process (collective_rpc may then pass a
     # callable, not only a Worker method's name).
     runs_in_process: bool = False
+    # Whether one step at a time can be split launch_forward -> proposed_drafts ->
+    # launch_sampling -> collect_output, so the engine core fills constrained requests'
+    # grammar rows after a draft model's proposal (core/engine_steps.execute_with_grammar).
+    splits_draft_steps: bool = False
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         self.config = config
@@ -158,7 +162,8 @@ class Executor(ABC):
         before their first draft (a draft model chooses draft 1 within them), or None.
 
         Raises:
-            NotImplementedError: where ``supports_async_scheduling`` is False.
+            NotImplementedError: where neither ``supports_async_scheduling`` nor
+                ``splits_draft_steps`` is True.
         """
         raise NotImplementedError("this executor does not split steps (async scheduling)")
 
@@ -168,7 +173,7 @@ class Executor(ABC):
         model or drafts. Valid until the next ``launch_forward``.
 
         Raises:
-            NotImplementedError: where ``supports_async_scheduling`` is False.
+            NotImplementedError: where ``splits_draft_steps`` is False.
         """
         raise NotImplementedError("this executor does not split steps")
 
@@ -176,7 +181,8 @@ class Executor(ABC):
         """Async scheduling: launch the sampling of the step ``launch_forward`` started.
 
         Raises:
-            NotImplementedError: where ``supports_async_scheduling`` is False.
+            NotImplementedError: where neither ``supports_async_scheduling`` nor
+                ``splits_draft_steps`` is True.
         """
         raise NotImplementedError("this executor does not split steps (async scheduling)")
 
@@ -184,7 +190,8 @@ class Executor(ABC):
         """Async scheduling: wait for the last sampled step's tokens and return them.
 
         Raises:
-            NotImplementedError: where ``supports_async_scheduling`` is False.
+            NotImplementedError: where neither ``supports_async_scheduling`` nor
+                ``splits_draft_steps`` is True.
         """
         raise NotImplementedError("this executor does not split steps (async scheduling)")
 
@@ -192,7 +199,8 @@ class Executor(ABC):
         """Async scheduling: drop a launched or sampled step whose requests were aborted.
 
         Raises:
-            NotImplementedError: where ``supports_async_scheduling`` is False.
+            NotImplementedError: where neither ``supports_async_scheduling`` nor
+                ``splits_draft_steps`` is True.
         """
         raise NotImplementedError("this executor does not split steps (async scheduling)")
 

@@ -8,6 +8,12 @@ from the executor's broadcast socket in order:
 
 * ``step``: a msgspec-encoded ``(SchedulerOutput, GrammarBitmask | None)``; the driver rank
   replies with the runner's result, the others stay silent;
+* ``propose``: a split step's first part (a draft model's constrained requests), encoded as
+  ``step`` is (the bitmask: the grammar rows before draft 1): the Worker launches it and the
+  driver rank replies ``drafts`` with the proposed draft tokens;
+* ``verify``: the split step's msgspec-encoded ``GrammarBitmask | None``: the Worker samples
+  and collects; the driver rank replies ``step`` with the result;
+* ``discard``: drop a launched split step that will not be verified (no reply);
 * ``rpc``: a pickled ``(method, args)`` call on the Worker; every rank replies;
 * ``stop``: leave the process groups and exit (status 0, at once: ``os._exit`` after the
   logs are flushed).
@@ -114,18 +120,29 @@ class WorkerProc:
 
     def _handle(self, kind: bytes, payload: bytes) -> bool:
         """Apply one message; False on ``stop``."""
-        if kind == b"step":
-            self.stepped = True
-            sched, bitmask = self.codec.decode_step(payload)
-            result = self.worker.execute_model(sched, bitmask)
-            if self.worker.is_driver:
-                self.reply(b"step", self.codec.encode(result))
-            return True
+        worker = self.worker
         if kind == b"rpc":
             method, args = pickle.loads(payload)
-            self.reply(b"rpc", pickle.dumps(getattr(self.worker, method)(*args)))
-            return True
-        return False
+            self.reply(b"rpc", pickle.dumps(getattr(worker, method)(*args)))
+        elif kind in (b"step", b"propose"):
+            self.stepped = True
+            sched, bitmask = self.codec.decode_step(payload)
+            if kind == b"step":
+                self._reply_driver(b"step", worker.execute_model(sched, bitmask))
+            else:
+                worker.launch_forward(sched, bitmask)
+                self._reply_driver(b"drafts", worker.proposed_drafts())
+        elif kind == b"verify":
+            worker.launch_sampling(self.codec.decode_bitmask(payload))
+            self._reply_driver(b"step", worker.collect_output())
+        elif kind == b"discard":
+            worker.discard_output()
+        return kind != b"stop"
+
+    def _reply_driver(self, kind: bytes, value: Any) -> None:
+        """Send ``value`` (msgspec-encoded) from the driver rank only."""
+        if self.worker.is_driver:
+            self.reply(kind, self.codec.encode(value))
 
     def close(self, linger_ms: int) -> None:
         self.heartbeat.stop()

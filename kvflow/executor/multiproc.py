@@ -12,7 +12,11 @@ engine process                                     worker process r (kvflow.exec
 A step's ``SchedulerOutput`` is msgspec-encoded once and published once; every rank receives
 it, and only the driver rank (TP rank 0 of the last pipeline stage) sends the sampled tokens
 back. Steps may be pipelined: up to ``pipeline_parallel_size`` are published before the first
-result is read, and results come back in order.
+result is read, and results come back in order. A draft model's step with constrained requests
+is split in two messages (``Executor.splits_draft_steps``): ``propose`` (every rank launches
+the step; the driver sends back the drafts its draft model proposed), then, once the engine
+core filled the grammar rows after those drafts, ``verify`` (every rank samples; the driver
+sends back the tokens).
 
 Failure: while waiting for a reply the executor polls every worker's exit status; a worker
 that died (or reported an exception) makes it kill the others, remove its directory and raise
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import zmq
@@ -74,6 +79,8 @@ class MultiprocExecutor(Executor):
             rank and its error), and from any later call if a worker fails.
     """
 
+    splits_draft_steps = True
+
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any,
                  start_timeout_s: float = 1800.0) -> None:
         super().__init__(config, source, hf_config, dtype)
@@ -84,6 +91,7 @@ class MultiprocExecutor(Executor):
         self._procs: list[subprocess.Popen] = []
         self._sent = self._received = 0  # steps published / step results read
         self._results: dict[int, Any] = {}
+        self._split = SplitStep()  # the split step in progress (launch_forward ... collect)
         self._heartbeats: HeartbeatMonitor | None = None  # set once every worker is ready
         try:
             self._init_ipc()
@@ -181,6 +189,8 @@ class MultiprocExecutor(Executor):
             RuntimeError: while steps are in flight (their replies would interleave).
             ExecutorError: if a worker died or reported an error.
         """
+        while self._split.dropped:  # discarded split steps' results: read, not kept
+            self._read_reply()
         if self._sent != self._received:
             raise RuntimeError("collective_rpc while steps are in flight")
         self._publish(b"rpc", pickle.dumps((method, args)))
@@ -199,11 +209,55 @@ class MultiprocExecutor(Executor):
 
     def _step_result(self, seq: int) -> Any:
         while seq not in self._results:
-            kind, _, payload = self._recv()
-            if kind == b"step":
-                self._results[self._received] = self.codec.decode_result(payload)
-                self._received += 1
+            self._read_reply()
         return self._results.pop(seq)
+
+    def _read_reply(self) -> None:
+        """Read one reply of a step (kept by its sequence number unless it was discarded) or
+        of a split step's proposal (counted, the latest kept); ignore an rpc one."""
+        kind, _, payload = self._recv()
+        if kind == b"step":
+            if self._received not in self._split.dropped:
+                self._results[self._received] = self.codec.decode_result(payload)
+            self._split.dropped.discard(self._received)
+            self._received += 1
+        elif kind == b"drafts":
+            self._split.drafts = self.codec.decode_drafts(payload)
+            self._split.drafts_received += 1
+
+    # ---- a split step (a draft model's constrained requests: engine_steps) ----------------------
+    def launch_forward(self, sched: SchedulerOutput,
+                       first_grammar: GrammarBitmask | None = None) -> None:
+        """Every rank launches the step (``propose``); the driver sends its drafts back."""
+        self._publish(b"propose", self.codec.encode((sched, first_grammar)))
+        self._split.launched()
+
+    def proposed_drafts(self) -> dict[str, list[int]]:
+        """The driver rank's proposal for the step launched last (waits for it)."""
+        while self._split.drafts_received < self._split.drafts_sent:
+            self._read_reply()
+        return self._split.drafts
+
+    def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Every rank samples and collects the launched step (``verify``)."""
+        self._publish(b"verify", self.codec.encode(grammar_bitmask))
+        self._split.verifying, self._sent = self._sent, self._sent + 1
+
+    def collect_output(self) -> Any:
+        """The driver rank's sampled tokens of the verified step (waits for them)."""
+        seq, self._split.verifying = self._split.verifying, None
+        return self._step_result(seq)
+
+    def discard_output(self) -> None:
+        """Drop the split step: the ranks drop a launched one (``discard``); a verified
+        one's result is dropped when it arrives. Nothing once a worker failed."""
+        if self._failed is not None:
+            return
+        if self._split.verifying is None:
+            self._publish(b"discard", b"")
+        else:
+            self._split.dropped.add(self._split.verifying)
+            self._split.verifying = None
 
     def _publish(self, kind: bytes, payload: bytes) -> None:
         self._check_failed()
@@ -305,6 +359,23 @@ class MultiprocExecutor(Executor):
             self._finalizer()
         elif getattr(self, "_dir", None):
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass
+class SplitStep:
+    """The executor's side of split steps: proposals sent and read (a proposal whose reply
+    was not read, its step aborted, is skipped), the latest proposal, the sequence number of
+    the step being verified, and those of discarded steps whose results are dropped."""
+
+    drafts_sent: int = 0
+    drafts_received: int = 0
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    verifying: int | None = None
+    dropped: set[int] = field(default_factory=set)
+
+    def launched(self) -> None:
+        self.drafts_sent += 1
+        self.drafts, self.verifying = {}, None
 
 
 def _wait_or_kill(procs: list[subprocess.Popen], grace_s: float) -> None:

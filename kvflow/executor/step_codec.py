@@ -2,7 +2,9 @@
 
 A step message is ``(SchedulerOutput, GrammarBitmask | None)``, encoded once per step and sent
 to every rank; the reply is whatever ``ModelRunner.execute_model`` returns (decoded by its
-return annotation, so the codec follows the runner's output type without naming it). Both are
+return annotation, so the codec follows the runner's output type without naming it). A split
+step (a draft model's constrained requests) sends the same step message first, gets the
+proposed drafts back (``dict[str, list[int]]``), then sends the grammar bitmask alone. Both are
 plain dataclasses of lists, dicts and numbers; the only tensor, a grammar bitmask, travels as
 ``(dtype name, shape, raw bytes)``.
 """
@@ -19,6 +21,8 @@ from kvflow.sched_output import GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 
 StepMessage = tuple[SchedulerOutput, typing.Optional[GrammarBitmask]]  # noqa: UP045
+BitmaskMessage = typing.Optional[GrammarBitmask]  # noqa: UP045
+Drafts = dict[str, list[int]]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -48,9 +52,11 @@ class StepCodec:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._step_decoder = msgspec.msgpack.Decoder(StepMessage, dec_hook=_dec_hook)
         self._result_decoder = msgspec.msgpack.Decoder(result_type, dec_hook=_dec_hook)
+        self._bitmask_decoder = msgspec.msgpack.Decoder(BitmaskMessage, dec_hook=_dec_hook)
+        self._drafts_decoder = msgspec.msgpack.Decoder(Drafts)
 
     def encode(self, obj: Any) -> bytes:
-        """Encode a step message or a step result."""
+        """Encode a step message, a step result, a grammar bitmask or drafts."""
         return self._encoder.encode(obj)
 
     def decode_step(self, data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
@@ -60,3 +66,13 @@ class StepCodec:
     def decode_result(self, data: bytes) -> Any:
         """Raises msgspec.DecodeError for bytes that are not a step result."""
         return self._result_decoder.decode(data)
+
+    def decode_bitmask(self, data: bytes) -> GrammarBitmask | None:
+        """A split step's grammar bitmask (``verify``). Raises msgspec.DecodeError for
+        other bytes."""
+        return self._bitmask_decoder.decode(data)
+
+    def decode_drafts(self, data: bytes) -> dict[str, list[int]]:
+        """A split step's proposed drafts, request id -> draft tokens. Raises
+        msgspec.DecodeError for other bytes."""
+        return self._drafts_decoder.decode(data)

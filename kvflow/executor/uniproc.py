@@ -12,8 +12,9 @@ from kvflow.worker.worker import Worker
 
 class UniprocExecutor(Executor):
     """Single-rank executor: calls go straight to the in-process Worker (errors propagate as
-    they are, so a bad step leaves the engine usable). Steps can be split for async
-    scheduling (the runner's launch_forward / collect_output / launch_sampling).
+    they are, so a bad step leaves the engine usable). Steps can be split, for async
+    scheduling and for a draft model's constrained requests (the Worker's launch_forward /
+    proposed_drafts / launch_sampling / collect_output, which record its step statistics).
 
     Raises:
         ValueError: from the constructor for a bad model or configuration.
@@ -21,6 +22,7 @@ class UniprocExecutor(Executor):
 
     supports_async_scheduling = True
     runs_in_process = True
+    splits_draft_steps = True
 
     def __init__(self, config: EngineConfig, source: Any, hf_config: Any, dtype: Any) -> None:
         super().__init__(config, source, hf_config, dtype)
@@ -48,19 +50,19 @@ class UniprocExecutor(Executor):
 
     def launch_forward(self, sched: SchedulerOutput,
                        first_grammar: GrammarBitmask | None = None) -> None:
-        self.worker.runner.launch_forward(sched, first_grammar)
+        self.worker.launch_forward(sched, first_grammar)
 
     def proposed_drafts(self) -> dict[str, list[int]]:
-        return self.worker.runner.proposed_drafts()
+        return self.worker.proposed_drafts()
 
     def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
-        self.worker.runner.launch_sampling(grammar_bitmask)
+        self.worker.launch_sampling(grammar_bitmask)
 
     def collect_output(self) -> Any:
-        return self.worker.runner.collect_output()
+        return self.worker.collect_output()
 
     def discard_output(self) -> None:
-        self.worker.runner.discard_output()
+        self.worker.discard_output()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

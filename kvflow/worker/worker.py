@@ -8,8 +8,10 @@ rank in the same order (they may run collectives); only the driver rank's return
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,20 +202,60 @@ class Worker:
         """Forget a LoRA adapter; False if it was not loaded."""
         return self.runner.remove_lora(lora_int_id)
 
+    # ---- one step: whole (execute_model) or split (launch_forward ... collect_output) -----
     def execute_model(self, sched: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> Any:
         """One step on this rank; the result is the runner's (empty before the last stage)."""
-        start = time.perf_counter()
-        result = self.runner.execute_model(sched, grammar_bitmask)
+        self.launch_forward(sched)
+        self.launch_sampling(grammar_bitmask)
+        return self.collect_output()
+
+    def launch_forward(self, sched: SchedulerOutput,
+                       first_grammar: GrammarBitmask | None = None) -> None:
+        """A split step's first part (:meth:`ModelRunner.launch_forward`: the draft model's
+        proposal, then the target's forward pass); counts as one step in ``step_stats``."""
+        with self._timed():
+            self.runner.launch_forward(sched, first_grammar)
         self.num_steps += 1
-        self.step_time_s += time.perf_counter() - start
-        return result
+
+    def proposed_drafts(self) -> dict[str, list[int]]:
+        """The draft model's tokens for the launched step (:meth:`ModelRunner.
+        proposed_drafts`): request id -> draft tokens."""
+        return self.runner.proposed_drafts()
+
+    def launch_sampling(self, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Sample the launched step (:meth:`ModelRunner.launch_sampling`).
+
+        Raises:
+            RuntimeError: if the previous step's tokens were not collected yet.
+        """
+        with self._timed():
+            self.runner.launch_sampling(grammar_bitmask)
+
+    def collect_output(self) -> Any:
+        """The last sampled step's tokens (:meth:`ModelRunner.collect_output`; waits)."""
+        with self._timed():
+            return self.runner.collect_output()
+
+    def discard_output(self) -> None:
+        """Drop a launched or sampled step whose requests were aborted."""
+        self.runner.discard_output()
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Add the block's wall time to ``step_time_s`` (raised or not)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step_time_s += time.perf_counter() - start
 
     def step_stats(self) -> dict[str, float]:
-        """Steps run, seconds inside them, seconds of those inside TP / PP / CP collectives
-        (including waiting for the other ranks), tokens this rank ran through the model and
-        seconds inside the model's forward, since start-up; with context parallelism also
-        the seconds inside attention (the ring and the all-gathers included)."""
+        """Steps run (whole or split: one per ``launch_forward``), seconds inside the step
+        calls, seconds of those inside TP / PP / CP collectives (including waiting for the
+        other ranks), tokens this rank ran through the model and seconds inside the model's
+        forward, since start-up; with context parallelism also the seconds inside attention
+        (the ring and the all-gathers included)."""
         p = self.parallel
         stats = {"steps": self.num_steps, "step_s": self.step_time_s,
                  "tp_comm_s": p.tp.comm_time_s, "pp_comm_s": p.pp.comm_time_s,

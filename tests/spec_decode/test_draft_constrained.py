@@ -52,6 +52,21 @@ def self_draft(tiny_llama):
     return _engine(tiny_llama.path, tiny_llama.path)
 
 
+@pytest.fixture(scope="module")
+def mp_self_draft(tiny_llama):
+    """The self-draft engine with its worker in a process of its own (the mp executor: the
+    split step crosses the worker's message surface)."""
+    llm = _engine(tiny_llama.path, tiny_llama.path, distributed_executor_backend="mp")
+    yield llm
+    llm.engine.core.executor.shutdown()
+
+
+@pytest.fixture(params=["uni", "mp"])
+def self_drafts(request):
+    """The self-draft engine under each executor that splits steps."""
+    return request.getfixturevalue({"uni": "self_draft", "mp": "mp_self_draft"}[request.param])
+
+
 def _generate(llm: LLM, params, prompts=PROMPTS):
     return llm.generate(prompts, params, use_tqdm=False)
 
@@ -197,14 +212,72 @@ def test_a_split_step_that_fails_aborts_its_requests_and_the_engine_recovers(
     assert_no_leaks(self_draft)
 
 
-def test_matches_transformers_with_xgrammar_mask(tiny_llama, tiny_tokenizer, self_draft):
-    """The oracle: transformers' greedy decoding, logits masked with xgrammar's bitmask."""
+def test_matches_transformers_with_xgrammar_mask(tiny_llama, tiny_tokenizer, self_drafts):
+    """The oracle: transformers' greedy decoding, logits masked with xgrammar's bitmask (the
+    split step in process and through the mp worker's propose / verify messages)."""
     params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=(
         StructuredOutputsParams(regex=REGEX)))
-    for out in _generate(self_draft, params, PROMPTS[:2]):
+    got = _generate(self_drafts, params, PROMPTS[:2])
+    for out in got:
         expected = _reference(tiny_llama.hf_model, tiny_tokenizer, out.prompt_token_ids,
                               REGEX, 30)
         assert list(out.outputs[0].token_ids) == expected
+    assert _drafted(got)[0] > 0  # undrafted under mp before it split steps
+
+
+def test_split_steps_count_in_the_worker_step_statistics(self_drafts, monkeypatch):
+    """Every engine step (one ``update_from_output`` each), split or whole, is one step of
+    the worker's ``step_stats``, with its seconds; drafts were proposed (split steps)."""
+    core = self_drafts.engine.core
+    real, steps = core.scheduler.update_from_output, []
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core.scheduler, "update_from_output", counted)
+    before = core.executor.collective_rpc("step_stats")[0]
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=(
+        StructuredOutputsParams(regex=REGEX)))
+    got = _generate(self_drafts, params, PROMPTS[:2])
+    after = core.executor.collective_rpc("step_stats")[0]
+    assert _drafted(got)[0] > 0 and len(steps) >= 3
+    assert after["steps"] - before["steps"] == len(steps)
+    assert after["step_s"] - before["step_s"] >= after["forward_s"] - before["forward_s"] > 0
+
+
+def test_mp_split_step_that_fails_is_discarded_and_the_engine_recovers(
+        plain, mp_self_draft, monkeypatch, assert_no_leaks):
+    """Under mp, a failure between the proposal and the verification (the workers launched
+    the step) aborts the step's requests and tells the workers to drop it; the engine then
+    serves the same requests as plain constrained decoding (logprobs too)."""
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    executor = mp_self_draft.engine.core.executor
+    real, failed = executor.launch_sampling, []
+
+    def broken(*args, **kwargs):
+        if not executor.proposed_drafts():  # the prefill step
+            return real(*args, **kwargs)
+        failed.append(True)
+        raise RuntimeError("simulated failure before verifying")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(executor, "launch_sampling", broken)
+        with pytest.raises(RuntimeError, match="simulated"):
+            _generate(mp_self_draft, params, PROMPTS[:2])
+    assert failed == [True]
+    assert_no_leaks(mp_self_draft)
+    ref, got = _generate(plain, params, PROMPTS[:2]), _generate(mp_self_draft, params,
+                                                                PROMPTS[:2])
+    _same_outputs(ref, got)
+    for r, g in zip(ref, got):
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert lr.keys() == lg.keys()
+            for t in lr:
+                assert lg[t].logprob == pytest.approx(lr[t].logprob, abs=1e-4)
+    assert _drafted(got)[0] > 0
+    assert_no_leaks(mp_self_draft)
 
 
 @pytest.fixture(scope="module")
