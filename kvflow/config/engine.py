@@ -97,9 +97,6 @@ class EngineConfig:
         if self.scheduler_config.async_scheduling:
             raise ValueError("speculative decoding with async_scheduling is not available (a "
                              "verification step's token counts are known only after it)")
-        if spec.method == "draft_model" and pc.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method='draft_model' runs the draft in the "
-                             "target's process: tensor_parallel_size must be 1")
         if spec.method == "draft_model" and self.scheduler_config.preemption_mode == "swap":
             raise ValueError("speculative_config method='draft_model' with preemption_mode="
                              "'swap' is not available (the host swap pool holds the target's "

@@ -116,6 +116,15 @@ class CommGroup:
         dist.reduce_scatter(out, parts, group=self.device_group)
         return out
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``x`` (any shape and dtype, the same on every rank) in place with group
+        rank 0's; returns ``x``."""
+        if self.world_size > 1:
+            start = time.perf_counter()
+            dist.broadcast(x, src=self.ranks[0], group=self.device_group)
+            self.comm_time_s += time.perf_counter() - start
+        return x
+
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this call."""
         if self.world_size > 1:

@@ -20,6 +20,9 @@ prefix-cache hit, or a resumed request) starts with no draft K/V (``num_draft_co
 a cached block may have been filled while nobody drafted) and the draft recomputes its context
 when it first drafts.
 
+With tensor parallelism every rank holds the whole draft (unsharded) and proposes; the ranks
+then take TP rank 0's tokens and ``q`` (``share_proposal``), so they verify the same drafts.
+
 On a CPU the draft's passes run on their own thread count (``draft_threads.py``): the faster,
 as measured, of the engine's count and one thread, unless ``draft_cpu_threads`` fixes it.
 
@@ -50,6 +53,7 @@ import torch
 
 from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.distributed.comm import CommGroup
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import apply_top_k_top_p_min_p, scale_by_temperature
@@ -110,6 +114,10 @@ class DraftModel:
             generation_config.json's ``eos_token_id``, else its config's), kept in a cut LM
             head beside the draft's own end tokens (read the same way from the draft's
             folder or GGUF file); ids outside the vocabulary are skipped.
+        tp_group: the target's tensor-parallel group: every rank holds the whole draft and
+            proposes, then takes TP rank 0's proposal (``share_proposal``), so the ranks
+            verify the same drafts even where their draft passes round differently (another
+            thread count). None: one rank.
 
     Raises:
         ValueError: for a draft whose vocabulary size differs from the target's, or one that
@@ -119,8 +127,10 @@ class DraftModel:
 
     def __init__(self, config: EngineConfig, backend: Any, dtype: torch.dtype,
                  device: torch.device, target_vocab_size: int,
-                 target_end_ids: Iterable[int] = ()) -> None:
+                 target_end_ids: Iterable[int] = (), tp_group: CommGroup | None = None
+                 ) -> None:
         spec = config.speculative_config
+        self.tp_group = tp_group
         mc = config.model_config
         with _naming_the_draft(spec.model):
             source = resolve_model(spec.model, mc.download_dir)
@@ -216,6 +226,8 @@ class DraftModel:
         proposal.threads = threads
         if not self.threads.picked_best:  # a pass on a slower count is not the draft's cost
             proposal.pass_seconds = 0.0
+        if self.tp_group is not None and self.tp_group.world_size > 1:
+            share_proposal(proposal, self.tp_group)
         return proposal
 
     def _propose(self, batch: InputBatch, num_scheduled: np.ndarray,
@@ -369,6 +381,26 @@ class DraftModel:
         if self.vocab is not None:
             choice = self.vocab.token_ids[choice]
         tokens[sub, i] = choice.cpu().numpy()
+
+
+def share_proposal(proposal: DraftProposal, group: CommGroup) -> None:
+    """Overwrite ``proposal``'s draft tokens and ``q`` rows, in place, with group rank 0's
+    (two broadcasts: the tokens as int64, the ``q`` rows as float32, each in request-id
+    order). Every rank must hold the same request ids with as many drafts each and ``q``
+    for the same requests (they follow from the step and the sampling parameters)."""
+    rids = sorted(proposal.token_ids)
+    if not rids:
+        return
+    sizes = [len(proposal.token_ids[r]) for r in rids]
+    flat = [t for r in rids for t in proposal.token_ids[r]]
+    tokens = group.broadcast(torch.tensor(flat, dtype=torch.int64, device=group.device))
+    for rid, part in zip(rids, tokens.cpu().split(sizes)):
+        proposal.token_ids[rid] = part.tolist()
+    sampled = sorted(proposal.probs)
+    if sampled:
+        q = group.broadcast(torch.cat([proposal.probs[r] for r in sampled]).contiguous())
+        for rid, part in zip(sampled, q.split([len(proposal.probs[r]) for r in sampled])):
+            proposal.probs[rid] = part
 
 
 def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:

@@ -113,7 +113,8 @@ class ModelRunner:
         """
         self._init_model(self.source, self.hf_config)
         self.drafter = make_draft_model(self.config, self.platform, self.source,
-                                        self.hf_config, self.dtype, self.device)
+                                        self.hf_config, self.dtype, self.device,
+                                        self.parallel.tp)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         mc = self.config.model_config

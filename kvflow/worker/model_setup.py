@@ -11,6 +11,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.distributed.comm import CommGroup
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.models.generation_config import load_eos_token_ids
@@ -104,12 +105,13 @@ def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: An
 
 
 def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSource,
-                     hf_config: Any, dtype: torch.dtype,
-                     device: torch.device) -> DraftModel | None:
+                     hf_config: Any, dtype: torch.dtype, device: torch.device,
+                     tp_group: CommGroup | None = None) -> DraftModel | None:
     """The speculative-decoding draft model (``method: draft_model``), else None; it runs on
     the target's attention backend and GEMM path. ``source`` / ``hf_config``: the target's;
     its declared EOS ids (``load_eos_token_ids``, the ids the front end makes every request
-    stop on) stay in a draft LM head cut to frequent tokens."""
+    stop on) stay in a draft LM head cut to frequent tokens. ``tp_group``: the target's
+    tensor-parallel group (each rank holds the whole draft; TP rank 0's proposal is used)."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
@@ -118,7 +120,7 @@ def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSour
         make_attention_backend(name, device=device,
                                cpu_attention=config.device_config.cpu_attention)
     drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size,
-                         load_eos_token_ids(source, hf_config))
+                         load_eos_token_ids(source, hf_config), tp_group)
     # unpacked, a bf16 draft cost more than it saved
     choose_gemm_path(drafter.model, config, platform, device, dtype)
     return drafter

@@ -246,6 +246,69 @@ def test_split_steps_count_in_the_worker_step_statistics(self_drafts, monkeypatc
     assert after["step_s"] - before["step_s"] >= after["forward_s"] - before["forward_s"] > 0
 
 
+def test_tensor_parallel_split_steps_equal_plain_decoding(tiny_llama, plain, self_draft,
+                                                          monkeypatch, assert_no_leaks):
+    """TP=2 (mp, gloo): every rank holds the whole draft and both verify TP rank 0's
+    proposal. Greedy constrained and free requests in one batch give plain decoding's
+    tokens and logprobs; seeded sampled constrained requests give the one-rank self-draft's
+    tokens (its draws, with ``q`` broadcast from rank 0); both ranks count every engine step
+    in ``step_stats``."""
+    tp = _engine(tiny_llama.path, tiny_llama.path, tensor_parallel_size=2)
+    try:
+        core, steps = tp.engine.core, []
+        real = core.scheduler.update_from_output
+        monkeypatch.setattr(core.scheduler, "update_from_output",
+                            lambda *a, **k: steps.append(1) or real(*a, **k))
+        regex = StructuredOutputsParams(regex=REGEX)
+        greedy = [SamplingParams(temperature=0, max_tokens=30, logprobs=2, ignore_eos=i == 1,
+                                 structured_outputs=None if i == 1 else regex)
+                  for i in range(3)]
+        ref, got = _generate(plain, greedy, PROMPTS[:3]), _generate(tp, greedy, PROMPTS[:3])
+        _same_outputs(ref, got)
+        for r, g in zip(ref, got):
+            for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+                assert lr.keys() == lg.keys()
+                for t in lr:
+                    assert lg[t].logprob == pytest.approx(lr[t].logprob, abs=1e-4)
+        assert all(_drafted([o])[0] > 0 for o in got)
+        assert [s["steps"] for s in core.executor.collective_rpc("step_stats")] == \
+            [len(steps)] * 2
+        sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=24,
+                                  structured_outputs=regex) for s in range(3)]
+        one_rank = _generate(self_draft, sampled, PROMPTS[:3])
+        two_ranks = _generate(tp, sampled, PROMPTS[:3])
+        assert [o.outputs[0].token_ids for o in two_ranks] == \
+            [o.outputs[0].token_ids for o in one_rank]
+        assert _drafted(two_ranks)[0] > 0
+        assert_no_leaks(tp)
+    finally:
+        tp.engine.core.executor.shutdown()
+
+
+def test_share_proposal_takes_rank_zeros_tokens_and_q():
+    """``share_proposal`` rebuilds the proposal from what the group broadcasts (rank 0's
+    tokens, then its ``q`` rows, each in request-id order), whatever this rank proposed."""
+    from kvflow.spec_decode.draft_model import DraftProposal, share_proposal
+
+    q0 = {"b": torch.rand(2, 5), "c": torch.rand(1, 5)}
+    rank0 = [torch.tensor([7, 8, 9, 3, 4, 5]), torch.cat([q0["b"], q0["c"]])]
+
+    class FakeGroup:  # its broadcast hands back rank 0's tensors, in call order
+        world_size, device = 2, torch.device("cpu")
+
+        def broadcast(self, x):
+            x.copy_(rank0.pop(0))
+            return x
+
+    mine = DraftProposal({"c": [1], "a": [2, 2, 2], "b": [6, 6]},
+                         {"b": torch.zeros(2, 5), "c": torch.zeros(1, 5)}, 0.1)
+    share_proposal(mine, FakeGroup())
+    assert mine.token_ids == {"a": [7, 8, 9], "b": [3, 4], "c": [5]}
+    torch.testing.assert_close(mine.probs["b"], q0["b"])
+    torch.testing.assert_close(mine.probs["c"], q0["c"])
+    assert rank0 == []
+
+
 def test_mp_split_step_that_fails_is_discarded_and_the_engine_recovers(
         plain, mp_self_draft, monkeypatch, assert_no_leaks):
     """Under mp, a failure between the proposal and the verification (the workers launched
