@@ -23,9 +23,9 @@ target's forward pass, the engine core reads the proposed drafts and fills the b
 after each of them (``StructuredOutputManager.grammar_bitmask``: rows after a draft the grammar
 rejects allow nothing, and the rejection sampler rejects that draft, as the target's masked
 ``p`` gives it zero probability), then the runner samples. Only an executor that splits steps
-(the in-process one: ``Executor.supports_async_scheduling``) can do that; under another one
-(``distributed_executor_backend`` mp or ray with one rank) a draft model does not speculate
-constrained requests (``constrained_draft_model`` False).
+(``Executor.splits_draft_steps``: the in-process one and mp, whose workers take the two halves
+as two messages) can do that; under ray a draft model does not speculate constrained requests
+(``constrained_draft_model`` False).
 """
 
 from __future__ import annotations
