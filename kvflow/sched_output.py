@@ -29,6 +29,7 @@ that carries a tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -180,3 +181,10 @@ class GrammarBitmask:
 
     request_ids: list[str]
     bitmask: torch.Tensor
+
+
+# A draft model's grammar rows for its next draft (drafts 2..k of constrained requests): given
+# each constrained drafting request's drafts so far (request id -> tokens), one row per
+# request, what its grammar allows after its tokens and those drafts (nothing after a draft
+# it rejects); None when there is none. The engine core answers it (the grammar lives there).
+DraftGrammar = Callable[[dict[str, list[int]]], "GrammarBitmask | None"]

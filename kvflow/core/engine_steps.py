@@ -8,6 +8,7 @@ scheduler, the executor and the state they read and change).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -44,19 +45,22 @@ def execute_with_grammar(core: EngineCore, sched: SchedulerOutput) -> ModelRunne
     """Run one step with its grammar bitmask. The bitmask rows of a constrained request that
     verifies drafts follow its drafts; a draft model's drafts (``-1`` placeholders in
     ``sched``) are known only once the runner proposed them, so such a step is split: the
-    runner proposes (draft 1 within the grammar's current row) and launches the target's
-    forward pass, the rows are filled after the proposed drafts (while the forward pass runs
-    on a GPU), then the runner samples (``Executor.proposed_drafts``; the speculator drafts
-    so only where ``Executor.splits_draft_steps``: the uni and mp executors)."""
+    runner proposes, each draft within the grammar's row after the drafts before it (draft 1
+    within the current row, handed over with the step; the later rows asked of the core,
+    ``StructuredOutputManager.draft_rows``), and launches the target's forward pass; the
+    verification rows are filled after the proposed drafts (while the forward pass runs on a
+    GPU), then the runner samples (``Executor.proposed_drafts``; the speculator drafts so only
+    where ``Executor.splits_draft_steps``: the uni and mp executors)."""
     drafts, constrained = sched.scheduled_spec_decode_tokens, sched.structured_output_request_ids
     so, requests, executor = core.structured_output, core.scheduler.requests, core.executor
     if not any(-1 in drafts.get(rid, ()) for rid in constrained):
         return executor.execute_model(sched, so.grammar_bitmask(constrained, requests, drafts))
     # draft 1 is chosen within the grammar's current row (a copy: the buffer is refilled)
     first = so.grammar_bitmask(constrained, requests)
-    executor.launch_forward(sched, first and GrammarBitmask(first.request_ids,
-                                                            first.bitmask.clone()))
     try:
+        executor.launch_forward(sched, first and GrammarBitmask(first.request_ids,
+                                                                first.bitmask.clone()),
+                                functools.partial(so.draft_rows, requests))
         proposed = {**drafts, **executor.proposed_drafts()}
         executor.launch_sampling(so.grammar_bitmask(constrained, requests, proposed))
         return executor.collect_output()

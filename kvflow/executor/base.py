@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +156,14 @@ class Executor(ABC):
         return self.execute_model_async(sched, grammar_bitmask).result()
 
     def launch_forward(self, sched: SchedulerOutput,
-                       first_grammar: GrammarBitmask | None = None) -> None:
+                       first_grammar: GrammarBitmask | None = None,
+                       draft_grammar: DraftGrammar | None = None) -> None:
         """Async scheduling (and a split draft-model step): apply the step and launch its
         forward pass (not waited for); ``first_grammar``: constrained requests' grammar rows
-        before their first draft (a draft model chooses draft 1 within them), or None.
+        before their first draft (a draft model chooses draft 1 within them), or None;
+        ``draft_grammar``: the rows of their later drafts, asked for while the draft model
+        proposes (an executor with worker processes answers their requests for them in
+        ``proposed_drafts``), or None.
 
         Raises:
             NotImplementedError: where neither ``supports_async_scheduling`` nor

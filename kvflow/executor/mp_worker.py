@@ -8,9 +8,11 @@ from the executor's broadcast socket in order:
 
 * ``step``: a msgspec-encoded ``(SchedulerOutput, GrammarBitmask | None)``; the driver rank
   replies with the runner's result, the others stay silent;
-* ``propose``: a split step's first part (a draft model's constrained requests), encoded as
-  ``step`` is (the bitmask: the grammar rows before draft 1): the Worker launches it and the
-  driver rank replies ``drafts`` with the proposed draft tokens;
+* ``propose``: a split step's first part (a draft model's constrained requests): the step,
+  the grammar rows before draft 1 and whether to ask for later drafts' rows; the Worker
+  launches it (the driver asking ``rows?`` with the drafts so far before each later draft,
+  every rank reading the engine's ``rows`` answer, or ``discard``, from the broadcast) and
+  the driver rank replies ``drafts`` with the proposed draft tokens;
 * ``verify``: the split step's msgspec-encoded ``GrammarBitmask | None``: the Worker samples
   and collects; the driver rank replies ``step`` with the result;
 * ``discard``: drop a launched split step that will not be verified (no reply);
@@ -42,6 +44,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.executor.heartbeat import HeartbeatSender
 from kvflow.executor.step_codec import StepCodec
+from kvflow.sched_output import GrammarBitmask
 from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,10 @@ def _watch_parent(death_fd: int) -> None:
     except OSError:
         pass
     os._exit(1)
+
+
+class StepDiscarded(Exception):
+    """The engine dropped the split step whose draft was waiting for grammar rows."""
 
 
 class WorkerProc:
@@ -124,20 +131,42 @@ class WorkerProc:
         if kind == b"rpc":
             method, args = pickle.loads(payload)
             self.reply(b"rpc", pickle.dumps(getattr(worker, method)(*args)))
-        elif kind in (b"step", b"propose"):
+        elif kind == b"step":
             self.stepped = True
-            sched, bitmask = self.codec.decode_step(payload)
-            if kind == b"step":
-                self._reply_driver(b"step", worker.execute_model(sched, bitmask))
-            else:
-                worker.launch_forward(sched, bitmask)
-                self._reply_driver(b"drafts", worker.proposed_drafts())
+            self._reply_driver(b"step", worker.execute_model(*self.codec.decode_step(payload)))
+        elif kind == b"propose":
+            self.stepped = True
+            sched, first_grammar, asks_rows = self.codec.decode_propose(payload)
+            try:
+                worker.launch_forward(sched, first_grammar,
+                                      self._draft_rows if asks_rows else None)
+                drafts = worker.proposed_drafts()
+            except StepDiscarded:  # the engine gave the step up while the draft proposed
+                worker.discard_output()
+                drafts = {}  # still one reply per propose: the engine counts them
+            self._reply_driver(b"drafts", drafts)
         elif kind == b"verify":
             worker.launch_sampling(self.codec.decode_bitmask(payload))
             self._reply_driver(b"step", worker.collect_output())
         elif kind == b"discard":
             worker.discard_output()
         return kind != b"stop"
+
+    def _draft_rows(self, drafts: dict[str, list[int]]) -> GrammarBitmask | None:
+        """``DraftGrammar`` in a worker: the driver asks the engine (``rows?``), every rank
+        reads the answer (``rows``) from the broadcast.
+
+        Raises:
+            StepDiscarded: if the engine sent ``discard`` instead (it gave the step up).
+        """
+        if self.worker.is_driver:
+            self.reply(b"rows?", self.codec.encode(drafts))
+        kind, payload = self.sub.recv_multipart()
+        if kind == b"discard":
+            raise StepDiscarded
+        if kind != b"rows":
+            raise RuntimeError(f"expected the grammar rows of the next drafts, got {kind!r}")
+        return self.codec.decode_bitmask(payload)
 
     def _reply_driver(self, kind: bytes, value: Any) -> None:
         """Send ``value`` (msgspec-encoded) from the driver rank only."""

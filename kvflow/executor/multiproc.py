@@ -54,7 +54,7 @@ from kvflow.executor.heartbeat import (
 )
 from kvflow.executor.mp_worker import WorkerArgs
 from kvflow.executor.step_codec import StepCodec
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +214,14 @@ class MultiprocExecutor(Executor):
 
     def _read_reply(self) -> None:
         """Read one reply of a step (kept by its sequence number unless it was discarded) or
-        of a split step's proposal (counted, the latest kept); ignore an rpc one."""
+        of a split step's proposal (counted, the latest kept), or answer the driver's request
+        for the grammar rows of its next drafts (``rows``, to every rank); ignore an rpc
+        reply."""
         kind, _, payload = self._recv()
-        if kind == b"step":
+        if kind == b"rows?":
+            rows = self._split.draft_grammar(self.codec.decode_drafts(payload))
+            self._publish(b"rows", self.codec.encode(rows))
+        elif kind == b"step":
             if self._received not in self._split.dropped:
                 self._results[self._received] = self.codec.decode_result(payload)
             self._split.dropped.discard(self._received)
@@ -227,10 +232,14 @@ class MultiprocExecutor(Executor):
 
     # ---- a split step (a draft model's constrained requests: engine_steps) ----------------------
     def launch_forward(self, sched: SchedulerOutput,
-                       first_grammar: GrammarBitmask | None = None) -> None:
-        """Every rank launches the step (``propose``); the driver sends its drafts back."""
-        self._publish(b"propose", self.codec.encode((sched, first_grammar)))
-        self._split.launched()
+                       first_grammar: GrammarBitmask | None = None,
+                       draft_grammar: DraftGrammar | None = None) -> None:
+        """Every rank launches the step (``propose``); the driver asks for the grammar rows of
+        later drafts (answered from ``draft_grammar`` while ``proposed_drafts`` waits), then
+        sends its drafts back."""
+        self._publish(b"propose", self.codec.encode((sched, first_grammar,
+                                                      draft_grammar is not None)))
+        self._split.launched(draft_grammar)
 
     def proposed_drafts(self) -> dict[str, list[int]]:
         """The driver rank's proposal for the step launched last (waits for it)."""
@@ -370,12 +379,13 @@ class SplitStep:
     drafts_sent: int = 0
     drafts_received: int = 0
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    draft_grammar: DraftGrammar | None = None  # answers the driver's ``rows?``
     verifying: int | None = None
     dropped: set[int] = field(default_factory=set)
 
-    def launched(self) -> None:
+    def launched(self, draft_grammar: DraftGrammar | None) -> None:
         self.drafts_sent += 1
-        self.drafts, self.verifying = {}, None
+        self.drafts, self.verifying, self.draft_grammar = {}, None, draft_grammar
 
 
 def _wait_or_kill(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -3,8 +3,9 @@
 A step message is ``(SchedulerOutput, GrammarBitmask | None)``, encoded once per step and sent
 to every rank; the reply is whatever ``ModelRunner.execute_model`` returns (decoded by its
 return annotation, so the codec follows the runner's output type without naming it). A split
-step (a draft model's constrained requests) sends the same step message first, gets the
-proposed drafts back (``dict[str, list[int]]``), then sends the grammar bitmask alone. Both are
+step (a draft model's constrained requests) sends the step message with a flag first, may
+answer requests for grammar rows (drafts so far in, a bitmask out), gets the proposed drafts
+back (``dict[str, list[int]]``), then sends the grammar bitmask alone. Both are
 plain dataclasses of lists, dicts and numbers; the only tensor, a grammar bitmask, travels as
 ``(dtype name, shape, raw bytes)``.
 """
@@ -22,6 +23,9 @@ from kvflow.worker.model_runner import ModelRunner
 
 StepMessage = tuple[SchedulerOutput, typing.Optional[GrammarBitmask]]  # noqa: UP045
 BitmaskMessage = typing.Optional[GrammarBitmask]  # noqa: UP045
+# a split step's first message: the step, the grammar rows before draft 1, and whether the
+# driver asks for the rows of later drafts
+ProposeMessage = tuple[SchedulerOutput, typing.Optional[GrammarBitmask], bool]  # noqa: UP045
 Drafts = dict[str, list[int]]
 
 
@@ -53,6 +57,7 @@ class StepCodec:
         self._step_decoder = msgspec.msgpack.Decoder(StepMessage, dec_hook=_dec_hook)
         self._result_decoder = msgspec.msgpack.Decoder(result_type, dec_hook=_dec_hook)
         self._bitmask_decoder = msgspec.msgpack.Decoder(BitmaskMessage, dec_hook=_dec_hook)
+        self._propose_decoder = msgspec.msgpack.Decoder(ProposeMessage, dec_hook=_dec_hook)
         self._drafts_decoder = msgspec.msgpack.Decoder(Drafts)
 
     def encode(self, obj: Any) -> bytes:
@@ -68,11 +73,16 @@ class StepCodec:
         return self._result_decoder.decode(data)
 
     def decode_bitmask(self, data: bytes) -> GrammarBitmask | None:
-        """A split step's grammar bitmask (``verify``). Raises msgspec.DecodeError for
-        other bytes."""
+        """A split step's grammar bitmask (``verify``, ``rows``). Raises msgspec.DecodeError
+        for other bytes."""
         return self._bitmask_decoder.decode(data)
 
+    def decode_propose(self, data: bytes
+                       ) -> tuple[SchedulerOutput, GrammarBitmask | None, bool]:
+        """A split step's ``propose`` message. Raises msgspec.DecodeError for other bytes."""
+        return self._propose_decoder.decode(data)
+
     def decode_drafts(self, data: bytes) -> dict[str, list[int]]:
-        """A split step's proposed drafts, request id -> draft tokens. Raises
-        msgspec.DecodeError for other bytes."""
+        """A split step's proposed drafts or drafts so far (``rows?``), request id -> draft
+        tokens. Raises msgspec.DecodeError for other bytes."""
         return self._drafts_decoder.decode(data)

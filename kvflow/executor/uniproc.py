@@ -6,7 +6,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.executor.base import Executor, StepFuture
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.worker.worker import Worker
 
 
@@ -49,8 +49,9 @@ class UniprocExecutor(Executor):
         return self.worker.execute_model(sched, grammar_bitmask)
 
     def launch_forward(self, sched: SchedulerOutput,
-                       first_grammar: GrammarBitmask | None = None) -> None:
-        self.worker.launch_forward(sched, first_grammar)
+                       first_grammar: GrammarBitmask | None = None,
+                       draft_grammar: DraftGrammar | None = None) -> None:
+        self.worker.launch_forward(sched, first_grammar, draft_grammar)
 
     def proposed_drafts(self) -> dict[str, list[int]]:
         return self.worker.proposed_drafts()

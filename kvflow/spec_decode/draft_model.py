@@ -36,8 +36,11 @@ likely to be accepted (a draft outside ``p``'s top-k has ``p = 0`` and is always
 Constrained requests (structured output): the grammar lives in the engine core, which hands the
 step its first grammar row per constrained request (what may follow the request's tokens); draft
 1 is chosen within it (argmax or ``q`` over the allowed tokens), so it is never one the grammar
-rejects. Drafts 2..k are proposed unmasked (the grammar's state after draft 1 is not known
-here); the core fills the verification's rows after them (``core/engine_steps.py``).
+rejects. Before each later draft ``i`` the draft asks the core (``DraftGrammar``: a call in
+process, a ``rows?`` / ``rows`` message pair with a worker process) for the rows after drafts
+``1..i-1`` and chooses draft ``i`` within them, so a draft is a token the grammar accepts after
+the drafts before it (but where a cut vocabulary holds no allowed token, or after the
+grammar's end); the core fills the verification's rows after them (``core/engine_steps.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
-from kvflow.sched_output import GrammarBitmask
+from kvflow.sched_output import DraftGrammar, GrammarBitmask
 from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.spec_decode.draft_vocab import DraftVocab
 from kvflow.worker.input_batch import InputBatch
@@ -201,7 +204,8 @@ class DraftModel:
                 spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
                 fill_pending: Callable[[ModelInputs], None],
                 generator: torch.Generator,
-                first_grammar: GrammarBitmask | None = None) -> DraftProposal:
+                first_grammar: GrammarBitmask | None = None,
+                draft_grammar: DraftGrammar | None = None) -> DraftProposal:
         """Run the mirror pass of the drafting requests, then propose their tokens (module
         docstring).
 
@@ -217,11 +221,14 @@ class DraftModel:
             generator: for unseeded sampled requests.
             first_grammar: one bitmask row per constrained request (its grammar's row before
                 draft 1, which is chosen within it), or None.
+            draft_grammar: asked, before each later draft ``i``, for the rows after the
+                constrained requests' drafts ``1..i-1`` (draft ``i`` is chosen within them),
+                or None (the later drafts unmasked). Called as often on every TP rank.
         """
         threads = self.threads.pick()
         with self.threads.running(threads):
             proposal = self._propose(batch, num_scheduled, spec_tokens, block_size, stager,
-                                     fill_pending, generator, first_grammar)
+                                     fill_pending, generator, first_grammar, draft_grammar)
         self.threads.observe(proposal.pass_seconds)
         proposal.threads = threads
         if not self.threads.picked_best:  # a pass on a slower count is not the draft's cost
@@ -233,7 +240,8 @@ class DraftModel:
     def _propose(self, batch: InputBatch, num_scheduled: np.ndarray,
                  spec_tokens: dict[str, list[int]], block_size: int, stager: InputStager,
                  fill_pending: Callable[[ModelInputs], None], generator: torch.Generator,
-                 first_grammar: GrammarBitmask | None) -> DraftProposal:
+                 first_grammar: GrammarBitmask | None,
+                 draft_grammar: DraftGrammar | None) -> DraftProposal:
         started = time.perf_counter()
         n = batch.num_reqs
         num_drafts = np.zeros(n, np.int64)
@@ -249,10 +257,14 @@ class DraftModel:
                               [batch.stop_ids.get(batch.req_ids[r], ()) for r in drafting])
         steady = self._mirror(batch, num_scheduled - num_drafts, drafting, block_size, stager,
                               fill_pending, generator, tokens, probs, first_grammar)
+        constrained = set(first_grammar.request_ids) \
+            if first_grammar is not None and draft_grammar is not None else set()
         for i in range(1, tokens.shape[1]):
             passed = time.perf_counter()
+            grammar = _later_rows(batch, drafting, num_drafts, tokens, i, constrained,
+                                  draft_grammar)
             self._next_draft(batch, num_drafts, drafting, i, block_size, stager, generator,
-                             tokens, probs)
+                             tokens, probs, grammar)
             steady.append(time.perf_counter() - passed)
         proposal = DraftProposal({}, {}, 0.0)
         for j, row in enumerate(drafting.tolist()):
@@ -291,15 +303,16 @@ class DraftModel:
             left -= query
             sub = np.searchsorted(drafting, done)
             if first_grammar is not None:
-                self._mask_first_drafts(batch, done, logits, first_grammar)
+                self._mask_drafts(batch, done, logits, first_grammar)
             self._choose(batch, done, logits, 0, tokens, probs, generator, sub)
         batch.num_draft_computed[drafting] = end[drafting]
         return [time.perf_counter() - passed] if steady else []
 
-    def _mask_first_drafts(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor,
-                           grammar: GrammarBitmask) -> None:
+    def _mask_drafts(self, batch: InputBatch, rows: np.ndarray, logits: torch.Tensor,
+                     grammar: GrammarBitmask) -> None:
         """Set to -inf, in place, the logits (float32 [len(rows), columns], rows ``rows``) of
-        the tokens a constrained row's grammar forbids as its next token. A row whose draft
+        the tokens a constrained row's grammar forbids as its next draft (``grammar``: one
+        row per constrained request; other rows are left alone). A row whose draft
         columns (a cut vocabulary) hold no allowed token is left as it is (its draft is
         then rejected by the masked target)."""
         grammar_row = {rid: i for i, rid in enumerate(grammar.request_ids)}
@@ -320,9 +333,11 @@ class DraftModel:
     def _next_draft(self, batch: InputBatch, num_drafts: np.ndarray, drafting: np.ndarray,
                     i: int, block_size: int, stager: InputStager,
                     generator: torch.Generator, tokens: np.ndarray,
-                    probs: list[list[torch.Tensor]]) -> None:
+                    probs: list[list[torch.Tensor]],
+                    grammar: GrammarBitmask | None = None) -> None:
         """Draft ``i`` (0-based) of the rows drafting more than ``i`` tokens: one token each,
-        draft ``i - 1`` at position ``num_tokens + i - 1``."""
+        draft ``i - 1`` at position ``num_tokens + i - 1``; a constrained row's within its
+        row of ``grammar`` (what its grammar allows after drafts ``0..i-1``)."""
         n = batch.num_reqs
         rows = drafting[num_drafts[drafting] > i]
         sub = np.flatnonzero(num_drafts[drafting] > i)
@@ -335,6 +350,8 @@ class DraftModel:
         computed[rows] = position
         logits = self.run_pass(batch, query, computed, block_size, stager, None, rows)
         batch.num_draft_computed[rows] = position + 1
+        if grammar is not None:
+            self._mask_drafts(batch, rows, logits, grammar)
         self._choose(batch, rows, logits, i, tokens, probs, generator, sub)
 
     def run_pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
@@ -381,6 +398,17 @@ class DraftModel:
         if self.vocab is not None:
             choice = self.vocab.token_ids[choice]
         tokens[sub, i] = choice.cpu().numpy()
+
+
+def _later_rows(batch: InputBatch, drafting: np.ndarray, num_drafts: np.ndarray,
+                tokens: np.ndarray, i: int, constrained: set[str],
+                draft_grammar: DraftGrammar | None) -> GrammarBitmask | None:
+    """Draft ``i``'s (0-based) grammar rows: ``draft_grammar`` asked with the drafts so far
+    (``tokens[j, :i]``) of the ``constrained`` rows drafting more than ``i`` tokens; None
+    when there is none (the same on every TP rank: the counts come from the step)."""
+    prefixes = {batch.req_ids[r]: tokens[j, :i].tolist() for j, r in enumerate(drafting.tolist())
+                if num_drafts[r] > i and batch.req_ids[r] in constrained}
+    return draft_grammar(prefixes) if prefixes else None
 
 
 def share_proposal(proposal: DraftProposal, group: CommGroup) -> None:

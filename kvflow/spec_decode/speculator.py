@@ -17,8 +17,8 @@ verified position masked by the grammar, so the output distribution (and logprob
 those of non-speculative constrained decoding. Their n-gram drafts are cut here at the first
 token the grammar rejects (the matcher accepts them one by one and is rolled back). A draft
 model proposes inside the runner, at the start of the step, where the grammar is not known: the
-step loop then splits the step (``core/engine_steps.py``): the runner proposes (draft 1 within
-the grammar's current row, which the core hands it; drafts 2..k unmasked) and runs the
+step loop then splits the step (``core/engine_steps.py``): the runner proposes (each draft within
+the grammar's row after the drafts before it, which the core hands it or answers) and runs the
 target's forward pass, the engine core reads the proposed drafts and fills the bitmask rows
 after each of them (``StructuredOutputManager.grammar_bitmask``: rows after a draft the grammar
 rejects allow nothing, and the rejection sampler rejects that draft, as the target's masked

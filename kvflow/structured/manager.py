@@ -326,6 +326,19 @@ class StructuredOutputManager:
             row += len(tokens) + 1
         return GrammarBitmask(row_ids, self._bitmask[:num_rows])
 
+    def draft_rows(self, requests: dict[str, Request], drafts: dict[str, list[int]]
+                   ) -> GrammarBitmask | None:
+        """A draft model's next draft's grammar rows (``sched_output.DraftGrammar``): per
+        request of ``drafts``, the row after its tokens and its drafts so far (nothing after a
+        draft its grammar rejects); a copy, not the step's buffer. None without such a
+        request."""
+        full = self.grammar_bitmask(list(drafts), requests, drafts)
+        if full is None:
+            return None
+        ids = full.request_ids
+        last = [i for i, rid in enumerate(ids) if i + 1 == len(ids) or ids[i + 1] != rid]
+        return GrammarBitmask([ids[i] for i in last], full.bitmask[last])
+
     def _fill_rows(self, matcher: StructuredOutputGrammar | None, drafts: list[int],
                    row: int) -> None:
         """Rows ``row .. row + len(drafts)``: what may follow each prefix of ``drafts``

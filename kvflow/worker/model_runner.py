@@ -37,7 +37,7 @@ from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sampling_params import SamplingParams
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_timing import time_draft_passes
 from kvflow.worker.cpu_setup import configure_runner_threads
 from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
@@ -308,13 +308,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_forward(self, sched: SchedulerOutput,
-                       first_grammar: GrammarBitmask | None = None) -> None:
+                       first_grammar: GrammarBitmask | None = None,
+                       draft_grammar: DraftGrammar | None = None) -> None:
         """Apply the step's changes to the input batch, build the inputs and run the forward
         pass up to the logits of the rows that sample (on CUDA: queued, not waited for).
         Tokens sampled by the previous step and not yet collected are read on the device.
         Draft tokens to verify (speculative decoding) are placed after their requests' tokens
         first (``worker/step_drafts.py``); ``first_grammar``: constrained requests' grammar
-        rows before their first draft (a draft model chooses draft 1 within them), or None.
+        rows before their first draft (a draft model chooses draft 1 within them), or None;
+        ``draft_grammar``: the engine core's rows for their later drafts, or None.
         """
         if self.host_kv is not None:  # swap preemption: before this step writes any K/V
             self.host_kv.swap_out(sched.blocks_to_swap_out)
@@ -329,7 +331,8 @@ class ModelRunner:
         with self.caller_pin:  # draft and target forward, on the pinned model thread
             inputs, spec_tokens, proposal = draft_and_build_inputs(
                 sched, self.input_batch, self.drafter, self.block_size, self.stager,
-                self._pending, self.sampler.generator, self.long_prompt_rope, first_grammar)
+                self._pending, self.sampler.generator, self.long_prompt_rope, first_grammar,
+                draft_grammar)
             if proposal is not None:
                 self._proposed = proposal.token_ids
             hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp),

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from kvflow.layers.rotary import LongPromptRope
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.spec_decode.draft_model import DraftModel, DraftProposal
 from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.input_batch import InputBatch
@@ -22,7 +22,8 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
                            block_size: int, stager: InputStager, pending: PendingOutput | None,
                            generator: torch.Generator,
                            long_prompt_rope: LongPromptRope | None = None,
-                           first_grammar: GrammarBitmask | None = None
+                           first_grammar: GrammarBitmask | None = None,
+                           draft_grammar: DraftGrammar | None = None
                            ) -> tuple[ModelInputs, dict[str, list[int]], DraftProposal | None]:
     """The step's model inputs, with the draft tokens to verify placed after their requests'
     tokens: the scheduled ones, or ``drafter``'s proposal for the drafting rows
@@ -40,6 +41,7 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
         long_prompt_rope: LongRoPE's long-prompt rows (``layers.rotary.long_prompt_rope``).
         first_grammar: constrained requests' grammar rows before their first draft (the draft
             model chooses draft 1 within them), or None.
+        draft_grammar: the engine core's grammar rows for their later drafts, or None.
 
     Returns:
         (inputs, draft token ids by request id, the proposal or None).
@@ -50,7 +52,7 @@ def draft_and_build_inputs(sched: SchedulerOutput, batch: InputBatch, drafter: D
     proposal = None
     if drafter is not None and spec_tokens:
         proposal = drafter.propose(batch, num_scheduled, spec_tokens, block_size, stager, fill,
-                                   generator, first_grammar)
+                                   generator, first_grammar, draft_grammar)
         spec_tokens = proposal.token_ids
     if spec_tokens:
         place_drafts(batch, spec_tokens)

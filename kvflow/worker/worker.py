@@ -28,7 +28,7 @@ from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSp
 from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
 from kvflow.platforms import get_platform
-from kvflow.sched_output import GrammarBitmask, SchedulerOutput
+from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.sleep_mode import RunnerSleep, check_wake_tags, kv_tensor_bytes
 
@@ -211,11 +211,12 @@ class Worker:
         return self.collect_output()
 
     def launch_forward(self, sched: SchedulerOutput,
-                       first_grammar: GrammarBitmask | None = None) -> None:
+                       first_grammar: GrammarBitmask | None = None,
+                       draft_grammar: DraftGrammar | None = None) -> None:
         """A split step's first part (:meth:`ModelRunner.launch_forward`: the draft model's
         proposal, then the target's forward pass); counts as one step in ``step_stats``."""
         with self._timed():
-            self.runner.launch_forward(sched, first_grammar)
+            self.runner.launch_forward(sched, first_grammar, draft_grammar)
         self.num_steps += 1
 
     def proposed_drafts(self) -> dict[str, list[int]]:
