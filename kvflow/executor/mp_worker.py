@@ -96,6 +96,7 @@ class WorkerProc:
         self.push.connect(args.results_addr)
         self.worker: Worker | None = None
         self.stepped = False  # a step message has arrived (the engine is set up)
+        self.proposes = 0  # propose messages so far (a rows? request names its propose)
         self.args = args
         self.heartbeat = HeartbeatSender(rank, args.heartbeat_addr, args.heartbeat_interval_s)
 
@@ -135,7 +136,7 @@ class WorkerProc:
             self.stepped = True
             self._reply_driver(b"step", worker.execute_model(*self.codec.decode_step(payload)))
         elif kind == b"propose":
-            self.stepped = True
+            self.stepped, self.proposes = True, self.proposes + 1
             sched, first_grammar, asks_rows = self.codec.decode_propose(payload)
             try:
                 worker.launch_forward(sched, first_grammar,
@@ -160,7 +161,7 @@ class WorkerProc:
             StepDiscarded: if the engine sent ``discard`` instead (it gave the step up).
         """
         if self.worker.is_driver:
-            self.reply(b"rows?", self.codec.encode(drafts))
+            self.reply(b"rows?", self.codec.encode((self.proposes, drafts)))
         kind, payload = self.sub.recv_multipart()
         if kind == b"discard":
             raise StepDiscarded

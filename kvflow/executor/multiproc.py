@@ -219,8 +219,9 @@ class MultiprocExecutor(Executor):
         reply."""
         kind, _, payload = self._recv()
         if kind == b"rows?":
-            rows = self._split.draft_grammar(self.codec.decode_drafts(payload))
-            self._publish(b"rows", self.codec.encode(rows))
+            propose, drafts = self.codec.decode_rows_request(payload)
+            if propose == self._split.drafts_sent:  # else a step given up: nobody waits
+                self._publish(b"rows", self.codec.encode(self._split.draft_grammar(drafts)))
         elif kind == b"step":
             if self._received not in self._split.dropped:
                 self._results[self._received] = self.codec.decode_result(payload)

@@ -27,6 +27,7 @@ BitmaskMessage = typing.Optional[GrammarBitmask]  # noqa: UP045
 # driver asks for the rows of later drafts
 ProposeMessage = tuple[SchedulerOutput, typing.Optional[GrammarBitmask], bool]  # noqa: UP045
 Drafts = dict[str, list[int]]
+RowsRequest = tuple[int, Drafts]  # (the propose it is for, counted from 1; drafts so far)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -59,6 +60,7 @@ class StepCodec:
         self._bitmask_decoder = msgspec.msgpack.Decoder(BitmaskMessage, dec_hook=_dec_hook)
         self._propose_decoder = msgspec.msgpack.Decoder(ProposeMessage, dec_hook=_dec_hook)
         self._drafts_decoder = msgspec.msgpack.Decoder(Drafts)
+        self._rows_request_decoder = msgspec.msgpack.Decoder(RowsRequest)
 
     def encode(self, obj: Any) -> bytes:
         """Encode a step message, a step result, a grammar bitmask or drafts."""
@@ -83,6 +85,11 @@ class StepCodec:
         return self._propose_decoder.decode(data)
 
     def decode_drafts(self, data: bytes) -> dict[str, list[int]]:
-        """A split step's proposed drafts or drafts so far (``rows?``), request id -> draft
-        tokens. Raises msgspec.DecodeError for other bytes."""
+        """A split step's proposed drafts, request id -> draft tokens. Raises
+        msgspec.DecodeError for other bytes."""
         return self._drafts_decoder.decode(data)
+
+    def decode_rows_request(self, data: bytes) -> tuple[int, dict[str, list[int]]]:
+        """A ``rows?`` request: (which ``propose`` it is for, counted from 1; the drafts so
+        far by request id). Raises msgspec.DecodeError for other bytes."""
+        return self._rows_request_decoder.decode(data)
