@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256  # compiled grammars kept (LRU)
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
-               "choice": "choice", "grammar": "grammar"}
+               "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def _first_step_problem(bitmask: torch.Tensor, allowed: list[int] | None,

@@ -11,6 +11,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# the constraint fields other than json_object (a flag), in the order ``kind`` reads them
+_SPEC_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -23,6 +26,11 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF / GBNF grammar whose ``root`` rule the output matches, or a Lark
             grammar (``start`` rule) in the subset ``lark_grammar`` converts.
+        structural_tag: a structural tag (JSON text, as vLLM takes it, or a dict): free text
+            until a trigger, then one of the structures it begins (begin string, a JSON
+            value valid for its schema, end string), then free text again; the legacy
+            ``{"structures": [...], "triggers": [...]}`` spelling or xgrammar's
+            ``{"type": "structural_tag", "format": {...}}`` (``structural_tag.py``).
 
     Raises:
         ValueError: when none or more than one constraint is set, or a field has the wrong
@@ -35,15 +43,16 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        set_fields = [name for name in ("json", "regex", "choice", "grammar")
-                      if getattr(self, name) is not None]
+        set_fields = [name for name in _SPEC_FIELDS if getattr(self, name) is not None]
         if self.json_object:
             set_fields.append("json_object")
         if len(set_fields) != 1:
             raise ValueError("SamplingParams.structured_outputs must set exactly one of json, "
-                             f"json_object, regex, choice, grammar (got {set_fields or 'none'})")
+                             "json_object, regex, choice, grammar, structural_tag (got "
+                             f"{set_fields or 'none'})")
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty list "
@@ -54,11 +63,15 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError("SamplingParams.structured_outputs.json must be a JSON schema "
                              "(a dict or JSON text)")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("SamplingParams.structured_outputs.structural_tag must be a "
+                             "structural tag (a dict or JSON text)")
 
     @property
     def kind(self) -> str:
-        """``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """``json``, ``json_object``, ``regex``, ``choice``, ``grammar`` or
+        ``structural_tag``."""
+        for name in _SPEC_FIELDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -99,9 +112,10 @@ class StructuredOutputsParams:
 
     def _make_key(self) -> tuple[str, str]:
         kind = self.kind
-        if kind == "json":
-            spec = self.json if isinstance(self.json, str) else \
-                json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
+        if kind in ("json", "structural_tag"):
+            value = getattr(self, kind)
+            spec = value if isinstance(value, str) else \
+                json.dumps(value, ensure_ascii=False, separators=(",", ":"))
         elif kind == "choice":
             spec = json.dumps(self.choice, ensure_ascii=False)
         elif kind == "json_object":
@@ -122,7 +136,7 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = set(value) - {"json_object", *_SPEC_FIELDS}
             if unknown:
                 raise ValueError(f"SamplingParams.structured_outputs has unknown field(s) "
                                  f"{sorted(unknown)}")

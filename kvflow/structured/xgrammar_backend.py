@@ -20,6 +20,14 @@ from kvflow.structured.grammar_cycles import unit_cycle_problem
 from kvflow.structured.lark_grammar import lark_to_gbnf, looks_like_lark
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.structured.schema_support import costly_pattern, string_patterns, unenforced_keyword
+from kvflow.structured.structural_tag import (
+    StructuralTagError,
+    check_format,
+    check_legacy,
+    format_schemas,
+    is_legacy,
+    parse,
+)
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _LOCATION_RE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -138,6 +146,69 @@ def json_schema_grammar(spec: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_STRING_CHARS, _JSON_STRING_CHARS))
 
 
+def structural_tag_text(spec: str) -> str:
+    """The structural tag in ``spec`` (JSON text) as xgrammar's ``format`` spelling (JSON
+    text for ``GrammarCompiler.compile_structural_tag``). A legacy tag becomes one
+    ``triggered_tags`` format whose tags hold the grammar of their schemas as
+    :func:`json_schema_grammar` writes it (so a structure's JSON is written as
+    ``response_format`` json_schema's is: compact separators, checked keywords, JSON-only
+    characters in length-limited strings). A ``format`` tag is passed as written (xgrammar's
+    own JSON conversion for its schemas, whitespace as xgrammar allows it), its schemas
+    checked for keywords xgrammar would not enforce and costly patterns.
+
+    Raises:
+        StructuralTagError: naming the field inside the tag (``structures.0.schema``) and
+            why, for a malformed tag or schema; a schema xgrammar cannot convert included.
+    """
+    tag = parse(spec)
+    if not is_legacy(tag):
+        check_format(tag)
+        for path, schema in format_schemas(tag):
+            problem = _schema_problem(schema)
+            if problem is not None:
+                raise StructuralTagError(path, problem)
+        return spec
+    check_legacy(tag)
+    grammars: dict[str, str] = {}  # schema text -> grammar: a schema shared by tags converts once
+    tags = []
+    for i, structure in enumerate(tag["structures"]):
+        text = json.dumps(structure["schema"], ensure_ascii=False)
+        if text not in grammars:
+            try:
+                grammars[text] = str(json_schema_grammar(text))
+            except (RuntimeError, ValueError) as e:
+                raise StructuralTagError(f"structures.{i}.schema", _clean(e)) from None
+        tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
+                     "content": {"type": "grammar", "grammar": grammars[text]}})
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}},
+        ensure_ascii=False)
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """Why kvflow refuses a schema inside a ``format`` structural tag (a keyword xgrammar
+    would not enforce, a costly pattern), or None."""
+    problem = unenforced_keyword(schema)
+    if problem is not None:
+        return (f"{problem} (xgrammar, kvflow's grammar engine, accepts this keyword but does "
+                "not enforce it; leave it out)")
+    return costly_pattern(schema)
+
+
+# xgrammar resolves token names / ids of a ``format`` tag (``token``, ``any_tokens``, ...)
+# only with the tokenizer: ``validate`` has none, the compile checks them.
+_NEEDS_TOKENIZER = "requires tokenizer_info"
+
+
+def _check_structural_tag(spec: str) -> None:
+    text = structural_tag_text(spec)
+    try:
+        xgr.Grammar.from_structural_tag(text)
+    except RuntimeError as e:
+        if _NEEDS_TOKENIZER not in str(e):
+            raise
+
+
 def bad_pattern(schema: Any) -> str | None:
     """Why the first string pattern of ``schema`` (a parsed JSON schema) that xgrammar's
     regex parser refuses is refused, naming the pattern and where it is
@@ -157,7 +228,8 @@ def validate(params: StructuredOutputsParams) -> None:
 
     Raises:
         ValueError: naming the problem in a malformed JSON schema, regex or EBNF grammar,
-            or in a Lark grammar outside the subset ``lark_grammar`` converts.
+            or structural tag (naming the field inside it: ``structures.0.begin``), or in
+            a Lark grammar outside the subset ``lark_grammar`` converts.
     """
     try:
         kind, spec = _grammar_text(params)
@@ -169,12 +241,15 @@ def validate(params: StructuredOutputsParams) -> None:
             json_schema_grammar(spec)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
+        elif kind == "structural_tag":
+            _check_structural_tag(spec)
         elif kind == "grammar":
             problem = unit_cycle_problem(str(xgr.Grammar.from_ebnf(spec)))
             if problem is not None:  # xgrammar's compiler would crash the process
                 raise ValueError(problem)
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
+        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar",
+                "structural_tag": "structural tag"}[kind]
         why = grammar_error(spec, _clean(e)) if params.kind == "grammar" else _clean(e)
         if params.kind == "grammar" and spec != params.grammar:
             why += f" (in the GBNF converted from the Lark grammar: {_shown(spec)})"
@@ -251,6 +326,8 @@ class XgrammarBackend(StructuredOutputBackend):
                                                       strict_mode=False)
         if kind == "regex":
             return self._compiler.compile_regex(spec)
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(structural_tag_text(spec))
         return self._compiler.compile_grammar(spec)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
