@@ -191,8 +191,8 @@ def test_a_value_no_union_member_takes_names_the_members(client, route, body, pa
 
 @pytest.mark.parametrize("body,param,message", [
     ({"structured_outputs": {}}, "structured_outputs",
-     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
-      "(got none)")),
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar, "
+      "structural_tag (got none)")),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice",
      "structured_outputs.choice must be a non-empty list of non-empty strings"),
     ({"guided_choice": [""]}, "guided_choice",
@@ -275,7 +275,8 @@ LONG_KEY = "k" * 65
      "max_tokens: expected an integer, got 'abc'"),
     ({"seed": 1.5}, "seed", "invalid_type", "seed: expected an integer, got 1.5"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value",
-     "response_format.type: expected 'text', 'json_object' or 'json_schema', got 'yaml'"),
+     ("response_format.type: expected 'text', 'json_object', 'json_schema' or "
+      "'structural_tag', got 'yaml'")),
     ({"tools": [{"type": "function", "function": {"name": "get x"}}]},
      "tools.0.function.name", "invalid_value",
      "tools.0.function.name: must match the pattern '^[a-zA-Z0-9_-]+$', got 'get x'"),

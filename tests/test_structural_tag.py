@@ -190,3 +190,47 @@ def test_params_type_and_one_constraint_only():
     params = SamplingParams(structured_outputs={"structural_tag": TAG})
     assert params.structured_outputs.kind == "structural_tag"
     assert json.loads(params.structured_outputs.key[1]) == TAG
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "structural_tag", "structures": TAG["structures"]}, "response_format.triggers"),
+    ({"type": "structural_tag", "triggers": ["e"]}, "response_format.structures"),
+    ({**TAG, "triggers": ["<"]}, "response_format.structures.0.begin"),
+    ({**TAG, "format": {"type": "any_text"}}, "response_format.format"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": DIGIT},
+      "structures": TAG["structures"]}, "response_format.structures"),
+    ({"type": "text", "format": {"type": "any_text"}}, "response_format.format"),
+])
+def test_request_errors_name_the_field(response_format, param):
+    """The server's reading of response_format: each malformed structural tag is refused
+    before anything compiles, naming the field of the request body."""
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.structured_requests import RequestFieldError, request_constraint
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                response_format=response_format)
+    with pytest.raises(RequestFieldError) as info:
+        request_constraint(req)
+    assert info.value.param == param
+
+
+def test_schema_compile_errors_name_the_structure():
+    """A schema that does not compile: the 400 names response_format.structures.N.schema
+    (from the field path in the compile check's error); in structured_outputs' JSON text the
+    param is the text's field and the message holds the inner path."""
+    from kvflow.entrypoints.protocol import ChatCompletionRequest
+    from kvflow.entrypoints.sampling_requests import _params_error
+    from kvflow.entrypoints.structured_requests import request_constraint
+
+    bad = {**TAG, "structures": [TAG["structures"][0],
+                                 {"begin": "e<c>", "schema": {"type": "frob"}, "end": "</c>"}]}
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in [({"response_format": bad}, "response_format.structures.1.schema"),
+                        ({"structured_outputs": {"structural_tag": json.dumps(bad)}},
+                         "structured_outputs.structural_tag")]:
+        req = ChatCompletionRequest(messages=messages, **body)
+        with pytest.raises(ValueError) as info:
+            validate(request_constraint(req))
+        error = _params_error(info.value, req, None)
+        assert (error.param, error.status) == (param, 400), error.param
+        assert "structures.1.schema: Unsupported type \"frob\"" in str(error)

@@ -5,6 +5,8 @@ naming the field."""
 
 from __future__ import annotations
 
+import re
+
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.entrypoints.openai_errors import OpenAIError, invalid_request
 from kvflow.entrypoints.preprocess import INLINE_CHARS, off_loop
@@ -22,6 +24,9 @@ from kvflow.structured import StructuredOutputsParams
 _COPIED_FIELDS = ("n", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
                   "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
                   "bad_words", "truncate_prompt_tokens")
+# a structural tag's error names the field inside the tag first (structural_tag.py)
+_TAG_FIELD = re.compile(r"invalid structural tag in structured_outputs: "
+                        r"((?:structures|triggers|format)(?:\.\w+)*): ")
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "target_ttft_ms",
                     "target_tpot_ms")
@@ -138,10 +143,15 @@ def _params_error(error: ValueError, req: SamplingRequest,
     """The 400 for parameters the engine's processor refused; a constraint that did not
     compile is named, in the message and as ``param``, by the field it came from
     (``guided_regex``, ``structured_outputs.grammar``, ``response_format.json_schema.schema``;
-    ``tools`` for the tool grammar), not the engine's ``structured_outputs``."""
+    ``tools`` for the tool grammar), not the engine's ``structured_outputs``; a structural
+    tag's error in ``response_format`` by the field inside it
+    (``response_format.structures.0.schema``)."""
     if " in structured_outputs" not in str(error):
         return invalid_request(error)
     param = grammar_param(req, tool_grammar)
+    inner = _TAG_FIELD.search(str(error))
+    if inner is not None and param == "response_format":  # its fields are the tag's
+        param = f"response_format.{inner[1]}"
     return OpenAIError(str(error).replace(" in structured_outputs", f" in {param}", 1),
                        param=param, code="invalid_value")
 

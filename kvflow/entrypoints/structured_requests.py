@@ -12,6 +12,7 @@ from kvflow.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatTool,
     NamedToolChoice,
+    ResponseFormat,
     SamplingRequest,
     TokenizeRequest,
 )
@@ -22,6 +23,7 @@ from kvflow.entrypoints.tool_parsers import (
     make_tool_parser,
 )
 from kvflow.structured import StructuredOutputsParams, validate
+from kvflow.structured.structural_tag import StructuralTagError, check_legacy
 
 _ANY_OBJECT = {"type": "object"}
 # A function without ``parameters`` takes none (OpenAI: omitting parameters defines a function
@@ -55,14 +57,14 @@ def request_constraint(req: SamplingRequest,
     named function, see :func:`tool_constraint`): one source only.
 
     Raises:
-        RequestFieldError: for two sources at once, a json_schema format without a schema, or
-            a ``json_schema`` under another format type.
+        RequestFieldError: for two sources at once, a json_schema format without a schema, a
+            field of one format type under another (``json_schema`` under ``json_object``,
+            ``triggers`` under ``json_schema``), or a malformed structural tag (naming its
+            field: ``response_format.structures.0.begin``).
     """
     fmt, extra = req.response_format, req.structured_outputs
-    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
-        raise RequestFieldError(f"response_format.json_schema applies to type json_schema "
-                                f"only (the type is {fmt.type!r}, which would ignore it)",
-                                "response_format.json_schema")
+    if fmt is not None:
+        _check_format_fields(fmt)
     sources = _constraint_sources(req) + (["tool_choice"] if tool_grammar is not None else [])
     if len(sources) > 1:
         raise RequestFieldError(f"set only one of {', '.join(sources)}: each constrains the "
@@ -89,6 +91,8 @@ def request_constraint(req: SamplingRequest,
         return None
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if fmt.type == "structural_tag":
+        return StructuredOutputsParams(structural_tag=_structural_tag(fmt))
     schema = None if fmt.json_schema is None else fmt.json_schema.json_schema
     if schema is None:
         raise RequestFieldError("response_format of type json_schema needs "
@@ -97,6 +101,49 @@ def request_constraint(req: SamplingRequest,
         raise RequestFieldError("response_format.json_schema.schema is false, a schema no "
                                 "output matches", "response_format.json_schema.schema")
     return StructuredOutputsParams(json="true" if schema is True else schema)
+
+
+# response_format's fields of one type only: each is refused under another type (ignored, it
+# would loosen or change the constraint the client asked for)
+_FORMAT_FIELDS = {"json_schema": "json_schema", "structures": "structural_tag",
+                  "triggers": "structural_tag", "format": "structural_tag"}
+
+
+def _check_format_fields(fmt: ResponseFormat) -> None:
+    for name, owner in _FORMAT_FIELDS.items():
+        if fmt.type != owner and getattr(fmt, name) is not None:
+            raise RequestFieldError(f"response_format.{name} applies to type {owner} only "
+                                    f"(the type is {fmt.type!r}, which would ignore it)",
+                                    f"response_format.{name}")
+
+
+def _structural_tag(fmt: ResponseFormat) -> dict[str, Any]:
+    """``response_format`` of type structural_tag as the constraint's tag: xgrammar's
+    ``format`` spelling as given, or the legacy ``structures`` + ``triggers`` checked here
+    (``structural_tag.check_legacy``); whether each schema compiles is checked with the
+    constraint.
+
+    Raises:
+        RequestFieldError: for both spellings at once or a malformed legacy tag, naming the
+            field (``response_format.triggers``, ``response_format.structures.1.begin``).
+    """
+    if fmt.format is not None:
+        if fmt.structures is not None or fmt.triggers is not None:
+            raise RequestFieldError("response_format of type structural_tag takes either "
+                                    "format (xgrammar's spelling) or structures and triggers, "
+                                    "not both", "response_format.format")
+        return {"type": "structural_tag", "format": fmt.format}
+    tag: dict[str, Any] = {"type": "structural_tag"}
+    if fmt.structures is not None:
+        tag["structures"] = [s.model_dump(by_alias=True) for s in fmt.structures]
+    if fmt.triggers is not None:
+        tag["triggers"] = fmt.triggers
+    try:
+        check_legacy(tag)
+    except StructuralTagError as e:
+        raise RequestFieldError(f"invalid structural tag: response_format.{e}",
+                                f"response_format.{e.path}") from None
+    return tag
 
 
 def _constraint_sources(req: SamplingRequest) -> list[str]:

@@ -102,6 +102,7 @@ from kvflow.entrypoints.protocol.sampling import (
     ResponseFormat,
     SamplingRequest,
     StreamOptions,
+    StructuralTagStructure,
     StructuredOutputsField,
 )
 from kvflow.entrypoints.protocol.scoring import (
@@ -176,6 +177,7 @@ __all__ = [
     "ScoreResponse",
     "ScoreUsage",
     "StreamOptions",
+    "StructuralTagStructure",
     "StructuredOutputsField",
     "TokenizeRequest",
     "TokenizeResponse",

@@ -46,11 +46,29 @@ class JsonSchemaFormat(RequestModel):
     strict: bool | None = None
 
 
-class ResponseFormat(RequestModel):
-    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+class StructuralTagStructure(RequestModel):
+    """One of ``response_format.structures`` (type ``structural_tag``, vLLM's legacy
+    spelling): the ``begin`` string, a JSON value valid for ``schema`` (alias of
+    ``structure_schema``, which pydantic's BaseModel reserves), the ``end`` string."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    structure_schema: dict[str, Any] | bool = Field(alias="schema")
+    end: str
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``; or vLLM's
+    ``structural_tag`` (free text until one of ``triggers``, then one of ``structures``),
+    with ``structures`` and ``triggers`` or, in xgrammar's newer spelling, ``format``
+    (``kvflow/structured/structural_tag.py``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[StructuralTagStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StructuredOutputsField(RequestModel):
@@ -61,6 +79,7 @@ class StructuredOutputsField(RequestModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class SamplingRequest(RequestBody):
