@@ -278,3 +278,97 @@ def test_bad_constraints_get_400(server, body, needle):
     assert needle in resp.json()["error"]["message"]
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200
+
+
+# structural tags: free text until the trigger letter "e", then one structure; the tiny
+# byte-level vocabulary writes an "e" within a few tokens under hot sampling
+DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["n"]}
+WORD = {"enum": ["ok", "no"]}  # no trigger letter inside
+STRUCTURES = [{"begin": "e<a>", "schema": DIGIT, "end": "</a>"},
+              {"begin": "e<b>", "schema": WORD, "end": "</b>"}]
+TAG = {"type": "structural_tag", "structures": STRUCTURES, "triggers": ["e"]}
+STRUCTURE = re.compile(r"e<(a|b)>(.*?)</\1>", re.DOTALL)
+
+
+def _count_structures(text: str, finish_reason: str) -> int:
+    """Each structure's JSON is valid for its schema, and no trigger stands outside a
+    structure (a reply cut by max_tokens may end inside one)."""
+    found = STRUCTURE.findall(text)
+    for name, body in found:
+        jsonschema.validate(json.loads(body), DIGIT if name == "a" else WORD)
+    assert STRUCTURE.sub("", text).count("e") <= (finish_reason == "length"), text
+    return len(found)
+
+
+def test_structural_tag_on_chat_and_completions(client):
+    """response_format structural_tag on both endpoints, and vLLM's structured_outputs
+    .structural_tag (the tag as JSON text), which gives the same reply for the same seed."""
+    counts = []
+    for seed in range(4):
+        resp = chat(client, temperature=1.5, seed=seed, max_tokens=40, response_format=TAG)
+        choice = resp.choices[0]
+        counts.append(_count_structures(choice.message.content, choice.finish_reason))
+        same = chat(client, temperature=1.5, seed=seed, max_tokens=40,
+                    extra_body={"structured_outputs": {"structural_tag": json.dumps(TAG)}})
+        assert same.choices[0].message.content == choice.message.content
+        done = client.completions.create(model=MODEL, prompt="the quick", max_tokens=40,
+                                         temperature=1.5, seed=seed,
+                                         extra_body={"response_format": TAG})
+        counts.append(_count_structures(done.choices[0].text, done.choices[0].finish_reason))
+    assert sum(c > 0 for c in counts) >= 4, counts
+
+
+def test_structural_tag_format_spelling(client):
+    """xgrammar's ``format`` spelling: at least one tag, stop after the first."""
+    fmt = {"type": "triggered_tags", "triggers": ["e"], "at_least_one": True,
+           "stop_after_first": True,
+           "tags": [{"type": "tag", "begin": "e<r>", "end": "</r>",
+                     "content": {"type": "regex", "pattern": "[0-9]{2}"}}]}
+    stopped = 0
+    for seed in range(3):
+        resp = chat(client, temperature=1.5, seed=seed, max_tokens=40,
+                    response_format={"type": "structural_tag", "format": fmt})
+        if resp.choices[0].finish_reason == "stop":
+            stopped += 1
+            assert re.fullmatch(r"[^e]*e<r>[0-9]{2}</r>", resp.choices[0].message.content,
+                                re.DOTALL), resp.choices[0].message.content
+    assert stopped >= 1
+
+
+BAD_SCHEMA = [{"begin": "e<a>", "schema": {"type": "frob"}, "end": "</a>"}]
+
+
+@pytest.mark.parametrize("route, body, param, needle", [
+    ("chat", {"response_format": {"type": "structural_tag", "structures": STRUCTURES}},
+     "response_format.triggers", "missing"),
+    ("chat", {"response_format": {"type": "structural_tag", "triggers": ["e"]}},
+     "response_format.structures", "missing"),
+    ("chat", {"response_format": {**TAG, "triggers": ["<f"]}},
+     "response_format.structures.0.begin", "'e<a>' starts with none of the triggers"),
+    ("chat", {"response_format": {**TAG, "structures": BAD_SCHEMA}},
+     "response_format.structures.0.schema", 'Unsupported type "frob"'),
+    ("completions", {"response_format": {**TAG, "structures": BAD_SCHEMA}},
+     "response_format.structures.0.schema", 'Unsupported type "frob"'),
+    ("chat", {"response_format": {**TAG, "structures": [{"begin": "e", "end": ""}]}},
+     "response_format.structures.0.schema", ""),
+    ("chat", {"response_format": {**TAG, "format": {"type": "any_text"}}},
+     "response_format.format", "not both"),
+    ("chat", {"response_format": {"type": "structural_tag", "format": {"type": "frob"}}},
+     "response_format", "not recognized: frob"),
+    ("chat", {"response_format": {"type": "json_object", "triggers": ["e"]}},
+     "response_format.triggers", "applies to type structural_tag only"),
+    ("chat", {"structured_outputs": {"structural_tag": json.dumps({**TAG, "triggers": ["<"]})}},
+     "structured_outputs.structural_tag", "structures.0.begin"),
+])
+def test_bad_structural_tags_get_400(server, route, body, param, needle):
+    if route == "chat":
+        url, base = "/v1/chat/completions", {"messages": MESSAGES}
+    else:
+        url, base = "/v1/completions", {"prompt": "the quick"}
+    resp = httpx.post(f"{server.url}{url}", timeout=30,
+                      json={"model": MODEL, "max_tokens": 4, **base, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param, error
+    assert needle in error["message"], error
