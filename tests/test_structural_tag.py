@@ -31,6 +31,7 @@ TAG = {"type": "structural_tag", "triggers": ["e"],
                       {"begin": "e<b>", "schema": WORD, "end": "</b>"}]}
 STRUCTURE = re.compile(r"e<(a|b)>(.*?)</\1>", re.DOTALL)
 PROMPT = "the quick brown fox"
+CYCLE = 'root ::= "a" b\nb ::= b{1,2}'
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +50,13 @@ def _legacy_matcher(tokenizer, vocab_size: int, tag: dict) -> xgr.GrammarMatcher
 
 
 def _assert_follows_tag(out, matcher: xgr.GrammarMatcher, eos: int) -> int:
-    """The oracle checks on one output; returns its number of complete structures."""
+    """The oracle checks on one output (the matcher ends exactly when the output ended
+    with the EOS); returns its number of complete structures."""
     matcher.reset()
-    for token in out.token_ids:
+    for token in out.token_ids:  # a finished output's last token is the EOS
         assert matcher.accept_token(token), (out.text, token)
-    if out.finish_reason == "stop":
-        assert matcher.accept_token(eos) and matcher.is_terminated(), out.text
+    assert matcher.is_terminated() == (out.finish_reason == "stop"), out.text
+    assert (out.token_ids[-1] == eos) == (out.finish_reason == "stop")
     structures = STRUCTURE.findall(out.text)
     for name, body in structures:
         jsonschema.validate(json.loads(body), DIGIT if name == "a" else WORD)
@@ -121,8 +123,8 @@ def test_greedy_matches_transformers_with_xgrammar_mask(llm, tiny_llama, tiny_to
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]
     matcher = _legacy_matcher(tiny_tokenizer, tiny_llama.vocab_size, tag)
     expected = _masked_greedy(tiny_llama.hf_model, matcher, out.prompt_token_ids, 30)
-    ended = expected[-1] == tiny_tokenizer.eos_token_id  # kvflow's token_ids leave it out
-    assert list(out.outputs[0].token_ids) == (expected[:-1] if ended else expected)
+    assert list(out.outputs[0].token_ids) == expected
+    ended = expected[-1] == tiny_tokenizer.eos_token_id
     assert out.outputs[0].finish_reason == ("stop" if ended else "length")
     assert trigger + "[" in out.outputs[0].text or trigger + "=" in out.outputs[0].text
 
@@ -169,6 +171,13 @@ def test_format_spelling(llm, tiny_llama, tiny_tokenizer):
     ({"type": "structural_tag", "format": {"type": "json_schema",
                                            "json_schema": {"not": {}}}},
      "format.json_schema: 'not'"),
+    # a rule defined only as itself crashes xgrammar's compiler (segfault): refused first,
+    # also beside a token format (which validate, without the tokenizer, cannot convert)
+    ({"type": "structural_tag", "format": {"type": "grammar", "grammar": CYCLE}},
+     "rule 'b' is defined only as itself"),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": "<eos>"}, {"type": "grammar", "grammar": CYCLE}]}},
+     "rule 'b' is defined only as itself"),
     ("{nope", "not valid JSON"),
     ('["e"]', "must be a JSON object"),
 ])
@@ -234,3 +243,22 @@ def test_schema_compile_errors_name_the_structure():
         error = _params_error(info.value, req, None)
         assert (error.param, error.status) == (param, 400), error.param
         assert "structures.1.schema: Unsupported type \"frob\"" in str(error)
+
+
+def test_token_formats_compile_with_the_tokenizer(llm, tiny_tokenizer):
+    """A ``format`` naming a token id (checked only when compiled with the tokenizer):
+    the output is the constant string, then exactly that token."""
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "ok "}, {"type": "token", "token": 300}]}}
+    validate(StructuredOutputsParams(structural_tag=tag))
+    params = SamplingParams(temperature=1.5, seed=0, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-2:] == [300, tiny_tokenizer.eos_token_id]
+    assert tiny_tokenizer.decode(out.token_ids[:-2]) == "ok "
+    bad = {"type": "structural_tag", "format": {"type": "token", "token": 10**6}}
+    with pytest.raises(ValueError, match=r"invalid structural tag in structured_outputs: "
+                                         r"Check failed: .*Token id 1000000 .* out of the "):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs=(
+            StructuredOutputsParams(structural_tag=bad))), use_tqdm=False)

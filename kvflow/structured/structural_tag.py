@@ -154,6 +154,12 @@ def format_schemas(tag: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield f"{path}.json_schema", node["json_schema"]
 
 
+def grammar_formats(tag: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``grammar`` formats (EBNF or Lark text) inside a ``format`` structural tag."""
+    return [node for _, node in _nodes(tag.get("format"), "format")
+            if node.get("type") == "grammar"]
+
+
 def _nodes(value: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every object in a format tree (JSON schemas not entered), with its path."""
     if isinstance(value, dict):

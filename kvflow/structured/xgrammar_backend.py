@@ -25,6 +25,7 @@ from kvflow.structured.structural_tag import (
     check_format,
     check_legacy,
     format_schemas,
+    grammar_formats,
     is_legacy,
     parse,
 )
@@ -201,12 +202,23 @@ _NEEDS_TOKENIZER = "requires tokenizer_info"
 
 
 def _check_structural_tag(spec: str) -> None:
+    """Raises StructuralTagError / ValueError / xgrammar's RuntimeError for a structural tag
+    that does not convert, or whose grammar holds a rule defined only as itself
+    (``grammar_cycles``: a ``grammar`` format's rule would crash xgrammar's compiler). A tag
+    that names tokens converts only with the tokenizer: then each ``grammar`` format in it
+    is checked alone."""
     text = structural_tag_text(spec)
     try:
-        xgr.Grammar.from_structural_tag(text)
+        grammars = [xgr.Grammar.from_structural_tag(text)]
     except RuntimeError as e:
         if _NEEDS_TOKENIZER not in str(e):
             raise
+        grammars = [xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": node})
+                    for node in grammar_formats(json.loads(text))]
+    for grammar in grammars:
+        problem = unit_cycle_problem(str(grammar))
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def bad_pattern(schema: Any) -> str | None:
@@ -326,8 +338,12 @@ class XgrammarBackend(StructuredOutputBackend):
                                                       strict_mode=False)
         if kind == "regex":
             return self._compiler.compile_regex(spec)
-        if kind == "structural_tag":
-            return self._compiler.compile_structural_tag(structural_tag_text(spec))
+        if kind == "structural_tag":  # what validate could not check: token names and ids
+            try:
+                return self._compiler.compile_structural_tag(structural_tag_text(spec))
+            except RuntimeError as e:
+                raise ValueError(f"invalid structural tag in structured_outputs: {_clean(e)}"
+                                 ) from None
         return self._compiler.compile_grammar(spec)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
