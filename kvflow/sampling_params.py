@@ -71,8 +71,9 @@ class SamplingParams:
             et al. 2019); 1 disables.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit every step
             (string keys such as JSON's are converted to int).
-        structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice
-            or grammar (see ``kvflow.structured``); a dict of its fields is accepted.
+        structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice,
+            grammar or structural tag (see ``kvflow.structured``); a dict of its fields is
+            accepted.
         target_ttft_ms: this request's time-to-first-token target in milliseconds (overrides
             the engine's ``target_ttft_ms``); None: the engine's.
         target_tpot_ms: this request's time-per-output-token target in milliseconds

@@ -1,6 +1,8 @@
-"""Structured output: constrain sampling to a JSON schema, regex, choice list or grammar.
+"""Structured output: constrain sampling to a JSON schema, regex, choice list, grammar or
+structural tag.
 
-``params`` (StructuredOutputsParams, no heavy imports), ``backend`` (the interface),
+``params`` (StructuredOutputsParams, no heavy imports), ``structural_tag`` (structural tags
+read and checked without xgrammar), ``backend`` (the interface),
 ``xgrammar_backend`` (the implementation), ``lark_grammar`` (Lark grammars to GBNF, with
 ``lark_expansion``, ``lark_regex`` and ``lark_common``),
 ``manager`` (the engine core's side: compile off the step loop, per-step token bitmask).

@@ -22,7 +22,8 @@ Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_to
 ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``; streamed,
 the first chunk of each choice carries ``prompt_token_ids``), ``stream_options``'
 ``continuous_usage_stats`` (every chunk carries the usage so far),
-``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` constraints).
+``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` / ``structural_tag``
+constraints), ``response_format`` of type ``structural_tag`` (vLLM's).
 
 The models live in one module per job: ``base`` (base classes, the error body, the
 request-body checks), ``sampling`` (the fields completion and chat share; the completion
