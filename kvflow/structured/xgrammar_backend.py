@@ -326,6 +326,12 @@ class XgrammarBackend(StructuredOutputBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """``params``' constraint compiled for the model's vocabulary.
+
+        Raises:
+            ValueError: for a constraint ``validate`` refuses, or a structural tag xgrammar
+                cannot compile (a token name or id the vocabulary lacks).
+        """
         validate(params)
         kind, spec = _grammar_text(params)
         if kind == "json":
