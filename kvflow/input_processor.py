@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.chat_messages import image_urls
 from kvflow.chat_template import render_chat
+from kvflow.logits_process import LogitsProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig, task_mismatch
 from kvflow.multimodal_inputs import MultiModalFeature
@@ -71,14 +72,18 @@ class InputProcessor:
         max_model_len_note: appended to a too-long prompt's error after max_model_len (why
             it is lower than asked: the engine core's ``max_model_len_note``).
         enable_prompt_embeds: prompts may come as embedding rows (``prompt_embeds``).
+        logits_processors: the engine's custom logits processor classes, whose
+            ``validate_params`` check each request's parameters (``extra_args``).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None, mm_processor: Any = None,
                  eos_token_ids: list[int] | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int = 0,
-                 max_model_len_note: str = "", enable_prompt_embeds: bool = False) -> None:
+                 max_model_len_note: str = "", enable_prompt_embeds: bool = False,
+                 logits_processors: Sequence[type[LogitsProcessor]] = ()) -> None:
         self.tokenizer = tokenizer
+        self.logits_processors = tuple(logits_processors)
         self.extra_eos_ids = [t for t in eos_token_ids or []
                               if t != eos_token_id and 0 <= t < vocab_size]
         self.max_model_len = max_model_len
@@ -276,9 +281,9 @@ class InputProcessor:
         """Raises ValueError for a ``logit_bias``, ``stop_token_ids`` or
         ``allowed_token_ids`` id outside the vocabulary, ``bad_words`` without a tokenizer, a
         ``truncate_prompt_tokens`` above ``max_model_len``, ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, stop
-        strings without a tokenizer, or a malformed structured-output schema / regex /
+        strings without a tokenizer, a malformed structured-output schema / regex /
         grammar (``check_structured``; SamplingParams checks everything that does not depend
-        on the model)."""
+        on the model), or what a custom logits processor's ``validate_params`` refuses."""
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to match text "
                              "(skip_tokenizer_init is set); use stop_token_ids")
@@ -301,6 +306,8 @@ class InputProcessor:
         truncation_length(params.truncate_prompt_tokens, self.max_model_len, SAMPLING_FIELD)
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs)
+        for processor in self.logits_processors:
+            processor.validate_params(params)
 
     def check_structured(self, constraint: StructuredOutputsParams) -> None:
         """Raises ValueError for a malformed structured-output schema / regex / grammar

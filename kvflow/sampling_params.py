@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvflow.structured.params import StructuredOutputsParams
 from kvflow.text_checks import find_lone_surrogate
 
@@ -93,6 +95,11 @@ class SamplingParams:
         bad_words_token_ids: the token ids of ``bad_words``' variants, filled in by the
             engine's ``InputProcessor`` when the request is queued (a value given here is
             replaced then); None before.
+        extra_args: arguments for custom logits processors (``kvflow.logits_process``;
+            vLLM's field): a dict with string keys whose values msgpack can encode (None,
+            bools, numbers, strings, bytes, lists and dicts of them), since it travels to
+            the engine's processes; kvflow itself reads none of it. The server fills it from
+            a request's ``vllm_xargs``. None: no arguments.
 
     The constructor records which fields it was given (:attr:`fields_set`, like pydantic's
     ``model_fields_set``), so a model's sampling defaults (:meth:`with_defaults`) fill only
@@ -130,6 +137,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    extra_args: dict[str, Any] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         self = super().__new__(cls)
@@ -170,7 +178,28 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        self._check_extra_args()
         self._validate()
+
+    def _check_extra_args(self) -> None:
+        """``extra_args`` is None or a dict of string keys that msgpack can encode.
+
+        Raises:
+            ValueError: naming ``SamplingParams.extra_args`` and what is wrong.
+        """
+        args = self.extra_args
+        if args is None:
+            return
+        if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+            raise ValueError(f"SamplingParams.extra_args={reprlib.repr(args)} is invalid: it "
+                             "must be a dict with string keys (or None)")
+        try:
+            msgspec.msgpack.encode(args)
+        except (TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"SamplingParams.extra_args={reprlib.repr(args)} is invalid: "
+                             f"its values must be None, bools, numbers, strings, bytes, or "
+                             f"lists and dicts of them, to reach the engine's processes "
+                             f"({e})") from None
 
     def _check_types(self) -> None:
         """Integers must be ints (not bools or floats); numbers must be real numbers; flags

@@ -52,6 +52,9 @@ LAYERS: dict[str, int] = {
     "kvflow.text_checks": 0, "kvflow.multimodal_inputs": 0, "kvflow.lora.request": 0,
     "kvflow.pooling_params": 0, "kvflow.validation_words": 0, "kvflow.prompt_truncation": 0,
     "kvflow.prompt_embeds": 0, "kvflow.token_masks": 0,
+    # custom logits processors' interface (the config loads the classes) and the batch
+    # changes they are told (runner -> processor)
+    "kvflow.logits_process": 0, "kvflow.batch_update": 0,
 }
 FACADES = {"kvflow"}  # the package root imports lazily from anywhere (kvflow.LLM etc.)
 

@@ -48,7 +48,7 @@ class EngineConfig:
             ValueError: for a swap_space given (any size, the default's too) without
                 preemption_mode 'swap'; for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
-                parallelism or async scheduling; for LoRA with more than one rank or
+                parallelism, async scheduling or custom logits processors; for LoRA with more than one rank or
                 replica; for GGUF weights kept quantized with tensor parallelism; for async
                 scheduling with an executor of several ranks (checked here, before any
                 worker starts).
@@ -89,6 +89,12 @@ class EngineConfig:
             raise ValueError(f"speculative decoding (method={spec.method!r}) with "
                              "enable_prompt_embeds is not available: the proposer needs the "
                              "prompt's token ids, which a prompt given as embeddings has not")
+        if self.model_config.logits_processors:
+            raise ValueError(f"speculative decoding (method={spec.method!r}) with custom "
+                             "logits processors (--logits-processors) is not available: "
+                             "verification samples several positions per request, which "
+                             "processors' one-row-per-request state cannot describe (as in "
+                             "vLLM v1); drop one of them")
         pc = self.parallel_config
         for name in ("pipeline_parallel_size", "context_parallel_size"):
             if getattr(pc, name) > 1:

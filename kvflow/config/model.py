@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.config.options import check_choices, json_object, opt
+from kvflow.logits_process import load_logits_processors
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
 
@@ -137,6 +138,12 @@ class ModelConfig:
         "'{\"temperature\": 0.5}': merged over the model's file under --generation-config "
         "auto, the only defaults under none (vLLM's flag of the same name)")
 
+    logits_processors: list | None = opt(  # noqa: RUF009 (the default is None)
+        None, "custom logits processors (vLLM v1's engine-level kind): classes that "
+        "subclass kvflow.logits_process.LogitsProcessor, as 'module.path:ClassName' (LLM() "
+        "takes the classes too); requests pass them arguments in SamplingParams.extra_args "
+        "(vllm_xargs on the server)", nargs="+", metavar="MODULE:CLASS")
+
     def __post_init__(self) -> None:
         """Checks each field (``hf_overrides`` and ``override_generation_config`` given as
         JSON text become dicts, or None).
@@ -144,10 +151,17 @@ class ModelConfig:
         Raises:
             ValueError: naming the field, for a value of the wrong type or out of range,
                 ``hf_overrides`` / ``override_generation_config`` that is not a JSON object
-                (or sets a key kvflow does not read), a ``tokenizer_mode`` other than auto /
+                (or sets a key kvflow does not read), ``logits_processors`` naming what does
+                not import or is not a ``LogitsProcessor`` subclass, a ``tokenizer_mode``
+                other than auto /
                 hf, or two fields that conflict.
         """
         self.override_generation_config = _generation_overrides(self.override_generation_config)
+        if isinstance(self.logits_processors, (str, type)):
+            self.logits_processors = [self.logits_processors]
+        if self.logits_processors is not None:  # a bad class path fails at start-up
+            self.logits_processors = list(self.logits_processors) or None
+            load_logits_processors(self.logits_processors)
         check_choices(self)
         self.hf_overrides = parse_hf_overrides(self.hf_overrides)
         if self.tokenizer_mode not in ("auto", "hf"):

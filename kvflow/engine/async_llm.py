@@ -58,6 +58,7 @@ from kvflow.engine.streams import (
 from kvflow.engine.utility_calls import UtilityCalls
 from kvflow.engine_outputs import EngineStats
 from kvflow.input_processor import InputProcessor
+from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
 from kvflow.metrics import RequestStatsTracker, ServerMetrics
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
@@ -181,7 +182,9 @@ class AsyncLLM:
                                         pooler=ready.pooler, hidden_size=ready.hidden_size,
                                         max_model_len_note=ready.max_model_len_note,
                                         enable_prompt_embeds=self.config.model_config
-                                        .enable_prompt_embeds)
+                                        .enable_prompt_embeds,
+                                        logits_processors=load_logits_processors(
+                                            self.config.model_config.logits_processors))
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
         self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
                                      self.balancer, self.metrics,

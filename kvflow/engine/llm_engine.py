@@ -16,6 +16,7 @@ from kvflow.core.engine_core import EngineCore
 from kvflow.engine.dp_client import DPCoreClient
 from kvflow.engine.streams import RequestRefused
 from kvflow.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvflow.logits_process import load_logits_processors
 from kvflow.lora.request import LoRARequest
 from kvflow.models.generation_config import load_eos_token_ids, load_sampling_defaults
 from kvflow.models.loader import load_hf_config, load_tokenizer, resolve_eos_token_id
@@ -75,7 +76,9 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
                                         mm_processor, load_eos_token_ids(source, eos_config),
                                         pooler, hidden_size, max_model_len_note=note,
-                                        enable_prompt_embeds=mc.enable_prompt_embeds)
+                                        enable_prompt_embeds=mc.enable_prompt_embeds,
+                                        logits_processors=load_logits_processors(
+                                            mc.logits_processors))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

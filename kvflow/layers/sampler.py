@@ -10,6 +10,7 @@ what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -120,30 +121,49 @@ class SamplerOutput:
         return self.logprobs_lists()
 
 
+class CustomLogitsProcessors(Protocol):
+    """A step's custom logits processors (``worker/logits_procs.StepLogitsProcessors``)."""
+
+    def apply(self, logits: torch.Tensor, argmax_invariant: bool) -> torch.Tensor:
+        """``logits`` [B, vocab] float32 after the argmax-invariant processors or the
+        others."""
+        ...
+
+
 class Sampler:
     """Samples one token per row of ``logits`` [B, vocab] float32."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded random rows
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        self.process_logits(logits, meta)
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 custom: CustomLogitsProcessors | None = None) -> SamplerOutput:
+        """Sample ``logits`` [B, vocab] float32 (edited in place) with ``meta``'s settings;
+        ``custom``: the engine's custom logits processors bound to this step's rows
+        (``worker/logits_procs.py``), None without any."""
+        logits = self.process_logits(logits, meta, custom)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
         sampled = argmax_rows(logits)  # logits.argmax(dim=-1), native on CPU
         if not meta.all_greedy:
-            random = self._sample_random(logits, meta)
+            random = self._sample_random(logits, meta, custom)
             sampled = torch.where(meta.temperature == 0, sampled, random)
         return SamplerOutput(sampled, self.gather_logprobs(raw_logprobs, sampled, meta),
                              dict(meta.num_logprobs))
 
     @staticmethod
-    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-        """Everything before temperature, in place on ``logits`` [B, V] float32: logit bias,
-        penalties, allowed token ids, banned ids (min_tokens, bad words), the grammar's mask.
-        Logprobs are taken after this (a masked token's is -inf)."""
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                       custom: CustomLogitsProcessors | None = None) -> torch.Tensor:
+        """Everything before temperature on ``logits`` [B, V] float32 (in place; returned,
+        a new tensor if a custom processor made one): logit bias, the custom processors that
+        may change the argmax (``custom``; after the bias and before the penalties, as
+        vLLM v1 runs them), penalties, allowed token ids, banned ids (min_tokens, bad
+        words), the grammar's mask. Logprobs are taken after this (a masked token's is
+        -inf)."""
         if meta.logit_bias is not None:
             rows, token_ids, biases = meta.logit_bias
             logits.index_put_((rows, token_ids), biases, accumulate=True)
+        if custom is not None:
+            logits = custom.apply(logits, argmax_invariant=False)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         if meta.allowed_token_ids is not None:
@@ -152,10 +172,14 @@ class Sampler:
             logits[row, token_ids] = float("-inf")
         if meta.grammar is not None:
             apply_token_bitmask_fast(logits, *meta.grammar)
+        return logits
 
-    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = apply_top_k_top_p_min_p(scale_by_temperature(logits, meta.temperature),
-                                         meta.top_k, meta.top_p, meta.min_p)
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata,
+                       custom: CustomLogitsProcessors | None = None) -> torch.Tensor:
+        logits = scale_by_temperature(logits, meta.temperature)
+        if custom is not None:  # argmax-invariant processors: after temperature (vLLM's)
+            logits = custom.apply(logits, argmax_invariant=True)
+        logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, meta.min_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in meta.generators.items():

@@ -108,6 +108,9 @@ class InputBatch:
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
         self.version = 0  # bumped whenever a row is added, removed or moved
+        # request ids given a row since custom logits processors last looked (a set only
+        # when they are configured: worker/logits_procs.py takes it each step)
+        self.added_ids: set[str] | None = None
         self._pending_rows: tuple[int, np.ndarray | slice] = (-1, slice(0, 0))
         self.token_ids = np.zeros((n, 64), np.int64)
         self.num_tokens = np.zeros(n, np.int64)  # prompt + sampled (pending included)
@@ -173,6 +176,8 @@ class InputBatch:
         self.req_ids.append(state.req_id)
         self.req_id_to_index[state.req_id] = row
         self.version += 1
+        if self.added_ids is not None:
+            self.added_ids.add(state.req_id)
         tokens = state.prompt_token_ids + output_token_ids
         self._ensure_token_width(len(tokens))
         self.token_ids[row, :len(tokens)] = tokens

@@ -27,6 +27,7 @@ from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import Sampler
+from kvflow.logits_process import LOGITS_PROCESSORS_FLAG, load_logits_processors
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
@@ -51,6 +52,7 @@ from kvflow.worker.kv_cache_setup import (
     release_kv_cache,
 )
 from kvflow.worker.kv_swap import HostKVCache
+from kvflow.worker.logits_procs import RunnerLogitsProcessors
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 from kvflow.worker.model_setup import load_runner_model, make_draft_model
@@ -156,9 +158,23 @@ class ModelRunner:
             self.embed_prompts = self.model.embed_input_ids
 
     def _init_sampler(self) -> None:
+        """The sampler, its inputs and the custom logits processors (one instance of each
+        class per runner; None without any).
+
+        Raises:
+            ValueError: for custom logits processors with a pooling model (it samples
+                nothing).
+        """
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.config.model_config.seed)
         self.sampler = Sampler(gen)
+        classes = load_logits_processors(self.config.model_config.logits_processors)
+        if classes and self.pooling is not None:
+            raise ValueError(f"{LOGITS_PROCESSORS_FLAG}: a pooling model (embed, score, "
+                             "classify) samples no tokens; custom logits processors need a "
+                             "generative model")
+        self.logits_procs = RunnerLogitsProcessors(classes, self.config, self.device) \
+            if classes else None
         self.sampling_inputs = SamplingInputs(self.device)
         self.requests: dict[str, RequestState] = {}  # every request this runner computes
         self.input_batch: InputBatch | None = None  # made with the KV cache (needs the groups)
@@ -366,7 +382,8 @@ class ModelRunner:
         step, self._step = self._step, None
         if step is not None:
             self._pending = sample_step(step, self.input_batch, self.sampling_inputs,
-                                        self.sampler, grammar_bitmask)
+                                        self.sampler, grammar_bitmask, self.logits_procs,
+                                        self.requests)
 
     def collect_output(self) -> ModelRunnerOutput:
         """Copy the last sampled tokens to the host (waits for the device) and return them."""

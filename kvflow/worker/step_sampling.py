@@ -12,7 +12,8 @@ from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvflow.sched_output import GrammarBitmask
 from kvflow.spec_decode.verification import SpecStep, verify
-from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.input_batch import InputBatch, RequestState
+from kvflow.worker.logits_procs import RunnerLogitsProcessors
 from kvflow.worker.sampling_inputs import SamplingInputs
 
 
@@ -42,10 +43,14 @@ class PendingOutput:
 
 
 def sample_step(step: LaunchedStep, batch: InputBatch, sampling_inputs: SamplingInputs,
-                sampler: Sampler, grammar_bitmask: GrammarBitmask | None) -> PendingOutput | None:
+                sampler: Sampler, grammar_bitmask: GrammarBitmask | None,
+                custom: RunnerLogitsProcessors | None = None,
+                requests: dict[str, RequestState] | None = None) -> PendingOutput | None:
     """Sample ``step``'s rows of ``batch`` (queued on CUDA); their tokens count as the rows'
     next tokens at once. A verification step runs synchronously (token counts vary per row).
-    None: nothing to collect (a prefill chunk without prompt logprobs or embeddings)."""
+    ``custom``: the runner's custom logits processors (told the batch's changes first;
+    ``requests``: the runner's request states), None without any. None: nothing to
+    collect (a prefill chunk without prompt logprobs or embeddings)."""
     if not len(step.sample_rows):  # a prefill chunk: maybe prompt logprobs, no tokens
         if step.prompt_logprobs or step.pooled:
             return PendingOutput([], None, step.prompt_logprobs, pooled=step.pooled)
@@ -56,7 +61,11 @@ def sample_step(step: LaunchedStep, batch: InputBatch, sampling_inputs: Sampling
         ready.prompt_logprobs = step.prompt_logprobs
         return PendingOutput([], None, step.prompt_logprobs, ready)
     meta = sampling_inputs.build(batch, step.sample_rows, grammar_bitmask)
-    out = sampler(step.logits, meta)
+    bound = None
+    if custom is not None:
+        custom.begin_step(batch, requests or {})
+        bound = custom.for_rows(batch, step.sample_rows)
+    out = sampler(step.logits, meta, bound)
     batch.add_pending_tokens(step.sample_rows)
     index = batch.index(step.sample_rows)
     req_ids = batch.req_ids[index] if isinstance(index, slice) else \
