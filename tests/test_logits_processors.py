@@ -71,6 +71,13 @@ class ForceEvery(AdapterLogitsProcessor):
     """Per request: every ``extra_args["every"]``-th generated token is
     ``extra_args["force_token"]`` (reads the request's generated-token list)."""
 
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        args = params.extra_args or {}
+        if "force_token" in args and not (isinstance(args.get("every"), int)
+                                          and args["every"] >= 1):
+            raise ValueError("force_token needs every, a step count >= 1")
+
     def is_argmax_invariant(self) -> bool:
         return False
 

@@ -40,6 +40,8 @@ _SAMPLING_ONLY = {
     "guided_grammar": ((None,), _STRUCTURED),
     "prompt_logprobs": ((None,), "prompt logprobs are not returned with beam search"),
     "echo": ((None, False), "the prompt is not echoed with beam search"),
+    "vllm_xargs": ((None, {}),
+                   "beam search does not pass custom arguments to custom logits processors"),
 }
 
 

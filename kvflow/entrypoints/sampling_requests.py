@@ -102,6 +102,8 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
     fields.update(max_tokens=max_tokens, logprobs=logprobs,
                   stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                   stop_token_ids=list(req.stop_token_ids or []))
+    if req.vllm_xargs:
+        fields["extra_args"] = dict(req.vllm_xargs)
     try:
         params = SamplingParams(**fields)
         engine.processor.validate_params(params)

@@ -23,7 +23,11 @@ logger = logging.getLogger(__name__)
 UNSUPPORTED = {
     "early_stopping": "kvflow's beam search, as vLLM's, runs every beam to EOS or "
                       "max_tokens (send false or leave it out)",
-    "logits_processors": "use logit_bias or structured_outputs",
+    # vLLM v1 refuses it too: its processors are loaded per engine, not per request
+    "logits_processors": "load custom logits processors when the server starts "
+                         "(--logits-processors module.path:ClassName) and pass a request's "
+                         "arguments to them in vllm_xargs, or use logit_bias or "
+                         "structured_outputs",
     "guided_whitespace_pattern": "structured output uses xgrammar's default whitespace",
     "guided_decoding_backend": "structured output runs on xgrammar (send xgrammar or auto, "
                                "or leave it out)",

@@ -21,6 +21,9 @@ from kvflow.entrypoints.protocol.base import (
 # the event loop, a 32 MiB body's ~2.5 million entries held it for seconds. In README.
 MAX_LOGIT_BIAS = 300_000
 
+# a vllm_xargs value (vLLM: str | int | float, or a list of them; JSON's true / false kept)
+XargValue = str | bool | int | float
+
 
 class StreamOptions(RequestModel):
     """``stream_options`` of a streamed request. ``include_usage``: a last chunk (no choices)
@@ -93,7 +96,10 @@ class SamplingRequest(RequestBody):
     prefix-cache blocks: only requests with the same salt share them. vLLM's
     ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are SamplingParams'
     (``kvflow.sampling_params``); ``return_tokens_as_token_ids`` writes every logprobs token
-    as ``token_id:{id}``."""
+    as ``token_id:{id}``; vLLM's ``vllm_xargs`` (string keys; each value a string, number or
+    bool, or a flat list of them, as vLLM's type allows; anything nested is a 400 naming it)
+    becomes ``SamplingParams.extra_args``, the arguments of the server's custom logits
+    processors (``--logits-processors``)."""
 
     model: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -135,6 +141,8 @@ class SamplingRequest(RequestBody):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     return_tokens_as_token_ids: bool = False
+    # vLLM's custom arguments: SamplingParams.extra_args, read by custom logits processors
+    vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
 
     @model_validator(mode="wrap")
     @classmethod
