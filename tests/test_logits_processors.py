@@ -225,11 +225,18 @@ def test_a_bad_class_is_refused_at_start_up_naming_the_flag(spec, why):
     assert why in str(e.value)
 
 
-def test_the_cli_flag_takes_class_paths():
+def test_the_cli_flag_and_config_file_take_class_paths(tmp_path):
     from kvflow.entrypoints.cli import build_parser
+    from kvflow.entrypoints.config_file import expand_config_file
 
-    args = build_parser().parse_args(["serve", "--logits-processors", f"{HERE}:BanToken",
-                                      f"{HERE}:ForceEvery"])
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--logits-processors", f"{HERE}:BanToken",
+                              f"{HERE}:ForceEvery"])
+    assert EngineConfig.from_cli_args(args).model_config.logits_processors == \
+        [f"{HERE}:BanToken", f"{HERE}:ForceEvery"]
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"logits-processors: [{HERE}:BanToken, {HERE}:ForceEvery]\n")
+    args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(config)]))
     assert EngineConfig.from_cli_args(args).model_config.logits_processors == \
         [f"{HERE}:BanToken", f"{HERE}:ForceEvery"]
     with pytest.raises(ValueError, match=r"^--logits-processors \(logits_processors\): "):
