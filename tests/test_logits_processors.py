@@ -162,27 +162,30 @@ def _expected(tiny_llama, cases) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("specs,async_scheduling", [
-    ([BanToken, ForceEvery], False),
-    ([f"{HERE}:BanToken", f"{HERE}.ForceEvery"], False),
-    ([BanToken, ForceEvery], True),  # a step's tokens reach the host after the next launch
-], ids=["classes", "class_paths", "async_scheduling"])
+@pytest.mark.parametrize("specs,async_scheduling,num_kv_blocks", [
+    ([BanToken, ForceEvery], False, 64),
+    ([f"{HERE}:BanToken", f"{HERE}.ForceEvery"], False, 64),
+    ([BanToken, ForceEvery], True, 64),  # a step's tokens reach the host after the next launch
+    ([BanToken, ForceEvery], False, 13),  # preempted requests come back with their tokens
+], ids=["classes", "class_paths", "async_scheduling", "preemption"])
 def test_greedy_outputs_match_transformers_with_the_same_edits(tiny_llama, tiny_tokenizer,
                                                               specs, async_scheduling,
-                                                              assert_no_leaks):
+                                                              num_kv_blocks, assert_no_leaks):
     """Three rows at a time (max_num_seqs): each finished request's row is taken by the
     last row's request and the queued ones are added; a 6-token step budget splits prompts
-    into chunks while other rows decode, so some steps sample only some rows."""
+    into chunks while other rows decode, so some steps sample only some rows; with 13 KV
+    blocks requests are preempted and re-added with the tokens they had."""
     cases = _cases(tiny_llama, tiny_tokenizer)
-    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
-              block_size=4, max_num_seqs=3, max_num_batched_tokens=6,
-              enable_chunked_prefill=True, logits_processors=specs,
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu",
+              num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=3,
+              max_num_batched_tokens=6, enable_chunked_prefill=True, logits_processors=specs,
               async_scheduling=async_scheduling)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                              extra_args=args or None) for _, n, args in cases]
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in cases], params,
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _expected(tiny_llama, cases)
+    assert (llm.engine.core.scheduler.num_preemptions > 0) == (num_kv_blocks == 13)
     assert_no_leaks(llm)
 
 
