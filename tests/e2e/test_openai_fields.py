@@ -457,9 +457,18 @@ def sampling_cases(path: str) -> dict[str, Callable]:
                 tokens += lp.get("tokens") or [c["token"] for c in lp.get("content") or []]
         assert tokens == named
 
+    def vllm_xargs(server, tokenizer):
+        """Without --logits-processors nothing reads them (as in vLLM): the plain request's
+        ids; a nested value is a 400 naming its key (the processors' use of them:
+        tests/e2e/test_openai_logits_processors.py)."""
+        assert ids(ok(server, path, {"vllm_xargs": {"k": 1, "l": ["a", 2.5]}})) == \
+            ids(ok(server, path, {}))
+        rejected(path, {"vllm_xargs": {"k": {"nested": 1}}}, "vllm_xargs.k")(server,
+                                                                             tokenizer)
+
     return {
         "model": rejected(path, {"model": "gpt-4"}, "model", 404), "request_id": request_id,
-        "cache_salt": cache_salt,
+        "cache_salt": cache_salt, "vllm_xargs": vllm_xargs,
         "allowed_token_ids": allowed_token_ids, "bad_words": bad_words,
         "truncate_prompt_tokens": truncate_prompt_tokens,
         "return_tokens_as_token_ids": return_tokens_as_token_ids,
