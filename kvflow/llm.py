@@ -39,7 +39,10 @@ class LLM(LLMPooling):
     Args:
         model: packaged model name, HF folder or GGUF path.
         **kwargs: any EngineConfig field (dtype, block_size, kv_cache_memory, num_kv_blocks,
-            enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...).
+            enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...);
+            ``logits_processors``: custom logits processor classes or ``"module:Class"``
+            paths (``kvflow.logits_process``), whose per-request arguments come in
+            ``SamplingParams.extra_args``.
 
     Raises:
         ValueError: for an unknown option, model or impossible configuration, or
