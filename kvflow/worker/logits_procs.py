@@ -14,6 +14,7 @@ bring every request to its row in the batch. Without processors none of this run
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ import torch
 from kvflow.batch_update import AddedRequest, BatchUpdate, MoveDirectionality, MovedRequest
 from kvflow.logits_process import LogitsProcessor
 from kvflow.worker.input_batch import InputBatch, RequestState
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
 
 
 class RunnerLogitsProcessors:
@@ -32,7 +36,7 @@ class RunnerLogitsProcessors:
         device: the runner's device.
     """
 
-    def __init__(self, classes: Sequence[type[LogitsProcessor]], config: object,
+    def __init__(self, classes: Sequence[type[LogitsProcessor]], config: EngineConfig,
                  device: torch.device) -> None:
         pin = device.type == "cuda"
         self.processors = [cls(config, device, pin) for cls in classes]
