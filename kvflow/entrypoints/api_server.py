@@ -88,8 +88,10 @@ logger = logging.getLogger(__name__)
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """uvicorn's lifespan: shut the engine down once the server stops (``start_app`` started
-    it before the lifespan's start-up)."""
+    it before the lifespan's start-up); background responses still running are cancelled
+    first."""
     yield
+    await app.state.responses.shutdown()
     await app.state.engine.shutdown()
 
 

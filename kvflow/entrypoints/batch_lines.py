@@ -137,8 +137,8 @@ def _envelope_error(line: int, custom_id: str, value: dict[str, Any]) -> LineErr
 
 def _body_error(line: int, custom_id: str, url: str, body: dict[str, Any]) -> LineError | None:
     """What a batch cannot do that ``body`` asks for (a stream; on /v1/responses, a
-    ``previous_response_id``; on /v1/embeddings, ``encoding_format`` bytes); None if
-    nothing."""
+    ``previous_response_id`` or ``background`` true; on /v1/embeddings, ``encoding_format``
+    bytes); None if nothing."""
     stream = body.get("stream")
     if stream is not None and stream is not False:
         return LineError(line, custom_id, "stream_unsupported",
@@ -156,6 +156,13 @@ def _body_error(line: int, custom_id: str, url: str, body: dict[str, Any]) -> Li
                          "(lines run concurrently and no reply outlives the batch); send the "
                          f"earlier turns in input instead (got {_shown(previous)})",
                          "body.previous_response_id")
+    background = body.get("background")
+    if url == "/v1/responses" and background is not None and background is not False:
+        return LineError(line, custom_id, "unsupported_parameter",
+                         f"line {line}: body.background is not supported in a batch (a line's "
+                         "output is its finished reply; the batch already runs apart from its "
+                         f"caller); leave it out or false (got {_shown(background)})",
+                         "body.background")
     return None
 
 

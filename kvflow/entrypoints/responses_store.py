@@ -2,18 +2,22 @@
 GET /v1/responses/{id} returns a stored reply, GET /v1/responses/{id}/input_items its input
 items (a page of them: ``item_page``), DELETE /v1/responses/{id} forgets it, and
 ``previous_response_id`` continues its conversation. Bounded: past ``capacity`` replies the least recently stored or read is
-dropped (a later reference to it is a 404). Nothing is written to disk; a restart forgets
-everything, as vLLM's store does."""
+dropped (a later reference to it is a 404), never one that still runs in the background
+(``hold`` / ``release``; at most ``capacity`` run at once: ``can_hold``). Nothing is written
+to disk; a restart forgets everything, as vLLM's store does."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvflow.entrypoints.protocol.responses_api import ResponseItemList, ResponseObject
 from kvflow.entrypoints.structured_requests import RequestFieldError
+
+if TYPE_CHECKING:
+    from kvflow.entrypoints.responses_background import EventLog
 
 # Replies kept per server by default (--responses-store-size): each holds its conversation's
 # text, so a bound keeps a long-running server's memory flat (1,000 replies of a 4k-token
@@ -26,11 +30,14 @@ class StoredResponse:
     """A stored reply and its conversation as chat messages (the turns before it, without
     its ``instructions``, which OpenAI does not carry over, then its output as assistant
     turns); ``input_items``: its request's ``input`` as OpenAI lists it back
-    (``responses_input.input_items``: the items of that request only, oldest first)."""
+    (``responses_input.input_items``: the items of that request only, oldest first);
+    ``log``: the stream events of a response created with ``background`` and ``stream``
+    (replayed by GET /v1/responses/{id}?stream=true), else None."""
 
     response: ResponseObject
     messages: list[dict[str, Any]]
     input_items: list[dict[str, Any]] = field(default_factory=list)
+    log: EventLog | None = None
 
 
 class ResponseStore:
@@ -46,12 +53,49 @@ class ResponseStore:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._held: set[str] = set()  # ids of responses running in the background
 
     def put(self, stored: StoredResponse) -> None:
+        """Store (or replace) a reply as the most recently used; past ``capacity``, drop the
+        least recently used ones that are not held (there is always one: at most
+        ``capacity`` are held)."""
         self._items[stored.response.id] = stored
         self._items.move_to_end(stored.response.id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        if len(self._items) <= self.capacity:
+            return
+        idle = [i for i in self._items if i not in self._held]
+        for response_id in idle[:len(self._items) - self.capacity]:
+            del self._items[response_id]
+
+    def can_hold(self) -> bool:
+        """Whether one more background response may run (fewer than ``capacity`` do)."""
+        return len(self._held) < self.capacity
+
+    def hold(self, stored: StoredResponse) -> None:
+        """Store a background response that starts running; it is not dropped until
+        ``release``. Call only when ``can_hold()``.
+
+        Raises:
+            ValueError: when ``capacity`` responses are held already.
+        """
+        if not self.can_hold():
+            raise ValueError(f"{len(self._held)} background responses run already "
+                             f"(capacity {self.capacity})")
+        self._held.add(stored.response.id)
+        self.put(stored)
+
+    def release(self, response_id: str) -> None:
+        """The background response ended: it may be dropped like any other (no-op for an id
+        not held)."""
+        self._held.discard(response_id)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def peek(self, response_id: str) -> StoredResponse | None:
+        """The stored reply (or None), without making it the most recently used."""
+        return self._items.get(response_id)
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The stored reply, or None when it was never stored or was dropped."""

@@ -6,10 +6,13 @@ parsing as /v1/chat/completions), and the chat parser's deltas become output ite
 stream events (``responses_events``); an error the chat path finds names the Responses
 field (``responses_errors``). Replies are kept in a bounded in-memory store when ``store`` is
 true (``responses_store``), which also serves GET / DELETE /v1/responses/{id} and
-/v1/responses/{id}/input_items."""
+/v1/responses/{id}/input_items. ``background`` runs a response as a server task
+(``responses_background``): polled with GET, stopped with POST /v1/responses/{id}/cancel,
+its stream (with ``stream``) followed again with GET ...?stream=true&starting_after=N."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -34,6 +37,13 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponsesRequest,
     ResponseUsage,
     unhonoured_fields,
+)
+from kvflow.entrypoints.responses_background import (
+    TERMINAL,
+    BackgroundRuns,
+    EventLog,
+    ended_response,
+    failed_response,
 )
 from kvflow.entrypoints.responses_errors import renamed, renamed_error
 from kvflow.entrypoints.responses_events import Event, ResponseEvents
@@ -70,7 +80,7 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
     value, a ``reasoning`` key, ``text.verbosity``,
     a ``service_tier`` other than auto / default, ``stream_options`` other than
     ``include_obfuscation: false`` or without ``stream``, and the ``_UNHONOURED`` fields
-    (``background: true``, ``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
+    (``conversation``, ``prompt``, ``max_tool_calls``, ...)."""
     for name, mark in _UNHONOURED.items():
         value = getattr(req, name)
         if value is not None and value != mark.harmless:
@@ -132,11 +142,18 @@ def _unsupported(param: str, message: str) -> OpenAIError:
 
 class OpenAIServingResponses:
     """Handler of /v1/responses, running its requests through ``chat`` (the server's chat
-    handler: same template, checks and parsers) and keeping replies in ``store``."""
+    handler: same template, checks and parsers) and keeping replies in ``store``; background
+    responses run in ``runs`` (call :meth:`shutdown` when the server stops)."""
 
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store if store is not None else ResponseStore()
+        self.runs = BackgroundRuns(self._background_ended)
+
+    async def shutdown(self) -> None:
+        """Cancel the running background responses (their engine requests aborted, each
+        stored as ``cancelled``)."""
+        await self.runs.shutdown()
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
         """Validate, run the conversation through the chat handler, answer with a response
@@ -144,18 +161,23 @@ class OpenAIServingResponses:
 
         Raises:
             OpenAIError: 400 for bad input or a field kvflow does not honour (``param`` its
-                path in this request), 404 for another model or an unknown
-                ``previous_response_id``, 503 when overloaded.
+                path in this request; ``background`` without ``store``), 404 for another
+                model or an unknown ``previous_response_id``, 429 when
+                ``--responses-store-size`` background responses run already, 503 when
+                overloaded.
         """
         self.chat.check_fields(req, "/v1/responses")
         refuse_unhonoured(req)
         self._check_store(req)
+        self._check_background(req)
         conv, chat_req = self._chat_request(req)
         try:
             run = await self.chat.start(chat_req, raw, "resp")
         except OpenAIError as e:
             raise renamed_error(e, conv) from None
         skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
+        if req.background:
+            return self._start_background(req, run, skeleton, conv)
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
         return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv),
@@ -172,22 +194,74 @@ class OpenAIServingResponses:
                                   "out", param="store", code="unsupported_parameter")
             req.store = False
 
+    def _check_background(self, req: ResponsesRequest) -> None:
+        """``background`` needs ``store`` (a 400 naming ``background``, as OpenAI's), and a
+        free place: at most ``--responses-store-size`` run at once (a 429 past that)."""
+        if not req.background:
+            return
+        if not req.store:
+            off = " (this server keeps no replies: --responses-store-size 0)" \
+                if self.store.capacity == 0 else ""
+            raise OpenAIError("background=true needs store=true: a background response is "
+                              f"read back from the store{off}", param="background",
+                              code="invalid_value")
+        if not self.store.can_hold():
+            raise OpenAIError(f"{self.store.num_held} background responses are running, the "
+                              "most this server runs at once (--responses-store-size); retry "
+                              "later or cancel one", 429, "rate_limit_exceeded",
+                              param="background", code="too_many_background_responses",
+                              headers={"Retry-After": "1"})
+
     def retrieve(self, response_id: str) -> ResponseObject:
-        """A stored reply (GET /v1/responses/{id}).
+        """A stored reply (GET /v1/responses/{id}); a background one as it stands
+        (``queued`` / ``in_progress`` while it runs).
 
         Raises:
             OpenAIError: 404 when no reply of that id is stored.
         """
         return self._stored(response_id).response
 
-    def delete(self, response_id: str) -> ResponseDeleted:
-        """Forget a stored reply (DELETE /v1/responses/{id}); a later GET, input_items or
-        ``previous_response_id`` naming it is a 404.
+    def follow(self, response_id: str, after: int) -> SSEResponse:
+        """GET /v1/responses/{id}?stream=true&starting_after=N: a background streamed
+        response's events after sequence number ``after`` (-1: all), then live ones until it
+        ends.
+
+        Raises:
+            OpenAIError: 404 when no reply of that id is stored; 400 naming ``stream`` for
+                one not created with ``background`` and ``stream`` true.
+        """
+        log = self._stored(response_id).log
+        if log is None:
+            raise OpenAIError("only a response created with background and stream true can "
+                              "be streamed again (GET without stream returns this one)",
+                              param="stream", code="invalid_value")
+        return SSEResponse(_sse_lines(log.follow(after)))
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """POST /v1/responses/{id}/cancel: stop a running background response (its engine
+        requests aborted) and return it ``cancelled``; one that has ended is returned as it
+        is (a repeated cancel answers the same, OpenAI's rule).
+
+        Raises:
+            OpenAIError: 404 when no reply of that id is stored; 400 naming ``response_id``
+                for one not created with ``background`` true.
+        """
+        if not self._stored(response_id).response.background:
+            raise OpenAIError("only a response created with background true can be cancelled "
+                              "(this one ran while its request waited)", param="response_id")
+        await self.runs.cancel(response_id)
+        return self._stored(response_id).response
+
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        """Forget a stored reply (DELETE /v1/responses/{id}), cancelling it first if it runs
+        in the background; a later GET, input_items or ``previous_response_id`` naming it is a
+        404.
 
         Raises:
             OpenAIError: 404 when no reply of that id is stored.
         """
         self._stored(response_id)
+        await self.runs.cancel(response_id)
         self.store.delete(response_id)
         return ResponseDeleted(id=response_id)
 
@@ -256,6 +330,10 @@ class OpenAIServingResponses:
             raise OpenAIError(f"previous response {previous_response_id!r} is not stored "
                               f"({self._kept()})", 404, "invalid_request_error",
                               "previous_response_id", "previous_response_not_found")
+        if stored.response.status not in TERMINAL:
+            raise OpenAIError(f"previous response {previous_response_id!r} is still "
+                              f"{stored.response.status} (background): wait until it ends",
+                              param="previous_response_id", code="invalid_value")
         return stored.messages
 
     def _skeleton(self, req: ResponsesRequest, response_id: str) -> ResponseObject:
@@ -265,8 +343,9 @@ class OpenAIServingResponses:
         if req.text is not None and req.text.format is not None:
             text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
         return ResponseObject(
-            id=response_id, created_at=now(),
-            status="in_progress", model=self.chat.response_model(req.model),
+            id=response_id, created_at=now(), background=req.background,
+            status="queued" if req.background else "in_progress",
+            model=self.chat.response_model(req.model),
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             temperature=req.temperature, top_p=req.top_p, top_logprobs=req.top_logprobs,
             tools=req.tools or [],
@@ -306,7 +385,8 @@ class OpenAIServingResponses:
         """The reply's events, from ``response.created`` to its last; the finished reply is
         appended to ``done``."""
         yield events.event("response.created", response=skeleton.model_dump())
-        yield events.event("response.in_progress", response=skeleton.model_dump())
+        yield events.event("response.in_progress", response=skeleton.model_copy(
+            update={"status": "in_progress"}).model_dump())
         state, num_generated, finish_reason = run.parser.stream_state(), 0, None
         top = (req.top_logprobs or 0) if wants_logprobs(req) else None
         num_cached = 0
@@ -353,10 +433,10 @@ class OpenAIServingResponses:
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None})
         if req.store:
-            turns = [m for m, path in zip(conv.messages, conv.paths, strict=True)
-                     if path != "instructions"]
-            self.store.put(StoredResponse(response, turns + output_messages(events.items),
-                                          input_items(req.input)))
+            earlier = self.store.peek(response.id)  # a background one's: keeps its log
+            self.store.put(StoredResponse(
+                response, _turns(conv) + output_messages(events.items), input_items(req.input),
+                earlier.log if earlier is not None else None))
         return response, closing
 
     def _count_tokens(self, text: str) -> int:
@@ -365,11 +445,78 @@ class OpenAIServingResponses:
         return len(self.chat.engine.tokenizer.encode(text, add_special_tokens=False))
 
     async def _sse(self, run: ChatRun, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """The events as SSE (``event: <type>`` + ``data: <json>``); always aborts the request
-        when it ends (the client gone too)."""
+        """The events as SSE (``_sse_lines``); always aborts the request when it ends (the
+        client gone too)."""
         try:
-            async for event in events:
-                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+            async for line in _sse_lines(events):
+                yield line
         finally:
             self.chat.abort(run.streams)
             await events.aclose()
+
+    # ---- background --------------------------------------------------------------------------
+    def _start_background(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
+                          conv: Conversation) -> Response:
+        """Store the response ``queued`` (held: never dropped while it runs), run it as a
+        task, answer with it (or, with ``stream``, with its events as they come; the run goes
+        on if the client leaves)."""
+        if not self.store.can_hold():  # others started while this one was rendered
+            self.chat.abort(run.streams)
+            self._check_background(req)
+        log = EventLog() if req.stream else None
+        self.store.hold(StoredResponse(skeleton, _turns(conv), input_items(req.input), log))
+        self.runs.start(skeleton.id, self._background(req, run, skeleton, conv, log),
+                        lambda: self.chat.abort(run.streams))
+        if log is not None:
+            return SSEResponse(_sse_lines(log.follow(-1)))
+        return Response(skeleton.model_dump_json(), media_type="application/json")
+
+    async def _background(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
+                          conv: Conversation, log: EventLog | None) -> None:
+        """The task of a background response: its events into ``log``, its status
+        ``in_progress`` once it runs; ``_finish`` stores it finished, an engine failure or
+        refusal stores it ``failed`` (with a ``response.failed`` event)."""
+        events = ResponseEvents()
+        try:
+            async for event in self._run(req, run, skeleton, conv, events, []):
+                if event["type"] == "response.in_progress":
+                    self._restore(skeleton.id, lambda r: r.model_copy(
+                        update={"status": "in_progress"}))
+                if log is not None:
+                    log.append(event)
+        except (EngineDeadError, RequestRefused) as error:
+            failed = self._restore(skeleton.id, lambda r, e=error: failed_response(r, e))
+            if log is not None and failed is not None:
+                log.append(events.event("response.failed", response=failed.model_dump()))
+
+    def _background_ended(self, response_id: str, task: asyncio.Task) -> None:
+        """A background task ended (its engine requests aborted already): a cancelled or
+        crashed one is stored ``cancelled`` / ``failed``; its log closed, its hold released."""
+        stored = self.store.peek(response_id)
+        if stored is not None:
+            self._restore(response_id, lambda r: ended_response(r, task) or r)
+            if stored.log is not None:
+                stored.log.close()
+        self.store.release(response_id)
+
+    def _restore(self, response_id: str, change: Any) -> ResponseObject | None:
+        """Replace the stored response of ``response_id`` with ``change(response)``; None
+        when it is no longer stored."""
+        stored = self.store.peek(response_id)
+        if stored is None:
+            return None
+        stored.response = change(stored.response)
+        return stored.response
+
+
+def _turns(conv: Conversation) -> list[dict[str, Any]]:
+    """The conversation's turns as stored for ``previous_response_id`` (its
+    ``instructions`` dropped: OpenAI does not carry them over)."""
+    return [m for m, path in zip(conv.messages, conv.paths, strict=True)
+            if path != "instructions"]
+
+
+async def _sse_lines(events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """The events as SSE: ``event: <type>`` + ``data: <json>``."""
+    async for event in events:
+        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

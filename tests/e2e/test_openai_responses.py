@@ -308,7 +308,7 @@ BAD = [
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include.0"),
     ({"input": "hi", "seed": 1}, 400, "seed"),
     ({"input": "hi", "stop": ["x"]}, 400, "stop"),
-    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "background": True, "store": False}, 400, "background"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
@@ -380,7 +380,7 @@ def test_disconnect_mid_stream_aborts_without_leak(server, free_at_start):
 
 # ---- every field ---------------------------------------------------------------------------------
 # OpenAI fields kvflow does not honour: a value that asks for something -> a 400 at ``param``
-REFUSED = {"background": (True, "background"), "conversation": ("conv_1", "conversation"),
+REFUSED = {"conversation": ("conv_1", "conversation"),
            "max_tool_calls": (2, "max_tool_calls"), "prompt": ({"id": "pmpt_1"}, "prompt"),
            "context_management": ([{"type": "compaction"}], "context_management"),
            "prompt_cache_retention": ("24h", "prompt_cache_retention"),
@@ -397,7 +397,7 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
         "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
         "include", "top_logprobs",  # output logprobs: test_openai_responses_extras
-        "cache_salt"}
+        "cache_salt", "background"}  # background: test_openai_responses_background
 
 
 def test_every_field_is_used_or_refused():

@@ -72,7 +72,10 @@ class ResponsesRequest(RequestBody):
     ``responses_input.chat_tools``); the other honoured fields map onto the chat request
     (``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
     ``response_format``). ``store`` (OpenAI's default true) keeps the response in the
-    server's bounded in-memory store for GET /v1/responses/{id} and ``previous_response_id``.
+    server's bounded in-memory store for GET /v1/responses/{id} and ``previous_response_id``;
+    ``background`` (needs ``store``) answers at once with the response ``queued`` and runs it
+    as a server task (``responses_background``), polled with GET, stopped with POST
+    /v1/responses/{id}/cancel.
     ``include`` may hold ``message.output_text.logprobs`` (output text logprobs, with
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
     The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
@@ -105,9 +108,8 @@ class ResponsesRequest(RequestBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: salts the prefix cache
+    background: bool = False
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
-    background: Annotated[Any, Unhonoured(
-        False, "replies are generated while the request waits (send false)")] = None
     conversation: Annotated[Any, Unhonoured(
         None, "use previous_response_id to continue a stored reply")] = None
     max_tool_calls: Annotated[Any, Unhonoured(
@@ -124,7 +126,7 @@ class ResponsesRequest(RequestBody):
     image: Annotated[Any, Unhonoured(None, "the reply is text only")] = None
     access_programs: Annotated[Any, Unhonoured(None, "kvflow has no access programs")] = None
     background_options: Annotated[Any, Unhonoured(
-        None, "replies are generated while the request waits")] = None
+        None, "a background response runs until it ends or is cancelled")] = None
 
 
 def unhonoured_fields() -> dict[str, Unhonoured]:
@@ -160,12 +162,15 @@ class ResponseUsage(OpenAIBaseModel):
 
 class ResponseObject(OpenAIBaseModel):
     """The ``response`` object (OpenAI's ``Response``): ``output`` holds the items as plain
-    dicts (``responses_events.OutputItems`` builds them); the request's settings are echoed."""
+    dicts (``responses_events.OutputItems`` builds them); the request's settings are echoed.
+    ``status``: ``queued`` / ``in_progress`` while a background response runs, then
+    ``completed``, ``incomplete`` (cut by ``max_output_tokens``), ``failed`` (``error``:
+    ``code`` and ``message``) or ``cancelled``."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     incomplete_details: dict[str, str] | None = None
     error: dict[str, Any] | None = None
     model: str

@@ -1,0 +1,276 @@
+"""/v1/responses ``background: true`` end to end on the tiny random model (the template of
+test_openai_responses, a server of its own so its KV block count is this module's alone).
+Oracles: the same request run in the foreground (greedy: same text, usage, status), the
+openai package's ``Response`` / stream event types, hand-written status orders and sequence
+numbers, and the engine's free KV block count (``kvflow:kv_cache_free_blocks``) back at its
+start value after a cancel. The engine core is held with SIGSTOP (as test_openai_sleep does)
+so that a response is certainly still queued or running when it is cancelled."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from openai.types.responses import Response
+
+from tests.e2e.test_engine_faults import core_pid
+from tests.e2e.test_openai_responses import (
+    EVENTS,
+    MODEL,
+    SERVER_ARGS,
+    assert_no_leak,
+    output_text,
+    respond,
+    responses_model,
+    whole,
+)
+
+STORE_SIZE = 3  # also the most background responses that run at once
+ARGS = [*SERVER_ARGS, "--responses-store-size", str(STORE_SIZE)]
+BODY = {"input": "the quick brown fox", "temperature": 0}
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+ORDER = ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+
+
+def prestart_servers(fixture):
+    return [(responses_model(fixture("tiny_llama"), fixture("built_models")), ARGS, None)]
+
+
+def get(server, response_id: str, **params) -> httpx.Response:
+    return httpx.get(f"{server.url}/v1/responses/{response_id}", params=params, timeout=30)
+
+
+def cancel(server, response_id: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/responses/{response_id}/cancel", timeout=30)
+
+
+def background(server, **body) -> dict:
+    """POST with ``background`` true: answered at once, the response ``queued``."""
+    resp = respond(server, background=True, **body)
+    assert resp.status_code == 200, resp.text
+    reply = resp.json()
+    Response.model_validate(reply)
+    assert (reply["status"], reply["background"], reply["output"]) == ("queued", True, [])
+    return reply
+
+
+def poll(server, response_id: str, timeout: float = 60) -> list[dict]:
+    """Every GET body until the response ends (each checked as OpenAI's ``Response``)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = get(server, response_id)
+        assert resp.status_code == 200, resp.text
+        Response.model_validate(resp.json())
+        seen.append(resp.json())
+        if seen[-1]["status"] in TERMINAL:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"{response_id} still {seen[-1]['status']} after {timeout} s")
+
+
+def sse_events(resp: httpx.Response, stop_after_deltas: int | None = None) -> list[dict]:
+    """The events of an SSE body (``event:`` line checked against the data's type, each
+    validated as the openai package's stream event); stops reading after
+    ``stop_after_deltas`` output_text deltas (the client leaves)."""
+    events, deltas, lines = [], 0, resp.iter_lines()
+    for line in lines:
+        if not line:
+            continue
+        data = next(lines)
+        event = json.loads(data.removeprefix("data: "))
+        assert line == f"event: {event['type']}"
+        EVENTS.validate_python(event)
+        events.append(event)
+        deltas += event["type"] == "response.output_text.delta"
+        if deltas == stop_after_deltas:
+            break
+    return events
+
+
+def delta_text(events: list[dict]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+@contextlib.contextmanager
+def core_held(server):
+    """The engine core stopped (SIGSTOP) within: nothing it was sent runs until the end."""
+    core = core_pid(server.proc.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(core, signal.SIGCONT)
+
+
+# ---- polling ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [6, 40])
+def test_polled_background_response_is_the_foreground_ones(server, max_tokens):
+    """The polled response ends as the same request run in the foreground (greedy): same
+    output text, usage and status; the statuses seen go forward only, queued first."""
+    oracle = whole(server, **BODY, max_output_tokens=max_tokens)
+    reply = background(server, **BODY, max_output_tokens=max_tokens)
+    seen = poll(server, reply["id"])
+    statuses = [r["status"] for r in seen]
+    assert statuses == sorted(statuses, key=ORDER.index), statuses
+    final = seen[-1]
+    assert final["status"] == oracle["status"]
+    assert output_text(final) == output_text(oracle) and output_text(final)
+    assert final["usage"]["output_tokens"] == oracle["usage"]["output_tokens"]
+    assert final["usage"]["input_tokens"] == oracle["usage"]["input_tokens"]
+    assert (final["id"], final["background"], final["created_at"]) == \
+        (reply["id"], True, reply["created_at"])
+    # a finished background response: cancel returns it unchanged (OpenAI's rule)
+    resp = cancel(server, reply["id"])
+    assert resp.status_code == 200 and resp.json() == final
+    # and it continues a conversation like any stored reply
+    follow = whole(server, input="and then", previous_response_id=reply["id"],
+                   max_output_tokens=2)
+    assert follow["previous_response_id"] == reply["id"]
+
+
+# ---- streaming and resuming ----------------------------------------------------------------------
+def test_background_stream_resumes_after_a_sequence_number(server):
+    """background + stream: the events as in the foreground (created ``queued``); a client
+    that leaves after 3 deltas does not stop the run; GET ?stream=true&starting_after=N gives
+    the events after N, through the end, whose text completes the foreground reply's;
+    without starting_after every event again."""
+    oracle = whole(server, **BODY, max_output_tokens=40)
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL, **BODY, "max_output_tokens": 40, "background": True,
+            "stream": True}) as resp:
+        assert resp.status_code == 200
+        first = sse_events(resp, stop_after_deltas=3)
+    assert first[0]["type"] == "response.created"
+    assert first[0]["response"]["status"] == "queued"
+    response_id, last = first[0]["response"]["id"], first[-1]["sequence_number"]
+    assert [e["sequence_number"] for e in first] == list(range(len(first)))
+    with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", timeout=60,
+                      params={"stream": "true", "starting_after": last}) as resp:
+        assert resp.status_code == 200
+        rest = sse_events(resp)
+    assert [e["sequence_number"] for e in rest] == \
+        list(range(last + 1, last + 1 + len(rest)))
+    assert rest[-1]["type"] == f"response.{oracle['status']}"
+    assert delta_text(first) + delta_text(rest) == output_text(oracle)
+    assert output_text(rest[-1]["response"]) == output_text(oracle)
+    with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", timeout=60,
+                      params={"stream": "true"}) as resp:
+        again = sse_events(resp)
+    assert [e["type"] for e in again] == [e["type"] for e in first + rest]
+    assert delta_text(again) == output_text(oracle)
+    assert poll(server, response_id)[-1]["status"] == oracle["status"]
+
+
+# ---- cancel ------------------------------------------------------------------------------------
+def test_cancel_a_queued_response_frees_its_blocks(server, free_at_start):
+    """Cancelled before the engine ran a step of it: ``cancelled``, again on a second cancel
+    and on GET (never overwritten once the core goes on), and every KV block free again."""
+    with core_held(server):
+        reply = background(server, **BODY, max_output_tokens=200)
+        assert get(server, reply["id"]).json()["status"] in ("queued", "in_progress")
+        resp = cancel(server, reply["id"])
+        assert resp.status_code == 200, resp.text
+        Response.model_validate(resp.json())
+        assert (resp.json()["id"], resp.json()["status"]) == (reply["id"], "cancelled")
+        assert cancel(server, reply["id"]).json() == resp.json()  # idempotent
+    assert_no_leak(server, free_at_start)
+    assert get(server, reply["id"]).json() == resp.json()
+
+
+def test_cancel_mid_run_stops_generation(server, free_at_start):
+    """Cancelled while generating (after 2 streamed deltas, the core then held): status
+    ``cancelled``, fewer tokens generated than the 200 asked (the oracle runs all 200), the
+    request counted as aborted, every KV block free again; a resumed stream ends."""
+    oracle = whole(server, **BODY, max_output_tokens=200)
+    assert oracle["status"] == "incomplete"  # it would run all 200
+    before = server.metrics()
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL, **BODY, "max_output_tokens": 200, "background": True,
+            "stream": True}) as resp:
+        first = sse_events(resp, stop_after_deltas=2)
+    response_id = first[0]["response"]["id"]
+    with core_held(server):
+        assert get(server, response_id).json()["status"] == "in_progress"
+        resp = cancel(server, response_id)
+    assert resp.status_code == 200 and resp.json()["status"] == "cancelled", resp.text
+    assert_no_leak(server, free_at_start)
+    after = server.metrics()
+
+    def grew(name, **labels):
+        return server.value(after, name, **labels) - server.value(before, name, **labels)
+
+    assert grew("kvflow:request_success_total", finished_reason="abort") == 1
+    assert grew("kvflow:generation_tokens_total") < 200
+    assert get(server, response_id).json()["status"] == "cancelled"
+    with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", timeout=30,
+                      params={"stream": "true"}) as resp:
+        replay = sse_events(resp)  # ends: the log is closed
+    assert replay[:len(first)] == first
+    assert delta_text(replay) == output_text(oracle)[:len(delta_text(replay))]
+
+
+def test_delete_a_running_response_cancels_it(server, free_at_start):
+    with core_held(server):
+        reply = background(server, **BODY, max_output_tokens=200)
+        resp = httpx.delete(f"{server.url}/v1/responses/{reply['id']}", timeout=30)
+        assert resp.status_code == 200
+        assert resp.json() == {"id": reply["id"], "object": "response.deleted",
+                               "deleted": True}
+        assert get(server, reply["id"]).status_code == 404
+    assert_no_leak(server, free_at_start)
+
+
+def test_running_responses_are_bounded_and_never_dropped(server, free_at_start):
+    """At most STORE_SIZE run at once: one more is a 429 naming ``background`` (nothing of
+    it queued); a running one is not dropped from the store by newer replies, and a reply
+    naming it as previous_response_id is a 400 until it ends."""
+    with core_held(server):
+        running = [background(server, **BODY, max_output_tokens=200)
+                   for _ in range(STORE_SIZE)]
+        resp = respond(server, **BODY, background=True)
+        assert resp.status_code == 429, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == ("background", "too_many_background_responses")
+        assert resp.headers["retry-after"] == "1"
+        resp = respond(server, input="hi", previous_response_id=running[0]["id"])
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "previous_response_id"
+        for reply in running:
+            assert cancel(server, reply["id"]).json()["status"] == "cancelled"
+    assert_no_leak(server, free_at_start)
+    for _ in range(STORE_SIZE):  # newer replies push the ended ones out, as any reply
+        whole(server, input="hi", max_output_tokens=2)
+    assert all(get(server, r["id"]).status_code == 404 for r in running)
+
+
+# ---- bad combinations ----------------------------------------------------------------------------
+BAD = [
+    ({"background": True, "store": False}, "background"),
+    ({"background": "yes"}, "background"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD, ids=[str(b) for b, _ in BAD])
+def test_bad_background_request_is_a_400_naming_the_field(server, body, param):
+    resp = respond(server, input="hi", **body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    ({"stream": "true"}, "stream"),  # a foreground reply has no stream to resume
+    ({"starting_after": "3"}, "starting_after"),  # needs stream=true
+    ({"stream": "true", "starting_after": "x"}, "starting_after"),
+    ({"stream": "maybe"}, "stream"),
+    ({"include": "x"}, "include"),
+])
+def test_bad_stream_resume_is_a_400_naming_the_parameter(server, params, param):
+    reply = whole(server, input="hi", max_output_tokens=2)
+    resp = get(server, reply["id"], **params)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
