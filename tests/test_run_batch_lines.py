@@ -47,6 +47,7 @@ def test_a_good_line_is_a_request_and_its_custom_id_is_taken():
     {"input": "hi", "store": True},  # store is the endpoint's: echoed, kept for no one
     {"input": "hi", "store": False, "stream": False},
     {"input": "hi", "previous_response_id": None},  # null: no earlier reply named
+    {"input": "hi", "background": False},
 ])
 def test_a_responses_line_is_a_request_as_written(body):
     got = parse_line(_line(url="/v1/responses", body=body), 2, set())
@@ -108,6 +109,11 @@ def test_previous_response_id_elsewhere_is_the_endpoint_s_to_refuse():
      ("a", "unsupported_parameter", ("line 7: body.previous_response_id is not supported in a "
       "batch (lines run concurrently and no reply outlives the batch); send the earlier turns "
       "in input instead (got 5)"), "body.previous_response_id")),
+    # a line's output is its finished reply: no background run
+    (_line(url="/v1/responses", body={"input": "x", "background": True}),
+     ("a", "unsupported_parameter", ("line 7: body.background is not supported in a batch (a "
+      "line's output is its finished reply; the batch already runs apart from its caller); "
+      "leave it out or false (got true)"), "body.background")),
     # a binary reply cannot be an output line: base64 carries the same bytes
     (_line(url="/v1/embeddings", body={"input": "x", "encoding_format": "bytes"}),
      ("a", "unsupported_value", ('line 7: body.encoding_format "bytes" answers with a binary '

@@ -240,9 +240,10 @@ def test_delete_forgets_the_reply(server):
     assert httpx.get(f"{server.url}/v1/responses/{other['id']}", timeout=10).status_code == 404
 
 
-def test_cancel_is_a_400_for_a_finished_reply_and_a_404_for_none(server):
-    """kvflow runs no reply in the background: a stored reply can only be finished, which
-    OpenAI's cancel refuses; an unknown id is a 404, a query parameter a 400 naming it."""
+def test_cancel_is_a_400_for_a_foreground_reply_and_a_404_for_none(server):
+    """A reply not created with background true cannot be cancelled (OpenAI's rule; the
+    background ones: test_openai_responses_background); an unknown id is a 404, a query
+    parameter a 400 naming it."""
     reply = whole(server, input="hello", max_output_tokens=2)
     cancel = f"{server.url}/v1/responses/{reply['id']}/cancel"
     resp = httpx.post(cancel, timeout=10)
