@@ -158,6 +158,10 @@ def test_background_stream_resumes_after_a_sequence_number(server):
     assert rest[-1]["type"] == f"response.{oracle['status']}"
     assert delta_text(first) + delta_text(rest) == output_text(oracle)
     assert output_text(rest[-1]["response"]) == output_text(oracle)
+    by_client = server.client().responses.retrieve(response_id, stream=True,
+                                                   starting_after=last)
+    assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in by_client] == \
+        [(e["type"], e["sequence_number"], e.get("delta")) for e in rest]  # the client's call
     with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", timeout=60,
                       params={"stream": "true"}) as resp:
         again = sse_events(resp)
