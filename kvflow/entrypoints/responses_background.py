@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.engine.async_llm import EngineDeadError, RequestRefused
-from kvflow.entrypoints.protocol.responses_api import ResponseObject
+from fastapi.responses import Response
+
+from kvflow.engine.async_llm import EngineDeadError, RequestRefused, RequestStream
+from kvflow.entrypoints.openai_errors import OpenAIError
+from kvflow.entrypoints.protocol.responses_api import ResponseObject, ResponsesRequest
+from kvflow.entrypoints.responses_events import ResponseEvents, sse_lines
+from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse
+from kvflow.entrypoints.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +163,126 @@ def failed_response(response: ResponseObject, error: BaseException) -> ResponseO
         code = "invalid_prompt" if error.retry_after_s is None else "rate_limit_exceeded"
     return response.model_copy(update={"status": "failed",
                                        "error": {"code": code, "message": str(error)}})
+
+
+class BackgroundResponses:
+    """The background side of /v1/responses over ``store``: checks a request, starts a run,
+    follows its stream, cancels it. ``abort(streams)`` ends engine requests (the chat
+    handler's: beam searches too)."""
+
+    def __init__(self, store: ResponseStore,
+                 abort: Callable[[Sequence[RequestStream]], None]) -> None:
+        self.store = store
+        self._abort = abort
+        self.runs = BackgroundRuns(self._ended)
+
+    def check(self, req: ResponsesRequest) -> None:
+        """``background`` needs ``store`` (a 400 naming ``background``, as OpenAI's), and a
+        free place: at most ``store.capacity`` run at once (a 429 past that).
+
+        Raises:
+            OpenAIError: as said; nothing for a request without ``background``.
+        """
+        if not req.background:
+            return
+        if not req.store:
+            off = " (this server keeps no replies: --responses-store-size 0)" \
+                if self.store.capacity == 0 else ""
+            raise OpenAIError("background=true needs store=true: a background response is "
+                              f"read back from the store{off}", param="background",
+                              code="invalid_value")
+        self._check_free()
+
+    def _check_free(self) -> None:
+        if not self.store.can_hold():
+            raise OpenAIError(f"{self.store.num_held} background responses are running, the "
+                              "most this server runs at once (--responses-store-size); retry "
+                              "later or cancel one", 429, "rate_limit_exceeded",
+                              param="background", code="too_many_background_responses",
+                              headers={"Retry-After": "1"})
+
+    def start(self, stored: StoredResponse, events: AsyncIterator[Event],
+              counter: ResponseEvents, streams: Sequence[RequestStream], stream: bool
+              ) -> Response:
+        """Hold ``stored`` (its response ``queued``: never dropped while it runs), run
+        ``events`` (the reply's events, from ``response.created``; ``counter`` numbers them)
+        as a task, and answer with the response (``stream``: with its events as they come;
+        the run goes on if the client leaves).
+
+        Raises:
+            OpenAIError: 429 when others took the last free place meanwhile (``streams``
+                are aborted then).
+        """
+        if not self.store.can_hold():  # others started while this one was rendered
+            self._abort(streams)
+            self._check_free()
+        stored.log = EventLog() if stream else None
+        self.store.hold(stored)
+        response_id = stored.response.id
+        self.runs.start(response_id, self._run(response_id, events, counter, stored.log),
+                        lambda: self._abort(streams))
+        if stored.log is not None:
+            return SSEResponse(sse_lines(stored.log.follow(-1)))
+        return Response(stored.response.model_dump_json(), media_type="application/json")
+
+    def follow(self, stored: StoredResponse, after: int) -> SSEResponse:
+        """The stream of a background streamed response after sequence number ``after``.
+
+        Raises:
+            OpenAIError: 400 naming ``stream`` for one not created with ``background`` and
+                ``stream`` true.
+        """
+        if stored.log is None:
+            raise OpenAIError("only a response created with background and stream true can "
+                              "be streamed again (GET without stream returns this one)",
+                              param="stream", code="invalid_value")
+        return SSEResponse(sse_lines(stored.log.follow(after)))
+
+    async def cancel(self, stored: StoredResponse) -> None:
+        """Stop ``stored`` if it runs (no-op once it ended).
+
+        Raises:
+            OpenAIError: 400 naming ``response_id`` for a reply not created with
+                ``background`` true.
+        """
+        if not stored.response.background:
+            raise OpenAIError("only a response created with background true can be cancelled "
+                              "(this one ran while its request waited)", param="response_id")
+        await self.runs.cancel(stored.response.id)
+
+    async def _run(self, response_id: str, events: AsyncIterator[Event],
+                   counter: ResponseEvents, log: EventLog | None) -> None:
+        """The task of a background response: its events into ``log``, its status
+        ``in_progress`` once it runs (the events' producer stores it finished); an engine
+        failure or refusal stores it ``failed`` (with a ``response.failed`` event)."""
+        try:
+            async for event in events:
+                if event["type"] == "response.in_progress":
+                    self._restore(response_id, lambda r: r.model_copy(
+                        update={"status": "in_progress"}))
+                if log is not None:
+                    log.append(event)
+        except (EngineDeadError, RequestRefused) as error:
+            failed = self._restore(response_id, lambda r, e=error: failed_response(r, e))
+            if log is not None and failed is not None:
+                log.append(counter.event("response.failed", response=failed.model_dump()))
+
+    def _ended(self, response_id: str, task: asyncio.Task) -> None:
+        """A run's task ended (its engine requests aborted already): a cancelled or crashed
+        one is stored ``cancelled`` / ``failed``; its log closed, its hold released."""
+        stored = self.store.peek(response_id)
+        if stored is not None:
+            self._restore(response_id, lambda r: ended_response(r, task) or r)
+            if stored.log is not None:
+                stored.log.close()
+        self.store.release(response_id)
+
+    def _restore(self, response_id: str, change: Callable[[ResponseObject], ResponseObject]
+                 ) -> ResponseObject | None:
+        """Replace the stored response of ``response_id`` with ``change(response)``; None
+        when it is no longer stored."""
+        stored = self.store.peek(response_id)
+        if stored is None:
+            return None
+        stored.response = change(stored.response)
+        return stored.response

@@ -29,7 +29,9 @@ does; ``response.output_text.done`` carries the whole part's list.
 from __future__ import annotations
 
 import copy
+import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers import StreamDelta
@@ -40,6 +42,12 @@ Event = dict[str, Any]
 def new_id(prefix: str) -> str:
     """``{prefix}_{32 hex digits}`` (``resp``, ``msg``, ``fc``, ``call``, ``rs``)."""
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def sse_lines(events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """The events as SSE: ``event: <type>`` + ``data: <json>`` each."""
+    async for event in events:
+        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 def event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

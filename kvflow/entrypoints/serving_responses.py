@@ -12,8 +12,6 @@ its stream (with ``stream``) followed again with GET ...?stream=true&starting_af
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -38,15 +36,9 @@ from kvflow.entrypoints.protocol.responses_api import (
     ResponseUsage,
     unhonoured_fields,
 )
-from kvflow.entrypoints.responses_background import (
-    TERMINAL,
-    BackgroundRuns,
-    EventLog,
-    ended_response,
-    failed_response,
-)
+from kvflow.entrypoints.responses_background import TERMINAL, BackgroundResponses
 from kvflow.entrypoints.responses_errors import renamed, renamed_error
-from kvflow.entrypoints.responses_events import Event, ResponseEvents
+from kvflow.entrypoints.responses_events import Event, ResponseEvents, sse_lines
 from kvflow.entrypoints.responses_input import (
     Conversation,
     chat_messages,
@@ -148,12 +140,13 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store if store is not None else ResponseStore()
-        self.runs = BackgroundRuns(self._background_ended)
+        self.background = BackgroundResponses(self.store,
+                                               lambda streams: self.chat.abort(streams))
 
     async def shutdown(self) -> None:
         """Cancel the running background responses (their engine requests aborted, each
         stored as ``cancelled``)."""
-        await self.runs.shutdown()
+        await self.background.runs.shutdown()
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
         """Validate, run the conversation through the chat handler, answer with a response
@@ -169,7 +162,7 @@ class OpenAIServingResponses:
         self.chat.check_fields(req, "/v1/responses")
         refuse_unhonoured(req)
         self._check_store(req)
-        self._check_background(req)
+        self.background.check(req)
         conv, chat_req = self._chat_request(req)
         try:
             run = await self.chat.start(chat_req, raw, "resp")
@@ -177,7 +170,11 @@ class OpenAIServingResponses:
             raise renamed_error(e, conv) from None
         skeleton = self._skeleton(req, run.reply_id.replace("resp-", "resp_", 1))
         if req.background:
-            return self._start_background(req, run, skeleton, conv)
+            events = ResponseEvents()
+            return self.background.start(
+                StoredResponse(skeleton, _turns(conv), input_items(req.input)),
+                self._run(req, run, skeleton, conv, events, []), events, run.streams,
+                req.stream)
         if req.stream:
             return SSEResponse(self._sse(run, self._events(req, run, skeleton, conv)))
         return await self.chat.respond(raw, run.streams, self._whole(req, run, skeleton, conv),
@@ -193,24 +190,6 @@ class OpenAIServingResponses:
                                   "(--responses-store-size 0); send store false or leave it "
                                   "out", param="store", code="unsupported_parameter")
             req.store = False
-
-    def _check_background(self, req: ResponsesRequest) -> None:
-        """``background`` needs ``store`` (a 400 naming ``background``, as OpenAI's), and a
-        free place: at most ``--responses-store-size`` run at once (a 429 past that)."""
-        if not req.background:
-            return
-        if not req.store:
-            off = " (this server keeps no replies: --responses-store-size 0)" \
-                if self.store.capacity == 0 else ""
-            raise OpenAIError("background=true needs store=true: a background response is "
-                              f"read back from the store{off}", param="background",
-                              code="invalid_value")
-        if not self.store.can_hold():
-            raise OpenAIError(f"{self.store.num_held} background responses are running, the "
-                              "most this server runs at once (--responses-store-size); retry "
-                              "later or cancel one", 429, "rate_limit_exceeded",
-                              param="background", code="too_many_background_responses",
-                              headers={"Retry-After": "1"})
 
     def retrieve(self, response_id: str) -> ResponseObject:
         """A stored reply (GET /v1/responses/{id}); a background one as it stands
@@ -230,12 +209,7 @@ class OpenAIServingResponses:
             OpenAIError: 404 when no reply of that id is stored; 400 naming ``stream`` for
                 one not created with ``background`` and ``stream`` true.
         """
-        log = self._stored(response_id).log
-        if log is None:
-            raise OpenAIError("only a response created with background and stream true can "
-                              "be streamed again (GET without stream returns this one)",
-                              param="stream", code="invalid_value")
-        return SSEResponse(_sse_lines(log.follow(after)))
+        return self.background.follow(self._stored(response_id), after)
 
     async def cancel(self, response_id: str) -> ResponseObject:
         """POST /v1/responses/{id}/cancel: stop a running background response (its engine
@@ -246,10 +220,7 @@ class OpenAIServingResponses:
             OpenAIError: 404 when no reply of that id is stored; 400 naming ``response_id``
                 for one not created with ``background`` true.
         """
-        if not self._stored(response_id).response.background:
-            raise OpenAIError("only a response created with background true can be cancelled "
-                              "(this one ran while its request waited)", param="response_id")
-        await self.runs.cancel(response_id)
+        await self.background.cancel(self._stored(response_id))
         return self._stored(response_id).response
 
     async def delete(self, response_id: str) -> ResponseDeleted:
@@ -261,7 +232,7 @@ class OpenAIServingResponses:
             OpenAIError: 404 when no reply of that id is stored.
         """
         self._stored(response_id)
-        await self.runs.cancel(response_id)
+        await self.background.runs.cancel(response_id)
         self.store.delete(response_id)
         return ResponseDeleted(id=response_id)
 
@@ -445,68 +416,14 @@ class OpenAIServingResponses:
         return len(self.chat.engine.tokenizer.encode(text, add_special_tokens=False))
 
     async def _sse(self, run: ChatRun, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """The events as SSE (``_sse_lines``); always aborts the request when it ends (the
+        """The events as SSE (``sse_lines``); always aborts the request when it ends (the
         client gone too)."""
         try:
-            async for line in _sse_lines(events):
+            async for line in sse_lines(events):
                 yield line
         finally:
             self.chat.abort(run.streams)
             await events.aclose()
-
-    # ---- background --------------------------------------------------------------------------
-    def _start_background(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
-                          conv: Conversation) -> Response:
-        """Store the response ``queued`` (held: never dropped while it runs), run it as a
-        task, answer with it (or, with ``stream``, with its events as they come; the run goes
-        on if the client leaves)."""
-        if not self.store.can_hold():  # others started while this one was rendered
-            self.chat.abort(run.streams)
-            self._check_background(req)
-        log = EventLog() if req.stream else None
-        self.store.hold(StoredResponse(skeleton, _turns(conv), input_items(req.input), log))
-        self.runs.start(skeleton.id, self._background(req, run, skeleton, conv, log),
-                        lambda: self.chat.abort(run.streams))
-        if log is not None:
-            return SSEResponse(_sse_lines(log.follow(-1)))
-        return Response(skeleton.model_dump_json(), media_type="application/json")
-
-    async def _background(self, req: ResponsesRequest, run: ChatRun, skeleton: ResponseObject,
-                          conv: Conversation, log: EventLog | None) -> None:
-        """The task of a background response: its events into ``log``, its status
-        ``in_progress`` once it runs; ``_finish`` stores it finished, an engine failure or
-        refusal stores it ``failed`` (with a ``response.failed`` event)."""
-        events = ResponseEvents()
-        try:
-            async for event in self._run(req, run, skeleton, conv, events, []):
-                if event["type"] == "response.in_progress":
-                    self._restore(skeleton.id, lambda r: r.model_copy(
-                        update={"status": "in_progress"}))
-                if log is not None:
-                    log.append(event)
-        except (EngineDeadError, RequestRefused) as error:
-            failed = self._restore(skeleton.id, lambda r, e=error: failed_response(r, e))
-            if log is not None and failed is not None:
-                log.append(events.event("response.failed", response=failed.model_dump()))
-
-    def _background_ended(self, response_id: str, task: asyncio.Task) -> None:
-        """A background task ended (its engine requests aborted already): a cancelled or
-        crashed one is stored ``cancelled`` / ``failed``; its log closed, its hold released."""
-        stored = self.store.peek(response_id)
-        if stored is not None:
-            self._restore(response_id, lambda r: ended_response(r, task) or r)
-            if stored.log is not None:
-                stored.log.close()
-        self.store.release(response_id)
-
-    def _restore(self, response_id: str, change: Any) -> ResponseObject | None:
-        """Replace the stored response of ``response_id`` with ``change(response)``; None
-        when it is no longer stored."""
-        stored = self.store.peek(response_id)
-        if stored is None:
-            return None
-        stored.response = change(stored.response)
-        return stored.response
 
 
 def _turns(conv: Conversation) -> list[dict[str, Any]]:
@@ -514,9 +431,3 @@ def _turns(conv: Conversation) -> list[dict[str, Any]]:
     ``instructions`` dropped: OpenAI does not carry them over)."""
     return [m for m, path in zip(conv.messages, conv.paths, strict=True)
             if path != "instructions"]
-
-
-async def _sse_lines(events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """The events as SSE: ``event: <type>`` + ``data: <json>``."""
-    async for event in events:
-        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
