@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -73,11 +74,14 @@ def poll(server, response_id: str, timeout: float = 60) -> list[dict]:
     raise AssertionError(f"{response_id} still {seen[-1]['status']} after {timeout} s")
 
 
-def sse_events(resp: httpx.Response, stop_after_deltas: int | None = None) -> list[dict]:
+def sse_events(resp: httpx.Response, stop_after_deltas: int | None = None,
+               lines: Iterator[str] | None = None) -> list[dict]:
     """The events of an SSE body (``event:`` line checked against the data's type, each
     validated as the openai package's stream event); stops reading after
-    ``stop_after_deltas`` output_text deltas (the client leaves)."""
-    events, deltas, lines = [], 0, resp.iter_lines()
+    ``stop_after_deltas`` output_text deltas (the client leaves, or reads on from ``lines``,
+    the body's line iterator)."""
+    events, deltas = [], 0
+    lines = resp.iter_lines() if lines is None else lines
     for line in lines:
         if not line:
             continue
@@ -278,3 +282,22 @@ def test_bad_stream_resume_is_a_400_naming_the_parameter(server, params, param):
     resp = get(server, reply["id"], **params)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+# ---- shutdown (last: it stops this module's server) ----------------------------------------------
+def test_shutdown_fails_a_running_response_and_exits(server):
+    """SIGTERM while a background response generates (2 deltas streamed of the 200 asked):
+    its stream ends with ``response.failed`` (``server_error``, the shutdown's message), and
+    the server exits within seconds (nothing waits on the run)."""
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL, **BODY, "max_output_tokens": 200, "background": True,
+            "stream": True}) as resp:
+        lines = resp.iter_lines()
+        first = sse_events(resp, stop_after_deltas=2, lines=lines)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = sse_events(resp, lines=lines)
+    assert first[0]["response"]["status"] == "queued"
+    assert rest[-1]["type"] == "response.failed", rest[-1]
+    error = rest[-1]["response"]["error"]
+    assert error["code"] == "server_error" and "shutting down" in error["message"]
+    assert server.proc.wait(20) is not None
