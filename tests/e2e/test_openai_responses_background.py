@@ -286,15 +286,18 @@ def test_bad_stream_resume_is_a_400_naming_the_parameter(server, params, param):
 
 # ---- shutdown (last: it stops this module's server) ----------------------------------------------
 def test_shutdown_fails_a_running_response_and_exits(server):
-    """SIGTERM while a background response generates (2 deltas streamed of the 200 asked):
-    its stream ends with ``response.failed`` (``server_error``, the shutdown's message), and
-    the server exits within seconds (nothing waits on the run)."""
+    """SIGTERM while a background response generates (2 deltas streamed of the 200 asked;
+    the engine core held meanwhile, so the run cannot finish first on a fast machine): its
+    stream ends with ``response.failed`` (``server_error``, the shutdown's message), and the
+    server exits within seconds (nothing waits on the run)."""
     with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
             "model": MODEL, **BODY, "max_output_tokens": 200, "background": True,
             "stream": True}) as resp:
         lines = resp.iter_lines()
         first = sse_events(resp, stop_after_deltas=2, lines=lines)
-        server.proc.send_signal(signal.SIGTERM)
+        with core_held(server):
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
         rest = sse_events(resp, lines=lines)
     assert first[0]["response"]["status"] == "queued"
     assert rest[-1]["type"] == "response.failed", rest[-1]
