@@ -86,13 +86,19 @@ class ServerConfig:
                                "server exits with status 1 ('exit') or starts a new engine "
                                "('restart')", choices=["exit", "restart"])
     tool_call_parser: str = opt("hermes", "how tool calls are read from the output under "
-                                 "tool_choice=auto", choices=["hermes", "llama3_json"])
+                                 "tool_choice=auto (vLLM's parser names; see README 'Tool "
+                                 "calling')", choices=["hermes", "llama3_json", "mistral",
+                                                       "pythonic", "qwen3_coder"])
     exclude_tools_when_tool_choice_none: bool = opt(
         False, "leave a request's tools out of the chat template's prompt under "
         "tool_choice=none (default: the model still sees them and calls none, as with "
         "OpenAI; vLLM's flag of the same name)")
-    reasoning_parser: str | None = opt(None, "split <think>...</think> reasoning into "
-                                        "reasoning_content", choices=[None, "think"])
+    reasoning_parser: str | None = opt(None, "split the reply's reasoning into "
+                                        "reasoning_content: think (<think>...</think>), "
+                                        "qwen3 (the same; none under enable_thinking false), "
+                                        "deepseek_r1 (text before </think>), granite",
+                                        choices=[None, "think", "deepseek_r1", "qwen3",
+                                                 "granite"])
     chat_template: str | None = opt(None, "the Jinja chat template of every conversation "
                                     "(/v1/chat/completions, /tokenize messages), replacing "
                                     "the model's: a file, or the template itself (a value "

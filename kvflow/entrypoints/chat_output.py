@@ -1,4 +1,4 @@
-"""Reading a chat reply back: reasoning (``<think>``) and tool calls out of the generated text,
+"""Reading a chat reply back: reasoning and tool calls out of the generated text,
 for whole responses and for streams (see ``tool_parsers`` for the parsers)."""
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ from kvflow.entrypoints.protocol import (
     ToolCall,
 )
 from kvflow.entrypoints.tool_parsers import (
-    REASONING_PARSERS,
+    ReasoningParser,
     StreamingToolState,
-    ThinkReasoningParser,
     ToolParser,
-    new_tool_call_id,
+    make_reasoning_parser,
 )
 
-
-def make_reasoning_parser(name: str | None) -> ThinkReasoningParser | None:
-    return None if name is None else REASONING_PARSERS[name]()
+__all__ = ["ChatOutputParser", "make_reasoning_parser"]
 
 
 class ChatOutputParser:
@@ -29,7 +26,7 @@ class ChatOutputParser:
 
     Args:
         tool_parser: reads tool calls (None: the text is all content).
-        reasoning: splits off ``<think>`` reasoning (None: no split).
+        reasoning: splits off the reasoning (``--reasoning-parser``; None: no split).
         max_calls: the most tool calls a reply carries (1 for ``parallel_tool_calls: false``,
             which OpenAI honours under ``tool_choice: "auto"`` too; None: all). Later calls
             the model wrote are dropped, streamed or not.
@@ -39,7 +36,7 @@ class ChatOutputParser:
     """
 
     def __init__(self, tool_parser: ToolParser | None,
-                 reasoning: ThinkReasoningParser | None, max_calls: int | None = None,
+                 reasoning: ReasoningParser | None, max_calls: int | None = None,
                  calls_finish: str = "tool_calls") -> None:
         self.tool_parser, self.reasoning, self.max_calls = tool_parser, reasoning, max_calls
         self.calls_finish = calls_finish
@@ -47,6 +44,12 @@ class ChatOutputParser:
     @property
     def is_plain(self) -> bool:
         return self.tool_parser is None and self.reasoning is None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the reply must be decoded with special tokens (the tool parser's markers
+        are special tokens, as Mistral's ``[TOOL_CALLS]``)."""
+        return self.tool_parser is not None and self.tool_parser.keeps_special_tokens
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[ChatResponseMessage, str | None]:
@@ -61,7 +64,7 @@ class ChatOutputParser:
             return ChatResponseMessage(content=content or None if reasoning else content,
                                        reasoning_content=reasoning), finish_reason
         parsed = self.tool_parser.parse(content, True)
-        calls = [ToolCall(id=new_tool_call_id(),
+        calls = [ToolCall(id=self.tool_parser.new_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls if c.name][:self.max_calls]
         if not calls:

@@ -130,6 +130,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         prompt = await self.attach_images(req.messages, text, ids)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
+        if parser.keeps_special_tokens:  # the call markers are special tokens
+            params.skip_special_tokens = False
         self.check_admission(1)
         reply_id, request_id = request_ids(prefix, req.request_id)
         self.note_request(req, request_id)
@@ -137,7 +139,7 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             _refuse_for_beam_search(tool_grammar, prompt.mm_features)
             streams = self.start_beam_searches(
                 request_id, [(text, ids)], [params], [beam_params(req, params)],
-                req.priority, self.client_id(req, raw), lora, req.skip_special_tokens,
+                req.priority, self.client_id(req, raw), lora, params.skip_special_tokens,
                 req.cache_salt)
         else:
             streams = await self.add_requests(request_id, [(text, ids)], [params],
@@ -155,8 +157,11 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
             await check_tools_off_loop(req.tools, compile_schemas=mode in ("required", "named"))
         except RequestFieldError as e:
             raise OpenAIError(str(e), param=e.param, code=e.code) from None
+        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
+                           **(req.chat_template_kwargs or {})}
         return mode, ChatOutputParser(tool_parser_for(req, mode, self.config.tool_call_parser),
-                                      make_reasoning_parser(self.config.reasoning_parser),
+                                      make_reasoning_parser(self.config.reasoning_parser,
+                                                            template_kwargs),
                                       None if req.parallel_tool_calls else 1,
                                       "stop" if mode == "named" else "tool_calls")
 

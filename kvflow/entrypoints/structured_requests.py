@@ -289,7 +289,8 @@ def tool_parser_for(req: ChatCompletionRequest, mode: str | None,
     if mode == "required":
         return RequiredToolParser()
     if mode == "auto":
-        return make_tool_parser(auto_parser)
+        return make_tool_parser(auto_parser, [t.model_dump(exclude_none=True)
+                                              for t in req.tools or []])
     return None
 
 

@@ -1,0 +1,69 @@
+"""Tool-call and reasoning parsers for /v1/chat/completions and /v1/responses.
+
+Every parser is a pure function of the text generated so far: ``parse(text, final)`` returns
+the content, and the tool calls (name, arguments JSON text). Streaming re-parses the growing
+text and sends only what is new (``streaming.StreamingToolState``); a parser's content and
+each call's arguments only grow as the text does, so the streamed pieces always join to
+exactly the non-streamed reply. The JSON-based parsers scan spans of the model's JSON
+(``json_spans``), not a JSON grammar: under ``tool_choice`` required or named the grammar
+backend does the constraining. Streamed or not, a reply carries the same calls.
+
+One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
+``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``; ``forced`` reads
+grammar-forced output (``named``, ``required``); ``reasoning`` holds the
+``--reasoning-parser`` choices; ``base`` the shared types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.entrypoints.tool_parsers.base import (
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    new_tool_call_id,
+)
+from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
+from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
+from kvflow.entrypoints.tool_parsers.pythonic import PythonicToolParser
+from kvflow.entrypoints.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from kvflow.entrypoints.tool_parsers.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    GraniteReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    ThinkReasoningParser,
+    make_reasoning_parser,
+)
+from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingToolState
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+    Qwen3CoderToolParser)}
+
+
+def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """The ``--tool-call-parser`` named ``name`` for a request offering ``tools`` (OpenAI's
+    shape; None: unknown, any function name is read).
+
+    Raises:
+        ValueError: for an unknown parser name, listing the choices.
+    """
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of "
+                         f"{sorted(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name](tools)
+
+
+__all__ = [
+    "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "GraniteReasoningParser",
+    "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "NamedToolParser",
+    "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
+    "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",
+    "StreamingToolState", "ThinkReasoningParser", "ToolParser", "make_reasoning_parser",
+    "make_tool_parser", "new_tool_call_id",
+]

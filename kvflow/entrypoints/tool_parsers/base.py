@@ -1,0 +1,160 @@
+"""Shared pieces of the tool-call parsers: the parsed-output types, the JSON-object call
+reader, and the ``ToolParser`` base every parser subclasses (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.entrypoints.json_spans import object_members
+
+
+# ---- parsed output -------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    """One tool call: ``name`` once its string is complete; ``arguments`` the raw JSON text
+    so far (complete when ``complete``)."""
+
+    name: str | None = None
+    arguments: str = ""
+    complete: bool = False
+
+
+@dataclass
+class ParsedOutput:
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def call_from_object(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[ParsedCall,
+                                                                                   int | None]:
+    """The call in the JSON object at ``text[start]``; returns it and the object's end. An
+    ended object without an arguments member has arguments ``{}`` (OpenAI's arguments are
+    JSON text; the stream sends that ``{}`` once the object ends)."""
+    members, end = object_members(text, start)
+    call = ParsedCall()
+    name_span = members.get("name")
+    if name_span is not None and name_span[1] is not None:
+        try:
+            name = json.loads(text[name_span[0]:name_span[1]])
+        except json.JSONDecodeError:
+            name = None
+        call.name = name if isinstance(name, str) and name else None
+    for key in args_keys:
+        if key in members:
+            a, b = members[key]
+            call.arguments = text[a:b] if b is not None else text[a:]
+            break
+    else:
+        if end is not None:
+            call.arguments = "{}"
+    call.complete = end is not None and call.name is not None and is_json(call.arguments)
+    return call, end
+
+
+def add_call(out: ParsedOutput, call: ParsedCall, end: int | None) -> None:
+    """Append ``call`` unless its object ended without a name: such an object is no call,
+    and skipping it keeps the later calls' indices the same streamed or not (a nameless
+    call is only ever the last, still-growing one)."""
+    if end is None or call.name is not None:
+        out.calls.append(call)
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def calls_or_content(out: ParsedOutput, text: str, final: bool) -> ParsedOutput:
+    """``out``, unless generation ended without one named call: then the model wrote no
+    usable call (``<tool_call>`` then no JSON, an object without a name, a call cut before
+    its name) and the whole text is content, so nothing it wrote is lost. The content the
+    stream sent before (the text before the call) is a prefix of it."""
+    if final and not any(c.name for c in out.calls):
+        return ParsedOutput(text)
+    return out
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolParser:
+    """Base: ``parse(text, final)``; subclasses set ``name`` and ``system_prompt``.
+
+    Args:
+        tools: the request's ``tools`` (OpenAI's shape, ``{"type": "function", "function":
+            {...}}``), or None when unknown (rendering history, tests). Parsers that type
+            values by the tool's schema (``qwen3_coder``) or refuse calls to functions the
+            request did not offer (``mistral``, ``pythonic``, ``qwen3_coder``,
+            ``deepseek_v3``: such text is content) read them.
+    """
+
+    name = "base"
+    #: the call markers are special tokens (``[TOOL_CALLS]``): the reply must be decoded with
+    #: them, whatever the request's ``skip_special_tokens`` (vLLM does the same)
+    keeps_special_tokens = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.schemas: dict[str, dict[str, Any]] | None = None if tools is None else {
+            t["function"]["name"]: t["function"].get("parameters") or {}
+            for t in tools if isinstance(t.get("function"), dict)}
+
+    def knows(self, name: str | None) -> bool:
+        """Whether ``name`` is a function the request offered (any name when tools are
+        unknown)."""
+        return bool(name) and (self.schemas is None or name in self.schemas)
+
+    def new_call_id(self) -> str:
+        """A fresh ``tool_calls[].id`` (OpenAI's ``call_`` + 24 hex digits)."""
+        return new_tool_call_id()
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        """Split the generated ``text`` so far into content and tool calls; ``final`` is set
+        once generation has ended (otherwise a possible start of a call is held back).
+
+        Raises:
+            NotImplementedError: on the base class; every parser overrides it.
+        """
+        raise NotImplementedError
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """Instructions for chat templates that do not render ``tools`` themselves.
+
+        Raises:
+            NotImplementedError: for a parser without instructions of its own (the base, and
+                the ``named`` and ``required`` parsers, whose output a grammar forces).
+        """
+        raise NotImplementedError
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """An earlier assistant turn's ``tool_calls`` (OpenAI's shape, ``arguments`` JSON text)
+        as the text this parser reads calls from, for chat templates that do not render
+        ``tool_calls`` themselves: ``parse(calls_text(calls), True)`` gives the calls back.
+
+        Raises:
+            NotImplementedError: for a parser without a text format of its own.
+        """
+        raise NotImplementedError
+
+
+def call_json(call: dict[str, Any], args_key: str) -> str:
+    """``{"name": ..., "<args_key>": ...}`` with the arguments text as given (``{}`` if
+    empty): the model wrote that text; re-encoding it would change what it sees."""
+    function = call["function"]
+    arguments = function["arguments"].strip() or "{}"
+    return (f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, '
+            f'"{args_key}": {arguments}}}')

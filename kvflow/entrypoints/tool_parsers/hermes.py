@@ -1,0 +1,72 @@
+"""``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes 2/3,
+Qwen2.5, Qwen3, SmolLM2 prompts); text before, between and after the blocks is content."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import (
+    ParsedOutput,
+    ToolParser,
+    add_call,
+    call_from_object,
+    call_json,
+    calls_or_content,
+    held_back,
+)
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        first = text.find(self.START)
+        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
+            return ParsedOutput(text if final else
+                                text[:len(text) - held_back(text, self.START)].rstrip())
+        out = ParsedOutput(text[:first].rstrip())
+        pos = first
+        while pos >= 0:
+            start = skip_ws(text, pos + len(self.START))
+            if start >= len(text) or text[start] != "{":
+                break
+            call, end = call_from_object(text, start, ("arguments", "parameters"))
+            add_call(out, call, end)
+            if end is None:
+                break
+            pos = self._text_after(out, text, end, final)
+        return calls_or_content(out, text, final)
+
+    def _text_after(self, out: ParsedOutput, text: str, end: int, final: bool) -> int:
+        """Add the text after the call object ending at ``end`` (past its ``</tool_call>``,
+        up to the next ``<tool_call>``) to ``out.content``, stripped, on a line of its own,
+        once a named call was read (before one, ``calls_or_content`` may yet make the whole
+        text content); returns the next call's start, or -1. While streaming, a possible start of a tag and
+        trailing whitespace wait (the content only ever grows)."""
+        i = skip_ws(text, end)
+        if text.startswith(self.END, i):
+            i += len(self.END)
+        elif not final and self.END.startswith(text[i:]):
+            return -1  # the closing tag may be coming
+        pos = text.find(self.START, i)
+        after = text[i:pos] if pos >= 0 else \
+            text[i:len(text) - (0 if final else held_back(text, self.START))]
+        after = after.strip()
+        if after and any(c.name for c in out.calls):  # else the text may all be content
+            out.content = f"{out.content}\n{after}" if out.content else after
+        return pos
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You may call one or more functions to assist with the user query. The "
+                f"functions are:\n<tools>\n{listing}\n</tools>\nFor each function call, return "
+                "a JSON object with the function name and arguments within <tool_call></tool_call>"
+                ' tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+                "\n</tool_call>")
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{self.START}\n{call_json(c, 'arguments')}\n{self.END}"
+                         for c in calls)

@@ -1,0 +1,201 @@
+"""``qwen3_coder``: Qwen3-Coder's XML calls, each in its own block::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A value is the text between the tags less one newline at each end, typed by the tool's JSON
+schema (``schema_value``): a string stays text, integers / numbers / booleans / null are
+read, objects and arrays are read as JSON (else as a Python literal); text that does not
+read as its type stays a string. Text before the first ``<tool_call>`` is content; text
+between and after the blocks is dropped. Streaming sends ``{`` once the function's name is
+read, then each parameter as its closing tag arrives, then ``}``: the pieces join to the
+whole reply's arguments. A call to a function the request did not offer ends the reading
+(with no call read, the whole reply is content).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from typing import Any
+
+from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import (
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    calls_or_content,
+    held_back,
+)
+
+
+class Qwen3CoderToolParser(ToolParser):
+    name = "qwen3_coder"
+    START, END = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAM, PARAM_END = "<parameter=", "</parameter>"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        first = text.find(self.START)
+        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
+            return ParsedOutput(text if final else
+                                text[:len(text) - held_back(text, self.START)].rstrip())
+        out = ParsedOutput(text[:first].rstrip())
+        pos = first
+        while pos >= 0:
+            call, end = self._read_call(text, pos + len(self.START))
+            if call is None:
+                break
+            out.calls.append(call)
+            if end is None:
+                break
+            pos = text.find(self.START, end)
+        return calls_or_content(out, text, final)
+
+    def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
+        """The call whose ``<function=`` is at or after ``text[i]`` (None until its name is
+        read, or if it never is) and the end of its block (None while it is open)."""
+        i = skip_ws(text, i)
+        close = text.find(">", i)
+        if not text.startswith(self.FUNCTION, i) or close < 0:
+            return None, None
+        name = text[i + len(self.FUNCTION):close].strip()
+        if not name or any(c.isspace() or c in "<>" for c in name) or not self.knows(name):
+            return None, None
+        properties = ((self.schemas or {}).get(name) or {}).get("properties") or {}
+        pieces, j, complete = [], close + 1, False
+        while True:
+            j = skip_ws(text, j)
+            if text.startswith(self.FUNCTION_END, j):
+                j, complete = j + len(self.FUNCTION_END), True
+                break
+            read = self._read_parameter(text, j) if text.startswith(self.PARAM, j) else None
+            if read is None:
+                break
+            key, raw, j = read
+            value = schema_value(raw, properties.get(key))
+            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                          f"{json.dumps(value, ensure_ascii=False)}")
+        arguments = "{" + ", ".join(pieces) + ("}" if complete else "")
+        if not complete:
+            return ParsedCall(name, arguments), None
+        after = skip_ws(text, j)
+        return ParsedCall(name, arguments, True), \
+            after + len(self.END) if text.startswith(self.END, after) else j
+
+    def _read_parameter(self, text: str, j: int) -> tuple[str, str, int] | None:
+        """(name, value text, index after it) of the ``<parameter=`` at ``text[j]``, None
+        until it is closed: by ``</parameter>``, or, if the model left that out, by the next
+        ``<parameter=`` or ``</function>``."""
+        close = text.find(">", j)
+        if close < 0:
+            return None
+        ends = [(k, len(tag) if tag == self.PARAM_END else 0)
+                for tag in (self.PARAM_END, self.PARAM, self.FUNCTION_END)
+                if (k := text.find(tag, close + 1)) >= 0]
+        if not ends:
+            return None
+        k, skip = min(ends)
+        raw = text[close + 1:k]
+        raw = raw.removeprefix("\n")
+        raw = raw.removesuffix("\n")
+        return text[j + len(self.PARAM):close].strip(), raw, k + skip
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
+                "To call one, reply with:\n<tool_call>\n<function=name>\n<parameter=arg>\n"
+                "value\n</parameter>\n</function>\n</tool_call>")
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """Each call as its XML block; a string value as its text, others as JSON."""
+        return "\n".join(_call_xml(c["function"]) for c in calls)
+
+
+def _call_xml(function: dict[str, Any]) -> str:
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        arguments = {}
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+        "\n</parameter>\n" for k, v in (arguments if isinstance(arguments, dict) else {}).items())
+    return f"<tool_call>\n<function={function['name']}>\n{params}</function>\n</tool_call>"
+
+
+def _schema_types(schema: dict[str, Any] | None) -> list[str]:
+    """The JSON types a schema allows (``type``, a list of them, or ``anyOf`` / ``oneOf``)."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    return [k for s in schema.get("anyOf") or schema.get("oneOf") or []
+            for k in _schema_types(s)]
+
+
+def _number(s: str) -> int | float:
+    try:
+        return int(s)
+    except ValueError:
+        value = float(s)
+    if not math.isfinite(value):
+        raise ValueError(s)
+    return value
+
+
+def _integer(s: str) -> int:
+    value = _number(s)
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(s)
+    return int(value)
+
+
+def _container(kind: type) -> Any:
+    def read(s: str) -> Any:
+        try:
+            value = json.loads(s)
+        except json.JSONDecodeError:
+            value = ast.literal_eval(s)  # a Python literal (single quotes, True)
+        if not isinstance(value, kind):
+            raise TypeError(s)
+        return value
+    return read
+
+
+_READERS = {
+    "integer": _integer,
+    "number": _number,
+    "boolean": lambda s: {"true": True, "false": False}[s.lower()],
+    "null": lambda s: {"null": None, "none": None}[s.lower()],
+    "object": _container(dict),
+    "array": _container((list, tuple)),
+}
+
+
+def schema_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """The value of a parameter's text ``raw`` as its JSON ``schema`` types it: the first of
+    its non-string types the stripped text reads as, else the text itself (a string, or a
+    parameter without a type / not in the schema)."""
+    for kind in _schema_types(schema):
+        reader = _READERS.get(kind)
+        if reader is None:
+            continue
+        try:
+            value = reader(raw.strip())
+            json.dumps(value, allow_nan=False)
+            return list(value) if isinstance(value, tuple) else value
+        except (ValueError, KeyError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+    return raw
