@@ -9,7 +9,8 @@ exactly the non-streamed reply. The JSON-based parsers scan spans of the model's
 backend does the constraining. Streamed or not, a reply carries the same calls.
 
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
-``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``; ``forced`` reads
+``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``deepseek_v3``;
+``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -24,6 +25,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     new_tool_call_id,
 )
+from kvflow.entrypoints.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
 from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -43,7 +45,7 @@ from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingTool
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-    Qwen3CoderToolParser)}
+    Qwen3CoderToolParser, DeepSeekV3ToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -60,7 +62,8 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 
 
 __all__ = [
-    "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "GraniteReasoningParser",
+    "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
+    "GraniteReasoningParser",
     "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "NamedToolParser",
     "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
     "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",

@@ -78,11 +78,8 @@ class MistralToolParser(ToolParser):
             if not _NAME.match(name) or not self.knows(name):
                 return
             start = skip_ws(text, args + len(self.ARGS))
-            if start >= len(text):
-                out.calls.append(ParsedCall(name))
-                return
-            if text[start] != "{":
-                return
+            if start >= len(text) or text[start] != "{":
+                return  # a call is read (and streamed) from its "{" on
             end = object_members(text, start)[1]
             arguments = text[start:end]  # to the text's end while the object is open
             out.calls.append(ParsedCall(name, arguments, end is not None and is_json(arguments)))
