@@ -57,7 +57,7 @@ WELL_FORMED = [
     ("pythonic", PYTHONIC, None,
      [("get_weather", ('{"city": "San Francisco", "days": 3, "opts": {"units": "metric", '
                       '"hours": [6, 18]}, "ok": true, "units": null}')), ("get_time", "{}")]),
-    ("pythonic", LLAMA4, None, [("get_time", '{"tz": "UTC"}')]),
+    ("llama4_pythonic", LLAMA4, None, [("get_time", '{"tz": "UTC"}')]),
     ("qwen3_coder", QWEN3_CODER, "I will check.",
      [("get_weather", ('{"city": "New York", "days": 3, "units": null, "opts": {"a": [1, 2]}, '
                       '"ok": false, "t": -25.0, "tags": ["x", "y"], '
@@ -303,8 +303,8 @@ def test_flags_accept_vllm_names_and_refuse_others():
         assert config("--model", "M", "--tool-call-parser", name).tool_call_parser == name
     for name in REASONING_PARSERS:
         assert config("--model", "M", "--reasoning-parser", name).reasoning_parser == name
-    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "mistral",
-                                    "pythonic", "qwen3_coder"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "llama4_pythonic",
+                                    "mistral", "pythonic", "qwen3_coder"]
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "qwen3", "think"]
     with pytest.raises(ValueError, match="tool_call_parser='bogus'.*qwen3_coder"):
         ServerConfig(tool_call_parser="bogus")

@@ -88,8 +88,8 @@ class ServerConfig:
     tool_call_parser: str = opt("hermes", "how tool calls are read from the output under "
                                  "tool_choice=auto (vLLM's parser names; see README 'Tool "
                                  "calling')", choices=["hermes", "llama3_json", "mistral",
-                                                       "pythonic", "qwen3_coder",
-                                                       "deepseek_v3"])
+                                                       "pythonic", "llama4_pythonic",
+                                                       "qwen3_coder", "deepseek_v3"])
     exclude_tools_when_tool_choice_none: bool = opt(
         False, "leave a request's tools out of the chat template's prompt under "
         "tool_choice=none (default: the model still sees them and calls none, as with "

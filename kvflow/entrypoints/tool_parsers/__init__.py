@@ -9,7 +9,8 @@ exactly the non-streamed reply. The JSON-based parsers scan spans of the model's
 backend does the constraining. Streamed or not, a reply carries the same calls.
 
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
-``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``deepseek_v3``;
+``hermes``, ``llama3_json``, ``mistral``, ``pythonic`` (and ``llama4_pythonic``),
+``qwen3_coder``, ``deepseek_v3``;
 ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
@@ -30,7 +31,10 @@ from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredTool
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
 from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
 from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
-from kvflow.entrypoints.tool_parsers.pythonic import PythonicToolParser
+from kvflow.entrypoints.tool_parsers.pythonic import (
+    Llama4PythonicToolParser,
+    PythonicToolParser,
+)
 from kvflow.entrypoints.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from kvflow.entrypoints.tool_parsers.reasoning import (
     REASONING_PARSERS,
@@ -45,7 +49,7 @@ from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingTool
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-    Qwen3CoderToolParser, DeepSeekV3ToolParser)}
+    Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -64,7 +68,7 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
     "GraniteReasoningParser",
-    "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "NamedToolParser",
+    "HermesToolParser", "Llama3JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
     "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
     "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",
     "StreamingToolState", "ThinkReasoningParser", "ToolParser", "make_reasoning_parser",

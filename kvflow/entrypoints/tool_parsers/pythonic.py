@@ -80,6 +80,12 @@ class PythonicToolParser(ToolParser):
         return "[" + ", ".join(_call_expr(c["function"]) for c in calls) + "]"
 
 
+class Llama4PythonicToolParser(PythonicToolParser):
+    """vLLM's name for the same format on Llama 4 (``<|python_start|>`` ... optional)."""
+
+    name = "llama4_pythonic"
+
+
 def _call_expr(function: dict[str, Any]) -> str:
     try:
         arguments = json.loads(function.get("arguments") or "{}")
