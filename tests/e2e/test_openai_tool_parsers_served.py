@@ -1,0 +1,94 @@
+"""vLLM's ``--tool-call-parser mistral`` and ``--reasoning-parser qwen3`` through the server on
+the tiny random model: it cannot decide to call a tool or to think, so a regex forces text in
+the format (as test_openai_structured.py does for Hermes); the server must read the calls and
+the reasoning back, whole and streamed. ``mistral`` decodes replies with special tokens, so
+the EOS token's text must not reach ``content`` (vLLM never outputs a stop token's text)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+MODEL = "tiny"
+ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--block-size", "8",
+        "--max-model-len", "256", "--served-model-name", MODEL,
+        "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3"]
+TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} "
+            "{% endfor %}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+            "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>"
+            "{% endif %}{% if enable_thinking is defined and not enable_thinking %}"
+            "{% endif %}")  # reads enable_thinking (a key no template reads is a 400)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+FORCED = r'<think>hm</think>Sure\.\[TOOL_CALLS\]add\[ARGS\]\{"a": 7\}'
+
+
+def prestart_servers(fixture):
+    model = fixture("built_models").with_chat_template("tiny_tool_parsers",
+                                                       fixture("tiny_llama").path, TEMPLATE)
+    return [(model, ARGS, None)]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def _chat(client, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0,
+        max_tokens=120, extra_body={"structured_outputs": {"regex": FORCED},
+                                    **kwargs.pop("extra_body", {})}, **kwargs)
+
+
+def _streamed(stream):
+    """(content, reasoning, [(name, arguments, id)], finish_reason) joined from the chunks."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", "", ""])
+                if d.id:
+                    entry[0], entry[2] = d.function.name, d.id
+                entry[1] += d.function.arguments or ""
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_mistral_calls_and_qwen3_reasoning_whole_and_streamed(client):
+    choice = _chat(client).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure."  # no EOS text, though decoded with specials
+    assert choice.message.reasoning_content == "hm"
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 7}')
+    assert len(call.id) == 9 and call.id.isalnum()
+    content, reasoning, calls, finish = _streamed(_chat(client, stream=True))
+    assert (content, reasoning, finish) == ("Sure.", "hm", "tool_calls")
+    assert [c[:2] for c in calls] == [("add", '{"a": 7}')] and len(calls[0][2]) == 9
+
+
+def test_enable_thinking_false_leaves_the_text_to_the_tool_parser(client):
+    choice = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                   ).choices[0]
+    assert choice.message.content == "<think>hm</think>Sure."
+    assert getattr(choice.message, "reasoning_content", None) is None
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 7}
+
+
+def test_a_reply_without_calls_has_no_eos_text(client):
+    """The reply is decoded with special tokens for ``[TOOL_CALLS]``; the EOS token that ended
+    it is not content (it was: ``Plain.<eos>``)."""
+    forced = {"extra_body": {"structured_outputs": {"regex": r"Plain\."}}}
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS,
+                                            temperature=0, max_tokens=20, **forced).choices[0]
+    assert (choice.message.content, choice.message.tool_calls or [], choice.finish_reason) == \
+        ("Plain.", [], "stop")
+    content, _, calls, finish = _streamed(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=20,
+        stream=True, **forced))
+    assert (content, calls, finish) == ("Plain.", [], "stop")
