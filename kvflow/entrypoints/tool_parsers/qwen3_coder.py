@@ -164,6 +164,12 @@ def _integer(s: str) -> int:
 
 def _container(kind: type) -> Any:
     def read(s: str) -> Any:
+        """``s`` as a JSON (or Python literal) value of type ``kind``.
+
+        Raises:
+            TypeError: for a value of another type; ValueError / SyntaxError for text that
+                is neither JSON nor a Python literal.
+        """
         try:
             value = json.loads(s)
         except json.JSONDecodeError:
