@@ -48,15 +48,15 @@ def test_a_failing_step_aborts_its_requests_and_the_engine_recovers(llm, referen
                                                                       monkeypatch,
                                                                       assert_no_leaks):
     runner = llm.engine.core.executor.runner
-    real = runner.execute_model
+    real = runner.launch_forward  # a step's first part, which the worker calls
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(runner, "execute_model", broken)
+    monkeypatch.setattr(runner, "launch_forward", broken)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(["the lazy fox", "a second prompt"], GREEDY, use_tqdm=False)
-    monkeypatch.setattr(runner, "execute_model", real)
+    monkeypatch.setattr(runner, "launch_forward", real)
     assert_no_leaks(llm)
     assert llm.generate("the lazy fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
         reference
@@ -79,7 +79,7 @@ def test_a_failed_step_leaves_no_unwritten_kv_in_the_prefix_cache(llm, monkeypat
         raise error("simulated failure")
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner, "execute_model", broken)
+        patch.setattr(runner, "launch_forward", broken)
         with pytest.raises(error):
             llm.generate(prompt, GREEDY, use_tqdm=False)
     assert_no_leaks(llm)
