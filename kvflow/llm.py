@@ -74,7 +74,6 @@ class LLM(LLMPooling):
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    # ---- sleep mode (vLLM's; needs enable_sleep_mode=True) -----------------------------------
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory while the engine is idle: level 1 offloads the weights to
         host memory (on a CPU device they stay) and frees the KV cache; level 2 drops both

@@ -3,8 +3,8 @@
 CLI flags are generated from the section dataclasses' fields (``add_cli_args`` /
 ``from_cli_args``), and ``EngineConfig.from_kwargs`` routes ``LLM(**kwargs)`` to the right
 section, so a knob is declared once, with its help text, in the module of its section:
-model, cache, scheduler, device, parallel, multimodal, speculative, lora, server (one file
-each), the field helpers in options.py and the whole engine's config in engine.py.
+model, cache, scheduler, device, parallel, multimodal, speculative, lora, server, kv_events
+(one file each), the field helpers in options.py and the whole engine's config in engine.py.
 """
 
 from kvflow.config.cache import CacheConfig
@@ -27,6 +27,7 @@ from kvflow.config.device import (
     parse_cpu_list,
 )
 from kvflow.config.engine import EngineConfig
+from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
@@ -44,6 +45,7 @@ __all__ = [
     "CacheConfig",
     "DeviceConfig",
     "EngineConfig",
+    "KVEventsConfig",
     "LoRAConfig",
     "ModelConfig",
     "MultiModalConfig",

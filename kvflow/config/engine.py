@@ -10,6 +10,7 @@ from typing import Any
 
 from kvflow.config.cache import CacheConfig
 from kvflow.config.device import DeviceConfig
+from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
@@ -39,10 +40,11 @@ class EngineConfig:
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     structured_output_config: StructuredOutputConfig = field(
         default_factory=StructuredOutputConfig)
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         """Checks across sections (``speculative_config`` given as a dict or JSON string
-        becomes a SpeculativeConfig).
+        becomes a SpeculativeConfig, ``kv_events_config`` a KVEventsConfig).
 
         Raises:
             ValueError: for a swap_space given (any size, the default's too) without
@@ -54,6 +56,7 @@ class EngineConfig:
                 worker starts).
         """
         self._check_speculative()
+        self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
         if mode != "swap" and cc.swap_space is not None:  # only the swap host pool reads it
             raise ValueError(f"--swap-space {cc.swap_space} (swap_space) sizes the host pool "
@@ -112,13 +115,15 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``; a field's
         ``aliases``, e.g. vLLM's ``scheduling_policy`` for ``policy``, name it too);
-        ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig.
+        ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig,
+        ``kv_events_config`` a dict, a JSON string or a KVEventsConfig.
 
         Raises:
             ValueError: on an unknown keyword, listing the valid ones, a field given under
                 two names, or a bad value.
         """
         speculative = kwargs.pop("speculative_config", None)
+        kv_events = kwargs.pop("kv_events_config", None)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
         alias = {a.lstrip("-").replace("-", "_"): f.name for c in _SECTIONS.values()
@@ -130,15 +135,16 @@ class EngineConfig:
                 key = alias[key]
             if key not in owner:
                 raise ValueError(f"unknown engine option {key!r}; valid: "
-                                 f"{sorted([*owner, 'speculative_config'])}")
+                                 f"{sorted([*owner, 'speculative_config', 'kv_events_config'])}")
             parts[owner[key]][key] = value
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
-                   speculative_config=speculative)
+                   speculative_config=speculative, kv_events_config=kv_events)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add one ``--flag`` per config field (booleans get ``--no-`` forms), and
-        ``--speculative-config`` (a JSON object of SpeculativeConfig's fields)."""
+        ``--speculative-config`` and ``--kv-events-config`` (JSON objects of
+        SpeculativeConfig's and KVEventsConfig's fields)."""
         for sec_cls in _SECTIONS.values():
             group = parser.add_argument_group(sec_cls.__name__)
             for f in fields(sec_cls):
@@ -150,11 +156,18 @@ class EngineConfig:
                  "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
                  "\"model\": \"NAME\", \"num_speculative_tokens\": 4}'; keys (defaults): "
                  f"{keys} (default: off)")
+        keys = ", ".join(f"{f.name} ({f.default})" for f in fields(KVEventsConfig))
+        parser.add_argument_group("KVEventsConfig").add_argument(
+            "--kv-events-config", type=str, default=None,
+            help="KV cache events for KV-aware routers as a JSON object, e.g. "
+                 "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' "
+                 "(vLLM's keys; msgpack KVEventBatch on a ZeroMQ PUB socket); keys "
+                 f"(defaults): {keys} (default: off)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for c in _SECTIONS.values() for f in fields(c)}
-        names.add("speculative_config")
+        names.update(("speculative_config", "kv_events_config"))
         return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,14 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvflow.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
+
 
 @dataclass(eq=False)
 class KVCacheBlock:
@@ -77,6 +85,15 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[int, KVCacheBlock] = {}
+        # KV cache events (off: None, and nothing below creates an event)
+        self.kv_events: list[KVCacheEvent] | None = None
+        self._published: set[int] = set()  # hashes announced by a BlockStored
+        self._medium: str | None = None
+
+    def enable_kv_events(self, medium: str) -> None:
+        """Record KV cache events from now on (``take_kv_events`` drains them); ``medium``
+        is where the blocks live ("GPU", "CPU")."""
+        self.kv_events, self._medium = [], medium
 
     # ---- queries -----------------------------------------------------------------------------
     @property
@@ -150,14 +167,61 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block
 
+    def record_stored(self, blocks: list[KVCacheBlock], hashes: list[int],
+                      parent_hash: int | None, block_size: int, lora_id: int | None) -> None:
+        """Publish (``BlockStored``) the blocks of one request's chain that ``cache_full_block``
+        just indexed: ``blocks[i]`` is the chain's block of hash ``hashes[i]``, the first
+        one following ``parent_hash``. A block not indexed under its hash (the null block,
+        or a copy while an identical block serves the prefix) or published already splits
+        the run: each event is a consecutive chain. Call only with events on.
+        """
+        run: list[KVCacheBlock] = []
+        for block, h in zip(blocks, hashes):
+            if h not in self._published and self._cached.get(h) is block:
+                run.append(block)
+                continue
+            self._store_run(run, parent_hash, block_size, lora_id)
+            run, parent_hash = [], h
+        self._store_run(run, parent_hash, block_size, lora_id)
+
+    def _store_run(self, run: list[KVCacheBlock], parent_hash: int | None, block_size: int,
+                   lora_id: int | None) -> None:
+        if not run:
+            return
+        self._published.update(b.block_hash for b in run)
+        self.kv_events.append(BlockStored(
+            block_hashes=[external_block_hash(b.block_hash) for b in run],
+            parent_block_hash=None if parent_hash is None else external_block_hash(parent_hash),
+            token_ids=[t for b in run for t in b.token_ids], block_size=block_size,
+            lora_id=lora_id, medium=self._medium))
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (empty with events off)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix held by free blocks (used blocks keep their hashes)."""
+        """Forget every cached prefix held by free blocks (used blocks keep their hashes).
+        With events on: ``AllBlocksCleared`` when no published block is left, else one
+        ``BlockRemoved`` per forgotten published block."""
+        num_events = len(self.kv_events) if self.kv_events is not None else 0
         for block in list(self._free.values()):
             self._evict_hash(block)
+        if self.kv_events is not None and not self._published:
+            del self.kv_events[num_events:]
+            self.kv_events.append(AllBlocksCleared())
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
+        h = block.block_hash
+        if h is not None and self._cached.get(h) is block:
+            del self._cached[h]
+            if self.kv_events is not None and h in self._published:
+                self._published.discard(h)
+                self.kv_events.append(BlockRemoved(block_hashes=[external_block_hash(h)],
+                                                   medium=self._medium))
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def check_invariants(self) -> None:
@@ -168,3 +232,4 @@ class BlockPool:
             assert (block.ref_cnt == 0) == (block.block_id in self._free), block
         for h, block in self._cached.items():
             assert block.block_hash == h, block
+        assert self._published <= self._cached.keys()

@@ -19,6 +19,8 @@ from kvflow.core.engine_steps import step_async, step_sync, step_with_batch_queu
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
 from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
+from kvflow.core.kv_event_publisher import make_kv_event_publisher
+from kvflow.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventBatch
 from kvflow.core.kv_swap import SwapManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.sleep_mode import EngineSleep
@@ -71,6 +73,7 @@ class EngineCore:
         self._init_kv_cache()
         self._init_scheduler()
         self._init_structured_output()
+        self._init_kv_events()
         self.sleep_mode = EngineSleep(config.model_config.enable_sleep_mode)
         self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
 
@@ -286,6 +289,31 @@ class EngineCore:
             num_compile_threads=so.structured_output_compile_threads,
             max_compile_threads=so.structured_output_max_compile_threads)
 
+    def _init_kv_events(self) -> None:
+        """KV cache events (``kv_events_config``): the block pool records them and a
+        publisher sends each step's batch (``kvflow/core/kv_event_publisher.py``); off, the
+        publisher is None and the pool creates no event.
+
+        Raises:
+            ValueError: with prefix caching off, or if the publisher's sockets cannot open.
+        """
+        self.kv_event_publisher = None
+        kc = self.config.kv_events_config
+        if kc is None or not kc.enable_kv_cache_events:
+            return
+        medium = MEDIUM_CPU if self.platform.name == "cpu" else MEDIUM_GPU
+        self.kv_cache_manager.enable_kv_events(medium)
+        self.kv_event_publisher = make_kv_event_publisher(
+            kc, self.config.parallel_config.data_parallel_rank)
+
+    def _publish_kv_events(self) -> None:
+        """Send the KV cache events recorded since the last batch (none: nothing sent)."""
+        events = self.kv_cache_manager.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(
+                ts=time.time(), events=events,
+                data_parallel_rank=self.config.parallel_config.data_parallel_rank))
+
     def _make_grammar_backend(self):
         from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
         from kvflow.structured.xgrammar_backend import XgrammarBackend
@@ -349,6 +377,8 @@ class EngineCore:
         is unfinished: its blocks are indexed as they fill and would serve hits once it ends,
         so the reset would be partial; running requests are never touched either way.
 
+        With KV cache events on, the reset's events (``AllBlocksCleared``) go out now.
+
         Returns:
             True once the cache is empty; False (nothing changed) while requests are
             unfinished.
@@ -356,6 +386,8 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             return False
         self.kv_cache_manager.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
         return True
 
     # ---- requests ----------------------------------------------------------------------------
@@ -415,8 +447,10 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (idempotent)."""
+        """Stop the executor's workers and the KV event publisher (idempotent)."""
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -424,10 +458,13 @@ class EngineCore:
         of the step variants (``kvflow/core/engine_steps.py``), by how the executor runs."""
         failed = self._finish_failed_compiles()
         if self.executor.max_concurrent_batches > 1:
-            return failed + step_with_batch_queue(self)
-        self._time_last_step(time.perf_counter())
-        outputs = step_async(self) if self.scheduler.async_scheduling else step_sync(self)
-        self._last_step = (self._last_step[0], time.perf_counter())
+            outputs = step_with_batch_queue(self)
+        else:
+            self._time_last_step(time.perf_counter())
+            outputs = step_async(self) if self.scheduler.async_scheduling else step_sync(self)
+            self._last_step = (self._last_step[0], time.perf_counter())
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
         return failed + outputs
 
     def _finish_failed_compiles(self) -> list[EngineCoreOutput]:

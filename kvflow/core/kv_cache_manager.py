@@ -19,6 +19,10 @@ extra key of its first block only, as vLLM mixes it in: every later block chains
 hash, so only requests with the same salt share any block; an unsalted request's hashes are
 unchanged.
 
+KV cache events (``enable_kv_events``): the blocks of group 0 (full attention where the model
+has any) that join or leave the prefix cache, keyed by the chain hash a router can follow;
+other groups' blocks are indexed under group keys (``cache_key``) no router computes.
+
 KV-cache groups (layers with different attention spans, see ``core/kv_cache_utils.py``): one
 ``SingleTypeKVCacheManager`` per group keeps that group's block table of every request, all
 drawn from one ``BlockPool``; every group is handled the same way, through its manager. A hit
@@ -31,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvflow.core.kv_events import KVCacheEvent
 from kvflow.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     make_single_type_manager,
@@ -238,6 +243,16 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(rid, request.block_hashes, request.all_token_ids, start, end)
         self._num_hashed[rid] = end
+        if self.pool.kv_events is not None:
+            self._record_stored(request, start, end)
+
+    def _record_stored(self, request: Request, start: int, end: int) -> None:
+        """Publish group 0's blocks ``[start, end)`` of the request that are now indexed."""
+        hashes = request.block_hashes
+        lora = request.lora_request
+        self.pool.record_stored(self._group0_blocks[request.request_id][start:end],
+                                hashes[start:end], hashes[start - 1] if start else None,
+                                self.block_size, lora.lora_int_id if lora is not None else None)
 
     def _fits(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's block tables already cover ``num_new_tokens`` more tokens
@@ -315,8 +330,27 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes of every free block (blocks a request holds keep
-        theirs: see ``EngineCore.reset_prefix_cache``)."""
+        theirs: see ``EngineCore.reset_prefix_cache``, ``BlockPool.reset_prefix_cache``)."""
         self.pool.reset_prefix_cache()
+
+    # ---- KV cache events ---------------------------------------------------------------------
+    def enable_kv_events(self, medium: str) -> None:
+        """Record KV cache events (``kvflow/core/kv_events.py``) of the prefix cache from now
+        on; ``medium`` is where the blocks live ("GPU", "CPU").
+
+        Raises:
+            ValueError: with prefix caching off (only a request's own samples could share
+                its blocks: nothing a router could route to).
+        """
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_events_config enable_kv_cache_events=true needs prefix "
+                             "caching, and this engine runs without it (enable_prefix_caching=False, "
+                             "or a model that keeps no cache or pools more than its last token)")
+        self.pool.enable_kv_events(medium)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call, oldest first (none when off)."""
+        return self.pool.take_kv_events()
 
 
 def _with_image_keys(extra: object, request: Request, start: int, end: int) -> object:

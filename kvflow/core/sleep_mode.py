@@ -67,7 +67,7 @@ class EngineSleep:
         if core.has_unfinished_requests():
             raise ValueError(f"cannot sleep with {busy} request(s) in flight: sleep needs an "
                              "idle engine (wait for them to finish, or abort them)")
-        core.kv_cache_manager.reset_prefix_cache()  # its blocks point into freed tensors
+        core.reset_prefix_cache()  # its blocks point into freed tensors
         encoder = core.scheduler.encoder
         if encoder is not None:  # the runners drop their encoder outputs too
             encoder.forget(set(encoder.cached))

@@ -1,0 +1,88 @@
+"""BlockPool's KV cache events, by hand: which blocks a BlockStored names (consecutive runs of
+newly indexed blocks, each with the hash before it as parent), and what a reset reports when
+some blocks are still in use (BlockRemoved for the forgotten ones) or none (AllBlocksCleared).
+"""
+
+from __future__ import annotations
+
+from kvflow.core.block_pool import BlockPool, hash_block_tokens
+from kvflow.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 2
+LOW = 2**64 - 1
+
+
+def chain_hashes(tokens: list[int]) -> list[int]:
+    out, parent = [], None
+    for i in range(len(tokens) // BS):
+        parent = hash_block_tokens(parent, tuple(tokens[i * BS:(i + 1) * BS]))
+        out.append(parent)
+    return out
+
+
+def index(pool: BlockPool, blocks, tokens: list[int]) -> list[int]:
+    hashes = chain_hashes(tokens)
+    for i, (b, h) in enumerate(zip(blocks, hashes)):
+        pool.cache_full_block(b, h, hashes[i - 1] if i else None,
+                              tuple(tokens[i * BS:(i + 1) * BS]))
+    return hashes
+
+
+def test_off_records_nothing():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(2)
+    index(pool, blocks, [1, 2, 3, 4])
+    pool.free_blocks(blocks)
+    pool.reset_prefix_cache()
+    assert pool.kv_events is None and pool.take_kv_events() == []
+
+
+def test_runs_split_at_blocks_another_block_serves():
+    pool = BlockPool(16)
+    pool.enable_kv_events("GPU")
+    a_tokens, b_tokens = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8, 9, 10]
+    a = pool.get_new_blocks(3)
+    ha = index(pool, a, a_tokens)
+    pool.record_stored(a, ha, None, BS, None)
+    b = pool.get_new_blocks(4)  # same step: blocks 0-1 are copies of a's
+    hb = index(pool, b, b_tokens)
+    pool.record_stored(b, hb, None, BS, 3)
+    events = pool.take_kv_events()
+    assert events == [
+        BlockStored([h & LOW for h in ha], None, a_tokens, BS, None, "GPU"),
+        BlockStored([hb[2] & LOW, hb[3] & LOW], hb[1] & LOW, [7, 8, 9, 10], BS, 3, "GPU")]
+    assert pool.take_kv_events() == []
+    pool.record_stored(a, ha, None, BS, None)  # published already: nothing again
+    assert pool.take_kv_events() == []
+    pool.check_invariants()
+
+
+def test_reset_with_blocks_in_use_removes_only_the_free_ones():
+    pool = BlockPool(8)
+    pool.enable_kv_events("CPU")
+    a = pool.get_new_blocks(2)
+    ha = index(pool, a, [1, 2, 3, 4])
+    pool.record_stored(a, ha, None, BS, None)
+    pool.free_blocks([a[1]])  # a[0] stays in use
+    pool.take_kv_events()
+    pool.reset_prefix_cache()
+    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU")]
+    pool.free_blocks([a[0]])
+    pool.reset_prefix_cache()
+    assert pool.take_kv_events() == [AllBlocksCleared()]
+    pool.check_invariants()
+
+
+def test_eviction_for_reuse_is_removed_once():
+    pool = BlockPool(3)  # two usable blocks
+    pool.enable_kv_events("CPU")
+    a = pool.get_new_blocks(2)
+    ha = index(pool, a, [1, 2, 3, 4])
+    pool.record_stored(a, ha, None, BS, None)
+    pool.free_blocks(list(reversed(a)))  # tail first: a[1] is evicted first
+    pool.take_kv_events()
+    pool.get_new_blocks(1)
+    assert pool.take_kv_events() == [BlockRemoved([ha[1] & LOW], "CPU")]
+    pool.get_new_blocks(1)
+    assert pool.take_kv_events() == [BlockRemoved([ha[0] & LOW], "CPU")]
+    pool.check_invariants()

@@ -1,0 +1,269 @@
+"""KV cache events (vLLM's ``kv_events_config``), received by a ZeroMQ SUB socket here.
+
+Oracles, by hand: a prompt's tokens are the HF tokenizer's ids sliced by ``BLOCK_SIZE``; each
+full block's hash is ``hash_block_tokens`` chained over those slices (parent = the previous
+block's hash), cut to its low 64 bits; the wire format is read back with msgspec's untyped
+msgpack decoder (plain lists, vLLM's field order). Eviction: the ``BlockRemoved`` hashes are
+exactly the stored ones that left the pool's hash table. Bad configs: ValueError naming the
+field, before any model loads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from transformers import AutoTokenizer
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig, KVEventsConfig
+from kvflow.core.block_pool import hash_block_tokens
+from kvflow.core.kv_event_publisher import END_OF_REPLAY, ZmqEventPublisher, offset_endpoint
+from kvflow.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_kv_event_batch,
+)
+
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 40  # 39 usable blocks: 156 tokens
+SHARED = "the quick brown fox jumps over a lazy dog while kvflow pages keys"
+PROMPTS = [SHARED + " and values through blocks of tokens;",
+           SHARED + " prefix caching reuses them, chunked prefill splits long"]
+LONG = " ".join(["preemption recomputes what it evicted"] * 8)
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)  # KV of the prompt only
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def make_llm(tiny, tmp_path, **events) -> LLM:
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", **events}
+    return LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+               num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True, kv_events_config=cfg)
+
+
+class Subscriber:
+    """A SUB socket on the engine's endpoint; ``drain`` returns ``(seq, raw payload)``."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> None:
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.connect(endpoint)
+        time.sleep(0.3)  # PUB/SUB: messages sent before the subscription lands are dropped
+
+    def drain(self, topic: bytes = b"") -> list[tuple[int, bytes]]:
+        out = []
+        while self.sock.poll(1000):
+            frames = self.sock.recv_multipart()
+            assert len(frames) == 3 and frames[0] == topic and len(frames[1]) == 8
+            out.append((int.from_bytes(frames[1], "big"), frames[2]))
+        return out
+
+
+def chain(token_ids: list[int]) -> list[tuple[int, int | None, list[int]]]:
+    """(hash, parent hash, tokens) of each full block, 64-bit, computed by hand."""
+    out, parent = [], None
+    for i in range(len(token_ids) // BLOCK_SIZE):
+        block = token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        h = hash_block_tokens(parent, tuple(block))
+        out.append((h & (2**64 - 1), None if parent is None else parent & (2**64 - 1), block))
+        parent = h
+    return out
+
+
+def events_of(messages: list[tuple[int, bytes]]) -> list:
+    return [e for _, payload in messages for e in decode_kv_event_batch(payload).events]
+
+
+def stored_blocks(events: list) -> dict[int, tuple[int | None, list[int]]]:
+    """Each stored hash -> (its parent, its tokens); checks that every event is a chain."""
+    out: dict[int, tuple[int | None, list[int]]] = {}
+    for e in events:
+        if not isinstance(e, BlockStored):
+            continue
+        assert e.block_size == BLOCK_SIZE and e.medium == "CPU" and e.lora_id is None
+        assert len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes)
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            assert h not in out, "a block stored twice"
+            out[h] = (parent, e.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            parent = h
+    return out
+
+
+def test_stored_blocks_are_the_prompts_chains_and_evictions_are_removed(tiny, tmp_path,
+                                                                         assert_no_leaks):
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    llm = make_llm(tiny, tmp_path)
+    ctx = zmq.Context()
+    try:
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/pub")
+        outs = llm.generate(PROMPTS, ONE_TOKEN, use_tqdm=False)  # both in one step
+        ids = [tok(p).input_ids for p in PROMPTS]
+        assert [o.prompt_token_ids for o in outs] == ids
+        messages = sub.drain()
+        assert [seq for seq, _ in messages] == list(range(len(messages)))
+        stored = stored_blocks(events_of(messages))
+        expected = {h: (parent, block) for p in ids for h, parent, block in chain(p)}
+        shared = sum(1 for a, b in zip(*(chain(p) for p in ids)) if a == b)
+        assert shared >= 2  # the prompts share whole blocks, stored once
+        assert stored == expected
+        pool = llm.engine.core.kv_cache_manager.pool
+        assert {h & (2**64 - 1) for h in pool._cached} == set(expected)
+
+        # a long prompt evicts least recently freed blocks: exactly those are removed
+        (out,) = llm.generate([LONG], ONE_TOKEN, use_tqdm=False)
+        events = events_of(sub.drain())
+        removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        assert all(e.medium == "CPU" for e in events if isinstance(e, BlockRemoved))
+        stored.update(stored_blocks(events))
+        assert set(stored_blocks(events)) == {h for h, _, _ in chain(out.prompt_token_ids)}
+        in_pool = {h & (2**64 - 1) for h in pool._cached}
+        assert removed and len(removed) == len(set(removed))
+        assert set(removed) == set(stored) - in_pool
+        assert_no_leaks(llm)
+
+        # reset: every block is free, so the cache empties: AllBlocksCleared
+        assert llm.reset_prefix_cache() is True
+        events = events_of(sub.drain())
+        assert [type(e) for e in events] == [AllBlocksCleared]
+        assert not pool._cached
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_wire_format_and_replay_of_missed_batches(tiny, tmp_path):
+    """Raw msgpack in vLLM's field order; the replay socket resends what a late subscriber
+    missed, byte for byte, then the end marker."""
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    llm = make_llm(tiny, tmp_path, topic="kv")
+    ctx = zmq.Context()
+    try:
+        llm.generate(PROMPTS[:1], ONE_TOKEN, use_tqdm=False)  # nobody listens yet
+        time.sleep(0.3)
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/pub", b"kv")
+        llm.generate(PROMPTS[1:], ONE_TOKEN, use_tqdm=False)
+        live = sub.drain(b"kv")
+        assert live and live[0][0] > 0
+        dealer = ctx.socket(zmq.DEALER)  # many replies to one request: not a REQ socket
+        dealer.connect(f"ipc://{tmp_path}/replay")
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            assert dealer.poll(5000)
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_OF_REPLAY:
+                assert payload == b""
+                break
+            replayed.append((int.from_bytes(seq, "big"), payload))
+        assert [s for s, _ in replayed] == list(range(len(replayed)))
+        assert replayed[-len(live):] == live  # the same bytes
+        missed = replayed[:-len(live)]
+        assert [s for s, _ in missed] == list(range(live[0][0]))
+        # raw decode: [ts, [[tag, hashes, parent, tokens, block_size, lora_id, medium]], rank]
+        ts, events, rank = msgspec.msgpack.decode(missed[0][1])
+        assert rank == 0 and abs(ts - time.time()) < 60
+        first = tok(PROMPTS[0]).input_ids
+        (h0, _, block0), (h1, _, block1) = chain(first)[:2]
+        assert events[0][:4] == ["BlockStored", events[0][1], None, events[0][3]]
+        assert events[0][1][:2] == [h0, h1] and events[0][3][:8] == block0 + block1
+        assert events[0][4:] == [BLOCK_SIZE, None, "CPU"]
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_off_by_default_creates_no_events(tiny):
+    llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+              num_kv_blocks=NUM_KV_BLOCKS)
+    llm.generate(PROMPTS, ONE_TOKEN, use_tqdm=False)
+    core = llm.engine.core
+    assert core.kv_event_publisher is None and core.kv_cache_manager.pool.kv_events is None
+    assert len(core.kv_cache_manager.pool._cached) > 0  # blocks were cached, silently
+
+
+def test_null_publisher_records_and_drops(tiny):
+    llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+              num_kv_blocks=NUM_KV_BLOCKS,
+              kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
+    llm.generate(PROMPTS[:1], ONE_TOKEN, use_tqdm=False)
+    pool = llm.engine.core.kv_cache_manager.pool
+    assert pool.kv_events == []  # drained after the step
+    assert pool._published == set(pool._cached)
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ({"enable_kv_cache_events": True, "publisher": "kafka"}, "publisher"),
+    ({"enable_kv_cache_events": True, "endpoint": "localhost:5557"}, "endpoint"),
+    ({"enable_kv_cache_events": True, "endpoint": "tcp://*:99999"}, "endpoint"),
+    ({"enable_kv_cache_events": True, "replay_endpoint": "http://x:1"}, "replay_endpoint"),
+    ({"enable_kv_cache_events": True, "buffer_steps": 0}, "buffer_steps"),
+    ({"enable_kv_cache_events": True, "hwm": -1}, "hwm"),
+    ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events"),
+    ({"enable_kv_cache_events": True, "endpont": "tcp://*:1"}, "endpont"),
+    ('{"enable_kv_cache_events": true,', "kv_events_config is not valid JSON"),
+    ("[1]", "kv_events_config must be a JSON object"),
+])
+def test_bad_config_is_refused_naming_the_field(value, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs(model="x", kv_events_config=value)
+
+
+def test_cli_flag_and_defaults():
+    from kvflow.entrypoints.cli import build_parser
+
+    flag = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6001", "topic": "t"}'
+    args = build_parser().parse_args(["serve", "--kv-events-config", flag])
+    kc = EngineConfig.from_cli_args(args).kv_events_config
+    assert (kc.publisher, kc.endpoint, kc.topic, kc.replay_endpoint) == \
+        ("zmq", "tcp://*:6001", "t", None)
+    assert (kc.buffer_steps, kc.hwm, kc.max_queue_size) == (10_000, 100_000, 100_000)
+    assert KVEventsConfig().publisher == "null"  # vLLM: zmq only once events are on
+    default = build_parser().parse_args(["serve"])
+    assert EngineConfig.from_cli_args(default).kv_events_config is None
+
+
+def test_endpoint_in_use_and_data_parallel_offsets(tmp_path):
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    try:
+        for field, cfg in (("endpoint", {"endpoint": f"tcp://*:{port}"}),
+                           ("replay_endpoint", {"endpoint": f"ipc://{tmp_path}/a",
+                                                "replay_endpoint": f"tcp://*:{port}"})):
+            with pytest.raises(ValueError, match=f"{field}=.*cannot (bind|connect)"):
+                ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, **cfg))
+    finally:
+        ctx.destroy(linger=0)
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("inproc://kv", 3) == "inproc://kv_dp3"
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+
+
+def test_prefix_caching_off_is_refused(tiny):
+    with pytest.raises(ValueError, match="enable_kv_cache_events=true needs prefix caching"):
+        LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False,
+            kv_events_config={"enable_kv_cache_events": True})
+
+
+def test_batch_round_trip_types():
+    batch = KVEventBatch(ts=1.5, events=[BlockStored([1, 2], None, [5] * 8, 4, 7, "GPU"),
+                                         BlockRemoved([2], "GPU"), AllBlocksCleared()],
+                         data_parallel_rank=1)
+    raw = msgspec.msgpack.encode(batch)
+    assert msgspec.msgpack.decode(raw) == [1.5, [
+        ["BlockStored", [1, 2], None, [5] * 8, 4, 7, "GPU"], ["BlockRemoved", [2], "GPU"],
+        ["AllBlocksCleared"]], 1]
+    assert decode_kv_event_batch(raw) == batch
