@@ -1,6 +1,9 @@
-"""Cost of KV cache events: the same offline batch on two engines in one process, events off
-and events on (ZeroMQ publisher on an ipc:// socket with a SUB socket reading it in a
-thread), alternating rounds (machines are noisy; compare medians).
+"""Cost of KV cache events: the same offline batch with events off and on, alternating rounds
+on one engine (machines are noisy; compare medians). The engine starts with events on (ZeroMQ
+publisher on an ipc:// socket, read by a SUB socket in another process, as a router would);
+an "off" round detaches the publisher and the pool's event list, which is what an engine
+started without events runs (one engine, so start-up choices such as timed kernels cannot
+differ between the two modes).
 
 Each round's prompts are new (a shared 64-word prefix, then words drawn for the round), and
 the pool is small (``--num-kv-blocks``), so every round stores blocks and evicts earlier
@@ -15,10 +18,10 @@ timed too: on a shared machine that figure is steadier than the tok/s ratio. Evi
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import statistics
 import tempfile
-import threading
 import time
 
 import zmq
@@ -38,37 +41,38 @@ def prompts_for(round_index: int, num_prompts: int) -> list[str]:
             for _ in range(num_prompts)]
 
 
-class Reader:
-    """A SUB socket drained by a thread: counts batches, events and bytes."""
+def read_events(endpoint: str, ready, stop, totals) -> None:
+    """A SUB socket (its own process): counts batches, blocks stored and removed, bytes."""
+    counts = {"batches": 0, "stored": 0, "removed": 0, "bytes": 0}
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    ready.set()
+    while not stop.is_set() or sock.poll(200):
+        if not sock.poll(100):
+            continue
+        _, _, payload = sock.recv_multipart()
+        batch = decode_kv_event_batch(payload)
+        counts["batches"] += 1
+        counts["bytes"] += len(payload)
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                counts["stored"] += len(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                counts["removed"] += len(e.block_hashes)
+    ctx.destroy(linger=0)
+    totals.update(counts)
 
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.counts = {"batches": 0, "stored": 0, "removed": 0, "bytes": 0}
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        while not self.stop:
-            if not self.sock.poll(100):
-                continue
-            _, _, payload = self.sock.recv_multipart()
-            batch = decode_kv_event_batch(payload)
-            self.counts["batches"] += 1
-            self.counts["bytes"] += len(payload)
-            for e in batch.events:
-                if isinstance(e, BlockStored):
-                    self.counts["stored"] += len(e.block_hashes)
-                elif isinstance(e, BlockRemoved):
-                    self.counts["removed"] += len(e.block_hashes)
-
-    def close(self) -> None:
-        self.stop = True
-        self.thread.join()
-        self.ctx.destroy(linger=0)
+def set_events(llm: LLM, on: bool, publisher) -> None:
+    """Events on (the pool records, the publisher sends) or off (as without kv_events_config:
+    no publisher, no event list). Hashes evicted while off leave the published set when events
+    come back on; those indexed while off are never announced."""
+    core, pool = llm.engine.core, llm.engine.core.kv_cache_manager.pool
+    core.kv_event_publisher = publisher if on else None
+    pool.kv_events = [] if on else None
+    pool._published.intersection_update(pool._cached)
 
 
 EVENT_SECONDS = [0.0]
@@ -108,37 +112,42 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=160)
     args = ap.parse_args()
     endpoint = f"ipc://{tempfile.mkdtemp()}/kv-events"
-    common = {"model": args.model, "dtype": "float32", "block_size": 16,
-              "num_kv_blocks": args.num_kv_blocks, "enable_prefix_caching": True}
-    engines = {"off": LLM(**common),
-               "on": LLM(**common, kv_events_config={"enable_kv_cache_events": True,
-                                                     "endpoint": endpoint})}
-    reader = Reader(endpoint)
-    instrument(engines["on"])
+    llm = LLM(model=args.model, dtype="float32", block_size=16,
+              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=True,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint})
+    publisher = llm.engine.core.kv_event_publisher
+    mp = multiprocessing.get_context("spawn")
+    manager = mp.Manager()
+    counts = manager.dict()
+    ready, stop = mp.Event(), mp.Event()
+    reader = mp.Process(target=read_events, args=(endpoint, ready, stop, counts))
+    reader.start()
+    ready.wait()
     time.sleep(0.3)
+    instrument(llm)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for llm in engines.values():  # warm-up
-        run_round(llm, prompts_for(-1, 2), params)
+    run_round(llm, prompts_for(-1, 2), params)  # warm-up
     rates: dict[str, list[float]] = {"off": [], "on": []}
     EVENT_SECONDS[0], on_seconds = 0.0, 0.0
     for r in range(args.rounds):
         order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
         for name in order:
+            set_events(llm, name == "on", publisher)
             start = time.perf_counter()
-            rates[name].append(run_round(engines[name], prompts_for(r, args.num_prompts),
-                                         params))
+            rates[name].append(run_round(llm, prompts_for(r * 2 + (name == "on"),
+                                                          args.num_prompts), params))
             on_seconds += time.perf_counter() - start if name == "on" else 0.0
         print(f"round {r}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in order),
               flush=True)
-    time.sleep(0.5)
-    reader.close()
+    set_events(llm, True, publisher)
+    stop.set()
+    reader.join()
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     print(f"median tok/s: off {off:.1f}, on {on:.1f}, on/off {on / off:.3f}")
     print(f"event work on the engine's thread: {EVENT_SECONDS[0] * 1e3:.1f} ms of "
           f"{on_seconds:.1f} s generating ({EVENT_SECONDS[0] / on_seconds:.2%})")
-    print("events received: " + ", ".join(f"{k} {v}" for k, v in reader.counts.items()))
-    for llm in engines.values():
-        llm.shutdown()
+    print("events received: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    llm.shutdown()
 
 
 if __name__ == "__main__":
