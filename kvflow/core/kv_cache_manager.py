@@ -344,8 +344,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             raise ValueError("kv_events_config enable_kv_cache_events=true needs prefix "
-                             "caching, and this engine runs without it (enable_prefix_caching=False, "
-                             "or a model that keeps no cache or pools more than its last token)")
+                             "caching, and this engine runs without it (turned off, or a model that "
+                             "keeps no KV cache or pools more than its last token)")
         self.pool.enable_kv_events(medium)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
