@@ -266,3 +266,28 @@ def test_batch_round_trip_types():
         ["BlockStored", [1, 2], None, [5] * 8, 4, 7, "GPU"], ["BlockRemoved", [2], "GPU"],
         ["AllBlocksCleared"]], 1]
     assert decode_kv_event_batch(raw) == batch
+
+
+def test_data_parallel_replicas_publish_on_their_own_endpoints(tiny, tmp_path):
+    """Two replicas: replica r binds the endpoint with ``_dp{r}`` (ipc) and stamps rank r.
+    Two prompts with no common first block go to replica 0 then 1 (no prefix affinity; least
+    depth), so each replica stores exactly its prompt's chain."""
+    prompts = [PROMPTS[0], "prefix caching reuses them, chunked prefill splits long prompts"]
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    base = f"ipc://{tmp_path}/pub"
+    llm = LLM(model=tiny.path, dtype="float32", block_size=BLOCK_SIZE,
+              num_kv_blocks=NUM_KV_BLOCKS, data_parallel_size=2,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": base})
+    ctx = zmq.Context()
+    try:
+        subs = [Subscriber(ctx, base), Subscriber(ctx, base + "_dp1")]
+        llm.generate(prompts, ONE_TOKEN, use_tqdm=False)
+        for rank, (sub, prompt) in enumerate(zip(subs, prompts)):
+            batches = [decode_kv_event_batch(p) for _, p in sub.drain()]
+            assert batches and all(b.data_parallel_rank == rank for b in batches)
+            stored = stored_blocks([e for b in batches for e in b.events])
+            assert stored == {h: (parent, block)
+                              for h, parent, block in chain(tok(prompt).input_ids)}
+    finally:
+        llm.shutdown()
+        ctx.destroy(linger=0)
