@@ -147,19 +147,26 @@ class IncrementalDetokenizer:
         """True after a stop string matched or an update with ``finished=True``."""
         return self._done
 
-    def update(self, new_token_ids: Sequence[int], finished: bool) -> DetokenizerDelta:
+    def update(self, new_token_ids: Sequence[int], finished: bool,
+               stop_terminated: bool = False) -> DetokenizerDelta:
         """Consume newly generated ids and return the text that may be emitted now.
 
         Args:
             new_token_ids: Ids generated since the previous call (may be empty).
             finished: True when the request ends with these ids (EOS, length, abort): all
                 held-back text is flushed.
+            stop_terminated: the last of ``new_token_ids`` is a stop token (the EOS or one
+                of ``stop_token_ids``) that ended the request: its text is left out unless
+                ``include_stop_str_in_output`` (vLLM v1's rule: a stop token ends the text,
+                it is not part of it; its id stays in the output's token ids).
 
         Returns:
             The delta; ``stop_str`` is set when a stop string completed.
         """
         if self._done:
             return DetokenizerDelta("")
+        if stop_terminated and not self._include_stop and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
         before_min = self._min_tokens - len(self._ids)
         if 0 < before_min < len(new_token_ids):  # stops start counting inside these ids
             first = self._update(new_token_ids[:before_min], finished=False)

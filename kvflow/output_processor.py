@@ -178,7 +178,11 @@ class OutputProcessor:
         finish = (eco.finish_reason, eco.stop_reason) if eco.finish_reason else None
         stopped_by_string = False
         if sample.detokenizer is not None:
-            delta, used = self._detokenize(sample.detokenizer, new_token_ids, finish is not None)
+            # finished by a stop token (the EOS: stop_reason None; or a stop_token_ids id)
+            stop_token = finish is not None and finish[0] == "stop" and \
+                not isinstance(finish[1], str)
+            delta, used = self._detokenize(sample.detokenizer, new_token_ids, finish is not None,
+                                           stop_token)
             if delta.stop_str is not None:
                 stopped_by_string = finish is None or used < len(new_token_ids)
                 finish = ("stop", delta.stop_str)
@@ -197,14 +201,17 @@ class OutputProcessor:
 
     @staticmethod
     def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int],
-                    finished: bool) -> tuple[DetokenizerDelta, int]:
+                    finished: bool, stop_token: bool = False) -> tuple[DetokenizerDelta, int]:
         """Detokenize ``token_ids``; with stop strings and several tokens, one token at a time
-        until one completes a stop string. Returns the delta and the tokens it used."""
+        until one completes a stop string. Returns the delta and the tokens it used.
+        ``stop_token``: the last id is the stop token that ended the request (its text is
+        left out: ``IncrementalDetokenizer.update``'s ``stop_terminated``)."""
         if len(token_ids) <= 1 or not detokenizer.has_stop_strings:
-            return detokenizer.update(token_ids, finished), len(token_ids)
+            return detokenizer.update(token_ids, finished, stop_token), len(token_ids)
         text = []
         for i, token_id in enumerate(token_ids):
-            delta = detokenizer.update([token_id], finished and i == len(token_ids) - 1)
+            last = i == len(token_ids) - 1
+            delta = detokenizer.update([token_id], finished and last, stop_token and last)
             text.append(delta.text)
             if delta.stop_str is not None:
                 return DetokenizerDelta("".join(text), delta.stop_str), i + 1

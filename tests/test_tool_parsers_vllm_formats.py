@@ -314,20 +314,3 @@ def test_flags_accept_vllm_names_and_refuse_others():
         make_tool_parser("bogus")
     with pytest.raises(ValueError, match="choose one of.*granite"):
         make_reasoning_parser("bogus")
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    ("Hello there", "Hello there", None),
-    (MISTRAL_NAMED, "Sure", WELL_FORMED[1][3]),
-])
-def test_eos_text_is_not_content_when_decoded_with_special_tokens(text, content, calls):
-    """``mistral`` replies are decoded with special tokens, so the EOS token's text ends the
-    finished reply (the last delta carries it whole): it is dropped, streamed or not."""
-    out = ChatOutputParser(make_tool_parser("mistral", TOOLS), None, end_text="</s>")
-    finish = "tool_calls" if calls else "stop"
-    assert _whole(out, text + "</s>") == (content, None, calls, finish)
-    for pieces in _pieces(text):
-        pieces[-1] += "</s>"
-        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, finish), pieces
-    plain = ChatOutputParser(make_tool_parser("mistral", TOOLS), None)
-    assert _whole(plain, "Hi</s>")[0] == "Hi</s>"  # only the text it is told to drop

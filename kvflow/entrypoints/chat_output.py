@@ -33,16 +33,13 @@ class ChatOutputParser:
         calls_finish: the finish reason of a reply that stopped with tool calls:
             ``tool_calls``, or ``stop`` under a named ``tool_choice`` (OpenAI's answers,
             streamed or not; vLLM aligned with them in its PR 25054).
-        end_text: text dropped from the end of a finished reply: the EOS token's, when the
-            reply is decoded with special tokens for the tool parser (``keeps_special_tokens``;
-            vLLM never puts a stop token's text in the output).
     """
 
     def __init__(self, tool_parser: ToolParser | None,
                  reasoning: ReasoningParser | None, max_calls: int | None = None,
-                 calls_finish: str = "tool_calls", end_text: str = "") -> None:
+                 calls_finish: str = "tool_calls") -> None:
         self.tool_parser, self.reasoning, self.max_calls = tool_parser, reasoning, max_calls
-        self.calls_finish, self.end_text = calls_finish, end_text
+        self.calls_finish = calls_finish
 
     @property
     def is_plain(self) -> bool:
@@ -62,8 +59,6 @@ class ChatOutputParser:
         written (partial when ``max_tokens`` cut it, and possibly not valid JSON: OpenAI
         documents that clients must check), and text the parser treats as a call is never
         repeated as content."""
-        if self.end_text:
-            text = text.removesuffix(self.end_text)
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
         if self.tool_parser is None:  # all reasoning: no content (null), as streamed
             return ChatResponseMessage(content=content or None if reasoning else content,
@@ -80,8 +75,7 @@ class ChatOutputParser:
         return message, self.calls_finish if finish_reason == "stop" else finish_reason
 
     def stream_state(self) -> StreamingToolState:
-        return StreamingToolState(self.tool_parser, self.reasoning, self.max_calls,
-                                  self.end_text)
+        return StreamingToolState(self.tool_parser, self.reasoning, self.max_calls)
 
     def delta(self, state: StreamingToolState, text: str, finish_reason: str | None
               ) -> tuple[DeltaMessage | None, str | None]:

@@ -130,9 +130,8 @@ class OpenAIServingChat(ChatRendering, OpenAIServing):
         prompt = await self.attach_images(req.messages, text, ids)
         text, ids = _truncated(text, prompt.token_ids, limit, prompt.mm_features)
         params = self._params(req, ids, tool_grammar)
-        if parser.keeps_special_tokens:  # the call markers are special tokens; the EOS
-            params.skip_special_tokens = False  # token's text is not output (as in vLLM)
-            parser.end_text = getattr(self.engine.tokenizer, "eos_token", None) or ""
+        if parser.keeps_special_tokens:  # the call markers are special tokens
+            params.skip_special_tokens = False
         self.check_admission(1)
         reply_id, request_id = request_ids(prefix, req.request_id)
         self.note_request(req, request_id)

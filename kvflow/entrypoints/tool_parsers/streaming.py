@@ -29,15 +29,12 @@ class StreamingToolState:
         reasoning: the reasoning parser, or None.
         max_calls: the most calls to send (1 for ``parallel_tool_calls: false``; None: all);
             later calls in the text are dropped.
-        end_text: text dropped from the end of the finished reply (the EOS token's, which
-            the last delta carries whole; see ``ChatOutputParser``).
     """
 
     def __init__(self, parser: ToolParser | None,
                  reasoning: ReasoningParser | None = None,
-                 max_calls: int | None = None, end_text: str = "") -> None:
+                 max_calls: int | None = None) -> None:
         self.parser, self.reasoning, self.max_calls = parser, reasoning, max_calls
-        self.end_text = end_text
         self.text = ""
         self._sent_reasoning = self._sent_content = 0
         self._sent_args: list[int] = []  # per call: argument characters sent (-1: no header)
@@ -46,8 +43,6 @@ class StreamingToolState:
     def update(self, delta_text: str, final: bool) -> StreamDelta:
         """Fold in new text; returns only what was not sent before."""
         self.text += delta_text
-        if final and self.end_text:
-            self.text = self.text.removesuffix(self.end_text)
         reasoning, content = (self.reasoning.split(self.text, final) if self.reasoning
                               else ("", self.text))
         out = StreamDelta(reasoning=reasoning[self._sent_reasoning:])
