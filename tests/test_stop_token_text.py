@@ -1,7 +1,7 @@
 """A stop token ends the text without being part of it (vLLM v1's detokenizer rule): the EOS
 or a ``stop_token_ids`` id keeps its id in ``token_ids`` but its text stays out of ``text``
-unless ``include_stop_str_in_output``, whatever ``skip_special_tokens`` says; streamed deltas
-join to the same text. Oracle: the tokenizer's decode of the ids without (or with) the last
+unless ``include_stop_str_in_output``, whatever ``skip_special_tokens`` says; the outputs
+seen step by step (``on_output``) end with the same text. Oracle: the tokenizer's decode of the ids without (or with) the last
 one."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_a_stop_token_text_is_left_out(llm):
             assert (out.token_ids, out.finish_reason, out.stop_reason) == (cut, "stop", stop)
             shown = cut if include else cut[:-1]
             assert out.text == tokenizer.decode(shown, skip_special_tokens=skip)
-            streamed = []
-            llm.generate(PROMPT, params, use_tqdm=False, on_output=lambda i, o: streamed.append(
-                o.outputs[0].text))
-            assert streamed[-1] == out.text
+            seen: list[str] = []
+            llm.generate(PROMPT, params, use_tqdm=False,
+                         on_output=lambda i, o, seen=seen: seen.append(o.outputs[0].text))
+            assert seen[-1] == out.text
 
 
 def test_the_eos_text_is_left_out_with_special_tokens(llm):
