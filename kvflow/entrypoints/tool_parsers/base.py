@@ -78,6 +78,18 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
+def until_marker(text: str, marker: str, final: bool) -> tuple[ParsedOutput, int]:
+    """The content before the first ``marker`` (where a parser's calls begin) and that
+    marker's index; without one (-1), the whole output: all of ``text`` once ``final``,
+    while streaming less a suffix that may start the marker and trailing whitespace (both
+    wait: the whitespace is dropped if a call follows)."""
+    first = text.find(marker)
+    if first < 0:
+        return ParsedOutput(text if final else
+                            text[:len(text) - held_back(text, marker)].rstrip()), -1
+    return ParsedOutput(text[:first].rstrip()), first
+
+
 def calls_or_content(out: ParsedOutput, text: str, final: bool) -> ParsedOutput:
     """``out``, unless generation ended without one named call: then the model wrote no
     usable call (``<tool_call>`` then no JSON, an object without a name, a call cut before

@@ -22,8 +22,8 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     calls_or_content,
-    held_back,
     is_json,
+    until_marker,
 )
 
 
@@ -35,11 +35,9 @@ class DeepSeekV3ToolParser(ToolParser):
     SEP, FENCE = "<｜tool▁sep｜>", "```json"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(self.CALLS_BEGIN)
-        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
-            return ParsedOutput(text if final else
-                                text[:len(text) - held_back(text, self.CALLS_BEGIN)].rstrip())
-        out = ParsedOutput(text[:first].rstrip())
+        out, first = until_marker(text, self.CALLS_BEGIN, final)
+        if first < 0:
+            return out
         pos = skip_ws(text, first + len(self.CALLS_BEGIN))
         while text.startswith(self.CALL_BEGIN, pos):
             call, end = self._read_call(text, pos + len(self.CALL_BEGIN))

@@ -15,6 +15,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     call_json,
     calls_or_content,
     held_back,
+    until_marker,
 )
 
 
@@ -23,11 +24,9 @@ class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(self.START)
-        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
-            return ParsedOutput(text if final else
-                                text[:len(text) - held_back(text, self.START)].rstrip())
-        out = ParsedOutput(text[:first].rstrip())
+        out, first = until_marker(text, self.START, final)
+        if first < 0:
+            return out
         pos = first
         while pos >= 0:
             start = skip_ws(text, pos + len(self.START))

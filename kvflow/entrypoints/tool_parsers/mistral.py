@@ -28,8 +28,8 @@ from kvflow.entrypoints.tool_parsers.base import (
     call_from_object,
     call_json,
     calls_or_content,
-    held_back,
     is_json,
+    until_marker,
 )
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+\Z")
@@ -41,11 +41,9 @@ class MistralToolParser(ToolParser):
     TOKEN, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(self.TOKEN)
-        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
-            return ParsedOutput(text if final else
-                                text[:len(text) - held_back(text, self.TOKEN)].rstrip())
-        out = ParsedOutput(text[:first].rstrip())
+        out, first = until_marker(text, self.TOKEN, final)
+        if first < 0:
+            return out
         pos = skip_ws(text, first + len(self.TOKEN))
         if pos < len(text) and text[pos] == "[":
             self._read_list(out, text, pos + 1)

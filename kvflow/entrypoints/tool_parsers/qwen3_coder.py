@@ -34,7 +34,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     calls_or_content,
-    held_back,
+    until_marker,
 )
 
 
@@ -45,11 +45,9 @@ class Qwen3CoderToolParser(ToolParser):
     PARAM, PARAM_END = "<parameter=", "</parameter>"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(self.START)
-        if first < 0:  # trailing whitespace waits: it is dropped if a call follows
-            return ParsedOutput(text if final else
-                                text[:len(text) - held_back(text, self.START)].rstrip())
-        out = ParsedOutput(text[:first].rstrip())
+        out, first = until_marker(text, self.START, final)
+        if first < 0:
+            return out
         pos = first
         while pos >= 0:
             call, end = self._read_call(text, pos + len(self.START))
