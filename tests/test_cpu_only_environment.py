@@ -14,7 +14,7 @@ import pytest
 
 from kvflow import LLM
 from kvflow.config import EngineConfig
-from kvflow.core import engine_core, unread_options
+from kvflow.core import engine_startup, unread_options
 from kvflow.core.unread_options import unread_setting_warnings, warn_unread_settings
 from kvflow.platforms.cpu import CpuPlatform
 
@@ -100,12 +100,12 @@ def test_logged_once_per_engine_by_replica_0(clean_env, caplog):
 
 def test_the_engine_warns_at_start_up(clean_env, caplog, tiny_llama):
     """The engine core's platform step logs the line once, before any model loads."""
-    clean_env.setattr(engine_core, "get_platform", lambda device: StandInGpu())
+    clean_env.setattr(engine_startup, "get_platform", lambda device: StandInGpu())
 
     def stop(self, source):
         raise StopAfterPlatform
 
-    clean_env.setattr(engine_core.EngineCore, "_init_model", stop)
+    clean_env.setattr(engine_startup.EngineCoreStartup, "_init_model", stop)
     clean_env.setenv("KVFLOW_CPU_GEMM", "native")
     with caplog.at_level(logging.WARNING, logger="kvflow"), pytest.raises(StopAfterPlatform):
         LLM(model=tiny_llama.path)

@@ -11,7 +11,7 @@ import pytest
 
 from kvflow import LLM
 from kvflow.config import DeviceConfig
-from kvflow.core import engine_core
+from kvflow.core import engine_startup
 from kvflow.entrypoints.cli import main
 from kvflow.platforms.cpu import CpuPlatform
 
@@ -26,7 +26,7 @@ class StandInGpu(CpuPlatform):
 def on_gpu(monkeypatch):
     """A stand-in GPU platform; KVFLOW_NATIVE_CPU unset (its 0 refuses the options that need
     the native CPU kernels first, whatever the device)."""
-    monkeypatch.setattr(engine_core, "get_platform", lambda device: StandInGpu())
+    monkeypatch.setattr(engine_startup, "get_platform", lambda device: StandInGpu())
     monkeypatch.delenv("KVFLOW_NATIVE_CPU", raising=False)
 
 

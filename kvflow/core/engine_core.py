@@ -1,59 +1,35 @@
 """EngineCore: the schedule -> execute -> update loop over one model.
 
 Offline use (``LLM``) drives it in-process; the server runs the same class in its own process.
-Its parts, one job each: ``engine_dtype`` (the compute dtype), ``kv_cache_sizing`` (the
-KV-cache config) and ``engine_steps`` (the step variants: lock-step, async, pipelined).
+Its parts, one job each: ``engine_startup`` (building the platform, model, executor, KV cache,
+scheduler, ...: EngineCore's base class), ``engine_dtype`` (the compute dtype),
+``kv_cache_sizing`` (the KV-cache config) and ``engine_steps`` (the step variants: lock-step,
+async, pipelined).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from typing import Any
 
-from kvflow.config import EngineConfig, SchedulerConfig
-from kvflow.core.encoder_cache_manager import EncoderCacheManager
-from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
+from kvflow.config import EngineConfig
+from kvflow.core.engine_startup import EngineCoreStartup
 from kvflow.core.engine_steps import step_async, step_sync, step_with_batch_queue
-from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.kv_cache_sizing import make_kv_cache_config, model_positions
-from kvflow.core.kv_cache_utils import kv_bytes_per_token, max_tokens_per_request
-from kvflow.core.kv_event_publisher import make_kv_event_publisher
-from kvflow.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventBatch
-from kvflow.core.kv_swap import SwapManager
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.kv_events import KVEventBatch
 from kvflow.core.sleep_mode import EngineSleep
-from kvflow.core.unread_options import (
-    check_cpu_only_options,
-    check_no_image_settings,
-    check_no_kv_cache_settings,
-    check_prefix_caching_pooling,
-    check_prompt_embeds_model,
-    warn_unread_settings,
-)
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.executor import StepFuture, make_executor
-from kvflow.kernels.cpu_threads import check_cpu_threads
-from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
-from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
-from kvflow.models.loader import load_hf_config, load_tokenizer
 from kvflow.models.model_resolver import ModelSource, resolve_model
-from kvflow.models.pooling_config import TASK_VERB, model_task, task_mismatch
-from kvflow.models.registry import is_multimodal, model_traits
-from kvflow.platforms import get_platform
+from kvflow.models.pooling_config import task_mismatch
 from kvflow.request import Request, RequestStatus
-from kvflow.sched_output import SchedulerOutput
-from kvflow.spec_decode.speculator import Speculator
-from kvflow.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 _IDLE_GAP_S = 0.05  # a longer pause between two steps is idle time, not step time
 
 
-class EngineCore:
+class EngineCore(EngineCoreStartup):
     """Owns the scheduler, the KV-cache manager and the executor.
 
     Construction reads as a checklist: platform, model config, executor (starts the workers,
@@ -77,235 +53,6 @@ class EngineCore:
         self.sleep_mode = EngineSleep(config.model_config.enable_sleep_mode)
         self.executor.freeze_worker_heaps()  # worker processes only (kvflow/gc_heap.py)
 
-    def _init_platform(self) -> None:
-        self.platform = get_platform(self.config.device_config.device)
-        dc = self.config.device_config
-        self.platform.check_kv_cache_dtype(
-            self.config.cache_config.kv_cache_dtype,
-            dc.attention_backend or self.platform.default_attention_backend)
-        sc = self.config.scheduler_config
-        if sc.max_num_batched_tokens is None:
-            sc.max_num_batched_tokens = self.platform.default_max_num_batched_tokens
-        fraction = self.config.cache_config.gpu_memory_utilization
-        fixed = self.platform.default_kv_cache_bytes
-        if fraction is not None and fixed is not None:  # it would size nothing here
-            raise ValueError(f"gpu_memory_utilization={fraction} sizes a GPU's KV cache; on "
-                             f"{self.platform.name} the KV cache is {fixed / 2**30:g} GiB "
-                             "unless --kv-cache-memory or --num-kv-blocks sets it")
-        check_cpu_only_options(self.config, self.platform)
-        warn_unread_settings(self.config, self.platform)
-
-    def _init_model(self, source: ModelSource) -> None:
-        self.source = source
-        self.hf_config = load_hf_config(
-            source, warn_unread=self.config.parallel_config.data_parallel_rank == 0,
-            hf_overrides=self.config.model_config.hf_overrides,
-            trust_remote_code=self.config.model_config.trust_remote_code)
-        mc = self.config.model_config  # a reranker's score head from LM-head rows: its tokens
-        resolve_classifier_tokens(self.hf_config, lambda: None if mc.skip_tokenizer_init else
-                                  load_tokenizer(source, mc.tokenizer, mc.download_dir,
-                                                 mc.tokenizer_options))
-        self.dtype = resolve_dtype(self.config.model_config.dtype, self.hf_config, self.platform,
-                                   cpu_dtype_measure(self.platform, self.config.device_config,
-                                                     self.hf_config))
-        self.config.parallel_config.verify_with_model(self.hf_config)
-        self._check_cpu_threads()
-        self._init_task(source)
-        # --max-model-len checked against the model before any worker loads weights
-        self.positions = model_positions(self.hf_config, self.config, self.is_encoder)
-        self.executor = make_executor(self.config, source, self.hf_config, self.dtype)
-        self._resolve_async_scheduling()
-        # Steps sent but not yet folded back in (pipeline parallelism keeps several).
-        self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
-
-    def _check_cpu_threads(self) -> None:
-        """On CPU, ``--cpu-threads`` / ``--cpu-threads-bind`` checked for every worker process
-        of this machine before any starts (Ray places workers on other machines: they check
-        their own).
-
-        Raises:
-            ValueError: see :func:`~kvflow.kernels.cpu_threads.resolve_threads`.
-        """
-        pc, dc = self.config.parallel_config, self.config.device_config
-        if self.platform.name == "cpu" and pc.executor_backend != "ray":
-            check_cpu_threads(dc.cpu_threads, dc.cpu_threads_bind,
-                              pc.data_parallel_size * pc.world_size,
-                              warn=pc.data_parallel_rank == 0)  # every replica checks all
-
-    def _init_task(self, source: ModelSource) -> None:
-        """``task`` (generate | embed), the pooling of an embedding model, and whether it is
-        an encoder (no KV cache, whole prompts per step).
-
-        Raises:
-            ValueError: for a task the model cannot run, or embedding with LoRA, speculative
-                decoding, swap preemption or pipeline parallelism; for an encoder, a KV-cache
-                setting (``unread_options.check_no_kv_cache_settings``); prefix caching asked
-                for where pooling turns it off (``check_prefix_caching_pooling``); for a
-                text-only model, an image setting (``check_no_image_settings``);
-                ``enable_prompt_embeds`` where nothing reads it
-                (``check_prompt_embeds_model``).
-        """
-        folder = source.path if source.kind == "hf" else None
-        self.task, self.pooler_config = model_task(self.config.model_config.task,
-                                                   self.hf_config, folder)
-        self.is_encoder = model_traits(self.hf_config)[1]
-        pooling, does = self.task != "generate", TASK_VERB[self.task]
-        if pooling and self.config.lora_config.enable_lora:
-            raise ValueError(f"enable_lora is for text generation; this engine {does} "
-                             f"(task={self.task!r})")
-        if pooling and self.config.scheduler_config.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' is not available for embedding models "
-                             "(a pooled prompt is recomputed when preempted)")
-        if pooling and self.config.speculative_config is not None:
-            raise ValueError(f"speculative decoding is for text generation; this engine "
-                             f"{does} (task={self.task!r})")
-        if pooling and self.config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("embedding models run without pipeline parallelism "
-                             "(pipeline_parallel_size=1)")
-        if self.is_encoder:
-            check_no_kv_cache_settings(self.config, self.hf_config)
-        else:
-            check_prefix_caching_pooling(self.config, self.pooler_config and
-                                         self.pooler_config.pooling_type)
-        check_no_image_settings(self.config, self.hf_config)
-        check_prompt_embeds_model(self.config, self.task, self.hf_config)
-
-    def _resolve_async_scheduling(self) -> None:
-        """--async-scheduling: the platform's default when not given (where the executor can
-        split steps).
-
-        Raises:
-            ValueError: if asked for with an executor that cannot split steps (several ranks),
-                or for an embedding engine.
-        """
-        sc = self.config.scheduler_config
-        if sc.async_scheduling is None:  # not with speculative decoding (see EngineConfig)
-            sc.async_scheduling = self.platform.default_async_scheduling and \
-                self.executor.supports_async_scheduling and \
-                self.config.speculative_config is None and self.task == "generate"
-        elif sc.async_scheduling and self.task != "generate":
-            raise ValueError(f"--async-scheduling is for text generation; this engine "
-                             f"{TASK_VERB[self.task]} (task={self.task!r}: nothing is sampled)")
-        elif sc.async_scheduling and not self.executor.supports_async_scheduling:
-            raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
-                             "it is not available with tensor or pipeline parallelism yet")
-        self._in_flight: SchedulerOutput | None = None  # async: sampled, not folded in
-
-    def _init_kv_cache(self) -> None:
-        cc = self.config.cache_config
-        positions = self.positions
-        if self.pooler_config is not None:  # sentence-transformers' max_seq_length
-            positions = self.pooler_config.cap_model_len(
-                positions, self.config.model_config.max_model_len)
-        self.kv_cache_config = make_kv_cache_config(self.executor, self.config, self.is_encoder,
-                                                    self.dtype)
-        self.num_blocks = self.kv_cache_config.num_blocks
-        self.executor.initialize_kv_cache(self.kv_cache_config)
-        capacity = max_tokens_per_request(self.kv_cache_config,
-                                          self.config.scheduler_config.max_num_batched_tokens)
-        model_len = self.config.model_config.max_model_len or positions or capacity
-        if model_len > capacity:
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
-                           model_len, capacity)
-        self.max_model_len = min(model_len, capacity)
-        # why max_model_len is what it is, for the refusal of a prompt that does not fit
-        self.max_model_len_note = "" if model_len <= capacity else (
-            f" (capped from {model_len}: the KV cache holds {capacity} tokens per request; "
-            "raise --num-kv-blocks or --kv-cache-memory for longer contexts)")
-        self.executor.capture_graphs(self.max_model_len)
-        self.weight_bytes = self.executor.weight_bytes
-        self.kv_bytes_per_token = kv_bytes_per_token(self.kv_cache_config)
-        logger.info("KV cache: %d blocks x %d tokens (block 0 is the null block); one request "
-                    "can hold %d tokens, in %d group(s); max_model_len "
-                    "%d; max concurrency at full length %.1f requests; %d bytes per token; "
-                    "weights %.1f MiB", self.num_blocks,
-                    cc.block_size, capacity, len(self.kv_cache_config.kv_cache_groups),
-                    self.max_model_len, capacity / self.max_model_len, self.kv_bytes_per_token,
-                    self.weight_bytes / 2**20)
-        log_scheduling(self.config.scheduler_config)
-
-    def _init_speculator(self) -> Speculator | None:
-        """The speculator (None without speculative decoding). A draft model's pass cost is
-        timed now, over 1, 2, 4, ... requests (spec_decode/draft_timing.py, about a second),
-        so the cost model knows it before the first step. A draft model drafts for
-        constrained requests where the executor splits steps (``Executor.splits_draft_steps``:
-        uni and mp; ``engine_steps.execute_with_grammar`` fills their grammar rows between
-        the runner's proposal and its sampling)."""
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        speculator = Speculator(
-            spec, self.max_model_len,
-            constrained_draft_model=self.executor.splits_draft_steps)
-        if spec.method == "draft_model":
-            passes = self.executor.collective_rpc("time_draft_passes")[0]
-            speculator.observe_draft_passes(passes)
-            logger.info("draft model passes timed (requests: ms): %s", ", ".join(
-                f"{rows}: {seconds * 1e3:.1f}" for rows, seconds in passes))
-        return speculator
-
-    def _init_scheduler(self) -> None:
-        cc = self.config.cache_config
-        # a pooled prompt needs every token's hidden state unless only its last one counts
-        caching = cc.enable_prefix_caching is not False and not self.is_encoder and (
-            self.pooler_config is None or self.pooler_config.pooling_type == "last")
-        rope = long_prompt_rope(self.hf_config)
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching,
-                                               rope.original if rope is not None else None)
-        # Pipeline stages before the last do not sample: they are sent every step's tokens.
-        pipelined = self.config.parallel_config.pipeline_parallel_size > 1
-        lc = self.config.lora_config
-        self.speculator = self._init_speculator()
-        self.scheduler = Scheduler(self.config.scheduler_config, self.kv_cache_manager,
-                                   self.max_model_len, send_token_ids=pipelined,
-                                   speculator=self.speculator,
-                                   max_loras=lc.max_loras if lc.enable_lora else None,
-                                   whole_prompts=self.is_encoder)
-        self.loras: dict[int, LoRARequest] = {}  # adapters loaded on every rank, by id
-        self.scheduler.track_in_flight = self.executor.max_concurrent_batches > 1
-        if self.kv_cache_config.num_host_blocks:
-            self.scheduler.swap = SwapManager(self.kv_cache_manager,
-                                              self.kv_cache_config.num_host_blocks,
-                                              self.kv_bytes_per_token,
-                                              self.scheduler.planner.model)
-        self._last_step: tuple[float, float] | None = None  # (start, end) of the last step
-        if is_multimodal(self.hf_config):
-            mm = self.config.multimodal_config
-            budget = mm.max_num_encoder_input_tokens or \
-                self.config.scheduler_config.max_num_batched_tokens
-            self.scheduler.encoder = EncoderCacheManager(budget, mm.limit("encoder_cache_size"))
-
-    def _init_structured_output(self) -> None:
-        """Grammar compiles run on compile threads, each within a time limit
-        (``StructuredOutputConfig``); the backend (tokenizer + xgrammar) is built by the first
-        compile. Offline ``LLM`` hands over its tokenizer through ``self.tokenizer``; the
-        server's core process loads its own."""
-        self.tokenizer = None
-        so = self.config.structured_output_config
-        self.structured_output = StructuredOutputManager(
-            self._make_grammar_backend, self.hf_config.vocab_size,
-            self.config.scheduler_config.max_num_seqs,
-            compile_timeout_s=so.structured_output_compile_timeout,
-            num_compile_threads=so.structured_output_compile_threads,
-            max_compile_threads=so.structured_output_max_compile_threads)
-
-    def _init_kv_events(self) -> None:
-        """KV cache events (``kv_events_config``): the block pool records them and a
-        publisher sends each step's batch (``kvflow/core/kv_event_publisher.py``); off, the
-        publisher is None and the pool creates no event.
-
-        Raises:
-            ValueError: with prefix caching off, or if the publisher's sockets cannot open.
-        """
-        self.kv_event_publisher = None
-        kc = self.config.kv_events_config
-        if kc is None or not kc.enable_kv_cache_events:
-            return
-        medium = MEDIUM_CPU if self.platform.name == "cpu" else MEDIUM_GPU
-        self.kv_cache_manager.enable_kv_events(medium)
-        self.kv_event_publisher = make_kv_event_publisher(
-            kc, self.config.parallel_config.data_parallel_rank)
-
     def _publish_kv_events(self) -> None:
         """Send the KV cache events recorded since the last batch (none: nothing sent)."""
         events = self.kv_cache_manager.take_kv_events()
@@ -313,16 +60,6 @@ class EngineCore:
             self.kv_event_publisher.publish(KVEventBatch(
                 ts=time.time(), events=events,
                 data_parallel_rank=self.config.parallel_config.data_parallel_rank))
-
-    def _make_grammar_backend(self):
-        from kvflow.models.loader import load_tokenizer, resolve_eos_token_id
-        from kvflow.structured.xgrammar_backend import XgrammarBackend
-
-        mc = self.config.model_config
-        tokenizer = self.tokenizer or load_tokenizer(self.source, mc.tokenizer, mc.download_dir,
-                                                     mc.tokenizer_options)
-        return XgrammarBackend(tokenizer, self.hf_config.vocab_size,
-                               resolve_eos_token_id(tokenizer, self.hf_config))
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -492,16 +229,3 @@ class EngineCore:
             start, end = last
             self.scheduler.record_step_time(now - start if now - end < _IDLE_GAP_S
                                             else end - start)
-
-
-def log_scheduling(sc: SchedulerConfig) -> None:
-    """One start-up line saying which scheduling options are in force (policy, service-level
-    targets in ms, admission control, preemption mode), so a user can check that flags took."""
-    admission = ", admission control" if sc.admission_control else ""
-    logger.info("scheduling: policy %s; TTFT target %s, TPOT target %s%s; preemption %s",
-                sc.policy, _ms(sc.target_ttft_ms), _ms(sc.target_tpot_ms), admission,
-                sc.preemption_mode)
-
-
-def _ms(value: float | None) -> str:
-    return "none" if value is None else f"{value:g} ms"

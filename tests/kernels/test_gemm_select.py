@@ -252,7 +252,7 @@ def test_auto_dtype_is_the_faster_one_by_timing(faster, tmp_path, monkeypatch):
     """measure_cpu_dtype follows the timings (faked here: ``faster`` takes half the time of
     the other dtype at every shape and row count) and caches them; resolve_dtype asks it only
     when the checkpoint's dtype is 16-bit."""
-    from kvflow.core.engine_core import resolve_dtype
+    from kvflow.core.engine_dtype import resolve_dtype
     from kvflow.platforms.cpu import CpuPlatform
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
