@@ -1,0 +1,94 @@
+"""The pooling half of :class:`kvflow.input_processor.InputProcessor` (its base class): an
+embedding, classification or score prompt's token ids (as sentence-transformers would
+tokenize the text), the task check, and the one pooling Request per prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kvflow.models.pooling_config import PoolerConfig, task_mismatch
+from kvflow.pooling_params import PoolingParams
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.input_processor import PromptType
+
+
+class PoolingInputs:
+    """Pooling prompts and requests; ``InputProcessor`` sets ``pooler`` (None on a generation
+    model), ``max_model_len`` and ``hidden_size`` and defines ``tokenize``, ``validate`` and
+    ``_unpack``, which these use."""
+
+    pooler: PoolerConfig | None
+
+    def pooling_prompt(self, prompt: PromptType, task: str = "embed"
+                       ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a pooling prompt of ``task``; text is
+        tokenized as ``pooling_text`` prepares it.
+
+        Raises:
+            ValueError: on an engine not running ``task``, for a malformed prompt, or one with
+                images (``multi_modal_data``): embeddings are computed from text or token ids
+                only; or with a ``cache_salt`` (generation prompts only).
+        """
+        self.require_task(task)
+        if isinstance(prompt, Mapping):
+            if prompt.get("cache_salt") is not None:
+                raise ValueError("cache_salt: only generation prompts take a prefix-cache "
+                                 "salt")
+            prompt, images = self._unpack(prompt)
+            if images:
+                raise ValueError("multi_modal_data: embedding prompts are text or token ids "
+                                 "only; images are not embedded")
+        if not isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return prompt, self.tokenize(self.pooling_text(prompt))[1]
+
+    def require_task(self, task: str = "embed") -> None:
+        """Raises ValueError (what the engine runs, what to use) on an engine that does not
+        serve ``task`` ("embed", "score" or "classify"; ``PoolerConfig.tasks``): a generation
+        model, or another pooling task."""
+        if self.pooler is None and task == "embed":
+            raise ValueError("this model generates text: embeddings need a model served with "
+                             "task='embed' (--task embed)")
+        if self.pooler is None:
+            raise ValueError(task_mismatch("generate", task))
+        if task not in self.pooler.tasks:
+            raise ValueError(task_mismatch(self.pooler.task, task, self.pooler.num_labels))
+
+    def pooling_text(self, text: str) -> str:
+        """An embedding input as the model tokenizes it (sentence-transformers' rules): after
+        the model's default prompt, lower-cased when its config says ``do_lower_case``."""
+        if self.pooler is None:
+            return text
+        text = self.pooler.prompt + text
+        return text.lower() if self.pooler.lowercase else text
+
+    def make_pooling_request(self, request_id: str, token_ids: list[int],
+                             params: PoolingParams | None = None,
+                             arrival_time: float | None = None,
+                             client_id: str = "", priority: int = 0) -> Request:
+        """An embedding request (prompt computed and pooled, nothing generated);
+        ``client_id`` names the sender for the fair policy ("" when unknown) and
+        ``priority`` its place under the priority policy (lower first), as for
+        ``make_requests``.
+
+        Raises:
+            ValueError: on a generation model, for a bad prompt (see ``validate``; image
+                and video placeholders included), or a ``dimensions`` the model cannot give
+                (Matryoshka support, sizes).
+        """
+        params = params or PoolingParams()
+        self.require_task(params.task)
+        self.validate(token_ids, pooling=True)
+        if self.mm_processor is not None:
+            if self.mm_processor.image_token_id in token_ids:
+                raise ValueError(f"the prompt holds the image placeholder token "
+                                 f"({self.mm_processor.placeholder!r}): embedding prompts "
+                                 "are text only; images are not embedded")
+            self.mm_processor.check_no_video(token_ids)
+        self.pooler.check_dimensions(params.dimensions, self.hidden_size)
+        return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
+                       priority, pooling_params=params, client_id=client_id)
