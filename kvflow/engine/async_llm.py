@@ -26,21 +26,15 @@ from typing import Any
 import msgspec
 
 from kvflow.config import EngineConfig
-from kvflow.core.sleep_mode import EngineSleep, check_wake_tags
+from kvflow.core.sleep_mode import EngineSleep
+from kvflow.engine.async_llm_calls import AsyncLLMCalls
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
-    AddLoRA,
     AddRequests,
-    CollectiveRPC,
     EngineCoreRequest,
     EngineReady,
-    RemoveLoRA,
-    ResetPrefixCache,
-    Sleep,
-    UtilityCall,
-    WakeUp,
 )
 from kvflow.engine.open_requests import OpenRequests
 from kvflow.engine.output_loop import OutputLoop
@@ -79,7 +73,7 @@ __all__ = ["AdmissionRejected", "AsyncLLM", "EngineDeadError", "EngineShutdownEr
            "EngineSleepingError", "RequestRefused", "RequestStream", "collect"]
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncLLMCalls):
     """Engine client for the server: starts the engine-core process(es) and streams outputs.
 
     With ``data_parallel_size = N`` it runs N engine-core processes (replicas, each a whole
@@ -331,86 +325,6 @@ class AsyncLLM:
         sample_ids, replica = self.requests.abort(request_id)
         if sample_ids and replica is not None:
             self.replicas.send(replica, AbortRequests(sample_ids))
-
-    # ---- LoRA adapters -----------------------------------------------------------------------
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load a LoRA adapter in the engine core (read and checked against the model there).
-
-        Raises:
-            ValueError: when the engine refuses it (the message says why).
-            EngineDeadError: if the engine is gone.
-        """
-        await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
-
-    async def remove_lora(self, lora_int_id: int) -> None:
-        """Forget a LoRA adapter in the engine core (running requests finish with it).
-
-        Raises:
-            EngineDeadError: if the engine is gone.
-        """
-        await self._call(RemoveLoRA(0, lora_int_id))
-
-    async def _call(self, msg: UtilityCall) -> list:
-        """Send the call to every live replica and wait for all answers (their results, by
-        replica); the first refusal is raised as a ValueError."""
-        if not self.is_healthy:
-            raise EngineDeadError("the engine core is not running")
-        return await self._calls.call(self.replicas, msg)
-
-    # ---- sleep mode (core/sleep_mode.py) -----------------------------------------------------
-    async def sleep(self, level: int = 1) -> None:
-        """Put every replica to sleep (see ``LLM.sleep``); a no-op if it sleeps already.
-
-        Raises:
-            ValueError: without enable_sleep_mode, for a bad level, or while requests are
-                open (their streams, or a replica's own check).
-            EngineDeadError: if the engine is gone.
-        """
-        if self.requests.streams and not self.sleep_state.is_sleeping:
-            raise ValueError(f"cannot sleep with {len(self.requests.streams)} request(s) in "
-                             "flight: sleep needs an idle engine (wait for them to finish, "
-                             "or abort them)")
-        await self._call(Sleep(0, level))
-        self.sleep_state.record_sleep(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` ("weights", "kv_cache"; None: both) on every replica.
-
-        Raises:
-            ValueError: for an unknown tag.
-            EngineDeadError: if the engine is gone.
-        """
-        await self._call(WakeUp(0, tags))
-        self.sleep_state.record_wake_up(check_wake_tags(tags))
-
-    async def collective_rpc(self, method: str, args: list | None = None,
-                             kwargs: dict | None = None) -> list:
-        """The Worker method named ``method`` on every rank of every replica; results by
-        replica, each a list by rank (``reload_weights`` also ends a level-2 sleep's
-        refusals).
-
-        Raises:
-            ValueError: for a name that is not a Worker method, bad ``args`` / ``kwargs``,
-                or results that are not plain data.
-            EngineDeadError: if the engine is gone.
-        """
-        results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
-        if method == "reload_weights":
-            self.sleep_state.weights_dropped = False
-        return results
-
-    # ---- prefix cache ------------------------------------------------------------------------
-    async def reset_prefix_cache(self) -> bool:
-        """Forget the cached prefixes of every live replica (``EngineCore.reset_prefix_cache``;
-        a replica with unfinished requests refuses and keeps its cache).
-
-        Returns:
-            True if every replica reset its cache, False if any refused.
-
-        Raises:
-            EngineDeadError: if the engine is gone.
-        """
-        return all(await self._call(ResetPrefixCache(0)))
 
     # ---- outputs (the loop: output_loop.py) --------------------------------------------------
     def _replica_lost(self, error: EngineDeadError, was_live: bool) -> None:

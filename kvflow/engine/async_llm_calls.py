@@ -1,0 +1,103 @@
+"""The calls :class:`kvflow.engine.async_llm.AsyncLLM` sends every engine-core replica and
+waits for (``UtilityCall`` messages answered by ``UtilityResult``): LoRA adapters, sleep mode,
+``collective_rpc`` and the prefix-cache reset. AsyncLLM's base class."""
+
+from __future__ import annotations
+
+from kvflow.core.sleep_mode import check_wake_tags
+from kvflow.engine.messages import (
+    AddLoRA,
+    CollectiveRPC,
+    RemoveLoRA,
+    ResetPrefixCache,
+    Sleep,
+    UtilityCall,
+    WakeUp,
+)
+from kvflow.engine.streams import EngineDeadError
+from kvflow.lora.request import LoRARequest
+
+
+class AsyncLLMCalls:
+    """The replica-wide calls of :class:`~kvflow.engine.async_llm.AsyncLLM`, which sets
+    ``replicas``, ``requests``, ``sleep_state``, ``_calls`` and ``is_healthy`` that these use."""
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter in the engine core (read and checked against the model there).
+
+        Raises:
+            ValueError: when the engine refuses it (the message says why).
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter in the engine core (running requests finish with it).
+
+        Raises:
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(RemoveLoRA(0, lora_int_id))
+
+    async def _call(self, msg: UtilityCall) -> list:
+        """Send the call to every live replica and wait for all answers (their results, by
+        replica); the first refusal is raised as a ValueError."""
+        if not self.is_healthy:
+            raise EngineDeadError("the engine core is not running")
+        return await self._calls.call(self.replicas, msg)
+
+    # ---- sleep mode (core/sleep_mode.py) -----------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Put every replica to sleep (see ``LLM.sleep``); a no-op if it sleeps already.
+
+        Raises:
+            ValueError: without enable_sleep_mode, for a bad level, or while requests are
+                open (their streams, or a replica's own check).
+            EngineDeadError: if the engine is gone.
+        """
+        if self.requests.streams and not self.sleep_state.is_sleeping:
+            raise ValueError(f"cannot sleep with {len(self.requests.streams)} request(s) in "
+                             "flight: sleep needs an idle engine (wait for them to finish, "
+                             "or abort them)")
+        await self._call(Sleep(0, level))
+        self.sleep_state.record_sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` ("weights", "kv_cache"; None: both) on every replica.
+
+        Raises:
+            ValueError: for an unknown tag.
+            EngineDeadError: if the engine is gone.
+        """
+        await self._call(WakeUp(0, tags))
+        self.sleep_state.record_wake_up(check_wake_tags(tags))
+
+    async def collective_rpc(self, method: str, args: list | None = None,
+                             kwargs: dict | None = None) -> list:
+        """The Worker method named ``method`` on every rank of every replica; results by
+        replica, each a list by rank (``reload_weights`` also ends a level-2 sleep's
+        refusals).
+
+        Raises:
+            ValueError: for a name that is not a Worker method, bad ``args`` / ``kwargs``,
+                or results that are not plain data.
+            EngineDeadError: if the engine is gone.
+        """
+        results = await self._call(CollectiveRPC(0, method, list(args or []), kwargs))
+        if method == "reload_weights":
+            self.sleep_state.weights_dropped = False
+        return results
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of every live replica (``EngineCore.reset_prefix_cache``;
+        a replica with unfinished requests refuses and keeps its cache).
+
+        Returns:
+            True if every replica reset its cache, False if any refused.
+
+        Raises:
+            EngineDeadError: if the engine is gone.
+        """
+        return all(await self._call(ResetPrefixCache(0)))
