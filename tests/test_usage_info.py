@@ -10,7 +10,7 @@ from openai.types import CompletionUsage
 
 from kvflow.config import ServerConfig
 from kvflow.entrypoints.cli import build_parser
-from kvflow.entrypoints.serving_base import usage_info
+from kvflow.entrypoints.serving_checks import usage_info
 
 
 def test_off_the_usage_has_no_details_key():

@@ -32,14 +32,8 @@ from kvflow.entrypoints.sampling_requests import (
     prompt_truncation,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import (
-    MIN_LOGPROB,
-    OpenAIServing,
-    body_size,
-    check_token_ids,
-    prompt_error_code,
-    request_ids,
-)
+from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, request_ids
+from kvflow.entrypoints.serving_checks import check_token_ids, prompt_error_code
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest

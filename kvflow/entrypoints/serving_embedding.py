@@ -21,7 +21,8 @@ from kvflow.entrypoints.protocol import (
     EmbeddingUsage,
 )
 from kvflow.entrypoints.protocol.base import now
-from kvflow.entrypoints.serving_base import OpenAIServing, check_token_ids, request_ids
+from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
+from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import keep_last_tokens, truncation_length
 

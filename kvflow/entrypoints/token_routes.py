@@ -16,8 +16,9 @@ from kvflow.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvflow.entrypoints.serving_base import body_size, check_token_ids
+from kvflow.entrypoints.serving_base import body_size
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.serving_checks import check_token_ids
 from kvflow.entrypoints.structured_requests import (
     RequestFieldError,
     check_tools_off_loop,

@@ -1,0 +1,234 @@
+"""The request checks every OpenAI handler shares (the model and task it names, admission,
+prompt length, ``n``, logprobs, stream options, fields kvflow does not do, priority):
+:class:`OpenAIServingChecks`, the base class of
+:class:`kvflow.entrypoints.serving_base.OpenAIServing`."""
+
+from __future__ import annotations
+
+import logging
+
+from kvflow.entrypoints.beam_requests import check_beam_request
+from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.protocol import PromptTokenUsageInfo, SamplingRequest, UsageInfo
+from kvflow.entrypoints.serving_models import ModelNotFound
+from kvflow.lora.request import LoRANameError, LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChecks:
+    """Checks raising ``OpenAIError`` (4xx) before anything is queued; ``OpenAIServing`` sets
+    ``engine``, ``config``, ``model_name`` and ``models``, which they read."""
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names, None for the base model.
+
+        Raises:
+            OpenAIError: 400 for a name no model can have (empty, whitespace only, a control
+                character); 404 if the request names a model or adapter this server does not
+                serve.
+        """
+        try:
+            return self.models.resolve(model)
+        except LoRANameError as e:
+            raise OpenAIError(str(e), param="model", code="invalid_value") from None
+        except ModelNotFound as e:
+            raise OpenAIError(str(e), 404, "invalid_request_error", "model",
+                              "model_not_found") from None
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name when the request picked a LoRA
+        adapter (as vLLM and the OpenAI API echo the requested model), else the served
+        model's name. ``model`` was checked by ``check_model`` on entry."""
+        return model or self.model_name
+
+    def serves(self, task: str) -> bool:
+        """Whether the served model does ``task`` (what ``check_task`` refuses otherwise)."""
+        pooler = self.engine.processor.pooler
+        return task in ((self.engine.task,) if pooler is None else pooler.tasks)
+
+    def check_task(self, task: str) -> None:
+        """Refuse an endpoint the served model does not do (text on an embedding model,
+        embeddings on a text model, scores on either, scores on a classify server whose
+        classifier has several labels, ...). A sequence classifier serves both head tasks
+        where it can (``PoolerConfig.tasks``).
+
+        Raises:
+            OpenAIError: 400 (param ``model``, code ``wrong_task``) when the engine does not
+                serve ``task``.
+        """
+        if self.serves(task):
+            return
+        pooler = self.engine.processor.pooler
+        if self.engine.task == "classify" and task == "score":
+            labels = pooler.num_labels
+            raise OpenAIError(f"this server's model runs task='classify' (--task) with "
+                              f"num_labels={labels}: /v1/score and /v1/rerank need a "
+                              "one-label classifier (num_labels == 1, a relevance logit); "
+                              f"serve it with --task score for its {labels} values per pair, "
+                              "or use /v1/classify", param="model", code="wrong_task")
+        use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
+               "score": "/v1/score, /v1/rerank or /v1/classify",
+               "classify": "/v1/classify"}.get(
+            self.engine.task, "/v1/completions or /v1/chat/completions")
+        raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+                          f"this endpoint needs task={task!r}: use {use}", param="model",
+                          code="wrong_task")
+
+    def check_admission(self, num_requests: int, param: str = "prompt") -> None:
+        """Raises OpenAIError 503 (with Retry-After) when too many requests wait already
+        (counted on /metrics as ``kvflow:requests_overloaded``), or 400 naming ``param``
+        when the request alone has more prompts than ``--max-waiting-requests`` (no retry
+        would ever be admitted)."""
+        limit = self.config.max_waiting_requests
+        if not self.engine.is_healthy:
+            raise engine_dead(self.engine.dead_error
+                              or RuntimeError("the engine core process is gone"))
+        if limit is not None and num_requests > limit:
+            raise OpenAIError(f"the request has {num_requests} prompts; this server admits "
+                              f"at most {limit} waiting requests (--max-waiting-requests): "
+                              f"send at most {limit} per request", param=param,
+                              code="too_many_prompts")
+        if limit is not None and self.engine.num_waiting_requests + num_requests > limit:
+            self.engine.metrics.overloaded.inc()
+            raise OpenAIError(f"the server is overloaded: {self.engine.num_waiting_requests} "
+                              f"requests are waiting (limit {limit}); retry later", 503,
+                              "server_overloaded", code="server_overloaded",
+                              headers={"Retry-After": "1"})
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int, param: str,
+                     length_param: str = "max_tokens") -> None:
+        """Raises OpenAIError 400 naming ``param`` for an empty prompt (code ``empty_array``),
+        an out-of-vocabulary token id (``invalid_value``), or naming ``length_param`` (the
+        field the client set the limit with: ``max_tokens`` or chat's
+        ``max_completion_tokens``) for one that leaves no room for ``max_tokens`` in the
+        context (``context_length_exceeded``)."""
+        try:
+            self.engine.processor.validate(token_ids)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param, code=prompt_error_code(str(e))) from None
+        limit = self.engine.max_model_len
+        if len(token_ids) + max_tokens > limit:
+            raise OpenAIError(
+                f"this model's maximum context length is {limit} tokens"
+                f"{self.engine.processor.max_model_len_note}; the request has "
+                f"{len(token_ids)} prompt token{'s' * (len(token_ids) != 1)} and asks for "
+                f"{max_tokens} more "
+                f"({len(token_ids) + max_tokens} in total)", param=length_param,
+                code="context_length_exceeded")
+
+    def check_n(self, n: int) -> None:
+        """Refuse more samples per request than the server allows.
+
+        Raises:
+            OpenAIError: 400 (param ``n``, code ``integer_above_max_value`` as OpenAI's for
+                its own cap) if ``n`` is above ``--max-n``.
+        """
+        if n > self.config.max_n:
+            raise OpenAIError(f"n={n} is above this server's limit of {self.config.max_n} "
+                              "(--max-n)", param="n", code="integer_above_max_value")
+
+    def check_num_logprobs(self, value: int | None, param: str) -> None:
+        """Refuse more logprobs per token than the server allows; ``param`` names the field.
+
+        Raises:
+            OpenAIError: 400 (naming ``param``, code ``integer_above_max_value``) if ``value``
+                is above ``--max-logprobs``.
+        """
+        if value is not None and value > self.config.max_logprobs:
+            raise OpenAIError(f"{param}={value} is above this server's limit of "
+                              f"{self.config.max_logprobs} (--max-logprobs)", param=param,
+                              code="integer_above_max_value")
+
+    @staticmethod
+    def check_stream_options(req: SamplingRequest) -> None:
+        """``stream_options`` only makes sense on a streamed request.
+
+        Raises:
+            OpenAIError: 400 (param ``stream_options``) if it is set while ``stream`` is false.
+        """
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true",
+                              param="stream_options", code="invalid_value")
+
+    def stream_usage(self, req: SamplingRequest) -> tuple[bool, bool]:
+        """What a stream reports of its usage: (a last chunk with the request's usage,
+        ``include_usage``, always under ``--enable-force-include-usage``; every chunk with
+        the usage so far, ``continuous_usage_stats``)."""
+        force = self.config.enable_force_include_usage
+        options = req.stream_options
+        if options is None:
+            return force, False
+        return options.include_usage or force, options.continuous_usage_stats
+
+    def usage(self, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+        """A reply's ``usage`` (``usage_info``), with the prompt tokens' details under
+        ``--enable-prompt-tokens-details``."""
+        return usage_info(num_prompt, num_generated, num_cached,
+                          self.config.enable_prompt_tokens_details)
+
+    def check_unsupported(self, req: SamplingRequest) -> None:
+        """Raises OpenAIError 400 naming a field set to something kvflow does not do:
+        ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
+        ``length_penalty`` without it: ``beam_requests.check_beam_request``), or a ``priority``
+        while the scheduler is not run by priority (it would be ignored). The code is
+        ``unsupported_parameter`` for a field this endpoint never takes, else
+        ``unsupported_value`` (OpenAI's codes for the two). Undeclared fields were checked
+        first (``check_fields``)."""
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
+                              "sample it generates (send n, or best_of equal to n)",
+                              param="best_of", code="unsupported_value")
+        check_beam_request(req)
+        self.check_priority(req.priority)
+
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` orders only the priority (and fair) policy's queue.
+
+        Raises:
+            OpenAIError: 400 (param ``priority``, code ``unsupported_value``) for a nonzero
+                priority while the scheduler is not run by priority (it would be ignored).
+        """
+        if not priority:
+            return
+        policy = self.engine.config.scheduler_config.policy
+        if policy not in ("priority", "fair"):
+            raise OpenAIError(f"priority={priority} needs the priority or fair scheduling "
+                              f"policy (start the server with --policy priority or fair); it "
+                              f"runs {policy!r}", param="priority", code="unsupported_value")
+
+def usage_info(num_prompt: int, num_generated: int, num_cached: int,
+               details: bool) -> UsageInfo:
+    """A reply's ``usage`` (counts in tokens): ``num_cached`` of the ``num_prompt`` prompt
+    tokens were prefix-cache hits, reported as ``prompt_tokens_details.cached_tokens`` when
+    ``details`` (``--enable-prompt-tokens-details``), 0 included as OpenAI reports it (vLLM
+    leaves the details out when nothing was cached); without, the usage has no
+    ``prompt_tokens_details`` key at all."""
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                     total_tokens=num_prompt + num_generated,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached)
+                     if details else None)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Refuse a token id a client sent outside ``[0, vocab_size)``, naming its place:
+    ``param`` is the list's path (``prompt``, ``prompt.1``, ``tokens``) and the error's
+    ``param`` is ``{param}.{index}`` of the first bad id, as the schema's own errors and the
+    chat content parts name a list's element (``messages.0.content.1``).
+
+    Raises:
+        OpenAIError: 400, code ``invalid_value``.
+    """
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return  # the C-speed check first; then the first bad id's index
+    i = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    raise OpenAIError(f"{param}.{i}: token id {token_ids[i]} is outside the vocabulary "
+                      f"[0, {vocab_size})", param=f"{param}.{i}", code="invalid_value")
+
+
+def prompt_error_code(message: str) -> str:
+    """The code of a prompt the engine's ``validate`` refused (by its message)."""
+    if "max_model_len" in message:
+        return "context_length_exceeded"
+    return "empty_array" if "empty" in message else "invalid_value"
