@@ -117,16 +117,16 @@ def test_the_load_route_and_model_lookups_answer_400_naming_the_field():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kvflow.entrypoints.api_server import _add_lora_routes
     from kvflow.entrypoints.http_guards import add_error_handlers
     from kvflow.entrypoints.openai_errors import OpenAIError
+    from kvflow.entrypoints.openai_routes import add_lora_routes
     from kvflow.entrypoints.serving_base import OpenAIServing
 
     engine = _SlowEngine()
     engine.release.set()
     app = FastAPI()
     add_error_handlers(app)
-    _add_lora_routes(app)
+    add_lora_routes(app)
     app.state.models = ServingModels(engine, "base")
     app.state.unknown_fields = SimpleNamespace(check=lambda req, endpoint: None)
     client = TestClient(app)
