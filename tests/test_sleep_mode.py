@@ -179,6 +179,22 @@ def test_bad_arguments_are_refused(tiny_llama, call, match):
         call(llm)
 
 
+@pytest.mark.parametrize(("method", "args"), [
+    ("sleep", (1,)), ("wake_up", ()), ("execute_model", (None,)), ("shutdown", ()),
+    ("initialize_kv_cache", (None,)), ("add_lora", (None,)), ("run_method", ("sleep",)),
+])
+def test_collective_rpc_refuses_what_the_engine_drives(tiny_llama, method, args):
+    """A worker's sleep called behind the engine's back freed the KV cache the engine still
+    scheduled on: the next step failed (IndexError) and the engine died. Refused, the
+    engine is untouched: same greedy output, KV cache kept, not asleep."""
+    llm = _engine(tiny_llama.path)
+    expected, kv = _hf_greedy(tiny_llama), _kv_bytes(llm)
+    with pytest.raises(ValueError, match=f"method='{method}' is driven by the engine"):
+        llm.collective_rpc(method, args=args)
+    assert _kv_bytes(llm) == kv > 0 and not llm.is_sleeping()
+    assert _greedy(llm) == expected
+
+
 def test_sleep_needs_enable_sleep_mode(tiny_llama):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_sleep_mode"):

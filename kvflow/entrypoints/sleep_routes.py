@@ -7,8 +7,8 @@ runs with ``KVFLOW_SERVER_DEV_MODE=1`` (they free the model's memory: not for th
 ``POST /collective_rpc``    ``{"method": "reload_weights", "args": [], "kwargs": {}}``: a
                             Worker method on every rank, ``{"results": [...]}`` by rank
 
-Refusals (a bad level or tag, requests in flight, no ``--enable-sleep-mode``) are 400s with an
-OpenAI error body; while asleep, generation routes answer 503 (code ``engine_sleeping``).
+Refusals (a bad level or tag, another query parameter, requests in flight, no
+``--enable-sleep-mode``) are 400s with an OpenAI error body; while asleep, generation routes answer 503 (code ``engine_sleeping``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     async def sleep(raw: Request) -> Response:
         """Raises OpenAIError: 400 for a level other than 1 and 2, requests in flight, or an
         engine without --enable-sleep-mode; 503 if the engine is gone."""
+        _only_params(raw, "/sleep", "level")
         text = raw.query_params.get("level", "1")
         try:
             level = int(text)
@@ -45,6 +46,7 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     @app.post("/wake_up")
     async def wake_up(raw: Request) -> Response:
         """Raises OpenAIError: 400 for an unknown tag; 503 if the engine is gone."""
+        _only_params(raw, "/wake_up", "tags")
         tags = raw.query_params.getlist("tags") or None
         await _engine_call(raw, "tags", lambda e: e.wake_up(tags))
         return Response(status_code=200)
@@ -62,6 +64,18 @@ def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
         results = await _engine_call(raw, "method", lambda e: e.collective_rpc(
             body["method"], body.get("args") or [], body.get("kwargs")))
         return JSONResponse({"results": [r for replica in results for r in replica]})
+
+
+def _only_params(raw: Request, path: str, allowed: str) -> None:
+    """Raises OpenAIError: 400 for a query parameter other than ``allowed`` (a misspelt
+    ``levle=2`` would otherwise sleep at level 1), or a repeated ``level``."""
+    for name in raw.query_params:
+        if name != allowed:
+            raise OpenAIError(f"POST {path} takes only the query parameter {allowed!r} "
+                              f"(got {name!r})", param=name, code="unknown_parameter")
+    if allowed == "level" and len(raw.query_params.getlist("level")) > 1:
+        raise OpenAIError("level is given more than once", param="level",
+                          code="invalid_value")
 
 
 async def _engine_call(raw: Request, param: str, call: Any) -> Any:

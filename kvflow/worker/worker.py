@@ -35,6 +35,23 @@ from kvflow.worker.sleep_mode import RunnerSleep, check_wake_tags, kv_tensor_byt
 logger = logging.getLogger(__name__)
 
 
+# Worker methods the engine calls in its own order, with state of its own kept beside them
+# (sleep tags, LoRA registry, scheduled steps, the KV cache it schedules on): collective_rpc
+# refuses them, saying what to call instead.
+ENGINE_DRIVEN: dict[str, str] = {
+    "sleep": "call LLM.sleep(level) (POST /sleep?level=N)",
+    "wake_up": "call LLM.wake_up(tags) (POST /wake_up)",
+    "add_lora": "pass a lora_request (POST /v1/load_lora_adapter)",
+    "remove_lora": "unload it (POST /v1/unload_lora_adapter)",
+    **dict.fromkeys(("execute_model", "launch_forward", "launch_sampling", "collect_output",
+                     "discard_output"), "the engine runs its steps itself"),
+    **dict.fromkeys(("initialize_kv_cache", "capture_graphs"),
+                    "the engine sets its KV cache and graphs up at start-up"),
+    "shutdown": "call LLM.shutdown() (or stop the server)",
+    "run_method": "name the method itself",
+}
+
+
 @dataclass
 class RpcRefusal:
     """A ``run_method`` call that raised ValueError or TypeError: its message."""
@@ -163,12 +180,18 @@ class Worker:
 
     @classmethod
     def check_method(cls, method: Any) -> None:
-        """Raises ValueError unless ``method`` names a public method of Worker (what
-        ``collective_rpc`` may call)."""
+        """Raises ValueError unless ``method`` names a public method of Worker that
+        ``collective_rpc`` may call: not one the engine drives itself (``ENGINE_DRIVEN``),
+        whose call behind the engine's back would leave its state stale (``sleep`` frees
+        the KV cache of an engine that still schedules on it: the next step fails)."""
+        if isinstance(method, str) and method in ENGINE_DRIVEN:
+            raise ValueError(f"collective_rpc method={method!r} is driven by the engine "
+                             f"itself and cannot be called through collective_rpc: "
+                             f"{ENGINE_DRIVEN[method]}")
         if not isinstance(method, str) or method.startswith("_") or \
                 not callable(getattr(cls, method, None)):
-            public = sorted(n for n in dir(cls)
-                            if not n.startswith("_") and callable(getattr(cls, n)))
+            public = sorted(n for n in dir(cls) if not n.startswith("_")
+                            and n not in ENGINE_DRIVEN and callable(getattr(cls, n)))
             raise ValueError(f"collective_rpc method={method!r} is not a Worker method; "
                              f"valid: {public}")
 

@@ -134,13 +134,20 @@ def test_sleep_with_a_request_in_flight_is_refused(server, tiny_llama):
     ("/collective_rpc", {"json": {"method": "kv_cache_bytes", "timeout": 3}}, "timeout",
      "not supported"),
     ("/collective_rpc", {"json": {"method": "kv_cache_bytes", "x": 1}}, "x", "unknown"),
+    ("/collective_rpc", {"json": {"method": "sleep", "args": [1]}}, "method",
+     "driven by the engine"),
+    ("/collective_rpc", {"json": {"method": "shutdown"}}, "method", "driven by the engine"),
+    ("/sleep?levle=2", {}, "levle", "only the query parameter 'level'"),
+    ("/sleep?level=1&level=2", {}, "level", "more than once"),
+    ("/wake_up?tag=weights", {}, "tag", "only the query parameter 'tags'"),
 ])
-def test_bad_calls_are_400s(server, path, kwargs, param, words):
+def test_bad_calls_are_400s(server, tiny_llama, path, kwargs, param, words):
     resp = _post(server, path, **kwargs)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert not _sleeping(server)
+    assert _text(server) == _hf_text(tiny_llama)  # nothing reached the engine
 
 
 def test_routes_only_in_dev_mode():
