@@ -254,6 +254,28 @@ def test_member_name_that_is_not_json_does_not_raise(parser, text):
 
 
 @pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
+@pytest.mark.parametrize(("text", "reasoning", "content"), [
+    ("Hello there!", None, "Hello there!"),        # no think block: no reasoning
+    ("<think></think>Hi", None, "Hi"),             # an empty one: none written either
+    ("<think>hm</think>Hi", "hm", "Hi"),
+])
+def test_whole_reply_reasoning_is_what_the_stream_sends(parser, text, reasoning, content):
+    """The whole reply's reasoning_content is what the streamed deltas carry, joined: a reply
+    that wrote none had "" (the JSON said "reasoning_content": "") where the stream sends no
+    reasoning_content at all (and vLLM's qwen3 / think parsers answer null)."""
+    from kvflow.entrypoints.chat_output import ChatOutputParser
+
+    out = ChatOutputParser(parser, ThinkReasoningParser())
+    message, _ = out.message(text, "stop")
+    state, streamed = out.stream_state(), ""
+    for i, char in enumerate(text):
+        delta, _ = out.delta(state, char, "stop" if i == len(text) - 1 else None)
+        streamed += (delta.reasoning_content or "") if delta else ""
+    assert (message.reasoning_content, message.content) == (reasoning, content)
+    assert (streamed or None) == reasoning
+
+
+@pytest.mark.parametrize("parser", [None, HermesToolParser()], ids=["no-tools", "hermes"])
 def test_reply_that_is_all_reasoning_has_null_content(parser):
     """An unclosed (cut) think block: the stream sends no content; the whole reply said ""
     without a tool parser and null with one. Both are null now; an empty plain reply (no

@@ -60,6 +60,7 @@ class ChatOutputParser:
         documents that clients must check), and text the parser treats as a call is never
         repeated as content."""
         reasoning, content = self.reasoning.split(text, True) if self.reasoning else (None, text)
+        reasoning = reasoning or None  # none written: null, as the stream sends none
         if self.tool_parser is None:  # all reasoning: no content (null), as streamed
             return ChatResponseMessage(content=content or None if reasoning else content,
                                        reasoning_content=reasoning), finish_reason
