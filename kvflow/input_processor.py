@@ -263,6 +263,10 @@ class InputProcessor(PoolingInputs):
         truncation_length(params.truncate_prompt_tokens, self.max_model_len, SAMPLING_FIELD)
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs)
+        if params.extra_args and not self.logits_processors:
+            raise ValueError("SamplingParams.extra_args is read only by custom logits "
+                             "processors, and this engine runs none: start it with "
+                             "logits_processors (--logits-processors), or leave extra_args out")
         for processor in self.logits_processors:
             processor.validate_params(params)
 

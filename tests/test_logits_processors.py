@@ -215,6 +215,20 @@ def test_validate_params_refuses_a_request(tiny_llama):
                      use_tqdm=False)
 
 
+def test_extra_args_without_processors_are_refused(tiny_llama):
+    """Without logits processors nothing would read extra_args: a ValueError naming them (the
+    server's 400 names vllm_xargs: tests/e2e/test_openai_fields.py); none set, the engine
+    generates as usual."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16,
+              block_size=4)
+    with pytest.raises(ValueError, match=r"SamplingParams.extra_args is read only by custom"):
+        llm.generate({"prompt_token_ids": [5, 6]},
+                     SamplingParams(max_tokens=2, extra_args={"ban_token": 3}), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 2
+
+
 # ---- start-up refusals ------------------------------------------------------------------------
 @pytest.mark.parametrize("spec,why", [
     ("no_such_module_xyz:Thing", "cannot import module 'no_such_module_xyz'"),

@@ -103,6 +103,11 @@ def sampling_params(engine: AsyncLLM, req: SamplingRequest, max_tokens: int,
                   stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                   stop_token_ids=list(req.stop_token_ids or []))
     if req.vllm_xargs:
+        if not engine.processor.logits_processors:  # nothing would read them
+            raise OpenAIError("vllm_xargs is read only by custom logits processors, and this "
+                              "server runs none (start it with --logits-processors), so it "
+                              "would be ignored: leave it out", param="vllm_xargs",
+                              code="unsupported_parameter")
         fields["extra_args"] = dict(req.vllm_xargs)
     try:
         params = SamplingParams(**fields)
