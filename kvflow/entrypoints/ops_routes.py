@@ -41,7 +41,13 @@ def _optional(app: FastAPI, method: str, path: str, route: Callable[[Request], A
     OpenAPI schema)."""
     if enabled:
         app.add_api_route(path, route, methods=[method])
-        return
+    else:
+        add_disabled_route(app, method, path, switch)
+
+
+def add_disabled_route(app: FastAPI, method: str, path: str, switch: str) -> None:
+    """A 404 at ``path`` naming the ``switch`` that serves it (left out of the OpenAPI
+    schema), for a route that is off."""
 
     async def off() -> Response:
         """Raises OpenAIError: 404 (code ``endpoint_disabled``) naming the switch."""

@@ -21,12 +21,16 @@ from fastapi.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
+from kvflow.entrypoints.ops_routes import add_disabled_route
 
 
 def add_sleep_routes(app: FastAPI, dev_mode: bool) -> None:
     """/sleep, /wake_up, /is_sleeping and /collective_rpc, under dev mode only
     (``ServerConfig.dev_mode``: ``KVFLOW_SERVER_DEV_MODE=1``)."""
-    if not dev_mode:
+    if not dev_mode:  # each answers a 404 naming the switch
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/collective_rpc")):
+            add_disabled_route(app, method, path, "KVFLOW_SERVER_DEV_MODE=1")
         return
 
     @app.post("/sleep")

@@ -151,9 +151,23 @@ def test_bad_calls_are_400s(server, tiny_llama, path, kwargs, param, words):
 
 
 def test_routes_only_in_dev_mode():
+    """Off, each route is a 404 naming KVFLOW_SERVER_DEV_MODE=1 (left out of the schema)."""
+    from fastapi.testclient import TestClient
+
+    from kvflow.entrypoints.http_guards import add_error_handlers
+
     app = FastAPI()
+    add_error_handlers(app)
     add_sleep_routes(app, dev_mode=False)
-    assert not {"/sleep", "/wake_up", "/is_sleeping"} & {r.path for r in app.routes}
+    client = TestClient(app)
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/collective_rpc")):
+        resp = client.request(method, path)
+        assert resp.status_code == 404, (path, resp.text)
+        assert resp.json()["error"]["message"] == \
+            f"{method} {path} is served only with KVFLOW_SERVER_DEV_MODE=1"
+    assert not {"/sleep", "/wake_up"} & {p for p in app.openapi()["paths"]}
+    app = FastAPI()
     add_sleep_routes(app, dev_mode=True)
     assert {"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc"} <= \
         {r.path for r in app.routes}
