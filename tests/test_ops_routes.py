@@ -82,6 +82,9 @@ def test_reset_prefix_cache_answers(reset, status):
     refused = client.post("/reset_prefix_cache?reset_running_requests=true")
     assert (refused.status_code, refused.json()["error"]["param"], len(calls)) == \
         (400, "reset_running_requests", 1)
+    refused = client.post("/reset_prefix_cache", json={"reset_running_requests": True})
+    assert (refused.status_code, refused.json()["error"]["code"], len(calls)) == \
+        (400, "unsupported_parameter", 1)  # a body it would ignore: refused, nothing reset
 
 
 def test_server_info_is_the_config_with_the_key_masked():

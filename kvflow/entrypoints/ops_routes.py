@@ -88,7 +88,8 @@ async def _reset_prefix_cache(raw: Request) -> Response:
     """Forget every cached prefix (``AsyncLLM.reset_prefix_cache``): 200 with no body.
 
     Raises:
-        OpenAIError: 400 for a query parameter (it takes none); 409 (code ``engine_busy``)
+        OpenAIError: 400 for a query parameter or a body (it takes neither); 409 (code
+            ``engine_busy``)
             while requests are being served (nothing changed; running requests are never
             touched: retry once they finished); 503 if the engine is gone.
     """
@@ -96,6 +97,8 @@ async def _reset_prefix_cache(raw: Request) -> Response:
         name = next(iter(raw.query_params))
         raise OpenAIError(f"POST /reset_prefix_cache takes no parameters (got {name!r})",
                           param=name, code="unknown_parameter")
+    if (await raw.body()).strip() not in (b"", b"{}"):
+        raise OpenAIError("POST /reset_prefix_cache takes no body", code="unsupported_parameter")
     try:
         reset = await raw.app.state.engine.reset_prefix_cache()
     except EngineDeadError as e:

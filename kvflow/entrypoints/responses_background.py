@@ -247,7 +247,8 @@ class BackgroundResponses:
         """
         if not stored.response.background:
             raise OpenAIError("only a response created with background true can be cancelled "
-                              "(this one ran while its request waited)", param="response_id")
+                              "(this one ran while its request waited)", param="response_id",
+                              code="invalid_value")
         await self.runs.cancel(stored.response.id)
 
     async def _run(self, response_id: str, events: AsyncIterator[Event],

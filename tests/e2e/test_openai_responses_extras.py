@@ -250,7 +250,8 @@ def test_cancel_is_a_400_for_a_foreground_reply_and_a_404_for_none(server):
     assert resp.status_code == 400
     assert resp.json()["error"]["message"].startswith(
         "only a response created with background true can be cancelled")
-    assert resp.json()["error"]["param"] == "response_id"
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
+        ("response_id", "invalid_value")
     assert httpx.get(f"{server.url}/v1/responses/{reply['id']}",  # still stored, unchanged
                      timeout=10).json() == reply
     resp = httpx.post(cancel, params={"stream": "true"}, timeout=10)
