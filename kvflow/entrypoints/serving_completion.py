@@ -14,12 +14,16 @@ from fastapi.responses import Response
 
 from kvflow.engine.async_llm import RequestStream, collect
 from kvflow.entrypoints.beam_requests import beam_params
+from kvflow.entrypoints.completion_logprobs import (
+    completion_logprobs,
+    prompt_logprobs_legacy,
+    with_prompt,
+)
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.prompt_logprobs import vllm_prompt_logprobs
 from kvflow.entrypoints.protocol import (
     CompletionChoice,
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -32,13 +36,13 @@ from kvflow.entrypoints.sampling_requests import (
     prompt_truncation,
     sampling_params,
 )
-from kvflow.entrypoints.serving_base import MIN_LOGPROB, OpenAIServing, body_size, request_ids
+from kvflow.entrypoints.serving_base import OpenAIServing, body_size, request_ids
 from kvflow.entrypoints.serving_checks import check_token_ids, prompt_error_code
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal import VideoNotSupported
-from kvflow.outputs import CompletionOutput, Logprob
+from kvflow.outputs import CompletionOutput
 from kvflow.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens
 from kvflow.sampling_params import SamplingParams
@@ -265,10 +269,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     req, len(echo)).next_offsets(c.token_ids, len(echo + c.text))
                 choice = self._choice(req, i * req.n + c.index, echo + c.text, c, offsets)
                 if req.echo and choice.logprobs is not None:
-                    echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
-                                            prompts[i][1], out, len(echo),
+                    echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
+                                            self.tokenizer, prompts[i][1], out, len(echo),
                                             req.return_tokens_as_token_ids)  # decodes all
-                    choice.logprobs = _with_prompt(echoed, choice.logprobs)
+                    choice.logprobs = with_prompt(echoed, choice.logprobs)
                 if req.prompt_logprobs is not None:
                     choice.prompt_logprobs = vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -308,27 +312,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                          text_sent, c.finished)
         return dataclasses.replace(c, token_ids=ids, logprobs=entries), text_offsets
 
-    def _prompt_logprobs(self, ids: list[int], out, text_end: int,
-                         as_token_ids: bool = False) -> CompletionLogProbs:
-        """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
-        offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters);
-        ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``)."""
-        entries = out.prompt_logprobs or [None] * len(ids)
-        lp = CompletionLogProbs()
-        offsets = TokenTextOffsets(self.tokenizer, 0, skip_special_tokens=False)
-        for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):
-            if step is None:
-                lp.tokens.append(f"token_id:{token_id}" if as_token_ids
-                                 else self.tokenizer.decode([token_id]))
-                lp.token_logprobs.append(None)
-                lp.top_logprobs.append(None)
-                lp.text_offset.append(offset)
-                continue
-            one = completion_logprobs([token_id], [step], [offset], as_token_ids)
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(lp, name).extend(getattr(one, name))
-        return lp
-
     # ---- streaming ---------------------------------------------------------------------------
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
                       streams: Sequence[RequestStream]) -> AsyncIterator[CompletionResponse]:
@@ -361,10 +344,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(req, index, text, c, text_offsets)
                 sent_prompt.add(index)
                 if echo and choice.logprobs is not None:
-                    echoed = await off_loop(len(prompts[i][1]), self._prompt_logprobs,
-                                            prompts[i][1], prompt_outputs.get(i, delta),
-                                            len(echo), req.return_tokens_as_token_ids)
-                    choice.logprobs = _with_prompt(echoed, choice.logprobs)
+                    echoed = await off_loop(len(prompts[i][1]), prompt_logprobs_legacy,
+                                            self.tokenizer, prompts[i][1],
+                                            prompt_outputs.get(i, delta), len(echo),
+                                            req.return_tokens_as_token_ids)
+                    choice.logprobs = with_prompt(echoed, choice.logprobs)
                 if first and req.prompt_logprobs is not None:
                     choice.prompt_logprobs = vllm_prompt_logprobs(
                         prompt_outputs.get(i, delta).prompt_logprobs)
@@ -378,42 +362,6 @@ class OpenAIServingCompletion(OpenAIServing):
             yield CompletionResponse(id=request_id, created=created, model=self.response_model(req.model),
                                      choices=[], usage=self._usage(prompts, num_generated,
                                                                    sum(cached.values())))
-
-
-def _with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs
-                 ) -> CompletionLogProbs:
-    """The echoed prompt's logprobs followed by the completion's (offsets already count the
-    echoed text, which comes first)."""
-    out = CompletionLogProbs()
-    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        getattr(out, name).extend(getattr(prompt, name) + getattr(completion, name))
-    return out
-
-
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                        text_offsets: list[int], as_token_ids: bool = False
-                        ) -> CompletionLogProbs:
-    """Legacy-completions logprobs for some tokens, ``text_offsets`` (one per token, from
-    ``TokenTextOffsets``) as their ``text_offset``.
-
-    ``top_logprobs`` maps decoded token -> logprob for the top-k tokens and the sampled one.
-    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every token, in ``tokens`` and
-    as a ``top_logprobs`` key, is written ``"token_id:{id}"`` instead of its text.
-    """
-    def name(tid: int, lp: Logprob) -> str:
-        return f"token_id:{tid}" if as_token_ids else lp.decoded_token or ""
-
-    out = CompletionLogProbs()
-    for token_id, step, text_offset in zip(token_ids, logprobs, text_offsets):
-        sampled = step[token_id]
-        out.tokens.append(name(token_id, sampled))
-        out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
-        top: dict[str, float] = {}
-        for tid, lp in sorted(step.items(), key=lambda item: item[1].rank):  # tokens
-            top.setdefault(name(tid, lp), max(lp.logprob, MIN_LOGPROB))  # decoding alike: best
-        out.top_logprobs.append(top)
-        out.text_offset.append(text_offset)
-    return out
 
 
 def _load_prompt_embeds(processor: Any, encoded: str, keep_last: int | None

@@ -1,0 +1,70 @@
+"""Legacy /v1/completions logprobs (OpenAI's ``tokens`` / ``token_logprobs`` /
+``top_logprobs`` / ``text_offset`` lists): the generated tokens', the echoed prompt's, and
+the two joined."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.entrypoints.protocol import CompletionLogProbs
+from kvflow.entrypoints.serving_base import MIN_LOGPROB
+from kvflow.entrypoints.text_offsets import TokenTextOffsets
+from kvflow.outputs import Logprob, RequestOutput
+
+
+def prompt_logprobs_legacy(tokenizer: Any, ids: list[int], out: RequestOutput, text_end: int,
+                          as_token_ids: bool = False) -> CompletionLogProbs:
+    """The echoed prompt's logprobs (OpenAI legacy form: the first token has none); the
+    offsets index the echo (``tokenizer.decode(ids)``, ``text_end`` characters);
+    ``as_token_ids``: tokens as ``token_id:{id}`` (``completion_logprobs``)."""
+    entries = out.prompt_logprobs or [None] * len(ids)
+    lp = CompletionLogProbs()
+    offsets = TokenTextOffsets(tokenizer, 0, skip_special_tokens=False)
+    for token_id, step, offset in zip(ids, entries, offsets.next_offsets(ids, text_end)):
+        if step is None:
+            lp.tokens.append(f"token_id:{token_id}" if as_token_ids
+                             else tokenizer.decode([token_id]))
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            continue
+        one = completion_logprobs([token_id], [step], [offset], as_token_ids)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(lp, name).extend(getattr(one, name))
+    return lp
+
+
+def with_prompt(prompt: CompletionLogProbs, completion: CompletionLogProbs
+                 ) -> CompletionLogProbs:
+    """The echoed prompt's logprobs followed by the completion's (offsets already count the
+    echoed text, which comes first)."""
+    out = CompletionLogProbs()
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, name).extend(getattr(prompt, name) + getattr(completion, name))
+    return out
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        text_offsets: list[int], as_token_ids: bool = False
+                        ) -> CompletionLogProbs:
+    """Legacy-completions logprobs for some tokens, ``text_offsets`` (one per token, from
+    ``TokenTextOffsets``) as their ``text_offset``.
+
+    ``top_logprobs`` maps decoded token -> logprob for the top-k tokens and the sampled one.
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every token, in ``tokens`` and
+    as a ``top_logprobs`` key, is written ``"token_id:{id}"`` instead of its text.
+    """
+    def name(tid: int, lp: Logprob) -> str:
+        return f"token_id:{tid}" if as_token_ids else lp.decoded_token or ""
+
+    out = CompletionLogProbs()
+    for token_id, step, text_offset in zip(token_ids, logprobs, text_offsets):
+        sampled = step[token_id]
+        out.tokens.append(name(token_id, sampled))
+        out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for tid, lp in sorted(step.items(), key=lambda item: item[1].rank):  # tokens
+            top.setdefault(name(tid, lp), max(lp.logprob, MIN_LOGPROB))  # decoding alike: best
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+    return out
