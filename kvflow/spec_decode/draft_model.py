@@ -48,7 +48,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,32 +64,11 @@ from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
 from kvflow.sched_output import DraftGrammar, GrammarBitmask
+from kvflow.spec_decode.draft_proposal import DraftProposal, share_proposal
 from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.spec_decode.draft_vocab import DraftVocab
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
-
-
-@dataclass
-class DraftProposal:
-    """One step's draft tokens.
-
-    Attributes:
-        token_ids: request id -> its ``k`` draft tokens.
-        probs: request id -> float32 [k, V], the distribution each draft was drawn from
-            (sampled requests only; greedy requests' drafts are point masses).
-        seconds: wall time of the draft passes that proposed them (the mirror pass included).
-        pass_seconds: mean wall time of one steady pass (one or two tokens per drafting
-            request; a catch-up mirror pass is left out), 0.0 when none ran: the cost model's
-            draft cost per pass.
-        threads: the CPU threads the passes ran on (``DraftThreads``).
-    """
-
-    token_ids: dict[str, list[int]]
-    probs: dict[str, torch.Tensor]
-    seconds: float
-    pass_seconds: float = 0.0
-    threads: int = 0
 
 
 @contextmanager
@@ -409,26 +387,6 @@ def _later_rows(batch: InputBatch, drafting: np.ndarray, num_drafts: np.ndarray,
     prefixes = {batch.req_ids[r]: tokens[j, :i].tolist() for j, r in enumerate(drafting.tolist())
                 if num_drafts[r] > i and batch.req_ids[r] in constrained}
     return draft_grammar(prefixes) if prefixes else None
-
-
-def share_proposal(proposal: DraftProposal, group: CommGroup) -> None:
-    """Overwrite ``proposal``'s draft tokens and ``q`` rows, in place, with group rank 0's
-    (two broadcasts: the tokens as int64, the ``q`` rows as float32, each in request-id
-    order). Every rank must hold the same request ids with as many drafts each and ``q``
-    for the same requests (they follow from the step and the sampling parameters)."""
-    rids = sorted(proposal.token_ids)
-    if not rids:
-        return
-    sizes = [len(proposal.token_ids[r]) for r in rids]
-    flat = [t for r in rids for t in proposal.token_ids[r]]
-    tokens = group.broadcast(torch.tensor(flat, dtype=torch.int64, device=group.device))
-    for rid, part in zip(rids, tokens.cpu().split(sizes)):
-        proposal.token_ids[rid] = part.tolist()
-    sampled = sorted(proposal.probs)
-    if sampled:
-        q = group.broadcast(torch.cat([proposal.probs[r] for r in sampled]).contiguous())
-        for rid, part in zip(sampled, q.split([len(proposal.probs[r]) for r in sampled])):
-            proposal.probs[rid] = part
 
 
 def _proposal_probs(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 
 from kvflow.layers.rotary import LongPromptRope
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
-from kvflow.spec_decode.draft_model import DraftModel, DraftProposal
+from kvflow.spec_decode.draft_model import DraftModel
+from kvflow.spec_decode.draft_proposal import DraftProposal
 from kvflow.spec_decode.verification import place_drafts
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs

@@ -331,7 +331,7 @@ def test_tensor_parallel_split_steps_equal_plain_decoding(tiny_llama, plain, sel
 def test_share_proposal_takes_rank_zeros_tokens_and_q():
     """``share_proposal`` rebuilds the proposal from what the group broadcasts (rank 0's
     tokens, then its ``q`` rows, each in request-id order), whatever this rank proposed."""
-    from kvflow.spec_decode.draft_model import DraftProposal, share_proposal
+    from kvflow.spec_decode.draft_proposal import DraftProposal, share_proposal
 
     q0 = {"b": torch.rand(2, 5), "c": torch.rand(1, 5)}
     rank0 = [torch.tensor([7, 8, 9, 3, 4, 5]), torch.cat([q0["b"], q0["c"]])]
