@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     # speculative decoding's runner side: the draft model and verification run in the worker,
     # the rejection sampler is sampling math beside layers/sampler.py
     "kvflow.spec_decode.draft_model": 5, "kvflow.spec_decode.verification": 5,
+    "kvflow.spec_decode.draft_proposal": 5,  # a draft step's proposal (worker level)
     "kvflow.spec_decode.draft_timing": 5,  # the draft timed at start-up (worker side)
     "kvflow.spec_decode.rejection_sampler": 3,
     "kvflow.spec_decode.draft_threads": 2,  # the draft's CPU thread count (torch only)
