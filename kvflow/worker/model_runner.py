@@ -16,52 +16,40 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvflow.attention.layer import Attention
-from kvflow.config import EngineConfig, parse_bytes
+from kvflow.config import EngineConfig
 from kvflow.distributed.comm import IntermediateTensors
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
-from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+from kvflow.kv_cache_interface import KVCacheConfig
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import Sampler
 from kvflow.logits_process import LOGITS_PROCESSORS_FLAG, load_logits_processors
 from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
-from kvflow.malloc_env import keep_freed_memory
 from kvflow.models.model_resolver import ModelSource
 from kvflow.models.pooling_config import model_task
 from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
-from kvflow.sampling_params import SamplingParams
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
-from kvflow.spec_decode.draft_timing import time_draft_passes
 from kvflow.worker.cpu_setup import configure_runner_threads
 from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
 from kvflow.worker.input_batch import InputBatch, RequestState
-from kvflow.worker.kv_cache_setup import (
-    allocate_kv_caches,
-    check_kv_cache_config,
-    kv_cache_spec,
-    local_kv_tensors,
-    profile_kv_budget,
-    release_kv_cache,
-)
 from kvflow.worker.kv_swap import HostKVCache
 from kvflow.worker.logits_procs import RunnerLogitsProcessors
 from kvflow.worker.mm_runner import MultiModalRunner
-from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+from kvflow.worker.model_inputs import InputStager, ModelInputs
 from kvflow.worker.model_setup import load_runner_model, make_draft_model
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.pooling import PoolingState
 from kvflow.worker.prompt_embeds_runner import prompt_embed_spans
+from kvflow.worker.runner_kv_cache import RunnerKVCache
 from kvflow.worker.sampling_inputs import SamplingInputs
 from kvflow.worker.step_drafts import draft_and_build_inputs
-from kvflow.worker.step_graphs import make_graph_runner
 from kvflow.worker.step_inputs import hidden_rows, step_lora_mapping, update_states
 from kvflow.worker.step_logits import launch_logits
 from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pending, sample_step
@@ -69,7 +57,7 @@ from kvflow.worker.step_sampling import LaunchedStep, PendingOutput, collect_pen
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(RunnerKVCache):
     """Owns the model, its KV cache and the sampler on one device.
 
     With tensor parallelism it holds this rank's shard of every layer; with pipeline
@@ -181,117 +169,6 @@ class ModelRunner:
         self._step: LaunchedStep | None = None  # forward launched, not sampled yet
         self._pending: PendingOutput | None = None  # sampled, not collected yet
         self._proposed: dict[str, list[int]] = {}  # the launched step's draft-model tokens
-
-    # ---- KV cache ----------------------------------------------------------------------------
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Each attention layer's KV-cache spec (layer name -> spec), in model order, with
-        ``--kv-cache-dtype``'s element type (and scales for a quantized cache)."""
-        return kv_cache_spec(self.attn_layers, self.drafter, self.block_size,
-                             self.config.cache_config.kv_cache_dtype, self.dtype)
-
-    def determine_available_memory(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> int:
-        """Bytes for the KV cache: --kv-cache-memory, else the platform's budget (CPU: 2 GiB;
-        GPU: what a profiling forward pass leaves of gpu_memory_utilization; it runs with a
-        cache of ``kv_cache_groups`` just big enough for one step)."""
-        cc = self.config.cache_config
-        if cc.kv_cache_memory is not None:
-            return parse_bytes(cc.kv_cache_memory)
-        if self.platform.default_kv_cache_bytes is not None:
-            return self.platform.default_kv_cache_bytes
-        return profile_kv_budget(self.platform, cc.gpu_memory_fraction,
-                                 lambda: self.profile_run(kv_cache_groups),
-                                 self.config.scheduler_config.max_num_batched_tokens)
-
-    def profile_run(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...]) -> None:
-        """One forward pass over max_num_batched_tokens dummy tokens (one request), with a KV
-        cache of ``kv_cache_groups`` just big enough for it; measures peak activation memory.
-        """
-        num_tokens = self.config.scheduler_config.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        self.initialize_kv_cache(KVCacheConfig(num_blocks + 1, kv_cache_groups))
-        batch = InputBatch(1, [g.kv_cache_spec for g in kv_cache_groups])
-        state = RequestState("profile", [0] * num_tokens, SamplingParams(), None)
-        block_ids = list(range(1, num_blocks + 1))
-        batch.add_request(state, [], tuple(block_ids for _ in kv_cache_groups), 0)
-        inputs = build_model_inputs(batch, np.array([num_tokens]), self.block_size,
-                                    self.stager, long_prompt_rope=self.long_prompt_rope)
-        with torch.inference_mode():
-            hidden = self._forward(inputs, recv_from_previous_stage(self.parallel.pp), batch)
-            if send_to_next_stage(self.parallel.pp, hidden) and self.pooling is None:
-                self.model.compute_logits(hidden[-self.config.scheduler_config.max_num_seqs:])
-        self.platform.synchronize()
-        release_kv_cache(self.attn_layers, self.drafter)
-        self.kv_caches = []
-
-    def local_kv_tensors(self, kv_cache_config: KVCacheConfig) -> list[list[tuple[int, str]]]:
-        """For each KV tensor ``j`` this rank allocates: the (group, layer name) pairs of its
-        own layers that use it. A pipeline stage skips tensors whose layers all live on other
-        stages; without pipeline parallelism every tensor is local."""
-        return local_kv_tensors(kv_cache_config, self.attn_layers)
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate one zeroed tensor per layer of a KV-cache group (of this rank's layers),
-        shaped as its spec says (``KVCacheSpec.kv_cache_shape``: [2, num_blocks, block_size,
-        kv_heads, head_dim] with ``kv_heads`` per TP rank, or MLA's [num_blocks, block_size,
-        latent + rope]; a quantized cache adds its float32 scales, ``kv_scales_shape``) and
-        bind it: layer ``j`` of every group uses tensor ``j`` (a block id belongs to one group
-        at a time, so the groups never write the same slots).
-
-        A draft model's layers (``kv_cache_config.draft_group``) get tensors of their own,
-        indexed by group 0's block ids.
-
-        Raises:
-            ValueError: if a cache sized by --num-kv-blocks or --kv-cache-memory would not fit
-                in the device's free memory, or for a draft model beside several KV-cache
-                groups (it reads group 0's block table).
-        """
-        tensors = self.local_kv_tensors(kv_cache_config)
-        check_kv_cache_config(kv_cache_config, self.config.cache_config, self.platform,
-                              len(tensors), self.parallel.cp.world_size)
-        self.kv_cache_config = kv_cache_config
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        try:  # its rows are mapped zero pages, taken only as requests fill them
-            self.input_batch = InputBatch(max_num_seqs, [g.kv_cache_spec for g in
-                                                         kv_cache_config.kv_cache_groups])
-        except MemoryError:  # numpy's _ArrayMemoryError: a max_num_seqs of 1e9
-            raise ValueError(f"max_num_seqs={max_num_seqs}: the runner's rows for that many "
-                             "requests do not fit in this machine's memory; lower it") from None
-        self.requests = {}
-        self.allocate_kv_tensors(kv_cache_config)
-        if self.device.type == "cpu":  # after the weights and the cache: only activations
-            keep_freed_memory()        # (each step's) stay in the heap
-
-    def allocate_kv_tensors(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate and bind this rank's KV tensors (the draft model's and the swap pool's
-        too) for ``kv_cache_config``: ``initialize_kv_cache``'s allocation, also run when a
-        sleeping KV cache wakes up (``worker/sleep_mode.py``)."""
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        draft = kv_cache_config.draft_group
-        self.kv_caches = allocate_kv_caches(self.local_kv_tensors(kv_cache_config), spec,
-                                            kv_cache_config.num_blocks, self.attn_layers,
-                                            self.device, self.parallel.cp.world_size)
-        if draft is not None and self.drafter is not None:
-            self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
-        self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
-                                   pin_memory=self.device.type == "cuda") \
-            if kv_cache_config.num_host_blocks else None
-
-    def capture_graphs(self, max_model_len: int) -> None:
-        """Set up the decode-step graph runner (``worker/step_graphs.py``: CUDA graphs
-        captured now, or CPU step graphs recorded as decode steps run; none with
-        ``enforce_eager``). Call after ``initialize_kv_cache``."""
-        self.graph_runner = make_graph_runner(self, max_model_len)
-
-    def time_draft_passes(self) -> list[tuple[int, float]]:
-        """The draft model's passes timed over 1, 2, 4, ... dummy requests, about a second in
-        all (``spec_decode/draft_timing.py``): ``[(requests, seconds), ...]``, empty without a
-        draft model. Call after ``initialize_kv_cache``, before any step (it writes the
-        draft's K/V into free blocks)."""
-        if self.drafter is None or self.kv_cache_config is None:
-            return []
-        return time_draft_passes(self.drafter, self.kv_cache_config, self.block_size,
-                                 self.stager, self.config.scheduler_config.max_num_seqs,
-                                 self.platform.synchronize)
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:
