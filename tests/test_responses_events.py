@@ -328,7 +328,7 @@ def test_every_untyped_field_is_marked_unhonoured_and_refused():
 
     from kvflow.entrypoints.openai_errors import OpenAIError
     from kvflow.entrypoints.protocol.responses_api import ResponsesRequest, unhonoured_fields
-    from kvflow.entrypoints.serving_responses import refuse_unhonoured
+    from kvflow.entrypoints.responses_checks import refuse_unhonoured
 
     marked = unhonoured_fields()
     untyped = {name for name, info in ResponsesRequest.model_fields.items()

@@ -80,7 +80,7 @@ class ResponsesRequest(RequestBody):
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
     The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
     ``Unhonoured`` (its harmless value and what kvflow does instead): declared so that a set
-    value is a 400 naming it (``serving_responses.refuse_unhonoured`` reads
+    value is a 400 naming it (``responses_checks.refuse_unhonoured`` reads
     ``unhonoured_fields()``)."""
 
     model: str | None = None
@@ -131,7 +131,7 @@ class ResponsesRequest(RequestBody):
 
 def unhonoured_fields() -> dict[str, Unhonoured]:
     """``ResponsesRequest``'s fields marked ``Unhonoured``, by name (in declaration order):
-    the one table ``serving_responses.refuse_unhonoured`` reads."""
+    the one table ``responses_checks.refuse_unhonoured`` reads."""
     return {name: meta for name, info in ResponsesRequest.model_fields.items()
             for meta in info.metadata if isinstance(meta, Unhonoured)}
 
