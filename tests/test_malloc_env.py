@@ -85,5 +85,8 @@ def test_freed_pages_are_reused_instead_of_faulted_in_again():
     # glibc's default often maps the largest activation afresh in every layer, round after
     # round (~15k faults a round of 5 layers), but not always (0 in some runs: its adaptive
     # threshold depends on the order of frees), so only the kept setting is asserted
-    # kept: the first round grows the heap, the next ones reuse its pages
-    assert max(kept["faults"][1:]) < gate_up_pages
+    # kept: the first round grows the heap, the next ones reuse its pages: at most one
+    # largest activation's pages fault in again in a later round (the heap may grow once
+    # more: 3,072 seen once beside a busy suite), where mapping it afresh in every layer
+    # faults 5 x 3,072 a round
+    assert max(kept["faults"][1:]) <= gate_up_pages

@@ -250,12 +250,16 @@ def test_pooling_gives_a_classifiers_class_probabilities(servers):
         tokens = sum(len(_tokenizer(folder)(t)["input_ids"]) for t in texts)
         assert body["usage"] == {"prompt_tokens": tokens, "completion_tokens": 0,
                                  "total_tokens": tokens}
-    floats = [d["data"] for d in body["data"]]
+    # another request: the same values up to a rerun's rounding (the torch kernels need not
+    # repeat the bits: prefix-cache hits, other batch shapes); the base64 bytes' exactness
+    # against the float reply is checked within one reply in test_openai_embeddings.py
     body = _post(server, "/pooling", {"input": texts, "encoding_format": "base64"}).json()
-    assert [np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).tolist()
-            for d in body["data"]] == floats  # exact: the same float32 values
+    decoded = [np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).tolist()
+               for d in body["data"]]
+    torch.testing.assert_close(torch.tensor(decoded), expected, atol=ATOL, rtol=0)
     classified = _post(server, "/classify", {"input": texts}).json()
-    assert [d["probs"] for d in classified["data"]] == floats
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in classified["data"]]),
+                               expected, atol=ATOL, rtol=0)
     for extra, param, code in (({"task": "embed"}, "task", "wrong_task"),
                                ({"task": "token_classify"}, "task", "unsupported_value"),
                                ({"task": "score"}, "task", "unsupported_value"),
@@ -281,14 +285,17 @@ def test_score_and_v2_rerank_aliases(servers):
     expected = hf_reranker_scores(folder, [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS])
     scores = {path: _post(server, path, {"text_1": QUERY, "text_2": DOCUMENTS}).json()
               for path in ("/score", "/v1/score")}
-    torch.testing.assert_close(torch.tensor([d["score"] for d in scores["/score"]["data"]]),
-                               expected, atol=ATOL, rtol=0)
-    assert scores["/score"]["data"] == scores["/v1/score"]["data"]
+    for path in ("/score", "/v1/score"):  # each within a rerun's rounding of the oracle
+        torch.testing.assert_close(torch.tensor([d["score"] for d in scores[path]["data"]]),
+                                   expected, atol=ATOL, rtol=0)
+        assert [d["index"] for d in scores[path]["data"]] == list(range(len(DOCUMENTS)))
     reranks = {path: _post(server, path, {"query": QUERY, "documents": DOCUMENTS}).json()
                for path in ("/v2/rerank", "/v1/rerank")}
-    assert reranks["/v2/rerank"]["results"] == reranks["/v1/rerank"]["results"]
-    assert [r["index"] for r in reranks["/v2/rerank"]["results"]] == \
-        expected.argsort(descending=True).tolist()
+    for path in ("/v2/rerank", "/v1/rerank"):
+        results = reranks[path]["results"]
+        assert [r["index"] for r in results] == expected.argsort(descending=True).tolist()
+        torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in results]),
+                                   expected.sort(descending=True).values, atol=ATOL, rtol=0)
 
 
 def _same_answer(routed: httpx.Response, direct: httpx.Response) -> None:
