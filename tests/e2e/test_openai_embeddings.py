@@ -235,9 +235,11 @@ def test_embed_dtype_and_endianness(bert, path):
                     (name, endianness)
                 if name == "float32":
                     assert got.tolist() == vector
+    one = httpx.post(f"{server.url}{path}", timeout=60, json={  # the same batch shape
+        "input": INPUTS[0], "encoding_format": "float"}).json()["data"][0][key]
     body = httpx.post(f"{server.url}{path}", timeout=60, json={
         "input": INPUTS[0], "encoding_format": "base64"}).json()
-    assert np.frombuffer(base64.b64decode(body["data"][0][key]), "<f4").tolist() == floats[0]
+    assert np.frombuffer(base64.b64decode(body["data"][0][key]), "<f4").tolist() == one
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
@@ -283,7 +285,8 @@ def test_pooling_embeds_inputs(bert, decoder):
         _close(d["data"], ref)
     embedded = httpx.post(f"{server.url}/v1/embeddings", timeout=60, json={
         "input": INPUTS}).json()
-    assert [d["data"] for d in body["data"]] == [d["embedding"] for d in embedded["data"]]
+    for d, e in zip(body["data"], embedded["data"]):  # another request: a rerun's rounding
+        _close(d["data"], torch.tensor(e["embedding"]))  # (prefix-cache hits, batch shapes)
     assert body["usage"] == {**embedded["usage"], "completion_tokens": 0}
     raw = st_embed(_raw_st(st), INPUTS[:1])[0]
     for extra, expected in (({"dimensions": 8},
@@ -325,7 +328,7 @@ def test_pooling_messages(decoder, tiny_tokenizer):
     body = httpx.post(f"{server.url}/pooling", timeout=60, json={
         "messages": messages, "truncate_prompt_tokens": 5}).json()
     same = httpx.post(f"{server.url}/pooling", timeout=60, json={"input": ids[:5]}).json()
-    assert body["data"][0]["data"] == same["data"][0]["data"]
+    _close(body["data"][0]["data"], torch.tensor(same["data"][0]["data"]))
     assert body["usage"]["prompt_tokens"] == 5
 
 
