@@ -177,12 +177,18 @@ def test_a_reset_during_a_stream_leaves_it_unchanged(server):
     text, statuses = "", []
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
                       timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                if not statuses:
-                    statuses.append(httpx.post(f"{server.url}/reset_prefix_cache",
-                                               timeout=30).status_code)
-                text += json.loads(line[6:])["choices"][0]["text"]
+        # SSE lines end at a newline only: iter_lines also splits inside the JSON at the
+        # characters str.splitlines takes for breaks (U+2028, U+0085), which the random
+        # prompt's text may hold
+        pending = b""
+        for chunk in response.iter_bytes():
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in (raw.decode() for raw in lines):
+                if line.startswith("data: {"):
+                    if not statuses:
+                        statuses.append(httpx.post(f"{server.url}/reset_prefix_cache",
+                                                   timeout=30).status_code)
+                    text += json.loads(line[6:])["choices"][0]["text"]
     assert statuses[0] in (200, 409) and text == expected
 
 
