@@ -87,9 +87,10 @@ class ServerConfig:
                                "('restart')", choices=["exit", "restart"])
     tool_call_parser: str = opt("hermes", "how tool calls are read from the output under "
                                  "tool_choice=auto (vLLM's parser names; see README 'Tool "
-                                 "calling')", choices=["hermes", "llama3_json", "mistral",
-                                                       "pythonic", "llama4_pythonic",
-                                                       "qwen3_coder", "deepseek_v3"])
+                                 "calling')", choices=[
+                                     "hermes", "llama3_json", "llama4_json", "mistral",
+                                     "pythonic", "llama4_pythonic", "qwen3_coder", "deepseek_v3",
+                                     "deepseek_v31", "kimi_k2", "granite", "internlm"])
     exclude_tools_when_tool_choice_none: bool = opt(
         False, "leave a request's tools out of the chat template's prompt under "
         "tool_choice=none (default: the model still sees them and calls none, as with "

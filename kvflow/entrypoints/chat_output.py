@@ -65,7 +65,7 @@ class ChatOutputParser:
             return ChatResponseMessage(content=content or None if reasoning else content,
                                        reasoning_content=reasoning), finish_reason
         parsed = self.tool_parser.parse(content, True)
-        calls = [ToolCall(id=self.tool_parser.new_call_id(),
+        calls = [ToolCall(id=c.id or self.tool_parser.new_call_id(),
                           function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in parsed.calls if c.name][:self.max_calls]
         if not calls:

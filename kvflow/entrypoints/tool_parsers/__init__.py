@@ -9,9 +9,9 @@ exactly the non-streamed reply. The JSON-based parsers scan spans of the model's
 backend does the constraining. Streamed or not, a reply carries the same calls.
 
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
-``hermes``, ``llama3_json``, ``mistral``, ``pythonic`` (and ``llama4_pythonic``),
-``qwen3_coder``, ``deepseek_v3``;
-``forced`` reads
+``hermes``, ``llama3_json`` (and ``llama4_json``), ``mistral``, ``pythonic`` (and
+``llama4_pythonic``), ``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
+(the last three share ``marked_blocks``), ``granite``, ``internlm``; ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -27,9 +27,13 @@ from kvflow.entrypoints.tool_parsers.base import (
     new_tool_call_id,
 )
 from kvflow.entrypoints.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from kvflow.entrypoints.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from kvflow.entrypoints.tool_parsers.granite import GraniteToolParser
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
-from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvflow.entrypoints.tool_parsers.internlm import InternLMToolParser
+from kvflow.entrypoints.tool_parsers.kimi_k2 import KimiK2ToolParser
+from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
 from kvflow.entrypoints.tool_parsers.pythonic import (
     Llama4PythonicToolParser,
@@ -48,8 +52,9 @@ from kvflow.entrypoints.tool_parsers.reasoning import (
 from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingToolState
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-    Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser)}
+    HermesToolParser, Llama3JsonToolParser, Llama4JsonToolParser, MistralToolParser,
+    PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -67,8 +72,9 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
-    "GraniteReasoningParser",
-    "HermesToolParser", "Llama3JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
+    "DeepSeekV31ToolParser", "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser",
+    "InternLMToolParser", "KimiK2ToolParser", "Llama3JsonToolParser", "Llama4JsonToolParser",
+    "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
     "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
     "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",
     "StreamingToolState", "ThinkReasoningParser", "ToolParser", "make_reasoning_parser",

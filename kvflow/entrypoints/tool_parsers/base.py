@@ -15,11 +15,13 @@ from kvflow.entrypoints.json_spans import object_members
 @dataclass
 class ParsedCall:
     """One tool call: ``name`` once its string is complete; ``arguments`` the raw JSON text
-    so far (complete when ``complete``)."""
+    so far (complete when ``complete``); ``id`` the call's id when the model writes one
+    (Kimi K2's ``functions.get_weather:0``), else None and the server makes one."""
 
     name: str | None = None
     arguments: str = ""
     complete: bool = False
+    id: str | None = None
 
 
 @dataclass

@@ -51,3 +51,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         return "; ".join(call_json(c, "parameters") for c in calls)
+
+
+class Llama4JsonToolParser(Llama3JsonToolParser):
+    """vLLM's name for the same format on Llama 4 (``llama4_json``)."""
+
+    name = "llama4_json"

@@ -54,7 +54,7 @@ class StreamingToolState:
             if index == len(self._sent_args):
                 if call.name is None:
                     break  # arguments wait for the name
-                self.ids.append(self.parser.new_call_id())
+                self.ids.append(call.id or self.parser.new_call_id())
                 self._sent_args.append(0)
                 out.tool_calls.append((index, self.ids[index], call.name, ""))
             piece = call.arguments[self._sent_args[index]:]
