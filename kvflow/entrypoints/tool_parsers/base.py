@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,25 @@ def add_call(out: ParsedOutput, call: ParsedCall, end: int | None) -> None:
     call is only ever the last, still-growing one)."""
     if end is None or call.name is not None:
         out.calls.append(call)
+
+
+def read_blocks(out: ParsedOutput, text: str, pos: int,
+                read_call: Callable[[int], tuple[ParsedCall | None, int | None]],
+                next_block: Callable[[int], int]) -> None:
+    """Append to ``out`` the calls of consecutive blocks, the first at ``text[pos]`` (-1:
+    none): ``read_call(i)`` reads the block at ``i`` (the call, None if the block is not one,
+    and its end, None while it is open); ``next_block(end)`` gives the next block's start
+    (-1: no more). Reading ends at a block that is not a call or is still open. The loop of
+    the parsers whose calls come in tagged blocks (``hermes``, ``qwen3_coder``,
+    ``marked_blocks``)."""
+    while pos >= 0:
+        call, end = read_call(pos)
+        if call is None:
+            break
+        add_call(out, call, end)
+        if end is None:
+            break
+        pos = next_block(end)
 
 
 def is_json(text: str) -> bool:

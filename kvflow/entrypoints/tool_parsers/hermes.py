@@ -8,13 +8,14 @@ from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
+    ParsedCall,
     ParsedOutput,
     ToolParser,
-    add_call,
     call_from_object,
     call_json,
     calls_or_content,
     held_back,
+    read_blocks,
     until_marker,
 )
 
@@ -27,17 +28,17 @@ class HermesToolParser(ToolParser):
         out, first = until_marker(text, self.START, final)
         if first < 0:
             return out
-        pos = first
-        while pos >= 0:
-            start = skip_ws(text, pos + len(self.START))
-            if start >= len(text) or text[start] != "{":
-                break
-            call, end = call_from_object(text, start, ("arguments", "parameters"))
-            add_call(out, call, end)
-            if end is None:
-                break
-            pos = self._text_after(out, text, end, final)
+        read_blocks(out, text, first, lambda pos: self._read_call(text, pos),
+                    lambda end: self._text_after(out, text, end, final))
         return calls_or_content(out, text, final)
+
+    def _read_call(self, text: str, pos: int) -> tuple[ParsedCall | None, int | None]:
+        """The call of the ``<tool_call>`` at ``text[pos]`` (None unless a JSON object
+        follows) and the object's end."""
+        start = skip_ws(text, pos + len(self.START))
+        if start >= len(text) or text[start] != "{":
+            return None, None
+        return call_from_object(text, start, ("arguments", "parameters"))
 
     def _text_after(self, out: ParsedOutput, text: str, end: int, final: bool) -> int:
         """Add the text after the call object ending at ``end`` (past its ``</tool_call>``,

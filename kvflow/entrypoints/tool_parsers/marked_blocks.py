@@ -22,6 +22,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     calls_or_content,
     is_json,
+    read_blocks,
     until_marker,
 )
 
@@ -41,15 +42,12 @@ class MarkedBlocksToolParser(ToolParser):
         out, first = until_marker(text, self.SECTION, final)
         if first < 0:
             return out
-        pos = skip_ws(text, first + len(self.SECTION))
-        while text.startswith(self.CALL_BEGIN, pos):
-            call, end = self._read_call(text, pos + len(self.CALL_BEGIN))
-            if call is None:
-                break
-            out.calls.append(call)
-            if end is None:
-                break
+        def next_block(end: int) -> int:  # the next block must follow, spaces aside
             pos = skip_ws(text, end)
+            return pos if text.startswith(self.CALL_BEGIN, pos) else -1
+
+        read_blocks(out, text, next_block(first + len(self.SECTION)),
+                    lambda pos: self._read_call(text, pos + len(self.CALL_BEGIN)), next_block)
         return calls_or_content(out, text, final)
 
     def read_header(self, text: str, i: int) -> tuple[str, str | None, int] | None:

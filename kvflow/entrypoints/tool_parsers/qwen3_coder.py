@@ -34,6 +34,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     calls_or_content,
+    read_blocks,
     until_marker,
 )
 
@@ -48,15 +49,8 @@ class Qwen3CoderToolParser(ToolParser):
         out, first = until_marker(text, self.START, final)
         if first < 0:
             return out
-        pos = first
-        while pos >= 0:
-            call, end = self._read_call(text, pos + len(self.START))
-            if call is None:
-                break
-            out.calls.append(call)
-            if end is None:
-                break
-            pos = text.find(self.START, end)
+        read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
+                    lambda end: text.find(self.START, end))
         return calls_or_content(out, text, final)
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
