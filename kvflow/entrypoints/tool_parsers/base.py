@@ -134,7 +134,8 @@ class ToolParser:
             {...}}``), or None when unknown (rendering history, tests). Parsers that type
             values by the tool's schema (``qwen3_coder``) or refuse calls to functions the
             request did not offer (``mistral``, ``pythonic``, ``qwen3_coder``,
-            ``deepseek_v3``: such text is content) read them.
+            ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``: such text is
+            content) read them.
     """
 
     name = "base"

@@ -5,7 +5,8 @@
 - one ``[TOOL_CALLS]name[ARGS]{...}`` per call (tokenizer v11 and later: Mistral Small 3.2,
   Magistral, Devstral), optionally ``name[CALL_ID]id[ARGS]``.
 
-Text before the first ``[TOOL_CALLS]`` is content; text after the calls is dropped. A call to
+Text before the first ``[TOOL_CALLS]`` is content; text after the calls is dropped (so does
+vLLM's parser: its content is the text before the token). A call to
 a function the request did not offer, or one that cannot be read, ends the reading; when no
 call was read the whole reply is content. ``[TOOL_CALLS]`` is a special token, so the reply is
 decoded with special tokens whatever the request's ``skip_special_tokens`` (as vLLM does).

@@ -15,7 +15,7 @@ A value is the text between the tags less one newline at each end, typed by the 
 schema (``schema_value``): a string stays text, integers / numbers / booleans / null are
 read, objects and arrays are read as JSON (else as a Python literal); text that does not
 read as its type stays a string. Text before the first ``<tool_call>`` is content; text
-between and after the blocks is dropped. Streaming sends ``{`` once the function's name is
+between and after the blocks is dropped (as vLLM's parser drops it). Streaming sends ``{`` once the function's name is
 read, then each parameter as its closing tag arrives, then ``}``: the pieces join to the
 whole reply's arguments. A call to a function the request did not offer ends the reading
 (with no call read, the whole reply is content).
