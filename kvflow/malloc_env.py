@@ -17,6 +17,10 @@ activations, tens of MiB for small models) instead of returning it between steps
 ``MALLOC_TRIM_THRESHOLD_`` the user set wins (glibc read it at start-up). Other C libraries
 (musl) and other allocators (a preloaded jemalloc or tcmalloc) have no ``mallopt`` of these
 meanings; there it does nothing.
+
+:func:`release_freed_memory` is the way back: sleep mode calls it (through
+``CpuPlatform.empty_cache``) once the KV cache is freed, so tensors smaller than the raised
+mmap threshold (a small model's per-layer KV tensors) leave the process's RSS too.
 """
 
 from __future__ import annotations
@@ -54,12 +58,35 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None, libc=None) -> bo
     environ = os.environ if environ is None else environ
     if any(name in environ for name in USER_SETTINGS):
         return False
+    libc = _glibc() if libc is None else libc
     if libc is None:
-        if platform.libc_ver()[0] != "glibc":
-            return False
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return False
     ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
         bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not ok:
         logger.debug("mallopt refused the mmap/trim thresholds; malloc keeps its defaults")
     return ok
+
+
+def _glibc():
+    """This process's glibc loaded by ctypes, or None under another C library."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def release_freed_memory(libc=None) -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc ``malloc_trim(0)``: the top of
+    the heap and whole free pages inside it), whatever the thresholds
+    :func:`keep_freed_memory` raised.
+
+    Args:
+        libc: the C library to call (default: this process's glibc, loaded by ctypes).
+
+    Returns:
+        True when memory was released; False when nothing was, or the C library is not glibc.
+    """
+    libc = _glibc() if libc is None else libc
+    if libc is None:
+        return False
+    return bool(libc.malloc_trim(0))

@@ -6,6 +6,8 @@ requests are refused while asleep and a sleep is refused while requests run."""
 from __future__ import annotations
 
 import gc
+import os
+import platform
 import weakref
 
 import pytest
@@ -337,3 +339,33 @@ def test_relocated_tensors_keep_their_values_identity_and_aliasing():
         assert model[1].weight_t[1, 0] == weight[0, 1]
         with torch.no_grad():
             weight[0, 1] -= 1.0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not os.path.exists("/proc/self/statm"),
+                    reason="malloc_trim and /proc/self/statm: glibc on Linux")
+def test_level_1_hands_the_kv_memory_back_to_the_kernel(tiny_llama):
+    # per-layer KV tensors of 8 MiB stay under the 32 MiB mmap threshold malloc_env raises,
+    # so once it is raised they live in the heap: without malloc_trim the process keeps them after the sleep
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", block_size=16,
+              num_kv_blocks=2048, enable_sleep_mode=True)
+    llm.sleep(level=1)  # the KV tensors the wake-up allocates come from the heap malloc_env set:
+    llm.wake_up()       # (start-up's came before it, from mmap, and would be unmapped anyway)
+    kv_bytes = _kv_bytes(llm)
+    per_tensor = [c.numel() * c.element_size() for c in _runner(llm).kv_caches]
+    assert max(per_tensor) < 32 << 20 and kv_bytes >= 16 << 20
+    _greedy(llm)  # touch every page the engine uses
+    for cache in _runner(llm).kv_caches:
+        cache.fill_(1.0)  # every KV page resident, so freeing it shows in the RSS
+    del cache
+    gc.collect()
+    before = _rss_bytes()
+    llm.sleep(level=1)
+    dropped = before - _rss_bytes()
+    assert dropped >= 0.9 * kv_bytes, (dropped, kv_bytes)
+    llm.wake_up()
+    assert _greedy(llm) == _hf_greedy(tiny_llama)

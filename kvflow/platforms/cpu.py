@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from kvflow.malloc_env import release_freed_memory
 from kvflow.platforms.base import Platform
 
 
@@ -23,6 +24,11 @@ class CpuPlatform(Platform):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def empty_cache(self) -> None:
+        """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``; sleep mode
+        calls it once the KV cache is freed, so the process's RSS drops)."""
+        release_freed_memory()
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.has_native_matmul(torch.bfloat16) else torch.float32
