@@ -170,13 +170,15 @@ def test_wire_format_and_replay_of_missed_batches(tiny, tmp_path):
         assert replayed[-len(live):] == live  # the same bytes
         missed = replayed[:-len(live)]
         assert [s for s, _ in missed] == list(range(live[0][0]))
-        # raw decode: [ts, [[tag, hashes, parent, tokens, block_size, lora_id, medium]], rank]
+        # raw decode: [ts, [[tag, hashes, parent, tokens, block_size, lora_id, medium,
+        #                    lora_name, extra_keys]], rank]
         ts, events, rank = msgspec.msgpack.decode(missed[0][1])
         assert rank == 0 and abs(ts - time.time()) < 60
         first = tok(PROMPTS[0]).input_ids
         blocks = chain(first)
         assert events == [["BlockStored", [h for h, _, _ in blocks], None,
-                           first[:len(blocks) * BLOCK_SIZE], BLOCK_SIZE, None, "CPU"]]
+                           first[:len(blocks) * BLOCK_SIZE], BLOCK_SIZE, None, "CPU",
+                           None, [None] * len(blocks)]]
     finally:
         llm.shutdown()
         ctx.destroy(linger=0)
@@ -258,14 +260,39 @@ def test_prefix_caching_off_is_refused(tiny):
 
 
 def test_batch_round_trip_types():
-    batch = KVEventBatch(ts=1.5, events=[BlockStored([1, 2], None, [5] * 8, 4, 7, "GPU"),
-                                         BlockRemoved([2], "GPU"), AllBlocksCleared()],
-                         data_parallel_rank=1)
+    batch = KVEventBatch(ts=1.5, events=[
+        BlockStored([1, 2], None, [5] * 8, 4, 7, "GPU", "ad", [("ad", "salt"), ("ad",)]),
+        BlockRemoved([2], "GPU"), AllBlocksCleared()], data_parallel_rank=1)
     raw = msgspec.msgpack.encode(batch)
     assert msgspec.msgpack.decode(raw) == [1.5, [
-        ["BlockStored", [1, 2], None, [5] * 8, 4, 7, "GPU"], ["BlockRemoved", [2], "GPU"],
-        ["AllBlocksCleared"]], 1]
-    assert decode_kv_event_batch(raw) == batch
+        ["BlockStored", [1, 2], None, [5] * 8, 4, 7, "GPU", "ad", [["ad", "salt"], ["ad"]]],
+        ["BlockRemoved", [2], "GPU"], ["AllBlocksCleared"]], 1]
+    assert decode_kv_event_batch(raw) == batch  # extra keys typed back as tuples
+
+
+class OldBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """vLLM 0.10-0.11's BlockStored: six fields."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[OldBlockStored]
+    data_parallel_rank: int | None = None
+
+
+def test_a_decoder_of_the_six_vllm_0_11_fields_ignores_the_later_ones():
+    """vLLM 0.10-0.11's BlockStored has six fields; msgspec's array-like decoding of such a
+    struct skips the trailing lora_name and extra_keys."""
+    new = KVEventBatch(ts=2.0, events=[BlockStored([9], 8, [1, 2], 2, 4, "CPU", "ad", [("ad",)])])
+    old = msgspec.msgpack.Decoder(OldBatch).decode(msgspec.msgpack.encode(new))
+    assert old == OldBatch(2.0, [OldBlockStored([9], 8, [1, 2], 2, 4, "CPU")])
 
 
 def test_data_parallel_replicas_publish_on_their_own_endpoints(tiny, tmp_path):

@@ -41,6 +41,12 @@ class CacheConfig:
         None, "reuse KV blocks of identical prompt prefixes (default: on, where the engine "
         "can: not for an encoder-only model, which keeps no KV cache, nor for an embedding "
         "model pooling more than its last token; asking for it there is refused)")
+    prefix_caching_hash_algo: str = opt(
+        "blake2b", "the prefix cache's block hash, also the hashes in KV cache events: "
+        "blake2b (kvflow's own), sha256 (vLLM's: SHA-256 of the pickled (parent, tokens, "
+        "extra keys)) or sha256_cbor (vLLM's over canonical CBOR, reproducible outside "
+        "Python); vLLM's chain from a first-block seed, $PYTHONHASHSEED or 'vllm-none-hash'",
+        choices=["blake2b", "sha256", "sha256_cbor"])
     gpu_memory_utilization: float | None = opt(
         None, "fraction of GPU memory kvflow may use (default: 0.9); refused on a platform "
         "whose KV cache has a fixed default size (CPU: --kv-cache-memory, 2GiB)")

@@ -15,6 +15,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.core.kv_events import (
     AllBlocksCleared,
@@ -23,6 +24,9 @@ from kvflow.core.kv_events import (
     KVCacheEvent,
     external_block_hash,
 )
+
+if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
 
 
 @dataclass(eq=False)
@@ -60,6 +64,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...],
         + len(token_ids).to_bytes(4, "little") + array("q", token_ids).tobytes()
     if extra_key is not None:
         payload += repr(extra_key).encode()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=16).digest(), "little")
+
+
+def group_cache_key(block_hash: int, group_id: int) -> int:
+    """The pool key of a block of KV-cache group ``group_id`` > 0 whose chain hash is
+    ``block_hash`` (any algorithm's, up to 256 bits): BLAKE2b-128 of both, so groups never
+    share a key. Group 0 keys its blocks by the chain hash itself."""
+    payload = b"kv_group" + group_id.to_bytes(4, "little") + block_hash.to_bytes(32, "little")
     return int.from_bytes(hashlib.blake2b(payload, digest_size=16).digest(), "little")
 
 
@@ -168,24 +180,28 @@ class BlockPool:
         self._cached[block_hash] = block
 
     def record_stored(self, blocks: list[KVCacheBlock], hashes: list[int],
-                      parent_hash: int | None, block_size: int, lora_id: int | None) -> None:
+                      parent_hash: int | None, block_size: int, lora: LoRARequest | None,
+                      extra_keys: list[tuple | None]) -> None:
         """Publish (``BlockStored``) the blocks of one request's chain that ``cache_full_block``
-        just indexed: ``blocks[i]`` is the chain's block of hash ``hashes[i]``, the first
-        one following ``parent_hash``. A block not indexed under its hash (the null block,
-        or a copy while an identical block serves the prefix) or published already splits
-        the run: each event is a consecutive chain. Call only with events on.
+        just indexed: ``blocks[i]`` is the chain's block of hash ``hashes[i]`` and event extra
+        keys ``extra_keys[i]``, the first one following ``parent_hash``; ``lora`` is the
+        request's adapter. A block not indexed under its hash (the null block, or a copy
+        while an identical block serves the prefix) or published already splits the run:
+        each event is a consecutive chain. Call only with events on.
         """
-        run: list[KVCacheBlock] = []
-        for block, h in zip(blocks, hashes):
+        run: list[int] = []  # indices into blocks
+        for i, (block, h) in enumerate(zip(blocks, hashes)):
             if h not in self._published and self._cached.get(h) is block:
-                run.append(block)
+                run.append(i)
                 continue
-            self._store_run(run, parent_hash, block_size, lora_id)
+            self._store_run([blocks[j] for j in run], parent_hash, block_size, lora,
+                            [extra_keys[j] for j in run])
             run, parent_hash = [], h
-        self._store_run(run, parent_hash, block_size, lora_id)
+        self._store_run([blocks[j] for j in run], parent_hash, block_size, lora,
+                        [extra_keys[j] for j in run])
 
     def _store_run(self, run: list[KVCacheBlock], parent_hash: int | None, block_size: int,
-                   lora_id: int | None) -> None:
+                   lora: LoRARequest | None, extra_keys: list[tuple | None]) -> None:
         if not run:
             return
         self._published.update(b.block_hash for b in run)
@@ -193,7 +209,8 @@ class BlockPool:
             block_hashes=[external_block_hash(b.block_hash) for b in run],
             parent_block_hash=None if parent_hash is None else external_block_hash(parent_hash),
             token_ids=[t for b in run for t in b.token_ids], block_size=block_size,
-            lora_id=lora_id, medium=self._medium))
+            lora_id=lora.lora_int_id if lora is not None else None, medium=self._medium,
+            lora_name=lora.lora_name if lora is not None else None, extra_keys=extra_keys))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (empty with events off)."""

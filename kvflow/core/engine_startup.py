@@ -9,6 +9,7 @@ import logging
 from collections import deque
 
 from kvflow.config import EngineConfig, SchedulerConfig
+from kvflow.core.block_hashing import BlockHasher
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -223,7 +224,8 @@ class EngineCoreStartup:
             self.pooler_config is None or self.pooler_config.pooling_type == "last")
         rope = long_prompt_rope(self.hf_config)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, caching,
-                                               rope.original if rope is not None else None)
+                                               rope.original if rope is not None else None,
+                                               BlockHasher(cc.prefix_caching_hash_algo))
         # Pipeline stages before the last do not sample: they are sent every step's tokens.
         pipelined = self.config.parallel_config.pipeline_parallel_size > 1
         lc = self.config.lora_config

@@ -5,15 +5,15 @@ The scheduler talks to this class through predicate/action pairs (``can_allocate
 internals stay private.
 
 Prefix caching: every full block of a request's tokens gets a chain hash (see
-``hash_block_tokens``). When a request is first scheduled, the longest run of its leading full
-blocks already in the pool is reused (ref count + 1) instead of recomputed; at least one token is
-always left to compute so the step has logits to sample from. Blocks are indexed as soon as they
+``core/block_hashing.py``: kvflow's or vLLM's). When a request is first scheduled, the longest
+run of its leading full blocks already in the pool is reused (ref count + 1) instead of
+recomputed; at least one token is always left to compute so the step has logits to sample from. Blocks are indexed as soon as they
 are allocated for tokens that this step computes, which is safe because every layer writes the
 step's new K/V before it reads any. With prefix caching off, the ``n`` samples of one request
 still share their prompt blocks: their hashes carry the parent request id as an extra key, so
 only siblings can hit them. A block holding image placeholder tokens also carries the images'
 identifiers (hashes of their pixels), so the same text with another image never hits. A
-request with a LoRA adapter adds the adapter's id to the extra key: the same tokens under
+request with a LoRA adapter adds the adapter to the extra key: the same tokens under
 another adapter (or none) have other K/V. A request's ``cache_salt`` (vLLM's) is added to the
 extra key of its first block only, as vLLM mixes it in: every later block chains from that
 hash, so only requests with the same salt share any block; an unsalted request's hashes are
@@ -34,14 +34,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvflow.core.block_hashing import BlockHasher, event_extra_keys
+from kvflow.core.block_pool import BlockPool, KVCacheBlock
 from kvflow.core.kv_events import KVCacheEvent
 from kvflow.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     make_single_type_manager,
 )
 from kvflow.kv_cache_interface import KVCacheConfig
-from kvflow.multimodal_inputs import overlapping_features
 from kvflow.request import Request
 
 
@@ -78,11 +78,13 @@ class KVCacheManager:
             prompt are rotated differently (long factors at every position,
             ``kvflow/layers/rotary.py: LongPromptRope``), so its blocks are cached apart from
             a shorter prompt's (None: no such model).
+        hasher: the block hash (``--prefix-caching-hash-algo``; None: kvflow's ``blake2b``).
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, enable_prefix_caching: bool = True,
-                 long_prompt_threshold: int | None = None):
+                 long_prompt_threshold: int | None = None, hasher: BlockHasher | None = None):
         self.kv_cache_config = kv_cache_config
+        self.hasher = hasher if hasher is not None else BlockHasher()
         self.long_prompt_threshold = long_prompt_threshold
         self.block_size = kv_cache_config.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -98,35 +100,27 @@ class KVCacheManager:
         self.num_hits = 0  # prefix-cache hits, in tokens
 
     # ---- prefix cache ------------------------------------------------------------------------
-    def _cache_extra_key(self, request: Request) -> object | None:
-        """None for ordinary prefix caching; the parent id when only siblings may share; with
-        a LoRA adapter its id too (the adapter changes every layer's K/V); for a LongRoPE
-        prompt longer than the original context, a mark (its keys' rotations differ); for a
-        prompt given as embeddings, their digest (its placeholder token ids say nothing of its
-        K/V), so it shares blocks only with prompts of the very same rows."""
-        key = None if self.enable_prefix_caching else request.parent_id
-        if request.lora_request is not None:
-            key = (key, request.lora_request.lora_int_id)
-        if self.long_prompt_threshold is not None and \
-                request.num_prompt_tokens > self.long_prompt_threshold:
-            key = (key, "long_prompt_rope")
-        if request.prompt_embeds is not None:
-            key = (key, "prompt_embeds", request.prompt_embeds.identifier)
-        return key
+    def _update_block_hashes(self, request: Request) -> None:
+        """Hash the request's full blocks not hashed yet (``core/block_hashing.py``): the
+        extra key is None for ordinary prefix caching; the parent id when only siblings may
+        share; a LoRA adapter (it changes every layer's K/V); for a LongRoPE prompt longer
+        than the original context, a mark (its keys' rotations differ); for a prompt given as
+        embeddings, their digest (its placeholder token ids say nothing of its K/V); the
+        images a block holds; the salt on block 0."""
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        if len(hashes) >= len(tokens) // bs:
+            return
+        hasher = self.hasher
+        long_prompt = self.long_prompt_threshold is not None and \
+            request.num_prompt_tokens > self.long_prompt_threshold
+        request_key = hasher.request_key(request, self.enable_prefix_caching, long_prompt)
+        for i in range(len(hashes), len(tokens) // bs):
+            key = hasher.block_extra_key(request_key, request, i * bs, (i + 1) * bs)
+            hashes.append(hasher.hash_block(hashes[i - 1] if i else None,
+                                            tuple(tokens[i * bs:(i + 1) * bs]), key))
 
     def _uses_hashing(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.request_id != request.parent_id
-
-    def _update_block_hashes(self, request: Request) -> None:
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        extra = self._cache_extra_key(request)
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            key = extra if request.mm_features is None else \
-                _with_image_keys(extra, request, i * bs, (i + 1) * bs)
-            if i == 0 and request.cache_salt is not None:  # later blocks chain from block 0
-                key = (key, ("cache_salt", request.cache_salt))
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), key))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached run of the request's leading full blocks.
@@ -248,11 +242,12 @@ class KVCacheManager:
 
     def _record_stored(self, request: Request, start: int, end: int) -> None:
         """Publish group 0's blocks ``[start, end)`` of the request that are now indexed."""
-        hashes = request.block_hashes
-        lora = request.lora_request
+        hashes, bs = request.block_hashes, self.block_size
         self.pool.record_stored(self._group0_blocks[request.request_id][start:end],
-                                hashes[start:end], hashes[start - 1] if start else None,
-                                self.block_size, lora.lora_int_id if lora is not None else None)
+                                hashes[start:end], hashes[start - 1] if start else None, bs,
+                                request.lora_request,
+                                [event_extra_keys(request, i * bs, (i + 1) * bs)
+                                 for i in range(start, end)])
 
     def _fits(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's block tables already cover ``num_new_tokens`` more tokens
@@ -352,12 +347,3 @@ class KVCacheManager:
         """The KV cache events recorded since the last call, oldest first (none when off)."""
         return self.pool.take_kv_events()
 
-
-def _with_image_keys(extra: object, request: Request, start: int, end: int) -> object:
-    """A block's extra key with the images whose placeholders it holds: (identifier, offset
-    of the image's first placeholder relative to the block) each. Two prompts with equal
-    tokens but different images then never share KV; a block without image tokens keeps the
-    plain key, so text before the first image is shared with text-only prompts."""
-    images = tuple((f.identifier, f.offset - start)
-                   for f in overlapping_features(request.mm_features, start, end))
-    return (extra, images) if images else extra

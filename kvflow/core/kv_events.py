@@ -8,14 +8,19 @@ msgpack array in field order) and an event's first element is its tag, the class
 
 * ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` (``ts`` Unix seconds, float);
 * ``BlockStored``: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium]``: full blocks now in the prefix cache, a chain (each block's parent is
-  the one before it; the first one's is ``parent_block_hash``, None at a prompt's start),
-  ``token_ids`` their tokens in order (``block_size`` per block);
+  lora_id, medium, lora_name, extra_keys]``: full blocks now in the prefix cache, a chain
+  (each block's parent is the one before it; the first one's is ``parent_block_hash``, None
+  at a prompt's start), ``token_ids`` their tokens in order (``block_size`` per block);
+  ``lora_name`` the adapter's name (None without one; vLLM added it after 0.11, after the
+  six fields 0.10-0.11 decode, and those decoders ignore it), ``extra_keys`` one entry per
+  block: None, or the untagged keys mixed into its hash (``block_hashing.event_extra_keys``:
+  the LoRA name, ``[identifier, offset]`` per image, the ``cache_salt`` on a prompt's first
+  block);
 * ``BlockRemoved``: ``["BlockRemoved", block_hashes, medium]``: blocks no longer served;
 * ``AllBlocksCleared``: ``["AllBlocksCleared"]``: the prefix cache is empty.
 
-A block's hash on the wire is :func:`external_block_hash` of the block pool's 128-bit chain
-hash (its low 64 bits), an unsigned integer as vLLM sends by default. ``medium`` is where the
+A block's hash on the wire is :func:`external_block_hash` of the block pool's chain hash (its
+low 64 bits, ``core/block_hashing.py``), an unsigned integer as vLLM sends by default. ``medium`` is where the
 blocks live: ``GPU`` on an accelerator, ``CPU`` on a CPU engine.
 """
 
@@ -31,8 +36,9 @@ _LOW_64 = (1 << 64) - 1
 
 
 def external_block_hash(block_hash: int) -> int:
-    """The hash a consumer sees for a block: the low 64 bits of the pool's 128-bit chain hash
-    (``hash_block_tokens``), so it fits msgpack's unsigned 64-bit integers."""
+    """The hash a consumer sees for a block: the low 64 bits of the pool's chain hash
+    (``core/block_hashing.py``; for vLLM's algorithms the digest's last 8 bytes read
+    big-endian, as vLLM converts it), so it fits msgpack's unsigned 64-bit integers."""
     return block_hash & _LOW_64
 
 
@@ -57,6 +63,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

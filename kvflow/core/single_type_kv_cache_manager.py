@@ -16,7 +16,7 @@ group g hashes it with g), so the pool never serves one group's K/V to another.
 
 from __future__ import annotations
 
-from kvflow.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvflow.core.block_pool import BlockPool, KVCacheBlock, group_cache_key
 from kvflow.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
 
@@ -47,7 +47,7 @@ class SingleTypeKVCacheManager:
         """The pool index key of a block with this chain hash in this group."""
         if self.group_id == 0:
             return block_hash
-        return hash_block_tokens(block_hash, (), ("kv_group", self.group_id))
+        return group_cache_key(block_hash, self.group_id)
 
     # ---- prefix cache ------------------------------------------------------------------------
     def cached_run(self, block_hashes: list[int], token_ids: list[int],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvflow.core.block_pool import BlockPool, hash_block_tokens
 from kvflow.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvflow.lora.request import LoRARequest
 
 BS = 2
 LOW = 2**64 - 1
@@ -43,16 +44,19 @@ def test_runs_split_at_blocks_another_block_serves():
     a_tokens, b_tokens = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8, 9, 10]
     a = pool.get_new_blocks(3)
     ha = index(pool, a, a_tokens)
-    pool.record_stored(a, ha, None, BS, None)
+    pool.record_stored(a, ha, None, BS, None, [None] * len(a))
     b = pool.get_new_blocks(4)  # same step: blocks 0-1 are copies of a's
     hb = index(pool, b, b_tokens)
-    pool.record_stored(b, hb, None, BS, 3)
+    lora = LoRARequest("ad", 3, "/adapters/ad")
+    pool.record_stored(b, hb, None, BS, lora, [("ad", "salt"), ("ad",), ("ad", 2), ("ad", 3)])
     events = pool.take_kv_events()
-    assert events == [
-        BlockStored([h & LOW for h in ha], None, a_tokens, BS, None, "GPU"),
-        BlockStored([hb[2] & LOW, hb[3] & LOW], hb[1] & LOW, [7, 8, 9, 10], BS, 3, "GPU")]
+    assert events == [  # b's run: its blocks 2-3, with their own extra keys
+        BlockStored([h & LOW for h in ha], None, a_tokens, BS, None, "GPU", None,
+                    [None] * 3),
+        BlockStored([hb[2] & LOW, hb[3] & LOW], hb[1] & LOW, [7, 8, 9, 10], BS, 3, "GPU", "ad",
+                    [("ad", 2), ("ad", 3)])]
     assert pool.take_kv_events() == []
-    pool.record_stored(a, ha, None, BS, None)  # published already: nothing again
+    pool.record_stored(a, ha, None, BS, None, [None] * len(a))  # published already: nothing again
     assert pool.take_kv_events() == []
     pool.check_invariants()
 
@@ -62,7 +66,7 @@ def test_reset_with_blocks_in_use_removes_only_the_free_ones():
     pool.enable_kv_events("CPU")
     a = pool.get_new_blocks(2)
     ha = index(pool, a, [1, 2, 3, 4])
-    pool.record_stored(a, ha, None, BS, None)
+    pool.record_stored(a, ha, None, BS, None, [None] * len(a))
     pool.free_blocks([a[1]])  # a[0] stays in use
     pool.take_kv_events()
     pool.reset_prefix_cache()
@@ -78,7 +82,7 @@ def test_eviction_for_reuse_is_removed_once():
     pool.enable_kv_events("CPU")
     a = pool.get_new_blocks(2)
     ha = index(pool, a, [1, 2, 3, 4])
-    pool.record_stored(a, ha, None, BS, None)
+    pool.record_stored(a, ha, None, BS, None, [None] * len(a))
     pool.free_blocks(list(reversed(a)))  # tail first: a[1] is evicted first
     pool.take_kv_events()
     pool.get_new_blocks(1)
