@@ -206,6 +206,30 @@ def test_chunked_prefill_refused_for_an_encoder():
     check_no_kv_cache_settings(EngineConfig.from_kwargs(), bert)  # nothing given: fine
 
 
+def test_prefix_caching_hash_algo_refused_for_an_encoder():
+    """An encoder hashes no block: vLLM's hash asked for would never be read."""
+    from kvflow.core.unread_options import check_no_kv_cache_settings
+
+    bert = SimpleNamespace(architectures=["BertModel"])
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo='sha256': BertModel is an "
+                                         "encoder-only model"):
+        check_no_kv_cache_settings(
+            EngineConfig.from_kwargs(prefix_caching_hash_algo="sha256"), bert)
+    check_no_kv_cache_settings(EngineConfig.from_kwargs(prefix_caching_hash_algo="blake2b"),
+                               bert)  # the default, spelled out: what the encoder does anyway
+
+
+def test_prefix_caching_hash_algo_refused_where_pooling_turns_caching_off():
+    from kvflow.core.unread_options import check_prefix_caching_pooling
+
+    config = EngineConfig.from_kwargs(prefix_caching_hash_algo="sha256_cbor")
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo='sha256_cbor': this engine "
+                                         "embeds with mean pooling"):
+        check_prefix_caching_pooling(config, "mean")
+    check_prefix_caching_pooling(config, "last")  # last-token pooling caches prefixes
+    check_prefix_caching_pooling(config, None)  # a generating engine
+
+
 @pytest.mark.parametrize("argv", [["--kv-cache-memory", "1GiB", "--kv-cache-memory-bytes=2G"],
                                   ["--policy", "fcfs", "--scheduling-policy", "priority"]])
 def test_both_names_of_a_setting_refused(capsys, argv):

@@ -89,6 +89,7 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
         ValueError: naming each such setting given (``num_kv_blocks``, ``kv_cache_memory``,
             ``gpu_memory_utilization``, a ``kv_cache_dtype`` other than auto,
             ``enable_prefix_caching=True``; False asks for what an encoder does;
+            a ``prefix_caching_hash_algo`` other than blake2b;
             ``enable_chunked_prefill=True``: an encoder runs each prompt whole) and the
             architecture.
     """
@@ -98,6 +99,8 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
              if getattr(cc, name) is not None]
     given += [f"kv_cache_dtype={cc.kv_cache_dtype!r}"] if cc.kv_cache_dtype != "auto" else []
     given += ["enable_prefix_caching=True"] if cc.enable_prefix_caching else []
+    given += [f"prefix_caching_hash_algo={cc.prefix_caching_hash_algo!r}"] \
+        if cc.prefix_caching_hash_algo != "blake2b" else []  # no block is ever hashed
     given += ["enable_chunked_prefill=True"] \
         if config.scheduler_config.enable_chunked_prefill else []  # it runs prompts whole
     _refuse_unread(given, hf_config, "an encoder-only model, which keeps no KV cache")
@@ -106,12 +109,19 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
 def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None) -> None:
     """For a decoder embedding model whose pooling needs every prompt token's hidden state
     (``pooling_type`` other than "last"; None: a generating engine), refuse
-    ``enable_prefix_caching=True``: its engine keeps prefix caching off, since a cached
-    prefix's tokens would not be run again and their hidden states would be missing.
+    ``enable_prefix_caching=True`` and vLLM's hash algorithms: its engine keeps prefix
+    caching off, since a cached prefix's tokens would not be run again and their hidden
+    states would be missing.
 
     Raises:
-        ValueError: naming ``enable_prefix_caching=True`` and the pooling.
+        ValueError: naming ``enable_prefix_caching=True`` (or a ``prefix_caching_hash_algo``
+            other than blake2b: no block is hashed) and the pooling.
     """
+    algo = config.cache_config.prefix_caching_hash_algo
+    if algo != "blake2b" and pooling_type not in (None, "last"):
+        raise ValueError(f"prefix_caching_hash_algo={algo!r}: this engine embeds with "
+                         f"{pooling_type} pooling, which keeps prefix caching off, so no "
+                         "block is hashed; leave it out")
     if config.cache_config.enable_prefix_caching and pooling_type not in (None, "last"):
         raise ValueError(f"enable_prefix_caching=True: this engine embeds with {pooling_type} "
                          "pooling, which needs every prompt token's hidden state, so a cached "
