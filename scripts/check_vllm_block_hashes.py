@@ -38,7 +38,7 @@ from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
-PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 3 full blocks
+PROMPT = [11, 24, 300, 70000, 15, 16, 255, 256, 19, 20, 65535, 65536, 23]  # 3 full blocks
 IMAGE = ("img-0123abcd", 5, 4)  # identifier, offset, length: spans blocks 1 and 2
 LORA = ("my-adapter", 7, "/adapters/my-adapter")
 SALT = "tenant-a"

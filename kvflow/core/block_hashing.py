@@ -99,7 +99,29 @@ def _sha256_pickle(obj: Any) -> bytes:
 
 
 def _sha256_cbor(obj: Any) -> bytes:
+    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is bytes and len(obj[0]) == 32 \
+            and type(obj[1]) is tuple:  # a block: (parent, token ids, extra keys)
+        return hashlib.sha256(_cbor_block(*obj)).digest()
     return hashlib.sha256(cbor_canonical(obj)).digest()
+
+
+def _cbor_block(parent: bytes, token_ids: tuple[int, ...], extra: Any) -> bytes:
+    """``cbor_canonical((parent, token_ids, extra))`` with the token ids' heads written in
+    one pass (about twice as fast as the general encoder on a 16-token block)."""
+    out = bytearray(b"\x83\x58\x20")  # array of 3; byte string of 32
+    out += parent
+    _cbor_head(out, 4, len(token_ids))
+    for t in token_ids:
+        if 0 <= t < 24:
+            out.append(t)
+        elif 0 <= t < 256:
+            out += b"\x18" + t.to_bytes(1, "big")
+        elif 0 <= t < 65536:
+            out += b"\x19" + t.to_bytes(2, "big")
+        else:
+            _cbor_into(out, t)
+    _cbor_into(out, extra)
+    return bytes(out)
 
 
 class BlockHasher:

@@ -111,6 +111,18 @@ def test_cbor_encoder_heads_and_refusals():
         cbor_canonical((1.5,))
 
 
+def test_block_fast_path_writes_the_general_encoders_bytes():
+    """``_cbor_block`` (token heads in one pass) against ``cbor_canonical``, itself checked
+    by hand above, on every head width a token id can take (1, 2, 3, 5 and 9 bytes)."""
+    from kvflow.core.block_hashing import _cbor_block
+
+    parent = bytes(range(32))
+    tokens = (0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1)
+    for extra in (None, (("lora", "ad", "/adapters/ad"), ("cache_salt", "s"))):
+        assert _cbor_block(parent, tokens, extra) == cbor_canonical((parent, tokens, extra))
+    assert _cbor_block(parent, (24, 300), None)[35:] == b"\x82\x18\x18\x19\x01\x2c\xf6"
+
+
 def test_default_is_kvflows_blake2b_unchanged():
     """Values main's kvflow computed for the same requests before the option existed."""
     assert [hex(h) for h in engine_hashes(None)] == [
