@@ -87,18 +87,16 @@ def broadcast_pooling_params(params: Any, n: int) -> list[PoolingParams | None]:
 # vLLM's pooling tasks that LLM.encode does not run, and what to use instead
 OTHER_POOLING_TASKS = {
     "score": "score text pairs with LLM.score",
-    "encode": "kvflow pools one vector per prompt (pooling_task 'embed' or 'classify'), "
-              "not one per token",
-    "token_embed": "kvflow pools one vector per prompt (pooling_task 'embed'), not one per "
-                   "token",
-    "token_classify": "kvflow classifies whole prompts (pooling_task 'classify'), not each "
-                      "token",
+    "encode": "vLLM 0.10's per-token task is 'token_embed' (an embedding engine) or "
+              "'token_classify' (a token classifier) here",
 }
+ENCODE_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 def resolve_pooling_task(processor: InputProcessor, task: str | None) -> str:
     """``LLM.encode``'s task: ``task``, else the engine's (``embed`` on an embedding engine,
-    else ``classify``, which score engines run too).
+    ``token_classify`` on a token classifier, else ``classify``, which score engines run
+    too).
 
     Raises:
         ValueError: on a generating engine, for a task the engine does not run (naming what
@@ -106,11 +104,13 @@ def resolve_pooling_task(processor: InputProcessor, task: str | None) -> str:
     """
     if task in OTHER_POOLING_TASKS:
         raise ValueError(f"pooling_task={task!r} is not supported: {OTHER_POOLING_TASKS[task]}")
-    if task not in (None, "embed", "classify"):
-        raise ValueError(f"pooling_task={task!r} must be 'embed', 'classify' or None")
+    if task is not None and task not in ENCODE_TASKS:
+        raise ValueError(f"pooling_task={task!r} must be one of {', '.join(ENCODE_TASKS)} or "
+                         "None")
     pooler = processor.pooler
     if task is None:
-        task = "embed" if pooler is None or pooler.task == "embed" else "classify"
+        task = "embed" if pooler is None or pooler.task == "embed" else \
+            "token_classify" if pooler.task == "token_classify" else "classify"
     processor.require_task(task)
     return task
 
@@ -121,7 +121,7 @@ def with_pooling_task(params: PoolingParams | None, task: str) -> PoolingParams:
 
     Raises:
         ValueError: for params of another explicit task, or fields ``task`` refuses
-            (``normalize`` for ``classify``).
+            (``normalize`` for ``classify`` / ``token_classify``).
     """
     if params is None:
         return PoolingParams(task=task)

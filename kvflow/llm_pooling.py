@@ -28,8 +28,9 @@ from kvflow.outputs import (
     PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    token_rows,
 )
-from kvflow.pooling_params import PoolingParams
+from kvflow.pooling_params import TOKEN_TASKS, PoolingParams
 from kvflow.prompt_truncation import truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
 
@@ -81,22 +82,29 @@ class LLMPooling:
                pooling_task: str | None = None, user: Sequence[str] | None = None,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled output as a float32 tensor
-        (``out.outputs.data``, shape [n]): the embedding (as ``embed``) or the class
-        probabilities (as ``classify``), batched like ``embed``.
+        (``out.outputs.data``): the embedding (as ``embed``, [hidden] or [dimensions]) or
+        the class probabilities (as ``classify``, [num_labels]); or vLLM's per-token tasks,
+        one row per prompt token: ``token_embed`` every token's final hidden state
+        ([num_prompt_tokens, hidden], each row normalized as ``embed`` normalizes its
+        vector, cut to ``dimensions``) and ``token_classify`` a token classifier's class
+        probabilities ([num_prompt_tokens, num_labels]). Batched like ``embed``; a per-token
+        request computes its whole prompt (no prefix-cache hit).
 
         Args:
             prompts: as ``embed`` takes them.
             pooling_params: one for all prompts or one per prompt (None: the defaults);
                 their ``task`` is set to the pooling task.
             lora_request: None (or None per prompt): pooling engines run no adapters.
-            pooling_task: ``"embed"`` or ``"classify"``, where the engine runs it; None: the
-                engine's (``embed`` on an embedding engine, else ``classify``).
+            pooling_task: ``"embed"``, ``"classify"``, ``"token_embed"`` or
+                ``"token_classify"``, where the engine runs it; None: the engine's (``embed``
+                on an embedding engine, ``token_classify`` on a token classifier, else
+                ``classify``).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
             truncate_prompt_tokens: as ``embed`` takes it.
 
         Raises:
             ValueError: on a generating engine, for a pooling task the engine does not run
-                (or vLLM's per-token tasks and ``score``, which kvflow's encode does not run),
+                (or ``score`` and vLLM 0.10's ``encode``, which kvflow's encode does not run),
                 a LoRA adapter, PoolingParams of another task or with fields the task
                 refuses, or what ``embed`` refuses (nothing is queued then).
         """
@@ -107,10 +115,11 @@ class LLMPooling:
                              "refused with a pooling task)")
         params = [with_pooling_task(p, task)
                   for p in broadcast_pooling_params(pooling_params, len(prompts))]
-        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
-                                     PoolingOutput(torch.tensor(o.outputs.embedding,
-                                                                dtype=torch.float32)),
-                                     o.finished, o.metrics)
+        per_token = task in TOKEN_TASKS
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(
+                    token_rows(o.outputs.embedding, len(o.prompt_token_ids)) if per_token
+                    else torch.tensor(o.outputs.embedding, dtype=torch.float32)),
+                    o.finished, o.metrics)
                 for o in self._pool(prompts, params, use_tqdm, user,
                                     truncate_prompt_tokens=truncate_prompt_tokens)]
 

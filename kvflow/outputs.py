@@ -214,3 +214,18 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def token_rows(values: list[float], num_prompt_tokens: int) -> Any:
+    """A per-token request's flattened output (``PoolingState._per_token``: row-major, the
+    engine's outputs carry ``list[float]``) as a float32 torch tensor [num_prompt_tokens, D].
+
+    Raises:
+        ValueError: if ``len(values)`` is not a multiple of ``num_prompt_tokens``.
+    """
+    if num_prompt_tokens < 1 or len(values) % num_prompt_tokens:
+        raise ValueError(f"{len(values)} per-token values do not split into "
+                         f"{num_prompt_tokens} rows")
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32).view(num_prompt_tokens, -1)

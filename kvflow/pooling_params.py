@@ -1,11 +1,14 @@
-"""What a pooling request (an embedding, a pair's score or a text's classes) asks for beyond
-its prompt (pure data, crosses to the runner)."""
+"""What a pooling request (an embedding, a pair's score, a text's classes, or one of them per
+prompt token) asks for beyond its prompt (pure data, crosses to the runner)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "score", "classify")
+POOLING_TASKS = ("embed", "score", "classify", "token_embed", "token_classify")
+# vLLM's per-token tasks: one row per prompt token instead of one vector per prompt
+TOKEN_TASKS = ("token_embed", "token_classify")
+_EMBED_TASKS = ("embed", "token_embed")  # the tasks that take ``dimensions`` / ``normalize``
 
 
 @dataclass
@@ -16,14 +19,18 @@ class PoolingParams:
         dimensions: keep the first ``dimensions`` values of the pooled vector (Matryoshka
             representation learning, Kusupati et al. 2022), normalized again when the vector
             is normalized (``normalize``); None: the whole vector. Only for models that
-            declare Matryoshka support (checked by the engine against the model).
+            declare Matryoshka support (checked by the engine against the model); with
+            ``token_embed`` each token's row is cut.
         normalize: L2-normalize the embedding (after any ``dimensions`` cut): True or False
             (vLLM's field; False gives the raw pooled vector, float32); None: as the model's
             pooling config says (its sentence-transformers ``Normalize`` module). Embeddings
-            (``task="embed"``) only.
+            (``task`` "embed", or "token_embed": each token's row on its own) only.
         task: "embed" (a vector, ``LLM.embed``), "score" (a cross-encoder's pair, set by
-            ``LLM.score`` and the score routes) or "classify" (class probabilities,
-            ``LLM.classify`` and /classify); the engine refuses a task it does not run.
+            ``LLM.score`` and the score routes), "classify" (class probabilities,
+            ``LLM.classify`` and /classify), or vLLM's per-token tasks "token_embed" (every
+            prompt token's final hidden state, [num_prompt_tokens, hidden]) and
+            "token_classify" (a token classifier's class probabilities per token,
+            [num_prompt_tokens, num_labels]); the engine refuses a task it does not run.
         second_segment_start: for a scored pair whose tokenizer gives token types (BERT),
             the index in tokens of the pair's second segment (token type 1 from there on);
             None: one segment (type 0 throughout). Set by the score paths, not by users.
@@ -53,6 +60,12 @@ class PoolingParams:
             if not isinstance(self.normalize, bool):
                 raise ValueError(f"PoolingParams.normalize={self.normalize!r} must be a bool "
                                  "or None")
-            if self.task != "embed":
+            if self.task not in _EMBED_TASKS:
                 raise ValueError(f"PoolingParams.normalize applies to embeddings only, not "
                                  f"task={self.task!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the request reports one row per prompt token (``TOKEN_TASKS``): its
+        prompt's every hidden state is needed, so none may come from the prefix cache."""
+        return self.task in TOKEN_TASKS

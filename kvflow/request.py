@@ -185,6 +185,16 @@ class Request:
         return self.prompt_logprobs is not None and \
             len(self.prompt_logprobs) < self.num_prompt_tokens
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether the request must compute its whole prompt instead of taking a cached
+        prefix: it wants prompt logprobs not all recorded yet, or it is a per-token pooling
+        request (``token_embed`` / ``token_classify``: every prompt token's final hidden
+        state is reported, and a cache hit's tokens are not run). Its blocks are still
+        published for later requests."""
+        return self.needs_prompt_logprobs or (
+            self.pooling_params is not None and self.pooling_params.per_token)
+
     def add_prompt_logprobs(self, start: int, entries: list) -> None:
         """Record the logprobs of prompt positions ``start, start + 1, ...``; positions
         already recorded (recomputed after a preemption) are kept as they were."""

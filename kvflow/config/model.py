@@ -81,10 +81,13 @@ class ModelConfig:
                      "prompt: /v1/embeddings, LLM.embed), score (a cross-encoder's score per "
                      "text pair: /v1/score, /v1/rerank, LLM.score), classify (a "
                      "*ForSequenceClassification model's class probabilities per prompt: "
-                     "/classify, LLM.classify), or auto (score for "
-                     "*ForSequenceClassification, embed for encoder and LM-head-less "
+                     "/classify, LLM.classify), token_classify (a *ForTokenClassification "
+                     "model's class probabilities per prompt token: /pooling, LLM.encode), "
+                     "or auto (score for *ForSequenceClassification, token_classify for "
+                     "*ForTokenClassification, embed for encoder and LM-head-less "
                      "architectures and sentence-transformers folders)",
-                     choices=["auto", "generate", "embed", "score", "classify"])
+                     choices=["auto", "generate", "embed", "score", "classify",
+                              "token_classify"])
     dtype: str = opt("auto", "compute dtype", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = opt(None, "context length in tokens (default: the model's)")
     seed: int = opt(0, "seed for unseeded random sampling and dummy weights (an integer in "

@@ -131,7 +131,7 @@ class KVCacheManager:
             Nothing is counted here (a request may be looked up on many steps before it
             fits): ``count_prefix_query`` counts its admission.
         """
-        if not self._uses_hashing(request) or request.needs_prompt_logprobs:
+        if not self._uses_hashing(request) or request.skips_prefix_cache:
             return self.empty_blocks, 0
         runs, num_hit = self._find_hit(request)
         if num_hit == 0:
@@ -142,15 +142,15 @@ class KVCacheManager:
     def count_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count a request's first admission into the prefix-cache counters: its tokens
         looked up and the ``num_hit_tokens`` found (requests that do not look up the shared
-        prefix cache, e.g. those asking for prompt logprobs, count nothing)."""
-        if self.enable_prefix_caching and not request.needs_prompt_logprobs:
+        prefix cache, those asking for prompt logprobs or per-token pooling, count nothing)."""
+        if self.enable_prefix_caching and not request.skips_prefix_cache:
             self.num_queries += request.num_tokens
             self.num_hits += num_hit_tokens
 
     def peek_computed_tokens(self, request: Request) -> int:
         """The tokens ``get_computed_blocks`` would find cached now, without counting a
         prefix-cache query (admission control's estimate)."""
-        if not self._uses_hashing(request) or request.needs_prompt_logprobs:
+        if not self._uses_hashing(request) or request.skips_prefix_cache:
             return 0
         return self._find_hit(request)[1] * self.block_size
 

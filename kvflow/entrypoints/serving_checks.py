@@ -70,7 +70,8 @@ class OpenAIServingChecks:
                               "or use /v1/classify", param="model", code="wrong_task")
         use = {"embed": "/v1/embeddings, /v1/score or /v1/rerank",
                "score": "/v1/score, /v1/rerank or /v1/classify",
-               "classify": "/v1/classify"}.get(
+               "classify": "/v1/classify",
+               "token_classify": "/pooling with task token_classify"}.get(
             self.engine.task, "/v1/completions or /v1/chat/completions")
         raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
                           f"this endpoint needs task={task!r}: use {use}", param="model",

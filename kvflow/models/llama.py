@@ -452,3 +452,42 @@ def sequence_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = \
         f"{cls.__name__}SequenceClassifier"
     return SequenceClassifier
+
+
+def token_classifier(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
+    """``cls`` as transformers' ``*ForTokenClassification`` decoder (Llama, Mistral, Qwen2,
+    Qwen3: ``model.*`` tensors and a ``score`` [num_labels, hidden] head, with a bias unless
+    ``config.token_classification_bias`` is False, as transformers builds it; no LM head):
+    it computes hidden states and the runner keeps every prompt token's row, then calls
+    :meth:`score_head` on all of them (``task="token_classify"``, vLLM's per-token task).
+    transformers' dropout before the head is the identity at inference."""
+
+    class TokenClassifier(cls):
+        is_pooling_only: ClassVar[bool] = True
+        is_token_classifier: ClassVar[bool] = True  # a per-token classification head
+
+        def __init__(self, config: Any, ctx: AttentionContext,
+                     parallel: ParallelState | None = None) -> None:
+            super().__init__(config, ctx, parallel)
+            self.lm_head = PPMissingLayer()
+            self.score = nn.Linear(config.hidden_size, int(config.num_labels),
+                                   bias=bool(getattr(config, "token_classification_bias",
+                                                     True)))
+
+        def score_head(self, hidden: torch.Tensor) -> torch.Tensor:
+            """[N, hidden] final hidden states (after the final norm), one row per token ->
+            [N, num_labels] logits (no activation)."""
+            return self.score(hidden)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            """As the causal LM's, without its LM head (``score.*`` are the head's tensors).
+
+            Raises:
+                ValueError: see :meth:`LlamaForCausalLM.load_weights`.
+            """
+            return super().load_weights((n, t) for n, t in weights
+                                        if not n.startswith("lm_head."))
+
+    TokenClassifier.__name__ = TokenClassifier.__qualname__ = \
+        f"{cls.__name__}TokenClassifier"
+    return TokenClassifier

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-TASKS = ("generate", "embed", "score", "classify")
+TASKS = ("generate", "embed", "score", "classify", "token_classify")
 # sentence-transformers' CrossEncoder activation_fn paths kvflow applies (config.json)
 _ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
                 "torch.nn.modules.linear.Identity": "identity", "torch.nn.Sigmoid": "sigmoid",
@@ -40,7 +40,8 @@ class PoolerConfig:
 
     Attributes:
         pooling_type: "cls" (the first token's hidden state), "mean" (over the prompt's
-            tokens) or "last" (the last token's).
+            tokens), "last" (the last token's) or "all" (every token's: a token
+            classifier).
         normalize: L2-normalize the vector (after any Matryoshka truncation).
         matryoshka_dimensions: the truncations the model was trained for (None: any
             ``dimensions`` up to the hidden size), when it supports them at all.
@@ -51,15 +52,18 @@ class PoolerConfig:
         prompt: text put before every text input (the default prompt), "" for none.
         task: "embed" (a vector per prompt), "score" (a cross-encoder: the model's
             ``score_head`` on the pooled state, then ``activation``) or "classify" (the same
-            head, then a softmax over the classes, a sigmoid for one class): the engine's
-            task (``--task``, or what ``auto`` picked).
+            head, then a softmax over the classes, a sigmoid for one class) or
+            "token_classify" (a ``*ForTokenClassification`` head on every prompt token, then
+            the classify activation per token): the engine's task (``--task``, or what
+            ``auto`` picked). An embed engine also serves vLLM's per-token "token_embed"
+            (``other_tasks``).
         activation: the activation of ``task`` on a score or classify model's logits:
             "sigmoid" or "identity" (score, :func:`score_activation`), "softmax" or
             "sigmoid" (classify, :func:`classify_activation`); None for embeddings.
         other_tasks: the head tasks the engine serves besides ``task``, each with its
             activation (``(("classify", "softmax"),)``): a sequence classifier scores and
             classifies on one engine, scoring only with one label on a classify engine
-            (:func:`model_task`); () for embeddings.
+            (:func:`model_task`); ``(("token_embed", None),)`` for embeddings.
         num_labels: a score or classify model's outputs per prompt (its classifier's
             ``num_labels``); 0 for embeddings.
         labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
@@ -141,17 +145,30 @@ def has_sentence_transformers_config(folder: str | None) -> bool:
 
 
 def resolve_task(requested: str, is_pooling_architecture: bool, folder: str | None,
-                 is_cross_encoder: bool = False) -> str:
+                 is_cross_encoder: bool = False, is_token_classifier: bool = False) -> str:
     """``generate``, ``embed``, ``score`` or ``classify``: ``requested``, or for ``auto`` score
     for a sequence classifier (``*ForSequenceClassification``, encoder or decoder), embed when
     the architecture only embeds (an encoder such as BertModel, a decoder without LM head such
     as Qwen2Model) or the folder is a sentence-transformers model (``modules.json``).
 
+    A token classifier (``*ForTokenClassification``) runs ``token_classify`` only.
+
     Raises:
         ValueError: for ``generate`` on an architecture without an LM head, ``score`` /
-            ``classify`` on one without a classification head, or ``generate`` / ``embed``
-            on a sequence classifier.
+            ``classify`` on one without a classification head, ``token_classify`` on one
+            without a token-classification head, or another task on a sequence or token
+            classifier.
     """
+    if is_token_classifier:
+        if requested not in ("auto", "token_classify"):
+            raise ValueError(f"task={requested!r}: this architecture is a token classifier "
+                             "(a *ForTokenClassification head); it classifies every prompt "
+                             "token (task='token_classify')")
+        return "token_classify"
+    if requested == "token_classify":
+        raise ValueError("task='token_classify' needs a token classifier ("
+                         f"{', '.join(_TOKEN_CLASSIFIERS)}); this architecture has no "
+                         "token-classification head")
     if is_cross_encoder:
         if requested not in ("auto", "score", "classify"):
             raise ValueError(f"task={requested!r}: this architecture is a sequence classifier "
@@ -178,6 +195,12 @@ _CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassificati
                 "Qwen2MoeForSequenceClassification", "Qwen3MoeForSequenceClassification")
 
 
+# an embedding engine gives every prompt token's hidden state too (vLLM's token_embed)
+_TOKEN_EMBED = (("token_embed", None),)
+_TOKEN_CLASSIFIERS = ("LlamaForTokenClassification", "MistralForTokenClassification",
+                      "Qwen2ForTokenClassification", "Qwen3ForTokenClassification")
+
+
 def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:
     """The model's pooling: from sentence-transformers' files when the folder has them, else
     CLS (encoders) or last-token (decoders), normalized.
@@ -187,7 +210,8 @@ def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
     """
     supports, dims = _matryoshka(hf_config)
     if not has_sentence_transformers_config(folder):
-        return PoolerConfig("cls" if is_encoder else "last", True, supports, dims)
+        return PoolerConfig("cls" if is_encoder else "last", True, supports, dims,
+                            other_tasks=_TOKEN_EMBED)
     pooling, normalize, text = None, False, {}
     for module in _read_json(os.path.join(folder, "modules.json")):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -203,7 +227,8 @@ def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
     if pooling is None:
         pooling = "cls" if is_encoder else "last"
     return PoolerConfig(pooling, normalize, supports, dims, **text,
-                        prompt=_default_prompt(folder))
+                        prompt=_default_prompt(folder), other_tasks=_TOKEN_EMBED)
+
 
 
 def _default_prompt(folder: str) -> str:
@@ -277,7 +302,8 @@ def _matryoshka(hf_config: Any) -> tuple[bool, tuple[int, ...] | None]:
 
 def model_task(requested: str, hf_config: Any, folder: str | None
                ) -> tuple[str, PoolerConfig | None]:
-    """The task an engine runs and, for ``embed``, ``score`` and ``classify``, the model's
+    """The task an engine runs and, for ``embed``, ``score``, ``classify`` and
+    ``token_classify`` (a ``*ForTokenClassification`` model, every token pooled), the model's
     pooling (one place for the engine core, the runners and the API process to decide it
     alike). A sequence classifier pools its first token (CLS, an encoder) or its last (a
     decoder: the last token of the prompt, which has no padding), as transformers'
@@ -293,12 +319,18 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     Raises:
         ValueError: see :func:`resolve_task` and :func:`load_pooler_config`.
     """
-    from kvflow.models.registry import is_cross_encoder, model_traits
+    from kvflow.models.registry import is_cross_encoder, is_token_classifier, model_traits
 
     pooling_only, encoder = model_traits(hf_config)
-    task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config))
+    task = resolve_task(requested, pooling_only, folder, is_cross_encoder(hf_config),
+                        is_token_classifier(hf_config))
     if task == "generate":
         return task, None
+    if task == "token_classify":  # every prompt token's row through the head
+        num_labels = int(hf_config.num_labels)
+        return task, PoolerConfig("all", False, task=task,
+                                  activation=classify_activation(num_labels),
+                                  num_labels=num_labels, labels=class_labels(hf_config))
     if task not in ("score", "classify"):
         return task, load_pooler_config(folder, hf_config, encoder)
     # One head serves both (vLLM): classify always; score on a classify engine only with
@@ -351,13 +383,15 @@ def class_labels(hf_config: Any) -> tuple[str, ...]:
 
 
 TASK_VERB = {"generate": "generates text", "embed": "embeds", "score": "scores text pairs",
-             "classify": "classifies texts"}
+             "classify": "classifies texts", "token_classify": "classifies each prompt token"}
 _TASK_USE = {"generate": "LLM.generate / LLM.chat or /v1/completions and "
                          "/v1/chat/completions",
              "embed": "LLM.embed or /v1/embeddings (or LLM.score, /v1/score and /v1/rerank "
                       "for cosine similarities)",
              "score": "LLM.score or /v1/score and /v1/rerank (or LLM.classify, /v1/classify)",
-             "classify": "LLM.classify or /v1/classify"}
+             "classify": "LLM.classify or /v1/classify",
+             "token_classify": "LLM.encode(pooling_task='token_classify') or /pooling with "
+                               "task token_classify"}
 
 
 def task_mismatch(engine_task: str, asked: str, num_labels: int = 0) -> str:
@@ -372,7 +406,9 @@ def task_mismatch(engine_task: str, asked: str, num_labels: int = 0) -> str:
                 f"task='score' for its {num_labels} values per pair, or use LLM.classify or "
                 "/v1/classify")
     needs = {"score": "task='score' (a cross-encoder) or task='embed' (cosine similarity)",
-             "classify": "task='classify' (a *ForSequenceClassification model)"}.get(
+             "classify": "task='classify' (a *ForSequenceClassification model)",
+             "token_classify": "task='token_classify' (a *ForTokenClassification model)",
+             "token_embed": "task='embed' (an embedding model)"}.get(
         asked, f"task={asked!r}")
     return (f"this engine runs task={engine_task!r} (it {TASK_VERB[engine_task]}): use "
             f"{_TASK_USE[engine_task]}; a {asked} request needs a model served with {needs}")

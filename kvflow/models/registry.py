@@ -19,6 +19,7 @@ from kvflow.models.llama import (
     Qwen3ForCausalLM,
     embedding_only,
     sequence_classifier,
+    token_classifier,
 )
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
@@ -66,6 +67,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForSequenceClassification": sequence_classifier(MixtralForCausalLM),
     "Qwen2MoeForSequenceClassification": sequence_classifier(Qwen2MoeForCausalLM),
     "Qwen3MoeForSequenceClassification": sequence_classifier(Qwen3MoeForCausalLM),
+    # decoder token classifiers (task token_classify): every prompt token's row + ``score``
+    "LlamaForTokenClassification": token_classifier(LlamaForCausalLM),
+    "MistralForTokenClassification": token_classifier(LlamaForCausalLM),
+    "Qwen2ForTokenClassification": token_classifier(Qwen2ForCausalLM),
+    "Qwen3ForTokenClassification": token_classifier(Qwen3ForCausalLM),
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -117,6 +123,17 @@ def is_cross_encoder(hf_config: Any) -> bool:
     """
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     return bool(getattr(model_cls, "is_cross_encoder", False))
+
+
+def is_token_classifier(hf_config: Any) -> bool:
+    """Whether the config's architecture has a token-classification head (a decoder's
+    ``*ForTokenClassification``: it classifies every prompt token, ``task="token_classify"``).
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    return bool(getattr(model_cls, "is_token_classifier", False))
 
 
 def position_offset(hf_config: Any) -> int:

@@ -13,6 +13,17 @@ A sequence classifier (``task="score"`` or ``"classify"``) pools ``cls`` (an enc
 ``last`` (a decoder) and reports its classification head's logits on that state after the
 activation of the request's task (sigmoid or identity for score, softmax or a one-label
 sigmoid for classify; one engine serves both, see ``model_task``): ``num_labels`` values.
+
+vLLM's per-token tasks keep every prompt token's row instead: each chunk's rows are appended
+to the request's list (copied: the step's hidden-state buffer is reused) and, in the step that
+finishes the prompt, joined into [num_prompt_tokens, H]. ``token_embed`` (an embedding
+engine) cuts each row to ``dimensions`` and L2-normalizes it as ``embed`` would its vector;
+``token_classify`` (a ``*ForTokenClassification`` engine) runs the head on every row and the
+classify activation per row. A per-token request never takes a prefix-cache hit
+(``Request.skips_prefix_cache``: the hit tokens would not be run, so their rows would be
+missing), and its chunks' rows all land here. The rows travel flattened, row-major
+(``num_prompt_tokens * D`` floats: the engine's output types stay ``list[float]``); the API
+side reshapes them by the prompt's length (:func:`kvflow.outputs.token_rows`).
 """
 
 from __future__ import annotations
@@ -56,17 +67,19 @@ class PoolingState:
 
     def __init__(self, config: PoolerConfig,
                  score_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        head_task = config.task in ("score", "classify")
+        head_task = config.task in ("score", "classify", "token_classify")
         if head_task and score_head is None:
             raise ValueError(f"task={config.task!r} needs a model with a classification head "
                              "(score_head)")
         self.config = config
         self.score_head = score_head if head_task else None
         self._partial: dict[str, torch.Tensor] = {}  # cls: first row; mean: running sum
+        self._rows: dict[str, list[torch.Tensor]] = {}  # per-token tasks: each chunk's rows
 
     def drop(self, req_id: str) -> None:
         """Forget a request's partial pool (finished, or preempted: recomputed from 0)."""
         self._partial.pop(req_id, None)
+        self._rows.pop(req_id, None)
 
     def step(self, batch: InputBatch, rows: np.ndarray, query_start: np.ndarray,
              hidden: torch.Tensor, params: dict[str, PoolingParams | None]
@@ -85,6 +98,15 @@ class PoolingState:
             rid = batch.req_ids[row]
             start, end = int(query_start[k]), int(query_start[k + 1])
             first = int(batch.num_computed_tokens[row]) == 0
+            p = params.get(rid)
+            if (p.per_token if p is not None else kind == "all"):
+                if first:
+                    self._rows[rid] = []
+                self._rows[rid].append(hidden[start:end].clone())
+                if int(batch.num_computed_tokens[row]) + end - start >= batch.num_tokens[row]:
+                    done[rid] = self._per_token(torch.cat(self._rows.pop(rid)), p,
+                                                int(batch.num_prompt_tokens[row]))
+                continue
             if kind == "mean":
                 self._partial[rid] = _running_sum(
                     None if first else self._partial[rid], hidden[start:end])
@@ -99,12 +121,39 @@ class PoolingState:
             else:
                 vector = self._partial.pop(rid)
             if self.score_head is not None:
-                p = params.get(rid)
                 done[rid] = self._score(vector.to(hidden.dtype),
                                         self.config.task if p is None else p.task)
                 continue
-            done[rid] = finish_vector(vector, params.get(rid), self.config.normalize)
+            done[rid] = finish_vector(vector, p, self.config.normalize)
         return done
+
+    def _per_token(self, rows: torch.Tensor, params: PoolingParams | None,
+                   num_prompt_tokens: int) -> list[float]:
+        """[T, H] every prompt token's final hidden state -> the per-token task's
+        [T, D] values flattened row-major (float32 values as a list): ``token_classify`` the
+        head's logits of each row after the classify activation (D = ``num_labels``),
+        ``token_embed`` each row cut to ``dimensions`` and L2-normalized as ``finish_vector``
+        says (D = ``dimensions`` or H).
+
+        Raises:
+            RuntimeError: if T is not the prompt's length (a chunk's rows went missing).
+        """
+        if rows.shape[0] != num_prompt_tokens:
+            raise RuntimeError(f"per-token pooling kept {rows.shape[0]} rows for a prompt of "
+                               f"{num_prompt_tokens} tokens")
+        task = params.task if params is not None else self.config.task
+        if task == "token_classify":
+            logits = self.score_head(rows).float()
+            return _activate(logits, self.config.activation_for(task)).flatten().tolist()
+        values = rows.float()
+        normalize = self.config.normalize
+        if params is not None and params.dimensions is not None:
+            values = values[:, :params.dimensions]
+        if params is not None and params.normalize is not None:
+            normalize = params.normalize
+        if normalize:
+            values = F.normalize(values, dim=-1)
+        return values.flatten().tolist()
 
     def _score(self, pooled: torch.Tensor, task: str) -> list[float]:
         """[H] pooled state (CLS or last token) -> the ``num_labels`` values: head logits
@@ -112,12 +161,17 @@ class PoolingState:
         ``CrossEncoder.predict`` default; classify: softmax, the class probabilities, or the
         sigmoid of a single logit)."""
         logits = self.score_head(pooled.unsqueeze(0))[0].float()
-        activation = self.config.activation_for(task)
-        if activation == "sigmoid":
-            logits = torch.sigmoid(logits)
-        elif activation == "softmax":
-            logits = torch.softmax(logits, dim=-1)
-        return logits.tolist()
+        return _activate(logits, self.config.activation_for(task)).tolist()
+
+
+def _activate(logits: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """float32 [..., num_labels] logits after ``activation`` ("sigmoid" elementwise,
+    "softmax" over the last dimension, "identity" or None: unchanged)."""
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return logits
 
 
 def _running_sum(partial: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
