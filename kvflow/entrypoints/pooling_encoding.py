@@ -76,18 +76,34 @@ def encode_vector(vector: list[float], encoding_format: str, embed_dtype: str = 
     return vector
 
 
+def split_rows(values: list[float], num_rows: int) -> list[list[float]]:
+    """A per-token output (``num_rows`` rows of D values, flattened row-major) as
+    ``num_rows`` lists of D floats: /pooling's ``data`` for token_embed / token_classify.
+
+    Raises:
+        ValueError: if ``len(values)`` is not a multiple of ``num_rows``.
+    """
+    if num_rows < 1 or len(values) % num_rows:
+        raise ValueError(f"{len(values)} per-token values do not split into {num_rows} rows")
+    width = len(values) // num_rows
+    return [values[i:i + width] for i in range(0, len(values), width)]
+
+
 def bytes_response(vectors: Sequence[list[float]], embed_dtype: str, endianness: str,
-                   head: dict[str, Any], num_prompt_tokens: int) -> Response:
+                   head: dict[str, Any], num_prompt_tokens: int,
+                   rows: Sequence[int] | None = None) -> Response:
     """``encoding_format: bytes``: every vector's ``vector_bytes`` in input order as the
     body; the ``metadata`` header holds ``head`` (``id``, ``created``, ``model``), ``data``
     (per input: ``index``, ``embed_dtype``, ``endianness``, ``start``, ``end``, ``shape``)
-    and ``usage`` (vLLM's layout)."""
+    and ``usage`` (vLLM's layout). ``rows``: per input, the number of rows its values hold
+    (per-token outputs, flattened row-major: ``shape`` [rows, D]); None: one vector each."""
     chunks, items, offset = [], [], 0
     for i, vector in enumerate(vectors):
         chunks.append(vector_bytes(vector, embed_dtype, endianness))
         items.append({"index": i, "embed_dtype": embed_dtype, "endianness": endianness,
                       "start": offset, "end": offset + len(chunks[-1]),
-                      "shape": [len(vector)]})
+                      "shape": [len(vector)] if rows is None else
+                      [rows[i], len(vector) // rows[i]]})
         offset += len(chunks[-1])
     metadata = {**head, "data": items, "usage": {"prompt_tokens": num_prompt_tokens,
                                                  "total_tokens": num_prompt_tokens}}

@@ -4,6 +4,7 @@ shape), batched by the engine's scheduler like any prompts."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -12,7 +13,12 @@ from pydantic import BaseModel
 from kvflow.engine.streams import RequestStream
 from kvflow.entrypoints.engine_requests import pooled_vector
 from kvflow.entrypoints.openai_errors import OpenAIError
-from kvflow.entrypoints.pooling_encoding import bytes_response, check_encoding, encode_vector
+from kvflow.entrypoints.pooling_encoding import (
+    bytes_response,
+    check_encoding,
+    encode_vector,
+    split_rows,
+)
 from kvflow.entrypoints.preprocess import off_loop
 from kvflow.entrypoints.protocol import (
     EmbeddingData,
@@ -189,16 +195,24 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def encoded_reply(self, req: EmbeddingRequest, reply_id: str, prompts: list[Prompt],
                             streams: Sequence[RequestStream],
-                            reply: Callable[[list[list[float] | str], int], BaseModel]
-                            ) -> BaseModel | Response:
+                            reply: Callable[[list[Any], int], BaseModel],
+                            per_token: bool = False) -> BaseModel | Response:
         """The answer once every input's vector is in: the ``bytes`` body
         (``bytes_response``), else ``reply(values, prompt tokens)``, each value a vector as
-        ``req.encoding_format`` encodes it (``encode_vector``)."""
+        ``req.encoding_format`` encodes it (``encode_vector``). With ``per_token`` (vLLM's
+        token_embed / token_classify: an input's values are its prompt tokens' rows,
+        flattened row-major) ``float`` gives each input's rows as nested lists
+        [num_tokens][D], ``base64`` / ``bytes`` the flat row-major bytes (``bytes``'
+        ``shape`` [num_tokens, D])."""
         vectors = [await pooled_vector(stream) for stream in streams]
         num_tokens = sum(len(ids) for _, ids in prompts)
+        rows = [len(ids) if per_token else 1 for _, ids in prompts]
         if req.encoding_format == "bytes":
             head = {"id": reply_id, "created": now(), "model": self.model_name}
-            return bytes_response(vectors, req.embed_dtype, req.endianness, head, num_tokens)
+            return bytes_response(vectors, req.embed_dtype, req.endianness, head, num_tokens,
+                                  rows if per_token else None)
+        if per_token and req.encoding_format == "float":
+            return reply([split_rows(v, n) for v, n in zip(vectors, rows)], num_tokens)
         return reply([encode_vector(vector, req.encoding_format, req.embed_dtype,
                                     req.endianness) for vector in vectors], num_tokens)
 

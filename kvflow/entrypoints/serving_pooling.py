@@ -1,10 +1,14 @@
 """POST /pooling (vLLM's generic pooling endpoint): each input, or one chat conversation, ->
 the pooling model's output: an embedding model's vector (as /v1/embeddings gives it), a
-sequence classifier's class probabilities (as /classify's ``probs``). Inputs are read,
+sequence classifier's class probabilities (as /classify's ``probs``), or with vLLM's
+per-token tasks one row per prompt token (``token_embed``: every token's hidden state on an
+embedding server; ``token_classify``: a token classifier's class probabilities). Inputs are read,
 queued and encoded by /v1/embeddings' steps (``OpenAIServingEmbedding``); a conversation is
 rendered by the chat handler's ``render``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -32,11 +36,14 @@ from kvflow.prompt_truncation import truncation_length
 # vLLM's pooling tasks kvflow does not run on /pooling, and what to use instead
 OTHER_TASKS = {
     "score": "score text pairs with /score (/v1/score) or /rerank",
-    "token_embed": "kvflow pools one vector per input (task embed), not one per token",
-    "token_classify": "kvflow classifies whole inputs (task classify), not each token",
-    "encode": "kvflow pools one vector per input (task embed or classify), not one per token",
+    "encode": "vLLM 0.10's per-token task is token_embed (an embedding model) or "
+              "token_classify (a token classifier) here",
     "plugin": "kvflow has no IO-processor plugins",
 }
+TASKS = ("embed", "classify", "token_embed", "token_classify")
+# what a server of each engine task gives /pooling when the request names no task
+_DEFAULT_TASK = {"embed": "embed", "token_classify": "token_classify"}
+_RESULT = {"embed": "embeddings", "token_classify": "per-token classes"}
 
 
 class OpenAIServingPooling(OpenAIServingEmbedding):
@@ -75,18 +82,19 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
         streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
                                   req.priority)
 
-        def reply(values: list[list[float] | str], num_tokens: int) -> PoolingResponse:
+        def reply(values: list[Any], num_tokens: int) -> PoolingResponse:
             data = [PoolingData(index=i, data=value) for i, value in enumerate(values)]
             return PoolingResponse(id=reply_id, model=self.model_name, data=data,
                                    usage=UsageInfo(prompt_tokens=num_tokens,
                                                    total_tokens=num_tokens))
 
-        return await self.respond(raw, streams, self.encoded_reply(req, reply_id, prompts,
-                                                                   streams, reply))
+        return await self.respond(raw, streams, self.encoded_reply(
+            req, reply_id, prompts, streams, reply, per_token=params.per_token))
 
     def _task(self, task: str | None) -> str:
         """The pooling task of a request: ``task``, else the server's (``embed`` on an
-        embedding server, else ``classify``, which score servers run too).
+        embedding server, ``token_classify`` on a token classifier, else ``classify``, which
+        score servers run too).
 
         Raises:
             OpenAIError: 400 ``wrong_task`` (param ``model``) on a generating server, or
@@ -99,28 +107,32 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
         if task in OTHER_TASKS:
             raise OpenAIError(f"task={task!r} is not supported on /pooling: "
                               f"{OTHER_TASKS[task]}", param="task", code="unsupported_value")
-        if task not in (None, "embed", "classify"):
-            raise OpenAIError(f"task={task!r} is not a pooling task: send embed or classify "
-                              "(or leave it out)", param="task", code="invalid_value")
-        task = task or ("embed" if pooler.task == "embed" else "classify")
+        if task is not None and task not in TASKS:
+            raise OpenAIError(f"task={task!r} is not a pooling task: send one of "
+                              f"{', '.join(TASKS)} (or leave it out)", param="task",
+                              code="invalid_value")
+        task = task or _DEFAULT_TASK.get(pooler.task, "classify")
         if task not in pooler.tasks:
-            raise OpenAIError(f"this server's model runs task={pooler.task!r} (--task), "
-                              f"not {task!r}: leave task out for its "
-                              f"{'embeddings' if pooler.task == 'embed' else 'classes'}",
+            raise OpenAIError(f"this server's model runs task={pooler.task!r} (--task) and "
+                              f"serves {', '.join(t for t in TASKS if t in pooler.tasks)} "
+                              f"here, not {task!r}: leave task out for its "
+                              f"{_RESULT.get(pooler.task, 'classes')}",
                               param="task", code="wrong_task")
         return task
 
     @staticmethod
     def _params(req: PoolingRequest, task: str) -> PoolingParams:
-        """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only).
+        """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only,
+        ``embed`` or ``token_embed``).
 
         Raises:
-            OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify``.
+            OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify`` or
+                ``token_classify``.
         """
         for name in ("dimensions", "normalize"):
-            if task != "embed" and getattr(req, name) is not None:
-                raise OpenAIError(f"{name} applies to embeddings (task embed); this "
-                                  f"request's task is {task!r}", param=name,
+            if task not in ("embed", "token_embed") and getattr(req, name) is not None:
+                raise OpenAIError(f"{name} applies to embeddings (task embed or token_embed); "
+                                  f"this request's task is {task!r}", param=name,
                                   code="invalid_value")
         return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize)
 

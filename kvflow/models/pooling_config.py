@@ -81,7 +81,7 @@ class PoolerConfig:
     activation: str | None = None
     num_labels: int = 0
     labels: tuple[str, ...] = ()
-    other_tasks: tuple[tuple[str, str], ...] = ()
+    other_tasks: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:

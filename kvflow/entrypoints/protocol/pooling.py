@@ -42,11 +42,13 @@ class PoolingRequest(EmbeddingRequest):
 
 class PoolingData(OpenAIBaseModel):
     """One input's pooled output: an embedding (``task`` embed) or the class probabilities
-    (classify), a JSON list of floats or its bytes in base64 (``encoding_format``)."""
+    (classify), a JSON list of floats or its bytes in base64 (``encoding_format``); for the
+    per-token tasks (token_embed, token_classify) one list per prompt token, [tokens][D]
+    (base64: the rows' bytes, row-major)."""
 
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(OpenAIBaseModel):
