@@ -108,15 +108,20 @@ def check_no_kv_cache_settings(config: EngineConfig, hf_config: Any) -> None:
 
 def check_prefix_caching_pooling(config: EngineConfig, pooling_type: str | None) -> None:
     """For a decoder embedding model whose pooling needs every prompt token's hidden state
-    (``pooling_type`` other than "last"; None: a generating engine), refuse
-    ``enable_prefix_caching=True`` and vLLM's hash algorithms: its engine keeps prefix
-    caching off, since a cached prefix's tokens would not be run again and their hidden
-    states would be missing.
+    (``pooling_type`` other than "last", "all" for a token classifier; None: a generating
+    engine), refuse ``enable_prefix_caching=True`` and vLLM's hash algorithms: its engine
+    keeps prefix caching off, since a cached prefix's tokens would not be run again and their
+    hidden states would be missing.
 
     Raises:
         ValueError: naming ``enable_prefix_caching=True`` (or a ``prefix_caching_hash_algo``
             other than blake2b: no block is hashed) and the pooling.
     """
+    if config.cache_config.enable_prefix_caching and pooling_type == "all":
+        raise ValueError("enable_prefix_caching=True: this engine classifies every prompt "
+                         "token (task='token_classify'), which needs every token's hidden "
+                         "state, so a cached prefix would never be reused and prefix caching "
+                         "stays off; leave it out")
     algo = config.cache_config.prefix_caching_hash_algo
     if algo != "blake2b" and pooling_type not in (None, "last"):
         raise ValueError(f"prefix_caching_hash_algo={algo!r}: this engine embeds with "

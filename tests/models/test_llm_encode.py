@@ -75,8 +75,8 @@ def test_classifier_encodes_its_class_probabilities(classifier, assert_no_leaks)
     ({"pooling_task": "score"}, "LLM.score"),
     ({"pooling_task": "token_classify"}, "task='token_classify' \\(a \\*ForTokenClass"),
     ({"pooling_task": "encode"}, "'token_embed' \\(an embedding engine\\) or"),
-    ({"pooling_task": "reward"}, "must be one of embed, classify, token_embed, "
-                                 "token_classify or None"),
+    ({"pooling_task": "reward"}, ("must be one of embed, classify, token_embed, "
+                                  "token_classify or None")),
     ({"pooling_params": PoolingParams(normalize=False)}, "normalize applies to embeddings"),
     ({"pooling_params": PoolingParams(task="score")}, "task='score' but the pooling task"),
     ({"pooling_params": [PoolingParams()] * 2}, "got 2 PoolingParams for 1 prompts"),

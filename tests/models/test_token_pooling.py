@@ -105,3 +105,10 @@ def test_embedder_refuses_token_classify(decoder_embedder, kwargs, match):
     llm, _ = decoder_embedder
     with pytest.raises(ValueError, match=match):
         llm.encode("paris", use_tqdm=False, **kwargs)
+
+
+def test_token_classifier_refuses_prefix_caching(tmp_path):
+    build_token_classifier(str(tmp_path), "Qwen2", 2)
+    with pytest.raises(ValueError, match="enable_prefix_caching=True: this engine classifies "
+                                         "every prompt token"):
+        LLM(model=str(tmp_path), dtype="float32", device="cpu", enable_prefix_caching=True)
