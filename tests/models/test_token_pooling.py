@@ -93,6 +93,13 @@ def test_token_embed_matches_transformers_hidden_states(decoder_embedder, assert
     # the embedding is the last token's row, as token_embed gives it
     (vec,) = llm.encode(LONG, use_tqdm=False)
     torch.testing.assert_close(vec.outputs.data, out.outputs.data[-1], atol=1e-5, rtol=0)
+    # a per-token request's own blocks stay cached: an embed request of a prompt first
+    # seen by token_embed takes them
+    fresh = f"{TEXTS[4]} {TEXTS[5]}"
+    llm.encode(fresh, pooling_task="token_embed", use_tqdm=False)
+    hits_before = manager.num_hits
+    llm.embed(fresh, use_tqdm=False)
+    assert manager.num_hits - hits_before >= 4  # one block or more
     assert_no_leaks(llm)
 
 
