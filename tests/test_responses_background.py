@@ -122,6 +122,16 @@ def test_ended_and_failed_responses():
     dead, busy, cancelled = asyncio.run(main())
     running = stored("r", "in_progress").response
     assert ended_response(running, cancelled).status == "cancelled"
+    assert ended_response(running, cancelled).output == []
+    items = [{"type": "reasoning", "status": "completed", "content": []},
+             {"type": "message", "status": "in_progress",
+              "content": [{"type": "output_text", "text": "Hel"}]}]
+    kept = ended_response(running, cancelled, items)
+    assert [(i["type"], i["status"]) for i in kept.output] == \
+        [("reasoning", "completed"), ("message", "incomplete")]  # the open item was cut
+    assert kept.output[1]["content"][0]["text"] == "Hel"
+    assert items[1]["status"] == "in_progress"  # the run's own items are left alone
+    assert ended_response(running, dead, items).output == []  # only a cancel keeps them
     assert ended_response(running, dead).error == {"code": "server_error",
                                                    "message": "core died"}
     assert ended_response(running, busy).error["code"] == "rate_limit_exceeded"

@@ -15,6 +15,7 @@ until the response ends.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from kvflow.engine.async_llm import EngineDeadError, RequestRefused, RequestStre
 from kvflow.entrypoints.openai_errors import OpenAIError
 from kvflow.entrypoints.protocol.responses_api import ResponseObject, ResponsesRequest
 from kvflow.entrypoints.responses_events import ResponseEvents, sse_lines
-from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse
+from kvflow.entrypoints.responses_store import ResponseStore, StoredResponse, output_messages
 from kvflow.entrypoints.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
@@ -137,21 +138,35 @@ class BackgroundRuns:
         self._on_end(response_id, run.task)
 
 
-def ended_response(response: ResponseObject, task: asyncio.Task) -> ResponseObject | None:
+def ended_response(response: ResponseObject, task: asyncio.Task,
+                   items: Sequence[dict[str, Any]] = ()) -> ResponseObject | None:
     """The final response of a background run whose ``task`` ended, from ``response`` (the
     last stored for it), or None when it is final already (the run stored it): ``cancelled``
-    when the task was cancelled, ``failed`` (``error.code`` ``server_error``) when it
-    raised."""
+    when the task was cancelled, with ``output`` the ``items`` produced until then
+    (``partial_output``; OpenAI keeps a cancelled response's output), ``failed``
+    (``error.code`` ``server_error``) when it raised."""
     if response.status in TERMINAL:
         return None
     if task.cancelled():
-        return response.model_copy(update={"status": "cancelled"})
+        return response.model_copy(update={"status": "cancelled",
+                                           "output": partial_output(items)})
     error = task.exception()
     if error is None:  # the run stored nothing: cannot happen, but never leave it running
         error = RuntimeError("the background run ended without a response")
     if not isinstance(error, (EngineDeadError, RequestRefused)):
         logger.error("background response %s failed", response.id, exc_info=error)
     return failed_response(response, error)
+
+
+def partial_output(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the output ``items`` of a reply stopped mid-way (``ResponseEvents.items``),
+    the one still open (``in_progress``) marked ``incomplete``, as OpenAI marks an item the
+    reply's end cut."""
+    out = copy.deepcopy(list(items))
+    for item in out:
+        if item["status"] == "in_progress":
+            item["status"] = "incomplete"
+    return out
 
 
 def failed_response(response: ResponseObject, error: BaseException) -> ResponseObject:
@@ -175,6 +190,7 @@ class BackgroundResponses:
         self.store = store
         self._abort = abort
         self.runs = BackgroundRuns(self._ended)
+        self._outputs: dict[str, ResponseEvents] = {}  # a running response's items so far
 
     def check(self, req: ResponsesRequest) -> None:
         """``background`` needs ``store`` (a 400 naming ``background``, as OpenAI's), and a
@@ -219,6 +235,7 @@ class BackgroundResponses:
         stored.log = EventLog() if stream else None
         self.store.hold(stored)
         response_id = stored.response.id
+        self._outputs[response_id] = counter
         self.runs.start(response_id, self._run(response_id, events, counter, stored.log),
                         lambda: self._abort(streams))
         if stored.log is not None:
@@ -270,10 +287,18 @@ class BackgroundResponses:
 
     def _ended(self, response_id: str, task: asyncio.Task) -> None:
         """A run's task ended (its engine requests aborted already): a cancelled or crashed
-        one is stored ``cancelled`` / ``failed``; its log closed, its hold released."""
+        one is stored ``cancelled`` (with the output produced so far, which a later
+        ``previous_response_id`` continues from) / ``failed``; its log closed, its hold
+        released."""
         stored = self.store.peek(response_id)
+        items = self._outputs.pop(response_id).items if response_id in self._outputs else []
         if stored is not None:
-            self._restore(response_id, lambda r: ended_response(r, task) or r)
+            before = stored.response.status
+            ended = self._restore(response_id, lambda r: ended_response(r, task, items) or r)
+            if before not in TERMINAL and ended is not None and ended.status == "cancelled":
+                stored.messages += output_messages(
+                    [i for i in ended.output if i["type"] != "function_call"
+                     or i["status"] == "completed"])  # a cut call is no call
             if stored.log is not None:
                 stored.log.close()
         self.store.release(response_id)

@@ -193,7 +193,10 @@ def test_cancel_a_queued_response_frees_its_blocks(server, free_at_start):
 def test_cancel_mid_run_stops_generation(server, free_at_start):
     """Cancelled while generating (after 2 streamed deltas, the core then held): status
     ``cancelled``, fewer tokens generated than the 200 asked (the oracle runs all 200), the
-    request counted as aborted, every KV block free again; a resumed stream ends."""
+    request counted as aborted, every KV block free again; a resumed stream ends. The
+    cancelled response keeps the text generated until then (OpenAI's rule): the streamed
+    deltas' text, a non-empty proper prefix of the foreground greedy reply's, its message
+    ``incomplete``; a reply continuing it sees that text as the assistant's turn."""
     oracle = whole(server, **BODY, max_output_tokens=200)
     assert oracle["status"] == "incomplete"  # it would run all 200
     before = server.metrics()
@@ -206,6 +209,7 @@ def test_cancel_mid_run_stops_generation(server, free_at_start):
         assert get(server, response_id).json()["status"] == "in_progress"
         resp = cancel(server, response_id)
     assert resp.status_code == 200 and resp.json()["status"] == "cancelled", resp.text
+    kept = resp.json()
     assert_no_leak(server, free_at_start)
     after = server.metrics()
 
@@ -220,6 +224,20 @@ def test_cancel_mid_run_stops_generation(server, free_at_start):
         replay = sse_events(resp)  # ends: the log is closed
     assert replay[:len(first)] == first
     assert delta_text(replay) == output_text(oracle)[:len(delta_text(replay))]
+    assert output_text(kept) == delta_text(replay)
+    assert 0 < len(output_text(kept)) < len(output_text(oracle))
+    assert output_text(oracle).startswith(output_text(kept))
+    assert [(i["type"], i["status"]) for i in kept["output"]] == [("message", "incomplete")]
+    assert get(server, response_id).json() == kept
+    follow = whole(server, input="and then", previous_response_id=response_id,
+                   max_output_tokens=1)
+    no_turn = whole(server, input="and then", max_output_tokens=1)
+    chat = server.client().chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": BODY["input"]},
+        {"role": "assistant", "content": output_text(kept)},
+        {"role": "user", "content": "and then"}])
+    assert follow["usage"]["input_tokens"] == chat.usage.prompt_tokens > \
+        no_turn["usage"]["input_tokens"]
 
 
 def test_delete_a_running_response_cancels_it(server, free_at_start):
