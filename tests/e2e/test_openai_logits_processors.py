@@ -83,3 +83,26 @@ def test_refused_vllm_xargs_are_400s_naming_the_field(server, path):
     assert (per_request["param"], per_request["code"]) == \
         ("logits_processors", "unsupported_parameter")
     assert "--logits-processors module.path:ClassName" in per_request["message"]
+
+
+def test_responses_take_vllm_xargs_as_chat_does(server):
+    """/v1/responses passes ``vllm_xargs`` to the processors: the reply's text is chat's for
+    the same conversation and arguments (every token forced to 41), not the plain reply's;
+    a value a processor refuses or a nested one is a 400 naming the field."""
+    xargs = {"force_token": 41, "every": 1}
+    chat = post(server, CH, {"vllm_xargs": xargs, "ignore_eos": False})
+    assert tokens(chat) == [41] * STEPS
+    body = {"input": "hi", "temperature": 0, "max_output_tokens": STEPS}
+
+    def respond(extra: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/responses", json={**body, **extra}, timeout=60)
+
+    forced, plain = respond({"vllm_xargs": xargs}), respond({})
+    assert forced.status_code == plain.status_code == 200, (forced.text, plain.text)
+    text = forced.json()["output"][0]["content"][0]["text"]
+    assert text == chat.json()["choices"][0]["message"]["content"]
+    assert text != plain.json()["output"][0]["content"][0]["text"]
+    refused = error(respond({"vllm_xargs": {"ban_token": "x"}}))
+    assert "ban_token='x' must be a token id" in refused["message"], refused
+    nested = error(respond({"vllm_xargs": {"ban_token": {"id": 3}}}))
+    assert nested["param"] == "vllm_xargs.ban_token", nested

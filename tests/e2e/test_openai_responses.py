@@ -397,7 +397,16 @@ USED = {"model", "input", "instructions", "max_output_tokens", "temperature", "t
         "metadata", "parallel_tool_calls", "tool_choice", "tools", "text", "stream", "store",
         "previous_response_id", "user", "prompt_cache_key", "safety_identifier",
         "include", "top_logprobs",  # output logprobs: test_openai_responses_extras
-        "cache_salt", "background"}  # background: test_openai_responses_background
+        "cache_salt", "background",  # background: test_openai_responses_background
+        "vllm_xargs"}  # below without processors; with them: test_openai_logits_processors
+
+
+def test_vllm_xargs_without_processors_is_a_400_naming_it(server):
+    """As on chat: this server runs no custom logits processor, so nothing would read them."""
+    for xargs, param in (({"k": 1}, "vllm_xargs"), ({"k": {"nested": 1}}, "vllm_xargs.k")):
+        resp = respond(server, input="hi", vllm_xargs=xargs)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param, resp.text
 
 
 def test_every_field_is_used_or_refused():

@@ -22,6 +22,7 @@ from kvflow.entrypoints.protocol.base import (
     RequestBody,
     RequestModel,
 )
+from kvflow.entrypoints.protocol.sampling import XargValue
 
 
 class TextFormat(RequestModel):
@@ -78,6 +79,8 @@ class ResponsesRequest(RequestBody):
     /v1/responses/{id}/cancel.
     ``include`` may hold ``message.output_text.logprobs`` (output text logprobs, with
     ``top_logprobs`` alternatives, 0-20); other values are refused by ``serving_responses``.
+    ``vllm_xargs`` (vLLM's, as on chat/completions) goes to the chat request: the arguments
+    of the server's custom logits processors (``SamplingParams.extra_args``).
     The fields after ``user`` are OpenAI's that kvflow does not honour, each marked
     ``Unhonoured`` (its harmless value and what kvflow does instead): declared so that a set
     value is a 400 naming it (``responses_checks.refuse_unhonoured`` reads
@@ -109,6 +112,8 @@ class ResponsesRequest(RequestBody):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: salts the prefix cache
     background: bool = False
+    # vLLM's: arguments of the server's custom logits processors (as on chat/completions)
+    vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
     # OpenAI's, not honoured: a value other than null (or the harmless one) is a 400
     conversation: Annotated[Any, Unhonoured(
         None, "use previous_response_id to continue a stored reply")] = None
