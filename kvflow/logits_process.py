@@ -16,13 +16,17 @@ presence / frequency / repetition penalties; argmax-invariant ones after tempera
 when some row samples at random (greedy rows never see their edits).
 
 Load them with ``LLM(logits_processors=[Class or "module.path:Class"])`` or
-``kvflow serve --logits-processors module.path:Class``. :class:`AdapterLogitsProcessor`
-wraps per-request callables ``fn(output_token_ids, logits_row) -> logits_row``.
+``kvflow serve --logits-processors module.path:Class``, or install them as plugins: every
+entry point of the ``kvflow.logits_processors`` group (vLLM's ``vllm.logits_processors``
+under kvflow's name) is loaded at start-up, before the configured ones
+(``plugin_logits_processors``). :class:`AdapterLogitsProcessor` wraps per-request callables
+``fn(output_token_ids, logits_row) -> logits_row``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -42,10 +46,13 @@ if TYPE_CHECKING:  # torch is not imported at run time: the config imports this 
 
     from kvflow.config import EngineConfig
 
-__all__ = ["AdapterLogitsProcessor", "BatchUpdate", "LogitsProcessor", "MoveDirectionality",
-           "RequestLogitsProcessor", "load_logits_processors"]
+__all__ = ["LOGITS_PROCESSORS_GROUP", "AdapterLogitsProcessor", "BatchUpdate",
+           "LogitsProcessor", "MoveDirectionality", "RequestLogitsProcessor",
+           "load_logits_processors", "plugin_logits_processors"]
 
 LOGITS_PROCESSORS_FLAG = "--logits-processors (logits_processors)"
+# the entry-point group of installed logits processor plugins (vLLM's: vllm.logits_processors)
+LOGITS_PROCESSORS_GROUP = "kvflow.logits_processors"
 
 # fn(output_token_ids, logits_row) or fn(prompt_token_ids, output_token_ids, logits_row):
 # logits_row is float32 [vocab]; returns the edited row (in place or a new tensor).
@@ -152,6 +159,29 @@ def load_logits_processors(specs: Sequence[str | type] | None
     if isinstance(specs, (str, type)):
         specs = [specs]
     return tuple(_load_one(spec) for spec in specs)
+
+
+def plugin_logits_processors(group: str = LOGITS_PROCESSORS_GROUP) -> list[str]:
+    """The class paths (``"module.path:Class"``) of the installed logits processor plugins:
+    the entry points of ``group`` (a package declares one in its ``pyproject.toml`` as
+    ``[project.entry-points."kvflow.logits_processors"] name = "module.path:Class"``), in
+    the order ``importlib.metadata`` lists them, each once; each is imported and checked.
+
+    Raises:
+        ValueError: naming the group and the entry point, for one that does not import or
+            does not name a :class:`LogitsProcessor` subclass (the engine does not start,
+            as vLLM's does not).
+    """
+    specs: list[str] = []
+    for entry in importlib.metadata.entry_points(group=group):
+        try:
+            _load_one(entry.value)
+        except ValueError as e:
+            raise ValueError(f"logits processor plugin {entry.name!r} = {entry.value!r} "
+                             f"(entry point group {group!r}): {e}") from None
+        if entry.value not in specs:
+            specs.append(entry.value)
+    return specs
 
 
 def _load_one(spec: str | type) -> type[LogitsProcessor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,6 +20,9 @@ from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
 from kvflow.config.speculative import SpeculativeConfig
 from kvflow.config.structured import StructuredOutputConfig
+from kvflow.logits_process import LOGITS_PROCESSORS_GROUP, plugin_logits_processors
+
+logger = logging.getLogger(__name__)
 
 _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "scheduler_config": SchedulerConfig, "device_config": DeviceConfig,
@@ -56,6 +60,7 @@ class EngineConfig:
                 worker starts).
         """
         self._check_speculative()
+        self._find_logits_processor_plugins()
         self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
         if mode != "swap" and cc.swap_space is not None:  # only the swap host pool reads it
@@ -83,6 +88,25 @@ class EngineConfig:
         if cp > 1 and cc.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
                              f"context_parallel_size={cp}")
+
+    def _find_logits_processor_plugins(self) -> None:
+        """Look for the installed logits processor plugins once (the workers get the list
+        with the config). With speculative decoding they are not loaded (vLLM v1 skips its
+        plugins there too), with a warning naming them.
+
+        Raises:
+            ValueError: for a plugin that does not import (``plugin_logits_processors``).
+        """
+        mc = self.model_config
+        if mc.logits_processor_plugins is not None:
+            return
+        found = plugin_logits_processors()
+        if found and self.speculative_config is not None:
+            logger.warning("logits processor plugins %s (entry point group %s) are not "
+                           "loaded: speculative decoding runs no custom logits processor",
+                           ", ".join(found), LOGITS_PROCESSORS_GROUP)
+            found = []
+        mc.logits_processor_plugins = found
 
     def _check_speculative(self) -> None:
         spec = self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

@@ -146,6 +146,10 @@ class ModelConfig:
         "subclass kvflow.logits_process.LogitsProcessor, as 'module.path:ClassName' (LLM() "
         "takes the classes too); requests pass them arguments in SamplingParams.extra_args "
         "(vllm_xargs on the server)", nargs="+", metavar="MODULE:CLASS")
+    logits_processor_plugins: list | None = opt(  # noqa: RUF009 (the default is None)
+        None, "the class paths of the installed logits processor plugins (entry point group "
+        "kvflow.logits_processors), found by EngineConfig at start-up (None: not looked "
+        "for yet)", cli=False)
 
     def __post_init__(self) -> None:
         """Checks each field (``hf_overrides`` and ``override_generation_config`` given as
@@ -189,3 +193,10 @@ class ModelConfig:
     def tokenizer_options(self) -> dict[str, Any]:
         """``AutoTokenizer.from_pretrained`` keyword arguments: ``trust_remote_code``."""
         return {"trust_remote_code": self.trust_remote_code}
+
+    def custom_logits_processors(self) -> list:
+        """The engine's custom logits processors: the installed plugins'
+        (``logits_processor_plugins``) first, then the configured ones
+        (``logits_processors``; one named by both runs once, as the plugin)."""
+        plugins = list(self.logits_processor_plugins or [])
+        return plugins + [p for p in self.logits_processors or [] if p not in plugins]

@@ -177,8 +177,9 @@ class AsyncLLM(AsyncLLMCalls):
                                         max_model_len_note=ready.max_model_len_note,
                                         enable_prompt_embeds=self.config.model_config
                                         .enable_prompt_embeds,
-                                        logits_processors=load_logits_processors(
-                                            self.config.model_config.logits_processors))
+                                        logits_processors=() if ready.pooler else
+                                        load_logits_processors(self.config.model_config
+                                                               .custom_logits_processors()))
         self.balancer = DPLoadBalancer(self.num_replicas, ready.block_size)
         self.requests = OpenRequests(OutputProcessor(self.tokenizer), self.tracker,
                                      self.balancer, self.metrics,

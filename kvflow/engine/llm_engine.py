@@ -77,8 +77,8 @@ class LLMEngine:
                                         mm_processor, load_eos_token_ids(source, eos_config),
                                         pooler, hidden_size, max_model_len_note=note,
                                         enable_prompt_embeds=mc.enable_prompt_embeds,
-                                        logits_processors=load_logits_processors(
-                                            mc.logits_processors))
+                                        logits_processors=() if pooler else
+                                        load_logits_processors(mc.custom_logits_processors()))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -147,20 +147,23 @@ class ModelRunner(RunnerKVCache):
 
     def _init_sampler(self) -> None:
         """The sampler, its inputs and the custom logits processors (one instance of each
-        class per runner; None without any).
+        class per runner, the installed plugins' first; None without any, and for a pooling
+        model, which skips the plugins).
 
         Raises:
-            ValueError: for custom logits processors with a pooling model (it samples
-                nothing).
+            ValueError: for custom logits processors named by the flag with a pooling model
+                (it samples nothing).
         """
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.config.model_config.seed)
         self.sampler = Sampler(gen)
-        classes = load_logits_processors(self.config.model_config.logits_processors)
-        if classes and self.pooling is not None:
+        mc = self.config.model_config
+        if mc.logits_processors and self.pooling is not None:
             raise ValueError(f"{LOGITS_PROCESSORS_FLAG}: a pooling model (embed, score, "
                              "classify) samples no tokens; custom logits processors need a "
                              "generative model")
+        classes = () if self.pooling is not None else \
+            load_logits_processors(mc.custom_logits_processors())  # plugins skip pooling
         self.logits_procs = RunnerLogitsProcessors(classes, self.config, self.device) \
             if classes else None
         self.sampling_inputs = SamplingInputs(self.device)

@@ -1,0 +1,90 @@
+"""Logits processor plugins: the ``kvflow.logits_processors`` entry-point group (vLLM's
+``vllm.logits_processors`` under kvflow's name), found at start-up by ``EngineConfig``.
+Each test writes a distribution's ``.dist-info`` (METADATA, entry_points.txt) and the
+plugin's module into a tmp dir put on ``sys.path``, as ``pip install`` would leave them.
+Oracles: the greedy tokens of a plain torch loop over transformers' logits with the banned
+token (``tests.test_logits_processors._reference``), hand-written class-path lists."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
+from kvflow.logits_process import LOGITS_PROCESSORS_GROUP, plugin_logits_processors
+from tests.test_logits_processors import _reference
+
+BAN = "tests.test_logits_processors:BanToken"
+FORCE = "tests.test_logits_processors:ForceEvery"
+
+
+def install(root: Path, monkeypatch, entry_points: dict[str, str], dist: str = "lp-plugin"
+            ) -> None:
+    """A distribution ``dist`` whose ``kvflow.logits_processors`` entry points are
+    ``entry_points`` (name -> "module:Class"), installed into ``root`` on sys.path."""
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    lines = [f"[{LOGITS_PROCESSORS_GROUP}]"] + [f"{k} = {v}" for k, v in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(root))
+
+
+def test_no_plugin_installed_finds_none():
+    assert plugin_logits_processors() == []
+    assert EngineConfig.from_kwargs().model_config.logits_processor_plugins == []
+
+
+def test_an_installed_plugin_runs_without_the_flag(tiny_llama, tiny_tokenizer, tmp_path,
+                                                   monkeypatch):
+    """The plugin's module lives in the tmp dir too; a request's extra_args reach it as a
+    configured processor's do (without a processor they would be refused)."""
+    (tmp_path / "kvflow_lp_plugin_mod.py").write_text(
+        "from tests.test_logits_processors import BanToken as Ban  # noqa: F401\n")
+    install(tmp_path, monkeypatch, {"ban": "kvflow_lp_plugin_mod:Ban"})
+    assert plugin_logits_processors() == ["kvflow_lp_plugin_mod:Ban"]
+    ids = tiny_tokenizer.encode("the quick brown fox")
+    plain = _reference(tiny_llama.hf_model, ids, 6)
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=16,
+              block_size=4)
+    assert llm.engine.config.model_config.custom_logits_processors() == \
+        ["kvflow_lp_plugin_mod:Ban"]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                             extra_args={"ban_token": plain[0]}),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": ids}] * 2, params, use_tqdm=False)
+    banned = _reference(tiny_llama.hf_model, ids, 6, ban=plain[0])
+    assert banned != plain
+    assert [o.outputs[0].token_ids for o in outs] == [banned, plain]
+
+
+def test_plugins_run_before_the_configured_ones_each_once(tmp_path, monkeypatch):
+    install(tmp_path, monkeypatch, {"force": FORCE, "again": FORCE})
+    mc = EngineConfig.from_kwargs(logits_processors=[BAN, FORCE]).model_config
+    assert (mc.logits_processor_plugins, mc.logits_processors) == ([FORCE], [BAN, FORCE])
+    assert mc.custom_logits_processors() == [FORCE, BAN]
+
+
+def test_a_broken_plugin_stops_the_start_naming_it(tmp_path, monkeypatch):
+    install(tmp_path, monkeypatch, {"broken": "no_such_module_lp_q:Thing"})
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_kwargs()
+    assert str(e.value).startswith("logits processor plugin 'broken' = "
+                                   "'no_such_module_lp_q:Thing' (entry point group "
+                                   "'kvflow.logits_processors'): ")
+    assert "cannot import module 'no_such_module_lp_q'" in str(e.value)
+
+
+def test_speculative_decoding_skips_plugins_with_a_warning(tmp_path, monkeypatch, caplog):
+    """vLLM v1 skips its plugins there too; the engine starts without them (a flag-named
+    processor is refused: tests/test_logits_processors.py)."""
+    install(tmp_path, monkeypatch, {"ban": BAN})
+    with caplog.at_level(logging.WARNING, logger="kvflow.config.engine"):
+        config = EngineConfig.from_kwargs(speculative_config={"method": "ngram"})
+    assert config.model_config.logits_processor_plugins == []
+    assert config.model_config.custom_logits_processors() == []
+    assert f"logits processor plugins {BAN} (entry point group kvflow.logits_processors) " \
+        "are not loaded" in caplog.text
