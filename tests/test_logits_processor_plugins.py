@@ -88,3 +88,24 @@ def test_speculative_decoding_skips_plugins_with_a_warning(tmp_path, monkeypatch
     assert config.model_config.custom_logits_processors() == []
     assert f"logits processor plugins {BAN} (entry point group kvflow.logits_processors) " \
         "are not loaded" in caplog.text
+
+
+def test_a_pooling_model_skips_plugins_and_refuses_the_flag(tiny_tokenizer, tmp_path,
+                                                             monkeypatch):
+    """An embedding model samples nothing: with a plugin installed it starts and embeds as
+    sentence-transformers does; a processor named by the flag stops the start naming it."""
+    from tests.models.embedding_models import build_bert, st_embed
+
+    folder = str(tmp_path / "st")
+    st = build_bert(tiny_tokenizer, folder, "mean")
+    install(tmp_path / "site", monkeypatch, {"ban": BAN})
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    assert llm.engine.config.model_config.logits_processor_plugins == [BAN]  # found
+    assert llm.engine.core.executor.runner.logits_procs is None  # and not built
+    got = llm.embed(["the quick brown fox"], use_tqdm=False)[0].outputs.embedding
+    ref = st_embed(st, ["the quick brown fox"])[0]
+    assert max(abs(a - float(b)) for a, b in zip(got, ref, strict=True)) < 2e-5
+    with pytest.raises(ValueError, match=r"^--logits-processors \(logits_processors\): a "
+                                         r"pooling model"):
+        LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=64,
+            logits_processors=[BAN])
