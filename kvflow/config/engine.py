@@ -130,10 +130,6 @@ class EngineConfig:
         if self.scheduler_config.async_scheduling:
             raise ValueError("speculative decoding with async_scheduling is not available (a "
                              "verification step's token counts are known only after it)")
-        if spec.method == "draft_model" and self.scheduler_config.preemption_mode == "swap":
-            raise ValueError("speculative_config method='draft_model' with preemption_mode="
-                             "'swap' is not available (the host swap pool holds the target's "
-                             "KV layout only); use preemption_mode='recompute'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

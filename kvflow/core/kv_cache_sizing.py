@@ -99,10 +99,8 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
     """
     if engine_config.scheduler_config.preemption_mode != "swap":
         return 0
-    pc, spec = engine_config.parallel_config, config.kv_cache_groups[0].kv_cache_spec
-    unsupported = {"a draft model (speculative decoding)": config.draft_group is not None,
-                   "a quantized KV cache": spec.kv_scales_shape(1) is not None,
-                   "pipeline parallelism": pc.pipeline_parallel_size > 1,
+    pc = engine_config.parallel_config
+    unsupported = {"pipeline parallelism": pc.pipeline_parallel_size > 1,
                    "context parallelism": getattr(pc, "context_parallel_size", 1) > 1,
                    "async scheduling": bool(engine_config.scheduler_config.async_scheduling)}
     for what, present in unsupported.items():

@@ -16,9 +16,11 @@ positions ``num_tokens .. num_tokens + k - 2``, inside the blocks the scheduler 
 the step). After verification ``InputBatch.accept_tokens`` cuts ``num_draft_computed`` to the
 accepted prefix. A step without drafts runs no draft pass at all, so when adaptive lengths turn
 speculation off (a large batch) the draft costs nothing; the price is that a new request (or a
-prefix-cache hit, or a resumed request) starts with no draft K/V (``num_draft_computed = 0``:
-a cached block may have been filled while nobody drafted) and the draft recomputes its context
-when it first drafts.
+prefix-cache hit, or a request resumed after recompute preemption) starts with no draft K/V
+(``num_draft_computed = 0``: a cached block may have been filled while nobody drafted) and the
+draft recomputes its context when it first drafts. A request swapped out and back in
+(``--preemption-mode swap``) got the draft's K/V back with the target's, and resumes with
+the count it had (``RequestState.draft_kv_tokens``).
 
 With tensor parallelism every rank holds the whole draft (unsharded) and proposes; the ranks
 then take TP rank 0's tokens and ``q`` (``share_proposal``), so they verify the same drafts.

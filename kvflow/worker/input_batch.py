@@ -54,6 +54,9 @@ class RequestState:
         pooling_params: set for an embedding request.
         prompt_embeds: a prompt given as embeddings: its rows [prompt_len, hidden] (cast to
             the model's dtype on first use; the prompt ids are placeholders), else None.
+        draft_kv_tokens: a draft model's ``num_draft_computed`` when the request was last
+            preempted (positions whose draft K/V its blocks held); restored when it is
+            swapped back in (``--preemption-mode swap`` copies the draft's K/V too).
     """
 
     req_id: str
@@ -68,6 +71,7 @@ class RequestState:
     lora: object | None = None
     pooling_params: PoolingParams | None = None
     prompt_embeds: torch.Tensor | None = None
+    draft_kv_tokens: int = 0
 
 
 def request_stop_ids(state: RequestState) -> list[int]:
@@ -264,6 +268,8 @@ class InputBatch:
         for rid in sorted(sched.finished_ids):
             self.remove_request(rid)
         for rid in sched.preempted_ids:
+            if (row := self.req_id_to_index.get(rid)) is not None and rid in states:
+                states[rid].draft_kv_tokens = int(self.num_draft_computed[row])
             self.remove_request(rid)
         for new in sched.scheduled_new_reqs:
             self.add_request(states[new.req_id], [], new.block_ids, new.num_computed_tokens)
@@ -272,11 +278,15 @@ class InputBatch:
                 self.truncate_block_ids(row, num_blocks)
         cached = sched.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
+        swapped_in = {d for _, d in sched.blocks_to_swap_in}  # blocks of swapped-in requests
         for i, rid in enumerate(cached.req_ids) if resumed else ():
             if rid in resumed:  # whole tables and generated tokens come with it
                 self.remove_request(rid)  # still there if its preemption step failed
-                self.add_request(states[rid], cached.new_token_ids[rid],
-                                 cached.new_block_ids[rid], cached.num_computed_tokens[i])
+                block_ids, computed = cached.new_block_ids[rid], cached.num_computed_tokens[i]
+                row = self.add_request(states[rid], cached.new_token_ids[rid], block_ids,
+                                       computed)
+                if swapped_in and not swapped_in.isdisjoint(block_ids[0]):  # its draft K/V too
+                    self.num_draft_computed[row] = min(states[rid].draft_kv_tokens, computed)
         index = self.req_id_to_index
         for rid, block_ids in cached.new_block_ids.items():
             if rid not in resumed:

@@ -21,7 +21,7 @@ from kvflow.worker.kv_cache_setup import (
     profile_kv_budget,
     release_kv_cache,
 )
-from kvflow.worker.kv_swap import HostKVCache
+from kvflow.worker.kv_swap import HostKVCache, swapped_tensors
 from kvflow.worker.model_inputs import build_model_inputs
 from kvflow.worker.pipeline_stages import recv_from_previous_stage, send_to_next_stage
 from kvflow.worker.step_graphs import make_graph_runner
@@ -121,9 +121,14 @@ class RunnerKVCache:
                                             self.device, self.parallel.cp.world_size)
         if draft is not None and self.drafter is not None:
             self.kv_caches.extend(self.drafter.bind_kv_cache(draft, kv_cache_config.num_blocks))
-        self.host_kv = HostKVCache(self.kv_caches, spec, kv_cache_config.num_host_blocks,
-                                   pin_memory=self.device.type == "cuda") \
-            if kv_cache_config.num_host_blocks else None
+        self.host_kv = None
+        if kv_cache_config.num_host_blocks:  # swap preemption: K/V, scales, the draft's too
+            tensors = swapped_tensors(self.attn_layers.values(), spec)
+            if draft is not None and self.drafter is not None:
+                tensors += swapped_tensors(self.drafter.attn_layers.values(),
+                                           draft.kv_cache_spec)
+            self.host_kv = HostKVCache(tensors, kv_cache_config.num_host_blocks,
+                                       pin_memory=self.device.type == "cuda")
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Set up the decode-step graph runner (``worker/step_graphs.py``: CUDA graphs

@@ -63,6 +63,7 @@ def test_swapped_outputs_equal_unpreempted_and_pools_end_idle(tiny_llama, expect
     runner = core.executor.runner
     assert runner.host_kv is not None and \
         runner.host_kv.host_caches[0].shape[1] == core.kv_cache_config.num_host_blocks
+    assert len(runner.host_kv.host_caches) == len(runner.kv_caches)  # K/V only: no scales
 
 
 def test_recompute_mode_has_no_host_pool(tiny_llama, expected):
@@ -117,7 +118,7 @@ def test_host_pool_takes_memory_only_where_written():
     num_host = 512 * 2**20 // (2 * device[0][:, 0].numel() * 2)  # 2 layers x 256 MiB
     process = psutil.Process()
     before = process.memory_info().rss
-    host = HostKVCache(device, spec, num_host)
+    host = HostKVCache([(d, 1) for d in device], num_host)
     assert process.memory_info().rss - before < 64 * 2**20
     assert host.host_caches[1].shape == spec.kv_cache_shape(num_host)
     assert host.host_caches[1].dtype == torch.bfloat16

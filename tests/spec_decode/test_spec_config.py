@@ -109,12 +109,13 @@ def test_async_scheduling_is_refused():
     assert config.scheduler_config.async_scheduling is None
 
 
-def test_draft_model_takes_tensor_parallel_and_refuses_swap_preemption():
+def test_draft_model_takes_tensor_parallel_and_swap_preemption():
     draft = {"method": "draft_model", "model": "some-draft"}
     config = EngineConfig.from_kwargs(tensor_parallel_size=2, speculative_config=draft)
     assert config.parallel_config.world_size == 2  # every rank holds the whole draft
-    with pytest.raises(ValueError, match="preemption_mode"):
-        EngineConfig.from_kwargs(preemption_mode="swap", speculative_config=draft)
+    # the host pool holds the draft's K/V too (tests/core/test_swap_more.py)
+    config = EngineConfig.from_kwargs(preemption_mode="swap", speculative_config=draft)
+    assert config.scheduler_config.preemption_mode == "swap"
 
 
 def test_cli_bad_value_exits_2(capsys):
