@@ -101,8 +101,7 @@ def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
         return 0
     pc = engine_config.parallel_config
     unsupported = {"pipeline parallelism": pc.pipeline_parallel_size > 1,
-                   "context parallelism": getattr(pc, "context_parallel_size", 1) > 1,
-                   "async scheduling": bool(engine_config.scheduler_config.async_scheduling)}
+                   "context parallelism": getattr(pc, "context_parallel_size", 1) > 1}
     for what, present in unsupported.items():
         if present:
             raise ValueError(f"--preemption-mode swap does not support {what} yet; use "

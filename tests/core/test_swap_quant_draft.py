@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.core.kv_swap import SwapManager
 from kvflow.worker.input_batch import InputBatch
 from tests.core.test_swap_preemption import _always_swap
 from tests.spec_decode.test_ngram_engine import PROMPTS as DRAFT_PROMPTS
@@ -116,3 +117,30 @@ def test_draft_model_kv_is_swapped_with_the_target(tiny_llama, monkeypatch, asse
     assert len(runner.host_kv.host_caches) == len(runner.kv_caches)  # target's + draft's
     assert len(runner.kv_caches) == 2 * len(llm.engine.core.kv_cache_config.draft_group
                                             .layer_names)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_async_scheduling_swaps(tiny_llama, monkeypatch, assert_no_leaks, prefix_caching):
+    """Async scheduling preempts requests whose step N is still in flight: their swap-out is
+    the first thing step N+1's launch does, after step N's forward wrote their K/V (the same
+    thread on CPU, the same stream on CUDA), and host blocks a swap-in of step N read are
+    freed only when N+1 is scheduled, after N's launch read them. Tokens and logprobs equal
+    lock-step scheduling without preemption."""
+    kw = {"model": tiny_llama.path, "dtype": "float32", "block_size": 16,
+          "enable_prefix_caching": prefix_caching}
+    expected = LLM(num_kv_blocks=256, **kw).generate(PROMPTS, PARAMS, use_tqdm=False)
+    _always_swap(monkeypatch)
+    in_flight: list[int] = []  # per swap-out: the victim's tokens still out (step N's)
+    swap_out = SwapManager.swap_out
+
+    def spy(self, request):
+        in_flight.append(request.num_output_placeholders)
+        return swap_out(self, request)
+
+    monkeypatch.setattr(SwapManager, "swap_out", spy)
+    llm = LLM(num_kv_blocks=14, preemption_mode="swap", swap_space="1MiB",
+              async_scheduling=True, **kw)
+    assert llm.engine.core.scheduler.async_scheduling
+    _check_same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), expected)
+    _check_pools_idle(llm, assert_no_leaks)
+    assert max(in_flight) > 0  # some victims were swapped out with step N in flight
