@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_sizing import num_host_blocks
 from kvflow.core.kv_swap import SwapManager
+from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvflow.worker.input_batch import InputBatch
 from tests.core.test_swap_preemption import _always_swap
 from tests.spec_decode.test_ngram_engine import PROMPTS as DRAFT_PROMPTS
@@ -144,3 +148,22 @@ def test_async_scheduling_swaps(tiny_llama, monkeypatch, assert_no_leaks, prefix
     _check_same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), expected)
     _check_pools_idle(llm, assert_no_leaks)
     assert max(in_flight) > 0  # some victims were swapped out with step N in flight
+
+
+def test_pool_sizing_counts_scales_and_the_draft_and_refuses_only_pp_cp():
+    """A host block holds what a device block id holds: int8 K/V of 2 layers (2 x 16 tokens x
+    2 heads x 64 dims x 1 byte each) plus their float32 scales (2 x 16 x 2 x 4 bytes), and a
+    one-layer draft of the same spec; 1MiB / that is the pool. Pipeline and context
+    parallelism are still refused; async scheduling is not."""
+    spec = FullAttentionSpec(16, 2, 64, torch.int8, torch.float32)
+    pool = KVCacheConfig(8, (KVCacheGroupSpec(("l.0", "l.1"), spec),),
+                         KVCacheGroupSpec(("draft_model.l.0",), spec))
+    page = 3 * (2 * 16 * 2 * 64 + 2 * 16 * 2 * 4)
+    assert pool.page_size_bytes == page
+    swap = {"preemption_mode": "swap", "swap_space": "1MiB"}
+    assert num_host_blocks(EngineConfig.from_kwargs(async_scheduling=True, **swap),
+                           pool) == 2**20 // page
+    for name in ("pipeline_parallel_size", "context_parallel_size"):
+        config = EngineConfig.from_kwargs(**{name: 2}, **swap)
+        with pytest.raises(ValueError, match="--preemption-mode swap does not support"):
+            num_host_blocks(config, pool)
