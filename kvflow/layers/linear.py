@@ -231,8 +231,21 @@ class RowParallelLinear(LinearBase):
         Raises:
             RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
         """
+        return self.reduce_partial(self.forward_partial(x))
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum: x [T, input_size / tp_size] -> [T, output_size] over its
+        input columns (the bias on TP rank 0 only), before the all-reduce."""
         bias = self.bias if self.tp_rank == 0 else None
-        y = self.quant_method.apply(self, x, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs ``y`` [T, output_size] (one all-reduce over the TP
+        group; the identity on one rank).
+
+        Raises:
+            RuntimeError: when ``tp_size > 1`` and the layer was built without a ``tp_group``.
+        """
         if self.tp_size > 1:
             y = require_group(self.tp_group, self.tp_size).all_reduce(y)
         return y
