@@ -98,8 +98,11 @@ class LoRAManager:
         return adapter
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (requests already running with it keep their copy); False if it
-        was not loaded."""
+        """Forget an adapter (requests already running with it keep their copy, put into a
+        slot again at their next step); False if it was not loaded. Its slot is freed: the id
+        may come back for another folder, whose weights must not be taken for those still in
+        the slot."""
+        self.slot_ids = [0 if held == lora_int_id else held for held in self.slot_ids]
         return self.adapters.pop(lora_int_id, None) is not None
 
     def step_mapping(self, row_lora_ids: np.ndarray, token_rows: np.ndarray,

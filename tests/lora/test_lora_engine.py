@@ -109,6 +109,23 @@ def test_one_slot_serializes_adapters(tiny_llama, adapters, assert_no_leaks):
     assert_no_leaks(llm)
 
 
+def test_removed_adapter_leaves_its_slot(llm, tiny_llama, adapters, assert_no_leaks):
+    """An id unloaded and loaded again for another folder runs the new weights: the slot
+    still holding the old adapter's was taken for it (another prompt: the prefix cache keys
+    blocks by id)."""
+    tok = llm.get_tokenizer()
+    first, second = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate([first], params, lora_request=LoRARequest("old", 50, adapters["all"]),
+                 use_tqdm=False)
+    assert llm.engine.core.remove_lora(50)
+    out = llm.generate([second], params, lora_request=LoRARequest("new", 50, adapters["qv"]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapters["qv"], second)
+    assert llm.engine.core.remove_lora(50)
+    assert_no_leaks(llm)
+
+
 def _edit_config(src: str, dst: str, **changes: Any) -> str:
     return os.path.dirname(copy_with_json(src, dst, "adapter_config.json", **changes))
 
