@@ -23,6 +23,7 @@ from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
 from kvflow.request import Request, RequestStatus
+from kvflow.worker.worker import RpcRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ class EngineCore(EngineCoreStartup):
         if not self.config.lora_config.enable_lora:
             raise ValueError("LoRA adapters need an engine started with enable_lora "
                              "(--enable-lora)")
-        self.executor.collective_rpc("add_lora", lora_request)
+        results = self.executor.collective_rpc("add_lora", lora_request)  # every rank
+        refused = next((r for r in results if isinstance(r, RpcRefusal)), None)
+        if refused is not None:
+            raise ValueError(refused.message)
         self.loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -213,13 +213,20 @@ class Worker:
         except (TypeError, ValueError) as e:  # answered, not a failure of this worker
             return RpcRefusal(f"{method}: {type(e).__name__}: {e}")
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load a LoRA adapter (see :meth:`ModelRunner.add_lora`).
+    def add_lora(self, lora_request: LoRARequest) -> RpcRefusal | None:
+        """Load a LoRA adapter, this rank's part of it (see :meth:`ModelRunner.add_lora`).
 
-        Raises:
-            ValueError: for an adapter this model cannot apply, or without enable_lora.
+        Returns:
+            None once loaded; the ValueError's message as an :class:`RpcRefusal` for an
+            adapter this model cannot apply or without enable_lora (answered, not raised: a
+            worker process that raises ends, and a refused adapter must leave every rank
+            running; every rank checks the same folder, so all refuse alike).
         """
-        self.runner.add_lora(lora_request)
+        try:
+            self.runner.add_lora(lora_request)
+        except ValueError as e:
+            return RpcRefusal(str(e))
+        return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a LoRA adapter; False if it was not loaded."""
