@@ -32,8 +32,9 @@ from torch import nn
 
 from kvflow.config import lora_kernel_choice
 from kvflow.layers.custom_op import CustomOp
-from kvflow.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from kvflow.layers.linear import LinearBase
 from kvflow.lora.adapter import LoRATarget
+from kvflow.lora.sharding import full_input_size, shard_pair, slice_rows
 
 
 @dataclass
@@ -144,19 +145,9 @@ class GroupedLoRA(CustomOp):
                          mapping.max_segment_len)
 
 
-def shard_sizes(layer: LinearBase) -> dict[Any, int]:
-    """Output rows of each checkpoint shard fused into ``layer`` (this rank's), in row order;
-    ``{None: out}`` for an unfused layer."""
-    if isinstance(layer, QKVParallelLinear):
-        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return {"q": q, "k": kv, "v": kv}
-    if isinstance(layer, MergedColumnParallelLinear):
-        return {i: size // layer.tp_size for i, size in enumerate(layer.output_sizes)}
-    return {None: layer.output_size_per_partition}
-
-
 class LoRALinear(nn.Module):
-    """A linear layer plus ``max_loras`` LoRA slots (see the module docstring).
+    """A linear layer plus ``max_loras`` LoRA slots (see the module docstring), sized for
+    this tensor-parallel rank's part of each adapter (:mod:`kvflow.lora.sharding`).
 
     Args:
         base: the wrapped layer (any quantization method).
@@ -170,7 +161,11 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.ctx, self.max_rank = base, ctx, max_rank
         self.grouped = GroupedLoRA()
-        self.shards = shard_sizes(base)
+        self.slices = slice_rows(base)
+        self.shards = {shard: rows.size for shard, rows in self.slices.items()}  # this rank's
+        # row-parallel over several ranks: the delta joins the partial sum before the
+        # all-reduce (each rank holds its columns of A; see kvflow/lora/sharding.py)
+        self.row_parallel = base.tp_dim == 1 and base.tp_size > 1
         self.row_offsets, offset = {}, 0
         for shard, size in self.shards.items():
             self.row_offsets[shard] = offset
@@ -185,11 +180,18 @@ class LoRALinear(nn.Module):
 
     @property
     def target(self) -> LoRATarget:
-        """What an adapter must fit (input size, output rows per shard)."""
-        shards = dict(self.shards)
+        """What an adapter must fit: the checkpoint's sizes (input features, output rows per
+        shard), whatever part of them this rank holds."""
+        shards = {shard: rows.full for shard, rows in self.slices.items()}
         if len(shards) > 1:  # a PEFT module may also target the fused layer as a whole
-            shards[None] = sum(self.shards.values())
-        return LoRATarget(self.base.input_size_per_partition, shards)
+            shards[None] = sum(shards.values())
+        return LoRATarget(full_input_size(self.base), shards)
+
+    def shard_weights(self, weights: dict[Any, tuple[torch.Tensor, torch.Tensor]]
+                      ) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of one adapter's checked ``(A, B)`` per shard (the whole pairs
+        on one rank; see :func:`kvflow.lora.sharding.shard_pair`)."""
+        return {shard: shard_pair(self.base, shard, a, b) for shard, (a, b) in weights.items()}
 
     def set_slot(self, slot: int, weights: dict[Any, tuple[torch.Tensor, torch.Tensor]]
                  ) -> None:
@@ -204,8 +206,13 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, offset:offset + b.shape[0], first:first + rank].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         mapping = self.ctx.mapping
+        if self.row_parallel:  # partial sum + this rank's delta, then one all-reduce
+            y = self.base.forward_partial(x)
+            if mapping is not None:
+                y = self.grouped(y, x, self.lora_a, self.lora_b, mapping)
+            return self.base.reduce_partial(y)
+        y = self.base(x)
         if mapping is None:
             return y
         return self.grouped(y, x, self.lora_a, self.lora_b, mapping)

@@ -83,7 +83,8 @@ class LoRAManager:
                     config.max_loras, config.max_lora_rank)
 
     def add_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Load (read and check) an adapter unless it is loaded; returns it.
+        """Load (read and check against the checkpoint's sizes) an adapter unless it is
+        loaded, keeping this tensor-parallel rank's part of its weights; returns it.
 
         Raises:
             ValueError: when the folder cannot be applied to this model (see
@@ -94,6 +95,8 @@ class LoRAManager:
             adapter = load_adapter(request, self.targets, self.packed,
                                    self.config.max_lora_rank, self.dtype, self.rename,
                                    self.model_type)
+            adapter.weights = {name: self.layers[name].shard_weights(pairs)
+                               for name, pairs in adapter.weights.items()}
             self.adapters[request.lora_int_id] = adapter
         return adapter
 

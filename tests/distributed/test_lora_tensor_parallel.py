@@ -1,0 +1,137 @@
+"""Multi-LoRA at tensor_parallel_size=2 (multiprocess executor, gloo) against transformers +
+peft: two random PEFT adapters (every linear layer r=8; q/v/down r=4 rsLoRA) and the base
+model in one batch; an adapter loaded and unloaded while the engine runs; a refused adapter
+that leaves both ranks running; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` targets.
+
+The oracle is peft run on the engine's own tokens (teacher forcing, fp32): each generated
+token must be peft's argmax there (or within ``NEAR_TIE`` of it) and its logprob peft's
+within ``LOGPROB_ATOL``. Why 1e-4: at TP=2 every row-parallel sum (o_proj, down_proj and
+their LoRA deltas) is split into two halves that the all-reduce adds, so the engine and peft
+round differently. fp32's unit roundoff is u = 2^-24 ~ 6e-8 and a dot product of n terms
+errs by at most n u times the sum of the terms' magnitudes (Higham, Accuracy and Stability,
+3.1): n = 128 (the MLP width) and logits of up to ~10 give ~8e-5 per logit, which the
+log-softmax passes on. Measured: at most 3e-6. A missed, doubled or rank-partial LoRA delta
+moves the logprobs by more than 1e-1 (the adapters' weights are 0.3 x randn; adding the
+row-parallel delta after the all-reduce, or keeping a removed adapter's slot, fails here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.lora.request import LoRARequest
+from tests.distributed.conftest import shutdown_and_check
+from tests.lora.adapters import MAX_TOKENS, make_adapter
+
+LOGPROB_ATOL = 1e-4
+NEAR_TIE = 1e-3
+PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
+           "a lazy dog while kvflow pages keys and values through blocks"]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_logprobs(base_path: str, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    """float32 [len(ids), vocab]: log p(. | ids[:p + 1]) under transformers (+ peft)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _assert_matches_peft(base_path: str, adapter: str | None, prompt: list[int],
+                         out: Any) -> None:
+    """The engine's greedy tokens and their logprobs against peft on the same tokens."""
+    tokens = list(out.token_ids)
+    assert len(tokens) == MAX_TOKENS
+    ref = _peft_logprobs(base_path, adapter, prompt + tokens)
+    for i, (token, entry) in enumerate(zip(tokens, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert row.max().item() - row[token].item() < NEAR_TIE, \
+            f"{adapter}: token {i} ({token}) is not peft's greedy pick {row.argmax().item()}"
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=LOGPROB_ATOL), \
+            (adapter, i)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_adapters")
+    return {
+        "all": make_adapter(tiny_llama.path, str(root / "all"), 1, r=8, lora_alpha=16,
+                            target_modules=ALL_LINEAR),
+        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 2, r=4, lora_alpha=8,
+                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "late": make_adapter(tiny_llama.path, str(root / "late"), 5, r=2, lora_alpha=4,
+                             target_modules=["k_proj", "o_proj", "up_proj"]),
+        "too_wide": make_adapter(tiny_llama.path, str(root / "wide"), 6, r=16,
+                                 target_modules=["q_proj"]),
+    }
+
+
+def test_two_adapters_and_base_at_tp2_match_peft(tiny_llama, adapters):
+    """One batch of [all, qv, base] at TP=2; then 'late' is loaded, run and unloaded, and its
+    id reused for another folder (a rank that kept the old weights would decode 'late');
+    a refused adapter leaves both ranks serving."""
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        tok = llm.get_tokenizer()
+        ids = [tok.encode(p) for p in PROMPTS]
+        loras = [LoRARequest("all", 1, adapters["all"]), LoRARequest("qv", 2, adapters["qv"]),
+                 None]
+        outs = llm.generate(ids, GREEDY, lora_request=loras, use_tqdm=False)
+        for prompt, lora, out in zip(ids, loras, outs):
+            _assert_matches_peft(tiny_llama.path, lora and lora.lora_path, prompt,
+                                 out.outputs[0])
+        # dynamic: load 'late' (every rank), run it, unload it, reuse its id for 'qv'
+        late = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("late", 3,
+                                                                       adapters["late"]),
+                            use_tqdm=False)[0]
+        _assert_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
+        assert llm.engine.core.remove_lora(3)
+        # another prompt: the prefix cache keys blocks by adapter id, so ids[0]'s blocks
+        # under id 3 would still hold 'late''s K/V (ids are not reused by the server)
+        again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
+                                                                        adapters["qv"]),
+                             use_tqdm=False)[0]
+        _assert_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
+        assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+        with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
+            llm.generate("hi", GREEDY, lora_request=LoRARequest("wide", 4,
+                                                                adapters["too_wide"]))
+        base = llm.generate([ids[2]], GREEDY, use_tqdm=False)[0]  # both ranks still run
+        assert base.outputs[0].token_ids == outs[2].outputs[0].token_ids
+    finally:
+        shutdown_and_check(llm)
+
+
+def test_phi3_fused_targets_at_tp2_match_peft(tiny_model_factory, tmp_path):
+    """Phi-3's adapters target the fused ``qkv_proj`` and ``gate_up_proj`` whole: each rank
+    keeps each slice's (q, k, v; gate, up) rows of the one B."""
+    tiny = tiny_model_factory("phi3_longrope")
+    path = make_adapter(tiny.path, str(tmp_path / "phi3"), 7, r=4, lora_alpha=8,
+                        target_modules=["qkv_proj", "gate_up_proj", "o_proj", "down_proj"])
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, enable_lora=True, max_lora_rank=4, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    try:
+        ids = llm.get_tokenizer().encode(PROMPTS[0])
+        outs = llm.generate([ids, ids], GREEDY, lora_request=[LoRARequest("phi", 1, path),
+                                                              None], use_tqdm=False)
+        _assert_matches_peft(tiny.path, path, ids, outs[0].outputs[0])
+        _assert_matches_peft(tiny.path, None, ids, outs[1].outputs[0])
+        assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    finally:
+        shutdown_and_check(llm)
