@@ -3,16 +3,9 @@ peft: two random PEFT adapters (every linear layer r=8; q/v/down r=4 rsLoRA) and
 model in one batch; an adapter loaded and unloaded while the engine runs; a refused adapter
 that leaves both ranks running; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` targets.
 
-The oracle is peft run on the engine's own tokens (teacher forcing, fp32): each generated
-token must be peft's argmax there (or within ``NEAR_TIE`` of it) and its logprob peft's
-within ``LOGPROB_ATOL``. Why 1e-4: at TP=2 every row-parallel sum (o_proj, down_proj and
-their LoRA deltas) is split into two halves that the all-reduce adds, so the engine and peft
-round differently. fp32's unit roundoff is u = 2^-24 ~ 6e-8 and a dot product of n terms
-errs by at most n u times the sum of the terms' magnitudes (Higham, Accuracy and Stability,
-3.1): n = 128 (the MLP width) and logits of up to ~10 give ~8e-5 per logit, which the
-log-softmax passes on. Measured: at most 3e-6. A missed, doubled or rank-partial LoRA delta
-moves the logprobs by more than 1e-1 (the adapters' weights are 0.3 x randn; adding the
-row-parallel delta after the all-reduce, or keeping a removed adapter's slot, fails here).
+The oracle is peft run on the engine's own tokens (teacher forcing, fp32; the tolerance's
+derivation is ``tests.lora.adapters.check_tokens_against_peft``'s): adding the row-parallel
+delta after the all-reduce, or keeping a removed adapter's slot, fails here.
 """
 
 from __future__ import annotations
@@ -20,48 +13,24 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
 from tests.distributed.conftest import shutdown_and_check
-from tests.lora.adapters import MAX_TOKENS, make_adapter
+from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
 
-LOGPROB_ATOL = 1e-4
-NEAR_TIE = 1e-3
 PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
            "a lazy dog while kvflow pages keys and values through blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _peft_logprobs(base_path: str, adapter: str | None, ids: list[int]) -> torch.Tensor:
-    """float32 [len(ids), vocab]: log p(. | ids[:p + 1]) under transformers (+ peft)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
 def _assert_matches_peft(base_path: str, adapter: str | None, prompt: list[int],
                          out: Any) -> None:
-    """The engine's greedy tokens and their logprobs against peft on the same tokens."""
+    """One completion's greedy tokens and their logprobs against peft on the same tokens."""
     tokens = list(out.token_ids)
-    assert len(tokens) == MAX_TOKENS
-    ref = _peft_logprobs(base_path, adapter, prompt + tokens)
-    for i, (token, entry) in enumerate(zip(tokens, out.logprobs)):
-        row = ref[len(prompt) - 1 + i]
-        assert row.max().item() - row[token].item() < NEAR_TIE, \
-            f"{adapter}: token {i} ({token}) is not peft's greedy pick {row.argmax().item()}"
-        assert entry[token].logprob == pytest.approx(row[token].item(), abs=LOGPROB_ATOL), \
-            (adapter, i)
+    check_tokens_against_peft(base_path, adapter, prompt, tokens,
+                              [entry[t].logprob for t, entry in zip(tokens, out.logprobs)])
 
 
 @pytest.fixture(scope="module")

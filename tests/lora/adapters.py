@@ -42,3 +42,48 @@ def peft_greedy(base_path: str, adapter: str | None, prompt_ids: list[int]) -> l
                              max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+# Tolerances of a tensor-parallel run against peft (see check_tokens_against_peft).
+LOGPROB_ATOL = 1e-4
+NEAR_TIE = 1e-3
+
+
+def peft_logprobs(base_path: str, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    """float32 [len(ids), vocab]: log p(. | ids[:p + 1]) under transformers (+ peft)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_tokens_against_peft(base_path: str, adapter: str | None, prompt_ids: list[int],
+                              tokens: list[int], token_logprobs: list[float]) -> None:
+    """An engine's greedy ``tokens`` (and their logprobs) against peft run on the same
+    tokens (teacher forcing, fp32): each must be peft's argmax there or within ``NEAR_TIE``
+    of it, its logprob peft's within ``LOGPROB_ATOL``.
+
+    Why 1e-4: at TP=2 every row-parallel sum (o_proj, down_proj and their LoRA deltas) is
+    split into two halves that the all-reduce adds, so the engine and peft round
+    differently. fp32's unit roundoff is u = 2^-24 ~ 6e-8 and a dot product of n terms errs
+    by at most n u times the sum of its terms' magnitudes (Higham, Accuracy and Stability of
+    Numerical Algorithms, 3.1): n = 128 (the tiny models' MLP width) and logits of up to ~10
+    give ~8e-5 per logit, which the log-softmax passes on. Measured at TP=2: at most 3e-6. A
+    missed, doubled or rank-partial LoRA delta moves logprobs by more than 1e-1 (the random
+    adapters' weights are 0.3 x randn).
+    """
+    assert len(tokens) == len(token_logprobs) == MAX_TOKENS
+    ref = peft_logprobs(base_path, adapter, prompt_ids + tokens)
+    for i, (token, logprob) in enumerate(zip(tokens, token_logprobs)):
+        row = ref[len(prompt_ids) - 1 + i]
+        assert row.max().item() - row[token].item() < NEAR_TIE, \
+            f"{adapter}: token {i} ({token}) is not peft's greedy pick {row.argmax().item()}"
+        assert abs(logprob - row[token].item()) <= LOGPROB_ATOL, (adapter, i, logprob,
+                                                                  row[token].item())
