@@ -17,7 +17,13 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
 from tests.distributed.conftest import shutdown_and_check
-from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
+from tests.lora.adapters import (
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    check_tokens_against_peft,
+    make_adapter,
+    peft_logprobs,
+)
 
 PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
            "a lazy dog while kvflow pages keys and values through blocks"]
@@ -104,3 +110,31 @@ def test_phi3_fused_targets_at_tp2_match_peft(tiny_model_factory, tmp_path):
         assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
     finally:
         shutdown_and_check(llm)
+
+
+@pytest.mark.parametrize("name, targets", [
+    # one KV head for 4 query heads: both ranks hold it, so both keep all of k's / v's B
+    ("llama_mqa", ALL_LINEAR),
+    # MLA: q_a_proj / kv_a_proj_with_mqa replicated (whole pairs), q_b_proj split by head,
+    # o_proj row-parallel (peft would target the MoE experts' fused parameters by the MLP
+    # names, which kvflow refuses)
+    ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
+])
+def test_prompt_logprobs_at_tp2_match_peft(tiny_model_factory, tmp_path, name, targets):
+    tiny = tiny_model_factory(name)
+    path = make_adapter(tiny.path, str(tmp_path / name), 9, r=4, lora_alpha=8,
+                        target_modules=targets)
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=32,
+              block_size=4, enable_lora=True, max_lora_rank=4, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    try:
+        ids = llm.get_tokenizer().encode(PROMPTS[1])
+        (out,) = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              lora_request=LoRARequest(name, 1, path), use_tqdm=False)
+    finally:
+        shutdown_and_check(llm)
+    ref, base = peft_logprobs(tiny.path, path, ids), peft_logprobs(tiny.path, None, ids)
+    for p in range(1, len(ids)):
+        got = out.prompt_logprobs[p][ids[p]].logprob
+        assert got == pytest.approx(ref[p - 1, ids[p]].item(), abs=LOGPROB_ATOL), p
+    assert (ref - base).abs().max().item() > 1e-1  # the adapter changes the logprobs
