@@ -9,11 +9,12 @@ format); rendering them is ``chat_template.py``'s job:
 * a list of content parts becomes the ``"\\n"``-joined text of its ``text`` parts (``refusal``
   parts of assistant turns count as text); ``image_url`` parts, for a model that takes images
   (the caller passes its ``image_placeholder``), become that placeholder text, one line per
-  image before the text (``detail`` other than ``"auto"`` is refused); any other part is
-  refused. A template that loops over a message's content itself (Qwen2-VL's; found by
-  ``chat_template.loops_over_content``) gets the parts instead (``content_parts``), images as
-  ``{"type": "image"}``, so it places them as the model was trained; ``image_urls`` lists the
-  images in prompt order either way;
+  image before the text (``detail`` other than ``"auto"`` is refused), and ``video_url``
+  parts likewise (``video_placeholder``); any other part is refused. A template that loops
+  over a message's content itself (Qwen2-VL's; found by ``chat_template.loops_over_content``)
+  gets the parts instead (``content_parts``), images as ``{"type": "image"}`` and videos as
+  ``{"type": "video"}``, so it places them as the model was trained; ``image_urls`` /
+  ``video_urls`` list the images / videos in prompt order either way;
 * an assistant's ``tool_calls[].function.arguments`` given as JSON text (OpenAI's form) is
   parsed into an object, as templates that write ``arguments | tojson`` expect.
 """
@@ -27,14 +28,15 @@ from typing import Any
 from kvflow.text_checks import find_lone_surrogate
 
 __all__ = ["ROLES", "ChatTemplateError", "check_call_index", "check_message_fields",
-           "image_urls", "normalize_conversation"]
+           "image_urls", "normalize_conversation", "video_urls"]
 
 # The roles a message may have: OpenAI's chat roles and the older "function" (the server's
 # ChatMessage schema lists the same ones; LLM.chat checks them here)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 _TEXT_PARTS = {"text", "refusal"}
-_IMAGE_PARTS = {"image_url"}
+_IMAGE_PARTS = {"image_url", "video_url"}  # media parts: a URL and a placeholder
+_TEMPLATE_TYPES = {"image_url": "image", "video_url": "video"}
 
 
 class ChatTemplateError(ValueError):
@@ -48,13 +50,15 @@ class ChatTemplateError(ValueError):
 
 
 def normalize_conversation(messages: Sequence[Any], image_placeholder: str | None = None,
-                           content_parts: bool = False) -> list[dict[str, Any]]:
+                           content_parts: bool = False, video_placeholder: str | None = None
+                           ) -> list[dict[str, Any]]:
     """Messages as the template sees them (see the module docstring); inputs are not changed.
 
     Args:
         messages: OpenAI-style message dicts.
         image_placeholder: the text standing for one image (None: images are refused).
         content_parts: keep list content as parts (for templates that loop over them).
+        video_placeholder: the text standing for one video (None: videos are refused).
 
     Raises:
         ChatTemplateError: for an empty list, a message that is not a dict with a string
@@ -67,25 +71,34 @@ def normalize_conversation(messages: Sequence[Any], image_placeholder: str | Non
     found = find_lone_surrogate(list(messages), "messages")
     if found is not None:
         raise ChatTemplateError(f"{found[0]} {found[1]}", found[0])
-    return [_normalize_message(m, i, image_placeholder, content_parts)
+    placeholders = {kind: text for kind, text in (("image_url", image_placeholder),
+                                                  ("video_url", video_placeholder))
+                    if text is not None}
+    return [_normalize_message(m, i, placeholders, content_parts)
             for i, m in enumerate(messages)]
 
 
-def image_urls(messages: Sequence[Any]) -> list[tuple[str, Any]]:
-    """``(field path, url)`` of every ``image_url`` part, in prompt order (messages in
-    order, parts in order). Call after ``normalize_conversation`` accepted the messages."""
+def image_urls(messages: Sequence[Any], kind: str = "image_url") -> list[tuple[str, Any]]:
+    """``(field path, url)`` of every ``image_url`` part (``kind`` parts), in prompt order
+    (messages in order, parts in order). Call after ``normalize_conversation`` accepted the
+    messages."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
-            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
-                image = part.get("image_url")
-                url = image.get("url") if isinstance(image, dict) else image
-                out.append((f"messages.{i}.content.{j}.image_url", url))
+            if isinstance(part, dict) and part.get("type") == kind:
+                media = part.get(kind)
+                url = media.get("url") if isinstance(media, dict) else media
+                out.append((f"messages.{i}.content.{j}.{kind}", url))
     return out
 
 
-def _normalize_message(message: Any, i: int, image_placeholder: str | None,
+def video_urls(messages: Sequence[Any]) -> list[tuple[str, Any]]:
+    """``(field path, url)`` of every ``video_url`` part, in prompt order."""
+    return image_urls(messages, "video_url")
+
+
+def _normalize_message(message: Any, i: int, placeholders: dict[str, str],
                        content_parts: bool) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"message {i} must be a dict with a string 'role'",
@@ -97,9 +110,9 @@ def _normalize_message(message: Any, i: int, image_placeholder: str | None,
     out = dict(message)
     content = message.get("content")
     if content_parts and isinstance(content, list):
-        out["content"] = _content_parts(content, i, image_placeholder)
+        out["content"] = _content_parts(content, i, placeholders)
     else:
-        out["content"] = _content_text(content, i, image_placeholder)
+        out["content"] = _content_text(content, i, placeholders)
     if isinstance(message.get("tool_calls"), list):
         out["tool_calls"] = [_parsed_arguments(_without_index(c, i, j))
                              for j, c in enumerate(message["tool_calls"])]
@@ -190,7 +203,7 @@ def check_call_index(index: Any, i: int, j: int) -> None:
                                 f"messages.{i}.tool_calls.{j}.index")
 
 
-def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:
+def _content_text(content: Any, i: int, placeholders: dict[str, str]) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -200,22 +213,23 @@ def _content_text(content: Any, i: int, image_placeholder: str | None) -> str:
                                 "parts or null", f"messages.{i}.content")
     images, texts = [], []
     for j, part in enumerate(content):
-        kind, text = _part(part, i, j, image_placeholder)
+        kind, text = _part(part, i, j, placeholders)
         (images if kind in _IMAGE_PARTS else texts).append(text)
     return "\n".join(images + texts)
 
 
-def _content_parts(content: list, i: int, image_placeholder: str | None) -> list[dict]:
+def _content_parts(content: list, i: int, placeholders: dict[str, str]) -> list[dict]:
     parts = []
     for j, part in enumerate(content):
-        kind, text = _part(part, i, j, image_placeholder)
-        parts.append({"type": "image"} if kind in _IMAGE_PARTS else
+        kind, text = _part(part, i, j, placeholders)
+        parts.append({"type": _TEMPLATE_TYPES[kind]} if kind in _IMAGE_PARTS else
                      {"type": "text", "text": text})
     return parts
 
 
-def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str, str]:
-    """(type, text) of one content part; an image's text is the placeholder. A part holds
+def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str, str]:
+    """(type, text) of one content part; an image's (video's) text is its placeholder
+    (``placeholders``: part type -> text, for the media parts the model takes). A part holds
     ``type`` and its type's payload only (another non-null key would go unread: a
     ChatTemplateError naming it, as the HTTP schema refuses it)."""
     kind = part.get("type") if isinstance(part, dict) else None
@@ -225,25 +239,25 @@ def _part(part: Any, i: int, j: int, image_placeholder: str | None) -> tuple[str
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} carries "
                                 f"{kind} only, not {other!r}",
                                 f"messages.{i}.content.{j}.{other}", "unknown_parameter")
-    if kind in _IMAGE_PARTS and image_placeholder is not None:
-        image = part.get("image_url")
+    if kind in placeholders:
+        image = part.get(kind)
         if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
-            raise ChatTemplateError(f"message {i}: content part {j} needs image_url.url",
-                                    f"messages.{i}.content.{j}.image_url")
+            raise ChatTemplateError(f"message {i}: content part {j} needs {kind}.url",
+                                    f"messages.{i}.content.{j}.{kind}")
         detail = image.get("detail") if isinstance(image, dict) else None
         if detail not in (None, "auto"):  # honoured or refused, never ignored
             raise ChatTemplateError(f"image_url.detail={detail!r} is not supported: the "
                                     "model's image processor chooses the resolution (use "
                                     "'auto' or leave it out)",
-                                    f"messages.{i}.content.{j}.image_url.detail",
+                                    f"messages.{i}.content.{j}.{kind}.detail",
                                     "unsupported_value")
-        return kind, image_placeholder
+        return kind, placeholders[kind]
     text = part.get(kind) if kind in _TEXT_PARTS else None
     if kind in _TEXT_PARTS and not isinstance(text, str):
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} needs "
                                 f"{kind} (a string)", f"messages.{i}.content.{j}.{kind}")
     if not isinstance(text, str):
-        what = "text and image_url" if image_placeholder is not None else \
+        what = " and ".join(["text", *placeholders]) if placeholders else \
             "text only: this model does not take images"
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
                                 f"supported ({what})", f"messages.{i}.content.{j}")

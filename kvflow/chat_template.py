@@ -98,7 +98,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
                 default_template: str | None = None,
                 on_unread_kwargs: Callable[[list[str]], None] | None = None,
                 default_kwargs: dict[str, Any] | None = None,
-                content_format: str = "auto") -> str:
+                content_format: str = "auto",
+                video_placeholder: str | None = None) -> str:
     """Render a conversation to prompt text.
 
     Args:
@@ -124,6 +125,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
             of parts for a template that loops over a message's content, else as one
             string), ``string`` (always one string) or ``openai`` (always a list of parts);
             vLLM's ``--chat-template-content-format``.
+        video_placeholder: the text standing for one video, for a model that takes videos
+            (None: ``video_url`` parts are refused).
 
     Raises:
         NoChatTemplateError: when neither the model nor the caller has a template.
@@ -142,7 +145,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any], add_generation_prompt: 
     conversation = normalize_conversation(
         messages, image_placeholder,
         content_parts={"string": False, "openai": True}.get(
-            content_format, isinstance(template, str) and loops_over_content(template)))
+            content_format, isinstance(template, str) and loops_over_content(template)),
+        video_placeholder=video_placeholder)
     if not template:
         raise NoChatTemplateError("this model has no chat template", "messages")
     kwargs = _template_kwargs(conversation, template, add_generation_prompt,

@@ -6,11 +6,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.chat_messages import image_urls
+from kvflow.chat_messages import image_urls, video_urls
 from kvflow.chat_template import render_chat
 from kvflow.logits_process import LogitsProcessor
 from kvflow.lora.request import LoRARequest
 from kvflow.models.pooling_config import PoolerConfig
+from kvflow.multimodal.video import video_list
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_inputs import PoolingInputs
 from kvflow.prompt_embeds import PromptEmbeds, check_prompt_embeds, pack_prompt_embeds
@@ -21,7 +22,8 @@ from kvflow.structured import CheckedConstraints, StructuredOutputsParams
 from kvflow.token_masks import bad_words_token_ids, check_masks_leave_a_token
 
 # A text prompt, a token-id prompt, or a dict: {"prompt": str} or {"prompt_token_ids": [...]},
-# with "multi_modal_data": {"image": PIL image or list of them} for a vision-language model
+# with "multi_modal_data": {"image": PIL image or list of them, "video": a video (uint8 array
+# (T, H, W, 3) or list of PIL frames) or list of them} for a vision-language model
 # and "cache_salt": a non-empty string salting its prefix-cache blocks (vLLM's); or
 # {"prompt_embeds": float tensor [num_tokens, hidden_size]} (enable_prompt_embeds), with or
 # without "cache_salt".
@@ -113,7 +115,7 @@ class InputProcessor(PoolingInputs):
                 ``cache_salt`` that is not a non-empty string; for ``{"prompt_embeds": ...}``,
                 see :meth:`embeds_prompt`.
         """
-        images, salt = [], None
+        images, videos, salt = [], [], None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             if not set(prompt) <= {"prompt_embeds", "cache_salt"}:
                 raise ValueError(f"a prompt_embeds prompt takes no other keys than cache_salt; "
@@ -123,9 +125,9 @@ class InputProcessor(PoolingInputs):
                                        cache_salt=salt)
         if isinstance(prompt, Mapping):
             salt = check_cache_salt(prompt.get("cache_salt"))
-            prompt, images = self._unpack(prompt)
+            prompt, images, videos = self._unpack(prompt)
         text, token_ids = self.tokenize(prompt)
-        return dataclasses.replace(self.attach_images(text, token_ids, images),
+        return dataclasses.replace(self.attach_images(text, token_ids, images, videos),
                                    cache_salt=salt)
 
     def embeds_prompt(self, embeds: Any, keep_last: int | None = None) -> ProcessedPrompt:
@@ -153,25 +155,28 @@ class InputProcessor(PoolingInputs):
             raise ValueError("prompt_embeds is not supported for vision-language models")
 
     def attach_images(self, text: str | None, token_ids: list[int],
-                      images: list[Any]) -> ProcessedPrompt:
-        """``token_ids`` with one placeholder per image expanded and ``images`` (PIL)
-        preprocessed; any prompt of a vision-language model passes here, so a stray
-        placeholder without its image is refused.
+                      images: list[Any], videos: Sequence[Any] = ()) -> ProcessedPrompt:
+        """``token_ids`` with one placeholder per image (video) expanded and ``images``
+        (PIL) and ``videos`` (frames) preprocessed; any prompt of a vision-language model
+        passes here, so a stray placeholder without its image or video is refused.
 
         Raises:
-            ValueError: images for a text-only model, a placeholder/image count mismatch, or
-                a bad image (``MediaError``).
+            ValueError: images or videos for a text-only model, a placeholder/item count
+                mismatch, more items than a limit allows, or a bad image or video
+                (``MediaError``).
         """
         if self.mm_processor is None:
-            if images:
-                raise ValueError("this model does not take images (multi_modal_data)")
+            if images or videos:
+                raise ValueError("this model does not take images or videos "
+                                 "(multi_modal_data)")
             return ProcessedPrompt(text, token_ids)
-        token_ids, features = self.mm_processor.process(token_ids, images)
+        token_ids, features = self.mm_processor.process(token_ids, images, list(videos))
         return ProcessedPrompt(text, token_ids, features or None)
 
     @staticmethod
-    def _unpack(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any]]:
-        """(text or token ids, images) of a dict prompt. Raises ValueError when malformed."""
+    def _unpack(prompt: Mapping[str, Any]) -> tuple[str | list[int], list[Any], list[Any]]:
+        """(text or token ids, images, videos) of a dict prompt. Raises ValueError when
+        malformed."""
         if "prompt_embeds" in prompt:
             raise ValueError("a prompt_embeds prompt is for text generation only "
                              "(LLM.generate, /v1/completions)")
@@ -181,11 +186,13 @@ class InputProcessor(PoolingInputs):
                              f"'prompt_token_ids' (and optionally 'multi_modal_data', "
                              f"'cache_salt'); got keys {sorted(prompt)}")
         data = prompt.get("multi_modal_data") or {}
-        if not isinstance(data, Mapping) or set(data) - {"image"}:
-            raise ValueError("multi_modal_data must be a dict with an 'image' entry (a PIL "
-                             "image or a list of them)")
+        if not isinstance(data, Mapping) or set(data) - {"image", "video"}:
+            raise ValueError("multi_modal_data must be a dict with 'image' (a PIL image or a "
+                             "list of them) and/or 'video' (a uint8 array (frames, height, "
+                             "width, 3) or a list of PIL frames, or a list of videos) entries")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
+        videos = video_list(data["video"]) if data.get("video") is not None else []
         if "prompt" in prompt and not isinstance(prompt["prompt"], str):
             raise ValueError(f"a dict prompt's 'prompt' must be a string, got "
                              f"{type(prompt['prompt']).__name__}")
@@ -193,7 +200,7 @@ class InputProcessor(PoolingInputs):
         if "prompt_token_ids" in prompt and not isinstance(ids, (list, tuple)):
             raise ValueError(f"a dict prompt's 'prompt_token_ids' must be a list of integer "
                              f"token ids, got {type(ids).__name__}")
-        return prompt.get("prompt", ids), images
+        return prompt.get("prompt", ids), images, videos
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); a dict prompt's images are not looked
@@ -393,32 +400,44 @@ class InputProcessor(PoolingInputs):
         return ids
 
     def load_chat_images(self, messages: list[dict]) -> list[Any]:
-        """The images of a conversation's ``image_url`` parts, in prompt order, decoded and
-        checked (data URLs; http(s) only from allowed media domains).
+        """The images of a conversation's ``image_url`` parts (``load_chat_media``'s)."""
+        return self.load_chat_media(messages)[0]
+
+    def load_chat_media(self, messages: list[dict]) -> tuple[list[Any], list[Any]]:
+        """(images, videos) of a conversation's ``image_url`` and ``video_url`` parts, each
+        in prompt order, decoded and checked (data URLs; http(s) only from allowed media
+        domains; a video as its list of PIL frames).
 
         Raises:
             MediaError: (a ValueError whose ``param`` names the part) for a bad or refused
-                image, or more images than ``max_images_per_prompt`` (checked first).
+                image or video, or more of them than ``max_images_per_prompt`` /
+                ``max_videos_per_prompt`` (checked first).
         """
         if self.mm_processor is None:
-            return []  # rendering has refused image parts already
+            return [], []  # rendering has refused image and video parts already
         from kvflow.multimodal.media import MediaError, load_image_url
+        from kvflow.multimodal.video import VideoError, load_video_url
 
-        urls = image_urls(messages)
-        limit = self.mm_processor.config.limit("max_images_per_prompt")
-        if len(urls) > limit:  # before any image is fetched or decoded
-            error = MediaError(f"{len(urls)} images in one conversation; the limit is {limit} "
-                               "(--max-images-per-prompt)")
-            error.param = "messages"
-            raise error
-        images = []
-        for param, url in urls:
-            try:
-                images.append(load_image_url(url, self.mm_processor.config))
-            except MediaError as e:
-                e.param = param
-                raise
-        return images
+        config = self.mm_processor.config
+        parts = {"image": (image_urls(messages), load_image_url),
+                 "video": (video_urls(messages), load_video_url)}
+        for kind, (urls, _) in parts.items():
+            limit = config.limit(f"max_{kind}s_per_prompt")
+            if len(urls) > limit:  # before any of them is fetched or decoded
+                error = (VideoError if kind == "video" else MediaError)(
+                    f"{len(urls)} {kind}s in one conversation; the limit is {limit} "
+                    f"(--max-{kind}s-per-prompt)")
+                error.param = "messages"
+                raise error
+        loaded: dict[str, list[Any]] = {kind: [] for kind in parts}
+        for kind, (urls, load) in parts.items():
+            for param, url in urls:
+                try:
+                    loaded[kind].append(load(url, config))
+                except MediaError as e:
+                    e.param = param
+                    raise
+        return loaded["image"], loaded["video"]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:
@@ -436,5 +455,7 @@ class InputProcessor(PoolingInputs):
         """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        video = None if self.mm_processor is None else self.mm_processor.video_placeholder
         return render_chat(self.tokenizer, messages, add_generation_prompt,
-                           image_placeholder=self.image_placeholder, **options)
+                           image_placeholder=self.image_placeholder,
+                           video_placeholder=video, **options)

@@ -248,8 +248,9 @@ class LLM(LLMPooling):
         """Apply the chat template to one conversation or a list of them and generate.
 
         Message ``content`` may be a string, a list of text (and, for a vision-language
-        model, ``image_url``) parts or None (see ``kvflow.chat_messages``; image URLs are
-        ``data:`` URLs, or http(s) from ``allowed_media_domains``);
+        model, ``image_url`` and ``video_url``) parts or None (see ``kvflow.chat_messages``;
+        image URLs are ``data:`` URLs, or http(s) from ``allowed_media_domains``; video URLs
+        likewise, see ``kvflow.multimodal.video``);
         ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;
         ``tools`` / ``documents`` / ``chat_template_kwargs`` become template variables;
@@ -280,7 +281,7 @@ class LLM(LLMPooling):
                    for c in conversations]
         tokenizer = self.engine.tokenizer
         token_prompts = [with_images(tokenizer.encode(p, add_special_tokens=False),
-                                      self.engine.processor.load_chat_images(c))
+                                     *self.engine.processor.load_chat_media(c))
                          for p, c in zip(prompts, conversations)]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm,
                                 lora_request=lora_request, on_output=on_output)

@@ -21,11 +21,16 @@ from kvflow.prompt_truncation import (
 from kvflow.sampling_params import SamplingParams
 
 
-def with_images(token_ids: list[int], images: list[Any]) -> PromptType:
-    """A token-id prompt, as a dict with its images when it has some."""
-    if not images:
+def with_images(token_ids: list[int], images: list[Any], videos: Sequence[Any] = ()
+                ) -> PromptType:
+    """A token-id prompt, as a dict with its images and videos (each a list of frames) when
+    it has some."""
+    if not images and not videos:
         return token_ids
-    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+    data: dict[str, Any] = {"image": images}
+    if videos:
+        data["video"] = list(videos)
+    return {"prompt_token_ids": token_ids, "multi_modal_data": data}
 
 
 def as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -1,7 +1,8 @@
-"""One image of a prompt, preprocessed (pure data: crosses every process boundary).
+"""One image or video of a prompt, preprocessed (pure data: crosses every process boundary).
 
-The API side (``kvflow/multimodal/``) turns each image into a ``MultiModalFeature``: the
-model's HF image processor has already resized, normalized and cut it into patches, and the
+The API side (``kvflow/multimodal/``) turns each image or video into a ``MultiModalFeature``:
+the model's HF image processor has already resized, normalized and cut it (each frame of a
+video) into patches, and the
 prompt already holds ``length`` placeholder tokens for it from position ``offset`` on. The
 feature then travels with its request, msgspec-encoded, to the engine core (which schedules
 the vision encoder and keys the encoder cache and the prefix cache by ``identifier``) and
@@ -22,17 +23,21 @@ import torch
 
 @dataclass
 class MultiModalFeature:
-    """One image's encoder input and where its embeddings go in the prompt.
+    """One image's (or video's) encoder input and where its embeddings go in the prompt.
 
     Attributes:
-        modality: "image".
-        identifier: hex BLAKE2b digest of the preprocessed pixels and grid: equal for equal
-            encoder inputs (the encoder-cache key and a prefix-cache extra key).
+        modality: "image" or "video".
+        identifier: hex BLAKE2b digest of the preprocessed pixels, grid and (videos)
+            ``second_per_grid_t``: equal for equal encoder inputs at equal M-RoPE time steps
+            (the encoder-cache key and a prefix-cache extra key).
         offset: position of the first placeholder token in the prompt.
         length: placeholder tokens, equal to the encoder's output rows for this image.
         data: ``pixel_values`` as raw float32 bytes, row-major ``shape``.
         shape: (num_patches, patch_dim) of ``pixel_values``.
-        grid_thw: (temporal, height, width) patches before the spatial merge.
+        grid_thw: (temporal, height, width) patches before the spatial merge (a video's
+            temporal count is its frames / ``temporal_patch_size``).
+        second_per_grid_t: a video's seconds per temporal patch (``temporal_patch_size /
+            fps``; Qwen2.5-VL spaces its M-RoPE time ids by it); None for an image.
     """
 
     modality: str
@@ -42,6 +47,7 @@ class MultiModalFeature:
     data: bytes
     shape: tuple[int, int]
     grid_thw: tuple[int, int, int]
+    second_per_grid_t: float | None = None
 
     @property
     def end(self) -> int:

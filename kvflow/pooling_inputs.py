@@ -30,18 +30,18 @@ class PoolingInputs:
 
         Raises:
             ValueError: on an engine not running ``task``, for a malformed prompt, or one with
-                images (``multi_modal_data``): embeddings are computed from text or token ids
-                only; or with a ``cache_salt`` (generation prompts only).
+                images or videos (``multi_modal_data``): embeddings are computed from text or
+                token ids only; or with a ``cache_salt`` (generation prompts only).
         """
         self.require_task(task)
         if isinstance(prompt, Mapping):
             if prompt.get("cache_salt") is not None:
                 raise ValueError("cache_salt: only generation prompts take a prefix-cache "
                                  "salt")
-            prompt, images = self._unpack(prompt)
-            if images:
+            prompt, images, videos = self._unpack(prompt)
+            if images or videos:
                 raise ValueError("multi_modal_data: embedding prompts are text or token ids "
-                                 "only; images are not embedded")
+                                 "only; images and videos are not embedded")
         if not isinstance(prompt, str):
             return self.tokenize(prompt)
         return prompt, self.tokenize(self.pooling_text(prompt))[1]

@@ -30,6 +30,7 @@ def test_flags_map_onto_kvflow_settings():
     assert parse_bytes(config.cache_config.kv_cache_memory) == 3 * 2**30
     assert config.scheduler_config.policy == "priority"
     assert config.multimodal_config.max_images_per_prompt == 3
+    assert config.multimodal_config.max_videos_per_prompt == 0
     assert config.model_config.trust_remote_code is True
     assert config.model_config.tokenizer_options == {"trust_remote_code": True}
     assert config.model_config.override_generation_config == {"temperature": 0.5}
@@ -37,9 +38,14 @@ def test_flags_map_onto_kvflow_settings():
     assert blocks.cache_config.num_kv_blocks == 64
     nested = _engine("--limit-mm-per-prompt", '{"image": {"count": 2}}')
     assert nested.multimodal_config.max_images_per_prompt == 2
+    video = _engine("--limit-mm-per-prompt", '{"video": 3}', "--media-io-kwargs",
+                    '{"video": {"num_frames": 8}}')
+    assert video.multimodal_config.max_videos_per_prompt == 3
+    assert video.multimodal_config.video_num_frames() == 8
     default = _engine()
     assert default.model_config.tokenizer_options == {"trust_remote_code": False}
     assert default.scheduler_config.enable_chunked_prefill is None
+    assert default.multimodal_config.video_num_frames() == 32
 
 
 def test_llm_keywords():
@@ -68,7 +74,10 @@ def test_vllm_sizes(text, size):
     ({"enable_chunked_prefill": False}, "turning chunked prefill off"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not available"),
     ({"tokenizer_mode": "slow"}, "always loads the fast tokenizer"),
-    ({"limit_mm_per_prompt": '{"video": 1}'}, "video=1 is refused: kvflow takes no video"),
+    ({"limit_mm_per_prompt": '{"video": 1}', "max_videos_per_prompt": 2}, "give one"),
+    ({"limit_mm_per_prompt": '{"video": -1}'}, "video=-1 must be an integer >= 0"),
+    ({"media_io_kwargs": '{"video": {"fps": 2}}'}, "reads only"),
+    ({"media_io_kwargs": '{"video": {"num_frames": 0}}'}, "num_frames=0 must be"),
     ({"limit_mm_per_prompt": {"audio": 2}}, "audio=2 is refused"),
     ({"limit_mm_per_prompt": {"image": 0}}, "image=0 is refused"),
     ({"limit_mm_per_prompt": {"image": 2}, "max_images_per_prompt": 3}, "give one"),

@@ -1,4 +1,4 @@
-"""Image inputs of vision-language models: sources, limits, encoder budget."""
+"""Image and video inputs of vision-language models: sources, limits, encoder budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ DEFAULT_ENCODER_CACHE_SIZE = 16384
 # The image limits' documented defaults, which an unset (None) limit takes.
 IMAGE_LIMIT_DEFAULTS: dict[str, int | float] = {
     "max_image_bytes": 20 * 2**20, "max_image_pixels": 4096 * 4096,
-    "max_images_per_prompt": 16, "media_fetch_timeout": 10.0}
+    "max_images_per_prompt": 16, "media_fetch_timeout": 10.0, "max_videos_per_prompt": 1}
+# Frames sampled uniformly from a decoded video file (vLLM's VideoMediaIO default)
+DEFAULT_VIDEO_NUM_FRAMES = 32
 # Every setting with a fixed documented default: MultiModalConfig.limit is the one place
 # they are resolved (max_num_encoder_input_tokens defaults to the step budget, not here).
 LIMIT_DEFAULTS: dict[str, int | float] = {
@@ -40,8 +42,8 @@ def _mm_count(name: str, value: Any) -> int:
 
 @dataclass
 class MultiModalConfig:
-    """Image inputs of vision-language models: where images may come from, how big they may
-    be, and how much vision-encoder work one engine step takes on.
+    """Image and video inputs of vision-language models: where they may come from, how big
+    they may be, and how much vision-encoder work one engine step takes on.
 
     Unset settings are None (their documented defaults apply: readers take the image limits
     and the encoder cache's size through :meth:`limit`), so a value given for a text-only model, which reads none, can be
@@ -64,11 +66,19 @@ class MultiModalConfig:
     max_images_per_prompt: int | None = opt(None, "most images one prompt or conversation may "
                                              "carry (default: 16); refused for a text-only "
                                              "model")
+    max_videos_per_prompt: int | None = opt(
+        None, "most videos one prompt or conversation may carry (default: 1; 0 refuses "
+        "videos); refused for a text-only model")
     limit_mm_per_prompt: str | dict | None = opt(  # noqa: RUF009 (a dict once parsed)
-        None, "vLLM's per-modality limits as a JSON object, e.g. '{\"image\": 4}' (or "
-        "'{\"image\": {\"count\": 4}}'): the image count sets --max-images-per-prompt (give "
-        "one of the two); a video or audio count above 0 is refused (kvflow takes images "
-        "only), and so is an image count of 0 (kvflow cannot turn images off)")
+        None, "vLLM's per-modality limits as a JSON object, e.g. '{\"image\": 4, "
+        "\"video\": 1}' (or '{\"image\": {\"count\": 4}}'): the image count sets "
+        "--max-images-per-prompt, the video count --max-videos-per-prompt (give one of each "
+        "pair); an audio count above 0 is refused (kvflow takes no audio), and so is an image "
+        "count of 0 (kvflow cannot turn images off)")
+    media_io_kwargs: str | dict | None = opt(  # noqa: RUF009 (a dict once parsed)
+        None, "vLLM's media decoding options as a JSON object; kvflow reads "
+        "'{\"video\": {\"num_frames\": N}}': frames sampled uniformly from a decoded video "
+        f"file (default: {DEFAULT_VIDEO_NUM_FRAMES}); any other key is refused")
     media_fetch_timeout: float | None = opt(None, "seconds allowed for fetching one image URL "
                                              "(default: 10); refused for a text-only model")
     max_num_encoder_input_tokens: int | None = opt(
@@ -83,57 +93,91 @@ class MultiModalConfig:
 
     def __post_init__(self) -> None:
         self._apply_mm_limits()
+        self._check_media_io_kwargs()
         check_choices(self)
         for name in ("max_image_bytes", "max_image_pixels", "max_images_per_prompt",
                      "encoder_cache_size", "max_num_encoder_input_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_videos_per_prompt is not None and self.max_videos_per_prompt < 0:
+            raise ValueError(f"max_videos_per_prompt={self.max_videos_per_prompt} must be >= 0")
         if self.media_fetch_timeout is not None and self.media_fetch_timeout <= 0:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
 
     def _apply_mm_limits(self) -> None:
-        """``limit_mm_per_prompt`` (JSON text or a dict) parsed, and its image count set as
-        ``max_images_per_prompt``.
+        """``limit_mm_per_prompt`` (JSON text or a dict) parsed, its image count set as
+        ``max_images_per_prompt`` and its video count as ``max_videos_per_prompt``.
 
         Raises:
             ValueError: for text that is not a JSON object, a modality other than image,
-                video or audio, a video or audio count above 0, an image count of 0 or one
-                given with ``max_images_per_prompt`` too, or image options (width, height)
+                video or audio, an audio count above 0, an image count of 0, a count given
+                with its ``max_*_per_prompt`` field too, or image options (width, height)
                 kvflow does not read.
         """
         if self.limit_mm_per_prompt is None:
             return
-        limits = json_object("limit_mm_per_prompt", self.limit_mm_per_prompt, '{"image": 4}')
+        limits = json_object("limit_mm_per_prompt", self.limit_mm_per_prompt,
+                             '{"image": 4, "video": 1}')
         self.limit_mm_per_prompt = limits
         counts = {name: _mm_count(name, value) for name, value in limits.items()}
         for name, count in counts.items():
             if name not in ("image", "video", "audio"):
                 raise ValueError(f"limit_mm_per_prompt names {name!r}; kvflow knows image "
-                                 "(and refuses video and audio)")
-            if name != "image" and count > 0:
-                raise ValueError(f"limit_mm_per_prompt {name}={count} is refused: kvflow "
-                                 f"takes no {name} inputs (images only); give {name} 0 or "
-                                 "leave it out")
-        image = counts.get("image")
-        if image is None:
-            return
-        if image == 0:
+                                 "and video (and refuses audio)")
+            if name == "audio" and count > 0:
+                raise ValueError(f"limit_mm_per_prompt audio={count} is refused: kvflow "
+                                 "takes no audio inputs; give audio 0 or leave it out")
+        if counts.get("image") == 0:
             raise ValueError("limit_mm_per_prompt image=0 is refused: kvflow cannot turn "
                              "image inputs off for a model that takes them")
-        if self.max_images_per_prompt is not None:
-            raise ValueError(f"limit_mm_per_prompt image={image} and max_images_per_prompt="
-                             f"{self.max_images_per_prompt} set the same limit: give one")
-        self.max_images_per_prompt = image
+        for name, field_name in (("image", "max_images_per_prompt"),
+                                 ("video", "max_videos_per_prompt")):
+            if counts.get(name) is None:
+                continue
+            if getattr(self, field_name) is not None:
+                raise ValueError(f"limit_mm_per_prompt {name}={counts[name]} and {field_name}="
+                                 f"{getattr(self, field_name)} set the same limit: give one")
+            setattr(self, field_name, counts[name])
+
+    def _check_media_io_kwargs(self) -> None:
+        """``media_io_kwargs`` parsed; only ``{"video": {"num_frames": N >= 1}}`` is read.
+
+        Raises:
+            ValueError: for text that is not a JSON object, or any other key.
+        """
+        kwargs = json_object("media_io_kwargs", self.media_io_kwargs,
+                             '{"video": {"num_frames": 16}}')
+        if kwargs is None:
+            return
+        self.media_io_kwargs = kwargs
+        other = sorted(set(kwargs) - {"video"})
+        video = kwargs.get("video", {})
+        if other or not isinstance(video, dict) or set(video) - {"num_frames"}:
+            raise ValueError(f"media_io_kwargs={kwargs!r}: kvflow reads only "
+                             '{"video": {"num_frames": N}} (images are decoded as RGB with '
+                             "the image limits)")
+        frames = video.get("num_frames")
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int)
+                                   or frames < 1):
+            raise ValueError(f"media_io_kwargs video.num_frames={frames!r} must be an "
+                             "integer >= 1")
+
+    def video_num_frames(self) -> int:
+        """Frames sampled uniformly from a decoded video file (``media_io_kwargs``
+        ``video.num_frames``, default ``DEFAULT_VIDEO_NUM_FRAMES``)."""
+        video = (self.media_io_kwargs or {}).get("video") or {}
+        return int(video.get("num_frames") or DEFAULT_VIDEO_NUM_FRAMES)
 
     def limit(self, name: str) -> int | float:
         """The limit ``name`` in force (``max_image_bytes`` in bytes, ``max_image_pixels`` in
-        pixels, ``max_images_per_prompt`` in images, ``media_fetch_timeout`` in seconds,
+        pixels, ``max_images_per_prompt`` in images, ``max_videos_per_prompt`` in videos,
+        ``media_fetch_timeout`` in seconds,
         ``encoder_cache_size`` in tokens): the value given, else its documented default
         (``LIMIT_DEFAULTS``).
 
         Raises:
-            KeyError: for a name that is not one of those five.
+            KeyError: for a name that is not one of those six.
         """
         value = getattr(self, name) if name in LIMIT_DEFAULTS else None
         return LIMIT_DEFAULTS[name] if value is None else value
@@ -143,12 +187,15 @@ class MultiModalConfig:
         whose model takes images reads: the image URL hosts, the image limits and the vision
         encoder's budget and cache."""
         given = [f"{name}={getattr(self, name)!r}" for name in
-                 ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS,
+                 ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS, "media_io_kwargs",
                   "max_num_encoder_input_tokens", "encoder_cache_size")
                  if getattr(self, name) is not None]
-        if self.limit_mm_per_prompt is not None:  # named as given, not as the field it set
-            given = [f"limit_mm_per_prompt={self.limit_mm_per_prompt!r}" if
-                     g.startswith("max_images_per_prompt=") else g for g in given]
+        if self.limit_mm_per_prompt is not None:  # named as given, not as the fields it set
+            set_here = [g for g in given if g.startswith(("max_images_per_prompt=",
+                                                          "max_videos_per_prompt="))]
+            given = [g for g in given if g not in set_here]
+            if any(g != "max_videos_per_prompt=0" for g in set_here):  # video 0: no-op
+                given.insert(0, f"limit_mm_per_prompt={self.limit_mm_per_prompt!r}")
         return given
 
     def media_domains(self) -> frozenset[str]:

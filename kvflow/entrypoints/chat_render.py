@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Any
 
-from kvflow.chat_messages import image_urls
+from kvflow.chat_messages import image_urls, video_urls
 from kvflow.chat_template import ChatTemplateError, NoChatTemplateError
 from kvflow.chat_template_source import load_chat_template, template_name
 from kvflow.entrypoints.chat_conversation import (
@@ -29,6 +29,7 @@ from kvflow.entrypoints.structured_requests import tools_for_template
 from kvflow.entrypoints.tool_parsers import make_tool_parser
 from kvflow.input_processor import InputProcessor, ProcessedPrompt
 from kvflow.multimodal import MediaError
+from kvflow.multimodal.video import VideoError
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +198,15 @@ class ChatRendering:
 
 def _with_images(processor: InputProcessor, conversation: list[dict[str, Any]], text: str,
                  ids: list[int]) -> ProcessedPrompt:
-    """Load the conversation's images and expand their placeholders in ``ids``; a refused
-    image's error names its ``image_url`` part. Raises ValueError (``MediaError``)."""
-    urls = image_urls(conversation)
-    images = processor.load_chat_images(conversation)
+    """Load the conversation's images and videos and expand their placeholders in ``ids``;
+    a refused item's error names its ``image_url`` / ``video_url`` part. Raises ValueError
+    (``MediaError``)."""
+    images, videos = processor.load_chat_media(conversation)
     try:
-        return processor.attach_images(text, ids, images)
+        return processor.attach_images(text, ids, images, videos)
     except MediaError as e:
+        urls = video_urls(conversation) if isinstance(e, VideoError) else \
+            image_urls(conversation)
         if e.image_index is not None and e.image_index < len(urls):
             e.param = urls[e.image_index][0]
         raise

@@ -41,7 +41,6 @@ from kvflow.entrypoints.serving_checks import check_token_ids, prompt_error_code
 from kvflow.entrypoints.streaming import SSEResponse, merge_streams
 from kvflow.entrypoints.text_offsets import StreamedTokenOffsets, TokenTextOffsets
 from kvflow.lora.request import LoRARequest
-from kvflow.multimodal import VideoNotSupported
 from kvflow.outputs import CompletionOutput
 from kvflow.prompt_embeds import PromptEmbeds, decode_prompt_embeds
 from kvflow.prompt_truncation import keep_last_tokens
@@ -196,17 +195,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def _refuse_placeholders(self, text: str | None, ids: list[int]) -> None:
-        """A vision-language model's completion prompt carries no images: an image
-        placeholder token in it would stand for nothing (images go in /v1/chat/completions
-        image_url parts), nor would a video one (kvflow takes no video). Raises OpenAIError
-        400."""
+        """A vision-language model's completion prompt carries no images or videos: a
+        placeholder token in it would stand for nothing (they go in /v1/chat/completions
+        image_url / video_url parts). Raises OpenAIError 400."""
         try:
             self.engine.processor.attach_images(text, ids, [])
-        except VideoNotSupported as e:  # no route takes video: no hint of where it goes
-            raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
         except ValueError as e:
-            raise OpenAIError(f"{e} (images go in /v1/chat/completions image_url parts)",
-                              param="prompt", code="invalid_value") from None
+            raise OpenAIError(f"{e} (images and videos go in /v1/chat/completions image_url "
+                              "and video_url parts)", param="prompt",
+                              code="invalid_value") from None
 
     def _params(self, req: CompletionRequest, prompt: Prompt,
                 index: int | None, field: str = "prompt") -> SamplingParams:

@@ -7,7 +7,8 @@ blocks in ``fullatt_block_indexes`` attend over the whole image; norms are RMSNo
 is gated SiLU, as in the language model. The patches are reordered once so every window is
 contiguous (windows row-major in each frame, merged units row-major in each window), the
 blocks run on that order, and the merger's rows are put back in the prompt's order at the end.
-Image placeholders and M-RoPE positions are those of Qwen2-VL (``qwen2_vl.py``).
+Image placeholders and M-RoPE positions are those of Qwen2-VL (``qwen2_vl.py``), except a
+video's time ids, which step by ``tokens_per_second * second_per_grid_t`` (absolute time).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL (see the module docstring); everything but the vision tower is Qwen2-VL's."""
 
     vision_tower_cls = Qwen25VisionTransformer
+    scales_video_time = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The vision tower's tensors are copied as they are (its ``gate_proj`` / ``up_proj``

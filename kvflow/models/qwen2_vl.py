@@ -40,17 +40,24 @@ _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def mrope_input_positions(token_ids: list[int], features: list[MultiModalFeature],
-                          spatial_merge_size: int) -> tuple[np.ndarray, int]:
-    """M-RoPE position ids of a prompt (transformers' ``Qwen2VLModel.get_rope_index``).
+                          spatial_merge_size: int, tokens_per_second: float | None = None
+                          ) -> tuple[np.ndarray, int]:
+    """M-RoPE position ids of a prompt (Qwen2-VL / Qwen2.5-VL's ``get_rope_index``).
 
-    Text tokens count up on all three axes. An image of ``t x h x w`` merged patches starting
-    at running position ``p`` gives its tokens ids ``(p + ti, p + hi, p + wi)``; the text after
-    it continues from ``p + max(h, w)``.
+    Text tokens count up on all three axes. An image or video of ``t x h x w`` merged patches
+    starting at running position ``p`` gives its tokens ids ``(p + ti * s, p + hi, p + wi)``
+    where ``s`` is 1, except for a video of a model with ``tokens_per_second`` (Qwen2.5-VL):
+    ``int(ti * tokens_per_second * second_per_grid_t)`` (the technical report's absolute
+    time encoding, arXiv:2502.13923 sec. 2.1.1). The text after it continues from the
+    largest id given plus one (the original Qwen code's and vLLM's rule; transformers 5
+    continues from ``p + max(h, w)``, the same unless a video's time ids pass its height and
+    width ids).
 
     Args:
         token_ids: the prompt (placeholders expanded).
-        features: its images, each covering ``[offset, offset + length)``.
+        features: its images and videos, each covering ``[offset, offset + length)``.
         spatial_merge_size: patches merged per side into one token.
+        tokens_per_second: the vision config's ``tokens_per_second`` (None: Qwen2-VL).
 
     Returns:
         (positions int64 [3, len(token_ids)], delta): a generated token at index ``i``
@@ -63,9 +70,12 @@ def mrope_input_positions(token_ids: list[int], features: list[MultiModalFeature
         pos += f.offset - cursor
         t, h, w = f.grid_thw
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        ti = np.arange(t)
+        if tokens_per_second is not None and f.second_per_grid_t is not None:
+            ti = (ti * (f.second_per_grid_t * tokens_per_second)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(ti, np.arange(h), np.arange(w), indexing="ij")
         positions[:, f.offset:f.end] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
-        pos += max(h, w)
+        pos += max(h, w, int(ti[-1]) + 1)
         cursor = f.end
     positions[:, cursor:] = pos + np.arange(len(token_ids) - cursor)
     delta = int(positions.max(initial=-1)) + 1 - len(token_ids)
@@ -84,12 +94,18 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_multimodal = True
     uses_mrope = True
     vision_tower_cls = Qwen2VisionTransformer
+    scales_video_time = False  # Qwen2.5-VL: video time ids in tokens_per_second steps
 
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
         super().__init__(config, ctx, parallel)
         self.visual = self.vision_tower_cls(config.vision_config)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
+        # Qwen2.5-VL's video time ids step by tokens_per_second * second_per_grid_t
+        self.tokens_per_second = None
+        if self.scales_video_time:  # transformers' Qwen2_5_VLVisionConfig default: 4
+            self.tokens_per_second = _vision_field(config.vision_config,
+                                                   "tokens_per_second") or 4
 
     @classmethod
     def rotary_embedding_for(cls, config: Any) -> RotaryEmbedding:
@@ -148,7 +164,8 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     def get_mrope_input_positions(self, token_ids: list[int],
                                   features: list[MultiModalFeature]) -> tuple[np.ndarray, int]:
         """See :func:`mrope_input_positions`."""
-        return mrope_input_positions(token_ids, features, self.spatial_merge_size)
+        return mrope_input_positions(token_ids, features, self.spatial_merge_size,
+                                     self.tokens_per_second)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the decoder, the LM head and the vision encoder (see the module docstring for
@@ -158,6 +175,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             ValueError: for a checkpoint tensor that matches no parameter.
         """
         return super().load_weights((_rename(name), t) for name, t in weights)
+
+
+def _vision_field(vision_config: Any, name: str) -> Any:
+    """A vision config's field (a config object, or a dict before it is built); None if
+    absent."""
+    if isinstance(vision_config, dict):
+        return vision_config.get(name)
+    return getattr(vision_config, name, None)
 
 
 def _rename(name: str) -> str:

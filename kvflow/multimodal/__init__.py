@@ -1,5 +1,6 @@
-"""Image inputs on the API side: decoding and checking images (``media.py``) and turning them
-into preprocessed features with expanded placeholders (``processor.py``)."""
+"""Image and video inputs on the API side: decoding and checking images (``media.py``) and
+videos (``video.py``) and turning them into preprocessed features with expanded placeholders
+(``processor.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from kvflow.multimodal.processor import (
     MultiModalProcessor,
     VideoNotSupported,
     load_image_processor,
+    load_video_size,
 )
+from kvflow.multimodal.video import load_video_url
 
-__all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_image_url",
+__all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_image_url", "load_video_url",
            "make_mm_processor", "mm_processor_of_source"]
 
 
@@ -22,13 +25,15 @@ def make_mm_processor(source: Any, hf_config: Any, tokenizer: Any,
     """The processor of a vision-language model (None for a text-only one).
 
     Raises:
-        ValueError: if the model folder has no loadable image processor.
+        ValueError: if the model folder has no loadable image processor, or a malformed
+            ``video_preprocessor_config.json``.
     """
     from kvflow.models.registry import is_multimodal
 
     if not is_multimodal(hf_config):
         return None
-    return MultiModalProcessor(load_image_processor(source.path), hf_config, tokenizer, config)
+    return MultiModalProcessor(load_image_processor(source.path), hf_config, tokenizer, config,
+                               load_video_size(source.path))
 
 
 def mm_processor_of_source(source: Any, tokenizer: Any, config: MultiModalConfig,

@@ -1,11 +1,13 @@
-"""Images + a prompt with one placeholder per image -> the expanded prompt and its features.
+"""Images and videos + a prompt with one placeholder per item -> the expanded prompt and its
+features.
 
 The model's own HF image processor (transformers, PIL backend: no torchvision needed) resizes
 each image to its dynamic resolution, normalizes it and cuts it into patches; the image then
 needs ``t * h * w / merge^2`` placeholder tokens, so the single placeholder token the prompt
 holds for it (``<|image_pad|>`` for Qwen2-VL, the config's ``image_token_id``) is repeated that
-many times, as vLLM does. Each image becomes a ``MultiModalFeature`` keyed by a hash of its
-preprocessed pixels.
+many times, as vLLM does. A video (``<|video_pad|>``, ``video_token_id``) is cut frame by frame
+the same way, its frames grouped ``temporal_patch_size`` to a temporal patch. Each image or
+video becomes a ``MultiModalFeature`` keyed by a hash of its preprocessed pixels.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from PIL import Image
 
 from kvflow.config import MultiModalConfig
 from kvflow.multimodal.media import MediaError, check_image
+from kvflow.multimodal.video import (
+    DEFAULT_VIDEO_FPS,
+    VideoError,
+    frames_to_video_patches,
+    video_frames,
+)
 from kvflow.multimodal_inputs import MultiModalFeature
 
 
@@ -39,85 +47,164 @@ def load_image_processor(path: str) -> Any:
                          f"(preprocessor_config.json): {e}") from e
 
 
+def load_video_size(path: str) -> dict[str, int] | None:
+    """The resize bounds (``shortest_edge`` / ``longest_edge`` pixels) of the model folder's
+    ``video_preprocessor_config.json`` (its ``size``, or ``min_pixels`` / ``max_pixels``);
+    None when the folder has none (frames then take the image processor's bounds, as
+    transformers' video processor falls back to ``preprocessor_config.json``).
+
+    Raises:
+        ValueError: for a file that is not a JSON object or bounds that are not positive
+            integers.
+    """
+    import json
+    import os
+
+    file = os.path.join(path, "video_preprocessor_config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            conf = json.load(f)
+        size = dict(conf.get("size") or {})
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    for key, name in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if conf.get(key) is not None:
+            size[name] = conf[key]
+    size = {k: v for k, v in size.items() if k in ("shortest_edge", "longest_edge")}
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size.values()):
+        return None if not size else _bad_size(file, size)
+    return size
+
+
+def _bad_size(file: str, size: dict) -> dict:
+    raise ValueError(f"{file}: size {size} needs shortest_edge and longest_edge, positive "
+                     "integers (pixels)")
+
+
 class VideoNotSupported(ValueError):
-    """A prompt holding the video placeholder token: kvflow takes no video."""
+    """A prompt holding the video placeholder token where no video can go (an embedding
+    prompt, a ``/v1/completions`` prompt)."""
 
 
 class MultiModalProcessor:
-    """Expands image placeholders and preprocesses images for one vision-language model.
+    """Expands image and video placeholders and preprocesses images and videos for one
+    vision-language model.
 
     Args:
-        image_processor: the model's HF image processor (``patch_size``, ``merge_size``).
-        hf_config: the model config (``image_token_id``, ``vision_start_token_id`` /
-            ``vision_end_token_id`` when the model wraps images in them).
+        image_processor: the model's HF image processor (``patch_size``, ``merge_size``,
+            ``temporal_patch_size``); videos are cut frame by frame with it.
+        hf_config: the model config (``image_token_id``, ``video_token_id``,
+            ``vision_start_token_id`` / ``vision_end_token_id`` when the model wraps images
+            in them).
         tokenizer: the model's tokenizer (for the placeholder text), or None.
-        config: the image limits.
+        config: the image and video limits.
+        video_size: the ``size`` (``shortest_edge`` / ``longest_edge`` pixels) video frames
+            are resized within (``video_preprocessor_config.json``'s); None: the image
+            processor's own.
     """
 
     def __init__(self, image_processor: Any, hf_config: Any, tokenizer: Any,
-                 config: MultiModalConfig) -> None:
+                 config: MultiModalConfig, video_size: dict[str, int] | None = None) -> None:
         check_geometry(image_processor, hf_config)
         self.image_processor = image_processor
         self.config = config
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(getattr(image_processor, "merge_size", 1))
         self.patch_size = int(getattr(image_processor, "patch_size", 1))
+        self.temporal_patch_size = int(getattr(image_processor, "temporal_patch_size", 1))
         self.placeholder = _placeholder_text(tokenizer, hf_config, self.image_token_id)
-        video = getattr(hf_config, "video_token_id", None)  # kvflow takes no video yet
+        video = getattr(hf_config, "video_token_id", None)
         self.video_token_id = None if video is None else int(video)
+        self.video_placeholder = None if video is None else \
+            _placeholder_text(tokenizer, hf_config, self.video_token_id)
+        self.video_size = video_size
 
     def check_no_video(self, token_ids: list[int]) -> None:
-        """Raises ValueError if ``token_ids`` hold the model's video placeholder token (its
-        raw embedding, which the model only ever saw replaced by a video's features): kvflow
-        takes no video. Used for generation (``process``) and embedding prompts alike.
+        """Raises ValueError if ``token_ids`` hold the model's video placeholder token
+        where no video can go (an embedding prompt, a completion prompt).
 
         Raises:
             VideoNotSupported: (a ValueError) naming the token's id."""
         if self.video_token_id is not None and self.video_token_id in token_ids:
             raise VideoNotSupported(f"the prompt holds the video placeholder token (id "
-                                    f"{self.video_token_id}): kvflow takes no video; remove "
-                                    "the token from the prompt")
+                                    f"{self.video_token_id}), but this input takes no video; "
+                                    "remove the token from the prompt")
 
-    def process(self, token_ids: list[int], images: list[Image.Image]
-                ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Preprocess ``images`` and expand their placeholders in ``token_ids``.
+    def process(self, token_ids: list[int], images: list[Image.Image],
+                videos: list[Any] = ()) -> tuple[list[int], list[MultiModalFeature]]:
+        """Preprocess ``images`` and ``videos`` (each a list of PIL frames, or a form
+        ``video.video_frames`` takes) and expand their placeholders in ``token_ids``.
 
         Returns:
-            (the expanded prompt, one feature per image in prompt order).
+            (the expanded prompt, one feature per image or video in prompt order).
 
         Raises:
-            ValueError: if the prompt's placeholder count differs from the image count, it
-                holds the video placeholder token, or there are more images than
-                ``max_images_per_prompt``; ``MediaError`` for an
-                image the model cannot take (too small, too elongated, too large).
+            ValueError: if the prompt's placeholder count of either kind differs from the
+                image / video count, or there are more images than
+                ``max_images_per_prompt`` (videos than ``max_videos_per_prompt``);
+                ``MediaError`` for an image or video the model cannot take (too small, too
+                elongated, too large).
         """
-        self.check_no_video(token_ids)
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        limit = self.config.limit("max_images_per_prompt")
-        if len(images) > limit:
-            raise ValueError(f"{len(images)} images in one prompt; the limit is {limit} "
-                             "(--max-images-per-prompt)")
-        if len(slots) != len(images):
-            raise ValueError(f"the prompt has {len(slots)} image placeholder(s) "
-                             f"({self.placeholder!r}) but {len(images)} image(s) were given: "
-                             "put exactly one placeholder where each image goes")
-        expanded, features, cursor = [], [], 0
-        for k, (slot, image) in enumerate(zip(slots, images)):
-            try:
-                pixels, grid = self.preprocess(image)
-            except MediaError as e:
-                e.image_index = k
-                raise
-            expanded.extend(token_ids[cursor:slot])
-            length = grid[0] * grid[1] * grid[2] // self.merge ** 2
-            features.append(_feature(pixels, grid, len(expanded), length))
-            expanded.extend([self.image_token_id] * length)
-            cursor = slot + 1
-        expanded.extend(token_ids[cursor:])
+        self._check_counts(token_ids, len(images), len(videos))
+        items = {self.image_token_id: iter(images), self.video_token_id: iter(videos)}
+        indices = {self.image_token_id: 0, self.video_token_id: 0}
+        expanded, features = [], []
+        for token in token_ids:
+            if token not in items or token is None:
+                expanded.append(token)
+                continue
+            k = indices[token]
+            indices[token] += 1
+            feature = self._feature(next(items[token]), token == self.video_token_id, k,
+                                    len(expanded))
+            features.append(feature)
+            expanded.extend([token] * feature.length)
         return expanded, features
 
-    def preprocess(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """One image -> (pixel_values float32 [num_patches, patch_dim], (t, h, w) patches).
+    def _check_counts(self, token_ids: list[int], num_images: int, num_videos: int) -> None:
+        """Raises ValueError for more items than a limit allows or a placeholder count that
+        differs from the item count (images first)."""
+        for count, token, name, field, text in (
+                (num_images, self.image_token_id, "image", "max_images_per_prompt",
+                 self.placeholder),
+                (num_videos, self.video_token_id, "video", "max_videos_per_prompt",
+                 self.video_placeholder)):
+            limit = self.config.limit(field)
+            if count > limit:
+                raise ValueError(f"{count} {name}s in one prompt; the limit is {limit} "
+                                 f"(--{field.replace('_', '-')})")
+            slots = sum(1 for t in token_ids if t == token) if token is not None else 0
+            if slots != count:
+                raise ValueError(f"the prompt has {slots} {name} placeholder(s) ({text!r}) "
+                                 f"but {count} {name}(s) were given: put exactly one "
+                                 f"placeholder where each {name} goes")
+
+    def _feature(self, item: Any, is_video: bool, index: int, offset: int
+                 ) -> MultiModalFeature:
+        """One image's (video's) feature, its placeholders starting at ``offset``; a
+        ``MediaError`` carries the item's index among its kind."""
+        try:
+            if is_video:
+                pixels, grid = self.preprocess_video(item)
+            else:
+                pixels, grid = self.preprocess(item)
+        except MediaError as e:
+            if is_video and not isinstance(e, VideoError):  # a frame's refusal
+                e = VideoError(f"a frame of the video: {e}")
+            e.image_index = index
+            raise e from None
+        length = grid[0] * grid[1] * grid[2] // self.merge ** 2
+        if not is_video:
+            return _feature("image", pixels, grid, offset, length)
+        return _feature("video", pixels, grid, offset, length,
+                        self.temporal_patch_size / DEFAULT_VIDEO_FPS)
+
+    def preprocess(self, image: Any, size: dict[str, int] | None = None
+                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """One image -> (pixel_values float32 [num_patches, patch_dim], (t, h, w) patches);
+        ``size``: resize bounds other than the image processor's (video frames).
 
         Raises:
             MediaError: for something that is not a PIL image, or one the model cannot take.
@@ -130,12 +217,42 @@ class MultiModalProcessor:
             raise MediaError(f"the image is {width} x {height} pixels; each side must be at "
                              f"least {self.patch_size} pixels (one vision patch)")
         image = check_image(image, self.config)
+        kwargs = {} if size is None else {"size": size}
         try:
-            out = self.image_processor(images=[image], return_tensors="np")
+            out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200
             raise MediaError(f"the image cannot be preprocessed: {e}") from None
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return np.ascontiguousarray(out["pixel_values"], np.float32), grid
+
+    def preprocess_video(self, video: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """One video -> (pixel_values_videos float32 [grid_t * h * w, patch_dim], (grid_t,
+        h, w) patches): each frame resized, normalized and cut into patches by the image
+        processor (all frames of a video share a size), the frames padded to a multiple of
+        ``temporal_patch_size`` by repeating the last and grouped into temporal patches
+        (transformers' ``Qwen2VLVideoProcessor`` layout; its torchvision resize may round a
+        resized frame's pixels slightly differently from this PIL one).
+
+        Raises:
+            MediaError: for a malformed video, frames of different sizes, or a frame the
+                model cannot take.
+        """
+        frames = video_frames(video)
+        if len({f.size for f in frames}) > 1:
+            raise VideoError(f"a video's frames must all have one size, got "
+                             f"{sorted({f.size for f in frames})}")
+        patches, grid = [], None
+        for frame in frames:
+            pixels, grid = self.preprocess(frame, self.video_size)
+            tps = self.temporal_patch_size
+            # the image processor repeats a frame over the temporal patch: keep one copy
+            per_frame = pixels.reshape(pixels.shape[0], 3, tps, self.patch_size,
+                                       self.patch_size)[:, :, 0]
+            patches.append(per_frame)
+        rows = frames_to_video_patches(np.stack(patches), len(frames),
+                                       self.temporal_patch_size)
+        grid_t = -(-len(frames) // self.temporal_patch_size)
+        return rows, (grid_t, grid[1], grid[2])
 
 
 # image processor attribute -> the vision config's name for the same size
@@ -162,12 +279,18 @@ def check_geometry(image_processor: Any, hf_config: Any) -> None:
                              "not fit this model")
 
 
-def _feature(pixels: np.ndarray, grid: tuple[int, int, int], offset: int,
-             length: int) -> MultiModalFeature:
+def _feature(modality: str, pixels: np.ndarray, grid: tuple[int, int, int], offset: int,
+             length: int, second_per_grid_t: float | None = None) -> MultiModalFeature:
+    """A feature keyed by a digest of its grid, pixels and (videos) seconds per temporal
+    patch (the M-RoPE time ids depend on it, so the prefix cache must too)."""
     data = pixels.tobytes()
-    digest = hashlib.blake2b(np.asarray(grid, np.int64).tobytes() + data, digest_size=16)
-    return MultiModalFeature("image", digest.hexdigest(), offset, length, data,
-                             (int(pixels.shape[0]), int(pixels.shape[1])), grid)
+    key = np.asarray(grid, np.int64).tobytes() + data
+    if second_per_grid_t is not None:
+        key = b"video" + np.float64(second_per_grid_t).tobytes() + key
+    digest = hashlib.blake2b(key, digest_size=16)
+    return MultiModalFeature(modality, digest.hexdigest(), offset, length, data,
+                             (int(pixels.shape[0]), int(pixels.shape[1])), grid,
+                             second_per_grid_t)
 
 
 def _placeholder_text(tokenizer: Any, hf_config: Any, image_token_id: int) -> str:

@@ -24,11 +24,14 @@ from tests.conftest import _randomize_
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for c in m['content'] %}{% if c['type'] == 'image' or 'image_url' in c %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in c %}{{ c['text'] }}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' or 'video_url' in c %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in c %}{{ c['text'] }}"
     "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}")
 MAX_PIXELS = 28 * 28 * 256  # a 448 x 448 image is 1024 patches, 256 placeholder tokens
@@ -120,6 +123,34 @@ def tiny_qwen2_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
     return save_tiny_vl(folder, model, tokenizer, Qwen2VLProcessor)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
+    """A tiny random Qwen2.5-VL: 56-pixel windows (2 x 2 merged tokens), one full-attention
+    block of two, ``tokens_per_second`` 2 (a video's time ids step by 2 per temporal patch
+    at the default 2 frames per second)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+    )
+
+    folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+    tokenizer = vision_tokenizer(tiny_tokenizer)
+    config = Qwen2_5_VLConfig(
+        text_config=tiny_text_config(tokenizer),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
+                       "fullatt_block_indexes": [1], "hidden_act": "silu",
+                       "tokens_per_second": 2},
+        **vision_token_ids(tokenizer))
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize_(model, seed=11)
+    return save_tiny_vl(folder, model, tokenizer, Qwen2_5_VLProcessor)
+
+
 def random_image(width: int, height: int, seed: int):
     """An RGB PIL image of uniform random pixels."""
     from PIL import Image
@@ -153,3 +184,94 @@ def hf_prompt_ids(tiny: TinyVL, text: str, images: list) -> list[int]:
     """transformers' expanded prompt ids."""
     inputs = tiny.processor(text=[text], images=images or None, return_tensors="pt")
     return inputs["input_ids"][0].tolist()
+
+
+# ---- videos (tests/multimodal/test_video_inputs.py, the server's video_url test) ----
+def random_video(frames: int, size: int, seed: int) -> np.ndarray:
+    """uint8 (frames, size, size, 3) of uniform random pixels."""
+    return np.random.default_rng(seed).integers(0, 256, (frames, size, size, 3), np.uint8)
+
+
+MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)  # OPENAI_CLIP_MEAN
+STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)  # OPENAI_CLIP_STD
+
+
+def hf_video_pixels(video: np.ndarray, patch: int = 14, merge: int = 2, tps: int = 2
+                    ) -> tuple[torch.Tensor, list[int]]:
+    """transformers' ``pixel_values_videos`` rows and ``video_grid_thw`` of an unresized
+    video: rescale, CLIP-normalize, pad the frames to a multiple of ``tps`` with the last,
+    then ``Qwen2VLVideoProcessor.patchify``'s view + permute."""
+    x = (video.astype(np.float32) / 255.0 - MEAN) / STD  # (T, H, W, C)
+    x = x.transpose(0, 3, 1, 2)  # (T, C, H, W)
+    if pad := -x.shape[0] % tps:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    t, c, h, w = x.shape
+    gt, gh, gw = t // tps, h // patch, w // patch
+    x = x.reshape(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return torch.from_numpy(x.reshape(gt * gh * gw, c * tps * patch * patch).copy()), \
+        [gt, gh, gw]
+
+
+def expand(tiny, text: str, items: list[tuple[str, list[int]]], special: bool = True
+           ) -> list[int]:
+    """The prompt ids with each placeholder repeated t*h*w/4 times (items in prompt order;
+    ``special``: the tokenizer's special tokens added, as for a prompt, not a chat)."""
+    ids = tiny.tokenizer.encode(text, add_special_tokens=special)
+    pads = {"image": tiny.tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            "video": tiny.tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+    out, it = [], iter(items)
+    for t in ids:
+        if t in pads.values():
+            kind, grid = next(it)
+            assert pads[kind] == t
+            out.extend([t] * (grid[0] * grid[1] * grid[2] // 4))
+        else:
+            out.append(t)
+    return out
+
+
+def hf_video_reference(tiny, ids: list[int], max_tokens: int, video: np.ndarray | None = None,
+                       image=None, second_per_grid_t: float | None = None
+                       ) -> tuple[list[float], list[int]]:
+    """transformers' prompt-token logprobs (tokens 1..n-1) and greedy tokens."""
+    pads = tiny.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    types = [1 if t == pads[0] else 2 if t == pads[1] else 0 for t in ids]  # text 0
+    inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
+    if video is not None:
+        pixels, grid = hf_video_pixels(video)
+        inputs.update(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]))
+        if second_per_grid_t is not None:
+            inputs["second_per_grid_ts"] = torch.tensor([second_per_grid_t])
+    if image is not None:
+        out = tiny.processor.image_processor(images=[image], return_tensors="pt")
+        inputs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    with torch.no_grad():
+        logits = tiny.hf_model(**inputs).logits[0]
+        gen = tiny.hf_model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
+                                     min_new_tokens=max_tokens, eos_token_id=None,
+                                     pad_token_id=0)
+    logprobs = torch.log_softmax(logits.float(), -1)
+    prompt = [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    return prompt, gen[0, len(ids):].tolist()
+
+
+def jpeg_frames_url(video: np.ndarray) -> str:
+    """vLLM's ``data:video/jpeg;base64,<frame>,<frame>,...`` form (lossless-enough JPEG is
+    not needed: the test decodes the same JPEGs for the oracle)."""
+    from PIL import Image
+
+    chunks = []
+    for frame in video:
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="JPEG", quality=95)
+        chunks.append(base64.b64encode(buf.getvalue()).decode())
+    return "data:video/jpeg;base64," + ",".join(chunks)
+
+
+def decoded_jpeg_frames(url: str) -> np.ndarray:
+    """The frames of a video/jpeg data URL as PIL decodes them (the oracle's input)."""
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(c))).convert("RGB"))
+                     for c in url.split(",", 1)[1].split(",")])

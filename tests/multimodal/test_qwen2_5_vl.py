@@ -1,8 +1,8 @@
 """Qwen2.5-VL (windowed vision encoder) end to end against transformers (fp32, CPU).
 
-A tiny random ``Qwen2_5_VLForConditionalGeneration`` with 56-pixel windows (2 x 2 merged
-tokens) and one full-attention block of two: images of several sizes give full and partial
-windows. Oracle: transformers' ``Qwen2_5_VLProcessor`` + ``generate`` on the same weights:
+A tiny random ``Qwen2_5_VLForConditionalGeneration`` (``tests/multimodal/conftest.py``) with
+56-pixel windows (2 x 2 merged tokens) and one full-attention block of two: images of several
+sizes give full and partial windows. Oracle: transformers' ``Qwen2_5_VLProcessor`` + ``generate`` on the same weights:
 kvflow's expanded prompt ids, the encoder's rows and the greedy tokens for 0, 1 and 2 images
 must equal them.
 """
@@ -13,44 +13,14 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import _randomize_
 from tests.multimodal.conftest import (
     PLACEHOLDER,
-    TinyVL,
     hf_generate,
     hf_prompt_ids,
     random_image,
-    save_tiny_vl,
-    tiny_text_config,
-    vision_token_ids,
-    vision_tokenizer,
 )
 
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2_5_vl(tmp_path_factory, tiny_tokenizer) -> TinyVL:
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-    )
-
-    folder = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
-    tokenizer = vision_tokenizer(tiny_tokenizer)
-    config = Qwen2_5_VLConfig(
-        text_config=tiny_text_config(tokenizer),
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
-                       "fullatt_block_indexes": [1], "hidden_act": "silu"},
-        **vision_token_ids(tokenizer))
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
-    _randomize_(model, seed=11)
-    return save_tiny_vl(folder, model, tokenizer, Qwen2_5_VLProcessor)
 
 
 def cases():

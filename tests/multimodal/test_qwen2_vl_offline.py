@@ -145,7 +145,8 @@ def test_chat_with_image_url(llm, tiny_qwen2_vl):
     ({"prompt": f"{PLACEHOLDER} x", "multi_modal_data": {"image": []}}, "1 image placeholder"),
     ({"prompt": "x", "multi_modal_data": {"image": [None]}}, "0 image placeholder"),
     ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"image": "cat.png"}}, "PIL"),
-    ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"video": []}}, "multi_modal_data"),
+    ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"audio": []}}, "multi_modal_data"),
+    ({"prompt": f"{PLACEHOLDER}", "multi_modal_data": {"video": []}}, "1 image placeholder"),
     ({"prompt": "x", "prompt_token_ids": [3]}, "exactly one"),
 ])
 def test_bad_prompts_raise_value_error(llm, prompt, match):
@@ -156,14 +157,13 @@ def test_bad_prompts_raise_value_error(llm, prompt, match):
 
 @pytest.mark.parametrize("text", ["look <|vision_start|><|video_pad|><|vision_end|> now",
                                   "x <|video_pad|>"])
-def test_video_placeholder_is_refused(llm, text):
-    """kvflow takes no video (README): a prompt holding Qwen2-VL's video placeholder token
-    was generated from as if the token were text (its raw embedding, which the model only
-    saw replaced by a video's features), while a stray image placeholder is refused; a
-    video placeholder is refused too, in a prompt and in a chat message."""
-    with pytest.raises(ValueError, match="video"):
+def test_video_placeholder_without_a_video_is_refused(llm, text):
+    """A video placeholder token with no video given (its raw embedding, which the model only
+    saw replaced by a video's features) is refused, in a prompt and in a chat message, as a
+    stray image placeholder is."""
+    with pytest.raises(ValueError, match="1 video placeholder"):
         llm.generate(text, greedy())
-    with pytest.raises(ValueError, match="video"):
+    with pytest.raises(ValueError, match="1 video placeholder"):
         llm.chat([{"role": "user", "content": text}], greedy())
     assert not llm.engine.has_unfinished_requests()
 
@@ -294,8 +294,8 @@ def test_embeddings_refuse_images(tiny_qwen2_vl):
         with pytest.raises(ValueError) as e:
             llm.embed(prompt)
         assert str(e.value) == (f"the prompt holds the video placeholder token (id "
-                                f"{video_id}): kvflow takes no video; remove the token from "
-                                "the prompt")
+                                f"{video_id}), but this input takes no video; remove the "
+                                "token from the prompt")
     assert not llm.engine.has_unfinished_requests()
 
 

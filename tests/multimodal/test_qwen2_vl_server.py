@@ -1,4 +1,5 @@
-"""Qwen2-VL through ``kvflow serve``: /v1/chat/completions with ``image_url`` data URLs.
+"""Qwen2-VL through ``kvflow serve``: /v1/chat/completions with ``image_url`` and
+``video_url`` data URLs.
 
 Oracle: transformers' ``Qwen2VLProcessor`` (chat template + placeholder expansion) and
 ``Qwen2VLForConditionalGeneration.generate`` on the same tiny random weights: the server's
@@ -9,6 +10,7 @@ KV block; the encoder cache's counters in /metrics move as hand-counted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import zlib
@@ -19,10 +21,15 @@ import pytest
 from tests.e2e.conftest import ServerProcess, start_server  # noqa: F401 - fixture
 from tests.multimodal.conftest import (
     data_url,
+    decoded_jpeg_frames,
+    expand,
     hf_generate,
     hf_prompt_ids,
+    hf_video_reference,
+    jpeg_frames_url,
     png_bytes,
     random_image,
+    random_video,
 )
 
 MAX_TOKENS = 6
@@ -193,15 +200,14 @@ def test_tokenize_counts_expanded_images_and_completions_refuse_placeholders(
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "prompt"
     assert "image_url" in resp.json()["error"]["message"]
-    # a video placeholder: kvflow takes no video on any route, so no hint of where images
-    # go (it ended "(images go in /v1/chat/completions image_url parts)")
-    video_id = tiny_qwen2_vl.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    # a video placeholder: videos go in chat video_url parts
     resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
                       json={"prompt": "a <|video_pad|> b", "max_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     assert resp.json()["error"]["message"] == (
-        f"the prompt holds the video placeholder token (id {video_id}): kvflow takes no "
-        "video; remove the token from the prompt")
+        "the prompt has 1 video placeholder(s) ('<|vision_start|><|video_pad|><|vision_end|>') "
+        "but 0 video(s) were given: put exactly one placeholder where each video goes (images "
+        "and videos go in /v1/chat/completions image_url and video_url parts)")
     ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
                     json={"prompt": "a plain prompt", "max_tokens": 2})
     assert ok.status_code == 200
@@ -232,3 +238,44 @@ def test_streamed_chat_with_images_equals_transformers(server, tiny_qwen2_vl):
         add_generation_prompt=True, tokenize=False)
     images = [p for p in parts if not isinstance(p, str)]
     assert usage["prompt_tokens"] == len(hf_prompt_ids(tiny_qwen2_vl, text, images))
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_chat_video_url_equals_transformers(server, tiny_qwen2_vl):
+    """A ``data:video/jpeg;base64,<frame>,...`` video_url part (4 JPEG frames of 56 x 56):
+    the greedy tokens equal transformers' on the decoded frames."""
+    video = random_video(4, 56, 40)
+    url = jpeg_frames_url(video)
+    resp = chat(server, [{"type": "text", "text": "watch"}, video_part(url)])
+    assert resp.status_code == 200, resp.text
+    text = tiny_qwen2_vl.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "watch"}, {"type": "video"}]}],
+        add_generation_prompt=True, tokenize=False)
+    ids = expand(tiny_qwen2_vl, text, [("video", [2, 4, 4])], special=False)
+    _, want = hf_video_reference(tiny_qwen2_vl, ids, MAX_TOKENS,
+                                 video=decoded_jpeg_frames(url))
+    assert resp.json()["choices"][0]["token_ids"] == want
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_bad_videos_are_a_400_naming_the_part(server):
+    """Two videos over the default limit of one (before decoding), a video file without
+    PyAV (or, with it, bytes that are no video), a frame that is no JPEG, an image media
+    type: 400s naming the part (the count: ``messages``) with code ``invalid_video``."""
+    frames = jpeg_frames_url(random_video(2, 56, 41))
+    over = chat(server, [video_part(frames), video_part(frames)])
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["param"] == "messages"
+    assert "2 videos in one conversation; the limit is 1" in over.json()["error"]["message"]
+    mp4 = "data:video/mp4;base64,AAAAIGZ0eXBpc29t"
+    no_file = "PyAV" if importlib.util.find_spec("av") is None else "cannot decode the video"
+    for url, words in ((mp4, no_file), ("data:video/jpeg;base64,AAAA", "cannot decode"),
+                       (data_url(PNG), "video/ media type")):
+        resp = chat(server, [{"type": "text", "text": "x"}, video_part(url)])
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "messages.0.content.1.video_url", error
+        assert error["code"] == "invalid_video" and words in error["message"], error

@@ -68,9 +68,18 @@ class ImageURL(RequestModel):
     detail: str | None = None  # checked by the chat handler (a 400 naming the part)
 
 
+class VideoURL(RequestModel):
+    """A ``video_url`` part's video (vLLM's extension): ``data:video/jpeg;base64,<frame>,...``
+    (base64 JPEG frames), ``data:video/<mp4|webm|...>;base64,`` (a video file; the server
+    needs PyAV), or an http(s) URL from ``--allowed-media-domains``."""
+
+    url: str
+
+
 class ContentPart(RequestModel):
     """A content part: ``text`` (or an assistant's ``refusal``) is rendered; ``image_url``
-    parts are images for a vision-language model (a 400 for a text-only one); other types
+    and ``video_url`` parts are images and videos for a vision-language model (a 400 for a
+    text-only one); other types
     (audio, files) are a 400 naming the part (kvflow/chat_messages.py). A key other than
     ``type`` and the declared ones is a 400 naming it (``messages.0.content.0.foo``), except
     the payload of an undeclared type (``input_audio`` of an ``input_audio`` part), which is
@@ -82,6 +91,7 @@ class ContentPart(RequestModel):
     text: str | None = None
     refusal: str | None = None
     image_url: ImageURL | None = None
+    video_url: VideoURL | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,185 @@
+"""Video inputs of Qwen2-VL and Qwen2.5-VL against transformers (fp32, CPU).
+
+Oracle: transformers' ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+on the same weights, given ``pixel_values_videos`` built here with numpy in transformers'
+``Qwen2VLVideoProcessor`` layout (its torchvision backend does not install next to the CPU
+torch here; frames sized so that nothing is resized: 56 x 56 and 112 x 112 are multiples of
+28 within the pixel bounds), ``video_grid_thw`` and, for Qwen2.5-VL, ``second_per_grid_ts``
+(2 frames per temporal patch at transformers' default 2 fps: 1 s). kvflow's expanded prompt,
+every prompt token's logprob and the greedy tokens must equal transformers'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kvflow import LLM, SamplingParams
+from kvflow.models.qwen2_vl import mrope_input_positions
+from kvflow.multimodal_inputs import MultiModalFeature
+from tests.multimodal.conftest import (
+    PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    decoded_jpeg_frames,
+    expand,
+    hf_video_reference,
+    jpeg_frames_url,
+    random_image,
+    random_video,
+)
+
+MAX_TOKENS = 6
+
+
+def params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          prompt_logprobs=0)
+
+
+def kvflow_prompt_logprobs(out) -> list[float]:
+    ids = out.prompt_token_ids
+    return [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if i > 0]
+
+
+@pytest.fixture(scope="module")
+def llm2(tiny_qwen2_vl):
+    return LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=128, block_size=16,
+               limit_mm_per_prompt={"image": 2, "video": 2})
+
+
+@pytest.fixture(scope="module")
+def llm25(tiny_qwen2_5_vl):
+    return LLM(tiny_qwen2_5_vl.path, dtype="float32", num_kv_blocks=128, block_size=16)
+
+
+def check_against_hf(out, tiny, want_ids, **hf_inputs):
+    assert out.prompt_token_ids == want_ids
+    want_lp, want_tokens = hf_video_reference(tiny, want_ids, MAX_TOKENS, **hf_inputs)
+    np.testing.assert_allclose(kvflow_prompt_logprobs(out), want_lp, atol=1e-4, rtol=1e-4)
+    assert out.outputs[0].token_ids == want_tokens
+
+
+def test_qwen2_vl_video_array_and_frame_list(llm2, tiny_qwen2_vl, assert_no_leaks):
+    """4 frames of 56 x 56 (2 temporal patches of 2 x 2 merged tokens) as a numpy array, and
+    3 frames as a list of PIL images (the last repeated to fill the second temporal
+    patch): prompt ids, prompt logprobs and greedy tokens equal transformers'."""
+    text = f"look {VIDEO_PLACEHOLDER} what happens next?"
+    four, three = random_video(4, 56, 1), random_video(3, 56, 2)
+    frames = [Image.fromarray(f) for f in three]
+    outs = llm2.generate([{"prompt": text, "multi_modal_data": {"video": four}},
+                          {"prompt": text, "multi_modal_data": {"video": frames}}], params())
+    for out, video in zip(outs, (four, three)):
+        check_against_hf(out, tiny_qwen2_vl, expand(tiny_qwen2_vl, text, [("video", [2, 4, 4])]),
+                         video=video)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    assert_no_leaks(llm2)
+
+
+def test_qwen2_vl_image_and_video_in_one_prompt(llm2, tiny_qwen2_vl, assert_no_leaks):
+    image, video = random_image(84, 56, 3), random_video(4, 56, 4)
+    text = f"{PLACEHOLDER} then {VIDEO_PLACEHOLDER} compare"
+    out = llm2.generate({"prompt": text, "multi_modal_data": {"image": image, "video": video}},
+                        params())[0]
+    want = expand(tiny_qwen2_vl, text, [("image", [1, 4, 6]), ("video", [2, 4, 4])])
+    check_against_hf(out, tiny_qwen2_vl, want, video=video, image=image)
+    assert_no_leaks(llm2)
+
+
+def test_qwen2_5_vl_video_time_ids(llm25, tiny_qwen2_5_vl, assert_no_leaks):
+    """112 x 112 frames (2 x 2 windows per frame); time ids 0 and 2 (tokens_per_second 2 x
+    1 s per temporal patch), passed to transformers as second_per_grid_ts."""
+    text = f"a clip {VIDEO_PLACEHOLDER} now say"
+    video = random_video(4, 112, 5)
+    out = llm25.generate({"prompt": text, "multi_modal_data": {"video": video}}, params())[0]
+    want = expand(tiny_qwen2_5_vl, text, [("video", [2, 8, 8])])
+    check_against_hf(out, tiny_qwen2_5_vl, want, video=video, second_per_grid_t=1.0)
+    # the time scaling is what makes it right: without it (1 per patch) transformers differs
+    lp_unscaled, _ = hf_video_reference(tiny_qwen2_5_vl, want, 1, video=video,
+                                        second_per_grid_t=0.5)
+    assert not np.allclose(kvflow_prompt_logprobs(out), lp_unscaled, atol=1e-4)
+    assert_no_leaks(llm25)
+
+
+def test_chat_video_url(llm2, tiny_qwen2_vl):
+    video = random_video(4, 56, 6)
+    url = jpeg_frames_url(video)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "watch"}, {"type": "video_url", "video_url": {"url": url}},
+        {"type": "text", "text": "and tell"}]}]
+    out = llm2.chat(messages, params())[0]
+    text = tiny_qwen2_vl.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "watch"}, {"type": "video"},
+                                      {"type": "text", "text": "and tell"}]}],
+        add_generation_prompt=True)
+    assert out.prompt == text
+    want = expand(tiny_qwen2_vl, text, [("video", [2, 4, 4])], special=False)
+    check_against_hf(out, tiny_qwen2_vl, want, video=decoded_jpeg_frames(url))
+
+
+def test_same_text_other_video_never_shares_kv(llm2):
+    """The prefix cache keys a video's blocks by its content: another video with the same
+    tokens hits nothing; the same video again hits (no prompt_logprobs: those recompute the
+    prompt)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    text = f"{VIDEO_PLACEHOLDER} describe the clip in detail please now"
+    one, two = random_video(4, 56, 7), random_video(4, 56, 8)
+    kv = llm2.engine.core.kv_cache_manager
+    first = llm2.generate({"prompt": text, "multi_modal_data": {"video": one}}, greedy)[0]
+    hits = kv.num_hits
+    second = llm2.generate({"prompt": text, "multi_modal_data": {"video": two}}, greedy)[0]
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert kv.num_hits == hits
+    llm2.generate({"prompt": text, "multi_modal_data": {"video": one}}, greedy)
+    assert kv.num_hits > hits
+
+
+def test_video_limits(tiny_qwen2_vl):
+    """--limit-mm-per-prompt '{"video": 1}': two videos refused (offline prompt and chat,
+    before any video is decoded); video 0 refuses every video."""
+    llm = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=32,
+              limit_mm_per_prompt='{"video": 1}')
+    video = random_video(2, 56, 9)
+    with pytest.raises(ValueError, match="2 videos in one prompt; the limit is 1"):
+        llm.generate({"prompt": VIDEO_PLACEHOLDER * 2,
+                      "multi_modal_data": {"video": [video, video]}}, params())
+    parts = [{"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AAAA"}}] * 2
+    with pytest.raises(ValueError, match="2 videos in one conversation; the limit is 1"):
+        llm.chat([{"role": "user", "content": parts}], params())
+    assert not llm.engine.has_unfinished_requests()
+    none = LLM(tiny_qwen2_vl.path, dtype="float32", num_kv_blocks=32,
+               limit_mm_per_prompt={"video": 0})
+    with pytest.raises(ValueError, match="1 videos in one prompt; the limit is 0"):
+        none.generate({"prompt": VIDEO_PLACEHOLDER, "multi_modal_data": {"video": video}},
+                      params())
+
+
+@pytest.mark.parametrize("video,match", [
+    (np.zeros((4, 56, 56, 3), np.float32), "uint8"),
+    (np.zeros((56, 56, 3), np.uint8), "uint8"),
+    ([Image.new("RGB", (56, 56)), Image.new("RGB", (28, 28))], "one size"),
+    ([Image.new("RGB", (8, 8))], "at least 14 pixels"),
+    ("clip.mp4", "numpy array"),
+])
+def test_bad_videos(llm2, video, match):
+    with pytest.raises(ValueError, match=match):
+        llm2.generate({"prompt": VIDEO_PLACEHOLDER, "multi_modal_data": {"video": video}},
+                      params())
+    with pytest.raises(ValueError, match="1 video placeholder"):
+        llm2.generate({"prompt": f"{VIDEO_PLACEHOLDER} x", "multi_modal_data": {}}, params())
+    assert not llm2.engine.has_unfinished_requests()
+
+
+def test_mrope_positions_hand_computed():
+    """A video whose time ids pass its height and width ids: text after it starts one past
+    the largest id (the original Qwen code's and vLLM's rule). Qwen2.5-VL, tokens_per_second
+    4, 0.5 s per temporal patch: time step 2; 3 temporal patches of 1 x 2 merged tokens."""
+    video = MultiModalFeature("video", "v", 2, 6, b"", (0, 0), (3, 2, 4), 0.5)
+    positions, delta = mrope_input_positions([0] * 10, [video], 2, tokens_per_second=4)
+    t = [0, 1, 2, 2, 4, 4, 6, 6, 7, 8]  # text 0 1 | video t = 2 + (0, 2, 4) | text 7 8
+    h = [0, 1, 2, 2, 2, 2, 2, 2, 7, 8]
+    w = [0, 1, 2, 3, 2, 3, 2, 3, 7, 8]
+    assert positions.tolist() == [t, h, w]
+    assert delta == 9 - 10
+    plain, _ = mrope_input_positions([0] * 10, [video], 2)  # Qwen2-VL: step 1
+    assert plain[0].tolist() == [0, 1, 2, 2, 3, 3, 4, 4, 5, 6]
