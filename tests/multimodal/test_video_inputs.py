@@ -11,12 +11,17 @@ every prompt token's logprob and the greedy tokens must equal transformers'.
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from kvflow import LLM, SamplingParams
+from kvflow.config import MultiModalConfig
 from kvflow.models.qwen2_vl import mrope_input_positions
+from kvflow.multimodal.video import load_video_url
 from kvflow.multimodal_inputs import MultiModalFeature
 from tests.multimodal.conftest import (
     PLACEHOLDER,
@@ -183,3 +188,31 @@ def test_mrope_positions_hand_computed():
     assert delta == 9 - 10
     plain, _ = mrope_input_positions([0] * 10, [video], 2)  # Qwen2-VL: step 1
     assert plain[0].tolist() == [0, 1, 2, 2, 3, 3, 4, 4, 5, 6]
+
+
+def test_video_file_frames_sampled_uniformly():
+    """A 40-frame H.264 MP4 (frame i uniformly gray at 6 i) decoded with PyAV (skipped where
+    it is not installed: an optional dependency), media_io_kwargs num_frames 8: frames
+    round(linspace(0, 39, 8)) = 0, 6, 11, 17, 22, 28, 33, 39; a 5-frame file keeps all 5."""
+    av = pytest.importorskip("av")
+
+    def mp4(frames: int) -> str:
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=10)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            stream.options = {"qp": "0"}  # lossless: the gray levels survive
+            for i in range(frames):
+                gray = np.full((48, 64, 3), 6 * i, np.uint8)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(gray, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    config = MultiModalConfig(media_io_kwargs={"video": {"num_frames": 8}})
+    frames = load_video_url(mp4(40), config)
+    assert [f.size for f in frames] == [(64, 48)] * 8
+    got = [int(np.asarray(f)[24, 32].mean()) for f in frames]
+    np.testing.assert_allclose(got, [6 * i for i in (0, 6, 11, 17, 22, 28, 33, 39)], atol=3)
+    assert len(load_video_url(mp4(5), config)) == 5
