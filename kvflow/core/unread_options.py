@@ -142,9 +142,11 @@ def check_no_image_settings(config: EngineConfig, hf_config: Any) -> None:
 
     Raises:
         ValueError: naming each such setting given (``allowed_media_domains``, the image
-            limits ``max_image_bytes``, ``max_image_pixels``, ``max_images_per_prompt`` and
-            ``media_fetch_timeout``, ``max_num_encoder_input_tokens``,
-            ``encoder_cache_size``) and the architecture.
+            and video limits ``max_image_bytes``, ``max_image_pixels``,
+            ``max_images_per_prompt``, ``media_fetch_timeout`` and ``max_videos_per_prompt``
+            (or ``limit_mm_per_prompt`` setting them; a video count of 0 is no setting),
+            ``media_io_kwargs``, ``max_num_encoder_input_tokens``, ``encoder_cache_size``)
+            and the architecture.
     """
     if is_multimodal(hf_config):
         return

@@ -34,7 +34,8 @@ UNSUPPORTED = {
     "prompt_embeds": "send text or token ids (/v1/completions takes prompt_embeds when the "
                      "server runs with --enable-prompt-embeds)",
     "mm_processor_kwargs": "images are preprocessed with the model's own settings",
-    "media_io_kwargs": "images are decoded as RGB with the server's limits",
+    "media_io_kwargs": "images are decoded as RGB with the server's limits; a video file's "
+                       "frame count is the server's --media-io-kwargs",
     # declared (and honoured) on completions, chat and responses; refused elsewhere, even
     # under --ignore-unknown-fields, as a salt ignored would share the prefix cache
     "cache_salt": "only /v1/completions, /v1/chat/completions and /v1/responses take it",
