@@ -246,7 +246,7 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
                                     f"messages.{i}.content.{j}.{kind}")
         detail = image.get("detail") if isinstance(image, dict) else None
         if detail not in (None, "auto"):  # honoured or refused, never ignored
-            raise ChatTemplateError(f"image_url.detail={detail!r} is not supported: the "
+            raise ChatTemplateError(f"{kind}.detail={detail!r} is not supported: the "
                                     "model's image processor chooses the resolution (use "
                                     "'auto' or leave it out)",
                                     f"messages.{i}.content.{j}.{kind}.detail",

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.chat_messages import image_urls, video_urls
 from kvflow.chat_template import render_chat
 from kvflow.logits_process import LogitsProcessor
 from kvflow.lora.request import LoRARequest
@@ -404,40 +403,18 @@ class InputProcessor(PoolingInputs):
         return self.load_chat_media(messages)[0]
 
     def load_chat_media(self, messages: list[dict]) -> tuple[list[Any], list[Any]]:
-        """(images, videos) of a conversation's ``image_url`` and ``video_url`` parts, each
-        in prompt order, decoded and checked (data URLs; http(s) only from allowed media
-        domains; a video as its list of PIL frames).
+        """(images, videos) of a conversation's ``image_url`` and ``video_url`` parts
+        (``kvflow.multimodal.load_chat_media``; none for a text-only model, whose rendering
+        refused such parts already).
 
         Raises:
-            MediaError: (a ValueError whose ``param`` names the part) for a bad or refused
-                image or video, or more of them than ``max_images_per_prompt`` /
-                ``max_videos_per_prompt`` (checked first).
+            MediaError: naming the part, or ``messages`` for a count over its limit.
         """
         if self.mm_processor is None:
-            return [], []  # rendering has refused image and video parts already
-        from kvflow.multimodal.media import MediaError, load_image_url
-        from kvflow.multimodal.video import VideoError, load_video_url
+            return [], []
+        from kvflow.multimodal import load_chat_media
 
-        config = self.mm_processor.config
-        parts = {"image": (image_urls(messages), load_image_url),
-                 "video": (video_urls(messages), load_video_url)}
-        for kind, (urls, _) in parts.items():
-            limit = config.limit(f"max_{kind}s_per_prompt")
-            if len(urls) > limit:  # before any of them is fetched or decoded
-                error = (VideoError if kind == "video" else MediaError)(
-                    f"{len(urls)} {kind}s in one conversation; the limit is {limit} "
-                    f"(--max-{kind}s-per-prompt)")
-                error.param = "messages"
-                raise error
-        loaded: dict[str, list[Any]] = {kind: [] for kind in parts}
-        for kind, (urls, load) in parts.items():
-            for param, url in urls:
-                try:
-                    loaded[kind].append(load(url, config))
-                except MediaError as e:
-                    e.param = param
-                    raise
-        return loaded["image"], loaded["video"]
+        return load_chat_media(messages, self.mm_processor.config)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **options: Any) -> str:

@@ -14,9 +14,10 @@ from kvflow.multimodal.processor import (
     load_image_processor,
     load_video_size,
 )
-from kvflow.multimodal.video import load_video_url
+from kvflow.multimodal.video import VideoError, load_video_url
 
-__all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_image_url", "load_video_url",
+__all__ = ["MediaError", "MultiModalProcessor", "VideoNotSupported", "load_chat_media",
+           "load_image_url", "load_video_url",
            "make_mm_processor", "mm_processor_of_source"]
 
 
@@ -62,3 +63,37 @@ def mm_processor_of_source(source: Any, tokenizer: Any, config: MultiModalConfig
     except ValueError:  # an unreadable config or unknown architecture
         return None
     return make_mm_processor(source, hf_config, tokenizer, config)
+
+
+def load_chat_media(messages: list[dict], config: MultiModalConfig
+                    ) -> tuple[list[Any], list[Any]]:
+    """(images, videos) of a conversation's ``image_url`` and ``video_url`` parts, each in
+    prompt order, decoded and checked (data URLs; http(s) only from allowed media domains; a
+    video as its list of PIL frames).
+
+    Raises:
+        MediaError: (a ValueError whose ``param`` names the part) for a bad or refused image
+            or video (``VideoError``), or more of them than ``max_images_per_prompt`` /
+            ``max_videos_per_prompt`` (checked before anything is decoded; ``param``
+            ``messages``).
+    """
+    from kvflow.chat_messages import image_urls, video_urls
+
+    parts = {"image": (image_urls(messages), load_image_url, MediaError),
+             "video": (video_urls(messages), load_video_url, VideoError)}
+    for kind, (urls, _, error_cls) in parts.items():
+        limit = config.limit(f"max_{kind}s_per_prompt")
+        if len(urls) > limit:
+            error = error_cls(f"{len(urls)} {kind}s in one conversation; the limit is {limit} "
+                              f"(--max-{kind}s-per-prompt)")
+            error.param = "messages"
+            raise error
+    loaded: dict[str, list[Any]] = {kind: [] for kind in parts}
+    for kind, (urls, load, _) in parts.items():
+        for param, url in urls:
+            try:
+                loaded[kind].append(load(url, config))
+            except MediaError as e:
+                e.param = param
+                raise
+    return loaded["image"], loaded["video"]

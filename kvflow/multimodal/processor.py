@@ -73,14 +73,12 @@ def load_video_size(path: str) -> dict[str, int] | None:
         if conf.get(key) is not None:
             size[name] = conf[key]
     size = {k: v for k, v in size.items() if k in ("shortest_edge", "longest_edge")}
+    if not size:
+        return None
     if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size.values()):
-        return None if not size else _bad_size(file, size)
+        raise ValueError(f"{file}: size {size} needs shortest_edge and longest_edge, "
+                         "positive integers (pixels)")
     return size
-
-
-def _bad_size(file: str, size: dict) -> dict:
-    raise ValueError(f"{file}: size {size} needs shortest_edge and longest_edge, positive "
-                     "integers (pixels)")
 
 
 class VideoNotSupported(ValueError):
@@ -152,7 +150,7 @@ class MultiModalProcessor:
         indices = {self.image_token_id: 0, self.video_token_id: 0}
         expanded, features = [], []
         for token in token_ids:
-            if token not in items or token is None:
+            if token not in items:
                 expanded.append(token)
                 continue
             k = indices[token]

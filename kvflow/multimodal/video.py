@@ -44,7 +44,14 @@ class VideoError(MediaError):
 
 def video_list(data: Any) -> list[Any]:
     """``multi_modal_data["video"]`` as a list of videos: one video (an array ``(T, H, W,
-    3)`` or a list of PIL images) or a list of videos (arrays or lists of PIL images)."""
+    3)`` or a list of PIL images) or a list of videos (arrays or lists of PIL images).
+
+    Raises:
+        VideoError: for vLLM's ``(frames, metadata)`` tuple, whose metadata kvflow would not
+            read."""
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict):
+        raise VideoError("a (frames, metadata) video is not read (kvflow takes frames at 2 per "
+                         "second and reads no metadata): pass the frames alone")
     if isinstance(data, np.ndarray):
         return [data]
     if isinstance(data, (list, tuple)) and data and all(isinstance(f, Image.Image)

@@ -165,6 +165,7 @@ def test_video_limits(tiny_qwen2_vl):
     ([Image.new("RGB", (56, 56)), Image.new("RGB", (28, 28))], "one size"),
     ([Image.new("RGB", (8, 8))], "at least 14 pixels"),
     ("clip.mp4", "numpy array"),
+    ((np.zeros((2, 56, 56, 3), np.uint8), {"fps": 4.0}), "metadata"),
 ])
 def test_bad_videos(llm2, video, match):
     with pytest.raises(ValueError, match=match):
