@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.entrypoints.json_spans import object_members
+from kvflow.entrypoints.json_spans import object_members, skip_ws
 
 
 # ---- parsed output -------------------------------------------------------------------------------
@@ -120,6 +120,26 @@ def calls_or_content(out: ParsedOutput, text: str, final: bool) -> ParsedOutput:
     if final and not any(c.name for c in out.calls):
         return ParsedOutput(text)
     return out
+
+
+def json_object_calls(text: str, start: int, final: bool, args_keys: tuple[str, ...],
+                      separator: str) -> ParsedOutput:
+    """The calls of a run of JSON objects ``{"name": ..., <args key>: {...}}`` from ``start``
+    (where ``text`` has a ``{``), ``separator`` and whitespace between them (llama3_json's
+    ``;``, granite's list ``,``): a first object without a name is a JSON reply, all content;
+    reading stops at an object cut off by the end of ``text``."""
+    out = ParsedOutput("")
+    while start < len(text) and text[start] == "{":
+        call, end = call_from_object(text, start, args_keys)
+        if end is not None and call.name is None and not out.calls:
+            return ParsedOutput(text)  # a JSON reply, not a call: all content
+        add_call(out, call, end)
+        if end is None:
+            break
+        start = skip_ws(text, end)
+        if start < len(text) and text[start] == separator:
+            start = skip_ws(text, start + 1)
+    return calls_or_content(out, text, final)
 
 
 def new_tool_call_id() -> str:

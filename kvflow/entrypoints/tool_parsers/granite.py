@@ -17,10 +17,8 @@ from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
-    add_call,
-    call_from_object,
     call_json,
-    calls_or_content,
+    json_object_calls,
 )
 
 
@@ -43,18 +41,7 @@ class GraniteToolParser(ToolParser):
             return ParsedOutput(text if final else "")
         if text[start] != "{":
             return ParsedOutput(text)
-        out = ParsedOutput("")
-        while start < len(text) and text[start] == "{":
-            call, end = call_from_object(text, start, ("arguments",))
-            if end is not None and call.name is None and not out.calls:
-                return ParsedOutput(text)  # a JSON reply, not a call: all content
-            add_call(out, call, end)
-            if end is None:
-                break
-            start = skip_ws(text, end)
-            if start < len(text) and text[start] == ",":
-                start = skip_ws(text, start + 1)
-        return calls_or_content(out, text, final)
+        return json_object_calls(text, start, final, ("arguments",), ",")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
