@@ -4,6 +4,7 @@ and ``score`` over an embedding, classification or cross-encoder engine, mixed i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +33,13 @@ from kvflow.outputs import (
 )
 from kvflow.pooling_params import TOKEN_TASKS, PoolingParams
 from kvflow.prompt_truncation import truncation_length
-from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
+from kvflow.score_inputs import (
+    cosine_similarity,
+    pair_prompt,
+    score_pairs,
+    score_use_activation,
+    score_value,
+)
 
 
 class LLMPooling:
@@ -163,7 +170,8 @@ class LLMPooling:
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              user: Sequence[str] | None = None) -> list[ScoringRequestOutput]:
+              user: Sequence[str] | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """A cross-encoder's score of each text pair, in pair order
         (``out.outputs.score``; see :class:`~kvflow.outputs.ScoringOutput`).
 
@@ -174,6 +182,9 @@ class LLMPooling:
             truncate_prompt_tokens: cut each pair to at most this many tokens (the longer
                 text first); None: a pair longer than ``max_model_len`` is refused.
             user: one client name per pair (needs ``policy="fair"``), as for ``generate``.
+            pooling_params: vLLM's: only its ``use_activation`` / ``activation`` is read
+                (False: each pair's raw head logits instead of the score activation); None:
+                the defaults.
 
         On an embedding model (``task="embed"``) a pair's score is the cosine similarity of
         its two texts' embeddings, as vLLM scores with embedding models
@@ -186,10 +197,16 @@ class LLMPooling:
             ValueError: on a generating engine or a classify engine whose classifier has
                 several labels, for bad ``text_1`` / ``text_2`` (named), a
                 pair longer than ``max_model_len`` (named by its index and texts), or a bad
-                ``truncate_prompt_tokens`` or ``user`` (nothing is queued then).
+                ``truncate_prompt_tokens`` or ``user``, pooling_params of another task or
+                with fields other than ``activation``, or ``activation`` on an embedding
+                model (cosine similarity has none) (nothing is queued then).
         """
         processor = self.engine.processor
+        use_activation = score_use_activation(pooling_params)
         if processor.pooler is not None and processor.pooler.task == "embed":
+            if use_activation is not None:
+                raise ValueError("activation: an embedding model scores by cosine similarity, "
+                                 "which has no activation to turn off")
             return self._score_embeddings(score_pairs(text_1, text_2), truncate_prompt_tokens,
                                           use_tqdm, user)
         processor.require_task("score")
@@ -200,6 +217,7 @@ class LLMPooling:
         for i, (a, b) in enumerate(pairs):  # validate everything before queuing anything
             try:
                 ids, params = pair_prompt(processor.tokenizer, a, b, limit)
+                params = dataclasses.replace(params, use_activation=use_activation)
                 processor.make_pooling_request("check", ids, params)
             except ValueError as e:
                 raise ValueError(f"pair {i} (text_1={a[:40]!r}, text_2={b[:40]!r}): {e}") \
@@ -219,7 +237,8 @@ class LLMPooling:
                 for o in self._run(request_ids, use_tqdm and len(request_ids) > 1)]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
-                 user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None
+                 user: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
                  ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities for each prompt, in order
         (``out.outputs.probs``: the softmax of its ``num_labels`` logits, the sigmoid of a
@@ -232,18 +251,24 @@ class LLMPooling:
             prompts: as ``embed`` takes them (text, token ids, dict prompts, or a list).
             user: one client name per prompt (needs ``policy="fair"``), as for ``generate``.
             truncate_prompt_tokens: as ``embed`` takes it (as ``/classify`` cuts inputs).
+            pooling_params: one for all prompts or one per prompt (None: the defaults), their
+                ``task`` set to ``classify``: ``use_activation`` / ``activation`` False gives
+                the head's raw logits in ``probs`` instead of their softmax / sigmoid.
 
         Raises:
             ValueError: on an engine not running ``task="classify"`` or ``"score"`` (naming
                 what it runs),
                 for an empty prompt, a token id outside the vocabulary or a prompt longer than
-                ``max_model_len`` (naming the prompt by its index), or a bad ``user``
-                (nothing is queued then).
+                ``max_model_len`` (naming the prompt by its index), a bad ``user``, or
+                pooling_params of another task or with embedding fields (nothing is queued
+                then).
         """
         self.engine.processor.require_task("classify")
         prompts = as_prompt_list(prompts)
-        outs = self._pool(prompts, [PoolingParams(task="classify")] * len(prompts), use_tqdm,
-                          user, name_prompts=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        params = [with_pooling_task(p, "classify")
+                  for p in broadcast_pooling_params(pooling_params, len(prompts))]
+        outs = self._pool(prompts, params, use_tqdm, user, name_prompts=True,
+                          truncate_prompt_tokens=truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.finished, o.metrics)

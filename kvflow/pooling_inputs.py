@@ -77,11 +77,12 @@ class PoolingInputs:
 
         Raises:
             ValueError: on a generation model, for a bad prompt (see ``validate``; image
-                and video placeholders included), or a ``dimensions`` the model cannot give
-                (Matryoshka support, sizes).
+                and video placeholders included), a ``dimensions`` the model cannot give
+                (Matryoshka support, sizes), or ``activation`` on an embedding task.
         """
         params = params or PoolingParams()
         self.require_task(params.task)
+        check_activation(params)
         self.validate(token_ids, pooling=True)
         if self.mm_processor is not None:
             if self.mm_processor.image_token_id in token_ids:
@@ -92,3 +93,16 @@ class PoolingInputs:
         self.pooler.check_dimensions(params.dimensions, self.hidden_size)
         return Request(request_id, token_ids, SamplingParams(max_tokens=1), None, arrival_time,
                        priority, pooling_params=params, client_id=client_id)
+
+
+def check_activation(params: PoolingParams) -> None:
+    """Refuse ``activation`` / ``use_activation`` where no activation is applied: the
+    embedding tasks (their vectors take ``normalize``), as vLLM 0.10-0.11 accepts it on
+    classify, score and token_classify only.
+
+    Raises:
+        ValueError: naming ``activation`` for an embed / token_embed request that sets it.
+    """
+    if params.use_activation is not None and params.task in ("embed", "token_embed"):
+        raise ValueError(f"activation applies to classify, score and token_classify, not "
+                         f"task={params.task!r} (embeddings take normalize)")

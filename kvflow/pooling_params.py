@@ -34,19 +34,30 @@ class PoolingParams:
         second_segment_start: for a scored pair whose tokenizer gives token types (BERT),
             the index in tokens of the pair's second segment (token type 1 from there on);
             None: one segment (type 0 throughout). Set by the score paths, not by users.
+        use_activation: whether a head task's values ("score", "classify",
+            "token_classify") go through the task's activation (softmax / sigmoid):
+            False gives the head's raw logits (float32), True or None the activation (vLLM
+            0.11.1's field; the engine refuses it, naming ``activation``, on the embedding
+            tasks, which take ``normalize``).
+        activation: vLLM 0.10 / 0.11.0's name of ``use_activation`` (either may be given;
+            after construction both hold the resolved value).
 
     Raises:
         ValueError: from the constructor for ``dimensions`` < 1 or not an integer, an unknown
             ``task``, a ``second_segment_start`` < 1 or not an integer, or a ``normalize``
-            that is not a bool (or is set for a task other than "embed").
+            that is not a bool (or is set for a task other than "embed"), an ``activation``
+            / ``use_activation`` that is not a bool, or the two set to different values.
     """
 
     dimensions: int | None = None
     task: str = "embed"
     second_segment_start: int | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
+        self._resolve_activation()
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"PoolingParams.dimensions={d!r} must be an integer >= 1")
@@ -63,6 +74,29 @@ class PoolingParams:
             if self.task not in _EMBED_TASKS:
                 raise ValueError(f"PoolingParams.normalize applies to embeddings only, not "
                                  f"task={self.task!r}")
+
+    def _resolve_activation(self) -> None:
+        """Check ``activation`` / ``use_activation`` and give both the one value set.
+
+        Raises:
+            ValueError: for a value that is not a bool or None, or two different values.
+        """
+        for name in ("use_activation", "activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"PoolingParams.{name}={value!r} must be a bool or None")
+        a, u = self.activation, self.use_activation
+        if a is not None and u is not None and a != u:
+            raise ValueError(f"PoolingParams.activation={a!r} and use_activation={u!r} "
+                             "disagree (activation is vLLM 0.10's name of use_activation: "
+                             "set one)")
+        self.use_activation = self.activation = u if u is not None else a
+
+    @property
+    def raw_logits(self) -> bool:
+        """Whether a head task's logits are reported without their activation
+        (``use_activation`` False)."""
+        return self.use_activation is False
 
     @property
     def per_token(self) -> bool:

@@ -114,3 +114,22 @@ def cosine_similarity(u: Sequence[float], v: Sequence[float]) -> float:
     a, b = np.asarray(u, np.float64), np.asarray(v, np.float64)
     norms = float(np.linalg.norm(a) * np.linalg.norm(b))
     return float(a @ b / norms) if norms > 0 else 0.0
+
+
+def score_use_activation(params: PoolingParams | None) -> bool | None:
+    """The ``use_activation`` of ``LLM.score``'s PoolingParams (None: unset), the one field a
+    score request takes from them (vLLM's ``activation``; False: raw head logits).
+
+    Raises:
+        ValueError: for params of a task other than ``score`` (or the default ``embed``), or
+            with ``dimensions`` / ``normalize`` set (naming the field).
+    """
+    if params is None:
+        return None
+    if params.task not in ("embed", "score"):
+        raise ValueError(f"PoolingParams.task={params.task!r} but LLM.score runs task "
+                         "'score'")
+    for name in ("dimensions", "normalize"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"PoolingParams.{name} applies to embeddings, not to scores")
+    return params.use_activation

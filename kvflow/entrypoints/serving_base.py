@@ -57,6 +57,21 @@ def request_ids(prefix: str, client_request_id: str | None) -> tuple[str, str]:
     return reply_id, random_id(reply_id)
 
 
+def request_activation(req: Any) -> bool | None:
+    """A head request's ``use_activation`` from its ``activation`` (vLLM 0.10's name) and
+    ``use_activation`` (0.11.1's) fields: the one set, None when neither is.
+
+    Raises:
+        OpenAIError: 400 naming ``activation`` when the two are set to different values.
+    """
+    a, u = req.activation, req.use_activation
+    if a is not None and u is not None and a != u:
+        raise OpenAIError(f"activation={str(a).lower()} and use_activation={str(u).lower()} "
+                          "disagree (activation is vLLM 0.10's name of use_activation: send "
+                          "one)", param="activation", code="invalid_value")
+    return u if u is not None else a
+
+
 def body_size(raw: Request) -> int | None:
     """The request body's bytes by its ``Content-Length`` (None for a chunked body): what a
     request's preprocessing cost grows with (``preprocess.off_loop``'s ``size``)."""

@@ -19,7 +19,7 @@ from kvflow.entrypoints.protocol import (
     ClassificationResponse,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import request_ids
+from kvflow.entrypoints.serving_base import request_activation, request_ids
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
 from kvflow.pooling_params import PoolingParams
 
@@ -34,8 +34,10 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
             OpenAIError: 400 for an empty input or a token id outside the vocabulary (named
                 ``input`` / ``input.<i>``), an input longer than the context (code
                 ``context_length_exceeded``; send ``truncate_prompt_tokens`` to cut it), or a
-                model that does not classify (``wrong_task``); 404 for another model; 503
-                when overloaded.
+                model that does not classify (``wrong_task``), ``activation`` and
+                ``use_activation`` that disagree; 404 for another model; 503 when overloaded.
+                ``activation`` / ``use_activation`` false answers the head's raw logits in
+                ``probs`` (``label``: the largest).
         """
         self.check_fields(req, "/classify")
         self.check_model(req.model)
@@ -45,8 +47,9 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
         self.check_admission(len(prompts), "input")
         reply_id, request_id = request_ids("classify", req.request_id)
         self.note_request(req, request_id)
-        streams = await self._add(request_id, prompts, PoolingParams(task="classify"),
-                                  self.client_id(req, raw), req.priority)
+        params = PoolingParams(task="classify", use_activation=request_activation(req))
+        streams = await self._add(request_id, prompts, params, self.client_id(req, raw),
+                                  req.priority)
         return await self.respond(raw, streams, self._classes(reply_id, prompts, streams))
 
     async def _classes(self, reply_id: str, prompts: list[Prompt],

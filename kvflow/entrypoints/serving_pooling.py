@@ -25,7 +25,7 @@ from kvflow.entrypoints.protocol import (
     PoolingResponse,
     UsageInfo,
 )
-from kvflow.entrypoints.serving_base import body_size, request_ids
+from kvflow.entrypoints.serving_base import body_size, request_activation, request_ids
 from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
 from kvflow.entrypoints.serving_models import ServingModels
@@ -123,18 +123,28 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
     @staticmethod
     def _params(req: PoolingRequest, task: str) -> PoolingParams:
         """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only,
-        ``embed`` or ``token_embed``).
+        ``embed`` or ``token_embed``; ``activation`` / ``use_activation``: ``classify`` and
+        ``token_classify`` only, false giving the raw logits).
 
         Raises:
             OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify`` or
-                ``token_classify``.
+                ``token_classify``, ``activation`` / ``use_activation`` set for ``embed`` or
+                ``token_embed``, or the two disagreeing.
         """
+        embed = task in ("embed", "token_embed")
         for name in ("dimensions", "normalize"):
-            if task not in ("embed", "token_embed") and getattr(req, name) is not None:
+            if not embed and getattr(req, name) is not None:
                 raise OpenAIError(f"{name} applies to embeddings (task embed or token_embed); "
                                   f"this request's task is {task!r}", param=name,
                                   code="invalid_value")
-        return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize)
+        use_activation = request_activation(req)
+        if embed and use_activation is not None:
+            name = "activation" if req.activation is not None else "use_activation"
+            raise OpenAIError(f"{name} applies to classify and token_classify (embeddings "
+                              f"take normalize); this request's task is {task!r}",
+                              param=name, code="invalid_value")
+        return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize,
+                             use_activation=use_activation)
 
     async def _inputs_of(self, req: PoolingRequest, raw: Request) -> list[Prompt]:
         """The request's prompts: its ``input`` as /v1/embeddings reads it, or its

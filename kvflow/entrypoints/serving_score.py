@@ -7,6 +7,7 @@ with the cosine similarity of its two texts' embeddings, as vLLM does."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,7 +27,7 @@ from kvflow.entrypoints.protocol import (
     ScoreResponse,
     ScoreUsage,
 )
-from kvflow.entrypoints.serving_base import OpenAIServing, request_ids
+from kvflow.entrypoints.serving_base import OpenAIServing, request_activation, request_ids
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import cut_text_ids, truncation_length
 from kvflow.score_inputs import cosine_similarity, pair_prompt, score_pairs, score_value
@@ -42,11 +43,15 @@ class OpenAIServingScore(OpenAIServing):
     async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
         """Score every (text_1, text_2) pair; answer in pair order.
 
+        ``activation`` / ``use_activation`` false gives each pair's raw head logit(s) instead
+        of the score activation (sigmoid for one label).
+
         Raises:
             OpenAIError: 400 for bad texts (named), a pair (or, for an embedding model, a
-                text) longer than the context, ``truncate_prompt_tokens`` on an embedding
-                model, or a model that does not score (``wrong_task``); 404 for another
-                model; 503 when overloaded.
+                text) longer than the context, ``activation`` on an embedding model (cosine
+                similarity has none) or disagreeing with ``use_activation``, or a model
+                that does not score (``wrong_task``); 404 for another model; 503 when
+                overloaded.
         """
         self._check(req, "/v1/score")
         pairs = _pairs(req.text_1, req.text_2, ("text_1", "text_2"))
@@ -115,10 +120,17 @@ class OpenAIServingScore(OpenAIServing):
         reply_id, request_id = request_ids("score" if isinstance(req, ScoreRequest)
                                            else "rerank", req.request_id)
         texts = None  # an embedding model's distinct texts, in the order they are queued
+        use_activation = request_activation(req)
         if self.engine.task == "embed":
+            if use_activation is not None:
+                name = "activation" if req.activation is not None else "use_activation"
+                raise OpenAIError(f"{name}: an embedding model scores by cosine similarity, "
+                                  "which has no activation to turn off", param=name,
+                                  code="invalid_value")
             texts, prompts = await self._embedding_prompts(req, pairs, param)
         else:
-            prompts = await self._prompts(pairs, req.truncate_prompt_tokens, names, param)
+            prompts = [(ids, replace(params, use_activation=use_activation)) for ids, params
+                       in await self._prompts(pairs, req.truncate_prompt_tokens, names, param)]
         streams = await self._add(req, raw, request_id, prompts)
 
         async def finish() -> tuple[list[float | list[float]], int]:

@@ -63,7 +63,8 @@ class PoolerConfig:
         other_tasks: the head tasks the engine serves besides ``task``, each with its
             activation (``(("classify", "softmax"),)``): a sequence classifier scores and
             classifies on one engine, scoring only with one label on a classify engine
-            (:func:`model_task`); ``(("token_embed", None),)`` for embeddings.
+            (:func:`model_task`), a decoder classifier gives every token's classes too
+            (``token_classify``); ``(("token_embed", None),)`` for embeddings.
         num_labels: a score or classify model's outputs per prompt (its classifier's
             ``num_labels``); 0 for embeddings.
         labels: a classify model's class names by index (``config.id2label``, "LABEL_i"
@@ -309,7 +310,8 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     decoder: the last token of the prompt, which has no padding), as transformers'
     ``*ForSequenceClassification`` do, and serves both head tasks where the model allows
     (``PoolerConfig.other_tasks``): a score engine classifies too, a classify engine scores
-    when its classifier has one label (vLLM's rule for /score and /rerank).
+    when its classifier has one label (vLLM's rule for /score and /rerank); a decoder
+    classifier also serves vLLM's ``token_classify`` (its head on every prompt token).
 
     Args:
         requested: ``ModelConfig.task`` (auto | generate | embed | score | classify).
@@ -337,6 +339,12 @@ def model_task(requested: str, hf_config: Any, folder: str | None
     # one label (a relevance logit), on a score engine with any (CrossEncoder.predict's values).
     num_labels = int(hf_config.num_labels)
     served = ("score", "classify") if task == "score" or num_labels == 1 else ("classify",)
+    if not encoder:
+        # vLLM's token_classify on a sequence classifier: the score head on every prompt
+        # token's row (a decoder's head is one Linear, so transformers' per-token logits
+        # before its last-token pick; an encoder's head starts with the CLS pooler's dense
+        # + tanh, which is no per-token head, so encoders do not serve it)
+        served += ("token_classify",)
     activations = {t: score_activation(hf_config) if t == "score" else
                    classify_activation(num_labels) for t in served}
     return task, PoolerConfig("cls" if encoder else "last", False, task=task,
@@ -407,7 +415,8 @@ def task_mismatch(engine_task: str, asked: str, num_labels: int = 0) -> str:
                 "/v1/classify")
     needs = {"score": "task='score' (a cross-encoder) or task='embed' (cosine similarity)",
              "classify": "task='classify' (a *ForSequenceClassification model)",
-             "token_classify": "task='token_classify' (a *ForTokenClassification model)",
+             "token_classify": "task='token_classify' (a *ForTokenClassification model; "
+                               "a decoder *ForSequenceClassification serves it too)",
              "token_embed": "task='embed' (an embedding model)"}.get(
         asked, f"task={asked!r}")
     return (f"this engine runs task={engine_task!r} (it {TASK_VERB[engine_task]}): use "

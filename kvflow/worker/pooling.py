@@ -121,8 +121,7 @@ class PoolingState:
             else:
                 vector = self._partial.pop(rid)
             if self.score_head is not None:
-                done[rid] = self._score(vector.to(hidden.dtype),
-                                        self.config.task if p is None else p.task)
+                done[rid] = self._score(vector.to(hidden.dtype), p)
                 continue
             done[rid] = finish_vector(vector, p, self.config.normalize)
         return done
@@ -144,7 +143,7 @@ class PoolingState:
         task = params.task if params is not None else self.config.task
         if task == "token_classify":
             logits = self.score_head(rows).float()
-            return _activate(logits, self.config.activation_for(task)).flatten().tolist()
+            return _activate(logits, self._activation(task, params)).flatten().tolist()
         values = rows.float()
         normalize = self.config.normalize
         if params is not None and params.dimensions is not None:
@@ -155,13 +154,21 @@ class PoolingState:
             values = F.normalize(values, dim=-1)
         return values.flatten().tolist()
 
-    def _score(self, pooled: torch.Tensor, task: str) -> list[float]:
+    def _score(self, pooled: torch.Tensor, params: PoolingParams | None) -> list[float]:
         """[H] pooled state (CLS or last token) -> the ``num_labels`` values: head logits
-        (float32), then the activation of the request's ``task`` (score: sentence-transformers'
+        (float32), then the activation of the request's task (score: sentence-transformers'
         ``CrossEncoder.predict`` default; classify: softmax, the class probabilities, or the
-        sigmoid of a single logit)."""
+        sigmoid of a single logit), none when the request asks for raw logits."""
         logits = self.score_head(pooled.unsqueeze(0))[0].float()
-        return _activate(logits, self.config.activation_for(task)).tolist()
+        task = self.config.task if params is None else params.task
+        return _activate(logits, self._activation(task, params)).tolist()
+
+    def _activation(self, task: str, params: PoolingParams | None) -> str | None:
+        """The activation of a ``task`` request's logits: the task's (``activation_for``),
+        or None (the raw logits) when its ``use_activation`` / ``activation`` is False."""
+        if params is not None and params.raw_logits:
+            return None
+        return self.config.activation_for(task)
 
 
 def _activate(logits: torch.Tensor, activation: str | None) -> torch.Tensor:

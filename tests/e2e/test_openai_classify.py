@@ -261,7 +261,7 @@ def test_pooling_gives_a_classifiers_class_probabilities(servers):
     torch.testing.assert_close(torch.tensor([d["probs"] for d in classified["data"]]),
                                expected, atol=ATOL, rtol=0)
     for extra, param, code in (({"task": "embed"}, "task", "wrong_task"),
-                               ({"task": "token_classify"}, "task", "wrong_task"),
+                               ({"task": "token_embed"}, "task", "wrong_task"),
                                ({"task": "score"}, "task", "unsupported_value"),
                                ({"task": "reward"}, "task", "invalid_value"),
                                ({"normalize": True}, "normalize", "invalid_value"),

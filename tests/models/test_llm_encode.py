@@ -73,7 +73,7 @@ def test_classifier_encodes_its_class_probabilities(classifier, assert_no_leaks)
 @pytest.mark.parametrize("kwargs, match", [
     ({"pooling_task": "embed"}, "task='classify'"),  # the engine runs classify
     ({"pooling_task": "score"}, "LLM.score"),
-    ({"pooling_task": "token_classify"}, "task='token_classify' \\(a \\*ForTokenClass"),
+    ({"pooling_task": "token_embed"}, "task='embed' \\(an embedding model\\)"),
     ({"pooling_task": "encode"}, "'token_embed' \\(an embedding engine\\) or"),
     ({"pooling_task": "reward"}, ("must be one of embed, classify, token_embed, "
                                   "token_classify or None")),

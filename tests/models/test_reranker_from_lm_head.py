@@ -111,7 +111,7 @@ def test_a_classify_engine_scores_with_one_label(reranker, assert_no_leaks):
     folder = reranker("Qwen3")
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64, task="classify",
               hf_overrides=QWEN3_RERANKER)
-    assert llm.engine.processor.pooler.tasks == ("classify", "score")
+    assert llm.engine.processor.pooler.tasks == ("classify", "score", "token_classify")
     ids = _pair_ids(llm, DOCUMENTS[:3])
     expected = hf_reranker_scores(folder, ids)
     scores = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS[:3], use_tqdm=False)]
@@ -128,7 +128,7 @@ def test_a_score_engine_classifies(tmp_path, assert_no_leaks):
     folder = str(tmp_path / "cls")
     build_decoder_classifier(folder, "Qwen2", 3)
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)  # auto: score
-    assert llm.engine.processor.pooler.tasks == ("score", "classify")
+    assert llm.engine.processor.pooler.tasks == ("score", "classify", "token_classify")
     probs = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS[:3], use_tqdm=False)])
     torch.testing.assert_close(probs, torch.softmax(hf_logits(folder, TEXTS[:3]), -1),
                                atol=ATOL, rtol=0)

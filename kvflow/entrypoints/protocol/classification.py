@@ -31,6 +31,8 @@ class ClassificationRequest(RequestBody):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    activation: bool | None = None  # vLLM 0.10's name of use_activation
+    use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
 
 class ClassificationData(OpenAIBaseModel):

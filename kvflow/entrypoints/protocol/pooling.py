@@ -32,6 +32,8 @@ class PoolingRequest(EmbeddingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     task: str | None = None
+    activation: bool | None = None  # vLLM 0.10's name of use_activation
+    use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
     @model_validator(mode="wrap")
     @classmethod

@@ -29,6 +29,8 @@ class ScoreRequest(RequestBody):
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
+    activation: bool | None = None  # vLLM 0.10's name of use_activation
+    use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
 
 class ScoreData(OpenAIBaseModel):
@@ -62,6 +64,8 @@ class RerankRequest(RequestBody):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     user: str | None = None
+    activation: bool | None = None  # vLLM 0.10's name of use_activation
+    use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
 
 
 class RerankDocument(OpenAIBaseModel):
