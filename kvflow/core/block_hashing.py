@@ -172,7 +172,10 @@ class BlockHasher:
         lora, embeds = request.lora_request, request.prompt_embeds
         if not self.is_vllm:  # kvflow's nesting, unchanged
             key = None if shared else request.parent_id
-            key = key if lora is None else (key, lora.lora_int_id)
+            # the adapter's id, name and folder: an id removed and loaded again for another
+            # folder must not hit the blocks the old adapter filled (vLLM keys name + path)
+            key = key if lora is None else \
+                (key, (lora.lora_int_id, lora.lora_name, lora.lora_path))
             key = (key, "long_prompt_rope") if long_prompt else key
             return key if embeds is None else (key, "prompt_embeds", embeds.identifier)
         own = ([] if embeds is None else [("kvflow_prompt_embeds", embeds.identifier)]) \

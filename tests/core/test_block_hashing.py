@@ -7,7 +7,9 @@ out by hand here.
   (RFC 8949: major type << 5 | length), so the encoder is checked against the standard, not
   against itself.
 * ``blake2b`` (the default): the hashes main's kvflow computed before the option existed
-  (recorded hex values): the default is unchanged.
+  (recorded hex values, without LoRA: the default is unchanged), and with LoRA its byte
+  layout written out by hand (the adapter's id, name and path keyed since an id can be
+  reused for another folder).
 
 A 13-token prompt at block size 4 has 3 full blocks; the request carries a LoRA adapter
 (name ``ad``, id 7, path ``/adapters/ad``) and ``cache_salt`` ``tenant-a``.
@@ -123,11 +125,33 @@ def test_block_fast_path_writes_the_general_encoders_bytes():
     assert _cbor_block(parent, (24, 300), None)[35:] == b"\x82\x18\x18\x19\x01\x2c\xf6"
 
 
+def blake2b_block(parent: int | None, tokens: tuple[int, ...], extra: str) -> int:
+    """kvflow's BLAKE2b-128 block hash written out: a parent flag (and the parent's 16 bytes,
+    little-endian), the token count (4 bytes), the tokens as int64, ``repr`` of the extra
+    key; the digest read little-endian."""
+    payload = (b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little")) \
+        + len(tokens).to_bytes(4, "little") \
+        + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens) + extra.encode()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=16).digest(), "little")
+
+
+def test_default_blake2b_keys_the_adapters_id_name_and_folder():
+    """With a LoRA adapter, kvflow's extra key is ``(None, (id, name, path))`` (the salt
+    nested after it on the first block): an id reused for another folder keys apart."""
+    adapter = "(None, (7, 'ad', '/adapters/ad'))"
+    extras = [f"({adapter}, ('cache_salt', 'tenant-a'))", adapter, adapter]
+    expected, parent = [], None
+    for block, extra in zip(BLOCKS, extras):
+        parent = blake2b_block(parent, block, extra)
+        expected.append(parent)
+    assert engine_hashes(None) == expected
+    assert engine_hashes("blake2b") == expected
+    assert engine_hashes(None, lora=LoRARequest("other", 7, "/adapters/other"))[0] \
+        != expected[0]
+
+
 def test_default_is_kvflows_blake2b_unchanged():
     """Values main's kvflow computed for the same requests before the option existed."""
-    assert [hex(h) for h in engine_hashes(None)] == [
-        "0xc5517e5eeeb229b6d70f7284b5e86bfa", "0xb8dff3c942d13fa90ab6ba96a44a0bda",
-        "0xe8aa71350381eb0803e0d604764b8ec0"]
     assert [hex(h) for h in engine_hashes("blake2b", lora=None, salt=None)] == [
         "0x75ea20995bf22aa4f8cdfb158ffb51a3", "0x723934125059de6ab4de62941217c28e",
         "0x3ccbc1961c5011dcc8876f1230a76c1d"]

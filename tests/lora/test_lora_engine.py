@@ -111,8 +111,8 @@ def test_one_slot_serializes_adapters(tiny_llama, adapters, assert_no_leaks):
 
 def test_removed_adapter_leaves_its_slot(llm, tiny_llama, adapters, assert_no_leaks):
     """An id unloaded and loaded again for another folder runs the new weights: the slot
-    still holding the old adapter's was taken for it (another prompt: the prefix cache keys
-    blocks by id)."""
+    still holding the old adapter's was taken for it (another prompt, so that no prefix hit
+    is involved: see the next test for that)."""
     tok = llm.get_tokenizer()
     first, second = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[1])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -123,6 +123,33 @@ def test_removed_adapter_leaves_its_slot(llm, tiny_llama, adapters, assert_no_le
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapters["qv"], second)
     assert llm.engine.core.remove_lora(50)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("algo", ["blake2b", "sha256"])
+def test_reused_id_and_name_miss_the_old_adapters_blocks(llm, tiny_llama, adapters, algo,
+                                                         assert_no_leaks):
+    """The same prompt under an id (and name) unloaded and loaded again for another folder:
+    its blocks are cached under the old adapter's K/V, so a hit would decode the old
+    adapter's tokens; the block key carries the folder, so it misses and peft's tokens for
+    the new folder come out (kvflow's hash and vLLM's sha256 alike)."""
+    if algo != "blake2b":
+        llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=128,
+                  block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  prefix_caching_hash_algo=algo)
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    core = llm.engine.core
+    old = llm.generate([ids], params, lora_request=LoRARequest("x", 60, adapters["all"]),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert old == peft_greedy(tiny_llama.path, adapters["all"], ids)
+    assert core.remove_lora(60)
+    hits_before = core.kv_cache_manager.num_hits
+    new = llm.generate([ids], params, lora_request=LoRARequest("x", 60, adapters["qv"]),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert new == peft_greedy(tiny_llama.path, adapters["qv"], ids) != old
+    assert core.kv_cache_manager.num_hits == hits_before  # no block of the old adapter hit
+    assert core.remove_lora(60)
     assert_no_leaks(llm)
 
 
