@@ -33,22 +33,18 @@ class LoRAConfig:
                                  "(--enable-lora); without it no adapter is served")
 
     def verify_with_parallel(self, parallel: ParallelConfig) -> None:
-        """LoRA runs on one engine over any number of tensor-parallel ranks (each holds its
-        shard of every adapter: ``kvflow/lora/sharding.py``); not over pipeline stages,
-        context-parallel ranks or data-parallel replicas yet.
+        """LoRA runs over any number of tensor-parallel ranks (each holds its shard of every
+        adapter: ``kvflow/lora/sharding.py``) and data-parallel replicas (each loads every
+        adapter); not over pipeline stages or context-parallel ranks yet.
 
         Raises:
-            ValueError: with LoRA enabled and more than one pipeline-parallel stage,
-                context-parallel rank or data-parallel replica.
+            ValueError: with LoRA enabled and more than one pipeline-parallel stage or
+                context-parallel rank.
         """
-        if self.enable_lora and parallel.data_parallel_size > 1:
-            raise ValueError("enable_lora needs data_parallel_size=1: adapters are not loaded "
-                             "on data-parallel replicas yet")
         for name in ("pipeline_parallel_size", "context_parallel_size"):
             if self.enable_lora and getattr(parallel, name) > 1:
                 raise ValueError(f"enable_lora needs {name}=1: LoRA is not run over pipeline "
                                  "stages or context-parallel ranks yet (tensor_parallel_size "
-                                 "> 1 works)")
-
+                                 "and data_parallel_size > 1 work)")
 
 _DEFAULTS = {f.name: f.default for f in fields(LoRAConfig)}

@@ -24,16 +24,23 @@ class AsyncLLMCalls:
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load a LoRA adapter in the engine core (read and checked against the model there).
+        """Load a LoRA adapter in the engine core, on every data-parallel replica (read and
+        checked against the model there); a load any replica refuses is undone on the others.
 
         Raises:
             ValueError: when the engine refuses it (the message says why).
             EngineDeadError: if the engine is gone.
         """
-        await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
+        try:
+            await self._call(AddLoRA(0, lora_request))  # each replica's call gets its own id
+        except ValueError:
+            if len(self.replicas.cores) > 1:  # the replicas that accepted it forget it
+                await self._call(RemoveLoRA(0, lora_request.lora_int_id))
+            raise
 
     async def remove_lora(self, lora_int_id: int) -> None:
-        """Forget a LoRA adapter in the engine core (running requests finish with it).
+        """Forget a LoRA adapter in the engine core, on every replica (running requests finish
+        with it).
 
         Raises:
             EngineDeadError: if the engine is gone.

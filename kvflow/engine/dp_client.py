@@ -15,22 +15,27 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from kvflow.config import EngineConfig
 from kvflow.engine.core_client import CoreProcess, ReplicaState
 from kvflow.engine.dp_balancer import DPLoadBalancer
 from kvflow.engine.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequests,
     EngineCoreRequest,
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    RemoveLoRA,
     ResetPrefixCache,
+    UtilityCall,
     UtilityResult,
 )
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
+from kvflow.lora.request import LoRARequest
 from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,8 @@ class DPCoreClient:
         self._pending: collections.deque[EngineCoreOutput] = collections.deque()
         self._next_check = 0.0
         self._call_ids = itertools.count()
+        self.enable_lora = config.lora_config.enable_lora
+        self.loras: dict[int, LoRARequest] = {}  # loaded on every replica, by lora_int_id
 
     @property
     def cores(self) -> list[CoreProcess]:
@@ -141,13 +148,61 @@ class DPCoreClient:
         Raises:
             RuntimeError: naming the replica, if one failed or its process exited.
         """
+        return all(bool(r.result) for r in self._call_all(ResetPrefixCache))
+
+    # ---- LoRA adapters: on every replica -----------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter on every live replica (each checks it as
+        ``EngineCore.add_lora`` does) unless it is loaded; a refusal by any replica unloads it
+        from the others, so the replicas hold the same adapters.
+
+        Raises:
+            ValueError: without enable_lora, for an id in use by another adapter, or the
+                replicas' refusal (the adapter cannot be applied to the model).
+            RuntimeError: naming the replica, if one failed or its process exited.
+        """
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used by "
+                                 f"{known}; give each adapter its own id")
+            return
+        if not self.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora "
+                             "(--enable-lora)")
+        results = self._call_all(lambda call_id: AddLoRA(call_id, lora_request))
+        refused = next((r.error for r in results if r.error is not None), None)
+        if refused is not None:
+            self._call_all(lambda call_id: RemoveLoRA(call_id, lora_request.lora_int_id))
+            raise ValueError(refused)
+        self.loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter on every live replica (requests running with it finish with
+        it); False if it was not loaded.
+
+        Raises:
+            RuntimeError: naming the replica, if one failed or its process exited.
+        """
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self._call_all(lambda call_id: RemoveLoRA(call_id, lora_int_id))
+        return True
+
+    def _call_all(self, make: Callable[[int], UtilityCall]) -> list[UtilityResult]:
+        """Send ``make(call_id)`` to every live replica and wait for their answers (by
+        replica index); outputs arriving meanwhile are kept for ``step``.
+
+        Raises:
+            RuntimeError: naming the replica, if one failed or its process exited.
+        """
         waiting = {}
         for core in self.cores:
             if core.is_live:
                 call_id = next(self._call_ids)
                 waiting[call_id] = core.index
-                core.send(self.replicas.encoder.encode(ResetPrefixCache(call_id)))
-        reset = True
+                core.send(self.replicas.encoder.encode(make(call_id)))
+        results: dict[int, UtilityResult] = {}
         while waiting:
             self.check_health()
             output = self.replicas.output
@@ -155,11 +210,12 @@ class DPCoreClient:
                 continue
             msg = self.replicas.decoder.decode(output.recv())
             if isinstance(msg, UtilityResult):
-                if waiting.pop(msg.call_id, None) is not None:  # else an earlier call's
-                    reset = reset and bool(msg.result)
+                index = waiting.pop(msg.call_id, None)  # None: an earlier call's answer
+                if index is not None:
+                    results[index] = msg
             else:
                 self._handle(msg)
-        return reset
+        return [results[i] for i in sorted(results)]
 
     def _handle(self, msg: EngineOutputs | EngineFailed | EngineReady) -> None:
         if isinstance(msg, EngineFailed):

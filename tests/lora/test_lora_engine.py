@@ -310,8 +310,6 @@ def test_lora_needs_enable_lora_and_one_stage(tiny_llama, adapters):
         LLM(model=tiny_llama.path, enable_lora=True, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size=1"):
         LLM(model=tiny_llama.path, enable_lora=True, context_parallel_size=2, block_size=4)
-    with pytest.raises(ValueError, match="data_parallel_size=1"):
-        LLM(model=tiny_llama.path, enable_lora=True, data_parallel_size=2)
 
 
 def test_phi3_fused_checkpoint_modules(tiny_model_factory, tmp_path, assert_no_leaks):
