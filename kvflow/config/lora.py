@@ -34,17 +34,16 @@ class LoRAConfig:
 
     def verify_with_parallel(self, parallel: ParallelConfig) -> None:
         """LoRA runs over any number of tensor-parallel ranks (each holds its shard of every
-        adapter: ``kvflow/lora/sharding.py``) and data-parallel replicas (each loads every
-        adapter); not over pipeline stages or context-parallel ranks yet.
+        adapter: ``kvflow/lora/sharding.py``), pipeline stages (each adapts its own layers)
+        and data-parallel replicas (each loads every adapter); not over context-parallel
+        ranks yet.
 
         Raises:
-            ValueError: with LoRA enabled and more than one pipeline-parallel stage or
-                context-parallel rank.
+            ValueError: with LoRA enabled and more than one context-parallel rank.
         """
-        for name in ("pipeline_parallel_size", "context_parallel_size"):
-            if self.enable_lora and getattr(parallel, name) > 1:
-                raise ValueError(f"enable_lora needs {name}=1: LoRA is not run over pipeline "
-                                 "stages or context-parallel ranks yet (tensor_parallel_size "
-                                 "and data_parallel_size > 1 work)")
+        if self.enable_lora and parallel.context_parallel_size > 1:
+            raise ValueError("enable_lora needs context_parallel_size=1: LoRA is not run over "
+                             "context-parallel ranks yet (tensor_parallel_size, "
+                             "pipeline_parallel_size and data_parallel_size > 1 work)")
 
 _DEFAULTS = {f.name: f.default for f in fields(LoRAConfig)}

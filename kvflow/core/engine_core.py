@@ -15,7 +15,12 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_startup import EngineCoreStartup
-from kvflow.core.engine_steps import step_async, step_sync, step_with_batch_queue
+from kvflow.core.engine_steps import (
+    fold_oldest_batch,
+    step_async,
+    step_sync,
+    step_with_batch_queue,
+)
 from kvflow.core.kv_events import KVEventBatch
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine_outputs import EngineCoreOutput
@@ -81,9 +86,14 @@ class EngineCore(EngineCoreStartup):
         if not self.config.lora_config.enable_lora:
             raise ValueError("LoRA adapters need an engine started with enable_lora "
                              "(--enable-lora)")
+        self.drain_steps()
         results = self.executor.collective_rpc("add_lora", lora_request)  # every rank
         refused = next((r for r in results if isinstance(r, RpcRefusal)), None)
         if refused is not None:
+            # pipeline stages check only their own layers' weights: the stages that took
+            # it forget it, or the id reused for another folder would find it there
+            if not all(isinstance(r, RpcRefusal) for r in results):
+                self.executor.collective_rpc("remove_lora", lora_request.lora_int_id)
             raise ValueError(refused.message)
         self.loras[lora_request.lora_int_id] = lora_request
 
@@ -92,8 +102,20 @@ class EngineCore(EngineCoreStartup):
         False if it was not loaded."""
         if self.loras.pop(lora_int_id, None) is None:
             return False
+        self.drain_steps()
         self.executor.collective_rpc("remove_lora", lora_int_id)
         return True
+
+    def drain_steps(self) -> None:
+        """Wait for the micro-batches in flight (pipeline parallelism) and fold their tokens
+        in, keeping their outputs for the next ``step``: a ``collective_rpc`` must not
+        interleave with step replies. Nothing to do without steps in flight.
+
+        Raises:
+            ExecutorError: if a worker failed (every step in flight is failed).
+        """
+        while self.batch_queue:
+            self.drained_outputs.extend(fold_oldest_batch(self))
 
     # ---- sleep mode (core/sleep_mode.py) ---------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -181,7 +203,8 @@ class EngineCore(EngineCoreStartup):
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a request is unfinished or outputs wait for the next ``step``."""
+        return self.scheduler.has_unfinished_requests() or bool(self.drained_outputs)
 
     def check_health(self) -> None:
         """Raise ExecutorError if a worker has failed (for an idle engine's periodic check)."""
@@ -198,6 +221,7 @@ class EngineCore(EngineCoreStartup):
         """Schedule a batch, run the model on it, and fold the sampled tokens back in: one
         of the step variants (``kvflow/core/engine_steps.py``), by how the executor runs."""
         failed = self._finish_failed_compiles()
+        failed, self.drained_outputs = failed + self.drained_outputs, []
         if self.executor.max_concurrent_batches > 1:
             outputs = step_with_batch_queue(self)
         else:

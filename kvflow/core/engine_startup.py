@@ -27,6 +27,7 @@ from kvflow.core.unread_options import (
     check_prompt_embeds_model,
     warn_unread_settings,
 )
+from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
 from kvflow.layers.rotary import long_prompt_rope
@@ -90,6 +91,9 @@ class EngineCoreStartup:
         self._resolve_async_scheduling()
         # Steps sent but not yet folded back in (pipeline parallelism keeps several).
         self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+        # Their outputs when a call waited for them (``EngineCore.drain_steps``): the next
+        # step returns them.
+        self.drained_outputs: list[EngineCoreOutput] = []
 
     def _check_cpu_threads(self) -> None:
         """On CPU, ``--cpu-threads`` / ``--cpu-threads-bind`` checked for every worker process

@@ -118,6 +118,12 @@ def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
     if not core.batch_queue:  # only grammars compiling: wait a little, do not spin
         core.structured_output.wait_for_compiles(timeout_s=0.05)
         return []
+    return fold_oldest_batch(core)
+
+
+def fold_oldest_batch(core: EngineCore) -> list[EngineCoreOutput]:
+    """Wait for the oldest micro-batch in flight and fold its sampled tokens in; returns its
+    outputs. A failed step fails every step in flight (the executor's error is raised)."""
     future, sched = core.batch_queue.popleft()
     try:
         runner_output = future.result()

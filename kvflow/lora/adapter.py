@@ -121,7 +121,8 @@ def _kvflow_module(peft_module: str, packed: dict[str, tuple[str, Any]],
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                  packed: dict[str, tuple[str, Any]], max_rank: int,
                  dtype: torch.dtype, rename: Callable[[str], str] | None = None,
-                 model_type: str | None = None) -> LoRAAdapter:
+                 model_type: str | None = None,
+                 elsewhere: Callable[[str], bool] | None = None) -> LoRAAdapter:
     """Read and check a PEFT folder against the model's LoRA targets. Modules the config
     adapts that hold no weights (peft loads zero deltas there and warns) are logged, one
     warning per load.
@@ -136,6 +137,9 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
             ``model.language_model.*`` -> ``model.*``), None for none.
         model_type: the base model's config.json ``model_type``: a config without
             ``target_modules`` adapts what peft adapts by default for it.
+        elsewhere: kvflow module name -> whether another pipeline stage holds it (its
+            weights are left to that stage, which checks them; None: one stage). A stage
+            may then keep no weights of an adapter.
 
     Raises:
         ValueError: for anything kvflow cannot apply (see ``check_adapter_config``), a
@@ -157,11 +161,13 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     rank = 0
     for peft_module, ab in sorted(pairs.items()):
         module, shard = _kvflow_module(peft_module, packed, rename)
+        if elsewhere is not None and elsewhere(module):
+            continue
         a, b = _checked_pair(peft_module, module, shard, ab, targets)
         _check_weights_rank(request, config, peft_module, a.shape[0], max_rank)
         weights.setdefault(module, {})[shard] = _folded_pair(config, peft_module, a, b, dtype)
         rank = max(rank, a.shape[0])
-    if not weights:
+    if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_path!r} holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
 

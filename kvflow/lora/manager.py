@@ -12,6 +12,7 @@ than ``max_loras`` adapters.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,13 +62,16 @@ class LoRAManager:
         device: the model's device.
         model_type: the base model's config.json ``model_type`` (a config without
             ``target_modules`` adapts peft's default modules for it).
+        elsewhere: module name -> whether another pipeline stage holds that layer (an
+            adapter's weights for it are left to that stage); None with one stage.
 
     Raises:
         ValueError: from the constructor for a model without LoRA support.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
-                 device: torch.device, model_type: str | None = None) -> None:
+                 device: torch.device, model_type: str | None = None,
+                 elsewhere: Callable[[str], bool] | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.model_type = model_type
         self.ctx = LoRAContext()
@@ -78,13 +82,15 @@ class LoRAManager:
         # the model's checkpoint renames (Qwen2-VL: model.language_model.* -> model.*)
         self.rename = getattr(model, "checkpoint_name", None)
         self.adapters: dict[int, LoRAAdapter] = {}
+        self.elsewhere = elsewhere
         self.slot_ids = [0] * config.max_loras  # lora_int_id held by each slot (0: none)
         logger.info("LoRA: %d layers adapted, %d slots of rank %d", len(self.layers),
                     config.max_loras, config.max_lora_rank)
 
     def add_lora(self, request: LoRARequest) -> LoRAAdapter:
         """Load (read and check against the checkpoint's sizes) an adapter unless it is
-        loaded, keeping this tensor-parallel rank's part of its weights; returns it.
+        loaded, keeping this tensor-parallel rank's part of its weights, of this pipeline
+        stage's layers; returns it.
 
         Raises:
             ValueError: when the folder cannot be applied to this model (see
@@ -94,7 +100,7 @@ class LoRAManager:
         if adapter is None:
             adapter = load_adapter(request, self.targets, self.packed,
                                    self.config.max_lora_rank, self.dtype, self.rename,
-                                   self.model_type)
+                                   self.model_type, self.elsewhere)
             adapter.weights = {name: self.layers[name].shard_weights(pairs)
                                for name, pairs in adapter.weights.items()}
             self.adapters[request.lora_int_id] = adapter

@@ -31,6 +31,7 @@ from kvflow.lora.layers import LoRAMapping
 from kvflow.lora.manager import LoRAManager
 from kvflow.lora.request import LoRARequest
 from kvflow.models.model_resolver import ModelSource
+from kvflow.models.parallel_utils import is_pp_missing
 from kvflow.models.pooling_config import model_task
 from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
@@ -115,8 +116,11 @@ class ModelRunner(RunnerKVCache):
         self.pooling = None if pooler is None else \
             PoolingState(pooler, getattr(self.model, "score_head", None))  # embed, score, classify
         lc = self.config.lora_config
+        # each pipeline stage adapts its own layers (the others' weights are their stages')
+        elsewhere = None if self.parallel.pp.world_size == 1 else \
+            (lambda name: is_pp_missing(name, self.model))
         self.lora_manager = LoRAManager(self.model, lc, self.dtype, self.device,
-                                        getattr(hf_config, "model_type", None)) \
+                                        getattr(hf_config, "model_type", None), elsewhere) \
             if lc.enable_lora else None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB (quantization: %s)", self.weight_bytes / 2**20,
