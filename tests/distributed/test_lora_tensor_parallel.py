@@ -76,8 +76,8 @@ def test_two_adapters_and_base_at_tp2_match_peft(tiny_llama, adapters):
                             use_tqdm=False)[0]
         _assert_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
         assert llm.engine.core.remove_lora(3)
-        # another prompt: the prefix cache keys blocks by adapter id, so ids[0]'s blocks
-        # under id 3 would still hold 'late''s K/V (ids are not reused by the server)
+        # another prompt, so that only the slot is tested here (the prefix cache's keying
+        # of a reused id: tests/lora/test_lora_engine.py)
         again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
                                                                         adapters["qv"]),
                              use_tqdm=False)[0]
