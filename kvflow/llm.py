@@ -249,7 +249,8 @@ class LLM(LLMPooling):
 
         Message ``content`` may be a string, a list of text (and, for a vision-language
         model, ``image_url`` and ``video_url``) parts or None (see ``kvflow.chat_messages``;
-        image URLs are ``data:`` URLs, or http(s) from ``allowed_media_domains``; video URLs
+        image URLs are ``data:`` URLs, http(s) from ``allowed_media_domains`` or ``file://``
+        inside ``allowed_local_media_path``; video URLs
         likewise, see ``kvflow.multimodal.video``);
         ``continue_final_message`` continues the last (assistant)
         message instead of starting a new turn; ``chat_template`` replaces the model's;

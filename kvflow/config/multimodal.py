@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvflow.config.options import check_choices, json_object, opt
@@ -57,6 +59,11 @@ class MultiModalConfig:
         None, "comma-separated host names image URLs may be fetched from over http(s), e.g. "
         "images.example.com,127.0.0.1 (default: none; only data: URLs and in-process images); "
         "refused for a text-only model")
+    allowed_local_media_path: str | None = opt(
+        None, "a directory whose files chat image_url and video_url parts may name as "
+        "file:// URLs (the resolved path must stay inside it: symlinks and '..' leading out "
+        "are refused) (default: none; file:// URLs are refused); only for trusted clients, as "
+        "in vLLM; refused for a text-only model")
     max_image_bytes: int | None = opt(None, "largest encoded image (data URL payload or "
                                        "download) in bytes (default: 20 MiB, 20971520); "
                                        "refused for a text-only model")
@@ -104,6 +111,22 @@ class MultiModalConfig:
         if self.media_fetch_timeout is not None and self.media_fetch_timeout <= 0:
             raise ValueError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0")
         self.media_domains()  # a malformed list fails at start-up
+        self.local_media_root()  # so does a missing directory
+
+    def local_media_root(self) -> Path | None:
+        """``allowed_local_media_path`` resolved (symlinks followed, absolute), or None when
+        unset (file:// URLs refused).
+
+        Raises:
+            ValueError: if the path is not an existing directory.
+        """
+        if self.allowed_local_media_path is None:
+            return None
+        root = Path(os.path.expanduser(str(self.allowed_local_media_path))).resolve()
+        if not root.is_dir():
+            raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} is "
+                             "not an existing directory")
+        return root
 
     def _apply_mm_limits(self) -> None:
         """``limit_mm_per_prompt`` (JSON text or a dict) parsed, its image count set as
@@ -187,7 +210,7 @@ class MultiModalConfig:
         whose model takes images reads: the image URL hosts, the image limits and the vision
         encoder's budget and cache."""
         given = [f"{name}={getattr(self, name)!r}" for name in
-                 ("allowed_media_domains", *IMAGE_LIMIT_DEFAULTS, "media_io_kwargs",
+                 ("allowed_media_domains", "allowed_local_media_path", *IMAGE_LIMIT_DEFAULTS, "media_io_kwargs",
                   "max_num_encoder_input_tokens", "encoder_cache_size")
                  if getattr(self, name) is not None]
         if self.limit_mm_per_prompt is not None:  # named as given, not as the fields it set

@@ -4,6 +4,8 @@ Every refusal is a ``MediaError`` (a ValueError) that says what is wrong with th
 which limit it broke, so the server answers 400 with it and the offline API raises it:
 
 * a data URL must be ``data:image/<png|jpeg|webp|gif|bmp>;base64,<payload>`` with valid base64;
+* a ``file://`` URL is read only when ``--allowed-local-media-path DIR`` is set, and only if
+  the file's resolved path (symlinks and ``..`` followed) lies inside DIR;
 * an http(s) URL is fetched only from a host named in ``--allowed-media-domains`` (exact host
   match; redirects to other hosts are refused), within ``--media-fetch-timeout`` (the whole
   download, not each read);
@@ -22,7 +24,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -50,11 +54,11 @@ class MediaError(ValueError):
 
 
 def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
-    """The RGB image a ``data:`` or http(s) URL holds.
+    """The RGB image a ``data:``, http(s) or ``file://`` URL holds.
 
     Raises:
-        MediaError: for another scheme, a refused host, a failed fetch, or a bad image (see
-            the module docstring).
+        MediaError: for another scheme, a refused host or local path, a failed fetch or
+            read, or a bad image (see the module docstring).
     """
     if not isinstance(url, str):
         raise MediaError(f"an image URL must be a string, got {type(url).__name__}")
@@ -64,8 +68,10 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
         return decode_image_bytes(_data_url_bytes(url[5:], config), config)
     if scheme in ("http", "https"):
         return decode_image_bytes(fetch_url(url, config), config)
-    raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...) or http(s) "
-                     f"URLs, got scheme {scheme or url[:16]!r}")
+    if scheme == "file":
+        return decode_image_bytes(read_local_file(url, config), config)
+    raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...), http(s) "
+                     f"or file:// URLs, got scheme {scheme or url[:16]!r}")
 
 
 def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
@@ -125,6 +131,51 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
         raise MediaError(f"the image at {url!r} exceeds {limit} bytes "
                          "(--max-image-bytes)")
     return body
+
+
+def read_local_file(url: str, config: MultiModalConfig) -> bytes:
+    """The bytes of the file a ``file://`` URL names (at most ``max_image_bytes``), read only
+    from inside ``--allowed-local-media-path`` (vLLM's rule: the path with every symlink and
+    ``..`` resolved must lie under the directory, itself resolved).
+
+    Raises:
+        MediaError: without the flag, for a host other than localhost, a relative path, a
+            path resolving outside the directory, something that is not a regular file, a
+            failed read, or more than ``max_image_bytes``.
+    """
+    root = config.local_media_root()
+    if root is None:
+        raise MediaError("file:// URLs are refused: this server reads no local files; start "
+                         "it with --allowed-local-media-path DIR (allowed_local_media_path) "
+                         "to allow the files under DIR, or send the media inline as a data: "
+                         "URL")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise MediaError(f"a file:// URL names a file on this machine; got host "
+                         f"{parts.netloc!r} (write file:///path)")
+    path = urllib.request.url2pathname(parts.path)
+    if not os.path.isabs(path):
+        raise MediaError(f"a file:// URL needs an absolute path, got {path!r}")
+    resolved = os.path.realpath(path)
+    if not resolved.startswith(str(root).rstrip(os.sep) + os.sep):
+        raise MediaError(f"the file {path!r} is not under --allowed-local-media-path {root} "
+                         "(its path with symlinks and '..' resolved leads outside it)")
+    limit = config.limit("max_image_bytes")
+    # O_NOFOLLOW: the resolved path must not have become a symlink since; O_NONBLOCK: a FIFO
+    # does not wait for a writer (it is then refused as not a regular file)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        with os.fdopen(os.open(resolved, flags), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise MediaError(f"{path!r} is not a regular file")
+            data = f.read(limit + 1)
+    except MediaError:
+        raise
+    except OSError as e:
+        raise MediaError(f"cannot read the file {path!r}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise MediaError(f"the file {path!r} exceeds {limit} bytes (--max-image-bytes)")
+    return data
 
 
 def _read_until(response, limit: int, deadline: float) -> bytes | None:

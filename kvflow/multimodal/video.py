@@ -7,8 +7,9 @@ into patches). The forms taken are vLLM's:
   list of PIL images; several videos as a list of those;
 * ``data:video/jpeg;base64,<frame 1>,<frame 2>,...``: base64 JPEG frames separated by commas
   (decoded with PIL, no video library needed);
-* ``data:video/<mp4|webm|...>;base64,<file>`` or an http(s) URL (fetched only from
-  ``--allowed-media-domains``, as images are): a video file, decoded with PyAV (``pip install
+* ``data:video/<mp4|webm|...>;base64,<file>``, an http(s) URL (fetched only from
+  ``--allowed-media-domains``, as images are) or a ``file://`` URL (read only from inside
+  ``--allowed-local-media-path``, as images are): a video file, decoded with PyAV (``pip install
   av``, an optional dependency: without it such a video is a ``MediaError`` naming it), of
   which ``media_io_kwargs`` ``video.num_frames`` frames (default 32) are sampled uniformly.
 
@@ -29,7 +30,13 @@ import numpy as np
 from PIL import Image
 
 from kvflow.config import MultiModalConfig
-from kvflow.multimodal.media import _DATA_URL, MediaError, decode_image_bytes, fetch_url
+from kvflow.multimodal.media import (
+    _DATA_URL,
+    MediaError,
+    decode_image_bytes,
+    fetch_url,
+    read_local_file,
+)
 
 # Qwen2-VL's processors' default frame rate for frames given without one (transformers'
 # Qwen2_5_VLProcessor: fps 2.0): a temporal patch of 2 frames then spans 1 s.
@@ -81,11 +88,12 @@ def video_frames(video: Any) -> list[Image.Image]:
 
 
 def load_video_url(url: Any, config: MultiModalConfig) -> list[Image.Image]:
-    """The RGB frames a ``data:`` or http(s) video URL holds (see the module docstring).
+    """The RGB frames a ``data:``, http(s) or ``file://`` video URL holds (see the module
+    docstring).
 
     Raises:
-        VideoError: for another scheme, a refused host, a failed fetch, a bad payload or
-            frame, or a video file without PyAV installed.
+        VideoError: for another scheme, a refused host or local path, a failed fetch or
+            read, a bad payload or frame, or a video file without PyAV installed.
     """
     if not isinstance(url, str):
         raise VideoError(f"a video URL must be a string, got {type(url).__name__}")
@@ -96,12 +104,14 @@ def load_video_url(url: Any, config: MultiModalConfig) -> list[Image.Image]:
             return _data_url_frames(url[5:], config)
         if scheme in ("http", "https"):
             return decode_video_bytes(fetch_url(url, config), config)
+        if scheme == "file":
+            return decode_video_bytes(read_local_file(url, config), config)
     except VideoError:
         raise
     except MediaError as e:  # a fetch or frame refusal: the same words, the video's code
         raise VideoError(str(e)) from None
     raise VideoError(f"video URLs must be data: URLs (data:video/jpeg;base64,... or "
-                     f"data:video/mp4;base64,...) or http(s) URLs, got scheme "
+                     f"data:video/mp4;base64,...), http(s) or file:// URLs, got scheme "
                      f"{scheme or url[:16]!r}")
 
 

@@ -141,7 +141,8 @@ BAD_IMAGES = [  # (id, url, words the message must hold)
     ("text_data_url", "data:text/plain;base64,aGVsbG8=", ["text/plain", "not supported"]),
     ("over_byte_cap", data_url(random_image(448, 448, 7)), ["--max-image-bytes"]),
     ("remote_url_off_by_default", "http://127.0.0.1:9/cat.png", ["--allowed-media-domains"]),
-    ("file_url", "file:///etc/passwd", ["scheme 'file'"]),
+    ("file_url_without_the_flag", "file:///etc/passwd",
+     ["file:// URLs are refused", "--allowed-local-media-path"]),
 ]
 
 

@@ -60,8 +60,9 @@ def check_list_caps(data: Any) -> None:
 
 
 class ImageURL(RequestModel):
-    """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, or an http(s) URL the
-    server fetches only from ``--allowed-media-domains``. ``detail``: only ``"auto"`` (the
+    """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, an http(s) URL the
+    server fetches only from ``--allowed-media-domains``, or a ``file://`` URL read only from
+    inside ``--allowed-local-media-path``. ``detail``: only ``"auto"`` (the
     model's image processor chooses the resolution); ``"low"`` / ``"high"`` are a 400."""
 
     url: str
@@ -71,7 +72,8 @@ class ImageURL(RequestModel):
 class VideoURL(RequestModel):
     """A ``video_url`` part's video (vLLM's extension): ``data:video/jpeg;base64,<frame>,...``
     (base64 JPEG frames), ``data:video/<mp4|webm|...>;base64,`` (a video file; the server
-    needs PyAV), or an http(s) URL from ``--allowed-media-domains``."""
+    needs PyAV), an http(s) URL from ``--allowed-media-domains``, or a ``file://`` URL from
+    inside ``--allowed-local-media-path``."""
 
     url: str
 
