@@ -108,11 +108,13 @@ def context_note(max_tokens: int | None, max_model_len: int) -> str | None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
+    from kvflow.multimodal.video import VideoError
 
     params = sampling_params_from_args(args)
     config = EngineConfig.from_cli_args(args)
     template = _chat_template_flag(args)
     images = _read_images(args.image or [], config)
+    videos = _read_videos(args.video or [], config)
     lora = lora_request_from_flags(args.lora_path, config.lora_config.enable_lora,
                                    "kvflow generate")
     llm = LLM.from_engine_config(config)
@@ -125,21 +127,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     run = {"use_tqdm": False, "on_output": printer.update, "lora_request": lora}
     try:  # printed as generated (generate_output.py)
         if args.chat:
-            parts = [{"type": "image_url", "image_url": {"url": url}} for url, _ in images]
+            parts = [*({"type": "image_url", "image_url": {"url": url}} for url, _ in images),
+                     *({"type": "video_url", "video_url": {"url": url}} for url, _ in videos)]
             outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text",
                                                                         "text": p}]
                                  if parts else p}] for p in prompts], params,
                                chat_template=template, **run)
-        elif images:
-            outputs = llm.generate([{"prompt": p, "multi_modal_data": {
-                "image": [image for _, image in images]}} for p in prompts], params, **run)
+        elif images or videos:
+            media = {"image": [image for _, image in images],
+                     "video": [frames for _, frames in videos]}
+            media = {kind: items for kind, items in media.items() if items}
+            outputs = llm.generate([{"prompt": p, "multi_modal_data": media} for p in prompts],
+                                   params, **run)
         else:
             outputs = llm.generate(prompts, params, **run)
     except ValueError as e:  # the model's own limits (too small, aspect ratio): name the file
+        flag, files = ("--video", args.video) if isinstance(e, VideoError) else \
+            ("--image", args.image)
         index = getattr(e, "image_index", None)
-        if index is None or not 0 <= index < len(args.image or []):
+        if index is None or not 0 <= index < len(files or []):
             raise
-        raise ValueError(f"--image {args.image[index]}: {e}") from None
+        raise ValueError(f"{flag} {files[index]}: {e}") from None
     finally:
         printer.close()  # Ctrl-C mid-sample: end its line
     printer.print_totals([o.metrics for o in outputs])
@@ -185,6 +193,39 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
             raise ValueError(f"--image {path}: {e}") from None
         media_type = f"image/{image_format(data)}"  # the bytes', not the file name's
         out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
+    return out
+
+
+def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
+    """(data URL, RGB PIL frames) of each ``--video`` file (a video file decoded with PyAV,
+    ``media_io_kwargs`` ``video.num_frames`` frames sampled uniformly), checked against the
+    limits before the model loads.
+
+    Raises:
+        ValueError: for a file that cannot be read, PyAV not installed (``pip install
+            'kvflow[video]'``), or a video the limits or the decoder refuse.
+    """
+    import base64
+    import mimetypes
+
+    from kvflow.multimodal.video import decode_video_bytes
+
+    out = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ValueError(f"--video {path}: cannot read it ({e.strerror})") from None
+        try:
+            frames = decode_video_bytes(data, config.multimodal_config)
+        except ValueError as e:
+            raise ValueError(f"--video {path}: {e}") from None
+        # any video/* type but video/jpeg (vLLM's base64-frames form) means "a file" here
+        guess = mimetypes.guess_type(path)[0] or ""
+        media_type = guess if guess.startswith("video/") and guess != "video/jpeg" \
+            else "video/mp4"
+        out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", frames))
     return out
 
 
@@ -249,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an image for every prompt (repeat for several; vision-language "
                      "models): with --chat it goes before the text, otherwise the prompt "
                      "holds one image placeholder per image")
+    gen.add_argument("--video", action="append", metavar="FILE",
+                     help="a video file for every prompt (repeat for several; Qwen2-VL / "
+                     "Qwen2.5-VL; decoded with PyAV: pip install 'kvflow[video]'): with "
+                     "--chat it goes after the images, before the text, otherwise the prompt "
+                     "holds one video placeholder per video")
     add_lora_path_arg(gen, "every prompt")
     gen.add_argument("--verbose", action="store_true",
                      help="print finish reason and timings (with --speculative-config, the "
