@@ -1,7 +1,8 @@
 """Responses API background mode (``background: true``, OpenAI's): POST /v1/responses
 answers at once with the response ``queued``, and the generation runs as a server task; GET
 /v1/responses/{id} polls its status (``queued`` -> ``in_progress`` -> ``completed`` /
-``incomplete`` / ``failed`` / ``cancelled``), POST .../cancel stops it.
+``incomplete`` / ``failed`` / ``cancelled``) and, while it runs, the output generated so far
+(``BackgroundResponses.current``); POST .../cancel stops it.
 
 Invariants: a running response is held by the ``ResponseStore`` (never dropped; at most
 ``--responses-store-size`` run at once, a 429 past that); its engine requests are aborted
@@ -241,6 +242,16 @@ class BackgroundResponses:
         if stored.log is not None:
             return SSEResponse(sse_lines(stored.log.follow(-1)))
         return Response(stored.response.model_dump_json(), media_type="application/json")
+
+    def current(self, stored: StoredResponse) -> ResponseObject:
+        """``stored``'s response as GET /v1/responses/{id} shows it: while it runs, with
+        ``output`` the items generated so far (copies of ``ResponseEvents.items``: the open
+        one ``in_progress``, its text growing from poll to poll; empty while ``queued``), as
+        OpenAI's polling shows a running response; once ended, the stored response as is."""
+        counter = self._outputs.get(stored.response.id)
+        if counter is None or stored.response.status in TERMINAL:
+            return stored.response
+        return stored.response.model_copy(update={"output": copy.deepcopy(counter.items)})
 
     def follow(self, stored: StoredResponse, after: int) -> SSEResponse:
         """The stream of a background streamed response after sequence number ``after``.

@@ -120,12 +120,12 @@ class OpenAIServingResponses:
 
     def retrieve(self, response_id: str) -> ResponseObject:
         """A stored reply (GET /v1/responses/{id}); a background one as it stands
-        (``queued`` / ``in_progress`` while it runs).
+        (``queued`` / ``in_progress`` while it runs, with the output generated so far).
 
         Raises:
             OpenAIError: 404 when no reply of that id is stored.
         """
-        return self._stored(response_id).response
+        return self.background.current(self._stored(response_id))
 
     def follow(self, response_id: str, after: int) -> SSEResponse:
         """GET /v1/responses/{id}?stream=true&starting_after=N: a background streamed
