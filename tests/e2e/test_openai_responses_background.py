@@ -141,27 +141,33 @@ def test_polled_background_response_is_the_foreground_ones(server, max_tokens):
 def test_polling_shows_the_text_generated_so_far(server):
     """While a long greedy response runs, each GET shows the text generated so far (OpenAI's
     polling): status ``in_progress``, one message item ``in_progress`` whose text is a
-    prefix of the final one (the foreground reply's) and grows from poll to poll; with the
-    core held, two polls show the same text. Ends as the foreground reply."""
-    oracle = whole(server, **BODY, max_output_tokens=200)
-    reply = background(server, **BODY, max_output_tokens=200)
-    partial, deadline = [], time.monotonic() + 60
-    while time.monotonic() < deadline:
-        body = get(server, reply["id"]).json()
-        Response.model_validate(body)
-        if body["status"] in TERMINAL:
-            break
-        if body["status"] == "in_progress" and output_text(body):
-            assert [(i["type"], i["status"]) for i in body["output"]] == \
-                [("message", "in_progress")], body["output"]
-            partial.append(output_text(body))
-            if len(set(partial)) == 2:
-                with core_held(server):
-                    held = [output_text(get(server, reply["id"]).json()) for _ in range(2)]
-                assert held[0] == held[1] and held[0].startswith(partial[-1])
-                partial += held
-    final = poll(server, reply["id"])[-1]
-    assert output_text(final) == output_text(oracle)
+    prefix of the final one (the foreground reply's) and grows from poll to poll. The core is
+    held (SIGSTOP) and let run 5 ms at a time, each GET 0.1 s into a hold, so that many polls
+    land before the end whatever the machine's speed. Ends as the foreground reply."""
+    oracle = whole(server, **BODY, max_output_tokens=60)
+    core = core_pid(server.proc.pid)
+    partial, final = [], None
+    os.kill(core, signal.SIGSTOP)
+    try:
+        reply = background(server, **BODY, max_output_tokens=60)
+        for _ in range(2000):
+            os.kill(core, signal.SIGCONT)
+            time.sleep(0.005)
+            os.kill(core, signal.SIGSTOP)
+            time.sleep(0.1)  # the API process takes in what the core sent
+            body = get(server, reply["id"]).json()
+            Response.model_validate(body)
+            if body["status"] in TERMINAL:
+                final = body
+                break
+            if output_text(body):
+                assert body["status"] == "in_progress"
+                assert [(i["type"], i["status"]) for i in body["output"]] == \
+                    [("message", "in_progress")], body["output"]
+                partial.append(output_text(body))
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert final is not None and output_text(final) == output_text(oracle)
     assert len(set(partial)) >= 2, partial  # seen growing
     for before, after in itertools.pairwise(partial):
         assert after.startswith(before)
