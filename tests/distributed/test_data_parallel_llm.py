@@ -60,10 +60,11 @@ def test_reset_prefix_cache_asks_every_replica(dp_llm, single_process_greedy):
     assert hits == [0, 32, 0]
     answers = []
     outs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False, on_output=lambda i, out: (
-        out.finished or answers.append(dp_llm.reset_prefix_cache())))
+        answers.append(dp_llm.reset_prefix_cache())))
     # resets asked between a run's outputs lose none of them (a reset may succeed there:
-    # both replicas can be idle while their last outputs are still on the way)
-    assert answers
+    # both replicas can be idle while their last outputs are still on the way; on a loaded
+    # machine a prompt's outputs may all come in one message, its finished one)
+    assert len(answers) >= len(PROMPTS)
     assert_same_greedy(single_process_greedy("llama"), _tokens(outs))
     first = []
     long_run = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
