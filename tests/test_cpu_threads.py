@@ -158,6 +158,11 @@ def test_more_threads_than_cpus_is_warned_about(caplog):
      "attention_backend='torch' does not use it"),
     ({}, {"quantization": "int8", "quantization_group_size": 128},
      "quantization_group_size=128 applies to quantization='int4' only"),
+    # 32 is int4's default size, but given with another scheme it is as unread as 128
+    ({}, {"quantization": "int8", "quantization_group_size": 32},
+     "quantization_group_size=32 applies to quantization='int4' only"),
+    ({}, {"quantization": "none", "quantization_group_size": 32},
+     "quantization_group_size=32 applies to quantization='int4' only"),
 ])
 def test_settings_that_cannot_take_effect_are_refused(monkeypatch, env, kwargs, needle):
     for name in ("KVFLOW_NATIVE_CPU", "KVFLOW_CPU_GEMM", "KVFLOW_CPU_ATTENTION",

@@ -116,8 +116,9 @@ class ModelConfig:
         "(default: the checkpoint's quantization_config, else none; a .gguf file is "
         "dequantized at load)",
         choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
-    quantization_group_size: int = opt(32, "input columns per scale for int4 (int4 only)",
-                                        choices=[32, 64, 128, 256])
+    quantization_group_size: int | None = opt(
+        None, "input columns per scale for int4 (int4 only; default: 32, and refused, even "
+        "as 32, with another --quantization)", choices=[None, 32, 64, 128, 256])
     # the default is None: opt() builds no shared mutable value (ruff cannot see that)
     hf_overrides: dict | str | None = opt(  # noqa: RUF009
         None, "a JSON object merged into the model's config.json before it is checked and "
@@ -175,7 +176,7 @@ class ModelConfig:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not available: kvflow "
                              "loads tokenizers through transformers, whose version 5 always "
                              "loads the fast tokenizer (give auto or hf)")
-        if self.quantization_group_size != 32 and self.quantization != "int4":
+        if self.quantization_group_size is not None and self.quantization != "int4":
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies "
                              "to quantization='int4' only (quantization="
                              f"{self.quantization!r})")

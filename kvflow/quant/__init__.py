@@ -148,7 +148,7 @@ class QuantConfig:
 
 
 def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
-                     group_size: int = 32) -> QuantConfig | None:
+                     group_size: int | None = 32) -> QuantConfig | None:
     """The quantization to run: ``requested`` (``--quantization``), else what the checkpoint
     says (GGUF: ``gguf``; an HF ``quantization_config``), else None (unquantized).
 
@@ -176,7 +176,7 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
                          f"quantization={requested!r} cannot re-quantize it")
     if requested == "none":
         return None
-    return QuantConfig(requested, group_size, ckpt)
+    return QuantConfig(requested, 32 if group_size is None else group_size, ckpt)
 
 
 def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> int:

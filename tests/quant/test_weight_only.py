@@ -180,3 +180,19 @@ def test_int4_group_that_a_tensor_parallel_shard_splits_is_refused_before_loadin
     RowParallelLinear(64, 16).set_quant_method(Int4WeightOnlyMethod(64))
     with pytest.raises(ValueError, match=r"does not divide a layer's 48 input columns"):
         RowParallelLinear(48, 16).set_quant_method(Int4WeightOnlyMethod(32))
+
+
+def test_int4_group_size_left_out_is_32_and_given_is_kept():
+    """``--quantization-group-size`` left out (None, so that an explicit 32 with another
+    scheme can be refused) builds int4 with groups of 32 columns, the documented default."""
+    from types import SimpleNamespace
+
+    from kvflow.config import EngineConfig
+    from kvflow.quant import get_quant_config
+
+    hf = SimpleNamespace()  # no quantization_config: a float checkpoint
+    for given, expected in ((None, 32), (64, 64)):
+        mc = EngineConfig.from_kwargs(quantization="int4",
+                                      quantization_group_size=given).model_config
+        quant = get_quant_config(mc.quantization, hf, "hf", mc.quantization_group_size)
+        assert quant.linear_method("model.layers.0.self_attn.o_proj").group_size == expected
