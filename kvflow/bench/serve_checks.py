@@ -78,7 +78,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--extra-body is not valid JSON: {e}") from e
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object, e.g. '{\"top_k\": 5}'")
-    if args.sweep_rates:
+    if args.sweep_rates is not None:  # "" too: an empty sweep would run only the default
         parse_rates(args.sweep_rates)
         if args.request_rate is not None:
             raise ValueError("give --request-rate (one run) or --sweep-rates (one run per "

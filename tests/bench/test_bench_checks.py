@@ -39,6 +39,8 @@ NO_MODEL = "/nonexistent/model"
     (["serve", "--seed", "-1"], "--seed must be >= 0"),
     (["serve", "--request-rate", "4", "--sweep-rates", "1,2"],
      "give --request-rate (one run) or --sweep-rates (one run per rate), not both"),
+    # an empty list (e.g. an unset shell variable) is no sweep: refused, not one default run
+    (["serve", "--sweep-rates", ""], "bad --sweep-rates ''"),
     (["serve", "--goodput", "ttft:50", "ttft:80"], "the ttft SLO is given twice"),
     (["throughput", "--seed", "-1"], "--seed must be >= 0"),
     (["latency", "--seed", "-1"], "--seed must be >= 0"),
