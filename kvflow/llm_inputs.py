@@ -156,13 +156,17 @@ def check_priorities(priority: Sequence[int] | None, n: int, policy: str) -> lis
     """One priority per prompt (0 when None).
 
     Raises:
-        ValueError: for a wrong count, a non-integer, or a non-zero priority while the
-            scheduling policy is not ``priority`` (it would be ignored).
+        ValueError: for a value that is not a list, a wrong count, a non-integer, or a
+            non-zero priority while the scheduling policy is not ``priority`` (it would be
+            ignored).
     """
     if priority is None:
         return [0] * n
-    priorities = list(priority)
-    if len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
+    try:  # a bare int is no list: named below, not a TypeError from list()
+        priorities = list(priority)
+    except TypeError:
+        priorities = None
+    if priorities is None or len(priorities) != n or not all(isinstance(p, int) and not isinstance(p, bool)
                                        for p in priorities):
         raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
                          f"{priority!r}")
