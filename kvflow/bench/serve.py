@@ -228,17 +228,19 @@ def _add_synthetic_dataset_args(d: argparse._ArgumentGroup) -> None:
                    help="random | synthetic-chat | random-image | FILE.jsonl | a ShareGPT "
                    "FILE.json (sampled as vLLM's --dataset-name sharegpt)")
     d.add_argument("--num-prompts", type=int, default=64)
-    d.add_argument("--input-len", "--random-input-len", type=int, default=128,
-                   help="random: prompt tokens; random-image: words of text (vLLM's name "
+    d.add_argument("--input-len", "--random-input-len", type=int, default=None,
+                   help="random: prompt tokens; random-image: words of text (default: 128; "
+                   "refused with other datasets, which would ignore it; vLLM's name "
                    "--random-input-len also works)")
     d.add_argument("--image-size", default="448x448", help="random-image: WIDTHxHEIGHT")
     d.add_argument("--image-fraction", type=float, default=0.5,
                    help="random-image: share of requests with an image (0-1)")
     d.add_argument("--num-unique-images", type=int, default=0,
                    help="random-image: distinct images drawn round-robin (0: all distinct)")
-    d.add_argument("--output-len", "--random-output-len", type=int, default=64,
-                   help="max_tokens (random, random-image, jsonl; vLLM's name "
-                   "--random-output-len also works)")
+    d.add_argument("--output-len", "--random-output-len", type=int, default=None,
+                   help="max_tokens (random, random-image, jsonl lines without their own; "
+                   "default: 64; refused with synthetic-chat and ShareGPT files, which would "
+                   "ignore it; vLLM's name --random-output-len also works)")
     d.add_argument("--random-vocab-size", type=int, default=None,
                    help="random: ids drawn from [3, min(this, 32000)) (default: tokenizer size)")
 

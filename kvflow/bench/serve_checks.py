@@ -47,6 +47,7 @@ def check_base_url(url: str) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
     check_base_url(args.base_url)
+    _check_length_flags(args)
     require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
                      input_len=args.input_len if args.dataset in ("random", "random-image")
                      else None,
@@ -88,6 +89,26 @@ def check_args(args: argparse.Namespace) -> None:
     ensure_parent_dir(args.result_json, "--result-json")
     check_result_flags(args)
     ensure_parent_dir(args.plot, "--plot")
+
+
+def _check_length_flags(args: argparse.Namespace) -> None:
+    """``--input-len`` / ``--output-len`` left out become 128 / 64. Raises ValueError for one
+    given with a dataset that would ignore it: prompts of every dataset but random and
+    random-image are its own, and synthetic-chat / ShareGPT requests take their output
+    lengths from ``--output-len-dist`` / the file (or ``--sharegpt-output-len``)."""
+    generated = args.dataset in ("random", "random-image")
+    if args.input_len is not None and not generated:
+        raise ValueError(f"--input-len sets the prompt length of --dataset random and "
+                         f"random-image only; --dataset {args.dataset} brings its own prompts "
+                         "(synthetic-chat: --system-len, --user-len), so it would be ignored")
+    if args.output_len is not None and not generated and (
+            args.dataset == "synthetic-chat" or is_json_array_file(args.dataset)):
+        other = ("--output-len-dist (e.g. uniform:64:64 for 64 every time)"
+                 if args.dataset == "synthetic-chat" else "--sharegpt-output-len")
+        raise ValueError(f"--output-len is not read by --dataset {args.dataset} (it would be "
+                         f"ignored): use {other}")
+    args.input_len = 128 if args.input_len is None else args.input_len
+    args.output_len = 64 if args.output_len is None else args.output_len
 
 
 def _check_synthetic_chat_args(args: argparse.Namespace) -> None:

@@ -234,8 +234,8 @@ def test_random_workloads_ignore_eos_by_default(monkeypatch, tmp_path, flags, se
     flags = [f.format(jsonl=tmp_path / "d.jsonl") for f in flags]
     out = tmp_path / "r.json"
     assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "100",
-                 "--num-prompts", "1", "--input-len", "4", "--disable-tqdm", "--result-json",
-                 str(out), *flags]) == 0
+                 "--num-prompts", "1", "--disable-tqdm", "--result-json", str(out),
+                 *(["--input-len", "4"] if "--dataset" not in flags else []), *flags]) == 0
     assert [b.get("ignore_eos", False) for b in bodies] == [sent_ignore_eos] * 2  # probe, run
     assert json.loads(out.read_text())["ignore_eos"] is sent_ignore_eos
 
@@ -255,6 +255,33 @@ def test_vllm_random_length_flags(monkeypatch):
                  "--num-prompts", "2", "--random-input-len", "5", "--random-output-len", "7",
                  "--disable-tqdm"]) == 0
     assert [(len(r.prompt), r.output_len) for r in sent[1:]] == [(5, 7), (5, 7)]
+    sent.clear()  # left out: the documented 128 prompt tokens, 64 output tokens
+    assert main(["bench", "serve", "--model", NO_MODEL, "--random-vocab-size", "100",
+                 "--num-prompts", "1", "--disable-tqdm"]) == 0
+    assert [(len(r.prompt), r.output_len) for r in sent[1:]] == [(128, 64)]
+
+
+@pytest.mark.parametrize("dataset, flag, needle", [
+    ("synthetic-chat", "--output-len", "--output-len is not read by --dataset synthetic-chat "
+     "(it would be ignored): use --output-len-dist"),
+    ("synthetic-chat", "--input-len", "--input-len sets the prompt length of --dataset random "
+     "and random-image only; --dataset synthetic-chat brings its own prompts"),
+    ("share.json", "--output-len", "(it would be ignored): use --sharegpt-output-len"),
+    ("lines.jsonl", "--input-len", "--input-len sets the prompt length"),
+])
+def test_length_flags_a_dataset_would_ignore_are_refused(tmp_path, capsys, dataset, flag,
+                                                         needle):
+    """README's `kvflow bench serve ... --dataset synthetic-chat` after a random run's
+    `--input-len 128 --output-len 64` ran synthetic-chat's own lengths (32-128 output
+    tokens) without a word."""
+    if "." in dataset:
+        (tmp_path / dataset).write_text('[{"conversations": []}]\n' if dataset.endswith("json")
+                                        else '{"prompt": "hello there"}\n')
+        dataset = str(tmp_path / dataset)
+    assert main(["bench", "serve", "--model", NO_MODEL, "--dataset", dataset, flag,
+                 "64"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
 
 
 def test_vllm_result_file_name():
