@@ -262,10 +262,12 @@ def test_vllm_random_length_flags(monkeypatch):
 
 
 @pytest.mark.parametrize("dataset, flag, needle", [
-    ("synthetic-chat", "--output-len", "--output-len is not read by --dataset synthetic-chat "
-     "(it would be ignored): use --output-len-dist"),
-    ("synthetic-chat", "--input-len", "--input-len sets the prompt length of --dataset random "
-     "and random-image only; --dataset synthetic-chat brings its own prompts"),
+    ("synthetic-chat", "--output-len", ("--output-len is not read by --dataset "
+                                         "synthetic-chat (it would be ignored): use "
+                                         "--output-len-dist")),
+    ("synthetic-chat", "--input-len", ("--input-len sets the prompt length of --dataset "
+                                        "random and random-image only; --dataset "
+                                        "synthetic-chat brings its own prompts")),
     ("share.json", "--output-len", "(it would be ignored): use --sharegpt-output-len"),
     ("lines.jsonl", "--input-len", "--input-len sets the prompt length"),
 ])
