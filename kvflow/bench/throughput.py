@@ -128,6 +128,10 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if lora is not None and args.compare == "hf":
         raise ValueError("--compare hf runs the base model: it cannot be combined with "
                          "--lora-path")
+    quant = config.model_config.quantization
+    if quant in ("int8", "int4", "fp8") and args.compare == "hf":  # the ratio would mislead
+        raise ValueError(f"--compare hf runs the checkpoint's weights unquantized: it cannot "
+                         f"be compared against --quantization {quant} (drop one of them)")
     llm = LLM.from_engine_config(config)
     require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     prompts = random_prompts(args.num_prompts, args.input_len,

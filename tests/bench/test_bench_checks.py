@@ -34,6 +34,10 @@ NO_MODEL = "/nonexistent/model"
     (["roofline", "--measured-tpot-ms", "-3"], "--measured-tpot-ms"),
     (["roofline", "--measured-json", "/nonexistent/r.json"], "--measured-json"),
     (["throughput", "--data-parallel-size", "2"], "--data-parallel-size 2"),
+    # HF would run the float weights: the ratio would compare two different models
+    (["throughput", "--compare", "hf", "--quantization", "int8"],
+     ("--compare hf runs the checkpoint's weights unquantized: it cannot be compared "
+      "against --quantization int8")),
     (["latency", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["perplexity", "--data-parallel-size", "2"], "--data-parallel-size 2"),
     (["serve", "--seed", "-1"], "--seed must be >= 0"),
