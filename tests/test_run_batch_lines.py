@@ -292,6 +292,10 @@ def test_input_lines_and_count(tmp_path, data, lines):
      "-o {tmp}/no/such/out.jsonl: cannot write there (No such file or directory)"),
     (["-i", "{good}", "-o", "{out}", "--max-concurrency", "0"],
      "--max-concurrency 0: must be >= 1"),
+    # accepted before, and the lines the engine refused came back as 503s, never retried
+    (["-i", "{good}", "-o", "{out}", "--admission-control", "--target-ttft-ms", "1"],
+     ("--admission-control is a kvflow serve option: run-batch answers every line (a line "
+      "refused with 503 would be lost, never retried)")),
 ])
 def test_command_errors_before_the_model_loads(tmp_path, flags, message):
     """One ``kvflow: error:`` line, exit status 2, no output file; the model folder does

@@ -229,12 +229,16 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     summary line goes to stderr.
 
     Raises:
-        ValueError: for bad options, an input that cannot be read or an output that cannot
-            be written (both checked before the model loads).
+        ValueError: for bad options (``--admission-control`` too: offline lines are never
+            refused), an input that cannot be read or an output that cannot be written (all
+            checked before the model loads).
     """
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be >= 1")
     engine_config = EngineConfig.from_cli_args(args)
+    if engine_config.scheduler_config.admission_control:  # as LLM() and kvflow generate
+        raise ValueError("--admission-control is a kvflow serve option: run-batch answers "
+                         "every line (a line refused with 503 would be lost, never retried)")
     server_config = ServerConfig(**{name: getattr(args, name) for name in BATCH_SERVER_FIELDS})
     if server_config.log_requests:  # each line's request logged at INFO, as kvflow serve logs
         logging.getLogger("kvflow.entrypoints.serving_base").setLevel(logging.INFO)
