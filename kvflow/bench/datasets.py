@@ -175,14 +175,24 @@ def synthetic_chat_requests(num: int, num_system_prompts: int = 4,
     return requests
 
 
+# PIL's Image.MAX_IMAGE_PIXELS: it warns above this many pixels (a decompression bomb) and
+# refuses twice as many; a random-image workload larger than that only exhausts memory
+MAX_BENCH_IMAGE_PIXELS = 89_478_485
+
+
 def parse_image_size(spec: str) -> tuple[int, int]:
-    """``"WIDTHxHEIGHT"`` -> (width, height) in pixels. Raises ValueError when malformed."""
+    """``"WIDTHxHEIGHT"`` -> (width, height) in pixels. Raises ValueError when malformed or
+    above ``MAX_BENCH_IMAGE_PIXELS``."""
     try:
         width, height = (int(v) for v in spec.lower().split("x"))
     except ValueError:
         raise ValueError(f"bad image size {spec!r}: use WIDTHxHEIGHT, e.g. 448x448") from None
     if width < 1 or height < 1:
         raise ValueError(f"bad image size {spec!r}: both sides must be >= 1 pixel")
+    if width * height > MAX_BENCH_IMAGE_PIXELS:  # else numpy's MemoryError, a traceback
+        raise ValueError(f"bad image size {spec!r}: {width * height} pixels is more than "
+                         f"{MAX_BENCH_IMAGE_PIXELS} (PIL's decompression-bomb limit, past "
+                         "which PIL-based image loaders warn, then refuse)")
     return width, height
 
 

@@ -171,7 +171,8 @@ def test_random_image_bad_arguments():
     from kvflow.bench.datasets import parse_image_size, random_image_requests
 
     assert parse_image_size("448x224") == (448, 224)
-    for spec in ("448", "axb", "0x10"):
+    assert parse_image_size("9459x9459") == (9459, 9459)  # 89,472,681 pixels: PIL's limit
+    for spec in ("448", "axb", "0x10", "9460x9460", "100000x100000"):
         with pytest.raises(ValueError, match="image size"):
             parse_image_size(spec)
     with pytest.raises(ValueError, match="image_fraction"):
