@@ -232,10 +232,11 @@ def _add_synthetic_dataset_args(d: argparse._ArgumentGroup) -> None:
                    help="random: prompt tokens; random-image: words of text (default: 128; "
                    "refused with other datasets, which would ignore it; vLLM's name "
                    "--random-input-len also works)")
-    d.add_argument("--image-size", default="448x448", help="random-image: WIDTHxHEIGHT")
-    d.add_argument("--image-fraction", type=float, default=0.5,
+    d.add_argument("--image-size", default=None,
+                   help="random-image: WIDTHxHEIGHT (default: 448x448)")
+    d.add_argument("--image-fraction", type=float, default=None,
                    help="random-image: share of requests with an image (0-1)")
-    d.add_argument("--num-unique-images", type=int, default=0,
+    d.add_argument("--num-unique-images", type=int, default=None,
                    help="random-image: distinct images drawn round-robin (0: all distinct)")
     d.add_argument("--output-len", "--random-output-len", type=int, default=None,
                    help="max_tokens (random, random-image, jsonl lines without their own; "
@@ -253,10 +254,14 @@ def _add_file_and_chat_dataset_args(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="ShareGPT: max_tokens of every request (default: each conversation's "
                    "reply length)")
-    d.add_argument("--num-system-prompts", type=int, default=4, help="synthetic-chat")
-    d.add_argument("--system-len", default="uniform:200:400", help="synthetic-chat, words")
-    d.add_argument("--user-len", default="uniform:16:256", help="synthetic-chat, words")
-    d.add_argument("--output-len-dist", default="uniform:32:128", help="synthetic-chat, tokens")
+    d.add_argument("--num-system-prompts", type=int, default=None,
+                   help="synthetic-chat (default: 4)")
+    d.add_argument("--system-len", default=None,
+                   help="synthetic-chat, words (default: uniform:200:400)")
+    d.add_argument("--user-len", default=None, help="synthetic-chat, words (default: "
+                   "uniform:16:256)")
+    d.add_argument("--output-len-dist", default=None,
+                   help="synthetic-chat, tokens (default: uniform:32:128)")
 
 
 def _add_request_body_args(d: argparse._ArgumentGroup) -> None:

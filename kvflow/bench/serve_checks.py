@@ -48,6 +48,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Reject bad flags before anything is loaded or sent. Raises ValueError naming the flag."""
     check_base_url(args.base_url)
     _check_length_flags(args)
+    _check_dataset_flags(args)
     require_positive(num_prompts=args.num_prompts, output_len=args.output_len,
                      input_len=args.input_len if args.dataset in ("random", "random-image")
                      else None,
@@ -109,6 +110,27 @@ def _check_length_flags(args: argparse.Namespace) -> None:
                          f"ignored): use {other}")
     args.input_len = 128 if args.input_len is None else args.input_len
     args.output_len = 64 if args.output_len is None else args.output_len
+
+
+# flag (argparse dest) -> (the one dataset that reads it, its default there)
+DATASET_FLAGS = {
+    "image_size": ("random-image", "448x448"), "image_fraction": ("random-image", 0.5),
+    "num_unique_images": ("random-image", 0), "num_system_prompts": ("synthetic-chat", 4),
+    "system_len": ("synthetic-chat", "uniform:200:400"),
+    "user_len": ("synthetic-chat", "uniform:16:256"),
+    "output_len_dist": ("synthetic-chat", "uniform:32:128"),
+}
+
+
+def _check_dataset_flags(args: argparse.Namespace) -> None:
+    """Each of one dataset's own flags left out takes its default. Raises ValueError for one
+    given with another dataset, which would ignore it."""
+    for dest, (dataset, default) in DATASET_FLAGS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif args.dataset != dataset:
+            raise ValueError(f"--{dest.replace('_', '-')} applies to --dataset {dataset} "
+                             f"only; --dataset {args.dataset} would ignore it")
 
 
 def _check_synthetic_chat_args(args: argparse.Namespace) -> None:

@@ -265,6 +265,23 @@ def test_vllm_random_length_flags(monkeypatch):
     assert [(len(r.prompt), r.output_len) for r in sent[1:]] == [(128, 64)]
 
 
+@pytest.mark.parametrize("dataset, flags, needle", [
+    ("random", ["--image-size", "64x64"],
+     "--image-size applies to --dataset random-image only; --dataset random would ignore it"),
+    ("synthetic-chat", ["--num-unique-images", "3"], ("--num-unique-images applies to "
+                                                      "--dataset random-image only; "
+                                                      "--dataset synthetic-chat would "
+                                                      "ignore it")),
+    ("random", ["--user-len", "uniform:1:2"],
+     "--user-len applies to --dataset synthetic-chat only; --dataset random would ignore it"),
+])
+def test_another_dataset_s_flags_are_refused(capsys, dataset, flags, needle):
+    """They were accepted and ignored: --image-size 64x64 on a random run sent no image."""
+    assert main(["bench", "serve", "--model", NO_MODEL, "--dataset", dataset, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvflow: error: {needle}\n"
+
+
 @pytest.mark.parametrize("dataset, flag, needle", [
     ("synthetic-chat", "--output-len", ("--output-len is not read by --dataset "
                                          "synthetic-chat (it would be ignored): use "
