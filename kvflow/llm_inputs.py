@@ -105,8 +105,11 @@ def resolve_pooling_task(processor: InputProcessor, task: str | None) -> str:
 
     Raises:
         ValueError: on a generating engine, for a task the engine does not run (naming what
-            it runs), one of ``OTHER_POOLING_TASKS`` or an unknown one.
+            it runs), one of ``OTHER_POOLING_TASKS``, an unknown one or a non-string.
     """
+    if task is not None and not isinstance(task, str):
+        raise ValueError(f"pooling_task={task!r} must be a string, one of "
+                         f"{', '.join(ENCODE_TASKS)}, or None")
     if task in OTHER_POOLING_TASKS:
         raise ValueError(f"pooling_task={task!r} is not supported: {OTHER_POOLING_TASKS[task]}")
     if task is not None and task not in ENCODE_TASKS:

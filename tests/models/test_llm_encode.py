@@ -77,6 +77,9 @@ def test_classifier_encodes_its_class_probabilities(classifier, assert_no_leaks)
     ({"pooling_task": "encode"}, "'token_embed' \\(an embedding engine\\) or"),
     ({"pooling_task": "reward"}, ("must be one of embed, classify, token_embed, "
                                   "token_classify or None")),
+    # a list (unhashable) was a TypeError from the dict lookup, not the ValueError
+    ({"pooling_task": ["token_embed"]}, "pooling_task=\\['token_embed'\\] must be a string"),
+    ({"pooling_task": 1}, "pooling_task=1 must be a string"),
     ({"pooling_params": PoolingParams(normalize=False)}, "normalize applies to embeddings"),
     ({"pooling_params": PoolingParams(task="score")}, "task='score' but the pooling task"),
     ({"pooling_params": [PoolingParams()] * 2}, "got 2 PoolingParams for 1 prompts"),
