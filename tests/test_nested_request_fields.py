@@ -171,6 +171,10 @@ PROMPT_TAKES = "a string, a list of integers, a list of strings or a list of lis
     ("/completions", {"prompt": [5, "a"]}, "prompt", PROMPT_TAKES),
     ("/completions", {"prompt": [[5], ["a"]]}, "prompt", PROMPT_TAKES),
     ("/completions", {"prompt": "a", "stop": 5}, "stop", "a string or a list of strings"),
+    # a list member of scalars said "a list of objects (union[str,bool,int,float])"
+    ("/completions", {"prompt": "a", "vllm_xargs": {"k": {"b": 1}}}, "vllm_xargs.k",
+     ("a string, a boolean, an integer, a number or a list of strings, booleans, integers or "
+      "numbers")),
     ("/chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
      "a string or a list of objects (ContentPart)"),
     ("/chat", {"messages": HI, "tool_choice": 5}, "tool_choice",

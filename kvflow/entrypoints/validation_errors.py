@@ -74,19 +74,45 @@ _WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "
 
 
 def _in_words(tag: str) -> str:
-    """A union-member tag in words: ``list[list[int]]`` -> ``a list of lists of integers``."""
+    """A union-member tag in words: ``list[list[int]]`` -> ``a list of lists of integers``,
+    ``list[union[str,int]]`` -> ``a list of strings or integers``."""
     if tag in _WORDS:
         return _WORDS[tag]
+    if tag.startswith("union[") and tag.endswith("]"):
+        return _joined([_in_words(member) for member in _members(tag[6:-1])])
     if tag.startswith("list[") and tag.endswith("]"):
-        inner = _in_words(tag[5:-1])
-        noun = inner.split(" ", 1)[1] if inner.startswith(("a ", "an ")) else inner
-        return "a list of " + {"list": "lists"}.get(noun.split(" ")[0], noun.split(" ")[0] +
-                                                    "s") + noun[len(noun.split(" ")[0]):]
+        inner = tag[5:-1]
+        members = _members(inner[6:-1]) if inner.startswith("union[") else [inner]
+        return "a list of " + _joined([_plural(_in_words(member)) for member in members])
     if tag.startswith("dict["):
         return "an object"
     if tag.startswith("literal["):
         return "one of " + tag[8:-1].replace(",", ", ")
     return f"an object ({tag})"
+
+
+def _plural(words: str) -> str:
+    """``a list of integers`` -> ``lists of integers``, ``an integer`` -> ``integers``."""
+    noun = words.split(" ", 1)[1] if words.startswith(("a ", "an ")) else words
+    head = noun.split(" ")[0]
+    return head + "s" + noun[len(head):]
+
+
+def _members(inner: str) -> list[str]:
+    """A union tag's members (``str,list[int]`` -> ``["str", "list[int]"]``), split at the
+    commas outside brackets."""
+    members, depth, start = [], 0, 0
+    for i, char in enumerate(inner):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            members.append(inner[start:i].strip())
+            start = i + 1
+    return [*members, inner[start:].strip()]
+
+
+def _joined(words: list[str]) -> str:
+    """``["a", "b", "c"]`` -> ``a, b or c``."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _reported(errors: list[dict]) -> dict:
