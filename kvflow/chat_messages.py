@@ -258,7 +258,7 @@ def _part(part: Any, i: int, j: int, placeholders: dict[str, str]) -> tuple[str,
                                 f"{kind} (a string)", f"messages.{i}.content.{j}.{kind}")
     if not isinstance(text, str):
         what = " and ".join(["text", *placeholders]) if placeholders else \
-            "text only: this model does not take images"
+            "text only: this model does not take images or videos"
         raise ChatTemplateError(f"message {i}: content part {j} of type {kind!r} is not "
                                 f"supported ({what})", f"messages.{i}.content.{j}")
     return kind, text

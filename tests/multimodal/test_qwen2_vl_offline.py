@@ -185,6 +185,12 @@ def test_text_model_refuses_images(tiny_llama):
         llm.chat([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}],
             chat_template="{{ messages[0]['content'] }}")
+    # a video part said "does not take images" only
+    with pytest.raises(ValueError, match=r"\(text only: this model does not take images or "
+                                         r"videos\)"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AA=="}}]}],
+            chat_template="{{ messages[0]['content'] }}")
 
 
 def test_async_scheduling_same_tokens(tiny_qwen2_vl, assert_no_leaks):
