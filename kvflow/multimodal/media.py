@@ -97,8 +97,9 @@ def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
         raise MediaError(f"the data URL's payload is not valid base64: {e}") from None
 
 
-def fetch_url(url: str, config: MultiModalConfig) -> bytes:
-    """Download an image from an allow-listed host (at most ``max_image_bytes``).
+def fetch_url(url: str, config: MultiModalConfig, kind: str = "image") -> bytes:
+    """Download an image (or a video file: ``kind`` ``"video"``, the word the errors use)
+    from an allow-listed host (at most ``max_image_bytes``).
 
     Raises:
         MediaError: if the host is not allowed (remote fetching is off by default), the
@@ -107,13 +108,13 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
     allowed = config.media_domains()
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:  # urllib would not parse
-        raise MediaError("image URLs with credentials (user@host) are not fetched")  # alike
+        raise MediaError(f"{kind} URLs with credentials (user@host) are not fetched")  # alike
     host = (parts.hostname or "").lower()
     if host not in allowed:
         hint = f"allowed hosts: {', '.join(sorted(allowed))}" if allowed else \
-            "this server fetches no image URLs; start it with --allowed-media-domains"
-        raise MediaError(f"fetching images from {host!r} is not allowed ({hint}); or send "
-                         "the image inline as a data: URL")
+            "this server fetches no media URLs; start it with --allowed-media-domains"
+        raise MediaError(f"fetching {kind}s from {host!r} is not allowed ({hint}); or send "
+                         f"the {kind} inline as a data: URL")
     opener = urllib.request.build_opener(_AllowListRedirects(allowed))
     timeout, limit = config.limit("media_fetch_timeout"), config.limit("max_image_bytes")
     deadline = time.monotonic() + timeout
@@ -123,12 +124,12 @@ def fetch_url(url: str, config: MultiModalConfig) -> bytes:
     except MediaError:
         raise
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise MediaError(f"cannot fetch the image from {url!r}: {e}") from None
+        raise MediaError(f"cannot fetch the {kind} from {url!r}: {e}") from None
     if body is None:
-        raise MediaError(f"fetching the image from {url!r} took longer than "
+        raise MediaError(f"fetching the {kind} from {url!r} took longer than "
                          f"{timeout} s (--media-fetch-timeout)")
     if len(body) > limit:
-        raise MediaError(f"the image at {url!r} exceeds {limit} bytes "
+        raise MediaError(f"the {kind} at {url!r} exceeds {limit} bytes "
                          "(--max-image-bytes)")
     return body
 

@@ -103,7 +103,7 @@ def load_video_url(url: Any, config: MultiModalConfig) -> list[Image.Image]:
         if scheme == "data":
             return _data_url_frames(url[5:], config)
         if scheme in ("http", "https"):
-            return decode_video_bytes(fetch_url(url, config), config)
+            return decode_video_bytes(fetch_url(url, config, "video"), config)
         if scheme == "file":
             return decode_video_bytes(read_local_file(url, config), config)
     except VideoError:

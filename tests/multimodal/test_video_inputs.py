@@ -217,3 +217,17 @@ def test_video_file_frames_sampled_uniformly():
     got = [int(np.asarray(f)[24, 32].mean()) for f in frames]
     np.testing.assert_allclose(got, [6 * i for i in (0, 6, 11, 17, 22, 28, 33, 39)], atol=3)
     assert len(load_video_url(mp4(5), config)) == 5
+
+
+def test_a_refused_video_host_is_named_as_a_video():
+    """An http(s) video URL from a host not allowed was refused in an image's words
+    ("fetching images from ...; or send the image inline")."""
+    with pytest.raises(ValueError, match=r"^fetching videos from '127.0.0.1' is not allowed "
+                                         r"\(this server fetches no media URLs; start it with "
+                                         r"--allowed-media-domains\); or send the video "
+                                         r"inline as a data: URL$"):
+        load_video_url("http://127.0.0.1:9/clip.mp4", MultiModalConfig())
+    with pytest.raises(ValueError, match=r"^fetching videos from 'example.com' is not allowed "
+                                         r"\(allowed hosts: 127.0.0.1\)"):
+        load_video_url("https://example.com/clip.mp4",
+                       MultiModalConfig(allowed_media_domains="127.0.0.1"))
