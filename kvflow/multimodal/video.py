@@ -138,7 +138,13 @@ def _data_url_frames(url: str, config: MultiModalConfig) -> list[Image.Image]:
     except (binascii.Error, ValueError) as e:
         raise VideoError(f"the data URL's payload is not valid base64: {e}") from None
     if media_type == "video/jpeg":  # vLLM's form: one base64 JPEG per frame
-        return [decode_image_bytes(blob, config) for blob in blobs]
+        frames = []
+        for i, blob in enumerate(blobs):
+            try:
+                frames.append(decode_image_bytes(blob, config))
+            except MediaError as e:  # say which frame of how many
+                raise VideoError(f"frame {i} of {len(blobs)}: {e}") from None
+        return frames
     return decode_video_bytes(blobs[0], config)
 
 

@@ -231,3 +231,13 @@ def test_a_refused_video_host_is_named_as_a_video():
                                          r"\(allowed hosts: 127.0.0.1\)"):
         load_video_url("https://example.com/clip.mp4",
                        MultiModalConfig(allowed_media_domains="127.0.0.1"))
+
+
+def test_a_bad_jpeg_frame_is_named_by_its_index():
+    """A data:video/jpeg URL whose second frame does not decode said only "cannot decode the
+    image"; the refusal now names the frame (AAAA: 3 bytes, no image format)."""
+    url = jpeg_frames_url(random_video(1, 56, 0)) + ",AAAA"
+    with pytest.raises(ValueError, match=r"^frame 1 of 2: cannot decode the image: its 3 "
+                                         r"bytes are not"):
+        load_video_url(url, MultiModalConfig())
+    assert len(load_video_url(url.removesuffix(",AAAA"), MultiModalConfig())) == 1
