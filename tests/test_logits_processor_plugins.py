@@ -90,6 +90,19 @@ def test_speculative_decoding_skips_plugins_with_a_warning(tmp_path, monkeypatch
         "are not loaded" in caplog.text
 
 
+def test_speculative_decoding_starts_with_a_broken_plugin(tmp_path, monkeypatch, caplog):
+    """Skipped means not imported either: vLLM v1 returns before loading its plugins with
+    speculative decoding, so a plugin that does not import stopped kvflow's start only."""
+    install(tmp_path, monkeypatch, {"broken": "no_such_module_lp_s:Thing"})
+    with caplog.at_level(logging.WARNING, logger="kvflow.config.engine"):
+        config = EngineConfig.from_kwargs(speculative_config={"method": "ngram"})
+    assert config.model_config.custom_logits_processors() == []
+    assert "logits processor plugins no_such_module_lp_s:Thing (entry point group " \
+        "kvflow.logits_processors) are not loaded" in caplog.text
+    with pytest.raises(ValueError, match="^logits processor plugin 'broken'"):
+        EngineConfig.from_kwargs()  # without speculation it still stops the start
+
+
 def test_a_pooling_model_skips_plugins_and_refuses_the_flag(tiny_tokenizer, tmp_path,
                                                              monkeypatch):
     """An embedding model samples nothing: with a plugin installed it starts and embeds as

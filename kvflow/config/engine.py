@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -91,8 +92,9 @@ class EngineConfig:
 
     def _find_logits_processor_plugins(self) -> None:
         """Look for the installed logits processor plugins once (the workers get the list
-        with the config). With speculative decoding they are not loaded (vLLM v1 skips its
-        plugins there too), with a warning naming them.
+        with the config). With speculative decoding they are not loaded, not even imported
+        (vLLM v1 returns before loading its plugins there too, so a broken one does not stop
+        the start), with a warning naming them.
 
         Raises:
             ValueError: for a plugin that does not import (``plugin_logits_processors``).
@@ -100,13 +102,16 @@ class EngineConfig:
         mc = self.model_config
         if mc.logits_processor_plugins is not None:
             return
-        found = plugin_logits_processors()
-        if found and self.speculative_config is not None:
-            logger.warning("logits processor plugins %s (entry point group %s) are not "
-                           "loaded: speculative decoding runs no custom logits processor",
-                           ", ".join(found), LOGITS_PROCESSORS_GROUP)
-            found = []
-        mc.logits_processor_plugins = found
+        if self.speculative_config is not None:
+            named = dict.fromkeys(entry.value for entry in
+                                  importlib.metadata.entry_points(group=LOGITS_PROCESSORS_GROUP))
+            if named:
+                logger.warning("logits processor plugins %s (entry point group %s) are not "
+                               "loaded: speculative decoding runs no custom logits processor",
+                               ", ".join(named), LOGITS_PROCESSORS_GROUP)
+            mc.logits_processor_plugins = []
+            return
+        mc.logits_processor_plugins = plugin_logits_processors()
 
     def _check_speculative(self) -> None:
         spec = self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
