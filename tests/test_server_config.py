@@ -265,3 +265,25 @@ def test_empty_api_key_variable_is_one_line_before_loading(monkeypatch, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith("kvflow: error: KVFLOW_API_KEY='' is empty"), lines[0]
+
+
+def test_lora_modules_take_vllms_json_form():
+    """vLLM's ``--lora-modules '{"name": ..., "path": ...}'`` (its LoRAParserAction) was
+    refused as not NAME=PATH; it is the same adapter as ``NAME=PATH`` (hand-written pairs),
+    mixed with the other form too. Other keys (vLLM's base_model_name) are refused by name."""
+    args = _parse("--lora-modules", '{"name": "sql", "path": "/a/sql"}', "chat=/a/chat")
+    assert ServerConfig.from_cli_args(args, env={}).lora_modules == ("sql=/a/sql",
+                                                                     "chat=/a/chat")
+    for module, needle in [('{"name": "a", "path": "/x", "base_model_name": "m"}',
+                            "base_model_name is not supported"),
+                           ('{"name": "a"}', "needs a non-empty string name"),
+                           ('{"name": "a=b", "path": "/x"}', "without '='"),
+                           ('{"name": "a", "path": 5}', "needs a non-empty string name"),
+                           ('{"name": ', "is not valid JSON"),
+                           ('{"name": "a", "path": "/x"}', None)]:
+        if needle is None:  # the same name twice in the two forms
+            with pytest.raises(ValueError, match="names an adapter twice"):
+                ServerConfig(lora_modules=[module, "a=/y"])
+            continue
+        with pytest.raises(ValueError, match=f"^lora_modules: .*{needle}"):
+            ServerConfig(lora_modules=[module])

@@ -13,6 +13,37 @@ from kvflow.config.options import add_field_arg, check_choices, json_object, opt
 _LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
+def _lora_module(module: Any) -> Any:
+    """One ``--lora-modules`` entry as ``NAME=PATH``: vLLM's JSON form
+    ``{"name": NAME, "path": PATH}`` is turned into it; anything else is kept as given (the
+    NAME=PATH check follows).
+
+    Raises:
+        ValueError: for a JSON entry that is not an object of a string ``name`` (without
+            "=") and ``path``, or that holds another key (vLLM's ``base_model_name``: an
+            adapter's base is always the served model here).
+    """
+    if not (isinstance(module, str) and module.lstrip().startswith("{")):
+        return module
+    try:
+        entry = json.loads(module)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"lora_modules: {module!r} is not valid JSON ({e})") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"lora_modules: {module!r} must be a JSON object")  # noqa: TRY004
+    other = sorted(set(entry) - {"name", "path"})
+    if other:
+        raise ValueError(f"lora_modules: {module!r}: {', '.join(other)} is not supported "
+                         "(kvflow reads name and path; an adapter's base model is the "
+                         "served model)")
+    name, path = entry.get("name"), entry.get("path")
+    if not (isinstance(name, str) and name and "=" not in name and isinstance(path, str)
+            and path):
+        raise ValueError(f"lora_modules: {module!r} needs a non-empty string name (without "
+                         "'=') and path")
+    return f"{name}={path}"
+
+
 def _word_list(name: str, value: Any) -> tuple[str, ...] | None:
     """A CORS list flag's value as a tuple of strings: each word is one entry, or a JSON list
     of entries (vLLM's form, ``'["https://a.example"]'``); None stays None.
@@ -129,7 +160,9 @@ class ServerConfig:
                                              "chunks included; off: usage has no details "
                                              "(vLLM's flag of the same name)")
     lora_modules: tuple[str, ...] | None = opt(None, "LoRA adapters served from start-up, each "
-                                                "NAME=PATH (a PEFT folder); requests pick one "
+                                                "NAME=PATH (a PEFT folder) or vLLM's JSON "
+                                                "'{\"name\": NAME, \"path\": PATH}'; "
+                                                "requests pick one "
                                                 "by model=NAME (needs --enable-lora)",
                                                 nargs="+")
     # vLLM's server flags (README "Coming from vLLM"): each honoured, or refused at start
@@ -211,7 +244,7 @@ class ServerConfig:
             '{"enable_thinking": false}')
         check_choices(self)
         if self.lora_modules is not None:
-            self.lora_modules = tuple(self.lora_modules)
+            self.lora_modules = tuple(_lora_module(m) for m in self.lora_modules)
         if isinstance(self.served_model_name, str):  # a config file's one name
             self.served_model_name = (self.served_model_name,)
         elif self.served_model_name is not None:
