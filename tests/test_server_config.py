@@ -287,3 +287,13 @@ def test_lora_modules_take_vllms_json_form():
             continue
         with pytest.raises(ValueError, match=f"^lora_modules: .*{needle}"):
             ServerConfig(lora_modules=[module])
+
+
+def test_lora_modules_in_a_config_file():
+    """A config file's lora_modules: one NAME=PATH string was cut into characters, a mapping
+    or a number raised AttributeError; now one adapter, the JSON form's mapping, a
+    ValueError."""
+    assert ServerConfig(lora_modules="a=/x").lora_modules == ("a=/x",)
+    assert ServerConfig(lora_modules=[{"name": "a", "path": "/x"}]).lora_modules == ("a=/x",)
+    with pytest.raises(ValueError, match=r"^lora_modules: 5 must be NAME=PATH or"):
+        ServerConfig(lora_modules=[5])

@@ -15,20 +15,27 @@ _LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 def _lora_module(module: Any) -> Any:
     """One ``--lora-modules`` entry as ``NAME=PATH``: vLLM's JSON form
-    ``{"name": NAME, "path": PATH}`` is turned into it; anything else is kept as given (the
-    NAME=PATH check follows).
+    ``{"name": NAME, "path": PATH}`` (or a config file's mapping of those keys) is turned
+    into it; another string is kept as given (the NAME=PATH check follows).
 
     Raises:
-        ValueError: for a JSON entry that is not an object of a string ``name`` (without
+        ValueError: for an entry that is neither a string nor a mapping, a JSON entry that
+            is not an object of a string ``name`` (without
             "=") and ``path``, or that holds another key (vLLM's ``base_model_name``: an
             adapter's base is always the served model here).
     """
-    if not (isinstance(module, str) and module.lstrip().startswith("{")):
+    if isinstance(module, dict):  # a config file's mapping
+        entry = module
+    elif not isinstance(module, str):
+        raise ValueError(f"lora_modules: {module!r} must be NAME=PATH or "  # noqa: TRY004
+                         '{"name": NAME, "path": PATH}')
+    elif not module.lstrip().startswith("{"):
         return module
-    try:
-        entry = json.loads(module)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"lora_modules: {module!r} is not valid JSON ({e})") from None
+    else:
+        try:
+            entry = json.loads(module)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"lora_modules: {module!r} is not valid JSON ({e})") from None
     if not isinstance(entry, dict):
         raise ValueError(f"lora_modules: {module!r} must be a JSON object")  # noqa: TRY004
     other = sorted(set(entry) - {"name", "path"})
@@ -243,6 +250,8 @@ class ServerConfig:
             "default_chat_template_kwargs", self.default_chat_template_kwargs,
             '{"enable_thinking": false}')
         check_choices(self)
+        if isinstance(self.lora_modules, str):  # a config file's one adapter
+            self.lora_modules = (self.lora_modules,)
         if self.lora_modules is not None:
             self.lora_modules = tuple(_lora_module(m) for m in self.lora_modules)
         if isinstance(self.served_model_name, str):  # a config file's one name
