@@ -57,7 +57,8 @@ class EngineConfig:
                 quantized KV cache; for speculative decoding with pipeline or context
                 parallelism, async scheduling or custom logits processors; for LoRA with more than one rank or
                 replica; for GGUF weights kept quantized with tensor parallelism; for async
-                scheduling with an executor of several ranks (checked here, before any
+                scheduling with any executor but uni (several ranks, or
+                distributed_executor_backend mp or ray on one rank; checked here, before any
                 worker starts).
         """
         self._check_speculative()
@@ -76,11 +77,10 @@ class EngineConfig:
                              "ranks); use quantization='none' to dequantize the GGUF at load "
                              "and split it, or tensor_parallel_size=1")
         self.lora_config.verify_with_parallel(self.parallel_config)
-        backend = self.parallel_config.executor_backend
-        if self.scheduler_config.async_scheduling and backend != "uni":
-            raise ValueError(f"--async-scheduling needs a one-rank engine (the uni executor); "
-                             f"it is not available with the {backend} executor (tensor, "
-                             "pipeline or context parallelism) yet")
+        if self.scheduler_config.async_scheduling and \
+                self.parallel_config.executor_backend != "uni":
+            raise ValueError(f"--async-scheduling needs the uni executor (one rank in the "
+                             f"engine's process); {self._why_not_uni()}")
         cp, cc = self.parallel_config.context_parallel_size, self.cache_config
         if cp > 1 and cc.block_size % cp:
             raise ValueError(f"block_size={cc.block_size} must be a multiple of "
@@ -89,6 +89,22 @@ class EngineConfig:
         if cp > 1 and cc.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
                              f"context_parallel_size={cp}")
+
+    def _why_not_uni(self) -> str:
+        """Why this engine's executor is not ``uni``, the second half of an error message:
+        the parallel sizes above 1 when there are several ranks, else the backend chosen by
+        name (distributed_executor_backend mp or ray on one rank)."""
+        pc = self.parallel_config
+        backend = pc.executor_backend
+        sizes = [f"{name}={value}" for name, value in
+                 (("tensor_parallel_size", pc.tensor_parallel_size),
+                  ("pipeline_parallel_size", pc.pipeline_parallel_size),
+                  ("context_parallel_size", pc.context_parallel_size)) if value > 1]
+        if sizes:
+            return (f"it is not available with the {backend} executor of {pc.world_size} "
+                    f"ranks ({', '.join(sizes)}) yet")
+        return (f"--distributed-executor-backend {backend} runs the one rank outside the "
+                "engine's process: leave it out (or give uni) for async scheduling")
 
     def _find_logits_processor_plugins(self) -> None:
         """Look for the installed logits processor plugins once (the workers get the list

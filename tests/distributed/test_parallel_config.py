@@ -60,7 +60,14 @@ def test_ray_backend_without_ray_is_one_line(monkeypatch):
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True},
      "enable_expert_parallel=True, but the model has no experts"),  # was silently ignored
     ({"pipeline_parallel_size": 2, "async_scheduling": True},  # was after the workers loaded
-     "async-scheduling needs a one-rank engine.*the mp executor"),
+     (r"async-scheduling needs the uni executor.*not available with the mp executor of 2 "
+      r"ranks \(pipeline_parallel_size=2\) yet$")),
+    # one rank, mp chosen by name: no parallelism to blame (the message named tensor,
+    # pipeline or context parallelism, none of which was in use)
+    ({"distributed_executor_backend": "mp", "async_scheduling": True},
+     (r"async-scheduling needs the uni executor \(one rank in the engine's process\); "
+      r"--distributed-executor-backend mp runs the one rank outside the engine's process: "
+      r"leave it out \(or give uni\) for async scheduling$")),
 ])
 def test_model_that_does_not_split_fails_before_any_worker_starts(
         tiny_model_factory, monkeypatch, kwargs, needle):
