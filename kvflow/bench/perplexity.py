@@ -3,7 +3,8 @@
 forward pass.
 
 The text (default: ``tests/data/opticks_excerpt.txt``, from Newton's *Opticks*, about 4,000
-tokens) is tokenized once and cut into non-overlapping windows of ``--window`` tokens; each
+tokens) is tokenized once and cut into non-overlapping windows of ``--window`` tokens (at most
+the engine's max_model_len: a larger one is refused; default 512, capped by it); each
 window is one request with ``prompt_logprobs=0`` and ``max_tokens=1``, so every token but a
 window's first is scored given the tokens before it in its window. Perplexity is
 ``exp(-mean log p)`` over all scored tokens (the usual fixed-window evaluation, e.g. Hugging
@@ -34,6 +35,7 @@ from kvflow.bench.checks import (
 from kvflow.config import EngineConfig
 from kvflow.lora.path_flag import add_lora_path_arg, lora_request_from_flags
 
+DEFAULT_WINDOW = 512  # tokens per scored window when --window is not given
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "opticks_excerpt.txt"
 
 
@@ -76,17 +78,36 @@ def _greedy(llm: Any, token_ids: list[int], num_prompts: int, num_tokens: int,
             for o in llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)]
 
 
-def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
+def scoring_window(window: int | None, max_model_len: int, note: str = "") -> int:
+    """Tokens per scored window: ``window`` (``--window``), or when None the default
+    ``DEFAULT_WINDOW`` capped by the engine's ``max_model_len`` (tokens).
+
+    Raises:
+        ValueError: naming ``--window`` and the limit when ``window`` exceeds
+            ``max_model_len`` (a window is one request; ``note`` says why the limit is lower
+            than the model's context, e.g. a small KV cache).
+    """
+    if window is None:
+        return min(DEFAULT_WINDOW, max_model_len)
+    if window > max_model_len:
+        raise ValueError(f"--window {window} exceeds the engine's max_model_len "
+                         f"{max_model_len}{note}: give --window {max_model_len} or less")
+    return window
+
+
+def run_perplexity(llm: Any, text: str, window: int | None, num_greedy: int,
                    greedy_tokens: int, source: str = "the text",
                    lora_request: Any = None) -> dict[str, Any]:
     """Everything the command reports, as a JSON-ready dict (every request through
-    ``lora_request``'s adapter when given).
+    ``lora_request``'s adapter when given). ``window``: see :func:`scoring_window`.
 
     Raises:
-        ValueError: naming ``source`` when the text has fewer than 2 tokens (nothing to score).
+        ValueError: naming ``source`` when the text has fewer than 2 tokens (nothing to
+            score); naming ``--window`` when it exceeds the engine's max_model_len.
     """
+    core = llm.engine.core
+    window = scoring_window(window, core.max_model_len, core.max_model_len_note)
     token_ids = llm.get_tokenizer().encode(text)
-    window = min(window, llm.engine.core.max_model_len)
     chunks = windows(token_ids, window)
     if not chunks:
         raise ValueError(f"{source} has {len(token_ids)} token(s): at least 2 are needed to "
@@ -94,7 +115,6 @@ def run_perplexity(llm: Any, text: str, window: int, num_greedy: int,
     start = time.perf_counter()
     ppl, scored = perplexity_of(llm, chunks, lora_request)
     seconds = time.perf_counter() - start
-    core = llm.engine.core
     return {"perplexity": ppl, "scored_tokens": scored, "window": window, "seconds": seconds,
             "weight_bytes": core.weight_bytes, "kv_bytes_per_token": core.kv_bytes_per_token,
             "greedy": _greedy(llm, token_ids, num_greedy, greedy_tokens, lora_request)
@@ -125,7 +145,7 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
     require_positive(window=args.window, greedy_tokens=args.greedy_tokens)
-    if args.window < 2:
+    if args.window is not None and args.window < 2:
         raise ValueError(f"--window must be >= 2, got {args.window}")
     if args.num_greedy_prompts < 0:
         raise ValueError(f"--num-greedy-prompts must be >= 0 (0: no greedy check), got "
@@ -164,7 +184,10 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity on a fixed text (accuracy gate)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text-file", default=str(DEFAULT_TEXT), help="UTF-8 text to score")
-    p.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"tokens per scored window (default: {DEFAULT_WINDOW}, or the "
+                   "engine's max_model_len when that is smaller; a larger --window is "
+                   "refused)")
     p.add_argument("--num-greedy-prompts", type=int, default=4,
                    help="prompts (from the text) for the greedy-agreement check; 0: none")
     p.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvflow.bench.perplexity import DEFAULT_TEXT, greedy_agreement, windows
+from kvflow.bench.perplexity import DEFAULT_TEXT, greedy_agreement, scoring_window, windows
 from kvflow.entrypoints.cli import main
 
 
@@ -112,3 +113,29 @@ def test_negative_greedy_prompts_is_one_line_before_loading(capsys, count):
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0] == (f"kvflow: error: --num-greedy-prompts must be >= 0 (0: no greedy "
                         f"check), got {count}"), lines[0]
+
+
+def test_scoring_window_is_refused_above_max_model_len_and_default_is_capped():
+    assert scoring_window(None, 8192) == 512      # the default, within the context
+    assert scoring_window(None, 100) == 100       # the default, capped by a short context
+    assert scoring_window(8192, 8192) == 8192     # exactly the limit is allowed
+    with pytest.raises(ValueError) as err:
+        scoring_window(100000, 8192)
+    assert str(err.value) == ("--window 100000 exceeds the engine's max_model_len 8192: give "
+                              "--window 8192 or less")
+
+
+def test_window_above_max_model_len_is_one_line(tiny_llama, tmp_path, capsys):
+    """--window 100000 was silently scored in windows of max_model_len."""
+    config = json.loads((Path(tiny_llama.path) / "config.json").read_text())
+    positions = config["max_position_embeddings"]  # the model's context, from its own file
+    text_file = tmp_path / "text.txt"
+    text_file.write_text("the quick brown fox " * 8)
+    blocks = positions // 16 + 2  # KV room for a whole context: the limit is the model's
+    rc = main(["bench", "perplexity", "--model", tiny_llama.path, "--dtype", "float32",
+               "--num-kv-blocks", str(blocks), "--block-size", "16",
+               "--text-file", str(text_file), "--window", "100000"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    expected = (f"kvflow: error: --window 100000 exceeds the engine's max_model_len "
+                f"{positions}: give --window {positions} or less")
+    assert rc == 2 and lines == [expected], lines
