@@ -55,6 +55,27 @@ def test_a_large_request_waits_until_its_deficit_covers_it():
     assert drain(q) == ["a0", "a1", "a2", "b0"]
 
 
+def test_short_requests_get_several_admissions_per_turn_at_the_default_quantum():
+    """The README's rule with the engine's quantum (256 tokens): a client at the head of the
+    ring is admitted while its deficit covers its next request, then gets 256 and goes to the
+    back. By hand: A (seven 50-token prompts) 0 -> 256; B (two 300-token ones) 0 -> 256;
+    A admits a0..a4 in one turn (256 - 5 x 50 = 6 left, < 50); A 6 -> 262; B 256 < 300 ->
+    512; A admits a5, a6 (162 left, its flow empties and the credit goes); B admits b0
+    (512 - 300 = 212 < 300) and b1 on its next visit (212 + 256 = 468, 168 left, which goes
+    with its flow)."""
+    q = make_waiting_queue(make_policy("fair"))
+    assert q.quantum == 256
+    for i in range(7):
+        q.add(req(f"a{i}", "A", 50, arrival=i))
+    for i in range(2):
+        q.add(req(f"b{i}", "B", 300, arrival=10 + i))
+    first_turn = [q.pop().request_id for _ in range(5)]
+    assert first_turn == ["a0", "a1", "a2", "a3", "a4"]
+    assert q.deficit[(0, "A")] == 6 and q.deficit[(0, "B")] == 256
+    assert drain(q) == ["a5", "a6", "b0", "b1"]
+    assert q.deficit == {}  # both flows emptied in credit (A 162, B 168): credit goes
+
+
 def test_priority_classes_get_halving_quanta():
     """Class 0 gets the quantum, class 1 half of it: two class-0 admissions per class-1 one,
     never none."""
