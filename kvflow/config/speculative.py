@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass, fields
 
 from kvflow.config.options import check_choices
-from kvflow.platforms.cpu_threads import cgroup_cpu_limit, granted_cpus, usable_cpus
 
 SPEC_METHODS = ("ngram", "draft_model")
 # A draft model's "auto" settings on a CPU (README, docs/benchmarks.md issue 17: with the
@@ -53,8 +52,7 @@ class SpeculativeConfig:
 
     Raises:
         ValueError: from the constructor for an unknown method, a missing or empty draft
-            model, a size out of range, ``draft_cpu_threads`` above the CPUs this process may
-            use, or a key of the other method (``_check_method_keys``).
+            model, a size out of range, or a key of the other method (``_check_method_keys``).
     """
 
     method: str = "ngram"
@@ -97,7 +95,6 @@ class SpeculativeConfig:
                 not isinstance(self.draft_cpu_threads, int) or self.draft_cpu_threads < 1):
             raise ValueError(f"speculative_config draft_cpu_threads="
                              f"{self.draft_cpu_threads!r} must be an integer >= 1")
-        self._check_draft_threads_fit()
         vocab = self.draft_vocab_size
         if vocab not in (None, "auto") and (
                 isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
@@ -109,25 +106,6 @@ class SpeculativeConfig:
         if self.quantization not in (None, "auto", "none", "int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} is "
                              "invalid; choose int8, int4, none (or null) or auto")
-
-    def _check_draft_threads_fit(self) -> None:
-        """``draft_cpu_threads`` at most the CPUs this process may use (its affinity mask,
-        capped by the cgroup CPU quota rounded up; the count ``--cpu-threads`` is warned
-        against): more threads than CPUs wait for each other at every kernel's barrier.
-
-        Raises:
-            ValueError: naming the field, the value and the limit.
-        """
-        if self.draft_cpu_threads is None:
-            return
-        allowed, quota = usable_cpus(), cgroup_cpu_limit()
-        limit = granted_cpus(allowed, quota)
-        if self.draft_cpu_threads > limit:
-            quota_note = "" if quota is None else f", CPU quota {quota:g}"
-            raise ValueError(f"speculative_config draft_cpu_threads={self.draft_cpu_threads} "
-                             f"exceeds the {limit} CPUs this process may use (affinity mask "
-                             f"of {len(allowed)} CPUs{quota_note}): give at most {limit}, or "
-                             "leave it out to choose by measurement")
 
     def _check_method_keys(self) -> None:
         """Keys of the other method, set to something they would do, are refused rather

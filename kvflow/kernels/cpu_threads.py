@@ -14,6 +14,7 @@ thread only while it runs a model step (:class:`CallerPin`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -25,12 +26,7 @@ from kvflow.config import parse_cpu_list
 from kvflow.kernels.cpu_native import NativeCpuKernels, native_cpu_kernels
 from kvflow.kernels.cpu_pool import CpuPool
 from kvflow.platforms.cpu_contention import GovernorSettings, ThreadGovernor, runqueue_wait_ns
-from kvflow.platforms.cpu_threads import (
-    cgroup_cpu_limit,
-    default_num_threads,
-    granted_cpus,
-    usable_cpus,
-)
+from kvflow.platforms.cpu_threads import cgroup_cpu_limit, default_num_threads, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +99,7 @@ def check_cpu_threads(cpu_threads: int | None, bind: str | None, ranks: int,
     allowed, quota = usable_cpus(), cgroup_cpu_limit()
     for rank in range(ranks):
         resolve_threads(cpu_threads, bind, allowed, quota, torch.get_num_threads(), rank, ranks)
-    granted = granted_cpus(allowed, quota)
+    granted = min(len(allowed), math.ceil(quota)) if quota is not None else len(allowed)
     if warn and cpu_threads is not None and cpu_threads * ranks > granted:
         logger.warning("cpu_threads=%d for each of %d worker process(es) exceeds the %d CPUs "
                        "this process may use (affinity mask %s, CPU quota %s): threads will "

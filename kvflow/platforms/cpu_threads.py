@@ -80,13 +80,6 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -
     return min(quotas) if quotas else None
 
 
-def granted_cpus(allowed: list[int], quota: float | None) -> int:
-    """CPUs this process may run on at once: the affinity mask ``allowed`` (CPU ids), capped
-    by the cgroup ``quota`` (CPUs) rounded up (a 1.5-CPU quota still runs 2 threads at a
-    time, each for part of the period)."""
-    return min(len(allowed), math.ceil(quota)) if quota is not None else len(allowed)
-
-
 def default_num_threads(current: int, cpus: int, quota: float | None) -> int:
     """Threads to use when the user chose none: ``current`` (torch's count, which honours
     ``OMP_NUM_THREADS`` and the affinity mask) capped by the usable CPUs and by the cgroup
