@@ -62,7 +62,6 @@ class EngineConfig:
                 worker starts).
         """
         self._check_speculative()
-        self._find_logits_processor_plugins()
         self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
         if mode != "swap" and cc.swap_space is not None:  # only the swap host pool reads it
@@ -106,17 +105,27 @@ class EngineConfig:
         return (f"--distributed-executor-backend {backend} runs the one rank outside the "
                 "engine's process: leave it out (or give uni) for async scheduling")
 
-    def _find_logits_processor_plugins(self) -> None:
-        """Look for the installed logits processor plugins once (the workers get the list
-        with the config). With speculative decoding they are not loaded, not even imported
-        (vLLM v1 returns before loading its plugins there too, so a broken one does not stop
-        the start), with a warning naming them.
+    def find_logits_processor_plugins(self, task: str) -> None:
+        """Look for the installed logits processor plugins once, when the engine's task is
+        known (the engine core calls it before any worker starts, so the workers get the list
+        with the config; an API process whose config has none yet calls it too). Only a
+        generating engine loads them: for a pooling task (``task`` other than
+        ``"generate"``) and with speculative decoding they are not loaded, not even
+        imported, so a broken one does not stop the start (vLLM v1 skips them in both
+        cases); with speculative decoding a warning names them.
+
+        Args:
+            task: the resolved task (generate | embed | score | classify | token_classify).
 
         Raises:
-            ValueError: for a plugin that does not import (``plugin_logits_processors``).
+            ValueError: for a plugin that does not import (``plugin_logits_processors``),
+                on a generating engine without speculative decoding.
         """
         mc = self.model_config
         if mc.logits_processor_plugins is not None:
+            return
+        if task != "generate":  # pooling samples nothing
+            mc.logits_processor_plugins = []
             return
         if self.speculative_config is not None:
             named = dict.fromkeys(entry.value for entry in

@@ -149,7 +149,8 @@ class ModelConfig:
         "(vllm_xargs on the server)", nargs="+", metavar="MODULE:CLASS")
     logits_processor_plugins: list | None = opt(  # noqa: RUF009 (the default is None)
         None, "the class paths of the installed logits processor plugins (entry point group "
-        "kvflow.logits_processors), found by EngineConfig at start-up (None: not looked "
+        "kvflow.logits_processors), found at start-up once the task is known, for a "
+        "generating engine without speculative decoding ([] otherwise; None: not looked "
         "for yet)", cli=False)
 
     def __post_init__(self) -> None:

@@ -120,12 +120,15 @@ class EngineCoreStartup:
                 for where pooling turns it off (``check_prefix_caching_pooling``); for a
                 text-only model, an image setting (``check_no_image_settings``);
                 ``enable_prompt_embeds`` where nothing reads it
-                (``check_prompt_embeds_model``).
+                (``check_prompt_embeds_model``); on a generating engine without
+                speculative decoding, an installed logits processor plugin that does not
+                import (``EngineConfig.find_logits_processor_plugins``).
         """
         folder = source.path if source.kind == "hf" else None
         self.task, self.pooler_config = model_task(self.config.model_config.task,
                                                    self.hf_config, folder)
         self.is_encoder = model_traits(self.hf_config)[1]
+        self.config.find_logits_processor_plugins(self.task)  # before the workers get it
         pooling, does = self.task != "generate", TASK_VERB[self.task]
         if pooling and self.config.lora_config.enable_lora:
             raise ValueError(f"enable_lora is for text generation; this engine {does} "

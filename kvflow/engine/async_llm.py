@@ -169,6 +169,7 @@ class AsyncLLM(AsyncLLMCalls):
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_blocks  # per replica
         self.task = ready.task
+        self.config.find_logits_processor_plugins(ready.task)  # the core's lookup, here too
         self.processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size,
                                         resolve_eos_token_id(self.tokenizer, ready),
                                         self._mm_processor,

@@ -73,6 +73,8 @@ class LLMEngine:
             pooler, hidden_size = self.core.pooler_config, self.core.hf_config.hidden_size
         self.core.tokenizer = self.tokenizer  # grammar compiles reuse it (in-process core)
         eos = resolve_eos_token_id(self.tokenizer, eos_source)
+        if pooler is None:  # a data-parallel parent's config has not looked for plugins yet
+            config.find_logits_processor_plugins("generate")
         self.processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, eos,
                                         mm_processor, load_eos_token_ids(source, eos_config),
                                         pooler, hidden_size, max_model_len_note=note,
