@@ -30,6 +30,7 @@ from kvflow.entrypoints.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.serving_embedding import OpenAIServingEmbedding, Prompt
 from kvflow.entrypoints.serving_models import ServingModels
 from kvflow.entrypoints.unknown_fields import UnknownFields
+from kvflow.models.pooling_config import TASK_VERB
 from kvflow.pooling_params import PoolingParams
 from kvflow.prompt_truncation import truncation_length
 
@@ -102,8 +103,13 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
                 one kvflow does not implement here (``OTHER_TASKS``) or an unknown one.
         """
         pooler = self.engine.processor.pooler
-        if pooler is None:
-            self.check_task("embed")  # raises: this server generates
+        if pooler is None:  # every pooling engine task serves /pooling, not only embed
+            served = [t for t in TASK_VERB if t != "generate"]
+            raise OpenAIError(f"this server's model runs task={self.engine.task!r} (--task); "
+                              f"/pooling needs a pooling model (--task "
+                              f"{', '.join(served[:-1])} or {served[-1]}): use "
+                              "/v1/completions or /v1/chat/completions", param="model",
+                              code="wrong_task")
         if task in OTHER_TASKS:
             raise OpenAIError(f"task={task!r} is not supported on /pooling: "
                               f"{OTHER_TASKS[task]}", param="task", code="unsupported_value")

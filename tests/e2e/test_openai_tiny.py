@@ -737,3 +737,8 @@ def test_pooling_routes_on_a_generating_server_are_wrong_task(server, path, body
     assert resp.status_code == 400, resp.text
     assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == \
         ("model", "wrong_task")
+    if path == "/pooling":  # every pooling engine task serves it, not only embed
+        assert resp.json()["error"]["message"] == (
+            "this server's model runs task='generate' (--task); /pooling needs a pooling "
+            "model (--task embed, score, classify or token_classify): use /v1/completions "
+            "or /v1/chat/completions")
