@@ -140,16 +140,19 @@ class BackgroundRuns:
 
 
 def ended_response(response: ResponseObject, task: asyncio.Task,
-                   items: Sequence[dict[str, Any]] = ()) -> ResponseObject | None:
+                   items: Sequence[dict[str, Any]] = (), usage: Any = None
+                   ) -> ResponseObject | None:
     """The final response of a background run whose ``task`` ended, from ``response`` (the
     last stored for it), or None when it is final already (the run stored it): ``cancelled``
     when the task was cancelled, with ``output`` the ``items`` produced until then
-    (``partial_output``; OpenAI keeps a cancelled response's output), ``failed``
-    (``error.code`` ``server_error``) when it raised."""
+    (``partial_output``; OpenAI keeps a cancelled response's output) and ``usage`` the token
+    counts of that output and the prompt (a ``ResponseUsage``, as a finished reply's; None
+    when the run had not started), ``failed`` (``error.code`` ``server_error``) when it
+    raised."""
     if response.status in TERMINAL:
         return None
     if task.cancelled():
-        return response.model_copy(update={"status": "cancelled",
+        return response.model_copy(update={"status": "cancelled", "usage": usage,
                                            "output": partial_output(items)})
     error = task.exception()
     if error is None:  # the run stored nothing: cannot happen, but never leave it running
@@ -299,13 +302,16 @@ class BackgroundResponses:
     def _ended(self, response_id: str, task: asyncio.Task) -> None:
         """A run's task ended (its engine requests aborted already): a cancelled or crashed
         one is stored ``cancelled`` (with the output produced so far, which a later
-        ``previous_response_id`` continues from) / ``failed``; its log closed, its hold
-        released."""
+        ``previous_response_id`` continues from, and its token usage) / ``failed``; its log
+        closed, its hold released."""
         stored = self.store.peek(response_id)
-        items = self._outputs.pop(response_id).items if response_id in self._outputs else []
+        counter = self._outputs.pop(response_id, None)
+        items = counter.items if counter is not None else []
+        usage = counter.usage() if counter is not None and counter.usage is not None else None
         if stored is not None:
             before = stored.response.status
-            ended = self._restore(response_id, lambda r: ended_response(r, task, items) or r)
+            ended = self._restore(response_id,
+                                  lambda r: ended_response(r, task, items, usage) or r)
             if before not in TERMINAL and ended is not None and ended.status == "cancelled":
                 stored.messages += output_messages(
                     [i for i in ended.output if i["type"] != "function_call"

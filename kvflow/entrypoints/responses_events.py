@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers import StreamDelta
@@ -68,6 +68,9 @@ class ResponseEvents:
         self._open: str | None = None  # the kind of the last item while it is open
         self._calls: dict[int, int] = {}  # tool-call index -> output index
         self._pending: list[dict[str, Any]] = []  # logprobs of tokens not yet placed
+        # the reply's token counts so far (a ResponseUsage), set by the run once it has its
+        # prompt: a cancelled background reply reports them
+        self.usage: Callable[[], Any] | None = None
 
     def event(self, kind: str, **fields: Any) -> Event:
         """An event of type ``kind`` with the next sequence number (``fields`` copied)."""

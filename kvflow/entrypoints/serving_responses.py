@@ -289,6 +289,9 @@ class OpenAIServingResponses:
         state, num_generated, finish_reason = run.parser.stream_state(), 0, None
         top = (req.top_logprobs or 0) if wants_logprobs(req) else None
         num_cached = 0
+        # the counts as they stand (the locals it reads grow below): a cancel reads them
+        events.usage = lambda: self._usage(events, len(run.prompt_ids), num_cached,
+                                           num_generated)
         async for delta in run.streams[0]:
             num_cached = delta.metrics.num_cached_tokens
             for c in delta.outputs:

@@ -233,7 +233,9 @@ def test_cancel_mid_run_stops_generation(server, free_at_start):
     request counted as aborted, every KV block free again; a resumed stream ends. The
     cancelled response keeps the text generated until then (OpenAI's rule): the streamed
     deltas' text, a non-empty proper prefix of the foreground greedy reply's, its message
-    ``incomplete``; a reply continuing it sees that text as the assistant's turn."""
+    ``incomplete``, its usage the prompt's and the generated tokens (bounded by the deltas
+    and the engine's count, the foreground reply cut there starting with that text); a
+    reply continuing it sees that text as the assistant's turn."""
     oracle = whole(server, **BODY, max_output_tokens=200)
     assert oracle["status"] == "incomplete"  # it would run all 200
     before = server.metrics()
@@ -266,6 +268,18 @@ def test_cancel_mid_run_stops_generation(server, free_at_start):
     assert output_text(oracle).startswith(output_text(kept))
     assert [(i["type"], i["status"]) for i in kept["output"]] == [("message", "incomplete")]
     assert get(server, response_id).json() == kept
+    # usage counts the prompt (the oracle's count) and the tokens generated until the cancel:
+    # at least one per streamed text delta, at most what the engine generated for it
+    # (the metric), and the greedy foreground reply cut at that many tokens starts with the
+    # kept text (its end may add the text of bytes the stream still held back)
+    usage, num_kept = kept["usage"], kept["usage"]["output_tokens"]
+    num_deltas = sum(e["type"] == "response.output_text.delta" for e in replay)
+    assert num_deltas <= num_kept <= grew("kvflow:generation_tokens_total")
+    assert (usage["input_tokens"], usage["total_tokens"]) == \
+        (oracle["usage"]["input_tokens"], oracle["usage"]["input_tokens"] + num_kept)
+    cut = whole(server, **BODY, max_output_tokens=num_kept)
+    assert cut["usage"]["output_tokens"] == num_kept
+    assert output_text(cut).startswith(output_text(kept))
     follow = whole(server, input="and then", previous_response_id=response_id,
                    max_output_tokens=1)
     no_turn = whole(server, input="and then", max_output_tokens=1)
