@@ -167,8 +167,9 @@ class EngineCoreStartup:
             raise ValueError(f"--async-scheduling is for text generation; this engine "
                              f"{TASK_VERB[self.task]} (task={self.task!r}: nothing is sampled)")
         elif sc.async_scheduling and not self.executor.supports_async_scheduling:
-            raise ValueError("--async-scheduling needs a one-rank engine (the uni executor); "
-                             "it is not available with tensor or pipeline parallelism yet")
+            raise ValueError(f"--async-scheduling needs an executor that splits steps (the "
+                             f"uni executor: one rank in the engine's process); "
+                             f"{type(self.executor).__name__} does not")
         self._in_flight: SchedulerOutput | None = None  # async: sampled, not folded in
 
     def _init_kv_cache(self) -> None:
