@@ -4,6 +4,8 @@ config rejects a bad count."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -90,3 +92,12 @@ def test_config_rejects_a_bad_thread_count(bad):
         SpeculativeConfig(method="draft_model", model="m", draft_cpu_threads=bad)
     assert SpeculativeConfig(method="draft_model", model="m",
                              draft_cpu_threads=1).draft_cpu_threads == 1
+
+
+def test_draft_threads_above_the_affinity_mask_are_refused():
+    cpus = len(os.sched_getaffinity(0))
+    base = {"method": "draft_model", "model": "any", "num_speculative_tokens": 2}
+    assert SpeculativeConfig(**base, draft_cpu_threads=cpus).draft_cpu_threads == cpus
+    with pytest.raises(ValueError, match=rf"draft_cpu_threads={cpus + 1} exceeds the {cpus} "
+                                         rf"CPUs this process may run on .*give at most {cpus}"):
+        SpeculativeConfig(**base, draft_cpu_threads=cpus + 1)
