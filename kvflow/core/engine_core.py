@@ -24,7 +24,7 @@ from kvflow.core.engine_steps import (
 from kvflow.core.kv_events import KVEventBatch
 from kvflow.core.sleep_mode import EngineSleep
 from kvflow.engine_outputs import EngineCoreOutput
-from kvflow.lora.request import LoRARequest
+from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.models.model_resolver import ModelSource, resolve_model
 from kvflow.models.pooling_config import task_mismatch
 from kvflow.request import Request, RequestStatus
@@ -77,15 +77,8 @@ class EngineCore(EngineCoreStartup):
                 adapter the model cannot apply (a rank above max_lora_rank, target modules
                 kvflow cannot adapt, wrong shapes).
         """
-        known = self.loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if known != lora_request:
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used by "
-                                 f"{known}; give each adapter its own id")
+        if already_loaded(self.loras, lora_request, self.config.lora_config.enable_lora):
             return
-        if not self.config.lora_config.enable_lora:
-            raise ValueError("LoRA adapters need an engine started with enable_lora "
-                             "(--enable-lora)")
         self.drain_steps()
         results = self.executor.collective_rpc("add_lora", lora_request)  # every rank
         refused = next((r for r in results if isinstance(r, RpcRefusal)), None)

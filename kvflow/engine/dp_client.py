@@ -35,7 +35,7 @@ from kvflow.engine.messages import (
 )
 from kvflow.engine.replica_set import ReplicaSet
 from kvflow.engine_outputs import EngineCoreOutput, EngineStats
-from kvflow.lora.request import LoRARequest
+from kvflow.lora.request import LoRARequest, already_loaded
 from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
@@ -161,15 +161,8 @@ class DPCoreClient:
                 replicas' refusal (the adapter cannot be applied to the model).
             RuntimeError: naming the replica, if one failed or its process exited.
         """
-        known = self.loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if known != lora_request:
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used by "
-                                 f"{known}; give each adapter its own id")
+        if already_loaded(self.loras, lora_request, self.enable_lora):
             return
-        if not self.enable_lora:
-            raise ValueError("LoRA adapters need an engine started with enable_lora "
-                             "(--enable-lora)")
         results = self._call_all(lambda call_id: AddLoRA(call_id, lora_request))
         refused = next((r.error for r in results if r.error is not None), None)
         if refused is not None:

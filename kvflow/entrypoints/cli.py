@@ -182,11 +182,7 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
 
     out = []
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ValueError(f"--image {path}: cannot read it ({e.strerror})") from None
+        data = _read_file("--image", path)
         try:
             image = decode_image_bytes(data, config.multimodal_config)
         except ValueError as e:
@@ -194,6 +190,19 @@ def _read_images(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
         media_type = f"image/{image_format(data)}"  # the bytes', not the file name's
         out.append((f"data:{media_type};base64,{base64.b64encode(data).decode()}", image))
     return out
+
+
+def _read_file(flag: str, path: str) -> bytes:
+    """The bytes of the file ``path`` that ``flag`` names.
+
+    Raises:
+        ValueError: naming the flag and the file when it cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
 
 
 def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]]:
@@ -212,11 +221,7 @@ def _read_videos(paths: list[str], config: EngineConfig) -> list[tuple[str, Any]
 
     out = []
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ValueError(f"--video {path}: cannot read it ({e.strerror})") from None
+        data = _read_file("--video", path)
         try:
             frames = decode_video_bytes(data, config.multimodal_config)
         except ValueError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -61,3 +62,23 @@ class LoRARequest:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"LoRARequest.lora_int_id={self.lora_int_id!r} must be an "
                              "integer >= 1")
+
+
+def already_loaded(loras: Mapping[int, LoRARequest], lora_request: LoRARequest,
+                   enable_lora: bool) -> bool:
+    """Whether ``lora_request`` is loaded already (``loras``: the loaded adapters by id), so
+    loading it again is a no-op; False when it may be loaded.
+
+    Raises:
+        ValueError: for an id used by another adapter, or an engine without ``enable_lora``.
+    """
+    known = loras.get(lora_request.lora_int_id)
+    if known is not None:
+        if known != lora_request:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used by "
+                             f"{known}; give each adapter its own id")
+        return True
+    if not enable_lora:
+        raise ValueError("LoRA adapters need an engine started with enable_lora "
+                         "(--enable-lora)")
+    return False
