@@ -45,6 +45,7 @@ WELL_FORMED = [
      [("get_time", '{"tz": "UTC"}')]),
     ("granite", '[{"name": "get_time", "arguments": {}}] trailing', None, [("get_time", "{}")]),
     ("internlm", INTERNLM, "I will look it up.", [("get_weather", '{"city": "Paris"}')]),
+    ("internlm2", INTERNLM, "I will look it up.", [("get_weather", '{"city": "Paris"}')]),
     ("internlm", ('<|action_start|><|plugin|>{"name": "get_time", "arguments": {"tz": "UTC"}}'
      '<|action_end|>\nmore<|action_start|><|plugin|>{"name": "get_time"}<|action_end|>'), None,
      [("get_time", '{"tz": "UTC"}')]),
@@ -157,6 +158,7 @@ def test_history_calls_as_text_parse_back(name, reads, first_only):
 
 def test_special_token_markers_survive_detokenizing():
     keeps = {n: make_tool_parser(n).keeps_special_tokens
-             for n in ("kimi_k2", "deepseek_v31", "internlm", "granite", "llama4_json")}
-    assert keeps == {"kimi_k2": True, "deepseek_v31": True, "internlm": True,
+             for n in ("kimi_k2", "deepseek_v31", "internlm", "granite", "llama4_json",
+                       "internlm2")}
+    assert keeps == {"kimi_k2": True, "deepseek_v31": True, "internlm": True, "internlm2": True,
                      "granite": False, "llama4_json": False}

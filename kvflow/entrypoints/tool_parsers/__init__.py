@@ -11,7 +11,7 @@ backend does the constraining. Streamed or not, a reply carries the same calls.
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
 ``hermes``, ``llama3_json`` (and ``llama4_json``), ``mistral``, ``pythonic`` (and
 ``llama4_pythonic``), ``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
-(the last three share ``marked_blocks``), ``granite``, ``internlm``; ``forced`` reads
+(the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``); ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -31,7 +31,7 @@ from kvflow.entrypoints.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from kvflow.entrypoints.tool_parsers.granite import GraniteToolParser
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
-from kvflow.entrypoints.tool_parsers.internlm import InternLMToolParser
+from kvflow.entrypoints.tool_parsers.internlm import InternLM2ToolParser, InternLMToolParser
 from kvflow.entrypoints.tool_parsers.kimi_k2 import KimiK2ToolParser
 from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
@@ -54,7 +54,8 @@ from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingTool
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, Llama4JsonToolParser, MistralToolParser,
     PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser,
-    DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser)}
+    DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser,
+    InternLM2ToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -73,8 +74,8 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser", "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser",
-    "InternLMToolParser", "KimiK2ToolParser", "Llama3JsonToolParser", "Llama4JsonToolParser",
-    "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
+    "InternLM2ToolParser", "InternLMToolParser", "KimiK2ToolParser", "Llama3JsonToolParser",
+    "Llama4JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
     "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
     "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",
     "StreamingToolState", "ThinkReasoningParser", "ToolParser", "make_reasoning_parser",

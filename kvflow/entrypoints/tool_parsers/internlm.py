@@ -51,3 +51,9 @@ class InternLMToolParser(ToolParser):
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """The first call (InternLM2 makes one per turn)."""
         return "".join(f"{self.START}\n{call_json(c, 'parameters')}{self.END}" for c in calls[:1])
+
+
+class InternLM2ToolParser(InternLMToolParser):
+    """vLLM's other name for the same format (``internlm2``)."""
+
+    name = "internlm2"
