@@ -301,8 +301,9 @@ def test_flags_accept_vllm_names_and_refuse_others():
     for name in REASONING_PARSERS:
         assert config("--model", "M", "--reasoning-parser", name).reasoning_parser == name
     assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "granite", "hermes",
-                                    "internlm", "internlm2", "kimi_k2", "llama3_json",
-                                    "llama4_json", "llama4_pythonic", "mistral", "pythonic", "qwen3_coder"]
+                                    "internlm", "internlm2", "jamba", "kimi_k2", "llama3_json",
+                                    "llama4_json", "llama4_pythonic", "mistral", "pythonic",
+                                    "qwen3_coder"]
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "qwen3", "think"]
     with pytest.raises(ValueError, match="tool_call_parser='bogus'.*qwen3_coder"):
         ServerConfig(tool_call_parser="bogus")

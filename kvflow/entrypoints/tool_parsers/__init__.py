@@ -11,7 +11,7 @@ backend does the constraining. Streamed or not, a reply carries the same calls.
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
 ``hermes``, ``llama3_json`` (and ``llama4_json``), ``mistral``, ``pythonic`` (and
 ``llama4_pythonic``), ``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
-(the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``); ``forced`` reads
+(the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``), ``jamba``; ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -32,6 +32,7 @@ from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredTool
 from kvflow.entrypoints.tool_parsers.granite import GraniteToolParser
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
 from kvflow.entrypoints.tool_parsers.internlm import InternLM2ToolParser, InternLMToolParser
+from kvflow.entrypoints.tool_parsers.jamba import JambaToolParser
 from kvflow.entrypoints.tool_parsers.kimi_k2 import KimiK2ToolParser
 from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
@@ -55,7 +56,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, Llama4JsonToolParser, MistralToolParser,
     PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser,
     DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser,
-    InternLM2ToolParser)}
+    InternLM2ToolParser, JambaToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -74,7 +75,7 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser", "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser",
-    "InternLM2ToolParser", "InternLMToolParser", "KimiK2ToolParser", "Llama3JsonToolParser",
+    "InternLM2ToolParser", "InternLMToolParser", "JambaToolParser", "KimiK2ToolParser", "Llama3JsonToolParser",
     "Llama4JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
     "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
     "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",

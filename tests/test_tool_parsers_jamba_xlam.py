@@ -1,0 +1,73 @@
+"""vLLM's ``jamba`` tool-call parser (and ``xlam``): model outputs written by hand in each
+family's documented format (vLLM's docs and parser tests); the expected calls (name,
+arguments JSON text) and content are written out by hand. Every stream, split at every point
+into two and three pieces and character by character, joins to exactly the whole reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow.entrypoints.chat_output import ChatOutputParser
+from kvflow.entrypoints.tool_parsers import make_tool_parser
+from tests.test_tool_parsers_kimi_granite import _pieces3
+from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
+
+JAMBA = ('Let me check.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", '
+         '"note": "]</tool_calls>"}}, {"name": "get_time", "arguments": {}}]</tool_calls>')
+
+WELL_FORMED = [
+    ("jamba", JAMBA, "Let me check.",
+     [("get_weather", '{"city": "Paris", "note": "]</tool_calls>"}'), ("get_time", "{}")]),
+    # text after the list is dropped, as vLLM drops it; a missing arguments member is {}
+    ("jamba", '<tool_calls> [ {"name": "get_time"} ] </tool_calls> Done.', None,
+     [("get_time", "{}")]),
+]
+
+MALFORMED = [
+    ("jamba", "Hi <tool_calls>not json</tool_calls>"),
+    ("jamba", '<tool_calls>[{"a": 1}]</tool_calls>'),
+    ("jamba", "<tool_calls>[]</tool_calls>"),
+    ("jamba", '<tool_calls>{"name": "get_time", "arguments": {}}</tool_calls>'),
+    ("jamba", "Just text, no calls."),
+]
+
+
+@pytest.mark.parametrize("name, text, content, calls", WELL_FORMED)
+def test_calls_whole_and_streamed(name, text, content, calls):
+    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
+    assert _whole(out, text) == (content, None, calls, "tool_calls")
+    for c in calls:
+        json.loads(c[1])
+    for pieces in [*_pieces(text), *_pieces3(text), list(text)]:
+        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, "tool_calls"), pieces
+
+
+@pytest.mark.parametrize("name, text", MALFORMED)
+def test_malformed_output_is_content(name, text):
+    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
+    assert _whole(out, text) == (text, None, None, "stop")
+    for pieces in [*_pieces(text), *_pieces3(text), list(text)]:
+        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+
+
+@pytest.mark.parametrize("name, reads", [
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city"')])
+def test_history_calls_as_text_parse_back(name, reads):
+    history = [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
+               {"id": "c2", "type": "function", "function": {"name": "get_time",
+                                                             "arguments": ""}}]
+    parser = make_tool_parser(name, TOOLS)
+    text = parser.calls_text(history)
+    assert reads in text
+    parsed = parser.parse(text, True)
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
+        [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
+
+
+def test_jamba_keeps_special_tokens():
+    """<tool_calls> is a special token of Jamba's tokenizer (vLLM decodes with it)."""
+    assert make_tool_parser("jamba").keeps_special_tokens is True
