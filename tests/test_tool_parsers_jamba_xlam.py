@@ -1,4 +1,4 @@
-"""vLLM's ``jamba`` tool-call parser (and ``xlam``): model outputs written by hand in each
+"""vLLM's ``jamba`` and ``xlam`` tool-call parsers: model outputs written by hand in each
 family's documented format (vLLM's docs and parser tests); the expected calls (name,
 arguments JSON text) and content are written out by hand. Every stream, split at every point
 into two and three pieces and character by character, joins to exactly the whole reply."""
@@ -23,6 +23,15 @@ WELL_FORMED = [
     # text after the list is dropped, as vLLM drops it; a missing arguments member is {}
     ("jamba", '<tool_calls> [ {"name": "get_time"} ] </tool_calls> Done.', None,
      [("get_time", "{}")]),
+    ("xlam", ('[{"name": "get_weather", "arguments": {"city": "[TOOL_CALLS]```"}}, '
+              '{"name": "get_time", "arguments": {"tz": "UTC"}}]'), None,
+     [("get_weather", '{"city": "[TOOL_CALLS]```"}'), ("get_time", '{"tz": "UTC"}')]),
+    ("xlam", 'Let me check.\n```json\n[{"name": "get_time", "arguments": {}}]\n```',
+     "Let me check.", [("get_time", "{}")]),
+    ("xlam", '```\n[{"name": "get_time", "arguments": {"tz": "UTC"}}]\n```\nDone.', None,
+     [("get_time", '{"tz": "UTC"}')]),
+    ("xlam", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     "Sure.", [("get_weather", '{"city": "Paris"}')]),
 ]
 
 MALFORMED = [
@@ -31,6 +40,13 @@ MALFORMED = [
     ("jamba", "<tool_calls>[]</tool_calls>"),
     ("jamba", '<tool_calls>{"name": "get_time", "arguments": {}}</tool_calls>'),
     ("jamba", "Just text, no calls."),
+    ("xlam", "Here is code:\n```python\nprint([1])\n```"),
+    ("xlam", "[1, 2, 3]"),
+    ("xlam", '[{"city": "Paris"}]'),
+    ("xlam", '{"name": "get_time", "arguments": {}}'),
+    ("xlam", 'Text [{"name": "get_time", "arguments": {}}]'),
+    ("xlam", "[TOOL_CALLS] nothing"),
+    ("xlam", "No calls at all."),
 ]
 
 
@@ -53,7 +69,8 @@ def test_malformed_output_is_content(name, text):
 
 
 @pytest.mark.parametrize("name, reads", [
-    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city"')])
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city"'),
+    ("xlam", '[{"name": "get_weather", "arguments": {"city"')])
 def test_history_calls_as_text_parse_back(name, reads):
     history = [{"id": "c1", "type": "function", "function": {
                    "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
@@ -68,6 +85,8 @@ def test_history_calls_as_text_parse_back(name, reads):
         [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
 
 
-def test_jamba_keeps_special_tokens():
-    """<tool_calls> is a special token of Jamba's tokenizer (vLLM decodes with it)."""
+def test_only_jamba_keeps_special_tokens():
+    """<tool_calls> is a special token of Jamba's tokenizer (vLLM decodes with it); xLAM's
+    output is plain text."""
     assert make_tool_parser("jamba").keeps_special_tokens is True
+    assert make_tool_parser("xlam").keeps_special_tokens is False

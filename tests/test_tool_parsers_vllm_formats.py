@@ -303,7 +303,7 @@ def test_flags_accept_vllm_names_and_refuse_others():
     assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "granite", "hermes",
                                     "internlm", "internlm2", "jamba", "kimi_k2", "llama3_json",
                                     "llama4_json", "llama4_pythonic", "mistral", "pythonic",
-                                    "qwen3_coder"]
+                                    "qwen3_coder", "xlam"]
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "qwen3", "think"]
     with pytest.raises(ValueError, match="tool_call_parser='bogus'.*qwen3_coder"):
         ServerConfig(tool_call_parser="bogus")

@@ -11,7 +11,8 @@ backend does the constraining. Streamed or not, a reply carries the same calls.
 One module per ``--tool-call-parser`` (vLLM's names), each documenting its format:
 ``hermes``, ``llama3_json`` (and ``llama4_json``), ``mistral``, ``pythonic`` (and
 ``llama4_pythonic``), ``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
-(the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``), ``jamba``; ``forced`` reads
+(the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``), ``jamba``,
+``xlam``; ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -51,12 +52,13 @@ from kvflow.entrypoints.tool_parsers.reasoning import (
     make_reasoning_parser,
 )
 from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingToolState
+from kvflow.entrypoints.tool_parsers.xlam import XLAMToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, Llama4JsonToolParser, MistralToolParser,
     PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser,
     DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser,
-    InternLM2ToolParser, JambaToolParser)}
+    InternLM2ToolParser, JambaToolParser, XLAMToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -75,10 +77,10 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser", "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser",
-    "InternLM2ToolParser", "InternLMToolParser", "JambaToolParser", "KimiK2ToolParser", "Llama3JsonToolParser",
-    "Llama4JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser", "NamedToolParser",
-    "ParsedCall", "ParsedOutput", "PythonicToolParser", "Qwen3CoderToolParser",
-    "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser", "StreamDelta",
-    "StreamingToolState", "ThinkReasoningParser", "ToolParser", "make_reasoning_parser",
-    "make_tool_parser", "new_tool_call_id",
+    "InternLM2ToolParser", "InternLMToolParser", "JambaToolParser", "KimiK2ToolParser",
+    "Llama3JsonToolParser", "Llama4JsonToolParser", "Llama4PythonicToolParser",
+    "MistralToolParser", "NamedToolParser", "ParsedCall", "ParsedOutput", "PythonicToolParser",
+    "Qwen3CoderToolParser", "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser",
+    "StreamDelta", "StreamingToolState", "ThinkReasoningParser", "ToolParser", "XLAMToolParser",
+    "make_reasoning_parser", "make_tool_parser", "new_tool_call_id",
 ]

@@ -5,7 +5,7 @@
 
 Text before ``<tool_calls>`` is content; text after the list is dropped (vLLM's parser keeps
 only the text before the tag). A list whose first item is an object without a name, or no
-list at all, leaves the whole reply content. ``<tool_calls>`` and ``</tool_calls>`` are special
+list at all, makes the whole reply content. ``<tool_calls>`` and ``</tool_calls>`` are special
 tokens in Jamba's tokenizer: the reply is decoded with them, as vLLM does.
 """
 
@@ -26,27 +26,22 @@ from kvflow.entrypoints.tool_parsers.base import (
 
 def list_calls(out: ParsedOutput, text: str, start: int, final: bool) -> ParsedOutput:
     """The calls of the JSON list at ``text[start]`` (after whitespace), ``out.content`` the
-    text before it: a reply with no named call is all content once ``final`` (while
-    streaming, ``out`` waits, holding no calls); an object without a name as the first item
-    makes the reply all content at once (a JSON reply, not a call). Shared by ``jamba`` and
-    ``xlam``."""
+    text before it. Text that cannot start a list of objects (another character, ``[]``,
+    ``[1]``) or a first object without a name (a JSON reply, not a call) makes the reply all
+    content at once; a reply with no named call is all content once ``final`` (while
+    streaming, ``out`` waits, holding no calls). Shared by ``jamba`` and ``xlam``."""
     start = skip_ws(text, start)
-    if start >= len(text):
-        return ParsedOutput(text) if final else out
-    if text[start] != "[":
-        return ParsedOutput(text) if final else out
-    start = skip_ws(text, start + 1)
-    if start >= len(text):
-        return ParsedOutput(text) if final else out
-    if text[start] != "{":
-        return ParsedOutput(text) if final else out
-    calls = json_object_calls(text, start, final, ("arguments",), ",")
-    if calls.content == text:
-        return calls  # all content
-    if not calls.calls:
-        return out
-    calls.content = out.content
-    return calls
+    if start < len(text) and text[start] == "[":
+        start = skip_ws(text, start + 1)
+        if start < len(text) and text[start] == "{":
+            calls = json_object_calls(text, start, final, ("arguments",), ",")
+            if calls.content == text or not calls.calls:
+                return calls if calls.content == text else out
+            calls.content = out.content
+            return calls
+    if start < len(text) or final:
+        return ParsedOutput(text)
+    return out
 
 
 class JambaToolParser(ToolParser):
