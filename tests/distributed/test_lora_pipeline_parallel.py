@@ -13,26 +13,23 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
-from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
+from tests.lora.adapters import (
+    MAX_TOKENS,
+    assert_output_matches_peft,
+    make_adapter,
+    mixed_batch_matches_peft,
+)
 
 PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
            "a lazy dog while kvflow pages keys and values through blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _assert_matches_peft(base_path: str, adapter: str | None, prompt: list[int],
-                         out: Any) -> None:
-    tokens = list(out.token_ids)
-    check_tokens_against_peft(base_path, adapter, prompt, tokens,
-                              [entry[t].logprob for t, entry in zip(tokens, out.logprobs)])
 
 
 def _with_bad_layer1_shape(src: str, dst: str) -> str:
@@ -71,24 +68,17 @@ def test_adapters_over_two_stages_match_peft(tiny_llama, adapters):
               block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
               pipeline_parallel_size=2, distributed_executor_backend="mp")
     try:
-        tok = llm.get_tokenizer()
-        ids = [tok.encode(p) for p in PROMPTS]
-        loras = [LoRARequest("all", 1, adapters["all"]), LoRARequest("qv", 2, adapters["qv"]),
-                 None]
-        outs = llm.generate(ids, GREEDY, lora_request=loras, use_tqdm=False)
-        for prompt, lora, out in zip(ids, loras, outs):
-            _assert_matches_peft(tiny_llama.path, lora and lora.lora_path, prompt,
-                                 out.outputs[0])
+        ids, _ = mixed_batch_matches_peft(llm, tiny_llama.path, adapters, PROMPTS, GREEDY)
         # weights of layer 1 only: stage 0 holds none of them, stage 1 all
         one = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("layer1", 3,
                                                                       adapters["layer1"]),
                            use_tqdm=False)[0]
-        _assert_matches_peft(tiny_llama.path, adapters["layer1"], ids[0], one.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, adapters["layer1"], ids[0], one.outputs[0])
         assert llm.engine.core.remove_lora(3)
         again = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("layer1", 3,
                                                                         adapters["qv"]),
                              use_tqdm=False)[0]
-        _assert_matches_peft(tiny_llama.path, adapters["qv"], ids[0], again.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[0], again.outputs[0])
         with pytest.raises(ValueError, match="max_lora_rank"):
             llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("wide", 9,
                                                                     adapters["too_wide"]),
@@ -102,8 +92,8 @@ def test_adapters_over_two_stages_match_peft(tiny_llama, adapters):
         good = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("bad1", 4,
                                                                        adapters["qv"]),
                             use_tqdm=False)[0]
-        _assert_matches_peft(tiny_llama.path, adapters["qv"], ids[1], good.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[1], good.outputs[0])
         base = llm.generate([ids[1]], GREEDY, use_tqdm=False)[0]  # both stages still serve
-        _assert_matches_peft(tiny_llama.path, None, ids[1], base.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, None, ids[1], base.outputs[0])
     finally:
         llm.shutdown()

@@ -10,8 +10,6 @@ delta after the all-reduce, or keeping a removed adapter's slot, fails here.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from kvflow import LLM, SamplingParams
@@ -20,8 +18,9 @@ from tests.distributed.conftest import shutdown_and_check
 from tests.lora.adapters import (
     LOGPROB_ATOL,
     MAX_TOKENS,
-    check_tokens_against_peft,
+    assert_output_matches_peft,
     make_adapter,
+    mixed_batch_matches_peft,
     peft_logprobs,
 )
 
@@ -29,14 +28,6 @@ PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunke
            "a lazy dog while kvflow pages keys and values through blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _assert_matches_peft(base_path: str, adapter: str | None, prompt: list[int],
-                         out: Any) -> None:
-    """One completion's greedy tokens and their logprobs against peft on the same tokens."""
-    tokens = list(out.token_ids)
-    check_tokens_against_peft(base_path, adapter, prompt, tokens,
-                              [entry[t].logprob for t, entry in zip(tokens, out.logprobs)])
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +53,19 @@ def test_two_adapters_and_base_at_tp2_match_peft(tiny_llama, adapters):
               block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
               tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
-        tok = llm.get_tokenizer()
-        ids = [tok.encode(p) for p in PROMPTS]
-        loras = [LoRARequest("all", 1, adapters["all"]), LoRARequest("qv", 2, adapters["qv"]),
-                 None]
-        outs = llm.generate(ids, GREEDY, lora_request=loras, use_tqdm=False)
-        for prompt, lora, out in zip(ids, loras, outs):
-            _assert_matches_peft(tiny_llama.path, lora and lora.lora_path, prompt,
-                                 out.outputs[0])
+        ids, outs = mixed_batch_matches_peft(llm, tiny_llama.path, adapters, PROMPTS, GREEDY)
         # dynamic: load 'late' (every rank), run it, unload it, reuse its id for 'qv'
         late = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("late", 3,
                                                                        adapters["late"]),
                             use_tqdm=False)[0]
-        _assert_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
         assert llm.engine.core.remove_lora(3)
         # another prompt, so that only the slot is tested here (the prefix cache's keying
         # of a reused id: tests/lora/test_lora_engine.py)
         again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
                                                                         adapters["qv"]),
                              use_tqdm=False)[0]
-        _assert_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
+        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
         assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
         with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
             llm.generate("hi", GREEDY, lora_request=LoRARequest("wide", 4,
@@ -105,8 +89,8 @@ def test_phi3_fused_targets_at_tp2_match_peft(tiny_model_factory, tmp_path):
         ids = llm.get_tokenizer().encode(PROMPTS[0])
         outs = llm.generate([ids, ids], GREEDY, lora_request=[LoRARequest("phi", 1, path),
                                                               None], use_tqdm=False)
-        _assert_matches_peft(tiny.path, path, ids, outs[0].outputs[0])
-        _assert_matches_peft(tiny.path, None, ids, outs[1].outputs[0])
+        assert_output_matches_peft(tiny.path, path, ids, outs[0].outputs[0])
+        assert_output_matches_peft(tiny.path, None, ids, outs[1].outputs[0])
         assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
     finally:
         shutdown_and_check(llm)

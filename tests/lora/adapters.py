@@ -87,3 +87,28 @@ def check_tokens_against_peft(base_path: str, adapter: str | None, prompt_ids: l
             f"{adapter}: token {i} ({token}) is not peft's greedy pick {row.argmax().item()}"
         assert abs(logprob - row[token].item()) <= LOGPROB_ATOL, (adapter, i, logprob,
                                                                   row[token].item())
+
+
+def assert_output_matches_peft(base_path: str, adapter: str | None, prompt: list[int],
+                               out: Any) -> None:
+    """One completion's greedy tokens and their logprobs (``out``: a CompletionOutput asked
+    with ``logprobs=1``) against peft on the same tokens (:func:`check_tokens_against_peft`)."""
+    tokens = list(out.token_ids)
+    check_tokens_against_peft(base_path, adapter, prompt, tokens,
+                              [entry[t].logprob for t, entry in zip(tokens, out.logprobs)])
+
+
+def mixed_batch_matches_peft(llm: Any, base_path: str, adapters: dict[str, str],
+                             prompts: list[str], params: Any) -> tuple[list[list[int]], list]:
+    """Run ``prompts`` in one batch under adapters ``all`` (id 1), ``qv`` (id 2) and the base
+    model, and check every output against peft; returns the prompts' ids and the outputs."""
+    from kvflow.lora.request import LoRARequest
+
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in prompts]
+    loras = [LoRARequest("all", 1, adapters["all"]), LoRARequest("qv", 2, adapters["qv"]),
+             None]
+    outs = llm.generate(ids, params, lora_request=loras, use_tqdm=False)
+    for prompt, lora, out in zip(ids, loras, outs):
+        assert_output_matches_peft(base_path, lora and lora.lora_path, prompt, out.outputs[0])
+    return ids, outs
