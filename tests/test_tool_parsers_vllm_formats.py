@@ -300,10 +300,12 @@ def test_flags_accept_vllm_names_and_refuse_others():
         assert config("--model", "M", "--tool-call-parser", name).tool_call_parser == name
     for name in REASONING_PARSERS:
         assert config("--model", "M", "--reasoning-parser", name).reasoning_parser == name
-    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "granite", "hermes",
-                                    "internlm", "internlm2", "jamba", "kimi_k2", "llama3_json",
-                                    "llama4_json", "llama4_pythonic", "mistral", "pythonic",
-                                    "qwen3_coder", "xlam"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "granite",
+                                    "granite-20b-fc", "hermes", "hunyuan_a13b", "internlm",
+                                    "internlm2", "jamba", "kimi_k2", "llama3_json",
+                                    "llama4_json", "llama4_pythonic", "minimax", "mistral",
+                                    "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
+                                    "seed_oss", "step3", "xlam"]
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "qwen3", "think"]
     with pytest.raises(ValueError, match="tool_call_parser='bogus'.*qwen3_coder"):
         ServerConfig(tool_call_parser="bogus")

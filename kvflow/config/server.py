@@ -129,7 +129,9 @@ class ServerConfig:
                                      "hermes", "llama3_json", "llama4_json", "mistral",
                                      "pythonic", "llama4_pythonic", "qwen3_coder", "deepseek_v3",
                                      "deepseek_v31", "kimi_k2", "granite", "internlm",
-                                     "internlm2", "jamba", "xlam"])
+                                     "internlm2", "jamba", "xlam", "glm45", "qwen3_xml",
+                                     "minimax", "phi4_mini_json", "seed_oss", "hunyuan_a13b",
+                                     "step3", "granite-20b-fc"])
     exclude_tools_when_tool_choice_none: bool = opt(
         False, "leave a request's tools out of the chat template's prompt under "
         "tool_choice=none (default: the model still sees them and calls none, as with "

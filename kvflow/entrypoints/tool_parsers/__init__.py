@@ -12,7 +12,8 @@ One module per ``--tool-call-parser`` (vLLM's names), each documenting its forma
 ``hermes``, ``llama3_json`` (and ``llama4_json``), ``mistral``, ``pythonic`` (and
 ``llama4_pythonic``), ``qwen3_coder``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``
 (the last three share ``marked_blocks``), ``granite``, ``internlm`` (and ``internlm2``), ``jamba``,
-``xlam``; ``forced`` reads
+``xlam``, ``glm45``, ``qwen3_xml`` (``qwen3_coder``'s format), ``minimax``, ``phi4_mini_json``,
+``seed_oss``, ``hunyuan_a13b``, ``step3``, ``granite-20b-fc``; ``forced`` reads
 grammar-forced output (``named``, ``required``); ``reasoning`` holds the
 ``--reasoning-parser`` choices; ``base`` the shared types.
 """
@@ -30,18 +31,23 @@ from kvflow.entrypoints.tool_parsers.base import (
 from kvflow.entrypoints.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from kvflow.entrypoints.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from kvflow.entrypoints.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from kvflow.entrypoints.tool_parsers.glm45 import Glm45ToolParser
 from kvflow.entrypoints.tool_parsers.granite import GraniteToolParser
+from kvflow.entrypoints.tool_parsers.granite_20b_fc import Granite20bFCToolParser
 from kvflow.entrypoints.tool_parsers.hermes import HermesToolParser
+from kvflow.entrypoints.tool_parsers.hunyuan_a13b import HunyuanA13BToolParser
 from kvflow.entrypoints.tool_parsers.internlm import InternLM2ToolParser, InternLMToolParser
 from kvflow.entrypoints.tool_parsers.jamba import JambaToolParser
 from kvflow.entrypoints.tool_parsers.kimi_k2 import KimiK2ToolParser
 from kvflow.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
+from kvflow.entrypoints.tool_parsers.minimax import MiniMaxToolParser
 from kvflow.entrypoints.tool_parsers.mistral import MistralToolParser
+from kvflow.entrypoints.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from kvflow.entrypoints.tool_parsers.pythonic import (
     Llama4PythonicToolParser,
     PythonicToolParser,
 )
-from kvflow.entrypoints.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from kvflow.entrypoints.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XMLToolParser
 from kvflow.entrypoints.tool_parsers.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
@@ -51,6 +57,8 @@ from kvflow.entrypoints.tool_parsers.reasoning import (
     ThinkReasoningParser,
     make_reasoning_parser,
 )
+from kvflow.entrypoints.tool_parsers.seed_oss import SeedOssToolParser
+from kvflow.entrypoints.tool_parsers.step3 import Step3ToolParser
 from kvflow.entrypoints.tool_parsers.streaming import StreamDelta, StreamingToolState
 from kvflow.entrypoints.tool_parsers.xlam import XLAMToolParser
 
@@ -58,7 +66,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, Llama4JsonToolParser, MistralToolParser,
     PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser,
     DeepSeekV31ToolParser, KimiK2ToolParser, GraniteToolParser, InternLMToolParser,
-    InternLM2ToolParser, JambaToolParser, XLAMToolParser)}
+    InternLM2ToolParser, JambaToolParser, XLAMToolParser, Glm45ToolParser, Qwen3XMLToolParser,
+    MiniMaxToolParser, Phi4MiniJsonToolParser, SeedOssToolParser, HunyuanA13BToolParser,
+    Step3ToolParser, Granite20bFCToolParser)}
 
 
 def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
@@ -76,11 +86,14 @@ def make_tool_parser(name: str, tools: list[dict[str, Any]] | None = None) -> To
 
 __all__ = [
     "REASONING_PARSERS", "TOOL_PARSERS", "DeepSeekR1ReasoningParser", "DeepSeekV3ToolParser",
-    "DeepSeekV31ToolParser", "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser",
+    "DeepSeekV31ToolParser", "Glm45ToolParser", "Granite20bFCToolParser",
+    "GraniteReasoningParser", "GraniteToolParser", "HermesToolParser", "HunyuanA13BToolParser",
     "InternLM2ToolParser", "InternLMToolParser", "JambaToolParser", "KimiK2ToolParser",
     "Llama3JsonToolParser", "Llama4JsonToolParser", "Llama4PythonicToolParser",
-    "MistralToolParser", "NamedToolParser", "ParsedCall", "ParsedOutput", "PythonicToolParser",
-    "Qwen3CoderToolParser", "Qwen3ReasoningParser", "ReasoningParser", "RequiredToolParser",
-    "StreamDelta", "StreamingToolState", "ThinkReasoningParser", "ToolParser", "XLAMToolParser",
+    "MiniMaxToolParser", "MistralToolParser", "NamedToolParser", "ParsedCall", "ParsedOutput",
+    "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser",
+    "Qwen3ReasoningParser", "Qwen3XMLToolParser", "ReasoningParser", "RequiredToolParser",
+    "SeedOssToolParser", "Step3ToolParser", "StreamDelta", "StreamingToolState",
+    "ThinkReasoningParser", "ToolParser", "XLAMToolParser",
     "make_reasoning_parser", "make_tool_parser", "new_tool_call_id",
 ]

@@ -126,8 +126,9 @@ def json_object_calls(text: str, start: int, final: bool, args_keys: tuple[str, 
                       separator: str) -> ParsedOutput:
     """The calls of a run of JSON objects ``{"name": ..., <args key>: {...}}`` from ``start``
     (where ``text`` has a ``{``), ``separator`` and whitespace between them (llama3_json's
-    ``;``, granite's list ``,``): a first object without a name is a JSON reply, all content;
-    reading stops at an object cut off by the end of ``text``."""
+    ``;``, granite's list ``,``, granite-20b-fc's ``<function_call>``): a first object without
+    a name is a JSON reply, all content; reading stops at an object cut off by the end of
+    ``text``."""
     out = ParsedOutput("")
     while start < len(text) and text[start] == "{":
         call, end = call_from_object(text, start, args_keys)
@@ -137,9 +138,30 @@ def json_object_calls(text: str, start: int, final: bool, args_keys: tuple[str, 
         if end is None:
             break
         start = skip_ws(text, end)
-        if start < len(text) and text[start] == separator:
-            start = skip_ws(text, start + 1)
+        if text.startswith(separator, start):
+            start = skip_ws(text, start + len(separator))
     return calls_or_content(out, text, final)
+
+
+def object_calls(out: ParsedOutput, text: str, start: int, final: bool,
+                 args_keys: tuple[str, ...], separator: str) -> ParsedOutput:
+    """The calls of the run of JSON objects at ``text[start]`` (after whitespace; see
+    ``json_object_calls``), ``out.content`` the text before them. Text that cannot start an
+    object, or a first object without a name, makes the reply all content at once; a reply
+    with no named call is all content once ``final`` (while streaming, ``out`` waits, holding
+    no calls)."""
+    start = skip_ws(text, start)
+    if start < len(text) and text[start] == "{":
+        calls = json_object_calls(text, start, final, args_keys, separator)
+        if calls.content == text:
+            return calls
+        if not calls.calls:
+            return out
+        calls.content = out.content
+        return calls
+    if start < len(text) or final:
+        return ParsedOutput(text)
+    return out
 
 
 def new_tool_call_id() -> str:

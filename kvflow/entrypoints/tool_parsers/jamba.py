@@ -19,26 +19,22 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     call_json,
-    json_object_calls,
+    object_calls,
     until_marker,
 )
 
 
-def list_calls(out: ParsedOutput, text: str, start: int, final: bool) -> ParsedOutput:
+def list_calls(out: ParsedOutput, text: str, start: int, final: bool,
+               args_keys: tuple[str, ...] = ("arguments",)) -> ParsedOutput:
     """The calls of the JSON list at ``text[start]`` (after whitespace), ``out.content`` the
-    text before it. Text that cannot start a list of objects (another character, ``[]``,
-    ``[1]``) or a first object without a name (a JSON reply, not a call) makes the reply all
-    content at once; a reply with no named call is all content once ``final`` (while
-    streaming, ``out`` waits, holding no calls). Shared by ``jamba`` and ``xlam``."""
+    text before it, each call's arguments the first of ``args_keys`` present. Text that
+    cannot start a list of objects (another character, ``[]``, ``[1]``) or a first object
+    without a name (a JSON reply, not a call) makes the reply all content at once; a reply
+    with no named call is all content once ``final`` (while streaming, ``out`` waits, holding
+    no calls). Shared by ``jamba``, ``xlam``, ``hunyuan_a13b`` and ``phi4_mini_json``."""
     start = skip_ws(text, start)
     if start < len(text) and text[start] == "[":
-        start = skip_ws(text, start + 1)
-        if start < len(text) and text[start] == "{":
-            calls = json_object_calls(text, start, final, ("arguments",), ",")
-            if calls.content == text or not calls.calls:
-                return calls if calls.content == text else out
-            calls.content = out.content
-            return calls
+        return object_calls(out, text, start + 1, final, args_keys, ",")
     if start < len(text) or final:
         return ParsedOutput(text)
     return out

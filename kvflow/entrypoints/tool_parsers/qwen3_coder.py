@@ -105,15 +105,21 @@ class Qwen3CoderToolParser(ToolParser):
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
-                "To call one, reply with:\n<tool_call>\n<function=name>\n<parameter=arg>\n"
-                "value\n</parameter>\n</function>\n</tool_call>")
+                f"To call one, reply with:\n{self.START}\n<function=name>\n<parameter=arg>\n"
+                f"value\n</parameter>\n</function>\n{self.END}")
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """Each call as its XML block; a string value as its text, others as JSON."""
-        return "\n".join(_call_xml(c["function"]) for c in calls)
+        return "\n".join(_call_xml(c["function"], self.START, self.END) for c in calls)
 
 
-def _call_xml(function: dict[str, Any]) -> str:
+class Qwen3XMLToolParser(Qwen3CoderToolParser):
+    """vLLM's other parser of the same format (``qwen3_xml``)."""
+
+    name = "qwen3_xml"
+
+
+def _call_xml(function: dict[str, Any], start: str, end: str) -> str:
     try:
         arguments = json.loads(function.get("arguments") or "{}")
     except json.JSONDecodeError:
@@ -121,7 +127,7 @@ def _call_xml(function: dict[str, Any]) -> str:
     params = "".join(
         f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
         "\n</parameter>\n" for k, v in (arguments if isinstance(arguments, dict) else {}).items())
-    return f"<tool_call>\n<function={function['name']}>\n{params}</function>\n</tool_call>"
+    return f"{start}\n<function={function['name']}>\n{params}</function>\n{end}"
 
 
 def _schema_types(schema: dict[str, Any] | None) -> list[str]:

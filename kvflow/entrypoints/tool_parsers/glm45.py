@@ -1,0 +1,126 @@
+"""``glm45``: GLM-4.5 / 4.6's calls, the function's name and then key / value pairs::
+
+    Let me check.<tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+A value is its text stripped: kept as a string when the tool's schema types the parameter
+``string``, else read as JSON, else as a Python literal, else kept as text (vLLM's reading).
+Text before the first ``<tool_call>`` is content; text between and after the blocks is dropped
+(as vLLM's parser drops it). Streaming sends ``{`` once the name's line ends, then each
+pair as its ``</arg_value>`` arrives, then ``}``. A call to a function the request did not
+offer ends the reading (with no call read, the whole reply is content). The tags are special
+tokens of GLM's tokenizer: the reply is decoded with them.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Any
+
+from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import (
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    calls_or_content,
+    read_blocks,
+    until_marker,
+)
+
+
+class Glm45ToolParser(ToolParser):
+    name = "glm45"
+    keeps_special_tokens = True
+    START, END = "<tool_call>", "</tool_call>"
+    KEY, KEY_END = "<arg_key>", "</arg_key>"
+    VALUE, VALUE_END = "<arg_value>", "</arg_value>"
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        out, first = until_marker(text, self.START, final)
+        if first < 0:
+            return out
+        read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
+                    lambda end: text.find(self.START, end))
+        return calls_or_content(out, text, final)
+
+    def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
+        """The call whose name starts at ``text[i]`` (None until the name's line ends, or if
+        it names no offered function) and the end of its block (None while it is open)."""
+        ends = [k for tag in ("\n", self.KEY, self.END) if (k := text.find(tag, i)) >= 0]
+        if not ends:
+            return None, None
+        name = text[i:min(ends)].strip()
+        if not name or any(c.isspace() or c in "<>" for c in name) or not self.knows(name):
+            return None, None
+        properties = ((self.schemas or {}).get(name) or {}).get("properties") or {}
+        pieces, j = [], min(ends)
+        while True:
+            j = skip_ws(text, j)
+            if text.startswith(self.END, j):
+                arguments = "{" + ", ".join(pieces) + "}"
+                return ParsedCall(name, arguments, True), j + len(self.END)
+            pair = self._read_pair(text, j)
+            if pair is None:
+                return ParsedCall(name, "{" + ", ".join(pieces)), None
+            key, raw, j = pair
+            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                          f"{json.dumps(glm_value(raw, properties.get(key)), ensure_ascii=False)}")
+
+    def _read_pair(self, text: str, j: int) -> tuple[str, str, int] | None:
+        """(key, value text, index after it) of the ``<arg_key>`` at ``text[j]``; None until
+        its ``</arg_value>`` arrives, or if the pair is malformed."""
+        if not text.startswith(self.KEY, j):
+            return None
+        key_end = text.find(self.KEY_END, j)
+        if key_end < 0:
+            return None
+        v = skip_ws(text, key_end + len(self.KEY_END))
+        value_end = text.find(self.VALUE_END, v)
+        if not text.startswith(self.VALUE, v) or value_end < 0:
+            return None
+        return (text[j + len(self.KEY):key_end].strip(), text[v + len(self.VALUE):value_end],
+                value_end + len(self.VALUE_END))
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
+                f"To call one, reply with:\n{self.START}name\n{self.KEY}arg{self.KEY_END}\n"
+                f"{self.VALUE}value{self.VALUE_END}\n{self.END}")
+
+    def calls_text(self, calls: list[dict[str, Any]]) -> str:
+        """Each call's block; a string value as its text, others as JSON."""
+        blocks = []
+        for c in calls:
+            try:
+                arguments = json.loads(c["function"].get("arguments") or "{}")
+            except json.JSONDecodeError:
+                arguments = {}
+            pairs = "".join(
+                f"{self.KEY}{k}{self.KEY_END}\n{self.VALUE}"
+                f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                f"{self.VALUE_END}\n"
+                for k, v in (arguments if isinstance(arguments, dict) else {}).items())
+            blocks.append(f"{self.START}{c['function']['name']}\n{pairs}{self.END}")
+        return "\n".join(blocks)
+
+
+def glm_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """A GLM parameter's value: ``raw`` stripped, as text when ``schema`` types it
+    ``string``, else the JSON value it reads as, else the Python literal (a JSON-encodable
+    one), else the text."""
+    text = raw.strip()
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(text)
+            json.dumps(value, allow_nan=False)
+            return list(value) if isinstance(value, tuple) else value
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+    return text

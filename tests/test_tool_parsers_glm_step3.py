@@ -1,0 +1,132 @@
+"""vLLM's ``glm45``, ``qwen3_xml``, ``minimax``, ``phi4_mini_json``, ``seed_oss``,
+``hunyuan_a13b``, ``step3`` and ``granite-20b-fc`` tool-call parsers: model outputs written by
+hand in each family's format (its chat template / vLLM's docs); the expected calls (name,
+arguments JSON text) and content are written out by hand. Every stream, split at every point
+into two and three pieces and character by character, joins to exactly the whole reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvflow.entrypoints.chat_output import ChatOutputParser
+from kvflow.entrypoints.tool_parsers import make_tool_parser
+from tests.test_tool_parsers_kimi_granite import _pieces3
+from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
+
+GLM = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York "
+       "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>"
+       '\n<arg_value>{"a": [1, "</tool_call>"]}</arg_value>\n<arg_key>x</arg_key>\n'
+       "<arg_value>True</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>")
+SEED = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</seed:tool_call>")
+S_CALL = "<｜tool_call_begin｜>function<｜tool_sep｜>"
+STEP3 = ("Sure.<｜tool_calls_begin｜>" + S_CALL + '<steptml:invoke name="get_weather">'
+         '<steptml:parameter name="city"> Paris </steptml:parameter><steptml:parameter '
+         'name="days">4</steptml:parameter><steptml:parameter name="ok">TRUE'
+         "</steptml:parameter></steptml:invoke><｜tool_call_end｜>" + S_CALL
+         + '<steptml:invoke name="get_time"></steptml:invoke><｜tool_call_end｜>'
+         "<｜tool_calls_end｜> Done.")
+
+WELL_FORMED = [
+    # values: a string-typed parameter stays text (stripped), others read as JSON, else as a
+    # Python literal; text between and after the blocks is dropped
+    ("glm45", GLM, "Let me check.",
+     [("get_weather", ('{"city": "New York", "days": 3, "opts": {"a": [1, "</tool_call>"]}, '
+                      '"x": true}')), ("get_time", "{}")]),
+    ("qwen3_xml", ("Hi\n<tool_call>\n<function=get_weather>\n<parameter=days>\n5\n</parameter>\n"
+     "</function>\n</tool_call>"), "Hi", [("get_weather", '{"days": 5}')]),
+    ("seed_oss", "Checking." + SEED, "Checking.",
+     [("get_weather", '{"city": "Oslo", "days": 2}')]),
+    ("minimax", ('Let me check.\n<tool_calls>\n{"name": "get_weather", "arguments": {"city": '
+                 '"</tool_calls>"}}\n{"name": "get_time", "arguments": {}}\n</tool_calls>\nbye'),
+     "Let me check.", [("get_weather", '{"city": "</tool_calls>"}'), ("get_time", "{}")]),
+    ("phi4_mini_json", ('functools[{"name": "get_weather", "parameters": {"city": "]"}}, '
+                        '{"name": "get_time"}]'), None,
+     [("get_weather", '{"city": "]"}'), ("get_time", "{}")]),
+    ("hunyuan_a13b", ('ok <tool_calls>[{"name": "get_time", "arguments": {"tz": "UTC"}}]'
+                      "</tool_calls>"), "ok", [("get_time", '{"tz": "UTC"}')]),
+    # step3: values typed by the schema (string stripped); text after the section is content
+    ("step3", STEP3, "Sure.\nDone.",
+     [("get_weather", '{"city": "Paris", "days": 4, "ok": true}'), ("get_time", "{}")]),
+    ("granite-20b-fc", ('Sure. <function_call> {"name": "get_weather", "arguments": {"city": '
+                        '"<function_call>"}}\n<function_call> {"name": "get_time", '
+                        '"arguments": {}} trailing'), "Sure.",
+     [("get_weather", '{"city": "<function_call>"}'), ("get_time", "{}")]),
+]
+
+MALFORMED = [
+    ("glm45", "x<tool_call>unknown\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"),
+    ("glm45", "<tool_call>get_time"),
+    ("glm45", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    ("seed_oss", "<seed:tool_call>\n<function=unknown>\n</function>\n</seed:tool_call>"),
+    ("minimax", '<tool_calls>\n{"city": "Paris"}\n</tool_calls>'),
+    ("minimax", "Hi <tool_calls>nothing</tool_calls>"),
+    ("phi4_mini_json", "functools is a module"),
+    ("phi4_mini_json", '[{"name": "get_time", "arguments": {}}]'),
+    ("hunyuan_a13b", "<tool_calls>[1]</tool_calls>"),
+    ("step3", "<｜tool_calls_begin｜>" + S_CALL + '<steptml:invoke name="unknown">'
+     "</steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>"),
+    ("step3", ("<｜tool_calls_begin｜><｜tool_call_begin｜>code<｜tool_sep｜><steptml:invoke "
+     'name="get_time"></steptml:invoke><｜tool_call_end｜>')),
+    ("granite-20b-fc", "<function_call> not json"),
+    ("granite-20b-fc", '<function_call> {"a": 1}'),
+]
+
+
+@pytest.mark.parametrize("name, text, content, calls", WELL_FORMED)
+def test_calls_whole_and_streamed(name, text, content, calls):
+    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
+    assert _whole(out, text) == (content, None, calls, "tool_calls")
+    for c in calls:
+        json.loads(c[1])
+    for pieces in [*_pieces(text), *_pieces3(text)]:
+        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, "tool_calls"), pieces
+
+
+@pytest.mark.parametrize("name, text", MALFORMED)
+def test_malformed_output_is_content(name, text):
+    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
+    assert _whole(out, text) == (text, None, None, "stop")
+    for pieces in [*_pieces(text), *_pieces3(text)]:
+        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+
+
+def test_glm45_streams_a_pair_at_a_time():
+    """get_weather: "{", its 4 pairs, "}"; get_time: "{", "}"."""
+    out = ChatOutputParser(make_tool_parser("glm45", TOOLS), None)
+    assert _joined(out, list(GLM), "stop")[5] == 8
+
+
+@pytest.mark.parametrize("name, reads", [
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>東京</arg_value>"),
+    ("qwen3_xml", "<function=get_weather>"), ("seed_oss", "<seed:tool_call>\n<function="),
+    ("minimax", '<tool_calls>\n{"name": "get_weather"'),
+    ("phi4_mini_json", 'functools[{"name": "get_weather"'),
+    ("hunyuan_a13b", '<tool_calls>[{"name": "get_weather"'),
+    ("step3", '<steptml:invoke name="get_weather"><steptml:parameter name="city">東京<'),
+    ("granite-20b-fc", '<function_call> {"name": "get_time"')])
+def test_history_calls_as_text_parse_back(name, reads):
+    history = [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
+               {"id": "c2", "type": "function", "function": {"name": "get_time",
+                                                             "arguments": ""}}]
+    parser = make_tool_parser(name, TOOLS)
+    text = parser.calls_text(history)
+    assert reads in text
+    parsed = parser.parse(text, True)
+    assert parsed.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
+        [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
+
+
+def test_special_token_markers_survive_detokenizing():
+    """GLM's, Seed-OSS's and Step3's markers are special tokens (vLLM decodes Step3's with
+    them); MiniMax's, Phi-4-mini's, Hunyuan's and granite-20b-fc's are plain text."""
+    keeps = {n: make_tool_parser(n).keeps_special_tokens
+             for n in ("glm45", "seed_oss", "step3", "minimax", "phi4_mini_json",
+                       "hunyuan_a13b", "granite-20b-fc", "qwen3_xml")}
+    assert keeps == {"glm45": True, "seed_oss": True, "step3": True, "minimax": False,
+                     "phi4_mini_json": False, "hunyuan_a13b": False, "granite-20b-fc": False,
+                     "qwen3_xml": False}
