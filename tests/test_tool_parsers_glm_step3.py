@@ -11,7 +11,7 @@ import json
 import pytest
 
 from kvflow.entrypoints.chat_output import ChatOutputParser
-from kvflow.entrypoints.tool_parsers import make_tool_parser
+from kvflow.entrypoints.tool_parsers import make_reasoning_parser, make_tool_parser
 from tests.test_tool_parsers_kimi_granite import _pieces3
 from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
 
@@ -130,3 +130,59 @@ def test_special_token_markers_survive_detokenizing():
     assert keeps == {"glm45": True, "seed_oss": True, "step3": True, "minimax": False,
                      "phi4_mini_json": False, "hunyuan_a13b": False, "granite-20b-fc": False,
                      "qwen3_xml": False}
+
+
+REASONING = [
+    ("glm45", "<think>Check.</think>\nSunny", "Check.", "Sunny"),
+    ("glm45", "Sunny", None, "Sunny"),
+    ("mistral", "[THINK]2+2 is 4.[/THINK]\n\n4", "2+2 is 4.", "4"),
+    ("mistral", "4, no thinking", None, "4, no thinking"),
+    ("mistral", "[THINK]cut by max_tokens", "cut by max_tokens", None),
+    ("seed_oss", "<seed:think>Hmm.</seed:think>Yes", "Hmm.", "Yes"),
+    ("seed_oss", "opening in the prompt</seed:think>Yes", "opening in the prompt", "Yes"),
+    ("step3", "Add them.</think>4", "Add them.", "4"),
+    ("step3", "<think>a</think>b", "<think>a", "b"),
+    ("step3", "never closed", "never closed", None),
+    ("ernie45", "abc\n</think>\n\n<response>\ndef\n</response>\n", "abc\n", "def"),
+    ("ernie45", "<think>abc</think>def", "abc", "def"),
+    ("hunyuan_a13b", "<think>\nStep 1.\n</think>\n<answer>\nThe answer.\n</answer>", "Step 1.",
+     "The answer."),
+    ("hunyuan_a13b", "<answer>\nNo thinking.\n</answer>", None, "No thinking."),
+    ("hunyuan_a13b", "Plain <answer>", None, "Plain <answer>"),
+]
+
+
+@pytest.mark.parametrize("name, text, reasoning, content", REASONING)
+def test_reasoning_whole_and_streamed(name, text, reasoning, content):
+    out = ChatOutputParser(None, make_reasoning_parser(name))
+    assert _whole(out, text)[:2] == (content, reasoning)
+    for pieces in [*_pieces(text), *_pieces3(text)]:
+        assert _joined(out, pieces, "stop")[:2] == (content, reasoning), pieces
+
+
+def test_reasoning_switches_follow_the_chat_template_variables():
+    """deepseek_v3 splits only under ``thinking: true`` (DeepSeek-V3.1's switch, vLLM 0.11),
+    as deepseek_r1 does; glm45 not under ``enable_thinking: false``."""
+    assert make_reasoning_parser("deepseek_v3") is None
+    assert make_reasoning_parser("deepseek_v3", {"thinking": False}) is None
+    v3 = ChatOutputParser(None, make_reasoning_parser("deepseek_v3", {"thinking": True}))
+    assert _whole(v3, "Think.</think>Answer")[:2] == ("Answer", "Think.")
+    assert make_reasoning_parser("glm45", {"enable_thinking": False}) is None
+    assert make_reasoning_parser("glm45", {}) is not None
+
+
+def test_seed_oss_reasoning_then_call():
+    text = "<seed:think>Need the weather.</seed:think>\n" + SEED
+    out = ChatOutputParser(make_tool_parser("seed_oss", TOOLS), make_reasoning_parser("seed_oss"))
+    whole = _whole(out, text)
+    assert whole == (None, "Need the weather.", [("get_weather", '{"city": "Oslo", "days": 2}')],
+                     "tool_calls")
+    for pieces in _pieces(text):
+        assert _joined(out, pieces, "stop")[:4] == whole
+
+
+def test_reasoning_markers_that_are_special_tokens_survive_detokenizing():
+    keeps = {n: ChatOutputParser(None, make_reasoning_parser(n)).keeps_special_tokens
+             for n in ("mistral", "seed_oss", "glm45", "step3", "ernie45", "hunyuan_a13b")}
+    assert keeps == {"mistral": True, "seed_oss": True, "glm45": False, "step3": False,
+                     "ernie45": False, "hunyuan_a13b": False}

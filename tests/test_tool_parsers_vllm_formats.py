@@ -306,7 +306,9 @@ def test_flags_accept_vllm_names_and_refuse_others():
                                     "llama4_json", "llama4_pythonic", "minimax", "mistral",
                                     "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
                                     "seed_oss", "step3", "xlam"]
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "qwen3", "think"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45",
+                                         "granite", "hunyuan_a13b", "mistral", "qwen3",
+                                         "seed_oss", "step3", "think"]
     with pytest.raises(ValueError, match="tool_call_parser='bogus'.*qwen3_coder"):
         ServerConfig(tool_call_parser="bogus")
     with pytest.raises(ValueError, match="reasoning_parser='r1'.*deepseek_r1"):

@@ -139,9 +139,13 @@ class ServerConfig:
     reasoning_parser: str | None = opt(None, "split the reply's reasoning into "
                                         "reasoning_content: think (<think>...</think>), "
                                         "qwen3 (the same; none under enable_thinking false), "
-                                        "deepseek_r1 (text before </think>), granite",
+                                        "deepseek_r1 (text before </think>), granite; "
+                                        "vLLM's glm45, mistral, seed_oss, step3, ernie45, "
+                                        "hunyuan_a13b, deepseek_v3 (see README)",
                                         choices=[None, "think", "deepseek_r1", "qwen3",
-                                                 "granite"])
+                                                 "granite", "glm45", "mistral", "seed_oss",
+                                                 "step3", "ernie45", "hunyuan_a13b",
+                                                 "deepseek_v3"])
     chat_template: str | None = opt(None, "the Jinja chat template of every conversation "
                                     "(/v1/chat/completions, /tokenize messages), replacing "
                                     "the model's: a file, or the template itself (a value "

@@ -47,9 +47,11 @@ class ChatOutputParser:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Whether the reply must be decoded with special tokens (the tool parser's markers
-        are special tokens, as Mistral's ``[TOOL_CALLS]``)."""
-        return self.tool_parser is not None and self.tool_parser.keeps_special_tokens
+        """Whether the reply must be decoded with special tokens (the tool parser's or the
+        reasoning parser's markers are special tokens, as Mistral's ``[TOOL_CALLS]`` and
+        ``[THINK]``)."""
+        return (self.tool_parser is not None and self.tool_parser.keeps_special_tokens) or \
+            (self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[ChatResponseMessage, str | None]:

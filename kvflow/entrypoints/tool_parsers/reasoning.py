@@ -14,6 +14,22 @@ the streamed pieces join to what the whole text gives.
   it is (as vLLM reads it).
 - ``granite``: ``Here is my thought process:`` ... ``Here is my response:`` (or ``Here's``),
   IBM Granite 3.2's format under ``thinking: true``.
+- ``glm45``: ``qwen3``'s reading under its name for GLM-4.5 / 4.6 (``enable_thinking: false``
+  too: GLM's template then closes the block itself).
+- ``mistral``: ``[THINK]reasoning[/THINK]content`` (Magistral); a reply that does not open
+  with ``[THINK]`` is all content. The markers are special tokens: the reply is decoded with
+  them.
+- ``seed_oss``: ``<seed:think>`` ... ``</seed:think>``, the opening optional (read as
+  ``deepseek_r1``); special tokens, as Mistral's.
+- ``step3``: no opening marker: text before ``</think>`` is reasoning, all of it without one
+  (a ``<think>`` the model writes stays in the reasoning, as vLLM's parser leaves it).
+- ``ernie45``: ``deepseek_r1``'s reading, and content written as ``<response>...</response>``
+  is the text inside the tags (ERNIE-4.5 thinking models).
+- ``hunyuan_a13b``: ``<think>\nreasoning\n</think>\n<answer>\ncontent\n</answer>``
+  (Hunyuan-A13B): the newlines next to the tags and the ``<answer>`` tags are dropped; a
+  reply without a think block is content (its ``<answer>`` tags dropped too).
+- ``deepseek_v3``: ``deepseek_r1`` when the chat template variable ``thinking`` is true
+  (DeepSeek-V3.1's switch), else no reasoning at all (vLLM 0.11's reading).
 """
 
 from __future__ import annotations
@@ -27,13 +43,18 @@ class ReasoningParser:
     """Base: reasoning between one of ``STARTS`` and one of ``ENDS``; subclasses set the
     markers, ``name``, and ``opening_optional`` (text before an end marker is reasoning even
     without an opening one) / ``off_switch`` (a chat template variable that, false, turns
-    reasoning off)."""
+    reasoning off) / ``on_switch`` (one that must be true for any reasoning) /
+    ``CONTENT_TAGS`` (tags around the content, dropped) / ``keeps_special_tokens`` (the
+    markers are special tokens: the reply must be decoded with them)."""
 
     name = "base"
     STARTS: tuple[str, ...] = ()
     ENDS: tuple[str, ...] = ()
+    CONTENT_TAGS: tuple[str, str] | None = None
     opening_optional = False
     off_switch: str | None = None
+    on_switch: str | None = None
+    keeps_special_tokens = False
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning so far, content so far), holding back partial markers unless ``final``."""
@@ -46,13 +67,30 @@ class ReasoningParser:
         elif self.opening_optional:
             body = text
         else:
-            return "", text
+            return "", self.unwrap(text, final)
         found = [(i, m) for m in self.ENDS if (i := body.find(m)) >= 0]
         if not found:
             hold = 0 if final else max(held_back(body, m) for m in self.ENDS)
             return body[:len(body) - hold], ""
         end, marker = min(found)
-        return body[:end], body[end + len(marker):].lstrip()  # as it grows too
+        return body[:end], self.unwrap(body[end + len(marker):].lstrip(), final)  # as it grows
+
+    def unwrap(self, content: str, final: bool) -> str:
+        """``content`` less the ``CONTENT_TAGS`` around it (and the whitespace inside them;
+        text after the closing tag is dropped); content that does not open with the tag is
+        kept whole. While streaming, a possible start of a tag waits, and so does trailing
+        whitespace inside the tags (the content only ever grows)."""
+        if self.CONTENT_TAGS is None:
+            return content
+        start, end = self.CONTENT_TAGS
+        stripped = content.lstrip()
+        if not stripped.startswith(start):
+            return "" if not final and start.startswith(stripped) else content
+        inner = stripped[len(start):].lstrip()
+        close = inner.find(end)
+        if close >= 0:
+            return inner[:close].rstrip()
+        return inner if final else inner[:len(inner) - held_back(inner, end)].rstrip()
 
 
 class ThinkReasoningParser(ReasoningParser):
@@ -77,9 +115,50 @@ class GraniteReasoningParser(ReasoningParser):
     ENDS = ("Here is my response:", "Here's my response:")
 
 
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    name = "glm45"
+
+
+class MistralReasoningParser(ReasoningParser):
+    name = "mistral"
+    STARTS, ENDS = ("[THINK]",), ("[/THINK]",)
+    keeps_special_tokens = True
+
+
+class SeedOssReasoningParser(ReasoningParser):
+    name = "seed_oss"
+    STARTS, ENDS = ("<seed:think>",), ("</seed:think>",)
+    opening_optional = keeps_special_tokens = True
+
+
+class Step3ReasoningParser(ReasoningParser):
+    name = "step3"
+    ENDS = ("</think>",)
+    opening_optional = True
+
+
+class Ernie45ReasoningParser(DeepSeekR1ReasoningParser):
+    name = "ernie45"
+    CONTENT_TAGS = ("<response>", "</response>")
+
+
+class HunyuanA13BReasoningParser(ReasoningParser):
+    name = "hunyuan_a13b"
+    # the longer forms first: the newline next to a tag is the tag's, not the reasoning's
+    STARTS, ENDS = ("<think>\n", "<think>"), ("\n</think>", "</think>")
+    CONTENT_TAGS = ("<answer>", "</answer>")
+
+
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    name = "deepseek_v3"
+    on_switch = "thinking"
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
     ThinkReasoningParser, DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
-    GraniteReasoningParser)}
+    GraniteReasoningParser, Glm45ReasoningParser, MistralReasoningParser,
+    SeedOssReasoningParser, Step3ReasoningParser, Ernie45ReasoningParser,
+    HunyuanA13BReasoningParser, DeepSeekV3ReasoningParser)}
 
 
 def make_reasoning_parser(name: str | None, template_kwargs: dict[str, Any] | None = None
@@ -87,7 +166,7 @@ def make_reasoning_parser(name: str | None, template_kwargs: dict[str, Any] | No
     """The ``--reasoning-parser`` named ``name`` for one request (None: no split), given the
     request's chat template variables (the server's defaults merged under the request's):
     None too when they switch the model's reasoning off (``enable_thinking: false`` for
-    ``qwen3``).
+    ``qwen3`` and ``glm45``; ``thinking`` not true for ``deepseek_v3``).
 
     Raises:
         ValueError: for an unknown name, listing the choices.
@@ -99,5 +178,7 @@ def make_reasoning_parser(name: str | None, template_kwargs: dict[str, Any] | No
                          f"{sorted(REASONING_PARSERS)}")
     cls = REASONING_PARSERS[name]
     if cls.off_switch and (template_kwargs or {}).get(cls.off_switch) is False:
+        return None
+    if cls.on_switch and not (template_kwargs or {}).get(cls.on_switch):
         return None
     return cls()
