@@ -10,10 +10,11 @@ import json
 
 import pytest
 
+from kvflow.config import ServerConfig
 from kvflow.entrypoints.chat_output import ChatOutputParser
 from kvflow.entrypoints.tool_parsers import make_reasoning_parser, make_tool_parser
 from tests.test_tool_parsers_kimi_granite import _pieces3
-from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
+from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _served_parser, _whole
 
 GLM = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York "
        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>"
@@ -186,3 +187,19 @@ def test_reasoning_markers_that_are_special_tokens_survive_detokenizing():
              for n in ("mistral", "seed_oss", "glm45", "step3", "ernie45", "hunyuan_a13b")}
     assert keeps == {"mistral": True, "seed_oss": True, "glm45": False, "step3": False,
                      "ernie45": False, "hunyuan_a13b": False}
+
+
+def test_server_builds_them_from_its_flags():
+    """The tools reach glm45 (the schema types ``city`` a string: ``007`` stays text); the
+    ``thinking`` switch reaches deepseek_v3; Mistral's [THINK] keeps special tokens."""
+    glm = _served_parser(ServerConfig(tool_call_parser="glm45"))
+    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n" \
+           "<arg_key>days</arg_key>\n<arg_value>007</arg_value>\n</tool_call>"
+    assert _whole(glm, text)[2] == [("get_weather", '{"city": "007", "days": "007"}')]
+    assert glm.keeps_special_tokens
+    v3 = ServerConfig(reasoning_parser="deepseek_v3")
+    assert _served_parser(v3).reasoning is None
+    on = _served_parser(v3, chat_template_kwargs={"thinking": True})
+    assert _whole(on, "Hm.</think>Hi")[:2] == ("Hi", "Hm.")
+    assert _served_parser(ServerConfig(reasoning_parser="mistral")).keeps_special_tokens
+    assert not _served_parser(ServerConfig(reasoning_parser="step3")).keeps_special_tokens
