@@ -182,6 +182,15 @@ def test_seed_oss_reasoning_then_call():
         assert _joined(out, pieces, "stop")[:4] == whole
 
 
+def test_mistral_reasoning_then_mistral_call():
+    text = "[THINK]Use the tool.[/THINK][TOOL_CALLS]get_time[ARGS]{}"
+    out = ChatOutputParser(make_tool_parser("mistral", TOOLS), make_reasoning_parser("mistral"))
+    whole = _whole(out, text)
+    assert whole == (None, "Use the tool.", [("get_time", "{}")], "tool_calls")
+    for pieces in _pieces(text):
+        assert _joined(out, pieces, "stop")[:4] == whole
+
+
 def test_reasoning_markers_that_are_special_tokens_survive_detokenizing():
     keeps = {n: ChatOutputParser(None, make_reasoning_parser(n)).keeps_special_tokens
              for n in ("mistral", "seed_oss", "glm45", "step3", "ernie45", "hunyuan_a13b")}
