@@ -235,3 +235,16 @@ def call_json(call: dict[str, Any], args_key: str) -> str:
     arguments = function["arguments"].strip() or "{}"
     return (f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, '
             f'"{args_key}": {arguments}}}')
+
+
+def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
+    """A history call's arguments (``function["arguments"]``, JSON text) as (name, value
+    text) pairs, for the formats that write each parameter in tags (``qwen3_coder``,
+    ``glm45``, ``step3``): a string value as its text, any other as JSON; none when the text
+    is not a JSON object."""
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return []
+    return [(k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+            for k, v in (arguments.items() if isinstance(arguments, dict) else ())]

@@ -27,6 +27,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
     ParsedOutput,
     ToolParser,
+    arguments_items,
     calls_or_content,
     read_blocks,
     until_marker,
@@ -94,19 +95,10 @@ class Glm45ToolParser(ToolParser):
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """Each call's block; a string value as its text, others as JSON."""
-        blocks = []
-        for c in calls:
-            try:
-                arguments = json.loads(c["function"].get("arguments") or "{}")
-            except json.JSONDecodeError:
-                arguments = {}
-            pairs = "".join(
-                f"{self.KEY}{k}{self.KEY_END}\n{self.VALUE}"
-                f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                f"{self.VALUE_END}\n"
-                for k, v in (arguments if isinstance(arguments, dict) else {}).items())
-            blocks.append(f"{self.START}{c['function']['name']}\n{pairs}{self.END}")
-        return "\n".join(blocks)
+        return "\n".join(
+            f"{self.START}{c['function']['name']}\n" + "".join(
+                f"{self.KEY}{k}{self.KEY_END}\n{self.VALUE}{v}{self.VALUE_END}\n"
+                for k, v in arguments_items(c["function"])) + self.END for c in calls)
 
 
 def glm_value(raw: str, schema: dict[str, Any] | None) -> Any:

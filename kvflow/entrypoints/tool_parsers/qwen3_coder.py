@@ -33,6 +33,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
     ParsedOutput,
     ToolParser,
+    arguments_items,
     calls_or_content,
     read_blocks,
     until_marker,
@@ -120,13 +121,8 @@ class Qwen3XMLToolParser(Qwen3CoderToolParser):
 
 
 def _call_xml(function: dict[str, Any], start: str, end: str) -> str:
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError:
-        arguments = {}
-    params = "".join(
-        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-        "\n</parameter>\n" for k, v in (arguments if isinstance(arguments, dict) else {}).items())
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                     for k, v in arguments_items(function))
     return f"{start}\n<function={function['name']}>\n{params}</function>\n{end}"
 
 

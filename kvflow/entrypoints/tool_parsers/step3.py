@@ -23,6 +23,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
     ParsedOutput,
     ToolParser,
+    arguments_items,
     calls_or_content,
     read_blocks,
     until_marker,
@@ -87,15 +88,8 @@ class Step3ToolParser(ToolParser):
         """Each call's invocation; a string value as its text, others as JSON."""
         blocks = []
         for c in calls:
-            try:
-                arguments = json.loads(c["function"].get("arguments") or "{}")
-            except json.JSONDecodeError:
-                arguments = {}
-            params = "".join(
-                f'<steptml:parameter name="{k}">'
-                f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                "</steptml:parameter>"
-                for k, v in (arguments if isinstance(arguments, dict) else {}).items())
+            params = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>'
+                             for k, v in arguments_items(c["function"]))
             blocks.append(f'{self.CALL_BEGIN}function{self.SEP}<steptml:invoke name='
                           f'"{c["function"]["name"]}">{params}{self.INVOKE_END}{self.CALL_END}')
         return f"{self.SECTION}{''.join(blocks)}{self.SECTION_END}"
