@@ -305,9 +305,11 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
     else:
         keep = quant_config is not None and quant_config.name == "gguf"
         keep_fp32 = getattr(model, "keep_in_fp32", ())
+        weights = _checked_weights(source, dtype, keep, quant_config)
+        if quant_config is not None:  # a block-FP8 checkpoint's weights dequantized here
+            weights = quant_config.checkpoint_weights(weights, dtype)
         loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
-                                    for n, t in _checked_weights(source, dtype, keep,
-                                                                 quant_config)
+                                    for n, t in weights
                                     if quant_config is None or not quant_config.skips_tensor(n))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:

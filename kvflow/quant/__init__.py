@@ -11,14 +11,18 @@ Schemes (one file each): ``unquantized.py`` (the reference), ``int8.py`` (weight
 channel), ``int4.py`` (weight-only, group-wise; the gated MLP's gate/up stay INT8,
 :data:`INT4_KEPT_AT_INT8`), ``fp8.py`` (W8A8 with dynamic per-token
 activation scales), ``gguf.py`` (llama.cpp blocks kept as they are), ``compressed_tensors.py``
-(pre-quantized FP8/INT8 checkpoints).
+(pre-quantized FP8/INT8 checkpoints), ``fp8_block.py`` (block-wise FP8 checkpoints, ``quant_method``
+``fp8`` with a ``weight_block_size``: DeepSeek-V3, Qwen3-*-FP8; dequantized while the checkpoint
+is read, :meth:`QuantConfig.checkpoint_weights`, so every layer keeps the unquantized method).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from kvflow.quant.base import EmbeddingMethod, LinearMethod, weight_bytes
@@ -54,14 +58,45 @@ class QuantConfig:
     checkpoint_config: dict[str, Any] | None = None
     packed_modules_mapping: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
+    @property
+    def block_fp8(self) -> bool:
+        """Whether this is a block-wise FP8 checkpoint (``quant_method`` ``fp8`` in its
+        config.json): its weights are dequantized as they are read
+        (:meth:`checkpoint_weights`) and every layer stays unquantized."""
+        return self.name == "fp8" and self.checkpoint_config is not None
+
+    @property
+    def quantizes_layers(self) -> bool:
+        """Whether any layer gets a quantized method (its GEMMs are not the unquantized
+        ones); False for a block-FP8 checkpoint, dequantized at load."""
+        return not self.block_fp8
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs as the model's loaders take them: a
+        block-FP8 checkpoint's weights dequantized to float32 (the loader casts them to
+        ``dtype``; :func:`kvflow.quant.fp8_block.dequantize_checkpoint`), else unchanged.
+
+        Raises:
+            ValueError: see :func:`~kvflow.quant.fp8_block.dequantize_checkpoint`.
+        """
+        if not self.block_fp8:
+            return weights
+        from kvflow.quant.fp8_block import dequantize_checkpoint, warn_dequantized
+
+        warn_dequantized(dtype)
+        return dequantize_checkpoint(weights, self.checkpoint_config or {})
+
     def linear_method(self, prefix: str, module: nn.Module | None = None
                       ) -> LinearMethod | None:
         """The method for the linear layer ``module`` at module path ``prefix``; None:
-        unquantized.
+        unquantized (every layer of a block-FP8 checkpoint: :attr:`block_fp8`).
 
         Raises:
             ValueError: for a checkpoint quantization scheme kvflow cannot run.
         """
+        if self.block_fp8:
+            return None
         if self.name == "int4" and prefix.rsplit(".", 1)[-1] not in INT4_KEPT_AT_INT8:
             from kvflow.quant.int4 import Int4WeightOnlyMethod
 
@@ -112,7 +147,10 @@ class QuantConfig:
 
     def moe_method(self, prefix: str) -> FusedMoEMethod | None:
         """The method for the experts of the ``FusedMoE`` layer at ``prefix``; None: float
-        experts (every scheme but int8 and fp8, which quantize them on load)."""
+        experts (every scheme but int8 and fp8, which quantize them on load; a block-FP8
+        checkpoint's experts are dequantized as they are read)."""
+        if self.block_fp8:
+            return None
         if self.name == "int8":
             from kvflow.quant.moe import Int8FusedMoEMethod
 
@@ -150,20 +188,29 @@ class QuantConfig:
 def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
                      group_size: int | None = 32) -> QuantConfig | None:
     """The quantization to run: ``requested`` (``--quantization``), else what the checkpoint
-    says (GGUF: ``gguf``; an HF ``quantization_config``), else None (unquantized).
+    says (GGUF: ``gguf``; an HF ``quantization_config``: ``compressed-tensors``, or ``fp8``
+    with a ``weight_block_size``), else None (unquantized). ``fp8`` on a block-FP8 checkpoint
+    reads it (as vLLM's ``--quantization fp8`` does), not re-quantizes it.
 
     Raises:
         ValueError: for a scheme that does not fit the checkpoint (``gguf`` on a non-GGUF
             model; ``compressed-tensors`` without its config; a checkpoint
-            ``quant_method`` kvflow does not know; re-quantizing a quantized checkpoint).
+            ``quant_method`` kvflow does not know, or an ``fp8`` config it cannot read,
+            naming the key: :func:`kvflow.quant.fp8_block.block_size_of`; re-quantizing a
+            quantized checkpoint).
     """
     ckpt = getattr(hf_config, "quantization_config", None)
     if ckpt is not None and not isinstance(ckpt, dict):
         ckpt = ckpt.to_dict() if hasattr(ckpt, "to_dict") else dict(vars(ckpt))
     ckpt_method = (ckpt or {}).get("quant_method")
-    if ckpt_method is not None and ckpt_method != "compressed-tensors":
+    if ckpt_method not in (None, "compressed-tensors", "fp8"):
         raise ValueError(f"checkpoint quantization_config.quant_method={ckpt_method!r} is "
-                         "not supported; kvflow reads 'compressed-tensors' checkpoints")
+                         "not supported; kvflow reads 'compressed-tensors' and block-wise "
+                         "'fp8' checkpoints")
+    if ckpt_method == "fp8":
+        from kvflow.quant.fp8_block import block_size_of
+
+        block_size_of(ckpt)
     if requested is None:
         requested = ckpt_method or "none"
     if requested == "gguf" and source_kind != "gguf":

@@ -98,8 +98,10 @@ def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: An
     quant_config = get_quant_config(mc.quantization, hf_config, source.kind,
                                     mc.quantization_group_size)
     if config.device_config.deterministic:
+        # a block-FP8 checkpoint's layers run the unquantized GEMMs (dequantized at load)
         check_deterministic(config, hf_config, device.type,
-                            quant_config and quant_config.name,
+                            quant_config.name if quant_config and quant_config.quantizes_layers
+                            else None,
                             device.type != "cpu" or native_cpu_kernels() is not None)
     return quant_config
 
