@@ -110,7 +110,9 @@ class ModelConfig:
                                   "win) or none", choices=["auto", "none"])
     quantization: str | None = opt(
         None, "weight quantization: none, int8 (weight-only, per channel), int4 (weight-only, "
-        "group-wise), fp8 (W8A8: FP8 weights with per-tensor scales, activations per token), "
+        "group-wise), fp8 (W8A8: FP8 weights with per-tensor scales, activations per token; "
+        "on a block-wise FP8 checkpoint such as DeepSeek-V3's, reads it: dequantized into "
+        "--dtype at load), "
         "gguf (keep a .gguf file's quantized blocks, dequantized per tile in the GEMM), "
         "compressed-tensors (a pre-quantized FP8/INT8 checkpoint; read from its config.json) "
         "(default: the checkpoint's quantization_config, else none; a .gguf file is "

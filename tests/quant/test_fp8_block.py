@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 from kvflow import LLM, SamplingParams
 from kvflow.attention.layer import AttentionContext
 from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+from kvflow.distributed.comm import CommGroup
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.models.loader import load_hf_config, load_model
 from kvflow.models.model_resolver import resolve_model
 from kvflow.quant import get_quant_config
@@ -106,11 +108,18 @@ def build_fp8_checkpoint(tiny: TinyModel, folder: Path, block: tuple[int, int],
             _copy_folder(tiny, folder / "dequantized", dequantized, None))
 
 
-def _load(folder: str, dtype: torch.dtype) -> torch.nn.Module:
+def _load(folder: str, dtype: torch.dtype, tp_rank: int | None = None) -> torch.nn.Module:
+    """The bare model as loaded from ``folder`` (no engine), as TP rank ``tp_rank`` of 2 if
+    given (loading sends nothing: the group's process group is a stand-in)."""
     source = resolve_model(folder)
     config = load_hf_config(source)
+    parallel = None
+    if tp_rank is not None:
+        one, pair = CommGroup.single(), CommGroup([0, 1], tp_rank, device_group=object())
+        parallel = ParallelState(pair, pair, one, one, one)
     return load_model(source, config, AttentionContext(TorchPagedAttentionBackend()), dtype,
-                      torch.device("cpu"), quant_config=get_quant_config(None, config, "hf"))
+                      torch.device("cpu"), quant_config=get_quant_config(None, config, "hf"),
+                      parallel=parallel)
 
 
 def _hf(folder: str) -> torch.nn.Module:
@@ -173,6 +182,22 @@ def test_loaded_weights_equal_dequantized(tiny_model_factory, tmp_path, arch, dt
     for name in [n for n in got if n.endswith(("qkv_proj.weight", "w13_weight",
                                                "kv_b_proj.weight", "kv_a_proj_with_mqa.weight"))]:
         assert not torch.equal(got[name], plain[name]), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_tensor_parallel_shards_equal_dequantized(tiny_model_factory, tmp_path, arch):
+    """Each of 2 TP ranks holds the shard of the dequantized weights (blocks that straddle a
+    shard boundary dequantize before the split: 16x24 blocks over 64 columns)."""
+    tiny = tiny_model_factory(arch)
+    fp8, dequantized = build_fp8_checkpoint(tiny, tmp_path, (16, 24))
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    for rank in range(2):
+        got = dict(_load(fp8, torch.float32, rank).named_parameters())
+        want = dict(_load(dequantized, torch.float32, rank).named_parameters())
+        assert got.keys() == want.keys()
+        for name, param in got.items():
+            assert torch.equal(param, want[name]), (rank, name)
+        assert got[o_proj].shape[1] * 2 == tiny.hf_model.get_parameter(o_proj).shape[1]
 
 
 @pytest.mark.parametrize("block", [(16, 24), (8, 8)], ids=["16x24", "8x8"])
