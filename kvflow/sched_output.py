@@ -15,6 +15,8 @@ sends only what changed since the previous one (the pattern of vLLM v1's
   cut back after an earlier step's rejected drafts.
 * KV blocks to copy to host memory (a request swapped out) and back (swapped in), which the
   runner copies before the step's forward pass (``--preemption-mode swap``).
+* a KV connector's blocks to load from storage before the forward pass and to save after it
+  (``--kv-transfer-config``, ``kvflow/kv_connector_meta.py``).
 
 The runner appends the tokens it samples itself, so a decode step carries no token ids. A
 runner forgets a preempted request's generated tokens (its K/V are gone too); when the request
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.kv_connector_meta import KVConnectorMetadata
 from kvflow.lora.request import LoRARequest
 from kvflow.multimodal_inputs import MultiModalFeature
 from kvflow.pooling_params import PoolingParams
@@ -141,6 +144,8 @@ class SchedulerOutput:
             first (the device blocks may be reused by this step's writes).
         blocks_to_swap_in: (host block id, device block id) pairs to copy host -> device
             next, before the forward pass.
+        kv_connector_metadata: the KV connector's loads (before the forward pass) and saves
+            (after it) this step (``--kv-transfer-config``); None without a connector.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -156,6 +161,7 @@ class SchedulerOutput:
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_scheduled_reqs(self) -> int:

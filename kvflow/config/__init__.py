@@ -28,6 +28,7 @@ from kvflow.config.device import (
 )
 from kvflow.config.engine import EngineConfig
 from kvflow.config.kv_events import KVEventsConfig
+from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
@@ -46,6 +47,7 @@ __all__ = [
     "DeviceConfig",
     "EngineConfig",
     "KVEventsConfig",
+    "KVTransferConfig",
     "LoRAConfig",
     "ModelConfig",
     "MultiModalConfig",

@@ -13,6 +13,7 @@ from typing import Any
 from kvflow.config.cache import CacheConfig
 from kvflow.config.device import DeviceConfig
 from kvflow.config.kv_events import KVEventsConfig
+from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.lora import LoRAConfig
 from kvflow.config.model import ModelConfig
 from kvflow.config.multimodal import MultiModalConfig
@@ -30,6 +31,9 @@ _SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
              "parallel_config": ParallelConfig, "multimodal_config": MultiModalConfig,
              "lora_config": LoRAConfig, "structured_output_config": StructuredOutputConfig}
 
+# sections given as one JSON object (a dict, a JSON string or the section's class)
+_JSON_SECTIONS = ("speculative_config", "kv_events_config", "kv_transfer_config")
+
 
 @dataclass
 class EngineConfig:
@@ -46,6 +50,7 @@ class EngineConfig:
     structured_output_config: StructuredOutputConfig = field(
         default_factory=StructuredOutputConfig)
     kv_events_config: KVEventsConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         """Checks across sections (``speculative_config`` given as a dict or JSON string
@@ -63,6 +68,7 @@ class EngineConfig:
         """
         self._check_speculative()
         self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
+        self._check_kv_transfer()
         cc, mode = self.cache_config, self.scheduler_config.preemption_mode
         if mode != "swap" and cc.swap_space is not None:  # only the swap host pool reads it
             raise ValueError(f"--swap-space {cc.swap_space} (swap_space) sizes the host pool "
@@ -88,6 +94,27 @@ class EngineConfig:
         if cp > 1 and cc.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} is not available with "
                              f"context_parallel_size={cp}")
+
+    def _check_kv_transfer(self) -> None:
+        """``kv_transfer_config`` as a KVTransferConfig, refused with the settings the
+        connector does not handle yet (named)."""
+        kt = self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
+        if kt is None:
+            return
+        pc, sc = self.parallel_config, self.scheduler_config
+        for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                     "context_parallel_size"):
+            if getattr(pc, name) > 1:
+                raise ValueError(f"kv_transfer_config with {name}={getattr(pc, name)} is not "
+                                 "available (each rank would hold part of a block's K/V)")
+        refused = [("speculative_config", self.speculative_config is not None),
+                   ("async_scheduling", bool(sc.async_scheduling)),
+                   ("preemption_mode='swap'", sc.preemption_mode == "swap")]
+        for name, given in refused:
+            if given:
+                raise ValueError(f"kv_transfer_config with {name} is not available (the "
+                                 "connector loads and saves a step's blocks around its "
+                                 "forward pass, in lock-step)")
 
     def _why_not_uni(self) -> str:
         """Why this engine's executor is not ``uni``, the second half of an error message:
@@ -166,7 +193,8 @@ class EngineConfig:
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``; a field's
         ``aliases``, e.g. vLLM's ``scheduling_policy`` for ``policy``, name it too);
         ``speculative_config`` takes a dict, a JSON string or a SpeculativeConfig,
-        ``kv_events_config`` a dict, a JSON string or a KVEventsConfig.
+        ``kv_events_config`` a dict, a JSON string or a KVEventsConfig,
+        ``kv_transfer_config`` a dict, a JSON string or a KVTransferConfig.
 
         Raises:
             ValueError: on an unknown keyword, listing the valid ones, a field given under
@@ -174,6 +202,7 @@ class EngineConfig:
         """
         speculative = kwargs.pop("speculative_config", None)
         kv_events = kwargs.pop("kv_events_config", None)
+        kv_transfer = kwargs.pop("kv_transfer_config", None)
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         owner = {f.name: sec for sec, c in _SECTIONS.items() for f in fields(c)}
         alias = {a.lstrip("-").replace("-", "_"): f.name for c in _SECTIONS.values()
@@ -185,10 +214,11 @@ class EngineConfig:
                 key = alias[key]
             if key not in owner:
                 raise ValueError(f"unknown engine option {key!r}; valid: "
-                                 f"{sorted([*owner, 'speculative_config', 'kv_events_config'])}")
+                                 f"{sorted([*owner, *_JSON_SECTIONS])}")
             parts[owner[key]][key] = value
         return cls(**{sec: _SECTIONS[sec](**vals) for sec, vals in parts.items()},
-                   speculative_config=speculative, kv_events_config=kv_events)
+                   speculative_config=speculative, kv_events_config=kv_events,
+                   kv_transfer_config=kv_transfer)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -213,11 +243,18 @@ class EngineConfig:
                  "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' "
                  "(vLLM's keys; msgpack KVEventBatch on a ZeroMQ PUB socket); keys "
                  f"(defaults): {keys} (default: off)")
+        parser.add_argument_group("KVTransferConfig").add_argument(
+            "--kv-transfer-config", type=str, default=None,
+            help="disaggregated prefill / KV transfer as a JSON object (vLLM's keys), e.g. "
+                 "'{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": \"kv_both\", "
+                 "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/tmp/kv\"}}'; "
+                 "kv_role: kv_producer (saves prompt KV), kv_consumer (loads it), kv_both "
+                 "(default: off)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for c in _SECTIONS.values() for f in fields(c)}
-        names.update(("speculative_config", "kv_events_config"))
+        names.update(_JSON_SECTIONS)
         return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:

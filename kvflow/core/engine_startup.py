@@ -27,9 +27,11 @@ from kvflow.core.unread_options import (
     check_prompt_embeds_model,
     warn_unread_settings,
 )
+from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
+from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.lora.request import LoRARequest
 from kvflow.models.classifier_from_tokens import resolve_classifier_tokens
@@ -139,6 +141,9 @@ class EngineCoreStartup:
         if pooling and self.config.speculative_config is not None:
             raise ValueError(f"speculative decoding is for text generation; this engine "
                              f"{does} (task={self.task!r})")
+        if (pooling or self.is_encoder) and self.config.kv_transfer_config is not None:
+            raise ValueError(f"kv_transfer_config is for text generation; this engine "
+                             f"{does} (task={self.task!r})")
         if pooling and self.config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("embedding models run without pipeline parallelism "
                              "(pipeline_parallel_size=1)")
@@ -162,7 +167,8 @@ class EngineCoreStartup:
         if sc.async_scheduling is None:  # not with speculative decoding (see EngineConfig)
             sc.async_scheduling = self.platform.default_async_scheduling and \
                 self.executor.supports_async_scheduling and \
-                self.config.speculative_config is None and self.task == "generate"
+                self.config.speculative_config is None and self.task == "generate" and \
+                self.config.kv_transfer_config is None
         elif sc.async_scheduling and self.task != "generate":
             raise ValueError(f"--async-scheduling is for text generation; this engine "
                              f"{TASK_VERB[self.task]} (task={self.task!r}: nothing is sampled)")
@@ -251,11 +257,35 @@ class EngineCoreStartup:
                                               self.kv_bytes_per_token,
                                               self.scheduler.planner.model)
         self._last_step: tuple[float, float] | None = None  # (start, end) of the last step
+        self._init_kv_connector()
         if is_multimodal(self.hf_config):
             mm = self.config.multimodal_config
             budget = mm.max_num_encoder_input_tokens or \
                 self.config.scheduler_config.max_num_batched_tokens
             self.scheduler.encoder = EncoderCacheManager(budget, mm.limit("encoder_cache_size"))
+
+    def _init_kv_connector(self) -> None:
+        """The KV connector's scheduler half (``--kv-transfer-config``); the runner builds
+        its worker half from the same config.
+
+        Raises:
+            ValueError: for KV-cache groups other than one full-attention group (sliding
+                window layers, MLA's latent cache): their blocks are not stored yet.
+        """
+        kt = self.config.kv_transfer_config
+        if kt is None:
+            return
+        groups = self.kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec
+        if len(groups) > 1 or type(spec) is not FullAttentionSpec:
+            kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+            raise ValueError(f"kv_transfer_config needs a model whose attention layers all "
+                             f"attend in full (one KV-cache group of FullAttentionSpec); this "
+                             f"one has {len(groups)} group(s) of {kinds} (sliding-window or "
+                             "MLA layers), which the connector does not store yet")
+        cc = self.config.cache_config
+        self.scheduler.connector = make_kv_connector_scheduler(kt, cc.block_size,
+                                                               cc.kv_cache_dtype)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

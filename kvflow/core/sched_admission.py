@@ -1,6 +1,7 @@
 """The scheduler's admission path: admit waiting requests in policy order while the token
-budget, ``max_num_seqs``, the LoRA slots and the KV pool allow (prefix-cache hits start a
-request's computed count higher; a swapped-out request comes back from host memory).
+budget, ``max_num_seqs``, the LoRA slots and the KV pool allow (prefix-cache hits, and the
+blocks a KV connector loads after them, start a request's computed count higher; a
+swapped-out request comes back from host memory).
 
 Functions of the ``Scheduler`` they are handed (``kvflow/core/scheduler.py`` states the
 scheduling rule and owns the state they read and change).
@@ -78,23 +79,31 @@ def _allocate_admitted(sched: Scheduler, request: Request, budget: int,
             sched.waiting.pop()
         return num_new
     hits, num_hit_tokens = sched.kv.get_computed_blocks(request)
-    num_new = min(request.num_tokens - num_hit_tokens, budget)
+    # a KV connector's blocks after the local hits: allocated now, loaded before the forward
+    num_external = 0 if sched.connector is None else \
+        sched.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+    num_computed = num_hit_tokens + num_external
+    num_new = min(request.num_tokens - num_computed, budget)
     if num_new > 1 and step_budget is not None:
-        num_new = step_budget.take_prefill(num_hit_tokens, num_new)
+        num_new = step_budget.take_prefill(num_computed, num_new)
     encodes = None
     if request.mm_features is not None:  # images: the encoder may cut the chunk
-        num_new, encodes = sched.encoder.plan(request, num_hit_tokens, num_new)
-    if sched.whole_prompts and num_new < request.num_tokens - num_hit_tokens:
+        num_new, encodes = sched.encoder.plan(request, num_computed, num_new)
+    if sched.whole_prompts and num_new < request.num_tokens - num_computed:
         return 0  # a whole prompt next step, when the budget allows
-    if num_new <= 0 or not sched.kv.can_allocate(request, num_new, hits):
+    if num_new <= 0 or not sched.kv.can_allocate(request, num_external + num_new, hits):
         return 0
     sched.waiting.pop()
-    sched.kv.allocate_slots(request, num_new, hits)
+    sched.kv.allocate_slots(request, num_external + num_new, hits)
+    if num_external:
+        sched.connector.update_state_after_alloc(
+            request, sched.kv.get_block_ids(request.request_id)[0], num_hit_tokens,
+            num_external)
     if request.mm_features is not None:
-        sched.encoder.commit(request, num_hit_tokens, num_new, encodes, out)
-    request.num_computed_tokens = num_hit_tokens
-    if request.num_cached_tokens < 0:  # its first admission: counted once
-        request.num_cached_tokens = num_hit_tokens
+        sched.encoder.commit(request, num_computed, num_new, encodes, out)
+    request.num_computed_tokens = num_computed
+    if request.num_cached_tokens < 0:  # its first admission: counted once (as vLLM, loaded
+        request.num_cached_tokens = num_computed  # tokens too; the hit rate counts local hits)
         sched.kv.count_prefix_query(request, num_hit_tokens)
     return num_new
 

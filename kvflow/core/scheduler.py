@@ -54,6 +54,7 @@ from kvflow.core.sched_policy import make_policy, make_waiting_queue
 from kvflow.core.sched_running import schedule_running
 from kvflow.core.sched_update import discard_failed_steps, update_from_output
 from kvflow.core.slo_planner import SLOPlanner
+from kvflow.distributed.kv_transfer import KVConnectorScheduler
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.runner_output import ModelRunnerOutput
@@ -104,6 +105,9 @@ class Scheduler:
         self.clock = clock
         self.planner = SLOPlanner(config)
         self.swap: SwapManager | None = None  # the engine core sets it for swap preemption
+        # KV transfer (--kv-transfer-config; the engine core sets it): admission asks it for
+        # prompt blocks beyond the prefix-cache hit, each step tells it what to load and save
+        self.connector: KVConnectorScheduler | None = None
         self.running: list[Request] = []
         self._running_sorted = True  # in policy order (appends by admission unsort it)
         self.requests: dict[str, Request] = {}
@@ -199,6 +203,10 @@ class Scheduler:
         self.waiting.charge(out.num_scheduled_tokens, self.requests,
                             out.scheduled_spec_decode_tokens)
         self.planner.note_step(out, self.requests)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(
+                [self.requests[rid] for rid in out.num_scheduled_tokens],
+                lambda rid: self.kv.get_block_ids(rid)[0])
         return out
 
     def _propose_drafts(self, budget: int) -> dict[str, list[int]]:
@@ -289,6 +297,8 @@ class Scheduler:
         self.kv.free(request)
         if request.mm_features is not None:
             self.encoder.release(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         self.requests.pop(request.request_id, None)
         self.waiting.close(request)
         self._finished_ids.add(request.request_id)

@@ -21,6 +21,7 @@ import torch
 from kvflow.attention.layer import Attention
 from kvflow.config import EngineConfig
 from kvflow.distributed.comm import IntermediateTensors
+from kvflow.distributed.kv_transfer import KVConnectorWorker
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
 from kvflow.kv_cache_interface import KVCacheConfig
@@ -91,6 +92,7 @@ class ModelRunner(RunnerKVCache):
         self._init_sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
+        self.kv_connector: KVConnectorWorker | None = None  # --kv-transfer-config
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
         self.counters = ForwardCounters()  # tokens and seconds in the forward (statistics)
@@ -221,6 +223,9 @@ class ModelRunner(RunnerKVCache):
         if self.host_kv is not None:  # swap preemption: before this step writes any K/V
             self.host_kv.swap_out(sched.blocks_to_swap_out)
             self.host_kv.swap_in(sched.blocks_to_swap_in)
+        connector_meta = sched.kv_connector_metadata if self.kv_connector is not None else None
+        if connector_meta is not None:  # KV transfer: stored blocks in before the forward
+            self.kv_connector.start_load_kv(connector_meta)
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
                       self.lora_manager, self.mm_runner)
         self._step, self._proposed = None, {}
@@ -239,6 +244,8 @@ class ModelRunner(RunnerKVCache):
                                    lora_mapping=self._lora_mapping(inputs),
                                    rows=hidden_rows(inputs, self.input_batch, self.pooling,
                                                     spec_tokens))
+            if connector_meta is not None:  # and the prompt blocks it completed out after it
+                self.kv_connector.wait_for_save(connector_meta)
             if not send_to_next_stage(self.parallel.pp, hidden):
                 return  # a pipeline stage before the last: no logits here
             self._step = launch_logits(self.model, self.pooling, self.input_batch,

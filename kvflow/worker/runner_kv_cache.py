@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvflow.config import parse_bytes
+from kvflow.distributed.kv_transfer import make_kv_connector_worker
 from kvflow.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvflow.malloc_env import keep_freed_memory
 from kvflow.sampling_params import SamplingParams
@@ -107,8 +108,19 @@ class RunnerKVCache:
                              "requests do not fit in this machine's memory; lower it") from None
         self.requests = {}
         self.allocate_kv_tensors(kv_cache_config)
+        kt, cc = self.config.kv_transfer_config, self.config.cache_config
+        if kt is not None:  # --kv-transfer-config: blocks loaded / saved around the forward
+            self.kv_connector = make_kv_connector_worker(kt, cc.block_size, cc.kv_cache_dtype,
+                                                         self.connector_kv_tensors)
         if self.device.type == "cpu":  # after the weights and the cache: only activations
             keep_freed_memory()        # (each step's) stay in the heap
+
+    def connector_kv_tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The KV connector's view of the cache: layer name -> (its K/V tensor [2, blocks,
+        block_size, kv_heads, head_dim], its scales [2, blocks, block_size, kv_heads] or
+        None), as bound now."""
+        return {name: (layer.kv_cache, layer.kv_scales)
+                for name, layer in self.attn_layers.items()}
 
     def allocate_kv_tensors(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate and bind this rank's KV tensors (the draft model's and the swap pool's

@@ -1,0 +1,32 @@
+"""KV transfer between engines (disaggregated prefill, ``--kv-transfer-config``): the
+connector interface (``base``) and vLLM's example connector, SharedStorageConnector
+(``shared_storage``)."""
+
+from __future__ import annotations
+
+from kvflow.config.kv_transfer import KVTransferConfig
+from kvflow.distributed.kv_transfer.base import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTensors,
+)
+from kvflow.distributed.kv_transfer.shared_storage import (
+    SharedStorageScheduler,
+    SharedStorageWorker,
+)
+
+__all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
+           "make_kv_connector_scheduler", "make_kv_connector_worker"]
+
+
+def make_kv_connector_scheduler(config: KVTransferConfig, block_size: int,
+                                kv_cache_dtype: str) -> KVConnectorScheduler:
+    """The scheduler half of ``config.kv_connector`` (SharedStorageConnector: the config
+    refuses every other name)."""
+    return SharedStorageScheduler(config, block_size, kv_cache_dtype)
+
+
+def make_kv_connector_worker(config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
+                             kv_tensors: KVTensors) -> KVConnectorWorker:
+    """The worker half of ``config.kv_connector`` over the runner's KV tensors."""
+    return SharedStorageWorker(config, block_size, kv_cache_dtype, kv_tensors)

@@ -1,0 +1,304 @@
+"""Disaggregated prefill through SharedStorageConnector (``kv_transfer_config``), offline.
+
+A producer engine runs each prompt with ``max_tokens=1`` and stores its full prompt blocks
+in a folder; a fresh consumer engine (another ``LLM``, same folder) loads them instead of
+computing them. Oracles: HF transformers (greedy tokens; the stored K/V against its
+``past_key_values``), a plain kvflow engine without a connector (logprobs), and hand counts
+from the block size (a prompt of ``L`` tokens loads ``(L - 1) // BLOCK_SIZE`` whole blocks,
+never its last token; the consumer runs only the rest through the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig, KVTransferConfig
+from kvflow.distributed.kv_transfer.shared_storage import block_keys, block_path
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Prompts of 14 (3.5 blocks), 16 (4 whole blocks), 3 (under a block) and 22 tokens; the
+    last shares its first 2 blocks with the first."""
+    gen = torch.Generator().manual_seed(5)
+    p14, p16, p3 = (torch.randint(2, vocab_size, (n,), generator=gen).tolist()
+                    for n in (14, 16, 3))
+    return [p14, p16, p3, p14[:8] + torch.randint(2, vocab_size, (14,), generator=gen).tolist()]
+
+
+def _loaded_tokens(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def _kv(folder: str, role: str) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": folder}}
+
+
+def _llm(path: str, folder: str | None, role: str = "kv_both", **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLM(model=path, dtype="float32", block_size=BLOCK_SIZE,
+               kv_transfer_config=None if folder is None else _kv(folder, role), **kwargs)
+
+
+def _dense_tokens(llm: LLM) -> int:
+    return llm.engine.core.executor.collective_rpc("step_stats")[0]["dense_tokens"]
+
+
+def _hf_greedy(tiny, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = tiny.hf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                     max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                     eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _produce(path: str, folder: str, prompts: list[list[int]], **kwargs) -> list[int]:
+    """Prefill ``prompts`` on a producer; returns their ``num_cached_tokens``."""
+    producer = _llm(path, folder, "kv_producer", **kwargs)
+    try:
+        outs = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL,
+                                 use_tqdm=False)
+    finally:
+        producer.shutdown()
+    return [o.metrics.num_cached_tokens for o in outs]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+
+
+def _assert_same_logprobs(got, want) -> None:
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for token, lg, lw in zip(w.outputs[0].token_ids, g.outputs[0].logprobs,
+                                 w.outputs[0].logprobs):
+            assert abs(lg[token].logprob - lw[token].logprob) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """A plain engine's greedy outputs of the prompts (the logprob oracle)."""
+    llm = _llm(tiny_llama.path, None)
+    try:
+        yield _generate(llm, _prompts(tiny_llama.vocab_size))
+    finally:
+        llm.shutdown()
+
+
+def test_stored_blocks_are_transformers_kv(tiny_llama, tmp_path):
+    """Every full prompt block is stored once (the 4th prompt's first 2 blocks are the 1st's),
+    under the key of its tokens, and holds HF's keys (after RoPE) and values."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    # a producer loads nothing: only its own prefix cache serves the 4th prompt's 2 blocks
+    assert _produce(tiny_llama.path, str(tmp_path), prompts) == [0, 0, 0, 8]
+    keys = {k for p in prompts for k in block_keys(p, BLOCK_SIZE, "auto")}
+    assert len(keys) == 3 + 4 + 0 + 5 - 2
+    assert {os.path.basename(f) for f in glob.glob(f"{tmp_path}/*")} == \
+        {f"{k}.safetensors" for k in keys}
+    prompt = prompts[0]
+    with torch.no_grad():
+        cache = tiny_llama.hf_model(torch.tensor([prompt]), use_cache=True).past_key_values
+    for i, key in enumerate(block_keys(prompt, BLOCK_SIZE, "auto")):
+        stored = load_file(block_path(str(tmp_path), key))
+        layers = sorted(stored, key=lambda n: int(re.search(r"\d+", n).group()))
+        assert len(layers) == tiny_llama.hf_model.config.num_hidden_layers
+        for layer, name in enumerate(layers):
+            k, v = cache[layer] if isinstance(cache, tuple) else \
+                (cache.layers[layer].keys, cache.layers[layer].values)
+            want = torch.stack([k[0, :, i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE].transpose(0, 1),
+                                v[0, :, i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE].transpose(0, 1)])
+            torch.testing.assert_close(stored[name], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
+                                              assert_no_leaks):
+    prompts = _prompts(tiny_llama.vocab_size)
+    _produce(tiny_llama.path, str(tmp_path), prompts)
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",
+                    enable_prefix_caching=prefix_caching)
+    try:
+        outs = _generate(consumer, prompts)
+        loaded = [_loaded_tokens(p) for p in prompts]
+        assert [o.metrics.num_cached_tokens for o in outs] == loaded  # 12, 12, 0, 20
+        # only the tail of each prompt and the decodes ran through the model
+        assert _dense_tokens(consumer) == \
+            sum(len(p) - n for p, n in zip(prompts, loaded)) + len(prompts) * (MAX_TOKENS - 1)
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [_hf_greedy(tiny_llama, p) for p in prompts]
+        _assert_same_logprobs(outs, plain)
+        assert consumer.engine.core.scheduler.connector.num_saved_blocks == 0  # consumer only
+        assert_no_leaks(consumer)
+    finally:
+        consumer.shutdown()
+
+
+def test_kv_both_without_prefix_caching_reloads_its_own_blocks(tiny_llama, tmp_path, plain,
+                                                              assert_no_leaks):
+    """One kv_both engine without prefix caching: the first run stores the prompts, a repeat
+    loads them back (and stores nothing new)."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    llm = _llm(tiny_llama.path, str(tmp_path), enable_prefix_caching=False)
+    try:
+        first = _generate(llm, prompts)
+        assert [o.metrics.num_cached_tokens for o in first] == [0] * len(prompts)
+        connector = llm.engine.core.scheduler.connector
+        assert connector.num_saved_blocks == 10
+        again = _generate(llm, prompts)
+        assert [o.metrics.num_cached_tokens for o in again] == \
+            [_loaded_tokens(p) for p in prompts]
+        assert connector.num_saved_blocks == 10
+        _assert_same_logprobs(first, plain)
+        _assert_same_logprobs(again, plain)
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_chunked_prefill_stores_and_loads_the_same_blocks(tiny_llama, tmp_path,
+                                                          assert_no_leaks):
+    """A producer prefilling in chunks of 6 tokens (blocks complete mid-chunk) stores the
+    blocks an unchunked one stores; a chunked consumer loads them and chunks the tail."""
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(2, tiny_llama.vocab_size, (30,), generator=gen).tolist()
+    _produce(tiny_llama.path, str(tmp_path / "chunked"), [prompt], max_num_batched_tokens=6)
+    _produce(tiny_llama.path, str(tmp_path / "whole"), [prompt])
+    for key in block_keys(prompt, BLOCK_SIZE, "auto"):
+        chunked = load_file(block_path(str(tmp_path / "chunked"), key))
+        whole = load_file(block_path(str(tmp_path / "whole"), key))
+        for name in whole:
+            torch.testing.assert_close(chunked[name], whole[name], atol=1e-5, rtol=1e-5)
+    consumer = _llm(tiny_llama.path, str(tmp_path / "chunked"), "kv_consumer",
+                    max_num_batched_tokens=6)
+    try:
+        (out,) = _generate(consumer, [prompt])
+        assert out.metrics.num_cached_tokens == 28
+        assert out.outputs[0].token_ids == _hf_greedy(tiny_llama, prompt)
+        assert_no_leaks(consumer)
+    finally:
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_cache_moves_its_scales(tiny_llama, tmp_path, kv_cache_dtype,
+                                          assert_no_leaks):
+    """A quantized cache stores each block's int8/fp8 K/V with its float32 scales; the
+    consumer decodes what a plain engine with the same cache decodes."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    try:
+        _produce(tiny_llama.path, str(tmp_path), prompts, kv_cache_dtype=kv_cache_dtype)
+    except ValueError as e:
+        pytest.skip(f"{kv_cache_dtype} KV cache not available here: {e}")
+    key = block_keys(prompts[0], BLOCK_SIZE, kv_cache_dtype)[0]
+    stored = load_file(block_path(str(tmp_path), key))
+    scales = [n for n in stored if n.endswith(".kv_scales")]
+    assert len(scales) == tiny_llama.hf_model.config.num_hidden_layers
+    assert all(stored[n].dtype == torch.float32 and stored[n].abs().min() > 0 for n in scales)
+    plain = _llm(tiny_llama.path, None, kv_cache_dtype=kv_cache_dtype)
+    try:
+        want = _generate(plain, prompts)
+    finally:
+        plain.shutdown()
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer", kv_cache_dtype=kv_cache_dtype)
+    try:
+        got = _generate(consumer, prompts)
+        assert [o.metrics.num_cached_tokens for o in got] == [_loaded_tokens(p) for p in prompts]
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert_no_leaks(consumer)
+    finally:
+        consumer.shutdown()
+
+
+def test_preempted_consumer_requests_leak_nothing(tiny_llama, tmp_path, assert_no_leaks):
+    """A consumer pool too small for every request at once preempts (recompute); readmitted
+    requests load their blocks again into new ones, outputs stay HF's, every block comes
+    back."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, tiny_llama.vocab_size, (13,), generator=gen).tolist()
+               for _ in range(6)]
+    _produce(tiny_llama.path, str(tmp_path), prompts)
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer", num_kv_blocks=16,
+                    enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        outs = consumer.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        assert consumer.engine.core.scheduler.num_preemptions > 0
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                hf = tiny_llama.hf_model.generate(torch.tensor([p]), do_sample=False,
+                                                  max_new_tokens=12, min_new_tokens=12,
+                                                  eos_token_id=None, pad_token_id=0)
+            assert o.outputs[0].token_ids == hf[0, len(p):].tolist()
+            assert o.metrics.num_cached_tokens == 12
+        assert_no_leaks(consumer)
+    finally:
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("value, needle", [
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "'NixlConnector' is not available"),
+    ({"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}, "P2pNcclConnector"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, "LMCacheConnectorV1"),
+    ({"kv_connector": "MultiConnector", "kv_role": "kv_both"}, "MultiConnector"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, "OffloadingConnector"),
+    ({"kv_connector": "Nope", "kv_role": "kv_both"}, "kv_connector='Nope' is unknown"),
+    ({"kv_role": "kv_both"}, "kv_connector=None"),
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_prefill"}, "kv_role='kv_prefill'"),
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", "kv_port": 1},
+     r"unknown or unsupported key\(s\) \['kv_port'\]"),
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"shared_storage_path": "/tmp/x", "size": 1}},
+     r"unknown key\(s\) \['size'\]"),
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"shared_storage_path": ""}}, "shared_storage_path=''"),
+    ("{not json", "kv_transfer_config is not valid JSON"),
+    ("[1]", "must be a JSON object"),
+])
+def test_bad_config_is_refused(value, needle):
+    with pytest.raises(ValueError, match=needle):
+        KVTransferConfig.from_value(value)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"context_parallel_size": 2}, "context_parallel_size=2"),
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"preemption_mode": "swap"}, "preemption_mode='swap'"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "speculative_config"),
+])
+def test_unsupported_settings_are_refused(kwargs, needle, tmp_path):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig.from_kwargs(model="x", kv_transfer_config=_kv(str(tmp_path), "kv_both"),
+                                 **kwargs)
+
+
+def test_cli_flag_parses(tmp_path):
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--kv-transfer-config",
+                              json.dumps(_kv(str(tmp_path), "kv_consumer"))])
+    kt = EngineConfig.from_cli_args(args).kv_transfer_config
+    assert (kt.kv_role, kt.shared_storage_path, kt.is_producer, kt.is_consumer) == \
+        ("kv_consumer", str(tmp_path), False, True)
+
+
+def test_sliding_window_model_is_refused(tiny_model_factory, tmp_path):
+    with pytest.raises(ValueError, match="SlidingWindowSpec"):
+        _llm(tiny_model_factory("mistral_sliding_window").path, str(tmp_path))
