@@ -124,13 +124,17 @@ def test_stored_blocks_are_transformers_kv(tiny_llama, tmp_path):
             torch.testing.assert_close(stored[name], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching, backend", [(True, "uni"), (False, "uni"),
+                                                     (True, "mp")])
 def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
-                                              assert_no_leaks):
+                                              backend, assert_no_leaks):
+    """A fresh consumer (its worker in the engine's process, or in a process of its own:
+    the loads cross the step message) loads each prompt's whole blocks but the last
+    token's."""
     prompts = _prompts(tiny_llama.vocab_size)
     _produce(tiny_llama.path, str(tmp_path), prompts)
     consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer",
-                    enable_prefix_caching=prefix_caching)
+                    enable_prefix_caching=prefix_caching, distributed_executor_backend=backend)
     try:
         outs = _generate(consumer, prompts)
         loaded = [_loaded_tokens(p) for p in prompts]
@@ -248,6 +252,39 @@ def test_preempted_consumer_requests_leak_nothing(tiny_llama, tmp_path, assert_n
         assert_no_leaks(consumer)
     finally:
         consumer.shutdown()
+
+
+def test_prompt_logprobs_requests_compute_their_prompt(tiny_llama, tmp_path):
+    """A request asking for prompt logprobs needs every prompt token computed: it loads
+    nothing, and its prompt logprobs are HF's log-softmax."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    _produce(tiny_llama.path, str(tmp_path), [prompt])
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+    try:
+        (out,) = consumer.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        consumer.shutdown()
+    assert out.metrics.num_cached_tokens == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
+    got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    torch.testing.assert_close(torch.tensor(got), ref[torch.arange(len(prompt) - 1),
+                                                      torch.tensor(prompt[1:])],
+                               atol=1e-4, rtol=0)
+
+
+def test_blocks_of_another_model_are_refused(tiny_llama, tiny_model_factory, tmp_path):
+    """A folder written by another model (same tokens, other K/V shapes): the load fails
+    naming the file instead of filling the cache with the wrong K/V."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    _produce(tiny_llama.path, str(tmp_path), [prompt])
+    other = _llm(tiny_model_factory("qwen3").path, str(tmp_path), "kv_consumer")
+    try:
+        with pytest.raises(ValueError, match=r"\.safetensors holds .* different model"):
+            other.generate({"prompt_token_ids": prompt}, PREFILL, use_tqdm=False)
+    finally:
+        other.shutdown()
 
 
 @pytest.mark.parametrize("value, needle", [
