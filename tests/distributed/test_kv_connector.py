@@ -229,8 +229,8 @@ def test_quantized_cache_moves_its_scales(tiny_llama, tmp_path, kv_cache_dtype,
 
 def test_preempted_consumer_requests_leak_nothing(tiny_llama, tmp_path, assert_no_leaks):
     """A consumer pool too small for every request at once preempts (recompute); readmitted
-    requests load their blocks again into new ones, outputs stay HF's, every block comes
-    back."""
+    requests load their blocks again into new ones (once per admission), outputs stay HF's,
+    every block comes back."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, tiny_llama.vocab_size, (13,), generator=gen).tolist()
                for _ in range(6)]
@@ -241,7 +241,11 @@ def test_preempted_consumer_requests_leak_nothing(tiny_llama, tmp_path, assert_n
     try:
         outs = consumer.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False)
-        assert consumer.engine.core.scheduler.num_preemptions > 0
+        preemptions = consumer.engine.core.scheduler.num_preemptions
+        assert preemptions > 0
+        # each admission (first or after a preemption) loads the prompt's 3 blocks once
+        assert consumer.engine.core.scheduler.connector.num_loaded_blocks == \
+            3 * (len(prompts) + preemptions)
         for p, o in zip(prompts, outs):
             with torch.no_grad():
                 hf = tiny_llama.hf_model.generate(torch.tensor([p]), do_sample=False,
