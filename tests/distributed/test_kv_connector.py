@@ -340,6 +340,8 @@ def test_cli_flag_parses(tmp_path):
         ("kv_consumer", str(tmp_path), False, True)
 
 
-def test_sliding_window_model_is_refused(tiny_model_factory, tmp_path):
-    with pytest.raises(ValueError, match="SlidingWindowSpec"):
-        _llm(tiny_model_factory("mistral_sliding_window").path, str(tmp_path))
+@pytest.mark.parametrize("model, spec", [("mistral_sliding_window", "SlidingWindowSpec"),
+                                         ("deepseek_v2", "MLAAttentionSpec")])
+def test_sliding_window_and_mla_models_are_refused(tiny_model_factory, tmp_path, model, spec):
+    with pytest.raises(ValueError, match=f"kv_transfer_config needs .*{spec}"):
+        _llm(tiny_model_factory(model).path, str(tmp_path))
