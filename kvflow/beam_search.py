@@ -133,6 +133,26 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def check_logprobs_mode(logprobs_mode: str) -> None:
+    """Beam search ranks beams by summed logprobs: refuse an engine whose logprobs are logits.
+
+    Args:
+        logprobs_mode: the engine's ``--logprobs-mode``. raw_logprobs ranks by the model's
+            own log-softmax (vLLM's default); processed_logprobs by the log-softmax after
+            the penalties and logit processors (beam search asks for temperature 0, so no
+            temperature or top-k/top-p applies).
+
+    Raises:
+        ValueError: naming ``--logprobs-mode`` for raw_logits / processed_logits (a sum of
+            logits is no sequence probability).
+    """
+    if logprobs_mode.endswith("_logits"):
+        raise ValueError(f"beam search is not available with --logprobs-mode "
+                         f"{logprobs_mode} (logprobs_mode={logprobs_mode!r}): beams are ranked "
+                         "by summed logprobs, and this engine reports logits instead "
+                         "(raw_logprobs or processed_logprobs serve it)")
+
+
 def beam_search_score(num_tokens: int, cum_logprob: float, length_penalty: float) -> float:
     """vLLM's ranking score ``cum_logprob / num_tokens ** length_penalty``.
 

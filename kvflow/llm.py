@@ -7,7 +7,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvflow.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_offline
+from kvflow.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search_offline,
+    check_logprobs_mode,
+)
 from kvflow.chat_tool_calls import check_tool_call_ids, check_tool_calls, message_turns
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
@@ -210,7 +215,8 @@ class LLM(LLMPooling):
                 prompts or one (or None: the base model) per prompt, as for ``generate``.
 
         Raises:
-            ValueError: for a bad prompt, a prompt that leaves no room for
+            ValueError: for a bad prompt, an engine whose --logprobs-mode reports logits, a
+                prompt that leaves no room for
                 ``params.max_tokens`` in the context, ``params`` that is not a
                 BeamSearchParams, or a ``lora_request`` ``generate`` would refuse (nothing
                 is run then).
@@ -218,6 +224,7 @@ class LLM(LLMPooling):
         if not isinstance(params, BeamSearchParams):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
                 f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_logprobs_mode(self.engine.config.model_config.logprobs_mode)
         processor = self.engine.processor
         checked = beam_search_prompts(processor, as_prompt_list(prompts), params.max_tokens)
         token_prompts, salts = [p.token_ids for p in checked], [p.cache_salt for p in checked]

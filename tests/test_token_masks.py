@@ -163,7 +163,7 @@ def _check(llm: LLM, references) -> list:
                         use_tqdm=False)
     for out, (_, tokens, logprobs), (_, fields, _) in zip(outs, references, CASES):
         assert out.outputs[0].token_ids == tokens
-        if fields.get("logprobs"):  # after the mask, as logit_bias's: others are -inf
+        if fields.get("logprobs"):  # processed_logprobs: after the mask, others are -inf
             for step, ref in zip(out.outputs[0].logprobs, logprobs):
                 assert all(t in ALLOWED for t in step)
                 for t, lp in step.items():
@@ -173,14 +173,14 @@ def _check(llm: LLM, references) -> list:
 
 def test_greedy_masks_match_transformers(tiny_llama, references, cpu_kernels, assert_no_leaks):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
-              block_size=4)
+              block_size=4, logprobs_mode="processed_logprobs")
     _check(llm, references)
     assert_no_leaks(llm)
 
 
 def test_speculative_decoding_keeps_the_masks(tiny_llama, references, assert_no_leaks):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=96,
-              block_size=4, speculative_config=NGRAM)
+              block_size=4, speculative_config=NGRAM, logprobs_mode="processed_logprobs")
     outs = _check(llm, references)
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
     assert_no_leaks(llm)

@@ -11,6 +11,9 @@ from kvflow.logits_process import load_logits_processors
 
 HF_OVERRIDES_FLAG = "--hf-overrides (hf_overrides)"
 
+# vLLM's --logprobs-mode values (vLLM 0.10.2+); the first is the default
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """The overrides as a dict: a dict as given, JSON object text parsed (the CLI and config
@@ -144,6 +147,15 @@ class ModelConfig:
         "'{\"temperature\": 0.5}': merged over the model's file under --generation-config "
         "auto, the only defaults under none (vLLM's flag of the same name)")
 
+    logprobs_mode: str = opt(
+        "raw_logprobs", "what logprobs and prompt_logprobs report (vLLM's flag): raw_logprobs "
+        "(the log-softmax of the model's logits, only a structured-output mask applied), "
+        "raw_logits (those logits), processed_logprobs (the log-softmax of what the sampler "
+        "samples from: after logit_bias, allowed_token_ids, bad_words, min_tokens, the "
+        "penalties, custom logits processors, temperature, min_p, top_k and top_p; a greedy "
+        "request's stop before temperature), processed_logits (those logits); prompt "
+        "logprobs are raw either way (logits in the *_logits modes)",
+        choices=list(LOGPROBS_MODES))
     logits_processors: list | None = opt(  # noqa: RUF009 (the default is None)
         None, "custom logits processors (vLLM v1's engine-level kind): classes that "
         "subclass kvflow.logits_process.LogitsProcessor, as 'module.path:ClassName' (LLM() "

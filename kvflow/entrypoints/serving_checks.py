@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from kvflow.beam_search import check_logprobs_mode
 from kvflow.entrypoints.beam_requests import check_beam_request
 from kvflow.entrypoints.openai_errors import OpenAIError, engine_dead
 from kvflow.entrypoints.protocol import PromptTokenUsageInfo, SamplingRequest, UsageInfo
@@ -172,7 +173,8 @@ class OpenAIServingChecks:
     def check_unsupported(self, req: SamplingRequest) -> None:
         """Raises OpenAIError 400 naming a field set to something kvflow does not do:
         ``best_of`` other than ``n``, a field ``use_beam_search`` would not honour (or
-        ``length_penalty`` without it: ``beam_requests.check_beam_request``), or a ``priority``
+        ``length_penalty`` without it: ``beam_requests.check_beam_request``), beam search on
+        an engine whose ``--logprobs-mode`` reports logits, or a ``priority``
         while the scheduler is not run by priority (it would be ignored). The code is
         ``unsupported_parameter`` for a field this endpoint never takes, else
         ``unsupported_value`` (OpenAI's codes for the two). Undeclared fields were checked
@@ -181,7 +183,12 @@ class OpenAIServingChecks:
             raise OpenAIError(f"best_of={req.best_of} is not supported: kvflow returns every "
                               "sample it generates (send n, or best_of equal to n)",
                               param="best_of", code="unsupported_value")
-        check_beam_request(req)
+        if check_beam_request(req):
+            try:
+                check_logprobs_mode(self.engine.config.model_config.logprobs_mode)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="use_beam_search",
+                                  code="unsupported_value") from None
         self.check_priority(req.priority)
 
     def check_priority(self, priority: int) -> None:

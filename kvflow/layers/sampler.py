@@ -131,34 +131,45 @@ class CustomLogitsProcessors(Protocol):
 
 
 class Sampler:
-    """Samples one token per row of ``logits`` [B, vocab] float32."""
+    """Samples one token per row of ``logits`` [B, vocab] float32; ``logprobs_mode``: what
+    a row's logprobs report (vLLM's ``--logprobs-mode``, see ``logprob_values``)."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = generator  # for unseeded random rows
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  custom: CustomLogitsProcessors | None = None) -> SamplerOutput:
         """Sample ``logits`` [B, vocab] float32 (edited in place) with ``meta``'s settings;
         ``custom``: the engine's custom logits processors bound to this step's rows
         (``worker/logits_procs.py``), None without any."""
-        logits = self.process_logits(logits, meta, custom)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        keep_raw = bool(meta.num_logprobs) and self.logprobs_mode.startswith("raw")
+        logits, raw = self.process_logits(logits, meta, custom, keep_raw)
         sampled = argmax_rows(logits)  # logits.argmax(dim=-1), native on CPU
+        masked = None
         if not meta.all_greedy:
-            random = self._sample_random(logits, meta, custom)
+            random, masked = self._sample_random(logits, meta, custom)
             sampled = torch.where(meta.temperature == 0, sampled, random)
-        return SamplerOutput(sampled, self.gather_logprobs(raw_logprobs, sampled, meta),
+        values = logprob_values(self.logprobs_mode, raw, logits, meta, masked) \
+            if meta.num_logprobs else None
+        return SamplerOutput(sampled, self.gather_logprobs(values, sampled, meta),
                              dict(meta.num_logprobs))
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata,
-                       custom: CustomLogitsProcessors | None = None) -> torch.Tensor:
+                       custom: CustomLogitsProcessors | None = None,
+                       keep_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Everything before temperature on ``logits`` [B, V] float32 (in place; returned,
-        a new tensor if a custom processor made one): logit bias, the custom processors that
-        may change the argmax (``custom``; after the bias and before the penalties, as
-        vLLM v1 runs them), penalties, allowed token ids, banned ids (min_tokens, bad
-        words), the grammar's mask. Logprobs are taken after this (a masked token's is
-        -inf)."""
+        a new tensor if a custom processor made one): the grammar's mask first (vLLM applies
+        it before its sampler, so its raw logprobs see it), then logit bias, the custom
+        processors that may change the argmax (``custom``; after the bias and before the
+        penalties, as vLLM v1 runs them), penalties, allowed token ids, banned ids
+        (min_tokens, bad words). Returns (processed logits, a copy of them taken after the
+        grammar's mask when ``keep_raw``, else None): the raw logprobs modes read the copy."""
+        if meta.grammar is not None:
+            apply_token_bitmask_fast(logits, *meta.grammar)
+        raw = logits.clone() if keep_raw else None
         if meta.logit_bias is not None:
             rows, token_ids, biases = meta.logit_bias
             logits.index_put_((rows, token_ids), biases, accumulate=True)
@@ -170,12 +181,13 @@ class Sampler:
             apply_allowed_token_ids(logits, *meta.allowed_token_ids)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
-        if meta.grammar is not None:
-            apply_token_bitmask_fast(logits, *meta.grammar)
-        return logits
+        return logits, raw
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata,
-                       custom: CustomLogitsProcessors | None = None) -> torch.Tensor:
+                       custom: CustomLogitsProcessors | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled ids int64 [B], the masked temperature-scaled logits [B, V] they were
+        drawn from, shifted as ``scale_by_temperature`` shifts them)."""
         logits = scale_by_temperature(logits, meta.temperature)
         if custom is not None:  # argmax-invariant processors: after temperature (vLLM's)
             logits = custom.apply(logits, argmax_invariant=True)
@@ -184,13 +196,14 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in meta.generators.items():
             noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise).argmax(dim=-1), logits
 
     @staticmethod
     def gather_logprobs(raw: torch.Tensor | None, sampled: torch.Tensor,
                         meta: SamplingMetadata) -> tuple[torch.Tensor, ...] | None:
-        """(top ids [B, K], top logprobs [B, K], ``sampled``'s logprob [B], its rank [B]) from
-        the raw log-softmax ``raw`` [B, V] (K: the most logprobs a row asked for), or None."""
+        """(top ids [B, K], top values [B, K], ``sampled``'s value [B], its rank [B]) from
+        ``raw`` [B, V], the values the logprobs mode reports (``logprob_values``; K: the most
+        logprobs a row asked for), or None."""
         if raw is None:
             return None
         k_max = max(meta.num_logprobs.values())
@@ -198,6 +211,46 @@ class Sampler:
         sampled_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
         ranks = (raw > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
         return top_ids, top_lp, sampled_lp, ranks
+
+
+def logprob_values(mode: str, raw: torch.Tensor | None, processed: torch.Tensor,
+                   meta: SamplingMetadata, masked: torch.Tensor | None = None) -> torch.Tensor:
+    """The values a step's logprobs report, per vLLM's ``--logprobs-mode`` (vLLM v1's
+    sampler: raw values are taken before its logits processors, processed ones from what it
+    samples).
+
+    Args:
+        mode: raw_logprobs / raw_logits (``raw``'s log-softmax / ``raw`` itself),
+            processed_logprobs / processed_logits (the log-softmax of / the logits a row
+            samples from: a greedy row's ``processed``, a random row's ``processed`` divided
+            by its temperature, then min-p, top-k and top-p masked to -inf; custom
+            argmax-invariant processors as ``masked`` holds them).
+        raw: float32 [B, V], the logits before processing (``process_logits``' copy); read
+            by the raw modes only.
+        processed: float32 [B, V], ``process_logits``' result.
+        meta: the step's settings (temperature, top_k, top_p, min_p).
+        masked: float32 [B, V], the sampler's masked logits shifted by each row's largest
+            ``processed`` logit (``Sampler._sample_random``), or None to compute them here
+            (speculative verification).
+
+    Returns:
+        float32 [B, V].
+    """
+    if mode.startswith("raw"):
+        source = raw
+    elif meta.all_greedy:
+        source = processed
+    else:
+        if masked is None:
+            masked = apply_top_k_top_p_min_p(scale_by_temperature(processed, meta.temperature),
+                                              meta.top_k, meta.top_p, meta.min_p)
+        if mode == "processed_logits":  # undo scale_by_temperature's shift: logits / T
+            peak = processed.amax(dim=-1, keepdim=True)
+            peak = torch.where(torch.isfinite(peak), peak, 0.0)
+            scale = torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)
+            masked = masked + peak / scale
+        source = torch.where((meta.temperature == 0).unsqueeze(1), processed, masked)
+    return torch.log_softmax(source, dim=-1) if mode.endswith("logprobs") else source
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvflow.layers.sampler import Sampler
+from kvflow.layers.sampler import Sampler, logprob_values
 from kvflow.runner_output import ModelRunnerOutput, TokenLogprobs
 from kvflow.sched_output import GrammarBitmask
 from kvflow.spec_decode.rejection_sampler import SpecLayout, rejection_sample
@@ -116,8 +116,11 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
         grammar: the bitmask rows of constrained requests (k + 1 each), or None.
     """
     meta = sampling_inputs.build(batch, step.expanded_rows, grammar, step.num_extra)
-    sampler.process_logits(logits, meta)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+    mode = sampler.logprobs_mode
+    logits, raw = sampler.process_logits(logits, meta,
+                                         keep_raw=bool(meta.num_logprobs) and
+                                         mode.startswith("raw"))
+    values = logprob_values(mode, raw, logits, meta) if meta.num_logprobs else None
     device = logits.device
     layout = SpecLayout(torch.from_numpy(step.first_row).to(device),
                         torch.from_numpy(step.num_drafts).to(device),
@@ -131,8 +134,8 @@ def verify(step: SpecStep, logits: torch.Tensor, batch: InputBatch,
                         token_ids[np.arange(len(num_new)), num_new - 1])
     req_ids = [batch.req_ids[r] for r in step.sample_rows.tolist()]
     tokens = [row[:n].tolist() for row, n in zip(token_ids, num_new)]
-    logprobs = _logprobs(raw_logprobs, token_ids, step, meta, req_ids, num_new) \
-        if raw_logprobs is not None else {}
+    logprobs = _logprobs(values, token_ids, step, meta, req_ids, num_new) \
+        if values is not None else {}
     return ModelRunnerOutput(req_ids, tokens, logprobs, draft_time_s=step.draft_time_s,
                              draft_pass_s=step.draft_pass_s)
 
@@ -151,8 +154,8 @@ def _generators(batch: InputBatch, sample_rows: np.ndarray) -> dict[int, torch.G
 
 def _logprobs(raw: torch.Tensor, token_ids: np.ndarray, step: SpecStep, meta,
               req_ids: list[str], num_new: np.ndarray) -> dict[str, list[TokenLogprobs]]:
-    """Per request that asked: the raw log-softmax entry of each emitted token, at the row
-    that predicted it."""
+    """Per request that asked: the ``raw`` entry (the logprobs mode's values, float32
+    [N, V]) of each emitted token, at the row that predicted it."""
     req = np.repeat(np.arange(len(num_new)), step.num_drafts + 1)
     emitted = np.maximum(token_ids[req, step.num_extra], 0)
     tensors = Sampler.gather_logprobs(raw, torch.from_numpy(emitted).to(raw.device), meta)

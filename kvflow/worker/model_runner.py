@@ -162,8 +162,8 @@ class ModelRunner(RunnerKVCache):
         """
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.config.model_config.seed)
-        self.sampler = Sampler(gen)
         mc = self.config.model_config
+        self.sampler = Sampler(gen, mc.logprobs_mode)
         if mc.logits_processors and self.pooling is not None:
             raise ValueError(f"{LOGITS_PROCESSORS_FLAG}: a pooling model (embed, score, "
                              "classify) samples no tokens; custom logits processors need a "
@@ -250,7 +250,7 @@ class ModelRunner(RunnerKVCache):
                 return  # a pipeline stage before the last: no logits here
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
-                                       proposal)
+                                       proposal, self.sampler.logprobs_mode.endswith("logits"))
 
     def proposed_drafts(self) -> dict[str, list[int]]:
         """The draft model's tokens for the step ``launch_forward`` launched: request id ->

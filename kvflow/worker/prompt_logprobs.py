@@ -6,7 +6,9 @@ computes positions ``[c, c + n)`` yields the logprobs of prompt tokens ``c + 1 .
 (only those inside the prompt; the row of the last prompt token is the sampling row). Logits
 are made ``ROWS_PER_PASS`` rows at a time, so a 2048-token chunk of a 150k-vocabulary model
 never holds its whole ``[tokens, vocab]`` logits at once. Logprobs are the raw log-softmax
-(before temperature), like the sampled tokens' logprobs.
+of the model's logits (a prompt token is not sampled: no sampling setting applies), or the
+logits themselves under ``--logprobs-mode raw_logits`` / ``processed_logits`` (vLLM's
+documented meaning of the flag for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -86,14 +88,15 @@ def prompt_logprobs_requests(batch: InputBatch, inputs: ModelInputs,
 
 
 def compute_prompt_logprobs(reqs: list[PromptLogprobsRequest], hidden: torch.Tensor,
-                            compute_logits: Callable[[torch.Tensor], torch.Tensor]
-                            ) -> dict[str, PromptLogprobsChunk]:
+                            compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                            raw_logits: bool = False) -> dict[str, PromptLogprobsChunk]:
     """Prompt logprobs of the step's requests that asked for them.
 
     Args:
         reqs: those requests.
         hidden: [num_tokens, hidden_size] the step's final hidden states.
         compute_logits: the model's LM head (hidden rows -> float32 logits).
+        raw_logits: report the logits (float32) instead of their log-softmax.
 
     Returns:
         request id -> the chunk of prompt logprobs this step yields (requests whose chunk
@@ -110,7 +113,7 @@ def compute_prompt_logprobs(reqs: list[PromptLogprobsRequest], hidden: torch.Ten
         entries: list[TokenLogprobs] = []
         for s in range(0, rows.numel(), ROWS_PER_PASS):
             logits = compute_logits(hidden[rows[s:s + ROWS_PER_PASS].to(hidden.device)])
-            lps = torch.log_softmax(logits.float(), dim=-1)
+            lps = logits.float() if raw_logits else torch.log_softmax(logits.float(), dim=-1)
             entries += token_logprobs(lps, targets[s:s + ROWS_PER_PASS].to(lps.device),
                                       r.num_top)
         out[r.req_id] = PromptLogprobsChunk(start + 1, entries)

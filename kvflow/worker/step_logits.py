@@ -20,12 +20,13 @@ from kvflow.worker.step_sampling import LaunchedStep
 def launch_logits(model: torch.nn.Module, pooling: PoolingState | None, batch: InputBatch,
                   requests: dict[str, RequestState], sched: SchedulerOutput,
                   inputs: ModelInputs, hidden: torch.Tensor, spec_tokens: Any,
-                  proposal: Any) -> LaunchedStep:
+                  proposal: Any, raw_logits: bool = False) -> LaunchedStep:
     """The launched step from the final hidden states ``hidden`` [T, hidden]: the sampling
     rows' logits [rows, vocab] (``model.compute_logits``; under speculative decoding every
     verified position's, planned by ``spec_decode/verification.py``, with a draft model's
     ``proposal`` probabilities and timings) and prompt logprobs; an embedding model's pooled
-    outputs instead."""
+    outputs instead. ``raw_logits``: prompt logprobs report the logits themselves
+    (``--logprobs-mode raw_logits`` / ``processed_logits``)."""
     if pooling is not None:  # an embedding model: pool, sample nothing
         params = {rid: requests[rid].pooling_params for rid in sched.num_scheduled_tokens}
         pooled = pooling.step(batch, inputs.rows, inputs.query_start, hidden, params)
@@ -42,6 +43,7 @@ def launch_logits(model: torch.nn.Module, pooling: PoolingState | None, batch: I
             hidden if inputs.samples_every_token else hidden[inputs.logits_indices]) \
             if len(inputs.sample_rows) else None
     prompt_logprobs = compute_prompt_logprobs(
-        prompt_logprobs_requests(batch, inputs, requests), hidden, model.compute_logits) \
+        prompt_logprobs_requests(batch, inputs, requests), hidden, model.compute_logits,
+        raw_logits) \
         if batch.prompt_logprobs else {}
     return LaunchedStep(inputs.sample_rows, logits, prompt_logprobs, spec)
