@@ -198,8 +198,10 @@ _CLASSIFIERS = ("BertForSequenceClassification", "RobertaForSequenceClassificati
 
 # an embedding engine gives every prompt token's hidden state too (vLLM's token_embed)
 _TOKEN_EMBED = (("token_embed", None),)
-_TOKEN_CLASSIFIERS = ("LlamaForTokenClassification", "MistralForTokenClassification",
-                      "Qwen2ForTokenClassification", "Qwen3ForTokenClassification")
+_TOKEN_CLASSIFIERS = ("BertForTokenClassification", "RobertaForTokenClassification",
+                      "XLMRobertaForTokenClassification", "LlamaForTokenClassification",
+                      "MistralForTokenClassification", "Qwen2ForTokenClassification",
+                      "Qwen3ForTokenClassification")
 
 
 def load_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> PoolerConfig:

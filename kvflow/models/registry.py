@@ -12,6 +12,10 @@ from kvflow.models.cross_encoder import (
     RobertaForSequenceClassification,
 )
 from kvflow.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from kvflow.models.encoder_token_classifiers import (
+    BertForTokenClassification,
+    RobertaForTokenClassification,
+)
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import (
     LlamaForCausalLM,
@@ -72,6 +76,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForTokenClassification": token_classifier(LlamaForCausalLM),
     "Qwen2ForTokenClassification": token_classifier(Qwen2ForCausalLM),
     "Qwen3ForTokenClassification": token_classifier(Qwen3ForCausalLM),
+    # encoder token classifiers (task token_classify): the classifier on every token's row
+    "BertForTokenClassification": BertForTokenClassification,
+    "RobertaForTokenClassification": RobertaForTokenClassification,
+    "XLMRobertaForTokenClassification": RobertaForTokenClassification,
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -126,8 +134,8 @@ def is_cross_encoder(hf_config: Any) -> bool:
 
 
 def is_token_classifier(hf_config: Any) -> bool:
-    """Whether the config's architecture has a token-classification head (a decoder's
-    ``*ForTokenClassification``: it classifies every prompt token, ``task="token_classify"``).
+    """Whether the config's architecture has a token-classification head (an encoder's or a
+    decoder's ``*ForTokenClassification``: it classifies every prompt token, ``task="token_classify"``).
 
     Raises:
         ValueError: if the architecture is not supported (see :func:`get_model_class`).

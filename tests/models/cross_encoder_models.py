@@ -43,10 +43,11 @@ def roberta_tokenizer() -> Any:
                                                                          "attention_mask"])
 
 
-def build_cross_encoder(folder: str, kind: str, num_labels: int, seed: int = 11) -> None:
-    """Save a tiny random ``{kind}ForSequenceClassification`` (kind: Bert, Roberta,
-    XLMRoberta; 2 layers, hidden 64) with ``num_labels`` outputs and its tokenizer in
-    ``folder``."""
+def build_cross_encoder(folder: str, kind: str, num_labels: int, seed: int = 11,
+                        head: str = "SequenceClassification") -> None:
+    """Save a tiny random ``{kind}For{head}`` (kind: Bert, Roberta, XLMRoberta; head:
+    SequenceClassification or TokenClassification; 2 layers, hidden 64) with ``num_labels``
+    outputs and its tokenizer in ``folder``."""
     import transformers
 
     common = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -60,7 +61,7 @@ def build_cross_encoder(folder: str, kind: str, num_labels: int, seed: int = 11)
         config = getattr(transformers, f"{kind}Config")(
             vocab_size=len(tokenizer), type_vocab_size=1, max_position_embeddings=40,
             pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
-    model = getattr(transformers, f"{kind}ForSequenceClassification")(config).eval()
+    model = getattr(transformers, f"{kind}For{head}")(config).eval()
     _randomize(model, seed, scale=0.3)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
