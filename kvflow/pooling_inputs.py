@@ -100,9 +100,17 @@ def check_activation(params: PoolingParams) -> None:
     embedding tasks (their vectors take ``normalize``), as vLLM 0.10-0.11 accepts it on
     classify, score and token_classify only.
 
+    vLLM 0.10's ``softmax`` (its reward models' per-token ``encode`` task) is taken on
+    token_classify only.
+
     Raises:
-        ValueError: naming ``activation`` for an embed / token_embed request that sets it.
+        ValueError: naming ``softmax`` for a request of another task that sets it, or
+            ``activation`` for an embed / token_embed request that sets it.
     """
+    if params.softmax is not None and params.task != "token_classify":
+        raise ValueError(f"softmax (vLLM 0.10's reward-model field) applies to "
+                         f"token_classify, not task={params.task!r} (classify and score "
+                         "take activation, embeddings normalize)")
     if params.use_activation is not None and params.task in ("embed", "token_embed"):
         raise ValueError(f"activation applies to classify, score and token_classify, not "
                          f"task={params.task!r} (embeddings take normalize)")

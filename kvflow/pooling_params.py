@@ -41,12 +41,18 @@ class PoolingParams:
             tasks, which take ``normalize``).
         activation: vLLM 0.10 / 0.11.0's name of ``use_activation`` (either may be given;
             after construction both hold the resolved value).
+        softmax: vLLM 0.10's reward-model field, its name of ``use_activation`` on the
+            per-token ``encode`` task (here "token_classify": the head's softmax / sigmoid
+            per token, False the raw logits); after construction ``use_activation`` and
+            ``activation`` hold it too. The engine refuses it on every other task, as vLLM
+            0.10 takes it on ``encode`` only.
 
     Raises:
         ValueError: from the constructor for ``dimensions`` < 1 or not an integer, an unknown
             ``task``, a ``second_segment_start`` < 1 or not an integer, or a ``normalize``
             that is not a bool (or is set for a task other than "embed"), an ``activation``
-            / ``use_activation`` that is not a bool, or the two set to different values.
+            / ``use_activation`` / ``softmax`` that is not a bool, or two of them set to
+            different values.
     """
 
     dimensions: int | None = None
@@ -55,6 +61,7 @@ class PoolingParams:
     normalize: bool | None = None
     use_activation: bool | None = None
     activation: bool | None = None
+    softmax: bool | None = None
 
     def __post_init__(self) -> None:
         self._resolve_activation()
@@ -76,21 +83,23 @@ class PoolingParams:
                                  f"task={self.task!r}")
 
     def _resolve_activation(self) -> None:
-        """Check ``activation`` / ``use_activation`` and give both the one value set.
+        """Check ``activation`` / ``use_activation`` / ``softmax`` and give the first two the
+        one value set (``softmax`` stays as given: the engine checks its task).
 
         Raises:
             ValueError: for a value that is not a bool or None, or two different values.
         """
-        for name in ("use_activation", "activation"):
+        names = ("activation", "use_activation", "softmax")
+        for name in names:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"PoolingParams.{name}={value!r} must be a bool or None")
-        a, u = self.activation, self.use_activation
-        if a is not None and u is not None and a != u:
-            raise ValueError(f"PoolingParams.activation={a!r} and use_activation={u!r} "
-                             "disagree (activation is vLLM 0.10's name of use_activation: "
-                             "set one)")
-        self.use_activation = self.activation = u if u is not None else a
+        given = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+        if len({v for _, v in given}) > 1:
+            said = " and ".join(f"{n}={v!r}" for n, v in given)
+            raise ValueError(f"PoolingParams.{said} disagree (activation and softmax are "
+                             "vLLM 0.10's names of use_activation: set one)")
+        self.use_activation = self.activation = given[0][1] if given else None
 
     @property
     def raw_logits(self) -> bool:

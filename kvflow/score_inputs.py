@@ -122,7 +122,7 @@ def score_use_activation(params: PoolingParams | None) -> bool | None:
 
     Raises:
         ValueError: for params of a task other than ``score`` (or the default ``embed``), or
-            with ``dimensions`` / ``normalize`` set (naming the field).
+            with ``dimensions`` / ``normalize`` / ``softmax`` set (naming the field).
     """
     if params is None:
         return None
@@ -132,4 +132,7 @@ def score_use_activation(params: PoolingParams | None) -> bool | None:
     for name in ("dimensions", "normalize"):
         if getattr(params, name) is not None:
             raise ValueError(f"PoolingParams.{name} applies to embeddings, not to scores")
+    if params.softmax is not None:
+        raise ValueError("PoolingParams.softmax (vLLM 0.10's reward-model field) applies to "
+                         "token_classify, not to scores (send activation)")
     return params.use_activation

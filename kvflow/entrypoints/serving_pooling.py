@@ -130,12 +130,14 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
     def _params(req: PoolingRequest, task: str) -> PoolingParams:
         """The requests' PoolingParams (``dimensions`` and ``normalize``: embeddings only,
         ``embed`` or ``token_embed``; ``activation`` / ``use_activation``: ``classify`` and
-        ``token_classify`` only, false giving the raw logits).
+        ``token_classify`` only, false giving the raw logits; vLLM 0.10's ``softmax``, the
+        same switch, ``token_classify`` only).
 
         Raises:
             OpenAIError: 400 naming ``dimensions`` or ``normalize`` set for ``classify`` or
                 ``token_classify``, ``activation`` / ``use_activation`` set for ``embed`` or
-                ``token_embed``, or the two disagreeing.
+                ``token_embed``, ``softmax`` set for another task than ``token_classify``,
+                or two of them disagreeing.
         """
         embed = task in ("embed", "token_embed")
         for name in ("dimensions", "normalize"):
@@ -143,7 +145,19 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
                 raise OpenAIError(f"{name} applies to embeddings (task embed or token_embed); "
                                   f"this request's task is {task!r}", param=name,
                                   code="invalid_value")
+        if req.softmax is not None and task != "token_classify":
+            raise OpenAIError(f"softmax (vLLM 0.10's reward-model field) applies to "
+                              f"token_classify; this request's task is {task!r} (classify "
+                              "takes activation, embeddings normalize)", param="softmax",
+                              code="invalid_value")
         use_activation = request_activation(req)
+        if req.softmax is not None and use_activation not in (None, req.softmax):
+            raise OpenAIError(f"softmax={str(req.softmax).lower()} disagrees with "
+                              f"activation / use_activation={str(use_activation).lower()} "
+                              "(softmax is vLLM 0.10's name of use_activation: send one)",
+                              param="softmax", code="invalid_value")
+        if req.softmax is not None:
+            use_activation = req.softmax
         if embed and use_activation is not None:
             name = "activation" if req.activation is not None else "use_activation"
             raise OpenAIError(f"{name} applies to classify and token_classify (embeddings "

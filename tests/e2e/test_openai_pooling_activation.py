@@ -4,8 +4,9 @@ token_classify), /score and /rerank, against transformers' logits (the default a
 torch.softmax / sigmoid of them): a tiny random Qwen2ForSequenceClassification classify server
 (which also serves token_classify: its score head on every token) and a BERT cross-encoder
 score server; the 400s naming the field (the two names disagreeing, a non-bool, an embedding
-task, an embedding model's cosine scores, /v1/embeddings, which does not take it); every KV
-block free afterwards."""
+task, an embedding model's cosine scores, /v1/embeddings, which does not take it); vLLM
+0.10's reward-model ``softmax`` on /pooling's token_classify (refused on other tasks and
+endpoints); every KV block free afterwards."""
 
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ def test_classify_and_pooling_raw_logits(servers):
     raw = _post(server, "/pooling", {"input": LONG, "task": "token_classify",
                                      "activation": False}).json()
     torch.testing.assert_close(torch.tensor(raw["data"][0]["data"]), ref, **RAW)
+    # vLLM 0.10's reward-model softmax: the same switch, on the per-token task
+    raw = _post(server, "/pooling", {"input": LONG, "task": "token_classify",
+                                     "softmax": False}).json()
+    torch.testing.assert_close(torch.tensor(raw["data"][0]["data"]), ref, **RAW)
     assert _free_blocks(server) == free
 
 
@@ -119,6 +124,11 @@ def test_score_and_rerank_raw_logits(servers):
     ("emb", "/v1/score", {"text_1": "a", "text_2": "b", "activation": False}, "activation",
      "invalid_value"),
     ("emb", "/v1/embeddings", {"activation": False}, "activation", "unknown_parameter"),
+    ("cls", "/pooling", {"task": "classify", "softmax": False}, "softmax", "invalid_value"),
+    ("emb", "/pooling", {"softmax": True}, "softmax", "invalid_value"),
+    ("cls", "/pooling", {"task": "token_classify", "softmax": True, "activation": False},
+     "softmax", "invalid_value"),
+    ("cls", "/classify", {"softmax": False}, "softmax", "unknown_parameter"),
 ])
 def test_activation_refusals(servers, name, path, body, param, code):
     server, _ = servers[name]

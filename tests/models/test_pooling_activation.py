@@ -128,9 +128,29 @@ def test_token_classifier_raw_logits(tmp_path, assert_no_leaks):
     folder = str(tmp_path / "tc")
     build_token_classifier(folder, "Llama", 3)
     llm = LLM(model=folder, dtype="float32", device="cpu", num_kv_blocks=64)
+    logits = hf_token_outputs(folder, TEXTS[0], "token_classify")
     (raw,) = llm.encode(TEXTS[0], PoolingParams(use_activation=False), use_tqdm=False)
-    torch.testing.assert_close(raw.outputs.data,
-                               hf_token_outputs(folder, TEXTS[0], "token_classify"), **RAW)
+    torch.testing.assert_close(raw.outputs.data, logits, **RAW)
+    # vLLM 0.10's reward-model field: the same switch on the per-token task
+    (raw,) = llm.encode(TEXTS[0], PoolingParams(softmax=False), use_tqdm=False)
+    torch.testing.assert_close(raw.outputs.data, logits, **RAW)
+    (probs,) = llm.encode(TEXTS[0], PoolingParams(softmax=True), use_tqdm=False)
+    torch.testing.assert_close(probs.outputs.data, torch.softmax(logits, -1), atol=1e-5,
+                               rtol=0)
+    assert_no_leaks(llm)
+
+
+def test_softmax_is_refused_off_token_classify(classifier, assert_no_leaks):
+    """vLLM 0.10 takes softmax on its per-token encode task only: classify, score and the
+    embedding tasks refuse it by name (nothing is queued)."""
+    llm, _ = classifier
+    match = r"softmax \(vLLM 0.10's reward-model field\) applies to token_classify"
+    with pytest.raises(ValueError, match=match):
+        llm.classify(TEXTS[0], pooling_params=PoolingParams(softmax=False), use_tqdm=False)
+    with pytest.raises(ValueError, match=match):
+        llm.encode(TEXTS[0], PoolingParams(softmax=True), pooling_task="classify",
+                   use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     assert_no_leaks(llm)
 
 
@@ -138,6 +158,8 @@ def test_token_classifier_raw_logits(tmp_path, assert_no_leaks):
     ({"activation": True, "use_activation": False}, "and use_activation=False disagree"),
     ({"activation": 0}, "activation=0 must be a bool"),
     ({"use_activation": "false"}, "use_activation='false' must be a bool"),
+    ({"softmax": 1}, "softmax=1 must be a bool"),
+    ({"activation": True, "softmax": False}, "activation=True and softmax=False disagree"),
 ])
 def test_pooling_params_refuse_bad_activation(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -22,7 +22,9 @@ class PoolingRequest(EmbeddingRequest):
     ``add_special_tokens`` defaults to true for ``input`` and false for ``messages`` (the
     template writes them). vLLM's ``task``: ``embed`` or ``classify``, where the server's
     model runs it (None: ``embed`` on an embedding server, else ``classify``); ``dimensions``
-    and ``normalize`` apply to ``embed`` only."""
+    and ``normalize`` apply to ``embed`` only; ``activation`` / ``use_activation`` to the head
+    tasks, and vLLM 0.10's reward-model ``softmax`` (the same switch) to ``token_classify``
+    only."""
 
     input: str | list[int] | list[str] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -34,6 +36,7 @@ class PoolingRequest(EmbeddingRequest):
     task: str | None = None
     activation: bool | None = None  # vLLM 0.10's name of use_activation
     use_activation: bool | None = None  # False: raw head logits, no softmax / sigmoid
+    softmax: bool | None = None  # vLLM 0.10's reward-model name of it: token_classify only
 
     @model_validator(mode="wrap")
     @classmethod
