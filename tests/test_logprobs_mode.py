@@ -155,3 +155,18 @@ def test_beam_search_refuses_logits_modes(tiny_llama):
 def test_unknown_logprobs_mode_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="logprobs_mode"):
         _llm(tiny_llama.path, "logits")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_logprobs_mode_flag(command):
+    from kvflow.config import EngineConfig
+    from kvflow.entrypoints.cli import build_parser
+
+    def parse(*argv: str) -> EngineConfig:
+        return EngineConfig.from_cli_args(build_parser().parse_args([command, *argv]))
+
+    assert parse().model_config.logprobs_mode == "raw_logprobs"  # vLLM's default
+    assert parse("--logprobs-mode", "processed_logits").model_config.logprobs_mode == \
+        "processed_logits"
+    with pytest.raises(SystemExit):  # argparse's choices
+        parse("--logprobs-mode", "logits")
