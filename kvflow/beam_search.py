@@ -23,7 +23,8 @@ Neural Networks", section 3.1, with vLLM's candidate count and final ranking):
 
 Logprobs are the model's raw log-softmax in fp32 (before temperature, penalties never
 applied: ``step_params`` turns them off explicitly, so a model's sampling defaults cannot
-change them). Ties keep candidate order (beam order, then the engine's logprob rank):
+change them; under ``--logprobs-mode processed_logprobs`` the same values, and the
+``*_logits`` modes are refused: ``check_logprobs_mode``). Ties keep candidate order (beam order, then the engine's logprob rank):
 Python's sort is stable.
 
 ``BeamSearch`` holds one prompt's state and never calls the engine: ``beam_search_offline``
@@ -138,9 +139,9 @@ def check_logprobs_mode(logprobs_mode: str) -> None:
 
     Args:
         logprobs_mode: the engine's ``--logprobs-mode``. raw_logprobs ranks by the model's
-            own log-softmax (vLLM's default); processed_logprobs by the log-softmax after
-            the penalties and logit processors (beam search asks for temperature 0, so no
-            temperature or top-k/top-p applies).
+            own log-softmax (vLLM's default); processed_logprobs gives the same values
+            (the step requests are greedy with penalties and bias off: nothing processes
+            their logits but a custom logits processor's edits).
 
     Raises:
         ValueError: naming ``--logprobs-mode`` for raw_logits / processed_logits (a sum of
