@@ -60,8 +60,7 @@ class EngineConfig:
             ValueError: for a swap_space given (any size, the default's too) without
                 preemption_mode 'swap'; for context parallelism with a block size it does not divide or a
                 quantized KV cache; for speculative decoding with pipeline or context
-                parallelism, async scheduling or custom logits processors; for LoRA with more than one rank or
-                replica; for GGUF weights kept quantized with tensor parallelism; for async
+                parallelism, async scheduling or custom logits processors; for GGUF weights kept quantized with tensor parallelism; for async
                 scheduling with any executor but uni (several ranks, or
                 distributed_executor_backend mp or ray on one rank; checked here, before any
                 worker starts).
@@ -81,7 +80,6 @@ class EngineConfig:
                              "available (GGUF blocks are kept whole, not split across "
                              "ranks); use quantization='none' to dequantize the GGUF at load "
                              "and split it, or tensor_parallel_size=1")
-        self.lora_config.verify_with_parallel(self.parallel_config)
         if self.scheduler_config.async_scheduling and \
                 self.parallel_config.executor_backend != "uni":
             raise ValueError(f"--async-scheduling needs the uni executor (one rank in the "

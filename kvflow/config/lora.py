@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kvflow.config.options import check_choices, opt
-from kvflow.config.parallel import ParallelConfig
 
 
 @dataclass
@@ -32,18 +31,5 @@ class LoRAConfig:
                 raise ValueError(f"{name}={getattr(self, name)} needs enable_lora "
                                  "(--enable-lora); without it no adapter is served")
 
-    def verify_with_parallel(self, parallel: ParallelConfig) -> None:
-        """LoRA runs over any number of tensor-parallel ranks (each holds its shard of every
-        adapter: ``kvflow/lora/sharding.py``), pipeline stages (each adapts its own layers)
-        and data-parallel replicas (each loads every adapter); not over context-parallel
-        ranks yet.
-
-        Raises:
-            ValueError: with LoRA enabled and more than one context-parallel rank.
-        """
-        if self.enable_lora and parallel.context_parallel_size > 1:
-            raise ValueError("enable_lora needs context_parallel_size=1: LoRA is not run over "
-                             "context-parallel ranks yet (tensor_parallel_size, "
-                             "pipeline_parallel_size and data_parallel_size > 1 work)")
 
 _DEFAULTS = {f.name: f.default for f in fields(LoRAConfig)}

@@ -45,16 +45,26 @@ class LoRAMapping:
         token_index: int64 [N] the adapted tokens' positions in the step, grouped by slot.
         segments: (slot, start, end) per slot used: ``token_index[start:end]`` run ``slot``.
         segment_table: int32 [S, 3] ``segments`` on the device (the Triton kernel's copy).
+        token_slots: int64 [T] (host) each step token's slot, -1 for none: what the mapping
+            was made from (``select`` maps a subset of the tokens again).
     """
 
     token_index: torch.Tensor
     segments: list[tuple[int, int, int]]
     segment_table: torch.Tensor
+    token_slots: np.ndarray
 
     @property
     def max_segment_len(self) -> int:
         """Adapted tokens of the busiest slot."""
         return max(end - start for _, start, end in self.segments)
+
+    def select(self, tokens: torch.Tensor) -> LoRAMapping | None:
+        """The mapping of the step tokens ``tokens`` (int64 [T_local], ascending: a
+        context-parallel rank's share of a prefill, ``kvflow.attention.cp_split``) when only
+        they run, renumbered 0..T_local-1 in that order; None when none of them is adapted."""
+        picked = self.token_slots[tokens.cpu().numpy()]
+        return make_mapping(picked, self.segment_table.device)
 
 
 def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -67,7 +77,8 @@ def make_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping |
     slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
     segments = [(int(s), int(b), int(b + c)) for s, b, c in zip(slots, starts, counts)]
     table = torch.tensor(segments, dtype=torch.int32).to(device)
-    return LoRAMapping(torch.from_numpy(order).to(device), segments, table)
+    return LoRAMapping(torch.from_numpy(order).to(device), segments, table,
+                       np.asarray(token_slots, dtype=np.int64))
 
 
 class LoRAContext:
@@ -92,6 +103,13 @@ class LoRAContext:
             yield
         finally:
             self.mapping, self._bound = None, False
+
+    def select(self, tokens: torch.Tensor) -> None:
+        """Inside ``bind``: keep only the step tokens ``tokens`` (int64 [T_local], ascending)
+        of the bound mapping, renumbered, for a forward pass that runs only them (a
+        context-parallel rank's token split); nothing to do without a mapping."""
+        if self.mapping is not None:
+            self.mapping = self.mapping.select(tokens)
 
 
 def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 from kvflow.attention.backend import AttentionMetadata
 from kvflow.attention.layer import AttentionContext
 from kvflow.distributed.comm import IntermediateTensors
+from kvflow.lora.layers import LoRAContext
 from kvflow.worker.input_batch import InputBatch, RequestState
 from kvflow.worker.mm_runner import MultiModalRunner
 from kvflow.worker.model_inputs import ModelInputs
@@ -84,12 +85,13 @@ def prepare_attention(attn_ctx: AttentionContext, metadata: list[AttentionMetada
 def run_model(model: torch.nn.Module, attn_ctx: AttentionContext, cp_world_size: int,
               block_size: int, counters: ForwardCounters, inputs: ModelInputs,
               intermediate_tensors: IntermediateTensors | None, positions: torch.Tensor,
-              extra: dict[str, Any],
-              rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+              extra: dict[str, Any], rows: torch.Tensor | None = None,
+              lora_ctx: LoRAContext | None = None) -> torch.Tensor | IntermediateTensors:
     """One forward pass of ``model`` with the step's attention metadata bound: final hidden
     states [T, hidden] (last pipeline stage) or the tensors for the next stage. With
     ``cp_world_size`` > 1 a backend's token split (Ring Attention) runs this rank's share of a
-    prefill's tokens and gathers the ``rows`` (int64 token indices; None: all) back.
+    prefill's tokens and gathers the ``rows`` (int64 token indices; None: all) back; the
+    step's LoRA mapping bound in ``lora_ctx`` then keeps only that share's tokens.
     ``counters`` gains the tokens run and the seconds the model took."""
     metadata = inputs.attn_metadata
     with attn_ctx.forward_context.bind(metadata):
@@ -99,6 +101,8 @@ def run_model(model: torch.nn.Module, attn_ctx: AttentionContext, cp_world_size:
         if split is not None:  # Ring Attention: this rank's share of a prefill's tokens
             input_ids, positions = split.select(input_ids), split.select(positions, dim=-1)
             extra = {name: split.select(x) for name, x in extra.items()}
+            if lora_ctx is not None:  # each token keeps its adapter
+                lora_ctx.select(split.local)
         counters.dense_tokens += input_ids.shape[0]
         start = time.perf_counter()
         if intermediate_tensors is None:  # the first (or only) stage

@@ -320,4 +320,5 @@ class ModelRunner(RunnerKVCache):
                    rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return run_model(self.model, self.attn_ctx, self.parallel.cp.world_size,
                          self.block_size, self.counters, inputs, intermediate_tensors,
-                         positions, extra, rows)
+                         positions, extra, rows,
+                         None if self.lora_manager is None else self.lora_manager.ctx)

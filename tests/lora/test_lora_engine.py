@@ -301,13 +301,11 @@ def test_adapter_config_that_is_not_an_object(llm, tmp_path):
                      lora_request=LoRARequest("binary", 71, str(tmp_path)))
 
 
-def test_lora_needs_enable_lora_and_one_cp_rank(tiny_llama, adapters):
+def test_lora_needs_enable_lora(tiny_llama, adapters):
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=32)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate("hi", SamplingParams(max_tokens=2),
                      lora_request=LoRARequest("all", 1, adapters["all"]))
-    with pytest.raises(ValueError, match="context_parallel_size=1"):
-        LLM(model=tiny_llama.path, enable_lora=True, context_parallel_size=2, block_size=4)
 
 
 def test_phi3_fused_checkpoint_modules(tiny_model_factory, tmp_path, assert_no_leaks):

@@ -26,6 +26,32 @@ def test_grouped_lora_matches_a_per_token_loop():
     assert make_mapping(np.full(4, -1), torch.device("cpu")) is None
 
 
+def test_mapping_of_a_token_subset_renumbers_its_tokens():
+    """A context-parallel rank runs only some of the step's tokens (``LoRAContext.select``):
+    the grouped matmul over that subset adds each kept token's own adapter, as the per-token
+    loop over the kept tokens does."""
+    gen = torch.Generator().manual_seed(3)
+    slots = np.array([1, -1, 0, 1, 0, -1])
+    keep = torch.tensor([0, 2, 3, 5])  # slots 1, 0, 1, -1
+    x = torch.randn(len(keep), 6, generator=gen)
+    a, b = torch.randn(2, 4, 6, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    y = torch.randn(len(keep), 5, generator=gen)
+    expected = y.clone()
+    for t, s in enumerate(slots[keep.numpy()]):
+        if s >= 0:
+            expected[t] += b[s] @ (a[s] @ x[t])
+    ctx = LoRAContext()
+    with ctx.bind(make_mapping(slots, torch.device("cpu"))):
+        ctx.select(keep)
+        # by hand: slot 0 holds local token 1, slot 1 local tokens 0 and 2
+        assert ctx.mapping.token_index.tolist() == [1, 0, 2]
+        assert ctx.mapping.segments == [(0, 0, 1), (1, 1, 3)]
+        torch.testing.assert_close(grouped_lora(y.clone(), x, a, b, ctx.mapping), expected)
+    with ctx.bind(make_mapping(slots, torch.device("cpu"))):
+        ctx.select(torch.tensor([1, 5]))  # base-model tokens only
+        assert ctx.mapping is None
+
+
 def test_fused_qkv_slot_is_block_diagonal():
     """An adapter on q and v only (ranks 2 and 3 in slots of rank 4) adds exactly
     ``B_q A_q x`` to the q rows and ``B_v A_v x`` to the v rows; k rows are untouched."""

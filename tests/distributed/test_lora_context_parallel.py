@@ -1,0 +1,73 @@
+"""Multi-LoRA at context_parallel_size=2 (multiprocess executor, gloo; Ring Attention prefill:
+each rank runs only its own prompt tokens through the adapted layers) against transformers +
+peft: two random PEFT adapters and the base model in one batch, with prefill chunks of 8
+tokens sharing steps with decodes, so every step's token split mixes rows of both adapters and
+of the base; then an adapter loaded, run and removed with its id reused for another folder,
+and a refused adapter that leaves both ranks serving.
+
+A rank that applied the whole step's mapping to its share of the tokens (the adapter of
+another row, or the delta of the wrong token) moves logprobs by > 0.1; the oracle is peft run
+on the engine's own tokens (teacher forcing, fp32: ``tests.lora.adapters``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.lora.request import LoRARequest
+from tests.distributed.conftest import shutdown_and_check
+from tests.lora.adapters import (
+    MAX_TOKENS,
+    assert_output_matches_peft,
+    make_adapter,
+    mixed_batch_matches_peft,
+)
+
+PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
+           "a lazy dog while kvflow pages keys and values through blocks"]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cp_adapters")
+    return {
+        "all": make_adapter(tiny_llama.path, str(root / "all"), 1, r=8, lora_alpha=16,
+                            target_modules=ALL_LINEAR),
+        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 2, r=4, lora_alpha=8,
+                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "late": make_adapter(tiny_llama.path, str(root / "late"), 5, r=2, lora_alpha=4,
+                             target_modules=["k_proj", "o_proj", "up_proj"]),
+        "too_wide": make_adapter(tiny_llama.path, str(root / "wide"), 6, r=16,
+                                 target_modules=["q_proj"]),
+    }
+
+
+def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters):
+    llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, max_num_batched_tokens=8, enable_lora=True, max_loras=2,
+              max_lora_rank=8, context_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        ids, outs = mixed_batch_matches_peft(llm, tiny_llama.path, adapters, PROMPTS, GREEDY)
+        # the ring split ran: each rank computed about half of the prompt tokens, not all
+        stats = llm.engine.core.executor.collective_rpc("step_stats")
+        every_token = sum(len(p) for p in ids) + len(ids) * (MAX_TOKENS - 1)
+        assert all(s["dense_tokens"] < every_token for s in stats), (stats, every_token)
+        late = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("late", 3,
+                                                                       adapters["late"]),
+                            use_tqdm=False)[0]
+        assert_output_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
+        assert llm.engine.core.remove_lora(3)  # on both ranks: the id now runs 'qv'
+        again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
+                                                                        adapters["qv"]),
+                             use_tqdm=False)[0]
+        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
+        with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
+            llm.generate("hi", GREEDY, lora_request=LoRARequest("wide", 4,
+                                                                adapters["too_wide"]))
+        base = llm.generate([ids[2]], GREEDY, use_tqdm=False)[0]  # both ranks still serve
+        assert base.outputs[0].token_ids == outs[2].outputs[0].token_ids
+    finally:
+        shutdown_and_check(llm)
