@@ -1,13 +1,16 @@
-"""``kvflow serve --tensor-parallel-size 2 --enable-lora``: an adapter given at start-up
-(``--lora-modules``), one loaded through ``/v1/load_lora_adapter`` and the base model answer
-concurrent requests with peft's greedy tokens and logprobs (both ranks hold their shards);
-a refused load is a 400 that leaves both ranks serving; an unloaded adapter is a 404."""
+"""``kvflow serve --enable-lora`` over two ranks, ``--tensor-parallel-size 2`` and
+``--context-parallel-size 2`` (Ring Attention prefill, chunks of 8 tokens, so a step's token
+split mixes the three requests' rows): an adapter given at start-up (``--lora-modules``), one
+loaded through ``/v1/load_lora_adapter`` and the base model answer concurrent requests with
+peft's greedy tokens and logprobs (both ranks hold their shards, or under CP their copies); a
+refused load is a 400 that leaves both ranks serving; an unloaded adapter is a 404."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
 import httpx
+import pytest
 
 from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft, make_adapter
 
@@ -31,16 +34,20 @@ def _adapters(tiny_llama, built_models) -> dict[str, str]:
     return built_models("http_tp_adapters", build)[1]
 
 
+PARALLEL = {"tp": ["--tensor-parallel-size", "2"],
+            "cp": ["--context-parallel-size", "2", "--max-num-batched-tokens", "8"]}
+
+
 def prestart_servers(fixture):
-    """This module's server, taken with ``start_server.declared`` and started ahead
-    (``_prestart_next_module`` in conftest.py)."""
+    """This module's servers (one per ``PARALLEL`` entry, in its order), taken with
+    ``start_server.declared`` and started ahead (``_prestart_next_module`` in conftest.py)."""
     tiny_llama = fixture("tiny_llama")
     adapters = _adapters(tiny_llama, fixture("built_models"))
     return [(tiny_llama.path, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
                                "--block-size", "4", "--served-model-name", "base",
                                "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                               "--tensor-parallel-size", "2",
-                               "--lora-modules", f"all={adapters['all']}"], None)]
+                               *flags, "--lora-modules", f"all={adapters['all']}"], None)
+            for flags in PARALLEL.values()]
 
 
 def _complete(url: str, model: str, prompt: list[int]) -> httpx.Response:
@@ -49,9 +56,10 @@ def _complete(url: str, model: str, prompt: list[int]) -> httpx.Response:
         "ignore_eos": True, "logprobs": 1, "return_token_ids": True})
 
 
-def test_lora_over_two_ranks(start_server, request, tiny_llama, built_models):
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_lora_over_two_ranks(start_server, request, tiny_llama, built_models, parallel):
     adapters = _adapters(tiny_llama, built_models)
-    server = start_server.declared(request)
+    server = start_server.declared(request, list(PARALLEL).index(parallel))
     url = server.url
     resp = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
                       json={"lora_name": "qv", "lora_path": adapters["qv"]})
