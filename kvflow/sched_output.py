@@ -171,6 +171,15 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @property
+    def changes_runners(self) -> bool:
+        """Whether the runners must see this step even when it schedules no token: requests
+        to drop (finished, preempted), blocks to swap, tables to cut or encoder entries to
+        free (a pipeline's empty micro-batch that said none of these is not sent)."""
+        return bool(self.finished_ids or self.preempted_ids or self.blocks_to_swap_out or
+                    self.blocks_to_swap_in or self.truncated_block_tables or
+                    self.free_encoder_mm_hashes)
+
 
 @dataclass
 class GrammarBitmask:

@@ -108,7 +108,7 @@ def step_with_batch_queue(core: EngineCore) -> list[EngineCoreOutput]:
     depth = core.executor.max_concurrent_batches
     if len(core.batch_queue) < depth:
         sched = core.scheduler.schedule(max_num_reqs=micro_batch_size(core, depth))
-        if not sched.is_empty or sched.finished_ids:
+        if not sched.is_empty or sched.changes_runners:  # a swap-out's copy too
             bitmask = core.structured_output.grammar_bitmask(
                 sched.structured_output_request_ids, core.scheduler.requests)
             core.batch_queue.append((core.executor.execute_model_async(sched, bitmask),

@@ -91,31 +91,28 @@ def _budget_refusal(config: EngineConfig, budget: int, page: int) -> str:
 
 
 def num_host_blocks(engine_config: EngineConfig, config: KVCacheConfig) -> int:
-    """Blocks of --swap-space with --preemption-mode swap (0 otherwise).
+    """Blocks of --swap-space with --preemption-mode swap (0 otherwise): the host blocks one
+    worker holds in ``--swap-space`` bytes. A context-parallel rank holds ``1 / cp`` of every
+    block, so ``cp`` times the blocks fit; a pipeline stage holds only its own layers' share
+    of ``config.page_size_bytes`` (all layers), so it uses less than ``--swap-space``.
 
     Raises:
-        ValueError: for a setup swapping does not support, or a --swap-space larger than
-            the machine's memory or smaller than one block.
+        ValueError: for a --swap-space larger than the machine's memory or smaller than one
+            block.
     """
     if engine_config.scheduler_config.preemption_mode != "swap":
         return 0
-    pc = engine_config.parallel_config
-    unsupported = {"pipeline parallelism": pc.pipeline_parallel_size > 1,
-                   "context parallelism": getattr(pc, "context_parallel_size", 1) > 1}
-    for what, present in unsupported.items():
-        if present:
-            raise ValueError(f"--preemption-mode swap does not support {what} yet; use "
-                             "--preemption-mode recompute")
+    cp = engine_config.parallel_config.context_parallel_size
     swap_space, size = engine_config.cache_config.swap_space_or_default, \
         engine_config.cache_config.swap_space_bytes
     total = host_memory_bytes()
     if size > total:  # more than lazily mapped pages could ever back
         raise ValueError(f"--swap-space {swap_space} (host memory per worker) exceeds this "
                          f"machine's {total / 2**30:.2f} GiB of memory; lower it")
-    num = size // config.page_size_bytes
+    num = size * cp // config.page_size_bytes
     if num < 1:
         raise ValueError(f"--swap-space {swap_space} ({size} bytes) holds no KV block of "
-                         f"{config.page_size_bytes} bytes")
+                         f"{config.page_size_bytes // cp} bytes")
     return num
 
 

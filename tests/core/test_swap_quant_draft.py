@@ -150,20 +150,20 @@ def test_async_scheduling_swaps(tiny_llama, monkeypatch, assert_no_leaks, prefix
     assert max(in_flight) > 0  # some victims were swapped out with step N in flight
 
 
-def test_pool_sizing_counts_scales_and_the_draft_and_refuses_only_pp_cp():
+def test_pool_sizing_counts_scales_and_the_draft_and_context_parallel_shares():
     """A host block holds what a device block id holds: int8 K/V of 2 layers (2 x 16 tokens x
     2 heads x 64 dims x 1 byte each) plus their float32 scales (2 x 16 x 2 x 4 bytes), and a
-    one-layer draft of the same spec; 1MiB / that is the pool. Pipeline and context
-    parallelism are still refused; async scheduling is not."""
+    one-layer draft of the same spec; 1MiB / that is the pool, with async scheduling and
+    pipeline parallelism too (a stage holds fewer layers: less memory). A context-parallel
+    rank holds half of every block at CP=2: twice the blocks in the same 1MiB."""
     spec = FullAttentionSpec(16, 2, 64, torch.int8, torch.float32)
     pool = KVCacheConfig(8, (KVCacheGroupSpec(("l.0", "l.1"), spec),),
                          KVCacheGroupSpec(("draft_model.l.0",), spec))
     page = 3 * (2 * 16 * 2 * 64 + 2 * 16 * 2 * 4)
     assert pool.page_size_bytes == page
     swap = {"preemption_mode": "swap", "swap_space": "1MiB"}
-    assert num_host_blocks(EngineConfig.from_kwargs(async_scheduling=True, **swap),
-                           pool) == 2**20 // page
-    for name in ("pipeline_parallel_size", "context_parallel_size"):
-        config = EngineConfig.from_kwargs(**{name: 2}, **swap)
-        with pytest.raises(ValueError, match="--preemption-mode swap does not support"):
-            num_host_blocks(config, pool)
+    for kwargs in ({"async_scheduling": True}, {"pipeline_parallel_size": 2}):
+        assert num_host_blocks(EngineConfig.from_kwargs(**kwargs, **swap),
+                               pool) == 2**20 // page
+    assert num_host_blocks(EngineConfig.from_kwargs(context_parallel_size=2, **swap),
+                           pool) == 2 * 2**20 // page
