@@ -85,6 +85,23 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,
         "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
                          "long_factor": [2.0, 3.0, 6.0, 9.0]}}),
+    # Granite 3.x: embedding / residual / attention multipliers and logits scaling, none 1
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                                  "attention_multiplier": 0.2, "logits_scaling": 1.5}),
+    # Granite 3.x MoE: the multipliers over 4 stacked experts, top-2 (softmax over the top 2)
+    "granite_moe": ("GraniteMoeConfig", {"embedding_multiplier": 3.0,
+                                         "residual_multiplier": 0.6,
+                                         "attention_multiplier": 0.2, "logits_scaling": 1.5,
+                                         "num_local_experts": 4, "num_experts_per_tok": 2,
+                                         "intermediate_size": 32}),
+    # OLMo 2: post-norms only, q/k RMSNorm over the whole projections, biased attention
+    "olmo2": ("Olmo2Config", {"attention_bias": True}),
+    # OLMo 2 with one KV head: at TP=2 both ranks hold it, and k_norm's mean covers it twice
+    "olmo2_mqa": ("Olmo2Config", {"num_key_value_heads": 1}),
+    # GLM-4-9B: q/k/v bias, interleaved RoPE on half of each head (head_dim 32), fused gate/up
+    "glm": ("GlmConfig", {"head_dim": 32}),
+    # GLM-4-0414: GLM plus post-attention and post-MLP norms; RoPE on a quarter of each head
+    "glm4": ("Glm4Config", {"head_dim": 16, "partial_rotary_factor": 0.25}),
     # Mixture-of-Experts: 4-8 small experts, top-2 (Mixtral renormalizes the top-k weights)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                   "intermediate_size": 64}),

@@ -58,12 +58,14 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
-def make_rotary_embedding(config: Any) -> RotaryEmbedding:
-    """One RoPE table per model (shared by all layers: [max_position, head_dim] float32)."""
+def make_rotary_embedding(config: Any, is_neox_style: bool = True) -> RotaryEmbedding:
+    """One RoPE table per model (shared by all layers: [max_position, rotary_dim] float32);
+    ``is_neox_style`` False rotates adjacent pairs (GPT-J / GLM) instead of the two halves."""
     theta, scaling = get_rope_parameters(config)
     head_dim = get_head_dim(config)
     return RotaryEmbedding(head_dim, rope_max_positions(config), theta, scaling,
-                           rotary_dim=get_rotary_dim(config, head_dim))
+                           rotary_dim=get_rotary_dim(config, head_dim),
+                           is_neox_style=is_neox_style)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ class AttentionBias:
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projection (optionally per-head q/k RMSNorm), RoPE, paged attention, o_proj:
+    hidden [T, hidden_size] -> [T, hidden_size]. A variant changes the softmax scale through
+    :meth:`softmax_scale` (Granite) or replaces ``q_norm`` / ``k_norm`` after construction
+    (OLMo 2: one norm over the whole projection); both take q [T, Hq, D], k [T, Hkv, D]."""
+
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool,
                  parallel: ParallelState) -> None:
@@ -94,8 +101,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5, ctx,
+                              self.softmax_scale(config, self.head_dim), ctx,
                               sliding_window=layer_sliding_window(config, layer_idx))
+
+    @staticmethod
+    def softmax_scale(config: Any, head_dim: int) -> float:
+        """The factor on q.k before the softmax: ``head_dim ** -0.5`` (Vaswani et al. 2017)."""
+        return head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -136,12 +148,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm layer with the residual add fused into the norms: ``forward(positions,
+    hidden, residual) -> (hidden, residual)``, [T, hidden_size] each, where the layer's input
+    is ``hidden + residual`` (``hidden`` alone when ``residual`` is None, the first layer) and
+    so is its output. Variants subclass it with another ``attention_cls`` or ``forward``."""
+
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool,
                  parallel: ParallelState) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
-                                        parallel)
+        self.self_attn = self.attention_cls(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
+                                            parallel)
         self.mlp = LlamaMLP(config, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -159,13 +178,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: the embedding on the first stage, layers
-    ``[start_layer, end_layer)``, the final norm on the last stage."""
+    ``[start_layer, end_layer)`` (``layer_cls``, constructed as :class:`LlamaDecoderLayer`),
+    the final norm on the last stage. ``embed_scale`` (None: none) multiplies the embeddings,
+    prompt embeddings included (Granite's ``embedding_multiplier``)."""
+
+    embed_scale: float | None = None
 
     def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
-                 parallel: ParallelState, rotary_emb: RotaryEmbedding | None = None) -> None:
+                 parallel: ParallelState, rotary_emb: RotaryEmbedding | None = None,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         rotary_emb = rotary_emb or make_rotary_embedding(config)
-        self._init_stage(config, parallel, lambda i: LlamaDecoderLayer(
+        self._init_stage(config, parallel, lambda i: layer_cls(
             config, i, ctx, rotary_emb, bias, qk_norm, parallel))
 
     def _init_stage(self, config: Any, parallel: ParallelState, build_layer) -> None:
@@ -194,6 +218,8 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             hidden = inputs_embeds if inputs_embeds is not None else \
                 self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
             residual = None
         else:
             hidden = intermediate_tensors["hidden_states"]
@@ -227,6 +253,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm: bool = False
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     # linear layers a LoRA adapter may adapt (kvflow/lora; their q/k/v and gate/up parts too)
     supported_lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj",
                                                          "down_proj")
@@ -241,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         parallel = parallel or ParallelState.single()
         self.model = LlamaModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
-                                parallel, self.rotary_embedding_for(config))
+                                parallel, self.rotary_embedding_for(config),
+                                self.decoder_layer_cls)
         self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
                                     getattr(config, "tie_word_embeddings", False))
 

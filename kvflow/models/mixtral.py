@@ -31,7 +31,6 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import (
     AttentionBias,
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
@@ -107,21 +106,23 @@ class MoeDecoderLayer(LlamaDecoderLayer):
                  rotary_emb: RotaryEmbedding, bias: AttentionBias, qk_norm: bool, mlp: nn.Module,
                  parallel: ParallelState) -> None:
         nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
-                                        parallel)
+        self.self_attn = self.attention_cls(config, layer_idx, ctx, rotary_emb, bias, qk_norm,
+                                            parallel)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class MoeModel(LlamaModel):
-    """Llama's model (its ``forward``) with ``make_mlp(layer_idx)`` choosing each layer's MLP."""
+    """Llama's model (its ``forward``) with ``make_mlp(layer_idx)`` choosing each layer's MLP
+    (layers of ``layer_cls``, constructed as :class:`MoeDecoderLayer`)."""
 
     def __init__(self, config: Any, ctx: AttentionContext, bias: AttentionBias, qk_norm: bool,
-                 make_mlp: Callable[[int], nn.Module], parallel: ParallelState) -> None:
+                 make_mlp: Callable[[int], nn.Module], parallel: ParallelState,
+                 layer_cls: type[MoeDecoderLayer] = MoeDecoderLayer) -> None:
         nn.Module.__init__(self)
         rotary_emb = make_rotary_embedding(config)
-        self._init_stage(config, parallel, lambda i: MoeDecoderLayer(
+        self._init_stage(config, parallel, lambda i: layer_cls(
             config, i, ctx, rotary_emb, bias, qk_norm, make_mlp(i), parallel))
 
 
@@ -139,6 +140,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     """
 
     checkpoint_renames: ClassVar[dict[str, str]] = {}
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = MoeDecoderLayer
 
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
@@ -147,7 +149,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         self.config = config
         parallel = parallel or ParallelState.single()
         self.model = MoeModel(config, ctx, self.attention_bias_for(config), self.qk_norm,
-                              lambda i: self.make_mlp(config, i, parallel), parallel)
+                              lambda i: self.make_mlp(config, i, parallel), parallel,
+                              self.decoder_layer_cls)
         self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
                                     getattr(config, "tie_word_embeddings", False))
 

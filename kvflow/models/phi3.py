@@ -27,23 +27,25 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named Phi-3 tensors (fused ``qkv_proj`` / ``gate_up_proj`` included)."""
-        return super().load_weights(self._unfuse(weights))
+        return super().load_weights(unfuse_projections(weights, self.config))
 
-    def _unfuse(self, weights: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Split ``qkv_proj`` [(Hq + 2 Hkv) * D, hidden] into q/k/v and ``gate_up_proj``
-        [2 I, hidden] into gate/up (the checkpoint's row order)."""
-        cfg = self.config
-        head_dim = get_head_dim(cfg)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        sizes = [cfg.num_attention_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        for name, tensor in weights:
-            if ".qkv_proj." in name:
-                for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
-                    yield name.replace(".qkv_proj.", f".{part}."), chunk
-            elif ".gate_up_proj." in name:
-                gate, up = tensor.chunk(2, dim=0)
-                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-                yield name.replace(".gate_up_proj.", ".up_proj."), up
-            else:
-                yield name, tensor
+
+def unfuse_projections(weights: Iterable[tuple[str, torch.Tensor]], config: Any
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Split a checkpoint's fused ``qkv_proj`` [(Hq + 2 Hkv) * D, hidden] into q/k/v and
+    ``gate_up_proj`` [2 I, hidden] into gate/up (the checkpoint's row order: q, k, v; gate,
+    up), so each part loads through Llama's tensor-parallel ``weight_loader`` (Phi-3; GLM's
+    fused gate/up)."""
+    head_dim = get_head_dim(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    sizes = [config.num_attention_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    for name, tensor in weights:
+        if ".qkv_proj." in name:
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
+                yield name.replace(".qkv_proj.", f".{part}."), chunk
+        elif ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, tensor

@@ -17,6 +17,8 @@ from kvflow.models.encoder_token_classifiers import (
     RobertaForTokenClassification,
 )
 from kvflow.models.gemma3 import Gemma3ForCausalLM
+from kvflow.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from kvflow.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from kvflow.models.llama import (
     LlamaForCausalLM,
     Qwen2ForCausalLM,
@@ -26,6 +28,7 @@ from kvflow.models.llama import (
     token_classifier,
 )
 from kvflow.models.mixtral import MixtralForCausalLM
+from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
 from kvflow.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from kvflow.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -39,6 +42,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

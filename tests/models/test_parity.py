@@ -21,7 +21,8 @@ from kvflow import LLM, SamplingParams
 ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "qwen2_rope_yarn",
          "llama_rope_yarn", "llama_rope_dynamic", "llama_tied",
          "mistral_sliding_window", "qwen2_layer_types", "gemma3", "phi3_longrope",
-         "mixtral", "qwen2_moe", "qwen3_moe"]
+         "mixtral", "qwen2_moe", "qwen3_moe", "granite",
+         "granite_moe", "olmo2", "glm", "glm4"]
 ATOL = 1e-4
 MAX_TOKENS = 10
 
