@@ -134,21 +134,29 @@ def check_config_fields(raw: dict[str, Any], path: str) -> None:
                          "must be a positive integer (tokens), or null for full attention")
 
 
+# model types whose transformers attention reads no ``sliding_window`` from the config
+WINDOWLESS_MODEL_TYPES = frozenset({"llama", "granite", "granitemoe", "olmo2", "glm", "glm4"})
+
+
 def unread_field_warnings(raw: dict[str, Any], path: str) -> list[str]:
     """Warnings for config.json fields that transformers' own model class never reads, so
-    kvflow, which matches its output, does not either: today a ``sliding_window`` in a
-    ``llama`` config (transformers' Llama attends to every token; a windowed model is
-    ``MistralForCausalLM`` / ``model_type`` ``mistral``).
+    kvflow, which matches its output, does not either: today a ``sliding_window`` in the
+    config of a :data:`WINDOWLESS_MODEL_TYPES` model (e.g. transformers' Llama attends to
+    every token; a windowed model is ``MistralForCausalLM`` / ``model_type`` ``mistral``).
 
     Returns:
         One message per unread field, naming ``path``, the field and its value (empty when
         every field set is read).
     """
-    window = raw.get("sliding_window")
-    if raw.get("model_type") == "llama" and window:
+    window, model_type = raw.get("sliding_window"), raw.get("model_type")
+    if model_type == "llama" and window:
         return [(f"model config {path!r}: sliding_window={window!r} is not read: a 'llama' "
                 "model attends to every token, as transformers' Llama does (a windowed model "
                 "is model_type 'mistral', MistralForCausalLM)")]
+    if model_type in WINDOWLESS_MODEL_TYPES and window:
+        return [(f"model config {path!r}: sliding_window={window!r} is not read: a "
+                 f"{model_type!r} model attends to every token, as transformers' class for it "
+                 "does")]
     return []
 
 

@@ -29,10 +29,8 @@ from kvflow.layers.rotary import (
     rope_max_positions,
 )
 from kvflow.models.classifier_from_tokens import load_score_from_lm_head
+from kvflow.models.hf_config_checks import WINDOWLESS_MODEL_TYPES
 from kvflow.models.parallel_utils import PPMissingLayer, is_pp_missing, make_layers
-
-# model types whose transformers attention reads no ``sliding_window`` from the config
-WINDOWLESS_MODEL_TYPES = frozenset({"llama"})
 
 
 def get_head_dim(config: Any) -> int:
@@ -45,8 +43,9 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
     transformers' ``layer_types`` (e.g. Qwen2's ``max_window_layers``) decides per layer when
     present; otherwise a configured ``sliding_window`` applies to every layer unless
     ``use_sliding_window`` is false (Mistral sets the window, Qwen2 the flag). A Llama config
-    (``model_type`` ``llama``) has no window whatever it sets: transformers' Llama attention
-    never reads ``sliding_window`` (its Mistral does), and kvflow matches its output
+    (``model_type`` ``llama``; also Granite, OLMo 2, GLM: ``WINDOWLESS_MODEL_TYPES``) has no
+    window whatever it sets: transformers' Llama attention never reads ``sliding_window``
+    (its Mistral does), and kvflow matches its output
     (``kvflow.models.hf_config_checks.unread_field_warnings`` logs the unread field).
     """
     window = getattr(config, "sliding_window", None)
