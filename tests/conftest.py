@@ -80,6 +80,12 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "query_pre_attn_scalar": 24,
         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
         "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
+    # Gemma 2: layer 0 local (window 8), layer 1 global, one RoPE base, attention scores
+    # soft-capped at 2.0 (low, so the cap bends most scores), final logits capped at 30
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0,
+        "rope_theta": 5000.0, "tie_word_embeddings": True}),
     # Phi-3 with LongRoPE (short factors below 64 positions) and half of each head rotated
     "phi3_longrope": ("Phi3Config", {
         "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,

@@ -66,10 +66,15 @@ class AttentionBackend(ABC):
     so: a captured graph runs ``prepare`` once, at capture time, and replays reuse what it
     made (the torch backend's causal mask, built from ``seq_lens``, would stay the one of
     contexts of length 1). Opt-in: False unless a backend sets it.
+
+    ``supports_logits_soft_cap``: whether ``forward`` takes ``logits_soft_cap`` (Gemma 2's
+    ``cap * tanh(q.k * scale / cap)`` before the softmax); the layer passes it only when set,
+    and refuses a model that needs it on a backend without it.
     """
 
     name: str = "abstract"
     supports_cuda_graphs: bool = False
+    supports_logits_soft_cap: bool = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step tensors (stored in ``meta.extra``); default: nothing."""

@@ -75,14 +75,30 @@ class Attention(nn.Module):
         scale: softmax scale.
         ctx: the engine's attention context.
         sliding_window: tokens a query may look back (None = full attention).
+        logits_soft_cap: ``cap`` of Gemma 2's soft-capped scores ``cap * tanh(s / cap)``
+            (None: none); only a backend with ``supports_logits_soft_cap`` computes it.
+
+    Raises:
+        ValueError: for a ``logits_soft_cap`` the context's backend does not compute, naming
+            the config field (``attn_logit_softcapping``) and the backend.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 ctx: AttentionContext, sliding_window: int | None = None) -> None:
+                 ctx: AttentionContext, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        if logits_soft_cap is not None and \
+                not getattr(ctx.backend, "supports_logits_soft_cap", False):
+            raise ValueError(
+                f"attn_logit_softcapping={logits_soft_cap!r}: the {ctx.backend.name!r} "
+                "attention backend does not soft-cap attention logits; leave "
+                "--attention-backend unset or choose 'torch'")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # passed to the backend only when set (backends without soft-capping take no such arg)
+        self._backend_kwargs = {} if logits_soft_cap is None else \
+            {"logits_soft_cap": float(logits_soft_cap)}
         self._ctx = ctx
         self.kv_cache = torch.empty(0)
         self.kv_scales: torch.Tensor | None = None  # [2, blocks, block_size, Hkv] if quantized
@@ -115,11 +131,12 @@ class Attention(nn.Module):
         meta = self._ctx.forward_context.attn_metadata[self.kv_group]
         if self.kv_scales is None:
             return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
-                                             self.sliding_window)
+                                             self.sliding_window, **self._backend_kwargs)
         if self.kv_cache.dtype == torch.int8:
             q, k = self.rotate_for_int8_cache(q, k)
         return self._ctx.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
-                                         self.sliding_window, kv_scales=self.kv_scales)
+                                         self.sliding_window, kv_scales=self.kv_scales,
+                                         **self._backend_kwargs)
 
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, rotary_emb: RotaryEmbedding) -> torch.Tensor:
@@ -135,6 +152,7 @@ class Attention(nn.Module):
         """
         backend = self._ctx.backend
         if getattr(backend, "fuse_rotary", False) and self.kv_cache.dtype != torch.int8 \
+                and not self._backend_kwargs \
                 and rotary_emb.fusable(positions, q, k):
             meta = self._ctx.forward_context.attn_metadata[self.kv_group]
             return backend.forward_rotary(

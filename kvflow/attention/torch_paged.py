@@ -29,8 +29,33 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float, soft_cap: float | None = None) -> torch.Tensor:
+    """Masked attention of q [B, Hq, Lq, D] over keys / values [B, Hkv, Lk, D] (query head
+    ``h`` reads KV head ``h // (Hq / Hkv)``), mask bool [B, 1, Lq, Lk] (True: attend) ->
+    [B, Hq, Lq, D] in q's dtype: SDPA, or with ``soft_cap`` the product written out, as
+    transformers' Gemma 2 computes it: scores ``q.k * scale`` soft-capped to
+    ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2 report, Gemma Team 2024, sec. 2), then
+    masked, softmax in float32, cast back, times the values."""
+    group = q.shape[1] // keys.shape[1]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=group > 1)
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
 class TorchPagedAttentionBackend(AttentionBackend):
+    """Plain-torch paged attention (see the module doc); the one backend that soft-caps
+    attention logits (``logits_soft_cap``, Gemma 2)."""
+
     name = "torch"
+    supports_logits_soft_cap = True
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.seq_lens.device
@@ -132,15 +157,17 @@ class TorchPagedAttentionBackend(AttentionBackend):
         rows = _bits(kv_cache[i]).index_select(0, blocks).view(kv_cache.dtype)
         return dequantize_kv(rows, kv_scales[i].index_select(0, blocks), dtype)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, kv_scales=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None, kv_scales=None,
+                logits_soft_cap=None):
+        """See :meth:`AttentionBackend.forward`; ``logits_soft_cap`` (None: none) soft-caps
+        the scores (:func:`attend`), on the masked path only."""
         _num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         n = meta.num_actual_tokens
         k, v = self.store_kv(k, v, kv_cache, meta, kv_scales)
-        gqa = num_heads != num_kv_heads
         ex = meta.extra
         num_reqs, max_q = meta.num_reqs, meta.max_query_len
-        if ex["uniform_prompts"] and sliding_window is None:
+        if ex["uniform_prompts"] and sliding_window is None and logits_soft_cap is None:
             return self.uniform_prompt_attention(q, k, v, meta, scale)
         keys, values = (self._gather(kv_cache, kv_scales, i, ex["gather_blocks"], q.dtype)
                         .view(num_reqs, -1, num_kv_heads, head_dim) for i in (0, 1))
@@ -151,13 +178,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
             # ([B, Hkv, group, D]; the one mask row broadcasts over them). Same product as
             # enable_gqa, but torch's CPU kernel runs it 4x faster in bf16 than one-row queries.
             q_fold = q[:n].reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=mask,
-                                                 scale=scale)
+            out = attend(q_fold, keys, values, mask, scale, logits_soft_cap)
             return out.reshape(n, num_heads, head_dim)
         q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
         q_pad[ex["q_dest"]] = q[:n]
         q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=gqa)
+        out = attend(q_pad, keys, values, mask, scale, logits_soft_cap)
         out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
         return out[ex["q_dest"]]

@@ -91,10 +91,21 @@ def check_gemma3_attention(config: Any) -> None:
 
 
 class Gemma3Attention(nn.Module):
+    """Gemma 3's attention (per-head q/k norm); Gemma 2's subclass drops the norms and
+    soft-caps the scores (``qk_norm``, :meth:`logits_soft_cap`)."""
+
+    qk_norm: ClassVar[bool] = True
+
+    @staticmethod
+    def logits_soft_cap(config: Any) -> float | None:
+        """The attention-logit cap (None: none); Gemma 3 refuses a configured one."""
+        check_gemma3_attention(config)
+        return None
+
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, parallel: ParallelState) -> None:
         super().__init__()
-        check_gemma3_attention(config)
+        soft_cap = self.logits_soft_cap(config)
         tp = parallel.tp
         self.head_dim = get_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
@@ -106,21 +117,24 @@ class Gemma3Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
                                         config.hidden_size, bias, tp.rank, tp.world_size,
                                         tp_group=tp)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               config.query_pre_attn_scalar ** -0.5, ctx,
-                              sliding_window=layer_sliding_window(config, layer_idx))
+                              sliding_window=layer_sliding_window(config, layer_idx),
+                              logits_soft_cap=soft_cap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """positions [T] int64, hidden [T, hidden_size] -> [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn.forward_rotary(positions, q, k, v, self.rotary_emb)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
@@ -149,11 +163,13 @@ class Gemma3DecoderLayer(nn.Module):
     """``h = x + post_attn_norm(attn(input_norm(x)))``;
     ``out = h + post_ffw_norm(mlp(pre_ffw_norm(h)))``."""
 
+    attention_cls: ClassVar[type[Gemma3Attention]] = Gemma3Attention
+
     def __init__(self, config: Any, layer_idx: int, ctx: AttentionContext,
                  rotary_emb: RotaryEmbedding, parallel: ParallelState) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_idx, ctx, rotary_emb, parallel)
+        self.self_attn = self.attention_cls(config, layer_idx, ctx, rotary_emb, parallel)
         self.mlp = Gemma3MLP(config, parallel)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -169,9 +185,12 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3Model(nn.Module):
     """One pipeline stage's share: scaled embedding (first stage), layers
-    ``[start_layer, end_layer)``, final norm (last stage)."""
+    ``[start_layer, end_layer)`` of ``layer_cls``, final norm (last stage); ``tables`` the
+    RoPE table per layer type (:func:`gemma3_rope_tables`)."""
 
-    def __init__(self, config: Any, ctx: AttentionContext, parallel: ParallelState) -> None:
+    def __init__(self, config: Any, ctx: AttentionContext, parallel: ParallelState,
+                 layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer,
+                 tables: dict[str, RotaryEmbedding] | None = None) -> None:
         super().__init__()
         tp, pp = parallel.tp, parallel.pp
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
@@ -180,11 +199,11 @@ class Gemma3Model(nn.Module):
             tp_group=tp) \
             if self.is_first_stage else PPMissingLayer()
         self.embed_scale = config.hidden_size ** 0.5
-        tables = gemma3_rope_tables(config)
+        tables = tables or gemma3_rope_tables(config)
         self.rotary_local, self.rotary_global = tables["sliding_attention"], \
             tables["full_attention"]
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, pp, lambda i: Gemma3DecoderLayer(
+            config.num_hidden_layers, pp, lambda i: layer_cls(
                 config, i, ctx, self.rotary_local if layer_sliding_window(config, i)
                 else self.rotary_global, parallel))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) \
@@ -223,16 +242,23 @@ class Gemma3ForCausalLM(nn.Module):
     supported_lora_modules: ClassVar[tuple[str, ...]] = LlamaForCausalLM.supported_lora_modules
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = \
         LlamaForCausalLM.packed_modules_mapping
+    decoder_layer_cls: ClassVar[type[Gemma3DecoderLayer]] = Gemma3DecoderLayer
 
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
         parallel = parallel or ParallelState.single()
-        self.model = Gemma3Model(config, ctx, parallel)
+        self.model = Gemma3Model(config, ctx, parallel, self.decoder_layer_cls,
+                                 self.rope_tables(config))
         self.lm_head = make_lm_head(config, parallel, self.model.embed_tokens,
                                     getattr(config, "tie_word_embeddings", True))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    @classmethod
+    def rope_tables(cls, config: Any) -> dict[str, RotaryEmbedding]:
+        """The RoPE table of each layer type (:func:`gemma3_rope_tables`)."""
+        return gemma3_rope_tables(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None

@@ -16,6 +16,8 @@ from kvflow.models.encoder_token_classifiers import (
     BertForTokenClassification,
     RobertaForTokenClassification,
 )
+
+from kvflow.models.gemma2 import Gemma2ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from kvflow.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
@@ -40,6 +42,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -173,6 +176,19 @@ def uses_mla(hf_config: Any) -> bool:
     """
     model_cls = get_model_class(getattr(hf_config, "architectures", None))
     return bool(getattr(model_cls, "uses_mla", False))
+
+
+def attention_soft_cap(hf_config: Any) -> float | None:
+    """The cap of the architecture's soft-capped attention logits (Gemma 2's
+    ``attn_logit_softcapping``), or None: such a model needs an attention backend that
+    computes it (the torch one).
+
+    Raises:
+        ValueError: if the architecture is not supported (see :func:`get_model_class`).
+    """
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    soft_cap = getattr(model_cls, "attention_soft_cap", None)
+    return soft_cap(hf_config) if soft_cap is not None else None
 
 
 def is_multimodal(hf_config: Any) -> bool:

@@ -96,3 +96,25 @@ def make_mla_backend(name: str | None):
     from kvflow.attention.torch_mla import TorchMLABackend
 
     return TorchMLABackend()
+
+def make_soft_cap_backend(name: str | None, deterministic: bool = False):
+    """The attention backend of a model whose attention logits are soft-capped
+    (``attn_logit_softcapping``, Gemma 2): the plain-torch one on every device, the one
+    backend that computes the cap.
+
+    Raises:
+        ValueError: naming ``attn_logit_softcapping`` and the backend, when
+            ``--attention-backend`` names another backend, or under ``--deterministic``
+            (whose batch-invariant backend is the native CPU one).
+    """
+    if name not in (None, "", "torch"):
+        raise ValueError(f"--attention-backend {name}: the {name!r} backend does not compute "
+                         "this model's attn_logit_softcapping (attention logit soft-capping, "
+                         "Gemma 2); leave --attention-backend unset or choose torch")
+    if deterministic:
+        raise ValueError("--deterministic runs the batch-invariant 'cpu' attention backend, "
+                         "which does not compute this model's attn_logit_softcapping "
+                         "(attention logit soft-capping, Gemma 2)")
+    from kvflow.attention.torch_paged import TorchPagedAttentionBackend
+
+    return TorchPagedAttentionBackend()

@@ -17,7 +17,7 @@ from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.models.generation_config import load_eos_token_ids
 from kvflow.models.loader import load_model
 from kvflow.models.model_resolver import ModelSource
-from kvflow.models.registry import uses_mla
+from kvflow.models.registry import attention_soft_cap, uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_model import DraftModel
@@ -25,6 +25,7 @@ from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
     make_mla_backend,
+    make_soft_cap_backend,
 )
 from kvflow.worker.cpu_setup import choose_gemm_path
 from kvflow.worker.deterministic import check_supported as check_deterministic
@@ -63,14 +64,15 @@ def load_runner_model(config: EngineConfig, platform: Platform, source: ModelSou
 def choose_attention_backend(config: EngineConfig, platform: Platform,
                              parallel: ParallelState, hf_config: Any):
     """The target model's attention backend: context-parallel with CP ranks, the MLA one
-    for an MLA model, else ``--attention-backend`` (or the platform's default) from the
+    for an MLA model, the torch one for a model with soft-capped attention logits, else ``--attention-backend`` (or the platform's default) from the
     platform, then from kvflow's own (``make_attention_backend``, looked up on this module
     so a test can stand one in); under ``--deterministic`` always kvflow's batch-invariant
     one.
 
     Raises:
         ValueError: see :func:`~kvflow.worker.attention_backends.make_attention_backend`,
-            ``make_context_parallel_backend`` and ``make_mla_backend``.
+            ``make_context_parallel_backend``, ``make_mla_backend`` and
+            ``make_soft_cap_backend``.
     """
     dc = config.device_config
     if parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
@@ -79,6 +81,8 @@ def choose_attention_backend(config: EngineConfig, platform: Platform,
             config.parallel_config.context_parallel_prefill == "ring")
     if uses_mla(hf_config):
         return make_mla_backend(dc.attention_backend)
+    if attention_soft_cap(hf_config) is not None:
+        return make_soft_cap_backend(dc.attention_backend, dc.deterministic)
     name = dc.attention_backend or platform.default_attention_backend
     backend = None if dc.deterministic else platform.get_attention_backend(name)
     return backend or make_attention_backend(name, dc.deterministic, platform.device,

@@ -2,10 +2,11 @@
 the greedy tokens of the one-process engine, which tests/models/test_parity.py checks against
 HF transformers: OLMo 2's q/k norm over the whole projection sums its mean square over the
 ranks (heads split 2+2 / 1+1, or one KV head held by both ranks), Granite's multipliers and
-GLM-4's interleaved partial RoPE, post-norms and fused gate/up apply per rank.
+GLM-4's interleaved partial RoPE, post-norms and fused gate/up apply per rank, and Gemma 2's
+soft-capped attention runs on each rank's torch backend.
 
 Each case starts 2 worker processes (about 10-15 s on 2 busy cores); Granite and GLM-4 add no
-TP code of their own and run in scripts/test_distributed_slow.sh.
+TP code of their own (nor Granite MoE, Gemma 2) and run in scripts/test_distributed_slow.sh.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.distributed.conftest import SLOW, assert_same_greedy, greedy_run
 @pytest.mark.parametrize("model", [
     "olmo2", "olmo2_mqa",
     pytest.param("granite", marks=SLOW), pytest.param("granite_moe", marks=SLOW),
-    pytest.param("glm4", marks=SLOW),
+    pytest.param("glm4", marks=SLOW), pytest.param("gemma2", marks=SLOW),
 ])
 def test_tp2_greedy_equals_one_process(tiny_model_factory, single_process_greedy, model):
     got, _ = greedy_run(tiny_model_factory(model).path, tensor_parallel_size=2)

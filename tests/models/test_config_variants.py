@@ -55,8 +55,12 @@ def _edited_copy(tiny, folder, **changes) -> str:
      r"hidden_act='gelu' is not supported for DeepseekV3ForCausalLM"),
     ("gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50.0"),
+    ("gemma2", {"use_bidirectional_attention": True},
+     r"Gemma 2 use_bidirectional_attention=True is not supported"),
+    ("granite_moe", {"hidden_act": "gelu"},
+     r"hidden_act='gelu' is not supported for GraniteMoeForCausalLM"),
 ], ids=["llama_relu", "mixtral_gelu", "qwen2_moe_gelu", "deepseek_gelu", "gemma3_bidirectional",
-        "gemma3_attn_softcap"])
+        "gemma3_attn_softcap", "gemma2_bidirectional", "granite_moe_gelu"])
 def test_unsupported_variant_is_refused_naming_the_field(tiny_model_factory, tmp_path, name,
                                                          changes, message):
     path = _edited_copy(tiny_model_factory(name), tmp_path / "model", **changes)

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.models.registry import attention_soft_cap
 
 ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "qwen2_rope_yarn",
          "llama_rope_yarn", "llama_rope_dynamic", "llama_tied",
          "mistral_sliding_window", "qwen2_layer_types", "gemma3", "phi3_longrope",
-         "mixtral", "qwen2_moe", "qwen3_moe", "granite",
+         "mixtral", "qwen2_moe", "qwen3_moe", "granite", "gemma2",
          "granite_moe", "olmo2", "glm", "glm4"]
 ATOL = 1e-4
 MAX_TOKENS = 10
@@ -121,11 +122,13 @@ def test_single_request(tiny, make_llm, assert_no_leaks):
 
 
 def test_batch_of_different_lengths(tiny, make_llm, assert_no_leaks, cpu_kernels):
-    """Mixed prefill and decode; with the native CPU kernels and without (``cpu_kernels``)."""
+    """Mixed prefill and decode; with the native CPU kernels and without (``cpu_kernels``).
+    A model with soft-capped attention logits (Gemma 2) always runs the torch backend."""
     llm = make_llm()
     if llm.engine.core.executor.runner.device.type == "cpu":
         backend = llm.engine.core.executor.runner.attn_ctx.backend.name
-        assert backend == ("cpu" if cpu_kernels == "native" else "torch")
+        native = cpu_kernels == "native" and attention_soft_cap(tiny.hf_model.config) is None
+        assert backend == ("cpu" if native else "torch")
     prompts = _prompts([1, 5, 13, 22, 9], tiny.vocab_size, seed=2)
     text = "the lazy fox pages keys and values"
     outs = llm.generate([*prompts, text], greedy(), use_tqdm=False)
