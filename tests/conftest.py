@@ -86,6 +86,11 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
         "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0,
         "rope_theta": 5000.0, "tie_word_embeddings": True}),
+    # Gemma 2 as a GGUF can carry it: query_pre_attn_scalar = head_dim (llama.cpp's rule)
+    "gemma2_gguf": ("Gemma2Config", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0,
+        "rope_theta": 5000.0, "tie_word_embeddings": True}),
     # Phi-3 with LongRoPE (short factors below 64 positions) and half of each head rotated
     "phi3_longrope": ("Phi3Config", {
         "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,

@@ -208,11 +208,14 @@ _NEUTRAL_VALUES: dict[str, Any] = {
 }
 
 
-def check_unapplied_keys(keys: ArchKeys, attention_scale: float) -> None:
+def check_unapplied_keys(keys: ArchKeys, attention_scale: float,
+                         applied: frozenset[str] = frozenset()) -> None:
     """Refuse metadata that changes the numerics in ways kvflow does not compute: a key of
-    :data:`_NEUTRAL_VALUES` with another value, an ``attention.scale`` other than the scale
-    kvflow's model uses (``attention_scale``: ``head_dim ** -0.5``, Gemma 3's
-    ``query_pre_attn_scalar ** -0.5``), or a LayerNorm ``attention.layer_norm_epsilon``
+    :data:`_NEUTRAL_VALUES` with another value (except those in ``applied``, which the
+    architecture's config reads: Granite's scales, Gemma 2's attention soft-cap), an
+    ``attention.scale`` other than the scale kvflow's model uses (``attention_scale``:
+    ``head_dim ** -0.5``, Gemma 3's ``query_pre_attn_scalar ** -0.5``, Granite's
+    ``attention_multiplier``), or a LayerNorm ``attention.layer_norm_epsilon``
     without the ``attention.layer_norm_rms_epsilon`` these RMSNorm models read (llama.cpp
     refuses such a file too; kvflow would have used a default epsilon).
 
@@ -220,6 +223,8 @@ def check_unapplied_keys(keys: ArchKeys, attention_scale: float) -> None:
         ValueError: naming the file and the key.
     """
     for suffix, neutral in _NEUTRAL_VALUES.items():
+        if suffix in applied:
+            continue
         value = keys.get(suffix)
         if value is not None and value != neutral:
             raise keys.error(suffix, f"is {value!r}: kvflow does not apply it to architecture "

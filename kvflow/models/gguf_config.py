@@ -1,6 +1,7 @@
 """A transformers config from a GGUF file's metadata, and the GGUF architectures kvflow reads.
 
-Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma3``."""
+Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
+``gemma3``, ``granite``."""
 
 from __future__ import annotations
 
@@ -28,15 +29,21 @@ class ArchSpec:
     block_names: tuple[tuple[str, str], ...] = ()  # overrides of gguf_loader._BLOCK_NAMES
 
 
+_GEMMA_NORMS = (("ffn_norm", "pre_feedforward_layernorm"),
+                ("post_attention_norm", "post_attention_layernorm"),
+                ("post_ffw_norm", "post_feedforward_layernorm"))
+
 _ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "LlamaForCausalLM", permute_qk=True),
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", permute_qk=False),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", permute_qk=False),
     # Gemma 3: four norms per layer; llama.cpp's "ffn_norm" is the pre-MLP norm here.
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", permute_qk=False, norm_offset=1.0,
-                        block_names=(("ffn_norm", "pre_feedforward_layernorm"),
-                                     ("post_attention_norm", "post_attention_layernorm"),
-                                     ("post_ffw_norm", "post_feedforward_layernorm"))),
+                        block_names=_GEMMA_NORMS),
+    "gemma2": ArchSpec("gemma2", "Gemma2ForCausalLM", permute_qk=False, norm_offset=1.0,
+                       block_names=_GEMMA_NORMS),
+    # Granite: llama.cpp converts it as Llama (q/k rows permuted) plus four scales
+    "granite": ArchSpec("granite", "GraniteForCausalLM", permute_qk=True),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
@@ -186,19 +193,22 @@ def _yarn_fields(keys: ArchKeys) -> dict[str, float]:
             if keys.get(f"rope.scaling.{suffix}") is not None}
 
 
-_GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B by its block count (LLM_TYPE_27B)
+# llama.cpp tells the 27B models by their block count (LLM_TYPE_27B)
+_GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
 
 
 def _gemma3_kwargs(keys: ArchKeys, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 extras. Local layers keep transformers' defaults (every 6th layer global, local
-    RoPE base 10k, or ``rope.freq_base_swa`` when the file has it); ``final_logit_softcapping``
-    when the file has it. query_pre_attn_scalar is not in the file; llama.cpp's rule
-    (``f_attention_scale`` in llama-model.cpp): hidden / heads for the 27B model (62 blocks:
-    5376 / 32 = 168, its config.json's value, while its head_dim is 128), else head_dim (256
-    for the 270M-12B sizes, as their config.json)."""
+    """Gemma 3 (and Gemma 2) extras. Local layers keep transformers' defaults (Gemma 3: every
+    6th layer global, local RoPE base 10k, or ``rope.freq_base_swa`` when the file has it;
+    Gemma 2: every 2nd layer global, llama.cpp's pattern too); ``final_logit_softcapping``
+    when the file has it, and Gemma 2's ``attn_logit_softcapping`` (0 or absent: none).
+    query_pre_attn_scalar is not in the file; llama.cpp's rule (``f_attention_scale`` in
+    llama-model.cpp): hidden / heads for the 27B models (Gemma 3: 62 blocks, 5376 / 32 = 168,
+    its config.json's value, while its head_dim is 128; Gemma 2: 46 blocks, 4608 / 32 = 144),
+    else head_dim (256 for the other sizes, as their config.json)."""
     head_dim = kwargs["head_dim"]
     scalar = (kwargs["hidden_size"] // kwargs["num_attention_heads"]
-              if kwargs["num_hidden_layers"] == _GEMMA3_27B_LAYERS else head_dim)
+              if kwargs["num_hidden_layers"] == _GEMMA_27B_LAYERS[keys.arch] else head_dim)
     extra: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
                              "query_pre_attn_scalar": scalar}
     if keys.get("attention.sliding_window") is not None:
@@ -207,7 +217,31 @@ def _gemma3_kwargs(keys: ArchKeys, kwargs: dict[str, Any]) -> dict[str, Any]:
         extra["rope_local_base_freq"] = keys.float("rope.freq_base_swa", 10000.0)
     if keys.get("final_logit_softcapping", 0.0) != 0.0:
         extra["final_logit_softcapping"] = keys.float("final_logit_softcapping", 0.0)
+    if keys.arch == "gemma2":  # transformers' Gemma2Config defaults both caps; none unless set
+        extra.setdefault("final_logit_softcapping", None)
+        extra["attn_logit_softcapping"] = None
+        if keys.get("attn_logit_softcapping", 0.0) != 0.0:
+            extra["attn_logit_softcapping"] = keys.float("attn_logit_softcapping", 0.0)
     return extra
+
+
+def _granite_kwargs(keys: ArchKeys, head_dim: int) -> dict[str, Any]:
+    """Granite's four multipliers from llama.cpp's keys (``convert_hf_to_gguf.py`` writes
+    transformers' ``*_multiplier`` / ``logits_scaling`` as ``*_scale``): ``embedding_scale``,
+    ``residual_scale``, ``logit_scale`` (the logits' divisor) default 1, and
+    ``attention.scale`` defaults to ``head_dim ** -0.5`` (llama.cpp's rule for a file
+    without it; transformers' config default would be 1)."""
+    return {"embedding_multiplier": keys.float("embedding_scale", 1.0),
+            "residual_multiplier": keys.float("residual_scale", 1.0),
+            "logits_scaling": keys.float("logit_scale", 1.0),
+            "attention_multiplier": keys.float("attention.scale", head_dim ** -0.5)}
+
+
+# <arch>.* keys of _NEUTRAL_VALUES (gguf_checks) that an architecture's config reads
+_APPLIED_KEYS: dict[str, frozenset[str]] = {
+    "gemma2": frozenset({"attn_logit_softcapping"}),
+    "granite": frozenset({"embedding_scale", "residual_scale", "logit_scale"}),
+}
 
 
 def _token_kwargs(meta: GGUFMetadata) -> dict[str, Any]:
@@ -257,14 +291,18 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         **_token_kwargs(meta),
     }
     check_against_tensors(keys, tensors, kwargs)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         kwargs.update(_gemma3_kwargs(keys, kwargs))
     else:
         kwargs["hidden_act"] = "silu"
         if keys.get("final_logit_softcapping", 0.0) != 0.0:
             raise keys.error("final_logit_softcapping", f"is {keys.get('final_logit_softcapping')}"
                              f": logit soft-capping is not supported for architecture {arch!r}")
-    check_unapplied_keys(keys, kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
+    if arch == "granite":
+        kwargs.update(_granite_kwargs(keys, head_dim))
+    scale = kwargs.get("attention_multiplier",
+                       kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
+    check_unapplied_keys(keys, scale, _APPLIED_KEYS.get(arch, frozenset()))
     rope_scaling = _rope_scaling(keys)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
@@ -286,7 +324,9 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
     Returns a ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``AutoConfig.for_model``)
     with ``architectures`` set (``["LlamaForCausalLM"]`` for GGUF architecture ``llama``,
-    ``["Qwen2ForCausalLM"]`` for ``qwen2``, ``["Qwen3ForCausalLM"]`` for ``qwen3``) and
+    ``["Qwen2ForCausalLM"]`` for ``qwen2``, ``["Qwen3ForCausalLM"]`` for ``qwen3``; Gemma 2 /
+    Gemma 3 / Granite configs for ``gemma2`` / ``gemma3`` / ``granite``, with their extra
+    fields, see :func:`_gemma3_kwargs` and :func:`_granite_kwargs`) and
     ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim`` (taken from the ``attn_q`` tensor shape, which is
     exact even where head_dim != hidden_size / num_heads), ``intermediate_size``,

@@ -1,0 +1,150 @@
+"""GGUF files of Gemma 2 and Granite, written here from the tiny transformers models the way
+llama.cpp's ``convert_hf_to_gguf.py`` writes them (llama.cpp's tensor names; Gemma's norm
+weights stored with the 1 of ``(1 + weight)`` added; Granite's q/k rows permuted as Llama's,
+its multipliers as ``granite.{embedding,residual,logit}_scale`` and ``attention.scale``;
+Gemma 2's caps and window as ``gemma2.*`` keys): kvflow reads back the transformers config
+and generates the transformers model's greedy tokens and logprobs (tokenizer from the HF
+folder)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvflow import LLM
+from kvflow.models.gguf_config import load_gguf_config
+from tests.models.test_gguf_loader import llama_cpp_permute
+from tests.models.test_parity import _prompts, assert_matches_hf, greedy
+
+gguf = pytest.importorskip("gguf")
+
+_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
+_NORM_NAMES = {
+    "granite": {"post_attention_layernorm": "ffn_norm"},
+    "llama": {"post_attention_layernorm": "ffn_norm"},
+    "gemma2": {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+
+def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    """llama.cpp's tensors for the transformers ``model``'s state dict."""
+    cfg = model.config
+    names = {**_LAYER_NAMES, **_NORM_NAMES[arch]}
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            array = array + 1.0
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = array
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = array
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = array
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            permuted = arch in ("granite", "llama")
+            if permuted and module == "self_attn.q_proj":
+                array = llama_cpp_permute(array, cfg.num_attention_heads)
+            elif permuted and module == "self_attn.k_proj":
+                array = llama_cpp_permute(array, cfg.num_key_value_heads)
+            out[f"blk.{layer}.{names[module]}.{kind}"] = np.ascontiguousarray(array)
+    return out
+
+
+def _write(tiny, path, arch: str, extra_floats: dict[str, float],
+           extra_ints: dict[str, int]) -> str:
+    cfg = tiny.hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
+    for key, value in extra_floats.items():
+        w.add_float32(f"{arch}.{key}", value)
+    for key, value in extra_ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    for name, array in _gguf_tensors(tiny.hf_model, arch).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _generate_matches_hf(tiny, path) -> None:
+    llm = LLM(model=path, tokenizer=tiny.path, dtype="float32", device="cpu",
+              num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    for out in llm.generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
+                            use_tqdm=False):
+        assert_matches_hf(tiny, out)
+
+
+def test_granite_gguf(tiny_model_factory, tmp_path):
+    tiny = tiny_model_factory("granite")
+    cfg = tiny.hf_model.config
+    path = _write(tiny, tmp_path / "granite.gguf", "granite", {
+        "embedding_scale": cfg.embedding_multiplier, "residual_scale": cfg.residual_multiplier,
+        "logit_scale": cfg.logits_scaling, "attention.scale": cfg.attention_multiplier}, {})
+    got = load_gguf_config(path)
+    assert got.architectures == ["GraniteForCausalLM"]
+    for field in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
+                  "attention_multiplier"):
+        assert getattr(got, field) == pytest.approx(getattr(cfg, field)), field
+    _generate_matches_hf(tiny, path)
+
+
+def test_granite_gguf_without_attention_scale_uses_head_dim(tiny_model_factory, tmp_path):
+    """llama.cpp scales by head_dim ** -0.5 when ``granite.attention.scale`` is absent."""
+    path = _write(tiny_model_factory("granite"), tmp_path / "g.gguf", "granite", {}, {})
+    assert load_gguf_config(path).attention_multiplier == pytest.approx(16 ** -0.5)
+
+
+def test_gemma2_gguf(tiny_model_factory, tmp_path):
+    tiny = tiny_model_factory("gemma2_gguf")
+    cfg = tiny.hf_model.config
+    path = _write(tiny, tmp_path / "gemma2.gguf", "gemma2", {
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping},
+        {"attention.sliding_window": cfg.sliding_window})
+    got = load_gguf_config(path)
+    assert got.architectures == ["Gemma2ForCausalLM"]
+    assert (got.attn_logit_softcapping, got.final_logit_softcapping, got.sliding_window,
+            got.query_pre_attn_scalar, got.layer_types) == (
+        2.0, 30.0, 8, 16, ["sliding_attention", "full_attention"])
+    _generate_matches_hf(tiny, path)
+
+
+def test_gemma2_gguf_without_caps_has_none(tiny_model_factory, tmp_path):
+    """No cap keys: llama.cpp applies no cap; transformers' Gemma2Config defaults (50, 30)
+    must not creep in."""
+    path = _write(tiny_model_factory("gemma2_gguf"), tmp_path / "g.gguf", "gemma2", {}, {})
+    got = load_gguf_config(path)
+    assert (got.attn_logit_softcapping, got.final_logit_softcapping) == (None, None)
+
+
+def test_granite_scales_on_llama_gguf_still_refused(tiny_model_factory, tmp_path):
+    """Only Granite reads the scales: a ``llama`` GGUF with one is refused naming the key."""
+    path = _write(tiny_model_factory("granite"), tmp_path / "llama.gguf", "llama",
+                  {"residual_scale": 0.6}, {})
+    with pytest.raises(ValueError, match=r"'llama.residual_scale' is 0.6"):
+        load_gguf_config(path)
