@@ -116,32 +116,47 @@ def check_against_tensors(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any])
         raise keys.error("block_count", f"is {kwargs['num_hidden_layers']} but the file has "
                          f"tensors for blocks 0..{max(blocks)} ({len(blocks)} blocks)")
     head_dim, n_kv = kwargs["head_dim"], kwargs["num_key_value_heads"]
-    for name, key, expected in (("blk.0.ffn_up.weight", "feed_forward_length",
-                                 kwargs["intermediate_size"]),
+    up_rows = expected_shapes(kwargs)["ffn_up.weight"][0]
+    for name, key, expected in (("blk.0.ffn_up.weight", "feed_forward_length", up_rows),
                                 ("blk.0.attn_k.weight", "attention.head_count_kv",
                                  n_kv * head_dim)):
         rows = _rows(tensors, name)
         if rows is not None and rows != expected:
             raise keys.error(key, f"disagrees with {name} ({rows} rows, {expected} expected)")
-    _check_head_sizes(keys, tensors, head_dim, n_kv)
+    _check_head_sizes(keys, tensors, head_dim, n_kv,
+                      partial_rotary=_hf_arch(kwargs) in PARTIAL_ROTARY_ARCHITECTURES)
     _check_tensor_shapes(keys, tensors, kwargs)
+
+
+# transformers classes whose GGUF (llama.cpp) layout differs from Llama's in a tensor shape
+WHOLE_PROJECTION_QK_NORM = frozenset({"Olmo2ForCausalLM"})  # q/k norm over all heads
+FUSED_GATE_UP = frozenset({"Glm4ForCausalLM"})  # ffn_up holds gate and up, [2 * ffn, hidden]
+PARTIAL_ROTARY_ARCHITECTURES = frozenset({"Glm4ForCausalLM"})  # rope.dimension_count < head
+
+
+def _hf_arch(kwargs: dict[str, Any]) -> str:
+    return (kwargs.get("architectures") or [""])[0]
 
 
 def expected_shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """PyTorch-order shape of each known tensor kind, from the config numbers in ``kwargs``:
-    keys are global names (``token_embd.weight``) and block parts (``attn_q.weight``)."""
+    keys are global names (``token_embd.weight``) and block parts (``attn_q.weight``).
+    OLMo 2's q/k norms span the whole projection; GLM-4's ``ffn_up`` is gate and up fused."""
     h, v, f = kwargs["hidden_size"], kwargs["vocab_size"], kwargs["intermediate_size"]
     q = kwargs["num_attention_heads"] * kwargs["head_dim"]
     kv = kwargs["num_key_value_heads"] * kwargs["head_dim"]
     norms = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "output_norm")
+    arch = _hf_arch(kwargs)
+    q_norm, k_norm = ((q,), (kv,)) if arch in WHOLE_PROJECTION_QK_NORM else \
+        ((kwargs["head_dim"],), (kwargs["head_dim"],))
+    up = (2 * f, h) if arch in FUSED_GATE_UP else (f, h)
     return {
         "token_embd.weight": (v, h), "output.weight": (v, h),
         **{f"{n}.weight": (h,) for n in norms},
         "attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
         "attn_output.weight": (h, q), "attn_q.bias": (q,), "attn_k.bias": (kv,),
-        "attn_v.bias": (kv,), "attn_q_norm.weight": (kwargs["head_dim"],),
-        "attn_k_norm.weight": (kwargs["head_dim"],),
-        "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f),
+        "attn_v.bias": (kv,), "attn_q_norm.weight": q_norm, "attn_k_norm.weight": k_norm,
+        "ffn_gate.weight": (f, h), "ffn_up.weight": up, "ffn_down.weight": (h, f),
     }
 
 
@@ -165,10 +180,12 @@ def _check_tensor_shapes(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) 
                 f"{kwargs['intermediate_size']}); the file is inconsistent")
 
 
-def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -> None:
+def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int,
+                      partial_rotary: bool = False) -> None:
     """value_length and rope.dimension_count (and their sliding-window ``_swa`` variants) must
     equal head_dim: kvflow's models have one head size for q, k and v in every layer, and
-    rotate the whole head (no partial rotary).
+    rotate the whole head (no partial rotary, except where ``partial_rotary``: GLM-4, whose
+    ``rope.dimension_count`` may be any even size up to head_dim).
 
     Raises:
         ValueError: naming the key that differs.
@@ -184,7 +201,11 @@ def _check_head_sizes(keys: ArchKeys, tensors: dict, head_dim: int, n_kv: int) -
         raise keys.error("attention.value_length", f"disagrees with blk.0.attn_v.weight "
                          f"({v_rows} rows, {n_kv * head_dim} expected)")
     rot = keys.get("rope.dimension_count")
-    if rot is not None and keys.int("rope.dimension_count") != head_dim:
+    if partial_rotary and rot is not None:
+        if keys.int("rope.dimension_count") > head_dim or rot % 2:
+            raise keys.error("rope.dimension_count", f"is {rot}: it must be even and at most "
+                             f"the head size {head_dim}")
+    elif rot is not None and keys.int("rope.dimension_count") != head_dim:
         raise keys.error("rope.dimension_count", f"is {rot}, but the head size is {head_dim}: "
                          "partial rotary embeddings are not supported")
     for suffix in ("attention.key_length_swa", "attention.value_length_swa",

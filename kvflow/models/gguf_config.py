@@ -1,7 +1,7 @@
 """A transformers config from a GGUF file's metadata, and the GGUF architectures kvflow reads.
 
 Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
-``gemma3``, ``granite``."""
+``gemma3``, ``granite``, ``olmo2``, ``glm4``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ _ARCHS: dict[str, ArchSpec] = {
                        block_names=_GEMMA_NORMS),
     # Granite: llama.cpp converts it as Llama (q/k rows permuted) plus four scales
     "granite": ArchSpec("granite", "GraniteForCausalLM", permute_qk=True),
+    # OLMo 2: no pre-norms, norms after attention and MLP, q/k norms over whole projections
+    "olmo2": ArchSpec("olmo2", "Olmo2ForCausalLM", permute_qk=False,
+                      block_names=(("post_attention_norm", "post_attention_layernorm"),
+                                   ("post_ffw_norm", "post_feedforward_layernorm"))),
+    # GLM-4-0414: interleaved partial RoPE (unpermuted), ffn_up = gate and up fused,
+    # post_attention_norm / post_ffw_norm the norms on the attention / MLP outputs
+    "glm4": ArchSpec("glm4", "Glm4ForCausalLM", permute_qk=False,
+                     block_names=(("post_attention_norm", "post_self_attn_layernorm"),
+                                  ("post_ffw_norm", "post_mlp_layernorm"),
+                                  ("ffn_up", "mlp.gate_up_proj"))),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
@@ -300,6 +310,8 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
                              f": logit soft-capping is not supported for architecture {arch!r}")
     if arch == "granite":
         kwargs.update(_granite_kwargs(keys, head_dim))
+    if arch == "glm4":  # the rotated part of each head
+        kwargs["partial_rotary_factor"] = keys.int("rope.dimension_count", head_dim) / head_dim
     scale = kwargs.get("attention_multiplier",
                        kwargs.get("query_pre_attn_scalar", head_dim) ** -0.5)
     check_unapplied_keys(keys, scale, _APPLIED_KEYS.get(arch, frozenset()))

@@ -42,10 +42,18 @@ def unfuse_projections(weights: Iterable[tuple[str, torch.Tensor]], config: Any
     for name, tensor in weights:
         if ".qkv_proj." in name:
             for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
-                yield name.replace(".qkv_proj.", f".{part}."), chunk
+                yield name.replace(".qkv_proj.", f".{part}."), _tagged(chunk, tensor)
         elif ".gate_up_proj." in name:
             gate, up = tensor.chunk(2, dim=0)
-            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-            yield name.replace(".gate_up_proj.", ".up_proj."), up
+            yield name.replace(".gate_up_proj.", ".gate_proj."), _tagged(gate, tensor)
+            yield name.replace(".gate_up_proj.", ".up_proj."), _tagged(up, tensor)
         else:
             yield name, tensor
+
+
+def _tagged(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``part`` with ``whole``'s ``ggml_type`` tag, if any (a kept-quantized GGUF tensor's
+    rows of raw blocks split by rows stay blocks of that type)."""
+    if hasattr(whole, "ggml_type"):
+        part.ggml_type = whole.ggml_type  # type: ignore[attr-defined]
+    return part

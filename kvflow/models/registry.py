@@ -100,6 +100,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 

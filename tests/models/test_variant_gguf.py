@@ -1,9 +1,10 @@
-"""GGUF files of Gemma 2 and Granite, written here from the tiny transformers models the way
-llama.cpp's ``convert_hf_to_gguf.py`` writes them (llama.cpp's tensor names; Gemma's norm
-weights stored with the 1 of ``(1 + weight)`` added; Granite's q/k rows permuted as Llama's,
-its multipliers as ``granite.{embedding,residual,logit}_scale`` and ``attention.scale``;
-Gemma 2's caps and window as ``gemma2.*`` keys): kvflow reads back the transformers config
-and generates the transformers model's greedy tokens and logprobs (tokenizer from the HF
+"""GGUF files of Gemma 2, Granite, OLMo 2 and GLM-4-0414, written here from the tiny
+transformers models the way llama.cpp's ``convert_hf_to_gguf.py`` writes them (gguf-py's
+tensor-name map; Gemma's norm weights stored with the 1 of ``(1 + weight)`` added; Granite's
+q/k rows permuted as Llama's, its multipliers as ``granite.{embedding,residual,logit}_scale``
+and ``attention.scale``; Gemma 2's caps and window as ``gemma2.*`` keys; GLM-4's rotated
+part of a head as ``rope.dimension_count``): kvflow reads back the transformers config and
+generates the transformers model's greedy tokens and logprobs (tokenizer from the HF
 folder)."""
 
 from __future__ import annotations
@@ -18,49 +19,31 @@ from tests.models.test_parity import _prompts, assert_matches_hf, greedy
 
 gguf = pytest.importorskip("gguf")
 
-_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
-_NORM_NAMES = {
-    "granite": {"post_attention_layernorm": "ffn_norm"},
-    "llama": {"post_attention_layernorm": "ffn_norm"},
-    "gemma2": {"post_attention_layernorm": "post_attention_norm",
-               "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm"},
-}
-
-
 def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
-    """llama.cpp's tensors for the transformers ``model``'s state dict."""
+    """llama.cpp's tensors for the transformers ``model``'s state dict: names from gguf-py's
+    own tensor-name map for the architecture (the table convert_hf_to_gguf.py uses), Gemma
+    norms + 1, Llama-layout q/k rows permuted for granite (and llama)."""
     cfg = model.config
-    names = {**_LAYER_NAMES, **_NORM_NAMES[arch]}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     out: dict[str, np.ndarray] = {}
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
         array = tensor.float().numpy()
         if arch == "gemma2" and name.endswith("norm.weight"):
             array = array + 1.0
-        if name == "model.embed_tokens.weight":
-            out["token_embd.weight"] = array
-        elif name == "model.norm.weight":
-            out["output_norm.weight"] = array
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out["output.weight"] = array
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            permuted = arch in ("granite", "llama")
-            if permuted and module == "self_attn.q_proj":
-                array = llama_cpp_permute(array, cfg.num_attention_heads)
-            elif permuted and module == "self_attn.k_proj":
-                array = llama_cpp_permute(array, cfg.num_key_value_heads)
-            out[f"blk.{layer}.{names[module]}.{kind}"] = np.ascontiguousarray(array)
+        if arch in ("granite", "llama") and ".self_attn.q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif arch in ("granite", "llama") and ".self_attn.k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        out[gguf_name] = np.ascontiguousarray(array)
     return out
 
 
 def _write(tiny, path, arch: str, extra_floats: dict[str, float],
-           extra_ints: dict[str, int]) -> str:
+           extra_ints: dict[str, int], rope_dim: int | None = None) -> str:
     cfg = tiny.hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -72,7 +55,7 @@ def _write(tiny, path, arch: str, extra_floats: dict[str, float],
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rope_dim or head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -140,6 +123,36 @@ def test_gemma2_gguf_without_caps_has_none(tiny_model_factory, tmp_path):
     path = _write(tiny_model_factory("gemma2_gguf"), tmp_path / "g.gguf", "gemma2", {}, {})
     got = load_gguf_config(path)
     assert (got.attn_logit_softcapping, got.final_logit_softcapping) == (None, None)
+
+
+def test_olmo2_gguf(tiny_model_factory, tmp_path):
+    """No attn_norm / ffn_norm; post_attention_norm / post_ffw_norm after attention and
+    MLP; attn_q_norm / attn_k_norm over whole projections; biases on all four."""
+    tiny = tiny_model_factory("olmo2")
+    path = _write(tiny, tmp_path / "olmo2.gguf", "olmo2", {}, {})
+    got = load_gguf_config(path)
+    assert (got.architectures, got.attention_bias) == (["Olmo2ForCausalLM"], True)
+    _generate_matches_hf(tiny, path)
+
+
+def test_glm4_gguf(tiny_model_factory, tmp_path):
+    """ffn_up holds gate and up fused; rope.dimension_count is the rotated quarter of each
+    head (4 of 16), read back as partial_rotary_factor."""
+    tiny = tiny_model_factory("glm4")
+    path = _write(tiny, tmp_path / "glm4.gguf", "glm4", {}, {}, rope_dim=4)
+    got = load_gguf_config(path)
+    assert got.architectures == ["Glm4ForCausalLM"]
+    assert got.rope_parameters["partial_rotary_factor"] == 0.25
+    _generate_matches_hf(tiny, path)
+
+
+def test_partial_rotary_gguf_of_other_architectures_still_refused(tiny_model_factory,
+                                                                   tmp_path):
+    path = _write(tiny_model_factory("olmo2"), tmp_path / "o.gguf", "olmo2", {}, {},
+                  rope_dim=8)
+    with pytest.raises(ValueError, match=r"'olmo2.rope.dimension_count' is 8, but the head "
+                                         r"size is 16: partial rotary"):
+        load_gguf_config(path)
 
 
 def test_granite_scales_on_llama_gguf_still_refused(tiny_model_factory, tmp_path):
