@@ -1,4 +1,5 @@
-"""Prompts given as embeddings (``LLM(enable_prompt_embeds=True)``), on the tiny random Llama.
+"""Prompts given as embeddings (``LLM(enable_prompt_embeds=True)``), on the tiny random Llama
+(and Granite, whose embedding multiplier applies to them).
 
 Oracles: HF ``generate(inputs_embeds=...)`` greedy tokens (a divergence is allowed only at a
 near-tie of HF's top-2 logits, after which the continuations may differ); and kvflow's own
@@ -77,6 +78,19 @@ def test_greedy_matches_hf_inputs_embeds_in_a_mixed_chunked_batch(tiny_llama, ll
     # the token prompt in the same batch: HF from its own embedding rows
     rows = tiny_llama.hf_model.model.embed_tokens.weight[token_prompt].detach()
     _assert_matches_hf(tiny_llama, rows, outs[1].outputs[0].token_ids)
+    assert_no_leaks(llm)
+
+
+def test_granite_scales_prompt_embeds_as_transformers(tiny_model_factory, assert_no_leaks):
+    """Granite multiplies prompt embeddings by ``embedding_multiplier`` (3.0 here) as it does
+    the token embeddings, as transformers' ``inputs_embeds`` path (and vLLM) do."""
+    tiny = tiny_model_factory("granite")
+    llm = LLM(model=tiny.path, dtype="float32", enable_prompt_embeds=True,
+              max_num_batched_tokens=8, block_size=4, max_model_len=64, num_kv_blocks=64)
+    embeds = [_embeds(4, 11), _embeds(5, 6)]
+    outs = llm.generate([{"prompt_embeds": e} for e in embeds], GREEDY)
+    for out, e in zip(outs, embeds):
+        _assert_matches_hf(tiny, e, out.outputs[0].token_ids)
     assert_no_leaks(llm)
 
 
