@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvflow.attention.cp_paged import ContextParallelAttentionBackend
-from kvflow.models.registry import uses_mla
+from kvflow.models.registry import attention_soft_cap, uses_mla
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,18 @@ def make_context_parallel_backend(cp_group, hf_config: Any, block_size: int,
     chunks (``--context-parallel-prefill ring``).
 
     Raises:
-        ValueError: for an MLA model (its latent cache is not split by token yet) or a block
-            size that the CP size does not divide.
+        ValueError: for an MLA model (its latent cache is not split by token yet), a model
+            with soft-capped attention logits (``attn_logit_softcapping``, Gemma 2: the CP
+            backend does not compute the cap) or a block size that the CP size does not
+            divide.
     """
     if uses_mla(hf_config):
         raise ValueError("context_parallel_size > 1 is not available for multi-head latent "
                          "attention (MLA) models")
+    if attention_soft_cap(hf_config) is not None:
+        raise ValueError("context_parallel_size > 1 is not available for this model's "
+                         "attn_logit_softcapping (attention logit soft-capping, Gemma 2): "
+                         "the context-parallel attention backend does not compute it")
     backend = ContextParallelAttentionBackend(cp_group, split_prefill=split_prefill)
     backend.local_block_size(block_size)  # raises for a block size cp does not divide
     return backend

@@ -1,6 +1,6 @@
 """Gemma 2's attention-logit soft-capping (``attn_logit_softcapping``) runs on the torch
 attention backend only: the engine picks it by itself, and refuses another
-``--attention-backend`` or ``--deterministic`` naming the field; an attention layer built on a
+``--attention-backend``, ``--deterministic`` or context parallelism naming the field; an attention layer built on a
 backend without it refuses too (a draft model's, say). A config whose cap is null runs the
 default backend and still equals transformers. (tests/models/test_parity.py checks the capped
 model's tokens and logprobs against transformers.)"""
@@ -29,6 +29,15 @@ def test_soft_capped_model_refuses_other_backends(tiny_model_factory, kwargs, me
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_model_factory("gemma2").path, dtype="float32", device="cpu",
             num_kv_blocks=16, block_size=4, **kwargs)
+
+
+def test_context_parallelism_is_refused_naming_the_field(tiny_model_factory):
+    from kvflow.worker.attention_backends import make_context_parallel_backend
+
+    config = tiny_model_factory("gemma2").hf_model.config
+    with pytest.raises(ValueError, match=r"context_parallel_size > 1 is not available for this "
+                                         r"model's attn_logit_softcapping"):
+        make_context_parallel_backend(None, config, 4)
 
 
 class _StubBackend(AttentionBackend):
