@@ -20,10 +20,11 @@ __all__ = ["PEFT_DEFAULT_TARGET_MODULES", "check_target_fields", "check_weights_
 # for the model types kvflow can adapt (tests/lora/test_lora_default_targets.py checks it
 # against the installed peft). peft refuses such a config for a model type it has no entry
 # for ("Please specify `target_modules`"): phi3, qwen2_moe, qwen3_moe, deepseek_v2,
-# deepseek_v3, qwen2_vl, qwen2_5_vl; so does kvflow.
+# deepseek_v3, qwen2_vl, qwen2_5_vl, granite, granitemoe, olmo2, glm, glm4; so does kvflow.
 PEFT_DEFAULT_TARGET_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     model_type: ("q_proj", "v_proj")
-    for model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text")})
+    for model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2",
+                       "gemma3_text")})
 
 
 def check_target_fields(config: dict[str, Any], where: str) -> None:

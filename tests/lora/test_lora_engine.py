@@ -326,14 +326,16 @@ def test_phi3_fused_checkpoint_modules(tiny_model_factory, tmp_path, assert_no_l
     assert_no_leaks(llm)
 
 
-def _peft_prompt_logprobs(base, adapter: str, ids: list[int]) -> list[float]:
-    """log p(ids[p] | ids[:p]) for p >= 1 under transformers + peft (fp32)."""
+def _peft_prompt_logprobs(base, adapter: str | None, ids: list[int]) -> list[float]:
+    """log p(ids[p] | ids[:p]) for p >= 1 under transformers + peft (fp32; ``adapter``
+    None: the base model alone)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, adapter).eval()
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     return [float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))]
@@ -376,6 +378,33 @@ def test_gemma3_adapter_matches_peft(tiny_model_factory, tmp_path):
                           lora_request=LoRARequest("gemma", 1, path), use_tqdm=False)
     got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
     assert got == pytest.approx(_peft_prompt_logprobs(tiny.path, path, ids), abs=1e-4)
+
+
+_DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("name, targets", [
+    ("gemma2", _DENSE), ("granite", _DENSE), ("olmo2", _DENSE),
+    # GLM's checkpoints fuse gate/up (as Phi-3's): its adapters target gate_up_proj whole
+    ("glm4", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    ("granite_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+])
+def test_llama_variant_adapters_match_peft(tiny_model_factory, tmp_path, name, targets):
+    """Gemma 2 (soft-capped attention), Granite (multipliers), OLMo 2 (post-norms, whole
+    projection q/k norm), GLM-4-0414 and Granite MoE take the Llama family's adapters:
+    prompt logprobs equal peft's."""
+    tiny = tiny_model_factory(name)
+    path = make_adapter(tiny.path, str(tmp_path / name), 11, r=4, lora_alpha=8,
+                        target_modules=targets)
+    llm = LLM(model=tiny.path, dtype="float32", device="cpu", num_kv_blocks=32,
+              block_size=4, enable_lora=True, max_lora_rank=4)
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          lora_request=LoRARequest(name, 1, path), use_tqdm=False)
+    got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    want = _peft_prompt_logprobs(tiny.path, path, ids)
+    assert got == pytest.approx(want, abs=1e-4)
+    assert want != pytest.approx(_peft_prompt_logprobs(tiny.path, None, ids), abs=1e-3)
 
 
 def test_adapter_folder_given_as_the_model_says_how_to_serve_it(tiny_llama, adapters):
