@@ -16,7 +16,6 @@ from kvflow.models.encoder_token_classifiers import (
     BertForTokenClassification,
     RobertaForTokenClassification,
 )
-
 from kvflow.models.gemma2 import Gemma2ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.glm import Glm4ForCausalLM, GlmForCausalLM
