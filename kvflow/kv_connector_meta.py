@@ -2,7 +2,8 @@
 ``SchedulerOutput.kv_connector_metadata``; ``kvflow/distributed/kv_transfer/`` has both
 halves).
 
-A block is named by its storage key (a hex digest of the prompt tokens up to its end, see
+A block is named by its storage key (a hex digest of the model and the prompt tokens and
+extra keys up to its end, see
 ``distributed/kv_transfer/shared_storage.py``) and placed by its block id in the KV cache.
 """
 

@@ -28,6 +28,7 @@ from kvflow.core.unread_options import (
     warn_unread_settings,
 )
 from kvflow.distributed.kv_transfer import make_kv_connector_scheduler
+from kvflow.distributed.kv_transfer.shared_storage import model_identity
 from kvflow.engine_outputs import EngineCoreOutput
 from kvflow.executor import StepFuture, make_executor
 from kvflow.kernels.cpu_threads import check_cpu_threads
@@ -284,8 +285,12 @@ class EngineCoreStartup:
                              f"one has {len(groups)} group(s) of {kinds} (sliding-window or "
                              "MLA layers), which the connector does not store yet")
         cc = self.config.cache_config
-        self.scheduler.connector = make_kv_connector_scheduler(kt, cc.block_size,
-                                                               cc.kv_cache_dtype)
+        rope = long_prompt_rope(self.hf_config)
+        model_key = model_identity(self.source.path, self.hf_config, self.dtype,
+                                   self.config.model_config)
+        self.scheduler.connector = make_kv_connector_scheduler(
+            kt, cc.block_size, cc.kv_cache_dtype, model_key,
+            rope.original if rope is not None else None)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

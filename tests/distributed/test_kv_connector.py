@@ -23,6 +23,10 @@ from safetensors.torch import load_file
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, KVTransferConfig
 from kvflow.distributed.kv_transfer.shared_storage import block_keys, block_path
+from kvflow.lora.request import LoRARequest
+from tests.conftest import build_tiny_model
+from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
+from tests.lora.adapters import make_adapter, peft_greedy
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 5
@@ -66,15 +70,18 @@ def _hf_greedy(tiny, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _produce(path: str, folder: str, prompts: list[list[int]], **kwargs) -> list[int]:
-    """Prefill ``prompts`` on a producer; returns their ``num_cached_tokens``."""
+def _produce(path: str, folder: str, prompts: list[list[int]], **kwargs
+             ) -> tuple[list[int], str]:
+    """Prefill ``prompts`` on a producer; returns their ``num_cached_tokens`` and the
+    producer's model key (for ``block_keys``)."""
     producer = _llm(path, folder, "kv_producer", **kwargs)
     try:
         outs = producer.generate([{"prompt_token_ids": p} for p in prompts], PREFILL,
                                  use_tqdm=False)
+        model_key = producer.engine.core.scheduler.connector.model_key
     finally:
         producer.shutdown()
-    return [o.metrics.num_cached_tokens for o in outs]
+    return [o.metrics.num_cached_tokens for o in outs], model_key
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list:
@@ -104,15 +111,16 @@ def test_stored_blocks_are_transformers_kv(tiny_llama, tmp_path):
     under the key of its tokens, and holds HF's keys (after RoPE) and values."""
     prompts = _prompts(tiny_llama.vocab_size)
     # a producer loads nothing: only its own prefix cache serves the 4th prompt's 2 blocks
-    assert _produce(tiny_llama.path, str(tmp_path), prompts) == [0, 0, 0, 8]
-    keys = {k for p in prompts for k in block_keys(p, BLOCK_SIZE, "auto")}
+    cached, model_key = _produce(tiny_llama.path, str(tmp_path), prompts)
+    assert cached == [0, 0, 0, 8]
+    keys = {k for p in prompts for k in block_keys(p, BLOCK_SIZE, "auto", model_key)}
     assert len(keys) == 3 + 4 + 0 + 5 - 2
     assert {os.path.basename(f) for f in glob.glob(f"{tmp_path}/*")} == \
         {f"{k}.safetensors" for k in keys}
     prompt = prompts[0]
     with torch.no_grad():
         cache = tiny_llama.hf_model(torch.tensor([prompt]), use_cache=True).past_key_values
-    for i, key in enumerate(block_keys(prompt, BLOCK_SIZE, "auto")):
+    for i, key in enumerate(block_keys(prompt, BLOCK_SIZE, "auto", model_key)):
         stored = load_file(block_path(str(tmp_path), key))
         layers = sorted(stored, key=lambda n: int(re.search(r"\d+", n).group()))
         assert len(layers) == tiny_llama.hf_model.config.num_hidden_layers
@@ -179,9 +187,10 @@ def test_chunked_prefill_stores_and_loads_the_same_blocks(tiny_llama, tmp_path,
     blocks an unchunked one stores; a chunked consumer loads them and chunks the tail."""
     gen = torch.Generator().manual_seed(8)
     prompt = torch.randint(2, tiny_llama.vocab_size, (30,), generator=gen).tolist()
-    _produce(tiny_llama.path, str(tmp_path / "chunked"), [prompt], max_num_batched_tokens=6)
+    _, model_key = _produce(tiny_llama.path, str(tmp_path / "chunked"), [prompt],
+                            max_num_batched_tokens=6)
     _produce(tiny_llama.path, str(tmp_path / "whole"), [prompt])
-    for key in block_keys(prompt, BLOCK_SIZE, "auto"):
+    for key in block_keys(prompt, BLOCK_SIZE, "auto", model_key):
         chunked = load_file(block_path(str(tmp_path / "chunked"), key))
         whole = load_file(block_path(str(tmp_path / "whole"), key))
         for name in whole:
@@ -204,10 +213,11 @@ def test_quantized_cache_moves_its_scales(tiny_llama, tmp_path, kv_cache_dtype,
     consumer decodes what a plain engine with the same cache decodes."""
     prompts = _prompts(tiny_llama.vocab_size)
     try:
-        _produce(tiny_llama.path, str(tmp_path), prompts, kv_cache_dtype=kv_cache_dtype)
+        _, model_key = _produce(tiny_llama.path, str(tmp_path), prompts,
+                                kv_cache_dtype=kv_cache_dtype)
     except ValueError as e:
         pytest.skip(f"{kv_cache_dtype} KV cache not available here: {e}")
-    key = block_keys(prompts[0], BLOCK_SIZE, kv_cache_dtype)[0]
+    key = block_keys(prompts[0], BLOCK_SIZE, kv_cache_dtype, model_key)[0]
     stored = load_file(block_path(str(tmp_path), key))
     scales = [n for n in stored if n.endswith(".kv_scales")]
     assert len(scales) == tiny_llama.hf_model.config.num_hidden_layers
@@ -278,17 +288,80 @@ def test_prompt_logprobs_requests_compute_their_prompt(tiny_llama, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-def test_blocks_of_another_model_are_refused(tiny_llama, tiny_model_factory, tmp_path):
-    """A folder written by another model (same tokens, other K/V shapes): the load fails
-    naming the file instead of filling the cache with the wrong K/V."""
+@pytest.mark.parametrize("other", ["same_shapes", "qwen3"])
+def test_another_model_loads_nothing(tiny_llama, tiny_tokenizer, tiny_model_factory, tmp_path,
+                                     other):
+    """A folder written by another model, of the same shapes and config but other weights,
+    or of other shapes: a consumer of that model finds none of the blocks (its keys name
+    its own weights) and decodes what transformers decodes with its own weights."""
     prompt = _prompts(tiny_llama.vocab_size)[0]
-    _produce(tiny_llama.path, str(tmp_path), [prompt])
-    other = _llm(tiny_model_factory("qwen3").path, str(tmp_path), "kv_consumer")
+    _produce(tiny_llama.path, str(tmp_path / "kv"), [prompt])
+    model = build_tiny_model("llama", str(tmp_path / "model"), tiny_tokenizer, seed=99) \
+        if other == "same_shapes" else tiny_model_factory(other)
+    if other == "same_shapes":  # the same config and file sizes, only the weights differ
+        with open(f"{tiny_llama.path}/config.json") as a, open(f"{model.path}/config.json") as b:
+            assert json.load(a) == json.load(b)
+        assert os.path.getsize(f"{tiny_llama.path}/model.safetensors") == \
+            os.path.getsize(f"{model.path}/model.safetensors")
+    consumer = _llm(model.path, str(tmp_path / "kv"), "kv_consumer")
     try:
-        with pytest.raises(ValueError, match=r"\.safetensors holds .* different model"):
-            other.generate({"prompt_token_ids": prompt}, PREFILL, use_tqdm=False)
+        (out,) = _generate(consumer, [prompt])
     finally:
-        other.shutdown()
+        consumer.shutdown()
+    assert out.metrics.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == _hf_greedy(model, prompt)
+
+
+def test_salted_requests_load_only_their_salts_blocks(tiny_llama, tmp_path, plain):
+    """``cache_salt`` keys every block: the salted prefill is found by the same salt only;
+    the unsalted and other-salt requests compute their prompt."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    producer = _llm(tiny_llama.path, str(tmp_path), "kv_producer")
+    try:
+        producer.generate({"prompt_token_ids": prompt, "cache_salt": "alice"}, PREFILL,
+                          use_tqdm=False)
+    finally:
+        producer.shutdown()
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer", enable_prefix_caching=False)
+    try:
+        outs = consumer.generate([{"prompt_token_ids": prompt, "cache_salt": salt}
+                                  for salt in ("alice", "bob")]
+                                 + [{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    finally:
+        consumer.shutdown()
+    assert [o.metrics.num_cached_tokens for o in outs] == [_loaded_tokens(prompt), 0, 0]
+    _assert_same_logprobs(outs, [plain[0]] * 3)
+
+
+def test_lora_requests_load_their_adapters_blocks(tiny_llama, tmp_path):
+    """A LoRA request's blocks are keyed by its adapter: a consumer loads them for the same
+    adapter (greedy tokens equal peft's), and neither the base model nor another adapter
+    finds them."""
+    make = lambda name, seed: make_adapter(
+        tiny_llama.path, str(tmp_path / name), seed, r=8, lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapters = {"a": make("a", 1), "b": make("b", 2)}
+    lora = {name: LoRARequest(name, i + 1, path) for i, (name, path) in
+            enumerate(adapters.items())}
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    producer = _llm(tiny_llama.path, str(tmp_path / "kv"), "kv_producer", **kwargs)
+    try:
+        producer.generate({"prompt_token_ids": prompt}, PREFILL, lora_request=lora["a"],
+                          use_tqdm=False)
+    finally:
+        producer.shutdown()
+    consumer = _llm(tiny_llama.path, str(tmp_path / "kv"), "kv_consumer",
+                    enable_prefix_caching=False, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=LORA_MAX_TOKENS, ignore_eos=True)
+    try:
+        outs = consumer.generate([{"prompt_token_ids": prompt}] * 3, params,
+                                 lora_request=[lora["a"], lora["b"], None], use_tqdm=False)
+    finally:
+        consumer.shutdown()
+    assert [o.metrics.num_cached_tokens for o in outs] == [_loaded_tokens(prompt), 0, 0]
+    for out, adapter in zip(outs, [adapters["a"], adapters["b"], None]):
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapter, prompt)
 
 
 @pytest.mark.parametrize("value, needle", [

@@ -20,10 +20,14 @@ __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
 
 
 def make_kv_connector_scheduler(config: KVTransferConfig, block_size: int,
-                                kv_cache_dtype: str) -> KVConnectorScheduler:
+                                kv_cache_dtype: str, model_key: str = "",
+                                long_prompt_threshold: int | None = None
+                                ) -> KVConnectorScheduler:
     """The scheduler half of ``config.kv_connector`` (SharedStorageConnector: the config
-    refuses every other name)."""
-    return SharedStorageScheduler(config, block_size, kv_cache_dtype)
+    refuses every other name); ``model_key`` and ``long_prompt_threshold`` as
+    ``SharedStorageScheduler`` takes them."""
+    return SharedStorageScheduler(config, block_size, kv_cache_dtype, model_key,
+                                  long_prompt_threshold)
 
 
 def make_kv_connector_worker(config: KVTransferConfig, block_size: int, kv_cache_dtype: str,

@@ -5,31 +5,39 @@ model finds the blocks of a new prompt there and loads them instead of computing
 Storage: one safetensors file per KV block, ``{shared_storage_path}/{key}.safetensors``, with
 two tensors per attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
-``{layer}.kv_scales`` [2, block_size, kv_heads] float32. The key of block ``i`` is a SHA-256
-chain over the prompt's tokens up to the block's end:
-``key_i = sha256(key_{i-1} || int64 tokens of block i)``, starting from a digest of the block
-size, the KV-cache dtype and the request's ``cache_salt``; so a block is shared by every
-prompt with the same tokens up to its end (a prefix), and caches of another block size or
-dtype never meet. Files are written to a temporary name and renamed, so a reader never sees
-half a block.
+``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
+and renamed, so a reader never sees half a block.
 
-Which requests take part: only text prompts of the base model (no LoRA adapter, image or
-prompt embeddings, whose K/V the tokens alone do not determine), and none asking for prompt
-logprobs (they need every prompt token computed) or pooling.
+Keys: the key of block ``i`` is a SHA-256 chain over everything its K/V depends on:
+``key_i = sha256(key_{i-1} || int64 tokens of block i || extra_i)``, starting from a digest of
+the model's identity (``model_identity``: its effective config, dtype, quantization and
+weight files), the block size and the KV-cache dtype. ``extra_i`` is the canonical CBOR of
+the block's extra keys as the prefix cache builds them for vLLM's hashes
+(``core/block_hashing.py``): the LoRA adapter's name and folder, each image overlapping the
+block (its content digest and offset), the ``cache_salt`` on block 0, a prompt past a
+LongRoPE model's original context. So a block is shared by every request with the same
+tokens, adapter, images and salt up to its end (a prefix), and another model, another cache
+layout, another adapter or image, never matches.
+
+Which requests take part: every generation request but those with prompt embeddings, asking
+for prompt logprobs (they need every prompt token computed) or pooling.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from kvflow.config.kv_transfer import KVTransferConfig
+from kvflow.core.block_hashing import BlockHasher, cbor_canonical
 from kvflow.distributed.kv_transfer.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -38,19 +46,81 @@ from kvflow.distributed.kv_transfer.base import (
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
 
+# builds the prefix cache's extra keys in vLLM's tagged form (never hashes with it)
+_EXTRA_KEYS = BlockHasher("sha256_cbor", none_hash_seed="")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE_BYTES = 1 << 20
+
+
+def model_identity(path: str, hf_config: Any, dtype: torch.dtype, model_config: Any) -> str:
+    """A hex SHA-256 naming the model whose K/V an engine computes: its effective config
+    (``config.json`` after ``hf_overrides``, without the path or transformers version), the
+    compute dtype, the quantization settings, and each weight file's name, size and first
+    and last MiB (two copies of a checkpoint match on any machine; a checkpoint of the same
+    shapes with other weights does not). ``load_format="dummy"`` names its seed instead.
+
+    Args:
+        path: the model's folder, or its ``.gguf`` file.
+        hf_config: the transformers config the engine runs.
+        dtype: the compute dtype.
+        model_config: the engine's ``ModelConfig`` (quantization, load format, seed).
+    """
+    config = {k: v for k, v in hf_config.to_dict().items()
+              if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    mc = model_config
+    digest.update(repr((str(dtype), mc.quantization, mc.quantization_group_size,
+                        mc.load_format, mc.seed if mc.load_format == "dummy" else None)).encode())
+    if mc.load_format != "dummy":
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
+        for file in files:
+            size = os.path.getsize(file)
+            digest.update(f"|{os.path.basename(file)}|{size}|".encode())
+            with open(file, "rb") as f:
+                digest.update(f.read(_SAMPLE_BYTES))
+                f.seek(max(0, size - _SAMPLE_BYTES))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
 
 def block_keys(tokens: Sequence[int], block_size: int, kv_cache_dtype: str,
-               cache_salt: str | None = None) -> list[str]:
-    """The storage keys (64 hex digits) of the full blocks of ``tokens`` (see the module)."""
-    seed = f"kvflow-shared-storage-v1|{block_size}|{kv_cache_dtype}|{cache_salt or ''}"
+               model_key: str = "",
+               extra_key: Callable[[int, int], Any] | None = None) -> list[str]:
+    """The storage keys (64 hex digits) of the full blocks of ``tokens`` (see the module).
+
+    Args:
+        tokens: the token ids (a partial last block gets no key).
+        block_size: tokens per block.
+        kv_cache_dtype: the cache's dtype setting.
+        model_key: ``model_identity`` of the engine.
+        extra_key: ``(start, end)`` -> the extra key of the block of positions
+            ``[start, end)`` (None, str, int, bytes and tuples of them), or None for none.
+    """
+    seed = f"kvflow-shared-storage-v2|{model_key}|{block_size}|{kv_cache_dtype}"
     parent = hashlib.sha256(seed.encode()).digest()
     ids = np.asarray(tokens[:len(tokens) // block_size * block_size], dtype="<i8")
     keys = []
     for i in range(len(ids) // block_size):
-        parent = hashlib.sha256(parent + ids[i * block_size:(i + 1) * block_size].tobytes()
+        start, end = i * block_size, (i + 1) * block_size
+        extra = None if extra_key is None else extra_key(start, end)
+        parent = hashlib.sha256(parent + ids[start:end].tobytes() + cbor_canonical(extra)
                                 ).digest()
         keys.append(parent.hex())
     return keys
+
+
+def request_block_keys(request: Request, block_size: int, kv_cache_dtype: str,
+                       model_key: str = "", long_prompt_threshold: int | None = None
+                       ) -> list[str]:
+    """``block_keys`` of the request's prompt with the prefix cache's extra keys (adapter,
+    images, salt, LongRoPE mark past ``long_prompt_threshold`` prompt tokens)."""
+    long_prompt = long_prompt_threshold is not None and \
+        request.num_prompt_tokens > long_prompt_threshold
+    request_key = _EXTRA_KEYS.request_key(request, True, long_prompt)
+    return block_keys(request.prompt_token_ids, block_size, kv_cache_dtype, model_key,
+                      lambda start, end: _EXTRA_KEYS.block_extra_key(request_key, request,
+                                                                     start, end))
 
 
 def block_path(root: str, key: str) -> str:
@@ -60,8 +130,7 @@ def block_path(root: str, key: str) -> str:
 
 def takes_part(request: Request) -> bool:
     """Whether the connector loads or saves ``request``'s blocks (see the module)."""
-    return request.lora_request is None and request.mm_features is None and \
-        request.prompt_embeds is None and request.pooling_params is None and \
+    return request.prompt_embeds is None and request.pooling_params is None and \
         not request.skips_prefix_cache
 
 
@@ -79,10 +148,15 @@ class SharedStorageScheduler(KVConnectorScheduler):
         config: the KV transfer config (role and folder).
         block_size: tokens per KV block.
         kv_cache_dtype: the cache's dtype setting (part of every key).
+        model_key: ``model_identity`` of the engine (part of every key).
+        long_prompt_threshold: a LongRoPE model's original context (prompts longer than it
+            are keyed apart), else None.
     """
 
-    def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
+                 model_key: str = "", long_prompt_threshold: int | None = None) -> None:
         self.config, self.block_size, self.kv_cache_dtype = config, block_size, kv_cache_dtype
+        self.model_key, self.long_prompt_threshold = model_key, long_prompt_threshold
         self.root = config.shared_storage_path
         os.makedirs(self.root, exist_ok=True)
         self._states: dict[str, _RequestState] = {}
@@ -93,8 +167,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
-            keys = block_keys(request.prompt_token_ids, self.block_size, self.kv_cache_dtype,
-                              request.cache_salt)
+            keys = request_block_keys(request, self.block_size, self.kv_cache_dtype,
+                                      self.model_key, self.long_prompt_threshold)
             state = self._states[request.request_id] = _RequestState(keys)
         return state
 
