@@ -100,8 +100,7 @@ class EngineConfig:
         if kt is None:
             return
         pc, sc = self.parallel_config, self.scheduler_config
-        for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                     "context_parallel_size"):
+        for name in ("pipeline_parallel_size", "context_parallel_size"):
             if getattr(pc, name) > 1:
                 raise ValueError(f"kv_transfer_config with {name}={getattr(pc, name)} is not "
                                  "available (each rank would hold part of a block's K/V)")

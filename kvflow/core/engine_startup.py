@@ -290,7 +290,8 @@ class EngineCoreStartup:
                                    self.config.model_config)
         self.scheduler.connector = make_kv_connector_scheduler(
             kt, cc.block_size, cc.kv_cache_dtype, model_key,
-            rope.original if rope is not None else None)
+            rope.original if rope is not None else None,
+            self.config.parallel_config.tensor_parallel_size)
 
     def _init_structured_output(self) -> None:
         """Grammar compiles run on compile threads, each within a time limit

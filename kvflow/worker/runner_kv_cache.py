@@ -110,8 +110,9 @@ class RunnerKVCache:
         self.allocate_kv_tensors(kv_cache_config)
         kt, cc = self.config.kv_transfer_config, self.config.cache_config
         if kt is not None:  # --kv-transfer-config: blocks loaded / saved around the forward
-            self.kv_connector = make_kv_connector_worker(kt, cc.block_size, cc.kv_cache_dtype,
-                                                         self.connector_kv_tensors)
+            self.kv_connector = make_kv_connector_worker(
+                kt, cc.block_size, cc.kv_cache_dtype, self.connector_kv_tensors,
+                self.parallel.tp.rank, self.parallel.tp.world_size)
         if self.device.type == "cpu":  # after the weights and the cache: only activations
             keep_freed_memory()        # (each step's) stay in the heap
 

@@ -132,6 +132,41 @@ def test_stored_blocks_are_transformers_kv(tiny_llama, tmp_path):
             torch.testing.assert_close(stored[name], want, atol=1e-5, rtol=1e-5)
 
 
+def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, plain,
+                                                         assert_no_leaks):
+    """TP=2 (two CPU worker processes): each rank stores its own KV heads' file of every
+    block, which side by side are the TP=1 block; a repeat of the prompts (kv_both, no
+    prefix caching) loads them on both ranks and decodes the TP=1 plain run's tokens and
+    logprobs."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    _, model_key = _produce(tiny_llama.path, str(tmp_path / "tp1"), prompts[:1])
+    llm = _llm(tiny_llama.path, str(tmp_path / "tp2"), enable_prefix_caching=False,
+               tensor_parallel_size=2)
+    try:
+        first = _generate(llm, prompts)
+        again = _generate(llm, prompts)
+        assert llm.engine.core.scheduler.connector.model_key == model_key
+        assert [o.metrics.num_cached_tokens for o in first] == [0] * len(prompts)
+        assert [o.metrics.num_cached_tokens for o in again] == \
+            [_loaded_tokens(p) for p in prompts]
+        _assert_same_logprobs(first, plain)
+        _assert_same_logprobs(again, plain)
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+    keys = block_keys(prompts[0], BLOCK_SIZE, "auto", model_key)
+    assert not os.path.exists(block_path(str(tmp_path / "tp2"), keys[0]))  # only rank files
+    for key in keys:
+        whole = load_file(block_path(str(tmp_path / "tp1"), key))
+        shards = [load_file(block_path(str(tmp_path / "tp2"), key, rank, 2))
+                  for rank in range(2)]
+        assert set(shards[0]) == set(shards[1]) == set(whole)
+        for name, tensor in whole.items():  # [2, block_size, kv_heads, head_dim]
+            assert shards[0][name].shape[2] == tensor.shape[2] // 2
+            torch.testing.assert_close(torch.cat([s[name] for s in shards], dim=2), tensor,
+                                       atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("prefix_caching, backend", [(True, "uni"), (False, "uni"),
                                                      (True, "mp")])
 def test_consumer_loads_and_computes_the_tail(tiny_llama, tmp_path, plain, prefix_caching,
@@ -389,7 +424,6 @@ def test_bad_config_is_refused(value, needle):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"context_parallel_size": 2}, "context_parallel_size=2"),
     ({"async_scheduling": True}, "async_scheduling"),

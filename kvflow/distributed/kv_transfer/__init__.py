@@ -21,16 +21,19 @@ __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
 
 def make_kv_connector_scheduler(config: KVTransferConfig, block_size: int,
                                 kv_cache_dtype: str, model_key: str = "",
-                                long_prompt_threshold: int | None = None
-                                ) -> KVConnectorScheduler:
+                                long_prompt_threshold: int | None = None,
+                                tp_size: int = 1) -> KVConnectorScheduler:
     """The scheduler half of ``config.kv_connector`` (SharedStorageConnector: the config
-    refuses every other name); ``model_key`` and ``long_prompt_threshold`` as
+    refuses every other name); ``model_key``, ``long_prompt_threshold`` and ``tp_size`` as
     ``SharedStorageScheduler`` takes them."""
     return SharedStorageScheduler(config, block_size, kv_cache_dtype, model_key,
-                                  long_prompt_threshold)
+                                  long_prompt_threshold, tp_size)
 
 
 def make_kv_connector_worker(config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
-                             kv_tensors: KVTensors) -> KVConnectorWorker:
-    """The worker half of ``config.kv_connector`` over the runner's KV tensors."""
-    return SharedStorageWorker(config, block_size, kv_cache_dtype, kv_tensors)
+                             kv_tensors: KVTensors, tp_rank: int = 0,
+                             tp_size: int = 1) -> KVConnectorWorker:
+    """The worker half of ``config.kv_connector`` over the runner's KV tensors (of
+    tensor-parallel rank ``tp_rank`` of ``tp_size``)."""
+    return SharedStorageWorker(config, block_size, kv_cache_dtype, kv_tensors, tp_rank,
+                               tp_size)

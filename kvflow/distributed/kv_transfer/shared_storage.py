@@ -2,8 +2,10 @@
 each full prompt block's K/V to a folder shared by the instances; a consumer with the same
 model finds the blocks of a new prompt there and loads them instead of computing them.
 
-Storage: one safetensors file per KV block, ``{shared_storage_path}/{key}.safetensors``, with
-two tensors per attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
+Storage: one safetensors file per KV block, ``{shared_storage_path}/{key}.safetensors`` (under
+tensor parallelism one per rank, ``{key}.tp{size}_rank{rank}.safetensors``, holding the rank's
+KV heads; a block counts as stored once every rank's file is there), with two tensors per
+attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
 ``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
 and renamed, so a reader never sees half a block.
@@ -123,9 +125,17 @@ def request_block_keys(request: Request, block_size: int, kv_cache_dtype: str,
                                                                      start, end))
 
 
-def block_path(root: str, key: str) -> str:
-    """The file of the block stored under ``key``."""
-    return os.path.join(root, f"{key}.safetensors")
+def block_path(root: str, key: str, rank: int = 0, tp_size: int = 1) -> str:
+    """The file of the block stored under ``key``: ``{key}.safetensors``, or under tensor
+    parallelism the file of tensor-parallel rank ``rank`` of ``tp_size`` (its KV heads),
+    ``{key}.tp{tp_size}_rank{rank}.safetensors``."""
+    name = key if tp_size == 1 else f"{key}.tp{tp_size}_rank{rank}"
+    return os.path.join(root, f"{name}.safetensors")
+
+
+def is_stored(root: str, key: str, tp_size: int = 1) -> bool:
+    """Whether every tensor-parallel rank's file of block ``key`` is in ``root``."""
+    return all(os.path.exists(block_path(root, key, rank, tp_size)) for rank in range(tp_size))
 
 
 def takes_part(request: Request) -> bool:
@@ -151,12 +161,15 @@ class SharedStorageScheduler(KVConnectorScheduler):
         model_key: ``model_identity`` of the engine (part of every key).
         long_prompt_threshold: a LongRoPE model's original context (prompts longer than it
             are keyed apart), else None.
+        tp_size: tensor-parallel ranks (a block is stored once each has written its file).
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
-                 model_key: str = "", long_prompt_threshold: int | None = None) -> None:
+                 model_key: str = "", long_prompt_threshold: int | None = None,
+                 tp_size: int = 1) -> None:
         self.config, self.block_size, self.kv_cache_dtype = config, block_size, kv_cache_dtype
         self.model_key, self.long_prompt_threshold = model_key, long_prompt_threshold
+        self.tp_size = tp_size
         self.root = config.shared_storage_path
         os.makedirs(self.root, exist_ok=True)
         self._states: dict[str, _RequestState] = {}
@@ -180,7 +193,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
         found = first
-        while found < max_blocks and os.path.exists(block_path(self.root, keys[found])):
+        while found < max_blocks and is_stored(self.root, keys[found], self.tp_size):
             found += 1
         return (found - first) * self.block_size
 
@@ -220,7 +233,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         todo = []
         for i in range(state.num_saved, done):
             key = state.keys[i]
-            if key not in planned and not os.path.exists(block_path(self.root, key)):
+            if key not in planned and not is_stored(self.root, key, self.tp_size):
                 planned.add(key)
                 todo.append(i)
         state.num_saved = done
@@ -242,11 +255,14 @@ class SharedStorageWorker(KVConnectorWorker):
         block_size: tokens per KV block.
         kv_cache_dtype: the cache's dtype setting (checked against a loaded block's).
         kv_tensors: the runner's layer name -> (K/V, scales) tensors.
+        tp_rank: this worker's tensor-parallel rank (it moves its own KV heads' file).
+        tp_size: tensor-parallel ranks.
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
-                 kv_tensors: KVTensors) -> None:
+                 kv_tensors: KVTensors, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.root, self.block_size = config.shared_storage_path, block_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_tensors = kv_tensors
         os.makedirs(self.root, exist_ok=True)
@@ -261,7 +277,7 @@ class SharedStorageWorker(KVConnectorWorker):
         tensors = self.kv_tensors() if meta.loads else {}
         for transfer in meta.loads:
             for block_id, key in zip(transfer.block_ids, transfer.keys):
-                path = block_path(self.root, key)
+                path = block_path(self.root, key, self.tp_rank, self.tp_size)
                 try:
                     stored = load_file(path)
                 except FileNotFoundError:
@@ -277,7 +293,7 @@ class SharedStorageWorker(KVConnectorWorker):
         tensors = self.kv_tensors() if meta.saves else {}
         for transfer in meta.saves:
             for block_id, key in zip(transfer.block_ids, transfer.keys):
-                path = block_path(self.root, key)
+                path = block_path(self.root, key, self.tp_rank, self.tp_size)
                 if os.path.exists(path):  # another request or instance stored it meanwhile
                     continue
                 block: dict[str, torch.Tensor] = {}
