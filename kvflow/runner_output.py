@@ -43,6 +43,9 @@ class ModelRunnerOutput:
             request) this step, else 0: the step-cost model's draft cost per pass.
         pooler_output: request id -> the pooled vector of an embedding request whose prompt
             the step finished.
+        kv_load_failures: request id -> the storage key of the first of its blocks the KV
+            connector could not load this step (``kv_load_failure_policy="recompute"``; on
+            any rank): the scheduler recomputes it from there and drops its sampled tokens.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -52,7 +55,9 @@ class ModelRunnerOutput:
     draft_time_s: float = 0.0
     draft_pass_s: float = 0.0
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    kv_load_failures: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.req_ids and not self.prompt_logprobs and not self.pooler_output
+        return not self.req_ids and not self.prompt_logprobs and not self.pooler_output \
+            and not self.kv_load_failures

@@ -9,6 +9,7 @@ from typing import Any
 
 KV_CONNECTORS = ("SharedStorageConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # vLLM's other connectors: named in the refusal, so a copied command line says what is missing
 VLLM_ONLY_CONNECTORS = ("NixlConnector", "P2pNcclConnector", "LMCacheConnectorV1",
                         "LMCacheMPConnector", "MultiConnector", "OffloadingConnector",
@@ -31,6 +32,10 @@ class KVTransferConfig:
             the KV found in storage) or ``kv_both`` (both).
         kv_connector_extra_config: the connector's own keys; SharedStorageConnector reads
             ``shared_storage_path`` (the folder, created if missing; default ``/tmp``).
+        kv_load_failure_policy: what a block that cannot be loaded (its file gone, corrupt
+            or of another layout) does: ``recompute`` (the default, as vLLM's: its request
+            computes it and what follows) or ``fail`` (the step fails, its requests are
+            aborted).
 
     Raises:
         ValueError: from the constructor, naming the field, for a missing or unknown
@@ -41,6 +46,7 @@ class KVTransferConfig:
     kv_connector: str | None = None
     kv_role: str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         name = self.kv_connector
@@ -53,6 +59,10 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config kv_role={self.kv_role!r} is invalid; "
                              f"choose one of {list(KV_ROLES)}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config kv_load_failure_policy="
+                             f"{self.kv_load_failure_policy!r} is invalid; choose one of "
+                             f"{list(KV_LOAD_FAILURE_POLICIES)}")
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)

@@ -220,6 +220,12 @@ class BlockPool:
         self.kv_events = []
         return events
 
+    def uncache(self, blocks: list[KVCacheBlock]) -> None:
+        """Forget the cached prefix of each of ``blocks`` (free or held; ``BlockRemoved``
+        for a published one)."""
+        for block in blocks:
+            self._evict_hash(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by free blocks (used blocks keep their hashes).
         With events on: ``AllBlocksCleared`` when no published block is left, else one

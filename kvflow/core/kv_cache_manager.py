@@ -323,6 +323,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def uncache_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks (ids of group 0) out of the prefix cache: their K/V are not
+        what their hashes say (a KV connector load that failed)."""
+        self.pool.uncache([self.pool.blocks[i] for i in sorted(block_ids)])
+
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes of every free block (blocks a request holds keep
         theirs: see ``EngineCore.reset_prefix_cache``, ``BlockPool.reset_prefix_cache``)."""

@@ -27,6 +27,9 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
     track, planner = sched.track_in_flight, sched.planner
     _keep_prompt_logprobs(requests, runner_output)
     sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+    if runner_output.kv_load_failures:  # their tokens came from K/V that never arrived
+        for rid in recompute_failed_loads(sched, runner_output.kv_load_failures):
+            sampled.pop(rid, None)
     spec_tokens = sched_out.scheduled_spec_decode_tokens
     slos, now = planner.slos, sched.clock()
     pooled = runner_output.pooler_output
@@ -68,6 +71,47 @@ def update_from_output(sched: Scheduler, sched_out: SchedulerOutput,
         elif num_drafts:
             _free_rejected_blocks(sched, request)
     return outputs
+
+
+def recompute_failed_loads(sched: Scheduler, failures: dict[str, str]) -> set[str]:
+    """``kv_load_failure_policy="recompute"``: the KV connector could not load the blocks
+    ``failures`` names (request id -> the key of its first block not loaded), so the step
+    read whatever those blocks held. The connector never offers those keys again; each such
+    request, and each running one holding one of those blocks or a later block of theirs (a
+    prefix-cache hit on them), goes back to the waiting queue as a recompute preemption does
+    (its readmission loads what storage still has and computes the rest; its cached-token
+    count is taken again), and the blocks from the first bad one on leave the prefix cache.
+    Returns the requests sent back (their sampled tokens are dropped)."""
+    kv, victims = sched.kv, {}
+    for rid, key in failures.items():
+        request = sched.requests.get(rid)
+        if request is not None and request.status == RequestStatus.RUNNING:
+            victims[rid] = sched.connector.load_failed(request, key)
+    bad: set[int] = set()
+    while True:  # until no other running request holds a bad block
+        bad = {b for rid, i in victims.items() for b in kv.get_block_ids(rid)[0][i:] if b}
+        more = {}
+        for request in sched.running:
+            if request.request_id not in victims:
+                ids = kv.get_block_ids(request.request_id)[0]
+                hit = next((i for i, b in enumerate(ids) if b in bad), None)
+                if hit is not None:
+                    more[request.request_id] = hit
+        if not more:
+            break
+        victims.update(more)
+    for rid in victims:
+        request = sched.requests[rid]
+        sched.running.remove(request)
+        kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1  # counted again at its readmission
+        if request.mm_features is not None:
+            sched.encoder.release(request)
+        request.status = RequestStatus.PREEMPTED
+        sched.waiting.add(request)
+    kv.uncache_blocks(bad)
+    return set(victims)
 
 
 def discard_failed_steps(sched: Scheduler, outs: list[SchedulerOutput]) -> None:

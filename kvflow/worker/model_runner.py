@@ -25,6 +25,7 @@ from kvflow.distributed.kv_transfer import KVConnectorWorker
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_threads import AdaptiveThreads, CallerPin
 from kvflow.kv_cache_interface import KVCacheConfig
+from kvflow.kv_connector_meta import KVConnectorMetadata
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.layers.sampler import Sampler
 from kvflow.logits_process import LOGITS_PROCESSORS_FLAG, load_logits_processors
@@ -93,6 +94,7 @@ class ModelRunner(RunnerKVCache):
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv: HostKVCache | None = None  # swap preemption's host pool
         self.kv_connector: KVConnectorWorker | None = None  # --kv-transfer-config
+        self._kv_load_failures: dict[str, str] = {}  # the launched step's, for its output
         self.kv_cache_config: KVCacheConfig | None = None
         self.graph_runner = None
         self.counters = ForwardCounters()  # tokens and seconds in the forward (statistics)
@@ -224,8 +226,8 @@ class ModelRunner(RunnerKVCache):
             self.host_kv.swap_out(sched.blocks_to_swap_out)
             self.host_kv.swap_in(sched.blocks_to_swap_in)
         connector_meta = sched.kv_connector_metadata if self.kv_connector is not None else None
-        if connector_meta is not None:  # KV transfer: stored blocks in before the forward
-            self.kv_connector.start_load_kv(connector_meta)
+        if connector_meta is not None and connector_meta.loads:  # KV transfer: stored
+            self._kv_load_failures = self._load_kv(connector_meta)  # blocks in, then forward
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
                       self.lora_manager, self.mm_runner)
         self._step, self._proposed = None, {}
@@ -277,14 +279,32 @@ class ModelRunner(RunnerKVCache):
                                         self.requests)
 
     def collect_output(self) -> ModelRunnerOutput:
-        """Copy the last sampled tokens to the host (waits for the device) and return them."""
+        """Copy the last sampled tokens to the host (waits for the device) and return them
+        (with the KV connector's failed loads of the step)."""
         pending, self._pending = self._pending, None
-        return collect_pending(pending, self.input_batch)
+        out = collect_pending(pending, self.input_batch)
+        if self._kv_load_failures:
+            out.kv_load_failures, self._kv_load_failures = self._kv_load_failures, {}
+        return out
+
+    def _load_kv(self, meta: KVConnectorMetadata) -> dict[str, str]:
+        """The KV connector's loads of the step; returns request id -> the key of its first
+        block some tensor-parallel rank could not load (every rank learns every rank's)."""
+        first_bad = self.kv_connector.start_load_kv(meta)
+        tp = self.parallel.tp
+        if tp.world_size > 1:  # the earliest failure over the ranks, per transfer
+            mine = torch.tensor(first_bad, dtype=torch.int64, device=self.device)
+            every = tp.all_gather(mine, dim=0).view(tp.world_size, -1).cpu()
+            first_bad = torch.where(every < 0, torch.iinfo(torch.int64).max, every
+                                    ).min(dim=0).values.tolist()
+            first_bad = [-1 if i == torch.iinfo(torch.int64).max else i for i in first_bad]
+        return {t.req_id: t.keys[i] for t, i in zip(meta.loads, first_bad) if i >= 0}
 
     def discard_output(self) -> None:
         """Drop a launched or sampled step that will not be collected (the engine aborted its
         requests, whose rows go with the next step's finished ids)."""
         self._step = self._pending = None
+        self._kv_load_failures = {}
         if self.input_batch is not None:
             self.input_batch.pending_sample[:] = -1
 

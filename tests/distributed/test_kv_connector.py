@@ -399,6 +399,78 @@ def test_lora_requests_load_their_adapters_blocks(tiny_llama, tmp_path):
         assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapter, prompt)
 
 
+def _spoil_after_lookup(llm: LLM, path: str, spoil) -> None:
+    """Run ``spoil(path)`` once, right after the step that first plans a load is scheduled
+    (the lookup found the file; the worker has not read it yet)."""
+    connector = llm.engine.core.scheduler.connector
+    build = connector.build_connector_meta
+    done = []
+
+    def build_then_spoil(*args):
+        meta = build(*args)
+        if meta.loads and not done:
+            spoil(path)
+            done.append(path)
+        return meta
+
+    connector.build_connector_meta = build_then_spoil
+
+
+def _corrupt(path: str) -> None:
+    with open(path, "r+b") as f:  # its safetensors header
+        f.write(b"\xff" * 64)
+
+
+@pytest.mark.parametrize("spoil", ["delete", "corrupt"])
+def test_block_gone_after_lookup_is_recomputed(tiny_llama, tmp_path, plain, spoil,
+                                               assert_no_leaks):
+    """A stored block deleted (or overwritten with garbage) between the lookup and the load:
+    with the default ``kv_load_failure_policy`` its request, and the one holding it through a
+    prefix-cache hit (the 4th prompt shares the 1st's first 2 blocks), are recomputed from it.
+    At readmission the 1st finds its block 0 only; the 4th hits the 1st's blocks 0 and 1 (now
+    computed) and loads its own 3 later blocks, still good. Every output is the plain run's."""
+    prompts = _prompts(tiny_llama.vocab_size)
+    _, model_key = _produce(tiny_llama.path, str(tmp_path), prompts)
+    bad = block_path(str(tmp_path), block_keys(prompts[0], BLOCK_SIZE, "auto", model_key)[1])
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer")
+    if spoil == "delete":
+        _spoil_after_lookup(consumer, bad, os.remove)
+    else:
+        _spoil_after_lookup(consumer, bad, _corrupt)
+    try:
+        outs = _generate(consumer, prompts)
+        assert [o.metrics.num_cached_tokens for o in outs] == \
+            [BLOCK_SIZE, _loaded_tokens(prompts[1]), 0, _loaded_tokens(prompts[3])]
+        # the 4th was sent back too: it loaded (or hit) its first 2 blocks twice
+        assert consumer.engine.core.scheduler.connector.num_loaded_blocks == 3 + 3 + 3 + 3
+        _assert_same_logprobs(outs, plain)
+        assert_no_leaks(consumer)
+        consumer.reset_prefix_cache()  # storage only: a corrupt file is not offered again
+        again = _generate(consumer, prompts[:1])
+        assert again[0].metrics.num_cached_tokens == BLOCK_SIZE
+        assert consumer.engine.core.scheduler.connector.num_loaded_blocks == 12 + 1
+        _assert_same_logprobs(again, plain[:1])
+    finally:
+        consumer.shutdown()
+
+
+def test_fail_policy_fails_the_step(tiny_llama, tmp_path):
+    """``kv_load_failure_policy="fail"``: a block deleted after the lookup fails the step,
+    naming the block."""
+    prompt = _prompts(tiny_llama.vocab_size)[0]
+    _, model_key = _produce(tiny_llama.path, str(tmp_path), [prompt])
+    key = block_keys(prompt, BLOCK_SIZE, "auto", model_key)[1]
+    consumer = LLM(model=tiny_llama.path, dtype="float32", block_size=BLOCK_SIZE,
+                   num_kv_blocks=64, kv_transfer_config={
+                       **_kv(str(tmp_path), "kv_consumer"), "kv_load_failure_policy": "fail"})
+    _spoil_after_lookup(consumer, block_path(str(tmp_path), key), os.remove)
+    try:
+        with pytest.raises(ValueError, match=f"block {key} .* before it was loaded"):
+            consumer.generate({"prompt_token_ids": prompt}, PREFILL, use_tqdm=False)
+    finally:
+        consumer.shutdown()
+
+
 @pytest.mark.parametrize("value, needle", [
     ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "'NixlConnector' is not available"),
     ({"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}, "P2pNcclConnector"),
@@ -407,6 +479,8 @@ def test_lora_requests_load_their_adapters_blocks(tiny_llama, tmp_path):
     ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, "OffloadingConnector"),
     ({"kv_connector": "Nope", "kv_role": "kv_both"}, "kv_connector='Nope' is unknown"),
     ({"kv_role": "kv_both"}, "kv_connector=None"),
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "retry"}, "kv_load_failure_policy='retry'"),
     ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_prefill"}, "kv_role='kv_prefill'"),
     ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", "kv_port": 1},
      r"unknown or unsupported key\(s\) \['kv_port'\]"),

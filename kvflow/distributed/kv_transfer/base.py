@@ -63,6 +63,12 @@ class KVConnectorScheduler(ABC):
         a request id -> its group-0 block table."""
 
     @abstractmethod
+    def load_failed(self, request: Request, key: str) -> int:
+        """The worker could not load ``request``'s block ``key`` (nor any after it): never
+        offer that key again. Returns the block's index in the request's prompt blocks (the
+        request is recomputed from there)."""
+
+    @abstractmethod
     def request_finished(self, request: Request) -> None:
         """The request left the engine (finished or aborted; its blocks are freed now, after
         any save of an earlier step ran): drop its state."""
@@ -72,11 +78,16 @@ class KVConnectorWorker(ABC):
     """The worker half: moves blocks between the KV cache and storage on the runner."""
 
     @abstractmethod
-    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+    def start_load_kv(self, meta: KVConnectorMetadata) -> list[int]:
         """Fill ``meta.loads``' blocks from storage (before the forward pass; synchronous).
 
+        Returns:
+            per transfer of ``meta.loads``, the index of its first block that could not be
+            loaded, or -1 (``kv_load_failure_policy="recompute"``).
+
         Raises:
-            ValueError: if a block is missing from storage or does not fit this KV cache."""
+            ValueError: with ``kv_load_failure_policy="fail"``, if a block is missing from
+                storage or does not fit this KV cache."""
 
     @abstractmethod
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:

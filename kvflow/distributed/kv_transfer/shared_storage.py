@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kvflow.config.kv_transfer import KVTransferConfig
@@ -48,6 +50,7 @@ from kvflow.distributed.kv_transfer.base import (
 from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
 
+logger = logging.getLogger(__name__)
 # builds the prefix cache's extra keys in vLLM's tagged form (never hashes with it)
 _EXTRA_KEYS = BlockHasher("sha256_cbor", none_hash_seed="")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -174,6 +177,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         os.makedirs(self.root, exist_ok=True)
         self._states: dict[str, _RequestState] = {}
         self._loads: list[BlockTransfer] = []
+        self._bad_keys: set[str] = set()  # blocks a worker failed to load: never offered again
         self.num_loaded_blocks = 0  # statistics: blocks loaded / saved since start
         self.num_saved_blocks = 0
 
@@ -193,7 +197,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
         found = first
-        while found < max_blocks and is_stored(self.root, keys[found], self.tp_size):
+        while found < max_blocks and keys[found] not in self._bad_keys and \
+                is_stored(self.root, keys[found], self.tp_size):
             found += 1
         return (found - first) * self.block_size
 
@@ -243,6 +248,12 @@ class SharedStorageScheduler(KVConnectorScheduler):
         return BlockTransfer(request.request_id, [table[i] for i in todo],
                              [state.keys[i] for i in todo])
 
+    def load_failed(self, request: Request, key: str) -> int:
+        self._bad_keys.add(key)
+        state = self._state(request)
+        state.num_saved = 0  # a producer stores what the recompute writes (files left out)
+        return state.keys.index(key)
+
     def request_finished(self, request: Request) -> None:
         self._states.pop(request.request_id, None)
 
@@ -263,31 +274,59 @@ class SharedStorageWorker(KVConnectorWorker):
                  kv_tensors: KVTensors, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.root, self.block_size = config.shared_storage_path, block_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.fail_on_load_error = config.kv_load_failure_policy == "fail"
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_tensors = kv_tensors
         os.makedirs(self.root, exist_ok=True)
 
-    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+    def start_load_kv(self, meta: KVConnectorMetadata) -> list[int]:
         """Copy each block of ``meta.loads`` from its file into its block of every layer.
 
+        Returns:
+            per transfer of ``meta.loads``, the index of its first block that could not be
+            loaded (its file gone, unreadable, or of another shape or dtype), or -1; the
+            blocks after it are not loaded (``kv_load_failure_policy="recompute"``).
+
         Raises:
-            ValueError: if a file is gone, or holds tensors of another shape or dtype
-                (``_copy_in``).
+            ValueError: with ``kv_load_failure_policy="fail"``, naming the block and file.
         """
         tensors = self.kv_tensors() if meta.loads else {}
+        failed = []
         for transfer in meta.loads:
-            for block_id, key in zip(transfer.block_ids, transfer.keys):
-                path = block_path(self.root, key, self.tp_rank, self.tp_size)
+            first_bad = -1
+            for i, (block_id, key) in enumerate(zip(transfer.block_ids, transfer.keys)):
                 try:
-                    stored = load_file(path)
-                except FileNotFoundError:
-                    raise ValueError(f"SharedStorageConnector: block {key} of request "
-                                     f"{transfer.req_id!r} left {self.root} before it was "
-                                     "loaded") from None
-                for name, (kv, scales) in tensors.items():
-                    _copy_in(kv, stored, f"{name}.kv", block_id, path)
-                    if scales is not None:
-                        _copy_in(scales, stored, f"{name}.kv_scales", block_id, path)
+                    self._load_block(tensors, transfer.req_id, block_id, key)
+                except ValueError as e:
+                    if self.fail_on_load_error:
+                        raise
+                    logger.warning("%s; its request computes it", e)
+                    first_bad = i
+                    break
+            failed.append(first_bad)
+        return failed
+
+    def _load_block(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                    req_id: str, block_id: int, key: str) -> None:
+        """Block ``block_id`` of every layer <- the file of ``key``.
+
+        Raises:
+            ValueError: naming the file, if it is gone, unreadable, or holds tensors of
+                another shape or dtype (``_copy_in``).
+        """
+        path = block_path(self.root, key, self.tp_rank, self.tp_size)
+        try:
+            stored = load_file(path)
+        except FileNotFoundError:
+            raise ValueError(f"SharedStorageConnector: block {key} of request {req_id!r} "
+                             f"left {self.root} before it was loaded") from None
+        except (SafetensorError, OSError) as e:  # a truncated, corrupt or unreadable file
+            raise ValueError(f"SharedStorageConnector: {path} (block of request {req_id!r}) "
+                             f"cannot be read: {e}") from None
+        for name, (kv, scales) in tensors.items():
+            _copy_in(kv, stored, f"{name}.kv", block_id, path)
+            if scales is not None:
+                _copy_in(scales, stored, f"{name}.kv_scales", block_id, path)
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         tensors = self.kv_tensors() if meta.saves else {}
