@@ -137,7 +137,7 @@ def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, 
     """TP=2 (two CPU worker processes): each rank stores its own KV heads' file of every
     block, which side by side are the TP=1 block; a repeat of the prompts (kv_both, no
     prefix caching) loads them on both ranks and decodes the TP=1 plain run's tokens and
-    logprobs."""
+    logprobs; a block one rank fails to load is recomputed on both."""
     prompts = _prompts(tiny_llama.vocab_size)
     _, model_key = _produce(tiny_llama.path, str(tmp_path / "tp1"), prompts[:1])
     llm = _llm(tiny_llama.path, str(tmp_path / "tp2"), enable_prefix_caching=False,
@@ -151,12 +151,18 @@ def test_tensor_parallel_ranks_store_and_load_their_heads(tiny_llama, tmp_path, 
             [_loaded_tokens(p) for p in prompts]
         _assert_same_logprobs(first, plain)
         _assert_same_logprobs(again, plain)
+        # rank 1's file of block 1 gone after the lookup: rank 0 learns it too, the request
+        # is recomputed from block 1 on both ranks
+        keys = block_keys(prompts[0], BLOCK_SIZE, "auto", model_key)
+        _spoil_after_lookup(llm, block_path(str(tmp_path / "tp2"), keys[1], 1, 2), os.remove)
+        third = _generate(llm, prompts[:1])
+        assert third[0].metrics.num_cached_tokens == BLOCK_SIZE
+        _assert_same_logprobs(third, plain[:1])
         assert_no_leaks(llm)
     finally:
         llm.shutdown()
-    keys = block_keys(prompts[0], BLOCK_SIZE, "auto", model_key)
     assert not os.path.exists(block_path(str(tmp_path / "tp2"), keys[0]))  # only rank files
-    for key in keys:
+    for key in keys[:1] + keys[2:]:  # block 1's rank-1 file was deleted
         whole = load_file(block_path(str(tmp_path / "tp1"), key))
         shards = [load_file(block_path(str(tmp_path / "tp2"), key, rank, 2))
                   for rank in range(2)]
