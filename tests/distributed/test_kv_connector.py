@@ -27,6 +27,8 @@ from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
 from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
 from tests.lora.adapters import make_adapter, peft_greedy
+from tests.test_prompt_embeds import MAX_TOKENS as EMBEDS_MAX_TOKENS
+from tests.test_prompt_embeds import _assert_matches_hf as embeds_hf_check
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 5
@@ -403,6 +405,36 @@ def test_lora_requests_load_their_adapters_blocks(tiny_llama, tmp_path):
     assert [o.metrics.num_cached_tokens for o in outs] == [_loaded_tokens(prompt), 0, 0]
     for out, adapter in zip(outs, [adapters["a"], adapters["b"], None]):
         assert out.outputs[0].token_ids == peft_greedy(tiny_llama.path, adapter, prompt)
+
+
+def test_prompt_embeds_requests_load_their_embeddings_blocks(tiny_llama, tmp_path):
+    """A prompt given as embeddings: its blocks are keyed by the embeddings' digest, so the
+    same embeddings load them (outputs equal transformers' ``inputs_embeds`` run and a plain
+    engine's logprobs) and other embeddings of the same length load nothing."""
+    gen = torch.Generator().manual_seed(11)
+    embeds = [0.5 * torch.randn(14, 64, generator=gen) for _ in range(2)]
+    prompts = [{"prompt_embeds": e} for e in embeds]
+    producer = _llm(tiny_llama.path, str(tmp_path), "kv_producer", enable_prompt_embeds=True)
+    try:
+        producer.generate(prompts[:1], PREFILL, use_tqdm=False)
+    finally:
+        producer.shutdown()
+    params = SamplingParams(temperature=0, max_tokens=EMBEDS_MAX_TOKENS, ignore_eos=True,
+                            logprobs=2)
+    plain_llm = _llm(tiny_llama.path, None, enable_prompt_embeds=True)
+    try:
+        want = plain_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain_llm.shutdown()
+    consumer = _llm(tiny_llama.path, str(tmp_path), "kv_consumer", enable_prompt_embeds=True)
+    try:
+        outs = consumer.generate(prompts, params, use_tqdm=False)
+    finally:
+        consumer.shutdown()
+    assert [o.metrics.num_cached_tokens for o in outs] == [12, 0]
+    _assert_same_logprobs(outs, want)
+    for out, e in zip(outs, embeds):
+        embeds_hf_check(tiny_llama, e, out.outputs[0].token_ids)
 
 
 def _spoil_after_lookup(llm: LLM, path: str, spoil) -> None:

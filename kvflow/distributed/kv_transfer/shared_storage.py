@@ -16,13 +16,14 @@ the model's identity (``model_identity``: its effective config, dtype, quantizat
 weight files), the block size and the KV-cache dtype. ``extra_i`` is the canonical CBOR of
 the block's extra keys as the prefix cache builds them for vLLM's hashes
 (``core/block_hashing.py``): the LoRA adapter's name and folder, each image overlapping the
-block (its content digest and offset), the ``cache_salt`` on block 0, a prompt past a
-LongRoPE model's original context. So a block is shared by every request with the same
+block (its content digest and offset), the ``cache_salt`` on block 0, the prompt
+embeddings' digest, a prompt past a LongRoPE model's original context. So a block is shared by every request with the same
 tokens, adapter, images and salt up to its end (a prefix), and another model, another cache
 layout, another adapter or image, never matches.
 
-Which requests take part: every generation request but those with prompt embeddings, asking
-for prompt logprobs (they need every prompt token computed) or pooling.
+Which requests take part: every generation request (prompt embeddings too: their digest is an
+extra key of every block) but those asking for prompt logprobs (they need every prompt token
+computed); no pooling request.
 """
 
 from __future__ import annotations
@@ -143,8 +144,7 @@ def is_stored(root: str, key: str, tp_size: int = 1) -> bool:
 
 def takes_part(request: Request) -> bool:
     """Whether the connector loads or saves ``request``'s blocks (see the module)."""
-    return request.prompt_embeds is None and request.pooling_params is None and \
-        not request.skips_prefix_cache
+    return request.pooling_params is None and not request.skips_prefix_cache
 
 
 @dataclass
