@@ -202,6 +202,24 @@ class BlockHasher:
         return tuple(keys) if keys else None
 
 
+def connector_extra_keys(long_prompt_threshold: int | None
+                         ) -> Callable[[Request], Callable[[int, int], Any]]:
+    """The KV connector's block extra keys (``distributed/kv_transfer/shared_storage.py``):
+    a request -> ``(start, end)`` -> the extra key ``block_extra_key`` gives its block
+    ``[start, end)`` in vLLM's tagged form (LoRA name and path, images, salt, prompt
+    embeddings, the LongRoPE mark for a prompt longer than ``long_prompt_threshold``; never
+    the siblings key: storage is shared). Nested tuples of str and int, or None."""
+    hasher = BlockHasher("sha256_cbor", none_hash_seed="")
+
+    def of(request: Request) -> Callable[[int, int], Any]:
+        long_prompt = long_prompt_threshold is not None and \
+            request.num_prompt_tokens > long_prompt_threshold
+        request_key = hasher.request_key(request, True, long_prompt)
+        return lambda start, end: hasher.block_extra_key(request_key, request, start, end)
+
+    return of
+
+
 def event_extra_keys(request: Request, start: int, end: int) -> tuple[Any, ...] | None:
     """The extra keys of the request's block ``[start, end)`` as vLLM's
     ``BlockStored.extra_keys`` carries them (untagged, whatever the hash algorithm): the LoRA

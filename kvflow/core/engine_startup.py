@@ -9,7 +9,7 @@ import logging
 from collections import deque
 
 from kvflow.config import EngineConfig, SchedulerConfig
-from kvflow.core.block_hashing import BlockHasher
+from kvflow.core.block_hashing import BlockHasher, connector_extra_keys
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -290,7 +290,7 @@ class EngineCoreStartup:
                                    self.config.model_config)
         self.scheduler.connector = make_kv_connector_scheduler(
             kt, cc.block_size, cc.kv_cache_dtype, model_key,
-            rope.original if rope is not None else None,
+            connector_extra_keys(rope.original if rope is not None else None),
             self.config.parallel_config.tensor_parallel_size)
 
     def _init_structured_output(self) -> None:

@@ -11,6 +11,7 @@ from kvflow.distributed.kv_transfer.base import (
     KVTensors,
 )
 from kvflow.distributed.kv_transfer.shared_storage import (
+    ExtraKeys,
     SharedStorageScheduler,
     SharedStorageWorker,
 )
@@ -21,13 +22,13 @@ __all__ = ["KVConnectorScheduler", "KVConnectorWorker", "KVTensors",
 
 def make_kv_connector_scheduler(config: KVTransferConfig, block_size: int,
                                 kv_cache_dtype: str, model_key: str = "",
-                                long_prompt_threshold: int | None = None,
+                                extra_keys: ExtraKeys | None = None,
                                 tp_size: int = 1) -> KVConnectorScheduler:
     """The scheduler half of ``config.kv_connector`` (SharedStorageConnector: the config
-    refuses every other name); ``model_key``, ``long_prompt_threshold`` and ``tp_size`` as
+    refuses every other name); ``model_key``, ``extra_keys`` and ``tp_size`` as
     ``SharedStorageScheduler`` takes them."""
     return SharedStorageScheduler(config, block_size, kv_cache_dtype, model_key,
-                                  long_prompt_threshold, tp_size)
+                                  extra_keys, tp_size)
 
 
 def make_kv_connector_worker(config: KVTransferConfig, block_size: int, kv_cache_dtype: str,

@@ -11,11 +11,11 @@ attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
 and renamed, so a reader never sees half a block.
 
 Keys: the key of block ``i`` is a SHA-256 chain over everything its K/V depends on:
-``key_i = sha256(key_{i-1} || int64 tokens of block i || extra_i)``, starting from a digest of
+``key_i = sha256(key_{i-1} || int64 tokens of block i || repr(extra_i))``, starting from a digest of
 the model's identity (``model_identity``: its effective config, dtype, quantization and
-weight files), the block size and the KV-cache dtype. ``extra_i`` is the canonical CBOR of
-the block's extra keys as the prefix cache builds them for vLLM's hashes
-(``core/block_hashing.py``): the LoRA adapter's name and folder, each image overlapping the
+weight files), the block size and the KV-cache dtype. ``extra_i`` is the block's extra key
+as the prefix cache builds it for vLLM's hashes (``core/block_hashing.py``
+``connector_extra_keys``, handed in by the engine): the LoRA adapter's name and folder, each image overlapping the
 block (its content digest and offset), the ``cache_salt`` on block 0, the prompt
 embeddings' digest, a prompt past a LongRoPE model's original context. So a block is shared by every request with the same
 tokens, adapter, images and salt up to its end (a prefix), and another model, another cache
@@ -42,7 +42,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kvflow.config.kv_transfer import KVTransferConfig
-from kvflow.core.block_hashing import BlockHasher, cbor_canonical
 from kvflow.distributed.kv_transfer.base import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -52,8 +51,8 @@ from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
 from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
-# builds the prefix cache's extra keys in vLLM's tagged form (never hashes with it)
-_EXTRA_KEYS = BlockHasher("sha256_cbor", none_hash_seed="")
+# request -> (start, end) -> the extra key of the request's block [start, end)
+ExtraKeys = Callable[[Request], Callable[[int, int], Any]]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE_BYTES = 1 << 20
 
@@ -101,7 +100,8 @@ def block_keys(tokens: Sequence[int], block_size: int, kv_cache_dtype: str,
         kv_cache_dtype: the cache's dtype setting.
         model_key: ``model_identity`` of the engine.
         extra_key: ``(start, end)`` -> the extra key of the block of positions
-            ``[start, end)`` (None, str, int, bytes and tuples of them), or None for none.
+            ``[start, end)`` (None, or nested tuples of str and int: hashed by ``repr``), or
+            None for none.
     """
     seed = f"kvflow-shared-storage-v2|{model_key}|{block_size}|{kv_cache_dtype}"
     parent = hashlib.sha256(seed.encode()).digest()
@@ -110,23 +110,10 @@ def block_keys(tokens: Sequence[int], block_size: int, kv_cache_dtype: str,
     for i in range(len(ids) // block_size):
         start, end = i * block_size, (i + 1) * block_size
         extra = None if extra_key is None else extra_key(start, end)
-        parent = hashlib.sha256(parent + ids[start:end].tobytes() + cbor_canonical(extra)
+        parent = hashlib.sha256(parent + ids[start:end].tobytes() + repr(extra).encode()
                                 ).digest()
         keys.append(parent.hex())
     return keys
-
-
-def request_block_keys(request: Request, block_size: int, kv_cache_dtype: str,
-                       model_key: str = "", long_prompt_threshold: int | None = None
-                       ) -> list[str]:
-    """``block_keys`` of the request's prompt with the prefix cache's extra keys (adapter,
-    images, salt, LongRoPE mark past ``long_prompt_threshold`` prompt tokens)."""
-    long_prompt = long_prompt_threshold is not None and \
-        request.num_prompt_tokens > long_prompt_threshold
-    request_key = _EXTRA_KEYS.request_key(request, True, long_prompt)
-    return block_keys(request.prompt_token_ids, block_size, kv_cache_dtype, model_key,
-                      lambda start, end: _EXTRA_KEYS.block_extra_key(request_key, request,
-                                                                     start, end))
 
 
 def block_path(root: str, key: str, rank: int = 0, tp_size: int = 1) -> str:
@@ -162,16 +149,16 @@ class SharedStorageScheduler(KVConnectorScheduler):
         block_size: tokens per KV block.
         kv_cache_dtype: the cache's dtype setting (part of every key).
         model_key: ``model_identity`` of the engine (part of every key).
-        long_prompt_threshold: a LongRoPE model's original context (prompts longer than it
-            are keyed apart), else None.
+        extra_keys: a request -> its blocks' extra keys (``core/block_hashing.py``
+            ``connector_extra_keys``: adapter, images, salt, ...), or None (tokens only).
         tp_size: tensor-parallel ranks (a block is stored once each has written its file).
     """
 
     def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_dtype: str,
-                 model_key: str = "", long_prompt_threshold: int | None = None,
+                 model_key: str = "", extra_keys: ExtraKeys | None = None,
                  tp_size: int = 1) -> None:
         self.config, self.block_size, self.kv_cache_dtype = config, block_size, kv_cache_dtype
-        self.model_key, self.long_prompt_threshold = model_key, long_prompt_threshold
+        self.model_key, self.extra_keys = model_key, extra_keys
         self.tp_size = tp_size
         self.root = config.shared_storage_path
         os.makedirs(self.root, exist_ok=True)
@@ -184,8 +171,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
-            keys = request_block_keys(request, self.block_size, self.kv_cache_dtype,
-                                      self.model_key, self.long_prompt_threshold)
+            keys = block_keys(request.prompt_token_ids, self.block_size, self.kv_cache_dtype,
+                              self.model_key, None if self.extra_keys is None
+                              else self.extra_keys(request))
             state = self._states[request.request_id] = _RequestState(keys)
         return state
 
