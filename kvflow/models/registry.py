@@ -28,6 +28,7 @@ from kvflow.models.llama import (
     sequence_classifier,
     token_classifier,
 )
+from kvflow.models.llava import LlavaForConditionalGeneration
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
@@ -56,6 +57,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # embedding (pooling) models: an encoder, and bare decoders without an LM head
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,

@@ -110,7 +110,13 @@ class MultiModalProcessor:
         self.config = config
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(getattr(image_processor, "merge_size", 1))
-        self.patch_size = int(getattr(image_processor, "patch_size", 1))
+        # a fixed-size processor (CLIP's, for LLaVA) has no patch size: the encoder's is used
+        # to cut its output, and any image it can resize is taken
+        self.resizes_freely = getattr(image_processor, "patch_size", None) is None
+        self.patch_size = int(getattr(image_processor, "patch_size", None)
+                              or _vision_field(hf_config, "patch_size") or 1)
+        self.hf_config = hf_config
+        self.token_count = _image_token_count(hf_config)
         self.temporal_patch_size = int(getattr(image_processor, "temporal_patch_size", 1))
         self.placeholder = _placeholder_text(tokenizer, hf_config, self.image_token_id)
         video = getattr(hf_config, "video_token_id", None)
@@ -194,6 +200,8 @@ class MultiModalProcessor:
             e.image_index = index
             raise e from None
         length = grid[0] * grid[1] * grid[2] // self.merge ** 2
+        if self.token_count is not None:
+            length = self.token_count(self.hf_config, grid)
         if not is_video:
             return _feature("image", pixels, grid, offset, length)
         return _feature("video", pixels, grid, offset, length,
@@ -211,7 +219,7 @@ class MultiModalProcessor:
             raise MediaError(f"images must be PIL.Image.Image objects, got "
                              f"{type(image).__name__}")
         width, height = image.size
-        if min(width, height) < self.patch_size:
+        if not self.resizes_freely and min(width, height) < self.patch_size:
             raise MediaError(f"the image is {width} x {height} pixels; each side must be at "
                              f"least {self.patch_size} pixels (one vision patch)")
         image = check_image(image, self.config)
@@ -220,6 +228,9 @@ class MultiModalProcessor:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200
             raise MediaError(f"the image cannot be preprocessed: {e}") from None
+        if "image_grid_thw" not in out:  # one fixed-size image [1, channels, H, W]
+            return patch_rows(np.asarray(out["pixel_values"][0], np.float32),
+                              self.patch_size, _vision_field(self.hf_config, "image_size"))
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return np.ascontiguousarray(out["pixel_values"], np.float32), grid
 
@@ -251,6 +262,50 @@ class MultiModalProcessor:
                                        self.temporal_patch_size)
         grid_t = -(-len(frames) // self.temporal_patch_size)
         return rows, (grid_t, grid[1], grid[2])
+
+
+def patch_rows(pixels: np.ndarray, patch: int, image_size: int | None = None
+               ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One preprocessed image float32 [channels, H, W] -> (rows float32 [(H / patch) *
+    (W / patch), channels * patch^2], (1, H / patch, W / patch)): the patches in row-major
+    order, each in (channel, row, column) order (a patch-embedding convolution's weight
+    layout).
+
+    Raises:
+        MediaError: if H or W is not a multiple of ``patch`` or, with ``image_size``, not
+            ``image_size`` (the encoder's position embeddings cover that size only: the
+            image processor does not fit the model).
+    """
+    c, height, width = pixels.shape
+    if height % patch or width % patch or (image_size and (height, width) !=
+                                           (image_size, image_size)):
+        expected = f"{image_size} x {image_size}" if image_size else \
+            f"a multiple of {patch} per side"
+        raise MediaError(f"the image processor made a {width} x {height} image; the vision "
+                         f"encoder takes {expected} pixels (preprocessor_config.json does "
+                         "not fit config.json's vision_config)")
+    h, w = height // patch, width // patch
+    rows = pixels.reshape(c, h, patch, w, patch).transpose(1, 3, 0, 2, 4)
+    return np.ascontiguousarray(rows.reshape(h * w, c * patch * patch)), (1, h, w)
+
+
+def _vision_field(hf_config: Any, name: str) -> Any:
+    """A field of the model config's ``vision_config`` (an object or a dict); None if
+    absent."""
+    vision = getattr(hf_config, "vision_config", None)
+    return vision.get(name) if isinstance(vision, dict) else getattr(vision, name, None)
+
+
+def _image_token_count(hf_config: Any) -> Any:
+    """The model class's ``image_token_count(hf_config, grid_thw)`` (placeholder tokens of
+    one image, LLaVA's); None where an image takes ``t * h * w / merge^2`` (Qwen2-VL)."""
+    from kvflow.models.registry import get_model_class
+
+    try:
+        model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    except ValueError:
+        return None
+    return getattr(model_cls, "image_token_count", None)
 
 
 # image processor attribute -> the vision config's name for the same size

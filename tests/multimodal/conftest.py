@@ -275,3 +275,80 @@ def decoded_jpeg_frames(url: str) -> np.ndarray:
 
     return np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(c))).convert("RGB"))
                      for c in url.split(",", 1)[1].split(",")])
+
+
+# ---- LLaVA (tests/multimodal/test_llava.py) ----
+LLAVA_IMAGE = "<image>"
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | upper }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' or 'image_url' in c %}<image>\n"
+    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+LLAVA_IMAGE_SIZE = 56  # 4 x 4 patches of 14 pixels: 16 placeholder tokens ("default")
+
+
+def _tiny_llava(folder: str, tiny_tokenizer: Any, vision: dict[str, Any], text: dict[str, Any],
+                seed: int, **fields: Any) -> TinyVL:
+    """A tiny random LlavaForConditionalGeneration saved with a PIL image processor (CLIP's
+    for a CLIP tower, SigLIP's otherwise) and the transformers ``LlavaProcessor`` the HF
+    side runs."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    text = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+            **text}
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+              "num_attention_heads": 2, "patch_size": 14, "image_size": LLAVA_IMAGE_SIZE,
+              **vision}
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE),
+                         **fields)
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize_(model, seed=seed)
+    clip = vision["model_type"] == "clip_vision_model"
+    if clip:
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": LLAVA_IMAGE_SIZE},
+            crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
+    else:
+        image_processor = SiglipImageProcessorPil(
+            size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               patch_size=14, chat_template=LLAVA_CHAT_TEMPLATE,
+                               vision_feature_select_strategy=config.vision_feature_select_strategy,
+                               num_additional_image_tokens=int(clip))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    return TinyVL(folder, model, processor, tokenizer, config.image_token_index)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, tiny_tokenizer) -> TinyVL:
+    """LLaVA-1.5's shape: a CLIP tower (quick_gelu, class token) read at layer -2 without the
+    class token ("default"), a gelu projector with biases, a Llama decoder."""
+    return _tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")), tiny_tokenizer,
+                       {"model_type": "clip_vision_model", "hidden_act": "quick_gelu"},
+                       {"model_type": "llama"}, seed=13)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_siglip(tmp_path_factory, tiny_tokenizer) -> TinyVL:
+    """The other shapes: a SigLIP tower read at layer 1 with every token ("full"), a
+    projector without biases, a Mistral decoder (sliding window 8)."""
+    return _tiny_llava(str(tmp_path_factory.mktemp("tiny_llava_siglip")), tiny_tokenizer,
+                       {"model_type": "siglip_vision_model",
+                        "hidden_act": "gelu_pytorch_tanh"},
+                       {"model_type": "mistral", "sliding_window": 8}, seed=17,
+                       vision_feature_layer=1, vision_feature_select_strategy="full",
+                       multimodal_projector_bias=False, projector_hidden_act="gelu")
