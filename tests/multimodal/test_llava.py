@@ -111,3 +111,74 @@ def test_chat_with_image_url(llm, tiny):
         add_generation_prompt=True)
     assert out.prompt == text
     assert out.outputs[0].token_ids == hf_generate(tiny, text, [image], MAX_TOKENS)
+
+
+def _renamed_copy(tiny, folder, rename) -> str:
+    """A copy of the tiny model folder with every checkpoint tensor name passed through
+    ``rename``."""
+    shutil.copytree(tiny.path, folder)
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    save_file({rename(k): v.contiguous() for k, v in tensors.items()}, file,
+              metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("layout", ["hub_4x", "in_memory_5x"])
+def test_both_checkpoint_namings_load(tiny_llava, tmp_path, layout):
+    """transformers 5 saves ``language_model.model.*`` / ``vision_tower.embeddings.*``; the
+    llava-hf checkpoints hold ``vision_tower.vision_model.*``, transformers 5's modules are
+    ``model.language_model.*`` / ``model.vision_tower.*``: the same tokens from each."""
+    def hub(name: str) -> str:
+        return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+    def in_memory(name: str) -> str:
+        for old, new in (("language_model.model.", "model.language_model."),
+                         ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        raise AssertionError(name)
+
+    with open(os.path.join(tiny_llava.path, "model.safetensors"), "rb") as f:
+        assert b"language_model.model.layers" in f.read(1 << 16)  # what the copy renames
+    path = _renamed_copy(tiny_llava, tmp_path / layout,
+                         hub if layout == "hub_4x" else in_memory)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=16)
+    text, images = cases()[1]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                       greedy(logprobs=None))[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_llava, text, images, MAX_TOKENS)
+
+
+def test_unknown_tensor_is_refused(tiny_llava, tmp_path):
+    path = _renamed_copy(tiny_llava, tmp_path / "bad",
+                         lambda n: n.replace("linear_2", "linear_3"))
+    with pytest.raises(ValueError, match=r"multi_modal_projector\.linear_3\."):
+        LLM(path, dtype="float32", num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("override,match", [
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
+    ({"image_grid_pinpoints": [[336, 672]]}, "image_grid_pinpoints"),
+    ({"vision_config": {"model_type": "pixtral", "hidden_size": 32}}, "vision_config"),
+])
+def test_fields_kvflow_does_not_compute_are_refused(tiny_llava, override, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_llava.path, dtype="float32", num_kv_blocks=64, hf_overrides=override)
+
+
+def test_wrong_image_processor_size_is_refused(tiny_llava, tmp_path):
+    """A preprocessor_config.json cropping to another size than the tower's image_size: a
+    ValueError naming both files, not a shape error inside the engine."""
+    path = tmp_path / "crop"
+    shutil.copytree(tiny_llava.path, path)
+    conf_file = path / "preprocessor_config.json"
+    conf = json.loads(conf_file.read_text())
+    conf["crop_size"] = {"height": 42, "width": 42}
+    conf_file.write_text(json.dumps(conf))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="42 x 42 image.*56 x 56"):
+        llm.generate({"prompt": LLAVA_IMAGE, "multi_modal_data": {"image": cases()[1][1]}})
+    assert not llm.engine.has_unfinished_requests()
