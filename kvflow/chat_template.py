@@ -48,17 +48,21 @@ class NoChatTemplateError(ChatTemplateError):
 
 def loops_over_content(template: str) -> bool:
     """Whether a Jinja chat template iterates over a message's ``content`` (then it renders
-    content parts itself; vLLM's "openai" content format). False for a template that does
-    not parse (rendering reports that)."""
+    content parts itself; vLLM's "openai" content format), directly or through filters
+    (``message['content'] | selectattr('type', 'equalto', 'image')``, llava-hf's templates).
+    Parsed with transformers' environment (its ``{% generation %}`` tag). False for a
+    template that does not parse (rendering reports that)."""
     import jinja2
     from jinja2 import nodes
 
     try:
-        tree = jinja2.Environment().parse(template)
+        tree = _jinja_environment(template).parse(template)
     except jinja2.TemplateError:
         return False
     for loop in tree.find_all(nodes.For):
         it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:
+            it = it.node
         if isinstance(it, nodes.Getattr) and it.attr == "content":
             return True
         if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and \
@@ -66,6 +70,18 @@ def loops_over_content(template: str) -> bool:
             return True
     return False
 
+
+def _jinja_environment(template: str) -> Any:
+    """transformers' chat-template Jinja environment (loop controls, ``{% generation %}``);
+    a plain one with loop controls when that cannot be built (a syntax error, another
+    transformers version)."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        return _compile_jinja_template(template).environment
+    except Exception:  # noqa: BLE001 - a syntax error, or another transformers version
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
 
 
 @functools.lru_cache(maxsize=16)
@@ -79,12 +95,8 @@ def _template_variables(template: str) -> frozenset[str] | None:
     from jinja2 import meta
 
     try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-        env = _compile_jinja_template(template).environment
-    except Exception:  # noqa: BLE001 - a syntax error, or another transformers version
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-    try:
-        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+        return frozenset(meta.find_undeclared_variables(
+            _jinja_environment(template).parse(template)))
     except jinja2.TemplateError:
         return None
 

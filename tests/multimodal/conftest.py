@@ -279,12 +279,18 @@ def decoded_jpeg_frames(url: str) -> np.ndarray:
 
 # ---- LLaVA (tests/multimodal/test_llava.py) ----
 LLAVA_IMAGE = "<image>"
+# llava-hf/llava-1.5-7b-hf's chat template: images first, through a filter, and the
+# {% generation %} tag of transformers' Jinja environment
 LLAVA_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | upper }}: "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' or 'image_url' in c %}<image>\n"
-    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
-    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 LLAVA_IMAGE_SIZE = 56  # 4 x 4 patches of 14 pixels: 16 placeholder tokens ("default")
 
 

@@ -182,3 +182,16 @@ def test_wrong_image_processor_size_is_refused(tiny_llava, tmp_path):
     with pytest.raises(ValueError, match="42 x 42 image.*56 x 56"):
         llm.generate({"prompt": LLAVA_IMAGE, "multi_modal_data": {"image": cases()[1][1]}})
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llava_hf_template_gets_content_parts():
+    """llava-hf's template loops over ``message['content'] | selectattr(...)`` and uses the
+    ``{% generation %}`` tag: it is given the parts (images as ``{"type": "image"}``), as
+    vLLM's "openai" content format detection finds it; a template that only prints the
+    content is given text."""
+    from kvflow.chat_template import loops_over_content
+    from tests.multimodal.conftest import LLAVA_CHAT_TEMPLATE
+
+    assert loops_over_content(LLAVA_CHAT_TEMPLATE)
+    assert not loops_over_content("{% for m in messages %}{{ m['content'] | trim }}"
+                                  "{% endfor %}")
