@@ -322,7 +322,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
                    download_dir: str | None = None, options: dict[str, Any] | None = None
                    ) -> Any:
-    """The model's tokenizer (transformers), with its chat template: the model's own, or
+    """The model's tokenizer (transformers), with its chat template (the tokenizer's; else
+    a processor's ``chat_template.json``, :func:`processor_chat_template`): the model's own, or
     ``tokenizer_path`` (a folder, a ``.gguf`` file, a packaged model name or a Hub repo id
     ``org/name[@revision]`` fetched into ``download_dir``; see
     :func:`~kvflow.models.model_resolver.resolve_tokenizer`). ``options``: further
@@ -343,7 +344,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
         return load_gguf_tokenizer(source.path)
     try:
         with quiet_model_type_warning():
-            return AutoTokenizer.from_pretrained(
+            tokenizer = AutoTokenizer.from_pretrained(
                 source.path, **{"trust_remote_code": False, **(options or {})})
     except Exception as e:  # transformers raises many types
         problem = tokenizer_files_problem(source.path)
@@ -352,6 +353,27 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None,
                              "tokenizer with --tokenizer (LLM(tokenizer=...))") from e
         raise ValueError(f"cannot load a tokenizer from {source.path!r}: "
                          f"{_one_line(e)}") from e
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = processor_chat_template(source.path)
+    return tokenizer
+
+
+def processor_chat_template(folder: str) -> str | None:
+    """The chat template a multimodal processor saved as ``chat_template.json``
+    (``{"chat_template": "..."}``, transformers' older processor format, e.g.
+    llava-hf/llava-1.5-7b-hf), which the tokenizer does not read; vLLM falls back to the
+    processor's template the same way. None when the folder has none or it is unreadable."""
+    import json
+
+    file = os.path.join(folder, "chat_template.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) else None
 
 
 @contextmanager

@@ -195,3 +195,24 @@ def test_llava_hf_template_gets_content_parts():
     assert loops_over_content(LLAVA_CHAT_TEMPLATE)
     assert not loops_over_content("{% for m in messages %}{{ m['content'] | trim }}"
                                   "{% endfor %}")
+
+
+def test_processor_chat_template_json_is_read(tiny_llava, tmp_path):
+    """llava-hf folders keep the chat template in the processor's chat_template.json, which
+    the tokenizer does not read: it is the model's template, as in vLLM."""
+    path = tmp_path / "json_template"
+    shutil.copytree(tiny_llava.path, path)
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    for name in ("tokenizer_config.json",):  # no template left anywhere else
+        conf = json.loads((path / name).read_text())
+        assert "chat_template" not in conf
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    image = random_image(50, 80, 4)
+    out = llm.chat([{"role": "user", "content": [
+        {"type": "text", "text": "and this?"},
+        {"type": "image_url", "image_url": {"url": data_url(image)}}]}],
+        greedy(logprobs=None))[0]
+    assert out.prompt == f"USER: {LLAVA_IMAGE}\nand this? ASSISTANT:"
+    assert out.outputs[0].token_ids == hf_generate(tiny_llava, out.prompt, [image], MAX_TOKENS)
