@@ -169,6 +169,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         loaded: set[str] = set()
 
         def decoder_weights():
+            """Copies the tower's and projector's tensors, yields the decoder's.
+
+            Raises:
+                ValueError: for a tower or projector tensor without its parameter, or of
+                    another shape.
+            """
             for name, tensor in weights:
                 name = self.checkpoint_name(name)
                 if not name.startswith(("vision_tower.", "multi_modal_projector.")):

@@ -216,3 +216,17 @@ def test_processor_chat_template_json_is_read(tiny_llava, tmp_path):
         greedy(logprobs=None))[0]
     assert out.prompt == f"USER: {LLAVA_IMAGE}\nand this? ASSISTANT:"
     assert out.outputs[0].token_ids == hf_generate(tiny_llava, out.prompt, [image], MAX_TOKENS)
+
+
+def test_tensor_parallel_greedy_tokens_equal_transformers(tiny_llava):
+    """TP=2 over 2 worker processes (gloo on CPU): the decoder split, the vision tower and
+    projector replicated on both ranks."""
+    llm = LLM(tiny_llava.path, dtype="float32", num_kv_blocks=128, block_size=16,
+              tensor_parallel_size=2)
+    try:
+        prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases()]
+        outs = llm.generate(prompts, greedy(logprobs=None), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for (text, images), out in zip(cases(), outs):
+        assert out.outputs[0].token_ids == hf_generate(tiny_llava, text, images, MAX_TOKENS)
