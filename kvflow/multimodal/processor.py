@@ -169,7 +169,12 @@ class MultiModalProcessor:
 
     def _check_counts(self, token_ids: list[int], num_images: int, num_videos: int) -> None:
         """Raises ValueError for more items than a limit allows or a placeholder count that
-        differs from the item count (images first)."""
+        differs from the item count (images first), or videos for a model without a video
+        placeholder (LLaVA)."""
+        if num_videos and self.video_token_id is None:
+            raise ValueError(f"{num_videos} video(s) given, but this model takes images only "
+                             "(its config has no video_token_id); remove "
+                             "multi_modal_data['video']")
         for count, token, name, field, text in (
                 (num_images, self.image_token_id, "image", "max_images_per_prompt",
                  self.placeholder),

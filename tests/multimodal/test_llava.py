@@ -230,3 +230,18 @@ def test_tensor_parallel_greedy_tokens_equal_transformers(tiny_llava):
         llm.shutdown()
     for (text, images), out in zip(cases(), outs):
         assert out.outputs[0].token_ids == hf_generate(tiny_llava, text, images, MAX_TOKENS)
+
+
+def test_videos_are_refused(tiny_llava):
+    """LLaVA-1.5 takes no videos: a video in ``multi_modal_data`` or a ``video_url`` chat
+    part is a ValueError saying so."""
+    import numpy as np
+
+    llm = LLM(tiny_llava.path, dtype="float32", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": "x", "multi_modal_data": {
+            "video": np.zeros((2, 56, 56, 3), np.uint8)}})
+    with pytest.raises(ValueError, match="video_url"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AA=="}}]}])
+    assert not llm.engine.has_unfinished_requests()
