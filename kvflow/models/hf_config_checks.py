@@ -13,6 +13,7 @@ logs a warning for a ``factor`` below 1, and kvflow generated from a zero one).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -64,17 +65,21 @@ def check_config_sizes(raw: dict[str, Any], path: str) -> None:
     """Check the transformer sizes of a parsed config.json: :data:`REQUIRED_SIZES` present and
     every size positive integers, and ``num_attention_heads`` a multiple of
     ``num_key_value_heads`` (grouped-query attention shares each KV head among a whole number
-    of query heads). A vision-language config keeps them in ``text_config``; a size at the top
-    level wins, as in :func:`kvflow.models.loader.hoist_text_config`.
+    of query heads). A vision-language config keeps them in ``text_config``, where a size left
+    out takes the default of transformers' config class for its ``model_type`` (as
+    transformers builds the sub-config: llava-hf/llava-1.5-7b-hf's ``text_config`` names only
+    ``vocab_size`` and a few more); a size at the top level wins, as in
+    :func:`kvflow.models.loader.hoist_text_config`.
 
     Raises:
         ValueError: naming ``path`` and the field, with its value and the reason.
     """
     text = raw.get("text_config")
     text = text if isinstance(text, dict) else {}
+    defaults = sub_config_defaults(text.get("model_type"))
     sizes: dict[str, int] = {}
     for name in REQUIRED_SIZES + OPTIONAL_SIZES:
-        value = raw.get(name, text.get(name))
+        value = raw.get(name, text.get(name, defaults.get(name)))
         if value is None:
             if name in REQUIRED_SIZES:
                 raise ValueError(f"model config {path!r} has no {name!r}; kvflow needs it to "
@@ -88,6 +93,20 @@ def check_config_sizes(raw: dict[str, Any], path: str) -> None:
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"model config {path!r}: num_attention_heads={heads} is not a multiple "
                          f"of num_key_value_heads={kv_heads}")
+
+
+@functools.lru_cache(maxsize=8)
+def sub_config_defaults(model_type: Any) -> dict[str, Any]:
+    """The field defaults of transformers' config class for ``model_type`` (a sub-config's:
+    ``llama``, ``mistral``, ...); empty for a type transformers does not know or None."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return {}
+    try:
+        return CONFIG_MAPPING[model_type]().to_dict()
+    except Exception:  # noqa: BLE001 - a config class that needs arguments
+        return {}
 
 
 EPSILONS = ("rms_norm_eps", "layer_norm_eps")

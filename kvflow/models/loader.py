@@ -83,10 +83,11 @@ def hoist_text_config(config: Any) -> Any:
     """A vision-language config (``text_config`` + ``vision_config``, e.g. Qwen2-VL) with its
     language model's fields also readable at the top level (``vocab_size``,
     ``num_hidden_layers``, ``rope_parameters``, ...), as kvflow reads them from every model;
-    fields the top level has already keep their values. Other configs are returned as they
-    are."""
+    fields the top level has already keep their values (llava-hf/llava-1.5-7b-hf's
+    config.json repeats ``vocab_size`` there). Other configs (no ``text_config``, or one
+    whose sizes are already at the top level) are returned as they are."""
     text = getattr(config, "text_config", None)
-    if text is None or hasattr(config, "vocab_size"):
+    if text is None or hasattr(config, "hidden_size"):
         return config
     for name, value in text.to_dict().items():
         if not hasattr(config, name):

@@ -245,3 +245,43 @@ def test_videos_are_refused(tiny_llava):
         llm.chat([{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64,AA=="}}]}])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llava_1_5_config_json_reads(tmp_path):
+    """llava-hf/llava-1.5-7b-hf's config.json (as published: its text_config names no sizes,
+    which come from LlamaConfig's defaults as transformers builds it, and vocab_size is
+    repeated at the top level): a 4096-wide, 32-layer decoder, 576 placeholder tokens per
+    336-pixel image, a 23-layer tower (layer -2 of 24)."""
+    from types import SimpleNamespace
+
+    from kvflow.models.clip_vision import VisionTower
+    from kvflow.models.loader import load_hf_config
+    from kvflow.models.registry import is_multimodal
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100,
+        "image_token_index": 32000, "model_type": "llava", "pad_token_id": 32001,
+        "projector_hidden_act": "gelu",
+        "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5",
+                        "architectures": ["LlamaForCausalLM"],
+                        "max_position_embeddings": 4096, "model_type": "llama",
+                        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "tie_word_embeddings": False, "torch_dtype": "float16",
+        "transformers_version": "4.36.0.dev0",
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                          "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+        "vocab_size": 32064}))
+    config = load_hf_config(SimpleNamespace(kind="hf", path=str(tmp_path)))
+    assert is_multimodal(config)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.vocab_size, config.image_token_id) == (4096, 32, 32, 32064, 32000)
+    from kvflow.models.llava import llava_image_tokens
+
+    assert llava_image_tokens(config, (1, 24, 24)) == 576
+    with torch.device("meta"):
+        tower = VisionTower(config.vision_config, config.vision_feature_layer)
+    assert len(tower.encoder.layers) == 23
+    assert tower.embeddings.position_embedding.weight.shape == (577, 1024)
