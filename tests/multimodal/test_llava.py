@@ -285,3 +285,33 @@ def test_llava_1_5_config_json_reads(tmp_path):
         tower = VisionTower(config.vision_config, config.vision_feature_layer)
     assert len(tower.encoder.layers) == 23
     assert tower.embeddings.position_embedding.weight.shape == (577, 1024)
+
+
+def test_image_keys_the_prefix_cache_and_encoder_cache(tiny_llava):
+    """Same text with another image: only the full blocks before the image are reused,
+    transformers' tokens for each; the same image again: its blocks hit too, and it is not
+    encoded again."""
+    llm = LLM(tiny_llava.path, dtype="float32", num_kv_blocks=64, block_size=4)
+    text = f"USER: {LLAVA_IMAGE}\ndescribe the picture please ASSISTANT:"
+    one, two = random_image(64, 64, 10), random_image(64, 64, 11)
+    kv, encoder = llm.engine.core.kv_cache_manager, llm.engine.core.scheduler.encoder
+
+    def run(image):
+        return llm.generate({"prompt": text, "multi_modal_data": {"image": image}},
+                            greedy(logprobs=None))[0].outputs[0].token_ids
+
+    (feature,) = llm.engine.processor.process(
+        {"prompt": text, "multi_modal_data": {"image": one}}).mm_features
+    before_image = feature.offset // 4 * 4  # tokens of the full blocks before the image
+    assert before_image > 0
+    first = run(one)
+    hits, encoded = kv.num_hits, encoder.num_encoded
+    second = run(two)
+    assert kv.num_hits - hits == before_image and encoder.num_encoded == encoded + 1
+    assert first == hf_generate(tiny_llava, text, [one], MAX_TOKENS)
+    assert second == hf_generate(tiny_llava, text, [two], MAX_TOKENS)
+    assert first != second
+    hits = kv.num_hits
+    assert run(one) == first
+    assert kv.num_hits - hits > feature.end  # past the image's placeholders
+    assert encoder.num_encoded == encoded + 1
