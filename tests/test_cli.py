@@ -232,7 +232,8 @@ def test_help_lists_only_typeable_choices():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     text = parser.format_help()
-    assert "{none,int8,int4,fp8,gguf,compressed-tensors}" in text
+    assert "{none,int8,int4,fp8,gguf,compressed-tensors,gptq,awq,gptq_marlin,awq_marlin}" \
+        in text
     assert "{auto,native,onednn}" in text and "None," not in text
     assert "{auto,native,sdpa}" in text
     args = parser.parse_args([])

@@ -117,10 +117,12 @@ class ModelConfig:
         "on a block-wise FP8 checkpoint such as DeepSeek-V3's, reads it: dequantized into "
         "--dtype at load), "
         "gguf (keep a .gguf file's quantized blocks, dequantized per tile in the GEMM), "
-        "compressed-tensors (a pre-quantized FP8/INT8 checkpoint; read from its config.json) "
+        "compressed-tensors (a pre-quantized FP8/INT8 checkpoint; read from its config.json), "
+        "gptq / awq (a GPTQ or AWQ 4-bit checkpoint; also vLLM's gptq_marlin / awq_marlin) "
         "(default: the checkpoint's quantization_config, else none; a .gguf file is "
         "dequantized at load)",
-        choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors"])
+        choices=[None, "none", "int8", "int4", "fp8", "gguf", "compressed-tensors", "gptq",
+                 "awq", "gptq_marlin", "awq_marlin"])
     quantization_group_size: int | None = opt(
         None, "input columns per scale for int4 (int4 only; default: 32, and refused, even "
         "as 32, with another --quantization)", choices=[None, 32, 64, 128, 256])

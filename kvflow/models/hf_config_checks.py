@@ -136,7 +136,8 @@ def check_config_fields(raw: dict[str, Any], path: str) -> None:
                                   and isinstance(quant.get("quant_method"), str)):
         raise ValueError(f"model config {path!r}: quantization_config={quant!r:.200} is "
                          "invalid; it must be an object naming its \"quant_method\" (kvflow "
-                         "reads 'compressed-tensors' and block-wise 'fp8'), or be left out for "
+                         "reads 'compressed-tensors', 'gptq', 'awq' and block-wise "
+                         "'fp8'), or be left out for "
                          "float weights")
     text = raw.get("text_config")
     text = text if isinstance(text, dict) else {}

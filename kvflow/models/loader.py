@@ -230,9 +230,10 @@ def _to_model_dtype(tensor: torch.Tensor, dtype: torch.dtype, name: str = "",
                     keep_fp32: tuple[str, ...] = ()) -> torch.Tensor:
     """Float checkpoint tensors in the model dtype, or in float32 when the name contains one of
     the model's ``keep_in_fp32`` fragments (e.g. DeepSeek's router weight and correction bias);
-    quantized ones (int8, fp8, GGUF blocks) and quantization scales (``*_scale``, kept in
-    their own precision) exactly as stored."""
-    if tensor.is_floating_point() and tensor.element_size() > 1 and not name.endswith("_scale"):
+    quantized ones (int8, fp8, GGUF blocks) and quantization scales (``*_scale``, GPTQ/AWQ
+    ``*.scales``, kept in their own precision) exactly as stored."""
+    if tensor.is_floating_point() and tensor.element_size() > 1 and \
+            not name.endswith(("_scale", ".scales")):
         keep = any(fragment in name for fragment in keep_fp32)
         return tensor.float() if keep else tensor.to(dtype)
     return tensor
@@ -312,7 +313,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
         loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
                                     for n, t in weights
                                     if quant_config is None or not quant_config.skips_tensor(n))
-        missing = {n for n, _ in model.named_parameters()} - loaded
+        missing = {n for n, p in model.named_parameters()
+                   if not getattr(p, "optional_in_checkpoint", False)} - loaded
         if missing:
             raise ValueError(f"checkpoint {source.path!r} lacks weights for {sorted(missing)[:5]}")
     with torch.device(device):

@@ -2,7 +2,7 @@
 
 ``--quantization`` (``ModelConfig.quantization``) names a scheme, or it is read from the
 checkpoint (a GGUF file keeps its quantized blocks; an HF folder's ``quantization_config``
-names compressed-tensors). :func:`get_quant_config` turns that into a :class:`QuantConfig`,
+names compressed-tensors, gptq or awq). :func:`get_quant_config` turns that into a :class:`QuantConfig`,
 which picks a method per layer by its module path. The model loader then calls
 :func:`apply_quant_config` right after building the model (before any weight is loaded) and
 :func:`process_weights_after_loading` once the checkpoint is in.
@@ -13,7 +13,8 @@ channel), ``int4.py`` (weight-only, group-wise; the gated MLP's gate/up stay INT
 activation scales), ``gguf.py`` (llama.cpp blocks kept as they are), ``compressed_tensors.py``
 (pre-quantized FP8/INT8 checkpoints), ``fp8_block.py`` (block-wise FP8 checkpoints, ``quant_method``
 ``fp8`` with a ``weight_block_size``: DeepSeek-V3, Qwen3-*-FP8; dequantized while the checkpoint
-is read, :meth:`QuantConfig.checkpoint_weights`, so every layer keeps the unquantized method).
+is read, :meth:`QuantConfig.checkpoint_weights`, so every layer keeps the unquantized method),
+``gptq_awq.py`` (GPTQ and AWQ 4-bit checkpoints, run as ``int4``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from torch import nn
 from kvflow.quant.base import EmbeddingMethod, LinearMethod, weight_bytes
 from kvflow.quant.moe import FusedMoEMethod
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "compressed-tensors")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "compressed-tensors", "gptq",
+                        "awq", "gptq_marlin", "awq_marlin")
+# the quant_method values of an HF quantization_config that kvflow reads
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 
 # Under ``int4`` these projections (the gated MLP's input: gate and up, fused or not) stay
 # INT8, as llama.cpp's Q4_K_M keeps its most sensitive tensors at 5-8 bits. Measured on
@@ -118,6 +122,11 @@ class QuantConfig:
 
             return compressed_tensors_method(self.checkpoint_config or {}, prefix, module,
                                              self.packed_modules_mapping)
+        if self.name in ("gptq", "awq"):
+            from kvflow.quant.gptq_awq import int4_checkpoint_method
+
+            return int4_checkpoint_method(self.checkpoint_config or {}, prefix,
+                                          self.packed_modules_mapping)
         return None
 
     def check_kept_float(self, prefix: str, module: nn.Module) -> None:
@@ -194,7 +203,8 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
 
     Raises:
         ValueError: for a scheme that does not fit the checkpoint (``gguf`` on a non-GGUF
-            model; ``compressed-tensors`` without its config; a checkpoint
+            model; ``compressed-tensors``, ``gptq`` or ``awq`` (also vLLM's ``gptq_marlin``,
+            ``awq_marlin``) without that config; an unsupported GPTQ/AWQ layout; a checkpoint
             ``quant_method`` kvflow does not know, or an ``fp8`` config it cannot read,
             naming the key: :func:`kvflow.quant.fp8_block.block_size_of`; re-quantizing a
             quantized checkpoint).
@@ -203,22 +213,33 @@ def get_quant_config(requested: str | None, hf_config: Any, source_kind: str,
     if ckpt is not None and not isinstance(ckpt, dict):
         ckpt = ckpt.to_dict() if hasattr(ckpt, "to_dict") else dict(vars(ckpt))
     ckpt_method = (ckpt or {}).get("quant_method")
-    if ckpt_method not in (None, "compressed-tensors", "fp8"):
+    if ckpt_method is not None and ckpt_method not in (*CHECKPOINT_METHODS, "fp8"):
         raise ValueError(f"checkpoint quantization_config.quant_method={ckpt_method!r} is "
-                         "not supported; kvflow reads 'compressed-tensors' and block-wise "
-                         "'fp8' checkpoints")
+                         "not supported; kvflow reads 'compressed-tensors', 'gptq', 'awq' "
+                         "and block-wise 'fp8' checkpoints")
     if ckpt_method == "fp8":
         from kvflow.quant.fp8_block import block_size_of
 
         block_size_of(ckpt)
+    if ckpt_method in ("gptq", "awq"):
+        from kvflow.quant.gptq_awq import parse_int4_checkpoint
+
+        parse_int4_checkpoint(ckpt)  # refuse an unsupported layout before building the model
+    asked = requested
     if requested is None:
         requested = ckpt_method or "none"
+    from kvflow.quant.gptq_awq import QUANT_ALIASES
+
+    requested = QUANT_ALIASES.get(requested, requested)
     if requested == "gguf" and source_kind != "gguf":
         raise ValueError("quantization='gguf' needs a .gguf model")
-    if requested == "compressed-tensors" and ckpt_method is None:
-        raise ValueError("quantization='compressed-tensors' needs a checkpoint whose "
-                         "config.json has a compressed-tensors quantization_config")
+    if requested in CHECKPOINT_METHODS and ckpt_method is None:
+        raise ValueError(f"quantization={asked!r} needs a checkpoint whose config.json has a "
+                         f"{requested} quantization_config (quant_method={requested!r})")
     if ckpt_method is not None and requested != ckpt_method:
+        if requested in CHECKPOINT_METHODS:
+            raise ValueError(f"quantization={asked!r} does not match the checkpoint, whose "
+                             f"quantization_config.quant_method is {ckpt_method!r}")
         raise ValueError(f"the checkpoint is already quantized ({ckpt_method}); "
                          f"quantization={requested!r} cannot re-quantize it")
     if requested == "none":

@@ -162,21 +162,38 @@ class PackedInt4Method(Int4WeightOnlyMethod):
         n, k = (int(v) for v in layer.weight_shape)
         u = unpack_int32(layer.weight_packed.data, 4, k)
         scale = layer.weight_scale.data.float().reshape(n, -1)
-        group = k // scale.shape[1]
-        self.group_size = next((g for g in _KERNEL_GROUPS if group % g == 0), group)
-        scale = scale.repeat_interleave(group // self.group_size, dim=1)
-        dtype = self.params_dtype if self.params_dtype in (torch.float32, torch.bfloat16,
-                                                           torch.float16) else torch.float32
-        layer.int4_cpu_packed = layer.weight_packed.device.type == "cpu" and n % 16 == 0 \
-            and dtype in (torch.bfloat16, torch.float16) and self.group_size in _KERNEL_GROUPS
-        weight = torch._convert_weight_to_int4pack_for_cpu(u, 1) if layer.int4_cpu_packed \
-            else _pack_nibbles(u)
         _replace(layer, ("weight", "weight_scales_and_zeros"),
                  ("weight_packed", "weight_scale", "weight_shape"))
-        _register(layer, "weight", weight)
-        _register(layer, "weight_scales_and_zeros", torch.stack(
-            [scale.t(), torch.zeros_like(scale.t())], dim=-1).to(dtype).contiguous())
-        layer.int4_shape = (n, k)
+        store_int4(self, layer, u, scale, torch.zeros_like(scale), self.params_dtype)
+
+
+def store_int4(method: Int4WeightOnlyMethod, layer: nn.Module, u: torch.Tensor,
+               scale: torch.Tensor, zero: torch.Tensor, params_dtype: torch.dtype) -> None:
+    """Register pre-quantized nibbles as :class:`Int4WeightOnlyMethod` keeps them
+    (``w = (u - 8) * scale + zero`` per group), the scales and zeros repeated to the largest
+    group size torch's CPU kernel takes that divides the checkpoint's (the same values; none:
+    the dequantizing reference at the checkpoint's size). Sets ``method.group_size``.
+
+    Args:
+        u: [N, K] integer values 0..15.
+        scale, zero: float [N, G], ``K % G == 0``.
+        params_dtype: the model dtype (the kernel's scale/zero dtype when 16-bit).
+    """
+    n, k = u.shape
+    group = k // scale.shape[1]
+    method.group_size = next((g for g in _KERNEL_GROUPS if group % g == 0), group)
+    scale = scale.repeat_interleave(group // method.group_size, dim=1)
+    zero = zero.repeat_interleave(group // method.group_size, dim=1)
+    dtype = params_dtype if params_dtype in (torch.float32, torch.bfloat16,
+                                             torch.float16) else torch.float32
+    layer.int4_cpu_packed = u.device.type == "cpu" and n % 16 == 0 \
+        and dtype in (torch.bfloat16, torch.float16) and method.group_size in _KERNEL_GROUPS
+    weight = torch._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 1) \
+        if layer.int4_cpu_packed else _pack_nibbles(u)
+    _register(layer, "weight", weight)
+    _register(layer, "weight_scales_and_zeros", torch.stack(
+        [scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+    layer.int4_shape = (n, k)
 
 
 class PackedInt8Method(Int8WeightOnlyMethod):

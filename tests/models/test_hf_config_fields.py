@@ -39,11 +39,13 @@ def _llm(config_path: str) -> LLM:
      'names, e.g. ["LlamaForCausalLM"]')),
     ({"quantization_config": "fp8"},
      ("quantization_config='fp8' is invalid; it must be an object naming its \"quant_method\" "
-     "(kvflow reads 'compressed-tensors' and block-wise 'fp8'), or be left out for float "
+     "(kvflow reads 'compressed-tensors', 'gptq', 'awq' and block-wise 'fp8'), or be left "
+     "out for float "
      "weights")),
     ({"quantization_config": {}},
      ("quantization_config={} is invalid; it must be an object naming its \"quant_method\" "
-     "(kvflow reads 'compressed-tensors' and block-wise 'fp8'), or be left out for float "
+     "(kvflow reads 'compressed-tensors', 'gptq', 'awq' and block-wise 'fp8'), or be left "
+     "out for float "
      "weights")),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid; it must be a number >= 0"),
     ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid; it must be a number >= 0"),

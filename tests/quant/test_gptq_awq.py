@@ -1,0 +1,241 @@
+"""GPTQ and AWQ 4-bit checkpoints. The oracle is a small packer written here from the formats'
+specs (AutoGPTQ's ``qweight`` [K/8, N] packed along input rows, ``qzeros`` [G, N/8] holding
+``zero - 1`` in the ``gptq`` format; AutoAWQ GEMM's [K, N/8] words in the interleaved column
+order 0,2,4,6,1,3,5,7): the tiny Llama's linears are quantized with known scales and zeros,
+packed, saved, and kvflow's logits are compared with transformers running the dequantized
+float weights ``(q - zero) * scale``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvflow import LLM, SamplingParams
+from kvflow.quant.gptq_awq import GPTQAWQMethod, unpack_nibble_columns
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> the int32 of the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int64 [R, C] in 0..15 -> int32 [R / 8, C]: rows 8i..8i+7 at bits 0, 4, ..., 28."""
+    q = q.view(-1, 8, q.shape[1])
+    return _to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
+
+
+def _pack_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """int64 [R, C] in 0..15 -> int32 [R, C / 8]: bits 4j of word c hold column 8c + order[j]."""
+    q = q.view(q.shape[0], -1, 8)
+    return _to_int32(sum(q[..., order[j]] << (4 * j) for j in range(8)))
+
+
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_zero: int):
+    """Asymmetric (or symmetric, zero 8) min/max 4-bit quantization of ``w`` [N, K] by the
+    groups ``g_idx`` [K] names. Returns q int64 [N, K], scale fp16 [G, N], zero int64 [G, N]
+    and the dequantized float32 weight."""
+    n, _ = w.shape
+    scale, zero = torch.empty(groups, n), torch.empty(groups, n, dtype=torch.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        if sym:
+            s, z = torch.maximum(-lo / 8, hi / 7), torch.full((n,), 8)
+        else:
+            s = (hi - lo) / 15
+            z = torch.round(-lo / s).to(torch.int64).clamp(min_zero, 15)
+        scale[g], zero[g] = s.half().float(), z
+    s_k, z_k = scale[g_idx].t(), zero[g_idx].t()  # [N, K]
+    q = torch.clamp(torch.round(w / s_k) + z_k, 0, 15).to(torch.int64)
+    return q, scale.half(), zero, (q - z_k).float() * s_k
+
+
+def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
+           fmt: str = "gptq", desc_act: bool = False, extra: dict | None = None):
+    """``tiny`` quantized and packed as ``method`` writes it; returns (folder, the HF model
+    with the dequantized weights)."""
+    model = copy.deepcopy(tiny.hf_model)
+    tensors = {k: v.contiguous() for k, v in tiny.hf_model.state_dict().items()
+               if not k.endswith(tuple(f"{p}.weight" for p in _LINEARS))}
+    gen = torch.Generator().manual_seed(3)
+    perms: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if not name.endswith(_LINEARS):
+            continue
+        k = m.in_features
+        g = group if group > 0 else k
+        # act order: one column order per layer input (q/k/v share it, as gate/up do)
+        key = name if name.endswith(("o_proj", "down_proj")) else name.rsplit(".", 1)[0]
+        perm = perms.setdefault(key, torch.randperm(k, generator=gen) if desc_act
+                                else torch.arange(k))
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // g).to(torch.int32)
+        q, scale, zero, w = _quantize(m.weight.data, g_idx, k // g, sym,
+                                      1 if method == "gptq" and fmt == "gptq" else 0)
+        m.weight.data = w
+        stored_zero = zero - (1 if method == "gptq" and fmt == "gptq" else 0)
+        if method == "gptq":
+            tensors[f"{name}.qweight"] = _pack_rows(q.t().contiguous())
+            tensors[f"{name}.qzeros"] = _pack_cols(stored_zero)
+            tensors[f"{name}.g_idx"] = g_idx
+        else:
+            tensors[f"{name}.qweight"] = _pack_cols(q.t().contiguous(), _ORDER)
+            tensors[f"{name}.qzeros"] = _pack_cols(stored_zero, _ORDER)
+        tensors[f"{name}.scales"] = scale
+    shutil.copytree(tiny.path, folder)
+    save_file(tensors, f"{folder}/model.safetensors")
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    if method == "gptq":
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+              "desc_act": desc_act, "checkpoint_format": fmt}
+    else:
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": None}
+    config["quantization_config"] = {**qc, **(extra or {})}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    return folder, model.eval()
+
+
+def _logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [float(lp[i, t]) for i, t in enumerate(ids[1:])]
+
+
+def _kvflow_logprobs(llm: LLM, ids: list[int]) -> list[float]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([ids], params, use_tqdm=False)
+    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+
+def test_unpack_hand_made_words():
+    """One word per layout, worked by hand: 0x76543210 holds 0..7 from the low nibble up;
+    AWQ's slot j is column [0,2,4,6,1,3,5,7][j], so columns read 0,4,1,5,2,6,3,7; a negative
+    word (0xFEDCBA98) reads its nibbles unsigned."""
+    words = torch.tensor([[0x76543210, 0xFEDCBA98 - 2**32]], dtype=torch.int32)
+    assert unpack_nibble_columns(words, awq=False).tolist() == [list(range(16))]
+    assert unpack_nibble_columns(words, awq=True).tolist() == [
+        [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]]
+
+
+_CASES = {
+    "gptq-sym-g32": ("gptq", 32, {"sym": True}),
+    "gptq-asym-g32": ("gptq", 32, {}),
+    "gptq-v2-g16": ("gptq", 16, {"fmt": "gptq_v2"}),  # 16: the dequantizing reference
+    "gptq-channel": ("gptq", -1, {"sym": True}),
+    "gptq-desc-act": ("gptq", 32, {"desc_act": True}),
+    "awq-g32": ("awq", 32, {}),
+    "awq-g64": ("awq", 64, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
+    """kvflow refused quant_method gptq/awq; now its logprobs and greedy tokens are
+    transformers' on the dequantized weights."""
+    method, group, kw = _CASES[case]
+    tiny = tiny_model_factory("llama")
+    folder, ref = _build(tiny, str(tmp_path / "ckpt"), method, group, **kw)
+    ids = torch.randint(2, tiny.vocab_size, (12,),
+                        generator=torch.Generator().manual_seed(5)).tolist()
+    want = _logprobs(ref, ids)
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=32, block_size=4)
+    assert _kvflow_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
+    layers = llm.engine.core.executor.runner.model.model.layers
+    assert type(layers[1].mlp.gate_up_proj.quant_method) is GPTQAWQMethod
+    assert (layers[0].self_attn.qkv_proj.input_perm is not None) == ("desc" in case)
+    (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    assert list(out.outputs[0].token_ids) == hf[0, len(ids):].tolist()
+    plain = _logprobs(tiny.hf_model, ids)  # the quantization is real
+    assert max(abs(a - b) for a, b in zip(plain, want)) > 2e-3
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_bf16_runs_torch_int4_kernel(tiny_model_factory, tmp_path, method):
+    """bf16 runs torch's CPU int4 kernel on the unpacked nibbles (group 32, zeros folded into
+    tinygemm's ``(8 - zero) * scale``): within bf16 rounding of the float reference."""
+    tiny = tiny_model_factory("llama")
+    folder, ref = _build(tiny, str(tmp_path / "ckpt"), method, 32,
+                         desc_act=method == "gptq")
+    ids = list(range(5, 17))
+    llm = LLM(model=folder, dtype="bfloat16", num_kv_blocks=32, block_size=4)
+    layer = llm.engine.core.executor.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.int4_cpu_packed and layer.quant_method.group_size == 32
+    assert _kvflow_logprobs(llm, ids) == pytest.approx(_logprobs(ref, ids), abs=0.1)
+
+
+@pytest.fixture(scope="module")
+def gptq_folder(tiny_model_factory, tmp_path_factory) -> str:
+    return _build(tiny_model_factory("llama"), str(tmp_path_factory.mktemp("gq") / "g"),
+                  "gptq", 32)[0]
+
+
+def _edited(src: str, dst: str, quantization_config: dict) -> str:
+    shutil.copytree(src, dst)
+    with open(f"{dst}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"].update(quantization_config)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"bits": 8}, r"gptq quantization_config not supported: bits=8 \(4 only\)"),
+    ({"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
+    ({"dynamic": {"-:.*down_proj": {}}}, r"dynamic \(per-module overrides\)"),
+    ({"quant_method": "awq", "version": "gemv"},
+     r"awq quantization_config not supported: version='gemv' \(gemm only\)"),
+    ({"quant_method": "awq", "zero_point": False}, r"zero_point=False"),
+    ({"quant_method": "awq", "version": "exllama"}, r"version='exllama'"),
+    ({"group_size": 48}, r"gptq group_size=48 does not divide a layer's 64 input columns"),
+], ids=["bits8", "format", "dynamic", "awq-gemv", "awq-no-zero", "awq-exllama", "group"])
+def test_unsupported_layout_is_refused(gptq_folder, tmp_path, edit, message):
+    folder = _edited(gptq_folder, str(tmp_path / "ckpt"), edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_quantization_flag_must_match(gptq_folder, tiny_model_factory):
+    """``--quantization gptq`` (or vLLM's ``gptq_marlin``) loads a GPTQ folder; ``awq`` names
+    both methods; ``gptq`` on a float folder says what it needs."""
+    ids = list(range(5, 12))
+    want = _kvflow_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
+    alias = LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16, quantization="gptq_marlin")
+    assert _kvflow_logprobs(alias, ids) == want
+    with pytest.raises(ValueError, match=r"quantization='awq' does not match the checkpoint, "
+                                         r"whose quantization_config.quant_method is 'gptq'"):
+        LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16, quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='gptq' needs a checkpoint whose "
+                                         r"config.json has a gptq quantization_config"):
+        LLM(model=tiny_model_factory("llama").path, dtype="float32", num_kv_blocks=16,
+            quantization="gptq")
+
+
+def test_fused_shards_with_different_act_order_are_refused(tiny_model_factory, tmp_path):
+    """q, k and v fuse into one layer, which takes one column order: k_proj's g_idx differing
+    from q_proj's is a ValueError (not a silently wrong k)."""
+    tiny = tiny_model_factory("llama")
+    folder, _ = _build(tiny, str(tmp_path / "ckpt"), "gptq", 32, desc_act=True)
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{folder}/model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match=r"self_attn\.[qkv]_proj\.g_idx'.*the g_idx \(desc_act "
+                                         r"order\) of the shards kvflow fuses into one layer"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
