@@ -60,16 +60,19 @@ def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_
 
 
 def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
-           fmt: str = "gptq", desc_act: bool = False, extra: dict | None = None):
-    """``tiny`` quantized and packed as ``method`` writes it; returns (folder, the HF model
-    with the dequantized weights)."""
+           fmt: str = "gptq", desc_act: bool = False, skip: tuple[str, ...] = ()):
+    """``tiny`` quantized and packed as ``method`` writes it (the linears named in ``skip``
+    left float, as ``modules_to_not_convert`` says); returns (folder, the HF model with the
+    dequantized weights)."""
     model = copy.deepcopy(tiny.hf_model)
+    tied = tiny.hf_model.config.tie_word_embeddings
     tensors = {k: v.contiguous() for k, v in tiny.hf_model.state_dict().items()
-               if not k.endswith(tuple(f"{p}.weight" for p in _LINEARS))}
+               if not k.endswith(tuple(f"{p}.weight" for p in _LINEARS if p not in skip))
+               and not (tied and k == "lm_head.weight")}
     gen = torch.Generator().manual_seed(3)
     perms: dict[str, torch.Tensor] = {}
     for name, m in model.named_modules():
-        if not name.endswith(_LINEARS):
+        if not name.endswith(_LINEARS) or name.endswith(skip):
             continue
         k = m.in_features
         g = group if group > 0 else k
@@ -100,8 +103,8 @@ def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
               "desc_act": desc_act, "checkpoint_format": fmt}
     else:
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-              "version": "gemm", "modules_to_not_convert": None}
-    config["quantization_config"] = {**qc, **(extra or {})}
+              "version": "gemm", "modules_to_not_convert": list(skip) or None}
+    config["quantization_config"] = qc
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
     return folder, model.eval()
@@ -129,14 +132,16 @@ def test_unpack_hand_made_words():
         [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]]
 
 
-_CASES = {
-    "gptq-sym-g32": ("gptq", 32, {"sym": True}),
-    "gptq-asym-g32": ("gptq", 32, {}),
-    "gptq-v2-g16": ("gptq", 16, {"fmt": "gptq_v2"}),  # 16: the dequantizing reference
-    "gptq-channel": ("gptq", -1, {"sym": True}),
-    "gptq-desc-act": ("gptq", 32, {"desc_act": True}),
-    "awq-g32": ("awq", 32, {}),
-    "awq-g64": ("awq", 64, {}),
+_CASES = {  # (method, group_size, _build options, tiny model)
+    "gptq-sym-g32": ("gptq", 32, {"sym": True}, "llama"),
+    "gptq-asym-g32": ("gptq", 32, {}, "llama"),
+    "gptq-v2-g16": ("gptq", 16, {"fmt": "gptq_v2"}, "llama"),  # 16: the dequantizing reference
+    "gptq-channel": ("gptq", -1, {"sym": True}, "llama"),
+    "gptq-desc-act": ("gptq", 32, {"desc_act": True}, "llama"),
+    "gptq-qwen2-bias": ("gptq", 32, {}, "qwen2"),  # q/k/v biases beside the packed weights
+    "awq-g32": ("awq", 32, {}, "llama"),
+    "awq-g64": ("awq", 64, {}, "llama"),
+    "awq-skip-down": ("awq", 32, {"skip": ("down_proj",)}, "llama"),  # modules_to_not_convert
 }
 
 
@@ -144,8 +149,8 @@ _CASES = {
 def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
     """kvflow refused quant_method gptq/awq; now its logprobs and greedy tokens are
     transformers' on the dequantized weights."""
-    method, group, kw = _CASES[case]
-    tiny = tiny_model_factory("llama")
+    method, group, kw, arch = _CASES[case]
+    tiny = tiny_model_factory(arch)
     folder, ref = _build(tiny, str(tmp_path / "ckpt"), method, group, **kw)
     ids = torch.randint(2, tiny.vocab_size, (12,),
                         generator=torch.Generator().manual_seed(5)).tolist()
@@ -155,6 +160,7 @@ def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
     layers = llm.engine.core.executor.runner.model.model.layers
     assert type(layers[1].mlp.gate_up_proj.quant_method) is GPTQAWQMethod
     assert (layers[0].self_attn.qkv_proj.input_perm is not None) == ("desc" in case)
+    assert (type(layers[0].mlp.down_proj.quant_method) is GPTQAWQMethod) == ("skip" not in case)
     (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     with torch.no_grad():
         hf = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
