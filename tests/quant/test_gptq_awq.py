@@ -245,3 +245,102 @@ def test_fused_shards_with_different_act_order_are_refused(tiny_model_factory, t
     with pytest.raises(ValueError, match=r"self_attn\.[qkv]_proj\.g_idx'.*the g_idx \(desc_act "
                                          r"order\) of the shards kvflow fuses into one layer"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_modules_in_block_to_quantize():
+    """optimum's ``modules_in_block_to_quantize`` leaves the unnamed linears float; a fused
+    layer needs all its shards named or none."""
+    from kvflow.quant.gptq_awq import int4_checkpoint_method
+
+    mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+               "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+               "up_proj": ("gate_up_proj", 1)}
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+              "modules_in_block_to_quantize": [
+                  ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                  ["mlp.down_proj"]]}
+    got = {name: int4_checkpoint_method(config, f"model.layers.0.{name}", mapping) is not None
+           for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                        "mlp.down_proj")}
+    assert got == {"self_attn.qkv_proj": True, "self_attn.o_proj": False,
+                   "mlp.gate_up_proj": False, "mlp.down_proj": True}
+    config["modules_in_block_to_quantize"] = [["self_attn.q_proj", "self_attn.k_proj"]]
+    with pytest.raises(ValueError, match=r"quantizes some shards of "
+                                         r"'model.layers.0.self_attn.qkv_proj' and not others"):
+        int4_checkpoint_method(config, "model.layers.0.self_attn.qkv_proj", mapping)
+
+
+def _gptq_tensors(w: torch.Tensor, group: int, perm: torch.Tensor | None = None):
+    """``w`` [N, K] quantized (asymmetric) and packed as GPTQ (``gptq`` format) with columns
+    ``perm`` in act order; returns ({qweight, qzeros, scales, g_idx}, the dequantized w)."""
+    k = w.shape[1]
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[torch.arange(k) if perm is None else perm] = (torch.arange(k) // group).int()
+    q, scale, zero, deq = _quantize(w, g_idx, k // group, False, 1)
+    return {"qweight": _pack_rows(q.t().contiguous()), "qzeros": _pack_cols(zero - 1),
+            "scales": scale, "g_idx": g_idx}, deq
+
+
+def _awq_tensors(w: torch.Tensor, group: int):
+    k = w.shape[1]
+    q, scale, zero, deq = _quantize(w, torch.arange(k) // group, k // group, False, 0)
+    return {"qweight": _pack_cols(q.t().contiguous(), _ORDER),
+            "qzeros": _pack_cols(zero, _ORDER), "scales": scale}, deq
+
+
+def _method(name: str, group: int) -> GPTQAWQMethod:
+    from kvflow.quant.gptq_awq import parse_int4_checkpoint
+
+    return GPTQAWQMethod(parse_int4_checkpoint({"quant_method": name, "bits": 4,
+                                                "group_size": group}))
+
+
+def test_row_parallel_ranks_sum_to_the_dequantized_product():
+    """tensor_parallel_size=2: each rank of a row-parallel GPTQ layer unpacks its half of the
+    input rows (and of the groups and trivial g_idx); the partial products sum to
+    ``x @ W.T`` of the dequantized weight."""
+    from kvflow.layers.linear import RowParallelLinear
+
+    gen = torch.Generator().manual_seed(1)
+    tensors, deq = _gptq_tensors(torch.randn(32, 64, generator=gen), 16)
+    x = torch.randn(3, 64, generator=gen)
+    partial = []
+    for rank in range(2):
+        layer = RowParallelLinear(64, 32, tp_rank=rank, tp_size=2)
+        layer.set_quant_method(_method("gptq", 16))
+        for name, t in tensors.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, t)
+        layer.quant_method.process_weights_after_loading(layer)
+        partial.append(layer.quant_method.apply(layer, x.chunk(2, dim=1)[rank]))
+    torch.testing.assert_close(partial[0] + partial[1], x @ deq.t(), rtol=0, atol=1e-4)
+
+    tensors, _ = _gptq_tensors(torch.randn(32, 64, generator=gen), 16,
+                               torch.randperm(64, generator=gen))
+    layer = RowParallelLinear(64, 32, tp_rank=1, tp_size=2)
+    layer.set_quant_method(_method("gptq", 16))
+    for name, t in tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    with pytest.raises(ValueError, match=r"gptq desc_act: .* under tensor parallelism"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_qkv_column_parallel_ranks_hold_their_heads():
+    """tensor_parallel_size=2: AWQ q, k and v land in each rank's fused qkv_proj as that
+    rank's heads; its output is those rows of ``x @ W.T`` (dequantized)."""
+    from kvflow.layers.linear import QKVParallelLinear
+
+    gen = torch.Generator().manual_seed(2)
+    shards = {s: _awq_tensors(torch.randn(rows, 64, generator=gen), 32)
+              for s, rows in (("q", 64), ("k", 32), ("v", 32))}
+    x = torch.randn(3, 64, generator=gen)
+    for rank in range(2):
+        layer = QKVParallelLinear(64, 16, 4, 2, tp_rank=rank, tp_size=2)
+        layer.set_quant_method(_method("awq", 32))
+        for shard, (tensors, _) in shards.items():
+            for name, t in tensors.items():
+                getattr(layer, name).weight_loader(getattr(layer, name), t, shard)
+        layer.quant_method.process_weights_after_loading(layer)
+        want = torch.cat([deq.chunk(2, dim=0)[rank] for _, deq in shards.values()])
+        torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ want.t(),
+                                   rtol=0, atol=1e-4)
