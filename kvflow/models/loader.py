@@ -312,7 +312,8 @@ def load_model(source: ModelSource, hf_config: Any, ctx: AttentionContext, dtype
             weights = quant_config.checkpoint_weights(weights, dtype)
         loaded = model.load_weights((n, _to_model_dtype(t, dtype, n, keep_fp32))
                                     for n, t in weights
-                                    if quant_config is None or not quant_config.skips_tensor(n))
+                                    if quant_config is None
+                                    or not quant_config.skips_tensor(n, t))
         missing = {n for n, p in model.named_parameters()
                    if not getattr(p, "optional_in_checkpoint", False)} - loaded
         if missing:

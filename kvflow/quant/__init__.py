@@ -55,12 +55,16 @@ class QuantConfig:
         checkpoint_config: the checkpoint's ``quantization_config`` dict, if any.
         packed_modules_mapping: the model's checkpoint-name -> (fused layer, shard) map, so a
             checkpoint config that names ``q_proj`` applies to the fused ``qkv_proj``.
+        unread_biases: checkpoint ``*.bias`` names of GPTQ/AWQ layers the model builds
+            without a bias (older GPTQ exports saved a zero bias for every layer): dropped when
+            zero.
     """
 
     name: str
     group_size: int = 32
     checkpoint_config: dict[str, Any] | None = None
     packed_modules_mapping: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    unread_biases: set[str] = field(default_factory=set)
 
     @property
     def block_fp8(self) -> bool:
@@ -145,9 +149,19 @@ class QuantConfig:
             raise ValueError(f"the compressed-tensors checkpoint quantizes {prefix!r}, which "
                              "kvflow keeps unquantized (MoE routers and gates)")
 
-    def skips_tensor(self, name: str) -> bool:
+    def skips_tensor(self, name: str, tensor: Any = None) -> bool:
         """Whether the loader drops checkpoint tensor ``name`` unread: a compressed-tensors
-        checkpoint's calibrated KV-cache scales (see ``is_unread_kv_scale``)."""
+        checkpoint's calibrated KV-cache scales (see ``is_unread_kv_scale``); a GPTQ/AWQ
+        layer's zero bias where the model has none (``unread_biases``).
+
+        Raises:
+            ValueError: for such a bias that is not zero (dropping it would change the layer).
+        """
+        if name in self.unread_biases:
+            if tensor is not None and bool(tensor.any()):
+                raise ValueError(f"checkpoint tensor {name!r} is a non-zero bias of a layer "
+                                 "the model's config builds without one")
+            return True
         if self.name != "compressed-tensors":
             return False
         from kvflow.quant.compressed_tensors import is_unread_kv_scale
@@ -281,6 +295,11 @@ def apply_quant_config(model: nn.Module, quant_config: QuantConfig | None) -> in
         if method is not None:
             module.set_quant_method(method)
             changed += 1
+    if quant_config.name in ("gptq", "awq"):
+        from kvflow.quant.gptq_awq import biasless_checkpoint_names
+
+        quant_config.unread_biases = biasless_checkpoint_names(
+            model, quant_config.packed_modules_mapping)
     if quant_config.name == "compressed-tensors":
         from kvflow.quant.compressed_tensors import check_attention_targets
 

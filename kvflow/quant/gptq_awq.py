@@ -156,6 +156,22 @@ def int4_checkpoint_method(config: dict[str, Any], prefix: str,
     return GPTQAWQMethod(fmt) if quantized[names[0]] else None
 
 
+def biasless_checkpoint_names(model: nn.Module,
+                              packed_modules_mapping: dict[str, tuple[str, Any]]) -> set[str]:
+    """The checkpoint ``*.bias`` names of ``model``'s GPTQ/AWQ layers that have no bias
+    (``q_proj.bias``, ``k_proj.bias``, ``v_proj.bias`` for a fused ``qkv_proj``): older GPTQ
+    exports (GPTQ-for-LLaMa's layers) saved a zero bias for every quantized layer, which the
+    loader then drops when zero (vLLM skips such biases too)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(getattr(module, "quant_method", None), GPTQAWQMethod) \
+                and getattr(module, "bias", None) is None:
+            head, _, last = prefix.rpartition(".")
+            shards = [s for s, (dst, _) in packed_modules_mapping.items() if dst == last]
+            names.update(f"{head}.{s}.bias" if head else f"{s}.bias" for s in shards or [last])
+    return names
+
+
 def unpack_nibble_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
     """int32 [R, C] holding 8 four-bit values per word, value ``j`` at bits ``4j`` -> uint8
     [R, 8 C]; ``awq``: the word's values in AWQ's interleaved column order."""

@@ -344,3 +344,25 @@ def test_qkv_column_parallel_ranks_hold_their_heads():
         want = torch.cat([deq.chunk(2, dim=0)[rank] for _, deq in shards.values()])
         torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ want.t(),
                                    rtol=0, atol=1e-4)
+
+
+def test_extra_zero_bias_is_dropped(gptq_folder, tmp_path):
+    """Older GPTQ exports carry a zero ``bias`` for layers the model builds without one: it is
+    dropped (the logprobs are the folder's without it); a non-zero one is refused by name."""
+    from safetensors.torch import load_file
+
+    ids = list(range(5, 12))
+    want = _kvflow_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(gptq_folder, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj"):
+        rows = tensors[f"model.layers.0.{name}.scales"].shape[1]
+        tensors[f"model.layers.0.{name}.bias"] = torch.zeros(rows, dtype=torch.float16)
+    save_file(tensors, f"{folder}/model.safetensors")
+    assert _kvflow_logprobs(LLM(model=folder, dtype="float32", num_kv_blocks=16), ids) == want
+    tensors["model.layers.0.mlp.up_proj.bias"][3] = 0.5
+    save_file(tensors, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.bias' is a non-zero "
+                                         r"bias of a layer the model's config builds without"):
+        LLM(model=folder, dtype="float32", num_kv_blocks=16)
