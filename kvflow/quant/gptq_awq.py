@@ -31,7 +31,10 @@ its shards; GPTQ computes it from the layer input's Hessian, which the shards sh
 ``g_idx`` are required (else a ValueError). Under tensor parallelism a row-parallel layer's act-
 ordered groups straddle ranks: refused naming ``desc_act``.
 
-Refused, naming the key: ``bits`` other than 4 (``w_bit`` for AWQ), GPTQ ``checkpoint_format``
+8-bit GPTQ (``bits: 8``, 4 values a word) must be symmetric (every zero point 128): it runs as
+:class:`~kvflow.quant.pack_quantized.PackedInt8Method` with ``int8 = q - 128``.
+
+Refused, naming the key: other ``bits`` (``w_bit`` for AWQ, 4 only), 8-bit ``sym: false``, GPTQ ``checkpoint_format``
 other than gptq / gptq_v2 (``is_marlin_format``), GPTQModel ``dynamic`` per-module overrides,
 a quantized ``lm_head``, AWQ ``version`` other than gemm (gemv, marlin, exllama, ipex) and
 ``zero_point: false``.
@@ -47,7 +50,7 @@ from torch import nn
 
 from kvflow.quant.base import check_stored_dtype
 from kvflow.quant.int4 import Int4WeightOnlyMethod
-from kvflow.quant.pack_quantized import _register, _replace, store_int4, unpack_int32
+from kvflow.quant.pack_quantized import PackedInt8Method, _register, store_int4, unpack_int32
 
 # AWQ packs output columns 8c + AWQ_ORDER[j] at bits 4j; column 8c + i sits at slot
 # AWQ_REVERSE_ORDER[i] (the inverse permutation).
@@ -64,6 +67,7 @@ class Int4CheckpointFormat:
 
     Attributes:
         method: ``"gptq"`` or ``"awq"``.
+        bits: 4, or 8 (GPTQ, symmetric only).
         group_size: input columns per scale; None: one scale per output channel.
         zero_offset: added to the stored zero points (1 for GPTQ's ``gptq`` format, else 0).
         skip: module-name fragments left unquantized (AWQ ``modules_to_not_convert``).
@@ -73,6 +77,7 @@ class Int4CheckpointFormat:
     method: str
     group_size: int | None
     zero_offset: int
+    bits: int = 4
     skip: tuple[str, ...] = ()
     quantize_only: tuple[str, ...] | None = None
 
@@ -92,7 +97,10 @@ def parse_int4_checkpoint(config: dict[str, Any]) -> Int4CheckpointFormat:
     bits = _first(config, ("bits", "w_bit"), 4)
     group = int(_first(config, ("group_size", "q_group_size"), 128))
     bits_key = "bits" if "bits" in config or method == "gptq" else "w_bit"
-    problems = [] if bits == 4 else [f"{bits_key}={bits} (4 only)"]
+    problems = [] if bits == 4 or (bits == 8 and method == "gptq") else \
+        [f"{bits_key}={bits} ({'4 or 8' if method == 'gptq' else '4 only'})"]
+    if bits == 8 and config.get("sym") is False:
+        problems.append("bits=8 with sym=False (8-bit runs symmetric only)")
     if group != -1 and group <= 0:
         problems.append(f"group_size={group} (a positive size or -1)")
     offset = 0
@@ -117,7 +125,7 @@ def parse_int4_checkpoint(config: dict[str, Any]) -> Int4CheckpointFormat:
         raise ValueError(f"{method} quantization_config not supported: " + "; ".join(problems))
     only = config.get("modules_in_block_to_quantize")
     return Int4CheckpointFormat(
-        method, None if group == -1 else group, offset,
+        method, None if group == -1 else group, offset, bits,
         tuple(config.get("modules_to_not_convert") or ()),
         None if only is None else tuple(_flatten(only)))
 
@@ -138,7 +146,7 @@ def _is_quantized(fmt: Int4CheckpointFormat, name: str) -> bool:
 
 def int4_checkpoint_method(config: dict[str, Any], prefix: str,
                            packed_modules_mapping: dict[str, tuple[str, Any]]
-                           ) -> GPTQAWQMethod | None:
+                           ) -> GPTQAWQMethod | GPTQInt8Method | None:
     """The method for the linear layer at ``prefix`` (None: the checkpoint leaves it float).
     A fused layer (``qkv_proj``) is quantized when its checkpoint shards all are.
 
@@ -153,7 +161,9 @@ def int4_checkpoint_method(config: dict[str, Any], prefix: str,
     if len(set(quantized.values())) > 1:
         raise ValueError(f"the {fmt.method} checkpoint quantizes some shards of {prefix!r} and "
                          f"not others ({quantized}); kvflow fuses them into one layer")
-    return GPTQAWQMethod(fmt) if quantized[names[0]] else None
+    if not quantized[names[0]]:
+        return None
+    return GPTQInt8Method(fmt) if fmt.bits == 8 else GPTQAWQMethod(fmt)
 
 
 def biasless_checkpoint_names(model: nn.Module,
@@ -164,7 +174,7 @@ def biasless_checkpoint_names(model: nn.Module,
     loader then drops when zero (vLLM skips such biases too)."""
     names = set()
     for prefix, module in model.named_modules():
-        if isinstance(getattr(module, "quant_method", None), GPTQAWQMethod) \
+        if isinstance(getattr(module, "quant_method", None), _PackedCheckpointLoading) \
                 and getattr(module, "bias", None) is None:
             head, _, last = prefix.rpartition(".")
             shards = [s for s, (dst, _) in packed_modules_mapping.items() if dst == last]
@@ -172,31 +182,24 @@ def biasless_checkpoint_names(model: nn.Module,
     return names
 
 
-def unpack_nibble_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
-    """int32 [R, C] holding 8 four-bit values per word, value ``j`` at bits ``4j`` -> uint8
-    [R, 8 C]; ``awq``: the word's values in AWQ's interleaved column order."""
-    vals = unpack_int32(packed, 4, packed.shape[1] * 8)
+def unpack_nibble_columns(packed: torch.Tensor, awq: bool, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] holding ``32 / bits`` values per word, value ``j`` at bits ``bits * j``
+    -> uint8 [R, C * 32 / bits]; ``awq`` (4 bits): the word's values in AWQ's interleaved
+    column order."""
+    vals = unpack_int32(packed, bits, packed.shape[1] * (32 // bits))
     if awq:
         vals = vals.view(packed.shape[0], -1, 8)[..., list(AWQ_REVERSE_ORDER)].reshape(
             packed.shape[0], -1)
     return vals.to(torch.uint8)
 
 
-class GPTQAWQMethod(Int4WeightOnlyMethod):
-    """A GPTQ or AWQ layer. While loading: ``qweight`` uint8 [N, K] (unpacked, output rows
-    first, as every placement loader expects), ``qzeros`` uint8 and ``scales`` float32
-    [N, G] ([N] per channel), GPTQ's ``g_idx`` int32 [K] (optional in the checkpoint); after:
-    :class:`Int4WeightOnlyMethod`'s ``weight`` and ``weight_scales_and_zeros``, plus
-    ``layer.input_perm`` (int64 [K], act-order) or None.
+class _PackedCheckpointLoading:
+    """Loading shared by the GPTQ/AWQ methods. While loading: ``qweight`` uint8 [N, K]
+    (unpacked, output rows first, as every placement loader expects), ``qzeros`` uint8 and
+    ``scales`` float32 [N, G] ([N] per channel), GPTQ's ``g_idx`` int32 [K] (optional in the
+    checkpoint); after: ``layer.input_perm`` (int64 [K], act order) or None."""
 
-    Args:
-        fmt: the checkpoint's layout (:func:`parse_int4_checkpoint`).
-    """
-
-    def __init__(self, fmt: Int4CheckpointFormat) -> None:
-        super().__init__(fmt.group_size or 0)
-        self.fmt = fmt
-        self.name = fmt.method
+    fmt: Int4CheckpointFormat
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -233,10 +236,11 @@ class GPTQAWQMethod(Int4WeightOnlyMethod):
             loaded = loaded.float().t()
         else:
             check_stored_dtype(param.new_empty(0, dtype=torch.int32), loaded)
-            if param is layer.qzeros or self.fmt.method == "awq":  # 8 output columns a word
-                loaded = unpack_nibble_columns(loaded, self.fmt.method == "awq").t()
-            else:  # GPTQ qweight: 8 input rows a word
-                loaded = unpack_nibble_columns(loaded.t().contiguous(), False)
+            awq, bits = self.fmt.method == "awq", self.fmt.bits
+            if param is layer.qzeros or awq:  # 32 / bits output columns a word
+                loaded = unpack_nibble_columns(loaded, awq, bits).t()
+            else:  # GPTQ qweight: 32 / bits input rows a word
+                loaded = unpack_nibble_columns(loaded.t().contiguous(), False, bits)
         if param.dim() == 1 and loaded.dim() == 2:  # per channel: [N, 1] -> [N]
             loaded = loaded.reshape(-1)
         layer.weight_loader(param, loaded.contiguous(), *shard)
@@ -256,9 +260,9 @@ class GPTQAWQMethod(Int4WeightOnlyMethod):
         layer.g_idx.data.copy_(loaded)
         layer._g_idx_loaded = True
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Sort act-ordered columns, then store as :class:`Int4WeightOnlyMethod` with
-        ``zero_kv = (8 - zero) * scale``.
+    def _unpacked(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q uint8 [N, K], scale float32 [N, G], zero float32 [N, G]) in act order (setting
+        ``layer.input_perm``), the checkpoint's tensors removed from ``layer``.
 
         Raises:
             ValueError: for a ``g_idx`` whose groups are not ``group_size`` columns each
@@ -274,16 +278,70 @@ class GPTQAWQMethod(Int4WeightOnlyMethod):
                 layer.input_perm = perm.to(q.device)
                 q = q[:, perm]
             scale, zero = scale[:, cols], zero[:, cols]
-        _replace(layer, ("weight", "weight_scales_and_zeros"),
-                 ("qweight", "qzeros", "scales", *(("g_idx",) if self.fmt.method == "gptq"
-                                                   else ())))
-        store_int4(self, layer, q, scale, (8.0 - zero) * scale, self.params_dtype)
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        return q, scale, zero
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)``, the columns of ``x`` gathered in act order first."""
         perm = layer.input_perm
         return super().apply(layer, x if perm is None else x.index_select(-1, perm), bias)
+
+
+class GPTQAWQMethod(_PackedCheckpointLoading, Int4WeightOnlyMethod):
+    """A 4-bit GPTQ or AWQ layer, stored after loading as :class:`Int4WeightOnlyMethod`
+    (``weight``, ``weight_scales_and_zeros``).
+
+    Args:
+        fmt: the checkpoint's layout (:func:`parse_int4_checkpoint`).
+    """
+
+    def __init__(self, fmt: Int4CheckpointFormat) -> None:
+        super().__init__(fmt.group_size or 0)
+        self.fmt = fmt
+        self.name = fmt.method
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Sort act-ordered columns, then store as :class:`Int4WeightOnlyMethod` with
+        ``zero_kv = (8 - zero) * scale``.
+
+        Raises:
+            ValueError: as :meth:`_PackedCheckpointLoading._unpacked`.
+        """
+        q, scale, zero = self._unpacked(layer)
+        layer._quant_param_names = ("weight", "weight_scales_and_zeros")
+        store_int4(self, layer, q, scale, (8.0 - zero) * scale, self.params_dtype)
+
+
+class GPTQInt8Method(_PackedCheckpointLoading, PackedInt8Method):
+    """An 8-bit symmetric GPTQ layer (every zero point 128: ``w = (q - 128) * scale``), stored
+    after loading as :class:`~kvflow.quant.pack_quantized.PackedInt8Method`: ``weight`` int8
+    [N, K] and ``weight_scale`` float32 [N] (channel) or [N, G] (one INT8 product per group).
+
+    Args:
+        fmt: the checkpoint's layout (:func:`parse_int4_checkpoint`, ``bits == 8``).
+    """
+
+    def __init__(self, fmt: Int4CheckpointFormat) -> None:
+        super().__init__(fmt.group_size)
+        self.fmt = fmt
+        self.name = fmt.method
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Raises:
+            ValueError: for a zero point other than 128 (an asymmetric 8-bit checkpoint), or
+                as :meth:`_PackedCheckpointLoading._unpacked`.
+        """
+        q, scale, zero = self._unpacked(layer)
+        if not bool((zero == 128).all()):
+            raise ValueError("gptq bits=8: a zero point is not 128 (asymmetric weights); "
+                             "kvflow runs symmetric 8-bit GPTQ only")
+        layer._quant_param_names = ("weight", "weight_scale")
+        _register(layer, "weight", (q.to(torch.int16) - 128).to(torch.int8))
+        _register(layer, "weight_scale", scale.reshape(-1) if self.ckpt_group is None
+                  else scale.contiguous())
 
 
 def _group_order(layer: nn.Module, group: int) -> tuple[torch.Tensor | None, torch.Tensor]:

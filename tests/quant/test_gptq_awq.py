@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
-from kvflow.quant.gptq_awq import GPTQAWQMethod, unpack_nibble_columns
+from kvflow.quant.gptq_awq import GPTQAWQMethod, GPTQInt8Method, unpack_nibble_columns
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order
@@ -27,40 +27,48 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """int64 [R, C] in 0..15 -> int32 [R / 8, C]: rows 8i..8i+7 at bits 0, 4, ..., 28."""
-    q = q.view(-1, 8, q.shape[1])
-    return _to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
+def _pack_rows(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int64 [R, C] of ``bits``-bit values -> int32 [R / p, C], p = 32 / bits: rows pi..pi+p-1
+    at bits 0, bits, 2 bits, ..."""
+    p = 32 // bits
+    q = q.view(-1, p, q.shape[1])
+    return _to_int32(sum(q[:, j] << (bits * j) for j in range(p)))
 
 
-def _pack_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
-    """int64 [R, C] in 0..15 -> int32 [R, C / 8]: bits 4j of word c hold column 8c + order[j]."""
-    q = q.view(q.shape[0], -1, 8)
-    return _to_int32(sum(q[..., order[j]] << (4 * j) for j in range(8)))
+def _pack_cols(q: torch.Tensor, order=None, bits: int = 4) -> torch.Tensor:
+    """int64 [R, C] -> int32 [R, C / p]: bits ``bits * j`` of word c hold column
+    ``p c + order[j]`` (default order: j)."""
+    p = 32 // bits
+    order = order or tuple(range(p))
+    q = q.view(q.shape[0], -1, p)
+    return _to_int32(sum(q[..., order[j]] << (bits * j) for j in range(p)))
 
 
-def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_zero: int):
-    """Asymmetric (or symmetric, zero 8) min/max 4-bit quantization of ``w`` [N, K] by the
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_zero: int,
+              bits: int = 4):
+    """Asymmetric (or symmetric, zero 2^(bits-1)) min/max quantization of ``w`` [N, K] by the
     groups ``g_idx`` [K] names. Returns q int64 [N, K], scale fp16 [G, N], zero int64 [G, N]
     and the dequantized float32 weight."""
+    top, mid = (1 << bits) - 1, 1 << (bits - 1)
     n, _ = w.shape
     scale, zero = torch.empty(groups, n), torch.empty(groups, n, dtype=torch.int64)
     for g in range(groups):
         cols = w[:, g_idx == g]
         lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
         if sym:
-            s, z = torch.maximum(-lo / 8, hi / 7), torch.full((n,), 8)
+            s, z = torch.maximum(-lo / mid, hi / (mid - 1)), torch.full((n,), mid)
         else:
-            s = (hi - lo) / 15
-            z = torch.round(-lo / s).to(torch.int64).clamp(min_zero, 15)
+            s = (hi - lo) / top
+            z = torch.round(-lo / s).to(torch.int64).clamp(min_zero, top)
         scale[g], zero[g] = s.half().float(), z
     s_k, z_k = scale[g_idx].t(), zero[g_idx].t()  # [N, K]
-    q = torch.clamp(torch.round(w / s_k) + z_k, 0, 15).to(torch.int64)
+    q = torch.clamp(torch.round(w / s_k) + z_k, 0, top).to(torch.int64)
     return q, scale.half(), zero, (q - z_k).float() * s_k
 
 
 def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
-           fmt: str = "gptq", desc_act: bool = False, skip: tuple[str, ...] = ()):
+           fmt: str = "gptq", desc_act: bool = False, skip: tuple[str, ...] = (),
+           bits: int = 4):
     """``tiny`` quantized and packed as ``method`` writes it (the linears named in ``skip``
     left float, as ``modules_to_not_convert`` says); returns (folder, the HF model with the
     dequantized weights)."""
@@ -83,12 +91,12 @@ def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[perm] = (torch.arange(k) // g).to(torch.int32)
         q, scale, zero, w = _quantize(m.weight.data, g_idx, k // g, sym,
-                                      1 if method == "gptq" and fmt == "gptq" else 0)
+                                      1 if method == "gptq" and fmt == "gptq" else 0, bits)
         m.weight.data = w
         stored_zero = zero - (1 if method == "gptq" and fmt == "gptq" else 0)
         if method == "gptq":
-            tensors[f"{name}.qweight"] = _pack_rows(q.t().contiguous())
-            tensors[f"{name}.qzeros"] = _pack_cols(stored_zero)
+            tensors[f"{name}.qweight"] = _pack_rows(q.t().contiguous(), bits)
+            tensors[f"{name}.qzeros"] = _pack_cols(stored_zero, bits=bits)
             tensors[f"{name}.g_idx"] = g_idx
         else:
             tensors[f"{name}.qweight"] = _pack_cols(q.t().contiguous(), _ORDER)
@@ -99,7 +107,7 @@ def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
     with open(f"{folder}/config.json") as f:
         config = json.load(f)
     if method == "gptq":
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
               "desc_act": desc_act, "checkpoint_format": fmt}
     else:
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
@@ -139,6 +147,8 @@ _CASES = {  # (method, group_size, _build options, tiny model)
     "gptq-channel": ("gptq", -1, {"sym": True}, "llama"),
     "gptq-desc-act": ("gptq", 32, {"desc_act": True}, "llama"),
     "gptq-qwen2-bias": ("gptq", 32, {}, "qwen2"),  # q/k/v biases beside the packed weights
+    "gptq-int8-g32": ("gptq", 32, {"sym": True, "bits": 8}, "llama"),  # INT8, group products
+    "gptq-int8-channel": ("gptq", -1, {"sym": True, "bits": 8}, "llama"),
     "awq-g32": ("awq", 32, {}, "llama"),
     "awq-g64": ("awq", 64, {}, "llama"),
     "awq-skip-down": ("awq", 32, {"skip": ("down_proj",)}, "llama"),  # modules_to_not_convert
@@ -158,9 +168,10 @@ def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
     llm = LLM(model=folder, dtype="float32", num_kv_blocks=32, block_size=4)
     assert _kvflow_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
     layers = llm.engine.core.executor.runner.model.model.layers
-    assert type(layers[1].mlp.gate_up_proj.quant_method) is GPTQAWQMethod
+    want_cls = GPTQInt8Method if "int8" in case else GPTQAWQMethod
+    assert type(layers[1].mlp.gate_up_proj.quant_method) is want_cls
     assert (layers[0].self_attn.qkv_proj.input_perm is not None) == ("desc" in case)
-    assert (type(layers[0].mlp.down_proj.quant_method) is GPTQAWQMethod) == ("skip" not in case)
+    assert (type(layers[0].mlp.down_proj.quant_method) is want_cls) == ("skip" not in case)
     (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     with torch.no_grad():
         hf = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
@@ -200,7 +211,10 @@ def _edited(src: str, dst: str, quantization_config: dict) -> str:
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"bits": 8}, r"gptq quantization_config not supported: bits=8 \(4 only\)"),
+    ({"bits": 3}, r"gptq quantization_config not supported: bits=3 \(4 or 8\)"),
+    ({"bits": 8, "sym": False}, r"bits=8 with sym=False \(8-bit runs symmetric only\)"),
+    ({"quant_method": "awq", "bits": 8},
+     r"awq quantization_config not supported: bits=8 \(4 only\)"),
     ({"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
     ({"dynamic": {"-:.*down_proj": {}}}, r"dynamic \(per-module overrides\)"),
     ({"quant_method": "awq", "version": "gemv"},
@@ -208,7 +222,7 @@ def _edited(src: str, dst: str, quantization_config: dict) -> str:
     ({"quant_method": "awq", "zero_point": False}, r"zero_point=False"),
     ({"quant_method": "awq", "version": "exllama"}, r"version='exllama'"),
     ({"group_size": 48}, r"gptq group_size=48 does not divide a layer's 64 input columns"),
-], ids=["bits8", "format", "dynamic", "awq-gemv", "awq-no-zero", "awq-exllama", "group"])
+], ids=["bits3", "int8-asym", "awq-bits8", "format", "dynamic", "awq-gemv", "awq-no-zero", "awq-exllama", "group"])
 def test_unsupported_layout_is_refused(gptq_folder, tmp_path, edit, message):
     folder = _edited(gptq_folder, str(tmp_path / "ckpt"), edit)
     with pytest.raises(ValueError, match=message):
@@ -288,11 +302,11 @@ def _awq_tensors(w: torch.Tensor, group: int):
             "qzeros": _pack_cols(zero, _ORDER), "scales": scale}, deq
 
 
-def _method(name: str, group: int) -> GPTQAWQMethod:
+def _method(name: str, group: int, bits: int = 4) -> GPTQAWQMethod | GPTQInt8Method:
     from kvflow.quant.gptq_awq import parse_int4_checkpoint
 
-    return GPTQAWQMethod(parse_int4_checkpoint({"quant_method": name, "bits": 4,
-                                                "group_size": group}))
+    fmt = parse_int4_checkpoint({"quant_method": name, "bits": bits, "group_size": group})
+    return GPTQInt8Method(fmt) if bits == 8 else GPTQAWQMethod(fmt)
 
 
 def test_row_parallel_ranks_sum_to_the_dequantized_product():
@@ -366,3 +380,19 @@ def test_extra_zero_bias_is_dropped(gptq_folder, tmp_path):
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.bias' is a non-zero "
                                          r"bias of a layer the model's config builds without"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16)
+
+
+def test_int8_zero_points_other_than_128_are_refused():
+    """8-bit GPTQ runs as symmetric INT8 (``q - 128``): a layer whose stored zero points are
+    not all 128 (asymmetric, though the config says sym) is refused, not run shifted."""
+    from kvflow.layers.linear import ReplicatedLinear
+
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    q, scale, zero, _ = _quantize(w, torch.arange(32) // 16, 2, False, 1, bits=8)
+    layer = ReplicatedLinear(32, 16)
+    layer.set_quant_method(_method("gptq", 16, bits=8))
+    for name, t in {"qweight": _pack_rows(q.t().contiguous(), 8),
+                    "qzeros": _pack_cols(zero - 1, bits=8), "scales": scale}.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    with pytest.raises(ValueError, match=r"gptq bits=8: a zero point is not 128"):
+        layer.quant_method.process_weights_after_loading(layer)
