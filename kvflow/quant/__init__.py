@@ -2,10 +2,10 @@
 
 ``--quantization`` (``ModelConfig.quantization``) names a scheme, or it is read from the
 checkpoint (a GGUF file keeps its quantized blocks; an HF folder's ``quantization_config``
-names compressed-tensors, gptq or awq). :func:`get_quant_config` turns that into a :class:`QuantConfig`,
-which picks a method per layer by its module path. The model loader then calls
-:func:`apply_quant_config` right after building the model (before any weight is loaded) and
-:func:`process_weights_after_loading` once the checkpoint is in.
+names compressed-tensors, gptq or awq). :func:`get_quant_config` turns that into a
+:class:`QuantConfig`, which picks a method per layer by its module path. The model loader then
+calls :func:`apply_quant_config` right after building the model (before any weight is loaded)
+and :func:`process_weights_after_loading` once the checkpoint is in.
 
 Schemes (one file each): ``unquantized.py`` (the reference), ``int8.py`` (weight-only, per
 channel), ``int4.py`` (weight-only, group-wise; the gated MLP's gate/up stay INT8,
@@ -14,7 +14,7 @@ activation scales), ``gguf.py`` (llama.cpp blocks kept as they are), ``compresse
 (pre-quantized FP8/INT8 checkpoints), ``fp8_block.py`` (block-wise FP8 checkpoints, ``quant_method``
 ``fp8`` with a ``weight_block_size``: DeepSeek-V3, Qwen3-*-FP8; dequantized while the checkpoint
 is read, :meth:`QuantConfig.checkpoint_weights`, so every layer keeps the unquantized method),
-``gptq_awq.py`` (GPTQ and AWQ 4-bit checkpoints, run as ``int4``).
+``gptq_awq.py`` (GPTQ 4/8-bit and AWQ 4-bit checkpoints, run as ``int4`` / INT8).
 """
 
 from __future__ import annotations
