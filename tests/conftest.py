@@ -42,6 +42,8 @@ _MLA_DIMS = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 1
 # name -> (transformers config class name, config overrides)
 TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
+    # one layer: an EAGLE head holding its layer nearly reproduces it (test_eagle_engine.py)
+    "llama_1layer": ("LlamaConfig", {"num_hidden_layers": 1}),
     "qwen2": ("Qwen2Config", {}),  # q/k/v bias
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm; head_dim != hidden / heads
     "llama_rope_llama3": ("LlamaConfig", {"rope_scaling": {

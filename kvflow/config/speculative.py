@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from kvflow.config.options import check_choices
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 
 
 def usable_cpu_count() -> int:
@@ -34,10 +34,13 @@ class SpeculativeConfig:
     Attributes:
         method: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
             of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
-            target's tokenizer). Left out of a dict or JSON (:meth:`from_value`):
+            target's tokenizer) or ``eagle`` (an EAGLE-1 head, Li et al. 2024 arXiv 2401.15077:
+            one decoder layer fed the target's final hidden states; kvflow/spec_decode/
+            eagle.py). Left out of a dict or JSON (:meth:`from_value`):
             ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
-        model: the draft model (``draft_model``): a packaged name, HF folder, GGUF or Hub id;
+        model: the draft model (``draft_model``) or EAGLE head checkpoint (``eagle``, vLLM's
+            ``EagleLlamaForCausalLM`` layout): a packaged name, HF folder, GGUF or Hub id;
             its tokenizer must be the target's (refused at start-up otherwise:
             kvflow/spec_decode/draft_tokenizer.py).
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
@@ -94,9 +97,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model={self.model!r} applies to method="
                              "'draft_model' only (n-gram lookup uses no model)")
         self._check_method_keys()
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config method='draft_model' needs 'model' (the "
-                             "draft model's name or path)")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative_config method={self.method!r} needs 'model' (the "
+                             "draft model's or EAGLE head's name or path)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
                              f"and prompt_lookup_max={self.prompt_lookup_max} need "
@@ -117,7 +120,7 @@ class SpeculativeConfig:
                 isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
             raise ValueError(f"speculative_config draft_vocab_size={vocab!r} must be an "
                              "integer >= 1, 0 or null (the whole vocabulary) or 'auto'")
-        if vocab not in (None, "auto", 0) and self.method != "draft_model":
+        if vocab not in (None, "auto", 0) and self.method != "draft_model":  # eagle too
             raise ValueError("speculative_config draft_vocab_size applies to method="
                              "'draft_model' only (an n-gram proposer has no LM head)")
         if self.quantization not in (None, "auto", "none", "int8", "int4"):
@@ -140,6 +143,9 @@ class SpeculativeConfig:
             if wrong:
                 raise ValueError(f"speculative_config {', '.join(wrong)} applies to method="
                                  "'draft_model' only (n-gram lookup runs no model)")
+        elif self.method == "eagle" and self.quantization in ("int8", "int4"):
+            raise ValueError(f"speculative_config quantization={self.quantization!r} applies "
+                             "to method='draft_model' only (an EAGLE head runs as loaded)")
         elif (self.prompt_lookup_max, self.prompt_lookup_min) != (4, 2):
             raise ValueError(f"speculative_config prompt_lookup_max={self.prompt_lookup_max} "
                              f"/ prompt_lookup_min={self.prompt_lookup_min} apply to method="
@@ -158,6 +164,8 @@ class SpeculativeConfig:
         if quant == "auto":
             quant = CPU_DRAFT_QUANTIZATION if cpu and not (prequantized or deterministic) \
                 else None
+        if self.method == "eagle":  # a one-layer head: as loaded, the whole vocabulary
+            return None, None
         vocab = self.draft_vocab_size
         if vocab == "auto":
             vocab = CPU_DRAFT_VOCAB_SIZE if cpu else None

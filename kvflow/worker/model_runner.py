@@ -39,6 +39,7 @@ from kvflow.platforms import Platform
 from kvflow.quant import weight_bytes
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import DraftGrammar, GrammarBitmask, SchedulerOutput
+from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.cpu_setup import configure_runner_threads
 from kvflow.worker.forward_pass import ForwardCounters, model_extra_inputs, run_model
 from kvflow.worker.input_batch import InputBatch, RequestState
@@ -109,7 +110,7 @@ class ModelRunner(RunnerKVCache):
         self._init_model(self.source, self.hf_config)
         self.drafter = make_draft_model(self.config, self.platform, self.source,
                                         self.hf_config, self.dtype, self.device,
-                                        self.parallel.tp)
+                                        self.parallel.tp, self.model)
 
     def _init_model(self, source: ModelSource, hf_config: Any) -> None:
         mc = self.config.model_config
@@ -250,6 +251,8 @@ class ModelRunner(RunnerKVCache):
                 self.kv_connector.wait_for_save(connector_meta)
             if not send_to_next_stage(self.parallel.pp, hidden):
                 return  # a pipeline stage before the last: no logits here
+            if isinstance(self.drafter, EagleDrafter):  # the head reads the target's features
+                self.drafter.observe_target(self.input_batch, inputs, hidden)
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal, self.sampler.logprobs_mode.endswith("logits"))
