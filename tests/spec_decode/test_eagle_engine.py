@@ -258,3 +258,66 @@ def test_preemption_and_prefix_cache_keep_greedy_output(pair, assert_no_leaks):
     again = spec.generate(prompts[-1:], params, use_tqdm=False)  # a prefix-cache hit
     _same_outputs(ref[-1:], again)
     assert_no_leaks(spec)
+
+
+def test_sampling_keeps_the_target_distribution(tiny_model_factory, tmp_path):
+    """Temperature 0.8, top_k=5; the near-right head drafts 2 tokens from its own top 5. The
+    second token's marginal over 2,000 requests must match sum_t1 p(t1) p(t2 | t1) from
+    transformers (chi-square, p > 0.001), with drafts both accepted and rejected."""
+    from tests.spec_decode.test_draft_model_engine import second_token_marginal
+    from tests.spec_decode.test_rejection_sampler import chi_square_p_value
+
+    target = tiny_model_factory("llama_1layer")
+    _save_mimic_head(str(tmp_path / "head"), target)
+    prompt, top_k, temperature, n = [5, 17, 42, 99, 7, 23], 5, 0.8, 2000
+    marginal = second_token_marginal(target.hf_model, prompt, top_k, temperature)
+    spec = _engine(target.path, str(tmp_path / "head"), k=2, num_kv_blocks=4000,
+                   max_num_seqs=256)
+    outs = spec.generate([prompt] * n, SamplingParams(temperature=temperature, top_k=top_k,
+                                                      max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    counts = torch.bincount(second, minlength=len(marginal)).double()
+    assert chi_square_p_value(counts, marginal) > 1e-3
+    drafted, accepted = _drafted(outs)
+    assert drafted >= n and 0 < accepted < drafted
+
+
+def test_pytorch_model_bin_head_with_model_prefix(tiny_model_factory, tmp_path, monkeypatch):
+    """EAGLE's own releases ship a pytorch_model.bin; names may carry ``model.``: the head
+    loads the same and drafts as the reference does."""
+    target = tiny_model_factory("llama_1layer")
+    head = _save_mimic_head(str(tmp_path / "st"), target)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    torch.save({f"model.{n}": t for n, t in head["tensors"].items()},
+               folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(head["config"]))
+    seen = _record_proposals(monkeypatch)
+    llm = _engine(target.path, str(folder))
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(seen) >= 4
+    for context, drafts, _ in seen:
+        assert drafts == _ref_drafts(target.hf_model, head, context, len(drafts))
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("hidden", "does not fit the target's"),
+    ("extra", "'layers.1.mlp.up_proj.weight' matches no parameter"),
+    ("missing", "lacks \\['fc.weight'\\]"),
+])
+def test_head_checkpoint_errors_name_the_head(tiny_llama, tmp_path, change, needle):
+    head = _save_head(str(tmp_path), tiny_llama.path, seed=3, bias=False)
+    tensors = head["tensors"]
+    if change == "hidden":
+        head["config"]["hidden_size"] = 32
+        (tmp_path / "config.json").write_text(json.dumps(head["config"]))
+    elif change == "extra":
+        tensors["layers.1.mlp.up_proj.weight"] = tensors["layers.0.mlp.up_proj.weight"].clone()
+    else:
+        del tensors["fc.weight"]
+    save_file(tensors,
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"speculative_config model .*{needle}"):
+        _engine(tiny_llama.path, str(tmp_path))

@@ -31,7 +31,10 @@ def test_flag_dict_and_object_forms_agree():
 
 
 @pytest.mark.parametrize("value, needle", [
-    ('{"method": "eagle"}', "method='eagle'"),
+    ('{"method": "eagle"}', "method='eagle' needs 'model'"),
+    ('{"method": "eagle", "model": "h", "quantization": "int8"}', "quantization='int8'"),
+    ('{"method": "eagle", "model": "h", "draft_vocab_size": 1000}', "draft_vocab_size"),
+    ('{"method": "medusa", "model": "h"}', "method='medusa' is invalid"),
     ('{"method": "ngram", "k": 3}', "unknown key(s) ['k']"),
     ('{"method": "draft_model"}', "needs 'model'"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens=0"),
@@ -116,6 +119,18 @@ def test_draft_model_takes_tensor_parallel_and_swap_preemption():
     # the host pool holds the draft's K/V too (tests/core/test_swap_more.py)
     config = EngineConfig.from_kwargs(preemption_mode="swap", speculative_config=draft)
     assert config.scheduler_config.preemption_mode == "swap"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
+    ({"enable_lora": True}, "enable_lora"),
+])
+def test_eagle_refuses_what_it_cannot_run(kwargs, needle):
+    eagle = {"method": "eagle", "model": "some-head"}
+    with pytest.raises(ValueError, match=f"method='eagle' with {needle}"):
+        EngineConfig.from_kwargs(speculative_config=eagle, **kwargs)
+    config = EngineConfig.from_kwargs(speculative_config=eagle)  # alone: accepted, as loaded
+    assert config.speculative_config.draft_options("cpu") == (None, None)
 
 
 def test_cli_bad_value_exits_2(capsys):
