@@ -321,3 +321,33 @@ def test_head_checkpoint_errors_name_the_head(tiny_llama, tmp_path, change, need
               str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"speculative_config model .*{needle}"):
         _engine(tiny_llama.path, str(tmp_path))
+
+
+def test_constrained_greedy_equals_plain_constrained(pair, assert_no_leaks, monkeypatch):
+    """A regex-constrained request: every verified position is masked, so the output is plain
+    constrained greedy output; the head drafts for it too, each draft within the grammar's row
+    after the drafts before it (so every draft is a token the grammar allows there)."""
+    import regex
+
+    from kvflow.structured import StructuredOutputsParams
+    from tests.spec_decode.test_draft_constrained import REGEX
+
+    _, _, _, base, eagle, _ = pair
+    seen = _record_proposals(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    ref = base.generate(PROMPTS, params, use_tqdm=False)
+    got = eagle.generate(PROMPTS, params, use_tqdm=False)
+    _same_outputs(ref, got)
+    tokenizer = eagle.get_tokenizer()
+    for out in got:
+        assert out.outputs[0].finish_reason == "stop"
+        assert regex.fullmatch(REGEX, out.outputs[0].text)
+    assert _drafted(got)[0] > 0
+    assert len(seen) > 0
+    for context, drafts, _ in seen:  # draft 1 keeps the text a prefix of a match (or EOS)
+        prompt_len = next(len(o.prompt_token_ids) for o in got
+                          if context[:len(o.prompt_token_ids)] == o.prompt_token_ids)
+        text = tokenizer.decode(context[prompt_len:] + drafts[:1], skip_special_tokens=True)
+        assert regex.fullmatch(REGEX, text, partial=True), text
+    assert_no_leaks(eagle)
