@@ -245,7 +245,8 @@ class EngineConfig:
             "--speculative-config", type=str, default=None,
             help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                  "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
-                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}'; keys (defaults): "
+                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}' (method \"eagle\": "
+                 "\"model\" an EAGLE-1 head); keys (defaults): "
                  f"{keys} (default: off)")
         keys = ", ".join(f"{f.name} ({f.default})" for f in fields(KVEventsConfig))
         parser.add_argument_group("KVEventsConfig").add_argument(
