@@ -181,21 +181,26 @@ class EngineConfig:
             if getattr(pc, name) > 1:
                 raise ValueError(f"speculative decoding with {name} > 1 is not available (the "
                                  "draft tokens would have to reach every rank's sampler)")
-        if spec.method == "eagle":
+        if spec.method == "deepseek_mtp" and not spec.model:  # the target's own MTP layers
+            spec.model = self.model_config.model
+        if spec.method in ("eagle", "deepseek_mtp"):
             self._check_eagle()
         if self.scheduler_config.async_scheduling:
             raise ValueError("speculative decoding with async_scheduling is not available (a "
                              "verification step's token counts are known only after it)")
 
     def _check_eagle(self) -> None:
-        """An EAGLE head (kvflow/spec_decode/eagle.py) runs on one rank without adapters: it
-        reads the target's whole hidden states and its unadapted embedding and LM head."""
+        """An EAGLE / MTP head (kvflow/spec_decode/eagle.py) runs on one rank without
+        adapters: it reads the target's whole hidden states and its unadapted embedding and
+        LM head."""
+        method = self.speculative_config.method
         if self.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method='eagle' with tensor_parallel_size > 1 "
-                             "is not available (the head reads the target's unsharded hidden "
-                             "states); use tensor_parallel_size 1 or method 'draft_model'")
+            raise ValueError(f"speculative_config method={method!r} with tensor_parallel_size "
+                             "> 1 is not available (the head reads the target's unsharded "
+                             "hidden states); use tensor_parallel_size 1 or method "
+                             "'draft_model'")
         if self.lora_config.enable_lora:
-            raise ValueError("speculative_config method='eagle' with enable_lora is not "
+            raise ValueError(f"speculative_config method={method!r} with enable_lora is not "
                              "available (the head was trained on the base model's hidden "
                              "states); drop one of them")
 

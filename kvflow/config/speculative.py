@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from kvflow.config.options import check_choices
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "deepseek_mtp")
 
 
 def usable_cpu_count() -> int:
@@ -36,7 +36,8 @@ class SpeculativeConfig:
             of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
             target's tokenizer) or ``eagle`` (an EAGLE-1 head, Li et al. 2024 arXiv 2401.15077:
             one decoder layer fed the target's final hidden states; kvflow/spec_decode/
-            eagle.py). Left out of a dict or JSON (:meth:`from_value`):
+            eagle.py) or ``deepseek_mtp`` (DeepSeek-V3's multi-token-prediction layer, the
+            same way; ``model`` defaults to the target). Left out of a dict or JSON (:meth:`from_value`):
             ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``) or EAGLE head checkpoint (``eagle``, vLLM's
@@ -143,9 +144,11 @@ class SpeculativeConfig:
             if wrong:
                 raise ValueError(f"speculative_config {', '.join(wrong)} applies to method="
                                  "'draft_model' only (n-gram lookup runs no model)")
-        elif self.method == "eagle" and self.quantization in ("int8", "int4"):
+        elif self.method in ("eagle", "deepseek_mtp") and \
+                self.quantization in ("int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} applies "
-                             "to method='draft_model' only (an EAGLE head runs as loaded)")
+                             f"to method='draft_model' only (a {self.method} head runs as "
+                             "loaded)")
         elif (self.prompt_lookup_max, self.prompt_lookup_min) != (4, 2):
             raise ValueError(f"speculative_config prompt_lookup_max={self.prompt_lookup_max} "
                              f"/ prompt_lookup_min={self.prompt_lookup_min} apply to method="
@@ -164,7 +167,7 @@ class SpeculativeConfig:
         if quant == "auto":
             quant = CPU_DRAFT_QUANTIZATION if cpu and not (prequantized or deterministic) \
                 else None
-        if self.method == "eagle":  # a one-layer head: as loaded, the whole vocabulary
+        if self.method in ("eagle", "deepseek_mtp"):  # one layer: as loaded, whole vocabulary
             return None, None
         vocab = self.draft_vocab_size
         if vocab == "auto":

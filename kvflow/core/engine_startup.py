@@ -222,9 +222,9 @@ class EngineCoreStartup:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        # an EAGLE head is one decoder layer: its pass costs about one target layer's share
+        # an EAGLE / MTP head is one decoder layer: its pass costs about one target layer's share
         ratio = 1.0 / max(getattr(self.hf_config, "num_hidden_layers", 1), 1) \
-            if spec.method == "eagle" else 1.0
+            if spec.method in ("eagle", "deepseek_mtp") else 1.0
         speculator = Speculator(
             spec, self.max_model_len, draft_cost_ratio=ratio,
             constrained_draft_model=self.executor.splits_draft_steps)

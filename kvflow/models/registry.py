@@ -12,6 +12,7 @@ from kvflow.models.cross_encoder import (
     RobertaForSequenceClassification,
 )
 from kvflow.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from kvflow.models.deepseek_mtp import DeepSeekMTPModel
 from kvflow.models.encoder_token_classifiers import (
     BertForTokenClassification,
     RobertaForTokenClassification,
@@ -55,6 +56,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # a DeepSeek-V3 checkpoint's MTP layer as a speculative head (method deepseek_mtp)
+    "DeepSeekMTPModel": DeepSeekMTPModel,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,

@@ -1,6 +1,7 @@
 """EAGLE speculative decoding (``{"method": "eagle", "model": HEAD}``): a one-layer draft head
 fed the target's final hidden states (kvflow/models/eagle.py; Li et al. 2024, arXiv
-2401.15077), proposing inside the target's model runner like a draft model (draft_model.py:
+2401.15077; and DeepSeek-V3's MTP layer the same way, ``{"method": "deepseek_mtp"}``:
+kvflow/models/deepseek_mtp.py), proposing inside the target's model runner like a draft model (draft_model.py:
 the same lazy "mirror" pass, its own paged K/V in the target's blocks, ``num_draft_computed``).
 
 Coordinates: the head's K/V of token index ``j >= 1`` sits at position ``j - 1`` and holds
@@ -25,6 +26,7 @@ keeps exact. Constrained (structured-output) requests are drafted for as by a dr
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +39,20 @@ from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX
 from kvflow.layers.rotary import long_prompt_rope
 from kvflow.models.eagle import EagleLlamaHead
-from kvflow.models.loader import checkpoint_tensor_names, iter_safetensors, load_hf_config
+from kvflow.models.loader import (
+    checkpoint_tensor_names,
+    iter_safetensors,
+    load_hf_config,
+    load_model,
+)
 from kvflow.models.model_resolver import resolve_model
-from kvflow.quant import process_weights_after_loading
+from kvflow.quant import get_quant_config, process_weights_after_loading
 from kvflow.spec_decode.draft_model import DraftModel, _naming_the_draft
 from kvflow.spec_decode.draft_threads import DraftThreads
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
+
+HEAD_METHODS = ("eagle", "deepseek_mtp")  # heads fed the target's features
 
 
 class FeatureStash:
@@ -116,16 +125,20 @@ class EagleDrafter(DraftModel):
         with _naming_the_draft(spec.model):
             source = resolve_model(spec.model, mc.download_dir)
             hf_config = load_hf_config(source, trust_remote_code=mc.trust_remote_code)
-            names = _tensor_names(source.path)
         target_hidden = target.config.hidden_size
         if hf_config.vocab_size != target_vocab_size or hf_config.hidden_size != target_hidden:
-            raise ValueError(f"speculative_config model {spec.model!r}: an EAGLE head of "
-                             f"vocabulary {hf_config.vocab_size} and hidden size "
+            raise ValueError(f"speculative_config model {spec.model!r}: a {spec.method} head "
+                             f"of vocabulary {hf_config.vocab_size} and hidden size "
                              f"{hf_config.hidden_size} does not fit the target's "
                              f"{target_vocab_size} and {target_hidden}")
         self.attn_ctx = AttentionContext(backend)
-        self.model = _load_head(source.path, hf_config, self.attn_ctx, names, target, dtype,
-                                device, spec.model)
+        with _naming_the_draft(spec.model):
+            if spec.method == "deepseek_mtp":
+                self.model = _load_mtp(config, source, hf_config, self.attn_ctx, target, dtype,
+                                       device)
+            else:
+                self.model = _load_head(source.path, hf_config, self.attn_ctx,
+                                        _tensor_names(source.path), target, dtype, device)
         self.long_prompt_rope = long_prompt_rope(hf_config)
         self.vocab = None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
@@ -224,10 +237,37 @@ def _bin_weights(folder: str) -> dict[str, torch.Tensor]:
                       weights_only=True)
 
 
+def _load_mtp(config: EngineConfig, source: Any, hf_config: Any, ctx: AttentionContext,
+              target: torch.nn.Module, dtype: torch.dtype, device: torch.device
+              ) -> torch.nn.Module:
+    """The first MTP layer of a DeepSeek-V3 checkpoint (kvflow/models/deepseek_mtp.py),
+    loaded as the target is (its block-FP8 weights dequantized into ``dtype``).
+
+    Raises:
+        ValueError: for a config without MTP layers, or a checkpoint lacking their tensors.
+    """
+    mc = config.model_config
+    layer = f"model.layers.{hf_config.num_hidden_layers}."
+    count = getattr(hf_config, "num_nextn_predict_layers", None)
+    found = source.kind == "hf" and any(n.startswith(layer)
+                                        for n in checkpoint_tensor_names(source.path))
+    if not count or not found:
+        raise ValueError("method 'deepseek_mtp' needs a DeepSeek-V3 HF checkpoint with MTP "
+                         f"layers (num_nextn_predict_layers >= 1 and {layer}* tensors); this "
+                         f"one has num_nextn_predict_layers={count} and "
+                         f"{'' if found else 'no '}{layer}* tensors")
+    mtp_config = copy.deepcopy(hf_config)
+    mtp_config.architectures = ["DeepSeekMTPModel"]
+    quant = get_quant_config(None, hf_config, source.kind, mc.quantization_group_size)
+    head = load_model(source, mtp_config, ctx, dtype, device, mc.load_format, mc.seed, quant)
+    head.bind_target(target)
+    return head
+
+
 def _load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[str],
-               target: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-               model: str) -> EagleLlamaHead:
-    """Build the head on ``device`` in ``dtype`` and load its checkpoint.
+               target: torch.nn.Module, dtype: torch.dtype, device: torch.device
+               ) -> EagleLlamaHead:
+    """Build the EAGLE-1 head on ``device`` in ``dtype`` and load its checkpoint.
 
     Raises:
         ValueError: for a tensor that does not fit, or parameters left unset (named).
@@ -242,13 +282,11 @@ def _load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[s
     bin_file = os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
         not any(f.endswith(".safetensors") for f in os.listdir(folder))
     weights = _bin_weights(folder).items() if bin_file else iter_safetensors(folder)
-    with _naming_the_draft(model):
-        loaded = head.load_weights((n, t.to(dtype) if t.is_floating_point() else t)
-                                   for n, t in weights)
+    loaded = head.load_weights((n, t.to(dtype) if t.is_floating_point() else t)
+                               for n, t in weights)
     missing = {n for n, _ in head.named_parameters()} - loaded
     if missing:
-        raise ValueError(f"speculative_config model {model!r}: the EAGLE head checkpoint "
-                         f"lacks {sorted(missing)[:5]}")
+        raise ValueError(f"the EAGLE head checkpoint lacks {sorted(missing)[:5]}")
     with torch.device(device):
         process_weights_after_loading(head)
     return head.eval()

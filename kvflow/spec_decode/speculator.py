@@ -64,7 +64,7 @@ class Speculator:
                  draft_cost_ratio: float = 1.0, constrained_draft_model: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.uses_draft_model = config.method in ("draft_model", "eagle")
+        self.uses_draft_model = config.method in ("draft_model", "eagle", "deepseek_mtp")
         self.constrained_draft_model = constrained_draft_model
         self.draft_cost_ratio = draft_cost_ratio  # the fallback before any draft pass is timed
         self.min_gain = MIN_GAIN  # the predicted gain speculation must clear

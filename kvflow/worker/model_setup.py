@@ -21,7 +21,7 @@ from kvflow.models.registry import attention_soft_cap, uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_model import DraftModel
-from kvflow.spec_decode.eagle import EagleDrafter
+from kvflow.spec_decode.eagle import HEAD_METHODS, EagleDrafter
 from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
@@ -115,16 +115,20 @@ def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSour
                      hf_config: Any, dtype: torch.dtype, device: torch.device,
                      tp_group: CommGroup | None = None, target: torch.nn.Module | None = None
                      ) -> DraftModel | None:
-    """The speculative-decoding draft model (``method: draft_model``) or EAGLE head
-    (``eagle``: ``target`` is the target model, whose embedding and LM head it may share),
+    """The speculative-decoding draft model (``method: draft_model``) or head fed the
+    target's hidden states (``eagle``, ``deepseek_mtp``: ``target`` is the target model,
+    whose embedding and LM head it may share),
     else None; it runs on
     the target's attention backend and GEMM path. ``source`` / ``hf_config``: the target's;
     its declared EOS ids (``load_eos_token_ids``, the ids the front end makes every request
     stop on) stay in a draft LM head cut to frequent tokens. ``tp_group``: the target's
     tensor-parallel group (each rank holds the whole draft; TP rank 0's proposal is used)."""
     spec = config.speculative_config
-    if spec is None or spec.method not in ("draft_model", "eagle"):
+    if spec is None or spec.method not in ("draft_model", *HEAD_METHODS):
         return None
+    if spec.method == "deepseek_mtp":  # the target's MLA layer: the MLA backend
+        return EagleDrafter(config, make_mla_backend(config.device_config.attention_backend),
+                            dtype, device, target, hf_config.vocab_size)
     name = config.device_config.attention_backend or platform.default_attention_backend
     backend = platform.get_attention_backend(name) or \
         make_attention_backend(name, device=device,

@@ -125,12 +125,21 @@ def test_draft_model_takes_tensor_parallel_and_swap_preemption():
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
     ({"enable_lora": True}, "enable_lora"),
 ])
-def test_eagle_refuses_what_it_cannot_run(kwargs, needle):
-    eagle = {"method": "eagle", "model": "some-head"}
-    with pytest.raises(ValueError, match=f"method='eagle' with {needle}"):
-        EngineConfig.from_kwargs(speculative_config=eagle, **kwargs)
-    config = EngineConfig.from_kwargs(speculative_config=eagle)  # alone: accepted, as loaded
+@pytest.mark.parametrize("method", ["eagle", "deepseek_mtp"])
+def test_heads_refuse_what_they_cannot_run(method, kwargs, needle):
+    head = {"method": method, "model": "some-head"}
+    with pytest.raises(ValueError, match=f"method='{method}' with {needle}"):
+        EngineConfig.from_kwargs(speculative_config=head, **kwargs)
+    config = EngineConfig.from_kwargs(speculative_config=head)  # alone: accepted, as loaded
     assert config.speculative_config.draft_options("cpu") == (None, None)
+
+
+def test_deepseek_mtp_model_defaults_to_the_target():
+    config = EngineConfig.from_kwargs(model="some-v3", speculative_config={
+        "method": "deepseek_mtp", "num_speculative_tokens": 1})
+    assert config.speculative_config.model == "some-v3"
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        SpeculativeConfig(method="deepseek_mtp", quantization="int4")
 
 
 def test_cli_bad_value_exits_2(capsys):
