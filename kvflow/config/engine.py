@@ -199,6 +199,10 @@ class EngineConfig:
                              "> 1 is not available (the head reads the target's unsharded "
                              "hidden states); use tensor_parallel_size 1 or method "
                              "'draft_model'")
+        if self.scheduler_config.preemption_mode == "swap":
+            raise ValueError(f"speculative_config method={method!r} with preemption_mode swap "
+                             "is not available (a swapped-in request would have no target "
+                             "hidden states to feed the head); use preemption_mode recompute")
         if self.lora_config.enable_lora:
             raise ValueError(f"speculative_config method={method!r} with enable_lora is not "
                              "available (the head was trained on the base model's hidden "

@@ -88,7 +88,7 @@ class FeatureStash:
         Raises:
             RuntimeError: if some of them are not kept (a bookkeeping error).
         """
-        begin, features = self.rows[req_id]
+        begin, features = self.rows.get(req_id, (start, torch.empty(0)))
         if start < begin or start + count > begin + len(features):
             raise RuntimeError(f"EAGLE: request {req_id!r} has target features for positions "
                                f"{begin}..{begin + len(features) - 1}, not {start}.."

@@ -124,6 +124,7 @@ def test_draft_model_takes_tensor_parallel_and_swap_preemption():
 @pytest.mark.parametrize("kwargs, needle", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
     ({"enable_lora": True}, "enable_lora"),
+    ({"preemption_mode": "swap"}, "preemption_mode swap"),
 ])
 @pytest.mark.parametrize("method", ["eagle", "deepseek_mtp"])
 def test_heads_refuse_what_they_cannot_run(method, kwargs, needle):
