@@ -22,7 +22,12 @@ from safetensors.torch import load_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig, KVTransferConfig
-from kvflow.distributed.kv_transfer.shared_storage import block_keys, block_path
+from kvflow.distributed.kv_transfer.shared_storage import (
+    SharedStorageScheduler,
+    SharedStorageWorker,
+    block_keys,
+    block_path,
+)
 from kvflow.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
 from tests.lora.adapters import MAX_TOKENS as LORA_MAX_TOKENS
@@ -564,3 +569,16 @@ def test_cli_flag_parses(tmp_path):
 def test_sliding_window_and_mla_models_are_refused(tiny_model_factory, tmp_path, model, spec):
     with pytest.raises(ValueError, match=f"kv_transfer_config needs .*{spec}"):
         _llm(tiny_model_factory(model).path, str(tmp_path))
+
+
+def test_folder_that_cannot_be_created_is_refused_naming_it(tmp_path):
+    """A shared_storage_path under a regular file (as under a read-only mount) fails start-up
+    with a ValueError naming the setting, not a bare OSError from the engine core."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    config = KVTransferConfig.from_value(_kv(str(blocker / "kv"), "kv_both"))
+    with pytest.raises(ValueError, match=r"shared_storage_path='.*file/kv' cannot be created"):
+        SharedStorageScheduler(config, BLOCK_SIZE, "auto")
+    with pytest.raises(ValueError, match="shared_storage_path=.*cannot be created"):
+        SharedStorageWorker(config, BLOCK_SIZE, "auto", dict)
+    assert not os.path.exists(blocker / "kv")

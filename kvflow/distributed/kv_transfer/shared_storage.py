@@ -129,6 +129,21 @@ def is_stored(root: str, key: str, tp_size: int = 1) -> bool:
     return all(os.path.exists(block_path(root, key, rank, tp_size)) for rank in range(tp_size))
 
 
+def make_folder(root: str) -> None:
+    """Create the storage folder ``root`` if missing.
+
+    Raises:
+        ValueError: naming ``shared_storage_path`` and the OS error, if it cannot be created
+            (a missing parent on a read-only file system, a file in the way, no permission),
+            so start-up fails with the setting's name rather than a bare OSError.
+    """
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_transfer_config kv_connector_extra_config shared_storage_path="
+                         f"{root!r} cannot be created: {e.strerror or e}") from None
+
+
 def takes_part(request: Request) -> bool:
     """Whether the connector loads or saves ``request``'s blocks (see the module)."""
     return request.pooling_params is None and not request.skips_prefix_cache
@@ -161,7 +176,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self.model_key, self.extra_keys = model_key, extra_keys
         self.tp_size = tp_size
         self.root = config.shared_storage_path
-        os.makedirs(self.root, exist_ok=True)
+        make_folder(self.root)
         self._states: dict[str, _RequestState] = {}
         self._loads: list[BlockTransfer] = []
         self._bad_keys: set[str] = set()  # blocks a worker failed to load: never offered again
@@ -265,7 +280,7 @@ class SharedStorageWorker(KVConnectorWorker):
         self.fail_on_load_error = config.kv_load_failure_policy == "fail"
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_tensors = kv_tensors
-        os.makedirs(self.root, exist_ok=True)
+        make_folder(self.root)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> list[int]:
         """Copy each block of ``meta.loads`` from its file into its block of every layer.
