@@ -582,3 +582,33 @@ def test_folder_that_cannot_be_created_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match="shared_storage_path=.*cannot be created"):
         SharedStorageWorker(config, BLOCK_SIZE, "auto", dict)
     assert not os.path.exists(blocker / "kv")
+
+
+def test_two_writers_of_one_block_in_one_process_both_succeed(tmp_path, monkeypatch):
+    """Two engines (or two containers whose processes share a pid) saving the same block at
+    once: each writes its own temporary file, so the slower one's rename still finds its file
+    and the block holds the K/V both computed. Oracle: the tensors written, by hand."""
+    import kvflow.distributed.kv_transfer.shared_storage as ss
+    from kvflow.kv_connector_meta import BlockTransfer, KVConnectorMetadata
+
+    kv = torch.arange(2 * 3 * BLOCK_SIZE * 2 * 8, dtype=torch.float32).reshape(2, 3, BLOCK_SIZE,
+                                                                                2, 8)
+    config = KVTransferConfig.from_value(_kv(str(tmp_path), "kv_both"))
+    first, second = (SharedStorageWorker(config, BLOCK_SIZE, "auto",
+                                         lambda: {"layer.0": (kv, None)}) for _ in range(2))
+    key = block_keys(list(range(BLOCK_SIZE)), BLOCK_SIZE, "auto")[0]
+    meta = KVConnectorMetadata(saves=[BlockTransfer("r", [1], [key])])
+    real_save, calls = ss.save_file, []
+
+    def interleaved_save(tensors, filename):  # the second writer runs inside the first's write
+        real_save(tensors, filename)
+        calls.append(filename)
+        if len(calls) == 1:
+            second.wait_for_save(meta)
+
+    monkeypatch.setattr(ss, "save_file", interleaved_save)
+    first.wait_for_save(meta)
+    assert len(calls) == 2 and calls[0] != calls[1]
+    torch.testing.assert_close(load_file(block_path(str(tmp_path), key))["layer.0.kv"],
+                               kv[:, 1], rtol=0, atol=0)
+    assert os.listdir(tmp_path) == [f"{key}.safetensors"]  # no temporary file left

@@ -8,7 +8,7 @@ KV heads; a block counts as stored once every rank's file is there), with two te
 attention layer: ``{layer}.kv`` [2, block_size, kv_heads, head_dim] (0 = K,
 1 = V, the cache's dtype) and, for a quantized cache (``--kv-cache-dtype int8|fp8_e4m3``),
 ``{layer}.kv_scales`` [2, block_size, kv_heads] float32. Files are written to a temporary name
-and renamed, so a reader never sees half a block.
+of their own (pid and a random suffix: no two writers share one) and renamed, so a reader never sees half a block.
 
 Keys: the key of block ``i`` is a SHA-256 chain over everything its K/V depends on:
 ``key_i = sha256(key_{i-1} || int64 tokens of block i || repr(extra_i))``, starting from a digest of
@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,7 +344,9 @@ class SharedStorageWorker(KVConnectorWorker):
                     block[f"{name}.kv"] = kv[:, block_id].to("cpu", copy=True)
                     if scales is not None:
                         block[f"{name}.kv_scales"] = scales[:, block_id].to("cpu", copy=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
+                # a name no other writer uses: processes in two containers may share a pid,
+                # two engines may share a process; the last rename wins, with equal K/V
+                tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
                 save_file(block, tmp)
                 os.replace(tmp, path)
 
