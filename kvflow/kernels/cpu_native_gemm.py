@@ -43,6 +43,12 @@ class GemmKernels:
                                [ptr, i64, ptr, i64, c_int, ptr, ptr, i64, i64, i64, i64, c_int])
         self._gguf_dequantize = bind(lib, "kvflow_gguf_dequantize", c_int,
                                      [ptr, i64, c_int, i64, i64, ptr, c_int])
+        # the INT8 weight-only product (csrc/cpu_quant_gemm.c; wrapped by
+        # kvflow.kernels.cpu_quant.int8_gemm), bound here like every entry point a forward
+        # calls: CPU step graphs record the calls made through this object's attributes
+        self._int8_gemm = bind(lib, "kvflow_int8_gemm", c_int,
+                               [ptr, i64, c_int, ptr, i64, ptr, ptr, ptr, i64, c_int, i64, i64,
+                                i64, c_int])
 
     def _packed_size(self, n: int, k: int, code: int) -> int:
         """kvflow_gemm_packed_size, remembered per (n, k, dtype code): one dict lookup per GEMM

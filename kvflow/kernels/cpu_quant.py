@@ -11,25 +11,13 @@ bias`` computed in float64 up to fp32 rounding: K exact products summed in fp32 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-@functools.cache
-def _int8_entry(lib: ctypes.CDLL):
-    fn = lib.kvflow_int8_gemm
-    fn.restype = _int
-    fn.argtypes = [_ptr, _i64, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _i64,
-                   _int]
-    return fn
 
 
 def _check_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -79,7 +67,9 @@ def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    status = _int8_entry(kernels.lib)(
+    # through the kernels object's entry point, which a CPU step-graph recorder wraps (a call
+    # straight to the library escaped the recording: replays skipped every INT8 product)
+    status = kernels._int8_gemm(
         rows.data_ptr(), rows.stride(0), _DTYPE_CODES[x.dtype], q.data_ptr(), q.stride(0),
         scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n,
         _DTYPE_CODES[out_dtype], rows.shape[0], n, k, torch.get_num_threads())
