@@ -49,8 +49,9 @@ def _hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("fmt", ["pack-quantized-w8a16-channel", "gptq-int8-sym-channel"])
 def test_prequantized_int8_decode_steps_replay(tiny_model_factory, tmp_path, fmt):
     """Step graphs were turned off ("a replay did not reproduce the eager step") for these
-    folders; now several batch sizes are trusted and replayed, with the eager engine's tokens
-    and logprobs bit for bit and transformers' greedy tokens on the dequantized weights."""
+    folders; now several batch sizes are trusted and replayed (one C run each, the INT8
+    products included), with the eager engine's tokens and logprobs bit for bit and
+    transformers' greedy tokens on the dequantized weights."""
     tiny = tiny_model_factory("llama")
     folder = str(tmp_path / "ckpt")
     if fmt.startswith("pack"):
@@ -69,6 +70,9 @@ def test_prequantized_int8_decode_steps_replay(tiny_model_factory, tmp_path, fmt
     graphs = runner.graph_runner
     assert graphs.disabled is None
     assert not graphs.refused and graphs.replayed_steps > 0 and len(graphs.programs) >= 2
+    for program in graphs.programs.values():  # INT8 products included, all run from C
+        assert "kvflow_int8_gemm" in program.segments[0][1]
+        assert len(program.segments) == 1 and isinstance(program.segments[0][0], torch.Tensor)
     assert got == expected
     for prompt, n, (tokens, _) in zip(PROMPTS, MAX_TOKENS, got, strict=True):
         assert tokens == _hf_greedy(ref, prompt, n)

@@ -34,5 +34,8 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
 int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                     void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t n,
                     int64_t num_slots, int64_t row_elems, int dtype, int num_threads);
+int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                     const float *scale, const float *bias, void *y, int64_t ys, int ydt,
+                     int64_t m, int64_t n, int64_t k, int num_threads);
 
 #endif

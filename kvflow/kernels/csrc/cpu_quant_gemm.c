@@ -44,6 +44,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 
 #if defined(__AVX512F__)
 #define VW 16

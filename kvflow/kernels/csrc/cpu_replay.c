@@ -56,6 +56,10 @@ static int store_kv(const int64_t *a) {
     return kvflow_store_kv(P(0), a[1], P(2), a[3], P(4), P(5), P(6), a[7], a[8], a[9], I(10),
                            I(11));
 }
+static int int8_gemm(const int64_t *a) {
+    return kvflow_int8_gemm(P(0), a[1], I(2), P(3), a[4], P(5), P(6), P(7), a[8], I(9), a[10],
+                            a[11], a[12], I(13));
+}
 
 typedef struct {
     const char *name;
@@ -73,6 +77,7 @@ static const Entry ENTRIES[] = {
     {"kvflow_rotary", 15, rotary, (const void *)kvflow_rotary},
     {"kvflow_paged_attention", 19, paged_attention, (const void *)kvflow_paged_attention},
     {"kvflow_store_kv", 12, store_kv, (const void *)kvflow_store_kv},
+    {"kvflow_int8_gemm", 14, int8_gemm, (const void *)kvflow_int8_gemm},
 };
 enum { NUM_ENTRIES = sizeof ENTRIES / sizeof ENTRIES[0] };
 
