@@ -107,6 +107,32 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int):
     return _result("hf-transformers", prompts, output_len, elapsed)
 
 
+def require_hf_can_run(hf_config) -> None:
+    """Refuse ``--compare hf`` up front (before the kvflow run) for a GPTQ / AWQ checkpoint
+    that transformers cannot load here: it runs those only through the ``gptqmodel`` package
+    (and GPTQ also through ``optimum``), which kvflow does not need or install.
+
+    Raises:
+        ValueError: naming the checkpoint's ``quant_method`` and the missing packages.
+    """
+    from transformers.utils import is_gptqmodel_available, is_optimum_available
+
+    ckpt = getattr(hf_config, "quantization_config", None)
+    if ckpt is not None and not isinstance(ckpt, dict):
+        ckpt = ckpt.to_dict() if hasattr(ckpt, "to_dict") else dict(vars(ckpt))
+    method = (ckpt or {}).get("quant_method")
+    if method not in ("gptq", "awq"):
+        return
+    missing = [name for name, ok in (("gptqmodel", is_gptqmodel_available()),
+                                     ("optimum", method == "awq" or is_optimum_available()))
+               if not ok]
+    if missing:
+        raise ValueError(f"--compare hf: transformers loads this {method} checkpoint "
+                         f"(quantization_config.quant_method={method!r}) only with "
+                         f"{' and '.join(missing)} installed (pip install "
+                         f"{' '.join(missing)}); drop --compare hf or install them")
+
+
 def _print(result: ThroughputResult) -> None:
     print(f"{result.engine:>16}: {result.elapsed_s:7.2f} s  {result.requests_per_s:7.2f} req/s  "
           f"{result.output_tokens_per_s:9.1f} output tok/s  {result.total_tokens_per_s:9.1f} "
@@ -133,6 +159,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         raise ValueError(f"--compare hf runs the checkpoint's weights unquantized: it cannot "
                          f"be compared against --quantization {quant} (drop one of them)")
     llm = LLM.from_engine_config(config)
+    if args.compare == "hf":
+        require_hf_can_run(llm.engine.core.hf_config)
     require_fits(llm.engine.core.max_model_len, args.input_len, args.output_len)
     prompts = random_prompts(args.num_prompts, args.input_len,
                              llm.engine.core.hf_config.vocab_size, args.seed)

@@ -396,3 +396,29 @@ def test_int8_zero_points_other_than_128_are_refused():
         getattr(layer, name).weight_loader(getattr(layer, name), t)
     with pytest.raises(ValueError, match=r"gptq bits=8: a zero point is not 128"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_bench_compare_hf_refused_where_transformers_cannot_load(tiny_model_factory, tmp_path,
+                                                                method):
+    """``kvflow bench throughput --compare hf`` on a GPTQ / AWQ folder is refused before the
+    run, naming the packages, exactly when transformers itself cannot load the folder (it
+    needs gptqmodel; without the check the kvflow run finished and then an ImportError
+    traceback came out of transformers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvflow.bench.throughput import require_hf_can_run
+
+    folder = _build(tiny_model_factory("llama"), str(tmp_path / "ckpt"), method, 32)[0]
+    try:
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf_loads = True
+    except (ImportError, RuntimeError):  # transformers: no gptqmodel / optimum (or no GPU)
+        hf_loads = False
+    config = AutoConfig.from_pretrained(folder)
+    if hf_loads:
+        require_hf_can_run(config)
+    else:
+        with pytest.raises(ValueError, match=rf"--compare hf: transformers loads this {method} "
+                                             r"checkpoint .* only with gptqmodel"):
+            require_hf_can_run(config)
