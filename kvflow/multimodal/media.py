@@ -71,7 +71,15 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
     if scheme == "file":
         return decode_image_bytes(read_local_file(url, config), config)
     raise MediaError(f"image URLs must be data: URLs (data:image/png;base64,...), http(s) "
-                     f"or file:// URLs, got scheme {scheme or url[:16]!r}")
+                     f"or file:// URLs, got {describe_scheme(url, scheme)}")
+
+
+def describe_scheme(url: str, scheme: str) -> str:
+    """How a refused media URL is named: ``scheme 'ftp'``, or for a URL without one (a bare
+    base64 payload, a relative path) its first 16 characters and "no scheme"."""
+    if scheme:
+        return f"scheme {scheme!r}"
+    return f"{url[:16]!r}... (no scheme: inline data needs the data:<type>;base64, prefix)"
 
 
 def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:

@@ -34,6 +34,7 @@ from kvflow.multimodal.media import (
     _DATA_URL,
     MediaError,
     decode_image_bytes,
+    describe_scheme,
     fetch_url,
     read_local_file,
 )
@@ -111,8 +112,8 @@ def load_video_url(url: Any, config: MultiModalConfig) -> list[Image.Image]:
     except MediaError as e:  # a fetch or frame refusal: the same words, the video's code
         raise VideoError(str(e)) from None
     raise VideoError(f"video URLs must be data: URLs (data:video/jpeg;base64,... or "
-                     f"data:video/mp4;base64,...), http(s) or file:// URLs, got scheme "
-                     f"{scheme or url[:16]!r}")
+                     f"data:video/mp4;base64,...), http(s) or file:// URLs, got "
+                     f"{describe_scheme(url, scheme)}")
 
 
 def _data_url_frames(url: str, config: MultiModalConfig) -> list[Image.Image]:

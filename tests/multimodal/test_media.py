@@ -163,3 +163,19 @@ def test_url_spellings():
     with pytest.raises(MediaError, match="its 3 bytes are not a PNG") as refused:
         load_image_url("data:image/png;base64,AAAA", config)
     assert "BytesIO" not in str(refused.value)
+
+
+def test_url_without_scheme_is_named_as_such():
+    """A bare base64 payload (the data: prefix forgotten) was refused as "got scheme
+    'iVBORw0KGgoAAAA'": it has no scheme, and the refusal now says so and what to add."""
+    from kvflow.multimodal.video import VideoError, load_video_url
+
+    payload = base64.b64encode(PNG).decode()
+    with pytest.raises(MediaError) as refused:
+        load_image_url(payload, MultiModalConfig())
+    assert str(refused.value).endswith(
+        f"got {payload[:16]!r}... (no scheme: inline data needs the data:<type>;base64, prefix)")
+    with pytest.raises(MediaError, match=r"got scheme 'ftp'$"):
+        load_image_url("ftp://host/cat.png", MultiModalConfig())
+    with pytest.raises(VideoError, match=r"\(no scheme: inline data needs"):
+        load_video_url(payload, MultiModalConfig())
