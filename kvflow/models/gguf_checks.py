@@ -150,7 +150,7 @@ def expected_shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     q_norm, k_norm = ((q,), (kv,)) if arch in WHOLE_PROJECTION_QK_NORM else \
         ((kwargs["head_dim"],), (kwargs["head_dim"],))
     up = (2 * f, h) if arch in FUSED_GATE_UP else (f, h)
-    return {
+    return {**_moe_shapes(kwargs),
         "token_embd.weight": (v, h), "output.weight": (v, h),
         **{f"{n}.weight": (h,) for n in norms},
         "attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
@@ -158,6 +158,21 @@ def expected_shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "attn_v.bias": (kv,), "attn_q_norm.weight": q_norm, "attn_k_norm.weight": k_norm,
         "ffn_gate.weight": (f, h), "ffn_up.weight": up, "ffn_down.weight": (h, f),
     }
+
+
+def _moe_shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the expert tensors (``gguf_moe``'s config fields; none for a dense model):
+    router [E, H], stacked experts [E, F, H] / [E, H, F], shared expert [S, H] / [H, S]."""
+    n_experts = kwargs.get("num_experts") or kwargs.get("num_local_experts")
+    if not n_experts:
+        return {}
+    h = kwargs["hidden_size"]
+    f = kwargs.get("moe_intermediate_size") or kwargs["intermediate_size"]
+    s = kwargs.get("shared_expert_intermediate_size") or 0
+    return {"ffn_gate_inp.weight": (n_experts, h), "ffn_gate_exps.weight": (n_experts, f, h),
+            "ffn_up_exps.weight": (n_experts, f, h), "ffn_down_exps.weight": (n_experts, h, f),
+            "ffn_gate_shexp.weight": (s, h), "ffn_up_shexp.weight": (s, h),
+            "ffn_down_shexp.weight": (h, s)}
 
 
 def _check_tensor_shapes(keys: ArchKeys, tensors: dict, kwargs: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """A transformers config from a GGUF file's metadata, and the GGUF architectures kvflow reads.
 
-Supported ``general.architecture`` values: ``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
-``gemma3``, ``granite``, ``olmo2``, ``glm4``."""
+Supported ``general.architecture`` values: ``llama`` (Mixtral when it has
+``llama.expert_count``), ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``granite``, ``olmo2``,
+``glm4`` and the mixture-of-experts ``qwen2moe``, ``qwen3moe``, ``granitemoe``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvflow.models.gguf_checks import ArchKeys, check_against_tensors, check_unapplied_keys
+from kvflow.models.gguf_moe import MOE_ARCHITECTURES, moe_kwargs
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,7 +56,13 @@ _ARCHS: dict[str, ArchSpec] = {
                      block_names=(("post_attention_norm", "post_self_attn_layernorm"),
                                   ("post_ffw_norm", "post_mlp_layernorm"),
                                   ("ffn_up", "mlp.gate_up_proj"))),
+    # Mixture-of-experts (gguf_moe.py): experts stacked as ffn_{gate,up,down}_exps [E, ...]
+    "qwen2moe": ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", permute_qk=False),
+    "qwen3moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", permute_qk=False),
+    "granitemoe": ArchSpec("granitemoe", "GraniteMoeForCausalLM", permute_qk=True),
 }
+# llama.cpp converts Mixtral as ``llama`` (q/k rows permuted) plus ``llama.expert_count``
+_MIXTRAL = ArchSpec("mixtral", "MixtralForCausalLM", permute_qk=True)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -71,6 +79,8 @@ def gguf_architecture(meta: GGUFMetadata) -> tuple[str, ArchSpec]:
             f"Unsupported GGUF architecture {arch!r} in {meta.path!r}; supported "
             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return arch, _MIXTRAL
     return arch, _ARCHS[arch]
 
 
@@ -251,6 +261,7 @@ def _granite_kwargs(keys: ArchKeys, head_dim: int) -> dict[str, Any]:
 _APPLIED_KEYS: dict[str, frozenset[str]] = {
     "gemma2": frozenset({"attn_logit_softcapping"}),
     "granite": frozenset({"embedding_scale", "residual_scale", "logit_scale"}),
+    "granitemoe": frozenset({"embedding_scale", "residual_scale", "logit_scale"}),
 }
 
 
@@ -277,7 +288,8 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
             f"{meta.path!r}: GGUF has a 'rope_freqs' tensor (llama3-style RoPE scaling), which "
             "kvflow cannot map back to a transformers rope config"
         )
-    if keys.get("expert_count", 0):
+    moe = spec.hf_architecture in MOE_ARCHITECTURES
+    if keys.get("expert_count", 0) and not moe:
         raise keys.error("expert_count", f"is {keys.get('expert_count')}: mixture-of-experts "
                          f"GGUF files of architecture {arch!r} are not supported")
     hidden = keys.int("embedding_length")
@@ -300,6 +312,8 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         **_token_kwargs(meta),
     }
+    if moe:
+        kwargs.update(moe_kwargs(keys, tensors, spec.hf_architecture, kwargs))
     check_against_tensors(keys, tensors, kwargs)
     if arch in ("gemma2", "gemma3"):
         kwargs.update(_gemma3_kwargs(keys, kwargs))
@@ -308,7 +322,7 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
         if keys.get("final_logit_softcapping", 0.0) != 0.0:
             raise keys.error("final_logit_softcapping", f"is {keys.get('final_logit_softcapping')}"
                              f": logit soft-capping is not supported for architecture {arch!r}")
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         kwargs.update(_granite_kwargs(keys, head_dim))
     if arch == "glm4":  # the rotated part of each head
         kwargs["partial_rotary_factor"] = keys.int("rope.dimension_count", head_dim) / head_dim

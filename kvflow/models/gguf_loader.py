@@ -43,7 +43,20 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture-of-experts (gguf_moe.py): router, stacked experts (yielded one expert at a
+    # time as mlp.experts.{e}.*_proj.weight), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# routers stay floats under --quantization gguf (kvflow keeps MoE routing unquantized)
+_ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+_STACKED_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(\w+_proj)\.weight$")
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})  # RoPE factors, not module parameters
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -94,7 +107,11 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight`` and
     ``lm_head.weight`` (only if the GGUF has ``output.weight``; otherwise the embeddings are
-    tied). Each tensor is dequantized with ``gguf.quants.dequantize`` to float32, reshaped to
+    tied). MoE files (see :mod:`kvflow.models.gguf_moe`) add the router
+    ``model.layers.{i}.mlp.gate.weight`` [E, H], each stacked expert tensor split into one
+    ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert, and
+    Qwen2-MoE's ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
+    ``mlp.shared_expert_gate.weight`` [1, H]. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32, reshaped to
     the PyTorch shape (GGUF lists dimensions in reverse, so a linear weight is
     ``[out_features, in_features]``), converted to ``dtype`` on the CPU and is contiguous.
 
@@ -114,7 +131,9 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     Q8_0, Q4_K, Q5_K, Q6_K). A tensor of another type (Q2_K, Q3_K, IQ*: common in llama.cpp's
     Q2_K / Q3_K_* mixes) is dequantized as without ``keep_quantized`` and a warning names the
     types, so such a file loads with those tensors in ``dtype`` instead of failing at its
-    first forward pass.
+    first forward pass. Routers always come as floats; stacked expert tensors (3-D) are
+    dequantized too, since kvflow's fused experts compute in floats: a warning names how
+    many, as the experts then take ``dtype``-sized memory (most of an MoE model's weights).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -147,12 +166,15 @@ def _iter_weights(
 
     data = np.memmap(meta.path, dtype=np.uint8, mode="r")
     unkept: dict[str, int] = {}  # GGML type name -> tensors dequantized instead of kept
+    experts_dequantized: dict[str, int] = {}  # the same for stacked expert tensors
     try:
         for info in meta.tensors:
             if info.name not in names:
                 continue
             name = names[info.name]
-            if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES:
+            router = name.endswith(_ROUTER_SUFFIXES)
+            if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES \
+                    and not router:
                 if info.ggml_type in KEPT_TYPES:
                     yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
                     continue
@@ -169,10 +191,29 @@ def _iter_weights(
                     weight = unpermute_qk(weight, n_head)
                 elif ".self_attn.k_proj." in name:
                     weight = unpermute_qk(weight, n_kv)
+            stacked = _STACKED_EXPERTS_RE.match(name)
+            if stacked is not None:  # [E, rows, cols]: one expert at a time
+                if keep_quantized and info.ggml_type not in _FLOAT_TYPES:
+                    type_name = _type_name(info.ggml_type)
+                    experts_dequantized[type_name] = experts_dequantized.get(type_name, 0) + 1
+                prefix, proj = stacked.groups()
+                for expert in range(weight.shape[0]):
+                    yield f"{prefix}.{expert}.{proj}.weight", weight[expert].to(dtype).clone()
+                del weight
+                continue
+            if name.endswith(".mlp.shared_expert_gate.weight"):  # llama.cpp: [H] or [1, H]
+                weight = weight.reshape(1, -1)
             out = weight.to(dtype).contiguous()
             del weight  # keep at most one float32 copy alive while the caller holds ``out``
             yield name, out
             del out
+        if experts_dequantized:
+            logger.warning("GGUF %s: MoE expert tensors (%s) dequantized to %s at load: "
+                           "kvflow's fused experts compute in floats, so they take "
+                           "%s-sized memory (the dense layers keep their GGML blocks)",
+                           meta.path, ", ".join(f"{n} x {t}" for t, n in
+                                                sorted(experts_dequantized.items())),
+                           dtype, dtype)
         if unkept:
             logger.warning("GGUF %s: no kept-quantized kernel for %s; those tensors were "
                            "dequantized to %s at load (GGUF layers hold them as float32)",

@@ -1,0 +1,114 @@
+"""The mixture-of-experts part of a GGUF file's config: Mixtral (``llama`` with
+``llama.expert_count``), ``qwen2moe``, ``qwen3moe`` and ``granitemoe``.
+
+llama.cpp's ``convert_hf_to_gguf.py`` stacks each layer's experts into three tensors,
+``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` [E, F, H] and ``ffn_down_exps`` [E, H, F] (PyTorch
+order; Granite's fused ``input_linear`` is split into its gate and up halves), the router as
+``ffn_gate_inp`` [E, H], and Qwen2-MoE's shared expert as ``ffn_{gate,up,down}_shexp`` with its
+sigmoid gate ``ffn_gate_inp_shexp`` [H]. The metadata says ``<arch>.expert_count``,
+``expert_used_count``, ``expert_feed_forward_length`` (F; absent: ``feed_forward_length``) and
+``expert_shared_feed_forward_length``. Routing is a softmax over the experts, the top
+``expert_used_count`` renormalized as llama.cpp computes each architecture (Mixtral, Granite
+MoE, Qwen3-MoE: renormalized; Qwen2-MoE: not) unless ``expert_weights_norm`` says otherwise.
+A Qwen MoE layer without a router keeps a dense MLP (transformers' ``mlp_only_layers``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvflow.models.gguf_checks import ArchKeys
+
+# transformers classes of the GGUF MoE architectures (config.architectures[0])
+QWEN_MOE = frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+MOE_ARCHITECTURES = QWEN_MOE | {"MixtralForCausalLM", "GraniteMoeForCausalLM"}
+
+_ROUTER_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def _rows(tensors: dict, name: str, dim: int = 0) -> int | None:
+    info = tensors.get(name)
+    return int(info.shape[dim]) if info is not None and len(info.shape) > dim else None
+
+
+def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
+               kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The transformers config fields of an MoE GGUF file (``hf_arch``: one of
+    :data:`MOE_ARCHITECTURES`): Mixtral / Granite MoE ``num_local_experts``,
+    ``num_experts_per_tok``, ``intermediate_size`` (the expert width); Qwen MoE
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+    ``mlp_only_layers`` (layers without ``ffn_gate_inp``) and, for Qwen2-MoE,
+    ``shared_expert_intermediate_size``. ``kwargs`` holds the dense fields already read
+    (``num_hidden_layers``, ``intermediate_size``).
+
+    Raises:
+        ValueError: naming the file and key, for a missing or non-integer expert count, more
+            experts used than there are, a count or width the expert tensors contradict,
+            gating other than softmax (``expert_gating_func``), scaled routing weights
+            (``expert_weights_scale`` other than 1), renormalization off where kvflow's model
+            always renormalizes (``expert_weights_norm``), a shared expert where the model
+            has none, or (Mixtral, Granite) a layer without a router.
+    """
+    n_experts = keys.int("expert_count")
+    n_layers = kwargs["num_hidden_layers"]
+    sparse = sorted(int(m.group(1)) for m in map(_ROUTER_RE.match, tensors) if m)
+    if not sparse:
+        raise keys.error("expert_count", f"is {n_experts}, but the file has no "
+                         "ffn_gate_inp (router) tensors")
+    n_used = keys.int("expert_used_count")
+    if n_used > n_experts:
+        raise keys.error("expert_used_count", f"is {n_used}, more than the "
+                         f"{n_experts} experts (expert_count)")
+    gating = keys.get("expert_gating_func")
+    if gating is not None and gating != _SOFTMAX_GATING:
+        raise keys.error("expert_gating_func", f"is {gating!r}: kvflow routes these "
+                         f"architectures by softmax only ({_SOFTMAX_GATING})")
+    scale = keys.get("expert_weights_scale")
+    if scale is not None and scale != 1.0:
+        raise keys.error("expert_weights_scale", f"is {scale!r}: scaled routing weights are "
+                         "not supported for this architecture (only 1.0)")
+    qwen = hf_arch in QWEN_MOE
+    norm = keys.get("expert_weights_norm", hf_arch != "Qwen2MoeForCausalLM")
+    if not isinstance(norm, bool):
+        raise keys.error("expert_weights_norm", f"is {norm!r}, not a boolean")
+    if not qwen and not norm:
+        raise keys.error("expert_weights_norm", f"is false, but {hf_arch} always "
+                         "renormalizes the top-k routing weights")
+    dense = [i for i in range(n_layers) if i not in sparse]
+    if dense and not qwen:
+        raise keys.error("expert_count", f"is {n_experts}, but layers {dense[:8]} have no "
+                         f"ffn_gate_inp router ({hf_arch} has experts in every layer)")
+    first = f"blk.{sparse[0]}"
+    router_rows = _rows(tensors, f"{first}.ffn_gate_inp.weight")
+    if router_rows != n_experts:
+        raise keys.error("expert_count", f"is {n_experts}, but {first}.ffn_gate_inp.weight "
+                         f"routes to {router_rows} experts")
+    expert_ffn = keys.int("expert_feed_forward_length", kwargs["intermediate_size"])
+    exp_rows = _rows(tensors, f"{first}.ffn_gate_exps.weight", 1)
+    if exp_rows is not None and exp_rows != expert_ffn:
+        raise keys.error("expert_feed_forward_length", f"is {expert_ffn}, but "
+                         f"{first}.ffn_gate_exps.weight has experts of {exp_rows} rows")
+    shexp_rows = _rows(tensors, f"{first}.ffn_gate_shexp.weight")
+    shared = keys.int("expert_shared_feed_forward_length", shexp_rows or 0, minimum=0)
+    if shexp_rows is not None and shexp_rows != shared:
+        raise keys.error("expert_shared_feed_forward_length", f"is {shared}, but "
+                         f"{first}.ffn_gate_shexp.weight has {shexp_rows} rows")
+    if shared and hf_arch != "Qwen2MoeForCausalLM":
+        raise keys.error("expert_shared_feed_forward_length", f"is {shared}: a shared "
+                         f"expert is not supported for {hf_arch}")
+    if shared and shexp_rows is None:
+        raise keys.error("expert_shared_feed_forward_length", f"is {shared}, but the file "
+                         f"has no {first}.ffn_gate_shexp.weight")
+    if not qwen:
+        extra: dict[str, Any] = {"num_local_experts": n_experts, "num_experts_per_tok": n_used,
+                                 "intermediate_size": expert_ffn}
+        if hf_arch == "MixtralForCausalLM":
+            extra["sliding_window"] = None  # llama.cpp's llama graph attends to everything
+        return extra
+    extra = {"num_experts": n_experts, "num_experts_per_tok": n_used,
+             "moe_intermediate_size": expert_ffn, "norm_topk_prob": norm,
+             "mlp_only_layers": dense, "decoder_sparse_step": 1}
+    if hf_arch == "Qwen2MoeForCausalLM":
+        extra["shared_expert_intermediate_size"] = shared
+    return extra

@@ -1,0 +1,264 @@
+"""Mixture-of-experts GGUF files (Mixtral as ``llama`` + ``expert_count``, ``qwen2moe``,
+``qwen3moe``, ``granitemoe``), written here from the tiny transformers MoE models the way
+llama.cpp's ``convert_hf_to_gguf.py`` writes them: each layer's experts stacked as
+``ffn_{gate,up,down}_exps`` [E, ...] (transformers 5's fused ``gate_up_proj`` split into its
+gate and up halves), the router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as
+``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp`` [H]; tensor names from gguf-py's own
+tables; q/k rows permuted for the Llama-layout archs. kvflow reads back the config and
+generates the transformers model's greedy tokens and logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow import LLM
+from kvflow.models.gguf_config import load_gguf_config
+from kvflow.models.gguf_loader import iter_gguf_weights
+from tests.models.test_gguf_loader import llama_cpp_permute
+from tests.models.test_parity import _prompts, assert_matches_hf, greedy
+
+gguf = pytest.importorskip("gguf")
+
+# tiny model (tests/conftest.py) -> llama.cpp architecture
+_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+         "granite_moe": "granitemoe"}
+
+
+def _model_arch(arch: str):
+    """gguf-py's MODEL_ARCH of the ``general.architecture`` string ``arch``."""
+    return {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+
+
+def _tensor_name(arch: str, kind, layer: int) -> str:
+    """gguf-py's name of tensor ``kind`` (a MODEL_TENSOR) in block ``layer``, checked to be
+    one the architecture has in gguf-py's table."""
+    assert kind in gguf.MODEL_TENSORS[_model_arch(arch)], (arch, kind)
+    return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+
+
+def _moe_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    cfg = model.config
+    t = gguf.MODEL_TENSOR
+    names = gguf.get_tensor_name_map(_model_arch(arch), cfg.num_hidden_layers)
+    # the tiny Qwen2-MoE's dense layer 1 (mlp_only_layers): llama.cpp's qwen2moe table has no
+    # dense FFN, so those tensors take the dense qwen2 names (what kvflow reads for them)
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if name.endswith("experts.gate_up_proj"):  # [E, 2F, H]: gate rows, then up rows
+            half = array.shape[1] // 2
+            out[_tensor_name(arch, t.FFN_GATE_EXP, layer)] = array[:, :half]
+            out[_tensor_name(arch, t.FFN_UP_EXP, layer)] = array[:, half:]
+            continue
+        if name.endswith("experts.down_proj"):
+            out[_tensor_name(arch, t.FFN_DOWN_EXP, layer)] = array
+            continue
+        if name.endswith((".mlp.gate.weight", ".router.weight")):
+            out[_tensor_name(arch, t.FFN_GATE_INP, layer)] = array
+            continue
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp's tensor is [H]
+            out[_tensor_name(arch, t.FFN_GATE_INP_SHEXP, layer)] = array.reshape(-1)
+            continue
+        if arch in ("llama", "granitemoe") and ".self_attn.q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif arch in ("llama", "granitemoe") and ".self_attn.k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias")) or \
+            dense.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        out[gguf_name] = array
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _write(tiny, path, overrides: dict | None = None, quantize=None) -> str:
+    """The GGUF of ``tiny``; ``overrides``: ``<arch>.<key>`` values to write instead (None:
+    leave the key out); ``quantize``: a GGMLQuantizationType for every 2-D / 3-D weight
+    but the routers."""
+    cfg = tiny.hf_model.config
+    arch = _ARCH[tiny.name]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    keys: dict = {
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": head_dim, "attention.value_length": head_dim,
+        "rope.dimension_count": head_dim, "vocab_size": cfg.vocab_size,
+        "expert_count": n_experts, "expert_used_count": cfg.num_experts_per_tok}
+    floats = {"rope.freq_base": cfg.rope_parameters["rope_theta"],
+              "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps}
+    if arch in ("qwen2moe", "qwen3moe"):
+        keys["expert_feed_forward_length"] = cfg.moe_intermediate_size
+    if arch == "qwen2moe":
+        keys["expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
+    if arch == "granitemoe":
+        floats.update({"embedding_scale": cfg.embedding_multiplier,
+                       "residual_scale": cfg.residual_multiplier,
+                       "logit_scale": cfg.logits_scaling,
+                       "attention.scale": cfg.attention_multiplier})
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {**keys, **floats, **(overrides or {})}.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            w.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"{arch}.{key}", value)
+        else:
+            w.add_float32(f"{arch}.{key}", value)
+    w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
+    for name, array in _moe_tensors(tiny.hf_model, arch).items():
+        if quantize is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
+            w.add_tensor(name, gguf.quants.quantize(array, quantize), raw_dtype=quantize)
+        else:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _llm(tiny, path, **kwargs) -> LLM:
+    return LLM(model=path, tokenizer=tiny.path, dtype="float32", device="cpu",
+               num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, **kwargs)
+
+
+def _generate_matches_hf(tiny, path) -> None:
+    for out in _llm(tiny, path).generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
+                                         use_tqdm=False):
+        assert_matches_hf(tiny, out)
+
+
+@pytest.mark.parametrize("name,hf_arch", [
+    ("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"), ("granite_moe", "GraniteMoeForCausalLM")])
+def test_moe_gguf_generates_as_transformers(tiny_model_factory, tmp_path, name, hf_arch):
+    tiny = tiny_model_factory(name)
+    cfg = tiny.hf_model.config
+    path = _write(tiny, tmp_path / f"{name}.gguf")
+    got = load_gguf_config(path)
+    assert got.architectures == [hf_arch]
+    assert got.num_experts_per_tok == cfg.num_experts_per_tok
+    if name in ("qwen2_moe", "qwen3_moe"):
+        assert (got.num_experts, got.moe_intermediate_size, got.norm_topk_prob,
+                list(got.mlp_only_layers)) == (cfg.num_experts, cfg.moe_intermediate_size,
+                                               cfg.norm_topk_prob, list(cfg.mlp_only_layers))
+    else:
+        assert (got.num_local_experts, got.intermediate_size) == (cfg.num_local_experts,
+                                                                  cfg.intermediate_size)
+    if name == "qwen2_moe":
+        assert got.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size
+    _generate_matches_hf(tiny, path)
+
+
+def test_qwen2moe_expert_weights_norm_key_is_read(tiny_model_factory, tmp_path):
+    """llama.cpp does not renormalize Qwen2-MoE's top-k weights; ``expert_weights_norm``
+    true says it does (and Qwen3-MoE's default, renormalized, is llama.cpp's too)."""
+    tiny = tiny_model_factory("qwen2_moe")
+    assert load_gguf_config(_write(tiny, tmp_path / "a.gguf")).norm_topk_prob is False
+    path = _write(tiny, tmp_path / "b.gguf", {"expert_weights_norm": True})
+    assert load_gguf_config(path).norm_topk_prob is True
+    path = _write(tiny_model_factory("qwen3_moe"), tmp_path / "c.gguf")
+    assert load_gguf_config(path).norm_topk_prob is True
+
+
+def test_moe_gguf_experts_load_per_expert(tiny_model_factory, tmp_path):
+    """The loader yields the stacked experts one at a time, equal to transformers' halves
+    of gate_up_proj and its down_proj; the shared-expert gate [H] comes back as [1, H]."""
+    tiny = tiny_model_factory("qwen2_moe")
+    state = tiny.hf_model.state_dict()
+    weights = dict(iter_gguf_weights(_write(tiny, tmp_path / "q.gguf"), torch.float32))
+    f = tiny.hf_model.config.moe_intermediate_size
+    gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]
+    torch.testing.assert_close(weights["model.layers.0.mlp.experts.3.gate_proj.weight"],
+                               gate_up[3, :f], rtol=0, atol=0)
+    torch.testing.assert_close(weights["model.layers.0.mlp.experts.1.up_proj.weight"],
+                               gate_up[1, f:], rtol=0, atol=0)
+    torch.testing.assert_close(weights["model.layers.0.mlp.experts.2.down_proj.weight"],
+                               state["model.layers.0.mlp.experts.down_proj"][2], rtol=0, atol=0)
+    torch.testing.assert_close(weights["model.layers.0.mlp.shared_expert_gate.weight"],
+                               state["model.layers.0.mlp.shared_expert_gate.weight"],
+                               rtol=0, atol=0)
+
+
+def test_moe_gguf_kept_quantized_dense_layers_experts_dequantized(tiny_model_factory,
+                                                                   tmp_path, caplog):
+    """``--quantization gguf``: attention weights keep their Q8_0 blocks, the experts are
+    dequantized at load with a warning; tokens and logprobs equal transformers running the
+    same Q8_0-rounded weights."""
+    tiny = tiny_model_factory("qwen3_moe")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = _write(tiny, tmp_path / "q8.gguf", quantize=q8)
+    weights = dict(iter_gguf_weights(path, torch.float32, keep_quantized=True))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
+    assert weights["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float32
+    assert weights["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    # the oracle: transformers with every quantized tensor rounded through Q8_0
+    rounded = tiny.hf_model.__class__(tiny.hf_model.config).eval()
+    state = {}
+    for key, value in tiny.hf_model.state_dict().items():
+        if value.dim() >= 2 and ".mlp.gate." not in key:
+            array = value.float().numpy()
+            value = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, q8), q8)
+                                     .reshape(array.shape).copy())
+        state[key] = value
+    rounded.load_state_dict(state)
+    oracle = dataclasses.replace(tiny, name="qwen3_moe_q8", hf_model=rounded)
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = _llm(tiny, path, quantization="gguf")
+    assert "MoE expert tensors (6 x Q8_0) dequantized" in caplog.text
+    for out in llm.generate(_prompts([13, 22], tiny.vocab_size, seed=7), greedy(),
+                            use_tqdm=False):
+        assert_matches_hf(oracle, out)
+
+
+@pytest.mark.parametrize("name,overrides,message", [
+    ("qwen3_moe", {"expert_count": 6}, (r"'qwen3moe.expert_count' is 6, but "
+                                       r"blk.0.ffn_gate_inp.weight routes to 8 experts")),
+    ("qwen3_moe", {"expert_count": None}, r"'qwen3moe.expert_count' is missing"),
+    ("qwen3_moe", {"expert_used_count": 9}, (r"'qwen3moe.expert_used_count' is 9, more than "
+                                            r"the 8 experts")),
+    ("qwen3_moe", {"expert_used_count": None}, r"'qwen3moe.expert_used_count' is missing"),
+    ("qwen3_moe", {"expert_feed_forward_length": 48},
+     (r"'qwen3moe.expert_feed_forward_length' is 48, but blk.0.ffn_gate_exps.weight has "
+     r"experts of 32 rows")),
+    ("qwen3_moe", {"expert_gating_func": 2}, r"'qwen3moe.expert_gating_func' is 2"),
+    ("qwen3_moe", {"expert_weights_scale": 2.5}, r"'qwen3moe.expert_weights_scale' is 2.5"),
+    ("qwen2_moe", {"expert_shared_feed_forward_length": 40},
+     (r"'qwen2moe.expert_shared_feed_forward_length' is 40, but blk.0.ffn_gate_shexp.weight "
+     r"has 48 rows")),
+    ("mixtral", {"expert_weights_norm": False}, r"'llama.expert_weights_norm' is false"),
+])
+def test_moe_gguf_bad_metadata_refused(tiny_model_factory, tmp_path, name, overrides,
+                                       message):
+    path = _write(tiny_model_factory(name), tmp_path / "bad.gguf", overrides)
+    with pytest.raises(ValueError, match=message):
+        load_gguf_config(path)
+
+
+def test_dense_arch_with_experts_still_refused(tiny_model_factory, tmp_path):
+    """qwen2 (dense) with an expert count: refused naming the key, as before."""
+    tiny = tiny_model_factory("qwen2_moe")
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_uint32("qwen2.expert_count", 4)
+    w.add_uint32("qwen2.block_count", 2)
+    w.add_uint32("qwen2.embedding_length", tiny.hf_model.config.hidden_size)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'qwen2.expert_count' is 4: mixture-of-experts"):
+        load_gguf_config(str(path))
