@@ -8,6 +8,7 @@ and tokenizer loaders live in gguf_config.py and gguf_tokenizer.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -58,12 +59,18 @@ _BLOCK_NAMES: dict[str, str] = {
 _ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 _STACKED_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(\w+_proj)\.weight$")
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})  # RoPE factors, not module parameters
+# blk.N.ffn_{gate,up,down}.E.weight: expert E, as early (2023) Mixtral GGUFs store experts
+_LEGACY_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
 def _hf_name(gguf_name: str, spec: ArchSpec | None = None) -> str:
     """Map a GGUF tensor name to the HF parameter name (ValueError if unknown)."""
+    m = _LEGACY_EXPERT_RE.match(gguf_name)
+    if m is not None:  # early Mixtral GGUFs: one tensor per expert
+        layer, proj, expert = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
     m = _BLOCK_RE.match(gguf_name)
     if m is not None:
         layer, part, kind = m.groups()
@@ -172,9 +179,17 @@ def _iter_weights(
             if info.name not in names:
                 continue
             name = names[info.name]
+            expert = ".mlp.experts." in name
+            if expert and keep_quantized and info.ggml_type not in _FLOAT_TYPES:
+                type_name = _type_name(info.ggml_type)
+                experts_dequantized[type_name] = experts_dequantized.get(type_name, 0) + 1
+            stacked = _STACKED_EXPERTS_RE.match(name)
+            if stacked is not None:  # [E, rows, cols]: dequantized one expert at a time
+                yield from _split_experts(data, info, meta.path, *stacked.groups(), dtype)
+                continue
             router = name.endswith(_ROUTER_SUFFIXES)
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES \
-                    and not router:
+                    and not router and not expert:
                 if info.ggml_type in KEPT_TYPES:
                     yield name, _raw_blocks(data, info, name, spec, n_head, n_kv)
                     continue
@@ -191,16 +206,6 @@ def _iter_weights(
                     weight = unpermute_qk(weight, n_head)
                 elif ".self_attn.k_proj." in name:
                     weight = unpermute_qk(weight, n_kv)
-            stacked = _STACKED_EXPERTS_RE.match(name)
-            if stacked is not None:  # [E, rows, cols]: one expert at a time
-                if keep_quantized and info.ggml_type not in _FLOAT_TYPES:
-                    type_name = _type_name(info.ggml_type)
-                    experts_dequantized[type_name] = experts_dequantized.get(type_name, 0) + 1
-                prefix, proj = stacked.groups()
-                for expert in range(weight.shape[0]):
-                    yield f"{prefix}.{expert}.{proj}.weight", weight[expert].to(dtype).clone()
-                del weight
-                continue
             if name.endswith(".mlp.shared_expert_gate.weight"):  # llama.cpp: [H] or [1, H]
                 weight = weight.reshape(1, -1)
             out = weight.to(dtype).contiguous()
@@ -221,6 +226,29 @@ def _iter_weights(
                            ", ".join(f"{n} x {t}" for t, n in sorted(unkept.items())), dtype)
     finally:
         del data
+
+
+def _split_experts(data, info: GGUFTensorInfo, path: str, prefix: str, proj: str,
+                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(prefix.{e}.proj.weight, [rows, cols] in dtype)`` for each expert of a stacked
+    [E, rows, cols] tensor, each dequantized from its own bytes (experts are the outermost
+    dimension, so one expert's blocks are contiguous): one expert in float32 at a time."""
+    n_experts = info.shape[0]
+    if len(info.shape) != 3 or info.n_bytes % n_experts:
+        raise ValueError(f"{path!r}: stacked expert tensor {info.name!r} has shape "
+                         f"{info.shape}, not [experts, rows, cols]")
+    per_expert = info.n_bytes // n_experts
+    for e in range(n_experts):
+        one = dataclasses.replace(info, shape=info.shape[1:], offset=info.offset + e * per_expert,
+                                  n_bytes=per_expert)
+        try:
+            weight = torch.from_numpy(_dequantize(data, one))
+        except ValueError as err:  # a GGML type gguf cannot dequantize: name the file
+            raise ValueError(f"{path!r}: {err}") from None
+        out = weight.to(dtype).contiguous()
+        del weight
+        yield f"{prefix}.{e}.{proj}.weight", out
+        del out
 
 
 def _type_name(ggml_type: int) -> str:

@@ -10,7 +10,9 @@ sigmoid gate ``ffn_gate_inp_shexp`` [H]. The metadata says ``<arch>.expert_count
 ``expert_shared_feed_forward_length``. Routing is a softmax over the experts, the top
 ``expert_used_count`` renormalized as llama.cpp computes each architecture (Mixtral, Granite
 MoE, Qwen3-MoE: renormalized; Qwen2-MoE: not) unless ``expert_weights_norm`` says otherwise.
-A Qwen MoE layer without a router keeps a dense MLP (transformers' ``mlp_only_layers``)."""
+A Qwen MoE layer without a router keeps a dense MLP (transformers' ``mlp_only_layers``).
+Early (2023) Mixtral GGUFs store one tensor per expert, ``blk.N.ffn_{gate,up,down}.E``,
+read as well."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ QWEN_MOE = frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 MOE_ARCHITECTURES = QWEN_MOE | {"MixtralForCausalLM", "GraniteMoeForCausalLM"}
 
 _ROUTER_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+_LEGACY_GATE_RE = re.compile(r"^blk\.\d+\.ffn_gate\.(\d+)\.weight$")
 _SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
@@ -86,9 +89,17 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
                          f"routes to {router_rows} experts")
     expert_ffn = keys.int("expert_feed_forward_length", kwargs["intermediate_size"])
     exp_rows = _rows(tensors, f"{first}.ffn_gate_exps.weight", 1)
+    legacy = _rows(tensors, f"{first}.ffn_gate.0.weight")  # early Mixtral files: per expert
+    if exp_rows is None and legacy is not None:
+        exp_rows = legacy
+        legacy_experts = {m.group(1) for m in map(_LEGACY_GATE_RE.match, tensors) if m
+                          and m.group(0).startswith(f"{first}.")}
+        if len(legacy_experts) != n_experts:
+            raise keys.error("expert_count", f"is {n_experts}, but {first} has "
+                             f"{len(legacy_experts)} ffn_gate.E expert tensors")
     if exp_rows is not None and exp_rows != expert_ffn:
         raise keys.error("expert_feed_forward_length", f"is {expert_ffn}, but "
-                         f"{first}.ffn_gate_exps.weight has experts of {exp_rows} rows")
+                         f"{first}'s expert gate weights have {exp_rows} rows")
     shexp_rows = _rows(tensors, f"{first}.ffn_gate_shexp.weight")
     shared = keys.int("expert_shared_feed_forward_length", shexp_rows or 0, minimum=0)
     if shexp_rows is not None and shexp_rows != shared:

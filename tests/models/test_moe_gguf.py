@@ -41,7 +41,9 @@ def _tensor_name(arch: str, kind, layer: int) -> str:
     return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
 
 
-def _moe_tensors(model, arch: str) -> dict[str, np.ndarray]:
+def _moe_tensors(model, arch: str, legacy: bool = False) -> dict[str, np.ndarray]:
+    """``legacy``: experts as one tensor each, ``blk.N.ffn_{gate,up,down}.E`` (early Mixtral
+    GGUFs, before llama.cpp stacked them)."""
     cfg = model.config
     t = gguf.MODEL_TENSOR
     names = gguf.get_tensor_name_map(_model_arch(arch), cfg.num_hidden_layers)
@@ -54,6 +56,15 @@ def _moe_tensors(model, arch: str) -> dict[str, np.ndarray]:
             continue
         array = tensor.float().numpy()
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if legacy and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            half = array.shape[1] // 2
+            for e in range(array.shape[0]):
+                if name.endswith("down_proj"):
+                    out[f"blk.{layer}.ffn_down.{e}.weight"] = array[e]
+                else:
+                    out[f"blk.{layer}.ffn_gate.{e}.weight"] = array[e, :half]
+                    out[f"blk.{layer}.ffn_up.{e}.weight"] = array[e, half:]
+            continue
         if name.endswith("experts.gate_up_proj"):  # [E, 2F, H]: gate rows, then up rows
             half = array.shape[1] // 2
             out[_tensor_name(arch, t.FFN_GATE_EXP, layer)] = array[:, :half]
@@ -79,7 +90,8 @@ def _moe_tensors(model, arch: str) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _write(tiny, path, overrides: dict | None = None, quantize=None) -> str:
+def _write(tiny, path, overrides: dict | None = None, quantize=None,
+           legacy: bool = False) -> str:
     """The GGUF of ``tiny``; ``overrides``: ``<arch>.<key>`` values to write instead (None:
     leave the key out); ``quantize``: a GGMLQuantizationType for every 2-D / 3-D weight
     but the routers."""
@@ -118,7 +130,7 @@ def _write(tiny, path, overrides: dict | None = None, quantize=None) -> str:
             w.add_float32(f"{arch}.{key}", value)
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
-    for name, array in _moe_tensors(tiny.hf_model, arch).items():
+    for name, array in _moe_tensors(tiny.hf_model, arch, legacy).items():
         if quantize is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
             w.add_tensor(name, gguf.quants.quantize(array, quantize), raw_dtype=quantize)
         else:
@@ -161,6 +173,20 @@ def test_moe_gguf_generates_as_transformers(tiny_model_factory, tmp_path, name, 
     if name == "qwen2_moe":
         assert got.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size
     _generate_matches_hf(tiny, path)
+
+
+def test_early_mixtral_gguf_with_per_expert_tensors(tiny_model_factory, tmp_path, caplog):
+    """blk.N.ffn_{gate,up,down}.E (one tensor per expert) load as the stacked ones do; kept
+    quantized (Q8_0), each 2-D expert tensor is dequantized for the float experts."""
+    tiny = tiny_model_factory("mixtral")
+    _generate_matches_hf(tiny, _write(tiny, tmp_path / "early.gguf", legacy=True))
+    path = _write(tiny, tmp_path / "early_q8.gguf", legacy=True,
+                  quantize=gguf.GGMLQuantizationType.Q8_0)
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        weights = dict(iter_gguf_weights(path, torch.float32, keep_quantized=True))
+    assert weights["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
+    assert weights["model.layers.1.self_attn.v_proj.weight"].dtype == torch.uint8
+    assert "MoE expert tensors (24 x Q8_0) dequantized" in caplog.text  # 2 layers x 4 x 3
 
 
 def test_qwen2moe_expert_weights_norm_key_is_read(tiny_model_factory, tmp_path):
@@ -232,8 +258,7 @@ def test_moe_gguf_kept_quantized_dense_layers_experts_dequantized(tiny_model_fac
                                             r"the 8 experts")),
     ("qwen3_moe", {"expert_used_count": None}, r"'qwen3moe.expert_used_count' is missing"),
     ("qwen3_moe", {"expert_feed_forward_length": 48},
-     (r"'qwen3moe.expert_feed_forward_length' is 48, but blk.0.ffn_gate_exps.weight has "
-     r"experts of 32 rows")),
+     r"'qwen3moe.expert_feed_forward_length' is 48, but blk.0's expert gate weights have 32 "),
     ("qwen3_moe", {"expert_gating_func": 2}, r"'qwen3moe.expert_gating_func' is 2"),
     ("qwen3_moe", {"expert_weights_scale": 2.5}, r"'qwen3moe.expert_weights_scale' is 2.5"),
     ("qwen2_moe", {"expert_shared_feed_forward_length": 40},
