@@ -106,6 +106,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    # mixture-of-experts (models/gguf_moe.py); Mixtral is "llama" with llama.expert_count
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 
 

@@ -265,6 +265,10 @@ def test_moe_gguf_kept_quantized_dense_layers_experts_dequantized(tiny_model_fac
      (r"'qwen2moe.expert_shared_feed_forward_length' is 40, but blk.0.ffn_gate_shexp.weight "
      r"has 48 rows")),
     ("mixtral", {"expert_weights_norm": False}, r"'llama.expert_weights_norm' is false"),
+    # GraniteMoeShared's key: kvflow's Granite MoE has no shared expert
+    ("granite_moe", {"expert_shared_feed_forward_length": 16},
+     (r"'granitemoe.expert_shared_feed_forward_length' is 16: a shared expert is not "
+     r"supported for GraniteMoeForCausalLM")),
 ])
 def test_moe_gguf_bad_metadata_refused(tiny_model_factory, tmp_path, name, overrides,
                                        message):
