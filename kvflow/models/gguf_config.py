@@ -352,7 +352,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     with ``architectures`` set (``["LlamaForCausalLM"]`` for GGUF architecture ``llama``,
     ``["Qwen2ForCausalLM"]`` for ``qwen2``, ``["Qwen3ForCausalLM"]`` for ``qwen3``; Gemma 2 /
     Gemma 3 / Granite configs for ``gemma2`` / ``gemma3`` / ``granite``, with their extra
-    fields, see :func:`_gemma3_kwargs` and :func:`_granite_kwargs`) and
+    fields, see :func:`_gemma3_kwargs` and :func:`_granite_kwargs`; Mixtral / Qwen2-MoE /
+    Qwen3-MoE / Granite MoE configs for MoE files, see :func:`gguf_moe.moe_kwargs`) and
     ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim`` (taken from the ``attn_q`` tensor shape, which is
     exact even where head_dim != hidden_size / num_heads), ``intermediate_size``,
