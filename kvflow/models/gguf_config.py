@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvflow.models.gguf_checks import ArchKeys, check_against_tensors, check_unapplied_keys
-from kvflow.models.gguf_moe import MOE_ARCHITECTURES, moe_kwargs
+from kvflow.models.gguf_moe import MOE_ARCHITECTURES, check_no_expert_tensors, moe_kwargs
 from kvflow.models.gguf_reader import GGUFMetadata, read_gguf_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -292,6 +292,8 @@ def _config_kwargs(meta: GGUFMetadata) -> tuple[ArchSpec, dict[str, Any]]:
     if keys.get("expert_count", 0) and not moe:
         raise keys.error("expert_count", f"is {keys.get('expert_count')}: mixture-of-experts "
                          f"GGUF files of architecture {arch!r} are not supported")
+    if not moe:
+        check_no_expert_tensors(keys, tensors)
     hidden = keys.int("embedding_length")
     n_heads, n_kv_heads = _head_counts(keys)
     head_dim = _head_dim(keys, tensors, hidden, n_heads)

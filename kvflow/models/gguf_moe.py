@@ -26,6 +26,9 @@ QWEN_MOE = frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 MOE_ARCHITECTURES = QWEN_MOE | {"MixtralForCausalLM", "GraniteMoeForCausalLM"}
 
 _ROUTER_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
+# any expert-related tensor: router, stacked or per-expert (early Mixtral), shared expert
+_MOE_TENSOR_RE = re.compile(r"^blk\.\d+\.ffn_(gate_inp|\w+_exps|\w+_shexp|gate_inp_shexp|"
+                            r"(gate|up|down)\.\d+)\.weight$")
 _LEGACY_GATE_RE = re.compile(r"^blk\.\d+\.ffn_gate\.(\d+)\.weight$")
 _SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
@@ -123,3 +126,16 @@ def moe_kwargs(keys: ArchKeys, tensors: dict, hf_arch: str,
     if hf_arch == "Qwen2MoeForCausalLM":
         extra["shared_expert_intermediate_size"] = shared
     return extra
+
+
+def check_no_expert_tensors(keys: ArchKeys, tensors: dict) -> None:
+    """A file read as a dense model must hold no expert tensors (they would match no
+    parameter, or be dropped).
+
+    Raises:
+        ValueError: naming the file, the tensor and the missing ``<arch>.expert_count``.
+    """
+    stray = next((name for name in tensors if _MOE_TENSOR_RE.match(name)), None)
+    if stray is not None:
+        raise keys.error("expert_count", f"is missing, but the file has the "
+                         f"mixture-of-experts tensor {stray!r}")

@@ -112,6 +112,15 @@ def test_uniform_per_layer_head_counts_load(tmp_path):
     assert len(dict(iter_gguf_weights(path, torch.float32))) == 20
 
 
+def test_expert_tensor_in_a_dense_file_is_refused(tmp_path):
+    """A router in a llama file without llama.expert_count (Mixtral's key): refused before
+    any weight is read, naming the key and the tensor."""
+    path = _rewritten(tmp_path, {}, extra_tensors={"blk.0.ffn_gate_inp.weight":
+                                                   np.zeros((4, 16), np.float32)})
+    _assert_refused(path, r"'llama.expert_count' is missing, but the file has the "
+                          r"mixture-of-experts tensor 'blk.0.ffn_gate_inp.weight'")
+
+
 def test_unknown_tensor_names_the_file(tmp_path):
     path = _rewritten(tmp_path, {}, extra_tensors={"blk.0.ffn_frob.weight":
                                                    np.zeros((4, 16), np.float32)})
