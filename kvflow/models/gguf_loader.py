@@ -118,8 +118,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     ``model.layers.{i}.mlp.gate.weight`` [E, H], each stacked expert tensor split into one
     ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert, and
     Qwen2-MoE's ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
-    ``mlp.shared_expert_gate.weight`` [1, H]. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32, reshaped to
-    the PyTorch shape (GGUF lists dimensions in reverse, so a linear weight is
+    ``mlp.shared_expert_gate.weight`` [1, H]. Each tensor is dequantized with
+    ``gguf.quants.dequantize`` to float32, reshaped to the PyTorch shape (GGUF lists dimensions in reverse, so a linear weight is
     ``[out_features, in_features]``), converted to ``dtype`` on the CPU and is contiguous.
 
     For GGUF architecture ``llama`` the q_proj/k_proj rows (and biases) are un-permuted
@@ -138,8 +138,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     Q8_0, Q4_K, Q5_K, Q6_K). A tensor of another type (Q2_K, Q3_K, IQ*: common in llama.cpp's
     Q2_K / Q3_K_* mixes) is dequantized as without ``keep_quantized`` and a warning names the
     types, so such a file loads with those tensors in ``dtype`` instead of failing at its
-    first forward pass. Routers always come as floats; stacked expert tensors (3-D) are
-    dequantized too, since kvflow's fused experts compute in floats: a warning names how
+    first forward pass. Routers always come as floats; expert tensors (stacked or per
+    expert) are dequantized too, since kvflow's fused experts compute in floats: a warning names how
     many, as the experts then take ``dtype``-sized memory (most of an MoE model's weights).
 
     Raises:
@@ -173,7 +173,7 @@ def _iter_weights(
 
     data = np.memmap(meta.path, dtype=np.uint8, mode="r")
     unkept: dict[str, int] = {}  # GGML type name -> tensors dequantized instead of kept
-    experts_dequantized: dict[str, int] = {}  # the same for stacked expert tensors
+    experts_dequantized: dict[str, int] = {}  # the same for expert tensors (never kept)
     try:
         for info in meta.tensors:
             if info.name not in names:
