@@ -119,8 +119,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype,
     ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert, and
     Qwen2-MoE's ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
     ``mlp.shared_expert_gate.weight`` [1, H]. Each tensor is dequantized with
-    ``gguf.quants.dequantize`` to float32, reshaped to the PyTorch shape (GGUF lists dimensions in reverse, so a linear weight is
-    ``[out_features, in_features]``), converted to ``dtype`` on the CPU and is contiguous.
+    ``gguf.quants.dequantize`` to float32, reshaped to the PyTorch shape (GGUF lists
+    dimensions in reverse, so a linear weight is ``[out_features, in_features]``), converted to ``dtype`` on the CPU and is contiguous.
 
     For GGUF architecture ``llama`` the q_proj/k_proj rows (and biases) are un-permuted
     (see :func:`unpermute_qk`; the permutation is llama.cpp's ``convert_hf_to_gguf.py``
