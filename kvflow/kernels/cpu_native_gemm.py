@@ -49,6 +49,10 @@ class GemmKernels:
         self._int8_gemm = bind(lib, "kvflow_int8_gemm", c_int,
                                [ptr, i64, c_int, ptr, i64, ptr, ptr, ptr, i64, c_int, i64, i64,
                                 i64, c_int])
+        # with group scales [N, K / G] (GPTQ 8-bit, compressed-tensors W8A16 groups)
+        self._int8_gemm_grouped = bind(lib, "kvflow_int8_gemm_grouped", c_int,
+                                       [ptr, i64, c_int, ptr, i64, ptr, i64, ptr, ptr, i64,
+                                        c_int, i64, i64, i64, c_int])
 
     def _packed_size(self, n: int, k: int, code: int) -> int:
         """kvflow_gemm_packed_size, remembered per (n, k, dtype code): one dict lookup per GEMM

@@ -6,7 +6,10 @@ batch-1 product reads half the bytes of a bf16 one.
 Bound on the library :func:`kvflow.kernels.cpu_native.native_cpu_kernels` builds (one per ISA
 level: AVX512-BF16, AVX512, AVX2, baseline). :func:`int8_gemm` equals ``(x @ q.T) * scale +
 bias`` computed in float64 up to fp32 rounding: K exact products summed in fp32 (bound:
-``K * 2**-24 * |x| @ |q|.T * scale``), then one rounding to the output dtype.
+``K * 2**-24 * |x| @ |q|.T * scale``), then one rounding to the output dtype. With group
+scales ``scale`` [N, K / G] (GPTQ 8-bit, compressed-tensors W8A16 groups) each group's partial
+dot product is multiplied by its scale inside the kernel before the groups are added (bound:
+``(K + 2) * 2**-24 * |x| @ (|q| * scale).T``, the scale repeated over its G columns).
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ def _check_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"int8_gemm: q must be an int8 CPU [N, K] tensor with unit-stride rows, "
                          f"got {q.dtype} {tuple(q.shape)}")
     for name, t in (("scale", scale), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.shape != (n,)
-                              or not t.is_contiguous() or t.device.type != "cpu"):
+        if t is None or name == "scale" and t.dim() == 2:
+            continue
+        if t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() \
+                or t.device.type != "cpu":
             raise ValueError(f"int8_gemm: {name} must be contiguous float32 [{n}] on CPU")
+    if scale.dim() == 2 and (scale.dtype != torch.float32 or scale.shape[0] != n
+                             or not scale.is_contiguous() or scale.device.type != "cpu"
+                             or scale.shape[1] < 1 or k % scale.shape[1]):
+        raise ValueError(f"int8_gemm: a group scale must be contiguous float32 [{n}, K / G] "
+                         f"on CPU with K = {k} a multiple of its columns, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
 
 
 def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
@@ -46,15 +57,18 @@ def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
     Args:
         kernels: the native kernels (:func:`kvflow.kernels.cpu_native.native_cpu_kernels`).
         x: [..., K] float32/bfloat16/float16 CPU activations (a strided last dim is copied).
-        q: int8 [N, K], unit-stride rows (per-output-channel symmetric weights).
-        scale: float32 [N], the per-channel scales; bias: float32 [N] or None.
+        q: int8 [N, K], unit-stride rows (symmetric weights).
+        scale: float32 [N], the per-channel scales, or [N, K / G] contiguous, one per group
+            of G consecutive input columns (``G = K // scale.shape[1]``); bias: float32 [N]
+            or None.
         out_dtype: the result's dtype (default ``x.dtype``); float32 keeps the accumulation
             unrounded (logits).
 
     Returns:
         [..., N] in ``out_dtype``, a fresh tensor. Each element's summation order depends only
-        on K, x's dtype and the path (bf16 ``x`` of 2+ rows on AVX512-BF16: bf16 dot products;
-        otherwise fp32 FMA), not on the other rows or the thread count.
+        on K, G, x's dtype and the path (bf16 ``x`` of 2+ rows on AVX512-BF16, with groups
+        when G is a multiple of 32: bf16 dot products; otherwise fp32 FMA), not on the other
+        rows or the thread count.
 
     Raises:
         ValueError: on a dtype, device, shape or layout mismatch.
@@ -67,12 +81,16 @@ def int8_gemm(kernels: NativeCpuKernels, x: torch.Tensor, q: torch.Tensor,
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    # through the kernels object's entry point, which a CPU step-graph recorder wraps (a call
+    # through the kernels object's entry points, which a CPU step-graph recorder wraps (a call
     # straight to the library escaped the recording: replays skipped every INT8 product)
-    status = kernels._int8_gemm(
-        rows.data_ptr(), rows.stride(0), _DTYPE_CODES[x.dtype], q.data_ptr(), q.stride(0),
-        scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-        _DTYPE_CODES[out_dtype], rows.shape[0], n, k, torch.get_num_threads())
+    head = (rows.data_ptr(), rows.stride(0), _DTYPE_CODES[x.dtype], q.data_ptr(), q.stride(0),
+            scale.data_ptr())
+    tail = (None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+            _DTYPE_CODES[out_dtype], rows.shape[0], n, k, torch.get_num_threads())
+    if scale.dim() == 2:
+        status = kernels._int8_gemm_grouped(*head, k // scale.shape[1], *tail)
+    else:
+        status = kernels._int8_gemm(*head, *tail)
     if status:
         raise MemoryError("native int8_gemm could not allocate the fp32 copy of x")
     return out.view(*x.shape[:-1], n)

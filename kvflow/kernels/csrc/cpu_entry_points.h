@@ -37,5 +37,9 @@ int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
 int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
                      const float *scale, const float *bias, void *y, int64_t ys, int ydt,
                      int64_t m, int64_t n, int64_t k, int num_threads);
+int kvflow_int8_gemm_grouped(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                             const float *scale, int64_t group, const float *bias, void *y,
+                             int64_t ys, int ydt, int64_t m, int64_t n, int64_t k,
+                             int num_threads);
 
 #endif

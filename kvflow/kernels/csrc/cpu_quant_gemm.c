@@ -31,6 +31,14 @@
  * activations on AVX512-BF16 a one-row call (fp32 path) and a call of more rows (bf16 path)
  * sum in different orders.
  *
+ * Group scales (GPTQ 8-bit, compressed-tensors W8A16 group strategy: scale [n, k / G], one per G
+ * consecutive input columns of a row): y[i, j] = sum_g scale[j, g] * (x[i, group g] . q[j,
+ * group g]) + bias[j]. Each group's partial dot products are accumulated lane-wise as above
+ * (its own VW- or 32-value steps, then its scalar tail), multiplied by the group's scale and
+ * added into a second set of lane accumulators (one FMA per lane), so the horizontal sum runs
+ * once per output, not once per group; the accumulator pairs halve the rows per micro-kernel.
+ * The order again depends only on k, G, the build and the path.
+ *
  * Vector code is written with GCC/Clang vector extensions (byte widening with AVX2/AVX512
  * intrinsics: GCC 12 widens byte vectors one lane at a time), so the same source is each ISA
  * level's kernel (cpu_build.py): VW = 16 (one zmm) in AVX512 builds, 8 (one ymm, or two SSE
@@ -105,10 +113,11 @@ static inline float hsum_vf(vf v) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* Weight rows per micro-kernel for mb activation rows: R x mb accumulators within ACC_REGS,
- * up to 8 independent chains at one row. */
-static inline int rows_for(int mb) {
-    const int r = ACC_REGS / mb;
+/* Weight rows per micro-kernel for mb activation rows: R x mb accumulators within regs
+ * (ACC_REGS, or half of it with group scales: two accumulators per output), up to 8
+ * independent chains at one row. */
+static inline int rows_for(int regs, int mb) {
+    const int r = regs / mb;
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
@@ -120,14 +129,10 @@ static inline int rows_for(int mb) {
  * alternating builds): no software prefetch 1.3x slower than prefetcht0 one micro-kernel
  * ahead, which was 1.6x slower than prefetcht1 two ahead (1, 4, 8, 16 ahead within 10% of 2;
  * prefetchnta 2x slower). */
-static inline __attribute__((always_inline)) void dot_block(
-        int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
-        const int8_t *pf, float dots[8][MB_MAX]) {
-    vf acc[8][MB_MAX];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) acc[r][i] = (vf){0};
-    const int64_t kv = k / VW * VW;
-    for (int64_t kk = 0; kk < kv; kk += VW) {
+static inline __attribute__((always_inline)) void lanes_fp32(
+        int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k0,
+        int64_t k1, const int8_t *pf, vf acc[8][MB_MAX]) {
+    for (int64_t kk = k0; kk < k1; kk += VW) {
         if (pf && kk % 64 == 0)
             for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * qs + kk, 0, 2);
         for (int r = 0; r < R; ++r) {
@@ -135,12 +140,54 @@ static inline __attribute__((always_inline)) void dot_block(
             for (int i = 0; i < MB; ++i) acc[r][i] += w * load_vf(x + i * xs + kk);
         }
     }
+}
+
+static inline float tail_fp32(const float *x, const int8_t *q, int64_t k0, int64_t k1) {
+    float tail = 0.f;
+    for (int64_t kk = k0; kk < k1; ++kk) tail += (float)q[kk] * x[kk];
+    return tail;
+}
+
+static inline __attribute__((always_inline)) void dot_block(
+        int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        const int8_t *pf, float dots[8][MB_MAX]) {
+    vf acc[8][MB_MAX];
     for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) {
-            float tail = 0.f;
-            for (int64_t kk = kv; kk < k; ++kk) tail += (float)q[r * qs + kk] * x[i * xs + kk];
-            dots[r][i] = hsum_vf(acc[r][i]) + tail;
+        for (int i = 0; i < MB; ++i) acc[r][i] = (vf){0};
+    const int64_t kv = k / VW * VW;
+    lanes_fp32(R, MB, x, xs, q, qs, 0, kv, pf, acc);
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i)
+            dots[r][i] = hsum_vf(acc[r][i]) + tail_fp32(x + i * xs, q + r * qs, kv, k);
+}
+
+/* As dot_block with group scales s (row stride ss, one per G columns): dots[r][i] = sum_g
+ * s[r, g] * (q[r, group g] . x[i, group g]), the scales applied lane-wise per group (see the
+ * header). */
+static inline __attribute__((always_inline)) void dot_block_grouped(
+        int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        int64_t G, const float *s, int64_t ss, const int8_t *pf, float dots[8][MB_MAX]) {
+    vf acc[8][MB_MAX], tot[8][MB_MAX];
+    float tails[8][MB_MAX];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) tot[r][i] = (vf){0}, tails[r][i] = 0.f;
+    const int64_t gv = G / VW * VW;
+    for (int64_t g0 = 0, g = 0; g0 < k; g0 += G, ++g) {
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < MB; ++i) acc[r][i] = (vf){0};
+        lanes_fp32(R, MB, x, xs, q, qs, g0, g0 + gv, pf, acc);
+        for (int r = 0; r < R; ++r) {
+            const float sc = s[r * ss + g];
+            const vf sv = (vf){0} + sc;
+            for (int i = 0; i < MB; ++i) {
+                tot[r][i] += acc[r][i] * sv;
+                if (gv < G)
+                    tails[r][i] += tail_fp32(x + i * xs, q + r * qs, g0 + gv, g0 + G) * sc;
+            }
         }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) dots[r][i] = hsum_vf(tot[r][i]) + tails[r][i];
 }
 
 #if BF16_DP
@@ -159,16 +206,10 @@ static inline float bf16_at(const uint16_t *p) {
     return f;
 }
 
-/* As dot_block for bf16 activation rows x (uint16, row stride xs elements): 32 values of k per
- * VDPBF16PS, the tail (k mod 32) in scalar fp32. */
-static inline __attribute__((always_inline)) void dot_block_dp(
-        int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
-        const int8_t *pf, float dots[8][MB_MAX]) {
-    __m512 acc[8][MB_MAX];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
-    const int64_t kv = k / 32 * 32;
-    for (int64_t kk = 0; kk < kv; kk += 32) {
+static inline __attribute__((always_inline)) void lanes_dp(
+        int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k0,
+        int64_t k1, const int8_t *pf, __m512 acc[8][MB_MAX]) {
+    for (int64_t kk = k0; kk < k1; kk += 32) {
         if (pf && kk % 64 == 0)
             for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * qs + kk, 0, 2);
         for (int r = 0; r < R; ++r) {
@@ -178,29 +219,73 @@ static inline __attribute__((always_inline)) void dot_block_dp(
                                              (__m512bh)_mm512_loadu_si512(x + i * xs + kk));
         }
     }
+}
+
+static inline float tail_bf16(const uint16_t *x, const int8_t *q, int64_t k0, int64_t k1) {
+    float tail = 0.f;
+    for (int64_t kk = k0; kk < k1; ++kk) tail += (float)q[kk] * bf16_at(x + kk);
+    return tail;
+}
+
+static inline float hsum_m512(__m512 a) {
+    vf v;
+    memcpy(&v, &a, sizeof v);
+    return hsum_vf(v);
+}
+
+/* As dot_block for bf16 activation rows x (uint16, row stride xs elements): 32 values of k per
+ * VDPBF16PS, the tail (k mod 32) in scalar fp32. */
+static inline __attribute__((always_inline)) void dot_block_dp(
+        int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        const int8_t *pf, float dots[8][MB_MAX]) {
+    __m512 acc[8][MB_MAX];
     for (int r = 0; r < R; ++r)
-        for (int i = 0; i < MB; ++i) {
-            float tail = 0.f;
-            for (int64_t kk = kv; kk < k; ++kk)
-                tail += (float)q[r * qs + kk] * bf16_at(x + i * xs + kk);
-            vf v;
-            memcpy(&v, &acc[r][i], sizeof v);
-            dots[r][i] = hsum_vf(v) + tail;
+        for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+    const int64_t kv = k / 32 * 32;
+    lanes_dp(R, MB, x, xs, q, qs, 0, kv, pf, acc);
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i)
+            dots[r][i] = hsum_m512(acc[r][i]) + tail_bf16(x + i * xs, q + r * qs, kv, k);
+}
+
+/* dot_block_grouped on the bf16 path (G a multiple of 32: no tails). */
+static inline __attribute__((always_inline)) void dot_block_dp_grouped(
+        int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
+        int64_t G, const float *s, int64_t ss, const int8_t *pf, float dots[8][MB_MAX]) {
+    __m512 acc[8][MB_MAX], tot[8][MB_MAX];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0, g = 0; g0 < k; g0 += G, ++g) {
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+        lanes_dp(R, MB, x, xs, q, qs, g0, g0 + G, pf, acc);
+        for (int r = 0; r < R; ++r) {
+            const __m512 sv = _mm512_set1_ps(s[r * ss + g]);
+            for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], sv, tot[r][i]);
         }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < MB; ++i) dots[r][i] = hsum_m512(tot[r][i]);
 }
 #endif
 
 /* The micro-kernel for R in {8, 4, 2, 1} and MB in 1..MB_MAX, each a specialized copy: the
- * bf16 path for bf16 x where built, else the fp32 path. */
+ * bf16 path for bf16 x where built, else the fp32 path; per channel (s NULL) or with group
+ * scales s (G columns each, row stride ss). */
 static void dot_block_any(int R, int MB, int dp, const void *x, int64_t xs, const int8_t *q,
-                          int64_t qs, int64_t k, const int8_t *pf, float dots[8][MB_MAX]) {
+                          int64_t qs, int64_t k, int64_t G, const float *s, int64_t ss,
+                          const int8_t *pf, float dots[8][MB_MAX]) {
 #if BF16_DP
 #define CALL(RR, MM)                                                                       \
-    (dp ? dot_block_dp(RR, MM, x, xs, q, qs, k, pf, dots)                                  \
-        : dot_block(RR, MM, x, xs, q, qs, k, pf, dots))
+    (s ? (dp ? dot_block_dp_grouped(RR, MM, x, xs, q, qs, k, G, s, ss, pf, dots)           \
+             : dot_block_grouped(RR, MM, x, xs, q, qs, k, G, s, ss, pf, dots))             \
+       : dp ? dot_block_dp(RR, MM, x, xs, q, qs, k, pf, dots)                              \
+            : dot_block(RR, MM, x, xs, q, qs, k, pf, dots))
 #else
     (void)dp;
-#define CALL(RR, MM) dot_block(RR, MM, x, xs, q, qs, k, pf, dots)
+#define CALL(RR, MM)                                                                       \
+    (s ? dot_block_grouped(RR, MM, x, xs, q, qs, k, G, s, ss, pf, dots)                    \
+       : dot_block(RR, MM, x, xs, q, qs, k, pf, dots))
 #endif
 #define CASE_MB(RR)                                                                        \
     switch (MB) {                                                                          \
@@ -229,7 +314,8 @@ typedef struct {
     int dp; /* the bf16 path */
     const int8_t *q;
     int64_t qs;
-    const float *scale, *bias;
+    const float *scale, *bias; /* scale [n] per channel, or [n, k / group] */
+    int64_t group;             /* columns per scale; 0: per channel */
     void *y;
     int64_t ys;
     int ydt;
@@ -242,7 +328,8 @@ static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
     float dots[8][MB_MAX];
     for (int64_t i0 = 0; i0 < g->m; i0 += MB_MAX) {
         const int mb = (int)(g->m - i0 < MB_MAX ? g->m - i0 : MB_MAX);
-        const int r_full = rows_for(mb);
+        const int r_full = rows_for(g->group ? ACC_REGS / 2 : ACC_REGS, mb);
+        const int64_t ss = g->group ? g->k / g->group : 0; /* scale row stride */
         for (int64_t j = j0; j < j0 + rows;) {
             const int r = j0 + rows - j >= r_full ? r_full : 1;
             /* prefetch the rows PF_GROUPS micro-kernels ahead on the first pass over these
@@ -250,11 +337,12 @@ static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
             const int8_t *pf = i0 == 0 && j + (PF_GROUPS + 1) * r <= g->n
                 ? g->q + (j + PF_GROUPS * r) * g->qs : NULL;
             dot_block_any(r, mb, g->dp, (const char *)g->x + i0 * g->xs * xes, g->xs,
-                          g->q + j * g->qs, g->qs, g->k, pf, dots);
+                          g->q + j * g->qs, g->qs, g->k, g->group,
+                          g->group ? g->scale + j * ss : NULL, ss, pf, dots);
             for (int i = 0; i < mb; ++i)
                 for (int rr = 0; rr < r; ++rr) {
-                    const float v = dots[rr][i] * g->scale[j + rr] + (g->bias ? g->bias[j + rr]
-                                                                             : 0.f);
+                    const float d = g->group ? dots[rr][i] : dots[rr][i] * g->scale[j + rr];
+                    const float v = d + (g->bias ? g->bias[j + rr] : 0.f);
                     store_row(g->ydt, &v, (char *)g->y + ((i0 + i) * g->ys + j + rr) * yes, 1);
                 }
             j += r;
@@ -262,15 +350,14 @@ static void item_rows(const Int8Gemm *g, int64_t j0, int64_t rows) {
     }
 }
 
-/* y [m, n] (dtype ydt, row stride ys) = (x [m, k] (dtype xdt, row stride xs) @ q^T) * scale
- * (+ bias), q int8 [n, k] (row stride qs), scale and bias fp32 [n] (bias may be NULL). bf16 x
- * of 2+ rows takes the bf16 path where built; other 16-bit x is widened to fp32 first (exact).
- * Returns 1 when that fp32 copy cannot be allocated, else 0. */
-int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
-                     const float *scale, const float *bias, void *y, int64_t ys, int ydt,
-                     int64_t m, int64_t n, int64_t k, int num_threads) {
+/* kvflow_int8_gemm and kvflow_int8_gemm_grouped: group 0 per channel. bf16 x of 2+ rows takes
+ * the bf16 path where built (with groups: when group is a multiple of 32); other 16-bit x is
+ * widened to fp32 first (exact). Returns 1 when that fp32 copy cannot be allocated. */
+static int int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                     const float *scale, int64_t group, const float *bias, void *y, int64_t ys,
+                     int ydt, int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
-    const int dp = BF16_DP && xdt == DT_BF16 && m >= 2;
+    const int dp = BF16_DP && xdt == DT_BF16 && m >= 2 && group % 32 == 0;
     float *x32 = NULL;
     if (xdt != DT_F32 && !dp) {
         x32 = malloc(sizeof(float) * (size_t)(m * (k > 0 ? k : 1)));
@@ -278,8 +365,8 @@ int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_
         for (int64_t i = 0; i < m; ++i)
             load_row(xdt, (const char *)x + i * xs * (int64_t)elem_size(xdt), x32 + i * k, k);
     }
-    const Int8Gemm g = {x32 ? (const void *)x32 : x, x32 ? k : xs, dp, q, qs, scale, bias, y,
-                        ys, ydt, m, n, k};
+    const Int8Gemm g = {x32 ? (const void *)x32 : x, x32 ? k : xs, dp, q, qs, scale, bias,
+                        group, y, ys, ydt, m, n, k};
     const int64_t items = (n + ITEM_ROWS - 1) / ITEM_ROWS;
     const int nt = num_threads < 1 ? 1 : (int64_t)num_threads > items ? (int)items : num_threads;
     const int64_t chunk = items / (4 * (int64_t)nt) > 0 ? items / (4 * (int64_t)nt) : 1;
@@ -292,3 +379,22 @@ int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_
     return 0;
 }
 
+/* y [m, n] (dtype ydt, row stride ys) = (x [m, k] (dtype xdt, row stride xs) @ q^T) * scale
+ * (+ bias), q int8 [n, k] (row stride qs), scale and bias fp32 [n] (bias may be NULL).
+ * Returns 1 when the fp32 copy of 16-bit x cannot be allocated, else 0. */
+int kvflow_int8_gemm(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                     const float *scale, const float *bias, void *y, int64_t ys, int ydt,
+                     int64_t m, int64_t n, int64_t k, int num_threads) {
+    return int8_gemm(x, xs, xdt, q, qs, scale, 0, bias, y, ys, ydt, m, n, k, num_threads);
+}
+
+/* As kvflow_int8_gemm with group scales: y[i, j] = sum_g scale[j, g] * (x[i, gG:(g+1)G] .
+ * q[j, gG:(g+1)G]) (+ bias[j]), scale fp32 [n, k / group] contiguous. Returns 2 when group
+ * is not positive or does not divide k (nothing written), 1 as kvflow_int8_gemm, else 0. */
+int kvflow_int8_gemm_grouped(const void *x, int64_t xs, int xdt, const int8_t *q, int64_t qs,
+                             const float *scale, int64_t group, const float *bias, void *y,
+                             int64_t ys, int ydt, int64_t m, int64_t n, int64_t k,
+                             int num_threads) {
+    if (group <= 0 || k % group) return 2;
+    return int8_gemm(x, xs, xdt, q, qs, scale, group, bias, y, ys, ydt, m, n, k, num_threads);
+}
