@@ -318,7 +318,7 @@ class GPTQAWQMethod(_PackedCheckpointLoading, Int4WeightOnlyMethod):
 class GPTQInt8Method(_PackedCheckpointLoading, PackedInt8Method):
     """An 8-bit symmetric GPTQ layer (every zero point 128: ``w = (q - 128) * scale``), stored
     after loading as :class:`~kvflow.quant.pack_quantized.PackedInt8Method`: ``weight`` int8
-    [N, K] and ``weight_scale`` float32 [N] (channel) or [N, G] (one INT8 product per group).
+    [N, K] and ``weight_scale`` float32 [N] (channel) or [N, G] (group scales).
 
     Args:
         fmt: the checkpoint's layout (:func:`parse_int4_checkpoint`, ``bits == 8``).

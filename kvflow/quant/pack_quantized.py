@@ -13,7 +13,7 @@ as :class:`~kvflow.quant.int4.Int4WeightOnlyMethod` (its tinygemm convention
 ``w = (u - 8) * scale + zero`` holds the stored nibble ``u = q + 8`` with ``zero = 0``:
 the same values exactly); symmetric INT8 channel as
 :class:`~kvflow.quant.int8.Int8WeightOnlyMethod`, and symmetric INT8 group (llm-compressor's
-W8A16 preset, group 128) as one INT8 product per group of columns, summed. Everything else
+W8A16 preset, group 128) as the same INT8 kernel with the group scales applied inside it. Everything else
 (asymmetric zero points, activation ordering / ``g_idx``, other bit widths, quantized
 activations) is a ValueError naming the key, before any tensor is read.
 """
@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant.base import LinearMethod, check_stored_dtype
 from kvflow.quant.int4 import Int4WeightOnlyMethod, _pack_nibbles
-from kvflow.quant.int8 import Int8WeightOnlyMethod, int8_linear, native_int8_kernels
+from kvflow.quant.int8 import Int8WeightOnlyMethod, native_int8_kernels
 
 _KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes
 
@@ -199,7 +200,7 @@ def store_int4(method: Int4WeightOnlyMethod, layer: nn.Module, u: torch.Tensor,
 class PackedInt8Method(Int8WeightOnlyMethod):
     """Symmetric INT8 ``pack-quantized`` weights, run as :class:`Int8WeightOnlyMethod`:
     ``weight`` int8 [N, K]; ``weight_scale`` float32 [N] (channel) or [N, K // G] (group:
-    one INT8 product per group of columns, :func:`~kvflow.quant.int8.int8_linear`, summed).
+    :func:`~kvflow.kernels.cpu_quant.int8_gemm` with the group scales, on CPU).
 
     Args:
         group_size: the checkpoint's input columns per scale; None: one per output channel.
@@ -250,14 +251,14 @@ class PackedInt8Method(Int8WeightOnlyMethod):
 
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
+        """Per channel: :class:`Int8WeightOnlyMethod`'s. Groups: kvflow's native INT8 kernel
+        with the [N, K / G] scales applied per group inside it (one call, one rounding), or,
+        under ``KVFLOW_CPU_QUANT=torch`` or without the native kernels, the dequantizing
+        reference (torch's int8pack kernel takes one scale per row only)."""
         if layer.weight_scale.dim() == 1:
             return super().apply_cpu(layer, x, bias)
-        if native_int8_kernels(x) is None:  # torch's int8pack kernel wants whole weights
+        kernels = native_int8_kernels(x)
+        if kernels is None:
             return self.apply_native(layer, x, bias)
-        g = self.ckpt_group
-        y = None
-        for i in range(layer.weight_scale.shape[1]):
-            part = int8_linear(x[..., i * g:(i + 1) * g], layer.weight[:, i * g:(i + 1) * g],
-                               layer.weight_scale[:, i].contiguous())
-            y = part if y is None else y + part
-        return y if bias is None else y + bias.to(x.dtype)
+        return int8_gemm(kernels, x, layer.weight, layer.weight_scale,
+                         None if bias is None else bias.float())
