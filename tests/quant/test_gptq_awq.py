@@ -147,7 +147,9 @@ _CASES = {  # (method, group_size, _build options, tiny model)
     "gptq-channel": ("gptq", -1, {"sym": True}, "llama"),
     "gptq-desc-act": ("gptq", 32, {"desc_act": True}, "llama"),
     "gptq-qwen2-bias": ("gptq", 32, {}, "qwen2"),  # q/k/v biases beside the packed weights
-    "gptq-int8-g32": ("gptq", 32, {"sym": True, "bits": 8}, "llama"),  # INT8, group products
+    "gptq-int8-g32": ("gptq", 32, {"sym": True, "bits": 8}, "llama"),  # INT8, group scales
+    "gptq-int8-g64": ("gptq", 64, {"sym": True, "bits": 8}, "llama"),  # in the native kernel
+    "gptq-int8-g32-desc-act": ("gptq", 32, {"sym": True, "bits": 8, "desc_act": True}, "llama"),
     "gptq-int8-channel": ("gptq", -1, {"sym": True, "bits": 8}, "llama"),
     "awq-g32": ("awq", 32, {}, "llama"),
     "awq-g64": ("awq", 64, {}, "llama"),

@@ -80,8 +80,9 @@ def _kvflow_logprobs(llm: LLM, ids: list[int]) -> list[float]:
 
 @pytest.mark.parametrize("bits,group,method", [
     (4, 32, PackedInt4Method), (4, 16, PackedInt4Method), (4, None, PackedInt4Method),
-    (8, 32, PackedInt8Method), (8, None, PackedInt8Method),
-], ids=["int4-group32", "int4-group16", "int4-channel", "int8-group32", "int8-channel"])
+    (8, 32, PackedInt8Method), (8, 64, PackedInt8Method), (8, None, PackedInt8Method),
+], ids=["int4-group32", "int4-group16", "int4-channel", "int8-group32", "int8-group64",
+        "int8-channel"])
 def test_pack_quantized_matches_reference(tiny_model_factory, tmp_path, bits, group, method):
     """kvflow refused every pack-quantized folder; now its logits are the torch reference's
     (the folder's own unpacked weights) and transformers'."""

@@ -1,6 +1,6 @@
 """CPU step graphs (kvflow/worker/cpu_graphs.py) stay on for INT8 weights loaded pre-quantized
-from a checkpoint (compressed-tensors pack-quantized W8A16 per channel, GPTQ 8-bit symmetric
-per channel), as they do for ``--quantization int8`` of float weights.
+from a checkpoint (compressed-tensors pack-quantized W8A16 per channel or group, GPTQ 8-bit
+symmetric per channel or group), as they do for ``--quantization int8`` of float weights.
 
 Oracles: the same engine with ``enforce_eager=True`` (tokens and every logprob bit for bit: a
 replay runs the same kernels on the same inputs) and transformers on the dequantized weights
@@ -47,21 +47,27 @@ def _hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("fmt,dtype", [("pack-quantized-w8a16-channel", "float32"),
                                        ("gptq-int8-sym-channel", "float32"),
-                                       ("pack-quantized-w8a16-channel", "bfloat16")])
+                                       ("pack-quantized-w8a16-channel", "bfloat16"),
+                                       ("pack-quantized-w8a16-group32", "float32"),
+                                       ("gptq-int8-sym-group64", "float32"),
+                                       ("gptq-int8-sym-group32", "bfloat16")])
 def test_prequantized_int8_decode_steps_replay(tiny_model_factory, tmp_path, fmt, dtype):
     """Step graphs were turned off ("a replay did not reproduce the eager step") for these
     folders; now several batch sizes are trusted and replayed (one C run each, the INT8
     products included), with the eager engine's tokens and logprobs bit for bit and (fp32)
     transformers' greedy tokens on the dequantized weights. bf16 where the CPU has no bf16
     dot products (AVX2) widens activations with a torch operator: every size is refused and
-    runs eagerly, with the same results (as in tests/test_cpu_graphs.py)."""
+    runs eagerly, with the same results (as in tests/test_cpu_graphs.py). Group scales were
+    one INT8 product per group summed by torch (every size refused); now one grouped native
+    call per layer, replayed from C."""
     tiny = tiny_model_factory("llama")
     folder = str(tmp_path / "ckpt")
+    group = int(fmt.rsplit("group", 1)[1]) if "group" in fmt else None
     if fmt.startswith("pack"):
-        build_pack_quantized(tiny, 8, None, folder)
+        build_pack_quantized(tiny, 8, group, folder)
         ref, method = _dequantized_reference(tiny, folder, 8).eval(), PackedInt8Method
     else:
-        _, ref = build_gptq(tiny, folder, "gptq", -1, sym=True, bits=8)
+        _, ref = build_gptq(tiny, folder, "gptq", group or -1, sym=True, bits=8)
         method = GPTQInt8Method
     eager = _engine(folder, dtype, enforce_eager=True)
     expected = _generate(eager)
@@ -77,8 +83,9 @@ def test_prequantized_int8_decode_steps_replay(tiny_model_factory, tmp_path, fmt
         assert graphs.refused and graphs.replayed_steps == 0 and not graphs.programs
     else:
         assert not graphs.refused and graphs.replayed_steps > 0 and len(graphs.programs) >= 2
+    entry = "kvflow_int8_gemm_grouped" if group else "kvflow_int8_gemm"
     for program in graphs.programs.values():  # INT8 products included, all run from C
-        assert "kvflow_int8_gemm" in program.segments[0][1]
+        assert entry in program.segments[0][1]
         assert len(program.segments) == 1 and isinstance(program.segments[0][0], torch.Tensor)
     assert got == expected
     if dtype == "bfloat16":
