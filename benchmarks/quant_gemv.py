@@ -10,6 +10,7 @@ kernels run in turn (so a load spike of a shared machine hits all alike) and the
 * ``int8-torch``: torch's ``_weight_int8pack_mm`` on bf16 activations (``KVFLOW_CPU_QUANT=torch``);
 * ``int8``: kvflow's native INT8 kernel (``csrc/cpu_quant_gemm.c``), bf16 in and out;
 * ``int8-f32``: the same kernel with fp32 activations and output (the INT8 LM head's logits);
+* ``int8-g64``: the same kernel with group scales [N, K / 64] (GPTQ 8-bit, W8A16 groups);
 * ``int4-torch``: torch's ``_weight_int4pack_mm_for_cpu`` (group 32, bf16 activations), the
   path of ``--quantization int4``'s INT4 projections.
 
@@ -49,6 +50,7 @@ def make_kernels(n: int, k: int, kernels) -> dict:
     copies_bf16 = max(2, POOL_BYTES // (2 * n * k))
     packed = [kernels.gemm_pack(w.bfloat16()) for _ in range(copies_bf16)]
     s16 = s.bfloat16()
+    sg = (w.view(n, k // 64, 64).abs().amax(-1) / 127).contiguous()  # group scales, G = 64
     q4, s4, z4 = quantize_int4_groupwise(w, 32)
     copies4 = max(2, POOL_BYTES // (n * k // 2))
     torch4 = [torch._convert_weight_to_int4pack_for_cpu(q4, 1) for _ in range(copies4)]
@@ -57,6 +59,7 @@ def make_kernels(n: int, k: int, kernels) -> dict:
         "bf16": (lambda x, i: kernels.gemm(x, packed[i % len(packed)], n).bfloat16(), 2 * n * k),
         "int8-torch": (lambda x, i: torch._weight_int8pack_mm(x, qs[i % copies], s16), n * k),
         "int8": (lambda x, i: int8_gemm(kernels, x, qs[i % copies], s), n * k),
+        "int8-g64": (lambda x, i: int8_gemm(kernels, x, qs[i % copies], sg), n * k),
         "int8-f32": (lambda x, i: int8_gemm(kernels, x.float(), qs[i % copies], s,
                                             out_dtype=torch.float32), n * k),
         "int4-torch": (lambda x, i: torch._weight_int4pack_mm_for_cpu(
@@ -100,7 +103,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--kernels", default="bf16,int8-torch,int8,int8-f32,int4-torch")
+    parser.add_argument("--kernels",
+                        default="bf16,int8-torch,int8,int8-g64,int8-f32,int4-torch")
     parser.add_argument("--min-seconds", type=float, default=0.05, help="per timing")
     args = parser.parse_args()
     from kvflow.kernels.cpu_native import native_cpu_kernels
