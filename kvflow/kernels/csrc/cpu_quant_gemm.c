@@ -121,9 +121,9 @@ static inline int rows_for(int regs, int mb) {
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
-/* dots[r][i] = q[r, :] . x[i, :] for R weight rows (row stride qs) and MB fp32 activation
- * rows (row stride xs): VW-lane accumulators, the fixed tree, then the scalar tail. R and MB
- * are compile-time constants wherever this is inlined. Meanwhile the R rows at pf (PF_GROUPS
+/* acc[r][i] += q[r, k0:k1] . x[i, k0:k1] lane by lane (k1 - k0 a multiple of VW) for R weight
+ * rows (row stride qs) and MB fp32 activation rows (row stride xs). R and MB are compile-time
+ * constants wherever this is inlined. Meanwhile the R rows at pf (PF_GROUPS
  * micro-kernels ahead, NULL for none) are prefetched into L2 (prefetcht1), one cache line per
  * row every 64 values of k. Measured on the 2-core AVX512 EPYC (49152 x 576, one thread,
  * alternating builds): no software prefetch 1.3x slower than prefetcht0 one micro-kernel
@@ -142,12 +142,15 @@ static inline __attribute__((always_inline)) void lanes_fp32(
     }
 }
 
+/* The scalar tail q[k0:k1] . x[k0:k1], summed in k order. */
 static inline float tail_fp32(const float *x, const int8_t *q, int64_t k0, int64_t k1) {
     float tail = 0.f;
     for (int64_t kk = k0; kk < k1; ++kk) tail += (float)q[kk] * x[kk];
     return tail;
 }
 
+/* dots[r][i] = q[r, :] . x[i, :]: VW-lane accumulators, the fixed tree, then the scalar
+ * tail (k mod VW). */
 static inline __attribute__((always_inline)) void dot_block(
         int R, int MB, const float *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k,
         const int8_t *pf, float dots[8][MB_MAX]) {
@@ -206,6 +209,7 @@ static inline float bf16_at(const uint16_t *p) {
     return f;
 }
 
+/* lanes_fp32 for bf16 activation rows: 32 values of k per VDPBF16PS. */
 static inline __attribute__((always_inline)) void lanes_dp(
         int R, int MB, const uint16_t *x, int64_t xs, const int8_t *q, int64_t qs, int64_t k0,
         int64_t k1, const int8_t *pf, __m512 acc[8][MB_MAX]) {
