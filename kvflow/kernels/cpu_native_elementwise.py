@@ -1,5 +1,6 @@
 """Python wrappers of the native row-wise kernels (``csrc/cpu_elementwise.c``): RMSNorm (with
-the residual add), SiLU-and-mul and rotary embedding. A mixin of
+the residual add), SiLU-and-mul, rotary embedding and embedding lookups (plain tables, and
+per-row-scaled INT8 tables from ``csrc/cpu_quant_embed.c``). A mixin of
 :class:`kvflow.kernels.cpu_native.NativeCpuKernels`.
 """
 
@@ -30,6 +31,8 @@ class ElementwiseKernels:
                               [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, c_int, c_int])
         self._embedding_rows = bind(lib, "kvflow_embedding_rows", c_int,
                                     [ptr, i64, i64, i64, i64, ptr, i64, ptr])
+        self._int8_embedding_rows = bind(lib, "kvflow_int8_embedding_rows", c_int,
+                                         [ptr, i64, ptr, i64, i64, ptr, i64, ptr, c_int, c_int])
         self._silu_and_mul = bind(lib, "kvflow_silu_and_mul", c_int,
                                   [ptr, i64, ptr, i64, i64, c_int, c_int])
         self._rotary = bind(lib, "kvflow_rotary", c_int,
@@ -85,6 +88,44 @@ class ElementwiseKernels:
         if self._embedding_rows(table.data_ptr(), table.stride(0), n, k, table.element_size(),
                                 ids.data_ptr(), ids.shape[0], out.data_ptr()):
             raise ValueError(f"embedding: token ids must lie in [0, {n})")
+        return out
+
+    def int8_embedding(self, table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the INT8 table ``table`` dequantized in one C call:
+        ``(table[ids].float() * scale[ids, None]).to(out_dtype)`` bit for bit (exact widening,
+        one fp32 multiply, one round-to-nearest-even to a 16-bit ``out_dtype``).
+
+        Args:
+            table: int8 [N, K] CPU, unit-stride rows; scale: float32 [N] contiguous (one per
+                row).
+            ids: int64 [T] CPU row indices in [0, N) (a strided tensor is copied).
+            out_dtype: float32, bfloat16 or float16.
+
+        Returns:
+            [T, K] ``out_dtype``, a fresh contiguous tensor.
+
+        Raises:
+            ValueError: on a dtype, device, shape or layout mismatch, or an id outside [0, N).
+        """
+        n = table.shape[0] if table.dim() == 2 else -1
+        if table.dtype != torch.int8 or not table.is_cpu or table.dim() != 2 \
+                or table.stride(1) != 1 or scale.dtype != torch.float32 or not scale.is_cpu \
+                or scale.shape != (n,) or not scale.is_contiguous() \
+                or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu \
+                or out_dtype not in DTYPE_CODES:
+            raise ValueError(f"int8_embedding needs an int8 CPU table [N, K] with unit-stride "
+                             f"rows, contiguous float32 CPU scales [N], 1-D int64 CPU ids and "
+                             f"a float32/bfloat16/float16 out_dtype, got {table.dtype} "
+                             f"{tuple(table.shape)}, {scale.dtype} {tuple(scale.shape)}, "
+                             f"{ids.dtype} {tuple(ids.shape)}, {out_dtype}")
+        ids = ids.contiguous()
+        k = table.shape[1]
+        out = torch.empty(ids.shape[0], k, dtype=out_dtype)
+        if self._int8_embedding_rows(table.data_ptr(), table.stride(0), scale.data_ptr(), n, k,
+                                     ids.data_ptr(), ids.shape[0], out.data_ptr(),
+                                     DTYPE_CODES[out_dtype], torch.get_num_threads()):
+            raise ValueError(f"int8_embedding: token ids must lie in [0, {n})")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

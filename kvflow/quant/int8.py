@@ -201,6 +201,14 @@ class Int8EmbeddingMethod(EmbeddingMethod):
         layer._quant_param_names = ("weight", "weight_scale")
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` dequantized: ``(q[ids].float() * scale[ids, None]).to(dtype)``; on CPU
+        one C call with the native kernels (``layer.native_kernels``, set by
+        ``worker/cpu_setup.py``; bit for bit the torch expression), so a CPU step graph can
+        record it, else torch."""
+        kernels = getattr(layer, "native_kernels", None)
+        if kernels is not None:
+            return kernels.int8_embedding(layer.weight, layer.weight_scale, ids,
+                                          layer.params_dtype)
         rows = F.embedding(ids, layer.weight).float() * layer.weight_scale[ids, None]
         return rows.to(layer.params_dtype)
 

@@ -33,6 +33,7 @@ from kvflow.kernels.gemm_select import (
 )
 from kvflow.layers.embedding import VocabParallelEmbedding
 from kvflow.platforms import Platform
+from kvflow.quant.int8 import Int8EmbeddingMethod
 from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
 from kvflow.worker.deterministic import CHANGES as DETERMINISTIC_CHANGES
 from kvflow.worker.deterministic import CHANGES_CUDA as DETERMINISTIC_CHANGES_CUDA
@@ -117,12 +118,14 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
 
 
 def use_native_embeddings(model: torch.nn.Module, kernels) -> None:
-    """Embedding lookups of ``model``'s plain (unquantized) tables in one C call
-    (:meth:`NativeCpuKernels.embedding`, bit for bit ``F.embedding``): no torch operator in a
-    decode step's forward, so CPU step graphs can record it (``worker/cpu_graphs.py``)."""
+    """Embedding lookups of ``model``'s plain (unquantized) and INT8 tables in one C call
+    (:meth:`NativeCpuKernels.embedding`, bit for bit ``F.embedding``;
+    :meth:`NativeCpuKernels.int8_embedding`, bit for bit the INT8 method's torch lookup): no
+    torch operator in a decode step's forward, so CPU step graphs can record it
+    (``worker/cpu_graphs.py``)."""
     for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) \
-                and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+        if isinstance(module, VocabParallelEmbedding) and isinstance(
+                module.quant_method, (UnquantizedEmbeddingMethod, Int8EmbeddingMethod)):
             module.native_kernels = kernels
 
 

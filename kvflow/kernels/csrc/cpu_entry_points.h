@@ -18,6 +18,9 @@ int kvflow_rms_norm(const void *x, int64_t x_stride, const void *residual, int64
                     int64_t hidden, float eps, int dtype, int num_threads);
 int kvflow_embedding_rows(const void *table, int64_t table_stride, int64_t n, int64_t k,
                           int64_t elem_bytes, const int64_t *ids, int64_t m, void *out);
+int kvflow_int8_embedding_rows(const int8_t *table, int64_t table_stride, const float *scale,
+                               int64_t n, int64_t k, const int64_t *ids, int64_t m, void *out,
+                               int odt, int num_threads);
 int kvflow_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                         int dtype, int num_threads);
 int kvflow_rotary(const int64_t *positions, void *q, int64_t q_stride, int64_t num_heads,

@@ -40,6 +40,10 @@ static int rms_norm(const int64_t *a) {
 static int embedding_rows(const int64_t *a) {
     return kvflow_embedding_rows(P(0), a[1], a[2], a[3], a[4], P(5), a[6], P(7));
 }
+static int int8_embedding_rows(const int64_t *a) {
+    return kvflow_int8_embedding_rows(P(0), a[1], P(2), a[3], a[4], P(5), a[6], P(7), I(8),
+                                      I(9));
+}
 static int silu_and_mul(const int64_t *a) {
     return kvflow_silu_and_mul(P(0), a[1], P(2), a[3], a[4], I(5), I(6));
 }
@@ -77,6 +81,8 @@ static const Entry ENTRIES[] = {
     {"kvflow_gemm_rows", 8, gemm_rows, (const void *)kvflow_gemm_rows},
     {"kvflow_rms_norm", 12, rms_norm, (const void *)kvflow_rms_norm},
     {"kvflow_embedding_rows", 8, embedding_rows, (const void *)kvflow_embedding_rows},
+    {"kvflow_int8_embedding_rows", 10, int8_embedding_rows,
+     (const void *)kvflow_int8_embedding_rows},
     {"kvflow_silu_and_mul", 7, silu_and_mul, (const void *)kvflow_silu_and_mul},
     {"kvflow_rotary", 15, rotary, (const void *)kvflow_rotary},
     {"kvflow_paged_attention", 19, paged_attention, (const void *)kvflow_paged_attention},
