@@ -177,6 +177,8 @@ class Int8WeightOnlyMethod(LinearMethod):
 
     def apply_cpu(self, layer: nn.Module, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None:  # a 16-bit bias's fp32 copy (worker/cpu_setup.py), if kept
+            bias = layer.__dict__.get("bias_fp32", bias)
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 

@@ -30,6 +30,8 @@ class UnquantizedLinearMethod(LinearMethod):
                      bias: torch.Tensor | None) -> torch.Tensor:
         packed = layer.packed_weight
         if packed is not None:  # no layer.weight look-up (nn.Module.__getattr__: ~1 us a call)
+            if bias is not None:  # a 16-bit bias's fp32 copy (worker/cpu_setup.py), if kept
+                bias = layer.__dict__.get("bias_fp32", bias)
             return linear(x, None, bias, packed=packed)
         return linear(x, layer.weight, bias, layer.gemm_workspace)
 

@@ -32,6 +32,7 @@ from kvflow.kernels.gemm_select import (
     gemm_timings,
 )
 from kvflow.layers.embedding import VocabParallelEmbedding
+from kvflow.layers.linear import LinearBase
 from kvflow.platforms import Platform
 from kvflow.quant.int8 import Int8EmbeddingMethod
 from kvflow.quant.unquantized import UnquantizedEmbeddingMethod
@@ -80,6 +81,7 @@ def choose_gemm_path(model: torch.nn.Module, config: EngineConfig, platform: Pla
     kernels = native_cpu_kernels()
     if kernels is not None:
         use_native_embeddings(model, kernels)
+        keep_fp32_biases(model)
     choice = "native" if deterministic else cpu_gemm_choice(config.device_config.cpu_gemm)
     candidates = candidates_for(dtype, choice, kernels,
                                 platform.prepacks_gemm_weights(dtype))
@@ -127,6 +129,18 @@ def use_native_embeddings(model: torch.nn.Module, kernels) -> None:
         if isinstance(module, VocabParallelEmbedding) and isinstance(
                 module.quant_method, (UnquantizedEmbeddingMethod, Int8EmbeddingMethod)):
             module.native_kernels = kernels
+
+
+def keep_fp32_biases(model: torch.nn.Module) -> None:
+    """Keep each 16-bit linear bias of ``model`` in fp32 too (``bias_fp32``, widened once,
+    exact): the native GEMMs (packed and INT8) add a float32 bias, and widening it at each call
+    is a torch operator, which made CPU step graphs refuse every decode step of a 16-bit model
+    with biases (Qwen2's q/k/v). Read by the methods that pass it to those kernels."""
+    for module in model.modules():
+        bias = getattr(module, "bias", None)
+        if isinstance(module, LinearBase) and isinstance(bias, torch.Tensor) \
+                and bias.dtype in (torch.bfloat16, torch.float16):
+            module.bias_fp32 = bias.detach().float()
 
 
 def _gemm_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
