@@ -12,6 +12,11 @@ measures:
 The last lines give each mode's medians over the rounds and the ratio graphs / eager::
 
     .venv/bin/python benchmarks/cpu_step_graphs.py MODEL_DIR [--dtype bfloat16] [--rounds 3]
+
+``--quantization int8`` loads the model so; ``--before DIR`` compares this tree's graphs with
+another kvflow tree's (e.g. ``git archive`` of an earlier commit, its step graphs on too)
+instead of eager steps, the processes alternating the same way; ``--no-throughput`` skips
+CPU-W1. Each process also reports ``replayed``, the decode steps its step graphs replayed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 
 NUM_PROMPTS, OUTPUT_LEN = 64, 64  # prompts of offline_engine.INPUT_LEN (128) tokens
 MODES = ("graphs", "eager")
+BEFORE_MODES = ("graphs", "before")  # with --before: this tree, then the other, both graphs on
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes, comma-separated")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--quantization", default=None, help="e.g. int8 (default: as loaded)")
+    p.add_argument("--before", default=None,
+                   help="another kvflow tree to compare with instead of eager steps")
+    p.add_argument("--no-throughput", action="store_true", help="skip CPU-W1 throughput")
+    p.add_argument("--child", choices=(*MODES, "before"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -43,7 +53,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     import offline_engine
 
     llm, params_cls, _ = offline_engine.load_engine(
-        "kvflow", args.model_dir, args.dtype, enforce_eager=args.child == "eager")
+        "kvflow", args.model_dir, args.dtype, enforce_eager=args.child == "eager",
+        quantization=args.quantization)
     vocab = llm.get_tokenizer().vocab_size
     ids = offline_engine.cpu_w1_token_ids(vocab, NUM_PROMPTS)
 
@@ -56,18 +67,28 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         one = min(run(ids[:b], 1) for _ in range(3))
         full = min(run(ids[:b], OUTPUT_LEN) for _ in range(3))
         result[f"b{b}_ms"] = (full - one) / (OUTPUT_LEN - 1) * 1e3
-    result["tok_s"] = statistics.median(
-        NUM_PROMPTS * OUTPUT_LEN / run(ids, OUTPUT_LEN) for _ in range(3))
+    if not args.no_throughput:
+        result["tok_s"] = statistics.median(
+            NUM_PROMPTS * OUTPUT_LEN / run(ids, OUTPUT_LEN) for _ in range(3))
+    graphs = llm.engine.core.executor.runner.graph_runner
+    result["replayed"] = float(getattr(graphs, "replayed_steps", 0))
     return result
 
 
 def compare(args: argparse.Namespace) -> None:
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    modes = BEFORE_MODES if args.before else MODES
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     for rnd in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             cmd = [sys.executable, os.path.abspath(__file__), args.model_dir, "--dtype",
                    args.dtype, "--batches", args.batches, "--child", mode]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            cmd += ["--quantization", args.quantization] if args.quantization else []
+            cmd += ["--no-throughput"] if args.no_throughput else []
+            env = dict(os.environ)
+            if mode == "before":  # the other tree's kvflow, imported first
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [os.path.abspath(args.before), *filter(None, [env.get("PYTHONPATH")])])
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {rnd} {mode}: " + " ".join(
                 f"{k}={v:.2f}" for k, v in runs[mode][-1].items()), flush=True)
@@ -75,8 +96,10 @@ def compare(args: argparse.Namespace) -> None:
                for mode, results in runs.items()}
     for mode, figures in medians.items():
         print(f"{mode}: " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()))
-    print("graphs / eager: " + " ".join(
-        f"{k}={medians['graphs'][k] / medians['eager'][k]:.3f}" for k in medians["graphs"]))
+    base = modes[1]
+    print(f"graphs / {base}: " + " ".join(
+        f"{k}={medians['graphs'][k] / medians[base][k]:.3f}" for k in medians["graphs"]
+        if medians[base][k]))
 
 
 def main() -> None:
