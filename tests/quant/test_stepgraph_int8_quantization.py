@@ -76,3 +76,27 @@ def test_int8_decode_steps_replay(tiny_model_factory, name, dtype, quantization)
             if quantization == "int8":
                 assert names[0] == "kvflow_int8_embedding_rows" and "kvflow_int8_gemm" in names
     assert got == expected
+
+
+def test_native_cpu_off_keeps_the_torch_lookup(tiny_model_factory, monkeypatch):
+    """``KVFLOW_NATIVE_CPU=0``: the INT8 table gets no native kernels (the torch lookup
+    runs); greedy tokens equal the native engine's (the lookup is exact either way; the rest
+    of the forward sums in other orders, so not the logprobs)."""
+    from kvflow.kernels import cpu_native
+
+    tiny = tiny_model_factory("qwen2")
+    native = _engine(tiny.path, "float32", quantization="int8")
+    assert native.engine.core.executor.runner.model.model.embed_tokens.native_kernels \
+        is not None
+    expected = [tokens for tokens, _ in _generate(native)]
+    del native
+    monkeypatch.setenv("KVFLOW_NATIVE_CPU", "0")
+    cpu_native.native_cpu_kernels.cache_clear()
+    try:
+        llm = _engine(tiny.path, "float32", quantization="int8")
+        model = llm.engine.core.executor.runner.model
+        assert getattr(model.model.embed_tokens, "native_kernels", None) is None
+        assert [tokens for tokens, _ in _generate(llm)] == expected
+    finally:
+        monkeypatch.delenv("KVFLOW_NATIVE_CPU")
+        cpu_native.native_cpu_kernels.cache_clear()
