@@ -17,6 +17,7 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Plain-torch reference for :func:`paged_attention`: a per-request loop in fp32.
 
@@ -24,6 +25,8 @@ def paged_attention_ref(
     heads for GQA, build the causal (and sliding-window) mask for its query positions, softmax
     in fp32.  Padding rows of the result are zero.  Same arguments as :func:`paged_attention`
     (``max_query_len``/``max_seq_len`` are accepted for signature parity and ignored).
+    ``softcap`` > 0 soft-caps the scores to ``softcap * tanh(scores / softcap)`` before the
+    mask (Gemma 2's ``attn_logit_softcapping``; Gemma 2 report, sec. 2); 0 = off.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -43,6 +46,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(qpkv, dim=1)
         qi = q[start:end].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None and sliding_window > 0:

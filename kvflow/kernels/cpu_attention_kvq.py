@@ -15,6 +15,7 @@ import functools
 import torch
 
 from kvflow.kernels.cpu_native import NativeCpuKernels
+from kvflow.kernels.cpu_native_attention import check_softcap
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -26,7 +27,7 @@ def _entry(lib: ctypes.CDLL):
     fn = lib.kvflow_paged_attention_kvq
     fn.restype = _int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
-                   _i64, _i64, _i64, _f32, _i64, _int, _int, _int]
+                   _i64, _i64, _i64, _f32, _i64, _f32, _int, _int, _int]
     return fn
 
 
@@ -59,8 +60,8 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor,
 def paged_attention_kvq(kernels: NativeCpuKernels, q: torch.Tensor, kv_cache: torch.Tensor,
                         kv_scales: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                        sliding_window: int | None = None, validate: bool = True
-                        ) -> torch.Tensor:
+                        sliding_window: int | None = None, validate: bool = True,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Paged attention over a quantized cache read in place.
 
     Args:
@@ -74,16 +75,20 @@ def paged_attention_kvq(kernels: NativeCpuKernels, q: torch.Tensor, kv_cache: to
             step); block_table: int32 [num_reqs, max_blocks].
         scale: softmax scale; sliding_window: keys a query may look back (None = all).
         validate: check the indices first (the backend does so once per step).
+        softcap: > 0 soft-caps the scores ``s`` to ``softcap * tanh(s / softcap)`` before the
+            softmax (Gemma 2's ``attn_logit_softcapping``); 0 = off.
 
     Returns:
         [num_tokens, num_heads, head_dim] in q's dtype; rows past ``query_start_loc[-1]`` are
         unspecified.
 
     Raises:
-        ValueError: on a dtype, device, layout or head-count mismatch, or (validate) an index
-            that would read outside q or the cache.
+        ValueError: on a dtype, device, layout or head-count mismatch, a negative or
+            non-finite ``softcap``, or (validate) an index that would read outside q or the
+            cache.
         MemoryError: when the kernel cannot allocate its per-thread scratch.
     """
+    check_softcap(softcap)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     _check(q, kv_cache, kv_scales, (query_start_loc, seq_lens, block_table))
@@ -100,7 +105,7 @@ def paged_attention_kvq(kernels: NativeCpuKernels, q: torch.Tensor, kv_cache: to
         kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), out.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(),
         seq_lens.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-        scale, sliding_window or 0, _DTYPE_CODES[q.dtype], CACHE_KINDS[kv_cache.dtype],
+        scale, sliding_window or 0, softcap, _DTYPE_CODES[q.dtype], CACHE_KINDS[kv_cache.dtype],
         torch.get_num_threads())
     if status:
         raise MemoryError("native quantized paged attention could not allocate its scratch")

@@ -6,6 +6,7 @@ checks, then one ctypes call. A mixin of :class:`kvflow.kernels.cpu_native.Nativ
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ class AttentionKernels:
     def _bind_attention(self, lib: ctypes.CDLL) -> None:
         self._attn = bind(lib, "kvflow_paged_attention", c_int,
                           [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                           f32, i64, c_int, c_int, c_int])
+                           f32, i64, f32, c_int, c_int, c_int])
         self._store_kv = bind(lib, "kvflow_store_kv", c_int,
                               [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int])
 
@@ -28,7 +29,7 @@ class AttentionKernels:
                         block_table: torch.Tensor, scale: float,
                         sliding_window: int | None = None, validate: bool = True,
                         tiled: bool = True, bf16_dot: bool = True,
-                        batch_invariant: bool = False) -> torch.Tensor:
+                        batch_invariant: bool = False, softcap: float = 0.0) -> torch.Tensor:
         """Paged attention over ``kv_cache`` read in place (same contract as
         :func:`kvflow.kernels.paged_attention.paged_attention_ref`).
 
@@ -51,16 +52,22 @@ class AttentionKernels:
             batch_invariant: attend every query token alone by the decode path (overrides
                 ``tiled``): a token's output is then bitwise the same whatever the other
                 tokens of the call (its chunk, other requests), as ``--deterministic`` needs.
+            softcap: > 0 soft-caps the scores ``s = q.k * scale`` to ``softcap *
+                tanh(s / softcap)`` before the mask and softmax (Gemma 2's
+                ``attn_logit_softcapping``); 0 = off. Capped calls take the row-by-row prefill
+                and the generic decode path (the two that compute it), in every ISA build.
 
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; rows past
             ``query_start_loc[-1]`` (padding) are unspecified.
 
         Raises:
-            ValueError: on a dtype, device, layout or head-count mismatch, or (validate) an index
-                that would read outside q or the cache.
+            ValueError: on a dtype, device, layout or head-count mismatch, a negative or
+                non-finite ``softcap``, or (validate) an index that would read outside q or
+                the cache.
             MemoryError: when the kernel cannot allocate its per-thread scratch.
         """
+        check_softcap(softcap)
         num_tokens, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
         self._check(q, kv_cache, query_start_loc, seq_lens, block_table, num_heads,
@@ -71,7 +78,7 @@ class AttentionKernels:
         args = (q.data_ptr(), q.stride(0), *cache_halves(kv_cache),
                 out.data_ptr(), block_table.data_ptr(), block_table.stride(0))
         rest = (query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], num_heads,
-                num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+                num_kv_heads, head_dim, block_size, scale, sliding_window or 0, softcap,
                 DTYPE_CODES[q.dtype], torch.get_num_threads(),
                 attention_path(tiled, bf16_dot, batch_invariant))
         raise_on(self._run_attention(kv_cache, args, block_table.shape[1], rest),
@@ -192,6 +199,14 @@ class AttentionKernels:
                 or block_table.shape[0] < seq_lens.shape[0]:
             raise ValueError("query_start_loc needs num_reqs + 1 entries and block_table a row "
                              "per request")
+
+
+def check_softcap(softcap: float) -> None:
+    """Raise ValueError unless ``softcap`` (attention-score soft cap; 0 = off) is finite and
+    >= 0."""
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), "
+                         f"got {softcap!r}")
 
 
 # The ``tiled`` argument of ``kvflow_paged_attention`` (csrc/cpu_attention.c): which path a

@@ -43,7 +43,8 @@ def _entries(lib: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
                                            _int, _i64, _i64, _i64, _int]),
              "kvflow_paged_attention_pooled": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr,
                                                       _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                                      _i64, _i64, _f32, _i64, _int, _int, _int])}
+                                                      _i64, _i64, _f32, _i64, _f32, _int, _int,
+                                                      _int])}
     entries = {}
     for name, (restype, argtypes) in specs.items():
         fn = getattr(lib, name)

@@ -45,7 +45,7 @@ typedef struct {
     char *out;
     const int32_t *block_table, *query_start_loc, *seq_lens;
     int64_t q_stride, bt_stride, num_heads, num_kv_heads, head_dim, block_size, window;
-    float scale;
+    float scale, softcap; /* softcap > 0: scores soft-capped (soft_cap_scores), else none */
     int dtype;
     int64_t num_reqs;
 } Args;
@@ -291,6 +291,7 @@ static void attend_tile(const Args *a, Scratch *w, int64_t r, int64_t j0, int64_
                 for (int64_t R = i * H + h * group; R < i * H + (h + 1) * group; ++R) {
                     float *s = w->s + R * bs;
                     block_scores(w->q + R * D, kh, n, D, s);
+                    soft_cap_scores(s, n, a->softcap);
                     for (int64_t t = 0; t < n; ++t)
                         if (base + t > pos || base + t < start) s[t] = -INFINITY;
                 }
@@ -347,7 +348,10 @@ static void attend_token(const Args *a, Scratch *w, int64_t r, int64_t j) {
             }
         }
         if (pass == 1) break;
-        for (int64_t hq = 0; hq < H; ++hq) w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+        for (int64_t hq = 0; hq < H; ++hq) {
+            soft_cap_scores(w->p + hq * ld, pos + 1 - lo, a->softcap);
+            w->l[hq] = exp_shifted(w->p + hq * ld, pos + 1 - lo);
+        }
         memset(w->acc, 0, sizeof(float) * H * D);
     }
     for (int64_t hq = 0; hq < H; ++hq) {
@@ -393,7 +397,10 @@ static void attend_item(const Args *a, Scratch *w, const int64_t *tile_start, in
     const int64_t qlen = a->query_start_loc[r + 1] - a->query_start_loc[r];
     const int64_t j0 = (tile - tile_start[r]) * tile_len;
     const int64_t nq = qlen - j0 < tile_len ? qlen - j0 : tile_len;
-    if ((per_token || qlen == 1) && HAVE_DECODE_BF16 && a->dtype == DT_BF16
+    if (a->softcap > 0.f) { /* soft-capped scores: the two paths that compute the cap */
+        if (per_token || qlen == 1) attend_token(a, w, r, j0);
+        else attend_tile(a, w, r, j0, nq);
+    } else if ((per_token || qlen == 1) && HAVE_DECODE_BF16 && a->dtype == DT_BF16
         && a->head_dim % 32 == 0 && a->head_dim <= 128)
         attend_token_bf16(a, w, r, j0);
     else if ((per_token || qlen == 1) && a->head_dim % 16 == 0) attend_token_vec(a, w, r, j0);
@@ -414,11 +421,11 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            int64_t bt_stride, const int32_t *query_start_loc,
                            const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, int dtype, int num_threads,
-                           int tiled) {
+                           float scale, int64_t window, float softcap, int dtype,
+                           int num_threads, int tiled) {
     const Args a = {q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, q_stride,
                     bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale,
-                    dtype, num_reqs};
+                    softcap, dtype, num_reqs};
     const int per_token = tiled == BATCH_INVARIANT, tile_len = per_token ? 1 : TILE;
     int64_t *tile_start = malloc(sizeof(int64_t) * (num_reqs + 1));
     if (!tile_start) return 1;
@@ -533,8 +540,8 @@ int kvflow_paged_attention_pooled(KvflowPool *pool, const void *q, int64_t q_str
                                   int64_t bt_cols, const int32_t *query_start_loc,
                                   const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                  float scale, int64_t window, int dtype, int num_threads,
-                                  int tiled) {
+                                  float scale, int64_t window, float softcap, int dtype,
+                                  int num_threads, int tiled) {
     const size_t es = elem_size(dtype), row = (size_t)(num_heads * head_dim) * es;
     const int tile_len = tiled == BATCH_INVARIANT ? 1 : TILE;
     const int64_t tokens = num_reqs > 0 ? query_start_loc[num_reqs] : 0;
@@ -552,8 +559,8 @@ int kvflow_paged_attention_pooled(KvflowPool *pool, const void *q, int64_t q_str
         if (taken) kvflow_pool_end(pool);
         return kvflow_paged_attention(q, q_stride, k_cache, v_cache, out, block_table, bt_stride,
                                       query_start_loc, seq_lens, num_reqs, num_heads,
-                                      num_kv_heads, head_dim, block_size, scale, window, dtype,
-                                      num_threads, tiled);
+                                      num_kv_heads, head_dim, block_size, scale, window,
+                                      softcap, dtype, num_threads, tiled);
     }
     for (int64_t t = 0; t < tokens; ++t)
         memcpy(qc + t * row, (const char *)q + t * q_stride * es, row);
@@ -576,7 +583,7 @@ int kvflow_paged_attention_pooled(KvflowPool *pool, const void *q, int64_t q_str
     if (!failed) {
         const PooledAttention pa = {
             {qc, k_cache, v_cache, out, bt, qsl, sl, num_heads * head_dim, bt_cols, num_heads,
-             num_kv_heads, head_dim, block_size, window, scale, dtype, num_reqs},
+             num_kv_heads, head_dim, block_size, window, scale, softcap, dtype, num_reqs},
             tile_start, TILE * num_heads, max_decode_ctx, &caller, tiled};
         failed = kvflow_pool_run(pool, pooled_attention_item, pooled_attention_commit, &pa,
                                  sizeof pa, (int64_t)((tile_len * row + 3) / 4),

@@ -38,7 +38,7 @@ typedef struct {
     char *out;
     const int32_t *block_table, *query_start_loc, *seq_lens;
     int64_t q_stride, bt_stride, num_reqs, num_heads, num_kv_heads, head_dim, block_size, window;
-    float scale;
+    float scale, softcap; /* softcap > 0: scores soft-capped (soft_cap_scores) */
     int dtype, cache_kind;
 } KvqArgs;
 
@@ -135,7 +135,10 @@ static void kvq_attend(const KvqArgs *a, int64_t token, float *q, float *acc, fl
     for (int64_t d = 0; d < HD; ++d) q[d] *= a->scale;
     kvq_pass(a, 0, r, lo, pos, q, p, ld, acc, row);
     float inv[H];
-    for (int64_t hq = 0; hq < H; ++hq) inv[hq] = 1.f / kvq_exp_shifted(p + hq * ld, pos + 1 - lo);
+    for (int64_t hq = 0; hq < H; ++hq) {
+        soft_cap_scores(p + hq * ld, pos + 1 - lo, a->softcap);
+        inv[hq] = 1.f / kvq_exp_shifted(p + hq * ld, pos + 1 - lo);
+    }
     memset(acc, 0, sizeof(float) * HD);
     kvq_pass(a, 1, r, lo, pos, q, p, ld, acc, row);
     for (int64_t i = 0; i < HD; ++i) acc[i] *= inv[i / D];
@@ -149,13 +152,14 @@ int kvflow_paged_attention_kvq(const void *q, int64_t q_stride, const void *k_ca
                                int64_t bt_stride, const int32_t *query_start_loc,
                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int64_t window, int dtype, int cache_kind,
-                               int num_threads) {
+                               float scale, int64_t window, float softcap, int dtype,
+                               int cache_kind, int num_threads) {
     float fp8_table[256];
     fp8_e4m3_table(fp8_table);
     const KvqArgs a = {q, k_cache, v_cache, k_scales, v_scales, fp8_table, out, block_table,
                        query_start_loc, seq_lens, q_stride, bt_stride, num_reqs, num_heads,
-                       num_kv_heads, head_dim, block_size, window, scale, dtype, cache_kind};
+                       num_kv_heads, head_dim, block_size, window, scale, softcap, dtype,
+                       cache_kind};
     const int64_t num_tokens = num_reqs > 0 ? query_start_loc[num_reqs] : 0;
     int64_t max_ctx = 1;
     for (int64_t r = 0; r < num_reqs; ++r) {

@@ -114,4 +114,12 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : p * scale.f;
 }
 
+/* Soft-capped attention scores (Gemma 2 report, Gemma Team 2024, sec. 2; attn_logit_softcapping):
+ * s[t] = cap * tanh(s[t] / cap) for the n scores, each already q.k * softmax_scale; cap <= 0:
+ * unchanged. Apply it before masking (tanh(-inf) would make a masked key visible). */
+static inline void soft_cap_scores(float *s, int64_t n, float cap) {
+    if (cap <= 0.f) return;
+    for (int64_t t = 0; t < n; ++t) s[t] = cap * tanhf(s[t] / cap);
+}
+
 #endif

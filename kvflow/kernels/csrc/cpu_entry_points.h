@@ -32,8 +32,8 @@ int kvflow_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            int64_t bt_stride, const int32_t *query_start_loc,
                            const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t window, int dtype, int num_threads,
-                           int tiled);
+                           float scale, int64_t window, float softcap, int dtype,
+                           int num_threads, int tiled);
 int kvflow_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                     void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t n,
                     int64_t num_slots, int64_t row_elems, int dtype, int num_threads);

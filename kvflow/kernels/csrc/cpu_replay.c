@@ -53,8 +53,8 @@ static int rotary(const int64_t *a) {
 }
 static int paged_attention(const int64_t *a) {
     return kvflow_paged_attention(P(0), a[1], P(2), P(3), P(4), P(5), a[6], P(7), P(8), a[9],
-                                  a[10], a[11], a[12], a[13], F(a[14]), a[15], I(16), I(17),
-                                  I(18));
+                                  a[10], a[11], a[12], a[13], F(a[14]), a[15], F(a[16]), I(17),
+                                  I(18), I(19));
 }
 static int store_kv(const int64_t *a) {
     return kvflow_store_kv(P(0), a[1], P(2), a[3], P(4), P(5), P(6), a[7], a[8], a[9], I(10),
@@ -85,7 +85,7 @@ static const Entry ENTRIES[] = {
      (const void *)kvflow_int8_embedding_rows},
     {"kvflow_silu_and_mul", 7, silu_and_mul, (const void *)kvflow_silu_and_mul},
     {"kvflow_rotary", 15, rotary, (const void *)kvflow_rotary},
-    {"kvflow_paged_attention", 19, paged_attention, (const void *)kvflow_paged_attention},
+    {"kvflow_paged_attention", 20, paged_attention, (const void *)kvflow_paged_attention},
     {"kvflow_store_kv", 12, store_kv, (const void *)kvflow_store_kv},
     {"kvflow_int8_gemm", 14, int8_gemm, (const void *)kvflow_int8_gemm},
     {"kvflow_int8_gemm_grouped", 15, int8_gemm_grouped, (const void *)kvflow_int8_gemm_grouped},

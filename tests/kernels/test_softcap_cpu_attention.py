@@ -1,0 +1,85 @@
+"""Soft-capped attention scores (Gemma 2's ``attn_logit_softcapping``: ``s = cap * tanh(s /
+cap)`` before the mask and softmax) in the native CPU kernels (kernels/csrc/cpu_attention.c,
+cpu_attention_kvq.c) vs the plain-torch per-request reference with the same cap.
+
+Scores are made large (``scale`` 1, unit-normal q and K of head_dim 64: |q.k| ~ 8) and the cap
+small (2), so the cap moves the result by O(1) (checked: a kernel that ignored it would fail).
+Tolerances as tests/kernels/test_cpu_attention.py: fp32 1e-5 (tanhf vs torch.tanh differ by an
+ulp or two); bf16 one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels.attention_ref import paged_attention_ref
+from kvflow.kernels.cpu_attention_kvq import paged_attention_kvq
+from kvflow.kernels.cpu_native import native_cpu_kernels
+from kvflow.kernels.kv_quant import dequantize_kv, quantize_kv
+from tests.kernels.paged_batch import make_batch
+
+KERNELS = native_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels could not be built")
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+       torch.bfloat16: {"atol": 2**-7, "rtol": 2**-7}}
+# (cached prefix, query length): decodes, whole prompts, chunks after a cached prefix
+MIXED = [(0, 1), (17, 1), (0, 37), (20, 5), (63, 40), (100, 1), (3, 16)]
+CAP = 2.0
+
+
+def _batch(dtype=torch.float32, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16):
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype)
+    batch["scale"] = 1.0
+    return batch
+
+
+def _capped_ref(batch, sliding_window=None):
+    """(reference with the cap, reference without) over the real rows."""
+    n = int(batch["query_start_loc"][-1])
+    ref = paged_attention_ref(**batch, sliding_window=sliding_window, softcap=CAP)
+    plain = paged_attention_ref(**batch, sliding_window=sliding_window)
+    assert (ref[:n].float() - plain[:n].float()).abs().max() > 0.1  # the cap matters here
+    return ref[:n], n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flags", [{}, {"tiled": False}, {"batch_invariant": True}],
+                         ids=["default", "rows", "batch_invariant"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_native_kernel_soft_caps_like_the_reference(dtype, flags, window):
+    batch = _batch(dtype)
+    ref, n = _capped_ref(batch, window)
+    out = KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                  batch["seq_lens"], batch["block_table"], batch["scale"],
+                                  window, softcap=CAP, **flags)
+    torch.testing.assert_close(out[:n], ref.to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(20, 3), (128, 32)])
+def test_odd_head_dims_and_block_sizes(head_dim, block_size):
+    batch = _batch(num_heads=4, num_kv_heads=4, head_dim=head_dim, block_size=block_size)
+    ref, n = _capped_ref(batch)
+    out = KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                  batch["seq_lens"], batch["block_table"], 1.0, softcap=CAP)
+    torch.testing.assert_close(out[:n], ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_cache_kernel_soft_caps(cache_dtype):
+    batch = _batch()
+    q_cache, scales = quantize_kv(batch["kv_cache"], cache_dtype)
+    ref_batch = dict(batch, kv_cache=dequantize_kv(q_cache, scales, torch.float32))
+    ref, n = _capped_ref(ref_batch, 9)
+    out = paged_attention_kvq(KERNELS, batch["q"], q_cache, scales, batch["query_start_loc"],
+                              batch["seq_lens"], batch["block_table"], 1.0, 9, softcap=CAP)
+    torch.testing.assert_close(out[:n], ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_bad_softcap_raises(bad):
+    batch = _batch()
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+        KERNELS.paged_attention(batch["q"], batch["kv_cache"], batch["query_start_loc"],
+                                batch["seq_lens"], batch["block_table"], 1.0, softcap=bad)
