@@ -12,7 +12,8 @@ prefill tiles or torch's causal SDPA over the prompts' own new K/V (no cache rea
 shape and prompt-length class (``--cpu-attention auto``: timed on this CPU; ``native`` /
 ``sdpa`` force one). On a 2-core AVX512-BF16 EPYC the tiles took 0.3-0.6x SDPA's time
 (16 prompts of 128-512 tokens, one thread); on a 2-core Xeon with AMX 1.1-3.3x (issue 23).
-A sliding window always takes the kernel.
+A sliding window or soft-capped scores (Gemma 2's ``attn_logit_softcapping``, the kernel's
+``softcap``) always take the kernel.
 
 A quantized cache (``--kv-cache-dtype int8|fp8_e4m3``, ``kv_scales`` given) is written through
 the torch backend's quantizing store and read in place with its scales by
@@ -50,6 +51,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     """
 
     name = "cpu"
+    supports_logits_soft_cap = True
 
     def __init__(self, kernels: NativeCpuKernels, batch_invariant: bool = False,
                  prefill: PrefillAttentionChoice | None = None) -> None:
@@ -62,8 +64,10 @@ class CpuPagedAttentionBackend(AttentionBackend):
         meta.extra = {"uniform_prompts": uniform, "indices_checked": False}
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window=None,
-                kv_scales=None) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
+                kv_scales=None, logits_soft_cap=None) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor.
+        ``logits_soft_cap`` (None: none) soft-caps the scores in the kernel (Gemma 2), which
+        then serves whole prompts too (no SDPA shortcut)."""
         slots = meta.slot_mapping
         if kv_scales is None and kv_cache.dtype == k.dtype and slots.dtype == torch.int64 \
                 and slots.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 \
@@ -72,7 +76,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
             self._kernels.store_kv(k, v, kv_cache, slots, meta.num_actual_tokens)
         else:
             k, v = TorchPagedAttentionBackend.store_kv(k, v, kv_cache, meta, kv_scales)
-        if meta.extra["uniform_prompts"] and sliding_window is None and (
+        softcap = float(logits_soft_cap or 0.0)
+        if meta.extra["uniform_prompts"] and sliding_window is None and not softcap and (
                 kv_scales is not None or self.prefill.pick(
                     q.dtype, q.shape[1], k.shape[1], q.shape[2], meta.max_query_len) == "sdpa"):
             return TorchPagedAttentionBackend.uniform_prompt_attention(q, k, v, meta, scale)
@@ -82,7 +87,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if kv_scales is not None:
             return paged_attention_kvq(self._kernels, q, kv_cache, kv_scales,
                                        meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                       scale, sliding_window, validate)
+                                       scale, sliding_window, validate, softcap)
         return self._kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                              meta.block_table, scale, sliding_window, validate,
-                                             batch_invariant=self.batch_invariant)
+                                             batch_invariant=self.batch_invariant,
+                                             softcap=softcap)

@@ -103,24 +103,25 @@ def make_mla_backend(name: str | None):
 
     return TorchMLABackend()
 
-def make_soft_cap_backend(name: str | None, deterministic: bool = False):
+def soft_cap_backend(backend, named: str | None):
     """The attention backend of a model whose attention logits are soft-capped
-    (``attn_logit_softcapping``, Gemma 2): the plain-torch one on every device, the one
-    backend that computes the cap.
+    (``attn_logit_softcapping``, Gemma 2): ``backend`` (the one chosen as for any model) when it
+    computes the cap (``supports_logits_soft_cap``: cpu, triton, torch), else the plain-torch
+    one when no ``--attention-backend`` was named (a platform default without the cap, logged).
 
     Raises:
         ValueError: naming ``attn_logit_softcapping`` and the backend, when
-            ``--attention-backend`` names another backend, or under ``--deterministic``
-            (whose batch-invariant backend is the native CPU one).
+            ``--attention-backend`` (``named``) names a backend without the cap.
     """
-    if name not in (None, "", "torch"):
-        raise ValueError(f"--attention-backend {name}: the {name!r} backend does not compute "
-                         "this model's attn_logit_softcapping (attention logit soft-capping, "
-                         "Gemma 2); leave --attention-backend unset or choose torch")
-    if deterministic:
-        raise ValueError("--deterministic runs the batch-invariant 'cpu' attention backend, "
-                         "which does not compute this model's attn_logit_softcapping "
-                         "(attention logit soft-capping, Gemma 2)")
+    if getattr(backend, "supports_logits_soft_cap", False):
+        return backend
+    if named:
+        raise ValueError(f"--attention-backend {named}: the {backend.name!r} backend does not "
+                         "compute this model's attn_logit_softcapping (attention logit "
+                         "soft-capping, Gemma 2); choose cpu, triton or torch, or leave "
+                         "--attention-backend unset")
     from kvflow.attention.torch_paged import TorchPagedAttentionBackend
 
+    logger.info("attention backend %r does not soft-cap attention logits "
+                "(attn_logit_softcapping); using 'torch'", backend.name)
     return TorchPagedAttentionBackend()

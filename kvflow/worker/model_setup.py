@@ -26,7 +26,7 @@ from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
     make_mla_backend,
-    make_soft_cap_backend,
+    soft_cap_backend,
 )
 from kvflow.worker.cpu_setup import choose_gemm_path
 from kvflow.worker.deterministic import check_supported as check_deterministic
@@ -65,15 +65,16 @@ def load_runner_model(config: EngineConfig, platform: Platform, source: ModelSou
 def choose_attention_backend(config: EngineConfig, platform: Platform,
                              parallel: ParallelState, hf_config: Any):
     """The target model's attention backend: context-parallel with CP ranks, the MLA one
-    for an MLA model, the torch one for a model with soft-capped attention logits, else ``--attention-backend`` (or the platform's default) from the
+    for an MLA model, else ``--attention-backend`` (or the platform's default) from the
     platform, then from kvflow's own (``make_attention_backend``, looked up on this module
     so a test can stand one in); under ``--deterministic`` always kvflow's batch-invariant
-    one.
+    one. For a model with soft-capped attention logits (Gemma 2) the chosen backend must
+    compute the cap (``soft_cap_backend``: else torch, or refused when named).
 
     Raises:
         ValueError: see :func:`~kvflow.worker.attention_backends.make_attention_backend`,
             ``make_context_parallel_backend``, ``make_mla_backend`` and
-            ``make_soft_cap_backend``.
+            ``soft_cap_backend``.
     """
     dc = config.device_config
     if parallel.cp.world_size > 1:  # a KV cache split by token over the CP ranks
@@ -82,12 +83,13 @@ def choose_attention_backend(config: EngineConfig, platform: Platform,
             config.parallel_config.context_parallel_prefill == "ring")
     if uses_mla(hf_config):
         return make_mla_backend(dc.attention_backend)
-    if attention_soft_cap(hf_config) is not None:
-        return make_soft_cap_backend(dc.attention_backend, dc.deterministic)
     name = dc.attention_backend or platform.default_attention_backend
     backend = None if dc.deterministic else platform.get_attention_backend(name)
-    return backend or make_attention_backend(name, dc.deterministic, platform.device,
-                                             dc.cpu_attention)
+    backend = backend or make_attention_backend(name, dc.deterministic, platform.device,
+                                                dc.cpu_attention)
+    if attention_soft_cap(hf_config) is not None:
+        return soft_cap_backend(backend, dc.attention_backend)
+    return backend
 
 
 def runner_quant_config(config: EngineConfig, source: ModelSource, hf_config: Any,

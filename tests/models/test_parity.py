@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.models.registry import attention_soft_cap
 
 ARCHS = ["llama", "qwen2", "qwen3", "llama_rope_llama3", "llama_rope_linear", "qwen2_rope_yarn",
          "llama_rope_yarn", "llama_rope_dynamic", "llama_tied",
@@ -122,13 +121,12 @@ def test_single_request(tiny, make_llm, assert_no_leaks):
 
 
 def test_batch_of_different_lengths(tiny, make_llm, assert_no_leaks, cpu_kernels):
-    """Mixed prefill and decode; with the native CPU kernels and without (``cpu_kernels``).
-    A model with soft-capped attention logits (Gemma 2) always runs the torch backend."""
+    """Mixed prefill and decode; with the native CPU kernels and without (``cpu_kernels``),
+    soft-capped attention logits (Gemma 2) included."""
     llm = make_llm()
     if llm.engine.core.executor.runner.device.type == "cpu":
         backend = llm.engine.core.executor.runner.attn_ctx.backend.name
-        native = cpu_kernels == "native" and attention_soft_cap(tiny.hf_model.config) is None
-        assert backend == ("cpu" if native else "torch")
+        assert backend == ("cpu" if cpu_kernels == "native" else "torch")
     prompts = _prompts([1, 5, 13, 22, 9], tiny.vocab_size, seed=2)
     text = "the lazy fox pages keys and values"
     outs = llm.generate([*prompts, text], greedy(), use_tqdm=False)
