@@ -152,11 +152,11 @@ class Attention(nn.Module):
         """
         backend = self._ctx.backend
         if getattr(backend, "fuse_rotary", False) and self.kv_cache.dtype != torch.int8 \
-                and not self._backend_kwargs \
                 and rotary_emb.fusable(positions, q, k):
             meta = self._ctx.forward_context.attn_metadata[self.kv_group]
             return backend.forward_rotary(
                 positions, q, k, v, (rotary_emb.cos_sin_cache, rotary_emb.is_neox_style),
-                self.kv_cache, meta, self.scale, self.sliding_window, kv_scales=self.kv_scales)
+                self.kv_cache, meta, self.scale, self.sliding_window, kv_scales=self.kv_scales,
+                **self._backend_kwargs)
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v)

@@ -35,6 +35,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_logits_soft_cap = True  # the kernel's softcap (Gemma 2)
     supports_cuda_graphs = True  # no host syncs, grids fixed by the batch size, no prepare
 
     def __init__(self, fuse_rotary: bool | None = None, batch_invariant: bool = False) -> None:
@@ -51,10 +52,13 @@ class TritonPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_scales: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor."""
+        """See :meth:`AttentionBackend.forward`; returns a fresh [T, Hq, D] tensor.
+        ``logits_soft_cap`` (None: none) soft-caps the scores (Gemma 2)."""
         store_kvcache(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        return self._attend(q, kv_cache, meta, scale, sliding_window, kv_scales)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, kv_scales,
+                            logits_soft_cap)
 
     def forward_rotary(
         self,
@@ -68,6 +72,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_scales: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Rotary embedding of ``q``/``k`` (in place) and the KV store in one launch
         (:func:`kvflow.kernels.rotary_kv_store.rotary_store_kvcache`), then attention: the
@@ -84,11 +89,13 @@ class TritonPagedAttentionBackend(AttentionBackend):
         cos_sin_cache, is_neox = rotary
         rotary_store_kvcache(positions, q, k, v, cos_sin_cache, is_neox, kv_cache,
                              meta.slot_mapping, kv_scales)
-        return self._attend(q, kv_cache, meta, scale, sliding_window, kv_scales)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, kv_scales,
+                            logits_soft_cap)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None,
-                kv_scales: torch.Tensor | None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         return paged_attention(
             q,
             kv_cache,
@@ -101,4 +108,5 @@ class TritonPagedAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             kv_scales=kv_scales,
             batch_invariant=self.batch_invariant,
+            softcap=float(logits_soft_cap or 0.0),
         )

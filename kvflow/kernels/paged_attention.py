@@ -34,6 +34,8 @@ Positions: query token ``j`` of request ``i`` (``0 <= j < q_len_i``) sits at pos
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -97,6 +99,7 @@ def paged_attention(
     num_splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode batch.
 
@@ -124,18 +127,25 @@ def paged_attention(
             its scale (:mod:`kvflow.kernels.kv_quant`), then used in ``q.dtype``.
         batch_invariant: one launch configuration for every batch (see
             :func:`plan_paged_attention`), as ``--deterministic`` needs.
+        softcap: > 0 soft-caps the scores ``x = q.k * scale`` to ``softcap * tanh(x /
+            softcap)`` before the mask and softmax (Gemma 2's ``attn_logit_softcapping``;
+            Gemma 2 report, sec. 2); 0 = off.
 
     Returns:
         [T, num_heads, head_dim] in ``q.dtype`` (``out`` if given); padding rows are left
         unwritten (single pass) or unspecified (split path).
 
     Raises:
-        ValueError: on inconsistent shapes/dtypes or a non-positive ``num_splits``.
+        ValueError: on inconsistent shapes/dtypes, a non-positive ``num_splits`` or a
+            negative or non-finite ``softcap``.
 
     Correctness never depends on ``max_query_len``/``max_seq_len`` (they only pick tile
     shapes and the number of splits), so stale values, e.g. under CUDA-graph replay, are safe.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_table, num_splits, kv_scales)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), "
+                         f"got {softcap!r}")
     q, block_table, out = _unit_stride_operands(q, block_table, out)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -145,7 +155,7 @@ def paged_attention(
                                 max_query_len, max_seq_len, num_sms_of(q.device), num_splits,
                                 batch_invariant)
     _launch(plan, q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
-            out, kv_scales)
+            out, kv_scales, softcap)
     return out
 
 
@@ -186,7 +196,7 @@ def _split_partials(plan: PagedAttentionPlan, q: torch.Tensor,
 def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
             scale: float, sliding_window: int | None, out: torch.Tensor,
-            kv_scales: torch.Tensor | None = None) -> None:
+            kv_scales: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """Run ``plan``: the attention kernel into ``out`` (single pass) or into fp32 partials
     (acc [T, heads, splits, BLOCK_D], m/l [2, T, heads, splits]) merged into ``out`` by
     :func:`_launch_merge`. Inputs are checked by :func:`paged_attention`."""
@@ -199,14 +209,14 @@ def _launch(plan: PagedAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_acc, part_ml, scales[0], scales[1], query_start_loc,
         seq_lens, block_table,
         scale * LOG2E, seq_lens.shape[0], num_tokens, num_heads,
-        sliding_window if use_window else 0,
+        sliding_window if use_window else 0, softcap * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_table.stride(0), scales.stride(1), scales.stride(2),
         QPKV=plan.qpkv, HEAD_DIM=head_dim, KV_BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, TILE_N=plan.tile_n, BLOCK_D=plan.block_d,
         NUM_SPLITS=plan.num_splits, USE_WINDOW=use_window,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        QUANT_KV=kv_scales is not None,
+        QUANT_KV=kv_scales is not None, SOFTCAP=softcap > 0,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:

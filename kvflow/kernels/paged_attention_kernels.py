@@ -153,18 +153,26 @@ def _q_rows(q_start, q_len, q_block, ctx_len, kv_head, QPKV: tl.constexpr,
 
 
 @triton.jit
-def _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window,
-                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores ``q k * qk_scale`` [BLOCK_M, TILE_N] (log2 domain), -inf where a key is past
-    its row's position, invalid, or outside the sliding window."""
+def _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window, softcap_log2,
+                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
+    """Scores ``q k * qk_scale`` [BLOCK_M, TILE_N] (log2 domain), soft-capped with SOFTCAP,
+    -inf where a key is past its row's position, invalid, or outside the sliding window.
+
+    Soft-capping (Gemma 2's ``cap * tanh(x / cap)`` of the natural-log score ``x``) in the
+    log2 domain: with ``s = x * log2(e)`` and ``C = cap * log2(e)`` (``softcap_log2``) the
+    capped score is ``C * tanh(s / C)``; tanh as ``2 sigmoid(2y) - 1`` (Triton has no tanh
+    on every target), saturating to +-1 without overflow."""
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if SOFTCAP:
+        s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
     visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
     if USE_WINDOW:
         visible = visible & (q_pos[:, None] - k_pos[None, :] < sliding_window)
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "sliding_window", "softcap_log2"])
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] each
@@ -178,12 +186,13 @@ def paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs, num_tokens, num_q_heads,
     sliding_window,  # keys in (p - sliding_window, p] are visible; used if USE_WINDOW
+    softcap_log2,  # attention-logit soft cap * log2(e); used if SOFTCAP
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_sb, stride_ss,
     QPKV: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT_KV: tl.constexpr,
+    QUANT_KV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (q-block, KV head, split): attention of one q-block's rows over its visible
     keys, tile by tile with an online softmax; the output (one split) or fp32 partials."""
@@ -215,8 +224,8 @@ def paged_attention_kernel(
                              block_table_row, k_pos, k_valid, kv_head, offs_d, d_mask,
                              stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, q.dtype,
                              KV_BLOCK_SIZE, QUANT_KV)
-        s = _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window, USE_WINDOW,
-                           DOT_PRECISION)
+        s = _masked_scores(q, k, k_pos, k_valid, q_pos, qk_scale, sliding_window, softcap_log2,
+                           USE_WINDOW, DOT_PRECISION, SOFTCAP)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
