@@ -51,8 +51,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
-    """Plain-torch paged attention (see the module doc); the one backend that soft-caps
-    attention logits (``logits_soft_cap``, Gemma 2)."""
+    """Plain-torch paged attention (see the module doc); soft-caps attention logits
+    (``logits_soft_cap``, Gemma 2) as the cpu and triton backends do."""
 
     name = "torch"
     supports_logits_soft_cap = True

@@ -5,8 +5,9 @@ layers from ``layer_types``, final logit soft-capping). Gemma 2 differs from Gem
 
 * no q/k norm; instead the attention scores are soft-capped,
   ``attn_logit_softcapping * tanh(q.k * scale / attn_logit_softcapping)``, before the mask
-  and softmax. Only the torch attention backend computes that: the engine picks it for such a
-  model on every device and refuses another ``--attention-backend``, naming the field;
+  and softmax. The cpu, triton and torch attention backends compute that (their kernels'
+  ``softcap``); the engine refuses a named backend without it and context parallelism,
+  naming the field;
 * one RoPE table (``rope_theta``) for local and global layers alike.
 """
 
@@ -46,7 +47,8 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
 
     Raises:
         ValueError: from the constructor for ``use_bidirectional_attention``, or for
-            ``attn_logit_softcapping`` on an attention backend other than torch.
+            ``attn_logit_softcapping`` on an attention backend without soft-capping
+            (``supports_logits_soft_cap``).
     """
 
     decoder_layer_cls: ClassVar[type[Gemma3DecoderLayer]] = Gemma2DecoderLayer
