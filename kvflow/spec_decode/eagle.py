@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -56,49 +56,110 @@ HEAD_METHODS = ("eagle", "deepseek_mtp")  # heads fed the target's features
 
 
 class FeatureStash:
-    """Per request, the target's final hidden states of consecutive positions the head has
-    not consumed yet: ``start`` (the first position) and ``[L, H]`` rows."""
+    """The target's final hidden states the head has still to read: per request, the
+    consecutive positions ``begin .. begin + count - 1``, at most ``capacity`` of them (k + 1:
+    a verification step's tokens), in one buffer [slots, capacity, H] of the target's dtype
+    that grows (doubling) with the requests held at once. Every request's bookkeeping is a
+    numpy column indexed by its slot, so a step is stored and read with one tensor index.
 
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[int, torch.Tensor]] = {}
+    Memory: ``slots * capacity * H`` values, e.g. Llama-3-8B (H 4096, bf16) with 256
+    requests and k = 3: 8 MiB, whatever the prompts' and outputs' lengths."""
 
-    def put(self, req_id: str, start: int, features: torch.Tensor) -> None:
-        """Record ``features`` [q, H] of positions ``start ..``: appended where they continue
-        (or overwrite the tail of) the kept ones, else replacing them."""
-        old = self.rows.get(req_id)
-        if old is not None and old[0] <= start <= old[0] + len(old[1]):
-            self.rows[req_id] = (old[0], torch.cat([old[1][:start - old[0]], features]))
-        else:
-            self.rows[req_id] = (start, features.clone())
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffer: torch.Tensor | None = None  # [slots, capacity, H], made on first store
+        self.slot: dict[str, int] = {}
+        self.begin = np.full(0, -1, np.int64)  # first kept position; -1: none stored yet
+        self.count = np.zeros(0, np.int64)  # rows kept
+        self.offset = np.zeros(0, np.int64)  # the buffer row of ``begin``
+        self._free: list[int] = []
 
-    def drop_before(self, req_id: str, position: int) -> None:
-        """Forget the rows of positions before ``position`` (consumed by the head)."""
-        begin, features = self.rows[req_id]
-        cut = min(max(position - begin, 0), len(features))
-        self.rows[req_id] = (begin + cut, features[cut:])
+    def slots_of(self, req_ids: list[str], like: torch.Tensor) -> np.ndarray:
+        """int64 [len(req_ids)]: each request's slot, a free one given to a new request (the
+        buffer grows, shaped and typed after ``like`` [*, H], when none is free)."""
+        new = [rid for rid in dict.fromkeys(req_ids) if rid not in self.slot]
+        if len(new) > len(self._free):
+            self._grow(len(self.slot) + len(new), like)
+        for rid in new:
+            s = self.slot[rid] = self._free.pop()
+            self.begin[s], self.count[s], self.offset[s] = -1, 0, 0
+        return np.fromiter((self.slot[rid] for rid in req_ids), np.int64, len(req_ids))
 
-    def first(self, req_id: str) -> int | None:
-        """The first kept position, or None."""
-        row = self.rows.get(req_id)
-        return None if row is None else row[0]
+    def _grow(self, needed: int, like: torch.Tensor) -> None:
+        old = 0 if self.buffer is None else self.buffer.shape[0]
+        size = max(needed, 2 * old, 4)
+        buffer = torch.zeros(size, self.capacity, like.shape[-1], dtype=like.dtype,
+                             device=like.device)
+        if self.buffer is not None:
+            buffer[:old] = self.buffer
+        self.buffer = buffer
+        grown = size - old
+        self.begin = np.concatenate([self.begin, np.full(grown, -1, np.int64)])
+        self.count = np.concatenate([self.count, np.zeros(grown, np.int64)])
+        self.offset = np.concatenate([self.offset, np.zeros(grown, np.int64)])
+        self._free.extend(range(size - 1, old - 1, -1))
 
-    def take(self, req_id: str, start: int, count: int) -> torch.Tensor:
-        """Rows of positions ``start .. start + count - 1`` ([count, H]).
+    def store(self, slots: np.ndarray, begin: np.ndarray, features: torch.Tensor,
+              first_row: np.ndarray, count: np.ndarray) -> None:
+        """Keep, for each ``slots[i]``, only the positions ``begin[i] .. begin[i] + count[i]
+        - 1``: rows ``first_row[i] ..`` of ``features`` [T, H] (one index copy).
+
+        Raises:
+            RuntimeError: for a count over ``capacity`` (a bookkeeping error).
+        """
+        if (count > self.capacity).any():
+            raise RuntimeError(f"EAGLE: {int(count.max())} target features to keep for one "
+                               f"request, more than the stash's {self.capacity}")
+        self.begin[slots], self.count[slots], self.offset[slots] = begin, count, 0
+        within = _ramp(count)
+        dest = np.repeat(slots * self.capacity, count) + within
+        src = np.repeat(first_row, count) + within
+        flat = self.buffer.view(-1, self.buffer.shape[-1])
+        flat.index_copy_(0, torch.from_numpy(dest).to(flat.device),
+                         features.index_select(0, torch.from_numpy(src).to(features.device)))
+
+    def drop_before(self, slots: np.ndarray, position: np.ndarray) -> None:
+        """Forget the rows of positions before ``position[i]`` (consumed by the head)."""
+        cut = np.clip(position - self.begin[slots], 0, self.count[slots])
+        self.begin[slots] += cut
+        self.offset[slots] += cut
+        self.count[slots] -= cut
+
+    def take(self, slots: np.ndarray, start: np.ndarray, count: np.ndarray) -> torch.Tensor:
+        """Rows of positions ``start[i] .. start[i] + count[i] - 1`` of each slot, in order:
+        [sum(count), H] (one index select).
 
         Raises:
             RuntimeError: if some of them are not kept (a bookkeeping error).
         """
-        begin, features = self.rows.get(req_id, (start, torch.empty(0)))
-        if start < begin or start + count > begin + len(features):
-            raise RuntimeError(f"EAGLE: request {req_id!r} has target features for positions "
-                               f"{begin}..{begin + len(features) - 1}, not {start}.."
-                               f"{start + count - 1}")
-        return features[start - begin:start - begin + count]
+        begin, kept = self.begin[slots], self.count[slots]
+        bad = np.flatnonzero((begin < 0) | (start < begin) | (start + count > begin + kept))
+        if len(bad):
+            i = int(bad[0])
+            rid = next(r for r, s in self.slot.items() if s == slots[i])
+            raise RuntimeError(f"EAGLE: request {rid!r} has target features for positions "
+                               f"{begin[i]}..{begin[i] + kept[i] - 1}, not {start[i]}.."
+                               f"{start[i] + count[i] - 1}")
+        rows = np.repeat(slots * self.capacity + self.offset[slots] + start - begin, count) \
+            + _ramp(count)
+        flat = self.buffer.view(-1, self.buffer.shape[-1])
+        return flat.index_select(0, torch.from_numpy(rows).to(flat.device))
 
-    def keep_only(self, req_ids: set[str]) -> None:
-        """Forget requests that left the batch."""
-        for rid in [r for r in self.rows if r not in req_ids]:
-            del self.rows[rid]
+    def keep_only(self, req_ids: Iterable[str]) -> None:
+        """Free the slots of requests not in ``req_ids`` (finished, aborted, preempted)."""
+        keep = set(req_ids)
+        for rid in [r for r in self.slot if r not in keep]:
+            self._free.append(self.slot.pop(rid))
+
+    def rows_kept(self) -> dict[str, int]:
+        """Request id -> rows kept (what the memory bound is about)."""
+        return {rid: int(self.count[s]) for rid, s in self.slot.items()}
+
+
+def _ramp(count: np.ndarray) -> np.ndarray:
+    """``0 .. count[i] - 1`` for each ``i``, concatenated (int64 [sum(count)])."""
+    total = int(count.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
 
 
 class EagleDrafter(DraftModel):
@@ -148,21 +209,77 @@ class EagleDrafter(DraftModel):
         fixed = spec.draft_cpu_threads if device.type == "cpu" else engine_threads
         self.threads = DraftThreads([fixed] if fixed else [engine_threads, 1])
         self.max_tokens_per_pass = config.scheduler_config.max_num_batched_tokens or 2048
-        self.stash = FeatureStash()
-        self._fed_back: dict[int, torch.Tensor] = {}  # batch row -> the head's last output
+        self.stash = FeatureStash(spec.num_speculative_tokens + 1)
+        # the head's last outputs, fed back as the next draft's features: batch rows
+        # (increasing) and their rows [len, H]
+        self._fed_back: tuple[np.ndarray, torch.Tensor | None] = (np.zeros(0, np.int64), None)
         self._feeding_back = False
 
     # ---- the target's features -----------------------------------------------------------------
-    def observe_target(self, batch: InputBatch, inputs: ModelInputs,
-                       hidden: torch.Tensor) -> None:
-        """Keep the target's final hidden states of the step just run (``hidden``: [T', H]
-        with T' >= the step's tokens, in ``inputs``' token order; rows of rejected drafts are
-        kept too and overwritten by the next step). Call after each target forward."""
-        qs = inputs.query_start
-        for i, row in enumerate(inputs.rows.tolist()):
-            rid = batch.req_ids[row]
-            self.stash.put(rid, int(batch.num_computed_tokens[row]), hidden[qs[i]:qs[i + 1]])
-        self.stash.keep_only(set(batch.req_id_to_index))
+    def observe_target(self, batch: InputBatch, inputs: ModelInputs, hidden: torch.Tensor,
+                       block_size: int, stager: InputStager) -> None:
+        """Take the target's final hidden states of the step just run (``hidden``: [T', H]
+        with T' >= the step's tokens, in ``inputs``' token order). Call after each target
+        forward. What the head will still read is kept (``FeatureStash``, at most k + 1 rows
+        per request):
+
+        - a row verifying drafts: all its rows (positions ``c .. c + k``); the next mirror
+          pass reads those of the accepted tokens, the rest are overwritten;
+        - a prompt chunk (more than one token, no drafts): the head reads it now (its K/V of
+          the chunk's positions, the next token being known), except the last position when
+          its next token is still to be sampled: that one row is kept;
+        - a decode without drafts (adaptive lengths turned them off): only its row, which the
+          head's first draft reads when drafting resumes (the positions in between keep no
+          head K/V of their own: acceptance may drop after the gap, the output cannot).
+        """
+        rows = inputs.rows
+        if not len(rows):
+            return
+        qs = np.asarray(inputs.query_start, np.int64)
+        q, c, num_tokens = np.diff(qs), batch.num_computed_tokens[rows], batch.num_tokens[rows]
+        on_host = num_tokens - (batch.pending_sample[rows] >= 0)  # tokens known here
+        drafts = np.maximum(c + q - num_tokens, 0)
+        prefill = q - drafts > 1
+        # head token indices c + 1 .. c + eager read now: x[j] known, f[j - 1] this step's
+        eager = np.where(prefill, np.clip(np.minimum(c + q, on_host - 1) - c, 0, q), 0)
+        keep_from = np.where(drafts > 0, c, np.where(prefill, c + eager, c + q - 1))
+        slots = self.stash.slots_of([batch.req_ids[r] for r in rows.tolist()], hidden)
+        if eager.any():
+            self._read_prompt(batch, rows, c, eager, qs[:-1], hidden, block_size, stager)
+        self.stash.store(slots, keep_from, hidden, qs[:-1] + keep_from - c, c + q - keep_from)
+
+    def release(self, batch: InputBatch) -> None:
+        """Free the stash slots of the requests that left ``batch`` (finished, aborted or
+        preempted); call after each step's changes are applied to it."""
+        self.stash.keep_only(batch.req_id_to_index)
+
+    def _read_prompt(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
+                     count: np.ndarray, first_row: np.ndarray, hidden: torch.Tensor,
+                     block_size: int, stager: InputStager) -> None:
+        """One head pass over token indices ``computed[i] + 1 ..`` (``count[i]`` of them) of
+        each row ``rows[i]``, fed the step's own features (``hidden`` rows ``first_row[i]
+        ..``): the head's K/V of a prompt chunk, written in the blocks the step allocated."""
+        n = batch.num_reqs
+        query, start, source = (np.zeros(n, np.int64) for _ in range(3))
+        query[rows], start[rows], source[rows] = count, computed + 1, first_row
+        self.run_pass(batch, query, start, block_size, stager, None, np.zeros(0, np.int64),
+                      source=(hidden, source))
+
+    def _slots(self, batch: InputBatch, rows: np.ndarray) -> np.ndarray:
+        """The stash slots of batch rows ``rows`` (int64 [R]).
+
+        Raises:
+            RuntimeError: for a row whose request has no target features (a bookkeeping
+                error: every scheduled row is observed).
+        """
+        try:
+            slots = np.fromiter((self.stash.slot[batch.req_ids[r]] for r in rows.tolist()),
+                                np.int64, len(rows))
+        except KeyError as e:
+            raise RuntimeError(f"EAGLE: request {e} has no target features") from None
+        if (self.stash.begin[slots] < 0).any():
+            raise RuntimeError("EAGLE: a drafting request has no target features yet")
+        return slots
 
     # ---- the passes (DraftModel's, with features) ----------------------------------------------
     def _mirror(self, batch: InputBatch, num_base: np.ndarray, drafting: np.ndarray,
@@ -170,12 +287,12 @@ class EagleDrafter(DraftModel):
         """DraftModel's mirror pass, from the first position with a target feature not yet
         fed to the head: the accepted drafts of the step before are computed again from the
         target's features, as vLLM's EAGLE proposer does (its own outputs fed them)."""
-        for row in drafting.tolist():
-            first = self.stash.first(batch.req_ids[row])
-            batch.num_draft_computed[row] = 1 if first is None else first + 1
+        slots = self._slots(batch, drafting)
+        batch.num_draft_computed[drafting] = self.stash.begin[slots] + 1
+        self._fed_back = (np.zeros(0, np.int64), None)
         steady = super()._mirror(batch, num_base, drafting, *args, **kwargs)
-        for row in drafting.tolist():  # positions up to the last known token's are consumed
-            self.stash.drop_before(batch.req_ids[row], int(batch.num_draft_computed[row]) - 1)
+        # positions up to the last known token's are consumed
+        self.stash.drop_before(slots, batch.num_draft_computed[drafting] - 1)
         return steady
 
     def _next_draft(self, *args: Any, **kwargs: Any) -> None:
@@ -188,34 +305,59 @@ class EagleDrafter(DraftModel):
     def run_pass(self, batch: InputBatch, query: np.ndarray, computed: np.ndarray,
                  block_size: int, stager: InputStager,
                  fill_pending: Callable[[ModelInputs], None] | None,
-                 logits_rows: np.ndarray) -> torch.Tensor:
+                 logits_rows: np.ndarray,
+                 source: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor | None:
         """One head forward over token indices ``computed[r] ..`` (``query[r]`` of them) of
         each row, at positions one lower (module docstring); keeps the outputs of
         ``logits_rows``' last tokens to feed back and returns their float32 logits
-        [len(logits_rows), V]."""
+        [len(logits_rows), V] (None without ``logits_rows``). ``source``: the features
+        ([T, H], and int64 [num_reqs] each row's first of them) instead of the stash's."""
         ids = build_model_inputs(batch, query, block_size, stager, num_computed=computed)
         if fill_pending is not None and len(ids.pending_token_index):
             fill_pending(ids)
         at = build_model_inputs(batch, query, block_size, stager, num_computed=computed - 1,
                                 long_prompt_rope=self.long_prompt_rope)
-        features = self._features(batch, ids, computed, query)
+        features = self._features(batch, ids, computed, query, source)
         metadata = at.attn_metadata[:1]
         with self.attn_ctx.forward_context.bind(metadata):
             self.attn_ctx.backend.prepare(metadata[0], block_size)
             hidden = self.model(ids.input_ids, at.positions, features)
+        if not len(logits_rows):
+            return None
         last = ids.query_start[1:][np.searchsorted(ids.rows, logits_rows)] - 1
         hidden = hidden[torch.from_numpy(last).to(hidden.device)]
-        self._fed_back = {row: hidden[i] for i, row in enumerate(logits_rows.tolist())}
+        self._keep_fed_back(logits_rows, hidden)
         return self.model.compute_logits(hidden)
 
+    def _keep_fed_back(self, rows: np.ndarray, hidden: torch.Tensor) -> None:
+        """Keep the head's outputs ``hidden`` [R, H] of batch rows ``rows``: they replace
+        those kept (a draft pass), or join them (the mirror's passes, one per chunk of
+        catch-up tokens, each ending some rows)."""
+        kept_rows, kept = self._fed_back
+        if self._feeding_back or kept is None:
+            self._fed_back = (rows, hidden)
+            return
+        rows = np.concatenate([kept_rows, rows])
+        order = np.argsort(rows, kind="stable")
+        self._fed_back = (rows[order], torch.cat([kept, hidden])[
+            torch.from_numpy(order).to(hidden.device)])
+
     def _features(self, batch: InputBatch, ids: ModelInputs, computed: np.ndarray,
-                  query: np.ndarray) -> torch.Tensor:
-        """[T, H]: for token index ``j``, the target's feature at ``j - 1`` (mirror passes)
-        or the head's last output for the row (draft passes, one token per row)."""
+                  query: np.ndarray,
+                  source: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
+        """[T, H]: for token index ``j``, the target's feature at ``j - 1`` (mirror passes:
+        the stash's; a prompt chunk: ``source``'s) or the head's last output for the row
+        (draft passes, one token per row). One index select each."""
+        rows = ids.rows
         if self._feeding_back:
-            return torch.stack([self._fed_back[row] for row in ids.rows.tolist()])
-        return torch.cat([self.stash.take(batch.req_ids[row], int(computed[row]) - 1,
-                                          int(query[row])) for row in ids.rows.tolist()])
+            kept_rows, kept = self._fed_back
+            index = np.searchsorted(kept_rows, rows)
+            return kept.index_select(0, torch.from_numpy(index).to(kept.device))
+        if source is not None:
+            hidden, first_row = source
+            src = np.repeat(first_row[rows], query[rows]) + _ramp(query[rows])
+            return hidden.index_select(0, torch.from_numpy(src).to(hidden.device))
+        return self.stash.take(self._slots(batch, rows), computed[rows] - 1, query[rows])
 
 
 def _tensor_names(folder: str) -> list[str]:

@@ -136,7 +136,10 @@ class Speculator:
         counts = [r.spec_counts for r in candidates]
         alpha = acceptance_estimate(np.array([c.num_accepted_tokens for c in counts], float),
                                     np.array([c.num_rejections for c in counts], float), prior)
-        catch_up = self._catch_up_tokens(candidates, alpha) if self.uses_draft_model else None
+        # an EAGLE / MTP head reads prompts as the target computes them and keeps no more
+        # than a step's features (spec_decode/eagle.py): nothing to catch up
+        catch_up = self._catch_up_tokens(candidates, alpha) \
+            if self.config.method == "draft_model" else None
         return choose_draft_lengths(alpha, available, num_base_tokens, self.target_times,
                                     self.draft_times, seed_ratio=self.draft_cost_ratio,
                                     catch_up_tokens=catch_up, min_gain=self.min_gain)

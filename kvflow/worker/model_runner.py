@@ -231,6 +231,8 @@ class ModelRunner(RunnerKVCache):
             self._kv_load_failures = self._load_kv(connector_meta)  # blocks in, then forward
         update_states(sched, self.requests, self.input_batch, self.device, self.pooling,
                       self.lora_manager, self.mm_runner)
+        if isinstance(self.drafter, EagleDrafter):  # finished / preempted: features freed
+            self.drafter.release(self.input_batch)
         self._step, self._proposed = None, {}
         if sched.is_empty:
             return
@@ -252,7 +254,8 @@ class ModelRunner(RunnerKVCache):
             if not send_to_next_stage(self.parallel.pp, hidden):
                 return  # a pipeline stage before the last: no logits here
             if isinstance(self.drafter, EagleDrafter):  # the head reads the target's features
-                self.drafter.observe_target(self.input_batch, inputs, hidden)
+                self.drafter.observe_target(self.input_batch, inputs, hidden, self.block_size,
+                                            self.stager)
             self._step = launch_logits(self.model, self.pooling, self.input_batch,
                                        self.requests, sched, inputs, hidden, spec_tokens,
                                        proposal, self.sampler.logprobs_mode.endswith("logits"))
