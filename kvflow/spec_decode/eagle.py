@@ -312,19 +312,26 @@ class EagleDrafter(DraftModel):
         ``logits_rows``' last tokens to feed back and returns their float32 logits
         [len(logits_rows), V] (None without ``logits_rows``). ``source``: the features
         ([T, H], and int64 [num_reqs] each row's first of them) instead of the stash's."""
-        ids = build_model_inputs(batch, query, block_size, stager, num_computed=computed)
-        if fill_pending is not None and len(ids.pending_token_index):
-            fill_pending(ids)
         at = build_model_inputs(batch, query, block_size, stager, num_computed=computed - 1,
                                 long_prompt_rope=self.long_prompt_rope)
-        features = self._features(batch, ids, computed, query, source)
+        if source is None:
+            ids = build_model_inputs(batch, query, block_size, stager, num_computed=computed)
+            if fill_pending is not None and len(ids.pending_token_index):
+                fill_pending(ids)
+            input_ids = ids.input_ids
+        else:  # a prompt chunk's tokens, all on the host (the last may lie past its blocks)
+            token_rows = np.repeat(at.rows, query[at.rows])
+            index = np.repeat(computed[at.rows], query[at.rows]) + _ramp(query[at.rows])
+            input_ids = torch.from_numpy(batch.token_ids[token_rows, index]).to(
+                at.input_ids.device)
+        features = self._features(batch, at.rows, computed, query, source)
         metadata = at.attn_metadata[:1]
         with self.attn_ctx.forward_context.bind(metadata):
             self.attn_ctx.backend.prepare(metadata[0], block_size)
-            hidden = self.model(ids.input_ids, at.positions, features)
+            hidden = self.model(input_ids, at.positions, features)
         if not len(logits_rows):
             return None
-        last = ids.query_start[1:][np.searchsorted(ids.rows, logits_rows)] - 1
+        last = at.query_start[1:][np.searchsorted(at.rows, logits_rows)] - 1
         hidden = hidden[torch.from_numpy(last).to(hidden.device)]
         self._keep_fed_back(logits_rows, hidden)
         return self.model.compute_logits(hidden)
@@ -342,13 +349,13 @@ class EagleDrafter(DraftModel):
         self._fed_back = (rows[order], torch.cat([kept, hidden])[
             torch.from_numpy(order).to(hidden.device)])
 
-    def _features(self, batch: InputBatch, ids: ModelInputs, computed: np.ndarray,
+    def _features(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
                   query: np.ndarray,
                   source: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
-        """[T, H]: for token index ``j``, the target's feature at ``j - 1`` (mirror passes:
-        the stash's; a prompt chunk: ``source``'s) or the head's last output for the row
-        (draft passes, one token per row). One index select each."""
-        rows = ids.rows
+        """[T, H]: for token index ``j`` of each of the pass's rows ``rows`` (increasing),
+        the target's feature at ``j - 1`` (mirror passes: the stash's; a prompt chunk:
+        ``source``'s) or the head's last output for the row (draft passes, one token per
+        row). One index select each."""
         if self._feeding_back:
             kept_rows, kept = self._fed_back
             index = np.searchsorted(kept_rows, rows)
