@@ -120,7 +120,7 @@ class FeatureStash:
 
     def drop_before(self, slots: np.ndarray, position: np.ndarray) -> None:
         """Forget the rows of positions before ``position[i]`` (consumed by the head)."""
-        cut = np.clip(position - self.begin[slots], 0, self.count[slots])
+        cut = np.minimum(np.maximum(position - self.begin[slots], 0), self.count[slots])
         self.begin[slots] += cut
         self.offset[slots] += cut
         self.count[slots] -= cut
@@ -214,6 +214,7 @@ class EagleDrafter(DraftModel):
         # (increasing) and their rows [len, H]
         self._fed_back: tuple[np.ndarray, torch.Tensor | None] = (np.zeros(0, np.int64), None)
         self._feeding_back = False
+        self._slot_cache: tuple[tuple[int, bytes], np.ndarray] | None = None
 
     # ---- the target's features -----------------------------------------------------------------
     def observe_target(self, batch: InputBatch, inputs: ModelInputs, hidden: torch.Tensor,
@@ -235,18 +236,31 @@ class EagleDrafter(DraftModel):
         rows = inputs.rows
         if not len(rows):
             return
-        qs = np.asarray(inputs.query_start, np.int64)
-        q, c, num_tokens = np.diff(qs), batch.num_computed_tokens[rows], batch.num_tokens[rows]
-        on_host = num_tokens - (batch.pending_sample[rows] >= 0)  # tokens known here
+        qs = inputs.query_start
+        q, c, num_tokens = qs[1:] - qs[:-1], batch.num_computed_tokens[rows], \
+            batch.num_tokens[rows]
         drafts = np.maximum(c + q - num_tokens, 0)
         prefill = q - drafts > 1
-        # head token indices c + 1 .. c + eager read now: x[j] known, f[j - 1] this step's
-        eager = np.where(prefill, np.clip(np.minimum(c + q, on_host - 1) - c, 0, q), 0)
-        keep_from = np.where(drafts > 0, c, np.where(prefill, c + eager, c + q - 1))
-        slots = self.stash.slots_of([batch.req_ids[r] for r in rows.tolist()], hidden)
-        if eager.any():
+        keep_from = np.where(drafts > 0, c, c + q - 1)
+        eager = None
+        if prefill.any():  # head token indices c + 1 .. c + eager: x[j] known, f[j - 1] here
+            on_host = num_tokens - (batch.pending_sample[rows] >= 0)
+            eager = np.where(prefill, np.maximum(np.minimum(c + q, on_host - 1) - c, 0), 0)
+            keep_from = np.where(prefill, c + eager, keep_from)
+        slots = self._slots_of_rows(batch, rows, hidden)
+        if eager is not None and eager.any():
             self._read_prompt(batch, rows, c, eager, qs[:-1], hidden, block_size, stager)
         self.stash.store(slots, keep_from, hidden, qs[:-1] + keep_from - c, c + q - keep_from)
+
+    def _slots_of_rows(self, batch: InputBatch, rows: np.ndarray, like: torch.Tensor
+                       ) -> np.ndarray:
+        """The stash slots of batch rows ``rows`` (new requests get one), reused while the
+        batch's rows and the step's rows stay those of the previous call."""
+        key = (batch.version, rows.tobytes())
+        if self._slot_cache is None or self._slot_cache[0] != key:
+            self._slot_cache = (key, self.stash.slots_of(
+                [batch.req_ids[r] for r in rows.tolist()], like))
+        return self._slot_cache[1]
 
     def release(self, batch: InputBatch) -> None:
         """Free the stash slots of the requests that left ``batch`` (finished, aborted or
