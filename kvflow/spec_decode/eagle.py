@@ -13,9 +13,10 @@ D - 2`` hold the head's K/V; token 0 has none. The mirror pass of a request with
 in place of the target's feature (EAGLE's autoregression over features).
 
 The target's features: after each target forward the runner hands this module the step's
-final hidden states (``observe_target``), kept per request from the first position the head
-has not consumed (``FeatureStash``); features of rejected drafts are overwritten by the next
-step's (the stash is cut at the step's first position). Each mirror pass starts at the first
+final hidden states (``observe_target``); the head reads a prompt chunk's at once (one head
+pass over the chunk), and the ``FeatureStash`` keeps per request only what the head will
+still read: at most a verification step's k + 1 rows (features of rejected drafts are
+overwritten by the next step's), one row while adaptive lengths leave the request undrafted. Each mirror pass starts at the first
 kept feature, so the head's K/V of accepted drafts (written from its own fed-back outputs) is
 computed again from the target's features, as vLLM's proposer does. Positions the target never computed
 (a prefix-cache hit) have no feature: the head starts after them, and attends there to the
