@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -116,8 +117,9 @@ class FeatureStash:
         dest = np.repeat(slots * self.capacity, count) + within
         src = np.repeat(first_row, count) + within
         flat = self.buffer.view(-1, self.buffer.shape[-1])
-        flat.index_copy_(0, torch.from_numpy(dest).to(flat.device),
-                         features.index_select(0, torch.from_numpy(src).to(features.device)))
+        with _serial_on_cpu(flat):
+            flat.index_copy_(0, torch.from_numpy(dest).to(flat.device),
+                             features.index_select(0, torch.from_numpy(src).to(features.device)))
 
     def drop_before(self, slots: np.ndarray, position: np.ndarray) -> None:
         """Forget the rows of positions before ``position[i]`` (consumed by the head)."""
@@ -144,7 +146,8 @@ class FeatureStash:
         rows = np.repeat(slots * self.capacity + self.offset[slots] + start - begin, count) \
             + _ramp(count)
         flat = self.buffer.view(-1, self.buffer.shape[-1])
-        return flat.index_select(0, torch.from_numpy(rows).to(flat.device))
+        with _serial_on_cpu(flat):
+            return flat.index_select(0, torch.from_numpy(rows).to(flat.device))
 
     def keep_only(self, req_ids: Iterable[str]) -> None:
         """Free the slots of requests not in ``req_ids`` (finished, aborted, preempted)."""
@@ -155,6 +158,23 @@ class FeatureStash:
     def rows_kept(self) -> dict[str, int]:
         """Request id -> rows kept (what the memory bound is about)."""
         return {rid: int(self.count[s]) for rid, s in self.slot.items()}
+
+
+@contextmanager
+def _serial_on_cpu(tensor: torch.Tensor) -> Iterator[None]:
+    """Run the block's stash copies on one thread when ``tensor`` is on a CPU: rows of a few
+    MB copy at memory speed on one thread, while torch splits them over the OpenMP threads,
+    whose barrier on cores shared with other processes waited milliseconds for a descheduled
+    thread (docs/benchmarks.md, "EAGLE feature stash")."""
+    before = torch.get_num_threads()
+    serial = tensor.device.type == "cpu" and before > 1
+    if serial:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if serial:
+            torch.set_num_threads(before)
 
 
 def _ramp(count: np.ndarray) -> np.ndarray:
