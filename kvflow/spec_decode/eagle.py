@@ -149,11 +149,14 @@ class FeatureStash:
         with _serial_on_cpu(flat):
             return flat.index_select(0, torch.from_numpy(rows).to(flat.device))
 
-    def keep_only(self, req_ids: Iterable[str]) -> None:
-        """Free the slots of requests not in ``req_ids`` (finished, aborted, preempted)."""
+    def keep_only(self, req_ids: Iterable[str]) -> int:
+        """Free the slots of requests not in ``req_ids`` (finished, aborted, preempted);
+        returns how many were freed."""
         keep = set(req_ids)
-        for rid in [r for r in self.slot if r not in keep]:
+        gone = [r for r in self.slot if r not in keep]
+        for rid in gone:
             self._free.append(self.slot.pop(rid))
+        return len(gone)
 
     def rows_kept(self) -> dict[str, int]:
         """Request id -> rows kept (what the memory bound is about)."""
@@ -235,7 +238,7 @@ class EagleDrafter(DraftModel):
         # (increasing) and their rows [len, H]
         self._fed_back: tuple[np.ndarray, torch.Tensor | None] = (np.zeros(0, np.int64), None)
         self._feeding_back = False
-        self._slot_cache: tuple[tuple[int, bytes], np.ndarray] | None = None
+        self._slot_cache: tuple[tuple[int, int, bytes], np.ndarray] | None = None
 
     # ---- the target's features -----------------------------------------------------------------
     def observe_target(self, batch: InputBatch, inputs: ModelInputs, hidden: torch.Tensor,
@@ -277,7 +280,7 @@ class EagleDrafter(DraftModel):
                        ) -> np.ndarray:
         """The stash slots of batch rows ``rows`` (new requests get one), reused while the
         batch's rows and the step's rows stay those of the previous call."""
-        key = (batch.version, rows.tobytes())
+        key = (id(batch), batch.version, rows.tobytes())
         if self._slot_cache is None or self._slot_cache[0] != key:
             self._slot_cache = (key, self.stash.slots_of(
                 [batch.req_ids[r] for r in rows.tolist()], like))
@@ -286,7 +289,8 @@ class EagleDrafter(DraftModel):
     def release(self, batch: InputBatch) -> None:
         """Free the stash slots of the requests that left ``batch`` (finished, aborted or
         preempted); call after each step's changes are applied to it."""
-        self.stash.keep_only(batch.req_id_to_index)
+        if self.stash.keep_only(batch.req_id_to_index):
+            self._slot_cache = None
 
     def _read_prompt(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray,
                      count: np.ndarray, first_row: np.ndarray, hidden: torch.Tensor,
