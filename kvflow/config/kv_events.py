@@ -3,9 +3,10 @@ KV-aware router, and where the publisher sends it."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from kvflow.config.options import json_config_dict, unknown_fields
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 # tcp://HOST:PORT (HOST may be * or a bracketed IPv6 address), ipc://PATH, inproc://NAME
@@ -85,22 +86,13 @@ class KVEventsConfig:
         """
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                'kv_events_config must be a JSON object such as {"enable_kv_cache_events": '
-                'true, "endpoint": "tcp://*:5557"}')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        value = json_config_dict("kv_events_config", value, '{"enable_kv_cache_events": '
+                                 'true, "endpoint": "tcp://*:5557"}')
+        if value is None:
+            return None
+        unknown, known = unknown_fields(cls, value)
         if unknown:
-            raise ValueError(f"kv_events_config has unknown key(s) {unknown}; valid: "
-                             f"{sorted(known)}")
+            raise ValueError(f"kv_events_config has unknown key(s) {unknown}; valid: {known}")
         return cls(**value)
 
 

@@ -3,9 +3,10 @@ keys): which KV connector the engine runs, in which role, and its connector-spec
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvflow.config.options import json_config_dict, unknown_fields
 
 KV_CONNECTORS = ("SharedStorageConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -103,20 +104,12 @@ class KVTransferConfig:
         """
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                'kv_transfer_config must be a JSON object such as {"kv_connector": '
-                '"SharedStorageConnector", "kv_role": "kv_both"}')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        value = json_config_dict("kv_transfer_config", value, '{"kv_connector": '
+                                 '"SharedStorageConnector", "kv_role": "kv_both"}')
+        if value is None:
+            return None
+        unknown, known = unknown_fields(cls, value)
         if unknown:
             raise ValueError(f"kv_transfer_config has unknown or unsupported key(s) {unknown}; "
-                             f"kvflow reads {sorted(known)}")
+                             f"kvflow reads {known}")
         return cls(**value)

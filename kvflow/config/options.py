@@ -43,6 +43,34 @@ def json_object(name: str, value: Any, example: str) -> dict[str, Any] | None:
     return parsed
 
 
+def json_config_dict(name: str, value: Any, example: str) -> dict[str, Any] | None:
+    """A JSON-object config section's value before its keys are checked: a dict as it is,
+    a flag's JSON text parsed (the text ``null`` is None: the section off).
+
+    Raises:
+        ValueError: naming ``name``, for text that is not JSON, or a value that is not an
+            object (the message shows ``example``, a valid object).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+        if value is None:
+            return None
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
+            f"{name} must be a JSON object such as {example}")
+    return value
+
+
+def unknown_fields(cls: type, value: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The keys of ``value`` that dataclass ``cls`` has no field for, and its field names
+    (both sorted), for a config section's refusal message."""
+    known = {f.name for f in fields(cls)}
+    return sorted(set(value) - known), sorted(known)
+
+
 def parse_bytes(value: str | int) -> int:
     """Parse a memory size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes; vLLM's
     one-letter suffixes too (its ``--kv-cache-memory-bytes``): lower case decimal (``1g`` =
