@@ -19,30 +19,21 @@ from kvflow.lora.request import LoRARequest
 from tests.distributed.conftest import shutdown_and_check
 from tests.lora.adapters import (
     MAX_TOKENS,
+    PROMPTS,
     assert_output_matches_peft,
-    make_adapter,
+    make_late_adapter,
+    make_mixed_adapters,
     mixed_batch_matches_peft,
 )
 
-PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
-           "a lazy dog while kvflow pages keys and values through blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cp_adapters")
-    return {
-        "all": make_adapter(tiny_llama.path, str(root / "all"), 1, r=8, lora_alpha=16,
-                            target_modules=ALL_LINEAR),
-        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 2, r=4, lora_alpha=8,
-                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
-        "late": make_adapter(tiny_llama.path, str(root / "late"), 5, r=2, lora_alpha=4,
-                             target_modules=["k_proj", "o_proj", "up_proj"]),
-        "too_wide": make_adapter(tiny_llama.path, str(root / "wide"), 6, r=16,
-                                 target_modules=["q_proj"]),
-    }
+    return {**make_mixed_adapters(tiny_llama.path, root),
+            "late": make_late_adapter(tiny_llama.path, root)}
 
 
 def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters):

@@ -13,7 +13,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
-from tests.lora.adapters import MAX_TOKENS, make_adapter, peft_greedy
+from tests.lora.adapters import MAX_TOKENS, make_mixed_adapters, peft_greedy
 
 PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
            "a lazy dog while kvflow pages keys and values through blocks",
@@ -24,15 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("dp_adapters")
-    return {
-        "all": make_adapter(tiny_llama.path, str(root / "all"), 1, r=8, lora_alpha=16,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                            "gate_proj", "up_proj", "down_proj"]),
-        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 2, r=4, lora_alpha=8,
-                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
-        "too_wide": make_adapter(tiny_llama.path, str(root / "wide"), 6, r=16,
-                                 target_modules=["q_proj"]),
-    }
+    return make_mixed_adapters(tiny_llama.path, root)
 
 
 def test_adapters_on_both_replicas_match_peft(tiny_llama, adapters):

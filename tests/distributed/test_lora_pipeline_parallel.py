@@ -20,16 +20,16 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.lora.request import LoRARequest
 from tests.lora.adapters import (
+    ALL_LINEAR,
     MAX_TOKENS,
+    PROMPTS,
     assert_output_matches_peft,
     make_adapter,
+    make_mixed_adapters,
     mixed_batch_matches_peft,
 )
 
-PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
-           "a lazy dog while kvflow pages keys and values through blocks"]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _with_bad_layer1_shape(src: str, dst: str) -> str:
@@ -49,17 +49,12 @@ def _with_bad_layer1_shape(src: str, dst: str) -> str:
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pp_adapters")
-    adapters_all = make_adapter(tiny_llama.path, str(root / "all"), 1, r=8, lora_alpha=16,
-                                target_modules=ALL_LINEAR)
+    adapters = make_mixed_adapters(tiny_llama.path, root)
     return {
-        "all": adapters_all,
-        "qv": make_adapter(tiny_llama.path, str(root / "qv"), 2, r=4, lora_alpha=8,
-                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+        **adapters,
         "layer1": make_adapter(tiny_llama.path, str(root / "layer1"), 5, r=2, lora_alpha=4,
                                target_modules=ALL_LINEAR, layers_to_transform=[1]),
-        "bad_layer1": _with_bad_layer1_shape(adapters_all, str(root / "bad_layer1")),
-        "too_wide": make_adapter(tiny_llama.path, str(root / "wide"), 6, r=16,
-                                 target_modules=["q_proj"]),
+        "bad_layer1": _with_bad_layer1_shape(adapters["all"], str(root / "bad_layer1")),
     }
 
 

@@ -8,6 +8,10 @@ from typing import Any
 import torch
 
 MAX_TOKENS = 12
+# The prompts and target lists the multi-LoRA engine tests share.
+PROMPTS = ["the quick brown fox jumps over", "prefix caching reuses them, chunked prefill",
+           "a lazy dog while kvflow pages keys and values through blocks"]
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_adapter(base_path: str, folder: str, seed: int, **lora_kwargs: Any) -> str:
@@ -24,6 +28,27 @@ def make_adapter(base_path: str, folder: str, seed: int, **lora_kwargs: Any) -> 
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
     model.save_pretrained(folder)
     return folder
+
+
+def make_mixed_adapters(base_path: str, root: Any) -> dict[str, str]:
+    """The adapters of the multi-LoRA engine tests, saved under folder ``root``: ``all``
+    (every linear layer, r=8, alpha 16), ``qv`` (q, v and down, r=4, rsLoRA) and
+    ``too_wide`` (q only, r=16: refused by an engine with ``max_lora_rank=8``)."""
+    return {
+        "all": make_adapter(base_path, str(root / "all"), 1, r=8, lora_alpha=16,
+                            target_modules=ALL_LINEAR),
+        "qv": make_adapter(base_path, str(root / "qv"), 2, r=4, lora_alpha=8,
+                           use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "too_wide": make_adapter(base_path, str(root / "wide"), 6, r=16,
+                                 target_modules=["q_proj"]),
+    }
+
+
+def make_late_adapter(base_path: str, root: Any) -> str:
+    """Adapter ``late`` (k, o and up, r=2, alpha 4), saved under folder ``root``: the one the
+    parallel tests load, run and remove while the engine serves."""
+    return make_adapter(base_path, str(root / "late"), 5, r=2, lora_alpha=4,
+                        target_modules=["k_proj", "o_proj", "up_proj"])
 
 
 def peft_greedy(base_path: str, adapter: str | None, prompt_ids: list[int]) -> list[int]:
