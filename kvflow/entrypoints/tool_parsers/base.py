@@ -195,6 +195,11 @@ class ToolParser:
         unknown)."""
         return bool(name) and (self.schemas is None or name in self.schemas)
 
+    def parameter_schemas(self, name: str) -> dict[str, Any]:
+        """The JSON schemas of function ``name``'s parameters by parameter name (its schema's
+        ``properties``; empty when tools are unknown or the schema has none)."""
+        return ((self.schemas or {}).get(name) or {}).get("properties") or {}
+
     def new_call_id(self) -> str:
         """A fresh ``tool_calls[].id`` (OpenAI's ``call_`` + 24 hex digits)."""
         return new_tool_call_id()
@@ -248,3 +253,45 @@ def arguments_items(function: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     return [(k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
             for k, v in (arguments.items() if isinstance(arguments, dict) else ())]
+
+
+def tools_listing(tools: list[dict[str, Any]]) -> str:
+    """The request's ``tools`` one JSON object a line, for a parser's ``system_prompt``."""
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether a function name read between tags is one word (not empty, no white space, no
+    ``<`` or ``>``: text that is no name, or a tag cut short)."""
+    return bool(name) and not any(c.isspace() or c in "<>" for c in name)
+
+
+def json_member(key: str, value: Any) -> str:
+    """``"key": value`` as JSON text: one member of the arguments object a streaming parser
+    builds up piece by piece."""
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+class TaggedBlocksToolParser(ToolParser):
+    """A parser whose calls each stand in their own ``START`` ... ``END`` block (``glm45``,
+    ``qwen3_coder``): content is the text before the first block; subclasses read a block's
+    call in ``_read_call``."""
+
+    START = END = ""
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        out, first = until_marker(text, self.START, final)
+        if first < 0:
+            return out
+        read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
+                    lambda end: text.find(self.START, end))
+        return calls_or_content(out, text, final)
+
+    def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
+        """The call of the block whose body starts at ``text[i]`` (None until it can be
+        read, or if it is no call) and the block's end (None while it is open).
+
+        Raises:
+            NotImplementedError: on this class; subclasses read their own blocks.
+        """
+        raise NotImplementedError

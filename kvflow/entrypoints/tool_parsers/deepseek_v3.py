@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import tools_listing
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
 
@@ -36,7 +36,7 @@ class DeepSeekV3ToolParser(MarkedBlocksToolParser):
         return text[sep + len(self.SEP):line_end].strip(), None, skip_ws(text, j + len(self.FENCE))
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n" + listing + "\nTo call one, reply with "
                 f"{self.SECTION}{self.CALL_BEGIN}function{self.SEP}name\n{self.FENCE}\n"
                 f"{{arguments}}\n```{self.CALL_END}{self.SECTION_END}")

@@ -8,10 +8,10 @@ describes (text before the first block is content, after the calls dropped).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import tools_listing
 from kvflow.entrypoints.tool_parsers.marked_blocks import FUNCTION_NAME, MarkedBlocksToolParser
 
 
@@ -30,7 +30,7 @@ class DeepSeekV31ToolParser(MarkedBlocksToolParser):
         return name, None, skip_ws(text, sep + len(self.SEP))
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n" + listing + "\nTo call one, reply with "
                 f"{self.SECTION}{self.CALL_BEGIN}name{self.SEP}{{arguments}}{self.CALL_END}"
                 f"{self.SECTION_END}")

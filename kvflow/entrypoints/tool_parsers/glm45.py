@@ -25,29 +25,20 @@ from typing import Any
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
-    ParsedOutput,
-    ToolParser,
+    TaggedBlocksToolParser,
     arguments_items,
-    calls_or_content,
-    read_blocks,
-    until_marker,
+    is_plain_name,
+    json_member,
+    tools_listing,
 )
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(TaggedBlocksToolParser):
     name = "glm45"
     keeps_special_tokens = True
     START, END = "<tool_call>", "</tool_call>"
     KEY, KEY_END = "<arg_key>", "</arg_key>"
     VALUE, VALUE_END = "<arg_value>", "</arg_value>"
-
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        out, first = until_marker(text, self.START, final)
-        if first < 0:
-            return out
-        read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
-                    lambda end: text.find(self.START, end))
-        return calls_or_content(out, text, final)
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call whose name starts at ``text[i]`` (None until the name's line ends, or if
@@ -56,9 +47,9 @@ class Glm45ToolParser(ToolParser):
         if not ends:
             return None, None
         name = text[i:min(ends)].strip()
-        if not name or any(c.isspace() or c in "<>" for c in name) or not self.knows(name):
+        if not is_plain_name(name) or not self.knows(name):
             return None, None
-        properties = ((self.schemas or {}).get(name) or {}).get("properties") or {}
+        properties = self.parameter_schemas(name)
         pieces, j = [], min(ends)
         while True:
             j = skip_ws(text, j)
@@ -69,8 +60,7 @@ class Glm45ToolParser(ToolParser):
             if pair is None:
                 return ParsedCall(name, "{" + ", ".join(pieces)), None
             key, raw, j = pair
-            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                          f"{json.dumps(glm_value(raw, properties.get(key)), ensure_ascii=False)}")
+            pieces.append(json_member(key, glm_value(raw, properties.get(key))))
 
     def _read_pair(self, text: str, j: int) -> tuple[str, str, int] | None:
         """(key, value text, index after it) of the ``<arg_key>`` at ``text[j]``; None until
@@ -88,7 +78,7 @@ class Glm45ToolParser(ToolParser):
                 value_end + len(self.VALUE_END))
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
                 f"To call one, reply with:\n{self.START}name\n{self.KEY}arg{self.KEY_END}\n"
                 f"{self.VALUE}value{self.VALUE_END}\n{self.END}")

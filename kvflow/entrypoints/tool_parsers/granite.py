@@ -10,7 +10,6 @@ as the first item makes the reply content (a JSON reply, not a call).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
@@ -19,6 +18,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     call_json,
     json_object_calls,
+    tools_listing,
 )
 
 
@@ -44,7 +44,7 @@ class GraniteToolParser(ToolParser):
         return json_object_calls(text, start, final, ("arguments",), ",")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions. To call them, reply with "
                 f'{self.TAGS[0]} and a JSON list of calls: [{{"name": function name, '
                 f'"arguments": {{argument: value}}}}].\n' + listing)

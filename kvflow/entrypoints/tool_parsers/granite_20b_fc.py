@@ -11,7 +11,6 @@ makes the whole reply content.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers.base import (
@@ -19,6 +18,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     call_json,
     object_calls,
+    tools_listing,
     until_marker,
 )
 
@@ -35,7 +35,7 @@ class Granite20bFCToolParser(ToolParser):
                             self.START)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions:\n" + listing + "\nTo call one, "
                 f'reply with {self.START} {{"name": function name, "arguments": '
                 "{argument: value}}, one per call.")

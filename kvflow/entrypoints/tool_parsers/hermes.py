@@ -3,7 +3,6 @@ Qwen2.5, Qwen3, SmolLM2 prompts); text before, between and after the blocks is c
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
@@ -16,6 +15,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     calls_or_content,
     held_back,
     read_blocks,
+    tools_listing,
     until_marker,
 )
 
@@ -60,7 +60,7 @@ class HermesToolParser(ToolParser):
         return pos
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You may call one or more functions to assist with the user query. The "
                 f"functions are:\n<tools>\n{listing}\n</tools>\nFor each function call, return "
                 "a JSON object with the function name and arguments within <tool_call></tool_call>"

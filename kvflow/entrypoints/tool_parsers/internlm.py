@@ -11,7 +11,6 @@ request did not offer is not read (the whole reply is content). ``<|action_start
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
@@ -22,6 +21,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     call_from_object,
     call_json,
     calls_or_content,
+    tools_listing,
     until_marker,
 )
 
@@ -43,7 +43,7 @@ class InternLMToolParser(ToolParser):
         return calls_or_content(out, text, final)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n" + listing + "\nTo call one, reply with "
                 f'{self.START}\n{{"name": function name, "parameters": {{argument: value}}}}'
                 f"{self.END}")

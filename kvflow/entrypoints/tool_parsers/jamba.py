@@ -11,7 +11,6 @@ tokens in Jamba's tokenizer: the reply is decoded with them, as vLLM does.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
@@ -20,6 +19,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     call_json,
     object_calls,
+    tools_listing,
     until_marker,
 )
 
@@ -52,7 +52,7 @@ class JambaToolParser(ToolParser):
         return list_calls(out, text, first + len(self.START), final)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions. To call them, reply with "
                 f'{self.START}[{{"name": function name, "arguments": {{argument: value}}}}, '
                 f"...]{self.END}\n" + listing)

@@ -10,11 +10,11 @@ as vLLM returns it (Kimi's chat template writes it back in the next turn). Read 
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
+from kvflow.entrypoints.tool_parsers.base import tools_listing
 from kvflow.entrypoints.tool_parsers.marked_blocks import MarkedBlocksToolParser
 
 _CALL_ID = re.compile(r"(?:[A-Za-z0-9_\-]+\.)*([A-Za-z0-9_\-]+):\d+\Z")
@@ -36,7 +36,7 @@ class KimiK2ToolParser(MarkedBlocksToolParser):
         return match.group(1), call_id, skip_ws(text, arguments + len(self.ARGUMENTS))
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n" + listing + "\nTo call one, reply with "
                 f"{self.SECTION}{self.CALL_BEGIN}functions.name:0{self.ARGUMENTS}{{arguments}}"
                 f"{self.CALL_END}{self.SECTION_END}, numbering the calls 0, 1, ...")

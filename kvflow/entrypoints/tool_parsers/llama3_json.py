@@ -4,7 +4,6 @@ anything else is content."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
@@ -13,6 +12,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     call_json,
     json_object_calls,
+    tools_listing,
 )
 
 
@@ -31,7 +31,7 @@ class Llama3JsonToolParser(ToolParser):
         return json_object_calls(text, start, final, ("parameters", "arguments"), ";")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions. To call one, respond with JSON "
                 'in the form {"name": function name, "parameters": {argument: value}}.\n'
                 + listing)

@@ -14,7 +14,6 @@ split off first.)
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers.base import (
@@ -22,6 +21,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     ToolParser,
     call_json,
     object_calls,
+    tools_listing,
     until_marker,
 )
 
@@ -37,7 +37,7 @@ class MiniMaxToolParser(ToolParser):
         return object_calls(out, text, first + len(self.START), final, ("arguments",), ",")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
                 f"To call them, reply with {self.START}, then one line per call, "
                 '{"name": function name, "arguments": {argument: value}}, then '

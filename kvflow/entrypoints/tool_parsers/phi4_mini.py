@@ -9,13 +9,13 @@ marker, or a first object without a name, makes the whole reply content.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedOutput,
     ToolParser,
     call_json,
+    tools_listing,
     until_marker,
 )
 from kvflow.entrypoints.tool_parsers.jamba import list_calls
@@ -33,7 +33,7 @@ class Phi4MiniJsonToolParser(ToolParser):
                           ("arguments", "parameters"))
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions. To call them, reply with "
                 f'{self.START}[{{"name": function name, "arguments": {{argument: value}}}}, '
                 "...]\n" + listing)

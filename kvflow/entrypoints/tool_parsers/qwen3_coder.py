@@ -31,28 +31,19 @@ from typing import Any
 from kvflow.entrypoints.json_spans import skip_ws
 from kvflow.entrypoints.tool_parsers.base import (
     ParsedCall,
-    ParsedOutput,
-    ToolParser,
+    TaggedBlocksToolParser,
     arguments_items,
-    calls_or_content,
-    read_blocks,
-    until_marker,
+    is_plain_name,
+    json_member,
+    tools_listing,
 )
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(TaggedBlocksToolParser):
     name = "qwen3_coder"
     START, END = "<tool_call>", "</tool_call>"
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAM, PARAM_END = "<parameter=", "</parameter>"
-
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        out, first = until_marker(text, self.START, final)
-        if first < 0:
-            return out
-        read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
-                    lambda end: text.find(self.START, end))
-        return calls_or_content(out, text, final)
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call whose ``<function=`` is at or after ``text[i]`` (None until its name is
@@ -62,9 +53,9 @@ class Qwen3CoderToolParser(ToolParser):
         if not text.startswith(self.FUNCTION, i) or close < 0:
             return None, None
         name = text[i + len(self.FUNCTION):close].strip()
-        if not name or any(c.isspace() or c in "<>" for c in name) or not self.knows(name):
+        if not is_plain_name(name) or not self.knows(name):
             return None, None
-        properties = ((self.schemas or {}).get(name) or {}).get("properties") or {}
+        properties = self.parameter_schemas(name)
         pieces, j, complete = [], close + 1, False
         while True:
             j = skip_ws(text, j)
@@ -75,9 +66,7 @@ class Qwen3CoderToolParser(ToolParser):
             if read is None:
                 break
             key, raw, j = read
-            value = schema_value(raw, properties.get(key))
-            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                          f"{json.dumps(value, ensure_ascii=False)}")
+            pieces.append(json_member(key, schema_value(raw, properties.get(key))))
         arguments = "{" + ", ".join(pieces) + ("}" if complete else "")
         if not complete:
             return ParsedCall(name, arguments), None
@@ -104,7 +93,7 @@ class Qwen3CoderToolParser(ToolParser):
         return text[j + len(self.PARAM):close].strip(), raw, k + skip
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
                 f"To call one, reply with:\n{self.START}\n<function=name>\n<parameter=arg>\n"
                 f"value\n</parameter>\n</function>\n{self.END}")

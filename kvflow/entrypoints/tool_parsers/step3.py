@@ -26,6 +26,7 @@ from kvflow.entrypoints.tool_parsers.base import (
     arguments_items,
     calls_or_content,
     read_blocks,
+    tools_listing,
     until_marker,
 )
 
@@ -70,7 +71,7 @@ class Step3ToolParser(ToolParser):
         close = text.find(self.INVOKE_END, invoke.end())
         if close < 0:
             return ParsedCall(name), None
-        properties = ((self.schemas or {}).get(name) or {}).get("properties") or {}
+        properties = self.parameter_schemas(name)
         arguments = {k: step3_value(v, properties.get(k))
                      for k, v in _PARAMETER.findall(text, invoke.end(), close)}
         call = ParsedCall(name, json.dumps(arguments, ensure_ascii=False), True)
@@ -78,7 +79,7 @@ class Step3ToolParser(ToolParser):
         return call, k + len(self.CALL_END) if text.startswith(self.CALL_END, k) else None
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You can call the functions below.\n" + listing + "\nTo call one, reply with "
                 f"{self.SECTION}{self.CALL_BEGIN}function{self.SEP}"
                 '<steptml:invoke name="NAME"><steptml:parameter name="ARG">VALUE'

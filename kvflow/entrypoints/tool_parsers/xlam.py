@@ -16,11 +16,16 @@ makes the whole reply content. (A ``</think>`` block before the calls is the
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.json_spans import skip_ws
-from kvflow.entrypoints.tool_parsers.base import ParsedOutput, ToolParser, call_json, held_back
+from kvflow.entrypoints.tool_parsers.base import (
+    ParsedOutput,
+    ToolParser,
+    call_json,
+    held_back,
+    tools_listing,
+)
 from kvflow.entrypoints.tool_parsers.jamba import list_calls
 
 
@@ -49,7 +54,7 @@ class XLAMToolParser(ToolParser):
         return list_calls(out, text, pos, final)
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        listing = tools_listing(tools)
         return ("You have access to the following functions. To call them, reply with a JSON "
                 'list of calls: [{"name": function name, "arguments": {argument: value}}, '
                 "...].\n" + listing)
