@@ -13,8 +13,18 @@ import pytest
 from kvflow.config import ServerConfig
 from kvflow.entrypoints.chat_output import ChatOutputParser
 from kvflow.entrypoints.tool_parsers import make_reasoning_parser, make_tool_parser
-from tests.test_tool_parsers_kimi_granite import _pieces3
-from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _served_parser, _whole
+from tests.tool_parser_streams import (
+    HISTORY_READ,
+    TOOLS,
+    check_calls,
+    check_content_only,
+    history_read_back,
+    read_streamed,
+    read_whole,
+    served_parser,
+    stream_splits,
+    stream_splits3,
+)
 
 GLM = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York "
        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>"
@@ -78,26 +88,18 @@ MALFORMED = [
 
 @pytest.mark.parametrize("name, text, content, calls", WELL_FORMED)
 def test_calls_whole_and_streamed(name, text, content, calls):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (content, None, calls, "tool_calls")
-    for c in calls:
-        json.loads(c[1])
-    for pieces in [*_pieces(text), *_pieces3(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, "tool_calls"), pieces
+    check_calls(name, text, content, calls, [*stream_splits(text), *stream_splits3(text)])
 
 
 @pytest.mark.parametrize("name, text", MALFORMED)
 def test_malformed_output_is_content(name, text):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (text, None, None, "stop")
-    for pieces in [*_pieces(text), *_pieces3(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+    check_content_only(name, text, [*stream_splits(text), *stream_splits3(text)])
 
 
 def test_glm45_streams_a_pair_at_a_time():
     """get_weather: "{", its 4 pairs, "}"; get_time: "{", "}"."""
     out = ChatOutputParser(make_tool_parser("glm45", TOOLS), None)
-    assert _joined(out, list(GLM), "stop")[5] == 8
+    assert read_streamed(out, list(GLM), "stop")[5] == 8
 
 
 @pytest.mark.parametrize("name, reads", [
@@ -109,17 +111,8 @@ def test_glm45_streams_a_pair_at_a_time():
     ("step3", '<steptml:invoke name="get_weather"><steptml:parameter name="city">東京<'),
     ("granite-20b-fc", '<function_call> {"name": "get_time"')])
 def test_history_calls_as_text_parse_back(name, reads):
-    history = [{"id": "c1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
-               {"id": "c2", "type": "function", "function": {"name": "get_time",
-                                                             "arguments": ""}}]
-    parser = make_tool_parser(name, TOOLS)
-    text = parser.calls_text(history)
-    assert reads in text
-    parsed = parser.parse(text, True)
-    assert parsed.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
-        [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
+    calls = history_read_back(name, reads)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == HISTORY_READ
 
 
 def test_special_token_markers_survive_detokenizing():
@@ -156,9 +149,9 @@ REASONING = [
 @pytest.mark.parametrize("name, text, reasoning, content", REASONING)
 def test_reasoning_whole_and_streamed(name, text, reasoning, content):
     out = ChatOutputParser(None, make_reasoning_parser(name))
-    assert _whole(out, text)[:2] == (content, reasoning)
-    for pieces in [*_pieces(text), *_pieces3(text)]:
-        assert _joined(out, pieces, "stop")[:2] == (content, reasoning), pieces
+    assert read_whole(out, text)[:2] == (content, reasoning)
+    for pieces in [*stream_splits(text), *stream_splits3(text)]:
+        assert read_streamed(out, pieces, "stop")[:2] == (content, reasoning), pieces
 
 
 def test_reasoning_switches_follow_the_chat_template_variables():
@@ -167,7 +160,7 @@ def test_reasoning_switches_follow_the_chat_template_variables():
     assert make_reasoning_parser("deepseek_v3") is None
     assert make_reasoning_parser("deepseek_v3", {"thinking": False}) is None
     v3 = ChatOutputParser(None, make_reasoning_parser("deepseek_v3", {"thinking": True}))
-    assert _whole(v3, "Think.</think>Answer")[:2] == ("Answer", "Think.")
+    assert read_whole(v3, "Think.</think>Answer")[:2] == ("Answer", "Think.")
     assert make_reasoning_parser("glm45", {"enable_thinking": False}) is None
     assert make_reasoning_parser("glm45", {}) is not None
 
@@ -175,20 +168,20 @@ def test_reasoning_switches_follow_the_chat_template_variables():
 def test_seed_oss_reasoning_then_call():
     text = "<seed:think>Need the weather.</seed:think>\n" + SEED
     out = ChatOutputParser(make_tool_parser("seed_oss", TOOLS), make_reasoning_parser("seed_oss"))
-    whole = _whole(out, text)
+    whole = read_whole(out, text)
     assert whole == (None, "Need the weather.", [("get_weather", '{"city": "Oslo", "days": 2}')],
                      "tool_calls")
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "stop")[:4] == whole
+    for pieces in stream_splits(text):
+        assert read_streamed(out, pieces, "stop")[:4] == whole
 
 
 def test_mistral_reasoning_then_mistral_call():
     text = "[THINK]Use the tool.[/THINK][TOOL_CALLS]get_time[ARGS]{}"
     out = ChatOutputParser(make_tool_parser("mistral", TOOLS), make_reasoning_parser("mistral"))
-    whole = _whole(out, text)
+    whole = read_whole(out, text)
     assert whole == (None, "Use the tool.", [("get_time", "{}")], "tool_calls")
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "stop")[:4] == whole
+    for pieces in stream_splits(text):
+        assert read_streamed(out, pieces, "stop")[:4] == whole
 
 
 def test_reasoning_markers_that_are_special_tokens_survive_detokenizing():
@@ -201,14 +194,14 @@ def test_reasoning_markers_that_are_special_tokens_survive_detokenizing():
 def test_server_builds_them_from_its_flags():
     """The tools reach glm45 (the schema types ``city`` a string: ``007`` stays text); the
     ``thinking`` switch reaches deepseek_v3; Mistral's [THINK] keeps special tokens."""
-    glm = _served_parser(ServerConfig(tool_call_parser="glm45"))
+    glm = served_parser(ServerConfig(tool_call_parser="glm45"))
     text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n" \
            "<arg_key>days</arg_key>\n<arg_value>007</arg_value>\n</tool_call>"
-    assert _whole(glm, text)[2] == [("get_weather", '{"city": "007", "days": "007"}')]
+    assert read_whole(glm, text)[2] == [("get_weather", '{"city": "007", "days": "007"}')]
     assert glm.keeps_special_tokens
     v3 = ServerConfig(reasoning_parser="deepseek_v3")
-    assert _served_parser(v3).reasoning is None
-    on = _served_parser(v3, chat_template_kwargs={"thinking": True})
-    assert _whole(on, "Hm.</think>Hi")[:2] == ("Hi", "Hm.")
-    assert _served_parser(ServerConfig(reasoning_parser="mistral")).keeps_special_tokens
-    assert not _served_parser(ServerConfig(reasoning_parser="step3")).keeps_special_tokens
+    assert served_parser(v3).reasoning is None
+    on = served_parser(v3, chat_template_kwargs={"thinking": True})
+    assert read_whole(on, "Hm.</think>Hi")[:2] == ("Hi", "Hm.")
+    assert served_parser(ServerConfig(reasoning_parser="mistral")).keeps_special_tokens
+    assert not served_parser(ServerConfig(reasoning_parser="step3")).keeps_special_tokens

@@ -9,10 +9,15 @@ import json
 
 import pytest
 
-from kvflow.entrypoints.chat_output import ChatOutputParser
 from kvflow.entrypoints.tool_parsers import make_tool_parser
-from tests.test_tool_parsers_kimi_granite import _pieces3
-from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
+from tests.tool_parser_streams import (
+    HISTORY_READ,
+    check_calls,
+    check_content_only,
+    history_read_back,
+    stream_splits,
+    stream_splits3,
+)
 
 JAMBA = ('Let me check.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", '
          '"note": "]</tool_calls>"}}, {"name": "get_time", "arguments": {}}]</tool_calls>')
@@ -52,37 +57,21 @@ MALFORMED = [
 
 @pytest.mark.parametrize("name, text, content, calls", WELL_FORMED)
 def test_calls_whole_and_streamed(name, text, content, calls):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (content, None, calls, "tool_calls")
-    for c in calls:
-        json.loads(c[1])
-    for pieces in [*_pieces(text), *_pieces3(text), list(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, "tool_calls"), pieces
+    check_calls(name, text, content, calls,
+                [*stream_splits(text), *stream_splits3(text), list(text)])
 
 
 @pytest.mark.parametrize("name, text", MALFORMED)
 def test_malformed_output_is_content(name, text):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (text, None, None, "stop")
-    for pieces in [*_pieces(text), *_pieces3(text), list(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+    check_content_only(name, text, [*stream_splits(text), *stream_splits3(text), list(text)])
 
 
 @pytest.mark.parametrize("name, reads", [
     ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city"'),
     ("xlam", '[{"name": "get_weather", "arguments": {"city"')])
 def test_history_calls_as_text_parse_back(name, reads):
-    history = [{"id": "c1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
-               {"id": "c2", "type": "function", "function": {"name": "get_time",
-                                                             "arguments": ""}}]
-    parser = make_tool_parser(name, TOOLS)
-    text = parser.calls_text(history)
-    assert reads in text
-    parsed = parser.parse(text, True)
-    assert parsed.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
-        [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
+    calls = history_read_back(name, reads)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == HISTORY_READ
 
 
 def test_only_jamba_keeps_special_tokens():

@@ -13,7 +13,16 @@ import pytest
 
 from kvflow.entrypoints.chat_output import ChatOutputParser
 from kvflow.entrypoints.tool_parsers import make_tool_parser
-from tests.test_tool_parsers_vllm_formats import TOOLS, _joined, _pieces, _whole
+from tests.tool_parser_streams import (
+    HISTORY_READ,
+    TOOLS,
+    check_calls,
+    check_content_only,
+    history_read_back,
+    read_streamed,
+    stream_splits,
+    stream_splits3,
+)
 
 KIMI = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
         '<|tool_call_argument_begin|>{"city": "Paris", "note": "}<|tool_call_end|>"}'
@@ -66,21 +75,9 @@ WELL_FORMED = [
 ]
 
 
-def _pieces3(text: str):
-    """Every split into three non-empty pieces."""
-    for i in range(1, len(text) - 1):
-        for j in range(i + 1, len(text)):
-            yield [text[:i], text[i:j], text[j:]]
-
-
 @pytest.mark.parametrize("name, text, content, calls", WELL_FORMED)
 def test_calls_whole_and_streamed(name, text, content, calls):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (content, None, calls, "tool_calls")
-    for c in calls:
-        json.loads(c[1])
-    for pieces in [*_pieces(text), *_pieces3(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (content, None, calls, "tool_calls"), pieces
+    check_calls(name, text, content, calls, [*stream_splits(text), *stream_splits3(text)])
 
 
 def test_kimi_ids_are_the_models_own():
@@ -88,8 +85,8 @@ def test_kimi_ids_are_the_models_own():
     out = ChatOutputParser(make_tool_parser("kimi_k2", TOOLS), None)
     message, _ = out.message(KIMI, "stop")
     assert [c.id for c in message.tool_calls] == KIMI_IDS
-    for pieces in _pieces(KIMI):
-        assert _joined(out, pieces, "stop")[4] == KIMI_IDS
+    for pieces in stream_splits(KIMI):
+        assert read_streamed(out, pieces, "stop")[4] == KIMI_IDS
 
 
 def test_pythonic_streams_each_call_at_its_closing_parenthesis():
@@ -129,10 +126,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("name, text", MALFORMED)
 def test_malformed_output_is_content(name, text):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (text, None, None, "stop")
-    for pieces in [*_pieces(text), *_pieces3(text)]:
-        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+    check_content_only(name, text, [*stream_splits(text), *stream_splits3(text)])
 
 
 @pytest.mark.parametrize("name, reads, first_only", [
@@ -142,18 +136,9 @@ def test_malformed_output_is_content(name, text):
     ("internlm", '<|plugin|>\n{"name": "get_weather"', True),
     ("llama4_json", '{"name": "get_weather", "parameters"', False)])
 def test_history_calls_as_text_parse_back(name, reads, first_only):
-    history = [{"id": "c1", "type": "function", "function": {
-                   "name": "get_weather", "arguments": '{"city": "東京", "days": 2}'}},
-               {"id": "c2", "type": "function", "function": {"name": "get_time",
-                                                             "arguments": ""}}]
-    parser = make_tool_parser(name, TOOLS)
-    text = parser.calls_text(history)
-    assert reads in text
-    parsed = parser.parse(text, True)
-    expected = [("get_weather", {"city": "東京", "days": 2}), ("get_time", {})]
-    assert parsed.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == \
-        expected[:1 if first_only else 2]
+    calls = history_read_back(name, reads)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        HISTORY_READ[:1 if first_only else 2]
 
 
 def test_special_token_markers_survive_detokenizing():

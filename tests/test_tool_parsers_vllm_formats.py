@@ -6,16 +6,13 @@ to exactly the whole reply; malformed output is plain content, never an error.""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from kvflow.config import ServerConfig
 from kvflow.entrypoints.chat_output import ChatOutputParser
 from kvflow.entrypoints.cli import build_parser
-from kvflow.entrypoints.protocol import ChatCompletionRequest
 from kvflow.entrypoints.tool_parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -23,13 +20,17 @@ from kvflow.entrypoints.tool_parsers import (
     make_tool_parser,
 )
 from kvflow.entrypoints.tool_parsers.qwen3_coder import schema_value
-
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"},
-    "units": {"type": ["string", "null"]}, "opts": {"type": "object"},
-    "ok": {"type": "boolean"}, "t": {"type": "number"}, "tags": {"type": "array"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time"}}]
+from tests.tool_parser_streams import (
+    HISTORY,
+    TOOLS,
+    check_calls,
+    check_content_only,
+    history_read_back,
+    read_streamed,
+    read_whole,
+    served_parser,
+    stream_splits,
+)
 
 MISTRAL_LIST = ('Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
                 '"Paris", "note": "a ] [ \\"q\\""}}, {"name": "get_time", "arguments": {}}]')
@@ -67,58 +68,18 @@ WELL_FORMED = [
 ]
 
 
-def _pieces(text: str):
-    """Every way the tests split a stream: at each single point, and character by character."""
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-    yield list(text)
-
-
-def _joined(out: ChatOutputParser, pieces: list[str], finish: str):
-    """(content or None, reasoning or None, [(name, arguments)] or None, finish_reason, ids,
-    argument pieces sent) as a client joins the stream's deltas."""
-    state, content, reasoning, calls, reason, n_args = out.stream_state(), "", "", {}, None, 0
-    for i, piece in enumerate(pieces):
-        delta, reason = out.delta(state, piece, finish if i == len(pieces) - 1 else None)
-        if delta is None:
-            continue
-        content += delta.content or ""
-        reasoning += delta.reasoning_content or ""
-        for call in delta.tool_calls or []:
-            entry = calls.setdefault(call.index, [None, "", None])
-            entry[0] = call.function.name or entry[0]
-            entry[2] = call.id or entry[2]
-            entry[1] += call.function.arguments or ""
-            n_args += bool(call.function.arguments)
-    listed = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
-    return (content or None, reasoning or None, listed or None, reason,
-            [calls[i][2] for i in sorted(calls)], n_args)
-
-
-def _whole(out: ChatOutputParser, text: str, finish: str = "stop"):
-    message, reason = out.message(text, finish)
-    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    return message.content, message.reasoning_content or None, calls or None, reason
-
-
 @pytest.mark.parametrize("name, text, content, calls", WELL_FORMED,
                          ids=["mistral-list", "mistral-args", "pythonic", "llama4", "qwen3_coder",
                               "deepseek_v3"])
 def test_calls_whole_and_streamed(name, text, content, calls):
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (content, None, calls, "tool_calls")
-    for c in calls:
-        json.loads(c[1])
-    for pieces in _pieces(text):
-        got = _joined(out, pieces, "stop")
-        assert got[:4] == (content, None, calls, "tool_calls"), pieces
+    out = check_calls(name, text, content, calls, stream_splits(text))
     if name == "qwen3_coder":  # arguments stream a parameter at a time, not at the end
         # get_weather: "{", its 8 parameters, "}"; get_time: "{", "}"
-        assert _joined(out, list(text), "stop")[5] == 12
+        assert read_streamed(out, list(text), "stop")[5] == 12
     if name == "deepseek_v3":  # arguments stream as the model writes them
-        assert _joined(out, list(text), "stop")[5] > 10
+        assert read_streamed(out, list(text), "stop")[5] > 10
     if name == "mistral":  # Mistral's templates accept only 9-character ids back
-        ids = _joined(out, [text], "stop")[4]
+        ids = read_streamed(out, [text], "stop")[4]
         assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
         message, _ = out.message(text, "stop")
         assert all(len(c.id) == 9 for c in message.tool_calls)
@@ -156,10 +117,7 @@ MALFORMED = [
 def test_malformed_output_is_content(name, text):
     """Unbalanced brackets, non-literal Python, unknown functions, no call at all: the whole
     reply is content (finish_reason stop), streamed or not."""
-    out = ChatOutputParser(make_tool_parser(name, TOOLS), None)
-    assert _whole(out, text) == (text, None, None, "stop")
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "stop")[:4] == (text, None, None, "stop"), pieces
+    check_content_only(name, text, stream_splits(text))
 
 
 @pytest.mark.parametrize("text", ["The answer is [1].", "[1, 2] are numbers", "[see above]"])
@@ -181,9 +139,9 @@ def test_a_cut_qwen3_coder_call_keeps_the_parameters_read():
             "<parameter=days>\n4")
     out = ChatOutputParser(make_tool_parser("qwen3_coder", TOOLS), None)
     expected = (None, None, [("get_weather", '{"city": "Oslo"')], "length")
-    assert _whole(out, text, "length") == expected
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "length")[:4] == expected
+    assert read_whole(out, text, "length") == expected
+    for pieces in stream_splits(text):
+        assert read_streamed(out, pieces, "length")[:4] == expected
 
 
 @pytest.mark.parametrize("raw, schema, expected", [
@@ -215,16 +173,11 @@ def test_qwen3_coder_values_typed_by_the_schema(raw, schema, expected):
 def test_history_calls_as_text_parse_back(name, reads):
     """An earlier turn's tool_calls, for a template that renders none, in the parser's own
     format: the parser reads the same calls back."""
-    history = [{"id": "c1", "type": "function", "function": {
+    history = [{**HISTORY[0], "function": {
                    "name": "get_weather", "arguments": '{"city": "東京", "days": 2, "ok": true}'}},
-               {"id": "c2", "type": "function", "function": {"name": "get_time",
-                                                             "arguments": ""}}]
-    parser = make_tool_parser(name, TOOLS)
-    text = parser.calls_text(history)
-    assert reads in text
-    parsed = parser.parse(text, True)
-    assert parsed.content == ""
-    assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == \
+               HISTORY[1]]
+    calls = history_read_back(name, reads, history)
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in calls] == \
         [("get_weather", {"city": "東京", "days": 2, "ok": True}, True), ("get_time", {}, True)]
 
 
@@ -247,48 +200,38 @@ REASONING = [
 @pytest.mark.parametrize("name, text, reasoning, content", REASONING)
 def test_reasoning_whole_and_streamed(name, text, reasoning, content):
     out = ChatOutputParser(None, make_reasoning_parser(name))
-    assert _whole(out, text)[:2] == (content, reasoning)
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "stop")[:2] == (content, reasoning), pieces
+    assert read_whole(out, text)[:2] == (content, reasoning)
+    for pieces in stream_splits(text):
+        assert read_streamed(out, pieces, "stop")[:2] == (content, reasoning), pieces
 
 
 def test_qwen3_reasoning_then_qwen3_coder_call():
     text = "<think>\nNeed the time.\n</think>\n\n" + QWEN3_CODER[QWEN3_CODER.index("<tool_call>"):]
     out = ChatOutputParser(make_tool_parser("qwen3_coder", TOOLS), make_reasoning_parser("qwen3"))
-    whole = _whole(out, text)
+    whole = read_whole(out, text)
     assert whole[1] == "\nNeed the time.\n" and whole[0] is None
     assert [c[0] for c in whole[2]] == ["get_weather", "get_time"]
-    for pieces in _pieces(text):
-        assert _joined(out, pieces, "stop")[:4] == whole
-
-
-def _served_parser(config: ServerConfig, **fields) -> ChatOutputParser:
-    """The output parser the server builds for a chat request with ``TOOLS`` (auto)."""
-    from kvflow.entrypoints.serving_chat import OpenAIServingChat
-
-    chat = OpenAIServingChat(SimpleNamespace(tokenizer=None), config, "m")
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
-                                **fields)
-    return asyncio.run(chat._tools(req))[1]
+    for pieces in stream_splits(text):
+        assert read_streamed(out, pieces, "stop")[:4] == whole
 
 
 def test_server_passes_the_tools_and_the_thinking_switch():
     config = ServerConfig(tool_call_parser="qwen3_coder", reasoning_parser="qwen3")
-    parser = _served_parser(config)
+    parser = served_parser(config)
     text = "<think>r</think>" + QWEN3_CODER
-    assert _whole(parser, text)[1:3] == ("r", WELL_FORMED[4][3])  # typed: the tools arrived
+    assert read_whole(parser, text)[1:3] == ("r", WELL_FORMED[4][3])  # typed: the tools arrived
     assert not parser.keeps_special_tokens
-    off = _served_parser(config, chat_template_kwargs={"enable_thinking": False})
+    off = served_parser(config, chat_template_kwargs={"enable_thinking": False})
     assert off.reasoning is None
-    assert _whole(off, "<think>r</think>Hi") == ("<think>r</think>Hi", None, None, "stop")
+    assert read_whole(off, "<think>r</think>Hi") == ("<think>r</think>Hi", None, None, "stop")
     default_off = ServerConfig(reasoning_parser="qwen3",
                                default_chat_template_kwargs='{"enable_thinking": false}')
-    assert _served_parser(default_off).reasoning is None
-    assert _served_parser(default_off, chat_template_kwargs={"enable_thinking": True}) \
+    assert served_parser(default_off).reasoning is None
+    assert served_parser(default_off, chat_template_kwargs={"enable_thinking": True}) \
         .reasoning is not None
-    mistral = _served_parser(ServerConfig(tool_call_parser="mistral"))
+    mistral = served_parser(ServerConfig(tool_call_parser="mistral"))
     assert mistral.keeps_special_tokens  # [TOOL_CALLS] must survive detokenizing
-    forced = _served_parser(ServerConfig(tool_call_parser="mistral"), tool_choice="required")
+    forced = served_parser(ServerConfig(tool_call_parser="mistral"), tool_choice="required")
     assert not forced.keeps_special_tokens  # forced JSON: as before
 
 
