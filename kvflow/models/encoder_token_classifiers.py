@@ -20,42 +20,38 @@ from kvflow.models.bert import BertModel
 from kvflow.models.roberta import RobertaModel
 
 
-class BertForTokenClassification(BertModel):
+def _token_classifier(encoder: type, skipped: tuple[str, ...]) -> type:
+    """``encoder`` (BertModel or RobertaModel) + ``classifier`` on every token, its
+    checkpoint tensors under ``skipped`` (pooler, LM head) not loaded."""
+
+    class TokenClassifier(encoder):
+        is_token_classifier: ClassVar[bool] = True
+        skipped_prefixes: ClassVar[tuple[str, ...]] = skipped
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+        def score_head(self, hidden: torch.Tensor) -> torch.Tensor:
+            """[N, hidden] final hidden states, one row per token -> [N, num_labels] logits
+            (no activation)."""
+            return self.classifier(hidden)
+
+    return TokenClassifier
+
+
+class BertForTokenClassification(_token_classifier(BertModel, ("pooler.", "cls."))):
     """BERT encoder + ``classifier`` on every token: ``forward`` as BertModel.
 
     Raises:
         ValueError: as BertModel's constructor.
     """
 
-    is_token_classifier: ClassVar[bool] = True
-    skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "cls.")
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
-
-    def score_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] final hidden states, one row per token -> [N, num_labels] logits (no
-        activation)."""
-        return self.classifier(hidden)
-
-
-class RobertaForTokenClassification(RobertaModel):
+class RobertaForTokenClassification(_token_classifier(RobertaModel, ("pooler.", "lm_head."))):
     """RoBERTa / XLM-RoBERTa encoder + ``classifier`` on every token: ``forward`` as
     RobertaModel.
 
     Raises:
         ValueError: as RobertaModel's constructor.
     """
-
-    is_token_classifier: ClassVar[bool] = True
-    skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "lm_head.")
-
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
-
-    def score_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] final hidden states, one row per token -> [N, num_labels] logits (no
-        activation)."""
-        return self.classifier(hidden)
