@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.models.qwen2_vl_vision import vision_activation
+from kvflow.models.qwen2_vl_vision import VisionMLP
 
 # vision config ``model_type`` -> whether it has a class token + pre-LayerNorm (CLIP) or not
 VISION_MODEL_TYPES = {"clip_vision_model": True, "siglip_vision_model": False}
@@ -92,17 +92,6 @@ class VisionSelfAttention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head_dim), as CLIP's
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = vision_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionEncoderLayer(nn.Module):

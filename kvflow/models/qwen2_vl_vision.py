@@ -95,6 +95,9 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
+    """fc1, activation ``act``, fc2: the vision MLP of Qwen2-VL, CLIP and SigLIP (x [..., dim]
+    -> [..., dim])."""
+
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
