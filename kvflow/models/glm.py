@@ -56,15 +56,11 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+    def attention_output(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_self_attn_layernorm(self.self_attn(positions, hidden))
+
+    def mlp_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_layernorm(self.mlp(hidden))
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

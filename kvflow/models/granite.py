@@ -45,15 +45,11 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         super().__init__(config, *args)
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+    def attention_output(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions, hidden) * self.residual_multiplier
+
+    def mlp_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden) * self.residual_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -150,7 +150,8 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm layer with the residual add fused into the norms: ``forward(positions,
     hidden, residual) -> (hidden, residual)``, [T, hidden_size] each, where the layer's input
     is ``hidden + residual`` (``hidden`` alone when ``residual`` is None, the first layer) and
-    so is its output. Variants subclass it with another ``attention_cls`` or ``forward``."""
+    so is its output. Variants subclass it with another ``attention_cls``, what the attention
+    and the MLP add (``attention_output``, ``mlp_output``) or ``forward``."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
 
@@ -170,9 +171,18 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.attention_output(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp_output(hidden), residual
+
+    def attention_output(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """What the attention adds to the residual: [T, hidden_size] -> [T, hidden_size]
+        (variants scale or normalize it here)."""
+        return self.self_attn(positions, hidden)
+
+    def mlp_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual: [T, hidden_size] -> [T, hidden_size]."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):
