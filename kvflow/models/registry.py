@@ -21,14 +21,8 @@ from kvflow.models.gemma2 import Gemma2ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from kvflow.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
-from kvflow.models.llama import (
-    LlamaForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    embedding_only,
-    sequence_classifier,
-    token_classifier,
-)
+from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvflow.models.llama_pooling import embedding_only, sequence_classifier, token_classifier
 from kvflow.models.llava import LlavaForConditionalGeneration
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
