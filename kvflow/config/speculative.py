@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from kvflow.config.options import check_choices
+from kvflow.config.options import check_choices, json_config_dict, unknown_fields
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "deepseek_mtp")
 
@@ -187,27 +186,18 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                raise ValueError("speculative_config is empty, which is not valid JSON: give "
-                                 'a JSON object such as {"method": "ngram", '
-                                 '"num_speculative_tokens": 4}, or leave it out to run '
-                                 "without speculative decoding")
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(  # noqa: TRY004 (bad input is a ValueError throughout kvflow)
-                "speculative_config must be a JSON object such as "
-                '{"method": "ngram", "num_speculative_tokens": 4}')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("speculative_config is empty, which is not valid JSON: give "
+                             'a JSON object such as {"method": "ngram", '
+                             '"num_speculative_tokens": 4}, or leave it out to run '
+                             "without speculative decoding")
+        value = json_config_dict("speculative_config", value,
+                                 '{"method": "ngram", "num_speculative_tokens": 4}')
+        if value is None:
+            return None
+        unknown, known = unknown_fields(cls, value)
         if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: "
-                             f"{sorted(known)}")
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; valid: {known}")
         if "method" not in value:  # as vLLM: a draft model named means method draft_model
             value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
         return cls(**value)
