@@ -24,6 +24,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from kvflow import LLM, SamplingParams
 from kvflow.quant.fp8 import Fp8LinearMethod
 from kvflow.quant.int8 import Int8WeightOnlyMethod
+from tests.quant.quant_logprobs import engine_prompt_logprobs
 
 
 def _observe_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, float]:
@@ -95,12 +96,6 @@ def save_compressed(model, tiny, folder: str, fmt: str | None = None) -> str:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny.path}/{f}", folder)
     return folder
-
-
-def _prompt_logprobs(llm: LLM, prompt: list[int]) -> list[float]:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
-    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
 
 def _hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
@@ -197,7 +192,7 @@ def test_most_specific_target_wins(tiny_model_factory, tmp_path):
     assert isinstance(mlp.gate_up_proj.quant_method, Fp8LinearMethod)
     ref = _hf_logprobs(folder, prompt)
     want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
-    assert _prompt_logprobs(llm, prompt) == pytest.approx(want, abs=5e-3)
+    assert engine_prompt_logprobs(llm, prompt) == pytest.approx(want, abs=5e-3)
 
 
 def test_fused_shards_with_different_schemes_are_refused(tiny_model_factory, tmp_path):
@@ -296,8 +291,8 @@ def test_kv_cache_scheme_scales_are_skipped(fp8_dynamic_folder, tmp_path):
     save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
     prompt = list(range(5, 17))
     kw = {"dtype": "float32", "num_kv_blocks": 16, "block_size": 4}
-    want = _prompt_logprobs(LLM(model=fp8_dynamic_folder, **kw), prompt)
-    assert _prompt_logprobs(LLM(model=folder, **kw), prompt) == want
+    want = engine_prompt_logprobs(LLM(model=fp8_dynamic_folder, **kw), prompt)
+    assert engine_prompt_logprobs(LLM(model=folder, **kw), prompt) == want
 
 
 @pytest.mark.parametrize("target", ["re:.*self_attn$", "LlamaAttention"])

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.quant.gptq_awq import GPTQAWQMethod, GPTQInt8Method, unpack_nibble_columns
+from tests.quant.quant_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order
@@ -118,18 +119,6 @@ def _build(tiny, folder: str, method: str, group: int, *, sym: bool = False,
     return folder, model.eval()
 
 
-def _logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return [float(lp[i, t]) for i, t in enumerate(ids[1:])]
-
-
-def _kvflow_logprobs(llm: LLM, ids: list[int]) -> list[float]:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    (out,) = llm.generate([ids], params, use_tqdm=False)
-    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-
-
 def test_unpack_hand_made_words():
     """One word per layout, worked by hand: 0x76543210 holds 0..7 from the low nibble up;
     AWQ's slot j is column [0,2,4,6,1,3,5,7][j], so columns read 0,4,1,5,2,6,3,7; a negative
@@ -166,9 +155,9 @@ def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
     folder, ref = _build(tiny, str(tmp_path / "ckpt"), method, group, **kw)
     ids = torch.randint(2, tiny.vocab_size, (12,),
                         generator=torch.Generator().manual_seed(5)).tolist()
-    want = _logprobs(ref, ids)
+    want = hf_prompt_logprobs(ref, ids)
     llm = LLM(model=folder, dtype="float32", num_kv_blocks=32, block_size=4)
-    assert _kvflow_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
+    assert engine_prompt_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
     layers = llm.engine.core.executor.runner.model.model.layers
     want_cls = GPTQInt8Method if "int8" in case else GPTQAWQMethod
     assert type(layers[1].mlp.gate_up_proj.quant_method) is want_cls
@@ -178,7 +167,7 @@ def test_matches_dequantized_transformers(tiny_model_factory, tmp_path, case):
     with torch.no_grad():
         hf = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     assert list(out.outputs[0].token_ids) == hf[0, len(ids):].tolist()
-    plain = _logprobs(tiny.hf_model, ids)  # the quantization is real
+    plain = hf_prompt_logprobs(tiny.hf_model, ids)  # the quantization is real
     assert max(abs(a - b) for a, b in zip(plain, want)) > 2e-3
 
 
@@ -193,7 +182,7 @@ def test_bf16_runs_torch_int4_kernel(tiny_model_factory, tmp_path, method):
     llm = LLM(model=folder, dtype="bfloat16", num_kv_blocks=32, block_size=4)
     layer = llm.engine.core.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.int4_cpu_packed and layer.quant_method.group_size == 32
-    assert _kvflow_logprobs(llm, ids) == pytest.approx(_logprobs(ref, ids), abs=0.1)
+    assert engine_prompt_logprobs(llm, ids) == pytest.approx(hf_prompt_logprobs(ref, ids), abs=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -235,9 +224,9 @@ def test_quantization_flag_must_match(gptq_folder, tiny_model_factory):
     """``--quantization gptq`` (or vLLM's ``gptq_marlin``) loads a GPTQ folder; ``awq`` names
     both methods; ``gptq`` on a float folder says what it needs."""
     ids = list(range(5, 12))
-    want = _kvflow_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
+    want = engine_prompt_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
     alias = LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16, quantization="gptq_marlin")
-    assert _kvflow_logprobs(alias, ids) == want
+    assert engine_prompt_logprobs(alias, ids) == want
     with pytest.raises(ValueError, match=r"quantization='awq' does not match the checkpoint, "
                                          r"whose quantization_config.quant_method is 'gptq'"):
         LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16, quantization="awq")
@@ -368,7 +357,7 @@ def test_extra_zero_bias_is_dropped(gptq_folder, tmp_path):
     from safetensors.torch import load_file
 
     ids = list(range(5, 12))
-    want = _kvflow_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
+    want = engine_prompt_logprobs(LLM(model=gptq_folder, dtype="float32", num_kv_blocks=16), ids)
     folder = str(tmp_path / "ckpt")
     shutil.copytree(gptq_folder, folder)
     tensors = load_file(f"{folder}/model.safetensors")
@@ -376,7 +365,7 @@ def test_extra_zero_bias_is_dropped(gptq_folder, tmp_path):
         rows = tensors[f"model.layers.0.{name}.scales"].shape[1]
         tensors[f"model.layers.0.{name}.bias"] = torch.zeros(rows, dtype=torch.float16)
     save_file(tensors, f"{folder}/model.safetensors")
-    assert _kvflow_logprobs(LLM(model=folder, dtype="float32", num_kv_blocks=16), ids) == want
+    assert engine_prompt_logprobs(LLM(model=folder, dtype="float32", num_kv_blocks=16), ids) == want
     tensors["model.layers.0.mlp.up_proj.bias"][3] = 0.5
     save_file(tensors, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.bias' is a non-zero "

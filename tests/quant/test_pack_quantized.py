@@ -20,8 +20,9 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM
 from kvflow.quant.pack_quantized import PackedInt4Method, PackedInt8Method
+from tests.quant.quant_logprobs import engine_prompt_logprobs, hf_prompt_logprobs
 from tests.quant.test_compressed_tensors import save_compressed
 
 
@@ -66,18 +67,6 @@ def _dequantized_reference(tiny, folder: str, bits: int) -> torch.nn.Module:
     return model
 
 
-def _logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return [float(lp[i, t]) for i, t in enumerate(ids[1:])]
-
-
-def _kvflow_logprobs(llm: LLM, ids: list[int]) -> list[float]:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    (out,) = llm.generate([ids], params, use_tqdm=False)
-    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-
-
 @pytest.mark.parametrize("bits,group,method", [
     (4, 32, PackedInt4Method), (4, 16, PackedInt4Method), (4, None, PackedInt4Method),
     (8, 32, PackedInt8Method), (8, 64, PackedInt8Method), (8, None, PackedInt8Method),
@@ -90,16 +79,16 @@ def test_pack_quantized_matches_reference(tiny_model_factory, tmp_path, bits, gr
     folder = _build(tiny, bits, group, str(tmp_path / "ckpt"))
     ids = torch.randint(2, tiny.vocab_size, (12,),
                         generator=torch.Generator().manual_seed(5)).tolist()
-    want = _logprobs(_dequantized_reference(tiny, folder, bits), ids)
+    want = hf_prompt_logprobs(_dequantized_reference(tiny, folder, bits), ids)
     llm = LLM(model=folder, dtype="float32", num_kv_blocks=16, block_size=4)
-    assert _kvflow_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
+    assert engine_prompt_logprobs(llm, ids) == pytest.approx(want, abs=5e-4)
     layer = llm.engine.core.executor.runner.model.model.layers[1].mlp.gate_up_proj
     assert type(layer.quant_method) is method
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert _logprobs(hf, ids) == pytest.approx(want, abs=5e-4)
-    plain = _logprobs(tiny.hf_model, ids)  # the quantization is real
+    assert hf_prompt_logprobs(hf, ids) == pytest.approx(want, abs=5e-4)
+    plain = hf_prompt_logprobs(tiny.hf_model, ids)  # the quantization is real
     assert max(abs(a - b) for a, b in zip(plain, want)) > 2e-3
 
 
@@ -110,11 +99,11 @@ def test_pack_quantized_int4_bf16_kernel(tiny_model_factory, tmp_path):
     tiny = tiny_model_factory("llama")
     folder = _build(tiny, 4, None, str(tmp_path / "ckpt"))
     ids = list(range(5, 17))
-    want = _logprobs(_dequantized_reference(tiny, folder, 4), ids)
+    want = hf_prompt_logprobs(_dequantized_reference(tiny, folder, 4), ids)
     llm = LLM(model=folder, dtype="bfloat16", num_kv_blocks=16, block_size=4)
     layer = llm.engine.core.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.int4_cpu_packed and layer.quant_method.group_size == 64
-    assert _kvflow_logprobs(llm, ids) == pytest.approx(want, abs=0.1)
+    assert engine_prompt_logprobs(llm, ids) == pytest.approx(want, abs=0.1)
 
 
 @pytest.fixture(scope="module")
