@@ -278,6 +278,8 @@ class TaggedBlocksToolParser(ToolParser):
     call in ``_read_call``."""
 
     START = END = ""
+    #: a block's body in ``system_prompt``'s instructions, between ``START`` and ``END``
+    CALL_EXAMPLE = ""
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         out, first = until_marker(text, self.START, final)
@@ -286,6 +288,10 @@ class TaggedBlocksToolParser(ToolParser):
         read_blocks(out, text, first, lambda pos: self._read_call(text, pos + len(self.START)),
                     lambda end: text.find(self.START, end))
         return calls_or_content(out, text, final)
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        return (f"You can call the functions below.\n<tools>\n{tools_listing(tools)}\n</tools>\n"
+                f"To call one, reply with:\n{self.START}{self.CALL_EXAMPLE}{self.END}")
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call of the block whose body starts at ``text[i]`` (None until it can be

@@ -29,7 +29,6 @@ from kvflow.entrypoints.tool_parsers.base import (
     arguments_items,
     is_plain_name,
     json_member,
-    tools_listing,
 )
 
 
@@ -39,6 +38,7 @@ class Glm45ToolParser(TaggedBlocksToolParser):
     START, END = "<tool_call>", "</tool_call>"
     KEY, KEY_END = "<arg_key>", "</arg_key>"
     VALUE, VALUE_END = "<arg_value>", "</arg_value>"
+    CALL_EXAMPLE = f"name\n{KEY}arg{KEY_END}\n{VALUE}value{VALUE_END}\n"
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call whose name starts at ``text[i]`` (None until the name's line ends, or if
@@ -76,12 +76,6 @@ class Glm45ToolParser(TaggedBlocksToolParser):
             return None
         return (text[j + len(self.KEY):key_end].strip(), text[v + len(self.VALUE):value_end],
                 value_end + len(self.VALUE_END))
-
-    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = tools_listing(tools)
-        return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
-                f"To call one, reply with:\n{self.START}name\n{self.KEY}arg{self.KEY_END}\n"
-                f"{self.VALUE}value{self.VALUE_END}\n{self.END}")
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """Each call's block; a string value as its text, others as JSON."""

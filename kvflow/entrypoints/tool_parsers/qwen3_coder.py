@@ -35,7 +35,6 @@ from kvflow.entrypoints.tool_parsers.base import (
     arguments_items,
     is_plain_name,
     json_member,
-    tools_listing,
 )
 
 
@@ -44,6 +43,7 @@ class Qwen3CoderToolParser(TaggedBlocksToolParser):
     START, END = "<tool_call>", "</tool_call>"
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAM, PARAM_END = "<parameter=", "</parameter>"
+    CALL_EXAMPLE = "\n<function=name>\n<parameter=arg>\nvalue\n</parameter>\n</function>\n"
 
     def _read_call(self, text: str, i: int) -> tuple[ParsedCall | None, int | None]:
         """The call whose ``<function=`` is at or after ``text[i]`` (None until its name is
@@ -91,12 +91,6 @@ class Qwen3CoderToolParser(TaggedBlocksToolParser):
         raw = raw.removeprefix("\n")
         raw = raw.removesuffix("\n")
         return text[j + len(self.PARAM):close].strip(), raw, k + skip
-
-    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listing = tools_listing(tools)
-        return ("You can call the functions below.\n<tools>\n" + listing + "\n</tools>\n"
-                f"To call one, reply with:\n{self.START}\n<function=name>\n<parameter=arg>\n"
-                f"value\n</parameter>\n</function>\n{self.END}")
 
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """Each call as its XML block; a string value as its text, others as JSON."""
