@@ -18,6 +18,7 @@ from kvflow.core.kv_swap import SwapManager
 from kvflow.core.step_time_model import StepFeatures, StepTimeModel
 from kvflow.kv_cache_interface import FullAttentionSpec
 from kvflow.worker.kv_swap import HostKVCache
+from tests.core.swap_checks import always_swap, assert_swapped_back_and_pools_idle
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "kvflow pages keys and values",
            "swap preemption copies blocks to host memory and back again " * 2, "a b c d e f",
@@ -29,18 +30,6 @@ def _run(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def _always_swap(monkeypatch) -> None:
-    """Swap every victim the host pool can hold (the cost rule is tested on its own below)."""
-    original = SwapManager.should_swap
-
-    def should_swap(self, request):
-        original(self, request)  # still exercised
-        held = sum(self.kv.num_held_blocks(request.request_id))
-        return 0 < held <= self.host.num_free_blocks and request.num_computed_tokens > 0
-
-    monkeypatch.setattr(SwapManager, "should_swap", should_swap)
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_llama) -> list[list[int]]:
     return _run(LLM(model=tiny_llama.path, dtype="float32", block_size=16, num_kv_blocks=256))
@@ -49,17 +38,12 @@ def expected(tiny_llama) -> list[list[int]]:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_swapped_outputs_equal_unpreempted_and_pools_end_idle(tiny_llama, expected, monkeypatch,
                                                               prefix_caching):
-    _always_swap(monkeypatch)
+    always_swap(monkeypatch)
     llm = LLM(model=tiny_llama.path, dtype="float32", block_size=16, num_kv_blocks=14,
               enable_prefix_caching=prefix_caching, preemption_mode="swap", swap_space="1MiB")
     assert _run(llm) == expected
     core = llm.engine.core
-    sched, kv, swap = core.scheduler, core.kv_cache_manager, core.scheduler.swap
-    assert sched.num_preemptions > 0 and swap.num_swapped_out > 0
-    assert swap.num_swapped_in == swap.num_swapped_out  # every swapped request came back
-    swap.release_read_blocks()  # the last swap-in's host blocks (freed at the next schedule)
-    assert swap.host.num_free_blocks == swap.host.num_blocks and not swap.swapped
-    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+    assert_swapped_back_and_pools_idle(core)
     runner = core.executor.runner
     assert runner.host_kv is not None and \
         runner.host_kv.host_caches[0].shape[1] == core.kv_cache_config.num_host_blocks

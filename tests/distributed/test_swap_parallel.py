@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.core.kv_swap import SwapManager
+from tests.core.swap_checks import always_swap, assert_swapped_back_and_pools_idle
 from tests.distributed.conftest import PROMPTS, assert_same_greedy, shutdown_and_check
 from tests.lora.adapters import MAX_TOKENS, check_tokens_against_peft
 
@@ -45,26 +45,13 @@ def unpreempted(tiny_llama) -> list[list]:
                          ids=["pp2", "cp2"])
 def test_swapped_requests_over_two_ranks_equal_unpreempted(tiny_llama, unpreempted, parallel,
                                                            monkeypatch):
-    original = SwapManager.should_swap
-
-    def always_swap(self, request):  # every victim the host pool can hold
-        original(self, request)
-        held = sum(self.kv.num_held_blocks(request.request_id))
-        return 0 < held <= self.host.num_free_blocks and request.num_computed_tokens > 0
-
-    monkeypatch.setattr(SwapManager, "should_swap", always_swap)
+    always_swap(monkeypatch)
     llm = LLM(model=tiny_llama.path, dtype="float32", block_size=4, num_kv_blocks=16,
               preemption_mode="swap", swap_space="1MiB", distributed_executor_backend="mp",
               **parallel)
     try:
         got = _run(llm)
-        core = llm.engine.core
-        sched, kv, swap = core.scheduler, core.kv_cache_manager, core.scheduler.swap
-        assert sched.num_preemptions > 0 and swap.num_swapped_out > 0
-        assert swap.num_swapped_in == swap.num_swapped_out  # every swapped request came back
-        swap.release_read_blocks()  # the last swap-in's host blocks (freed at the next step)
-        assert swap.host.num_free_blocks == swap.host.num_blocks and not swap.swapped
-        assert kv.num_free_blocks == kv.pool.num_usable_blocks
+        assert_swapped_back_and_pools_idle(llm.engine.core)
     finally:
         shutdown_and_check(llm)
     assert_same_greedy(unpreempted, got)
