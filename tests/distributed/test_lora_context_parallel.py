@@ -15,15 +15,14 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.lora.request import LoRARequest
 from tests.distributed.conftest import shutdown_and_check
 from tests.lora.adapters import (
     MAX_TOKENS,
     PROMPTS,
-    assert_output_matches_peft,
     make_late_adapter,
     make_mixed_adapters,
     mixed_batch_matches_peft,
+    reload_and_refusal_match_peft,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -46,19 +45,6 @@ def test_two_adapters_and_base_at_cp2_match_peft(tiny_llama, adapters):
         stats = llm.engine.core.executor.collective_rpc("step_stats")
         every_token = sum(len(p) for p in ids) + len(ids) * (MAX_TOKENS - 1)
         assert all(s["dense_tokens"] < every_token for s in stats), (stats, every_token)
-        late = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("late", 3,
-                                                                       adapters["late"]),
-                            use_tqdm=False)[0]
-        assert_output_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
-        assert llm.engine.core.remove_lora(3)  # on both ranks: the id now runs 'qv'
-        again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
-                                                                        adapters["qv"]),
-                             use_tqdm=False)[0]
-        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
-        with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
-            llm.generate("hi", GREEDY, lora_request=LoRARequest("wide", 4,
-                                                                adapters["too_wide"]))
-        base = llm.generate([ids[2]], GREEDY, use_tqdm=False)[0]  # both ranks still serve
-        assert base.outputs[0].token_ids == outs[2].outputs[0].token_ids
+        reload_and_refusal_match_peft(llm, tiny_llama.path, adapters, ids, outs, GREEDY)
     finally:
         shutdown_and_check(llm)

@@ -26,6 +26,7 @@ from tests.lora.adapters import (
     make_mixed_adapters,
     mixed_batch_matches_peft,
     peft_logprobs,
+    reload_and_refusal_match_peft,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -48,23 +49,9 @@ def test_two_adapters_and_base_at_tp2_match_peft(tiny_llama, adapters):
     try:
         ids, outs = mixed_batch_matches_peft(llm, tiny_llama.path, adapters, PROMPTS, GREEDY)
         # dynamic: load 'late' (every rank), run it, unload it, reuse its id for 'qv'
-        late = llm.generate([ids[0]], GREEDY, lora_request=LoRARequest("late", 3,
-                                                                       adapters["late"]),
-                            use_tqdm=False)[0]
-        assert_output_matches_peft(tiny_llama.path, adapters["late"], ids[0], late.outputs[0])
-        assert llm.engine.core.remove_lora(3)
-        # another prompt, so that only the slot is tested here (the prefix cache's keying
-        # of a reused id: tests/lora/test_lora_engine.py)
-        again = llm.generate([ids[1]], GREEDY, lora_request=LoRARequest("qv_again", 3,
-                                                                        adapters["qv"]),
-                             use_tqdm=False)[0]
-        assert_output_matches_peft(tiny_llama.path, adapters["qv"], ids[1], again.outputs[0])
+        again = reload_and_refusal_match_peft(llm, tiny_llama.path, adapters, ids, outs,
+                                              GREEDY)
         assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
-        with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
-            llm.generate("hi", GREEDY, lora_request=LoRARequest("wide", 4,
-                                                                adapters["too_wide"]))
-        base = llm.generate([ids[2]], GREEDY, use_tqdm=False)[0]  # both ranks still run
-        assert base.outputs[0].token_ids == outs[2].outputs[0].token_ids
     finally:
         shutdown_and_check(llm)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 MAX_TOKENS = 12
@@ -137,3 +138,30 @@ def mixed_batch_matches_peft(llm: Any, base_path: str, adapters: dict[str, str],
     for prompt, lora, out in zip(ids, loras, outs):
         assert_output_matches_peft(base_path, lora and lora.lora_path, prompt, out.outputs[0])
     return ids, outs
+
+
+def reload_and_refusal_match_peft(llm: Any, base_path: str, adapters: dict[str, str],
+                                  ids: list[list[int]], outs: list, params: Any) -> Any:
+    """After :func:`mixed_batch_matches_peft` (``ids``, ``outs``) on a parallel engine:
+    adapter ``late`` loaded as id 3 (on every rank), run on ``ids[0]`` and removed, id 3
+    reused for folder ``qv`` on ``ids[1]`` (a rank that kept the old weights would decode
+    ``late``), both checked against peft; then ``too_wide`` refused naming
+    ``max_lora_rank=8``, and the base model still serving ``ids[2]`` as before. Returns the
+    reused id's output."""
+    from kvflow.lora.request import LoRARequest
+
+    late = llm.generate([ids[0]], params, lora_request=LoRARequest("late", 3, adapters["late"]),
+                        use_tqdm=False)[0]
+    assert_output_matches_peft(base_path, adapters["late"], ids[0], late.outputs[0])
+    assert llm.engine.core.remove_lora(3)
+    # another prompt, so that only the slot is tested here (the prefix cache's keying of a
+    # reused id: tests/lora/test_lora_engine.py)
+    again = llm.generate([ids[1]], params, lora_request=LoRARequest("qv_again", 3,
+                                                                    adapters["qv"]),
+                         use_tqdm=False)[0]
+    assert_output_matches_peft(base_path, adapters["qv"], ids[1], again.outputs[0])
+    with pytest.raises(ValueError, match="exceeds max_lora_rank=8"):
+        llm.generate("hi", params, lora_request=LoRARequest("wide", 4, adapters["too_wide"]))
+    base = llm.generate([ids[2]], params, use_tqdm=False)[0]  # every rank still serves
+    assert base.outputs[0].token_ids == outs[2].outputs[0].token_ids
+    return again
