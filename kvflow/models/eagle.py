@@ -35,8 +35,9 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.models.llama import (
     AttentionBias,
     LlamaDecoderLayer,
-    default_weight_loader,
+    load_tensor,
     make_rotary_embedding,
+    map_packed,
 )
 
 EAGLE_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -114,18 +115,10 @@ class EagleLlamaHead(nn.Module):
             name = eagle_tensor_name(name)
             if "rotary_emb.inv_freq" in name:
                 continue
-            target, shard = name, None
-            for src, (dst, part) in EAGLE_PACKED.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", f".{dst}."), part
+            target, shard = map_packed(name, EAGLE_PACKED)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of an "
                                  "EAGLE-1 head (fc, layers.0, norm, embed_tokens, lm_head)")
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, *(() if shard is None else (shard,)))
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            load_tensor(params[target], name, tensor, shard)
             loaded.add(target)
         return loaded

@@ -330,18 +330,13 @@ class LlamaForCausalLM(nn.Module):
             if tied and name == "model.embed_tokens.weight" and \
                     isinstance(self.model.embed_tokens, PPMissingLayer):
                 name = "lm_head.weight"  # the last stage's own copy of the tied embedding
-            target, shard = _map_packed(name, self.packed_modules_mapping)
+            target, shard = map_packed(name, self.packed_modules_mapping)
             if target not in params and is_pp_missing(target, self):
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
                                  f"{type(self).__name__}")
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, *(() if shard is None else (shard,)))
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            load_tensor(params[target], name, tensor, shard)
             loaded.add(target)
         if tied and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
@@ -398,7 +393,25 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _map_packed(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+def load_tensor(param: nn.Parameter, name: str, tensor: torch.Tensor, shard: Any = None) -> None:
+    """Load checkpoint tensor ``name`` into ``param`` through the parameter's
+    ``weight_loader`` (:func:`default_weight_loader` without one), passing ``shard`` (the
+    part of a fused parameter it fills: "q", 0, ...) unless it is None.
+
+    Raises:
+        ValueError: naming the tensor, when the loader refuses it (a shape that does not fit).
+    """
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(param, tensor, *(() if shard is None else (shard,)))
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+
+
+def map_packed(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """Checkpoint tensor ``name`` renamed onto the fused parameter it is part of, and its shard
+    (``mapping``: checkpoint module -> (fused module, shard), as ``packed_modules_mapping``);
+    ``(name, None)`` for a tensor of no fused parameter."""
     for src, (dst, shard) in mapping.items():
         if f".{src}." in name:
             return name.replace(f".{src}.", f".{dst}."), shard
