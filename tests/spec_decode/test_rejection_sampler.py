@@ -26,6 +26,14 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
                                          stat.double() / 2))
 
 
+def assert_sampled_token_follows(outs: list, index: int, marginal: torch.Tensor) -> None:
+    """Generated token ``index`` over the requests ``outs`` (RequestOutputs) is distributed as
+    ``marginal`` ([vocab] probabilities): :func:`chi_square_p_value` > 0.001."""
+    tokens = torch.tensor([o.outputs[0].token_ids[index] for o in outs])
+    counts = torch.bincount(tokens, minlength=len(marginal)).double()
+    assert chi_square_p_value(counts, marginal) > 1e-3
+
+
 def _bad_draft(gen: torch.Generator) -> torch.Tensor:
     """A draft distribution far from the target: most mass on what the target finds rare."""
     return torch.softmax(3.0 * torch.randn(V, generator=gen), 0)
