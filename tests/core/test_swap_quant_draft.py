@@ -22,7 +22,7 @@ from kvflow.core.kv_cache_sizing import num_host_blocks
 from kvflow.core.kv_swap import SwapManager
 from kvflow.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvflow.worker.input_batch import InputBatch
-from tests.core.test_swap_preemption import _always_swap
+from tests.core.swap_checks import always_swap
 from tests.spec_decode.test_ngram_engine import PROMPTS as DRAFT_PROMPTS
 from tests.spec_decode.test_ngram_engine import _drafted
 from tests.test_generation_config import hf_greedy
@@ -63,7 +63,7 @@ def test_quantized_kv_cache_swaps_its_scales(tiny_llama, monkeypatch, assert_no_
     kw = {"model": tiny_llama.path, "dtype": "float32", "block_size": 16,
           "kv_cache_dtype": kv_cache_dtype}
     expected = LLM(num_kv_blocks=256, **kw).generate(PROMPTS, PARAMS, use_tqdm=False)
-    _always_swap(monkeypatch)
+    always_swap(monkeypatch)
     llm = LLM(num_kv_blocks=14, preemption_mode="swap", swap_space="1MiB", **kw)
     _check_same(llm.generate(PROMPTS, PARAMS, use_tqdm=False), expected)
     _check_pools_idle(llm, assert_no_leaks)
@@ -105,7 +105,7 @@ def test_draft_model_kv_is_swapped_with_the_target(tiny_llama, monkeypatch, asse
     kw = {"model": tiny_llama.path, "dtype": "float32", "block_size": 4,
           "speculative_config": spec}
     expected = LLM(num_kv_blocks=300, **kw).generate(prompts, params, use_tqdm=False)
-    _always_swap(monkeypatch)
+    always_swap(monkeypatch)
     restored = _restored_draft_counts(monkeypatch)
     llm = LLM(num_kv_blocks=40, max_num_seqs=6, preemption_mode="swap", swap_space="4MiB", **kw)
     got = llm.generate(prompts, params, use_tqdm=False)
@@ -133,7 +133,7 @@ def test_async_scheduling_swaps(tiny_llama, monkeypatch, assert_no_leaks, prefix
     kw = {"model": tiny_llama.path, "dtype": "float32", "block_size": 16,
           "enable_prefix_caching": prefix_caching}
     expected = LLM(num_kv_blocks=256, **kw).generate(PROMPTS, PARAMS, use_tqdm=False)
-    _always_swap(monkeypatch)
+    always_swap(monkeypatch)
     in_flight: list[int] = []  # per swap-out: the victim's tokens still out (step N's)
     swap_out = SwapManager.swap_out
 

@@ -433,10 +433,10 @@ def test_adapters_under_preemption_match_peft(tiny_llama, adapters, peft_first_p
     requests are preempted (recomputed, or swapped out and back in, where the swapped-in
     blocks are indexed for prefix caching again) and their blocks shared by prefix caching
     only with requests of the same adapter. Tokens equal peft's, each adapter alone."""
-    from tests.core.test_swap_preemption import _always_swap
+    from tests.core.swap_checks import always_swap
 
     if mode == "swap":
-        _always_swap(monkeypatch)
+        always_swap(monkeypatch)
     llm = LLM(model=tiny_llama.path, dtype="float32", device="cpu", num_kv_blocks=12,
               block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
               preemption_mode=mode, **({"swap_space": "1MiB"} if mode == "swap" else {}))

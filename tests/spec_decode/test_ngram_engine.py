@@ -173,12 +173,12 @@ def test_preemption_prefix_caching_and_aborts_leak_nothing(tiny_llama, assert_no
 def test_swap_preemption(tiny_llama, assert_no_leaks, monkeypatch):
     """--preemption-mode swap with n-gram drafts (the README said it was refused): victims
     copied out to the host pool and back while drafts are verified give plain greedy
-    decoding's tokens, and no block leaks. Every victim is swapped (``_always_swap``): the
+    decoding's tokens, and no block leaks. Every victim is swapped (``always_swap``): the
     engine's own choice between swap and recompute follows measured step times, so on a busy
     machine it may recompute them all (seen: no swap, the assertion failed)."""
-    from tests.core.test_swap_preemption import _always_swap
+    from tests.core.swap_checks import always_swap
 
-    _always_swap(monkeypatch)
+    always_swap(monkeypatch)
     prompts = [PROMPTS[i % 4] + " " + "ab" * (i % 3) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     ref = _generate(_engine(tiny_llama.path, num_kv_blocks=300), params, prompts)
