@@ -14,27 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import LLM, SamplingParams
 from kvflow.kernels.cpu_native import native_cpu_kernels
 from kvflow.quant.int8 import Int8EmbeddingMethod, Int8WeightOnlyMethod
+from tests.quant.test_stepgraph_prequantized_int8 import _engine, _generate
 
 pytestmark = pytest.mark.skipif(native_cpu_kernels() is None, reason="no C compiler")
-
-PROMPTS = [[5, 9, 23, 41, 7], [100, 3, 77], [8, 8, 15, 16, 23, 42, 4], [61, 2]]
-MAX_TOKENS = [12, 9, 14, 6]
-
-
-def _engine(path: str, dtype: str, **kwargs) -> LLM:
-    return LLM(model=path, dtype=dtype, device="cpu", num_kv_blocks=64, block_size=4, **kwargs)
-
-
-def _generate(llm: LLM) -> list:
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
-              for n in MAX_TOKENS]
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in outs]
 
 
 def _replays_16bit(dtype: str) -> bool:
