@@ -81,8 +81,15 @@ def test_rows_do_not_depend_on_the_batch_or_threads():
     """Each output's summation order depends on K and the path only: a row computed with 16
     others, alone (fp32) or in pairs (bf16: one-row calls take the fp32 path there), or with
     another thread count is bitwise the same (batch invariance)."""
+    assert_rows_independent(*_case(17, 150, 300, seed=7))
+
+
+def assert_rows_independent(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> None:
+    """The first 16 rows of ``x`` [>= 16, K] through the INT8 GEMM are bitwise the same
+    computed together, one (fp32) or two (bf16) rows per call on one thread, and rows 5-8
+    alone."""
     kernels = cpu_native.native_cpu_kernels()
-    x, q, scale, bias = _case(17, 150, 300, seed=7)
     threads = torch.get_num_threads()
     for xs, per_call in ((x, 1), (x.bfloat16(), 2)):
         whole = int8_gemm(kernels, xs, q, scale, bias)

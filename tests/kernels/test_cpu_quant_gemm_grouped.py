@@ -25,6 +25,7 @@ from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant import pack_quantized
 from kvflow.quant.pack_quantized import PackedInt8Method
+from tests.kernels.test_cpu_quant_gemm import assert_rows_independent
 
 LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 pytestmark = pytest.mark.skipif(cpu_native.native_cpu_kernels() is None,
@@ -106,19 +107,7 @@ def test_one_group_is_the_per_channel_product():
 def test_grouped_rows_do_not_depend_on_the_batch_or_threads():
     """A row's summation order depends on K, G and the path only: computed with 16 others,
     alone (fp32) or in pairs (bf16), or on one thread, it is bitwise the same."""
-    kernels = cpu_native.native_cpu_kernels()
-    x, q, scale, bias = _case(17, 150, 320, 64, seed=7)
-    threads = torch.get_num_threads()
-    for xs, per_call in ((x, 1), (x.bfloat16(), 2)):
-        whole = int8_gemm(kernels, xs, q, scale, bias)
-        try:
-            torch.set_num_threads(1)
-            parts = [int8_gemm(kernels, xs[i:i + per_call], q, scale, bias)
-                     for i in range(0, 16, per_call)]
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(whole[:16], torch.cat(parts))
-        assert torch.equal(int8_gemm(kernels, xs[5:9], q, scale, bias), whole[5:9])
+    assert_rows_independent(*_case(17, 150, 320, 64, seed=7))
 
 
 def test_bad_group_scales_are_value_errors():
