@@ -72,7 +72,9 @@ def test_completion_logprobs_are_processed_logits(server, tiny_llama):
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
                     streamed += (c.get("logprobs") or {}).get("token_logprobs") or []
-    assert streamed == choice["logprobs"]["token_logprobs"]
+    # the second request reuses the first's cached prompt blocks: equal within rounding (the
+    # torch kernels, KVFLOW_NATIVE_CPU=0, are not bitwise invariant to how a prompt is split)
+    assert streamed == pytest.approx(choice["logprobs"]["token_logprobs"], abs=2e-4)
 
 
 def test_chat_logprobs_are_processed_logits(server, tiny_llama):
@@ -98,7 +100,7 @@ def test_chat_logprobs_are_processed_logits(server, tiny_llama):
                 for ch in json.loads(line[6:])["choices"]:
                     streamed += [c["logprob"] for c in
                                  ((ch.get("logprobs") or {}).get("content") or [])]
-    assert streamed == [c["logprob"] for c in content]
+    assert streamed == pytest.approx([c["logprob"] for c in content], abs=2e-4)  # as above
 
 
 def test_beam_search_refused_naming_the_flag(server):
