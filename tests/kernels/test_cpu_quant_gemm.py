@@ -64,6 +64,16 @@ def _reference_and_bound(x, q, scale, bias, out_dtype):
                                    (17, 8, 40)])
 def test_int8_gemm_within_fp32_bound_at_every_level(kernels, m, n, k):
     x, q, scale, bias = _case(m, n, k, seed=m * 1000 + n + k)
+    assert_within_bound_per_dtype(kernels, x, q, scale, bias, _reference_and_bound)
+
+
+def assert_within_bound_per_dtype(kernels, x: torch.Tensor, q: torch.Tensor,
+                                  scale: torch.Tensor, bias: torch.Tensor,
+                                  reference_and_bound) -> None:
+    """The INT8 GEMM of ``x`` [M, K] by ``q`` [N, K] for fp32 / bf16 / fp16 activations and
+    outputs, with and without ``bias``, has shape [M, N] and the output dtype, and lies within
+    ``reference_and_bound(x, q, scale, bias, out_dtype)``'s float64 bound of its reference."""
+    m, n = x.shape[0], q.shape[0]
     for x_dtype, out_dtype, b in ((torch.float32, torch.float32, bias),
                                   (torch.float32, torch.float32, None),
                                   (torch.bfloat16, torch.bfloat16, bias),
@@ -72,7 +82,7 @@ def test_int8_gemm_within_fp32_bound_at_every_level(kernels, m, n, k):
         xs = x.to(x_dtype)
         got = int8_gemm(kernels, xs, q, scale, b, out_dtype=out_dtype)
         assert got.dtype == out_dtype and got.shape == (m, n)
-        ref, bound = _reference_and_bound(xs.float(), q, scale, b, out_dtype)
+        ref, bound = reference_and_bound(xs.float(), q, scale, b, out_dtype)
         err = (got.double() - ref).abs()
         assert bool((err <= bound).all()), (x_dtype, out_dtype, float((err / bound).max()))
 

@@ -25,7 +25,10 @@ from kvflow.kernels import cpu_build, cpu_native
 from kvflow.kernels.cpu_quant import int8_gemm
 from kvflow.quant import pack_quantized
 from kvflow.quant.pack_quantized import PackedInt8Method
-from tests.kernels.test_cpu_quant_gemm import assert_rows_independent
+from tests.kernels.test_cpu_quant_gemm import (
+    assert_rows_independent,
+    assert_within_bound_per_dtype,
+)
 
 LEVELS = [lv.name for lv in cpu_build.isa_levels_for_cpu()]
 pytestmark = pytest.mark.skipif(cpu_native.native_cpu_kernels() is None,
@@ -74,17 +77,7 @@ def _reference_and_bound(x, q, scale, bias, out_dtype):
     (1, 5, 7, 7)])
 def test_grouped_int8_gemm_within_fp32_bound_at_every_level(kernels, m, n, k, group):
     x, q, scale, bias = _case(m, n, k, group, seed=m * 1000 + n + k + group)
-    for x_dtype, out_dtype, b in ((torch.float32, torch.float32, bias),
-                                  (torch.float32, torch.float32, None),
-                                  (torch.bfloat16, torch.bfloat16, bias),
-                                  (torch.bfloat16, torch.float32, None),
-                                  (torch.float16, torch.float16, bias)):
-        xs = x.to(x_dtype)
-        got = int8_gemm(kernels, xs, q, scale, b, out_dtype=out_dtype)
-        assert got.dtype == out_dtype and got.shape == (m, n)
-        ref, bound = _reference_and_bound(xs.float(), q, scale, b, out_dtype)
-        err = (got.double() - ref).abs()
-        assert bool((err <= bound).all()), (x_dtype, out_dtype, float((err / bound).max()))
+    assert_within_bound_per_dtype(kernels, x, q, scale, bias, _reference_and_bound)
 
 
 def test_one_group_is_the_per_channel_product():
