@@ -38,6 +38,9 @@ class MultiModalFeature:
             temporal count is its frames / ``temporal_patch_size``).
         second_per_grid_t: a video's seconds per temporal patch (``temporal_patch_size /
             fps``; Qwen2.5-VL spaces its M-RoPE time ids by it); None for an image.
+        image_size: the image's (height, width) in pixels before any resize, where the
+            model needs it (LLaVA-NeXT: its tile grid and unpadding; ``grid_thw`` is then
+            (tiles, h, w) patches per tile); None otherwise.
     """
 
     modality: str
@@ -48,6 +51,7 @@ class MultiModalFeature:
     shape: tuple[int, int]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
+    image_size: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -44,14 +44,15 @@ _RENAMES = (("model.language_model.", "model."),
 SELECT_STRATEGIES = ("default", "full")
 
 
-def check_llava_config(config: Any) -> None:
-    """Refuse the LLaVA config fields kvflow does not compute.
+def check_llava_config(config: Any, anyres: bool = False) -> None:
+    """Refuse the LLaVA config fields kvflow does not compute; ``anyres``: the config is
+    LLaVA-NeXT's, whose ``image_grid_pinpoints`` are read (``llava_next_packing.py``).
 
     Raises:
         ValueError: naming the field: ``vision_feature_layer`` not one integer (a list of
             layers, concatenated), a ``vision_feature_select_strategy`` other than "default"
-            / "full", LLaVA-NeXT's ``image_grid_pinpoints`` (any-resolution tiling), or a
-            vision tower other than CLIP / SigLIP.
+            / "full", ``image_grid_pinpoints`` (any-resolution tiling) in a LLaVA-1.5
+            config, or a vision tower other than CLIP / SigLIP.
     """
     layer = getattr(config, "vision_feature_layer", -2)
     if isinstance(layer, bool) or not isinstance(layer, int):
@@ -62,9 +63,11 @@ def check_llava_config(config: Any) -> None:
     if strategy not in SELECT_STRATEGIES:
         raise ValueError(f"vision_feature_select_strategy={strategy!r}: choose one of "
                          f"{list(SELECT_STRATEGIES)}")
-    if getattr(config, "image_grid_pinpoints", None):
-        raise ValueError("image_grid_pinpoints (LLaVA-NeXT any-resolution tiling) is not "
-                         "supported: kvflow's LLaVA runs one fixed-size image per placeholder")
+    if not anyres and getattr(config, "image_grid_pinpoints", None):
+        raise ValueError("image_grid_pinpoints (LLaVA-NeXT any-resolution tiling) in a "
+                         "LlavaForConditionalGeneration config: LLaVA-1.5 runs one fixed-size "
+                         "image per placeholder; LLaVA-NeXT checkpoints name "
+                         "LlavaNextForConditionalGeneration")
     model_type = _field(config.vision_config, "model_type")
     if model_type not in VISION_MODEL_TYPES:
         raise ValueError(f"vision_config.model_type={model_type!r}: kvflow's LLaVA runs "
@@ -108,10 +111,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     supports_multimodal = True
     uses_mrope = False
+    # checkpoint names (kvflow's) this class loads itself; the rest is the decoder's
+    own_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
+    anyres = False  # LLaVA-NeXT's image_grid_pinpoints tiling (its subclass)
 
     def __init__(self, config: Any, ctx: AttentionContext,
                  parallel: ParallelState | None = None) -> None:
-        check_llava_config(config)
+        check_llava_config(config, anyres=self.anyres)
         super().__init__(config, ctx, parallel)
         vision = config.vision_config
         self.vision_tower = VisionTower(vision, getattr(config, "vision_feature_layer", -2))
@@ -123,8 +129,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                                   "default") == "default"
 
     @staticmethod
-    def image_token_count(config: Any, grid_thw: tuple[int, int, int]) -> int:
-        """Placeholder tokens of one image (see :func:`llava_image_tokens`)."""
+    def image_token_count(config: Any, grid_thw: tuple[int, int, int],
+                          image_size: tuple[int, int] | None = None) -> int:
+        """Placeholder tokens of one image (see :func:`llava_image_tokens`; ``image_size``,
+        the original pixels, does not change it)."""
         return llava_image_tokens(config, grid_thw)
 
     def embed_multimodal(self, pixel_values: list[torch.Tensor],
@@ -164,8 +172,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             ValueError: for a checkpoint tensor that matches no parameter or whose shape does
                 not fit it.
         """
-        own = {n: p for n, p in self.named_parameters()
-               if n.startswith(("vision_tower.", "multi_modal_projector."))}
+        own = {n: p for n, p in self.named_parameters() if n.startswith(self.own_prefixes)}
         loaded: set[str] = set()
 
         def decoder_weights():
@@ -177,7 +184,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             """
             for name, tensor in weights:
                 name = self.checkpoint_name(name)
-                if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+                if not name.startswith(self.own_prefixes):
                     yield name, tensor
                     continue
                 if name.startswith("vision_tower.") and \

@@ -24,6 +24,7 @@ from kvflow.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from kvflow.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvflow.models.llama_pooling import embedding_only, sequence_classifier, token_classifier
 from kvflow.models.llava import LlavaForConditionalGeneration
+from kvflow.models.llava_next import LlavaNextForConditionalGeneration
 from kvflow.models.mixtral import MixtralForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.phi3 import Phi3ForCausalLM
@@ -55,6 +56,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     # embedding (pooling) models: an encoder, and bare decoders without an LM head
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,

@@ -194,11 +194,12 @@ class MultiModalProcessor:
                  ) -> MultiModalFeature:
         """One image's (video's) feature, its placeholders starting at ``offset``; a
         ``MediaError`` carries the item's index among its kind."""
+        image_size = None  # the original (height, width), where the model needs it
         try:
             if is_video:
                 pixels, grid = self.preprocess_video(item)
             else:
-                pixels, grid = self.preprocess(item)
+                pixels, grid, image_size = self.preprocess(item)
         except MediaError as e:
             if is_video and not isinstance(e, VideoError):  # a frame's refusal
                 e = VideoError(f"a frame of the video: {e}")
@@ -206,16 +207,18 @@ class MultiModalProcessor:
             raise e from None
         length = grid[0] * grid[1] * grid[2] // self.merge ** 2
         if self.token_count is not None:
-            length = self.token_count(self.hf_config, grid)
+            length = self.token_count(self.hf_config, grid, image_size)
         if not is_video:
-            return _feature("image", pixels, grid, offset, length)
+            return _feature("image", pixels, grid, offset, length, image_size=image_size)
         return _feature("video", pixels, grid, offset, length,
                         self.temporal_patch_size / DEFAULT_VIDEO_FPS)
 
     def preprocess(self, image: Any, size: dict[str, int] | None = None
-                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """One image -> (pixel_values float32 [num_patches, patch_dim], (t, h, w) patches);
-        ``size``: resize bounds other than the image processor's (video frames).
+                   ) -> tuple[np.ndarray, tuple[int, int, int], tuple[int, int] | None]:
+        """One image -> (pixel_values float32 [num_patches, patch_dim], (t, h, w) patches,
+        the original (height, width) pixels where the model needs them: LLaVA-NeXT, whose
+        (t, h, w) are (tiles, patches per tile side)); ``size``: resize bounds other than the
+        image processor's (video frames).
 
         Raises:
             MediaError: for something that is not a PIL image, or one the model cannot take.
@@ -233,11 +236,17 @@ class MultiModalProcessor:
             out = self.image_processor(images=[image], return_tensors="np", **kwargs)
         except ValueError as e:  # e.g. an aspect ratio above 200
             raise MediaError(f"the image cannot be preprocessed: {e}") from None
+        tile = _vision_field(self.hf_config, "image_size")
+        if "image_sizes" in out:  # any-resolution tiles [1, tiles, channels, H, W]
+            rows, grids = zip(*(patch_rows(np.asarray(t, np.float32), self.patch_size, tile)
+                                for t in out["pixel_values"][0]))
+            return np.concatenate(rows), (len(rows), *grids[0][1:]), \
+                tuple(int(v) for v in out["image_sizes"][0])
         if "image_grid_thw" not in out:  # one fixed-size image [1, channels, H, W]
-            return patch_rows(np.asarray(out["pixel_values"][0], np.float32),
-                              self.patch_size, _vision_field(self.hf_config, "image_size"))
+            return *patch_rows(np.asarray(out["pixel_values"][0], np.float32),
+                               self.patch_size, tile), None
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
-        return np.ascontiguousarray(out["pixel_values"], np.float32), grid
+        return np.ascontiguousarray(out["pixel_values"], np.float32), grid, None
 
     def preprocess_video(self, video: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
         """One video -> (pixel_values_videos float32 [grid_t * h * w, patch_dim], (grid_t,
@@ -257,7 +266,7 @@ class MultiModalProcessor:
                              f"{sorted({f.size for f in frames})}")
         patches, grid = [], None
         for frame in frames:
-            pixels, grid = self.preprocess(frame, self.video_size)
+            pixels, grid, _ = self.preprocess(frame, self.video_size)
             tps = self.temporal_patch_size
             # the image processor repeats a frame over the temporal patch: keep one copy
             per_frame = pixels.reshape(pixels.shape[0], 3, tps, self.patch_size,
@@ -324,8 +333,10 @@ def check_geometry(image_processor: Any, hf_config: Any) -> None:
     Raises:
         ValueError: when ``preprocessor_config.json`` and ``config.json``'s ``vision_config``
             disagree on a patch size or the merge (the placeholder count would not match the
-            encoder's rows, and the first image would fail inside the engine).
+            encoder's rows, and the first image would fail inside the engine), or on
+            LLaVA-NeXT's ``image_grid_pinpoints``.
     """
+    _check_grid_pinpoints(image_processor, hf_config)
     vision = getattr(hf_config, "vision_config", None)
     for ours, theirs in _GEOMETRY.items():
         mine = getattr(image_processor, ours, None)
@@ -337,18 +348,39 @@ def check_geometry(image_processor: Any, hf_config: Any) -> None:
                              "not fit this model")
 
 
+def _check_grid_pinpoints(image_processor: Any, hf_config: Any) -> None:
+    """An any-resolution model (LLaVA-NeXT's ``image_grid_pinpoints``) has an image processor
+    tiling by the same resolutions.
+
+    Raises:
+        ValueError: when ``preprocessor_config.json`` has no or other pinpoints.
+    """
+    model = getattr(hf_config, "image_grid_pinpoints", None)
+    if model is None:
+        return
+    mine = getattr(image_processor, "image_grid_pinpoints", None)
+    if mine is None or [list(p) for p in mine] != [list(p) for p in model]:
+        raise ValueError(f"preprocessor_config.json has image_grid_pinpoints={mine!r} but "
+                         f"config.json has {model!r}: the image processor does not tile "
+                         "images as this model packs them")
+
+
 def _feature(modality: str, pixels: np.ndarray, grid: tuple[int, int, int], offset: int,
-             length: int, second_per_grid_t: float | None = None) -> MultiModalFeature:
-    """A feature keyed by a digest of its grid, pixels and (videos) seconds per temporal
-    patch (the M-RoPE time ids depend on it, so the prefix cache must too)."""
+             length: int, second_per_grid_t: float | None = None,
+             image_size: tuple[int, int] | None = None) -> MultiModalFeature:
+    """A feature keyed by a digest of its grid, pixels, (videos) seconds per temporal patch
+    (the M-RoPE time ids depend on it, so the prefix cache must too) and (LLaVA-NeXT) the
+    original image size (its unpadding depends on it)."""
     data = pixels.tobytes()
     key = np.asarray(grid, np.int64).tobytes() + data
     if second_per_grid_t is not None:
         key = b"video" + np.float64(second_per_grid_t).tobytes() + key
+    if image_size is not None:
+        key = b"size" + np.asarray(image_size, np.int64).tobytes() + key
     digest = hashlib.blake2b(key, digest_size=16)
     return MultiModalFeature(modality, digest.hexdigest(), offset, length, data,
                              (int(pixels.shape[0]), int(pixels.shape[1])), grid,
-                             second_per_grid_t)
+                             second_per_grid_t, image_size)
 
 
 def _placeholder_text(tokenizer: Any, hf_config: Any, image_token_id: int) -> str:

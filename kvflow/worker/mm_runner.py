@@ -57,8 +57,12 @@ class MultiModalRunner:
                 f = states[rid].mm_features[i]
                 todo.setdefault(f.identifier, f)
         features = list(todo.values())
+        sizes = {}  # the original image sizes, for a model that needs them (LLaVA-NeXT)
+        if any(f.image_size is not None for f in features):
+            sizes["image_sizes"] = [None if f.image_size is None else tuple(f.image_size)
+                                    for f in features]
         outputs = self.model.embed_multimodal([f.pixel_values() for f in features],
-                                              [tuple(f.grid_thw) for f in features])
+                                              [tuple(f.grid_thw) for f in features], **sizes)
         for f, rows in zip(features, outputs):
             self.encoder_cache[f.identifier] = rows
         self.num_encoded += len(features)
