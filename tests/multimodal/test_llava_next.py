@@ -218,3 +218,52 @@ def test_image_processor_with_other_pinpoints_is_refused(tiny_clip, tmp_path):
     conf_file.write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="image_grid_pinpoints"):
         LLM(str(tmp_path / "m"), dtype="float32", num_kv_blocks=64)
+
+
+def test_llava_v1_6_shaped_config_counts_like_transformers(tmp_path, tiny_tokenizer):
+    """A config.json of llava-hf/llava-v1.6-mistral-7b-hf's shape (336-pixel CLIP tiles of
+    14-pixel patches, its five pinpoints up to 672 x 672 and 1008 x 336, a Mistral decoder
+    whose text_config names few sizes): it reads as a multimodal model, and its placeholder
+    counts are transformers' LlavaNextProcessor's for photos of several shapes (2928 for a
+    square one: 576 base + 48 x 49)."""
+    from types import SimpleNamespace
+
+    from transformers import LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
+
+    from kvflow.models.llava_next_packing import llava_next_image_tokens
+    from kvflow.models.loader import load_hf_config
+    from kvflow.models.registry import is_multimodal
+
+    pinpoints = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaNextForConditionalGeneration"], "model_type": "llava_next",
+        "image_grid_pinpoints": pinpoints, "image_token_index": 32000,
+        "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+        "text_config": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                        "intermediate_size": 14336, "max_position_embeddings": 32768,
+                        "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                        "vocab_size": 32064},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+                          "vocab_size": 32000},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+        "vocab_size": 32064}))
+    config = load_hf_config(SimpleNamespace(kind="hf", path=str(tmp_path)))
+    assert is_multimodal(config) and config.image_grid_pinpoints == pinpoints
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE]})
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(
+            size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+            image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1)
+    sizes = [(480, 640), (640, 480), (1000, 300), (300, 1000), (500, 500), (2000, 1999),
+             (100, 90), (337, 1500)]
+    want = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+    assert [llava_next_image_tokens(config, s) for s in sizes] == want
+    assert llava_next_image_tokens(config, (500, 500)) == 576 + 48 * 49
