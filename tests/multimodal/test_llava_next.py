@@ -267,3 +267,12 @@ def test_llava_v1_6_shaped_config_counts_like_transformers(tmp_path, tiny_tokeni
     want = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
     assert [llava_next_image_tokens(config, s) for s in sizes] == want
     assert llava_next_image_tokens(config, (500, 500)) == 576 + 48 * 49
+
+
+def test_videos_are_refused(llm):
+    """LLaVA-NeXT takes no videos (its config has no video token): a ValueError saying so,
+    and the engine keeps no request."""
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": "x", "multi_modal_data": {
+            "video": np.zeros((2, 32, 32, 3), np.uint8)}})
+    assert not llm.engine.has_unfinished_requests()
