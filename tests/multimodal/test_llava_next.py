@@ -144,6 +144,12 @@ def test_placeholder_counts_equal_transformers(llm, tiny):
         (feature,) = processed.mm_features
         counts.append(feature.length)
     assert counts == [16 + 4 * 5, 16 + 2 * 9, 16 + 8 * 3, 16 + 8 * 9]
+    # extreme and off-by-one shapes: 300 x 2 keeps no row of its grid (the base tile only)
+    for width, height in [(300, 2), (2, 300), (1, 1), (65, 33), (40, 41)]:
+        image = random_image(width, height, 5)
+        processed = llm.engine.processor.process(
+            {"prompt": LLAVA_IMAGE, "multi_modal_data": {"image": [image]}})
+        assert processed.token_ids == hf_prompt_ids(tiny, LLAVA_IMAGE, [image])
 
 
 def hf_prompt_logprobs(tiny, inputs) -> list[float]:
