@@ -27,10 +27,7 @@ keeps exact. Constrained (structured-output) requests are drafted for as by a dr
 
 from __future__ import annotations
 
-import copy
-import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,150 +37,16 @@ from kvflow.attention.layer import Attention, AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.kv_cache_interface import DRAFT_LAYER_PREFIX
 from kvflow.layers.rotary import long_prompt_rope
-from kvflow.models.eagle import EagleLlamaHead
-from kvflow.models.loader import (
-    checkpoint_tensor_names,
-    iter_safetensors,
-    load_hf_config,
-    load_model,
-)
+from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import resolve_model
-from kvflow.quant import get_quant_config, process_weights_after_loading
 from kvflow.spec_decode.draft_model import DraftModel, _naming_the_draft
 from kvflow.spec_decode.draft_threads import DraftThreads
+from kvflow.spec_decode.feature_stash import FeatureStash, ramp
+from kvflow.spec_decode.head_loading import load_head, load_mtp, tensor_names
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
 
 HEAD_METHODS = ("eagle", "deepseek_mtp")  # heads fed the target's features
-
-
-class FeatureStash:
-    """The target's final hidden states the head has still to read: per request, the
-    consecutive positions ``begin .. begin + count - 1``, at most ``capacity`` of them (k + 1:
-    a verification step's tokens), in one buffer [slots, capacity, H] of the target's dtype
-    that grows (doubling) with the requests held at once. Every request's bookkeeping is a
-    numpy column indexed by its slot, so a step is stored and read with one tensor index.
-
-    Memory: ``slots * capacity * H`` values, e.g. Llama-3-8B (H 4096, bf16) with 256
-    requests and k = 3: 8 MiB, whatever the prompts' and outputs' lengths."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.buffer: torch.Tensor | None = None  # [slots, capacity, H], made on first store
-        self.slot: dict[str, int] = {}
-        self.begin = np.full(0, -1, np.int64)  # first kept position; -1: none stored yet
-        self.count = np.zeros(0, np.int64)  # rows kept
-        self.offset = np.zeros(0, np.int64)  # the buffer row of ``begin``
-        self._free: list[int] = []
-
-    def slots_of(self, req_ids: list[str], like: torch.Tensor) -> np.ndarray:
-        """int64 [len(req_ids)]: each request's slot, a free one given to a new request (the
-        buffer grows, shaped and typed after ``like`` [*, H], when none is free)."""
-        new = [rid for rid in dict.fromkeys(req_ids) if rid not in self.slot]
-        if len(new) > len(self._free):
-            self._grow(len(self.slot) + len(new), like)
-        for rid in new:
-            s = self.slot[rid] = self._free.pop()
-            self.begin[s], self.count[s], self.offset[s] = -1, 0, 0
-        return np.fromiter((self.slot[rid] for rid in req_ids), np.int64, len(req_ids))
-
-    def _grow(self, needed: int, like: torch.Tensor) -> None:
-        old = 0 if self.buffer is None else self.buffer.shape[0]
-        size = max(needed, 2 * old, 4)
-        buffer = torch.zeros(size, self.capacity, like.shape[-1], dtype=like.dtype,
-                             device=like.device)
-        if self.buffer is not None:
-            buffer[:old] = self.buffer
-        self.buffer = buffer
-        grown = size - old
-        self.begin = np.concatenate([self.begin, np.full(grown, -1, np.int64)])
-        self.count = np.concatenate([self.count, np.zeros(grown, np.int64)])
-        self.offset = np.concatenate([self.offset, np.zeros(grown, np.int64)])
-        self._free.extend(range(size - 1, old - 1, -1))
-
-    def store(self, slots: np.ndarray, begin: np.ndarray, features: torch.Tensor,
-              first_row: np.ndarray, count: np.ndarray) -> None:
-        """Keep, for each ``slots[i]``, only the positions ``begin[i] .. begin[i] + count[i]
-        - 1``: rows ``first_row[i] ..`` of ``features`` [T, H] (one index copy).
-
-        Raises:
-            RuntimeError: for a count over ``capacity`` (a bookkeeping error).
-        """
-        if (count > self.capacity).any():
-            raise RuntimeError(f"EAGLE: {int(count.max())} target features to keep for one "
-                               f"request, more than the stash's {self.capacity}")
-        self.begin[slots], self.count[slots], self.offset[slots] = begin, count, 0
-        within = _ramp(count)
-        dest = np.repeat(slots * self.capacity, count) + within
-        src = np.repeat(first_row, count) + within
-        flat = self.buffer.view(-1, self.buffer.shape[-1])
-        with _serial_on_cpu(flat):
-            flat.index_copy_(0, torch.from_numpy(dest).to(flat.device),
-                             features.index_select(0, torch.from_numpy(src).to(features.device)))
-
-    def drop_before(self, slots: np.ndarray, position: np.ndarray) -> None:
-        """Forget the rows of positions before ``position[i]`` (consumed by the head)."""
-        cut = np.minimum(np.maximum(position - self.begin[slots], 0), self.count[slots])
-        self.begin[slots] += cut
-        self.offset[slots] += cut
-        self.count[slots] -= cut
-
-    def take(self, slots: np.ndarray, start: np.ndarray, count: np.ndarray) -> torch.Tensor:
-        """Rows of positions ``start[i] .. start[i] + count[i] - 1`` of each slot, in order:
-        [sum(count), H] (one index select).
-
-        Raises:
-            RuntimeError: if some of them are not kept (a bookkeeping error).
-        """
-        begin, kept = self.begin[slots], self.count[slots]
-        bad = np.flatnonzero((begin < 0) | (start < begin) | (start + count > begin + kept))
-        if len(bad):
-            i = int(bad[0])
-            rid = next(r for r, s in self.slot.items() if s == slots[i])
-            raise RuntimeError(f"EAGLE: request {rid!r} has target features for positions "
-                               f"{begin[i]}..{begin[i] + kept[i] - 1}, not {start[i]}.."
-                               f"{start[i] + count[i] - 1}")
-        rows = np.repeat(slots * self.capacity + self.offset[slots] + start - begin, count) \
-            + _ramp(count)
-        flat = self.buffer.view(-1, self.buffer.shape[-1])
-        with _serial_on_cpu(flat):
-            return flat.index_select(0, torch.from_numpy(rows).to(flat.device))
-
-    def keep_only(self, req_ids: Iterable[str]) -> int:
-        """Free the slots of requests not in ``req_ids`` (finished, aborted, preempted);
-        returns how many were freed."""
-        keep = set(req_ids)
-        gone = [r for r in self.slot if r not in keep]
-        for rid in gone:
-            self._free.append(self.slot.pop(rid))
-        return len(gone)
-
-    def rows_kept(self) -> dict[str, int]:
-        """Request id -> rows kept (what the memory bound is about)."""
-        return {rid: int(self.count[s]) for rid, s in self.slot.items()}
-
-
-@contextmanager
-def _serial_on_cpu(tensor: torch.Tensor) -> Iterator[None]:
-    """Run the block's stash copies on one thread when ``tensor`` is on a CPU: rows of a few
-    MB copy at memory speed on one thread, while torch splits them over the OpenMP threads,
-    whose barrier on cores shared with other processes waited milliseconds for a descheduled
-    thread (docs/benchmarks.md, "EAGLE feature stash")."""
-    before = torch.get_num_threads()
-    serial = tensor.device.type == "cpu" and before > 1
-    if serial:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if serial:
-            torch.set_num_threads(before)
-
-
-def _ramp(count: np.ndarray) -> np.ndarray:
-    """``0 .. count[i] - 1`` for each ``i``, concatenated (int64 [sum(count)])."""
-    total = int(count.sum())
-    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
 
 
 class EagleDrafter(DraftModel):
@@ -219,11 +82,11 @@ class EagleDrafter(DraftModel):
         self.attn_ctx = AttentionContext(backend)
         with _naming_the_draft(spec.model):
             if spec.method == "deepseek_mtp":
-                self.model = _load_mtp(config, source, hf_config, self.attn_ctx, target, dtype,
+                self.model = load_mtp(config, source, hf_config, self.attn_ctx, target, dtype,
                                        device)
             else:
-                self.model = _load_head(source.path, hf_config, self.attn_ctx,
-                                        _tensor_names(source.path), target, dtype, device)
+                self.model = load_head(source.path, hf_config, self.attn_ctx,
+                                        tensor_names(source.path), target, dtype, device)
         self.long_prompt_rope = long_prompt_rope(hf_config)
         self.vocab = None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
@@ -360,7 +223,7 @@ class EagleDrafter(DraftModel):
             input_ids = ids.input_ids
         else:  # a prompt chunk's tokens, all on the host (the last may lie past its blocks)
             token_rows = np.repeat(at.rows, query[at.rows])
-            index = np.repeat(computed[at.rows], query[at.rows]) + _ramp(query[at.rows])
+            index = np.repeat(computed[at.rows], query[at.rows]) + ramp(query[at.rows])
             input_ids = torch.from_numpy(batch.token_ids[token_rows, index]).to(
                 at.input_ids.device)
         features = self._features(batch, at.rows, computed, query, source)
@@ -401,80 +264,6 @@ class EagleDrafter(DraftModel):
             return kept.index_select(0, torch.from_numpy(index).to(kept.device))
         if source is not None:
             hidden, first_row = source
-            src = np.repeat(first_row[rows], query[rows]) + _ramp(query[rows])
+            src = np.repeat(first_row[rows], query[rows]) + ramp(query[rows])
             return hidden.index_select(0, torch.from_numpy(src).to(hidden.device))
         return self.stash.take(self._slots(batch, rows), computed[rows] - 1, query[rows])
-
-
-def _tensor_names(folder: str) -> list[str]:
-    """The head checkpoint's tensor names (safetensors headers, else a ``pytorch_model.bin``).
-
-    Raises:
-        ValueError: for a folder with neither.
-    """
-    if os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
-            not any(f.endswith(".safetensors") for f in os.listdir(folder)):
-        return list(_bin_weights(folder))
-    return checkpoint_tensor_names(folder)
-
-
-def _bin_weights(folder: str) -> dict[str, torch.Tensor]:
-    """The tensors of a ``pytorch_model.bin`` (EAGLE's own releases ship one), read with
-    ``weights_only`` (no code runs)."""
-    return torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu",
-                      weights_only=True)
-
-
-def _load_mtp(config: EngineConfig, source: Any, hf_config: Any, ctx: AttentionContext,
-              target: torch.nn.Module, dtype: torch.dtype, device: torch.device
-              ) -> torch.nn.Module:
-    """The first MTP layer of a DeepSeek-V3 checkpoint (kvflow/models/deepseek_mtp.py),
-    loaded as the target is (its block-FP8 weights dequantized into ``dtype``).
-
-    Raises:
-        ValueError: for a config without MTP layers, or a checkpoint lacking their tensors.
-    """
-    mc = config.model_config
-    layer = f"model.layers.{hf_config.num_hidden_layers}."
-    count = getattr(hf_config, "num_nextn_predict_layers", None)
-    found = source.kind == "hf" and any(n.startswith(layer)
-                                        for n in checkpoint_tensor_names(source.path))
-    if not count or not found:
-        raise ValueError("method 'deepseek_mtp' needs a DeepSeek-V3 HF checkpoint with MTP "
-                         f"layers (num_nextn_predict_layers >= 1 and {layer}* tensors); this "
-                         f"one has num_nextn_predict_layers={count} and "
-                         f"{'' if found else 'no '}{layer}* tensors")
-    mtp_config = copy.deepcopy(hf_config)
-    mtp_config.architectures = ["DeepSeekMTPModel"]
-    quant = get_quant_config(None, hf_config, source.kind, mc.quantization_group_size)
-    head = load_model(source, mtp_config, ctx, dtype, device, mc.load_format, mc.seed, quant)
-    head.bind_target(target)
-    return head
-
-
-def _load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[str],
-               target: torch.nn.Module, dtype: torch.dtype, device: torch.device
-               ) -> EagleLlamaHead:
-    """Build the EAGLE-1 head on ``device`` in ``dtype`` and load its checkpoint.
-
-    Raises:
-        ValueError: for a tensor that does not fit, or parameters left unset (named).
-    """
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            head = EagleLlamaHead(hf_config, ctx, names, target)
-    finally:
-        torch.set_default_dtype(old)
-    bin_file = os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
-        not any(f.endswith(".safetensors") for f in os.listdir(folder))
-    weights = _bin_weights(folder).items() if bin_file else iter_safetensors(folder)
-    loaded = head.load_weights((n, t.to(dtype) if t.is_floating_point() else t)
-                               for n, t in weights)
-    missing = {n for n, _ in head.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"the EAGLE head checkpoint lacks {sorted(missing)[:5]}")
-    with torch.device(device):
-        process_weights_after_loading(head)
-    return head.eval()

@@ -1,0 +1,90 @@
+"""Loading an EAGLE-1 head checkpoint (safetensors or EAGLE's own ``pytorch_model.bin``) and a
+DeepSeek-V3 checkpoint's MTP layer, as the speculative heads kvflow/spec_decode/eagle.py runs."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+from kvflow.attention.layer import AttentionContext
+from kvflow.config import EngineConfig
+from kvflow.models.eagle import EagleLlamaHead
+from kvflow.models.loader import checkpoint_tensor_names, iter_safetensors, load_model
+from kvflow.quant import get_quant_config, process_weights_after_loading
+
+
+def tensor_names(folder: str) -> list[str]:
+    """The head checkpoint's tensor names (safetensors headers, else a ``pytorch_model.bin``).
+
+    Raises:
+        ValueError: for a folder with neither.
+    """
+    if os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
+            not any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        return list(_bin_weights(folder))
+    return checkpoint_tensor_names(folder)
+
+
+def _bin_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors of a ``pytorch_model.bin`` (EAGLE's own releases ship one), read with
+    ``weights_only`` (no code runs)."""
+    return torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu",
+                      weights_only=True)
+
+
+def load_mtp(config: EngineConfig, source: Any, hf_config: Any, ctx: AttentionContext,
+              target: torch.nn.Module, dtype: torch.dtype, device: torch.device
+              ) -> torch.nn.Module:
+    """The first MTP layer of a DeepSeek-V3 checkpoint (kvflow/models/deepseek_mtp.py),
+    loaded as the target is (its block-FP8 weights dequantized into ``dtype``).
+
+    Raises:
+        ValueError: for a config without MTP layers, or a checkpoint lacking their tensors.
+    """
+    mc = config.model_config
+    layer = f"model.layers.{hf_config.num_hidden_layers}."
+    count = getattr(hf_config, "num_nextn_predict_layers", None)
+    found = source.kind == "hf" and any(n.startswith(layer)
+                                        for n in checkpoint_tensor_names(source.path))
+    if not count or not found:
+        raise ValueError("method 'deepseek_mtp' needs a DeepSeek-V3 HF checkpoint with MTP "
+                         f"layers (num_nextn_predict_layers >= 1 and {layer}* tensors); this "
+                         f"one has num_nextn_predict_layers={count} and "
+                         f"{'' if found else 'no '}{layer}* tensors")
+    mtp_config = copy.deepcopy(hf_config)
+    mtp_config.architectures = ["DeepSeekMTPModel"]
+    quant = get_quant_config(None, hf_config, source.kind, mc.quantization_group_size)
+    head = load_model(source, mtp_config, ctx, dtype, device, mc.load_format, mc.seed, quant)
+    head.bind_target(target)
+    return head
+
+
+def load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[str],
+               target: torch.nn.Module, dtype: torch.dtype, device: torch.device
+               ) -> EagleLlamaHead:
+    """Build the EAGLE-1 head on ``device`` in ``dtype`` and load its checkpoint.
+
+    Raises:
+        ValueError: for a tensor that does not fit, or parameters left unset (named).
+    """
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = EagleLlamaHead(hf_config, ctx, names, target)
+    finally:
+        torch.set_default_dtype(old)
+    bin_file = os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
+        not any(f.endswith(".safetensors") for f in os.listdir(folder))
+    weights = _bin_weights(folder).items() if bin_file else iter_safetensors(folder)
+    loaded = head.load_weights((n, t.to(dtype) if t.is_floating_point() else t)
+                               for n, t in weights)
+    missing = {n for n, _ in head.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"the EAGLE head checkpoint lacks {sorted(missing)[:5]}")
+    with torch.device(device):
+        process_weights_after_loading(head)
+    return head.eval()
