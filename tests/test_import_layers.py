@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "kvflow.spec_decode.draft_proposal": 5,  # a draft step's proposal (worker level)
     "kvflow.spec_decode.eagle": 5,  # the EAGLE head proposing in the runner (worker side)
     "kvflow.spec_decode.feature_stash": 5, "kvflow.spec_decode.head_loading": 5,  # its parts
+    "kvflow.spec_decode.layer_taps": 5,  # EAGLE-3's hooks on the target's layers
     "kvflow.spec_decode.draft_timing": 5,  # the draft timed at start-up (worker side)
     "kvflow.spec_decode.rejection_sampler": 3,
     "kvflow.spec_decode.draft_threads": 2,  # the draft's CPU thread count (torch only)

@@ -20,7 +20,7 @@ from kvflow.config.multimodal import MultiModalConfig
 from kvflow.config.options import add_field_arg
 from kvflow.config.parallel import ParallelConfig
 from kvflow.config.scheduler import SchedulerConfig
-from kvflow.config.speculative import SpeculativeConfig
+from kvflow.config.speculative import HEAD_METHODS, SpeculativeConfig
 from kvflow.config.structured import StructuredOutputConfig
 from kvflow.logits_process import LOGITS_PROCESSORS_GROUP, plugin_logits_processors
 
@@ -183,7 +183,7 @@ class EngineConfig:
                                  "draft tokens would have to reach every rank's sampler)")
         if spec.method == "deepseek_mtp" and not spec.model:  # the target's own MTP layers
             spec.model = self.model_config.model
-        if spec.method in ("eagle", "deepseek_mtp"):
+        if spec.method in HEAD_METHODS:
             self._check_eagle()
         if self.scheduler_config.async_scheduling:
             raise ValueError("speculative decoding with async_scheduling is not available (a "
@@ -254,8 +254,8 @@ class EngineConfig:
             "--speculative-config", type=str, default=None,
             help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                  "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", "
-                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}' (method \"eagle\": "
-                 "\"model\" an EAGLE-1 head); keys (defaults): "
+                 "\"model\": \"NAME\", \"num_speculative_tokens\": 4}' (method \"eagle\" / "
+                 "\"eagle3\": \"model\" an EAGLE-1 / EAGLE-3 head); keys (defaults): "
                  f"{keys} (default: off)")
         keys = ", ".join(f"{f.name} ({f.default})" for f in fields(KVEventsConfig))
         parser.add_argument_group("KVEventsConfig").add_argument(

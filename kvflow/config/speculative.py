@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from kvflow.config.options import check_choices, json_config_dict, unknown_fields
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "deepseek_mtp")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "deepseek_mtp")
+HEAD_METHODS = ("eagle", "eagle3", "deepseek_mtp")  # heads fed the target's hidden states
 
 
 def usable_cpu_count() -> int:
@@ -35,12 +36,14 @@ class SpeculativeConfig:
             of the last n tokens; no model) or ``draft_model`` (a smaller model sharing the
             target's tokenizer) or ``eagle`` (an EAGLE-1 head, Li et al. 2024 arXiv 2401.15077:
             one decoder layer fed the target's final hidden states; kvflow/spec_decode/
-            eagle.py) or ``deepseek_mtp`` (DeepSeek-V3's multi-token-prediction layer, the
+            eagle.py) or ``eagle3`` (an EAGLE-3 head, Li et al. 2025 arXiv 2503.01840: fed
+            ``fc`` of three target layers' residual streams, with its own draft vocabulary;
+            kvflow/models/eagle3.py) or ``deepseek_mtp`` (DeepSeek-V3's multi-token-prediction layer, the
             same way; ``model`` defaults to the target). Left out of a dict or JSON (:meth:`from_value`):
             ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``) or EAGLE head checkpoint (``eagle``, vLLM's
-            ``EagleLlamaForCausalLM`` layout): a packaged name, HF folder, GGUF or Hub id;
+            ``EagleLlamaForCausalLM`` layout; ``eagle3``, ``Eagle3LlamaForCausalLM``'s): a packaged name, HF folder, GGUF or Hub id;
             its tokenizer must be the target's (refused at start-up otherwise:
             kvflow/spec_decode/draft_tokenizer.py).
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
@@ -97,7 +100,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model={self.model!r} applies to method="
                              "'draft_model' only (n-gram lookup uses no model)")
         self._check_method_keys()
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config method={self.method!r} needs 'model' (the "
                              "draft model's or EAGLE head's name or path)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -143,7 +146,7 @@ class SpeculativeConfig:
             if wrong:
                 raise ValueError(f"speculative_config {', '.join(wrong)} applies to method="
                                  "'draft_model' only (n-gram lookup runs no model)")
-        elif self.method in ("eagle", "deepseek_mtp") and \
+        elif self.method in HEAD_METHODS and \
                 self.quantization in ("int8", "int4"):
             raise ValueError(f"speculative_config quantization={self.quantization!r} applies "
                              f"to method='draft_model' only (a {self.method} head runs as "
@@ -166,7 +169,7 @@ class SpeculativeConfig:
         if quant == "auto":
             quant = CPU_DRAFT_QUANTIZATION if cpu and not (prequantized or deterministic) \
                 else None
-        if self.method in ("eagle", "deepseek_mtp"):  # one layer: as loaded, whole vocabulary
+        if self.method in HEAD_METHODS:  # one layer: as loaded, its own vocabulary
             return None, None
         vocab = self.draft_vocab_size
         if vocab == "auto":

@@ -9,6 +9,7 @@ import logging
 from collections import deque
 
 from kvflow.config import EngineConfig, SchedulerConfig
+from kvflow.config.speculative import HEAD_METHODS
 from kvflow.core.block_hashing import BlockHasher, connector_extra_keys
 from kvflow.core.encoder_cache_manager import EncoderCacheManager
 from kvflow.core.engine_dtype import cpu_dtype_measure, resolve_dtype
@@ -224,7 +225,7 @@ class EngineCoreStartup:
             return None
         # an EAGLE / MTP head is one decoder layer: its pass costs about one target layer's share
         ratio = 1.0 / max(getattr(self.hf_config, "num_hidden_layers", 1), 1) \
-            if spec.method in ("eagle", "deepseek_mtp") else 1.0
+            if spec.method in HEAD_METHODS else 1.0
         speculator = Speculator(
             spec, self.max_model_len, draft_cost_ratio=ratio,
             constrained_draft_model=self.executor.splits_draft_steps)

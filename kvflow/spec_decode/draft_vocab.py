@@ -175,3 +175,33 @@ class DraftVocab:
         full = probs.new_zeros(self.full_head.vocab_size)
         full[self.token_ids] = probs
         return full
+
+
+class HeadVocab:
+    """A draft head's own, fixed vocabulary (EAGLE-3's ``draft_vocab_size`` columns, each a
+    target token through ``d2t``), with :class:`DraftVocab`'s interface: the draft distribution
+    is zero outside it, which keeps the output exact for the reason the module docstring gives.
+
+    Args:
+        model: the head (``compute_logits(hidden [N, H]) -> float32 [N, S]``).
+        token_ids: int64 [S], column ``i``'s target token id (unique).
+        vocab_size: the target's vocabulary size V.
+    """
+
+    def __init__(self, model: nn.Module, token_ids: torch.Tensor, vocab_size: int) -> None:
+        self.model = model
+        self.token_ids = token_ids
+        self.vocab_size = vocab_size
+
+    def update(self, *args: object) -> None:
+        """Nothing: the columns do not change with the context."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 [N, S], columns in ``token_ids``' order."""
+        return self.model.compute_logits(hidden)
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """float32 [S] over the columns -> float32 [V], zero outside ``token_ids``."""
+        full = probs.new_zeros(self.vocab_size)
+        full[self.token_ids] = probs
+        return full

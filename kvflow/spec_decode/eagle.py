@@ -1,6 +1,8 @@
 """EAGLE speculative decoding (``{"method": "eagle", "model": HEAD}``): a one-layer draft head
 fed the target's final hidden states (kvflow/models/eagle.py; Li et al. 2024, arXiv
-2401.15077; and DeepSeek-V3's MTP layer the same way, ``{"method": "deepseek_mtp"}``:
+2401.15077; EAGLE-3, ``{"method": "eagle3"}``, the same way with the features ``fc`` of three
+target layers' residual streams instead: kvflow/models/eagle3.py, spec_decode/layer_taps.py;
+and DeepSeek-V3's MTP layer the same way, ``{"method": "deepseek_mtp"}``:
 kvflow/models/deepseek_mtp.py), proposing inside the target's model runner like a draft model (draft_model.py:
 the same lazy "mirror" pass, its own paged K/V in the target's blocks, ``num_draft_computed``).
 
@@ -41,12 +43,12 @@ from kvflow.models.loader import load_hf_config
 from kvflow.models.model_resolver import resolve_model
 from kvflow.spec_decode.draft_model import DraftModel, _naming_the_draft
 from kvflow.spec_decode.draft_threads import DraftThreads
+from kvflow.spec_decode.draft_vocab import HeadVocab
 from kvflow.spec_decode.feature_stash import FeatureStash, ramp
-from kvflow.spec_decode.head_loading import load_head, load_mtp, tensor_names
+from kvflow.spec_decode.head_loading import load_eagle3, load_head, load_mtp, tensor_names
+from kvflow.spec_decode.layer_taps import LayerTaps
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.model_inputs import InputStager, ModelInputs, build_model_inputs
-
-HEAD_METHODS = ("eagle", "deepseek_mtp")  # heads fed the target's features
 
 
 class EagleDrafter(DraftModel):
@@ -81,14 +83,18 @@ class EagleDrafter(DraftModel):
                              f"{target_vocab_size} and {target_hidden}")
         self.attn_ctx = AttentionContext(backend)
         with _naming_the_draft(spec.model):
+            self.vocab: HeadVocab | None = None
+            self.taps: LayerTaps | None = None  # EAGLE-3: the target's layers it reads
             if spec.method == "deepseek_mtp":
                 self.model = load_mtp(config, source, hf_config, self.attn_ctx, target, dtype,
-                                       device)
+                                      device)
+            elif spec.method == "eagle3":
+                self.model, self.vocab, self.taps = load_eagle3(
+                    source.path, hf_config, self.attn_ctx, target, dtype, device)
             else:
                 self.model = load_head(source.path, hf_config, self.attn_ctx,
-                                        tensor_names(source.path), target, dtype, device)
+                                       tensor_names(source.path), target, dtype, device)
         self.long_prompt_rope = long_prompt_rope(hf_config)
-        self.vocab = None
         self.attn_layers = {DRAFT_LAYER_PREFIX + name: m for name, m in
                             self.model.named_modules() if isinstance(m, Attention)}
         self.device = device
@@ -107,7 +113,8 @@ class EagleDrafter(DraftModel):
     def observe_target(self, batch: InputBatch, inputs: ModelInputs, hidden: torch.Tensor,
                        block_size: int, stager: InputStager) -> None:
         """Take the target's final hidden states of the step just run (``hidden``: [T', H]
-        with T' >= the step's tokens, in ``inputs``' token order). Call after each target
+        with T' >= the step's tokens, in ``inputs``' token order; EAGLE-3 uses instead ``fc``
+        of its taps on the target's layers, read in the same forward). Call after each target
         forward. What the head will still read is kept (``FeatureStash``, at most k + 1 rows
         per request):
 
@@ -120,6 +127,8 @@ class EagleDrafter(DraftModel):
           head's first draft reads when drafting resumes (the positions in between keep no
           head K/V of their own: acceptance may drop after the gap, the output cannot).
         """
+        if self.taps is not None:  # EAGLE-3: fc over the target's layer taps
+            hidden = self.model.combine(self.taps.take())
         rows = inputs.rows
         if not len(rows):
             return
@@ -236,6 +245,8 @@ class EagleDrafter(DraftModel):
         last = at.query_start[1:][np.searchsorted(at.rows, logits_rows)] - 1
         hidden = hidden[torch.from_numpy(last).to(hidden.device)]
         self._keep_fed_back(logits_rows, hidden)
+        if self.vocab is not None:  # EAGLE-3's own vocabulary: columns self.vocab.token_ids
+            return self.vocab.logits(hidden)
         return self.model.compute_logits(hidden)
 
     def _keep_fed_back(self, rows: np.ndarray, hidden: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Loading an EAGLE-1 head checkpoint (safetensors or EAGLE's own ``pytorch_model.bin``) and a
+"""Loading an EAGLE-1 or EAGLE-3 head checkpoint (safetensors or EAGLE's own ``pytorch_model.bin``) and a
 DeepSeek-V3 checkpoint's MTP layer, as the speculative heads kvflow/spec_decode/eagle.py runs."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import torch
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
 from kvflow.models.eagle import EagleLlamaHead
+from kvflow.models.eagle3 import Eagle3LlamaHead, default_aux_layer_ids
 from kvflow.models.loader import checkpoint_tensor_names, iter_safetensors, load_model
 from kvflow.quant import get_quant_config, process_weights_after_loading
+from kvflow.spec_decode.draft_vocab import HeadVocab
+from kvflow.spec_decode.layer_taps import LayerTaps
 
 
 def tensor_names(folder: str) -> list[str]:
@@ -63,9 +66,11 @@ def load_mtp(config: EngineConfig, source: Any, hf_config: Any, ctx: AttentionCo
 
 
 def load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[str],
-               target: torch.nn.Module, dtype: torch.dtype, device: torch.device
-               ) -> EagleLlamaHead:
-    """Build the EAGLE-1 head on ``device`` in ``dtype`` and load its checkpoint.
+              target: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+              head_cls: type[torch.nn.Module] = EagleLlamaHead, **head_kwargs: Any
+              ) -> torch.nn.Module:
+    """Build the head (``head_cls``: EAGLE-1's, or EAGLE-3's with ``head_kwargs``) on
+    ``device`` in ``dtype`` and load its checkpoint.
 
     Raises:
         ValueError: for a tensor that does not fit, or parameters left unset (named).
@@ -74,7 +79,7 @@ def load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[st
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            head = EagleLlamaHead(hf_config, ctx, names, target)
+            head = head_cls(hf_config, ctx, names, target, **head_kwargs)
     finally:
         torch.set_default_dtype(old)
     bin_file = os.path.isfile(os.path.join(folder, "pytorch_model.bin")) and \
@@ -88,3 +93,48 @@ def load_head(folder: str, hf_config: Any, ctx: AttentionContext, names: list[st
     with torch.device(device):
         process_weights_after_loading(head)
     return head.eval()
+
+
+def load_eagle3(folder: str, hf_config: Any, ctx: AttentionContext, target: torch.nn.Module,
+                dtype: torch.dtype, device: torch.device
+                ) -> tuple[Eagle3LlamaHead, HeadVocab, LayerTaps]:
+    """The EAGLE-3 head (kvflow/models/eagle3.py) loaded, its vocabulary (``d2t``) and the
+    taps on the target's layers it reads (the config's ``eagle_aux_hidden_state_layer_ids``,
+    else vLLM's default ``(2, L // 2, L - 3)``).
+
+    Raises:
+        ValueError: naming the config field or tensor: ``eagle_config.use_aux_hidden_state``
+            false, a ``target_hidden_size`` other than ``hidden_size``, layer ids outside the
+            target, a ``d2t`` mapping outside the vocabulary or twice onto one token, a
+            tensor that does not fit, parameters left unset.
+    """
+    eagle_config = getattr(hf_config, "eagle_config", None) or {}
+    if isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state") is False:
+        raise ValueError("eagle_config.use_aux_hidden_state=false (an EAGLE-3 head fed the "
+                         "target's final hidden state) is not supported: method 'eagle3' "
+                         "needs a head with fc over the target's layer taps")
+    target_hidden = getattr(hf_config, "target_hidden_size", None)
+    if target_hidden not in (None, hf_config.hidden_size):
+        raise ValueError(f"target_hidden_size={target_hidden} other than the head's "
+                         f"hidden_size={hf_config.hidden_size} is not supported")
+    ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    what = "eagle_aux_hidden_state_layer_ids"
+    if not ids:
+        ids = default_aux_layer_ids(target.config.num_hidden_layers)
+        what = ("the default EAGLE-3 layer ids (2, L // 2, L - 3; set eagle_aux_hidden_state_"
+                "layer_ids in the head's config.json)")
+    taps = LayerTaps(target, list(ids), what)
+    try:
+        head = load_head(folder, hf_config, ctx, tensor_names(folder), target, dtype, device,
+                         Eagle3LlamaHead, num_taps=len(taps.layer_ids))
+        token_ids = head.draft_token_ids()
+        vocab = hf_config.vocab_size
+        if token_ids.min() < 0 or token_ids.max() >= vocab or \
+                len(torch.unique(token_ids)) != len(token_ids):
+            raise ValueError(f"the EAGLE-3 head's d2t maps its {len(token_ids)} draft ids "
+                             f"outside the vocabulary of {vocab} tokens or twice onto one "
+                             "token")
+    except ValueError:
+        taps.remove()
+        raise
+    return head, HeadVocab(head, token_ids, vocab), taps

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvflow.config import SpeculativeConfig
+from kvflow.config.speculative import HEAD_METHODS
 from kvflow.request import Request
 from kvflow.runner_output import ModelRunnerOutput
 from kvflow.sched_output import SchedulerOutput
@@ -64,7 +65,7 @@ class Speculator:
                  draft_cost_ratio: float = 1.0, constrained_draft_model: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.uses_draft_model = config.method in ("draft_model", "eagle", "deepseek_mtp")
+        self.uses_draft_model = config.method in ("draft_model", *HEAD_METHODS)
         self.constrained_draft_model = constrained_draft_model
         self.draft_cost_ratio = draft_cost_ratio  # the fallback before any draft pass is timed
         self.min_gain = MIN_GAIN  # the predicted gain speculation must clear

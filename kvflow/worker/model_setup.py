@@ -11,6 +11,7 @@ from torch import nn
 
 from kvflow.attention.layer import AttentionContext
 from kvflow.config import EngineConfig
+from kvflow.config.speculative import HEAD_METHODS
 from kvflow.distributed.comm import CommGroup
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.kernels.cpu_native import native_cpu_kernels
@@ -21,7 +22,7 @@ from kvflow.models.registry import attention_soft_cap, uses_mla
 from kvflow.platforms import Platform
 from kvflow.quant import get_quant_config
 from kvflow.spec_decode.draft_model import DraftModel
-from kvflow.spec_decode.eagle import HEAD_METHODS, EagleDrafter
+from kvflow.spec_decode.eagle import EagleDrafter
 from kvflow.worker.attention_backends import (
     make_attention_backend,
     make_context_parallel_backend,
@@ -135,7 +136,7 @@ def make_draft_model(config: EngineConfig, platform: Platform, source: ModelSour
     backend = platform.get_attention_backend(name) or \
         make_attention_backend(name, device=device,
                                cpu_attention=config.device_config.cpu_attention)
-    if spec.method == "eagle":  # one layer: its GEMMs run as loaded
+    if spec.method in ("eagle", "eagle3"):  # one layer: its GEMMs run as loaded
         return EagleDrafter(config, backend, dtype, device, target, hf_config.vocab_size)
     drafter = DraftModel(config, backend, dtype, device, hf_config.vocab_size,
                          load_eos_token_ids(source, hf_config), tp_group)

@@ -8,6 +8,8 @@ split or an embedding (pooling) model: it never decodes, an encoder's attention 
 keeps hidden states across steps while a replayed step's live in a static buffer (CUDA) or an
 arena (CPU). The CPU runner also needs the native CPU attention backend with its
 work-sharing pool closed, an unquantized KV cache, one tensor-parallel rank and no draft model.
+Both are off with an EAGLE-3 head too: its taps on the target's layers are forward hooks,
+which a replay skips (``spec_decode/layer_taps.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ logger = logging.getLogger(__name__)
 def _common_ok(runner) -> bool:
     return not runner.config.device_config.enforce_eager and runner.lora_manager is None \
         and len(runner.kv_cache_config.kv_cache_groups) == 1 and runner.mm_runner is None \
-        and runner.parallel.pp.world_size == 1 and runner.pooling is None
+        and runner.parallel.pp.world_size == 1 and runner.pooling is None \
+        and getattr(runner.drafter, "taps", None) is None  # EAGLE-3's hooks: eager only
 
 
 def _cpu_ok(runner) -> bool:

@@ -34,6 +34,9 @@ def test_flag_dict_and_object_forms_agree():
     ('{"method": "eagle"}', "method='eagle' needs 'model'"),
     ('{"method": "eagle", "model": "h", "quantization": "int8"}', "quantization='int8'"),
     ('{"method": "eagle", "model": "h", "draft_vocab_size": 1000}', "draft_vocab_size"),
+    ('{"method": "eagle3"}', "method='eagle3' needs 'model'"),
+    ('{"method": "eagle3", "model": "h", "quantization": "int4"}', "quantization='int4'"),
+    ('{"method": "eagle3", "model": "h", "draft_vocab_size": 1000}', "draft_vocab_size"),
     ('{"method": "medusa", "model": "h"}', "method='medusa' is invalid"),
     ('{"method": "ngram", "k": 3}', "unknown key(s) ['k']"),
     ('{"method": "draft_model"}', "needs 'model'"),
@@ -126,7 +129,7 @@ def test_draft_model_takes_tensor_parallel_and_swap_preemption():
     ({"enable_lora": True}, "enable_lora"),
     ({"preemption_mode": "swap"}, "preemption_mode swap"),
 ])
-@pytest.mark.parametrize("method", ["eagle", "deepseek_mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "deepseek_mtp"])
 def test_heads_refuse_what_they_cannot_run(method, kwargs, needle):
     head = {"method": method, "model": "some-head"}
     with pytest.raises(ValueError, match=f"method='{method}' with {needle}"):
