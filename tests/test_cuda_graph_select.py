@@ -34,7 +34,7 @@ def _runner(backend) -> SimpleNamespace:
     return SimpleNamespace(
         config=SimpleNamespace(device_config=SimpleNamespace(enforce_eager=False),
                                scheduler_config=SimpleNamespace(max_num_seqs=4)),
-        lora_manager=None, mm_runner=None, pooling=None,
+        lora_manager=None, mm_runner=None, pooling=None, drafter=None,
         kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]),
         parallel=SimpleNamespace(pp=SimpleNamespace(world_size=1)),
         platform=SimpleNamespace(supports_graphs=True),
@@ -149,3 +149,25 @@ def test_a_capture_out_of_memory_runs_eagerly(monkeypatch):
     runner.model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     assert make_graph_runner(runner, 16) is None
+
+
+def test_an_eagle3_head_keeps_steps_eager(monkeypatch):
+    """EAGLE-3 reads the target's layers through forward hooks, which a replayed graph skips:
+    an engine with such a head (a drafter with ``taps``) captures nothing; without it the same
+    runner is captured."""
+    pytest.importorskip("triton")
+    from kvflow.attention.triton_paged import TritonPagedAttentionBackend
+    from kvflow.worker.cuda_graphs import CudaGraphRunner
+
+    def capture(self):
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", capture)
+    runner = _runner(TritonPagedAttentionBackend(fuse_rotary=False))
+    runner.model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    runner.drafter = SimpleNamespace(taps=object())
+    assert make_graph_runner(runner, 16) is None
+    runner.drafter = SimpleNamespace(taps=None)  # an EAGLE-1 head: captured
+    with pytest.raises(RuntimeError, match="captured"):
+        make_graph_runner(runner, 16)

@@ -181,8 +181,9 @@ def _engine(path: str, head: str | None, k: int = 3, **kw) -> LLM:
 
 @pytest.fixture(scope="module", params=["random", "mimic"])
 def pair(request, tiny_model_factory, tmp_path_factory):
-    """(hf target, head dict, plain engine, EAGLE-3 engine, kind): a random head on the
-    two-layer tiny Llama (taps 1, 0, 1), or the near-right head on the quiet one-layer Llama."""
+    """(hf target, head dict, plain engine, EAGLE-3 engine, kind, target folder, head folder):
+    a random head on the two-layer tiny Llama (taps 1, 0, 1), or the near-right head on the
+    quiet one-layer Llama."""
     folder = str(tmp_path_factory.mktemp(f"eagle3_{request.param}"))
     if request.param == "random":
         target = tiny_model_factory("llama")
@@ -192,13 +193,13 @@ def pair(request, tiny_model_factory, tmp_path_factory):
         path = str(tmp_path_factory.mktemp("quiet_llama"))
         hf = _quiet_target(path, tiny_model_factory("llama_1layer"))
         head = _save_mimic_head(folder, path, hf)
-    return hf, head, _engine(path, None), _engine(path, folder), request.param
+    return hf, head, _engine(path, None), _engine(path, folder), request.param, path, folder
 
 
 def test_drafts_and_distributions_match_a_plain_torch_eagle3(pair, monkeypatch):
     """Greedy requests' drafts are the reference's; sampled ones' q (softmax of the head's
     logits over its draft vocabulary, placed through d2t) matches within fp32 tolerance."""
-    hf, head, _, eagle, _ = pair
+    hf, head, _, eagle, *_ = pair
     seen = _record_proposals(monkeypatch)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     eagle.generate(PROMPTS[:2], greedy, use_tqdm=False)
@@ -217,7 +218,7 @@ def test_drafts_and_distributions_match_a_plain_torch_eagle3(pair, monkeypatch):
 
 
 def test_greedy_equals_plain_greedy(pair, assert_no_leaks, monkeypatch):
-    _, _, base, eagle, kind = pair
+    _, _, base, eagle, kind, *_ = pair
     seen = _record_proposals(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = base.generate(PROMPTS, params, use_tqdm=False)
@@ -268,3 +269,20 @@ def test_head_errors_name_the_field(tiny_llama, tmp_path, change, needle):
     _save(str(tmp_path), config, tensors)
     with pytest.raises(ValueError, match=f"speculative_config model .*{needle}"):
         _engine(tiny_llama.path, str(tmp_path))
+
+
+@pytest.mark.parametrize("pair", ["random"], indirect=True)
+def test_preemption_and_prefix_cache_keep_greedy_output(pair, assert_no_leaks):
+    """Recomputed (preempted) requests and a prefix-cache hit: the head's features come
+    from the target's taps of whatever the target computes; the output stays plain greedy."""
+    _, _, base, _, _, path, folder = pair
+    prompts = [PROMPTS[i % 4] + " " + "ab" * (i % 3) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = base.generate(prompts, params, use_tqdm=False)
+    spec = _engine(path, folder, num_kv_blocks=30, max_num_seqs=8)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    _same_outputs(ref, got)
+    assert spec.engine.core.scheduler.num_preemptions > 0
+    again = spec.generate(prompts[-1:], params, use_tqdm=False)  # a prefix-cache hit
+    _same_outputs(ref[-1:], again)
+    assert_no_leaks(spec)
