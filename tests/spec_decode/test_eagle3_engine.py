@@ -286,3 +286,13 @@ def test_preemption_and_prefix_cache_keep_greedy_output(pair, assert_no_leaks):
     again = spec.generate(prompts[-1:], params, use_tqdm=False)  # a prefix-cache hit
     _same_outputs(ref[-1:], again)
     assert_no_leaks(spec)
+
+
+def test_a_target_of_another_decoder_stack_is_refused(tiny_model_factory, tiny_llama,
+                                                      tmp_path):
+    """The taps hook layers called as LlamaModel calls them; Gemma 3's stack is refused."""
+    target = tiny_model_factory("gemma3")
+    _save_random_head(str(tmp_path), tiny_llama.path, seed=3)  # a Llama head, same sizes
+    with pytest.raises(ValueError, match="EAGLE-3 taps need a target whose decoder stack is "
+                                         "kvflow's LlamaModel .*Gemma3ForCausalLM has another"):
+        _engine(target.path, str(tmp_path))
