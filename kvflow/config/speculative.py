@@ -38,13 +38,14 @@ class SpeculativeConfig:
             one decoder layer fed the target's final hidden states; kvflow/spec_decode/
             eagle.py) or ``eagle3`` (an EAGLE-3 head, Li et al. 2025 arXiv 2503.01840: fed
             ``fc`` of three target layers' residual streams, with its own draft vocabulary;
-            kvflow/models/eagle3.py) or ``deepseek_mtp`` (DeepSeek-V3's multi-token-prediction layer, the
-            same way; ``model`` defaults to the target). Left out of a dict or JSON (:meth:`from_value`):
-            ``draft_model`` if ``model`` is given (as vLLM infers it), else ``ngram``.
+            kvflow/models/eagle3.py) or ``deepseek_mtp`` (DeepSeek-V3's
+            multi-token-prediction layer, the same way; ``model`` defaults to the target). Left
+            out of a dict or JSON (:meth:`from_value`): ``draft_model`` if ``model`` is given
+            (as vLLM infers it), else ``ngram``.
         num_speculative_tokens: most draft tokens per request and step (K).
         model: the draft model (``draft_model``) or EAGLE head checkpoint (``eagle``, vLLM's
-            ``EagleLlamaForCausalLM`` layout; ``eagle3``, ``Eagle3LlamaForCausalLM``'s): a packaged name, HF folder, GGUF or Hub id;
-            its tokenizer must be the target's (refused at start-up otherwise:
+            ``EagleLlamaForCausalLM`` layout; ``eagle3``, ``Eagle3LlamaForCausalLM``'s): a
+            packaged name, HF folder, GGUF or Hub id; its tokenizer must be the target's (refused at start-up otherwise:
             kvflow/spec_decode/draft_tokenizer.py).
         prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (``ngram``).
         quantization: the draft model's weight quantization: ``int8``, ``int4``, ``none`` (or

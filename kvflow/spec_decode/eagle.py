@@ -3,8 +3,9 @@ fed the target's final hidden states (kvflow/models/eagle.py; Li et al. 2024, ar
 2401.15077; EAGLE-3, ``{"method": "eagle3"}``, the same way with the features ``fc`` of three
 target layers' residual streams instead: kvflow/models/eagle3.py, spec_decode/layer_taps.py;
 and DeepSeek-V3's MTP layer the same way, ``{"method": "deepseek_mtp"}``:
-kvflow/models/deepseek_mtp.py), proposing inside the target's model runner like a draft model (draft_model.py:
-the same lazy "mirror" pass, its own paged K/V in the target's blocks, ``num_draft_computed``).
+kvflow/models/deepseek_mtp.py), proposing inside the target's model runner like a draft model
+(draft_model.py: the same lazy "mirror" pass, its own paged K/V in the target's blocks,
+``num_draft_computed``).
 
 Coordinates: the head's K/V of token index ``j >= 1`` sits at position ``j - 1`` and holds
 ``(x[j], f[j-1])`` (the token and the target's feature that predicted it: EAGLE shifts the
@@ -18,10 +19,10 @@ The target's features: after each target forward the runner hands this module th
 final hidden states (``observe_target``); the head reads a prompt chunk's at once (one head
 pass over the chunk), and the ``FeatureStash`` keeps per request only what the head will
 still read: at most a verification step's k + 1 rows (features of rejected drafts are
-overwritten by the next step's), one row while adaptive lengths leave the request undrafted. Each mirror pass starts at the first
-kept feature, so the head's K/V of accepted drafts (written from its own fed-back outputs) is
-computed again from the target's features, as vLLM's proposer does. Positions the target never computed
-(a prefix-cache hit) have no feature: the head starts after them, and attends there to the
+overwritten by the next step's), one row while adaptive lengths leave the request undrafted.
+Each mirror pass starts at the first kept feature, so the head's K/V of accepted drafts
+(written from its own fed-back outputs) is computed again from the target's features, as
+vLLM's proposer does. Positions the target never computed (a prefix-cache hit) have no feature: the head starts after them, and attends there to the
 K/V the cached blocks hold (the head's, written when a request drafting through them filled
 them, or stale): only the acceptance rate can suffer, never the output, which verification
 keeps exact. Constrained (structured-output) requests are drafted for as by a draft model.

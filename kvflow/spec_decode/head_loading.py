@@ -1,5 +1,7 @@
-"""Loading an EAGLE-1 or EAGLE-3 head checkpoint (safetensors or EAGLE's own ``pytorch_model.bin``) and a
-DeepSeek-V3 checkpoint's MTP layer, as the speculative heads kvflow/spec_decode/eagle.py runs."""
+"""Loading an EAGLE-1 or EAGLE-3 head checkpoint (safetensors or EAGLE's own
+``pytorch_model.bin``; EAGLE-3's with its layer taps on the target and ``d2t`` vocabulary) and
+a DeepSeek-V3 checkpoint's MTP layer, as the speculative heads kvflow/spec_decode/eagle.py
+runs."""
 
 from __future__ import annotations
 
